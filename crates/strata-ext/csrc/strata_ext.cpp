@@ -1,0 +1,417 @@
+// The one C++ file of Strata: the pieces of libtorch that tch does not expose.
+// Every entry point is `extern "C"`, catches every C++ exception and reports it through
+// `strata_last_error`, so no exception ever crosses into Rust. Tensors travel as
+// `at::Tensor*`, the same handle tch's `C_tensor` points to.
+#include <ATen/ATen.h>
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_fused_sgd.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#ifdef STRATA_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+using at::Tensor;
+
+namespace {
+
+thread_local std::string last_error;
+
+template <typename F>
+int guarded(F&& body) {
+  try {
+    body();
+    return 0;
+  } catch (const c10::Error& e) {
+    last_error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    last_error = e.what();
+  } catch (...) {
+    last_error = "unknown C++ exception";
+  }
+  return 1;
+}
+
+std::vector<Tensor> to_vector(Tensor* const* tensors, size_t n) {
+  std::vector<Tensor> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) out.push_back(*tensors[i]);
+  return out;
+}
+
+std::optional<Tensor> optional_tensor(const Tensor* t) {
+  if (t == nullptr) return std::nullopt;
+  return *t;
+}
+
+// A Rust closure owned by C++: `drop` runs when the last reference goes, on whichever
+// thread that happens (the Rust side only hands over `Send` closures).
+struct RustClosure : torch::CustomClassHolder {
+  void* data;
+  void (*drop)(void*);
+  RustClosure(void* d, void (*dr)(void*)) : data(d), drop(dr) {}
+  ~RustClosure() override { drop(data); }
+};
+
+// Callback signature shared by hooks and custom functions: given input tensors, push the
+// results into `out` (through `strata_tensor_list_push`) and return 0, or return non-zero
+// after setting a message with `strata_set_error`.
+using TensorCallback = int (*)(void* data, Tensor* const* inputs, size_t n, void* out);
+
+std::vector<Tensor> call_rust(TensorCallback cb, void* data, const std::vector<Tensor>& inputs) {
+  std::vector<Tensor*> ptrs;
+  ptrs.reserve(inputs.size());
+  for (auto& t : inputs) ptrs.push_back(const_cast<Tensor*>(&t));
+  std::vector<Tensor> out;
+  if (cb(data, ptrs.data(), ptrs.size(), &out) != 0) {
+    throw std::runtime_error(last_error.empty() ? "Rust callback failed" : last_error);
+  }
+  return out;
+}
+
+// An autograd function whose forward and backward are Rust callbacks.
+struct RustFunction : public torch::autograd::Function<RustFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs,
+                                                TensorCallback fwd, TensorCallback bwd,
+                                                c10::intrusive_ptr<RustClosure> closure) {
+    ctx->saved_data["closure"] = at::IValue::make_capsule(closure);
+    ctx->saved_data["backward"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(bwd));
+    return call_rust(fwd, closure->data, inputs.vec());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto capsule = ctx->saved_data["closure"].toCapsule();
+    auto* closure = static_cast<RustClosure*>(capsule.get());
+    auto bwd = reinterpret_cast<TensorCallback>(
+        static_cast<intptr_t>(ctx->saved_data["backward"].toInt()));
+    auto grad_inputs = call_rust(bwd, closure->data, grads);
+    // One slot per forward argument: the tensors, then the three non-tensor arguments.
+    grad_inputs.resize(grad_inputs.size() + 3);
+    return grad_inputs;
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+const char* strata_last_error() { return last_error.c_str(); }
+
+void strata_set_error(const char* message) { last_error = message; }
+
+void strata_tensor_list_push(void* list, const Tensor* t) {
+  static_cast<std::vector<Tensor>*>(list)->push_back(t == nullptr ? Tensor() : *t);
+}
+
+// ---- autograd -------------------------------------------------------------------------
+
+int strata_backward(Tensor* const* outputs, Tensor* const* grads, size_t n, int retain_graph) {
+  return guarded([&] {
+    auto outs = to_vector(outputs, n);
+    std::vector<Tensor> gs;
+    gs.reserve(n);
+    for (size_t i = 0; i < n; ++i) gs.push_back(grads[i] == nullptr ? Tensor() : *grads[i]);
+    torch::autograd::backward(outs, gs, retain_graph != 0, false);
+  });
+}
+
+// Results are written into `results[0..n_inputs]` as new tensors (undefined where an input
+// got no gradient and `allow_unused` is set).
+int strata_grad(Tensor* const* outputs, Tensor* const* grads, size_t n_outputs,
+                Tensor* const* inputs, size_t n_inputs, int retain_graph, int create_graph,
+                int allow_unused, Tensor** results) {
+  return guarded([&] {
+    auto outs = to_vector(outputs, n_outputs);
+    std::vector<Tensor> gs;
+    for (size_t i = 0; i < n_outputs; ++i) gs.push_back(grads[i] == nullptr ? Tensor() : *grads[i]);
+    auto ins = to_vector(inputs, n_inputs);
+    auto res = torch::autograd::grad(outs, ins, gs, retain_graph != 0, create_graph != 0,
+                                     allow_unused != 0);
+    for (size_t i = 0; i < n_inputs; ++i) results[i] = new Tensor(res[i]);
+  });
+}
+
+// Makes `grad` (or no gradient, when null) the `.grad` of `t`; autograd then accumulates
+// into it in place, which is how parameter gradients land in flat buffers.
+int strata_set_grad(Tensor* t, const Tensor* grad) {
+  return guarded([&] { t->mutable_grad() = grad == nullptr ? Tensor() : *grad; });
+}
+
+int strata_register_hook(Tensor* t, TensorCallback cb, void* data, void (*drop)(void*),
+                         uint64_t* handle) {
+  auto closure = std::make_shared<RustClosure>(data, drop);
+  return guarded([&] {
+    *handle = t->register_hook([closure, cb](const Tensor& grad) -> Tensor {
+      auto out = call_rust(cb, closure->data, {grad});
+      return out.empty() ? Tensor() : out[0];
+    });
+  });
+}
+
+int strata_remove_hook(Tensor* t, uint64_t handle) {
+  return guarded([&] { t->remove_hook(handle); });
+}
+
+// Results are handed to `sink` one by one as new tensors owned by the receiver.
+int strata_custom_function(Tensor* const* inputs, size_t n, TensorCallback fwd,
+                           TensorCallback bwd, void* data, void (*drop)(void*),
+                           void (*sink)(void*, Tensor*), void* list) {
+  auto closure = c10::make_intrusive<RustClosure>(data, drop);
+  return guarded([&] {
+    auto args = to_vector(inputs, n);
+    auto results = RustFunction::apply(at::TensorList(args), fwd, bwd, closure);
+    for (auto& r : results) sink(list, new Tensor(r));
+  });
+}
+
+// ---- storage --------------------------------------------------------------------------
+
+// Releases the memory behind `t` (and every view sharing its storage) while keeping the
+// tensor objects alive; `strata_storage_resize` gives it memory again.
+int strata_storage_resize(Tensor* t, size_t nbytes) {
+  return guarded([&] {
+    auto storage = t->storage();
+    auto* impl = storage.unsafeGetStorageImpl();
+    auto* allocator = impl->allocator();
+    TORCH_CHECK(allocator != nullptr, "storage has no allocator to resize with");
+    impl->set_data_ptr_noswap(allocator->allocate(nbytes));
+    impl->set_nbytes(nbytes);
+  });
+}
+
+int strata_storage_nbytes(const Tensor* t, size_t* nbytes) {
+  return guarded([&] { *nbytes = t->storage().nbytes(); });
+}
+
+// ---- fused optimizers -----------------------------------------------------------------
+
+// Adam or AdamW over lists of tensors. `steps` holds one float scalar tensor per parameter;
+// it is incremented here before the update, as torch.optim does.
+int strata_fused_adam(Tensor* const* params, Tensor* const* grads, Tensor* const* exp_avgs,
+                      Tensor* const* exp_avg_sqs, Tensor* const* steps, size_t n, double lr,
+                      double beta1, double beta2, double weight_decay, double eps,
+                      int decoupled, int maximize, const Tensor* grad_scale,
+                      const Tensor* found_inf) {
+  return guarded([&] {
+    auto p = to_vector(params, n), g = to_vector(grads, n), m = to_vector(exp_avgs, n),
+         v = to_vector(exp_avg_sqs, n), s = to_vector(steps, n);
+    at::_foreach_add_(s, 1);
+    if (decoupled) {
+      at::_fused_adamw_(p, g, m, v, {}, s, lr, beta1, beta2, weight_decay, eps, false,
+                        maximize != 0, optional_tensor(grad_scale), optional_tensor(found_inf));
+    } else {
+      at::_fused_adam_(p, g, m, v, {}, s, lr, beta1, beta2, weight_decay, eps, false,
+                       maximize != 0, optional_tensor(grad_scale), optional_tensor(found_inf));
+    }
+  });
+}
+
+// SGD with momentum and Nesterov. `momentum_buffers` may be empty (n_buffers == 0) when
+// momentum is zero.
+int strata_fused_sgd(Tensor* const* params, Tensor* const* grads,
+                     Tensor* const* momentum_buffers, size_t n, size_t n_buffers,
+                     double weight_decay, double momentum, double lr, double dampening,
+                     int nesterov, int maximize, int is_first_step, const Tensor* grad_scale,
+                     const Tensor* found_inf) {
+  return guarded([&] {
+    at::_fused_sgd_(to_vector(params, n), to_vector(grads, n),
+                    to_vector(momentum_buffers, n_buffers), weight_decay, momentum, lr,
+                    dampening, nesterov != 0, maximize != 0, is_first_step != 0,
+                    optional_tensor(grad_scale), optional_tensor(found_inf));
+  });
+}
+
+// ---- CUDA -----------------------------------------------------------------------------
+
+#ifdef STRATA_CUDA
+#define STRATA_REQUIRE_CUDA() \
+  TORCH_CHECK(c10::cuda::device_count() > 0, "no CUDA device is visible")
+#else
+#define STRATA_REQUIRE_CUDA() \
+  TORCH_CHECK(false, "Strata was built without CUDA support (cargo feature `cuda`)")
+#endif
+
+int strata_cuda_is_built() {
+#ifdef STRATA_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// stats: allocated current, allocated peak, reserved current, reserved peak (bytes).
+int strata_cuda_memory_stats(int device, int64_t* stats) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+    constexpr size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    stats[0] = s.allocated_bytes[all].current;
+    stats[1] = s.allocated_bytes[all].peak;
+    stats[2] = s.reserved_bytes[all].current;
+    stats[3] = s.reserved_bytes[all].peak;
+#else
+    (void)device;
+    (void)stats;
+#endif
+  });
+}
+
+int strata_cuda_reset_peak_stats(int device) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device);
+#else
+    (void)device;
+#endif
+  });
+}
+
+// Streams are identified by their packed c10 representation, which is plain data.
+int strata_cuda_stream_from_pool(int device, int high_priority, int64_t* packed) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    auto s = c10::cuda::getStreamFromPool(high_priority != 0, device);
+    auto p = s.pack3();
+    packed[0] = p.stream_id;
+    packed[1] = p.device_index;
+    packed[2] = static_cast<int64_t>(p.device_type);
+#else
+    (void)device;
+    (void)high_priority;
+    (void)packed;
+#endif
+  });
+}
+
+int strata_cuda_current_stream(int device, int64_t* packed) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    auto p = c10::cuda::getCurrentCUDAStream(device).pack3();
+    packed[0] = p.stream_id;
+    packed[1] = p.device_index;
+    packed[2] = static_cast<int64_t>(p.device_type);
+#else
+    (void)device;
+    (void)packed;
+#endif
+  });
+}
+
+#ifdef STRATA_CUDA
+static c10::cuda::CUDAStream unpack_stream(const int64_t* packed) {
+  return c10::cuda::CUDAStream::unpack3(packed[0], static_cast<c10::DeviceIndex>(packed[1]),
+                                        static_cast<c10::DeviceType>(packed[2]));
+}
+#endif
+
+int strata_cuda_set_current_stream(const int64_t* packed) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    c10::cuda::setCurrentCUDAStream(unpack_stream(packed));
+#else
+    (void)packed;
+#endif
+  });
+}
+
+int strata_cuda_stream_synchronize(const int64_t* packed) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    unpack_stream(packed).synchronize();
+#else
+    (void)packed;
+#endif
+  });
+}
+
+int strata_cuda_event_new(int enable_timing, void** event) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    *event = new at::cuda::CUDAEvent(enable_timing ? cudaEventDefault : cudaEventDisableTiming);
+#else
+    (void)enable_timing;
+    (void)event;
+#endif
+  });
+}
+
+void strata_cuda_event_free(void* event) {
+#ifdef STRATA_CUDA
+  delete static_cast<at::cuda::CUDAEvent*>(event);
+#else
+  (void)event;
+#endif
+}
+
+int strata_cuda_event_record(void* event, const int64_t* packed) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    static_cast<at::cuda::CUDAEvent*>(event)->record(unpack_stream(packed));
+#else
+    (void)event;
+    (void)packed;
+#endif
+  });
+}
+
+int strata_cuda_event_wait(void* event, const int64_t* packed) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    static_cast<at::cuda::CUDAEvent*>(event)->block(unpack_stream(packed));
+#else
+    (void)event;
+    (void)packed;
+#endif
+  });
+}
+
+int strata_cuda_event_synchronize(void* event) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    static_cast<at::cuda::CUDAEvent*>(event)->synchronize();
+#else
+    (void)event;
+#endif
+  });
+}
+
+int strata_cuda_event_elapsed_ms(void* start, void* end, float* ms) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    *ms = static_cast<at::cuda::CUDAEvent*>(start)->elapsed_time(
+        *static_cast<at::cuda::CUDAEvent*>(end));
+#else
+    (void)start;
+    (void)end;
+    (void)ms;
+#endif
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,638 @@
+//! Safe Rust over `csrc/strata_ext.cpp`: the libtorch features `tch` does not expose.
+//!
+//! Owns: backward and `grad` with given upstream gradients, setting `.grad`, tensor hooks,
+//! autograd functions whose forward and backward are Rust closures, resizing (freeing and
+//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, and CUDA streams,
+//! events and allocator statistics. Must not hold policy: callers decide what to free,
+//! when to hook and how to update; this crate only makes those calls possible and safe.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+/// A failure reported by libtorch (or by a Rust callback run from inside it).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ExtError(pub String);
+
+pub type Result<T> = std::result::Result<T, ExtError>;
+
+type TensorPtr = *mut C_tensor;
+type TensorCallback = extern "C" fn(*mut c_void, *const TensorPtr, usize, *mut c_void) -> c_int;
+
+extern "C" {
+    fn strata_last_error() -> *const c_char;
+    fn strata_set_error(message: *const c_char);
+    fn strata_tensor_list_push(list: *mut c_void, t: *const C_tensor);
+    fn strata_backward(
+        outputs: *const TensorPtr,
+        grads: *const TensorPtr,
+        n: usize,
+        retain: c_int,
+    ) -> c_int;
+    fn strata_grad(
+        outputs: *const TensorPtr,
+        grads: *const TensorPtr,
+        n_outputs: usize,
+        inputs: *const TensorPtr,
+        n_inputs: usize,
+        retain: c_int,
+        create: c_int,
+        allow_unused: c_int,
+        results: *mut TensorPtr,
+    ) -> c_int;
+    fn strata_set_grad(t: TensorPtr, grad: *const C_tensor) -> c_int;
+    fn strata_register_hook(
+        t: TensorPtr,
+        cb: TensorCallback,
+        data: *mut c_void,
+        drop: extern "C" fn(*mut c_void),
+        handle: *mut u64,
+    ) -> c_int;
+    fn strata_remove_hook(t: TensorPtr, handle: u64) -> c_int;
+    fn strata_custom_function(
+        inputs: *const TensorPtr,
+        n: usize,
+        fwd: TensorCallback,
+        bwd: TensorCallback,
+        data: *mut c_void,
+        drop: extern "C" fn(*mut c_void),
+        sink: extern "C" fn(*mut c_void, TensorPtr),
+        list: *mut c_void,
+    ) -> c_int;
+    fn strata_storage_resize(t: TensorPtr, nbytes: usize) -> c_int;
+    fn strata_storage_nbytes(t: *const C_tensor, nbytes: *mut usize) -> c_int;
+    fn strata_fused_adam(
+        params: *const TensorPtr,
+        grads: *const TensorPtr,
+        exp_avgs: *const TensorPtr,
+        exp_avg_sqs: *const TensorPtr,
+        steps: *const TensorPtr,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        decoupled: c_int,
+        maximize: c_int,
+        grad_scale: *const C_tensor,
+        found_inf: *const C_tensor,
+    ) -> c_int;
+    fn strata_fused_sgd(
+        params: *const TensorPtr,
+        grads: *const TensorPtr,
+        momentum_buffers: *const TensorPtr,
+        n: usize,
+        n_buffers: usize,
+        weight_decay: f64,
+        momentum: f64,
+        lr: f64,
+        dampening: f64,
+        nesterov: c_int,
+        maximize: c_int,
+        is_first_step: c_int,
+        grad_scale: *const C_tensor,
+        found_inf: *const C_tensor,
+    ) -> c_int;
+    fn strata_cuda_is_built() -> c_int;
+    fn strata_cuda_memory_stats(device: c_int, stats: *mut i64) -> c_int;
+    fn strata_cuda_reset_peak_stats(device: c_int) -> c_int;
+    fn strata_cuda_stream_from_pool(device: c_int, high_priority: c_int, packed: *mut i64)
+        -> c_int;
+    fn strata_cuda_current_stream(device: c_int, packed: *mut i64) -> c_int;
+    fn strata_cuda_set_current_stream(packed: *const i64) -> c_int;
+    fn strata_cuda_stream_synchronize(packed: *const i64) -> c_int;
+    fn strata_cuda_event_new(enable_timing: c_int, event: *mut *mut c_void) -> c_int;
+    fn strata_cuda_event_free(event: *mut c_void);
+    fn strata_cuda_event_record(event: *mut c_void, packed: *const i64) -> c_int;
+    fn strata_cuda_event_wait(event: *mut c_void, packed: *const i64) -> c_int;
+    fn strata_cuda_event_synchronize(event: *mut c_void) -> c_int;
+    fn strata_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f32) -> c_int;
+}
+
+fn check(code: c_int) -> Result<()> {
+    if code == 0 {
+        return Ok(());
+    }
+    // SAFETY: the C++ side always returns a valid NUL-terminated thread-local string.
+    let message = unsafe { CStr::from_ptr(strata_last_error()) };
+    Err(ExtError(message.to_string_lossy().into_owned()))
+}
+
+fn ptrs<T: std::borrow::Borrow<Tensor>>(tensors: &[T]) -> Vec<TensorPtr> {
+    tensors
+        .iter()
+        .map(|t| t.borrow().as_ptr() as TensorPtr)
+        .collect()
+}
+
+fn optional_ptr(t: Option<&Tensor>) -> *const C_tensor {
+    t.map_or(std::ptr::null(), |t| t.as_ptr())
+}
+
+/// Runs backward from `outputs`, seeding each with the matching upstream gradient, and
+/// accumulates into the `.grad` of every leaf reached (`torch.autograd.backward`).
+pub fn backward(outputs: &[&Tensor], grads: &[&Tensor], retain_graph: bool) -> Result<()> {
+    if outputs.len() != grads.len() {
+        return Err(ExtError(format!(
+            "backward: {} outputs but {} gradients",
+            outputs.len(),
+            grads.len()
+        )));
+    }
+    let (o, g) = (ptrs(outputs), ptrs(grads));
+    // SAFETY: the pointers come from live tensors borrowed for the duration of the call.
+    check(unsafe { strata_backward(o.as_ptr(), g.as_ptr(), o.len(), retain_graph as c_int) })
+}
+
+/// Options of [`grad`], as in `torch.autograd.grad`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GradOptions {
+    pub retain_graph: bool,
+    pub create_graph: bool,
+    pub allow_unused: bool,
+}
+
+/// Gradients of `outputs` (seeded with `grads`) with respect to `inputs`, returned rather
+/// than accumulated. `None` for an input that got no gradient when `allow_unused` is set.
+pub fn grad(
+    outputs: &[&Tensor],
+    grads: &[&Tensor],
+    inputs: &[&Tensor],
+    options: GradOptions,
+) -> Result<Vec<Option<Tensor>>> {
+    if outputs.len() != grads.len() {
+        return Err(ExtError(format!(
+            "grad: {} outputs but {} gradients",
+            outputs.len(),
+            grads.len()
+        )));
+    }
+    let (o, g, i) = (ptrs(outputs), ptrs(grads), ptrs(inputs));
+    let mut results: Vec<TensorPtr> = vec![std::ptr::null_mut(); i.len()];
+    // SAFETY: live borrowed tensors; `results` has one slot per input, filled with owned
+    // heap tensors that we take over below.
+    check(unsafe {
+        strata_grad(
+            o.as_ptr(),
+            g.as_ptr(),
+            o.len(),
+            i.as_ptr(),
+            i.len(),
+            options.retain_graph as c_int,
+            options.create_graph as c_int,
+            options.allow_unused as c_int,
+            results.as_mut_ptr(),
+        )
+    })?;
+    Ok(results
+        .into_iter()
+        .map(|p| {
+            // SAFETY: each pointer is a fresh `new at::Tensor` owned by nobody else.
+            let t = unsafe { Tensor::from_ptr(p) };
+            t.defined().then_some(t)
+        })
+        .collect())
+}
+
+/// Makes `grad` the `.grad` of `tensor` (or clears it). Autograd accumulates into an
+/// existing `.grad` in place, so a view into a flat buffer keeps receiving gradients.
+pub fn set_grad(tensor: &Tensor, grad: Option<&Tensor>) -> Result<()> {
+    // SAFETY: both tensors are live for the call; the C++ side copies the handle.
+    check(unsafe { strata_set_grad(tensor.as_ptr() as TensorPtr, optional_ptr(grad)) })
+}
+
+/// Resizes the storage behind `tensor` to `nbytes`. With 0 the memory is released while
+/// the tensor (and all views of the same storage) stay valid objects; a later resize to the
+/// full size gives fresh, uninitialised memory that the caller must fill before use.
+pub fn resize_storage(tensor: &Tensor, nbytes: usize) -> Result<()> {
+    // SAFETY: the tensor is live; the C++ side swaps the storage's data pointer.
+    check(unsafe { strata_storage_resize(tensor.as_ptr() as TensorPtr, nbytes) })
+}
+
+/// Bytes currently allocated to the storage behind `tensor`.
+pub fn storage_nbytes(tensor: &Tensor) -> Result<usize> {
+    let mut n = 0usize;
+    // SAFETY: the tensor is live for the call.
+    check(unsafe { strata_storage_nbytes(tensor.as_ptr(), &mut n) })?;
+    Ok(n)
+}
+
+// ---- Rust closures called from libtorch ------------------------------------------------
+
+type Callback<'a> = dyn FnMut(&[Tensor]) -> std::result::Result<Vec<Tensor>, String> + Send + 'a;
+type BoxedFn = Box<Callback<'static>>;
+
+extern "C" fn drop_boxed<T>(data: *mut c_void) {
+    // SAFETY: `data` was produced by `Box::into_raw(Box<T>)` and is dropped exactly once,
+    // by the C++ holder's destructor.
+    drop(unsafe { Box::from_raw(data as *mut T) });
+}
+
+/// Runs `f` on the tensors libtorch hands over and pushes its results back. Panics and
+/// errors become a C++ exception on the other side, never an unwind across the boundary.
+fn run_callback(
+    f: &mut Callback<'_>,
+    inputs: *const TensorPtr,
+    n: usize,
+    out: *mut c_void,
+) -> c_int {
+    // SAFETY: libtorch passes `n` live tensor pointers that stay valid during the call;
+    // shallow clones take their own reference.
+    let tensors: Vec<Tensor> = (0..n)
+        .map(|i| unsafe { Tensor::clone_from_ptr(*inputs.add(i)) })
+        .collect();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&tensors)));
+    let message = match result {
+        Ok(Ok(outputs)) => {
+            for t in &outputs {
+                // SAFETY: `out` is the C++ vector the caller passed; the push copies the handle.
+                unsafe { strata_tensor_list_push(out, t.as_ptr()) };
+            }
+            return 0;
+        }
+        Ok(Err(message)) => message,
+        Err(_) => "Rust callback panicked".to_string(),
+    };
+    let c = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    // SAFETY: a valid C string, copied by the callee.
+    unsafe { strata_set_error(c.as_ptr()) };
+    1
+}
+
+extern "C" fn call_boxed(
+    data: *mut c_void,
+    inputs: *const TensorPtr,
+    n: usize,
+    out: *mut c_void,
+) -> c_int {
+    // SAFETY: `data` points at a live `BoxedFn` owned by the C++ holder.
+    let f = unsafe { &mut *(data as *mut BoxedFn) };
+    run_callback(f.as_mut(), inputs, n, out)
+}
+
+/// A hook registered on a tensor; remove it with [`Hook::remove`].
+#[derive(Debug)]
+pub struct Hook {
+    handle: u64,
+}
+
+impl Hook {
+    pub fn remove(self, tensor: &Tensor) -> Result<()> {
+        // SAFETY: the tensor is live for the call.
+        check(unsafe { strata_remove_hook(tensor.as_ptr() as TensorPtr, self.handle) })
+    }
+}
+
+/// Registers `f` to run on the gradient of `tensor` when backward reaches it
+/// (`Tensor.register_hook`). Returning `Some(g)` replaces the gradient with `g`.
+pub fn register_hook<F>(tensor: &Tensor, mut f: F) -> Result<Hook>
+where
+    F: FnMut(&Tensor) -> Option<Tensor> + Send + 'static,
+{
+    let boxed: BoxedFn = Box::new(move |grads: &[Tensor]| Ok(f(&grads[0]).into_iter().collect()));
+    let data = Box::into_raw(Box::new(boxed)) as *mut c_void;
+    let mut handle = 0u64;
+    // SAFETY: ownership of `data` passes to the C++ holder, which calls `drop_boxed` once.
+    check(unsafe {
+        strata_register_hook(
+            tensor.as_ptr() as TensorPtr,
+            call_boxed,
+            data,
+            drop_boxed::<BoxedFn>,
+            &mut handle,
+        )
+    })?;
+    Ok(Hook { handle })
+}
+
+/// Forward and backward of an autograd function written in Rust (`torch.autograd.Function`).
+/// Forward runs without recording a graph; backward receives one gradient per output and
+/// returns one per input (an undefined tensor, `Tensor::new()`, where there is none).
+pub trait Function: Send + 'static {
+    fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String>;
+    fn backward(&mut self, grad_outputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String>;
+}
+
+struct FunctionState<F: Function> {
+    function: F,
+}
+
+extern "C" fn call_forward<F: Function>(
+    data: *mut c_void,
+    inputs: *const TensorPtr,
+    n: usize,
+    out: *mut c_void,
+) -> c_int {
+    // SAFETY: `data` points at a live `FunctionState<F>` owned by the C++ holder.
+    let state = unsafe { &mut *(data as *mut FunctionState<F>) };
+    run_callback(
+        &mut |t: &[Tensor]| state.function.forward(t),
+        inputs,
+        n,
+        out,
+    )
+}
+
+extern "C" fn call_backward<F: Function>(
+    data: *mut c_void,
+    inputs: *const TensorPtr,
+    n: usize,
+    out: *mut c_void,
+) -> c_int {
+    // SAFETY: as in `call_forward`; libtorch runs forward and backward of one node in turn.
+    let state = unsafe { &mut *(data as *mut FunctionState<F>) };
+    run_callback(
+        &mut |t: &[Tensor]| state.function.backward(t),
+        inputs,
+        n,
+        out,
+    )
+}
+
+/// Applies `function` to `inputs`, recording one autograd node whose backward calls
+/// `function.backward`.
+pub fn apply_function<F: Function>(function: F, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let data = Box::into_raw(Box::new(FunctionState { function })) as *mut c_void;
+    let p = ptrs(inputs);
+    let mut out: Vec<Tensor> = Vec::new();
+    // SAFETY: ownership of `data` passes to the C++ holder; `sink_into_vec` receives owned
+    // tensors and `out` outlives the call.
+    check(unsafe {
+        strata_custom_function(
+            p.as_ptr(),
+            p.len(),
+            call_forward::<F>,
+            call_backward::<F>,
+            data,
+            drop_boxed::<FunctionState<F>>,
+            sink_into_vec,
+            &mut out as *mut Vec<Tensor> as *mut c_void,
+        )
+    })?;
+    Ok(out)
+}
+
+extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
+    // SAFETY: `list` is the `Vec<Tensor>` of `apply_function`; `owned` is a fresh heap tensor.
+    let list = unsafe { &mut *(list as *mut Vec<Tensor>) };
+    list.push(unsafe { Tensor::from_ptr(owned) });
+}
+
+// ---- fused optimizer kernels -----------------------------------------------------------
+
+/// Hyper-parameters of one fused Adam/AdamW call.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// AdamW (decoupled weight decay) when true, Adam (L2 added to the gradient) when false.
+    pub decoupled: bool,
+    pub maximize: bool,
+}
+
+/// Tensors of one fused optimizer call; every list is as long as `params`.
+pub struct AdamTensors<'a> {
+    pub params: &'a [Tensor],
+    pub grads: &'a [Tensor],
+    pub exp_avgs: &'a [Tensor],
+    pub exp_avg_sqs: &'a [Tensor],
+    /// One float scalar per parameter, incremented by the call before the update.
+    pub steps: &'a [Tensor],
+}
+
+/// Optional loss-scaling inputs of the fused kernels: gradients are divided by
+/// `grad_scale`, and the whole update is skipped where `found_inf` is non-zero.
+#[derive(Clone, Copy, Default)]
+pub struct Scaling<'a> {
+    pub grad_scale: Option<&'a Tensor>,
+    pub found_inf: Option<&'a Tensor>,
+}
+
+fn same_lengths(what: &str, lengths: &[usize]) -> Result<()> {
+    if lengths.windows(2).all(|w| w[0] == w[1]) {
+        Ok(())
+    } else {
+        Err(ExtError(format!(
+            "{what}: tensor lists of different lengths {lengths:?}"
+        )))
+    }
+}
+
+/// One Adam/AdamW update through `at::_fused_adam_` / `at::_fused_adamw_`.
+pub fn fused_adam(t: &AdamTensors<'_>, h: AdamStep, scaling: Scaling<'_>) -> Result<()> {
+    same_lengths(
+        "fused_adam",
+        &[
+            t.params.len(),
+            t.grads.len(),
+            t.exp_avgs.len(),
+            t.exp_avg_sqs.len(),
+            t.steps.len(),
+        ],
+    )?;
+    let (p, g, m, v, s) = (
+        ptrs(t.params),
+        ptrs(t.grads),
+        ptrs(t.exp_avgs),
+        ptrs(t.exp_avg_sqs),
+        ptrs(t.steps),
+    );
+    // SAFETY: all lists hold live tensors of equal length, borrowed for the call.
+    check(unsafe {
+        strata_fused_adam(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            s.as_ptr(),
+            p.len(),
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.weight_decay,
+            h.eps,
+            h.decoupled as c_int,
+            h.maximize as c_int,
+            optional_ptr(scaling.grad_scale),
+            optional_ptr(scaling.found_inf),
+        )
+    })
+}
+
+/// Hyper-parameters of one fused SGD call.
+#[derive(Clone, Copy, Debug)]
+pub struct SgdStep {
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+    pub maximize: bool,
+    /// On the first step the momentum buffer is set to the gradient instead of blended.
+    pub is_first_step: bool,
+}
+
+/// One SGD update through `at::_fused_sgd_`. `momentum_buffers` is empty when
+/// `momentum == 0`, otherwise as long as `params`.
+pub fn fused_sgd(
+    params: &[Tensor],
+    grads: &[Tensor],
+    momentum_buffers: &[Tensor],
+    h: SgdStep,
+    scaling: Scaling<'_>,
+) -> Result<()> {
+    same_lengths("fused_sgd", &[params.len(), grads.len()])?;
+    if !momentum_buffers.is_empty() {
+        same_lengths("fused_sgd", &[params.len(), momentum_buffers.len()])?;
+    }
+    let (p, g, b) = (ptrs(params), ptrs(grads), ptrs(momentum_buffers));
+    // SAFETY: live tensors borrowed for the call, lengths checked above.
+    check(unsafe {
+        strata_fused_sgd(
+            p.as_ptr(),
+            g.as_ptr(),
+            b.as_ptr(),
+            p.len(),
+            b.len(),
+            h.weight_decay,
+            h.momentum,
+            h.lr,
+            h.dampening,
+            h.nesterov as c_int,
+            h.maximize as c_int,
+            h.is_first_step as c_int,
+            optional_ptr(scaling.grad_scale),
+            optional_ptr(scaling.found_inf),
+        )
+    })
+}
+
+// ---- CUDA -----------------------------------------------------------------------------
+
+/// CUDA streams, events and caching-allocator statistics. Every call returns an error
+/// (never panics) when the crate was built without the `cuda` feature or no GPU is visible.
+pub mod cuda {
+    use super::*;
+
+    /// Whether this build carries the CUDA code paths (the `cuda` cargo feature).
+    pub fn is_built() -> bool {
+        // SAFETY: a pure query.
+        unsafe { strata_cuda_is_built() != 0 }
+    }
+
+    /// Bytes held by libtorch's caching allocator on one device.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct MemoryStats {
+        pub allocated: i64,
+        pub allocated_peak: i64,
+        pub reserved: i64,
+        pub reserved_peak: i64,
+    }
+
+    pub fn memory_stats(device: usize) -> Result<MemoryStats> {
+        let mut s = [0i64; 4];
+        // SAFETY: `s` has the four slots the C++ side writes.
+        check(unsafe { strata_cuda_memory_stats(device as c_int, s.as_mut_ptr()) })?;
+        Ok(MemoryStats {
+            allocated: s[0],
+            allocated_peak: s[1],
+            reserved: s[2],
+            reserved_peak: s[3],
+        })
+    }
+
+    pub fn reset_peak_stats(device: usize) -> Result<()> {
+        // SAFETY: a plain call with a device index.
+        check(unsafe { strata_cuda_reset_peak_stats(device as c_int) })
+    }
+
+    /// A CUDA stream of libtorch's pool (plain data: libtorch owns the stream itself).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Stream([i64; 3]);
+
+    impl Stream {
+        /// A stream from libtorch's pool on `device`.
+        pub fn from_pool(device: usize, high_priority: bool) -> Result<Stream> {
+            let mut p = [0i64; 3];
+            // SAFETY: `p` has the three slots the C++ side writes.
+            check(unsafe {
+                strata_cuda_stream_from_pool(
+                    device as c_int,
+                    high_priority as c_int,
+                    p.as_mut_ptr(),
+                )
+            })?;
+            Ok(Stream(p))
+        }
+
+        /// The stream libtorch currently enqueues kernels on for `device`.
+        pub fn current(device: usize) -> Result<Stream> {
+            let mut p = [0i64; 3];
+            // SAFETY: as above.
+            check(unsafe { strata_cuda_current_stream(device as c_int, p.as_mut_ptr()) })?;
+            Ok(Stream(p))
+        }
+
+        /// Makes this the current stream of its device for the calling thread.
+        pub fn make_current(&self) -> Result<()> {
+            // SAFETY: reads three plain integers.
+            check(unsafe { strata_cuda_set_current_stream(self.0.as_ptr()) })
+        }
+
+        pub fn synchronize(&self) -> Result<()> {
+            // SAFETY: reads three plain integers.
+            check(unsafe { strata_cuda_stream_synchronize(self.0.as_ptr()) })
+        }
+    }
+
+    /// A CUDA event, for ordering streams and timing.
+    pub struct Event(*mut c_void);
+
+    // SAFETY: CUDA events may be recorded and waited on from any host thread.
+    unsafe impl Send for Event {}
+
+    impl Event {
+        pub fn new(enable_timing: bool) -> Result<Event> {
+            let mut e = std::ptr::null_mut();
+            // SAFETY: the C++ side writes a fresh heap event into `e`.
+            check(unsafe { strata_cuda_event_new(enable_timing as c_int, &mut e) })?;
+            Ok(Event(e))
+        }
+
+        pub fn record(&self, stream: &Stream) -> Result<()> {
+            // SAFETY: a live event and plain stream data.
+            check(unsafe { strata_cuda_event_record(self.0, stream.0.as_ptr()) })
+        }
+
+        /// Makes `stream` wait (on the device) until this event has completed.
+        pub fn wait(&self, stream: &Stream) -> Result<()> {
+            // SAFETY: as above.
+            check(unsafe { strata_cuda_event_wait(self.0, stream.0.as_ptr()) })
+        }
+
+        pub fn synchronize(&self) -> Result<()> {
+            // SAFETY: a live event.
+            check(unsafe { strata_cuda_event_synchronize(self.0) })
+        }
+
+        /// Milliseconds from `self` to `end`; both must have been created with timing.
+        pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+            let mut ms = 0f32;
+            // SAFETY: two live events.
+            check(unsafe { strata_cuda_event_elapsed_ms(self.0, end.0, &mut ms) })?;
+            Ok(ms)
+        }
+    }
+
+    impl Drop for Event {
+        fn drop(&mut self) {
+            // SAFETY: the event was created by `strata_cuda_event_new` and is freed once.
+            unsafe { strata_cuda_event_free(self.0) }
+        }
+    }
+}

@@ -1,0 +1,282 @@
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use strata_ext::*;
+use tch::{Kind, Tensor};
+
+fn close(a: &Tensor, b: &Tensor, tol: f64) -> bool {
+    (a - b).abs().max().double_value(&[]) <= tol
+}
+
+#[test]
+fn backward_seeds_outputs_with_given_gradients() {
+    let x = Tensor::from_slice(&[1.0f64, 2.0, 3.0]).set_requires_grad(true);
+    let y = &x * &x;
+    let upstream = Tensor::from_slice(&[1.0f64, 10.0, 100.0]);
+    backward(&[&y], &[&upstream], false).unwrap();
+    // d(x^2)/dx * upstream = 2x * upstream
+    assert!(close(
+        &x.grad(),
+        &Tensor::from_slice(&[2.0f64, 40.0, 600.0]),
+        0.0
+    ));
+}
+
+#[test]
+fn grad_returns_without_accumulating_and_reports_unused() {
+    let x = Tensor::from_slice(&[2.0f64]).set_requires_grad(true);
+    let unused = Tensor::from_slice(&[5.0f64]).set_requires_grad(true);
+    let y = x.pow_tensor_scalar(3);
+    let ones = Tensor::ones_like(&y);
+    let options = GradOptions {
+        allow_unused: true,
+        ..Default::default()
+    };
+    let g = grad(&[&y], &[&ones], &[&x, &unused], options).unwrap();
+    assert!(close(
+        g[0].as_ref().unwrap(),
+        &Tensor::from_slice(&[12.0f64]),
+        1e-12
+    ));
+    assert!(g[1].is_none());
+    assert!(!x.grad().defined(), "grad must not accumulate into .grad");
+}
+
+#[test]
+fn set_grad_makes_autograd_accumulate_into_a_flat_buffer_view() {
+    let flat_grad = Tensor::zeros([4], (Kind::Float, tch::Device::Cpu));
+    let w = Tensor::ones([2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+    set_grad(&w, Some(&flat_grad.narrow(0, 2, 2))).unwrap();
+    (&w * 3.0).sum(Kind::Float).backward();
+    (&w * 4.0).sum(Kind::Float).backward();
+    assert_eq!(
+        Vec::<f32>::try_from(&flat_grad).unwrap(),
+        vec![0.0, 0.0, 7.0, 7.0]
+    );
+}
+
+#[test]
+fn hooks_see_and_replace_gradients_and_can_be_removed() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let x = Tensor::from_slice(&[1.0f32, 1.0]).set_requires_grad(true);
+    let seen = calls.clone();
+    let hook = register_hook(&x, move |g| {
+        seen.fetch_add(1, Ordering::SeqCst);
+        Some(g * 2.0)
+    })
+    .unwrap();
+    (&x * 5.0).sum(Kind::Float).backward();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(Vec::<f32>::try_from(&x.grad()).unwrap(), vec![10.0, 10.0]);
+    hook.remove(&x).unwrap();
+    (&x * 5.0).sum(Kind::Float).backward();
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "removed hook must not run");
+    assert_eq!(Vec::<f32>::try_from(&x.grad()).unwrap(), vec![15.0, 15.0]);
+}
+
+/// y = a * x with a Rust backward; also counts drops to prove the closure is freed.
+struct Scale {
+    factor: f64,
+    dropped: Arc<AtomicUsize>,
+}
+impl Drop for Scale {
+    fn drop(&mut self) {
+        self.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+impl Function for Scale {
+    fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        Ok(vec![&inputs[0] * self.factor])
+    }
+    fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        Ok(vec![&grads[0] * self.factor])
+    }
+}
+
+#[test]
+fn custom_function_runs_rust_forward_and_backward() {
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let x = Tensor::from_slice(&[1.0f64, -2.0]).set_requires_grad(true);
+    {
+        let y = apply_function(
+            Scale {
+                factor: 3.0,
+                dropped: dropped.clone(),
+            },
+            &[&x],
+        )
+        .unwrap();
+        assert!(close(&y[0], &Tensor::from_slice(&[3.0f64, -6.0]), 0.0));
+        (&y[0] * &y[0]).sum(Kind::Double).backward();
+        // d/dx (3x)^2 = 18 x
+        assert!(close(
+            &x.grad(),
+            &Tensor::from_slice(&[18.0f64, -36.0]),
+            1e-12
+        ));
+    }
+    assert_eq!(
+        dropped.load(Ordering::SeqCst),
+        1,
+        "the closure is freed with its graph"
+    );
+}
+
+struct Failing;
+impl Function for Failing {
+    fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        Ok(vec![inputs[0].shallow_clone() * 1.0])
+    }
+    fn backward(&mut self, _: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        Err("backward refused on purpose".into())
+    }
+}
+
+#[test]
+fn a_failing_rust_backward_is_an_error_not_a_crash() {
+    let x = Tensor::from_slice(&[1.0f32]).set_requires_grad(true);
+    let y = apply_function(Failing, &[&x]).unwrap();
+    let seed = Tensor::ones_like(&y[0]);
+    let err = backward(&[&y[0]], &[&seed], false).unwrap_err();
+    assert!(err.0.contains("backward refused on purpose"), "{err}");
+}
+
+#[test]
+fn storage_can_be_freed_and_refilled_under_live_views() {
+    let mut flat = Tensor::arange(8, (Kind::Float, tch::Device::Cpu));
+    let view = flat.narrow(0, 4, 4);
+    assert_eq!(storage_nbytes(&flat).unwrap(), 32);
+    resize_storage(&flat, 0).unwrap();
+    assert_eq!(
+        storage_nbytes(&view).unwrap(),
+        0,
+        "views share the freed storage"
+    );
+    resize_storage(&flat, 32).unwrap();
+    let _ = flat.copy_(&Tensor::full([8], 7.0, (Kind::Float, tch::Device::Cpu)));
+    assert_eq!(Vec::<f32>::try_from(&view).unwrap(), vec![7.0; 4]);
+}
+
+#[test]
+fn fused_adamw_matches_the_textbook_update() {
+    let p0 = Tensor::from_slice(&[0.5f32, -1.0, 2.0]);
+    let g = Tensor::from_slice(&[0.1f32, -0.2, 0.3]);
+    let params = vec![p0.copy()];
+    let (m, v, s) = (
+        vec![p0.zeros_like()],
+        vec![p0.zeros_like()],
+        vec![Tensor::from(0.0f32)],
+    );
+    let h = AdamStep {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        decoupled: true,
+        maximize: false,
+    };
+    let t = AdamTensors {
+        params: &params,
+        grads: &[g.shallow_clone()],
+        exp_avgs: &m,
+        exp_avg_sqs: &v,
+        steps: &s,
+    };
+    for step in 1..=2 {
+        fused_adam(&t, h, Scaling::default()).unwrap();
+        assert_eq!(s[0].double_value(&[]), step as f64);
+    }
+    // Reference: two AdamW steps with a constant gradient.
+    let mut p = p0.copy();
+    let (mut mm, mut vv) = (p0.zeros_like(), p0.zeros_like());
+    for step in 1..=2 {
+        p = &p * (1.0 - h.lr * h.weight_decay);
+        mm = &mm * h.beta1 + &g * (1.0 - h.beta1);
+        vv = &vv * h.beta2 + (&g * &g) * (1.0 - h.beta2);
+        let mhat = &mm / (1.0 - h.beta1.powi(step));
+        let vhat = &vv / (1.0 - h.beta2.powi(step));
+        p = &p - mhat / (vhat.sqrt() + h.eps) * h.lr;
+    }
+    assert!(close(&params[0], &p, 1e-6));
+}
+
+#[test]
+fn fused_sgd_applies_nesterov_momentum() {
+    let p = vec![Tensor::from_slice(&[1.0f32])];
+    let g = vec![Tensor::from_slice(&[0.5f32])];
+    let buf = vec![Tensor::zeros([1], (Kind::Float, tch::Device::Cpu))];
+    let mut h = SgdStep {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.0,
+        weight_decay: 0.0,
+        nesterov: true,
+        maximize: false,
+        is_first_step: true,
+    };
+    fused_sgd(&p, &g, &buf, h, Scaling::default()).unwrap();
+    // buf = g = 0.5; step = g + 0.9 * buf = 0.95
+    assert!((p[0].double_value(&[0]) - (1.0 - 0.095)).abs() < 1e-6);
+    h.is_first_step = false;
+    fused_sgd(&p, &g, &buf, h, Scaling::default()).unwrap();
+    // buf = 0.9 * 0.5 + 0.5 = 0.95; step = 0.5 + 0.9 * 0.95 = 1.355
+    assert!((p[0].double_value(&[0]) - (0.905 - 0.1355)).abs() < 1e-6);
+}
+
+#[test]
+fn fused_adam_skips_the_step_when_found_inf_is_set() {
+    let params = vec![Tensor::from_slice(&[1.0f32])];
+    let zeros = || vec![Tensor::zeros([1], (Kind::Float, tch::Device::Cpu))];
+    let (m, v) = (zeros(), zeros());
+    let s = vec![Tensor::from(0.0f32)];
+    let found_inf = Tensor::from(1.0f32);
+    let scale = Tensor::from(1.0f32);
+    let t = AdamTensors {
+        params: &params,
+        grads: &[Tensor::from_slice(&[1.0f32])],
+        exp_avgs: &m,
+        exp_avg_sqs: &v,
+        steps: &s,
+    };
+    let h = AdamStep {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        decoupled: false,
+        maximize: false,
+    };
+    fused_adam(
+        &t,
+        h,
+        Scaling {
+            grad_scale: Some(&scale),
+            found_inf: Some(&found_inf),
+        },
+    )
+    .unwrap();
+    assert_eq!(params[0].double_value(&[0]), 1.0);
+}
+
+#[test]
+fn cuda_calls_fail_cleanly_without_a_gpu() {
+    if tch::Cuda::is_available() && cuda::is_built() {
+        let stats = cuda::memory_stats(0).unwrap();
+        assert!(stats.reserved >= stats.allocated);
+        let stream = cuda::Stream::from_pool(0, false).unwrap();
+        let (a, b) = (
+            cuda::Event::new(true).unwrap(),
+            cuda::Event::new(true).unwrap(),
+        );
+        a.record(&stream).unwrap();
+        b.record(&stream).unwrap();
+        b.synchronize().unwrap();
+        assert!(a.elapsed_ms(&b).unwrap() >= 0.0);
+        return;
+    }
+    let err = cuda::memory_stats(0).unwrap_err();
+    assert!(err.0.contains("CUDA"), "{err}");
+    assert!(cuda::Event::new(false).is_err());
+    assert!(cuda::Stream::from_pool(0, false).is_err());
+}
