@@ -1,0 +1,296 @@
+//! The data loader: windows of `ctx + 1` tokens cut from a [`TokenData`], grouped into
+//! global batches, split across ranks and into micro-batches, built on a background thread.
+use super::synthetic::SplitMix64;
+use super::TokenData;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use tch::{Device, Kind, Tensor};
+
+/// An exact replay of another run's batches: row `b` of step `s` is
+/// `tokens[offsets[s][b] .. offsets[s][b] + ctx]`, its targets shifted by one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BatchOffsets {
+    pub ctx: usize,
+    pub batch: usize,
+    pub offsets: Vec<Vec<usize>>,
+}
+
+impl BatchOffsets {
+    pub fn from_file(path: &Path) -> Result<BatchOffsets> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let parsed: BatchOffsets = serde_json::from_str(&text)
+            .map_err(|e| Error::Data(format!("{}: not a batch-offsets file ({e})", path.display())))?;
+        if let Some((s, row)) = parsed.offsets.iter().enumerate().find(|(_, r)| r.len() != parsed.batch) {
+            return Err(Error::Data(format!(
+                "{}: step {s} has {} offsets but batch is {}",
+                path.display(),
+                row.len(),
+                parsed.batch
+            )));
+        }
+        Ok(parsed)
+    }
+}
+
+/// Which windows each step takes.
+#[derive(Clone, Debug)]
+pub enum Order {
+    /// Non-overlapping windows, reshuffled every epoch with the loader's seed (each epoch
+    /// also shifts where windows start, so every alignment is eventually seen).
+    Shuffled,
+    /// Exactly the given offsets; the loader ends when they run out.
+    Offsets(BatchOffsets),
+}
+
+#[derive(Clone, Debug)]
+pub struct LoaderConfig {
+    pub ctx: usize,
+    /// Rows per optimizer step over all ranks.
+    pub batch_size: usize,
+    /// Micro-batches per step on each rank (gradient accumulation).
+    pub accumulation: usize,
+    pub rank: usize,
+    pub world: usize,
+    pub seed: u64,
+    /// Steps built ahead on the background thread.
+    pub prefetch: usize,
+    pub device: Device,
+}
+
+impl LoaderConfig {
+    pub fn new(ctx: usize, batch_size: usize) -> Self {
+        LoaderConfig { ctx, batch_size, accumulation: 1, rank: 0, world: 1, seed: 0, prefetch: 2, device: Device::Cpu }
+    }
+
+    /// Rows of one micro-batch on this rank.
+    pub fn micro_batch_rows(&self) -> Result<usize> {
+        if self.ctx == 0 || self.batch_size == 0 || self.accumulation == 0 || self.world == 0 {
+            return Err(Error::Config("ctx, batch size, accumulation and world size must be positive".into()));
+        }
+        if self.rank >= self.world {
+            return Err(Error::Config(format!("rank {} is outside a world of {}", self.rank, self.world)));
+        }
+        let per_rank = self.batch_size / self.world;
+        if self.batch_size % self.world != 0 || per_rank % self.accumulation != 0 {
+            return Err(Error::Config(format!(
+                "batch size {} does not split into {} ranks × {} micro-batches",
+                self.batch_size, self.world, self.accumulation
+            )));
+        }
+        Ok(per_rank / self.accumulation)
+    }
+}
+
+/// Inputs and next-token targets, both `[rows, ctx]` int64.
+pub struct Batch {
+    pub inputs: Tensor,
+    pub targets: Tensor,
+}
+
+/// One optimizer step's data on this rank.
+pub struct Step {
+    pub index: usize,
+    pub micro_batches: Vec<Batch>,
+}
+
+/// Iterator over [`Step`]s, produced on a background thread.
+pub struct DataLoader {
+    rx: Option<Receiver<Result<Step>>>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl DataLoader {
+    pub fn new(data: Arc<TokenData>, config: LoaderConfig, order: Order) -> Result<DataLoader> {
+        let rows = config.micro_batch_rows()?;
+        data.check_fits(config.ctx, usize::MAX)?;
+        let mut offsets = OffsetStream::new(&data, &config, order)?;
+        let (tx, rx) = sync_channel(config.prefetch.max(1));
+        let worker = std::thread::Builder::new()
+            .name("strata-data".into())
+            .spawn(move || {
+                for index in 0.. {
+                    let Some(global) = offsets.next_step() else { break };
+                    let step = build_step(&data, &config, rows, index, &global);
+                    let failed = step.is_err();
+                    // A closed channel means the loader was dropped: stop quietly.
+                    if tx.send(step).is_err() || failed {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| Error::Data(format!("cannot start the data thread: {e}")))?;
+        Ok(DataLoader { rx: Some(rx), worker: Some(worker) })
+    }
+}
+
+impl Iterator for DataLoader {
+    type Item = Result<Step>;
+    fn next(&mut self) -> Option<Result<Step>> {
+        self.rx.as_ref()?.recv().ok()
+    }
+}
+
+impl Drop for DataLoader {
+    fn drop(&mut self) {
+        self.rx.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The global batch's window offsets, step after step.
+struct OffsetStream {
+    order: Order,
+    ctx: usize,
+    batch: usize,
+    len: usize,
+    rng: SplitMix64,
+    epoch: Vec<usize>,
+    cursor: usize,
+    step: usize,
+}
+
+impl OffsetStream {
+    fn new(data: &TokenData, config: &LoaderConfig, order: Order) -> Result<OffsetStream> {
+        if let Order::Offsets(o) = &order {
+            if o.ctx != config.ctx || o.batch != config.batch_size {
+                return Err(Error::Data(format!(
+                    "batch offsets are for ctx {} and batch {}, but the run uses ctx {} and batch {}",
+                    o.ctx, o.batch, config.ctx, config.batch_size
+                )));
+            }
+            let limit = data.len() - config.ctx - 1;
+            if let Some(bad) = o.offsets.iter().flatten().find(|&&x| x > limit) {
+                return Err(Error::Data(format!(
+                    "batch offset {bad} runs past the end of {} ({} tokens, ctx {})",
+                    data.source,
+                    data.len(),
+                    config.ctx
+                )));
+            }
+        }
+        Ok(OffsetStream {
+            order,
+            ctx: config.ctx,
+            batch: config.batch_size,
+            len: data.len(),
+            rng: SplitMix64::new(config.seed),
+            epoch: vec![],
+            cursor: 0,
+            step: 0,
+        })
+    }
+
+    fn next_step(&mut self) -> Option<Vec<usize>> {
+        let step = self.step;
+        self.step += 1;
+        match &self.order {
+            Order::Offsets(o) => o.offsets.get(step).cloned(),
+            Order::Shuffled => Some((0..self.batch).map(|_| self.next_window()).collect()),
+        }
+    }
+
+    fn next_window(&mut self) -> usize {
+        if self.cursor == self.epoch.len() {
+            let shift = self.rng.below(self.ctx as u64) as usize;
+            let count = (self.len - 1 - shift) / self.ctx;
+            // A shift that leaves no whole window falls back to the aligned start.
+            let (shift, count) = if count == 0 { (0, (self.len - 1) / self.ctx) } else { (shift, count) };
+            self.epoch = (0..count).map(|k| shift + k * self.ctx).collect();
+            self.rng.shuffle(&mut self.epoch);
+            self.cursor = 0;
+        }
+        self.cursor += 1;
+        self.epoch[self.cursor - 1]
+    }
+}
+
+fn build_step(data: &TokenData, config: &LoaderConfig, rows: usize, index: usize, global: &[usize]) -> Result<Step> {
+    let per_rank = rows * config.accumulation;
+    let mine = &global[config.rank * per_rank..(config.rank + 1) * per_rank];
+    let micro_batches = mine
+        .chunks(rows)
+        .map(|offsets| {
+            let (ctx, n) = (config.ctx, offsets.len());
+            let mut inputs = Vec::with_capacity(n * ctx);
+            let mut targets = Vec::with_capacity(n * ctx);
+            for &o in offsets {
+                inputs.extend(data.tokens[o..o + ctx].iter().map(|&t| i64::from(t)));
+                targets.extend(data.tokens[o + 1..o + ctx + 1].iter().map(|&t| i64::from(t)));
+            }
+            let shape = [n as i64, ctx as i64];
+            Ok(Batch {
+                inputs: Tensor::f_from_slice(&inputs)?.f_view(shape)?.f_to_device(config.device)?,
+                targets: Tensor::f_from_slice(&targets)?.f_view(shape)?.f_to_kind(Kind::Int64)?.f_to_device(config.device)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Step { index, micro_batches })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: u32) -> Arc<TokenData> {
+        Arc::new(TokenData::new((0..n).collect(), "test"))
+    }
+
+    fn rows(b: &Batch) -> Vec<Vec<i64>> {
+        Vec::<Vec<i64>>::try_from(&b.inputs).unwrap()
+    }
+
+    #[test]
+    fn shuffled_epochs_cover_every_window_once_and_depend_on_the_seed() {
+        let cfg = LoaderConfig { seed: 7, ..LoaderConfig::new(4, 5) };
+        // 41 tokens, ctx 4: epoch 0 of shift s has (40 - s) / 4 windows.
+        let steps: Vec<Step> = DataLoader::new(data(41), cfg.clone(), Order::Shuffled).unwrap().take(2).map(|s| s.unwrap()).collect();
+        let starts: Vec<i64> = steps.iter().flat_map(|s| rows(&s.micro_batches[0])).map(|r| r[0]).collect();
+        let first_epoch: std::collections::HashSet<i64> = starts.iter().take(9).copied().collect();
+        assert!(first_epoch.len() >= 9, "no window repeats within an epoch: {starts:?}");
+        let t = &steps[0].micro_batches[0];
+        let (i, g) = (rows(t), Vec::<Vec<i64>>::try_from(&t.targets).unwrap());
+        assert_eq!(g[0][0], i[0][1], "targets are inputs shifted by one");
+        let other = DataLoader::new(data(41), LoaderConfig { seed: 8, ..cfg }, Order::Shuffled).unwrap().next().unwrap().unwrap();
+        assert_ne!(rows(&other.micro_batches[0]), rows(t));
+    }
+
+    #[test]
+    fn global_batch_splits_across_ranks_and_micro_batches() {
+        let offsets = BatchOffsets { ctx: 2, batch: 8, offsets: vec![(0..8).map(|i| i * 3).collect()] };
+        let mut seen = vec![];
+        for rank in 0..2 {
+            let cfg = LoaderConfig { rank, world: 2, accumulation: 2, ..LoaderConfig::new(2, 8) };
+            let step = DataLoader::new(data(100), cfg, Order::Offsets(offsets.clone())).unwrap().next().unwrap().unwrap();
+            assert_eq!(step.micro_batches.len(), 2);
+            for b in &step.micro_batches {
+                assert_eq!(b.inputs.size(), vec![2, 2]);
+                seen.extend(rows(b).into_iter().map(|r| r[0]));
+            }
+        }
+        assert_eq!(seen, (0..8).map(|i| i * 3).collect::<Vec<i64>>());
+    }
+
+    #[test]
+    fn offsets_replay_ends_and_out_of_range_offsets_are_refused() {
+        let offsets = BatchOffsets { ctx: 4, batch: 1, offsets: vec![vec![0], vec![5]] };
+        let steps: Vec<_> = DataLoader::new(data(20), LoaderConfig::new(4, 1), Order::Offsets(offsets)).unwrap().collect();
+        assert_eq!(steps.len(), 2);
+        let bad = BatchOffsets { ctx: 4, batch: 1, offsets: vec![vec![16]] };
+        let err = DataLoader::new(data(20), LoaderConfig::new(4, 1), Order::Offsets(bad)).err().unwrap();
+        assert!(err.to_string().contains("runs past the end"), "{err}");
+    }
+
+    #[test]
+    fn indivisible_batches_and_short_data_are_errors() {
+        let cfg = LoaderConfig { world: 3, ..LoaderConfig::new(4, 8) };
+        assert!(DataLoader::new(data(100), cfg, Order::Shuffled).is_err());
+        let err = DataLoader::new(data(4), LoaderConfig::new(4, 1), Order::Shuffled).err().unwrap();
+        assert!(err.to_string().contains("fewer than"), "{err}");
+    }
+}

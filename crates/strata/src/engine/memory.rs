@@ -1,0 +1,161 @@
+//! Accounting of every byte the engine and optimizers hold, per placement and category,
+//! checked against optional budgets so that running out of memory is an error raised before
+//! the allocation (and a CPU-only machine can simulate a device of a given size).
+use crate::{Error, Result};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+/// Where bytes live: the compute device (a GPU, or the CPU acting as one) or host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    Device,
+    Host,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Category {
+    Params,
+    Grads,
+    OptimizerState,
+    /// Activations kept between a unit's forward and its backward.
+    Activations,
+}
+
+#[derive(Default)]
+struct State {
+    current: BTreeMap<(Placement, Category), u64>,
+    peak: BTreeMap<Placement, u64>,
+    budget: BTreeMap<Placement, u64>,
+}
+
+impl State {
+    fn total(&self, placement: Placement) -> u64 {
+        self.current.iter().filter(|((p, _), _)| *p == placement).map(|(_, b)| b).sum()
+    }
+}
+
+/// Shared by the engine and the optimizer (behind an `Arc`).
+#[derive(Default)]
+pub struct MemoryLedger {
+    state: Mutex<State>,
+}
+
+/// Bytes held on one placement.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PlacementReport {
+    pub current: u64,
+    pub peak: u64,
+    pub by_category: BTreeMap<Category, u64>,
+}
+
+impl MemoryLedger {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock leaves plain counters behind, still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Limits the bytes that may be held on `placement`.
+    pub fn set_budget(&self, placement: Placement, bytes: u64) {
+        self.lock().budget.insert(placement, bytes);
+    }
+
+    /// Records `bytes` as held, or fails without recording if that would pass the budget.
+    pub fn alloc(&self, placement: Placement, category: Category, bytes: u64) -> Result<()> {
+        let mut s = self.lock();
+        let in_use = s.total(placement);
+        if let Some(&budget) = s.budget.get(&placement) {
+            if in_use + bytes > budget {
+                return Err(Error::OutOfMemory {
+                    placement: format!("{placement:?}").to_lowercase(),
+                    requested: bytes,
+                    in_use,
+                    budget,
+                });
+            }
+        }
+        *s.current.entry((placement, category)).or_default() += bytes;
+        let total = in_use + bytes;
+        let peak = s.peak.entry(placement).or_default();
+        *peak = (*peak).max(total);
+        Ok(())
+    }
+
+    pub fn free(&self, placement: Placement, category: Category, bytes: u64) {
+        let mut s = self.lock();
+        let held = s.current.entry((placement, category)).or_default();
+        *held = held.saturating_sub(bytes);
+    }
+
+    /// Starts a new peak from what is held now.
+    pub fn reset_peak(&self) {
+        let mut s = self.lock();
+        let placements: Vec<Placement> = s.peak.keys().copied().collect();
+        for p in placements {
+            let now = s.total(p);
+            s.peak.insert(p, now);
+        }
+    }
+
+    pub fn report(&self) -> BTreeMap<Placement, PlacementReport> {
+        let s = self.lock();
+        let mut out: BTreeMap<Placement, PlacementReport> = BTreeMap::new();
+        for (&(p, c), &bytes) in &s.current {
+            let r = out.entry(p).or_default();
+            r.current += bytes;
+            r.by_category.insert(c, bytes);
+        }
+        for (&p, &peak) in &s.peak {
+            out.entry(p).or_default().peak = peak;
+        }
+        out
+    }
+
+    /// Peak bytes over all placements (the sum of each placement's peak).
+    pub fn peak_total(&self) -> u64 {
+        self.lock().peak.values().sum()
+    }
+}
+
+/// Bytes of a tensor's elements.
+pub fn tensor_bytes(t: &tch::Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+/// Peak resident set size of this process (Linux `VmHWM`), if the system reports it.
+pub fn process_peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_refuses_before_recording_and_peak_tracks_the_high_water_mark() {
+        let ledger = MemoryLedger::new();
+        ledger.set_budget(Placement::Device, 100);
+        ledger.alloc(Placement::Device, Category::Params, 60).unwrap();
+        ledger.alloc(Placement::Device, Category::Activations, 30).unwrap();
+        let err = ledger.alloc(Placement::Device, Category::Grads, 20).unwrap_err();
+        assert!(matches!(err, Error::OutOfMemory { requested: 20, in_use: 90, budget: 100, .. }));
+        ledger.free(Placement::Device, Category::Activations, 30);
+        ledger.alloc(Placement::Host, Category::OptimizerState, 500).unwrap();
+        let r = ledger.report();
+        assert_eq!(r[&Placement::Device].current, 60);
+        assert_eq!(r[&Placement::Device].peak, 90);
+        assert_eq!(r[&Placement::Host].peak, 500);
+        ledger.reset_peak();
+        assert_eq!(ledger.report()[&Placement::Device].peak, 60);
+        assert_eq!(ledger.peak_total(), 560);
+    }
+}

@@ -1,0 +1,32 @@
+//! The library's one error type. Every fallible public function returns [`Result`].
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    #[error("libtorch extension: {0}")]
+    Ext(#[from] strata_ext::ExtError),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("model: {0}")]
+    Model(String),
+    #[error("{path}: {message}")]
+    Weights { path: PathBuf, message: String },
+    #[error("data: {0}")]
+    Data(String),
+    #[error("out of memory on {placement}: {requested} bytes requested, {in_use} of {budget} in use")]
+    OutOfMemory { placement: String, requested: u64, in_use: u64, budget: u64 },
+    #[error("engine: {0}")]
+    Engine(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Error {
+        Error::Io { path: path.into(), source }
+    }
+}

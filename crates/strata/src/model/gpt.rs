@@ -1,0 +1,143 @@
+//! GPT-2 in nanoGPT's layout: learned positions, pre-LayerNorm blocks, GELU (tanh), and an
+//! output head tied to the token embedding. Parameter names and `[out, in]` layouts are
+//! nanoGPT's, so its safetensors files load as they are.
+use super::layers::{causal_attention, layer_norm, linear, merge_heads, split_heads};
+use super::{Builder, Init, ParamId, Params, TpRole, Unit};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GptConfig {
+    pub vocab: i64,
+    pub ctx: i64,
+    pub layers: i64,
+    pub heads: i64,
+    pub dim: i64,
+}
+
+impl GptConfig {
+    pub fn validate(&self) -> Result<()> {
+        positive(&[("vocab", self.vocab), ("ctx", self.ctx), ("layers", self.layers), ("heads", self.heads), ("dim", self.dim)])?;
+        if self.dim % self.heads != 0 {
+            return Err(Error::Config(format!("dim {} is not divisible by heads {}", self.dim, self.heads)));
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn positive(values: &[(&str, i64)]) -> Result<()> {
+    match values.iter().find(|(_, v)| *v <= 0) {
+        Some((name, v)) => Err(Error::Config(format!("{name} must be positive, got {v}"))),
+        None => Ok(()),
+    }
+}
+
+const STD: f64 = 0.02;
+const LN_EPS: f64 = 1e-5;
+
+struct GptEmbedding {
+    wte: ParamId,
+    wpe: ParamId,
+    ctx: i64,
+}
+
+impl Unit for GptEmbedding {
+    fn kind(&self) -> &'static str {
+        "GptEmbedding"
+    }
+    fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
+        let t = tokens.size().last().copied().unwrap_or(0);
+        if t > self.ctx {
+            return Err(Error::Model(format!("sequence of {t} tokens is longer than the context {}", self.ctx)));
+        }
+        let pos = Tensor::f_arange(t, (tch::Kind::Int64, tokens.device()))?;
+        let tok = Tensor::f_embedding(&p[self.wte], tokens, -1, false, false)?;
+        Ok(tok.f_add(&Tensor::f_embedding(&p[self.wpe], &pos, -1, false, false)?)?)
+    }
+}
+
+struct GptBlock {
+    ln_1: (ParamId, ParamId),
+    c_attn: (ParamId, ParamId),
+    attn_proj: (ParamId, ParamId),
+    ln_2: (ParamId, ParamId),
+    c_fc: (ParamId, ParamId),
+    mlp_proj: (ParamId, ParamId),
+    heads: i64,
+}
+
+impl Unit for GptBlock {
+    fn kind(&self) -> &'static str {
+        "GptBlock"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let h = layer_norm(x, &p[self.ln_1.0], &p[self.ln_1.1], LN_EPS)?;
+        let qkv = linear(&h, &p[self.c_attn.0], Some(&p[self.c_attn.1]))?;
+        let dim = *x.size().last().unwrap_or(&0);
+        let parts = qkv.f_split(dim, 2)?;
+        let (q, k, v) = (split_heads(&parts[0], self.heads)?, split_heads(&parts[1], self.heads)?, split_heads(&parts[2], self.heads)?);
+        let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
+        let x = x.f_add(&linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]))?)?;
+        let h = layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], LN_EPS)?;
+        let h = linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?.f_gelu("tanh")?;
+        Ok(x.f_add(&linear(&h, &p[self.mlp_proj.0], Some(&p[self.mlp_proj.1]))?)?)
+    }
+}
+
+struct GptHead {
+    ln_f: (ParamId, ParamId),
+    wte: ParamId,
+}
+
+impl Unit for GptHead {
+    fn kind(&self) -> &'static str {
+        "GptHead"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let h = layer_norm(x, &p[self.ln_f.0], &p[self.ln_f.1], LN_EPS)?;
+        linear(&h, &p[self.wte], None)
+    }
+}
+
+/// Declares a weight/bias pair `{prefix}.weight` `[out, in]` and `{prefix}.bias` `[out]`.
+fn dense(u: &mut super::UnitBuilder<'_>, prefix: &str, out: i64, inp: i64, std: f64, tp: TpRole) -> (ParamId, ParamId) {
+    let bias_tp = if tp == TpRole::Column { TpRole::Column } else { TpRole::Replicated };
+    (u.param(format!("{prefix}.weight"), &[out, inp], Init::Normal { std }, tp), u.param(format!("{prefix}.bias"), &[out], Init::Zeros, bias_tp))
+}
+
+fn norm(u: &mut super::UnitBuilder<'_>, prefix: &str, dim: i64) -> (ParamId, ParamId) {
+    (u.param(format!("{prefix}.weight"), &[dim], Init::Ones, TpRole::Replicated), u.param(format!("{prefix}.bias"), &[dim], Init::Zeros, TpRole::Replicated))
+}
+
+/// The GPT model function: units `embedding`, `transformer.h.{i}`, `head`.
+pub fn gpt(cfg: &GptConfig, b: &mut Builder) -> Result<()> {
+    cfg.validate()?;
+    let d = cfg.dim;
+    let mut u = b.unit("embedding");
+    let wte = u.param("transformer.wte.weight", &[cfg.vocab, d], Init::Normal { std: STD }, TpRole::Vocab);
+    let wpe = u.param("transformer.wpe.weight", &[cfg.ctx, d], Init::Normal { std: STD }, TpRole::Replicated);
+    u.finish(GptEmbedding { wte, wpe, ctx: cfg.ctx });
+    // Residual projections are scaled down so the residual stream's variance stays bounded.
+    let proj_std = STD / (2.0 * cfg.layers as f64).sqrt();
+    for i in 0..cfg.layers {
+        let name = format!("transformer.h.{i}");
+        let mut u = b.unit(name.clone());
+        let block = GptBlock {
+            ln_1: norm(&mut u, &format!("{name}.ln_1"), d),
+            c_attn: dense(&mut u, &format!("{name}.attn.c_attn"), 3 * d, d, STD, TpRole::Column),
+            attn_proj: dense(&mut u, &format!("{name}.attn.c_proj"), d, d, proj_std, TpRole::Row),
+            ln_2: norm(&mut u, &format!("{name}.ln_2"), d),
+            c_fc: dense(&mut u, &format!("{name}.mlp.c_fc"), 4 * d, d, STD, TpRole::Column),
+            mlp_proj: dense(&mut u, &format!("{name}.mlp.c_proj"), d, 4 * d, proj_std, TpRole::Row),
+            heads: cfg.heads,
+        };
+        u.finish(block);
+    }
+    let mut u = b.unit("head");
+    let ln_f = norm(&mut u, "transformer.ln_f", d);
+    let tied = u.borrow("transformer.wte.weight");
+    u.finish(GptHead { ln_f, wte: tied });
+    b.alias("lm_head.weight", wte);
+    Ok(())
+}

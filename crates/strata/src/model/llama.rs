@@ -1,0 +1,143 @@
+//! A LLaMA-style decoder: RMSNorm, rotary position embeddings (half-rotation convention),
+//! SwiGLU feed-forward, no biases, and an untied output head. Names follow the common
+//! `model.layers.{i}.self_attn.q_proj.weight` layout.
+use super::gpt::positive;
+use super::layers::{causal_attention, linear, merge_heads, rms_norm, split_heads};
+use super::{Builder, Init, ParamId, Params, TpRole, Unit};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    pub vocab: i64,
+    pub ctx: i64,
+    pub layers: i64,
+    pub heads: i64,
+    pub dim: i64,
+    /// Hidden size of the SwiGLU feed-forward; `None` means 8/3 · dim rounded up to 32.
+    pub ffn_dim: Option<i64>,
+    pub rope_theta: f64,
+}
+
+impl LlamaConfig {
+    pub fn new(vocab: i64, ctx: i64, layers: i64, heads: i64, dim: i64) -> Self {
+        LlamaConfig { vocab, ctx, layers, heads, dim, ffn_dim: None, rope_theta: 10_000.0 }
+    }
+
+    pub fn hidden(&self) -> i64 {
+        self.ffn_dim.unwrap_or_else(|| (8 * self.dim / 3 + 31) / 32 * 32)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        positive(&[("vocab", self.vocab), ("ctx", self.ctx), ("layers", self.layers), ("heads", self.heads), ("dim", self.dim), ("ffn_dim", self.hidden())])?;
+        if self.dim % self.heads != 0 || (self.dim / self.heads) % 2 != 0 {
+            return Err(Error::Config(format!("dim {} must split into {} heads of even size", self.dim, self.heads)));
+        }
+        if self.rope_theta <= 0.0 {
+            return Err(Error::Config(format!("rope_theta must be positive, got {}", self.rope_theta)));
+        }
+        Ok(())
+    }
+}
+
+const STD: f64 = 0.02;
+const EPS: f64 = 1e-5;
+
+struct LlamaEmbedding {
+    embed: ParamId,
+}
+
+impl Unit for LlamaEmbedding {
+    fn kind(&self) -> &'static str {
+        "LlamaEmbedding"
+    }
+    fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
+        Ok(Tensor::f_embedding(&p[self.embed], tokens, -1, false, false)?)
+    }
+}
+
+struct LlamaBlock {
+    input_norm: ParamId,
+    q: ParamId,
+    k: ParamId,
+    v: ParamId,
+    o: ParamId,
+    post_norm: ParamId,
+    gate: ParamId,
+    up: ParamId,
+    down: ParamId,
+    heads: i64,
+    rope_theta: f64,
+}
+
+/// Rotates `[B, H, T, D]` by position: `x·cos + rotate_half(x)·sin`.
+fn rotary(x: &Tensor, theta: f64) -> Result<Tensor> {
+    let (_, _, t, d) = x.size4()?;
+    let opts = (Kind::Float, x.device());
+    let inv_freq = Tensor::f_arange_start_step(0, d, 2, opts)?.f_div_scalar(d as f64)?.f_neg()?.f_mul_scalar(theta.ln())?.f_exp()?;
+    let freqs = Tensor::f_arange(t, opts)?.f_outer(&inv_freq)?;
+    let angles = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_to_kind(x.kind())?;
+    let (cos, sin) = (angles.f_cos()?, angles.f_sin()?);
+    let halves = x.f_chunk(2, -1)?;
+    let rotated = Tensor::f_cat(&[&halves[1].f_neg()?, &halves[0]], -1)?;
+    Ok(x.f_mul(&cos)?.f_add(&rotated.f_mul(&sin)?)?)
+}
+
+impl Unit for LlamaBlock {
+    fn kind(&self) -> &'static str {
+        "LlamaBlock"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let h = rms_norm(x, &p[self.input_norm], EPS)?;
+        let q = rotary(&split_heads(&linear(&h, &p[self.q], None)?, self.heads)?, self.rope_theta)?;
+        let k = rotary(&split_heads(&linear(&h, &p[self.k], None)?, self.heads)?, self.rope_theta)?;
+        let v = split_heads(&linear(&h, &p[self.v], None)?, self.heads)?;
+        let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
+        let x = x.f_add(&linear(&y, &p[self.o], None)?)?;
+        let h = rms_norm(&x, &p[self.post_norm], EPS)?;
+        let gated = linear(&h, &p[self.gate], None)?.f_silu()?.f_mul(&linear(&h, &p[self.up], None)?)?;
+        Ok(x.f_add(&linear(&gated, &p[self.down], None)?)?)
+    }
+}
+
+struct LlamaHead {
+    norm: ParamId,
+    lm_head: ParamId,
+}
+
+impl Unit for LlamaHead {
+    fn kind(&self) -> &'static str {
+        "LlamaHead"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        linear(&rms_norm(x, &p[self.norm], EPS)?, &p[self.lm_head], None)
+    }
+}
+
+/// The LLaMA model function: units `embedding`, `model.layers.{i}`, `head`.
+pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
+    cfg.validate()?;
+    let (d, f) = (cfg.dim, cfg.hidden());
+    let normal = Init::Normal { std: STD };
+    let mut u = b.unit("embedding");
+    let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
+    u.finish(LlamaEmbedding { embed });
+    for i in 0..cfg.layers {
+        let name = format!("model.layers.{i}");
+        let mut u = b.unit(name.clone());
+        let mut w = |suffix: &str, shape: &[i64], tp| u.param(format!("{name}.{suffix}"), shape, normal, tp);
+        let (q, k, v) = (w("self_attn.q_proj.weight", &[d, d], TpRole::Column), w("self_attn.k_proj.weight", &[d, d], TpRole::Column), w("self_attn.v_proj.weight", &[d, d], TpRole::Column));
+        let o = w("self_attn.o_proj.weight", &[d, d], TpRole::Row);
+        let (gate, up) = (w("mlp.gate_proj.weight", &[f, d], TpRole::Column), w("mlp.up_proj.weight", &[f, d], TpRole::Column));
+        let down = w("mlp.down_proj.weight", &[d, f], TpRole::Row);
+        let input_norm = u.param(format!("{name}.input_layernorm.weight"), &[d], Init::Ones, TpRole::Replicated);
+        let post_norm = u.param(format!("{name}.post_attention_layernorm.weight"), &[d], Init::Ones, TpRole::Replicated);
+        u.finish(LlamaBlock { input_norm, q, k, v, o, post_norm, gate, up, down, heads: cfg.heads, rope_theta: cfg.rope_theta });
+    }
+    let mut u = b.unit("head");
+    let norm = u.param("model.norm.weight", &[d], Init::Ones, TpRole::Replicated);
+    let lm_head = u.param("lm_head.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
+    u.finish(LlamaHead { norm, lm_head });
+    Ok(())
+}

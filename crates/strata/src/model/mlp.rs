@@ -1,0 +1,78 @@
+//! A small residual MLP language model (each position predicts the next token from its own
+//! token only): the quickest model to test engine and strategy machinery with.
+use super::gpt::positive;
+use super::layers::linear;
+use super::{Builder, Init, ParamId, Params, TpRole, Unit};
+use crate::Result;
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MlpConfig {
+    pub vocab: i64,
+    pub layers: i64,
+    pub dim: i64,
+}
+
+const STD: f64 = 0.02;
+
+struct MlpEmbedding {
+    embed: ParamId,
+}
+
+impl Unit for MlpEmbedding {
+    fn kind(&self) -> &'static str {
+        "MlpEmbedding"
+    }
+    fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
+        Ok(Tensor::f_embedding(&p[self.embed], tokens, -1, false, false)?)
+    }
+}
+
+struct MlpLayer {
+    weight: ParamId,
+    bias: ParamId,
+}
+
+impl Unit for MlpLayer {
+    fn kind(&self) -> &'static str {
+        "MlpLayer"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_add(&linear(x, &p[self.weight], Some(&p[self.bias]))?.f_gelu("tanh")?)?)
+    }
+}
+
+struct MlpHead {
+    weight: ParamId,
+    bias: ParamId,
+}
+
+impl Unit for MlpHead {
+    fn kind(&self) -> &'static str {
+        "MlpHead"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        linear(x, &p[self.weight], Some(&p[self.bias]))
+    }
+}
+
+/// The MLP model function: units `embedding`, `layers.{i}`, `head`.
+pub fn mlp(cfg: &MlpConfig, b: &mut Builder) -> Result<()> {
+    positive(&[("vocab", cfg.vocab), ("layers", cfg.layers), ("dim", cfg.dim)])?;
+    let normal = Init::Normal { std: STD };
+    let mut u = b.unit("embedding");
+    let embed = u.param("embed.weight", &[cfg.vocab, cfg.dim], normal, TpRole::Vocab);
+    u.finish(MlpEmbedding { embed });
+    for i in 0..cfg.layers {
+        let mut u = b.unit(format!("layers.{i}"));
+        let weight = u.param(format!("layers.{i}.fc.weight"), &[cfg.dim, cfg.dim], normal, TpRole::Column);
+        let bias = u.param(format!("layers.{i}.fc.bias"), &[cfg.dim], Init::Zeros, TpRole::Column);
+        u.finish(MlpLayer { weight, bias });
+    }
+    let mut u = b.unit("head");
+    let weight = u.param("head.weight", &[cfg.vocab, cfg.dim], normal, TpRole::Vocab);
+    let bias = u.param("head.bias", &[cfg.vocab], Init::Zeros, TpRole::Vocab);
+    u.finish(MlpHead { weight, bias });
+    Ok(())
+}

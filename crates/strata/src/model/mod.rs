@@ -1,0 +1,226 @@
+//! Models as ordered lists of units.
+//!
+//! Owns: parameter specifications (names, shapes, init, dtype, tensor-parallel role), the
+//! [`Builder`] that records them without allocating, the [`Unit`] trait (a forward from
+//! activations to activations over borrowed parameters) and the reference models.
+//! Must not own storage, placement or execution order: that is the engine's.
+
+mod gpt;
+pub mod layers;
+mod llama;
+mod mlp;
+
+pub use gpt::{gpt, GptConfig};
+pub use llama::{llama, LlamaConfig};
+pub use mlp::{mlp, MlpConfig};
+
+use crate::{Error, Result};
+use std::collections::HashMap;
+use tch::{Kind, Tensor};
+
+/// How a parameter is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    Normal { std: f64 },
+    Zeros,
+    Ones,
+}
+
+/// How tensor parallelism would split a parameter (used by the tensor-parallel method).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpRole {
+    /// Every rank holds the whole tensor (norms, biases of row-parallel layers).
+    Replicated,
+    /// Split along the output dimension (rows of a `[out, in]` weight, and its bias).
+    Column,
+    /// Split along the input dimension (columns of a `[out, in]` weight).
+    Row,
+    /// Split along the vocabulary (embedding rows).
+    Vocab,
+}
+
+/// Index of a parameter in its [`ModelSpec`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ParamId(pub usize);
+
+/// One parameter as the model declares it; nothing is allocated.
+#[derive(Clone, Debug)]
+pub struct ParamSpec {
+    /// Hierarchical name as in PyTorch state dicts, e.g. `transformer.h.0.attn.c_attn.weight`.
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub init: Init,
+    /// A fixed dtype, or `None` to follow the model's dtype.
+    pub kind: Option<Kind>,
+    pub tp: TpRole,
+    /// Index of the unit that owns (stores) this parameter.
+    pub unit: usize,
+    pub requires_grad: bool,
+}
+
+impl ParamSpec {
+    pub fn numel(&self) -> i64 {
+        self.shape.iter().product()
+    }
+}
+
+/// The parameters a unit's forward reads, by [`ParamId`].
+pub struct Params<'a> {
+    tensors: &'a [Tensor],
+}
+
+impl<'a> Params<'a> {
+    pub fn new(tensors: &'a [Tensor]) -> Self {
+        Params { tensors }
+    }
+}
+
+impl std::ops::Index<ParamId> for Params<'_> {
+    type Output = Tensor;
+    fn index(&self, id: ParamId) -> &Tensor {
+        &self.tensors[id.0]
+    }
+}
+
+/// A step of a model: a forward from one activation tensor to the next.
+pub trait Unit: Send + Sync {
+    /// Stable public kind name (`GptBlock`, `LlamaBlock`, ...) by which strategies select units.
+    fn kind(&self) -> &'static str;
+    fn forward(&self, params: &Params<'_>, input: &Tensor) -> Result<Tensor>;
+}
+
+/// A unit with its name and the parameters it owns or borrows from another unit.
+pub struct UnitSpec {
+    pub name: String,
+    /// Parameters stored with this unit, in creation order.
+    pub params: Vec<ParamId>,
+    /// Parameters of other units this one reads (tied weights); they must be present too.
+    pub borrowed: Vec<ParamId>,
+    pub body: Box<dyn Unit>,
+}
+
+impl UnitSpec {
+    pub fn kind(&self) -> &'static str {
+        self.body.kind()
+    }
+}
+
+/// Everything the model function declared: units in execution order and their parameters.
+pub struct ModelSpec {
+    pub units: Vec<UnitSpec>,
+    pub params: Vec<ParamSpec>,
+    /// Extra names under which a parameter is known (`lm_head.weight` for a tied embedding).
+    pub aliases: Vec<(String, ParamId)>,
+}
+
+impl ModelSpec {
+    pub fn num_params(&self) -> i64 {
+        self.params.iter().map(ParamSpec::numel).sum()
+    }
+
+    pub fn find(&self, name: &str) -> Option<ParamId> {
+        self.params
+            .iter()
+            .position(|p| p.name == name)
+            .map(ParamId)
+            .or_else(|| self.aliases.iter().find(|(a, _)| a == name).map(|(_, id)| *id))
+    }
+}
+
+/// Records units and parameter specs; `model_fn(&mut Builder)` describes a model with it.
+#[derive(Default)]
+pub struct Builder {
+    units: Vec<UnitSpec>,
+    params: Vec<ParamSpec>,
+    aliases: Vec<(String, ParamId)>,
+    names: HashMap<String, ParamId>,
+    error: Option<Error>,
+}
+
+impl Builder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Starts the next unit; declare its parameters, then [`UnitBuilder::finish`] it.
+    pub fn unit(&mut self, name: impl Into<String>) -> UnitBuilder<'_> {
+        UnitBuilder { index: self.units.len(), name: name.into(), builder: self, owned: vec![], borrowed: vec![] }
+    }
+
+    /// Makes `alias` another name of `id` (for tied weights saved under both names).
+    pub fn alias(&mut self, alias: impl Into<String>, id: ParamId) {
+        self.aliases.push((alias.into(), id));
+    }
+
+    /// The finished description; fails on duplicate names or an empty model.
+    pub fn build(self) -> Result<ModelSpec> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        if self.units.is_empty() {
+            return Err(Error::Model("the model function declared no units".into()));
+        }
+        Ok(ModelSpec { units: self.units, params: self.params, aliases: self.aliases })
+    }
+
+    fn fail(&mut self, message: String) {
+        self.error.get_or_insert(Error::Model(message));
+    }
+}
+
+/// Declares the parameters of one unit.
+pub struct UnitBuilder<'a> {
+    builder: &'a mut Builder,
+    index: usize,
+    name: String,
+    owned: Vec<ParamId>,
+    borrowed: Vec<ParamId>,
+}
+
+impl UnitBuilder<'_> {
+    /// Declares a parameter stored with this unit.
+    pub fn param(&mut self, name: impl Into<String>, shape: &[i64], init: Init, tp: TpRole) -> ParamId {
+        let name = name.into();
+        let id = ParamId(self.builder.params.len());
+        if self.builder.names.insert(name.clone(), id).is_some() {
+            self.builder.fail(format!("parameter name {name:?} declared twice"));
+        }
+        if shape.iter().any(|&d| d <= 0) {
+            self.builder.fail(format!("parameter {name:?} has a non-positive dimension in {shape:?}"));
+        }
+        self.builder.params.push(ParamSpec {
+            name,
+            shape: shape.to_vec(),
+            init,
+            kind: None,
+            tp,
+            unit: self.index,
+            requires_grad: true,
+        });
+        self.owned.push(id);
+        id
+    }
+
+    /// Reads a parameter declared by an earlier unit (a tied weight).
+    pub fn borrow(&mut self, name: &str) -> ParamId {
+        match self.builder.names.get(name) {
+            Some(&id) => {
+                self.borrowed.push(id);
+                id
+            }
+            None => {
+                self.builder.fail(format!("unit {:?} borrows unknown parameter {name:?}", self.name));
+                ParamId(0)
+            }
+        }
+    }
+
+    pub fn finish(self, body: impl Unit + 'static) {
+        self.builder.units.push(UnitSpec {
+            name: self.name,
+            params: self.owned,
+            borrowed: self.borrowed,
+            body: Box::new(body),
+        });
+    }
+}

@@ -1,0 +1,294 @@
+//! Optimizers, parameter groups, gradient clipping and learning-rate schedules.
+//!
+//! Owns: optimizer state (its own buffers, one per segment of the engine's flat storage,
+//! accounted in the memory ledger) and the update through libtorch's fused kernels.
+//! Must not decide what is stored where or run the model: it updates the segments the
+//! engine hands it, in place.
+
+use crate::engine::{Category, Engine, MemoryLedger, Placement, Segment};
+use crate::model::ParamSpec;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use strata_ext::{AdamStep, AdamTensors, Scaling, SgdStep};
+use tch::{Kind, Tensor};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    AdamW,
+    Adam,
+    Sgd,
+}
+
+impl std::str::FromStr for OptimizerKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "adamw" => Ok(OptimizerKind::AdamW),
+            "adam" => Ok(OptimizerKind::Adam),
+            "sgd" => Ok(OptimizerKind::Sgd),
+            other => Err(Error::Config(format!("unknown optimizer {other:?}; expected adamw, adam or sgd"))),
+        }
+    }
+}
+
+/// Hyper-parameters with torch.optim's meanings and defaults.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerConfig {
+    pub kind: OptimizerKind,
+    pub lr: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    /// Applies to every parameter unless a group says otherwise.
+    pub weight_decay: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub nesterov: bool,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig {
+            kind: OptimizerKind::AdamW,
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+        }
+    }
+}
+
+impl OptimizerConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::Config(what));
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad(format!("learning rate must be a non-negative number, got {}", self.lr));
+        }
+        let (b1, b2) = self.betas;
+        if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
+            return bad(format!("betas must lie in [0, 1), got ({b1}, {b2})"));
+        }
+        if !(self.eps > 0.0) {
+            return bad(format!("eps must be positive, got {}", self.eps));
+        }
+        if !(self.weight_decay >= 0.0) || !(self.momentum >= 0.0) {
+            return bad("weight decay and momentum must be non-negative".into());
+        }
+        if self.nesterov && (self.momentum == 0.0 || self.dampening != 0.0) {
+            return bad("Nesterov momentum needs a momentum and zero dampening".into());
+        }
+        Ok(())
+    }
+}
+
+/// A parameter group: parameters whose name contains any of `name_contains` take this
+/// group's learning rate and weight decay (where set) instead of the optimizer's.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GroupRule {
+    pub name_contains: Vec<String>,
+    pub lr: Option<f64>,
+    pub weight_decay: Option<f64>,
+}
+
+struct Group {
+    lr: f64,
+    weight_decay: f64,
+    params: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    /// Adam: first and second moments; SGD: momentum buffers (empty without momentum).
+    first: Vec<Tensor>,
+    second: Vec<Tensor>,
+    steps: Vec<Tensor>,
+}
+
+/// An optimizer over an engine's parameters.
+pub struct Optimizer {
+    config: OptimizerConfig,
+    groups: Vec<Group>,
+    lr_factor: f64,
+    steps_taken: u64,
+    ledger: Arc<MemoryLedger>,
+    state_bytes: u64,
+}
+
+impl Optimizer {
+    /// Builds the optimizer and its state for `engine`'s parameters, grouped by `rules`
+    /// (first matching rule wins; the rest form the default group).
+    pub fn new(engine: &Engine, config: OptimizerConfig, rules: &[GroupRule]) -> Result<Optimizer> {
+        config.validate()?;
+        let group_of = |p: &ParamSpec| {
+            rules.iter().position(|r| r.name_contains.iter().any(|s| p.name.contains(s.as_str()))).map_or(0, |i| i + 1)
+        };
+        let mut groups: Vec<Group> = std::iter::once((config.lr, config.weight_decay))
+            .chain(rules.iter().map(|r| (r.lr.unwrap_or(config.lr), r.weight_decay.unwrap_or(config.weight_decay))))
+            .map(|(lr, weight_decay)| Group { lr, weight_decay, params: vec![], grads: vec![], first: vec![], second: vec![], steps: vec![] })
+            .collect();
+        let ledger = engine.ledger().clone();
+        let mut state_bytes = 0;
+        for Segment { param, grad, group } in engine.segments(group_of)? {
+            let g = &mut groups[group];
+            let bytes = crate::engine::memory::tensor_bytes(&param);
+            let states = match config.kind {
+                OptimizerKind::Sgd if config.momentum == 0.0 => 0,
+                OptimizerKind::Sgd => 1,
+                _ => 2,
+            };
+            ledger.alloc(Placement::Device, Category::OptimizerState, bytes * states)?;
+            state_bytes += bytes * states;
+            if states >= 1 {
+                g.first.push(param.f_zeros_like()?);
+            }
+            if states == 2 {
+                g.second.push(param.f_zeros_like()?);
+                g.steps.push(Tensor::f_zeros([], (Kind::Float, param.device()))?);
+            }
+            g.params.push(param);
+            g.grads.push(grad);
+        }
+        groups.retain(|g| !g.params.is_empty());
+        Ok(Optimizer { config, groups, lr_factor: 1.0, steps_taken: 0, ledger, state_bytes })
+    }
+
+    /// Scales every group's learning rate (set each step from a [`Schedule`]).
+    pub fn set_lr_factor(&mut self, factor: f64) {
+        self.lr_factor = factor;
+    }
+
+    /// The default group's current learning rate.
+    pub fn lr(&self) -> f64 {
+        self.config.lr * self.lr_factor
+    }
+
+    pub fn steps_taken(&self) -> u64 {
+        self.steps_taken
+    }
+
+    /// Applies one update to every parameter from its gradient.
+    pub fn step(&mut self) -> Result<()> {
+        let c = &self.config;
+        for g in &self.groups {
+            let lr = g.lr * self.lr_factor;
+            match c.kind {
+                OptimizerKind::Adam | OptimizerKind::AdamW => strata_ext::fused_adam(
+                    &AdamTensors { params: &g.params, grads: &g.grads, exp_avgs: &g.first, exp_avg_sqs: &g.second, steps: &g.steps },
+                    AdamStep {
+                        lr,
+                        beta1: c.betas.0,
+                        beta2: c.betas.1,
+                        eps: c.eps,
+                        weight_decay: g.weight_decay,
+                        decoupled: c.kind == OptimizerKind::AdamW,
+                        maximize: false,
+                    },
+                    Scaling::default(),
+                )?,
+                OptimizerKind::Sgd => strata_ext::fused_sgd(
+                    &g.params,
+                    &g.grads,
+                    &g.first,
+                    SgdStep {
+                        lr,
+                        momentum: c.momentum,
+                        dampening: c.dampening,
+                        weight_decay: g.weight_decay,
+                        nesterov: c.nesterov,
+                        maximize: false,
+                        is_first_step: self.steps_taken == 0,
+                    },
+                    Scaling::default(),
+                )?,
+            }
+        }
+        self.steps_taken += 1;
+        Ok(())
+    }
+
+    /// Scales all gradients so their global L2 norm is at most `max_norm`
+    /// (`torch.nn.utils.clip_grad_norm_`); returns the norm before clipping.
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
+        let grads: Vec<&Tensor> = self.groups.iter().flat_map(|g| g.grads.iter()).collect();
+        if grads.is_empty() {
+            return Ok(0.0);
+        }
+        let norms = grads.iter().map(|g| g.f_norm()).collect::<std::result::Result<Vec<_>, _>>()?;
+        let total = Tensor::f_stack(&norms, 0)?.f_norm()?.f_double_value(&[])?;
+        let coef = max_norm / (total + 1e-6);
+        if coef < 1.0 {
+            for g in grads {
+                let _ = g.shallow_clone().f_mul_scalar_(coef)?;
+            }
+        }
+        Ok(total)
+    }
+}
+
+impl Drop for Optimizer {
+    fn drop(&mut self) {
+        self.ledger.free(Placement::Device, Category::OptimizerState, self.state_bytes);
+    }
+}
+
+/// Learning-rate schedule, as a factor of the base rate at each step (0-based).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Schedule {
+    Constant,
+    /// Linear warm-up from 1/warmup to 1, then cosine decay to `min_factor` at `total`.
+    WarmupCosine { warmup: u64, total: u64, min_factor: f64 },
+    /// Multiply by `gamma` every `every` steps.
+    Step { every: u64, gamma: f64 },
+}
+
+impl Schedule {
+    pub fn factor(&self, step: u64) -> f64 {
+        match *self {
+            Schedule::Constant => 1.0,
+            Schedule::WarmupCosine { warmup, total, min_factor } => {
+                if step < warmup {
+                    (step + 1) as f64 / warmup as f64
+                } else if step >= total {
+                    min_factor
+                } else {
+                    let progress = (step - warmup) as f64 / (total - warmup).max(1) as f64;
+                    min_factor + (1.0 - min_factor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+                }
+            }
+            Schedule::Step { every, gamma } => gamma.powi((step / every.max(1)) as i32),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmup_cosine_rises_linearly_then_decays_to_the_floor() {
+        let s = Schedule::WarmupCosine { warmup: 4, total: 14, min_factor: 0.1 };
+        assert_eq!(s.factor(0), 0.25);
+        assert_eq!(s.factor(3), 1.0);
+        assert!((s.factor(4) - 1.0).abs() < 1e-12);
+        assert!((s.factor(9) - 0.55).abs() < 1e-12);
+        assert_eq!(s.factor(100), 0.1);
+        let st = Schedule::Step { every: 10, gamma: 0.5 };
+        assert_eq!((st.factor(9), st.factor(10), st.factor(25)), (1.0, 0.5, 0.25));
+    }
+
+    #[test]
+    fn invalid_hyperparameters_are_refused() {
+        for bad in [
+            OptimizerConfig { lr: -1.0, ..Default::default() },
+            OptimizerConfig { betas: (1.0, 0.9), ..Default::default() },
+            OptimizerConfig { eps: 0.0, ..Default::default() },
+            OptimizerConfig { kind: OptimizerKind::Sgd, nesterov: true, ..Default::default() },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        assert!("lion".parse::<OptimizerKind>().is_err());
+    }
+}
