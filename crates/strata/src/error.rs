@@ -4,7 +4,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
+    Torch(String),
     #[error("libtorch extension: {0}")]
     Ext(#[from] strata_ext::ExtError),
     #[error("{path}: {source}")]
@@ -28,5 +28,17 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Error {
         Error::Io { path: path.into(), source }
+    }
+}
+
+impl From<tch::TchError> for Error {
+    /// Keeps libtorch's message and drops the C++ backtrace it appends.
+    fn from(e: tch::TchError) -> Error {
+        let text = match e {
+            tch::TchError::Torch(m) => m,
+            other => other.to_string(),
+        };
+        let first = text.split("\nException raised from").next().unwrap_or(&text);
+        Error::Torch(first.trim().to_string())
     }
 }

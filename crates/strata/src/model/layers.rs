@@ -38,8 +38,8 @@ pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
 /// Mean cross-entropy of `[B, T, V]` logits against `[B, T]` targets.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let v = *logits.size().last().unwrap_or(&1);
-    Ok(logits.f_view([-1, v])?.f_cross_entropy_loss::<&Tensor>(
-        &targets.f_view([-1])?,
+    Ok(logits.f_reshape([-1, v])?.f_cross_entropy_loss::<&Tensor>(
+        &targets.f_reshape([-1])?,
         None,
         tch::Reduction::Mean,
         -100,

@@ -1,0 +1,217 @@
+use std::sync::{Arc, Mutex};
+use strata::engine::{BackwardMode, Engine, EngineConfig, Phase, ScheduleContext, UnitSchedule};
+use strata::model::{self, layers::cross_entropy, Builder, GptConfig, LlamaConfig, MlpConfig};
+use strata::Error;
+use tch::{Kind, Tensor};
+
+type ModelFn = fn(&mut Builder) -> strata::Result<()>;
+
+fn tiny_gpt(b: &mut Builder) -> strata::Result<()> {
+    model::gpt(&GptConfig { vocab: 11, ctx: 6, layers: 2, heads: 2, dim: 8 }, b)
+}
+fn tiny_llama(b: &mut Builder) -> strata::Result<()> {
+    model::llama(&LlamaConfig::new(11, 6, 2, 2, 8), b)
+}
+fn tiny_mlp(b: &mut Builder) -> strata::Result<()> {
+    model::mlp(&MlpConfig { vocab: 11, layers: 2, dim: 8 }, b)
+}
+
+fn engine(f: ModelFn, kind: Kind, backward: BackwardMode, seed: i64) -> Engine {
+    let mut b = Builder::new();
+    f(&mut b).unwrap();
+    Engine::new(b.build().unwrap(), EngineConfig { kind, backward, seed, ..Default::default() }).unwrap()
+}
+
+fn batch(seed: i64) -> (Tensor, Tensor) {
+    tch::manual_seed(seed);
+    let tokens = Tensor::randint(11, [3, 7], (Kind::Int64, tch::Device::Cpu));
+    (tokens.narrow(1, 0, 6), tokens.narrow(1, 1, 6))
+}
+
+fn loss(e: &mut Engine, x: &Tensor, y: &Tensor) -> f64 {
+    cross_entropy(&e.evaluate(x).unwrap(), y).unwrap().double_value(&[])
+}
+
+/// Every parameter's gradient, as computed by the engine's unit-by-unit backward, against
+/// central finite differences of the loss in f64 — a check of every layer of every unit
+/// kind and of the upstream gradients handed between units.
+fn finite_difference_check(f: ModelFn) {
+    let mut e = engine(f, Kind::Double, BackwardMode::UnitByUnit, 3);
+    let (x, y) = batch(5);
+    let out = e.forward(&x).unwrap();
+    e.backward(&cross_entropy(&out, &y).unwrap()).unwrap();
+    let names: Vec<String> = e.named_params().map(|(n, _)| n.to_string()).collect();
+    let h = 1e-6;
+    for name in names {
+        let p = e.param_by_name(&name).unwrap().shallow_clone();
+        let grad = p.grad().flatten(0, -1);
+        let flat = p.detach().flatten(0, -1);
+        let n = flat.numel() as i64;
+        // A spread of entries of each parameter keeps the test fast and still covers it.
+        for i in [0, n / 3, n / 2, n - 1] {
+            let orig = flat.double_value(&[i]);
+            let _ = flat.get(i).fill_(orig + h);
+            let up = loss(&mut e, &x, &y);
+            let _ = flat.get(i).fill_(orig - h);
+            let down = loss(&mut e, &x, &y);
+            let _ = flat.get(i).fill_(orig);
+            let numeric = (up - down) / (2.0 * h);
+            let analytic = grad.double_value(&[i]);
+            assert!(
+                (numeric - analytic).abs() <= 1e-6 + 1e-5 * numeric.abs().max(analytic.abs()),
+                "{name}[{i}]: finite difference {numeric:e} vs backward {analytic:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpt_gradients_match_finite_differences() {
+    finite_difference_check(tiny_gpt);
+}
+
+#[test]
+fn llama_gradients_match_finite_differences() {
+    finite_difference_check(tiny_llama);
+}
+
+#[test]
+fn mlp_gradients_match_finite_differences() {
+    finite_difference_check(tiny_mlp);
+}
+
+#[test]
+fn unit_by_unit_backward_equals_whole_graph_backward() {
+    for f in [tiny_gpt as ModelFn, tiny_llama, tiny_mlp] {
+        let mut a = engine(f, Kind::Float, BackwardMode::UnitByUnit, 9);
+        let mut b = engine(f, Kind::Float, BackwardMode::WholeGraph, 9);
+        let (x, y) = batch(1);
+        for e in [&mut a, &mut b] {
+            // Two micro-batches: gradients must also accumulate identically.
+            for _ in 0..2 {
+                let out = e.forward(&x).unwrap();
+                e.backward(&cross_entropy(&out, &y).unwrap()).unwrap();
+            }
+        }
+        for ((name, pa), (_, pb)) in a.named_params().zip(b.named_params()) {
+            let diff = (pa.grad() - pb.grad()).abs().max().double_value(&[]);
+            assert!(diff <= 1e-6, "{name}: unit-by-unit and whole-graph gradients differ by {diff}");
+            assert!(pa.grad().abs().sum(Kind::Float).double_value(&[]) > 0.0, "{name} got no gradient");
+        }
+    }
+}
+
+struct Recorder(Arc<Mutex<Vec<(Phase, usize)>>>);
+
+impl UnitSchedule for Recorder {
+    fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> strata::Result<()> {
+        assert_eq!(ctx.storage.len(), ctx.spec.units.len());
+        self.0.lock().unwrap().push((phase, ctx.unit));
+        Ok(())
+    }
+}
+
+#[test]
+fn schedule_is_called_around_every_unit_in_forward_then_reverse_order() {
+    let mut e = engine(tiny_mlp, Kind::Float, BackwardMode::UnitByUnit, 0);
+    let log = Arc::new(Mutex::new(vec![]));
+    e.set_schedule(Box::new(Recorder(log.clone())));
+    let (x, y) = batch(0);
+    let out = e.forward(&x).unwrap();
+    e.backward(&cross_entropy(&out, &y).unwrap()).unwrap();
+    use Phase::*;
+    let n = e.spec().units.len();
+    let mut expected = vec![];
+    for k in 0..n {
+        expected.extend([(BeforeForward, k), (AfterForward, k)]);
+    }
+    for k in (0..n).rev() {
+        expected.extend([(BeforeBackward, k), (AfterBackward, k)]);
+    }
+    assert_eq!(*log.lock().unwrap(), expected);
+}
+
+#[test]
+fn units_have_stable_kind_names_and_pytorch_parameter_names() {
+    let e = engine(tiny_gpt, Kind::Float, BackwardMode::UnitByUnit, 0);
+    let kinds: Vec<&str> = e.spec().units.iter().map(|u| u.kind()).collect();
+    assert_eq!(kinds, ["GptEmbedding", "GptBlock", "GptBlock", "GptHead"]);
+    let w = e.param_by_name("transformer.h.1.attn.c_attn.weight").unwrap();
+    assert_eq!(w.size(), [24, 8], "PyTorch [out, in] layout");
+    assert!(e.param_by_name("lm_head.weight").unwrap().data_ptr() == e.param_by_name("transformer.wte.weight").unwrap().data_ptr());
+    let l = engine(tiny_llama, Kind::Float, BackwardMode::UnitByUnit, 0);
+    assert_eq!(l.spec().units[1].kind(), "LlamaBlock");
+    assert!(l.param_by_name("model.layers.0.mlp.gate_proj.weight").is_some());
+}
+
+#[test]
+fn gpt2_initialisation_scales_residual_projections() {
+    let mut b = Builder::new();
+    model::gpt(&GptConfig { vocab: 64, ctx: 8, layers: 8, heads: 4, dim: 256 }, &mut b).unwrap();
+    let e = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
+    let std = |n: &str| e.param_by_name(n).unwrap().std(true).double_value(&[]);
+    assert!((std("transformer.h.0.attn.c_attn.weight") - 0.02).abs() < 0.001);
+    assert!((std("transformer.h.0.mlp.c_proj.weight") - 0.02 / 4.0).abs() < 0.0005);
+    assert_eq!(e.param_by_name("transformer.h.0.ln_1.weight").unwrap().mean(Kind::Float).double_value(&[]), 1.0);
+}
+
+#[test]
+fn parameters_are_views_into_one_flat_buffer_per_unit() {
+    let e = engine(tiny_gpt, Kind::Float, BackwardMode::UnitByUnit, 0);
+    for (unit, storage) in e.spec().units.iter().zip(e.storage()) {
+        let numel: i64 = unit.params.iter().map(|id| e.spec().params[id.0].numel()).sum();
+        assert_eq!(storage.flat.numel() as i64, numel);
+        for id in &unit.params {
+            let p = e.param(*id);
+            let start = storage.flat.data_ptr() as usize;
+            let end = start + storage.flat.numel() * 4;
+            assert!((start..end).contains(&(p.data_ptr() as usize)), "{} lies outside its unit's buffer", e.spec().params[id.0].name);
+        }
+    }
+    let report = e.ledger().report();
+    let device = &report[&strata::engine::Placement::Device];
+    assert_eq!(device.current as i64, 2 * 4 * e.spec().num_params(), "params + grads, f32");
+}
+
+#[test]
+fn a_device_budget_is_an_out_of_memory_error_before_allocation() {
+    let mut b = Builder::new();
+    tiny_gpt(&mut b).unwrap();
+    let err = Engine::new(b.build().unwrap(), EngineConfig { device_budget: Some(1000), ..Default::default() }).err().unwrap();
+    assert!(matches!(err, Error::OutOfMemory { budget: 1000, .. }), "{err}");
+}
+
+#[test]
+fn backward_without_forward_and_non_scalar_losses_are_errors() {
+    let mut e = engine(tiny_mlp, Kind::Float, BackwardMode::UnitByUnit, 0);
+    assert!(e.backward(&Tensor::from(1.0f32)).is_err());
+    let (x, _) = batch(0);
+    let out = e.forward(&x).unwrap();
+    assert!(e.backward(&out).unwrap_err().to_string().contains("scalar"));
+}
+
+struct Identity;
+impl model::Unit for Identity {
+    fn kind(&self) -> &'static str {
+        "Identity"
+    }
+    fn forward(&self, _: &model::Params<'_>, x: &Tensor) -> strata::Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+}
+
+#[test]
+fn builder_refuses_duplicate_names_and_bad_configs() {
+    let mut b = Builder::new();
+    let mut u = b.unit("a");
+    u.param("w", &[2], model::Init::Zeros, model::TpRole::Replicated);
+    u.param("w", &[2], model::Init::Zeros, model::TpRole::Replicated);
+    u.finish(Identity);
+    assert!(b.build().err().unwrap().to_string().contains("declared twice"));
+    assert!(Builder::new().build().is_err(), "a model without units");
+    let mut b = Builder::new();
+    let err = model::gpt(&GptConfig { vocab: 11, ctx: 6, layers: 1, heads: 3, dim: 8 }, &mut b).unwrap_err();
+    assert!(err.to_string().contains("not divisible"), "{err}");
+    let err = model::llama(&LlamaConfig { layers: 0, ..LlamaConfig::new(11, 6, 1, 2, 8) }, &mut Builder::new()).unwrap_err();
+    assert!(err.to_string().contains("layers must be positive"), "{err}");
+}
