@@ -1,1 +1,66 @@
-fn main() {}
+//! The `strata` command line. Parses flags, hands typed settings to the library, and turns
+//! every failure into one line on stderr with a non-zero exit.
+mod bench;
+mod options;
+mod train;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "strata", version, about = "Train large neural networks fast and within memory")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (the embedded synthetic corpus unless --data or --token-file is given).
+    Train(options::TrainOptions),
+    /// Benchmarks, each against a reference measured in the same run.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Training throughput of a GPT in Strata and in PyTorch eager, side by side.
+    Train(bench::BenchTrainArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if e.use_stderr() => {
+            // One line: clap's first line names the problem; the usage is one --help away.
+            let text = e.render().to_string();
+            eprintln!("{} (see --help)", text.lines().next().unwrap_or("invalid arguments"));
+            return ExitCode::from(2);
+        }
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let result = match cli.command {
+        Command::Train(o) => o.resolve().and_then(train::run),
+        Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! Options of `strata train`: the same fields from flags and from a TOML file (flags win),
+//! resolved into the library's typed configurations with defaults and validation.
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use strata::model::{GptConfig, LlamaConfig, MlpConfig};
+use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
+
+/// Declares the option struct once for clap and serde, and its merge.
+macro_rules! train_options {
+    ($($(#[$doc:meta])* $field:ident : $ty:ty),* $(,)?) => {
+        #[derive(Args, Deserialize, Debug, Default, Clone)]
+        #[serde(deny_unknown_fields, rename_all = "kebab-case")]
+        pub struct TrainOptions {
+            /// TOML file with any of these options (keys as the flags, without dashes).
+            #[arg(long)]
+            #[serde(skip)]
+            pub config: Option<PathBuf>,
+            $($(#[$doc])* #[arg(long)] pub $field: Option<$ty>,)*
+        }
+
+        impl TrainOptions {
+            /// Each field from `self` if given there, else from `fallback`.
+            fn or(self, fallback: TrainOptions) -> TrainOptions {
+                TrainOptions { config: self.config, $($field: self.$field.or(fallback.$field),)* }
+            }
+        }
+    };
+}
+
+train_options! {
+    /// Model: gpt, llama or mlp.
+    model: String,
+    /// Number of units between embedding and head (transformer blocks or MLP layers).
+    layers: i64,
+    /// Attention heads.
+    heads: i64,
+    /// Model width.
+    dim: i64,
+    /// Context length in tokens.
+    ctx: i64,
+    /// Vocabulary size (default: the tokenizer's, or what the token file needs).
+    vocab: i64,
+    /// Train on this UTF-8 text file (tokenised with --tokenizer, bytes by default).
+    data: PathBuf,
+    /// Hugging Face tokenizer.json for --data.
+    tokenizer: PathBuf,
+    /// Train on this raw little-endian u16 token file.
+    token_file: PathBuf,
+    /// Replay the batches of another run: JSON {"ctx", "batch", "offsets": [[o, ...], ...]}.
+    batch_offsets: PathBuf,
+    /// Load initial weights from this safetensors file.
+    init_weights: PathBuf,
+    /// Save the trained weights to this safetensors file.
+    save_weights: PathBuf,
+    /// Optimizer: adamw, adam or sgd.
+    optimizer: String,
+    /// Peak learning rate.
+    lr: f64,
+    /// Adam betas, as B1,B2.
+    betas: String,
+    /// Adam epsilon.
+    eps: f64,
+    /// Weight decay (applies to every parameter).
+    weight_decay: f64,
+    /// SGD momentum.
+    momentum: f64,
+    /// SGD Nesterov momentum.
+    nesterov: bool,
+    /// Clip the global gradient norm to this value (default 1; 0 turns clipping off).
+    grad_clip: f64,
+    /// Learning-rate schedule: constant, cosine (linear warm-up then cosine) or step.
+    schedule: String,
+    /// Warm-up steps of the cosine schedule.
+    warmup: u64,
+    /// Final learning rate of the cosine schedule, as a fraction of --lr.
+    min_lr_factor: f64,
+    /// Steps between learning-rate drops of the step schedule.
+    step_every: u64,
+    /// Factor of each drop of the step schedule.
+    step_gamma: f64,
+    /// Optimizer steps (0 just initialises, and saves with --save-weights).
+    steps: u64,
+    /// Rows per optimizer step (global batch).
+    batch_size: usize,
+    /// Micro-batches per step (gradient accumulation).
+    accumulation: usize,
+    /// Seed of initialisation and data order.
+    seed: u64,
+    /// CPU threads for libtorch.
+    threads: i32,
+    /// Compute device: cpu, cuda or cuda:N.
+    device: String,
+    /// Write one JSON object per step to this file.
+    metrics: PathBuf,
+    /// Log a line every this many steps.
+    log_every: u64,
+}
+
+/// Which model to build.
+#[derive(Clone, Debug)]
+pub enum ModelChoice {
+    Gpt(GptConfig),
+    Llama(LlamaConfig),
+    Mlp(MlpConfig),
+}
+
+/// Where tokens come from.
+#[derive(Clone, Debug)]
+pub enum DataChoice {
+    Synthetic,
+    Text { path: PathBuf, tokenizer: Option<PathBuf> },
+    TokenFile(PathBuf),
+}
+
+/// Everything `strata train` needs, resolved and validated (except the vocabulary, which
+/// may depend on the data: `vocab` is `None` when it is to be taken from there).
+#[derive(Clone, Debug)]
+pub struct TrainSettings {
+    pub model_name: String,
+    pub layers: i64,
+    pub heads: i64,
+    pub dim: i64,
+    pub ctx: i64,
+    pub vocab: Option<i64>,
+    pub data: DataChoice,
+    pub batch_offsets: Option<PathBuf>,
+    pub init_weights: Option<PathBuf>,
+    pub save_weights: Option<PathBuf>,
+    pub optimizer: OptimizerConfig,
+    pub grad_clip: Option<f64>,
+    pub schedule: Schedule,
+    pub steps: u64,
+    pub batch_size: usize,
+    pub accumulation: usize,
+    pub seed: u64,
+    pub threads: Option<i32>,
+    pub device: tch::Device,
+    pub metrics: Option<PathBuf>,
+    pub log_every: u64,
+}
+
+impl TrainSettings {
+    pub fn model(&self, vocab: i64) -> Result<ModelChoice> {
+        let (layers, heads, dim, ctx) = (self.layers, self.heads, self.dim, self.ctx);
+        Ok(match self.model_name.as_str() {
+            "gpt" => ModelChoice::Gpt(GptConfig { vocab, ctx, layers, heads, dim }),
+            "llama" => ModelChoice::Llama(LlamaConfig::new(vocab, ctx, layers, heads, dim)),
+            "mlp" => ModelChoice::Mlp(MlpConfig { vocab, layers, dim }),
+            other => bail!("unknown model {other:?}; expected gpt, llama or mlp"),
+        })
+    }
+}
+
+fn read_config(path: &Path) -> Result<TrainOptions> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
+    toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.message()))
+}
+
+pub fn parse_device(s: &str) -> Result<tch::Device> {
+    match s {
+        "cpu" => Ok(tch::Device::Cpu),
+        "cuda" => Ok(tch::Device::Cuda(0)),
+        _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(i)) => Ok(tch::Device::Cuda(i)),
+            _ => bail!("unknown device {s:?}; expected cpu, cuda or cuda:N"),
+        },
+    }
+}
+
+fn parse_betas(s: &str) -> Result<(f64, f64)> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    match parts.as_slice() {
+        [a, b] => Ok((a.parse().context("--betas")?, b.parse().context("--betas")?)),
+        _ => bail!("--betas takes two numbers as B1,B2, got {s:?}"),
+    }
+}
+
+impl TrainOptions {
+    /// Merges the config file (if any) under the flags and applies defaults.
+    pub fn resolve(self) -> Result<TrainSettings> {
+        let o = match &self.config {
+            Some(path) => {
+                let file = read_config(path)?;
+                self.or(file)
+            }
+            None => self,
+        };
+        let defaults = OptimizerConfig::default();
+        let kind: OptimizerKind = o.optimizer.as_deref().unwrap_or("adamw").parse()?;
+        let lr = o.lr.unwrap_or(3e-3);
+        let steps = o.steps.unwrap_or(300);
+        let schedule = match o.schedule.as_deref().unwrap_or("cosine") {
+            "constant" => Schedule::Constant,
+            "cosine" => Schedule::WarmupCosine {
+                warmup: o.warmup.unwrap_or((steps / 20).max(1)),
+                total: steps,
+                min_factor: o.min_lr_factor.unwrap_or(0.1),
+            },
+            "step" => Schedule::Step { every: o.step_every.unwrap_or((steps / 3).max(1)), gamma: o.step_gamma.unwrap_or(0.1) },
+            other => bail!("unknown schedule {other:?}; expected constant, cosine or step"),
+        };
+        let optimizer = OptimizerConfig {
+            kind,
+            lr,
+            betas: o.betas.as_deref().map(parse_betas).transpose()?.unwrap_or(defaults.betas),
+            eps: o.eps.unwrap_or(defaults.eps),
+            weight_decay: o.weight_decay.unwrap_or(if kind == OptimizerKind::Sgd { 0.0 } else { 0.1 }),
+            momentum: o.momentum.unwrap_or(0.0),
+            dampening: 0.0,
+            nesterov: o.nesterov.unwrap_or(false),
+        };
+        optimizer.validate()?;
+        let data = match (o.data, o.token_file) {
+            (Some(_), Some(_)) => bail!("give either --data or --token-file, not both"),
+            (Some(path), None) => DataChoice::Text { path, tokenizer: o.tokenizer },
+            (None, Some(path)) => DataChoice::TokenFile(path),
+            (None, None) if o.tokenizer.is_some() => bail!("--tokenizer needs --data"),
+            (None, None) => DataChoice::Synthetic,
+        };
+        let grad_clip = match o.grad_clip.unwrap_or(1.0) {
+            c if c == 0.0 => None,
+            c if c > 0.0 => Some(c),
+            c => bail!("--grad-clip must be positive (or 0 for none), got {c}"),
+        };
+        let threads = o.threads;
+        if threads.is_some_and(|t| t <= 0) {
+            bail!("--threads must be positive");
+        }
+        Ok(TrainSettings {
+            model_name: o.model.unwrap_or_else(|| "gpt".into()),
+            layers: o.layers.unwrap_or(2),
+            heads: o.heads.unwrap_or(4),
+            dim: o.dim.unwrap_or(128),
+            ctx: o.ctx.unwrap_or(64),
+            vocab: o.vocab,
+            data,
+            batch_offsets: o.batch_offsets,
+            init_weights: o.init_weights,
+            save_weights: o.save_weights,
+            optimizer,
+            grad_clip,
+            schedule,
+            steps,
+            batch_size: o.batch_size.unwrap_or(16),
+            accumulation: o.accumulation.unwrap_or(1),
+            seed: o.seed.unwrap_or(0),
+            threads,
+            device: parse_device(o.device.as_deref().unwrap_or("cpu"))?,
+            metrics: o.metrics,
+            log_every: o.log_every.unwrap_or(50).max(1),
+        })
+    }
+}
