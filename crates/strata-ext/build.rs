@@ -3,13 +3,8 @@
 use std::path::PathBuf;
 
 fn main() {
-    let lib = PathBuf::from(
-        std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys reports where libtorch is"),
-    );
-    let root = lib
-        .parent()
-        .expect("libtorch lib folder has a parent")
-        .to_path_buf();
+    let lib = PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys reports where libtorch is"));
+    let root = lib.parent().expect("libtorch lib folder has a parent").to_path_buf();
     let include = root.join("include");
 
     let mut build = cc::Build::new();

@@ -1,7 +1,7 @@
 //! `strata bench train`: the same GPT trained by Strata and by PyTorch eager (the project's
 //! reference script, run with the project's virtual environment) in one run, side by side.
-use crate::train::build_engine;
 use crate::options::ModelChoice;
+use crate::train::build_engine;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -84,7 +84,10 @@ fn measure_strata(a: &BenchTrainArgs, cfg: &GptConfig, trainer: &mut Trainer) ->
     let steps: Vec<Step> = (0..4)
         .map(|i| {
             let t = Tensor::randint(cfg.vocab, [a.batch_size, cfg.ctx + 1], (Kind::Int64, tch::Device::Cpu));
-            Step { index: i, micro_batches: vec![Batch { inputs: t.narrow(1, 0, cfg.ctx), targets: t.narrow(1, 1, cfg.ctx) }] }
+            Step {
+                index: i,
+                micro_batches: vec![Batch { inputs: t.narrow(1, 0, cfg.ctx), targets: t.narrow(1, 1, cfg.ctx) }],
+            }
         })
         .collect();
     let mut elapsed = 0.0;
@@ -167,7 +170,13 @@ pub fn run(a: BenchTrainArgs) -> Result<()> {
     );
     println!("{:<16} {:>12} {:>10} {:>14}", "", "tokens/s", "ms/step", "peak RSS MiB");
     for (name, m) in [("strata", &report.strata), ("pytorch eager", &report.pytorch)] {
-        println!("{:<16} {:>12.0} {:>10.1} {:>14.1}", name, m.tokens_per_s, m.step_ms, m.peak_rss_bytes as f64 / 1048576.0);
+        println!(
+            "{:<16} {:>12.0} {:>10.1} {:>14.1}",
+            name,
+            m.tokens_per_s,
+            m.step_ms,
+            m.peak_rss_bytes as f64 / 1048576.0
+        );
     }
     println!("strata / pytorch tokens/s: {:.3}", report.ratio);
     Ok(())

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(name = "strata", version, about = "Train large neural networks fast and within memory")]
+#[command(args_override_self = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -46,9 +47,7 @@ fn main() -> ExitCode {
         }
     };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();

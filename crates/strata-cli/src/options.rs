@@ -17,7 +17,7 @@ macro_rules! train_options {
             #[arg(long)]
             #[serde(skip)]
             pub config: Option<PathBuf>,
-            $($(#[$doc])* #[arg(long)] pub $field: Option<$ty>,)*
+            $($(#[$doc])* #[arg(long, allow_negative_numbers = true)] pub $field: Option<$ty>,)*
         }
 
         impl TrainOptions {
@@ -198,7 +198,9 @@ impl TrainOptions {
                 total: steps,
                 min_factor: o.min_lr_factor.unwrap_or(0.1),
             },
-            "step" => Schedule::Step { every: o.step_every.unwrap_or((steps / 3).max(1)), gamma: o.step_gamma.unwrap_or(0.1) },
+            "step" => {
+                Schedule::Step { every: o.step_every.unwrap_or((steps / 3).max(1)), gamma: o.step_gamma.unwrap_or(0.1) }
+            }
             other => bail!("unknown schedule {other:?}; expected constant, cosine or step"),
         };
         let optimizer = OptimizerConfig {

@@ -130,7 +130,15 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         ));
         bar.inc(1);
         if report.step % settings.log_every == 0 {
-            bar.suspend(|| info!(step = report.step, loss = report.loss, lr = report.lr, tokens_per_s = report.tokens_per_s as u64, "progress"));
+            bar.suspend(|| {
+                info!(
+                    step = report.step,
+                    loss = report.loss,
+                    lr = report.lr,
+                    tokens_per_s = report.tokens_per_s as u64,
+                    "progress"
+                )
+            });
         }
         last = Some(report);
     }

@@ -24,12 +24,7 @@ extern "C" {
     fn strata_last_error() -> *const c_char;
     fn strata_set_error(message: *const c_char);
     fn strata_tensor_list_push(list: *mut c_void, t: *const C_tensor);
-    fn strata_backward(
-        outputs: *const TensorPtr,
-        grads: *const TensorPtr,
-        n: usize,
-        retain: c_int,
-    ) -> c_int;
+    fn strata_backward(outputs: *const TensorPtr, grads: *const TensorPtr, n: usize, retain: c_int) -> c_int;
     fn strata_grad(
         outputs: *const TensorPtr,
         grads: *const TensorPtr,
@@ -98,8 +93,7 @@ extern "C" {
     fn strata_cuda_is_built() -> c_int;
     fn strata_cuda_memory_stats(device: c_int, stats: *mut i64) -> c_int;
     fn strata_cuda_reset_peak_stats(device: c_int) -> c_int;
-    fn strata_cuda_stream_from_pool(device: c_int, high_priority: c_int, packed: *mut i64)
-        -> c_int;
+    fn strata_cuda_stream_from_pool(device: c_int, high_priority: c_int, packed: *mut i64) -> c_int;
     fn strata_cuda_current_stream(device: c_int, packed: *mut i64) -> c_int;
     fn strata_cuda_set_current_stream(packed: *const i64) -> c_int;
     fn strata_cuda_stream_synchronize(packed: *const i64) -> c_int;
@@ -121,10 +115,7 @@ fn check(code: c_int) -> Result<()> {
 }
 
 fn ptrs<T: std::borrow::Borrow<Tensor>>(tensors: &[T]) -> Vec<TensorPtr> {
-    tensors
-        .iter()
-        .map(|t| t.borrow().as_ptr() as TensorPtr)
-        .collect()
+    tensors.iter().map(|t| t.borrow().as_ptr() as TensorPtr).collect()
 }
 
 fn optional_ptr(t: Option<&Tensor>) -> *const C_tensor {
@@ -135,11 +126,7 @@ fn optional_ptr(t: Option<&Tensor>) -> *const C_tensor {
 /// accumulates into the `.grad` of every leaf reached (`torch.autograd.backward`).
 pub fn backward(outputs: &[&Tensor], grads: &[&Tensor], retain_graph: bool) -> Result<()> {
     if outputs.len() != grads.len() {
-        return Err(ExtError(format!(
-            "backward: {} outputs but {} gradients",
-            outputs.len(),
-            grads.len()
-        )));
+        return Err(ExtError(format!("backward: {} outputs but {} gradients", outputs.len(), grads.len())));
     }
     let (o, g) = (ptrs(outputs), ptrs(grads));
     // SAFETY: the pointers come from live tensors borrowed for the duration of the call.
@@ -163,11 +150,7 @@ pub fn grad(
     options: GradOptions,
 ) -> Result<Vec<Option<Tensor>>> {
     if outputs.len() != grads.len() {
-        return Err(ExtError(format!(
-            "grad: {} outputs but {} gradients",
-            outputs.len(),
-            grads.len()
-        )));
+        return Err(ExtError(format!("grad: {} outputs but {} gradients", outputs.len(), grads.len())));
     }
     let (o, g, i) = (ptrs(outputs), ptrs(grads), ptrs(inputs));
     let mut results: Vec<TensorPtr> = vec![std::ptr::null_mut(); i.len()];
@@ -232,17 +215,10 @@ extern "C" fn drop_boxed<T>(data: *mut c_void) {
 
 /// Runs `f` on the tensors libtorch hands over and pushes its results back. Panics and
 /// errors become a C++ exception on the other side, never an unwind across the boundary.
-fn run_callback(
-    f: &mut Callback<'_>,
-    inputs: *const TensorPtr,
-    n: usize,
-    out: *mut c_void,
-) -> c_int {
+fn run_callback(f: &mut Callback<'_>, inputs: *const TensorPtr, n: usize, out: *mut c_void) -> c_int {
     // SAFETY: libtorch passes `n` live tensor pointers that stay valid during the call;
     // shallow clones take their own reference.
-    let tensors: Vec<Tensor> = (0..n)
-        .map(|i| unsafe { Tensor::clone_from_ptr(*inputs.add(i)) })
-        .collect();
+    let tensors: Vec<Tensor> = (0..n).map(|i| unsafe { Tensor::clone_from_ptr(*inputs.add(i)) }).collect();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&tensors)));
     let message = match result {
         Ok(Ok(outputs)) => {
@@ -261,12 +237,7 @@ fn run_callback(
     1
 }
 
-extern "C" fn call_boxed(
-    data: *mut c_void,
-    inputs: *const TensorPtr,
-    n: usize,
-    out: *mut c_void,
-) -> c_int {
+extern "C" fn call_boxed(data: *mut c_void, inputs: *const TensorPtr, n: usize, out: *mut c_void) -> c_int {
     // SAFETY: `data` points at a live `BoxedFn` owned by the C++ holder.
     let f = unsafe { &mut *(data as *mut BoxedFn) };
     run_callback(f.as_mut(), inputs, n, out)
@@ -296,13 +267,7 @@ where
     let mut handle = 0u64;
     // SAFETY: ownership of `data` passes to the C++ holder, which calls `drop_boxed` once.
     check(unsafe {
-        strata_register_hook(
-            tensor.as_ptr() as TensorPtr,
-            call_boxed,
-            data,
-            drop_boxed::<BoxedFn>,
-            &mut handle,
-        )
+        strata_register_hook(tensor.as_ptr() as TensorPtr, call_boxed, data, drop_boxed::<BoxedFn>, &mut handle)
     })?;
     Ok(Hook { handle })
 }
@@ -327,12 +292,7 @@ extern "C" fn call_forward<F: Function>(
 ) -> c_int {
     // SAFETY: `data` points at a live `FunctionState<F>` owned by the C++ holder.
     let state = unsafe { &mut *(data as *mut FunctionState<F>) };
-    run_callback(
-        &mut |t: &[Tensor]| state.function.forward(t),
-        inputs,
-        n,
-        out,
-    )
+    run_callback(&mut |t: &[Tensor]| state.function.forward(t), inputs, n, out)
 }
 
 extern "C" fn call_backward<F: Function>(
@@ -343,12 +303,7 @@ extern "C" fn call_backward<F: Function>(
 ) -> c_int {
     // SAFETY: as in `call_forward`; libtorch runs forward and backward of one node in turn.
     let state = unsafe { &mut *(data as *mut FunctionState<F>) };
-    run_callback(
-        &mut |t: &[Tensor]| state.function.backward(t),
-        inputs,
-        n,
-        out,
-    )
+    run_callback(&mut |t: &[Tensor]| state.function.backward(t), inputs, n, out)
 }
 
 /// Applies `function` to `inputs`, recording one autograd node whose backward calls
@@ -417,31 +372,14 @@ fn same_lengths(what: &str, lengths: &[usize]) -> Result<()> {
     if lengths.windows(2).all(|w| w[0] == w[1]) {
         Ok(())
     } else {
-        Err(ExtError(format!(
-            "{what}: tensor lists of different lengths {lengths:?}"
-        )))
+        Err(ExtError(format!("{what}: tensor lists of different lengths {lengths:?}")))
     }
 }
 
 /// One Adam/AdamW update through `at::_fused_adam_` / `at::_fused_adamw_`.
 pub fn fused_adam(t: &AdamTensors<'_>, h: AdamStep, scaling: Scaling<'_>) -> Result<()> {
-    same_lengths(
-        "fused_adam",
-        &[
-            t.params.len(),
-            t.grads.len(),
-            t.exp_avgs.len(),
-            t.exp_avg_sqs.len(),
-            t.steps.len(),
-        ],
-    )?;
-    let (p, g, m, v, s) = (
-        ptrs(t.params),
-        ptrs(t.grads),
-        ptrs(t.exp_avgs),
-        ptrs(t.exp_avg_sqs),
-        ptrs(t.steps),
-    );
+    same_lengths("fused_adam", &[t.params.len(), t.grads.len(), t.exp_avgs.len(), t.exp_avg_sqs.len(), t.steps.len()])?;
+    let (p, g, m, v, s) = (ptrs(t.params), ptrs(t.grads), ptrs(t.exp_avgs), ptrs(t.exp_avg_sqs), ptrs(t.steps));
     // SAFETY: all lists hold live tensors of equal length, borrowed for the call.
     check(unsafe {
         strata_fused_adam(
@@ -538,12 +476,7 @@ pub mod cuda {
         let mut s = [0i64; 4];
         // SAFETY: `s` has the four slots the C++ side writes.
         check(unsafe { strata_cuda_memory_stats(device as c_int, s.as_mut_ptr()) })?;
-        Ok(MemoryStats {
-            allocated: s[0],
-            allocated_peak: s[1],
-            reserved: s[2],
-            reserved_peak: s[3],
-        })
+        Ok(MemoryStats { allocated: s[0], allocated_peak: s[1], reserved: s[2], reserved_peak: s[3] })
     }
 
     pub fn reset_peak_stats(device: usize) -> Result<()> {
@@ -560,13 +493,7 @@ pub mod cuda {
         pub fn from_pool(device: usize, high_priority: bool) -> Result<Stream> {
             let mut p = [0i64; 3];
             // SAFETY: `p` has the three slots the C++ side writes.
-            check(unsafe {
-                strata_cuda_stream_from_pool(
-                    device as c_int,
-                    high_priority as c_int,
-                    p.as_mut_ptr(),
-                )
-            })?;
+            check(unsafe { strata_cuda_stream_from_pool(device as c_int, high_priority as c_int, p.as_mut_ptr()) })?;
             Ok(Stream(p))
         }
 

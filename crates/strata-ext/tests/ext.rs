@@ -14,11 +14,7 @@ fn backward_seeds_outputs_with_given_gradients() {
     let upstream = Tensor::from_slice(&[1.0f64, 10.0, 100.0]);
     backward(&[&y], &[&upstream], false).unwrap();
     // d(x^2)/dx * upstream = 2x * upstream
-    assert!(close(
-        &x.grad(),
-        &Tensor::from_slice(&[2.0f64, 40.0, 600.0]),
-        0.0
-    ));
+    assert!(close(&x.grad(), &Tensor::from_slice(&[2.0f64, 40.0, 600.0]), 0.0));
 }
 
 #[test]
@@ -27,16 +23,9 @@ fn grad_returns_without_accumulating_and_reports_unused() {
     let unused = Tensor::from_slice(&[5.0f64]).set_requires_grad(true);
     let y = x.pow_tensor_scalar(3);
     let ones = Tensor::ones_like(&y);
-    let options = GradOptions {
-        allow_unused: true,
-        ..Default::default()
-    };
+    let options = GradOptions { allow_unused: true, ..Default::default() };
     let g = grad(&[&y], &[&ones], &[&x, &unused], options).unwrap();
-    assert!(close(
-        g[0].as_ref().unwrap(),
-        &Tensor::from_slice(&[12.0f64]),
-        1e-12
-    ));
+    assert!(close(g[0].as_ref().unwrap(), &Tensor::from_slice(&[12.0f64]), 1e-12));
     assert!(g[1].is_none());
     assert!(!x.grad().defined(), "grad must not accumulate into .grad");
 }
@@ -48,10 +37,7 @@ fn set_grad_makes_autograd_accumulate_into_a_flat_buffer_view() {
     set_grad(&w, Some(&flat_grad.narrow(0, 2, 2))).unwrap();
     (&w * 3.0).sum(Kind::Float).backward();
     (&w * 4.0).sum(Kind::Float).backward();
-    assert_eq!(
-        Vec::<f32>::try_from(&flat_grad).unwrap(),
-        vec![0.0, 0.0, 7.0, 7.0]
-    );
+    assert_eq!(Vec::<f32>::try_from(&flat_grad).unwrap(), vec![0.0, 0.0, 7.0, 7.0]);
 }
 
 #[test]
@@ -97,28 +83,13 @@ fn custom_function_runs_rust_forward_and_backward() {
     let dropped = Arc::new(AtomicUsize::new(0));
     let x = Tensor::from_slice(&[1.0f64, -2.0]).set_requires_grad(true);
     {
-        let y = apply_function(
-            Scale {
-                factor: 3.0,
-                dropped: dropped.clone(),
-            },
-            &[&x],
-        )
-        .unwrap();
+        let y = apply_function(Scale { factor: 3.0, dropped: dropped.clone() }, &[&x]).unwrap();
         assert!(close(&y[0], &Tensor::from_slice(&[3.0f64, -6.0]), 0.0));
         (&y[0] * &y[0]).sum(Kind::Double).backward();
         // d/dx (3x)^2 = 18 x
-        assert!(close(
-            &x.grad(),
-            &Tensor::from_slice(&[18.0f64, -36.0]),
-            1e-12
-        ));
+        assert!(close(&x.grad(), &Tensor::from_slice(&[18.0f64, -36.0]), 1e-12));
     }
-    assert_eq!(
-        dropped.load(Ordering::SeqCst),
-        1,
-        "the closure is freed with its graph"
-    );
+    assert_eq!(dropped.load(Ordering::SeqCst), 1, "the closure is freed with its graph");
 }
 
 struct Failing;
@@ -146,11 +117,7 @@ fn storage_can_be_freed_and_refilled_under_live_views() {
     let view = flat.narrow(0, 4, 4);
     assert_eq!(storage_nbytes(&flat).unwrap(), 32);
     resize_storage(&flat, 0).unwrap();
-    assert_eq!(
-        storage_nbytes(&view).unwrap(),
-        0,
-        "views share the freed storage"
-    );
+    assert_eq!(storage_nbytes(&view).unwrap(), 0, "views share the freed storage");
     resize_storage(&flat, 32).unwrap();
     let _ = flat.copy_(&Tensor::full([8], 7.0, (Kind::Float, tch::Device::Cpu)));
     assert_eq!(Vec::<f32>::try_from(&view).unwrap(), vec![7.0; 4]);
@@ -161,27 +128,10 @@ fn fused_adamw_matches_the_textbook_update() {
     let p0 = Tensor::from_slice(&[0.5f32, -1.0, 2.0]);
     let g = Tensor::from_slice(&[0.1f32, -0.2, 0.3]);
     let params = vec![p0.copy()];
-    let (m, v, s) = (
-        vec![p0.zeros_like()],
-        vec![p0.zeros_like()],
-        vec![Tensor::from(0.0f32)],
-    );
-    let h = AdamStep {
-        lr: 0.01,
-        beta1: 0.9,
-        beta2: 0.99,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        decoupled: true,
-        maximize: false,
-    };
-    let t = AdamTensors {
-        params: &params,
-        grads: &[g.shallow_clone()],
-        exp_avgs: &m,
-        exp_avg_sqs: &v,
-        steps: &s,
-    };
+    let (m, v, s) = (vec![p0.zeros_like()], vec![p0.zeros_like()], vec![Tensor::from(0.0f32)]);
+    let h =
+        AdamStep { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, decoupled: true, maximize: false };
+    let t = AdamTensors { params: &params, grads: &[g.shallow_clone()], exp_avgs: &m, exp_avg_sqs: &v, steps: &s };
     for step in 1..=2 {
         fused_adam(&t, h, Scaling::default()).unwrap();
         assert_eq!(s[0].double_value(&[]), step as f64);
@@ -238,24 +188,9 @@ fn fused_adam_skips_the_step_when_found_inf_is_set() {
         exp_avg_sqs: &v,
         steps: &s,
     };
-    let h = AdamStep {
-        lr: 0.1,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.0,
-        decoupled: false,
-        maximize: false,
-    };
-    fused_adam(
-        &t,
-        h,
-        Scaling {
-            grad_scale: Some(&scale),
-            found_inf: Some(&found_inf),
-        },
-    )
-    .unwrap();
+    let h =
+        AdamStep { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, maximize: false };
+    fused_adam(&t, h, Scaling { grad_scale: Some(&scale), found_inf: Some(&found_inf) }).unwrap();
     assert_eq!(params[0].double_value(&[0]), 1.0);
 }
 
@@ -265,10 +200,7 @@ fn cuda_calls_fail_cleanly_without_a_gpu() {
         let stats = cuda::memory_stats(0).unwrap();
         assert!(stats.reserved >= stats.allocated);
         let stream = cuda::Stream::from_pool(0, false).unwrap();
-        let (a, b) = (
-            cuda::Event::new(true).unwrap(),
-            cuda::Event::new(true).unwrap(),
-        );
+        let (a, b) = (cuda::Event::new(true).unwrap(), cuda::Event::new(true).unwrap());
         a.record(&stream).unwrap();
         b.record(&stream).unwrap();
         b.synchronize().unwrap();

@@ -69,7 +69,9 @@ pub fn to_safetensors<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor
     }
     let views = owned
         .iter()
-        .map(|(n, d, s, b)| Ok((n.as_str(), TensorView::new(*d, s.clone(), b).map_err(|e| Error::Model(e.to_string()))?)))
+        .map(|(n, d, s, b)| {
+            Ok((n.as_str(), TensorView::new(*d, s.clone(), b).map_err(|e| Error::Model(e.to_string()))?))
+        })
         .collect::<Result<Vec<_>>>()?;
     let metadata = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
     safetensors::serialize(views, &metadata).map_err(|e| Error::Model(e.to_string()))
@@ -82,7 +84,8 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     let st = SafeTensors::deserialize(&bytes).map_err(|e| err(format!("not a valid safetensors file ({e})")))?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
-        let kind = kind_of(view.dtype()).ok_or_else(|| err(format!("tensor {name:?} has unsupported dtype {:?}", view.dtype())))?;
+        let kind = kind_of(view.dtype())
+            .ok_or_else(|| err(format!("tensor {name:?} has unsupported dtype {:?}", view.dtype())))?;
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         let t = Tensor::f_from_data_size(view.data(), &shape, kind)?;
         out.insert(name, t);
@@ -103,7 +106,10 @@ pub fn load_weights(engine: &mut Engine, path: &Path) -> Result<()> {
     let err = |message: String| Error::Weights { path: path.to_path_buf(), message };
     let mut assigned: BTreeMap<usize, (&str, &Tensor)> = BTreeMap::new();
     for (name, t) in &tensors {
-        let id = engine.spec().find(name).ok_or_else(|| err(format!("unknown tensor {name:?} (not a parameter of this model)")))?;
+        let id = engine
+            .spec()
+            .find(name)
+            .ok_or_else(|| err(format!("unknown tensor {name:?} (not a parameter of this model)")))?;
         let expected = &engine.spec().params[id.0];
         if t.size() != expected.shape {
             return Err(err(format!("{name}: shape {:?} but the model expects {:?}", t.size(), expected.shape)));

@@ -138,7 +138,10 @@ fn units_have_stable_kind_names_and_pytorch_parameter_names() {
     assert_eq!(kinds, ["GptEmbedding", "GptBlock", "GptBlock", "GptHead"]);
     let w = e.param_by_name("transformer.h.1.attn.c_attn.weight").unwrap();
     assert_eq!(w.size(), [24, 8], "PyTorch [out, in] layout");
-    assert!(e.param_by_name("lm_head.weight").unwrap().data_ptr() == e.param_by_name("transformer.wte.weight").unwrap().data_ptr());
+    assert!(
+        e.param_by_name("lm_head.weight").unwrap().data_ptr()
+            == e.param_by_name("transformer.wte.weight").unwrap().data_ptr()
+    );
     let l = engine(tiny_llama, Kind::Float, BackwardMode::UnitByUnit, 0);
     assert_eq!(l.spec().units[1].kind(), "LlamaBlock");
     assert!(l.param_by_name("model.layers.0.mlp.gate_proj.weight").is_some());
@@ -165,7 +168,11 @@ fn parameters_are_views_into_one_flat_buffer_per_unit() {
             let p = e.param(*id);
             let start = storage.flat.data_ptr() as usize;
             let end = start + storage.flat.numel() * 4;
-            assert!((start..end).contains(&(p.data_ptr() as usize)), "{} lies outside its unit's buffer", e.spec().params[id.0].name);
+            assert!(
+                (start..end).contains(&(p.data_ptr() as usize)),
+                "{} lies outside its unit's buffer",
+                e.spec().params[id.0].name
+            );
         }
     }
     let report = e.ledger().report();
@@ -177,7 +184,9 @@ fn parameters_are_views_into_one_flat_buffer_per_unit() {
 fn a_device_budget_is_an_out_of_memory_error_before_allocation() {
     let mut b = Builder::new();
     tiny_gpt(&mut b).unwrap();
-    let err = Engine::new(b.build().unwrap(), EngineConfig { device_budget: Some(1000), ..Default::default() }).err().unwrap();
+    let err = Engine::new(b.build().unwrap(), EngineConfig { device_budget: Some(1000), ..Default::default() })
+        .err()
+        .unwrap();
     assert!(matches!(err, Error::OutOfMemory { budget: 1000, .. }), "{err}");
 }
 
@@ -212,6 +221,7 @@ fn builder_refuses_duplicate_names_and_bad_configs() {
     let mut b = Builder::new();
     let err = model::gpt(&GptConfig { vocab: 11, ctx: 6, layers: 1, heads: 3, dim: 8 }, &mut b).unwrap_err();
     assert!(err.to_string().contains("not divisible"), "{err}");
-    let err = model::llama(&LlamaConfig { layers: 0, ..LlamaConfig::new(11, 6, 1, 2, 8) }, &mut Builder::new()).unwrap_err();
+    let err =
+        model::llama(&LlamaConfig { layers: 0, ..LlamaConfig::new(11, 6, 1, 2, 8) }, &mut Builder::new()).unwrap_err();
     assert!(err.to_string().contains("layers must be positive"), "{err}");
 }

@@ -226,7 +226,10 @@ fn build_step(data: &TokenData, config: &LoaderConfig, rows: usize, index: usize
             let shape = [n as i64, ctx as i64];
             Ok(Batch {
                 inputs: Tensor::f_from_slice(&inputs)?.f_view(shape)?.f_to_device(config.device)?,
-                targets: Tensor::f_from_slice(&targets)?.f_view(shape)?.f_to_kind(Kind::Int64)?.f_to_device(config.device)?,
+                targets: Tensor::f_from_slice(&targets)?
+                    .f_view(shape)?
+                    .f_to_kind(Kind::Int64)?
+                    .f_to_device(config.device)?,
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -249,14 +252,19 @@ mod tests {
     fn shuffled_epochs_cover_every_window_once_and_depend_on_the_seed() {
         let cfg = LoaderConfig { seed: 7, ..LoaderConfig::new(4, 5) };
         // 41 tokens, ctx 4: epoch 0 of shift s has (40 - s) / 4 windows.
-        let steps: Vec<Step> = DataLoader::new(data(41), cfg.clone(), Order::Shuffled).unwrap().take(2).map(|s| s.unwrap()).collect();
+        let steps: Vec<Step> =
+            DataLoader::new(data(41), cfg.clone(), Order::Shuffled).unwrap().take(2).map(|s| s.unwrap()).collect();
         let starts: Vec<i64> = steps.iter().flat_map(|s| rows(&s.micro_batches[0])).map(|r| r[0]).collect();
         let first_epoch: std::collections::HashSet<i64> = starts.iter().take(9).copied().collect();
         assert!(first_epoch.len() >= 9, "no window repeats within an epoch: {starts:?}");
         let t = &steps[0].micro_batches[0];
         let (i, g) = (rows(t), Vec::<Vec<i64>>::try_from(&t.targets).unwrap());
         assert_eq!(g[0][0], i[0][1], "targets are inputs shifted by one");
-        let other = DataLoader::new(data(41), LoaderConfig { seed: 8, ..cfg }, Order::Shuffled).unwrap().next().unwrap().unwrap();
+        let other = DataLoader::new(data(41), LoaderConfig { seed: 8, ..cfg }, Order::Shuffled)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap();
         assert_ne!(rows(&other.micro_batches[0]), rows(t));
     }
 
@@ -266,7 +274,8 @@ mod tests {
         let mut seen = vec![];
         for rank in 0..2 {
             let cfg = LoaderConfig { rank, world: 2, accumulation: 2, ..LoaderConfig::new(2, 8) };
-            let step = DataLoader::new(data(100), cfg, Order::Offsets(offsets.clone())).unwrap().next().unwrap().unwrap();
+            let step =
+                DataLoader::new(data(100), cfg, Order::Offsets(offsets.clone())).unwrap().next().unwrap().unwrap();
             assert_eq!(step.micro_batches.len(), 2);
             for b in &step.micro_batches {
                 assert_eq!(b.inputs.size(), vec![2, 2]);
@@ -279,7 +288,8 @@ mod tests {
     #[test]
     fn offsets_replay_ends_and_out_of_range_offsets_are_refused() {
         let offsets = BatchOffsets { ctx: 4, batch: 1, offsets: vec![vec![0], vec![5]] };
-        let steps: Vec<_> = DataLoader::new(data(20), LoaderConfig::new(4, 1), Order::Offsets(offsets)).unwrap().collect();
+        let steps: Vec<_> =
+            DataLoader::new(data(20), LoaderConfig::new(4, 1), Order::Offsets(offsets)).unwrap().collect();
         assert_eq!(steps.len(), 2);
         let bad = BatchOffsets { ctx: 4, batch: 1, offsets: vec![vec![16]] };
         let err = DataLoader::new(data(20), LoaderConfig::new(4, 1), Order::Offsets(bad)).err().unwrap();

@@ -40,18 +40,20 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
-            Tokenizer::HuggingFace(t) => Ok(t
-                .encode(text, false)
-                .map_err(|e| Error::Data(format!("tokenizer failed: {e}")))?
-                .get_ids()
-                .to_vec()),
+            Tokenizer::HuggingFace(t) => {
+                Ok(t.encode(text, false).map_err(|e| Error::Data(format!("tokenizer failed: {e}")))?.get_ids().to_vec())
+            }
         }
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {
-            Tokenizer::Bytes => Ok(String::from_utf8_lossy(&ids.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned()),
-            Tokenizer::HuggingFace(t) => t.decode(ids, false).map_err(|e| Error::Data(format!("tokenizer failed: {e}"))),
+            Tokenizer::Bytes => {
+                Ok(String::from_utf8_lossy(&ids.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned())
+            }
+            Tokenizer::HuggingFace(t) => {
+                t.decode(ids, false).map_err(|e| Error::Data(format!("tokenizer failed: {e}")))
+            }
         }
     }
 }
@@ -79,7 +81,11 @@ impl TokenData {
     pub fn from_u16_file(path: &Path) -> Result<TokenData> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
         if bytes.len() % 2 != 0 {
-            return Err(Error::Data(format!("{}: {} bytes is not a whole number of u16 tokens", path.display(), bytes.len())));
+            return Err(Error::Data(format!(
+                "{}: {} bytes is not a whole number of u16 tokens",
+                path.display(),
+                bytes.len()
+            )));
         }
         let tokens = bytes.chunks_exact(2).map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]))).collect();
         Ok(TokenData::new(tokens, path.display().to_string()))

@@ -40,7 +40,13 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { device: Device::Cpu, kind: Kind::Float, seed: 0, backward: BackwardMode::UnitByUnit, device_budget: None }
+        EngineConfig {
+            device: Device::Cpu,
+            kind: Kind::Float,
+            seed: 0,
+            backward: BackwardMode::UnitByUnit,
+            device_budget: None,
+        }
     }
 }
 

@@ -18,7 +18,13 @@ pub struct GptConfig {
 
 impl GptConfig {
     pub fn validate(&self) -> Result<()> {
-        positive(&[("vocab", self.vocab), ("ctx", self.ctx), ("layers", self.layers), ("heads", self.heads), ("dim", self.dim)])?;
+        positive(&[
+            ("vocab", self.vocab),
+            ("ctx", self.ctx),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("dim", self.dim),
+        ])?;
         if self.dim % self.heads != 0 {
             return Err(Error::Config(format!("dim {} is not divisible by heads {}", self.dim, self.heads)));
         }
@@ -76,7 +82,11 @@ impl Unit for GptBlock {
         let qkv = linear(&h, &p[self.c_attn.0], Some(&p[self.c_attn.1]))?;
         let dim = *x.size().last().unwrap_or(&0);
         let parts = qkv.f_split(dim, 2)?;
-        let (q, k, v) = (split_heads(&parts[0], self.heads)?, split_heads(&parts[1], self.heads)?, split_heads(&parts[2], self.heads)?);
+        let (q, k, v) = (
+            split_heads(&parts[0], self.heads)?,
+            split_heads(&parts[1], self.heads)?,
+            split_heads(&parts[2], self.heads)?,
+        );
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
         let x = x.f_add(&linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]))?)?;
         let h = layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], LN_EPS)?;
@@ -103,11 +113,17 @@ impl Unit for GptHead {
 /// Declares a weight/bias pair `{prefix}.weight` `[out, in]` and `{prefix}.bias` `[out]`.
 fn dense(u: &mut super::UnitBuilder<'_>, prefix: &str, out: i64, inp: i64, std: f64, tp: TpRole) -> (ParamId, ParamId) {
     let bias_tp = if tp == TpRole::Column { TpRole::Column } else { TpRole::Replicated };
-    (u.param(format!("{prefix}.weight"), &[out, inp], Init::Normal { std }, tp), u.param(format!("{prefix}.bias"), &[out], Init::Zeros, bias_tp))
+    (
+        u.param(format!("{prefix}.weight"), &[out, inp], Init::Normal { std }, tp),
+        u.param(format!("{prefix}.bias"), &[out], Init::Zeros, bias_tp),
+    )
 }
 
 fn norm(u: &mut super::UnitBuilder<'_>, prefix: &str, dim: i64) -> (ParamId, ParamId) {
-    (u.param(format!("{prefix}.weight"), &[dim], Init::Ones, TpRole::Replicated), u.param(format!("{prefix}.bias"), &[dim], Init::Zeros, TpRole::Replicated))
+    (
+        u.param(format!("{prefix}.weight"), &[dim], Init::Ones, TpRole::Replicated),
+        u.param(format!("{prefix}.bias"), &[dim], Init::Zeros, TpRole::Replicated),
+    )
 }
 
 /// The GPT model function: units `embedding`, `transformer.h.{i}`, `head`.

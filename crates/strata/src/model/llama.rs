@@ -30,7 +30,14 @@ impl LlamaConfig {
     }
 
     pub fn validate(&self) -> Result<()> {
-        positive(&[("vocab", self.vocab), ("ctx", self.ctx), ("layers", self.layers), ("heads", self.heads), ("dim", self.dim), ("ffn_dim", self.hidden())])?;
+        positive(&[
+            ("vocab", self.vocab),
+            ("ctx", self.ctx),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("dim", self.dim),
+            ("ffn_dim", self.hidden()),
+        ])?;
         if self.dim % self.heads != 0 || (self.dim / self.heads) % 2 != 0 {
             return Err(Error::Config(format!("dim {} must split into {} heads of even size", self.dim, self.heads)));
         }
@@ -75,7 +82,11 @@ struct LlamaBlock {
 fn rotary(x: &Tensor, theta: f64) -> Result<Tensor> {
     let (_, _, t, d) = x.size4()?;
     let opts = (Kind::Float, x.device());
-    let inv_freq = Tensor::f_arange_start_step(0, d, 2, opts)?.f_div_scalar(d as f64)?.f_neg()?.f_mul_scalar(theta.ln())?.f_exp()?;
+    let inv_freq = Tensor::f_arange_start_step(0, d, 2, opts)?
+        .f_div_scalar(d as f64)?
+        .f_neg()?
+        .f_mul_scalar(theta.ln())?
+        .f_exp()?;
     let freqs = Tensor::f_arange(t, opts)?.f_outer(&inv_freq)?;
     let angles = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_to_kind(x.kind())?;
     let (cos, sin) = (angles.f_cos()?, angles.f_sin()?);
@@ -127,13 +138,31 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());
         let mut w = |suffix: &str, shape: &[i64], tp| u.param(format!("{name}.{suffix}"), shape, normal, tp);
-        let (q, k, v) = (w("self_attn.q_proj.weight", &[d, d], TpRole::Column), w("self_attn.k_proj.weight", &[d, d], TpRole::Column), w("self_attn.v_proj.weight", &[d, d], TpRole::Column));
+        let (q, k, v) = (
+            w("self_attn.q_proj.weight", &[d, d], TpRole::Column),
+            w("self_attn.k_proj.weight", &[d, d], TpRole::Column),
+            w("self_attn.v_proj.weight", &[d, d], TpRole::Column),
+        );
         let o = w("self_attn.o_proj.weight", &[d, d], TpRole::Row);
-        let (gate, up) = (w("mlp.gate_proj.weight", &[f, d], TpRole::Column), w("mlp.up_proj.weight", &[f, d], TpRole::Column));
+        let (gate, up) =
+            (w("mlp.gate_proj.weight", &[f, d], TpRole::Column), w("mlp.up_proj.weight", &[f, d], TpRole::Column));
         let down = w("mlp.down_proj.weight", &[d, f], TpRole::Row);
         let input_norm = u.param(format!("{name}.input_layernorm.weight"), &[d], Init::Ones, TpRole::Replicated);
-        let post_norm = u.param(format!("{name}.post_attention_layernorm.weight"), &[d], Init::Ones, TpRole::Replicated);
-        u.finish(LlamaBlock { input_norm, q, k, v, o, post_norm, gate, up, down, heads: cfg.heads, rope_theta: cfg.rope_theta });
+        let post_norm =
+            u.param(format!("{name}.post_attention_layernorm.weight"), &[d], Init::Ones, TpRole::Replicated);
+        u.finish(LlamaBlock {
+            input_norm,
+            q,
+            k,
+            v,
+            o,
+            post_norm,
+            gate,
+            up,
+            down,
+            heads: cfg.heads,
+            rope_theta: cfg.rope_theta,
+        });
     }
     let mut u = b.unit("head");
     let norm = u.param("model.norm.weight", &[d], Init::Ones, TpRole::Replicated);

@@ -126,7 +126,15 @@ impl Optimizer {
         };
         let mut groups: Vec<Group> = std::iter::once((config.lr, config.weight_decay))
             .chain(rules.iter().map(|r| (r.lr.unwrap_or(config.lr), r.weight_decay.unwrap_or(config.weight_decay))))
-            .map(|(lr, weight_decay)| Group { lr, weight_decay, params: vec![], grads: vec![], first: vec![], second: vec![], steps: vec![] })
+            .map(|(lr, weight_decay)| Group {
+                lr,
+                weight_decay,
+                params: vec![],
+                grads: vec![],
+                first: vec![],
+                second: vec![],
+                steps: vec![],
+            })
             .collect();
         let ledger = engine.ledger().clone();
         let mut state_bytes = 0;
@@ -175,7 +183,13 @@ impl Optimizer {
             let lr = g.lr * self.lr_factor;
             match c.kind {
                 OptimizerKind::Adam | OptimizerKind::AdamW => strata_ext::fused_adam(
-                    &AdamTensors { params: &g.params, grads: &g.grads, exp_avgs: &g.first, exp_avg_sqs: &g.second, steps: &g.steps },
+                    &AdamTensors {
+                        params: &g.params,
+                        grads: &g.grads,
+                        exp_avgs: &g.first,
+                        exp_avg_sqs: &g.second,
+                        steps: &g.steps,
+                    },
                     AdamStep {
                         lr,
                         beta1: c.betas.0,
@@ -239,9 +253,16 @@ impl Drop for Optimizer {
 pub enum Schedule {
     Constant,
     /// Linear warm-up from 1/warmup to 1, then cosine decay to `min_factor` at `total`.
-    WarmupCosine { warmup: u64, total: u64, min_factor: f64 },
+    WarmupCosine {
+        warmup: u64,
+        total: u64,
+        min_factor: f64,
+    },
     /// Multiply by `gamma` every `every` steps.
-    Step { every: u64, gamma: f64 },
+    Step {
+        every: u64,
+        gamma: f64,
+    },
 }
 
 impl Schedule {

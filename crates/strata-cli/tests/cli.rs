@@ -1,0 +1,333 @@
+//! End-to-end tests of the `strata` binary: training against PyTorch, weights round trips,
+//! learning on the default corpus, and one-line errors for bad input.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .env("STRATA_LOG", "warn")
+        .output()
+        .expect("the strata binary runs")
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn python() -> Option<PathBuf> {
+    let p = repo().join(".venv/bin/python");
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipping: {} is missing (run scripts/setup.sh)", p.display());
+        None
+    }
+}
+
+fn losses(metrics: &Path) -> Vec<f64> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect()
+}
+
+fn ok(out: &Output) -> String {
+    assert!(out.status.success(), "strata failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The error output of a failed run: exactly one line, no panic, non-zero exit.
+fn one_line_error(out: &Output) -> String {
+    assert!(!out.status.success(), "expected a failure, got success");
+    let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert_eq!(err.lines().count(), 1, "error must be one line, got:\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Writes a token file and a 20-step batch-offsets plan for ctx 32, batch 4.
+fn replay_inputs(dir: &Path) -> (PathBuf, PathBuf) {
+    let tokens = strata::data::SyntheticCorpus { tokens: 20_000, ..Default::default() }.generate();
+    let token_file = dir.join("tokens.bin");
+    tokens.write_u16_file(&token_file).unwrap();
+    let mut x: u64 = 12345;
+    let offsets: Vec<Vec<usize>> = (0..20)
+        .map(|_| {
+            (0..4)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((x >> 33) as usize) % (tokens.len() - 33)
+                })
+                .collect()
+        })
+        .collect();
+    let plan = dir.join("offsets.json");
+    std::fs::write(&plan, serde_json::json!({"ctx": 32, "batch": 4, "offsets": offsets}).to_string()).unwrap();
+    (token_file, plan)
+}
+
+const GPT: [&str; 11] = ["train", "--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32"];
+const OPTIM: [&str; 12] = [
+    "--lr",
+    "0.003",
+    "--betas",
+    "0.9,0.95",
+    "--eps",
+    "1e-8",
+    "--weight-decay",
+    "0.1",
+    "--grad-clip",
+    "1.0",
+    "--schedule",
+    "constant",
+];
+
+#[test]
+fn gpt_losses_match_pytorch_step_by_step() {
+    let Some(python) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (tokens, plan) = replay_inputs(dir.path());
+    let init = dir.path().join("init.safetensors");
+    let vocab = ["--vocab", "96", "--threads", "2"];
+    ok(&strata(&[&GPT[..], &vocab, &["--steps", "0", "--seed", "7", "--save-weights", s(&init)]].concat()));
+
+    let torch = Command::new(python)
+        .arg(repo().join("scripts/torch_reference.py"))
+        .args(["train", "--weights", s(&init), "--tokens", s(&tokens), "--offsets", s(&plan), "--steps", "20"])
+        .args(["--heads", "2", "--lr", "0.003", "--betas", "0.9", "0.95", "--eps", "1e-8", "--weight-decay", "0.1"])
+        .args(["--grad-clip", "1.0", "--threads", "2"])
+        .output()
+        .unwrap();
+    assert!(torch.status.success(), "{}", String::from_utf8_lossy(&torch.stderr));
+    let reference: Vec<f64> = serde_json::from_slice::<serde_json::Value>(&torch.stdout).unwrap()["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+
+    let metrics = dir.path().join("metrics.jsonl");
+    let replay = ["--init-weights", s(&init), "--token-file", s(&tokens), "--batch-offsets", s(&plan)];
+    let run = ["--steps", "20", "--batch-size", "4", "--metrics", s(&metrics)];
+    ok(&strata(&[&GPT[..], &vocab, &OPTIM, &replay, &run].concat()));
+    let ours = losses(&metrics);
+    assert_eq!(ours.len(), 20);
+    assert_eq!(reference.len(), 20);
+    for (step, (a, b)) in ours.iter().zip(&reference).enumerate() {
+        let rel = (a - b).abs() / b.abs();
+        assert!(rel < 1e-4, "step {step}: strata {a} vs pytorch {b} (relative {rel:e})");
+    }
+    assert!(ours[19] < ours[0] - 0.5, "the replayed run learns: {ours:?}");
+}
+
+#[test]
+fn saved_weights_load_back_exactly_with_or_without_lm_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.safetensors"), dir.path().join("b.safetensors"));
+    let tiny = ["--steps", "3", "--batch-size", "2", "--threads", "1"];
+    ok(&strata(&[&GPT[..], &tiny, &["--save-weights", s(&a)]].concat()));
+    // Zero training steps from loaded weights must save the identical tensors.
+    ok(&strata(&[&GPT[..], &["--steps", "0", "--init-weights", s(&a), "--save-weights", s(&b)]].concat()));
+    let (ta, tb) = (strata::io::read_safetensors(&a).unwrap(), strata::io::read_safetensors(&b).unwrap());
+    assert_eq!(ta.keys().collect::<Vec<_>>(), tb.keys().collect::<Vec<_>>());
+    assert!(!ta.contains_key("lm_head.weight"), "the tied head is saved once");
+    for (name, t) in &ta {
+        assert!(t.equal(&tb[name]), "{name} changed in the round trip");
+    }
+    // A file that also carries lm_head.weight (as torch state dicts do) loads as well...
+    let mut with_head: Vec<(&str, &tch::Tensor)> = ta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    with_head.push(("lm_head.weight", &ta["transformer.wte.weight"]));
+    let c = dir.path().join("c.safetensors");
+    std::fs::write(&c, strata::io::to_safetensors(with_head).unwrap()).unwrap();
+    ok(&strata(&[&GPT[..], &["--steps", "0", "--init-weights", s(&c)]].concat()));
+    // ...but not when the head disagrees with the embedding it is tied to.
+    let other = &ta["transformer.wte.weight"] + 1.0;
+    let mut bad: Vec<(&str, &tch::Tensor)> = ta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    bad.push(("lm_head.weight", &other));
+    std::fs::write(&c, strata::io::to_safetensors(bad).unwrap()).unwrap();
+    let err = one_line_error(&strata(&[&GPT[..], &["--steps", "0", "--init-weights", s(&c)]].concat()));
+    assert!(err.contains("tie"), "{err}");
+}
+
+#[test]
+fn default_corpus_loss_falls_toward_its_known_optimum() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let out = ok(&strata(&[
+        "train",
+        "--model",
+        "mlp",
+        "--layers",
+        "1",
+        "--dim",
+        "64",
+        "--steps",
+        "150",
+        "--batch-size",
+        "16",
+        "--threads",
+        "2",
+        "--lr",
+        "0.01",
+        "--metrics",
+        s(&metrics),
+    ]));
+    let l = losses(&metrics);
+    let best = strata::data::SyntheticCorpus::default().best_loss();
+    assert!(l[0] > 5.0, "starts near ln(256): {}", l[0]);
+    let tail: f64 = l[l.len() - 10..].iter().sum::<f64>() / 10.0;
+    assert!(tail < best + 0.1, "mean of the last 10 losses {tail} is not within 0.1 of the optimum {best}");
+    assert!(tail > best - 0.05, "a loss below the entropy bound {best} means the data leaks: {tail}");
+    assert!(out.contains("best possible"), "{out}");
+}
+
+#[test]
+fn metrics_have_the_promised_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    ok(&strata(&[
+        "train",
+        "--model",
+        "llama",
+        "--layers",
+        "1",
+        "--dim",
+        "32",
+        "--heads",
+        "2",
+        "--ctx",
+        "16",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--accumulation",
+        "2",
+        "--metrics",
+        s(&metrics),
+    ]));
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    for key in ["step", "loss", "lr", "tokens_per_s", "peak_bytes"] {
+        assert!(first.get(key).is_some(), "missing {key} in {first}");
+    }
+    assert_eq!(first["tokens"], 64, "4 rows × 16 tokens over 2 micro-batches");
+    assert!(first["peak_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn text_data_and_config_files_are_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("t.txt");
+    std::fs::write(&text, "to be or not to be, that is the question. ".repeat(40)).unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        format!("model = \"mlp\"\nlayers = 1\ndim = 16\nsteps = 4\nbatch-size = 2\nctx = 8\ndata = \"{}\"\n", s(&text)),
+    )
+    .unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    ok(&strata(&["train", "--config", s(&cfg), "--steps", "3", "--metrics", s(&metrics)]));
+    assert_eq!(losses(&metrics).len(), 3, "the flag overrides the file's steps = 4");
+}
+
+#[test]
+fn bad_input_gets_one_line_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let quick = ["--model", "mlp", "--layers", "1", "--dim", "8", "--ctx", "8", "--steps", "1", "--batch-size", "2"];
+    let run = |extra: &[&str]| strata(&[&["train"][..], &quick, extra].concat());
+
+    let err = run(&["--init-weights", s(&d.join("missing.safetensors"))]);
+    assert!(one_line_error(&err).contains("missing.safetensors"));
+
+    let good = d.join("good.safetensors");
+    ok(&run(&["--save-weights", s(&good)]));
+    let bytes = std::fs::read(&good).unwrap();
+    let truncated = d.join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let e = one_line_error(&run(&["--init-weights", s(&truncated)]));
+    assert!(e.contains("truncated.safetensors") && e.contains("not a valid safetensors"), "{e}");
+
+    let e = one_line_error(&strata(&[
+        "train",
+        "--model",
+        "mlp",
+        "--layers",
+        "1",
+        "--dim",
+        "16",
+        "--steps",
+        "0",
+        "--init-weights",
+        s(&good),
+    ]));
+    assert!(e.contains("shape"), "wrong shapes: {e}");
+    let e = one_line_error(&strata(&[
+        "train",
+        "--model",
+        "mlp",
+        "--layers",
+        "2",
+        "--dim",
+        "8",
+        "--steps",
+        "0",
+        "--init-weights",
+        s(&good),
+    ]));
+    assert!(e.contains("missing parameter"), "{e}");
+    let e = one_line_error(&strata(&[
+        "train",
+        "--model",
+        "gpt",
+        "--layers",
+        "1",
+        "--dim",
+        "8",
+        "--heads",
+        "2",
+        "--steps",
+        "0",
+        "--init-weights",
+        s(&good),
+    ]));
+    assert!(e.contains("unknown tensor"), "unknown names: {e}");
+
+    let empty = d.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    assert!(one_line_error(&run(&["--data", s(&empty)])).contains("fewer than"));
+    let short = d.join("short.txt");
+    std::fs::write(&short, "abc").unwrap();
+    assert!(one_line_error(&run(&["--data", s(&short)])).contains("fewer than"));
+    let odd = d.join("odd.bin");
+    std::fs::write(&odd, [1u8, 2, 3]).unwrap();
+    assert!(one_line_error(&run(&["--token-file", s(&odd)])).contains("u16"));
+
+    for (flags, needle) in [
+        (&["--lr", "-1"][..], "learning rate"),
+        (&["--betas", "0.9"], "betas"),
+        (&["--optimizer", "lion"], "unknown optimizer"),
+        (&["--batch-size", "3", "--accumulation", "2"], "does not split"),
+        (&["--device", "tpu"], "unknown device"),
+        (&["--model", "rnn"], "unknown model"),
+        (&["--grad-clip", "-2"], "grad-clip"),
+    ] {
+        let e = one_line_error(&run(flags));
+        assert!(e.contains(needle), "{flags:?}: {e}");
+    }
+    let e = one_line_error(&strata(&["train", "--model", "gpt", "--heads", "3", "--dim", "8", "--steps", "0"]));
+    assert!(e.contains("divisible"), "{e}");
+    let bad_toml = d.join("bad.toml");
+    std::fs::write(&bad_toml, "stepz = 3\n").unwrap();
+    assert!(one_line_error(&run(&["--config", s(&bad_toml)])).contains("stepz"));
+    let e = one_line_error(&strata(&["train", "--no-such-flag"]));
+    assert!(e.contains("--no-such-flag"), "{e}");
+    assert_eq!(strata(&["train", "--no-such-flag"]).status.code(), Some(2));
+}
