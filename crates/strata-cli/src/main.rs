@@ -18,7 +18,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (the embedded synthetic corpus unless --data or --token-file is given).
-    Train(options::TrainOptions),
+    Train(Box<options::TrainOptions>),
     /// Benchmarks, each against a reference measured in the same run.
     Bench {
         #[command(subcommand)]

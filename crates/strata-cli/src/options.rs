@@ -222,7 +222,7 @@ impl TrainOptions {
             (None, None) => DataChoice::Synthetic,
         };
         let grad_clip = match o.grad_clip.unwrap_or(1.0) {
-            c if c == 0.0 => None,
+            0.0 => None,
             c if c > 0.0 => Some(c),
             c => bail!("--grad-clip must be positive (or 0 for none), got {c}"),
         };

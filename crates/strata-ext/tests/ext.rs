@@ -119,7 +119,7 @@ fn storage_can_be_freed_and_refilled_under_live_views() {
     resize_storage(&flat, 0).unwrap();
     assert_eq!(storage_nbytes(&view).unwrap(), 0, "views share the freed storage");
     resize_storage(&flat, 32).unwrap();
-    let _ = flat.copy_(&Tensor::full([8], 7.0, (Kind::Float, tch::Device::Cpu)));
+    flat.copy_(&Tensor::full([8], 7.0, (Kind::Float, tch::Device::Cpu)));
     assert_eq!(Vec::<f32>::try_from(&view).unwrap(), vec![7.0; 4]);
 }
 

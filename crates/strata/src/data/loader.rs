@@ -75,7 +75,7 @@ impl LoaderConfig {
             return Err(Error::Config(format!("rank {} is outside a world of {}", self.rank, self.world)));
         }
         let per_rank = self.batch_size / self.world;
-        if self.batch_size % self.world != 0 || per_rank % self.accumulation != 0 {
+        if !self.batch_size.is_multiple_of(self.world) || !per_rank.is_multiple_of(self.accumulation) {
             return Err(Error::Config(format!(
                 "batch size {} does not split into {} ranks × {} micro-batches",
                 self.batch_size, self.world, self.accumulation

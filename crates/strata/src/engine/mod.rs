@@ -161,6 +161,7 @@ impl Engine {
             storage.push(UnitStorage { flat, grad });
         }
         let params = params.into_iter().map(|p| p.expect("every parameter belongs to a unit")).collect();
+        tracing::debug!(units = spec.units.len(), params = spec.num_params(), device = ?config.device, "engine allocated");
         Ok(Engine { spec, config, storage, params, offsets, ledger, schedule: Box::new(Resident), record: None })
     }
 

@@ -73,10 +73,11 @@ impl OptimizerConfig {
         if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
             return bad(format!("betas must lie in [0, 1), got ({b1}, {b2})"));
         }
-        if !(self.eps > 0.0) {
+        if self.eps.is_nan() || self.eps <= 0.0 {
             return bad(format!("eps must be positive, got {}", self.eps));
         }
-        if !(self.weight_decay >= 0.0) || !(self.momentum >= 0.0) {
+        let non_negative = |v: f64| v.is_finite() && v >= 0.0;
+        if !non_negative(self.weight_decay) || !non_negative(self.momentum) || !non_negative(self.dampening) {
             return bad("weight decay and momentum must be non-negative".into());
         }
         if self.nesterov && (self.momentum == 0.0 || self.dampening != 0.0) {

@@ -1,0 +1,68 @@
+use strata::engine::{Engine, EngineConfig};
+use strata::model::{self, Builder, MlpConfig};
+use strata::optim::{GroupRule, Optimizer, OptimizerConfig, OptimizerKind};
+use tch::Kind;
+
+fn mlp_engine() -> Engine {
+    let mut b = Builder::new();
+    model::mlp(&MlpConfig { vocab: 7, layers: 2, dim: 4 }, &mut b).unwrap();
+    Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap()
+}
+
+fn snapshot(e: &Engine) -> Vec<(String, tch::Tensor)> {
+    e.named_params().map(|(n, t)| (n.to_string(), t.detach().copy())).collect()
+}
+
+#[test]
+fn parameter_groups_get_their_own_weight_decay_and_segments_stay_contiguous() {
+    let e = mlp_engine();
+    let rules = [GroupRule { name_contains: vec!["bias".into()], weight_decay: Some(0.0), lr: None }];
+    // Each layer unit holds weight then bias: two segments of different groups.
+    let segments = e.segments(|p| usize::from(p.name.contains("bias"))).unwrap();
+    assert_eq!(segments.len(), 1 + 2 * 2 + 2, "embedding, 2 × (weight, bias), head weight and bias");
+    let mut opt =
+        Optimizer::new(&e, OptimizerConfig { lr: 0.1, weight_decay: 0.5, ..Default::default() }, &rules).unwrap();
+    let before = snapshot(&e);
+    // Zero gradients: AdamW moves parameters only through decoupled weight decay.
+    opt.step().unwrap();
+    for ((name, old), (_, new)) in before.iter().zip(e.named_params()) {
+        let expected = if name.contains("bias") { old.shallow_clone() } else { old * (1.0 - 0.1 * 0.5) };
+        assert!(new.allclose(&expected, 1e-6, 1e-7, false), "{name}");
+    }
+}
+
+#[test]
+fn sgd_and_adam_follow_their_update_rules_on_engine_storage() {
+    for kind in [OptimizerKind::Sgd, OptimizerKind::Adam] {
+        let e = mlp_engine();
+        let config = OptimizerConfig { kind, lr: 0.1, weight_decay: 0.0, ..Default::default() };
+        let mut opt = Optimizer::new(&e, config, &[]).unwrap();
+        for s in e.storage() {
+            let _ = s.grad.shallow_clone().fill_(0.5);
+        }
+        let before = snapshot(&e);
+        opt.step().unwrap();
+        // SGD: p - lr·g = p - 0.05. Adam's first step: p - lr·sign(g) = p - 0.1.
+        let delta = if kind == OptimizerKind::Sgd { 0.05 } else { 0.1 };
+        for ((name, old), (_, new)) in before.iter().zip(e.named_params()) {
+            assert!(new.allclose(&(old - delta), 1e-5, 1e-6, false), "{kind:?} {name}");
+        }
+    }
+}
+
+#[test]
+fn clipping_scales_the_global_norm_down_to_the_limit() {
+    let e = mlp_engine();
+    let mut opt = Optimizer::new(&e, OptimizerConfig::default(), &[]).unwrap();
+    let numel: i64 = e.spec().num_params();
+    for s in e.storage() {
+        let _ = s.grad.shallow_clone().fill_(1.0);
+    }
+    let norm = opt.clip_grad_norm(2.0).unwrap();
+    assert!((norm - (numel as f64).sqrt()).abs() < 1e-3);
+    let after: f64 = e.storage().iter().map(|s| s.grad.square().sum(Kind::Double).double_value(&[])).sum();
+    assert!((after.sqrt() - 2.0).abs() < 1e-4, "clipped norm {}", after.sqrt());
+    let ledger = e.ledger().report();
+    let state = ledger[&strata::engine::Placement::Device].by_category[&strata::engine::Category::OptimizerState];
+    assert_eq!(state as i64, 2 * 4 * numel, "two fp32 moments per parameter are accounted");
+}
