@@ -255,50 +255,15 @@ fn bad_input_gets_one_line_errors() {
     let e = one_line_error(&run(&["--init-weights", s(&truncated)]));
     assert!(e.contains("truncated.safetensors") && e.contains("not a valid safetensors"), "{e}");
 
-    let e = one_line_error(&strata(&[
-        "train",
-        "--model",
-        "mlp",
-        "--layers",
-        "1",
-        "--dim",
-        "16",
-        "--steps",
-        "0",
-        "--init-weights",
-        s(&good),
-    ]));
-    assert!(e.contains("shape"), "wrong shapes: {e}");
-    let e = one_line_error(&strata(&[
-        "train",
-        "--model",
-        "mlp",
-        "--layers",
-        "2",
-        "--dim",
-        "8",
-        "--steps",
-        "0",
-        "--init-weights",
-        s(&good),
-    ]));
-    assert!(e.contains("missing parameter"), "{e}");
-    let e = one_line_error(&strata(&[
-        "train",
-        "--model",
-        "gpt",
-        "--layers",
-        "1",
-        "--dim",
-        "8",
-        "--heads",
-        "2",
-        "--steps",
-        "0",
-        "--init-weights",
-        s(&good),
-    ]));
-    assert!(e.contains("unknown tensor"), "unknown names: {e}");
+    // Weights of a one-layer MLP of width 8 loaded into other models.
+    for (model, needle) in [
+        (&["--model", "mlp", "--layers", "1", "--dim", "16"][..], "shape"),
+        (&["--model", "mlp", "--layers", "2", "--dim", "8"], "missing parameter"),
+        (&["--model", "gpt", "--layers", "1", "--dim", "8", "--heads", "2"], "unknown tensor"),
+    ] {
+        let e = one_line_error(&strata(&[&["train", "--steps", "0", "--init-weights", s(&good)][..], model].concat()));
+        assert!(e.contains(needle), "{model:?}: {e}");
+    }
 
     let empty = d.join("empty.txt");
     std::fs::write(&empty, "").unwrap();

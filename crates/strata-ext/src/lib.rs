@@ -280,36 +280,27 @@ pub trait Function: Send + 'static {
     fn backward(&mut self, grad_outputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String>;
 }
 
-struct FunctionState<F: Function> {
-    function: F,
-}
-
-extern "C" fn call_forward<F: Function>(
+/// Runs `F::forward` or (with `BACKWARD`) `F::backward` for libtorch.
+extern "C" fn call_function<F: Function, const BACKWARD: bool>(
     data: *mut c_void,
     inputs: *const TensorPtr,
     n: usize,
     out: *mut c_void,
 ) -> c_int {
-    // SAFETY: `data` points at a live `FunctionState<F>` owned by the C++ holder.
-    let state = unsafe { &mut *(data as *mut FunctionState<F>) };
-    run_callback(&mut |t: &[Tensor]| state.function.forward(t), inputs, n, out)
-}
-
-extern "C" fn call_backward<F: Function>(
-    data: *mut c_void,
-    inputs: *const TensorPtr,
-    n: usize,
-    out: *mut c_void,
-) -> c_int {
-    // SAFETY: as in `call_forward`; libtorch runs forward and backward of one node in turn.
-    let state = unsafe { &mut *(data as *mut FunctionState<F>) };
-    run_callback(&mut |t: &[Tensor]| state.function.backward(t), inputs, n, out)
+    // SAFETY: `data` points at a live `F` owned by the C++ holder; libtorch runs the
+    // forward and the backward of one node one after the other, never at once.
+    let function = unsafe { &mut *(data as *mut F) };
+    if BACKWARD {
+        run_callback(&mut |t: &[Tensor]| function.backward(t), inputs, n, out)
+    } else {
+        run_callback(&mut |t: &[Tensor]| function.forward(t), inputs, n, out)
+    }
 }
 
 /// Applies `function` to `inputs`, recording one autograd node whose backward calls
 /// `function.backward`.
 pub fn apply_function<F: Function>(function: F, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-    let data = Box::into_raw(Box::new(FunctionState { function })) as *mut c_void;
+    let data = Box::into_raw(Box::new(function)) as *mut c_void;
     let p = ptrs(inputs);
     let mut out: Vec<Tensor> = Vec::new();
     // SAFETY: ownership of `data` passes to the C++ holder; `sink_into_vec` receives owned
@@ -318,10 +309,10 @@ pub fn apply_function<F: Function>(function: F, inputs: &[&Tensor]) -> Result<Ve
         strata_custom_function(
             p.as_ptr(),
             p.len(),
-            call_forward::<F>,
-            call_backward::<F>,
+            call_function::<F, false>,
+            call_function::<F, true>,
             data,
-            drop_boxed::<FunctionState<F>>,
+            drop_boxed::<F>,
             sink_into_vec,
             &mut out as *mut Vec<Tensor> as *mut c_void,
         )

@@ -3,7 +3,7 @@
 //! `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::positive;
 use super::layers::{causal_attention, linear, merge_heads, rms_norm, split_heads};
-use super::{Builder, Init, ParamId, Params, TpRole, Unit};
+use super::{Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -50,19 +50,6 @@ impl LlamaConfig {
 
 const STD: f64 = 0.02;
 const EPS: f64 = 1e-5;
-
-struct LlamaEmbedding {
-    embed: ParamId,
-}
-
-impl Unit for LlamaEmbedding {
-    fn kind(&self) -> &'static str {
-        "LlamaEmbedding"
-    }
-    fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
-        Ok(Tensor::f_embedding(&p[self.embed], tokens, -1, false, false)?)
-    }
-}
 
 struct LlamaBlock {
     input_norm: ParamId,
@@ -133,7 +120,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     let normal = Init::Normal { std: STD };
     let mut u = b.unit("embedding");
     let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
-    u.finish(LlamaEmbedding { embed });
+    u.finish(TokenEmbedding { table: embed, kind: "LlamaEmbedding" });
     for i in 0..cfg.layers {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());

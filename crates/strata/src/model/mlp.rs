@@ -2,7 +2,7 @@
 //! token only): the quickest model to test engine and strategy machinery with.
 use super::gpt::positive;
 use super::layers::linear;
-use super::{Builder, Init, ParamId, Params, TpRole, Unit};
+use super::{Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit};
 use crate::Result;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
@@ -15,19 +15,6 @@ pub struct MlpConfig {
 }
 
 const STD: f64 = 0.02;
-
-struct MlpEmbedding {
-    embed: ParamId,
-}
-
-impl Unit for MlpEmbedding {
-    fn kind(&self) -> &'static str {
-        "MlpEmbedding"
-    }
-    fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
-        Ok(Tensor::f_embedding(&p[self.embed], tokens, -1, false, false)?)
-    }
-}
 
 struct MlpLayer {
     weight: ParamId,
@@ -63,7 +50,7 @@ pub fn mlp(cfg: &MlpConfig, b: &mut Builder) -> Result<()> {
     let normal = Init::Normal { std: STD };
     let mut u = b.unit("embedding");
     let embed = u.param("embed.weight", &[cfg.vocab, cfg.dim], normal, TpRole::Vocab);
-    u.finish(MlpEmbedding { embed });
+    u.finish(TokenEmbedding { table: embed, kind: "MlpEmbedding" });
     for i in 0..cfg.layers {
         let mut u = b.unit(format!("layers.{i}"));
         let weight = u.param(format!("layers.{i}.fc.weight"), &[cfg.dim, cfg.dim], normal, TpRole::Column);

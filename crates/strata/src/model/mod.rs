@@ -89,6 +89,21 @@ pub trait Unit: Send + Sync {
     fn forward(&self, params: &Params<'_>, input: &Tensor) -> Result<Tensor>;
 }
 
+/// Token ids `[B, T]` to vectors `[B, T, D]` by table look-up; `kind` names the model's unit.
+pub(crate) struct TokenEmbedding {
+    pub(crate) table: ParamId,
+    pub(crate) kind: &'static str,
+}
+
+impl Unit for TokenEmbedding {
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+    fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
+        Ok(Tensor::f_embedding(&p[self.table], tokens, -1, false, false)?)
+    }
+}
+
 /// A unit with its name and the parameters it owns or borrows from another unit.
 pub struct UnitSpec {
     pub name: String,
