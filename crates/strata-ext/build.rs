@@ -6,6 +6,7 @@ fn main() {
     let lib = PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys reports where libtorch is"));
     let root = lib.parent().expect("libtorch lib folder has a parent").to_path_buf();
     let include = root.join("include");
+    let cuda = std::env::var_os("CARGO_FEATURE_CUDA").is_some();
 
     let mut build = cc::Build::new();
     build
@@ -15,29 +16,25 @@ fn main() {
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
-        .flag_if_supported("-Wno-unused-parameter")
-        .flag_if_supported("-Wno-deprecated-declarations")
         .warnings(false);
-    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        build.define("STRATA_CUDA", None);
-        // The CUDA runtime headers ship in the nvidia wheel beside torch.
-        let site = root.parent().expect("torch lives in site-packages");
-        for sub in ["nvidia/cu13/include", "nvidia/cuda_runtime/include"] {
-            let dir = site.join(sub);
-            if dir.exists() {
-                build.include(dir);
-            }
-        }
+    if cuda {
+        // The CUDA runtime (and, through scripts/setup.sh, the crt/ and nv/ headers it
+        // needs) ship in the nvidia wheels beside torch: follow the .libtorch link there.
+        let torch = std::fs::canonicalize(&root).expect("libtorch folder exists");
+        let cu13 = torch.parent().expect("torch lives in site-packages").join("nvidia/cu13");
+        build.define("STRATA_CUDA", None).include(cu13.join("include"));
+        let cuda_lib = cu13.join("lib");
+        println!("cargo:rustc-link-search=native={}", cuda_lib.display());
+        println!("cargo:rustc-link-lib=dylib:+verbatim=libcudart.so.13");
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        println!("cargo:rustc-link-arg=-Wl,-rpath={}", cuda_lib.display());
     }
     build.compile("strata_ext");
 
     println!("cargo:rerun-if-changed=csrc/strata_ext.cpp");
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=c10");
-    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        println!("cargo:rustc-link-lib=dylib=c10_cuda");
-        println!("cargo:rustc-link-lib=dylib=torch_cuda");
-    }
     // Dependents read this as DEP_STRATA_EXT_LIBTORCH_LIB to set their own rpath.
     println!("cargo:libtorch_lib={}", lib.display());
     println!("cargo:rustc-link-arg=-Wl,-rpath={}", lib.display());
