@@ -5,8 +5,8 @@ tied embeddings), written in plain PyTorch eager, with two commands:
 
   train  replays given batches from given initial weights and prints the loss of every
          step as JSON, so Strata's losses can be compared with PyTorch's step by step;
-  bench  trains a freshly initialised model on random tokens and prints its throughput
-         and peak memory as JSON.
+  bench  trains a freshly initialised model on random tokens in blocks of steps asked for
+         on stdin, answering each with its time and the peak memory as a JSON line.
 
 Run it with the project's virtual environment: .venv/bin/python scripts/torch_reference.py
 """
@@ -121,23 +121,23 @@ def cmd_train(args):
 
 
 def cmd_bench(args):
+    """Serves timed blocks of training steps: reads "K" lines from stdin, runs K steps and
+    answers with one JSON line, so a caller can alternate blocks with its own."""
     torch.manual_seed(args.seed)
     model = GPT(args.vocab, args.ctx, args.layers, args.heads, args.dim)
     opt = make_optimizer(model, args)
     gen = torch.Generator().manual_seed(args.seed)
     batches = [torch.randint(args.vocab, (args.batch, args.ctx + 1), generator=gen) for _ in range(4)]
-    elapsed = 0.0
-    for step in range(args.warmup + args.steps):
-        b = batches[step % len(batches)]
+    step = 0
+    for line in sys.stdin:
+        k = int(line)
         start = time.perf_counter()
-        train_step(model, opt, b[:, :-1], b[:, 1:], args.grad_clip)
-        if step >= args.warmup:
-            elapsed += time.perf_counter() - start
-    tokens = args.steps * args.batch * args.ctx
-    json.dump(
-        {"tokens_per_s": tokens / elapsed, "step_ms": 1000 * elapsed / args.steps, "peak_rss_bytes": peak_rss_bytes()},
-        sys.stdout,
-    )
+        for _ in range(k):
+            b = batches[step % len(batches)]
+            train_step(model, opt, b[:, :-1], b[:, 1:], args.grad_clip)
+            step += 1
+        elapsed = time.perf_counter() - start
+        print(json.dumps({"seconds": elapsed, "steps": k, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
 
 
 def main():
@@ -152,15 +152,14 @@ def main():
         s.add_argument("--weight-decay", type=float, default=0.01)
         s.add_argument("--grad-clip", type=float, default=None)
         s.add_argument("--threads", type=int, default=None)
-        s.add_argument("--steps", type=int, required=True)
     t = sub.choices["train"]
     t.add_argument("--weights", required=True)
     t.add_argument("--tokens", required=True)
     t.add_argument("--offsets", required=True)
+    t.add_argument("--steps", type=int, required=True)
     b = sub.choices["bench"]
     for flag in ("--vocab", "--ctx", "--layers", "--dim", "--batch"):
         b.add_argument(flag, type=int, required=True)
-    b.add_argument("--warmup", type=int, default=3)
     b.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.threads:
