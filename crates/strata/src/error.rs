@@ -21,6 +21,8 @@ pub enum Error {
     OutOfMemory { placement: String, requested: u64, in_use: u64, budget: u64 },
     #[error("engine: {0}")]
     Engine(String),
+    #[error("communication: {0}")]
+    Comm(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

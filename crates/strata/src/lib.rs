@@ -24,6 +24,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod comm;
 pub mod data;
 pub mod engine;
 mod error;

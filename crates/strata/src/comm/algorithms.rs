@@ -1,0 +1,491 @@
+//! Ring collectives over a [`Transport`], run in order on one background thread per group
+//! so callers get a [`Work`] handle at once and can overlap communication with compute.
+//!
+//! all-reduce = ring reduce-scatter then ring all-gather (each rank sends and receives
+//! 2·(n−1)/n of the data); broadcast = a pipelined chain from the root; reduce = ring
+//! reduce-scatter then a gather of the blocks at the root; all-to-all = n−1 pairwise
+//! exchanges; barrier = a one-byte all-gather.
+use super::transport::{ShmTransport, TcpTransport, Transport};
+use super::{GroupSetup, ProcessGroup, ReduceOp, Work};
+use crate::{Error, Result};
+use half::{bf16, f16};
+use std::sync::mpsc::{channel, Sender};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use tch::{Device, Kind, Tensor};
+
+/// Pieces of broadcast's pipeline.
+const CHUNK: usize = 1 << 20;
+
+type Job = Box<dyn FnOnce(&mut dyn Transport) -> Result<()> + Send>;
+
+/// A group whose collectives run as ring algorithms over one transport.
+pub struct RingGroup {
+    rank: usize,
+    size: usize,
+    backend: &'static str,
+    timeout: Duration,
+    jobs: Option<Sender<(Job, Work)>>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl RingGroup {
+    pub fn shm(setup: &GroupSetup) -> Result<RingGroup> {
+        Self::start("shm", Box::new(ShmTransport::connect(setup)?), setup.timeout)
+    }
+
+    pub fn tcp(setup: &GroupSetup) -> Result<RingGroup> {
+        Self::start("tcp", Box::new(TcpTransport::connect(setup)?), setup.timeout)
+    }
+
+    fn start(backend: &'static str, mut transport: Box<dyn Transport>, timeout: Duration) -> Result<RingGroup> {
+        let (rank, size) = (transport.rank(), transport.size());
+        let (tx, rx) = channel::<(Job, Work)>();
+        let worker = std::thread::Builder::new()
+            .name(format!("strata-{backend}-{rank}"))
+            .spawn(move || {
+                // After a failure the peers are out of step: every later call fails too.
+                let mut broken: Option<String> = None;
+                for (job, work) in rx {
+                    let result = match &broken {
+                        Some(first) => Err(Error::Comm(format!("group unusable after an earlier failure: {first}"))),
+                        None => job(transport.as_mut()),
+                    };
+                    if let Err(e) = &result {
+                        broken.get_or_insert_with(|| e.to_string());
+                    }
+                    work.finish(result);
+                }
+            })
+            .map_err(|e| Error::Comm(format!("cannot start the {backend} thread: {e}")))?;
+        Ok(RingGroup { rank, size, backend, timeout, jobs: Some(tx), worker: Some(worker) })
+    }
+
+    fn submit(&self, job: impl FnOnce(&mut dyn Transport) -> Result<()> + Send + 'static) -> Result<Work> {
+        let work = Work::pending(self.timeout);
+        let jobs = self.jobs.as_ref().ok_or_else(|| Error::Comm("group is shut down".into()))?;
+        jobs.send((Box::new(job), work.clone())).map_err(|_| Error::Comm("group worker has stopped".into()))?;
+        Ok(work)
+    }
+
+    fn check_rank(&self, what: &str, r: usize) -> Result<()> {
+        if r >= self.size {
+            return Err(Error::Comm(format!("{what} {r} is outside a group of {}", self.size)));
+        }
+        Ok(())
+    }
+
+    fn check_list(&self, what: &str, list: &[Tensor]) -> Result<()> {
+        if list.len() != self.size {
+            return Err(Error::Comm(format!("{what} has {} tensors for a group of {}", list.len(), self.size)));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RingGroup {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A contiguous CPU tensor's memory, kept alive by a shallow clone.
+struct Buffer {
+    _tensor: Tensor,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is into a tensor kept alive by `_tensor`; the caller of a collective
+// promises not to touch the tensor until the work completes.
+unsafe impl Send for Buffer {}
+
+impl Buffer {
+    fn of(t: &Tensor, backend: &str) -> Result<Buffer> {
+        if t.device() != Device::Cpu || !t.is_contiguous() {
+            return Err(Error::Comm(format!("backend {backend} needs contiguous CPU tensors, got {:?}", t.device())));
+        }
+        let len = t.numel() * t.kind().elt_size_in_bytes();
+        Ok(Buffer { _tensor: t.shallow_clone(), ptr: t.data_ptr() as *mut u8, len })
+    }
+
+    fn block(&self, range: std::ops::Range<usize>) -> Block {
+        debug_assert!(range.end <= self.len);
+        // SAFETY: the range lies within the buffer.
+        Block { ptr: unsafe { self.ptr.add(range.start) }, len: range.len() }
+    }
+
+    fn whole(&self) -> Block {
+        self.block(0..self.len)
+    }
+}
+
+/// A byte range in some buffer. Blocks of one collective never overlap, so a shared and a
+/// mutable view of two different blocks may coexist.
+#[derive(Clone, Copy)]
+struct Block {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Block {
+    fn bytes<'a>(self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[]; // empty tensors may have no storage at all
+        }
+        // SAFETY: see `Buffer`; blocks are valid for the job's duration.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    #[allow(clippy::mut_from_ref)]
+    fn bytes_mut<'a>(self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as above, and no other view of this block is alive while it is written.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// Scratch memory aligned for every element type.
+fn scratch(bytes: usize) -> Vec<u64> {
+    vec![0u64; bytes.div_ceil(8)]
+}
+
+fn scratch_block(v: &mut [u64], len: usize) -> Block {
+    Block { ptr: v.as_mut_ptr() as *mut u8, len }
+}
+
+/// Splits `numel` elements into `n` near-equal byte ranges.
+fn split(numel: usize, n: usize, esize: usize) -> Vec<std::ops::Range<usize>> {
+    let (base, extra) = (numel / n, numel % n);
+    let mut start = 0;
+    (0..n)
+        .map(|i| {
+            let count = base + usize::from(i < extra);
+            let r = start * esize..(start + count) * esize;
+            start += count;
+            r
+        })
+        .collect()
+}
+
+fn check_reducible(kind: Kind, op: ReduceOp) -> Result<()> {
+    let float = matches!(kind, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16);
+    if !float && !matches!(kind, Kind::Int | Kind::Int64) {
+        return Err(Error::Comm(format!("cannot reduce {kind:?} tensors; supported: f32, f64, f16, bf16, i32, i64")));
+    }
+    if op == ReduceOp::Avg && !float {
+        return Err(Error::Comm(format!("avg needs a floating-point tensor, got {kind:?}")));
+    }
+    Ok(())
+}
+
+/// `dst[i] = op(dst[i], src[i])` over elements of `kind`.
+fn reduce_into(kind: Kind, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    fn typed<T: Copy>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
+        let n = dst.len() / std::mem::size_of::<T>();
+        if n == 0 {
+            return;
+        }
+        // SAFETY: both buffers are aligned for T (tensor storage or u64 scratch, at element
+        // offsets) and hold n elements.
+        let (d, s) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut T, n),
+                std::slice::from_raw_parts(src.as_ptr() as *const T, n),
+            )
+        };
+        d.iter_mut().zip(s).for_each(|(a, &b)| *a = f(*a, b));
+    }
+    macro_rules! arith {
+        ($t:ty, $to:expr, $from:expr) => {
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => typed::<$t>(dst, src, |a, b| $from($to(a) + $to(b))),
+                ReduceOp::Max => typed::<$t>(dst, src, |a, b| if $to(b) > $to(a) { b } else { a }),
+                ReduceOp::Min => typed::<$t>(dst, src, |a, b| if $to(b) < $to(a) { b } else { a }),
+            }
+        };
+    }
+    match kind {
+        Kind::Float => arith!(f32, (|x: f32| x), (|x: f32| x)),
+        Kind::Double => arith!(f64, (|x: f64| x), (|x: f64| x)),
+        Kind::Half => arith!(f16, f16::to_f32, f16::from_f32),
+        Kind::BFloat16 => arith!(bf16, bf16::to_f32, bf16::from_f32),
+        Kind::Int => match op {
+            ReduceOp::Max => typed::<i32>(dst, src, i32::max),
+            ReduceOp::Min => typed::<i32>(dst, src, i32::min),
+            _ => typed::<i32>(dst, src, i32::wrapping_add),
+        },
+        Kind::Int64 => match op {
+            ReduceOp::Max => typed::<i64>(dst, src, i64::max),
+            ReduceOp::Min => typed::<i64>(dst, src, i64::min),
+            _ => typed::<i64>(dst, src, i64::wrapping_add),
+        },
+        _ => unreachable!("checked by check_reducible"),
+    }
+}
+
+/// Divides a block of floating-point elements by `n` (the second half of avg).
+fn divide(kind: Kind, block: &mut [u8], n: usize) {
+    fn typed<T: Copy>(b: &mut [u8], f: impl Fn(T) -> T) {
+        let len = b.len() / std::mem::size_of::<T>();
+        if len == 0 {
+            return;
+        }
+        // SAFETY: aligned tensor storage holding `len` elements of T.
+        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, len) }.iter_mut().for_each(|x| *x = f(*x));
+    }
+    let d = n as f64;
+    match kind {
+        Kind::Float => typed::<f32>(block, |x| x / d as f32),
+        Kind::Double => typed::<f64>(block, |x| x / d),
+        Kind::Half => typed::<f16>(block, |x| f16::from_f32(x.to_f32() / d as f32)),
+        Kind::BFloat16 => typed::<bf16>(block, |x| bf16::from_f32(x.to_f32() / d as f32)),
+        _ => {}
+    }
+}
+
+/// Ring reduce-scatter: afterwards block `rank` holds the reduction of every rank's block.
+fn reduce_scatter_ring(tr: &mut dyn Transport, blocks: &[Block], kind: Kind, op: ReduceOp) -> Result<()> {
+    let (r, n) = (tr.rank(), tr.size());
+    if n == 1 {
+        return Ok(());
+    }
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let mut tmp = scratch(blocks.iter().map(|b| b.len).max().unwrap_or(0));
+    for s in 0..n - 1 {
+        let (send, recv) = ((r + 2 * n - s - 1) % n, (r + 2 * n - s - 2) % n);
+        let incoming = scratch_block(&mut tmp, blocks[recv].len);
+        tr.exchange(next, blocks[send].bytes(), prev, incoming.bytes_mut())?;
+        reduce_into(kind, op, blocks[recv].bytes_mut(), incoming.bytes());
+    }
+    Ok(())
+}
+
+/// Ring all-gather: block `rank` of every rank ends up in every rank's blocks.
+fn all_gather_ring(tr: &mut dyn Transport, blocks: &[Block]) -> Result<()> {
+    let (r, n) = (tr.rank(), tr.size());
+    if n == 1 {
+        return Ok(());
+    }
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    for s in 0..n - 1 {
+        let (send, recv) = ((r + n - s) % n, (r + 2 * n - s - 1) % n);
+        tr.exchange(next, blocks[send].bytes(), prev, blocks[recv].bytes_mut())?;
+    }
+    Ok(())
+}
+
+impl ProcessGroup for RingGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn backend(&self) -> &str {
+        self.backend
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
+        let kind = tensor.kind();
+        check_reducible(kind, op)?;
+        let buf = Buffer::of(tensor, self.backend)?;
+        let ranges = split(tensor.numel(), self.size, kind.elt_size_in_bytes());
+        self.submit(move |tr| {
+            let blocks: Vec<Block> = ranges.iter().map(|r| buf.block(r.clone())).collect();
+            reduce_scatter_ring(tr, &blocks, kind, op)?;
+            if op == ReduceOp::Avg {
+                divide(kind, blocks[tr.rank()].bytes_mut(), tr.size());
+            }
+            all_gather_ring(tr, &blocks)
+        })
+    }
+
+    fn all_gather(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
+        self.check_list("all_gather outputs", outputs)?;
+        let mine = &outputs[self.rank];
+        if mine.numel() != input.numel() || mine.kind() != input.kind() {
+            return Err(Error::Comm(format!(
+                "all_gather: output {} holds {} {:?} elements but the input has {} {:?}",
+                self.rank,
+                mine.numel(),
+                mine.kind(),
+                input.numel(),
+                input.kind()
+            )));
+        }
+        let outs = outputs.iter().map(|t| Buffer::of(t, self.backend)).collect::<Result<Vec<_>>>()?;
+        let inp = Buffer::of(input, self.backend)?;
+        let rank = self.rank;
+        self.submit(move |tr| {
+            outs[rank].whole().bytes_mut().copy_from_slice(inp.whole().bytes());
+            let blocks: Vec<Block> = outs.iter().map(Buffer::whole).collect();
+            all_gather_ring(tr, &blocks)
+        })
+    }
+
+    fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
+        self.check_list("reduce_scatter inputs", inputs)?;
+        let kind = output.kind();
+        check_reducible(kind, op)?;
+        if inputs.iter().any(|t| t.kind() != kind) || inputs[self.rank].numel() != output.numel() {
+            return Err(Error::Comm(format!(
+                "reduce_scatter: inputs must be {kind:?} and input {} must match the output's {} elements",
+                self.rank,
+                output.numel()
+            )));
+        }
+        let ins = inputs.iter().map(|t| Buffer::of(t, self.backend)).collect::<Result<Vec<_>>>()?;
+        let out = Buffer::of(output, self.backend)?;
+        self.submit(move |tr| {
+            // The inputs stay untouched: reduce in a scratch copy.
+            let total: usize = ins.iter().map(|b| b.len).sum();
+            let mut work = scratch(total);
+            let mut blocks = Vec::with_capacity(ins.len());
+            let mut at = 0;
+            for b in &ins {
+                let block = Block { ptr: unsafe { (work.as_mut_ptr() as *mut u8).add(at) }, len: b.len };
+                block.bytes_mut().copy_from_slice(b.whole().bytes());
+                blocks.push(block);
+                at += b.len;
+            }
+            reduce_scatter_ring(tr, &blocks, kind, op)?;
+            let mine = blocks[tr.rank()];
+            if op == ReduceOp::Avg {
+                divide(kind, mine.bytes_mut(), tr.size());
+            }
+            out.whole().bytes_mut().copy_from_slice(mine.bytes());
+            Ok(())
+        })
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
+        self.check_rank("broadcast root", root)?;
+        let buf = Buffer::of(tensor, self.backend)?;
+        self.submit(move |tr| {
+            let (r, n) = (tr.rank(), tr.size());
+            let pos = (r + n - root) % n;
+            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+            for chunk in buf.whole().bytes_mut().chunks_mut(CHUNK) {
+                if pos > 0 {
+                    tr.recv(prev, chunk)?;
+                }
+                if pos + 1 < n {
+                    tr.send(next, chunk)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Work> {
+        self.check_rank("reduce root", root)?;
+        let kind = tensor.kind();
+        check_reducible(kind, op)?;
+        let buf = Buffer::of(tensor, self.backend)?;
+        let ranges = split(tensor.numel(), self.size, kind.elt_size_in_bytes());
+        self.submit(move |tr| {
+            let (r, n) = (tr.rank(), tr.size());
+            let mut copy = scratch(buf.len);
+            let base = copy.as_mut_ptr() as *mut u8;
+            base_copy(base, &buf);
+            let blocks: Vec<Block> =
+                ranges.iter().map(|g| Block { ptr: unsafe { base.add(g.start) }, len: g.len() }).collect();
+            reduce_scatter_ring(tr, &blocks, kind, op)?;
+            if op == ReduceOp::Avg {
+                divide(kind, blocks[r].bytes_mut(), n);
+            }
+            if r != root {
+                return tr.send(root, blocks[r].bytes());
+            }
+            for (p, range) in ranges.iter().enumerate() {
+                let target = buf.block(range.clone()).bytes_mut();
+                if p == root {
+                    target.copy_from_slice(blocks[p].bytes());
+                } else {
+                    tr.recv(p, target)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn send(&self, tensor: &Tensor, peer: usize) -> Result<Work> {
+        self.check_rank("send peer", peer)?;
+        let buf = Buffer::of(tensor, self.backend)?;
+        self.submit(move |tr| tr.send(peer, buf.whole().bytes()))
+    }
+
+    fn recv(&self, tensor: &Tensor, peer: usize) -> Result<Work> {
+        self.check_rank("recv peer", peer)?;
+        let buf = Buffer::of(tensor, self.backend)?;
+        self.submit(move |tr| tr.recv(peer, buf.whole().bytes_mut()))
+    }
+
+    fn all_to_all(&self, outputs: &[Tensor], inputs: &[Tensor]) -> Result<Work> {
+        self.check_list("all_to_all outputs", outputs)?;
+        self.check_list("all_to_all inputs", inputs)?;
+        let r = self.rank;
+        if outputs[r].numel() != inputs[r].numel() || outputs[r].kind() != inputs[r].kind() {
+            return Err(Error::Comm(format!("all_to_all: output {r} and input {r} differ in size or dtype")));
+        }
+        let outs = outputs.iter().map(|t| Buffer::of(t, self.backend)).collect::<Result<Vec<_>>>()?;
+        let ins = inputs.iter().map(|t| Buffer::of(t, self.backend)).collect::<Result<Vec<_>>>()?;
+        self.submit(move |tr| {
+            let n = tr.size();
+            outs[r].whole().bytes_mut().copy_from_slice(ins[r].whole().bytes());
+            for s in 1..n {
+                let (to, from) = ((r + s) % n, (r + n - s) % n);
+                tr.exchange(to, ins[to].whole().bytes(), from, outs[from].whole().bytes_mut())?;
+            }
+            Ok(())
+        })
+    }
+
+    fn barrier(&self) -> Result<Work> {
+        self.submit(|tr| {
+            let mut marks = vec![0u8; tr.size()];
+            let base = marks.as_mut_ptr();
+            let blocks: Vec<Block> = (0..tr.size()).map(|i| Block { ptr: unsafe { base.add(i) }, len: 1 }).collect();
+            all_gather_ring(tr, &blocks)
+        })
+    }
+}
+
+fn base_copy(dst: *mut u8, src: &Buffer) {
+    if src.len == 0 {
+        return;
+    }
+    // SAFETY: `dst` is scratch of at least `src.len` bytes, distinct from the tensor.
+    unsafe { std::ptr::copy_nonoverlapping(src.ptr, dst, src.len) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_covers_every_element_once() {
+        let r = split(10, 4, 4);
+        assert_eq!(r, vec![0..12, 12..24, 24..32, 32..40]);
+        assert!(split(0, 3, 8).iter().all(|r| r.is_empty()));
+    }
+
+    #[test]
+    fn reductions_per_dtype() {
+        let mut a = [1.5f32, -2.0].map(f32::to_le_bytes).concat();
+        let b = [2.0f32, -3.0].map(f32::to_le_bytes).concat();
+        reduce_into(Kind::Float, ReduceOp::Max, &mut a, &b);
+        assert_eq!(a, [2.0f32, -2.0].map(f32::to_le_bytes).concat());
+        let mut h = [f16::from_f32(1.0), f16::from_f32(2.0)].map(|x| x.to_le_bytes()).concat();
+        let g = [f16::from_f32(0.5), f16::from_f32(0.25)].map(|x| x.to_le_bytes()).concat();
+        reduce_into(Kind::Half, ReduceOp::Sum, &mut h, &g);
+        assert_eq!(h, [f16::from_f32(1.5), f16::from_f32(2.25)].map(|x| x.to_le_bytes()).concat());
+        assert!(check_reducible(Kind::Int64, ReduceOp::Avg).is_err());
+        assert!(check_reducible(Kind::Bool, ReduceOp::Sum).is_err());
+    }
+}

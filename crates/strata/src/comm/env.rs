@@ -1,0 +1,134 @@
+//! A rank's identity from its environment: `strata launch` and torchrun (`RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), Slurm
+//! (`SLURM_PROCID`, ...) or Open MPI's `mpirun` (`OMPI_COMM_WORLD_RANK`, ...).
+use super::{Comm, Store, StoreServer};
+use crate::{Error, Result};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankInfo {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Shared secret of the job's store.
+    pub token: String,
+}
+
+impl RankInfo {
+    /// Reads the variables through `var` (the process environment in [`RankInfo::from_env`]).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<RankInfo> {
+        let number = |name: &str| -> Result<Option<usize>> {
+            var(name)
+                .map(|v| v.trim().parse::<usize>().map_err(|_| Error::Comm(format!("{name}={v:?} is not a number"))))
+                .transpose()
+        };
+        // Each launcher's names for (rank, world size, local rank, local world size).
+        let schemes = [
+            ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+            ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"],
+            [
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+            ],
+        ];
+        let Some(names) = schemes.iter().find(|s| var(s[0]).is_some()) else {
+            return Err(Error::Comm(
+                "no rank in the environment (RANK, SLURM_PROCID or OMPI_COMM_WORLD_RANK); start with `strata launch`"
+                    .into(),
+            ));
+        };
+        let rank = number(names[0])?.unwrap_or(0);
+        let world_size =
+            number(names[1])?.ok_or_else(|| Error::Comm(format!("{} is set but {} is not", names[0], names[1])))?;
+        if rank >= world_size {
+            return Err(Error::Comm(format!("rank {rank} is outside a world of {world_size}")));
+        }
+        let local_rank = number(names[2])?.unwrap_or(rank);
+        let local_world_size = number(names[3])?.unwrap_or(world_size);
+        let master_port = match var("MASTER_PORT") {
+            Some(p) => p.trim().parse().map_err(|_| Error::Comm(format!("MASTER_PORT={p:?} is not a port")))?,
+            None => 29500,
+        };
+        let token = var("STRATA_STORE_TOKEN")
+            .or_else(|| var("SLURM_JOB_ID").map(|j| format!("slurm-{j}")))
+            .or_else(|| var("OMPI_MCA_ess_base_jobid").map(|j| format!("ompi-{j}")))
+            .ok_or_else(|| Error::Comm("no job token: set STRATA_STORE_TOKEN (strata launch does)".into()))?;
+        Ok(RankInfo {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+            master_port,
+            token,
+        })
+    }
+
+    pub fn from_env() -> Result<RankInfo> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    fn store_addr(&self) -> Result<SocketAddr> {
+        (self.master_addr.as_str(), self.master_port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| Error::Comm(format!("cannot resolve MASTER_ADDR {}", self.master_addr)))
+    }
+}
+
+/// Joins the job described by the environment: rank 0 hosts the store at
+/// `MASTER_ADDR:MASTER_PORT`, every rank connects to it. `spec` picks backends per device.
+pub fn init_from_env(spec: &str, timeout: Duration) -> Result<Comm> {
+    let info = RankInfo::from_env()?;
+    let addr = info.store_addr()?;
+    let server = if info.rank == 0 { Some(StoreServer::start(addr, &info.token)?) } else { None };
+    let store = Store::connect(addr, &info.token, timeout)?;
+    Comm::new(store, server, info.rank, info.world_size, spec, timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn read(vars: &[(&str, &str)]) -> Result<RankInfo> {
+        let m: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        RankInfo::from_vars(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_slurm_and_open_mpi_variables_are_recognised() {
+        let t = read(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+            ("STRATA_STORE_TOKEN", "t"),
+        ])
+        .unwrap();
+        assert_eq!((t.rank, t.world_size, t.local_rank, t.local_world_size, t.master_port), (3, 4, 1, 2, 1234));
+        let s = read(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"), ("SLURM_JOB_ID", "77")])
+            .unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.token.as_str(), s.master_port), (5, 8, 1, "slurm-77", 29500));
+        let o =
+            read(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("STRATA_STORE_TOKEN", "x")]).unwrap();
+        assert_eq!((o.rank, o.world_size, o.local_rank), (0, 2, 0));
+    }
+
+    #[test]
+    fn inconsistent_variables_are_errors() {
+        assert!(read(&[]).is_err());
+        assert!(read(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("STRATA_STORE_TOKEN", "t")]).is_err());
+        assert!(read(&[("RANK", "x"), ("WORLD_SIZE", "2"), ("STRATA_STORE_TOKEN", "t")]).is_err());
+        assert!(read(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err().to_string().contains("STRATA_STORE_TOKEN"));
+    }
+}

@@ -1,0 +1,380 @@
+//! Communication between ranks.
+//!
+//! Owns: the [`ProcessGroup`] trait (collectives on tensors, each returning a [`Work`]
+//! handle), the built-in backends (`shm` between processes of one host, `tcp` between
+//! hosts; both run the same ring algorithms over a byte [`transport`]), the backend
+//! registry and per-device dispatch (`"cpu:shm,cuda:nccl"`), the rendezvous [`store`], and
+//! reading a rank's identity from the environment (`strata launch`, torchrun, Slurm, Open
+//! MPI). Must not know about models or strategies: it moves and reduces tensors.
+
+mod algorithms;
+mod env;
+pub mod store;
+pub mod transport;
+
+pub use env::{init_from_env, RankInfo};
+pub use store::{Store, StoreServer};
+
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+use tch::{Device, Tensor};
+
+/// How `all_reduce`, `reduce` and `reduce_scatter` combine values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the group size (floating-point tensors only).
+    Avg,
+    Max,
+    Min,
+}
+
+/// Completion of an asynchronous collective.
+#[derive(Default)]
+struct Completion {
+    result: Mutex<Option<std::result::Result<(), String>>>,
+    done: Condvar,
+}
+
+/// Handle of an operation that may still be running. The tensors it was given must not be
+/// read or written until it has completed.
+#[derive(Clone)]
+pub struct Work {
+    completion: Arc<Completion>,
+    timeout: Duration,
+}
+
+impl Work {
+    fn pending(timeout: Duration) -> Work {
+        Work { completion: Arc::default(), timeout }
+    }
+
+    fn finish(&self, result: Result<()>) {
+        *self.completion.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map_err(|e| e.to_string()));
+        self.completion.done.notify_all();
+    }
+
+    pub fn is_completed(&self) -> bool {
+        self.completion.result.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// Waits for completion up to the group's timeout.
+    pub fn wait(&self) -> Result<()> {
+        self.wait_timeout(self.timeout)
+    }
+
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut slot = self.completion.result.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(r) = slot.as_ref() {
+                return r.clone().map_err(Error::Comm);
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return Err(Error::Comm(format!("collective did not complete within {timeout:?}")));
+            };
+            slot = self.completion.done.wait_timeout(slot, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+}
+
+fn unsupported(backend: &str, op: &str) -> Error {
+    Error::Comm(format!("backend {backend} does not support {op}"))
+}
+
+/// Collectives over a fixed set of ranks. Every rank of the group must issue the same
+/// operations in the same order. A backend implements what it supports; the rest report
+/// that clearly.
+pub trait ProcessGroup: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// The backend's registered name.
+    fn backend(&self) -> &str;
+
+    /// Combines `tensor` across ranks, in place on every rank.
+    fn all_reduce(&self, _tensor: &Tensor, _op: ReduceOp) -> Result<Work> {
+        Err(unsupported(self.backend(), "all_reduce"))
+    }
+    /// Fills `outputs[r]` with rank r's `input` (sizes may differ between ranks).
+    fn all_gather(&self, _outputs: &[Tensor], _input: &Tensor) -> Result<Work> {
+        Err(unsupported(self.backend(), "all_gather"))
+    }
+    /// Reduces `inputs[r]` of every rank into `output` of rank r.
+    fn reduce_scatter(&self, _output: &Tensor, _inputs: &[Tensor], _op: ReduceOp) -> Result<Work> {
+        Err(unsupported(self.backend(), "reduce_scatter"))
+    }
+    /// Copies `tensor` of rank `root` to every rank.
+    fn broadcast(&self, _tensor: &Tensor, _root: usize) -> Result<Work> {
+        Err(unsupported(self.backend(), "broadcast"))
+    }
+    /// Combines `tensor` across ranks into rank `root`'s; the others' stay unchanged.
+    fn reduce(&self, _tensor: &Tensor, _root: usize, _op: ReduceOp) -> Result<Work> {
+        Err(unsupported(self.backend(), "reduce"))
+    }
+    fn send(&self, _tensor: &Tensor, _peer: usize) -> Result<Work> {
+        Err(unsupported(self.backend(), "send"))
+    }
+    fn recv(&self, _tensor: &Tensor, _peer: usize) -> Result<Work> {
+        Err(unsupported(self.backend(), "recv"))
+    }
+    /// Sends `inputs[r]` to rank r and receives rank r's piece into `outputs[r]`.
+    fn all_to_all(&self, _outputs: &[Tensor], _inputs: &[Tensor]) -> Result<Work> {
+        Err(unsupported(self.backend(), "all_to_all"))
+    }
+    fn barrier(&self) -> Result<Work> {
+        Err(unsupported(self.backend(), "barrier"))
+    }
+}
+
+/// What a backend factory receives to build a group.
+pub struct GroupSetup {
+    pub store: Arc<Store>,
+    /// Store keys of this group start with it; unique per group.
+    pub prefix: String,
+    /// This process's rank within the group.
+    pub rank: usize,
+    pub size: usize,
+    /// Timeout of every wait.
+    pub timeout: Duration,
+}
+
+/// Builds a backend's group.
+pub type BackendFactory = Arc<dyn Fn(&GroupSetup) -> Result<Box<dyn ProcessGroup>> + Send + Sync>;
+
+fn registry() -> &'static Mutex<HashMap<String, BackendFactory>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<String, BackendFactory>>> = OnceLock::new();
+    REGISTRY.get_or_init(|| {
+        let mut m: HashMap<String, BackendFactory> = HashMap::new();
+        m.insert(
+            "shm".into(),
+            Arc::new(|s: &GroupSetup| Ok(Box::new(algorithms::RingGroup::shm(s)?) as Box<dyn ProcessGroup>)),
+        );
+        m.insert(
+            "tcp".into(),
+            Arc::new(|s: &GroupSetup| Ok(Box::new(algorithms::RingGroup::tcp(s)?) as Box<dyn ProcessGroup>)),
+        );
+        Mutex::new(m)
+    })
+}
+
+/// Makes a backend available by name (to spec strings such as `"cpu:mine"`).
+pub fn register_backend(name: &str, factory: BackendFactory) {
+    registry().lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), factory);
+}
+
+fn factory(name: &str) -> Result<BackendFactory> {
+    let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+    reg.get(name).cloned().ok_or_else(|| {
+        let mut known: Vec<&String> = reg.keys().collect();
+        known.sort();
+        Error::Comm(format!("unknown backend {name:?}; registered: {known:?}"))
+    })
+}
+
+/// Parses `"cpu:shm,cuda:nccl"` (or a bare backend name, meaning CPU) into
+/// (device type, backend) pairs.
+pub fn parse_backend_spec(spec: &str) -> Result<Vec<(String, String)>> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (device, backend) = part.split_once(':').unwrap_or(("cpu", part));
+        if !matches!(device, "cpu" | "cuda") {
+            return Err(Error::Comm(format!(
+                "unknown device type {device:?} in backend spec {spec:?}; expected cpu or cuda"
+            )));
+        }
+        if out.iter().any(|(d, _)| d == device) {
+            return Err(Error::Comm(format!("device type {device} named twice in backend spec {spec:?}")));
+        }
+        out.push((device.to_string(), backend.to_string()));
+    }
+    if out.is_empty() {
+        return Err(Error::Comm("empty backend spec".into()));
+    }
+    Ok(out)
+}
+
+/// Routes each call to the backend of its tensors' device type.
+struct DeviceDispatch {
+    rank: usize,
+    size: usize,
+    name: String,
+    by_device: Vec<(String, Box<dyn ProcessGroup>)>,
+}
+
+impl DeviceDispatch {
+    fn pick(&self, t: &Tensor) -> Result<&dyn ProcessGroup> {
+        let device = match t.device() {
+            Device::Cpu => "cpu",
+            Device::Cuda(_) => "cuda",
+            other => return Err(Error::Comm(format!("no backend for tensors on {other:?}"))),
+        };
+        self.by_device
+            .iter()
+            .find(|(d, _)| d == device)
+            .map(|(_, g)| g.as_ref())
+            .ok_or_else(|| Error::Comm(format!("backend spec {:?} has no backend for {device} tensors", self.name)))
+    }
+
+    fn first(&self) -> &dyn ProcessGroup {
+        self.by_device[0].1.as_ref()
+    }
+}
+
+impl ProcessGroup for DeviceDispatch {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn backend(&self) -> &str {
+        &self.name
+    }
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work> {
+        self.pick(t)?.all_reduce(t, op)
+    }
+    fn all_gather(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
+        self.pick(input)?.all_gather(outputs, input)
+    }
+    fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
+        self.pick(output)?.reduce_scatter(output, inputs, op)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Work> {
+        self.pick(t)?.broadcast(t, root)
+    }
+    fn reduce(&self, t: &Tensor, root: usize, op: ReduceOp) -> Result<Work> {
+        self.pick(t)?.reduce(t, root, op)
+    }
+    fn send(&self, t: &Tensor, peer: usize) -> Result<Work> {
+        self.pick(t)?.send(t, peer)
+    }
+    fn recv(&self, t: &Tensor, peer: usize) -> Result<Work> {
+        self.pick(t)?.recv(t, peer)
+    }
+    fn all_to_all(&self, outputs: &[Tensor], inputs: &[Tensor]) -> Result<Work> {
+        match inputs.first() {
+            Some(t) => self.pick(t)?.all_to_all(outputs, inputs),
+            None => self.first().all_to_all(outputs, inputs),
+        }
+    }
+    fn barrier(&self) -> Result<Work> {
+        self.first().barrier()
+    }
+}
+
+/// This process's membership in a job: the store, its rank, and how to make groups.
+pub struct Comm {
+    store: Arc<Store>,
+    rank: usize,
+    size: usize,
+    spec: String,
+    timeout: Duration,
+    groups_made: Mutex<usize>,
+    /// Kept alive on the rank that hosts the store.
+    _server: Option<StoreServer>,
+}
+
+impl Comm {
+    /// Joins a job through `store`, with backends chosen by `spec` (`"cpu:shm,cuda:nccl"`).
+    pub fn new(
+        store: Store,
+        server: Option<StoreServer>,
+        rank: usize,
+        size: usize,
+        spec: &str,
+        timeout: Duration,
+    ) -> Result<Comm> {
+        if size == 0 || rank >= size {
+            return Err(Error::Comm(format!("rank {rank} is outside a world of {size}")));
+        }
+        parse_backend_spec(spec)?;
+        Ok(Comm {
+            store: Arc::new(store),
+            rank,
+            size,
+            spec: spec.to_string(),
+            timeout,
+            groups_made: Mutex::new(0),
+            _server: server,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// The group of all ranks.
+    pub fn world(&self) -> Result<Box<dyn ProcessGroup>> {
+        let all: Vec<usize> = (0..self.size).collect();
+        self.new_group(&all)?.ok_or_else(|| Error::Comm("this rank is not in the world".into()))
+    }
+
+    /// A group of the given global ranks (in that order). Every rank of the job must call
+    /// it with the same list, in the same order as other `new_group` calls; ranks outside
+    /// the list get `None`.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
+        let mut made = self.groups_made.lock().unwrap_or_else(|e| e.into_inner());
+        *made += 1;
+        let id = *made;
+        if let Some(&bad) = ranks.iter().find(|&&r| r >= self.size) {
+            return Err(Error::Comm(format!("group lists rank {bad}, outside a world of {}", self.size)));
+        }
+        let mut seen = ranks.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != ranks.len() || ranks.is_empty() {
+            return Err(Error::Comm(format!("group ranks {ranks:?} must be distinct and non-empty")));
+        }
+        let Some(local) = ranks.iter().position(|&r| r == self.rank) else { return Ok(None) };
+        let mut by_device = Vec::new();
+        for (device, backend) in parse_backend_spec(&self.spec)? {
+            let setup = GroupSetup {
+                store: self.store.clone(),
+                prefix: format!("group{id}/{device}/"),
+                rank: local,
+                size: ranks.len(),
+                timeout: self.timeout,
+            };
+            by_device.push((device, factory(&backend)?(&setup)?));
+        }
+        Ok(Some(Box::new(DeviceDispatch { rank: local, size: ranks.len(), name: self.spec.clone(), by_device })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_specs_parse_per_device_and_refuse_nonsense() {
+        assert_eq!(parse_backend_spec("shm").unwrap(), vec![("cpu".into(), "shm".into())]);
+        assert_eq!(
+            parse_backend_spec("cpu:shm, cuda:nccl").unwrap(),
+            vec![("cpu".into(), "shm".into()), ("cuda".into(), "nccl".into())]
+        );
+        assert!(parse_backend_spec("tpu:x").is_err());
+        assert!(parse_backend_spec("cpu:a,cpu:b").is_err());
+        assert!(parse_backend_spec("").is_err());
+        assert!(factory("nope").err().unwrap().to_string().contains("registered"));
+    }
+
+    #[test]
+    fn work_reports_completion_and_times_out() {
+        let w = Work::pending(Duration::from_millis(50));
+        assert!(!w.is_completed());
+        assert!(w.wait().unwrap_err().to_string().contains("did not complete"));
+        w.finish(Err(Error::Comm("rank 2 exited".into())));
+        assert!(w.is_completed());
+        assert!(w.wait().unwrap_err().to_string().contains("rank 2"));
+    }
+}

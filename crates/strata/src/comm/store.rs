@@ -1,0 +1,392 @@
+//! The rendezvous store: a TCP key-value server and its client (set, get, add, wait with a
+//! timeout, compare-and-set), used to form groups and exchange addresses and ids.
+//!
+//! The server binds to the address it is given (loopback unless told otherwise) and serves
+//! only clients that open with the job's shared token; others are told so and dropped.
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+const HELLO: &[u8] = b"STRATA-STORE-1";
+/// Largest frame either side accepts, so a stray client cannot make the server allocate freely.
+const MAX_FRAME: usize = 64 << 20;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+enum Op {
+    Set = 1,
+    Get = 2,
+    Add = 3,
+    CompareSet = 4,
+    Wait = 5,
+    Check = 6,
+}
+
+impl Op {
+    fn from_byte(b: u8) -> Option<Op> {
+        [Op::Set, Op::Get, Op::Add, Op::CompareSet, Op::Wait, Op::Check].into_iter().find(|o| *o as u8 == b)
+    }
+}
+
+const OK: u8 = 0;
+const TIMEOUT: u8 = 1;
+const REJECTED: u8 = 2;
+
+fn write_frame(s: &mut TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
+    let mut buf = Vec::new();
+    for p in parts {
+        buf.extend_from_slice(&(p.len() as u32).to_le_bytes());
+        buf.extend_from_slice(p);
+    }
+    s.write_all(&(buf.len() as u32).to_le_bytes())?;
+    s.write_all(&buf)
+}
+
+fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<Vec<u8>>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "frame too large"));
+    }
+    let mut buf = vec![0u8; len];
+    s.read_exact(&mut buf)?;
+    let mut parts = Vec::new();
+    let mut at = 0;
+    while at < buf.len() {
+        let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "malformed frame");
+        let n = u32::from_le_bytes(buf.get(at..at + 4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+        parts.push(buf.get(at + 4..at + 4 + n).ok_or_else(bad)?.to_vec());
+        at += 4 + n;
+    }
+    Ok(parts)
+}
+
+#[derive(Default)]
+struct Table {
+    values: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+impl Table {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
+        self.values.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until every key exists or the deadline passes.
+    fn wait_for(
+        &self,
+        keys: &[String],
+        timeout: Duration,
+    ) -> Option<std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>>> {
+        let deadline = Instant::now() + timeout;
+        let mut map = self.lock();
+        while !keys.iter().all(|k| map.contains_key(k)) {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            map = self.changed.wait_timeout(map, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        Some(map)
+    }
+}
+
+/// The store's server; it stops accepting when dropped.
+pub struct StoreServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    accept: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Binds `addr` (port 0 picks a free one) and serves clients presenting `token`.
+    pub fn start(addr: SocketAddr, token: &str) -> Result<StoreServer> {
+        let listener = TcpListener::bind(addr).map_err(|e| Error::Comm(format!("store cannot bind {addr}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| Error::Comm(format!("store address: {e}")))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let table = Arc::new(Table::default());
+        let token = token.as_bytes().to_vec();
+        let stopping = stop.clone();
+        let accept = std::thread::Builder::new()
+            .name("strata-store".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if stopping.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let (table, token) = (table.clone(), token.clone());
+                    // One thread per client: a job has as many clients as ranks.
+                    let _ = std::thread::Builder::new().name("strata-store-client".into()).spawn(move || {
+                        let _ = serve(conn, &table, &token);
+                    });
+                }
+            })
+            .map_err(|e| Error::Comm(format!("cannot start the store thread: {e}")))?;
+        Ok(StoreServer { addr, stop, accept: Some(accept) })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the accept loop so it sees the flag.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn millis(b: &[u8]) -> Duration {
+    Duration::from_millis(b.try_into().map(u64::from_le_bytes).unwrap_or(0))
+}
+
+fn serve(mut conn: TcpStream, table: &Table, token: &[u8]) -> std::io::Result<()> {
+    conn.set_nodelay(true)?;
+    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let hello = read_frame(&mut conn)?;
+    if hello.len() != 2 || hello[0] != HELLO || hello[1] != token {
+        return write_frame(&mut conn, &[&[REJECTED]]);
+    }
+    write_frame(&mut conn, &[&[OK]])?;
+    conn.set_read_timeout(None)?;
+    loop {
+        let req = read_frame(&mut conn)?;
+        let Some(op) = req.first().and_then(|o| o.first()).and_then(|&b| Op::from_byte(b)) else {
+            return Ok(());
+        };
+        let arg = |i: usize| req.get(i).map(Vec::as_slice).unwrap_or(&[]);
+        match op {
+            Op::Set => {
+                table.lock().insert(text(arg(1)), arg(2).to_vec());
+                table.changed.notify_all();
+                write_frame(&mut conn, &[&[OK]])?;
+            }
+            Op::Get => match table.wait_for(&[text(arg(1))], millis(arg(2))) {
+                Some(map) => {
+                    let v = map.get(&text(arg(1))).cloned().unwrap_or_default();
+                    drop(map);
+                    write_frame(&mut conn, &[&[OK], &v])?;
+                }
+                None => write_frame(&mut conn, &[&[TIMEOUT]])?,
+            },
+            Op::Add => {
+                let delta = arg(2).try_into().map(i64::from_le_bytes).unwrap_or(0);
+                let mut map = table.lock();
+                let entry = map.entry(text(arg(1))).or_default();
+                let now = text(entry).parse::<i64>().unwrap_or(0) + delta;
+                *entry = now.to_string().into_bytes();
+                drop(map);
+                table.changed.notify_all();
+                write_frame(&mut conn, &[&[OK], &now.to_le_bytes()])?;
+            }
+            Op::CompareSet => {
+                let key = text(arg(1));
+                let mut map = table.lock();
+                let current = map.get(&key).cloned();
+                let matches = match &current {
+                    Some(v) => v.as_slice() == arg(2),
+                    None => arg(2).is_empty(),
+                };
+                let result = if matches {
+                    map.insert(key, arg(3).to_vec());
+                    arg(3).to_vec()
+                } else {
+                    current.unwrap_or_default()
+                };
+                drop(map);
+                table.changed.notify_all();
+                write_frame(&mut conn, &[&[OK], &result])?;
+            }
+            Op::Wait => {
+                let keys: Vec<String> = req[2..].iter().map(|k| text(k)).collect();
+                let status = if table.wait_for(&keys, millis(arg(1))).is_some() { OK } else { TIMEOUT };
+                write_frame(&mut conn, &[&[status]])?;
+            }
+            Op::Check => {
+                let map = table.lock();
+                let all = req[1..].iter().all(|k| map.contains_key(&text(k)));
+                drop(map);
+                write_frame(&mut conn, &[&[OK], &[all as u8]])?;
+            }
+        }
+    }
+}
+
+/// A connection to the store. Calls are serialised; share it behind an `Arc`.
+pub struct Store {
+    conn: Mutex<TcpStream>,
+    addr: SocketAddr,
+    /// Default timeout of `get` and `wait`.
+    pub timeout: Duration,
+}
+
+impl Store {
+    /// Connects to the store at `addr`, retrying until `timeout` while the server starts.
+    pub fn connect(addr: SocketAddr, token: &str, timeout: Duration) -> Result<Store> {
+        let deadline = Instant::now() + timeout;
+        let mut conn = loop {
+            match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                Ok(c) => break c,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(Error::Comm(format!("cannot reach the store at {addr} within {timeout:?}: {e}")))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        let io = |e: std::io::Error| Error::Comm(format!("store at {addr}: {e}"));
+        conn.set_nodelay(true).map_err(io)?;
+        write_frame(&mut conn, &[HELLO, token.as_bytes()]).map_err(io)?;
+        let answer = read_frame(&mut conn).map_err(io)?;
+        if answer.first().map(Vec::as_slice) != Some(&[OK]) {
+            return Err(Error::Comm(format!("the store at {addr} rejected this client: wrong job token")));
+        }
+        Ok(Store { conn: Mutex::new(conn), addr, timeout })
+    }
+
+    /// The local address this process reaches the store from: the interface peers on
+    /// other hosts can reach it through.
+    pub fn local_ip(&self) -> Result<std::net::IpAddr> {
+        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        conn.local_addr().map(|a| a.ip()).map_err(|e| Error::Comm(format!("store connection: {e}")))
+    }
+
+    fn call(&self, parts: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
+        let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let io = |e: std::io::Error| Error::Comm(format!("store at {}: {e}", self.addr));
+        write_frame(&mut conn, parts).map_err(io)?;
+        read_frame(&mut conn).map_err(io)
+    }
+
+    fn timed_out(&self, what: &str, timeout: Duration) -> Error {
+        Error::Comm(format!("store at {}: timed out after {timeout:?} waiting for {what}", self.addr))
+    }
+
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.call(&[&[Op::Set as u8], key.as_bytes(), value]).map(drop)
+    }
+
+    /// The value of `key`, waiting up to the store's timeout for it to be set.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        self.get_timeout(key, self.timeout)
+    }
+
+    pub fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let r = self.call(&[&[Op::Get as u8], key.as_bytes(), &(timeout.as_millis() as u64).to_le_bytes()])?;
+        match r.first().map(Vec::as_slice) {
+            Some([OK]) => Ok(r.get(1).cloned().unwrap_or_default()),
+            _ => Err(self.timed_out(&format!("key {key:?}"), timeout)),
+        }
+    }
+
+    /// Adds `delta` to the integer at `key` (0 when unset) and returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let r = self.call(&[&[Op::Add as u8], key.as_bytes(), &delta.to_le_bytes()])?;
+        let bytes: [u8; 8] = r
+            .get(1)
+            .and_then(|v| v.as_slice().try_into().ok())
+            .ok_or_else(|| Error::Comm("store: malformed add reply".into()))?;
+        Ok(i64::from_le_bytes(bytes))
+    }
+
+    /// Sets `key` to `desired` if its value is `expected` (empty `expected`: if unset);
+    /// returns the value after the call either way.
+    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        let r = self.call(&[&[Op::CompareSet as u8], key.as_bytes(), expected, desired])?;
+        Ok(r.get(1).cloned().unwrap_or_default())
+    }
+
+    /// Waits until every key is set.
+    pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let ms = (timeout.as_millis() as u64).to_le_bytes();
+        let mut parts: Vec<&[u8]> = vec![&[Op::Wait as u8], &ms];
+        parts.extend(keys.iter().map(|k| k.as_bytes()));
+        let r = self.call(&parts)?;
+        match r.first().map(Vec::as_slice) {
+            Some([OK]) => Ok(()),
+            _ => Err(self.timed_out(&format!("keys {keys:?}"), timeout)),
+        }
+    }
+
+    /// Whether every key is set, without waiting.
+    pub fn check(&self, keys: &[&str]) -> Result<bool> {
+        let mut parts: Vec<&[u8]> = vec![&[Op::Check as u8]];
+        parts.extend(keys.iter().map(|k| k.as_bytes()));
+        Ok(self.call(&parts)?.get(1).map(Vec::as_slice) == Some(&[1]))
+    }
+}
+
+/// A fresh random token for a job (hex of 16 bytes from the system's random source).
+pub fn random_token() -> Result<String> {
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| Error::Comm(format!("no random source for the job token: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn local() -> (StoreServer, Store) {
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "secret").unwrap();
+        let client = Store::connect(server.addr(), "secret", Duration::from_secs(5)).unwrap();
+        (server, client)
+    }
+
+    #[test]
+    fn set_get_add_compare_set_and_check() {
+        let (_server, s) = local();
+        s.set("a", b"1").unwrap();
+        assert_eq!(s.get("a").unwrap(), b"1");
+        assert_eq!(s.add("n", 5).unwrap(), 5);
+        assert_eq!(s.add("n", -2).unwrap(), 3);
+        assert_eq!(s.compare_set("c", b"", b"x").unwrap(), b"x", "unset key: set");
+        assert_eq!(s.compare_set("c", b"y", b"z").unwrap(), b"x", "mismatch: unchanged");
+        assert_eq!(s.compare_set("c", b"x", b"z").unwrap(), b"z");
+        assert!(s.check(&["a", "n"]).unwrap());
+        assert!(!s.check(&["a", "missing"]).unwrap());
+    }
+
+    #[test]
+    fn get_and_wait_block_until_another_client_sets_or_time_out() {
+        let (server, s) = local();
+        let addr = server.addr();
+        let setter = std::thread::spawn(move || {
+            let other = Store::connect(addr, "secret", Duration::from_secs(5)).unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+            other.set("late", b"v").unwrap();
+        });
+        s.wait(&["late"], Duration::from_secs(5)).unwrap();
+        assert_eq!(s.get("late").unwrap(), b"v");
+        setter.join().unwrap();
+        let start = Instant::now();
+        let err = s.get_timeout("never", Duration::from_millis(200)).unwrap_err();
+        assert!(err.to_string().contains("timed out"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn a_client_without_the_token_cannot_join() {
+        let (server, s) = local();
+        let err = Store::connect(server.addr(), "guess", Duration::from_secs(5)).err().unwrap();
+        assert!(err.to_string().contains("rejected"), "{err}");
+        // Raw bytes that are not the protocol do not disturb the store either.
+        let mut raw = TcpStream::connect(server.addr()).unwrap();
+        raw.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        s.set("still", b"fine").unwrap();
+        assert_eq!(s.get("still").unwrap(), b"fine");
+    }
+}

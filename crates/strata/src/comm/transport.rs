@@ -1,0 +1,314 @@
+//! Byte transports between the ranks of a group: TCP sockets (any hosts) and shared-memory
+//! ring buffers (one host). Collectives are written once, over [`Transport`].
+//!
+//! Every blocking call gives up after the group's timeout, and a peer that went away is
+//! reported by rank (a closed socket, or a process that no longer exists).
+use super::GroupSetup;
+use crate::{Error, Result};
+use memmap2::MmapMut;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Point-to-point byte movement between the ranks of one group.
+pub trait Transport: Send {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Sends `out` to rank `to` while receiving exactly `inp.len()` bytes from rank `from`
+    /// (`to` and `from` may be the same rank). Either side may be empty.
+    fn exchange(&mut self, to: usize, out: &[u8], from: usize, inp: &mut [u8]) -> Result<()>;
+
+    fn send(&mut self, to: usize, out: &[u8]) -> Result<()> {
+        self.exchange(to, out, to, &mut [])
+    }
+    fn recv(&mut self, from: usize, inp: &mut [u8]) -> Result<()> {
+        self.exchange(from, &[], from, inp)
+    }
+}
+
+fn peer_error(peer: usize, what: impl std::fmt::Display) -> Error {
+    Error::Comm(format!("rank {peer}: {what}"))
+}
+
+// ---- TCP ------------------------------------------------------------------------------
+
+/// A full mesh of TCP connections. Sends run on a scoped thread while the caller receives,
+/// so two ranks sending to each other never wait on each other's buffers.
+pub struct TcpTransport {
+    rank: usize,
+    size: usize,
+    readers: Vec<Option<TcpStream>>,
+    writers: Vec<Option<TcpStream>>,
+}
+
+impl TcpTransport {
+    /// Listens on the interface that reaches the store, publishes the address, connects to
+    /// lower ranks and accepts higher ones.
+    pub fn connect(setup: &GroupSetup) -> Result<TcpTransport> {
+        let (rank, size) = (setup.rank, setup.size);
+        let ip = setup.store.local_ip()?;
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| Error::Comm(format!("cannot listen on {ip}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| Error::Comm(e.to_string()))?;
+        setup.store.set(&format!("{}tcp/{rank}", setup.prefix), addr.to_string().as_bytes())?;
+        let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+        let io = |peer: usize| move |e: std::io::Error| peer_error(peer, format!("connection failed: {e}"));
+        for (peer, slot) in streams.iter_mut().enumerate().take(rank) {
+            let text = String::from_utf8_lossy(&setup.store.get(&format!("{}tcp/{peer}", setup.prefix))?).into_owned();
+            let peer_addr: SocketAddr = text.parse().map_err(|_| peer_error(peer, format!("bad address {text:?}")))?;
+            let mut s = TcpStream::connect_timeout(&peer_addr, setup.timeout).map_err(io(peer))?;
+            s.write_all(&(rank as u64).to_le_bytes()).map_err(io(peer))?;
+            *slot = Some(s);
+        }
+        listener.set_nonblocking(true).map_err(|e| Error::Comm(e.to_string()))?;
+        let deadline = Instant::now() + setup.timeout;
+        for _ in rank + 1..size {
+            let mut s = loop {
+                match listener.accept() {
+                    Ok((s, _)) => break s,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(2))
+                    }
+                    Err(e) => return Err(Error::Comm(format!("rank {rank}: higher ranks did not connect: {e}"))),
+                }
+            };
+            s.set_nonblocking(false).map_err(|e| Error::Comm(e.to_string()))?;
+            s.set_read_timeout(Some(setup.timeout)).map_err(|e| Error::Comm(e.to_string()))?;
+            let mut who = [0u8; 8];
+            s.read_exact(&mut who).map_err(|e| Error::Comm(format!("handshake: {e}")))?;
+            let peer = u64::from_le_bytes(who) as usize;
+            if peer <= rank || peer >= size || streams[peer].is_some() {
+                return Err(Error::Comm(format!("unexpected handshake from rank {peer}")));
+            }
+            streams[peer] = Some(s);
+        }
+        let mut readers = Vec::with_capacity(size);
+        let mut writers = Vec::with_capacity(size);
+        for (peer, s) in streams.into_iter().enumerate() {
+            match s {
+                Some(s) => {
+                    s.set_nodelay(true).map_err(io(peer))?;
+                    s.set_read_timeout(Some(setup.timeout)).map_err(io(peer))?;
+                    s.set_write_timeout(Some(setup.timeout)).map_err(io(peer))?;
+                    writers.push(Some(s.try_clone().map_err(io(peer))?));
+                    readers.push(Some(s));
+                }
+                None => {
+                    readers.push(None);
+                    writers.push(None);
+                }
+            }
+        }
+        Ok(TcpTransport { rank, size, readers, writers })
+    }
+
+    fn stream(streams: &mut [Option<TcpStream>], peer: usize) -> Result<&mut TcpStream> {
+        streams.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| peer_error(peer, "no connection to this rank"))
+    }
+}
+
+fn io_failure(peer: usize, e: std::io::Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => peer_error(peer, "timed out"),
+        std::io::ErrorKind::UnexpectedEof => peer_error(peer, "closed the connection (the process exited?)"),
+        _ => peer_error(peer, format!("connection lost ({e})")),
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn exchange(&mut self, to: usize, out: &[u8], from: usize, inp: &mut [u8]) -> Result<()> {
+        let writer = if out.is_empty() { None } else { Some(Self::stream(&mut self.writers, to)?) };
+        let reader = if inp.is_empty() { None } else { Some(Self::stream(&mut self.readers, from)?) };
+        std::thread::scope(|scope| {
+            let sending = writer.map(|w| scope.spawn(move || w.write_all(out).map_err(|e| io_failure(to, e))));
+            let received = reader.map_or(Ok(()), |r| r.read_exact(inp).map_err(|e| io_failure(from, e)));
+            let sent =
+                sending.map_or(Ok(()), |h| h.join().unwrap_or_else(|_| Err(peer_error(to, "send thread panicked"))));
+            received.and(sent)
+        })
+    }
+}
+
+// ---- shared memory --------------------------------------------------------------------
+
+/// Bytes of each one-way channel's ring buffer.
+const CHANNEL_BYTES: usize = 4 << 20;
+/// Head and tail counters, each on its own cache line.
+const CHANNEL_HEADER: usize = 128;
+const CHANNEL_STRIDE: usize = CHANNEL_HEADER + CHANNEL_BYTES;
+
+/// One-way channels between every ordered pair of ranks, in one shared-memory segment.
+/// Channel (i → j) is a ring buffer: the writer advances `head`, the reader `tail`.
+pub struct ShmTransport {
+    rank: usize,
+    size: usize,
+    map: MmapMut,
+    pids: Vec<i32>,
+    timeout: Duration,
+}
+
+impl ShmTransport {
+    /// Rank 0 creates the segment; everyone maps it; it is unlinked once all have, so
+    /// nothing is left behind however the processes end.
+    pub fn connect(setup: &GroupSetup) -> Result<ShmTransport> {
+        let (rank, size) = (setup.rank, setup.size);
+        let key = |k: &str| format!("{}shm/{k}", setup.prefix);
+        let bytes = size * size * CHANNEL_STRIDE;
+        let path = if rank == 0 {
+            let id = super::store::random_token()?;
+            let path = format!("/dev/shm/strata-{id}");
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .map_err(|e| Error::Comm(format!("cannot create {path}: {e}")))?;
+            f.set_len(bytes as u64).map_err(|e| Error::Comm(format!("cannot size {path}: {e}")))?;
+            setup.store.set(&key("path"), path.as_bytes())?;
+            path
+        } else {
+            String::from_utf8_lossy(&setup.store.get(&key("path"))?).into_owned()
+        };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::Comm(format!("cannot open {path}: {e}")))?;
+        // SAFETY: the file is a shared-memory segment of the right size, used only through
+        // the atomics and byte copies below.
+        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::Comm(format!("cannot map {path}: {e}")))?;
+        setup.store.set(&key(&format!("pid/{rank}")), std::process::id().to_string().as_bytes())?;
+        let mut pids = Vec::with_capacity(size);
+        for peer in 0..size {
+            let text = String::from_utf8_lossy(&setup.store.get(&key(&format!("pid/{peer}")))?).into_owned();
+            pids.push(text.parse().map_err(|_| peer_error(peer, "published no process id"))?);
+        }
+        // Every rank has mapped the segment once all pids are in; then it can go.
+        if rank == 0 {
+            let _ = std::fs::remove_file(&path);
+        }
+        Ok(ShmTransport { rank, size, map, pids, timeout: setup.timeout })
+    }
+
+    fn channel(&self, from: usize, to: usize) -> *mut u8 {
+        // SAFETY: the offset lies inside the mapping (from, to < size).
+        unsafe { self.map.as_ptr().add((from * self.size + to) * CHANNEL_STRIDE) as *mut u8 }
+    }
+
+    fn counters(base: *mut u8) -> (&'static AtomicU64, &'static AtomicU64) {
+        // SAFETY: the header holds two 8-byte-aligned u64 counters, shared across processes;
+        // the mapping outlives every use (it is owned by the transport calling this).
+        unsafe { (AtomicU64::from_ptr(base as *mut u64), AtomicU64::from_ptr(base.add(64) as *mut u64)) }
+    }
+
+    /// Writes as much of `data` as fits into channel (self → to); returns bytes written.
+    fn push(&self, to: usize, data: &[u8]) -> usize {
+        let base = self.channel(self.rank, to);
+        let (head, tail) = Self::counters(base);
+        let h = head.load(Ordering::Relaxed);
+        let free = CHANNEL_BYTES - (h - tail.load(Ordering::Acquire)) as usize;
+        let n = free.min(data.len());
+        let at = h as usize % CHANNEL_BYTES;
+        let first = n.min(CHANNEL_BYTES - at);
+        // SAFETY: both ranges lie in this channel's ring and are owned by the writer until
+        // `head` is published.
+        unsafe {
+            let ring = base.add(CHANNEL_HEADER);
+            std::ptr::copy_nonoverlapping(data.as_ptr(), ring.add(at), first);
+            std::ptr::copy_nonoverlapping(data.as_ptr().add(first), ring, n - first);
+        }
+        head.store(h + n as u64, Ordering::Release);
+        n
+    }
+
+    /// Reads what is available from channel (from → self) into `buf`; returns bytes read.
+    fn pull(&self, from: usize, buf: &mut [u8]) -> usize {
+        let base = self.channel(from, self.rank);
+        let (head, tail) = Self::counters(base);
+        let t = tail.load(Ordering::Relaxed);
+        let avail = (head.load(Ordering::Acquire) - t) as usize;
+        let n = avail.min(buf.len());
+        let at = t as usize % CHANNEL_BYTES;
+        let first = n.min(CHANNEL_BYTES - at);
+        // SAFETY: the writer published these bytes with `head` and will not touch them
+        // until `tail` moves past them.
+        unsafe {
+            let ring = base.add(CHANNEL_HEADER);
+            std::ptr::copy_nonoverlapping(ring.add(at), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(ring, buf.as_mut_ptr().add(first), n - first);
+        }
+        tail.store(t + n as u64, Ordering::Release);
+        n
+    }
+
+    fn alive(&self, peer: usize) -> bool {
+        let pid = self.pids[peer];
+        // SAFETY: signal 0 only checks that the process exists.
+        let exists = unsafe { libc::kill(pid, 0) == 0 || *libc::__errno_location() != libc::ESRCH };
+        // A process that ended but was not yet reaped by its parent is a zombie ('Z').
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()))
+            .is_some_and(|state| state == 'Z' || state == 'X');
+        exists && !zombie
+    }
+}
+
+impl Transport for ShmTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn exchange(&mut self, to: usize, out: &[u8], from: usize, inp: &mut [u8]) -> Result<()> {
+        for peer in [to, from] {
+            if peer >= self.size || peer == self.rank {
+                return Err(peer_error(
+                    peer,
+                    format!("is not a peer of rank {} in a group of {}", self.rank, self.size),
+                ));
+            }
+        }
+        let (mut sent, mut got) = (0, 0);
+        let mut idle = 0u32;
+        let mut idle_since = Instant::now();
+        while sent < out.len() || got < inp.len() {
+            let pushed = self.push(to, &out[sent..]);
+            let pulled = self.pull(from, &mut inp[got..]);
+            sent += pushed;
+            got += pulled;
+            if pushed + pulled > 0 {
+                idle = 0;
+                idle_since = Instant::now();
+                continue;
+            }
+            // Back off: spin briefly, then yield, then sleep, so oversubscribed cores progress.
+            idle += 1;
+            if idle < 64 {
+                std::hint::spin_loop();
+            } else if idle < 256 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+                if let Some(dead) = [to, from].into_iter().find(|&p| !self.alive(p)) {
+                    return Err(peer_error(dead, format!("process {} has exited", self.pids[dead])));
+                }
+                let waiting_on = if sent < out.len() { to } else { from };
+                if idle_since.elapsed() > self.timeout {
+                    return Err(peer_error(waiting_on, format!("timed out after {:?}", self.timeout)));
+                }
+            }
+        }
+        Ok(())
+    }
+}

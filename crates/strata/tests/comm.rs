@@ -1,0 +1,263 @@
+//! Multi-process tests of the collectives. The driver tests host a store and start several
+//! copies of this test binary, each running `rank_entry` as one rank (this machine has two
+//! cores; four ranks oversubscribe it on purpose).
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+use strata::comm::{Comm, ProcessGroup, ReduceOp, Store, StoreServer};
+use tch::{Device, Kind, Tensor};
+
+const KINDS: [Kind; 6] = [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16, Kind::Int, Kind::Int64];
+const SIZES: [i64; 5] = [0, 1, 7, 1031, 300_000];
+
+/// Starts `n` ranks of `scenario` on `backend` and returns their outputs, in rank order.
+fn run_ranks(n: usize, backend: &str, scenario: &str) -> Vec<Output> {
+    let token = "test-token";
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
+    let children: Vec<Child> = (0..n)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "rank_entry", "--nocapture", "--test-threads", "1"])
+                .env("STRATA_TEST_SCENARIO", scenario)
+                .env("STRATA_TEST_BACKEND", backend)
+                .env("STRATA_TEST_STORE", server.addr().to_string())
+                .env("STRATA_TEST_TOKEN", token)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut children: Vec<Option<Child>> = children.into_iter().map(Some).collect();
+    // Bounded wait: a hung rank is killed and shows up as a failure, never a hung test.
+    // Every child is polled each round, so finished ones are reaped as they finish.
+    let running = |cs: &mut [Option<Child>]| {
+        cs.iter_mut().flatten().map(|c| c.try_wait().ok().flatten().is_none()).filter(|&r| r).count()
+    };
+    while running(&mut children) > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    children
+        .iter_mut()
+        .map(|c| {
+            let mut c = c.take().unwrap();
+            let _ = c.kill();
+            c.wait_with_output().unwrap()
+        })
+        .collect()
+}
+
+fn assert_all_ok(outputs: &[Output]) {
+    for (rank, o) in outputs.iter().enumerate() {
+        assert!(
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains("RANK-OK"),
+            "rank {rank} failed ({:?}):\n{}\n{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
+
+#[test]
+fn collectives_on_shm_with_2_ranks() {
+    assert_all_ok(&run_ranks(2, "shm", "collectives"));
+}
+
+#[test]
+fn collectives_on_shm_with_4_ranks() {
+    assert_all_ok(&run_ranks(4, "shm", "collectives"));
+}
+
+#[test]
+fn collectives_on_tcp_with_2_ranks() {
+    assert_all_ok(&run_ranks(2, "tcp", "collectives"));
+}
+
+#[test]
+fn collectives_on_tcp_with_4_ranks() {
+    assert_all_ok(&run_ranks(4, "tcp", "collectives"));
+}
+
+/// Rank 1 is killed with SIGKILL in the middle of a large all-reduce; the others must fail
+/// within the timeout with an error naming rank 1, not hang or return a wrong result.
+fn killed_peer(backend: &str) {
+    let start = Instant::now();
+    let outputs = run_ranks(3, backend, "killed-peer");
+    assert!(start.elapsed() < Duration::from_secs(60), "took {:?}", start.elapsed());
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(outputs[1].status.signal(), Some(libc::SIGKILL), "rank 1 should die by SIGKILL");
+    for rank in [0, 2] {
+        let out = String::from_utf8_lossy(&outputs[rank].stdout);
+        assert!(
+            outputs[rank].status.success() && out.contains("FAILED-CLEANLY"),
+            "rank {rank}:\n{out}\n{}",
+            String::from_utf8_lossy(&outputs[rank].stderr)
+        );
+        assert!(out.contains("rank 1"), "rank {rank}'s error must name rank 1:\n{out}");
+    }
+}
+
+#[test]
+fn a_killed_rank_fails_the_others_on_shm() {
+    killed_peer("shm");
+}
+
+#[test]
+fn a_killed_rank_fails_the_others_on_tcp() {
+    killed_peer("tcp");
+}
+
+// ---- the rank side -----------------------------------------------------------------------
+
+fn values(kind: Kind, numel: i64, offset: i64) -> Tensor {
+    // Small integers: exact in every dtype, even bf16, after summing four ranks.
+    (Tensor::arange(numel, (Kind::Int64, Device::Cpu)).remainder(16) + offset).to_kind(kind)
+}
+
+fn same(a: &Tensor, b: &Tensor, what: &str) {
+    assert_eq!(a.size(), b.size(), "{what}: shapes");
+    assert!(a.to_kind(Kind::Double).equal(&b.to_kind(Kind::Double)), "{what}: {a:?} vs {b:?}");
+}
+
+fn check_collectives(g: &dyn ProcessGroup) {
+    let (r, n) = (g.rank() as i64, g.size() as i64);
+    let ranks_sum = n * (n - 1) / 2;
+    for kind in KINDS {
+        for numel in SIZES {
+            let what = |op: &str| format!("{op} {kind:?} x{numel} on {}", g.backend());
+            let t = values(kind, numel, r);
+            g.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
+            same(&t, &(values(kind, numel, 0) * n + ranks_sum).to_kind(kind), &what("all_reduce sum"));
+            let t = values(kind, numel, r);
+            g.all_reduce(&t, ReduceOp::Max).unwrap().wait().unwrap();
+            same(&t, &values(kind, numel, n - 1), &what("all_reduce max"));
+            let t = values(kind, numel, r);
+            g.all_reduce(&t, ReduceOp::Min).unwrap().wait().unwrap();
+            same(&t, &values(kind, numel, 0), &what("all_reduce min"));
+            if matches!(kind, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) {
+                let t = values(kind, numel, 2 * r);
+                g.all_reduce(&t, ReduceOp::Avg).unwrap().wait().unwrap();
+                same(&t, &values(kind, numel, n - 1), &what("all_reduce avg"));
+            } else {
+                assert!(g.all_reduce(&values(kind, 1, 0), ReduceOp::Avg).is_err(), "avg of integers is refused");
+            }
+            // Broadcast from the last rank (sizes above the pipeline's chunk included).
+            let t = if r == n - 1 { values(kind, numel, 3) } else { Tensor::zeros([numel], (kind, Device::Cpu)) };
+            g.broadcast(&t, (n - 1) as usize).unwrap().wait().unwrap();
+            same(&t, &values(kind, numel, 3), &what("broadcast"));
+            // Reduce to rank 1: the root gets the sum, the others keep their tensor.
+            let t = values(kind, numel, r);
+            g.reduce(&t, 1, ReduceOp::Sum).unwrap().wait().unwrap();
+            let expected =
+                if r == 1 { (values(kind, numel, 0) * n + ranks_sum).to_kind(kind) } else { values(kind, numel, r) };
+            same(&t, &expected, &what("reduce"));
+        }
+        // Uneven all-gather: rank i contributes i elements (rank 0 none).
+        let outputs: Vec<Tensor> = (0..n).map(|i| Tensor::zeros([i], (kind, Device::Cpu))).collect();
+        g.all_gather(&outputs, &values(kind, r, r)).unwrap().wait().unwrap();
+        for (i, o) in outputs.iter().enumerate() {
+            same(o, &values(kind, i as i64, i as i64), &format!("all_gather {kind:?} from {i}"));
+        }
+        // Reduce-scatter of 5 elements per rank (and of zero elements).
+        for m in [5, 0] {
+            let inputs: Vec<Tensor> = (0..n).map(|i| values(kind, m, r + i)).collect();
+            let output = Tensor::zeros([m], (kind, Device::Cpu));
+            g.reduce_scatter(&output, &inputs, ReduceOp::Sum).unwrap().wait().unwrap();
+            same(
+                &output,
+                &(values(kind, m, 0) * n + ranks_sum + n * r).to_kind(kind),
+                &format!("reduce_scatter {kind:?}"),
+            );
+            same(&inputs[0], &values(kind, m, r), "reduce_scatter leaves its inputs alone");
+        }
+        // All-to-all: rank r sends [10r + j, 10r + j] to rank j.
+        let inputs: Vec<Tensor> = (0..n).map(|j| Tensor::full([2], 10 * r + j, (kind, Device::Cpu))).collect();
+        let outputs: Vec<Tensor> = (0..n).map(|_| Tensor::zeros([2], (kind, Device::Cpu))).collect();
+        g.all_to_all(&outputs, &inputs).unwrap().wait().unwrap();
+        for (j, o) in outputs.iter().enumerate() {
+            same(
+                o,
+                &Tensor::full([2], 10 * j as i64 + r, (kind, Device::Cpu)),
+                &format!("all_to_all {kind:?} from {j}"),
+            );
+        }
+        // Send to the next rank, receive from the previous (even ranks send first).
+        let out = values(kind, 100, r);
+        let got = Tensor::zeros([100], (kind, Device::Cpu));
+        let (next, prev) = (((r + 1) % n) as usize, ((r + n - 1) % n) as usize);
+        let works = if r % 2 == 0 {
+            [g.send(&out, next).unwrap(), g.recv(&got, prev).unwrap()]
+        } else {
+            [g.recv(&got, prev).unwrap(), g.send(&out, next).unwrap()]
+        };
+        works.iter().for_each(|w| w.wait().unwrap());
+        same(&got, &values(kind, 100, prev as i64), &format!("send/recv {kind:?}"));
+    }
+    // Asynchronous handles: several calls in flight, completed in order.
+    let ts: Vec<Tensor> = (0..4).map(|i| Tensor::full([1000], r + i, (Kind::Float, Device::Cpu))).collect();
+    let works: Vec<_> = ts.iter().map(|t| g.all_reduce(t, ReduceOp::Sum).unwrap()).collect();
+    for (i, (w, t)) in works.iter().zip(&ts).enumerate() {
+        w.wait().unwrap();
+        assert!(w.is_completed());
+        same(t, &Tensor::full([1000], ranks_sum + n * i as i64, (Kind::Float, Device::Cpu)), "async all_reduce");
+    }
+    g.barrier().unwrap().wait().unwrap();
+    // Bad arguments are errors at the call, before anything is sent.
+    assert!(
+        g.all_gather(
+            &[Tensor::zeros([1], (Kind::Float, Device::Cpu))],
+            &Tensor::zeros([1], (Kind::Float, Device::Cpu))
+        )
+        .is_err()
+            || n == 1
+    );
+    assert!(g.broadcast(&Tensor::zeros([1], (Kind::Float, Device::Cpu)), n as usize).is_err());
+    assert!(g.all_reduce(&Tensor::zeros([4, 4], (Kind::Float, Device::Cpu)).transpose(0, 1), ReduceOp::Sum).is_err());
+}
+
+fn connect() -> Comm {
+    let var = |k: &str| std::env::var(k).unwrap();
+    let store =
+        Store::connect(var("STRATA_TEST_STORE").parse().unwrap(), &var("STRATA_TEST_TOKEN"), Duration::from_secs(30))
+            .unwrap();
+    let (rank, size) = (var("RANK").parse().unwrap(), var("WORLD_SIZE").parse().unwrap());
+    Comm::new(store, None, rank, size, &format!("cpu:{}", var("STRATA_TEST_BACKEND")), Duration::from_secs(20)).unwrap()
+}
+
+#[test]
+fn rank_entry() {
+    let Ok(scenario) = std::env::var("STRATA_TEST_SCENARIO") else { return };
+    let comm = connect();
+    let world = comm.world().unwrap();
+    match scenario.as_str() {
+        "collectives" => {
+            check_collectives(world.as_ref());
+            // A sub-group of the first and last rank works on its own.
+            let last = comm.size() - 1;
+            let sub = comm.new_group(&[0, last]).unwrap();
+            assert_eq!(sub.is_some(), comm.rank() == 0 || comm.rank() == last);
+            if let Some(sub) = sub {
+                let t = Tensor::full([3], comm.rank() as i64, (Kind::Int64, Device::Cpu));
+                sub.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
+                same(&t, &Tensor::full([3], last as i64, (Kind::Int64, Device::Cpu)), "sub-group all_reduce");
+            }
+            world.barrier().unwrap().wait().unwrap();
+        }
+        "killed-peer" => {
+            let t = Tensor::ones([8 << 20], (Kind::Float, Device::Cpu));
+            let work = world.all_reduce(&t, ReduceOp::Sum).unwrap();
+            if comm.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(5));
+                // SAFETY: ends this process on purpose, mid-collective.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            let err = work.wait().expect_err("a collective with a dead peer cannot succeed");
+            println!("FAILED-CLEANLY: {err}");
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+    println!("RANK-OK");
+}
