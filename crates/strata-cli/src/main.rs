@@ -1,6 +1,8 @@
 //! The `strata` command line. Parses flags, hands typed settings to the library, and turns
 //! every failure into one line on stderr with a non-zero exit.
 mod bench;
+mod bench_comm;
+mod launch;
 mod options;
 mod train;
 
@@ -19,6 +21,8 @@ struct Cli {
 enum Command {
     /// Train a model (the embedded synthetic corpus unless --data or --token-file is given).
     Train(Box<options::TrainOptions>),
+    /// Start the ranks of a job on this node (as torchrun): strata launch --nproc-per-node N -- CMD ARGS
+    Launch(launch::LaunchArgs),
     /// Benchmarks, each against a reference measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -30,6 +34,8 @@ enum Command {
 enum BenchCommand {
     /// Training throughput of a GPT in Strata and in PyTorch eager, side by side.
     Train(bench::BenchTrainArgs),
+    /// Collective bandwidth per backend and size, with memcpy bandwidth as the reference.
+    Comm(bench_comm::BenchCommArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,7 +59,9 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Train(o) => o.resolve().and_then(train::run),
+        Command::Launch(a) => launch::run(a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
+        Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -323,6 +323,11 @@ impl Comm {
     /// it with the same list, in the same order as other `new_group` calls; ranks outside
     /// the list get `None`.
     pub fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
+        self.new_group_with(ranks, &self.spec)
+    }
+
+    /// As [`Comm::new_group`], with backends chosen by `spec` instead of the job's.
+    pub fn new_group_with(&self, ranks: &[usize], spec: &str) -> Result<Option<Box<dyn ProcessGroup>>> {
         let mut made = self.groups_made.lock().unwrap_or_else(|e| e.into_inner());
         *made += 1;
         let id = *made;
@@ -337,7 +342,7 @@ impl Comm {
         }
         let Some(local) = ranks.iter().position(|&r| r == self.rank) else { return Ok(None) };
         let mut by_device = Vec::new();
-        for (device, backend) in parse_backend_spec(&self.spec)? {
+        for (device, backend) in parse_backend_spec(spec)? {
             let setup = GroupSetup {
                 store: self.store.clone(),
                 prefix: format!("group{id}/{device}/"),
@@ -347,7 +352,7 @@ impl Comm {
             };
             by_device.push((device, factory(&backend)?(&setup)?));
         }
-        Ok(Some(Box::new(DeviceDispatch { rank: local, size: ranks.len(), name: self.spec.clone(), by_device })))
+        Ok(Some(Box::new(DeviceDispatch { rank: local, size: ranks.len(), name: spec.to_string(), by_device })))
     }
 }
 

@@ -1,0 +1,196 @@
+//! `strata bench comm`: collectives of each backend over a range of sizes, in the style of
+//! nccl-tests (time, algorithm bandwidth, bus bandwidth), with this machine's single-process
+//! memcpy bandwidth measured in the same run as the reference.
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Serialize;
+use std::time::{Duration, Instant};
+use strata::comm::{init_from_env, ProcessGroup, ReduceOp};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchCommArgs {
+    /// Start this many local ranks through `strata launch` (otherwise run as one rank of a
+    /// job already launched).
+    #[arg(long)]
+    nproc: Option<usize>,
+    /// Backends to measure, comma-separated.
+    #[arg(long, default_value = "shm,tcp")]
+    backends: String,
+    /// Operations: all_reduce, all_gather, reduce_scatter, broadcast.
+    #[arg(long, default_value = "all_reduce,all_gather,reduce_scatter,broadcast")]
+    ops: String,
+    #[arg(long, default_value_t = 4 << 10)]
+    min_bytes: usize,
+    #[arg(long, default_value_t = 256 << 20)]
+    max_bytes: usize,
+    /// Size growth factor between rows.
+    #[arg(long, default_value_t = 4)]
+    factor: usize,
+    /// Print the results as JSON (rank 0).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Row {
+    backend: String,
+    op: String,
+    bytes: usize,
+    time_us: f64,
+    algbw_gbps: f64,
+    busbw_gbps: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    world_size: usize,
+    memcpy_gbps: Vec<(usize, f64)>,
+    rows: Vec<Row>,
+}
+
+/// Bus bandwidth over algorithm bandwidth: the share of the data each rank's links carry.
+fn bus_factor(op: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "all_gather" | "reduce_scatter" => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+fn memcpy_gbps(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src);
+    let iters = (1usize << 30).div_ceil(bytes).clamp(3, 200);
+    let start = Instant::now();
+    for _ in 0..iters {
+        dst.copy_from_slice(std::hint::black_box(&src));
+    }
+    std::hint::black_box(&dst);
+    (bytes * iters) as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// Times `iters` runs of `op` on a buffer of `bytes` bytes; returns seconds per run (the
+/// slowest rank's, as every rank agrees through a max all-reduce).
+fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
+    let n = g.size();
+    let numel = (bytes / 4) as i64;
+    let f32s = |k: i64| Tensor::ones([k], (Kind::Float, Device::Cpu));
+    let (main, parts): (Tensor, Vec<Tensor>) = match op {
+        "all_reduce" | "broadcast" => (f32s(numel), vec![]),
+        "all_gather" | "reduce_scatter" => {
+            let per = numel / n as i64;
+            (f32s(per), (0..n).map(|_| f32s(per)).collect())
+        }
+        other => bail!("unknown operation {other:?}"),
+    };
+    let run = || -> Result<()> {
+        let work = match op {
+            "all_reduce" => g.all_reduce(&main, ReduceOp::Sum)?,
+            "broadcast" => g.broadcast(&main, 0)?,
+            "all_gather" => g.all_gather(&parts, &main)?,
+            _ => g.reduce_scatter(&main, &parts, ReduceOp::Sum)?,
+        };
+        Ok(work.wait()?)
+    };
+    run()?;
+    let iters = ((64usize << 20) / bytes.max(1)).clamp(3, 100);
+    g.barrier()?.wait()?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        run()?;
+    }
+    let seconds = Tensor::from(start.elapsed().as_secs_f64() / iters as f64);
+    g.all_reduce(&seconds, ReduceOp::Max)?.wait()?;
+    Ok(seconds.double_value(&[]))
+}
+
+pub fn run(a: BenchCommArgs) -> Result<()> {
+    if let Some(n) = a.nproc {
+        return relaunch(n);
+    }
+    if a.min_bytes == 0 || a.factor < 2 || a.min_bytes > a.max_bytes {
+        bail!("sizes must satisfy 0 < --min-bytes <= --max-bytes and --factor >= 2");
+    }
+    let comm = init_from_env("cpu:shm", Duration::from_secs(120)).context("joining the job")?;
+    let n = comm.size();
+    let all: Vec<usize> = (0..n).collect();
+    let mut rows = Vec::new();
+    for backend in a.backends.split(',').map(str::trim) {
+        let g = comm.new_group_with(&all, &format!("cpu:{backend}"))?.context("this rank is in the world")?;
+        for op in a.ops.split(',').map(str::trim) {
+            let mut bytes = a.min_bytes;
+            while bytes <= a.max_bytes {
+                let t = time_op(g.as_ref(), op, bytes)?;
+                let algbw = bytes as f64 / t / 1e9;
+                rows.push(Row {
+                    backend: backend.into(),
+                    op: op.into(),
+                    bytes,
+                    time_us: t * 1e6,
+                    algbw_gbps: algbw,
+                    busbw_gbps: algbw * bus_factor(op, n),
+                });
+                bytes *= a.factor;
+            }
+        }
+    }
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    // The reference, measured after the collectives so they do not share the machine.
+    let memcpy: Vec<(usize, f64)> = [16usize << 20, 64 << 20].iter().map(|&b| (b, memcpy_gbps(b))).collect();
+    let report = Report { world_size: n, memcpy_gbps: memcpy, rows };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!("{n} ranks");
+    println!(
+        "{:<8} {:<15} {:>12} {:>12} {:>12} {:>12}",
+        "backend", "op", "bytes", "time us", "algbw GB/s", "busbw GB/s"
+    );
+    for r in &report.rows {
+        println!(
+            "{:<8} {:<15} {:>12} {:>12.1} {:>12.3} {:>12.3}",
+            r.backend, r.op, r.bytes, r.time_us, r.algbw_gbps, r.busbw_gbps
+        );
+    }
+    for (bytes, gbps) in &report.memcpy_gbps {
+        println!("memcpy (one process) {:>10} bytes: {gbps:.3} GB/s", bytes);
+    }
+    Ok(())
+}
+
+/// Runs this same command under `strata launch` with `n` local ranks.
+fn relaunch(n: usize) -> Result<()> {
+    let exe = std::env::current_exe().context("cannot find the strata binary")?;
+    let mut args: Vec<String> = Vec::new();
+    let mut skip = false;
+    for arg in std::env::args().skip(1) {
+        if skip {
+            skip = false;
+            continue;
+        }
+        if arg == "--nproc" {
+            skip = true;
+            continue;
+        }
+        if arg.starts_with("--nproc=") {
+            continue;
+        }
+        args.push(arg);
+    }
+    let status = std::process::Command::new(&exe)
+        .args(["launch", "--nproc-per-node", &n.to_string(), "--"])
+        .arg(&exe)
+        .args(&args)
+        .status()
+        .context("cannot start strata launch")?;
+    if !status.success() {
+        bail!("the benchmark's ranks failed");
+    }
+    Ok(())
+}

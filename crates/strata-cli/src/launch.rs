@@ -1,0 +1,183 @@
+//! `strata launch`: starts the ranks of one node as torchrun does, prefixes their output
+//! with the rank, and when one fails stops the others and names it.
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// Ranks to start on this node.
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
+    /// Nodes in the job.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This node's index (0 hosts the rendezvous store through its rank 0).
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// Address of node 0, where rank 0 serves the store.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// Port of the store (default: a free port on one node, 29500 across nodes).
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// Seconds the other ranks get to exit after a failure before they are killed.
+    #[arg(long, default_value_t = 5.0)]
+    pub grace: f64,
+    /// The command each rank runs, after `--`.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(sig)) => format!("was killed by signal {sig}"),
+        _ => "ended".into(),
+    }
+}
+
+fn free_port(addr: &str) -> Result<u16> {
+    let l = std::net::TcpListener::bind((addr, 0)).with_context(|| format!("cannot find a free port on {addr}"))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Copies one child's stream to ours, a line at a time, each line prefixed with its rank.
+fn relay(source: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(source);
+        let mut line = Vec::new();
+        while matches!(lines.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+            let text = String::from_utf8_lossy(&line);
+            let text = text.trim_end_matches('\n');
+            // One write per line keeps lines of different ranks whole.
+            let out = format!("[rank {rank}] {text}\n");
+            let _ = if to_stderr {
+                std::io::stderr().write_all(out.as_bytes())
+            } else {
+                std::io::stdout().write_all(out.as_bytes())
+            };
+            line.clear();
+        }
+    })
+}
+
+/// Signals a rank's whole process group (each rank leads its own), so whatever the rank
+/// started goes too and no pipe stays open behind it.
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: sending a signal to the process group our own child leads.
+    unsafe { libc::kill(-(child.id() as i32), sig) };
+}
+
+/// A SIGINT or SIGTERM sent to the launcher, to be passed on to the ranks.
+static RECEIVED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn remember(sig: i32) {
+    RECEIVED.store(sig, Ordering::SeqCst);
+}
+
+pub fn run(a: LaunchArgs) -> Result<()> {
+    if a.nproc_per_node == 0 || a.nnodes == 0 {
+        bail!("--nproc-per-node and --nnodes must be positive");
+    }
+    if a.node_rank >= a.nnodes {
+        bail!("--node-rank {} is outside {} nodes", a.node_rank, a.nnodes);
+    }
+    let world = a.nproc_per_node * a.nnodes;
+    let port = match a.master_port {
+        Some(p) => p,
+        None if a.nnodes == 1 => free_port(&a.master_addr)?,
+        None => 29500,
+    };
+    let token = match std::env::var("STRATA_STORE_TOKEN") {
+        Ok(t) => t,
+        Err(_) if a.nnodes == 1 => strata::comm::store::random_token()?,
+        Err(_) => bail!("with several nodes, set STRATA_STORE_TOKEN to the same secret on every node"),
+    };
+    let (program, args) = a.command.split_first().context("no command to launch")?;
+    // The ranks have process groups of their own, so a Ctrl-C reaches only us: pass it on.
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, remember as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, remember as *const () as libc::sighandler_t);
+    }
+    let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut relays = Vec::new();
+    for local in 0..a.nproc_per_node {
+        let rank = a.node_rank * a.nproc_per_node + local;
+        let spawned = Command::new(program)
+            .args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
+            .env("GROUP_RANK", a.node_rank.to_string())
+            .env("MASTER_ADDR", &a.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .env("STRATA_STORE_TOKEN", &token)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                children.iter().for_each(|(_, c)| signal(c, libc::SIGKILL));
+                bail!("cannot start {program:?} for rank {rank}: {e}");
+            }
+        };
+        if let Some(out) = child.stdout.take() {
+            relays.push(relay(out, rank, false));
+        }
+        if let Some(err) = child.stderr.take() {
+            relays.push(relay(err, rank, true));
+        }
+        children.push((rank, child));
+    }
+    let mut failure: Option<(usize, ExitStatus)> = None;
+    let mut running = children.len();
+    while running > 0 && failure.is_none() {
+        if RECEIVED.load(Ordering::SeqCst) != 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        running = 0;
+        for (rank, child) in &mut children {
+            match child.try_wait()? {
+                Some(status) if !status.success() => {
+                    failure.get_or_insert((*rank, status));
+                }
+                Some(_) => {}
+                None => running += 1,
+            }
+        }
+    }
+    let interrupted = RECEIVED.load(Ordering::SeqCst);
+    if failure.is_some() || interrupted != 0 {
+        // Ask the others to stop, then make sure they do.
+        children.iter().for_each(|(_, c)| signal(c, libc::SIGTERM));
+        let deadline = Instant::now() + Duration::from_secs_f64(a.grace.max(0.0));
+        while Instant::now() < deadline && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        children.iter().for_each(|(_, c)| signal(c, libc::SIGKILL));
+        children.iter_mut().for_each(|(_, c)| {
+            let _ = c.wait();
+        });
+        relays.into_iter().for_each(|r| {
+            let _ = r.join();
+        });
+        match failure {
+            Some((rank, status)) => bail!("rank {rank} {}; the other ranks were stopped", describe(status)),
+            None => bail!("stopped by signal {interrupted}; the ranks were stopped"),
+        }
+    }
+    relays.into_iter().for_each(|r| {
+        let _ = r.join();
+    });
+    Ok(())
+}
