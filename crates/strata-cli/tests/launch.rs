@@ -1,0 +1,90 @@
+//! `strata launch` and `strata bench comm` end to end.
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output().expect("the strata binary runs")
+}
+
+#[test]
+fn ranks_get_torchrun_variables_and_prefixed_output() {
+    let out = strata(&[
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "echo \"R=$RANK W=$WORLD_SIZE L=$LOCAL_RANK LW=$LOCAL_WORLD_SIZE A=$MASTER_ADDR P=${MASTER_PORT:+set} T=${#STRATA_STORE_TOKEN}\"; echo to-stderr >&2",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for r in 0..3 {
+        let line = format!("[rank {r}] R={r} W=3 L={r} LW=3 A=127.0.0.1 P=set T=32");
+        assert!(stdout.lines().any(|l| l == line), "missing {line:?} in\n{stdout}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("[rank {r}] to-stderr")));
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_is_named() {
+    let start = Instant::now();
+    let out = strata(&[
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 2 ]; then exit 3; fi; sleep 60",
+    ]);
+    assert!(start.elapsed() < Duration::from_secs(30), "the sleeping ranks were not stopped");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rank 2 exited with status 3"), "{err}");
+}
+
+#[test]
+fn a_rank_killed_by_sigkill_fails_the_launch() {
+    let start = Instant::now();
+    let out = strata(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; sleep 60",
+    ]);
+    assert!(start.elapsed() < Duration::from_secs(30));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 was killed by signal 9"));
+}
+
+#[test]
+fn bad_launch_arguments_are_one_line_errors() {
+    for args in [
+        &["launch", "--nproc-per-node", "0", "--", "true"][..],
+        &["launch", "--nnodes", "2", "--node-rank", "2", "--", "true"],
+    ] {
+        let out = strata(args);
+        assert!(!out.status.success());
+        assert_eq!(String::from_utf8_lossy(&out.stderr).trim().lines().count(), 1, "{args:?}");
+    }
+    let out = strata(&["launch", "--", "/no/such/program"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/program"));
+}
+
+#[test]
+fn bench_comm_runs_real_collectives_under_the_launcher() {
+    let out = strata(&["bench", "comm", "--nproc", "2", "--min-bytes", "4096", "--max-bytes", "65536", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json: String = stdout.lines().filter_map(|l| l.strip_prefix("[rank 0] ")).collect::<Vec<_>>().join("\n");
+    let report: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(report["world_size"], 2);
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2 * 4 * 3, "2 backends × 4 operations × 3 sizes");
+    assert!(rows.iter().all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0));
+    assert!(report["memcpy_gbps"][0][1].as_f64().unwrap() > 0.0);
+}
