@@ -184,7 +184,7 @@ fn check_reducible(kind: Kind, op: ReduceOp) -> Result<()> {
 }
 
 /// `dst[i] = op(dst[i], src[i])` over elements of `kind`.
-fn reduce_into(kind: Kind, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+pub(super) fn reduce_into(kind: Kind, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     fn typed<T: Copy>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
         let n = dst.len() / std::mem::size_of::<T>();
         if n == 0 {
@@ -229,7 +229,7 @@ fn reduce_into(kind: Kind, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
 }
 
 /// Divides a block of floating-point elements by `n` (the second half of avg).
-fn divide(kind: Kind, block: &mut [u8], n: usize) {
+pub(super) fn divide(kind: Kind, block: &mut [u8], n: usize) {
     fn typed<T: Copy>(b: &mut [u8], f: impl Fn(T) -> T) {
         let len = b.len() / std::mem::size_of::<T>();
         if len == 0 {
@@ -296,6 +296,9 @@ impl ProcessGroup for RingGroup {
         let buf = Buffer::of(tensor, self.backend)?;
         let ranges = split(tensor.numel(), self.size, kind.elt_size_in_bytes());
         self.submit(move |tr| {
+            if let Some(done) = tr.native_all_reduce(buf.whole().bytes_mut(), kind, op) {
+                return done;
+            }
             let blocks: Vec<Block> = ranges.iter().map(|r| buf.block(r.clone())).collect();
             reduce_scatter_ring(tr, &blocks, kind, op)?;
             if op == ReduceOp::Avg {

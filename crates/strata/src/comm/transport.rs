@@ -3,13 +3,15 @@
 //!
 //! Every blocking call gives up after the group's timeout, and a peer that went away is
 //! reported by rank (a closed socket, or a process that no longer exists).
-use super::GroupSetup;
+use super::algorithms::{divide, reduce_into};
+use super::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
 use memmap2::MmapMut;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use tch::Kind;
 
 /// Point-to-point byte movement between the ranks of one group.
 pub trait Transport: Send {
@@ -21,6 +23,11 @@ pub trait Transport: Send {
 
     fn send(&mut self, to: usize, out: &[u8]) -> Result<()> {
         self.exchange(to, out, to, &mut [])
+    }
+
+    /// An all-reduce of `buf` done natively by the transport, or `None` to use the ring.
+    fn native_all_reduce(&mut self, _buf: &mut [u8], _kind: Kind, _op: ReduceOp) -> Option<Result<()>> {
+        None
     }
     fn recv(&mut self, from: usize, inp: &mut [u8]) -> Result<()> {
         self.exchange(from, &[], from, inp)
@@ -145,14 +152,26 @@ const CHANNEL_BYTES: usize = 4 << 20;
 const CHANNEL_HEADER: usize = 128;
 const CHANNEL_STRIDE: usize = CHANNEL_HEADER + CHANNEL_BYTES;
 
+/// Bytes of each rank's slot in the all-reduce arena (and of the shared result slot).
+const SLOT_BYTES: usize = 1 << 20;
+/// One cache line per rank's progress counter.
+const FLAG_STRIDE: usize = 64;
+
 /// One-way channels between every ordered pair of ranks, in one shared-memory segment.
 /// Channel (i → j) is a ring buffer: the writer advances `head`, the reader `tail`.
+///
+/// After the channels the segment holds an all-reduce arena: a progress counter per rank,
+/// a slot per rank and one result slot. All-reduce then costs each rank one copy in, a
+/// reduction of its share, and one copy out, chunk by chunk so the data stays in cache —
+/// instead of the ring's 2·(n−1) messages through the channels.
 pub struct ShmTransport {
     rank: usize,
     size: usize,
     map: MmapMut,
     pids: Vec<i32>,
     timeout: Duration,
+    /// Arena phases this rank has completed (every rank moves through the same ones).
+    phase: u64,
 }
 
 impl ShmTransport {
@@ -161,7 +180,7 @@ impl ShmTransport {
     pub fn connect(setup: &GroupSetup) -> Result<ShmTransport> {
         let (rank, size) = (setup.rank, setup.size);
         let key = |k: &str| format!("{}shm/{k}", setup.prefix);
-        let bytes = size * size * CHANNEL_STRIDE;
+        let bytes = Self::arena_offset(size) + size * FLAG_STRIDE + (size + 1) * SLOT_BYTES;
         let path = if rank == 0 {
             let id = super::store::random_token()?;
             let path = format!("/dev/shm/strata-{id}");
@@ -195,7 +214,53 @@ impl ShmTransport {
         if rank == 0 {
             let _ = std::fs::remove_file(&path);
         }
-        Ok(ShmTransport { rank, size, map, pids, timeout: setup.timeout })
+        Ok(ShmTransport { rank, size, map, pids, timeout: setup.timeout, phase: 0 })
+    }
+
+    fn arena_offset(size: usize) -> usize {
+        size * size * CHANNEL_STRIDE
+    }
+
+    /// Rank `rank`'s progress counter.
+    fn flag(&self, rank: usize) -> &AtomicU64 {
+        // SAFETY: an 8-byte-aligned counter inside the mapping, shared across processes.
+        unsafe {
+            AtomicU64::from_ptr(self.map.as_ptr().add(Self::arena_offset(self.size) + rank * FLAG_STRIDE) as *mut u64)
+        }
+    }
+
+    /// Slot `i` of the arena; slot `size` is the shared result.
+    fn slot(&self, i: usize) -> *mut u8 {
+        let base = Self::arena_offset(self.size) + self.size * FLAG_STRIDE;
+        // SAFETY: inside the mapping by construction of its size.
+        unsafe { self.map.as_ptr().add(base + i * SLOT_BYTES) as *mut u8 }
+    }
+
+    /// Announces that this rank reached the next phase and waits until every rank has.
+    fn arena_barrier(&mut self) -> Result<()> {
+        self.phase += 1;
+        self.flag(self.rank).store(self.phase, Ordering::Release);
+        let mut idle = 0u32;
+        let since = Instant::now();
+        for peer in 0..self.size {
+            while self.flag(peer).load(Ordering::Acquire) < self.phase {
+                idle += 1;
+                if idle < 64 {
+                    std::hint::spin_loop();
+                } else if idle < 256 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(20));
+                    if !self.alive(peer) {
+                        return Err(peer_error(peer, format!("process {} has exited", self.pids[peer])));
+                    }
+                    if since.elapsed() > self.timeout {
+                        return Err(peer_error(peer, format!("timed out after {:?}", self.timeout)));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn channel(&self, from: usize, to: usize) -> *mut u8 {
@@ -249,6 +314,41 @@ impl ShmTransport {
         n
     }
 
+    /// Chunk by chunk: copy in, barrier, reduce this rank's share into the result slot,
+    /// barrier, copy the whole result out. The next chunk's first barrier also guarantees
+    /// that everyone has read the previous result before it is overwritten.
+    fn arena_all_reduce(&mut self, buf: &mut [u8], kind: Kind, op: ReduceOp) -> Result<()> {
+        let (n, esize) = (self.size, kind.elt_size_in_bytes());
+        let chunk = SLOT_BYTES / esize * esize;
+        for piece in buf.chunks_mut(chunk) {
+            let len = piece.len();
+            // SAFETY: slots hold SLOT_BYTES >= len bytes; this rank alone writes its slot,
+            // and only between barriers at which nobody reads it.
+            unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), self.slot(self.rank), len) };
+            self.arena_barrier()?;
+            let elems = len / esize;
+            let (lo, hi) = (elems * self.rank / n * esize, elems * (self.rank + 1) / n * esize);
+            if hi > lo {
+                // SAFETY: each rank writes a disjoint range of the result slot and reads
+                // slots that no one writes until the next barrier.
+                let result = unsafe { std::slice::from_raw_parts_mut(self.slot(n).add(lo), hi - lo) };
+                result.copy_from_slice(unsafe { std::slice::from_raw_parts(self.slot(0).add(lo), hi - lo) });
+                for peer in 1..n {
+                    reduce_into(kind, op, result, unsafe {
+                        std::slice::from_raw_parts(self.slot(peer).add(lo), hi - lo)
+                    });
+                }
+                if op == ReduceOp::Avg {
+                    divide(kind, result, n);
+                }
+            }
+            self.arena_barrier()?;
+            // SAFETY: the result slot is complete and stays so until the next barrier.
+            unsafe { std::ptr::copy_nonoverlapping(self.slot(n), piece.as_mut_ptr(), len) };
+        }
+        Ok(())
+    }
+
     fn alive(&self, peer: usize) -> bool {
         let pid = self.pids[peer];
         // SAFETY: signal 0 only checks that the process exists.
@@ -268,6 +368,10 @@ impl Transport for ShmTransport {
     }
     fn size(&self) -> usize {
         self.size
+    }
+
+    fn native_all_reduce(&mut self, buf: &mut [u8], kind: Kind, op: ReduceOp) -> Option<Result<()>> {
+        Some(self.arena_all_reduce(buf, kind, op))
     }
 
     fn exchange(&mut self, to: usize, out: &[u8], from: usize, inp: &mut [u8]) -> Result<()> {
