@@ -27,38 +27,18 @@ fn ranks_get_torchrun_variables_and_prefixed_output() {
 }
 
 #[test]
-fn a_failing_rank_stops_the_others_and_is_named() {
-    let start = Instant::now();
-    let out = strata(&[
-        "launch",
-        "--nproc-per-node",
-        "3",
-        "--",
-        "sh",
-        "-c",
-        "if [ \"$RANK\" = 2 ]; then exit 3; fi; sleep 60",
-    ]);
-    assert!(start.elapsed() < Duration::from_secs(30), "the sleeping ranks were not stopped");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("rank 2 exited with status 3"), "{err}");
-}
-
-#[test]
-fn a_rank_killed_by_sigkill_fails_the_launch() {
-    let start = Instant::now();
-    let out = strata(&[
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        "if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; sleep 60",
-    ]);
-    assert!(start.elapsed() < Duration::from_secs(30));
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 was killed by signal 9"));
+fn a_failing_or_killed_rank_stops_the_others_and_is_named() {
+    for (ranks, script, expected) in [
+        ("3", "if [ \"$RANK\" = 2 ]; then exit 3; fi; sleep 60", "rank 2 exited with status 3"),
+        ("2", "if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; sleep 60", "rank 1 was killed by signal 9"),
+    ] {
+        let start = Instant::now();
+        let out = strata(&["launch", "--nproc-per-node", ranks, "--", "sh", "-c", script]);
+        assert!(start.elapsed() < Duration::from_secs(30), "the sleeping ranks were not stopped");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{err}");
+    }
 }
 
 #[test]

@@ -146,6 +146,33 @@ impl Transport for TcpTransport {
 
 // ---- shared memory --------------------------------------------------------------------
 
+/// Waiting without starving an oversubscribed core: spin briefly, then yield, then sleep.
+struct Backoff {
+    idle: u32,
+    since: Instant,
+}
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff { idle: 0, since: Instant::now() }
+    }
+
+    /// Waits a little; true once waiting has lasted long enough to check on the peers.
+    fn pause(&mut self) -> bool {
+        self.idle += 1;
+        if self.idle < 64 {
+            std::hint::spin_loop();
+            false
+        } else if self.idle < 256 {
+            std::thread::yield_now();
+            false
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+            true
+        }
+    }
+}
+
 /// Bytes of each one-way channel's ring buffer.
 const CHANNEL_BYTES: usize = 4 << 20;
 /// Head and tail counters, each on its own cache line.
@@ -240,23 +267,11 @@ impl ShmTransport {
     fn arena_barrier(&mut self) -> Result<()> {
         self.phase += 1;
         self.flag(self.rank).store(self.phase, Ordering::Release);
-        let mut idle = 0u32;
-        let since = Instant::now();
+        let mut backoff = Backoff::new();
         for peer in 0..self.size {
             while self.flag(peer).load(Ordering::Acquire) < self.phase {
-                idle += 1;
-                if idle < 64 {
-                    std::hint::spin_loop();
-                } else if idle < 256 {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(Duration::from_micros(20));
-                    if !self.alive(peer) {
-                        return Err(peer_error(peer, format!("process {} has exited", self.pids[peer])));
-                    }
-                    if since.elapsed() > self.timeout {
-                        return Err(peer_error(peer, format!("timed out after {:?}", self.timeout)));
-                    }
+                if backoff.pause() {
+                    self.check_peers(&[peer], peer, &backoff)?;
                 }
             }
         }
@@ -349,6 +364,17 @@ impl ShmTransport {
         Ok(())
     }
 
+    /// Fails if one of `peers` has exited, or if nothing has moved for the timeout.
+    fn check_peers(&self, peers: &[usize], waiting_on: usize, backoff: &Backoff) -> Result<()> {
+        if let Some(&dead) = peers.iter().find(|&&p| !self.alive(p)) {
+            return Err(peer_error(dead, format!("process {} has exited", self.pids[dead])));
+        }
+        if backoff.since.elapsed() > self.timeout {
+            return Err(peer_error(waiting_on, format!("timed out after {:?}", self.timeout)));
+        }
+        Ok(())
+    }
+
     fn alive(&self, peer: usize) -> bool {
         let pid = self.pids[peer];
         // SAFETY: signal 0 only checks that the process exists.
@@ -384,33 +410,16 @@ impl Transport for ShmTransport {
             }
         }
         let (mut sent, mut got) = (0, 0);
-        let mut idle = 0u32;
-        let mut idle_since = Instant::now();
+        let mut backoff = Backoff::new();
         while sent < out.len() || got < inp.len() {
             let pushed = self.push(to, &out[sent..]);
             let pulled = self.pull(from, &mut inp[got..]);
             sent += pushed;
             got += pulled;
             if pushed + pulled > 0 {
-                idle = 0;
-                idle_since = Instant::now();
-                continue;
-            }
-            // Back off: spin briefly, then yield, then sleep, so oversubscribed cores progress.
-            idle += 1;
-            if idle < 64 {
-                std::hint::spin_loop();
-            } else if idle < 256 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-                if let Some(dead) = [to, from].into_iter().find(|&p| !self.alive(p)) {
-                    return Err(peer_error(dead, format!("process {} has exited", self.pids[dead])));
-                }
-                let waiting_on = if sent < out.len() { to } else { from };
-                if idle_since.elapsed() > self.timeout {
-                    return Err(peer_error(waiting_on, format!("timed out after {:?}", self.timeout)));
-                }
+                backoff = Backoff::new();
+            } else if backoff.pause() {
+                self.check_peers(&[to, from], if sent < out.len() { to } else { from }, &backoff)?;
             }
         }
         Ok(())
