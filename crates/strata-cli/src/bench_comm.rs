@@ -160,6 +160,9 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     }
     for (bytes, gbps) in &report.memcpy_gbps {
         println!("memcpy (one process) {:>10} bytes: {gbps:.3} GB/s", bytes);
+        for r in report.rows.iter().filter(|r| r.op == "all_reduce" && r.bytes == *bytes) {
+            println!("  {} all_reduce busbw / memcpy at {bytes} bytes: {:.2}", r.backend, r.busbw_gbps / gbps);
+        }
     }
     Ok(())
 }

@@ -21,6 +21,7 @@ fn run_ranks(n: usize, backend: &str, scenario: &str) -> Vec<Output> {
                 .env("STRATA_TEST_BACKEND", backend)
                 .env("STRATA_TEST_STORE", server.addr().to_string())
                 .env("STRATA_TEST_TOKEN", token)
+                .env("STRATA_STORE_TOKEN", token)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", n.to_string())
                 .stdout(Stdio::piped())
@@ -69,6 +70,44 @@ fn collectives_on_shm_with_2_ranks() {
 #[test]
 fn collectives_on_shm_with_4_ranks() {
     assert_all_ok(&run_ranks(4, "shm", "collectives"));
+}
+
+/// The mpi backend under a real `mpirun` (Open MPI), which starts the ranks itself.
+#[cfg(feature = "mpi")]
+fn run_mpi(n: usize) {
+    let token = "test-token";
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
+    let vars = [
+        ("STRATA_TEST_SCENARIO", "collectives".to_string()),
+        ("STRATA_TEST_BACKEND", "mpi".into()),
+        ("STRATA_TEST_STORE", server.addr().to_string()),
+        ("STRATA_TEST_TOKEN", token.into()),
+        ("STRATA_STORE_TOKEN", token.into()),
+    ];
+    let mut mpirun = Command::new("mpirun");
+    mpirun.args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string()]);
+    for (k, v) in &vars {
+        mpirun.env(k, v).args(["-x", k]);
+    }
+    let out = mpirun
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "rank_entry", "--nocapture", "--test-threads", "1"])
+        .output()
+        .expect("mpirun runs (install Open MPI)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.matches("RANK-OK").count() == n,
+        "mpirun failed ({:?}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn collectives_on_mpi_with_2_and_4_ranks() {
+    run_mpi(2);
+    run_mpi(4);
 }
 
 #[test]
@@ -223,7 +262,9 @@ fn connect() -> Comm {
     let store =
         Store::connect(var("STRATA_TEST_STORE").parse().unwrap(), &var("STRATA_TEST_TOKEN"), Duration::from_secs(30))
             .unwrap();
-    let (rank, size) = (var("RANK").parse().unwrap(), var("WORLD_SIZE").parse().unwrap());
+    // RANK and WORLD_SIZE from the driver, or Open MPI's variables under mpirun.
+    let info = strata::comm::RankInfo::from_env().unwrap();
+    let (rank, size) = (info.rank, info.world_size);
     Comm::new(store, None, rank, size, &format!("cpu:{}", var("STRATA_TEST_BACKEND")), Duration::from_secs(20)).unwrap()
 }
 

@@ -38,6 +38,11 @@ impl RingGroup {
         Self::start("tcp", Box::new(TcpTransport::connect(setup)?), setup.timeout)
     }
 
+    #[cfg(feature = "mpi")]
+    pub fn mpi(setup: &GroupSetup) -> Result<RingGroup> {
+        Self::start("mpi", Box::new(super::mpi::MpiTransport::connect(setup)?), setup.timeout)
+    }
+
     fn start(backend: &'static str, mut transport: Box<dyn Transport>, timeout: Duration) -> Result<RingGroup> {
         let (rank, size) = (transport.rank(), transport.size());
         let (tx, rx) = channel::<(Job, Work)>();

@@ -2,13 +2,16 @@
 //!
 //! Owns: the [`ProcessGroup`] trait (collectives on tensors, each returning a [`Work`]
 //! handle), the built-in backends (`shm` between processes of one host, `tcp` between
-//! hosts; both run the same ring algorithms over a byte [`transport`]), the backend
+//! hosts, and `mpi` with the cargo feature of that name; all run the same ring algorithms
+//! over a byte [`transport`]), the backend
 //! registry and per-device dispatch (`"cpu:shm,cuda:nccl"`), the rendezvous [`store`], and
 //! reading a rank's identity from the environment (`strata launch`, torchrun, Slurm, Open
 //! MPI). Must not know about models or strategies: it moves and reduces tensors.
 
 mod algorithms;
 mod env;
+#[cfg(feature = "mpi")]
+mod mpi;
 pub mod store;
 pub mod transport;
 
@@ -136,6 +139,9 @@ pub struct GroupSetup {
     /// This process's rank within the group.
     pub rank: usize,
     pub size: usize,
+    /// The group's members as ranks of the whole job, in group order.
+    pub ranks: Vec<usize>,
+    pub world_size: usize,
     /// Timeout of every wait.
     pub timeout: Duration,
 }
@@ -154,6 +160,11 @@ fn registry() -> &'static Mutex<HashMap<String, BackendFactory>> {
         m.insert(
             "tcp".into(),
             Arc::new(|s: &GroupSetup| Ok(Box::new(algorithms::RingGroup::tcp(s)?) as Box<dyn ProcessGroup>)),
+        );
+        #[cfg(feature = "mpi")]
+        m.insert(
+            "mpi".into(),
+            Arc::new(|s: &GroupSetup| Ok(Box::new(algorithms::RingGroup::mpi(s)?) as Box<dyn ProcessGroup>)),
         );
         Mutex::new(m)
     })
@@ -348,6 +359,8 @@ impl Comm {
                 prefix: format!("group{id}/{device}/"),
                 rank: local,
                 size: ranks.len(),
+                ranks: ranks.to_vec(),
+                world_size: self.size,
                 timeout: self.timeout,
             };
             by_device.push((device, factory(&backend)?(&setup)?));
