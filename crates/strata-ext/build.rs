@@ -22,8 +22,12 @@ fn main() {
         // needs) ship in the nvidia wheels beside torch: follow the .libtorch link there.
         let torch = std::fs::canonicalize(&root).expect("libtorch folder exists");
         let cu13 = torch.parent().expect("torch lives in site-packages").join("nvidia/cu13");
-        build.define("STRATA_CUDA", None).include(cu13.join("include"));
+        let nccl = cu13.parent().expect("nvidia folder").join("nccl");
+        build.define("STRATA_CUDA", None).include(cu13.join("include")).include(nccl.join("include"));
         let cuda_lib = cu13.join("lib");
+        println!("cargo:rustc-link-search=native={}", nccl.join("lib").display());
+        println!("cargo:rustc-link-lib=dylib:+verbatim=libnccl.so.2");
+        println!("cargo:rustc-link-arg=-Wl,-rpath={}", nccl.join("lib").display());
         println!("cargo:rustc-link-search=native={}", cuda_lib.display());
         println!("cargo:rustc-link-lib=dylib:+verbatim=libcudart.so.13");
         println!("cargo:rustc-link-lib=dylib=c10_cuda");

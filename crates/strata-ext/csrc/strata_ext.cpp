@@ -20,8 +20,10 @@
 #ifdef STRATA_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <nccl.h>
 #endif
 
 using at::Tensor;
@@ -400,6 +402,18 @@ int strata_cuda_event_synchronize(void* event) {
   });
 }
 
+int strata_cuda_event_query(void* event, int* done) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    *done = static_cast<at::cuda::CUDAEvent*>(event)->query() ? 1 : 0;
+#else
+    (void)event;
+    (void)done;
+#endif
+  });
+}
+
 int strata_cuda_event_elapsed_ms(void* start, void* end, float* ms) {
   return guarded([&] {
     STRATA_REQUIRE_CUDA();
@@ -410,6 +424,172 @@ int strata_cuda_event_elapsed_ms(void* start, void* end, float* ms) {
     (void)start;
     (void)end;
     (void)ms;
+#endif
+  });
+}
+
+// ---- NCCL ------------------------------------------------------------------------------
+// Collectives enqueued on torch's current stream of the tensors' device, each followed by a
+// recorded event the caller waits on, so they are ordered with the compute around them.
+
+#ifdef STRATA_CUDA
+#define STRATA_NCCL(call)                                                                \
+  do {                                                                                   \
+    ncclResult_t r = (call);                                                             \
+    TORCH_CHECK(r == ncclSuccess, "NCCL: ", ncclGetErrorString(r), " (in " #call ")"); \
+  } while (0)
+
+static ncclDataType_t nccl_type(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    case at::kByte: return ncclUint8;
+    case at::kChar: return ncclInt8;
+    default: TORCH_CHECK(false, "NCCL cannot move ", t.scalar_type(), " tensors");
+  }
+}
+
+static ncclRedOp_t nccl_op(int op) {
+  switch (op) {
+    case 0: return ncclSum;
+    case 1: return ncclAvg;
+    case 2: return ncclMax;
+    case 3: return ncclMin;
+    default: TORCH_CHECK(false, "unknown reduce op ", op);
+  }
+}
+#endif
+
+// The 128-byte id rank 0 makes and every rank needs to join.
+int strata_nccl_unique_id(char* id) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    static_assert(sizeof(ncclUniqueId) == 128, "NCCL unique id is 128 bytes");
+    ncclUniqueId u;
+    STRATA_NCCL(ncclGetUniqueId(&u));
+    std::memcpy(id, &u, sizeof(u));
+#else
+    (void)id;
+#endif
+  });
+}
+
+int strata_nccl_comm_init(const char* id, int nranks, int rank, int device, void** comm) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    ncclUniqueId u;
+    std::memcpy(&u, id, sizeof(u));
+    ncclComm_t c;
+    STRATA_NCCL(ncclCommInitRank(&c, nranks, u, rank));
+    *comm = c;
+#else
+    (void)id;
+    (void)nranks;
+    (void)rank;
+    (void)device;
+    (void)comm;
+#endif
+  });
+}
+
+void strata_nccl_comm_destroy(void* comm) {
+#ifdef STRATA_CUDA
+  if (comm != nullptr) ncclCommDestroy(static_cast<ncclComm_t>(comm));
+#else
+  (void)comm;
+#endif
+}
+
+// kind: 0 all_reduce(t[0]), 1 broadcast(t[0], root), 2 reduce(t[0], root), 3 send(t[0], peer),
+// 4 recv(t[0], peer), 5 all_gather(outputs t[0..n-1], input t[n-1]), 6 reduce_scatter(output
+// t[0], inputs t[1..n]), 7 all_to_all(outputs t[0..m], inputs t[m..2m]).
+// On success *event is a new CUDA event recorded after the operation (free it with
+// strata_cuda_event_free).
+int strata_nccl_collective(void* comm, int kind, Tensor* const* tensors, size_t n, int op, int peer, int nranks,
+                           void** event) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    auto c = static_cast<ncclComm_t>(comm);
+    TORCH_CHECK(n > 0, "NCCL collective without tensors");
+    const Tensor& first = *tensors[0];
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(tensors[i]->is_cuda() && tensors[i]->is_contiguous(), "NCCL needs contiguous CUDA tensors");
+      TORCH_CHECK(tensors[i]->device() == first.device(), "NCCL tensors must share one device");
+    }
+    c10::cuda::CUDAGuard guard(first.device());
+    auto stream = c10::cuda::getCurrentCUDAStream(first.device().index());
+    switch (kind) {
+      case 0:
+        STRATA_NCCL(ncclAllReduce(first.data_ptr(), first.data_ptr(), first.numel(), nccl_type(first), nccl_op(op), c, stream));
+        break;
+      case 1:
+        STRATA_NCCL(ncclBroadcast(first.data_ptr(), first.data_ptr(), first.numel(), nccl_type(first), peer, c, stream));
+        break;
+      case 2:
+        STRATA_NCCL(ncclReduce(first.data_ptr(), first.data_ptr(), first.numel(), nccl_type(first), nccl_op(op), peer, c, stream));
+        break;
+      case 3:
+        STRATA_NCCL(ncclSend(first.data_ptr(), first.numel(), nccl_type(first), peer, c, stream));
+        break;
+      case 4:
+        STRATA_NCCL(ncclRecv(first.data_ptr(), first.numel(), nccl_type(first), peer, c, stream));
+        break;
+      case 5: {
+        // Uneven sizes: one broadcast per rank, rooted at the rank that owns the piece.
+        const Tensor& input = *tensors[n - 1];
+        STRATA_NCCL(ncclGroupStart());
+        for (int r = 0; r < nranks; ++r) {
+          const Tensor& out = *tensors[r];
+          const void* send = r == peer ? input.data_ptr() : out.data_ptr();
+          STRATA_NCCL(ncclBroadcast(send, out.data_ptr(), out.numel(), nccl_type(out), r, c, stream));
+        }
+        STRATA_NCCL(ncclGroupEnd());
+        break;
+      }
+      case 6: {
+        std::vector<Tensor> inputs;
+        for (size_t i = 1; i < n; ++i) inputs.push_back(*tensors[i]);
+        auto flat = at::cat(inputs);
+        STRATA_NCCL(ncclReduceScatter(flat.data_ptr(), first.data_ptr(), first.numel(), nccl_type(first), nccl_op(op), c, stream));
+        // Keep the concatenation alive until the stream is done with it.
+        flat.record_stream(stream);
+        break;
+      }
+      case 7: {
+        size_t m = n / 2;
+        STRATA_NCCL(ncclGroupStart());
+        for (size_t r = 0; r < m; ++r) {
+          const Tensor& out = *tensors[r];
+          const Tensor& in = *tensors[m + r];
+          STRATA_NCCL(ncclSend(in.data_ptr(), in.numel(), nccl_type(in), static_cast<int>(r), c, stream));
+          STRATA_NCCL(ncclRecv(out.data_ptr(), out.numel(), nccl_type(out), static_cast<int>(r), c, stream));
+        }
+        STRATA_NCCL(ncclGroupEnd());
+        break;
+      }
+      default:
+        TORCH_CHECK(false, "unknown NCCL collective ", kind);
+    }
+    auto* done = new at::cuda::CUDAEvent(cudaEventDisableTiming);
+    done->record(stream);
+    *event = done;
+#else
+    (void)comm;
+    (void)kind;
+    (void)tensors;
+    (void)n;
+    (void)op;
+    (void)peer;
+    (void)nranks;
+    (void)event;
 #endif
   });
 }

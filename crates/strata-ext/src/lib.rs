@@ -103,6 +103,21 @@ extern "C" {
     fn strata_cuda_event_wait(event: *mut c_void, packed: *const i64) -> c_int;
     fn strata_cuda_event_synchronize(event: *mut c_void) -> c_int;
     fn strata_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f32) -> c_int;
+    fn strata_cuda_event_query(event: *mut c_void, done: *mut c_int) -> c_int;
+    fn strata_nccl_unique_id(id: *mut u8) -> c_int;
+    fn strata_nccl_comm_init(id: *const u8, nranks: c_int, rank: c_int, device: c_int, comm: *mut *mut c_void)
+        -> c_int;
+    fn strata_nccl_comm_destroy(comm: *mut c_void);
+    fn strata_nccl_collective(
+        comm: *mut c_void,
+        kind: c_int,
+        tensors: *const TensorPtr,
+        n: usize,
+        op: c_int,
+        peer: c_int,
+        nranks: c_int,
+        event: *mut *mut c_void,
+    ) -> c_int;
 }
 
 fn check(code: c_int) -> Result<()> {
@@ -511,10 +526,15 @@ pub mod cuda {
     /// A CUDA event, for ordering streams and timing.
     pub struct Event(*mut c_void);
 
-    // SAFETY: CUDA events may be recorded and waited on from any host thread.
+    // SAFETY: CUDA events may be recorded, queried and waited on from any host thread.
     unsafe impl Send for Event {}
+    unsafe impl Sync for Event {}
 
     impl Event {
+        pub(crate) fn from_raw(event: *mut c_void) -> Event {
+            Event(event)
+        }
+
         pub fn new(enable_timing: bool) -> Result<Event> {
             let mut e = std::ptr::null_mut();
             // SAFETY: the C++ side writes a fresh heap event into `e`.
@@ -538,6 +558,14 @@ pub mod cuda {
             check(unsafe { strata_cuda_event_synchronize(self.0) })
         }
 
+        /// Whether the work recorded before this event has finished.
+        pub fn query(&self) -> Result<bool> {
+            let mut done = 0;
+            // SAFETY: a live event.
+            check(unsafe { strata_cuda_event_query(self.0, &mut done) })?;
+            Ok(done != 0)
+        }
+
         /// Milliseconds from `self` to `end`; both must have been created with timing.
         pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
             let mut ms = 0f32;
@@ -551,6 +579,93 @@ pub mod cuda {
         fn drop(&mut self) {
             // SAFETY: the event was created by `strata_cuda_event_new` and is freed once.
             unsafe { strata_cuda_event_free(self.0) }
+        }
+    }
+}
+
+/// NCCL communicators and collectives, enqueued on torch's current stream of the tensors'
+/// device. Without the `cuda` feature every call returns an error.
+pub mod nccl {
+    use super::*;
+
+    /// Which collective [`Communicator::collective`] runs; the tensor list it takes is
+    /// described per variant.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Collective {
+        /// `[t]`, in place.
+        AllReduce = 0,
+        /// `[t]` from rank `peer`.
+        Broadcast = 1,
+        /// `[t]` into rank `peer`.
+        Reduce = 2,
+        /// `[t]` to rank `peer`.
+        Send = 3,
+        /// `[t]` from rank `peer`.
+        Recv = 4,
+        /// `[out_0, .., out_{n-1}, input]`, `peer` = this rank.
+        AllGather = 5,
+        /// `[output, in_0, .., in_{n-1}]`.
+        ReduceScatter = 6,
+        /// `[out_0, .., out_{n-1}, in_0, .., in_{n-1}]`.
+        AllToAll = 7,
+    }
+
+    /// The id rank 0 creates and shares (through the store) so every rank can join.
+    pub fn unique_id() -> Result<[u8; 128]> {
+        let mut id = [0u8; 128];
+        // SAFETY: the C++ side writes exactly 128 bytes.
+        check(unsafe { strata_nccl_unique_id(id.as_mut_ptr()) })?;
+        Ok(id)
+    }
+
+    pub struct Communicator {
+        comm: *mut c_void,
+        nranks: usize,
+    }
+
+    // SAFETY: NCCL communicators may be used from any thread, one call at a time; the
+    // process group serialises calls.
+    unsafe impl Send for Communicator {}
+    unsafe impl Sync for Communicator {}
+
+    impl Communicator {
+        /// Joins the communicator `id` as `rank` of `nranks`, on CUDA device `device`.
+        pub fn init(id: &[u8; 128], nranks: usize, rank: usize, device: usize) -> Result<Communicator> {
+            let mut comm = std::ptr::null_mut();
+            // SAFETY: `id` holds 128 bytes; the C++ side writes a new communicator.
+            check(unsafe {
+                strata_nccl_comm_init(id.as_ptr(), nranks as c_int, rank as c_int, device as c_int, &mut comm)
+            })?;
+            Ok(Communicator { comm, nranks })
+        }
+
+        /// Enqueues `what` and returns an event recorded after it on the same stream.
+        /// `op`: 0 sum, 1 avg, 2 max, 3 min.
+        pub fn collective(&self, what: Collective, tensors: &[&Tensor], op: i32, peer: usize) -> Result<cuda::Event> {
+            let p = ptrs(tensors);
+            let mut event = std::ptr::null_mut();
+            // SAFETY: live tensors borrowed for the call; the event is a fresh heap object
+            // whose ownership passes to the returned `Event`.
+            check(unsafe {
+                strata_nccl_collective(
+                    self.comm,
+                    what as c_int,
+                    p.as_ptr(),
+                    p.len(),
+                    op,
+                    peer as c_int,
+                    self.nranks as c_int,
+                    &mut event,
+                )
+            })?;
+            Ok(cuda::Event::from_raw(event))
+        }
+    }
+
+    impl Drop for Communicator {
+        fn drop(&mut self) {
+            // SAFETY: destroyed once, by its owner.
+            unsafe { strata_nccl_comm_destroy(self.comm) }
         }
     }
 }

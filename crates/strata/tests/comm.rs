@@ -302,3 +302,33 @@ fn rank_entry() {
     }
     println!("RANK-OK");
 }
+
+/// Without a CUDA build and a GPU the nccl backend refuses clearly; with them, a one-rank
+/// group runs its collectives on the device (more ranks need more GPUs than a test box has).
+#[test]
+fn nccl_groups_need_a_gpu_and_work_on_one() {
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").unwrap();
+    let store = Store::connect(server.addr(), "t", Duration::from_secs(5)).unwrap();
+    let comm = Comm::new(store, None, 0, 1, "cpu:shm,cuda:nccl", Duration::from_secs(30)).unwrap();
+    let world = match comm.world() {
+        Err(e) => {
+            assert!(e.to_string().contains("nccl backend needs"), "{e}");
+            return;
+        }
+        Ok(g) => g,
+    };
+    let gpu = (Kind::Float, Device::Cuda(0));
+    let t = Tensor::arange(1000, gpu);
+    world.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
+    same(&t, &Tensor::arange(1000, gpu), "nccl all_reduce over one rank");
+    let outs = vec![Tensor::zeros([3], gpu)];
+    world.all_gather(&outs, &Tensor::ones([3], gpu)).unwrap().wait().unwrap();
+    same(&outs[0], &Tensor::ones([3], gpu), "nccl all_gather");
+    let out = Tensor::zeros([4], gpu);
+    world.reduce_scatter(&out, &[Tensor::full([4], 2.0, gpu)], ReduceOp::Sum).unwrap().wait().unwrap();
+    same(&out, &Tensor::full([4], 2.0, gpu), "nccl reduce_scatter");
+    // CPU tensors still go to the CPU backend of the same spec.
+    let c = Tensor::ones([5], (Kind::Float, Device::Cpu));
+    world.all_reduce(&c, ReduceOp::Sum).unwrap().wait().unwrap();
+    world.barrier().unwrap().wait().unwrap();
+}

@@ -177,7 +177,7 @@ fn split(numel: usize, n: usize, esize: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-fn check_reducible(kind: Kind, op: ReduceOp) -> Result<()> {
+pub(super) fn check_reducible(kind: Kind, op: ReduceOp) -> Result<()> {
     let float = matches!(kind, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16);
     if !float && !matches!(kind, Kind::Int | Kind::Int64) {
         return Err(Error::Comm(format!("cannot reduce {kind:?} tensors; supported: f32, f64, f16, bf16, i32, i64")));

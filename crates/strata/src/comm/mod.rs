@@ -3,7 +3,7 @@
 //! Owns: the [`ProcessGroup`] trait (collectives on tensors, each returning a [`Work`]
 //! handle), the built-in backends (`shm` between processes of one host, `tcp` between
 //! hosts, and `mpi` with the cargo feature of that name; all run the same ring algorithms
-//! over a byte [`transport`]), the backend
+//! over a byte [`transport`]; and `nccl` for CUDA tensors, built with the `cuda` feature), the backend
 //! registry and per-device dispatch (`"cpu:shm,cuda:nccl"`), the rendezvous [`store`], and
 //! reading a rank's identity from the environment (`strata launch`, torchrun, Slurm, Open
 //! MPI). Must not know about models or strategies: it moves and reduces tensors.
@@ -12,6 +12,7 @@ mod algorithms;
 mod env;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod nccl;
 pub mod store;
 pub mod transport;
 
@@ -41,26 +42,43 @@ struct Completion {
     done: Condvar,
 }
 
+/// Where an operation runs: on a host thread of the group, or queued on a CUDA stream.
+#[derive(Clone)]
+enum Pending {
+    Host(Arc<Completion>),
+    Device(Arc<strata_ext::cuda::Event>),
+}
+
 /// Handle of an operation that may still be running. The tensors it was given must not be
 /// read or written until it has completed.
 #[derive(Clone)]
 pub struct Work {
-    completion: Arc<Completion>,
+    pending: Pending,
     timeout: Duration,
 }
 
 impl Work {
     fn pending(timeout: Duration) -> Work {
-        Work { completion: Arc::default(), timeout }
+        Work { pending: Pending::Host(Arc::default()), timeout }
+    }
+
+    /// Completes when the device reaches `event`.
+    fn on_device(event: strata_ext::cuda::Event, timeout: Duration) -> Work {
+        Work { pending: Pending::Device(Arc::new(event)), timeout }
     }
 
     fn finish(&self, result: Result<()>) {
-        *self.completion.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map_err(|e| e.to_string()));
-        self.completion.done.notify_all();
+        if let Pending::Host(c) = &self.pending {
+            *c.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map_err(|e| e.to_string()));
+            c.done.notify_all();
+        }
     }
 
     pub fn is_completed(&self) -> bool {
-        self.completion.result.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        match &self.pending {
+            Pending::Host(c) => c.result.lock().unwrap_or_else(|e| e.into_inner()).is_some(),
+            Pending::Device(e) => e.query().unwrap_or(true),
+        }
     }
 
     /// Waits for completion up to the group's timeout.
@@ -70,7 +88,19 @@ impl Work {
 
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let mut slot = self.completion.result.lock().unwrap_or_else(|e| e.into_inner());
+        let completion = match &self.pending {
+            Pending::Host(c) => c,
+            Pending::Device(event) => {
+                while !event.query()? {
+                    if Instant::now() >= deadline {
+                        return Err(Error::Comm(format!("device collective did not complete within {timeout:?}")));
+                    }
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+                return Ok(());
+            }
+        };
+        let mut slot = completion.result.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(r) = slot.as_ref() {
                 return r.clone().map_err(Error::Comm);
@@ -78,7 +108,7 @@ impl Work {
             let Some(left) = deadline.checked_duration_since(Instant::now()) else {
                 return Err(Error::Comm(format!("collective did not complete within {timeout:?}")));
             };
-            slot = self.completion.done.wait_timeout(slot, left).unwrap_or_else(|e| e.into_inner()).0;
+            slot = completion.done.wait_timeout(slot, left).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
 }
@@ -160,6 +190,10 @@ fn registry() -> &'static Mutex<HashMap<String, BackendFactory>> {
         m.insert(
             "tcp".into(),
             Arc::new(|s: &GroupSetup| Ok(Box::new(algorithms::RingGroup::tcp(s)?) as Box<dyn ProcessGroup>)),
+        );
+        m.insert(
+            "nccl".into(),
+            Arc::new(|s: &GroupSetup| Ok(Box::new(nccl::NcclGroup::connect(s)?) as Box<dyn ProcessGroup>)),
         );
         #[cfg(feature = "mpi")]
         m.insert(
