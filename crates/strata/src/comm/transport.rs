@@ -158,13 +158,17 @@ impl Backoff {
     }
 
     /// Waits a little; true once waiting has lasted long enough to check on the peers.
+    /// For the first stretch it spins and yields (a peer on another core is usually about
+    /// to arrive, and sleeping would add the timer's slack to every wait); after that it
+    /// sleeps, so a stalled group does not hold a core.
     fn pause(&mut self) -> bool {
         self.idle += 1;
-        if self.idle < 64 {
-            std::hint::spin_loop();
-            false
-        } else if self.idle < 256 {
-            std::thread::yield_now();
+        if self.since.elapsed() < Duration::from_micros(500) {
+            if self.idle < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
             false
         } else {
             std::thread::sleep(Duration::from_micros(20));
