@@ -109,7 +109,7 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
 
 pub fn run(a: BenchCommArgs) -> Result<()> {
     if let Some(n) = a.nproc {
-        return relaunch(n);
+        return crate::launch::relaunch_self(n, "--nproc");
     }
     if a.min_bytes == 0 || a.factor < 2 || a.min_bytes > a.max_bytes {
         bail!("sizes must satisfy 0 < --min-bytes <= --max-bytes and --factor >= 2");
@@ -163,37 +163,6 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
         for r in report.rows.iter().filter(|r| r.op == "all_reduce" && r.bytes == *bytes) {
             println!("  {} all_reduce busbw / memcpy at {bytes} bytes: {:.2}", r.backend, r.busbw_gbps / gbps);
         }
-    }
-    Ok(())
-}
-
-/// Runs this same command under `strata launch` with `n` local ranks.
-fn relaunch(n: usize) -> Result<()> {
-    let exe = std::env::current_exe().context("cannot find the strata binary")?;
-    let mut args: Vec<String> = Vec::new();
-    let mut skip = false;
-    for arg in std::env::args().skip(1) {
-        if skip {
-            skip = false;
-            continue;
-        }
-        if arg == "--nproc" {
-            skip = true;
-            continue;
-        }
-        if arg.starts_with("--nproc=") {
-            continue;
-        }
-        args.push(arg);
-    }
-    let status = std::process::Command::new(&exe)
-        .args(["launch", "--nproc-per-node", &n.to_string(), "--"])
-        .arg(&exe)
-        .args(&args)
-        .status()
-        .context("cannot start strata launch")?;
-    if !status.success() {
-        bail!("the benchmark's ranks failed");
     }
     Ok(())
 }

@@ -181,3 +181,31 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     });
     Ok(())
 }
+
+/// Runs this same command again under `strata launch` with `n` local ranks, leaving out
+/// the option `flag` (and its value) that asked for it.
+pub fn relaunch_self(n: usize, flag: &str) -> Result<()> {
+    let exe = std::env::current_exe().context("cannot find the strata binary")?;
+    let mut args: Vec<String> = Vec::new();
+    let mut skip = false;
+    for arg in std::env::args().skip(1) {
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        if arg == flag {
+            skip = true;
+        } else if !arg.starts_with(&format!("{flag}=")) {
+            args.push(arg);
+        }
+    }
+    let status = Command::new(&exe)
+        .args(["launch", "--nproc-per-node", &n.to_string(), "--"])
+        .arg(&exe)
+        .args(&args)
+        .status()
+        .context("cannot start strata launch")?;
+    if !status.success() {
+        bail!("the ranks failed (see their output above)");
+    }
+    Ok(())
+}

@@ -58,7 +58,11 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match cli.command {
-        Command::Train(o) => o.resolve().and_then(train::run),
+        Command::Train(o) => o.resolve().and_then(|settings| match settings.nproc {
+            // Not yet one of the ranks: start them.
+            n if n > 1 && std::env::var_os("RANK").is_none() => launch::relaunch_self(n, "--nproc"),
+            _ => train::run(settings),
+        }),
         Command::Launch(a) => launch::run(a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),

@@ -94,6 +94,8 @@ train_options! {
     device: String,
     /// Write one JSON object per step to this file.
     metrics: PathBuf,
+    /// Train data parallel on this many local ranks (started through `strata launch`).
+    nproc: usize,
     /// Log a line every this many steps.
     log_every: u64,
 }
@@ -139,6 +141,7 @@ pub struct TrainSettings {
     pub device: tch::Device,
     pub metrics: Option<PathBuf>,
     pub log_every: u64,
+    pub nproc: usize,
 }
 
 impl TrainSettings {
@@ -252,6 +255,7 @@ impl TrainOptions {
             device: parse_device(o.device.as_deref().unwrap_or("cpu"))?,
             metrics: o.metrics,
             log_every: o.log_every.unwrap_or(50).max(1),
+            nproc: o.nproc.unwrap_or(1).max(1),
         })
     }
 }

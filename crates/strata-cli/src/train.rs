@@ -4,10 +4,13 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
 use std::sync::Arc;
+use std::time::Duration;
+use strata::comm::{init_from_env, ProcessGroup};
 use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData, Tokenizer};
 use strata::engine::{Engine, EngineConfig};
 use strata::model::{self, Builder};
 use strata::optim::Optimizer;
+use strata::parallel::DataParallel;
 use strata::train::{StepReport, Trainer};
 use tracing::info;
 
@@ -84,6 +87,19 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     if let Some(path) = &settings.init_weights {
         strata::io::load_weights(&mut engine, path)?;
     }
+    // Started as one of several ranks: train data parallel.
+    let comm = match std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse::<usize>().ok()) {
+        Some(world) if world > 1 => {
+            let spec = if settings.device.is_cuda() { "cpu:shm,cuda:nccl" } else { "cpu:shm" };
+            let comm = init_from_env(spec, Duration::from_secs(300)).context("joining the data-parallel job")?;
+            let group: Arc<dyn ProcessGroup> = Arc::from(comm.world()?);
+            DataParallel::install(&mut engine, group)?;
+            Some(comm)
+        }
+        _ => None,
+    };
+    let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
+    let leader = rank == 0;
     info!(
         model = settings.model_name,
         params = engine.spec().num_params(),
@@ -96,18 +112,21 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     let mut trainer = Trainer::new(engine, optimizer, settings.schedule.clone(), settings.grad_clip);
     let loader_config = LoaderConfig {
         accumulation: settings.accumulation,
+        rank,
+        world,
         seed: settings.seed,
         device: settings.device,
         ..LoaderConfig::new(ctx, settings.batch_size)
     };
     let loader = DataLoader::new(Arc::new(data), loader_config, order)?;
-    let mut metrics = match &settings.metrics {
+    // Rank 0 speaks for the job: metrics, progress, saved weights.
+    let mut metrics = match settings.metrics.as_ref().filter(|_| leader) {
         Some(path) => Some(std::io::BufWriter::new(
             std::fs::File::create(path).with_context(|| format!("cannot create metrics file {}", path.display()))?,
         )),
         None => None,
     };
-    let bar = ProgressBar::new(settings.steps);
+    let bar = if leader { ProgressBar::new(settings.steps) } else { ProgressBar::hidden() };
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed}<{eta}]")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -129,7 +148,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             human_bytes(report.peak_bytes)
         ));
         bar.inc(1);
-        if report.step % settings.log_every == 0 {
+        if leader && report.step % settings.log_every == 0 {
             bar.suspend(|| {
                 info!(
                     step = report.step,
@@ -146,11 +165,11 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     if let Some(mut m) = metrics {
         m.flush().context("cannot write metrics")?;
     }
-    if let Some(path) = &settings.save_weights {
+    if let Some(path) = settings.save_weights.as_ref().filter(|_| leader) {
         strata::io::save_weights(&trainer.engine, path)?;
         info!(path = %path.display(), "saved weights");
     }
-    if let Some(r) = last {
+    if let Some(r) = last.filter(|_| leader) {
         let mut line = format!("step {}: loss {:.4}", r.step, r.loss);
         if let Some(best) = best_loss {
             line += &format!(" (best possible on this corpus: {best:.4})");

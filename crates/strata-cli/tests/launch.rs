@@ -68,3 +68,46 @@ fn bench_comm_runs_real_collectives_under_the_launcher() {
     assert!(rows.iter().all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0));
     assert!(report["memcpy_gbps"][0][1].as_f64().unwrap() > 0.0);
 }
+
+fn weights(path: &std::path::Path) -> std::collections::BTreeMap<String, tch::Tensor> {
+    strata::io::read_safetensors(path).unwrap()
+}
+
+/// Largest relative difference ‖a − b‖ / ‖a‖ over the tensors of two weight files.
+fn weight_gap(a: &std::path::Path, b: &std::path::Path) -> f64 {
+    let (a, b) = (weights(a), weights(b));
+    a.iter().map(|(k, t)| (t - &b[k]).norm().double_value(&[]) / t.norm().double_value(&[])).fold(0.0, f64::max)
+}
+
+#[test]
+fn train_nproc_is_data_parallel_and_matches_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str], out: &str| {
+        let path = dir.path().join(out);
+        let base =
+            ["train", "--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32", "--steps", "10"];
+        let rest = ["--batch-size", "8", "--seed", "3", "--schedule", "constant", "--threads", "1", "--save-weights"];
+        let o = strata(&[&base[..], &rest, &[path.to_str().unwrap()], extra].concat());
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        path
+    };
+    // SGD with momentum is linear in the gradients: ranks must agree to float rounding.
+    let sgd = ["--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.1"];
+    let one = run(&sgd, "one.st");
+    for (extra, name) in [
+        (&["--nproc", "2"][..], "two.st"),
+        (&["--nproc", "4"], "four.st"),
+        (&["--nproc", "2", "--accumulation", "2"], "acc.st"),
+    ] {
+        let gap = weight_gap(&one, &run(&[&sgd[..], extra].concat(), name));
+        assert!(gap < 1e-5, "{extra:?}: relative weight difference {gap:e}");
+    }
+    // AdamW divides by the gradient's own scale, so entries whose gradient is nearly zero
+    // (where summation order decides the last bits) move by up to lr: a looser bound.
+    let adam_one = run(&["--lr", "0.003"], "adam1.st");
+    let gap = weight_gap(&adam_one, &run(&["--lr", "0.003", "--nproc", "2"], "adam2.st"));
+    assert!(gap < 1e-3, "AdamW: relative weight difference {gap:e}");
+    // The ranks really learned together: one rank alone on its half batch would differ.
+    let half = run(&[&sgd[..], &["--batch-size", "4"]].concat(), "half.st");
+    assert!(weight_gap(&one, &half) > 1e-3);
+}

@@ -31,6 +31,7 @@ mod error;
 pub mod io;
 pub mod model;
 pub mod optim;
+pub mod parallel;
 pub mod train;
 
 pub use error::{Error, Result};

@@ -52,13 +52,17 @@ impl Trainer {
         let n = step.micro_batches.len() as f64;
         let mut loss_sum = 0.0;
         let mut tokens = 0;
-        for batch in &step.micro_batches {
+        let last = step.micro_batches.len().saturating_sub(1);
+        for (i, batch) in step.micro_batches.iter().enumerate() {
+            // Only the last micro-batch's backward completes the step's gradients.
+            self.engine.set_grad_sync(i == last);
             let logits = self.engine.forward(&batch.inputs)?;
             let loss = cross_entropy(&logits, &batch.targets)?;
             self.engine.backward(&loss.f_div_scalar(n)?)?;
             loss_sum += loss.f_double_value(&[])?;
             tokens += batch.inputs.numel() as u64;
         }
+        self.engine.finish_grads()?;
         let grad_norm = self.grad_clip.map(|max| self.optimizer.clip_grad_norm(max)).transpose()?;
         self.optimizer.step()?;
         self.engine.zero_grad()?;

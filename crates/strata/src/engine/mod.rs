@@ -73,11 +73,20 @@ pub struct ScheduleContext<'a> {
     pub spec: &'a ModelSpec,
     pub storage: &'a mut [UnitStorage],
     pub ledger: &'a MemoryLedger,
+    /// Whether this backward completes the step's gradients (false on the earlier
+    /// micro-batches of gradient accumulation, when nothing needs communicating).
+    pub sync_grads: bool,
 }
 
 /// Per-unit policy run by the engine around every forward and backward of a unit.
 pub trait UnitSchedule: Send {
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()>;
+
+    /// Completes whatever the schedule started on the gradients (communication in flight)
+    /// before the optimizer reads them; see [`Engine::finish_grads`].
+    fn finish_grads(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Everything stays resident where it was allocated: the single-process default.
@@ -120,6 +129,7 @@ pub struct Engine {
     ledger: Arc<MemoryLedger>,
     schedule: Box<dyn UnitSchedule>,
     record: Option<ForwardRecord>,
+    sync_grads: bool,
 }
 
 impl Engine {
@@ -162,7 +172,17 @@ impl Engine {
         }
         let params = params.into_iter().map(|p| p.expect("every parameter belongs to a unit")).collect();
         tracing::debug!(units = spec.units.len(), params = spec.num_params(), device = ?config.device, "engine allocated");
-        Ok(Engine { spec, config, storage, params, offsets, ledger, schedule: Box::new(Resident), record: None })
+        Ok(Engine {
+            spec,
+            config,
+            storage,
+            params,
+            offsets,
+            ledger,
+            schedule: Box::new(Resident),
+            record: None,
+            sync_grads: true,
+        })
     }
 
     /// Replaces the per-unit policy (strategies install theirs here).
@@ -202,8 +222,25 @@ impl Engine {
     }
 
     fn run_schedule(&mut self, phase: Phase, unit: usize) -> Result<()> {
-        let ctx = ScheduleContext { unit, spec: &self.spec, storage: &mut self.storage, ledger: &self.ledger };
+        let ctx = ScheduleContext {
+            unit,
+            spec: &self.spec,
+            storage: &mut self.storage,
+            ledger: &self.ledger,
+            sync_grads: self.sync_grads,
+        };
         self.schedule.on(phase, ctx)
+    }
+
+    /// Says whether the next backward completes the step's gradients (default true); with
+    /// gradient accumulation, only the last micro-batch's should.
+    pub fn set_grad_sync(&mut self, sync: bool) {
+        self.sync_grads = sync;
+    }
+
+    /// Waits for the schedule's work on the gradients; call before the optimizer step.
+    pub fn finish_grads(&mut self) -> Result<()> {
+        self.schedule.finish_grads()
     }
 
     /// Runs every unit in order and returns the last unit's output. In unit-by-unit mode the
