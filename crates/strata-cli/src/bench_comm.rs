@@ -96,7 +96,7 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
         Ok(work.wait()?)
     };
     run()?;
-    let iters = ((64usize << 20) / bytes.max(1)).clamp(3, 100);
+    let iters = ((256usize << 20) / bytes.max(1)).clamp(3, 100);
     g.barrier()?.wait()?;
     let start = Instant::now();
     for _ in 0..iters {

@@ -184,7 +184,7 @@ const CHANNEL_HEADER: usize = 128;
 const CHANNEL_STRIDE: usize = CHANNEL_HEADER + CHANNEL_BYTES;
 
 /// Bytes of each rank's slot in the all-reduce arena (and of the shared result slot).
-const SLOT_BYTES: usize = 1 << 20;
+const SLOT_BYTES: usize = 1 << 21;
 /// One cache line per rank's progress counter.
 const FLAG_STRIDE: usize = 64;
 
@@ -333,37 +333,42 @@ impl ShmTransport {
         n
     }
 
-    /// Chunk by chunk: copy in, barrier, reduce this rank's share into the result slot,
-    /// barrier, copy the whole result out. The next chunk's first barrier also guarantees
-    /// that everyone has read the previous result before it is overwritten.
+    /// Chunk by chunk: copy in the shares the other ranks reduce, barrier, reduce this
+    /// rank's share in place (its own values never leave its buffer) and publish it,
+    /// barrier, copy in the other shares' results. The next chunk's first barrier also
+    /// guarantees that everyone has read the previous results before they are overwritten.
     fn arena_all_reduce(&mut self, buf: &mut [u8], kind: Kind, op: ReduceOp) -> Result<()> {
-        let (n, esize) = (self.size, kind.elt_size_in_bytes());
+        let (n, r, esize) = (self.size, self.rank, kind.elt_size_in_bytes());
         let chunk = SLOT_BYTES / esize * esize;
         for piece in buf.chunks_mut(chunk) {
-            let len = piece.len();
-            // SAFETY: slots hold SLOT_BYTES >= len bytes; this rank alone writes its slot,
-            // and only between barriers at which nobody reads it.
-            unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), self.slot(self.rank), len) };
-            self.arena_barrier()?;
-            let elems = len / esize;
-            let (lo, hi) = (elems * self.rank / n * esize, elems * (self.rank + 1) / n * esize);
-            if hi > lo {
-                // SAFETY: each rank writes a disjoint range of the result slot and reads
-                // slots that no one writes until the next barrier.
-                let result = unsafe { std::slice::from_raw_parts_mut(self.slot(n).add(lo), hi - lo) };
-                result.copy_from_slice(unsafe { std::slice::from_raw_parts(self.slot(0).add(lo), hi - lo) });
-                for peer in 1..n {
-                    reduce_into(kind, op, result, unsafe {
-                        std::slice::from_raw_parts(self.slot(peer).add(lo), hi - lo)
-                    });
-                }
-                if op == ReduceOp::Avg {
-                    divide(kind, result, n);
-                }
+            let elems = piece.len() / esize;
+            let share = |p: usize| elems * p / n * esize..elems * (p + 1) / n * esize;
+            // SAFETY (all copies below): slots hold SLOT_BYTES >= chunk bytes; a rank writes
+            // only its own slot and its own share of the result slot, and only between
+            // barriers at which nobody reads them.
+            for p in (0..n).filter(|&p| p != r) {
+                let s = share(p);
+                unsafe { std::ptr::copy_nonoverlapping(piece[s.clone()].as_ptr(), self.slot(r).add(s.start), s.len()) };
             }
             self.arena_barrier()?;
-            // SAFETY: the result slot is complete and stays so until the next barrier.
-            unsafe { std::ptr::copy_nonoverlapping(self.slot(n), piece.as_mut_ptr(), len) };
+            let mine = share(r);
+            for p in (0..n).filter(|&p| p != r) {
+                let theirs = unsafe { std::slice::from_raw_parts(self.slot(p).add(mine.start), mine.len()) };
+                reduce_into(kind, op, &mut piece[mine.clone()], theirs);
+            }
+            if op == ReduceOp::Avg {
+                divide(kind, &mut piece[mine.clone()], n);
+            }
+            unsafe {
+                std::ptr::copy_nonoverlapping(piece[mine.clone()].as_ptr(), self.slot(n).add(mine.start), mine.len())
+            };
+            self.arena_barrier()?;
+            for p in (0..n).filter(|&p| p != r) {
+                let s = share(p);
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.slot(n).add(s.start), piece[s.clone()].as_mut_ptr(), s.len())
+                };
+            }
         }
         Ok(())
     }
