@@ -6,7 +6,7 @@
 //! reduce-scatter then a gather of the blocks at the root; all-to-all = n−1 pairwise
 //! exchanges; barrier = a one-byte all-gather.
 use super::transport::{ShmTransport, TcpTransport, Transport};
-use super::{GroupSetup, ProcessGroup, ReduceOp, Work};
+use super::{check_list, check_rank, GroupSetup, ProcessGroup, ReduceOp, Store, Work};
 use crate::{Error, Result};
 use half::{bf16, f16};
 use std::sync::mpsc::{channel, Sender};
@@ -31,20 +31,21 @@ pub struct RingGroup {
 
 impl RingGroup {
     pub fn shm(setup: &GroupSetup) -> Result<RingGroup> {
-        Self::start("shm", Box::new(ShmTransport::connect(setup)?), setup.timeout)
+        Self::start("shm", Box::new(ShmTransport::connect(setup)?), setup)
     }
 
     pub fn tcp(setup: &GroupSetup) -> Result<RingGroup> {
-        Self::start("tcp", Box::new(TcpTransport::connect(setup)?), setup.timeout)
+        Self::start("tcp", Box::new(TcpTransport::connect(setup)?), setup)
     }
 
     #[cfg(feature = "mpi")]
     pub fn mpi(setup: &GroupSetup) -> Result<RingGroup> {
-        Self::start("mpi", Box::new(super::mpi::MpiTransport::connect(setup)?), setup.timeout)
+        Self::start("mpi", Box::new(super::mpi::MpiTransport::connect(setup)?), setup)
     }
 
-    fn start(backend: &'static str, mut transport: Box<dyn Transport>, timeout: Duration) -> Result<RingGroup> {
-        let (rank, size) = (transport.rank(), transport.size());
+    fn start(backend: &'static str, mut transport: Box<dyn Transport>, setup: &GroupSetup) -> Result<RingGroup> {
+        let (rank, size, timeout) = (transport.rank(), transport.size(), setup.timeout);
+        let (store, failure_key) = (setup.store.clone(), format!("{}failure", setup.prefix));
         let (tx, rx) = channel::<(Job, Work)>();
         let worker = std::thread::Builder::new()
             .name(format!("strata-{backend}-{rank}"))
@@ -54,7 +55,7 @@ impl RingGroup {
                 for (job, work) in rx {
                     let result = match &broken {
                         Some(first) => Err(Error::Comm(format!("group unusable after an earlier failure: {first}"))),
-                        None => job(transport.as_mut()),
+                        None => job(transport.as_mut()).map_err(|e| first_failure(&store, &failure_key, e)),
                     };
                     if let Err(e) = &result {
                         broken.get_or_insert_with(|| e.to_string());
@@ -72,20 +73,6 @@ impl RingGroup {
         jobs.send((Box::new(job), work.clone())).map_err(|_| Error::Comm("group worker has stopped".into()))?;
         Ok(work)
     }
-
-    fn check_rank(&self, what: &str, r: usize) -> Result<()> {
-        if r >= self.size {
-            return Err(Error::Comm(format!("{what} {r} is outside a group of {}", self.size)));
-        }
-        Ok(())
-    }
-
-    fn check_list(&self, what: &str, list: &[Tensor]) -> Result<()> {
-        if list.len() != self.size {
-            return Err(Error::Comm(format!("{what} has {} tensors for a group of {}", list.len(), self.size)));
-        }
-        Ok(())
-    }
 }
 
 impl Drop for RingGroup {
@@ -94,6 +81,22 @@ impl Drop for RingGroup {
         if let Some(w) = self.worker.take() {
             let _ = w.join();
         }
+    }
+}
+
+/// Names the root cause of a failure. When a peer dies, its neighbours fail first and exit,
+/// and ranks further along then see those neighbours go. The first failure of the group is
+/// recorded in the store (first writer wins), and every later one reports it.
+fn first_failure(store: &Store, key: &str, mine: Error) -> Error {
+    let text = match mine {
+        Error::Comm(m) => m,
+        other => other.to_string(),
+    };
+    match store.compare_set(key, b"", text.as_bytes()) {
+        Ok(first) if first != text.as_bytes() => {
+            Error::Comm(format!("{} (reported first; here: {text})", String::from_utf8_lossy(&first)))
+        }
+        _ => Error::Comm(text),
     }
 }
 
@@ -314,7 +317,7 @@ impl ProcessGroup for RingGroup {
     }
 
     fn all_gather(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
-        self.check_list("all_gather outputs", outputs)?;
+        check_list(self.size, "all_gather outputs", outputs)?;
         let mine = &outputs[self.rank];
         if mine.numel() != input.numel() || mine.kind() != input.kind() {
             return Err(Error::Comm(format!(
@@ -337,7 +340,7 @@ impl ProcessGroup for RingGroup {
     }
 
     fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
-        self.check_list("reduce_scatter inputs", inputs)?;
+        check_list(self.size, "reduce_scatter inputs", inputs)?;
         let kind = output.kind();
         check_reducible(kind, op)?;
         if inputs.iter().any(|t| t.kind() != kind) || inputs[self.rank].numel() != output.numel() {
@@ -372,7 +375,7 @@ impl ProcessGroup for RingGroup {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
-        self.check_rank("broadcast root", root)?;
+        check_rank(self.size, "broadcast root", root)?;
         let buf = Buffer::of(tensor, self.backend)?;
         self.submit(move |tr| {
             let (r, n) = (tr.rank(), tr.size());
@@ -391,7 +394,7 @@ impl ProcessGroup for RingGroup {
     }
 
     fn reduce(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Work> {
-        self.check_rank("reduce root", root)?;
+        check_rank(self.size, "reduce root", root)?;
         let kind = tensor.kind();
         check_reducible(kind, op)?;
         let buf = Buffer::of(tensor, self.backend)?;
@@ -423,20 +426,20 @@ impl ProcessGroup for RingGroup {
     }
 
     fn send(&self, tensor: &Tensor, peer: usize) -> Result<Work> {
-        self.check_rank("send peer", peer)?;
+        check_rank(self.size, "send peer", peer)?;
         let buf = Buffer::of(tensor, self.backend)?;
         self.submit(move |tr| tr.send(peer, buf.whole().bytes()))
     }
 
     fn recv(&self, tensor: &Tensor, peer: usize) -> Result<Work> {
-        self.check_rank("recv peer", peer)?;
+        check_rank(self.size, "recv peer", peer)?;
         let buf = Buffer::of(tensor, self.backend)?;
         self.submit(move |tr| tr.recv(peer, buf.whole().bytes_mut()))
     }
 
     fn all_to_all(&self, outputs: &[Tensor], inputs: &[Tensor]) -> Result<Work> {
-        self.check_list("all_to_all outputs", outputs)?;
-        self.check_list("all_to_all inputs", inputs)?;
+        check_list(self.size, "all_to_all outputs", outputs)?;
+        check_list(self.size, "all_to_all inputs", inputs)?;
         let r = self.rank;
         if outputs[r].numel() != inputs[r].numel() || outputs[r].kind() != inputs[r].kind() {
             return Err(Error::Comm(format!("all_to_all: output {r} and input {r} differ in size or dtype")));

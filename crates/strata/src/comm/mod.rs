@@ -69,7 +69,11 @@ impl Work {
 
     fn finish(&self, result: Result<()>) {
         if let Pending::Host(c) = &self.pending {
-            *c.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map_err(|e| e.to_string()));
+            let message = |e: Error| match e {
+                Error::Comm(m) => m,
+                other => other.to_string(),
+            };
+            *c.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map_err(message));
             c.done.notify_all();
         }
     }
@@ -111,6 +115,22 @@ impl Work {
             slot = completion.done.wait_timeout(slot, left).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
+}
+
+/// Checks that rank `r` (a root or peer) exists in a group of `size`.
+fn check_rank(size: usize, what: &str, r: usize) -> Result<()> {
+    if r >= size {
+        return Err(Error::Comm(format!("{what} {r} is outside a group of {size}")));
+    }
+    Ok(())
+}
+
+/// Checks that a per-rank tensor list has one tensor per rank.
+fn check_list(size: usize, what: &str, list: &[Tensor]) -> Result<()> {
+    if list.len() != size {
+        return Err(Error::Comm(format!("{what} has {} tensors for a group of {size}", list.len())));
+    }
+    Ok(())
 }
 
 fn unsupported(backend: &str, op: &str) -> Error {

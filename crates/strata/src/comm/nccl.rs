@@ -3,7 +3,7 @@
 //! returning a [`Work`] that completes when the device passes an event recorded after it.
 //! Built with the `cuda` feature; otherwise making the group reports that.
 use super::algorithms::check_reducible;
-use super::{GroupSetup, ProcessGroup, ReduceOp, Work};
+use super::{check_list, check_rank, GroupSetup, ProcessGroup, ReduceOp, Work};
 use crate::{Error, Result};
 use std::time::Duration;
 use strata_ext::nccl::{unique_id, Collective, Communicator};
@@ -57,20 +57,6 @@ impl NcclGroup {
         };
         Ok(Work::on_device(self.comm.collective(what, tensors, op, peer)?, self.timeout))
     }
-
-    fn check_peer(&self, what: &str, peer: usize) -> Result<()> {
-        if peer >= self.size {
-            return Err(Error::Comm(format!("{what} {peer} is outside a group of {}", self.size)));
-        }
-        Ok(())
-    }
-
-    fn check_list(&self, what: &str, list: &[Tensor]) -> Result<()> {
-        if list.len() != self.size {
-            return Err(Error::Comm(format!("{what} has {} tensors for a group of {}", list.len(), self.size)));
-        }
-        Ok(())
-    }
 }
 
 impl ProcessGroup for NcclGroup {
@@ -89,13 +75,13 @@ impl ProcessGroup for NcclGroup {
         self.run(Collective::AllReduce, &[t], op, 0)
     }
     fn all_gather(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
-        self.check_list("all_gather outputs", outputs)?;
+        check_list(self.size, "all_gather outputs", outputs)?;
         let mut all: Vec<&Tensor> = outputs.iter().collect();
         all.push(input);
         self.run(Collective::AllGather, &all, ReduceOp::Sum, self.rank)
     }
     fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
-        self.check_list("reduce_scatter inputs", inputs)?;
+        check_list(self.size, "reduce_scatter inputs", inputs)?;
         check_reducible(output.kind(), op)?;
         if inputs.iter().any(|t| t.numel() != output.numel()) {
             return Err(Error::Comm("nccl reduce_scatter needs every input as large as the output".into()));
@@ -105,25 +91,25 @@ impl ProcessGroup for NcclGroup {
         self.run(Collective::ReduceScatter, &all, op, 0)
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Work> {
-        self.check_peer("broadcast root", root)?;
+        check_rank(self.size, "broadcast root", root)?;
         self.run(Collective::Broadcast, &[t], ReduceOp::Sum, root)
     }
     fn reduce(&self, t: &Tensor, root: usize, op: ReduceOp) -> Result<Work> {
-        self.check_peer("reduce root", root)?;
+        check_rank(self.size, "reduce root", root)?;
         check_reducible(t.kind(), op)?;
         self.run(Collective::Reduce, &[t], op, root)
     }
     fn send(&self, t: &Tensor, peer: usize) -> Result<Work> {
-        self.check_peer("send peer", peer)?;
+        check_rank(self.size, "send peer", peer)?;
         self.run(Collective::Send, &[t], ReduceOp::Sum, peer)
     }
     fn recv(&self, t: &Tensor, peer: usize) -> Result<Work> {
-        self.check_peer("recv peer", peer)?;
+        check_rank(self.size, "recv peer", peer)?;
         self.run(Collective::Recv, &[t], ReduceOp::Sum, peer)
     }
     fn all_to_all(&self, outputs: &[Tensor], inputs: &[Tensor]) -> Result<Work> {
-        self.check_list("all_to_all outputs", outputs)?;
-        self.check_list("all_to_all inputs", inputs)?;
+        check_list(self.size, "all_to_all outputs", outputs)?;
+        check_list(self.size, "all_to_all inputs", inputs)?;
         let all: Vec<&Tensor> = outputs.iter().chain(inputs.iter()).collect();
         self.run(Collective::AllToAll, &all, ReduceOp::Sum, 0)
     }
