@@ -96,6 +96,8 @@ train_options! {
     metrics: PathBuf,
     /// Train data parallel on this many local ranks (started through `strata launch`).
     nproc: usize,
+    /// Gradient bucket size of data-parallel training, in bytes (default 25 MiB).
+    bucket_bytes: usize,
     /// Log a line every this many steps.
     log_every: u64,
 }
@@ -142,6 +144,7 @@ pub struct TrainSettings {
     pub metrics: Option<PathBuf>,
     pub log_every: u64,
     pub nproc: usize,
+    pub bucket_bytes: usize,
 }
 
 impl TrainSettings {
@@ -256,6 +259,10 @@ impl TrainOptions {
             metrics: o.metrics,
             log_every: o.log_every.unwrap_or(50).max(1),
             nproc: o.nproc.unwrap_or(1).max(1),
+            bucket_bytes: match o.bucket_bytes {
+                Some(0) => bail!("--bucket-bytes must be positive"),
+                b => b.unwrap_or(strata::parallel::DEFAULT_BUCKET_BYTES),
+            },
         })
     }
 }

@@ -93,7 +93,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             let spec = if settings.device.is_cuda() { "cpu:shm,cuda:nccl" } else { "cpu:shm" };
             let comm = init_from_env(spec, Duration::from_secs(300)).context("joining the data-parallel job")?;
             let group: Arc<dyn ProcessGroup> = Arc::from(comm.world()?);
-            DataParallel::install(&mut engine, group)?;
+            DataParallel::install(&mut engine, group, settings.bucket_bytes)?;
             Some(comm)
         }
         _ => None,

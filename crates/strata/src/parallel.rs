@@ -1,37 +1,70 @@
 //! Parallel execution across ranks, as engine schedules.
 //!
 //! Owns: data parallelism (`DataParallel`): every rank holds the whole model, trains on its
-//! share of the global batch, and the gradients of each unit are averaged across ranks by
-//! an asynchronous all-reduce started as soon as that unit's backward is done, so the
-//! communication of later units overlaps the backward of earlier ones. Must not touch model
-//! definitions or the optimizer: it acts on the engine's flat buffers only.
+//! share of the global batch, and gradients are averaged across ranks in buckets: runs of
+//! adjacent units of at least the bucket size (25 MiB by default), each a contiguous slice
+//! of the engine's gradient buffer. A bucket's asynchronous all-reduce starts as soon as
+//! the backward of its first unit is done (backward runs in reverse), so communication
+//! overlaps the backward of the units before it. A parameter no batch reaches simply has a
+//! zero gradient, so unused parameters never stall the reduction. Must not touch model
+//! definitions or the optimizer: it acts on the engine's buffers only.
 use crate::comm::{ProcessGroup, ReduceOp, Work};
 use crate::engine::{Engine, Phase, ScheduleContext, UnitSchedule};
 use crate::{Error, Result};
 use std::sync::Arc;
+use tch::Tensor;
+
+/// Bucket size of PyTorch DDP's default, which this follows.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 pub struct DataParallel {
     group: Arc<dyn ProcessGroup>,
+    /// For each unit that completes a bucket, the bucket (a slice of the gradient buffer).
+    bucket_ending_at: Vec<Option<Tensor>>,
     in_flight: Vec<Work>,
 }
 
 impl DataParallel {
     /// Installs data parallelism over `group` on `engine`, after making every rank start
     /// from rank 0's parameters (`sync_module_states`).
-    pub fn install(engine: &mut Engine, group: Arc<dyn ProcessGroup>) -> Result<()> {
+    pub fn install(engine: &mut Engine, group: Arc<dyn ProcessGroup>, bucket_bytes: usize) -> Result<()> {
+        if bucket_bytes == 0 {
+            return Err(Error::Config("the bucket size must be positive".into()));
+        }
         for s in engine.storage() {
             group.broadcast(&s.flat, 0)?.wait()?;
         }
-        engine.set_schedule(Box::new(DataParallel { group, in_flight: Vec::new() }));
+        let bucket_ending_at = buckets(engine, bucket_bytes)?;
+        engine.set_schedule(Box::new(DataParallel { group, bucket_ending_at, in_flight: Vec::new() }));
         Ok(())
     }
+}
+
+/// Groups units from the last backwards into buckets of at least `bucket_bytes`; returns,
+/// per unit, the bucket whose all-reduce starts after that unit's backward.
+fn buckets(engine: &Engine, bucket_bytes: usize) -> Result<Vec<Option<Tensor>>> {
+    let grads = engine.grads();
+    let esize = grads.kind().elt_size_in_bytes();
+    let sizes: Vec<i64> = engine.storage().iter().map(|s| s.grad.numel() as i64).collect();
+    let mut out: Vec<Option<Tensor>> = (0..sizes.len()).map(|_| None).collect();
+    let mut end: i64 = sizes.iter().sum();
+    let mut start = end;
+    for k in (0..sizes.len()).rev() {
+        start -= sizes[k];
+        if (end - start) as usize * esize >= bucket_bytes || k == 0 {
+            out[k] = Some(grads.f_narrow(0, start, end - start)?);
+            end = start;
+        }
+    }
+    Ok(out)
 }
 
 impl UnitSchedule for DataParallel {
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()> {
         if phase == Phase::AfterBackward && ctx.sync_grads {
-            let grad = &ctx.storage[ctx.unit].grad;
-            self.in_flight.push(self.group.all_reduce(grad, ReduceOp::Avg)?);
+            if let Some(bucket) = &self.bucket_ending_at[ctx.unit] {
+                self.in_flight.push(self.group.all_reduce(bucket, ReduceOp::Avg)?);
+            }
         }
         Ok(())
     }
@@ -41,5 +74,31 @@ impl UnitSchedule for DataParallel {
             work.wait().map_err(|e| Error::Comm(format!("gradient all-reduce failed: {e}")))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::EngineConfig;
+    use crate::model::{mlp, Builder, MlpConfig};
+
+    #[test]
+    fn buckets_cover_the_gradients_once_from_the_last_unit_back() {
+        let mut b = Builder::new();
+        mlp(&MlpConfig { vocab: 10, layers: 3, dim: 8 }, &mut b).unwrap();
+        let e = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
+        let total = e.grads().numel();
+        // Units: embedding 80, three layers of 72, head 90 elements (f32).
+        let per_unit = buckets(&e, 1).unwrap();
+        assert!(per_unit.iter().all(Option::is_some), "a tiny bucket size gives one bucket per unit");
+        let whole = buckets(&e, usize::MAX).unwrap();
+        assert!(whole[1..].iter().all(Option::is_none));
+        assert_eq!(whole[0].as_ref().unwrap().numel(), total, "a huge size gives one bucket of everything");
+        // 150 elements: the head (90) is too small alone, head + last layer (162) is not;
+        // the rest (72 + 72 + 80) closes at the first unit.
+        let mid = buckets(&e, 150 * 4).unwrap();
+        let sizes: Vec<usize> = mid.iter().map(|b| b.as_ref().map_or(0, Tensor::numel)).collect();
+        assert_eq!(sizes, [224, 0, 0, 162, 0]);
     }
 }

@@ -121,6 +121,8 @@ struct ForwardRecord {
 pub struct Engine {
     spec: ModelSpec,
     config: EngineConfig,
+    /// Every unit's gradient buffer, concatenated in unit order.
+    grads: Tensor,
     storage: Vec<UnitStorage>,
     /// Leaf views into `storage[unit].flat`, indexed by `ParamId`.
     params: Vec<Tensor>,
@@ -146,14 +148,24 @@ impl Engine {
         let mut offsets = vec![0; spec.params.len()];
         let mut params: Vec<Option<Tensor>> = (0..spec.params.len()).map(|_| None).collect();
         let mut storage = Vec::with_capacity(spec.units.len());
+        // All gradients live in one buffer, unit after unit, so that a run of adjacent units
+        // is one contiguous slice (a data-parallel bucket needs no copy).
+        let grad_numel: i64 = spec.params.iter().map(ParamSpec::numel).sum();
+        ledger.alloc(
+            Placement::Device,
+            Category::Grads,
+            (grad_numel as usize * config.kind.elt_size_in_bytes()) as u64,
+        )?;
+        let grads = Tensor::f_zeros([grad_numel], opts)?;
+        let mut grad_start = 0;
         tch::manual_seed(config.seed);
         for unit in &spec.units {
             let numel: i64 = unit.params.iter().map(|id| spec.params[id.0].numel()).sum();
             let bytes = (numel as usize * config.kind.elt_size_in_bytes()) as u64;
             ledger.alloc(Placement::Device, Category::Params, bytes)?;
-            ledger.alloc(Placement::Device, Category::Grads, bytes)?;
             let flat = Tensor::f_zeros([numel], opts)?;
-            let grad = Tensor::f_zeros([numel], opts)?;
+            let grad = grads.f_narrow(0, grad_start, numel)?;
+            grad_start += numel;
             let mut offset = 0;
             for &id in &unit.params {
                 let p = &spec.params[id.0];
@@ -175,6 +187,7 @@ impl Engine {
         Ok(Engine {
             spec,
             config,
+            grads,
             storage,
             params,
             offsets,
@@ -204,6 +217,11 @@ impl Engine {
 
     pub fn storage(&self) -> &[UnitStorage] {
         &self.storage
+    }
+
+    /// All gradients in one buffer; unit `k`'s `grad` is the slice after units `0..k`'s.
+    pub fn grads(&self) -> &Tensor {
+        &self.grads
     }
 
     /// The parameter tensor (a leaf view into its unit's flat buffer).
@@ -324,9 +342,7 @@ impl Engine {
 
     /// Sets every gradient to zero (the buffers stay allocated).
     pub fn zero_grad(&mut self) -> Result<()> {
-        for s in &mut self.storage {
-            let _ = s.grad.f_zero_()?;
-        }
+        let _ = self.grads.f_zero_()?;
         Ok(())
     }
 
