@@ -6,7 +6,7 @@
 //! reduce-scatter then a gather of the blocks at the root; all-to-all = n−1 pairwise
 //! exchanges; barrier = a one-byte all-gather.
 use super::transport::{ShmTransport, TcpTransport, Transport};
-use super::{check_list, check_rank, GroupSetup, ProcessGroup, ReduceOp, Store, Work};
+use super::{check_list, check_rank, comm_text, GroupSetup, ProcessGroup, ReduceOp, Store, Work};
 use crate::{Error, Result};
 use half::{bf16, f16};
 use std::sync::mpsc::{channel, Sender};
@@ -88,10 +88,7 @@ impl Drop for RingGroup {
 /// and ranks further along then see those neighbours go. The first failure of the group is
 /// recorded in the store (first writer wins), and every later one reports it.
 fn first_failure(store: &Store, key: &str, mine: Error) -> Error {
-    let text = match mine {
-        Error::Comm(m) => m,
-        other => other.to_string(),
-    };
+    let text = comm_text(mine);
     match store.compare_set(key, b"", text.as_bytes()) {
         Ok(first) if first != text.as_bytes() => {
             Error::Comm(format!("{} (reported first; here: {text})", String::from_utf8_lossy(&first)))
@@ -167,7 +164,7 @@ fn scratch_block(v: &mut [u64], len: usize) -> Block {
 }
 
 /// Splits `numel` elements into `n` near-equal byte ranges.
-fn split(numel: usize, n: usize, esize: usize) -> Vec<std::ops::Range<usize>> {
+pub(super) fn split(numel: usize, n: usize, esize: usize) -> Vec<std::ops::Range<usize>> {
     let (base, extra) = (numel / n, numel % n);
     let mut start = 0;
     (0..n)

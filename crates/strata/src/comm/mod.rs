@@ -69,11 +69,7 @@ impl Work {
 
     fn finish(&self, result: Result<()>) {
         if let Pending::Host(c) = &self.pending {
-            let message = |e: Error| match e {
-                Error::Comm(m) => m,
-                other => other.to_string(),
-            };
-            *c.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map_err(message));
+            *c.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map_err(comm_text));
             c.done.notify_all();
         }
     }
@@ -114,6 +110,15 @@ impl Work {
             };
             slot = completion.done.wait_timeout(slot, left).unwrap_or_else(|e| e.into_inner()).0;
         }
+    }
+}
+
+/// An error's message without the "communication:" prefix it would get again when it is
+/// wrapped back into [`Error::Comm`].
+fn comm_text(e: Error) -> String {
+    match e {
+        Error::Comm(m) => m,
+        other => other.to_string(),
     }
 }
 
@@ -262,8 +267,6 @@ pub fn parse_backend_spec(spec: &str) -> Result<Vec<(String, String)>> {
 
 /// Routes each call to the backend of its tensors' device type.
 struct DeviceDispatch {
-    rank: usize,
-    size: usize,
     name: String,
     by_device: Vec<(String, Box<dyn ProcessGroup>)>,
 }
@@ -289,10 +292,10 @@ impl DeviceDispatch {
 
 impl ProcessGroup for DeviceDispatch {
     fn rank(&self) -> usize {
-        self.rank
+        self.first().rank()
     }
     fn size(&self) -> usize {
-        self.size
+        self.first().size()
     }
     fn backend(&self) -> &str {
         &self.name
@@ -419,7 +422,7 @@ impl Comm {
             };
             by_device.push((device, factory(&backend)?(&setup)?));
         }
-        Ok(Some(Box::new(DeviceDispatch { rank: local, size: ranks.len(), name: spec.to_string(), by_device })))
+        Ok(Some(Box::new(DeviceDispatch { name: spec.to_string(), by_device })))
     }
 }
 

@@ -3,7 +3,7 @@
 //!
 //! Every blocking call gives up after the group's timeout, and a peer that went away is
 //! reported by rank (a closed socket, or a process that no longer exists).
-use super::algorithms::{divide, reduce_into};
+use super::algorithms::{divide, reduce_into, split};
 use super::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
 use memmap2::MmapMut;
@@ -287,16 +287,17 @@ impl ShmTransport {
         unsafe { self.map.as_ptr().add((from * self.size + to) * CHANNEL_STRIDE) as *mut u8 }
     }
 
-    fn counters(base: *mut u8) -> (&'static AtomicU64, &'static AtomicU64) {
-        // SAFETY: the header holds two 8-byte-aligned u64 counters, shared across processes;
-        // the mapping outlives every use (it is owned by the transport calling this).
+    /// Head and tail counters of the channel at `base`, borrowed from the mapping.
+    fn counters(&self, base: *mut u8) -> (&AtomicU64, &AtomicU64) {
+        // SAFETY: the header holds two 8-byte-aligned u64 counters inside the mapping,
+        // shared across processes, and they live as long as `self` holds the mapping.
         unsafe { (AtomicU64::from_ptr(base as *mut u64), AtomicU64::from_ptr(base.add(64) as *mut u64)) }
     }
 
     /// Writes as much of `data` as fits into channel (self → to); returns bytes written.
     fn push(&self, to: usize, data: &[u8]) -> usize {
         let base = self.channel(self.rank, to);
-        let (head, tail) = Self::counters(base);
+        let (head, tail) = self.counters(base);
         let h = head.load(Ordering::Relaxed);
         let free = CHANNEL_BYTES - (h - tail.load(Ordering::Acquire)) as usize;
         let n = free.min(data.len());
@@ -316,7 +317,7 @@ impl ShmTransport {
     /// Reads what is available from channel (from → self) into `buf`; returns bytes read.
     fn pull(&self, from: usize, buf: &mut [u8]) -> usize {
         let base = self.channel(from, self.rank);
-        let (head, tail) = Self::counters(base);
+        let (head, tail) = self.counters(base);
         let t = tail.load(Ordering::Relaxed);
         let avail = (head.load(Ordering::Acquire) - t) as usize;
         let n = avail.min(buf.len());
@@ -341,8 +342,8 @@ impl ShmTransport {
         let (n, r, esize) = (self.size, self.rank, kind.elt_size_in_bytes());
         let chunk = SLOT_BYTES / esize * esize;
         for piece in buf.chunks_mut(chunk) {
-            let elems = piece.len() / esize;
-            let share = |p: usize| elems * p / n * esize..elems * (p + 1) / n * esize;
+            let shares = split(piece.len() / esize, n, esize);
+            let share = |p: usize| shares[p].clone();
             // SAFETY (all copies below): slots hold SLOT_BYTES >= chunk bytes; a rank writes
             // only its own slot and its own share of the result slot, and only between
             // barriers at which nobody reads them.

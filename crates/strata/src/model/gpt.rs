@@ -2,7 +2,7 @@
 //! output head tied to the token embedding. Parameter names and `[out, in]` layouts are
 //! nanoGPT's, so its safetensors files load as they are.
 use super::layers::{causal_attention, layer_norm, linear, merge_heads, split_heads};
-use super::{Builder, Init, ParamId, Params, TpRole, Unit};
+use super::{positive, Builder, Init, ParamId, Params, TpRole, Unit, INIT_STD as STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
@@ -32,14 +32,6 @@ impl GptConfig {
     }
 }
 
-pub(crate) fn positive(values: &[(&str, i64)]) -> Result<()> {
-    match values.iter().find(|(_, v)| *v <= 0) {
-        Some((name, v)) => Err(Error::Config(format!("{name} must be positive, got {v}"))),
-        None => Ok(()),
-    }
-}
-
-const STD: f64 = 0.02;
 const LN_EPS: f64 = 1e-5;
 
 struct GptEmbedding {

@@ -1,9 +1,8 @@
 //! A LLaMA-style decoder: RMSNorm, rotary position embeddings (half-rotation convention),
 //! SwiGLU feed-forward, no biases, and an untied output head. Names follow the common
 //! `model.layers.{i}.self_attn.q_proj.weight` layout.
-use super::gpt::positive;
 use super::layers::{causal_attention, linear, merge_heads, rms_norm, split_heads};
-use super::{Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit};
+use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -48,7 +47,6 @@ impl LlamaConfig {
     }
 }
 
-const STD: f64 = 0.02;
 const EPS: f64 = 1e-5;
 
 struct LlamaBlock {

@@ -1,8 +1,7 @@
 //! A small residual MLP language model (each position predicts the next token from its own
 //! token only): the quickest model to test engine and strategy machinery with.
-use super::gpt::positive;
 use super::layers::linear;
-use super::{Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit};
+use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
 use crate::Result;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
@@ -13,8 +12,6 @@ pub struct MlpConfig {
     pub layers: i64,
     pub dim: i64,
 }
-
-const STD: f64 = 0.02;
 
 struct MlpLayer {
     weight: ParamId,

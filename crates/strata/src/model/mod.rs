@@ -18,6 +18,17 @@ use crate::{Error, Result};
 use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
+/// Standard deviation of the normal initialisation of weights (GPT-2's, LLaMA's).
+pub const INIT_STD: f64 = 0.02;
+
+/// Fails with the first of `values` (name, value) that is not positive.
+pub(crate) fn positive(values: &[(&str, i64)]) -> Result<()> {
+    match values.iter().find(|(_, v)| *v <= 0) {
+        Some((name, v)) => Err(Error::Config(format!("{name} must be positive, got {v}"))),
+        None => Ok(()),
+    }
+}
+
 /// How a parameter is initialised.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
