@@ -1,7 +1,7 @@
 //! `strata bench train`: the same GPT trained by Strata and by PyTorch eager (the project's
 //! reference script, run with the project's virtual environment) in one run, side by side.
 use crate::options::ModelChoice;
-use crate::train::build_engine;
+use crate::train::model_spec;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 use strata::data::{Batch, Step};
-use strata::engine::{memory, EngineConfig};
+use strata::engine::{memory, Engine, EngineConfig};
 use strata::model::GptConfig;
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::train::Trainer;
@@ -82,8 +82,8 @@ struct StrataSide {
 
 impl StrataSide {
     fn new(cfg: &GptConfig, batch_size: i64) -> Result<StrataSide> {
-        let engine = build_engine(&ModelChoice::Gpt(cfg.clone()), EngineConfig::default())?;
-        let optimizer = Optimizer::new(&engine, OptimizerConfig::default(), &[])?;
+        let mut engine = Engine::new(model_spec(&ModelChoice::Gpt(cfg.clone()))?, EngineConfig::default())?;
+        let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
         let trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
         let batches = (0..4)
             .map(|i| {

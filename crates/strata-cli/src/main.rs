@@ -28,6 +28,23 @@ enum Command {
         #[command(subcommand)]
         which: BenchCommand,
     },
+    /// Checkpoints: merge the per-rank shards of one into a single file.
+    Ckpt {
+        #[command(subcommand)]
+        which: CkptCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum CkptCommand {
+    /// Merge a sharded checkpoint into one safetensors file: weights under their names,
+    /// optimizer states as optim.<state>.<name>; --resume and --init-weights accept it.
+    Merge {
+        /// A checkpoint folder (its latest checkpoint) or one step's folder.
+        checkpoint: std::path::PathBuf,
+        /// The merged file to write.
+        output: std::path::PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -36,6 +53,19 @@ enum BenchCommand {
     Train(bench::BenchTrainArgs),
     /// Collective bandwidth per backend and size, with memcpy bandwidth as the reference.
     Comm(bench_comm::BenchCommArgs),
+}
+
+fn merge(checkpoint: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()> {
+    let ckpt = strata::checkpoint::Checkpoint::open(checkpoint)?;
+    ckpt.merge(output)?;
+    println!(
+        "merged step {} ({} rank files, world size {}) into {}",
+        ckpt.meta.step,
+        ckpt.meta.files.len(),
+        ckpt.meta.world_size,
+        output.display()
+    );
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -66,6 +96,7 @@ fn main() -> ExitCode {
         Command::Launch(a) => launch::run(a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
+        Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,6 +6,7 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig};
 use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
+use strata::strategy::Strategy;
 
 /// Declares the option struct once for clap and serde, and its merge.
 macro_rules! train_options {
@@ -98,6 +99,18 @@ train_options! {
     nproc: usize,
     /// Gradient bucket size of data-parallel training, in bytes (default 25 MiB).
     bucket_bytes: usize,
+    /// Optimization strategy: JSON in list form (e.g. '["zero2"]') or a file holding it.
+    strategy: String,
+    /// Freeze parameters whose name contains any of these comma-separated substrings.
+    freeze: String,
+    /// Save sharded checkpoints into this folder (at the end, and every --checkpoint-every).
+    save_checkpoint: PathBuf,
+    /// Steps between checkpoints (default: only at the end).
+    checkpoint_every: u64,
+    /// Checkpoints kept in --save-checkpoint's folder (default 2).
+    keep_checkpoints: usize,
+    /// Resume from a checkpoint: a checkpoint folder, one step's folder or a merged file.
+    resume: PathBuf,
     /// Log a line every this many steps.
     log_every: u64,
 }
@@ -145,6 +158,24 @@ pub struct TrainSettings {
     pub log_every: u64,
     pub nproc: usize,
     pub bucket_bytes: usize,
+    pub strategy: Strategy,
+    pub freeze: Vec<String>,
+    pub save_checkpoint: Option<PathBuf>,
+    pub checkpoint_every: Option<u64>,
+    pub keep_checkpoints: usize,
+    pub resume: Option<PathBuf>,
+}
+
+/// A strategy from JSON text, or from the file a path names.
+pub fn parse_strategy(text: &str) -> Result<Strategy> {
+    let trimmed = text.trim_start();
+    if trimmed.starts_with('[') || trimmed.starts_with('{') || trimmed.starts_with('"') {
+        return Ok(Strategy::parse(text)?);
+    }
+    let path = Path::new(text);
+    let body =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read strategy file {}", path.display()))?;
+    Strategy::parse(&body).with_context(|| format!("strategy file {}", path.display()))
 }
 
 impl TrainSettings {
@@ -263,6 +294,18 @@ impl TrainOptions {
                 Some(0) => bail!("--bucket-bytes must be positive"),
                 b => b.unwrap_or(strata::parallel::DEFAULT_BUCKET_BYTES),
             },
+            strategy: o.strategy.as_deref().map(parse_strategy).transpose()?.unwrap_or_default(),
+            freeze: o
+                .freeze
+                .map(|f| f.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect())
+                .unwrap_or_default(),
+            save_checkpoint: o.save_checkpoint,
+            checkpoint_every: match o.checkpoint_every {
+                Some(0) => bail!("--checkpoint-every must be positive"),
+                every => every,
+            },
+            keep_checkpoints: o.keep_checkpoints.unwrap_or(2).max(1),
+            resume: o.resume,
         })
     }
 }

@@ -5,12 +5,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
-use strata::comm::{init_from_env, ProcessGroup};
+use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
+use strata::comm::{init_from_env, ReduceOp};
 use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData, Tokenizer};
-use strata::engine::{Engine, EngineConfig};
-use strata::model::{self, Builder};
+use strata::engine::EngineConfig;
+use strata::model::{self, Builder, ModelSpec};
 use strata::optim::Optimizer;
-use strata::parallel::DataParallel;
+use strata::parallel::{self, Placement};
 use strata::train::{StepReport, Trainer};
 use tracing::info;
 
@@ -37,14 +38,14 @@ pub fn load_data(settings: &TrainSettings) -> Result<(TokenData, Option<f64>, us
     })
 }
 
-pub fn build_engine(choice: &ModelChoice, config: EngineConfig) -> Result<Engine> {
+pub fn model_spec(choice: &ModelChoice) -> Result<ModelSpec> {
     let mut b = Builder::new();
     match choice {
         ModelChoice::Gpt(c) => model::gpt(c, &mut b)?,
         ModelChoice::Llama(c) => model::llama(c, &mut b)?,
         ModelChoice::Mlp(c) => model::mlp(c, &mut b)?,
     }
-    Ok(Engine::new(b.build()?, config)?)
+    Ok(b.build()?)
 }
 
 fn human_bytes(b: u64) -> String {
@@ -83,21 +84,23 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         None => Order::Shuffled,
     };
     let engine_config = EngineConfig { device: settings.device, seed: settings.seed as i64, ..Default::default() };
-    let mut engine = build_engine(&choice, engine_config)?;
-    if let Some(path) = &settings.init_weights {
-        strata::io::load_weights(&mut engine, path)?;
-    }
-    // Started as one of several ranks: train data parallel.
+    let mut spec = model_spec(&choice)?;
+    spec.freeze(&settings.freeze)?;
+    // Started as one of several ranks: join the job.
     let comm = match std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse::<usize>().ok()) {
         Some(world) if world > 1 => {
-            let spec = if settings.device.is_cuda() { "cpu:shm,cuda:nccl" } else { "cpu:shm" };
-            let comm = init_from_env(spec, Duration::from_secs(300)).context("joining the data-parallel job")?;
-            let group: Arc<dyn ProcessGroup> = Arc::from(comm.world()?);
-            DataParallel::install(&mut engine, group, settings.bucket_bytes)?;
-            Some(comm)
+            let backends = if settings.device.is_cuda() { "cpu:shm,cuda:nccl" } else { "cpu:shm" };
+            Some(init_from_env(backends, Duration::from_secs(300)).context("joining the job")?)
         }
         _ => None,
     };
+    let local_world_size = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let placement = Placement { comm: comm.as_ref(), local_world_size, bucket_bytes: settings.bucket_bytes };
+    let mut engine = parallel::build_engine(spec, engine_config, &settings.strategy, &placement)?;
+    if let Some(path) = &settings.init_weights {
+        strata::io::load_weights(&mut engine, path)?;
+    }
+    let world_group = comm.as_ref().map(|c| c.world()).transpose()?;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
     let leader = rank == 0;
     info!(
@@ -106,19 +109,64 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         units = engine.spec().units.len(),
         tokens = data.len(),
         source = data.source,
+        strategy = %settings.strategy.to_value(),
         "training"
     );
-    let optimizer = Optimizer::new(&engine, settings.optimizer.clone(), &[])?;
+    let optimizer = Optimizer::new(&mut engine, settings.optimizer.clone(), &[])?;
     let mut trainer = Trainer::new(engine, optimizer, settings.schedule.clone(), settings.grad_clip);
+    let optimizer_name = format!("{:?}", settings.optimizer.kind).to_lowercase();
+    let data_position = |next_step: u64| DataPosition {
+        seed: settings.seed,
+        batch_size: settings.batch_size,
+        ctx: settings.ctx as usize,
+        next_step,
+    };
+    if let Some(path) = &settings.resume {
+        let ckpt = Checkpoint::open(path)?;
+        let saved = &ckpt.meta.data;
+        let here = data_position(saved.next_step);
+        if *saved != here {
+            bail!(
+                "{}: saved with seed {}, batch size {}, ctx {}; this run has seed {}, batch size {}, ctx {}: it would not continue the same run",
+                ckpt.location.display(), saved.seed, saved.batch_size, saved.ctx, here.seed, here.batch_size, here.ctx
+            );
+        }
+        ckpt.restore(&mut trainer.engine, &mut trainer.optimizer, &optimizer_name)?;
+        trainer.set_step(ckpt.meta.step);
+        info!(step = ckpt.meta.step, from = %ckpt.location.display(), saved_world_size = ckpt.meta.world_size, "resumed");
+    }
+    let start = trainer.step();
+    if start > settings.steps {
+        bail!("the checkpoint is at step {start}, past --steps {}", settings.steps);
+    }
     let loader_config = LoaderConfig {
         accumulation: settings.accumulation,
         rank,
         world,
         seed: settings.seed,
         device: settings.device,
+        start_step: start as usize,
         ..LoaderConfig::new(ctx, settings.batch_size)
     };
     let loader = DataLoader::new(Arc::new(data), loader_config, order)?;
+    let save_checkpoint = |trainer: &mut Trainer| -> Result<()> {
+        let Some(root) = &settings.save_checkpoint else { return Ok(()) };
+        let run = RunInfo {
+            step: trainer.step(),
+            world_size: world,
+            strategy: settings.strategy.to_value(),
+            optimizer: optimizer_name.clone(),
+            data: data_position(trainer.step()),
+        };
+        let group = world_group.as_deref();
+        let dir =
+            checkpoint::save(root, &mut trainer.engine, &trainer.optimizer, &run, group, settings.keep_checkpoints)
+                .with_context(|| format!("saving a checkpoint in {}", root.display()))?;
+        if leader {
+            info!(path = %dir.display(), "saved checkpoint");
+        }
+        Ok(())
+    };
     // Rank 0 speaks for the job: metrics, progress, saved weights.
     let mut metrics = match settings.metrics.as_ref().filter(|_| leader) {
         Some(path) => Some(std::io::BufWriter::new(
@@ -132,14 +180,25 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let mut last: Option<StepReport> = None;
-    for step in loader.take(settings.steps as usize) {
-        let report = trainer.train_step(&step?)?;
+    bar.set_position(start);
+    for step in loader.take((settings.steps - start) as usize) {
+        let mut report = trainer.train_step(&step?)?;
+        if let Some(g) = &world_group {
+            // Report the job, not this rank: the loss over the global batch, all tokens.
+            let loss = tch::Tensor::from_slice(&[report.loss]);
+            g.all_reduce(&loss, ReduceOp::Avg)?.wait()?;
+            report.loss = loss.f_double_value(&[0])?;
+            report.tokens *= world as u64;
+            report.tokens_per_s *= world as f64;
+        }
         if !report.loss.is_finite() {
             bail!("loss became {} at step {}", report.loss, report.step);
         }
         if let Some(m) = metrics.as_mut() {
             serde_json::to_writer(&mut *m, &report)?;
+            // A line per step reaches the file even if the run dies later.
             m.write_all(b"\n")?;
+            m.flush().context("cannot write metrics")?;
         }
         bar.set_message(format!(
             "loss {:.4} | {:.0} tok/s | {}",
@@ -159,15 +218,23 @@ pub fn run(settings: TrainSettings) -> Result<()> {
                 )
             });
         }
+        let due = settings.checkpoint_every.is_some_and(|every| report.step % every == 0);
+        if due && report.step < settings.steps {
+            bar.suspend(|| save_checkpoint(&mut trainer))?;
+        }
         last = Some(report);
     }
     bar.finish_and_clear();
+    save_checkpoint(&mut trainer)?;
     if let Some(mut m) = metrics {
         m.flush().context("cannot write metrics")?;
     }
-    if let Some(path) = settings.save_weights.as_ref().filter(|_| leader) {
-        strata::io::save_weights(&trainer.engine, path)?;
-        info!(path = %path.display(), "saved weights");
+    if let Some(path) = &settings.save_weights {
+        // Every rank takes part in gathering the units; rank 0 writes them.
+        strata::io::save_weights(&mut trainer.engine, path, leader)?;
+        if leader {
+            info!(path = %path.display(), "saved weights");
+        }
     }
     if let Some(r) = last.filter(|_| leader) {
         let mut line = format!("step {}: loss {:.4}", r.step, r.loss);

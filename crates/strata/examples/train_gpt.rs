@@ -17,7 +17,7 @@ fn main() -> strata::Result<()> {
 
     // 2. The engine allocates one flat buffer per unit and runs the units in order.
     let mut model = Engine::new(builder.build()?, EngineConfig::default())?;
-    let mut optim = Optimizer::new(&model, OptimizerConfig { lr: 3e-3, ..Default::default() }, &[])?;
+    let mut optim = Optimizer::new(&mut model, OptimizerConfig { lr: 3e-3, ..Default::default() }, &[])?;
     let steps = 200;
     let schedule = Schedule::WarmupCosine { warmup: 10, total: steps, min_factor: 0.1 };
 
@@ -44,7 +44,7 @@ fn main() -> strata::Result<()> {
         }
     }
     let path = std::env::temp_dir().join("strata-gpt-example.safetensors");
-    strata::io::save_weights(&model, &path)?;
+    strata::io::save_weights(&mut model, &path, true)?;
     println!("weights saved to {}", path.display());
     Ok(())
 }

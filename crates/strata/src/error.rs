@@ -7,8 +7,8 @@ pub enum Error {
     Torch(String),
     #[error("libtorch extension: {0}")]
     Ext(#[from] strata_ext::ExtError),
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("invalid configuration: {0}")]
     Config(String),
     #[error("model: {0}")]
@@ -28,8 +28,8 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Error {
-        Error::Io { path: path.into(), source }
+    pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Error {
+        Error::Io { path: path.into(), error }
     }
 }
 

@@ -5,6 +5,7 @@
 //! the file. Must not hold training state: checkpoints of optimizer state build on this.
 
 use crate::engine::Engine;
+use crate::model::ParamId;
 use crate::{Error, Result};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
@@ -13,24 +14,33 @@ use std::io::Write;
 use std::path::Path;
 use tch::{Kind, Tensor};
 
-/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one:
-/// a temporary file in the same folder, flushed to disk, then renamed over the target.
+/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |f| f.write_all(bytes).map_err(|e| Error::io(path, e)))
+}
+
+/// Writes `path` through `write` so that a crash leaves either the old file or the new
+/// one: a temporary file in the same folder, flushed to disk, then renamed over the target.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::fs::File) -> Result<()>) -> Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().ok_or_else(|| Error::Config(format!("{} is not a file path", path.display())))?;
     let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        // Make the rename itself durable.
-        std::fs::File::open(dir)?.sync_all()
-    };
-    write().map_err(|e| {
+    let result = (|| -> Result<()> {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        write(&mut f)?;
+        f.sync_all().map_err(|e| Error::io(&tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
+        sync_dir(dir)
+    })();
+    if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        Error::io(path, e)
-    })
+    }
+    result
+}
+
+/// Makes renames and new entries in `dir` durable.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(dir, e))
 }
 
 fn dtype_of(kind: Kind) -> Result<Dtype> {
@@ -45,7 +55,7 @@ fn dtype_of(kind: Kind) -> Result<Dtype> {
     })
 }
 
-fn kind_of(dtype: Dtype) -> Option<Kind> {
+pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
     Some(match dtype {
         Dtype::F32 => Kind::Float,
         Dtype::F64 => Kind::Double,
@@ -93,9 +103,98 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     Ok(out)
 }
 
-/// Saves the engine's parameters under their canonical names (a tied weight once).
-pub fn save_weights(engine: &Engine, path: &Path) -> Result<()> {
-    write_atomic(path, &to_safetensors(engine.named_params())?)
+/// A tensor's bytes as stored (little-endian, contiguous, on the CPU).
+pub fn tensor_bytes_le(t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
+    let mut data = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+    t.f_copy_data_u8(&mut data, t.numel())?;
+    Ok(data)
+}
+
+/// Writes a safetensors file whose layout is known before its data: the header first,
+/// then each tensor's bytes as `next` produces them, in the header's order. Whole-model
+/// saves use it so that only one unit's tensors are in memory at a time (the safetensors
+/// crate serialises from a complete set of views).
+pub fn write_safetensors_streamed(
+    path: &Path,
+    layout: &[(String, Kind, Vec<i64>)],
+    metadata: &BTreeMap<String, String>,
+    mut next: impl FnMut(usize) -> Result<Vec<u8>>,
+) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::to_value(metadata).map_err(|e| Error::Model(e.to_string()))?);
+    let mut at = 0usize;
+    let mut sizes = Vec::with_capacity(layout.len());
+    for (name, kind, shape) in layout {
+        let len = shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes();
+        let dtype = format!("{:?}", dtype_of(*kind)?);
+        header
+            .insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, at + len]}));
+        sizes.push(len);
+        at += len;
+    }
+    let mut text = serde_json::to_vec(&header).map_err(|e| Error::Model(e.to_string()))?;
+    // Pad the header with spaces so that the data starts 8-byte aligned.
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    write_atomic_with(path, |f| {
+        let mut w = std::io::BufWriter::new(f);
+        let io = |e| Error::io(path, e);
+        w.write_all(&(text.len() as u64).to_le_bytes()).map_err(io)?;
+        w.write_all(&text).map_err(io)?;
+        for (i, size) in sizes.iter().enumerate() {
+            let bytes = next(i)?;
+            if bytes.len() != *size {
+                return Err(Error::Model(format!(
+                    "tensor {} produced {} bytes, expected {size}",
+                    layout[i].0,
+                    bytes.len()
+                )));
+            }
+            w.write_all(&bytes).map_err(io)?;
+        }
+        w.flush().map_err(io)
+    })
+}
+
+/// Saves the whole model's parameters under their canonical names (a tied weight once),
+/// gathering one unit at a time. With a sharded strategy every rank of the shard group
+/// must call this together; only ranks with `write` set write the file.
+pub fn save_weights(engine: &mut Engine, path: &Path, write: bool) -> Result<()> {
+    let kind = engine.master_kind();
+    // Parameters in unit order, each with its unit and offset.
+    let order: Vec<(usize, ParamId, i64)> = engine
+        .spec()
+        .units
+        .iter()
+        .enumerate()
+        .flat_map(|(k, u)| u.params.iter().map(move |&id| (k, id)))
+        .map(|(k, id)| (k, id, engine.offset(id)))
+        .collect();
+    let layout: Vec<(String, Kind, Vec<i64>)> = order
+        .iter()
+        .map(|(_, id, _)| {
+            let p = &engine.spec().params[id.0];
+            (p.name.clone(), kind, p.shape.clone())
+        })
+        .collect();
+    let units = engine.spec().units.len();
+    if !write {
+        for k in 0..units {
+            drop(engine.full_unit(k)?);
+        }
+        return Ok(());
+    }
+    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    let mut current: Option<(usize, Tensor)> = None;
+    write_safetensors_streamed(path, &layout, &metadata, |i| {
+        let (unit, id, offset) = order[i];
+        if current.as_ref().map(|(k, _)| *k) != Some(unit) {
+            current = Some((unit, engine.full_unit(unit)?));
+        }
+        let (_, flat) = current.as_ref().expect("set above");
+        let numel = engine.spec().params[id.0].numel();
+        tensor_bytes_le(&flat.f_narrow(0, offset, numel)?)
+    })
 }
 
 /// Loads parameters from a safetensors file. Every model parameter must be present (under
@@ -104,8 +203,9 @@ pub fn save_weights(engine: &Engine, path: &Path) -> Result<()> {
 pub fn load_weights(engine: &mut Engine, path: &Path) -> Result<()> {
     let tensors = read_safetensors(path)?;
     let err = |message: String| Error::Weights { path: path.to_path_buf(), message };
-    let mut assigned: BTreeMap<usize, (&str, &Tensor)> = BTreeMap::new();
-    for (name, t) in &tensors {
+    let mut assigned: BTreeMap<ParamId, (&str, &Tensor)> = BTreeMap::new();
+    // A merged checkpoint also holds optimizer states, as `optim.<state>.<name>`.
+    for (name, t) in tensors.iter().filter(|(name, _)| !name.starts_with("optim.")) {
         let id = engine
             .spec()
             .find(name)
@@ -114,17 +214,15 @@ pub fn load_weights(engine: &mut Engine, path: &Path) -> Result<()> {
         if t.size() != expected.shape {
             return Err(err(format!("{name}: shape {:?} but the model expects {:?}", t.size(), expected.shape)));
         }
-        if let Some((first, earlier)) = assigned.insert(id.0, (name, t)) {
+        if let Some((first, earlier)) = assigned.insert(id, (name, t)) {
             if !earlier.f_to_kind(Kind::Double)?.f_equal(&t.f_to_kind(Kind::Double)?)? {
                 return Err(err(format!("{first} and {name} differ, but the model ties them into one parameter")));
             }
         }
     }
-    if let Some(missing) = engine.spec().params.iter().enumerate().find(|(i, _)| !assigned.contains_key(i)) {
+    if let Some(missing) = engine.spec().params.iter().enumerate().find(|(i, _)| !assigned.contains_key(&ParamId(*i))) {
         return Err(err(format!("missing parameter {:?}", missing.1.name)));
     }
-    for (id, (_, t)) in assigned {
-        engine.set_param(crate::model::ParamId(id), t)?;
-    }
-    Ok(())
+    let values = assigned.into_iter().map(|(id, (_, t))| (id, t.shallow_clone())).collect();
+    engine.set_params(&values)
 }

@@ -12,8 +12,8 @@
 //! let cfg = model::GptConfig { vocab: 256, ctx: 64, layers: 2, heads: 4, dim: 128 };
 //! let mut b = model::Builder::new();
 //! model::gpt(&cfg, &mut b)?;
-//! let engine = engine::Engine::new(b.build()?, engine::EngineConfig::default())?;
-//! let optimizer = optim::Optimizer::new(&engine, optim::OptimizerConfig::default(), &[])?;
+//! let mut engine = engine::Engine::new(b.build()?, engine::EngineConfig::default())?;
+//! let optimizer = optim::Optimizer::new(&mut engine, optim::OptimizerConfig::default(), &[])?;
 //! let mut trainer = train::Trainer::new(engine, optimizer, optim::Schedule::Constant, Some(1.0));
 //! let corpus = std::sync::Arc::new(data::SyntheticCorpus::default().generate());
 //! let loader = data::DataLoader::new(corpus, data::LoaderConfig::new(64, 16), data::Order::Shuffled)?;
@@ -24,6 +24,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod engine;
@@ -32,6 +33,7 @@ pub mod io;
 pub mod model;
 pub mod optim;
 pub mod parallel;
+pub mod strategy;
 pub mod train;
 
 pub use error::{Error, Result};

@@ -4,11 +4,13 @@
 //! Owns: the order forward → loss → backward per micro-batch, gradient clipping, the
 //! schedule, the update and the per-step report. Must not own data loading or output.
 use crate::data::Step;
-use crate::engine::{memory, Engine};
+use crate::engine::memory::PlacementReport;
+use crate::engine::{memory, Engine, Placement};
 use crate::model::layers::cross_entropy;
 use crate::optim::{Optimizer, Schedule};
 use crate::Result;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// What one step did, as written to `--metrics`.
@@ -25,6 +27,10 @@ pub struct StepReport {
     pub tokens_per_s: f64,
     /// Peak bytes held by the engine and optimizer (all placements).
     pub peak_bytes: u64,
+    /// Peak bytes of parameters, gradients and optimizer state (model states), this rank.
+    pub model_state_peak_bytes: u64,
+    /// What the engine and optimizer hold now and at their peak, per placement and category.
+    pub memory: BTreeMap<Placement, PlacementReport>,
     /// Peak resident memory of the whole process.
     pub rss_peak_bytes: Option<u64>,
 }
@@ -41,6 +47,16 @@ pub struct Trainer {
 impl Trainer {
     pub fn new(engine: Engine, optimizer: Optimizer, schedule: Schedule, grad_clip: Option<f64>) -> Trainer {
         Trainer { engine, optimizer, schedule, grad_clip, step: 0 }
+    }
+
+    /// Steps completed so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Continues the step count (and the schedule) from a checkpoint's.
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
     }
 
     /// Runs forward and backward on every micro-batch (gradients accumulate, each loss
@@ -63,8 +79,12 @@ impl Trainer {
             tokens += batch.inputs.numel() as u64;
         }
         self.engine.finish_grads()?;
-        let grad_norm = self.grad_clip.map(|max| self.optimizer.clip_grad_norm(max)).transpose()?;
+        let grad_norm = match self.grad_clip {
+            Some(max) => Some(self.optimizer.clip_grad_norm_with(max, |per_unit| self.engine.grad_sq_sum(per_unit))?),
+            None => None,
+        };
         self.optimizer.step()?;
+        self.engine.after_step()?;
         self.engine.zero_grad()?;
         let seconds = start.elapsed().as_secs_f64();
         self.step += 1;
@@ -77,6 +97,8 @@ impl Trainer {
             seconds,
             tokens_per_s: tokens as f64 / seconds.max(1e-12),
             peak_bytes: self.engine.ledger().peak_total(),
+            model_state_peak_bytes: self.engine.ledger().model_state_peak(),
+            memory: self.engine.ledger().report(),
             rss_peak_bytes: memory::process_peak_rss(),
         })
     }

@@ -15,13 +15,13 @@ fn snapshot(e: &Engine) -> Vec<(String, tch::Tensor)> {
 
 #[test]
 fn parameter_groups_get_their_own_weight_decay_and_segments_stay_contiguous() {
-    let e = mlp_engine();
+    let mut e = mlp_engine();
     let rules = [GroupRule { name_contains: vec!["bias".into()], weight_decay: Some(0.0), lr: None }];
     // Each layer unit holds weight then bias: two segments of different groups.
     let segments = e.segments(|p| usize::from(p.name.contains("bias"))).unwrap();
     assert_eq!(segments.len(), 1 + 2 * 2 + 2, "embedding, 2 × (weight, bias), head weight and bias");
     let mut opt =
-        Optimizer::new(&e, OptimizerConfig { lr: 0.1, weight_decay: 0.5, ..Default::default() }, &rules).unwrap();
+        Optimizer::new(&mut e, OptimizerConfig { lr: 0.1, weight_decay: 0.5, ..Default::default() }, &rules).unwrap();
     let before = snapshot(&e);
     // Zero gradients: AdamW moves parameters only through decoupled weight decay.
     opt.step().unwrap();
@@ -34,9 +34,9 @@ fn parameter_groups_get_their_own_weight_decay_and_segments_stay_contiguous() {
 #[test]
 fn sgd_and_adam_follow_their_update_rules_on_engine_storage() {
     for kind in [OptimizerKind::Sgd, OptimizerKind::Adam] {
-        let e = mlp_engine();
+        let mut e = mlp_engine();
         let config = OptimizerConfig { kind, lr: 0.1, weight_decay: 0.0, ..Default::default() };
-        let mut opt = Optimizer::new(&e, config, &[]).unwrap();
+        let mut opt = Optimizer::new(&mut e, config, &[]).unwrap();
         for s in e.storage() {
             let _ = s.grad.shallow_clone().fill_(0.5);
         }
@@ -52,8 +52,8 @@ fn sgd_and_adam_follow_their_update_rules_on_engine_storage() {
 
 #[test]
 fn clipping_scales_the_global_norm_down_to_the_limit() {
-    let e = mlp_engine();
-    let mut opt = Optimizer::new(&e, OptimizerConfig::default(), &[]).unwrap();
+    let mut e = mlp_engine();
+    let mut opt = Optimizer::new(&mut e, OptimizerConfig::default(), &[]).unwrap();
     let numel: i64 = e.spec().num_params();
     for s in e.storage() {
         let _ = s.grad.shallow_clone().fill_(1.0);

@@ -330,7 +330,10 @@ impl ProcessGroup for RingGroup {
         let inp = Buffer::of(input, self.backend)?;
         let rank = self.rank;
         self.submit(move |tr| {
-            outs[rank].whole().bytes_mut().copy_from_slice(inp.whole().bytes());
+            // In place when the input already is this rank's output (a shard of the buffer).
+            if outs[rank].ptr != inp.ptr {
+                outs[rank].whole().bytes_mut().copy_from_slice(inp.whole().bytes());
+            }
             let blocks: Vec<Block> = outs.iter().map(Buffer::whole).collect();
             all_gather_ring(tr, &blocks)
         })

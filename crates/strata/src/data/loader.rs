@@ -59,11 +59,23 @@ pub struct LoaderConfig {
     /// Steps built ahead on the background thread.
     pub prefetch: usize,
     pub device: Device,
+    /// Index of the first step to produce: a resumed run continues where it stopped.
+    pub start_step: usize,
 }
 
 impl LoaderConfig {
     pub fn new(ctx: usize, batch_size: usize) -> Self {
-        LoaderConfig { ctx, batch_size, accumulation: 1, rank: 0, world: 1, seed: 0, prefetch: 2, device: Device::Cpu }
+        LoaderConfig {
+            ctx,
+            batch_size,
+            accumulation: 1,
+            rank: 0,
+            world: 1,
+            seed: 0,
+            prefetch: 2,
+            device: Device::Cpu,
+            start_step: 0,
+        }
     }
 
     /// Rows of one micro-batch on this rank.
@@ -108,11 +120,15 @@ impl DataLoader {
         let rows = config.micro_batch_rows()?;
         data.check_fits(config.ctx, usize::MAX)?;
         let mut offsets = OffsetStream::new(&data, &config, order)?;
+        // Skipped steps only advance the order: no batch is built for them.
+        for _ in 0..config.start_step {
+            offsets.next_step();
+        }
         let (tx, rx) = sync_channel(config.prefetch.max(1));
         let worker = std::thread::Builder::new()
             .name("strata-data".into())
             .spawn(move || {
-                for index in 0.. {
+                for index in config.start_step.. {
                     let Some(global) = offsets.next_step() else { break };
                     let step = build_step(&data, &config, rows, index, &global);
                     let failed = step.is_err();
@@ -283,6 +299,22 @@ mod tests {
             }
         }
         assert_eq!(seen, (0..8).map(|i| i * 3).collect::<Vec<i64>>());
+    }
+
+    #[test]
+    fn a_loader_started_at_step_k_continues_the_same_sequence() {
+        let cfg = LoaderConfig { seed: 5, ..LoaderConfig::new(4, 3) };
+        let all: Vec<Step> =
+            DataLoader::new(data(200), cfg.clone(), Order::Shuffled).unwrap().take(6).map(|s| s.unwrap()).collect();
+        let resumed: Vec<Step> = DataLoader::new(data(200), LoaderConfig { start_step: 4, ..cfg }, Order::Shuffled)
+            .unwrap()
+            .take(2)
+            .map(|s| s.unwrap())
+            .collect();
+        for (a, b) in all[4..].iter().zip(&resumed) {
+            assert_eq!(a.index, b.index);
+            assert_eq!(rows(&a.micro_batches[0]), rows(&b.micro_batches[0]));
+        }
     }
 
     #[test]

@@ -24,11 +24,19 @@ pub enum Category {
     Activations,
 }
 
+impl Category {
+    /// Parameters, gradients and optimizer state: what ZeRO shards.
+    pub fn is_model_state(self) -> bool {
+        self != Category::Activations
+    }
+}
+
 #[derive(Default)]
 struct State {
     current: BTreeMap<(Placement, Category), u64>,
     peak: BTreeMap<Placement, u64>,
     budget: BTreeMap<Placement, u64>,
+    model_state_peak: u64,
 }
 
 impl State {
@@ -84,6 +92,8 @@ impl MemoryLedger {
         let total = in_use + bytes;
         let peak = s.peak.entry(placement).or_default();
         *peak = (*peak).max(total);
+        let model_state: u64 = s.current.iter().filter(|((_, c), _)| c.is_model_state()).map(|(_, b)| b).sum();
+        s.model_state_peak = s.model_state_peak.max(model_state);
         Ok(())
     }
 
@@ -101,6 +111,12 @@ impl MemoryLedger {
             let now = s.total(p);
             s.peak.insert(p, now);
         }
+        s.model_state_peak = s.current.iter().filter(|((_, c), _)| c.is_model_state()).map(|(_, b)| b).sum();
+    }
+
+    /// Peak bytes of model states (parameters, gradients, optimizer state) over all placements.
+    pub fn model_state_peak(&self) -> u64 {
+        self.lock().model_state_peak
     }
 
     pub fn report(&self) -> BTreeMap<Placement, PlacementReport> {
@@ -157,5 +173,6 @@ mod tests {
         ledger.reset_peak();
         assert_eq!(ledger.report()[&Placement::Device].peak, 60);
         assert_eq!(ledger.peak_total(), 560);
+        assert_eq!(ledger.model_state_peak(), 560, "params 60 + optimizer state 500");
     }
 }

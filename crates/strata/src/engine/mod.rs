@@ -36,6 +36,20 @@ pub struct EngineConfig {
     pub backward: BackwardMode,
     /// Bytes the compute device may hold; `None` for no limit.
     pub device_budget: Option<u64>,
+    /// Each unit's buffers are padded to a multiple of this many elements, so that a
+    /// sharded strategy cuts them into equal shards.
+    pub pad_to: i64,
+    pub grad_layout: GradLayout,
+}
+
+/// Where gradients live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradLayout {
+    /// One buffer for all units, unit after unit: a run of adjacent units is one slice
+    /// (data-parallel buckets need no copy).
+    Contiguous,
+    /// One buffer per unit, so that a sharded strategy can free each after reducing it.
+    PerUnit,
 }
 
 impl Default for EngineConfig {
@@ -46,16 +60,31 @@ impl Default for EngineConfig {
             seed: 0,
             backward: BackwardMode::UnitByUnit,
             device_budget: None,
+            pad_to: 1,
+            grad_layout: GradLayout::Contiguous,
         }
     }
 }
 
 /// A unit's contiguous storage.
 pub struct UnitStorage {
-    /// All parameters the unit owns, concatenated in declaration order.
+    /// All parameters the unit owns, concatenated in declaration order, then padding up to
+    /// a multiple of [`EngineConfig::pad_to`].
     pub flat: Tensor,
     /// Their gradients, laid out the same way; autograd accumulates into it.
     pub grad: Tensor,
+    /// Elements that belong to parameters (the rest of `flat` is padding).
+    pub numel: i64,
+    /// Whether any of the unit's parameters takes a gradient.
+    pub trainable: bool,
+}
+
+/// The buffers the optimizer updates for one unit: `param` and `grad` cover elements
+/// `offset..offset + len` of the unit's flat layout (all of it unless a strategy shards).
+pub struct OptimizerView {
+    pub param: Tensor,
+    pub grad: Tensor,
+    pub offset: i64,
 }
 
 /// The moment of a unit's execution at which a [`UnitSchedule`] is called.
@@ -78,13 +107,63 @@ pub struct ScheduleContext<'a> {
     pub sync_grads: bool,
 }
 
-/// Per-unit policy run by the engine around every forward and backward of a unit.
+/// Per-unit policy run by the engine around every forward and backward of a unit, and the
+/// owner of whatever a strategy keeps instead of the engine's buffers (shards, masters).
 pub trait UnitSchedule: Send {
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()>;
 
     /// Completes whatever the schedule started on the gradients (communication in flight)
     /// before the optimizer reads them; see [`Engine::finish_grads`].
-    fn finish_grads(&mut self) -> Result<()> {
+    fn finish_grads(&mut self, _ctx: ScheduleContext<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// What the optimizer updates for `ctx.unit`.
+    fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
+        let s = &ctx.storage[ctx.unit];
+        Ok(OptimizerView { param: s.flat.shallow_clone(), grad: s.grad.shallow_clone(), offset: 0 })
+    }
+
+    /// Runs after the optimizer updated what [`UnitSchedule::optimizer_view`] handed it.
+    fn after_step(&mut self, _ctx: ScheduleContext<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Sets every gradient the schedule or engine holds to zero.
+    fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        for s in ctx.storage.iter() {
+            let _ = s.grad.shallow_clone().f_zero_()?;
+        }
+        Ok(())
+    }
+
+    /// The global sum of squared gradients from this rank's per-unit sums (unit, sum):
+    /// adds the shards other ranks hold.
+    fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
+        Ok(per_unit.iter().map(|(_, x)| x).sum())
+    }
+
+    /// Whether this rank holds a part of the model states no other rank holds, and so
+    /// writes it into checkpoints (replicas leave it to one of them).
+    fn checkpoint_writer(&self) -> bool {
+        true
+    }
+
+    /// dtype of the values the optimizer updates (the fp32 master of a mixed-precision run).
+    fn master_kind(&self) -> Option<Kind> {
+        None
+    }
+
+    /// `ctx.unit`'s parameters, all of them and unpadded, in the master dtype.
+    fn full_unit(&mut self, ctx: ScheduleContext<'_>) -> Result<Tensor> {
+        let s = &ctx.storage[ctx.unit];
+        Ok(s.flat.f_narrow(0, 0, s.numel)?)
+    }
+
+    /// Replaces `ctx.unit`'s parameters with `values` (unpadded, any dtype).
+    fn set_full_unit(&mut self, ctx: ScheduleContext<'_>, values: &Tensor) -> Result<()> {
+        let s = &ctx.storage[ctx.unit];
+        tch::no_grad(|| s.flat.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
         Ok(())
     }
 }
@@ -104,6 +183,9 @@ pub struct Segment {
     pub param: Tensor,
     pub grad: Tensor,
     pub group: usize,
+    pub unit: usize,
+    /// Position of the first element in the unit's flat layout.
+    pub offset: i64,
 }
 
 struct Boundary {
@@ -118,11 +200,14 @@ struct ForwardRecord {
     activation_bytes: u64,
 }
 
+/// Called by [`Engine::new_with`] for each unit once it is initialised.
+pub type UnitInitHook<'a> = dyn FnMut(usize, &mut UnitStorage, &Tensor, &MemoryLedger) -> Result<()> + 'a;
+
 pub struct Engine {
     spec: ModelSpec,
     config: EngineConfig,
-    /// Every unit's gradient buffer, concatenated in unit order.
-    grads: Tensor,
+    /// Every unit's gradient buffer, concatenated in unit order ([`GradLayout::Contiguous`]).
+    grads: Option<Tensor>,
     storage: Vec<UnitStorage>,
     /// Leaf views into `storage[unit].flat`, indexed by `ParamId`.
     params: Vec<Tensor>,
@@ -137,6 +222,14 @@ pub struct Engine {
 impl Engine {
     /// Allocates and initialises the model described by `spec`.
     pub fn new(spec: ModelSpec, config: EngineConfig) -> Result<Engine> {
+        Engine::new_with(spec, config, &mut |_, _, _, _| Ok(()))
+    }
+
+    /// Like [`Engine::new`], calling `on_unit(unit, storage, initial, ledger)` as soon as
+    /// each unit is initialised, before the next is allocated: a sharded strategy keeps its
+    /// shard and frees the rest there, so the whole model never exists at once. `initial`
+    /// holds the initial values in at least fp32 precision, laid out as `storage.flat`.
+    pub fn new_with(spec: ModelSpec, config: EngineConfig, on_unit: &mut UnitInitHook<'_>) -> Result<Engine> {
         let ledger = Arc::new(MemoryLedger::new());
         if let Some(budget) = config.device_budget {
             ledger.set_budget(Placement::Device, budget);
@@ -144,33 +237,53 @@ impl Engine {
         if spec.params.iter().any(|p| p.kind.is_some_and(|k| k != config.kind)) {
             return Err(Error::Model("parameters with their own dtype are not supported yet".into()));
         }
+        if config.pad_to < 1 {
+            return Err(Error::Config(format!("pad_to must be positive, got {}", config.pad_to)));
+        }
         let opts = (config.kind, config.device);
+        let esize = config.kind.elt_size_in_bytes() as u64;
+        let padded = |numel: i64| (numel + config.pad_to - 1) / config.pad_to * config.pad_to;
+        let unit_numel: Vec<i64> =
+            spec.units.iter().map(|u| u.params.iter().map(|id| spec.params[id.0].numel()).sum()).collect();
         let mut offsets = vec![0; spec.params.len()];
         let mut params: Vec<Option<Tensor>> = (0..spec.params.len()).map(|_| None).collect();
         let mut storage = Vec::with_capacity(spec.units.len());
-        // All gradients live in one buffer, unit after unit, so that a run of adjacent units
-        // is one contiguous slice (a data-parallel bucket needs no copy).
-        let grad_numel: i64 = spec.params.iter().map(ParamSpec::numel).sum();
-        ledger.alloc(
-            Placement::Device,
-            Category::Grads,
-            (grad_numel as usize * config.kind.elt_size_in_bytes()) as u64,
-        )?;
-        let grads = Tensor::f_zeros([grad_numel], opts)?;
+        let grads = match config.grad_layout {
+            GradLayout::Contiguous => {
+                let total: i64 = unit_numel.iter().map(|&n| padded(n)).sum();
+                ledger.alloc(Placement::Device, Category::Grads, total as u64 * esize)?;
+                Some(Tensor::f_zeros([total], opts)?)
+            }
+            GradLayout::PerUnit => None,
+        };
         let mut grad_start = 0;
-        tch::manual_seed(config.seed);
-        for unit in &spec.units {
-            let numel: i64 = unit.params.iter().map(|id| spec.params[id.0].numel()).sum();
-            let bytes = (numel as usize * config.kind.elt_size_in_bytes()) as u64;
-            ledger.alloc(Placement::Device, Category::Params, bytes)?;
-            let flat = Tensor::f_zeros([numel], opts)?;
-            let grad = grads.f_narrow(0, grad_start, numel)?;
-            grad_start += numel;
+        for (k, unit) in spec.units.iter().enumerate() {
+            let (numel, len) = (unit_numel[k], padded(unit_numel[k]));
+            ledger.alloc(Placement::Device, Category::Params, len as u64 * esize)?;
+            let flat = Tensor::f_zeros([len], opts)?;
+            let grad = match &grads {
+                Some(all) => all.f_narrow(0, grad_start, len)?,
+                None => {
+                    ledger.alloc(Placement::Device, Category::Grads, len as u64 * esize)?;
+                    Tensor::f_zeros([len], opts)?
+                }
+            };
+            grad_start += len;
+            // Values are drawn in fp32 whatever the storage dtype, so a low-precision model
+            // starts from the rounded values of the fp32 one (and its fp32 master from them).
+            let initial = if config.kind.elt_size_in_bytes() < 4 {
+                Tensor::f_zeros([len], (Kind::Float, config.device))?
+            } else {
+                flat.shallow_clone()
+            };
             let mut offset = 0;
             for &id in &unit.params {
                 let p = &spec.params[id.0];
                 let view = flat.f_narrow(0, offset, p.numel())?.f_view(p.shape.as_slice())?;
-                tch::no_grad(|| init(&view, p.init))?;
+                // Each parameter draws from its own seed, so a rank can initialise any unit
+                // alone and get the values every other rank gets.
+                tch::manual_seed(config.seed.wrapping_add(7919 * id.0 as i64));
+                tch::no_grad(|| init(&initial.f_narrow(0, offset, p.numel())?, p.init))?;
                 let leaf = view.f_detach()?.f_set_requires_grad(p.requires_grad)?;
                 if p.requires_grad {
                     let g = grad.f_narrow(0, offset, p.numel())?.f_view(p.shape.as_slice())?;
@@ -180,7 +293,13 @@ impl Engine {
                 params[id.0] = Some(leaf);
                 offset += p.numel();
             }
-            storage.push(UnitStorage { flat, grad });
+            if initial.kind() != flat.kind() {
+                tch::no_grad(|| flat.shallow_clone().f_copy_(&initial))?;
+            }
+            let trainable = unit.params.iter().any(|id| spec.params[id.0].requires_grad);
+            let mut unit_storage = UnitStorage { flat, grad, numel, trainable };
+            on_unit(k, &mut unit_storage, &initial, &ledger)?;
+            storage.push(unit_storage);
         }
         let params = params.into_iter().map(|p| p.expect("every parameter belongs to a unit")).collect();
         tracing::debug!(units = spec.units.len(), params = spec.num_params(), device = ?config.device, "engine allocated");
@@ -219,9 +338,15 @@ impl Engine {
         &self.storage
     }
 
-    /// All gradients in one buffer; unit `k`'s `grad` is the slice after units `0..k`'s.
-    pub fn grads(&self) -> &Tensor {
-        &self.grads
+    /// All gradients in one buffer (with [`GradLayout::Contiguous`]); unit `k`'s `grad` is
+    /// the slice after units `0..k`'s.
+    pub fn grads(&self) -> Option<&Tensor> {
+        self.grads.as_ref()
+    }
+
+    /// Position of parameter `id` in its unit's flat layout.
+    pub fn offset(&self, id: ParamId) -> i64 {
+        self.offsets[id.0]
     }
 
     /// The parameter tensor (a leaf view into its unit's flat buffer).
@@ -239,7 +364,8 @@ impl Engine {
         self.spec.params.iter().map(|p| p.name.as_str()).zip(self.params.iter())
     }
 
-    fn run_schedule(&mut self, phase: Phase, unit: usize) -> Result<()> {
+    /// The schedule and what it may act on for `unit`.
+    fn schedule_for(&mut self, unit: usize) -> (&mut dyn UnitSchedule, ScheduleContext<'_>) {
         let ctx = ScheduleContext {
             unit,
             spec: &self.spec,
@@ -247,7 +373,75 @@ impl Engine {
             ledger: &self.ledger,
             sync_grads: self.sync_grads,
         };
-        self.schedule.on(phase, ctx)
+        (self.schedule.as_mut(), ctx)
+    }
+
+    fn run_schedule(&mut self, phase: Phase, unit: usize) -> Result<()> {
+        let (schedule, ctx) = self.schedule_for(unit);
+        schedule.on(phase, ctx)
+    }
+
+    /// Lets the schedule publish the optimizer's update (e.g. gather updated shards).
+    pub fn after_step(&mut self) -> Result<()> {
+        let (schedule, ctx) = self.schedule_for(0);
+        schedule.after_step(ctx)
+    }
+
+    /// The global sum of squared gradients from this rank's per-unit sums (unit, sum).
+    pub fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
+        self.schedule.grad_sq_sum(per_unit)
+    }
+
+    /// dtype of the values the optimizer updates and checkpoints hold.
+    pub fn master_kind(&self) -> Kind {
+        self.schedule.master_kind().unwrap_or(self.config.kind)
+    }
+
+    /// Whether this rank writes its part of the model states into checkpoints.
+    pub fn checkpoint_writer(&self) -> bool {
+        self.schedule.checkpoint_writer()
+    }
+
+    /// Per unit, the range (start, length) of its flat layout whose master values and
+    /// optimizer state this rank keeps (all of it without sharding; padding excluded).
+    pub fn shard_ranges(&mut self) -> Result<Vec<(i64, i64)>> {
+        (0..self.spec.units.len())
+            .map(|unit| {
+                let numel = self.storage[unit].numel;
+                let (schedule, ctx) = self.schedule_for(unit);
+                let view = schedule.optimizer_view(ctx)?;
+                let start = view.offset.min(numel);
+                Ok((start, (view.param.numel() as i64).min(numel - start)))
+            })
+            .collect()
+    }
+
+    /// The master values of this rank's range of unit `unit` (see [`Engine::shard_ranges`]),
+    /// padding included at the end.
+    pub fn local_params(&mut self, unit: usize) -> Result<Tensor> {
+        let (schedule, ctx) = self.schedule_for(unit);
+        Ok(schedule.optimizer_view(ctx)?.param)
+    }
+
+    /// Unit `unit`'s parameters, whole and unpadded, in [`Engine::master_kind`]; with a
+    /// sharded strategy every rank of the shard group must call this together.
+    pub fn full_unit(&mut self, unit: usize) -> Result<Tensor> {
+        let (schedule, ctx) = self.schedule_for(unit);
+        schedule.full_unit(ctx)
+    }
+
+    /// Replaces unit `unit`'s parameters with `values` (unpadded, converted as needed).
+    pub fn set_full_unit(&mut self, unit: usize, values: &Tensor) -> Result<()> {
+        let expected = self.storage[unit].numel;
+        if values.numel() as i64 != expected {
+            return Err(Error::Model(format!(
+                "unit {} holds {expected} elements, got {}",
+                self.spec.units[unit].name,
+                values.numel()
+            )));
+        }
+        let (schedule, ctx) = self.schedule_for(unit);
+        schedule.set_full_unit(ctx, values)
     }
 
     /// Says whether the next backward completes the step's gradients (default true); with
@@ -258,7 +452,8 @@ impl Engine {
 
     /// Waits for the schedule's work on the gradients; call before the optimizer step.
     pub fn finish_grads(&mut self) -> Result<()> {
-        self.schedule.finish_grads()
+        let (schedule, ctx) = self.schedule_for(0);
+        schedule.finish_grads(ctx)
     }
 
     /// Runs every unit in order and returns the last unit's output. In unit-by-unit mode the
@@ -340,58 +535,83 @@ impl Engine {
         }
     }
 
-    /// Sets every gradient to zero (the buffers stay allocated).
+    /// Sets every gradient to zero.
     pub fn zero_grad(&mut self) -> Result<()> {
-        let _ = self.grads.f_zero_()?;
-        Ok(())
+        if let Some(all) = &self.grads {
+            let _ = all.shallow_clone().f_zero_()?;
+            return Ok(());
+        }
+        let (schedule, ctx) = self.schedule_for(0);
+        schedule.zero_grads(ctx)
     }
 
-    /// Splits every unit's buffers into contiguous runs of parameters of the same optimizer
-    /// group, as chosen by `group_of`. Parameters that take no gradient are left out.
-    pub fn segments(&self, group_of: impl Fn(&ParamSpec) -> usize) -> Result<Vec<Segment>> {
+    /// Splits what the optimizer updates into contiguous runs of parameters of the same
+    /// optimizer group, as chosen by `group_of`. Parameters that take no gradient are left
+    /// out; with a sharded strategy only this rank's share appears.
+    pub fn segments(&mut self, group_of: impl Fn(&ParamSpec) -> usize) -> Result<Vec<Segment>> {
         let mut out = Vec::new();
-        for (unit, s) in self.spec.units.iter().zip(&self.storage) {
-            let mut run: Option<(usize, i64, i64)> = None; // (group, start, end)
-            for &id in &unit.params {
+        for unit in 0..self.spec.units.len() {
+            let mut runs: Vec<(usize, i64, i64)> = Vec::new(); // (group, start, end)
+            for &id in &self.spec.units[unit].params {
                 let p = &self.spec.params[id.0];
-                let (start, end) = (self.offsets[id.0], self.offsets[id.0] + p.numel());
-                let group = p.requires_grad.then(|| group_of(p));
-                match (&mut run, group) {
-                    (Some((g, _, e)), Some(gr)) if *g == gr && *e == start => *e = end,
-                    _ => {
-                        if let Some(r) = run.take() {
-                            out.push(segment(s, r)?);
-                        }
-                        run = group.map(|g| (g, start, end));
-                    }
+                if !p.requires_grad {
+                    continue;
+                }
+                let (group, start) = (group_of(p), self.offsets[id.0]);
+                match runs.last_mut() {
+                    Some((g, _, e)) if *g == group && *e == start => *e = start + p.numel(),
+                    _ => runs.push((group, start, start + p.numel())),
                 }
             }
-            if let Some(r) = run {
-                out.push(segment(s, r)?);
+            if runs.is_empty() {
+                continue;
+            }
+            let (schedule, ctx) = self.schedule_for(unit);
+            let view = schedule.optimizer_view(ctx)?;
+            let (lo, hi) = (view.offset, view.offset + view.param.numel() as i64);
+            for (group, start, end) in runs {
+                let (start, end) = (start.max(lo), end.min(hi));
+                if start < end {
+                    out.push(Segment {
+                        param: view.param.f_narrow(0, start - lo, end - start)?,
+                        grad: view.grad.f_narrow(0, start - lo, end - start)?,
+                        group,
+                        unit,
+                        offset: start,
+                    });
+                }
             }
         }
         Ok(out)
     }
 
-    /// Copies `value` into the parameter `id`, converting dtype and device.
-    pub fn set_param(&mut self, id: ParamId, value: &Tensor) -> Result<()> {
-        let p = &self.params[id.0];
-        if value.size() != p.size() {
-            return Err(Error::Model(format!(
-                "{}: shape {:?} does not match the model's {:?}",
-                self.spec.params[id.0].name,
-                value.size(),
-                p.size()
-            )));
+    /// Copies `values` into the parameters they name, unit by unit through the schedule
+    /// (so that a sharded rank keeps only its share); units not named keep their values.
+    pub fn set_params(&mut self, values: &std::collections::BTreeMap<ParamId, Tensor>) -> Result<()> {
+        for unit in 0..self.spec.units.len() {
+            let ids: Vec<ParamId> =
+                self.spec.units[unit].params.iter().copied().filter(|id| values.contains_key(id)).collect();
+            if ids.is_empty() {
+                continue;
+            }
+            let full = self.full_unit(unit)?.f_detach_copy()?;
+            for id in ids {
+                let p = &self.spec.params[id.0];
+                let value = &values[&id];
+                if value.size() != p.shape {
+                    return Err(Error::Model(format!(
+                        "{}: shape {:?} does not match the model's {:?}",
+                        p.name,
+                        value.size(),
+                        p.shape
+                    )));
+                }
+                full.f_narrow(0, self.offsets[id.0], p.numel())?.f_copy_(&value.f_reshape([-1])?)?;
+            }
+            self.set_full_unit(unit, &full)?;
         }
-        let mut target = p.shallow_clone();
-        tch::no_grad(|| target.f_copy_(value))?;
         Ok(())
     }
-}
-
-fn segment(s: &UnitStorage, (group, start, end): (usize, i64, i64)) -> Result<Segment> {
-    Ok(Segment { param: s.flat.f_narrow(0, start, end - start)?, grad: s.grad.f_narrow(0, start, end - start)?, group })
 }
 
 fn init(t: &Tensor, how: Init) -> Result<()> {

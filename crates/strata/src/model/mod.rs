@@ -144,6 +144,25 @@ impl ModelSpec {
         self.params.iter().map(ParamSpec::numel).sum()
     }
 
+    /// Turns gradients off for every parameter whose name contains one of `patterns`
+    /// (fine-tuning only part of a model); a pattern that matches nothing is an error.
+    pub fn freeze(&mut self, patterns: &[String]) -> Result<()> {
+        for pattern in patterns {
+            let mut hit = false;
+            for p in self.params.iter_mut().filter(|p| p.name.contains(pattern.as_str())) {
+                p.requires_grad = false;
+                hit = true;
+            }
+            if !hit {
+                return Err(Error::Config(format!("freeze: no parameter name contains {pattern:?}")));
+            }
+        }
+        if self.params.iter().all(|p| !p.requires_grad) {
+            return Err(Error::Config("freeze: every parameter would be frozen".into()));
+        }
+        Ok(())
+    }
+
     pub fn find(&self, name: &str) -> Option<ParamId> {
         self.params
             .iter()

@@ -99,6 +99,8 @@ pub struct GroupRule {
 struct Group {
     lr: f64,
     weight_decay: f64,
+    /// Unit and flat-layout offset of each segment (how checkpoints name its state).
+    places: Vec<(usize, i64)>,
     params: Vec<Tensor>,
     grads: Vec<Tensor>,
     /// Adam: first and second moments; SGD: momentum buffers (empty without momentum).
@@ -120,7 +122,7 @@ pub struct Optimizer {
 impl Optimizer {
     /// Builds the optimizer and its state for `engine`'s parameters, grouped by `rules`
     /// (first matching rule wins; the rest form the default group).
-    pub fn new(engine: &Engine, config: OptimizerConfig, rules: &[GroupRule]) -> Result<Optimizer> {
+    pub fn new(engine: &mut Engine, config: OptimizerConfig, rules: &[GroupRule]) -> Result<Optimizer> {
         config.validate()?;
         let group_of = |p: &ParamSpec| {
             rules.iter().position(|r| r.name_contains.iter().any(|s| p.name.contains(s.as_str()))).map_or(0, |i| i + 1)
@@ -130,6 +132,7 @@ impl Optimizer {
             .map(|(lr, weight_decay)| Group {
                 lr,
                 weight_decay,
+                places: vec![],
                 params: vec![],
                 grads: vec![],
                 first: vec![],
@@ -139,7 +142,7 @@ impl Optimizer {
             .collect();
         let ledger = engine.ledger().clone();
         let mut state_bytes = 0;
-        for Segment { param, grad, group } in engine.segments(group_of)? {
+        for Segment { param, grad, group, unit, offset } in engine.segments(group_of)? {
             let g = &mut groups[group];
             let bytes = crate::engine::memory::tensor_bytes(&param);
             let states = match config.kind {
@@ -156,6 +159,7 @@ impl Optimizer {
                 g.second.push(param.f_zeros_like()?);
                 g.steps.push(Tensor::f_zeros([], (Kind::Float, param.device()))?);
             }
+            g.places.push((unit, offset));
             g.params.push(param);
             g.grads.push(grad);
         }
@@ -177,65 +181,147 @@ impl Optimizer {
         self.steps_taken
     }
 
-    /// Applies one update to every parameter from its gradient.
+    /// Applies one update to every parameter from its gradient. A gradient held in another
+    /// dtype than its parameter (a low-precision shard against an fp32 master) is converted
+    /// one segment at a time, so only one segment's converted copy exists at once.
     pub fn step(&mut self) -> Result<()> {
-        let c = &self.config;
         for g in &self.groups {
-            let lr = g.lr * self.lr_factor;
-            match c.kind {
-                OptimizerKind::Adam | OptimizerKind::AdamW => strata_ext::fused_adam(
-                    &AdamTensors {
-                        params: &g.params,
-                        grads: &g.grads,
-                        exp_avgs: &g.first,
-                        exp_avg_sqs: &g.second,
-                        steps: &g.steps,
-                    },
-                    AdamStep {
-                        lr,
-                        beta1: c.betas.0,
-                        beta2: c.betas.1,
-                        eps: c.eps,
-                        weight_decay: g.weight_decay,
-                        decoupled: c.kind == OptimizerKind::AdamW,
-                        maximize: false,
-                    },
-                    Scaling::default(),
-                )?,
-                OptimizerKind::Sgd => strata_ext::fused_sgd(
-                    &g.params,
-                    &g.grads,
-                    &g.first,
-                    SgdStep {
-                        lr,
-                        momentum: c.momentum,
-                        dampening: c.dampening,
-                        weight_decay: g.weight_decay,
-                        nesterov: c.nesterov,
-                        maximize: false,
-                        is_first_step: self.steps_taken == 0,
-                    },
-                    Scaling::default(),
-                )?,
+            if g.params.iter().zip(&g.grads).all(|(p, gr)| p.kind() == gr.kind()) {
+                self.update(g, 0..g.params.len(), &g.grads)?;
+                continue;
+            }
+            for i in 0..g.params.len() {
+                let bytes = crate::engine::memory::tensor_bytes(&g.params[i]);
+                self.ledger.alloc(Placement::Device, Category::Grads, bytes)?;
+                let converted = g.grads[i].f_to_kind(g.params[i].kind());
+                let result = converted.map_err(Error::from).and_then(|c| self.update(g, i..i + 1, &[c]));
+                self.ledger.free(Placement::Device, Category::Grads, bytes);
+                result?;
             }
         }
         self.steps_taken += 1;
         Ok(())
     }
 
+    /// Updates the segments `range` of group `g` with `grads` (one per segment of the range).
+    fn update(&self, g: &Group, range: std::ops::Range<usize>, grads: &[Tensor]) -> Result<()> {
+        let c = &self.config;
+        let lr = g.lr * self.lr_factor;
+        fn state(v: &[Tensor], range: std::ops::Range<usize>) -> &[Tensor] {
+            if v.is_empty() {
+                &[]
+            } else {
+                &v[range]
+            }
+        }
+        match c.kind {
+            OptimizerKind::Adam | OptimizerKind::AdamW => strata_ext::fused_adam(
+                &AdamTensors {
+                    params: &g.params[range.clone()],
+                    grads,
+                    exp_avgs: state(&g.first, range.clone()),
+                    exp_avg_sqs: state(&g.second, range.clone()),
+                    steps: state(&g.steps, range.clone()),
+                },
+                AdamStep {
+                    lr,
+                    beta1: c.betas.0,
+                    beta2: c.betas.1,
+                    eps: c.eps,
+                    weight_decay: g.weight_decay,
+                    decoupled: c.kind == OptimizerKind::AdamW,
+                    maximize: false,
+                },
+                Scaling::default(),
+            )?,
+            OptimizerKind::Sgd => strata_ext::fused_sgd(
+                &g.params[range.clone()],
+                grads,
+                state(&g.first, range.clone()),
+                SgdStep {
+                    lr,
+                    momentum: c.momentum,
+                    dampening: c.dampening,
+                    weight_decay: g.weight_decay,
+                    nesterov: c.nesterov,
+                    maximize: false,
+                    is_first_step: self.steps_taken == 0,
+                },
+                Scaling::default(),
+            )?,
+        }
+        Ok(())
+    }
+
+    /// Names of the per-element state tensors this optimizer keeps (torch.optim's names).
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match self.config.kind {
+            OptimizerKind::Sgd if self.config.momentum == 0.0 => &[],
+            OptimizerKind::Sgd => &["momentum_buffer"],
+            _ => &["exp_avg", "exp_avg_sq"],
+        }
+    }
+
+    /// Every state tensor with its place: (unit, offset in the unit's flat layout, state
+    /// name, tensor). Offsets are those of [`crate::engine::Segment`].
+    pub fn state(&self) -> Vec<(usize, i64, &'static str, &Tensor)> {
+        let names = self.state_names();
+        let mut out = Vec::new();
+        for g in &self.groups {
+            for (i, &(unit, offset)) in g.places.iter().enumerate() {
+                for (name, v) in names.iter().zip([&g.first, &g.second]) {
+                    out.push((unit, offset, *name, &v[i]));
+                }
+            }
+        }
+        out
+    }
+
+    /// Restores the state: `fill(unit, offset, name, destination)` writes each state
+    /// tensor's saved values; the step count continues from `steps_taken`.
+    pub fn load_state(
+        &mut self,
+        steps_taken: u64,
+        mut fill: impl FnMut(usize, i64, &str, &Tensor) -> Result<()>,
+    ) -> Result<()> {
+        for (unit, offset, name, t) in self.state() {
+            fill(unit, offset, name, t)?;
+        }
+        for g in &self.groups {
+            for s in &g.steps {
+                let _ = s.shallow_clone().f_fill_(steps_taken as f64)?;
+            }
+        }
+        self.steps_taken = steps_taken;
+        Ok(())
+    }
+
     /// Scales all gradients so their global L2 norm is at most `max_norm`
     /// (`torch.nn.utils.clip_grad_norm_`); returns the norm before clipping.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
-        let grads: Vec<&Tensor> = self.groups.iter().flat_map(|g| g.grads.iter()).collect();
-        if grads.is_empty() {
-            return Ok(0.0);
+        self.clip_grad_norm_with(max_norm, |per_unit| Ok(per_unit.iter().map(|(_, x)| x).sum()))
+    }
+
+    /// [`Optimizer::clip_grad_norm`] where this rank may hold only part of the gradients:
+    /// `global_sq_sum` turns per-unit local sums of squares into the global sum (see
+    /// [`Engine::grad_sq_sum`]).
+    pub fn clip_grad_norm_with(
+        &mut self,
+        max_norm: f64,
+        global_sq_sum: impl Fn(&[(usize, f64)]) -> Result<f64>,
+    ) -> Result<f64> {
+        let mut per_unit = Vec::new();
+        for g in &self.groups {
+            for (grad, &(unit, _)) in g.grads.iter().zip(&g.places) {
+                let norm = grad.f_norm_scalaropt_dtype(2.0, Kind::Double)?.f_double_value(&[])?;
+                per_unit.push((unit, norm * norm));
+            }
         }
-        let norms = grads.iter().map(|g| g.f_norm()).collect::<std::result::Result<Vec<_>, _>>()?;
-        let total = Tensor::f_stack(&norms, 0)?.f_norm()?.f_double_value(&[])?;
+        let total = global_sq_sum(&per_unit)?.sqrt();
         let coef = max_norm / (total + 1e-6);
         if coef < 1.0 {
-            for g in grads {
-                let _ = g.shallow_clone().f_mul_scalar_(coef)?;
+            for grad in self.groups.iter().flat_map(|g| g.grads.iter()) {
+                let _ = grad.shallow_clone().f_mul_scalar_(coef)?;
             }
         }
         Ok(total)

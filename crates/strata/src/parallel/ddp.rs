@@ -1,6 +1,4 @@
-//! Parallel execution across ranks, as engine schedules.
-//!
-//! Owns: data parallelism (`DataParallel`): every rank holds the whole model, trains on its
+//! Data parallelism: every rank holds the whole model, trains on its
 //! share of the global batch, and gradients are averaged across ranks in buckets: runs of
 //! adjacent units of at least the bucket size (25 MiB by default), each a contiguous slice
 //! of the engine's gradient buffer. A bucket's asynchronous all-reduce starts as soon as
@@ -43,7 +41,9 @@ impl DataParallel {
 /// Groups units from the last backwards into buckets of at least `bucket_bytes`; returns,
 /// per unit, the bucket whose all-reduce starts after that unit's backward.
 fn buckets(engine: &Engine, bucket_bytes: usize) -> Result<Vec<Option<Tensor>>> {
-    let grads = engine.grads();
+    let grads = engine
+        .grads()
+        .ok_or_else(|| Error::Config("data parallelism needs the engine's contiguous gradient layout".into()))?;
     let esize = grads.kind().elt_size_in_bytes();
     let sizes: Vec<i64> = engine.storage().iter().map(|s| s.grad.numel() as i64).collect();
     let mut out: Vec<Option<Tensor>> = (0..sizes.len()).map(|_| None).collect();
@@ -69,7 +69,11 @@ impl UnitSchedule for DataParallel {
         Ok(())
     }
 
-    fn finish_grads(&mut self) -> Result<()> {
+    fn checkpoint_writer(&self) -> bool {
+        self.group.rank() == 0
+    }
+
+    fn finish_grads(&mut self, _: ScheduleContext<'_>) -> Result<()> {
         for work in self.in_flight.drain(..) {
             work.wait().map_err(|e| Error::Comm(format!("gradient all-reduce failed: {e}")))?;
         }
@@ -88,7 +92,7 @@ mod tests {
         let mut b = Builder::new();
         mlp(&MlpConfig { vocab: 10, layers: 3, dim: 8 }, &mut b).unwrap();
         let e = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
-        let total = e.grads().numel();
+        let total = e.grads().unwrap().numel();
         // Units: embedding 80, three layers of 72, head 90 elements (f32).
         let per_unit = buckets(&e, 1).unwrap();
         assert!(per_unit.iter().all(Option::is_some), "a tiny bucket size gives one bucket per unit");

@@ -1,0 +1,450 @@
+//! Training checkpoints: sharded saves with exact resume, merging, and loading at another
+//! world size.
+//!
+//! A checkpoint is a folder `step-NNNNNNNN` under the run's checkpoint folder, holding
+//! `meta.json` (model layout, strategy, world size, step, optimizer, data position) and
+//! one safetensors file per rank that holds a distinct part of the model states: for each
+//! unit, the rank's range of the unit's flat layout (`param.<unit>`, and one tensor per
+//! optimizer state, e.g. `exp_avg.<unit>`), with the ranges in the file's metadata. A save
+//! is staged in a hidden folder, renamed into place and then named by the `latest` file,
+//! each step atomic, so a crash while saving leaves the previous checkpoint as it was.
+//! Loading assembles whatever ranges the loading rank needs from the files that hold them,
+//! one unit at a time, so any world size and strategy can load any checkpoint.
+//!
+//! Owns: the format, its validation, and merging into one file. Must not decide when to
+//! save (the training loop does) or how states are sharded (the engine's schedule does).
+use crate::comm::ProcessGroup;
+use crate::engine::Engine;
+use crate::io::{self, tensor_bytes_le, write_safetensors_streamed};
+use crate::optim::Optimizer;
+use crate::{Error, Result};
+use memmap2::Mmap;
+use safetensors::SafeTensors;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tch::{Kind, Tensor};
+
+const FORMAT: &str = "strata-checkpoint-1";
+/// Metadata key of a merged file that carries the checkpoint's description.
+const MERGED_KEY: &str = "strata_checkpoint";
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamEntry {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub unit: usize,
+    /// Position in the unit's flat layout.
+    pub offset: i64,
+}
+
+/// Where the data loader stands and how it was configured (all must match to resume exactly).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DataPosition {
+    pub seed: u64,
+    pub batch_size: usize,
+    pub ctx: usize,
+    /// Index of the next step the loader produces.
+    pub next_step: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Meta {
+    pub format: String,
+    pub step: u64,
+    pub world_size: usize,
+    pub strategy: serde_json::Value,
+    pub params: Vec<ParamEntry>,
+    /// Elements of each unit's flat layout (without padding).
+    pub unit_numel: Vec<i64>,
+    pub optimizer: String,
+    pub state_names: Vec<String>,
+    pub data: DataPosition,
+    /// The rank files; empty in a merged file.
+    pub files: Vec<String>,
+}
+
+/// What a training run puts in a checkpoint besides the model states.
+pub struct RunInfo {
+    pub step: u64,
+    pub world_size: usize,
+    pub strategy: serde_json::Value,
+    pub optimizer: String,
+    pub data: DataPosition,
+}
+
+fn describe(engine: &Engine, optimizer: &Optimizer, run: &RunInfo) -> Meta {
+    let spec = engine.spec();
+    Meta {
+        format: FORMAT.into(),
+        step: run.step,
+        world_size: run.world_size,
+        strategy: run.strategy.clone(),
+        params: spec
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| ParamEntry {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                unit: p.unit,
+                offset: engine.offset(crate::model::ParamId(i)),
+            })
+            .collect(),
+        unit_numel: engine.storage().iter().map(|s| s.numel).collect(),
+        optimizer: run.optimizer.clone(),
+        state_names: optimizer.state_names().iter().map(|s| s.to_string()).collect(),
+        data: run.data.clone(),
+        files: vec![],
+    }
+}
+
+fn step_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!("step-{step:08}"))
+}
+
+fn fault_point(step: u64) {
+    // Failure injection for tests: die after this rank's file is written, before the
+    // checkpoint is complete.
+    if std::env::var("STRATA_FAULT_ABORT_IN_SAVE").ok().and_then(|v| v.parse::<u64>().ok()) == Some(step) {
+        std::process::abort();
+    }
+}
+
+/// Saves a checkpoint of `engine` and `optimizer` under `root`. Every rank calls it; `world`
+/// (the group of all ranks, if several) orders the ranks' writes; `keep` checkpoints are
+/// kept, older ones removed.
+pub fn save(
+    root: &Path,
+    engine: &mut Engine,
+    optimizer: &Optimizer,
+    run: &RunInfo,
+    world: Option<&dyn ProcessGroup>,
+    keep: usize,
+) -> Result<PathBuf> {
+    let rank = world.map_or(0, |g| g.rank());
+    let staging = root.join(format!(".step-{:08}.partial", run.step));
+    std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
+    if engine.checkpoint_writer() {
+        write_rank_file(&staging.join(format!("rank{rank}.safetensors")), engine, optimizer)?;
+    }
+    fault_point(run.step);
+    let barrier = || -> Result<()> {
+        match world {
+            Some(g) => g.barrier()?.wait(),
+            None => Ok(()),
+        }
+    };
+    barrier()?;
+    let target = step_dir(root, run.step);
+    if rank == 0 {
+        let mut files: Vec<String> = std::fs::read_dir(&staging)
+            .map_err(|e| Error::io(&staging, e))?
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .filter(|n| n.starts_with("rank") && n.ends_with(".safetensors"))
+            .collect();
+        files.sort();
+        let meta = Meta { files, ..describe(engine, optimizer, run) };
+        let text = serde_json::to_vec_pretty(&meta).map_err(|e| Error::Model(e.to_string()))?;
+        io::write_atomic(&staging.join("meta.json"), &text)?;
+        if target.exists() {
+            std::fs::remove_dir_all(&target).map_err(|e| Error::io(&target, e))?;
+        }
+        std::fs::rename(&staging, &target).map_err(|e| Error::io(&target, e))?;
+        io::sync_dir(root)?;
+        let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        io::write_atomic(&root.join("latest"), name.as_bytes())?;
+        prune(root, keep)?;
+    }
+    barrier()?;
+    Ok(target)
+}
+
+/// Removes all but the newest `keep` complete checkpoints, and stale partial ones.
+fn prune(root: &Path, keep: usize) -> Result<()> {
+    let mut done = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(|e| Error::io(root, e))?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("step-") {
+            done.push(entry.path());
+        } else if name.starts_with(".step-") && name.ends_with(".partial") {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    done.sort();
+    for old in done.iter().rev().skip(keep.max(1)) {
+        std::fs::remove_dir_all(old).map_err(|e| Error::io(old, e))?;
+    }
+    Ok(())
+}
+
+/// This rank's part: for each unit, its range of parameters and of every optimizer state.
+fn write_rank_file(path: &Path, engine: &mut Engine, optimizer: &Optimizer) -> Result<()> {
+    let ranges = engine.shard_ranges()?;
+    let kind = engine.master_kind();
+    let names = optimizer.state_names();
+    let state = optimizer.state();
+    let mut layout = Vec::new();
+    let mut jobs: Vec<(usize, Option<&str>)> = Vec::new();
+    for (unit, &(_, len)) in ranges.iter().enumerate() {
+        if len == 0 {
+            continue;
+        }
+        layout.push((format!("param.{unit}"), kind, vec![len]));
+        jobs.push((unit, None));
+        for name in names {
+            layout.push((format!("{name}.{unit}"), kind, vec![len]));
+            jobs.push((unit, Some(name)));
+        }
+    }
+    let metadata = BTreeMap::from([(
+        "ranges".to_string(),
+        serde_json::to_string(&ranges).map_err(|e| Error::Model(e.to_string()))?,
+    )]);
+    write_safetensors_streamed(path, &layout, &metadata, |i| {
+        let (unit, what) = jobs[i];
+        let (start, len) = ranges[unit];
+        let out = match what {
+            None => engine.local_params(unit)?.f_narrow(0, 0, len)?.f_to_kind(kind)?,
+            Some(name) => {
+                // Frozen parameters and padding have no state: zeros.
+                let out = Tensor::f_zeros([len], (kind, tch::Device::Cpu))?;
+                for (u, offset, n, t) in &state {
+                    if *u == unit && *n == name {
+                        let (lo, hi) = (*offset.max(&start), (*offset + t.numel() as i64).min(start + len));
+                        if lo < hi {
+                            out.f_narrow(0, lo - start, hi - lo)?.f_copy_(&t.f_narrow(0, lo - offset, hi - lo)?)?;
+                        }
+                    }
+                }
+                out
+            }
+        };
+        tensor_bytes_le(&out)
+    })
+}
+
+/// One stored range of a unit's flat layout: `tensor` in `file` covers `start..start+len`.
+struct Piece {
+    file: usize,
+    tensor: String,
+    start: i64,
+    len: i64,
+}
+
+/// A checkpoint opened for reading: its description and where every range lives.
+pub struct Checkpoint {
+    pub meta: Meta,
+    pub location: PathBuf,
+    files: Vec<(PathBuf, Mmap)>,
+    /// By (what, unit): "param" or a state name.
+    pieces: BTreeMap<(String, usize), Vec<Piece>>,
+}
+
+fn fail(path: &Path, message: impl Into<String>) -> Error {
+    Error::Weights { path: path.to_path_buf(), message: message.into() }
+}
+
+fn map(path: &Path) -> Result<Mmap> {
+    let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: checkpoint files are written once, atomically, and never modified in place.
+    unsafe { Mmap::map(&f) }.map_err(|e| Error::io(path, e))
+}
+
+impl Checkpoint {
+    /// Opens a checkpoint: a run's checkpoint folder (its `latest`), one `step-…` folder,
+    /// or a merged `.safetensors` file. Every file is validated here.
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        if path.is_file() {
+            return Checkpoint::open_merged(path);
+        }
+        let latest = path.join("latest");
+        let dir = if latest.is_file() {
+            let name = std::fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
+            path.join(name.trim())
+        } else {
+            path.to_path_buf()
+        };
+        let meta_path = dir.join("meta.json");
+        let text = std::fs::read(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
+        let meta: Meta = serde_json::from_slice(&text)
+            .map_err(|e| fail(&meta_path, format!("not a checkpoint description ({e})")))?;
+        if meta.format != FORMAT {
+            return Err(fail(&meta_path, format!("format {:?}, expected {FORMAT:?}", meta.format)));
+        }
+        let mut files = Vec::new();
+        let mut pieces: BTreeMap<(String, usize), Vec<Piece>> = BTreeMap::new();
+        for name in &meta.files {
+            let file_path = dir.join(name);
+            if !file_path.is_file() {
+                return Err(fail(&file_path, "missing: the checkpoint lists this rank's file but it does not exist"));
+            }
+            let mmap = map(&file_path)?;
+            let (_, header) = SafeTensors::read_metadata(&mmap)
+                .map_err(|e| fail(&file_path, format!("damaged or truncated shard ({e})")))?;
+            SafeTensors::deserialize(&mmap)
+                .map_err(|e| fail(&file_path, format!("damaged or truncated shard ({e})")))?;
+            let ranges: Vec<(i64, i64)> = header
+                .metadata()
+                .as_ref()
+                .and_then(|m| m.get("ranges"))
+                .and_then(|r| serde_json::from_str(r).ok())
+                .ok_or_else(|| fail(&file_path, "no shard ranges in its metadata"))?;
+            let index = files.len();
+            for (unit, &(start, len)) in ranges.iter().enumerate().filter(|(_, r)| r.1 > 0) {
+                for what in std::iter::once("param".to_string()).chain(meta.state_names.iter().cloned()) {
+                    let tensor = format!("{what}.{unit}");
+                    pieces.entry((what, unit)).or_default().push(Piece { file: index, tensor, start, len });
+                }
+            }
+            files.push((file_path, mmap));
+        }
+        Ok(Checkpoint { meta, location: dir, files, pieces })
+    }
+
+    fn open_merged(path: &Path) -> Result<Checkpoint> {
+        let mmap = map(path)?;
+        let (_, header) =
+            SafeTensors::read_metadata(&mmap).map_err(|e| fail(path, format!("not a valid safetensors file ({e})")))?;
+        SafeTensors::deserialize(&mmap).map_err(|e| fail(path, format!("damaged or truncated ({e})")))?;
+        let meta: Meta = header
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(MERGED_KEY))
+            .ok_or_else(|| fail(path, "a weights file, not a merged checkpoint (no checkpoint description)"))
+            .and_then(|t| {
+                serde_json::from_str(t).map_err(|e| fail(path, format!("bad checkpoint description ({e})")))
+            })?;
+        let mut pieces: BTreeMap<(String, usize), Vec<Piece>> = BTreeMap::new();
+        for p in &meta.params {
+            let len = p.shape.iter().product();
+            let mut add = |what: String, tensor: String| {
+                pieces.entry((what, p.unit)).or_default().push(Piece { file: 0, tensor, start: p.offset, len });
+            };
+            add("param".into(), p.name.clone());
+            for s in &meta.state_names {
+                add(s.clone(), format!("optim.{s}.{}", p.name));
+            }
+        }
+        Ok(Checkpoint { meta, location: path.to_path_buf(), files: vec![(path.to_path_buf(), mmap)], pieces })
+    }
+
+    /// Elements `start..start+len` of `what` ("param" or a state) of `unit`, as f32 on the
+    /// CPU; fails if the checkpoint's files do not cover them.
+    fn read_range(&self, what: &str, unit: usize, start: i64, len: i64, kind: Kind) -> Result<Tensor> {
+        let out = Tensor::f_zeros([len], (kind, tch::Device::Cpu))?;
+        let mut covered = 0;
+        for piece in self.pieces.get(&(what.to_string(), unit)).into_iter().flatten() {
+            let (lo, hi) = (start.max(piece.start), (start + len).min(piece.start + piece.len));
+            if lo >= hi {
+                continue;
+            }
+            let (path, mmap) = &self.files[piece.file];
+            let st = SafeTensors::deserialize(mmap).map_err(|e| fail(path, e.to_string()))?;
+            let view =
+                st.tensor(&piece.tensor).map_err(|_| fail(path, format!("tensor {:?} is missing", piece.tensor)))?;
+            let kind_in = io::kind_of(view.dtype()).ok_or_else(|| fail(path, "unsupported dtype"))?;
+            let stored = Tensor::f_from_data_size(
+                view.data(),
+                &[view.data().len() as i64 / kind_in.elt_size_in_bytes() as i64],
+                kind_in,
+            )?;
+            if stored.numel() as i64 != piece.len {
+                return Err(fail(
+                    path,
+                    format!("{} holds {} elements, expected {}", piece.tensor, stored.numel(), piece.len),
+                ));
+            }
+            out.f_narrow(0, lo - start, hi - lo)?.f_copy_(&stored.f_narrow(0, lo - piece.start, hi - lo)?)?;
+            covered += hi - lo;
+        }
+        if covered != len {
+            return Err(fail(
+                &self.location,
+                format!(
+                    "{what} of unit {unit}: elements {start}..{} are not all stored (a rank's file is missing?)",
+                    start + len
+                ),
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Fails unless the checkpoint is of the model `engine` runs, with `optimizer`'s kind.
+    pub fn check_compatible(&self, engine: &Engine, optimizer: &Optimizer, optimizer_name: &str) -> Result<()> {
+        let mine = describe(
+            engine,
+            optimizer,
+            &RunInfo {
+                step: 0,
+                world_size: 1,
+                strategy: serde_json::Value::Null,
+                optimizer: optimizer_name.into(),
+                data: self.meta.data.clone(),
+            },
+        );
+        let err = |m: String| Err(fail(&self.location, m));
+        if mine.params.len() != self.meta.params.len() {
+            return err(format!(
+                "a checkpoint of another model: it has {} parameters, this model {}",
+                self.meta.params.len(),
+                mine.params.len()
+            ));
+        }
+        for (a, b) in mine.params.iter().zip(&self.meta.params) {
+            if a != b {
+                return err(format!(
+                    "a checkpoint of another model: it holds {} {:?} where this model has {} {:?}",
+                    b.name, b.shape, a.name, a.shape
+                ));
+            }
+        }
+        if self.meta.optimizer != optimizer_name || self.meta.state_names != mine.state_names {
+            return err(format!(
+                "saved with optimizer {} (states {:?}), this run uses {optimizer_name} (states {:?})",
+                self.meta.optimizer, self.meta.state_names, mine.state_names
+            ));
+        }
+        Ok(())
+    }
+
+    /// Loads parameters and optimizer state into a run of any world size and strategy.
+    pub fn restore(&self, engine: &mut Engine, optimizer: &mut Optimizer, optimizer_name: &str) -> Result<()> {
+        self.check_compatible(engine, optimizer, optimizer_name)?;
+        let kind = engine.master_kind();
+        for (unit, &numel) in self.meta.unit_numel.iter().enumerate() {
+            let full = self.read_range("param", unit, 0, numel, kind)?;
+            engine.set_full_unit(unit, &full)?;
+        }
+        optimizer.load_state(self.meta.step, |unit, offset, name, dest| {
+            let values = self.read_range(name, unit, offset, dest.numel() as i64, dest.kind())?;
+            tch::no_grad(|| dest.shallow_clone().f_copy_(&values))?;
+            Ok(())
+        })
+    }
+
+    /// Writes the whole checkpoint as one safetensors file: parameters under their names
+    /// (loadable as weights by PyTorch) and optimizer states as `optim.<state>.<name>`,
+    /// with the description in the file's metadata. One parameter is in memory at a time.
+    pub fn merge(&self, out: &Path) -> Result<()> {
+        let mut layout = Vec::new();
+        let mut jobs = Vec::new();
+        for p in &self.meta.params {
+            layout.push((p.name.clone(), Kind::Float, p.shape.clone()));
+            jobs.push(("param".to_string(), p));
+            for s in &self.meta.state_names {
+                layout.push((format!("optim.{s}.{}", p.name), Kind::Float, p.shape.clone()));
+                jobs.push((s.clone(), p));
+            }
+        }
+        let meta = Meta { files: vec![], ..self.meta.clone() };
+        let metadata = BTreeMap::from([
+            ("format".to_string(), "pt".to_string()),
+            (MERGED_KEY.to_string(), serde_json::to_string(&meta).map_err(|e| Error::Model(e.to_string()))?),
+        ]);
+        write_safetensors_streamed(out, &layout, &metadata, |i| {
+            let (what, p) = &jobs[i];
+            tensor_bytes_le(&self.read_range(what, p.unit, p.offset, p.shape.iter().product(), Kind::Float)?)
+        })
+    }
+}

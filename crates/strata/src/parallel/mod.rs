@@ -1,0 +1,101 @@
+//! Execution across ranks, as engine schedules: data parallelism ([`DataParallel`]) and
+//! the ZeRO family ([`zero::Zero`]: zero1, zero2, fsdp).
+//!
+//! Owns: turning a validated [`Strategy`] and a communicator into an engine with the right
+//! schedule and process groups. Must not touch model definitions or optimizer policy.
+mod ddp;
+pub mod zero;
+
+pub use ddp::{DataParallel, DEFAULT_BUCKET_BYTES};
+
+use crate::comm::{Comm, ProcessGroup};
+use crate::engine::{Engine, EngineConfig};
+use crate::model::ModelSpec;
+use crate::strategy::{ShardingStrategy, Strategy};
+use crate::{Error, Result};
+use std::sync::Arc;
+use zero::{ShardGroups, Zero, ZeroOptions};
+
+/// How ranks are laid out for a strategy: the communicator (none for one process) and the
+/// ranks of one node (the shard group of HYBRID_SHARD by default).
+pub struct Placement<'a> {
+    pub comm: Option<&'a Comm>,
+    pub local_world_size: usize,
+    /// Data-parallel gradient bucket size.
+    pub bucket_bytes: usize,
+}
+
+impl Placement<'_> {
+    /// One process, no communication.
+    pub fn single() -> Placement<'static> {
+        Placement { comm: None, local_world_size: 1, bucket_bytes: DEFAULT_BUCKET_BYTES }
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.map_or(1, Comm::size)
+    }
+}
+
+/// Builds the engine for `spec` as `strategy` says: sharded by zero1/zero2/fsdp, data
+/// parallel over every rank otherwise (with more than one rank), resident on one.
+pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &Placement) -> Result<Engine> {
+    let world = at.world_size();
+    let Some((name, shard)) = strategy.sharding() else {
+        let mut engine = Engine::new(spec, config)?;
+        if let Some(comm) = at.comm.filter(|_| world > 1) {
+            DataParallel::install(&mut engine, Arc::from(comm.world()?), at.bucket_bytes)?;
+        }
+        return Ok(engine);
+    };
+    let (stage, reshard_after_forward) = shard.stage(name);
+    let (param_dtype, reduce_dtype, _) = shard.mixed_precision.clone().unwrap_or_default().kinds()?;
+    let options = ZeroOptions {
+        stage,
+        reshard_after_forward,
+        backward_prefetch: shard.backward_prefetch(),
+        forward_prefetch: shard.forward_prefetch,
+        limit_all_gathers: shard.limit_all_gathers,
+        sync_module_states: shard.sync_module_states,
+        wrap: shard.wrap(&spec)?,
+        param_dtype,
+        reduce_dtype,
+    };
+    let shard_size = match shard.sharding_strategy {
+        Some(ShardingStrategy::NoShard) => 1,
+        Some(ShardingStrategy::HybridShard) => shard.hybrid_shard_size.unwrap_or(at.local_world_size),
+        _ => world,
+    };
+    if shard_size == 0 || !world.is_multiple_of(shard_size) {
+        return Err(Error::Config(format!(
+            "{name}: a shard group of {shard_size} ranks does not divide the world size {world}"
+        )));
+    }
+    let groups = match at.comm.filter(|_| world > 1) {
+        None => ShardGroups { shard: None, replicate: None, world: None },
+        Some(comm) => shard_groups(comm, shard_size)?,
+    };
+    Zero::build(spec, config, groups, options)
+}
+
+/// Shard groups of `shard_size` consecutive ranks, and replica groups of the ranks at the
+/// same position in each shard group. Every rank creates every group, in the same order.
+fn shard_groups(comm: &Comm, shard_size: usize) -> Result<ShardGroups> {
+    let world = comm.size();
+    let replicas = world / shard_size;
+    let mut shard = None;
+    let mut replicate = None;
+    if shard_size > 1 {
+        for g in 0..replicas {
+            let ranks: Vec<usize> = (g * shard_size..(g + 1) * shard_size).collect();
+            shard = shard.or(comm.new_group(&ranks)?);
+        }
+    }
+    if replicas > 1 {
+        for i in 0..shard_size {
+            let ranks: Vec<usize> = (0..replicas).map(|g| g * shard_size + i).collect();
+            replicate = replicate.or(comm.new_group(&ranks)?);
+        }
+    }
+    let arc = |g: Option<Box<dyn ProcessGroup>>| g.map(Arc::<dyn ProcessGroup>::from);
+    Ok(ShardGroups { shard: arc(shard), replicate: arc(replicate), world: Some(Arc::from(comm.world()?)) })
+}

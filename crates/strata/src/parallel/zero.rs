@@ -1,0 +1,603 @@
+//! ZeRO stages 1–3 (`zero1`, `zero2`, `fsdp`) as one engine schedule.
+//!
+//! Every unit's flat buffer is padded to a multiple of the shard group's size and cut into
+//! equal shards; rank `r` of the group owns shard `r` of every sharded unit:
+//! - stage 1 keeps whole parameters and gradients, all-reduces gradients and updates only
+//!   its shard, then all-gathers the updated parameters;
+//! - stage 2 also reduce-scatters each unit's gradient as soon as its backward is done and
+//!   frees the whole gradient, keeping only its shard;
+//! - stage 3 also keeps only its parameter shard: a unit's flat buffer is all-gathered
+//!   before its forward and backward and freed after (after forward only with
+//!   `reshard_after_forward`, FSDP's FULL_SHARD). The engine knows the unit order, so
+//!   the next unit's gather is started early (forward prefetch, backward PRE/POST).
+//!
+//! With a mixed-precision policy the flat buffers hold `param_dtype` and the optimizer
+//! updates fp32 master shards; gradients are reduced in `reduce_dtype`. A hybrid layout
+//! shards inside a group and all-reduces the shards across replica groups.
+//! Must not touch model definitions or optimizer policy: it manages buffers and
+//! communication for the engine.
+use crate::comm::{ProcessGroup, ReduceOp, Work};
+use crate::engine::{
+    Category, Engine, EngineConfig, GradLayout, MemoryLedger, OptimizerView, Phase, Placement, ScheduleContext,
+    UnitSchedule, UnitStorage,
+};
+use crate::model::ModelSpec;
+use crate::{Error, Result};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use tch::{Kind, Tensor};
+
+/// Which model states are sharded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stage {
+    /// Optimizer states (ZeRO-1).
+    Optimizer = 1,
+    /// And gradients (ZeRO-2, FSDP's SHARD_GRAD_OP).
+    Gradients = 2,
+    /// And parameters (ZeRO-3, FSDP's FULL_SHARD).
+    Parameters = 3,
+}
+
+/// When backward starts gathering the next unit's parameters (FSDP's `backward_prefetch`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackwardPrefetch {
+    /// Before the current unit's backward computes (more overlap, one more unit held).
+    Pre,
+    /// After it, before its gradient is reduced.
+    Post,
+}
+
+/// How a unit takes part in sharding (the result of a wrap policy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wrap {
+    /// Sharded, gathered and freed on its own.
+    Own,
+    /// Sharded with the outermost wrap: gathered for the whole step, reduced at its end.
+    Root,
+    /// Not sharded: replicated on every rank, gradients all-reduced.
+    Ignored,
+}
+
+#[derive(Clone, Debug)]
+pub struct ZeroOptions {
+    pub stage: Stage,
+    /// Free a unit's gathered parameters after its forward (stage 3).
+    pub reshard_after_forward: bool,
+    pub backward_prefetch: Option<BackwardPrefetch>,
+    pub forward_prefetch: bool,
+    /// At most one gather runs ahead of the unit being computed; without it, two.
+    pub limit_all_gathers: bool,
+    /// Broadcast rank 0's initial parameters to every rank.
+    pub sync_module_states: bool,
+    /// Per unit, from the wrap policy.
+    pub wrap: Vec<Wrap>,
+    pub param_dtype: Option<Kind>,
+    pub reduce_dtype: Option<Kind>,
+}
+
+/// The process groups of a sharded run. `shard` is `None` when every rank holds whole
+/// states (a shard group of one, e.g. NO_SHARD); `replicate` is `None` unless shard groups
+/// are replicated (HYBRID_SHARD, NO_SHARD); `world` spans every rank.
+#[derive(Clone)]
+pub struct ShardGroups {
+    pub shard: Option<Arc<dyn ProcessGroup>>,
+    pub replicate: Option<Arc<dyn ProcessGroup>>,
+    pub world: Option<Arc<dyn ProcessGroup>>,
+}
+
+impl ShardGroups {
+    fn shard_size(&self) -> usize {
+        self.shard.as_ref().map_or(1, |g| g.size())
+    }
+
+    fn shard_rank(&self) -> usize {
+        self.shard.as_ref().map_or(0, |g| g.rank())
+    }
+}
+
+/// What this rank keeps of one unit beyond the engine's buffers.
+struct Sharded {
+    wrap: Wrap,
+    trainable: bool,
+    /// Padded length of the flat buffers and of one shard.
+    len: i64,
+    shard_len: i64,
+    /// The master shard when it is not a view of the flat buffer (stage 3, or a
+    /// mixed-precision policy).
+    master: Option<Tensor>,
+    /// The reduced gradient shard (stages 2 and 3).
+    grad_shard: Option<Tensor>,
+    params_resident: bool,
+    grads_resident: bool,
+    gathering: Option<Work>,
+}
+
+pub struct Zero {
+    options: ZeroOptions,
+    groups: ShardGroups,
+    units: Vec<Sharded>,
+    /// Units each unit reads: itself and the owners of parameters it borrows.
+    needs: Vec<Vec<usize>>,
+    param_kind: Kind,
+    master_kind: Kind,
+    reduce_kind: Kind,
+    /// Gradient reduce-scatters in flight, oldest first, with the buffer they read from.
+    reducing: VecDeque<(usize, Work, Tensor)>,
+    /// All-reduces in flight (replicas, stage 1, ignored units).
+    all_reducing: Vec<Work>,
+}
+
+fn bytes(numel: i64, kind: Kind) -> u64 {
+    numel as u64 * kind.elt_size_in_bytes() as u64
+}
+
+fn release(t: &Tensor) -> Result<()> {
+    Ok(strata_ext::resize_storage(t, 0)?)
+}
+
+fn reserve(t: &Tensor) -> Result<()> {
+    Ok(strata_ext::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?)
+}
+
+fn comm_failed(what: &str) -> impl Fn(Error) -> Error + '_ {
+    move |e| Error::Comm(format!("{what} failed: {e}"))
+}
+
+impl Zero {
+    /// Builds the model of `spec` sharded over `groups`: each unit is initialised, its
+    /// shard kept and the rest freed before the next unit is allocated, so no rank ever
+    /// holds the whole model (with stage 3).
+    pub fn build(spec: ModelSpec, config: EngineConfig, groups: ShardGroups, options: ZeroOptions) -> Result<Engine> {
+        if options.wrap.len() != spec.units.len() {
+            return Err(Error::Config(format!(
+                "the wrap policy covers {} units but the model has {}",
+                options.wrap.len(),
+                spec.units.len()
+            )));
+        }
+        let master_kind = config.kind;
+        let param_kind = options.param_dtype.unwrap_or(master_kind);
+        let reduce_kind = options.reduce_dtype.unwrap_or(param_kind);
+        let n = groups.shard_size() as i64;
+        let rank = groups.shard_rank() as i64;
+        let config = EngineConfig { kind: param_kind, pad_to: n, grad_layout: GradLayout::PerUnit, ..config };
+        let needs = spec
+            .units
+            .iter()
+            .enumerate()
+            .map(|(k, u)| {
+                let mut v = vec![k];
+                v.extend(u.borrowed.iter().map(|id| spec.params[id.0].unit).filter(|&o| o != k));
+                v
+            })
+            .collect();
+        let mut units = Vec::with_capacity(spec.units.len());
+        let mut on_unit = |k: usize, s: &mut UnitStorage, initial: &Tensor, ledger: &MemoryLedger| -> Result<()> {
+            if let (true, Some(world)) = (options.sync_module_states, &groups.world) {
+                world.broadcast(initial, 0)?.wait().map_err(comm_failed("sync_module_states broadcast"))?;
+                if initial.kind() != s.flat.kind() {
+                    tch::no_grad(|| s.flat.shallow_clone().f_copy_(initial))?;
+                }
+            }
+            let wrap = options.wrap[k];
+            let len = s.flat.numel() as i64;
+            let shard_len = len / n;
+            let mut unit = Sharded {
+                wrap,
+                trainable: s.trainable,
+                len,
+                shard_len,
+                master: None,
+                grad_shard: None,
+                params_resident: true,
+                grads_resident: true,
+                gathering: None,
+            };
+            let sharded = wrap != Wrap::Ignored;
+            if sharded && (options.stage == Stage::Parameters || param_kind != master_kind) {
+                let master =
+                    initial.f_narrow(0, rank * shard_len, shard_len)?.f_to_kind(master_kind)?.f_detach_copy()?;
+                ledger.alloc(Placement::Device, Category::Params, bytes(shard_len, master_kind))?;
+                unit.master = Some(master);
+            }
+            // Parameters are freed only when other ranks hold the rest: a shard group of
+            // one keeps them (refilling them would also bump autograd's version counters).
+            if sharded && options.stage == Stage::Parameters && groups.shard.is_some() {
+                release(&s.flat)?;
+                ledger.free(Placement::Device, Category::Params, bytes(len, param_kind));
+                unit.params_resident = false;
+            }
+            // Frozen units never need gradients; stages 2 and 3 hold only a shard between steps.
+            if !s.trainable || (sharded && options.stage >= Stage::Gradients) {
+                release(&s.grad)?;
+                ledger.free(Placement::Device, Category::Grads, bytes(len, param_kind));
+                unit.grads_resident = false;
+            }
+            if s.trainable && sharded && options.stage >= Stage::Gradients {
+                ledger.alloc(Placement::Device, Category::Grads, bytes(shard_len, reduce_kind))?;
+                unit.grad_shard = Some(Tensor::f_zeros([shard_len], (reduce_kind, s.flat.device()))?);
+            }
+            units.push(unit);
+            Ok(())
+        };
+        let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
+        let zero = Zero {
+            options,
+            groups,
+            units,
+            needs,
+            param_kind,
+            master_kind,
+            reduce_kind,
+            reducing: VecDeque::new(),
+            all_reducing: Vec::new(),
+        };
+        engine.set_schedule(Box::new(zero));
+        Ok(engine)
+    }
+
+    fn shard_rank(&self) -> i64 {
+        self.groups.shard_rank() as i64
+    }
+
+    /// Starts gathering unit `u`'s parameters into its flat buffer (stage 3).
+    fn start_gather(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let unit = &mut self.units[u];
+        if unit.params_resident || unit.gathering.is_some() || unit.wrap == Wrap::Ignored {
+            return Ok(());
+        }
+        let flat = &storage[u].flat;
+        ledger.alloc(Placement::Device, Category::Params, bytes(unit.len, self.param_kind))?;
+        reserve(flat)?;
+        let master = unit.master.as_ref().ok_or_else(|| Error::Engine("a stage-3 unit has no shard".into()))?;
+        let input = if master.kind() == self.param_kind {
+            master.shallow_clone()
+        } else {
+            master.f_to_kind(self.param_kind)?
+        };
+        let g = self.groups.shard.as_ref().ok_or_else(|| Error::Engine("gathering without a shard group".into()))?;
+        // The collective writes the memory directly: autograd's saved views of these
+        // parameters see the same values they saw in forward, with no version change.
+        unit.gathering = Some(g.all_gather(&flat.f_chunk(g.size() as i64, 0)?, &input)?);
+        unit.params_resident = true;
+        Ok(())
+    }
+
+    /// Makes the parameters of every unit in `units` usable now.
+    fn ensure_params(&mut self, units: &[usize], storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        for &u in units {
+            self.start_gather(u, storage, ledger)?;
+        }
+        for &u in units {
+            if let Some(work) = self.units[u].gathering.take() {
+                work.wait().map_err(comm_failed("parameter all-gather"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts gathering the units after `k` in execution order (`step` is +1 forward, -1
+    /// backward), as many as the gather limit allows.
+    fn prefetch(&mut self, k: usize, step: isize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let depth = if self.options.limit_all_gathers { 1 } else { 2 };
+        for d in 1..=depth {
+            let next = k as isize + step * d;
+            if next < 0 || next as usize >= self.units.len() {
+                break;
+            }
+            for u in self.needs[next as usize].clone() {
+                self.start_gather(u, storage, ledger)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees the gathered parameters of the units in `units` that `keep` does not need
+    /// (units of the outermost wrap stay for the whole step).
+    fn free_params(
+        &mut self,
+        units: &[usize],
+        keep: &[usize],
+        storage: &[UnitStorage],
+        ledger: &MemoryLedger,
+    ) -> Result<()> {
+        for &u in units {
+            if self.units[u].wrap == Wrap::Own && !keep.contains(&u) {
+                self.free_unit_params(u, &storage[u], ledger)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn free_all_params(&mut self, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        for (u, s) in storage.iter().enumerate() {
+            if self.units[u].wrap != Wrap::Ignored {
+                self.free_unit_params(u, s, ledger)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn free_unit_params(&mut self, u: usize, storage: &UnitStorage, ledger: &MemoryLedger) -> Result<()> {
+        let unit = &mut self.units[u];
+        if !unit.params_resident {
+            return Ok(());
+        }
+        if let Some(work) = unit.gathering.take() {
+            work.wait().map_err(comm_failed("parameter all-gather"))?;
+        }
+        release(&storage.flat)?;
+        ledger.free(Placement::Device, Category::Params, bytes(unit.len, self.param_kind));
+        unit.params_resident = false;
+        Ok(())
+    }
+
+    /// Gives unit `u` a zeroed whole gradient buffer if it has none (stages 2 and 3).
+    fn ensure_grads(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let unit = &mut self.units[u];
+        if unit.grads_resident || !unit.trainable {
+            return Ok(());
+        }
+        ledger.alloc(Placement::Device, Category::Grads, bytes(unit.len, self.param_kind))?;
+        reserve(&storage[u].grad)?;
+        let _ = storage[u].grad.shallow_clone().f_zero_()?;
+        unit.grads_resident = true;
+        Ok(())
+    }
+
+    /// Starts averaging unit `u`'s completed gradient across the data-parallel ranks.
+    fn reduce_grads(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let unit = &self.units[u];
+        if !unit.trainable {
+            return Ok(());
+        }
+        let grad = &storage[u].grad;
+        let Some(shard) = unit.grad_shard.as_ref() else {
+            // Stage 1 and ignored units keep whole gradients: all-reduce over every rank.
+            if let Some(world) = &self.groups.world {
+                self.all_reducing.push(world.all_reduce(grad, ReduceOp::Avg)?);
+            }
+            return Ok(());
+        };
+        let input =
+            if grad.kind() == self.reduce_kind { grad.shallow_clone() } else { grad.f_to_kind(self.reduce_kind)? };
+        let work = match &self.groups.shard {
+            Some(g) => g.reduce_scatter(shard, &input.f_chunk(g.size() as i64, 0)?, ReduceOp::Avg)?,
+            None => {
+                tch::no_grad(|| shard.shallow_clone().f_copy_(&input))?;
+                Work::done()
+            }
+        };
+        self.reducing.push_back((u, work, input));
+        // Bound the whole gradients alive: finish the older reduction before going on.
+        while self.reducing.len() > 1 {
+            self.complete_oldest_reduction(storage, ledger)?;
+        }
+        Ok(())
+    }
+
+    fn complete_oldest_reduction(&mut self, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let Some((u, work, input)) = self.reducing.pop_front() else { return Ok(()) };
+        work.wait().map_err(comm_failed("gradient reduce-scatter"))?;
+        drop(input);
+        let unit = &mut self.units[u];
+        release(&storage[u].grad)?;
+        ledger.free(Placement::Device, Category::Grads, bytes(unit.len, self.param_kind));
+        unit.grads_resident = false;
+        if let (Some(replicas), Some(shard)) = (&self.groups.replicate, &unit.grad_shard) {
+            self.all_reducing.push(replicas.all_reduce(shard, ReduceOp::Avg)?);
+        }
+        Ok(())
+    }
+
+    /// Completes every gradient reduction in flight.
+    fn drain_reductions(&mut self, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        while !self.reducing.is_empty() {
+            self.complete_oldest_reduction(storage, ledger)?;
+        }
+        for w in self.all_reducing.drain(..) {
+            w.wait().map_err(comm_failed("gradient all-reduce"))?;
+        }
+        Ok(())
+    }
+
+    /// Whether parameters live as shards between uses (stage 3 over more than one rank).
+    fn shards_params(&self) -> bool {
+        self.options.stage == Stage::Parameters && self.groups.shard.is_some()
+    }
+
+    fn is_sharded(&self, u: usize) -> bool {
+        self.units[u].wrap != Wrap::Ignored
+    }
+}
+
+impl UnitSchedule for Zero {
+    fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()> {
+        let (k, storage, ledger) = (ctx.unit, &*ctx.storage, ctx.ledger);
+        let last = self.units.len() - 1;
+        let stage3 = self.shards_params();
+        let needs = self.needs[k].clone();
+        match phase {
+            Phase::BeforeForward => {
+                if stage3 {
+                    if k == 0 {
+                        let roots: Vec<usize> =
+                            (0..self.units.len()).filter(|&u| self.units[u].wrap == Wrap::Root).collect();
+                        self.ensure_params(&roots, storage, ledger)?;
+                    }
+                    self.ensure_params(&needs, storage, ledger)?;
+                    if self.options.forward_prefetch {
+                        self.prefetch(k, 1, storage, ledger)?;
+                    }
+                }
+            }
+            Phase::AfterForward => {
+                if stage3 && self.options.reshard_after_forward && k != last {
+                    let keep = self.needs[k + 1].clone();
+                    self.free_params(&needs, &keep, storage, ledger)?;
+                }
+            }
+            Phase::BeforeBackward => {
+                if stage3 {
+                    self.ensure_params(&needs, storage, ledger)?;
+                    if self.options.backward_prefetch == Some(BackwardPrefetch::Pre) && k > 0 {
+                        self.prefetch(k, -1, storage, ledger)?;
+                    }
+                }
+                if self.options.stage >= Stage::Gradients {
+                    for &u in &needs {
+                        if self.is_sharded(u) {
+                            self.ensure_grads(u, storage, ledger)?;
+                        }
+                    }
+                }
+            }
+            Phase::AfterBackward => {
+                if stage3 && self.options.backward_prefetch == Some(BackwardPrefetch::Post) && k > 0 {
+                    self.prefetch(k, -1, storage, ledger)?;
+                }
+                if ctx.sync_grads {
+                    if self.units[k].wrap != Wrap::Root {
+                        self.reduce_grads(k, storage, ledger)?;
+                    }
+                    if k == 0 {
+                        let roots: Vec<usize> =
+                            (0..self.units.len()).filter(|&u| self.units[u].wrap == Wrap::Root).collect();
+                        for u in roots.into_iter().rev() {
+                            self.reduce_grads(u, storage, ledger)?;
+                        }
+                    }
+                }
+                if stage3 {
+                    if k == 0 {
+                        self.free_all_params(storage, ledger)?;
+                    } else {
+                        let keep = self.needs[k - 1].clone();
+                        self.free_params(&needs, &keep, storage, ledger)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        self.drain_reductions(ctx.storage, ctx.ledger)
+    }
+
+    fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
+        let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
+        let unit = &self.units[u];
+        if unit.wrap == Wrap::Ignored {
+            return Ok(OptimizerView { param: s.flat.shallow_clone(), grad: s.grad.shallow_clone(), offset: 0 });
+        }
+        let offset = self.shard_rank() * unit.shard_len;
+        let param = match &unit.master {
+            Some(m) => m.shallow_clone(),
+            None => s.flat.f_narrow(0, offset, unit.shard_len)?,
+        };
+        let grad = match &unit.grad_shard {
+            Some(g) => g.shallow_clone(),
+            None => s.grad.f_narrow(0, offset, unit.shard_len)?,
+        };
+        Ok(OptimizerView { param, grad, offset })
+    }
+
+    fn after_step(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        let (storage, ledger) = (&*ctx.storage, ctx.ledger);
+        if self.shards_params() {
+            // Anything still gathered is stale now; the next use gathers the new shards.
+            return self.free_all_params(storage, ledger);
+        }
+        let offset = self.shard_rank();
+        let mut works = Vec::new();
+        for (u, unit) in self.units.iter().enumerate() {
+            if unit.wrap == Wrap::Ignored || !unit.trainable {
+                continue;
+            }
+            let mine = storage[u].flat.f_narrow(0, offset * unit.shard_len, unit.shard_len)?;
+            if let Some(master) = &unit.master {
+                tch::no_grad(|| mine.shallow_clone().f_copy_(master))?;
+            }
+            if let Some(g) = &self.groups.shard {
+                works.push(g.all_gather(&storage[u].flat.f_chunk(g.size() as i64, 0)?, &mine)?);
+            }
+        }
+        for w in works {
+            w.wait().map_err(comm_failed("updated parameter all-gather"))?;
+        }
+        Ok(())
+    }
+
+    fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        self.drain_reductions(ctx.storage, ctx.ledger)?;
+        for (u, unit) in self.units.iter().enumerate() {
+            if unit.grads_resident && unit.trainable {
+                let _ = ctx.storage[u].grad.shallow_clone().f_zero_()?;
+            }
+            if let Some(g) = &unit.grad_shard {
+                let _ = g.shallow_clone().f_zero_()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
+        // Shards add up over the shard group; replicated (ignored) units count once.
+        let (sharded, replicated): (Vec<_>, Vec<_>) = per_unit.iter().partition(|(u, _)| self.is_sharded(*u));
+        let local: f64 = sharded.iter().map(|(_, x)| x).sum();
+        let whole: f64 = replicated.iter().map(|(_, x)| x).sum();
+        let Some(g) = &self.groups.shard else { return Ok(local + whole) };
+        let t = Tensor::from_slice(&[local]);
+        g.all_reduce(&t, ReduceOp::Sum)?.wait().map_err(comm_failed("gradient norm all-reduce"))?;
+        Ok(t.f_double_value(&[0])? + whole)
+    }
+
+    fn checkpoint_writer(&self) -> bool {
+        // Replica groups hold identical shards: the first replica writes them.
+        self.groups.replicate.as_ref().is_none_or(|g| g.rank() == 0)
+    }
+
+    fn master_kind(&self) -> Option<Kind> {
+        Some(self.master_kind)
+    }
+
+    fn full_unit(&mut self, ctx: ScheduleContext<'_>) -> Result<Tensor> {
+        let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
+        let unit = &self.units[u];
+        let offset = self.shard_rank() * unit.shard_len;
+        if unit.wrap == Wrap::Ignored {
+            return Ok(s.flat.f_narrow(0, 0, s.numel)?.f_to_kind(self.master_kind)?);
+        }
+        let mine = match &unit.master {
+            Some(m) => m.shallow_clone(),
+            None => s.flat.f_narrow(0, offset, unit.shard_len)?,
+        };
+        let full = match &self.groups.shard {
+            Some(g) => {
+                let full = Tensor::f_empty([unit.len], (self.master_kind, s.flat.device()))?;
+                g.all_gather(&full.f_chunk(g.size() as i64, 0)?, &mine)?
+                    .wait()
+                    .map_err(comm_failed("parameter all-gather"))?;
+                full
+            }
+            None => mine,
+        };
+        Ok(full.f_narrow(0, 0, s.numel)?)
+    }
+
+    fn set_full_unit(&mut self, ctx: ScheduleContext<'_>, values: &Tensor) -> Result<()> {
+        let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
+        let unit = &mut self.units[u];
+        let padded = Tensor::f_zeros([unit.len], (self.master_kind, s.flat.device()))?;
+        tch::no_grad(|| padded.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
+        if unit.params_resident {
+            tch::no_grad(|| s.flat.shallow_clone().f_copy_(&padded))?;
+        }
+        if let Some(master) = &unit.master {
+            let offset = self.groups.shard_rank() as i64 * unit.shard_len;
+            tch::no_grad(|| master.shallow_clone().f_copy_(&padded.f_narrow(0, offset, unit.shard_len)?))?;
+        }
+        Ok(())
+    }
+}
