@@ -2,6 +2,7 @@
 //! every failure into one line on stderr with a non-zero exit.
 mod bench;
 mod bench_comm;
+mod bench_zero;
 mod launch;
 mod options;
 mod train;
@@ -53,6 +54,9 @@ enum BenchCommand {
     Train(bench::BenchTrainArgs),
     /// Collective bandwidth per backend and size, with memcpy bandwidth as the reference.
     Comm(bench_comm::BenchCommArgs),
+    /// Per-rank model-state memory of ddp/zero1/zero2/fsdp against the ZeRO formula, and
+    /// their throughput against plain data parallelism.
+    Zero(bench_zero::BenchZeroArgs),
 }
 
 fn merge(checkpoint: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()> {
@@ -96,6 +100,7 @@ fn main() -> ExitCode {
         Command::Launch(a) => launch::run(a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
+        Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
     };
     match result {

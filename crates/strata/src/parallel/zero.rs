@@ -43,7 +43,7 @@ pub enum Stage {
 pub enum BackwardPrefetch {
     /// Before the current unit's backward computes (more overlap, one more unit held).
     Pre,
-    /// After it, before its gradient is reduced.
+    /// After it, once its parameters are freed (overlaps the gradient reduction).
     Post,
 }
 
@@ -194,7 +194,8 @@ impl Zero {
                 gathering: None,
             };
             let sharded = wrap != Wrap::Ignored;
-            if sharded && (options.stage == Stage::Parameters || param_kind != master_kind) {
+            let frees_params = options.stage == Stage::Parameters && groups.shard.is_some();
+            if sharded && (frees_params || param_kind != master_kind) {
                 let master =
                     initial.f_narrow(0, rank * shard_len, shard_len)?.f_to_kind(master_kind)?.f_detach_copy()?;
                 ledger.alloc(Placement::Device, Category::Params, bytes(shard_len, master_kind))?;
@@ -202,7 +203,7 @@ impl Zero {
             }
             // Parameters are freed only when other ranks hold the rest: a shard group of
             // one keeps them (refilling them would also bump autograd's version counters).
-            if sharded && options.stage == Stage::Parameters && groups.shard.is_some() {
+            if sharded && frees_params {
                 release(&s.flat)?;
                 ledger.free(Placement::Device, Category::Params, bytes(len, param_kind));
                 unit.params_resident = false;
@@ -453,9 +454,6 @@ impl UnitSchedule for Zero {
                 }
             }
             Phase::AfterBackward => {
-                if stage3 && self.options.backward_prefetch == Some(BackwardPrefetch::Post) && k > 0 {
-                    self.prefetch(k, -1, storage, ledger)?;
-                }
                 if ctx.sync_grads {
                     if self.units[k].wrap != Wrap::Root {
                         self.reduce_grads(k, storage, ledger)?;
@@ -474,6 +472,11 @@ impl UnitSchedule for Zero {
                     } else {
                         let keep = self.needs[k - 1].clone();
                         self.free_params(&needs, &keep, storage, ledger)?;
+                        // POST: the next unit's gather starts once this one's is freed, so
+                        // only one unit's parameters are gathered at a time.
+                        if self.options.backward_prefetch == Some(BackwardPrefetch::Post) {
+                            self.prefetch(k, -1, storage, ledger)?;
+                        }
                     }
                 }
             }

@@ -1,0 +1,170 @@
+//! `strata bench zero`: per-rank peak model-state bytes of data parallelism and each ZeRO
+//! stage at several world sizes, against the ZeRO paper's formula, and each stage's
+//! throughput against plain data parallelism at the same world size, measured in one run.
+use crate::options::ModelChoice;
+use crate::train::model_spec;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Serialize;
+use std::process::Command;
+use strata::model::GptConfig;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchZeroArgs {
+    /// World sizes to measure, comma-separated.
+    #[arg(long, default_value = "1,2,4")]
+    nproc: String,
+    #[arg(long, default_value_t = 8)]
+    layers: i64,
+    #[arg(long, default_value_t = 4)]
+    heads: i64,
+    #[arg(long, default_value_t = 256)]
+    dim: i64,
+    #[arg(long, default_value_t = 64)]
+    ctx: i64,
+    /// Global batch (rows per step).
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Steps per run; the first two are warm-up and not timed.
+    #[arg(long, default_value_t = 8)]
+    steps: u64,
+    /// Print the results as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Row {
+    precision: &'static str,
+    method: &'static str,
+    world_size: usize,
+    /// Peak bytes of parameters, gradients and optimizer state on rank 0.
+    model_state_bytes: u64,
+    formula_bytes: f64,
+    /// measured / formula.
+    ratio: f64,
+    /// Whether measured ≤ 1.1 × formula + one gathered unit (parameters and gradients).
+    within_target: bool,
+    tokens_per_s: f64,
+    /// Throughput over data parallelism's at the same world size and precision.
+    speed_vs_ddp: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    params: i64,
+    largest_unit_params: i64,
+    rows: Vec<Row>,
+}
+
+/// `fsdp` runs FSDP's defaults (backward prefetch PRE); `fsdp-post` prefetches after
+/// freeing, holding one gathered unit fewer.
+const METHODS: [&str; 5] = ["ddp", "zero1", "zero2", "fsdp", "fsdp-post"];
+
+/// Bytes per parameter of the ZeRO paper's model states: parameters `p` and gradients `g`
+/// bytes each, `k` bytes of optimizer state (fp32 master, if separate, and Adam's moments).
+fn formula(method: &str, params: f64, n: f64, (p, g, k): (f64, f64, f64)) -> f64 {
+    params
+        * match method {
+            "ddp" => p + g + k,
+            "zero1" => p + g + k / n,
+            "zero2" => p + (g + k) / n,
+            _ => (p + g + k) / n,
+        }
+}
+
+/// The last step's metrics of rank 0 and the median throughput after warm-up.
+fn run_one(args: &BenchZeroArgs, n: usize, strategy: &str) -> Result<(u64, f64)> {
+    let dir = tempfile::tempdir()?;
+    let metrics = dir.path().join("m.jsonl");
+    let exe = std::env::current_exe()?;
+    let out = Command::new(exe)
+        .args(["train", "--model", "gpt", "--steps", &args.steps.to_string(), "--schedule", "constant"])
+        .args(["--layers", &args.layers.to_string(), "--heads", &args.heads.to_string()])
+        .args(["--dim", &args.dim.to_string(), "--ctx", &args.ctx.to_string()])
+        .args(["--batch-size", &args.batch_size.to_string(), "--threads", "1", "--log-every", "1000000"])
+        .args(["--nproc", &n.to_string(), "--strategy", strategy])
+        .arg("--metrics")
+        .arg(&metrics)
+        .output()
+        .context("cannot run strata train")?;
+    if !out.status.success() {
+        bail!("{strategy} on {n} ranks failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let text = std::fs::read_to_string(&metrics)?;
+    let rows: Vec<serde_json::Value> = text.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
+    let peak = rows.last().and_then(|r| r["model_state_peak_bytes"].as_u64()).context("no metrics")?;
+    let mut speeds: Vec<f64> = rows.iter().skip(2).filter_map(|r| r["tokens_per_s"].as_f64()).collect();
+    speeds.sort_by(f64::total_cmp);
+    Ok((peak, speeds.get(speeds.len() / 2).copied().unwrap_or(0.0)))
+}
+
+pub fn run(args: BenchZeroArgs) -> Result<()> {
+    let worlds: Vec<usize> = args.nproc.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
+    let cfg = GptConfig { vocab: 256, ctx: args.ctx, layers: args.layers, heads: args.heads, dim: args.dim };
+    let spec = model_spec(&ModelChoice::Gpt(cfg))?;
+    let params = spec.num_params();
+    let unit_numel = |u: &strata::model::UnitSpec| u.params.iter().map(|id| spec.params[id.0].numel()).sum::<i64>();
+    let largest = spec.units.iter().map(unit_numel).max().unwrap_or(0);
+    let mut rows = Vec::new();
+    // fp32: parameters, gradients and Adam's two moments, no separate master.
+    // mixed: bf16 parameters and gradients, fp32 master and moments (the paper's K = 12).
+    for (precision, sizes, policy) in [
+        ("fp32", (4.0, 4.0, 8.0), ""),
+        ("bf16-mixed", (2.0, 2.0, 12.0), r#""mixed_precision": {"param_dtype": "bf16"}"#),
+    ] {
+        for &n in &worlds {
+            let mut ddp_speed = None;
+            for method in METHODS {
+                let strategy = match (method, precision) {
+                    // Data parallelism in mixed precision: the same schedule without sharding.
+                    ("ddp", "fp32") => "[]".to_string(),
+                    ("ddp", _) => format!(r#"[["fsdp", {{"sharding_strategy": "NO_SHARD", {policy}}}]]"#),
+                    ("fsdp-post", "fp32") => r#"[["fsdp", {"backward_prefetch": "BACKWARD_POST"}]]"#.to_string(),
+                    ("fsdp-post", _) => format!(r#"[["fsdp", {{"backward_prefetch": "BACKWARD_POST", {policy}}}]]"#),
+                    (m, _) => format!(r#"[["{m}", {{{policy}}}]]"#),
+                };
+                let (bytes, speed) = run_one(&args, n, &strategy)?;
+                let expected = formula(method, params as f64, n as f64, sizes);
+                let unit = largest as f64 * (sizes.0 + sizes.1);
+                let ddp = *ddp_speed.get_or_insert(speed);
+                rows.push(Row {
+                    precision,
+                    method,
+                    world_size: n,
+                    model_state_bytes: bytes,
+                    formula_bytes: expected,
+                    ratio: bytes as f64 / expected,
+                    within_target: (bytes as f64) <= 1.1 * expected + unit,
+                    tokens_per_s: speed,
+                    speed_vs_ddp: speed / ddp.max(1e-9),
+                });
+            }
+        }
+    }
+    let report = Report { params, largest_unit_params: largest, rows };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!("GPT {} parameters (largest unit {}), model-state peak per rank (rank 0)", params, largest);
+    println!(
+        "{:<11} {:<9} {:>5} {:>12} {:>12} {:>7} {:>6} {:>10} {:>8}",
+        "precision", "method", "ranks", "measured", "formula", "ratio", "target", "tokens/s", "vs ddp"
+    );
+    for r in &report.rows {
+        println!(
+            "{:<11} {:<9} {:>5} {:>10.2}MB {:>10.2}MB {:>7.3} {:>6} {:>10.0} {:>8.3}",
+            r.precision,
+            r.method,
+            r.world_size,
+            r.model_state_bytes as f64 / 1e6,
+            r.formula_bytes / 1e6,
+            r.ratio,
+            if r.within_target { "ok" } else { "over" },
+            r.tokens_per_s,
+            r.speed_vs_ddp
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,51 @@
+//! Helpers shared by the command-line tests.
+#![allow(dead_code)] // each test binary uses its own subset
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Output};
+
+pub fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output().expect("the strata binary runs")
+}
+
+pub fn strata_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("the strata binary runs")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+pub fn weights(path: &Path) -> BTreeMap<String, tch::Tensor> {
+    strata::io::read_safetensors(path).unwrap()
+}
+
+/// Largest relative difference ‖a − b‖ / ‖a‖ over the tensors of two weight files.
+pub fn weight_gap(a: &Path, b: &Path) -> f64 {
+    let (a, b) = (weights(a), weights(b));
+    a.iter().map(|(k, t)| (t - &b[k]).norm().double_value(&[]) / t.norm().double_value(&[])).fold(0.0, f64::max)
+}
+
+/// Relative difference of all parameters as one vector, ‖θa − θb‖ / ‖θa‖.
+pub fn global_gap(a: &Path, b: &Path) -> f64 {
+    let (a, b) = (weights(a), weights(b));
+    let sq = |t: &tch::Tensor| t.to_kind(tch::Kind::Double).square().sum(tch::Kind::Double).double_value(&[]);
+    let diff: f64 = a.iter().map(|(k, t)| sq(&(t.to_kind(tch::Kind::Double) - b[k].to_kind(tch::Kind::Double)))).sum();
+    let norm: f64 = a.values().map(sq).sum();
+    (diff / norm).sqrt()
+}
+
+/// Per-step losses of a metrics file.
+pub fn losses(path: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap()))
+        .collect()
+}
