@@ -99,6 +99,8 @@ train_options! {
     nproc: usize,
     /// Gradient bucket size of data-parallel training, in bytes (default 25 MiB).
     bucket_bytes: usize,
+    /// Data parallel: parameters may get no gradient in a step (otherwise an error).
+    find_unused_parameters: bool,
     /// Optimization strategy: JSON in list form (e.g. '["zero2"]') or a file holding it.
     strategy: String,
     /// Freeze parameters whose name contains any of these comma-separated substrings.
@@ -158,6 +160,7 @@ pub struct TrainSettings {
     pub log_every: u64,
     pub nproc: usize,
     pub bucket_bytes: usize,
+    pub find_unused_parameters: bool,
     pub strategy: Strategy,
     pub freeze: Vec<String>,
     pub save_checkpoint: Option<PathBuf>,
@@ -294,6 +297,7 @@ impl TrainOptions {
                 Some(0) => bail!("--bucket-bytes must be positive"),
                 b => b.unwrap_or(strata::parallel::DEFAULT_BUCKET_BYTES),
             },
+            find_unused_parameters: o.find_unused_parameters.unwrap_or(false),
             strategy: o.strategy.as_deref().map(parse_strategy).transpose()?.unwrap_or_default(),
             freeze: o
                 .freeze

@@ -11,7 +11,7 @@ use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpu
 use strata::engine::EngineConfig;
 use strata::model::{self, Builder, ModelSpec};
 use strata::optim::Optimizer;
-use strata::parallel::{self, Placement};
+use strata::parallel::{self, DataParallelOptions, Placement};
 use strata::train::{StepReport, Trainer};
 use tracing::info;
 
@@ -95,7 +95,11 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         _ => None,
     };
     let local_world_size = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    let placement = Placement { comm: comm.as_ref(), local_world_size, bucket_bytes: settings.bucket_bytes };
+    let data_parallel = DataParallelOptions {
+        bucket_bytes: settings.bucket_bytes,
+        find_unused_parameters: settings.find_unused_parameters,
+    };
+    let placement = Placement { comm: comm.as_ref(), local_world_size, data_parallel };
     let mut engine = parallel::build_engine(spec, engine_config, &settings.strategy, &placement)?;
     if let Some(path) = &settings.init_weights {
         strata::io::load_weights(&mut engine, path)?;

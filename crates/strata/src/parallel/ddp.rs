@@ -4,12 +4,16 @@
 //! of the engine's gradient buffer. A bucket's asynchronous all-reduce starts as soon as
 //! the backward of its first unit is done (backward runs in reverse), so communication
 //! overlaps the backward of the units before it. A parameter no batch reaches simply has a
-//! zero gradient, so unused parameters never stall the reduction. Must not touch model
+//! zero gradient, so unused parameters never stall the reduction; unless
+//! `find_unused_parameters` says they are expected, a step in which some parameter got no
+//! gradient is an error naming them (as PyTorch DDP refuses them). Must not touch model
 //! definitions or the optimizer: it acts on the engine's buffers only.
 use crate::comm::{ProcessGroup, ReduceOp, Work};
 use crate::engine::{Engine, Phase, ScheduleContext, UnitSchedule};
 use crate::{Error, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use strata_ext::Hook;
 use tch::Tensor;
 
 /// Bucket size of PyTorch DDP's default, which this follows.
@@ -20,20 +24,50 @@ pub struct DataParallel {
     /// For each unit that completes a bucket, the bucket (a slice of the gradient buffer).
     bucket_ending_at: Vec<Option<Tensor>>,
     in_flight: Vec<Work>,
+    /// Without `find_unused_parameters`: each trainable parameter's name and whether a
+    /// gradient reached it since the last completed step (set by a gradient hook).
+    reached: Vec<(String, Arc<AtomicBool>)>,
+    _hooks: Vec<Hook>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct DataParallelOptions {
+    pub bucket_bytes: usize,
+    /// Parameters that get no gradient in a step are expected (otherwise an error).
+    pub find_unused_parameters: bool,
+}
+
+impl Default for DataParallelOptions {
+    fn default() -> Self {
+        DataParallelOptions { bucket_bytes: DEFAULT_BUCKET_BYTES, find_unused_parameters: false }
+    }
 }
 
 impl DataParallel {
     /// Installs data parallelism over `group` on `engine`, after making every rank start
     /// from rank 0's parameters (`sync_module_states`).
-    pub fn install(engine: &mut Engine, group: Arc<dyn ProcessGroup>, bucket_bytes: usize) -> Result<()> {
-        if bucket_bytes == 0 {
+    pub fn install(engine: &mut Engine, group: Arc<dyn ProcessGroup>, options: DataParallelOptions) -> Result<()> {
+        if options.bucket_bytes == 0 {
             return Err(Error::Config("the bucket size must be positive".into()));
         }
         for s in engine.storage() {
             group.broadcast(&s.flat, 0)?.wait()?;
         }
-        let bucket_ending_at = buckets(engine, bucket_bytes)?;
-        engine.set_schedule(Box::new(DataParallel { group, bucket_ending_at, in_flight: Vec::new() }));
+        let bucket_ending_at = buckets(engine, options.bucket_bytes)?;
+        let (mut reached, mut hooks) = (Vec::new(), Vec::new());
+        if !options.find_unused_parameters {
+            for (name, p) in engine.named_params().filter(|(_, p)| p.requires_grad()) {
+                let flag = Arc::new(AtomicBool::new(false));
+                let set = flag.clone();
+                hooks.push(strata_ext::register_hook(p, move |_| {
+                    set.store(true, Ordering::Relaxed);
+                    None
+                })?);
+                reached.push((name.to_string(), flag));
+            }
+        }
+        let in_flight = Vec::new();
+        engine.set_schedule(Box::new(DataParallel { group, bucket_ending_at, in_flight, reached, _hooks: hooks }));
         Ok(())
     }
 }
@@ -73,9 +107,20 @@ impl UnitSchedule for DataParallel {
         self.group.rank() == 0
     }
 
-    fn finish_grads(&mut self, _: ScheduleContext<'_>) -> Result<()> {
+    fn finish_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         for work in self.in_flight.drain(..) {
             work.wait().map_err(|e| Error::Comm(format!("gradient all-reduce failed: {e}")))?;
+        }
+        if !ctx.sync_grads {
+            return Ok(());
+        }
+        let unused: Vec<&str> =
+            self.reached.iter().filter(|(_, r)| !r.swap(false, Ordering::Relaxed)).map(|(n, _)| n.as_str()).collect();
+        if !unused.is_empty() {
+            return Err(Error::Engine(format!(
+                "parameters got no gradient this step: {}; set find_unused_parameters if that is expected",
+                unused.join(", ")
+            )));
         }
         Ok(())
     }

@@ -6,7 +6,7 @@
 mod ddp;
 pub mod zero;
 
-pub use ddp::{DataParallel, DEFAULT_BUCKET_BYTES};
+pub use ddp::{DataParallel, DataParallelOptions, DEFAULT_BUCKET_BYTES};
 
 use crate::comm::{Comm, ProcessGroup};
 use crate::engine::{Engine, EngineConfig};
@@ -21,14 +21,14 @@ use zero::{ShardGroups, Zero, ZeroOptions};
 pub struct Placement<'a> {
     pub comm: Option<&'a Comm>,
     pub local_world_size: usize,
-    /// Data-parallel gradient bucket size.
-    pub bucket_bytes: usize,
+    /// Data parallelism's buckets and unused-parameter policy.
+    pub data_parallel: DataParallelOptions,
 }
 
 impl Placement<'_> {
     /// One process, no communication.
     pub fn single() -> Placement<'static> {
-        Placement { comm: None, local_world_size: 1, bucket_bytes: DEFAULT_BUCKET_BYTES }
+        Placement { comm: None, local_world_size: 1, data_parallel: DataParallelOptions::default() }
     }
 
     fn world_size(&self) -> usize {
@@ -43,7 +43,7 @@ pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, 
     let Some((name, shard)) = strategy.sharding() else {
         let mut engine = Engine::new(spec, config)?;
         if let Some(comm) = at.comm.filter(|_| world > 1) {
-            DataParallel::install(&mut engine, Arc::from(comm.world()?), at.bucket_bytes)?;
+            DataParallel::install(&mut engine, Arc::from(comm.world()?), at.data_parallel)?;
         }
         return Ok(engine);
     };
