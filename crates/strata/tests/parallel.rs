@@ -48,7 +48,7 @@ fn step() -> Step {
 
 #[test]
 fn a_parameter_without_gradient_is_named_unless_expected() {
-    let err = trainer(false).train_step(&step()).err().expect("an unused parameter fails the step");
+    let err = trainer(false).train_step(&step()).expect_err("an unused parameter fails the step");
     let text = err.to_string();
     assert!(text.contains("spare.weight") && !text.contains("lookup.weight"), "{text}");
     assert!(text.contains("find_unused_parameters"), "{text}");
