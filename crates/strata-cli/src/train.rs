@@ -118,6 +118,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     );
     let optimizer = Optimizer::new(&mut engine, settings.optimizer.clone(), &[])?;
     let mut trainer = Trainer::new(engine, optimizer, settings.schedule.clone(), settings.grad_clip);
+    trainer.scaling = settings.strategy.grad_scaling()?;
     let optimizer_name = format!("{:?}", settings.optimizer.kind).to_lowercase();
     let data_position = |next_step: u64| DataPosition {
         seed: settings.seed,
@@ -137,6 +138,9 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         }
         ckpt.restore(&mut trainer.engine, &mut trainer.optimizer, &optimizer_name)?;
         trainer.set_step(ckpt.meta.step);
+        if let (Some(saved), Some(scaler)) = (&ckpt.meta.loss_scaler, &mut trainer.scaling.scaler) {
+            *scaler = saved.clone();
+        }
         info!(step = ckpt.meta.step, from = %ckpt.location.display(), saved_world_size = ckpt.meta.world_size, "resumed");
     }
     let start = trainer.step();
@@ -161,6 +165,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             strategy: settings.strategy.to_value(),
             optimizer: optimizer_name.clone(),
             data: data_position(trainer.step()),
+            loss_scaler: trainer.scaling.scaler.clone(),
         };
         let group = world_group.as_deref();
         let dir =

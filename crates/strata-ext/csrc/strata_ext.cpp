@@ -3,6 +3,8 @@
 // `strata_last_error`, so no exception ever crosses into Rust. Tensors travel as
 // `at::Tensor*`, the same handle tch's `C_tensor` points to.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/CPUAllocator.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/_fused_sgd.h>
@@ -10,6 +12,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -29,6 +32,44 @@
 using at::Tensor;
 
 namespace {
+
+// Counts the bytes of every CPU allocation made through libtorch (current and peak), by
+// wrapping the default allocator; memory allocated before it was installed is not counted.
+struct CountingAllocator final : c10::Allocator {
+  c10::Allocator* base;
+  std::atomic<int64_t> current{0};
+  std::atomic<int64_t> peak{0};
+
+  struct Held {
+    c10::DataPtr inner;
+    size_t bytes;
+    CountingAllocator* owner;
+  };
+
+  static void release(void* ctx) {
+    auto* held = static_cast<Held*>(ctx);
+    held->owner->current.fetch_sub(static_cast<int64_t>(held->bytes));
+    delete held;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = base->allocate(n);
+    void* data = inner.get();
+    c10::Device device = inner.device();
+    auto* held = new Held{std::move(inner), n, this};
+    int64_t now = current.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t seen = peak.load();
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+    }
+    return c10::DataPtr(data, held, &CountingAllocator::release, device);
+  }
+
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+CountingAllocator* counting_allocator = nullptr;
 
 thread_local std::string last_error;
 
@@ -254,6 +295,25 @@ int strata_cuda_is_built() {
 #else
   return 0;
 #endif
+}
+
+int strata_cuda_capability(int device, int* major, int* minor) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    int count = 0;
+    cudaGetDeviceCount(&count);
+    if (device < 0 || device >= count) throw std::runtime_error("no such CUDA device");
+    cudaDeviceProp props;
+    if (cudaGetDeviceProperties(&props, device) != cudaSuccess) throw std::runtime_error("cudaGetDeviceProperties failed");
+    *major = props.major;
+    *minor = props.minor;
+#else
+    (void)device;
+    (void)major;
+    (void)minor;
+#endif
+  });
 }
 
 // stats: allocated current, allocated peak, reserved current, reserved peak (bytes).
@@ -591,6 +651,45 @@ int strata_nccl_collective(void* comm, int kind, Tensor* const* tensors, size_t 
     (void)nranks;
     (void)event;
 #endif
+  });
+}
+
+int strata_cpu_memory_track() {
+  return guarded([&] {
+    if (counting_allocator != nullptr) return;
+    auto* counter = new CountingAllocator();
+    counter->base = c10::GetDefaultCPUAllocator();
+    c10::SetCPUAllocator(counter, /*priority=*/1);
+    counting_allocator = counter;
+  });
+}
+
+int strata_cpu_memory_stats(int64_t* current, int64_t* peak) {
+  return guarded([&] {
+    if (counting_allocator == nullptr) throw std::runtime_error("CPU memory tracking is not on");
+    *current = counting_allocator->current.load();
+    *peak = counting_allocator->peak.load();
+  });
+}
+
+int strata_cpu_memory_reset_peak() {
+  return guarded([&] {
+    if (counting_allocator == nullptr) throw std::runtime_error("CPU memory tracking is not on");
+    counting_allocator->peak.store(counting_allocator->current.load());
+  });
+}
+
+// libtorch's autocast on one device type (CUDA: 1); `dtype` is a c10::ScalarType code.
+int strata_autocast_set(int device_type, int enabled, int dtype) {
+  return guarded([&] {
+    auto device = static_cast<at::DeviceType>(device_type);
+    at::autocast::set_autocast_enabled(device, enabled != 0);
+    if (enabled != 0) {
+      at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(dtype));
+      at::autocast::increment_nesting();
+    } else if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
   });
 }
 

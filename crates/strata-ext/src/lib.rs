@@ -57,6 +57,11 @@ extern "C" {
     ) -> c_int;
     fn strata_storage_resize(t: TensorPtr, nbytes: usize) -> c_int;
     fn strata_storage_nbytes(t: *const C_tensor, nbytes: *mut usize) -> c_int;
+    fn strata_cpu_memory_track() -> c_int;
+    fn strata_cuda_capability(device: c_int, major: *mut c_int, minor: *mut c_int) -> c_int;
+    fn strata_cpu_memory_stats(current: *mut i64, peak: *mut i64) -> c_int;
+    fn strata_cpu_memory_reset_peak() -> c_int;
+    fn strata_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> c_int;
     fn strata_fused_adam(
         params: *const TensorPtr,
         grads: *const TensorPtr,
@@ -458,6 +463,47 @@ pub fn fused_sgd(
 
 // ---- CUDA -----------------------------------------------------------------------------
 
+/// Byte counts of libtorch's CPU allocations: current and peak, from the moment
+/// [`cpu_memory::track`] installs a counting wrapper around the default allocator (what
+/// CUDA's caching allocator reports for a GPU).
+pub mod cpu_memory {
+    use super::*;
+
+    /// Starts counting (idempotent). Memory allocated earlier is not counted.
+    pub fn track() -> Result<()> {
+        // SAFETY: a plain call; the allocator lives for the rest of the process.
+        check(unsafe { strata_cpu_memory_track() })
+    }
+
+    /// (current, peak) bytes allocated through libtorch on the CPU since [`track`].
+    pub fn stats() -> Result<(i64, i64)> {
+        let (mut current, mut peak) = (0i64, 0i64);
+        // SAFETY: both pointers are live for the call.
+        check(unsafe { strata_cpu_memory_stats(&mut current, &mut peak) })?;
+        Ok((current, peak))
+    }
+
+    /// Starts a new peak from the bytes held now.
+    pub fn reset_peak() -> Result<()> {
+        // SAFETY: a plain call.
+        check(unsafe { strata_cpu_memory_reset_peak() })
+    }
+}
+
+/// Turns libtorch's CUDA autocast on (in `kind`) or off for the calling thread. Calls nest:
+/// each `true` needs its `false`.
+pub fn cuda_autocast(enabled: bool, kind: tch::Kind) -> Result<()> {
+    const CUDA: c_int = 1;
+    // c10::ScalarType codes of the dtypes autocast computes in.
+    let code = match kind {
+        tch::Kind::Half => 5,
+        tch::Kind::BFloat16 => 15,
+        other => return Err(ExtError(format!("autocast computes in f16 or bf16, not {other:?}"))),
+    };
+    // SAFETY: a plain call with a scalar-type code.
+    check(unsafe { strata_autocast_set(CUDA, c_int::from(enabled), code) })
+}
+
 /// CUDA streams, events and caching-allocator statistics. Every call returns an error
 /// (never panics) when the crate was built without the `cuda` feature or no GPU is visible.
 pub mod cuda {
@@ -483,6 +529,14 @@ pub mod cuda {
         // SAFETY: `s` has the four slots the C++ side writes.
         check(unsafe { strata_cuda_memory_stats(device as c_int, s.as_mut_ptr()) })?;
         Ok(MemoryStats { allocated: s[0], allocated_peak: s[1], reserved: s[2], reserved_peak: s[3] })
+    }
+
+    /// The device's compute capability (major, minor), e.g. (9, 0) for an H100.
+    pub fn compute_capability(device: usize) -> Result<(i32, i32)> {
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: both pointers are live for the call.
+        check(unsafe { strata_cuda_capability(device as c_int, &mut major, &mut minor) })?;
+        Ok((major, minor))
     }
 
     pub fn reset_peak_stats(device: usize) -> Result<()> {

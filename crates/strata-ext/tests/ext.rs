@@ -212,3 +212,16 @@ fn cuda_calls_fail_cleanly_without_a_gpu() {
     assert!(cuda::Event::new(false).is_err());
     assert!(cuda::Stream::from_pool(0, false).is_err());
 }
+
+#[test]
+fn cpu_memory_counts_allocations_and_their_release() {
+    strata_ext::cpu_memory::track().unwrap();
+    strata_ext::cpu_memory::reset_peak().unwrap();
+    let (before, _) = strata_ext::cpu_memory::stats().unwrap();
+    let t = tch::Tensor::zeros([1 << 20], (tch::Kind::Float, tch::Device::Cpu));
+    let (during, peak) = strata_ext::cpu_memory::stats().unwrap();
+    assert!(during - before >= 4 << 20, "4 MiB counted: {before} -> {during}");
+    drop(t);
+    let (after, peak_after) = strata_ext::cpu_memory::stats().unwrap();
+    assert!(after < during && peak_after >= peak && peak >= during);
+}

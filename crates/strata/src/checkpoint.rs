@@ -14,6 +14,7 @@
 //! Owns: the format, its validation, and merging into one file. Must not decide when to
 //! save (the training loop does) or how states are sharded (the engine's schedule does).
 use crate::comm::ProcessGroup;
+use crate::compute::scaler::LossScaler;
 use crate::engine::Engine;
 use crate::io::{self, tensor_bytes_le, write_safetensors_streamed};
 use crate::optim::Optimizer;
@@ -60,6 +61,9 @@ pub struct Meta {
     pub optimizer: String,
     pub state_names: Vec<String>,
     pub data: DataPosition,
+    /// The loss scaler's state, when the run scales its loss.
+    #[serde(default)]
+    pub loss_scaler: Option<LossScaler>,
     /// The rank files; empty in a merged file.
     pub files: Vec<String>,
 }
@@ -71,6 +75,7 @@ pub struct RunInfo {
     pub strategy: serde_json::Value,
     pub optimizer: String,
     pub data: DataPosition,
+    pub loss_scaler: Option<LossScaler>,
 }
 
 fn describe(engine: &Engine, optimizer: &Optimizer, run: &RunInfo) -> Meta {
@@ -95,6 +100,7 @@ fn describe(engine: &Engine, optimizer: &Optimizer, run: &RunInfo) -> Meta {
         optimizer: run.optimizer.clone(),
         state_names: optimizer.state_names().iter().map(|s| s.to_string()).collect(),
         data: run.data.clone(),
+        loss_scaler: run.loss_scaler.clone(),
         files: vec![],
     }
 }
@@ -381,6 +387,7 @@ impl Checkpoint {
                 strategy: serde_json::Value::Null,
                 optimizer: optimizer_name.into(),
                 data: self.meta.data.clone(),
+                loss_scaler: None,
             },
         );
         let err = |m: String| Err(fail(&self.location, m));

@@ -26,6 +26,7 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod compute;
 pub mod data;
 pub mod engine;
 mod error;

@@ -6,15 +6,20 @@
 //! text or values, validation (errors name the bad method or field and list what is
 //! allowed) and serialisation back to the same form. Must not execute anything: the
 //! `parallel` module turns a validated strategy into an engine.
+use crate::compute::fp8::Fp8Config;
+use crate::compute::replace::Replacements;
+use crate::compute::scaler::{LossScaler, LossScalerConfig};
 use crate::model::ModelSpec;
 use crate::parallel::zero::{BackwardPrefetch, Stage, Wrap};
+use crate::train::GradScaling;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 4] = ["parallel_mode", "zero1", "zero2", "fsdp"];
+pub const METHODS: [&str; 9] =
+    ["parallel_mode", "amp_native", "half", "fp8", "checkpoint", "module_replace", "zero1", "zero2", "fsdp"];
 
 /// A validated strategy: its methods in the order given.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -26,9 +31,89 @@ pub struct Strategy {
 pub enum Method {
     /// Data parallelism over every rank (the default when nothing else is chosen).
     ParallelMode(ParallelMode),
+    /// Mixed precision: fp32 parameters, matrix products in a lower precision.
+    AmpNative(AmpConfig),
+    /// The whole model in a lower precision.
+    Half(HalfConfig),
+    Fp8(Fp8Config),
+    /// Activation recomputation of the units named (kinds or names).
+    Checkpoint(CheckpointConfig),
+    /// Replacement pairs to apply (all registered ones when `None`).
+    ModuleReplace(Option<Vec<String>>),
     Zero1(ShardConfig),
     Zero2(ShardConfig),
     Fsdp(ShardConfig),
+}
+
+/// `amp_native`'s configuration: the compute dtype, the loss scaler (fp16 defaults to a
+/// dynamic one, bf16 to none) and whether non-finite gradients skip the step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AmpConfig {
+    pub dtype: String,
+    /// Default: true with a dynamic loss scale, false otherwise.
+    pub skip_if_nonfinite: Option<bool>,
+    pub loss_scaler: Option<LossScalerConfig>,
+}
+
+impl Default for AmpConfig {
+    fn default() -> Self {
+        AmpConfig { dtype: "fp16".into(), skip_if_nonfinite: None, loss_scaler: None }
+    }
+}
+
+impl AmpConfig {
+    pub fn kind(&self) -> Result<Kind> {
+        match parse_dtype(&self.dtype)? {
+            Kind::Float => Err(Error::Config("amp_native: dtype must be fp16 or bf16".into())),
+            k => Ok(k),
+        }
+    }
+
+    /// The loss scaling this configuration asks for.
+    pub fn grad_scaling(&self) -> Result<GradScaling> {
+        let scaler = match (&self.loss_scaler, self.kind()?) {
+            (Some(c), _) => Some(LossScaler::new(c.clone())?),
+            (None, Kind::Half) => Some(LossScaler::new(LossScalerConfig::default())?),
+            (None, _) => None,
+        };
+        let dynamic = scaler.as_ref().is_some_and(LossScaler::is_dynamic);
+        Ok(GradScaling { scaler, skip_if_nonfinite: self.skip_if_nonfinite.unwrap_or(dynamic) })
+    }
+}
+
+/// `half`: `"fp16"` (default) or `"bf16"`, or `{"dtype": ...}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HalfConfig {
+    pub dtype: String,
+}
+
+impl Default for HalfConfig {
+    fn default() -> Self {
+        HalfConfig { dtype: "fp16".into() }
+    }
+}
+
+/// `checkpoint`: a list of unit kinds or names, or `{"wrap_class": [...]}`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    pub wrap_class: Vec<String>,
+}
+
+/// Marks the units named by `list` (kind or name); a name matching no unit is an error
+/// naming `field` and listing the model's unit kinds.
+pub fn select_units(spec: &ModelSpec, list: &[String], field: &str) -> Result<Vec<bool>> {
+    if let Some(unknown) = list.iter().find(|c| !spec.units.iter().any(|u| u.kind() == *c || u.name == **c)) {
+        let mut kinds: Vec<&str> = spec.units.iter().map(|u| u.kind()).collect();
+        kinds.dedup();
+        return Err(Error::Config(format!(
+            "{field}: {unknown:?} names no unit of this model; its unit kinds are {}",
+            kinds.join(", ")
+        )));
+    }
+    Ok(spec.units.iter().map(|u| list.iter().any(|c| c == u.kind() || c == &u.name)).collect())
 }
 
 /// `parallel_mode`: `[[[name, size], ...], rank_order]`. Only the `data` dimension exists
@@ -170,42 +255,21 @@ impl ShardConfig {
     /// Applies the wrap policy to `spec`'s units. A name in a list must match some unit's
     /// kind or name.
     pub fn wrap(&self, spec: &ModelSpec) -> Result<Vec<Wrap>> {
-        let matches = |list: &[String], k: usize| {
-            let u = &spec.units[k];
-            list.iter().any(|c| c == u.kind() || c == &u.name)
-        };
-        for (field, list) in
-            [("atorch_wrap_cls", &self.atorch_wrap_cls), ("atorch_ignored_cls", &self.atorch_ignored_cls)]
-        {
-            if let Some(unknown) = list.iter().find(|c| !spec.units.iter().any(|u| u.kind() == *c || u.name == **c)) {
-                let mut kinds: Vec<&str> = spec.units.iter().map(|u| u.kind()).collect();
-                kinds.dedup();
-                return Err(Error::Config(format!(
-                    "{field}: {unknown:?} names no unit of this model; its unit kinds are {}",
-                    kinds.join(", ")
-                )));
-            }
-        }
+        let wrapped = select_units(spec, &self.atorch_wrap_cls, "atorch_wrap_cls")?;
+        let ignored = select_units(spec, &self.atorch_ignored_cls, "atorch_ignored_cls")?;
         Ok((0..spec.units.len())
             .map(|k| {
                 let numel: i64 = spec.units[k].params.iter().map(|id| spec.params[id.0].numel()).sum();
                 let trainable = spec.units[k].params.iter().any(|id| spec.params[id.0].requires_grad);
-                if matches(&self.atorch_ignored_cls, k) {
+                let own = if !self.atorch_wrap_cls.is_empty() {
+                    wrapped[k]
+                } else {
+                    self.atorch_size_based_min_num_params.is_none_or(|min| numel as u64 >= min)
+                };
+                if ignored[k] {
                     Wrap::Ignored
-                } else if self.wrap_trainable_outmost && trainable {
+                } else if (self.wrap_trainable_outmost && trainable) || !own {
                     Wrap::Root
-                } else if !self.atorch_wrap_cls.is_empty() {
-                    if matches(&self.atorch_wrap_cls, k) {
-                        Wrap::Own
-                    } else {
-                        Wrap::Root
-                    }
-                } else if let Some(min) = self.atorch_size_based_min_num_params {
-                    if numel as u64 >= min {
-                        Wrap::Own
-                    } else {
-                        Wrap::Root
-                    }
                 } else {
                     Wrap::Own
                 }
@@ -214,10 +278,23 @@ impl ShardConfig {
     }
 }
 
+/// A method's configuration from JSON (its defaults when absent).
+fn parse_config<T: serde::de::DeserializeOwned + Default>(name: &str, config: Option<&Value>) -> Result<T> {
+    match config {
+        None | Some(Value::Null) => Ok(T::default()),
+        Some(v) => serde_json::from_value(v.clone()).map_err(|e| Error::Config(format!("{name}: {e}"))),
+    }
+}
+
 impl Method {
     pub fn name(&self) -> &'static str {
         match self {
             Method::ParallelMode(_) => "parallel_mode",
+            Method::AmpNative(_) => "amp_native",
+            Method::Half(_) => "half",
+            Method::Fp8(_) => "fp8",
+            Method::Checkpoint(_) => "checkpoint",
+            Method::ModuleReplace(_) => "module_replace",
             Method::Zero1(_) => "zero1",
             Method::Zero2(_) => "zero2",
             Method::Fsdp(_) => "fsdp",
@@ -226,10 +303,7 @@ impl Method {
 
     fn parse(name: &str, config: Option<&Value>) -> Result<Method> {
         let shard = || -> Result<ShardConfig> {
-            let c: ShardConfig = match config {
-                None | Some(Value::Null) => ShardConfig::default(),
-                Some(v) => serde_json::from_value(v.clone()).map_err(|e| Error::Config(format!("{name}: {e}")))?,
-            };
+            let c: ShardConfig = parse_config(name, config)?;
             c.validate(name)?;
             Ok(c)
         };
@@ -248,6 +322,49 @@ impl Method {
                 }
                 Method::ParallelMode(mode)
             }
+            "amp_native" => {
+                let c: AmpConfig = parse_config(name, config)?;
+                c.grad_scaling()?;
+                Method::AmpNative(c)
+            }
+            "half" => {
+                let c = match config {
+                    Some(Value::String(d)) => HalfConfig { dtype: d.clone() },
+                    other => parse_config(name, other)?,
+                };
+                if parse_dtype(&c.dtype)? == Kind::Float {
+                    return Err(Error::Config("half: dtype must be fp16 or bf16".into()));
+                }
+                Method::Half(c)
+            }
+            "fp8" => {
+                let c: Fp8Config = parse_config(name, config)?;
+                c.validate()?;
+                Method::Fp8(c)
+            }
+            "checkpoint" => {
+                let c = match config {
+                    Some(Value::Array(_)) => CheckpointConfig { wrap_class: parse_config(name, config)? },
+                    Some(Value::Object(_)) => parse_config(name, config)?,
+                    _ => {
+                        return Err(Error::Config(
+                            "checkpoint: give the units to recompute, e.g. [\"checkpoint\", [\"GptBlock\"]]".into(),
+                        ))
+                    }
+                };
+                if c.wrap_class.is_empty() {
+                    return Err(Error::Config("checkpoint: the list of units is empty".into()));
+                }
+                Method::Checkpoint(c)
+            }
+            "module_replace" => {
+                let names: Option<Vec<String>> = match config {
+                    None | Some(Value::Null) => None,
+                    Some(v) => Some(parse_config(name, Some(v))?),
+                };
+                Replacements::select(names.as_deref())?;
+                Method::ModuleReplace(names)
+            }
             "zero1" => Method::Zero1(shard()?),
             "zero2" => Method::Zero2(shard()?),
             "fsdp" => Method::Fsdp(shard()?),
@@ -259,13 +376,18 @@ impl Method {
     pub fn shard_config(&self) -> Option<&ShardConfig> {
         match self {
             Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => Some(c),
-            Method::ParallelMode(_) => None,
+            _ => None,
         }
     }
 
     fn to_value(&self) -> Value {
         let config = match self {
             Method::ParallelMode(m) => serde_json::to_value(m),
+            Method::AmpNative(c) => serde_json::to_value(c),
+            Method::Half(c) => serde_json::to_value(c),
+            Method::Fp8(c) => serde_json::to_value(c),
+            Method::Checkpoint(c) => serde_json::to_value(c),
+            Method::ModuleReplace(c) => serde_json::to_value(c),
             Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => serde_json::to_value(c),
         };
         Value::Array(vec![Value::String(self.name().into()), config.unwrap_or(Value::Null)])
@@ -310,12 +432,52 @@ impl Strategy {
                 sharding.join(" and ")
             )));
         }
-        Ok(Strategy { methods })
+        let strategy = Strategy { methods };
+        if strategy.half().is_some() {
+            if strategy.amp().is_some() {
+                return Err(Error::Config(
+                    "half and amp_native cannot be combined: half stores the whole model in low precision, amp_native keeps fp32 parameters; choose one".into(),
+                ));
+            }
+            if strategy.sharding().is_some_and(|(_, c)| c.mixed_precision.is_some()) {
+                return Err(Error::Config(
+                    "half and a mixed_precision policy cannot be combined: half already sets every dtype".into(),
+                ));
+            }
+        }
+        Ok(strategy)
     }
 
     /// The list form, every config written out with its defaults.
     pub fn to_value(&self) -> Value {
         Value::Array(self.methods.iter().map(Method::to_value).collect())
+    }
+
+    pub fn amp(&self) -> Option<&AmpConfig> {
+        self.methods.iter().find_map(|m| if let Method::AmpNative(c) = m { Some(c) } else { None })
+    }
+
+    /// `half`'s dtype, if the strategy has it.
+    pub fn half(&self) -> Option<Kind> {
+        self.methods.iter().find_map(|m| if let Method::Half(c) = m { parse_dtype(&c.dtype).ok() } else { None })
+    }
+
+    pub fn fp8(&self) -> Option<&Fp8Config> {
+        self.methods.iter().find_map(|m| if let Method::Fp8(c) = m { Some(c) } else { None })
+    }
+
+    pub fn checkpoint(&self) -> Option<&CheckpointConfig> {
+        self.methods.iter().find_map(|m| if let Method::Checkpoint(c) = m { Some(c) } else { None })
+    }
+
+    /// `module_replace`'s pair names: `Some(None)` for every registered pair.
+    pub fn module_replace(&self) -> Option<Option<&[String]>> {
+        self.methods.iter().find_map(|m| if let Method::ModuleReplace(c) = m { Some(c.as_deref()) } else { None })
+    }
+
+    /// The loss scaling `amp_native` asks for (none without it).
+    pub fn grad_scaling(&self) -> Result<GradScaling> {
+        self.amp().map(AmpConfig::grad_scaling).transpose().map(Option::unwrap_or_default)
     }
 
     /// The sharding method, if any: (name, config).

@@ -3,6 +3,7 @@
 //!
 //! Owns: the order forward → loss → backward per micro-batch, gradient clipping, the
 //! schedule, the update and the per-step report. Must not own data loading or output.
+use crate::compute::scaler::LossScaler;
 use crate::data::Step;
 use crate::engine::memory::PlacementReport;
 use crate::engine::{memory, Engine, Placement};
@@ -27,6 +28,10 @@ pub struct StepReport {
     pub tokens_per_s: f64,
     /// Peak bytes held by the engine and optimizer (all placements).
     pub peak_bytes: u64,
+    /// The loss scale of this step (with a loss scaler).
+    pub loss_scale: Option<f64>,
+    /// Whether the update was skipped because gradients were not finite.
+    pub skipped: bool,
     /// Peak bytes of parameters, gradients and optimizer state (model states), this rank.
     pub model_state_peak_bytes: u64,
     /// What the engine and optimizer hold now and at their peak, per placement and category.
@@ -41,12 +46,22 @@ pub struct Trainer {
     pub schedule: Schedule,
     /// Clip the global gradient norm to this value.
     pub grad_clip: Option<f64>,
+    pub scaling: GradScaling,
     step: u64,
+}
+
+/// How gradients are scaled and checked before the update (`amp_native`).
+#[derive(Clone, Debug, Default)]
+pub struct GradScaling {
+    /// Scale the loss before backward and unscale the gradients after.
+    pub scaler: Option<LossScaler>,
+    /// Check the gradients for inf/NaN and skip such steps (a dynamic scaler always does).
+    pub skip_if_nonfinite: bool,
 }
 
 impl Trainer {
     pub fn new(engine: Engine, optimizer: Optimizer, schedule: Schedule, grad_clip: Option<f64>) -> Trainer {
-        Trainer { engine, optimizer, schedule, grad_clip, step: 0 }
+        Trainer { engine, optimizer, schedule, grad_clip, scaling: GradScaling::default(), step: 0 }
     }
 
     /// Steps completed so far.
@@ -60,10 +75,13 @@ impl Trainer {
     }
 
     /// Runs forward and backward on every micro-batch (gradients accumulate, each loss
-    /// scaled by 1/micro-batches so the step sees the mean), then clips and updates.
+    /// scaled by 1/micro-batches so the step sees the mean, and by the loss scale), then
+    /// unscales, checks, clips and updates — or skips the update when the gradients are not
+    /// finite and the scaling says to check.
     pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
         let start = Instant::now();
         let factor = self.schedule.factor(self.step);
+        let scale = self.scaling.scaler.as_ref().map_or(1.0, |s| s.scale);
         self.optimizer.set_lr_factor(factor);
         let n = step.micro_batches.len() as f64;
         let mut loss_sum = 0.0;
@@ -74,17 +92,32 @@ impl Trainer {
             self.engine.set_grad_sync(i == last);
             let logits = self.engine.forward(&batch.inputs)?;
             let loss = cross_entropy(&logits, &batch.targets)?;
-            self.engine.backward(&loss.f_div_scalar(n)?)?;
+            self.engine.backward(&loss.f_mul_scalar(scale / n)?)?;
             loss_sum += loss.f_double_value(&[])?;
             tokens += batch.inputs.numel() as u64;
         }
         self.engine.finish_grads()?;
-        let grad_norm = match self.grad_clip {
-            Some(max) => Some(self.optimizer.clip_grad_norm_with(max, |per_unit| self.engine.grad_sq_sum(per_unit))?),
-            None => None,
-        };
-        self.optimizer.step()?;
-        self.engine.after_step()?;
+        let check = self.scaling.skip_if_nonfinite || self.scaling.scaler.as_ref().is_some_and(LossScaler::is_dynamic);
+        let mut grad_norm = None;
+        let mut skipped = false;
+        if check || scale != 1.0 || self.grad_clip.is_some() {
+            let norm = self.engine.grad_sq_sum(&self.optimizer.grad_sq_per_unit()?)?.sqrt() / scale;
+            skipped = check && !norm.is_finite();
+            if !skipped {
+                let clip = self.grad_clip.map_or(1.0, |max| (max / (norm + 1e-6)).min(1.0));
+                if clip / scale != 1.0 {
+                    self.optimizer.scale_grads(clip / scale)?;
+                }
+                grad_norm = self.grad_clip.map(|_| norm);
+            }
+        }
+        if let Some(s) = &mut self.scaling.scaler {
+            s.update(skipped);
+        }
+        if !skipped {
+            self.optimizer.step()?;
+            self.engine.after_step()?;
+        }
         self.engine.zero_grad()?;
         let seconds = start.elapsed().as_secs_f64();
         self.step += 1;
@@ -93,6 +126,8 @@ impl Trainer {
             loss: loss_sum / n,
             lr: self.optimizer.lr(),
             grad_norm,
+            loss_scale: self.scaling.scaler.as_ref().map(|_| scale),
+            skipped,
             tokens,
             seconds,
             tokens_per_s: tokens as f64 / seconds.max(1e-12),

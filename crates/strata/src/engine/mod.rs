@@ -10,6 +10,8 @@
 
 pub mod memory;
 
+use crate::comm::ProcessGroup;
+use crate::compute::{self, UnitCompute};
 use crate::model::{Init, ModelSpec, ParamId, ParamSpec, Params};
 use crate::{Error, Result};
 pub use memory::{Category, MemoryLedger, Placement};
@@ -192,6 +194,8 @@ struct Boundary {
     /// The leaf that cut the graph at this unit's input (unit-by-unit mode, units after the first).
     input: Option<Tensor>,
     output: Tensor,
+    /// For a recomputed unit, the input to run its forward again from in backward.
+    recompute_from: Option<Tensor>,
 }
 
 struct ForwardRecord {
@@ -217,6 +221,9 @@ pub struct Engine {
     schedule: Box<dyn UnitSchedule>,
     record: Option<ForwardRecord>,
     sync_grads: bool,
+    /// Each unit's compute policy.
+    compute: Vec<Arc<UnitCompute>>,
+    amax_group: Option<Arc<dyn ProcessGroup>>,
 }
 
 impl Engine {
@@ -302,7 +309,8 @@ impl Engine {
             storage.push(unit_storage);
         }
         let params = params.into_iter().map(|p| p.expect("every parameter belongs to a unit")).collect();
-        tracing::debug!(units = spec.units.len(), params = spec.num_params(), device = ?config.device, "engine allocated");
+        let units = spec.units.len();
+        tracing::debug!(units, params = spec.num_params(), device = ?config.device, "engine allocated");
         Ok(Engine {
             spec,
             config,
@@ -314,6 +322,8 @@ impl Engine {
             schedule: Box::new(Resident),
             record: None,
             sync_grads: true,
+            compute: (0..units).map(|_| Arc::new(UnitCompute::default())).collect(),
+            amax_group: None,
         })
     }
 
@@ -381,10 +391,22 @@ impl Engine {
         schedule.on(phase, ctx)
     }
 
-    /// Lets the schedule publish the optimizer's update (e.g. gather updated shards).
+    /// Ends a step: the schedule publishes the optimizer's update (e.g. gathers updated
+    /// shards) and fp8 scaling takes in the step's statistics.
     pub fn after_step(&mut self) -> Result<()> {
         let (schedule, ctx) = self.schedule_for(0);
-        schedule.after_step(ctx)
+        schedule.after_step(ctx)?;
+        let mut seen: Vec<*const ()> = Vec::new();
+        for policy in &self.compute {
+            if let Some(state) = &policy.fp8 {
+                let key = Arc::as_ptr(state) as *const ();
+                if !seen.contains(&key) {
+                    seen.push(key);
+                    state.lock().map_err(|e| Error::Engine(e.to_string()))?.end_step(self.amax_group.as_deref())?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The global sum of squared gradients from this rank's per-unit sums (unit, sum).
@@ -467,11 +489,19 @@ impl Engine {
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
             let cut = (unit_by_unit && k > 0).then(|| x.detach().set_requires_grad(true));
-            let y = self.spec.units[k].body.forward(&Params::new(&self.params), cut.as_ref().unwrap_or(&x))?;
+            let unit_input = cut.as_ref().unwrap_or(&x).shallow_clone();
+            // A recomputed unit keeps nothing of its forward but its input.
+            let recompute = self.compute[k].recompute;
+            let y = if recompute {
+                tch::no_grad(|| self.unit_forward(k, &unit_input, false))?
+            } else {
+                self.unit_forward(k, &unit_input, false)?
+            };
             let bytes = memory::tensor_bytes(&y);
             self.ledger.alloc(Placement::Device, Category::Activations, bytes)?;
             activation_bytes += bytes;
-            boundaries.push(Boundary { input: cut, output: y.shallow_clone() });
+            let recompute_from = recompute.then_some(unit_input);
+            boundaries.push(Boundary { input: cut, output: y.shallow_clone(), recompute_from });
             self.run_schedule(Phase::AfterForward, k)?;
             x = y;
         }
@@ -486,7 +516,7 @@ impl Engine {
         let mut x = input.shallow_clone();
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
-            x = tch::no_grad(|| self.spec.units[k].body.forward(&Params::new(&self.params), &x))?;
+            x = tch::no_grad(|| self.unit_forward(k, &x, false))?;
             self.run_schedule(Phase::AfterForward, k)?;
         }
         Ok(x)
@@ -517,8 +547,10 @@ impl Engine {
         for k in (0..self.spec.units.len()).rev() {
             self.run_schedule(Phase::BeforeBackward, k)?;
             let b = &record.boundaries[k];
-            if b.output.requires_grad() {
-                strata_ext::backward(&[&b.output], &[&upstream], false)?;
+            let recomputed = b.recompute_from.as_ref().map(|input| self.unit_forward(k, input, true)).transpose()?;
+            let output = recomputed.as_ref().unwrap_or(&b.output);
+            if output.requires_grad() {
+                strata_ext::backward(&[output], &[&upstream], false)?;
             }
             self.run_schedule(Phase::AfterBackward, k)?;
             match &b.input {
@@ -527,6 +559,50 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Unit `k`'s forward under its compute policy.
+    fn unit_forward(&self, k: usize, input: &Tensor, recomputing: bool) -> Result<Tensor> {
+        let unit = &self.spec.units[k];
+        let policy = &self.compute[k];
+        if policy.is_plain() {
+            return unit.body.forward(&Params::new(&self.params), input);
+        }
+        // Each weight the unit reads, by address, under all its names (aliases too).
+        let names = unit
+            .params
+            .iter()
+            .chain(&unit.borrowed)
+            .map(|&id| {
+                let mut name = self.spec.params[id.0].name.clone();
+                for (alias, _) in self.spec.aliases.iter().filter(|(_, a)| *a == id) {
+                    name = format!("{name} {alias}");
+                }
+                (self.params[id.0].data_ptr() as usize, name)
+            })
+            .collect();
+        compute::run(policy, names, recomputing, || unit.body.forward(&Params::new(&self.params), input))
+    }
+
+    /// Sets each unit's compute policy (one per unit, in order).
+    pub fn set_compute(&mut self, policies: Vec<UnitCompute>) -> Result<()> {
+        if policies.len() != self.spec.units.len() {
+            return Err(Error::Config(format!(
+                "{} compute policies for {} units",
+                policies.len(),
+                self.spec.units.len()
+            )));
+        }
+        if self.config.backward == BackwardMode::WholeGraph && policies.iter().any(|p| p.recompute) {
+            return Err(Error::Config("recomputation needs the unit-by-unit backward".into()));
+        }
+        self.compute = policies.into_iter().map(Arc::new).collect();
+        Ok(())
+    }
+
+    /// The group over which fp8 amaxes are reduced (the data-parallel ranks).
+    pub fn set_amax_group(&mut self, group: Option<Arc<dyn ProcessGroup>>) {
+        self.amax_group = group;
     }
 
     fn release_record(&mut self) {

@@ -1,26 +1,83 @@
 //! Functional building blocks shared by the reference models. Each takes its parameters
 //! as tensors, so units stay plain data and the engine decides where weights live.
+//!
+//! Attention and norms are the plain composites of eager PyTorch modules; the running
+//! unit's compute policy (`crate::compute`) may replace them with fused implementations
+//! (`module_replace`), compute linear layers in fp8, or cast to a lower precision
+//! (`amp_native`: matrix products and attention in it, norms, softmax and the loss in fp32).
+use crate::compute;
 use crate::Result;
-use tch::Tensor;
+use tch::{Kind, Tensor};
+
+/// `x` in `kind`, if it is not already.
+fn cast(x: &Tensor, kind: Option<Kind>) -> Result<Tensor> {
+    Ok(match kind {
+        Some(k) if x.kind() != k => x.f_to_kind(k)?,
+        _ => x.shallow_clone(),
+    })
+}
+
+fn is_low(kind: Kind) -> bool {
+    matches!(kind, Kind::Half | Kind::BFloat16)
+}
+
+/// Norms compute in fp32 under autocast.
+fn norm_input(x: &Tensor) -> Result<Tensor> {
+    cast(x, compute::autocast_on().then_some(Kind::Float).filter(|_| x.kind() != Kind::Double))
+}
 
 /// `x @ w.T + b` with PyTorch's `[out, in]` weight layout.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    Ok(x.f_linear(w, b)?)
+    if let Some(out) = compute::fp8_linear(x, w, b) {
+        return out;
+    }
+    let kind = compute::autocast_kind();
+    let b = b.map(|b| cast(b, kind)).transpose()?;
+    Ok(cast(x, kind)?.f_linear(&cast(w, kind)?, b.as_ref())?)
 }
 
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
-    let dim = *x.size().last().unwrap_or(&1);
-    Ok(x.f_layer_norm([dim], Some(w), Some(b), eps, true)?)
+    let x = norm_input(x)?;
+    if let Some(fused) = compute::replacements().and_then(|r| r.layer_norm(x.kind())) {
+        return fused(&x, w, b, eps);
+    }
+    // The composite computes in at least fp32, as torch's kernels do, and returns x's dtype.
+    let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
+    let mean = x32.f_mean_dim(-1, true, None)?;
+    let centred = x32.f_sub(&mean)?;
+    let var = centred.f_square()?.f_mean_dim(-1, true, None)?;
+    let normed = cast(&centred.f_mul(&var.f_add_scalar(eps)?.f_rsqrt()?)?, Some(x.kind()))?;
+    Ok(normed.f_mul(w)?.f_add(b)?)
 }
 
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let dim = *x.size().last().unwrap_or(&1);
-    Ok(x.f_rms_norm([dim], Some(w), eps)?)
+    let x = norm_input(x)?;
+    if let Some(fused) = compute::replacements().and_then(|r| r.rms_norm(x.kind())) {
+        return fused(&x, w, eps);
+    }
+    let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
+    let ms = x32.f_square()?.f_mean_dim(-1, true, None)?;
+    Ok(cast(&x32.f_mul(&ms.f_add_scalar(eps)?.f_rsqrt()?)?, Some(x.kind()))?.f_mul(w)?)
 }
 
 /// Causal multi-head attention over `[B, H, T, D]` queries, keys and values.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    Ok(Tensor::f_scaled_dot_product_attention(q, k, v, None::<&Tensor>, 0.0, true, None, false)?)
+    let kind = compute::autocast_kind();
+    let (q, k, v) = (cast(q, kind)?, cast(k, kind)?, cast(v, kind)?);
+    if let Some(fused) = compute::replacements().and_then(|r| r.attention(q.kind())) {
+        return fused(&q, &k, &v);
+    }
+    let (t, d) = (q.size()[2], q.size()[3]);
+    let scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(1.0 / (d as f64).sqrt())?;
+    let future = Tensor::f_ones([t, t], (Kind::Bool, q.device()))?.f_triu(1)?;
+    let scores = scores.f_masked_fill(&future, f64::NEG_INFINITY)?;
+    // Softmax in fp32 for low-precision inputs, as torch.amp does.
+    let probs = if is_low(q.kind()) {
+        scores.f_softmax(-1, Kind::Float)?.f_to_kind(q.kind())?
+    } else {
+        scores.f_softmax(-1, q.kind())?
+    };
+    Ok(probs.f_matmul(&v)?)
 }
 
 /// `[B, T, H*D]` -> `[B, H, T, D]`.
@@ -35,9 +92,11 @@ pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
     Ok(x.f_transpose(1, 2)?.f_contiguous()?.f_view([b, t, h * d])?)
 }
 
-/// Mean cross-entropy of `[B, T, V]` logits against `[B, T]` targets.
+/// Mean cross-entropy of `[B, T, V]` logits against `[B, T]` targets, computed in fp32
+/// when the logits are of lower precision.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let v = *logits.size().last().unwrap_or(&1);
+    let logits = cast(logits, is_low(logits.kind()).then_some(Kind::Float))?;
     Ok(logits.f_reshape([-1, v])?.f_cross_entropy_loss::<&Tensor>(
         &targets.f_reshape([-1])?,
         None,

@@ -144,7 +144,10 @@ impl Optimizer {
         let mut state_bytes = 0;
         for Segment { param, grad, group, unit, offset } in engine.segments(group_of)? {
             let g = &mut groups[group];
-            let bytes = crate::engine::memory::tensor_bytes(&param);
+            // States of low-precision parameters are fp32: g² of a small gradient would
+            // underflow in fp16, and an update divided by it blow up.
+            let state_kind = if is_low_precision(param.kind()) { Kind::Float } else { param.kind() };
+            let bytes = (param.numel() * state_kind.elt_size_in_bytes()) as u64;
             let states = match config.kind {
                 OptimizerKind::Sgd if config.momentum == 0.0 => 0,
                 OptimizerKind::Sgd => 1,
@@ -153,10 +156,10 @@ impl Optimizer {
             ledger.alloc(Placement::Device, Category::OptimizerState, bytes * states)?;
             state_bytes += bytes * states;
             if states >= 1 {
-                g.first.push(param.f_zeros_like()?);
+                g.first.push(Tensor::f_zeros([param.numel() as i64], (state_kind, param.device()))?);
             }
             if states == 2 {
-                g.second.push(param.f_zeros_like()?);
+                g.second.push(Tensor::f_zeros([param.numel() as i64], (state_kind, param.device()))?);
                 g.steps.push(Tensor::f_zeros([], (Kind::Float, param.device()))?);
             }
             g.places.push((unit, offset));
@@ -182,19 +185,29 @@ impl Optimizer {
     }
 
     /// Applies one update to every parameter from its gradient. A gradient held in another
-    /// dtype than its parameter (a low-precision shard against an fp32 master) is converted
-    /// one segment at a time, so only one segment's converted copy exists at once.
+    /// dtype than its parameter (a low-precision shard against an fp32 master), or a
+    /// low-precision parameter (updated in fp32 against its fp32 states), is converted one
+    /// segment at a time, so only one segment's fp32 copy exists at once.
     pub fn step(&mut self) -> Result<()> {
         for g in &self.groups {
-            if g.params.iter().zip(&g.grads).all(|(p, gr)| p.kind() == gr.kind()) {
-                self.update(g, 0..g.params.len(), &g.grads)?;
+            let direct = |(p, gr): (&Tensor, &Tensor)| p.kind() == gr.kind() && !is_low_precision(p.kind());
+            if g.params.iter().zip(&g.grads).all(direct) {
+                self.update(g, 0..g.params.len(), &g.params, &g.grads)?;
                 continue;
             }
-            for i in 0..g.params.len() {
-                let bytes = crate::engine::memory::tensor_bytes(&g.params[i]);
+            for (i, (param, grad)) in g.params.iter().zip(&g.grads).enumerate() {
+                let low = is_low_precision(param.kind());
+                let kind = if low { Kind::Float } else { param.kind() };
+                let bytes = (param.numel() * kind.elt_size_in_bytes()) as u64 * (1 + u64::from(low));
                 self.ledger.alloc(Placement::Device, Category::Grads, bytes)?;
-                let converted = g.grads[i].f_to_kind(g.params[i].kind());
-                let result = converted.map_err(Error::from).and_then(|c| self.update(g, i..i + 1, &[c]));
+                let result = (|| -> Result<()> {
+                    let work = if low { param.f_to_kind(kind)? } else { param.shallow_clone() };
+                    self.update(g, i..i + 1, std::slice::from_ref(&work), &[grad.f_to_kind(kind)?])?;
+                    if low {
+                        tch::no_grad(|| param.shallow_clone().f_copy_(&work))?;
+                    }
+                    Ok(())
+                })();
                 self.ledger.free(Placement::Device, Category::Grads, bytes);
                 result?;
             }
@@ -203,8 +216,8 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Updates the segments `range` of group `g` with `grads` (one per segment of the range).
-    fn update(&self, g: &Group, range: std::ops::Range<usize>, grads: &[Tensor]) -> Result<()> {
+    /// Updates `params` (segments `range` of group `g`, or fp32 copies of them) with `grads`.
+    fn update(&self, g: &Group, range: std::ops::Range<usize>, params: &[Tensor], grads: &[Tensor]) -> Result<()> {
         let c = &self.config;
         let lr = g.lr * self.lr_factor;
         fn state(v: &[Tensor], range: std::ops::Range<usize>) -> &[Tensor] {
@@ -217,7 +230,7 @@ impl Optimizer {
         match c.kind {
             OptimizerKind::Adam | OptimizerKind::AdamW => strata_ext::fused_adam(
                 &AdamTensors {
-                    params: &g.params[range.clone()],
+                    params,
                     grads,
                     exp_avgs: state(&g.first, range.clone()),
                     exp_avg_sqs: state(&g.second, range.clone()),
@@ -235,7 +248,7 @@ impl Optimizer {
                 Scaling::default(),
             )?,
             OptimizerKind::Sgd => strata_ext::fused_sgd(
-                &g.params[range.clone()],
+                params,
                 grads,
                 state(&g.first, range.clone()),
                 SgdStep {
@@ -310,22 +323,37 @@ impl Optimizer {
         max_norm: f64,
         global_sq_sum: impl Fn(&[(usize, f64)]) -> Result<f64>,
     ) -> Result<f64> {
-        let mut per_unit = Vec::new();
-        for g in &self.groups {
-            for (grad, &(unit, _)) in g.grads.iter().zip(&g.places) {
-                let norm = grad.f_norm_scalaropt_dtype(2.0, Kind::Double)?.f_double_value(&[])?;
-                per_unit.push((unit, norm * norm));
-            }
-        }
-        let total = global_sq_sum(&per_unit)?.sqrt();
+        let total = global_sq_sum(&self.grad_sq_per_unit()?)?.sqrt();
         let coef = max_norm / (total + 1e-6);
         if coef < 1.0 {
-            for grad in self.groups.iter().flat_map(|g| g.grads.iter()) {
-                let _ = grad.shallow_clone().f_mul_scalar_(coef)?;
-            }
+            self.scale_grads(coef)?;
         }
         Ok(total)
     }
+
+    /// Sums of squared gradients this rank holds, one per segment: (unit, sum).
+    pub fn grad_sq_per_unit(&self) -> Result<Vec<(usize, f64)>> {
+        let mut out = Vec::new();
+        for g in &self.groups {
+            for (grad, &(unit, _)) in g.grads.iter().zip(&g.places) {
+                let norm = grad.f_norm_scalaropt_dtype(2.0, Kind::Double)?.f_double_value(&[])?;
+                out.push((unit, norm * norm));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Multiplies every gradient by `factor` (unscaling, clipping).
+    pub fn scale_grads(&mut self, factor: f64) -> Result<()> {
+        for grad in self.groups.iter().flat_map(|g| g.grads.iter()) {
+            let _ = grad.shallow_clone().f_mul_scalar_(factor)?;
+        }
+        Ok(())
+    }
+}
+
+fn is_low_precision(kind: Kind) -> bool {
+    matches!(kind, Kind::Half | Kind::BFloat16)
 }
 
 impl Drop for Optimizer {

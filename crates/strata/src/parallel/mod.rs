@@ -9,9 +9,12 @@ pub mod zero;
 pub use ddp::{DataParallel, DataParallelOptions, DEFAULT_BUCKET_BYTES};
 
 use crate::comm::{Comm, ProcessGroup};
+use crate::compute::fp8::Fp8Unit;
+use crate::compute::replace::Replacements;
+use crate::compute::UnitCompute;
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
-use crate::strategy::{ShardingStrategy, Strategy};
+use crate::strategy::{select_units, AmpConfig, ShardingStrategy, Strategy};
 use crate::{Error, Result};
 use std::sync::Arc;
 use zero::{ShardGroups, Zero, ZeroOptions};
@@ -37,8 +40,60 @@ impl Placement<'_> {
 }
 
 /// Builds the engine for `spec` as `strategy` says: sharded by zero1/zero2/fsdp, data
-/// parallel over every rank otherwise (with more than one rank), resident on one.
+/// parallel over every rank otherwise (with more than one rank), resident on one; in
+/// `half`'s dtype; with each unit's compute methods (amp_native, fp8, checkpoint,
+/// module_replace). The loss scaling goes to the trainer: [`Strategy::grad_scaling`].
 pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &Placement) -> Result<Engine> {
+    let config = EngineConfig { kind: strategy.half().unwrap_or(config.kind), ..config };
+    let policies = compute_policies(&spec, strategy, config.device)?;
+    let mut engine = build_sharding(spec, config, strategy, at)?;
+    engine.set_compute(policies)?;
+    if let Some(comm) = at.comm.filter(|c| c.size() > 1 && strategy.fp8().is_some()) {
+        engine.set_amax_group(Some(Arc::from(comm.world()?)));
+    }
+    Ok(engine)
+}
+
+/// Each unit's compute policy under `strategy`.
+fn compute_policies(spec: &ModelSpec, strategy: &Strategy, device: tch::Device) -> Result<Vec<UnitCompute>> {
+    let autocast = strategy.amp().map(AmpConfig::kind).transpose()?;
+    let replacements = strategy.module_replace().map(Replacements::select).transpose()?.unwrap_or_default();
+    let recompute = match strategy.checkpoint() {
+        Some(c) => select_units(spec, &c.wrap_class, "checkpoint")?,
+        None => vec![false; spec.units.len()],
+    };
+    let fp8 = strategy.fp8().filter(|_| fp8_supported(device));
+    Ok(recompute
+        .into_iter()
+        .map(|recompute| UnitCompute {
+            autocast,
+            device_autocast: device.is_cuda(),
+            replacements: replacements.clone(),
+            fp8: fp8.map(|c| Fp8Unit::new(c.clone())),
+            recompute,
+        })
+        .collect())
+}
+
+/// fp8 matrix products need sm 8.9 or newer on a GPU; on the CPU libtorch emulates them.
+fn fp8_supported(device: tch::Device) -> bool {
+    let tch::Device::Cuda(index) = device else { return true };
+    match strata_ext::cuda::compute_capability(index) {
+        Ok(cc) if cc >= (8, 9) => true,
+        Ok((major, minor)) => {
+            tracing::warn!(
+                "fp8 needs a GPU of compute capability 8.9 or newer, this one is {major}.{minor}: fp8 is ignored"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::warn!("cannot read the GPU's compute capability ({e}): fp8 is ignored");
+            false
+        }
+    }
+}
+
+fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &Placement) -> Result<Engine> {
     let world = at.world_size();
     let Some((name, shard)) = strategy.sharding() else {
         let mut engine = Engine::new(spec, config)?;

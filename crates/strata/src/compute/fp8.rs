@@ -1,0 +1,306 @@
+//! `fp8`: linear layers computed with libtorch's scaled matrix multiply on fp8 operands,
+//! with Transformer Engine's delayed scaling. Each fp8 linear keeps, for its input, weight
+//! and output gradient, a history of absolute maxima (`amax_history_len` steps); the scale
+//! used in a step comes from the history before it (`fp8_max / amax / 2^margin`, amax the
+//! history's maximum or its most recent entry), refreshed every `interval` steps. Input
+//! and weight are E4M3; the gradient is E5M2 (`HYBRID`) or E4M3.
+use crate::comm::{ProcessGroup, ReduceOp};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use tch::{Kind, Tensor};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Fp8Format {
+    /// E4M3 forward, E5M2 gradients.
+    #[serde(rename = "HYBRID")]
+    Hybrid,
+    #[serde(rename = "E4M3")]
+    E4m3,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AmaxAlgo {
+    Max,
+    MostRecent,
+}
+
+/// The `fp8` method's configuration (Transformer Engine's `DelayedScaling` and ATorch's
+/// `include`/`exclude`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Fp8Config {
+    pub margin: i32,
+    pub interval: u64,
+    pub fp8_format: Fp8Format,
+    pub amax_history_len: usize,
+    pub amax_compute_algo: AmaxAlgo,
+    /// Take the maximum of each amax over the data-parallel ranks.
+    pub reduce_amax: bool,
+    /// Only linear layers whose weight name contains one of these (all when empty).
+    pub include: Vec<String>,
+    /// No linear layer whose weight name contains one of these.
+    pub exclude: Vec<String>,
+}
+
+impl Default for Fp8Config {
+    fn default() -> Self {
+        Fp8Config {
+            margin: 0,
+            interval: 1,
+            fp8_format: Fp8Format::Hybrid,
+            amax_history_len: 1024,
+            amax_compute_algo: AmaxAlgo::Max,
+            reduce_amax: true,
+            include: vec![],
+            exclude: vec![],
+        }
+    }
+}
+
+impl Fp8Config {
+    pub fn validate(&self) -> Result<()> {
+        if self.interval == 0 || self.amax_history_len == 0 {
+            return Err(Error::Config("fp8: interval and amax_history_len must be positive".into()));
+        }
+        Ok(())
+    }
+
+    /// Whether the linear layer with weight `name` and shape `[out, in]` runs in fp8:
+    /// included, not excluded, both dimensions multiples of 16.
+    pub fn applies_to(&self, name: &str, shape: &[i64]) -> bool {
+        let included = self.include.is_empty() || self.include.iter().any(|s| name.contains(s.as_str()));
+        let excluded = self.exclude.iter().any(|s| name.contains(s.as_str()));
+        included && !excluded && shape.len() == 2 && shape.iter().all(|d| d % 16 == 0)
+    }
+}
+
+const E4M3_MAX: f64 = 448.0;
+const E5M2_MAX: f64 = 57344.0;
+
+/// Amax history and scale of one tensor role of one linear layer.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Meter {
+    pub history: VecDeque<f64>,
+    /// Largest amax seen in the current step.
+    pub pending: f64,
+    pub scale: f64,
+}
+
+impl Meter {
+    fn new() -> Meter {
+        Meter { history: VecDeque::new(), pending: 0.0, scale: 1.0 }
+    }
+
+    fn record(&mut self, t: &Tensor) -> Result<()> {
+        let amax = t.f_abs()?.f_max()?.f_to_kind(Kind::Double)?.f_double_value(&[])?;
+        self.pending = self.pending.max(amax);
+        Ok(())
+    }
+}
+
+/// The three meters of one fp8 linear layer.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LinearMeters {
+    pub input: Meter,
+    pub weight: Meter,
+    pub grad: Meter,
+}
+
+/// The fp8 state of one unit: its linear layers in call order.
+pub struct Fp8Unit {
+    pub config: Fp8Config,
+    pub layers: Vec<LinearMeters>,
+    steps: u64,
+}
+
+pub type SharedFp8 = Arc<Mutex<Fp8Unit>>;
+
+impl Fp8Unit {
+    pub fn new(config: Fp8Config) -> SharedFp8 {
+        Arc::new(Mutex::new(Fp8Unit { config, layers: Vec::new(), steps: 0 }))
+    }
+
+    fn maxima(&self) -> (f64, f64) {
+        match self.config.fp8_format {
+            Fp8Format::Hybrid => (E4M3_MAX, E5M2_MAX),
+            Fp8Format::E4m3 => (E4M3_MAX, E4M3_MAX),
+        }
+    }
+
+    /// Ends a step: the step's amaxes (maximum over `group` with `reduce_amax`) enter the
+    /// histories, and every `interval` steps the scales are recomputed from them.
+    pub fn end_step(&mut self, group: Option<&dyn ProcessGroup>) -> Result<()> {
+        let mut pending: Vec<f64> =
+            self.layers.iter().flat_map(|l| [l.input.pending, l.weight.pending, l.grad.pending]).collect();
+        if let (Some(g), true, false) = (group, self.config.reduce_amax, pending.is_empty()) {
+            let t = Tensor::from_slice(&pending);
+            g.all_reduce(&t, ReduceOp::Max)?.wait()?;
+            pending = Vec::<f64>::try_from(&t)?;
+        }
+        self.steps += 1;
+        let refresh = self.steps % self.config.interval == 0;
+        let (fwd_max, grad_max) = self.maxima();
+        let c = &self.config;
+        for (l, amaxes) in self.layers.iter_mut().zip(pending.chunks(3)) {
+            for (meter, (&amax, fp8_max)) in [&mut l.input, &mut l.weight, &mut l.grad]
+                .into_iter()
+                .zip(amaxes.iter().zip([fwd_max, fwd_max, grad_max]))
+            {
+                meter.history.push_back(amax);
+                while meter.history.len() > c.amax_history_len {
+                    meter.history.pop_front();
+                }
+                meter.pending = 0.0;
+                if refresh {
+                    let amax = match c.amax_compute_algo {
+                        AmaxAlgo::Max => meter.history.iter().copied().fold(0.0, f64::max),
+                        AmaxAlgo::MostRecent => meter.history.back().copied().unwrap_or(0.0),
+                    };
+                    if amax > 0.0 && amax.is_finite() {
+                        meter.scale = fp8_max / amax / 2f64.powi(c.margin);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn quantize(t: &Tensor, scale: f64, kind: Kind, max: f64) -> Result<Tensor> {
+    Ok(t.f_to_kind(Kind::Float)?.f_mul_scalar(scale)?.f_clamp(-max, max)?.f_to_kind(kind)?)
+}
+
+fn scale_tensor(scale: f64) -> Tensor {
+    Tensor::from_slice(&[(1.0 / scale) as f32]).reshape([])
+}
+
+/// One fp8 linear: forward and backward as scaled matrix products.
+struct Fp8Linear {
+    state: SharedFp8,
+    slot: usize,
+    /// Record amaxes (not when recomputing a forward already recorded).
+    record: bool,
+    out_kind: Kind,
+    /// The bias's dtype, when there is one.
+    bias_kind: Option<Kind>,
+    scales: (f64, f64, f64),
+    saved: Option<(Tensor, Tensor, Kind, Kind)>,
+}
+
+fn text(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl strata_ext::Function for Fp8Linear {
+    fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let (x, w) = (&inputs[0], &inputs[1]);
+        if self.record {
+            let mut s = self.state.lock().map_err(text)?;
+            let l = &mut s.layers[self.slot];
+            l.input.record(x).map_err(text)?;
+            l.weight.record(w).map_err(text)?;
+        }
+        let (sx, sw, _) = self.scales;
+        let xq = quantize(x, sx, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
+        let wq = quantize(w, sw, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
+        let mut out = xq
+            .f_internal_scaled_mm::<Tensor>(
+                &wq.tr(),
+                &scale_tensor(sx),
+                &scale_tensor(sw),
+                None,
+                None,
+                self.out_kind,
+                false,
+            )
+            .map_err(text)?;
+        if let Some(b) = inputs.get(2) {
+            out = out.f_add(&b.f_to_kind(self.out_kind).map_err(text)?).map_err(text)?;
+        }
+        self.saved = Some((xq, wq, x.kind(), w.kind()));
+        Ok(vec![out])
+    }
+
+    fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let (xq, wq, x_kind, w_kind) = self.saved.take().ok_or("fp8 linear: backward before forward")?;
+        let g = grads[0].contiguous();
+        let (grad_kind, grad_max) = {
+            let mut s = self.state.lock().map_err(text)?;
+            s.layers[self.slot].grad.record(&g).map_err(text)?;
+            match s.config.fp8_format {
+                Fp8Format::Hybrid => (Kind::Float8e5m2, E5M2_MAX),
+                Fp8Format::E4m3 => (Kind::Float8e4m3fn, E4M3_MAX),
+            }
+        };
+        let (sx, sw, sg) = self.scales;
+        let gq = quantize(&g, sg, grad_kind, grad_max).map_err(text)?;
+        // The second operand of a scaled product is column-major: a transposed contiguous copy.
+        let column_major = |t: &Tensor| t.tr().contiguous().tr();
+        let grad_x = gq
+            .f_internal_scaled_mm::<Tensor>(
+                &column_major(&wq),
+                &scale_tensor(sg),
+                &scale_tensor(sw),
+                None,
+                None,
+                x_kind,
+                false,
+            )
+            .map_err(text)?;
+        let grad_w = gq
+            .tr()
+            .contiguous()
+            .f_internal_scaled_mm::<Tensor>(
+                &column_major(&xq),
+                &scale_tensor(sg),
+                &scale_tensor(sx),
+                None,
+                None,
+                w_kind,
+                false,
+            )
+            .map_err(text)?;
+        let mut out = vec![grad_x, grad_w];
+        if let Some(kind) = self.bias_kind {
+            out.push(g.f_sum_dim_intlist(0, false, kind).map_err(text)?);
+        }
+        Ok(out)
+    }
+}
+
+/// `x @ w.T + b` in fp8 for the `slot`-th fp8 linear of a unit; `out_kind` is the result's
+/// dtype. Call order within a unit's forward must be the same every step.
+pub fn linear(
+    state: &SharedFp8,
+    slot: usize,
+    record: bool,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    out_kind: Kind,
+) -> Result<Tensor> {
+    let scales = {
+        let mut s = state.lock().map_err(|e| Error::Engine(e.to_string()))?;
+        while s.layers.len() <= slot {
+            s.layers.push(LinearMeters { input: Meter::new(), weight: Meter::new(), grad: Meter::new() });
+        }
+        let l = &s.layers[slot];
+        (l.input.scale, l.weight.scale, l.grad.scale)
+    };
+    let size = x.size();
+    let k = *size.last().unwrap_or(&1);
+    let x2 = x.f_reshape([-1, k])?;
+    let bias_kind = b.map(Tensor::kind);
+    let f = Fp8Linear { state: state.clone(), slot, record, out_kind, bias_kind, scales, saved: None };
+    let mut inputs = vec![&x2, w];
+    if let Some(b) = b {
+        inputs.push(b);
+    }
+    let out = strata_ext::apply_function(f, &inputs)?.remove(0);
+    let mut shape = size[..size.len() - 1].to_vec();
+    shape.push(w.size()[0]);
+    Ok(out.f_reshape(shape)?)
+}

@@ -1,0 +1,115 @@
+//! Compute methods that act inside a rank, on a unit's forward: mixed precision
+//! (`amp_native`), fp8 linear layers, replaced modules, activation recomputation; and the
+//! loss scaler.
+//!
+//! Owns: each unit's [`UnitCompute`] policy and the context that carries it to the layer
+//! functions of `model::layers` while the engine runs that unit (a thread-local, so units
+//! stay plain functions of their parameters). Must not own storage or the execution order:
+//! the engine sets the context around each unit's forward and recomputation.
+pub mod fp8;
+pub mod replace;
+pub mod scaler;
+
+use crate::Result;
+use fp8::SharedFp8;
+use replace::Replacements;
+use std::cell::RefCell;
+use std::sync::Arc;
+use tch::{Kind, Tensor};
+
+/// What a unit's forward computes with.
+#[derive(Clone, Default)]
+pub struct UnitCompute {
+    /// `amp_native`: matrix products and attention in this dtype; norms, softmax and the
+    /// loss in fp32; parameters stay as they are (fp32 masters).
+    pub autocast: Option<Kind>,
+    /// The unit runs on CUDA: autocast is libtorch's, not the layers' own casts.
+    pub device_autocast: bool,
+    /// `module_replace`: implementations used instead of the reference composites.
+    pub replacements: Replacements,
+    /// `fp8`: the unit's delayed-scaling state.
+    pub fp8: Option<SharedFp8>,
+    /// `checkpoint`: keep no activations in forward; recompute them in backward.
+    pub recompute: bool,
+}
+
+impl UnitCompute {
+    /// Whether the policy changes nothing.
+    pub fn is_plain(&self) -> bool {
+        self.autocast.is_none() && self.fp8.is_none() && !self.recompute && self.replacements.is_empty()
+    }
+}
+
+/// The policy of the unit running now, with what its forward has done so far.
+struct Active {
+    policy: Arc<UnitCompute>,
+    recomputing: bool,
+    /// fp8 linear layers called so far in this forward (their slot in the unit's state).
+    fp8_calls: usize,
+    /// The unit's parameters by storage address, to name a weight handed to a layer.
+    weight_names: Vec<(usize, String)>,
+}
+
+thread_local! {
+    static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` (a unit's forward) under `policy`. `weight_names` maps the unit's parameters'
+/// data addresses to their names (for fp8's include/exclude); `recomputing` marks the
+/// second forward of a checkpointed unit, which must not record fp8 statistics again.
+pub fn run<R>(
+    policy: &Arc<UnitCompute>,
+    weight_names: Vec<(usize, String)>,
+    recomputing: bool,
+    f: impl FnOnce() -> Result<R>,
+) -> Result<R> {
+    let device_autocast = policy.autocast.filter(|_| policy.device_autocast);
+    if let Some(kind) = device_autocast {
+        strata_ext::cuda_autocast(true, kind)?;
+    }
+    let previous = ACTIVE
+        .with(|a| a.borrow_mut().replace(Active { policy: policy.clone(), recomputing, fp8_calls: 0, weight_names }));
+    let result = f();
+    ACTIVE.with(|a| *a.borrow_mut() = previous);
+    if let Some(kind) = device_autocast {
+        strata_ext::cuda_autocast(false, kind)?;
+    }
+    result
+}
+
+fn with_active<R>(f: impl FnOnce(Option<&mut Active>) -> R) -> R {
+    ACTIVE.with(|a| f(a.borrow_mut().as_mut()))
+}
+
+/// The dtype the layers themselves cast matrix products to (CPU `amp_native`).
+pub fn autocast_kind() -> Option<Kind> {
+    with_active(|a| a.and_then(|a| a.policy.autocast.filter(|_| !a.policy.device_autocast)))
+}
+
+/// Whether any autocast (the layers' own or libtorch's) is on: norms and the loss then
+/// compute in fp32.
+pub fn autocast_on() -> bool {
+    with_active(|a| a.is_some_and(|a| a.policy.autocast.is_some()))
+}
+
+/// The replacements of the running unit.
+pub fn replacements() -> Option<Replacements> {
+    with_active(|a| a.map(|a| a.policy.replacements.clone()).filter(|r| !r.is_empty()))
+}
+
+/// `x @ w.T + b` in fp8 when the running unit computes this weight in fp8; `None` when not.
+pub fn fp8_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Option<Result<Tensor>> {
+    let (state, slot, record) = with_active(|a| {
+        let a = a?;
+        let state = a.policy.fp8.clone()?;
+        let name = a.weight_names.iter().find(|(ptr, _)| *ptr == w.data_ptr() as usize).map(|(_, n)| n.clone())?;
+        let applies = state.lock().map(|s| s.config.applies_to(&name, &w.size())).unwrap_or(false);
+        if !applies {
+            return None;
+        }
+        a.fp8_calls += 1;
+        Some((state, a.fp8_calls - 1, !a.recomputing))
+    })?;
+    let out_kind = autocast_kind().unwrap_or(x.kind());
+    Some(fp8::linear(&state, slot, record, x, w, b, out_kind))
+}

@@ -1,0 +1,123 @@
+//! `module_replace`: a registry of replacement pairs — an op of the reference models and a
+//! faster implementation of it, with the dtypes it supports. The reference models compute
+//! attention and norms with plain composites (the eager modules); a strategy with
+//! `module_replace` swaps in the registered implementations wherever the op's dtype is
+//! supported. Built in: `FlashAttention` (libtorch's fused scaled-dot-product attention,
+//! flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm`.
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex, OnceLock};
+use tch::{Kind, Tensor};
+
+pub type AttentionFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
+pub type LayerNormFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
+pub type RmsNormFn = Arc<dyn Fn(&Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
+
+/// The op a pair replaces, with its implementation.
+#[derive(Clone)]
+pub enum Replacement {
+    /// Causal attention over `[B, H, T, D]` queries, keys, values.
+    Attention(AttentionFn),
+    /// Layer norm over the last dimension: input, weight, bias, eps.
+    LayerNorm(LayerNormFn),
+    /// RMS norm over the last dimension: input, weight, eps.
+    RmsNorm(RmsNormFn),
+}
+
+#[derive(Clone)]
+pub struct ReplacePair {
+    pub name: String,
+    pub supported_dtypes: Vec<Kind>,
+    pub with: Replacement,
+}
+
+fn registry() -> &'static Mutex<Vec<ReplacePair>> {
+    static PAIRS: OnceLock<Mutex<Vec<ReplacePair>>> = OnceLock::new();
+    PAIRS.get_or_init(|| {
+        let all = vec![Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16];
+        let attention: AttentionFn = Arc::new(|q, k, v| {
+            Ok(Tensor::f_scaled_dot_product_attention(q, k, v, None::<&Tensor>, 0.0, true, None, false)?)
+        });
+        let layer_norm: LayerNormFn = Arc::new(|x, w, b, eps| {
+            let dim = *x.size().last().unwrap_or(&1);
+            Ok(x.f_layer_norm([dim], Some(w), Some(b), eps, true)?)
+        });
+        let rms_norm: RmsNormFn = Arc::new(|x, w, eps| {
+            let dim = *x.size().last().unwrap_or(&1);
+            Ok(x.f_rms_norm([dim], Some(w), eps)?)
+        });
+        Mutex::new(vec![
+            ReplacePair {
+                name: "FlashAttention".into(),
+                supported_dtypes: all.clone(),
+                with: Replacement::Attention(attention),
+            },
+            ReplacePair {
+                name: "FusedLayerNorm".into(),
+                supported_dtypes: all.clone(),
+                with: Replacement::LayerNorm(layer_norm),
+            },
+            ReplacePair { name: "FusedRMSNorm".into(), supported_dtypes: all, with: Replacement::RmsNorm(rms_norm) },
+        ])
+    })
+}
+
+/// Registers (or replaces) a pair under `name`, used where its op runs in one of
+/// `supported_dtypes` (ATorch's `register_replace_pair`).
+pub fn register_replace_pair(name: &str, supported_dtypes: &[Kind], with: Replacement) {
+    let mut pairs = registry().lock().unwrap_or_else(|e| e.into_inner());
+    pairs.retain(|p| p.name != name);
+    pairs.push(ReplacePair { name: name.to_string(), supported_dtypes: supported_dtypes.to_vec(), with });
+}
+
+/// The names of every registered pair.
+pub fn pair_names() -> Vec<String> {
+    registry().lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.name.clone()).collect()
+}
+
+/// The pairs a unit applies.
+#[derive(Clone, Default)]
+pub struct Replacements {
+    pairs: Vec<ReplacePair>,
+}
+
+impl Replacements {
+    /// The named pairs (every registered one for `None`); an unknown name is an error.
+    pub fn select(names: Option<&[String]>) -> Result<Replacements> {
+        let all = registry().lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(names) = names else { return Ok(Replacements { pairs: all }) };
+        let mut pairs = Vec::new();
+        for n in names {
+            match all.iter().find(|p| &p.name == n) {
+                Some(p) => pairs.push(p.clone()),
+                None => {
+                    let known: Vec<&str> = all.iter().map(|p| p.name.as_str()).collect();
+                    return Err(Error::Config(format!(
+                        "module_replace: no replacement pair {n:?}; registered: {}",
+                        known.join(", ")
+                    )));
+                }
+            }
+        }
+        Ok(Replacements { pairs })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+
+    fn find<T>(&self, kind: Kind, pick: impl Fn(&Replacement) -> Option<T>) -> Option<T> {
+        self.pairs.iter().filter(|p| p.supported_dtypes.contains(&kind)).find_map(|p| pick(&p.with))
+    }
+
+    pub fn attention(&self, kind: Kind) -> Option<AttentionFn> {
+        self.find(kind, |r| if let Replacement::Attention(f) = r { Some(f.clone()) } else { None })
+    }
+
+    pub fn layer_norm(&self, kind: Kind) -> Option<LayerNormFn> {
+        self.find(kind, |r| if let Replacement::LayerNorm(f) = r { Some(f.clone()) } else { None })
+    }
+
+    pub fn rms_norm(&self, kind: Kind) -> Option<RmsNormFn> {
+        self.find(kind, |r| if let Replacement::RmsNorm(f) = r { Some(f.clone()) } else { None })
+    }
+}

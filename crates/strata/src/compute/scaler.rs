@@ -1,0 +1,130 @@
+//! The loss scaler of fp16 training, configured as PatrickStar's `fp16` section: a static
+//! scale, or a dynamic one that halves on overflow (after `hysteresis` overflows) and
+//! doubles after `loss_scale_window` steps without one.
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LossScalerConfig {
+    /// 0 for a dynamic scale; any other value is a static scale (no overflow check).
+    pub loss_scale: f64,
+    /// A dynamic scale starts at 2^this.
+    pub initial_scale_power: u32,
+    /// Steps without overflow before the scale doubles.
+    pub loss_scale_window: u64,
+    /// Overflows tolerated before the scale halves.
+    pub hysteresis: u32,
+    pub min_loss_scale: f64,
+}
+
+impl Default for LossScalerConfig {
+    fn default() -> Self {
+        LossScalerConfig {
+            loss_scale: 0.0,
+            initial_scale_power: 16,
+            loss_scale_window: 1000,
+            hysteresis: 2,
+            min_loss_scale: 1.0,
+        }
+    }
+}
+
+impl LossScalerConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(format!("loss scaler: {m}")));
+        if !(self.loss_scale.is_finite() && self.loss_scale >= 0.0) {
+            return bad(format!("loss_scale must be 0 (dynamic) or positive, got {}", self.loss_scale));
+        }
+        if self.loss_scale_window == 0 || self.hysteresis == 0 {
+            return bad("loss_scale_window and hysteresis must be positive".into());
+        }
+        if !(self.min_loss_scale.is_finite() && self.min_loss_scale > 0.0) || self.initial_scale_power > 126 {
+            return bad("min_loss_scale must be positive and initial_scale_power at most 126".into());
+        }
+        Ok(())
+    }
+}
+
+/// The scaler's state, saved in checkpoints.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaler {
+    pub config: LossScalerConfig,
+    pub scale: f64,
+    /// Overflows still tolerated before the next halving.
+    pub hysteresis_left: u32,
+    /// Steps since the last overflow (or since the last doubling).
+    pub good_steps: u64,
+    pub overflows: u64,
+}
+
+impl LossScaler {
+    pub fn new(config: LossScalerConfig) -> Result<LossScaler> {
+        config.validate()?;
+        let scale =
+            if config.loss_scale > 0.0 { config.loss_scale } else { 2f64.powi(config.initial_scale_power as i32) };
+        let hysteresis_left = config.hysteresis;
+        Ok(LossScaler { config, scale, hysteresis_left, good_steps: 0, overflows: 0 })
+    }
+
+    /// Whether gradients are checked for inf/NaN (a dynamic scale).
+    pub fn is_dynamic(&self) -> bool {
+        self.config.loss_scale == 0.0
+    }
+
+    /// Records one step: `overflow` says whether its gradients were not finite (the step
+    /// was skipped). A dynamic scale halves once the tolerated overflows are used up, and
+    /// doubles after a window of clean steps.
+    pub fn update(&mut self, overflow: bool) {
+        if !self.is_dynamic() {
+            return;
+        }
+        if overflow {
+            self.overflows += 1;
+            self.good_steps = 0;
+            if self.hysteresis_left > 1 {
+                self.hysteresis_left -= 1;
+            } else {
+                self.scale = (self.scale / 2.0).max(self.config.min_loss_scale);
+            }
+            return;
+        }
+        self.good_steps += 1;
+        if self.good_steps == self.config.loss_scale_window {
+            self.scale *= 2.0;
+            self.good_steps = 0;
+            self.hysteresis_left = self.config.hysteresis;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dynamic_scale_halves_after_hysteresis_and_doubles_after_a_clean_window() {
+        let config =
+            LossScalerConfig { initial_scale_power: 4, loss_scale_window: 3, hysteresis: 2, ..Default::default() };
+        let mut s = LossScaler::new(config).unwrap();
+        assert_eq!(s.scale, 16.0);
+        s.update(true);
+        assert_eq!(s.scale, 16.0, "the first overflow is tolerated");
+        s.update(true);
+        assert_eq!(s.scale, 8.0);
+        s.update(true);
+        assert_eq!(s.scale, 4.0, "tolerance stays used up until the scale grows again");
+        for _ in 0..3 {
+            s.update(false);
+        }
+        assert_eq!((s.scale, s.hysteresis_left), (8.0, 2));
+        for _ in 0..20 {
+            s.update(true);
+        }
+        assert_eq!(s.scale, 1.0, "never below min_loss_scale");
+        let mut fixed = LossScaler::new(LossScalerConfig { loss_scale: 128.0, ..Default::default() }).unwrap();
+        fixed.update(true);
+        assert_eq!((fixed.scale, fixed.is_dynamic()), (128.0, false));
+        assert!(LossScaler::new(LossScalerConfig { hysteresis: 0, ..Default::default() }).is_err());
+    }
+}
