@@ -141,7 +141,7 @@ impl Fp8Unit {
             pending = Vec::<f64>::try_from(&t)?;
         }
         self.steps += 1;
-        let refresh = self.steps % self.config.interval == 0;
+        let refresh = self.steps.is_multiple_of(self.config.interval);
         let (fwd_max, grad_max) = self.maxima();
         let c = &self.config;
         for (l, amaxes) in self.layers.iter_mut().zip(pending.chunks(3)) {
