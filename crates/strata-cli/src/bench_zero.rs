@@ -1,12 +1,12 @@
 //! `strata bench zero`: per-rank peak model-state bytes of data parallelism and each ZeRO
 //! stage at several world sizes, against the ZeRO paper's formula, and each stage's
 //! throughput against plain data parallelism at the same world size, measured in one run.
+use crate::bench_runs;
 use crate::options::ModelChoice;
 use crate::train::model_spec;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
-use std::process::Command;
 use strata::model::GptConfig;
 
 #[derive(Args, Debug, Clone)]
@@ -73,30 +73,17 @@ fn formula(method: &str, params: f64, n: f64, (p, g, k): (f64, f64, f64)) -> f64
         }
 }
 
-/// The last step's metrics of rank 0 and the median throughput after warm-up.
+/// Rank 0's peak model-state bytes and median tokens/s after warm-up.
 fn run_one(args: &BenchZeroArgs, n: usize, strategy: &str) -> Result<(u64, f64)> {
-    let dir = tempfile::tempdir()?;
-    let metrics = dir.path().join("m.jsonl");
-    let exe = std::env::current_exe()?;
-    let out = Command::new(exe)
-        .args(["train", "--model", "gpt", "--steps", &args.steps.to_string(), "--schedule", "constant"])
-        .args(["--layers", &args.layers.to_string(), "--heads", &args.heads.to_string()])
-        .args(["--dim", &args.dim.to_string(), "--ctx", &args.ctx.to_string()])
-        .args(["--batch-size", &args.batch_size.to_string(), "--threads", "1", "--log-every", "1000000"])
-        .args(["--nproc", &n.to_string(), "--strategy", strategy])
-        .arg("--metrics")
-        .arg(&metrics)
-        .output()
-        .context("cannot run strata train")?;
-    if !out.status.success() {
-        bail!("{strategy} on {n} ranks failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
-    let text = std::fs::read_to_string(&metrics)?;
-    let rows: Vec<serde_json::Value> = text.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
-    let peak = rows.last().and_then(|r| r["model_state_peak_bytes"].as_u64()).context("no metrics")?;
-    let mut speeds: Vec<f64> = rows.iter().skip(2).filter_map(|r| r["tokens_per_s"].as_f64()).collect();
-    speeds.sort_by(f64::total_cmp);
-    Ok((peak, speeds.get(speeds.len() / 2).copied().unwrap_or(0.0)))
+    let flags = format!(
+        "--model gpt --steps {} --schedule constant --layers {} --heads {} --dim {} --ctx {} --batch-size {} --threads 1 --nproc {n}",
+        args.steps, args.layers, args.heads, args.dim, args.ctx, args.batch_size
+    );
+    let mut argv: Vec<String> = flags.split_whitespace().map(String::from).collect();
+    argv.extend(["--strategy".to_string(), strategy.to_string()]);
+    let run = bench_runs::train(&argv, 2)?;
+    let peak = run.last["model_state_peak_bytes"].as_u64().context("no model-state peak in the metrics")?;
+    Ok((peak, run.tokens_per_s))
 }
 
 pub fn run(args: BenchZeroArgs) -> Result<()> {

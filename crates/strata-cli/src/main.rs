@@ -2,6 +2,8 @@
 //! every failure into one line on stderr with a non-zero exit.
 mod bench;
 mod bench_comm;
+mod bench_methods;
+mod bench_runs;
 mod bench_zero;
 mod launch;
 mod options;
@@ -57,6 +59,9 @@ enum BenchCommand {
     /// Per-rank model-state memory of ddp/zero1/zero2/fsdp against the ZeRO formula, and
     /// their throughput against plain data parallelism.
     Zero(bench_zero::BenchZeroArgs),
+    /// amp_native, half, fp8, checkpoint and module_replace each against none: tokens/s,
+    /// peak allocated bytes and model-state bytes.
+    Methods(bench_methods::BenchMethodsArgs),
 }
 
 fn merge(checkpoint: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()> {
@@ -101,6 +106,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
+        Command::Bench { which: BenchCommand::Methods(a) } => bench_methods::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
     };
     match result {

@@ -60,6 +60,8 @@ fn human_bytes(b: u64) -> String {
 }
 
 pub fn run(settings: TrainSettings) -> Result<()> {
+    // Count every CPU allocation from here on (activation memory in the metrics).
+    strata_ext::cpu_memory::track()?;
     if let Some(t) = settings.threads {
         tch::set_num_threads(t);
     }

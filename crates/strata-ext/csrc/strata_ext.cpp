@@ -13,6 +13,8 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
+#include <mutex>
+#include <unordered_map>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -35,39 +37,59 @@ namespace {
 
 // Counts the bytes of every CPU allocation made through libtorch (current and peak), by
 // wrapping the default allocator; memory allocated before it was installed is not counted.
+// Allocations stay plain pointers (context == data, as some kernels require), so sizes and
+// the wrapped deleters are kept in a table.
 struct CountingAllocator final : c10::Allocator {
-  c10::Allocator* base;
+  c10::Allocator* base = nullptr;
   std::atomic<int64_t> current{0};
   std::atomic<int64_t> peak{0};
+  std::mutex lock;
+  std::unordered_map<void*, std::pair<size_t, c10::DeleterFnPtr>> live;
 
-  struct Held {
-    c10::DataPtr inner;
-    size_t bytes;
-    CountingAllocator* owner;
-  };
+  static CountingAllocator* instance;
 
-  static void release(void* ctx) {
-    auto* held = static_cast<Held*>(ctx);
-    held->owner->current.fetch_sub(static_cast<int64_t>(held->bytes));
-    delete held;
+  static void release(void* ptr) {
+    CountingAllocator* self = instance;
+    std::pair<size_t, c10::DeleterFnPtr> entry{0, nullptr};
+    {
+      std::lock_guard<std::mutex> guard(self->lock);
+      auto it = self->live.find(ptr);
+      if (it == self->live.end()) return;
+      entry = it->second;
+      self->live.erase(it);
+    }
+    self->current.fetch_sub(static_cast<int64_t>(entry.first));
+    if (entry.second != nullptr) entry.second(ptr);
   }
 
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = base->allocate(n);
     void* data = inner.get();
     c10::Device device = inner.device();
-    auto* held = new Held{std::move(inner), n, this};
+    c10::DeleterFnPtr deleter = inner.get_deleter();
+    if (data == nullptr || inner.get_context() != data) return inner;  // not ours to count
+    inner.release_context();
+    {
+      std::lock_guard<std::mutex> guard(lock);
+      live[data] = {n, deleter};
+    }
     int64_t now = current.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
     int64_t seen = peak.load();
     while (now > seen && !peak.compare_exchange_weak(seen, now)) {
     }
-    return c10::DataPtr(data, held, &CountingAllocator::release, device);
+    return c10::DataPtr(data, data, &CountingAllocator::release, device);
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &CountingAllocator::release;
   }
 
   void copy_data(void* dest, const void* src, size_t count) const override {
     default_copy_data(dest, src, count);
   }
 };
+
+CountingAllocator* CountingAllocator::instance = nullptr;
 
 CountingAllocator* counting_allocator = nullptr;
 
@@ -659,6 +681,7 @@ int strata_cpu_memory_track() {
     if (counting_allocator != nullptr) return;
     auto* counter = new CountingAllocator();
     counter->base = c10::GetDefaultCPUAllocator();
+    CountingAllocator::instance = counter;
     c10::SetCPUAllocator(counter, /*priority=*/1);
     counting_allocator = counter;
   });

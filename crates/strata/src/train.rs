@@ -32,6 +32,9 @@ pub struct StepReport {
     pub loss_scale: Option<f64>,
     /// Whether the update was skipped because gradients were not finite.
     pub skipped: bool,
+    /// Peak bytes libtorch's allocator held during the step (activations inside units
+    /// included), this rank; on the CPU once tracking is on.
+    pub allocator_peak_bytes: Option<u64>,
     /// Peak bytes of parameters, gradients and optimizer state (model states), this rank.
     pub model_state_peak_bytes: u64,
     /// What the engine and optimizer hold now and at their peak, per placement and category.
@@ -80,6 +83,8 @@ impl Trainer {
     /// finite and the scaling says to check.
     pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
         let start = Instant::now();
+        let device = self.engine.config().device;
+        memory::reset_allocator_peak(device);
         let factor = self.schedule.factor(self.step);
         let scale = self.scaling.scaler.as_ref().map_or(1.0, |s| s.scale);
         self.optimizer.set_lr_factor(factor);
@@ -132,6 +137,7 @@ impl Trainer {
             seconds,
             tokens_per_s: tokens as f64 / seconds.max(1e-12),
             peak_bytes: self.engine.ledger().peak_total(),
+            allocator_peak_bytes: memory::allocator_peak(device),
             model_state_peak_bytes: self.engine.ledger().model_state_peak(),
             memory: self.engine.ledger().report(),
             rss_peak_bytes: memory::process_peak_rss(),

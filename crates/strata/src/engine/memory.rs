@@ -144,6 +144,24 @@ pub fn tensor_bytes(t: &tch::Tensor) -> u64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as u64
 }
 
+/// Starts a new allocator peak on `device` (the CPU's counts only once tracking is on:
+/// [`strata_ext::cpu_memory::track`]).
+pub fn reset_allocator_peak(device: tch::Device) {
+    let _ = match device {
+        tch::Device::Cuda(i) => strata_ext::cuda::reset_peak_stats(i),
+        _ => strata_ext::cpu_memory::reset_peak(),
+    };
+}
+
+/// Peak bytes libtorch's allocator handed out on `device` since the last reset: every
+/// tensor, activations inside units included. `None` when it is not tracked.
+pub fn allocator_peak(device: tch::Device) -> Option<u64> {
+    match device {
+        tch::Device::Cuda(i) => strata_ext::cuda::memory_stats(i).ok().map(|s| s.allocated_peak as u64),
+        _ => strata_ext::cpu_memory::stats().ok().map(|(_, peak)| peak as u64),
+    }
+}
+
 /// Peak resident set size of this process (Linux `VmHWM`), if the system reports it.
 pub fn process_peak_rss() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;

@@ -1,0 +1,34 @@
+//! Runs of `strata train` as child processes, for benchmarks that compare configurations:
+//! each run gets a process of its own, so peaks of memory are its own.
+use anyhow::{bail, Context, Result};
+use std::process::Command;
+
+/// What one run measured.
+pub struct RunFigures {
+    /// The last step's metrics (rank 0).
+    pub last: serde_json::Value,
+    /// Median tokens/s over the steps after `warmup`.
+    pub tokens_per_s: f64,
+}
+
+/// Runs `strata train ARGS --metrics TMP` and reads its metrics.
+pub fn train(args: &[String], warmup: usize) -> Result<RunFigures> {
+    let dir = tempfile::tempdir()?;
+    let metrics = dir.path().join("m.jsonl");
+    let out = Command::new(std::env::current_exe()?)
+        .arg("train")
+        .args(args)
+        .args(["--log-every", "1000000", "--metrics"])
+        .arg(&metrics)
+        .output()
+        .context("cannot run strata train")?;
+    if !out.status.success() {
+        bail!("strata train {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let text = std::fs::read_to_string(&metrics)?;
+    let rows: Vec<serde_json::Value> = text.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
+    let last = rows.last().cloned().context("the run wrote no metrics")?;
+    let mut speeds: Vec<f64> = rows.iter().skip(warmup).filter_map(|r| r["tokens_per_s"].as_f64()).collect();
+    speeds.sort_by(f64::total_cmp);
+    Ok(RunFigures { last, tokens_per_s: speeds.get(speeds.len() / 2).copied().unwrap_or(0.0) })
+}
