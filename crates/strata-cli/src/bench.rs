@@ -10,9 +10,11 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 use strata::data::{Batch, Step};
-use strata::engine::{memory, Engine, EngineConfig};
+use strata::engine::{memory, EngineConfig};
 use strata::model::GptConfig;
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
+use strata::parallel::{self, Placement};
+use strata::strategy::Strategy;
 use strata::train::Trainer;
 use tch::{Kind, Tensor};
 
@@ -82,7 +84,10 @@ struct StrataSide {
 
 impl StrataSide {
     fn new(cfg: &GptConfig, batch_size: i64) -> Result<StrataSide> {
-        let mut engine = Engine::new(model_spec(&ModelChoice::Gpt(cfg.clone()))?, EngineConfig::default())?;
+        // The reference uses fused attention and layer norm: so does this side.
+        let strategy = Strategy::parse(r#"["module_replace"]"#)?;
+        let spec = model_spec(&ModelChoice::Gpt(cfg.clone()))?;
+        let mut engine = parallel::build_engine(spec, EngineConfig::default(), &strategy, &Placement::single())?;
         let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
         let trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
         let batches = (0..4)

@@ -497,6 +497,9 @@ mod tests {
             r#"[["fsdp", {"sharding_strategy": "SHARD_GRAD_OP", "forward_prefetch": true}]]"#,
             r#"["parallel_mode", ["zero1", {"mixed_precision": {"param_dtype": "bf16"}}]]"#,
             r#"[["parallel_mode", [[["data", 4]], null]], ["fsdp", {"atorch_wrap_cls": ["GptBlock"]}]]"#,
+            r#"[["amp_native", {"dtype": "bf16", "skip_if_nonfinite": true}], ["checkpoint", ["GptBlock"]], "module_replace"]"#,
+            r#"[["half", "bf16"], ["fp8", {"fp8_format": "E4M3", "amax_compute_algo": "most_recent"}], ["checkpoint", {"wrap_class": ["GptBlock"]}]]"#,
+            r#"[["amp_native", {"loss_scaler": {"loss_scale": 1024}}], ["module_replace", ["FlashAttention"]], "zero2"]"#,
             "[]",
         ] {
             let s = Strategy::parse(text).unwrap();
@@ -507,6 +510,14 @@ mod tests {
         let (name, c) = s.sharding().unwrap();
         assert_eq!((name, c.stage(name)), ("fsdp", (Stage::Parameters, true)));
         assert_eq!(c.backward_prefetch(), Some(BackwardPrefetch::Pre), "FSDP's default");
+        // fp16 amp scales dynamically and checks; bf16 neither, unless asked.
+        let fp16 = Strategy::parse(r#"["amp_native"]"#).unwrap().grad_scaling().unwrap();
+        assert!(fp16.scaler.as_ref().is_some_and(|s| s.is_dynamic() && s.scale == 65536.0) && fp16.skip_if_nonfinite);
+        let bf16 = Strategy::parse(r#"[["amp_native", {"dtype": "bf16"}]]"#).unwrap().grad_scaling().unwrap();
+        assert!(bf16.scaler.is_none() && !bf16.skip_if_nonfinite);
+        let checked = r#"[["amp_native", {"dtype": "bf16", "skip_if_nonfinite": true}]]"#;
+        assert!(Strategy::parse(checked).unwrap().grad_scaling().unwrap().skip_if_nonfinite);
+        assert_eq!(Strategy::parse(r#"["half"]"#).unwrap().half(), Some(Kind::Half));
     }
 
     #[test]
@@ -514,7 +525,7 @@ mod tests {
         for (text, expected) in [
             ("zero2", "must be JSON"),
             (r#"{"zero2": {}}"#, "JSON list"),
-            (r#"["zero4"]"#, "allowed: parallel_mode, zero1, zero2, fsdp"),
+            (r#"["zero4"]"#, "allowed: parallel_mode, amp_native, half, fp8, checkpoint, module_replace, zero1"),
             (r#"[["fsdp", {"sharding": 1}]]"#, "unknown field `sharding`"),
             (r#"[["fsdp", {"sharding_strategy": "HALF_SHARD"}]]"#, "FULL_SHARD"),
             (r#"[["zero2", {"sharding_strategy": "FULL_SHARD"}]]"#, "belongs to fsdp"),
@@ -523,6 +534,11 @@ mod tests {
             (r#"[["fsdp", {"mixed_precision": {"param_dtype": "int8"}}]]"#, "allowed: bf16, fp16, fp32"),
             (r#"[["parallel_mode", [[["tensor", 2]], null]]]"#, "allowed: data"),
             (r#"[["fsdp", {"atorch_wrap_cls": ["X"], "atorch_size_based_min_num_params": 5}]]"#, "exclude each other"),
+            (r#"["checkpoint"]"#, "give the units to recompute"),
+            (r#"[["checkpoint", []]]"#, "list of units is empty"),
+            (r#"[["amp_native", {"dtype": "fp32"}]]"#, "fp16 or bf16"),
+            (r#"["half", ["fsdp", {"mixed_precision": {"param_dtype": "bf16"}}]]"#, "half and a mixed_precision"),
+            (r#"[["fp8", {"interval": 0}]]"#, "interval and amax_history_len must be positive"),
         ] {
             let err = Strategy::parse(text).unwrap_err().to_string();
             assert!(err.contains(expected), "{text}: {err}");

@@ -1,0 +1,89 @@
+//! The compute methods through `strata train --strategy`: mixed and half precision follow
+//! the fp32 run, every method gives the same parameters on 2 ranks under zero2 and fsdp as
+//! in one process, and bad configurations are one-line errors that list what is allowed.
+mod common;
+
+use common::{global_gap, losses, stderr, strata, strata_env};
+use std::path::{Path, PathBuf};
+
+const MODEL: [&str; 12] =
+    ["--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32", "--seed", "3"];
+const RUN: [&str; 8] = ["--batch-size", "8", "--schedule", "constant", "--threads", "1", "--log-every", "1000"];
+
+/// Trains `steps` AdamW steps with `strategy` and `extra` flags; returns (weights, metrics).
+fn train(dir: &Path, name: &str, steps: &str, strategy: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
+    let (w, m) = (dir.join(format!("{name}.st")), dir.join(format!("{name}.jsonl")));
+    let files = ["--save-weights", w.to_str().unwrap(), "--metrics", m.to_str().unwrap()];
+    let args = [&["train"][..], &MODEL, &RUN, &["--steps", steps, "--strategy", strategy], &files, extra].concat();
+    let o = strata(&args);
+    assert!(o.status.success(), "{strategy} {extra:?}:\n{}", stderr(&o));
+    (w, m)
+}
+
+#[test]
+fn mixed_and_half_precision_follow_the_fp32_loss_curve() {
+    let dir = tempfile::tempdir().unwrap();
+    let fp32 = losses(&train(dir.path(), "fp32", "20", "[]", &[]).1);
+    // bf16 keeps 8 significant bits, fp16 11: one rounding of the logits moves the loss by
+    // about 2^-9 of its size; over 20 steps the curves may drift apart a few times that.
+    // Bound: 2% of the loss at every step for amp (fp32 masters), 5% for half (no masters).
+    for (strategy, bound) in [
+        (r#"[["amp_native", {"dtype": "bf16"}]]"#, 0.02),
+        (r#"["amp_native"]"#, 0.02),
+        (r#"[["half", "bf16"]]"#, 0.05),
+        (r#"["half"]"#, 0.05),
+    ] {
+        let curve = losses(&train(dir.path(), "low", "20", strategy, &[]).1);
+        let worst = fp32.iter().zip(&curve).map(|((_, a), (_, b))| (a - b).abs() / a).fold(0.0, f64::max);
+        eprintln!("{strategy}: largest relative loss difference {worst:.2e}");
+        assert!(worst < bound, "{strategy}: {worst:e}");
+        assert!(curve[19].1 < curve[0].1 - 0.5, "{strategy} trains: {:?}", curve);
+    }
+}
+
+#[test]
+fn every_method_combines_with_zero2_and_fsdp_on_2_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    // Exact methods compute the same values in any layout (1e-5, as for the ZeRO stages
+    // alone); low-precision ones round differently when the batch is split (2e-2, five
+    // bf16 ulps, as for a bf16 param_dtype; 5e-2 for fp8, whose E4M3 keeps 3 bits).
+    for (method, bound) in [
+        (r#"["checkpoint", ["GptBlock"]]"#, 1e-5),
+        (r#""module_replace""#, 1e-5),
+        (r#"["amp_native", {"dtype": "bf16"}]"#, 2e-2),
+        (r#""amp_native""#, 2e-2),
+        (r#"["half", "bf16"]"#, 2e-2),
+        (r#"["fp8", {"exclude": ["lm_head"]}]"#, 5e-2),
+    ] {
+        let one = train(dir.path(), "one", "6", &format!("[{method}]"), &[]).0;
+        for sharding in [r#""zero2""#, r#""fsdp""#] {
+            let strategy = format!("[{method}, {sharding}]");
+            let two = train(dir.path(), "two", "6", &strategy, &["--nproc", "2"]).0;
+            let gap = global_gap(&one, &two);
+            eprintln!("{strategy}: {gap:.2e}");
+            assert!(gap < bound, "{strategy}: parameters differ by {gap:e}");
+        }
+    }
+}
+
+#[test]
+fn bad_method_configurations_are_one_line_errors_listing_what_is_allowed() {
+    for (strategy, expected) in [
+        (r#"[["amp_native", {"dtype": "fp12"}]]"#, "allowed: bf16, fp16, fp32"),
+        (r#"[["fp8", {"fp8_format": "E5M3"}]]"#, "expected `HYBRID` or `E4M3`"),
+        (r#"[["checkpoint", ["Transformer"]]]"#, "its unit kinds are GptEmbedding, GptBlock, GptHead"),
+        (r#"["half", "amp_native"]"#, "half and amp_native cannot be combined"),
+        (r#"[["half", "int8"]]"#, "allowed: bf16, fp16, fp32"),
+        (r#"[["module_replace", ["FastGelu"]]]"#, "registered: FlashAttention, FusedLayerNorm, FusedRMSNorm"),
+        (r#"[["amp_native", {"loss_scaler": {"hysteresis": 0}}]]"#, "hysteresis must be positive"),
+    ] {
+        let o = strata_env(
+            &[&["train"][..], &MODEL, &RUN, &["--steps", "1", "--strategy", strategy]].concat(),
+            &[("STRATA_LOG", "error")],
+        );
+        assert!(!o.status.success(), "{strategy}");
+        let err = stderr(&o);
+        assert_eq!(err.trim().lines().count(), 1, "{strategy}: {err}");
+        assert!(err.contains(expected), "{strategy}: expected {expected:?} in {err}");
+    }
+}

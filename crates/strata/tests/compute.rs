@@ -1,0 +1,208 @@
+//! The compute methods inside one process: the loss scaler's skip and recovery, fp8
+//! numerics and delayed scaling, recomputation's gradients and memory, replaced modules
+//! against the reference ones, and where amp_native computes in which dtype.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use strata::compute::fp8::{self, AmaxAlgo, Fp8Config, Fp8Unit};
+use strata::compute::replace::Replacements;
+use strata::compute::{self, UnitCompute};
+use strata::data::{Batch, Step};
+use strata::engine::{Engine, EngineConfig};
+use strata::model::{self, layers, Builder, GptConfig};
+use strata::optim::{Optimizer, OptimizerConfig, Schedule};
+use strata::parallel::{build_engine, Placement};
+use strata::strategy::Strategy;
+use strata::train::Trainer;
+use tch::{Device, Kind, Tensor};
+
+/// The tests of this file run one at a time: the CPU allocator's counts are per process.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const GPT: GptConfig = GptConfig { vocab: 32, ctx: 16, layers: 2, heads: 2, dim: 32 };
+
+fn spec() -> strata::model::ModelSpec {
+    let mut b = Builder::new();
+    model::gpt(&GPT, &mut b).unwrap();
+    b.build().unwrap()
+}
+
+fn step(seed: i64) -> Step {
+    tch::manual_seed(seed);
+    let tokens = Tensor::randint(32, [4, 17], (Kind::Int64, Device::Cpu));
+    Step { index: 0, micro_batches: vec![Batch { inputs: tokens.narrow(1, 0, 16), targets: tokens.narrow(1, 1, 16) }] }
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+    (&a - &b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
+}
+
+#[test]
+fn the_loss_scaler_skips_non_finite_steps_lowers_the_scale_and_recovers() {
+    let _serial = serial();
+    let strategy = Strategy::parse(
+        r#"[["amp_native", {"dtype": "fp16", "loss_scaler": {"initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}}]]"#,
+    )
+    .unwrap();
+    let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &Placement::single()).unwrap();
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+    let mut t = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+    t.scaling = strategy.grad_scaling().unwrap();
+    // Injection: while set, one weight's gradient is replaced by infinities.
+    let poison = Arc::new(AtomicBool::new(false));
+    let flag = poison.clone();
+    let weight = t.engine.param_by_name("transformer.h.0.mlp.c_fc.weight").unwrap().shallow_clone();
+    let _hook =
+        strata_ext::register_hook(&weight, move |g| flag.load(Ordering::Relaxed).then(|| g.full_like(f64::INFINITY)))
+            .unwrap();
+    let first = t.train_step(&step(1)).unwrap();
+    assert_eq!((first.skipped, first.loss_scale), (false, Some(256.0)));
+    poison.store(true, Ordering::Relaxed);
+    let before = weight.detach().copy();
+    let bad = t.train_step(&step(2)).unwrap();
+    assert!(bad.skipped, "non-finite gradients skip the update");
+    assert!(weight.equal(&before), "a skipped step leaves the parameters alone");
+    poison.store(false, Ordering::Relaxed);
+    let next = t.train_step(&step(3)).unwrap();
+    assert_eq!((next.skipped, next.loss_scale), (false, Some(128.0)), "the scale halved after the overflow");
+    assert!(!weight.equal(&before), "training goes on");
+    t.train_step(&step(4)).unwrap();
+    assert_eq!(t.scaling.scaler.as_ref().unwrap().scale, 256.0, "two clean steps double it again");
+}
+
+#[test]
+fn fp8_linear_stays_close_to_fp32_and_its_scaling_follows_the_history() {
+    let _serial = serial();
+    tch::manual_seed(0);
+    let x = Tensor::randn([32, 64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let w = (Tensor::randn([48, 64], (Kind::Float, Device::Cpu)) * 0.1).set_requires_grad(true);
+    let b = Tensor::randn([48], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let reference = x.linear(&w, Some(&b));
+    let config = Fp8Config { amax_history_len: 3, interval: 2, ..Default::default() };
+    let state = Fp8Unit::new(config);
+    let mut errors = (0.0, 0.0, 0.0);
+    for s in 0..4 {
+        let out = fp8::linear(&state, 0, true, &x, &w, Some(&b), Kind::Float).unwrap();
+        errors.0 = rel(&out, &reference);
+        let got = Tensor::run_backward(&[&out], &[&x, &w], false, false);
+        let want = Tensor::run_backward(&[&x.linear(&w, Some(&b))], &[&x, &w], false, false);
+        errors.1 = rel(&got[0], &want[0]);
+        errors.2 = rel(&got[1], &want[1]);
+        let scale_before = state.lock().unwrap().layers[0].input.scale;
+        state.lock().unwrap().end_step(None).unwrap();
+        let st = state.lock().unwrap();
+        let meters = &st.layers[0];
+        assert_eq!(meters.input.history.len(), (s + 1).min(3), "history keeps amax_history_len entries");
+        let amax = x.abs().max().double_value(&[]);
+        assert!((meters.input.history.back().unwrap() - amax).abs() < 1e-6);
+        if s % 2 == 1 {
+            assert!((meters.input.scale - 448.0 / amax).abs() < 1e-3, "refreshed every interval steps");
+            assert!((meters.grad.scale - 57344.0 / meters.grad.history.back().unwrap()).abs() < 1e-2, "E5M2 gradients");
+        } else {
+            assert_eq!(meters.input.scale, scale_before, "not refreshed between intervals");
+        }
+    }
+    // E4M3 keeps 3 mantissa bits (relative rounding up to 2^-4), E5M2 two (2^-3); products
+    // of 64 terms average the errors down. Bounds: 5% forward, 10% gradients.
+    eprintln!(
+        "fp8 relative errors: output {:.3e}, input grad {:.3e}, weight grad {:.3e}",
+        errors.0, errors.1, errors.2
+    );
+    assert!(errors.0 < 0.05 && errors.1 < 0.1 && errors.2 < 0.1, "{errors:?}");
+    let recent = Fp8Unit::new(Fp8Config { amax_compute_algo: AmaxAlgo::MostRecent, ..Default::default() });
+    for scale in [4.0, 1.0] {
+        fp8::linear(&recent, 0, true, &(&x * scale), &w, None, Kind::Float).unwrap();
+        recent.lock().unwrap().end_step(None).unwrap();
+    }
+    let amax = x.abs().max().double_value(&[]);
+    assert!(
+        (recent.lock().unwrap().layers[0].input.scale - 448.0 / amax).abs() < 1e-3,
+        "most_recent ignores older maxima"
+    );
+}
+
+fn grads_and_peak(recompute: bool) -> (Vec<Tensor>, i64) {
+    strata_ext::cpu_memory::track().unwrap();
+    let mut e = Engine::new(spec(), EngineConfig::default()).unwrap();
+    let policy = UnitCompute { recompute, ..Default::default() };
+    let n = e.spec().units.len();
+    e.set_compute(
+        (0..n).map(|k| UnitCompute { recompute: recompute && k > 0 && k < n - 1, ..policy.clone() }).collect(),
+    )
+    .unwrap();
+    let s = step(7);
+    let batch = &s.micro_batches[0];
+    let base = strata_ext::cpu_memory::stats().unwrap().0;
+    strata_ext::cpu_memory::reset_peak().unwrap();
+    let out = e.forward(&batch.inputs).unwrap();
+    e.backward(&layers::cross_entropy(&out, &batch.targets).unwrap()).unwrap();
+    let peak = strata_ext::cpu_memory::stats().unwrap().1 - base;
+    (e.storage().iter().map(|s| s.grad.copy()).collect(), peak)
+}
+
+#[test]
+fn recomputed_units_give_the_same_gradients_with_less_memory() {
+    let _serial = serial();
+    let (plain, plain_peak) = grads_and_peak(false);
+    let (recomputed, recomputed_peak) = grads_and_peak(true);
+    for (a, b) in plain.iter().zip(&recomputed) {
+        assert!(a.equal(b), "recomputation gives exactly the same gradients");
+    }
+    eprintln!("forward+backward peak: {plain_peak} bytes plain, {recomputed_peak} recomputing the blocks");
+    assert!(recomputed_peak < plain_peak, "{recomputed_peak} < {plain_peak}");
+}
+
+#[test]
+fn replaced_modules_match_the_reference_ones() {
+    let _serial = serial();
+    tch::manual_seed(3);
+    let all = Arc::new(UnitCompute { replacements: Replacements::select(None).unwrap(), ..Default::default() });
+    for (kind, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2e-2)] {
+        let q = Tensor::randn([2, 2, 8, 16], (kind, Device::Cpu));
+        let k = Tensor::randn([2, 2, 8, 16], (kind, Device::Cpu));
+        let v = Tensor::randn([2, 2, 8, 16], (kind, Device::Cpu));
+        let x = Tensor::randn([2, 8, 16], (kind, Device::Cpu));
+        let (w, b) = (Tensor::randn([16], (kind, Device::Cpu)), Tensor::randn([16], (kind, Device::Cpu)));
+        let reference = [
+            layers::causal_attention(&q, &k, &v).unwrap(),
+            layers::layer_norm(&x, &w, &b, 1e-5).unwrap(),
+            layers::rms_norm(&x, &w, 1e-6).unwrap(),
+        ];
+        let replaced = compute::run(&all, vec![], false, || {
+            Ok([
+                layers::causal_attention(&q, &k, &v)?,
+                layers::layer_norm(&x, &w, &b, 1e-5)?,
+                layers::rms_norm(&x, &w, 1e-6)?,
+            ])
+        })
+        .unwrap();
+        for (name, (a, r)) in ["attention", "layer norm", "rms norm"].iter().zip(reference.iter().zip(&replaced)) {
+            assert_eq!(a.kind(), r.kind());
+            let err = rel(r, a);
+            assert!(err < tol, "{name} in {kind:?}: {err:e}");
+        }
+    }
+    assert!(Replacements::select(Some(&["NoSuchPair".to_string()])).is_err());
+}
+
+#[test]
+fn amp_computes_products_in_low_precision_and_norms_and_loss_in_fp32() {
+    let _serial = serial();
+    let amp = Arc::new(UnitCompute { autocast: Some(Kind::BFloat16), ..Default::default() });
+    let x = Tensor::randn([2, 4, 16], (Kind::Float, Device::Cpu));
+    let w = Tensor::randn([16, 16], (Kind::Float, Device::Cpu));
+    let ones = Tensor::ones([16], (Kind::Float, Device::Cpu));
+    let (y, n, l) = compute::run(&amp, vec![], false, || {
+        let y = layers::linear(&x, &w, None)?;
+        let n = layers::layer_norm(&y, &ones, &ones.zeros_like(), 1e-5)?;
+        let l = layers::cross_entropy(&y, &Tensor::zeros([2, 4], (Kind::Int64, Device::Cpu)))?;
+        Ok((y, n, l))
+    })
+    .unwrap();
+    assert_eq!((y.kind(), n.kind(), l.kind()), (Kind::BFloat16, Kind::Float, Kind::Float));
+    assert_eq!(layers::linear(&x, &w, None).unwrap().kind(), Kind::Float, "outside a unit nothing is cast");
+}
