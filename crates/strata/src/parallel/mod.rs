@@ -14,7 +14,7 @@ use crate::compute::replace::Replacements;
 use crate::compute::UnitCompute;
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
-use crate::strategy::{select_units, AmpConfig, ShardingStrategy, Strategy};
+use crate::strategy::{select_units, AmpConfig, ParallelMode, ShardingStrategy, Strategy};
 use crate::{Error, Result};
 use std::sync::Arc;
 use zero::{ShardGroups, Zero, ZeroOptions};
@@ -95,7 +95,17 @@ fn fp8_supported(device: tch::Device) -> bool {
 
 fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &Placement) -> Result<Engine> {
     let world = at.world_size();
+    let mode = strategy.parallel_mode();
+    for dim in ["tensor", "pipeline"] {
+        if mode.size(dim, world)? > 1 {
+            return Err(Error::Config(format!("parallel_mode: {dim} parallelism is not available yet")));
+        }
+    }
+    let zero_size = mode.size("zero", world)?;
     let Some((name, shard)) = strategy.sharding() else {
+        if zero_size > 1 {
+            return Err(Error::Config("parallel_mode: a zero dimension needs zero1, zero2 or fsdp".into()));
+        }
         let mut engine = Engine::new(spec, config)?;
         if let Some(comm) = at.comm.filter(|_| world > 1) {
             DataParallel::install(&mut engine, Arc::from(comm.world()?), at.data_parallel)?;
@@ -115,7 +125,18 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         param_dtype,
         reduce_dtype,
     };
+    // Shard groups are parallel_mode's zero groups, replicas its data groups; without a
+    // zero dimension the sharding strategy says how many ranks share a shard group.
+    let explicit = mode.0.iter().any(|(n, _)| n == "zero");
     let shard_size = match shard.sharding_strategy {
+        _ if explicit => {
+            if shard.sharding_strategy == Some(ShardingStrategy::HybridShard) || shard.hybrid_shard_size.is_some() {
+                return Err(Error::Config(format!(
+                    "{name}: give the shard group size once, as parallel_mode's zero size or as hybrid_shard_size"
+                )));
+            }
+            zero_size
+        }
         Some(ShardingStrategy::NoShard) => 1,
         Some(ShardingStrategy::HybridShard) => shard.hybrid_shard_size.unwrap_or(at.local_world_size),
         _ => world,
@@ -125,32 +146,24 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
             "{name}: a shard group of {shard_size} ranks does not divide the world size {world}"
         )));
     }
+    let layout = ParallelMode(vec![("zero".into(), shard_size), ("data".into(), 0)], mode.1.clone()).groups(world)?;
     let groups = match at.comm.filter(|_| world > 1) {
         None => ShardGroups { shard: None, replicate: None, world: None },
-        Some(comm) => shard_groups(comm, shard_size)?,
+        Some(comm) => ShardGroups {
+            shard: my_group(comm, &layout["zero"])?,
+            replicate: my_group(comm, &layout["data"])?,
+            world: Some(Arc::from(comm.world()?)),
+        },
     };
     Zero::build(spec, config, groups, options)
 }
 
-/// Shard groups of `shard_size` consecutive ranks, and replica groups of the ranks at the
-/// same position in each shard group. Every rank creates every group, in the same order.
-fn shard_groups(comm: &Comm, shard_size: usize) -> Result<ShardGroups> {
-    let world = comm.size();
-    let replicas = world / shard_size;
-    let mut shard = None;
-    let mut replicate = None;
-    if shard_size > 1 {
-        for g in 0..replicas {
-            let ranks: Vec<usize> = (g * shard_size..(g + 1) * shard_size).collect();
-            shard = shard.or(comm.new_group(&ranks)?);
-        }
+/// Creates every group of `lists` (every rank creates every group, in the same order) and
+/// returns the one holding this rank, unless it is a group of one.
+fn my_group(comm: &Comm, lists: &[Vec<usize>]) -> Result<Option<Arc<dyn ProcessGroup>>> {
+    let mut mine = None;
+    for ranks in lists.iter().filter(|r| r.len() > 1) {
+        mine = mine.or(comm.new_group(ranks)?);
     }
-    if replicas > 1 {
-        for i in 0..shard_size {
-            let ranks: Vec<usize> = (0..replicas).map(|g| g * shard_size + i).collect();
-            replicate = replicate.or(comm.new_group(&ranks)?);
-        }
-    }
-    let arc = |g: Option<Box<dyn ProcessGroup>>| g.map(Arc::<dyn ProcessGroup>::from);
-    Ok(ShardGroups { shard: arc(shard), replicate: arc(replicate), world: Some(Arc::from(comm.world()?)) })
+    Ok(mine.map(Arc::<dyn ProcessGroup>::from))
 }

@@ -6,6 +6,10 @@
 //! text or values, validation (errors name the bad method or field and list what is
 //! allowed) and serialisation back to the same form. Must not execute anything: the
 //! `parallel` module turns a validated strategy into an engine.
+mod parallel_mode;
+
+pub use parallel_mode::{ParallelMode, DIMENSIONS};
+
 use crate::compute::fp8::Fp8Config;
 use crate::compute::replace::Replacements;
 use crate::compute::scaler::{LossScaler, LossScalerConfig};
@@ -115,11 +119,6 @@ pub fn select_units(spec: &ModelSpec, list: &[String], field: &str) -> Result<Ve
     }
     Ok(spec.units.iter().map(|u| list.iter().any(|c| c == u.kind() || c == &u.name)).collect())
 }
-
-/// `parallel_mode`: `[[[name, size], ...], rank_order]`. Only the `data` dimension exists
-/// in this version; its size follows the world size.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct ParallelMode(pub Vec<(String, usize)>, pub Option<Vec<usize>>);
 
 /// FSDP's sharding strategies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -310,20 +309,21 @@ impl Method {
         Ok(match name {
             "parallel_mode" => {
                 let mode: ParallelMode = match config {
-                    None | Some(Value::Null) => ParallelMode(vec![("data".into(), 0)], None),
+                    None | Some(Value::Null) => ParallelMode::default(),
                     Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
-                        Error::Config(format!("parallel_mode: {e}; expected [[[\"data\", size]], null]"))
+                        Error::Config(format!(
+                            "parallel_mode: {e}; expected [[[\"data\", size], ...], rank_order or null]"
+                        ))
                     })?,
                 };
-                if let Some((other, _)) = mode.0.iter().find(|(n, _)| n != "data") {
-                    return Err(Error::Config(format!(
-                        "parallel_mode: dimension {other:?} is not available; allowed: data"
-                    )));
-                }
+                mode.validate()?;
                 Method::ParallelMode(mode)
             }
             "amp_native" => {
-                let c: AmpConfig = parse_config(name, config)?;
+                let c: AmpConfig = match config {
+                    Some(Value::String(dtype)) => AmpConfig { dtype: dtype.clone(), ..Default::default() },
+                    other => parse_config(name, other)?,
+                };
                 c.grad_scaling()?;
                 Method::AmpNative(c)
             }
@@ -480,6 +480,14 @@ impl Strategy {
         self.amp().map(AmpConfig::grad_scaling).transpose().map(Option::unwrap_or_default)
     }
 
+    /// The rank layout (data parallel over every rank when not given).
+    pub fn parallel_mode(&self) -> ParallelMode {
+        self.methods
+            .iter()
+            .find_map(|m| if let Method::ParallelMode(p) = m { Some(p.clone()) } else { None })
+            .unwrap_or_default()
+    }
+
     /// The sharding method, if any: (name, config).
     pub fn sharding(&self) -> Option<(&'static str, &ShardConfig)> {
         self.methods.iter().find_map(|m| m.shard_config().map(|c| (m.name(), c)))
@@ -500,6 +508,8 @@ mod tests {
             r#"[["amp_native", {"dtype": "bf16", "skip_if_nonfinite": true}], ["checkpoint", ["GptBlock"]], "module_replace"]"#,
             r#"[["half", "bf16"], ["fp8", {"fp8_format": "E4M3", "amax_compute_algo": "most_recent"}], ["checkpoint", {"wrap_class": ["GptBlock"]}]]"#,
             r#"[["amp_native", {"loss_scaler": {"loss_scale": 1024}}], ["module_replace", ["FlashAttention"]], "zero2"]"#,
+            r#"["parallel_mode", ["amp_native", "bf16"]]"#,
+            r#"[["parallel_mode", [[["zero", 2], ["data", 2]], null]], "fsdp"]"#,
             "[]",
         ] {
             let s = Strategy::parse(text).unwrap();
@@ -532,7 +542,7 @@ mod tests {
             (r#"["zero1", "fsdp"]"#, "cannot be combined"),
             (r#"["zero1", "zero1"]"#, "twice"),
             (r#"[["fsdp", {"mixed_precision": {"param_dtype": "int8"}}]]"#, "allowed: bf16, fp16, fp32"),
-            (r#"[["parallel_mode", [[["tensor", 2]], null]]]"#, "allowed: data"),
+            (r#"[["parallel_mode", [[["expert", 2]], null]]]"#, "allowed: data, zero, tensor, pipeline"),
             (r#"[["fsdp", {"atorch_wrap_cls": ["X"], "atorch_size_based_min_num_params": 5}]]"#, "exclude each other"),
             (r#"["checkpoint"]"#, "give the units to recompute"),
             (r#"[["checkpoint", []]]"#, "list of units is empty"),
