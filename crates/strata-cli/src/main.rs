@@ -31,10 +31,27 @@ enum Command {
         #[command(subcommand)]
         which: BenchCommand,
     },
+    /// Strategies: show one with every default written out, or validate it.
+    Strategy {
+        #[command(subcommand)]
+        which: StrategyCommand,
+    },
     /// Checkpoints: merge the per-rank shards of one into a single file.
     Ckpt {
         #[command(subcommand)]
         which: CkptCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum StrategyCommand {
+    /// Print a strategy (a file or JSON text) in list form with every default.
+    Show { strategy: String },
+    /// Check a strategy (a file or JSON text); with --world-size, its rank layout too.
+    Validate {
+        strategy: String,
+        #[arg(long)]
+        world_size: Option<usize>,
     },
 }
 
@@ -62,6 +79,21 @@ enum BenchCommand {
     /// amp_native, half, fp8, checkpoint and module_replace each against none: tokens/s,
     /// peak allocated bytes and model-state bytes.
     Methods(bench_methods::BenchMethodsArgs),
+}
+
+fn validate(text: &str, world_size: Option<usize>) -> anyhow::Result<()> {
+    let strategy = options::parse_strategy(text)?;
+    let methods: Vec<&str> = strategy.methods.iter().map(|m| m.name()).collect();
+    match world_size {
+        Some(world) => {
+            let groups = strategy.parallel_mode().groups(world)?;
+            let layout: Vec<String> =
+                groups.iter().map(|(n, g)| format!("{n}: {} groups of {}", g.len(), g[0].len())).collect();
+            println!("valid: {} (at {world} ranks: {})", methods.join(", "), layout.join("; "));
+        }
+        None => println!("valid: {}", methods.join(", ")),
+    }
+    Ok(())
 }
 
 fn merge(checkpoint: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()> {
@@ -108,6 +140,12 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
         Command::Bench { which: BenchCommand::Methods(a) } => bench_methods::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
+        Command::Strategy { which: StrategyCommand::Show { strategy } } => {
+            options::parse_strategy(&strategy).map(|s| println!("{}", s.to_json()))
+        }
+        Command::Strategy { which: StrategyCommand::Validate { strategy, world_size } } => {
+            validate(&strategy, world_size)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

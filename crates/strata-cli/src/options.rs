@@ -4,6 +4,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
+use strata::auto::SearchMode;
 use strata::model::{GptConfig, LlamaConfig, MlpConfig};
 use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
 use strata::strategy::Strategy;
@@ -101,8 +102,27 @@ train_options! {
     bucket_bytes: usize,
     /// Data parallel: parameters may get no gradient in a step (otherwise an error).
     find_unused_parameters: bool,
-    /// Optimization strategy: JSON in list form (e.g. '["zero2"]') or a file holding it.
+    /// Optimization strategy: JSON in list form (e.g. '["zero2"]'), a file holding it, or
+    /// auto (searched by dry runs).
     strategy: String,
+    /// With --strategy auto: methods no candidate may use (comma-separated).
+    excluded: String,
+    /// With --strategy auto: methods every candidate must use (comma-separated).
+    included: String,
+    /// With --strategy auto: seconds the search may take.
+    time_limit: f64,
+    /// With --strategy auto: guided (a few dry runs) or exhaustive (every candidate).
+    search: String,
+    /// Timed steps of each dry run (after one warm-up step).
+    dry_run_steps: usize,
+    /// Tune the given strategy's knobs (prefetch, bucket size) with short dry runs.
+    finetune_strategy: bool,
+    /// Write the strategy used to this file (JSON, loadable with --strategy).
+    save_strategy: PathBuf,
+    /// Write the search's report (every candidate, its outcome) to this JSON file.
+    search_report: PathBuf,
+    /// Bytes each rank's device may hold: dry runs over it are out, the engine refuses more.
+    device_memory: u64,
     /// Freeze parameters whose name contains any of these comma-separated substrings.
     freeze: String,
     /// Save sharded checkpoints into this folder (at the end, and every --checkpoint-every).
@@ -161,12 +181,32 @@ pub struct TrainSettings {
     pub nproc: usize,
     pub bucket_bytes: usize,
     pub find_unused_parameters: bool,
-    pub strategy: Strategy,
+    pub strategy: StrategyChoice,
+    pub excluded: Vec<String>,
+    pub included: Vec<String>,
+    pub time_limit: Option<std::time::Duration>,
+    pub search: SearchMode,
+    pub finetune_strategy: bool,
+    pub dry_run_steps: usize,
+    pub save_strategy: Option<PathBuf>,
+    pub search_report: Option<PathBuf>,
+    pub device_memory: Option<u64>,
     pub freeze: Vec<String>,
     pub save_checkpoint: Option<PathBuf>,
     pub checkpoint_every: Option<u64>,
     pub keep_checkpoints: usize,
     pub resume: Option<PathBuf>,
+}
+
+/// A given strategy, or one to search for.
+#[derive(Clone, Debug)]
+pub enum StrategyChoice {
+    Given(Strategy),
+    Auto,
+}
+
+fn list(text: Option<String>) -> Vec<String> {
+    text.map(|f| f.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect()).unwrap_or_default()
 }
 
 /// A strategy from JSON text, or from the file a path names.
@@ -298,11 +338,34 @@ impl TrainOptions {
                 b => b.unwrap_or(strata::parallel::DEFAULT_BUCKET_BYTES),
             },
             find_unused_parameters: o.find_unused_parameters.unwrap_or(false),
-            strategy: o.strategy.as_deref().map(parse_strategy).transpose()?.unwrap_or_default(),
-            freeze: o
-                .freeze
-                .map(|f| f.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect())
-                .unwrap_or_default(),
+            strategy: match o.strategy.as_deref() {
+                Some("auto") => StrategyChoice::Auto,
+                Some(text) => StrategyChoice::Given(parse_strategy(text)?),
+                None => StrategyChoice::Given(Strategy::default()),
+            },
+            excluded: list(o.excluded),
+            included: list(o.included),
+            time_limit: match o.time_limit {
+                Some(t) if !(t.is_finite() && t > 0.0) => bail!("--time-limit must be a positive number of seconds"),
+                t => t.map(std::time::Duration::from_secs_f64),
+            },
+            search: match o.search.as_deref() {
+                None | Some("guided") => SearchMode::Guided,
+                Some("exhaustive") => SearchMode::Exhaustive,
+                Some(other) => bail!("unknown search {other:?}; expected guided or exhaustive"),
+            },
+            finetune_strategy: o.finetune_strategy.unwrap_or(false),
+            dry_run_steps: match o.dry_run_steps {
+                Some(0) => bail!("--dry-run-steps must be positive"),
+                n => n.unwrap_or(3),
+            },
+            save_strategy: o.save_strategy,
+            search_report: o.search_report,
+            device_memory: match o.device_memory {
+                Some(0) => bail!("--device-memory must be positive"),
+                m => m,
+            },
+            freeze: list(o.freeze),
             save_checkpoint: o.save_checkpoint,
             checkpoint_every: match o.checkpoint_every {
                 Some(0) => bail!("--checkpoint-every must be positive"),

@@ -1,10 +1,11 @@
 //! `strata train`: build the model, load data and weights, run the steps, report.
-use crate::options::{DataChoice, ModelChoice, TrainSettings};
+use crate::options::{DataChoice, ModelChoice, StrategyChoice, TrainSettings};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
+use strata::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
 use strata::comm::{init_from_env, ReduceOp};
 use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData, Tokenizer};
@@ -38,13 +39,18 @@ pub fn load_data(settings: &TrainSettings) -> Result<(TokenData, Option<f64>, us
     })
 }
 
+/// The model function of `choice`.
+pub fn build_model(choice: &ModelChoice, b: &mut Builder) -> strata::Result<()> {
+    match choice {
+        ModelChoice::Gpt(c) => model::gpt(c, b),
+        ModelChoice::Llama(c) => model::llama(c, b),
+        ModelChoice::Mlp(c) => model::mlp(c, b),
+    }
+}
+
 pub fn model_spec(choice: &ModelChoice) -> Result<ModelSpec> {
     let mut b = Builder::new();
-    match choice {
-        ModelChoice::Gpt(c) => model::gpt(c, &mut b)?,
-        ModelChoice::Llama(c) => model::llama(c, &mut b)?,
-        ModelChoice::Mlp(c) => model::mlp(c, &mut b)?,
-    }
+    build_model(choice, &mut b)?;
     Ok(b.build()?)
 }
 
@@ -85,7 +91,13 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         }
         None => Order::Shuffled,
     };
-    let engine_config = EngineConfig { device: settings.device, seed: settings.seed as i64, ..Default::default() };
+    let engine_config = EngineConfig {
+        device: settings.device,
+        seed: settings.seed as i64,
+        device_budget: settings.device_memory,
+        ..Default::default()
+    };
+    let data = Arc::new(data);
     let mut spec = model_spec(&choice)?;
     spec.freeze(&settings.freeze)?;
     // Started as one of several ranks: join the job.
@@ -101,26 +113,80 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         bucket_bytes: settings.bucket_bytes,
         find_unused_parameters: settings.find_unused_parameters,
     };
+    let leader = comm.as_ref().is_none_or(|c| c.rank() == 0);
+    let (strategy, data_parallel) = match &settings.strategy {
+        StrategyChoice::Given(s) if !settings.finetune_strategy => (s.clone(), data_parallel),
+        given => {
+            let model_fn = |b: &mut Builder| build_model(&choice, b);
+            let dataloader_args = DataloaderArgs {
+                ctx,
+                batch_size: settings.batch_size,
+                accumulation: settings.accumulation,
+                seed: settings.seed,
+                order: order.clone(),
+            };
+            let mut job = AutoAccelerate::new(&model_fn, data.clone(), dataloader_args);
+            job.freeze = settings.freeze.clone();
+            job.optim = settings.optimizer.clone();
+            job.lr_scheduler = settings.schedule.clone();
+            job.grad_clip = settings.grad_clip;
+            job.engine = engine_config.clone();
+            job.comm = comm.as_ref();
+            job.local_world_size = local_world_size;
+            job.options = AutoOptions {
+                excluded: settings.excluded.clone(),
+                included: settings.included.clone(),
+                load_strategy: match given {
+                    StrategyChoice::Given(s) => Some(s.clone().into()),
+                    StrategyChoice::Auto => None,
+                },
+                finetune_strategy: settings.finetune_strategy,
+                verbose: true,
+                time_limit: settings.time_limit,
+                find_unused_parameters: settings.find_unused_parameters,
+                search: settings.search,
+                dry_run_steps: settings.dry_run_steps,
+                ..Default::default()
+            };
+            let choice = auto::choose_strategy(&job)?;
+            if leader {
+                eprint!("{}", choice.report.table());
+                info!(
+                    strategy = %choice.strategy.to_value(),
+                    dry_runs = choice.report.dry_runs,
+                    seconds = format!("{:.1}", choice.report.seconds),
+                    "chose a strategy"
+                );
+                if let Some(path) = &settings.search_report {
+                    let text = serde_json::to_vec_pretty(&choice.report)?;
+                    strata::io::write_atomic(path, &text)?;
+                }
+            }
+            (choice.strategy, DataParallelOptions { bucket_bytes: choice.bucket_bytes, ..data_parallel })
+        }
+    };
+    if let Some(path) = settings.save_strategy.as_ref().filter(|_| leader) {
+        strategy.save(path)?;
+    }
     let placement = Placement { comm: comm.as_ref(), local_world_size, data_parallel };
-    let mut engine = parallel::build_engine(spec, engine_config, &settings.strategy, &placement)?;
+    let mut engine = parallel::build_engine(spec, engine_config, &strategy, &placement)?;
     if let Some(path) = &settings.init_weights {
         strata::io::load_weights(&mut engine, path)?;
     }
     let world_group = comm.as_ref().map(|c| c.world()).transpose()?;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
-    let leader = rank == 0;
     info!(
         model = settings.model_name,
         params = engine.spec().num_params(),
         units = engine.spec().units.len(),
         tokens = data.len(),
         source = data.source,
-        strategy = %settings.strategy.to_value(),
+        strategy = %strategy.to_value(),
         "training"
     );
     let optimizer = Optimizer::new(&mut engine, settings.optimizer.clone(), &[])?;
     let mut trainer = Trainer::new(engine, optimizer, settings.schedule.clone(), settings.grad_clip);
-    trainer.scaling = settings.strategy.grad_scaling()?;
+    trainer.scaling = strategy.grad_scaling()?;
     let optimizer_name = format!("{:?}", settings.optimizer.kind).to_lowercase();
     let data_position = |next_step: u64| DataPosition {
         seed: settings.seed,
@@ -158,13 +224,13 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         start_step: start as usize,
         ..LoaderConfig::new(ctx, settings.batch_size)
     };
-    let loader = DataLoader::new(Arc::new(data), loader_config, order)?;
+    let loader = DataLoader::new(data, loader_config, order)?;
     let save_checkpoint = |trainer: &mut Trainer| -> Result<()> {
         let Some(root) = &settings.save_checkpoint else { return Ok(()) };
         let run = RunInfo {
             step: trainer.step(),
             world_size: world,
-            strategy: settings.strategy.to_value(),
+            strategy: strategy.to_value(),
             optimizer: optimizer_name.clone(),
             data: data_position(trainer.step()),
             loss_scaler: trainer.scaling.scaler.clone(),

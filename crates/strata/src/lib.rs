@@ -24,6 +24,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod auto;
 pub mod checkpoint;
 pub mod comm;
 pub mod compute;

@@ -4,7 +4,7 @@
 //! Owns: the order forward → loss → backward per micro-batch, gradient clipping, the
 //! schedule, the update and the per-step report. Must not own data loading or output.
 use crate::compute::scaler::LossScaler;
-use crate::data::Step;
+use crate::data::{Batch, Step};
 use crate::engine::memory::PlacementReport;
 use crate::engine::{memory, Engine, Placement};
 use crate::model::layers::cross_entropy;
@@ -12,7 +12,9 @@ use crate::optim::{Optimizer, Schedule};
 use crate::Result;
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
+use tch::Tensor;
 
 /// What one step did, as written to `--metrics`.
 #[derive(Clone, Debug, Serialize)]
@@ -43,6 +45,21 @@ pub struct StepReport {
     pub rss_peak_bytes: Option<u64>,
 }
 
+/// Turns a micro-batch into the model's input (`prepare_input`).
+pub type InputFn = Arc<dyn Fn(&Batch) -> Result<Tensor> + Send + Sync>;
+/// The loss from the model's output and the micro-batch (`loss_func`).
+pub type LossFn = Arc<dyn Fn(&Tensor, &Batch) -> Result<Tensor> + Send + Sync>;
+
+/// The default `prepare_input`: the batch's token ids.
+pub fn token_input() -> InputFn {
+    Arc::new(|b: &Batch| Ok(b.inputs.shallow_clone()))
+}
+
+/// The default `loss_func`: mean cross-entropy against the next tokens.
+pub fn next_token_loss() -> LossFn {
+    Arc::new(|logits: &Tensor, b: &Batch| cross_entropy(logits, &b.targets))
+}
+
 pub struct Trainer {
     pub engine: Engine,
     pub optimizer: Optimizer,
@@ -50,6 +67,8 @@ pub struct Trainer {
     /// Clip the global gradient norm to this value.
     pub grad_clip: Option<f64>,
     pub scaling: GradScaling,
+    pub prepare_input: InputFn,
+    pub loss_func: LossFn,
     step: u64,
 }
 
@@ -64,7 +83,16 @@ pub struct GradScaling {
 
 impl Trainer {
     pub fn new(engine: Engine, optimizer: Optimizer, schedule: Schedule, grad_clip: Option<f64>) -> Trainer {
-        Trainer { engine, optimizer, schedule, grad_clip, scaling: GradScaling::default(), step: 0 }
+        Trainer {
+            engine,
+            optimizer,
+            schedule,
+            grad_clip,
+            scaling: GradScaling::default(),
+            prepare_input: token_input(),
+            loss_func: next_token_loss(),
+            step: 0,
+        }
     }
 
     /// Steps completed so far.
@@ -95,11 +123,11 @@ impl Trainer {
         for (i, batch) in step.micro_batches.iter().enumerate() {
             // Only the last micro-batch's backward completes the step's gradients.
             self.engine.set_grad_sync(i == last);
-            let logits = self.engine.forward(&batch.inputs)?;
-            let loss = cross_entropy(&logits, &batch.targets)?;
+            let output = self.engine.forward(&(self.prepare_input)(batch)?)?;
+            let loss = (self.loss_func)(&output, batch)?;
             self.engine.backward(&loss.f_mul_scalar(scale / n)?)?;
             loss_sum += loss.f_double_value(&[])?;
-            tokens += batch.inputs.numel() as u64;
+            tokens += batch.targets.numel() as u64;
         }
         self.engine.finish_grads()?;
         let check = self.scaling.skip_if_nonfinite || self.scaling.scaler.as_ref().is_some_and(LossScaler::is_dynamic);

@@ -394,7 +394,66 @@ impl Method {
     }
 }
 
+/// Where a strategy comes from (`load_strategy`): JSON text, its bytes, a file holding it,
+/// the list form as a JSON value, or a strategy already made.
+#[derive(Clone, Debug)]
+pub enum StrategySource {
+    Text(String),
+    Bytes(Vec<u8>),
+    File(std::path::PathBuf),
+    List(Value),
+    Strategy(Strategy),
+}
+
+impl StrategySource {
+    pub fn load(&self) -> Result<Strategy> {
+        match self {
+            StrategySource::Text(t) => Strategy::parse(t),
+            StrategySource::Bytes(b) => Strategy::from_bytes(b),
+            StrategySource::File(p) => Strategy::from_file(p),
+            StrategySource::List(v) => Strategy::from_value(v),
+            StrategySource::Strategy(s) => Strategy::from_value(&s.to_value()),
+        }
+    }
+}
+
+impl From<Strategy> for StrategySource {
+    fn from(s: Strategy) -> Self {
+        StrategySource::Strategy(s)
+    }
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = Error;
+    fn from_str(text: &str) -> Result<Strategy> {
+        Strategy::parse(text)
+    }
+}
+
 impl Strategy {
+    /// Parses UTF-8 JSON bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Strategy> {
+        let text =
+            std::str::from_utf8(bytes).map_err(|e| Error::Config(format!("a strategy must be UTF-8 JSON: {e}")))?;
+        Strategy::parse(text)
+    }
+
+    /// Reads a strategy file (JSON in list form); errors name the file.
+    pub fn from_file(path: &std::path::Path) -> Result<Strategy> {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        Strategy::from_bytes(&bytes).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// Writes the strategy as readable JSON, every config with its defaults (atomically).
+    pub fn save(&self, path: &std::path::Path) -> Result<()> {
+        crate::io::write_atomic(path, self.to_json().as_bytes())
+    }
+
+    /// The list form as pretty JSON text.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(&self.to_value()).unwrap_or_else(|_| "[]".into())
+    }
+
     /// Parses the list form from JSON text.
     pub fn parse(text: &str) -> Result<Strategy> {
         let value: Value =
@@ -528,6 +587,30 @@ mod tests {
         let checked = r#"[["amp_native", {"dtype": "bf16", "skip_if_nonfinite": true}]]"#;
         assert!(Strategy::parse(checked).unwrap().grad_scaling().unwrap().skip_if_nonfinite);
         assert_eq!(Strategy::parse(r#"["half"]"#).unwrap().half(), Some(Kind::Half));
+    }
+
+    #[test]
+    fn every_source_form_gives_the_same_strategy() {
+        let text = r#"["parallel_mode", ["amp_native", "bf16"], ["checkpoint", ["GptBlock"]], "zero2"]"#;
+        let s = Strategy::parse(text).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("s.json");
+        s.save(&file).unwrap();
+        let value: Value = serde_json::from_str(text).unwrap();
+        for source in [
+            StrategySource::Text(text.into()),
+            StrategySource::Bytes(text.as_bytes().to_vec()),
+            StrategySource::File(file.clone()),
+            StrategySource::List(value),
+            StrategySource::from(s.clone()),
+        ] {
+            assert_eq!(source.load().unwrap(), s, "{source:?}");
+        }
+        assert_eq!(s.to_json().parse::<Strategy>().unwrap(), s, "the saved JSON reads back");
+        std::fs::write(&file, b"not json").unwrap();
+        let err = Strategy::from_file(&file).unwrap_err().to_string();
+        assert!(err.contains("s.json") && err.contains("must be JSON"), "{err}");
+        assert!(Strategy::from_bytes(&[0xff, 0xfe]).unwrap_err().to_string().contains("UTF-8"));
     }
 
     #[test]

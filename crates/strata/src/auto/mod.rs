@@ -1,0 +1,403 @@
+//! `auto_accelerate`: from a model function, an optimizer, a dataset and a loss, a
+//! prepared training run — with a strategy given (semi-automatic: `load_strategy`,
+//! optionally fine-tuned by short dry runs) or found (fully automatic: the search of
+//! [`search`]). Failures come back as `status: false` with the reason, never a panic.
+//!
+//! Owns: the choice of strategy and the assembly of engine, optimizer, data loader and
+//! trainer for it. Must not own how a strategy executes (`parallel`, `compute` do).
+pub mod search;
+
+use crate::comm::{Comm, ProcessGroup};
+use crate::data::{DataLoader, LoaderConfig, Order, TokenData};
+use crate::engine::EngineConfig;
+use crate::model::Builder;
+use crate::optim::{GroupRule, Optimizer, OptimizerConfig, Schedule};
+use crate::parallel::{self, DataParallelOptions, Placement, DEFAULT_BUCKET_BYTES};
+use crate::strategy::{BackwardPrefetchName, Method, Strategy, StrategySource};
+use crate::train::{next_token_loss, token_input, InputFn, LossFn, Trainer};
+use crate::{Error, Result};
+use search::{Bench, Outcome, Search};
+pub use search::{Candidate, SearchMode, SearchReport};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The options of `auto_accelerate` beyond the job itself (ATorch's names).
+#[derive(Clone, Debug)]
+pub struct AutoOptions {
+    /// Methods no candidate may use.
+    pub excluded: Vec<String>,
+    /// Methods every candidate must use.
+    pub included: Vec<String>,
+    /// A strategy to use instead of searching (semi-automatic mode).
+    pub load_strategy: Option<StrategySource>,
+    /// With `load_strategy`, skip the dry run that checks it.
+    pub ignore_dryrun_on_load_strategy: bool,
+    /// With `load_strategy`, tune its knobs (prefetch, bucket size) with short dry runs.
+    pub finetune_strategy: bool,
+    pub save_strategy_to_file: Option<PathBuf>,
+    pub verbose: bool,
+    /// Time for the search; when it is up the best candidate so far is taken.
+    pub time_limit: Option<Duration>,
+    pub find_unused_parameters: bool,
+    pub search: SearchMode,
+    /// Timed steps per dry run (after one warm-up step).
+    pub dry_run_steps: usize,
+}
+
+impl Default for AutoOptions {
+    fn default() -> Self {
+        AutoOptions {
+            excluded: vec![],
+            included: vec![],
+            load_strategy: None,
+            ignore_dryrun_on_load_strategy: true,
+            finetune_strategy: false,
+            save_strategy_to_file: None,
+            verbose: false,
+            time_limit: None,
+            find_unused_parameters: false,
+            search: SearchMode::Guided,
+            dry_run_steps: 3,
+        }
+    }
+}
+
+/// The data loader's arguments; `batch_size` is the global batch (strong scaling).
+#[derive(Clone, Debug)]
+pub struct DataloaderArgs {
+    pub ctx: usize,
+    pub batch_size: usize,
+    pub accumulation: usize,
+    pub seed: u64,
+    /// How the global batch's windows are chosen (the distributed sampler).
+    pub order: Order,
+}
+
+/// One training job to accelerate.
+pub struct AutoAccelerate<'a> {
+    pub model: &'a (dyn Fn(&mut Builder) -> Result<()> + Sync),
+    /// Parameters left out of training (name substrings).
+    pub freeze: Vec<String>,
+    pub optim: OptimizerConfig,
+    /// Parameter groups (`optim_param_func`).
+    pub optim_param_func: Vec<GroupRule>,
+    pub dataset: Arc<TokenData>,
+    pub loss_func: LossFn,
+    pub prepare_input: InputFn,
+    pub dataloader_args: DataloaderArgs,
+    pub lr_scheduler: Schedule,
+    pub grad_clip: Option<f64>,
+    /// Device, seed and memory budget of each rank.
+    pub engine: EngineConfig,
+    pub comm: Option<&'a Comm>,
+    pub local_world_size: usize,
+    pub options: AutoOptions,
+}
+
+impl<'a> AutoAccelerate<'a> {
+    /// A job with the defaults: next-token loss on token ids, constant schedule, clipping at 1.
+    pub fn new(
+        model: &'a (dyn Fn(&mut Builder) -> Result<()> + Sync),
+        dataset: Arc<TokenData>,
+        dataloader_args: DataloaderArgs,
+    ) -> AutoAccelerate<'a> {
+        AutoAccelerate {
+            model,
+            freeze: vec![],
+            optim: OptimizerConfig::default(),
+            optim_param_func: vec![],
+            dataset,
+            loss_func: next_token_loss(),
+            prepare_input: token_input(),
+            dataloader_args,
+            lr_scheduler: Schedule::Constant,
+            grad_clip: Some(1.0),
+            engine: EngineConfig::default(),
+            comm: None,
+            local_world_size: 1,
+            options: AutoOptions::default(),
+        }
+    }
+}
+
+/// How to drive the prepared run (ATorch's `args`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PreparedArgs {
+    /// Always false: `Trainer::train_step` runs backward itself.
+    pub use_optim_backward: bool,
+    /// Whether gradient accumulation is on; the trainer marks the boundary itself.
+    pub requires_set_gradient_accumulation_boundary: bool,
+}
+
+/// The prepared run: trainer (engine, optimizer, loss, input preparation), data loader.
+pub struct Prepared {
+    pub trainer: Trainer,
+    pub loader: DataLoader,
+    pub args: PreparedArgs,
+    /// Data-parallel buckets chosen (tuned with `finetune_strategy`).
+    pub bucket_bytes: usize,
+}
+
+/// The outcome of `auto_accelerate`.
+pub struct AutoResult {
+    pub status: bool,
+    /// Why it failed, when it did.
+    pub reason: Option<String>,
+    pub result: Option<Prepared>,
+    pub best_strategy: Option<Strategy>,
+    pub report: SearchReport,
+}
+
+/// A strategy chosen for a job, with the report of how.
+pub struct Choice {
+    pub strategy: Strategy,
+    pub bucket_bytes: usize,
+    pub report: SearchReport,
+}
+
+/// Prepares `job` with a loaded or searched strategy.
+pub fn auto_accelerate(job: AutoAccelerate<'_>) -> AutoResult {
+    let chosen = choose_strategy(&job);
+    let outcome = chosen.and_then(|choice| {
+        let prepared = prepare(&job, &choice.strategy, choice.bucket_bytes)?;
+        Ok((prepared, choice))
+    });
+    match outcome {
+        Ok((prepared, choice)) => AutoResult {
+            status: true,
+            reason: None,
+            result: Some(prepared),
+            best_strategy: Some(choice.strategy),
+            report: choice.report,
+        },
+        Err(e) => AutoResult {
+            status: false,
+            reason: Some(e.to_string()),
+            result: None,
+            best_strategy: None,
+            report: SearchReport::default(),
+        },
+    }
+}
+
+fn rank_and_world(comm: Option<&Comm>) -> (usize, usize) {
+    comm.map_or((0, 1), |c| (c.rank(), c.size()))
+}
+
+fn loader_config(job: &AutoAccelerate<'_>) -> LoaderConfig {
+    let (rank, world) = rank_and_world(job.comm);
+    let a = &job.dataloader_args;
+    LoaderConfig {
+        accumulation: a.accumulation,
+        rank,
+        world,
+        seed: a.seed,
+        device: job.engine.device,
+        ..LoaderConfig::new(a.ctx, a.batch_size)
+    }
+}
+
+fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> Placement<'a> {
+    Placement {
+        comm: job.comm,
+        local_world_size: job.local_world_size,
+        data_parallel: DataParallelOptions { bucket_bytes, find_unused_parameters: job.options.find_unused_parameters },
+    }
+}
+
+/// Builds the engine, optimizer, trainer and loader for `strategy`.
+pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usize) -> Result<Prepared> {
+    let bench = bench(job, bucket_bytes, 0)?;
+    let mut engine = parallel::build_engine(bench.spec()?, job.engine.clone(), strategy, &bench.placement)?;
+    let optimizer = Optimizer::new(&mut engine, job.optim.clone(), &job.optim_param_func)?;
+    let mut trainer = Trainer::new(engine, optimizer, job.lr_scheduler.clone(), job.grad_clip);
+    trainer.scaling = strategy.grad_scaling()?;
+    trainer.prepare_input = job.prepare_input.clone();
+    trainer.loss_func = job.loss_func.clone();
+    let loader = DataLoader::new(job.dataset.clone(), loader_config(job), job.dataloader_args.order.clone())?;
+    let args = PreparedArgs {
+        use_optim_backward: false,
+        requires_set_gradient_accumulation_boundary: job.dataloader_args.accumulation > 1,
+    };
+    Ok(Prepared { trainer, loader, args, bucket_bytes })
+}
+
+/// What a dry run of `job` needs, with `steps` steps of real batches.
+fn bench<'a>(job: &'a AutoAccelerate<'a>, bucket_bytes: usize, steps: usize) -> Result<Bench<'a>> {
+    let batches = DataLoader::new(job.dataset.clone(), loader_config(job), job.dataloader_args.order.clone())?
+        .take(steps)
+        .collect::<Result<Vec<_>>>()?;
+    if batches.len() < steps {
+        return Err(Error::Data(format!("the data gives {} steps, a dry run needs {steps}", batches.len())));
+    }
+    let world: Option<Arc<dyn ProcessGroup>> = match job.comm.filter(|c| c.size() > 1) {
+        Some(c) => Some(Arc::from(c.world()?)),
+        None => None,
+    };
+    Ok(Bench {
+        model: job.model,
+        freeze: &job.freeze,
+        engine: job.engine.clone(),
+        optimizer: job.optim.clone(),
+        rules: &job.optim_param_func,
+        schedule: job.lr_scheduler.clone(),
+        grad_clip: job.grad_clip,
+        placement: placement(job, bucket_bytes),
+        prepare_input: job.prepare_input.clone(),
+        loss_func: job.loss_func.clone(),
+        steps: batches,
+        world,
+    })
+}
+
+/// The strategy for `job`: loaded (checked by a dry run unless told not to, tuned with
+/// `finetune_strategy`) or searched. Saved to `save_strategy_to_file` when asked.
+pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
+    // Count every allocation from here on: dry runs measure activation memory.
+    strata_ext::cpu_memory::track()?;
+    let o = &job.options;
+    let steps = o.dry_run_steps.max(1) + 1;
+    let choice = match &o.load_strategy {
+        Some(source) => {
+            let strategy = source.load()?;
+            if o.finetune_strategy {
+                finetune(job, strategy, steps)?
+            } else if !o.ignore_dryrun_on_load_strategy {
+                let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
+                let (speed, peak) = b.dry_run(&strategy)?;
+                if let Some(budget) = job.engine.device_budget.filter(|&bud| peak > bud) {
+                    return Err(Error::Config(format!(
+                        "the loaded strategy peaks at {peak} bytes, over the {budget}-byte budget"
+                    )));
+                }
+                let report = SearchReport {
+                    mode: format!("loaded, dry run: {speed:.0} tokens/s, peak {peak} bytes"),
+                    ..Default::default()
+                };
+                Choice { strategy, bucket_bytes: DEFAULT_BUCKET_BYTES, report }
+            } else {
+                Choice {
+                    strategy,
+                    bucket_bytes: DEFAULT_BUCKET_BYTES,
+                    report: SearchReport { mode: "loaded".into(), ..Default::default() },
+                }
+            }
+        }
+        None => search(job, steps)?,
+    };
+    if let Some(path) = &o.save_strategy_to_file {
+        choice.strategy.save(path)?;
+    }
+    Ok(choice)
+}
+
+fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
+    let o = &job.options;
+    for name in o.included.iter().chain(&o.excluded) {
+        if !crate::strategy::METHODS.contains(&name.as_str()) {
+            return Err(Error::Config(format!(
+                "unknown method {name:?} in included/excluded; allowed: {}",
+                crate::strategy::METHODS.join(", ")
+            )));
+        }
+    }
+    let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
+    let has_blocks = !search::analyse(&b)?.blocks.is_empty();
+    let cands = search::candidates(&o.excluded, &o.included, has_blocks);
+    if cands.is_empty() {
+        return Err(Error::Config("no candidate strategy uses every included method and none excluded".into()));
+    }
+    let mut s = Search::new(&b, cands, job.engine.device_budget, o.time_limit)?;
+    s.verbose = o.verbose;
+    match o.search {
+        SearchMode::Guided => s.guided()?,
+        SearchMode::Exhaustive => s.exhaustive()?,
+    }
+    let Some(best) = s.best() else {
+        let why = if s.trials.iter().all(|t| matches!(t.outcome, Outcome::Pruned { .. })) {
+            "every candidate was pruned (see the report)".to_string()
+        } else if s.stopped_by_time_limit {
+            "the time limit ran out before any candidate was measured to fit".into()
+        } else {
+            "no candidate fits the memory budget".into()
+        };
+        return Err(Error::Config(format!(
+            "auto_accelerate found no strategy: {why}\n{}",
+            s.report(o.search, None)?.table()
+        )));
+    };
+    let report = s.report(o.search, Some(best))?;
+    let strategy = s.cands[best].strategy(&s.analysis.blocks)?;
+    Ok(Choice { strategy, bucket_bytes: DEFAULT_BUCKET_BYTES, report })
+}
+
+/// Tunes the loaded strategy's knobs one at a time with dry runs: the sharding method's
+/// prefetching (`forward_prefetch`, `backward_prefetch`, `limit_all_gathers`), or the data
+/// parallel bucket size.
+fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Result<Choice> {
+    let mut trials = Vec::new();
+    let mut measure = |s: &Strategy, bucket: usize, label: String| -> Result<Option<f64>> {
+        let b = bench(job, bucket, steps)?;
+        let started = std::time::Instant::now();
+        let outcome = match b.dry_run(s) {
+            Ok((speed, peak)) => {
+                let fits = job.engine.device_budget.is_none_or(|bud| peak <= bud);
+                Outcome::Measured {
+                    tokens_per_s: speed,
+                    peak_bytes: peak,
+                    fits,
+                    seconds: started.elapsed().as_secs_f64(),
+                }
+            }
+            Err(e) => Outcome::Failed { reason: e.to_string() },
+        };
+        let speed = match outcome {
+            Outcome::Measured { tokens_per_s, fits: true, .. } => Some(tokens_per_s),
+            _ => None,
+        };
+        trials.push(search::Trial { label, candidate: None, predicted_peak_bytes: 0, outcome });
+        Ok(speed)
+    };
+    let mut best = (strategy.clone(), DEFAULT_BUCKET_BYTES);
+    let mut best_speed = measure(&strategy, DEFAULT_BUCKET_BYTES, "as loaded".into())?.unwrap_or(0.0);
+    let variants: Vec<(Strategy, usize, String)> = if strategy.sharding().is_some() {
+        let knobs: [(&str, fn(&mut crate::strategy::ShardConfig)); 3] = [
+            ("forward_prefetch on", |c| c.forward_prefetch = !c.forward_prefetch),
+            ("backward_prefetch switched", |c| {
+                c.backward_prefetch = match c.backward_prefetch {
+                    Some(BackwardPrefetchName::Pre) => Some(BackwardPrefetchName::Post),
+                    _ => Some(BackwardPrefetchName::Pre),
+                }
+            }),
+            ("limit_all_gathers switched", |c| c.limit_all_gathers = !c.limit_all_gathers),
+        ];
+        knobs
+            .iter()
+            .map(|(label, change)| {
+                let mut s = best.0.clone();
+                for m in &mut s.methods {
+                    if let Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) = m {
+                        change(c);
+                    }
+                }
+                (s, DEFAULT_BUCKET_BYTES, label.to_string())
+            })
+            .collect()
+    } else {
+        [DEFAULT_BUCKET_BYTES / 6, DEFAULT_BUCKET_BYTES * 4]
+            .iter()
+            .map(|&b| (strategy.clone(), b, format!("bucket {} MiB", b >> 20)))
+            .collect()
+    };
+    for (s, bucket, label) in variants {
+        if let Some(speed) = measure(&s, bucket, label)? {
+            if speed > best_speed {
+                best_speed = speed;
+                best = (s, bucket);
+            }
+        }
+    }
+    let report = SearchReport { mode: "finetune".into(), dry_runs: trials.len(), trials, ..Default::default() };
+    Ok(Choice { strategy: best.0, bucket_bytes: best.1, report })
+}
