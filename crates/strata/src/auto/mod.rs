@@ -332,6 +332,9 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     Ok(Choice { strategy, bucket_bytes: DEFAULT_BUCKET_BYTES, report })
 }
 
+/// One change of a sharding method's configuration.
+type KnobChange = fn(&mut crate::strategy::ShardConfig);
+
 /// Tunes the loaded strategy's knobs one at a time with dry runs: the sharding method's
 /// prefetching (`forward_prefetch`, `backward_prefetch`, `limit_all_gathers`), or the data
 /// parallel bucket size.
@@ -362,7 +365,7 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
     let mut best = (strategy.clone(), DEFAULT_BUCKET_BYTES);
     let mut best_speed = measure(&strategy, DEFAULT_BUCKET_BYTES, "as loaded".into())?.unwrap_or(0.0);
     let variants: Vec<(Strategy, usize, String)> = if strategy.sharding().is_some() {
-        let knobs: [(&str, fn(&mut crate::strategy::ShardConfig)); 3] = [
+        let knobs: [(&str, KnobChange); 3] = [
             ("forward_prefetch on", |c| c.forward_prefetch = !c.forward_prefetch),
             ("backward_prefetch switched", |c| {
                 c.backward_prefetch = match c.backward_prefetch {
