@@ -359,7 +359,8 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
             Outcome::Measured { tokens_per_s, fits: true, .. } => Some(tokens_per_s),
             _ => None,
         };
-        trials.push(search::Trial { label, candidate: None, predicted_peak_bytes: 0, outcome });
+        let strategy = Some(s.to_value());
+        trials.push(search::Trial { label, candidate: None, strategy, predicted_peak_bytes: 0, outcome });
         Ok(speed)
     };
     let mut best = (strategy.clone(), DEFAULT_BUCKET_BYTES);

@@ -161,6 +161,8 @@ pub struct Trial {
     pub label: String,
     /// The search-space point (none for a fine-tuning variant).
     pub candidate: Option<Candidate>,
+    /// Its strategy in list form.
+    pub strategy: Option<serde_json::Value>,
     pub predicted_peak_bytes: u64,
     pub outcome: Outcome,
 }
@@ -272,18 +274,18 @@ impl Bench<'_> {
         trainer.prepare_input = self.prepare_input.clone();
         trainer.loss_func = self.loss_func.clone();
         memory::reset_allocator_peak(device);
-        let mut seconds = 0.0;
-        let mut tokens = 0;
+        // The median timed step: one slow step of a shared machine does not decide.
+        let mut rates = Vec::new();
         for (i, step) in self.steps.iter().enumerate() {
             let report = trainer.train_step(step)?;
             if i > 0 {
-                seconds += report.seconds;
-                tokens += report.tokens;
+                rates.push(report.tokens as f64 * self.world_size() as f64 / report.seconds.max(1e-9));
             }
         }
+        rates.sort_by(f64::total_cmp);
         let ledger_peak = trainer.engine.ledger().report().get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);
         let peak = memory::allocator_peak(device).unwrap_or(0).max(ledger_peak);
-        Ok((tokens as f64 / seconds.max(1e-9), peak))
+        Ok((rates.get(rates.len() / 2).copied().unwrap_or(0.0), peak))
     }
 }
 
@@ -470,15 +472,16 @@ impl<'a> Search<'a> {
         let world = bench.world_size();
         let trials = cands
             .iter()
-            .map(|&c| {
+            .map(|&c| -> Result<Trial> {
                 let predicted = predicted_peak(&analysis, &c, world);
                 let outcome = match capability(&c, bench.engine.device, world) {
                     Some(reason) => Outcome::Pruned { reason },
                     None => Outcome::NotTried,
                 };
-                Trial { label: c.label(), candidate: Some(c), predicted_peak_bytes: predicted, outcome }
+                let strategy = Some(c.strategy(&analysis.blocks)?.to_value());
+                Ok(Trial { label: c.label(), candidate: Some(c), strategy, predicted_peak_bytes: predicted, outcome })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         Ok(Search {
             bench,
             cands,
@@ -509,12 +512,14 @@ impl<'a> Search<'a> {
         Ok(self.stopped_by_time_limit)
     }
 
-    /// Dry-runs candidate `i` (once); returns its tokens/s if it fits.
+    /// Dry-runs candidate `i` (once) unless the time is up — the first dry run always
+    /// happens, so that a search ends with a measured strategy; returns its tokens/s if it
+    /// fits.
     fn measure(&mut self, i: usize) -> Result<Option<f64>> {
         if !self.open(i) {
             return Ok(self.fitting_speed(i));
         }
-        if self.out_of_time()? {
+        if self.dry_runs > 0 && self.out_of_time()? {
             return Ok(None);
         }
         let strategy = self.cands[i].strategy(&self.analysis.blocks)?;
@@ -540,10 +545,19 @@ impl<'a> Search<'a> {
             let fits = self.budget.is_none_or(|b| peak <= b);
             Outcome::Measured { tokens_per_s: 1.0 / agreed[0], peak_bytes: peak, fits, seconds }
         };
-        if self.verbose {
+        if self.verbose && self.bench.placement.comm.is_none_or(|c| c.rank() == 0) {
             tracing::info!(candidate = %self.trials[i].label, outcome = ?self.trials[i].outcome, "dry run");
         }
         Ok(self.fitting_speed(i))
+    }
+
+    /// Whether candidate `i` was measured (or failed) for want of memory.
+    fn over_budget(&self, i: usize) -> bool {
+        match &self.trials[i].outcome {
+            Outcome::Measured { fits, .. } => !fits,
+            Outcome::Failed { reason } => reason.contains("memory"),
+            _ => false,
+        }
     }
 
     fn fitting_speed(&self, i: usize) -> Option<f64> {
@@ -551,6 +565,39 @@ impl<'a> Search<'a> {
             Outcome::Measured { tokens_per_s, fits: true, .. } => Some(tokens_per_s),
             _ => None,
         }
+    }
+
+    /// When the two fastest are within 10%, measures both again, alternating, and keeps the
+    /// mean of each: a single dry run on a busy machine does not decide a close call.
+    fn confirm_finalists(&mut self) -> Result<()> {
+        let top = self.fastest(2);
+        let [a, b] = top[..] else { return Ok(()) };
+        let (sa, sb) = (self.fitting_speed(a).unwrap_or(0.0), self.fitting_speed(b).unwrap_or(0.0));
+        if sb < 0.9 * sa || self.out_of_time()? {
+            return Ok(());
+        }
+        for _ in 0..2 {
+            for i in [b, a] {
+                let strategy = self.cands[i].strategy(&self.analysis.blocks)?;
+                let speed = match self.bench.dry_run(&strategy) {
+                    Ok((speed, _)) => 1.0 / speed.max(1e-12),
+                    Err(_) => f64::INFINITY,
+                };
+                let slowest = self.bench.agree(&[speed])?[0];
+                if let Outcome::Measured { tokens_per_s, .. } = &mut self.trials[i].outcome {
+                    *tokens_per_s = (*tokens_per_s + 1.0 / slowest) / 2.0;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The `k` fastest measured candidates that fit, fastest first.
+    fn fastest(&self, k: usize) -> Vec<usize> {
+        let mut measured: Vec<(usize, f64)> =
+            (0..self.trials.len()).filter_map(|i| self.fitting_speed(i).map(|s| (i, s))).collect();
+        measured.sort_by(|a, b| b.1.total_cmp(&a.1));
+        measured.into_iter().take(k).map(|(i, _)| i).collect()
     }
 
     /// The fastest measured candidate that fits.
@@ -571,6 +618,8 @@ impl<'a> Search<'a> {
     /// Coordinate search: from the candidate predicted to fit at the least cost, try the
     /// alternatives of one dimension at a time and keep the fastest that fits.
     pub fn guided(&mut self) -> Result<()> {
+        // At most a third of the candidates that could run are dry-run.
+        let cap = (self.trials.iter().filter(|t| matches!(t.outcome, Outcome::NotTried)).count() / 3).max(1);
         if let Some(b) = self.budget {
             for t in self.trials.iter_mut().filter(|t| matches!(t.outcome, Outcome::NotTried)) {
                 // A margin: only a clear miss is pruned unmeasured.
@@ -585,40 +634,84 @@ impl<'a> Search<'a> {
                 }
             }
         }
-        // Cost order of the starting point: fused modules first, then the least machinery
-        // (no recomputation, no sharding) that is predicted to fit.
+        // Cost order of the starting point: the least machinery (no recomputation, no
+        // sharding, the reference modules) that is predicted to fit. Precision is decided
+        // first, then replacement is tried on the chosen precision: fused kernels differ
+        // most between precisions (bf16 attention can be slower fused on a CPU).
         let cost = |c: &Candidate| {
-            (c.checkpoint, c.sharding, !c.module_replace, PRECISIONS.iter().position(|p| *p == c.precision))
+            (c.checkpoint, c.sharding, c.module_replace, PRECISIONS.iter().position(|p| *p == c.precision))
         };
         let mut order: Vec<usize> = (0..self.trials.len()).filter(|&i| self.open(i)).collect();
         order.sort_by_key(|&i| (!self.predicted_fit(i), cost(&self.cands[i])));
         let Some(&start) = order.first() else { return Ok(()) };
         self.measure(start)?;
         let mut current = start;
-        type Step = fn(&Candidate, &Candidate) -> bool;
-        let dimensions: [Step; 4] = [
-            |a, b| a.module_replace == b.module_replace && a.sharding == b.sharding && a.checkpoint == b.checkpoint,
-            |a, b| a.precision == b.precision && a.sharding == b.sharding && a.checkpoint == b.checkpoint,
-            |a, b| a.precision == b.precision && a.module_replace == b.module_replace && a.checkpoint == b.checkpoint,
+        // Each dimension: the values it can take, each kept as close to the current choice as
+        // fits (same recomputation and sharding if predicted to fit, else the least machinery
+        // that is). Passes repeat while they change the choice, within a third of the
+        // candidates in dry runs.
+        type Key = fn(&Candidate) -> u8;
+        type Keeps = fn(&Candidate, &Candidate) -> bool;
+        let dimensions: [(Key, Keeps); 4] = [
+            (|c| c.precision as u8, |a, b| a.module_replace == b.module_replace),
+            (|c| c.module_replace as u8, |a, b| a.precision == b.precision),
+            (
+                |c| c.sharding as u8,
+                |a, b| {
+                    a.precision == b.precision && a.module_replace == b.module_replace && a.checkpoint == b.checkpoint
+                },
+            ),
             // Recomputation only costs time: try dropping it, never adding it.
-            |a, b| {
-                a.precision == b.precision
-                    && a.module_replace == b.module_replace
-                    && a.sharding == b.sharding
-                    && !b.checkpoint
-            },
+            (
+                |c| c.checkpoint as u8,
+                |a, b| {
+                    a.precision == b.precision
+                        && a.module_replace == b.module_replace
+                        && a.sharding == b.sharding
+                        && !b.checkpoint
+                },
+            ),
         ];
-        for same_elsewhere in dimensions {
-            let here = self.cands[current];
-            let alternatives: Vec<usize> = (0..self.trials.len())
-                .filter(|&i| i != current && self.open(i) && self.predicted_fit(i))
-                .filter(|&i| same_elsewhere(&here, &self.cands[i]))
-                .collect();
-            for i in alternatives {
-                self.measure(i)?;
+        for _pass in 0..2 {
+            let before = current;
+            for (value, keeps) in dimensions {
+                // The two fastest so far each get their alternatives: dimensions interact
+                // (the best sharding of one precision is not always another's).
+                let mut seeds = self.fastest(2);
+                if seeds.is_empty() {
+                    seeds.push(current);
+                }
+                for seed in seeds {
+                    let here = self.cands[seed];
+                    let distance =
+                        |c: &Candidate| (c.checkpoint != here.checkpoint, c.sharding != here.sharding, cost(c));
+                    let mut options: Vec<usize> = (0..self.trials.len())
+                        .filter(|&i| self.predicted_fit(i) && !matches!(self.trials[i].outcome, Outcome::Pruned { .. }))
+                        .filter(|&i| keeps(&here, &self.cands[i]) && value(&self.cands[i]) != value(&here))
+                        .collect();
+                    options.sort_by_key(|&i| distance(&self.cands[i]));
+                    // Per value, the closest option; when it turns out not to fit, the next.
+                    let mut settled: Vec<u8> = Vec::new();
+                    for i in options {
+                        let v = value(&self.cands[i]);
+                        if settled.contains(&v) {
+                            continue;
+                        }
+                        if self.dry_runs >= cap {
+                            break;
+                        }
+                        if self.measure(i)?.is_some() || !self.over_budget(i) {
+                            settled.push(v);
+                        }
+                    }
+                }
+                current = self.best().unwrap_or(current);
             }
-            current = self.best().unwrap_or(current);
+            if current == before || self.dry_runs >= cap {
+                break;
+            }
         }
+        self.confirm_finalists()?;
         // Nothing measured fits: try the rest, least memory first, until one does.
         if self.best().is_none() {
             let mut rest: Vec<usize> = (0..self.trials.len()).filter(|&i| self.open(i)).collect();
