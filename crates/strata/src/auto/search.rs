@@ -742,3 +742,59 @@ impl<'a> Search<'a> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_cover_every_method_and_honour_included_and_excluded() {
+        let all = candidates(&[], &[], true);
+        assert_eq!(all.len(), PRECISIONS.len() * 2 * SHARDINGS.len() * 2);
+        for c in &all {
+            let s = c.strategy(&["GptBlock".into()]).unwrap();
+            let names: Vec<&str> = s.methods.iter().map(|m| m.name()).collect();
+            assert_eq!(names.len(), c.methods().len(), "{}", c.label());
+        }
+        let some = candidates(&["fsdp".into()], &["checkpoint".into(), "amp_native".into()], true);
+        assert!(!some.is_empty());
+        assert!(some
+            .iter()
+            .all(|c| c.checkpoint && c.sharding != Sharding::Fsdp && c.methods().contains(&"amp_native")));
+        assert!(
+            candidates(&[], &["checkpoint".into()], false).is_empty(),
+            "nothing to recompute without repeated units"
+        );
+        let cpu = Candidate {
+            precision: Precision::HalfFp16,
+            module_replace: false,
+            sharding: Sharding::None,
+            checkpoint: false,
+        };
+        assert!(capability(&cpu, Device::Cpu, 1).is_some());
+        let shard = Candidate { precision: Precision::Fp32, sharding: Sharding::Zero2, ..cpu };
+        assert_eq!(capability(&shard, Device::Cpu, 1).as_deref(), Some("nothing to shard on one rank"));
+        assert!(capability(&shard, Device::Cpu, 2).is_none());
+    }
+
+    #[test]
+    fn the_memory_model_orders_the_methods_as_zero_does() {
+        let a = Analysis {
+            params: 1_000_000,
+            unit_params: vec![100_000; 10],
+            unit_activation_bytes: vec![1_000_000; 10],
+            unit_output_bytes: vec![100_000; 10],
+            step_seconds: 0.1,
+            blocks: vec!["Block".into()],
+        };
+        let at = |precision, sharding, checkpoint| {
+            predicted_peak(&a, &Candidate { precision, module_replace: false, sharding, checkpoint }, 4)
+        };
+        let fp32 = Precision::Fp32;
+        assert!(at(fp32, Sharding::None, false) > at(fp32, Sharding::Zero1, false));
+        assert!(at(fp32, Sharding::Zero1, false) > at(fp32, Sharding::Zero2, false));
+        assert!(at(fp32, Sharding::Zero2, false) > at(fp32, Sharding::Fsdp, false));
+        assert!(at(fp32, Sharding::None, true) < at(fp32, Sharding::None, false), "recomputation keeps less");
+        assert!(at(Precision::HalfBf16, Sharding::None, false) < at(Precision::AmpBf16, Sharding::None, false));
+    }
+}
