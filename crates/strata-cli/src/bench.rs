@@ -1,5 +1,6 @@
 //! `strata bench train`: the same GPT trained by Strata and by PyTorch eager (the project's
 //! reference script, run with the project's virtual environment) in one run, side by side.
+use crate::bench_runs::GptShape;
 use crate::options::ModelChoice;
 use crate::train::model_spec;
 use anyhow::{bail, Context, Result};
@@ -20,14 +21,8 @@ use tch::{Kind, Tensor};
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchTrainArgs {
-    #[arg(long, default_value_t = 4)]
-    layers: i64,
-    #[arg(long, default_value_t = 4)]
-    heads: i64,
-    #[arg(long, default_value_t = 256)]
-    dim: i64,
-    #[arg(long, default_value_t = 128)]
-    ctx: i64,
+    #[command(flatten)]
+    shape: GptShape,
     #[arg(long, default_value_t = 256)]
     vocab: i64,
     #[arg(long, default_value_t = 8)]
@@ -166,7 +161,8 @@ impl Drop for PytorchSide {
 }
 
 pub fn run(a: BenchTrainArgs) -> Result<()> {
-    let cfg = GptConfig { vocab: a.vocab, ctx: a.ctx, layers: a.layers, heads: a.heads, dim: a.dim };
+    let GptShape { layers, heads, dim, ctx } = a.shape;
+    let cfg = GptConfig { vocab: a.vocab, ctx, layers, heads, dim };
     cfg.validate()?;
     if a.rounds == 0 || a.block == 0 || a.batch_size <= 0 || a.threads <= 0 {
         bail!("rounds, block, batch size and threads must be positive");

@@ -2,21 +2,15 @@
 //! module_replace) each against none on the same GPT, in rounds that visit every
 //! configuration in turn so that all see the same drifts of the machine: tokens/s, the
 //! allocator's peak (activations included) and the model-state peak.
-use crate::bench_runs;
+use crate::bench_runs::{self, GptShape};
 use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchMethodsArgs {
-    #[arg(long, default_value_t = 4)]
-    layers: i64,
-    #[arg(long, default_value_t = 4)]
-    heads: i64,
-    #[arg(long, default_value_t = 256)]
-    dim: i64,
-    #[arg(long, default_value_t = 128)]
-    ctx: i64,
+    #[command(flatten)]
+    shape: GptShape,
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
     /// Steps per run; the first two are warm-up and not timed.
@@ -66,7 +60,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn run(args: BenchMethodsArgs) -> Result<()> {
     let flags = format!(
         "--model gpt --steps {} --schedule constant --layers {} --heads {} --dim {} --ctx {} --batch-size {} --threads {}",
-        args.steps, args.layers, args.heads, args.dim, args.ctx, args.batch_size, args.threads
+        args.steps, args.shape.layers, args.shape.heads, args.shape.dim, args.shape.ctx, args.batch_size, args.threads
     );
     let base: Vec<String> = flags.split_whitespace().map(String::from).collect();
     let mut samples: Vec<Vec<(f64, f64, f64, f64)>> = vec![Vec::new(); CONFIGS.len()];
@@ -105,7 +99,7 @@ pub fn run(args: BenchMethodsArgs) -> Result<()> {
     }
     println!(
         "GPT {} layers, width {}, ctx {}, batch {}: medians over {} rounds",
-        args.layers, args.dim, args.ctx, args.batch_size, args.rounds
+        args.shape.layers, args.shape.dim, args.shape.ctx, args.batch_size, args.rounds
     );
     println!(
         "{:<16} {:>10} {:>8} {:>13} {:>8} {:>13} {:>8}",

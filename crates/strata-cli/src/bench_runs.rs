@@ -1,7 +1,21 @@
 //! Runs of `strata train` as child processes, for benchmarks that compare configurations:
 //! each run gets a process of its own, so peaks of memory are its own.
 use anyhow::{bail, Context, Result};
+use clap::Args;
 use std::process::Command;
+
+/// The shape of the GPT the benchmarks train.
+#[derive(Args, Debug, Clone)]
+pub struct GptShape {
+    #[arg(long, default_value_t = 4)]
+    pub layers: i64,
+    #[arg(long, default_value_t = 4)]
+    pub heads: i64,
+    #[arg(long, default_value_t = 256)]
+    pub dim: i64,
+    #[arg(long, default_value_t = 128)]
+    pub ctx: i64,
+}
 
 /// What one run measured.
 pub struct RunFigures {
