@@ -7,6 +7,13 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+/// One test at a time: the search measures throughput, which a concurrent test would skew.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 const MODEL: [&str; 12] =
     ["--model", "gpt", "--layers", "4", "--heads", "4", "--dim", "128", "--ctx", "64", "--seed", "1"];
 const RUN: [&str; 10] =
@@ -37,6 +44,7 @@ fn measured(report: &Value) -> BTreeMap<String, (f64, bool)> {
 
 #[test]
 fn the_guided_search_comes_within_5_percent_of_the_best_with_a_third_of_the_dry_runs() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     // Model size × memory budget × world size. The budgets leave fp32 without recomputation
     // out (it peaks near 33 MB on one rank).
@@ -116,6 +124,7 @@ fn paired_ratio(dir: &Path, nproc: &str, a: &str, b: &str) -> f64 {
 
 #[test]
 fn included_and_excluded_methods_shape_every_candidate() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let report = search(dir.path(), "r", &["--included", "checkpoint", "--excluded", "module_replace"]);
     for (label, _) in outcomes(&report) {
@@ -131,6 +140,7 @@ fn included_and_excluded_methods_shape_every_candidate() {
 
 #[test]
 fn the_time_limit_ends_the_search_with_the_best_so_far() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let free = search(dir.path(), "free", &[]);
     let limited = search(dir.path(), "limited", &["--time-limit", "0.05"]);
@@ -146,6 +156,7 @@ fn the_time_limit_ends_the_search_with_the_best_so_far() {
 
 #[test]
 fn strategies_round_trip_through_files_and_bad_ones_are_refused() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let saved = dir.path().join("s.json");
     search(dir.path(), "r", &["--save-strategy", saved.to_str().unwrap()]);
