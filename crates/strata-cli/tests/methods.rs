@@ -87,3 +87,22 @@ fn bad_method_configurations_are_one_line_errors_listing_what_is_allowed() {
         assert!(err.contains(expected), "{strategy}: expected {expected:?} in {err}");
     }
 }
+
+#[test]
+fn fp8_and_loss_scaled_runs_resume_exactly() {
+    // The fp8 histories and scales and the loss scaler's state travel in the checkpoint:
+    // a resumed run computes the same losses as an uninterrupted one.
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let strategy = r#"[["fp8", {"amax_history_len": 4}], ["amp_native", {"dtype": "bf16", "loss_scaler": {"initial_scale_power": 4, "loss_scale_window": 2}}]]"#;
+    let run = |extra: &[&str]| {
+        let args = [&["train"][..], &MODEL, &RUN, &["--steps", "6", "--strategy", strategy], extra].concat();
+        let o = strata(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    run(&["--metrics", &p("full.jsonl")]);
+    run(&["--steps", "3", "--save-checkpoint", &p("ckpt")]);
+    run(&["--resume", &p("ckpt"), "--metrics", &p("resumed.jsonl")]);
+    let (full, resumed) = (losses(&dir.path().join("full.jsonl")), losses(&dir.path().join("resumed.jsonl")));
+    assert_eq!(&full[3..], &resumed[..], "steps 4 to 6");
+}

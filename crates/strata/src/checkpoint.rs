@@ -14,6 +14,7 @@
 //! Owns: the format, its validation, and merging into one file. Must not decide when to
 //! save (the training loop does) or how states are sharded (the engine's schedule does).
 use crate::comm::ProcessGroup;
+use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
 use crate::engine::Engine;
 use crate::io::{self, tensor_bytes_le, write_safetensors_streamed};
@@ -64,6 +65,9 @@ pub struct Meta {
     /// The loss scaler's state, when the run scales its loss.
     #[serde(default)]
     pub loss_scaler: Option<LossScaler>,
+    /// Each unit's fp8 scaling state (amax histories, scales), where it computes in fp8.
+    #[serde(default)]
+    pub fp8: Vec<Option<Fp8Snapshot>>,
     /// The rank files; empty in a merged file.
     pub files: Vec<String>,
 }
@@ -101,6 +105,7 @@ fn describe(engine: &Engine, optimizer: &Optimizer, run: &RunInfo) -> Meta {
         state_names: optimizer.state_names().iter().map(|s| s.to_string()).collect(),
         data: run.data.clone(),
         loss_scaler: run.loss_scaler.clone(),
+        fp8: engine.fp8_states().iter().map(|s| s.as_ref().and_then(|s| s.lock().ok().map(|s| s.snapshot()))).collect(),
         files: vec![],
     }
 }
@@ -422,6 +427,11 @@ impl Checkpoint {
         for (unit, &numel) in self.meta.unit_numel.iter().enumerate() {
             let full = self.read_range("param", unit, 0, numel, kind)?;
             engine.set_full_unit(unit, &full)?;
+        }
+        for (state, saved) in engine.fp8_states().iter().zip(&self.meta.fp8) {
+            if let (Some(state), Some(saved)) = (state, saved) {
+                state.lock().map_err(|e| Error::Engine(e.to_string()))?.restore(saved);
+            }
         }
         optimizer.load_state(self.meta.step, |unit, offset, name, dest| {
             let values = self.read_range(name, unit, offset, dest.numel() as i64, dest.kind())?;

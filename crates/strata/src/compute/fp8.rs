@@ -81,7 +81,7 @@ const E4M3_MAX: f64 = 448.0;
 const E5M2_MAX: f64 = 57344.0;
 
 /// Amax history and scale of one tensor role of one linear layer.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Meter {
     pub history: VecDeque<f64>,
     /// Largest amax seen in the current step.
@@ -102,7 +102,7 @@ impl Meter {
 }
 
 /// The three meters of one fp8 linear layer.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LinearMeters {
     pub input: Meter,
     pub weight: Meter,
@@ -118,9 +118,26 @@ pub struct Fp8Unit {
 
 pub type SharedFp8 = Arc<Mutex<Fp8Unit>>;
 
+/// What a checkpoint keeps of a unit's fp8 state: histories and scales, and the step count
+/// that times the scale refreshes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Fp8Snapshot {
+    pub layers: Vec<LinearMeters>,
+    pub steps: u64,
+}
+
 impl Fp8Unit {
     pub fn new(config: Fp8Config) -> SharedFp8 {
         Arc::new(Mutex::new(Fp8Unit { config, layers: Vec::new(), steps: 0 }))
+    }
+
+    pub fn snapshot(&self) -> Fp8Snapshot {
+        Fp8Snapshot { layers: self.layers.clone(), steps: self.steps }
+    }
+
+    pub fn restore(&mut self, snapshot: &Fp8Snapshot) {
+        self.layers = snapshot.layers.clone();
+        self.steps = snapshot.steps;
     }
 
     fn maxima(&self) -> (f64, f64) {

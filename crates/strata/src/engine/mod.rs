@@ -600,6 +600,11 @@ impl Engine {
         Ok(())
     }
 
+    /// Each unit's fp8 state, where the unit computes in fp8.
+    pub fn fp8_states(&self) -> Vec<Option<compute::fp8::SharedFp8>> {
+        self.compute.iter().map(|p| p.fp8.clone()).collect()
+    }
+
     /// The group over which fp8 amaxes are reduced (the data-parallel ranks).
     pub fn set_amax_group(&mut self, group: Option<Arc<dyn ProcessGroup>>) {
         self.amax_group = group;
