@@ -217,3 +217,29 @@ fn bad_checkpoints_and_layouts_are_named_errors() {
     fails(&["--strategy", r#"["zero9"]"#], &["unknown method \"zero9\"", "zero1, zero2, fsdp"]);
     fails(&["--strategy", "no-such-file.json"], &["no-such-file.json"]);
 }
+
+#[test]
+fn ignored_units_keep_fp32_masters_and_resume_with_the_rest() {
+    // Ignored (replicated) units under a bf16 policy update fp32 masters like the shards do,
+    // and every rank stores them: checkpoints hold them once per rank and still load.
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let strategy = r#"[["fsdp", {"atorch_ignored_cls": ["GptEmbedding", "GptHead"], "mixed_precision": {"param_dtype": "bf16"}}]]"#;
+    let run = |extra: &[&str]| {
+        let args = [&["train"][..], &MODEL, &RUN, &["--nproc", "2", "--strategy", strategy], extra].concat();
+        let o = strata(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    run(&["--steps", "4", "--metrics", &p("full.jsonl")]);
+    run(&["--steps", "2", "--save-checkpoint", &p("ckpt")]);
+    run(&["--steps", "4", "--resume", &p("ckpt"), "--metrics", &p("resumed.jsonl")]);
+    assert_eq!(&losses(&dir.path().join("full.jsonl"))[2..], &losses(&dir.path().join("resumed.jsonl"))[..]);
+    let o = strata(&["ckpt", "merge", &p("ckpt"), &p("merged.st")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The masters are fp32 and differ from their bf16 rounding: updates smaller than a bf16
+    // ulp were kept.
+    let merged = common::weights(&dir.path().join("merged.st"));
+    let wte = &merged["transformer.wte.weight"];
+    assert_eq!(wte.kind(), tch::Kind::Float);
+    assert!(!wte.equal(&wte.to_kind(tch::Kind::BFloat16).to_kind(tch::Kind::Float)));
+}

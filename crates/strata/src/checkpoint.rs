@@ -135,44 +135,78 @@ pub fn save(
 ) -> Result<PathBuf> {
     let rank = world.map_or(0, |g| g.rank());
     let staging = root.join(format!(".step-{:08}.partial", run.step));
-    std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
-    if engine.checkpoint_writer() {
-        write_rank_file(&staging.join(format!("rank{rank}.safetensors")), engine, optimizer)?;
-    }
-    fault_point(run.step);
-    let barrier = || -> Result<()> {
-        match world {
-            Some(g) => g.barrier()?.wait(),
-            None => Ok(()),
-        }
-    };
-    barrier()?;
     let target = step_dir(root, run.step);
-    if rank == 0 {
-        let mut files: Vec<String> = std::fs::read_dir(&staging)
-            .map_err(|e| Error::io(&staging, e))?
-            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-            .filter(|n| n.starts_with("rank") && n.ends_with(".safetensors"))
-            .collect();
-        files.sort();
-        let meta = Meta { files, ..describe(engine, optimizer, run) };
-        let text = serde_json::to_vec_pretty(&meta).map_err(|e| Error::Model(e.to_string()))?;
-        io::write_atomic(&staging.join("meta.json"), &text)?;
-        if target.exists() {
-            std::fs::remove_dir_all(&target).map_err(|e| Error::io(&target, e))?;
+    // Every phase ends with all ranks agreeing that it went well, so a failure on one rank
+    // stops all of them with an error instead of leaving them waiting.
+    let agree = |local: Result<()>| -> Result<()> {
+        let Some(g) = world else { return local };
+        let flag = tch::Tensor::from_slice(&[f64::from(u8::from(local.is_err()))]);
+        g.all_reduce(&flag, crate::comm::ReduceOp::Max)?.wait()?;
+        local?;
+        if flag.f_double_value(&[0])? > 0.0 {
+            return Err(Error::Comm("writing the checkpoint failed on another rank".into()));
         }
-        std::fs::rename(&staging, &target).map_err(|e| Error::io(&target, e))?;
-        io::sync_dir(root)?;
-        let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        io::write_atomic(&root.join("latest"), name.as_bytes())?;
-        prune(root, keep)?;
-    }
-    barrier()?;
+        Ok(())
+    };
+    // Rank 0 starts from an empty staging folder: a crashed attempt may have left files.
+    agree(if rank == 0 {
+        (|| {
+            if staging.exists() {
+                std::fs::remove_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
+            }
+            std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))
+        })()
+    } else {
+        Ok(())
+    })?;
+    let written = match engine.checkpoint_writer() {
+        true => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), engine, optimizer),
+        false => Ok(()),
+    };
+    fault_point(run.step);
+    agree(written)?;
+    agree(if rank == 0 { publish(root, &staging, &target, engine, optimizer, run, keep) } else { Ok(()) })?;
     Ok(target)
 }
 
-/// Removes all but the newest `keep` complete checkpoints, and stale partial ones.
-fn prune(root: &Path, keep: usize) -> Result<()> {
+/// Rank 0's part once every rank file is written: the description, the rename into place,
+/// `latest`, and pruning.
+fn publish(
+    root: &Path,
+    staging: &Path,
+    target: &Path,
+    engine: &Engine,
+    optimizer: &Optimizer,
+    run: &RunInfo,
+    keep: usize,
+) -> Result<()> {
+    let mut files: Vec<String> = std::fs::read_dir(staging)
+        .map_err(|e| Error::io(staging, e))?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .filter(|n| n.starts_with("rank") && n.ends_with(".safetensors"))
+        .collect();
+    files.sort();
+    let meta = Meta { files, ..describe(engine, optimizer, run) };
+    let text = serde_json::to_vec_pretty(&meta).map_err(|e| Error::Model(e.to_string()))?;
+    io::write_atomic(&staging.join("meta.json"), &text)?;
+    // Saving a step again (after resuming from it) replaces the old copy last.
+    let old = root.join(format!(".step-{:08}.old", run.step));
+    if target.exists() {
+        std::fs::rename(target, &old).map_err(|e| Error::io(target, e))?;
+    }
+    std::fs::rename(staging, target).map_err(|e| Error::io(target, e))?;
+    io::sync_dir(root)?;
+    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    io::write_atomic(&root.join("latest"), name.as_bytes())?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    }
+    prune(root, keep, target)
+}
+
+/// Removes all but the newest `keep` complete checkpoints (never `saved`, the one `latest`
+/// names), and stale partial ones.
+fn prune(root: &Path, keep: usize, saved: &Path) -> Result<()> {
     let mut done = Vec::new();
     for entry in std::fs::read_dir(root).map_err(|e| Error::io(root, e))?.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -183,7 +217,7 @@ fn prune(root: &Path, keep: usize) -> Result<()> {
         }
     }
     done.sort();
-    for old in done.iter().rev().skip(keep.max(1)) {
+    for old in done.iter().rev().skip(keep.max(1)).filter(|p| p.as_path() != saved) {
         std::fs::remove_dir_all(old).map_err(|e| Error::io(old, e))?;
     }
     Ok(())
@@ -344,7 +378,8 @@ impl Checkpoint {
     /// CPU; fails if the checkpoint's files do not cover them.
     fn read_range(&self, what: &str, unit: usize, start: i64, len: i64, kind: Kind) -> Result<Tensor> {
         let out = Tensor::f_zeros([len], (kind, tch::Device::Cpu))?;
-        let mut covered = 0;
+        // Replicated units are stored by several ranks: coverage is the union of the pieces.
+        let mut spans: Vec<(i64, i64)> = Vec::new();
         for piece in self.pieces.get(&(what.to_string(), unit)).into_iter().flatten() {
             let (lo, hi) = (start.max(piece.start), (start + len).min(piece.start + piece.len));
             if lo >= hi {
@@ -367,7 +402,13 @@ impl Checkpoint {
                 ));
             }
             out.f_narrow(0, lo - start, hi - lo)?.f_copy_(&stored.f_narrow(0, lo - piece.start, hi - lo)?)?;
-            covered += hi - lo;
+            spans.push((lo, hi));
+        }
+        spans.sort_unstable();
+        let (mut covered, mut reach) = (0, start);
+        for (lo, hi) in spans {
+            covered += (hi - lo.max(reach)).max(0);
+            reach = reach.max(hi);
         }
         if covered != len {
             return Err(fail(

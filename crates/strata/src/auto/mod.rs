@@ -265,12 +265,18 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
                 finetune(job, strategy, steps)?
             } else if !o.ignore_dryrun_on_load_strategy {
                 let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
-                let (speed, peak) = b.dry_run(&strategy)?;
-                if let Some(budget) = job.engine.device_budget.filter(|&bud| peak > bud) {
-                    return Err(Error::Config(format!(
-                        "the loaded strategy peaks at {peak} bytes, over the {budget}-byte budget"
-                    )));
-                }
+                let started = std::time::Instant::now();
+                let result = b.dry_run(&strategy);
+                let budget = job.engine.device_budget;
+                let (speed, peak) = match b.agree_outcome(result, started.elapsed().as_secs_f64(), budget)? {
+                    Outcome::Measured { tokens_per_s, peak_bytes, fits: true, .. } => (tokens_per_s, peak_bytes),
+                    Outcome::Measured { peak_bytes, .. } => {
+                        return Err(Error::Config(format!(
+                            "the loaded strategy peaks at {peak_bytes} bytes, over the budget"
+                        )))
+                    }
+                    other => return Err(Error::Config(format!("the loaded strategy's dry run: {other:?}"))),
+                };
                 let report = SearchReport {
                     mode: format!("loaded, dry run: {speed:.0} tokens/s, peak {peak} bytes"),
                     ..Default::default()
@@ -343,18 +349,8 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
     let mut measure = |s: &Strategy, bucket: usize, label: String| -> Result<Option<f64>> {
         let b = bench(job, bucket, steps)?;
         let started = std::time::Instant::now();
-        let outcome = match b.dry_run(s) {
-            Ok((speed, peak)) => {
-                let fits = job.engine.device_budget.is_none_or(|bud| peak <= bud);
-                Outcome::Measured {
-                    tokens_per_s: speed,
-                    peak_bytes: peak,
-                    fits,
-                    seconds: started.elapsed().as_secs_f64(),
-                }
-            }
-            Err(e) => Outcome::Failed { reason: e.to_string() },
-        };
+        let result = b.dry_run(s);
+        let outcome = b.agree_outcome(result, started.elapsed().as_secs_f64(), job.engine.device_budget)?;
         let speed = match outcome {
             Outcome::Measured { tokens_per_s, fits: true, .. } => Some(tokens_per_s),
             _ => None,
@@ -364,10 +360,13 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
         Ok(speed)
     };
     let mut best = (strategy.clone(), DEFAULT_BUCKET_BYTES);
-    let mut best_speed = measure(&strategy, DEFAULT_BUCKET_BYTES, "as loaded".into())?.unwrap_or(0.0);
-    let variants: Vec<(Strategy, usize, String)> = if strategy.sharding().is_some() {
+    let Some(mut best_speed) = measure(&strategy, DEFAULT_BUCKET_BYTES, "as loaded".into())? else {
+        return Err(Error::Config("the loaded strategy does not run within the budget: nothing to fine-tune".into()));
+    };
+    // Prefetching exists only where parameters are gathered (fsdp).
+    let variants: Vec<(Strategy, usize, String)> = if strategy.sharding().is_some_and(|(name, _)| name == "fsdp") {
         let knobs: [(&str, KnobChange); 3] = [
-            ("forward_prefetch on", |c| c.forward_prefetch = !c.forward_prefetch),
+            ("forward_prefetch switched", |c| c.forward_prefetch = !c.forward_prefetch),
             ("backward_prefetch switched", |c| {
                 c.backward_prefetch = match c.backward_prefetch {
                     Some(BackwardPrefetchName::Pre) => Some(BackwardPrefetchName::Post),

@@ -260,6 +260,30 @@ impl Bench<'_> {
         Ok(Vec::<f64>::try_from(&t)?)
     }
 
+    /// One dry run's outcome as every rank sees it: the slowest rank's speed, the largest
+    /// peak, and a failure (out of memory or other) on any rank.
+    pub fn agree_outcome(&self, result: Result<(f64, u64)>, seconds: f64, budget: Option<u64>) -> Result<Outcome> {
+        let (speed, peak, failed, oom) = match &result {
+            Ok((speed, peak)) => (1.0 / speed.max(1e-12), *peak as f64, 0.0, 0.0),
+            Err(Error::OutOfMemory { .. }) => (0.0, 0.0, 1.0, 1.0),
+            Err(_) => (0.0, 0.0, 1.0, 0.0),
+        };
+        let agreed = self.agree(&[speed, peak, failed, oom])?;
+        Ok(if agreed[3] > 0.0 {
+            Outcome::Failed { reason: "over the memory budget".into() }
+        } else if agreed[2] > 0.0 {
+            Outcome::Failed { reason: result.err().map_or("failed on another rank".into(), |e| e.to_string()) }
+        } else {
+            let peak = agreed[1] as u64;
+            Outcome::Measured {
+                tokens_per_s: 1.0 / agreed[0],
+                peak_bytes: peak,
+                fits: budget.is_none_or(|b| peak <= b),
+                seconds,
+            }
+        })
+    }
+
     fn world_size(&self) -> usize {
         self.placement.comm.map_or(1, |c| c.size())
     }
@@ -360,12 +384,16 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     engine.backward(&(bench.loss_func)(&out, batch)?)?;
     let step_seconds = start.elapsed().as_secs_f64();
     let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    // Every rank predicts from the same numbers: the largest over the ranks.
+    let local: Vec<f64> = kept.iter().flat_map(|k| [k.0 as f64, k.1 as f64]).chain([step_seconds]).collect();
+    let agreed = bench.agree(&local)?;
+    let (pairs, step_seconds) = agreed.split_at(agreed.len() - 1);
     Ok(Analysis {
         params,
         unit_params,
-        unit_activation_bytes: kept.iter().map(|k| k.0).collect(),
-        unit_output_bytes: kept.iter().map(|k| k.1).collect(),
-        step_seconds,
+        unit_activation_bytes: pairs.chunks(2).map(|k| k[0] as u64).collect(),
+        unit_output_bytes: pairs.chunks(2).map(|k| k[1] as u64).collect(),
+        step_seconds: step_seconds[0],
         blocks,
     })
 }
@@ -528,23 +556,7 @@ impl<'a> Search<'a> {
         let seconds = started.elapsed().as_secs_f64();
         self.dry_runs += 1;
         // Agree on the outcome: the slowest rank, the largest peak, any failure.
-        let (speed, peak, failed) = match &result {
-            Ok((speed, peak)) => (1.0 / speed.max(1e-12), *peak as f64, 0.0),
-            Err(_) => (0.0, 0.0, 1.0),
-        };
-        let agreed = self.bench.agree(&[speed, peak, failed])?;
-        self.trials[i].outcome = if agreed[2] > 0.0 {
-            let reason = match result {
-                Err(Error::OutOfMemory { .. }) => "over the memory budget".to_string(),
-                Err(e) => e.to_string(),
-                Ok(_) => "failed on another rank".to_string(),
-            };
-            Outcome::Failed { reason }
-        } else {
-            let peak = agreed[1] as u64;
-            let fits = self.budget.is_none_or(|b| peak <= b);
-            Outcome::Measured { tokens_per_s: 1.0 / agreed[0], peak_bytes: peak, fits, seconds }
-        };
+        self.trials[i].outcome = self.bench.agree_outcome(result, seconds, self.budget)?;
         if self.verbose && self.bench.placement.comm.is_none_or(|c| c.rank() == 0) {
             tracing::info!(candidate = %self.trials[i].label, outcome = ?self.trials[i].outcome, "dry run");
         }
@@ -576,17 +588,20 @@ impl<'a> Search<'a> {
         if sb < 0.9 * sa || self.out_of_time()? {
             return Ok(());
         }
+        let mut sums = [sb, sa];
         for _ in 0..2 {
-            for i in [b, a] {
+            for (k, i) in [b, a].into_iter().enumerate() {
                 let strategy = self.cands[i].strategy(&self.analysis.blocks)?;
                 let speed = match self.bench.dry_run(&strategy) {
                     Ok((speed, _)) => 1.0 / speed.max(1e-12),
                     Err(_) => f64::INFINITY,
                 };
-                let slowest = self.bench.agree(&[speed])?[0];
-                if let Outcome::Measured { tokens_per_s, .. } = &mut self.trials[i].outcome {
-                    *tokens_per_s = (*tokens_per_s + 1.0 / slowest) / 2.0;
-                }
+                sums[k] += 1.0 / self.bench.agree(&[speed])?[0];
+            }
+        }
+        for (k, i) in [b, a].into_iter().enumerate() {
+            if let Outcome::Measured { tokens_per_s, .. } = &mut self.trials[i].outcome {
+                *tokens_per_s = sums[k] / 3.0;
             }
         }
         Ok(())

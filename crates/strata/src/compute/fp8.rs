@@ -166,7 +166,11 @@ impl Fp8Unit {
                 .into_iter()
                 .zip(amaxes.iter().zip([fwd_max, fwd_max, grad_max]))
             {
-                meter.history.push_back(amax);
+                // An overflowing step (inf/NaN amax) must not freeze the scale for a whole
+                // history: it is left out.
+                if amax.is_finite() {
+                    meter.history.push_back(amax);
+                }
                 while meter.history.len() > c.amax_history_len {
                     meter.history.pop_front();
                 }
@@ -190,8 +194,10 @@ fn quantize(t: &Tensor, scale: f64, kind: Kind, max: f64) -> Result<Tensor> {
     Ok(t.f_to_kind(Kind::Float)?.f_mul_scalar(scale)?.f_clamp(-max, max)?.f_to_kind(kind)?)
 }
 
-fn scale_tensor(scale: f64) -> Tensor {
-    Tensor::from_slice(&[(1.0 / scale) as f32]).reshape([])
+/// The dequantisation factor of `scale` as a scalar tensor on `device` (scaled products
+/// want their scales beside their operands).
+fn scale_tensor(scale: f64, device: tch::Device) -> Tensor {
+    Tensor::from_slice(&[(1.0 / scale) as f32]).reshape([]).to_device(device)
 }
 
 /// One fp8 linear: forward and backward as scaled matrix products.
@@ -221,13 +227,14 @@ impl strata_ext::Function for Fp8Linear {
             l.weight.record(w).map_err(text)?;
         }
         let (sx, sw, _) = self.scales;
+        let dev = x.device();
         let xq = quantize(x, sx, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
         let wq = quantize(w, sw, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
         let mut out = xq
             .f_internal_scaled_mm::<Tensor>(
                 &wq.tr(),
-                &scale_tensor(sx),
-                &scale_tensor(sw),
+                &scale_tensor(sx, dev),
+                &scale_tensor(sw, dev),
                 None,
                 None,
                 self.out_kind,
@@ -253,14 +260,15 @@ impl strata_ext::Function for Fp8Linear {
             }
         };
         let (sx, sw, sg) = self.scales;
+        let dev = g.device();
         let gq = quantize(&g, sg, grad_kind, grad_max).map_err(text)?;
         // The second operand of a scaled product is column-major: a transposed contiguous copy.
         let column_major = |t: &Tensor| t.tr().contiguous().tr();
         let grad_x = gq
             .f_internal_scaled_mm::<Tensor>(
                 &column_major(&wq),
-                &scale_tensor(sg),
-                &scale_tensor(sw),
+                &scale_tensor(sg, dev),
+                &scale_tensor(sw, dev),
                 None,
                 None,
                 x_kind,
@@ -272,8 +280,8 @@ impl strata_ext::Function for Fp8Linear {
             .contiguous()
             .f_internal_scaled_mm::<Tensor>(
                 &column_major(&xq),
-                &scale_tensor(sg),
-                &scale_tensor(sx),
+                &scale_tensor(sg, dev),
+                &scale_tensor(sx, dev),
                 None,
                 None,
                 w_kind,

@@ -103,8 +103,11 @@ pub fn fp8_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Option<Result<T
         let a = a?;
         let state = a.policy.fp8.clone()?;
         let name = a.weight_names.iter().find(|(ptr, _)| *ptr == w.data_ptr() as usize).map(|(_, n)| n.clone())?;
+        // Scaled products need every dimension a multiple of 16, the input's rows included
+        // (they are the inner dimension of the weight gradient).
+        let rows = x.numel() as i64 / w.size().get(1).copied().unwrap_or(1).max(1);
         let applies = state.lock().map(|s| s.config.applies_to(&name, &w.size())).unwrap_or(false);
-        if !applies {
+        if !applies || rows % 16 != 0 {
             return None;
         }
         a.fp8_calls += 1;

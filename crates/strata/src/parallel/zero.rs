@@ -12,7 +12,8 @@
 //!   the next unit's gather is started early (forward prefetch, backward PRE/POST).
 //!
 //! With a mixed-precision policy the flat buffers hold `param_dtype` and the optimizer
-//! updates fp32 master shards; gradients are reduced in `reduce_dtype`. A hybrid layout
+//! updates fp32 masters; reduce-scattered gradients are reduced in `reduce_dtype` (stage
+//! 1's and ignored units' all-reduces in the parameters' dtype). A hybrid layout
 //! shards inside a group and all-reduces the shards across replica groups.
 //! Must not touch model definitions or optimizer policy: it manages buffers and
 //! communication for the engine.
@@ -195,10 +196,11 @@ impl Zero {
             };
             let sharded = wrap != Wrap::Ignored;
             let frees_params = options.stage == Stage::Parameters && groups.shard.is_some();
-            if sharded && (frees_params || param_kind != master_kind) {
-                let master =
-                    initial.f_narrow(0, rank * shard_len, shard_len)?.f_to_kind(master_kind)?.f_detach_copy()?;
-                ledger.alloc(Placement::Device, Category::Params, bytes(shard_len, master_kind))?;
+            // A master of what this rank updates: its shard, or all of an ignored unit.
+            if (sharded && frees_params) || param_kind != master_kind {
+                let (start, count) = if sharded { (rank * shard_len, shard_len) } else { (0, len) };
+                let master = initial.f_narrow(0, start, count)?.f_to_kind(master_kind)?.f_detach_copy()?;
+                ledger.alloc(Placement::Device, Category::Params, bytes(count, master_kind))?;
                 unit.master = Some(master);
             }
             // Parameters are freed only when other ranks hold the rest: a shard group of
@@ -402,6 +404,16 @@ impl Zero {
         Ok(())
     }
 
+    /// The range of unit `u`'s flat layout this rank updates: its shard, or all of an
+    /// ignored (replicated) unit.
+    fn master_range(&self, u: usize) -> (i64, i64) {
+        let unit = &self.units[u];
+        match unit.wrap {
+            Wrap::Ignored => (0, unit.len),
+            _ => (self.shard_rank() * unit.shard_len, unit.shard_len),
+        }
+    }
+
     /// Whether parameters live as shards between uses (stage 3 over more than one rank).
     fn shards_params(&self) -> bool {
         self.options.stage == Stage::Parameters && self.groups.shard.is_some()
@@ -472,8 +484,8 @@ impl UnitSchedule for Zero {
                     } else {
                         let keep = self.needs[k - 1].clone();
                         self.free_params(&needs, &keep, storage, ledger)?;
-                        // POST: the next unit's gather starts once this one's is freed, so
-                        // only one unit's parameters are gathered at a time.
+                        // POST: the next unit's gather starts once this one's is freed, so one
+                        // unit fewer is gathered than with PRE.
                         if self.options.backward_prefetch == Some(BackwardPrefetch::Post) {
                             self.prefetch(k, -1, storage, ledger)?;
                         }
@@ -491,14 +503,14 @@ impl UnitSchedule for Zero {
     fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
         let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
         let unit = &self.units[u];
-        if unit.wrap == Wrap::Ignored {
-            return Ok(OptimizerView { param: s.flat.shallow_clone(), grad: s.grad.shallow_clone(), offset: 0 });
-        }
-        let offset = self.shard_rank() * unit.shard_len;
+        let (offset, count) = self.master_range(u);
         let param = match &unit.master {
             Some(m) => m.shallow_clone(),
-            None => s.flat.f_narrow(0, offset, unit.shard_len)?,
+            None => s.flat.f_narrow(0, offset, count)?,
         };
+        if unit.wrap == Wrap::Ignored {
+            return Ok(OptimizerView { param, grad: s.grad.shallow_clone(), offset: 0 });
+        }
         let grad = match &unit.grad_shard {
             Some(g) => g.shallow_clone(),
             None => s.grad.f_narrow(0, offset, unit.shard_len)?,
@@ -508,21 +520,24 @@ impl UnitSchedule for Zero {
 
     fn after_step(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         let (storage, ledger) = (&*ctx.storage, ctx.ledger);
-        if self.shards_params() {
+        let stage3 = self.shards_params();
+        if stage3 {
             // Anything still gathered is stale now; the next use gathers the new shards.
-            return self.free_all_params(storage, ledger);
+            self.free_all_params(storage, ledger)?;
         }
-        let offset = self.shard_rank();
         let mut works = Vec::new();
         for (u, unit) in self.units.iter().enumerate() {
-            if unit.wrap == Wrap::Ignored || !unit.trainable {
+            // Sharded stage-3 units are gathered from their masters when next used; the rest
+            // (stages 1 and 2, ignored units) hold whole parameters to refresh now.
+            if !unit.trainable || (stage3 && unit.wrap != Wrap::Ignored) {
                 continue;
             }
-            let mine = storage[u].flat.f_narrow(0, offset * unit.shard_len, unit.shard_len)?;
+            let (offset, count) = self.master_range(u);
+            let mine = storage[u].flat.f_narrow(0, offset, count)?;
             if let Some(master) = &unit.master {
                 tch::no_grad(|| mine.shallow_clone().f_copy_(master))?;
             }
-            if let Some(g) = &self.groups.shard {
+            if let (Some(g), true) = (&self.groups.shard, unit.wrap != Wrap::Ignored) {
                 works.push(g.all_gather(&storage[u].flat.f_chunk(g.size() as i64, 0)?, &mine)?);
             }
         }
@@ -568,14 +583,14 @@ impl UnitSchedule for Zero {
     fn full_unit(&mut self, ctx: ScheduleContext<'_>) -> Result<Tensor> {
         let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
         let unit = &self.units[u];
-        let offset = self.shard_rank() * unit.shard_len;
-        if unit.wrap == Wrap::Ignored {
-            return Ok(s.flat.f_narrow(0, 0, s.numel)?.f_to_kind(self.master_kind)?);
-        }
+        let (offset, count) = self.master_range(u);
         let mine = match &unit.master {
             Some(m) => m.shallow_clone(),
-            None => s.flat.f_narrow(0, offset, unit.shard_len)?,
+            None => s.flat.f_narrow(0, offset, count)?.f_to_kind(self.master_kind)?,
         };
+        if unit.wrap == Wrap::Ignored {
+            return Ok(mine.f_narrow(0, 0, s.numel)?);
+        }
         let full = match &self.groups.shard {
             Some(g) => {
                 let full = Tensor::f_empty([unit.len], (self.master_kind, s.flat.device()))?;
@@ -591,15 +606,15 @@ impl UnitSchedule for Zero {
 
     fn set_full_unit(&mut self, ctx: ScheduleContext<'_>, values: &Tensor) -> Result<()> {
         let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
-        let unit = &mut self.units[u];
+        let unit = &self.units[u];
         let padded = Tensor::f_zeros([unit.len], (self.master_kind, s.flat.device()))?;
         tch::no_grad(|| padded.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
         if unit.params_resident {
             tch::no_grad(|| s.flat.shallow_clone().f_copy_(&padded))?;
         }
-        if let Some(master) = &unit.master {
-            let offset = self.groups.shard_rank() as i64 * unit.shard_len;
-            tch::no_grad(|| master.shallow_clone().f_copy_(&padded.f_narrow(0, offset, unit.shard_len)?))?;
+        let (offset, count) = self.master_range(u);
+        if let Some(master) = &self.units[u].master {
+            tch::no_grad(|| master.shallow_clone().f_copy_(&padded.f_narrow(0, offset, count)?))?;
         }
         Ok(())
     }
