@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use std::time::{Duration, Instant};
-use strata::comm::{init_from_env, ProcessGroup, ReduceOp};
+use strata::comm::{all_reduce_values, init_from_env, ProcessGroup, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
 #[derive(Args, Debug, Clone)]
@@ -102,9 +102,7 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
     for _ in 0..iters {
         run()?;
     }
-    let seconds = Tensor::from(start.elapsed().as_secs_f64() / iters as f64);
-    g.all_reduce(&seconds, ReduceOp::Max)?.wait()?;
-    Ok(seconds.double_value(&[]))
+    Ok(all_reduce_values(g, &[start.elapsed().as_secs_f64() / iters as f64], ReduceOp::Max)?[0])
 }
 
 pub fn run(a: BenchCommArgs) -> Result<()> {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use strata::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
-use strata::comm::{init_from_env, ReduceOp};
+use strata::comm::{all_reduce_values, init_from_env, ReduceOp};
 use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData, Tokenizer};
 use strata::engine::EngineConfig;
 use strata::model::{self, Builder, ModelSpec};
@@ -262,9 +262,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         let mut report = trainer.train_step(&step?)?;
         if let Some(g) = &world_group {
             // Report the job, not this rank: the loss over the global batch, all tokens.
-            let loss = tch::Tensor::from_slice(&[report.loss]);
-            g.all_reduce(&loss, ReduceOp::Avg)?.wait()?;
-            report.loss = loss.f_double_value(&[0])?;
+            report.loss = all_reduce_values(g.as_ref(), &[report.loss], ReduceOp::Avg)?[0];
             report.tokens *= world as u64;
             report.tokens_per_s *= world as f64;
         }

@@ -13,7 +13,7 @@
 //!
 //! Owns: the format, its validation, and merging into one file. Must not decide when to
 //! save (the training loop does) or how states are sharded (the engine's schedule does).
-use crate::comm::ProcessGroup;
+use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
 use crate::engine::Engine;
@@ -140,10 +140,9 @@ pub fn save(
     // stops all of them with an error instead of leaving them waiting.
     let agree = |local: Result<()>| -> Result<()> {
         let Some(g) = world else { return local };
-        let flag = tch::Tensor::from_slice(&[f64::from(u8::from(local.is_err()))]);
-        g.all_reduce(&flag, crate::comm::ReduceOp::Max)?.wait()?;
+        let failed = all_reduce_values(g, &[f64::from(u8::from(local.is_err()))], ReduceOp::Max)?;
         local?;
-        if flag.f_double_value(&[0])? > 0.0 {
+        if failed[0] > 0.0 {
             return Err(Error::Comm("writing the checkpoint failed on another rank".into()));
         }
         Ok(())

@@ -5,7 +5,7 @@
 //! from a starting point predicted to fit, or of all of them (`SearchMode::Exhaustive`).
 //! Every rank runs the same candidates in the same order and agrees on each measurement
 //! (the slowest step and the largest peak), so every rank reaches the same decision.
-use crate::comm::{ProcessGroup, ReduceOp};
+use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::data::Step;
 use crate::engine::{memory, EngineConfig, Phase, ScheduleContext, UnitSchedule};
 use crate::model::{Builder, ModelSpec};
@@ -254,10 +254,10 @@ impl Bench<'_> {
 
     /// The largest of `values` over all ranks.
     fn agree(&self, values: &[f64]) -> Result<Vec<f64>> {
-        let Some(g) = &self.world else { return Ok(values.to_vec()) };
-        let t = tch::Tensor::from_slice(values);
-        g.all_reduce(&t, ReduceOp::Max)?.wait()?;
-        Ok(Vec::<f64>::try_from(&t)?)
+        match &self.world {
+            Some(g) => all_reduce_values(g.as_ref(), values, ReduceOp::Max),
+            None => Ok(values.to_vec()),
+        }
     }
 
     /// One dry run's outcome as every rank sees it: the slowest rank's speed, the largest

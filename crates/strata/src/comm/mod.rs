@@ -120,6 +120,14 @@ impl Work {
     }
 }
 
+/// All-reduces a few host numbers over `group` and waits: agreement on flags, norms,
+/// timings and statistics rather than tensor data.
+pub fn all_reduce_values(group: &dyn ProcessGroup, values: &[f64], op: ReduceOp) -> Result<Vec<f64>> {
+    let t = Tensor::from_slice(values);
+    group.all_reduce(&t, op)?.wait()?;
+    Ok(Vec::<f64>::try_from(&t)?)
+}
+
 /// An error's message without the "communication:" prefix it would get again when it is
 /// wrapped back into [`Error::Comm`].
 fn comm_text(e: Error) -> String {

@@ -4,7 +4,7 @@
 //! used in a step comes from the history before it (`fp8_max / amax / 2^margin`, amax the
 //! history's maximum or its most recent entry), refreshed every `interval` steps. Input
 //! and weight are E4M3; the gradient is E5M2 (`HYBRID`) or E4M3.
-use crate::comm::{ProcessGroup, ReduceOp};
+use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -153,9 +153,7 @@ impl Fp8Unit {
         let mut pending: Vec<f64> =
             self.layers.iter().flat_map(|l| [l.input.pending, l.weight.pending, l.grad.pending]).collect();
         if let (Some(g), true, false) = (group, self.config.reduce_amax, pending.is_empty()) {
-            let t = Tensor::from_slice(&pending);
-            g.all_reduce(&t, ReduceOp::Max)?.wait()?;
-            pending = Vec::<f64>::try_from(&t)?;
+            pending = all_reduce_values(g, &pending, ReduceOp::Max)?;
         }
         self.steps += 1;
         let refresh = self.steps.is_multiple_of(self.config.interval);

@@ -17,7 +17,7 @@
 //! shards inside a group and all-reduces the shards across replica groups.
 //! Must not touch model definitions or optimizer policy: it manages buffers and
 //! communication for the engine.
-use crate::comm::{ProcessGroup, ReduceOp, Work};
+use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp, Work};
 use crate::engine::{
     Category, Engine, EngineConfig, GradLayout, MemoryLedger, OptimizerView, Phase, Placement, ScheduleContext,
     UnitSchedule, UnitStorage,
@@ -566,9 +566,9 @@ impl UnitSchedule for Zero {
         let local: f64 = sharded.iter().map(|(_, x)| x).sum();
         let whole: f64 = replicated.iter().map(|(_, x)| x).sum();
         let Some(g) = &self.groups.shard else { return Ok(local + whole) };
-        let t = Tensor::from_slice(&[local]);
-        g.all_reduce(&t, ReduceOp::Sum)?.wait().map_err(comm_failed("gradient norm all-reduce"))?;
-        Ok(t.f_double_value(&[0])? + whole)
+        let total =
+            all_reduce_values(g.as_ref(), &[local], ReduceOp::Sum).map_err(comm_failed("gradient norm all-reduce"))?;
+        Ok(total[0] + whole)
     }
 
     fn checkpoint_writer(&self) -> bool {
