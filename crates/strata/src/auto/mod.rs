@@ -265,10 +265,7 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
                 finetune(job, strategy, steps)?
             } else if !o.ignore_dryrun_on_load_strategy {
                 let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
-                let started = std::time::Instant::now();
-                let result = b.dry_run(&strategy);
-                let budget = job.engine.device_budget;
-                let (speed, peak) = match b.agree_outcome(result, started.elapsed().as_secs_f64(), budget)? {
+                let (speed, peak) = match b.trial(&strategy, job.engine.device_budget)? {
                     Outcome::Measured { tokens_per_s, peak_bytes, fits: true, .. } => (tokens_per_s, peak_bytes),
                     Outcome::Measured { peak_bytes, .. } => {
                         return Err(Error::Config(format!(
@@ -308,13 +305,14 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
             )));
         }
     }
+    let started = std::time::Instant::now();
     let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
-    let has_blocks = !search::analyse(&b)?.blocks.is_empty();
-    let cands = search::candidates(&o.excluded, &o.included, has_blocks);
+    let analysis = search::analyse(&b)?;
+    let cands = search::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty());
     if cands.is_empty() {
         return Err(Error::Config("no candidate strategy uses every included method and none excluded".into()));
     }
-    let mut s = Search::new(&b, cands, job.engine.device_budget, o.time_limit)?;
+    let mut s = Search::new(&b, analysis, cands, job.engine.device_budget, o.time_limit, started)?;
     s.verbose = o.verbose;
     match o.search {
         SearchMode::Guided => s.guided()?,
@@ -346,11 +344,11 @@ type KnobChange = fn(&mut crate::strategy::ShardConfig);
 /// parallel bucket size.
 fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Result<Choice> {
     let mut trials = Vec::new();
+    // One set of batches for every variant; only the bucket size changes between them.
+    let mut b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
     let mut measure = |s: &Strategy, bucket: usize, label: String| -> Result<Option<f64>> {
-        let b = bench(job, bucket, steps)?;
-        let started = std::time::Instant::now();
-        let result = b.dry_run(s);
-        let outcome = b.agree_outcome(result, started.elapsed().as_secs_f64(), job.engine.device_budget)?;
+        b.placement.data_parallel.bucket_bytes = bucket;
+        let outcome = b.trial(s, job.engine.device_budget)?;
         let speed = match outcome {
             Outcome::Measured { tokens_per_s, fits: true, .. } => Some(tokens_per_s),
             _ => None,

@@ -260,9 +260,12 @@ impl Bench<'_> {
         }
     }
 
-    /// One dry run's outcome as every rank sees it: the slowest rank's speed, the largest
-    /// peak, and a failure (out of memory or other) on any rank.
-    pub fn agree_outcome(&self, result: Result<(f64, u64)>, seconds: f64, budget: Option<u64>) -> Result<Outcome> {
+    /// Dry-runs `strategy`; the outcome as every rank sees it: the slowest rank's speed, the
+    /// largest peak, and a failure (out of memory or other) on any rank.
+    pub fn trial(&self, strategy: &Strategy, budget: Option<u64>) -> Result<Outcome> {
+        let started = Instant::now();
+        let result = self.dry_run(strategy);
+        let seconds = started.elapsed().as_secs_f64();
         let (speed, peak, failed, oom) = match &result {
             Ok((speed, peak)) => (1.0 / speed.max(1e-12), *peak as f64, 0.0, 0.0),
             Err(Error::OutOfMemory { .. }) => (0.0, 0.0, 1.0, 1.0),
@@ -489,14 +492,16 @@ pub struct Search<'a> {
 }
 
 impl<'a> Search<'a> {
+    /// A search over `cands` from `analysis`; `started` is when the search (its analysis
+    /// included) began, for the time limit.
     pub fn new(
         bench: &'a Bench<'a>,
+        analysis: Analysis,
         cands: Vec<Candidate>,
         budget: Option<u64>,
         time_limit: Option<Duration>,
+        started: Instant,
     ) -> Result<Search<'a>> {
-        let started = Instant::now();
-        let analysis = analyse(bench)?;
         let world = bench.world_size();
         let trials = cands
             .iter()
@@ -551,12 +556,8 @@ impl<'a> Search<'a> {
             return Ok(None);
         }
         let strategy = self.cands[i].strategy(&self.analysis.blocks)?;
-        let started = Instant::now();
-        let result = self.bench.dry_run(&strategy);
-        let seconds = started.elapsed().as_secs_f64();
         self.dry_runs += 1;
-        // Agree on the outcome: the slowest rank, the largest peak, any failure.
-        self.trials[i].outcome = self.bench.agree_outcome(result, seconds, self.budget)?;
+        self.trials[i].outcome = self.bench.trial(&strategy, self.budget)?;
         if self.verbose && self.bench.placement.comm.is_none_or(|c| c.rank() == 0) {
             tracing::info!(candidate = %self.trials[i].label, outcome = ?self.trials[i].outcome, "dry run");
         }
