@@ -46,20 +46,21 @@ struct Active {
     recomputing: bool,
     /// fp8 linear layers called so far in this forward (their slot in the unit's state).
     fp8_calls: usize,
-    /// The unit's parameters by storage address, to name a weight handed to a layer.
-    weight_names: Vec<(usize, String)>,
+    /// Storage addresses of the weights this unit computes in fp8.
+    fp8_weights: Vec<usize>,
 }
 
 thread_local! {
     static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
 }
 
-/// Runs `f` (a unit's forward) under `policy`. `weight_names` maps the unit's parameters'
-/// data addresses to their names (for fp8's include/exclude); `recomputing` marks the
-/// second forward of a checkpointed unit, which must not record fp8 statistics again.
+/// Runs `f` (a unit's forward) under `policy`. `fp8_weights` are the storage addresses of
+/// the weights computed in fp8 (those fp8's include/exclude and shape rules admit);
+/// `recomputing` marks the second forward of a checkpointed unit, which must not record
+/// fp8 statistics again.
 pub fn run<R>(
     policy: &Arc<UnitCompute>,
-    weight_names: Vec<(usize, String)>,
+    fp8_weights: Vec<usize>,
     recomputing: bool,
     f: impl FnOnce() -> Result<R>,
 ) -> Result<R> {
@@ -68,7 +69,7 @@ pub fn run<R>(
         strata_ext::cuda_autocast(true, kind)?;
     }
     let previous = ACTIVE
-        .with(|a| a.borrow_mut().replace(Active { policy: policy.clone(), recomputing, fp8_calls: 0, weight_names }));
+        .with(|a| a.borrow_mut().replace(Active { policy: policy.clone(), recomputing, fp8_calls: 0, fp8_weights }));
     let result = f();
     ACTIVE.with(|a| *a.borrow_mut() = previous);
     if let Some(kind) = device_autocast {
@@ -92,9 +93,10 @@ pub fn autocast_on() -> bool {
     with_active(|a| a.is_some_and(|a| a.policy.autocast.is_some()))
 }
 
-/// The replacements of the running unit.
-pub fn replacements() -> Option<Replacements> {
-    with_active(|a| a.map(|a| a.policy.replacements.clone()).filter(|r| !r.is_empty()))
+/// The running unit's replacement that `pick` selects (none outside a unit or without
+/// `module_replace`).
+pub fn replaced<T>(pick: impl FnOnce(&Replacements) -> Option<T>) -> Option<T> {
+    with_active(|a| a.and_then(|a| pick(&a.policy.replacements)))
 }
 
 /// `x @ w.T + b` in fp8 when the running unit computes this weight in fp8; `None` when not.
@@ -102,12 +104,10 @@ pub fn fp8_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Option<Result<T
     let (state, slot, record) = with_active(|a| {
         let a = a?;
         let state = a.policy.fp8.clone()?;
-        let name = a.weight_names.iter().find(|(ptr, _)| *ptr == w.data_ptr() as usize).map(|(_, n)| n.clone())?;
         // Scaled products need every dimension a multiple of 16, the input's rows included
         // (they are the inner dimension of the weight gradient).
         let rows = x.numel() as i64 / w.size().get(1).copied().unwrap_or(1).max(1);
-        let applies = state.lock().map(|s| s.config.applies_to(&name, &w.size())).unwrap_or(false);
-        if !applies || rows % 16 != 0 {
+        if !a.fp8_weights.contains(&(w.data_ptr() as usize)) || rows % 16 != 0 {
             return None;
         }
         a.fp8_calls += 1;

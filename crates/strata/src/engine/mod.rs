@@ -223,6 +223,8 @@ pub struct Engine {
     sync_grads: bool,
     /// Each unit's compute policy.
     compute: Vec<Arc<UnitCompute>>,
+    /// Per unit, the weights it computes in fp8.
+    fp8_weights: Vec<Vec<ParamId>>,
     amax_group: Option<Arc<dyn ProcessGroup>>,
 }
 
@@ -323,6 +325,7 @@ impl Engine {
             record: None,
             sync_grads: true,
             compute: (0..units).map(|_| Arc::new(UnitCompute::default())).collect(),
+            fp8_weights: vec![vec![]; units],
             amax_group: None,
         })
     }
@@ -568,20 +571,9 @@ impl Engine {
         if policy.is_plain() {
             return unit.body.forward(&Params::new(&self.params), input);
         }
-        // Each weight the unit reads, by address, under all its names (aliases too).
-        let names = unit
-            .params
-            .iter()
-            .chain(&unit.borrowed)
-            .map(|&id| {
-                let mut name = self.spec.params[id.0].name.clone();
-                for (alias, _) in self.spec.aliases.iter().filter(|(_, a)| *a == id) {
-                    name = format!("{name} {alias}");
-                }
-                (self.params[id.0].data_ptr() as usize, name)
-            })
-            .collect();
-        compute::run(policy, names, recomputing, || unit.body.forward(&Params::new(&self.params), input))
+        // Addresses change when a sharded unit is gathered again: taken at each forward.
+        let fp8_weights = self.fp8_weights[k].iter().map(|id| self.params[id.0].data_ptr() as usize).collect();
+        compute::run(policy, fp8_weights, recomputing, || unit.body.forward(&Params::new(&self.params), input))
     }
 
     /// Sets each unit's compute policy (one per unit, in order).
@@ -596,6 +588,28 @@ impl Engine {
         if self.config.backward == BackwardMode::WholeGraph && policies.iter().any(|p| p.recompute) {
             return Err(Error::Config("recomputation needs the unit-by-unit backward".into()));
         }
+        // Which weights each unit computes in fp8 is fixed by their names (aliases too) and
+        // shapes: decided once here.
+        self.fp8_weights = policies
+            .iter()
+            .zip(&self.spec.units)
+            .map(|(policy, unit)| {
+                let Some(config) = policy.fp8.as_ref().and_then(|s| s.lock().ok().map(|s| s.config.clone())) else {
+                    return vec![];
+                };
+                unit.params
+                    .iter()
+                    .chain(&unit.borrowed)
+                    .copied()
+                    .filter(|&id| {
+                        let p = &self.spec.params[id.0];
+                        let aliases = self.spec.aliases.iter().filter(|(_, a)| *a == id).map(|(n, _)| n.as_str());
+                        let names: Vec<&str> = std::iter::once(p.name.as_str()).chain(aliases).collect();
+                        config.applies_to(&names.join(" "), &p.shape)
+                    })
+                    .collect()
+            })
+            .collect();
         self.compute = policies.into_iter().map(Arc::new).collect();
         Ok(())
     }

@@ -38,7 +38,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
     let x = norm_input(x)?;
-    if let Some(fused) = compute::replacements().and_then(|r| r.layer_norm(x.kind())) {
+    if let Some(fused) = compute::replaced(|r| r.layer_norm(x.kind())) {
         return fused(&x, w, b, eps);
     }
     // The composite computes in at least fp32, as torch's kernels do, and returns x's dtype.
@@ -52,7 +52,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
 
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let x = norm_input(x)?;
-    if let Some(fused) = compute::replacements().and_then(|r| r.rms_norm(x.kind())) {
+    if let Some(fused) = compute::replaced(|r| r.rms_norm(x.kind())) {
         return fused(&x, w, eps);
     }
     let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
@@ -64,7 +64,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let kind = compute::autocast_kind();
     let (q, k, v) = (cast(q, kind)?, cast(k, kind)?, cast(v, kind)?);
-    if let Some(fused) = compute::replacements().and_then(|r| r.attention(q.kind())) {
+    if let Some(fused) = compute::replaced(|r| r.attention(q.kind())) {
         return fused(&q, &k, &v);
     }
     let (t, d) = (q.size()[2], q.size()[3]);
