@@ -8,7 +8,7 @@ use crate::data::{Batch, Step};
 use crate::engine::memory::PlacementReport;
 use crate::engine::{memory, Engine, Placement};
 use crate::model::layers::cross_entropy;
-use crate::optim::{Optimizer, Schedule};
+use crate::optim::{clip_coefficient, Optimizer, Schedule};
 use crate::Result;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -137,7 +137,7 @@ impl Trainer {
             let norm = self.engine.grad_sq_sum(&self.optimizer.grad_sq_per_unit()?)?.sqrt() / scale;
             skipped = check && !norm.is_finite();
             if !skipped {
-                let clip = self.grad_clip.map_or(1.0, |max| (max / (norm + 1e-6)).min(1.0));
+                let clip = self.grad_clip.map_or(1.0, |max| clip_coefficient(max, norm));
                 if clip / scale != 1.0 {
                     self.optimizer.scale_grads(clip / scale)?;
                 }

@@ -312,19 +312,8 @@ impl Optimizer {
     /// Scales all gradients so their global L2 norm is at most `max_norm`
     /// (`torch.nn.utils.clip_grad_norm_`); returns the norm before clipping.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
-        self.clip_grad_norm_with(max_norm, |per_unit| Ok(per_unit.iter().map(|(_, x)| x).sum()))
-    }
-
-    /// [`Optimizer::clip_grad_norm`] where this rank may hold only part of the gradients:
-    /// `global_sq_sum` turns per-unit local sums of squares into the global sum (see
-    /// [`Engine::grad_sq_sum`]).
-    pub fn clip_grad_norm_with(
-        &mut self,
-        max_norm: f64,
-        global_sq_sum: impl Fn(&[(usize, f64)]) -> Result<f64>,
-    ) -> Result<f64> {
-        let total = global_sq_sum(&self.grad_sq_per_unit()?)?.sqrt();
-        let coef = max_norm / (total + 1e-6);
+        let total = self.grad_sq_per_unit()?.iter().map(|(_, x)| x).sum::<f64>().sqrt();
+        let coef = clip_coefficient(max_norm, total);
         if coef < 1.0 {
             self.scale_grads(coef)?;
         }
@@ -350,6 +339,12 @@ impl Optimizer {
         }
         Ok(())
     }
+}
+
+/// The factor that brings gradients of global norm `norm` down to `max_norm` (1 when they
+/// are within it), as `clip_grad_norm_` computes it.
+pub fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
+    (max_norm / (norm + 1e-6)).min(1.0)
 }
 
 fn is_low_precision(kind: Kind) -> bool {
