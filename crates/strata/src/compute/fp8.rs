@@ -68,6 +68,14 @@ impl Fp8Config {
         Ok(())
     }
 
+    /// The fp8 type of gradients and its largest value.
+    pub fn grad_format(&self) -> (Kind, f64) {
+        match self.fp8_format {
+            Fp8Format::Hybrid => (Kind::Float8e5m2, E5M2_MAX),
+            Fp8Format::E4m3 => (Kind::Float8e4m3fn, E4M3_MAX),
+        }
+    }
+
     /// Whether the linear layer with weight `name` and shape `[out, in]` runs in fp8:
     /// included, not excluded, both dimensions multiples of 16.
     pub fn applies_to(&self, name: &str, shape: &[i64]) -> bool {
@@ -140,13 +148,6 @@ impl Fp8Unit {
         self.steps = snapshot.steps;
     }
 
-    fn maxima(&self) -> (f64, f64) {
-        match self.config.fp8_format {
-            Fp8Format::Hybrid => (E4M3_MAX, E5M2_MAX),
-            Fp8Format::E4m3 => (E4M3_MAX, E4M3_MAX),
-        }
-    }
-
     /// Ends a step: the step's amaxes (maximum over `group` with `reduce_amax`) enter the
     /// histories, and every `interval` steps the scales are recomputed from them.
     pub fn end_step(&mut self, group: Option<&dyn ProcessGroup>) -> Result<()> {
@@ -157,7 +158,7 @@ impl Fp8Unit {
         }
         self.steps += 1;
         let refresh = self.steps.is_multiple_of(self.config.interval);
-        let (fwd_max, grad_max) = self.maxima();
+        let (fwd_max, grad_max) = (E4M3_MAX, self.config.grad_format().1);
         let c = &self.config;
         for (l, amaxes) in self.layers.iter_mut().zip(pending.chunks(3)) {
             for (meter, (&amax, fp8_max)) in [&mut l.input, &mut l.weight, &mut l.grad]
@@ -192,10 +193,11 @@ fn quantize(t: &Tensor, scale: f64, kind: Kind, max: f64) -> Result<Tensor> {
     Ok(t.f_to_kind(Kind::Float)?.f_mul_scalar(scale)?.f_clamp(-max, max)?.f_to_kind(kind)?)
 }
 
-/// The dequantisation factor of `scale` as a scalar tensor on `device` (scaled products
-/// want their scales beside their operands).
-fn scale_tensor(scale: f64, device: tch::Device) -> Tensor {
-    Tensor::from_slice(&[(1.0 / scale) as f32]).reshape([]).to_device(device)
+/// `a @ b` of fp8 operands quantised with scales `sa` and `sb`, in `out`; `b` must be
+/// column-major. The dequantisation factors sit beside the operands, as CUDA requires.
+fn scaled_mm(a: &Tensor, b: &Tensor, sa: f64, sb: f64, out: Kind) -> std::result::Result<Tensor, String> {
+    let factor = |s: f64| Tensor::from_slice(&[(1.0 / s) as f32]).reshape([]).to_device(a.device());
+    a.f_internal_scaled_mm::<Tensor>(b, &factor(sa), &factor(sb), None, None, out, false).map_err(text)
 }
 
 /// One fp8 linear: forward and backward as scaled matrix products.
@@ -225,20 +227,9 @@ impl strata_ext::Function for Fp8Linear {
             l.weight.record(w).map_err(text)?;
         }
         let (sx, sw, _) = self.scales;
-        let dev = x.device();
         let xq = quantize(x, sx, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
         let wq = quantize(w, sw, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
-        let mut out = xq
-            .f_internal_scaled_mm::<Tensor>(
-                &wq.tr(),
-                &scale_tensor(sx, dev),
-                &scale_tensor(sw, dev),
-                None,
-                None,
-                self.out_kind,
-                false,
-            )
-            .map_err(text)?;
+        let mut out = scaled_mm(&xq, &wq.tr(), sx, sw, self.out_kind)?;
         if let Some(b) = inputs.get(2) {
             out = out.f_add(&b.f_to_kind(self.out_kind).map_err(text)?).map_err(text)?;
         }
@@ -252,40 +243,14 @@ impl strata_ext::Function for Fp8Linear {
         let (grad_kind, grad_max) = {
             let mut s = self.state.lock().map_err(text)?;
             s.layers[self.slot].grad.record(&g).map_err(text)?;
-            match s.config.fp8_format {
-                Fp8Format::Hybrid => (Kind::Float8e5m2, E5M2_MAX),
-                Fp8Format::E4m3 => (Kind::Float8e4m3fn, E4M3_MAX),
-            }
+            s.config.grad_format()
         };
         let (sx, sw, sg) = self.scales;
-        let dev = g.device();
         let gq = quantize(&g, sg, grad_kind, grad_max).map_err(text)?;
         // The second operand of a scaled product is column-major: a transposed contiguous copy.
         let column_major = |t: &Tensor| t.tr().contiguous().tr();
-        let grad_x = gq
-            .f_internal_scaled_mm::<Tensor>(
-                &column_major(&wq),
-                &scale_tensor(sg, dev),
-                &scale_tensor(sw, dev),
-                None,
-                None,
-                x_kind,
-                false,
-            )
-            .map_err(text)?;
-        let grad_w = gq
-            .tr()
-            .contiguous()
-            .f_internal_scaled_mm::<Tensor>(
-                &column_major(&xq),
-                &scale_tensor(sg, dev),
-                &scale_tensor(sx, dev),
-                None,
-                None,
-                w_kind,
-                false,
-            )
-            .map_err(text)?;
+        let grad_x = scaled_mm(&gq, &column_major(&wq), sg, sw, x_kind)?;
+        let grad_w = scaled_mm(&gq.tr().contiguous(), &column_major(&xq), sg, sx, w_kind)?;
         let mut out = vec![grad_x, grad_w];
         if let Some(kind) = self.bias_kind {
             out.push(g.f_sum_dim_intlist(0, false, kind).map_err(text)?);
