@@ -82,27 +82,35 @@ pub struct RunInfo {
     pub loss_scaler: Option<LossScaler>,
 }
 
-fn describe(engine: &Engine, optimizer: &Optimizer, run: &RunInfo) -> Meta {
+/// The model's parameters as a checkpoint lists them.
+fn param_entries(engine: &Engine) -> Vec<ParamEntry> {
     let spec = engine.spec();
+    spec.params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| ParamEntry {
+            name: p.name.clone(),
+            shape: p.shape.clone(),
+            unit: p.unit,
+            offset: engine.offset(crate::model::ParamId(i)),
+        })
+        .collect()
+}
+
+fn state_names(optimizer: &Optimizer) -> Vec<String> {
+    optimizer.state_names().iter().map(|s| s.to_string()).collect()
+}
+
+fn describe(engine: &Engine, optimizer: &Optimizer, run: &RunInfo) -> Meta {
     Meta {
         format: FORMAT.into(),
         step: run.step,
         world_size: run.world_size,
         strategy: run.strategy.clone(),
-        params: spec
-            .params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| ParamEntry {
-                name: p.name.clone(),
-                shape: p.shape.clone(),
-                unit: p.unit,
-                offset: engine.offset(crate::model::ParamId(i)),
-            })
-            .collect(),
+        params: param_entries(engine),
         unit_numel: engine.storage().iter().map(|s| s.numel).collect(),
         optimizer: run.optimizer.clone(),
-        state_names: optimizer.state_names().iter().map(|s| s.to_string()).collect(),
+        state_names: state_names(optimizer),
         data: run.data.clone(),
         loss_scaler: run.loss_scaler.clone(),
         fp8: engine.fp8_states().iter().map(|s| s.as_ref().and_then(|s| s.lock().ok().map(|s| s.snapshot()))).collect(),
@@ -423,27 +431,16 @@ impl Checkpoint {
 
     /// Fails unless the checkpoint is of the model `engine` runs, with `optimizer`'s kind.
     pub fn check_compatible(&self, engine: &Engine, optimizer: &Optimizer, optimizer_name: &str) -> Result<()> {
-        let mine = describe(
-            engine,
-            optimizer,
-            &RunInfo {
-                step: 0,
-                world_size: 1,
-                strategy: serde_json::Value::Null,
-                optimizer: optimizer_name.into(),
-                data: self.meta.data.clone(),
-                loss_scaler: None,
-            },
-        );
+        let (params, states) = (param_entries(engine), state_names(optimizer));
         let err = |m: String| Err(fail(&self.location, m));
-        if mine.params.len() != self.meta.params.len() {
+        if params.len() != self.meta.params.len() {
             return err(format!(
                 "a checkpoint of another model: it has {} parameters, this model {}",
                 self.meta.params.len(),
-                mine.params.len()
+                params.len()
             ));
         }
-        for (a, b) in mine.params.iter().zip(&self.meta.params) {
+        for (a, b) in params.iter().zip(&self.meta.params) {
             if a != b {
                 return err(format!(
                     "a checkpoint of another model: it holds {} {:?} where this model has {} {:?}",
@@ -451,10 +448,10 @@ impl Checkpoint {
                 ));
             }
         }
-        if self.meta.optimizer != optimizer_name || self.meta.state_names != mine.state_names {
+        if self.meta.optimizer != optimizer_name || self.meta.state_names != states {
             return err(format!(
                 "saved with optimizer {} (states {:?}), this run uses {optimizer_name} (states {:?})",
-                self.meta.optimizer, self.meta.state_names, mine.state_names
+                self.meta.optimizer, self.meta.state_names, states
             ));
         }
         Ok(())

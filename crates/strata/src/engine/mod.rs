@@ -399,15 +399,9 @@ impl Engine {
     pub fn after_step(&mut self) -> Result<()> {
         let (schedule, ctx) = self.schedule_for(0);
         schedule.after_step(ctx)?;
-        let mut seen: Vec<*const ()> = Vec::new();
-        for policy in &self.compute {
-            if let Some(state) = &policy.fp8 {
-                let key = Arc::as_ptr(state) as *const ();
-                if !seen.contains(&key) {
-                    seen.push(key);
-                    state.lock().map_err(|e| Error::Engine(e.to_string()))?.end_step(self.amax_group.as_deref())?;
-                }
-            }
+        // Each unit has an fp8 state of its own.
+        for state in self.compute.iter().filter_map(|p| p.fp8.as_ref()) {
+            state.lock().map_err(|e| Error::Engine(e.to_string()))?.end_step(self.amax_group.as_deref())?;
         }
         Ok(())
     }
