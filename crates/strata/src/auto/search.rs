@@ -467,10 +467,11 @@ pub fn capability(c: &Candidate, device: Device, world: usize) -> Option<String>
     match device {
         Device::Cpu if fp16 => return Some("libtorch has no fast fp16 matrix products on the CPU".into()),
         Device::Cpu if c.precision == Precision::Fp8 => return Some("fp8 products are emulated on the CPU".into()),
-        Device::Cuda(i) if c.precision == Precision::Fp8 => match strata_ext::cuda::compute_capability(i) {
-            Ok(cc) if cc >= (8, 9) => {}
-            _ => return Some("fp8 needs a GPU of compute capability 8.9 or newer".into()),
-        },
+        _ if c.precision == Precision::Fp8 => {
+            if let Some(why) = crate::compute::fp8::unsupported_on(device) {
+                return Some(why);
+            }
+        }
         _ => {}
     }
     (world == 1 && c.sharding != Sharding::None).then(|| "nothing to shard on one rank".into())

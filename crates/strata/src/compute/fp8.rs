@@ -85,6 +85,19 @@ impl Fp8Config {
     }
 }
 
+/// Why fp8 products cannot run on `device`, if they cannot: they need a GPU of compute
+/// capability 8.9 or newer (on the CPU libtorch emulates them).
+pub fn unsupported_on(device: tch::Device) -> Option<String> {
+    let tch::Device::Cuda(index) = device else { return None };
+    match strata_ext::cuda::compute_capability(index) {
+        Ok(cc) if cc >= (8, 9) => None,
+        Ok((major, minor)) => {
+            Some(format!("fp8 needs a GPU of compute capability 8.9 or newer, this one is {major}.{minor}"))
+        }
+        Err(e) => Some(format!("cannot read the GPU's compute capability ({e})")),
+    }
+}
+
 const E4M3_MAX: f64 = 448.0;
 const E5M2_MAX: f64 = 57344.0;
 

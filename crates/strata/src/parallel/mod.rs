@@ -77,17 +77,10 @@ fn compute_policies(spec: &ModelSpec, strategy: &Strategy, device: tch::Device) 
 
 /// fp8 matrix products need sm 8.9 or newer on a GPU; on the CPU libtorch emulates them.
 fn fp8_supported(device: tch::Device) -> bool {
-    let tch::Device::Cuda(index) = device else { return true };
-    match strata_ext::cuda::compute_capability(index) {
-        Ok(cc) if cc >= (8, 9) => true,
-        Ok((major, minor)) => {
-            tracing::warn!(
-                "fp8 needs a GPU of compute capability 8.9 or newer, this one is {major}.{minor}: fp8 is ignored"
-            );
-            false
-        }
-        Err(e) => {
-            tracing::warn!("cannot read the GPU's compute capability ({e}): fp8 is ignored");
+    match crate::compute::fp8::unsupported_on(device) {
+        None => true,
+        Some(why) => {
+            tracing::warn!("{why}: fp8 is ignored");
             false
         }
     }
