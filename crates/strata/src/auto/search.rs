@@ -581,18 +581,20 @@ impl<'a> Search<'a> {
         }
     }
 
-    /// When the two fastest are within 10%, measures both again, alternating, and keeps the
-    /// mean of each: a single dry run on a busy machine does not decide a close call.
+    /// The three fastest that lie within 15% of the best are measured twice more each,
+    /// alternating, and keep the mean of their three runs: a single dry run on a busy
+    /// machine does not decide a close call.
     fn confirm_finalists(&mut self) -> Result<()> {
-        let top = self.fastest(2);
-        let [a, b] = top[..] else { return Ok(()) };
-        let (sa, sb) = (self.fitting_speed(a).unwrap_or(0.0), self.fitting_speed(b).unwrap_or(0.0));
-        if sb < 0.9 * sa || self.out_of_time()? {
+        let top = self.fastest(3);
+        let Some(lead) = top.first().and_then(|&i| self.fitting_speed(i)) else { return Ok(()) };
+        let close: Vec<usize> =
+            top.into_iter().filter(|&i| self.fitting_speed(i).unwrap_or(0.0) >= 0.85 * lead).collect();
+        if close.len() < 2 || self.out_of_time()? {
             return Ok(());
         }
-        let mut sums = [sb, sa];
+        let mut sums: Vec<f64> = close.iter().map(|&i| self.fitting_speed(i).unwrap_or(0.0)).collect();
         for _ in 0..2 {
-            for (k, i) in [b, a].into_iter().enumerate() {
+            for (k, &i) in close.iter().enumerate().rev() {
                 let strategy = self.cands[i].strategy(&self.analysis.blocks)?;
                 let speed = match self.bench.dry_run(&strategy) {
                     Ok((speed, _)) => 1.0 / speed.max(1e-12),
@@ -601,7 +603,7 @@ impl<'a> Search<'a> {
                 sums[k] += 1.0 / self.bench.agree(&[speed])?[0];
             }
         }
-        for (k, i) in [b, a].into_iter().enumerate() {
+        for (k, &i) in close.iter().enumerate() {
             if let Outcome::Measured { tokens_per_s, .. } = &mut self.trials[i].outcome {
                 *tokens_per_s = sums[k] / 3.0;
             }
@@ -700,11 +702,17 @@ impl<'a> Search<'a> {
                 }
                 for seed in seeds {
                     let here = self.cands[seed];
+                    // A seed over the budget also gets its own value's next option.
+                    let here_fits = !self.over_budget(seed);
                     let distance =
                         |c: &Candidate| (c.checkpoint != here.checkpoint, c.sharding != here.sharding, cost(c));
                     let mut options: Vec<usize> = (0..self.trials.len())
                         .filter(|&i| self.predicted_fit(i) && !matches!(self.trials[i].outcome, Outcome::Pruned { .. }))
-                        .filter(|&i| keeps(&here, &self.cands[i]) && value(&self.cands[i]) != value(&here))
+                        .filter(|&i| {
+                            i != seed
+                                && keeps(&here, &self.cands[i])
+                                && (value(&self.cands[i]) != value(&here) || !here_fits)
+                        })
                         .collect();
                     options.sort_by_key(|&i| distance(&self.cands[i]));
                     // Per value, the closest option; when it turns out not to fit, the next.
