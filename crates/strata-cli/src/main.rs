@@ -4,6 +4,7 @@ mod bench;
 mod bench_comm;
 mod bench_methods;
 mod bench_runs;
+mod bench_search;
 mod bench_zero;
 mod launch;
 mod options;
@@ -79,6 +80,9 @@ enum BenchCommand {
     /// amp_native, half, fp8, checkpoint and module_replace each against none: tokens/s,
     /// peak allocated bytes and model-state bytes.
     Methods(bench_methods::BenchMethodsArgs),
+    /// The guided strategy search against an exhaustive one per scenario: dry runs spent,
+    /// and the guided choice trained side by side with the exhaustive best.
+    Search(bench_search::BenchSearchArgs),
 }
 
 fn validate(text: &str, world_size: Option<usize>) -> anyhow::Result<()> {
@@ -139,6 +143,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
         Command::Bench { which: BenchCommand::Methods(a) } => bench_methods::run(a),
+        Command::Bench { which: BenchCommand::Search(a) } => bench_search::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
         Command::Strategy { which: StrategyCommand::Show { strategy } } => {
             options::parse_strategy(&strategy).map(|s| println!("{}", s.to_json()))

@@ -243,3 +243,45 @@ fn ignored_units_keep_fp32_masters_and_resume_with_the_rest() {
     assert_eq!(wte.kind(), tch::Kind::Float);
     assert!(!wte.equal(&wte.to_kind(tch::Kind::BFloat16).to_kind(tch::Kind::Float)));
 }
+
+/// fp16 with a dynamic scale that starts far too high: the first steps overflow and are
+/// skipped, so when the checkpoint is taken the optimizer has stepped fewer times than the
+/// trainer.
+const SKIPPING_AMP: &str =
+    r#"["amp_native", {"dtype": "fp16", "loss_scaler": {"initial_scale_power": 22, "hysteresis": 1}}]"#;
+
+#[test]
+fn resume_after_skipped_steps_is_exact_on_1_and_2_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    for (name, nproc, strategy) in
+        [("one", "1", format!("[{SKIPPING_AMP}]")), ("zero2", "2", format!(r#"[{SKIPPING_AMP}, "zero2"]"#))]
+    {
+        let run = |extra: &[&str]| {
+            let args = [&["train"][..], &MODEL, &RUN, &["--nproc", nproc, "--strategy", &strategy], extra].concat();
+            let o = strata(&args);
+            assert!(o.status.success(), "{name}: {}", stderr(&o));
+        };
+        let (full, full_weights) = (p(&format!("{name}-full.jsonl")), p(&format!("{name}-full.st")));
+        run(&["--steps", "12", "--metrics", &full, "--save-weights", &full_weights]);
+        let skipped = std::fs::read_to_string(&full)
+            .unwrap()
+            .lines()
+            .take(8)
+            .filter(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["skipped"] == true)
+            .count();
+        // Skipped steps and updates both before the checkpoint.
+        assert!((2..8).contains(&skipped), "{name}: the scaler skipped {skipped} of the first 8 steps");
+        let ckpt = p(&format!("{name}-ckpt"));
+        run(&["--steps", "8", "--save-checkpoint", &ckpt]);
+        let (resumed, resumed_weights) = (p(&format!("{name}-resumed.jsonl")), p(&format!("{name}-resumed.st")));
+        run(&["--steps", "12", "--resume", &ckpt, "--metrics", &resumed, "--save-weights", &resumed_weights]);
+        let (a, b) = (losses(Path::new(&full)), losses(Path::new(&resumed)));
+        assert_eq!(b.iter().map(|r| r.0).collect::<Vec<_>>(), [9, 10, 11, 12]);
+        for ((step, x), (_, y)) in a[8..].iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * x.abs(), "{name}: step {step}: {x} straight, {y} resumed");
+        }
+        let gap = global_gap(Path::new(&full_weights), Path::new(&resumed_weights));
+        assert!(gap <= 1e-6, "{name}: weights differ by {gap:e}");
+    }
+}

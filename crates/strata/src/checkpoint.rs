@@ -68,6 +68,11 @@ pub struct Meta {
     /// Each unit's fp8 scaling state (amax histories, scales), where it computes in fp8.
     #[serde(default)]
     pub fp8: Vec<Option<Fp8Snapshot>>,
+    /// Updates the optimizer has applied (PyTorch's `state["step"]`; every parameter group
+    /// steps together). Below `step` when the loss scaler skipped steps; absent in
+    /// checkpoints that predate it, which resume from `step`.
+    #[serde(default)]
+    pub optimizer_steps: Option<u64>,
     /// The rank files; empty in a merged file.
     pub files: Vec<String>,
 }
@@ -114,6 +119,7 @@ fn describe(engine: &Engine, optimizer: &Optimizer, run: &RunInfo) -> Meta {
         data: run.data.clone(),
         loss_scaler: run.loss_scaler.clone(),
         fp8: engine.fp8_states().iter().map(|s| s.as_ref().and_then(|s| s.lock().ok().map(|s| s.snapshot()))).collect(),
+        optimizer_steps: Some(optimizer.steps_taken()),
         files: vec![],
     }
 }
@@ -297,6 +303,40 @@ fn fail(path: &Path, message: impl Into<String>) -> Error {
     Error::Weights { path: path.to_path_buf(), message: message.into() }
 }
 
+impl Meta {
+    /// Checks that the description is self-consistent before anything is read or allocated
+    /// from it: every parameter lies inside its unit's layout, sizes do not overflow, the fp8
+    /// states (if any) are one per unit, the optimizer has not stepped more than the run.
+    fn validate(&self, at: &Path) -> Result<()> {
+        let bad = |m: String| Err(fail(at, format!("inconsistent checkpoint description: {m}")));
+        if let Some(n) = self.unit_numel.iter().find(|&&n| n < 0) {
+            return bad(format!("a unit of {n} elements"));
+        }
+        let mut ends = vec![0i64; self.unit_numel.len()];
+        for p in &self.params {
+            let numel = p.shape.iter().try_fold(1i64, |acc, &d| if d < 0 { None } else { acc.checked_mul(d) });
+            let end = numel.and_then(|n| p.offset.checked_add(n)).filter(|_| p.offset >= 0);
+            match (end, self.unit_numel.get(p.unit)) {
+                (Some(end), Some(&unit_numel)) if end <= unit_numel => ends[p.unit] = ends[p.unit].max(end),
+                (_, None) => {
+                    return bad(format!("{} is in unit {}, of {} units", p.name, p.unit, self.unit_numel.len()))
+                }
+                _ => return bad(format!("{} {:?} at {} lies outside its unit", p.name, p.shape, p.offset)),
+            }
+        }
+        if let Some(k) = (0..ends.len()).find(|&k| ends[k] != self.unit_numel[k]) {
+            return bad(format!("unit {k} holds {} elements, its parameters end at {}", self.unit_numel[k], ends[k]));
+        }
+        if !self.fp8.is_empty() && self.fp8.len() != self.unit_numel.len() {
+            return bad(format!("{} fp8 states for {} units", self.fp8.len(), self.unit_numel.len()));
+        }
+        if self.optimizer_steps.is_some_and(|s| s > self.step) {
+            return bad(format!("{:?} optimizer steps in {} training steps", self.optimizer_steps, self.step));
+        }
+        Ok(())
+    }
+}
+
 fn map(path: &Path) -> Result<Mmap> {
     let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: checkpoint files are written once, atomically, and never modified in place.
@@ -324,6 +364,7 @@ impl Checkpoint {
         if meta.format != FORMAT {
             return Err(fail(&meta_path, format!("format {:?}, expected {FORMAT:?}", meta.format)));
         }
+        meta.validate(&meta_path)?;
         let mut files = Vec::new();
         let mut pieces: BTreeMap<(String, usize), Vec<Piece>> = BTreeMap::new();
         for name in &meta.files {
@@ -342,6 +383,12 @@ impl Checkpoint {
                 .and_then(|m| m.get("ranges"))
                 .and_then(|r| serde_json::from_str(r).ok())
                 .ok_or_else(|| fail(&file_path, "no shard ranges in its metadata"))?;
+            let outside = |(unit, &(start, len)): (usize, &(i64, i64))| {
+                start < 0 || len < 0 || meta.unit_numel.get(unit).is_none_or(|&n| start.saturating_add(len) > n)
+            };
+            if ranges.iter().enumerate().any(outside) {
+                return Err(fail(&file_path, "shard ranges outside the units the checkpoint describes"));
+            }
             let index = files.len();
             for (unit, &(start, len)) in ranges.iter().enumerate().filter(|(_, r)| r.1 > 0) {
                 for what in std::iter::once("param".to_string()).chain(meta.state_names.iter().cloned()) {
@@ -367,6 +414,7 @@ impl Checkpoint {
             .and_then(|t| {
                 serde_json::from_str(t).map_err(|e| fail(path, format!("bad checkpoint description ({e})")))
             })?;
+        meta.validate(path)?;
         let mut pieces: BTreeMap<(String, usize), Vec<Piece>> = BTreeMap::new();
         for p in &meta.params {
             let len = p.shape.iter().product();
@@ -448,6 +496,13 @@ impl Checkpoint {
                 ));
             }
         }
+        let unit_numel: Vec<i64> = engine.storage().iter().map(|s| s.numel).collect();
+        if self.meta.unit_numel != unit_numel {
+            return err(format!(
+                "a checkpoint of another layout: units of {:?} elements, this model {unit_numel:?}",
+                self.meta.unit_numel
+            ));
+        }
         if self.meta.optimizer != optimizer_name || self.meta.state_names != states {
             return err(format!(
                 "saved with optimizer {} (states {:?}), this run uses {optimizer_name} (states {:?})",
@@ -470,7 +525,7 @@ impl Checkpoint {
                 state.lock().map_err(|e| Error::Engine(e.to_string()))?.restore(saved);
             }
         }
-        optimizer.load_state(self.meta.step, |unit, offset, name, dest| {
+        optimizer.load_state(self.meta.optimizer_steps.unwrap_or(self.meta.step), |unit, offset, name, dest| {
             let values = self.read_range(name, unit, offset, dest.numel() as i64, dest.kind())?;
             tch::no_grad(|| dest.shallow_clone().f_copy_(&values))?;
             Ok(())

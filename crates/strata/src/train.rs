@@ -149,8 +149,9 @@ impl Trainer {
         }
         if !skipped {
             self.optimizer.step()?;
-            self.engine.after_step()?;
+            self.engine.after_update()?;
         }
+        self.engine.end_step()?;
         self.engine.zero_grad()?;
         let seconds = start.elapsed().as_secs_f64();
         self.step += 1;

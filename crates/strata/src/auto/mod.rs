@@ -5,6 +5,9 @@
 //!
 //! Owns: the choice of strategy and the assembly of engine, optimizer, data loader and
 //! trainer for it. Must not own how a strategy executes (`parallel`, `compute` do).
+pub mod bench;
+pub mod candidate;
+pub mod cost;
 pub mod search;
 
 use crate::comm::{Comm, ProcessGroup};
@@ -13,11 +16,13 @@ use crate::engine::EngineConfig;
 use crate::model::Builder;
 use crate::optim::{GroupRule, Optimizer, OptimizerConfig, Schedule};
 use crate::parallel::{self, DataParallelOptions, Placement, DEFAULT_BUCKET_BYTES};
-use crate::strategy::{BackwardPrefetchName, Method, Strategy, StrategySource};
+use crate::strategy::{BackwardPrefetch, Method, Strategy, StrategySource};
 use crate::train::{next_token_loss, token_input, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
-use search::{Bench, Outcome, Search};
-pub use search::{Candidate, SearchMode, SearchReport};
+use bench::Bench;
+pub use candidate::Candidate;
+pub use search::{Measure, SearchMode, SearchReport};
+use search::{Outcome, Search, SearchLimits};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -248,6 +253,7 @@ fn bench<'a>(job: &'a AutoAccelerate<'a>, bucket_bytes: usize, steps: usize) -> 
         loss_func: job.loss_func.clone(),
         steps: batches,
         world,
+        started: std::time::Instant::now(),
     })
 }
 
@@ -266,11 +272,14 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
             } else if !o.ignore_dryrun_on_load_strategy {
                 let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
                 let (speed, peak) = match b.trial(&strategy, job.engine.device_budget)? {
-                    Outcome::Measured { tokens_per_s, peak_bytes, fits: true, .. } => (tokens_per_s, peak_bytes),
-                    Outcome::Measured { peak_bytes, .. } => {
+                    Outcome::Fits { tokens_per_s, peak_bytes, .. } => (tokens_per_s, peak_bytes),
+                    Outcome::OverBudget { peak_bytes: Some(peak), .. } => {
                         return Err(Error::Config(format!(
-                            "the loaded strategy peaks at {peak_bytes} bytes, over the budget"
+                            "the loaded strategy peaks at {peak} bytes, over the budget"
                         )))
+                    }
+                    Outcome::OverBudget { peak_bytes: None, .. } => {
+                        return Err(Error::Config("the loaded strategy runs out of memory".into()))
                     }
                     other => return Err(Error::Config(format!("the loaded strategy's dry run: {other:?}"))),
                 };
@@ -305,15 +314,21 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
             )));
         }
     }
-    let started = std::time::Instant::now();
     let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
-    let analysis = search::analyse(&b)?;
-    let cands = search::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty());
+    let analysis = bench::analyse(&b)?;
+    let cands = candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty());
     if cands.is_empty() {
         return Err(Error::Config("no candidate strategy uses every included method and none excluded".into()));
     }
-    let mut s = Search::new(&b, analysis, cands, job.engine.device_budget, o.time_limit, started)?;
-    s.verbose = o.verbose;
+    let limits = SearchLimits {
+        device: job.engine.device,
+        world: b.world_size(),
+        budget: job.engine.device_budget,
+        time_limit: o.time_limit,
+    };
+    let mut measure = &b;
+    let mut s = Search::new(&mut measure, analysis, cands, limits)?;
+    s.verbose = o.verbose && rank_and_world(job.comm).0 == 0;
     match o.search {
         SearchMode::Guided => s.guided()?,
         SearchMode::Exhaustive => s.exhaustive()?,
@@ -350,7 +365,7 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
         b.placement.data_parallel.bucket_bytes = bucket;
         let outcome = b.trial(s, job.engine.device_budget)?;
         let speed = match outcome {
-            Outcome::Measured { tokens_per_s, fits: true, .. } => Some(tokens_per_s),
+            Outcome::Fits { tokens_per_s, .. } => Some(tokens_per_s),
             _ => None,
         };
         let strategy = Some(s.to_value());
@@ -367,8 +382,8 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
             ("forward_prefetch switched", |c| c.forward_prefetch = !c.forward_prefetch),
             ("backward_prefetch switched", |c| {
                 c.backward_prefetch = match c.backward_prefetch {
-                    Some(BackwardPrefetchName::Pre) => Some(BackwardPrefetchName::Post),
-                    _ => Some(BackwardPrefetchName::Pre),
+                    Some(BackwardPrefetch::Pre) => Some(BackwardPrefetch::Post),
+                    _ => Some(BackwardPrefetch::Pre),
                 }
             }),
             ("limit_all_gathers switched", |c| c.limit_all_gathers = !c.limit_all_gathers),

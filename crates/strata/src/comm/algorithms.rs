@@ -5,10 +5,10 @@
 //! 2·(n−1)/n of the data); broadcast = a pipelined chain from the root; reduce = ring
 //! reduce-scatter then a gather of the blocks at the root; all-to-all = n−1 pairwise
 //! exchanges; barrier = a one-byte all-gather.
+use super::elementwise::{check_reducible, divide, reduce_into, split};
 use super::transport::{ShmTransport, TcpTransport, Transport};
 use super::{check_list, check_rank, comm_text, GroupSetup, ProcessGroup, ReduceOp, Store, Work};
 use crate::{Error, Result};
-use half::{bf16, f16};
 use std::sync::mpsc::{channel, Sender};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -161,96 +161,6 @@ fn scratch(bytes: usize) -> Vec<u64> {
 
 fn scratch_block(v: &mut [u64], len: usize) -> Block {
     Block { ptr: v.as_mut_ptr() as *mut u8, len }
-}
-
-/// Splits `numel` elements into `n` near-equal byte ranges.
-pub(super) fn split(numel: usize, n: usize, esize: usize) -> Vec<std::ops::Range<usize>> {
-    let (base, extra) = (numel / n, numel % n);
-    let mut start = 0;
-    (0..n)
-        .map(|i| {
-            let count = base + usize::from(i < extra);
-            let r = start * esize..(start + count) * esize;
-            start += count;
-            r
-        })
-        .collect()
-}
-
-pub(super) fn check_reducible(kind: Kind, op: ReduceOp) -> Result<()> {
-    let float = matches!(kind, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16);
-    if !float && !matches!(kind, Kind::Int | Kind::Int64) {
-        return Err(Error::Comm(format!("cannot reduce {kind:?} tensors; supported: f32, f64, f16, bf16, i32, i64")));
-    }
-    if op == ReduceOp::Avg && !float {
-        return Err(Error::Comm(format!("avg needs a floating-point tensor, got {kind:?}")));
-    }
-    Ok(())
-}
-
-/// `dst[i] = op(dst[i], src[i])` over elements of `kind`.
-pub(super) fn reduce_into(kind: Kind, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
-    fn typed<T: Copy>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
-        let n = dst.len() / std::mem::size_of::<T>();
-        if n == 0 {
-            return;
-        }
-        // SAFETY: both buffers are aligned for T (tensor storage or u64 scratch, at element
-        // offsets) and hold n elements.
-        let (d, s) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut T, n),
-                std::slice::from_raw_parts(src.as_ptr() as *const T, n),
-            )
-        };
-        d.iter_mut().zip(s).for_each(|(a, &b)| *a = f(*a, b));
-    }
-    macro_rules! arith {
-        ($t:ty, $to:expr, $from:expr) => {
-            match op {
-                ReduceOp::Sum | ReduceOp::Avg => typed::<$t>(dst, src, |a, b| $from($to(a) + $to(b))),
-                ReduceOp::Max => typed::<$t>(dst, src, |a, b| if $to(b) > $to(a) { b } else { a }),
-                ReduceOp::Min => typed::<$t>(dst, src, |a, b| if $to(b) < $to(a) { b } else { a }),
-            }
-        };
-    }
-    match kind {
-        Kind::Float => arith!(f32, (|x: f32| x), (|x: f32| x)),
-        Kind::Double => arith!(f64, (|x: f64| x), (|x: f64| x)),
-        Kind::Half => arith!(f16, f16::to_f32, f16::from_f32),
-        Kind::BFloat16 => arith!(bf16, bf16::to_f32, bf16::from_f32),
-        Kind::Int => match op {
-            ReduceOp::Max => typed::<i32>(dst, src, i32::max),
-            ReduceOp::Min => typed::<i32>(dst, src, i32::min),
-            _ => typed::<i32>(dst, src, i32::wrapping_add),
-        },
-        Kind::Int64 => match op {
-            ReduceOp::Max => typed::<i64>(dst, src, i64::max),
-            ReduceOp::Min => typed::<i64>(dst, src, i64::min),
-            _ => typed::<i64>(dst, src, i64::wrapping_add),
-        },
-        _ => unreachable!("checked by check_reducible"),
-    }
-}
-
-/// Divides a block of floating-point elements by `n` (the second half of avg).
-pub(super) fn divide(kind: Kind, block: &mut [u8], n: usize) {
-    fn typed<T: Copy>(b: &mut [u8], f: impl Fn(T) -> T) {
-        let len = b.len() / std::mem::size_of::<T>();
-        if len == 0 {
-            return;
-        }
-        // SAFETY: aligned tensor storage holding `len` elements of T.
-        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, len) }.iter_mut().for_each(|x| *x = f(*x));
-    }
-    let d = n as f64;
-    match kind {
-        Kind::Float => typed::<f32>(block, |x| x / d as f32),
-        Kind::Double => typed::<f64>(block, |x| x / d),
-        Kind::Half => typed::<f16>(block, |x| f16::from_f32(x.to_f32() / d as f32)),
-        Kind::BFloat16 => typed::<bf16>(block, |x| bf16::from_f32(x.to_f32() / d as f32)),
-        _ => {}
-    }
 }
 
 /// Ring reduce-scatter: afterwards block `rank` holds the reduction of every rank's block.
@@ -473,30 +383,4 @@ fn base_copy(dst: *mut u8, src: &Buffer) {
     }
     // SAFETY: `dst` is scratch of at least `src.len` bytes, distinct from the tensor.
     unsafe { std::ptr::copy_nonoverlapping(src.ptr, dst, src.len) }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn split_covers_every_element_once() {
-        let r = split(10, 4, 4);
-        assert_eq!(r, vec![0..12, 12..24, 24..32, 32..40]);
-        assert!(split(0, 3, 8).iter().all(|r| r.is_empty()));
-    }
-
-    #[test]
-    fn reductions_per_dtype() {
-        let mut a = [1.5f32, -2.0].map(f32::to_le_bytes).concat();
-        let b = [2.0f32, -3.0].map(f32::to_le_bytes).concat();
-        reduce_into(Kind::Float, ReduceOp::Max, &mut a, &b);
-        assert_eq!(a, [2.0f32, -2.0].map(f32::to_le_bytes).concat());
-        let mut h = [f16::from_f32(1.0), f16::from_f32(2.0)].map(|x| x.to_le_bytes()).concat();
-        let g = [f16::from_f32(0.5), f16::from_f32(0.25)].map(|x| x.to_le_bytes()).concat();
-        reduce_into(Kind::Half, ReduceOp::Sum, &mut h, &g);
-        assert_eq!(h, [f16::from_f32(1.5), f16::from_f32(2.25)].map(|x| x.to_le_bytes()).concat());
-        assert!(check_reducible(Kind::Int64, ReduceOp::Avg).is_err());
-        assert!(check_reducible(Kind::Bool, ReduceOp::Sum).is_err());
-    }
 }

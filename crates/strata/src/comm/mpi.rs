@@ -4,7 +4,7 @@
 //!
 //! MPI's failure model applies: a rank that dies makes `mpirun` end the job, and MPI calls
 //! have no timeout of their own.
-use super::algorithms::divide;
+use super::elementwise::divide;
 use super::transport::Transport;
 use super::{GroupSetup, ReduceOp};
 use crate::{Error, Result};

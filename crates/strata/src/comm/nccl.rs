@@ -2,7 +2,7 @@
 //! of the tensors' device (so they are ordered with the kernels around them), each
 //! returning a [`Work`] that completes when the device passes an event recorded after it.
 //! Built with the `cuda` feature; otherwise making the group reports that.
-use super::algorithms::check_reducible;
+use super::elementwise::check_reducible;
 use super::{check_list, check_rank, GroupSetup, ProcessGroup, ReduceOp, Work};
 use crate::{Error, Result};
 use std::time::Duration;

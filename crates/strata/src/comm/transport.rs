@@ -3,7 +3,7 @@
 //!
 //! Every blocking call gives up after the group's timeout, and a peer that went away is
 //! reported by rank (a closed socket, or a process that no longer exists).
-use super::algorithms::{divide, reduce_into, split};
+use super::elementwise::{divide, reduce_into, split};
 use super::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
 use memmap2::MmapMut;

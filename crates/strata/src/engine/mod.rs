@@ -394,11 +394,15 @@ impl Engine {
         schedule.on(phase, ctx)
     }
 
-    /// Ends a step: the schedule publishes the optimizer's update (e.g. gathers updated
-    /// shards) and fp8 scaling takes in the step's statistics.
-    pub fn after_step(&mut self) -> Result<()> {
+    /// After the optimizer's update: the schedule publishes it (e.g. gathers updated shards).
+    pub fn after_update(&mut self) -> Result<()> {
         let (schedule, ctx) = self.schedule_for(0);
-        schedule.after_step(ctx)?;
+        schedule.after_step(ctx)
+    }
+
+    /// Ends a step, whether it updated or was skipped: fp8 scaling takes in the step's
+    /// statistics, so none leak into the next step.
+    pub fn end_step(&mut self) -> Result<()> {
         // Each unit has an fp8 state of its own.
         for state in self.compute.iter().filter_map(|p| p.fp8.as_ref()) {
             state.lock().map_err(|e| Error::Engine(e.to_string()))?.end_step(self.amax_group.as_deref())?;

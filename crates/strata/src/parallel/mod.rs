@@ -110,7 +110,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     let options = ZeroOptions {
         stage,
         reshard_after_forward,
-        backward_prefetch: shard.backward_prefetch(),
+        backward_prefetch: shard.backward_prefetch,
         forward_prefetch: shard.forward_prefetch,
         limit_all_gathers: shard.limit_all_gathers,
         sync_module_states: shard.sync_module_states,

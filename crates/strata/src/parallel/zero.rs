@@ -23,41 +23,11 @@ use crate::engine::{
     UnitSchedule, UnitStorage,
 };
 use crate::model::ModelSpec;
+use crate::strategy::{BackwardPrefetch, Stage, Wrap};
 use crate::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tch::{Kind, Tensor};
-
-/// Which model states are sharded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Stage {
-    /// Optimizer states (ZeRO-1).
-    Optimizer = 1,
-    /// And gradients (ZeRO-2, FSDP's SHARD_GRAD_OP).
-    Gradients = 2,
-    /// And parameters (ZeRO-3, FSDP's FULL_SHARD).
-    Parameters = 3,
-}
-
-/// When backward starts gathering the next unit's parameters (FSDP's `backward_prefetch`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BackwardPrefetch {
-    /// Before the current unit's backward computes (more overlap, one more unit held).
-    Pre,
-    /// After it, once its parameters are freed (overlaps the gradient reduction).
-    Post,
-}
-
-/// How a unit takes part in sharding (the result of a wrap policy).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Wrap {
-    /// Sharded, gathered and freed on its own.
-    Own,
-    /// Sharded with the outermost wrap: gathered for the whole step, reduced at its end.
-    Root,
-    /// Not sharded: replicated on every rank, gradients all-reduced.
-    Ignored,
-}
 
 #[derive(Clone, Debug)]
 pub struct ZeroOptions {

@@ -7,14 +7,15 @@
 //! allowed) and serialisation back to the same form. Must not execute anything: the
 //! `parallel` module turns a validated strategy into an engine.
 mod parallel_mode;
+mod shard;
 
 pub use parallel_mode::{ParallelMode, DIMENSIONS};
+pub use shard::{BackwardPrefetch, MixedPrecision, ShardConfig, ShardingStrategy, Stage, Wrap};
 
 use crate::compute::fp8::Fp8Config;
 use crate::compute::replace::Replacements;
 use crate::compute::scaler::{LossScaler, LossScalerConfig};
 use crate::model::ModelSpec;
-use crate::parallel::zero::{BackwardPrefetch, Stage, Wrap};
 use crate::train::GradScaling;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -120,80 +121,6 @@ pub fn select_units(spec: &ModelSpec, list: &[String], field: &str) -> Result<Ve
     Ok(spec.units.iter().map(|u| list.iter().any(|c| c == u.kind() || c == &u.name)).collect())
 }
 
-/// FSDP's sharding strategies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum ShardingStrategy {
-    FullShard,
-    ShardGradOp,
-    NoShard,
-    HybridShard,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum BackwardPrefetchName {
-    #[serde(rename = "BACKWARD_PRE")]
-    Pre,
-    #[serde(rename = "BACKWARD_POST")]
-    Post,
-}
-
-/// FSDP's `MixedPrecision`: dtypes by name (`"bf16"`, `"fp16"`, `"fp32"`); unset ones
-/// leave that data in the model's dtype.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct MixedPrecision {
-    pub param_dtype: Option<String>,
-    pub reduce_dtype: Option<String>,
-    /// The reference models hold no buffers; a set value is validated and recorded.
-    pub buffer_dtype: Option<String>,
-}
-
-/// Configuration of `zero1`, `zero2` and `fsdp`, with FSDP's argument names and defaults
-/// and ATorch's wrap arguments.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ShardConfig {
-    /// fsdp only (default FULL_SHARD).
-    pub sharding_strategy: Option<ShardingStrategy>,
-    pub backward_prefetch: Option<BackwardPrefetchName>,
-    pub forward_prefetch: bool,
-    pub limit_all_gathers: bool,
-    pub sync_module_states: bool,
-    pub mixed_precision: Option<MixedPrecision>,
-    /// Unit kinds or names wrapped on their own; other units join the outermost wrap.
-    pub atorch_wrap_cls: Vec<String>,
-    /// Units with at least this many parameters are wrapped on their own.
-    pub atorch_size_based_min_num_params: Option<u64>,
-    /// Unit kinds or names left unsharded (replicated).
-    pub atorch_ignored_cls: Vec<String>,
-    /// Units holding trainable parameters join the outermost wrap.
-    pub wrap_trainable_outmost: bool,
-    /// Ranks per shard group with HYBRID_SHARD (default: the ranks of one node).
-    pub hybrid_shard_size: Option<usize>,
-    /// Parameter groups select parameters by name whatever this says.
-    pub use_orig_params: bool,
-}
-
-impl Default for ShardConfig {
-    fn default() -> Self {
-        ShardConfig {
-            sharding_strategy: None,
-            backward_prefetch: Some(BackwardPrefetchName::Pre),
-            forward_prefetch: false,
-            limit_all_gathers: true,
-            sync_module_states: false,
-            mixed_precision: None,
-            atorch_wrap_cls: vec![],
-            atorch_size_based_min_num_params: None,
-            atorch_ignored_cls: vec![],
-            wrap_trainable_outmost: false,
-            hybrid_shard_size: None,
-            use_orig_params: false,
-        }
-    }
-}
-
 /// Parses a dtype name as strategies write it.
 pub fn parse_dtype(name: &str) -> Result<Kind> {
     match name.to_ascii_lowercase().as_str() {
@@ -201,79 +128,6 @@ pub fn parse_dtype(name: &str) -> Result<Kind> {
         "fp16" | "float16" | "half" => Ok(Kind::Half),
         "fp32" | "float32" | "float" => Ok(Kind::Float),
         other => Err(Error::Config(format!("unknown dtype {other:?}; allowed: bf16, fp16, fp32"))),
-    }
-}
-
-impl MixedPrecision {
-    pub fn kinds(&self) -> Result<(Option<Kind>, Option<Kind>, Option<Kind>)> {
-        let parse = |v: &Option<String>| v.as_deref().map(parse_dtype).transpose();
-        Ok((parse(&self.param_dtype)?, parse(&self.reduce_dtype)?, parse(&self.buffer_dtype)?))
-    }
-}
-
-impl ShardConfig {
-    fn validate(&self, method: &str) -> Result<()> {
-        let bad = |what: String| Err(Error::Config(format!("{method}: {what}")));
-        if method != "fsdp" && self.sharding_strategy.is_some() {
-            return bad("sharding_strategy belongs to fsdp (zero1 and zero2 fix their own)".into());
-        }
-        if !self.atorch_wrap_cls.is_empty() && self.atorch_size_based_min_num_params.is_some() {
-            return bad("atorch_wrap_cls and atorch_size_based_min_num_params exclude each other".into());
-        }
-        if self.hybrid_shard_size == Some(0) {
-            return bad("hybrid_shard_size must be positive".into());
-        }
-        if self.hybrid_shard_size.is_some() && self.sharding_strategy != Some(ShardingStrategy::HybridShard) {
-            return bad("hybrid_shard_size needs sharding_strategy HYBRID_SHARD".into());
-        }
-        if let Some(mp) = &self.mixed_precision {
-            if let Err(e) = mp.kinds() {
-                return bad(e.to_string().trim_start_matches("invalid configuration: ").to_string());
-            }
-        }
-        Ok(())
-    }
-
-    /// The ZeRO stage and whether parameters are freed after forward.
-    pub fn stage(&self, method: &str) -> (Stage, bool) {
-        match (method, self.sharding_strategy) {
-            ("zero1", _) | (_, Some(ShardingStrategy::NoShard)) => (Stage::Optimizer, false),
-            ("zero2", _) => (Stage::Gradients, false),
-            (_, Some(ShardingStrategy::ShardGradOp)) => (Stage::Parameters, false),
-            _ => (Stage::Parameters, true),
-        }
-    }
-
-    pub fn backward_prefetch(&self) -> Option<BackwardPrefetch> {
-        self.backward_prefetch.map(|b| match b {
-            BackwardPrefetchName::Pre => BackwardPrefetch::Pre,
-            BackwardPrefetchName::Post => BackwardPrefetch::Post,
-        })
-    }
-
-    /// Applies the wrap policy to `spec`'s units. A name in a list must match some unit's
-    /// kind or name.
-    pub fn wrap(&self, spec: &ModelSpec) -> Result<Vec<Wrap>> {
-        let wrapped = select_units(spec, &self.atorch_wrap_cls, "atorch_wrap_cls")?;
-        let ignored = select_units(spec, &self.atorch_ignored_cls, "atorch_ignored_cls")?;
-        Ok((0..spec.units.len())
-            .map(|k| {
-                let numel: i64 = spec.units[k].params.iter().map(|id| spec.params[id.0].numel()).sum();
-                let trainable = spec.units[k].params.iter().any(|id| spec.params[id.0].requires_grad);
-                let own = if !self.atorch_wrap_cls.is_empty() {
-                    wrapped[k]
-                } else {
-                    self.atorch_size_based_min_num_params.is_none_or(|min| numel as u64 >= min)
-                };
-                if ignored[k] {
-                    Wrap::Ignored
-                } else if (self.wrap_trainable_outmost && trainable) || !own {
-                    Wrap::Root
-                } else {
-                    Wrap::Own
-                }
-            })
-            .collect())
     }
 }
 
@@ -578,7 +432,7 @@ mod tests {
             Strategy::parse(r#"[["fsdp", {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}]]"#).unwrap();
         let (name, c) = s.sharding().unwrap();
         assert_eq!((name, c.stage(name)), ("fsdp", (Stage::Parameters, true)));
-        assert_eq!(c.backward_prefetch(), Some(BackwardPrefetch::Pre), "FSDP's default");
+        assert_eq!(c.backward_prefetch, Some(BackwardPrefetch::Pre), "FSDP's default");
         // fp16 amp scales dynamically and checks; bf16 neither, unless asked.
         let fp16 = Strategy::parse(r#"["amp_native"]"#).unwrap().grad_scaling().unwrap();
         assert!(fp16.scaler.as_ref().is_some_and(|s| s.is_dynamic() && s.scale == 65536.0) && fp16.skip_if_nonfinite);

@@ -1,0 +1,192 @@
+//! Real dry runs: a job's model, optimizer and batches, trained for a few steps under one
+//! strategy and measured (tokens/s, allocator peak), and the profiling pass that feeds the
+//! memory model.
+use super::candidate::Candidate;
+use super::cost::Analysis;
+use super::search::{agree_outcome, Measure, Outcome};
+use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
+use crate::data::Step;
+use crate::engine::{memory, EngineConfig, Phase, ScheduleContext, UnitSchedule};
+use crate::model::{Builder, ModelSpec};
+use crate::optim::{GroupRule, Optimizer, OptimizerConfig, Schedule};
+use crate::parallel::{self, Placement};
+use crate::strategy::Strategy;
+use crate::train::{InputFn, LossFn, Trainer};
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tch::Device;
+
+/// Everything a dry run needs; shared by all candidates.
+pub struct Bench<'a> {
+    pub model: &'a (dyn Fn(&mut Builder) -> Result<()> + Sync),
+    pub freeze: &'a [String],
+    pub engine: EngineConfig,
+    pub optimizer: OptimizerConfig,
+    pub rules: &'a [GroupRule],
+    pub schedule: Schedule,
+    pub grad_clip: Option<f64>,
+    pub placement: Placement<'a>,
+    pub prepare_input: InputFn,
+    pub loss_func: LossFn,
+    /// This rank's steps: the first is warm-up, the rest are timed.
+    pub steps: Vec<Step>,
+    /// The group every rank belongs to, to agree on measurements.
+    pub world: Option<Arc<dyn ProcessGroup>>,
+    /// When the search (or check) that uses this bench began.
+    pub started: Instant,
+}
+
+/// The search measures by real dry runs.
+impl Measure for &Bench<'_> {
+    fn trial(&mut self, _candidate: &Candidate, strategy: &Strategy, budget: Option<u64>) -> Result<Outcome> {
+        Bench::trial(self, strategy, budget)
+    }
+
+    fn elapsed(&mut self) -> Result<f64> {
+        Bench::elapsed(self)
+    }
+}
+
+impl Bench<'_> {
+    pub fn spec(&self) -> Result<ModelSpec> {
+        let mut b = Builder::new();
+        (self.model)(&mut b)?;
+        let mut spec = b.build()?;
+        spec.freeze(self.freeze)?;
+        Ok(spec)
+    }
+
+    /// The largest of `values` over all ranks.
+    fn agree(&self, values: &[f64]) -> Result<Vec<f64>> {
+        match &self.world {
+            Some(g) => all_reduce_values(g.as_ref(), values, ReduceOp::Max),
+            None => Ok(values.to_vec()),
+        }
+    }
+
+    /// Dry-runs `strategy`; the outcome every rank agrees on ([`agree_outcome`]).
+    pub fn trial(&self, strategy: &Strategy, budget: Option<u64>) -> Result<Outcome> {
+        let started = Instant::now();
+        let result = self.dry_run(strategy);
+        agree_outcome(self.world.as_deref(), &result, started.elapsed().as_secs_f64(), budget)
+    }
+
+    /// Seconds since the bench was made (the search's start), the largest over the ranks.
+    pub fn elapsed(&self) -> Result<f64> {
+        Ok(self.agree(&[self.started.elapsed().as_secs_f64()])?[0])
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.placement.comm.map_or(1, |c| c.size())
+    }
+
+    /// Trains the warm-up and timed steps with `strategy`; (tokens/s of the job, peak bytes).
+    pub fn dry_run(&self, strategy: &Strategy) -> Result<(f64, u64)> {
+        let device = self.engine.device;
+        let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, &self.placement)?;
+        let optimizer = Optimizer::new(&mut engine, self.optimizer.clone(), self.rules)?;
+        let mut trainer = Trainer::new(engine, optimizer, self.schedule.clone(), self.grad_clip);
+        trainer.scaling = strategy.grad_scaling()?;
+        trainer.prepare_input = self.prepare_input.clone();
+        trainer.loss_func = self.loss_func.clone();
+        memory::reset_allocator_peak(device);
+        // The median timed step: one slow step of a shared machine does not decide.
+        let mut rates = Vec::new();
+        for (i, step) in self.steps.iter().enumerate() {
+            let report = trainer.train_step(step)?;
+            if i > 0 {
+                rates.push(report.tokens as f64 * self.world_size() as f64 / report.seconds.max(1e-9));
+            }
+        }
+        rates.sort_by(f64::total_cmp);
+        let ledger_peak = trainer.engine.ledger().report().get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);
+        let peak = memory::allocator_peak(device).unwrap_or(0).max(ledger_peak);
+        Ok((rates.get(rates.len() / 2).copied().unwrap_or(0.0), peak))
+    }
+}
+
+/// Bytes each unit keeps between its forward and its backward, and its output's.
+struct Probe {
+    device: Device,
+    at_start: Vec<(i64, u64)>,
+    kept: Arc<Mutex<Vec<(u64, u64)>>>,
+}
+
+fn allocated(device: Device) -> i64 {
+    match device {
+        Device::Cuda(i) => strata_ext::cuda::memory_stats(i).map(|s| s.allocated).unwrap_or(0),
+        _ => strata_ext::cpu_memory::stats().map(|s| s.0).unwrap_or(0),
+    }
+}
+
+fn activations_held(ctx: &ScheduleContext<'_>) -> u64 {
+    let report = ctx.ledger.report();
+    report
+        .get(&crate::engine::Placement::Device)
+        .and_then(|r| r.by_category.get(&crate::engine::Category::Activations))
+        .copied()
+        .unwrap_or(0)
+}
+
+impl UnitSchedule for Probe {
+    fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()> {
+        match phase {
+            Phase::BeforeForward => {
+                self.at_start.resize(ctx.unit + 1, (0, 0));
+                self.at_start[ctx.unit] = (allocated(self.device), activations_held(&ctx));
+            }
+            Phase::AfterForward => {
+                let (mem, act) = self.at_start[ctx.unit];
+                let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+                kept.resize(ctx.unit + 1, (0, 0));
+                kept[ctx.unit] =
+                    ((allocated(self.device) - mem).max(0) as u64, activations_held(&ctx).saturating_sub(act));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// One fp32 forward and backward on a micro-batch, unit by unit: parameters per unit,
+/// what each unit keeps for backward, the time, the repeated unit kinds.
+pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
+    let spec = bench.spec()?;
+    let unit_params: Vec<i64> =
+        spec.units.iter().map(|u| u.params.iter().map(|id| spec.params[id.0].numel()).sum()).collect();
+    let mut kinds: Vec<String> = spec.units.iter().map(|u| u.kind().to_string()).collect();
+    let blocks: Vec<String> = {
+        let all = kinds.clone();
+        kinds.sort();
+        kinds.dedup();
+        kinds.into_iter().filter(|k| all.iter().filter(|a| *a == k).count() > 1).collect()
+    };
+    let params = spec.num_params();
+    let config = EngineConfig { device_budget: None, ..bench.engine.clone() };
+    let mut engine = crate::engine::Engine::new(spec, config)?;
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    engine.set_schedule(Box::new(Probe { device: bench.engine.device, at_start: vec![], kept: kept.clone() }));
+    let batch = bench
+        .steps
+        .first()
+        .and_then(|s| s.micro_batches.first())
+        .ok_or_else(|| Error::Data("no batch to profile".into()))?;
+    let start = Instant::now();
+    let out = engine.forward(&(bench.prepare_input)(batch)?)?;
+    engine.backward(&(bench.loss_func)(&out, batch)?)?;
+    let step_seconds = start.elapsed().as_secs_f64();
+    let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    // Every rank predicts from the same numbers: the largest over the ranks.
+    let local: Vec<f64> = kept.iter().flat_map(|k| [k.0 as f64, k.1 as f64]).chain([step_seconds]).collect();
+    let agreed = bench.agree(&local)?;
+    let (pairs, step_seconds) = agreed.split_at(agreed.len() - 1);
+    Ok(Analysis {
+        params,
+        unit_params,
+        unit_activation_bytes: pairs.chunks(2).map(|k| k[0] as u64).collect(),
+        unit_output_bytes: pairs.chunks(2).map(|k| k[1] as u64).collect(),
+        step_seconds: step_seconds[0],
+        blocks,
+    })
+}

@@ -1,0 +1,197 @@
+//! The search space: precision, module replacement, sharding and recomputation, as
+//! candidates built from every method minus `excluded` and with every `included` one, and
+//! what the device and the world size rule out before anything runs.
+use crate::strategy::Strategy;
+use crate::Result;
+use serde::Serialize;
+use tch::Device;
+
+/// How the numbers are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    Fp32,
+    AmpBf16,
+    AmpFp16,
+    HalfBf16,
+    HalfFp16,
+    /// fp8 linear layers (head excluded) over bf16 autocast.
+    Fp8,
+}
+
+pub(crate) const PRECISIONS: [Precision; 6] =
+    [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16, Precision::AmpFp16, Precision::HalfFp16, Precision::Fp8];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Sharding {
+    None,
+    Zero1,
+    Zero2,
+    Fsdp,
+}
+
+const SHARDINGS: [Sharding; 4] = [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp];
+
+/// One point of the search space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Candidate {
+    pub precision: Precision,
+    pub module_replace: bool,
+    pub sharding: Sharding,
+    pub checkpoint: bool,
+}
+
+impl Candidate {
+    /// The method names the candidate uses.
+    pub fn methods(&self) -> Vec<&'static str> {
+        let mut m = vec!["parallel_mode"];
+        m.extend(match self.precision {
+            Precision::Fp32 => &[][..],
+            Precision::AmpBf16 | Precision::AmpFp16 => &["amp_native"],
+            Precision::HalfBf16 | Precision::HalfFp16 => &["half"],
+            Precision::Fp8 => &["fp8", "amp_native"],
+        });
+        if self.module_replace {
+            m.push("module_replace");
+        }
+        if self.checkpoint {
+            m.push("checkpoint");
+        }
+        m.extend(match self.sharding {
+            Sharding::None => None,
+            Sharding::Zero1 => Some("zero1"),
+            Sharding::Zero2 => Some("zero2"),
+            Sharding::Fsdp => Some("fsdp"),
+        });
+        m
+    }
+
+    /// The candidate as a strategy; `blocks` are the unit kinds recomputed by `checkpoint`.
+    pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
+        let mut items = vec![serde_json::json!("parallel_mode")];
+        items.extend(match self.precision {
+            Precision::Fp32 => vec![],
+            Precision::AmpBf16 => vec![serde_json::json!(["amp_native", {"dtype": "bf16"}])],
+            Precision::AmpFp16 => vec![serde_json::json!(["amp_native", {"dtype": "fp16"}])],
+            Precision::HalfBf16 => vec![serde_json::json!(["half", "bf16"])],
+            Precision::HalfFp16 => vec![serde_json::json!(["half", "fp16"])],
+            Precision::Fp8 => vec![
+                serde_json::json!(["fp8", {"exclude": ["lm_head"]}]),
+                serde_json::json!(["amp_native", {"dtype": "bf16"}]),
+            ],
+        });
+        if self.module_replace {
+            items.push(serde_json::json!("module_replace"));
+        }
+        if self.checkpoint {
+            items.push(serde_json::json!(["checkpoint", blocks]));
+        }
+        if let Some(name) = self.methods().iter().find(|m| ["zero1", "zero2", "fsdp"].contains(m)) {
+            items.push(serde_json::json!(name));
+        }
+        Strategy::from_value(&serde_json::Value::Array(items))
+    }
+
+    pub fn label(&self) -> String {
+        let mut parts = vec![match self.precision {
+            Precision::Fp32 => "fp32",
+            Precision::AmpBf16 => "amp bf16",
+            Precision::AmpFp16 => "amp fp16",
+            Precision::HalfBf16 => "half bf16",
+            Precision::HalfFp16 => "half fp16",
+            Precision::Fp8 => "fp8 + amp bf16",
+        }];
+        if self.module_replace {
+            parts.push("module_replace");
+        }
+        if self.checkpoint {
+            parts.push("checkpoint");
+        }
+        parts.push(match self.sharding {
+            Sharding::None => "data parallel",
+            Sharding::Zero1 => "zero1",
+            Sharding::Zero2 => "zero2",
+            Sharding::Fsdp => "fsdp",
+        });
+        parts.join(" + ")
+    }
+}
+
+/// The candidates: every combination of the methods that exist, minus those using an
+/// `excluded` method, keeping only those using every `included` one.
+pub fn candidates(excluded: &[String], included: &[String], has_blocks: bool) -> Vec<Candidate> {
+    let mut out = Vec::new();
+    for precision in PRECISIONS {
+        for module_replace in [true, false] {
+            for sharding in SHARDINGS {
+                for checkpoint in [false, true] {
+                    if checkpoint && !has_blocks {
+                        continue;
+                    }
+                    let c = Candidate { precision, module_replace, sharding, checkpoint };
+                    let methods = c.methods();
+                    if methods.iter().any(|m| excluded.iter().any(|e| e == m)) {
+                        continue;
+                    }
+                    if included.iter().all(|i| methods.contains(&i.as_str())) {
+                        out.push(c);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Why `c` cannot run here, if it cannot: the device lacks fast kernels for it, or there is
+/// nothing to shard.
+pub fn capability(c: &Candidate, device: Device, world: usize) -> Option<String> {
+    let fp16 = matches!(c.precision, Precision::AmpFp16 | Precision::HalfFp16);
+    match device {
+        Device::Cpu if fp16 => return Some("libtorch has no fast fp16 matrix products on the CPU".into()),
+        Device::Cpu if c.precision == Precision::Fp8 => return Some("fp8 products are emulated on the CPU".into()),
+        _ if c.precision == Precision::Fp8 => {
+            if let Some(why) = crate::compute::fp8::unsupported_on(device) {
+                return Some(why);
+            }
+        }
+        _ => {}
+    }
+    (world == 1 && c.sharding != Sharding::None).then(|| "nothing to shard on one rank".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_cover_every_method_and_honour_included_and_excluded() {
+        let all = candidates(&[], &[], true);
+        assert_eq!(all.len(), PRECISIONS.len() * 2 * SHARDINGS.len() * 2);
+        for c in &all {
+            let s = c.strategy(&["GptBlock".into()]).unwrap();
+            let names: Vec<&str> = s.methods.iter().map(|m| m.name()).collect();
+            assert_eq!(names.len(), c.methods().len(), "{}", c.label());
+        }
+        let some = candidates(&["fsdp".into()], &["checkpoint".into(), "amp_native".into()], true);
+        assert!(!some.is_empty());
+        assert!(some
+            .iter()
+            .all(|c| c.checkpoint && c.sharding != Sharding::Fsdp && c.methods().contains(&"amp_native")));
+        assert!(
+            candidates(&[], &["checkpoint".into()], false).is_empty(),
+            "nothing to recompute without repeated units"
+        );
+        let cpu = Candidate {
+            precision: Precision::HalfFp16,
+            module_replace: false,
+            sharding: Sharding::None,
+            checkpoint: false,
+        };
+        assert!(capability(&cpu, Device::Cpu, 1).is_some());
+        let shard = Candidate { precision: Precision::Fp32, sharding: Sharding::Zero2, ..cpu };
+        assert_eq!(capability(&shard, Device::Cpu, 1).as_deref(), Some("nothing to shard on one rank"));
+        assert!(capability(&shard, Device::Cpu, 2).is_none());
+    }
+}

@@ -1,0 +1,78 @@
+//! The memory model: what the profiling pass learnt about a model, and the peak bytes per
+//! rank it predicts for a candidate (ZeRO's model-state formula plus the activations kept).
+use super::candidate::{Candidate, Precision, Sharding};
+use serde::Serialize;
+
+/// What the profiling pass learnt about the model.
+#[derive(Clone, Debug, Serialize)]
+pub struct Analysis {
+    pub params: i64,
+    pub unit_params: Vec<i64>,
+    /// Bytes each unit's forward keeps for backward (fp32, one micro-batch of this rank).
+    pub unit_activation_bytes: Vec<u64>,
+    /// Bytes of each unit's output.
+    pub unit_output_bytes: Vec<u64>,
+    /// Seconds of one fp32 forward and backward of one micro-batch.
+    pub step_seconds: f64,
+    /// Unit kinds that repeat (the blocks): what `checkpoint` recomputes.
+    pub blocks: Vec<String>,
+}
+
+/// The peak bytes per rank the memory model predicts for `c` (AdamW's two fp32 moments).
+pub fn predicted_peak(a: &Analysis, c: &Candidate, world: usize) -> u64 {
+    let psi = a.params as f64;
+    let n = if c.sharding == Sharding::None { 1.0 } else { world as f64 };
+    let (p, g, k) = match c.precision {
+        Precision::HalfBf16 | Precision::HalfFp16 => (2.0, 2.0, 8.0),
+        _ => (4.0, 4.0, 8.0),
+    };
+    let largest = a.unit_params.iter().copied().max().unwrap_or(0) as f64;
+    let states = match c.sharding {
+        Sharding::None => psi * (p + g + k),
+        Sharding::Zero1 => psi * (p + g) + psi * k / n,
+        Sharding::Zero2 => psi * p + psi * (g + k) / n + 2.0 * largest * g,
+        Sharding::Fsdp => psi * (p + g + k) / n + 2.0 * largest * (p + g),
+    };
+    // Lower precision keeps lower-precision copies of most saved tensors; fused attention
+    // keeps no score matrices.
+    let scale = match c.precision {
+        Precision::Fp32 => 1.0,
+        Precision::HalfBf16 | Precision::HalfFp16 => 0.55,
+        _ => 0.8,
+    } * if c.module_replace { 0.85 } else { 1.0 };
+    let acts: Vec<f64> = a.unit_activation_bytes.iter().map(|&b| b as f64 * scale).collect();
+    let activations = if c.checkpoint {
+        let blocks_kept: f64 = a.unit_output_bytes.iter().map(|&b| b as f64).sum();
+        let biggest = acts.iter().copied().fold(0.0, f64::max);
+        blocks_kept + biggest
+    } else {
+        acts.iter().sum()
+    };
+    (states + activations) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_memory_model_orders_the_methods_as_zero_does() {
+        let a = Analysis {
+            params: 1_000_000,
+            unit_params: vec![100_000; 10],
+            unit_activation_bytes: vec![1_000_000; 10],
+            unit_output_bytes: vec![100_000; 10],
+            step_seconds: 0.1,
+            blocks: vec!["Block".into()],
+        };
+        let at = |precision, sharding, checkpoint| {
+            predicted_peak(&a, &Candidate { precision, module_replace: false, sharding, checkpoint }, 4)
+        };
+        let fp32 = Precision::Fp32;
+        assert!(at(fp32, Sharding::None, false) > at(fp32, Sharding::Zero1, false));
+        assert!(at(fp32, Sharding::Zero1, false) > at(fp32, Sharding::Zero2, false));
+        assert!(at(fp32, Sharding::Zero2, false) > at(fp32, Sharding::Fsdp, false));
+        assert!(at(fp32, Sharding::None, true) < at(fp32, Sharding::None, false), "recomputation keeps less");
+        assert!(at(Precision::HalfBf16, Sharding::None, false) < at(Precision::AmpBf16, Sharding::None, false));
+    }
+}

@@ -1,0 +1,174 @@
+//! The sharding methods' configuration (`zero1`, `zero2`, `fsdp`): FSDP's arguments and
+//! ATorch's wrap policy, and what they resolve to for a model — the ZeRO stage, the
+//! prefetch order, each unit's wrap. Configuration only: the schedule that executes it is
+//! `parallel::zero`'s.
+use super::{parse_dtype, select_units};
+use crate::model::ModelSpec;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use tch::Kind;
+
+/// FSDP's sharding strategies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ShardingStrategy {
+    FullShard,
+    ShardGradOp,
+    NoShard,
+    HybridShard,
+}
+
+/// When backward starts gathering the next unit's parameters (FSDP's `backward_prefetch`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BackwardPrefetch {
+    /// Before the current unit's backward computes (more overlap, one more unit held).
+    #[serde(rename = "BACKWARD_PRE")]
+    Pre,
+    /// After it, once its parameters are freed (overlaps the gradient reduction).
+    #[serde(rename = "BACKWARD_POST")]
+    Post,
+}
+
+/// FSDP's `MixedPrecision`: dtypes by name (`"bf16"`, `"fp16"`, `"fp32"`); unset ones
+/// leave that data in the model's dtype.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MixedPrecision {
+    pub param_dtype: Option<String>,
+    pub reduce_dtype: Option<String>,
+    /// The reference models hold no buffers; a set value is validated and recorded.
+    pub buffer_dtype: Option<String>,
+}
+
+/// Configuration of `zero1`, `zero2` and `fsdp`, with FSDP's argument names and defaults
+/// and ATorch's wrap arguments.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShardConfig {
+    /// fsdp only (default FULL_SHARD).
+    pub sharding_strategy: Option<ShardingStrategy>,
+    pub backward_prefetch: Option<BackwardPrefetch>,
+    pub forward_prefetch: bool,
+    pub limit_all_gathers: bool,
+    pub sync_module_states: bool,
+    pub mixed_precision: Option<MixedPrecision>,
+    /// Unit kinds or names wrapped on their own; other units join the outermost wrap.
+    pub atorch_wrap_cls: Vec<String>,
+    /// Units with at least this many parameters are wrapped on their own.
+    pub atorch_size_based_min_num_params: Option<u64>,
+    /// Unit kinds or names left unsharded (replicated).
+    pub atorch_ignored_cls: Vec<String>,
+    /// Units holding trainable parameters join the outermost wrap.
+    pub wrap_trainable_outmost: bool,
+    /// Ranks per shard group with HYBRID_SHARD (default: the ranks of one node).
+    pub hybrid_shard_size: Option<usize>,
+    /// Parameter groups select parameters by name whatever this says.
+    pub use_orig_params: bool,
+}
+
+impl Default for ShardConfig {
+    fn default() -> Self {
+        ShardConfig {
+            sharding_strategy: None,
+            backward_prefetch: Some(BackwardPrefetch::Pre),
+            forward_prefetch: false,
+            limit_all_gathers: true,
+            sync_module_states: false,
+            mixed_precision: None,
+            atorch_wrap_cls: vec![],
+            atorch_size_based_min_num_params: None,
+            atorch_ignored_cls: vec![],
+            wrap_trainable_outmost: false,
+            hybrid_shard_size: None,
+            use_orig_params: false,
+        }
+    }
+}
+
+/// Which model states are sharded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stage {
+    /// Optimizer states (ZeRO-1).
+    Optimizer = 1,
+    /// And gradients (ZeRO-2, FSDP's SHARD_GRAD_OP).
+    Gradients = 2,
+    /// And parameters (ZeRO-3, FSDP's FULL_SHARD).
+    Parameters = 3,
+}
+
+/// How a unit takes part in sharding (the result of a wrap policy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wrap {
+    /// Sharded, gathered and freed on its own.
+    Own,
+    /// Sharded with the outermost wrap: gathered for the whole step, reduced at its end.
+    Root,
+    /// Not sharded: replicated on every rank, gradients all-reduced.
+    Ignored,
+}
+
+impl MixedPrecision {
+    pub fn kinds(&self) -> Result<(Option<Kind>, Option<Kind>, Option<Kind>)> {
+        let parse = |v: &Option<String>| v.as_deref().map(parse_dtype).transpose();
+        Ok((parse(&self.param_dtype)?, parse(&self.reduce_dtype)?, parse(&self.buffer_dtype)?))
+    }
+}
+
+impl ShardConfig {
+    pub(super) fn validate(&self, method: &str) -> Result<()> {
+        let bad = |what: String| Err(Error::Config(format!("{method}: {what}")));
+        if method != "fsdp" && self.sharding_strategy.is_some() {
+            return bad("sharding_strategy belongs to fsdp (zero1 and zero2 fix their own)".into());
+        }
+        if !self.atorch_wrap_cls.is_empty() && self.atorch_size_based_min_num_params.is_some() {
+            return bad("atorch_wrap_cls and atorch_size_based_min_num_params exclude each other".into());
+        }
+        if self.hybrid_shard_size == Some(0) {
+            return bad("hybrid_shard_size must be positive".into());
+        }
+        if self.hybrid_shard_size.is_some() && self.sharding_strategy != Some(ShardingStrategy::HybridShard) {
+            return bad("hybrid_shard_size needs sharding_strategy HYBRID_SHARD".into());
+        }
+        if let Some(mp) = &self.mixed_precision {
+            if let Err(e) = mp.kinds() {
+                return bad(e.to_string().trim_start_matches("invalid configuration: ").to_string());
+            }
+        }
+        Ok(())
+    }
+
+    /// The ZeRO stage and whether parameters are freed after forward.
+    pub fn stage(&self, method: &str) -> (Stage, bool) {
+        match (method, self.sharding_strategy) {
+            ("zero1", _) | (_, Some(ShardingStrategy::NoShard)) => (Stage::Optimizer, false),
+            ("zero2", _) => (Stage::Gradients, false),
+            (_, Some(ShardingStrategy::ShardGradOp)) => (Stage::Parameters, false),
+            _ => (Stage::Parameters, true),
+        }
+    }
+
+    /// Applies the wrap policy to `spec`'s units. A name in a list must match some unit's
+    /// kind or name.
+    pub fn wrap(&self, spec: &ModelSpec) -> Result<Vec<Wrap>> {
+        let wrapped = select_units(spec, &self.atorch_wrap_cls, "atorch_wrap_cls")?;
+        let ignored = select_units(spec, &self.atorch_ignored_cls, "atorch_ignored_cls")?;
+        Ok((0..spec.units.len())
+            .map(|k| {
+                let numel: i64 = spec.units[k].params.iter().map(|id| spec.params[id.0].numel()).sum();
+                let trainable = spec.units[k].params.iter().any(|id| spec.params[id.0].requires_grad);
+                let own = if !self.atorch_wrap_cls.is_empty() {
+                    wrapped[k]
+                } else {
+                    self.atorch_size_based_min_num_params.is_none_or(|min| numel as u64 >= min)
+                };
+                if ignored[k] {
+                    Wrap::Ignored
+                } else if (self.wrap_trainable_outmost && trainable) || !own {
+                    Wrap::Root
+                } else {
+                    Wrap::Own
+                }
+            })
+            .collect())
+    }
+}

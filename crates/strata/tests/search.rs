@@ -1,0 +1,345 @@
+//! The strategy search's logic against deterministic cost tables: the choice, the dry-run
+//! count, the time limit, the memory rules and agreement across ranks. Nothing here is timed:
+//! a table gives each candidate's speed, peak and seconds, and the clock is the sum of the
+//! seconds of the dry runs so far. Real measurements belong to `strata bench search`.
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use strata::auto::candidate::{candidates, Candidate, Precision, Sharding};
+use strata::auto::cost::{predicted_peak, Analysis};
+use strata::auto::search::{agree_outcome, Measure, Outcome, Search, SearchLimits, SearchMode, SearchReport};
+use strata::comm::{Comm, ProcessGroup, Store, StoreServer};
+use strata::strategy::Strategy;
+use strata::Error;
+use tch::Device;
+
+/// What a candidate's dry run gives in a table.
+#[derive(Clone, Copy, Debug)]
+enum Cost {
+    Runs { tokens_per_s: f64, peak_bytes: u64 },
+    OutOfMemory,
+}
+
+/// A measurement from a cost function: every dry run takes `seconds`.
+struct Table<'a> {
+    cost: &'a dyn Fn(&Candidate) -> Cost,
+    seconds: f64,
+    clock: f64,
+    /// Labels of the candidates dry-run, in order, re-measurements included.
+    runs: Vec<String>,
+    group: Option<Arc<dyn ProcessGroup>>,
+    /// The run (by index) at which this rank fails on its own.
+    fail_at: Option<usize>,
+}
+
+impl<'a> Table<'a> {
+    fn new(cost: &'a dyn Fn(&Candidate) -> Cost) -> Table<'a> {
+        Table { cost, seconds: 10.0, clock: 0.0, runs: vec![], group: None, fail_at: None }
+    }
+}
+
+impl Measure for Table<'_> {
+    fn trial(&mut self, candidate: &Candidate, _: &Strategy, budget: Option<u64>) -> strata::Result<Outcome> {
+        let local = if self.fail_at == Some(self.runs.len()) {
+            Err(Error::Engine("injected failure".into()))
+        } else {
+            match (self.cost)(candidate) {
+                Cost::Runs { tokens_per_s, peak_bytes } => Ok((tokens_per_s, peak_bytes)),
+                Cost::OutOfMemory => Err(Error::OutOfMemory {
+                    placement: "device".into(),
+                    requested: 1,
+                    in_use: 0,
+                    budget: budget.unwrap_or(0),
+                }),
+            }
+        };
+        self.runs.push(candidate.label());
+        self.clock += self.seconds;
+        agree_outcome(self.group.as_deref(), &local, self.seconds, budget)
+    }
+
+    fn elapsed(&mut self) -> strata::Result<f64> {
+        Ok(self.clock)
+    }
+}
+
+/// A model of ten equal units, 1M parameters, 1 MB of activations per unit.
+fn analysis() -> Analysis {
+    Analysis {
+        params: 1_000_000,
+        unit_params: vec![100_000; 10],
+        unit_activation_bytes: vec![1_000_000; 10],
+        unit_output_bytes: vec![100_000; 10],
+        step_seconds: 0.1,
+        blocks: vec!["Block".into()],
+    }
+}
+
+fn limits(world: usize, budget: Option<u64>, time_limit: Option<f64>) -> SearchLimits {
+    SearchLimits { device: Device::Cpu, world, budget, time_limit: time_limit.map(Duration::from_secs_f64) }
+}
+
+/// Runs the search; its report and the labels dry-run in order.
+fn run(table: &mut Table<'_>, limits: SearchLimits, mode: SearchMode) -> SearchReport {
+    let cands = candidates(&[], &[], true);
+    let mut search = Search::new(table, analysis(), cands, limits).unwrap();
+    match mode {
+        SearchMode::Guided => search.guided().unwrap(),
+        SearchMode::Exhaustive => search.exhaustive().unwrap(),
+    }
+    let best = search.best();
+    search.report(mode, best).unwrap()
+}
+
+fn speed_of(report: &SearchReport, label: &str) -> Option<f64> {
+    report.trials.iter().find(|t| t.label == label).and_then(|t| match t.outcome {
+        Outcome::Fits { tokens_per_s, .. } => Some(tokens_per_s),
+        _ => None,
+    })
+}
+
+/// The candidates that can run on a CPU at two ranks (fp16 and fp8 are pruned there).
+fn runnable() -> Vec<Candidate> {
+    let cpu = [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16];
+    candidates(&[], &[], true).into_iter().filter(|c| cpu.contains(&c.precision)).collect()
+}
+
+/// The best label of `table` over `cands` among those that fit `budget`.
+fn table_best(cost: &dyn Fn(&Candidate) -> Cost, cands: &[Candidate], budget: Option<u64>) -> String {
+    let fits = |c: &&Candidate| match cost(c) {
+        Cost::Runs { peak_bytes, .. } => budget.is_none_or(|b| peak_bytes <= b),
+        Cost::OutOfMemory => false,
+    };
+    let speed = |c: &Candidate| match cost(c) {
+        Cost::Runs { tokens_per_s, .. } => tokens_per_s,
+        Cost::OutOfMemory => 0.0,
+    };
+    cands.iter().filter(fits).max_by(|a, b| speed(a).total_cmp(&speed(b))).unwrap().label()
+}
+
+/// Speed as a product of one factor per dimension, plus an interaction: `half bf16` is slow
+/// without sharding and the fastest of all with zero2 (its gradients are half the bytes).
+fn trap_speed(c: &Candidate) -> f64 {
+    let precision = match c.precision {
+        Precision::Fp32 => 100.0,
+        Precision::AmpBf16 => 110.0,
+        _ => 90.0,
+    };
+    let sharding = match (c.precision, c.sharding) {
+        (Precision::HalfBf16, Sharding::Zero2) => 1.4,
+        (Precision::HalfBf16, _) => 1.0,
+        (_, Sharding::None) => 1.0,
+        (_, Sharding::Zero1) => 0.97,
+        (_, Sharding::Zero2) => 0.95,
+        (_, Sharding::Fsdp) => 0.9,
+    };
+    let replace = if c.module_replace { 1.05 } else { 1.0 };
+    let recompute = if c.checkpoint { 0.8 } else { 1.0 };
+    precision * sharding * replace * recompute
+}
+
+fn trap(c: &Candidate) -> Cost {
+    Cost::Runs { tokens_per_s: trap_speed(c), peak_bytes: 1 }
+}
+
+/// What a plain one-dimension-at-a-time search picks: from the cheapest candidate, each
+/// dimension in turn set to its best value with the others held, until nothing changes.
+fn coordinate_search(cands: &[Candidate], speed: &dyn Fn(&Candidate) -> f64) -> Candidate {
+    let mut current = cands
+        .iter()
+        .copied()
+        .find(|c| c.precision == Precision::Fp32 && !c.module_replace && c.sharding == Sharding::None && !c.checkpoint)
+        .unwrap();
+    loop {
+        let before = current;
+        type Same = fn(&Candidate, &Candidate) -> bool;
+        let dimensions: [Same; 4] = [
+            |a, b| a.module_replace == b.module_replace && a.sharding == b.sharding && a.checkpoint == b.checkpoint,
+            |a, b| a.precision == b.precision && a.sharding == b.sharding && a.checkpoint == b.checkpoint,
+            |a, b| a.precision == b.precision && a.module_replace == b.module_replace && a.checkpoint == b.checkpoint,
+            |a, b| a.precision == b.precision && a.module_replace == b.module_replace && a.sharding == b.sharding,
+        ];
+        for same in dimensions {
+            current = cands
+                .iter()
+                .copied()
+                .filter(|c| same(c, &current))
+                .max_by(|a, b| speed(a).total_cmp(&speed(b)))
+                .unwrap();
+        }
+        if current == before {
+            return current;
+        }
+    }
+}
+
+#[test]
+fn a_table_that_traps_a_one_dimension_search_does_not_trap_the_guided_one() {
+    let cands = runnable();
+    let naive = coordinate_search(&cands, &trap_speed);
+    let best = table_best(&trap, &cands, None);
+    assert_eq!(naive.label(), "amp bf16 + module_replace + data parallel", "the table is a trap");
+    assert_eq!(best, "half bf16 + module_replace + zero2");
+    let mut table = Table::new(&trap);
+    let report = run(&mut table, limits(2, None, None), SearchMode::Guided);
+    assert_eq!(report.chosen.as_deref(), Some(best.as_str()));
+    assert_eq!(report.dry_runs, table.runs.len(), "every dry run counts");
+    // A third of the candidates explored, then the close finalists twice more each.
+    let explored: std::collections::BTreeSet<&String> = table.runs.iter().collect();
+    assert!(explored.len() <= cands.len() / 3, "{} of {} candidates", explored.len(), cands.len());
+    assert!(table.runs.len() <= explored.len() + 6);
+    // A table gives the same figure every time: the mean of the re-measurements is it.
+    assert_eq!(speed_of(&report, &best), Some(trap_speed(&candidate(&best))));
+}
+
+fn candidate(label: &str) -> Candidate {
+    candidates(&[], &[], true).into_iter().find(|c| c.label() == label).unwrap()
+}
+
+#[test]
+fn the_exhaustive_search_runs_every_runnable_candidate_once_and_agrees_with_the_table() {
+    let cands = runnable();
+    let mut table = Table::new(&trap);
+    let report = run(&mut table, limits(2, None, None), SearchMode::Exhaustive);
+    assert_eq!(table.runs.len(), cands.len());
+    assert_eq!(report.dry_runs, cands.len());
+    assert_eq!(report.chosen, Some(table_best(&trap, &cands, None)));
+    let pruned = report.trials.iter().filter(|t| matches!(t.outcome, Outcome::Pruned { .. })).count();
+    assert_eq!(pruned + cands.len(), report.trials.len());
+}
+
+/// Peaks from the memory model, measured 10% above it, or out of memory where the model
+/// predicts more than `oom_above`; speed falls with the machinery used.
+fn memory_table(world: usize, oom_above: u64) -> impl Fn(&Candidate) -> Cost {
+    move |c: &Candidate| {
+        let predicted = predicted_peak(&analysis(), c, world);
+        if predicted > oom_above {
+            return Cost::OutOfMemory;
+        }
+        let sharding = [1.0, 0.96, 0.93, 0.85][c.sharding as usize];
+        let speed = trap_speed(&Candidate { sharding: Sharding::None, ..*c }) * sharding;
+        Cost::Runs { tokens_per_s: speed, peak_bytes: predicted + predicted / 10 }
+    }
+}
+
+#[test]
+fn over_the_budget_is_never_chosen_and_the_fastest_that_fits_is() {
+    let world = 2;
+    let at = |precision, sharding, checkpoint| {
+        predicted_peak(&analysis(), &Candidate { precision, module_replace: false, sharding, checkpoint }, world)
+    };
+    // Between zero2's and zero1's fp32 peaks: data parallel and zero1 without recomputation
+    // do not fit, and the cheapest starting points are over the budget when measured.
+    let budget = (at(Precision::Fp32, Sharding::Zero2, false) + at(Precision::Fp32, Sharding::Zero1, false)) / 2;
+    let oom_above = budget * 3 / 2;
+    let cost = memory_table(world, oom_above);
+    let cands = runnable();
+    let mut table = Table::new(&cost);
+    let report = run(&mut table, limits(world, Some(budget), None), SearchMode::Guided);
+    let chosen = report.chosen.clone().expect("a candidate fits");
+    assert_eq!(chosen, table_best(&cost, &cands, Some(budget)));
+    let trial = |label: &str| report.trials.iter().find(|t| t.label == label).unwrap();
+    match trial(&chosen).outcome {
+        Outcome::Fits { peak_bytes, .. } => assert!(peak_bytes <= budget),
+        ref other => panic!("chosen {chosen}: {other:?}"),
+    }
+    assert_eq!(report.dry_runs, table.runs.len());
+    for t in &report.trials {
+        match &t.outcome {
+            // Pruned unmeasured only when the model puts it clearly (25%) over the budget.
+            Outcome::Pruned { reason } if reason.contains("memory model") => {
+                assert!(t.predicted_peak_bytes as f64 > 1.25 * budget as f64, "{}", t.label)
+            }
+            Outcome::OverBudget { peak_bytes: Some(peak), .. } => assert!(*peak > budget, "{}", t.label),
+            Outcome::OverBudget { peak_bytes: None, .. } => {
+                assert!(t.predicted_peak_bytes > oom_above, "{} ran out of memory", t.label)
+            }
+            Outcome::Fits { peak_bytes, .. } => assert!(*peak_bytes <= budget, "{}", t.label),
+            _ => {}
+        }
+    }
+    assert!(
+        report.trials.iter().any(|t| matches!(t.outcome, Outcome::OverBudget { .. })),
+        "the table puts some predicted fits over the budget; the search met one"
+    );
+}
+
+#[test]
+fn the_time_limit_is_checked_before_every_dry_run_re_measurements_included() {
+    let cands = runnable();
+    // Each dry run takes 10 s: the limit of 35 s allows the runs starting at 0, 10, 20, 30.
+    let mut table = Table::new(&trap);
+    let report = run(&mut table, limits(2, None, Some(35.0)), SearchMode::Guided);
+    assert!(report.stopped_by_time_limit);
+    assert_eq!(report.dry_runs, 4);
+    assert_eq!(table.runs.len(), 4);
+    assert_eq!(report.seconds, 40.0);
+    assert!(report.chosen.is_some());
+    // A limit that falls among the finalists' re-measurements: found by running without a
+    // limit first, then giving the time of all but two of its runs and a half.
+    let mut free = Table::new(&trap);
+    run(&mut free, limits(2, None, None), SearchMode::Guided);
+    let explored = free.runs.iter().collect::<std::collections::BTreeSet<_>>().len();
+    assert!(free.runs.len() > explored + 2, "the free search re-measures finalists: {:?}", free.runs);
+    let limit = (free.runs.len() as f64 - 2.5) * 10.0;
+    let mut limited = Table::new(&trap);
+    let report = run(&mut limited, limits(2, None, Some(limit)), SearchMode::Guided);
+    assert!(report.stopped_by_time_limit);
+    assert_eq!(limited.runs.len(), free.runs.len() - 2, "stopped within one dry run of the limit");
+    assert!(report.seconds < limit + 10.0);
+    assert_eq!(report.dry_runs, limited.runs.len());
+    assert!(cands.len() > limited.runs.len());
+}
+
+/// Two ranks (threads with a TCP mesh of their own) search the same table; rank 1 fails on
+/// its own at its `fail_at`-th dry run.
+fn two_ranks(fail_at: usize) -> Vec<(SearchReport, Vec<String>)> {
+    let token = "search-test";
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
+    let addr = server.addr();
+    let mut server = Some(server);
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let hosted = if rank == 0 { server.take() } else { None };
+            std::thread::spawn(move || {
+                let store = Store::connect(addr, token, Duration::from_secs(30)).unwrap();
+                let comm = Comm::new(store, hosted, rank, 2, "cpu:tcp", Duration::from_secs(30)).unwrap();
+                let mut table = Table::new(&trap);
+                table.group = Some(Arc::from(comm.world().unwrap()));
+                table.fail_at = (rank == 1).then_some(fail_at);
+                let report = run(&mut table, limits(2, None, None), SearchMode::Guided);
+                (report, table.runs)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn a_failure_on_one_rank_is_agreed_and_every_rank_chooses_the_same() {
+    let cands = runnable();
+    let mut alone = Table::new(&trap);
+    let reference = run(&mut alone, limits(2, None, None), SearchMode::Guided);
+    let best = table_best(&trap, &cands, None);
+    // Fail at the dry run of the best candidate itself: the ranks must agree it failed.
+    let fail_at = alone.runs.iter().position(|l| *l == best).unwrap();
+    let ranks = two_ranks(fail_at);
+    let (r0, runs0) = &ranks[0];
+    let (r1, runs1) = &ranks[1];
+    assert_eq!(runs0, runs1, "both ranks dry-run the same candidates in the same order");
+    assert_eq!(r0.chosen, r1.chosen);
+    assert_ne!(r0.chosen.as_deref(), Some(best.as_str()), "a candidate that failed on any rank is out");
+    let outcome = |r: &SearchReport| r.trials.iter().find(|t| t.label == best).unwrap().outcome.clone();
+    match (outcome(r0), outcome(r1)) {
+        (Outcome::Failed { reason: a, .. }, Outcome::Failed { reason: b, .. }) => {
+            assert_eq!(a, "failed on another rank");
+            assert!(b.contains("injected failure"), "{b}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let by_label = |r: &SearchReport| -> BTreeMap<String, String> {
+        r.trials.iter().map(|t| (t.label.clone(), format!("{:?}", std::mem::discriminant(&t.outcome)))).collect()
+    };
+    assert_eq!(by_label(r0), by_label(r1));
+    assert_ne!(reference.chosen, r0.chosen);
+}
