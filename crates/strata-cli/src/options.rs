@@ -257,6 +257,37 @@ fn parse_betas(s: &str) -> Result<(f64, f64)> {
     }
 }
 
+/// Options that would change nothing with the rest of the command are refused by name.
+fn refuse_idle_options(o: &TrainOptions, strategy: &StrategyChoice) -> Result<()> {
+    let auto = matches!(strategy, StrategyChoice::Auto);
+    let finetune = o.finetune_strategy == Some(true);
+    let searched_only = [
+        ("--excluded", o.excluded.is_some()),
+        ("--included", o.included.is_some()),
+        ("--time-limit", o.time_limit.is_some()),
+        ("--search", o.search.is_some()),
+    ];
+    if let Some((flag, _)) = searched_only.iter().find(|(_, given)| *given).filter(|_| !auto) {
+        bail!("{flag} shapes the automatic search: it needs --strategy auto");
+    }
+    let dry_run_only = [("--dry-run-steps", o.dry_run_steps.is_some()), ("--search-report", o.search_report.is_some())];
+    if let Some((flag, _)) = dry_run_only.iter().find(|(_, given)| *given).filter(|_| !auto && !finetune) {
+        bail!("{flag} needs dry runs: give --strategy auto or --finetune-strategy");
+    }
+    if auto && finetune {
+        bail!("--finetune-strategy tunes a given strategy; --strategy auto searches one instead");
+    }
+    if let (Some(_), StrategyChoice::Given(s)) = (o.bucket_bytes, strategy) {
+        if let Some((name, _)) = s.sharding() {
+            bail!("--bucket-bytes sizes data parallel's gradient buckets; {name} reduces unit by unit without them");
+        }
+        if o.nproc.unwrap_or(1) == 1 {
+            bail!("--bucket-bytes sizes data parallel's gradient buckets; one rank reduces nothing");
+        }
+    }
+    Ok(())
+}
+
 impl TrainOptions {
     /// Merges the config file (if any) under the flags and applies defaults.
     pub fn resolve(self) -> Result<TrainSettings> {
@@ -267,6 +298,12 @@ impl TrainOptions {
             }
             None => self,
         };
+        let strategy = match o.strategy.as_deref() {
+            Some("auto") => StrategyChoice::Auto,
+            Some(text) => StrategyChoice::Given(parse_strategy(text)?),
+            None => StrategyChoice::Given(Strategy::default()),
+        };
+        refuse_idle_options(&o, &strategy)?;
         let defaults = OptimizerConfig::default();
         let kind: OptimizerKind = o.optimizer.as_deref().unwrap_or("adamw").parse()?;
         let lr = o.lr.unwrap_or(3e-3);
@@ -332,22 +369,25 @@ impl TrainOptions {
             device: parse_device(o.device.as_deref().unwrap_or("cpu"))?,
             metrics: o.metrics,
             log_every: o.log_every.unwrap_or(50).max(1),
-            nproc: o.nproc.unwrap_or(1).max(1),
+            nproc: match o.nproc {
+                Some(0) => bail!("--nproc must be at least 1"),
+                n => n.unwrap_or(1),
+            },
             bucket_bytes: match o.bucket_bytes {
                 Some(0) => bail!("--bucket-bytes must be positive"),
                 b => b.unwrap_or(strata::parallel::DEFAULT_BUCKET_BYTES),
             },
             find_unused_parameters: o.find_unused_parameters.unwrap_or(false),
-            strategy: match o.strategy.as_deref() {
-                Some("auto") => StrategyChoice::Auto,
-                Some(text) => StrategyChoice::Given(parse_strategy(text)?),
-                None => StrategyChoice::Given(Strategy::default()),
-            },
+            strategy,
             excluded: list(o.excluded),
             included: list(o.included),
             time_limit: match o.time_limit {
                 Some(t) if !(t.is_finite() && t > 0.0) => bail!("--time-limit must be a positive number of seconds"),
-                t => t.map(std::time::Duration::from_secs_f64),
+                Some(t) => Some(
+                    std::time::Duration::try_from_secs_f64(t)
+                        .map_err(|_| anyhow::anyhow!("--time-limit {t} is more seconds than a run can wait"))?,
+                ),
+                None => None,
             },
             search: match o.search.as_deref() {
                 None | Some("guided") => SearchMode::Guided,
@@ -371,7 +411,10 @@ impl TrainOptions {
                 Some(0) => bail!("--checkpoint-every must be positive"),
                 every => every,
             },
-            keep_checkpoints: o.keep_checkpoints.unwrap_or(2).max(1),
+            keep_checkpoints: match o.keep_checkpoints {
+                Some(0) => bail!("--keep-checkpoints must be at least 1 (the checkpoint just saved)"),
+                k => k.unwrap_or(2),
+            },
             resume: o.resume,
         })
     }

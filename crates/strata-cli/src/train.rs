@@ -11,7 +11,7 @@ use strata::comm::{all_reduce_values, init_from_env, ReduceOp};
 use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData, Tokenizer};
 use strata::engine::EngineConfig;
 use strata::model::{self, Builder, ModelSpec};
-use strata::optim::Optimizer;
+use strata::optim::{Optimizer, OptimizerKind};
 use strata::parallel::{self, DataParallelOptions, Placement};
 use strata::train::{StepReport, Trainer};
 use tracing::info;
@@ -65,6 +65,43 @@ fn human_bytes(b: u64) -> String {
     format!("{v:.1} {}", UNITS[i])
 }
 
+/// Where the newest complete checkpoint of this run is, as a clause for a failed save.
+fn last_checkpoint(settings: &TrainSettings) -> String {
+    let Some(root) = &settings.save_checkpoint else { return String::new() };
+    match std::fs::read_to_string(root.join("latest")) {
+        Ok(name) => format!(" (the newest complete checkpoint is {})", root.join(name.trim()).display()),
+        Err(_) => " (no checkpoint was completed)".into(),
+    }
+}
+
+/// Every output location is checked before the first step (and before any search), so a
+/// long run is never lost to a path that could not be written. Every rank checks: they all
+/// write into the checkpoint folder, and a rank that stops here stops before joining.
+fn check_outputs(settings: &TrainSettings, params: u64) -> Result<()> {
+    use strata::io::{check_output, Output};
+    let states = match settings.optimizer.kind {
+        OptimizerKind::Sgd if settings.optimizer.momentum == 0.0 => 0,
+        OptimizerKind::Sgd => 1,
+        _ => 2,
+    };
+    // fp32 values: weights once; a checkpoint holds parameters and each optimizer state.
+    let files = [
+        ("--save-weights", &settings.save_weights, params * 4),
+        ("--metrics", &settings.metrics, 0),
+        ("--save-strategy", &settings.save_strategy, 0),
+        ("--search-report", &settings.search_report, 0),
+    ];
+    for (flag, path, bytes) in files {
+        if let Some(path) = path {
+            check_output(flag, path, Output::File, bytes)?;
+        }
+    }
+    if let Some(dir) = &settings.save_checkpoint {
+        check_output("--save-checkpoint", dir, Output::Folder, params * 4 * (1 + states))?;
+    }
+    Ok(())
+}
+
 pub fn run(settings: TrainSettings) -> Result<()> {
     // Count every CPU allocation from here on (activation memory in the metrics).
     strata_ext::cpu_memory::track()?;
@@ -100,6 +137,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     let data = Arc::new(data);
     let mut spec = model_spec(&choice)?;
     spec.freeze(&settings.freeze)?;
+    check_outputs(&settings, spec.num_params() as u64)?;
     // Started as one of several ranks: join the job.
     let comm = match std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse::<usize>().ok()) {
         Some(world) if world > 1 => {
@@ -238,7 +276,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         let group = world_group.as_deref();
         let dir =
             checkpoint::save(root, &mut trainer.engine, &trainer.optimizer, &run, group, settings.keep_checkpoints)
-                .with_context(|| format!("saving a checkpoint in {}", root.display()))?;
+                .with_context(|| format!("saving a checkpoint in {}{}", root.display(), last_checkpoint(&settings)))?;
         if leader {
             info!(path = %dir.display(), "saved checkpoint");
         }
@@ -306,7 +344,8 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     }
     if let Some(path) = &settings.save_weights {
         // Every rank takes part in gathering the units; rank 0 writes them.
-        strata::io::save_weights(&mut trainer.engine, path, leader)?;
+        strata::io::save_weights(&mut trainer.engine, path, leader)
+            .with_context(|| format!("saving the weights to {}{}", path.display(), last_checkpoint(&settings)))?;
         if leader {
             info!(path = %path.display(), "saved weights");
         }

@@ -300,3 +300,81 @@ fn bad_input_gets_one_line_errors() {
     assert!(e.contains("--no-such-flag"), "{e}");
     assert_eq!(strata(&["train", "--no-such-flag"]).status.code(), Some(2));
 }
+
+#[test]
+fn options_that_would_do_nothing_are_refused_by_name() {
+    let quick = ["--model", "mlp", "--layers", "1", "--dim", "8", "--ctx", "8", "--steps", "1", "--batch-size", "2"];
+    let run = |extra: &[&str]| strata(&[&["train"][..], &quick, extra].concat());
+    for (flags, needle) in [
+        (&["--included", "checkpoint"][..], "--included shapes the automatic search"),
+        (&["--excluded", "fp8"], "--excluded shapes the automatic search"),
+        (&["--time-limit", "5"], "--time-limit shapes"),
+        (&["--search", "exhaustive"], "--search shapes"),
+        (&["--dry-run-steps", "2"], "--dry-run-steps needs dry runs"),
+        (&["--search-report", "r.json"], "--search-report needs dry runs"),
+        (&["--strategy", "auto", "--finetune-strategy", "true"], "--strategy auto searches"),
+        (&["--strategy", "auto", "--time-limit", "1e20"], "more seconds than a run can wait"),
+        (&["--bucket-bytes", "1000"], "one rank reduces nothing"),
+        (&["--nproc", "2", "--bucket-bytes", "1000", "--strategy", r#"["zero2"]"#], "zero2 reduces unit by unit"),
+        (&["--nproc", "0"], "--nproc must be at least 1"),
+        (&["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
+        (&["--strategy", r#"[["zero2", {"forward_prefetch": true}]]"#], "forward_prefetch belongs to fsdp"),
+        (&["--strategy", r#"[["zero1", {"limit_all_gathers": false}]]"#], "limit_all_gathers belongs to fsdp"),
+        (
+            &["--strategy", r#"[["zero2", {"backward_prefetch": "BACKWARD_POST"}]]"#],
+            "backward_prefetch belongs to fsdp",
+        ),
+        (&["--strategy", r#"[["fsdp", {"mixed_precision": {"buffer_dtype": "bf16"}}]]"#], "hold no buffers"),
+        (&["--strategy", r#"["zero2"]"#, "--finetune-strategy", "true"], "zero2 (no buckets) has nothing to tune"),
+        (&["--finetune-strategy", "true"], "data parallel on one rank has nothing to tune"),
+    ] {
+        let e = one_line_error(&run(flags));
+        assert!(e.contains(needle), "{flags:?}: {e}");
+    }
+    // What `strategy show` writes out (every default) is still accepted for zero2.
+    let shown = ok(&strata(&["strategy", "show", r#"["zero2"]"#]));
+    ok(&strata(&["strategy", "validate", shown.trim()]));
+}
+
+#[test]
+fn output_locations_are_checked_before_the_first_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let quick = ["--model", "mlp", "--layers", "1", "--dim", "8", "--ctx", "8", "--batch-size", "2"];
+    let metrics = d.join("m.jsonl");
+    let run = |extra: &[&str]| {
+        strata(&[&["train"][..], &quick, &["--steps", "50", "--metrics", s(&metrics)], extra].concat())
+    };
+    let missing = d.join("no/such/dir/w.safetensors");
+    let a_file = d.join("file");
+    std::fs::write(&a_file, "x").unwrap();
+    let locked = d.join("locked");
+    std::fs::create_dir(&locked).unwrap();
+    std::fs::set_permissions(&locked, std::os::unix::fs::PermissionsExt::from_mode(0o500)).unwrap();
+    // Root writes anywhere: the locked folder only counts where permissions bind.
+    let locked_binds = std::fs::write(locked.join("probe"), "x").is_err();
+    let inside = locked.join("ckpt");
+    let mut cases = vec![
+        (vec!["--save-weights", s(&missing)], format!("--save-weights {}", missing.display()), "does not exist"),
+        (vec!["--save-weights", s(d)], format!("--save-weights {}", d.display()), "is a folder"),
+        (vec!["--save-checkpoint", s(&a_file)], format!("--save-checkpoint {}", a_file.display()), "not a folder"),
+        (
+            vec!["--search-report", "/nonexistent/r.json", "--strategy", "auto"],
+            "--search-report /nonexistent/r.json".into(),
+            "does not exist",
+        ),
+    ];
+    if locked_binds {
+        cases.push((
+            vec!["--save-checkpoint", s(&inside)],
+            format!("--save-checkpoint {}", inside.display()),
+            "cannot create",
+        ));
+    }
+    for (flags, path, why) in cases {
+        let e = one_line_error(&run(&flags));
+        assert!(e.contains(&path) && e.contains(why), "{flags:?}: {e}");
+        assert!(!e.contains(".safetensors.tmp"), "the error names the given path: {e}");
+        assert!(!metrics.exists(), "{flags:?}: no step ran before the check");
+    }
+}

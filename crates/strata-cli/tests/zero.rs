@@ -285,3 +285,42 @@ fn resume_after_skipped_steps_is_exact_on_1_and_2_ranks() {
         assert!(gap <= 1e-6, "{name}: weights differ by {gap:e}");
     }
 }
+
+#[test]
+fn re_saving_a_step_keeps_latest_naming_a_complete_checkpoint_at_every_point() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let ckpt = p("ckpt");
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        let args = [&["train"][..], &MODEL, &RUN, &["--nproc", "2", "--strategy", r#"["zero2"]"#], extra].concat();
+        strata_env(&args, env)
+    };
+    let o = run(&["--steps", "3", "--metrics", &p("full.jsonl")], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = run(&["--steps", "2", "--save-checkpoint", &ckpt], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let step3 = losses(&dir.path().join("full.jsonl"))[2];
+    // Resuming at step 2 with --steps 2 trains nothing and saves step 2 again.
+    for point in ["written", "described", "published", "pointed"] {
+        let fault = format!("2:{point}");
+        let o = run(
+            &["--steps", "2", "--resume", &ckpt, "--save-checkpoint", &ckpt],
+            &[("STRATA_FAULT_ABORT_IN_SAVE", &fault)],
+        );
+        assert!(!o.status.success(), "{point}: the injected crash stops the job");
+        let name = std::fs::read_to_string(dir.path().join("ckpt/latest")).unwrap();
+        assert!(dir.path().join("ckpt").join(name.trim()).join("meta.json").is_file(), "{point}: latest names {name}");
+        let metrics = p(&format!("{point}.jsonl"));
+        let o = run(&["--steps", "3", "--resume", &ckpt, "--metrics", &metrics], &[]);
+        assert!(o.status.success(), "{point}: {}", stderr(&o));
+        assert_eq!(losses(Path::new(&metrics)), [step3], "{point}");
+    }
+    let o = run(&["--steps", "2", "--resume", &ckpt, "--save-checkpoint", &ckpt], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut left: Vec<String> = std::fs::read_dir(dir.path().join("ckpt"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left.len(), 2, "one copy of step 2 and latest: {left:?}");
+}

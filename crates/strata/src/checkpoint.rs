@@ -128,10 +128,14 @@ fn step_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!("step-{step:08}"))
 }
 
-fn fault_point(step: u64) {
-    // Failure injection for tests: die after this rank's file is written, before the
-    // checkpoint is complete.
-    if std::env::var("STRATA_FAULT_ABORT_IN_SAVE").ok().and_then(|v| v.parse::<u64>().ok()) == Some(step) {
+/// Failure injection for tests: `STRATA_FAULT_ABORT_IN_SAVE=STEP[:POINT]` kills the process
+/// at `POINT` of the save of step `STEP` — `written` (this rank's file is written; the
+/// default), `described` (the description is written), `published` (the folder is in place,
+/// `latest` not yet moved) or `pointed` (`latest` moved, the replaced copy not yet removed).
+fn fault_point(step: u64, point: &str) {
+    let Ok(spec) = std::env::var("STRATA_FAULT_ABORT_IN_SAVE") else { return };
+    let (at, which) = spec.split_once(':').unwrap_or((spec.as_str(), "written"));
+    if at.parse::<u64>().ok() == Some(step) && which == point {
         std::process::abort();
     }
 }
@@ -149,7 +153,6 @@ pub fn save(
 ) -> Result<PathBuf> {
     let rank = world.map_or(0, |g| g.rank());
     let staging = root.join(format!(".step-{:08}.partial", run.step));
-    let target = step_dir(root, run.step);
     // Every phase ends with all ranks agreeing that it went well, so a failure on one rank
     // stops all of them with an error instead of leaving them waiting.
     let agree = |local: Result<()>| -> Result<()> {
@@ -176,23 +179,47 @@ pub fn save(
         true => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), engine, optimizer),
         false => Ok(()),
     };
-    fault_point(run.step);
+    fault_point(run.step, "written");
     agree(written)?;
-    agree(if rank == 0 { publish(root, &staging, &target, engine, optimizer, run, keep) } else { Ok(()) })?;
-    Ok(target)
+    let mut published = None;
+    agree(if rank == 0 {
+        publish(root, &staging, engine, optimizer, run, keep).map(|d| published = Some(d))
+    } else {
+        Ok(())
+    })?;
+    // The other ranks learn the folder's name from `latest`, written before the agreement.
+    published.map_or_else(|| latest_dir(root), Ok)
 }
 
-/// Rank 0's part once every rank file is written: the description, the rename into place,
-/// `latest`, and pruning.
+/// The folder `root/latest` names.
+fn latest_dir(root: &Path) -> Result<PathBuf> {
+    let latest = root.join("latest");
+    let name = std::fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
+    Ok(root.join(name.trim()))
+}
+
+/// A name for step `step`'s folder that is not taken: `step-NNNNNNNN`, or when that holds an
+/// earlier save of the same step, `step-NNNNNNNN.K` (names of one step sort in save order).
+fn free_step_dir(root: &Path, step: u64) -> PathBuf {
+    let first = step_dir(root, step);
+    if !first.exists() {
+        return first;
+    }
+    (1u64..).map(|k| root.join(format!("step-{step:08}.{k}"))).find(|p| !p.exists()).unwrap_or(first)
+}
+
+/// Rank 0's part once every rank file is written: the description, the move into place
+/// under a free name, `latest`, then removal of an earlier save of the same step and
+/// pruning. `latest` names a complete folder at every instant: it moves only once the new
+/// folder is in place, and the old one goes only after it moved.
 fn publish(
     root: &Path,
     staging: &Path,
-    target: &Path,
     engine: &Engine,
     optimizer: &Optimizer,
     run: &RunInfo,
     keep: usize,
-) -> Result<()> {
+) -> Result<PathBuf> {
     let mut files: Vec<String> = std::fs::read_dir(staging)
         .map_err(|e| Error::io(staging, e))?
         .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
@@ -202,28 +229,34 @@ fn publish(
     let meta = Meta { files, ..describe(engine, optimizer, run) };
     let text = serde_json::to_vec_pretty(&meta).map_err(|e| Error::Model(e.to_string()))?;
     io::write_atomic(&staging.join("meta.json"), &text)?;
-    // Saving a step again (after resuming from it) replaces the old copy last.
-    let old = root.join(format!(".step-{:08}.old", run.step));
-    if target.exists() {
-        std::fs::rename(target, &old).map_err(|e| Error::io(target, e))?;
-    }
-    std::fs::rename(staging, target).map_err(|e| Error::io(target, e))?;
+    fault_point(run.step, "described");
+    let target = free_step_dir(root, run.step);
+    std::fs::rename(staging, &target).map_err(|e| Error::io(&target, e))?;
     io::sync_dir(root)?;
+    fault_point(run.step, "published");
     let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     io::write_atomic(&root.join("latest"), name.as_bytes())?;
-    if old.exists() {
-        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
-    }
-    prune(root, keep, target)
+    fault_point(run.step, "pointed");
+    prune(root, keep, &target)?;
+    Ok(target)
+}
+
+/// Whether two checkpoint folders hold the same step (`step-N` and `step-N.K`).
+fn same_step(a: &Path, b: &Path) -> bool {
+    let step = |p: &Path| p.file_name().map(|n| n.to_string_lossy().split('.').next().unwrap_or_default().to_string());
+    step(a) == step(b)
 }
 
 /// Removes all but the newest `keep` complete checkpoints (never `saved`, the one `latest`
-/// names), and stale partial ones.
+/// names), other copies of `saved`'s step, and stale partial ones.
 fn prune(root: &Path, keep: usize, saved: &Path) -> Result<()> {
     let mut done = Vec::new();
     for entry in std::fs::read_dir(root).map_err(|e| Error::io(root, e))?.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with("step-") {
+        if entry.path() != saved && same_step(&entry.path(), saved) {
+            // An earlier save of the same step (or one whose save was cut short).
+            std::fs::remove_dir_all(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
+        } else if name.starts_with("step-") {
             done.push(entry.path());
         } else if name.starts_with(".step-") && name.ends_with(".partial") {
             let _ = std::fs::remove_dir_all(entry.path());

@@ -14,6 +14,67 @@ use std::io::Write;
 use std::path::Path;
 use tch::{Kind, Tensor};
 
+/// What an output location will receive, for [`check_output`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// A file, written atomically beside its final name.
+    File,
+    /// A folder the run creates if needed and writes files into.
+    Folder,
+}
+
+/// Checks, before a run spends time, that `path` can receive its output: the folder exists
+/// (or, for [`Output::Folder`], can be created), files can be created in it, and — where the
+/// file system says — at least `bytes` are free. `flag` names the option in errors, which
+/// name the path as given.
+pub fn check_output(flag: &str, path: &Path, kind: Output, bytes: u64) -> Result<()> {
+    let bad = |why: String| Err(Error::Config(format!("{flag} {}: {why}", path.display())));
+    let folder = match kind {
+        Output::File => {
+            if path.is_dir() {
+                return bad("is a folder, not a file".into());
+            }
+            if path.file_name().is_none() {
+                return bad("names no file".into());
+            }
+            path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
+        }
+        Output::Folder => {
+            if path.exists() && !path.is_dir() {
+                return bad("is a file, not a folder".into());
+            }
+            if let Err(e) = std::fs::create_dir_all(path) {
+                return bad(format!("cannot create the folder ({e})"));
+            }
+            path.to_path_buf()
+        }
+    };
+    if !folder.is_dir() {
+        return bad(format!("the folder {} does not exist", folder.display()));
+    }
+    let probe = folder.join(format!(".strata-probe-{}", std::process::id()));
+    match std::fs::OpenOptions::new().write(true).create_new(true).open(&probe) {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+        }
+        Err(e) => return bad(format!("cannot write in {} ({e})", folder.display())),
+    }
+    match free_bytes(&folder) {
+        Some(free) if free < bytes => bad(format!("needs about {bytes} bytes, {free} are free")),
+        _ => Ok(()),
+    }
+}
+
+/// Bytes an unprivileged user may still write on the file system holding `dir`, if known.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs writes into the zeroed struct it is given and reads a valid C string.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::statvfs(c_path.as_ptr(), &mut stat) };
+    (rc == 0).then(|| stat.f_bavail.saturating_mul(stat.f_frsize))
+}
+
 /// Writes `bytes` to `path` so that a crash leaves either the old file or the new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_with(path, |f| f.write_all(bytes).map_err(|e| Error::io(path, e)))
@@ -26,9 +87,10 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::fs::File) -> 
     let name = path.file_name().ok_or_else(|| Error::Config(format!("{} is not a file path", path.display())))?;
     let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
     let result = (|| -> Result<()> {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        // Errors name the path the caller gave, not the temporary file beside it.
+        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(path, e))?;
         write(&mut f)?;
-        f.sync_all().map_err(|e| Error::io(&tmp, e))?;
+        f.sync_all().map_err(|e| Error::io(path, e))?;
         std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
         sync_dir(dir)
     })();

@@ -358,6 +358,14 @@ type KnobChange = fn(&mut crate::strategy::ShardConfig);
 /// prefetching (`forward_prefetch`, `backward_prefetch`, `limit_all_gathers`), or the data
 /// parallel bucket size.
 fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Result<Choice> {
+    let sharding = strategy.sharding().map(|(name, _)| name);
+    let buckets = sharding.is_none() && rank_and_world(job.comm).1 > 1;
+    if sharding != Some("fsdp") && !buckets {
+        let what = sharding.map_or("data parallel on one rank".to_string(), |name| format!("{name} (no buckets)"));
+        return Err(Error::Config(format!(
+            "finetune_strategy: {what} has nothing to tune; it tunes fsdp's prefetching and data parallel's buckets"
+        )));
+    }
     let mut trials = Vec::new();
     // One set of batches for every variant; only the bucket size changes between them.
     let mut b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;

@@ -106,7 +106,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         return Ok(engine);
     };
     let (stage, reshard_after_forward) = shard.stage(name);
-    let (param_dtype, reduce_dtype, _) = shard.mixed_precision.clone().unwrap_or_default().kinds()?;
+    let (param_dtype, reduce_dtype) = shard.mixed_precision.clone().unwrap_or_default().kinds()?;
     let options = ZeroOptions {
         stage,
         reshard_after_forward,

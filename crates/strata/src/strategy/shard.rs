@@ -36,7 +36,8 @@ pub enum BackwardPrefetch {
 pub struct MixedPrecision {
     pub param_dtype: Option<String>,
     pub reduce_dtype: Option<String>,
-    /// The reference models hold no buffers; a set value is validated and recorded.
+    /// Accepted by name so that it can be refused with a reason: Strata's models hold no
+    /// buffers, so it would change nothing.
     pub buffer_dtype: Option<String>,
 }
 
@@ -108,9 +109,10 @@ pub enum Wrap {
 }
 
 impl MixedPrecision {
-    pub fn kinds(&self) -> Result<(Option<Kind>, Option<Kind>, Option<Kind>)> {
+    /// The parameter and reduction dtypes.
+    pub fn kinds(&self) -> Result<(Option<Kind>, Option<Kind>)> {
         let parse = |v: &Option<String>| v.as_deref().map(parse_dtype).transpose();
-        Ok((parse(&self.param_dtype)?, parse(&self.reduce_dtype)?, parse(&self.buffer_dtype)?))
+        Ok((parse(&self.param_dtype)?, parse(&self.reduce_dtype)?))
     }
 }
 
@@ -133,6 +135,23 @@ impl ShardConfig {
             if let Err(e) = mp.kinds() {
                 return bad(e.to_string().trim_start_matches("invalid configuration: ").to_string());
             }
+            if mp.buffer_dtype.is_some() {
+                return bad(
+                    "mixed_precision.buffer_dtype: Strata's models hold no buffers, so it would change nothing".into(),
+                );
+            }
+        }
+        // Prefetching orders the gathers of parameters, which only fsdp makes.
+        let defaults = ShardConfig::default();
+        let knobs = [
+            ("forward_prefetch", self.forward_prefetch != defaults.forward_prefetch),
+            ("backward_prefetch", self.backward_prefetch != defaults.backward_prefetch),
+            ("limit_all_gathers", self.limit_all_gathers != defaults.limit_all_gathers),
+        ];
+        if let Some((knob, _)) = knobs.iter().find(|(_, set)| *set).filter(|_| method != "fsdp") {
+            return bad(format!(
+                "{knob} belongs to fsdp: {method} never gathers parameters, so it would change nothing"
+            ));
         }
         Ok(())
     }
