@@ -55,10 +55,16 @@ impl RankInfo {
             Some(p) => p.trim().parse().map_err(|_| Error::Comm(format!("MASTER_PORT={p:?} is not a port")))?,
             None => 29500,
         };
-        let token = var("STRATA_STORE_TOKEN")
-            .or_else(|| var("SLURM_JOB_ID").map(|j| format!("slurm-{j}")))
-            .or_else(|| var("OMPI_MCA_ess_base_jobid").map(|j| format!("ompi-{j}")))
-            .ok_or_else(|| Error::Comm("no job token: set STRATA_STORE_TOKEN (strata launch does)".into()))?;
+        let job = var("SLURM_JOB_ID")
+            .map(|j| format!("slurm-{j}"))
+            .or_else(|| var("OMPI_MCA_ess_base_jobid").map(|j| format!("ompi-{j}")));
+        let token = match (var("STRATA_STORE_TOKEN"), job) {
+            (Some(token), _) => token,
+            (None, Some(job)) => derived_token(&job, var("HOME"))?,
+            (None, None) => {
+                return Err(Error::Comm("no job token: set STRATA_STORE_TOKEN (strata launch does)".into()))
+            }
+        };
         Ok(RankInfo {
             rank,
             world_size,
@@ -81,6 +87,53 @@ impl RankInfo {
             .and_then(|mut a| a.next())
             .ok_or_else(|| Error::Comm(format!("cannot resolve MASTER_ADDR {}", self.master_addr)))
     }
+}
+
+/// A job's token when the launcher (Slurm, Open MPI) gives only a job id, which anyone can
+/// read: derived from the id under a per-user secret, `~/.strata/secret`, created readable
+/// by its owner only on first use. Where home folders are shared between nodes every node
+/// derives the same token; elsewhere, set `STRATA_STORE_TOKEN`.
+fn derived_token(job: &str, home: Option<String>) -> Result<String> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let how = "set STRATA_STORE_TOKEN to the same secret on every rank";
+    let home = home
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| Error::Comm(format!("no job token and no HOME for a secret: {how}")))?;
+    let dir = std::path::Path::new(&home).join(".strata");
+    let path = dir.join("secret");
+    let failed = |e: std::io::Error| Error::Comm(format!("job token secret {}: {e}; or {how}", path.display()));
+    if !path.exists() {
+        std::fs::create_dir_all(&dir).map_err(failed)?;
+        // Written aside, then linked into place: concurrent first uses agree on one secret.
+        let aside = dir.join(format!(".secret.{}", std::process::id()));
+        let mut f =
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&aside).map_err(failed)?;
+        std::io::Write::write_all(&mut f, super::store::random_token()?.as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(failed)?;
+        let linked = std::fs::hard_link(&aside, &path);
+        let _ = std::fs::remove_file(&aside);
+        match linked {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(failed(e)),
+            _ => {}
+        }
+    }
+    let mode = std::fs::metadata(&path).map_err(failed)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        return Err(Error::Comm(format!(
+            "job token secret {} is readable by others (mode {:o}): chmod 600 it, or {how}",
+            path.display(),
+            mode & 0o777
+        )));
+    }
+    let secret = std::fs::read(&path).map_err(failed)?;
+    if secret.len() < 16 {
+        return Err(Error::Comm(format!(
+            "job token secret {} is too short: remove it to make a new one, or {how}",
+            path.display()
+        )));
+    }
+    Ok(super::auth::derive(&secret, job.as_bytes()))
 }
 
 /// Joins the job described by the environment: rank 0 hosts the store at
@@ -116,12 +169,43 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((t.rank, t.world_size, t.local_rank, t.local_world_size, t.master_port), (3, 4, 1, 2, 1234));
-        let s = read(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"), ("SLURM_JOB_ID", "77")])
-            .unwrap();
-        assert_eq!((s.rank, s.world_size, s.local_rank, s.token.as_str(), s.master_port), (5, 8, 1, "slurm-77", 29500));
+        let s = read(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_JOB_ID", "77"),
+            ("STRATA_STORE_TOKEN", "given"),
+        ])
+        .unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.token.as_str(), s.master_port), (5, 8, 1, "given", 29500));
         let o =
             read(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("STRATA_STORE_TOKEN", "x")]).unwrap();
         assert_eq!((o.rank, o.world_size, o.local_rank), (0, 2, 0));
+    }
+
+    #[test]
+    fn a_slurm_job_without_a_token_derives_one_from_a_private_secret() {
+        use std::os::unix::fs::PermissionsExt;
+        let home = std::env::temp_dir().join(format!("strata-home-{}", std::process::id()));
+        let h = home.to_str().unwrap();
+        let slurm = |job: &str| {
+            let vars = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_ID", job), ("HOME", h)];
+            read(&vars).map(|i| i.token)
+        };
+        let (a, again, other) = (slurm("77").unwrap(), slurm("77").unwrap(), slurm("78").unwrap());
+        assert_eq!(a, again, "every rank of a job derives the same token");
+        assert_ne!(a, other, "another job, another token");
+        assert!(!a.contains("77") && a.len() == 64, "not derivable from the job id alone: {a}");
+        let secret = home.join(".strata/secret");
+        assert_eq!(std::fs::metadata(&secret).unwrap().permissions().mode() & 0o777, 0o600);
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(slurm("77").unwrap_err().to_string().contains("readable by others"));
+        std::fs::remove_dir_all(&home).unwrap();
+        let vars = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_ID", "77")];
+        assert!(
+            read(&vars).unwrap_err().to_string().contains("STRATA_STORE_TOKEN"),
+            "no HOME: refused with the way out"
+        );
     }
 
     #[test]

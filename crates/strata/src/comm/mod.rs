@@ -9,6 +9,7 @@
 //! MPI). Must not know about models or strategies: it moves and reduces tensors.
 
 mod algorithms;
+mod auth;
 mod elementwise;
 mod env;
 #[cfg(feature = "mpi")]

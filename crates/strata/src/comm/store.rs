@@ -2,18 +2,25 @@
 //! timeout, compare-and-set), used to form groups and exchange addresses and ids.
 //!
 //! The server binds to the address it is given (loopback unless told otherwise) and serves
-//! only clients that open with the job's shared token; others are told so and dropped.
+//! only clients that prove they hold the job's token ([`super::auth`]); others are told so
+//! and dropped, as are clients that stall in the handshake, and connections beyond
+//! [`MAX_PENDING`] still in it. Malformed requests end their connection, never the server.
+use super::auth::{self, read_frame, write_frame};
 use crate::{Error, Result};
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-const HELLO: &[u8] = b"STRATA-STORE-1";
-/// Largest frame either side accepts, so a stray client cannot make the server allocate freely.
+/// Largest frame an authenticated client may send, so a bug cannot make the server
+/// allocate freely.
 const MAX_FRAME: usize = 64 << 20;
+/// Connections still in their handshake; more are closed at once.
+const MAX_PENDING: usize = 64;
+/// Longest wait a client may ask for; longer ones are cut to it.
+const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[repr(u8)]
@@ -34,37 +41,6 @@ impl Op {
 
 const OK: u8 = 0;
 const TIMEOUT: u8 = 1;
-const REJECTED: u8 = 2;
-
-fn write_frame(s: &mut TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
-    let mut buf = Vec::new();
-    for p in parts {
-        buf.extend_from_slice(&(p.len() as u32).to_le_bytes());
-        buf.extend_from_slice(p);
-    }
-    s.write_all(&(buf.len() as u32).to_le_bytes())?;
-    s.write_all(&buf)
-}
-
-fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<Vec<u8>>> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "frame too large"));
-    }
-    let mut buf = vec![0u8; len];
-    s.read_exact(&mut buf)?;
-    let mut parts = Vec::new();
-    let mut at = 0;
-    while at < buf.len() {
-        let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "malformed frame");
-        let n = u32::from_le_bytes(buf.get(at..at + 4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
-        parts.push(buf.get(at + 4..at + 4 + n).ok_or_else(bad)?.to_vec());
-        at += 4 + n;
-    }
-    Ok(parts)
-}
 
 #[derive(Default)]
 struct Table {
@@ -83,7 +59,7 @@ impl Table {
         keys: &[String],
         timeout: Duration,
     ) -> Option<std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>>> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + timeout.min(MAX_WAIT);
         let mut map = self.lock();
         while !keys.iter().all(|k| map.contains_key(k)) {
             let left = deadline.checked_duration_since(Instant::now())?;
@@ -109,6 +85,7 @@ impl StoreServer {
         let table = Arc::new(Table::default());
         let token = token.as_bytes().to_vec();
         let stopping = stop.clone();
+        let pending = Arc::new(AtomicUsize::new(0));
         let accept = std::thread::Builder::new()
             .name("strata-store".into())
             .spawn(move || {
@@ -117,10 +94,14 @@ impl StoreServer {
                         break;
                     }
                     let Ok(conn) = conn else { continue };
-                    let (table, token) = (table.clone(), token.clone());
+                    if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING {
+                        pending.fetch_sub(1, Ordering::SeqCst);
+                        continue;
+                    }
+                    let (table, token, pending) = (table.clone(), token.clone(), pending.clone());
                     // One thread per client: a job has as many clients as ranks.
                     let _ = std::thread::Builder::new().name("strata-store-client".into()).spawn(move || {
-                        let _ = serve(conn, &table, &token);
+                        let _ = serve(conn, &table, &token, &pending);
                     });
                 }
             })
@@ -152,17 +133,18 @@ fn millis(b: &[u8]) -> Duration {
     Duration::from_millis(b.try_into().map(u64::from_le_bytes).unwrap_or(0))
 }
 
-fn serve(mut conn: TcpStream, table: &Table, token: &[u8]) -> std::io::Result<()> {
-    conn.set_nodelay(true)?;
-    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let hello = read_frame(&mut conn)?;
-    if hello.len() != 2 || hello[0] != HELLO || hello[1] != token {
-        return write_frame(&mut conn, &[&[REJECTED]]);
-    }
-    write_frame(&mut conn, &[&[OK]])?;
-    conn.set_read_timeout(None)?;
+fn serve(mut conn: TcpStream, table: &Table, token: &[u8], pending: &AtomicUsize) -> Result<()> {
+    conn.set_nodelay(true).map_err(|e| Error::Comm(e.to_string()))?;
+    let joined = auth::accept(&mut conn, token);
+    pending.fetch_sub(1, Ordering::SeqCst);
+    joined?;
+    serve_requests(conn, table).map_err(|e| Error::Comm(e.to_string()))
+}
+
+/// Answers an authenticated client until it leaves or sends what is not a request.
+fn serve_requests(mut conn: TcpStream, table: &Table) -> std::io::Result<()> {
     loop {
-        let req = read_frame(&mut conn)?;
+        let req = read_frame(&mut conn, MAX_FRAME, None)?;
         let Some(op) = req.first().and_then(|o| o.first()).and_then(|&b| Op::from_byte(b)) else {
             return Ok(());
         };
@@ -210,13 +192,13 @@ fn serve(mut conn: TcpStream, table: &Table, token: &[u8]) -> std::io::Result<()
                 write_frame(&mut conn, &[&[OK], &result])?;
             }
             Op::Wait => {
-                let keys: Vec<String> = req[2..].iter().map(|k| text(k)).collect();
+                let keys: Vec<String> = req.get(2..).unwrap_or_default().iter().map(|k| text(k)).collect();
                 let status = if table.wait_for(&keys, millis(arg(1))).is_some() { OK } else { TIMEOUT };
                 write_frame(&mut conn, &[&[status]])?;
             }
             Op::Check => {
                 let map = table.lock();
-                let all = req[1..].iter().all(|k| map.contains_key(&text(k)));
+                let all = req.get(1..).unwrap_or_default().iter().all(|k| map.contains_key(&text(k)));
                 drop(map);
                 write_frame(&mut conn, &[&[OK], &[all as u8]])?;
             }
@@ -228,6 +210,8 @@ fn serve(mut conn: TcpStream, table: &Table, token: &[u8]) -> std::io::Result<()
 pub struct Store {
     conn: Mutex<TcpStream>,
     addr: SocketAddr,
+    /// The job's token: the data mesh authenticates peers with it too.
+    token: Vec<u8>,
     /// Default timeout of `get` and `wait`.
     pub timeout: Duration,
 }
@@ -245,14 +229,13 @@ impl Store {
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
             }
         };
-        let io = |e: std::io::Error| Error::Comm(format!("store at {addr}: {e}"));
-        conn.set_nodelay(true).map_err(io)?;
-        write_frame(&mut conn, &[HELLO, token.as_bytes()]).map_err(io)?;
-        let answer = read_frame(&mut conn).map_err(io)?;
-        if answer.first().map(Vec::as_slice) != Some(&[OK]) {
-            return Err(Error::Comm(format!("the store at {addr} rejected this client: wrong job token")));
-        }
-        Ok(Store { conn: Mutex::new(conn), addr, timeout })
+        conn.set_nodelay(true).map_err(|e| Error::Comm(format!("store at {addr}: {e}")))?;
+        auth::connect(&mut conn, token.as_bytes(), b"store", &format!("the store at {addr}"))?;
+        Ok(Store { conn: Mutex::new(conn), addr, token: token.as_bytes().to_vec(), timeout })
+    }
+
+    pub(crate) fn token(&self) -> &[u8] {
+        &self.token
     }
 
     /// The local address this process reaches the store from: the interface peers on
@@ -266,7 +249,7 @@ impl Store {
         let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         let io = |e: std::io::Error| Error::Comm(format!("store at {}: {e}", self.addr));
         write_frame(&mut conn, parts).map_err(io)?;
-        read_frame(&mut conn).map_err(io)
+        read_frame(&mut conn, MAX_FRAME, None).map_err(io)
     }
 
     fn timed_out(&self, what: &str, timeout: Duration) -> Error {
@@ -339,6 +322,7 @@ pub fn random_token() -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     fn local() -> (StoreServer, Store) {
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "secret").unwrap();
@@ -382,11 +366,47 @@ mod tests {
     fn a_client_without_the_token_cannot_join() {
         let (server, s) = local();
         let err = Store::connect(server.addr(), "guess", Duration::from_secs(5)).err().unwrap();
-        assert!(err.to_string().contains("rejected"), "{err}");
+        assert!(err.to_string().contains("different job tokens"), "{err}");
         // Raw bytes that are not the protocol do not disturb the store either.
         let mut raw = TcpStream::connect(server.addr()).unwrap();
         raw.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
         s.set("still", b"fine").unwrap();
         assert_eq!(s.get("still").unwrap(), b"fine");
+    }
+
+    #[test]
+    fn hostile_clients_are_dropped_and_the_store_keeps_serving() {
+        let (server, s) = local();
+        let addr = server.addr();
+        // A first frame far over the handshake's limit: closed without reading it.
+        let mut big = TcpStream::connect(addr).unwrap();
+        big.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
+        let mut buf = [0u8; 1];
+        big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(big.read(&mut buf).unwrap_or(0), 0, "the oversized frame ends the connection");
+        // One that stalls mid-handshake holds nobody up, and is closed by the deadline.
+        let mut stalled = TcpStream::connect(addr).unwrap();
+        stalled.write_all(&[100, 0, 0]).unwrap();
+        let other = Store::connect(addr, "secret", Duration::from_secs(5)).unwrap();
+        other.set("k", b"v").unwrap();
+        stalled.set_read_timeout(Some(auth::HANDSHAKE_TIME * 2)).unwrap();
+        let started = Instant::now();
+        assert_eq!(stalled.read(&mut buf).unwrap_or(0), 0);
+        assert!(started.elapsed() < auth::HANDSHAKE_TIME + Duration::from_secs(3));
+        // Authenticated but malformed requests end that connection, not the server: a wait
+        // without keys, a check without keys, a get with the longest timeout.
+        for parts in [vec![vec![Op::Wait as u8]], vec![vec![Op::Check as u8]], vec![vec![Op::Set as u8]]] {
+            let mut raw = TcpStream::connect(addr).unwrap();
+            auth::connect(&mut raw, b"secret", b"store", "store").unwrap();
+            let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+            write_frame(&mut raw, &refs).unwrap();
+            let _ = read_frame(&mut raw, MAX_FRAME, Some(Instant::now() + Duration::from_secs(5)));
+        }
+        let mut raw = TcpStream::connect(addr).unwrap();
+        auth::connect(&mut raw, b"secret", b"store", "store").unwrap();
+        write_frame(&mut raw, &[&[Op::Get as u8], b"k", &u64::MAX.to_le_bytes()]).unwrap();
+        let reply = read_frame(&mut raw, MAX_FRAME, Some(Instant::now() + Duration::from_secs(5))).unwrap();
+        assert_eq!(reply, vec![vec![OK], b"v".to_vec()]);
+        assert_eq!(s.get("k").unwrap(), b"v");
     }
 }

@@ -3,12 +3,14 @@
 //!
 //! Every blocking call gives up after the group's timeout, and a peer that went away is
 //! reported by rank (a closed socket, or a process that no longer exists).
+use super::auth;
 use super::elementwise::{divide, reduce_into, split};
 use super::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
 use memmap2::MmapMut;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tch::Kind;
@@ -51,7 +53,9 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     /// Listens on the interface that reaches the store, publishes the address, connects to
-    /// lower ranks and accepts higher ones.
+    /// lower ranks and accepts higher ones. Every connection is authenticated with the
+    /// job's token and names its group and rank; a connection that fails is dropped and the
+    /// mesh keeps accepting until every expected rank has joined or the timeout passes.
     pub fn connect(setup: &GroupSetup) -> Result<TcpTransport> {
         let (rank, size) = (setup.rank, setup.size);
         let ip = setup.store.local_ip()?;
@@ -59,36 +63,45 @@ impl TcpTransport {
             .map_err(|e| Error::Comm(format!("cannot listen on {ip}: {e}")))?;
         let addr = listener.local_addr().map_err(|e| Error::Comm(e.to_string()))?;
         setup.store.set(&format!("{}tcp/{rank}", setup.prefix), addr.to_string().as_bytes())?;
+        let token = setup.store.token();
+        let context = |r: usize| [setup.prefix.as_bytes(), &(r as u64).to_le_bytes()].concat();
         let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         let io = |peer: usize| move |e: std::io::Error| peer_error(peer, format!("connection failed: {e}"));
         for (peer, slot) in streams.iter_mut().enumerate().take(rank) {
             let text = String::from_utf8_lossy(&setup.store.get(&format!("{}tcp/{peer}", setup.prefix))?).into_owned();
             let peer_addr: SocketAddr = text.parse().map_err(|_| peer_error(peer, format!("bad address {text:?}")))?;
             let mut s = TcpStream::connect_timeout(&peer_addr, setup.timeout).map_err(io(peer))?;
-            s.write_all(&(rank as u64).to_le_bytes()).map_err(io(peer))?;
+            auth::connect(&mut s, token, &context(rank), &format!("rank {peer}"))?;
             *slot = Some(s);
         }
         listener.set_nonblocking(true).map_err(|e| Error::Comm(e.to_string()))?;
         let deadline = Instant::now() + setup.timeout;
-        for _ in rank + 1..size {
-            let mut s = loop {
-                match listener.accept() {
-                    Ok((s, _)) => break s,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(2))
-                    }
-                    Err(e) => return Err(Error::Comm(format!("rank {rank}: higher ranks did not connect: {e}"))),
+        // Handshakes run on threads of their own, so a peer that stalls holds up no other.
+        let (joined, arrivals) = std::sync::mpsc::channel();
+        while streams.iter().skip(rank + 1).any(Option::is_none) {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    let (token, joined) = (token.to_vec(), joined.clone());
+                    std::thread::spawn(move || {
+                        let claim = s.set_nonblocking(false).map_err(|e| Error::Comm(e.to_string()));
+                        let _ = joined.send(claim.and_then(|()| auth::accept(&mut s, &token)).map(|c| (c, s)));
+                    });
                 }
-            };
-            s.set_nonblocking(false).map_err(|e| Error::Comm(e.to_string()))?;
-            s.set_read_timeout(Some(setup.timeout)).map_err(|e| Error::Comm(e.to_string()))?;
-            let mut who = [0u8; 8];
-            s.read_exact(&mut who).map_err(|e| Error::Comm(format!("handshake: {e}")))?;
-            let peer = u64::from_le_bytes(who) as usize;
-            if peer <= rank || peer >= size || streams[peer].is_some() {
-                return Err(Error::Comm(format!("unexpected handshake from rank {peer}")));
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(2))
+                }
+                Err(e) => return Err(Error::Comm(format!("rank {rank}: higher ranks did not connect: {e}"))),
             }
-            streams[peer] = Some(s);
+            while let Ok(arrival) = arrivals.try_recv() {
+                // Which expected rank this is, if it proved it belongs to this job and group.
+                let peer = arrival.as_ref().ok().and_then(|(claim, _)| {
+                    (rank + 1..size).find(|&p| *claim == context(p)).filter(|&p| streams[p].is_none())
+                });
+                match (peer, arrival) {
+                    (Some(peer), Ok((_, s))) => streams[peer] = Some(s),
+                    _ => tracing::warn!(rank, "refused a mesh connection that did not authenticate as a peer"),
+                }
+            }
         }
         let mut readers = Vec::with_capacity(size);
         let mut writers = Vec::with_capacity(size);
@@ -188,6 +201,22 @@ const SLOT_BYTES: usize = 1 << 21;
 /// One cache line per rank's progress counter.
 const FLAG_STRIDE: usize = 64;
 
+/// Creates a shared-memory segment of `bytes` readable and writable by this user only: the
+/// job's gradients and parameters pass through it.
+fn create_segment(path: &Path, bytes: usize) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let failed = |what: &str, e: std::io::Error| Error::Comm(format!("cannot {what} {}: {e}", path.display()));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| failed("create", e))?;
+    f.set_len(bytes as u64).map_err(|e| failed("size", e))?;
+    Ok(f)
+}
+
 /// One-way channels between every ordered pair of ranks, in one shared-memory segment.
 /// Channel (i → j) is a ring buffer: the writer advances `head`, the reader `tail`.
 ///
@@ -215,13 +244,7 @@ impl ShmTransport {
         let path = if rank == 0 {
             let id = super::store::random_token()?;
             let path = format!("/dev/shm/strata-{id}");
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(&path)
-                .map_err(|e| Error::Comm(format!("cannot create {path}: {e}")))?;
-            f.set_len(bytes as u64).map_err(|e| Error::Comm(format!("cannot size {path}: {e}")))?;
+            create_segment(Path::new(&path), bytes)?;
             setup.store.set(&key("path"), path.as_bytes())?;
             path
         } else {
@@ -433,5 +456,59 @@ impl Transport for ShmTransport {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::{Store, StoreServer};
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::Arc;
+
+    #[test]
+    fn the_shared_segment_is_private_to_its_user() {
+        let dir = std::env::temp_dir().join(format!("strata-seg-{}", std::process::id()));
+        create_segment(&dir, 4096).unwrap();
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        std::fs::remove_file(&dir).unwrap();
+        assert_eq!(mode, 0o600);
+    }
+
+    fn setup(store: Store, rank: usize) -> GroupSetup {
+        GroupSetup {
+            store: Arc::new(store),
+            prefix: "mesh-test/".into(),
+            rank,
+            size: 2,
+            ranks: vec![0, 1],
+            world_size: 2,
+            timeout: Duration::from_secs(30),
+        }
+    }
+
+    #[test]
+    fn the_mesh_refuses_a_peer_without_the_token_and_the_job_proceeds() {
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "job-token").unwrap();
+        let addr = server.addr();
+        let connect = move || Store::connect(addr, "job-token", Duration::from_secs(10)).unwrap();
+        let rank0 = std::thread::spawn(move || TcpTransport::connect(&setup(connect(), 0)));
+        // An intruder learns rank 0's address (it is no secret) and claims to be rank 1, with
+        // a guessed token, then one that stalls, before the real rank 1 arrives.
+        let watcher = connect();
+        let listen: SocketAddr = String::from_utf8(watcher.get("mesh-test/tcp/0").unwrap()).unwrap().parse().unwrap();
+        let mut intruder = TcpStream::connect(listen).unwrap();
+        let claim = [&b"mesh-test/"[..], &1u64.to_le_bytes()].concat();
+        let refused = auth::connect(&mut intruder, b"guess", &claim, "rank 0").unwrap_err();
+        assert!(refused.to_string().contains("token"), "{refused}");
+        let mut staller = TcpStream::connect(listen).unwrap();
+        staller.write_all(&[200, 0]).unwrap();
+        let mut rank1 = TcpTransport::connect(&setup(connect(), 1)).unwrap();
+        let mut rank0 = rank0.join().unwrap().unwrap();
+        let sender = std::thread::spawn(move || rank1.send(0, b"hello").map(|_| rank1));
+        let mut got = [0u8; 5];
+        rank0.recv(1, &mut got).unwrap();
+        assert_eq!(&got, b"hello");
+        sender.join().unwrap().unwrap();
     }
 }
