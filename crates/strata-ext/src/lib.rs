@@ -209,8 +209,14 @@ pub fn set_grad(tensor: &Tensor, grad: Option<&Tensor>) -> Result<()> {
 /// Resizes the storage behind `tensor` to `nbytes`. With 0 the memory is released while
 /// the tensor (and all views of the same storage) stay valid objects; a later resize to the
 /// full size gives fresh, uninitialised memory that the caller must fill before use.
-pub fn resize_storage(tensor: &Tensor, nbytes: usize) -> Result<()> {
-    // SAFETY: the tensor is live; the C++ side swaps the storage's data pointer.
+///
+/// # Safety
+/// libtorch does not check a view's extent against its storage on access. Until the
+/// storage holds at least the bytes every live view of it spans, no view may be read or
+/// written (by any thread, or by an operation still in flight such as a collective).
+pub unsafe fn resize_storage(tensor: &Tensor, nbytes: usize) -> Result<()> {
+    // SAFETY: the tensor is live; the C++ side swaps the storage's data pointer. What the
+    // views may do afterwards is the caller's contract.
     check(unsafe { strata_storage_resize(tensor.as_ptr() as TensorPtr, nbytes) })
 }
 
@@ -677,10 +683,44 @@ pub mod nccl {
         nranks: usize,
     }
 
-    // SAFETY: NCCL communicators may be used from any thread, one call at a time; the
-    // process group serialises calls.
+    // SAFETY: an NCCL communicator may move to another thread. It is not `Sync`: NCCL allows
+    // one call at a time, so a shared communicator needs a lock.
     unsafe impl Send for Communicator {}
-    unsafe impl Sync for Communicator {}
+
+    /// Checks a collective's tensor list against what [`Collective`] documents, so that NCCL
+    /// never reads or writes past a tensor: the number of tensors for `nranks` ranks, `peer`
+    /// among them, one dtype, and the element counts each operation needs to agree.
+    pub fn check_collective(what: Collective, tensors: &[&Tensor], peer: usize, nranks: usize) -> Result<()> {
+        let bad = |m: String| Err(ExtError(format!("nccl {what:?}: {m}")));
+        let expected = match what {
+            Collective::AllGather | Collective::ReduceScatter => nranks + 1,
+            Collective::AllToAll => 2 * nranks,
+            _ => 1,
+        };
+        if tensors.len() != expected {
+            return bad(format!("{} tensors for {nranks} ranks, expected {expected}", tensors.len()));
+        }
+        if peer >= nranks {
+            return bad(format!("rank {peer} outside a group of {nranks}"));
+        }
+        if let Some(t) = tensors.iter().find(|t| t.kind() != tensors[0].kind()) {
+            return bad(format!("mixed dtypes {:?} and {:?}", tensors[0].kind(), t.kind()));
+        }
+        let numel = |i: usize| tensors[i].numel();
+        let mismatch = match what {
+            // The piece this rank contributes is its own slot's size.
+            Collective::AllGather => (numel(peer) != numel(nranks)).then_some((peer, nranks)),
+            // Every input is as long as the output shard.
+            Collective::ReduceScatter => (1..=nranks).find(|&i| numel(i) != numel(0)).map(|i| (i, 0)),
+            // What goes to rank r is as long as what comes back from it.
+            Collective::AllToAll => (0..nranks).find(|&r| numel(r) != numel(nranks + r)).map(|r| (r, nranks + r)),
+            _ => None,
+        };
+        match mismatch {
+            Some((a, b)) => bad(format!("tensor {a} holds {} elements, tensor {b} {}", numel(a), numel(b))),
+            None => Ok(()),
+        }
+    }
 
     impl Communicator {
         /// Joins the communicator `id` as `rank` of `nranks`, on CUDA device `device`.
@@ -696,6 +736,10 @@ pub mod nccl {
         /// Enqueues `what` and returns an event recorded after it on the same stream.
         /// `op`: 0 sum, 1 avg, 2 max, 3 min.
         pub fn collective(&self, what: Collective, tensors: &[&Tensor], op: i32, peer: usize) -> Result<cuda::Event> {
+            check_collective(what, tensors, peer, self.nranks)?;
+            if !(0..=3).contains(&op) {
+                return Err(ExtError(format!("nccl {what:?}: unknown reduction {op}")));
+            }
             let p = ptrs(tensors);
             let mut event = std::ptr::null_mut();
             // SAFETY: live tensors borrowed for the call; the event is a fresh heap object

@@ -116,9 +116,10 @@ fn storage_can_be_freed_and_refilled_under_live_views() {
     let mut flat = Tensor::arange(8, (Kind::Float, tch::Device::Cpu));
     let view = flat.narrow(0, 4, 4);
     assert_eq!(storage_nbytes(&flat).unwrap(), 32);
-    resize_storage(&flat, 0).unwrap();
+    // SAFETY: neither view is touched while the storage is empty; `flat` spans it.
+    unsafe { resize_storage(&flat, 0) }.unwrap();
     assert_eq!(storage_nbytes(&view).unwrap(), 0, "views share the freed storage");
-    resize_storage(&flat, 32).unwrap();
+    unsafe { resize_storage(&flat, 32) }.unwrap();
     flat.copy_(&Tensor::full([8], 7.0, (Kind::Float, tch::Device::Cpu)));
     assert_eq!(Vec::<f32>::try_from(&view).unwrap(), vec![7.0; 4]);
 }
@@ -224,4 +225,27 @@ fn cpu_memory_counts_allocations_and_their_release() {
     drop(t);
     let (after, peak_after) = strata_ext::cpu_memory::stats().unwrap();
     assert!(after < during && peak_after >= peak && peak >= during);
+}
+
+#[test]
+fn nccl_tensor_lists_are_checked_before_anything_is_enqueued() {
+    use strata_ext::nccl::{check_collective, Collective};
+    let t = |n: i64| Tensor::zeros([n], (Kind::Float, tch::Device::Cpu));
+    let (a, b, c, d) = (t(4), t(4), t(4), t(3));
+    let half = Tensor::zeros([4], (Kind::Half, tch::Device::Cpu));
+    assert!(check_collective(Collective::AllGather, &[&a, &b, &c], 1, 2).is_ok());
+    assert!(check_collective(Collective::ReduceScatter, &[&a, &b, &c], 0, 2).is_ok());
+    assert!(check_collective(Collective::AllToAll, &[&a, &d, &b, &d], 0, 2).is_ok());
+    for (what, tensors, peer, needle) in [
+        (Collective::AllReduce, vec![&a, &b], 0, "2 tensors for 2 ranks, expected 1"),
+        (Collective::AllGather, vec![&a, &b], 0, "expected 3"),
+        (Collective::Send, vec![&a], 2, "rank 2 outside a group of 2"),
+        (Collective::ReduceScatter, vec![&a, &b, &d], 0, "tensor 2 holds 3 elements"),
+        (Collective::AllGather, vec![&d, &a, &a], 0, "tensor 0 holds 3 elements"),
+        (Collective::AllToAll, vec![&a, &b, &d, &c], 0, "tensor 0 holds 4 elements, tensor 2 3"),
+        (Collective::ReduceScatter, vec![&a, &half, &b], 0, "mixed dtypes"),
+    ] {
+        let err = check_collective(what, &tensors, peer, 2).unwrap_err();
+        assert!(err.0.contains(needle), "{what:?}: {err}");
+    }
 }

@@ -10,7 +10,8 @@ use strata_ext::nccl::{unique_id, Collective, Communicator};
 use tch::{Device, Tensor};
 
 pub struct NcclGroup {
-    comm: Communicator,
+    /// NCCL takes one call at a time per communicator.
+    comm: std::sync::Mutex<Communicator>,
     rank: usize,
     size: usize,
     device: usize,
@@ -37,7 +38,13 @@ impl NcclGroup {
             bytes.try_into().map_err(|_| Error::Comm("malformed NCCL id in the store".into()))?
         };
         let comm = Communicator::init(&id, setup.size, setup.rank, device)?;
-        Ok(NcclGroup { comm, rank: setup.rank, size: setup.size, device, timeout: setup.timeout })
+        Ok(NcclGroup {
+            comm: std::sync::Mutex::new(comm),
+            rank: setup.rank,
+            size: setup.size,
+            device,
+            timeout: setup.timeout,
+        })
     }
 
     fn check(&self, tensors: &[&Tensor]) -> Result<()> {
@@ -55,7 +62,8 @@ impl NcclGroup {
             ReduceOp::Max => 2,
             ReduceOp::Min => 3,
         };
-        Ok(Work::on_device(self.comm.collective(what, tensors, op, peer)?, self.timeout))
+        let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(Work::on_device(comm.collective(what, tensors, op, peer)?, self.timeout))
     }
 }
 

@@ -102,12 +102,25 @@ fn bytes(numel: i64, kind: Kind) -> u64 {
     numel as u64 * kind.elt_size_in_bytes() as u64
 }
 
-fn release(t: &Tensor) -> Result<()> {
-    Ok(strata_ext::resize_storage(t, 0)?)
+/// Frees the memory of a unit's gathered flat buffer.
+///
+/// # Safety
+/// No view of `t` (parameter views, autograd's saved tensors) may be read or written, and no
+/// collective on it may be in flight, until [`reserve`] gives it memory again and it is
+/// refilled: the schedule frees a unit only after its compute and its gathers are done.
+unsafe fn release(t: &Tensor) -> Result<()> {
+    // SAFETY: the caller's contract above.
+    Ok(unsafe { strata_ext::resize_storage(t, 0) }?)
 }
 
-fn reserve(t: &Tensor) -> Result<()> {
-    Ok(strata_ext::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?)
+/// Gives a freed flat buffer its full size again (uninitialised until gathered into).
+///
+/// # Safety
+/// `t` spans its whole storage (a unit's flat buffer, made by the engine), so every view
+/// of the storage lies within the bytes it gets back.
+unsafe fn reserve(t: &Tensor) -> Result<()> {
+    // SAFETY: the caller's contract above.
+    Ok(unsafe { strata_ext::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes()) }?)
 }
 
 fn comm_failed(what: &str) -> impl Fn(Error) -> Error + '_ {
@@ -176,13 +189,15 @@ impl Zero {
             // Parameters are freed only when other ranks hold the rest: a shard group of
             // one keeps them (refilling them would also bump autograd's version counters).
             if sharded && frees_params {
-                release(&s.flat)?;
+                // SAFETY: nothing has run on the unit yet; it is gathered before any use.
+                unsafe { release(&s.flat) }?;
                 ledger.free(Placement::Device, Category::Params, bytes(len, param_kind));
                 unit.params_resident = false;
             }
             // Frozen units never need gradients; stages 2 and 3 hold only a shard between steps.
             if !s.trainable || (sharded && options.stage >= Stage::Gradients) {
-                release(&s.grad)?;
+                // SAFETY: no backward has run; `ensure_grads` restores it before one does.
+                unsafe { release(&s.grad) }?;
                 ledger.free(Placement::Device, Category::Grads, bytes(len, param_kind));
                 unit.grads_resident = false;
             }
@@ -221,7 +236,8 @@ impl Zero {
         }
         let flat = &storage[u].flat;
         ledger.alloc(Placement::Device, Category::Params, bytes(unit.len, self.param_kind))?;
-        reserve(flat)?;
+        // SAFETY: the engine's flat buffer spans its storage.
+        unsafe { reserve(flat) }?;
         let master = unit.master.as_ref().ok_or_else(|| Error::Engine("a stage-3 unit has no shard".into()))?;
         let input = if master.kind() == self.param_kind {
             master.shallow_clone()
@@ -299,7 +315,9 @@ impl Zero {
         if let Some(work) = unit.gathering.take() {
             work.wait().map_err(comm_failed("parameter all-gather"))?;
         }
-        release(&storage.flat)?;
+        // SAFETY: the schedule frees a unit after its forward or backward is done and its
+        // gather has completed (waited above); the next use gathers it first.
+        unsafe { release(&storage.flat) }?;
         ledger.free(Placement::Device, Category::Params, bytes(unit.len, self.param_kind));
         unit.params_resident = false;
         Ok(())
@@ -312,7 +330,8 @@ impl Zero {
             return Ok(());
         }
         ledger.alloc(Placement::Device, Category::Grads, bytes(unit.len, self.param_kind))?;
-        reserve(&storage[u].grad)?;
+        // SAFETY: the engine's gradient buffer spans its storage.
+        unsafe { reserve(&storage[u].grad) }?;
         let _ = storage[u].grad.shallow_clone().f_zero_()?;
         unit.grads_resident = true;
         Ok(())
@@ -354,7 +373,9 @@ impl Zero {
         work.wait().map_err(comm_failed("gradient reduce-scatter"))?;
         drop(input);
         let unit = &mut self.units[u];
-        release(&storage[u].grad)?;
+        // SAFETY: the reduce-scatter reading it has completed (waited above), and the
+        // unit's backward, which wrote it, is over; `ensure_grads` restores it.
+        unsafe { release(&storage[u].grad) }?;
         ledger.free(Placement::Device, Category::Grads, bytes(unit.len, self.param_kind));
         unit.grads_resident = false;
         if let (Some(replicas), Some(shard)) = (&self.groups.replicate, &unit.grad_shard) {
