@@ -156,7 +156,7 @@ fn a_crash_while_saving_keeps_the_previous_checkpoint_and_resume_is_exact() {
     // Two ranks with zero2 save every 2 steps; one dies while saving step 4.
     let ckpt = p("ckpt");
     let sharded = ["--nproc", "2", "--strategy", r#"["zero2"]"#, "--save-checkpoint", &ckpt, "--checkpoint-every", "2"];
-    let o = run(&sharded, &[("STRATA_FAULT_ABORT_IN_SAVE", "4")]);
+    let o = run(&sharded, &[("STRATA_FAULT", "save-written@4")]);
     assert!(!o.status.success(), "the injected crash stops the job");
     assert_eq!(std::fs::read_to_string(dir.path().join("ckpt/latest")).unwrap(), "step-00000002");
     let full = losses(&dir.path().join("full.jsonl"));
@@ -301,12 +301,9 @@ fn re_saving_a_step_keeps_latest_naming_a_complete_checkpoint_at_every_point() {
     assert!(o.status.success(), "{}", stderr(&o));
     let step3 = losses(&dir.path().join("full.jsonl"))[2];
     // Resuming at step 2 with --steps 2 trains nothing and saves step 2 again.
-    for point in ["written", "described", "published", "pointed"] {
-        let fault = format!("2:{point}");
-        let o = run(
-            &["--steps", "2", "--resume", &ckpt, "--save-checkpoint", &ckpt],
-            &[("STRATA_FAULT_ABORT_IN_SAVE", &fault)],
-        );
+    for point in ["save-written", "save-described", "save-published", "save-pointed"] {
+        let fault = format!("{point}@2");
+        let o = run(&["--steps", "2", "--resume", &ckpt, "--save-checkpoint", &ckpt], &[("STRATA_FAULT", &fault)]);
         assert!(!o.status.success(), "{point}: the injected crash stops the job");
         let name = std::fs::read_to_string(dir.path().join("ckpt/latest")).unwrap();
         assert!(dir.path().join("ckpt").join(name.trim()).join("meta.json").is_file(), "{point}: latest names {name}");
@@ -323,4 +320,43 @@ fn re_saving_a_step_keeps_latest_naming_a_complete_checkpoint_at_every_point() {
         .collect();
     left.sort();
     assert_eq!(left.len(), 2, "one copy of step 2 and latest: {left:?}");
+}
+
+#[test]
+fn a_rank_killed_mid_step_or_mid_save_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        let args = [&["train"][..], &MODEL, &RUN, &["--nproc", "2", "--strategy", r#"["zero2"]"#], extra].concat();
+        strata_env(&args, env)
+    };
+    let o = run(&["--steps", "6", "--metrics", &p("full.jsonl"), "--save-weights", &p("full.st")], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let full = losses(&dir.path().join("full.jsonl"));
+    // Rank 1 is SIGKILLed in the middle of step 5 (after a checkpoint at 4), or while saving
+    // step 4 (after its file is written: the checkpoint at 2 stays the latest).
+    for (fault, resumes_at) in [("backward@5", 4), ("save-written@4", 2)] {
+        let ckpt = p(&format!("ckpt-{fault}"));
+        let started = std::time::Instant::now();
+        let o = run(
+            &["--steps", "6", "--save-checkpoint", &ckpt, "--checkpoint-every", "2"],
+            &[("STRATA_FAULT", fault), ("STRATA_FAULT_RANK", "1")],
+        );
+        assert!(!o.status.success(), "{fault}: the job fails");
+        let err = stderr(&o);
+        assert!(err.contains("rank 1 was killed by signal 9"), "{fault}: {err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(120), "{fault}: the launcher noticed at once");
+        let latest = std::fs::read_to_string(dir.path().join(format!("ckpt-{fault}/latest"))).unwrap();
+        assert_eq!(latest, format!("step-{resumes_at:08}"), "{fault}");
+        let (metrics, weights) = (p(&format!("resumed-{fault}.jsonl")), p(&format!("resumed-{fault}.st")));
+        let o = run(&["--steps", "6", "--resume", &ckpt, "--metrics", &metrics, "--save-weights", &weights], &[]);
+        assert!(o.status.success(), "{fault}: {}", stderr(&o));
+        let resumed = losses(Path::new(&metrics));
+        assert_eq!(resumed.len(), 6 - resumes_at);
+        for ((step, a), (_, b)) in full[resumes_at..].iter().zip(&resumed) {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "{fault}: step {step}: {a} uninterrupted, {b} resumed");
+        }
+        let gap = global_gap(Path::new(&p("full.st")), Path::new(&weights));
+        assert!(gap <= 1e-6, "{fault}: weights differ by {gap:e}");
+    }
 }

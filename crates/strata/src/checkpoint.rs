@@ -19,7 +19,7 @@ use crate::compute::scaler::LossScaler;
 use crate::engine::Engine;
 use crate::io::{self, tensor_bytes_le, write_safetensors_streamed};
 use crate::optim::Optimizer;
-use crate::{Error, Result};
+use crate::{fault, Error, Result};
 use memmap2::Mmap;
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
@@ -128,18 +128,6 @@ fn step_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!("step-{step:08}"))
 }
 
-/// Failure injection for tests: `STRATA_FAULT_ABORT_IN_SAVE=STEP[:POINT]` kills the process
-/// at `POINT` of the save of step `STEP` — `written` (this rank's file is written; the
-/// default), `described` (the description is written), `published` (the folder is in place,
-/// `latest` not yet moved) or `pointed` (`latest` moved, the replaced copy not yet removed).
-fn fault_point(step: u64, point: &str) {
-    let Ok(spec) = std::env::var("STRATA_FAULT_ABORT_IN_SAVE") else { return };
-    let (at, which) = spec.split_once(':').unwrap_or((spec.as_str(), "written"));
-    if at.parse::<u64>().ok() == Some(step) && which == point {
-        std::process::abort();
-    }
-}
-
 /// Saves a checkpoint of `engine` and `optimizer` under `root`. Every rank calls it; `world`
 /// (the group of all ranks, if several) orders the ranks' writes; `keep` checkpoints are
 /// kept, older ones removed.
@@ -179,7 +167,7 @@ pub fn save(
         true => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), engine, optimizer),
         false => Ok(()),
     };
-    fault_point(run.step, "written");
+    fault::point("save-written", run.step);
     agree(written)?;
     let mut published = None;
     agree(if rank == 0 {
@@ -229,14 +217,14 @@ fn publish(
     let meta = Meta { files, ..describe(engine, optimizer, run) };
     let text = serde_json::to_vec_pretty(&meta).map_err(|e| Error::Model(e.to_string()))?;
     io::write_atomic(&staging.join("meta.json"), &text)?;
-    fault_point(run.step, "described");
+    fault::point("save-described", run.step);
     let target = free_step_dir(root, run.step);
     std::fs::rename(staging, &target).map_err(|e| Error::io(&target, e))?;
     io::sync_dir(root)?;
-    fault_point(run.step, "published");
+    fault::point("save-published", run.step);
     let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     io::write_atomic(&root.join("latest"), name.as_bytes())?;
-    fault_point(run.step, "pointed");
+    fault::point("save-pointed", run.step);
     prune(root, keep, &target)?;
     Ok(target)
 }

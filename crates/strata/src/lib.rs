@@ -31,6 +31,7 @@ pub mod compute;
 pub mod data;
 pub mod engine;
 mod error;
+mod fault;
 pub mod io;
 pub mod model;
 pub mod optim;

@@ -124,6 +124,7 @@ impl Trainer {
             // Only the last micro-batch's backward completes the step's gradients.
             self.engine.set_grad_sync(i == last);
             let output = self.engine.forward(&(self.prepare_input)(batch)?)?;
+            crate::fault::point("backward", self.step + 1);
             let loss = (self.loss_func)(&output, batch)?;
             self.engine.backward(&loss.f_mul_scalar(scale / n)?)?;
             loss_sum += loss.f_double_value(&[])?;

@@ -1,0 +1,18 @@
+//! Failure injection for tests, driven by the environment. `STRATA_FAULT=PLACE@STEP` kills
+//! this process with SIGKILL — as the OOM killer or a lost node would, with no chance to
+//! clean up — when it reaches `PLACE` during step `STEP`; `STRATA_FAULT_RANK=R` limits that
+//! to the process whose `RANK` is `R`. Places: `backward` (mid-step, between a
+//! micro-batch's forward and its backward), and the stages of a checkpoint save:
+//! `save-written`, `save-described`, `save-published`, `save-pointed`.
+//!
+//! Reading two variables at a handful of points costs nothing measurable; without them set
+//! nothing happens.
+pub(crate) fn point(place: &str, step: u64) {
+    let Ok(spec) = std::env::var("STRATA_FAULT") else { return };
+    let wanted = spec.split_once('@').is_some_and(|(p, s)| p == place && s.parse::<u64>().ok() == Some(step));
+    let rank_matches = std::env::var("STRATA_FAULT_RANK").ok().is_none_or(|r| std::env::var("RANK").ok() == Some(r));
+    if wanted && rank_matches {
+        // SAFETY: signalling this very process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
