@@ -294,13 +294,19 @@ pub fn linear(
     let size = x.size();
     let k = *size.last().unwrap_or(&1);
     let x2 = x.f_reshape([-1, k])?;
+    // Scaled products need every dimension a multiple of 16, the rows included (they are
+    // the inner dimension of the weight gradient): zero rows pad them, which change no
+    // product, no amax and no gradient, and are cut off again.
+    let rows = x2.size()[0];
+    let padding = (16 - rows % 16) % 16;
+    let x2 = if padding > 0 { x2.f_constant_pad_nd([0, 0, 0, padding])? } else { x2 };
     let bias_kind = b.map(Tensor::kind);
     let f = Fp8Linear { state: state.clone(), slot, record, out_kind, bias_kind, scales, saved: None };
     let mut inputs = vec![&x2, w];
     if let Some(b) = b {
         inputs.push(b);
     }
-    let out = strata_ext::apply_function(f, &inputs)?.remove(0);
+    let out = strata_ext::apply_function(f, &inputs)?.remove(0).f_narrow(0, 0, rows)?;
     let mut shape = size[..size.len() - 1].to_vec();
     shape.push(w.size()[0]);
     Ok(out.f_reshape(shape)?)
