@@ -322,7 +322,53 @@ pub fn random_token() -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use std::io::Write;
+
+    /// A request frame: an operation byte (valid or not) and random parts, with the waits of
+    /// `get` and `wait` kept short so a case cannot block on a key nobody sets.
+    fn request() -> impl Strategy<Value = Vec<Vec<u8>>> {
+        let part = prop::collection::vec(any::<u8>(), 0..12);
+        (0u8..9, prop::collection::vec(part, 0..5), 0u64..30).prop_map(|(op, mut parts, ms)| {
+            let short = ms.to_le_bytes().to_vec();
+            match op {
+                2 if parts.len() >= 2 => parts[1] = short,
+                5 if !parts.is_empty() => parts[0] = short,
+                _ => {}
+            }
+            std::iter::once(vec![op]).chain(parts).collect()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+        #[test]
+        fn any_request_is_answered_or_ends_its_connection_without_a_panic(
+            frames in prop::collection::vec(request(), 1..5)
+        ) {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            let client = std::thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                for f in frames {
+                    let refs: Vec<&[u8]> = f.iter().map(Vec::as_slice).collect();
+                    if write_frame(&mut s, &refs).is_err() {
+                        break;
+                    }
+                    if read_frame(&mut s, MAX_FRAME, Some(Instant::now() + Duration::from_secs(2))).is_err() {
+                        break;
+                    }
+                }
+            });
+            let (conn, _) = listener.accept().unwrap();
+            let table = Table::default();
+            table.lock().insert("k".into(), b"7".to_vec());
+            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve_requests(conn, &table)));
+            client.join().unwrap();
+            prop_assert!(served.is_ok(), "the server thread panicked");
+        }
+    }
 
     fn local() -> (StoreServer, Store) {
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "secret").unwrap();
