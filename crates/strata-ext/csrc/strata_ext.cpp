@@ -263,6 +263,11 @@ int strata_storage_nbytes(const Tensor* t, size_t* nbytes) {
   return guarded([&] { *nbytes = t->storage().nbytes(); });
 }
 
+// Identity of the storage behind `t`: views of one buffer share it.
+int strata_storage_id(const Tensor* t, uintptr_t* id) {
+  return guarded([&] { *id = reinterpret_cast<uintptr_t>(t->storage().unsafeGetStorageImpl()); });
+}
+
 // ---- fused optimizers -----------------------------------------------------------------
 
 // Adam or AdamW over lists of tensors. `steps` holds one float scalar tensor per parameter;

@@ -57,6 +57,7 @@ extern "C" {
     ) -> c_int;
     fn strata_storage_resize(t: TensorPtr, nbytes: usize) -> c_int;
     fn strata_storage_nbytes(t: *const C_tensor, nbytes: *mut usize) -> c_int;
+    fn strata_storage_id(t: *const C_tensor, id: *mut usize) -> c_int;
     fn strata_cpu_memory_track() -> c_int;
     fn strata_cuda_capability(device: c_int, major: *mut c_int, minor: *mut c_int) -> c_int;
     fn strata_cpu_memory_stats(current: *mut i64, peak: *mut i64) -> c_int;
@@ -218,6 +219,15 @@ pub unsafe fn resize_storage(tensor: &Tensor, nbytes: usize) -> Result<()> {
     // SAFETY: the tensor is live; the C++ side swaps the storage's data pointer. What the
     // views may do afterwards is the caller's contract.
     check(unsafe { strata_storage_resize(tensor.as_ptr() as TensorPtr, nbytes) })
+}
+
+/// An identity of the storage behind `tensor`, shared by all views of it (for counting a
+/// buffer's bytes once however many views reach it).
+pub fn storage_id(tensor: &Tensor) -> Result<usize> {
+    let mut id = 0usize;
+    // SAFETY: the tensor is live for the call; only the storage's address is read.
+    check(unsafe { strata_storage_id(tensor.as_ptr(), &mut id) })?;
+    Ok(id)
 }
 
 /// Bytes currently allocated to the storage behind `tensor`.

@@ -8,12 +8,14 @@
 //! engine calls around every unit's forward and backward — the seam where sharding
 //! (gather before, free after), prefetch, recompute and offload go.
 
+pub mod events;
 pub mod memory;
 
 use crate::comm::ProcessGroup;
 use crate::compute::{self, UnitCompute};
 use crate::model::{Init, ModelSpec, ParamId, ParamSpec, Params};
 use crate::{Error, Result};
+pub use events::{Event, EventLog, EventSink};
 pub use memory::{Category, MemoryLedger, Placement};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -131,6 +133,15 @@ pub trait UnitSchedule: Send {
         Ok(())
     }
 
+    /// The tensors the schedule holds besides the engine's buffers (shards, masters, copies
+    /// in flight), for counting what model states occupy.
+    fn held_tensors(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
+
+    /// Where the schedule reports its gathers and frees.
+    fn attach_events(&mut self, _sink: Arc<dyn EventSink>) {}
+
     /// Sets every gradient the schedule or engine holds to zero.
     fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         for s in ctx.storage.iter() {
@@ -226,6 +237,7 @@ pub struct Engine {
     /// Per unit, the weights it computes in fp8.
     fp8_weights: Vec<Vec<ParamId>>,
     amax_group: Option<Arc<dyn ProcessGroup>>,
+    events: Option<Arc<dyn EventSink>>,
 }
 
 impl Engine {
@@ -327,12 +339,37 @@ impl Engine {
             compute: (0..units).map(|_| Arc::new(UnitCompute::default())).collect(),
             fp8_weights: vec![vec![]; units],
             amax_group: None,
+            events: None,
         })
     }
 
     /// Replaces the per-unit policy (strategies install theirs here).
     pub fn set_schedule(&mut self, schedule: Box<dyn UnitSchedule>) {
         self.schedule = schedule;
+        if let Some(sink) = &self.events {
+            self.schedule.attach_events(sink.clone());
+        }
+    }
+
+    /// Reports this engine's events (and its schedule's) to `sink`.
+    pub fn set_event_sink(&mut self, sink: Arc<dyn EventSink>) {
+        self.schedule.attach_events(sink.clone());
+        self.events = Some(sink);
+    }
+
+    /// Bytes the allocator holds for the buffers of parameters and gradients: the engine's
+    /// and its schedule's, each storage counted once.
+    pub fn model_state_storage_bytes(&self) -> Result<u64> {
+        let mut seen = std::collections::HashSet::new();
+        let mut total = 0u64;
+        let held = self.schedule.held_tensors();
+        let engine_buffers = self.storage.iter().flat_map(|s| [&s.flat, &s.grad]);
+        for t in engine_buffers.chain(held.iter()) {
+            if seen.insert(strata_ext::storage_id(t)?) {
+                total += strata_ext::storage_nbytes(t)? as u64;
+            }
+        }
+        Ok(total)
     }
 
     pub fn spec(&self) -> &ModelSpec {
@@ -391,7 +428,15 @@ impl Engine {
 
     fn run_schedule(&mut self, phase: Phase, unit: usize) -> Result<()> {
         let (schedule, ctx) = self.schedule_for(unit);
-        schedule.on(phase, ctx)
+        schedule.on(phase, ctx)?;
+        if let Some(sink) = &self.events {
+            let by_category = self.ledger.report().into_values().flat_map(|r| r.by_category);
+            let ledger_bytes =
+                by_category.filter(|(c, _)| matches!(c, Category::Params | Category::Grads)).map(|(_, b)| b).sum();
+            let storage_bytes = self.model_state_storage_bytes()?;
+            sink.record(Event::Phase { phase, unit, ledger_bytes, storage_bytes });
+        }
+        Ok(())
     }
 
     /// After the optimizer's update: the schedule publishes it (e.g. gathers updated shards).

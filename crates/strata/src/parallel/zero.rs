@@ -19,8 +19,8 @@
 //! communication for the engine.
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp, Work};
 use crate::engine::{
-    Category, Engine, EngineConfig, GradLayout, MemoryLedger, OptimizerView, Phase, Placement, ScheduleContext,
-    UnitSchedule, UnitStorage,
+    memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, MemoryLedger, OptimizerView, Phase,
+    Placement, ScheduleContext, UnitSchedule, UnitStorage,
 };
 use crate::model::ModelSpec;
 use crate::strategy::{BackwardPrefetch, Stage, Wrap};
@@ -80,7 +80,34 @@ struct Sharded {
     grad_shard: Option<Tensor>,
     params_resident: bool,
     grads_resident: bool,
-    gathering: Option<Work>,
+    gathering: Option<InFlight>,
+}
+
+/// A collective in flight and the copy it reads from, if it needed one (a cast master, a
+/// gradient in the reduction dtype): the copy is charged to the ledger until it completes.
+struct InFlight {
+    work: Work,
+    copy: Option<Tensor>,
+    category: Category,
+}
+
+impl InFlight {
+    /// Starts tracking `work`; `copy` (when given) is charged to `category` now.
+    fn new(work: Work, copy: Option<Tensor>, category: Category, ledger: &MemoryLedger) -> Result<InFlight> {
+        if let Some(c) = &copy {
+            ledger.alloc(Placement::Device, category, memory::tensor_bytes(c))?;
+        }
+        Ok(InFlight { work, copy, category })
+    }
+
+    /// Waits for the collective, then frees its copy.
+    fn finish(self, ledger: &MemoryLedger, what: &str) -> Result<()> {
+        self.work.wait().map_err(comm_failed(what))?;
+        if let Some(c) = self.copy {
+            ledger.free(Placement::Device, self.category, memory::tensor_bytes(&c));
+        }
+        Ok(())
+    }
 }
 
 pub struct Zero {
@@ -92,10 +119,11 @@ pub struct Zero {
     param_kind: Kind,
     master_kind: Kind,
     reduce_kind: Kind,
-    /// Gradient reduce-scatters in flight, oldest first, with the buffer they read from.
-    reducing: VecDeque<(usize, Work, Tensor)>,
+    /// Gradient reduce-scatters in flight, oldest first.
+    reducing: VecDeque<(usize, InFlight)>,
     /// All-reduces in flight (replicas, stage 1, ignored units).
     all_reducing: Vec<Work>,
+    events: Option<Arc<dyn EventSink>>,
 }
 
 fn bytes(numel: i64, kind: Kind) -> u64 {
@@ -219,6 +247,7 @@ impl Zero {
             reduce_kind,
             reducing: VecDeque::new(),
             all_reducing: Vec::new(),
+            events: None,
         };
         engine.set_schedule(Box::new(zero));
         Ok(engine)
@@ -239,16 +268,17 @@ impl Zero {
         // SAFETY: the engine's flat buffer spans its storage.
         unsafe { reserve(flat) }?;
         let master = unit.master.as_ref().ok_or_else(|| Error::Engine("a stage-3 unit has no shard".into()))?;
-        let input = if master.kind() == self.param_kind {
-            master.shallow_clone()
-        } else {
-            master.f_to_kind(self.param_kind)?
-        };
+        let cast = (master.kind() != self.param_kind).then(|| master.f_to_kind(self.param_kind)).transpose()?;
+        let input = cast.as_ref().map_or_else(|| master.shallow_clone(), Tensor::shallow_clone);
         let g = self.groups.shard.as_ref().ok_or_else(|| Error::Engine("gathering without a shard group".into()))?;
         // The collective writes the memory directly: autograd's saved views of these
         // parameters see the same values they saw in forward, with no version change.
-        unit.gathering = Some(g.all_gather(&flat.f_chunk(g.size() as i64, 0)?, &input)?);
+        let work = g.all_gather(&flat.f_chunk(g.size() as i64, 0)?, &input)?;
+        unit.gathering = Some(InFlight::new(work, cast, Category::Params, ledger)?);
         unit.params_resident = true;
+        if let Some(sink) = &self.events {
+            sink.record(Event::GatherStarted { unit: u });
+        }
         Ok(())
     }
 
@@ -258,8 +288,8 @@ impl Zero {
             self.start_gather(u, storage, ledger)?;
         }
         for &u in units {
-            if let Some(work) = self.units[u].gathering.take() {
-                work.wait().map_err(comm_failed("parameter all-gather"))?;
+            if let Some(gather) = self.units[u].gathering.take() {
+                gather.finish(ledger, "parameter all-gather")?;
             }
         }
         Ok(())
@@ -312,14 +342,17 @@ impl Zero {
         if !unit.params_resident {
             return Ok(());
         }
-        if let Some(work) = unit.gathering.take() {
-            work.wait().map_err(comm_failed("parameter all-gather"))?;
+        if let Some(gather) = unit.gathering.take() {
+            gather.finish(ledger, "parameter all-gather")?;
         }
         // SAFETY: the schedule frees a unit after its forward or backward is done and its
         // gather has completed (waited above); the next use gathers it first.
         unsafe { release(&storage.flat) }?;
         ledger.free(Placement::Device, Category::Params, bytes(unit.len, self.param_kind));
         unit.params_resident = false;
+        if let Some(sink) = &self.events {
+            sink.record(Event::ParamsFreed { unit: u });
+        }
         Ok(())
     }
 
@@ -351,8 +384,8 @@ impl Zero {
             }
             return Ok(());
         };
-        let input =
-            if grad.kind() == self.reduce_kind { grad.shallow_clone() } else { grad.f_to_kind(self.reduce_kind)? };
+        let copy = (grad.kind() != self.reduce_kind).then(|| grad.f_to_kind(self.reduce_kind)).transpose()?;
+        let input = copy.as_ref().map_or_else(|| grad.shallow_clone(), Tensor::shallow_clone);
         let work = match &self.groups.shard {
             Some(g) => g.reduce_scatter(shard, &input.f_chunk(g.size() as i64, 0)?, ReduceOp::Avg)?,
             None => {
@@ -360,7 +393,7 @@ impl Zero {
                 Work::done()
             }
         };
-        self.reducing.push_back((u, work, input));
+        self.reducing.push_back((u, InFlight::new(work, copy, Category::Grads, ledger)?));
         // Bound the whole gradients alive: finish the older reduction before going on.
         while self.reducing.len() > 1 {
             self.complete_oldest_reduction(storage, ledger)?;
@@ -369,9 +402,8 @@ impl Zero {
     }
 
     fn complete_oldest_reduction(&mut self, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
-        let Some((u, work, input)) = self.reducing.pop_front() else { return Ok(()) };
-        work.wait().map_err(comm_failed("gradient reduce-scatter"))?;
-        drop(input);
+        let Some((u, reduction)) = self.reducing.pop_front() else { return Ok(()) };
+        reduction.finish(ledger, "gradient reduce-scatter")?;
         let unit = &mut self.units[u];
         // SAFETY: the reduce-scatter reading it has completed (waited above), and the
         // unit's backward, which wrote it, is over; `ensure_grads` restores it.
@@ -489,6 +521,19 @@ impl UnitSchedule for Zero {
 
     fn finish_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         self.drain_reductions(ctx.storage, ctx.ledger)
+    }
+
+    fn held_tensors(&self) -> Vec<Tensor> {
+        let per_unit = self.units.iter().flat_map(|u| {
+            let copy = u.gathering.as_ref().and_then(|g| g.copy.as_ref());
+            [u.master.as_ref(), u.grad_shard.as_ref(), copy]
+        });
+        let reductions = self.reducing.iter().map(|(_, r)| r.copy.as_ref());
+        per_unit.chain(reductions).flatten().map(Tensor::shallow_clone).collect()
+    }
+
+    fn attach_events(&mut self, sink: Arc<dyn EventSink>) {
+        self.events = Some(sink);
     }
 
     fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {

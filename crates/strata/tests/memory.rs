@@ -1,0 +1,179 @@
+//! Memory as the allocator sees it, against the ledger, for every strategy on two ranks
+//! (threads with a TCP mesh of their own): at every phase of every unit the ledger's
+//! parameter and gradient bytes equal what the storages of those buffers hold; FULL_SHARD
+//! frees what it gathered; and FSDP's prefetch options order the gathers as documented.
+use std::sync::Arc;
+use std::time::Duration;
+use strata::comm::{Comm, Store, StoreServer};
+use strata::data::{Batch, Step};
+use strata::engine::{Category, EngineConfig, Event, EventLog, Phase, Placement as Where};
+use strata::model::{self, Builder, MlpConfig};
+use strata::optim::{Optimizer, OptimizerConfig, Schedule};
+use strata::parallel::{build_engine, Placement};
+use strata::strategy::Strategy;
+use strata::train::Trainer;
+use tch::{Device, Kind, Tensor};
+
+/// Embedding, four layers, head: six units, none borrowing another's parameters.
+const MLP: MlpConfig = MlpConfig { vocab: 32, layers: 4, dim: 24 };
+
+fn spec() -> strata::model::ModelSpec {
+    let mut b = Builder::new();
+    model::mlp(&MLP, &mut b).unwrap();
+    b.build().unwrap()
+}
+
+fn step(rank: usize) -> Step {
+    tch::manual_seed(rank as i64);
+    let tokens = Tensor::randint(32, [2, 9], (Kind::Int64, Device::Cpu));
+    Step { index: 0, micro_batches: vec![Batch { inputs: tokens.narrow(1, 0, 8), targets: tokens.narrow(1, 1, 8) }] }
+}
+
+/// Runs `f` as rank 0 and rank 1 of a two-rank job; rank 0's result.
+fn two_ranks<T: Send>(f: impl Fn(&Comm, usize) -> T + Sync) -> T {
+    let token = "memory-test";
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
+    let addr = server.addr();
+    let mut server = Some(server);
+    let hosted: Vec<Option<StoreServer>> = vec![server.take(), None];
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = hosted
+            .into_iter()
+            .enumerate()
+            .map(|(rank, hosted)| {
+                let f = &f;
+                scope.spawn(move || {
+                    let store = Store::connect(addr, token, Duration::from_secs(30)).unwrap();
+                    let comm = Comm::new(store, hosted, rank, 2, "cpu:tcp", Duration::from_secs(60)).unwrap();
+                    f(&comm, rank)
+                })
+            })
+            .collect();
+        let mut results: Vec<T> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        results.swap_remove(0)
+    })
+}
+
+/// Two steps of `strategy` on two ranks with every event of rank 0 recorded; the events,
+/// and the optimizer's state bytes as its buffers hold them and as the ledger counts them.
+fn trained(strategy: &str) -> (Vec<Event>, u64, u64) {
+    let strategy = Strategy::parse(strategy).unwrap();
+    two_ranks(|comm, rank| {
+        let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+        let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &placement).unwrap();
+        let log = Arc::new(EventLog::default());
+        engine.set_event_sink(log.clone());
+        let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+        let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+        for _ in 0..2 {
+            trainer.train_step(&step(rank)).unwrap();
+        }
+        let held: u64 =
+            trainer.optimizer.state().iter().map(|(_, _, _, t)| strata_ext::storage_nbytes(t).unwrap() as u64).sum();
+        let ledger = trainer.engine.ledger().report()[&Where::Device].by_category[&Category::OptimizerState];
+        (log.take(), held, ledger)
+    })
+}
+
+const STRATEGIES: [&str; 8] = [
+    "[]",
+    r#"["zero1"]"#,
+    r#"["zero2"]"#,
+    r#"["fsdp"]"#,
+    r#"[["fsdp", {"sharding_strategy": "SHARD_GRAD_OP"}]]"#,
+    r#"[["zero2", {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}]]"#,
+    r#"[["fsdp", {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}]]"#,
+    r#"[["fsdp", {"mixed_precision": {"param_dtype": "bf16"}, "atorch_ignored_cls": ["MlpEmbedding"]}]]"#,
+];
+
+#[test]
+fn the_ledger_counts_exactly_what_the_model_state_buffers_hold_at_every_unit_boundary() {
+    for strategy in STRATEGIES {
+        let (events, optimizer_held, optimizer_ledger) = trained(strategy);
+        let phases: Vec<(Phase, usize, u64, u64)> = events
+            .iter()
+            .filter_map(|e| match *e {
+                Event::Phase { phase, unit, ledger_bytes, storage_bytes } => {
+                    Some((phase, unit, ledger_bytes, storage_bytes))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(phases.len(), 2 * 4 * 6, "{strategy}: two steps, four phases of six units");
+        for (phase, unit, ledger, held) in phases {
+            assert_eq!(ledger, held, "{strategy}: {phase:?} of unit {unit}: ledger {ledger}, buffers hold {held}");
+        }
+        assert_eq!(optimizer_ledger, optimizer_held, "{strategy}: optimizer states");
+    }
+}
+
+/// A gather of a unit, and the phase (of which unit) the schedule was running when it began.
+type Gather = (usize, Phase, usize);
+
+/// When each gather started.
+fn gathers(events: &[Event]) -> Vec<Gather> {
+    let mut out = Vec::new();
+    let mut waiting = Vec::new();
+    for e in events {
+        match *e {
+            Event::GatherStarted { unit } => waiting.push(unit),
+            Event::Phase { phase, unit: during, .. } => {
+                out.extend(waiting.drain(..).map(|u| (u, phase, during)));
+            }
+            Event::ParamsFreed { .. } => {}
+        }
+    }
+    out
+}
+
+/// The first step's gathers of one strategy, split into forward and backward.
+fn first_step_gathers(strategy: &str) -> (Vec<Gather>, Vec<Gather>) {
+    let (events, _, _) = trained(strategy);
+    let all = gathers(&events);
+    // Six forward gathers (one per unit), then five in backward (the head stays gathered).
+    let (forward, backward) = all.split_at(6);
+    (forward.to_vec(), backward[..5].to_vec())
+}
+
+#[test]
+fn fsdp_prefetch_options_order_the_gathers_as_documented() {
+    use Phase::*;
+    // Without forward prefetch each unit is gathered as it is about to run.
+    let (forward, _) = first_step_gathers(r#"["fsdp"]"#);
+    assert_eq!(forward, (0..6).map(|k| (k, BeforeForward, k)).collect::<Vec<_>>());
+    // With it, the next unit's gather starts before this one computes: one ahead with
+    // limit_all_gathers, two without.
+    let (forward, _) = first_step_gathers(r#"[["fsdp", {"forward_prefetch": true}]]"#);
+    let one_ahead = [(0, BeforeForward, 0), (1, BeforeForward, 0), (2, BeforeForward, 1), (3, BeforeForward, 2)];
+    assert_eq!(forward[..4], one_ahead);
+    let (forward, _) = first_step_gathers(r#"[["fsdp", {"forward_prefetch": true, "limit_all_gathers": false}]]"#);
+    let two_ahead = [(0, BeforeForward, 0), (1, BeforeForward, 0), (2, BeforeForward, 0), (3, BeforeForward, 1)];
+    assert_eq!(forward[..4], two_ahead);
+    // Backward PRE: unit k-1's gather starts before unit k's backward computes; POST: after
+    // it, once k's parameters are freed.
+    let (_, backward) = first_step_gathers(r#"["fsdp"]"#);
+    assert_eq!(backward, (0..5).rev().map(|k| (k, BeforeBackward, k + 1)).collect::<Vec<_>>());
+    let (_, backward) = first_step_gathers(r#"[["fsdp", {"backward_prefetch": "BACKWARD_POST"}]]"#);
+    assert_eq!(backward, (0..5).rev().map(|k| (k, AfterBackward, k + 1)).collect::<Vec<_>>());
+}
+
+#[test]
+fn full_shard_frees_every_unit_after_its_forward_and_shard_grad_op_keeps_them() {
+    for (strategy, freed) in [(r#"["fsdp"]"#, true), (r#"[["fsdp", {"sharding_strategy": "SHARD_GRAD_OP"}]]"#, false)] {
+        let strategy = Strategy::parse(strategy).unwrap();
+        let held = two_ranks(|comm, rank| {
+            let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+            let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &placement).unwrap();
+            let s = step(rank);
+            let _ = engine.forward(&s.micro_batches[0].inputs).unwrap();
+            engine.storage().iter().map(|u| strata_ext::storage_nbytes(&u.flat).unwrap()).collect::<Vec<_>>()
+        });
+        let (before_head, head) = held.split_at(5);
+        assert!(head[0] > 0, "the last unit stays gathered for its backward");
+        if freed {
+            assert!(before_head.iter().all(|&b| b == 0), "{held:?}");
+        } else {
+            assert!(before_head.iter().all(|&b| b > 0), "{held:?}");
+        }
+    }
+}
