@@ -94,3 +94,29 @@ fn strategies_round_trip_through_files_and_bad_ones_are_refused() {
         assert!(stderr(&o).contains(expected), "{args:?}: {}", stderr(&o));
     }
 }
+
+#[test]
+fn a_budget_below_the_unsharded_model_states_gets_a_sharded_strategy_within_it() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let budget = 12_000_000u64;
+    let metrics = dir.path().join("m.jsonl");
+    let flags = ["--nproc", "2", "--device-memory", "12000000", "--metrics", metrics.to_str().unwrap()];
+    let report = search(dir.path(), "budget", &flags);
+    let analysis = &report["analysis"];
+    let params = analysis["params"].as_u64().unwrap();
+    // fp32 AdamW holds 16 bytes per parameter unsharded: more than the budget.
+    assert!(16 * params > budget, "{params} parameters");
+    // The profiling held one unit at a time: far less than the model's parameters and
+    // gradients, and within the budget.
+    let profiled = analysis["ledger_peak_bytes"].as_u64().unwrap();
+    assert!(profiled < 8 * params && profiled <= budget, "the profiling held {profiled} bytes");
+    let chosen = report["chosen"].as_str().unwrap();
+    assert!(["zero1", "zero2", "fsdp"].iter().any(|s| chosen.contains(s)), "{chosen}");
+    for (label, o) in outcomes(&report).filter(|(_, o)| o["outcome"] == "fits") {
+        assert!(o["peak_bytes"].as_u64().unwrap() <= budget, "{label}: {o}");
+    }
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let step: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert!(step["allocator_peak_bytes"].as_u64().unwrap() <= budget, "the run itself: {step}");
+}

@@ -71,6 +71,8 @@ fn analysis() -> Analysis {
         unit_activation_bytes: vec![1_000_000; 10],
         unit_output_bytes: vec![100_000; 10],
         step_seconds: 0.1,
+        ledger_peak_bytes: 0,
+        allocator_peak_bytes: 0,
         blocks: vec!["Block".into()],
     }
 }

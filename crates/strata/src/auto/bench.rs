@@ -6,7 +6,9 @@ use super::cost::Analysis;
 use super::search::{agree_outcome, Measure, Outcome};
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::data::Step;
-use crate::engine::{memory, EngineConfig, Phase, ScheduleContext, UnitSchedule};
+use crate::engine::{
+    memory, Category, EngineConfig, GradLayout, MemoryLedger, Phase, ScheduleContext, UnitSchedule, UnitStorage,
+};
 use crate::model::{Builder, ModelSpec};
 use crate::optim::{GroupRule, Optimizer, OptimizerConfig, Schedule};
 use crate::parallel::{self, Placement};
@@ -15,7 +17,7 @@ use crate::train::{InputFn, LossFn, Trainer};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tch::Device;
+use tch::{Device, Tensor};
 
 /// Everything a dry run needs; shared by all candidates.
 pub struct Bench<'a> {
@@ -106,11 +108,69 @@ impl Bench<'_> {
     }
 }
 
-/// Bytes each unit keeps between its forward and its backward, and its output's.
+/// Profiles one micro-batch unit by unit without ever holding the whole model: a unit's
+/// parameters (and the units' whose parameters it borrows) are given memory just before its
+/// forward or backward and freed right after, as FSDP does on one rank; their values are a
+/// constant (the profile measures bytes and time, not what is learnt). Records the bytes
+/// each unit keeps between its forward and its backward, and its output's.
 struct Probe {
     device: Device,
+    /// Units each unit reads: itself and the owners of parameters it borrows.
+    needs: Vec<Vec<usize>>,
     at_start: Vec<(i64, u64)>,
     kept: Arc<Mutex<Vec<(u64, u64)>>>,
+}
+
+/// The value every profiled parameter holds.
+const PROFILE_VALUE: f64 = 0.02;
+
+impl Probe {
+    /// Gives the units `ctx.unit` reads their parameters (and gradients, for backward).
+    fn materialise(&self, ctx: &ScheduleContext<'_>, grads: bool) -> Result<()> {
+        for &u in &self.needs[ctx.unit] {
+            let s = &ctx.storage[u];
+            let mut buffers = vec![(&s.flat, Category::Params)];
+            if grads {
+                buffers.push((&s.grad, Category::Grads));
+            }
+            for (t, category) in buffers {
+                if strata_ext::storage_nbytes(t)? > 0 {
+                    continue;
+                }
+                ctx.ledger.alloc(crate::engine::Placement::Device, category, memory::tensor_bytes(t))?;
+                // SAFETY: the engine's per-unit buffers span their storages.
+                unsafe { memory::restore_buffer(t) }?;
+                let value = if category == Category::Params { PROFILE_VALUE } else { 0.0 };
+                // Written through an alias of the memory, not `t` itself: autograd has saved
+                // views of these parameters in forward, and a write through them would count
+                // as a change of what backward needs (it changes nothing it needs here).
+                // SAFETY: the alias covers exactly `t`'s elements, restored just above, and
+                // lives only for the fill.
+                let alias = unsafe {
+                    Tensor::f_from_blob(t.data_ptr() as *const u8, &[t.numel() as i64], &[], t.kind(), t.device())
+                }?;
+                let _ = alias.shallow_clone().f_fill_(value)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees what [`Probe::materialise`] gave.
+    fn release(&self, ctx: &ScheduleContext<'_>) -> Result<()> {
+        for &u in &self.needs[ctx.unit] {
+            let s = &ctx.storage[u];
+            for (t, category) in [(&s.flat, Category::Params), (&s.grad, Category::Grads)] {
+                if strata_ext::storage_nbytes(t)? == 0 {
+                    continue;
+                }
+                // SAFETY: the unit's forward or backward is over; the next use materialises
+                // (and refills) it first.
+                unsafe { memory::release_buffer(t) }?;
+                ctx.ledger.free(crate::engine::Placement::Device, category, memory::tensor_bytes(t));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn allocated(device: Device) -> i64 {
@@ -133,6 +193,7 @@ impl UnitSchedule for Probe {
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()> {
         match phase {
             Phase::BeforeForward => {
+                self.materialise(&ctx, false)?;
                 self.at_start.resize(ctx.unit + 1, (0, 0));
                 self.at_start[ctx.unit] = (allocated(self.device), activations_held(&ctx));
             }
@@ -142,8 +203,11 @@ impl UnitSchedule for Probe {
                 kept.resize(ctx.unit + 1, (0, 0));
                 kept[ctx.unit] =
                     ((allocated(self.device) - mem).max(0) as u64, activations_held(&ctx).saturating_sub(act));
+                drop(kept);
+                self.release(&ctx)?;
             }
-            _ => {}
+            Phase::BeforeBackward => self.materialise(&ctx, true)?,
+            Phase::AfterBackward => self.release(&ctx)?,
         }
         Ok(())
     }
@@ -163,10 +227,21 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         kinds.into_iter().filter(|k| all.iter().filter(|a| *a == k).count() > 1).collect()
     };
     let params = spec.num_params();
-    let config = EngineConfig { device_budget: None, ..bench.engine.clone() };
-    let mut engine = crate::engine::Engine::new(spec, config)?;
+    let needs = spec.units_read();
+    // Within the device budget: one unit at a time is ever resident.
+    let config = EngineConfig { grad_layout: GradLayout::PerUnit, ..bench.engine.clone() };
+    let mut release_after_init = |_: usize, s: &mut UnitStorage, _: &Tensor, ledger: &MemoryLedger| -> Result<()> {
+        for (t, category) in [(&s.flat, Category::Params), (&s.grad, Category::Grads)] {
+            // SAFETY: nothing has run yet; the probe materialises a unit before any use.
+            unsafe { memory::release_buffer(t) }?;
+            ledger.free(crate::engine::Placement::Device, category, memory::tensor_bytes(t));
+        }
+        Ok(())
+    };
+    memory::reset_allocator_peak(bench.engine.device);
+    let mut engine = crate::engine::Engine::new_with(spec, config, &mut release_after_init)?;
     let kept = Arc::new(Mutex::new(Vec::new()));
-    engine.set_schedule(Box::new(Probe { device: bench.engine.device, at_start: vec![], kept: kept.clone() }));
+    engine.set_schedule(Box::new(Probe { device: bench.engine.device, needs, at_start: vec![], kept: kept.clone() }));
     let batch = bench
         .steps
         .first()
@@ -177,16 +252,24 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     engine.backward(&(bench.loss_func)(&out, batch)?)?;
     let step_seconds = start.elapsed().as_secs_f64();
     let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let ledger_peak = engine.ledger().report().get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);
+    let allocator_peak = memory::allocator_peak(bench.engine.device).unwrap_or(0);
     // Every rank predicts from the same numbers: the largest over the ranks.
-    let local: Vec<f64> = kept.iter().flat_map(|k| [k.0 as f64, k.1 as f64]).chain([step_seconds]).collect();
+    let local: Vec<f64> = kept
+        .iter()
+        .flat_map(|k| [k.0 as f64, k.1 as f64])
+        .chain([step_seconds, ledger_peak as f64, allocator_peak as f64])
+        .collect();
     let agreed = bench.agree(&local)?;
-    let (pairs, step_seconds) = agreed.split_at(agreed.len() - 1);
+    let (pairs, totals) = agreed.split_at(agreed.len() - 3);
     Ok(Analysis {
         params,
         unit_params,
         unit_activation_bytes: pairs.chunks(2).map(|k| k[0] as u64).collect(),
         unit_output_bytes: pairs.chunks(2).map(|k| k[1] as u64).collect(),
-        step_seconds: step_seconds[0],
+        step_seconds: totals[0],
+        ledger_peak_bytes: totals[1] as u64,
+        allocator_peak_bytes: totals[2] as u64,
         blocks,
     })
 }

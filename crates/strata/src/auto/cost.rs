@@ -14,6 +14,11 @@ pub struct Analysis {
     pub unit_output_bytes: Vec<u64>,
     /// Seconds of one fp32 forward and backward of one micro-batch.
     pub step_seconds: f64,
+    /// The most the profiling held at once on the device, as the ledger counts it: one unit's
+    /// parameters and gradients at a time, and the activations (within the device budget).
+    pub ledger_peak_bytes: u64,
+    /// The allocator's peak during the profiling (on the CPU: every tensor of the process).
+    pub allocator_peak_bytes: u64,
     /// Unit kinds that repeat (the blocks): what `checkpoint` recomputes.
     pub blocks: Vec<String>,
 }
@@ -63,6 +68,8 @@ mod tests {
             unit_activation_bytes: vec![1_000_000; 10],
             unit_output_bytes: vec![100_000; 10],
             step_seconds: 0.1,
+            ledger_peak_bytes: 0,
+            allocator_peak_bytes: 0,
             blocks: vec!["Block".into()],
         };
         let at = |precision, sharding, checkpoint| {

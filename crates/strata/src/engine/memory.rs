@@ -139,6 +139,28 @@ impl MemoryLedger {
     }
 }
 
+/// Frees the memory behind a buffer the engine owns (a unit's flat parameters or
+/// gradients) while the tensor and its views stay valid objects.
+///
+/// # Safety
+/// No view of `t` (parameter views, autograd's saved tensors) may be read or written, and no
+/// operation on it may be in flight, until [`restore_buffer`] gives it memory again and it
+/// is refilled.
+pub unsafe fn release_buffer(t: &tch::Tensor) -> Result<()> {
+    // SAFETY: the caller's contract above.
+    Ok(unsafe { strata_ext::resize_storage(t, 0) }?)
+}
+
+/// Gives a released buffer its full size again, uninitialised until written.
+///
+/// # Safety
+/// `t` spans its whole storage (a unit's flat buffer, as the engine makes them), so every
+/// view of the storage lies within the bytes it gets back.
+pub unsafe fn restore_buffer(t: &tch::Tensor) -> Result<()> {
+    // SAFETY: the caller's contract above.
+    Ok(unsafe { strata_ext::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes()) }?)
+}
+
 /// Bytes of a tensor's elements.
 pub fn tensor_bytes(t: &tch::Tensor) -> u64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as u64

@@ -144,6 +144,20 @@ impl ModelSpec {
         self.params.iter().map(ParamSpec::numel).sum()
     }
 
+    /// For each unit, the units whose parameters it reads: itself, then the owners of the
+    /// parameters it borrows (tied weights).
+    pub fn units_read(&self) -> Vec<Vec<usize>> {
+        self.units
+            .iter()
+            .enumerate()
+            .map(|(k, u)| {
+                let mut v = vec![k];
+                v.extend(u.borrowed.iter().map(|id| self.params[id.0].unit).filter(|&o| o != k));
+                v
+            })
+            .collect()
+    }
+
     /// Turns gradients off for every parameter whose name contains one of `patterns`
     /// (fine-tuning only part of a model); a pattern that matches nothing is an error.
     pub fn freeze(&mut self, patterns: &[String]) -> Result<()> {

@@ -130,27 +130,6 @@ fn bytes(numel: i64, kind: Kind) -> u64 {
     numel as u64 * kind.elt_size_in_bytes() as u64
 }
 
-/// Frees the memory of a unit's gathered flat buffer.
-///
-/// # Safety
-/// No view of `t` (parameter views, autograd's saved tensors) may be read or written, and no
-/// collective on it may be in flight, until [`reserve`] gives it memory again and it is
-/// refilled: the schedule frees a unit only after its compute and its gathers are done.
-unsafe fn release(t: &Tensor) -> Result<()> {
-    // SAFETY: the caller's contract above.
-    Ok(unsafe { strata_ext::resize_storage(t, 0) }?)
-}
-
-/// Gives a freed flat buffer its full size again (uninitialised until gathered into).
-///
-/// # Safety
-/// `t` spans its whole storage (a unit's flat buffer, made by the engine), so every view
-/// of the storage lies within the bytes it gets back.
-unsafe fn reserve(t: &Tensor) -> Result<()> {
-    // SAFETY: the caller's contract above.
-    Ok(unsafe { strata_ext::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes()) }?)
-}
-
 fn comm_failed(what: &str) -> impl Fn(Error) -> Error + '_ {
     move |e| Error::Comm(format!("{what} failed: {e}"))
 }
@@ -173,16 +152,7 @@ impl Zero {
         let n = groups.shard_size() as i64;
         let rank = groups.shard_rank() as i64;
         let config = EngineConfig { kind: param_kind, pad_to: n, grad_layout: GradLayout::PerUnit, ..config };
-        let needs = spec
-            .units
-            .iter()
-            .enumerate()
-            .map(|(k, u)| {
-                let mut v = vec![k];
-                v.extend(u.borrowed.iter().map(|id| spec.params[id.0].unit).filter(|&o| o != k));
-                v
-            })
-            .collect();
+        let needs = spec.units_read();
         let mut units = Vec::with_capacity(spec.units.len());
         let mut on_unit = |k: usize, s: &mut UnitStorage, initial: &Tensor, ledger: &MemoryLedger| -> Result<()> {
             if let (true, Some(world)) = (options.sync_module_states, &groups.world) {
@@ -218,14 +188,14 @@ impl Zero {
             // one keeps them (refilling them would also bump autograd's version counters).
             if sharded && frees_params {
                 // SAFETY: nothing has run on the unit yet; it is gathered before any use.
-                unsafe { release(&s.flat) }?;
+                unsafe { memory::release_buffer(&s.flat) }?;
                 ledger.free(Placement::Device, Category::Params, bytes(len, param_kind));
                 unit.params_resident = false;
             }
             // Frozen units never need gradients; stages 2 and 3 hold only a shard between steps.
             if !s.trainable || (sharded && options.stage >= Stage::Gradients) {
                 // SAFETY: no backward has run; `ensure_grads` restores it before one does.
-                unsafe { release(&s.grad) }?;
+                unsafe { memory::release_buffer(&s.grad) }?;
                 ledger.free(Placement::Device, Category::Grads, bytes(len, param_kind));
                 unit.grads_resident = false;
             }
@@ -266,7 +236,7 @@ impl Zero {
         let flat = &storage[u].flat;
         ledger.alloc(Placement::Device, Category::Params, bytes(unit.len, self.param_kind))?;
         // SAFETY: the engine's flat buffer spans its storage.
-        unsafe { reserve(flat) }?;
+        unsafe { memory::restore_buffer(flat) }?;
         let master = unit.master.as_ref().ok_or_else(|| Error::Engine("a stage-3 unit has no shard".into()))?;
         let cast = (master.kind() != self.param_kind).then(|| master.f_to_kind(self.param_kind)).transpose()?;
         let input = cast.as_ref().map_or_else(|| master.shallow_clone(), Tensor::shallow_clone);
@@ -347,7 +317,7 @@ impl Zero {
         }
         // SAFETY: the schedule frees a unit after its forward or backward is done and its
         // gather has completed (waited above); the next use gathers it first.
-        unsafe { release(&storage.flat) }?;
+        unsafe { memory::release_buffer(&storage.flat) }?;
         ledger.free(Placement::Device, Category::Params, bytes(unit.len, self.param_kind));
         unit.params_resident = false;
         if let Some(sink) = &self.events {
@@ -364,7 +334,7 @@ impl Zero {
         }
         ledger.alloc(Placement::Device, Category::Grads, bytes(unit.len, self.param_kind))?;
         // SAFETY: the engine's gradient buffer spans its storage.
-        unsafe { reserve(&storage[u].grad) }?;
+        unsafe { memory::restore_buffer(&storage[u].grad) }?;
         let _ = storage[u].grad.shallow_clone().f_zero_()?;
         unit.grads_resident = true;
         Ok(())
@@ -407,7 +377,7 @@ impl Zero {
         let unit = &mut self.units[u];
         // SAFETY: the reduce-scatter reading it has completed (waited above), and the
         // unit's backward, which wrote it, is over; `ensure_grads` restores it.
-        unsafe { release(&storage[u].grad) }?;
+        unsafe { memory::release_buffer(&storage[u].grad) }?;
         ledger.free(Placement::Device, Category::Grads, bytes(unit.len, self.param_kind));
         unit.grads_resident = false;
         if let (Some(replicas), Some(shard)) = (&self.groups.replicate, &unit.grad_shard) {
