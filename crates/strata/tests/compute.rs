@@ -75,6 +75,32 @@ fn the_loss_scaler_skips_non_finite_steps_lowers_the_scale_and_recovers() {
 }
 
 #[test]
+fn a_skipped_step_still_ends_the_fp8_step() {
+    let _serial = serial();
+    let strategy = Strategy::parse(
+        r#"[["fp8", {"exclude": ["lm_head"]}], ["amp_native", {"dtype": "bf16", "skip_if_nonfinite": true}]]"#,
+    )
+    .unwrap();
+    let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &Placement::single()).unwrap();
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+    let mut t = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+    t.scaling = strategy.grad_scaling().unwrap();
+    let weight = t.engine.param_by_name("transformer.h.0.mlp.c_fc.weight").unwrap().shallow_clone();
+    let _hook = strata_ext::register_hook(&weight, |g| Some(g.full_like(f64::INFINITY))).unwrap();
+    assert!(t.train_step(&step(1)).unwrap().skipped);
+    // The step's amaxes entered the histories (the overflowing gradients' left out) and
+    // nothing is pending for the next step.
+    let states: Vec<_> = t.engine.fp8_states().into_iter().flatten().collect();
+    assert!(!states.is_empty());
+    for state in states {
+        for l in &state.lock().unwrap().layers {
+            assert_eq!([l.input.pending, l.weight.pending, l.grad.pending], [0.0; 3]);
+            assert_eq!((l.input.history.len(), l.weight.history.len()), (1, 1));
+        }
+    }
+}
+
+#[test]
 fn fp8_linear_stays_close_to_fp32_and_its_scaling_follows_the_history() {
     let _serial = serial();
     tch::manual_seed(0);
