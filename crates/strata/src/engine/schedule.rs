@@ -1,0 +1,116 @@
+//! The seam between the engine and a strategy: the phases of a unit's execution, what a
+//! schedule may act on at each, and the [`UnitSchedule`] trait strategies implement
+//! (gather before, free after, reduce gradients, publish updates). The engine calls it; a
+//! schedule never runs units itself.
+use super::{EventSink, MemoryLedger, UnitStorage};
+use crate::model::ModelSpec;
+use crate::Result;
+use std::sync::Arc;
+use tch::{Kind, Tensor};
+
+/// The buffers the optimizer updates for one unit: `param` and `grad` cover elements
+/// `offset..offset + len` of the unit's flat layout (all of it unless a strategy shards).
+pub struct OptimizerView {
+    pub param: Tensor,
+    pub grad: Tensor,
+    pub offset: i64,
+}
+
+/// The moment of a unit's execution at which a [`UnitSchedule`] is called.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    BeforeForward,
+    AfterForward,
+    BeforeBackward,
+    AfterBackward,
+}
+
+/// What a schedule may act on when it is called for one unit.
+pub struct ScheduleContext<'a> {
+    pub unit: usize,
+    pub spec: &'a ModelSpec,
+    pub storage: &'a mut [UnitStorage],
+    pub ledger: &'a MemoryLedger,
+    /// Whether this backward completes the step's gradients (false on the earlier
+    /// micro-batches of gradient accumulation, when nothing needs communicating).
+    pub sync_grads: bool,
+}
+
+/// Per-unit policy run by the engine around every forward and backward of a unit, and the
+/// owner of whatever a strategy keeps instead of the engine's buffers (shards, masters).
+pub trait UnitSchedule: Send {
+    fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()>;
+
+    /// Completes whatever the schedule started on the gradients (communication in flight)
+    /// before the optimizer reads them; see [`Engine::finish_grads`].
+    fn finish_grads(&mut self, _ctx: ScheduleContext<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// What the optimizer updates for `ctx.unit`.
+    fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
+        let s = &ctx.storage[ctx.unit];
+        Ok(OptimizerView { param: s.flat.shallow_clone(), grad: s.grad.shallow_clone(), offset: 0 })
+    }
+
+    /// Runs after the optimizer updated what [`UnitSchedule::optimizer_view`] handed it.
+    fn after_step(&mut self, _ctx: ScheduleContext<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// The tensors the schedule holds besides the engine's buffers (shards, masters, copies
+    /// in flight), for counting what model states occupy.
+    fn held_tensors(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
+
+    /// Where the schedule reports its gathers and frees.
+    fn attach_events(&mut self, _sink: Arc<dyn EventSink>) {}
+
+    /// Sets every gradient the schedule or engine holds to zero.
+    fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        for s in ctx.storage.iter() {
+            let _ = s.grad.shallow_clone().f_zero_()?;
+        }
+        Ok(())
+    }
+
+    /// The global sum of squared gradients from this rank's per-unit sums (unit, sum):
+    /// adds the shards other ranks hold.
+    fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
+        Ok(per_unit.iter().map(|(_, x)| x).sum())
+    }
+
+    /// Whether this rank holds a part of the model states no other rank holds, and so
+    /// writes it into checkpoints (replicas leave it to one of them).
+    fn checkpoint_writer(&self) -> bool {
+        true
+    }
+
+    /// dtype of the values the optimizer updates (the fp32 master of a mixed-precision run).
+    fn master_kind(&self) -> Option<Kind> {
+        None
+    }
+
+    /// `ctx.unit`'s parameters, all of them and unpadded, in the master dtype.
+    fn full_unit(&mut self, ctx: ScheduleContext<'_>) -> Result<Tensor> {
+        let s = &ctx.storage[ctx.unit];
+        Ok(s.flat.f_narrow(0, 0, s.numel)?)
+    }
+
+    /// Replaces `ctx.unit`'s parameters with `values` (unpadded, any dtype).
+    fn set_full_unit(&mut self, ctx: ScheduleContext<'_>, values: &Tensor) -> Result<()> {
+        let s = &ctx.storage[ctx.unit];
+        tch::no_grad(|| s.flat.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
+        Ok(())
+    }
+}
+
+/// Everything stays resident where it was allocated: the single-process default.
+pub struct Resident;
+
+impl UnitSchedule for Resident {
+    fn on(&mut self, _: Phase, _: ScheduleContext<'_>) -> Result<()> {
+        Ok(())
+    }
+}
