@@ -68,8 +68,8 @@ fn human_bytes(b: u64) -> String {
 /// Where the newest complete checkpoint of this run is, as a clause for a failed save.
 fn last_checkpoint(settings: &TrainSettings) -> String {
     let Some(root) = &settings.save_checkpoint else { return String::new() };
-    match std::fs::read_to_string(root.join("latest")) {
-        Ok(name) => format!(" (the newest complete checkpoint is {})", root.join(name.trim()).display()),
+    match checkpoint::latest(root) {
+        Ok(dir) => format!(" (the newest complete checkpoint is {})", dir.display()),
         Err(_) => " (no checkpoint was completed)".into(),
     }
 }

@@ -331,6 +331,8 @@ fn options_that_would_do_nothing_are_refused_by_name() {
         let e = one_line_error(&run(flags));
         assert!(e.contains(needle), "{flags:?}: {e}");
     }
+    // Where buckets exist, the flag is taken: the ranks of a launched job see its size.
+    ok(&run(&["--nproc", "2", "--bucket-bytes", "100000"]));
     // What `strategy show` writes out (every default) is still accepted for zero2.
     let shown = ok(&strata(&["strategy", "show", r#"["zero2"]"#]));
     ok(&strata(&["strategy", "validate", shown.trim()]));

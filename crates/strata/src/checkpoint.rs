@@ -176,24 +176,37 @@ pub fn save(
         Ok(())
     })?;
     // The other ranks learn the folder's name from `latest`, written before the agreement.
-    published.map_or_else(|| latest_dir(root), Ok)
+    published.map_or_else(|| latest(root), Ok)
 }
 
-/// The folder `root/latest` names.
-fn latest_dir(root: &Path) -> Result<PathBuf> {
-    let latest = root.join("latest");
-    let name = std::fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
-    Ok(root.join(name.trim()))
+/// Whether `name` is a plain name inside a checkpoint folder (no separators, not `..`):
+/// what `latest` and `meta.json` name must stay inside the checkpoint.
+fn plain_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\\'])
+}
+
+/// The folder a run's checkpoint folder `root` names as its newest complete checkpoint
+/// (`root/latest`).
+pub fn latest(root: &Path) -> Result<PathBuf> {
+    let path = root.join("latest");
+    let name = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let name = name.trim();
+    if !plain_name(name) {
+        return Err(fail(&path, format!("names {name:?}, not a checkpoint folder inside {}", root.display())));
+    }
+    Ok(root.join(name))
 }
 
 /// A name for step `step`'s folder that is not taken: `step-NNNNNNNN`, or when that holds an
-/// earlier save of the same step, `step-NNNNNNNN.K` (names of one step sort in save order).
+/// earlier save of the same step, `step-NNNNNNNN.K`.
 fn free_step_dir(root: &Path, step: u64) -> PathBuf {
-    let first = step_dir(root, step);
-    if !first.exists() {
-        return first;
+    let mut dir = step_dir(root, step);
+    let mut k = 0u64;
+    while dir.exists() {
+        k += 1;
+        dir = root.join(format!("step-{step:08}.{k}"));
     }
-    (1u64..).map(|k| root.join(format!("step-{step:08}.{k}"))).find(|p| !p.exists()).unwrap_or(first)
+    dir
 }
 
 /// Rank 0's part once every rank file is written: the description, the move into place
@@ -241,6 +254,9 @@ fn prune(root: &Path, keep: usize, saved: &Path) -> Result<()> {
     let mut done = Vec::new();
     for entry in std::fs::read_dir(root).map_err(|e| Error::io(root, e))?.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
+        if !entry.path().is_dir() {
+            continue;
+        }
         if entry.path() != saved && same_step(&entry.path(), saved) {
             // An earlier save of the same step (or one whose save was cut short).
             std::fs::remove_dir_all(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
@@ -351,6 +367,12 @@ impl Meta {
         if !self.fp8.is_empty() && self.fp8.len() != self.unit_numel.len() {
             return bad(format!("{} fp8 states for {} units", self.fp8.len(), self.unit_numel.len()));
         }
+        if let Some(name) = self.files.iter().find(|f| !plain_name(f)) {
+            return bad(format!("rank file {name:?} lies outside the checkpoint"));
+        }
+        if let Some(s) = self.fp8.iter().flatten().find(|s| s.steps > self.step) {
+            return bad(format!("fp8 state of {} steps in {} training steps", s.steps, self.step));
+        }
         if self.optimizer_steps.is_some_and(|s| s > self.step) {
             return bad(format!("{:?} optimizer steps in {} training steps", self.optimizer_steps, self.step));
         }
@@ -371,13 +393,7 @@ impl Checkpoint {
         if path.is_file() {
             return Checkpoint::open_merged(path);
         }
-        let latest = path.join("latest");
-        let dir = if latest.is_file() {
-            let name = std::fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
-            path.join(name.trim())
-        } else {
-            path.to_path_buf()
-        };
+        let dir = if path.join("latest").is_file() { latest(path)? } else { path.to_path_buf() };
         let meta_path = dir.join("meta.json");
         let text = std::fs::read(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
         let meta: Meta = serde_json::from_slice(&text)

@@ -52,7 +52,8 @@ pub fn check_output(flag: &str, path: &Path, kind: Output, bytes: u64) -> Result
     if !folder.is_dir() {
         return bad(format!("the folder {} does not exist", folder.display()));
     }
-    let probe = folder.join(format!(".strata-probe-{}", std::process::id()));
+    // A name no other process picks, on this host or another sharing the folder.
+    let probe = folder.join(format!(".strata-probe-{}", crate::comm::store::random_token()?));
     match std::fs::OpenOptions::new().write(true).create_new(true).open(&probe) {
         Ok(_) => {
             let _ = std::fs::remove_file(&probe);

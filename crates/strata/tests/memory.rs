@@ -7,7 +7,7 @@ use std::time::Duration;
 use strata::comm::{Comm, Store, StoreServer};
 use strata::data::{Batch, Step};
 use strata::engine::{Category, EngineConfig, Event, EventLog, Phase, Placement as Where};
-use strata::model::{self, Builder, MlpConfig};
+use strata::model::{self, Builder, GptConfig, MlpConfig, ModelSpec};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{build_engine, Placement};
 use strata::strategy::Strategy;
@@ -17,9 +17,18 @@ use tch::{Device, Kind, Tensor};
 /// Embedding, four layers, head: six units, none borrowing another's parameters.
 const MLP: MlpConfig = MlpConfig { vocab: 32, layers: 4, dim: 24 };
 
-fn spec() -> strata::model::ModelSpec {
+/// A GPT's head borrows the embedding's weight: its gathers and gradients reach two units.
+const GPT: GptConfig = GptConfig { vocab: 32, ctx: 8, layers: 2, heads: 2, dim: 16 };
+
+fn spec() -> ModelSpec {
     let mut b = Builder::new();
     model::mlp(&MLP, &mut b).unwrap();
+    b.build().unwrap()
+}
+
+fn gpt_spec() -> ModelSpec {
+    let mut b = Builder::new();
+    model::gpt(&GPT, &mut b).unwrap();
     b.build().unwrap()
 }
 
@@ -57,10 +66,14 @@ fn two_ranks<T: Send>(f: impl Fn(&Comm, usize) -> T + Sync) -> T {
 /// Two steps of `strategy` on two ranks with every event of rank 0 recorded; the events,
 /// and the optimizer's state bytes as its buffers hold them and as the ledger counts them.
 fn trained(strategy: &str) -> (Vec<Event>, u64, u64) {
+    trained_on(spec, strategy)
+}
+
+fn trained_on(model: fn() -> ModelSpec, strategy: &str) -> (Vec<Event>, u64, u64) {
     let strategy = Strategy::parse(strategy).unwrap();
     two_ranks(|comm, rank| {
         let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
-        let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &placement).unwrap();
+        let mut engine = build_engine(model(), EngineConfig::default(), &strategy, &placement).unwrap();
         let log = Arc::new(EventLog::default());
         engine.set_event_sink(log.clone());
         let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
@@ -88,8 +101,10 @@ const STRATEGIES: [&str; 8] = [
 
 #[test]
 fn the_ledger_counts_exactly_what_the_model_state_buffers_hold_at_every_unit_boundary() {
-    for strategy in STRATEGIES {
-        let (events, optimizer_held, optimizer_ledger) = trained(strategy);
+    let mlp = STRATEGIES.iter().map(|s| (spec as fn() -> ModelSpec, 6, *s));
+    let tied = [r#"["fsdp"]"#, r#"[["zero2", {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}]]"#];
+    for (model, units, strategy) in mlp.chain(tied.map(|s| (gpt_spec as fn() -> ModelSpec, 4, s))) {
+        let (events, optimizer_held, optimizer_ledger) = trained_on(model, strategy);
         let phases: Vec<(Phase, usize, u64, u64)> = events
             .iter()
             .filter_map(|e| match *e {
@@ -99,7 +114,7 @@ fn the_ledger_counts_exactly_what_the_model_state_buffers_hold_at_every_unit_bou
                 _ => None,
             })
             .collect();
-        assert_eq!(phases.len(), 2 * 4 * 6, "{strategy}: two steps, four phases of six units");
+        assert_eq!(phases.len(), 2 * 4 * units, "{strategy}: two steps, four phases of every unit");
         for (phase, unit, ledger, held) in phases {
             assert_eq!(ledger, held, "{strategy}: {phase:?} of unit {unit}: ledger {ledger}, buffers hold {held}");
         }

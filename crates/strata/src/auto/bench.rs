@@ -194,13 +194,17 @@ impl UnitSchedule for Probe {
         match phase {
             Phase::BeforeForward => {
                 self.materialise(&ctx, false)?;
-                self.at_start.resize(ctx.unit + 1, (0, 0));
+                if self.at_start.len() <= ctx.unit {
+                    self.at_start.resize(ctx.unit + 1, (0, 0));
+                }
                 self.at_start[ctx.unit] = (allocated(self.device), activations_held(&ctx));
             }
             Phase::AfterForward => {
                 let (mem, act) = self.at_start[ctx.unit];
                 let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
-                kept.resize(ctx.unit + 1, (0, 0));
+                if kept.len() <= ctx.unit {
+                    kept.resize(ctx.unit + 1, (0, 0));
+                }
                 kept[ctx.unit] =
                     ((allocated(self.device) - mem).max(0) as u64, activations_held(&ctx).saturating_sub(act));
                 drop(kept);
@@ -229,7 +233,12 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     let params = spec.num_params();
     let needs = spec.units_read();
     // Within the device budget: one unit at a time is ever resident.
-    let config = EngineConfig { grad_layout: GradLayout::PerUnit, ..bench.engine.clone() };
+    // Unit by unit both ways: backward must pass through the probe to find its units' memory.
+    let config = EngineConfig {
+        grad_layout: GradLayout::PerUnit,
+        backward: crate::engine::BackwardMode::UnitByUnit,
+        ..bench.engine.clone()
+    };
     let mut release_after_init = |_: usize, s: &mut UnitStorage, _: &Tensor, ledger: &MemoryLedger| -> Result<()> {
         for (t, category) in [(&s.flat, Category::Params), (&s.grad, Category::Grads)] {
             // SAFETY: nothing has run yet; the probe materialises a unit before any use.

@@ -289,6 +289,9 @@ impl<'m> Search<'m> {
         let mut runs: Vec<Vec<f64>> = close.iter().map(|&i| self.fitting_speed(i).into_iter().collect()).collect();
         'rounds: for _ in 0..2 {
             for (k, &i) in close.iter().enumerate().rev() {
+                if self.fitting_speed(i).is_none() {
+                    continue; // a re-measurement found it no longer fits
+                }
                 let Some(outcome) = self.dry_run(i)? else { break 'rounds };
                 match outcome {
                     Outcome::Fits { tokens_per_s, .. } => runs[k].push(tokens_per_s),
@@ -341,7 +344,8 @@ impl<'m> Search<'m> {
     /// Coordinate search: from the candidate predicted to fit at the least cost, try the
     /// alternatives of one dimension at a time and keep the fastest that fits.
     pub fn guided(&mut self) -> Result<()> {
-        // At most a third of the candidates that could run are dry-run.
+        // The coordinate passes dry-run at most a third of the candidates that could run
+        // (re-measuring the finalists, or finding any fit at all, may take more).
         let cap = (self.trials.iter().filter(|t| matches!(t.outcome, Outcome::NotTried)).count() / 3).max(1);
         if let Some(b) = self.limits.budget {
             for t in self.trials.iter_mut().filter(|t| matches!(t.outcome, Outcome::NotTried)) {

@@ -21,7 +21,7 @@ pub const HANDSHAKE_TIME: Duration = Duration::from_secs(10);
 const MAGIC: &[u8] = b"STRATA-AUTH-1";
 const NONCE: usize = 32;
 const ACCEPTED: u8 = 0;
-const REFUSED: u8 = 2;
+const REFUSED: u8 = 1;
 
 pub fn write_frame(s: &mut TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
     let mut buf = Vec::new();
@@ -76,11 +76,12 @@ pub fn read_frame(s: &mut TcpStream, max: usize, deadline: Option<Instant>) -> s
     Ok(parts)
 }
 
-fn nonce() -> Result<[u8; NONCE]> {
-    let mut n = [0u8; NONCE];
+/// `N` bytes from the system's random source.
+pub fn random_bytes<const N: usize>() -> Result<[u8; N]> {
+    let mut n = [0u8; N];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut n))
-        .map_err(|e| Error::Comm(format!("no random source for the handshake: {e}")))?;
+        .map_err(|e| Error::Comm(format!("no random source: {e}")))?;
     Ok(n)
 }
 
@@ -117,7 +118,7 @@ fn io(peer: &str) -> impl Fn(std::io::Error) -> Error + '_ {
 /// hands over `context` (what it claims to be), bound into its proof.
 pub fn connect(s: &mut TcpStream, token: &[u8], context: &[u8], peer: &str) -> Result<()> {
     let deadline = Some(Instant::now() + HANDSHAKE_TIME);
-    let mine = nonce()?;
+    let mine = random_bytes::<NONCE>()?;
     write_frame(s, &[MAGIC, &mine]).map_err(io(peer))?;
     let reply = read_frame(s, HANDSHAKE_FRAME, deadline).map_err(io(peer))?;
     let refused = || Error::Comm(format!("{peer} refused this process: they hold different job tokens"));
@@ -135,9 +136,10 @@ pub fn connect(s: &mut TcpStream, token: &[u8], context: &[u8], peer: &str) -> R
     }
 }
 
-/// The accepting side: the peer's context once it has proven it holds `token`; a peer
-/// that fails, stalls past [`HANDSHAKE_TIME`] or sends a large frame is refused.
-pub fn accept(s: &mut TcpStream, token: &[u8]) -> Result<Vec<u8>> {
+/// The accepting side: the peer's context once it has proven it holds `token` and `admit`
+/// takes what it claims to be (deciding before the peer is told); a peer that fails, is not
+/// admitted, stalls past [`HANDSHAKE_TIME`] or sends a large frame is refused.
+pub fn accept(s: &mut TcpStream, token: &[u8], admit: impl FnOnce(&[u8]) -> bool) -> Result<Vec<u8>> {
     let deadline = Some(Instant::now() + HANDSHAKE_TIME);
     let failed = |e: std::io::Error| Error::Comm(format!("handshake: {e}"));
     let hello = read_frame(s, HANDSHAKE_FRAME, deadline).map_err(failed)?;
@@ -145,18 +147,21 @@ pub fn accept(s: &mut TcpStream, token: &[u8]) -> Result<Vec<u8>> {
     if magic != MAGIC {
         return Err(Error::Comm("handshake: not a Strata peer".into()));
     }
-    let mine = nonce()?;
+    let mine = random_bytes::<NONCE>()?;
     write_frame(s, &[&mine, &proof(token, b"server", &[theirs, &mine])]).map_err(failed)?;
     let answer = read_frame(s, HANDSHAKE_FRAME, deadline).map_err(failed)?;
-    match answer.as_slice() {
-        [context, tag] if verify(token, b"client", &[&mine, theirs, context], tag) => {
-            write_frame(s, &[&[ACCEPTED]]).map_err(failed)?;
-            s.set_read_timeout(None).map_err(failed)?;
-            Ok(context.clone())
-        }
-        _ => {
-            let _ = write_frame(s, &[&[REFUSED]]);
-            Err(Error::Comm("handshake: the peer does not hold the job's token".into()))
-        }
+    let refuse = |s: &mut TcpStream, why: &str| {
+        let _ = write_frame(s, &[&[REFUSED]]);
+        Err(Error::Comm(format!("handshake: {why}")))
+    };
+    let [context, tag] = answer.as_slice() else { return refuse(s, "not a Strata peer") };
+    if !verify(token, b"client", &[&mine, theirs, context], tag) {
+        return refuse(s, "the peer does not hold the job's token");
     }
+    if !admit(context) {
+        return refuse(s, "the peer is not one this side expects");
+    }
+    write_frame(s, &[&[ACCEPTED]]).map_err(failed)?;
+    s.set_read_timeout(None).map_err(failed)?;
+    Ok(context.clone())
 }

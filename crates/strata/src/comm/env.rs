@@ -105,7 +105,7 @@ fn derived_token(job: &str, home: Option<String>) -> Result<String> {
     if !path.exists() {
         std::fs::create_dir_all(&dir).map_err(failed)?;
         // Written aside, then linked into place: concurrent first uses agree on one secret.
-        let aside = dir.join(format!(".secret.{}", std::process::id()));
+        let aside = dir.join(format!(".secret.{}", super::store::random_token()?));
         let mut f =
             std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&aside).map_err(failed)?;
         std::io::Write::write_all(&mut f, super::store::random_token()?.as_bytes())
@@ -118,7 +118,12 @@ fn derived_token(job: &str, home: Option<String>) -> Result<String> {
             _ => {}
         }
     }
-    let mode = std::fs::metadata(&path).map_err(failed)?.permissions().mode();
+    let meta = std::fs::metadata(&path).map_err(failed)?;
+    // SAFETY: getuid has no preconditions.
+    if std::os::unix::fs::MetadataExt::uid(&meta) != unsafe { libc::getuid() } {
+        return Err(Error::Comm(format!("job token secret {} belongs to another user: {how}", path.display())));
+    }
+    let mode = meta.permissions().mode();
     if mode & 0o077 != 0 {
         return Err(Error::Comm(format!(
             "job token secret {} is readable by others (mode {:o}): chmod 600 it, or {how}",
@@ -195,8 +200,14 @@ mod tests {
         let (a, again, other) = (slurm("77").unwrap(), slurm("77").unwrap(), slurm("78").unwrap());
         assert_eq!(a, again, "every rank of a job derives the same token");
         assert_ne!(a, other, "another job, another token");
-        assert!(!a.contains("77") && a.len() == 64, "not derivable from the job id alone: {a}");
+        assert_eq!(a.len(), 64);
         let secret = home.join(".strata/secret");
+        // Not derivable from the job id alone: another user's secret gives another token.
+        let kept = std::fs::read(&secret).unwrap();
+        std::fs::remove_file(&secret).unwrap();
+        assert_ne!(slurm("77").unwrap(), a, "the token depends on the secret");
+        std::fs::write(&secret, kept).unwrap();
+        assert_eq!(slurm("77").unwrap(), a);
         assert_eq!(std::fs::metadata(&secret).unwrap().permissions().mode() & 0o777, 0o600);
         std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert!(slurm("77").unwrap_err().to_string().contains("readable by others"));

@@ -91,9 +91,6 @@ impl ProcessGroup for NcclGroup {
     fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
         check_list(self.size, "reduce_scatter inputs", inputs)?;
         check_reducible(output.kind(), op)?;
-        if inputs.iter().any(|t| t.numel() != output.numel()) {
-            return Err(Error::Comm("nccl reduce_scatter needs every input as large as the output".into()));
-        }
         let mut all = vec![output];
         all.extend(inputs.iter());
         self.run(Collective::ReduceScatter, &all, op, 0)

@@ -3,12 +3,13 @@
 //!
 //! The server binds to the address it is given (loopback unless told otherwise) and serves
 //! only clients that prove they hold the job's token ([`super::auth`]); others are told so
-//! and dropped, as are clients that stall in the handshake, and connections beyond
-//! [`MAX_PENDING`] still in it. Malformed requests end their connection, never the server.
+//! and dropped, as are clients that stall in the handshake; beyond [`MAX_PENDING`]
+//! handshakes at once, new connections wait in the listen backlog. A request that is not one
+//! ends its connection; missing arguments read as empty. Nothing a client sends ends the
+//! server.
 use super::auth::{self, read_frame, write_frame};
 use crate::{Error, Result};
 use std::collections::HashMap;
-use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 /// Largest frame an authenticated client may send, so a bug cannot make the server
 /// allocate freely.
 const MAX_FRAME: usize = 64 << 20;
-/// Connections still in their handshake; more are closed at once.
+/// Connections in their handshake at once; more wait to be accepted.
 const MAX_PENDING: usize = 64;
 /// Longest wait a client may ask for; longer ones are cut to it.
 const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -89,19 +90,22 @@ impl StoreServer {
         let accept = std::thread::Builder::new()
             .name("strata-store".into())
             .spawn(move || {
-                for conn in listener.incoming() {
+                while !stopping.load(Ordering::SeqCst) {
+                    // At the cap, later clients wait in the listen backlog, not refused.
+                    if pending.load(Ordering::SeqCst) >= MAX_PENDING {
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    }
+                    let Ok((conn, _)) = listener.accept() else { continue };
                     if stopping.load(Ordering::SeqCst) {
                         break;
                     }
-                    let Ok(conn) = conn else { continue };
-                    if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING {
-                        pending.fetch_sub(1, Ordering::SeqCst);
-                        continue;
-                    }
-                    let (table, token, pending) = (table.clone(), token.clone(), pending.clone());
-                    // One thread per client: a job has as many clients as ranks.
+                    let handshake = Handshake::start(&pending);
+                    let (table, token) = (table.clone(), token.clone());
+                    // One thread per client: a job has as many clients as ranks. A thread
+                    // that cannot start drops the connection and its count.
                     let _ = std::thread::Builder::new().name("strata-store-client".into()).spawn(move || {
-                        let _ = serve(conn, &table, &token, &pending);
+                        let _ = serve(conn, &table, &token, handshake);
                     });
                 }
             })
@@ -133,10 +137,28 @@ fn millis(b: &[u8]) -> Duration {
     Duration::from_millis(b.try_into().map(u64::from_le_bytes).unwrap_or(0))
 }
 
-fn serve(mut conn: TcpStream, table: &Table, token: &[u8], pending: &AtomicUsize) -> Result<()> {
-    conn.set_nodelay(true).map_err(|e| Error::Comm(e.to_string()))?;
-    let joined = auth::accept(&mut conn, token);
-    pending.fetch_sub(1, Ordering::SeqCst);
+/// One connection still in its handshake, counted against [`MAX_PENDING`] until dropped.
+struct Handshake(Arc<AtomicUsize>);
+
+impl Handshake {
+    fn start(pending: &Arc<AtomicUsize>) -> Handshake {
+        pending.fetch_add(1, Ordering::SeqCst);
+        Handshake(pending.clone())
+    }
+}
+
+impl Drop for Handshake {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn serve(mut conn: TcpStream, table: &Table, token: &[u8], handshake: Handshake) -> Result<()> {
+    let joined = conn
+        .set_nodelay(true)
+        .map_err(|e| Error::Comm(e.to_string()))
+        .and_then(|()| auth::accept(&mut conn, token, |context| context == b"store"));
+    drop(handshake);
     joined?;
     serve_requests(conn, table).map_err(|e| Error::Comm(e.to_string()))
 }
@@ -167,7 +189,7 @@ fn serve_requests(mut conn: TcpStream, table: &Table) -> std::io::Result<()> {
                 let delta = arg(2).try_into().map(i64::from_le_bytes).unwrap_or(0);
                 let mut map = table.lock();
                 let entry = map.entry(text(arg(1))).or_default();
-                let now = text(entry).parse::<i64>().unwrap_or(0) + delta;
+                let now = text(entry).parse::<i64>().unwrap_or(0).saturating_add(delta);
                 *entry = now.to_string().into_bytes();
                 drop(map);
                 table.changed.notify_all();
@@ -312,18 +334,14 @@ impl Store {
 
 /// A fresh random token for a job (hex of 16 bytes from the system's random source).
 pub fn random_token() -> Result<String> {
-    let mut bytes = [0u8; 16];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .map_err(|e| Error::Comm(format!("no random source for the job token: {e}")))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(auth::random_bytes::<16>()?.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::io::Write;
+    use std::io::{Read, Write};
 
     /// A request frame: an operation byte (valid or not) and random parts, with the waits of
     /// `get` and `wait` kept short so a case cannot block on a key nobody sets.

@@ -12,6 +12,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tch::Kind;
 
@@ -41,6 +42,9 @@ fn peer_error(peer: usize, what: impl std::fmt::Display) -> Error {
 }
 
 // ---- TCP ------------------------------------------------------------------------------
+
+/// Mesh handshakes running at once; later connections wait in the listen backlog.
+const MAX_HANDSHAKES: usize = 64;
 
 /// A full mesh of TCP connections. Sends run on a scoped thread while the caller receives,
 /// so two ranks sending to each other never wait on each other's buffers.
@@ -76,31 +80,58 @@ impl TcpTransport {
         }
         listener.set_nonblocking(true).map_err(|e| Error::Comm(e.to_string()))?;
         let deadline = Instant::now() + setup.timeout;
-        // Handshakes run on threads of their own, so a peer that stalls holds up no other.
+        // Handshakes run on threads of their own, so a peer that stalls holds up no other;
+        // a slot is claimed when a peer proves who it is, before it is told it may join.
+        let claimed: Arc<Mutex<Vec<bool>>> = Arc::new(Mutex::new(vec![false; size]));
+        let expected: Vec<(usize, Vec<u8>)> = (rank + 1..size).map(|p| (p, context(p))).collect();
         let (joined, arrivals) = std::sync::mpsc::channel();
+        let mut in_flight = 0usize;
         while streams.iter().skip(rank + 1).any(Option::is_none) {
-            match listener.accept() {
-                Ok((mut s, _)) => {
-                    let (token, joined) = (token.to_vec(), joined.clone());
-                    std::thread::spawn(move || {
-                        let claim = s.set_nonblocking(false).map_err(|e| Error::Comm(e.to_string()));
-                        let _ = joined.send(claim.and_then(|()| auth::accept(&mut s, &token)).map(|c| (c, s)));
-                    });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(2))
-                }
-                Err(e) => return Err(Error::Comm(format!("rank {rank}: higher ranks did not connect: {e}"))),
-            }
             while let Ok(arrival) = arrivals.try_recv() {
-                // Which expected rank this is, if it proved it belongs to this job and group.
-                let peer = arrival.as_ref().ok().and_then(|(claim, _)| {
-                    (rank + 1..size).find(|&p| *claim == context(p)).filter(|&p| streams[p].is_none())
-                });
-                match (peer, arrival) {
-                    (Some(peer), Ok((_, s))) => streams[peer] = Some(s),
-                    _ => tracing::warn!(rank, "refused a mesh connection that did not authenticate as a peer"),
+                in_flight -= 1;
+                if let Some((peer, s)) = arrival {
+                    streams[peer] = Some(s);
                 }
+            }
+            if streams.iter().skip(rank + 1).all(Option::is_some) {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Comm(format!(
+                    "rank {rank}: higher ranks did not connect within {:?}",
+                    setup.timeout
+                )));
+            }
+            if in_flight >= MAX_HANDSHAKES {
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            let mut s = match listener.accept() {
+                Ok((s, _)) => s,
+                // Nothing yet, or a transient failure (out of descriptors): wait and retry.
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(2));
+                    continue;
+                }
+            };
+            let (token, joined, claimed, expected) =
+                (token.to_vec(), joined.clone(), claimed.clone(), expected.clone());
+            let handshake = move || {
+                let mut peer = None;
+                let admit = |claim: &[u8]| {
+                    let mut slots = claimed.lock().unwrap_or_else(|e| e.into_inner());
+                    peer = expected.iter().find(|(p, c)| c == claim && !slots[*p]).map(|(p, _)| *p);
+                    peer.inspect(|&p| slots[p] = true).is_some()
+                };
+                let admitted = s.set_nonblocking(false).is_ok() && auth::accept(&mut s, &token, admit).is_ok();
+                if !admitted {
+                    tracing::warn!("refused a mesh connection that did not authenticate as an expected peer");
+                }
+                let _ = joined.send(peer.filter(|_| admitted).map(|p| (p, s)));
+            };
+            match std::thread::Builder::new().name("strata-mesh-handshake".into()).spawn(handshake) {
+                Ok(_) => in_flight += 1,
+                Err(e) => tracing::warn!(rank, "cannot start a handshake thread ({e}); the connection is dropped"),
             }
         }
         let mut readers = Vec::with_capacity(size);

@@ -337,7 +337,7 @@ impl Engine {
     /// After the optimizer's update: the schedule publishes it (e.g. gathers updated shards).
     pub fn after_update(&mut self) -> Result<()> {
         let (schedule, ctx) = self.schedule_for(0);
-        schedule.after_step(ctx)
+        schedule.after_update(ctx)
     }
 
     /// Ends a step, whether it updated or was skipped: fp8 scaling takes in the step's

@@ -54,7 +54,7 @@ pub trait UnitSchedule: Send {
     }
 
     /// Runs after the optimizer updated what [`UnitSchedule::optimizer_view`] handed it.
-    fn after_step(&mut self, _ctx: ScheduleContext<'_>) -> Result<()> {
+    fn after_update(&mut self, _ctx: ScheduleContext<'_>) -> Result<()> {
         Ok(())
     }
 

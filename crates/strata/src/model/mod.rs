@@ -152,7 +152,11 @@ impl ModelSpec {
             .enumerate()
             .map(|(k, u)| {
                 let mut v = vec![k];
-                v.extend(u.borrowed.iter().map(|id| self.params[id.0].unit).filter(|&o| o != k));
+                for owner in u.borrowed.iter().map(|id| self.params[id.0].unit) {
+                    if !v.contains(&owner) {
+                        v.push(owner);
+                    }
+                }
                 v
             })
             .collect()

@@ -92,21 +92,37 @@ struct InFlight {
 }
 
 impl InFlight {
-    /// Starts tracking `work`; `copy` (when given) is charged to `category` now.
-    fn new(work: Work, copy: Option<Tensor>, category: Category, ledger: &MemoryLedger) -> Result<InFlight> {
-        if let Some(c) = &copy {
-            ledger.alloc(Placement::Device, category, memory::tensor_bytes(c))?;
+    /// Starts a collective that reads `source` in `kind`: where the dtypes differ a copy is
+    /// made, charged to `category` before it is allocated. If the collective does not start,
+    /// the charge is undone.
+    fn start(
+        source: &Tensor,
+        kind: Kind,
+        category: Category,
+        ledger: &MemoryLedger,
+        launch: impl FnOnce(&Tensor) -> Result<Work>,
+    ) -> Result<InFlight> {
+        let copy_bytes = if source.kind() == kind { 0 } else { bytes(source.numel() as i64, kind) };
+        ledger.alloc(Placement::Device, category, copy_bytes)?;
+        let started = (|| {
+            let copy = (source.kind() != kind).then(|| source.f_to_kind(kind)).transpose()?;
+            let work = launch(copy.as_ref().unwrap_or(source))?;
+            Ok(InFlight { work, copy, category })
+        })();
+        if started.is_err() {
+            ledger.free(Placement::Device, category, copy_bytes);
         }
-        Ok(InFlight { work, copy, category })
+        started
     }
 
-    /// Waits for the collective, then frees its copy.
+    /// Waits for the collective, then stops counting its copy — also after a failed wait:
+    /// the worker's own handle keeps the copy's memory alive for as long as it reads it.
     fn finish(self, ledger: &MemoryLedger, what: &str) -> Result<()> {
-        self.work.wait().map_err(comm_failed(what))?;
+        let waited = self.work.wait().map_err(comm_failed(what));
         if let Some(c) = self.copy {
             ledger.free(Placement::Device, self.category, memory::tensor_bytes(&c));
         }
-        Ok(())
+        waited
     }
 }
 
@@ -229,22 +245,36 @@ impl Zero {
 
     /// Starts gathering unit `u`'s parameters into its flat buffer (stage 3).
     fn start_gather(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
-        let unit = &mut self.units[u];
+        let unit = &self.units[u];
         if unit.params_resident || unit.gathering.is_some() || unit.wrap == Wrap::Ignored {
             return Ok(());
         }
         let flat = &storage[u].flat;
-        ledger.alloc(Placement::Device, Category::Params, bytes(unit.len, self.param_kind))?;
-        // SAFETY: the engine's flat buffer spans its storage.
-        unsafe { memory::restore_buffer(flat) }?;
-        let master = unit.master.as_ref().ok_or_else(|| Error::Engine("a stage-3 unit has no shard".into()))?;
-        let cast = (master.kind() != self.param_kind).then(|| master.f_to_kind(self.param_kind)).transpose()?;
-        let input = cast.as_ref().map_or_else(|| master.shallow_clone(), Tensor::shallow_clone);
-        let g = self.groups.shard.as_ref().ok_or_else(|| Error::Engine("gathering without a shard group".into()))?;
-        // The collective writes the memory directly: autograd's saved views of these
-        // parameters see the same values they saw in forward, with no version change.
-        let work = g.all_gather(&flat.f_chunk(g.size() as i64, 0)?, &input)?;
-        unit.gathering = Some(InFlight::new(work, cast, Category::Params, ledger)?);
+        let flat_bytes = bytes(unit.len, self.param_kind);
+        ledger.alloc(Placement::Device, Category::Params, flat_bytes)?;
+        let started = (|| -> Result<InFlight> {
+            // SAFETY: the engine's flat buffer spans its storage.
+            unsafe { memory::restore_buffer(flat) }?;
+            let master = unit.master.as_ref().ok_or_else(|| Error::Engine("a stage-3 unit has no shard".into()))?;
+            let g =
+                self.groups.shard.as_ref().ok_or_else(|| Error::Engine("gathering without a shard group".into()))?;
+            // The collective writes the memory directly: autograd's saved views of these
+            // parameters see the same values they saw in forward, with no version change.
+            InFlight::start(master, self.param_kind, Category::Params, ledger, |input| {
+                g.all_gather(&flat.f_chunk(g.size() as i64, 0)?, input)
+            })
+        })();
+        let gather = match started {
+            Ok(gather) => gather,
+            Err(e) => {
+                // SAFETY: nothing reads or writes the buffer: its gather never started.
+                let _ = unsafe { memory::release_buffer(flat) };
+                ledger.free(Placement::Device, Category::Params, flat_bytes);
+                return Err(e);
+            }
+        };
+        let unit = &mut self.units[u];
+        unit.gathering = Some(gather);
         unit.params_resident = true;
         if let Some(sink) = &self.events {
             sink.record(Event::GatherStarted { unit: u });
@@ -354,16 +384,15 @@ impl Zero {
             }
             return Ok(());
         };
-        let copy = (grad.kind() != self.reduce_kind).then(|| grad.f_to_kind(self.reduce_kind)).transpose()?;
-        let input = copy.as_ref().map_or_else(|| grad.shallow_clone(), Tensor::shallow_clone);
-        let work = match &self.groups.shard {
-            Some(g) => g.reduce_scatter(shard, &input.f_chunk(g.size() as i64, 0)?, ReduceOp::Avg)?,
-            None => {
-                tch::no_grad(|| shard.shallow_clone().f_copy_(&input))?;
-                Work::done()
-            }
-        };
-        self.reducing.push_back((u, InFlight::new(work, copy, Category::Grads, ledger)?));
+        let reduction =
+            InFlight::start(grad, self.reduce_kind, Category::Grads, ledger, |input| match &self.groups.shard {
+                Some(g) => g.reduce_scatter(shard, &input.f_chunk(g.size() as i64, 0)?, ReduceOp::Avg),
+                None => {
+                    tch::no_grad(|| shard.shallow_clone().f_copy_(input))?;
+                    Ok(Work::done())
+                }
+            })?;
+        self.reducing.push_back((u, reduction));
         // Bound the whole gradients alive: finish the older reduction before going on.
         while self.reducing.len() > 1 {
             self.complete_oldest_reduction(storage, ledger)?;
@@ -524,7 +553,7 @@ impl UnitSchedule for Zero {
         Ok(OptimizerView { param, grad, offset })
     }
 
-    fn after_step(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+    fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         let (storage, ledger) = (&*ctx.storage, ctx.ledger);
         let stage3 = self.shards_params();
         if stage3 {
