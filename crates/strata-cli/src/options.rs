@@ -131,8 +131,12 @@ train_options! {
     checkpoint_every: u64,
     /// Checkpoints kept in --save-checkpoint's folder (default 2).
     keep_checkpoints: usize,
-    /// Resume from a checkpoint: a checkpoint folder, one step's folder or a merged file.
+    /// Resume from a checkpoint: a checkpoint folder, one step's folder or a merged file; or
+    /// auto: from --save-checkpoint's newest checkpoint if it has one (a restarted job),
+    /// else from the start.
     resume: PathBuf,
+    /// Seconds to wait for the other ranks and the store (joining, every collective).
+    comm_timeout: f64,
     /// Log a line every this many steps.
     log_every: u64,
 }
@@ -196,6 +200,7 @@ pub struct TrainSettings {
     pub checkpoint_every: Option<u64>,
     pub keep_checkpoints: usize,
     pub resume: Option<PathBuf>,
+    pub comm_timeout: std::time::Duration,
 }
 
 /// A given strategy, or one to search for.
@@ -349,6 +354,14 @@ impl TrainOptions {
         if threads.is_some_and(|t| t <= 0) {
             bail!("--threads must be positive");
         }
+        // A restarted job (torchrun --max-restarts) continues from its newest checkpoint.
+        let resume = match o.resume {
+            Some(path) if path.as_os_str() == "auto" => match &o.save_checkpoint {
+                Some(root) => root.join("latest").is_file().then(|| root.clone()),
+                None => bail!("--resume auto resumes from --save-checkpoint's folder: give --save-checkpoint"),
+            },
+            other => other,
+        };
         Ok(TrainSettings {
             model_name: o.model.unwrap_or_else(|| "gpt".into()),
             layers: o.layers.unwrap_or(2),
@@ -417,7 +430,13 @@ impl TrainOptions {
                 Some(0) => bail!("--keep-checkpoints must be at least 1 (the checkpoint just saved)"),
                 k => k.unwrap_or(2),
             },
-            resume: o.resume,
+            resume,
+            comm_timeout: match o.comm_timeout {
+                Some(t) if !(t.is_finite() && t > 0.0) => bail!("--comm-timeout must be a positive number of seconds"),
+                Some(t) => std::time::Duration::try_from_secs_f64(t)
+                    .map_err(|_| anyhow::anyhow!("--comm-timeout {t} is more seconds than a run can wait"))?,
+                None => std::time::Duration::from_secs(300),
+            },
         })
     }
 }

@@ -4,7 +4,6 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
 use std::sync::Arc;
-use std::time::Duration;
 use strata::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
 use strata::comm::{all_reduce_values, init_from_env, ReduceOp};
@@ -142,7 +141,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     let comm = match std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse::<usize>().ok()) {
         Some(world) if world > 1 => {
             let backends = if settings.device.is_cuda() { "cpu:shm,cuda:nccl" } else { "cpu:shm" };
-            Some(init_from_env(backends, Duration::from_secs(300)).context("joining the job")?)
+            Some(init_from_env(backends, settings.comm_timeout).context("joining the job")?)
         }
         _ => None,
     };

@@ -11,8 +11,11 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <unordered_map>
 #include <cstdint>
@@ -719,6 +722,80 @@ int strata_autocast_set(int device_type, int enabled, int dtype) {
       at::autocast::clear_cache();
     }
   });
+}
+
+// ---- c10d's TCPStore (the store torchrun's agent hosts) ----------------------------------
+
+using StoreHandle = c10::intrusive_ptr<c10d::Store>;
+
+static c10d::Store& store_of(void* s) { return **static_cast<StoreHandle*>(s); }
+
+static uint8_t* copy_out(const std::vector<uint8_t>& v, size_t* len) {
+  *len = v.size();
+  auto* out = static_cast<uint8_t*>(std::malloc(v.empty() ? 1 : v.size()));
+  if (out == nullptr) throw std::bad_alloc();
+  if (!v.empty()) std::memcpy(out, v.data(), v.size());
+  return out;
+}
+
+// A client of the TCPStore at host:port (or, with is_server, one hosting it; port 0 picks
+// one). Every call waits at most timeout_ms.
+int strata_c10d_store_new(const char* host, int port, int is_server, int64_t timeout_ms, void** out) {
+  return guarded([&] {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<std::uint16_t>(port);
+    o.isServer = is_server != 0;
+    o.waitWorkers = false;
+    o.timeout = std::chrono::milliseconds(timeout_ms);
+    *out = new StoreHandle(c10::make_intrusive<c10d::TCPStore>(std::string(host), o));
+  });
+}
+
+void strata_c10d_store_free(void* s) { delete static_cast<StoreHandle*>(s); }
+
+int strata_c10d_store_port(void* s, int* port) {
+  return guarded([&] { *port = static_cast<c10d::TCPStore&>(store_of(s)).getPort(); });
+}
+
+void strata_free_bytes(uint8_t* p) { std::free(p); }
+
+int strata_c10d_set(void* s, const char* key, size_t klen, const uint8_t* v, size_t vlen) {
+  return guarded([&] { store_of(s).set(std::string(key, klen), std::vector<uint8_t>(v, v + vlen)); });
+}
+
+int strata_c10d_get(void* s, const char* key, size_t klen, int64_t timeout_ms, uint8_t** out, size_t* len) {
+  return guarded([&] {
+    std::string k(key, klen);
+    store_of(s).wait({k}, std::chrono::milliseconds(timeout_ms));
+    *out = copy_out(store_of(s).get(k), len);
+  });
+}
+
+int strata_c10d_add(void* s, const char* key, size_t klen, int64_t delta, int64_t* out) {
+  return guarded([&] { *out = store_of(s).add(std::string(key, klen), delta); });
+}
+
+int strata_c10d_compare_set(void* s, const char* key, size_t klen, const uint8_t* e, size_t elen, const uint8_t* d,
+                            size_t dlen, uint8_t** out, size_t* len) {
+  return guarded([&] {
+    auto now = store_of(s).compareSet(std::string(key, klen), std::vector<uint8_t>(e, e + elen),
+                                      std::vector<uint8_t>(d, d + dlen));
+    *out = copy_out(now, len);
+  });
+}
+
+static std::vector<std::string> keys_of(const char* const* keys, const size_t* lens, size_t n) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < n; ++i) out.emplace_back(keys[i], lens[i]);
+  return out;
+}
+
+int strata_c10d_wait(void* s, const char* const* keys, const size_t* lens, size_t n, int64_t timeout_ms) {
+  return guarded([&] { store_of(s).wait(keys_of(keys, lens, n), std::chrono::milliseconds(timeout_ms)); });
+}
+
+int strata_c10d_check(void* s, const char* const* keys, const size_t* lens, size_t n, int* out) {
+  return guarded([&] { *out = store_of(s).check(keys_of(keys, lens, n)) ? 1 : 0; });
 }
 
 }  // extern "C"

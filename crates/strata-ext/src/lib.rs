@@ -58,6 +58,51 @@ extern "C" {
     fn strata_storage_resize(t: TensorPtr, nbytes: usize) -> c_int;
     fn strata_storage_nbytes(t: *const C_tensor, nbytes: *mut usize) -> c_int;
     fn strata_storage_id(t: *const C_tensor, id: *mut usize) -> c_int;
+    fn strata_c10d_store_new(
+        host: *const c_char,
+        port: c_int,
+        is_server: c_int,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+    ) -> c_int;
+    fn strata_c10d_store_free(s: *mut c_void);
+    fn strata_c10d_store_port(s: *mut c_void, port: *mut c_int) -> c_int;
+    fn strata_free_bytes(p: *mut u8);
+    fn strata_c10d_set(s: *mut c_void, key: *const c_char, klen: usize, v: *const u8, vlen: usize) -> c_int;
+    fn strata_c10d_get(
+        s: *mut c_void,
+        key: *const c_char,
+        klen: usize,
+        timeout_ms: i64,
+        out: *mut *mut u8,
+        len: *mut usize,
+    ) -> c_int;
+    fn strata_c10d_add(s: *mut c_void, key: *const c_char, klen: usize, delta: i64, out: *mut i64) -> c_int;
+    fn strata_c10d_compare_set(
+        s: *mut c_void,
+        key: *const c_char,
+        klen: usize,
+        e: *const u8,
+        elen: usize,
+        d: *const u8,
+        dlen: usize,
+        out: *mut *mut u8,
+        len: *mut usize,
+    ) -> c_int;
+    fn strata_c10d_wait(
+        s: *mut c_void,
+        keys: *const *const c_char,
+        lens: *const usize,
+        n: usize,
+        timeout_ms: i64,
+    ) -> c_int;
+    fn strata_c10d_check(
+        s: *mut c_void,
+        keys: *const *const c_char,
+        lens: *const usize,
+        n: usize,
+        out: *mut c_int,
+    ) -> c_int;
     fn strata_cpu_memory_track() -> c_int;
     fn strata_cuda_capability(device: c_int, major: *mut c_int, minor: *mut c_int) -> c_int;
     fn strata_cpu_memory_stats(current: *mut i64, peak: *mut i64) -> c_int;
@@ -774,6 +819,124 @@ pub mod nccl {
         fn drop(&mut self) {
             // SAFETY: destroyed once, by its owner.
             unsafe { strata_nccl_comm_destroy(self.comm) }
+        }
+    }
+}
+
+/// A client (or host) of PyTorch's c10d `TCPStore`, the store torchrun's agent runs: the
+/// wheel's own implementation, so the protocol is exactly PyTorch's.
+pub mod c10d {
+    use super::*;
+    use std::time::Duration;
+
+    pub struct TcpStore(*mut c_void);
+
+    // SAFETY: the store may move to another thread. It is not `Sync`: callers that share it
+    // hold it behind a lock.
+    unsafe impl Send for TcpStore {}
+
+    fn ms(d: Duration) -> i64 {
+        i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Takes ownership of a buffer the C++ side allocated.
+    fn bytes(ptr: *mut u8, len: usize) -> Vec<u8> {
+        // SAFETY: the C++ side returned `len` readable bytes at `ptr` (malloc'd, never null
+        // on success); they are copied, then freed once.
+        let v = unsafe { std::slice::from_raw_parts(ptr, len) }.to_vec();
+        unsafe { strata_free_bytes(ptr) };
+        v
+    }
+
+    fn key_parts(keys: &[&str]) -> (Vec<*const c_char>, Vec<usize>) {
+        (keys.iter().map(|k| k.as_ptr() as *const c_char).collect(), keys.iter().map(|k| k.len()).collect())
+    }
+
+    impl TcpStore {
+        /// Connects to the store at `host:port`, or hosts it with `serve` (port 0: any free
+        /// port, see [`TcpStore::port`]); every call waits at most `timeout`.
+        pub fn new(host: &str, port: u16, serve: bool, timeout: Duration) -> Result<TcpStore> {
+            let host = std::ffi::CString::new(host).map_err(|_| ExtError("store host holds a NUL byte".into()))?;
+            let mut out = std::ptr::null_mut();
+            // SAFETY: a valid C string; the C++ side writes a new heap handle into `out`.
+            check(unsafe {
+                strata_c10d_store_new(host.as_ptr(), c_int::from(port), c_int::from(serve), ms(timeout), &mut out)
+            })?;
+            Ok(TcpStore(out))
+        }
+
+        /// The port the store listens on.
+        pub fn port(&self) -> Result<u16> {
+            let mut port: c_int = 0;
+            // SAFETY: a live handle.
+            check(unsafe { strata_c10d_store_port(self.0, &mut port) })?;
+            u16::try_from(port).map_err(|_| ExtError(format!("store port {port}")))
+        }
+
+        pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+            // SAFETY: a live handle; key and value are borrowed for the call.
+            check(unsafe {
+                strata_c10d_set(self.0, key.as_ptr() as *const c_char, key.len(), value.as_ptr(), value.len())
+            })
+        }
+
+        /// The value of `key`, waiting up to `timeout` for it to be set.
+        pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+            let (mut ptr, mut len) = (std::ptr::null_mut(), 0usize);
+            // SAFETY: as above; on success the C++ side hands over a malloc'd buffer.
+            check(unsafe {
+                strata_c10d_get(self.0, key.as_ptr() as *const c_char, key.len(), ms(timeout), &mut ptr, &mut len)
+            })?;
+            Ok(bytes(ptr, len))
+        }
+
+        pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+            let mut out = 0i64;
+            // SAFETY: as above.
+            check(unsafe { strata_c10d_add(self.0, key.as_ptr() as *const c_char, key.len(), delta, &mut out) })?;
+            Ok(out)
+        }
+
+        /// Sets `key` to `desired` if it holds `expected` (empty: if unset); the value after.
+        pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+            let (mut ptr, mut len) = (std::ptr::null_mut(), 0usize);
+            // SAFETY: as above.
+            check(unsafe {
+                strata_c10d_compare_set(
+                    self.0,
+                    key.as_ptr() as *const c_char,
+                    key.len(),
+                    expected.as_ptr(),
+                    expected.len(),
+                    desired.as_ptr(),
+                    desired.len(),
+                    &mut ptr,
+                    &mut len,
+                )
+            })?;
+            Ok(bytes(ptr, len))
+        }
+
+        /// Waits until every key is set, up to `timeout`.
+        pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+            let (ptrs, lens) = key_parts(keys);
+            // SAFETY: `keys.len()` pointer and length pairs, borrowed for the call.
+            check(unsafe { strata_c10d_wait(self.0, ptrs.as_ptr(), lens.as_ptr(), keys.len(), ms(timeout)) })
+        }
+
+        pub fn check(&self, keys: &[&str]) -> Result<bool> {
+            let (ptrs, lens) = key_parts(keys);
+            let mut out: c_int = 0;
+            // SAFETY: as above.
+            check(unsafe { strata_c10d_check(self.0, ptrs.as_ptr(), lens.as_ptr(), keys.len(), &mut out) })?;
+            Ok(out != 0)
+        }
+    }
+
+    impl Drop for TcpStore {
+        fn drop(&mut self) {
+            // SAFETY: the handle was made by `strata_c10d_store_new` and is freed once.
+            unsafe { strata_c10d_store_free(self.0) }
         }
     }
 }

@@ -249,3 +249,22 @@ fn nccl_tensor_lists_are_checked_before_anything_is_enqueued() {
         assert!(err.0.contains(needle), "{what:?}: {err}");
     }
 }
+
+#[test]
+fn pytorch_s_tcp_store_serves_and_answers_a_client() {
+    use std::time::Duration;
+    use strata_ext::c10d::TcpStore;
+    let timeout = Duration::from_secs(5);
+    let server = TcpStore::new("127.0.0.1", 0, true, timeout).unwrap();
+    let client = TcpStore::new("127.0.0.1", server.port().unwrap(), false, timeout).unwrap();
+    client.set("a", b"1").unwrap();
+    assert_eq!(server.get("a", timeout).unwrap(), b"1");
+    assert_eq!(client.add("n", 5).unwrap(), 5);
+    assert_eq!(client.add("n", -2).unwrap(), 3);
+    assert_eq!(client.compare_set("c", b"", b"x").unwrap(), b"x", "unset key: set");
+    assert_eq!(client.compare_set("c", b"y", b"z").unwrap(), b"x", "mismatch: unchanged");
+    assert!(client.check(&["a", "n"]).unwrap() && !client.check(&["missing"]).unwrap());
+    let err = client.get("never", Duration::from_millis(200)).unwrap_err();
+    assert!(err.0.to_lowercase().contains("timeout") || err.0.contains("timed out"), "{err}");
+    client.wait(&["a", "c"], timeout).unwrap();
+}

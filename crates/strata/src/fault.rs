@@ -1,7 +1,8 @@
 //! Failure injection for tests, driven by the environment. `STRATA_FAULT=PLACE@STEP` kills
 //! this process with SIGKILL — as the OOM killer or a lost node would, with no chance to
 //! clean up — when it reaches `PLACE` during step `STEP`; `STRATA_FAULT_RANK=R` limits that
-//! to the process whose `RANK` is `R`. Places: `backward` (mid-step, between a
+//! to the process whose `RANK` is `R`, and `STRATA_FAULT_ONCE=PATH` to the first time (see
+//! [`first_time`]). Places: `backward` (mid-step, between a
 //! micro-batch's forward and its backward), and the stages of a checkpoint save:
 //! `save-written`, `save-described`, `save-published`, `save-pointed`.
 //!
@@ -11,8 +12,17 @@ pub(crate) fn point(place: &str, step: u64) {
     let Ok(spec) = std::env::var("STRATA_FAULT") else { return };
     let wanted = spec.split_once('@').is_some_and(|(p, s)| p == place && s.parse::<u64>().ok() == Some(step));
     let rank_matches = std::env::var("STRATA_FAULT_RANK").ok().is_none_or(|r| std::env::var("RANK").ok() == Some(r));
-    if wanted && rank_matches {
+    if wanted && rank_matches && first_time() {
         // SAFETY: signalling this very process.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
+
+/// With `STRATA_FAULT_ONCE=PATH` a fault fires only while PATH does not exist, and creates it
+/// (so a restarted job runs through).
+fn first_time() -> bool {
+    match std::env::var_os("STRATA_FAULT_ONCE") {
+        Some(path) => std::fs::OpenOptions::new().write(true).create_new(true).open(path).is_ok(),
+        None => true,
     }
 }

@@ -14,8 +14,18 @@ pub struct RankInfo {
     pub local_world_size: usize,
     pub master_addr: String,
     pub master_port: u16,
-    /// Shared secret of the job's store.
-    pub token: String,
+    pub rendezvous: Rendezvous,
+}
+
+/// Whose store the job meets at, and how it is trusted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rendezvous {
+    /// Strata's store, hosted by rank 0, admitting only holders of `token`.
+    Strata { token: String },
+    /// The c10d store torchrun's agent hosts (torchrun's trust model: no token). Keys live
+    /// under the run id and the restart round, so a restarted round never reads the keys of
+    /// the round before it.
+    Torchrun { run_id: String, restart: u64 },
 }
 
 impl RankInfo {
@@ -55,14 +65,39 @@ impl RankInfo {
             Some(p) => p.trim().parse().map_err(|_| Error::Comm(format!("MASTER_PORT={p:?} is not a port")))?,
             None => 29500,
         };
-        let job = var("SLURM_JOB_ID")
-            .map(|j| format!("slurm-{j}"))
-            .or_else(|| var("OMPI_MCA_ess_base_jobid").map(|j| format!("ompi-{j}")));
-        let token = match (var("STRATA_STORE_TOKEN"), job) {
-            (Some(token), _) => token,
-            (None, Some(job)) => derived_token(&job, var("HOME"))?,
-            (None, None) => {
-                return Err(Error::Comm("no job token: set STRATA_STORE_TOKEN (strata launch does)".into()))
+        let rendezvous = match var("TORCHELASTIC_RUN_ID") {
+            Some(run_id) => {
+                if names[0] != "RANK" || var("MASTER_ADDR").is_none() || var("MASTER_PORT").is_none() {
+                    return Err(Error::Comm(
+                        "TORCHELASTIC_RUN_ID is set but RANK, MASTER_ADDR or MASTER_PORT is not: start under torchrun"
+                            .into(),
+                    ));
+                }
+                let restart = match var("TORCHELASTIC_RESTART_COUNT") {
+                    Some(r) => r
+                        .trim()
+                        .parse()
+                        .map_err(|_| Error::Comm(format!("TORCHELASTIC_RESTART_COUNT={r:?} is not a number")))?,
+                    None => {
+                        return Err(Error::Comm(
+                            "TORCHELASTIC_RUN_ID is set but TORCHELASTIC_RESTART_COUNT is not".into(),
+                        ))
+                    }
+                };
+                Rendezvous::Torchrun { run_id, restart }
+            }
+            None => {
+                let job = var("SLURM_JOB_ID")
+                    .map(|j| format!("slurm-{j}"))
+                    .or_else(|| var("OMPI_MCA_ess_base_jobid").map(|j| format!("ompi-{j}")));
+                let token = match (var("STRATA_STORE_TOKEN"), job) {
+                    (Some(token), _) => token,
+                    (None, Some(job)) => derived_token(&job, var("HOME"))?,
+                    (None, None) => {
+                        return Err(Error::Comm("no job token: set STRATA_STORE_TOKEN (strata launch does)".into()))
+                    }
+                };
+                Rendezvous::Strata { token }
             }
         };
         Ok(RankInfo {
@@ -72,7 +107,7 @@ impl RankInfo {
             local_world_size,
             master_addr: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
             master_port,
-            token,
+            rendezvous,
         })
     }
 
@@ -141,13 +176,22 @@ fn derived_token(job: &str, home: Option<String>) -> Result<String> {
     Ok(super::auth::derive(&secret, job.as_bytes()))
 }
 
-/// Joins the job described by the environment: rank 0 hosts the store at
-/// `MASTER_ADDR:MASTER_PORT`, every rank connects to it. `spec` picks backends per device.
+/// Joins the job described by the environment: under torchrun, the c10d store its agent
+/// hosts at `MASTER_ADDR:MASTER_PORT`; otherwise rank 0 hosts Strata's store there and every
+/// rank connects to it. `spec` picks backends per device.
 pub fn init_from_env(spec: &str, timeout: Duration) -> Result<Comm> {
     let info = RankInfo::from_env()?;
     let addr = info.store_addr()?;
-    let server = if info.rank == 0 { Some(StoreServer::start(addr, &info.token)?) } else { None };
-    let store = Store::connect(addr, &info.token, timeout)?;
+    let (store, server) = match &info.rendezvous {
+        Rendezvous::Strata { token } => {
+            let server = if info.rank == 0 { Some(StoreServer::start(addr, token)?) } else { None };
+            (Store::connect(addr, token, timeout)?, server)
+        }
+        Rendezvous::Torchrun { run_id, restart } => {
+            let prefix = format!("strata/{run_id}/{restart}/");
+            (Store::connect_c10d(addr, &prefix, info.rank, timeout)?, None)
+        }
+    };
     Comm::new(store, server, info.rank, info.world_size, spec, timeout)
 }
 
@@ -182,7 +226,8 @@ mod tests {
             ("STRATA_STORE_TOKEN", "given"),
         ])
         .unwrap();
-        assert_eq!((s.rank, s.world_size, s.local_rank, s.token.as_str(), s.master_port), (5, 8, 1, "given", 29500));
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.master_port), (5, 8, 1, 29500));
+        assert_eq!(s.rendezvous, Rendezvous::Strata { token: "given".into() });
         let o =
             read(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("STRATA_STORE_TOKEN", "x")]).unwrap();
         assert_eq!((o.rank, o.world_size, o.local_rank), (0, 2, 0));
@@ -195,7 +240,10 @@ mod tests {
         let h = home.to_str().unwrap();
         let slurm = |job: &str| {
             let vars = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_ID", job), ("HOME", h)];
-            read(&vars).map(|i| i.token)
+            read(&vars).map(|i| match i.rendezvous {
+                Rendezvous::Strata { token } => token,
+                other => panic!("{other:?}"),
+            })
         };
         let (a, again, other) = (slurm("77").unwrap(), slurm("77").unwrap(), slurm("78").unwrap());
         assert_eq!(a, again, "every rank of a job derives the same token");
@@ -217,6 +265,25 @@ mod tests {
             read(&vars).unwrap_err().to_string().contains("STRATA_STORE_TOKEN"),
             "no HOME: refused with the way out"
         );
+    }
+
+    #[test]
+    fn torchrun_is_recognised_and_half_set_variables_are_refused() {
+        let torchrun = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29511"),
+            ("TORCHELASTIC_RUN_ID", "job7"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ];
+        let t = read(&torchrun).unwrap();
+        assert_eq!(t.rendezvous, Rendezvous::Torchrun { run_id: "job7".into(), restart: 2 });
+        for missing in ["MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR"] {
+            let vars: Vec<_> = torchrun.iter().copied().filter(|(k, _)| *k != missing).collect();
+            let err = read(&vars).unwrap_err().to_string();
+            assert!(err.contains(missing) && !err.contains('\n'), "{missing}: {err}");
+        }
     }
 
     #[test]

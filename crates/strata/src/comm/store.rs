@@ -1,5 +1,9 @@
 //! The rendezvous store: a TCP key-value server and its client (set, get, add, wait with a
-//! timeout, compare-and-set), used to form groups and exchange addresses and ids.
+//! timeout, compare-and-set), used to form groups and exchange addresses and ids. Under
+//! torchrun the client speaks to PyTorch's own c10d `TCPStore` instead, which torchrun's agent
+//! already hosts; Strata's server stays for `strata launch`, Slurm and Open MPI because c10d's
+//! store admits any client, and a token check layered on it could not keep others from its
+//! keys.
 //!
 //! The server binds to the address it is given (loopback unless told otherwise) and serves
 //! only clients that prove they hold the job's token ([`super::auth`]); others are told so
@@ -230,12 +234,21 @@ fn serve_requests(mut conn: TcpStream, table: &Table) -> std::io::Result<()> {
 
 /// A connection to the store. Calls are serialised; share it behind an `Arc`.
 pub struct Store {
-    conn: Mutex<TcpStream>,
+    backend: Backend,
     addr: SocketAddr,
     /// The job's token: the data mesh authenticates peers with it too.
     token: Vec<u8>,
     /// Default timeout of `get` and `wait`.
     pub timeout: Duration,
+}
+
+/// Whose store the job rendezvouses through.
+enum Backend {
+    /// Strata's own, authenticated with the job's token.
+    Strata(Mutex<TcpStream>),
+    /// PyTorch's c10d `TCPStore`, as torchrun's agent hosts it; every key lies under
+    /// `prefix` (the run and its restart round).
+    C10d { store: Mutex<strata_ext::c10d::TcpStore>, prefix: String },
 }
 
 impl Store {
@@ -253,7 +266,35 @@ impl Store {
         };
         conn.set_nodelay(true).map_err(|e| Error::Comm(format!("store at {addr}: {e}")))?;
         auth::connect(&mut conn, token.as_bytes(), b"store", &format!("the store at {addr}"))?;
-        Ok(Store { conn: Mutex::new(conn), addr, token: token.as_bytes().to_vec(), timeout })
+        let backend = Backend::Strata(Mutex::new(conn));
+        Ok(Store { backend, addr, token: token.as_bytes().to_vec(), timeout })
+    }
+
+    /// Joins PyTorch's c10d store at `addr` (torchrun's), keeping every key under `prefix`.
+    /// That store has no token; the job's mesh token is made by rank 0 and shared through it,
+    /// so the mesh admits what the store admits.
+    pub fn connect_c10d(addr: SocketAddr, prefix: &str, rank: usize, timeout: Duration) -> Result<Store> {
+        // c10d's client waits without limit for a server that accepts but never answers: it
+        // connects on a thread of its own, abandoned if the timeout passes first.
+        let (made, arrived) = std::sync::mpsc::channel();
+        let host = addr.ip().to_string();
+        std::thread::Builder::new()
+            .name("strata-c10d-connect".into())
+            .spawn(move || {
+                let _ = made.send(strata_ext::c10d::TcpStore::new(&host, addr.port(), false, timeout));
+            })
+            .map_err(|e| Error::Comm(format!("cannot start a thread to join the store: {e}")))?;
+        let client = match arrived.recv_timeout(timeout) {
+            Ok(made) => made.map_err(|e| Error::Comm(format!("cannot join the store at {addr}: {e}")))?,
+            Err(_) => return Err(Error::Comm(format!("the store at {addr} did not answer within {timeout:?}"))),
+        };
+        let backend = Backend::C10d { store: Mutex::new(client), prefix: prefix.to_string() };
+        let mut store = Store { backend, addr, token: Vec::new(), timeout };
+        if rank == 0 {
+            store.set("mesh-token", random_token()?.as_bytes())?;
+        }
+        store.token = store.get("mesh-token")?;
+        Ok(store)
     }
 
     pub(crate) fn token(&self) -> &[u8] {
@@ -263,15 +304,37 @@ impl Store {
     /// The local address this process reaches the store from: the interface peers on
     /// other hosts can reach it through.
     pub fn local_ip(&self) -> Result<std::net::IpAddr> {
-        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        conn.local_addr().map(|a| a.ip()).map_err(|e| Error::Comm(format!("store connection: {e}")))
+        let failed = |e: std::io::Error| Error::Comm(format!("store connection: {e}"));
+        match &self.backend {
+            Backend::Strata(conn) => {
+                conn.lock().unwrap_or_else(|e| e.into_inner()).local_addr().map(|a| a.ip()).map_err(failed)
+            }
+            // The route to the store's host picks the interface (a datagram socket sends nothing).
+            Backend::C10d { .. } => {
+                let probe = std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, 0)).map_err(failed)?;
+                probe.connect(self.addr).map_err(failed)?;
+                probe.local_addr().map(|a| a.ip()).map_err(failed)
+            }
+        }
     }
 
     fn call(&self, parts: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
-        let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let Backend::Strata(conn) = &self.backend else { return Err(Error::Comm("not a Strata store".into())) };
+        let mut conn = conn.lock().unwrap_or_else(|e| e.into_inner());
         let io = |e: std::io::Error| Error::Comm(format!("store at {}: {e}", self.addr));
         write_frame(&mut conn, parts).map_err(io)?;
         read_frame(&mut conn, MAX_FRAME, None).map_err(io)
+    }
+
+    /// Runs `f` on the c10d client with the key under its prefix; `None` for Strata's store.
+    fn c10d<T>(
+        &self,
+        key: &str,
+        f: impl FnOnce(&strata_ext::c10d::TcpStore, &str) -> strata_ext::Result<T>,
+    ) -> Option<Result<T>> {
+        let Backend::C10d { store, prefix } = &self.backend else { return None };
+        let store = store.lock().unwrap_or_else(|e| e.into_inner());
+        Some(f(&store, &format!("{prefix}{key}")).map_err(|e| Error::Comm(format!("store at {}: {e}", self.addr))))
     }
 
     fn timed_out(&self, what: &str, timeout: Duration) -> Error {
@@ -279,6 +342,9 @@ impl Store {
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        if let Some(r) = self.c10d(key, |s, k| s.set(k, value)) {
+            return r;
+        }
         self.call(&[&[Op::Set as u8], key.as_bytes(), value]).map(drop)
     }
 
@@ -288,6 +354,9 @@ impl Store {
     }
 
     pub fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        if let Some(r) = self.c10d(key, |s, k| s.get(k, timeout)) {
+            return r.map_err(|_| self.timed_out(&format!("key {key:?}"), timeout));
+        }
         let r = self.call(&[&[Op::Get as u8], key.as_bytes(), &(timeout.as_millis() as u64).to_le_bytes()])?;
         match r.first().map(Vec::as_slice) {
             Some([OK]) => Ok(r.get(1).cloned().unwrap_or_default()),
@@ -297,6 +366,9 @@ impl Store {
 
     /// Adds `delta` to the integer at `key` (0 when unset) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        if let Some(r) = self.c10d(key, |s, k| s.add(k, delta)) {
+            return r;
+        }
         let r = self.call(&[&[Op::Add as u8], key.as_bytes(), &delta.to_le_bytes()])?;
         let bytes: [u8; 8] = r
             .get(1)
@@ -308,12 +380,29 @@ impl Store {
     /// Sets `key` to `desired` if its value is `expected` (empty `expected`: if unset);
     /// returns the value after the call either way.
     pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        if let Some(r) = self.c10d(key, |s, k| s.compare_set(k, expected, desired)) {
+            return r;
+        }
         let r = self.call(&[&[Op::CompareSet as u8], key.as_bytes(), expected, desired])?;
         Ok(r.get(1).cloned().unwrap_or_default())
     }
 
+    /// The keys as the backend names them.
+    fn full_keys(&self, keys: &[&str]) -> Vec<String> {
+        match &self.backend {
+            Backend::C10d { prefix, .. } => keys.iter().map(|k| format!("{prefix}{k}")).collect(),
+            Backend::Strata(_) => keys.iter().map(|k| k.to_string()).collect(),
+        }
+    }
+
     /// Waits until every key is set.
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        if let Backend::C10d { store, .. } = &self.backend {
+            let full = self.full_keys(keys);
+            let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+            let store = store.lock().unwrap_or_else(|e| e.into_inner());
+            return store.wait(&refs, timeout).map_err(|_| self.timed_out(&format!("keys {keys:?}"), timeout));
+        }
         let ms = (timeout.as_millis() as u64).to_le_bytes();
         let mut parts: Vec<&[u8]> = vec![&[Op::Wait as u8], &ms];
         parts.extend(keys.iter().map(|k| k.as_bytes()));
@@ -326,6 +415,12 @@ impl Store {
 
     /// Whether every key is set, without waiting.
     pub fn check(&self, keys: &[&str]) -> Result<bool> {
+        if let Backend::C10d { store, .. } = &self.backend {
+            let full = self.full_keys(keys);
+            let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+            let store = store.lock().unwrap_or_else(|e| e.into_inner());
+            return store.check(&refs).map_err(|e| Error::Comm(format!("store at {}: {e}", self.addr)));
+        }
         let mut parts: Vec<&[u8]> = vec![&[Op::Check as u8]];
         parts.extend(keys.iter().map(|k| k.as_bytes()));
         Ok(self.call(&parts)?.get(1).map(Vec::as_slice) == Some(&[1]))
