@@ -287,7 +287,7 @@ fn refuse_idle_options(o: &TrainOptions, strategy: &StrategyChoice) -> Result<()
             bail!("--bucket-bytes sizes data parallel's gradient buckets; {name} reduces unit by unit without them");
         }
         // A rank of a launched job sees the job's size, not --nproc (the launcher drops it).
-        let world = o.nproc.or_else(|| std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse().ok()));
+        let world = o.nproc.or_else(strata::comm::launched_world_size);
         if world.unwrap_or(1) == 1 {
             bail!("--bucket-bytes sizes data parallel's gradient buckets; one rank reduces nothing");
         }

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::sync::Arc;
 use strata::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
-use strata::comm::{all_reduce_values, init_from_env, ReduceOp};
+use strata::comm::{all_reduce_values, init_from_env, launched_world_size, RankInfo, ReduceOp};
 use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData, Tokenizer};
 use strata::engine::EngineConfig;
 use strata::model::{self, Builder, ModelSpec};
@@ -138,14 +138,17 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     spec.freeze(&settings.freeze)?;
     check_outputs(&settings, spec.num_params() as u64)?;
     // Started as one of several ranks: join the job.
-    let comm = match std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse::<usize>().ok()) {
+    // Shared memory between the ranks of one host, TCP when the job spans hosts.
+    let (comm, local_world_size) = match launched_world_size() {
         Some(world) if world > 1 => {
-            let backends = if settings.device.is_cuda() { "cpu:shm,cuda:nccl" } else { "cpu:shm" };
-            Some(init_from_env(backends, settings.comm_timeout).context("joining the job")?)
+            let info = RankInfo::from_env().context("joining the job")?;
+            let cpu = if info.local_world_size == info.world_size { "cpu:shm" } else { "cpu:tcp" };
+            let backends = if settings.device.is_cuda() { format!("{cpu},cuda:nccl") } else { cpu.to_string() };
+            let comm = init_from_env(&backends, settings.comm_timeout).context("joining the job")?;
+            (Some(comm), info.local_world_size)
         }
-        _ => None,
+        _ => (None, 1),
     };
-    let local_world_size = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let data_parallel = DataParallelOptions {
         bucket_bytes: settings.bucket_bytes,
         find_unused_parameters: settings.find_unused_parameters,

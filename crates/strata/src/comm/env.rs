@@ -28,26 +28,33 @@ pub enum Rendezvous {
     Torchrun { run_id: String, restart: u64 },
 }
 
+/// Each launcher's names for (rank, world size, local rank, local world size).
+const SCHEMES: [[&str; 4]; 3] = [
+    ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+    ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"],
+    ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"],
+];
+
+/// The number of ranks a launcher (torchrun, `strata launch`, Slurm, Open MPI) started this
+/// process among, if one did; nothing else is read or made.
+pub fn launched_world_size() -> Option<usize> {
+    let names = SCHEMES.iter().find(|s| std::env::var_os(s[0]).is_some())?;
+    std::env::var(names[1]).ok()?.trim().parse().ok()
+}
+
 impl RankInfo {
     /// Reads the variables through `var` (the process environment in [`RankInfo::from_env`]).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<RankInfo> {
+        // Slurm writes per-node counts as `2(x3)` (2 tasks on each of 3 nodes): the count leads.
         let number = |name: &str| -> Result<Option<usize>> {
             var(name)
-                .map(|v| v.trim().parse::<usize>().map_err(|_| Error::Comm(format!("{name}={v:?} is not a number"))))
+                .map(|v| {
+                    let digits: String = v.trim().chars().take_while(char::is_ascii_digit).collect();
+                    digits.parse::<usize>().map_err(|_| Error::Comm(format!("{name}={v:?} is not a number")))
+                })
                 .transpose()
         };
-        // Each launcher's names for (rank, world size, local rank, local world size).
-        let schemes = [
-            ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
-            ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"],
-            [
-                "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE",
-            ],
-        ];
-        let Some(names) = schemes.iter().find(|s| var(s[0]).is_some()) else {
+        let Some(names) = SCHEMES.iter().find(|s| var(s[0]).is_some()) else {
             return Err(Error::Comm(
                 "no rank in the environment (RANK, SLURM_PROCID or OMPI_COMM_WORLD_RANK); start with `strata launch`"
                     .into(),
@@ -105,7 +112,13 @@ impl RankInfo {
             world_size,
             local_rank,
             local_world_size,
-            master_addr: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+            // Under Slurm without MASTER_ADDR the store lives on the job step's first node,
+            // where rank 0 runs.
+            master_addr: match (var("MASTER_ADDR"), var("SLURM_STEP_NODELIST").or_else(|| var("SLURM_JOB_NODELIST"))) {
+                (Some(addr), _) => addr,
+                (None, Some(list)) if names[0] == "SLURM_PROCID" => first_host(&list)?,
+                (None, _) => "127.0.0.1".into(),
+            },
             master_port,
             rendezvous,
         })
@@ -122,6 +135,15 @@ impl RankInfo {
             .and_then(|mut a| a.next())
             .ok_or_else(|| Error::Comm(format!("cannot resolve MASTER_ADDR {}", self.master_addr)))
     }
+}
+
+/// The first host of a Slurm node list: `node[03-05,9],gpu1` gives `node03`.
+fn first_host(list: &str) -> Result<String> {
+    let bad = || Error::Comm(format!("cannot read the Slurm node list {list:?}: set MASTER_ADDR"));
+    let head = list.split(',').next().filter(|h| !h.is_empty()).ok_or_else(bad)?;
+    let Some((prefix, rest)) = head.split_once('[') else { return Ok(head.to_string()) };
+    let first = rest.split(['-', ',', ']']).next().filter(|n| !n.is_empty()).ok_or_else(bad)?;
+    Ok(format!("{prefix}{first}"))
 }
 
 /// A job's token when the launcher (Slurm, Open MPI) gives only a job id, which anyone can
@@ -284,6 +306,21 @@ mod tests {
             let err = read(&vars).unwrap_err().to_string();
             assert!(err.contains(missing) && !err.contains('\n'), "{missing}: {err}");
         }
+    }
+
+    #[test]
+    fn under_slurm_the_store_is_on_the_step_s_first_node() {
+        assert_eq!(first_host("node[03-05,9],gpu1").unwrap(), "node03");
+        assert_eq!(first_host("gpu7,gpu8").unwrap(), "gpu7");
+        assert_eq!(first_host("a[12]").unwrap(), "a12");
+        assert!(first_host("").is_err() && first_host("n[").is_err());
+        let slurm = |extra: &[(&str, &str)]| {
+            let base = [("SLURM_PROCID", "1"), ("SLURM_NTASKS", "4"), ("STRATA_STORE_TOKEN", "t")];
+            read(&[&base[..], extra].concat()).unwrap().master_addr
+        };
+        assert_eq!(slurm(&[("SLURM_STEP_NODELIST", "cn[2-3]")]), "cn2");
+        assert_eq!(slurm(&[("SLURM_STEP_NODELIST", "cn[2-3]"), ("MASTER_ADDR", "10.1.1.1")]), "10.1.1.1");
+        assert_eq!(slurm(&[]), "127.0.0.1");
     }
 
     #[test]

@@ -18,7 +18,7 @@ mod nccl;
 pub mod store;
 pub mod transport;
 
-pub use env::{init_from_env, RankInfo, Rendezvous};
+pub use env::{init_from_env, launched_world_size, RankInfo, Rendezvous};
 pub use store::{Store, StoreServer};
 
 use crate::{Error, Result};

@@ -1,6 +1,7 @@
-//! `strata train` under PyTorch's torchrun (from the project's `.venv`): the same run as
-//! `strata launch`, an elastic restart that resumes from the newest checkpoint, and bad
-//! rendezvous input. Skipped, with a message, where `.venv` has no torchrun.
+//! `strata train` started by other launchers: PyTorch's torchrun (from the project's `.venv`;
+//! skipped, with a message, where it has none) — the same run as `strata launch`, an elastic
+//! restart that resumes from the newest checkpoint, bad rendezvous input — and the variables
+//! Slurm's `srun` and Open MPI's `mpirun` give their tasks, set here by hand.
 mod common;
 
 use common::{global_gap, losses, stderr, strata, weights};
@@ -135,4 +136,77 @@ fn a_store_that_never_answers_is_one_line_within_the_timeout() {
     assert!(err.contains("did not answer within 3s"), "{err}");
     assert!(started.elapsed() < std::time::Duration::from_secs(60));
     drop(silent);
+}
+
+/// Two ranks of `strata train ARGS` started as a launcher would, with `vars(rank)` each.
+fn two_ranks_with(args: &[&str], vars: impl Fn(usize) -> Vec<(String, String)>) {
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_strata"))
+                .arg("train")
+                .args(args)
+                .env("STRATA_LOG", "warn")
+                .env_remove("STRATA_STORE_TOKEN")
+                .envs(vars(rank))
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+}
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
+#[test]
+fn slurm_and_open_mpi_tasks_run_the_same_job_as_strata_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let args = [&MODEL[..], &RUN, &["--steps", "3"]].concat();
+    let o = strata(&[&["train"][..], &args, &["--nproc", "2", "--save-weights", &p("launch.st")]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    // srun: the store on the step's first node, the token from the user's secret.
+    let (home, port) = (p("home"), free_port());
+    let out = p("slurm.st");
+    two_ranks_with(&[&args[..], &["--save-weights", &out]].concat(), |rank| {
+        [
+            ("SLURM_PROCID", rank.to_string()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_LOCALID", rank.to_string()),
+            ("SLURM_NTASKS_PER_NODE", "2".into()),
+            ("SLURM_JOB_ID", "4242".into()),
+            ("SLURM_STEP_NODELIST", "localhost".into()),
+            ("MASTER_PORT", port.clone()),
+            ("HOME", home.clone()),
+        ]
+        .map(|(k, v)| (k.to_string(), v))
+        .to_vec()
+    });
+    // mpirun: Open MPI's variables, the token derived from its job id the same way.
+    let port = free_port();
+    let out_mpi = p("mpi.st");
+    two_ranks_with(&[&args[..], &["--save-weights", &out_mpi]].concat(), |rank| {
+        [
+            ("OMPI_COMM_WORLD_RANK", rank.to_string()),
+            ("OMPI_COMM_WORLD_SIZE", "2".into()),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", rank.to_string()),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+            ("OMPI_MCA_ess_base_jobid", "77".into()),
+            ("MASTER_PORT", port.clone()),
+            ("HOME", home.clone()),
+        ]
+        .map(|(k, v)| (k.to_string(), v))
+        .to_vec()
+    });
+    let reference = weights(Path::new(&p("launch.st")));
+    for file in [out, out_mpi] {
+        let other = weights(Path::new(&file));
+        for (name, t) in &reference {
+            assert!(t.equal(&other[name]), "{file}: {name} differs");
+        }
+    }
 }
