@@ -163,7 +163,7 @@ fn free_port() -> String {
 }
 
 #[test]
-fn slurm_and_open_mpi_tasks_run_the_same_job_as_strata_launch() {
+fn slurm_open_mpi_and_torchrun_without_an_agent_store_run_the_same_job_as_strata_launch() {
     let dir = tempfile::tempdir().unwrap();
     let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
     let args = [&MODEL[..], &RUN, &["--steps", "3"]].concat();
@@ -202,8 +202,27 @@ fn slurm_and_open_mpi_tasks_run_the_same_job_as_strata_launch() {
         .map(|(k, v)| (k.to_string(), v))
         .to_vec()
     });
+    // torchrun whose agent keeps no store (TORCHELASTIC_USE_AGENT_STORE=False): rank 0 hosts
+    // c10d's store itself, as PyTorch's env:// initialisation does.
+    let port = free_port();
+    let out_torchrun = p("torchrun-own-store.st");
+    two_ranks_with(&[&args[..], &["--save-weights", &out_torchrun]].concat(), |rank| {
+        [
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".into()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("LOCAL_WORLD_SIZE", "2".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port.clone()),
+            ("TORCHELASTIC_RUN_ID", "own".into()),
+            ("TORCHELASTIC_RESTART_COUNT", "0".into()),
+            ("TORCHELASTIC_USE_AGENT_STORE", "False".into()),
+        ]
+        .map(|(k, v)| (k.to_string(), v))
+        .to_vec()
+    });
     let reference = weights(Path::new(&p("launch.st")));
-    for file in [out, out_mpi] {
+    for file in [out, out_mpi, out_torchrun] {
         let other = weights(Path::new(&file));
         for (name, t) in &reference {
             assert!(t.equal(&other[name]), "{file}: {name} differs");

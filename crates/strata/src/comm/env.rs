@@ -22,10 +22,11 @@ pub struct RankInfo {
 pub enum Rendezvous {
     /// Strata's store, hosted by rank 0, admitting only holders of `token`.
     Strata { token: String },
-    /// The c10d store torchrun's agent hosts (torchrun's trust model: no token). Keys live
+    /// torchrun's c10d store (torchrun's trust model: no token): hosted by its agent, or by
+    /// rank 0 when the agent says it keeps none (`TORCHELASTIC_USE_AGENT_STORE`). Keys live
     /// under the run id and the restart round, so a restarted round never reads the keys of
     /// the round before it.
-    Torchrun { run_id: String, restart: u64 },
+    Torchrun { run_id: String, restart: u64, agent_store: bool },
 }
 
 /// Each launcher's names for (rank, world size, local rank, local world size).
@@ -91,7 +92,8 @@ impl RankInfo {
                         ))
                     }
                 };
-                Rendezvous::Torchrun { run_id, restart }
+                let agent_store = var("TORCHELASTIC_USE_AGENT_STORE").is_none_or(|v| v == "True");
+                Rendezvous::Torchrun { run_id, restart, agent_store }
             }
             None => {
                 let job = var("SLURM_JOB_ID")
@@ -209,9 +211,10 @@ pub fn init_from_env(spec: &str, timeout: Duration) -> Result<Comm> {
             let server = if info.rank == 0 { Some(StoreServer::start(addr, token)?) } else { None };
             (Store::connect(addr, token, timeout)?, server)
         }
-        Rendezvous::Torchrun { run_id, restart } => {
+        Rendezvous::Torchrun { run_id, restart, agent_store } => {
             let prefix = format!("strata/{run_id}/{restart}/");
-            (Store::connect_c10d(addr, &prefix, info.rank, timeout)?, None)
+            let host = !agent_store && info.rank == 0;
+            (Store::connect_c10d(addr, &prefix, info.rank, host, timeout)?, None)
         }
     };
     Comm::new(store, server, info.rank, info.world_size, spec, timeout)
@@ -300,7 +303,9 @@ mod tests {
             ("TORCHELASTIC_RESTART_COUNT", "2"),
         ];
         let t = read(&torchrun).unwrap();
-        assert_eq!(t.rendezvous, Rendezvous::Torchrun { run_id: "job7".into(), restart: 2 });
+        assert_eq!(t.rendezvous, Rendezvous::Torchrun { run_id: "job7".into(), restart: 2, agent_store: true });
+        let own = read(&[&torchrun[..], &[("TORCHELASTIC_USE_AGENT_STORE", "False")]].concat()).unwrap();
+        assert_eq!(own.rendezvous, Rendezvous::Torchrun { run_id: "job7".into(), restart: 2, agent_store: false });
         for missing in ["MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR"] {
             let vars: Vec<_> = torchrun.iter().copied().filter(|(k, _)| *k != missing).collect();
             let err = read(&vars).unwrap_err().to_string();

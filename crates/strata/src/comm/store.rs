@@ -270,18 +270,18 @@ impl Store {
         Ok(Store { backend, addr, token: token.as_bytes().to_vec(), timeout })
     }
 
-    /// Joins PyTorch's c10d store at `addr` (torchrun's), keeping every key under `prefix`.
-    /// That store has no token; the job's mesh token is made by rank 0 and shared through it,
-    /// so the mesh admits what the store admits.
-    pub fn connect_c10d(addr: SocketAddr, prefix: &str, rank: usize, timeout: Duration) -> Result<Store> {
+    /// Joins PyTorch's c10d store at `addr` (torchrun's), or hosts it there with `host`,
+    /// keeping every key under `prefix`. That store has no token; the job's mesh token is made
+    /// by rank 0 and shared through it, so the mesh admits what the store admits.
+    pub fn connect_c10d(addr: SocketAddr, prefix: &str, rank: usize, host: bool, timeout: Duration) -> Result<Store> {
         // c10d's client waits without limit for a server that accepts but never answers: it
         // connects on a thread of its own, abandoned if the timeout passes first.
         let (made, arrived) = std::sync::mpsc::channel();
-        let host = addr.ip().to_string();
+        let ip = addr.ip().to_string();
         std::thread::Builder::new()
             .name("strata-c10d-connect".into())
             .spawn(move || {
-                let _ = made.send(strata_ext::c10d::TcpStore::new(&host, addr.port(), false, timeout));
+                let _ = made.send(strata_ext::c10d::TcpStore::new(&ip, addr.port(), host, timeout));
             })
             .map_err(|e| Error::Comm(format!("cannot start a thread to join the store: {e}")))?;
         let client = match arrived.recv_timeout(timeout) {
