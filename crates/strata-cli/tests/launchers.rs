@@ -139,7 +139,7 @@ fn a_store_that_never_answers_is_one_line_within_the_timeout() {
 }
 
 /// Two ranks of `strata train ARGS` started as a launcher would, with `vars(rank)` each.
-fn two_ranks_with(args: &[&str], vars: impl Fn(usize) -> Vec<(String, String)>) {
+fn two_ranks_with<const N: usize>(args: &[&str], vars: impl Fn(usize) -> [(&'static str, String); N]) {
     let children: Vec<_> = (0..2)
         .map(|rank| {
             Command::new(env!("CARGO_BIN_EXE_strata"))
@@ -183,8 +183,6 @@ fn slurm_open_mpi_and_torchrun_without_an_agent_store_run_the_same_job_as_strata
             ("MASTER_PORT", port.clone()),
             ("HOME", home.clone()),
         ]
-        .map(|(k, v)| (k.to_string(), v))
-        .to_vec()
     });
     // mpirun: Open MPI's variables, the token derived from its job id the same way.
     let port = free_port();
@@ -199,8 +197,6 @@ fn slurm_open_mpi_and_torchrun_without_an_agent_store_run_the_same_job_as_strata
             ("MASTER_PORT", port.clone()),
             ("HOME", home.clone()),
         ]
-        .map(|(k, v)| (k.to_string(), v))
-        .to_vec()
     });
     // torchrun whose agent keeps no store (TORCHELASTIC_USE_AGENT_STORE=False): rank 0 hosts
     // c10d's store itself, as PyTorch's env:// initialisation does.
@@ -218,8 +214,6 @@ fn slurm_open_mpi_and_torchrun_without_an_agent_store_run_the_same_job_as_strata
             ("TORCHELASTIC_RESTART_COUNT", "0".into()),
             ("TORCHELASTIC_USE_AGENT_STORE", "False".into()),
         ]
-        .map(|(k, v)| (k.to_string(), v))
-        .to_vec()
     });
     let reference = weights(Path::new(&p("launch.st")));
     for file in [out, out_mpi, out_torchrun] {
