@@ -541,17 +541,16 @@ mod tests {
         let mut big = TcpStream::connect(addr).unwrap();
         big.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
         let mut buf = [0u8; 1];
-        big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        assert_eq!(big.read(&mut buf).unwrap_or(0), 0, "the oversized frame ends the connection");
+        big.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        assert_eq!(big.read(&mut buf).expect("the server closed it"), 0, "the oversized frame ends the connection");
         // One that stalls mid-handshake holds nobody up, and is closed by the deadline.
         let mut stalled = TcpStream::connect(addr).unwrap();
         stalled.write_all(&[100, 0, 0]).unwrap();
         let other = Store::connect(addr, "secret", Duration::from_secs(5)).unwrap();
         other.set("k", b"v").unwrap();
-        stalled.set_read_timeout(Some(auth::HANDSHAKE_TIME * 2)).unwrap();
-        let started = Instant::now();
-        assert_eq!(stalled.read(&mut buf).unwrap_or(0), 0);
-        assert!(started.elapsed() < auth::HANDSHAKE_TIME + Duration::from_secs(3));
+        // The server closes it (end of stream, not this side's read timeout running out).
+        stalled.set_read_timeout(Some(auth::HANDSHAKE_TIME * 6)).unwrap();
+        assert_eq!(stalled.read(&mut buf).expect("the server closed the stalled connection"), 0);
         // Authenticated but malformed requests end that connection, not the server: a wait
         // without keys, a check without keys, a get with the longest timeout.
         for parts in [vec![vec![Op::Wait as u8]], vec![vec![Op::Check as u8]], vec![vec![Op::Set as u8]]] {
