@@ -209,6 +209,11 @@ fn quantize(t: &Tensor, scale: f64, kind: Kind, max: f64) -> Result<Tensor> {
 /// `a @ b` of fp8 operands quantised with scales `sa` and `sb`, in `out`; `b` must be
 /// column-major. The dequantisation factors sit beside the operands, as CUDA requires.
 fn scaled_mm(a: &Tensor, b: &Tensor, sa: f64, sb: f64, out: Kind) -> std::result::Result<Tensor, String> {
+    // CUDA's kernels need every dimension a multiple of 16; the CPU's emulation does not, but
+    // holding it to the same rule keeps CPU runs honest about what a GPU would accept.
+    if let Some(d) = a.size().into_iter().chain(b.size()).find(|d| d % 16 != 0) {
+        return Err(format!("fp8 scaled products need dimensions that are multiples of 16, got {d}"));
+    }
     let factor = |s: f64| Tensor::from_slice(&[(1.0 / s) as f32]).reshape([]).to_device(a.device());
     a.f_internal_scaled_mm::<Tensor>(b, &factor(sa), &factor(sb), None, None, out, false).map_err(text)
 }
