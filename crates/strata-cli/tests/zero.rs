@@ -337,15 +337,14 @@ fn a_rank_killed_mid_step_or_mid_save_loses_nothing() {
     // step 4 (after its file is written: the checkpoint at 2 stays the latest).
     for (fault, resumes_at) in [("backward@5", 4), ("save-written@4", 2)] {
         let ckpt = p(&format!("ckpt-{fault}"));
-        let started = std::time::Instant::now();
         let o = run(
             &["--steps", "6", "--save-checkpoint", &ckpt, "--checkpoint-every", "2"],
             &[("STRATA_FAULT", fault), ("STRATA_FAULT_RANK", "1")],
         );
         assert!(!o.status.success(), "{fault}: the job fails");
         let err = stderr(&o);
+        // The launcher saw the death itself (not a peer's timeout) and named the rank.
         assert!(err.contains("rank 1 was killed by signal 9"), "{fault}: {err}");
-        assert!(started.elapsed() < std::time::Duration::from_secs(120), "{fault}: the launcher noticed at once");
         let latest = std::fs::read_to_string(dir.path().join(format!("ckpt-{fault}/latest"))).unwrap();
         assert_eq!(latest, format!("step-{resumes_at:08}"), "{fault}");
         let (metrics, weights) = (p(&format!("resumed-{fault}.jsonl")), p(&format!("resumed-{fault}.st")));

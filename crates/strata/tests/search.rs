@@ -77,6 +77,20 @@ fn analysis() -> Analysis {
     }
 }
 
+#[test]
+fn the_memory_model_orders_the_methods_as_zero_does() {
+    let a = analysis();
+    let at = |precision, sharding, checkpoint| {
+        predicted_peak(&a, &Candidate { precision, module_replace: false, sharding, checkpoint }, 4)
+    };
+    let fp32 = Precision::Fp32;
+    assert!(at(fp32, Sharding::None, false) > at(fp32, Sharding::Zero1, false));
+    assert!(at(fp32, Sharding::Zero1, false) > at(fp32, Sharding::Zero2, false));
+    assert!(at(fp32, Sharding::Zero2, false) > at(fp32, Sharding::Fsdp, false));
+    assert!(at(fp32, Sharding::None, true) < at(fp32, Sharding::None, false), "recomputation keeps less");
+    assert!(at(Precision::HalfBf16, Sharding::None, false) < at(Precision::AmpBf16, Sharding::None, false));
+}
+
 fn limits(world: usize, budget: Option<u64>, time_limit: Option<f64>) -> SearchLimits {
     SearchLimits { device: Device::Cpu, world, budget, time_limit: time_limit.map(Duration::from_secs_f64) }
 }

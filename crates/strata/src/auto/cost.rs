@@ -55,31 +55,3 @@ pub fn predicted_peak(a: &Analysis, c: &Candidate, world: usize) -> u64 {
     };
     (states + activations) as u64
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_memory_model_orders_the_methods_as_zero_does() {
-        let a = Analysis {
-            params: 1_000_000,
-            unit_params: vec![100_000; 10],
-            unit_activation_bytes: vec![1_000_000; 10],
-            unit_output_bytes: vec![100_000; 10],
-            step_seconds: 0.1,
-            ledger_peak_bytes: 0,
-            allocator_peak_bytes: 0,
-            blocks: vec!["Block".into()],
-        };
-        let at = |precision, sharding, checkpoint| {
-            predicted_peak(&a, &Candidate { precision, module_replace: false, sharding, checkpoint }, 4)
-        };
-        let fp32 = Precision::Fp32;
-        assert!(at(fp32, Sharding::None, false) > at(fp32, Sharding::Zero1, false));
-        assert!(at(fp32, Sharding::Zero1, false) > at(fp32, Sharding::Zero2, false));
-        assert!(at(fp32, Sharding::Zero2, false) > at(fp32, Sharding::Fsdp, false));
-        assert!(at(fp32, Sharding::None, true) < at(fp32, Sharding::None, false), "recomputation keeps less");
-        assert!(at(Precision::HalfBf16, Sharding::None, false) < at(Precision::AmpBf16, Sharding::None, false));
-    }
-}
