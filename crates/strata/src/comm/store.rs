@@ -326,15 +326,17 @@ impl Store {
         read_frame(&mut conn, MAX_FRAME, None).map_err(io)
     }
 
-    /// Runs `f` on the c10d client with the key under its prefix; `None` for Strata's store.
+    /// Runs `f` on the c10d client with `keys` under its prefix; `None` for Strata's store.
     fn c10d<T>(
         &self,
-        key: &str,
-        f: impl FnOnce(&strata_ext::c10d::TcpStore, &str) -> strata_ext::Result<T>,
+        keys: &[&str],
+        f: impl FnOnce(&strata_ext::c10d::TcpStore, &[&str]) -> strata_ext::Result<T>,
     ) -> Option<Result<T>> {
         let Backend::C10d { store, prefix } = &self.backend else { return None };
+        let full: Vec<String> = keys.iter().map(|k| format!("{prefix}{k}")).collect();
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
         let store = store.lock().unwrap_or_else(|e| e.into_inner());
-        Some(f(&store, &format!("{prefix}{key}")).map_err(|e| Error::Comm(format!("store at {}: {e}", self.addr))))
+        Some(f(&store, &refs).map_err(|e| Error::Comm(format!("store at {}: {e}", self.addr))))
     }
 
     fn timed_out(&self, what: &str, timeout: Duration) -> Error {
@@ -342,7 +344,7 @@ impl Store {
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        if let Some(r) = self.c10d(key, |s, k| s.set(k, value)) {
+        if let Some(r) = self.c10d(&[key], |s, k| s.set(k[0], value)) {
             return r;
         }
         self.call(&[&[Op::Set as u8], key.as_bytes(), value]).map(drop)
@@ -354,7 +356,7 @@ impl Store {
     }
 
     pub fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        if let Some(r) = self.c10d(key, |s, k| s.get(k, timeout)) {
+        if let Some(r) = self.c10d(&[key], |s, k| s.get(k[0], timeout)) {
             return r.map_err(|_| self.timed_out(&format!("key {key:?}"), timeout));
         }
         let r = self.call(&[&[Op::Get as u8], key.as_bytes(), &(timeout.as_millis() as u64).to_le_bytes()])?;
@@ -366,7 +368,7 @@ impl Store {
 
     /// Adds `delta` to the integer at `key` (0 when unset) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        if let Some(r) = self.c10d(key, |s, k| s.add(k, delta)) {
+        if let Some(r) = self.c10d(&[key], |s, k| s.add(k[0], delta)) {
             return r;
         }
         let r = self.call(&[&[Op::Add as u8], key.as_bytes(), &delta.to_le_bytes()])?;
@@ -380,28 +382,17 @@ impl Store {
     /// Sets `key` to `desired` if its value is `expected` (empty `expected`: if unset);
     /// returns the value after the call either way.
     pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
-        if let Some(r) = self.c10d(key, |s, k| s.compare_set(k, expected, desired)) {
+        if let Some(r) = self.c10d(&[key], |s, k| s.compare_set(k[0], expected, desired)) {
             return r;
         }
         let r = self.call(&[&[Op::CompareSet as u8], key.as_bytes(), expected, desired])?;
         Ok(r.get(1).cloned().unwrap_or_default())
     }
 
-    /// The keys as the backend names them.
-    fn full_keys(&self, keys: &[&str]) -> Vec<String> {
-        match &self.backend {
-            Backend::C10d { prefix, .. } => keys.iter().map(|k| format!("{prefix}{k}")).collect(),
-            Backend::Strata(_) => keys.iter().map(|k| k.to_string()).collect(),
-        }
-    }
-
     /// Waits until every key is set.
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        if let Backend::C10d { store, .. } = &self.backend {
-            let full = self.full_keys(keys);
-            let refs: Vec<&str> = full.iter().map(String::as_str).collect();
-            let store = store.lock().unwrap_or_else(|e| e.into_inner());
-            return store.wait(&refs, timeout).map_err(|_| self.timed_out(&format!("keys {keys:?}"), timeout));
+        if let Some(r) = self.c10d(keys, |s, k| s.wait(k, timeout)) {
+            return r.map_err(|_| self.timed_out(&format!("keys {keys:?}"), timeout));
         }
         let ms = (timeout.as_millis() as u64).to_le_bytes();
         let mut parts: Vec<&[u8]> = vec![&[Op::Wait as u8], &ms];
@@ -415,11 +406,8 @@ impl Store {
 
     /// Whether every key is set, without waiting.
     pub fn check(&self, keys: &[&str]) -> Result<bool> {
-        if let Backend::C10d { store, .. } = &self.backend {
-            let full = self.full_keys(keys);
-            let refs: Vec<&str> = full.iter().map(String::as_str).collect();
-            let store = store.lock().unwrap_or_else(|e| e.into_inner());
-            return store.check(&refs).map_err(|e| Error::Comm(format!("store at {}: {e}", self.addr)));
+        if let Some(r) = self.c10d(keys, |s, k| s.check(k)) {
+            return r;
         }
         let mut parts: Vec<&[u8]> = vec![&[Op::Check as u8]];
         parts.extend(keys.iter().map(|k| k.as_bytes()));
