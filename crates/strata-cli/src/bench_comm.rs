@@ -1,9 +1,12 @@
 //! `strata bench comm`: collectives of each backend over a range of sizes, in the style of
 //! nccl-tests (time, algorithm bandwidth, bus bandwidth), with this machine's single-process
-//! memcpy bandwidth measured in the same run as the reference.
+//! memcpy bandwidth and PyTorch's gloo backend (`scripts/torch_comm_reference.py`, same
+//! operations, sizes and timing rule) measured in the same run as the references.
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
+use std::path::PathBuf;
+use std::process::Command;
 use std::time::{Duration, Instant};
 use strata::comm::{all_reduce_values, init_from_env, ProcessGroup, ReduceOp};
 use tch::{Device, Kind, Tensor};
@@ -30,6 +33,12 @@ pub struct BenchCommArgs {
     /// Print the results as JSON (rank 0).
     #[arg(long)]
     json: bool,
+    /// Skip the PyTorch gloo reference.
+    #[arg(long)]
+    no_reference: bool,
+    /// Python of the environment with torch (default: the checkout's .venv).
+    #[arg(long)]
+    python: Option<PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -40,6 +49,10 @@ struct Row {
     time_us: f64,
     algbw_gbps: f64,
     busbw_gbps: f64,
+    /// PyTorch gloo's time for the same operation and size, measured after Strata's.
+    gloo_time_us: Option<f64>,
+    /// gloo's time over this row's: above 1, Strata is faster.
+    speedup_vs_gloo: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -105,9 +118,36 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
     Ok(all_reduce_values(g, &[start.elapsed().as_secs_f64() / iters as f64], ReduceOp::Max)?[0])
 }
 
+/// Runs the gloo reference with `n` processes; its rows as (op, bytes) → microseconds.
+fn gloo_times(a: &BenchCommArgs, n: usize) -> Result<Vec<(String, usize, f64)>> {
+    let python = a.python.clone().unwrap_or_else(|| crate::bench::repo_root().join(".venv/bin/python"));
+    let script = crate::bench::repo_root().join("scripts/torch_comm_reference.py");
+    let out = Command::new(&python)
+        .arg(&script)
+        .args(["--nproc", &n.to_string(), "--ops", &a.ops])
+        .args(["--min-bytes", &a.min_bytes.to_string(), "--max-bytes", &a.max_bytes.to_string()])
+        .args(["--factor", &a.factor.to_string()])
+        .output()
+        .with_context(|| format!("cannot run {} (run scripts/setup.sh first)", python.display()))?;
+    if !out.status.success() {
+        bail!("the gloo reference failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("the gloo reference printed no JSON report")?;
+    let rows = report["rows"].as_array().context("the gloo report has no rows")?;
+    rows.iter()
+        .map(|r| {
+            let op = r["op"].as_str().context("a gloo row without op")?;
+            let bytes = r["bytes"].as_u64().context("a gloo row without bytes")?;
+            let t = r["time_us"].as_f64().context("a gloo row without time")?;
+            Ok((op.to_string(), bytes as usize, t))
+        })
+        .collect()
+}
+
 pub fn run(a: BenchCommArgs) -> Result<()> {
     if let Some(n) = a.nproc {
-        return crate::launch::relaunch_self(n, "--nproc");
+        return crate::launch::relaunch_self(n, "--nproc", Some(0));
     }
     if a.min_bytes == 0 || a.factor < 2 || a.min_bytes > a.max_bytes {
         bail!("sizes must satisfy 0 < --min-bytes <= --max-bytes and --factor >= 2");
@@ -130,6 +170,8 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
                     time_us: t * 1e6,
                     algbw_gbps: algbw,
                     busbw_gbps: algbw * bus_factor(op, n),
+                    gloo_time_us: None,
+                    speedup_vs_gloo: None,
                 });
                 bytes *= a.factor;
             }
@@ -140,6 +182,14 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     }
     // The reference, measured after the collectives so they do not share the machine.
     let memcpy: Vec<(usize, f64)> = [16usize << 20, 64 << 20].iter().map(|&b| (b, memcpy_gbps(b))).collect();
+    if !a.no_reference {
+        for (op, bytes, t) in gloo_times(&a, n)? {
+            for r in rows.iter_mut().filter(|r| r.op == op && r.bytes == bytes) {
+                r.gloo_time_us = Some(t);
+                r.speedup_vs_gloo = Some(t / r.time_us);
+            }
+        }
+    }
     let report = Report { world_size: n, memcpy_gbps: memcpy, rows };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -147,19 +197,27 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     }
     println!("{n} ranks");
     println!(
-        "{:<8} {:<15} {:>12} {:>12} {:>12} {:>12}",
-        "backend", "op", "bytes", "time us", "algbw GB/s", "busbw GB/s"
+        "{:<8} {:<15} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
+        "backend", "op", "bytes", "time us", "algbw GB/s", "busbw GB/s", "gloo us", "vs gloo"
     );
+    let or_dash = |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |x| format!("{x:.digits$}"));
     for r in &report.rows {
         println!(
-            "{:<8} {:<15} {:>12} {:>12.1} {:>12.3} {:>12.3}",
-            r.backend, r.op, r.bytes, r.time_us, r.algbw_gbps, r.busbw_gbps
+            "{:<8} {:<15} {:>12} {:>12.1} {:>12.3} {:>12.3} {:>12} {:>10}",
+            r.backend,
+            r.op,
+            r.bytes,
+            r.time_us,
+            r.algbw_gbps,
+            r.busbw_gbps,
+            or_dash(r.gloo_time_us, 1),
+            or_dash(r.speedup_vs_gloo, 2)
         );
     }
     for (bytes, gbps) in &report.memcpy_gbps {
         println!("memcpy (one process) {:>10} bytes: {gbps:.3} GB/s", bytes);
-        for r in report.rows.iter().filter(|r| r.op == "all_reduce" && r.bytes == *bytes) {
-            println!("  {} all_reduce busbw / memcpy at {bytes} bytes: {:.2}", r.backend, r.busbw_gbps / gbps);
+        for r in report.rows.iter().filter(|r| r.bytes == *bytes) {
+            println!("  {} {} busbw / memcpy: {:.2}", r.backend, r.op, r.busbw_gbps / gbps);
         }
     }
     Ok(())

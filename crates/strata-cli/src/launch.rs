@@ -25,6 +25,10 @@ pub struct LaunchArgs {
     /// Port of the store (default: a free port on one node, 29500 across nodes).
     #[arg(long)]
     pub master_port: Option<u16>,
+    /// Show only this rank's standard output, without the rank prefix, so a report it
+    /// prints (`--json`) stays machine-readable; every rank's standard error is still shown.
+    #[arg(long)]
+    pub stdout_of: Option<usize>,
     /// Seconds the other ranks get to exit after a failure before they are killed.
     #[arg(long, default_value_t = 5.0)]
     pub grace: f64,
@@ -46,8 +50,21 @@ fn free_port(addr: &str) -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-/// Copies one child's stream to ours, a line at a time, each line prefixed with its rank.
-fn relay(source: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> std::thread::JoinHandle<()> {
+/// Where a rank's stream goes.
+#[derive(Clone, Copy, PartialEq)]
+enum Relay {
+    Prefixed {
+        to_stderr: bool,
+    },
+    /// Unprefixed to our standard output.
+    Raw,
+    /// Read and dropped, so the rank never blocks on a full pipe.
+    Dropped,
+}
+
+/// Copies one child's stream to ours, a line at a time, each line prefixed with its rank
+/// unless `how` says otherwise.
+fn relay(source: impl Read + Send + 'static, rank: usize, how: Relay) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut lines = BufReader::new(source);
         let mut line = Vec::new();
@@ -55,11 +72,15 @@ fn relay(source: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> st
             let text = String::from_utf8_lossy(&line);
             let text = text.trim_end_matches('\n');
             // One write per line keeps lines of different ranks whole.
-            let out = format!("[rank {rank}] {text}\n");
-            let _ = if to_stderr {
-                std::io::stderr().write_all(out.as_bytes())
-            } else {
-                std::io::stdout().write_all(out.as_bytes())
+            let _ = match how {
+                Relay::Prefixed { to_stderr: true } => {
+                    std::io::stderr().write_all(format!("[rank {rank}] {text}\n").as_bytes())
+                }
+                Relay::Prefixed { to_stderr: false } => {
+                    std::io::stdout().write_all(format!("[rank {rank}] {text}\n").as_bytes())
+                }
+                Relay::Raw => std::io::stdout().write_all(format!("{text}\n").as_bytes()),
+                Relay::Dropped => Ok(()),
             };
             line.clear();
         }
@@ -131,10 +152,15 @@ pub fn run(a: LaunchArgs) -> Result<()> {
             }
         };
         if let Some(out) = child.stdout.take() {
-            relays.push(relay(out, rank, false));
+            let how = match a.stdout_of {
+                None => Relay::Prefixed { to_stderr: false },
+                Some(r) if r == rank => Relay::Raw,
+                Some(_) => Relay::Dropped,
+            };
+            relays.push(relay(out, rank, how));
         }
         if let Some(err) = child.stderr.take() {
-            relays.push(relay(err, rank, true));
+            relays.push(relay(err, rank, Relay::Prefixed { to_stderr: true }));
         }
         children.push((rank, child));
     }
@@ -183,8 +209,9 @@ pub fn run(a: LaunchArgs) -> Result<()> {
 }
 
 /// Runs this same command again under `strata launch` with `n` local ranks, leaving out
-/// the option `flag` (and its value) that asked for it.
-pub fn relaunch_self(n: usize, flag: &str) -> Result<()> {
+/// the option `flag` (and its value) that asked for it; with `stdout_of`, only that rank's
+/// standard output is shown, as it printed it.
+pub fn relaunch_self(n: usize, flag: &str, stdout_of: Option<usize>) -> Result<()> {
     let exe = std::env::current_exe().context("cannot find the strata binary")?;
     let mut args: Vec<String> = Vec::new();
     let mut skip = false;
@@ -198,8 +225,13 @@ pub fn relaunch_self(n: usize, flag: &str) -> Result<()> {
             args.push(arg);
         }
     }
+    let mut launch = vec!["launch".to_string(), "--nproc-per-node".into(), n.to_string()];
+    if let Some(rank) = stdout_of {
+        launch.extend(["--stdout-of".into(), rank.to_string()]);
+    }
     let status = Command::new(&exe)
-        .args(["launch", "--nproc-per-node", &n.to_string(), "--"])
+        .args(launch)
+        .arg("--")
         .arg(&exe)
         .args(&args)
         .status()

@@ -200,17 +200,40 @@ fn check_collectives(g: &dyn ProcessGroup) {
         for (i, o) in outputs.iter().enumerate() {
             same(o, &values(kind, i as i64, i as i64), &format!("all_gather {kind:?} from {i}"));
         }
-        // Reduce-scatter of 5 elements per rank (and of zero elements).
-        for m in [5, 0] {
+        // In place, in pieces larger than one chunk of the shared arena: the inputs are views
+        // of one flat buffer, each rank's input is its own output.
+        let m = 300_001;
+        let flat = Tensor::zeros([m * n], (kind, Device::Cpu));
+        let outputs: Vec<Tensor> = (0..n).map(|i| flat.narrow(0, i * m, m)).collect();
+        outputs[r as usize].shallow_clone().copy_(&values(kind, m, r));
+        g.all_gather(&outputs, &outputs[r as usize]).unwrap().wait().unwrap();
+        for (i, o) in outputs.iter().enumerate() {
+            same(o, &values(kind, m, i as i64), &format!("in-place all_gather {kind:?} from {i}"));
+        }
+        // Reduce-scatter of 5 elements per rank, of zero elements, and of more than a chunk.
+        for m in [5, 0, 300_001] {
             let inputs: Vec<Tensor> = (0..n).map(|i| values(kind, m, r + i)).collect();
             let output = Tensor::zeros([m], (kind, Device::Cpu));
             g.reduce_scatter(&output, &inputs, ReduceOp::Sum).unwrap().wait().unwrap();
             same(
                 &output,
                 &(values(kind, m, 0) * n + ranks_sum + n * r).to_kind(kind),
-                &format!("reduce_scatter {kind:?}"),
+                &format!("reduce_scatter {kind:?} x{m}"),
             );
             same(&inputs[0], &values(kind, m, r), "reduce_scatter leaves its inputs alone");
+        }
+        // In place (the output is this rank's input), with max and, for floats, avg.
+        let m = 300_001;
+        let flat = Tensor::cat(&(0..n).map(|i| values(kind, m, 2 * (r + i))).collect::<Vec<_>>(), 0);
+        let inputs: Vec<Tensor> = (0..n).map(|i| flat.narrow(0, i * m, m)).collect();
+        g.reduce_scatter(&inputs[r as usize], &inputs, ReduceOp::Max).unwrap().wait().unwrap();
+        same(&inputs[r as usize], &values(kind, m, 2 * (n - 1 + r)), &format!("in-place reduce_scatter max {kind:?}"));
+        if matches!(kind, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) {
+            let inputs: Vec<Tensor> = (0..n).map(|i| values(kind, m, 2 * (r + i))).collect();
+            let output = Tensor::zeros([m], (kind, Device::Cpu));
+            g.reduce_scatter(&output, &inputs, ReduceOp::Avg).unwrap().wait().unwrap();
+            // The mean of 2(q + r) over ranks q is (n - 1) + 2r.
+            same(&output, &values(kind, m, n - 1 + 2 * r), &format!("reduce_scatter avg {kind:?}"));
         }
         // All-to-all: rank r sends [10r + j, 10r + j] to rank j.
         let inputs: Vec<Tensor> = (0..n).map(|j| Tensor::full([2], 10 * r + j, (kind, Device::Cpu))).collect();

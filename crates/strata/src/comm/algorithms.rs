@@ -6,12 +6,12 @@
 //! reduce-scatter then a gather of the blocks at the root; all-to-all = n−1 pairwise
 //! exchanges; barrier = a one-byte all-gather.
 use super::elementwise::{check_reducible, divide, reduce_into, split};
-use super::transport::{ShmTransport, TcpTransport, Transport};
+use super::transport::{Block, ShmTransport, TcpTransport, Transport};
 use super::{check_list, check_rank, comm_text, GroupSetup, ProcessGroup, ReduceOp, Store, Work};
 use crate::{Error, Result};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 /// Pieces of broadcast's pipeline.
@@ -52,7 +52,7 @@ impl RingGroup {
             .spawn(move || {
                 // After a failure the peers are out of step: every later call fails too.
                 let mut broken: Option<String> = None;
-                for (job, work) in rx {
+                while let Some((job, work)) = next_job(&rx) {
                     let result = match &broken {
                         Some(first) => Err(Error::Comm(format!("group unusable after an earlier failure: {first}"))),
                         None => job(transport.as_mut()).map_err(|e| first_failure(&store, &failure_key, e)),
@@ -82,6 +82,20 @@ impl Drop for RingGroup {
             let _ = w.join();
         }
     }
+}
+
+/// The next job, spinning briefly first: collectives usually come in quick succession,
+/// and waking a blocked thread costs more than the whole of a small collective.
+fn next_job(rx: &Receiver<(Job, Work)>) -> Option<(Job, Work)> {
+    let start = Instant::now();
+    while start.elapsed() < super::SPIN_BEFORE_BLOCKING {
+        match rx.try_recv() {
+            Ok(next) => return Some(next),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => std::hint::spin_loop(),
+        }
+    }
+    rx.recv().ok()
 }
 
 /// Names the root cause of a failure. When a peer dies, its neighbours fail first and exit,
@@ -125,32 +139,6 @@ impl Buffer {
 
     fn whole(&self) -> Block {
         self.block(0..self.len)
-    }
-}
-
-/// A byte range in some buffer. Blocks of one collective never overlap, so a shared and a
-/// mutable view of two different blocks may coexist.
-#[derive(Clone, Copy)]
-struct Block {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Block {
-    fn bytes<'a>(self) -> &'a [u8] {
-        if self.len == 0 {
-            return &[]; // empty tensors may have no storage at all
-        }
-        // SAFETY: see `Buffer`; blocks are valid for the job's duration.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-    #[allow(clippy::mut_from_ref)]
-    fn bytes_mut<'a>(self) -> &'a mut [u8] {
-        if self.len == 0 {
-            return &mut [];
-        }
-        // SAFETY: as above, and no other view of this block is alive while it is written.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
 
@@ -240,11 +228,14 @@ impl ProcessGroup for RingGroup {
         let inp = Buffer::of(input, self.backend)?;
         let rank = self.rank;
         self.submit(move |tr| {
+            let blocks: Vec<Block> = outs.iter().map(Buffer::whole).collect();
+            if let Some(done) = tr.native_all_gather(&blocks, inp.whole()) {
+                return done;
+            }
             // In place when the input already is this rank's output (a shard of the buffer).
             if outs[rank].ptr != inp.ptr {
                 outs[rank].whole().bytes_mut().copy_from_slice(inp.whole().bytes());
             }
-            let blocks: Vec<Block> = outs.iter().map(Buffer::whole).collect();
             all_gather_ring(tr, &blocks)
         })
     }
@@ -263,6 +254,10 @@ impl ProcessGroup for RingGroup {
         let ins = inputs.iter().map(|t| Buffer::of(t, self.backend)).collect::<Result<Vec<_>>>()?;
         let out = Buffer::of(output, self.backend)?;
         self.submit(move |tr| {
+            let inputs: Vec<Block> = ins.iter().map(Buffer::whole).collect();
+            if let Some(done) = tr.native_reduce_scatter(&inputs, out.whole(), kind, op) {
+                return done;
+            }
             // The inputs stay untouched: reduce in a scratch copy.
             let total: usize = ins.iter().map(|b| b.len).sum();
             let mut work = scratch(total);

@@ -33,27 +33,38 @@ pub(crate) fn check_reducible(kind: Kind, op: ReduceOp) -> Result<()> {
 
 /// `dst[i] = op(dst[i], src[i])` over elements of `kind`.
 pub(crate) fn reduce_into(kind: Kind, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
-    fn typed<T: Copy>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
+    apply(kind, op, dst, None, src)
+}
+
+/// `dst[i] = op(a[i], b[i])`: a reduction that reads its first operand from elsewhere, so
+/// the result needs no copy of it first.
+pub(crate) fn combine_into(kind: Kind, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
+    apply(kind, op, dst, Some(a), b)
+}
+
+/// `dst = op(a, src)` with `a` defaulting to `dst` itself.
+fn apply(kind: Kind, op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    fn typed<T: Copy>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8], f: impl Fn(T, T) -> T) {
         let n = dst.len() / std::mem::size_of::<T>();
         if n == 0 {
             return;
         }
-        // SAFETY: both buffers are aligned for T (tensor storage or u64 scratch, at element
-        // offsets) and hold n elements.
-        let (d, s) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut T, n),
-                std::slice::from_raw_parts(src.as_ptr() as *const T, n),
-            )
-        };
-        d.iter_mut().zip(s).for_each(|(a, &b)| *a = f(*a, b));
+        // SAFETY: every buffer is aligned for T (tensor storage, shared slots or u64 scratch,
+        // at element offsets) and holds at least n elements.
+        let view = |b: &[u8]| unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, n) };
+        let d = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut T, n) };
+        let s = view(src);
+        match a {
+            None => d.iter_mut().zip(s).for_each(|(x, &y)| *x = f(*x, y)),
+            Some(a) => d.iter_mut().zip(view(a).iter().zip(s)).for_each(|(x, (&l, &r))| *x = f(l, r)),
+        }
     }
     macro_rules! arith {
         ($t:ty, $to:expr, $from:expr) => {
             match op {
-                ReduceOp::Sum | ReduceOp::Avg => typed::<$t>(dst, src, |a, b| $from($to(a) + $to(b))),
-                ReduceOp::Max => typed::<$t>(dst, src, |a, b| if $to(b) > $to(a) { b } else { a }),
-                ReduceOp::Min => typed::<$t>(dst, src, |a, b| if $to(b) < $to(a) { b } else { a }),
+                ReduceOp::Sum | ReduceOp::Avg => typed::<$t>(dst, a, src, |a, b| $from($to(a) + $to(b))),
+                ReduceOp::Max => typed::<$t>(dst, a, src, |a, b| if $to(b) > $to(a) { b } else { a }),
+                ReduceOp::Min => typed::<$t>(dst, a, src, |a, b| if $to(b) < $to(a) { b } else { a }),
             }
         };
     }
@@ -63,14 +74,14 @@ pub(crate) fn reduce_into(kind: Kind, op: ReduceOp, dst: &mut [u8], src: &[u8]) 
         Kind::Half => arith!(f16, f16::to_f32, f16::from_f32),
         Kind::BFloat16 => arith!(bf16, bf16::to_f32, bf16::from_f32),
         Kind::Int => match op {
-            ReduceOp::Max => typed::<i32>(dst, src, i32::max),
-            ReduceOp::Min => typed::<i32>(dst, src, i32::min),
-            _ => typed::<i32>(dst, src, i32::wrapping_add),
+            ReduceOp::Max => typed::<i32>(dst, a, src, i32::max),
+            ReduceOp::Min => typed::<i32>(dst, a, src, i32::min),
+            _ => typed::<i32>(dst, a, src, i32::wrapping_add),
         },
         Kind::Int64 => match op {
-            ReduceOp::Max => typed::<i64>(dst, src, i64::max),
-            ReduceOp::Min => typed::<i64>(dst, src, i64::min),
-            _ => typed::<i64>(dst, src, i64::wrapping_add),
+            ReduceOp::Max => typed::<i64>(dst, a, src, i64::max),
+            ReduceOp::Min => typed::<i64>(dst, a, src, i64::min),
+            _ => typed::<i64>(dst, a, src, i64::wrapping_add),
         },
         _ => unreachable!("checked by check_reducible"),
     }
@@ -117,6 +128,9 @@ mod tests {
         let g = [f16::from_f32(0.5), f16::from_f32(0.25)].map(|x| x.to_le_bytes()).concat();
         reduce_into(Kind::Half, ReduceOp::Sum, &mut h, &g);
         assert_eq!(h, [f16::from_f32(1.5), f16::from_f32(2.25)].map(|x| x.to_le_bytes()).concat());
+        let mut out = [0u8; 8];
+        combine_into(Kind::Float, ReduceOp::Sum, &mut out, &[1.0f32, 2.0].map(f32::to_le_bytes).concat(), &b);
+        assert_eq!(out.to_vec(), [3.0f32, -1.0].map(f32::to_le_bytes).concat());
         assert!(check_reducible(Kind::Int64, ReduceOp::Avg).is_err());
         assert!(check_reducible(Kind::Bool, ReduceOp::Sum).is_err());
     }

@@ -37,6 +37,11 @@ pub enum ReduceOp {
     Min,
 }
 
+/// How long a thread waiting for a collective (or for the next one) spins before it
+/// blocks: a blocked thread's wake-up costs tens of microseconds, more than a small
+/// collective takes, while spinning longer would take a core from the ranks computing.
+const SPIN_BEFORE_BLOCKING: Duration = Duration::from_micros(50);
+
 /// Completion of an asynchronous collective.
 #[derive(Default)]
 struct Completion {

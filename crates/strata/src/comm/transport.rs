@@ -4,17 +4,61 @@
 //! Every blocking call gives up after the group's timeout, and a peer that went away is
 //! reported by rank (a closed socket, or a process that no longer exists).
 use super::auth;
-use super::elementwise::{divide, reduce_into, split};
+use super::elementwise::{combine_into, divide, reduce_into, split};
 use super::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
 use memmap2::MmapMut;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tch::Kind;
+
+/// A byte range of a tensor or scratch buffer that a collective hands to its transport.
+/// Blocks of one collective never overlap unless they are the same block, so a shared and
+/// a mutable view of two different blocks may coexist.
+#[derive(Clone, Copy)]
+pub struct Block {
+    pub(super) ptr: *mut u8,
+    pub(super) len: usize,
+}
+
+impl Block {
+    pub(super) fn bytes<'a>(self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[]; // empty tensors may have no storage at all
+        }
+        // SAFETY: blocks point into memory the collective keeps alive for its duration.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    pub(super) fn bytes_mut<'a>(self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as above, and no other view of this block is alive while it is written.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Up to `max` bytes from offset `at` (empty past the end).
+    fn piece(self, at: usize, max: usize) -> Block {
+        let at = at.min(self.len);
+        // SAFETY: `at` lies within the block.
+        Block { ptr: unsafe { self.ptr.add(at) }, len: max.min(self.len - at) }
+    }
+
+    /// Copies this block's bytes to `dst` (at least as long).
+    fn copy_to(self, dst: *mut u8) {
+        if self.len > 0 {
+            // SAFETY: callers pass a destination of at least `len` bytes that does not
+            // overlap the block (a shared slot, or another tensor of the collective).
+            unsafe { std::ptr::copy_nonoverlapping(self.ptr, dst, self.len) }
+        }
+    }
+}
 
 /// Point-to-point byte movement between the ranks of one group.
 pub trait Transport: Send {
@@ -30,6 +74,22 @@ pub trait Transport: Send {
 
     /// An all-reduce of `buf` done natively by the transport, or `None` to use the ring.
     fn native_all_reduce(&mut self, _buf: &mut [u8], _kind: Kind, _op: ReduceOp) -> Option<Result<()>> {
+        None
+    }
+    /// A reduce-scatter done natively: `out` receives the reduction of every rank's
+    /// `inputs[rank]`, the inputs stay unchanged; `None` to use the ring.
+    fn native_reduce_scatter(
+        &mut self,
+        _inputs: &[Block],
+        _out: Block,
+        _kind: Kind,
+        _op: ReduceOp,
+    ) -> Option<Result<()>> {
+        None
+    }
+    /// An all-gather done natively: every rank's `input` lands in its block of `outputs`
+    /// (this rank's may be the input itself); `None` to use the ring.
+    fn native_all_gather(&mut self, _outputs: &[Block], _input: Block) -> Option<Result<()>> {
         None
     }
     fn recv(&mut self, from: usize, inp: &mut [u8]) -> Result<()> {
@@ -190,34 +250,45 @@ impl Transport for TcpTransport {
 
 // ---- shared memory --------------------------------------------------------------------
 
-/// Waiting without starving an oversubscribed core: spin briefly, then yield, then sleep.
+/// Waiting for a peer in shared memory. A waiter spins for a few microseconds (a peer on
+/// another core is usually about to arrive, and sleeping would add a wake-up's latency to
+/// every collective), then sleeps in the kernel on its doorbell: a futex word that every
+/// peer rings after writing anything the waiter may be waiting for (a barrier arrival,
+/// bytes into its channel, room freed in one). So a rank waiting for a slower peer gives
+/// its core to the ranks that compute.
 struct Backoff {
-    idle: u32,
+    spins: u32,
     since: Instant,
+    checked: Instant,
 }
+
+/// Spins before sleeping: about the cost of a futex round trip.
+const SPIN_LIMIT: u32 = 2000;
+/// Longest sleep before a waiter checks on its peers (alive? timed out?).
+const SLEEP_SLICE: Duration = Duration::from_millis(5);
 
 impl Backoff {
     fn new() -> Backoff {
-        Backoff { idle: 0, since: Instant::now() }
+        let now = Instant::now();
+        Backoff { spins: 0, since: now, checked: now }
     }
 
-    /// Waits a little; true once waiting has lasted long enough to check on the peers.
-    /// For the first stretch it spins and yields (a peer on another core is usually about
-    /// to arrive, and sleeping would add the timer's slack to every wait); after that it
-    /// sleeps, so a stalled group does not hold a core.
-    fn pause(&mut self) -> bool {
-        self.idle += 1;
-        if self.since.elapsed() < Duration::from_micros(500) {
-            if self.idle < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-            false
-        } else {
-            std::thread::sleep(Duration::from_micros(20));
-            true
+    /// True at most once per sleep slice: time to check on the peers (reading /proc is
+    /// too slow to do after every wake-up).
+    fn check_due(&mut self) -> bool {
+        let due = self.checked.elapsed() >= SLEEP_SLICE;
+        if due {
+            self.checked = Instant::now();
         }
+        due
+    }
+
+    /// Spins once and returns true while the spinning phase lasts; then false, and the
+    /// caller sleeps.
+    fn spin(&mut self) -> bool {
+        self.spins += 1;
+        std::hint::spin_loop();
+        self.spins <= SPIN_LIMIT
     }
 }
 
@@ -229,8 +300,10 @@ const CHANNEL_STRIDE: usize = CHANNEL_HEADER + CHANNEL_BYTES;
 
 /// Bytes of each rank's slot in the all-reduce arena (and of the shared result slot).
 const SLOT_BYTES: usize = 1 << 21;
-/// One cache line per rank's progress counter.
-const FLAG_STRIDE: usize = 64;
+/// Per rank: its progress counter on one cache line, its doorbell and sleeper count on the
+/// next.
+const FLAG_STRIDE: usize = 128;
+const DOORBELL_AT: usize = 64;
 
 /// Creates a shared-memory segment of `bytes` readable and writable by this user only: the
 /// job's gradients and parameters pass through it.
@@ -314,6 +387,47 @@ impl ShmTransport {
         }
     }
 
+    /// Rank `rank`'s doorbell (a futex word) and the number of its threads asleep on it.
+    fn doorbell(&self, rank: usize) -> (&AtomicU32, &AtomicU32) {
+        let at = Self::arena_offset(self.size) + rank * FLAG_STRIDE + DOORBELL_AT;
+        // SAFETY: two 4-byte-aligned u32 words inside the mapping, shared across processes.
+        unsafe {
+            let base = self.map.as_ptr().add(at) as *mut u32;
+            (AtomicU32::from_ptr(base), AtomicU32::from_ptr(base.add(1)))
+        }
+    }
+
+    /// Tells `rank` that something it may wait for has changed, waking it if it sleeps.
+    /// Sequentially consistent with [`ShmTransport::doze`]: either the sleeper sees the
+    /// new doorbell value and does not sleep, or this sees the sleeper and wakes it.
+    fn ring(&self, rank: usize) {
+        let (bell, sleepers) = self.doorbell(rank);
+        bell.fetch_add(1, Ordering::SeqCst);
+        if sleepers.load(Ordering::SeqCst) > 0 {
+            // SAFETY: a live, aligned u32 of a shared mapping; a shared (not private) futex,
+            // since waker and sleeper are different processes.
+            unsafe { libc::syscall(libc::SYS_futex, bell.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
+        }
+    }
+
+    /// This rank's doorbell value, read before looking at what it waits for.
+    fn bell(&self) -> u32 {
+        self.doorbell(self.rank).0.load(Ordering::SeqCst)
+    }
+
+    /// Sleeps until the doorbell moves from `seen` (or a time slice passes).
+    fn doze(&self, seen: u32) {
+        let (bell, sleepers) = self.doorbell(self.rank);
+        sleepers.fetch_add(1, Ordering::SeqCst);
+        let ts = libc::timespec {
+            tv_sec: SLEEP_SLICE.as_secs() as libc::time_t,
+            tv_nsec: SLEEP_SLICE.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: as in `ring`. A spurious or early return is harmless: callers re-check.
+        unsafe { libc::syscall(libc::SYS_futex, bell.as_ptr(), libc::FUTEX_WAIT, seen, &ts as *const libc::timespec) };
+        sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
     /// Slot `i` of the arena; slot `size` is the shared result.
     fn slot(&self, i: usize) -> *mut u8 {
         let base = Self::arena_offset(self.size) + self.size * FLAG_STRIDE;
@@ -324,12 +438,22 @@ impl ShmTransport {
     /// Announces that this rank reached the next phase and waits until every rank has.
     fn arena_barrier(&mut self) -> Result<()> {
         self.phase += 1;
-        self.flag(self.rank).store(self.phase, Ordering::Release);
+        self.flag(self.rank).store(self.phase, Ordering::SeqCst);
+        for peer in (0..self.size).filter(|&p| p != self.rank) {
+            self.ring(peer);
+        }
         let mut backoff = Backoff::new();
         for peer in 0..self.size {
-            while self.flag(peer).load(Ordering::Acquire) < self.phase {
-                if backoff.pause() {
-                    self.check_peers(&[peer], peer, &backoff)?;
+            loop {
+                let seen = self.bell();
+                if self.flag(peer).load(Ordering::Acquire) >= self.phase {
+                    break;
+                }
+                if !backoff.spin() {
+                    self.doze(seen);
+                    if backoff.check_due() {
+                        self.check_peers(&[peer], peer, &backoff)?;
+                    }
                 }
             }
         }
@@ -365,6 +489,9 @@ impl ShmTransport {
             std::ptr::copy_nonoverlapping(data.as_ptr().add(first), ring, n - first);
         }
         head.store(h + n as u64, Ordering::Release);
+        if n > 0 {
+            self.ring(to);
+        }
         n
     }
 
@@ -385,6 +512,9 @@ impl ShmTransport {
             std::ptr::copy_nonoverlapping(ring, buf.as_mut_ptr().add(first), n - first);
         }
         tail.store(t + n as u64, Ordering::Release);
+        if n > 0 {
+            self.ring(from);
+        }
         n
     }
 
@@ -428,6 +558,77 @@ impl ShmTransport {
         Ok(())
     }
 
+    /// Half `h` of rank `p`'s slot. Reduce-scatter and all-gather alternate halves chunk by
+    /// chunk, so one barrier per chunk suffices: a half is written again only after every
+    /// rank has passed the barrier that follows its last reading.
+    fn half(&self, p: usize, h: usize) -> *mut u8 {
+        // SAFETY: both halves lie inside slot `p`.
+        unsafe { self.slot(p).add(h * (SLOT_BYTES / 2)) }
+    }
+
+    /// Chunk by chunk: copy into this rank's slot the pieces of the inputs the other ranks
+    /// own, barrier, then reduce this rank's own input piece with the peers' copies of it
+    /// straight into the output. Each input byte is read once and copied at most once;
+    /// nothing the size of the whole input is staged. A closing barrier leaves the slots
+    /// free for the next collective.
+    fn arena_reduce_scatter(&mut self, inputs: &[Block], out: Block, kind: Kind, op: ReduceOp) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        // Cache-line multiples, so every region is aligned for every dtype.
+        let region = SLOT_BYTES / 2 / n / 64 * 64;
+        let longest = inputs.iter().map(|b| b.len).max().unwrap_or(0);
+        for (c, at) in (0..longest).step_by(region).enumerate() {
+            let h = c % 2;
+            for p in (0..n).filter(|&p| p != r) {
+                // SAFETY: region p of this rank's half holds `region` bytes.
+                inputs[p].piece(at, region).copy_to(unsafe { self.half(r, h).add(p * region) });
+            }
+            self.arena_barrier()?;
+            let (mine, dst) = (inputs[r].piece(at, region), out.piece(at, region));
+            let mut first = mine.ptr != dst.ptr; // in place, the output already holds mine
+            if n == 1 && first {
+                mine.copy_to(dst.ptr);
+            }
+            for p in (0..n).filter(|&p| p != r) {
+                // SAFETY: peer p wrote this region before the barrier and leaves it alone
+                // until the next one.
+                let theirs = unsafe { std::slice::from_raw_parts(self.half(p, h).add(r * region), dst.len) };
+                if std::mem::take(&mut first) {
+                    combine_into(kind, op, dst.bytes_mut(), mine.bytes(), theirs);
+                } else {
+                    reduce_into(kind, op, dst.bytes_mut(), theirs);
+                }
+            }
+            if op == ReduceOp::Avg {
+                divide(kind, dst.bytes_mut(), n);
+            }
+        }
+        self.arena_barrier()
+    }
+
+    /// Chunk by chunk: copy this rank's input piece into its slot (and into its own output
+    /// while the piece is in cache), barrier, copy every peer's piece out of its slot.
+    fn arena_all_gather(&mut self, outputs: &[Block], input: Block) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let region = SLOT_BYTES / 2;
+        let longest = outputs.iter().map(|b| b.len).max().unwrap_or(0);
+        for (c, at) in (0..longest).step_by(region).enumerate() {
+            let h = c % 2;
+            let piece = input.piece(at, region);
+            piece.copy_to(self.half(r, h));
+            let own = outputs[r].piece(at, region);
+            if own.ptr != piece.ptr {
+                piece.copy_to(own.ptr);
+            }
+            self.arena_barrier()?;
+            for p in (0..n).filter(|&p| p != r) {
+                let dst = outputs[p].piece(at, region);
+                // SAFETY: peer p's half holds its piece until the next barrier.
+                unsafe { std::ptr::copy_nonoverlapping(self.half(p, h), dst.ptr, dst.len) };
+            }
+        }
+        self.arena_barrier()
+    }
+
     /// Fails if one of `peers` has exited, or if nothing has moved for the timeout.
     fn check_peers(&self, peers: &[usize], waiting_on: usize, backoff: &Backoff) -> Result<()> {
         if let Some(&dead) = peers.iter().find(|&&p| !self.alive(p)) {
@@ -464,6 +665,14 @@ impl Transport for ShmTransport {
         Some(self.arena_all_reduce(buf, kind, op))
     }
 
+    fn native_reduce_scatter(&mut self, inputs: &[Block], out: Block, kind: Kind, op: ReduceOp) -> Option<Result<()>> {
+        Some(self.arena_reduce_scatter(inputs, out, kind, op))
+    }
+
+    fn native_all_gather(&mut self, outputs: &[Block], input: Block) -> Option<Result<()>> {
+        Some(self.arena_all_gather(outputs, input))
+    }
+
     fn exchange(&mut self, to: usize, out: &[u8], from: usize, inp: &mut [u8]) -> Result<()> {
         for peer in [to, from] {
             if peer >= self.size || peer == self.rank {
@@ -476,14 +685,18 @@ impl Transport for ShmTransport {
         let (mut sent, mut got) = (0, 0);
         let mut backoff = Backoff::new();
         while sent < out.len() || got < inp.len() {
+            let seen = self.bell();
             let pushed = self.push(to, &out[sent..]);
             let pulled = self.pull(from, &mut inp[got..]);
             sent += pushed;
             got += pulled;
             if pushed + pulled > 0 {
                 backoff = Backoff::new();
-            } else if backoff.pause() {
-                self.check_peers(&[to, from], if sent < out.len() { to } else { from }, &backoff)?;
+            } else if !backoff.spin() {
+                self.doze(seen);
+                if backoff.check_due() {
+                    self.check_peers(&[to, from], if got < inp.len() { from } else { to }, &backoff)?;
+                }
             }
         }
         Ok(())
