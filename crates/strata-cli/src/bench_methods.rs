@@ -2,7 +2,7 @@
 //! module_replace) each against none on the same GPT, in rounds that visit every
 //! configuration in turn so that all see the same drifts of the machine: tokens/s, the
 //! allocator's peak (activations included) and the model-state peak.
-use crate::bench_runs::{self, GptShape};
+use crate::bench_runs::{self, median, GptShape};
 use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
@@ -50,11 +50,6 @@ struct Row {
     memory_vs_none: f64,
     model_state_bytes: u64,
     final_loss: f64,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 pub fn run(args: BenchMethodsArgs) -> Result<()> {

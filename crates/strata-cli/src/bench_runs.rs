@@ -46,3 +46,9 @@ pub fn train(args: &[String], warmup: usize) -> Result<RunFigures> {
     speeds.sort_by(f64::total_cmp);
     Ok(RunFigures { last, tokens_per_s: speeds.get(speeds.len() / 2).copied().unwrap_or(0.0) })
 }
+
+/// The median of some samples (the upper one of an even count; 0 for none).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}

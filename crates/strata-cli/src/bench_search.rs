@@ -2,7 +2,7 @@
 //! runs, per scenario (world size × memory budget). The guided choice and the exhaustive
 //! best are then trained side by side, alternating, and compared by median tokens/s: the
 //! best of many noisy dry runs is inflated by its luck, so only a paired run judges.
-use crate::bench_runs::{self, GptShape};
+use crate::bench_runs::{self, median, GptShape};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
@@ -69,11 +69,6 @@ fn strategy_of(report: &Value, label: &str) -> Result<String> {
     let trials = report["trials"].as_array().context("no trials in the report")?;
     let trial = trials.iter().find(|t| t["label"] == label).context("the chosen label is not among the trials")?;
     Ok(trial["strategy"].to_string())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 pub fn run(args: BenchSearchArgs) -> Result<()> {

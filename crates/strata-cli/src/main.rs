@@ -2,6 +2,7 @@
 //! every failure into one line on stderr with a non-zero exit.
 mod bench;
 mod bench_comm;
+mod bench_dist;
 mod bench_methods;
 mod bench_runs;
 mod bench_search;
@@ -80,6 +81,9 @@ enum BenchCommand {
     /// amp_native, half, fp8, checkpoint and module_replace each against none: tokens/s,
     /// peak allocated bytes and model-state bytes.
     Methods(bench_methods::BenchMethodsArgs),
+    /// Data parallelism and fsdp against PyTorch DDP and FSDP2 over gloo at several world
+    /// sizes: tokens/s, the ratio, and memory peaks.
+    Dist(bench_dist::BenchDistArgs),
     /// The guided strategy search against an exhaustive one per scenario: dry runs spent,
     /// and the guided choice trained side by side with the exhaustive best.
     Search(bench_search::BenchSearchArgs),
@@ -144,6 +148,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
         Command::Bench { which: BenchCommand::Methods(a) } => bench_methods::run(a),
         Command::Bench { which: BenchCommand::Search(a) } => bench_search::run(a),
+        Command::Bench { which: BenchCommand::Dist(a) } => bench_dist::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
         Command::Strategy { which: StrategyCommand::Show { strategy } } => {
             options::parse_strategy(&strategy).map(|s| println!("{}", s.to_json()))

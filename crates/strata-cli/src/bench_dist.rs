@@ -1,0 +1,158 @@
+//! `strata bench dist`: Strata's data parallelism and fsdp against PyTorch's
+//! DistributedDataParallel and FSDP2 (`scripts/torch_dist_reference.py`, gloo), on the same
+//! GPT and global batch at each world size, in rounds that alternate the two sides so both
+//! see the same drifts of the machine: tokens/s with the ratio, and rank 0's allocator and
+//! RSS peaks (PyTorch's CPU allocator keeps no statistics: its RSS peak, the largest of any
+//! rank, stands in).
+use crate::bench_runs::{self, median, GptShape};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Serialize;
+use std::path::PathBuf;
+use std::process::Command;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchDistArgs {
+    #[command(flatten)]
+    shape: GptShape,
+    /// World sizes, comma-separated.
+    #[arg(long, default_value = "2,4")]
+    nproc: String,
+    /// Methods, comma-separated: ddp (data parallel) and fsdp.
+    #[arg(long, default_value = "ddp,fsdp")]
+    methods: String,
+    /// Global batch (rows per step), split evenly over the ranks.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Steps per run; the first two are warm-up and not timed.
+    #[arg(long, default_value_t = 12)]
+    steps: u64,
+    /// Rounds; each figure is the median over rounds.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Compute threads per rank, on both sides.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Python of the environment with torch (default: the checkout's .venv).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// Print the results as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Row {
+    method: String,
+    world_size: usize,
+    strata_tokens_per_s: f64,
+    pytorch_tokens_per_s: f64,
+    /// Strata's tokens/s over PyTorch's.
+    speedup: f64,
+    strata_allocator_peak_bytes: u64,
+    strata_rss_peak_bytes: u64,
+    pytorch_rss_peak_bytes: u64,
+}
+
+/// Strata's strategy for a method.
+fn strategy(method: &str) -> Result<&'static str> {
+    Ok(match method {
+        "ddp" => "[]",
+        "fsdp" => r#"[["fsdp", {}]]"#,
+        other => bail!("unknown method {other:?}; expected ddp or fsdp"),
+    })
+}
+
+/// One PyTorch run: (tokens/s, largest peak RSS of a rank).
+fn pytorch(args: &BenchDistArgs, method: &str, n: usize) -> Result<(f64, u64)> {
+    let root = crate::bench::repo_root();
+    let python = args.python.clone().unwrap_or_else(|| root.join(".venv/bin/python"));
+    let s = &args.shape;
+    let flags = format!(
+        "--nproc {n} --mode {method} --layers {} --heads {} --dim {} --ctx {} --batch-size {} --steps {} --threads {}",
+        s.layers, s.heads, s.dim, s.ctx, args.batch_size, args.steps, args.threads
+    );
+    let out = Command::new(&python)
+        .arg(root.join("scripts/torch_dist_reference.py"))
+        .args(flags.split_whitespace())
+        .output()
+        .with_context(|| format!("cannot run {} (run scripts/setup.sh first)", python.display()))?;
+    if !out.status.success() {
+        bail!("the PyTorch {method} reference failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("the PyTorch reference printed no JSON report")?;
+    let speed = report["tokens_per_s"].as_f64().context("no tokens_per_s in the PyTorch report")?;
+    Ok((speed, report["peak_rss_bytes"].as_u64().unwrap_or(0)))
+}
+
+/// One Strata run: (tokens/s, allocator peak, RSS peak) of rank 0.
+fn strata(args: &BenchDistArgs, method: &str, n: usize) -> Result<(f64, u64, u64)> {
+    let s = &args.shape;
+    let flags = format!(
+        "--model gpt --steps {} --schedule constant --layers {} --heads {} --dim {} --ctx {} --batch-size {} --threads {} --nproc {n}",
+        args.steps, s.layers, s.heads, s.dim, s.ctx, args.batch_size, args.threads
+    );
+    let mut argv: Vec<String> = flags.split_whitespace().map(String::from).collect();
+    argv.extend(["--strategy".into(), strategy(method)?.into()]);
+    let run = bench_runs::train(&argv, 2)?;
+    let bytes = |k: &str| run.last[k].as_u64().with_context(|| format!("no {k} in the metrics"));
+    Ok((run.tokens_per_s, bytes("allocator_peak_bytes")?, bytes("rss_peak_bytes")?))
+}
+
+pub fn run(args: BenchDistArgs) -> Result<()> {
+    let worlds: Vec<usize> = args.nproc.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
+    if worlds.iter().any(|&n| n < 2 || !args.batch_size.is_multiple_of(n)) {
+        bail!("every world size must be at least 2 and divide --batch-size {}", args.batch_size);
+    }
+    let methods: Vec<&str> = args.methods.split(',').map(str::trim).collect();
+    let mut rows = Vec::new();
+    for &n in &worlds {
+        for &method in &methods {
+            let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+            for _ in 0..args.rounds.max(1) {
+                ours.push(strata(&args, method, n)?);
+                theirs.push(pytorch(&args, method, n)?);
+            }
+            let strata_speed = median(ours.iter().map(|r| r.0).collect());
+            let torch_speed = median(theirs.iter().map(|r| r.0).collect());
+            rows.push(Row {
+                method: method.to_string(),
+                world_size: n,
+                strata_tokens_per_s: strata_speed,
+                pytorch_tokens_per_s: torch_speed,
+                speedup: strata_speed / torch_speed.max(1e-9),
+                strata_allocator_peak_bytes: ours.iter().map(|r| r.1).max().unwrap_or(0),
+                strata_rss_peak_bytes: ours.iter().map(|r| r.2).max().unwrap_or(0),
+                pytorch_rss_peak_bytes: theirs.iter().map(|r| r.1).max().unwrap_or(0),
+            });
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    let s = &args.shape;
+    println!(
+        "GPT {} layers, width {}, ctx {}, global batch {}, {} thread(s) per rank: medians over {} rounds",
+        s.layers, s.dim, s.ctx, args.batch_size, args.threads, args.rounds
+    );
+    println!(
+        "{:<6} {:>5} {:>14} {:>14} {:>8} {:>14} {:>12} {:>12}",
+        "method", "ranks", "strata tok/s", "pytorch tok/s", "ratio", "strata alloc", "strata RSS", "pytorch RSS"
+    );
+    for r in &rows {
+        println!(
+            "{:<6} {:>5} {:>14.0} {:>14.0} {:>8.2} {:>12.1}MB {:>10.1}MB {:>10.1}MB",
+            r.method,
+            r.world_size,
+            r.strata_tokens_per_s,
+            r.pytorch_tokens_per_s,
+            r.speedup,
+            r.strata_allocator_peak_bytes as f64 / 1e6,
+            r.strata_rss_peak_bytes as f64 / 1e6,
+            r.pytorch_rss_peak_bytes as f64 / 1e6
+        );
+    }
+    Ok(())
+}
