@@ -192,3 +192,44 @@ fn full_shard_frees_every_unit_after_its_forward_and_shard_grad_op_keeps_them() 
         }
     }
 }
+
+/// The model-state peak of rank 0 over two fp32 steps of `strategy` on the MLP, and each
+/// unit's padded flat length.
+fn model_state_peak(strategy: &str) -> (u64, Vec<u64>) {
+    let strategy = Strategy::parse(strategy).unwrap();
+    two_ranks(|comm, rank| {
+        let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+        let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &placement).unwrap();
+        // The padded length: a sharded unit's flat buffer holds nothing between uses.
+        let lens: Vec<u64> = engine.storage().iter().map(|s| s.grad.numel() as u64).collect();
+        let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+        let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+        for _ in 0..2 {
+            trainer.train_step(&step(rank)).unwrap();
+        }
+        (trainer.engine.ledger().model_state_peak(), lens)
+    })
+}
+
+#[test]
+fn sharded_model_states_peak_at_the_formula_plus_the_units_in_use() {
+    // fp32 with Adam on two ranks: every rank keeps half of each unit's gradient and
+    // moments (4 + 8 bytes per element of its shard).
+    let shards = |lens: &[u64]| lens.iter().map(|l| l / 2 * 12).sum::<u64>();
+    // zero2 keeps whole parameters and, without overlap_comm, one whole gradient at a time.
+    let (peak, lens) = model_state_peak(r#"["zero2"]"#);
+    let params: u64 = lens.iter().map(|l| l * 4).sum();
+    let largest = lens.iter().max().unwrap() * 4;
+    assert_eq!(peak, params + shards(&lens) + largest, "zero2");
+    // With overlap_comm, a unit's reduction overlaps the next unit's backward: two whole
+    // gradients at once.
+    let (unlimited, _) = model_state_peak(r#"[["zero2", {"overlap_comm": true}]]"#);
+    let adjacent = lens.windows(2).map(|w| (w[0] + w[1]) * 4).max().unwrap();
+    assert_eq!(unlimited, params + shards(&lens) + adjacent, "zero2 with overlap_comm");
+    // fsdp: parameter shards too; in the backward of unit k, its parameters and whole
+    // gradient and the parameters of unit k - 1 (prefetched) are whole.
+    let (peak, lens) = model_state_peak(r#"["fsdp"]"#);
+    let param_shards: u64 = lens.iter().map(|l| l / 2 * 4).sum();
+    let in_use = (0..lens.len()).map(|k| (2 * lens[k] + if k > 0 { lens[k - 1] } else { 0 }) * 4).max().unwrap();
+    assert_eq!(peak, param_shards + shards(&lens) + in_use, "fsdp");
+}

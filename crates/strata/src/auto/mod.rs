@@ -386,7 +386,7 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
     };
     // Prefetching exists only where parameters are gathered (fsdp).
     let variants: Vec<(Strategy, usize, String)> = if strategy.sharding().is_some_and(|(name, _)| name == "fsdp") {
-        let knobs: [(&str, KnobChange); 3] = [
+        let knobs: [(&str, KnobChange); 4] = [
             ("forward_prefetch switched", |c| c.forward_prefetch = !c.forward_prefetch),
             ("backward_prefetch switched", |c| {
                 c.backward_prefetch = match c.backward_prefetch {
@@ -395,6 +395,7 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
                 }
             }),
             ("limit_all_gathers switched", |c| c.limit_all_gathers = !c.limit_all_gathers),
+            ("overlap_comm switched", |c| c.overlap_comm = !c.overlap_comm),
         ];
         knobs
             .iter()

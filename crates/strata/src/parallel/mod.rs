@@ -113,6 +113,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         backward_prefetch: shard.backward_prefetch,
         forward_prefetch: shard.forward_prefetch,
         limit_all_gathers: shard.limit_all_gathers,
+        overlap_comm: shard.overlap_comm,
         sync_module_states: shard.sync_module_states,
         wrap: shard.wrap(&spec)?,
         param_dtype,

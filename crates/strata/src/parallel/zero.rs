@@ -38,6 +38,10 @@ pub struct ZeroOptions {
     pub forward_prefetch: bool,
     /// At most one gather runs ahead of the unit being computed; without it, two.
     pub limit_all_gathers: bool,
+    /// A unit's gradient reduction may run during the next unit's backward, holding two
+    /// whole gradients; without it the reduction completes before the next unit's whole
+    /// gradient is allocated, so one exists at a time.
+    pub overlap_comm: bool,
     /// Broadcast rank 0's initial parameters to every rank.
     pub sync_module_states: bool,
     /// Per unit, from the wrap policy.
@@ -415,11 +419,17 @@ impl Zero {
         Ok(())
     }
 
-    /// Completes every gradient reduction in flight.
-    fn drain_reductions(&mut self, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+    /// Completes every reduce-scatter in flight, freeing the whole gradients they read.
+    fn drain_gradient_reductions(&mut self, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
         while !self.reducing.is_empty() {
             self.complete_oldest_reduction(storage, ledger)?;
         }
+        Ok(())
+    }
+
+    /// Completes every gradient reduction in flight.
+    fn drain_reductions(&mut self, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        self.drain_gradient_reductions(storage, ledger)?;
         for w in self.all_reducing.drain(..) {
             w.wait().map_err(comm_failed("gradient all-reduce"))?;
         }
@@ -480,6 +490,9 @@ impl UnitSchedule for Zero {
                     }
                 }
                 if self.options.stage >= Stage::Gradients {
+                    if !self.options.overlap_comm {
+                        self.drain_gradient_reductions(storage, ledger)?;
+                    }
                     for &u in &needs {
                         if self.is_sharded(u) {
                             self.ensure_grads(u, storage, ledger)?;

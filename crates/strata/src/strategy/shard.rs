@@ -51,6 +51,10 @@ pub struct ShardConfig {
     pub backward_prefetch: Option<BackwardPrefetch>,
     pub forward_prefetch: bool,
     pub limit_all_gathers: bool,
+    /// zero2 and fsdp (DeepSpeed's name): a unit's gradient reduce-scatter runs during the
+    /// next unit's backward, which then holds a second whole gradient. Off, the reduction
+    /// completes first and model states stay at the ZeRO formula plus the units in use.
+    pub overlap_comm: bool,
     pub sync_module_states: bool,
     pub mixed_precision: Option<MixedPrecision>,
     /// Unit kinds or names wrapped on their own; other units join the outermost wrap.
@@ -74,6 +78,7 @@ impl Default for ShardConfig {
             backward_prefetch: Some(BackwardPrefetch::Pre),
             forward_prefetch: false,
             limit_all_gathers: true,
+            overlap_comm: false,
             sync_module_states: false,
             mixed_precision: None,
             atorch_wrap_cls: vec![],
@@ -140,6 +145,9 @@ impl ShardConfig {
                     "mixed_precision.buffer_dtype: Strata's models hold no buffers, so it would change nothing".into(),
                 );
             }
+        }
+        if method == "zero1" && self.overlap_comm {
+            return bad("overlap_comm belongs to zero2 and fsdp: zero1 reduce-scatters no gradients".into());
         }
         // Prefetching orders the gathers of parameters, which only fsdp makes.
         let defaults = ShardConfig::default();
