@@ -49,6 +49,9 @@ struct Row {
     pytorch_tokens_per_s: f64,
     /// Strata's tokens/s over PyTorch's.
     speedup: f64,
+    /// The share of Strata's step time rank 0 spent waiting for collectives (exposed
+    /// communication), median over rounds.
+    strata_exposed_comm: f64,
     strata_allocator_peak_bytes: u64,
     strata_rss_peak_bytes: u64,
     pytorch_rss_peak_bytes: u64,
@@ -86,8 +89,9 @@ fn pytorch(args: &BenchDistArgs, method: &str, n: usize) -> Result<(f64, u64)> {
     Ok((speed, report["peak_rss_bytes"].as_u64().unwrap_or(0)))
 }
 
-/// One Strata run: (tokens/s, allocator peak, RSS peak) of rank 0.
-fn strata(args: &BenchDistArgs, method: &str, n: usize) -> Result<(f64, u64, u64)> {
+/// One Strata run: (tokens/s, allocator peak, RSS peak, exposed communication share) of
+/// rank 0.
+fn strata(args: &BenchDistArgs, method: &str, n: usize) -> Result<(f64, u64, u64, f64)> {
     let s = &args.shape;
     let flags = format!(
         "--model gpt --steps {} --schedule constant --layers {} --heads {} --dim {} --ctx {} --batch-size {} --threads {} --nproc {n}",
@@ -97,7 +101,9 @@ fn strata(args: &BenchDistArgs, method: &str, n: usize) -> Result<(f64, u64, u64
     argv.extend(["--strategy".into(), strategy(method)?.into()]);
     let run = bench_runs::train(&argv, 2)?;
     let bytes = |k: &str| run.last[k].as_u64().with_context(|| format!("no {k} in the metrics"));
-    Ok((run.tokens_per_s, bytes("allocator_peak_bytes")?, bytes("rss_peak_bytes")?))
+    let share = |k: &str| run.last[k].as_f64().with_context(|| format!("no {k} in the metrics"));
+    let exposed = share("comm_wait_s")? / share("seconds")?.max(1e-12);
+    Ok((run.tokens_per_s, bytes("allocator_peak_bytes")?, bytes("rss_peak_bytes")?, exposed))
 }
 
 pub fn run(args: BenchDistArgs) -> Result<()> {
@@ -122,6 +128,7 @@ pub fn run(args: BenchDistArgs) -> Result<()> {
                 strata_tokens_per_s: strata_speed,
                 pytorch_tokens_per_s: torch_speed,
                 speedup: strata_speed / torch_speed.max(1e-9),
+                strata_exposed_comm: median(ours.iter().map(|r| r.3).collect()),
                 strata_allocator_peak_bytes: ours.iter().map(|r| r.1).max().unwrap_or(0),
                 strata_rss_peak_bytes: ours.iter().map(|r| r.2).max().unwrap_or(0),
                 pytorch_rss_peak_bytes: theirs.iter().map(|r| r.1).max().unwrap_or(0),
@@ -138,17 +145,26 @@ pub fn run(args: BenchDistArgs) -> Result<()> {
         s.layers, s.dim, s.ctx, args.batch_size, args.threads, args.rounds
     );
     println!(
-        "{:<6} {:>5} {:>14} {:>14} {:>8} {:>14} {:>12} {:>12}",
-        "method", "ranks", "strata tok/s", "pytorch tok/s", "ratio", "strata alloc", "strata RSS", "pytorch RSS"
+        "{:<6} {:>5} {:>14} {:>14} {:>8} {:>9} {:>14} {:>12} {:>12}",
+        "method",
+        "ranks",
+        "strata tok/s",
+        "pytorch tok/s",
+        "ratio",
+        "exposed",
+        "strata alloc",
+        "strata RSS",
+        "pytorch RSS"
     );
     for r in &rows {
         println!(
-            "{:<6} {:>5} {:>14.0} {:>14.0} {:>8.2} {:>12.1}MB {:>10.1}MB {:>10.1}MB",
+            "{:<6} {:>5} {:>14.0} {:>14.0} {:>8.2} {:>8.1}% {:>12.1}MB {:>10.1}MB {:>10.1}MB",
             r.method,
             r.world_size,
             r.strata_tokens_per_s,
             r.pytorch_tokens_per_s,
             r.speedup,
+            100.0 * r.strata_exposed_comm,
             r.strata_allocator_peak_bytes as f64 / 1e6,
             r.strata_rss_peak_bytes as f64 / 1e6,
             r.pytorch_rss_peak_bytes as f64 / 1e6

@@ -47,11 +47,12 @@ struct Row {
     formula_bytes: f64,
     /// measured / formula.
     ratio: f64,
-    /// Whether measured ≤ formula + one gathered unit (its parameters and whole gradient)
-    /// + one prefetched unit (its parameters) for fsdp, + one whole gradient for zero2, and
-    /// for both the whole gradient of units whose weights another unit borrows (tied
-    /// embeddings: their gradient gathers contributions from the first unit of backward to
-    /// the last); ≤ 1.1 × formula for ddp and zero1, which gather nothing.
+    /// Whether measured is within the formula plus what is in use: for fsdp one gathered
+    /// unit (its parameters and whole gradient) and one prefetched unit (its parameters),
+    /// for zero2 one whole gradient, and for both the whole gradient of units whose weights
+    /// another unit borrows (tied embeddings: their gradient gathers contributions from the
+    /// first unit of backward to the last); for ddp and zero1, which gather nothing, 1.1 ×
+    /// the formula.
     within_target: bool,
     tokens_per_s: f64,
     /// Throughput over data parallelism's at the same world size and precision.

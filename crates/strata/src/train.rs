@@ -43,6 +43,9 @@ pub struct StepReport {
     pub memory: BTreeMap<Placement, PlacementReport>,
     /// Peak resident memory of the whole process.
     pub rss_peak_bytes: Option<u64>,
+    /// Seconds of this step the rank spent waiting for collectives to complete: the
+    /// communication its computation did not hide.
+    pub comm_wait_s: f64,
 }
 
 /// Turns a micro-batch into the model's input (`prepare_input`).
@@ -111,6 +114,7 @@ impl Trainer {
     /// finite and the scaling says to check.
     pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
         let start = Instant::now();
+        let waited_before = crate::comm::time_waited();
         let device = self.engine.config().device;
         memory::reset_allocator_peak(device);
         let factor = self.schedule.factor(self.step);
@@ -171,6 +175,7 @@ impl Trainer {
             model_state_peak_bytes: self.engine.ledger().model_state_peak(),
             memory: self.engine.ledger().report(),
             rss_peak_bytes: memory::process_peak_rss(),
+            comm_wait_s: (crate::comm::time_waited() - waited_before).as_secs_f64(),
         })
     }
 }

@@ -321,9 +321,44 @@ fn rank_entry() {
             let err = work.wait().expect_err("a collective with a dead peer cannot succeed");
             println!("FAILED-CLEANLY: {err}");
         }
+        "idle-wait" => {
+            // Rank 0 arrives late; rank 1 waits for it inside an all-reduce.
+            world.barrier().unwrap().wait().unwrap();
+            let t = Tensor::ones([1024], (Kind::Float, Device::Cpu));
+            if comm.rank() == 0 {
+                std::thread::sleep(Duration::from_millis(400));
+            }
+            let (cpu_before, waited_before) = (cpu_time(), strata::comm::time_waited());
+            world.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
+            let (cpu, waited) = (cpu_time() - cpu_before, strata::comm::time_waited() - waited_before);
+            if comm.rank() == 1 {
+                println!("waited {waited:?} using {cpu:?} of CPU");
+                assert!(waited >= Duration::from_millis(300), "the wait is counted as exposed: {waited:?}");
+                assert!(cpu < waited / 10, "a waiting rank sleeps: {cpu:?} of CPU over a {waited:?} wait");
+            }
+        }
         other => panic!("unknown scenario {other}"),
     }
     println!("RANK-OK");
+}
+
+/// CPU time this process has used, all threads.
+fn cpu_time() -> Duration {
+    // SAFETY: getrusage fills the struct it is given.
+    let usage = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut u);
+        u
+    };
+    let micros = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
+    Duration::from_micros(micros(usage.ru_utime) + micros(usage.ru_stime))
+}
+
+/// A rank waiting for a late peer sleeps in the kernel instead of spinning (so it takes no
+/// core from ranks that compute), and its wait is counted as exposed communication.
+#[test]
+fn a_rank_waiting_for_a_late_peer_sleeps_and_counts_the_wait() {
+    assert_all_ok(&run_ranks(2, "shm", "idle-wait"));
 }
 
 /// Without a CUDA build and a GPU the nccl backend refuses clearly; with them, a one-rank

@@ -42,6 +42,16 @@ pub enum ReduceOp {
 /// collective takes, while spinning longer would take a core from the ranks computing.
 const SPIN_BEFORE_BLOCKING: Duration = Duration::from_micros(50);
 
+/// Nanoseconds the threads of this process have spent blocked in [`Work::wait`]: the
+/// communication that computation did not hide.
+static WAITED_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Time this process has spent waiting for collectives to complete, in total. The
+/// difference over a training step is its exposed communication.
+pub fn time_waited() -> Duration {
+    Duration::from_nanos(WAITED_NS.load(std::sync::atomic::Ordering::Relaxed))
+}
+
 /// Completion of an asynchronous collective.
 #[derive(Default)]
 struct Completion {
@@ -101,6 +111,13 @@ impl Work {
     }
 
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let result = self.block_until_done(timeout);
+        WAITED_NS.fetch_add(start.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+        result
+    }
+
+    fn block_until_done(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let completion = match &self.pending {
             Pending::Host(c) => c,
