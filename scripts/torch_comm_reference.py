@@ -10,12 +10,15 @@ Run it with the project's virtual environment:
 
 import argparse
 import json
-import socket
+import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_reference import spawn_on_loopback  # noqa: E402
 
 
 def time_op(op, nbytes, n):
@@ -71,10 +74,7 @@ def main():
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--factor", type=int, default=4)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port), nprocs=args.nproc)
+    spawn_on_loopback(worker, args, args.nproc)
 
 
 if __name__ == "__main__":

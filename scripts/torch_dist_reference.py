@@ -13,17 +13,15 @@ Run it with the project's virtual environment:
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import GPT, peak_rss_bytes, train_step  # noqa: E402
+from torch_reference import GPT, peak_rss_bytes, spawn_on_loopback, train_step  # noqa: E402
 
 
 def wrap(model, mode, n):
@@ -79,10 +77,7 @@ def main():
     args = p.parse_args()
     if args.batch_size % args.nproc or args.steps <= args.warmup:
         raise SystemExit("--batch-size must be a multiple of --nproc, and --steps larger than --warmup")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port), nprocs=args.nproc)
+    spawn_on_loopback(worker, args, args.nproc)
 
 
 if __name__ == "__main__":

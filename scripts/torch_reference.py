@@ -76,6 +76,19 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+def spawn_on_loopback(worker, args, nprocs):
+    """Runs worker(rank, args, port) in `nprocs` processes that can join over a free
+    loopback port (torch.distributed's tcp:// init)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args, port), nprocs=nprocs)
+
+
 def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -70,6 +70,22 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// Runs the PyTorch reference `scripts/SCRIPT` with `args` in the environment of `python`
+/// (default: the checkout's .venv) and returns the JSON report it prints.
+pub fn run_reference(python: Option<&PathBuf>, script: &str, args: &[String]) -> Result<serde_json::Value> {
+    let python = python.cloned().unwrap_or_else(|| repo_root().join(".venv/bin/python"));
+    let out = Command::new(&python)
+        .arg(repo_root().join("scripts").join(script))
+        .args(args)
+        .output()
+        .with_context(|| format!("cannot run {} (run scripts/setup.sh first)", python.display()))?;
+    if !out.status.success() {
+        bail!("the PyTorch reference {script} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("the PyTorch reference {script} printed no JSON report"))
+}
+
 /// Strata's side: a trainer and a few fixed batches, timed block by block.
 struct StrataSide {
     trainer: Trainer,

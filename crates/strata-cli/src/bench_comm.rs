@@ -6,7 +6,6 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 use strata::comm::{all_reduce_values, init_from_env, ProcessGroup, ReduceOp};
 use tch::{Device, Kind, Tensor};
@@ -120,20 +119,12 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
 
 /// Runs the gloo reference with `n` processes; its rows as (op, bytes) → microseconds.
 fn gloo_times(a: &BenchCommArgs, n: usize) -> Result<Vec<(String, usize, f64)>> {
-    let python = a.python.clone().unwrap_or_else(|| crate::bench::repo_root().join(".venv/bin/python"));
-    let script = crate::bench::repo_root().join("scripts/torch_comm_reference.py");
-    let out = Command::new(&python)
-        .arg(&script)
-        .args(["--nproc", &n.to_string(), "--ops", &a.ops])
-        .args(["--min-bytes", &a.min_bytes.to_string(), "--max-bytes", &a.max_bytes.to_string()])
-        .args(["--factor", &a.factor.to_string()])
-        .output()
-        .with_context(|| format!("cannot run {} (run scripts/setup.sh first)", python.display()))?;
-    if !out.status.success() {
-        bail!("the gloo reference failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
-    let report: serde_json::Value =
-        serde_json::from_slice(&out.stdout).context("the gloo reference printed no JSON report")?;
+    let args = format!(
+        "--nproc {n} --ops {} --min-bytes {} --max-bytes {} --factor {}",
+        a.ops, a.min_bytes, a.max_bytes, a.factor
+    );
+    let args: Vec<String> = args.split_whitespace().map(String::from).collect();
+    let report = crate::bench::run_reference(a.python.as_ref(), "torch_comm_reference.py", &args)?;
     let rows = report["rows"].as_array().context("the gloo report has no rows")?;
     rows.iter()
         .map(|r| {

@@ -9,7 +9,6 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use std::path::PathBuf;
-use std::process::Command;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchDistArgs {
@@ -68,23 +67,13 @@ fn strategy(method: &str) -> Result<&'static str> {
 
 /// One PyTorch run: (tokens/s, largest peak RSS of a rank).
 fn pytorch(args: &BenchDistArgs, method: &str, n: usize) -> Result<(f64, u64)> {
-    let root = crate::bench::repo_root();
-    let python = args.python.clone().unwrap_or_else(|| root.join(".venv/bin/python"));
     let s = &args.shape;
     let flags = format!(
         "--nproc {n} --mode {method} --layers {} --heads {} --dim {} --ctx {} --batch-size {} --steps {} --threads {}",
         s.layers, s.heads, s.dim, s.ctx, args.batch_size, args.steps, args.threads
     );
-    let out = Command::new(&python)
-        .arg(root.join("scripts/torch_dist_reference.py"))
-        .args(flags.split_whitespace())
-        .output()
-        .with_context(|| format!("cannot run {} (run scripts/setup.sh first)", python.display()))?;
-    if !out.status.success() {
-        bail!("the PyTorch {method} reference failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
-    let report: serde_json::Value =
-        serde_json::from_slice(&out.stdout).context("the PyTorch reference printed no JSON report")?;
+    let flags: Vec<String> = flags.split_whitespace().map(String::from).collect();
+    let report = crate::bench::run_reference(args.python.as_ref(), "torch_dist_reference.py", &flags)?;
     let speed = report["tokens_per_s"].as_f64().context("no tokens_per_s in the PyTorch report")?;
     Ok((speed, report["peak_rss_bytes"].as_u64().unwrap_or(0)))
 }

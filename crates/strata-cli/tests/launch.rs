@@ -57,13 +57,14 @@ fn bad_launch_arguments_are_one_line_errors() {
 fn bench_comm_runs_real_collectives_under_the_launcher() {
     let out = strata(&["bench", "comm", "--nproc", "2", "--min-bytes", "4096", "--max-bytes", "65536", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let json: String = stdout.lines().filter_map(|l| l.strip_prefix("[rank 0] ")).collect::<Vec<_>>().join("\n");
-    let report: serde_json::Value = serde_json::from_str(&json).unwrap();
+    // Only rank 0's report, unprefixed: the whole of stdout is one JSON document.
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["world_size"], 2);
     let rows = report["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2 * 4 * 3, "2 backends × 4 operations × 3 sizes");
     assert!(rows.iter().all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0));
+    // gloo measured the same operations and sizes in the same run.
+    assert!(rows.iter().all(|r| r["gloo_time_us"].as_f64().unwrap() > 0.0 && r["speedup_vs_gloo"].is_number()));
     assert!(report["memcpy_gbps"][0][1].as_f64().unwrap() > 0.0);
 }
 
