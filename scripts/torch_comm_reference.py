@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import spawn_on_loopback  # noqa: E402
+from torch_reference import finish, spawn_on_loopback  # noqa: E402
 
 
 def time_op(op, nbytes, n):
@@ -63,7 +63,7 @@ def worker(rank, args, port):
             nbytes *= args.factor
     if rank == 0:
         print(json.dumps({"rows": rows}), flush=True)
-    dist.destroy_process_group()
+    finish()
 
 
 def main():

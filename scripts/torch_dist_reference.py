@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import GPT, peak_rss_bytes, spawn_on_loopback, train_step  # noqa: E402
+from torch_reference import GPT, finish, peak_rss_bytes, spawn_on_loopback, train_step  # noqa: E402
 
 
 def wrap(model, mode, n):
@@ -60,7 +60,7 @@ def worker(rank, args, port):
         tokens = args.batch_size * args.ctx
         speeds = [tokens / t for t in slowest.tolist()[args.warmup :]]
         print(json.dumps({"tokens_per_s": statistics.median(speeds), "peak_rss_bytes": int(rss.item())}), flush=True)
-    dist.destroy_process_group()
+    finish()
 
 
 def main():
