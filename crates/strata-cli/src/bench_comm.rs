@@ -26,6 +26,10 @@ pub struct BenchCommArgs {
     min_bytes: usize,
     #[arg(long, default_value_t = 256 << 20)]
     max_bytes: usize,
+    /// Buffers to measure with, comma-separated: `private` (ordinary tensors) and `shared`
+    /// (allocated by the group, read in place by peers; only where the backend offers it).
+    #[arg(long, default_value = "private,shared")]
+    buffers: String,
     /// Size growth factor between rows.
     #[arg(long, default_value_t = 4)]
     factor: usize,
@@ -43,6 +47,8 @@ pub struct BenchCommArgs {
 #[derive(Serialize)]
 struct Row {
     backend: String,
+    /// `private` or `shared` buffers.
+    buffers: String,
     op: String,
     bytes: usize,
     time_us: f64,
@@ -86,16 +92,32 @@ fn memcpy_gbps(bytes: usize) -> f64 {
 
 /// Times `iters` runs of `op` on a buffer of `bytes` bytes; returns seconds per run (the
 /// slowest rank's, as every rank agrees through a max all-reduce).
-fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
+/// With `shared`, the buffers peers read (all-reduce's, all-gather's input, reduce-scatter's
+/// inputs) come from the group; `None` when it offers no such memory.
+fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize, shared: bool) -> Result<Option<f64>> {
     let n = g.size();
     let numel = (bytes / 4) as i64;
-    let f32s = |k: i64| Tensor::ones([k], (Kind::Float, Device::Cpu));
-    let (main, parts): (Tensor, Vec<Tensor>) = match op {
-        "all_reduce" | "broadcast" => (f32s(numel), vec![]),
-        "all_gather" | "reduce_scatter" => {
-            let per = numel / n as i64;
-            (f32s(per), (0..n).map(|_| f32s(per)).collect())
+    let private = |k: i64| Tensor::ones([k], (Kind::Float, Device::Cpu));
+    let read_by_peers = |k: i64| -> Result<Option<Tensor>> {
+        if !shared {
+            return Ok(Some(private(k)));
         }
+        Ok(g.alloc(k, Kind::Float)?.map(|mut t| t.fill_(1.0)))
+    };
+    let per = numel / n as i64;
+    let (main, parts): (Tensor, Vec<Tensor>) = match op {
+        "all_reduce" | "broadcast" => match read_by_peers(numel)? {
+            Some(t) => (t, vec![]),
+            None => return Ok(None),
+        },
+        "all_gather" => match read_by_peers(per)? {
+            Some(t) => (t, (0..n).map(|_| private(per)).collect()),
+            None => return Ok(None),
+        },
+        "reduce_scatter" => match read_by_peers(per * n as i64)? {
+            Some(flat) => (private(per), flat.chunk(n as i64, 0)),
+            None => return Ok(None),
+        },
         other => bail!("unknown operation {other:?}"),
     };
     let run = || -> Result<()> {
@@ -114,7 +136,7 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
     for _ in 0..iters {
         run()?;
     }
-    Ok(all_reduce_values(g, &[start.elapsed().as_secs_f64() / iters as f64], ReduceOp::Max)?[0])
+    Ok(Some(all_reduce_values(g, &[start.elapsed().as_secs_f64() / iters as f64], ReduceOp::Max)?[0]))
 }
 
 /// Runs the gloo reference with `n` processes; its rows as (op, bytes) → microseconds.
@@ -149,13 +171,19 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     let mut rows = Vec::new();
     for backend in a.backends.split(',').map(str::trim) {
         let g = comm.new_group_with(&all, &format!("cpu:{backend}"))?.context("this rank is in the world")?;
-        for op in a.ops.split(',').map(str::trim) {
+        for (op, buffers) in a.ops.split(',').map(str::trim).flat_map(|op| a.buffers.split(',').map(move |b| (op, b))) {
             let mut bytes = a.min_bytes;
             while bytes <= a.max_bytes {
-                let t = time_op(g.as_ref(), op, bytes)?;
+                let shared = match buffers {
+                    "private" => false,
+                    "shared" => true,
+                    other => bail!("unknown buffers {other:?}; expected private or shared"),
+                };
+                let Some(t) = time_op(g.as_ref(), op, bytes, shared)? else { break };
                 let algbw = bytes as f64 / t / 1e9;
                 rows.push(Row {
                     backend: backend.into(),
+                    buffers: buffers.into(),
                     op: op.into(),
                     bytes,
                     time_us: t * 1e6,
@@ -176,6 +204,7 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     if !a.no_reference {
         for (op, bytes, t) in gloo_times(&a, n)? {
             for r in rows.iter_mut().filter(|r| r.op == op && r.bytes == bytes) {
+                // gloo's buffers are private: the same reference for both kinds of row.
                 r.gloo_time_us = Some(t);
                 r.speedup_vs_gloo = Some(t / r.time_us);
             }
@@ -188,14 +217,15 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     }
     println!("{n} ranks");
     println!(
-        "{:<8} {:<15} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
-        "backend", "op", "bytes", "time us", "algbw GB/s", "busbw GB/s", "gloo us", "vs gloo"
+        "{:<8} {:<8} {:<15} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
+        "backend", "buffers", "op", "bytes", "time us", "algbw GB/s", "busbw GB/s", "gloo us", "vs gloo"
     );
     let or_dash = |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |x| format!("{x:.digits$}"));
     for r in &report.rows {
         println!(
-            "{:<8} {:<15} {:>12} {:>12.1} {:>12.3} {:>12.3} {:>12} {:>10}",
+            "{:<8} {:<8} {:<15} {:>12} {:>12.1} {:>12.3} {:>12.3} {:>12} {:>10}",
             r.backend,
+            r.buffers,
             r.op,
             r.bytes,
             r.time_us,
@@ -208,7 +238,7 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     for (bytes, gbps) in &report.memcpy_gbps {
         println!("memcpy (one process) {:>10} bytes: {gbps:.3} GB/s", bytes);
         for r in report.rows.iter().filter(|r| r.bytes == *bytes) {
-            println!("  {} {} busbw / memcpy: {:.2}", r.backend, r.op, r.busbw_gbps / gbps);
+            println!("  {} {} {} busbw / memcpy: {:.2}", r.backend, r.buffers, r.op, r.busbw_gbps / gbps);
         }
     }
     Ok(())

@@ -61,7 +61,10 @@ fn bench_comm_runs_real_collectives_under_the_launcher() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["world_size"], 2);
     let rows = report["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2 * 4 * 3, "2 backends × 4 operations × 3 sizes");
+    // shm measures private and shared buffers; tcp offers no shared memory.
+    assert_eq!(rows.len(), 3 * 4 * 3, "(shm private, shm shared, tcp private) × 4 operations × 3 sizes");
+    assert!(rows.iter().any(|r| r["buffers"] == "shared" && r["backend"] == "shm"));
+    assert!(rows.iter().all(|r| r["buffers"] == "private" || r["backend"] == "shm"));
     assert!(rows.iter().all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0));
     // gloo measured the same operations and sizes in the same run.
     assert!(rows.iter().all(|r| r["gloo_time_us"].as_f64().unwrap() > 0.0 && r["speedup_vs_gloo"].is_number()));

@@ -262,6 +262,16 @@ int strata_storage_resize(Tensor* t, size_t nbytes) {
   });
 }
 
+// A 1-D CPU tensor over `numel` elements at `data`, memory the caller owns:
+// `release(context)` runs once the last tensor sharing the storage is gone. Such a storage
+// has no allocator, so `strata_storage_resize` refuses it.
+int strata_from_blob(void* data, int64_t numel, int dtype, void (*release)(void*), void* context, Tensor** out) {
+  return guarded([&] {
+    auto options = at::TensorOptions().dtype(static_cast<c10::ScalarType>(dtype)).device(at::kCPU);
+    *out = new Tensor(at::from_blob(data, {numel}, [release, context](void*) { release(context); }, options));
+  });
+}
+
 int strata_storage_nbytes(const Tensor* t, size_t* nbytes) {
   return guarded([&] { *nbytes = t->storage().nbytes(); });
 }

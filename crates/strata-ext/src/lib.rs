@@ -57,6 +57,14 @@ extern "C" {
     ) -> c_int;
     fn strata_storage_resize(t: TensorPtr, nbytes: usize) -> c_int;
     fn strata_storage_nbytes(t: *const C_tensor, nbytes: *mut usize) -> c_int;
+    fn strata_from_blob(
+        data: *mut c_void,
+        numel: i64,
+        dtype: c_int,
+        release: extern "C" fn(*mut c_void),
+        context: *mut c_void,
+        out: *mut TensorPtr,
+    ) -> c_int;
     fn strata_storage_id(t: *const C_tensor, id: *mut usize) -> c_int;
     fn strata_c10d_store_new(
         host: *const c_char,
@@ -273,6 +281,53 @@ pub fn storage_id(tensor: &Tensor) -> Result<usize> {
     // SAFETY: the tensor is live for the call; only the storage's address is read.
     check(unsafe { strata_storage_id(tensor.as_ptr(), &mut id) })?;
     Ok(id)
+}
+
+/// libtorch's `c10::ScalarType` code of `kind`.
+fn scalar_type(kind: tch::Kind) -> Result<c_int> {
+    use tch::Kind::*;
+    Ok(match kind {
+        Uint8 => 0,
+        Int8 => 1,
+        Int16 => 2,
+        Int => 3,
+        Int64 => 4,
+        Half => 5,
+        Float => 6,
+        Double => 7,
+        Bool => 11,
+        BFloat16 => 15,
+        other => return Err(ExtError(format!("no scalar type code for {other:?} here"))),
+    })
+}
+
+type Release = Box<dyn FnOnce() + Send>;
+
+extern "C" fn run_release(context: *mut c_void) {
+    // SAFETY: `context` is the box `from_blob` leaked, handed back exactly once.
+    let release = unsafe { Box::from_raw(context as *mut Release) };
+    release();
+}
+
+/// A 1-D CPU tensor of `numel` elements of `kind` over memory at `data` that the caller
+/// owns; `release` runs once the last tensor sharing its storage is dropped.
+///
+/// # Safety
+/// `data` must point to at least `numel` elements of `kind`, suitably aligned, valid and
+/// used by nothing else until `release` runs.
+pub unsafe fn from_blob(data: *mut c_void, numel: i64, kind: tch::Kind, release: Release) -> Result<Tensor> {
+    let dtype = scalar_type(kind)?;
+    let context = Box::into_raw(Box::new(release)) as *mut c_void;
+    let mut out: TensorPtr = std::ptr::null_mut();
+    // SAFETY: the caller vouches for `data`; `context` is handed to `run_release` once.
+    let code = unsafe { strata_from_blob(data, numel, dtype, run_release, context, &mut out) };
+    if code != 0 {
+        // libtorch never took the memory: release it here.
+        run_release(context);
+        check(code)?;
+    }
+    // SAFETY: a fresh `new at::Tensor` owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }
 
 /// Bytes currently allocated to the storage behind `tensor`.
@@ -555,12 +610,10 @@ pub mod cpu_memory {
 /// each `true` needs its `false`.
 pub fn cuda_autocast(enabled: bool, kind: tch::Kind) -> Result<()> {
     const CUDA: c_int = 1;
-    // c10::ScalarType codes of the dtypes autocast computes in.
-    let code = match kind {
-        tch::Kind::Half => 5,
-        tch::Kind::BFloat16 => 15,
-        other => return Err(ExtError(format!("autocast computes in f16 or bf16, not {other:?}"))),
-    };
+    if !matches!(kind, tch::Kind::Half | tch::Kind::BFloat16) {
+        return Err(ExtError(format!("autocast computes in f16 or bf16, not {kind:?}")));
+    }
+    let code = scalar_type(kind)?;
     // SAFETY: a plain call with a scalar-type code.
     check(unsafe { strata_autocast_set(CUDA, c_int::from(enabled), code) })
 }

@@ -299,6 +299,9 @@ fn rank_entry() {
     match scenario.as_str() {
         "collectives" => {
             check_collectives(world.as_ref());
+            if std::env::var("STRATA_TEST_BACKEND").is_ok_and(|b| b == "shm") {
+                check_shared_buffers(world.as_ref());
+            }
             // A sub-group of the first and last rank works on its own.
             let last = comm.size() - 1;
             let sub = comm.new_group(&[0, last]).unwrap();
@@ -340,6 +343,53 @@ fn rank_entry() {
         other => panic!("unknown scenario {other}"),
     }
     println!("RANK-OK");
+}
+
+/// Collectives on buffers the group allocated (shared memory the peers read in place),
+/// in sizes above and below an arena chunk, in place and not.
+fn check_shared_buffers(g: &dyn ProcessGroup) {
+    let (r, n) = (g.rank() as i64, g.size() as i64);
+    let ranks_sum = n * (n - 1) / 2;
+    let shared = |kind: Kind, numel: i64| g.alloc(numel, kind).unwrap().expect("shm shares memory on this host");
+    let fill = |t: &Tensor, v: &Tensor| {
+        t.shallow_clone().copy_(v);
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Int64] {
+        for numel in [1, 1031, 300_001] {
+            let what = |op: &str| format!("shared {op} {kind:?} x{numel}");
+            let t = shared(kind, numel);
+            assert_eq!(t.numel() as i64, numel);
+            fill(&t, &values(kind, numel, r));
+            g.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
+            same(&t, &(values(kind, numel, 0) * n + ranks_sum).to_kind(kind), &what("all_reduce sum"));
+            fill(&t, &values(kind, numel, r));
+            g.all_reduce(&t, ReduceOp::Max).unwrap().wait().unwrap();
+            same(&t, &values(kind, numel, n - 1), &what("all_reduce max"));
+            // All-gather from a shared input into private outputs.
+            let input = shared(kind, numel);
+            fill(&input, &values(kind, numel, r));
+            let outputs: Vec<Tensor> = (0..n).map(|_| Tensor::zeros([numel], (kind, Device::Cpu))).collect();
+            g.all_gather(&outputs, &input).unwrap().wait().unwrap();
+            for (i, o) in outputs.iter().enumerate() {
+                same(o, &values(kind, numel, i as i64), &what("all_gather"));
+            }
+            // Reduce-scatter of views of one shared buffer, into a private output and in place.
+            let flat = shared(kind, numel * n);
+            fill(&flat, &Tensor::cat(&(0..n).map(|i| values(kind, numel, r + i)).collect::<Vec<_>>(), 0));
+            let inputs: Vec<Tensor> = (0..n).map(|i| flat.narrow(0, i * numel, numel)).collect();
+            let output = Tensor::zeros([numel], (kind, Device::Cpu));
+            g.reduce_scatter(&output, &inputs, ReduceOp::Sum).unwrap().wait().unwrap();
+            same(&output, &(values(kind, numel, 0) * n + ranks_sum + n * r).to_kind(kind), &what("reduce_scatter"));
+            same(&inputs[0], &values(kind, numel, r), &what("reduce_scatter leaves its inputs alone"));
+            g.reduce_scatter(&inputs[r as usize], &inputs, ReduceOp::Sum).unwrap().wait().unwrap();
+            same(&inputs[r as usize], &output, &what("in-place reduce_scatter"));
+        }
+    }
+    // Avg in place on a shared buffer.
+    let t = shared(Kind::Float, 5000);
+    fill(&t, &values(Kind::Float, 5000, 2 * r));
+    g.all_reduce(&t, ReduceOp::Avg).unwrap().wait().unwrap();
+    same(&t, &values(Kind::Float, 5000, n - 1), "shared all_reduce avg");
 }
 
 /// CPU time this process has used, all threads.

@@ -40,6 +40,10 @@ fn step(rank: usize) -> Step {
 
 /// Runs `f` as rank 0 and rank 1 of a two-rank job; rank 0's result.
 fn two_ranks<T: Send>(f: impl Fn(&Comm, usize) -> T + Sync) -> T {
+    two_ranks_on("cpu:tcp", f)
+}
+
+fn two_ranks_on<T: Send>(backend: &str, f: impl Fn(&Comm, usize) -> T + Sync) -> T {
     let token = "memory-test";
     let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
     let addr = server.addr();
@@ -53,7 +57,7 @@ fn two_ranks<T: Send>(f: impl Fn(&Comm, usize) -> T + Sync) -> T {
                 let f = &f;
                 scope.spawn(move || {
                     let store = Store::connect(addr, token, Duration::from_secs(30)).unwrap();
-                    let comm = Comm::new(store, hosted, rank, 2, "cpu:tcp", Duration::from_secs(60)).unwrap();
+                    let comm = Comm::new(store, hosted, rank, 2, backend, Duration::from_secs(60)).unwrap();
                     f(&comm, rank)
                 })
             })
@@ -232,4 +236,24 @@ fn sharded_model_states_peak_at_the_formula_plus_the_units_in_use() {
     let param_shards: u64 = lens.iter().map(|l| l / 2 * 4).sum();
     let in_use = (0..lens.len()).map(|k| (2 * lens[k] + if k > 0 { lens[k - 1] } else { 0 }) * 4).max().unwrap();
     assert_eq!(peak, param_shards + shards(&lens) + in_use, "fsdp");
+}
+
+/// With shm, data parallelism's gradient buffer lives in memory the peers read in place,
+/// and stays there through training (autograd accumulates into it); over tcp it cannot.
+#[test]
+fn data_parallel_gradients_live_where_shm_reads_them_in_place() {
+    for (backend, shared) in [("cpu:shm", true), ("cpu:tcp", false)] {
+        let placed = two_ranks_on(backend, |comm, rank| {
+            let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+            let strategy = Strategy::parse("[]").unwrap();
+            let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &placement).unwrap();
+            let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+            let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+            trainer.train_step(&step(rank)).unwrap();
+            let grads = trainer.engine.grads().unwrap();
+            let grad_of_first = trainer.engine.named_params().next().unwrap().1.grad();
+            (strata::comm::in_shared_memory(grads), strata::comm::in_shared_memory(&grad_of_first))
+        });
+        assert_eq!(placed, (shared, shared), "{backend}");
+    }
 }

@@ -25,6 +25,8 @@ pub struct RingGroup {
     size: usize,
     backend: &'static str,
     timeout: Duration,
+    /// The transport lets peers read [`super::shared::Heap`] allocations in place.
+    shares_memory: bool,
     jobs: Option<Sender<(Job, Work)>>,
     worker: Option<JoinHandle<()>>,
 }
@@ -45,6 +47,7 @@ impl RingGroup {
 
     fn start(backend: &'static str, mut transport: Box<dyn Transport>, setup: &GroupSetup) -> Result<RingGroup> {
         let (rank, size, timeout) = (transport.rank(), transport.size(), setup.timeout);
+        let shares_memory = transport.shares_memory();
         let (store, failure_key) = (setup.store.clone(), format!("{}failure", setup.prefix));
         let (tx, rx) = channel::<(Job, Work)>();
         let worker = std::thread::Builder::new()
@@ -64,7 +67,7 @@ impl RingGroup {
                 }
             })
             .map_err(|e| Error::Comm(format!("cannot start the {backend} thread: {e}")))?;
-        Ok(RingGroup { rank, size, backend, timeout, jobs: Some(tx), worker: Some(worker) })
+        Ok(RingGroup { rank, size, backend, timeout, shares_memory, jobs: Some(tx), worker: Some(worker) })
     }
 
     fn submit(&self, job: impl FnOnce(&mut dyn Transport) -> Result<()> + Send + 'static) -> Result<Work> {
@@ -360,6 +363,13 @@ impl ProcessGroup for RingGroup {
             }
             Ok(())
         })
+    }
+
+    fn alloc(&self, numel: i64, kind: Kind) -> Result<Option<Tensor>> {
+        if !self.shares_memory {
+            return Ok(None);
+        }
+        super::shared::Heap::get().alloc(numel, kind).map(Some)
     }
 
     fn barrier(&self) -> Result<Work> {

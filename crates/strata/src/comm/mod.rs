@@ -15,6 +15,7 @@ mod env;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod nccl;
+mod shared;
 pub mod store;
 pub mod transport;
 
@@ -25,7 +26,7 @@ use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// How `all_reduce`, `reduce` and `reduce_scatter` combine values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,6 +145,13 @@ impl Work {
     }
 }
 
+/// Whether `t`'s bytes lie in memory a group allocated for its peers to read in place
+/// ([`ProcessGroup::alloc`]).
+pub fn in_shared_memory(t: &Tensor) -> bool {
+    let bytes = t.numel() * t.kind().elt_size_in_bytes();
+    t.device() == Device::Cpu && shared::Heap::get().locate(t.data_ptr() as *const u8, bytes).is_some()
+}
+
 /// All-reduces a few host numbers over `group` and waits: agreement on flags, norms,
 /// timings and statistics rather than tensor data.
 pub fn all_reduce_values(group: &dyn ProcessGroup, values: &[f64], op: ReduceOp) -> Result<Vec<f64>> {
@@ -222,6 +230,14 @@ pub trait ProcessGroup: Send + Sync {
     }
     fn barrier(&self) -> Result<Work> {
         Err(unsupported(self.backend(), "barrier"))
+    }
+    /// A zeroed 1-D tensor placed where this group's collectives move it cheapest (the
+    /// `shm` backend: memory its peers read in place, so a collective whose buffers all
+    /// live there stages nothing), or `None` where nothing beats ordinary memory. Every
+    /// rank must place a collective's buffers alike. Meant for buffers that live as long
+    /// as training: peers keep what they mapped until the group goes.
+    fn alloc(&self, _numel: i64, _kind: Kind) -> Result<Option<Tensor>> {
+        Ok(None)
     }
 }
 
@@ -368,6 +384,12 @@ impl ProcessGroup for DeviceDispatch {
     }
     fn barrier(&self) -> Result<Work> {
         self.first().barrier()
+    }
+    fn alloc(&self, numel: i64, kind: Kind) -> Result<Option<Tensor>> {
+        match self.by_device.iter().find(|(d, _)| d == "cpu") {
+            Some((_, g)) => g.alloc(numel, kind),
+            None => Ok(None),
+        }
     }
 }
 

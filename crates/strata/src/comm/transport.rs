@@ -5,6 +5,7 @@
 //! reported by rank (a closed socket, or a process that no longer exists).
 use super::auth;
 use super::elementwise::{combine_into, divide, reduce_into, split};
+use super::shared::{Heap, Location, PeerMappings};
 use super::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
 use memmap2::MmapMut;
@@ -70,6 +71,11 @@ pub trait Transport: Send {
 
     fn send(&mut self, to: usize, out: &[u8]) -> Result<()> {
         self.exchange(to, out, to, &mut [])
+    }
+
+    /// Whether peers can read this process's [`Heap`] allocations in place.
+    fn shares_memory(&self) -> bool {
+        false
     }
 
     /// An all-reduce of `buf` done natively by the transport, or `None` to use the ring.
@@ -300,6 +306,8 @@ const CHANNEL_STRIDE: usize = CHANNEL_HEADER + CHANNEL_BYTES;
 
 /// Bytes of each rank's slot in the all-reduce arena (and of the shared result slot).
 const SLOT_BYTES: usize = 1 << 21;
+/// Bytes of one published location (allocation id, descriptor, offset).
+const LOCATION_BYTES: usize = 24;
 /// Per rank: its progress counter on one cache line, its doorbell and sleeper count on the
 /// next.
 const FLAG_STRIDE: usize = 128;
@@ -336,6 +344,10 @@ pub struct ShmTransport {
     timeout: Duration,
     /// Arena phases this rank has completed (every rank moves through the same ones).
     phase: u64,
+    heap: Arc<Heap>,
+    /// Whether every rank of the group can map every other's heap allocations.
+    shares_memory: bool,
+    peer_maps: PeerMappings,
 }
 
 impl ShmTransport {
@@ -344,7 +356,7 @@ impl ShmTransport {
     pub fn connect(setup: &GroupSetup) -> Result<ShmTransport> {
         let (rank, size) = (setup.rank, setup.size);
         let key = |k: &str| format!("{}shm/{k}", setup.prefix);
-        let bytes = Self::arena_offset(size) + size * FLAG_STRIDE + (size + 1) * SLOT_BYTES;
+        let bytes = Self::locations_offset(size) + size * Self::locations_stride(size);
         let path = if rank == 0 {
             let id = super::store::random_token()?;
             let path = format!("/dev/shm/strata-{id}");
@@ -372,11 +384,181 @@ impl ShmTransport {
         if rank == 0 {
             let _ = std::fs::remove_file(&path);
         }
-        Ok(ShmTransport { rank, size, map, pids, timeout: setup.timeout, phase: 0 })
+        let mut transport = ShmTransport {
+            rank,
+            size,
+            map,
+            pids,
+            timeout: setup.timeout,
+            phase: 0,
+            heap: Heap::get(),
+            shares_memory: false,
+            peer_maps: PeerMappings::default(),
+        };
+        transport.shares_memory = transport.probe_sharing(setup)?;
+        Ok(transport)
+    }
+
+    /// Whether every rank can map the others' heap allocations (a sandbox may forbid
+    /// opening another process's descriptors): each maps a small allocation of each peer
+    /// and all agree through the store. Without it, collectives stage through the arena.
+    fn probe_sharing(&mut self, setup: &GroupSetup) -> Result<bool> {
+        if self.size == 1 {
+            return Ok(false);
+        }
+        let key = |k: String| format!("{}shm/{k}", setup.prefix);
+        let probe = self.heap.alloc(1, Kind::Int)?;
+        let here = self.heap.locate(probe.data_ptr() as *const u8, 4);
+        let here = here.ok_or_else(|| Error::Comm("a shared allocation is not in the heap".into()))?;
+        setup.store.set(&key(format!("probe/{}", self.rank)), format!("{} {}", here.id, here.fd).as_bytes())?;
+        let mut ok = true;
+        for peer in (0..self.size).filter(|&p| p != self.rank) {
+            let text = String::from_utf8_lossy(&setup.store.get(&key(format!("probe/{peer}")))?).into_owned();
+            let mut parts = text.split(' ').map(str::parse::<u64>);
+            let (Some(Ok(id)), Some(Ok(fd))) = (parts.next(), parts.next()) else {
+                return Err(peer_error(peer, format!("published a bad probe {text:?}")));
+            };
+            let at = Location { id, fd: fd as i32, offset: 0 };
+            if let Err(e) = self.peer_maps.resolve(self.pids[peer], at, 4) {
+                tracing::debug!("shm: collectives stage through the arena: {e}");
+                ok = false;
+            }
+        }
+        setup.store.set(&key(format!("probe-ok/{}", self.rank)), if ok { b"1" } else { b"0" })?;
+        for peer in 0..self.size {
+            ok &= setup.store.get(&key(format!("probe-ok/{peer}")))? == b"1";
+        }
+        Ok(ok)
     }
 
     fn arena_offset(size: usize) -> usize {
         size * size * CHANNEL_STRIDE
+    }
+
+    fn locations_offset(size: usize) -> usize {
+        Self::arena_offset(size) + size * FLAG_STRIDE + (size + 1) * SLOT_BYTES
+    }
+
+    /// Room for one location per rank (a reduce-scatter's inputs), in whole cache lines.
+    fn locations_stride(size: usize) -> usize {
+        (size * LOCATION_BYTES).div_ceil(64) * 64
+    }
+
+    /// Where `blocks` live in this process's heap, if all of them do and peers can map it.
+    fn locate(&self, blocks: &[Block]) -> Option<Vec<Location>> {
+        if !self.shares_memory {
+            return None;
+        }
+        blocks.iter().map(|b| self.heap.locate(b.ptr, b.len)).collect()
+    }
+
+    /// Publishes this rank's locations for the peers to read after the next barrier.
+    fn publish(&self, locations: &[Location]) {
+        let base = Self::locations_offset(self.size) + self.rank * Self::locations_stride(self.size);
+        for (i, l) in locations.iter().enumerate() {
+            // SAFETY: entry i < size of this rank's own area, written only by this rank and
+            // read by peers after the barrier that follows.
+            unsafe {
+                let at = self.map.as_ptr().add(base + i * LOCATION_BYTES) as *mut u64;
+                at.write(l.id);
+                at.add(1).write(l.fd as u64);
+                at.add(2).write(l.offset);
+            }
+        }
+    }
+
+    /// The address in this process of `len` bytes of rank `peer`'s published block `i`.
+    fn peer_block(&mut self, peer: usize, i: usize, len: usize) -> Result<*mut u8> {
+        let base = Self::locations_offset(self.size) + peer * Self::locations_stride(self.size);
+        // SAFETY: entry i of the peer's area, published before the barrier just passed.
+        let (id, fd, offset) = unsafe {
+            let at = self.map.as_ptr().add(base + i * LOCATION_BYTES) as *const u64;
+            (at.read(), at.add(1).read(), at.add(2).read())
+        };
+        self.peer_maps.resolve(self.pids[peer], Location { id, fd: fd as i32, offset }, len)
+    }
+
+    /// All-reduce of a buffer every rank holds in its heap: after a barrier, each rank
+    /// reduces its own share reading the peers' shares in place; after a second, it copies
+    /// the other shares from their owners; a third keeps every buffer untouched until all
+    /// have read it. Nothing passes through the arena.
+    fn direct_all_reduce(&mut self, buf: Block, at: Location, kind: Kind, op: ReduceOp) -> Result<()> {
+        let (n, r, esize) = (self.size, self.rank, kind.elt_size_in_bytes());
+        self.publish(&[at]);
+        self.arena_barrier()?;
+        let mut peers = Vec::with_capacity(n);
+        for p in 0..n {
+            peers.push(if p == r { buf.ptr } else { self.peer_block(p, 0, buf.len)? });
+        }
+        let shares = split(buf.len / esize, n, esize);
+        let mine = buf.piece(shares[r].start, shares[r].len());
+        for p in (0..n).filter(|&p| p != r) {
+            // SAFETY: peer p's buffer has the same length; its share r is not written
+            // until the next barrier.
+            let theirs = unsafe { std::slice::from_raw_parts(peers[p].add(shares[r].start), mine.len) };
+            reduce_into(kind, op, mine.bytes_mut(), theirs);
+        }
+        if op == ReduceOp::Avg {
+            divide(kind, mine.bytes_mut(), n);
+        }
+        self.arena_barrier()?;
+        for p in (0..n).filter(|&p| p != r) {
+            let s = shares[p].clone();
+            // SAFETY: share p of peer p's buffer is final and stays so until the barrier below.
+            unsafe { std::ptr::copy_nonoverlapping(peers[p].add(s.start), buf.ptr.add(s.start), s.len()) };
+        }
+        self.arena_barrier()
+    }
+
+    /// All-gather of inputs every rank holds in its heap: each rank copies the peers'
+    /// inputs straight into its outputs, between two barriers.
+    fn direct_all_gather(&mut self, outputs: &[Block], input: Block, at: Location) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        if outputs[r].ptr != input.ptr {
+            input.copy_to(outputs[r].ptr);
+        }
+        self.publish(&[at]);
+        self.arena_barrier()?;
+        for p in (0..n).filter(|&p| p != r) {
+            let src = self.peer_block(p, 0, outputs[p].len)?;
+            // SAFETY: peer p's input holds outputs[p].len bytes, unchanged until the barrier.
+            unsafe { std::ptr::copy_nonoverlapping(src, outputs[p].ptr, outputs[p].len) };
+        }
+        self.arena_barrier()
+    }
+
+    /// Reduce-scatter of inputs every rank holds in its heap: each rank reduces its block
+    /// of every peer's input, read in place, straight into its output, between two barriers.
+    fn direct_reduce_scatter(
+        &mut self,
+        inputs: &[Block],
+        out: Block,
+        at: &[Location],
+        kind: Kind,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        self.publish(at);
+        self.arena_barrier()?;
+        let mine = inputs[r];
+        let mut first = mine.ptr != out.ptr;
+        for p in (0..n).filter(|&p| p != r) {
+            let theirs = self.peer_block(p, r, out.len)?;
+            // SAFETY: peer p's block r holds out.len bytes, unchanged until the barrier.
+            let theirs = unsafe { std::slice::from_raw_parts(theirs, out.len) };
+            if std::mem::take(&mut first) {
+                combine_into(kind, op, out.bytes_mut(), mine.bytes(), theirs);
+            } else {
+                reduce_into(kind, op, out.bytes_mut(), theirs);
+            }
+        }
+        if n == 1 && first {
+            mine.copy_to(out.ptr);
+        }
+        if op == ReduceOp::Avg {
+            divide(kind, out.bytes_mut(), n);
+        }
+        self.arena_barrier()
     }
 
     /// Rank `rank`'s progress counter.
@@ -661,15 +843,29 @@ impl Transport for ShmTransport {
         self.size
     }
 
+    fn shares_memory(&self) -> bool {
+        self.shares_memory
+    }
+
     fn native_all_reduce(&mut self, buf: &mut [u8], kind: Kind, op: ReduceOp) -> Option<Result<()>> {
+        let block = Block { ptr: buf.as_mut_ptr(), len: buf.len() };
+        if let Some(at) = self.locate(&[block]) {
+            return Some(self.direct_all_reduce(block, at[0], kind, op));
+        }
         Some(self.arena_all_reduce(buf, kind, op))
     }
 
     fn native_reduce_scatter(&mut self, inputs: &[Block], out: Block, kind: Kind, op: ReduceOp) -> Option<Result<()>> {
+        if let Some(at) = self.locate(inputs) {
+            return Some(self.direct_reduce_scatter(inputs, out, &at, kind, op));
+        }
         Some(self.arena_reduce_scatter(inputs, out, kind, op))
     }
 
     fn native_all_gather(&mut self, outputs: &[Block], input: Block) -> Option<Result<()>> {
+        if let Some(at) = self.locate(&[input]) {
+            return Some(self.direct_all_gather(outputs, input, at[0]));
+        }
         Some(self.arena_all_gather(outputs, input))
     }
 

@@ -289,6 +289,43 @@ impl Engine {
         self.grads.as_ref()
     }
 
+    /// Moves the contiguous gradient buffer into `buffer` (same length, dtype and device;
+    /// memory a backend's collectives read in place, say): its values are copied, and every
+    /// unit's gradient slice and every parameter's `.grad` become views of the new buffer.
+    pub fn place_grads(&mut self, buffer: Tensor) -> Result<()> {
+        let Some(old) = &self.grads else {
+            return Err(Error::Engine("only the contiguous gradient layout has one buffer to move".into()));
+        };
+        if buffer.size() != old.size() || buffer.kind() != old.kind() || buffer.device() != old.device() {
+            return Err(Error::Engine(format!(
+                "a gradient buffer of {:?} {:?} on {:?} cannot replace one of {:?} {:?} on {:?}",
+                buffer.size(),
+                buffer.kind(),
+                buffer.device(),
+                old.size(),
+                old.kind(),
+                old.device()
+            )));
+        }
+        tch::no_grad(|| buffer.shallow_clone().f_copy_(old))?;
+        let mut start = 0;
+        for (unit, storage) in self.spec.units.iter().zip(&mut self.storage) {
+            let len = storage.grad.numel() as i64;
+            storage.grad = buffer.f_narrow(0, start, len)?;
+            for &id in &unit.params {
+                let p = &self.params[id.0];
+                if p.requires_grad() {
+                    let g =
+                        storage.grad.f_narrow(0, self.offsets[id.0], p.numel() as i64)?.f_view(p.size().as_slice())?;
+                    strata_ext::set_grad(p, Some(&g))?;
+                }
+            }
+            start += len;
+        }
+        self.grads = Some(buffer);
+        Ok(())
+    }
+
     /// Position of parameter `id` in its unit's flat layout.
     pub fn offset(&self, id: ParamId) -> i64 {
         self.offsets[id.0]

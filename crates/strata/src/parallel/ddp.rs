@@ -53,6 +53,12 @@ impl DataParallel {
         for s in engine.storage() {
             group.broadcast(&s.flat, 0)?.wait()?;
         }
+        // Gradients where the group's all-reduces read them in place (shm's shared memory).
+        if let Some(grads) = engine.grads() {
+            if let Some(shared) = group.alloc(grads.numel() as i64, grads.kind())? {
+                engine.place_grads(shared)?;
+            }
+        }
         let bucket_ending_at = buckets(engine, options.bucket_bytes)?;
         let (mut reached, mut hooks) = (Vec::new(), Vec::new());
         if !options.find_unused_parameters {

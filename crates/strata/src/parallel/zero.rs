@@ -200,7 +200,20 @@ impl Zero {
             // A master of what this rank updates: its shard, or all of an ignored unit.
             if (sharded && frees_params) || param_kind != master_kind {
                 let (start, count) = if sharded { (rank * shard_len, shard_len) } else { (0, len) };
-                let master = initial.f_narrow(0, start, count)?.f_to_kind(master_kind)?.f_detach_copy()?;
+                // Gathers read the master of a sharded unit when it is in the parameters'
+                // dtype: there it goes where the shard group reads it in place.
+                let shared = match (&groups.shard, sharded && master_kind == param_kind) {
+                    (Some(g), true) if s.flat.device() == tch::Device::Cpu => g.alloc(count, master_kind)?,
+                    _ => None,
+                };
+                let values = initial.f_narrow(0, start, count)?;
+                let master = match shared {
+                    Some(t) => {
+                        tch::no_grad(|| t.shallow_clone().f_copy_(&values))?;
+                        t
+                    }
+                    None => values.f_to_kind(master_kind)?.f_detach_copy()?,
+                };
                 ledger.alloc(Placement::Device, Category::Params, bytes(count, master_kind))?;
                 unit.master = Some(master);
             }
