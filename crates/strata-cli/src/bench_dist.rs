@@ -56,11 +56,13 @@ struct Row {
     pytorch_rss_peak_bytes: u64,
 }
 
-/// Strata's strategy for a method.
+/// Strata's strategy for a method. Both add `module_replace`: the reference's GPT calls
+/// PyTorch's fused attention (`F.scaled_dot_product_attention`), which is what
+/// `module_replace` puts in Strata's attention, so both sides run the same kernels.
 fn strategy(method: &str) -> Result<&'static str> {
     Ok(match method {
-        "ddp" => "[]",
-        "fsdp" => r#"[["fsdp", {}]]"#,
+        "ddp" => r#"["module_replace"]"#,
+        "fsdp" => r#"[["fsdp", {}], "module_replace"]"#,
         other => bail!("unknown method {other:?}; expected ddp or fsdp"),
     })
 }
