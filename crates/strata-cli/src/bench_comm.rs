@@ -30,6 +30,10 @@ pub struct BenchCommArgs {
     /// (allocated by the group, read in place by peers; only where the backend offers it).
     #[arg(long, default_value = "private,shared")]
     buffers: String,
+    /// Also measure all-gather and reduce-scatter in place (the input is the output's own
+    /// block, or the output the input's).
+    #[arg(long)]
+    in_place: bool,
     /// Size growth factor between rows.
     #[arg(long, default_value_t = 4)]
     factor: usize,
@@ -49,6 +53,8 @@ struct Row {
     backend: String,
     /// `private` or `shared` buffers.
     buffers: String,
+    /// All-gather's input is its output's own block / reduce-scatter's output its input's.
+    in_place: bool,
     op: String,
     bytes: usize,
     time_us: f64,
@@ -65,6 +71,62 @@ struct Report {
     world_size: usize,
     memcpy_gbps: Vec<(usize, f64)>,
     rows: Vec<Row>,
+    /// With two ranks or more.
+    idle_wait: Option<IdleWait>,
+}
+
+/// What a rank waiting in a collective costs the rank that computes: the same matrix
+/// products on rank 0 (with every core's thread) while the other ranks block in the kernel
+/// on a store read, and while they wait for it in a barrier of the measured backend.
+#[derive(Serialize)]
+struct IdleWait {
+    backend: String,
+    compute_threads: usize,
+    /// Median seconds of the work beside peers blocked in the kernel.
+    beside_blocked_peers_s: f64,
+    /// Median seconds of the work beside peers waiting in a barrier.
+    beside_waiting_peers_s: f64,
+    /// The second over the first: 1 means waiting peers take nothing from compute.
+    slowdown: f64,
+}
+
+/// Times the same matrix products on rank 0 beside peers blocked on the store and beside
+/// peers waiting in `g`'s barrier, alternately, `rounds` times each.
+fn idle_wait(comm: &strata::comm::Comm, g: &dyn ProcessGroup, backend: &str) -> Result<IdleWait> {
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    tch::set_num_threads(threads as i32);
+    let a = Tensor::randn([384, 384], (Kind::Float, Device::Cpu));
+    let work = || {
+        let start = Instant::now();
+        for _ in 0..200 {
+            let _ = a.matmul(&a);
+        }
+        start.elapsed().as_secs_f64()
+    };
+    let (mut blocked, mut waiting) = (Vec::new(), Vec::new());
+    for round in 0..5 {
+        g.barrier()?.wait()?;
+        let key = format!("bench-comm/idle/{round}");
+        if comm.rank() == 0 {
+            blocked.push(work());
+            comm.store().set(&key, b"done")?;
+        } else {
+            comm.store().get(&key)?;
+        }
+        g.barrier()?.wait()?;
+        if comm.rank() == 0 {
+            waiting.push(work());
+        }
+        g.barrier()?.wait()?;
+    }
+    let (blocked, waiting) = (crate::bench_runs::median(blocked), crate::bench_runs::median(waiting));
+    Ok(IdleWait {
+        backend: backend.to_string(),
+        compute_threads: threads,
+        beside_blocked_peers_s: blocked,
+        beside_waiting_peers_s: waiting,
+        slowdown: waiting / blocked.max(1e-12),
+    })
 }
 
 /// Bus bandwidth over algorithm bandwidth: the share of the data each rank's links carry.
@@ -94,7 +156,9 @@ fn memcpy_gbps(bytes: usize) -> f64 {
 /// slowest rank's, as every rank agrees through a max all-reduce).
 /// With `shared`, the buffers peers read (all-reduce's, all-gather's input, reduce-scatter's
 /// inputs) come from the group; `None` when it offers no such memory.
-fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize, shared: bool) -> Result<Option<f64>> {
+/// With `in_place`, all-gather's input is its own output's block and reduce-scatter's
+/// output its own input's block (nccl-tests' in-place columns).
+fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize, shared: bool, in_place: bool) -> Result<Option<f64>> {
     let n = g.size();
     let numel = (bytes / 4) as i64;
     let private = |k: i64| Tensor::ones([k], (Kind::Float, Device::Cpu));
@@ -110,12 +174,23 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize, shared: bool) -> Result
             Some(t) => (t, vec![]),
             None => return Ok(None),
         },
+        "all_gather" if in_place => match read_by_peers(per * n as i64)? {
+            Some(flat) => {
+                let parts = flat.chunk(n as i64, 0);
+                (parts[g.rank()].shallow_clone(), parts)
+            }
+            None => return Ok(None),
+        },
         "all_gather" => match read_by_peers(per)? {
             Some(t) => (t, (0..n).map(|_| private(per)).collect()),
             None => return Ok(None),
         },
         "reduce_scatter" => match read_by_peers(per * n as i64)? {
-            Some(flat) => (private(per), flat.chunk(n as i64, 0)),
+            Some(flat) => {
+                let parts = flat.chunk(n as i64, 0);
+                let out = if in_place { parts[g.rank()].shallow_clone() } else { private(per) };
+                (out, parts)
+            }
             None => return Ok(None),
         },
         other => bail!("unknown operation {other:?}"),
@@ -171,7 +246,14 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     let mut rows = Vec::new();
     for backend in a.backends.split(',').map(str::trim) {
         let g = comm.new_group_with(&all, &format!("cpu:{backend}"))?.context("this rank is in the world")?;
-        for (op, buffers) in a.ops.split(',').map(str::trim).flat_map(|op| a.buffers.split(',').map(move |b| (op, b))) {
+        let places: &[bool] = if a.in_place { &[false, true] } else { &[false] };
+        let variants = a.ops.split(',').map(str::trim).flat_map(|op| {
+            let in_place_too = matches!(op, "all_gather" | "reduce_scatter");
+            a.buffers
+                .split(',')
+                .flat_map(move |b| places.iter().filter(move |&&p| !p || in_place_too).map(move |&p| (op, b, p)))
+        });
+        for (op, buffers, in_place) in variants {
             let mut bytes = a.min_bytes;
             while bytes <= a.max_bytes {
                 let shared = match buffers {
@@ -179,11 +261,12 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
                     "shared" => true,
                     other => bail!("unknown buffers {other:?}; expected private or shared"),
                 };
-                let Some(t) = time_op(g.as_ref(), op, bytes, shared)? else { break };
+                let Some(t) = time_op(g.as_ref(), op, bytes, shared, in_place)? else { break };
                 let algbw = bytes as f64 / t / 1e9;
                 rows.push(Row {
                     backend: backend.into(),
                     buffers: buffers.into(),
+                    in_place,
                     op: op.into(),
                     bytes,
                     time_us: t * 1e6,
@@ -196,6 +279,9 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
             }
         }
     }
+    let first = a.backends.split(',').map(str::trim).next().unwrap_or("shm");
+    let g = comm.new_group_with(&all, &format!("cpu:{first}"))?.context("this rank is in the world")?;
+    let idle_wait = if n > 1 { Some(idle_wait(&comm, g.as_ref(), first)?) } else { None };
     if comm.rank() != 0 {
         return Ok(());
     }
@@ -210,23 +296,23 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
             }
         }
     }
-    let report = Report { world_size: n, memcpy_gbps: memcpy, rows };
+    let report = Report { world_size: n, memcpy_gbps: memcpy, rows, idle_wait };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
     println!("{n} ranks");
     println!(
-        "{:<8} {:<8} {:<15} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
+        "{:<8} {:<8} {:<24} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
         "backend", "buffers", "op", "bytes", "time us", "algbw GB/s", "busbw GB/s", "gloo us", "vs gloo"
     );
     let or_dash = |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |x| format!("{x:.digits$}"));
     for r in &report.rows {
         println!(
-            "{:<8} {:<8} {:<15} {:>12} {:>12.1} {:>12.3} {:>12.3} {:>12} {:>10}",
+            "{:<8} {:<8} {:<24} {:>12} {:>12.1} {:>12.3} {:>12.3} {:>12} {:>10}",
             r.backend,
             r.buffers,
-            r.op,
+            format!("{}{}", r.op, if r.in_place { " (in place)" } else { "" }),
             r.bytes,
             r.time_us,
             r.algbw_gbps,
@@ -238,8 +324,15 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     for (bytes, gbps) in &report.memcpy_gbps {
         println!("memcpy (one process) {:>10} bytes: {gbps:.3} GB/s", bytes);
         for r in report.rows.iter().filter(|r| r.bytes == *bytes) {
-            println!("  {} {} {} busbw / memcpy: {:.2}", r.backend, r.buffers, r.op, r.busbw_gbps / gbps);
+            let place = if r.in_place { " in place" } else { "" };
+            println!("  {} {} {}{place} busbw / memcpy: {:.2}", r.backend, r.buffers, r.op, r.busbw_gbps / gbps);
         }
+    }
+    if let Some(w) = &report.idle_wait {
+        println!(
+            "rank 0 computing on {} threads: {:.3} s beside peers blocked in the kernel, {:.3} s beside peers waiting in a {} barrier: slowdown {:.3}",
+            w.compute_threads, w.beside_blocked_peers_s, w.beside_waiting_peers_s, w.backend, w.slowdown
+        );
     }
     Ok(())
 }
