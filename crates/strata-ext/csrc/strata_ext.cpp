@@ -76,11 +76,16 @@ struct CountingAllocator final : c10::Allocator {
       std::lock_guard<std::mutex> guard(lock);
       live[data] = {n, deleter};
     }
-    int64_t now = current.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    add(static_cast<int64_t>(n));
+    return c10::DataPtr(data, data, &CountingAllocator::release, device);
+  }
+
+  // Counts `n` more bytes (fewer when negative) and raises the peak to match.
+  void add(int64_t n) {
+    int64_t now = current.fetch_add(n) + n;
     int64_t seen = peak.load();
     while (now > seen && !peak.compare_exchange_weak(seen, now)) {
     }
-    return c10::DataPtr(data, data, &CountingAllocator::release, device);
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -710,6 +715,14 @@ int strata_cpu_memory_stats(int64_t* current, int64_t* peak) {
     if (counting_allocator == nullptr) throw std::runtime_error("CPU memory tracking is not on");
     *current = counting_allocator->current.load();
     *peak = counting_allocator->peak.load();
+  });
+}
+
+// Counts host memory libtorch did not allocate (shared buffers made by the caller) in the
+// statistics, `bytes` more or, negative, fewer; nothing while tracking is off.
+int strata_cpu_memory_account(int64_t bytes) {
+  return guarded([&] {
+    if (counting_allocator != nullptr) counting_allocator->add(bytes);
   });
 }
 

@@ -57,6 +57,7 @@ extern "C" {
     ) -> c_int;
     fn strata_storage_resize(t: TensorPtr, nbytes: usize) -> c_int;
     fn strata_storage_nbytes(t: *const C_tensor, nbytes: *mut usize) -> c_int;
+    fn strata_cpu_memory_account(bytes: i64) -> c_int;
     fn strata_from_blob(
         data: *mut c_void,
         numel: i64,
@@ -603,6 +604,14 @@ pub mod cpu_memory {
     pub fn reset_peak() -> Result<()> {
         // SAFETY: a plain call.
         check(unsafe { strata_cpu_memory_reset_peak() })
+    }
+
+    /// Counts `bytes` of host memory libtorch did not allocate (negative: no longer held)
+    /// in these statistics, so buffers a program maps itself show in the peaks too;
+    /// nothing while tracking is off.
+    pub fn account(bytes: i64) -> Result<()> {
+        // SAFETY: a plain call.
+        check(unsafe { strata_cpu_memory_account(bytes) })
     }
 }
 

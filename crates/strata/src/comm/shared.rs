@@ -79,12 +79,18 @@ impl Heap {
                 return Err(e);
             }
         };
+        // In the CPU allocator's statistics like any tensor, when they are kept; taken out
+        // at release only if it was counted in.
+        let counted = strata_ext::cpu_memory::stats().is_ok() && strata_ext::cpu_memory::account(bytes as i64).is_ok();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let base = base as usize;
         self.lock().push(Segment { id, fd, base, len: bytes });
         let heap = self.clone();
         let release = Box::new(move || {
             heap.lock().retain(|s| s.id != id);
+            if counted {
+                let _ = strata_ext::cpu_memory::account(-(bytes as i64));
+            }
             // SAFETY: the last tensor using the mapping is gone.
             unsafe {
                 libc::munmap(base as *mut libc::c_void, bytes);
