@@ -101,6 +101,19 @@ fn check_outputs(settings: &TrainSettings, params: u64) -> Result<()> {
     Ok(())
 }
 
+/// Without `--threads` (or `OMP_NUM_THREADS`), the ranks of one host split its cores
+/// between them, as torchrun's one thread per rank does for its default: libtorch would
+/// otherwise give every rank a thread per core, and the ranks would take turns on them.
+fn share_cores(threads: Option<i32>, local_world_size: usize) {
+    if threads.is_some() || local_world_size < 2 || std::env::var_os("OMP_NUM_THREADS").is_some() {
+        return;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let share = (cores / local_world_size).max(1);
+    tch::set_num_threads(share as i32);
+    info!(threads = share, cores, ranks = local_world_size, "compute threads per rank (--threads sets them)");
+}
+
 pub fn run(settings: TrainSettings) -> Result<()> {
     // Count every CPU allocation from here on (activation memory in the metrics).
     strata_ext::cpu_memory::track()?;
@@ -149,6 +162,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         }
         _ => (None, 1),
     };
+    share_cores(settings.threads, local_world_size);
     let data_parallel = DataParallelOptions {
         bucket_bytes: settings.bucket_bytes,
         find_unused_parameters: settings.find_unused_parameters,

@@ -98,3 +98,26 @@ fn train_nproc_is_data_parallel_and_matches_one_process() {
     let half = run(&[&sgd[..], &["--batch-size", "4"]].concat(), "half.st");
     assert!(weight_gap(&one, &half) > 1e-3);
 }
+
+/// Without `--threads`, the ranks of a host split its cores instead of each taking all.
+#[test]
+fn ranks_share_the_cores_unless_told_otherwise() {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let base = ["train", "--model", "mlp", "--layers", "1", "--dim", "8", "--steps", "1", "--nproc", "2"];
+    let run = |extra: &[&str], omp: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_strata"));
+        c.args(base).args(extra).env_remove("OMP_NUM_THREADS");
+        if let Some(n) = omp {
+            c.env("OMP_NUM_THREADS", n);
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let shared = run(&[], None);
+    let expected = format!("threads={}", (cores / 2).max(1));
+    assert!(shared.contains("compute threads per rank") && shared.contains(&expected), "{shared}");
+    for told in [run(&["--threads", "1"], None), run(&[], Some("1"))] {
+        assert!(!told.contains("compute threads per rank"), "{told}");
+    }
+}
