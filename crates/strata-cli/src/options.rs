@@ -96,6 +96,9 @@ train_options! {
     device: String,
     /// Write one JSON object per step to this file.
     metrics: PathBuf,
+    /// Time every unit's forward and backward and the communication waited for around
+    /// them, into the metrics (`unit_times`).
+    unit_times: bool,
     /// Train data parallel on this many local ranks (started through `strata launch`).
     nproc: usize,
     /// Gradient bucket size of data-parallel training, in bytes (default 25 MiB).
@@ -181,6 +184,7 @@ pub struct TrainSettings {
     pub threads: Option<i32>,
     pub device: tch::Device,
     pub metrics: Option<PathBuf>,
+    pub unit_times: bool,
     pub log_every: u64,
     pub nproc: usize,
     pub bucket_bytes: usize,
@@ -383,6 +387,7 @@ impl TrainOptions {
             threads,
             device: parse_device(o.device.as_deref().unwrap_or("cpu"))?,
             metrics: o.metrics,
+            unit_times: o.unit_times.unwrap_or(false),
             log_every: o.log_every.unwrap_or(50).max(1),
             nproc: match o.nproc {
                 Some(0) => bail!("--nproc must be at least 1"),

@@ -8,7 +8,7 @@ use strata::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
 use strata::comm::{all_reduce_values, init_from_env, launched_world_size, RankInfo, ReduceOp};
 use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData, Tokenizer};
-use strata::engine::EngineConfig;
+use strata::engine::{EngineConfig, UnitClock};
 use strata::model::{self, Builder, ModelSpec};
 use strata::optim::{Optimizer, OptimizerKind};
 use strata::parallel::{self, DataParallelOptions, Placement};
@@ -240,6 +240,11 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     );
     let optimizer = Optimizer::new(&mut engine, settings.optimizer.clone(), &[])?;
     let mut trainer = Trainer::new(engine, optimizer, settings.schedule.clone(), settings.grad_clip);
+    let clock = settings.unit_times.then(|| Arc::new(UnitClock::default()));
+    if let Some(c) = &clock {
+        trainer.engine.set_event_sink(c.clone());
+        c.take(); // the first step's clock starts here
+    }
     trainer.scaling = strategy.grad_scaling()?;
     let optimizer_name = format!("{:?}", settings.optimizer.kind).to_lowercase();
     let data_position = |next_step: u64| DataPosition {
@@ -314,6 +319,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     bar.set_position(start);
     for step in loader.take((settings.steps - start) as usize) {
         let mut report = trainer.train_step(&step?)?;
+        report.unit_times = clock.as_ref().map(|c| c.take());
         if let Some(g) = &world_group {
             // Report the job, not this rank: the loss over the global batch, all tokens.
             report.loss = all_reduce_values(g.as_ref(), &[report.loss], ReduceOp::Avg)?[0];

@@ -121,3 +121,27 @@ fn ranks_share_the_cores_unless_told_otherwise() {
         assert!(!told.contains("compute threads per rank"), "{told}");
     }
 }
+
+/// `--unit-times` writes each unit's forward and backward seconds and the communication
+/// waited for around them; the units' waits are part of the step's.
+#[test]
+fn unit_times_cover_every_unit_within_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let args = ["train", "--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32"];
+    let rest = ["--steps", "3", "--batch-size", "4", "--threads", "1", "--nproc", "2", "--strategy", r#"["fsdp"]"#];
+    let out = strata(&[&args[..], &rest, &["--unit-times", "true", "--metrics", metrics.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    for line in text.lines() {
+        let step: serde_json::Value = serde_json::from_str(line).unwrap();
+        let units = step["unit_times"].as_array().unwrap();
+        // Embedding, two blocks, head.
+        assert_eq!(units.iter().map(|u| u["unit"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3]);
+        for u in units {
+            assert!(u["forward_s"].as_f64().unwrap() > 0.0 && u["backward_s"].as_f64().unwrap() > 0.0, "{u}");
+        }
+        let waited: f64 = units.iter().map(|u| u["comm_wait_s"].as_f64().unwrap()).sum();
+        assert!(waited <= step["comm_wait_s"].as_f64().unwrap() + 1e-6, "{step}");
+    }
+}

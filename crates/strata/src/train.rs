@@ -46,6 +46,10 @@ pub struct StepReport {
     /// Seconds of this step the rank spent waiting for collectives to complete: the
     /// communication its computation did not hide.
     pub comm_wait_s: f64,
+    /// Per unit: forward and backward seconds and communication waited for around them,
+    /// when a [`crate::engine::UnitClock`] times the engine (filled in by its owner).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unit_times: Option<Vec<crate::engine::UnitTime>>,
 }
 
 /// Turns a micro-batch into the model's input (`prepare_input`).
@@ -176,6 +180,7 @@ impl Trainer {
             memory: self.engine.ledger().report(),
             rss_peak_bytes: memory::process_peak_rss(),
             comm_wait_s: (crate::comm::time_waited() - waited_before).as_secs_f64(),
+            unit_times: None,
         })
     }
 }

@@ -1,10 +1,13 @@
 //! What the engine and its schedule report as they run, through one sink per engine: each
 //! phase of each unit with the model-state bytes at that moment (as the ledger counts them
 //! and as the allocator holds them), and each parameter gather started and each freed.
-//! Tests check the schedules against these; a profiler records them. Nothing is computed
-//! for events while no sink is installed.
+//! Tests check the schedules against these; [`UnitClock`] times the units from them.
+//! Nothing is computed for events while no sink is installed.
 use super::Phase;
+use serde::Serialize;
+use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -39,5 +42,61 @@ impl EventLog {
 impl EventSink for EventLog {
     fn record(&self, event: Event) {
         self.events.lock().unwrap_or_else(|e| e.into_inner()).push(event);
+    }
+}
+
+/// One unit's share of a step: seconds of its forward and backward (from the phase event
+/// before each to the one after), and seconds this rank waited for collectives since the
+/// phase event before each of its phases (the gathers it needed and whatever the schedule
+/// waited for there). The step's remaining wait (gradient reductions completed after the
+/// last unit, norms) is its `comm_wait_s` minus these.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct UnitTime {
+    pub unit: usize,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    pub comm_wait_s: f64,
+}
+
+/// A sink that times every unit's phases, step by step ([`UnitClock::take`]).
+#[derive(Default)]
+pub struct UnitClock {
+    state: Mutex<ClockState>,
+}
+
+#[derive(Default)]
+struct ClockState {
+    /// When the previous phase event came, and the communication waited for by then.
+    last: Option<(Instant, Duration)>,
+    /// When the phase being timed began (its `Before*` event).
+    began: Option<Instant>,
+    units: BTreeMap<usize, UnitTime>,
+}
+
+impl UnitClock {
+    /// The units' times since the last call, in unit order; the next step's clock starts now.
+    pub fn take(&self) -> Vec<UnitTime> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.last = Some((Instant::now(), crate::comm::time_waited()));
+        std::mem::take(&mut s.units).into_values().collect()
+    }
+}
+
+impl EventSink for UnitClock {
+    fn record(&self, event: Event) {
+        let Event::Phase { phase, unit, .. } = event else { return };
+        let (now, waited) = (Instant::now(), crate::comm::time_waited());
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let waited_since = s.last.map_or(Duration::ZERO, |(_, w)| waited.saturating_sub(w));
+        let began = s.began;
+        let t = s.units.entry(unit).or_insert_with(|| UnitTime { unit, ..UnitTime::default() });
+        t.comm_wait_s += waited_since.as_secs_f64();
+        let spent = began.map_or(0.0, |b| now.duration_since(b).as_secs_f64());
+        match phase {
+            Phase::BeforeForward | Phase::BeforeBackward => s.began = Some(now),
+            Phase::AfterForward => t.forward_s += spent,
+            Phase::AfterBackward => t.backward_s += spent,
+        }
+        s.last = Some((now, waited));
     }
 }

@@ -16,7 +16,7 @@ use crate::comm::ProcessGroup;
 use crate::compute::{self, UnitCompute};
 use crate::model::{Init, ModelSpec, ParamId, ParamSpec, Params};
 use crate::{Error, Result};
-pub use events::{Event, EventLog, EventSink};
+pub use events::{Event, EventLog, EventSink, UnitClock, UnitTime};
 pub use memory::{Category, MemoryLedger, Placement};
 pub use schedule::{OptimizerView, Phase, Resident, ScheduleContext, UnitSchedule};
 use std::sync::Arc;
