@@ -1,0 +1,246 @@
+//! The shm transport's collectives: all-reduce, reduce-scatter and all-gather staged
+//! chunk by chunk through the arena's slots, and their direct forms, which read buffers
+//! every rank holds in its [`Heap`](crate::comm::shared::Heap) in place.
+use super::{ShmTransport, LOCATION_BYTES, SLOT_BYTES};
+use crate::comm::elementwise::{combine_into, divide, reduce_into, split};
+use crate::comm::shared::Location;
+use crate::comm::transport::Block;
+use crate::comm::ReduceOp;
+use crate::Result;
+use tch::Kind;
+
+impl ShmTransport {
+    /// Where `blocks` live in this process's heap, if all of them do and peers can map it.
+    pub(super) fn locate(&self, blocks: &[Block]) -> Option<Vec<Location>> {
+        if !self.shares_memory {
+            return None;
+        }
+        blocks.iter().map(|b| self.heap.locate(b.ptr, b.len)).collect()
+    }
+
+    /// Publishes this rank's locations for the peers to read after the next barrier.
+    fn publish(&self, locations: &[Location]) {
+        let base = Self::locations_offset(self.size) + self.rank * Self::locations_stride(self.size);
+        for (i, l) in locations.iter().enumerate() {
+            // SAFETY: entry i < size of this rank's own area, written only by this rank and
+            // read by peers after the barrier that follows.
+            unsafe {
+                let at = self.map.as_ptr().add(base + i * LOCATION_BYTES) as *mut u64;
+                at.write(l.id);
+                at.add(1).write(l.fd as u64);
+                at.add(2).write(l.offset);
+            }
+        }
+    }
+
+    /// The address in this process of `len` bytes of rank `peer`'s published block `i`.
+    fn peer_block(&mut self, peer: usize, i: usize, len: usize) -> Result<*mut u8> {
+        let base = Self::locations_offset(self.size) + peer * Self::locations_stride(self.size);
+        // SAFETY: entry i of the peer's area, published before the barrier just passed.
+        let (id, fd, offset) = unsafe {
+            let at = self.map.as_ptr().add(base + i * LOCATION_BYTES) as *const u64;
+            (at.read(), at.add(1).read(), at.add(2).read())
+        };
+        self.peer_maps.resolve(self.pids[peer], Location { id, fd: fd as i32, offset }, len)
+    }
+
+    /// All-reduce of a buffer every rank holds in its heap: after a barrier, each rank
+    /// reduces its own share reading the peers' shares in place; after a second, it copies
+    /// the other shares from their owners; a third keeps every buffer untouched until all
+    /// have read it. Nothing passes through the arena.
+    pub(super) fn direct_all_reduce(&mut self, buf: Block, at: Location, kind: Kind, op: ReduceOp) -> Result<()> {
+        let (n, r, esize) = (self.size, self.rank, kind.elt_size_in_bytes());
+        self.publish(&[at]);
+        self.arena_barrier()?;
+        let mut peers = Vec::with_capacity(n);
+        for p in 0..n {
+            peers.push(if p == r { buf.ptr } else { self.peer_block(p, 0, buf.len)? });
+        }
+        let shares = split(buf.len / esize, n, esize);
+        let mine = buf.piece(shares[r].start, shares[r].len());
+        for p in (0..n).filter(|&p| p != r) {
+            // SAFETY: peer p's buffer has the same length; its share r is not written
+            // until the next barrier.
+            let theirs = unsafe { std::slice::from_raw_parts(peers[p].add(shares[r].start), mine.len) };
+            reduce_into(kind, op, mine.bytes_mut(), theirs);
+        }
+        if op == ReduceOp::Avg {
+            divide(kind, mine.bytes_mut(), n);
+        }
+        self.arena_barrier()?;
+        for p in (0..n).filter(|&p| p != r) {
+            let s = shares[p].clone();
+            // SAFETY: share p of peer p's buffer is final and stays so until the barrier below.
+            unsafe { std::ptr::copy_nonoverlapping(peers[p].add(s.start), buf.ptr.add(s.start), s.len()) };
+        }
+        self.arena_barrier()
+    }
+
+    /// All-gather of inputs every rank holds in its heap: each rank copies the peers'
+    /// inputs straight into its outputs, between two barriers.
+    pub(super) fn direct_all_gather(&mut self, outputs: &[Block], input: Block, at: Location) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        if outputs[r].ptr != input.ptr {
+            input.copy_to(outputs[r].ptr);
+        }
+        self.publish(&[at]);
+        self.arena_barrier()?;
+        for p in (0..n).filter(|&p| p != r) {
+            let src = self.peer_block(p, 0, outputs[p].len)?;
+            // SAFETY: peer p's input holds outputs[p].len bytes, unchanged until the barrier.
+            unsafe { std::ptr::copy_nonoverlapping(src, outputs[p].ptr, outputs[p].len) };
+        }
+        self.arena_barrier()
+    }
+
+    /// Reduce-scatter of inputs every rank holds in its heap: each rank reduces its block
+    /// of every peer's input, read in place, straight into its output, between two barriers.
+    pub(super) fn direct_reduce_scatter(
+        &mut self,
+        inputs: &[Block],
+        out: Block,
+        at: &[Location],
+        kind: Kind,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        self.publish(at);
+        self.arena_barrier()?;
+        let mine = inputs[r];
+        let mut first = mine.ptr != out.ptr;
+        for p in (0..n).filter(|&p| p != r) {
+            let theirs = self.peer_block(p, r, out.len)?;
+            // SAFETY: peer p's block r holds out.len bytes, unchanged until the barrier.
+            let theirs = unsafe { std::slice::from_raw_parts(theirs, out.len) };
+            if std::mem::take(&mut first) {
+                combine_into(kind, op, out.bytes_mut(), mine.bytes(), theirs);
+            } else {
+                reduce_into(kind, op, out.bytes_mut(), theirs);
+            }
+        }
+        if n == 1 && first {
+            mine.copy_to(out.ptr);
+        }
+        if op == ReduceOp::Avg {
+            divide(kind, out.bytes_mut(), n);
+        }
+        self.arena_barrier()
+    }
+
+    /// Chunk by chunk: copy in the shares the other ranks reduce, barrier, reduce this
+    /// rank's share in place (its own values never leave its buffer) and publish it,
+    /// barrier, copy in the other shares' results. The next chunk's first barrier also
+    /// guarantees that everyone has read the previous results before they are overwritten.
+    pub(super) fn arena_all_reduce(&mut self, buf: &mut [u8], kind: Kind, op: ReduceOp) -> Result<()> {
+        let (n, r, esize) = (self.size, self.rank, kind.elt_size_in_bytes());
+        let chunk = SLOT_BYTES / esize * esize;
+        for piece in buf.chunks_mut(chunk) {
+            let shares = split(piece.len() / esize, n, esize);
+            let share = |p: usize| shares[p].clone();
+            // SAFETY (all copies below): slots hold SLOT_BYTES >= chunk bytes; a rank writes
+            // only its own slot and its own share of the result slot, and only between
+            // barriers at which nobody reads them.
+            for p in (0..n).filter(|&p| p != r) {
+                let s = share(p);
+                unsafe { std::ptr::copy_nonoverlapping(piece[s.clone()].as_ptr(), self.slot(r).add(s.start), s.len()) };
+            }
+            self.arena_barrier()?;
+            let mine = share(r);
+            for p in (0..n).filter(|&p| p != r) {
+                let theirs = unsafe { std::slice::from_raw_parts(self.slot(p).add(mine.start), mine.len()) };
+                reduce_into(kind, op, &mut piece[mine.clone()], theirs);
+            }
+            if op == ReduceOp::Avg {
+                divide(kind, &mut piece[mine.clone()], n);
+            }
+            unsafe {
+                std::ptr::copy_nonoverlapping(piece[mine.clone()].as_ptr(), self.slot(n).add(mine.start), mine.len())
+            };
+            self.arena_barrier()?;
+            for p in (0..n).filter(|&p| p != r) {
+                let s = share(p);
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.slot(n).add(s.start), piece[s.clone()].as_mut_ptr(), s.len())
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// Half `h` of rank `p`'s slot. Reduce-scatter and all-gather alternate halves chunk by
+    /// chunk, so one barrier per chunk suffices: a half is written again only after every
+    /// rank has passed the barrier that follows its last reading.
+    fn half(&self, p: usize, h: usize) -> *mut u8 {
+        // SAFETY: both halves lie inside slot `p`.
+        unsafe { self.slot(p).add(h * (SLOT_BYTES / 2)) }
+    }
+
+    /// Chunk by chunk: copy into this rank's slot the pieces of the inputs the other ranks
+    /// own, barrier, then reduce this rank's own input piece with the peers' copies of it
+    /// straight into the output. Each input byte is read once and copied at most once;
+    /// nothing the size of the whole input is staged. A closing barrier leaves the slots
+    /// free for the next collective.
+    pub(super) fn arena_reduce_scatter(
+        &mut self,
+        inputs: &[Block],
+        out: Block,
+        kind: Kind,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        // Cache-line multiples, so every region is aligned for every dtype.
+        let region = SLOT_BYTES / 2 / n / 64 * 64;
+        let longest = inputs.iter().map(|b| b.len).max().unwrap_or(0);
+        for (c, at) in (0..longest).step_by(region).enumerate() {
+            let h = c % 2;
+            for p in (0..n).filter(|&p| p != r) {
+                // SAFETY: region p of this rank's half holds `region` bytes.
+                inputs[p].piece(at, region).copy_to(unsafe { self.half(r, h).add(p * region) });
+            }
+            self.arena_barrier()?;
+            let (mine, dst) = (inputs[r].piece(at, region), out.piece(at, region));
+            let mut first = mine.ptr != dst.ptr; // in place, the output already holds mine
+            if n == 1 && first {
+                mine.copy_to(dst.ptr);
+            }
+            for p in (0..n).filter(|&p| p != r) {
+                // SAFETY: peer p wrote this region before the barrier and leaves it alone
+                // until the next one.
+                let theirs = unsafe { std::slice::from_raw_parts(self.half(p, h).add(r * region), dst.len) };
+                if std::mem::take(&mut first) {
+                    combine_into(kind, op, dst.bytes_mut(), mine.bytes(), theirs);
+                } else {
+                    reduce_into(kind, op, dst.bytes_mut(), theirs);
+                }
+            }
+            if op == ReduceOp::Avg {
+                divide(kind, dst.bytes_mut(), n);
+            }
+        }
+        self.arena_barrier()
+    }
+
+    /// Chunk by chunk: copy this rank's input piece into its slot (and into its own output
+    /// while the piece is in cache), barrier, copy every peer's piece out of its slot.
+    pub(super) fn arena_all_gather(&mut self, outputs: &[Block], input: Block) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let region = SLOT_BYTES / 2;
+        let longest = outputs.iter().map(|b| b.len).max().unwrap_or(0);
+        for (c, at) in (0..longest).step_by(region).enumerate() {
+            let h = c % 2;
+            let piece = input.piece(at, region);
+            piece.copy_to(self.half(r, h));
+            let own = outputs[r].piece(at, region);
+            if own.ptr != piece.ptr {
+                piece.copy_to(own.ptr);
+            }
+            self.arena_barrier()?;
+            for p in (0..n).filter(|&p| p != r) {
+                let dst = outputs[p].piece(at, region);
+                // SAFETY: peer p's half holds its piece until the next barrier.
+                unsafe { std::ptr::copy_nonoverlapping(self.half(p, h), dst.ptr, dst.len) };
+            }
+        }
+        self.arena_barrier()
+    }
+}
