@@ -166,7 +166,7 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize, shared: bool, in_place:
         if !shared {
             return Ok(Some(private(k)));
         }
-        Ok(g.alloc(k, Kind::Float)?.map(|mut t| t.fill_(1.0)))
+        Ok(g.alloc(k, Kind::Float, Device::Cpu)?.map(|mut t| t.fill_(1.0)))
     };
     let per = numel / n as i64;
     let (main, parts): (Tensor, Vec<Tensor>) = match op {

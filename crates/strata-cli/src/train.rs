@@ -319,13 +319,14 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     bar.set_position(start);
     for step in loader.take((settings.steps - start) as usize) {
         let mut report = trainer.train_step(&step?)?;
-        report.unit_times = clock.as_ref().map(|c| c.take());
         if let Some(g) = &world_group {
             // Report the job, not this rank: the loss over the global batch, all tokens.
             report.loss = all_reduce_values(g.as_ref(), &[report.loss], ReduceOp::Avg)?[0];
             report.tokens *= world as u64;
             report.tokens_per_s *= world as f64;
         }
+        // After the loss's all-reduce, so the next step's units wait for nothing of this one.
+        report.unit_times = clock.as_ref().map(|c| c.take());
         if !report.loss.is_finite() {
             bail!("loss became {} at step {}", report.loss, report.step);
         }

@@ -355,7 +355,8 @@ fn rank_entry() {
 fn check_shared_buffers(g: &dyn ProcessGroup) {
     let (r, n) = (g.rank() as i64, g.size() as i64);
     let ranks_sum = n * (n - 1) / 2;
-    let shared = |kind: Kind, numel: i64| g.alloc(numel, kind).unwrap().expect("shm shares memory on this host");
+    let shared =
+        |kind: Kind, numel: i64| g.alloc(numel, kind, Device::Cpu).unwrap().expect("shm shares memory on this host");
     let fill = |t: &Tensor, v: &Tensor| {
         t.shallow_clone().copy_(v);
     };
@@ -390,6 +391,8 @@ fn check_shared_buffers(g: &dyn ProcessGroup) {
             same(&inputs[r as usize], &output, &what("in-place reduce_scatter"));
         }
     }
+    // Shared memory is host memory: a group has none to offer for a device it does not serve.
+    assert!(g.alloc(4, Kind::Float, Device::Cuda(0)).unwrap().is_none());
     // Avg in place on a shared buffer.
     let t = shared(Kind::Float, 5000);
     fill(&t, &values(Kind::Float, 5000, 2 * r));

@@ -4,7 +4,7 @@
 //! tensors move the counts.
 use std::time::Duration;
 use strata::comm::{Comm, Store, StoreServer};
-use tch::Kind;
+use tch::{Device, Kind};
 
 #[test]
 fn shared_buffers_count_in_the_cpu_allocator_statistics() {
@@ -30,7 +30,7 @@ fn shared_buffers_count_in_the_cpu_allocator_statistics() {
     });
     let current = || strata_ext::cpu_memory::stats().unwrap().0;
     let before = current();
-    let buffers: Vec<_> = groups.iter().map(|g| g.alloc(1 << 20, Kind::Float).unwrap().unwrap()).collect();
+    let buffers: Vec<_> = groups.iter().map(|g| g.alloc(1 << 20, Kind::Float, Device::Cpu).unwrap().unwrap()).collect();
     assert!(buffers.iter().all(strata::comm::in_shared_memory));
     assert_eq!(current() - before, 2 * (4 << 20), "two shared buffers of 4 MiB are counted");
     drop(buffers);

@@ -365,8 +365,8 @@ impl ProcessGroup for RingGroup {
         })
     }
 
-    fn alloc(&self, numel: i64, kind: Kind) -> Result<Option<Tensor>> {
-        if !self.shares_memory {
+    fn alloc(&self, numel: i64, kind: Kind, device: Device) -> Result<Option<Tensor>> {
+        if !self.shares_memory || device != Device::Cpu {
             return Ok(None);
         }
         super::shared::Heap::get().alloc(numel, kind).map(Some)

@@ -231,12 +231,13 @@ pub trait ProcessGroup: Send + Sync {
     fn barrier(&self) -> Result<Work> {
         Err(unsupported(self.backend(), "barrier"))
     }
-    /// A zeroed 1-D tensor placed where this group's collectives move it cheapest (the
-    /// `shm` backend: memory its peers read in place, so a collective whose buffers all
-    /// live there stages nothing), or `None` where nothing beats ordinary memory. Every
-    /// rank must place a collective's buffers alike. Meant for buffers that live as long
-    /// as training: peers keep what they mapped until the group goes.
-    fn alloc(&self, _numel: i64, _kind: Kind) -> Result<Option<Tensor>> {
+    /// A zeroed 1-D tensor on `device` placed where this group's collectives move it
+    /// cheapest (the `shm` backend: host memory its peers read in place, so a collective
+    /// whose buffers all live there stages nothing), or `None` where nothing beats ordinary
+    /// memory on that device. Every rank must place a collective's buffers alike. Meant
+    /// for buffers that live as long as training: peers keep what they mapped until the
+    /// group goes.
+    fn alloc(&self, _numel: i64, _kind: Kind, _device: Device) -> Result<Option<Tensor>> {
         Ok(None)
     }
 }
@@ -385,9 +386,10 @@ impl ProcessGroup for DeviceDispatch {
     fn barrier(&self) -> Result<Work> {
         self.first().barrier()
     }
-    fn alloc(&self, numel: i64, kind: Kind) -> Result<Option<Tensor>> {
-        match self.by_device.iter().find(|(d, _)| d == "cpu") {
-            Some((_, g)) => g.alloc(numel, kind),
+    fn alloc(&self, numel: i64, kind: Kind, device: Device) -> Result<Option<Tensor>> {
+        let wanted = if device.is_cuda() { "cuda" } else { "cpu" };
+        match self.by_device.iter().find(|(d, _)| d == wanted) {
+            Some((_, g)) => g.alloc(numel, kind, device),
             None => Ok(None),
         }
     }

@@ -55,7 +55,7 @@ impl DataParallel {
         }
         // Gradients where the group's all-reduces read them in place (shm's shared memory).
         if let Some(grads) = engine.grads() {
-            if let Some(shared) = group.alloc(grads.numel() as i64, grads.kind())? {
+            if let Some(shared) = group.alloc(grads.numel() as i64, grads.kind(), grads.device())? {
                 engine.place_grads(shared)?;
             }
         }

@@ -203,7 +203,7 @@ impl Zero {
                 // Gathers read the master of a sharded unit when it is in the parameters'
                 // dtype: there it goes where the shard group reads it in place.
                 let shared = match (&groups.shard, sharded && master_kind == param_kind) {
-                    (Some(g), true) if s.flat.device() == tch::Device::Cpu => g.alloc(count, master_kind)?,
+                    (Some(g), true) => g.alloc(count, master_kind, s.flat.device())?,
                     _ => None,
                 };
                 let values = initial.f_narrow(0, start, count)?;
