@@ -42,6 +42,10 @@ train_options! {
     dim: i64,
     /// Context length in tokens.
     ctx: i64,
+    /// LLaMA: hidden size of the SwiGLU feed-forward (default 8/3 · dim rounded up to 32).
+    ffn_dim: i64,
+    /// LLaMA: base of the rotary position embedding (default 10000).
+    rope_theta: f64,
     /// Vocabulary size (default: the tokenizer's, or what the token file needs).
     vocab: i64,
     /// Train on this UTF-8 text file (tokenised with --tokenizer, bytes by default).
@@ -166,6 +170,8 @@ pub enum DataChoice {
 pub struct TrainSettings {
     pub model_name: String,
     pub layers: i64,
+    pub ffn_dim: Option<i64>,
+    pub rope_theta: Option<f64>,
     pub heads: i64,
     pub dim: i64,
     pub ctx: i64,
@@ -233,9 +239,17 @@ pub fn parse_strategy(text: &str) -> Result<Strategy> {
 impl TrainSettings {
     pub fn model(&self, vocab: i64) -> Result<ModelChoice> {
         let (layers, heads, dim, ctx) = (self.layers, self.heads, self.dim, self.ctx);
+        let llama_only = [("--ffn-dim", self.ffn_dim.is_some()), ("--rope-theta", self.rope_theta.is_some())];
+        if let Some((flag, _)) = llama_only.iter().find(|(_, given)| *given).filter(|_| self.model_name != "llama") {
+            bail!("{flag} belongs to --model llama: the {} model has no such part", self.model_name);
+        }
         Ok(match self.model_name.as_str() {
             "gpt" => ModelChoice::Gpt(GptConfig { vocab, ctx, layers, heads, dim }),
-            "llama" => ModelChoice::Llama(LlamaConfig::new(vocab, ctx, layers, heads, dim)),
+            "llama" => {
+                let defaults = LlamaConfig::new(vocab, ctx, layers, heads, dim);
+                let rope_theta = self.rope_theta.unwrap_or(defaults.rope_theta);
+                ModelChoice::Llama(LlamaConfig { ffn_dim: self.ffn_dim, rope_theta, ..defaults })
+            }
             "mlp" => ModelChoice::Mlp(MlpConfig { vocab, layers, dim }),
             other => bail!("unknown model {other:?}; expected gpt, llama or mlp"),
         })
@@ -369,6 +383,8 @@ impl TrainOptions {
         Ok(TrainSettings {
             model_name: o.model.unwrap_or_else(|| "gpt".into()),
             layers: o.layers.unwrap_or(2),
+            ffn_dim: o.ffn_dim,
+            rope_theta: o.rope_theta,
             heads: o.heads.unwrap_or(4),
             dim: o.dim.unwrap_or(128),
             ctx: o.ctx.unwrap_or(64),

@@ -320,6 +320,9 @@ fn options_that_would_do_nothing_are_refused_by_name() {
         (&["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
         (&["--strategy", r#"[["zero2", {"forward_prefetch": true}]]"#], "forward_prefetch belongs to fsdp"),
         (&["--strategy", r#"[["zero1", {"limit_all_gathers": false}]]"#], "limit_all_gathers belongs to fsdp"),
+        (&["--strategy", r#"[["zero1", {"overlap_comm": true}]]"#], "overlap_comm belongs to zero2 and fsdp"),
+        (&["--ffn-dim", "64"], "--ffn-dim belongs to --model llama"),
+        (&["--rope-theta", "500000"], "--rope-theta belongs to --model llama"),
         (
             &["--strategy", r#"[["zero2", {"backward_prefetch": "BACKWARD_POST"}]]"#],
             "backward_prefetch belongs to fsdp",
@@ -379,4 +382,30 @@ fn output_locations_are_checked_before_the_first_step() {
         assert!(!e.contains(".safetensors.tmp"), "the error names the given path: {e}");
         assert!(!metrics.exists(), "{flags:?}: no step ran before the check");
     }
+}
+
+/// `--ffn-dim` and `--rope-theta` shape the LLaMA: the feed-forward's width changes the
+/// parameter count by exactly its three matrices, the rotary base changes the loss.
+#[test]
+fn llama_shape_flags_reach_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str], name: &str| {
+        let metrics = dir.path().join(name);
+        let base = ["train", "--model", "llama", "--layers", "1", "--dim", "32", "--heads", "2", "--ctx", "16"];
+        let out =
+            strata(&[&base[..], &["--steps", "1", "--batch-size", "2", "--metrics", s(&metrics)], extra].concat());
+        ok(&out);
+        let step: serde_json::Value =
+            serde_json::from_str(std::fs::read_to_string(&metrics).unwrap().lines().next().unwrap()).unwrap();
+        // fp32 parameters on one process, unpadded: 4 bytes each.
+        let params = step["memory"]["device"]["by_category"]["params"].as_i64().unwrap() / 4;
+        (params, losses(&metrics)[0])
+    };
+    let (default_params, default_loss) = run(&[], "default.jsonl");
+    // The default hidden size of width 32 is 8/3 · 32 rounded up to 32: 96.
+    let (narrow_params, _) = run(&["--ffn-dim", "64"], "ffn.jsonl");
+    assert_eq!(default_params - narrow_params, 3 * 32 * (96 - 64), "gate, up and down shrink");
+    let (rope_params, rope_loss) = run(&["--rope-theta", "500000"], "rope.jsonl");
+    assert_eq!(rope_params, default_params);
+    assert_ne!(rope_loss, default_loss, "the rotary base changes the attention");
 }
