@@ -46,6 +46,8 @@ train_options! {
     ffn_dim: i64,
     /// LLaMA: base of the rotary position embedding (default 10000).
     rope_theta: f64,
+    /// LLaMA: key/value heads of grouped-query attention (default: one per query head).
+    kv_heads: i64,
     /// Vocabulary size (default: the tokenizer's, or what the token file needs).
     vocab: i64,
     /// Train on this UTF-8 text file (tokenised with --tokenizer, bytes by default).
@@ -172,6 +174,7 @@ pub struct TrainSettings {
     pub layers: i64,
     pub ffn_dim: Option<i64>,
     pub rope_theta: Option<f64>,
+    pub kv_heads: Option<i64>,
     pub heads: i64,
     pub dim: i64,
     pub ctx: i64,
@@ -239,7 +242,11 @@ pub fn parse_strategy(text: &str) -> Result<Strategy> {
 impl TrainSettings {
     pub fn model(&self, vocab: i64) -> Result<ModelChoice> {
         let (layers, heads, dim, ctx) = (self.layers, self.heads, self.dim, self.ctx);
-        let llama_only = [("--ffn-dim", self.ffn_dim.is_some()), ("--rope-theta", self.rope_theta.is_some())];
+        let llama_only = [
+            ("--ffn-dim", self.ffn_dim.is_some()),
+            ("--rope-theta", self.rope_theta.is_some()),
+            ("--kv-heads", self.kv_heads.is_some()),
+        ];
         if let Some((flag, _)) = llama_only.iter().find(|(_, given)| *given).filter(|_| self.model_name != "llama") {
             bail!("{flag} belongs to --model llama: the {} model has no such part", self.model_name);
         }
@@ -248,7 +255,12 @@ impl TrainSettings {
             "llama" => {
                 let defaults = LlamaConfig::new(vocab, ctx, layers, heads, dim);
                 let rope_theta = self.rope_theta.unwrap_or(defaults.rope_theta);
-                ModelChoice::Llama(LlamaConfig { ffn_dim: self.ffn_dim, rope_theta, ..defaults })
+                ModelChoice::Llama(LlamaConfig {
+                    ffn_dim: self.ffn_dim,
+                    rope_theta,
+                    kv_heads: self.kv_heads,
+                    ..defaults
+                })
             }
             "mlp" => ModelChoice::Mlp(MlpConfig { vocab, layers, dim }),
             other => bail!("unknown model {other:?}; expected gpt, llama or mlp"),
@@ -385,6 +397,7 @@ impl TrainOptions {
             layers: o.layers.unwrap_or(2),
             ffn_dim: o.ffn_dim,
             rope_theta: o.rope_theta,
+            kv_heads: o.kv_heads,
             heads: o.heads.unwrap_or(4),
             dim: o.dim.unwrap_or(128),
             ctx: o.ctx.unwrap_or(64),

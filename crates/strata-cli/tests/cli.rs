@@ -323,6 +323,7 @@ fn options_that_would_do_nothing_are_refused_by_name() {
         (&["--strategy", r#"[["zero1", {"overlap_comm": true}]]"#], "overlap_comm belongs to zero2 and fsdp"),
         (&["--ffn-dim", "64"], "--ffn-dim belongs to --model llama"),
         (&["--rope-theta", "500000"], "--rope-theta belongs to --model llama"),
+        (&["--kv-heads", "1"], "--kv-heads belongs to --model llama"),
         (
             &["--strategy", r#"[["zero2", {"backward_prefetch": "BACKWARD_POST"}]]"#],
             "backward_prefetch belongs to fsdp",
@@ -384,8 +385,9 @@ fn output_locations_are_checked_before_the_first_step() {
     }
 }
 
-/// `--ffn-dim` and `--rope-theta` shape the LLaMA: the feed-forward's width changes the
-/// parameter count by exactly its three matrices, the rotary base changes the loss.
+/// `--ffn-dim`, `--rope-theta` and `--kv-heads` shape the LLaMA: the feed-forward's width
+/// changes the parameter count by exactly its three matrices, the key/value heads by
+/// exactly the key and value projections, and the rotary base changes the loss.
 #[test]
 fn llama_shape_flags_reach_the_model() {
     let dir = tempfile::tempdir().unwrap();
@@ -408,4 +410,9 @@ fn llama_shape_flags_reach_the_model() {
     let (rope_params, rope_loss) = run(&["--rope-theta", "500000"], "rope.jsonl");
     assert_eq!(rope_params, default_params);
     assert_ne!(rope_loss, default_loss, "the rotary base changes the attention");
+    // Two query heads of size 16 sharing one key/value head: k and v shrink to [16, 32].
+    let (gqa_params, _) = run(&["--kv-heads", "1"], "gqa.jsonl");
+    assert_eq!(default_params - gqa_params, 2 * (32 - 16) * 32, "k_proj and v_proj shrink");
+    let bad = strata(&["train", "--model", "llama", "--heads", "2", "--dim", "32", "--kv-heads", "3", "--steps", "1"]);
+    assert!(one_line_error(&bad).contains("kv_heads 3 must divide the 2 query heads"));
 }

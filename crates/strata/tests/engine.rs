@@ -80,6 +80,43 @@ fn mlp_gradients_match_finite_differences() {
     finite_difference_check(tiny_mlp);
 }
 
+/// Four query heads sharing two key/value heads (dim 16, head size 4).
+fn tiny_gqa_llama(b: &mut Builder) -> strata::Result<()> {
+    model::llama(&LlamaConfig { kv_heads: Some(2), ..LlamaConfig::new(11, 6, 2, 4, 16) }, b)
+}
+
+#[test]
+fn grouped_query_llama_gradients_match_finite_differences() {
+    finite_difference_check(tiny_gqa_llama);
+}
+
+/// Grouped-query attention is multi-head attention whose key/value heads are repeated over
+/// their groups: a GQA LLaMA and an MHA LLaMA holding its key/value weights repeated per
+/// group give the same logits.
+#[test]
+fn grouped_query_attention_equals_attention_with_repeated_key_value_heads() {
+    let mha = |b: &mut Builder| model::llama(&LlamaConfig::new(11, 6, 2, 4, 16), b);
+    let mut gqa = engine(tiny_gqa_llama, Kind::Double, BackwardMode::UnitByUnit, 3);
+    let mut full = engine(mha, Kind::Double, BackwardMode::UnitByUnit, 4);
+    let (group, head) = (2, 4);
+    let values: Vec<(String, Tensor)> = gqa.named_params().map(|(n, p)| (n.to_string(), p.detach())).collect();
+    assert_eq!(values.iter().find(|(n, _)| n.ends_with("layers.0.self_attn.k_proj.weight")).unwrap().1.size(), [8, 16]);
+    for ((name, target), (_, source)) in full.named_params().zip(&values) {
+        let source = if name.contains("k_proj") || name.contains("v_proj") {
+            // [kv_heads · head, dim] -> each head's rows repeated for its group.
+            source.view([-1, head, 16]).repeat_interleave_self_int(group, 0, None).reshape([-1, 16])
+        } else {
+            source.shallow_clone()
+        };
+        tch::no_grad(|| target.shallow_clone().copy_(&source));
+    }
+    let (x, _) = batch(5);
+    let (a, b) = (gqa.evaluate(&x).unwrap(), full.evaluate(&x).unwrap());
+    let gap = (&a - &b).abs().max().double_value(&[]);
+    assert!(gap < 1e-12, "GQA and repeated-head MHA differ by {gap}");
+    assert!(a.abs().max().double_value(&[]) > 0.0);
+}
+
 #[test]
 fn unit_by_unit_backward_equals_whole_graph_backward() {
     for f in [tiny_gpt as ModelFn, tiny_llama, tiny_mlp] {
@@ -224,4 +261,8 @@ fn builder_refuses_duplicate_names_and_bad_configs() {
     let err =
         model::llama(&LlamaConfig { layers: 0, ..LlamaConfig::new(11, 6, 1, 2, 8) }, &mut Builder::new()).unwrap_err();
     assert!(err.to_string().contains("layers must be positive"), "{err}");
+    let err =
+        model::llama(&LlamaConfig { kv_heads: Some(3), ..LlamaConfig::new(11, 6, 1, 4, 16) }, &mut Builder::new())
+            .unwrap_err();
+    assert!(err.to_string().contains("kv_heads 3 must divide the 4 query heads"), "{err}");
 }

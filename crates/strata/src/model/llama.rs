@@ -1,5 +1,6 @@
 //! A LLaMA-style decoder: RMSNorm, rotary position embeddings (half-rotation convention),
-//! SwiGLU feed-forward, no biases, and an untied output head. Names follow the common
+//! grouped-query attention (`kv_heads` key/value heads, each shared by `heads / kv_heads`
+//! query heads), SwiGLU feed-forward, no biases, and an untied output head. Names follow the common
 //! `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::layers::{causal_attention, linear, merge_heads, rms_norm, split_heads};
 use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
@@ -17,11 +18,18 @@ pub struct LlamaConfig {
     /// Hidden size of the SwiGLU feed-forward; `None` means 8/3 · dim rounded up to 32.
     pub ffn_dim: Option<i64>,
     pub rope_theta: f64,
+    /// Key/value heads (grouped-query attention); `None` means one per query head.
+    #[serde(default)]
+    pub kv_heads: Option<i64>,
 }
 
 impl LlamaConfig {
     pub fn new(vocab: i64, ctx: i64, layers: i64, heads: i64, dim: i64) -> Self {
-        LlamaConfig { vocab, ctx, layers, heads, dim, ffn_dim: None, rope_theta: 10_000.0 }
+        LlamaConfig { vocab, ctx, layers, heads, dim, ffn_dim: None, rope_theta: 10_000.0, kv_heads: None }
+    }
+
+    pub fn key_value_heads(&self) -> i64 {
+        self.kv_heads.unwrap_or(self.heads)
     }
 
     pub fn hidden(&self) -> i64 {
@@ -36,7 +44,15 @@ impl LlamaConfig {
             ("heads", self.heads),
             ("dim", self.dim),
             ("ffn_dim", self.hidden()),
+            ("kv_heads", self.key_value_heads()),
         ])?;
+        if self.heads % self.key_value_heads() != 0 {
+            return Err(Error::Config(format!(
+                "kv_heads {} must divide the {} query heads (each key/value head serves a whole group)",
+                self.key_value_heads(),
+                self.heads
+            )));
+        }
         if self.dim % self.heads != 0 || (self.dim / self.heads) % 2 != 0 {
             return Err(Error::Config(format!("dim {} must split into {} heads of even size", self.dim, self.heads)));
         }
@@ -60,6 +76,7 @@ struct LlamaBlock {
     up: ParamId,
     down: ParamId,
     heads: i64,
+    kv_heads: i64,
     rope_theta: f64,
 }
 
@@ -87,8 +104,15 @@ impl Unit for LlamaBlock {
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         let h = rms_norm(x, &p[self.input_norm], EPS)?;
         let q = rotary(&split_heads(&linear(&h, &p[self.q], None)?, self.heads)?, self.rope_theta)?;
-        let k = rotary(&split_heads(&linear(&h, &p[self.k], None)?, self.heads)?, self.rope_theta)?;
-        let v = split_heads(&linear(&h, &p[self.v], None)?, self.heads)?;
+        let k = rotary(&split_heads(&linear(&h, &p[self.k], None)?, self.kv_heads)?, self.rope_theta)?;
+        let v = split_heads(&linear(&h, &p[self.v], None)?, self.kv_heads)?;
+        // Each key/value head serves `heads / kv_heads` adjacent query heads.
+        let group = self.heads / self.kv_heads;
+        let (k, v) = if group > 1 {
+            (k.f_repeat_interleave_self_int(group, 1, None)?, v.f_repeat_interleave_self_int(group, 1, None)?)
+        } else {
+            (k, v)
+        };
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
         let x = x.f_add(&linear(&y, &p[self.o], None)?)?;
         let h = rms_norm(&x, &p[self.post_norm], EPS)?;
@@ -115,6 +139,7 @@ impl Unit for LlamaHead {
 pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
     let (d, f) = (cfg.dim, cfg.hidden());
+    let kv = cfg.key_value_heads() * (d / cfg.heads);
     let normal = Init::Normal { std: STD };
     let mut u = b.unit("embedding");
     let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
@@ -125,8 +150,8 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let mut w = |suffix: &str, shape: &[i64], tp| u.param(format!("{name}.{suffix}"), shape, normal, tp);
         let (q, k, v) = (
             w("self_attn.q_proj.weight", &[d, d], TpRole::Column),
-            w("self_attn.k_proj.weight", &[d, d], TpRole::Column),
-            w("self_attn.v_proj.weight", &[d, d], TpRole::Column),
+            w("self_attn.k_proj.weight", &[kv, d], TpRole::Column),
+            w("self_attn.v_proj.weight", &[kv, d], TpRole::Column),
         );
         let o = w("self_attn.o_proj.weight", &[d, d], TpRole::Row);
         let (gate, up) =
@@ -146,6 +171,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             up,
             down,
             heads: cfg.heads,
+            kv_heads: cfg.key_value_heads(),
             rope_theta: cfg.rope_theta,
         });
     }
