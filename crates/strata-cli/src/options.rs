@@ -48,6 +48,10 @@ train_options! {
     rope_theta: f64,
     /// LLaMA: key/value heads of grouped-query attention (default: one per query head).
     kv_heads: i64,
+    /// LLaMA: the RMSNorms' epsilon (default 1e-5).
+    norm_eps: f64,
+    /// LLaMA: the output head reads the token embedding's weight (GPT's always does).
+    tie_embeddings: bool,
     /// Vocabulary size (default: the tokenizer's, or what the token file needs).
     vocab: i64,
     /// Train on this UTF-8 text file (tokenised with --tokenizer, bytes by default).
@@ -175,6 +179,8 @@ pub struct TrainSettings {
     pub ffn_dim: Option<i64>,
     pub rope_theta: Option<f64>,
     pub kv_heads: Option<i64>,
+    pub norm_eps: Option<f64>,
+    pub tie_embeddings: Option<bool>,
     pub heads: i64,
     pub dim: i64,
     pub ctx: i64,
@@ -246,6 +252,8 @@ impl TrainSettings {
             ("--ffn-dim", self.ffn_dim.is_some()),
             ("--rope-theta", self.rope_theta.is_some()),
             ("--kv-heads", self.kv_heads.is_some()),
+            ("--norm-eps", self.norm_eps.is_some()),
+            ("--tie-embeddings", self.tie_embeddings.is_some()),
         ];
         if let Some((flag, _)) = llama_only.iter().find(|(_, given)| *given).filter(|_| self.model_name != "llama") {
             bail!("{flag} belongs to --model llama: the {} model has no such part", self.model_name);
@@ -259,6 +267,8 @@ impl TrainSettings {
                     ffn_dim: self.ffn_dim,
                     rope_theta,
                     kv_heads: self.kv_heads,
+                    norm_eps: self.norm_eps.unwrap_or(defaults.norm_eps),
+                    tie_embeddings: self.tie_embeddings.unwrap_or(false),
                     ..defaults
                 })
             }
@@ -398,6 +408,8 @@ impl TrainOptions {
             ffn_dim: o.ffn_dim,
             rope_theta: o.rope_theta,
             kv_heads: o.kv_heads,
+            norm_eps: o.norm_eps,
+            tie_embeddings: o.tie_embeddings,
             heads: o.heads.unwrap_or(4),
             dim: o.dim.unwrap_or(128),
             ctx: o.ctx.unwrap_or(64),

@@ -324,6 +324,8 @@ fn options_that_would_do_nothing_are_refused_by_name() {
         (&["--ffn-dim", "64"], "--ffn-dim belongs to --model llama"),
         (&["--rope-theta", "500000"], "--rope-theta belongs to --model llama"),
         (&["--kv-heads", "1"], "--kv-heads belongs to --model llama"),
+        (&["--norm-eps", "1e-6"], "--norm-eps belongs to --model llama"),
+        (&["--tie-embeddings", "true"], "--tie-embeddings belongs to --model llama"),
         (
             &["--strategy", r#"[["zero2", {"backward_prefetch": "BACKWARD_POST"}]]"#],
             "backward_prefetch belongs to fsdp",
@@ -385,9 +387,10 @@ fn output_locations_are_checked_before_the_first_step() {
     }
 }
 
-/// `--ffn-dim`, `--rope-theta` and `--kv-heads` shape the LLaMA: the feed-forward's width
-/// changes the parameter count by exactly its three matrices, the key/value heads by
-/// exactly the key and value projections, and the rotary base changes the loss.
+/// `--ffn-dim`, `--rope-theta`, `--kv-heads`, `--norm-eps` and `--tie-embeddings` shape the
+/// LLaMA: the feed-forward's width changes the parameter count by exactly its three
+/// matrices, the key/value heads by exactly the key and value projections, tying by the
+/// head's matrix; the rotary base and the norms' epsilon change the loss.
 #[test]
 fn llama_shape_flags_reach_the_model() {
     let dir = tempfile::tempdir().unwrap();
@@ -413,6 +416,11 @@ fn llama_shape_flags_reach_the_model() {
     // Two query heads of size 16 sharing one key/value head: k and v shrink to [16, 32].
     let (gqa_params, _) = run(&["--kv-heads", "1"], "gqa.jsonl");
     assert_eq!(default_params - gqa_params, 2 * (32 - 16) * 32, "k_proj and v_proj shrink");
+    // Tied, the head reads the embedding: one vocab × dim matrix fewer.
+    let (tied_params, _) = run(&["--tie-embeddings", "true"], "tied.jsonl");
+    assert_eq!(default_params - tied_params, 256 * 32, "lm_head is the embedding");
+    let (_, eps_loss) = run(&["--norm-eps", "0.5"], "eps.jsonl");
+    assert_ne!(eps_loss, default_loss, "the norms' epsilon reaches them");
     let bad = strata(&["train", "--model", "llama", "--heads", "2", "--dim", "32", "--kv-heads", "3", "--steps", "1"]);
     assert!(one_line_error(&bad).contains("kv_heads 3 must divide the 2 query heads"));
 }

@@ -90,6 +90,16 @@ fn grouped_query_llama_gradients_match_finite_differences() {
     finite_difference_check(tiny_gqa_llama);
 }
 
+/// The head reads the embedding's weight: its gradient gathers both units' contributions.
+fn tiny_tied_llama(b: &mut Builder) -> strata::Result<()> {
+    model::llama(&LlamaConfig { tie_embeddings: true, norm_eps: 1e-3, ..LlamaConfig::new(11, 6, 2, 2, 8) }, b)
+}
+
+#[test]
+fn tied_llama_gradients_match_finite_differences() {
+    finite_difference_check(tiny_tied_llama);
+}
+
 /// Grouped-query attention is multi-head attention whose key/value heads are repeated over
 /// their groups: a GQA LLaMA and an MHA LLaMA holding its key/value weights repeated per
 /// group give the same logits.

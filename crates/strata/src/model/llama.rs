@@ -1,6 +1,7 @@
 //! A LLaMA-style decoder: RMSNorm, rotary position embeddings (half-rotation convention),
 //! grouped-query attention (`kv_heads` key/value heads, each shared by `heads / kv_heads`
-//! query heads), SwiGLU feed-forward, no biases, and an untied output head. Names follow the common
+//! query heads), SwiGLU feed-forward, no biases, and an output head that is its own
+//! weight or, with `tie_embeddings`, the token embedding's. Names follow the common
 //! `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::layers::{causal_attention, linear, merge_heads, rms_norm, split_heads};
 use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
@@ -21,11 +22,32 @@ pub struct LlamaConfig {
     /// Key/value heads (grouped-query attention); `None` means one per query head.
     #[serde(default)]
     pub kv_heads: Option<i64>,
+    /// The RMSNorms' epsilon.
+    #[serde(default = "default_norm_eps")]
+    pub norm_eps: f64,
+    /// The output head reads the token embedding's weight (`lm_head.weight` names it too).
+    #[serde(default)]
+    pub tie_embeddings: bool,
+}
+
+fn default_norm_eps() -> f64 {
+    1e-5
 }
 
 impl LlamaConfig {
     pub fn new(vocab: i64, ctx: i64, layers: i64, heads: i64, dim: i64) -> Self {
-        LlamaConfig { vocab, ctx, layers, heads, dim, ffn_dim: None, rope_theta: 10_000.0, kv_heads: None }
+        LlamaConfig {
+            vocab,
+            ctx,
+            layers,
+            heads,
+            dim,
+            ffn_dim: None,
+            rope_theta: 10_000.0,
+            kv_heads: None,
+            norm_eps: default_norm_eps(),
+            tie_embeddings: false,
+        }
     }
 
     pub fn key_value_heads(&self) -> i64 {
@@ -59,11 +81,12 @@ impl LlamaConfig {
         if self.rope_theta <= 0.0 {
             return Err(Error::Config(format!("rope_theta must be positive, got {}", self.rope_theta)));
         }
+        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
+            return Err(Error::Config(format!("norm_eps must be positive, got {}", self.norm_eps)));
+        }
         Ok(())
     }
 }
-
-const EPS: f64 = 1e-5;
 
 struct LlamaBlock {
     input_norm: ParamId,
@@ -78,6 +101,7 @@ struct LlamaBlock {
     heads: i64,
     kv_heads: i64,
     rope_theta: f64,
+    eps: f64,
 }
 
 /// Rotates `[B, H, T, D]` by position: `x·cos + rotate_half(x)·sin`.
@@ -102,7 +126,7 @@ impl Unit for LlamaBlock {
         "LlamaBlock"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let h = rms_norm(x, &p[self.input_norm], EPS)?;
+        let h = rms_norm(x, &p[self.input_norm], self.eps)?;
         let q = rotary(&split_heads(&linear(&h, &p[self.q], None)?, self.heads)?, self.rope_theta)?;
         let k = rotary(&split_heads(&linear(&h, &p[self.k], None)?, self.kv_heads)?, self.rope_theta)?;
         let v = split_heads(&linear(&h, &p[self.v], None)?, self.kv_heads)?;
@@ -115,7 +139,7 @@ impl Unit for LlamaBlock {
         };
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
         let x = x.f_add(&linear(&y, &p[self.o], None)?)?;
-        let h = rms_norm(&x, &p[self.post_norm], EPS)?;
+        let h = rms_norm(&x, &p[self.post_norm], self.eps)?;
         let gated = linear(&h, &p[self.gate], None)?.f_silu()?.f_mul(&linear(&h, &p[self.up], None)?)?;
         Ok(x.f_add(&linear(&gated, &p[self.down], None)?)?)
     }
@@ -124,6 +148,7 @@ impl Unit for LlamaBlock {
 struct LlamaHead {
     norm: ParamId,
     lm_head: ParamId,
+    eps: f64,
 }
 
 impl Unit for LlamaHead {
@@ -131,7 +156,7 @@ impl Unit for LlamaHead {
         "LlamaHead"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        linear(&rms_norm(x, &p[self.norm], EPS)?, &p[self.lm_head], None)
+        linear(&rms_norm(x, &p[self.norm], self.eps)?, &p[self.lm_head], None)
     }
 }
 
@@ -173,11 +198,18 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             heads: cfg.heads,
             kv_heads: cfg.key_value_heads(),
             rope_theta: cfg.rope_theta,
+            eps: cfg.norm_eps,
         });
     }
     let mut u = b.unit("head");
     let norm = u.param("model.norm.weight", &[d], Init::Ones, TpRole::Replicated);
-    let lm_head = u.param("lm_head.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
-    u.finish(LlamaHead { norm, lm_head });
+    if cfg.tie_embeddings {
+        let lm_head = u.borrow("model.embed_tokens.weight");
+        u.finish(LlamaHead { norm, lm_head, eps: cfg.norm_eps });
+        b.alias("lm_head.weight", embed);
+    } else {
+        let lm_head = u.param("lm_head.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
+        u.finish(LlamaHead { norm, lm_head, eps: cfg.norm_eps });
+    }
     Ok(())
 }
