@@ -394,6 +394,10 @@ impl TrainOptions {
         if threads.is_some_and(|t| t <= 0) {
             bail!("--threads must be positive");
         }
+        // The data's windows are cut to the context before any model checks its shape.
+        if let Some(ctx) = o.ctx.filter(|&c| c <= 0) {
+            bail!("--ctx must be positive, got {ctx}");
+        }
         // A restarted job (torchrun --max-restarts) continues from its newest checkpoint.
         let resume = match o.resume {
             Some(path) if path.as_os_str() == "auto" => match &o.save_checkpoint {
