@@ -178,7 +178,7 @@ impl Drop for PytorchSide {
 
 pub fn run(a: BenchTrainArgs) -> Result<()> {
     let GptShape { layers, heads, dim, ctx } = a.shape;
-    let cfg = GptConfig { vocab: a.vocab, ctx, layers, heads, dim };
+    let cfg = GptConfig::new(a.vocab, ctx, layers, heads, dim);
     cfg.validate()?;
     if a.rounds == 0 || a.block == 0 || a.batch_size <= 0 || a.threads <= 0 {
         bail!("rounds, block, batch size and threads must be positive");

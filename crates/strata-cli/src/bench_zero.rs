@@ -98,7 +98,7 @@ fn run_one(args: &BenchZeroArgs, n: usize, strategy: &str) -> Result<(u64, u64, 
 
 pub fn run(args: BenchZeroArgs) -> Result<()> {
     let worlds: Vec<usize> = args.nproc.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
-    let cfg = GptConfig { vocab: 256, ctx: args.ctx, layers: args.layers, heads: args.heads, dim: args.dim };
+    let cfg = GptConfig::new(256, args.ctx, args.layers, args.heads, args.dim);
     let spec = model_spec(&ModelChoice::Gpt(cfg))?;
     let params = spec.num_params();
     let unit_numel = |u: &strata::model::UnitSpec| u.params.iter().map(|id| spec.params[id.0].numel()).sum::<i64>();

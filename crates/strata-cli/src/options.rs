@@ -5,7 +5,7 @@ use clap::Args;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
-use strata::model::{GptConfig, LlamaConfig, MlpConfig};
+use strata::model::{GptConfig, LlamaConfig, MlpConfig, DEFAULT_NORM_EPS};
 use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
 use strata::strategy::Strategy;
 
@@ -48,7 +48,7 @@ train_options! {
     rope_theta: f64,
     /// LLaMA: key/value heads of grouped-query attention (default: one per query head).
     kv_heads: i64,
-    /// LLaMA: the RMSNorms' epsilon (default 1e-5).
+    /// GPT and LLaMA: the norms' epsilon (default 1e-5).
     norm_eps: f64,
     /// LLaMA: the output head reads the token embedding's weight (GPT's always does).
     tie_embeddings: bool,
@@ -252,14 +252,19 @@ impl TrainSettings {
             ("--ffn-dim", self.ffn_dim.is_some()),
             ("--rope-theta", self.rope_theta.is_some()),
             ("--kv-heads", self.kv_heads.is_some()),
-            ("--norm-eps", self.norm_eps.is_some()),
             ("--tie-embeddings", self.tie_embeddings.is_some()),
         ];
         if let Some((flag, _)) = llama_only.iter().find(|(_, given)| *given).filter(|_| self.model_name != "llama") {
             bail!("{flag} belongs to --model llama: the {} model has no such part", self.model_name);
         }
+        if self.norm_eps.is_some() && self.model_name == "mlp" {
+            bail!("--norm-eps belongs to --model gpt or llama: the mlp model has no norms");
+        }
         Ok(match self.model_name.as_str() {
-            "gpt" => ModelChoice::Gpt(GptConfig { vocab, ctx, layers, heads, dim }),
+            "gpt" => ModelChoice::Gpt(GptConfig {
+                norm_eps: self.norm_eps.unwrap_or(DEFAULT_NORM_EPS),
+                ..GptConfig::new(vocab, ctx, layers, heads, dim)
+            }),
             "llama" => {
                 let defaults = LlamaConfig::new(vocab, ctx, layers, heads, dim);
                 let rope_theta = self.rope_theta.unwrap_or(defaults.rope_theta);
@@ -267,7 +272,7 @@ impl TrainSettings {
                     ffn_dim: self.ffn_dim,
                     rope_theta,
                     kv_heads: self.kv_heads,
-                    norm_eps: self.norm_eps.unwrap_or(defaults.norm_eps),
+                    norm_eps: self.norm_eps.unwrap_or(DEFAULT_NORM_EPS),
                     tie_embeddings: self.tie_embeddings.unwrap_or(false),
                     ..defaults
                 })

@@ -324,7 +324,7 @@ fn options_that_would_do_nothing_are_refused_by_name() {
         (&["--ffn-dim", "64"], "--ffn-dim belongs to --model llama"),
         (&["--rope-theta", "500000"], "--rope-theta belongs to --model llama"),
         (&["--kv-heads", "1"], "--kv-heads belongs to --model llama"),
-        (&["--norm-eps", "1e-6"], "--norm-eps belongs to --model llama"),
+        (&["--norm-eps", "1e-6"], "--norm-eps belongs to --model gpt or llama"),
         (&["--tie-embeddings", "true"], "--tie-embeddings belongs to --model llama"),
         (
             &["--strategy", r#"[["zero2", {"backward_prefetch": "BACKWARD_POST"}]]"#],
@@ -421,6 +421,14 @@ fn llama_shape_flags_reach_the_model() {
     assert_eq!(default_params - tied_params, 256 * 32, "lm_head is the embedding");
     let (_, eps_loss) = run(&["--norm-eps", "0.5"], "eps.jsonl");
     assert_ne!(eps_loss, default_loss, "the norms' epsilon reaches them");
+    // GPT's LayerNorms take the epsilon too.
+    let gpt = |extra: &[&str], name: &str| {
+        let metrics = dir.path().join(name);
+        let base = ["train", "--model", "gpt", "--layers", "1", "--dim", "32", "--heads", "2", "--ctx", "16"];
+        ok(&strata(&[&base[..], &["--steps", "1", "--batch-size", "2", "--metrics", s(&metrics)], extra].concat()));
+        losses(&metrics)[0]
+    };
+    assert_ne!(gpt(&["--norm-eps", "0.5"], "gpt-eps.jsonl"), gpt(&[], "gpt.jsonl"), "GPT's norms take it");
     let bad = strata(&["train", "--model", "llama", "--heads", "2", "--dim", "32", "--kv-heads", "3", "--steps", "1"]);
     assert!(one_line_error(&bad).contains("kv_heads 3 must divide the 2 query heads"));
 }

@@ -8,7 +8,7 @@ use strata::data::{Order, SyntheticCorpus};
 use strata::model::{self, Builder, GptConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let gpt = |b: &mut Builder| model::gpt(&GptConfig { vocab: 256, ctx: 64, layers: 2, heads: 4, dim: 128 }, b);
+    let gpt = |b: &mut Builder| model::gpt(&GptConfig::new(256, 64, 2, 4, 128), b);
     let data = Arc::new(SyntheticCorpus::default().generate());
     let args = DataloaderArgs { ctx: 64, batch_size: 16, accumulation: 1, seed: 0, order: Order::Shuffled };
     let out = auto_accelerate(AutoAccelerate::new(&gpt, data, args));

@@ -11,7 +11,7 @@ use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 fn main() -> strata::Result<()> {
     tch::set_num_threads(2);
     // 1. Describe the model: nothing is allocated yet.
-    let config = GptConfig { vocab: 256, ctx: 64, layers: 2, heads: 4, dim: 128 };
+    let config = GptConfig::new(256, 64, 2, 4, 128);
     let mut builder = Builder::new();
     model::gpt(&config, &mut builder)?;
 

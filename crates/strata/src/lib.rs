@@ -9,7 +9,7 @@
 //! ```no_run
 //! use strata::{data, engine, model, optim, train};
 //! # fn main() -> strata::Result<()> {
-//! let cfg = model::GptConfig { vocab: 256, ctx: 64, layers: 2, heads: 4, dim: 128 };
+//! let cfg = model::GptConfig::new(256, 64, 2, 4, 128);
 //! let mut b = model::Builder::new();
 //! model::gpt(&cfg, &mut b)?;
 //! let mut engine = engine::Engine::new(b.build()?, engine::EngineConfig::default())?;

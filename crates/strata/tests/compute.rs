@@ -22,7 +22,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-const GPT: GptConfig = GptConfig { vocab: 32, ctx: 16, layers: 2, heads: 2, dim: 32 };
+const GPT: GptConfig = GptConfig::new(32, 16, 2, 2, 32);
 
 fn spec() -> strata::model::ModelSpec {
     let mut b = Builder::new();

@@ -7,7 +7,7 @@ use tch::{Kind, Tensor};
 type ModelFn = fn(&mut Builder) -> strata::Result<()>;
 
 fn tiny_gpt(b: &mut Builder) -> strata::Result<()> {
-    model::gpt(&GptConfig { vocab: 11, ctx: 6, layers: 2, heads: 2, dim: 8 }, b)
+    model::gpt(&GptConfig::new(11, 6, 2, 2, 8), b)
 }
 fn tiny_llama(b: &mut Builder) -> strata::Result<()> {
     model::llama(&LlamaConfig::new(11, 6, 2, 2, 8), b)
@@ -197,7 +197,7 @@ fn units_have_stable_kind_names_and_pytorch_parameter_names() {
 #[test]
 fn gpt2_initialisation_scales_residual_projections() {
     let mut b = Builder::new();
-    model::gpt(&GptConfig { vocab: 64, ctx: 8, layers: 8, heads: 4, dim: 256 }, &mut b).unwrap();
+    model::gpt(&GptConfig::new(64, 8, 8, 4, 256), &mut b).unwrap();
     let e = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
     let std = |n: &str| e.param_by_name(n).unwrap().std(true).double_value(&[]);
     assert!((std("transformer.h.0.attn.c_attn.weight") - 0.02).abs() < 0.001);
@@ -266,7 +266,7 @@ fn builder_refuses_duplicate_names_and_bad_configs() {
     assert!(b.build().err().unwrap().to_string().contains("declared twice"));
     assert!(Builder::new().build().is_err(), "a model without units");
     let mut b = Builder::new();
-    let err = model::gpt(&GptConfig { vocab: 11, ctx: 6, layers: 1, heads: 3, dim: 8 }, &mut b).unwrap_err();
+    let err = model::gpt(&GptConfig::new(11, 6, 1, 3, 8), &mut b).unwrap_err();
     assert!(err.to_string().contains("not divisible"), "{err}");
     let err =
         model::llama(&LlamaConfig { layers: 0, ..LlamaConfig::new(11, 6, 1, 2, 8) }, &mut Builder::new()).unwrap_err();

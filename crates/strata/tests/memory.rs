@@ -18,7 +18,7 @@ use tch::{Device, Kind, Tensor};
 const MLP: MlpConfig = MlpConfig { vocab: 32, layers: 4, dim: 24 };
 
 /// A GPT's head borrows the embedding's weight: its gathers and gradients reach two units.
-const GPT: GptConfig = GptConfig { vocab: 32, ctx: 8, layers: 2, heads: 2, dim: 16 };
+const GPT: GptConfig = GptConfig::new(32, 8, 2, 2, 16);
 
 fn spec() -> ModelSpec {
     let mut b = Builder::new();

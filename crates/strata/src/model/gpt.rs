@@ -2,7 +2,9 @@
 //! output head tied to the token embedding. Parameter names and `[out, in]` layouts are
 //! nanoGPT's, so its safetensors files load as they are.
 use super::layers::{causal_attention, layer_norm, linear, merge_heads, split_heads};
-use super::{positive, Builder, Init, ParamId, Params, TpRole, Unit, INIT_STD as STD};
+use super::{
+    default_norm_eps, positive, Builder, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS, INIT_STD as STD,
+};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
@@ -14,9 +16,16 @@ pub struct GptConfig {
     pub layers: i64,
     pub heads: i64,
     pub dim: i64,
+    /// The LayerNorms' epsilon.
+    #[serde(default = "default_norm_eps")]
+    pub norm_eps: f64,
 }
 
 impl GptConfig {
+    pub const fn new(vocab: i64, ctx: i64, layers: i64, heads: i64, dim: i64) -> Self {
+        GptConfig { vocab, ctx, layers, heads, dim, norm_eps: DEFAULT_NORM_EPS }
+    }
+
     pub fn validate(&self) -> Result<()> {
         positive(&[
             ("vocab", self.vocab),
@@ -28,11 +37,12 @@ impl GptConfig {
         if self.dim % self.heads != 0 {
             return Err(Error::Config(format!("dim {} is not divisible by heads {}", self.dim, self.heads)));
         }
+        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
+            return Err(Error::Config(format!("norm_eps must be positive, got {}", self.norm_eps)));
+        }
         Ok(())
     }
 }
-
-const LN_EPS: f64 = 1e-5;
 
 struct GptEmbedding {
     wte: ParamId,
@@ -63,6 +73,7 @@ struct GptBlock {
     c_fc: (ParamId, ParamId),
     mlp_proj: (ParamId, ParamId),
     heads: i64,
+    eps: f64,
 }
 
 impl Unit for GptBlock {
@@ -70,7 +81,7 @@ impl Unit for GptBlock {
         "GptBlock"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let h = layer_norm(x, &p[self.ln_1.0], &p[self.ln_1.1], LN_EPS)?;
+        let h = layer_norm(x, &p[self.ln_1.0], &p[self.ln_1.1], self.eps)?;
         let qkv = linear(&h, &p[self.c_attn.0], Some(&p[self.c_attn.1]))?;
         let dim = *x.size().last().unwrap_or(&0);
         let parts = qkv.f_split(dim, 2)?;
@@ -81,13 +92,14 @@ impl Unit for GptBlock {
         );
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
         let x = x.f_add(&linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]))?)?;
-        let h = layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], LN_EPS)?;
+        let h = layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?;
         let h = linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?.f_gelu("tanh")?;
         Ok(x.f_add(&linear(&h, &p[self.mlp_proj.0], Some(&p[self.mlp_proj.1]))?)?)
     }
 }
 
 struct GptHead {
+    eps: f64,
     ln_f: (ParamId, ParamId),
     wte: ParamId,
 }
@@ -97,7 +109,7 @@ impl Unit for GptHead {
         "GptHead"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let h = layer_norm(x, &p[self.ln_f.0], &p[self.ln_f.1], LN_EPS)?;
+        let h = layer_norm(x, &p[self.ln_f.0], &p[self.ln_f.1], self.eps)?;
         linear(&h, &p[self.wte], None)
     }
 }
@@ -139,13 +151,14 @@ pub fn gpt(cfg: &GptConfig, b: &mut Builder) -> Result<()> {
             c_fc: dense(&mut u, &format!("{name}.mlp.c_fc"), 4 * d, d, STD, TpRole::Column),
             mlp_proj: dense(&mut u, &format!("{name}.mlp.c_proj"), d, 4 * d, proj_std, TpRole::Row),
             heads: cfg.heads,
+            eps: cfg.norm_eps,
         };
         u.finish(block);
     }
     let mut u = b.unit("head");
     let ln_f = norm(&mut u, "transformer.ln_f", d);
     let tied = u.borrow("transformer.wte.weight");
-    u.finish(GptHead { ln_f, wte: tied });
+    u.finish(GptHead { eps: cfg.norm_eps, ln_f, wte: tied });
     b.alias("lm_head.weight", wte);
     Ok(())
 }

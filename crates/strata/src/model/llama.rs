@@ -4,7 +4,10 @@
 //! weight or, with `tie_embeddings`, the token embedding's. Names follow the common
 //! `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::layers::{causal_attention, linear, merge_heads, rms_norm, split_heads};
-use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
+use super::{
+    default_norm_eps, positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, DEFAULT_NORM_EPS,
+    INIT_STD as STD,
+};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -30,10 +33,6 @@ pub struct LlamaConfig {
     pub tie_embeddings: bool,
 }
 
-fn default_norm_eps() -> f64 {
-    1e-5
-}
-
 impl LlamaConfig {
     pub fn new(vocab: i64, ctx: i64, layers: i64, heads: i64, dim: i64) -> Self {
         LlamaConfig {
@@ -45,7 +44,7 @@ impl LlamaConfig {
             ffn_dim: None,
             rope_theta: 10_000.0,
             kv_heads: None,
-            norm_eps: default_norm_eps(),
+            norm_eps: DEFAULT_NORM_EPS,
             tie_embeddings: false,
         }
     }

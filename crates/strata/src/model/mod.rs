@@ -21,6 +21,15 @@ use tch::{Kind, Tensor};
 /// Standard deviation of the normal initialisation of weights (GPT-2's, LLaMA's).
 pub const INIT_STD: f64 = 0.02;
 
+/// The epsilon of the built-in models' norms unless their config says otherwise (GPT-2's
+/// `layer_norm_epsilon`, LLaMA's `rms_norm_eps`).
+pub const DEFAULT_NORM_EPS: f64 = 1e-5;
+
+/// Serde's default for configs saved before they carried an epsilon.
+pub(crate) fn default_norm_eps() -> f64 {
+    DEFAULT_NORM_EPS
+}
+
 /// Fails with the first of `values` (name, value) that is not positive.
 pub(crate) fn positive(values: &[(&str, i64)]) -> Result<()> {
     match values.iter().find(|(_, v)| *v <= 0) {
