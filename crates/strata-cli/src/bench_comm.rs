@@ -169,31 +169,23 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize, shared: bool, in_place:
         Ok(g.alloc(k, Kind::Float, Device::Cpu)?.map(|mut t| t.fill_(1.0)))
     };
     let per = numel / n as i64;
-    let (main, parts): (Tensor, Vec<Tensor>) = match op {
-        "all_reduce" | "broadcast" => match read_by_peers(numel)? {
-            Some(t) => (t, vec![]),
-            None => return Ok(None),
-        },
-        "all_gather" if in_place => match read_by_peers(per * n as i64)? {
-            Some(flat) => {
-                let parts = flat.chunk(n as i64, 0);
-                (parts[g.rank()].shallow_clone(), parts)
-            }
-            None => return Ok(None),
-        },
-        "all_gather" => match read_by_peers(per)? {
-            Some(t) => (t, (0..n).map(|_| private(per)).collect()),
-            None => return Ok(None),
-        },
-        "reduce_scatter" => match read_by_peers(per * n as i64)? {
-            Some(flat) => {
-                let parts = flat.chunk(n as i64, 0);
-                let out = if in_place { parts[g.rank()].shallow_clone() } else { private(per) };
-                (out, parts)
-            }
-            None => return Ok(None),
-        },
+    // The buffer peers read: all of it, or all-gather's input, or every rank's block.
+    let read = match op {
+        "all_reduce" | "broadcast" => numel,
+        "all_gather" if !in_place => per,
+        "all_gather" | "reduce_scatter" => per * n as i64,
         other => bail!("unknown operation {other:?}"),
+    };
+    let Some(read) = read_by_peers(read)? else { return Ok(None) };
+    let (main, parts): (Tensor, Vec<Tensor>) = match op {
+        "all_reduce" | "broadcast" => (read, vec![]),
+        "all_gather" if !in_place => (read, (0..n).map(|_| private(per)).collect()),
+        // Blocks of one buffer: all-gather's outputs, or reduce-scatter's inputs.
+        _ => {
+            let parts = read.chunk(n as i64, 0);
+            let own = if op == "all_gather" || in_place { parts[g.rank()].shallow_clone() } else { private(per) };
+            (own, parts)
+        }
     };
     let run = || -> Result<()> {
         let work = match op {

@@ -87,11 +87,15 @@ impl Drop for RingGroup {
     }
 }
 
-/// The next job, spinning briefly first: collectives usually come in quick succession,
-/// and waking a blocked thread costs more than the whole of a small collective.
+/// How long a group's worker spins for its next job before it blocks: a blocked thread's
+/// wake-up costs tens of microseconds, more than a small collective takes, while spinning
+/// longer would take a core from the ranks computing.
+const SPIN_BEFORE_BLOCKING: Duration = Duration::from_micros(50);
+
+/// The next job, spinning briefly first: collectives usually come in quick succession.
 fn next_job(rx: &Receiver<(Job, Work)>) -> Option<(Job, Work)> {
     let start = Instant::now();
-    while start.elapsed() < super::SPIN_BEFORE_BLOCKING {
+    while start.elapsed() < SPIN_BEFORE_BLOCKING {
         match rx.try_recv() {
             Ok(next) => return Some(next),
             Err(TryRecvError::Disconnected) => return None,

@@ -38,11 +38,6 @@ pub enum ReduceOp {
     Min,
 }
 
-/// How long a thread waiting for a collective (or for the next one) spins before it
-/// blocks: a blocked thread's wake-up costs tens of microseconds, more than a small
-/// collective takes, while spinning longer would take a core from the ranks computing.
-const SPIN_BEFORE_BLOCKING: Duration = Duration::from_micros(50);
-
 /// Nanoseconds the threads of this process have spent blocked in [`Work::wait`]: the
 /// communication that computation did not hide.
 static WAITED_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -135,6 +135,13 @@ pub struct Engine {
     events: Option<Arc<dyn EventSink>>,
 }
 
+/// Makes the slice of `unit_grad` at `offset`, shaped like `param`, the parameter's `.grad`,
+/// so autograd accumulates into the unit's flat gradient buffer.
+fn attach_grad(param: &Tensor, unit_grad: &Tensor, offset: i64) -> Result<()> {
+    let g = unit_grad.f_narrow(0, offset, param.numel() as i64)?.f_view(param.size().as_slice())?;
+    Ok(strata_ext::set_grad(param, Some(&g))?)
+}
+
 impl Engine {
     /// Allocates and initialises the model described by `spec`.
     pub fn new(spec: ModelSpec, config: EngineConfig) -> Result<Engine> {
@@ -202,8 +209,7 @@ impl Engine {
                 tch::no_grad(|| init(&initial.f_narrow(0, offset, p.numel())?, p.init))?;
                 let leaf = view.f_detach()?.f_set_requires_grad(p.requires_grad)?;
                 if p.requires_grad {
-                    let g = grad.f_narrow(0, offset, p.numel())?.f_view(p.shape.as_slice())?;
-                    strata_ext::set_grad(&leaf, Some(&g))?;
+                    attach_grad(&leaf, &grad, offset)?;
                 }
                 offsets[id.0] = offset;
                 params[id.0] = Some(leaf);
@@ -315,9 +321,7 @@ impl Engine {
             for &id in &unit.params {
                 let p = &self.params[id.0];
                 if p.requires_grad() {
-                    let g =
-                        storage.grad.f_narrow(0, self.offsets[id.0], p.numel() as i64)?.f_view(p.size().as_slice())?;
-                    strata_ext::set_grad(p, Some(&g))?;
+                    attach_grad(p, &storage.grad, self.offsets[id.0])?;
                 }
             }
             start += len;

@@ -106,24 +106,13 @@ impl ShmTransport {
         let (n, r) = (self.size, self.rank);
         self.publish(at);
         self.arena_barrier()?;
-        let mine = inputs[r];
-        let mut first = mine.ptr != out.ptr;
+        let mut theirs = Vec::with_capacity(n - 1);
         for p in (0..n).filter(|&p| p != r) {
-            let theirs = self.peer_block(p, r, out.len)?;
+            let block = self.peer_block(p, r, out.len)?;
             // SAFETY: peer p's block r holds out.len bytes, unchanged until the barrier.
-            let theirs = unsafe { std::slice::from_raw_parts(theirs, out.len) };
-            if std::mem::take(&mut first) {
-                combine_into(kind, op, out.bytes_mut(), mine.bytes(), theirs);
-            } else {
-                reduce_into(kind, op, out.bytes_mut(), theirs);
-            }
+            theirs.push(unsafe { std::slice::from_raw_parts(block, out.len) });
         }
-        if n == 1 && first {
-            mine.copy_to(out.ptr);
-        }
-        if op == ReduceOp::Avg {
-            divide(kind, out.bytes_mut(), n);
-        }
+        reduce_own_block(kind, op, n, inputs[r], out, theirs);
         self.arena_barrier()
     }
 
@@ -198,24 +187,13 @@ impl ShmTransport {
                 inputs[p].piece(at, region).copy_to(unsafe { self.half(r, h).add(p * region) });
             }
             self.arena_barrier()?;
-            let (mine, dst) = (inputs[r].piece(at, region), out.piece(at, region));
-            let mut first = mine.ptr != dst.ptr; // in place, the output already holds mine
-            if n == 1 && first {
-                mine.copy_to(dst.ptr);
-            }
-            for p in (0..n).filter(|&p| p != r) {
-                // SAFETY: peer p wrote this region before the barrier and leaves it alone
-                // until the next one.
-                let theirs = unsafe { std::slice::from_raw_parts(self.half(p, h).add(r * region), dst.len) };
-                if std::mem::take(&mut first) {
-                    combine_into(kind, op, dst.bytes_mut(), mine.bytes(), theirs);
-                } else {
-                    reduce_into(kind, op, dst.bytes_mut(), theirs);
-                }
-            }
-            if op == ReduceOp::Avg {
-                divide(kind, dst.bytes_mut(), n);
-            }
+            let dst = out.piece(at, region);
+            // SAFETY: peer p wrote its region r before the barrier and leaves it alone until
+            // the next one.
+            let theirs = (0..n)
+                .filter(|&p| p != r)
+                .map(|p| unsafe { std::slice::from_raw_parts(self.half(p, h).add(r * region), dst.len) });
+            reduce_own_block(kind, op, n, inputs[r].piece(at, region), dst, theirs);
         }
         self.arena_barrier()
     }
@@ -242,5 +220,33 @@ impl ShmTransport {
             }
         }
         self.arena_barrier()
+    }
+}
+
+/// Writes into `dst` the reduction of this rank's block `mine` with the peers' copies of it
+/// (`theirs`), divided by `n` for avg. The first peer's copy is combined with `mine`
+/// straight into `dst`, so `mine` is never copied first; in place (`dst` is `mine`), every
+/// copy is reduced into it; with no peers, `mine` is copied over.
+fn reduce_own_block<'a>(
+    kind: Kind,
+    op: ReduceOp,
+    n: usize,
+    mine: Block,
+    dst: Block,
+    theirs: impl IntoIterator<Item = &'a [u8]>,
+) {
+    let mut first = mine.ptr != dst.ptr;
+    for peer in theirs {
+        if std::mem::take(&mut first) {
+            combine_into(kind, op, dst.bytes_mut(), mine.bytes(), peer);
+        } else {
+            reduce_into(kind, op, dst.bytes_mut(), peer);
+        }
+    }
+    if first {
+        mine.copy_to(dst.ptr);
+    }
+    if op == ReduceOp::Avg {
+        divide(kind, dst.bytes_mut(), n);
     }
 }
