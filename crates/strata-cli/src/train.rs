@@ -229,6 +229,8 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     }
     let world_group = comm.as_ref().map(|c| c.world()).transpose()?;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
+    // The ranks of one tensor group read the same batches.
+    let (data_rank, data_world) = parallel::batch_shard(&strategy, rank, world)?;
     info!(
         model = settings.model_name,
         params = engine.spec().num_params(),
@@ -276,8 +278,8 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     }
     let loader_config = LoaderConfig {
         accumulation: settings.accumulation,
-        rank,
-        world,
+        rank: data_rank,
+        world: data_world,
         seed: settings.seed,
         device: settings.device,
         start_step: start as usize,
@@ -322,8 +324,8 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         if let Some(g) = &world_group {
             // Report the job, not this rank: the loss over the global batch, all tokens.
             report.loss = all_reduce_values(g.as_ref(), &[report.loss], ReduceOp::Avg)?[0];
-            report.tokens *= world as u64;
-            report.tokens_per_s *= world as f64;
+            report.tokens *= data_world as u64;
+            report.tokens_per_s *= data_world as f64;
         }
         // After the loss's all-reduce, so the next step's units wait for nothing of this one.
         report.unit_times = clock.as_ref().map(|c| c.take());

@@ -139,6 +139,7 @@ pub fn save(
     world: Option<&dyn ProcessGroup>,
     keep: usize,
 ) -> Result<PathBuf> {
+    untensored(engine)?;
     let rank = world.map_or(0, |g| g.rank());
     let staging = root.join(format!(".step-{:08}.partial", run.step));
     // Every phase ends with all ranks agreeing that it went well, so a failure on one rank
@@ -334,6 +335,16 @@ pub struct Checkpoint {
     files: Vec<(PathBuf, Mmap)>,
     /// By (what, unit): "param" or a state name.
     pieces: BTreeMap<(String, usize), Vec<Piece>>,
+}
+
+/// The format lays out whole units: a tensor rank's pieces have no place in it yet.
+fn untensored(engine: &Engine) -> Result<()> {
+    match engine.tensor_parallel() {
+        Some(_) => Err(Error::Config(
+            "checkpoints of tensor-parallel runs are not supported yet; --save-weights and --init-weights are".into(),
+        )),
+        None => Ok(()),
+    }
 }
 
 fn fail(path: &Path, message: impl Into<String>) -> Error {
@@ -551,6 +562,7 @@ impl Checkpoint {
 
     /// Loads parameters and optimizer state into a run of any world size and strategy.
     pub fn restore(&self, engine: &mut Engine, optimizer: &mut Optimizer, optimizer_name: &str) -> Result<()> {
+        untensored(engine)?;
         self.check_compatible(engine, optimizer, optimizer_name)?;
         let kind = engine.master_kind();
         for (unit, &numel) in self.meta.unit_numel.iter().enumerate() {

@@ -231,7 +231,7 @@ pub fn save_weights(engine: &mut Engine, path: &Path, write: bool) -> Result<()>
         .iter()
         .enumerate()
         .flat_map(|(k, u)| u.params.iter().map(move |&id| (k, id)))
-        .map(|(k, id)| (k, id, engine.offset(id)))
+        .map(|(k, id)| (k, id, engine.full_offset(id)))
         .collect();
     let layout: Vec<(String, Kind, Vec<i64>)> = order
         .iter()

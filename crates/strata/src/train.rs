@@ -67,6 +67,18 @@ pub fn next_token_loss() -> LossFn {
     Arc::new(|logits: &Tensor, b: &Batch| cross_entropy(logits, &b.targets))
 }
 
+/// [`next_token_loss`] for `engine`'s output: over a vocabulary split across a tensor
+/// group, the vocabulary-parallel cross-entropy.
+pub fn next_token_loss_of(engine: &Engine) -> LossFn {
+    match engine.tensor_parallel() {
+        Some(tp) => {
+            let tp = tp.clone();
+            Arc::new(move |logits: &Tensor, b: &Batch| tp.cross_entropy(logits, &b.targets))
+        }
+        None => next_token_loss(),
+    }
+}
+
 pub struct Trainer {
     pub engine: Engine,
     pub optimizer: Optimizer,
@@ -91,13 +103,13 @@ pub struct GradScaling {
 impl Trainer {
     pub fn new(engine: Engine, optimizer: Optimizer, schedule: Schedule, grad_clip: Option<f64>) -> Trainer {
         Trainer {
+            loss_func: next_token_loss_of(&engine),
             engine,
             optimizer,
             schedule,
             grad_clip,
             scaling: GradScaling::default(),
             prepare_input: token_input(),
-            loss_func: next_token_loss(),
             step: 0,
         }
     }

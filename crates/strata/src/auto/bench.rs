@@ -85,6 +85,7 @@ impl Bench<'_> {
 
     /// Trains the warm-up and timed steps with `strategy`; (tokens/s of the job, peak bytes).
     pub fn dry_run(&self, strategy: &Strategy) -> Result<(f64, u64)> {
+        super::untensored(strategy, self.world.as_ref().map_or(1, |w| w.size()))?;
         let device = self.engine.device;
         let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, &self.placement)?;
         let optimizer = Optimizer::new(&mut engine, self.optimizer.clone(), self.rules)?;

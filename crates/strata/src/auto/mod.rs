@@ -213,6 +213,7 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> Placement<'a>
 
 /// Builds the engine, optimizer, trainer and loader for `strategy`.
 pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usize) -> Result<Prepared> {
+    untensored(strategy, job.comm.map_or(1, Comm::size))?;
     let bench = bench(job, bucket_bytes, 0)?;
     let mut engine = parallel::build_engine(bench.spec()?, job.engine.clone(), strategy, &bench.placement)?;
     let optimizer = Optimizer::new(&mut engine, job.optim.clone(), &job.optim_param_func)?;
@@ -226,6 +227,17 @@ pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usiz
         requires_set_gradient_accumulation_boundary: job.dataloader_args.accumulation > 1,
     };
     Ok(Prepared { trainer, loader, args, bucket_bytes })
+}
+
+/// Refuses a strategy that splits units over tensor groups: automatic acceleration does not
+/// plan, shard its data or take its loss over tensor groups yet.
+pub(crate) fn untensored(strategy: &Strategy, world: usize) -> Result<()> {
+    if strategy.parallel_mode().size("tensor", world)? > 1 {
+        return Err(Error::Config(
+            "auto_accelerate does not run tensor-parallel strategies yet; train with --strategy instead".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// What a dry run of `job` needs, with `steps` steps of real batches.

@@ -14,7 +14,7 @@ mod schedule;
 
 use crate::comm::ProcessGroup;
 use crate::compute::{self, UnitCompute};
-use crate::model::{Init, ModelSpec, ParamId, ParamSpec, Params};
+use crate::model::{Init, ModelSpec, ParamId, ParamSpec, Params, TensorParallel, TpRole};
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, UnitClock, UnitTime};
 pub use memory::{Category, MemoryLedger, Placement};
@@ -46,6 +46,9 @@ pub struct EngineConfig {
     /// sharded strategy cuts them into equal shards.
     pub pad_to: i64,
     pub grad_layout: GradLayout,
+    /// The tensor group this rank's units are split over (`None`: whole units). Each
+    /// parameter then holds this rank's piece, as its [`TpRole`] says.
+    pub tensor: Option<Arc<dyn TensorParallel>>,
 }
 
 /// Where gradients live.
@@ -68,6 +71,7 @@ impl Default for EngineConfig {
             device_budget: None,
             pad_to: 1,
             grad_layout: GradLayout::Contiguous,
+            tensor: None,
         }
     }
 }
@@ -94,6 +98,10 @@ pub struct Segment {
     pub unit: usize,
     /// Position of the first element in the unit's flat layout.
     pub offset: i64,
+    /// The share of this segment's squared gradient norm this rank counts: 1, or 1/tp for
+    /// parameters every tensor rank holds whole, so a sum over the tensor group counts
+    /// them once.
+    pub norm_share: f64,
 }
 
 struct Boundary {
@@ -123,6 +131,8 @@ pub struct Engine {
     params: Vec<Tensor>,
     /// Offset of each parameter within its unit's flat buffer.
     offsets: Vec<i64>,
+    /// Offset of each parameter within its unit's whole (unsplit) layout.
+    full_offsets: Vec<i64>,
     ledger: Arc<MemoryLedger>,
     schedule: Box<dyn UnitSchedule>,
     record: Option<ForwardRecord>,
@@ -163,12 +173,24 @@ impl Engine {
         if config.pad_to < 1 {
             return Err(Error::Config(format!("pad_to must be positive, got {}", config.pad_to)));
         }
+        let (tp, tp_rank) = config.tensor.as_ref().map_or((1, 0), |t| (t.size(), t.rank()));
+        if tp > 1 {
+            spec.check_tensor_parallel(tp)?;
+        }
+        let local_numel = |id: &ParamId| spec.params[id.0].local_shape(tp).iter().product::<i64>();
         let opts = (config.kind, config.device);
         let esize = config.kind.elt_size_in_bytes() as u64;
         let padded = |numel: i64| (numel + config.pad_to - 1) / config.pad_to * config.pad_to;
-        let unit_numel: Vec<i64> =
-            spec.units.iter().map(|u| u.params.iter().map(|id| spec.params[id.0].numel()).sum()).collect();
+        let unit_numel: Vec<i64> = spec.units.iter().map(|u| u.params.iter().map(local_numel).sum()).collect();
         let mut offsets = vec![0; spec.params.len()];
+        let mut full_offsets = vec![0; spec.params.len()];
+        for unit in &spec.units {
+            let mut offset = 0;
+            for id in &unit.params {
+                full_offsets[id.0] = offset;
+                offset += spec.params[id.0].numel();
+            }
+        }
         let mut params: Vec<Option<Tensor>> = (0..spec.params.len()).map(|_| None).collect();
         let mut storage = Vec::with_capacity(spec.units.len());
         let grads = match config.grad_layout {
@@ -202,18 +224,28 @@ impl Engine {
             let mut offset = 0;
             for &id in &unit.params {
                 let p = &spec.params[id.0];
-                let view = flat.f_narrow(0, offset, p.numel())?.f_view(p.shape.as_slice())?;
+                let (shape, numel) = (p.local_shape(tp), local_numel(&id));
+                let view = flat.f_narrow(0, offset, numel)?.f_view(shape.as_slice())?;
                 // Each parameter draws from its own seed, so a rank can initialise any unit
-                // alone and get the values every other rank gets.
+                // alone and get the values every other rank gets; a split one draws the
+                // whole tensor and keeps its piece, as one process would have it.
                 tch::manual_seed(config.seed.wrapping_add(7919 * id.0 as i64));
-                tch::no_grad(|| init(&initial.f_narrow(0, offset, p.numel())?, p.init))?;
+                let target = initial.f_narrow(0, offset, numel)?;
+                if tp > 1 && p.tp.is_split() {
+                    let whole = Tensor::f_empty(p.shape.as_slice(), (initial.kind(), config.device))?;
+                    tch::no_grad(|| init(&whole, p.init))?;
+                    let piece = p.tp.shard(&whole, tp, tp_rank)?;
+                    tch::no_grad(|| target.shallow_clone().f_copy_(&piece.f_reshape([-1])?))?;
+                } else {
+                    tch::no_grad(|| init(&target, p.init))?;
+                }
                 let leaf = view.f_detach()?.f_set_requires_grad(p.requires_grad)?;
                 if p.requires_grad {
                     attach_grad(&leaf, &grad, offset)?;
                 }
                 offsets[id.0] = offset;
                 params[id.0] = Some(leaf);
-                offset += p.numel();
+                offset += numel;
             }
             if initial.kind() != flat.kind() {
                 tch::no_grad(|| flat.shallow_clone().f_copy_(&initial))?;
@@ -233,6 +265,7 @@ impl Engine {
             storage,
             params,
             offsets,
+            full_offsets,
             ledger,
             schedule: Box::new(Resident),
             record: None,
@@ -330,9 +363,19 @@ impl Engine {
         Ok(())
     }
 
-    /// Position of parameter `id` in its unit's flat layout.
+    /// Position of parameter `id` in its unit's flat layout (this rank's pieces).
     pub fn offset(&self, id: ParamId) -> i64 {
         self.offsets[id.0]
+    }
+
+    /// Position of parameter `id` in its unit's whole layout ([`Engine::full_unit`]'s).
+    pub fn full_offset(&self, id: ParamId) -> i64 {
+        self.full_offsets[id.0]
+    }
+
+    /// The tensor group the units are split over, if they are.
+    pub fn tensor_parallel(&self) -> Option<&Arc<dyn TensorParallel>> {
+        self.config.tensor.as_ref().filter(|t| t.size() > 1)
     }
 
     /// The parameter tensor (a leaf view into its unit's flat buffer).
@@ -393,7 +436,12 @@ impl Engine {
 
     /// The global sum of squared gradients from this rank's per-unit sums (unit, sum).
     pub fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
-        self.schedule.grad_sq_sum(per_unit)
+        let sum = self.schedule.grad_sq_sum(per_unit)?;
+        // Each tensor rank holds its pieces (and a 1/tp share of what they all hold whole).
+        match self.tensor_parallel() {
+            Some(tp) => Ok(tp.sum_values(&[sum])?[0]),
+            None => Ok(sum),
+        }
     }
 
     /// dtype of the values the optimizer updates and checkpoints hold.
@@ -427,16 +475,32 @@ impl Engine {
         Ok(schedule.optimizer_view(ctx)?.param)
     }
 
-    /// Unit `unit`'s parameters, whole and unpadded, in [`Engine::master_kind`]; with a
-    /// sharded strategy every rank of the shard group must call this together.
+    /// Unit `unit`'s parameters, whole and unpadded, in [`Engine::master_kind`], laid out
+    /// at [`Engine::full_offset`]s; with a sharded strategy every rank of the shard group
+    /// (and of the tensor group) must call this together.
     pub fn full_unit(&mut self, unit: usize) -> Result<Tensor> {
         let (schedule, ctx) = self.schedule_for(unit);
-        schedule.full_unit(ctx)
+        let local = schedule.full_unit(ctx)?;
+        let Some(tp) = self.tensor_parallel().cloned() else { return Ok(local) };
+        let pieces = tp.gather(&local)?;
+        let mut whole = Vec::new();
+        for &id in &self.spec.units[unit].params {
+            let p = &self.spec.params[id.0];
+            let shape = p.local_shape(tp.size());
+            let numel = shape.iter().product::<i64>();
+            let of_param = pieces
+                .iter()
+                .map(|t| t.f_narrow(0, self.offsets[id.0], numel)?.f_view(shape.as_slice()))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            whole.push(p.tp.unshard(&of_param, &p.shape)?.f_reshape([-1])?);
+        }
+        Ok(Tensor::f_cat(&whole, 0)?)
     }
 
-    /// Replaces unit `unit`'s parameters with `values` (unpadded, converted as needed).
+    /// Replaces unit `unit`'s parameters with `values` (whole and unpadded, laid out as
+    /// [`Engine::full_unit`] returns them, converted as needed).
     pub fn set_full_unit(&mut self, unit: usize, values: &Tensor) -> Result<()> {
-        let expected = self.storage[unit].numel;
+        let expected: i64 = self.spec.units[unit].params.iter().map(|id| self.spec.params[id.0].numel()).sum();
         if values.numel() as i64 != expected {
             return Err(Error::Model(format!(
                 "unit {} holds {expected} elements, got {}",
@@ -444,8 +508,20 @@ impl Engine {
                 values.numel()
             )));
         }
+        let local = match self.tensor_parallel().cloned() {
+            None => values.shallow_clone(),
+            Some(tp) => {
+                let mut pieces = Vec::new();
+                for &id in &self.spec.units[unit].params {
+                    let p = &self.spec.params[id.0];
+                    let whole = values.f_narrow(0, self.full_offsets[id.0], p.numel())?.f_view(p.shape.as_slice())?;
+                    pieces.push(p.tp.shard(&whole, tp.size(), tp.rank())?.f_reshape([-1])?);
+                }
+                Tensor::f_cat(&pieces, 0)?
+            }
+        };
         let (schedule, ctx) = self.schedule_for(unit);
-        schedule.set_full_unit(ctx, values)
+        schedule.set_full_unit(ctx, &local)
     }
 
     /// Says whether the next backward completes the step's gradients (default true); with
@@ -547,12 +623,32 @@ impl Engine {
     fn unit_forward(&self, k: usize, input: &Tensor, recomputing: bool) -> Result<Tensor> {
         let unit = &self.spec.units[k];
         let policy = &self.compute[k];
+        let wrapped = self.unit_params(k)?;
+        let params = match &self.config.tensor {
+            Some(tp) => Params::split(wrapped.as_deref().unwrap_or(&self.params), tp.as_ref()),
+            None => Params::new(&self.params),
+        };
         if policy.is_plain() {
-            return unit.body.forward(&Params::new(&self.params), input);
+            return unit.body.forward(&params, input);
         }
         // Addresses change when a sharded unit is gathered again: taken at each forward.
         let fp8_weights = self.fp8_weights[k].iter().map(|id| self.params[id.0].data_ptr() as usize).collect();
-        compute::run(policy, fp8_weights, recomputing, || unit.body.forward(&Params::new(&self.params), input))
+        compute::run(policy, fp8_weights, recomputing, || unit.body.forward(&params, input))
+    }
+
+    /// Under sequence parallel, the parameters unit `k` reads with its sequence-replicated
+    /// ones passed through the tensor group's `copy_in`: each rank's gradient of them covers
+    /// its piece of the sequence, and backward sums them. `None`: the parameters as they are.
+    fn unit_params(&self, k: usize) -> Result<Option<Vec<Tensor>>> {
+        let Some(tp) = self.tensor_parallel().filter(|t| t.sequence_parallel()) else { return Ok(None) };
+        let unit = &self.spec.units[k];
+        let mut params: Vec<Tensor> = self.params.iter().map(Tensor::shallow_clone).collect();
+        for &id in unit.params.iter().chain(&unit.borrowed) {
+            if self.spec.params[id.0].tp == TpRole::SequenceReplicated && self.params[id.0].requires_grad() {
+                params[id.0] = tp.copy_in(&self.params[id.0])?;
+            }
+        }
+        Ok(Some(params))
     }
 
     /// Sets each unit's compute policy (one per unit, in order).
@@ -625,16 +721,19 @@ impl Engine {
     pub fn segments(&mut self, group_of: impl Fn(&ParamSpec) -> usize) -> Result<Vec<Segment>> {
         let mut out = Vec::new();
         for unit in 0..self.spec.units.len() {
-            let mut runs: Vec<(usize, i64, i64)> = Vec::new(); // (group, start, end)
+            let tp = self.tensor_parallel().map_or(1, |t| t.size());
+            let mut runs: Vec<(usize, f64, i64, i64)> = Vec::new(); // (group, norm share, start, end)
             for &id in &self.spec.units[unit].params {
                 let p = &self.spec.params[id.0];
                 if !p.requires_grad {
                     continue;
                 }
                 let (group, start) = (group_of(p), self.offsets[id.0]);
+                let share = if p.tp.is_split() { 1.0 } else { 1.0 / tp as f64 };
+                let end = start + p.local_shape(tp).iter().product::<i64>();
                 match runs.last_mut() {
-                    Some((g, _, e)) if *g == group && *e == start => *e = start + p.numel(),
-                    _ => runs.push((group, start, start + p.numel())),
+                    Some((g, s, _, e)) if *g == group && *s == share && *e == start => *e = end,
+                    _ => runs.push((group, share, start, end)),
                 }
             }
             if runs.is_empty() {
@@ -643,7 +742,7 @@ impl Engine {
             let (schedule, ctx) = self.schedule_for(unit);
             let view = schedule.optimizer_view(ctx)?;
             let (lo, hi) = (view.offset, view.offset + view.param.numel() as i64);
-            for (group, start, end) in runs {
+            for (group, norm_share, start, end) in runs {
                 let (start, end) = (start.max(lo), end.min(hi));
                 if start < end {
                     out.push(Segment {
@@ -652,6 +751,7 @@ impl Engine {
                         group,
                         unit,
                         offset: start,
+                        norm_share,
                     });
                 }
             }
@@ -680,7 +780,7 @@ impl Engine {
                         p.shape
                     )));
                 }
-                full.f_narrow(0, self.offsets[id.0], p.numel())?.f_copy_(&value.f_reshape([-1])?)?;
+                full.f_narrow(0, self.full_offsets[id.0], p.numel())?.f_copy_(&value.f_reshape([-1])?)?;
             }
             self.set_full_unit(unit, &full)?;
         }

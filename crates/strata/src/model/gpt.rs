@@ -1,7 +1,9 @@
 //! GPT-2 in nanoGPT's layout: learned positions, pre-LayerNorm blocks, GELU (tanh), and an
 //! output head tied to the token embedding. Parameter names and `[out, in]` layouts are
 //! nanoGPT's, so its safetensors files load as they are.
-use super::layers::{causal_attention, layer_norm, linear, merge_heads, split_heads};
+use super::layers::{
+    causal_attention, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding, vocab_logits,
+};
 use super::{
     default_norm_eps, positive, Builder, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS, INIT_STD as STD,
 };
@@ -48,6 +50,7 @@ struct GptEmbedding {
     wte: ParamId,
     wpe: ParamId,
     ctx: i64,
+    vocab: i64,
 }
 
 impl Unit for GptEmbedding {
@@ -59,9 +62,21 @@ impl Unit for GptEmbedding {
         if t > self.ctx {
             return Err(Error::Model(format!("sequence of {t} tokens is longer than the context {}", self.ctx)));
         }
-        let pos = Tensor::f_arange(t, (tch::Kind::Int64, tokens.device()))?;
-        let tok = Tensor::f_embedding(&p[self.wte], tokens, -1, false, false)?;
+        let tp = p.tp();
+        if tp.sequence_parallel() && t % tp.size() != 0 {
+            return Err(Error::Model(format!(
+                "sequence parallel splits {t} positions over {} ranks: the length must be a multiple",
+                tp.size()
+            )));
+        }
+        // Under sequence parallel this rank's vectors are its piece of the sequence.
+        let (start, len) = tp.sequence_range(t);
+        let pos = Tensor::f_arange_start(start, start + len, (tch::Kind::Int64, tokens.device()))?;
+        let tok = vocab_embedding(&p[self.wte], tokens, self.vocab, tp)?;
         Ok(tok.f_add(&Tensor::f_embedding(&p[self.wpe], &pos, -1, false, false)?)?)
+    }
+    fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -73,6 +88,7 @@ struct GptBlock {
     c_fc: (ParamId, ParamId),
     mlp_proj: (ParamId, ParamId),
     heads: i64,
+    dim: i64,
     eps: f64,
 }
 
@@ -81,25 +97,36 @@ impl Unit for GptBlock {
         "GptBlock"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let h = layer_norm(x, &p[self.ln_1.0], &p[self.ln_1.1], self.eps)?;
+        // Split over the tensor group, this rank computes its heads and its piece of the MLP.
+        let tp = p.tp();
+        let (heads, dim) = (self.heads / tp.size(), self.dim / tp.size());
+        let h = tp.enter(&layer_norm(x, &p[self.ln_1.0], &p[self.ln_1.1], self.eps)?)?;
         let qkv = linear(&h, &p[self.c_attn.0], Some(&p[self.c_attn.1]))?;
-        let dim = *x.size().last().unwrap_or(&0);
         let parts = qkv.f_split(dim, 2)?;
-        let (q, k, v) = (
-            split_heads(&parts[0], self.heads)?,
-            split_heads(&parts[1], self.heads)?,
-            split_heads(&parts[2], self.heads)?,
-        );
+        let (q, k, v) =
+            (split_heads(&parts[0], heads)?, split_heads(&parts[1], heads)?, split_heads(&parts[2], heads)?);
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
-        let x = x.f_add(&linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]))?)?;
-        let h = layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?;
+        let x = x.f_add(&row_linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]), tp)?)?;
+        let h = tp.enter(&layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?)?;
         let h = linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?.f_gelu("tanh")?;
-        Ok(x.f_add(&linear(&h, &p[self.mlp_proj.0], Some(&p[self.mlp_proj.1]))?)?)
+        Ok(x.f_add(&row_linear(&h, &p[self.mlp_proj.0], Some(&p[self.mlp_proj.1]), tp)?)?)
     }
+    fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
+        divides_heads(tp, "heads", self.heads)
+    }
+}
+
+/// Refuses a tensor size that does not split `count` heads (named `what`) evenly.
+pub(crate) fn divides_heads(tp: i64, what: &str, count: i64) -> Result<()> {
+    if count % tp != 0 {
+        return Err(Error::Config(format!("tensor size {tp} does not divide the {count} {what}")));
+    }
+    Ok(())
 }
 
 struct GptHead {
     eps: f64,
+    vocab: i64,
     ln_f: (ParamId, ParamId),
     wte: ParamId,
 }
@@ -110,13 +137,17 @@ impl Unit for GptHead {
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         let h = layer_norm(x, &p[self.ln_f.0], &p[self.ln_f.1], self.eps)?;
-        linear(&h, &p[self.wte], None)
+        vocab_logits(&h, &p[self.wte], None, self.vocab, p.tp())
+    }
+    fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
     }
 }
 
 /// Declares a weight/bias pair `{prefix}.weight` `[out, in]` and `{prefix}.bias` `[out]`.
 fn dense(u: &mut super::UnitBuilder<'_>, prefix: &str, out: i64, inp: i64, std: f64, tp: TpRole) -> (ParamId, ParamId) {
-    let bias_tp = if tp == TpRole::Column { TpRole::Column } else { TpRole::Replicated };
+    // A column layer's bias splits with its outputs; a row layer's is added after the sum.
+    let bias_tp = if tp == TpRole::Row { TpRole::SequenceReplicated } else { tp };
     (
         u.param(format!("{prefix}.weight"), &[out, inp], Init::Normal { std }, tp),
         u.param(format!("{prefix}.bias"), &[out], Init::Zeros, bias_tp),
@@ -125,8 +156,8 @@ fn dense(u: &mut super::UnitBuilder<'_>, prefix: &str, out: i64, inp: i64, std: 
 
 fn norm(u: &mut super::UnitBuilder<'_>, prefix: &str, dim: i64) -> (ParamId, ParamId) {
     (
-        u.param(format!("{prefix}.weight"), &[dim], Init::Ones, TpRole::Replicated),
-        u.param(format!("{prefix}.bias"), &[dim], Init::Zeros, TpRole::Replicated),
+        u.param(format!("{prefix}.weight"), &[dim], Init::Ones, TpRole::SequenceReplicated),
+        u.param(format!("{prefix}.bias"), &[dim], Init::Zeros, TpRole::SequenceReplicated),
     )
 }
 
@@ -136,8 +167,9 @@ pub fn gpt(cfg: &GptConfig, b: &mut Builder) -> Result<()> {
     let d = cfg.dim;
     let mut u = b.unit("embedding");
     let wte = u.param("transformer.wte.weight", &[cfg.vocab, d], Init::Normal { std: STD }, TpRole::Vocab);
-    let wpe = u.param("transformer.wpe.weight", &[cfg.ctx, d], Init::Normal { std: STD }, TpRole::Replicated);
-    u.finish(GptEmbedding { wte, wpe, ctx: cfg.ctx });
+    // Added to this rank's piece of the sequence under sequence parallel.
+    let wpe = u.param("transformer.wpe.weight", &[cfg.ctx, d], Init::Normal { std: STD }, TpRole::SequenceReplicated);
+    u.finish(GptEmbedding { wte, wpe, ctx: cfg.ctx, vocab: cfg.vocab });
     // Residual projections are scaled down so the residual stream's variance stays bounded.
     let proj_std = STD / (2.0 * cfg.layers as f64).sqrt();
     for i in 0..cfg.layers {
@@ -145,12 +177,13 @@ pub fn gpt(cfg: &GptConfig, b: &mut Builder) -> Result<()> {
         let mut u = b.unit(name.clone());
         let block = GptBlock {
             ln_1: norm(&mut u, &format!("{name}.ln_1"), d),
-            c_attn: dense(&mut u, &format!("{name}.attn.c_attn"), 3 * d, d, STD, TpRole::Column),
+            c_attn: dense(&mut u, &format!("{name}.attn.c_attn"), 3 * d, d, STD, TpRole::Column { parts: 3 }),
             attn_proj: dense(&mut u, &format!("{name}.attn.c_proj"), d, d, proj_std, TpRole::Row),
             ln_2: norm(&mut u, &format!("{name}.ln_2"), d),
-            c_fc: dense(&mut u, &format!("{name}.mlp.c_fc"), 4 * d, d, STD, TpRole::Column),
+            c_fc: dense(&mut u, &format!("{name}.mlp.c_fc"), 4 * d, d, STD, TpRole::COLUMN),
             mlp_proj: dense(&mut u, &format!("{name}.mlp.c_proj"), d, 4 * d, proj_std, TpRole::Row),
             heads: cfg.heads,
+            dim: d,
             eps: cfg.norm_eps,
         };
         u.finish(block);
@@ -158,7 +191,7 @@ pub fn gpt(cfg: &GptConfig, b: &mut Builder) -> Result<()> {
     let mut u = b.unit("head");
     let ln_f = norm(&mut u, "transformer.ln_f", d);
     let tied = u.borrow("transformer.wte.weight");
-    u.finish(GptHead { eps: cfg.norm_eps, ln_f, wte: tied });
+    u.finish(GptHead { eps: cfg.norm_eps, vocab: cfg.vocab, ln_f, wte: tied });
     b.alias("lm_head.weight", wte);
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! unit's compute policy (`crate::compute`) may replace them with fused implementations
 //! (`module_replace`), compute linear layers in fp8, or cast to a lower precision
 //! (`amp_native`: matrix products and attention in it, norms, softmax and the loss in fp32).
+use super::tensor::{vocab_rows, TensorParallel};
 use crate::compute;
 use crate::Result;
 use tch::{Kind, Tensor};
@@ -34,6 +35,51 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let kind = compute::autocast_kind();
     let b = b.map(|b| cast(b, kind)).transpose()?;
     Ok(cast(x, kind)?.f_linear(&cast(w, kind)?, b.as_ref())?)
+}
+
+/// A row-parallel linear layer: this rank's input columns times its weight columns, summed
+/// over the tensor group (split along the sequence under sequence parallel); the bias, held
+/// whole by every rank, is added once after the sum.
+pub fn row_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, tp: &dyn TensorParallel) -> Result<Tensor> {
+    if tp.size() == 1 {
+        return linear(x, w, b);
+    }
+    let y = tp.leave(&linear(x, w, None)?)?;
+    match b {
+        Some(b) => Ok(y.f_add(&cast(b, Some(y.kind()))?)?),
+        None => Ok(y),
+    }
+}
+
+/// Token ids `[B, T]` to vectors `[B, T, D]` through an embedding table split along a
+/// vocabulary of `vocab` rows: each rank looks up the ids in its rows and the partial
+/// vectors are summed (split along the sequence under sequence parallel).
+pub fn vocab_embedding(table: &Tensor, tokens: &Tensor, vocab: i64, tp: &dyn TensorParallel) -> Result<Tensor> {
+    if tp.size() == 1 {
+        return Ok(Tensor::f_embedding(table, tokens, -1, false, false)?);
+    }
+    let rows = vocab_rows(vocab, tp.size());
+    let local = tokens.f_sub_scalar(tp.rank() * rows)?;
+    let elsewhere = local.f_lt(0)?.f_logical_or(&local.f_ge(rows)?)?;
+    let found = Tensor::f_embedding(table, &local.f_masked_fill(&elsewhere, 0)?, -1, false, false)?;
+    tp.leave(&found.f_masked_fill(&elsewhere.f_unsqueeze(-1)?, 0.0)?)
+}
+
+/// Logits `[B, T, V/tp]` of this rank's vocabulary rows `w` (and `b`) for `x`, gathered
+/// whole first; the padding rows past `vocab` get -inf, so they never win the softmax and
+/// never receive a gradient.
+pub fn vocab_logits(x: &Tensor, w: &Tensor, b: Option<&Tensor>, vocab: i64, tp: &dyn TensorParallel) -> Result<Tensor> {
+    if tp.size() == 1 {
+        return linear(x, w, b);
+    }
+    let logits = linear(&tp.enter(x)?, w, b)?;
+    let rows = vocab_rows(vocab, tp.size());
+    let real = (vocab - tp.rank() * rows).clamp(0, rows);
+    if real == rows {
+        return Ok(logits);
+    }
+    let padding = Tensor::f_arange(rows, (Kind::Int64, x.device()))?.f_ge(real)?;
+    Ok(logits.f_masked_fill(&padding, f64::NEG_INFINITY)?)
 }
 
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {

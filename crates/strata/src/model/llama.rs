@@ -3,7 +3,8 @@
 //! query heads), SwiGLU feed-forward, no biases, and an output head that is its own
 //! weight or, with `tie_embeddings`, the token embedding's. Names follow the common
 //! `model.layers.{i}.self_attn.q_proj.weight` layout.
-use super::layers::{causal_attention, linear, merge_heads, rms_norm, split_heads};
+use super::gpt::divides_heads;
+use super::layers::{causal_attention, linear, merge_heads, rms_norm, row_linear, split_heads, vocab_logits};
 use super::{
     default_norm_eps, positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, DEFAULT_NORM_EPS,
     INIT_STD as STD,
@@ -125,10 +126,14 @@ impl Unit for LlamaBlock {
         "LlamaBlock"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let h = rms_norm(x, &p[self.input_norm], self.eps)?;
-        let q = rotary(&split_heads(&linear(&h, &p[self.q], None)?, self.heads)?, self.rope_theta)?;
-        let k = rotary(&split_heads(&linear(&h, &p[self.k], None)?, self.kv_heads)?, self.rope_theta)?;
-        let v = split_heads(&linear(&h, &p[self.v], None)?, self.kv_heads)?;
+        // Split over the tensor group, this rank holds whole query heads and the key/value
+        // heads they read, and its piece of the feed-forward.
+        let tp = p.tp();
+        let (heads, kv_heads) = (self.heads / tp.size(), self.kv_heads / tp.size());
+        let h = tp.enter(&rms_norm(x, &p[self.input_norm], self.eps)?)?;
+        let q = rotary(&split_heads(&linear(&h, &p[self.q], None)?, heads)?, self.rope_theta)?;
+        let k = rotary(&split_heads(&linear(&h, &p[self.k], None)?, kv_heads)?, self.rope_theta)?;
+        let v = split_heads(&linear(&h, &p[self.v], None)?, kv_heads)?;
         // Each key/value head serves `heads / kv_heads` adjacent query heads.
         let group = self.heads / self.kv_heads;
         let (k, v) = if group > 1 {
@@ -137,10 +142,14 @@ impl Unit for LlamaBlock {
             (k, v)
         };
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
-        let x = x.f_add(&linear(&y, &p[self.o], None)?)?;
-        let h = rms_norm(&x, &p[self.post_norm], self.eps)?;
+        let x = x.f_add(&row_linear(&y, &p[self.o], None, tp)?)?;
+        let h = tp.enter(&rms_norm(&x, &p[self.post_norm], self.eps)?)?;
         let gated = linear(&h, &p[self.gate], None)?.f_silu()?.f_mul(&linear(&h, &p[self.up], None)?)?;
-        Ok(x.f_add(&linear(&gated, &p[self.down], None)?)?)
+        Ok(x.f_add(&row_linear(&gated, &p[self.down], None, tp)?)?)
+    }
+    fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
+        divides_heads(tp, "heads", self.heads)?;
+        divides_heads(tp, "key/value heads", self.kv_heads)
     }
 }
 
@@ -148,6 +157,7 @@ struct LlamaHead {
     norm: ParamId,
     lm_head: ParamId,
     eps: f64,
+    vocab: i64,
 }
 
 impl Unit for LlamaHead {
@@ -155,7 +165,10 @@ impl Unit for LlamaHead {
         "LlamaHead"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        linear(&rms_norm(x, &p[self.norm], self.eps)?, &p[self.lm_head], None)
+        vocab_logits(&rms_norm(x, &p[self.norm], self.eps)?, &p[self.lm_head], None, self.vocab, p.tp())
+    }
+    fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -167,23 +180,23 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     let normal = Init::Normal { std: STD };
     let mut u = b.unit("embedding");
     let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
-    u.finish(TokenEmbedding { table: embed, kind: "LlamaEmbedding" });
+    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, kind: "LlamaEmbedding" });
     for i in 0..cfg.layers {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());
         let mut w = |suffix: &str, shape: &[i64], tp| u.param(format!("{name}.{suffix}"), shape, normal, tp);
         let (q, k, v) = (
-            w("self_attn.q_proj.weight", &[d, d], TpRole::Column),
-            w("self_attn.k_proj.weight", &[kv, d], TpRole::Column),
-            w("self_attn.v_proj.weight", &[kv, d], TpRole::Column),
+            w("self_attn.q_proj.weight", &[d, d], TpRole::COLUMN),
+            w("self_attn.k_proj.weight", &[kv, d], TpRole::COLUMN),
+            w("self_attn.v_proj.weight", &[kv, d], TpRole::COLUMN),
         );
         let o = w("self_attn.o_proj.weight", &[d, d], TpRole::Row);
         let (gate, up) =
-            (w("mlp.gate_proj.weight", &[f, d], TpRole::Column), w("mlp.up_proj.weight", &[f, d], TpRole::Column));
+            (w("mlp.gate_proj.weight", &[f, d], TpRole::COLUMN), w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN));
         let down = w("mlp.down_proj.weight", &[d, f], TpRole::Row);
-        let input_norm = u.param(format!("{name}.input_layernorm.weight"), &[d], Init::Ones, TpRole::Replicated);
-        let post_norm =
-            u.param(format!("{name}.post_attention_layernorm.weight"), &[d], Init::Ones, TpRole::Replicated);
+        let norm = TpRole::SequenceReplicated;
+        let input_norm = u.param(format!("{name}.input_layernorm.weight"), &[d], Init::Ones, norm);
+        let post_norm = u.param(format!("{name}.post_attention_layernorm.weight"), &[d], Init::Ones, norm);
         u.finish(LlamaBlock {
             input_norm,
             q,
@@ -201,14 +214,14 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         });
     }
     let mut u = b.unit("head");
-    let norm = u.param("model.norm.weight", &[d], Init::Ones, TpRole::Replicated);
+    let norm = u.param("model.norm.weight", &[d], Init::Ones, TpRole::SequenceReplicated);
     if cfg.tie_embeddings {
         let lm_head = u.borrow("model.embed_tokens.weight");
-        u.finish(LlamaHead { norm, lm_head, eps: cfg.norm_eps });
+        u.finish(LlamaHead { norm, lm_head, eps: cfg.norm_eps, vocab: cfg.vocab });
         b.alias("lm_head.weight", embed);
     } else {
         let lm_head = u.param("lm_head.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
-        u.finish(LlamaHead { norm, lm_head, eps: cfg.norm_eps });
+        u.finish(LlamaHead { norm, lm_head, eps: cfg.norm_eps, vocab: cfg.vocab });
     }
     Ok(())
 }

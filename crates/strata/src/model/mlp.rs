@@ -1,6 +1,6 @@
 //! A small residual MLP language model (each position predicts the next token from its own
 //! token only): the quickest model to test engine and strategy machinery with.
-use super::layers::linear;
+use super::layers::{row_linear, vocab_logits};
 use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
 use crate::Result;
 use serde::{Deserialize, Serialize};
@@ -16,6 +16,7 @@ pub struct MlpConfig {
 struct MlpLayer {
     weight: ParamId,
     bias: ParamId,
+    dim: i64,
 }
 
 impl Unit for MlpLayer {
@@ -23,13 +24,22 @@ impl Unit for MlpLayer {
         "MlpLayer"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_add(&linear(x, &p[self.weight], Some(&p[self.bias]))?.f_gelu("tanh")?)?)
+        // Split over the tensor group, the layer is row-parallel: this rank multiplies its
+        // columns of the input, and the sums meet before the activation.
+        let tp = p.tp();
+        let piece = self.dim / tp.size();
+        let h = tp.enter(x)?.f_narrow(-1, tp.rank() * piece, piece)?;
+        Ok(x.f_add(&row_linear(&h, &p[self.weight], Some(&p[self.bias]), tp)?.f_gelu("tanh")?)?)
+    }
+    fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
     }
 }
 
 struct MlpHead {
     weight: ParamId,
     bias: ParamId,
+    vocab: i64,
 }
 
 impl Unit for MlpHead {
@@ -37,7 +47,10 @@ impl Unit for MlpHead {
         "MlpHead"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        linear(x, &p[self.weight], Some(&p[self.bias]))
+        vocab_logits(x, &p[self.weight], Some(&p[self.bias]), self.vocab, p.tp())
+    }
+    fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -47,16 +60,16 @@ pub fn mlp(cfg: &MlpConfig, b: &mut Builder) -> Result<()> {
     let normal = Init::Normal { std: STD };
     let mut u = b.unit("embedding");
     let embed = u.param("embed.weight", &[cfg.vocab, cfg.dim], normal, TpRole::Vocab);
-    u.finish(TokenEmbedding { table: embed, kind: "MlpEmbedding" });
+    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, kind: "MlpEmbedding" });
     for i in 0..cfg.layers {
         let mut u = b.unit(format!("layers.{i}"));
-        let weight = u.param(format!("layers.{i}.fc.weight"), &[cfg.dim, cfg.dim], normal, TpRole::Column);
-        let bias = u.param(format!("layers.{i}.fc.bias"), &[cfg.dim], Init::Zeros, TpRole::Column);
-        u.finish(MlpLayer { weight, bias });
+        let weight = u.param(format!("layers.{i}.fc.weight"), &[cfg.dim, cfg.dim], normal, TpRole::Row);
+        let bias = u.param(format!("layers.{i}.fc.bias"), &[cfg.dim], Init::Zeros, TpRole::SequenceReplicated);
+        u.finish(MlpLayer { weight, bias, dim: cfg.dim });
     }
     let mut u = b.unit("head");
     let weight = u.param("head.weight", &[cfg.vocab, cfg.dim], normal, TpRole::Vocab);
     let bias = u.param("head.bias", &[cfg.vocab], Init::Zeros, TpRole::Vocab);
-    u.finish(MlpHead { weight, bias });
+    u.finish(MlpHead { weight, bias, vocab: cfg.vocab });
     Ok(())
 }

@@ -9,10 +9,12 @@ mod gpt;
 pub mod layers;
 mod llama;
 mod mlp;
+pub mod tensor;
 
 pub use gpt::{gpt, GptConfig};
 pub use llama::{llama, LlamaConfig};
 pub use mlp::{mlp, MlpConfig};
+pub use tensor::{NoTensorParallel, TensorParallel, TpRole};
 
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -46,19 +48,6 @@ pub enum Init {
     Ones,
 }
 
-/// How tensor parallelism would split a parameter (used by the tensor-parallel method).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TpRole {
-    /// Every rank holds the whole tensor (norms, biases of row-parallel layers).
-    Replicated,
-    /// Split along the output dimension (rows of a `[out, in]` weight, and its bias).
-    Column,
-    /// Split along the input dimension (columns of a `[out, in]` weight).
-    Row,
-    /// Split along the vocabulary (embedding rows).
-    Vocab,
-}
-
 /// Index of a parameter in its [`ModelSpec`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ParamId(pub usize);
@@ -72,6 +61,7 @@ pub struct ParamSpec {
     pub init: Init,
     /// A fixed dtype, or `None` to follow the model's dtype.
     pub kind: Option<Kind>,
+    /// How tensor parallelism splits it; `shape` is always the whole tensor's.
     pub tp: TpRole,
     /// Index of the unit that owns (stores) this parameter.
     pub unit: usize,
@@ -82,16 +72,33 @@ impl ParamSpec {
     pub fn numel(&self) -> i64 {
         self.shape.iter().product()
     }
+
+    /// The shape of one rank's piece when split over `tp` tensor ranks.
+    pub fn local_shape(&self, tp: i64) -> Vec<i64> {
+        self.tp.local_shape(&self.shape, tp)
+    }
 }
 
-/// The parameters a unit's forward reads, by [`ParamId`].
+/// The parameters a unit's forward reads, by [`ParamId`], and the tensor group it runs in.
 pub struct Params<'a> {
     tensors: &'a [Tensor],
+    tp: &'a dyn TensorParallel,
 }
 
 impl<'a> Params<'a> {
+    /// Parameters of a unit that runs whole on one rank.
     pub fn new(tensors: &'a [Tensor]) -> Self {
-        Params { tensors }
+        Params { tensors, tp: &NoTensorParallel }
+    }
+
+    /// Parameters holding this rank's pieces, for a unit split over `tp`.
+    pub fn split(tensors: &'a [Tensor], tp: &'a dyn TensorParallel) -> Self {
+        Params { tensors, tp }
+    }
+
+    /// The tensor group the unit runs in (one rank unless the strategy splits it).
+    pub fn tp(&self) -> &dyn TensorParallel {
+        self.tp
     }
 }
 
@@ -107,11 +114,22 @@ pub trait Unit: Send + Sync {
     /// Stable public kind name (`GptBlock`, `LlamaBlock`, ...) by which strategies select units.
     fn kind(&self) -> &'static str;
     fn forward(&self, params: &Params<'_>, input: &Tensor) -> Result<Tensor>;
+
+    /// Checks that the unit's forward can run split over `tp` ranks (heads divisible by
+    /// `tp`, say). A unit runs under tensor parallelism only where it says how: the default
+    /// refuses.
+    fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
+        Err(Error::Config(format!(
+            "{} units do not say how they run split over {tp} tensor ranks (Unit::check_tensor_parallel)",
+            self.kind()
+        )))
+    }
 }
 
 /// Token ids `[B, T]` to vectors `[B, T, D]` by table look-up; `kind` names the model's unit.
 pub(crate) struct TokenEmbedding {
     pub(crate) table: ParamId,
+    pub(crate) vocab: i64,
     pub(crate) kind: &'static str,
 }
 
@@ -120,7 +138,10 @@ impl Unit for TokenEmbedding {
         self.kind
     }
     fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
-        Ok(Tensor::f_embedding(&p[self.table], tokens, -1, false, false)?)
+        layers::vocab_embedding(&p[self.table], tokens, self.vocab, p.tp())
+    }
+    fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -186,6 +207,17 @@ impl ModelSpec {
         }
         if self.params.iter().all(|p| !p.requires_grad) {
             return Err(Error::Config("freeze: every parameter would be frozen".into()));
+        }
+        Ok(())
+    }
+
+    /// Checks that every parameter and unit splits over `tp` tensor ranks.
+    pub fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
+        for p in &self.params {
+            p.tp.check(&p.name, &p.shape, tp)?;
+        }
+        for u in &self.units {
+            u.body.check_tensor_parallel(tp).map_err(|e| Error::Config(format!("unit {}: {e}", u.name)))?;
         }
         Ok(())
     }

@@ -101,6 +101,8 @@ struct Group {
     weight_decay: f64,
     /// Unit and flat-layout offset of each segment (how checkpoints name its state).
     places: Vec<(usize, i64)>,
+    /// Share of each segment's squared gradient norm this rank counts ([`Segment::norm_share`]).
+    norm_shares: Vec<f64>,
     params: Vec<Tensor>,
     grads: Vec<Tensor>,
     /// Adam: first and second moments; SGD: momentum buffers (empty without momentum).
@@ -133,6 +135,7 @@ impl Optimizer {
                 lr,
                 weight_decay,
                 places: vec![],
+                norm_shares: vec![],
                 params: vec![],
                 grads: vec![],
                 first: vec![],
@@ -142,7 +145,7 @@ impl Optimizer {
             .collect();
         let ledger = engine.ledger().clone();
         let mut state_bytes = 0;
-        for Segment { param, grad, group, unit, offset } in engine.segments(group_of)? {
+        for Segment { param, grad, group, unit, offset, norm_share } in engine.segments(group_of)? {
             let g = &mut groups[group];
             // States of low-precision parameters are fp32: g² of a small gradient would
             // underflow in fp16, and an update divided by it blow up.
@@ -163,6 +166,7 @@ impl Optimizer {
                 g.steps.push(Tensor::f_zeros([], (Kind::Float, param.device()))?);
             }
             g.places.push((unit, offset));
+            g.norm_shares.push(norm_share);
             g.params.push(param);
             g.grads.push(grad);
         }
@@ -320,13 +324,14 @@ impl Optimizer {
         Ok(total)
     }
 
-    /// Sums of squared gradients this rank holds, one per segment: (unit, sum).
+    /// Sums of squared gradients this rank holds, one per segment: (unit, sum), each
+    /// weighted by its [`Segment::norm_share`].
     pub fn grad_sq_per_unit(&self) -> Result<Vec<(usize, f64)>> {
         let mut out = Vec::new();
         for g in &self.groups {
-            for (grad, &(unit, _)) in g.grads.iter().zip(&g.places) {
+            for ((grad, &(unit, _)), share) in g.grads.iter().zip(&g.places).zip(&g.norm_shares) {
                 let norm = grad.f_norm_scalaropt_dtype(2.0, Kind::Double)?.f_double_value(&[])?;
-                out.push((unit, norm * norm));
+                out.push((unit, norm * norm * share));
             }
         }
         Ok(out)

@@ -1,9 +1,12 @@
-//! Execution across ranks, as engine schedules: data parallelism ([`DataParallel`]) and
-//! the ZeRO family ([`zero::Zero`]: zero1, zero2, fsdp).
+//! Execution across ranks, as engine schedules: data parallelism ([`DataParallel`]), the
+//! ZeRO family ([`zero::Zero`]: zero1, zero2, fsdp) and, beside either, tensor parallelism
+//! ([`tensor::TensorGroup`]): data and ZeRO groups then join the ranks of one tensor
+//! coordinate.
 //!
 //! Owns: turning a validated [`Strategy`] and a communicator into an engine with the right
 //! schedule and process groups. Must not touch model definitions or optimizer policy.
 mod ddp;
+pub mod tensor;
 pub mod zero;
 
 pub use ddp::{DataParallel, DataParallelOptions, DEFAULT_BUCKET_BYTES};
@@ -86,22 +89,54 @@ fn fp8_supported(device: tch::Device) -> bool {
     }
 }
 
+/// Which of the data-parallel replicas this rank's batches belong to, and how many there
+/// are: ranks of one tensor group read the same batches. (index, count) at `rank` of `world`.
+pub fn batch_shard(strategy: &Strategy, rank: usize, world: usize) -> Result<(usize, usize)> {
+    let mode = strategy.parallel_mode();
+    if mode.size("tensor", world)? == 1 {
+        return Ok((rank, world));
+    }
+    let groups = &mode.groups(world)?["tensor"];
+    let index = groups.iter().position(|g| g.contains(&rank)).ok_or_else(|| {
+        Error::Config(format!("parallel_mode: rank {rank} is in no tensor group of a world of {world}"))
+    })?;
+    Ok((index, groups.len()))
+}
+
+/// For each tensor coordinate, the ranks that hold it: the replicas data parallelism and
+/// ZeRO work across (every rank without tensor parallelism).
+fn replica_lists(tensor_groups: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    let size = tensor_groups.first().map_or(0, Vec::len);
+    (0..size).map(|c| tensor_groups.iter().map(|g| g[c]).collect()).collect()
+}
+
 fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &Placement) -> Result<Engine> {
     let world = at.world_size();
     let mode = strategy.parallel_mode();
-    for dim in ["tensor", "pipeline"] {
-        if mode.size(dim, world)? > 1 {
-            return Err(Error::Config(format!("parallel_mode: {dim} parallelism is not available yet")));
-        }
+    if mode.size("pipeline", world)? > 1 {
+        return Err(Error::Config("parallel_mode: pipeline parallelism is not available yet".into()));
     }
+    let tensor = mode.size("tensor", world)?;
+    let replicas = world / tensor;
+    // Every rank creates every group in one order: tensor groups, then the replicas'.
+    let (tensor_group, replica_group) = match at.comm.filter(|_| tensor > 1) {
+        None => (None, at.comm.filter(|_| world > 1).map(|c| c.world().map(Arc::<dyn ProcessGroup>::from)).transpose()?),
+        Some(comm) => {
+            let lists = &mode.groups(world)?["tensor"];
+            let sequence_parallel = strategy.tensor_parallel().is_some_and(|c| c.sequence_parallel);
+            let group = my_group(comm, lists)?.map(|g| Arc::new(tensor::TensorGroup::new(g, sequence_parallel)));
+            (group, my_group(comm, &replica_lists(lists))?)
+        }
+    };
+    let config = EngineConfig { tensor: tensor_group.map(|g| g as Arc<dyn crate::model::TensorParallel>), ..config };
     let zero_size = mode.size("zero", world)?;
     let Some((name, shard)) = strategy.sharding() else {
         if zero_size > 1 {
             return Err(Error::Config("parallel_mode: a zero dimension needs zero1, zero2 or fsdp".into()));
         }
         let mut engine = Engine::new(spec, config)?;
-        if let Some(comm) = at.comm.filter(|_| world > 1) {
-            DataParallel::install(&mut engine, Arc::from(comm.world()?), at.data_parallel)?;
+        if let Some(group) = replica_group {
+            DataParallel::install(&mut engine, group, at.data_parallel)?;
         }
         return Ok(engine);
     };
@@ -132,21 +167,30 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
             zero_size
         }
         Some(ShardingStrategy::NoShard) => 1,
-        Some(ShardingStrategy::HybridShard) => shard.hybrid_shard_size.unwrap_or(at.local_world_size),
-        _ => world,
+        Some(ShardingStrategy::HybridShard) => {
+            shard.hybrid_shard_size.unwrap_or((at.local_world_size / tensor).max(1))
+        }
+        _ => replicas,
     };
-    if shard_size == 0 || !world.is_multiple_of(shard_size) {
+    if shard_size == 0 || !replicas.is_multiple_of(shard_size) {
         return Err(Error::Config(format!(
-            "{name}: a shard group of {shard_size} ranks does not divide the world size {world}"
+            "{name}: a shard group of {shard_size} ranks does not divide the {replicas} replicas of {world} ranks"
         )));
     }
-    let layout = ParallelMode(vec![("zero".into(), shard_size), ("data".into(), 0)], mode.1.clone()).groups(world)?;
+    // The user's layout with the shard group as its zero dimension and data taking the rest.
+    let mut dims: Vec<(String, usize)> = mode.0.iter().filter(|(n, _)| n != "zero").cloned().collect();
+    let data = dims.iter().position(|(n, _)| n == "data").unwrap_or(dims.len());
+    dims.insert(data, ("zero".into(), shard_size));
+    for (_, size) in dims.iter_mut().filter(|(n, _)| n == "data") {
+        *size = 0;
+    }
+    let layout = ParallelMode(dims, mode.1.clone()).groups(world)?;
     let groups = match at.comm.filter(|_| world > 1) {
         None => ShardGroups { shard: None, replicate: None, world: None },
         Some(comm) => ShardGroups {
             shard: my_group(comm, &layout["zero"])?,
             replicate: my_group(comm, &layout["data"])?,
-            world: Some(Arc::from(comm.world()?)),
+            world: replica_group,
         },
     };
     Zero::build(spec, config, groups, options)

@@ -52,7 +52,8 @@ pub struct ZeroOptions {
 
 /// The process groups of a sharded run. `shard` is `None` when every rank holds whole
 /// states (a shard group of one, e.g. NO_SHARD); `replicate` is `None` unless shard groups
-/// are replicated (HYBRID_SHARD, NO_SHARD); `world` spans every rank.
+/// are replicated (HYBRID_SHARD, NO_SHARD); `world` spans every rank that holds this
+/// rank's tensor-parallel piece (every rank without tensor parallelism).
 #[derive(Clone)]
 pub struct ShardGroups {
     pub shard: Option<Arc<dyn ProcessGroup>>,

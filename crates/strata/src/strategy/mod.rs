@@ -23,8 +23,18 @@ use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 9] =
-    ["parallel_mode", "amp_native", "half", "fp8", "checkpoint", "module_replace", "zero1", "zero2", "fsdp"];
+pub const METHODS: [&str; 10] = [
+    "parallel_mode",
+    "amp_native",
+    "half",
+    "fp8",
+    "checkpoint",
+    "module_replace",
+    "zero1",
+    "zero2",
+    "fsdp",
+    "tensor_parallel",
+];
 
 /// A validated strategy: its methods in the order given.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -48,6 +58,17 @@ pub enum Method {
     Zero1(ShardConfig),
     Zero2(ShardConfig),
     Fsdp(ShardConfig),
+    /// Units split Megatron-style over parallel_mode's tensor groups.
+    TensorParallel(TensorParallelConfig),
+}
+
+/// `tensor_parallel`'s configuration; the tensor size is parallel_mode's `("tensor", k)`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TensorParallelConfig {
+    /// Split the activations between split regions (norms, residuals, dropout) along the
+    /// sequence as well (Megatron's sequence parallel).
+    pub sequence_parallel: bool,
 }
 
 /// `amp_native`'s configuration: the compute dtype, the loss scaler (fp16 defaults to a
@@ -151,6 +172,7 @@ impl Method {
             Method::Zero1(_) => "zero1",
             Method::Zero2(_) => "zero2",
             Method::Fsdp(_) => "fsdp",
+            Method::TensorParallel(_) => "tensor_parallel",
         }
     }
 
@@ -222,6 +244,7 @@ impl Method {
             "zero1" => Method::Zero1(shard()?),
             "zero2" => Method::Zero2(shard()?),
             "fsdp" => Method::Fsdp(shard()?),
+            "tensor_parallel" => Method::TensorParallel(parse_config(name, config)?),
             other => return Err(Error::Config(format!("unknown method {other:?}; allowed: {}", METHODS.join(", ")))),
         })
     }
@@ -243,6 +266,7 @@ impl Method {
             Method::Checkpoint(c) => serde_json::to_value(c),
             Method::ModuleReplace(c) => serde_json::to_value(c),
             Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => serde_json::to_value(c),
+            Method::TensorParallel(c) => serde_json::to_value(c),
         };
         Value::Array(vec![Value::String(self.name().into()), config.unwrap_or(Value::Null)])
     }
@@ -346,6 +370,12 @@ impl Strategy {
             )));
         }
         let strategy = Strategy { methods };
+        if strategy.tensor_parallel().is_some() && !strategy.parallel_mode().0.iter().any(|(n, _)| n == "tensor") {
+            return Err(Error::Config(
+                "tensor_parallel: give the tensor size in parallel_mode, e.g. [\"parallel_mode\", [[[\"tensor\", 2]], null]]"
+                    .into(),
+            ));
+        }
         if strategy.half().is_some() {
             if strategy.amp().is_some() {
                 return Err(Error::Config(
@@ -399,6 +429,11 @@ impl Strategy {
             .iter()
             .find_map(|m| if let Method::ParallelMode(p) = m { Some(p.clone()) } else { None })
             .unwrap_or_default()
+    }
+
+    /// `tensor_parallel`'s configuration, if the strategy has it.
+    pub fn tensor_parallel(&self) -> Option<&TensorParallelConfig> {
+        self.methods.iter().find_map(|m| if let Method::TensorParallel(c) = m { Some(c) } else { None })
     }
 
     /// The sharding method, if any: (name, config).

@@ -1,0 +1,289 @@
+//! Tensor parallelism as the model sees it: how each parameter splits across the ranks of
+//! a tensor group ([`TpRole`]), and the collectives a unit calls at the edges of a split
+//! region ([`TensorParallel`]).
+//!
+//! A parameter's spec keeps its whole (global) shape; a rank holds the piece its role and
+//! tensor rank give it, so whole weights can always be gathered and split again at another
+//! size. Units never talk to a process group: the engine hands them a [`TensorParallel`]
+//! through [`super::Params::tp`], implemented over `comm` by the `parallel` layer, or the
+//! one-rank [`NoTensorParallel`] that does nothing.
+use crate::{Error, Result};
+use tch::Tensor;
+
+/// How tensor parallelism splits a parameter across the ranks of a tensor group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpRole {
+    /// Every rank holds the whole tensor, applied to activations every rank holds whole
+    /// (position embeddings read before sequence parallel splits the sequence).
+    Replicated,
+    /// Every rank holds the whole tensor, but applies it to the residual stream, which
+    /// sequence parallel splits along the sequence (norm weights, biases added after a
+    /// row-parallel reduction): each rank's gradient is then a partial sum, all-reduced
+    /// over the tensor group. Without sequence parallel it is [`TpRole::Replicated`].
+    SequenceReplicated,
+    /// Split along the output dimension (rows of a `[out, in]` weight, and its bias). The
+    /// output holds `parts` equal blocks fused into one tensor (GPT's `c_attn` holds q, k
+    /// and v: `parts: 3`); each rank holds its piece of every block.
+    Column { parts: i64 },
+    /// Split along the input dimension (columns of a `[out, in]` weight).
+    Row,
+    /// Split along the vocabulary (rows of an embedding or output head, and its bias). The
+    /// vocabulary is padded with zero rows to a multiple of the tensor size; padding rows
+    /// are never looked up and their logits never win the softmax.
+    Vocab,
+}
+
+impl TpRole {
+    /// A column split of an unfused output.
+    pub const COLUMN: TpRole = TpRole::Column { parts: 1 };
+
+    /// Whether ranks hold different pieces (rather than the whole tensor).
+    pub fn is_split(self) -> bool {
+        matches!(self, TpRole::Column { .. } | TpRole::Row | TpRole::Vocab)
+    }
+
+    /// Checks that a parameter of `shape` called `name` splits `tp` ways.
+    pub fn check(self, name: &str, shape: &[i64], tp: i64) -> Result<()> {
+        let refuse = |why: String| Err(Error::Config(format!("tensor size {tp}: {name} {shape:?} {why}")));
+        match self {
+            TpRole::Column { parts } => {
+                let out = shape.first().copied().unwrap_or(0);
+                if parts < 1 || out % (parts * tp) != 0 {
+                    return refuse(format!("has {out} outputs in {parts} fused parts, not divisible by {tp} per part"));
+                }
+            }
+            TpRole::Row => {
+                if shape.len() != 2 || shape[1] % tp != 0 {
+                    return refuse(format!("is not a [out, in] weight whose {tp} column pieces are equal"));
+                }
+            }
+            TpRole::Vocab | TpRole::Replicated | TpRole::SequenceReplicated => {}
+        }
+        Ok(())
+    }
+
+    /// The shape of one rank's piece of a parameter of whole shape `shape`.
+    pub fn local_shape(self, shape: &[i64], tp: i64) -> Vec<i64> {
+        let mut local = shape.to_vec();
+        match self {
+            TpRole::Column { .. } => local[0] /= tp,
+            TpRole::Row => local[1] /= tp,
+            TpRole::Vocab => local[0] = vocab_rows(shape[0], tp),
+            TpRole::Replicated | TpRole::SequenceReplicated => {}
+        }
+        local
+    }
+
+    /// Rank `rank`'s piece of the whole tensor `full` (a new tensor; padding rows are zeros).
+    pub fn shard(self, full: &Tensor, tp: i64, rank: i64) -> Result<Tensor> {
+        let shape = full.size();
+        Ok(match self {
+            _ if tp == 1 || !self.is_split() => full.shallow_clone(),
+            TpRole::Column { parts } => {
+                let block = shape[0] / parts;
+                let mut blocked = vec![parts, block];
+                blocked.extend_from_slice(&shape[1..]);
+                let piece = block / tp;
+                full.f_reshape(blocked.as_slice())?
+                    .f_narrow(1, rank * piece, piece)?
+                    .f_reshape(self.local_shape(&shape, tp).as_slice())?
+            }
+            TpRole::Row => {
+                let piece = shape[1] / tp;
+                full.f_narrow(1, rank * piece, piece)?.f_contiguous()?
+            }
+            TpRole::Vocab => {
+                let rows = vocab_rows(shape[0], tp);
+                let (start, end) = ((rank * rows).min(shape[0]), ((rank + 1) * rows).min(shape[0]));
+                let local = Tensor::f_zeros(self.local_shape(&shape, tp).as_slice(), (full.kind(), full.device()))?;
+                if end > start {
+                    local.f_narrow(0, 0, end - start)?.f_copy_(&full.f_narrow(0, start, end - start)?)?;
+                }
+                local
+            }
+            TpRole::Replicated | TpRole::SequenceReplicated => unreachable!("not split"),
+        })
+    }
+
+    /// The whole tensor of shape `shape` from every rank's piece, in rank order.
+    pub fn unshard(self, pieces: &[Tensor], shape: &[i64]) -> Result<Tensor> {
+        let tp = pieces.len() as i64;
+        let first = pieces.first().ok_or_else(|| Error::Model("no pieces to assemble".into()))?;
+        Ok(match self {
+            _ if tp == 1 || !self.is_split() => first.shallow_clone(),
+            TpRole::Column { parts } => {
+                let blocked: Vec<Tensor> = pieces
+                    .iter()
+                    .map(|p| {
+                        let mut s = vec![parts, shape[0] / parts / tp];
+                        s.extend_from_slice(&shape[1..]);
+                        p.f_reshape(s.as_slice())
+                    })
+                    .collect::<std::result::Result<_, _>>()?;
+                Tensor::f_cat(&blocked, 1)?.f_reshape(shape)?
+            }
+            TpRole::Row => Tensor::f_cat(pieces, 1)?,
+            TpRole::Vocab => Tensor::f_cat(pieces, 0)?.f_narrow(0, 0, shape[0])?,
+            TpRole::Replicated | TpRole::SequenceReplicated => unreachable!("not split"),
+        })
+    }
+}
+
+/// Rows of the vocabulary each of `tp` ranks holds: the vocabulary rounded up to a multiple
+/// of `tp`, divided by `tp`.
+pub fn vocab_rows(vocab: i64, tp: i64) -> i64 {
+    (vocab + tp - 1) / tp
+}
+
+/// The collectives a unit calls where a tensor-parallel region begins and ends. Forward and
+/// backward are each other's transposes, so every one is an autograd function.
+pub trait TensorParallel: Send + Sync {
+    /// Ranks in the tensor group.
+    fn size(&self) -> i64;
+    /// This rank's position in it.
+    fn rank(&self) -> i64;
+    /// Whether activations outside split regions are split along the sequence (dimension 1
+    /// of `[B, T, D]`).
+    fn sequence_parallel(&self) -> bool;
+    /// Identity forward; the gradient is all-reduced over the group in backward.
+    fn copy_in(&self, x: &Tensor) -> Result<Tensor>;
+    /// The sum of every rank's `x` forward; the gradient passes through in backward.
+    fn reduce_out(&self, x: &Tensor) -> Result<Tensor>;
+    /// Every rank's sequence piece concatenated forward; the gradient reduce-scattered back.
+    fn gather_sequence(&self, x: &Tensor) -> Result<Tensor>;
+    /// The sum of every rank's `x`, of which this rank keeps its sequence piece; the
+    /// gradient all-gathered in backward.
+    fn scatter_sequence(&self, x: &Tensor) -> Result<Tensor>;
+    /// Mean cross-entropy of vocabulary-split logits `[..., V/tp]` against `[...]` targets,
+    /// reducing the maximum, the target logit and the sum of exponentials over the group
+    /// (whole logits never exist on one rank).
+    fn cross_entropy(&self, local_logits: &Tensor, targets: &Tensor) -> Result<Tensor>;
+    /// Every rank's `x` (same shape everywhere), in rank order, outside autograd.
+    fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>>;
+    /// The sums over the group of `values`.
+    fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>>;
+
+    /// Into a split region (before column-parallel layers): the whole activation.
+    fn enter(&self, x: &Tensor) -> Result<Tensor> {
+        if self.sequence_parallel() {
+            self.gather_sequence(x)
+        } else {
+            self.copy_in(x)
+        }
+    }
+
+    /// Out of a split region (after a row-parallel layer or a vocabulary look-up): partial
+    /// results summed, split along the sequence under sequence parallel.
+    fn leave(&self, x: &Tensor) -> Result<Tensor> {
+        if self.sequence_parallel() {
+            self.scatter_sequence(x)
+        } else {
+            self.reduce_out(x)
+        }
+    }
+
+    /// Start and length of this rank's positions of a `t`-long sequence outside split regions.
+    fn sequence_range(&self, t: i64) -> (i64, i64) {
+        if self.sequence_parallel() {
+            let piece = t / self.size();
+            (self.rank() * piece, piece)
+        } else {
+            (0, t)
+        }
+    }
+}
+
+impl std::fmt::Debug for dyn TensorParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TensorParallel(rank {} of {}, sequence parallel {})", self.rank(), self.size(), self.sequence_parallel())
+    }
+}
+
+/// One rank: every collective is the identity.
+pub struct NoTensorParallel;
+
+impl TensorParallel for NoTensorParallel {
+    fn size(&self) -> i64 {
+        1
+    }
+    fn rank(&self) -> i64 {
+        0
+    }
+    fn sequence_parallel(&self) -> bool {
+        false
+    }
+    fn copy_in(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+    fn reduce_out(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+    fn gather_sequence(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+    fn scatter_sequence(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+    fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        super::layers::cross_entropy(logits, targets)
+    }
+    fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        Ok(vec![x.shallow_clone()])
+    }
+    fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>> {
+        Ok(values.to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Kind;
+
+    fn whole(shape: &[i64]) -> Tensor {
+        Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, tch::Device::Cpu)).reshape(shape)
+    }
+
+    #[test]
+    fn pieces_reassemble_into_the_whole_for_every_role() {
+        let cases = [
+            (TpRole::Column { parts: 3 }, vec![12, 4]),
+            (TpRole::COLUMN, vec![8]),
+            (TpRole::Row, vec![3, 8]),
+            (TpRole::Vocab, vec![7, 2]),
+            (TpRole::Vocab, vec![5]),
+        ];
+        for (role, shape) in cases {
+            for tp in [1, 2, 4] {
+                if role.check("p", &shape, tp).is_err() {
+                    continue;
+                }
+                let full = whole(&shape);
+                let pieces: Vec<Tensor> = (0..tp).map(|r| role.shard(&full, tp, r).unwrap()).collect();
+                for p in &pieces {
+                    assert_eq!(p.size(), role.local_shape(&shape, tp), "{role:?} {shape:?} tp {tp}");
+                }
+                assert!(role.unshard(&pieces, &shape).unwrap().equal(&full), "{role:?} {shape:?} tp {tp}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_fused_column_gives_each_rank_its_piece_of_every_part() {
+        // q = rows 0..4, k = 4..8, v = 8..12: rank 1 of 2 holds rows 2,3 of each.
+        let piece = TpRole::Column { parts: 3 }.shard(&whole(&[12]), 2, 1).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&piece).unwrap(), [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
+        let plain = TpRole::COLUMN.shard(&whole(&[12]), 2, 1).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&plain).unwrap(), [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]);
+    }
+
+    #[test]
+    fn the_vocabulary_pads_with_zero_rows_on_the_last_ranks() {
+        let last = TpRole::Vocab.shard(&whole(&[5]).f_add_scalar(1.0).unwrap(), 4, 2).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&last).unwrap(), [5.0, 0.0]);
+        let beyond = TpRole::Vocab.shard(&whole(&[5]).f_add_scalar(1.0).unwrap(), 4, 3).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&beyond).unwrap(), [0.0, 0.0]);
+        assert!(TpRole::Column { parts: 3 }.check("c_attn", &[18, 6], 4).is_err());
+        assert!(TpRole::Row.check("proj", &[6, 6], 4).is_err());
+    }
+}
