@@ -492,6 +492,14 @@ impl Engine {
                 .iter()
                 .map(|t| t.f_narrow(0, self.offsets[id.0], numel)?.f_view(shape.as_slice()))
                 .collect::<std::result::Result<Vec<_>, _>>()?;
+            // Every tensor rank updates its copy of a whole parameter alike; a copy that
+            // drifted would make the ranks compute different models.
+            if !p.tp.is_split() && of_param.iter().skip(1).any(|t| !t.equal(&of_param[0])) {
+                return Err(Error::Engine(format!(
+                    "{} differs between the tensor ranks that each hold it whole",
+                    p.name
+                )));
+            }
             whole.push(p.tp.unshard(&of_param, &p.shape)?.f_reshape([-1])?);
         }
         Ok(Tensor::f_cat(&whole, 0)?)

@@ -217,7 +217,10 @@ impl ModelSpec {
             p.tp.check(&p.name, &p.shape, tp)?;
         }
         for u in &self.units {
-            u.body.check_tensor_parallel(tp).map_err(|e| Error::Config(format!("unit {}: {e}", u.name)))?;
+            u.body.check_tensor_parallel(tp).map_err(|e| match e {
+                Error::Config(why) => Error::Config(format!("unit {}: {why}", u.name)),
+                other => other,
+            })?;
         }
         Ok(())
     }

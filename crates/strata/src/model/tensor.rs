@@ -195,7 +195,13 @@ pub trait TensorParallel: Send + Sync {
 
 impl std::fmt::Debug for dyn TensorParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TensorParallel(rank {} of {}, sequence parallel {})", self.rank(), self.size(), self.sequence_parallel())
+        write!(
+            f,
+            "TensorParallel(rank {} of {}, sequence parallel {})",
+            self.rank(),
+            self.size(),
+            self.sequence_parallel()
+        )
     }
 }
 

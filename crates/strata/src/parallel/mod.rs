@@ -120,7 +120,9 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     let replicas = world / tensor;
     // Every rank creates every group in one order: tensor groups, then the replicas'.
     let (tensor_group, replica_group) = match at.comm.filter(|_| tensor > 1) {
-        None => (None, at.comm.filter(|_| world > 1).map(|c| c.world().map(Arc::<dyn ProcessGroup>::from)).transpose()?),
+        None => {
+            (None, at.comm.filter(|_| world > 1).map(|c| c.world().map(Arc::<dyn ProcessGroup>::from)).transpose()?)
+        }
         Some(comm) => {
             let lists = &mode.groups(world)?["tensor"];
             let sequence_parallel = strategy.tensor_parallel().is_some_and(|c| c.sequence_parallel);
@@ -167,9 +169,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
             zero_size
         }
         Some(ShardingStrategy::NoShard) => 1,
-        Some(ShardingStrategy::HybridShard) => {
-            shard.hybrid_shard_size.unwrap_or((at.local_world_size / tensor).max(1))
-        }
+        Some(ShardingStrategy::HybridShard) => shard.hybrid_shard_size.unwrap_or((at.local_world_size / tensor).max(1)),
         _ => replicas,
     };
     if shard_size == 0 || !replicas.is_multiple_of(shard_size) {

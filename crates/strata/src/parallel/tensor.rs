@@ -44,7 +44,8 @@ impl Collectives {
 
     fn all_gather(&self, x: &Tensor) -> std::result::Result<Vec<Tensor>, String> {
         let x = x.f_contiguous().map_err(text)?;
-        let outputs: Vec<Tensor> = (0..self.size()).map(|_| x.f_empty_like()).collect::<std::result::Result<_, _>>().map_err(text)?;
+        let outputs: Vec<Tensor> =
+            (0..self.size()).map(|_| x.f_empty_like()).collect::<std::result::Result<_, _>>().map_err(text)?;
         self.0
             .all_gather(&outputs, &x)
             .and_then(|w| w.wait())

@@ -1,0 +1,125 @@
+//! Tensor parallelism end to end: GPT (tied embedding, fused q/k/v, padded vocabulary) and LLaMA (untied head,
+//! fewer key/value heads than query heads) at tensor sizes 2 and 4, with and without
+//! sequence parallel and beside zero2 and fsdp, reach what one process reaches on the same
+//! global batches; whole weights split into any tensor size and gather back; bad layouts
+//! are refused in one line.
+mod common;
+
+use common::{global_gap, losses, stderr, strata, weights};
+use std::path::{Path, PathBuf};
+
+const RUN: [&str; 16] = [
+    "--layers",
+    "2",
+    "--dim",
+    "32",
+    "--ctx",
+    "32",
+    "--seed",
+    "3",
+    "--batch-size",
+    "8",
+    "--schedule",
+    "constant",
+    "--threads",
+    "1",
+    "--lr",
+    "0.003",
+];
+/// A vocabulary of 97 (prime): every tensor size pads it.
+const GPT: [&str; 6] = ["--model", "gpt", "--heads", "4", "--vocab", "97"];
+const LLAMA: [&str; 6] = ["--model", "llama", "--heads", "8", "--kv-heads", "4"];
+
+fn tensor(size: usize, sequence_parallel: bool, sharding: &str) -> String {
+    let sharding = if sharding.is_empty() { String::new() } else { format!(", \"{sharding}\"") };
+    format!(
+        r#"[["parallel_mode", [[["tensor", {size}]], null]], ["tensor_parallel", {{"sequence_parallel": {sequence_parallel}}}]{sharding}]"#
+    )
+}
+
+/// Trains 10 AdamW steps (fp32) and returns the saved weights and the metrics.
+fn train(dir: &Path, name: &str, model: &[&str], extra: &[&str]) -> (PathBuf, PathBuf) {
+    let (w, m) = (dir.join(format!("{name}.st")), dir.join(format!("{name}.jsonl")));
+    let files = ["--steps", "10", "--save-weights", w.to_str().unwrap(), "--metrics", m.to_str().unwrap()];
+    let o = strata(&[&["train"][..], model, &RUN, &files, extra].concat());
+    assert!(o.status.success(), "{name} {extra:?}:\n{}", stderr(&o));
+    (w, m)
+}
+
+fn assert_same_run(one: &(PathBuf, PathBuf), other: &(PathBuf, PathBuf), what: &str) {
+    for ((step, a), (_, b)) in losses(&one.1).iter().zip(&losses(&other.1)) {
+        assert!(((a - b) / a).abs() < 1e-5, "{what}: step {step} loss {b} against one process's {a}");
+    }
+    let gap = global_gap(&one.0, &other.0);
+    eprintln!("{what}: weights differ by {gap:.2e}");
+    assert!(gap < 1e-5, "{what}: final weights differ by {gap:e}");
+}
+
+#[test]
+fn tensor_parallel_runs_match_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, model) in [("gpt", &GPT[..]), ("llama", &LLAMA[..])] {
+        let one = train(dir.path(), name, model, &[]);
+        for size in [2, 4] {
+            for sequence_parallel in [false, true] {
+                let strategy = tensor(size, sequence_parallel, "");
+                let n = size.to_string();
+                let run = train(dir.path(), "tp", model, &["--nproc", &n, "--strategy", &strategy]);
+                assert_same_run(&one, &run, &format!("{name} tp={size} sequence parallel {sequence_parallel}"));
+            }
+        }
+        for sharding in ["zero2", "fsdp"] {
+            let strategy = tensor(2, true, sharding);
+            let run = train(dir.path(), "tp", model, &["--nproc", "4", "--strategy", &strategy, "--accumulation", "2"]);
+            assert_same_run(&one, &run, &format!("{name} tp=2 × {sharding} on 4 ranks"));
+        }
+    }
+}
+
+/// Whole weights go in split and come out gathered, unchanged, at any tensor size.
+#[test]
+fn whole_weights_split_and_gather_at_any_tensor_size() {
+    let dir = tempfile::tempdir().unwrap();
+    // Trained weights, so no tensor is a constant its initialisation could restore.
+    let (trained, _) = train(dir.path(), "trained", &GPT, &[]);
+    let mut from = trained;
+    for size in [2, 4, 1] {
+        let out = dir.path().join(format!("tp{size}.st"));
+        let strategy = tensor(size, false, "");
+        let args = ["--init-weights", from.to_str().unwrap(), "--steps", "0", "--save-weights", out.to_str().unwrap()];
+        let n = size.to_string();
+        let o = strata(&[&["train"][..], &GPT, &RUN, &["--nproc", &n, "--strategy", &strategy], &args].concat());
+        assert!(o.status.success(), "tp={size}:\n{}", stderr(&o));
+        let (before, after) = (weights(&from), weights(&out));
+        assert_eq!(before.len(), after.len());
+        for (name, t) in &before {
+            assert!(t.equal(&after[name]), "{name} changed through tensor size {size}");
+        }
+        from = out;
+    }
+}
+
+#[test]
+fn bad_tensor_layouts_are_refused_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoints = dir.path().join("ckpt");
+    let save_checkpoint = [&GPT[..], &["--save-checkpoint", checkpoints.to_str().unwrap()]].concat();
+    let cases: [(&[&str], usize, &str, &str); 4] = [
+        (&["--model", "gpt", "--heads", "2"], 4, "4", "tensor size 4 does not divide the 2 heads"),
+        (&["--model", "llama", "--heads", "4", "--kv-heads", "2"], 4, "4", "does not divide the 2 key/value heads"),
+        (&GPT, 2, "3", "tensor 2 = 2 ranks do not divide the world size 3"),
+        (&save_checkpoint, 2, "2", "checkpoints of tensor-parallel runs are not supported yet"),
+    ];
+    for (model, size, nproc, expected) in cases {
+        let strategy = tensor(size, false, "");
+        let o = strata(
+            &[&["train"][..], model, &RUN, &["--steps", "1", "--nproc", nproc, "--strategy", &strategy]].concat(),
+        );
+        let text = stderr(&o);
+        assert!(!o.status.success(), "{expected}: the run must fail");
+        let line = text.lines().find(|l| l.contains(expected)).unwrap_or_else(|| panic!("{expected}:\n{text}"));
+        assert!(line.contains("error"), "one error line says it: {line}");
+    }
+    let o = strata(&[&["train"][..], &GPT, &RUN, &["--steps", "1", "--strategy", r#"["tensor_parallel"]"#]].concat());
+    assert!(stderr(&o).contains("tensor_parallel: give the tensor size in parallel_mode"), "{}", stderr(&o));
+}

@@ -1,0 +1,2 @@
+//! Helpers shared by the integration tests.
+pub mod ranks;

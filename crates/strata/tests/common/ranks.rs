@@ -1,0 +1,70 @@
+//! Multi-process tests: a driver test hosts a store and starts several copies of its own
+//! test binary, each running the binary's `rank_entry` test as one rank of a scenario.
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+use strata::comm::{Comm, Store, StoreServer};
+
+/// Starts `n` ranks of `scenario` on `backend` and returns their outputs, in rank order.
+pub fn run_ranks(n: usize, backend: &str, scenario: &str) -> Vec<Output> {
+    let token = "test-token";
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
+    let children: Vec<Child> = (0..n)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "rank_entry", "--nocapture", "--test-threads", "1"])
+                .env("STRATA_TEST_SCENARIO", scenario)
+                .env("STRATA_TEST_BACKEND", backend)
+                .env("STRATA_TEST_STORE", server.addr().to_string())
+                .env("STRATA_TEST_TOKEN", token)
+                .env("STRATA_STORE_TOKEN", token)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut children: Vec<Option<Child>> = children.into_iter().map(Some).collect();
+    // Bounded wait: a hung rank is killed and shows up as a failure, never a hung test.
+    // Every child is polled each round, so finished ones are reaped as they finish.
+    let running = |cs: &mut [Option<Child>]| {
+        cs.iter_mut().flatten().map(|c| c.try_wait().ok().flatten().is_none()).filter(|&r| r).count()
+    };
+    while running(&mut children) > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    children
+        .iter_mut()
+        .map(|c| {
+            let mut c = c.take().unwrap();
+            let _ = c.kill();
+            c.wait_with_output().unwrap()
+        })
+        .collect()
+}
+
+pub fn assert_all_ok(outputs: &[Output]) {
+    for (rank, o) in outputs.iter().enumerate() {
+        assert!(
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains("RANK-OK"),
+            "rank {rank} failed ({:?}):\n{}\n{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
+
+/// This rank's communicator, as the driver of [`run_ranks`] described it.
+pub fn connect() -> Comm {
+    let var = |k: &str| std::env::var(k).unwrap();
+    let store =
+        Store::connect(var("STRATA_TEST_STORE").parse().unwrap(), &var("STRATA_TEST_TOKEN"), Duration::from_secs(30))
+            .unwrap();
+    // RANK and WORLD_SIZE from the driver, or Open MPI's variables under mpirun.
+    let info = strata::comm::RankInfo::from_env().unwrap();
+    let (rank, size) = (info.rank, info.world_size);
+    Comm::new(store, None, rank, size, &format!("cpu:{}", var("STRATA_TEST_BACKEND")), Duration::from_secs(20)).unwrap()
+}
