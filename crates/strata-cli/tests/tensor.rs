@@ -1,8 +1,8 @@
 //! Tensor parallelism end to end: GPT (tied embedding, fused q/k/v, padded vocabulary) and LLaMA (untied head,
 //! fewer key/value heads than query heads) at tensor sizes 2 and 4, with and without
 //! sequence parallel and beside zero2 and fsdp, reach what one process reaches on the same
-//! global batches; whole weights split into any tensor size and gather back; bad layouts
-//! are refused in one line.
+//! global batches; whole weights and checkpoints split into any tensor size and gather
+//! back; bad layouts are refused in one line.
 mod common;
 
 use common::{global_gap, losses, stderr, strata, weights};
@@ -101,14 +101,10 @@ fn whole_weights_split_and_gather_at_any_tensor_size() {
 
 #[test]
 fn bad_tensor_layouts_are_refused_in_one_line() {
-    let dir = tempfile::tempdir().unwrap();
-    let checkpoints = dir.path().join("ckpt");
-    let save_checkpoint = [&GPT[..], &["--save-checkpoint", checkpoints.to_str().unwrap()]].concat();
-    let cases: [(&[&str], usize, &str, &str); 4] = [
+    let cases: [(&[&str], usize, &str, &str); 3] = [
         (&["--model", "gpt", "--heads", "2"], 4, "4", "tensor size 4 does not divide the 2 heads"),
         (&["--model", "llama", "--heads", "4", "--kv-heads", "2"], 4, "4", "does not divide the 2 key/value heads"),
         (&GPT, 2, "3", "tensor 2 = 2 ranks do not divide the world size 3"),
-        (&save_checkpoint, 2, "2", "checkpoints of tensor-parallel runs are not supported yet"),
     ];
     for (model, size, nproc, expected) in cases {
         let strategy = tensor(size, false, "");
@@ -122,4 +118,46 @@ fn bad_tensor_layouts_are_refused_in_one_line() {
     }
     let o = strata(&[&["train"][..], &GPT, &RUN, &["--steps", "1", "--strategy", r#"["tensor_parallel"]"#]].concat());
     assert!(stderr(&o).contains("tensor_parallel: give the tensor size in parallel_mode"), "{}", stderr(&o));
+}
+
+/// Saved at tensor size 2, resumed at 1, saved, resumed at 4 and at 2 × data 2: every
+/// resumed step's loss is the uninterrupted run's; merged, the checkpoint is the weights.
+#[test]
+fn checkpoints_move_between_tensor_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let run = |size: usize, nproc: &str, steps: &str, extra: &[&str]| {
+        let strategy = tensor(size, size > 1, "");
+        let args = ["--nproc", nproc, "--strategy", &strategy, "--steps", steps];
+        let o = strata(&[&["train"][..], &LLAMA, &RUN, &args, extra].concat());
+        assert!(o.status.success(), "tensor size {size} {extra:?}:\n{}", stderr(&o));
+    };
+    let (whole, whole_weights) = (p("whole.jsonl"), p("whole.st"));
+    run(2, "2", "6", &["--metrics", &whole, "--save-weights", &whole_weights]);
+    let full = losses(Path::new(&whole));
+    let (first, second) = (p("first"), p("second"));
+    run(2, "2", "2", &["--save-checkpoint", &first]);
+    let resumed = p("resumed1.jsonl");
+    run(1, "1", "4", &["--resume", &first, "--save-checkpoint", &second, "--metrics", &resumed]);
+    let steps = losses(Path::new(&resumed));
+    for (i, (size, nproc)) in [(4, "4"), (2, "4")].into_iter().enumerate() {
+        let metrics = p(&format!("resumed{i}.jsonl"));
+        let weights = p(&format!("resumed{i}.st"));
+        run(size, nproc, "6", &["--resume", &second, "--metrics", &metrics, "--save-weights", &weights]);
+        let later = [steps.clone(), losses(Path::new(&metrics))].concat();
+        assert_eq!(later.iter().map(|r| r.0).collect::<Vec<_>>(), [3, 4, 5, 6]);
+        for ((step, a), (_, b)) in full[2..].iter().zip(&later) {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "tensor size {size}: step {step}: {a} uninterrupted, {b} resumed");
+        }
+        assert!(global_gap(Path::new(&whole_weights), Path::new(&weights)) < 1e-5, "tensor size {size}");
+    }
+    // A checkpoint of split units merges into whole weights.
+    let (last, merged) = (p("last"), p("merged.st"));
+    run(4, "4", "2", &["--save-checkpoint", &last, "--save-weights", &p("last.st")]);
+    let o = strata(&["ckpt", "merge", &last, &merged]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (saved, merged) = (weights(Path::new(&p("last.st"))), weights(Path::new(&merged)));
+    for (name, t) in &saved {
+        assert!(t.equal(&merged[name]), "{name}: merged differs from the saved weights");
+    }
 }

@@ -11,6 +11,11 @@
 //! Loading assembles whatever ranges the loading rank needs from the files that hold them,
 //! one unit at a time, so any world size and strategy can load any checkpoint.
 //!
+//! Under tensor parallelism each tensor rank's units hold its pieces: its files store
+//! ranges of that rank's layout (`tensor_rank` in their metadata), and the description
+//! gives every parameter's split, so a loader joins the pieces into whole units and splits
+//! them again for its own tensor size.
+//!
 //! Owns: the format, its validation, and merging into one file. Must not decide when to
 //! save (the training loop does) or how states are sharded (the engine's schedule does).
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
@@ -18,6 +23,7 @@ use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
 use crate::engine::Engine;
 use crate::io::{self, tensor_bytes_le, write_safetensors_streamed};
+use crate::model::TpRole;
 use crate::optim::Optimizer;
 use crate::{fault, Error, Result};
 use memmap2::Mmap;
@@ -36,8 +42,22 @@ pub struct ParamEntry {
     pub name: String,
     pub shape: Vec<i64>,
     pub unit: usize,
-    /// Position in the unit's flat layout.
+    /// Position in the unit's whole (unsplit) flat layout.
     pub offset: i64,
+    /// How tensor parallelism splits it (absent in checkpoints that predate the split).
+    #[serde(default)]
+    pub tp: Option<TpRole>,
+}
+
+impl ParamEntry {
+    /// Elements of one tensor rank's piece at tensor size `tensor_size`.
+    fn local_numel(&self, tensor_size: i64) -> i64 {
+        self.tp.unwrap_or(TpRole::Replicated).local_shape(&self.shape, tensor_size).iter().product()
+    }
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Where the data loader stands and how it was configured (all must match to resume exactly).
@@ -57,8 +77,11 @@ pub struct Meta {
     pub world_size: usize,
     pub strategy: serde_json::Value,
     pub params: Vec<ParamEntry>,
-    /// Elements of each unit's flat layout (without padding).
+    /// Elements of each unit's whole flat layout (without padding).
     pub unit_numel: Vec<i64>,
+    /// Ranks each unit was split over (tensor parallelism); the rank files hold pieces.
+    #[serde(default = "one")]
+    pub tensor_size: usize,
     pub optimizer: String,
     pub state_names: Vec<String>,
     pub data: DataPosition,
@@ -97,9 +120,16 @@ fn param_entries(engine: &Engine) -> Vec<ParamEntry> {
             name: p.name.clone(),
             shape: p.shape.clone(),
             unit: p.unit,
-            offset: engine.offset(crate::model::ParamId(i)),
+            offset: engine.full_offset(crate::model::ParamId(i)),
+            tp: Some(p.tp),
         })
         .collect()
+}
+
+/// Elements of each unit's whole layout.
+fn whole_unit_numel(engine: &Engine) -> Vec<i64> {
+    let spec = engine.spec();
+    spec.units.iter().map(|u| u.params.iter().map(|id| spec.params[id.0].numel()).sum()).collect()
 }
 
 fn state_names(optimizer: &Optimizer) -> Vec<String> {
@@ -113,7 +143,8 @@ fn describe(engine: &Engine, optimizer: &Optimizer, run: &RunInfo) -> Meta {
         world_size: run.world_size,
         strategy: run.strategy.clone(),
         params: param_entries(engine),
-        unit_numel: engine.storage().iter().map(|s| s.numel).collect(),
+        unit_numel: whole_unit_numel(engine),
+        tensor_size: engine.tensor_parallel().map_or(1, |t| t.size() as usize),
         optimizer: run.optimizer.clone(),
         state_names: state_names(optimizer),
         data: run.data.clone(),
@@ -139,7 +170,6 @@ pub fn save(
     world: Option<&dyn ProcessGroup>,
     keep: usize,
 ) -> Result<PathBuf> {
-    untensored(engine)?;
     let rank = world.map_or(0, |g| g.rank());
     let staging = root.join(format!(".step-{:08}.partial", run.step));
     // Every phase ends with all ranks agreeing that it went well, so a failure on one rank
@@ -293,10 +323,11 @@ fn write_rank_file(path: &Path, engine: &mut Engine, optimizer: &Optimizer) -> R
             jobs.push((unit, Some(name)));
         }
     }
-    let metadata = BTreeMap::from([(
-        "ranges".to_string(),
-        serde_json::to_string(&ranges).map_err(|e| Error::Model(e.to_string()))?,
-    )]);
+    let tensor_rank = engine.tensor_parallel().map_or(0, |t| t.rank());
+    let metadata = BTreeMap::from([
+        ("ranges".to_string(), serde_json::to_string(&ranges).map_err(|e| Error::Model(e.to_string()))?),
+        ("tensor_rank".to_string(), tensor_rank.to_string()),
+    ]);
     write_safetensors_streamed(path, &layout, &metadata, |i| {
         let (unit, what) = jobs[i];
         let (start, len) = ranges[unit];
@@ -320,7 +351,8 @@ fn write_rank_file(path: &Path, engine: &mut Engine, optimizer: &Optimizer) -> R
     })
 }
 
-/// One stored range of a unit's flat layout: `tensor` in `file` covers `start..start+len`.
+/// One stored range of a unit's flat layout (of one tensor rank's pieces): `tensor` in
+/// `file` covers `start..start+len`.
 struct Piece {
     file: usize,
     tensor: String,
@@ -333,18 +365,10 @@ pub struct Checkpoint {
     pub meta: Meta,
     pub location: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
-    /// By (what, unit): "param" or a state name.
-    pieces: BTreeMap<(String, usize), Vec<Piece>>,
-}
-
-/// The format lays out whole units: a tensor rank's pieces have no place in it yet.
-fn untensored(engine: &Engine) -> Result<()> {
-    match engine.tensor_parallel() {
-        Some(_) => Err(Error::Config(
-            "checkpoints of tensor-parallel runs are not supported yet; --save-weights and --init-weights are".into(),
-        )),
-        None => Ok(()),
-    }
+    /// By (what, tensor rank, unit): "param" or a state name.
+    pieces: BTreeMap<(String, usize, usize), Vec<Piece>>,
+    /// Whole units joined from tensor ranks' pieces, for the unit read last.
+    joined: std::cell::RefCell<BTreeMap<(String, usize), Tensor>>,
 }
 
 fn fail(path: &Path, message: impl Into<String>) -> Error {
@@ -375,6 +399,19 @@ impl Meta {
         if let Some(k) = (0..ends.len()).find(|&k| ends[k] != self.unit_numel[k]) {
             return bad(format!("unit {k} holds {} elements, its parameters end at {}", self.unit_numel[k], ends[k]));
         }
+        if self.tensor_size > 1 {
+            let size = self.tensor_size as i64;
+            for p in &self.params {
+                match p.tp {
+                    None => return bad(format!("{} has no tensor-parallel split, the units have {size}", p.name)),
+                    Some(role) => {
+                        if let Err(e) = role.check(&p.name, &p.shape, size) {
+                            return bad(e.to_string());
+                        }
+                    }
+                }
+            }
+        }
         if !self.fp8.is_empty() && self.fp8.len() != self.unit_numel.len() {
             return bad(format!("{} fp8 states for {} units", self.fp8.len(), self.unit_numel.len()));
         }
@@ -388,6 +425,15 @@ impl Meta {
             return bad(format!("{:?} optimizer steps in {} training steps", self.optimizer_steps, self.step));
         }
         Ok(())
+    }
+
+    /// Elements of each unit's layout on one tensor rank.
+    fn local_unit_numel(&self) -> Vec<i64> {
+        let mut numel = vec![0; self.unit_numel.len()];
+        for p in &self.params {
+            numel[p.unit] += p.local_numel(self.tensor_size as i64);
+        }
+        numel
     }
 }
 
@@ -413,8 +459,9 @@ impl Checkpoint {
             return Err(fail(&meta_path, format!("format {:?}, expected {FORMAT:?}", meta.format)));
         }
         meta.validate(&meta_path)?;
+        let local_numel = meta.local_unit_numel();
         let mut files = Vec::new();
-        let mut pieces: BTreeMap<(String, usize), Vec<Piece>> = BTreeMap::new();
+        let mut pieces: BTreeMap<(String, usize, usize), Vec<Piece>> = BTreeMap::new();
         for name in &meta.files {
             let file_path = dir.join(name);
             if !file_path.is_file() {
@@ -431,8 +478,14 @@ impl Checkpoint {
                 .and_then(|m| m.get("ranges"))
                 .and_then(|r| serde_json::from_str(r).ok())
                 .ok_or_else(|| fail(&file_path, "no shard ranges in its metadata"))?;
+            let tensor_rank = match header.metadata().as_ref().and_then(|m| m.get("tensor_rank")) {
+                None => 0,
+                Some(r) => r.parse::<usize>().ok().filter(|&r| r < meta.tensor_size).ok_or_else(|| {
+                    fail(&file_path, format!("tensor rank {r:?} of a tensor size {}", meta.tensor_size))
+                })?,
+            };
             let outside = |(unit, &(start, len)): (usize, &(i64, i64))| {
-                start < 0 || len < 0 || meta.unit_numel.get(unit).is_none_or(|&n| start.saturating_add(len) > n)
+                start < 0 || len < 0 || local_numel.get(unit).is_none_or(|&n| start.saturating_add(len) > n)
             };
             if ranges.iter().enumerate().any(outside) {
                 return Err(fail(&file_path, "shard ranges outside the units the checkpoint describes"));
@@ -441,12 +494,13 @@ impl Checkpoint {
             for (unit, &(start, len)) in ranges.iter().enumerate().filter(|(_, r)| r.1 > 0) {
                 for what in std::iter::once("param".to_string()).chain(meta.state_names.iter().cloned()) {
                     let tensor = format!("{what}.{unit}");
-                    pieces.entry((what, unit)).or_default().push(Piece { file: index, tensor, start, len });
+                    let piece = Piece { file: index, tensor, start, len };
+                    pieces.entry((what, tensor_rank, unit)).or_default().push(piece);
                 }
             }
             files.push((file_path, mmap));
         }
-        Ok(Checkpoint { meta, location: dir, files, pieces })
+        Ok(Checkpoint { meta, location: dir, files, pieces, joined: Default::default() })
     }
 
     fn open_merged(path: &Path) -> Result<Checkpoint> {
@@ -462,28 +516,86 @@ impl Checkpoint {
             .and_then(|t| {
                 serde_json::from_str(t).map_err(|e| fail(path, format!("bad checkpoint description ({e})")))
             })?;
+        if meta.tensor_size != 1 {
+            return Err(fail(path, "a merged checkpoint holds whole tensors: its tensor size must be 1"));
+        }
         meta.validate(path)?;
-        let mut pieces: BTreeMap<(String, usize), Vec<Piece>> = BTreeMap::new();
+        let mut pieces: BTreeMap<(String, usize, usize), Vec<Piece>> = BTreeMap::new();
         for p in &meta.params {
             let len = p.shape.iter().product();
             let mut add = |what: String, tensor: String| {
-                pieces.entry((what, p.unit)).or_default().push(Piece { file: 0, tensor, start: p.offset, len });
+                pieces.entry((what, 0, p.unit)).or_default().push(Piece { file: 0, tensor, start: p.offset, len });
             };
             add("param".into(), p.name.clone());
             for s in &meta.state_names {
                 add(s.clone(), format!("optim.{s}.{}", p.name));
             }
         }
-        Ok(Checkpoint { meta, location: path.to_path_buf(), files: vec![(path.to_path_buf(), mmap)], pieces })
+        let files = vec![(path.to_path_buf(), mmap)];
+        Ok(Checkpoint { meta, location: path.to_path_buf(), files, pieces, joined: Default::default() })
     }
 
-    /// Elements `start..start+len` of `what` ("param" or a state) of `unit`, as f32 on the
-    /// CPU; fails if the checkpoint's files do not cover them.
+    /// Elements `start..start+len` of `what` ("param" or a state) of `unit`'s whole layout,
+    /// in `kind` on the CPU, joined from the tensor ranks' pieces where the units were split.
     fn read_range(&self, what: &str, unit: usize, start: i64, len: i64, kind: Kind) -> Result<Tensor> {
+        if self.meta.tensor_size == 1 {
+            return self.read_pieces(what, 0, unit, start, len, kind);
+        }
+        let key = (what.to_string(), unit);
+        let mut joined = self.joined.borrow_mut();
+        joined.retain(|(_, u), _| *u == unit);
+        if !joined.contains_key(&key) {
+            let whole = self.join_unit(what, unit)?;
+            joined.insert(key.clone(), whole);
+        }
+        Ok(joined[&key].f_narrow(0, start, len)?.f_to_kind(kind)?)
+    }
+
+    /// `what` of unit `unit`, whole: each parameter's pieces from every tensor rank joined.
+    fn join_unit(&self, what: &str, unit: usize) -> Result<Tensor> {
+        let size = self.meta.tensor_size;
+        let mut params: Vec<&ParamEntry> = self.meta.params.iter().filter(|p| p.unit == unit).collect();
+        params.sort_by_key(|p| p.offset);
+        let pieces_of_rank = |rank: usize| -> Result<Vec<Tensor>> {
+            let numel: i64 = params.iter().map(|p| p.local_numel(size as i64)).sum();
+            let flat = self.read_pieces(what, rank, unit, 0, numel, Kind::Float)?;
+            let mut start = 0;
+            params
+                .iter()
+                .map(|p| {
+                    let n = p.local_numel(size as i64);
+                    start += n;
+                    Ok(flat.f_narrow(0, start - n, n)?)
+                })
+                .collect()
+        };
+        let by_rank = (0..size).map(pieces_of_rank).collect::<Result<Vec<_>>>()?;
+        let mut whole = Vec::with_capacity(params.len());
+        for (i, p) in params.iter().enumerate() {
+            let role = p.tp.unwrap_or(TpRole::Replicated);
+            let local = role.local_shape(&p.shape, size as i64);
+            let pieces =
+                by_rank.iter().map(|r| r[i].f_view(local.as_slice())).collect::<std::result::Result<Vec<_>, _>>()?;
+            whole.push(role.unshard(&pieces, &p.shape)?.f_reshape([-1])?);
+        }
+        Ok(Tensor::f_cat(&whole, 0)?)
+    }
+
+    /// Elements `start..start+len` of `what` of `unit` in tensor rank `tensor_rank`'s layout,
+    /// as `kind` on the CPU; fails if the checkpoint's files do not cover them.
+    fn read_pieces(
+        &self,
+        what: &str,
+        tensor_rank: usize,
+        unit: usize,
+        start: i64,
+        len: i64,
+        kind: Kind,
+    ) -> Result<Tensor> {
         let out = Tensor::f_zeros([len], (kind, tch::Device::Cpu))?;
         // Replicated units are stored by several ranks: coverage is the union of the pieces.
         let mut spans: Vec<(i64, i64)> = Vec::new();
-        for piece in self.pieces.get(&(what.to_string(), unit)).into_iter().flatten() {
+        for piece in self.pieces.get(&(what.to_string(), tensor_rank, unit)).into_iter().flatten() {
             let (lo, hi) = (start.max(piece.start), (start + len).min(piece.start + piece.len));
             if lo >= hi {
                 continue;
@@ -528,6 +640,12 @@ impl Checkpoint {
     /// Fails unless the checkpoint is of the model `engine` runs, with `optimizer`'s kind.
     pub fn check_compatible(&self, engine: &Engine, optimizer: &Optimizer, optimizer_name: &str) -> Result<()> {
         let (params, states) = (param_entries(engine), state_names(optimizer));
+        // Checkpoints that predate splits do not record them: splits are the model's own.
+        let params: Vec<ParamEntry> = params
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| ParamEntry { tp: self.meta.params.get(i).map_or(p.tp, |saved| saved.tp), ..p })
+            .collect();
         let err = |m: String| Err(fail(&self.location, m));
         if params.len() != self.meta.params.len() {
             return err(format!(
@@ -544,7 +662,7 @@ impl Checkpoint {
                 ));
             }
         }
-        let unit_numel: Vec<i64> = engine.storage().iter().map(|s| s.numel).collect();
+        let unit_numel = whole_unit_numel(engine);
         if self.meta.unit_numel != unit_numel {
             return err(format!(
                 "a checkpoint of another layout: units of {:?} elements, this model {unit_numel:?}",
@@ -562,7 +680,6 @@ impl Checkpoint {
 
     /// Loads parameters and optimizer state into a run of any world size and strategy.
     pub fn restore(&self, engine: &mut Engine, optimizer: &mut Optimizer, optimizer_name: &str) -> Result<()> {
-        untensored(engine)?;
         self.check_compatible(engine, optimizer, optimizer_name)?;
         let kind = engine.master_kind();
         for (unit, &numel) in self.meta.unit_numel.iter().enumerate() {
@@ -574,8 +691,22 @@ impl Checkpoint {
                 state.lock().map_err(|e| Error::Engine(e.to_string()))?.restore(saved);
             }
         }
+        // Optimizer states sit at offsets of this rank's layout: with split units, whole
+        // units are read and split for it (one unit's at a time).
+        let split = engine.tensor_parallel().is_some() || self.meta.tensor_size > 1;
+        let mut local: BTreeMap<(usize, String), Tensor> = BTreeMap::new();
         optimizer.load_state(self.meta.optimizer_steps.unwrap_or(self.meta.step), |unit, offset, name, dest| {
-            let values = self.read_range(name, unit, offset, dest.numel() as i64, dest.kind())?;
+            let values = if split {
+                local.retain(|(u, _), _| *u == unit);
+                let key = (unit, name.to_string());
+                if !local.contains_key(&key) {
+                    let whole = self.read_range(name, unit, 0, self.meta.unit_numel[unit], dest.kind())?;
+                    local.insert(key.clone(), engine.split_unit(unit, &whole)?);
+                }
+                local[&key].f_narrow(0, offset, dest.numel() as i64)?
+            } else {
+                self.read_range(name, unit, offset, dest.numel() as i64, dest.kind())?
+            };
             tch::no_grad(|| dest.shallow_clone().f_copy_(&values))?;
             Ok(())
         })
@@ -595,7 +726,7 @@ impl Checkpoint {
                 jobs.push((s.clone(), p));
             }
         }
-        let meta = Meta { files: vec![], ..self.meta.clone() };
+        let meta = Meta { files: vec![], tensor_size: 1, ..self.meta.clone() };
         let metadata = BTreeMap::from([
             ("format".to_string(), "pt".to_string()),
             (MERGED_KEY.to_string(), serde_json::to_string(&meta).map_err(|e| Error::Model(e.to_string()))?),

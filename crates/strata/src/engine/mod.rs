@@ -516,20 +516,22 @@ impl Engine {
                 values.numel()
             )));
         }
-        let local = match self.tensor_parallel().cloned() {
-            None => values.shallow_clone(),
-            Some(tp) => {
-                let mut pieces = Vec::new();
-                for &id in &self.spec.units[unit].params {
-                    let p = &self.spec.params[id.0];
-                    let whole = values.f_narrow(0, self.full_offsets[id.0], p.numel())?.f_view(p.shape.as_slice())?;
-                    pieces.push(p.tp.shard(&whole, tp.size(), tp.rank())?.f_reshape([-1])?);
-                }
-                Tensor::f_cat(&pieces, 0)?
-            }
-        };
+        let local = self.split_unit(unit, values)?;
         let (schedule, ctx) = self.schedule_for(unit);
         schedule.set_full_unit(ctx, &local)
+    }
+
+    /// This rank's pieces of unit `unit`'s whole flat layout `values`, in its own layout
+    /// ([`Engine::offset`]s; unpadded); `values` itself without tensor parallelism.
+    pub fn split_unit(&self, unit: usize, values: &Tensor) -> Result<Tensor> {
+        let Some(tp) = self.tensor_parallel() else { return Ok(values.shallow_clone()) };
+        let mut pieces = Vec::new();
+        for &id in &self.spec.units[unit].params {
+            let p = &self.spec.params[id.0];
+            let whole = values.f_narrow(0, self.full_offsets[id.0], p.numel())?.f_view(p.shape.as_slice())?;
+            pieces.push(p.tp.shard(&whole, tp.size(), tp.rank())?.f_reshape([-1])?);
+        }
+        Ok(Tensor::f_cat(&pieces, 0)?)
     }
 
     /// Says whether the next backward completes the step's gradients (default true); with

@@ -11,7 +11,8 @@ use crate::{Error, Result};
 use tch::Tensor;
 
 /// How tensor parallelism splits a parameter across the ranks of a tensor group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TpRole {
     /// Every rank holds the whole tensor, applied to activations every rank holds whole
     /// (position embeddings read before sequence parallel splits the sequence).
@@ -57,7 +58,12 @@ impl TpRole {
                     return refuse(format!("is not a [out, in] weight whose {tp} column pieces are equal"));
                 }
             }
-            TpRole::Vocab | TpRole::Replicated | TpRole::SequenceReplicated => {}
+            TpRole::Vocab => {
+                if shape.is_empty() {
+                    return refuse("has no vocabulary dimension to split".into());
+                }
+            }
+            TpRole::Replicated | TpRole::SequenceReplicated => {}
         }
         Ok(())
     }
@@ -65,11 +71,14 @@ impl TpRole {
     /// The shape of one rank's piece of a parameter of whole shape `shape`.
     pub fn local_shape(self, shape: &[i64], tp: i64) -> Vec<i64> {
         let mut local = shape.to_vec();
-        match self {
-            TpRole::Column { .. } => local[0] /= tp,
-            TpRole::Row => local[1] /= tp,
-            TpRole::Vocab => local[0] = vocab_rows(shape[0], tp),
-            TpRole::Replicated | TpRole::SequenceReplicated => {}
+        let dim = match self {
+            TpRole::Column { .. } | TpRole::Vocab => 0,
+            TpRole::Row => 1,
+            TpRole::Replicated | TpRole::SequenceReplicated => return local,
+        };
+        // A shape the role does not fit stays whole; `check` refuses it where it matters.
+        if let Some(d) = local.get_mut(dim) {
+            *d = if self == TpRole::Vocab { vocab_rows(*d, tp) } else { *d / tp };
         }
         local
     }

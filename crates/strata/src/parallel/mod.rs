@@ -173,9 +173,11 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         _ => replicas,
     };
     if shard_size == 0 || !replicas.is_multiple_of(shard_size) {
-        return Err(Error::Config(format!(
-            "{name}: a shard group of {shard_size} ranks does not divide the {replicas} replicas of {world} ranks"
-        )));
+        let whole = match tensor {
+            1 => format!("the world size {world}"),
+            _ => format!("the {replicas} ranks that hold each tensor-parallel piece"),
+        };
+        return Err(Error::Config(format!("{name}: a shard group of {shard_size} ranks does not divide {whole}")));
     }
     // The user's layout with the shard group as its zero dimension and data taking the rest.
     let mut dims: Vec<(String, usize)> = mode.0.iter().filter(|(n, _)| n != "zero").cloned().collect();
