@@ -30,10 +30,11 @@ const RUN: [&str; 16] = [
 const GPT: [&str; 6] = ["--model", "gpt", "--heads", "4", "--vocab", "97"];
 const LLAMA: [&str; 6] = ["--model", "llama", "--heads", "8", "--kv-heads", "4"];
 
-fn tensor(size: usize, sequence_parallel: bool, sharding: &str) -> String {
-    let sharding = if sharding.is_empty() { String::new() } else { format!(", \"{sharding}\"") };
+/// A strategy of tensor size `size`, with `more` methods (JSON list items) after it.
+fn tensor(size: usize, sequence_parallel: bool, more: &str) -> String {
+    let more = if more.is_empty() { String::new() } else { format!(", {more}") };
     format!(
-        r#"[["parallel_mode", [[["tensor", {size}]], null]], ["tensor_parallel", {{"sequence_parallel": {sequence_parallel}}}]{sharding}]"#
+        r#"[["parallel_mode", [[["tensor", {size}]], null]], ["tensor_parallel", {{"sequence_parallel": {sequence_parallel}}}]{more}]"#
     )
 }
 
@@ -69,7 +70,7 @@ fn tensor_parallel_runs_match_one_process() {
             }
         }
         for sharding in ["zero2", "fsdp"] {
-            let strategy = tensor(2, true, sharding);
+            let strategy = tensor(2, true, &format!("{sharding:?}"));
             let run = train(dir.path(), "tp", model, &["--nproc", "4", "--strategy", &strategy, "--accumulation", "2"]);
             assert_same_run(&one, &run, &format!("{name} tp=2 × {sharding} on 4 ranks"));
         }
@@ -159,5 +160,27 @@ fn checkpoints_move_between_tensor_sizes() {
     let (saved, merged) = (weights(Path::new(&p("last.st"))), weights(Path::new(&merged)));
     for (name, t) in &saved {
         assert!(t.equal(&merged[name]), "{name}: merged differs from the saved weights");
+    }
+}
+
+/// amp, checkpointing, module replacement and fp8 run inside split units: against the same
+/// method in one process, within the method's own rounding.
+#[test]
+fn compute_methods_work_inside_split_units() {
+    let dir = tempfile::tempdir().unwrap();
+    // bf16 keeps 8 significant bits: the summation order of split products moves results by
+    // bf16 ulps, and AdamW turns those into parameter steps (as for bf16 sharding).
+    let methods = [
+        (r#"["amp_native", "bf16"]"#, 2e-2),
+        (r#"["checkpoint", ["GptBlock"]], "module_replace""#, 1e-5),
+        (r#"["fp8", {}]"#, 1e-4),
+    ];
+    for (methods, bound) in methods {
+        let one = train(dir.path(), "one", &GPT, &["--strategy", &format!("[{methods}]")]);
+        let split = tensor(2, true, methods);
+        let two = train(dir.path(), "two", &GPT, &["--nproc", "2", "--strategy", &split]);
+        let gap = global_gap(&one.0, &two.0);
+        eprintln!("{methods}: weights differ by {gap:.2e}");
+        assert!(gap < bound, "{methods}: tensor size 2 differs from one process by {gap:e}");
     }
 }
