@@ -4,6 +4,7 @@ mod bench;
 mod bench_comm;
 mod bench_dist;
 mod bench_methods;
+mod bench_parallel;
 mod bench_runs;
 mod bench_search;
 mod bench_zero;
@@ -87,6 +88,9 @@ enum BenchCommand {
     /// The guided strategy search against an exhaustive one per scenario: dry runs spent,
     /// and the guided choice trained side by side with the exhaustive best.
     Search(bench_search::BenchSearchArgs),
+    /// Tensor parallelism (with and without sequence parallel) beside data parallelism,
+    /// zero2 and fsdp: tokens/s against data parallelism, model-state and allocator peaks.
+    Parallel(bench_parallel::BenchParallelArgs),
 }
 
 fn validate(text: &str, world_size: Option<usize>) -> anyhow::Result<()> {
@@ -146,6 +150,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
+        Command::Bench { which: BenchCommand::Parallel(a) } => bench_parallel::run(a),
         Command::Bench { which: BenchCommand::Methods(a) } => bench_methods::run(a),
         Command::Bench { which: BenchCommand::Search(a) } => bench_search::run(a),
         Command::Bench { which: BenchCommand::Dist(a) } => bench_dist::run(a),

@@ -184,3 +184,21 @@ fn compute_methods_work_inside_split_units() {
         assert!(gap < bound, "{methods}: tensor size 2 differs from one process by {gap:e}");
     }
 }
+
+#[test]
+fn bench_parallel_reports_each_layout_against_data_parallelism() {
+    let args = ["bench", "parallel", "--nproc", "2", "--tensor", "1,2", "--methods", "data", "--layers", "1"];
+    let shape = ["--dim", "32", "--heads", "2", "--ctx", "16", "--steps", "3", "--json"];
+    let o = strata(&[&args[..], &shape].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let layouts: Vec<(u64, bool)> =
+        rows.iter().map(|r| (r["tensor_size"].as_u64().unwrap(), r["sequence_parallel"].as_bool().unwrap())).collect();
+    assert_eq!(layouts, [(1, false), (2, false), (2, true)]);
+    assert_eq!(rows[0]["speed_vs_data"].as_f64(), Some(1.0), "data parallelism is the reference");
+    // Split over 2 ranks, each holds about half the model states of a whole replica.
+    let states = |i: usize| rows[i]["model_state_bytes"].as_f64().unwrap();
+    assert!(states(1) < 0.75 * states(0), "{} against {}", states(1), states(0));
+    assert_eq!(report["sequence_parallel_activation_ratio"].as_array().unwrap().len(), 1);
+}
