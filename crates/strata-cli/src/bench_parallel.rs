@@ -130,9 +130,9 @@ pub fn run(args: BenchParallelArgs) -> Result<()> {
         .iter()
         .filter(|r| find(r, true))
         .filter_map(|with| {
-            let without = rows.iter().find(|r| {
-                find(r, false) && r.world_size == with.world_size && r.tensor_size == with.tensor_size
-            })?;
+            let without = rows
+                .iter()
+                .find(|r| find(r, false) && r.world_size == with.world_size && r.tensor_size == with.tensor_size)?;
             let measured = with.activation_bytes as f64 / (without.activation_bytes as f64).max(1.0);
             Some((with.world_size, with.tensor_size, measured, megatron_ratio(&args, with.tensor_size)))
         })
