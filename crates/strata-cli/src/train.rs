@@ -230,7 +230,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     let world_group = comm.as_ref().map(|c| c.world()).transpose()?;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
     // The ranks of one tensor group read the same batches.
-    let (data_rank, data_world) = parallel::batch_shard(&strategy, rank, world)?;
+    let (data_rank, data_world) = parallel::batch_shard(&strategy.parallel_mode(), rank, world)?;
     info!(
         model = settings.model_name,
         params = engine.spec().num_params(),

@@ -202,3 +202,22 @@ fn bench_parallel_reports_each_layout_against_data_parallelism() {
     assert!(states(1) < 0.75 * states(0), "{} against {}", states(1), states(0));
     assert_eq!(report["sequence_parallel_activation_ratio"].as_array().unwrap().len(), 1);
 }
+
+/// The automatic search dry-runs tensor-parallel candidates (each tensor group reading its
+/// batches, the loss vocabulary-parallel) and trains with the one it chooses.
+#[test]
+fn the_automatic_search_runs_tensor_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("search.json");
+    let metrics = dir.path().join("m.jsonl");
+    let args = ["--nproc", "2", "--steps", "2", "--strategy", "auto", "--included", "tensor_parallel"];
+    let files = ["--search-report", report.to_str().unwrap(), "--metrics", metrics.to_str().unwrap()];
+    let o = strata(&[&["train"][..], &GPT, &RUN, &args, &files].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let chosen = report["chosen"].as_str().unwrap();
+    assert!(chosen.contains("tensor 2 + sequence parallel"), "{chosen}");
+    let measured = report["trials"].as_array().unwrap().iter().filter(|t| t["outcome"]["outcome"] == "fits").count();
+    assert!(measured >= 2, "dry runs of tensor-parallel candidates: {measured}");
+    assert_eq!(losses(&metrics).len(), 2);
+}

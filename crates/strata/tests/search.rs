@@ -74,6 +74,8 @@ fn analysis() -> Analysis {
         ledger_peak_bytes: 0,
         allocator_peak_bytes: 0,
         blocks: vec!["Block".into()],
+        split_params: 900_000,
+        tensor_sizes: vec![],
     }
 }
 
@@ -81,7 +83,7 @@ fn analysis() -> Analysis {
 fn the_memory_model_orders_the_methods_as_zero_does() {
     let a = analysis();
     let at = |precision, sharding, checkpoint| {
-        predicted_peak(&a, &Candidate { precision, module_replace: false, sharding, checkpoint }, 4)
+        predicted_peak(&a, &Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1 }, 4)
     };
     let fp32 = Precision::Fp32;
     assert!(at(fp32, Sharding::None, false) > at(fp32, Sharding::Zero1, false));
@@ -97,8 +99,12 @@ fn limits(world: usize, budget: Option<u64>, time_limit: Option<f64>) -> SearchL
 
 /// Runs the search; its report and the labels dry-run in order.
 fn run(table: &mut Table<'_>, limits: SearchLimits, mode: SearchMode) -> SearchReport {
-    let cands = candidates(&[], &[], true);
-    let mut search = Search::new(table, analysis(), cands, limits).unwrap();
+    run_on(table, analysis(), limits, mode)
+}
+
+fn run_on(table: &mut Table<'_>, analysis: Analysis, limits: SearchLimits, mode: SearchMode) -> SearchReport {
+    let cands = candidates(&[], &[], true, &analysis.tensor_sizes);
+    let mut search = Search::new(table, analysis, cands, limits).unwrap();
     match mode {
         SearchMode::Guided => search.guided().unwrap(),
         SearchMode::Exhaustive => search.exhaustive().unwrap(),
@@ -117,7 +123,7 @@ fn speed_of(report: &SearchReport, label: &str) -> Option<f64> {
 /// The candidates that can run on a CPU at two ranks (fp16 and fp8 are pruned there).
 fn runnable() -> Vec<Candidate> {
     let cpu = [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16];
-    candidates(&[], &[], true).into_iter().filter(|c| cpu.contains(&c.precision)).collect()
+    candidates(&[], &[], true, &[]).into_iter().filter(|c| cpu.contains(&c.precision)).collect()
 }
 
 /// The best label of `table` over `cands` among those that fit `budget`.
@@ -209,7 +215,7 @@ fn a_table_that_traps_a_one_dimension_search_does_not_trap_the_guided_one() {
 }
 
 fn candidate(label: &str) -> Candidate {
-    candidates(&[], &[], true).into_iter().find(|c| c.label() == label).unwrap()
+    candidates(&[], &[], true, &[]).into_iter().find(|c| c.label() == label).unwrap()
 }
 
 #[test]
@@ -242,7 +248,11 @@ fn memory_table(world: usize, oom_above: u64) -> impl Fn(&Candidate) -> Cost {
 fn over_the_budget_is_never_chosen_and_the_fastest_that_fits_is() {
     let world = 2;
     let at = |precision, sharding, checkpoint| {
-        predicted_peak(&analysis(), &Candidate { precision, module_replace: false, sharding, checkpoint }, world)
+        predicted_peak(
+            &analysis(),
+            &Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1 },
+            world,
+        )
     };
     // Between zero2's and zero1's fp32 peaks: data parallel and zero1 without recomputation
     // do not fit, and the cheapest starting points are over the budget when measured.
@@ -358,4 +368,38 @@ fn a_failure_on_one_rank_is_agreed_and_every_rank_chooses_the_same() {
     };
     assert_eq!(by_label(r0), by_label(r1));
     assert_ne!(reference.chosen, r0.chosen);
+}
+
+/// Tensor sizes are a dimension like the others: split units hold a fraction of the model
+/// states (the memory model says so), and where a tensor size is fastest the guided search
+/// finds it, spending no more than its share of dry runs.
+#[test]
+fn the_search_tries_tensor_sizes_and_takes_one_where_it_is_best() {
+    let world = 4;
+    let a = Analysis { tensor_sizes: vec![2, 4], ..analysis() };
+    let at = |tensor, sharding| {
+        let c = Candidate { precision: Precision::Fp32, module_replace: false, sharding, checkpoint: false, tensor };
+        predicted_peak(&a, &c, world)
+    };
+    assert!(at(2, Sharding::None) < at(1, Sharding::None), "a tensor rank holds its pieces only");
+    assert!(at(4, Sharding::None) < at(2, Sharding::None));
+    assert!(at(2, Sharding::Zero2) < at(2, Sharding::None), "sharding spans the ranks with the same pieces");
+    assert!(at(2, Sharding::Fsdp) < at(1, Sharding::Fsdp), "split and sharded holds least");
+    // On this table tensor size 2 is the fastest layout, 4 the slowest.
+    let cost = |c: &Candidate| {
+        let speed = trap_speed(c) * [1.0, 1.0, 1.3, 0.0, 0.7][c.tensor];
+        Cost::Runs { tokens_per_s: speed, peak_bytes: predicted_peak(&a, c, world) }
+    };
+    let mut table = Table::new(&cost);
+    let report = run_on(&mut table, a.clone(), limits(world, None, None), SearchMode::Guided);
+    let cpu = [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16];
+    let cands: Vec<Candidate> = candidates(&[], &[], true, &a.tensor_sizes)
+        .into_iter()
+        .filter(|c| cpu.contains(&c.precision) && !(c.tensor == 4 && c.sharding != Sharding::None))
+        .collect();
+    let best = table_best(&cost, &cands, None);
+    assert!(best.contains("tensor 2"), "{best}");
+    assert_eq!(report.chosen, Some(best));
+    let explored: std::collections::BTreeSet<&String> = table.runs.iter().collect();
+    assert!(explored.len() <= cands.len() / 3, "{} of {} candidates", explored.len(), cands.len());
 }

@@ -15,6 +15,7 @@ use crate::parallel::{self, Placement};
 use crate::strategy::Strategy;
 use crate::train::{InputFn, LossFn, Trainer};
 use crate::{Error, Result};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tch::{Device, Tensor};
@@ -30,9 +31,12 @@ pub struct Bench<'a> {
     pub grad_clip: Option<f64>,
     pub placement: Placement<'a>,
     pub prepare_input: InputFn,
-    pub loss_func: LossFn,
-    /// This rank's steps: the first is warm-up, the rest are timed.
-    pub steps: Vec<Step>,
+    /// The loss; `None`: the next-token loss of the engine's output
+    /// ([`crate::train::next_token_loss_of`]).
+    pub loss_func: Option<LossFn>,
+    /// This rank's steps per tensor size (the ranks of a tensor group read the same
+    /// batches): the first is warm-up, the rest are timed.
+    pub steps: BTreeMap<usize, Vec<Step>>,
     /// The group every rank belongs to, to agree on measurements.
     pub world: Option<Arc<dyn ProcessGroup>>,
     /// When the search (or check) that uses this bench began.
@@ -83,23 +87,34 @@ impl Bench<'_> {
         self.placement.comm.map_or(1, |c| c.size())
     }
 
+    /// This rank's steps at tensor size `tensor`.
+    fn steps_for(&self, tensor: usize) -> Result<&[Step]> {
+        self.steps.get(&tensor).map(Vec::as_slice).ok_or_else(|| {
+            Error::Config(format!("tensor size {tensor} does not divide the {} ranks", self.world_size()))
+        })
+    }
+
     /// Trains the warm-up and timed steps with `strategy`; (tokens/s of the job, peak bytes).
     pub fn dry_run(&self, strategy: &Strategy) -> Result<(f64, u64)> {
-        super::untensored(strategy, self.world.as_ref().map_or(1, |w| w.size()))?;
+        let tensor = strategy.parallel_mode().size("tensor", self.world_size())?;
+        let steps = self.steps_for(tensor)?;
         let device = self.engine.device;
         let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, &self.placement)?;
         let optimizer = Optimizer::new(&mut engine, self.optimizer.clone(), self.rules)?;
         let mut trainer = Trainer::new(engine, optimizer, self.schedule.clone(), self.grad_clip);
         trainer.scaling = strategy.grad_scaling()?;
         trainer.prepare_input = self.prepare_input.clone();
-        trainer.loss_func = self.loss_func.clone();
+        if let Some(loss) = &self.loss_func {
+            trainer.loss_func = loss.clone();
+        }
         memory::reset_allocator_peak(device);
         // The median timed step: one slow step of a shared machine does not decide.
         let mut rates = Vec::new();
-        for (i, step) in self.steps.iter().enumerate() {
+        let replicas = (self.world_size() / tensor) as f64;
+        for (i, step) in steps.iter().enumerate() {
             let report = trainer.train_step(step)?;
             if i > 0 {
-                rates.push(report.tokens as f64 * self.world_size() as f64 / report.seconds.max(1e-9));
+                rates.push(report.tokens as f64 * replicas / report.seconds.max(1e-9));
             }
         }
         rates.sort_by(f64::total_cmp);
@@ -232,6 +247,10 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         kinds.into_iter().filter(|k| all.iter().filter(|a| *a == k).count() > 1).collect()
     };
     let params = spec.num_params();
+    let split_params = spec.params.iter().filter(|p| p.tp.is_split()).map(|p| p.numel()).sum();
+    // Sizes dividing the world that the model splits over, and the bench has batches for.
+    let tensor_sizes: Vec<usize> =
+        bench.steps.keys().copied().filter(|&t| t > 1 && spec.check_tensor_parallel(t as i64).is_ok()).collect();
     let needs = spec.units_read();
     // Within the device budget: one unit at a time is ever resident.
     // Unit by unit both ways: backward must pass through the probe to find its units' memory.
@@ -253,13 +272,14 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     let kept = Arc::new(Mutex::new(Vec::new()));
     engine.set_schedule(Box::new(Probe { device: bench.engine.device, needs, at_start: vec![], kept: kept.clone() }));
     let batch = bench
-        .steps
+        .steps_for(1)?
         .first()
         .and_then(|s| s.micro_batches.first())
         .ok_or_else(|| Error::Data("no batch to profile".into()))?;
     let start = Instant::now();
     let out = engine.forward(&(bench.prepare_input)(batch)?)?;
-    engine.backward(&(bench.loss_func)(&out, batch)?)?;
+    let loss = bench.loss_func.clone().unwrap_or_else(crate::train::next_token_loss);
+    engine.backward(&loss(&out, batch)?)?;
     let step_seconds = start.elapsed().as_secs_f64();
     let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let ledger_peak = engine.ledger().report().get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);
@@ -281,5 +301,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         ledger_peak_bytes: totals[1] as u64,
         allocator_peak_bytes: totals[2] as u64,
         blocks,
+        split_params,
+        tensor_sizes,
     })
 }

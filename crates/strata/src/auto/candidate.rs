@@ -1,6 +1,6 @@
-//! The search space: precision, module replacement, sharding and recomputation, as
-//! candidates built from every method minus `excluded` and with every `included` one, and
-//! what the device and the world size rule out before anything runs.
+//! The search space: precision, module replacement, sharding, recomputation and the tensor
+//! size, as candidates built from every method minus `excluded` and with every `included`
+//! one, and what the device and the world size rule out before anything runs.
 use crate::strategy::Strategy;
 use crate::Result;
 use serde::Serialize;
@@ -40,6 +40,9 @@ pub struct Candidate {
     pub module_replace: bool,
     pub sharding: Sharding,
     pub checkpoint: bool,
+    /// Ranks each unit is split over (with sequence parallel above 1); sharding and data
+    /// parallelism span the ranks that hold the same pieces.
+    pub tensor: usize,
 }
 
 impl Candidate {
@@ -58,6 +61,9 @@ impl Candidate {
         if self.checkpoint {
             m.push("checkpoint");
         }
+        if self.tensor > 1 {
+            m.push("tensor_parallel");
+        }
         m.extend(match self.sharding {
             Sharding::None => None,
             Sharding::Zero1 => Some("zero1"),
@@ -69,7 +75,13 @@ impl Candidate {
 
     /// The candidate as a strategy; `blocks` are the unit kinds recomputed by `checkpoint`.
     pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
-        let mut items = vec![serde_json::json!("parallel_mode")];
+        let mut items = match self.tensor {
+            1 => vec![serde_json::json!("parallel_mode")],
+            t => vec![
+                serde_json::json!(["parallel_mode", [[["tensor", t]], null]]),
+                serde_json::json!(["tensor_parallel", {"sequence_parallel": true}]),
+            ],
+        };
         items.extend(match self.precision {
             Precision::Fp32 => vec![],
             Precision::AmpBf16 => vec![serde_json::json!(["amp_native", {"dtype": "bf16"}])],
@@ -108,6 +120,10 @@ impl Candidate {
         if self.checkpoint {
             parts.push("checkpoint");
         }
+        let tensor = format!("tensor {} + sequence parallel", self.tensor);
+        if self.tensor > 1 {
+            parts.push(&tensor);
+        }
         parts.push(match self.sharding {
             Sharding::None => "data parallel",
             Sharding::Zero1 => "zero1",
@@ -118,24 +134,33 @@ impl Candidate {
     }
 }
 
-/// The candidates: every combination of the methods that exist, minus those using an
-/// `excluded` method, keeping only those using every `included` one.
-pub fn candidates(excluded: &[String], included: &[String], has_blocks: bool) -> Vec<Candidate> {
+/// The candidates: every combination of the methods that exist, at tensor size 1 and each
+/// of `tensor_sizes` (those the model splits over at this world size), minus those using
+/// an `excluded` method, keeping only those using every `included` one.
+pub fn candidates(
+    excluded: &[String],
+    included: &[String],
+    has_blocks: bool,
+    tensor_sizes: &[usize],
+) -> Vec<Candidate> {
     let mut out = Vec::new();
-    for precision in PRECISIONS {
-        for module_replace in [true, false] {
-            for sharding in SHARDINGS {
-                for checkpoint in [false, true] {
-                    if checkpoint && !has_blocks {
-                        continue;
-                    }
-                    let c = Candidate { precision, module_replace, sharding, checkpoint };
-                    let methods = c.methods();
-                    if methods.iter().any(|m| excluded.iter().any(|e| e == m)) {
-                        continue;
-                    }
-                    if included.iter().all(|i| methods.contains(&i.as_str())) {
-                        out.push(c);
+    let tensors: Vec<usize> = std::iter::once(1).chain(tensor_sizes.iter().copied().filter(|&t| t > 1)).collect();
+    for &tensor in &tensors {
+        for precision in PRECISIONS {
+            for module_replace in [true, false] {
+                for sharding in SHARDINGS {
+                    for checkpoint in [false, true] {
+                        if checkpoint && !has_blocks {
+                            continue;
+                        }
+                        let c = Candidate { precision, module_replace, sharding, checkpoint, tensor };
+                        let methods = c.methods();
+                        if methods.iter().any(|m| excluded.iter().any(|e| e == m)) {
+                            continue;
+                        }
+                        if included.iter().all(|i| methods.contains(&i.as_str())) {
+                            out.push(c);
+                        }
                     }
                 }
             }
@@ -158,7 +183,10 @@ pub fn capability(c: &Candidate, device: Device, world: usize) -> Option<String>
         }
         _ => {}
     }
-    (world == 1 && c.sharding != Sharding::None).then(|| "nothing to shard on one rank".into())
+    if c.tensor > 1 && !world.is_multiple_of(c.tensor) {
+        return Some(format!("tensor size {} does not divide the {world} ranks", c.tensor));
+    }
+    (world / c.tensor == 1 && c.sharding != Sharding::None).then(|| "nothing to shard on one rank".into())
 }
 
 #[cfg(test)]
@@ -167,20 +195,21 @@ mod tests {
 
     #[test]
     fn candidates_cover_every_method_and_honour_included_and_excluded() {
-        let all = candidates(&[], &[], true);
+        let all = candidates(&[], &[], true, &[]);
         assert_eq!(all.len(), PRECISIONS.len() * 2 * SHARDINGS.len() * 2);
+        assert_eq!(candidates(&[], &[], true, &[2, 4]).len(), 3 * all.len());
         for c in &all {
             let s = c.strategy(&["GptBlock".into()]).unwrap();
             let names: Vec<&str> = s.methods.iter().map(|m| m.name()).collect();
             assert_eq!(names.len(), c.methods().len(), "{}", c.label());
         }
-        let some = candidates(&["fsdp".into()], &["checkpoint".into(), "amp_native".into()], true);
+        let some = candidates(&["fsdp".into()], &["checkpoint".into(), "amp_native".into()], true, &[2]);
         assert!(!some.is_empty());
         assert!(some
             .iter()
             .all(|c| c.checkpoint && c.sharding != Sharding::Fsdp && c.methods().contains(&"amp_native")));
         assert!(
-            candidates(&[], &["checkpoint".into()], false).is_empty(),
+            candidates(&[], &["checkpoint".into()], false, &[]).is_empty(),
             "nothing to recompute without repeated units"
         );
         let cpu = Candidate {
@@ -188,10 +217,19 @@ mod tests {
             module_replace: false,
             sharding: Sharding::None,
             checkpoint: false,
+            tensor: 1,
         };
         assert!(capability(&cpu, Device::Cpu, 1).is_some());
         let shard = Candidate { precision: Precision::Fp32, sharding: Sharding::Zero2, ..cpu };
         assert_eq!(capability(&shard, Device::Cpu, 1).as_deref(), Some("nothing to shard on one rank"));
         assert!(capability(&shard, Device::Cpu, 2).is_none());
+        let split = Candidate { tensor: 2, ..shard };
+        assert_eq!(capability(&split, Device::Cpu, 2).as_deref(), Some("nothing to shard on one rank"));
+        assert!(capability(&split, Device::Cpu, 4).is_none());
+        let tensor_only = candidates(&[], &["tensor_parallel".into()], true, &[2]);
+        assert!(!tensor_only.is_empty() && tensor_only.iter().all(|c| c.tensor == 2));
+        let strategy = tensor_only[0].strategy(&[]).unwrap();
+        assert_eq!(strategy.parallel_mode().size("tensor", 4).unwrap(), 2);
+        assert!(strategy.tensor_parallel().is_some_and(|t| t.sequence_parallel));
     }
 }

@@ -21,17 +21,24 @@ pub struct Analysis {
     pub allocator_peak_bytes: u64,
     /// Unit kinds that repeat (the blocks): what `checkpoint` recomputes.
     pub blocks: Vec<String>,
+    /// Parameters tensor parallelism splits (the rest every tensor rank holds whole).
+    pub split_params: i64,
+    /// Tensor sizes above 1 the model splits over at this world size.
+    pub tensor_sizes: Vec<usize>,
 }
 
 /// The peak bytes per rank the memory model predicts for `c` (AdamW's two fp32 moments).
 pub fn predicted_peak(a: &Analysis, c: &Candidate, world: usize) -> u64 {
-    let psi = a.params as f64;
-    let n = if c.sharding == Sharding::None { 1.0 } else { world as f64 };
+    let t = c.tensor.max(1) as f64;
+    // Each tensor rank holds the whole parameters and its piece of the split ones; sharding
+    // spans the ranks that hold the same pieces.
+    let psi = (a.params - a.split_params) as f64 + a.split_params as f64 / t;
+    let n = if c.sharding == Sharding::None { 1.0 } else { world as f64 / t };
     let (p, g, k) = match c.precision {
         Precision::HalfBf16 | Precision::HalfFp16 => (2.0, 2.0, 8.0),
         _ => (4.0, 4.0, 8.0),
     };
-    let largest = a.unit_params.iter().copied().max().unwrap_or(0) as f64;
+    let largest = a.unit_params.iter().copied().max().unwrap_or(0) as f64 / t;
     let states = match c.sharding {
         Sharding::None => psi * (p + g + k),
         Sharding::Zero1 => psi * (p + g) + psi * k / n,
@@ -45,6 +52,8 @@ pub fn predicted_peak(a: &Analysis, c: &Candidate, world: usize) -> u64 {
         Precision::HalfBf16 | Precision::HalfFp16 => 0.55,
         _ => 0.8,
     } * if c.module_replace { 0.85 } else { 1.0 };
+    // A tensor rank's micro-batch is `t` times a data rank's, and sequence parallel splits
+    // what it keeps `t` ways: about the same bytes (`strata bench parallel` measures it).
     let acts: Vec<f64> = a.unit_activation_bytes.iter().map(|&b| b as f64 * scale).collect();
     let activations = if c.checkpoint {
         let blocks_kept: f64 = a.unit_output_bytes.iter().map(|&b| b as f64).sum();

@@ -17,7 +17,7 @@ use crate::model::Builder;
 use crate::optim::{GroupRule, Optimizer, OptimizerConfig, Schedule};
 use crate::parallel::{self, DataParallelOptions, Placement, DEFAULT_BUCKET_BYTES};
 use crate::strategy::{BackwardPrefetch, Method, Strategy, StrategySource};
-use crate::train::{next_token_loss, token_input, InputFn, LossFn, Trainer};
+use crate::train::{token_input, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
 use bench::Bench;
 pub use candidate::Candidate;
@@ -88,7 +88,9 @@ pub struct AutoAccelerate<'a> {
     /// Parameter groups (`optim_param_func`).
     pub optim_param_func: Vec<GroupRule>,
     pub dataset: Arc<TokenData>,
-    pub loss_func: LossFn,
+    /// The loss; `None` (the default): next-token cross-entropy, vocabulary-parallel where
+    /// the strategy splits the vocabulary.
+    pub loss_func: Option<LossFn>,
     pub prepare_input: InputFn,
     pub dataloader_args: DataloaderArgs,
     pub lr_scheduler: Schedule,
@@ -113,7 +115,7 @@ impl<'a> AutoAccelerate<'a> {
             optim: OptimizerConfig::default(),
             optim_param_func: vec![],
             dataset,
-            loss_func: next_token_loss(),
+            loss_func: None,
             prepare_input: token_input(),
             dataloader_args,
             lr_scheduler: Schedule::Constant,
@@ -190,17 +192,21 @@ fn rank_and_world(comm: Option<&Comm>) -> (usize, usize) {
     comm.map_or((0, 1), |c| (c.rank(), c.size()))
 }
 
-fn loader_config(job: &AutoAccelerate<'_>) -> LoaderConfig {
+/// The loader of this rank at tensor size `tensor` (the ranks of a tensor group read the
+/// same batches).
+fn loader_config(job: &AutoAccelerate<'_>, tensor: usize) -> Result<LoaderConfig> {
     let (rank, world) = rank_and_world(job.comm);
+    let mode = crate::strategy::ParallelMode(vec![("tensor".into(), tensor)], None);
+    let (rank, world) = parallel::batch_shard(&mode, rank, world)?;
     let a = &job.dataloader_args;
-    LoaderConfig {
+    Ok(LoaderConfig {
         accumulation: a.accumulation,
         rank,
         world,
         seed: a.seed,
         device: job.engine.device,
         ..LoaderConfig::new(a.ctx, a.batch_size)
-    }
+    })
 }
 
 fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> Placement<'a> {
@@ -213,15 +219,17 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> Placement<'a>
 
 /// Builds the engine, optimizer, trainer and loader for `strategy`.
 pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usize) -> Result<Prepared> {
-    untensored(strategy, job.comm.map_or(1, Comm::size))?;
     let bench = bench(job, bucket_bytes, 0)?;
     let mut engine = parallel::build_engine(bench.spec()?, job.engine.clone(), strategy, &bench.placement)?;
     let optimizer = Optimizer::new(&mut engine, job.optim.clone(), &job.optim_param_func)?;
     let mut trainer = Trainer::new(engine, optimizer, job.lr_scheduler.clone(), job.grad_clip);
     trainer.scaling = strategy.grad_scaling()?;
     trainer.prepare_input = job.prepare_input.clone();
-    trainer.loss_func = job.loss_func.clone();
-    let loader = DataLoader::new(job.dataset.clone(), loader_config(job), job.dataloader_args.order.clone())?;
+    if let Some(loss) = &job.loss_func {
+        trainer.loss_func = loss.clone();
+    }
+    let tensor = strategy.parallel_mode().size("tensor", rank_and_world(job.comm).1)?;
+    let loader = DataLoader::new(job.dataset.clone(), loader_config(job, tensor)?, job.dataloader_args.order.clone())?;
     let args = PreparedArgs {
         use_optim_backward: false,
         requires_set_gradient_accumulation_boundary: job.dataloader_args.accumulation > 1,
@@ -229,24 +237,19 @@ pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usiz
     Ok(Prepared { trainer, loader, args, bucket_bytes })
 }
 
-/// Refuses a strategy that splits units over tensor groups: automatic acceleration does not
-/// plan, shard its data or take its loss over tensor groups yet.
-pub(crate) fn untensored(strategy: &Strategy, world: usize) -> Result<()> {
-    if strategy.parallel_mode().size("tensor", world)? > 1 {
-        return Err(Error::Config(
-            "auto_accelerate does not run tensor-parallel strategies yet; train with --strategy instead".into(),
-        ));
-    }
-    Ok(())
-}
-
 /// What a dry run of `job` needs, with `steps` steps of real batches.
 fn bench<'a>(job: &'a AutoAccelerate<'a>, bucket_bytes: usize, steps: usize) -> Result<Bench<'a>> {
-    let batches = DataLoader::new(job.dataset.clone(), loader_config(job), job.dataloader_args.order.clone())?
-        .take(steps)
-        .collect::<Result<Vec<_>>>()?;
-    if batches.len() < steps {
-        return Err(Error::Data(format!("the data gives {} steps, a dry run needs {steps}", batches.len())));
+    // Batches for every tensor size that divides the world: few steps each.
+    let world_size = rank_and_world(job.comm).1;
+    let mut batches = std::collections::BTreeMap::new();
+    for tensor in (1..=world_size).filter(|t| world_size.is_multiple_of(*t)) {
+        let loader =
+            DataLoader::new(job.dataset.clone(), loader_config(job, tensor)?, job.dataloader_args.order.clone())?;
+        let steps_here = loader.take(steps).collect::<Result<Vec<_>>>()?;
+        if steps_here.len() < steps {
+            return Err(Error::Data(format!("the data gives {} steps, a dry run needs {steps}", steps_here.len())));
+        }
+        batches.insert(tensor, steps_here);
     }
     let world: Option<Arc<dyn ProcessGroup>> = match job.comm.filter(|c| c.size() > 1) {
         Some(c) => Some(Arc::from(c.world()?)),
@@ -328,7 +331,7 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     }
     let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
     let analysis = bench::analyse(&b)?;
-    let cands = candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty());
+    let cands = candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty(), &analysis.tensor_sizes);
     if cands.is_empty() {
         return Err(Error::Config("no candidate strategy uses every included method and none excluded".into()));
     }

@@ -366,7 +366,7 @@ impl<'m> Search<'m> {
         // first, then replacement is tried on the chosen precision: fused kernels differ
         // most between precisions (bf16 attention can be slower fused on a CPU).
         let cost = |c: &Candidate| {
-            (c.checkpoint, c.sharding, c.module_replace, PRECISIONS.iter().position(|p| *p == c.precision))
+            (c.checkpoint, c.tensor, c.sharding, c.module_replace, PRECISIONS.iter().position(|p| *p == c.precision))
         };
         let mut order: Vec<usize> = (0..self.trials.len()).filter(|&i| self.open(i)).collect();
         order.sort_by_key(|&i| (!self.predicted_fit(i), cost(&self.cands[i])));
@@ -379,13 +379,26 @@ impl<'m> Search<'m> {
         // candidates in dry runs.
         type Key = fn(&Candidate) -> u8;
         type Keeps = fn(&Candidate, &Candidate) -> bool;
-        let dimensions: [(Key, Keeps); 4] = [
+        let dimensions: [(Key, Keeps); 5] = [
             (|c| c.precision as u8, |a, b| a.module_replace == b.module_replace),
             (|c| c.module_replace as u8, |a, b| a.precision == b.precision),
             (
                 |c| c.sharding as u8,
                 |a, b| {
-                    a.precision == b.precision && a.module_replace == b.module_replace && a.checkpoint == b.checkpoint
+                    a.precision == b.precision
+                        && a.module_replace == b.module_replace
+                        && a.checkpoint == b.checkpoint
+                        && a.tensor == b.tensor
+                },
+            ),
+            // Splitting units over a tensor group: the other methods kept.
+            (
+                |c| c.tensor as u8,
+                |a, b| {
+                    a.precision == b.precision
+                        && a.module_replace == b.module_replace
+                        && a.sharding == b.sharding
+                        && a.checkpoint == b.checkpoint
                 },
             ),
             // Recomputation only costs time: try dropping it, never adding it.
@@ -395,6 +408,7 @@ impl<'m> Search<'m> {
                     a.precision == b.precision
                         && a.module_replace == b.module_replace
                         && a.sharding == b.sharding
+                        && a.tensor == b.tensor
                         && !b.checkpoint
                 },
             ),
@@ -410,8 +424,9 @@ impl<'m> Search<'m> {
                     let here = self.cands[seed];
                     // A seed over the budget also gets its own value's next option.
                     let here_fits = !self.over_budget(seed);
-                    let distance =
-                        |c: &Candidate| (c.checkpoint != here.checkpoint, c.sharding != here.sharding, cost(c));
+                    let distance = |c: &Candidate| {
+                        (c.checkpoint != here.checkpoint, c.tensor != here.tensor, c.sharding != here.sharding, cost(c))
+                    };
                     let mut options: Vec<usize> = (0..self.trials.len())
                         .filter(|&i| self.predicted_fit(i) && !matches!(self.trials[i].outcome, Outcome::Pruned { .. }))
                         .filter(|&i| {

@@ -91,8 +91,7 @@ fn fp8_supported(device: tch::Device) -> bool {
 
 /// Which of the data-parallel replicas this rank's batches belong to, and how many there
 /// are: ranks of one tensor group read the same batches. (index, count) at `rank` of `world`.
-pub fn batch_shard(strategy: &Strategy, rank: usize, world: usize) -> Result<(usize, usize)> {
-    let mode = strategy.parallel_mode();
+pub fn batch_shard(mode: &ParallelMode, rank: usize, world: usize) -> Result<(usize, usize)> {
     if mode.size("tensor", world)? == 1 {
         return Ok((rank, world));
     }
