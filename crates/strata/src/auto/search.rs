@@ -172,6 +172,18 @@ pub struct SearchLimits {
     pub time_limit: Option<Duration>,
 }
 
+/// The searched dimensions, as indices into [`coordinates`].
+const PRECISION: usize = 0;
+const MODULE_REPLACE: usize = 1;
+const SHARDING: usize = 2;
+const TENSOR: usize = 3;
+const CHECKPOINT: usize = 4;
+
+/// A candidate's value in each searched dimension.
+fn coordinates(c: &Candidate) -> [u8; 5] {
+    [c.precision as u8, c.module_replace as u8, c.sharding as u8, c.tensor as u8, c.checkpoint as u8]
+}
+
 /// Search state shared by both modes.
 pub struct Search<'m> {
     measure: &'m mut dyn Measure,
@@ -377,45 +389,22 @@ impl<'m> Search<'m> {
         // fits (same recomputation and sharding if predicted to fit, else the least machinery
         // that is). Passes repeat while they change the choice, within a third of the
         // candidates in dry runs.
-        type Key = fn(&Candidate) -> u8;
-        type Keeps = fn(&Candidate, &Candidate) -> bool;
-        let dimensions: [(Key, Keeps); 5] = [
-            (|c| c.precision as u8, |a, b| a.module_replace == b.module_replace),
-            (|c| c.module_replace as u8, |a, b| a.precision == b.precision),
-            (
-                |c| c.sharding as u8,
-                |a, b| {
-                    a.precision == b.precision
-                        && a.module_replace == b.module_replace
-                        && a.checkpoint == b.checkpoint
-                        && a.tensor == b.tensor
-                },
-            ),
+        // A dimension: its coordinate, and the coordinates its alternatives keep as they are.
+        let dimensions: [(usize, &[usize]); 5] = [
+            (PRECISION, &[MODULE_REPLACE]),
+            (MODULE_REPLACE, &[PRECISION]),
+            (SHARDING, &[PRECISION, MODULE_REPLACE, CHECKPOINT, TENSOR]),
             // Splitting units over a tensor group: the other methods kept.
-            (
-                |c| c.tensor as u8,
-                |a, b| {
-                    a.precision == b.precision
-                        && a.module_replace == b.module_replace
-                        && a.sharding == b.sharding
-                        && a.checkpoint == b.checkpoint
-                },
-            ),
-            // Recomputation only costs time: try dropping it, never adding it.
-            (
-                |c| c.checkpoint as u8,
-                |a, b| {
-                    a.precision == b.precision
-                        && a.module_replace == b.module_replace
-                        && a.sharding == b.sharding
-                        && a.tensor == b.tensor
-                        && !b.checkpoint
-                },
-            ),
+            (TENSOR, &[PRECISION, MODULE_REPLACE, SHARDING, CHECKPOINT]),
+            // Recomputation only costs time: try dropping it, never adding it (below).
+            (CHECKPOINT, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR]),
         ];
+        let value = |dimension: usize, c: &Candidate| coordinates(c)[dimension];
+        let keeps =
+            |kept: &[usize], a: &Candidate, b: &Candidate| kept.iter().all(|&k| coordinates(a)[k] == coordinates(b)[k]);
         for _pass in 0..2 {
             let before = current;
-            for (value, keeps) in dimensions {
+            for (dimension, kept) in dimensions {
                 let mut seeds = self.precision_leaders();
                 if seeds.is_empty() {
                     seeds.push(current);
@@ -430,16 +419,18 @@ impl<'m> Search<'m> {
                     let mut options: Vec<usize> = (0..self.trials.len())
                         .filter(|&i| self.predicted_fit(i) && !matches!(self.trials[i].outcome, Outcome::Pruned { .. }))
                         .filter(|&i| {
+                            let c = &self.cands[i];
                             i != seed
-                                && keeps(&here, &self.cands[i])
-                                && (value(&self.cands[i]) != value(&here) || !here_fits)
+                                && keeps(kept, &here, c)
+                                && !(dimension == CHECKPOINT && c.checkpoint)
+                                && (value(dimension, c) != value(dimension, &here) || !here_fits)
                         })
                         .collect();
                     options.sort_by_key(|&i| distance(&self.cands[i]));
                     // Per value, the closest option; when it turns out not to fit, the next.
                     let mut settled: Vec<u8> = Vec::new();
                     for i in options {
-                        let v = value(&self.cands[i]);
+                        let v = value(dimension, &self.cands[i]);
                         if settled.contains(&v) {
                             continue;
                         }
