@@ -17,19 +17,8 @@ fn one_line(e: &strata::Error) -> bool {
 
 /// Pieces strategies are made of, so that random lists reach deep into the parser.
 fn strategy_value() -> impl Strategy<Value = Value> {
-    let names = prop::sample::select(vec![
-        "parallel_mode",
-        "amp_native",
-        "half",
-        "fp8",
-        "checkpoint",
-        "module_replace",
-        "zero1",
-        "zero2",
-        "fsdp",
-        "tensor_parallel",
-        "",
-    ]);
+    // Every method, and a name that is none.
+    let names = prop::sample::select(strata::strategy::METHODS.iter().copied().chain([""]).collect::<Vec<_>>());
     let leaf = prop_oneof![
         Just(Value::Null),
         any::<bool>().prop_map(Value::from),
