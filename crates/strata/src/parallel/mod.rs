@@ -6,6 +6,7 @@
 //! Owns: turning a validated [`Strategy`] and a communicator into an engine with the right
 //! schedule and process groups. Must not touch model definitions or optimizer policy.
 mod ddp;
+pub mod pipeline;
 pub mod tensor;
 pub mod zero;
 

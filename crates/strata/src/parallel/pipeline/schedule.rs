@@ -1,0 +1,511 @@
+//! Pipeline schedules as data: each is a pure function from (stages, micro-batches, virtual
+//! stages, rank) to the rank's ordered list of operations, and [`simulate`] runs every
+//! rank's list against each other with given costs, so orders, deadlocks and bubbles are
+//! tested without processes.
+//!
+//! Rank `r` of `p` holds the virtual stages `chunk·p + r` for `chunk` in `0..v`: stage 0 is
+//! rank 0's first chunk, the last stage rank `p − 1`'s last. Activations flow to the next
+//! stage and gradients to the previous one; a rank receives each in the order its neighbour
+//! sends them, so one ordered queue per direction and neighbour never deadlocks.
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// Which schedule runs the micro-batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    /// Every forward, then every backward (GPipe).
+    Gpipe,
+    /// One forward, one backward once the pipeline is full (PipeDream-Flush, Megatron's
+    /// default): a stage holds at most as many micro-batches as stages after it, plus one.
+    #[serde(rename = "1f1b")]
+    OneForwardOneBackward,
+    /// 1F1B over several chunks per rank (Megatron's interleaved schedule): a smaller bubble
+    /// for more communication.
+    Interleaved,
+    /// Zero-bubble ZB-H1: backward split into the input gradient, which the previous stage
+    /// waits for, and the weight gradient, which fills what would be bubbles.
+    ZeroBubble,
+}
+
+/// One operation of a rank's schedule, on micro-batch `micro` of its chunk `chunk`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Op {
+    RecvActivation {
+        micro: usize,
+        chunk: usize,
+    },
+    Forward {
+        micro: usize,
+        chunk: usize,
+    },
+    SendActivation {
+        micro: usize,
+        chunk: usize,
+    },
+    RecvGrad {
+        micro: usize,
+        chunk: usize,
+    },
+    /// Input and weight gradients together.
+    Backward {
+        micro: usize,
+        chunk: usize,
+    },
+    /// The input gradient only; the weight gradient waits for [`Op::BackwardWeight`].
+    BackwardInput {
+        micro: usize,
+        chunk: usize,
+    },
+    BackwardWeight {
+        micro: usize,
+        chunk: usize,
+    },
+    SendGrad {
+        micro: usize,
+        chunk: usize,
+    },
+}
+
+/// The shape of a pipeline: `stages` ranks, `micro_batches` per step, `virtual_stages`
+/// chunks per rank (1 except for the interleaved schedule).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pipeline {
+    pub stages: usize,
+    pub micro_batches: usize,
+    pub virtual_stages: usize,
+}
+
+/// A compute operation before its communication is added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    F(usize, usize),
+    B(usize, usize),
+    Bi(usize, usize),
+    W(usize, usize),
+}
+
+impl Pipeline {
+    fn check(&self, kind: ScheduleKind) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(format!("pipeline: {m}")));
+        if self.stages == 0 || self.micro_batches == 0 || self.virtual_stages == 0 {
+            return bad(format!(
+                "stages ({}), micro-batches ({}) and virtual stages ({}) must be positive",
+                self.stages, self.micro_batches, self.virtual_stages
+            ));
+        }
+        if self.virtual_stages > 1 && kind != ScheduleKind::Interleaved {
+            return bad(format!("{kind:?} runs one chunk per rank, not {}", self.virtual_stages));
+        }
+        if kind == ScheduleKind::Interleaved && !self.micro_batches.is_multiple_of(self.stages) {
+            return bad(format!(
+                "the interleaved schedule runs micro-batches in groups of the {} stages; {} is not a multiple",
+                self.stages, self.micro_batches
+            ));
+        }
+        Ok(())
+    }
+
+    /// Stages of the whole pipeline (chunks of every rank).
+    pub fn total_stages(&self) -> usize {
+        self.stages * self.virtual_stages
+    }
+
+    /// The global stage of `rank`'s chunk `chunk`.
+    pub fn stage(&self, rank: usize, chunk: usize) -> usize {
+        chunk * self.stages + rank
+    }
+
+    /// The bubble fraction the schedule's analysis gives with equal forward, input-gradient
+    /// and weight-gradient costs (backward = input + weight gradient).
+    pub fn analytic_bubble(&self, kind: ScheduleKind) -> f64 {
+        let (p, m, v) = (self.stages as f64, self.micro_batches as f64, self.virtual_stages as f64);
+        match kind {
+            ScheduleKind::Gpipe | ScheduleKind::OneForwardOneBackward => (p - 1.0) / (m + p - 1.0),
+            ScheduleKind::Interleaved => (p - 1.0) / (v * m + p - 1.0),
+            // Idle (p − 1)·(F + B − W) of 3m per rank: a third of 1F1B's (p − 1)·3.
+            ScheduleKind::ZeroBubble => (p - 1.0) / (3.0 * m + p - 1.0),
+        }
+    }
+}
+
+/// Rank `rank`'s operations, in order, for one step of `pipeline` under `kind`.
+pub fn schedule(kind: ScheduleKind, pipeline: Pipeline, rank: usize) -> Result<Vec<Op>> {
+    pipeline.check(kind)?;
+    if rank >= pipeline.stages {
+        return Err(Error::Config(format!("pipeline: rank {rank} of {} stages", pipeline.stages)));
+    }
+    let steps = match kind {
+        ScheduleKind::Gpipe => gpipe(pipeline),
+        ScheduleKind::OneForwardOneBackward => one_f_one_b(pipeline, rank),
+        ScheduleKind::Interleaved => interleaved(pipeline, rank),
+        ScheduleKind::ZeroBubble => zero_bubble(pipeline)?.swap_remove(rank),
+    };
+    Ok(with_communication(pipeline, rank, &steps))
+}
+
+fn gpipe(p: Pipeline) -> Vec<Step> {
+    let m = p.micro_batches;
+    (0..m).map(|i| Step::F(i, 0)).chain((0..m).map(|i| Step::B(i, 0))).collect()
+}
+
+fn one_f_one_b(p: Pipeline, rank: usize) -> Vec<Step> {
+    let m = p.micro_batches;
+    let warmup = (p.stages - rank - 1).min(m);
+    let mut out: Vec<Step> = (0..warmup).map(|i| Step::F(i, 0)).collect();
+    for i in 0..m - warmup {
+        out.push(Step::F(warmup + i, 0));
+        out.push(Step::B(i, 0));
+    }
+    out.extend((m - warmup..m).map(|i| Step::B(i, 0)));
+    out
+}
+
+/// Megatron's interleaved order: micro-batches in groups of `p` (whole groups only), each
+/// group through every chunk in turn (forward: chunks ascending; backward: descending);
+/// warm-up of `2(p − r − 1) + (v − 1)·p` forwards, then one forward and one backward
+/// alternately.
+fn interleaved(p: Pipeline, rank: usize) -> Vec<Step> {
+    let (m, v, stages) = (p.micro_batches, p.virtual_stages, p.stages);
+    let order = |backward: bool| -> Vec<(usize, usize)> {
+        let mut out = Vec::with_capacity(m * v);
+        for group in (0..m).step_by(stages) {
+            let micros = group..(group + stages).min(m);
+            for c in 0..v {
+                let chunk = if backward { v - 1 - c } else { c };
+                out.extend(micros.clone().map(|i| (i, chunk)));
+            }
+        }
+        out
+    };
+    let (forwards, backwards) = (order(false), order(true));
+    let total = m * v;
+    let warmup = (2 * (stages - rank - 1) + (v - 1) * stages).min(total);
+    let mut out: Vec<Step> = forwards[..warmup].iter().map(|&(i, c)| Step::F(i, c)).collect();
+    for k in 0..total - warmup {
+        let (i, c) = forwards[warmup + k];
+        out.push(Step::F(i, c));
+        let (i, c) = backwards[k];
+        out.push(Step::B(i, c));
+    }
+    out.extend(backwards[total - warmup..].iter().map(|&(i, c)| Step::B(i, c)));
+    out
+}
+
+/// ZB-H1, built by running every rank at once with unit costs: a rank computes an input
+/// gradient whenever one can start; else a deferred weight gradient if `p` are waiting;
+/// else a forward while fewer than 1F1B's `p − r` micro-batches await their input
+/// gradient; else a deferred weight gradient. Weight gradients thus fill the idle slots of
+/// 1F1B's warm-up and cool-down, and at most `p` wait at any time.
+fn zero_bubble(p: Pipeline) -> Result<Vec<Vec<Step>>> {
+    let (n, m) = (p.stages, p.micro_batches);
+    let mut out: Vec<Vec<Step>> = vec![Vec::new(); n];
+    // When each (rank, micro)'s forward output and input gradient are available to others.
+    let mut forward_done: Vec<Vec<Option<usize>>> = vec![vec![None; m]; n];
+    let mut grad_done: Vec<Vec<Option<usize>>> = vec![vec![None; m]; n];
+    let (mut next_f, mut next_b, mut next_w) = (vec![0; n], vec![0; n], vec![0; n]);
+    let mut time = 0;
+    while (0..n).any(|r| next_w[r] < m) {
+        let mut started: Vec<Option<Step>> = vec![None; n];
+        for r in 0..n {
+            let b = next_b[r];
+            let input_grad_ready = b < m
+                && forward_done[r][b].is_some_and(|t| t <= time)
+                && (r + 1 == n || grad_done[r + 1][b].is_some_and(|t| t <= time));
+            let f = next_f[r];
+            let forward_ready =
+                f < m && f - next_b[r] < n - r && (r == 0 || forward_done[r - 1][f].is_some_and(|t| t <= time));
+            let waiting = next_b[r] - next_w[r];
+            started[r] = if input_grad_ready {
+                Some(Step::Bi(b, 0))
+            } else if waiting >= n {
+                Some(Step::W(next_w[r], 0))
+            } else if forward_ready {
+                Some(Step::F(f, 0))
+            } else if next_w[r] < next_b[r] {
+                Some(Step::W(next_w[r], 0))
+            } else {
+                None
+            };
+        }
+        for (r, step) in started.into_iter().enumerate() {
+            match step {
+                Some(Step::F(i, _)) => {
+                    forward_done[r][i] = Some(time + 1);
+                    next_f[r] += 1;
+                }
+                Some(Step::Bi(i, _)) => {
+                    grad_done[r][i] = Some(time + 1);
+                    next_b[r] += 1;
+                }
+                Some(Step::W(..)) => next_w[r] += 1,
+                _ => continue,
+            }
+            out[r].push(step.expect("matched above"));
+        }
+        time += 1;
+        if time > 8 * n * m + 8 * n {
+            return Err(Error::Engine("pipeline: the zero-bubble schedule did not converge".into()));
+        }
+    }
+    Ok(out)
+}
+
+/// The compute steps with the receives before and the sends after them.
+fn with_communication(p: Pipeline, rank: usize, steps: &[Step]) -> Vec<Op> {
+    let last = p.total_stages() - 1;
+    let mut out = Vec::with_capacity(steps.len() * 3);
+    for &step in steps {
+        match step {
+            Step::F(micro, chunk) => {
+                let stage = p.stage(rank, chunk);
+                if stage > 0 {
+                    out.push(Op::RecvActivation { micro, chunk });
+                }
+                out.push(Op::Forward { micro, chunk });
+                if stage < last {
+                    out.push(Op::SendActivation { micro, chunk });
+                }
+            }
+            Step::B(micro, chunk) | Step::Bi(micro, chunk) => {
+                let stage = p.stage(rank, chunk);
+                if stage < last {
+                    out.push(Op::RecvGrad { micro, chunk });
+                }
+                out.push(match step {
+                    Step::B(..) => Op::Backward { micro, chunk },
+                    _ => Op::BackwardInput { micro, chunk },
+                });
+                if stage > 0 {
+                    out.push(Op::SendGrad { micro, chunk });
+                }
+            }
+            Step::W(micro, chunk) => out.push(Op::BackwardWeight { micro, chunk }),
+        }
+    }
+    out
+}
+
+/// Costs of the compute operations in a simulation.
+#[derive(Clone, Copy, Debug)]
+pub struct Costs {
+    pub forward: f64,
+    pub input_grad: f64,
+    pub weight_grad: f64,
+}
+
+impl Costs {
+    /// Forward, input gradient and weight gradient each 1: a whole backward is 2.
+    pub const UNIT: Costs = Costs { forward: 1.0, input_grad: 1.0, weight_grad: 1.0 };
+}
+
+/// What a simulation found: when the last rank finished, and each rank's busy time.
+#[derive(Clone, Debug)]
+pub struct Simulation {
+    pub makespan: f64,
+    pub busy: Vec<f64>,
+}
+
+impl Simulation {
+    /// Each rank's idle share of the makespan.
+    pub fn bubbles(&self) -> Vec<f64> {
+        self.busy.iter().map(|b| 1.0 - b / self.makespan).collect()
+    }
+}
+
+/// Runs every rank's operations against each other: a receive waits for its send, sends
+/// never wait, compute waits for its inputs. Fails on a deadlock, on a receive whose
+/// message comes out of order, and on an operation without its prerequisites.
+pub fn simulate(pipeline: Pipeline, ranks: &[Vec<Op>], costs: Costs) -> Result<Simulation> {
+    use std::collections::{HashMap, HashSet, VecDeque};
+    let p = pipeline;
+    let n = ranks.len();
+    let last = p.total_stages() - 1;
+    let fail = |m: String| Error::Engine(format!("pipeline schedule: {m}"));
+    // Ordered queues, by (from, to, carries gradients): (micro, chunk of the receiver, time).
+    let mut queues: HashMap<(usize, usize, bool), VecDeque<(usize, usize, f64)>> = HashMap::new();
+    let (mut clock, mut busy, mut next) = (vec![0.0f64; n], vec![0.0f64; n], vec![0usize; n]);
+    let mut done: Vec<HashSet<Op>> = vec![HashSet::new(); n];
+    // The receiving rank and chunk of stage `s`.
+    let at = |s: usize| (s % p.stages, s / p.stages);
+    loop {
+        let mut progressed = false;
+        for r in 0..n {
+            while let Some(&op) = ranks[r].get(next[r]) {
+                let mut start = clock[r];
+                let need = |o: Op| done[r].contains(&o);
+                let cost = match op {
+                    Op::RecvActivation { micro, chunk } | Op::RecvGrad { micro, chunk } => {
+                        let grads = matches!(op, Op::RecvGrad { .. });
+                        let stage = p.stage(r, chunk);
+                        let from = if grads { at(stage + 1).0 } else { at(stage - 1).0 };
+                        let Some(&(m, c, sent)) = queues.get(&(from, r, grads)).and_then(|q| q.front()) else { break };
+                        if (m, c) != (micro, chunk) {
+                            return Err(fail(format!(
+                                "rank {r} waits for {op:?} but rank {from} sent micro-batch {m} chunk {c} first"
+                            )));
+                        }
+                        queues.get_mut(&(from, r, grads)).map(VecDeque::pop_front);
+                        start = start.max(sent);
+                        0.0
+                    }
+                    Op::Forward { micro, chunk } => {
+                        if p.stage(r, chunk) > 0 && !need(Op::RecvActivation { micro, chunk }) {
+                            return Err(fail(format!("rank {r}: {op:?} before its input arrived")));
+                        }
+                        costs.forward
+                    }
+                    Op::Backward { micro, chunk } | Op::BackwardInput { micro, chunk } => {
+                        let ready = need(Op::Forward { micro, chunk })
+                            && (p.stage(r, chunk) == last || need(Op::RecvGrad { micro, chunk }));
+                        if !ready {
+                            return Err(fail(format!("rank {r}: {op:?} before its forward or gradient")));
+                        }
+                        match op {
+                            Op::Backward { .. } => costs.input_grad + costs.weight_grad,
+                            _ => costs.input_grad,
+                        }
+                    }
+                    Op::BackwardWeight { micro, chunk } => {
+                        if !need(Op::BackwardInput { micro, chunk }) {
+                            return Err(fail(format!("rank {r}: {op:?} before its input gradient")));
+                        }
+                        costs.weight_grad
+                    }
+                    Op::SendActivation { micro, chunk } | Op::SendGrad { micro, chunk } => {
+                        let grads = matches!(op, Op::SendGrad { .. });
+                        let stage = p.stage(r, chunk);
+                        let (to, to_chunk) = if grads { at(stage - 1) } else { at(stage + 1) };
+                        queues.entry((r, to, grads)).or_default().push_back((micro, to_chunk, clock[r]));
+                        0.0
+                    }
+                };
+                if !done[r].insert(op) {
+                    return Err(fail(format!("rank {r} runs {op:?} twice")));
+                }
+                clock[r] = start + cost;
+                busy[r] += cost;
+                next[r] += 1;
+                progressed = true;
+            }
+        }
+        if (0..n).all(|r| next[r] == ranks[r].len()) {
+            break;
+        }
+        if !progressed {
+            let stuck: Vec<String> =
+                (0..n).filter_map(|r| ranks[r].get(next[r]).map(|o| format!("rank {r} at {o:?}"))).collect();
+            return Err(fail(format!("deadlock: {}", stuck.join(", "))));
+        }
+    }
+    if let Some(((from, to, _), q)) = queues.iter().find(|(_, q)| !q.is_empty()) {
+        return Err(fail(format!("{} messages from rank {from} to rank {to} never received", q.len())));
+    }
+    let makespan = clock.iter().copied().fold(0.0, f64::max);
+    Ok(Simulation { makespan, busy })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KINDS: [ScheduleKind; 4] =
+        [ScheduleKind::Gpipe, ScheduleKind::OneForwardOneBackward, ScheduleKind::Interleaved, ScheduleKind::ZeroBubble];
+
+    fn all_ranks(kind: ScheduleKind, p: Pipeline) -> Vec<Vec<Op>> {
+        (0..p.stages).map(|r| schedule(kind, p, r).unwrap()).collect()
+    }
+
+    #[test]
+    fn every_schedule_runs_each_operation_once_without_deadlock() {
+        for kind in KINDS {
+            for stages in [2, 4, 8] {
+                for micro_batches in 1..=16 {
+                    let v = if kind == ScheduleKind::Interleaved { 2 } else { 1 };
+                    let p = Pipeline { stages, micro_batches, virtual_stages: v };
+                    if kind == ScheduleKind::Interleaved && micro_batches % stages != 0 {
+                        let err = schedule(kind, p, 0).unwrap_err().to_string();
+                        assert!(err.contains("groups of the"), "{err}");
+                        continue;
+                    }
+                    let ranks = all_ranks(kind, p);
+                    let what = format!("{kind:?} p={stages} m={micro_batches}");
+                    simulate(p, &ranks, Costs::UNIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    for (r, ops) in ranks.iter().enumerate() {
+                        for micro in 0..micro_batches {
+                            for chunk in 0..v {
+                                let count = |o: Op| ops.iter().filter(|x| **x == o).count();
+                                assert_eq!(count(Op::Forward { micro, chunk }), 1, "{what} rank {r}");
+                                let backward = count(Op::Backward { micro, chunk });
+                                let split = count(Op::BackwardInput { micro, chunk });
+                                assert_eq!(backward + split, 1, "{what} rank {r}: one backward of ({micro}, {chunk})");
+                                assert_eq!(count(Op::BackwardWeight { micro, chunk }), split, "{what} rank {r}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simulated_bubbles_equal_the_analytic_ones() {
+        for stages in [2, 4, 8] {
+            for micro_batches in 1..=16 {
+                for (kind, v) in [
+                    (ScheduleKind::Gpipe, 1),
+                    (ScheduleKind::OneForwardOneBackward, 1),
+                    (ScheduleKind::Interleaved, 2),
+                    (ScheduleKind::ZeroBubble, 1),
+                ] {
+                    let p = Pipeline { stages, micro_batches, virtual_stages: v };
+                    if kind == ScheduleKind::Interleaved && micro_batches % stages != 0 {
+                        continue; // the analysis assumes whole groups of p micro-batches
+                    }
+                    if kind == ScheduleKind::ZeroBubble && micro_batches < stages {
+                        continue; // too few micro-batches to hide the weight gradients
+                    }
+                    // Chunks of the interleaved schedule cost 1/v each.
+                    let scale = 1.0 / v as f64;
+                    let costs = Costs { forward: scale, input_grad: scale, weight_grad: scale };
+                    let sim = simulate(p, &all_ranks(kind, p), costs).unwrap();
+                    let expected = p.analytic_bubble(kind);
+                    // The first rank waits the longest at the end: its bubble is the analysis'.
+                    let got = sim.bubbles()[0];
+                    assert!(
+                        (got - expected).abs() < 1e-9,
+                        "{kind:?} p={stages} m={micro_batches}: simulated {got}, analytic {expected}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_f_one_b_holds_at_most_the_stages_after_it_plus_one() {
+        let p = Pipeline { stages: 4, micro_batches: 8, virtual_stages: 1 };
+        for r in 0..4 {
+            let ops = schedule(ScheduleKind::OneForwardOneBackward, p, r).unwrap();
+            let mut held: i64 = 0;
+            let mut most = 0;
+            for op in ops {
+                match op {
+                    Op::Forward { .. } => held += 1,
+                    Op::Backward { .. } => held -= 1,
+                    _ => {}
+                }
+                most = most.max(held);
+            }
+            assert_eq!(most, (4 - r) as i64, "rank {r}");
+        }
+    }
+
+    #[test]
+    fn bad_pipelines_are_refused() {
+        let p = Pipeline { stages: 2, micro_batches: 0, virtual_stages: 1 };
+        assert!(schedule(ScheduleKind::Gpipe, p, 0).unwrap_err().to_string().contains("must be positive"));
+        let v = Pipeline { stages: 2, micro_batches: 4, virtual_stages: 2 };
+        assert!(schedule(ScheduleKind::OneForwardOneBackward, v, 0).is_err());
+        assert!(schedule(ScheduleKind::Gpipe, Pipeline { virtual_stages: 1, ..v }, 2).is_err());
+    }
+}
