@@ -323,7 +323,9 @@ pub fn simulate(pipeline: Pipeline, ranks: &[Vec<Op>], costs: Costs) -> Result<S
     let last = p.total_stages() - 1;
     let fail = |m: String| Error::Engine(format!("pipeline schedule: {m}"));
     // Ordered queues, by (from, to, carries gradients): (micro, chunk of the receiver, time).
-    let mut queues: HashMap<(usize, usize, bool), VecDeque<(usize, usize, f64)>> = HashMap::new();
+    type Link = (usize, usize, bool);
+    type Message = (usize, usize, f64);
+    let mut queues: HashMap<Link, VecDeque<Message>> = HashMap::new();
     let (mut clock, mut busy, mut next) = (vec![0.0f64; n], vec![0.0f64; n], vec![0usize; n]);
     let mut done: Vec<HashSet<Op>> = vec![HashSet::new(); n];
     // The receiving rank and chunk of stage `s`.
