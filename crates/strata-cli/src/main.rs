@@ -11,6 +11,7 @@ mod bench_zero;
 mod launch;
 mod options;
 mod train;
+mod train_pipeline;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -222,6 +222,19 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     if let Some(path) = settings.save_strategy.as_ref().filter(|_| leader) {
         strategy.save(path)?;
     }
+    let world_size = comm.as_ref().map_or(1, |c| c.size());
+    if strategy.parallel_mode().size("pipeline", world_size)? > 1 {
+        return crate::train_pipeline::run(crate::train_pipeline::PipelineRun {
+            settings: &settings,
+            choice: &choice,
+            engine: engine_config,
+            strategy: &strategy,
+            comm: comm.as_ref(),
+            data,
+            order,
+            leader,
+        });
+    }
     let placement = Placement { comm: comm.as_ref(), local_world_size, data_parallel };
     let mut engine = parallel::build_engine(spec, engine_config, &strategy, &placement)?;
     if let Some(path) = &settings.init_weights {

@@ -22,6 +22,14 @@ pub use schedule::{OptimizerView, Phase, Resident, ScheduleContext, UnitSchedule
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
+/// Where a micro-batch's backward starts.
+pub enum Upstream<'a> {
+    /// A scalar loss computed from the output.
+    Loss(&'a Tensor),
+    /// The gradient of the output.
+    Grad(&'a Tensor),
+}
+
 /// How backward walks the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackwardMode {
@@ -135,7 +143,8 @@ pub struct Engine {
     full_offsets: Vec<i64>,
     ledger: Arc<MemoryLedger>,
     schedule: Box<dyn UnitSchedule>,
-    record: Option<ForwardRecord>,
+    /// What each micro-batch's forward kept for its backward, by micro-batch.
+    records: std::collections::BTreeMap<usize, ForwardRecord>,
     sync_grads: bool,
     /// Each unit's compute policy.
     compute: Vec<Arc<UnitCompute>>,
@@ -255,7 +264,8 @@ impl Engine {
             on_unit(k, &mut unit_storage, &initial, &ledger)?;
             storage.push(unit_storage);
         }
-        let params = params.into_iter().map(|p| p.expect("every parameter belongs to a unit")).collect();
+        // Parameters of units another pipeline stage holds stay undefined here.
+        let params = params.into_iter().map(|p| p.unwrap_or_else(Tensor::new)).collect();
         let units = spec.units.len();
         tracing::debug!(units, params = spec.num_params(), device = ?config.device, "engine allocated");
         Ok(Engine {
@@ -268,7 +278,7 @@ impl Engine {
             full_offsets,
             ledger,
             schedule: Box::new(Resident),
-            record: None,
+            records: Default::default(),
             sync_grads: true,
             compute: (0..units).map(|_| Arc::new(UnitCompute::default())).collect(),
             fp8_weights: vec![vec![]; units],
@@ -388,9 +398,10 @@ impl Engine {
         self.spec.find(name).map(|id| &self.params[id.0])
     }
 
-    /// Parameters with their canonical names, in declaration order.
+    /// Parameters with their canonical names, in declaration order (those this engine's
+    /// units hold).
     pub fn named_params(&self) -> impl Iterator<Item = (&str, &Tensor)> {
-        self.spec.params.iter().map(|p| p.name.as_str()).zip(self.params.iter())
+        self.spec.params.iter().map(|p| p.name.as_str()).zip(self.params.iter()).filter(|(_, t)| t.defined())
     }
 
     /// The schedule and what it may act on for `unit`.
@@ -549,14 +560,26 @@ impl Engine {
     /// Runs every unit in order and returns the last unit's output. In unit-by-unit mode the
     /// output is a leaf: compute the loss from it, then call [`Engine::backward`].
     pub fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
-        self.release_record();
+        self.release_records();
+        self.forward_micro(0, input)
+    }
+
+    /// [`Engine::forward`] of micro-batch `micro`, keeping its records beside those of other
+    /// micro-batches until [`Engine::backward_micro`] consumes them (a pipeline stage holds
+    /// several). An input that requires a gradient (an activation from an earlier stage) gets
+    /// one: backward returns it.
+    pub fn forward_micro(&mut self, micro: usize, input: &Tensor) -> Result<Tensor> {
+        if let Some(old) = self.records.remove(&micro) {
+            self.ledger.free(Placement::Device, Category::Activations, old.activation_bytes);
+        }
         let unit_by_unit = self.config.backward == BackwardMode::UnitByUnit;
+        let input_grad = input.requires_grad();
         let mut x = input.shallow_clone();
         let mut boundaries = Vec::with_capacity(self.spec.units.len());
         let mut activation_bytes = 0;
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
-            let cut = (unit_by_unit && k > 0).then(|| x.detach().set_requires_grad(true));
+            let cut = (unit_by_unit && (k > 0 || input_grad)).then(|| x.detach().set_requires_grad(true));
             let unit_input = cut.as_ref().unwrap_or(&x).shallow_clone();
             // A recomputed unit keeps nothing of its forward but its input.
             let recompute = self.compute[k].recompute;
@@ -574,13 +597,13 @@ impl Engine {
             x = y;
         }
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
-        self.record = Some(ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes });
+        self.records.insert(micro, ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes });
         Ok(out)
     }
 
     /// Forward without recording anything for backward (evaluation).
     pub fn evaluate(&mut self, input: &Tensor) -> Result<Tensor> {
-        self.release_record();
+        self.release_records();
         let mut x = input.shallow_clone();
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
@@ -593,22 +616,38 @@ impl Engine {
     /// Backward from `loss`, a scalar computed from the last [`Engine::forward`]'s output.
     /// Parameter gradients accumulate into the flat gradient buffers.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
-        let record = self.record.take().ok_or_else(|| Error::Engine("backward called without a forward".into()))?;
-        let result = self.backward_from(loss, &record);
+        self.backward_micro(0, Upstream::Loss(loss)).map(|_| ())
+    }
+
+    /// Backward of micro-batch `micro` from a loss computed from its output, or from the
+    /// gradient of its output (received from the next pipeline stage). Returns the gradient
+    /// of its input, where the input took one.
+    pub fn backward_micro(&mut self, micro: usize, upstream: Upstream<'_>) -> Result<Option<Tensor>> {
+        let record =
+            self.records.remove(&micro).ok_or_else(|| Error::Engine("backward called without a forward".into()))?;
+        let result = self.backward_from(upstream, &record);
         self.ledger.free(Placement::Device, Category::Activations, record.activation_bytes);
         result
     }
 
-    fn backward_from(&mut self, loss: &Tensor, record: &ForwardRecord) -> Result<()> {
-        if loss.numel() != 1 {
-            return Err(Error::Engine(format!("backward needs a scalar loss, got shape {:?}", loss.size())));
-        }
-        let seed = loss.f_ones_like()?;
-        strata_ext::backward(&[loss], &[&seed], false)?;
-        if self.config.backward == BackwardMode::WholeGraph {
-            return Ok(());
-        }
-        let mut upstream = record.out.grad();
+    fn backward_from(&mut self, seed: Upstream<'_>, record: &ForwardRecord) -> Result<Option<Tensor>> {
+        let mut upstream = match seed {
+            Upstream::Loss(loss) => {
+                if loss.numel() != 1 {
+                    return Err(Error::Engine(format!("backward needs a scalar loss, got shape {:?}", loss.size())));
+                }
+                let ones = loss.f_ones_like()?;
+                strata_ext::backward(&[loss], &[&ones], false)?;
+                if self.config.backward == BackwardMode::WholeGraph {
+                    return Ok(None);
+                }
+                record.out.grad()
+            }
+            Upstream::Grad(_) if self.config.backward == BackwardMode::WholeGraph => {
+                return Err(Error::Engine("a gradient from another stage needs the unit-by-unit backward".into()))
+            }
+            Upstream::Grad(g) => g.shallow_clone(),
+        };
         if !upstream.defined() {
             return Err(Error::Engine("the loss does not depend on the model's output".into()));
         }
@@ -623,10 +662,11 @@ impl Engine {
             self.run_schedule(Phase::AfterBackward, k)?;
             match &b.input {
                 Some(input) if input.grad().defined() => upstream = input.grad(),
-                _ => break,
+                _ => return Ok(None),
             }
         }
-        Ok(())
+        // The loop ended at the first unit with the gradient of a cut input.
+        Ok(Some(upstream))
     }
 
     /// Unit `k`'s forward under its compute policy.
@@ -709,8 +749,8 @@ impl Engine {
         self.amax_group = group;
     }
 
-    fn release_record(&mut self) {
-        if let Some(r) = self.record.take() {
+    fn release_records(&mut self) {
+        for r in std::mem::take(&mut self.records).into_values() {
             self.ledger.free(Placement::Device, Category::Activations, r.activation_bytes);
         }
     }
@@ -739,7 +779,13 @@ impl Engine {
                     continue;
                 }
                 let (group, start) = (group_of(p), self.offsets[id.0]);
-                let share = if p.tp.is_split() { 1.0 } else { 1.0 / tp as f64 };
+                let share = if self.spec.copies.contains(&id) {
+                    0.0
+                } else if p.tp.is_split() {
+                    1.0
+                } else {
+                    1.0 / tp as f64
+                };
                 let end = start + p.local_shape(tp).iter().product::<i64>();
                 match runs.last_mut() {
                     Some((g, s, _, e)) if *g == group && *s == share && *e == start => *e = end,

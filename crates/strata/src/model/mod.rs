@@ -167,6 +167,10 @@ pub struct ModelSpec {
     pub params: Vec<ParamSpec>,
     /// Extra names under which a parameter is known (`lm_head.weight` for a tied embedding).
     pub aliases: Vec<(String, ParamId)>,
+    /// Parameters this spec holds as copies of another pipeline stage's (a tied weight read
+    /// by units on both): their gradients are summed with the owner's, and the owner alone
+    /// counts them in gradient norms. Empty for a whole model.
+    pub copies: Vec<ParamId>,
 }
 
 impl ModelSpec {
@@ -225,6 +229,37 @@ impl ModelSpec {
         Ok(())
     }
 
+    /// The units `start..end` alone (a pipeline stage): parameters of other units stay
+    /// declared but belong to no unit here, and a parameter a kept unit borrows from a unit
+    /// not kept becomes the borrower's own, as a copy ([`ModelSpec::copies`]).
+    pub fn stage(mut self, start: usize, end: usize) -> Result<ModelSpec> {
+        if start >= end || end > self.units.len() {
+            return Err(Error::Config(format!("stage [{start}, {end}) of a model of {} units", self.units.len())));
+        }
+        let owner: Vec<usize> = self.params.iter().map(|p| p.unit).collect();
+        let mut units: Vec<UnitSpec> = self.units.drain(start..end).collect();
+        for (k, u) in units.iter_mut().enumerate() {
+            for id in &u.params {
+                self.params[id.0].unit = k;
+            }
+            let (kept, elsewhere): (Vec<ParamId>, Vec<ParamId>) =
+                u.borrowed.iter().partition(|id| (start..end).contains(&owner[id.0]));
+            u.borrowed = kept;
+            for id in elsewhere {
+                self.params[id.0].unit = k;
+                u.params.push(id);
+                self.copies.push(id);
+            }
+        }
+        self.units = units;
+        Ok(self)
+    }
+
+    /// Whether a unit of this spec stores parameter `id` (a stage holds only its units').
+    pub fn holds(&self, id: ParamId) -> bool {
+        self.units.iter().any(|u| u.params.contains(&id))
+    }
+
     pub fn find(&self, name: &str) -> Option<ParamId> {
         self.params
             .iter()
@@ -267,7 +302,7 @@ impl Builder {
         if self.units.is_empty() {
             return Err(Error::Model("the model function declared no units".into()));
         }
-        Ok(ModelSpec { units: self.units, params: self.params, aliases: self.aliases })
+        Ok(ModelSpec { units: self.units, params: self.params, aliases: self.aliases, copies: vec![] })
     }
 
     fn fail(&mut self, message: String) {

@@ -91,16 +91,19 @@ fn fp8_supported(device: tch::Device) -> bool {
 }
 
 /// Which of the data-parallel replicas this rank's batches belong to, and how many there
-/// are: ranks of one tensor group read the same batches. (index, count) at `rank` of `world`.
+/// are: ranks that differ only in their tensor or pipeline coordinate read the same batches.
+/// (index, count) at `rank` of `world`.
 pub fn batch_shard(mode: &ParallelMode, rank: usize, world: usize) -> Result<(usize, usize)> {
-    if mode.size("tensor", world)? == 1 {
-        return Ok((rank, world));
+    let groups = mode.groups(world)?;
+    let (mut index, mut count) = (0, 1);
+    for (name, size) in mode.resolve(world)?.iter().filter(|(n, _)| n == "data" || n == "zero") {
+        let coordinate = groups[name].iter().find_map(|g| g.iter().position(|&r| r == rank)).ok_or_else(|| {
+            Error::Config(format!("parallel_mode: rank {rank} is in no {name} group of a world of {world}"))
+        })?;
+        index += coordinate * count;
+        count *= size;
     }
-    let groups = &mode.groups(world)?["tensor"];
-    let index = groups.iter().position(|g| g.contains(&rank)).ok_or_else(|| {
-        Error::Config(format!("parallel_mode: rank {rank} is in no tensor group of a world of {world}"))
-    })?;
-    Ok((index, groups.len()))
+    Ok((index, count))
 }
 
 /// For each tensor coordinate, the ranks that hold it: the replicas data parallelism and

@@ -23,7 +23,7 @@ use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 10] = [
+pub const METHODS: [&str; 11] = [
     "parallel_mode",
     "amp_native",
     "half",
@@ -34,6 +34,7 @@ pub const METHODS: [&str; 10] = [
     "zero2",
     "fsdp",
     "tensor_parallel",
+    "pipeline_parallel",
 ];
 
 /// A validated strategy: its methods in the order given.
@@ -60,6 +61,45 @@ pub enum Method {
     Fsdp(ShardConfig),
     /// Units split Megatron-style over parallel_mode's tensor groups.
     TensorParallel(TensorParallelConfig),
+    /// Contiguous unit ranges on parallel_mode's pipeline stages, run by a schedule.
+    PipelineParallel(PipelineConfig),
+}
+
+/// Which schedule runs the micro-batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    /// Every forward, then every backward (GPipe).
+    Gpipe,
+    /// One forward, one backward once the pipeline is full (PipeDream-Flush, Megatron's
+    /// default): a stage holds at most as many micro-batches as stages after it, plus one.
+    #[serde(rename = "1f1b")]
+    OneForwardOneBackward,
+    /// 1F1B over several chunks per rank (Megatron's interleaved schedule): a smaller bubble
+    /// for more communication.
+    Interleaved,
+    /// Zero-bubble ZB-H1: backward split into the input gradient, which the previous stage
+    /// waits for, and the weight gradient, which fills what would be bubbles.
+    ZeroBubble,
+}
+
+/// `pipeline_parallel`'s configuration; the number of stages is parallel_mode's
+/// `("pipeline", p)`, the micro-batches per step the run's gradient accumulation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineConfig {
+    pub schedule: ScheduleKind,
+    /// Chunks per rank (the interleaved schedule's; 1 otherwise).
+    pub virtual_stages: usize,
+    /// The stages' unit ranges `[start, end)` by hand; `None`: balanced by the units'
+    /// parameter counts.
+    pub stages: Option<Vec<(usize, usize)>>,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        PipelineConfig { schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1, stages: None }
+    }
 }
 
 /// `tensor_parallel`'s configuration; the tensor size is parallel_mode's `("tensor", k)`.
@@ -173,6 +213,7 @@ impl Method {
             Method::Zero2(_) => "zero2",
             Method::Fsdp(_) => "fsdp",
             Method::TensorParallel(_) => "tensor_parallel",
+            Method::PipelineParallel(_) => "pipeline_parallel",
         }
     }
 
@@ -245,6 +286,7 @@ impl Method {
             "zero2" => Method::Zero2(shard()?),
             "fsdp" => Method::Fsdp(shard()?),
             "tensor_parallel" => Method::TensorParallel(parse_config(name, config)?),
+            "pipeline_parallel" => Method::PipelineParallel(parse_config(name, config)?),
             other => return Err(Error::Config(format!("unknown method {other:?}; allowed: {}", METHODS.join(", ")))),
         })
     }
@@ -267,6 +309,7 @@ impl Method {
             Method::ModuleReplace(c) => serde_json::to_value(c),
             Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => serde_json::to_value(c),
             Method::TensorParallel(c) => serde_json::to_value(c),
+            Method::PipelineParallel(c) => serde_json::to_value(c),
         };
         Value::Array(vec![Value::String(self.name().into()), config.unwrap_or(Value::Null)])
     }
@@ -429,6 +472,11 @@ impl Strategy {
             .iter()
             .find_map(|m| if let Method::ParallelMode(p) = m { Some(p.clone()) } else { None })
             .unwrap_or_default()
+    }
+
+    /// `pipeline_parallel`'s configuration, if the strategy has it.
+    pub fn pipeline_parallel(&self) -> Option<&PipelineConfig> {
+        self.methods.iter().find_map(|m| if let Method::PipelineParallel(c) = m { Some(c) } else { None })
     }
 
     /// `tensor_parallel`'s configuration, if the strategy has it.

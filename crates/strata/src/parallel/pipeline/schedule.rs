@@ -8,25 +8,8 @@
 //! stage and gradients to the previous one; a rank receives each in the order its neighbour
 //! sends them, so one ordered queue per direction and neighbour never deadlocks.
 use crate::{Error, Result};
-use serde::{Deserialize, Serialize};
 
-/// Which schedule runs the micro-batches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ScheduleKind {
-    /// Every forward, then every backward (GPipe).
-    Gpipe,
-    /// One forward, one backward once the pipeline is full (PipeDream-Flush, Megatron's
-    /// default): a stage holds at most as many micro-batches as stages after it, plus one.
-    #[serde(rename = "1f1b")]
-    OneForwardOneBackward,
-    /// 1F1B over several chunks per rank (Megatron's interleaved schedule): a smaller bubble
-    /// for more communication.
-    Interleaved,
-    /// Zero-bubble ZB-H1: backward split into the input gradient, which the previous stage
-    /// waits for, and the weight gradient, which fills what would be bubbles.
-    ZeroBubble,
-}
+pub use crate::strategy::ScheduleKind;
 
 /// One operation of a rank's schedule, on micro-batch `micro` of its chunk `chunk`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -1,0 +1,92 @@
+//! `strata train` with a pipeline (`parallel_mode`'s `("pipeline", p)`): each rank trains its
+//! stages with [`PipelineTrainer`]; metrics and saved weights speak for the whole model.
+use crate::options::TrainSettings;
+use crate::train::model_spec;
+use anyhow::{bail, Context, Result};
+use std::io::Write;
+use std::sync::Arc;
+use strata::comm::Comm;
+use strata::data::{DataLoader, LoaderConfig, Order, TokenData};
+use strata::engine::EngineConfig;
+use strata::model::ModelSpec;
+use strata::parallel::pipeline::{PipelineSetup, PipelineTrainer};
+use strata::strategy::Strategy;
+use tracing::info;
+
+/// What the pipeline run needs from `strata train`'s set-up.
+pub struct PipelineRun<'a> {
+    pub settings: &'a TrainSettings,
+    pub choice: &'a crate::options::ModelChoice,
+    pub engine: EngineConfig,
+    pub strategy: &'a Strategy,
+    pub comm: Option<&'a Comm>,
+    pub data: Arc<TokenData>,
+    pub order: Order,
+    pub leader: bool,
+}
+
+pub fn run(r: PipelineRun<'_>) -> Result<()> {
+    let s = r.settings;
+    if s.resume.is_some() || s.save_checkpoint.is_some() || s.init_weights.is_some() {
+        bail!(
+            "pipeline_parallel: --resume, --save-checkpoint and --init-weights are not available with a pipeline yet"
+        );
+    }
+    let make = || -> strata::Result<ModelSpec> {
+        let mut spec = model_spec(r.choice).map_err(|e| strata::Error::Model(e.to_string()))?;
+        spec.freeze(&s.freeze)?;
+        Ok(spec)
+    };
+    let mut trainer = PipelineTrainer::new(PipelineSetup {
+        spec: &make,
+        engine: r.engine,
+        strategy: r.strategy,
+        comm: r.comm,
+        optimizer: s.optimizer.clone(),
+        schedule: s.schedule.clone(),
+        grad_clip: s.grad_clip,
+        micro_batches: s.accumulation,
+    })?;
+    let (rank, world) = r.comm.map_or((0, 1), |c| (c.rank(), c.size()));
+    let (data_rank, data_world) = strata::parallel::batch_shard(&r.strategy.parallel_mode(), rank, world)?;
+    let config = LoaderConfig {
+        accumulation: s.accumulation,
+        rank: data_rank,
+        world: data_world,
+        seed: s.seed,
+        device: s.device,
+        ..LoaderConfig::new(s.ctx as usize, s.batch_size)
+    };
+    let loader = DataLoader::new(r.data, config, r.order)?;
+    let mut metrics = match s.metrics.as_ref().filter(|_| r.leader) {
+        Some(path) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path).with_context(|| format!("cannot create metrics file {}", path.display()))?,
+        )),
+        None => None,
+    };
+    let mut last = None;
+    for step in loader.take(s.steps as usize) {
+        let mut report = trainer.train_step(&step?)?;
+        report.tokens *= data_world as u64;
+        report.tokens_per_s *= data_world as f64;
+        if !report.loss.is_finite() {
+            bail!("loss became {} at step {}", report.loss, report.step);
+        }
+        if let Some(m) = metrics.as_mut() {
+            serde_json::to_writer(&mut *m, &report)?;
+            writeln!(m)?;
+            m.flush()?;
+        }
+        if r.leader && report.step % s.log_every == 0 {
+            info!(step = report.step, loss = report.loss, tokens_per_s = report.tokens_per_s as u64, "progress");
+        }
+        last = Some(report);
+    }
+    if let Some(path) = &s.save_weights {
+        trainer.save_weights(path, r.leader).with_context(|| format!("saving the weights to {}", path.display()))?;
+    }
+    if let Some(report) = last.filter(|_| r.leader) {
+        println!("step {}: loss {:.4}, {:.0} tokens/s", report.step, report.loss, report.tokens_per_s);
+    }
+    Ok(())
+}

@@ -1,0 +1,462 @@
+//! Runs a rank's schedule: one engine per chunk (virtual stage) it holds, activations and
+//! gradients between neighbouring stages over one ordered group per direction, tied weights
+//! summed across the stages that hold them, then one update with the global gradient norm.
+use super::partition::{self, UnitCost};
+use super::schedule::{schedule, Op, Pipeline, ScheduleKind};
+use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp, Work};
+use crate::data::Step;
+use crate::engine::{Engine, EngineConfig, Upstream};
+use crate::model::{ModelSpec, ParamId};
+use crate::optim::{clip_coefficient, Optimizer, OptimizerConfig, Schedule};
+use crate::strategy::Strategy;
+use crate::train::{next_token_loss, token_input, InputFn, LossFn, StepReport};
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+use tch::{Kind, Tensor};
+
+/// One direction between two stages: the group of the two ranks and the peer's place in it.
+struct Link {
+    group: Arc<dyn ProcessGroup>,
+    peer: usize,
+}
+
+/// Dimensions a header carries at most.
+const MAX_DIMS: usize = 8;
+
+fn kind_code(kind: Kind) -> Result<i64> {
+    Ok(match kind {
+        Kind::Float => 0,
+        Kind::Double => 1,
+        Kind::Half => 2,
+        Kind::BFloat16 => 3,
+        other => return Err(Error::Engine(format!("pipeline: cannot send {other:?} activations"))),
+    })
+}
+
+fn kind_of(code: i64) -> Result<Kind> {
+    [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16]
+        .get(code as usize)
+        .copied()
+        .ok_or_else(|| Error::Comm(format!("pipeline: a header names dtype {code}")))
+}
+
+impl Link {
+    /// Sends `t`'s shape and dtype, then its values; the works complete later.
+    fn send(&self, t: &Tensor) -> Result<Vec<Work>> {
+        let size = t.size();
+        if size.len() > MAX_DIMS {
+            return Err(Error::Engine(format!("pipeline: a {}-dimensional activation", size.len())));
+        }
+        let mut header = vec![size.len() as i64, kind_code(t.kind())?];
+        header.extend(size.iter().copied().chain(std::iter::repeat(0)).take(MAX_DIMS));
+        let header = Tensor::from_slice(&header);
+        let values = t.f_detach()?.f_contiguous()?;
+        Ok(vec![self.group.send(&header, self.peer)?, self.group.send(&values, self.peer)?])
+    }
+
+    fn recv(&self, device: tch::Device) -> Result<Tensor> {
+        let header = Tensor::f_zeros([2 + MAX_DIMS as i64], (Kind::Int64, tch::Device::Cpu))?;
+        self.group.recv(&header, self.peer)?.wait()?;
+        let header: Vec<i64> = Vec::<i64>::try_from(&header).map_err(|e| Error::Comm(e.to_string()))?;
+        let dims = (header[0].max(0) as usize).min(MAX_DIMS);
+        let t = Tensor::f_empty(&header[2..2 + dims], (kind_of(header[1])?, device))?;
+        self.group.recv(&t, self.peer)?.wait()?;
+        Ok(t)
+    }
+}
+
+/// One chunk this rank holds: its global stage, engine and optimizer.
+struct Chunk {
+    stage: usize,
+    engine: Engine,
+    optimizer: Optimizer,
+}
+
+/// A tied parameter held by several stages: the ranks holding it sum its gradient.
+struct Tie {
+    param: ParamId,
+    group: Option<Arc<dyn ProcessGroup>>,
+}
+
+/// A pipeline rank's trainer: [`crate::train::Trainer`]'s step for a stage.
+pub struct PipelineTrainer {
+    chunks: Vec<Chunk>,
+    kind: ScheduleKind,
+    pipeline: Pipeline,
+    rank: usize,
+    /// Activations in from the previous stage and out to the next, gradients the other way,
+    /// by chunk.
+    activations_in: Vec<Option<Link>>,
+    activations_out: Vec<Option<Link>>,
+    grads_in: Vec<Option<Link>>,
+    grads_out: Vec<Option<Link>>,
+    ties: Vec<Tie>,
+    /// Every parameter of the whole model in unit order: name, shape and the stage that owns it.
+    params: Vec<(ParamId, String, Vec<i64>, usize)>,
+    /// Every stage of this pipeline: losses and norms are summed over it.
+    stages_group: Option<Arc<dyn ProcessGroup>>,
+    pub schedule: Schedule,
+    pub grad_clip: Option<f64>,
+    pub prepare_input: InputFn,
+    pub loss_func: LossFn,
+    step: u64,
+}
+
+/// What [`PipelineTrainer::new`] builds from.
+pub struct PipelineSetup<'a> {
+    /// Makes the whole model's spec (called once per chunk this rank holds).
+    pub spec: &'a dyn Fn() -> Result<ModelSpec>,
+    pub engine: EngineConfig,
+    pub strategy: &'a Strategy,
+    pub comm: Option<&'a Comm>,
+    pub optimizer: OptimizerConfig,
+    pub schedule: Schedule,
+    pub grad_clip: Option<f64>,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+}
+
+/// The stages' unit ranges: the strategy's, or balanced by parameter count.
+pub fn stage_ranges(spec: &ModelSpec, stages: usize, given: Option<&[(usize, usize)]>) -> Result<Vec<(usize, usize)>> {
+    let units = spec.units.len();
+    match given {
+        Some(split) => partition::check(split, units, stages),
+        None => {
+            let costs: Vec<UnitCost> = spec
+                .units
+                .iter()
+                .map(|u| {
+                    let params: i64 = u.params.iter().map(|id| spec.params[id.0].numel()).sum();
+                    // A unit without parameters still costs something to run.
+                    UnitCost { seconds: params.max(1) as f64, bytes: params.max(0) as u64 }
+                })
+                .collect();
+            partition::balance(&costs, stages, None)
+        }
+    }
+}
+
+impl PipelineTrainer {
+    pub fn new(setup: PipelineSetup<'_>) -> Result<PipelineTrainer> {
+        let config = setup.strategy.pipeline_parallel().cloned().unwrap_or_default();
+        let world = setup.comm.map_or(1, Comm::size);
+        let mode = setup.strategy.parallel_mode();
+        let p = mode.size("pipeline", world)?;
+        if p != world {
+            return Err(Error::Config(format!(
+                "pipeline_parallel: {p} stages on {world} ranks; data, zero and tensor dimensions beside a pipeline are not available yet"
+            )));
+        }
+        if setup.strategy.sharding().is_some() || setup.strategy.grad_scaling()?.scaler.is_some() {
+            return Err(Error::Config(
+                "pipeline_parallel: sharding and loss scaling beside a pipeline are not available yet".into(),
+            ));
+        }
+        if config.schedule == ScheduleKind::ZeroBubble {
+            return Err(Error::Config(
+                "pipeline_parallel: the zero-bubble schedule is planned (see `pipeline::schedule`) but its split backward does not run yet; use gpipe, 1f1b or interleaved".into(),
+            ));
+        }
+        let v = config.virtual_stages;
+        let pipeline = Pipeline { stages: p, micro_batches: setup.micro_batches, virtual_stages: v };
+        let rank = setup.comm.map_or(0, Comm::rank);
+        // The schedule refuses bad shapes before anything is built.
+        schedule(config.schedule, pipeline, rank)?;
+        let whole = (setup.spec)()?;
+        let total = p * v;
+        let ranges = stage_ranges(&whole, total, config.stages.as_deref())?;
+        // Tied parameters: the stages that read each.
+        let stage_of = |unit: usize| ranges.iter().position(|&(a, b)| (a..b).contains(&unit)).unwrap_or(0);
+        let mut readers: HashMap<ParamId, Vec<usize>> = HashMap::new();
+        for (k, unit) in whole.units.iter().enumerate() {
+            for &id in unit.params.iter().chain(&unit.borrowed) {
+                let stages = readers.entry(id).or_default();
+                if !stages.contains(&stage_of(k)) {
+                    stages.push(stage_of(k));
+                }
+            }
+        }
+        let params = whole
+            .units
+            .iter()
+            .enumerate()
+            .flat_map(|(k, u)| u.params.iter().map(move |&id| (k, id)))
+            .map(|(k, id)| (id, whole.params[id.0].name.clone(), whole.params[id.0].shape.clone(), stage_of(k)))
+            .collect();
+        let mut tied: Vec<(ParamId, Vec<usize>)> = readers.into_iter().filter(|(_, s)| s.len() > 1).collect();
+        tied.sort();
+        let mut chunks = Vec::with_capacity(v);
+        for chunk in 0..v {
+            let stage = pipeline.stage(rank, chunk);
+            let (start, end) = ranges[stage];
+            let spec = (setup.spec)()?.stage(start, end)?;
+            let mut engine = Engine::new(spec, setup.engine.clone())?;
+            let optimizer = Optimizer::new(&mut engine, setup.optimizer.clone(), &[])?;
+            chunks.push(Chunk { stage, engine, optimizer });
+        }
+        // Groups: every rank creates every one, in one order.
+        let link = |comm: &Comm, from: usize, to: usize| -> Result<Option<Link>> {
+            let group = comm.new_group(&[from, to])?;
+            Ok(group.map(|g| {
+                let group: Arc<dyn ProcessGroup> = Arc::from(g);
+                let peer = 1 - group.rank();
+                Link { group, peer }
+            }))
+        };
+        let (mut activations_in, mut activations_out, mut grads_in, mut grads_out) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut links: HashMap<(usize, bool), Link> = HashMap::new();
+        let mut ties = Vec::new();
+        let mut stages_group = None;
+        if let Some(comm) = setup.comm.filter(|_| world > 1) {
+            for s in 0..total - 1 {
+                let (from, to) = (s % p, (s + 1) % p);
+                if from == to {
+                    continue;
+                }
+                // One group per direction: activations, then gradients.
+                if let Some(l) = link(comm, from, to)? {
+                    links.insert((s, false), l);
+                }
+                if let Some(l) = link(comm, to, from)? {
+                    links.insert((s, true), l);
+                }
+            }
+            for (param, stages) in &tied {
+                let mut ranks: Vec<usize> = stages.iter().map(|s| s % p).collect();
+                ranks.dedup();
+                let group =
+                    if ranks.len() > 1 { comm.new_group(&ranks)?.map(Arc::<dyn ProcessGroup>::from) } else { None };
+                if chunks.iter().any(|c| c.engine.spec().holds(*param)) {
+                    ties.push(Tie { param: *param, group });
+                }
+            }
+            stages_group = Some(Arc::<dyn ProcessGroup>::from(comm.world()?));
+        }
+        for c in &chunks {
+            let s = c.stage;
+            activations_in.push(if s > 0 { links.remove(&(s - 1, false)) } else { None });
+            grads_out.push(if s > 0 { links.remove(&(s - 1, true)) } else { None });
+            activations_out.push(if s + 1 < total { links.remove(&(s, false)) } else { None });
+            grads_in.push(if s + 1 < total { links.remove(&(s, true)) } else { None });
+        }
+        Ok(PipelineTrainer {
+            chunks,
+            kind: config.schedule,
+            pipeline,
+            rank,
+            activations_in,
+            activations_out,
+            grads_in,
+            grads_out,
+            ties,
+            params,
+            stages_group,
+            schedule: setup.schedule,
+            grad_clip: setup.grad_clip,
+            prepare_input: token_input(),
+            loss_func: next_token_loss(),
+            step: 0,
+        })
+    }
+
+    /// The engines of the chunks this rank holds, in chunk order.
+    pub fn engines(&mut self) -> impl Iterator<Item = &mut Engine> {
+        self.chunks.iter_mut().map(|c| &mut c.engine)
+    }
+
+    fn last_stage(&self) -> usize {
+        self.pipeline.total_stages() - 1
+    }
+
+    /// One optimizer step over `step`'s micro-batches, as the schedule orders them.
+    pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
+        let start = Instant::now();
+        let m = step.micro_batches.len();
+        if m != self.pipeline.micro_batches {
+            return Err(Error::Config(format!(
+                "pipeline: a step of {m} micro-batches, the schedule runs {}",
+                self.pipeline.micro_batches
+            )));
+        }
+        let factor = self.schedule.factor(self.step);
+        for c in &mut self.chunks {
+            c.optimizer.set_lr_factor(factor);
+        }
+        let ops = schedule(self.kind, self.pipeline, self.rank)?;
+        let device = self.chunks[0].engine.config().device;
+        let last = self.last_stage();
+        let mut received: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut sending: Vec<Work> = Vec::new();
+        let mut loss_sum = 0.0;
+        let missing = |what: &str, micro: usize, chunk: usize| {
+            Error::Engine(format!("pipeline: no {what} for micro-batch {micro} of chunk {chunk}"))
+        };
+        for op in ops {
+            match op {
+                Op::RecvActivation { micro, chunk } => {
+                    let link =
+                        self.activations_in[chunk].as_ref().ok_or_else(|| missing("input link", micro, chunk))?;
+                    received.insert((micro, chunk), link.recv(device)?.f_set_requires_grad(true)?);
+                }
+                Op::Forward { micro, chunk } => {
+                    let batch = &step.micro_batches[micro];
+                    let stage = self.chunks[chunk].stage;
+                    let input = match stage {
+                        0 => (self.prepare_input)(batch)?,
+                        _ => received.remove(&(micro, chunk)).ok_or_else(|| missing("activation", micro, chunk))?,
+                    };
+                    let out = self.chunks[chunk].engine.forward_micro(micro, &input)?;
+                    let kept = if stage == last {
+                        // The mean over the step's micro-batches, as one process averages it.
+                        let loss = (self.loss_func)(&out, batch)?;
+                        loss_sum += loss.f_double_value(&[])?;
+                        loss.f_div_scalar(m as f64)?
+                    } else {
+                        out
+                    };
+                    outputs.insert((micro, chunk), kept);
+                }
+                Op::SendActivation { micro, chunk } => {
+                    let out = outputs.get(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
+                    let link =
+                        self.activations_out[chunk].as_ref().ok_or_else(|| missing("output link", micro, chunk))?;
+                    sending.extend(link.send(out)?);
+                }
+                Op::RecvGrad { micro, chunk } => {
+                    let link = self.grads_in[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
+                    received.insert((micro, chunk), link.recv(device)?);
+                }
+                Op::Backward { micro, chunk } => {
+                    let kept = outputs.remove(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
+                    let grad = if self.chunks[chunk].stage == last {
+                        self.chunks[chunk].engine.backward_micro(micro, Upstream::Loss(&kept))?
+                    } else {
+                        let g = received.remove(&(micro, chunk)).ok_or_else(|| missing("gradient", micro, chunk))?;
+                        self.chunks[chunk].engine.backward_micro(micro, Upstream::Grad(&g))?
+                    };
+                    if let Some(g) = grad {
+                        input_grads.insert((micro, chunk), g);
+                    }
+                }
+                Op::SendGrad { micro, chunk } => {
+                    let g =
+                        input_grads.remove(&(micro, chunk)).ok_or_else(|| missing("input gradient", micro, chunk))?;
+                    let link = self.grads_out[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
+                    sending.extend(link.send(&g)?);
+                }
+                Op::BackwardInput { .. } | Op::BackwardWeight { .. } => {
+                    return Err(Error::Engine("pipeline: split backward operations do not run yet".into()))
+                }
+            }
+        }
+        for w in sending {
+            w.wait()?;
+        }
+        self.sum_ties()?;
+        let mut grad_norm = None;
+        if let Some(max) = self.grad_clip {
+            let mut local = 0.0;
+            for c in &self.chunks {
+                local += c.engine.grad_sq_sum(&c.optimizer.grad_sq_per_unit()?)?;
+            }
+            let norm = self.sum(&[local])?[0].sqrt();
+            let clip = clip_coefficient(max, norm);
+            if clip != 1.0 {
+                for c in &mut self.chunks {
+                    c.optimizer.scale_grads(clip)?;
+                }
+            }
+            grad_norm = Some(norm);
+        }
+        for c in &mut self.chunks {
+            c.optimizer.step()?;
+            c.engine.after_update()?;
+            c.engine.end_step()?;
+            c.engine.zero_grad()?;
+        }
+        // The last stage computed the losses: every stage reports them.
+        let loss = self.sum(&[loss_sum / m as f64])?[0];
+        self.step += 1;
+        let seconds = start.elapsed().as_secs_f64();
+        let tokens: u64 = step.micro_batches.iter().map(|b| b.targets.numel() as u64).sum();
+        let ledger = self.chunks[0].engine.ledger();
+        Ok(StepReport {
+            step: self.step,
+            loss,
+            lr: self.chunks[0].optimizer.lr(),
+            grad_norm,
+            tokens,
+            seconds,
+            tokens_per_s: tokens as f64 / seconds.max(1e-12),
+            peak_bytes: ledger.peak_total(),
+            loss_scale: None,
+            skipped: false,
+            allocator_peak_bytes: crate::engine::memory::allocator_peak(device),
+            model_state_peak_bytes: ledger.model_state_peak(),
+            memory: ledger.report(),
+            rss_peak_bytes: crate::engine::memory::process_peak_rss(),
+            comm_wait_s: 0.0,
+            unit_times: None,
+        })
+    }
+
+    /// Sums `values` over the pipeline's stages.
+    fn sum(&self, values: &[f64]) -> Result<Vec<f64>> {
+        match &self.stages_group {
+            Some(g) => all_reduce_values(g.as_ref(), values, ReduceOp::Sum),
+            None => Ok(values.to_vec()),
+        }
+    }
+
+    /// Tied weights: every stage holding one adds the others' gradients to its own, so all
+    /// copies take the same step.
+    fn sum_ties(&mut self) -> Result<()> {
+        for tie in &self.ties {
+            let Some(group) = &tie.group else { continue };
+            for c in &self.chunks {
+                let p = c.engine.param(tie.param);
+                if p.defined() && p.grad().defined() {
+                    group.all_reduce(&p.grad(), ReduceOp::Sum)?.wait()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Steps completed so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Saves the whole model's parameters (fp32) under their names: each comes from the
+    /// stage that owns it, one at a time. Every rank calls this; only `write` ones write.
+    pub fn save_weights(&self, path: &std::path::Path, write: bool) -> Result<()> {
+        let fetch = |i: usize| -> Result<Tensor> {
+            let (id, _, shape, stage) = &self.params[i];
+            let owner = stage % self.pipeline.stages;
+            let t = match self.chunks.iter().find(|c| c.stage == *stage) {
+                Some(c) => c.engine.param(*id).f_detach()?.f_to_kind(Kind::Float)?.f_contiguous()?,
+                None => Tensor::f_zeros(shape.as_slice(), (Kind::Float, tch::Device::Cpu))?,
+            };
+            if let Some(g) = &self.stages_group {
+                g.broadcast(&t, owner)?.wait()?;
+            }
+            Ok(t)
+        };
+        if !write {
+            for i in 0..self.params.len() {
+                drop(fetch(i)?);
+            }
+            return Ok(());
+        }
+        let layout: Vec<(String, Kind, Vec<i64>)> =
+            self.params.iter().map(|(_, name, shape, _)| (name.clone(), Kind::Float, shape.clone())).collect();
+        let metadata = std::collections::BTreeMap::from([("format".to_string(), "pt".to_string())]);
+        crate::io::write_safetensors_streamed(path, &layout, &metadata, |i| crate::io::tensor_bytes_le(&fetch(i)?))
+    }
+}
