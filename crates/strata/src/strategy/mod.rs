@@ -413,6 +413,12 @@ impl Strategy {
             )));
         }
         let strategy = Strategy { methods };
+        if strategy.pipeline_parallel().is_some() && !strategy.parallel_mode().0.iter().any(|(n, _)| n == "pipeline") {
+            return Err(Error::Config(
+                "pipeline_parallel: give the number of stages in parallel_mode, e.g. [\"parallel_mode\", [[[\"pipeline\", 2]], null]]"
+                    .into(),
+            ));
+        }
         if strategy.tensor_parallel().is_some() && !strategy.parallel_mode().0.iter().any(|(n, _)| n == "tensor") {
             return Err(Error::Config(
                 "tensor_parallel: give the tensor size in parallel_mode, e.g. [\"parallel_mode\", [[[\"tensor\", 2]], null]]"
