@@ -6,6 +6,7 @@
 //! functions of `model::layers` while the engine runs that unit (a thread-local, so units
 //! stay plain functions of their parameters). Must not own storage or the execution order:
 //! the engine sets the context around each unit's forward and recomputation.
+pub mod deferred;
 pub mod fp8;
 pub mod replace;
 pub mod scaler;

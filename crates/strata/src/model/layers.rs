@@ -33,6 +33,11 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
         return out;
     }
     let kind = compute::autocast_kind();
+    if kind.is_none() {
+        if let Some(out) = compute::deferred::linear(x, w, b) {
+            return out;
+        }
+    }
     let b = b.map(|b| cast(b, kind)).transpose()?;
     Ok(cast(x, kind)?.f_linear(&cast(w, kind)?, b.as_ref())?)
 }

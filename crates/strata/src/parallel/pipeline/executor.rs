@@ -4,6 +4,7 @@
 use super::partition::{self, UnitCost};
 use super::schedule::{schedule, Op, Pipeline, ScheduleKind};
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp, Work};
+use crate::compute::deferred::{self, WeightGrads};
 use crate::data::Step;
 use crate::engine::{Engine, EngineConfig, Upstream};
 use crate::model::{ModelSpec, ParamId};
@@ -67,11 +68,13 @@ impl Link {
     }
 }
 
-/// One chunk this rank holds: its global stage, engine and optimizer.
+/// One chunk this rank holds: its global stage, engine and optimizer, and the weight
+/// gradients its zero-bubble backward defers.
 struct Chunk {
     stage: usize,
     engine: Engine,
     optimizer: Optimizer,
+    weight_grads: Arc<WeightGrads>,
 }
 
 /// A tied parameter held by several stages: the ranks holding it sum its gradient.
@@ -154,9 +157,9 @@ impl PipelineTrainer {
                 "pipeline_parallel: sharding and loss scaling beside a pipeline are not available yet".into(),
             ));
         }
-        if config.schedule == ScheduleKind::ZeroBubble {
+        if config.schedule == ScheduleKind::ZeroBubble && setup.strategy.amp().is_some() {
             return Err(Error::Config(
-                "pipeline_parallel: the zero-bubble schedule is planned (see `pipeline::schedule`) but its split backward does not run yet; use gpipe, 1f1b or interleaved".into(),
+                "pipeline_parallel: the zero-bubble schedule defers fp32 and half linear layers' weight gradients; amp_native beside it is not available yet".into(),
             ));
         }
         let v = config.virtual_stages;
@@ -194,7 +197,7 @@ impl PipelineTrainer {
             let spec = (setup.spec)()?.stage(start, end)?;
             let mut engine = Engine::new(spec, setup.engine.clone())?;
             let optimizer = Optimizer::new(&mut engine, setup.optimizer.clone(), &[])?;
-            chunks.push(Chunk { stage, engine, optimizer });
+            chunks.push(Chunk { stage, engine, optimizer, weight_grads: WeightGrads::new() });
         }
         // Groups: every rank creates every one, in one order.
         let link = |comm: &Comm, from: usize, to: usize| -> Result<Option<Link>> {
@@ -310,7 +313,7 @@ impl PipelineTrainer {
                         0 => (self.prepare_input)(batch)?,
                         _ => received.remove(&(micro, chunk)).ok_or_else(|| missing("activation", micro, chunk))?,
                     };
-                    let out = self.chunks[chunk].engine.forward_micro(micro, &input)?;
+                    let out = self.in_chunk(chunk, micro, |engine| engine.forward_micro(micro, &input))?;
                     let kept = if stage == last {
                         // The mean over the step's micro-batches, as one process averages it.
                         let loss = (self.loss_func)(&out, batch)?;
@@ -331,13 +334,13 @@ impl PipelineTrainer {
                     let link = self.grads_in[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
                     received.insert((micro, chunk), link.recv(device)?);
                 }
-                Op::Backward { micro, chunk } => {
+                Op::Backward { micro, chunk } | Op::BackwardInput { micro, chunk } => {
                     let kept = outputs.remove(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
                     let grad = if self.chunks[chunk].stage == last {
-                        self.chunks[chunk].engine.backward_micro(micro, Upstream::Loss(&kept))?
+                        self.in_chunk(chunk, micro, |engine| engine.backward_micro(micro, Upstream::Loss(&kept)))?
                     } else {
                         let g = received.remove(&(micro, chunk)).ok_or_else(|| missing("gradient", micro, chunk))?;
-                        self.chunks[chunk].engine.backward_micro(micro, Upstream::Grad(&g))?
+                        self.in_chunk(chunk, micro, |engine| engine.backward_micro(micro, Upstream::Grad(&g)))?
                     };
                     if let Some(g) = grad {
                         input_grads.insert((micro, chunk), g);
@@ -349,9 +352,7 @@ impl PipelineTrainer {
                     let link = self.grads_out[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
                     sending.extend(link.send(&g)?);
                 }
-                Op::BackwardInput { .. } | Op::BackwardWeight { .. } => {
-                    return Err(Error::Engine("pipeline: split backward operations do not run yet".into()))
-                }
+                Op::BackwardWeight { micro, chunk } => self.chunks[chunk].weight_grads.run(micro)?,
             }
         }
         for w in sending {
@@ -403,6 +404,16 @@ impl PipelineTrainer {
             comm_wait_s: 0.0,
             unit_times: None,
         })
+    }
+
+    /// Runs `f` on chunk `chunk`'s engine; under the zero-bubble schedule with micro-batch
+    /// `micro`'s linear weight gradients deferred to its [`Op::BackwardWeight`].
+    fn in_chunk<R>(&mut self, chunk: usize, micro: usize, f: impl FnOnce(&mut Engine) -> Result<R>) -> Result<R> {
+        let c = &mut self.chunks[chunk];
+        match self.kind {
+            ScheduleKind::ZeroBubble => deferred::deferring(&c.weight_grads, micro, || f(&mut c.engine)),
+            _ => f(&mut c.engine),
+        }
     }
 
     /// Sums `values` over the pipeline's stages.

@@ -1,0 +1,119 @@
+//! Weight gradients of linear layers computed after the input gradient (the zero-bubble
+//! pipeline schedules): while a [`WeightGrads`] queue is active, a linear layer's backward
+//! returns its input's (and bias's) gradient at once and queues what its weight's needs;
+//! [`WeightGrads::run`] later adds `gᵀx` into the weight's `.grad` (the flat gradient
+//! buffer), so the previous stage's wait is only the input gradient.
+use crate::{Error, Result};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use tch::Tensor;
+
+/// A linear layer's queued weight gradient: output gradient and input, both `[rows, ·]`,
+/// and the weight whose `.grad` takes `gᵀx`.
+struct Job {
+    grad_out: Tensor,
+    input: Tensor,
+    weight: Tensor,
+}
+
+/// Queued weight gradients, by micro-batch.
+#[derive(Default)]
+pub struct WeightGrads {
+    queued: Mutex<BTreeMap<usize, Vec<Job>>>,
+}
+
+impl WeightGrads {
+    pub fn new() -> Arc<WeightGrads> {
+        Arc::new(WeightGrads::default())
+    }
+
+    fn push(&self, micro: usize, job: Job) -> std::result::Result<(), String> {
+        self.queued.lock().map_err(|e| e.to_string())?.entry(micro).or_default().push(job);
+        Ok(())
+    }
+
+    /// Computes micro-batch `micro`'s queued weight gradients into the weights' `.grad`.
+    pub fn run(&self, micro: usize) -> Result<()> {
+        let jobs = self.queued.lock().map_err(|e| Error::Engine(e.to_string()))?.remove(&micro).unwrap_or_default();
+        tch::no_grad(|| -> Result<()> {
+            for job in jobs {
+                let mut grad = job.weight.grad();
+                let _ = grad.f_addmm_(&job.grad_out.f_tr()?, &job.input)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Weight gradients queued and not yet computed.
+    pub fn pending(&self) -> usize {
+        self.queued.lock().map_or(0, |q| q.values().map(Vec::len).sum())
+    }
+}
+
+thread_local! {
+    static ACTIVE: RefCell<Option<(Arc<WeightGrads>, usize)>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` (a micro-batch's forward or input-gradient backward) with linear layers'
+/// weight gradients queued on `queue` under micro-batch `micro`.
+pub fn deferring<R>(queue: &Arc<WeightGrads>, micro: usize, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let previous = ACTIVE.with(|a| a.borrow_mut().replace((queue.clone(), micro)));
+    let result = f();
+    ACTIVE.with(|a| *a.borrow_mut() = previous);
+    result
+}
+
+struct DeferredLinear {
+    queue: Arc<WeightGrads>,
+    micro: usize,
+    /// The weight leaf whose `.grad` the queued job fills.
+    weight: Tensor,
+    has_bias: bool,
+    saved: Option<(Tensor, Tensor)>,
+}
+
+fn text(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl strata_ext::Function for DeferredLinear {
+    fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let (x, w) = (&inputs[0], &inputs[1]);
+        let out = x.f_linear(w, inputs.get(2)).map_err(text)?;
+        self.saved = Some((x.shallow_clone(), w.shallow_clone()));
+        Ok(vec![out])
+    }
+
+    fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let (x, w) = self.saved.take().ok_or("deferred linear: backward twice")?;
+        let g = &grads[0];
+        let grad_x = g.f_matmul(&w).map_err(text)?;
+        let (rows_out, rows_in) = (*g.size().last().unwrap_or(&1), *x.size().last().unwrap_or(&1));
+        let job = Job {
+            grad_out: g.f_reshape([-1, rows_out]).map_err(text)?,
+            input: x.f_reshape([-1, rows_in]).map_err(text)?,
+            weight: self.weight.shallow_clone(),
+        };
+        self.queue.push(self.micro, job)?;
+        let mut out = vec![grad_x, Tensor::new()];
+        if self.has_bias {
+            let dims: Vec<i64> = (0..g.dim() as i64 - 1).collect();
+            out.push(g.f_sum_dim_intlist(dims.as_slice(), false, g.kind()).map_err(text)?);
+        }
+        Ok(out)
+    }
+}
+
+/// `x @ w.T + b` with `w`'s gradient queued, when a queue is active and `w` is a leaf that
+/// takes a gradient; `None` otherwise.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Option<Result<Tensor>> {
+    let (queue, micro) = ACTIVE.with(|a| a.borrow().clone())?;
+    if !w.requires_grad() || !w.is_leaf() || !w.grad().defined() {
+        return None;
+    }
+    let f = DeferredLinear { queue, micro, weight: w.shallow_clone(), has_bias: b.is_some(), saved: None };
+    let mut inputs = vec![x, w];
+    inputs.extend(b);
+    Some(strata_ext::apply_function(f, &inputs).map(|mut v| v.remove(0)).map_err(Error::from))
+}
