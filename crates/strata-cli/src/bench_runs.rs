@@ -23,6 +23,8 @@ pub struct RunFigures {
     pub last: serde_json::Value,
     /// Median tokens/s over the steps after `warmup`.
     pub tokens_per_s: f64,
+    /// The metrics of the steps after `warmup`.
+    pub timed: Vec<serde_json::Value>,
 }
 
 /// Runs `strata train ARGS --metrics TMP` and reads its metrics.
@@ -44,7 +46,8 @@ pub fn train(args: &[String], warmup: usize) -> Result<RunFigures> {
     let last = rows.last().cloned().context("the run wrote no metrics")?;
     let mut speeds: Vec<f64> = rows.iter().skip(warmup).filter_map(|r| r["tokens_per_s"].as_f64()).collect();
     speeds.sort_by(f64::total_cmp);
-    Ok(RunFigures { last, tokens_per_s: speeds.get(speeds.len() / 2).copied().unwrap_or(0.0) })
+    let tokens_per_s = speeds.get(speeds.len() / 2).copied().unwrap_or(0.0);
+    Ok(RunFigures { last, tokens_per_s, timed: rows.into_iter().skip(warmup).collect() })
 }
 
 /// The median of some samples (the upper one of an even count; 0 for none).

@@ -5,6 +5,7 @@ mod bench_comm;
 mod bench_dist;
 mod bench_methods;
 mod bench_parallel;
+mod bench_pipeline;
 mod bench_runs;
 mod bench_search;
 mod bench_zero;
@@ -92,6 +93,9 @@ enum BenchCommand {
     /// Tensor parallelism (with and without sequence parallel) beside data parallelism,
     /// zero2 and fsdp: tokens/s against data parallelism, model-state and allocator peaks.
     Parallel(bench_parallel::BenchParallelArgs),
+    /// Pipeline schedules at several micro-batch counts: tokens/s, measured bubble against
+    /// the analytic one, micro-batches held and activation peaks per stage.
+    Pipeline(bench_pipeline::BenchPipelineArgs),
 }
 
 fn validate(text: &str, world_size: Option<usize>) -> anyhow::Result<()> {
@@ -152,6 +156,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
         Command::Bench { which: BenchCommand::Parallel(a) } => bench_parallel::run(a),
+        Command::Bench { which: BenchCommand::Pipeline(a) } => bench_pipeline::run(a),
         Command::Bench { which: BenchCommand::Methods(a) } => bench_methods::run(a),
         Command::Bench { which: BenchCommand::Search(a) } => bench_search::run(a),
         Command::Bench { which: BenchCommand::Dist(a) } => bench_dist::run(a),

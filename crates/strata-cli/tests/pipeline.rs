@@ -102,3 +102,23 @@ fn bad_pipelines_are_refused_in_one_line() {
     let o = strata(&[&["train"][..], &GPT, &RUN, &["--steps", "1", "--strategy", r#"["pipeline_parallel"]"#]].concat());
     assert!(stderr(&o).contains("pipeline_parallel: give the number of stages in parallel_mode"), "{}", stderr(&o));
 }
+
+/// 1F1B's stage r holds at most p − r micro-batches' activations; GPipe holds all m.
+#[test]
+fn schedules_hold_the_micro_batches_their_analysis_says() {
+    let dir = tempfile::tempdir().unwrap();
+    for (schedule, expected) in [("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8]), ("zero_bubble", [4, 3, 2, 1])] {
+        let metrics = dir.path().join(format!("{schedule}.jsonl"));
+        let args = ["--layers", "2", "--accumulation", "8", "--steps", "1", "--nproc", "4"];
+        let files = ["--strategy", &pipeline(4, schedule, 1), "--metrics", metrics.to_str().unwrap()];
+        let o = strata(&[&["train"][..], &GPT, &RUN, &args, &files].concat());
+        assert!(o.status.success(), "{schedule}:\n{}", stderr(&o));
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+        let held: Vec<u64> =
+            report["pipeline"]["micro_batches_held"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        assert_eq!(held, expected, "{schedule}");
+        let bubbles = report["pipeline"]["bubble"].as_array().unwrap();
+        assert!(bubbles.iter().all(|b| (0.0..1.0).contains(&b.as_f64().unwrap())), "{bubbles:?}");
+    }
+}

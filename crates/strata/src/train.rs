@@ -50,6 +50,20 @@ pub struct StepReport {
     /// when a [`crate::engine::UnitClock`] times the engine (filled in by its owner).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unit_times: Option<Vec<crate::engine::UnitTime>>,
+    /// Per pipeline stage (rank), where a pipeline ran the step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineFigures>,
+}
+
+/// What each pipeline rank measured in a step, in rank order.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PipelineFigures {
+    /// The share of the step the rank spent outside its compute operations.
+    pub bubble: Vec<f64>,
+    /// The most micro-batches whose forward records the rank held at once.
+    pub micro_batches_held: Vec<u64>,
+    /// The allocator's peak beyond model states: activations and temporaries.
+    pub activation_peak_bytes: Vec<u64>,
 }
 
 /// Turns a micro-batch into the model's input (`prepare_input`).
@@ -193,6 +207,7 @@ impl Trainer {
             rss_peak_bytes: memory::process_peak_rss(),
             comm_wait_s: (crate::comm::time_waited() - waited_before).as_secs_f64(),
             unit_times: None,
+            pipeline: None,
         })
     }
 }

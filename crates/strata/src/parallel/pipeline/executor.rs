@@ -10,7 +10,7 @@ use crate::engine::{Engine, EngineConfig, Upstream};
 use crate::model::{ModelSpec, ParamId};
 use crate::optim::{clip_coefficient, Optimizer, OptimizerConfig, Schedule};
 use crate::strategy::Strategy;
-use crate::train::{next_token_loss, token_input, InputFn, LossFn, StepReport};
+use crate::train::{next_token_loss, token_input, InputFn, LossFn, PipelineFigures, StepReport};
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -296,10 +296,18 @@ impl PipelineTrainer {
         let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut sending: Vec<Work> = Vec::new();
         let mut loss_sum = 0.0;
+        crate::engine::memory::reset_allocator_peak(device);
+        // Busy seconds in compute operations, and forward records held (now and at most).
+        let (mut busy, mut held, mut most_held) = (0.0, 0u64, 0u64);
         let missing = |what: &str, micro: usize, chunk: usize| {
             Error::Engine(format!("pipeline: no {what} for micro-batch {micro} of chunk {chunk}"))
         };
         for op in ops {
+            let began = Instant::now();
+            let computes = matches!(
+                op,
+                Op::Forward { .. } | Op::Backward { .. } | Op::BackwardInput { .. } | Op::BackwardWeight { .. }
+            );
             match op {
                 Op::RecvActivation { micro, chunk } => {
                     let link =
@@ -354,10 +362,21 @@ impl PipelineTrainer {
                 }
                 Op::BackwardWeight { micro, chunk } => self.chunks[chunk].weight_grads.run(micro)?,
             }
+            match op {
+                Op::Forward { .. } => held += 1,
+                Op::Backward { .. } | Op::BackwardInput { .. } => held -= 1,
+                _ => {}
+            }
+            most_held = most_held.max(held);
+            if computes {
+                busy += began.elapsed().as_secs_f64();
+            }
         }
         for w in sending {
             w.wait()?;
         }
+        // The schedule's span: the bubble is the share of it outside compute operations.
+        let schedule_seconds = start.elapsed().as_secs_f64();
         self.sum_ties()?;
         let mut grad_norm = None;
         if let Some(max) = self.grad_clip {
@@ -380,12 +399,26 @@ impl PipelineTrainer {
             c.engine.end_step()?;
             c.engine.zero_grad()?;
         }
-        // The last stage computed the losses: every stage reports them.
-        let loss = self.sum(&[loss_sum / m as f64])?[0];
+        let ledger = self.chunks[0].engine.ledger().clone();
+        let activations =
+            crate::engine::memory::allocator_peak(device).unwrap_or(0).saturating_sub(ledger.model_state_peak());
+        // The last stage computed the losses: every stage reports them, and its figures.
+        let p = self.pipeline.stages;
+        let mut mine = vec![0.0; 1 + 3 * p];
+        mine[0] = loss_sum / m as f64;
+        mine[1 + self.rank] = 1.0 - busy / schedule_seconds.max(1e-12);
+        mine[1 + p + self.rank] = most_held as f64;
+        mine[1 + 2 * p + self.rank] = activations as f64;
+        let all = self.sum(&mine)?;
+        let loss = all[0];
+        let figures = PipelineFigures {
+            bubble: all[1..1 + p].to_vec(),
+            micro_batches_held: all[1 + p..1 + 2 * p].iter().map(|&x| x as u64).collect(),
+            activation_peak_bytes: all[1 + 2 * p..].iter().map(|&x| x as u64).collect(),
+        };
         self.step += 1;
         let seconds = start.elapsed().as_secs_f64();
         let tokens: u64 = step.micro_batches.iter().map(|b| b.targets.numel() as u64).sum();
-        let ledger = self.chunks[0].engine.ledger();
         Ok(StepReport {
             step: self.step,
             loss,
@@ -403,6 +436,7 @@ impl PipelineTrainer {
             rss_peak_bytes: crate::engine::memory::process_peak_rss(),
             comm_wait_s: 0.0,
             unit_times: None,
+            pipeline: Some(figures),
         })
     }
 
