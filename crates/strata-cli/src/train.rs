@@ -230,12 +230,14 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             engine: engine_config,
             strategy: &strategy,
             comm: comm.as_ref(),
+            local_world_size,
+            data_parallel,
             data,
             order,
             leader,
         });
     }
-    let placement = Placement { comm: comm.as_ref(), local_world_size, data_parallel };
+    let placement = Placement { comm: comm.as_ref(), local_world_size, data_parallel, stage: false };
     let mut engine = parallel::build_engine(spec, engine_config, &strategy, &placement)?;
     if let Some(path) = &settings.init_weights {
         strata::io::load_weights(&mut engine, path)?;

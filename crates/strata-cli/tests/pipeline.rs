@@ -94,11 +94,6 @@ fn bad_pipelines_are_refused_in_one_line() {
         let line = text.lines().find(|l| l.contains(expected)).unwrap_or_else(|| panic!("{expected}:\n{text}"));
         assert!(line.contains("error"), "one error line says it: {line}");
     }
-    let o = strata(
-        &[&["train"][..], &GPT, &RUN, &["--steps", "1", "--nproc", "4", "--strategy", &pipeline(2, "1f1b", 1)]]
-            .concat(),
-    );
-    assert!(stderr(&o).contains("not available yet"), "{}", stderr(&o));
     let o = strata(&[&["train"][..], &GPT, &RUN, &["--steps", "1", "--strategy", r#"["pipeline_parallel"]"#]].concat());
     assert!(stderr(&o).contains("pipeline_parallel: give the number of stages in parallel_mode"), "{}", stderr(&o));
 }
@@ -121,4 +116,38 @@ fn schedules_hold_the_micro_batches_their_analysis_says() {
         let bubbles = report["pipeline"]["bubble"].as_array().unwrap();
         assert!(bubbles.iter().all(|b| (0.0..1.0).contains(&b.as_f64().unwrap())), "{bubbles:?}");
     }
+}
+
+/// A pipeline beside tensor parallelism and beside sharding, at 4 ranks, reaches what one
+/// process reaches; sharding that frees whole gradients is refused with weights tied
+/// across stages.
+#[test]
+fn pipelines_beside_tensor_parallelism_and_sharding_match_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let two = ["--accumulation", "2"];
+    let with = |model: &[&str], dims: &str, more: &str| {
+        let strategy =
+            format!(r#"[["parallel_mode", [{dims}, null]], ["pipeline_parallel", {{"schedule": "1f1b"}}], {more}]"#);
+        train(dir.path(), "pp", model, &[&two[..], &["--nproc", "4", "--strategy", &strategy]].concat())
+    };
+    let cases: [(&str, &[&str], &str, &str); 4] = [
+        ("gpt", &GPT, r#"[["tensor", 2], ["pipeline", 2]]"#, r#"["tensor_parallel", {"sequence_parallel": true}]"#),
+        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""zero1""#),
+        ("llama", &LLAMA, r#"[["tensor", 2], ["pipeline", 2]]"#, r#"["tensor_parallel", {"sequence_parallel": true}]"#),
+        ("llama", &LLAMA, r#"[["pipeline", 2]]"#, r#""zero2""#),
+    ];
+    for (name, model, dims, more) in cases {
+        let one = train(dir.path(), name, model, &two);
+        let run = with(model, dims, more);
+        let what = format!("{name}: {dims} with {more}");
+        for ((step, a), (_, b)) in losses(&one.1).iter().zip(&losses(&run.1)) {
+            assert!(((a - b) / a).abs() < 1e-5, "{what}: step {step} loss {b} against one process's {a}");
+        }
+        let gap = global_gap(&one.0, &run.0);
+        eprintln!("{what}: weights differ by {gap:.2e}");
+        assert!(gap < 1e-5, "{what}: weights differ by {gap:e}");
+    }
+    let strategy = r#"[["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel", "zero2"]"#;
+    let o = strata(&[&["train"][..], &GPT, &RUN, &["--steps", "1", "--nproc", "4", "--strategy", strategy]].concat());
+    assert!(stderr(&o).contains("zero2 frees whole gradients before weights tied across stages"), "{}", stderr(&o));
 }

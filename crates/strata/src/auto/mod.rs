@@ -214,6 +214,7 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> Placement<'a>
         comm: job.comm,
         local_world_size: job.local_world_size,
         data_parallel: DataParallelOptions { bucket_bytes, find_unused_parameters: job.options.find_unused_parameters },
+        stage: false,
     }
 }
 

@@ -30,12 +30,14 @@ pub struct Placement<'a> {
     pub local_world_size: usize,
     /// Data parallelism's buckets and unused-parameter policy.
     pub data_parallel: DataParallelOptions,
+    /// The engine is one pipeline stage's (its groups span the ranks of that stage).
+    pub stage: bool,
 }
 
 impl Placement<'_> {
     /// One process, no communication.
     pub fn single() -> Placement<'static> {
-        Placement { comm: None, local_world_size: 1, data_parallel: DataParallelOptions::default() }
+        Placement { comm: None, local_world_size: 1, data_parallel: DataParallelOptions::default(), stage: false }
     }
 
     fn world_size(&self) -> usize {
@@ -106,31 +108,47 @@ pub fn batch_shard(mode: &ParallelMode, rank: usize, world: usize) -> Result<(us
     Ok((index, count))
 }
 
-/// For each tensor coordinate, the ranks that hold it: the replicas data parallelism and
-/// ZeRO work across (every rank without tensor parallelism).
-fn replica_lists(tensor_groups: &[Vec<usize>]) -> Vec<Vec<usize>> {
-    let size = tensor_groups.first().map_or(0, Vec::len);
-    (0..size).map(|c| tensor_groups.iter().map(|g| g[c]).collect()).collect()
+/// The ranks that hold the same units and pieces (equal tensor and pipeline coordinates):
+/// the replicas data parallelism and ZeRO work across, each list in rank order.
+fn replica_lists(mode: &ParallelMode, world: usize) -> Result<Vec<Vec<usize>>> {
+    let groups = mode.groups(world)?;
+    let coordinate = |name: &str, rank: usize| {
+        groups.get(name).and_then(|g| g.iter().find_map(|g| g.iter().position(|&r| r == rank))).unwrap_or(0)
+    };
+    let mut lists: Vec<((usize, usize), Vec<usize>)> = Vec::new();
+    for rank in 0..world {
+        let key = (coordinate("tensor", rank), coordinate("pipeline", rank));
+        match lists.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => lists.push((key, vec![rank])),
+        }
+    }
+    Ok(lists.into_iter().map(|(_, ranks)| ranks).collect())
 }
 
 fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &Placement) -> Result<Engine> {
     let world = at.world_size();
     let mode = strategy.parallel_mode();
-    if mode.size("pipeline", world)? > 1 {
-        return Err(Error::Config("parallel_mode: pipeline parallelism is not available yet".into()));
+    let stages = mode.size("pipeline", world)?;
+    if stages > 1 && !at.stage {
+        return Err(Error::Config(
+            "parallel_mode: a pipeline runs through parallel::pipeline::PipelineTrainer, one engine per stage".into(),
+        ));
     }
     let tensor = mode.size("tensor", world)?;
-    let replicas = world / tensor;
+    let replicas = world / (tensor * stages);
     // Every rank creates every group in one order: tensor groups, then the replicas'.
-    let (tensor_group, replica_group) = match at.comm.filter(|_| tensor > 1) {
-        None => {
-            (None, at.comm.filter(|_| world > 1).map(|c| c.world().map(Arc::<dyn ProcessGroup>::from)).transpose()?)
-        }
+    let (tensor_group, replica_group) = match at.comm.filter(|_| world > 1) {
+        None => (None, None),
+        Some(comm) if tensor == 1 && stages == 1 => (None, Some(Arc::<dyn ProcessGroup>::from(comm.world()?))),
         Some(comm) => {
-            let lists = &mode.groups(world)?["tensor"];
             let sequence_parallel = strategy.tensor_parallel().is_some_and(|c| c.sequence_parallel);
-            let group = my_group(comm, lists)?.map(|g| Arc::new(tensor::TensorGroup::new(g, sequence_parallel)));
-            (group, my_group(comm, &replica_lists(lists))?)
+            let group = match tensor {
+                1 => None,
+                _ => my_group(comm, &mode.groups(world)?["tensor"])?
+                    .map(|g| Arc::new(tensor::TensorGroup::new(g, sequence_parallel))),
+            };
+            (group, my_group(comm, &replica_lists(&mode, world)?)?)
         }
     };
     let config = EngineConfig { tensor: tensor_group.map(|g| g as Arc<dyn crate::model::TensorParallel>), ..config };
@@ -176,9 +194,9 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         _ => replicas,
     };
     if shard_size == 0 || !replicas.is_multiple_of(shard_size) {
-        let whole = match tensor {
+        let whole = match tensor * stages {
             1 => format!("the world size {world}"),
-            _ => format!("the {replicas} ranks that hold each tensor-parallel piece"),
+            _ => format!("the {replicas} ranks that hold the same units and pieces"),
         };
         return Err(Error::Config(format!("{name}: a shard group of {shard_size} ranks does not divide {whole}")));
     }

@@ -10,9 +10,10 @@ use crate::engine::{Engine, EngineConfig, Upstream};
 use crate::model::{ModelSpec, ParamId};
 use crate::optim::{clip_coefficient, Optimizer, OptimizerConfig, Schedule};
 use crate::strategy::Strategy;
-use crate::train::{next_token_loss, token_input, InputFn, LossFn, PipelineFigures, StepReport};
+use crate::train::{next_token_loss, next_token_loss_of, token_input, InputFn, LossFn, PipelineFigures, StepReport};
 use crate::{Error, Result};
 use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, Tensor};
@@ -83,6 +84,16 @@ struct Tie {
     group: Option<Arc<dyn ProcessGroup>>,
 }
 
+/// A parameter of the whole model: its name and shape, the stage that owns it and the
+/// owning unit's place in that stage.
+struct WholeParam {
+    id: ParamId,
+    name: String,
+    shape: Vec<i64>,
+    stage: usize,
+    unit_in_stage: usize,
+}
+
 /// A pipeline rank's trainer: [`crate::train::Trainer`]'s step for a stage.
 pub struct PipelineTrainer {
     chunks: Vec<Chunk>,
@@ -97,9 +108,11 @@ pub struct PipelineTrainer {
     grads_out: Vec<Option<Link>>,
     ties: Vec<Tie>,
     /// Every parameter of the whole model in unit order: name, shape and the stage that owns it.
-    params: Vec<(ParamId, String, Vec<i64>, usize)>,
+    params: Vec<WholeParam>,
     /// Every stage of this pipeline: losses and norms are summed over it.
     stages_group: Option<Arc<dyn ProcessGroup>>,
+    /// Every rank, where several pipelines (data replicas) run: losses are averaged over it.
+    world_group: Option<Arc<dyn ProcessGroup>>,
     pub schedule: Schedule,
     pub grad_clip: Option<f64>,
     pub prepare_input: InputFn,
@@ -114,6 +127,9 @@ pub struct PipelineSetup<'a> {
     pub engine: EngineConfig,
     pub strategy: &'a Strategy,
     pub comm: Option<&'a Comm>,
+    /// Ranks on this host, and data parallelism's buckets (for the stages' replicas).
+    pub local_world_size: usize,
+    pub data_parallel: crate::parallel::DataParallelOptions,
     pub optimizer: OptimizerConfig,
     pub schedule: Schedule,
     pub grad_clip: Option<f64>,
@@ -147,14 +163,13 @@ impl PipelineTrainer {
         let world = setup.comm.map_or(1, Comm::size);
         let mode = setup.strategy.parallel_mode();
         let p = mode.size("pipeline", world)?;
-        if p != world {
-            return Err(Error::Config(format!(
-                "pipeline_parallel: {p} stages on {world} ranks; data, zero and tensor dimensions beside a pipeline are not available yet"
-            )));
+        let replicas = world / (p * mode.size("tensor", world)?);
+        if setup.strategy.grad_scaling()?.scaler.is_some() {
+            return Err(Error::Config("pipeline_parallel: loss scaling beside a pipeline is not available yet".into()));
         }
-        if setup.strategy.sharding().is_some() || setup.strategy.grad_scaling()?.scaler.is_some() {
+        if config.schedule == ScheduleKind::ZeroBubble && replicas > 1 {
             return Err(Error::Config(
-                "pipeline_parallel: sharding and loss scaling beside a pipeline are not available yet".into(),
+                "pipeline_parallel: the zero-bubble schedule completes weight gradients after the data-parallel reduction would start; data and zero dimensions beside it are not available yet".into(),
             ));
         }
         if config.schedule == ScheduleKind::ZeroBubble && setup.strategy.amp().is_some() {
@@ -164,7 +179,10 @@ impl PipelineTrainer {
         }
         let v = config.virtual_stages;
         let pipeline = Pipeline { stages: p, micro_batches: setup.micro_batches, virtual_stages: v };
-        let rank = setup.comm.map_or(0, Comm::rank);
+        // The ranks of every pipeline, each in stage order; this rank's stage is its place.
+        let pipelines = mode.groups(world)?.remove("pipeline").unwrap_or_else(|| vec![(0..world).collect()]);
+        let global_rank = setup.comm.map_or(0, Comm::rank);
+        let rank = pipelines.iter().find_map(|g| g.iter().position(|&r| r == global_rank)).unwrap_or(0);
         // The schedule refuses bad shapes before anything is built.
         schedule(config.schedule, pipeline, rank)?;
         let whole = (setup.spec)()?;
@@ -186,16 +204,34 @@ impl PipelineTrainer {
             .iter()
             .enumerate()
             .flat_map(|(k, u)| u.params.iter().map(move |&id| (k, id)))
-            .map(|(k, id)| (id, whole.params[id.0].name.clone(), whole.params[id.0].shape.clone(), stage_of(k)))
+            .map(|(k, id)| WholeParam {
+                id,
+                name: whole.params[id.0].name.clone(),
+                shape: whole.params[id.0].shape.clone(),
+                stage: stage_of(k),
+                unit_in_stage: k - ranges[stage_of(k)].0,
+            })
             .collect();
         let mut tied: Vec<(ParamId, Vec<usize>)> = readers.into_iter().filter(|(_, s)| s.len() > 1).collect();
         tied.sort();
+        let across_ranks = tied.iter().any(|(_, stages)| stages.iter().any(|s| s % p != stages[0] % p));
+        if let Some((name @ ("zero2" | "fsdp"), _)) = setup.strategy.sharding().filter(|_| across_ranks) {
+            return Err(Error::Config(format!(
+                "pipeline_parallel: {name} frees whole gradients before weights tied across stages (GPT's wte) could be summed; use zero1 or data parallelism with tied weights"
+            )));
+        }
         let mut chunks = Vec::with_capacity(v);
         for chunk in 0..v {
             let stage = pipeline.stage(rank, chunk);
             let (start, end) = ranges[stage];
             let spec = (setup.spec)()?.stage(start, end)?;
-            let mut engine = Engine::new(spec, setup.engine.clone())?;
+            let placement = crate::parallel::Placement {
+                comm: setup.comm,
+                local_world_size: setup.local_world_size,
+                data_parallel: setup.data_parallel,
+                stage: true,
+            };
+            let mut engine = crate::parallel::build_engine(spec, setup.engine.clone(), setup.strategy, &placement)?;
             let optimizer = Optimizer::new(&mut engine, setup.optimizer.clone(), &[])?;
             chunks.push(Chunk { stage, engine, optimizer, weight_grads: WeightGrads::new() });
         }
@@ -212,31 +248,39 @@ impl PipelineTrainer {
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut links: HashMap<(usize, bool), Link> = HashMap::new();
         let mut ties = Vec::new();
-        let mut stages_group = None;
+        let (mut stages_group, mut world_group) = (None, None);
         if let Some(comm) = setup.comm.filter(|_| world > 1) {
-            for s in 0..total - 1 {
-                let (from, to) = (s % p, (s + 1) % p);
-                if from == to {
-                    continue;
+            for ranks in &pipelines {
+                for s in 0..total - 1 {
+                    let (from, to) = (ranks[s % p], ranks[(s + 1) % p]);
+                    if from == to {
+                        continue;
+                    }
+                    // One group per stage boundary and direction: activations, then gradients.
+                    if let Some(l) = link(comm, from, to)? {
+                        links.insert((s, false), l);
+                    }
+                    if let Some(l) = link(comm, to, from)? {
+                        links.insert((s, true), l);
+                    }
                 }
-                // One group per direction: activations, then gradients.
-                if let Some(l) = link(comm, from, to)? {
-                    links.insert((s, false), l);
+                for (param, stages) in &tied {
+                    let mut holders: Vec<usize> = stages.iter().map(|s| ranks[s % p]).collect();
+                    holders.dedup();
+                    if holders.len() < 2 {
+                        continue;
+                    }
+                    if let Some(group) = comm.new_group(&holders)? {
+                        ties.push(Tie { param: *param, group: Some(Arc::from(group)) });
+                    }
                 }
-                if let Some(l) = link(comm, to, from)? {
-                    links.insert((s, true), l);
+                if let Some(g) = comm.new_group(ranks)? {
+                    stages_group = Some(Arc::<dyn ProcessGroup>::from(g));
                 }
             }
-            for (param, stages) in &tied {
-                let mut ranks: Vec<usize> = stages.iter().map(|s| s % p).collect();
-                ranks.dedup();
-                let group =
-                    if ranks.len() > 1 { comm.new_group(&ranks)?.map(Arc::<dyn ProcessGroup>::from) } else { None };
-                if chunks.iter().any(|c| c.engine.spec().holds(*param)) {
-                    ties.push(Tie { param: *param, group });
-                }
+            if replicas > 1 {
+                world_group = Some(Arc::<dyn ProcessGroup>::from(comm.world()?));
             }
-            stages_group = Some(Arc::<dyn ProcessGroup>::from(comm.world()?));
         }
         for c in &chunks {
             let s = c.stage;
@@ -245,6 +289,11 @@ impl PipelineTrainer {
             activations_out.push(if s + 1 < total { links.remove(&(s, false)) } else { None });
             grads_in.push(if s + 1 < total { links.remove(&(s, true)) } else { None });
         }
+        // The last stage's loss: vocabulary-parallel where its units are split.
+        let loss_func = match chunks.iter().find(|c| c.stage == total - 1) {
+            Some(c) => next_token_loss_of(&c.engine),
+            None => next_token_loss(),
+        };
         Ok(PipelineTrainer {
             chunks,
             kind: config.schedule,
@@ -257,10 +306,11 @@ impl PipelineTrainer {
             ties,
             params,
             stages_group,
+            world_group,
             schedule: setup.schedule,
             grad_clip: setup.grad_clip,
             prepare_input: token_input(),
-            loss_func: next_token_loss(),
+            loss_func,
             step: 0,
         })
     }
@@ -289,6 +339,15 @@ impl PipelineTrainer {
             c.optimizer.set_lr_factor(factor);
         }
         let ops = schedule(self.kind, self.pipeline, self.rank)?;
+        // Each chunk's last backward completes its gradients (data parallelism reduces then).
+        let mut last_backward: HashSet<(usize, usize)> = HashSet::new();
+        for chunk in 0..self.chunks.len() {
+            let last = ops.iter().rev().find_map(|op| match *op {
+                Op::Backward { micro, chunk: c } | Op::BackwardInput { micro, chunk: c } if c == chunk => Some(micro),
+                _ => None,
+            });
+            last_backward.extend(last.map(|micro| (micro, chunk)));
+        }
         let device = self.chunks[0].engine.config().device;
         let last = self.last_stage();
         let mut received: HashMap<(usize, usize), Tensor> = HashMap::new();
@@ -344,6 +403,7 @@ impl PipelineTrainer {
                 }
                 Op::Backward { micro, chunk } | Op::BackwardInput { micro, chunk } => {
                     let kept = outputs.remove(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
+                    self.chunks[chunk].engine.set_grad_sync(last_backward.contains(&(micro, chunk)));
                     let grad = if self.chunks[chunk].stage == last {
                         self.in_chunk(chunk, micro, |engine| engine.backward_micro(micro, Upstream::Loss(&kept)))?
                     } else {
@@ -377,6 +437,9 @@ impl PipelineTrainer {
         }
         // The schedule's span: the bubble is the share of it outside compute operations.
         let schedule_seconds = start.elapsed().as_secs_f64();
+        for c in &mut self.chunks {
+            c.engine.finish_grads()?;
+        }
         self.sum_ties()?;
         let mut grad_norm = None;
         if let Some(max) = self.grad_clip {
@@ -410,7 +473,11 @@ impl PipelineTrainer {
         mine[1 + p + self.rank] = most_held as f64;
         mine[1 + 2 * p + self.rank] = activations as f64;
         let all = self.sum(&mine)?;
-        let loss = all[0];
+        // Each pipeline's loss, averaged over the data replicas.
+        let loss = match &self.world_group {
+            Some(g) => all_reduce_values(g.as_ref(), &[all[0]], ReduceOp::Avg)?[0],
+            None => all[0],
+        };
         let figures = PipelineFigures {
             bubble: all[1..1 + p].to_vec(),
             micro_batches_held: all[1 + p..1 + 2 * p].iter().map(|&x| x as u64).collect(),
@@ -478,18 +545,32 @@ impl PipelineTrainer {
         self.step
     }
 
-    /// Saves the whole model's parameters (fp32) under their names: each comes from the
-    /// stage that owns it, one at a time. Every rank calls this; only `write` ones write.
-    pub fn save_weights(&self, path: &std::path::Path, write: bool) -> Result<()> {
-        let fetch = |i: usize| -> Result<Tensor> {
-            let (id, _, shape, stage) = &self.params[i];
-            let owner = stage % self.pipeline.stages;
-            let t = match self.chunks.iter().find(|c| c.stage == *stage) {
-                Some(c) => c.engine.param(*id).f_detach()?.f_to_kind(Kind::Float)?.f_contiguous()?,
+    /// Saves the whole model's parameters (fp32) under their names, unit by unit: the ranks
+    /// of the stage that owns a unit gather it whole (from tensor pieces and shards), and its
+    /// first rank in each pipeline hands it on. Every rank calls this; only `write` ones write.
+    pub fn save_weights(&mut self, path: &std::path::Path, write: bool) -> Result<()> {
+        // The unit gathered last: (stage, unit in stage) and its whole flat values.
+        let mut current: Option<((usize, usize), Tensor)> = None;
+        let mut fetch = |i: usize| -> Result<Tensor> {
+            let WholeParam { id, shape, stage, unit_in_stage, .. } = &self.params[i];
+            let key = (*stage, *unit_in_stage);
+            let chunk = self.chunks.iter_mut().find(|c| c.stage == *stage);
+            let t = match chunk {
+                Some(c) => {
+                    if current.as_ref().map(|(k, _)| *k) != Some(key) {
+                        current = Some((key, c.engine.full_unit(*unit_in_stage)?));
+                    }
+                    let (_, flat) = current.as_ref().expect("set above");
+                    let numel = shape.iter().product::<i64>();
+                    flat.f_narrow(0, c.engine.full_offset(*id), numel)?
+                        .f_reshape(shape.as_slice())?
+                        .f_to_kind(Kind::Float)?
+                        .f_contiguous()?
+                }
                 None => Tensor::f_zeros(shape.as_slice(), (Kind::Float, tch::Device::Cpu))?,
             };
             if let Some(g) = &self.stages_group {
-                g.broadcast(&t, owner)?.wait()?;
+                g.broadcast(&t, stage % self.pipeline.stages)?.wait()?;
             }
             Ok(t)
         };
@@ -500,7 +581,7 @@ impl PipelineTrainer {
             return Ok(());
         }
         let layout: Vec<(String, Kind, Vec<i64>)> =
-            self.params.iter().map(|(_, name, shape, _)| (name.clone(), Kind::Float, shape.clone())).collect();
+            self.params.iter().map(|p| (p.name.clone(), Kind::Float, p.shape.clone())).collect();
         let metadata = std::collections::BTreeMap::from([("format".to_string(), "pt".to_string())]);
         crate::io::write_safetensors_streamed(path, &layout, &metadata, |i| crate::io::tensor_bytes_le(&fetch(i)?))
     }
