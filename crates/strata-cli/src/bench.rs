@@ -2,7 +2,6 @@
 //! reference script, run with the project's virtual environment) in one run, side by side.
 use crate::bench_runs::GptShape;
 use crate::options::ModelChoice;
-use crate::train::model_spec;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -97,7 +96,7 @@ impl StrataSide {
     fn new(cfg: &GptConfig, batch_size: i64) -> Result<StrataSide> {
         // The reference uses fused attention and layer norm: so does this side.
         let strategy = Strategy::parse(r#"["module_replace"]"#)?;
-        let spec = model_spec(&ModelChoice::Gpt(cfg.clone()))?;
+        let spec = ModelChoice::Gpt(cfg.clone()).spec()?;
         let mut engine = parallel::build_engine(spec, EngineConfig::default(), &strategy, &Placement::single())?;
         let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
         let trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));

@@ -3,7 +3,6 @@
 //! throughput against plain data parallelism at the same world size, measured in one run.
 use crate::bench_runs;
 use crate::options::ModelChoice;
-use crate::train::model_spec;
 use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
@@ -99,7 +98,7 @@ fn run_one(args: &BenchZeroArgs, n: usize, strategy: &str) -> Result<(u64, u64, 
 pub fn run(args: BenchZeroArgs) -> Result<()> {
     let worlds: Vec<usize> = args.nproc.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
     let cfg = GptConfig::new(256, args.ctx, args.layers, args.heads, args.dim);
-    let spec = model_spec(&ModelChoice::Gpt(cfg))?;
+    let spec = ModelChoice::Gpt(cfg).spec()?;
     let params = spec.num_params();
     let unit_numel = |u: &strata::model::UnitSpec| u.params.iter().map(|id| spec.params[id.0].numel()).sum::<i64>();
     let largest = spec.units.iter().map(unit_numel).max().unwrap_or(0);

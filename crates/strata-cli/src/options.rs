@@ -5,7 +5,7 @@ use clap::Args;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
-use strata::model::{GptConfig, LlamaConfig, MlpConfig, DEFAULT_NORM_EPS};
+use strata::model::{self, Builder, GptConfig, LlamaConfig, MlpConfig, ModelSpec, DEFAULT_NORM_EPS};
 use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
 use strata::strategy::Strategy;
 
@@ -160,6 +160,24 @@ pub enum ModelChoice {
     Gpt(GptConfig),
     Llama(LlamaConfig),
     Mlp(MlpConfig),
+}
+
+impl ModelChoice {
+    /// The model function of the choice.
+    pub fn build(&self, b: &mut Builder) -> strata::Result<()> {
+        match self {
+            ModelChoice::Gpt(c) => model::gpt(c, b),
+            ModelChoice::Llama(c) => model::llama(c, b),
+            ModelChoice::Mlp(c) => model::mlp(c, b),
+        }
+    }
+
+    /// The whole model's description.
+    pub fn spec(&self) -> strata::Result<ModelSpec> {
+        let mut b = Builder::new();
+        self.build(&mut b)?;
+        b.build()
+    }
 }
 
 /// Where tokens come from.

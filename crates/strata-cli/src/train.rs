@@ -1,5 +1,5 @@
 //! `strata train`: build the model, load data and weights, run the steps, report.
-use crate::options::{DataChoice, ModelChoice, StrategyChoice, TrainSettings};
+use crate::options::{DataChoice, StrategyChoice, TrainSettings};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
@@ -9,7 +9,7 @@ use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
 use strata::comm::{all_reduce_values, init_from_env, launched_world_size, RankInfo, ReduceOp};
 use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData, Tokenizer};
 use strata::engine::{EngineConfig, UnitClock};
-use strata::model::{self, Builder, ModelSpec};
+use strata::model::Builder;
 use strata::optim::{Optimizer, OptimizerKind};
 use strata::parallel::{self, DataParallelOptions, Placement};
 use strata::train::{StepReport, Trainer};
@@ -39,20 +39,6 @@ pub fn load_data(settings: &TrainSettings) -> Result<(TokenData, Option<f64>, us
 }
 
 /// The model function of `choice`.
-pub fn build_model(choice: &ModelChoice, b: &mut Builder) -> strata::Result<()> {
-    match choice {
-        ModelChoice::Gpt(c) => model::gpt(c, b),
-        ModelChoice::Llama(c) => model::llama(c, b),
-        ModelChoice::Mlp(c) => model::mlp(c, b),
-    }
-}
-
-pub fn model_spec(choice: &ModelChoice) -> Result<ModelSpec> {
-    let mut b = Builder::new();
-    build_model(choice, &mut b)?;
-    Ok(b.build()?)
-}
-
 fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
     let mut v = b as f64;
@@ -147,7 +133,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         ..Default::default()
     };
     let data = Arc::new(data);
-    let mut spec = model_spec(&choice)?;
+    let mut spec = choice.spec()?;
     spec.freeze(&settings.freeze)?;
     check_outputs(&settings, spec.num_params() as u64)?;
     // Started as one of several ranks: join the job.
@@ -171,7 +157,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     let (strategy, data_parallel) = match &settings.strategy {
         StrategyChoice::Given(s) if !settings.finetune_strategy => (s.clone(), data_parallel),
         given => {
-            let model_fn = |b: &mut Builder| build_model(&choice, b);
+            let model_fn = |b: &mut Builder| choice.build(b);
             let dataloader_args = DataloaderArgs {
                 ctx,
                 batch_size: settings.batch_size,

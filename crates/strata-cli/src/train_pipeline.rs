@@ -1,7 +1,6 @@
 //! `strata train` with a pipeline (`parallel_mode`'s `("pipeline", p)`): each rank trains its
 //! stages with [`PipelineTrainer`]; metrics and saved weights speak for the whole model.
 use crate::options::TrainSettings;
-use crate::train::model_spec;
 use anyhow::{bail, Context, Result};
 use std::io::Write;
 use std::sync::Arc;
@@ -35,7 +34,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         );
     }
     let make = || -> strata::Result<ModelSpec> {
-        let mut spec = model_spec(r.choice).map_err(|e| strata::Error::Model(e.to_string()))?;
+        let mut spec = r.choice.spec()?;
         spec.freeze(&s.freeze)?;
         Ok(spec)
     };

@@ -156,3 +156,39 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         0.0,
     )?)
 }
+
+/// One rank: every collective is the identity.
+pub struct NoTensorParallel;
+
+impl TensorParallel for NoTensorParallel {
+    fn size(&self) -> i64 {
+        1
+    }
+    fn rank(&self) -> i64 {
+        0
+    }
+    fn sequence_parallel(&self) -> bool {
+        false
+    }
+    fn copy_in(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+    fn reduce_out(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+    fn gather_sequence(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+    fn scatter_sequence(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+    fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        cross_entropy(logits, targets)
+    }
+    fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        Ok(vec![x.shallow_clone()])
+    }
+    fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>> {
+        Ok(values.to_vec())
+    }
+}

@@ -12,9 +12,10 @@ mod mlp;
 pub mod tensor;
 
 pub use gpt::{gpt, GptConfig};
+pub use layers::NoTensorParallel;
 pub use llama::{llama, LlamaConfig};
 pub use mlp::{mlp, MlpConfig};
-pub use tensor::{NoTensorParallel, TensorParallel, TpRole};
+pub use tensor::{TensorParallel, TpRole};
 
 use crate::{Error, Result};
 use std::collections::HashMap;

@@ -6,7 +6,7 @@
 //! tensor rank give it, so whole weights can always be gathered and split again at another
 //! size. Units never talk to a process group: the engine hands them a [`TensorParallel`]
 //! through [`super::Params::tp`], implemented over `comm` by the `parallel` layer, or the
-//! one-rank [`NoTensorParallel`] that does nothing.
+//! one-rank [`super::layers::NoTensorParallel`] that does nothing.
 use crate::{Error, Result};
 use tch::Tensor;
 
@@ -211,42 +211,6 @@ impl std::fmt::Debug for dyn TensorParallel {
             self.size(),
             self.sequence_parallel()
         )
-    }
-}
-
-/// One rank: every collective is the identity.
-pub struct NoTensorParallel;
-
-impl TensorParallel for NoTensorParallel {
-    fn size(&self) -> i64 {
-        1
-    }
-    fn rank(&self) -> i64 {
-        0
-    }
-    fn sequence_parallel(&self) -> bool {
-        false
-    }
-    fn copy_in(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.shallow_clone())
-    }
-    fn reduce_out(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.shallow_clone())
-    }
-    fn gather_sequence(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.shallow_clone())
-    }
-    fn scatter_sequence(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.shallow_clone())
-    }
-    fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        super::layers::cross_entropy(logits, targets)
-    }
-    fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        Ok(vec![x.shallow_clone()])
-    }
-    fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>> {
-        Ok(values.to_vec())
     }
 }
 
