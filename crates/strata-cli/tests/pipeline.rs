@@ -126,15 +126,26 @@ fn pipelines_beside_tensor_parallelism_and_sharding_match_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let two = ["--accumulation", "2"];
     let with = |model: &[&str], dims: &str, more: &str| {
-        let strategy =
-            format!(r#"[["parallel_mode", [{dims}, null]], ["pipeline_parallel", {{"schedule": "1f1b"}}], {more}]"#);
+        let strategy = format!(r#"[["parallel_mode", [{dims}, null]], {more}]"#);
         train(dir.path(), "pp", model, &[&two[..], &["--nproc", "4", "--strategy", &strategy]].concat())
     };
-    let cases: [(&str, &[&str], &str, &str); 4] = [
-        ("gpt", &GPT, r#"[["tensor", 2], ["pipeline", 2]]"#, r#"["tensor_parallel", {"sequence_parallel": true}]"#),
-        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""zero1""#),
-        ("llama", &LLAMA, r#"[["tensor", 2], ["pipeline", 2]]"#, r#"["tensor_parallel", {"sequence_parallel": true}]"#),
-        ("llama", &LLAMA, r#"[["pipeline", 2]]"#, r#""zero2""#),
+    let cases: [(&str, &[&str], &str, &str); 5] = [
+        (
+            "gpt",
+            &GPT,
+            r#"[["tensor", 2], ["pipeline", 2]]"#,
+            r#""pipeline_parallel", ["tensor_parallel", {"sequence_parallel": true}]"#,
+        ),
+        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "zero1""#),
+        (
+            "llama",
+            &LLAMA,
+            r#"[["tensor", 2], ["pipeline", 2]]"#,
+            r#""pipeline_parallel", ["tensor_parallel", {"sequence_parallel": true}]"#,
+        ),
+        ("llama", &LLAMA, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "zero2""#),
+        // DeepSpeed's layout of the same sizes: tensor ranks adjacent, pipeline outermost.
+        ("llama", &LLAMA, r#"[["pipeline", 2], ["tensor", 2]]"#, r#""ds_3d_parallel""#),
     ];
     for (name, model, dims, more) in cases {
         let one = train(dir.path(), name, model, &two);

@@ -23,7 +23,7 @@ use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 11] = [
+pub const METHODS: [&str; 13] = [
     "parallel_mode",
     "amp_native",
     "half",
@@ -35,6 +35,8 @@ pub const METHODS: [&str; 11] = [
     "fsdp",
     "tensor_parallel",
     "pipeline_parallel",
+    "mixed_parallel",
+    "ds_3d_parallel",
 ];
 
 /// A validated strategy: its methods in the order given.
@@ -63,6 +65,34 @@ pub enum Method {
     TensorParallel(TensorParallelConfig),
     /// Contiguous unit ranges on parallel_mode's pipeline stages, run by a schedule.
     PipelineParallel(PipelineConfig),
+    /// Tensor, pipeline and data parallelism together, at parallel_mode's sizes.
+    MixedParallel(MixedConfig),
+    /// As `mixed_parallel`, with ranks laid out in DeepSpeed's order: tensor fastest, then
+    /// data, then pipeline, whatever order parallel_mode lists them in.
+    Ds3dParallel(MixedConfig),
+}
+
+/// `mixed_parallel`'s and `ds_3d_parallel`'s configuration: the pipeline's and tensor
+/// parallelism's, together.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MixedConfig {
+    pub schedule: ScheduleKind,
+    pub virtual_stages: usize,
+    pub stages: Option<Vec<(usize, usize)>>,
+    pub sequence_parallel: bool,
+}
+
+impl Default for MixedConfig {
+    fn default() -> Self {
+        let p = PipelineConfig::default();
+        MixedConfig {
+            schedule: p.schedule,
+            virtual_stages: p.virtual_stages,
+            stages: p.stages,
+            sequence_parallel: false,
+        }
+    }
 }
 
 /// Which schedule runs the micro-batches.
@@ -214,6 +244,8 @@ impl Method {
             Method::Fsdp(_) => "fsdp",
             Method::TensorParallel(_) => "tensor_parallel",
             Method::PipelineParallel(_) => "pipeline_parallel",
+            Method::MixedParallel(_) => "mixed_parallel",
+            Method::Ds3dParallel(_) => "ds_3d_parallel",
         }
     }
 
@@ -287,6 +319,8 @@ impl Method {
             "fsdp" => Method::Fsdp(shard()?),
             "tensor_parallel" => Method::TensorParallel(parse_config(name, config)?),
             "pipeline_parallel" => Method::PipelineParallel(parse_config(name, config)?),
+            "mixed_parallel" => Method::MixedParallel(parse_config(name, config)?),
+            "ds_3d_parallel" => Method::Ds3dParallel(parse_config(name, config)?),
             other => return Err(Error::Config(format!("unknown method {other:?}; allowed: {}", METHODS.join(", ")))),
         })
     }
@@ -310,6 +344,7 @@ impl Method {
             Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => serde_json::to_value(c),
             Method::TensorParallel(c) => serde_json::to_value(c),
             Method::PipelineParallel(c) => serde_json::to_value(c),
+            Method::MixedParallel(c) | Method::Ds3dParallel(c) => serde_json::to_value(c),
         };
         Value::Array(vec![Value::String(self.name().into()), config.unwrap_or(Value::Null)])
     }
@@ -412,14 +447,35 @@ impl Strategy {
                 sharding.join(" and ")
             )));
         }
+        let layouts: Vec<&str> = methods
+            .iter()
+            .filter(|m| {
+                matches!(
+                    m,
+                    Method::TensorParallel(_)
+                        | Method::PipelineParallel(_)
+                        | Method::MixedParallel(_)
+                        | Method::Ds3dParallel(_)
+                )
+            })
+            .map(Method::name)
+            .collect();
+        let mixed = layouts.iter().any(|n| *n == "mixed_parallel" || *n == "ds_3d_parallel");
+        if mixed && layouts.len() > 1 {
+            return Err(Error::Config(format!(
+                "{} cannot be combined: mixed_parallel and ds_3d_parallel already run tensor and pipeline parallelism",
+                layouts.join(" and ")
+            )));
+        }
         let strategy = Strategy { methods };
-        if strategy.pipeline_parallel().is_some() && !strategy.parallel_mode().0.iter().any(|(n, _)| n == "pipeline") {
+        let named = |dim: &str| strategy.parallel_mode().0.iter().any(|(n, _)| n == dim);
+        if layouts.contains(&"pipeline_parallel") && !named("pipeline") {
             return Err(Error::Config(
                 "pipeline_parallel: give the number of stages in parallel_mode, e.g. [\"parallel_mode\", [[[\"pipeline\", 2]], null]]"
                     .into(),
             ));
         }
-        if strategy.tensor_parallel().is_some() && !strategy.parallel_mode().0.iter().any(|(n, _)| n == "tensor") {
+        if layouts.contains(&"tensor_parallel") && !named("tensor") {
             return Err(Error::Config(
                 "tensor_parallel: give the tensor size in parallel_mode, e.g. [\"parallel_mode\", [[[\"tensor\", 2]], null]]"
                     .into(),
@@ -474,20 +530,46 @@ impl Strategy {
 
     /// The rank layout (data parallel over every rank when not given).
     pub fn parallel_mode(&self) -> ParallelMode {
-        self.methods
+        let mut mode = self
+            .methods
             .iter()
             .find_map(|m| if let Method::ParallelMode(p) = m { Some(p.clone()) } else { None })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        if self.methods.iter().any(|m| matches!(m, Method::Ds3dParallel(_))) {
+            // DeepSpeed's topology: tensor ranks adjacent, then data, then pipeline.
+            if !mode.0.iter().any(|(n, _)| n == "data") {
+                mode.0.push(("data".into(), 0));
+            }
+            let order = |n: &str| ["tensor", "zero", "data", "pipeline"].iter().position(|d| *d == n);
+            mode.0.sort_by_key(|(n, _)| order(n));
+        }
+        mode
     }
 
-    /// `pipeline_parallel`'s configuration, if the strategy has it.
-    pub fn pipeline_parallel(&self) -> Option<&PipelineConfig> {
-        self.methods.iter().find_map(|m| if let Method::PipelineParallel(c) = m { Some(c) } else { None })
+    /// The pipeline's configuration: `pipeline_parallel`'s, or that of `mixed_parallel` or
+    /// `ds_3d_parallel`.
+    pub fn pipeline_parallel(&self) -> Option<PipelineConfig> {
+        self.methods.iter().find_map(|m| match m {
+            Method::PipelineParallel(c) => Some(c.clone()),
+            Method::MixedParallel(c) | Method::Ds3dParallel(c) => Some(PipelineConfig {
+                schedule: c.schedule,
+                virtual_stages: c.virtual_stages,
+                stages: c.stages.clone(),
+            }),
+            _ => None,
+        })
     }
 
-    /// `tensor_parallel`'s configuration, if the strategy has it.
-    pub fn tensor_parallel(&self) -> Option<&TensorParallelConfig> {
-        self.methods.iter().find_map(|m| if let Method::TensorParallel(c) = m { Some(c) } else { None })
+    /// Tensor parallelism's configuration: `tensor_parallel`'s, or that of `mixed_parallel`
+    /// or `ds_3d_parallel`.
+    pub fn tensor_parallel(&self) -> Option<TensorParallelConfig> {
+        self.methods.iter().find_map(|m| match m {
+            Method::TensorParallel(c) => Some(c.clone()),
+            Method::MixedParallel(c) | Method::Ds3dParallel(c) => {
+                Some(TensorParallelConfig { sequence_parallel: c.sequence_parallel })
+            }
+            _ => None,
+        })
     }
 
     /// The sharding method, if any: (name, config).
@@ -530,6 +612,25 @@ mod tests {
         let checked = r#"[["amp_native", {"dtype": "bf16", "skip_if_nonfinite": true}]]"#;
         assert!(Strategy::parse(checked).unwrap().grad_scaling().unwrap().skip_if_nonfinite);
         assert_eq!(Strategy::parse(r#"["half"]"#).unwrap().half(), Some(Kind::Half));
+    }
+
+    #[test]
+    fn mixed_layouts_run_tensor_and_pipeline_parallelism_in_their_rank_order() {
+        let mode = r#"["parallel_mode", [[["pipeline", 2], ["tensor", 2]], null]]"#;
+        let mixed =
+            Strategy::parse(&format!(r#"[{mode}, ["mixed_parallel", {{"sequence_parallel": true}}]]"#)).unwrap();
+        assert!(mixed.tensor_parallel().is_some_and(|t| t.sequence_parallel));
+        assert_eq!(mixed.pipeline_parallel(), Some(PipelineConfig::default()));
+        // mixed_parallel keeps parallel_mode's order: pipeline neighbours are adjacent ranks.
+        assert_eq!(mixed.parallel_mode().groups(8).unwrap()["pipeline"][0], [0, 1]);
+        // ds_3d_parallel lays ranks out as DeepSpeed does: tensor, then data, then pipeline.
+        let ds = Strategy::parse(&format!(r#"[{mode}, "ds_3d_parallel"]"#)).unwrap();
+        let groups = ds.parallel_mode().groups(8).unwrap();
+        assert_eq!(groups["tensor"][0], [0, 1]);
+        assert_eq!(groups["data"][0], [0, 2]);
+        assert_eq!(groups["pipeline"][0], [0, 4]);
+        let both = Strategy::parse(r#"["mixed_parallel", "pipeline_parallel"]"#).unwrap_err().to_string();
+        assert!(both.contains("cannot be combined"), "{both}");
     }
 
     #[test]

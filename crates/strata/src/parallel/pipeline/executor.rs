@@ -159,7 +159,7 @@ pub fn stage_ranges(spec: &ModelSpec, stages: usize, given: Option<&[(usize, usi
 
 impl PipelineTrainer {
     pub fn new(setup: PipelineSetup<'_>) -> Result<PipelineTrainer> {
-        let config = setup.strategy.pipeline_parallel().cloned().unwrap_or_default();
+        let config = setup.strategy.pipeline_parallel().unwrap_or_default();
         let world = setup.comm.map_or(1, Comm::size);
         let mode = setup.strategy.parallel_mode();
         let p = mode.size("pipeline", world)?;
