@@ -39,6 +39,31 @@ pub fn load_data(settings: &TrainSettings) -> Result<(TokenData, Option<f64>, us
 }
 
 /// The model function of `choice`.
+/// The optimizer's name as checkpoints record it.
+pub fn optimizer_name(settings: &TrainSettings) -> String {
+    format!("{:?}", settings.optimizer.kind).to_lowercase()
+}
+
+/// Where this run's data stands before step `next_step`, as checkpoints record it.
+pub fn data_position(settings: &TrainSettings, next_step: u64) -> DataPosition {
+    DataPosition { seed: settings.seed, batch_size: settings.batch_size, ctx: settings.ctx as usize, next_step }
+}
+
+/// The checkpoint `--resume` names, refused if it would not continue this run's data.
+pub fn checkpoint_to_resume(settings: &TrainSettings) -> Result<Option<Checkpoint>> {
+    let Some(path) = &settings.resume else { return Ok(None) };
+    let ckpt = Checkpoint::open(path)?;
+    let saved = &ckpt.meta.data;
+    let here = data_position(settings, saved.next_step);
+    if *saved != here {
+        bail!(
+            "{}: saved with seed {}, batch size {}, ctx {}; this run has seed {}, batch size {}, ctx {}: it would not continue the same run",
+            ckpt.location.display(), saved.seed, saved.batch_size, saved.ctx, here.seed, here.batch_size, here.ctx
+        );
+    }
+    Ok(Some(ckpt))
+}
+
 fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
     let mut v = b as f64;
@@ -249,23 +274,9 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         c.take(); // the first step's clock starts here
     }
     trainer.scaling = strategy.grad_scaling()?;
-    let optimizer_name = format!("{:?}", settings.optimizer.kind).to_lowercase();
-    let data_position = |next_step: u64| DataPosition {
-        seed: settings.seed,
-        batch_size: settings.batch_size,
-        ctx: settings.ctx as usize,
-        next_step,
-    };
-    if let Some(path) = &settings.resume {
-        let ckpt = Checkpoint::open(path)?;
-        let saved = &ckpt.meta.data;
-        let here = data_position(saved.next_step);
-        if *saved != here {
-            bail!(
-                "{}: saved with seed {}, batch size {}, ctx {}; this run has seed {}, batch size {}, ctx {}: it would not continue the same run",
-                ckpt.location.display(), saved.seed, saved.batch_size, saved.ctx, here.seed, here.batch_size, here.ctx
-            );
-        }
+    let optimizer_name = optimizer_name(&settings);
+    let data_position = |next_step: u64| data_position(&settings, next_step);
+    if let Some(ckpt) = checkpoint_to_resume(&settings)? {
         ckpt.restore(&mut trainer.engine, &mut trainer.optimizer, &optimizer_name)?;
         trainer.set_step(ckpt.meta.step);
         if let (Some(saved), Some(scaler)) = (&ckpt.meta.loss_scaler, &mut trainer.scaling.scaler) {
@@ -299,7 +310,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         };
         let group = world_group.as_deref();
         let dir =
-            checkpoint::save(root, &mut trainer.engine, &trainer.optimizer, &run, group, settings.keep_checkpoints)
+            checkpoint::save(root, &mut trainer.engine, &mut trainer.optimizer, &run, group, settings.keep_checkpoints)
                 .with_context(|| format!("saving a checkpoint in {}{}", root.display(), last_checkpoint(&settings)))?;
         if leader {
             info!(path = %dir.display(), "saved checkpoint");

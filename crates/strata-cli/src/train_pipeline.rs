@@ -4,6 +4,7 @@ use crate::options::TrainSettings;
 use anyhow::{bail, Context, Result};
 use std::io::Write;
 use std::sync::Arc;
+use strata::checkpoint::RunInfo;
 use strata::comm::Comm;
 use strata::data::{DataLoader, LoaderConfig, Order, TokenData};
 use strata::engine::EngineConfig;
@@ -28,10 +29,8 @@ pub struct PipelineRun<'a> {
 
 pub fn run(r: PipelineRun<'_>) -> Result<()> {
     let s = r.settings;
-    if s.resume.is_some() || s.save_checkpoint.is_some() || s.init_weights.is_some() {
-        bail!(
-            "pipeline_parallel: --resume, --save-checkpoint and --init-weights are not available with a pipeline yet"
-        );
+    if s.init_weights.is_some() {
+        bail!("pipeline_parallel: --init-weights is not available with a pipeline yet");
     }
     let make = || -> strata::Result<ModelSpec> {
         let mut spec = r.choice.spec()?;
@@ -50,7 +49,35 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         grad_clip: s.grad_clip,
         micro_batches: s.accumulation,
     })?;
+    let optimizer_name = crate::train::optimizer_name(s);
+    if let Some(ckpt) = crate::train::checkpoint_to_resume(s)? {
+        trainer.restore(&ckpt, &optimizer_name)?;
+        info!(step = ckpt.meta.step, from = %ckpt.location.display(), "resumed");
+    }
+    let start = trainer.step();
+    if start > s.steps {
+        bail!("the checkpoint is at step {start}, past --steps {}", s.steps);
+    }
+    let world_group = r.comm.map(|c| c.world()).transpose()?;
     let (rank, world) = r.comm.map_or((0, 1), |c| (c.rank(), c.size()));
+    let save_checkpoint = |trainer: &mut PipelineTrainer| -> Result<()> {
+        let Some(root) = &s.save_checkpoint else { return Ok(()) };
+        let run = RunInfo {
+            step: trainer.step(),
+            world_size: world,
+            strategy: r.strategy.to_value(),
+            optimizer: optimizer_name.clone(),
+            data: crate::train::data_position(s, trainer.step()),
+            loss_scaler: None,
+        };
+        let dir = trainer
+            .save_checkpoint(root, &run, world_group.as_deref(), s.keep_checkpoints)
+            .with_context(|| format!("saving a checkpoint in {}", root.display()))?;
+        if r.leader {
+            info!(path = %dir.display(), "saved checkpoint");
+        }
+        Ok(())
+    };
     let (data_rank, data_world) = strata::parallel::batch_shard(&r.strategy.parallel_mode(), rank, world)?;
     let config = LoaderConfig {
         accumulation: s.accumulation,
@@ -58,6 +85,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         world: data_world,
         seed: s.seed,
         device: s.device,
+        start_step: start as usize,
         ..LoaderConfig::new(s.ctx as usize, s.batch_size)
     };
     let loader = DataLoader::new(r.data, config, r.order)?;
@@ -68,7 +96,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         None => None,
     };
     let mut last = None;
-    for step in loader.take(s.steps as usize) {
+    for step in loader.take((s.steps - start) as usize) {
         let mut report = trainer.train_step(&step?)?;
         report.tokens *= data_world as u64;
         report.tokens_per_s *= data_world as f64;
@@ -83,8 +111,13 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         if r.leader && report.step % s.log_every == 0 {
             info!(step = report.step, loss = report.loss, tokens_per_s = report.tokens_per_s as u64, "progress");
         }
+        let due = s.checkpoint_every.is_some_and(|every| report.step % every == 0);
+        if due && report.step < s.steps {
+            save_checkpoint(&mut trainer)?;
+        }
         last = Some(report);
     }
+    save_checkpoint(&mut trainer)?;
     if let Some(path) = &s.save_weights {
         trainer.save_weights(path, r.leader).with_context(|| format!("saving the weights to {}", path.display()))?;
     }

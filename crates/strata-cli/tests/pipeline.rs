@@ -168,3 +168,26 @@ fn pipelines_beside_tensor_parallelism_and_sharding_match_one_process() {
     let o = strata(&[&["train"][..], &GPT, &RUN, &["--steps", "1", "--nproc", "4", "--strategy", strategy]].concat());
     assert!(stderr(&o).contains("zero2 frees whole gradients before weights tied across stages"), "{}", stderr(&o));
 }
+
+/// Saved by a pipeline of 2, resumed by one process, saved, resumed by 2 stages × tensor
+/// size 2: every resumed step's loss is the uninterrupted run's.
+#[test]
+fn checkpoints_move_between_pipeline_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let run = |extra: &[&str]| {
+        let o = strata(&[&["train"][..], &GPT, &RUN, extra].concat());
+        assert!(o.status.success(), "{extra:?}:\n{}", stderr(&o));
+    };
+    run(&["--steps", "6", "--metrics", &p("whole.jsonl")]);
+    run(&["--steps", "2", "--nproc", "2", "--strategy", &pipeline(2, "1f1b", 1), "--save-checkpoint", &p("a")]);
+    run(&["--steps", "4", "--resume", &p("a"), "--save-checkpoint", &p("b"), "--metrics", &p("r1.jsonl")]);
+    let mixed = r#"[["parallel_mode", [[["pipeline", 2], ["tensor", 2]], null]], "mixed_parallel"]"#;
+    run(&["--steps", "6", "--nproc", "4", "--strategy", mixed, "--resume", &p("b"), "--metrics", &p("r2.jsonl")]);
+    let full = losses(Path::new(&p("whole.jsonl")));
+    let resumed = [losses(Path::new(&p("r1.jsonl"))), losses(Path::new(&p("r2.jsonl")))].concat();
+    assert_eq!(resumed.iter().map(|r| r.0).collect::<Vec<_>>(), [3, 4, 5, 6]);
+    for ((step, a), (_, b)) in full[2..].iter().zip(&resumed) {
+        assert!((a - b).abs() <= 1e-6 * a.abs(), "step {step}: {a} uninterrupted, {b} resumed");
+    }
+}

@@ -23,7 +23,7 @@ use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
 use crate::engine::Engine;
 use crate::io::{self, tensor_bytes_le, write_safetensors_streamed};
-use crate::model::TpRole;
+use crate::model::{ModelSpec, TpRole};
 use crate::optim::Optimizer;
 use crate::{fault, Error, Result};
 use memmap2::Mmap;
@@ -136,20 +136,83 @@ fn state_names(optimizer: &Optimizer) -> Vec<String> {
     optimizer.state_names().iter().map(|s| s.to_string()).collect()
 }
 
-fn describe(engine: &Engine, optimizer: &Optimizer, run: &RunInfo) -> Meta {
+/// The whole model as a checkpoint lays it out: every parameter (in `ParamId` order), the
+/// units' sizes, and the tensor size its units are split over.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub params: Vec<ParamEntry>,
+    pub unit_numel: Vec<i64>,
+    pub tensor_size: usize,
+}
+
+impl Layout {
+    /// The layout of `engine`'s model, which it holds whole (no pipeline stage).
+    pub fn of(engine: &Engine) -> Layout {
+        Layout {
+            params: param_entries(engine),
+            unit_numel: whole_unit_numel(engine),
+            tensor_size: engine.tensor_parallel().map_or(1, |t| t.size() as usize),
+        }
+    }
+
+    /// The layout of the whole model `spec` describes, split over `tensor_size` ranks (for
+    /// pipeline stages, whose engines hold some of its units).
+    pub fn of_spec(spec: &ModelSpec, tensor_size: usize) -> Layout {
+        let mut offsets = vec![0; spec.params.len()];
+        let mut unit_numel = Vec::with_capacity(spec.units.len());
+        for unit in &spec.units {
+            let mut offset = 0;
+            for id in &unit.params {
+                offsets[id.0] = offset;
+                offset += spec.params[id.0].numel();
+            }
+            unit_numel.push(offset);
+        }
+        let params = spec
+            .params
+            .iter()
+            .zip(offsets)
+            .map(|(p, offset)| ParamEntry {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                unit: p.unit,
+                offset,
+                tp: Some(p.tp),
+            })
+            .collect();
+        Layout { params, unit_numel, tensor_size }
+    }
+}
+
+/// An engine and its optimizer that hold units `first_unit..` of the whole model (all of
+/// it, or a pipeline stage's).
+pub struct Part<'a> {
+    pub engine: &'a mut Engine,
+    pub optimizer: &'a mut Optimizer,
+    pub first_unit: usize,
+}
+
+fn describe(layout: &Layout, parts: &[Part<'_>], run: &RunInfo) -> Meta {
+    let mut fp8 = vec![None; layout.unit_numel.len()];
+    for part in parts {
+        for (k, s) in part.engine.fp8_states().iter().enumerate() {
+            fp8[part.first_unit + k] = s.as_ref().and_then(|s| s.lock().ok().map(|s| s.snapshot()));
+        }
+    }
+    let optimizer = &parts[0].optimizer;
     Meta {
         format: FORMAT.into(),
         step: run.step,
         world_size: run.world_size,
         strategy: run.strategy.clone(),
-        params: param_entries(engine),
-        unit_numel: whole_unit_numel(engine),
-        tensor_size: engine.tensor_parallel().map_or(1, |t| t.size() as usize),
+        params: layout.params.clone(),
+        unit_numel: layout.unit_numel.clone(),
+        tensor_size: layout.tensor_size,
         optimizer: run.optimizer.clone(),
         state_names: state_names(optimizer),
         data: run.data.clone(),
         loss_scaler: run.loss_scaler.clone(),
-        fp8: engine.fp8_states().iter().map(|s| s.as_ref().and_then(|s| s.lock().ok().map(|s| s.snapshot()))).collect(),
+        fp8,
         optimizer_steps: Some(optimizer.steps_taken()),
         files: vec![],
     }
@@ -165,11 +228,28 @@ fn step_dir(root: &Path, step: u64) -> PathBuf {
 pub fn save(
     root: &Path,
     engine: &mut Engine,
-    optimizer: &Optimizer,
+    optimizer: &mut Optimizer,
     run: &RunInfo,
     world: Option<&dyn ProcessGroup>,
     keep: usize,
 ) -> Result<PathBuf> {
+    let layout = Layout::of(engine);
+    save_parts(root, &layout, &mut [Part { engine, optimizer, first_unit: 0 }], run, world, keep)
+}
+
+/// [`save`] of a model of `layout` whose units this rank holds in `parts` (a pipeline
+/// rank's chunks); `parts` must not be empty.
+pub fn save_parts(
+    root: &Path,
+    layout: &Layout,
+    parts: &mut [Part<'_>],
+    run: &RunInfo,
+    world: Option<&dyn ProcessGroup>,
+    keep: usize,
+) -> Result<PathBuf> {
+    if parts.is_empty() {
+        return Err(Error::Engine("a checkpoint of no engine".into()));
+    }
     let rank = world.map_or(0, |g| g.rank());
     let staging = root.join(format!(".step-{:08}.partial", run.step));
     // Every phase ends with all ranks agreeing that it went well, so a failure on one rank
@@ -194,15 +274,15 @@ pub fn save(
     } else {
         Ok(())
     })?;
-    let written = match engine.checkpoint_writer() {
-        true => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), engine, optimizer),
+    let written = match parts[0].engine.checkpoint_writer() {
+        true => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), layout, parts),
         false => Ok(()),
     };
     fault::point("save-written", run.step);
     agree(written)?;
     let mut published = None;
     agree(if rank == 0 {
-        publish(root, &staging, engine, optimizer, run, keep).map(|d| published = Some(d))
+        publish(root, &staging, describe(layout, parts, run), run, keep).map(|d| published = Some(d))
     } else {
         Ok(())
     })?;
@@ -244,21 +324,14 @@ fn free_step_dir(root: &Path, step: u64) -> PathBuf {
 /// under a free name, `latest`, then removal of an earlier save of the same step and
 /// pruning. `latest` names a complete folder at every instant: it moves only once the new
 /// folder is in place, and the old one goes only after it moved.
-fn publish(
-    root: &Path,
-    staging: &Path,
-    engine: &Engine,
-    optimizer: &Optimizer,
-    run: &RunInfo,
-    keep: usize,
-) -> Result<PathBuf> {
+fn publish(root: &Path, staging: &Path, meta: Meta, run: &RunInfo, keep: usize) -> Result<PathBuf> {
     let mut files: Vec<String> = std::fs::read_dir(staging)
         .map_err(|e| Error::io(staging, e))?
         .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
         .filter(|n| n.starts_with("rank") && n.ends_with(".safetensors"))
         .collect();
     files.sort();
-    let meta = Meta { files, ..describe(engine, optimizer, run) };
+    let meta = Meta { files, ..meta };
     let text = serde_json::to_vec_pretty(&meta).map_err(|e| Error::Model(e.to_string()))?;
     io::write_atomic(&staging.join("meta.json"), &text)?;
     fault::point("save-described", run.step);
@@ -304,12 +377,29 @@ fn prune(root: &Path, keep: usize, saved: &Path) -> Result<()> {
     Ok(())
 }
 
-/// This rank's part: for each unit, its range of parameters and of every optimizer state.
-fn write_rank_file(path: &Path, engine: &mut Engine, optimizer: &Optimizer) -> Result<()> {
-    let ranges = engine.shard_ranges()?;
-    let kind = engine.master_kind();
-    let names = optimizer.state_names();
-    let state = optimizer.state();
+/// This rank's part: for each unit it holds, its range of parameters and of every optimizer
+/// state (a stage's copies of other stages' weights left out: their owners save them).
+fn write_rank_file(path: &Path, whole: &Layout, parts: &mut [Part<'_>]) -> Result<()> {
+    let units = whole.unit_numel.len();
+    let mut ranges = vec![(0i64, 0i64); units];
+    // Which part, and which of its units, holds each unit of the model.
+    let mut holder: Vec<(usize, usize)> = vec![(0, 0); units];
+    for (i, part) in parts.iter_mut().enumerate() {
+        for (k, (start, len)) in part.engine.shard_ranges()?.into_iter().enumerate() {
+            let u = part.first_unit + k;
+            let numel = *whole.unit_numel.get(u).ok_or_else(|| Error::Engine(format!("unit {u} outside the model")))?;
+            let start = start.min(numel);
+            ranges[u] = (start, len.min(numel - start));
+            holder[u] = (i, k);
+        }
+    }
+    let kind = parts[0].engine.master_kind();
+    let names: Vec<String> = state_names(parts[0].optimizer);
+    // Owned, so that the parts' engines can be borrowed while writing.
+    let states: Vec<Vec<(usize, i64, String, Tensor)>> = parts
+        .iter()
+        .map(|p| p.optimizer.state().into_iter().map(|(u, o, n, t)| (u, o, n.to_string(), t.shallow_clone())).collect())
+        .collect();
     let mut layout = Vec::new();
     let mut jobs: Vec<(usize, Option<&str>)> = Vec::new();
     for (unit, &(_, len)) in ranges.iter().enumerate() {
@@ -318,12 +408,12 @@ fn write_rank_file(path: &Path, engine: &mut Engine, optimizer: &Optimizer) -> R
         }
         layout.push((format!("param.{unit}"), kind, vec![len]));
         jobs.push((unit, None));
-        for name in names {
+        for name in &names {
             layout.push((format!("{name}.{unit}"), kind, vec![len]));
-            jobs.push((unit, Some(name)));
+            jobs.push((unit, Some(name.as_str())));
         }
     }
-    let tensor_rank = engine.tensor_parallel().map_or(0, |t| t.rank());
+    let tensor_rank = parts[0].engine.tensor_parallel().map_or(0, |t| t.rank());
     let metadata = BTreeMap::from([
         ("ranges".to_string(), serde_json::to_string(&ranges).map_err(|e| Error::Model(e.to_string()))?),
         ("tensor_rank".to_string(), tensor_rank.to_string()),
@@ -331,13 +421,14 @@ fn write_rank_file(path: &Path, engine: &mut Engine, optimizer: &Optimizer) -> R
     write_safetensors_streamed(path, &layout, &metadata, |i| {
         let (unit, what) = jobs[i];
         let (start, len) = ranges[unit];
+        let (part, local) = holder[unit];
         let out = match what {
-            None => engine.local_params(unit)?.f_narrow(0, 0, len)?.f_to_kind(kind)?,
+            None => parts[part].engine.local_params(local)?.f_narrow(0, 0, len)?.f_to_kind(kind)?,
             Some(name) => {
                 // Frozen parameters and padding have no state: zeros.
                 let out = Tensor::f_zeros([len], (kind, tch::Device::Cpu))?;
-                for (u, offset, n, t) in &state {
-                    if *u == unit && *n == name {
+                for (u, offset, n, t) in &states[part] {
+                    if *u == local && n == name {
                         let (lo, hi) = (*offset.max(&start), (*offset + t.numel() as i64).min(start + len));
                         if lo < hi {
                             out.f_narrow(0, lo - start, hi - lo)?.f_copy_(&t.f_narrow(0, lo - offset, hi - lo)?)?;
@@ -639,7 +730,12 @@ impl Checkpoint {
 
     /// Fails unless the checkpoint is of the model `engine` runs, with `optimizer`'s kind.
     pub fn check_compatible(&self, engine: &Engine, optimizer: &Optimizer, optimizer_name: &str) -> Result<()> {
-        let (params, states) = (param_entries(engine), state_names(optimizer));
+        self.check_layout(&Layout::of(engine), optimizer, optimizer_name)
+    }
+
+    /// Fails unless the checkpoint is of a model of `layout`, with `optimizer`'s kind.
+    pub fn check_layout(&self, layout: &Layout, optimizer: &Optimizer, optimizer_name: &str) -> Result<()> {
+        let (params, states) = (layout.params.clone(), state_names(optimizer));
         // Checkpoints that predate splits do not record them: splits are the model's own.
         let params: Vec<ParamEntry> = params
             .into_iter()
@@ -662,8 +758,8 @@ impl Checkpoint {
                 ));
             }
         }
-        let unit_numel = whole_unit_numel(engine);
-        if self.meta.unit_numel != unit_numel {
+        let unit_numel = &layout.unit_numel;
+        if self.meta.unit_numel != *unit_numel {
             return err(format!(
                 "a checkpoint of another layout: units of {:?} elements, this model {unit_numel:?}",
                 self.meta.unit_numel
@@ -680,27 +776,61 @@ impl Checkpoint {
 
     /// Loads parameters and optimizer state into a run of any world size and strategy.
     pub fn restore(&self, engine: &mut Engine, optimizer: &mut Optimizer, optimizer_name: &str) -> Result<()> {
-        self.check_compatible(engine, optimizer, optimizer_name)?;
-        let kind = engine.master_kind();
-        for (unit, &numel) in self.meta.unit_numel.iter().enumerate() {
-            let full = self.read_range("param", unit, 0, numel, kind)?;
-            engine.set_full_unit(unit, &full)?;
+        let layout = Layout::of(engine);
+        self.restore_parts(&layout, &mut [Part { engine, optimizer, first_unit: 0 }], optimizer_name)
+    }
+
+    /// [`Checkpoint::restore`] into the `parts` of a model of `layout` this rank holds (a
+    /// pipeline rank's chunks).
+    pub fn restore_parts(&self, layout: &Layout, parts: &mut [Part<'_>], optimizer_name: &str) -> Result<()> {
+        let Some(first) = parts.first() else { return Err(Error::Engine("a restore into no engine".into())) };
+        self.check_layout(layout, first.optimizer, optimizer_name)?;
+        for part in parts.iter_mut() {
+            self.restore_part(part)?;
         }
-        for (state, saved) in engine.fp8_states().iter().zip(&self.meta.fp8) {
-            if let (Some(state), Some(saved)) = (state, saved) {
+        Ok(())
+    }
+
+    /// Unit `k` of `engine` (unit `first + k` of the model) in the engine's whole layout: the
+    /// unit's own values, then those of other stages' weights it holds copies of.
+    fn unit_values(&self, engine: &Engine, first: usize, k: usize, what: &str, kind: Kind) -> Result<Tensor> {
+        let u = first + k;
+        let mut pieces = vec![self.read_range(what, u, 0, self.meta.unit_numel[u], kind)?];
+        let spec = engine.spec();
+        for id in spec.units[k].params.iter().filter(|id| spec.copies.contains(id)) {
+            let owner = &self.meta.params[id.0];
+            pieces.push(self.read_range(what, owner.unit, owner.offset, owner.shape.iter().product(), kind)?);
+        }
+        Ok(if pieces.len() == 1 { pieces.remove(0) } else { Tensor::f_cat(&pieces, 0)? })
+    }
+
+    fn restore_part(&self, part: &mut Part<'_>) -> Result<()> {
+        let (first, engine) = (part.first_unit, &mut *part.engine);
+        let kind = engine.master_kind();
+        for k in 0..engine.spec().units.len() {
+            let full = self.unit_values(engine, first, k, "param", kind)?;
+            engine.set_full_unit(k, &full)?;
+        }
+        for (k, state) in engine.fp8_states().iter().enumerate() {
+            if let (Some(state), Some(Some(saved))) = (state, self.meta.fp8.get(first + k)) {
                 state.lock().map_err(|e| Error::Engine(e.to_string()))?.restore(saved);
             }
         }
-        // Optimizer states sit at offsets of this rank's layout: with split units, whole
-        // units are read and split for it (one unit's at a time).
-        let split = engine.tensor_parallel().is_some() || self.meta.tensor_size > 1;
+        // Optimizer states sit at offsets of this rank's layout: where that is not the whole
+        // model's (split units, a pipeline stage), whole units are read and split for it (one
+        // unit's at a time).
+        let split = engine.tensor_parallel().is_some()
+            || self.meta.tensor_size > 1
+            || first > 0
+            || engine.spec().units.len() != self.meta.unit_numel.len();
+        let engine = &*engine;
         let mut local: BTreeMap<(usize, String), Tensor> = BTreeMap::new();
-        optimizer.load_state(self.meta.optimizer_steps.unwrap_or(self.meta.step), |unit, offset, name, dest| {
+        part.optimizer.load_state(self.meta.optimizer_steps.unwrap_or(self.meta.step), |unit, offset, name, dest| {
             let values = if split {
                 local.retain(|(u, _), _| *u == unit);
                 let key = (unit, name.to_string());
                 if !local.contains_key(&key) {
-                    let whole = self.read_range(name, unit, 0, self.meta.unit_numel[unit], dest.kind())?;
+                    let whole = self.unit_values(engine, first, unit, name, dest.kind())?;
                     local.insert(key.clone(), engine.split_unit(unit, &whole)?);
                 }
                 local[&key].f_narrow(0, offset, dest.numel() as i64)?

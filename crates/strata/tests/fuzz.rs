@@ -92,7 +92,7 @@ fn mlp() -> (Engine, Optimizer) {
 
 /// A checkpoint of a small MLP; the path of its step folder.
 fn saved_checkpoint(root: &Path) -> std::path::PathBuf {
-    let (mut engine, optimizer) = mlp();
+    let (mut engine, mut optimizer) = mlp();
     let run = RunInfo {
         step: 3,
         world_size: 1,
@@ -101,7 +101,7 @@ fn saved_checkpoint(root: &Path) -> std::path::PathBuf {
         data: DataPosition { seed: 0, batch_size: 2, ctx: 4, next_step: 3 },
         loss_scaler: None,
     };
-    checkpoint::save(root, &mut engine, &optimizer, &run, None, 2).unwrap()
+    checkpoint::save(root, &mut engine, &mut optimizer, &run, None, 2).unwrap()
 }
 
 /// A change to a field of `meta.json` that a damaged or hand-edited file could hold.

@@ -109,6 +109,9 @@ pub struct PipelineTrainer {
     ties: Vec<Tie>,
     /// Every parameter of the whole model in unit order: name, shape and the stage that owns it.
     params: Vec<WholeParam>,
+    /// The whole model's layout, as checkpoints describe it, and each stage's unit range.
+    layout: crate::checkpoint::Layout,
+    ranges: Vec<(usize, usize)>,
     /// Every stage of this pipeline: losses and norms are summed over it.
     stages_group: Option<Arc<dyn ProcessGroup>>,
     /// Every rank, where several pipelines (data replicas) run: losses are averaged over it.
@@ -212,6 +215,8 @@ impl PipelineTrainer {
                 unit_in_stage: k - ranges[stage_of(k)].0,
             })
             .collect();
+        let tensor_size = mode.size("tensor", world)?;
+        let layout = crate::checkpoint::Layout::of_spec(&whole, tensor_size);
         let mut tied: Vec<(ParamId, Vec<usize>)> = readers.into_iter().filter(|(_, s)| s.len() > 1).collect();
         tied.sort();
         let across_ranks = tied.iter().any(|(_, stages)| stages.iter().any(|s| s % p != stages[0] % p));
@@ -305,6 +310,8 @@ impl PipelineTrainer {
             grads_out,
             ties,
             params,
+            layout,
+            ranges,
             stages_group,
             world_group,
             schedule: setup.schedule,
@@ -543,6 +550,40 @@ impl PipelineTrainer {
     /// Steps completed so far.
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// This rank's chunks as checkpoint parts: each engine, optimizer and first unit.
+    fn parts(&mut self) -> Vec<crate::checkpoint::Part<'_>> {
+        let ranges = &self.ranges;
+        self.chunks
+            .iter_mut()
+            .map(|c| crate::checkpoint::Part {
+                engine: &mut c.engine,
+                optimizer: &mut c.optimizer,
+                first_unit: ranges[c.stage].0,
+            })
+            .collect()
+    }
+
+    /// Saves a checkpoint of the whole model (every rank calls this; `world` is the group of
+    /// all ranks): each stage writes its units, so any pipeline size can load it.
+    pub fn save_checkpoint(
+        &mut self,
+        root: &std::path::Path,
+        run: &crate::checkpoint::RunInfo,
+        world: Option<&dyn ProcessGroup>,
+        keep: usize,
+    ) -> Result<std::path::PathBuf> {
+        let layout = self.layout.clone();
+        crate::checkpoint::save_parts(root, &layout, &mut self.parts(), run, world, keep)
+    }
+
+    /// Loads `checkpoint` (saved at any pipeline, tensor or data size) into this rank's stages.
+    pub fn restore(&mut self, checkpoint: &crate::checkpoint::Checkpoint, optimizer_name: &str) -> Result<()> {
+        let layout = self.layout.clone();
+        checkpoint.restore_parts(&layout, &mut self.parts(), optimizer_name)?;
+        self.step = checkpoint.meta.step;
+        Ok(())
     }
 
     /// Saves the whole model's parameters (fp32) under their names, unit by unit: the ranks
