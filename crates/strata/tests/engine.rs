@@ -23,8 +23,7 @@ fn engine(f: ModelFn, kind: Kind, backward: BackwardMode, seed: i64) -> Engine {
 }
 
 fn batch(seed: i64) -> (Tensor, Tensor) {
-    tch::manual_seed(seed);
-    let tokens = Tensor::randint(11, [3, 7], (Kind::Int64, tch::Device::Cpu));
+    let tokens = strata::engine::with_seed(seed, || Tensor::randint(11, [3, 7], (Kind::Int64, tch::Device::Cpu)));
     (tokens.narrow(1, 0, 6), tokens.narrow(1, 1, 6))
 }
 

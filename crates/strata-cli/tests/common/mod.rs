@@ -21,6 +21,14 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// The run failed, and an error line of its output says `expected`.
+pub fn assert_fails_with(o: &Output, expected: &str) {
+    let text = stderr(o);
+    assert!(!o.status.success(), "{expected}: the run must fail");
+    let line = text.lines().find(|l| l.contains(expected)).unwrap_or_else(|| panic!("{expected}:\n{text}"));
+    assert!(line.contains("error"), "one error line says it: {line}");
+}
+
 pub fn weights(path: &Path) -> BTreeMap<String, tch::Tensor> {
     strata::io::read_safetensors(path).unwrap()
 }

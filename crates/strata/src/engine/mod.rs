@@ -154,6 +154,17 @@ pub struct Engine {
     events: Option<Arc<dyn EventSink>>,
 }
 
+/// Held while libtorch's one random generator is seeded and drawn from.
+static SEEDED_DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Runs `draw` with libtorch's random generator seeded with `seed`, and no other seeded
+/// draw of this process between the two (engines and batches made on several threads).
+pub fn with_seed<R>(seed: i64, draw: impl FnOnce() -> R) -> R {
+    let _drawing = SEEDED_DRAW.lock().unwrap_or_else(|e| e.into_inner());
+    tch::manual_seed(seed);
+    draw()
+}
+
 /// Makes the slice of `unit_grad` at `offset`, shaped like `param`, the parameter's `.grad`,
 /// so autograd accumulates into the unit's flat gradient buffer.
 fn attach_grad(param: &Tensor, unit_grad: &Tensor, offset: i64) -> Result<()> {
@@ -238,16 +249,18 @@ impl Engine {
                 // Each parameter draws from its own seed, so a rank can initialise any unit
                 // alone and get the values every other rank gets; a split one draws the
                 // whole tensor and keeps its piece, as one process would have it.
-                tch::manual_seed(config.seed.wrapping_add(7919 * id.0 as i64));
                 let target = initial.f_narrow(0, offset, numel)?;
-                if tp > 1 && p.tp.is_split() {
-                    let whole = Tensor::f_empty(p.shape.as_slice(), (initial.kind(), config.device))?;
-                    tch::no_grad(|| init(&whole, p.init))?;
-                    let piece = p.tp.shard(&whole, tp, tp_rank)?;
-                    tch::no_grad(|| target.shallow_clone().f_copy_(&piece.f_reshape([-1])?))?;
-                } else {
-                    tch::no_grad(|| init(&target, p.init))?;
-                }
+                with_seed(config.seed.wrapping_add(7919 * id.0 as i64), || -> Result<()> {
+                    if tp > 1 && p.tp.is_split() {
+                        let whole = Tensor::f_empty(p.shape.as_slice(), (initial.kind(), config.device))?;
+                        tch::no_grad(|| init(&whole, p.init))?;
+                        let piece = p.tp.shard(&whole, tp, tp_rank)?;
+                        tch::no_grad(|| target.shallow_clone().f_copy_(&piece.f_reshape([-1])?))?;
+                    } else {
+                        tch::no_grad(|| init(&target, p.init))?;
+                    }
+                    Ok(())
+                })?;
                 let leaf = view.f_detach()?.f_set_requires_grad(p.requires_grad)?;
                 if p.requires_grad {
                     attach_grad(&leaf, &grad, offset)?;
