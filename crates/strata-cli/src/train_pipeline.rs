@@ -29,9 +29,6 @@ pub struct PipelineRun<'a> {
 
 pub fn run(r: PipelineRun<'_>) -> Result<()> {
     let s = r.settings;
-    if s.init_weights.is_some() {
-        bail!("pipeline_parallel: --init-weights is not available with a pipeline yet");
-    }
     let make = || -> strata::Result<ModelSpec> {
         let mut spec = r.choice.spec()?;
         spec.freeze(&s.freeze)?;
@@ -49,6 +46,9 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         grad_clip: s.grad_clip,
         micro_batches: s.accumulation,
     })?;
+    if let Some(path) = &s.init_weights {
+        trainer.load_weights(path)?;
+    }
     let optimizer_name = crate::train::optimizer_name(s);
     if let Some(ckpt) = crate::train::checkpoint_to_resume(s)? {
         trainer.restore(&ckpt, &optimizer_name)?;

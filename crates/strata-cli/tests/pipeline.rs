@@ -187,4 +187,13 @@ fn checkpoints_move_between_pipeline_sizes() {
     for ((step, a), (_, b)) in full[2..].iter().zip(&resumed) {
         assert!((a - b).abs() <= 1e-6 * a.abs(), "step {step}: {a} uninterrupted, {b} resumed");
     }
+    // Whole weights go into the stages and come back out unchanged.
+    run(&["--steps", "2", "--save-weights", &p("one.st")]);
+    let through = ["--init-weights", &p("one.st"), "--steps", "0", "--save-weights", &p("through.st")];
+    run(&[&["--nproc", "4", "--strategy", mixed][..], &through].concat());
+    let (before, after) = (common::weights(Path::new(&p("one.st"))), common::weights(Path::new(&p("through.st"))));
+    assert_eq!(before.len(), after.len());
+    for (name, t) in &before {
+        assert!(t.equal(&after[name]), "{name} changed through the pipeline's stages");
+    }
 }

@@ -578,6 +578,15 @@ impl PipelineTrainer {
         crate::checkpoint::save_parts(root, &layout, &mut self.parts(), run, world, keep)
     }
 
+    /// Loads whole weights from a safetensors file into this rank's stages, each taking its
+    /// units' (every rank of a stage together).
+    pub fn load_weights(&mut self, path: &std::path::Path) -> Result<()> {
+        for c in &mut self.chunks {
+            crate::io::load_weights(&mut c.engine, path)?;
+        }
+        Ok(())
+    }
+
     /// Loads `checkpoint` (saved at any pipeline, tensor or data size) into this rank's stages.
     pub fn restore(&mut self, checkpoint: &crate::checkpoint::Checkpoint, optimizer_name: &str) -> Result<()> {
         let layout = self.layout.clone();
