@@ -27,6 +27,12 @@ pub enum Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// An error as the text that crosses libtorch's autograd (Rust autograd functions fail
+/// with a message, raised there as an exception).
+pub(crate) fn text(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Error {
         Error::Io { path: path.into(), error }

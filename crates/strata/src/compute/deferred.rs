@@ -3,6 +3,7 @@
 //! returns its input's (and bias's) gradient at once and queues what its weight's needs;
 //! [`WeightGrads::run`] later adds `gᵀx` into the weight's `.grad` (the flat gradient
 //! buffer), so the previous stage's wait is only the input gradient.
+use crate::error::text;
 use crate::{Error, Result};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -71,10 +72,6 @@ struct DeferredLinear {
     weight: Tensor,
     has_bias: bool,
     saved: Option<(Tensor, Tensor)>,
-}
-
-fn text(e: impl std::fmt::Display) -> String {
-    e.to_string()
 }
 
 impl strata_ext::Function for DeferredLinear {

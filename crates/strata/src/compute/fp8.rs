@@ -5,6 +5,7 @@
 //! history's maximum or its most recent entry), refreshed every `interval` steps. Input
 //! and weight are E4M3; the gradient is E5M2 (`HYBRID`) or E4M3.
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
+use crate::error::text;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -229,10 +230,6 @@ struct Fp8Linear {
     bias_kind: Option<Kind>,
     scales: (f64, f64, f64),
     saved: Option<(Tensor, Tensor, Kind, Kind)>,
-}
-
-fn text(e: impl std::fmt::Display) -> String {
-    e.to_string()
 }
 
 impl strata_ext::Function for Fp8Linear {

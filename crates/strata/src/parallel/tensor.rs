@@ -5,6 +5,7 @@
 //! Owns: [`TensorGroup`], the [`TensorParallel`] the engine hands to units. Must not know
 //! which unit calls what: models decide where their regions begin and end.
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
+use crate::error::text;
 use crate::model::TensorParallel;
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -21,10 +22,6 @@ impl TensorGroup {
     pub fn new(group: Arc<dyn ProcessGroup>, sequence_parallel: bool) -> TensorGroup {
         TensorGroup { group, sequence_parallel }
     }
-}
-
-fn text(e: impl std::fmt::Display) -> String {
-    e.to_string()
 }
 
 /// Plain collectives on one group, for the forward and backward of the functions below.

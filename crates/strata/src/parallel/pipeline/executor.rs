@@ -100,6 +100,10 @@ pub struct PipelineTrainer {
     kind: ScheduleKind,
     pipeline: Pipeline,
     rank: usize,
+    /// This rank's operations for every step, and the (micro-batch, chunk) of each chunk's
+    /// last backward.
+    ops: Arc<[Op]>,
+    last_backward: HashSet<(usize, usize)>,
     /// Activations in from the previous stage and out to the next, gradients the other way,
     /// by chunk.
     activations_in: Vec<Option<Link>>,
@@ -186,8 +190,17 @@ impl PipelineTrainer {
         let pipelines = mode.groups(world)?.remove("pipeline").unwrap_or_else(|| vec![(0..world).collect()]);
         let global_rank = setup.comm.map_or(0, Comm::rank);
         let rank = pipelines.iter().find_map(|g| g.iter().position(|&r| r == global_rank)).unwrap_or(0);
-        // The schedule refuses bad shapes before anything is built.
-        schedule(config.schedule, pipeline, rank)?;
+        // The schedule refuses bad shapes before anything is built; it is the same every step.
+        let ops: Arc<[Op]> = schedule(config.schedule, pipeline, rank)?.into();
+        // Each chunk's last backward completes its gradients (data parallelism reduces then).
+        let mut last_backward: HashSet<(usize, usize)> = HashSet::new();
+        for chunk in 0..v {
+            let last = ops.iter().rev().find_map(|op| match *op {
+                Op::Backward { micro, chunk: c } | Op::BackwardInput { micro, chunk: c } if c == chunk => Some(micro),
+                _ => None,
+            });
+            last_backward.extend(last.map(|micro| (micro, chunk)));
+        }
         let whole = (setup.spec)()?;
         let total = p * v;
         let ranges = stage_ranges(&whole, total, config.stages.as_deref())?;
@@ -304,6 +317,8 @@ impl PipelineTrainer {
             kind: config.schedule,
             pipeline,
             rank,
+            ops,
+            last_backward,
             activations_in,
             activations_out,
             grads_in,
@@ -345,16 +360,7 @@ impl PipelineTrainer {
         for c in &mut self.chunks {
             c.optimizer.set_lr_factor(factor);
         }
-        let ops = schedule(self.kind, self.pipeline, self.rank)?;
-        // Each chunk's last backward completes its gradients (data parallelism reduces then).
-        let mut last_backward: HashSet<(usize, usize)> = HashSet::new();
-        for chunk in 0..self.chunks.len() {
-            let last = ops.iter().rev().find_map(|op| match *op {
-                Op::Backward { micro, chunk: c } | Op::BackwardInput { micro, chunk: c } if c == chunk => Some(micro),
-                _ => None,
-            });
-            last_backward.extend(last.map(|micro| (micro, chunk)));
-        }
+        let ops = self.ops.clone();
         let device = self.chunks[0].engine.config().device;
         let last = self.last_stage();
         let mut received: HashMap<(usize, usize), Tensor> = HashMap::new();
@@ -368,7 +374,7 @@ impl PipelineTrainer {
         let missing = |what: &str, micro: usize, chunk: usize| {
             Error::Engine(format!("pipeline: no {what} for micro-batch {micro} of chunk {chunk}"))
         };
-        for op in ops {
+        for &op in ops.iter() {
             let began = Instant::now();
             let computes = matches!(
                 op,
@@ -410,7 +416,7 @@ impl PipelineTrainer {
                 }
                 Op::Backward { micro, chunk } | Op::BackwardInput { micro, chunk } => {
                     let kept = outputs.remove(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
-                    self.chunks[chunk].engine.set_grad_sync(last_backward.contains(&(micro, chunk)));
+                    self.chunks[chunk].engine.set_grad_sync(self.last_backward.contains(&(micro, chunk)));
                     let grad = if self.chunks[chunk].stage == last {
                         self.in_chunk(chunk, micro, |engine| engine.backward_micro(micro, Upstream::Loss(&kept)))?
                     } else {
