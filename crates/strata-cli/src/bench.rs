@@ -1,7 +1,6 @@
 //! `strata bench train`: the same GPT trained by Strata and by PyTorch eager (the project's
 //! reference script, run with the project's virtual environment) in one run, side by side.
 use crate::bench_runs::GptShape;
-use crate::options::ModelChoice;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -12,6 +11,7 @@ use std::time::Instant;
 use strata::data::{Batch, Step};
 use strata::engine::{memory, EngineConfig};
 use strata::model::GptConfig;
+use strata::model::ModelConfig;
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{self, Placement};
 use strata::strategy::Strategy;
@@ -96,7 +96,7 @@ impl StrataSide {
     fn new(cfg: &GptConfig, batch_size: i64) -> Result<StrataSide> {
         // The reference uses fused attention and layer norm: so does this side.
         let strategy = Strategy::parse(r#"["module_replace"]"#)?;
-        let spec = ModelChoice::Gpt(cfg.clone()).spec()?;
+        let spec = ModelConfig::Gpt(cfg.clone()).spec()?;
         let mut engine = parallel::build_engine(spec, EngineConfig::default(), &strategy, &Placement::single())?;
         let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
         let trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));

@@ -2,11 +2,11 @@
 //! stage at several world sizes, against the ZeRO paper's formula, and each stage's
 //! throughput against plain data parallelism at the same world size, measured in one run.
 use crate::bench_runs;
-use crate::options::ModelChoice;
 use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
 use strata::model::GptConfig;
+use strata::model::ModelConfig;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchZeroArgs {
@@ -98,7 +98,7 @@ fn run_one(args: &BenchZeroArgs, n: usize, strategy: &str) -> Result<(u64, u64, 
 pub fn run(args: BenchZeroArgs) -> Result<()> {
     let worlds: Vec<usize> = args.nproc.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
     let cfg = GptConfig::new(256, args.ctx, args.layers, args.heads, args.dim);
-    let spec = ModelChoice::Gpt(cfg).spec()?;
+    let spec = ModelConfig::Gpt(cfg).spec()?;
     let params = spec.num_params();
     let unit_numel = |u: &strata::model::UnitSpec| u.params.iter().map(|id| spec.params[id.0].numel()).sum::<i64>();
     let largest = spec.units.iter().map(unit_numel).max().unwrap_or(0);

@@ -9,6 +9,7 @@ mod bench_pipeline;
 mod bench_runs;
 mod bench_search;
 mod bench_zero;
+mod infer;
 mod launch;
 mod options;
 mod train;
@@ -29,6 +30,10 @@ struct Cli {
 enum Command {
     /// Train a model (the embedded synthetic corpus unless --data or --token-file is given).
     Train(Box<options::TrainOptions>),
+    /// Validation loss and perplexity of a model folder or checkpoint on given data.
+    Eval(Box<infer::EvalArgs>),
+    /// Continue a prompt with a model folder or checkpoint: greedy or sampled, key/value cached.
+    Generate(Box<infer::GenerateArgs>),
     /// Start the ranks of a job on this node (as torchrun): strata launch --nproc-per-node N -- CMD ARGS
     Launch(launch::LaunchArgs),
     /// Benchmarks, each against a reference measured in the same run.
@@ -152,6 +157,8 @@ fn main() -> ExitCode {
             _ => train::run(settings),
         }),
         Command::Launch(a) => launch::run(a),
+        Command::Eval(a) => infer::eval(*a),
+        Command::Generate(a) => infer::run_generate(*a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),

@@ -5,7 +5,8 @@ use clap::Args;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
-use strata::model::{self, Builder, GptConfig, LlamaConfig, MlpConfig, ModelSpec, DEFAULT_NORM_EPS};
+use strata::data::Tokenizer;
+use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
 use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
 use strata::strategy::Strategy;
 
@@ -34,6 +35,14 @@ macro_rules! train_options {
 train_options! {
     /// Model: gpt, llama or mlp.
     model: String,
+    /// Start from a Hugging Face model folder (config.json, safetensors weights, tokenizer.json):
+    /// its model, weights and tokenizer.
+    model_dir: PathBuf,
+    /// Write the trained model as a Hugging Face model folder (config, safetensors, tokenizer).
+    save_model_dir: PathBuf,
+    /// Largest safetensors file of --save-model-dir, in bytes (default 5 GB); larger models
+    /// are sharded with an index.
+    max_shard_size: u64,
     /// Number of units between embedding and head (transformer blocks or MLP layers).
     layers: i64,
     /// Attention heads.
@@ -60,6 +69,15 @@ train_options! {
     tokenizer: PathBuf,
     /// Train on this raw little-endian u16 token file.
     token_file: PathBuf,
+    /// Validation text (tokenised as --data): its loss and perplexity go to the metrics.
+    val_data: PathBuf,
+    /// Validation tokens as a raw little-endian u16 token file.
+    val_token_file: PathBuf,
+    /// Steps between validations (default: at the end only).
+    eval_every: u64,
+    /// Global batches of each validation, consecutive windows from the start of the
+    /// validation data (default: as many as fit, at most 8).
+    eval_batches: usize,
     /// Replay the batches of another run: JSON {"ctx", "batch", "offsets": [[o, ...], ...]}.
     batch_offsets: PathBuf,
     /// Load initial weights from this safetensors file.
@@ -154,37 +172,12 @@ train_options! {
     log_every: u64,
 }
 
-/// Which model to build.
-#[derive(Clone, Debug)]
-pub enum ModelChoice {
-    Gpt(GptConfig),
-    Llama(LlamaConfig),
-    Mlp(MlpConfig),
-}
-
-impl ModelChoice {
-    /// The model function of the choice.
-    pub fn build(&self, b: &mut Builder) -> strata::Result<()> {
-        match self {
-            ModelChoice::Gpt(c) => model::gpt(c, b),
-            ModelChoice::Llama(c) => model::llama(c, b),
-            ModelChoice::Mlp(c) => model::mlp(c, b),
-        }
-    }
-
-    /// The whole model's description.
-    pub fn spec(&self) -> strata::Result<ModelSpec> {
-        let mut b = Builder::new();
-        self.build(&mut b)?;
-        b.build()
-    }
-}
-
 /// Where tokens come from.
 #[derive(Clone, Debug)]
 pub enum DataChoice {
     Synthetic,
-    Text { path: PathBuf, tokenizer: Option<PathBuf> },
+    /// A UTF-8 text file, tokenised with the run's tokenizer.
+    Text(PathBuf),
     TokenFile(PathBuf),
 }
 
@@ -193,6 +186,16 @@ pub enum DataChoice {
 #[derive(Clone, Debug)]
 pub struct TrainSettings {
     pub model_name: String,
+    pub model_dir: Option<ModelDir>,
+    /// The model-shape flags given (refused beside --model-dir).
+    pub shape_flags: Vec<&'static str>,
+    pub save_model_dir: Option<PathBuf>,
+    pub max_shard_size: u64,
+    pub val: Option<DataChoice>,
+    /// Hugging Face tokenizer.json for text data (default: the model folder's, else bytes).
+    pub tokenizer: Option<PathBuf>,
+    pub eval_every: Option<u64>,
+    pub eval_batches: Option<usize>,
     pub layers: i64,
     pub ffn_dim: Option<i64>,
     pub rope_theta: Option<f64>,
@@ -263,8 +266,35 @@ pub fn parse_strategy(text: &str) -> Result<Strategy> {
     Strategy::parse(&body).with_context(|| format!("strategy file {}", path.display()))
 }
 
+/// The tokenizer a model folder or `--tokenizer` names, bytes otherwise; checked to fit in a
+/// model of `vocab` tokens where that is known.
+pub fn tokenizer(given: Option<&Path>, model_dir: Option<&ModelDir>) -> Result<Tokenizer> {
+    let path = given.or_else(|| model_dir.and_then(|m| m.tokenizer.as_deref()));
+    let tokenizer = match path {
+        Some(p) => Tokenizer::from_file(p)?,
+        None => Tokenizer::Bytes,
+    };
+    if let Some(m) = model_dir {
+        let (size, vocab) = (tokenizer.vocab_size(), m.config.vocab());
+        if size as i64 > vocab {
+            let name = path.map_or("the byte tokenizer".to_string(), |p| p.display().to_string());
+            bail!("{name}: the tokenizer has {size} tokens, more than the {vocab} of the model folder's config.json (vocab_size)");
+        }
+    }
+    Ok(tokenizer)
+}
+
 impl TrainSettings {
-    pub fn model(&self, vocab: i64) -> Result<ModelChoice> {
+    pub fn model(&self, vocab: i64) -> Result<ModelConfig> {
+        if let Some(dir) = &self.model_dir {
+            if let Some(flag) = self.shape_flags.first() {
+                bail!("{flag} is set by the model folder's config.json; --model-dir takes no model-shape flags");
+            }
+            if let Some(context) = dir.config.context().filter(|&c| self.ctx > c) {
+                bail!("--ctx {} is longer than the model folder's context of {context} positions", self.ctx);
+            }
+            return Ok(dir.config.clone());
+        }
         let (layers, heads, dim, ctx) = (self.layers, self.heads, self.dim, self.ctx);
         let llama_only = [
             ("--ffn-dim", self.ffn_dim.is_some()),
@@ -279,14 +309,14 @@ impl TrainSettings {
             bail!("--norm-eps belongs to --model gpt or llama: the mlp model has no norms");
         }
         Ok(match self.model_name.as_str() {
-            "gpt" => ModelChoice::Gpt(GptConfig {
+            "gpt" => ModelConfig::Gpt(GptConfig {
                 norm_eps: self.norm_eps.unwrap_or(DEFAULT_NORM_EPS),
                 ..GptConfig::new(vocab, ctx, layers, heads, dim)
             }),
             "llama" => {
                 let defaults = LlamaConfig::new(vocab, ctx, layers, heads, dim);
                 let rope_theta = self.rope_theta.unwrap_or(defaults.rope_theta);
-                ModelChoice::Llama(LlamaConfig {
+                ModelConfig::Llama(LlamaConfig {
                     ffn_dim: self.ffn_dim,
                     rope_theta,
                     kv_heads: self.kv_heads,
@@ -295,7 +325,7 @@ impl TrainSettings {
                     ..defaults
                 })
             }
-            "mlp" => ModelChoice::Mlp(MlpConfig { vocab, layers, dim }),
+            "mlp" => ModelConfig::Mlp(MlpConfig { vocab, layers, dim }),
             other => bail!("unknown model {other:?}; expected gpt, llama or mlp"),
         })
     }
@@ -401,13 +431,50 @@ impl TrainOptions {
             nesterov: o.nesterov.unwrap_or(false),
         };
         optimizer.validate()?;
+        let val = match (o.val_data, o.val_token_file) {
+            (Some(_), Some(_)) => bail!("give either --val-data or --val-token-file, not both"),
+            (Some(path), None) => Some(DataChoice::Text(path)),
+            (None, Some(path)) => Some(DataChoice::TokenFile(path)),
+            (None, None) => None,
+        };
+        if val.is_none() {
+            if let Some(flag) = [("--eval-every", o.eval_every.is_some()), ("--eval-batches", o.eval_batches.is_some())]
+                .iter()
+                .find_map(|(flag, given)| given.then_some(flag))
+            {
+                bail!("{flag} shapes validation: give --val-data or --val-token-file");
+            }
+        }
+        let text_val = matches!(val, Some(DataChoice::Text(_)));
         let data = match (o.data, o.token_file) {
             (Some(_), Some(_)) => bail!("give either --data or --token-file, not both"),
-            (Some(path), None) => DataChoice::Text { path, tokenizer: o.tokenizer },
+            (Some(path), None) => DataChoice::Text(path),
             (None, Some(path)) => DataChoice::TokenFile(path),
-            (None, None) if o.tokenizer.is_some() => bail!("--tokenizer needs --data"),
+            (None, None) if o.tokenizer.is_some() && !text_val => bail!("--tokenizer needs --data or --val-data"),
             (None, None) => DataChoice::Synthetic,
         };
+        let shape_flags: Vec<&'static str> = [
+            ("--model", o.model.is_some()),
+            ("--layers", o.layers.is_some()),
+            ("--heads", o.heads.is_some()),
+            ("--dim", o.dim.is_some()),
+            ("--vocab", o.vocab.is_some()),
+            ("--ffn-dim", o.ffn_dim.is_some()),
+            ("--rope-theta", o.rope_theta.is_some()),
+            ("--kv-heads", o.kv_heads.is_some()),
+            ("--norm-eps", o.norm_eps.is_some()),
+            ("--tie-embeddings", o.tie_embeddings.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect();
+        if o.model_dir.is_some() && o.init_weights.is_some() {
+            bail!("--init-weights and --model-dir both give the initial weights: choose one");
+        }
+        if o.max_shard_size.is_some() && o.save_model_dir.is_none() {
+            bail!("--max-shard-size sizes the files of --save-model-dir: give --save-model-dir");
+        }
+        let model_dir = o.model_dir.as_deref().map(strata::model::from_pretrained_dir).transpose()?;
         let grad_clip = match o.grad_clip.unwrap_or(1.0) {
             0.0 => None,
             c if c > 0.0 => Some(c),
@@ -430,7 +497,27 @@ impl TrainOptions {
             other => other,
         };
         Ok(TrainSettings {
-            model_name: o.model.unwrap_or_else(|| "gpt".into()),
+            model_name: match &model_dir {
+                Some(m) => m.family.model_type().to_string(),
+                None => o.model.unwrap_or_else(|| "gpt".into()),
+            },
+            model_dir,
+            shape_flags,
+            save_model_dir: o.save_model_dir,
+            max_shard_size: match o.max_shard_size {
+                Some(0) => bail!("--max-shard-size must be positive"),
+                size => size.unwrap_or(strata::io::DEFAULT_SHARD_BYTES),
+            },
+            val,
+            tokenizer: o.tokenizer,
+            eval_every: match o.eval_every {
+                Some(0) => bail!("--eval-every must be positive"),
+                every => every,
+            },
+            eval_batches: match o.eval_batches {
+                Some(0) => bail!("--eval-batches must be positive"),
+                count => count,
+            },
             layers: o.layers.unwrap_or(2),
             ffn_dim: o.ffn_dim,
             rope_theta: o.rope_theta,

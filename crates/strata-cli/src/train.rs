@@ -7,9 +7,11 @@ use std::sync::Arc;
 use strata::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
 use strata::comm::{all_reduce_values, init_from_env, launched_world_size, RankInfo, ReduceOp};
-use strata::data::{BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData, Tokenizer};
-use strata::engine::{EngineConfig, UnitClock};
+use strata::data::{validation_steps, BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData};
+use strata::engine::{Engine, EngineConfig, UnitClock};
+use strata::io::{FolderOut, WeightsTarget};
 use strata::model::Builder;
+use strata::model::ModelConfig;
 use strata::optim::{Optimizer, OptimizerKind};
 use strata::parallel::{self, DataParallelOptions, Placement};
 use strata::train::{StepReport, Trainer};
@@ -17,16 +19,22 @@ use tracing::info;
 
 /// Tokens to train on, and the best loss when it is known (the synthetic corpus).
 pub fn load_data(settings: &TrainSettings) -> Result<(TokenData, Option<f64>, usize)> {
-    Ok(match &settings.data {
+    load_tokens(settings, &settings.data)
+}
+
+/// The validation tokens, if the run has any.
+pub fn load_validation(settings: &TrainSettings) -> Result<Option<TokenData>> {
+    settings.val.as_ref().map(|v| load_tokens(settings, v).map(|(data, ..)| data)).transpose()
+}
+
+fn load_tokens(settings: &TrainSettings, choice: &DataChoice) -> Result<(TokenData, Option<f64>, usize)> {
+    Ok(match choice {
         DataChoice::Synthetic => {
             let corpus = SyntheticCorpus::default();
             (corpus.generate(), Some(corpus.best_loss()), 256)
         }
-        DataChoice::Text { path, tokenizer } => {
-            let tokenizer = match tokenizer {
-                Some(t) => Tokenizer::from_file(t)?,
-                None => Tokenizer::Bytes,
-            };
+        DataChoice::Text(path) => {
+            let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
             let data = TokenData::from_text_file(path, &tokenizer)?;
             (data, None, tokenizer.vocab_size())
         }
@@ -38,7 +46,33 @@ pub fn load_data(settings: &TrainSettings) -> Result<(TokenData, Option<f64>, us
     })
 }
 
-/// The model function of `choice`.
+/// Loads the run's initial weights into `engine`: --init-weights', or --model-dir's.
+pub fn load_initial_weights(settings: &TrainSettings, engine: &mut Engine) -> Result<()> {
+    if let Some(path) = &settings.init_weights {
+        strata::io::load_weights(engine, path)?;
+    }
+    if let Some(dir) = &settings.model_dir {
+        strata::io::load_model_dir(engine, dir)?;
+    }
+    Ok(())
+}
+
+/// The folder --save-model-dir writes: the model folder's family, special tokens and
+/// tokenizer files when the run started from one; the run's tokenizer where it gave one.
+pub fn model_folder(settings: &TrainSettings, model: &ModelConfig) -> Result<Option<FolderOut>> {
+    let Some(dir) = &settings.save_model_dir else { return Ok(None) };
+    let mut out = match &settings.model_dir {
+        Some(source) => FolderOut::like(dir, source),
+        None => FolderOut::new(dir, model.clone())?,
+    };
+    if let Some(t) = &settings.tokenizer {
+        out.tokenizer_files.retain(|(name, _)| name != "tokenizer.json");
+        out.tokenizer_files.push(("tokenizer.json".into(), t.clone()));
+    }
+    out.shard_bytes = settings.max_shard_size;
+    Ok(Some(out))
+}
+
 /// The optimizer's name as checkpoints record it.
 pub fn optimizer_name(settings: &TrainSettings) -> String {
     format!("{:?}", settings.optimizer.kind).to_lowercase()
@@ -75,6 +109,11 @@ fn human_bytes(b: u64) -> String {
     format!("{v:.1} {}", UNITS[i])
 }
 
+/// Whether a validation runs after step `step`: every --eval-every steps, and after the last.
+pub fn validation_due(settings: &TrainSettings, step: u64) -> bool {
+    step == settings.steps || settings.eval_every.is_some_and(|every| step.is_multiple_of(every))
+}
+
 /// Where the newest complete checkpoint of this run is, as a clause for a failed save.
 fn last_checkpoint(settings: &TrainSettings) -> String {
     let Some(root) = &settings.save_checkpoint else { return String::new() };
@@ -109,6 +148,9 @@ fn check_outputs(settings: &TrainSettings, params: u64) -> Result<()> {
     if let Some(dir) = &settings.save_checkpoint {
         check_output("--save-checkpoint", dir, Output::Folder, params * 4 * (1 + states))?;
     }
+    if let Some(dir) = &settings.save_model_dir {
+        check_output("--save-model-dir", dir, Output::Folder, params * 4)?;
+    }
     Ok(())
 }
 
@@ -132,10 +174,14 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         tch::set_num_threads(t);
     }
     let (data, best_loss, data_vocab) = load_data(&settings)?;
-    let vocab = settings.vocab.unwrap_or(data_vocab as i64);
-    let choice = settings.model(vocab)?;
+    let choice = settings.model(settings.vocab.unwrap_or(data_vocab as i64))?;
+    let vocab = choice.vocab() as usize;
     let ctx = settings.ctx as usize;
-    data.check_fits(ctx, vocab as usize)?;
+    data.check_fits(ctx, vocab)?;
+    let val = load_validation(&settings)?;
+    if let Some(v) = &val {
+        v.check_fits(ctx, vocab)?;
+    }
     let order = match &settings.batch_offsets {
         Some(path) => {
             let offsets = BatchOffsets::from_file(path)?;
@@ -244,15 +290,14 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             local_world_size,
             data_parallel,
             data,
+            val,
             order,
             leader,
         });
     }
     let placement = Placement { comm: comm.as_ref(), local_world_size, data_parallel, stage: false };
     let mut engine = parallel::build_engine(spec, engine_config, &strategy, &placement)?;
-    if let Some(path) = &settings.init_weights {
-        strata::io::load_weights(&mut engine, path)?;
-    }
+    load_initial_weights(&settings, &mut engine)?;
     let world_group = comm.as_ref().map(|c| c.world()).transpose()?;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
     // The ranks of one tensor group read the same batches.
@@ -297,6 +342,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         start_step: start as usize,
         ..LoaderConfig::new(ctx, settings.batch_size)
     };
+    let val_steps = val.as_ref().map(|v| validation_steps(v, &loader_config, settings.eval_batches, 8)).transpose()?;
     let loader = DataLoader::new(data, loader_config, order)?;
     let save_checkpoint = |trainer: &mut Trainer| -> Result<()> {
         let Some(root) = &settings.save_checkpoint else { return Ok(()) };
@@ -307,6 +353,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             optimizer: optimizer_name.clone(),
             data: data_position(trainer.step()),
             loss_scaler: trainer.scaling.scaler.clone(),
+            model: Some(choice.clone()),
         };
         let group = world_group.as_deref();
         let dir =
@@ -339,6 +386,15 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             report.tokens *= data_world as u64;
             report.tokens_per_s *= data_world as f64;
         }
+        if let Some(steps) = val_steps.as_ref().filter(|_| validation_due(&settings, report.step)) {
+            let loss = trainer.evaluate(steps)?;
+            // Each data rank evaluated its rows of the same batches.
+            let loss = match &world_group {
+                Some(g) => all_reduce_values(g.as_ref(), &[loss], ReduceOp::Avg)?[0],
+                None => loss,
+            };
+            report.set_validation(loss);
+        }
         // After the loss's all-reduce, so the next step's units wait for nothing of this one.
         report.unit_times = clock.as_ref().map(|c| c.take());
         if !report.loss.is_finite() {
@@ -351,8 +407,9 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             m.flush().context("cannot write metrics")?;
         }
         bar.set_message(format!(
-            "loss {:.4} | {:.0} tok/s | {}",
+            "loss {:.4}{} | {:.0} tok/s | {}",
             report.loss,
+            report.val_loss.map_or(String::new(), |v| format!(" val {v:.4}")),
             report.tokens_per_s,
             human_bytes(report.peak_bytes)
         ));
@@ -362,6 +419,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
                 info!(
                     step = report.step,
                     loss = report.loss,
+                    val_loss = report.val_loss,
                     lr = report.lr,
                     tokens_per_s = report.tokens_per_s as u64,
                     "progress"
@@ -381,14 +439,24 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     }
     if let Some(path) = &settings.save_weights {
         // Every rank takes part in gathering the units; rank 0 writes them.
-        strata::io::save_weights(&mut trainer.engine, path, leader)
+        strata::io::save_weights(&mut trainer.engine, WeightsTarget::File(path), leader)
             .with_context(|| format!("saving the weights to {}{}", path.display(), last_checkpoint(&settings)))?;
         if leader {
             info!(path = %path.display(), "saved weights");
         }
     }
+    if let Some(out) = model_folder(&settings, &choice)? {
+        strata::io::save_weights(&mut trainer.engine, WeightsTarget::Folder(&out), leader)
+            .with_context(|| format!("saving the model folder {}", out.dir.display()))?;
+        if leader {
+            info!(path = %out.dir.display(), "saved model folder");
+        }
+    }
     if let Some(r) = last.filter(|_| leader) {
         let mut line = format!("step {}: loss {:.4}", r.step, r.loss);
+        if let Some(v) = r.val_loss {
+            line += &format!(", validation loss {v:.4} (perplexity {:.2})", v.exp());
+        }
         if let Some(best) = best_loss {
             line += &format!(" (best possible on this corpus: {best:.4})");
         }

@@ -8,6 +8,7 @@ use strata::checkpoint::RunInfo;
 use strata::comm::Comm;
 use strata::data::{DataLoader, LoaderConfig, Order, TokenData};
 use strata::engine::EngineConfig;
+use strata::io::WeightsTarget;
 use strata::model::ModelSpec;
 use strata::parallel::pipeline::{PipelineSetup, PipelineTrainer};
 use strata::strategy::Strategy;
@@ -16,13 +17,14 @@ use tracing::info;
 /// What the pipeline run needs from `strata train`'s set-up.
 pub struct PipelineRun<'a> {
     pub settings: &'a TrainSettings,
-    pub choice: &'a crate::options::ModelChoice,
+    pub choice: &'a strata::model::ModelConfig,
     pub engine: EngineConfig,
     pub strategy: &'a Strategy,
     pub comm: Option<&'a Comm>,
     pub local_world_size: usize,
     pub data_parallel: strata::parallel::DataParallelOptions,
     pub data: Arc<TokenData>,
+    pub val: Option<TokenData>,
     pub order: Order,
     pub leader: bool,
 }
@@ -46,8 +48,8 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         grad_clip: s.grad_clip,
         micro_batches: s.accumulation,
     })?;
-    if let Some(path) = &s.init_weights {
-        trainer.load_weights(path)?;
+    for engine in trainer.engines() {
+        crate::train::load_initial_weights(s, engine)?;
     }
     let optimizer_name = crate::train::optimizer_name(s);
     if let Some(ckpt) = crate::train::checkpoint_to_resume(s)? {
@@ -69,6 +71,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
             optimizer: optimizer_name.clone(),
             data: crate::train::data_position(s, trainer.step()),
             loss_scaler: None,
+            model: Some(r.choice.clone()),
         };
         let dir = trainer
             .save_checkpoint(root, &run, world_group.as_deref(), s.keep_checkpoints)
@@ -88,6 +91,8 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         start_step: start as usize,
         ..LoaderConfig::new(s.ctx as usize, s.batch_size)
     };
+    let val_steps =
+        r.val.as_ref().map(|v| strata::data::validation_steps(v, &config, s.eval_batches, 8)).transpose()?;
     let loader = DataLoader::new(r.data, config, r.order)?;
     let mut metrics = match s.metrics.as_ref().filter(|_| r.leader) {
         Some(path) => Some(std::io::BufWriter::new(
@@ -103,13 +108,22 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         if !report.loss.is_finite() {
             bail!("loss became {} at step {}", report.loss, report.step);
         }
+        if let Some(steps) = val_steps.as_ref().filter(|_| crate::train::validation_due(s, report.step)) {
+            report.set_validation(trainer.evaluate(steps)?);
+        }
         if let Some(m) = metrics.as_mut() {
             serde_json::to_writer(&mut *m, &report)?;
             writeln!(m)?;
             m.flush()?;
         }
         if r.leader && report.step % s.log_every == 0 {
-            info!(step = report.step, loss = report.loss, tokens_per_s = report.tokens_per_s as u64, "progress");
+            info!(
+                step = report.step,
+                loss = report.loss,
+                val_loss = report.val_loss,
+                tokens_per_s = report.tokens_per_s as u64,
+                "progress"
+            );
         }
         let due = s.checkpoint_every.is_some_and(|every| report.step % every == 0);
         if due && report.step < s.steps {
@@ -119,10 +133,18 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
     }
     save_checkpoint(&mut trainer)?;
     if let Some(path) = &s.save_weights {
-        trainer.save_weights(path, r.leader).with_context(|| format!("saving the weights to {}", path.display()))?;
+        trainer
+            .save_weights(WeightsTarget::File(path), r.leader)
+            .with_context(|| format!("saving the weights to {}", path.display()))?;
+    }
+    if let Some(out) = crate::train::model_folder(s, r.choice)? {
+        trainer
+            .save_weights(WeightsTarget::Folder(&out), r.leader)
+            .with_context(|| format!("saving the model folder {}", out.dir.display()))?;
     }
     if let Some(report) = last.filter(|_| r.leader) {
-        println!("step {}: loss {:.4}, {:.0} tokens/s", report.step, report.loss, report.tokens_per_s);
+        let validation = report.val_loss.map_or(String::new(), |v| format!(", validation loss {v:.4}"));
+        println!("step {}: loss {:.4}{validation}, {:.0} tokens/s", report.step, report.loss, report.tokens_per_s);
     }
     Ok(())
 }

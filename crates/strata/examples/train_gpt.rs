@@ -44,7 +44,7 @@ fn main() -> strata::Result<()> {
         }
     }
     let path = std::env::temp_dir().join("strata-gpt-example.safetensors");
-    strata::io::save_weights(&mut model, &path, true)?;
+    strata::io::save_weights(&mut model, strata::io::WeightsTarget::File(&path), true)?;
     println!("weights saved to {}", path.display());
     Ok(())
 }

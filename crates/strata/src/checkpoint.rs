@@ -23,7 +23,7 @@ use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
 use crate::engine::Engine;
 use crate::io::{self, tensor_bytes_le, write_safetensors_streamed};
-use crate::model::{ModelSpec, TpRole};
+use crate::model::{ModelConfig, ModelSpec, TpRole};
 use crate::optim::Optimizer;
 use crate::{fault, Error, Result};
 use memmap2::Mmap;
@@ -98,6 +98,9 @@ pub struct Meta {
     pub optimizer_steps: Option<u64>,
     /// The rank files; empty in a merged file.
     pub files: Vec<String>,
+    /// The built-in model trained, where the run used one (a model folder's, or the flags').
+    #[serde(default)]
+    pub model: Option<ModelConfig>,
 }
 
 /// What a training run puts in a checkpoint besides the model states.
@@ -108,6 +111,7 @@ pub struct RunInfo {
     pub optimizer: String,
     pub data: DataPosition,
     pub loss_scaler: Option<LossScaler>,
+    pub model: Option<ModelConfig>,
 }
 
 /// The model's parameters as a checkpoint lists them.
@@ -215,6 +219,7 @@ fn describe(layout: &Layout, parts: &[Part<'_>], run: &RunInfo) -> Meta {
         fp8,
         optimizer_steps: Some(optimizer.steps_taken()),
         files: vec![],
+        model: run.model.clone(),
     }
 }
 
@@ -735,7 +740,23 @@ impl Checkpoint {
 
     /// Fails unless the checkpoint is of a model of `layout`, with `optimizer`'s kind.
     pub fn check_layout(&self, layout: &Layout, optimizer: &Optimizer, optimizer_name: &str) -> Result<()> {
-        let (params, states) = (layout.params.clone(), state_names(optimizer));
+        self.check_model(layout)?;
+        let states = state_names(optimizer);
+        if self.meta.optimizer != optimizer_name || self.meta.state_names != states {
+            return Err(fail(
+                &self.location,
+                format!(
+                    "saved with optimizer {} (states {:?}), this run uses {optimizer_name} (states {states:?})",
+                    self.meta.optimizer, self.meta.state_names
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Fails unless the checkpoint is of a model of `layout`.
+    fn check_model(&self, layout: &Layout) -> Result<()> {
+        let params = layout.params.clone();
         // Checkpoints that predate splits do not record them: splits are the model's own.
         let params: Vec<ParamEntry> = params
             .into_iter()
@@ -765,11 +786,16 @@ impl Checkpoint {
                 self.meta.unit_numel
             ));
         }
-        if self.meta.optimizer != optimizer_name || self.meta.state_names != states {
-            return err(format!(
-                "saved with optimizer {} (states {:?}), this run uses {optimizer_name} (states {:?})",
-                self.meta.optimizer, self.meta.state_names, states
-            ));
+        Ok(())
+    }
+
+    /// Loads the parameters alone (evaluation, generation) into `engine`, of any strategy.
+    pub fn restore_weights(&self, engine: &mut Engine) -> Result<()> {
+        self.check_model(&Layout::of(engine))?;
+        let kind = engine.master_kind();
+        for k in 0..engine.spec().units.len() {
+            let full = self.unit_values(engine, 0, k, "param", kind)?;
+            engine.set_full_unit(k, &full)?;
         }
         Ok(())
     }

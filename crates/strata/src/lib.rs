@@ -2,7 +2,8 @@
 //! executed. A model is an ordered list of units declared through a [`model::Builder`];
 //! the [`engine::Engine`] owns their storage and runs them unit by unit; the
 //! [`optim::Optimizer`] updates the engine's flat buffers with fused kernels; [`data`]
-//! produces batches; [`io`] reads and writes safetensors weights.
+//! produces batches; [`io`] reads and writes safetensors weights and Hugging Face model
+//! folders; [`generate`] continues text from a trained model.
 //!
 //! Data flows one way: model spec → engine → training loop.
 //!
@@ -32,6 +33,7 @@ pub mod data;
 pub mod engine;
 mod error;
 mod fault;
+pub mod generate;
 pub mod io;
 pub mod model;
 pub mod optim;

@@ -53,6 +53,21 @@ pub struct StepReport {
     /// Per pipeline stage (rank), where a pipeline ran the step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineFigures>,
+    /// Mean loss over the validation batches, after steps where a validation ran (filled in
+    /// by the training loop's owner).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+    /// `exp(val_loss)`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_perplexity: Option<f64>,
+}
+
+impl StepReport {
+    /// Records a validation loss and its perplexity.
+    pub fn set_validation(&mut self, loss: f64) {
+        self.val_loss = Some(loss);
+        self.val_perplexity = Some(loss.exp());
+    }
 }
 
 /// What each pipeline rank measured in a step, in rank order.
@@ -64,6 +79,29 @@ pub struct PipelineFigures {
     pub micro_batches_held: Vec<u64>,
     /// The allocator's peak beyond model states: activations and temporaries.
     pub activation_peak_bytes: Vec<u64>,
+}
+
+/// The mean next-token loss of `engine` over `steps`' micro-batches, forward only.
+pub fn evaluate(engine: &mut Engine, steps: &[Step]) -> Result<f64> {
+    let loss = next_token_loss_of(engine);
+    evaluate_with(engine, steps, &token_input(), &loss)
+}
+
+fn evaluate_with(engine: &mut Engine, steps: &[Step], input: &InputFn, loss: &LossFn) -> Result<f64> {
+    let mut losses = vec![];
+    for batch in steps.iter().flat_map(|s| &s.micro_batches) {
+        let output = engine.evaluate(&input(batch)?)?;
+        losses.push(loss(&output, batch)?.f_double_value(&[])?);
+    }
+    mean(&losses)
+}
+
+/// The mean of validation losses; none is an error (nothing was evaluated).
+pub(crate) fn mean(losses: &[f64]) -> Result<f64> {
+    if losses.is_empty() {
+        return Err(crate::Error::Data("no validation batches to evaluate".into()));
+    }
+    Ok(losses.iter().sum::<f64>() / losses.len() as f64)
 }
 
 /// Turns a micro-batch into the model's input (`prepare_input`).
@@ -138,6 +176,12 @@ impl Trainer {
         self.step = step;
     }
 
+    /// The mean loss over `steps`' micro-batches, forward only (validation): this rank's
+    /// share, as [`Trainer::train_step`] reports its training loss.
+    pub fn evaluate(&mut self, steps: &[Step]) -> Result<f64> {
+        evaluate_with(&mut self.engine, steps, &self.prepare_input, &self.loss_func)
+    }
+
     /// Runs forward and backward on every micro-batch (gradients accumulate, each loss
     /// scaled by 1/micro-batches so the step sees the mean, and by the loss scale), then
     /// unscales, checks, clips and updates — or skips the update when the gradients are not
@@ -208,6 +252,8 @@ impl Trainer {
             comm_wait_s: (crate::comm::time_waited() - waited_before).as_secs_f64(),
             unit_times: None,
             pipeline: None,
+            val_loss: None,
+            val_perplexity: None,
         })
     }
 }

@@ -100,6 +100,7 @@ fn saved_checkpoint(root: &Path) -> std::path::PathBuf {
         optimizer: "adamw".into(),
         data: DataPosition { seed: 0, batch_size: 2, ctx: 4, next_step: 3 },
         loss_scaler: None,
+        model: None,
     };
     checkpoint::save(root, &mut engine, &mut optimizer, &run, None, 2).unwrap()
 }

@@ -109,6 +109,49 @@ pub struct Step {
     pub micro_batches: Vec<Batch>,
 }
 
+/// Validation steps: `count` global batches of consecutive windows from the start of
+/// `data`, none overlapping, each split over ranks and micro-batches as `config` says (its
+/// seed, order and start play no part), so every evaluation reads the same tokens. `None`
+/// takes as many whole batches as fit, at most `most`.
+pub fn validation_steps(
+    data: &TokenData,
+    config: &LoaderConfig,
+    count: Option<usize>,
+    most: usize,
+) -> Result<Vec<Step>> {
+    let rows = config.micro_batch_rows()?;
+    let windows = data.len().saturating_sub(1) / config.ctx;
+    let fit = windows / config.batch_size;
+    let count = match count {
+        Some(c) if c > fit => {
+            return Err(Error::Data(format!(
+                "{} holds {windows} windows of {} tokens: {c} validation batches of {} need {}",
+                data.source,
+                config.ctx + 1,
+                config.batch_size,
+                c * config.batch_size
+            )))
+        }
+        Some(c) => c,
+        None => fit.min(most),
+    };
+    if count == 0 {
+        return Err(Error::Data(format!(
+            "{} ({} tokens) holds no whole validation batch of {} windows of {} tokens",
+            data.source,
+            data.len(),
+            config.batch_size,
+            config.ctx + 1
+        )));
+    }
+    (0..count)
+        .map(|i| {
+            let global: Vec<usize> = (0..config.batch_size).map(|r| (i * config.batch_size + r) * config.ctx).collect();
+            build_step(data, config, rows, i, &global)
+        })
+        .collect()
+}
+
 /// Iterator over [`Step`]s, produced on a background thread.
 pub struct DataLoader {
     rx: Option<Receiver<Result<Step>>>,

@@ -9,7 +9,7 @@
 mod loader;
 mod synthetic;
 
-pub use loader::{Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step};
+pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step};
 pub use synthetic::SyntheticCorpus;
 
 use crate::{Error, Result};

@@ -14,7 +14,7 @@ mod schedule;
 
 use crate::comm::ProcessGroup;
 use crate::compute::{self, UnitCompute};
-use crate::model::{Init, ModelSpec, ParamId, ParamSpec, Params, TensorParallel, TpRole};
+use crate::model::{DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, TensorParallel, TpRole};
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, UnitClock, UnitTime};
 pub use memory::{Category, MemoryLedger, Placement};
@@ -621,6 +621,27 @@ impl Engine {
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
             x = tch::no_grad(|| self.unit_forward(k, &x, false))?;
+            self.run_schedule(Phase::AfterForward, k)?;
+        }
+        Ok(x)
+    }
+
+    /// Forward of the next positions of sequences whose earlier positions went through the
+    /// same `caches` (one per unit, each [`DecodeCache::default`] at the start): decoding with
+    /// a key/value cache, recording nothing for backward. Each unit runs as declared, without
+    /// the strategy's compute policy; units split over a tensor group are refused.
+    pub fn decode(&mut self, input: &Tensor, caches: &mut [DecodeCache]) -> Result<Tensor> {
+        if self.config.tensor.is_some() {
+            return Err(Error::Config("decoding runs whole units: the model is split over a tensor group".into()));
+        }
+        if caches.len() != self.spec.units.len() {
+            return Err(Error::Engine(format!("{} decode caches for {} units", caches.len(), self.spec.units.len())));
+        }
+        self.release_records();
+        let mut x = input.shallow_clone();
+        for (k, cache) in caches.iter_mut().enumerate() {
+            self.run_schedule(Phase::BeforeForward, k)?;
+            x = tch::no_grad(|| self.spec.units[k].body.decode(&Params::new(&self.params), &x, cache))?;
             self.run_schedule(Phase::AfterForward, k)?;
         }
         Ok(x)

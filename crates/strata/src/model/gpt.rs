@@ -5,7 +5,8 @@ use super::layers::{
     causal_attention, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding, vocab_logits,
 };
 use super::{
-    default_norm_eps, positive, Builder, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS, INIT_STD as STD,
+    default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS,
+    INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -59,9 +60,7 @@ impl Unit for GptEmbedding {
     }
     fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
         let t = tokens.size().last().copied().unwrap_or(0);
-        if t > self.ctx {
-            return Err(Error::Model(format!("sequence of {t} tokens is longer than the context {}", self.ctx)));
-        }
+        self.check_length(t)?;
         let tp = p.tp();
         if tp.sequence_parallel() && t % tp.size() != 0 {
             return Err(Error::Model(format!(
@@ -75,7 +74,25 @@ impl Unit for GptEmbedding {
         let tok = vocab_embedding(&p[self.wte], tokens, self.vocab, tp)?;
         Ok(tok.f_add(&Tensor::f_embedding(&p[self.wpe], &pos, -1, false, false)?)?)
     }
+    fn decode(&self, p: &Params<'_>, tokens: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        let t = tokens.size().last().copied().unwrap_or(0);
+        self.check_length(cache.position() + t)?;
+        let start = cache.advance(t);
+        let pos = Tensor::f_arange_start(start, start + t, (tch::Kind::Int64, tokens.device()))?;
+        let tok = Tensor::f_embedding(&p[self.wte], tokens, -1, false, false)?;
+        Ok(tok.f_add(&Tensor::f_embedding(&p[self.wpe], &pos, -1, false, false)?)?)
+    }
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl GptEmbedding {
+    /// Positions past the learned table have no embedding.
+    fn check_length(&self, t: i64) -> Result<()> {
+        if t > self.ctx {
+            return Err(Error::Model(format!("sequence of {t} tokens is longer than the context {}", self.ctx)));
+        }
         Ok(())
     }
 }
@@ -97,6 +114,20 @@ impl Unit for GptBlock {
         "GptBlock"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        self.run(p, x, None)
+    }
+    fn decode(&self, p: &Params<'_>, x: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        self.run(p, x, Some(cache))
+    }
+    fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
+        divides_heads(tp, "heads", self.heads)
+    }
+}
+
+impl GptBlock {
+    /// The block over new positions; with a cache, their attention also reads the keys and
+    /// values of the positions before them.
+    fn run(&self, p: &Params<'_>, x: &Tensor, cache: Option<&mut DecodeCache>) -> Result<Tensor> {
         // Split over the tensor group, this rank computes its heads and its piece of the MLP.
         let tp = p.tp();
         let (heads, dim) = (self.heads / tp.size(), self.dim / tp.size());
@@ -105,14 +136,15 @@ impl Unit for GptBlock {
         let parts = qkv.f_split(dim, 2)?;
         let (q, k, v) =
             (split_heads(&parts[0], heads)?, split_heads(&parts[1], heads)?, split_heads(&parts[2], heads)?);
+        let (k, v) = match cache {
+            Some(c) => c.extend(&k, &v)?,
+            None => (k, v),
+        };
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
         let x = x.f_add(&row_linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]), tp)?)?;
         let h = tp.enter(&layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?)?;
         let h = linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?.f_gelu("tanh")?;
         Ok(x.f_add(&row_linear(&h, &p[self.mlp_proj.0], Some(&p[self.mlp_proj.1]), tp)?)?)
-    }
-    fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
-        divides_heads(tp, "heads", self.heads)
     }
 }
 
@@ -138,6 +170,9 @@ impl Unit for GptHead {
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         let h = layer_norm(x, &p[self.ln_f.0], &p[self.ln_f.1], self.eps)?;
         vocab_logits(&h, &p[self.wte], None, self.vocab, p.tp())
+    }
+    fn position_wise(&self) -> bool {
+        true
     }
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
         Ok(())

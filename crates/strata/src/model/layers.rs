@@ -111,16 +111,19 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(cast(&x32.f_mul(&ms.f_add_scalar(eps)?.f_rsqrt()?)?, Some(x.kind()))?.f_mul(w)?)
 }
 
-/// Causal multi-head attention over `[B, H, T, D]` queries, keys and values.
+/// Causal multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and
+/// values, `Tk ≥ Tq`: the queries are the last `Tq` of the `Tk` positions (decoding with
+/// a key/value cache), each attending to itself and the positions before it.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let kind = compute::autocast_kind();
     let (q, k, v) = (cast(q, kind)?, cast(k, kind)?, cast(v, kind)?);
-    if let Some(fused) = compute::replaced(|r| r.attention(q.kind())) {
+    let (t, d, keys) = (q.size()[2], q.size()[3], k.size()[2]);
+    // Fused kernels align a causal mask to the first key, so they serve equal lengths only.
+    if let Some(fused) = compute::replaced(|r| r.attention(q.kind())).filter(|_| keys == t) {
         return fused(&q, &k, &v);
     }
-    let (t, d) = (q.size()[2], q.size()[3]);
     let scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(1.0 / (d as f64).sqrt())?;
-    let future = Tensor::f_ones([t, t], (Kind::Bool, q.device()))?.f_triu(1)?;
+    let future = Tensor::f_ones([t, keys], (Kind::Bool, q.device()))?.f_triu(1 + keys - t)?;
     let scores = scores.f_masked_fill(&future, f64::NEG_INFINITY)?;
     // Softmax in fp32 for low-precision inputs, as torch.amp does.
     let probs = if is_low(q.kind()) {

@@ -1,13 +1,15 @@
 //! A LLaMA-style decoder: RMSNorm, rotary position embeddings (half-rotation convention),
 //! grouped-query attention (`kv_heads` key/value heads, each shared by `heads / kv_heads`
 //! query heads), SwiGLU feed-forward, no biases, and an output head that is its own
-//! weight or, with `tie_embeddings`, the token embedding's. Names follow the common
-//! `model.layers.{i}.self_attn.q_proj.weight` layout.
+//! weight or, with `tie_embeddings`, the token embedding's. Optional attention biases cover
+//! Qwen2 (on the query, key and value projections) and LLaMA's `attention_bias` (on the
+//! output projection too). Names follow the common `model.layers.{i}.self_attn.q_proj.weight`
+//! layout.
 use super::gpt::divides_heads;
 use super::layers::{causal_attention, linear, merge_heads, rms_norm, row_linear, split_heads, vocab_logits};
 use super::{
-    default_norm_eps, positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, DEFAULT_NORM_EPS,
-    INIT_STD as STD,
+    default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TokenEmbedding, TpRole, Unit,
+    DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -32,6 +34,12 @@ pub struct LlamaConfig {
     /// The output head reads the token embedding's weight (`lm_head.weight` names it too).
     #[serde(default)]
     pub tie_embeddings: bool,
+    /// Biases on the query, key and value projections (Qwen2's).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// A bias on the attention's output projection.
+    #[serde(default)]
+    pub o_bias: bool,
 }
 
 impl LlamaConfig {
@@ -47,6 +55,8 @@ impl LlamaConfig {
             kv_heads: None,
             norm_eps: DEFAULT_NORM_EPS,
             tie_embeddings: false,
+            qkv_bias: false,
+            o_bias: false,
         }
     }
 
@@ -88,12 +98,15 @@ impl LlamaConfig {
     }
 }
 
+/// A projection's weight and optional bias.
+type Dense = (ParamId, Option<ParamId>);
+
 struct LlamaBlock {
     input_norm: ParamId,
-    q: ParamId,
-    k: ParamId,
-    v: ParamId,
-    o: ParamId,
+    q: Dense,
+    k: Dense,
+    v: Dense,
+    o: Dense,
     post_norm: ParamId,
     gate: ParamId,
     up: ParamId,
@@ -104,8 +117,9 @@ struct LlamaBlock {
     eps: f64,
 }
 
-/// Rotates `[B, H, T, D]` by position: `x·cos + rotate_half(x)·sin`.
-fn rotary(x: &Tensor, theta: f64) -> Result<Tensor> {
+/// Rotates `[B, H, T, D]`, whose first position is `start`, by position:
+/// `x·cos + rotate_half(x)·sin`.
+fn rotary(x: &Tensor, theta: f64, start: i64) -> Result<Tensor> {
     let (_, _, t, d) = x.size4()?;
     let opts = (Kind::Float, x.device());
     let inv_freq = Tensor::f_arange_start_step(0, d, 2, opts)?
@@ -113,7 +127,7 @@ fn rotary(x: &Tensor, theta: f64) -> Result<Tensor> {
         .f_neg()?
         .f_mul_scalar(theta.ln())?
         .f_exp()?;
-    let freqs = Tensor::f_arange(t, opts)?.f_outer(&inv_freq)?;
+    let freqs = Tensor::f_arange_start(start, start + t, opts)?.f_outer(&inv_freq)?;
     let angles = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_to_kind(x.kind())?;
     let (cos, sin) = (angles.f_cos()?, angles.f_sin()?);
     let halves = x.f_chunk(2, -1)?;
@@ -126,14 +140,35 @@ impl Unit for LlamaBlock {
         "LlamaBlock"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        self.run(p, x, None)
+    }
+    fn decode(&self, p: &Params<'_>, x: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        self.run(p, x, Some(cache))
+    }
+    fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
+        divides_heads(tp, "heads", self.heads)?;
+        divides_heads(tp, "key/value heads", self.kv_heads)
+    }
+}
+
+impl LlamaBlock {
+    /// The block over new positions; with a cache, they follow the positions it holds and
+    /// their attention also reads those positions' keys and values.
+    fn run(&self, p: &Params<'_>, x: &Tensor, cache: Option<&mut DecodeCache>) -> Result<Tensor> {
         // Split over the tensor group, this rank holds whole query heads and the key/value
         // heads they read, and its piece of the feed-forward.
         let tp = p.tp();
         let (heads, kv_heads) = (self.heads / tp.size(), self.kv_heads / tp.size());
+        let dense = |h: &Tensor, (w, b): Dense| linear(h, &p[w], b.map(|b| &p[b]));
+        let start = cache.as_ref().map_or(0, |c| c.position());
         let h = tp.enter(&rms_norm(x, &p[self.input_norm], self.eps)?)?;
-        let q = rotary(&split_heads(&linear(&h, &p[self.q], None)?, heads)?, self.rope_theta)?;
-        let k = rotary(&split_heads(&linear(&h, &p[self.k], None)?, kv_heads)?, self.rope_theta)?;
-        let v = split_heads(&linear(&h, &p[self.v], None)?, kv_heads)?;
+        let q = rotary(&split_heads(&dense(&h, self.q)?, heads)?, self.rope_theta, start)?;
+        let k = rotary(&split_heads(&dense(&h, self.k)?, kv_heads)?, self.rope_theta, start)?;
+        let v = split_heads(&dense(&h, self.v)?, kv_heads)?;
+        let (k, v) = match cache {
+            Some(c) => c.extend(&k, &v)?,
+            None => (k, v),
+        };
         // Each key/value head serves `heads / kv_heads` adjacent query heads.
         let group = self.heads / self.kv_heads;
         let (k, v) = if group > 1 {
@@ -142,14 +177,10 @@ impl Unit for LlamaBlock {
             (k, v)
         };
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
-        let x = x.f_add(&row_linear(&y, &p[self.o], None, tp)?)?;
+        let x = x.f_add(&row_linear(&y, &p[self.o.0], self.o.1.map(|b| &p[b]), tp)?)?;
         let h = tp.enter(&rms_norm(&x, &p[self.post_norm], self.eps)?)?;
         let gated = linear(&h, &p[self.gate], None)?.f_silu()?.f_mul(&linear(&h, &p[self.up], None)?)?;
         Ok(x.f_add(&row_linear(&gated, &p[self.down], None, tp)?)?)
-    }
-    fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
-        divides_heads(tp, "heads", self.heads)?;
-        divides_heads(tp, "key/value heads", self.kv_heads)
     }
 }
 
@@ -166,6 +197,9 @@ impl Unit for LlamaHead {
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         vocab_logits(&rms_norm(x, &p[self.norm], self.eps)?, &p[self.lm_head], None, self.vocab, p.tp())
+    }
+    fn position_wise(&self) -> bool {
+        true
     }
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
         Ok(())
@@ -194,15 +228,26 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let (gate, up) =
             (w("mlp.gate_proj.weight", &[f, d], TpRole::COLUMN), w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN));
         let down = w("mlp.down_proj.weight", &[d, f], TpRole::Row);
+        // A column projection's bias splits with its outputs; the output projection's is
+        // added once after the row-parallel sum.
+        let mut bias = |proj: &str, out: i64, tp, given: bool| {
+            given.then(|| u.param(format!("{name}.self_attn.{proj}.bias"), &[out], Init::Zeros, tp))
+        };
+        let (q_bias, k_bias, v_bias) = (
+            bias("q_proj", d, TpRole::COLUMN, cfg.qkv_bias),
+            bias("k_proj", kv, TpRole::COLUMN, cfg.qkv_bias),
+            bias("v_proj", kv, TpRole::COLUMN, cfg.qkv_bias),
+        );
+        let o_bias = bias("o_proj", d, TpRole::SequenceReplicated, cfg.o_bias);
         let norm = TpRole::SequenceReplicated;
         let input_norm = u.param(format!("{name}.input_layernorm.weight"), &[d], Init::Ones, norm);
         let post_norm = u.param(format!("{name}.post_attention_layernorm.weight"), &[d], Init::Ones, norm);
         u.finish(LlamaBlock {
             input_norm,
-            q,
-            k,
-            v,
-            o,
+            q: (q, q_bias),
+            k: (k, k_bias),
+            v: (v, v_bias),
+            o: (o, o_bias),
             post_norm,
             gate,
             up,

@@ -31,6 +31,9 @@ impl Unit for MlpLayer {
         let h = tp.enter(x)?.f_narrow(-1, tp.rank() * piece, piece)?;
         Ok(x.f_add(&row_linear(&h, &p[self.weight], Some(&p[self.bias]), tp)?.f_gelu("tanh")?)?)
     }
+    fn position_wise(&self) -> bool {
+        true
+    }
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
         Ok(())
     }
@@ -48,6 +51,9 @@ impl Unit for MlpHead {
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         vocab_logits(x, &p[self.weight], Some(&p[self.bias]), self.vocab, p.tp())
+    }
+    fn position_wise(&self) -> bool {
+        true
     }
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
         Ok(())

@@ -6,20 +6,100 @@
 //! Must not own storage, placement or execution order: that is the engine's.
 
 mod gpt;
+pub mod hf;
 pub mod layers;
 mod llama;
 mod mlp;
 pub mod tensor;
 
 pub use gpt::{gpt, GptConfig};
+pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use layers::NoTensorParallel;
 pub use llama::{llama, LlamaConfig};
 pub use mlp::{mlp, MlpConfig};
 pub use tensor::{TensorParallel, TpRole};
 
 use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use tch::{Kind, Tensor};
+
+/// One of the built-in models with its configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "model", rename_all = "lowercase")]
+pub enum ModelConfig {
+    Gpt(GptConfig),
+    Llama(LlamaConfig),
+    Mlp(MlpConfig),
+}
+
+impl ModelConfig {
+    /// The model function of the configuration.
+    pub fn build(&self, b: &mut Builder) -> Result<()> {
+        match self {
+            ModelConfig::Gpt(c) => gpt(c, b),
+            ModelConfig::Llama(c) => llama(c, b),
+            ModelConfig::Mlp(c) => mlp(c, b),
+        }
+    }
+
+    /// The whole model's description.
+    pub fn spec(&self) -> Result<ModelSpec> {
+        let mut b = Builder::new();
+        self.build(&mut b)?;
+        b.build()
+    }
+
+    /// The longest sequence the model takes, where it has a limit.
+    pub fn context(&self) -> Option<i64> {
+        match self {
+            ModelConfig::Gpt(c) => Some(c.ctx),
+            ModelConfig::Llama(c) => Some(c.ctx),
+            ModelConfig::Mlp(_) => None,
+        }
+    }
+
+    pub fn vocab(&self) -> i64 {
+        match self {
+            ModelConfig::Gpt(c) => c.vocab,
+            ModelConfig::Llama(c) => c.vocab,
+            ModelConfig::Mlp(c) => c.vocab,
+        }
+    }
+}
+
+/// What a unit keeps between the steps of token-by-token decoding: how many positions it
+/// has seen and, for attention, their keys and values (`[B, H, T, D]`).
+#[derive(Default)]
+pub struct DecodeCache {
+    position: i64,
+    keys_values: Option<(Tensor, Tensor)>,
+}
+
+impl DecodeCache {
+    /// Positions seen so far: the position of the next input's first token.
+    pub fn position(&self) -> i64 {
+        self.position
+    }
+
+    /// Moves past `len` new positions; returns the first of them.
+    pub fn advance(&mut self, len: i64) -> i64 {
+        self.position += len;
+        self.position - len
+    }
+
+    /// Appends the new positions' keys and values (time is dimension 2) and returns all
+    /// of them so far.
+    pub fn extend(&mut self, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (k, v) = match &self.keys_values {
+            Some((k0, v0)) => (Tensor::f_cat(&[k0, keys], 2)?, Tensor::f_cat(&[v0, values], 2)?),
+            None => (keys.shallow_clone(), values.shallow_clone()),
+        };
+        self.advance(keys.size()[2]);
+        self.keys_values = Some((k.shallow_clone(), v.shallow_clone()));
+        Ok((k, v))
+    }
+}
 
 /// Standard deviation of the normal initialisation of weights (GPT-2's, LLaMA's).
 pub const INIT_STD: f64 = 0.02;
@@ -116,6 +196,23 @@ pub trait Unit: Send + Sync {
     fn kind(&self) -> &'static str;
     fn forward(&self, params: &Params<'_>, input: &Tensor) -> Result<Tensor>;
 
+    /// Whether each position's output depends on that position's input alone (norms,
+    /// feed-forward layers, output heads): such a unit decodes by its plain forward.
+    fn position_wise(&self) -> bool {
+        false
+    }
+
+    /// The forward of the next positions of a sequence whose earlier positions this unit
+    /// saw through the same `cache` (decoding with a key/value cache: each new token costs
+    /// one position). Units that cannot refuse, and generation recomputes whole windows.
+    fn decode(&self, params: &Params<'_>, input: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        if self.position_wise() {
+            return self.forward(params, input);
+        }
+        let _ = cache;
+        Err(Error::Model(format!("{} units cannot decode with a key/value cache (Unit::decode)", self.kind())))
+    }
+
     /// Checks that the unit's forward can run split over `tp` ranks (heads divisible by
     /// `tp`, say). A unit runs under tensor parallelism only where it says how: the default
     /// refuses.
@@ -140,6 +237,10 @@ impl Unit for TokenEmbedding {
     }
     fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
         layers::vocab_embedding(&p[self.table], tokens, self.vocab, p.tp())
+    }
+    fn decode(&self, p: &Params<'_>, tokens: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        cache.advance(tokens.size().last().copied().unwrap_or(0));
+        self.forward(p, tokens)
     }
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
         Ok(())

@@ -517,7 +517,48 @@ impl PipelineTrainer {
             comm_wait_s: 0.0,
             unit_times: None,
             pipeline: Some(figures),
+            val_loss: None,
+            val_perplexity: None,
         })
+    }
+
+    /// The mean loss over `steps`' micro-batches, forward only (validation), the same on
+    /// every rank: each micro-batch passes the stages in order, this rank's chunks in stage
+    /// order, and the last stage's losses are shared and averaged over the data replicas.
+    pub fn evaluate(&mut self, steps: &[Step]) -> Result<f64> {
+        if steps.iter().all(|s| s.micro_batches.is_empty()) {
+            return crate::train::mean(&[]);
+        }
+        let device = self.chunks[0].engine.config().device;
+        let last = self.last_stage();
+        let mut losses = vec![];
+        let mut sending: Vec<Work> = Vec::new();
+        for batch in steps.iter().flat_map(|s| &s.micro_batches) {
+            for chunk in 0..self.chunks.len() {
+                let input = match &self.activations_in[chunk] {
+                    Some(link) => link.recv(device)?,
+                    None => (self.prepare_input)(batch)?,
+                };
+                let out = self.chunks[chunk].engine.evaluate(&input)?;
+                match &self.activations_out[chunk] {
+                    Some(link) => sending.extend(link.send(&out)?),
+                    None if self.chunks[chunk].stage == last => {
+                        losses.push((self.loss_func)(&out, batch)?.f_double_value(&[])?)
+                    }
+                    None => {}
+                }
+            }
+        }
+        for w in sending {
+            w.wait()?;
+        }
+        // Only the last stage holds losses: the others add nothing to the sum.
+        let mine = if losses.is_empty() { 0.0 } else { crate::train::mean(&losses)? };
+        let loss = self.sum(&[mine])?[0];
+        match &self.world_group {
+            Some(g) => Ok(all_reduce_values(g.as_ref(), &[loss], ReduceOp::Avg)?[0]),
+            None => Ok(loss),
+        }
     }
 
     /// Runs `f` on chunk `chunk`'s engine; under the zero-bubble schedule with micro-batch
@@ -584,15 +625,6 @@ impl PipelineTrainer {
         crate::checkpoint::save_parts(root, &layout, &mut self.parts(), run, world, keep)
     }
 
-    /// Loads whole weights from a safetensors file into this rank's stages, each taking its
-    /// units' (every rank of a stage together).
-    pub fn load_weights(&mut self, path: &std::path::Path) -> Result<()> {
-        for c in &mut self.chunks {
-            crate::io::load_weights(&mut c.engine, path)?;
-        }
-        Ok(())
-    }
-
     /// Loads `checkpoint` (saved at any pipeline, tensor or data size) into this rank's stages.
     pub fn restore(&mut self, checkpoint: &crate::checkpoint::Checkpoint, optimizer_name: &str) -> Result<()> {
         let layout = self.layout.clone();
@@ -604,7 +636,7 @@ impl PipelineTrainer {
     /// Saves the whole model's parameters (fp32) under their names, unit by unit: the ranks
     /// of the stage that owns a unit gather it whole (from tensor pieces and shards), and its
     /// first rank in each pipeline hands it on. Every rank calls this; only `write` ones write.
-    pub fn save_weights(&mut self, path: &std::path::Path, write: bool) -> Result<()> {
+    pub fn save_weights(&mut self, target: crate::io::WeightsTarget<'_>, write: bool) -> Result<()> {
         // The unit gathered last: (stage, unit in stage) and its whole flat values.
         let mut current: Option<((usize, usize), Tensor)> = None;
         let mut fetch = |i: usize| -> Result<Tensor> {
@@ -638,7 +670,6 @@ impl PipelineTrainer {
         }
         let layout: Vec<(String, Kind, Vec<i64>)> =
             self.params.iter().map(|p| (p.name.clone(), Kind::Float, p.shape.clone())).collect();
-        let metadata = std::collections::BTreeMap::from([("format".to_string(), "pt".to_string())]);
-        crate::io::write_safetensors_streamed(path, &layout, &metadata, |i| crate::io::tensor_bytes_le(&fetch(i)?))
+        crate::io::write_weights(target, &layout, fetch)
     }
 }

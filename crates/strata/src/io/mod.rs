@@ -1,8 +1,13 @@
 //! Weights in safetensors, and atomic file writes.
 //!
-//! Owns: reading and writing a model's parameters by their PyTorch names, with every
-//! mismatch (unknown or missing names, shapes, dtypes, damaged files) a clear error naming
-//! the file. Must not hold training state: checkpoints of optimizer state build on this.
+//! Owns: reading and writing a model's parameters by their PyTorch names, as one file or as
+//! a Hugging Face model folder ([`folder`]), with every mismatch (unknown or missing names,
+//! shapes, dtypes, damaged files) a clear error naming the file. Must not hold training
+//! state: checkpoints of optimizer state build on this.
+
+mod folder;
+
+pub use folder::{load_model_dir, FolderOut, DEFAULT_SHARD_BYTES};
 
 use crate::engine::Engine;
 use crate::model::ParamId;
@@ -219,10 +224,36 @@ pub fn write_safetensors_streamed(
     })
 }
 
+/// Where whole weights are written.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightsTarget<'a> {
+    /// One safetensors file, parameters under Strata's names.
+    File(&'a Path),
+    /// A Hugging Face model folder.
+    Folder(&'a FolderOut),
+}
+
+/// Writes whole parameters, `layout` (Strata name, dtype, shape) in order, to `target`;
+/// `fetch(i)` produces parameter `i`'s values, called once each in order, so a caller
+/// can gather one unit at a time.
+pub fn write_weights(
+    target: WeightsTarget<'_>,
+    layout: &[(String, Kind, Vec<i64>)],
+    mut fetch: impl FnMut(usize) -> Result<Tensor>,
+) -> Result<()> {
+    match target {
+        WeightsTarget::File(path) => {
+            let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+            write_safetensors_streamed(path, layout, &metadata, |i| tensor_bytes_le(&fetch(i)?))
+        }
+        WeightsTarget::Folder(out) => out.write(layout, fetch),
+    }
+}
+
 /// Saves the whole model's parameters under their canonical names (a tied weight once),
 /// gathering one unit at a time. With a sharded strategy every rank of the shard group
-/// must call this together; only ranks with `write` set write the file.
-pub fn save_weights(engine: &mut Engine, path: &Path, write: bool) -> Result<()> {
+/// must call this together; only ranks with `write` set write.
+pub fn save_weights(engine: &mut Engine, target: WeightsTarget<'_>, write: bool) -> Result<()> {
     let kind = engine.master_kind();
     // Parameters in unit order, each with its unit and offset.
     let order: Vec<(usize, ParamId, i64)> = engine
@@ -247,16 +278,15 @@ pub fn save_weights(engine: &mut Engine, path: &Path, write: bool) -> Result<()>
         }
         return Ok(());
     }
-    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     let mut current: Option<(usize, Tensor)> = None;
-    write_safetensors_streamed(path, &layout, &metadata, |i| {
+    write_weights(target, &layout, |i| {
         let (unit, id, offset) = order[i];
         if current.as_ref().map(|(k, _)| *k) != Some(unit) {
             current = Some((unit, engine.full_unit(unit)?));
         }
         let (_, flat) = current.as_ref().expect("set above");
-        let numel = engine.spec().params[id.0].numel();
-        tensor_bytes_le(&flat.f_narrow(0, offset, numel)?)
+        let p = &engine.spec().params[id.0];
+        Ok(flat.f_narrow(0, offset, p.numel())?.f_view(p.shape.as_slice())?)
     })
 }
 
@@ -265,27 +295,34 @@ pub fn save_weights(engine: &mut Engine, path: &Path, write: bool) -> Result<()>
 /// match; dtypes are converted. Two names of one tied parameter must hold equal values.
 pub fn load_weights(engine: &mut Engine, path: &Path) -> Result<()> {
     let tensors = read_safetensors(path)?;
-    let err = |message: String| Error::Weights { path: path.to_path_buf(), message };
-    let mut assigned: BTreeMap<ParamId, (&str, &Tensor)> = BTreeMap::new();
     // A merged checkpoint also holds optimizer states, as `optim.<state>.<name>`.
-    for (name, t) in tensors.iter().filter(|(name, _)| !name.starts_with("optim.")) {
+    let named = tensors.into_iter().filter(|(name, _)| !name.starts_with("optim."));
+    load_named(engine, path, named.map(|(name, t)| (name.clone(), name, t)))
+}
+
+/// Loads parameters from `(parameter name, name in the source, values)`, as
+/// [`load_weights`] describes; errors name `source` and the source's names.
+fn load_named(engine: &mut Engine, source: &Path, named: impl Iterator<Item = (String, String, Tensor)>) -> Result<()> {
+    let err = |message: String| Error::Weights { path: source.to_path_buf(), message };
+    let mut assigned: BTreeMap<ParamId, (String, Tensor)> = BTreeMap::new();
+    for (name, shown, t) in named {
         let id = engine
             .spec()
-            .find(name)
-            .ok_or_else(|| err(format!("unknown tensor {name:?} (not a parameter of this model)")))?;
+            .find(&name)
+            .ok_or_else(|| err(format!("unknown tensor {shown:?} (not a parameter of this model)")))?;
         let expected = &engine.spec().params[id.0];
         if t.size() != expected.shape {
-            return Err(err(format!("{name}: shape {:?} but the model expects {:?}", t.size(), expected.shape)));
+            return Err(err(format!("{shown}: shape {:?} but the model expects {:?}", t.size(), expected.shape)));
         }
-        if let Some((first, earlier)) = assigned.insert(id, (name, t)) {
+        if let Some((first, earlier)) = assigned.insert(id, (shown.clone(), t.shallow_clone())) {
             if !earlier.f_to_kind(Kind::Double)?.f_equal(&t.f_to_kind(Kind::Double)?)? {
-                return Err(err(format!("{first} and {name} differ, but the model ties them into one parameter")));
+                return Err(err(format!("{first} and {shown} differ, but the model ties them into one parameter")));
             }
         }
     }
     if let Some(missing) = engine.spec().params.iter().enumerate().find(|(i, _)| !assigned.contains_key(&ParamId(*i))) {
         return Err(err(format!("missing parameter {:?}", missing.1.name)));
     }
-    let values = assigned.into_iter().map(|(id, (_, t))| (id, t.shallow_clone())).collect();
+    let values = assigned.into_iter().map(|(id, (_, t))| (id, t)).collect();
     engine.set_params(&values)
 }

@@ -1,0 +1,196 @@
+//! `strata eval` and `strata generate`: a trained model (a Hugging Face model folder or a
+//! checkpoint of `strata train`) in one process, evaluated on validation data or asked to
+//! continue a prompt.
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+use strata::checkpoint::Checkpoint;
+use strata::data::{validation_steps, LoaderConfig, TokenData, Tokenizer};
+use strata::engine::{Engine, EngineConfig};
+use strata::generate::{generate, GenerateConfig};
+use strata::model::{ModelConfig, ModelDir};
+
+/// Where the model comes from, and where it runs.
+#[derive(Args, Debug)]
+pub struct ModelSource {
+    /// A Hugging Face model folder (config.json, safetensors weights, tokenizer.json).
+    #[arg(long)]
+    model_dir: Option<PathBuf>,
+    /// A checkpoint of `strata train` (its folder, one step's folder or a merged file).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Hugging Face tokenizer.json (default: the model folder's, else one token per byte).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Compute device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// CPU threads for libtorch.
+    #[arg(long)]
+    threads: Option<i32>,
+}
+
+/// A model loaded whole into one engine, with its tokenizer.
+struct Loaded {
+    engine: Engine,
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    folder: Option<ModelDir>,
+}
+
+impl ModelSource {
+    fn load(&self) -> Result<Loaded> {
+        if let Some(t) = self.threads {
+            if t <= 0 {
+                bail!("--threads must be positive");
+            }
+            tch::set_num_threads(t);
+        }
+        let device = crate::options::parse_device(&self.device)?;
+        let config = EngineConfig { device, ..Default::default() };
+        match (&self.model_dir, &self.resume) {
+            (Some(dir), None) => {
+                let folder = strata::model::from_pretrained_dir(dir)?;
+                let mut engine = Engine::new(folder.spec()?, config)?;
+                strata::io::load_model_dir(&mut engine, &folder)?;
+                let tokenizer = crate::options::tokenizer(self.tokenizer.as_deref(), Some(&folder))?;
+                Ok(Loaded { engine, config: folder.config.clone(), tokenizer, folder: Some(folder) })
+            }
+            (None, Some(path)) => {
+                let ckpt = Checkpoint::open(path)?;
+                let Some(model) = ckpt.meta.model.clone() else {
+                    bail!("{}: the checkpoint does not record its model", ckpt.location.display());
+                };
+                let mut engine = Engine::new(model.spec()?, config)?;
+                ckpt.restore_weights(&mut engine)?;
+                let tokenizer = crate::options::tokenizer(self.tokenizer.as_deref(), None)?;
+                Ok(Loaded { engine, config: model, tokenizer, folder: None })
+            }
+            (Some(_), Some(_)) => bail!("give either --model-dir or --resume, not both"),
+            (None, None) => bail!("name the model: --model-dir DIR or --resume CHECKPOINT"),
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    source: ModelSource,
+    /// Validation text, tokenised with the model's tokenizer.
+    #[arg(long)]
+    val_data: Option<PathBuf>,
+    /// Validation tokens as a raw little-endian u16 token file.
+    #[arg(long)]
+    val_token_file: Option<PathBuf>,
+    /// Context of each window, in tokens.
+    #[arg(long, default_value_t = 64)]
+    ctx: usize,
+    /// Windows per batch.
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Batches, consecutive windows from the start of the data (default: all that fit).
+    #[arg(long)]
+    eval_batches: Option<usize>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn eval(args: EvalArgs) -> Result<()> {
+    let loaded = args.source.load()?;
+    let data = match (&args.val_data, &args.val_token_file) {
+        (Some(path), None) => TokenData::from_text_file(path, &loaded.tokenizer)?,
+        (None, Some(path)) => TokenData::from_u16_file(path)?,
+        (Some(_), Some(_)) => bail!("give either --val-data or --val-token-file, not both"),
+        (None, None) => bail!("name the validation data: --val-data or --val-token-file"),
+    };
+    if args.ctx == 0 || args.batch_size == 0 || args.eval_batches == Some(0) {
+        bail!("--ctx, --batch-size and --eval-batches must be positive");
+    }
+    if let Some(context) = loaded.config.context().filter(|&c| args.ctx as i64 > c) {
+        bail!("--ctx {} is longer than the model's context of {context} positions", args.ctx);
+    }
+    data.check_fits(args.ctx, loaded.config.vocab() as usize)?;
+    let device = loaded.engine.config().device;
+    let loader = LoaderConfig { device, ..LoaderConfig::new(args.ctx, args.batch_size) };
+    let steps = validation_steps(&data, &loader, args.eval_batches, usize::MAX)?;
+    let tokens: i64 = steps.iter().flat_map(|s| &s.micro_batches).map(|b| b.targets.numel() as i64).sum();
+    let mut engine = loaded.engine;
+    let loss = strata::train::evaluate(&mut engine, &steps)?;
+    if args.json {
+        let out = serde_json::json!({"val_loss": loss, "val_perplexity": loss.exp(), "tokens": tokens, "batches": steps.len()});
+        println!("{out}");
+    } else {
+        println!(
+            "validation loss {loss:.6}, perplexity {:.4} ({tokens} tokens in {} batches)",
+            loss.exp(),
+            steps.len()
+        );
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    source: ModelSource,
+    /// The text to continue.
+    #[arg(long)]
+    prompt: String,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 takes the most likely token each time (greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Sample among the K most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probabilities reach P together.
+    #[arg(long)]
+    top_p: Option<f64>,
+    /// Seed of the sampling draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Recompute the whole window for each token instead of using a key/value cache.
+    #[arg(long)]
+    no_cache: bool,
+    /// Print the prompt's and the new tokens' ids as JSON instead of text.
+    #[arg(long)]
+    ids: bool,
+}
+
+pub fn run_generate(args: GenerateArgs) -> Result<()> {
+    let mut loaded = args.source.load()?;
+    let prompt: Vec<i64> = loaded.tokenizer.encode(&args.prompt)?.into_iter().map(i64::from).collect();
+    let vocab = loaded.config.vocab();
+    if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
+        bail!("the prompt holds token {bad}, outside the model's vocabulary of {vocab}");
+    }
+    let sampling = args.temperature > 0.0;
+    if !sampling && (args.top_k.is_some() || args.top_p.is_some()) {
+        bail!("--top-k and --top-p shape sampling: give --temperature above 0");
+    }
+    let config = GenerateConfig {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        stop_tokens: loaded.folder.as_ref().map(ModelDir::eos_tokens).unwrap_or_default(),
+        cache: !args.no_cache,
+    };
+    let new = generate(&mut loaded.engine, &prompt, &config, loaded.config.context())?;
+    if args.ids {
+        println!("{}", serde_json::json!({"prompt": prompt, "new": new}));
+        return Ok(());
+    }
+    // The end token is kept in the ids (as transformers keeps it), not shown in the text.
+    let shown = match new.last() {
+        Some(t) if config.stop_tokens.contains(t) => &new[..new.len() - 1],
+        _ => &new[..],
+    };
+    let ids: Vec<u32> = shown.iter().map(|&t| u32::try_from(t)).collect::<Result<_, _>>().context("token id")?;
+    println!("{}{}", args.prompt, loaded.tokenizer.decode(&ids)?);
+    Ok(())
+}

@@ -1,0 +1,192 @@
+//! Hugging Face model folders against `transformers` itself (scripts/hf_reference.py, the
+//! project's `.venv`): tiny random GPT-2, LLaMA (grouped-query attention, tied embeddings)
+//! and Qwen2 (attention biases) models give the same logits in Strata, sharded folders
+//! load, folders written back load in `transformers`, and cached decoding equals uncached.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use strata::engine::{Engine, EngineConfig};
+use strata::generate::{generate, GenerateConfig};
+use strata::io::{load_model_dir, save_weights, FolderOut, WeightsTarget};
+use strata::model::from_pretrained_dir;
+use tch::{Kind, Tensor};
+
+fn python() -> Option<PathBuf> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    let ok =
+        p.exists() && Command::new(&p).args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipping: {} with transformers is missing (run scripts/setup.sh)", p.display());
+    }
+    ok.then_some(p)
+}
+
+fn reference(py: &Path, args: &[&str]) -> String {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_reference.py");
+    let out = Command::new(py).arg(script).args(args).output().expect("python runs");
+    assert!(out.status.success(), "hf_reference.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn make(py: &Path, family: &str, dir: &Path, shard_bytes: Option<&str>) {
+    let mut args = vec!["make", "--family", family, "--out", dir.to_str().unwrap()];
+    if let Some(b) = shard_bytes {
+        args.extend(["--shard-bytes", b]);
+    }
+    reference(py, &args);
+}
+
+const ROWS: [[i64; 12]; 2] =
+    [[5, 17, 3, 88, 40, 41, 9, 0, 63, 12, 77, 2], [94, 1, 1, 30, 58, 6, 19, 71, 4, 95, 50, 33]];
+
+fn transformers_logits(py: &Path, dir: &Path, work: &Path) -> Tensor {
+    let out = work.join("logits.safetensors");
+    let rows = serde_json::to_string(&ROWS).unwrap();
+    reference(py, &["logits", "--dir", dir.to_str().unwrap(), "--tokens", &rows, "--out", out.to_str().unwrap()]);
+    strata::io::read_safetensors(&out).unwrap().remove("logits").unwrap()
+}
+
+fn strata_engine(dir: &Path) -> Engine {
+    let folder = from_pretrained_dir(dir).unwrap();
+    let mut engine = Engine::new(folder.spec().unwrap(), EngineConfig::default()).unwrap();
+    load_model_dir(&mut engine, &folder).unwrap();
+    engine
+}
+
+fn strata_logits(engine: &mut Engine) -> Tensor {
+    let rows: Vec<i64> = ROWS.iter().flatten().copied().collect();
+    engine.evaluate(&Tensor::from_slice(&rows).view([2, 12])).unwrap()
+}
+
+/// The largest difference of two logit tensors, after checking that they are not trivial
+/// (a spread well above the tolerance, so agreement is not agreement of near-constants).
+fn gap(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    assert!(a.std(true).double_value(&[]) > 0.05, "logits this flat compare nothing");
+    (a - b).abs().max().to_kind(Kind::Double).double_value(&[])
+}
+
+fn logits_match(family: &str, shard_bytes: Option<&str>) {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join(family);
+    make(&py, family, &dir, shard_bytes);
+    let folder = from_pretrained_dir(&dir).unwrap();
+    assert_eq!(folder.weights.len() > 1, shard_bytes.is_some(), "{:?}", folder.weights);
+    let theirs = transformers_logits(&py, &dir, work.path());
+    let ours = strata_logits(&mut strata_engine(&dir));
+    let g = gap(&theirs, &ours);
+    assert!(g < 1e-5, "{family}: logits differ from transformers' by {g}");
+}
+
+#[test]
+fn gpt2_logits_equal_transformers() {
+    logits_match("gpt2", None);
+}
+
+#[test]
+fn llama_with_grouped_query_attention_and_tied_head_equals_transformers() {
+    logits_match("llama", None);
+}
+
+#[test]
+fn sharded_qwen2_with_attention_biases_equals_transformers() {
+    logits_match("qwen2", Some("20000"));
+}
+
+/// A changed model written back (sharded, in the family's names and layouts) loads in
+/// `transformers` with the logits Strata computes.
+#[test]
+fn folders_written_back_load_in_transformers() {
+    let Some(py) = python() else { return };
+    for family in ["gpt2", "qwen2"] {
+        let work = tempfile::tempdir().unwrap();
+        let (source, saved) = (work.path().join("source"), work.path().join("saved"));
+        make(&py, family, &source, None);
+        let mut engine = strata_engine(&source);
+        let before = strata_logits(&mut engine);
+        // Every parameter moves, so a name or layout lost on the way changes the logits.
+        for k in 0..engine.spec().units.len() {
+            let values = engine.full_unit(k).unwrap();
+            let moved = &values + Tensor::randn_like(&values) * 0.02;
+            engine.set_full_unit(k, &moved).unwrap();
+        }
+        let ours = strata_logits(&mut engine);
+        assert!(gap(&before, &ours) > 1e-3, "{family}: the weights did not change");
+        let mut out = FolderOut::like(&saved, &from_pretrained_dir(&source).unwrap());
+        out.shard_bytes = 30_000;
+        save_weights(&mut engine, WeightsTarget::Folder(&out), true).unwrap();
+        let written = from_pretrained_dir(&saved).unwrap();
+        assert!(written.weights.len() > 1, "{family}: expected shards, got {:?}", written.weights);
+        assert!(written.tokenizer.is_some(), "the tokenizer is copied along");
+        let theirs = transformers_logits(&py, &saved, work.path());
+        let g = gap(&theirs, &ours);
+        assert!(g < 1e-5, "{family}: the written folder's logits differ by {g}");
+        // Written again unsharded, the stale shards and index go.
+        out.shard_bytes = u64::MAX;
+        save_weights(&mut engine, WeightsTarget::Folder(&out), true).unwrap();
+        assert_eq!(from_pretrained_dir(&saved).unwrap().weights, vec![saved.join("model.safetensors")]);
+        assert!(!saved.join("model.safetensors.index.json").exists());
+    }
+}
+
+/// Greedy decoding equals `transformers`' generate(do_sample=False) token for token, with
+/// and without the key/value cache.
+#[test]
+fn greedy_generation_equals_transformers() {
+    let Some(py) = python() else { return };
+    for family in ["gpt2", "llama"] {
+        let work = tempfile::tempdir().unwrap();
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let prompt = [7i64, 31, 3, 58, 12];
+        let theirs: Vec<i64> = serde_json::from_str(&reference(
+            &py,
+            &[
+                "generate",
+                "--dir",
+                dir.to_str().unwrap(),
+                "--prompt",
+                &serde_json::to_string(&prompt).unwrap(),
+                "--max-new-tokens",
+                "20",
+            ],
+        ))
+        .unwrap();
+        let mut engine = strata_engine(&dir);
+        let context = from_pretrained_dir(&dir).unwrap().config.context();
+        // transformers stops at the end token only when asked; here it runs all 20.
+        let config = GenerateConfig { max_new_tokens: 20, ..Default::default() };
+        let cached = generate(&mut engine, &prompt, &config, context).unwrap();
+        let uncached = generate(&mut engine, &prompt, &GenerateConfig { cache: false, ..config }, context).unwrap();
+        assert_eq!(cached, theirs, "{family}: greedy tokens differ from transformers'");
+        assert_eq!(uncached, cached, "{family}: the cached path differs from the uncached one");
+    }
+}
+
+/// Sampling is reproducible from its seed; the cache agrees with recomputation past the
+/// context too (the window slides).
+#[test]
+fn sampling_repeats_with_its_seed_and_windows_slide() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("gpt2");
+    make(&py, "gpt2", &dir, None);
+    let mut engine = strata_engine(&dir);
+    let sampling = GenerateConfig {
+        max_new_tokens: 24,
+        temperature: 0.9,
+        top_k: Some(40),
+        top_p: Some(0.95),
+        seed: 11,
+        ..Default::default()
+    };
+    let a = generate(&mut engine, &[4, 9, 16], &sampling, Some(64)).unwrap();
+    let b = generate(&mut engine, &[4, 9, 16], &sampling, Some(64)).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.len(), 24);
+    // A context of 8 positions: past it both paths recompute the last 8.
+    let greedy = GenerateConfig { max_new_tokens: 12, ..Default::default() };
+    let cached = generate(&mut engine, &[4, 9, 16], &greedy, Some(8)).unwrap();
+    let uncached = generate(&mut engine, &[4, 9, 16], &GenerateConfig { cache: false, ..greedy }, Some(8)).unwrap();
+    assert_eq!(cached, uncached);
+}

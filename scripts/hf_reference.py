@@ -1,0 +1,139 @@
+"""Hugging Face `transformers` reference for Strata's model-folder and generation tests.
+
+Every model is tiny and drawn from a seed here; nothing is downloaded.
+
+  make      builds a random GPT-2, LLaMA (grouped-query attention, tied embeddings) or
+            Qwen2 (attention biases) with a word-level tokenizer and saves it with
+            save_pretrained (sharded when --shard-bytes is given);
+  logits    writes the logits of a folder's model for given token rows to a safetensors file;
+  generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
+  val-loss  prints the mean next-token loss over consecutive windows of a u16 token file,
+            batch by batch, as Strata's validation reads them.
+
+Run it with the project's virtual environment: .venv/bin/python scripts/hf_reference.py
+"""
+
+import argparse
+import json
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+VOCAB = 96
+WORDS = 90  # the tokenizer's words; the config's vocabulary is larger, as real models pad it
+
+
+def tokenizer_json(path):
+    """A word-level tokenizer of words w0 .. w{WORDS-1}, split on whitespace."""
+    body = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": None,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
+        "model": {"type": "WordLevel", "vocab": {f"w{i}": i for i in range(WORDS)}, "unk_token": "w0"},
+    }
+    with open(path, "w") as f:
+        json.dump(body, f)
+
+
+def build(family, seed):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB,
+                            bos_token_id=1, eos_token_id=2)
+        return tf.GPT2LMHeadModel(cfg)
+    if family == "llama":
+        cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB,
+                             rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                             rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+        return tf.LlamaForCausalLM(cfg)
+    if family == "qwen2":
+        cfg = tf.Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB,
+                             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+        model = tf.Qwen2ForCausalLM(cfg)
+        # Biases start at zero: draw them so that a bias lost on the way shows.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    p.normal_(0.0, 0.5)
+        return model
+    raise SystemExit(f"unknown family {family}")
+
+
+def load(folder):
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make")
+    make.add_argument("--family", required=True)
+    make.add_argument("--out", required=True)
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--shard-bytes", type=int)
+    logits = sub.add_parser("logits")
+    logits.add_argument("--dir", required=True)
+    logits.add_argument("--tokens", required=True, help="JSON rows of token ids")
+    logits.add_argument("--out", required=True)
+    gen = sub.add_parser("generate")
+    gen.add_argument("--dir", required=True)
+    gen.add_argument("--prompt", required=True, help="JSON list of token ids")
+    gen.add_argument("--max-new-tokens", type=int, required=True)
+    val = sub.add_parser("val-loss")
+    val.add_argument("--dir", required=True)
+    val.add_argument("--token-file", required=True)
+    val.add_argument("--ctx", type=int, required=True)
+    val.add_argument("--batch-size", type=int, required=True)
+    val.add_argument("--batches", type=int, required=True)
+    args = ap.parse_args()
+
+    if args.command == "make":
+        model = build(args.family, args.seed)
+        kwargs = {"max_shard_size": args.shard_bytes} if args.shard_bytes else {}
+        model.save_pretrained(args.out, **kwargs)
+        tokenizer_json(f"{args.out}/tokenizer.json")
+    elif args.command == "logits":
+        model = load(args.dir)
+        tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
+        with torch.no_grad():
+            out = model(tokens).logits
+        save_file({"logits": out.contiguous()}, args.out)
+    elif args.command == "generate":
+        model = load(args.dir)
+        prompt = torch.tensor([json.loads(args.prompt)], dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(prompt, do_sample=False, max_new_tokens=args.max_new_tokens,
+                                 attention_mask=torch.ones_like(prompt), pad_token_id=0)
+        print(json.dumps(out[0, prompt.shape[1]:].tolist()))
+    elif args.command == "val-loss":
+        model = load(args.dir)
+        tokens = torch.from_numpy(np.fromfile(args.token_file, dtype="<u2").astype(np.int64))
+        ctx, rows = args.ctx, args.batch_size
+        losses = []
+        for b in range(args.batches):
+            starts = [(b * rows + r) * ctx for r in range(rows)]
+            x = torch.stack([tokens[s:s + ctx] for s in starts])
+            y = torch.stack([tokens[s + 1:s + ctx + 1] for s in starts])
+            with torch.no_grad():
+                logits = model(x).logits
+            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item())
+        print(json.dumps({"val_loss": sum(losses) / len(losses)}))
+
+
+if __name__ == "__main__":
+    main()
