@@ -190,7 +190,9 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         Some(t) if config.stop_tokens.contains(t) => &new[..new.len() - 1],
         _ => &new[..],
     };
-    let ids: Vec<u32> = shown.iter().map(|&t| u32::try_from(t)).collect::<Result<_, _>>().context("token id")?;
-    println!("{}{}", args.prompt, loaded.tokenizer.decode(&ids)?);
+    // Decoded whole, so the tokenizer spaces the prompt and the new text as it spaces words.
+    let ids: Vec<u32> =
+        prompt.iter().chain(shown).map(|&t| u32::try_from(t)).collect::<Result<_, _>>().context("token id")?;
+    println!("{}", loaded.tokenizer.decode(&ids)?);
     Ok(())
 }

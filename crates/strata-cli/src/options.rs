@@ -293,6 +293,10 @@ impl TrainSettings {
             if let Some(context) = dir.config.context().filter(|&c| self.ctx > c) {
                 bail!("--ctx {} is longer than the model folder's context of {context} positions", self.ctx);
             }
+            // A tokenizer the model cannot take is refused whatever the data.
+            if self.tokenizer.is_some() || dir.tokenizer.is_some() {
+                tokenizer(self.tokenizer.as_deref(), Some(dir))?;
+            }
             return Ok(dir.config.clone());
         }
         let (layers, heads, dim, ctx) = (self.layers, self.heads, self.dim, self.ctx);

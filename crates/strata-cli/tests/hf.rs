@@ -1,0 +1,302 @@
+//! Fine-tuning Hugging Face model folders end to end, against `transformers` itself
+//! (scripts/hf_reference.py, the project's `.venv`): a folder trains under a strategy
+//! (one process, fsdp, a pipeline), its validation loss equals `transformers`' on the folder
+//! Strata writes back, `strata eval` agrees, `strata generate` stops at the end token, and
+//! bad folders are refused in one line.
+mod common;
+
+use common::{assert_fails_with, stderr, strata};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn python() -> Option<PathBuf> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    let ok =
+        p.exists() && Command::new(&p).args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipping: {} with transformers is missing (run scripts/setup.sh)", p.display());
+    }
+    ok.then_some(p)
+}
+
+fn reference(py: &Path, args: &[&str]) -> String {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_reference.py");
+    let out = Command::new(py).arg(script).args(args).output().expect("python runs");
+    assert!(out.status.success(), "hf_reference.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// A random model folder of `family` and token files (ids below the tokenizer's 90 words)
+/// to train and validate on.
+fn setup(py: &Path, dir: &Path, family: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let folder = dir.join(family);
+    reference(py, &["make", "--family", family, "--out", s(&folder)]);
+    let mut x: u64 = 99;
+    let mut tokens = |n: usize| {
+        let ids: Vec<u32> = (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 33) % 90) as u32
+            })
+            .collect();
+        strata::data::TokenData::new(ids, "random")
+    };
+    let (train, val) = (dir.join("train.bin"), dir.join("val.bin"));
+    tokens(4000).write_u16_file(&train).unwrap();
+    tokens(1200).write_u16_file(&val).unwrap();
+    (folder, train, val)
+}
+
+const RUN: [&str; 16] = [
+    "--steps",
+    "4",
+    "--ctx",
+    "16",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "3",
+    "--eval-every",
+    "2",
+    "--lr",
+    "0.01",
+    "--threads",
+    "1",
+    "--schedule",
+    "constant",
+];
+
+/// The validation losses of a metrics file, by step.
+fn val_losses(metrics: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r.get("val_loss").is_some())
+        .map(|r| (r["step"].as_u64().unwrap(), r["val_loss"].as_f64().unwrap()))
+        .collect()
+}
+
+fn transformers_val_loss(py: &Path, folder: &Path, val: &Path) -> f64 {
+    let out = reference(
+        py,
+        &["val-loss", "--dir", s(folder), "--token-file", s(val), "--ctx", "16", "--batch-size", "4", "--batches", "3"],
+    );
+    serde_json::from_str::<serde_json::Value>(&out).unwrap()["val_loss"].as_f64().unwrap()
+}
+
+/// Fine-tunes `family`'s folder under each strategy: the last validation loss is
+/// `transformers`' on the written folder, and `strata eval` of that folder says the same.
+fn fine_tune(family: &str, runs: &[(&str, &[&str])]) {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, val) = setup(&py, dir.path(), family);
+    let untrained = transformers_val_loss(&py, &folder, &val);
+    for (name, extra) in runs {
+        let (saved, metrics) = (dir.path().join(format!("{name}-out")), dir.path().join(format!("{name}.jsonl")));
+        let files = [
+            "--model-dir",
+            s(&folder),
+            "--token-file",
+            s(&train),
+            "--val-token-file",
+            s(&val),
+            "--save-model-dir",
+            s(&saved),
+            "--metrics",
+            s(&metrics),
+        ];
+        let o = strata(&[&["train"][..], &RUN, &files, extra].concat());
+        assert!(o.status.success(), "{family} {name}:\n{}", stderr(&o));
+        let vals = val_losses(&metrics);
+        assert_eq!(vals.iter().map(|v| v.0).collect::<Vec<_>>(), vec![2, 4], "{family} {name}: validation steps");
+        let last = vals[1].1;
+        let theirs = transformers_val_loss(&py, &saved, &val);
+        assert!((last - theirs).abs() < 1e-5, "{family} {name}: validation loss {last}, transformers {theirs}");
+        assert!((last - untrained).abs() > 1e-3, "{family} {name}: training changed nothing ({last})");
+        let o = strata(&[
+            "eval",
+            "--model-dir",
+            s(&saved),
+            "--val-token-file",
+            s(&val),
+            "--ctx",
+            "16",
+            "--batch-size",
+            "4",
+            "--eval-batches",
+            "3",
+            "--json",
+        ]);
+        assert!(o.status.success(), "eval:\n{}", stderr(&o));
+        let eval: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let evaluated = eval["val_loss"].as_f64().unwrap();
+        assert!((evaluated - theirs).abs() < 1e-5, "{family} {name}: strata eval {evaluated}, transformers {theirs}");
+        assert_eq!(eval["tokens"].as_i64(), Some(3 * 4 * 16));
+    }
+}
+
+#[test]
+fn gpt2_fine_tunes_alone_and_sharded() {
+    fine_tune("gpt2", &[("one", &[]), ("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#])]);
+}
+
+#[test]
+fn qwen2_fine_tunes_in_a_pipeline() {
+    let pipeline = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
+    fine_tune("qwen2", &[("pp", &["--nproc", "2", "--accumulation", "2", "--strategy", pipeline])]);
+}
+
+/// Generation from the command line: text in, text out, and it ends at the folder's end
+/// token.
+#[test]
+fn generate_stops_at_the_end_token() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, ..) = setup(&py, dir.path(), "llama");
+    let run = |extra: &[&str]| {
+        let args =
+            [&["generate", "--model-dir", s(&folder), "--prompt", "w7 w31 w3", "--max-new-tokens", "12"][..], extra];
+        let o = strata(&args.concat());
+        assert!(o.status.success(), "generate {extra:?}:\n{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    let ids: serde_json::Value = serde_json::from_str(&run(&["--ids"])).unwrap();
+    assert_eq!(ids["prompt"], serde_json::json!([7, 31, 3]));
+    let new: Vec<i64> = ids["new"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+    // The folder's end token is 2; make the fourth token produced the end instead.
+    assert!(!new[..4].contains(&2), "the random model ends early: {new:?}");
+    let text = run(&[]);
+    assert!(text.starts_with("w7 w31 w3 "), "{text}");
+    assert_eq!(text.split_whitespace().count(), 3 + new.len(), "{text}");
+    let config_path = folder.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let end = new[3];
+    config["eos_token_id"] = serde_json::json!([end]);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let stopped: serde_json::Value = serde_json::from_str(&run(&["--ids"])).unwrap();
+    let first = new.iter().position(|&t| t == end).unwrap();
+    assert_eq!(stopped["new"], serde_json::json!(new[..=first]), "generation ends at the end token, which it keeps");
+}
+
+#[test]
+fn bad_folders_are_refused_in_one_line() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, _) = setup(&py, dir.path(), "llama");
+    let edit = |name: &str, change: &dyn Fn(&Path)| {
+        let copy = dir.path().join(name);
+        std::fs::create_dir_all(&copy).unwrap();
+        for entry in std::fs::read_dir(&folder).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+        }
+        change(&copy);
+        copy
+    };
+    let set_config = |key: &'static str, value: serde_json::Value| {
+        move |dir: &Path| {
+            let path = dir.join("config.json");
+            let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            c[key] = value.clone();
+            std::fs::write(&path, c.to_string()).unwrap();
+        }
+    };
+    let sharded = dir.path().join("sharded");
+    reference(&py, &["make", "--family", "qwen2", "--out", s(&sharded), "--shard-bytes", "20000"]);
+    std::fs::remove_file(sharded.join("model-00002-of-00005.safetensors")).unwrap();
+    let cases: Vec<(PathBuf, &str)> = vec![
+        (sharded, "missing shard model-00002-of-00005.safetensors"),
+        (
+            edit(
+                "scaled",
+                &set_config("rope_parameters", serde_json::json!({"rope_type": "llama3", "rope_theta": 1e4})),
+            ),
+            "rope_parameters type \"llama3\" is not supported",
+        ),
+        (edit("mlp-bias", &set_config("mlp_bias", serde_json::json!(true))), "mlp_bias = true is not supported"),
+        (edit("bert", &set_config("model_type", serde_json::json!("bert"))), "model_type \"bert\" is not a family"),
+        (edit("small-vocab", &set_config("vocab_size", serde_json::json!(64))), "the tokenizer has 90 tokens"),
+        (
+            edit("truncated", &|d: &Path| {
+                let path = d.join("model.safetensors");
+                let bytes = std::fs::read(&path).unwrap();
+                std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+            }),
+            "not a valid safetensors file",
+        ),
+    ];
+    for (bad, expected) in cases {
+        // The tokenizer only matters with text: validation text makes it load.
+        let text = dir.path().join("val.txt");
+        std::fs::write(&text, "w1 w2 w3 ".repeat(200)).unwrap();
+        let o = strata(&[
+            "train",
+            "--model-dir",
+            s(&bad),
+            "--token-file",
+            s(&train),
+            "--val-data",
+            s(&text),
+            "--ctx",
+            "16",
+            "--steps",
+            "1",
+        ]);
+        assert_fails_with(&o, expected);
+        assert_eq!(stderr(&o).trim().lines().count(), 1, "{expected}: {}", stderr(&o));
+    }
+    let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--layers", "3"]);
+    assert_fails_with(&o, "--layers is set by the model folder's config.json");
+    let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--ctx", "65"]);
+    assert_fails_with(&o, "--ctx 65 is longer than the model folder's context of 64");
+}
+
+/// A checkpoint of a built-in model records the model: `strata eval --resume` gives the
+/// run's last validation loss and `strata generate --resume` continues a prompt, no flags.
+#[test]
+fn checkpoints_evaluate_and_generate_without_model_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let val = dir.path().join("val.txt");
+    std::fs::write(&val, "to be or not to be, that is the question. ".repeat(40)).unwrap();
+    let (ckpt, metrics) = (dir.path().join("ckpt"), dir.path().join("m.jsonl"));
+    let model = ["--model", "llama", "--layers", "1", "--dim", "32", "--kv-heads", "2", "--ctx", "16"];
+    let files = ["--val-data", s(&val), "--save-checkpoint", s(&ckpt), "--metrics", s(&metrics), "--steps", "3"];
+    let o = strata(&[&["train"][..], &model, &files, &["--batch-size", "4", "--eval-batches", "2"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let trained = val_losses(&metrics);
+    assert_eq!(trained.len(), 1, "one validation, after the last step");
+    let o = strata(&["eval", "--resume", s(&ckpt), "--val-data", s(&val), "--ctx", "16", "--batch-size", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = String::from_utf8_lossy(&o.stdout).to_string();
+    // Without --eval-batches every whole batch: 1720 bytes hold 107 windows of 16 + 1, 26
+    // batches of 4; the run read the first 2.
+    assert!(line.contains("(1664 tokens in 26 batches)"), "{line}");
+    let o = strata(&[
+        "eval",
+        "--resume",
+        s(&ckpt),
+        "--val-data",
+        s(&val),
+        "--ctx",
+        "16",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "2",
+        "--json",
+    ]);
+    let eval: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let evaluated = eval["val_loss"].as_f64().unwrap();
+    assert!((evaluated - trained[0].1).abs() < 1e-6, "eval {evaluated}, the run's validation {}", trained[0].1);
+    let o = strata(&["generate", "--resume", s(&ckpt), "--prompt", "to be", "--max-new-tokens", "8", "--ids"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ids: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(ids["new"].as_array().unwrap().len(), 8);
+    let o = strata(&["generate", "--resume", s(&ckpt), "--prompt", "x", "--top-k", "5"]);
+    assert_fails_with(&o, "--top-k and --top-p shape sampling");
+}
