@@ -1,30 +1,16 @@
 //! Fine-tuning Hugging Face model folders end to end, against `transformers` itself
 //! (scripts/hf_reference.py, the project's `.venv`): a folder trains under a strategy
-//! (one process, fsdp, a pipeline), its validation loss equals `transformers`' on the folder
+//! (one process, fsdp, tensor parallel, a pipeline), its validation loss equals `transformers`' on the folder
 //! Strata writes back, `strata eval` agrees, `strata generate` stops at the end token, and
 //! bad folders are refused in one line.
 mod common;
 
+#[path = "../../strata/tests/common/hf_reference.rs"]
+mod hf_reference;
+
 use common::{assert_fails_with, stderr, strata};
+use hf_reference::{python, reference};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn python() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    let ok =
-        p.exists() && Command::new(&p).args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("skipping: {} with transformers is missing (run scripts/setup.sh)", p.display());
-    }
-    ok.then_some(p)
-}
-
-fn reference(py: &Path, args: &[&str]) -> String {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_reference.py");
-    let out = Command::new(py).arg(script).args(args).output().expect("python runs");
-    assert!(out.status.success(), "hf_reference.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -51,24 +37,11 @@ fn setup(py: &Path, dir: &Path, family: &str) -> (PathBuf, PathBuf, PathBuf) {
     (folder, train, val)
 }
 
-const RUN: [&str; 16] = [
-    "--steps",
-    "4",
-    "--ctx",
-    "16",
-    "--batch-size",
-    "4",
-    "--eval-batches",
-    "3",
-    "--eval-every",
-    "2",
-    "--lr",
-    "0.01",
-    "--threads",
-    "1",
-    "--schedule",
-    "constant",
-];
+/// The windows of training and validation: 3 batches of 4 rows of 16 positions.
+const WINDOWS: [&str; 6] = ["--ctx", "16", "--batch-size", "4", "--eval-batches", "3"];
+
+const RUN: [&str; 10] =
+    ["--steps", "4", "--eval-every", "2", "--lr", "0.01", "--threads", "1", "--schedule", "constant"];
 
 /// The validation losses of a metrics file, by step.
 fn val_losses(metrics: &Path) -> Vec<(u64, f64)> {
@@ -110,7 +83,7 @@ fn fine_tune(family: &str, runs: &[(&str, &[&str])]) {
             "--metrics",
             s(&metrics),
         ];
-        let o = strata(&[&["train"][..], &RUN, &files, extra].concat());
+        let o = strata(&[&["train"][..], &RUN, &WINDOWS, &files, extra].concat());
         assert!(o.status.success(), "{family} {name}:\n{}", stderr(&o));
         let vals = val_losses(&metrics);
         assert_eq!(vals.iter().map(|v| v.0).collect::<Vec<_>>(), vec![2, 4], "{family} {name}: validation steps");
@@ -118,20 +91,8 @@ fn fine_tune(family: &str, runs: &[(&str, &[&str])]) {
         let theirs = transformers_val_loss(&py, &saved, &val);
         assert!((last - theirs).abs() < 1e-5, "{family} {name}: validation loss {last}, transformers {theirs}");
         assert!((last - untrained).abs() > 1e-3, "{family} {name}: training changed nothing ({last})");
-        let o = strata(&[
-            "eval",
-            "--model-dir",
-            s(&saved),
-            "--val-token-file",
-            s(&val),
-            "--ctx",
-            "16",
-            "--batch-size",
-            "4",
-            "--eval-batches",
-            "3",
-            "--json",
-        ]);
+        let source = ["eval", "--model-dir", s(&saved), "--val-token-file", s(&val), "--json"];
+        let o = strata(&[&source[..], &WINDOWS].concat());
         assert!(o.status.success(), "eval:\n{}", stderr(&o));
         let eval: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let evaluated = eval["val_loss"].as_f64().unwrap();
@@ -141,8 +102,16 @@ fn fine_tune(family: &str, runs: &[(&str, &[&str])]) {
 }
 
 #[test]
-fn gpt2_fine_tunes_alone_and_sharded() {
-    fine_tune("gpt2", &[("one", &[]), ("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#])]);
+fn gpt2_fine_tunes_alone_sharded_and_split() {
+    let tensor = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
+    fine_tune(
+        "gpt2",
+        &[
+            ("one", &[]),
+            ("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]),
+            ("tensor", &["--nproc", "2", "--strategy", tensor]),
+        ],
+    );
 }
 
 #[test]

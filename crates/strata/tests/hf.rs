@@ -2,30 +2,16 @@
 //! project's `.venv`): tiny random GPT-2, LLaMA (grouped-query attention, tied embeddings)
 //! and Qwen2 (attention biases) models give the same logits in Strata, sharded folders
 //! load, folders written back load in `transformers`, and cached decoding equals uncached.
+#[path = "common/hf_reference.rs"]
+mod hf_reference;
+
+use hf_reference::{python, reference};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, GenerateConfig};
 use strata::io::{load_model_dir, save_weights, FolderOut, WeightsTarget};
 use strata::model::from_pretrained_dir;
 use tch::{Kind, Tensor};
-
-fn python() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    let ok =
-        p.exists() && Command::new(&p).args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("skipping: {} with transformers is missing (run scripts/setup.sh)", p.display());
-    }
-    ok.then_some(p)
-}
-
-fn reference(py: &Path, args: &[&str]) -> String {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_reference.py");
-    let out = Command::new(py).arg(script).args(args).output().expect("python runs");
-    assert!(out.status.success(), "hf_reference.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn make(py: &Path, family: &str, dir: &Path, shard_bytes: Option<&str>) {
     let mut args = vec!["make", "--family", family, "--out", dir.to_str().unwrap()];
