@@ -6,7 +6,7 @@
 mod hf_reference;
 
 use hf_reference::{python, reference};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, GenerateConfig};
 use strata::io::{load_model_dir, save_weights, FolderOut, WeightsTarget};
