@@ -12,6 +12,7 @@ mod bench_zero;
 mod infer;
 mod launch;
 mod options;
+mod run_io;
 mod train;
 mod train_pipeline;
 

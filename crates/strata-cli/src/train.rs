@@ -1,102 +1,24 @@
 //! `strata train`: build the model, load data and weights, run the steps, report.
-use crate::options::{DataChoice, StrategyChoice, TrainSettings};
+use crate::options::{StrategyChoice, TrainSettings};
+use crate::run_io::{
+    checkpoint_to_resume, data_position, load_data, load_initial_weights, load_validation, model_folder,
+    optimizer_name, validation_due,
+};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
 use std::sync::Arc;
 use strata::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
-use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
+use strata::checkpoint::{self, RunInfo};
 use strata::comm::{all_reduce_values, init_from_env, launched_world_size, RankInfo, ReduceOp};
-use strata::data::{validation_steps, BatchOffsets, DataLoader, LoaderConfig, Order, SyntheticCorpus, TokenData};
-use strata::engine::{Engine, EngineConfig, UnitClock};
-use strata::io::{FolderOut, WeightsTarget};
+use strata::data::{validation_steps, BatchOffsets, DataLoader, LoaderConfig, Order};
+use strata::engine::{EngineConfig, UnitClock};
+use strata::io::WeightsTarget;
 use strata::model::Builder;
-use strata::model::ModelConfig;
 use strata::optim::{Optimizer, OptimizerKind};
 use strata::parallel::{self, DataParallelOptions, Placement};
 use strata::train::{StepReport, Trainer};
 use tracing::info;
-
-/// Tokens to train on, and the best loss when it is known (the synthetic corpus).
-pub fn load_data(settings: &TrainSettings) -> Result<(TokenData, Option<f64>, usize)> {
-    load_tokens(settings, &settings.data)
-}
-
-/// The validation tokens, if the run has any.
-pub fn load_validation(settings: &TrainSettings) -> Result<Option<TokenData>> {
-    settings.val.as_ref().map(|v| load_tokens(settings, v).map(|(data, ..)| data)).transpose()
-}
-
-fn load_tokens(settings: &TrainSettings, choice: &DataChoice) -> Result<(TokenData, Option<f64>, usize)> {
-    Ok(match choice {
-        DataChoice::Synthetic => {
-            let corpus = SyntheticCorpus::default();
-            (corpus.generate(), Some(corpus.best_loss()), 256)
-        }
-        DataChoice::Text(path) => {
-            let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
-            let data = TokenData::from_text_file(path, &tokenizer)?;
-            (data, None, tokenizer.vocab_size())
-        }
-        DataChoice::TokenFile(path) => {
-            let data = TokenData::from_u16_file(path)?;
-            let vocab = data.vocab_needed() as usize;
-            (data, None, vocab)
-        }
-    })
-}
-
-/// Loads the run's initial weights into `engine`: --init-weights', or --model-dir's.
-pub fn load_initial_weights(settings: &TrainSettings, engine: &mut Engine) -> Result<()> {
-    if let Some(path) = &settings.init_weights {
-        strata::io::load_weights(engine, path)?;
-    }
-    if let Some(dir) = &settings.model_dir {
-        strata::io::load_model_dir(engine, dir)?;
-    }
-    Ok(())
-}
-
-/// The folder --save-model-dir writes: the model folder's family, special tokens and
-/// tokenizer files when the run started from one; the run's tokenizer where it gave one.
-pub fn model_folder(settings: &TrainSettings, model: &ModelConfig) -> Result<Option<FolderOut>> {
-    let Some(dir) = &settings.save_model_dir else { return Ok(None) };
-    let mut out = match &settings.model_dir {
-        Some(source) => FolderOut::like(dir, source),
-        None => FolderOut::new(dir, model.clone())?,
-    };
-    if let Some(t) = &settings.tokenizer {
-        out.tokenizer_files.retain(|(name, _)| name != "tokenizer.json");
-        out.tokenizer_files.push(("tokenizer.json".into(), t.clone()));
-    }
-    out.shard_bytes = settings.max_shard_size;
-    Ok(Some(out))
-}
-
-/// The optimizer's name as checkpoints record it.
-pub fn optimizer_name(settings: &TrainSettings) -> String {
-    format!("{:?}", settings.optimizer.kind).to_lowercase()
-}
-
-/// Where this run's data stands before step `next_step`, as checkpoints record it.
-pub fn data_position(settings: &TrainSettings, next_step: u64) -> DataPosition {
-    DataPosition { seed: settings.seed, batch_size: settings.batch_size, ctx: settings.ctx as usize, next_step }
-}
-
-/// The checkpoint `--resume` names, refused if it would not continue this run's data.
-pub fn checkpoint_to_resume(settings: &TrainSettings) -> Result<Option<Checkpoint>> {
-    let Some(path) = &settings.resume else { return Ok(None) };
-    let ckpt = Checkpoint::open(path)?;
-    let saved = &ckpt.meta.data;
-    let here = data_position(settings, saved.next_step);
-    if *saved != here {
-        bail!(
-            "{}: saved with seed {}, batch size {}, ctx {}; this run has seed {}, batch size {}, ctx {}: it would not continue the same run",
-            ckpt.location.display(), saved.seed, saved.batch_size, saved.ctx, here.seed, here.batch_size, here.ctx
-        );
-    }
-    Ok(Some(ckpt))
-}
 
 fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
@@ -107,11 +29,6 @@ fn human_bytes(b: u64) -> String {
         i += 1;
     }
     format!("{v:.1} {}", UNITS[i])
-}
-
-/// Whether a validation runs after step `step`: every --eval-every steps, and after the last.
-pub fn validation_due(settings: &TrainSettings, step: u64) -> bool {
-    step == settings.steps || settings.eval_every.is_some_and(|every| step.is_multiple_of(every))
 }
 
 /// Where the newest complete checkpoint of this run is, as a clause for a failed save.

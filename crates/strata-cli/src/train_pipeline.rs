@@ -49,10 +49,10 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         micro_batches: s.accumulation,
     })?;
     for engine in trainer.engines() {
-        crate::train::load_initial_weights(s, engine)?;
+        crate::run_io::load_initial_weights(s, engine)?;
     }
-    let optimizer_name = crate::train::optimizer_name(s);
-    if let Some(ckpt) = crate::train::checkpoint_to_resume(s)? {
+    let optimizer_name = crate::run_io::optimizer_name(s);
+    if let Some(ckpt) = crate::run_io::checkpoint_to_resume(s)? {
         trainer.restore(&ckpt, &optimizer_name)?;
         info!(step = ckpt.meta.step, from = %ckpt.location.display(), "resumed");
     }
@@ -69,7 +69,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
             world_size: world,
             strategy: r.strategy.to_value(),
             optimizer: optimizer_name.clone(),
-            data: crate::train::data_position(s, trainer.step()),
+            data: crate::run_io::data_position(s, trainer.step()),
             loss_scaler: None,
             model: Some(r.choice.clone()),
         };
@@ -108,7 +108,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         if !report.loss.is_finite() {
             bail!("loss became {} at step {}", report.loss, report.step);
         }
-        if let Some(steps) = val_steps.as_ref().filter(|_| crate::train::validation_due(s, report.step)) {
+        if let Some(steps) = val_steps.as_ref().filter(|_| crate::run_io::validation_due(s, report.step)) {
             report.set_validation(trainer.evaluate(steps)?);
         }
         if let Some(m) = metrics.as_mut() {
@@ -137,7 +137,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
             .save_weights(WeightsTarget::File(path), r.leader)
             .with_context(|| format!("saving the weights to {}", path.display()))?;
     }
-    if let Some(out) = crate::train::model_folder(s, r.choice)? {
+    if let Some(out) = crate::run_io::model_folder(s, r.choice)? {
         trainer
             .save_weights(WeightsTarget::Folder(&out), r.leader)
             .with_context(|| format!("saving the model folder {}", out.dir.display()))?;
