@@ -89,6 +89,7 @@ fn fine_tune(family: &str, runs: &[(&str, &[&str])]) {
         assert_eq!(vals.iter().map(|v| v.0).collect::<Vec<_>>(), vec![2, 4], "{family} {name}: validation steps");
         let last = vals[1].1;
         let theirs = transformers_val_loss(&py, &saved, &val);
+        eprintln!("{family} {name}: validation loss {last:.7}, transformers {theirs:.7}");
         assert!((last - theirs).abs() < 1e-5, "{family} {name}: validation loss {last}, transformers {theirs}");
         assert!((last - untrained).abs() > 1e-3, "{family} {name}: training changed nothing ({last})");
         let source = ["eval", "--model-dir", s(&saved), "--val-token-file", s(&val), "--json"];

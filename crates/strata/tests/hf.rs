@@ -61,6 +61,7 @@ fn logits_match(family: &str, shard_bytes: Option<&str>) {
     let theirs = transformers_logits(&py, &dir, work.path());
     let ours = strata_logits(&mut strata_engine(&dir));
     let g = gap(&theirs, &ours);
+    eprintln!("{family}: largest logit difference from transformers {g:.2e}");
     assert!(g < 1e-5, "{family}: logits differ from transformers' by {g}");
 }
 
@@ -106,6 +107,7 @@ fn folders_written_back_load_in_transformers() {
         assert!(written.tokenizer.is_some(), "the tokenizer is copied along");
         let theirs = transformers_logits(&py, &saved, work.path());
         let g = gap(&theirs, &ours);
+        eprintln!("{family} written back: largest logit difference from transformers {g:.2e}");
         assert!(g < 1e-5, "{family}: the written folder's logits differ by {g}");
         // Written again unsharded, the stale shards and index go.
         out.shard_bytes = u64::MAX;
