@@ -10,8 +10,8 @@ use strata::data::{DataLoader, LoaderConfig, Order, TokenData};
 use strata::engine::EngineConfig;
 use strata::io::WeightsTarget;
 use strata::model::ModelSpec;
-use strata::parallel::pipeline::{PipelineSetup, PipelineTrainer};
-use strata::strategy::Strategy;
+use strata::parallel::pipeline::{partition, PipelineSetup, PipelineTrainer};
+use strata::strategy::{Balance, Strategy};
 use tracing::info;
 
 /// What the pipeline run needs from `strata train`'s set-up.
@@ -36,9 +36,9 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         spec.freeze(&s.freeze)?;
         Ok(spec)
     };
-    let mut trainer = PipelineTrainer::new(PipelineSetup {
+    let setup = |split| PipelineSetup {
         spec: &make,
-        engine: r.engine,
+        engine: r.engine.clone(),
         strategy: r.strategy,
         comm: r.comm,
         local_world_size: r.local_world_size,
@@ -47,7 +47,32 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         schedule: s.schedule.clone(),
         grad_clip: s.grad_clip,
         micro_batches: s.accumulation,
-    })?;
+        split,
+    };
+    let (rank, world) = r.comm.map_or((0, 1), |c| (c.rank(), c.size()));
+    let (data_rank, data_world) = strata::parallel::batch_shard(&r.strategy.parallel_mode(), rank, world)?;
+    let loader_config = LoaderConfig {
+        accumulation: s.accumulation,
+        rank: data_rank,
+        world: data_world,
+        seed: s.seed,
+        device: s.device,
+        ..LoaderConfig::new(s.ctx as usize, s.batch_size)
+    };
+    let mut trainer = PipelineTrainer::new(setup(None))?;
+    let config = r.strategy.pipeline_parallel().unwrap_or_default();
+    if config.stages.is_none() && config.balance == Balance::Measured {
+        // The first global batch, the same on every run of this data, times the units.
+        let first = strata::data::validation_steps(&r.data, &loader_config, Some(1), 1)?;
+        let (before, stages) = (trainer.ranges().to_vec(), trainer.ranges().len());
+        let costs = trainer.measure_units(&first[0])?;
+        let split = partition::balance(&costs, stages, r.engine.device_budget)?;
+        if r.leader {
+            let seconds: Vec<String> = costs.iter().map(|c| format!("{:.1}", c.seconds * 1e3)).collect();
+            info!(by_parameters = ?before, measured = ?split, unit_ms = seconds.join(" "), "balanced the stages");
+        }
+        trainer = PipelineTrainer::new(setup(Some(split)))?;
+    }
     for engine in trainer.engines() {
         crate::run_io::load_initial_weights(s, engine)?;
     }
@@ -61,7 +86,6 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         bail!("the checkpoint is at step {start}, past --steps {}", s.steps);
     }
     let world_group = r.comm.map(|c| c.world()).transpose()?;
-    let (rank, world) = r.comm.map_or((0, 1), |c| (c.rank(), c.size()));
     let save_checkpoint = |trainer: &mut PipelineTrainer| -> Result<()> {
         let Some(root) = &s.save_checkpoint else { return Ok(()) };
         let run = RunInfo {
@@ -81,16 +105,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         }
         Ok(())
     };
-    let (data_rank, data_world) = strata::parallel::batch_shard(&r.strategy.parallel_mode(), rank, world)?;
-    let config = LoaderConfig {
-        accumulation: s.accumulation,
-        rank: data_rank,
-        world: data_world,
-        seed: s.seed,
-        device: s.device,
-        start_step: start as usize,
-        ..LoaderConfig::new(s.ctx as usize, s.batch_size)
-    };
+    let config = LoaderConfig { start_step: start as usize, ..loader_config };
     let val_steps =
         r.val.as_ref().map(|v| strata::data::validation_steps(v, &config, s.eval_batches, 8)).transpose()?;
     let loader = DataLoader::new(r.data, config, r.order)?;

@@ -73,6 +73,12 @@ fn pipelines_match_one_process() {
     }
     // Recomputation per micro-batch, under the split backward too.
     let one = train(dir.path(), "one", &GPT, &[]);
+    // Stages balanced by parameter count instead of measured time.
+    let by_params =
+        r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}]]"#;
+    let run = train(dir.path(), "pp", &GPT, &["--nproc", "2", "--strategy", by_params]);
+    let gap = global_gap(&one.0, &run.0);
+    assert!(gap < 1e-5, "stages balanced by parameters: weights differ by {gap:e}");
     let strategy = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "zero_bubble"}], ["checkpoint", ["GptBlock"]]]"#;
     let run = train(dir.path(), "pp", &GPT, &["--nproc", "2", "--strategy", strategy]);
     let gap = global_gap(&one.0, &run.0);

@@ -80,6 +80,7 @@ pub struct MixedConfig {
     pub schedule: ScheduleKind,
     pub virtual_stages: usize,
     pub stages: Option<Vec<(usize, usize)>>,
+    pub balance: Balance,
     pub sequence_parallel: bool,
 }
 
@@ -90,9 +91,22 @@ impl Default for MixedConfig {
             schedule: p.schedule,
             virtual_stages: p.virtual_stages,
             stages: p.stages,
+            balance: p.balance,
             sequence_parallel: false,
         }
     }
+}
+
+/// How stages are balanced where no split is given by hand.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Balance {
+    /// From each unit's forward and backward seconds, measured on the first global batch
+    /// before training, within the device budget (`--device-memory`) per stage.
+    #[default]
+    Measured,
+    /// From each unit's parameter count.
+    Parameters,
 }
 
 /// Which schedule runs the micro-batches.
@@ -121,14 +135,19 @@ pub struct PipelineConfig {
     pub schedule: ScheduleKind,
     /// Chunks per rank (the interleaved schedule's; 1 otherwise).
     pub virtual_stages: usize,
-    /// The stages' unit ranges `[start, end)` by hand; `None`: balanced by the units'
-    /// parameter counts.
+    /// The stages' unit ranges `[start, end)` by hand; `None`: balanced as `balance` says.
     pub stages: Option<Vec<(usize, usize)>>,
+    pub balance: Balance,
 }
 
 impl Default for PipelineConfig {
     fn default() -> Self {
-        PipelineConfig { schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1, stages: None }
+        PipelineConfig {
+            schedule: ScheduleKind::OneForwardOneBackward,
+            virtual_stages: 1,
+            stages: None,
+            balance: Balance::Measured,
+        }
     }
 }
 
@@ -555,6 +574,7 @@ impl Strategy {
                 schedule: c.schedule,
                 virtual_stages: c.virtual_stages,
                 stages: c.stages.clone(),
+                balance: c.balance,
             }),
             _ => None,
         })

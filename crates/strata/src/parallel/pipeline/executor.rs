@@ -6,7 +6,7 @@ use super::schedule::{schedule, Op, Pipeline, ScheduleKind};
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp, Work};
 use crate::compute::deferred::{self, WeightGrads};
 use crate::data::Step;
-use crate::engine::{Engine, EngineConfig, Upstream};
+use crate::engine::{Engine, EngineConfig, UnitClock, Upstream};
 use crate::model::{ModelSpec, ParamId};
 use crate::optim::{clip_coefficient, Optimizer, OptimizerConfig, Schedule};
 use crate::strategy::Strategy;
@@ -118,7 +118,8 @@ pub struct PipelineTrainer {
     ranges: Vec<(usize, usize)>,
     /// Every stage of this pipeline: losses and norms are summed over it.
     stages_group: Option<Arc<dyn ProcessGroup>>,
-    /// Every rank, where several pipelines (data replicas) run: losses are averaged over it.
+    /// Every rank, where several pipelines run (data replicas, tensor ranks): losses are
+    /// averaged over it, measurements agreed.
     world_group: Option<Arc<dyn ProcessGroup>>,
     pub schedule: Schedule,
     pub grad_clip: Option<f64>,
@@ -142,6 +143,20 @@ pub struct PipelineSetup<'a> {
     pub grad_clip: Option<f64>,
     /// Micro-batches per step.
     pub micro_batches: usize,
+    /// The stages' unit ranges where the caller decided them (a balance of
+    /// [`PipelineTrainer::measure_units`]' costs by [`partition::balance`]); `None`: the
+    /// strategy's hand split, or a balance by parameter count.
+    pub split: Option<Vec<(usize, usize)>>,
+}
+
+/// What running a step's operations measured.
+struct OpsOutcome {
+    loss_sum: f64,
+    /// Seconds in compute operations, and the schedule's whole span.
+    busy: f64,
+    span: f64,
+    /// The most micro-batches whose forward records were held at once.
+    most_held: u64,
 }
 
 /// The stages' unit ranges: the strategy's, or balanced by parameter count.
@@ -203,7 +218,10 @@ impl PipelineTrainer {
         }
         let whole = (setup.spec)()?;
         let total = p * v;
-        let ranges = stage_ranges(&whole, total, config.stages.as_deref())?;
+        let ranges = match &setup.split {
+            Some(split) => partition::check(split, whole.units.len(), total)?,
+            None => stage_ranges(&whole, total, config.stages.as_deref())?,
+        };
         // Tied parameters: the stages that read each.
         let stage_of = |unit: usize| ranges.iter().position(|&(a, b)| (a..b).contains(&unit)).unwrap_or(0);
         let mut readers: HashMap<ParamId, Vec<usize>> = HashMap::new();
@@ -296,7 +314,7 @@ impl PipelineTrainer {
                     stages_group = Some(Arc::<dyn ProcessGroup>::from(g));
                 }
             }
-            if replicas > 1 {
+            if pipelines.len() > 1 {
                 world_group = Some(Arc::<dyn ProcessGroup>::from(comm.world()?));
             }
         }
@@ -346,8 +364,29 @@ impl PipelineTrainer {
         self.pipeline.total_stages() - 1
     }
 
+    /// The stages' unit ranges `[start, end)`, in stage order.
+    pub fn ranges(&self) -> &[(usize, usize)] {
+        &self.ranges
+    }
+
     /// One optimizer step over `step`'s micro-batches, as the schedule orders them.
     pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
+        let start = Instant::now();
+        let factor = self.schedule.factor(self.step);
+        for c in &mut self.chunks {
+            c.optimizer.set_lr_factor(factor);
+        }
+        crate::engine::memory::reset_allocator_peak(self.chunks[0].engine.config().device);
+        let outcome = self.run_ops(step)?;
+        for c in &mut self.chunks {
+            c.engine.finish_grads()?;
+        }
+        self.update(step, outcome, start)
+    }
+
+    /// Runs this rank's operations on `step`'s micro-batches: forwards and backwards, their
+    /// sends and receives; gradients accumulate, nothing is updated.
+    fn run_ops(&mut self, step: &Step) -> Result<OpsOutcome> {
         let start = Instant::now();
         let m = step.micro_batches.len();
         if m != self.pipeline.micro_batches {
@@ -355,10 +394,6 @@ impl PipelineTrainer {
                 "pipeline: a step of {m} micro-batches, the schedule runs {}",
                 self.pipeline.micro_batches
             )));
-        }
-        let factor = self.schedule.factor(self.step);
-        for c in &mut self.chunks {
-            c.optimizer.set_lr_factor(factor);
         }
         let ops = self.ops.clone();
         let device = self.chunks[0].engine.config().device;
@@ -368,7 +403,6 @@ impl PipelineTrainer {
         let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut sending: Vec<Work> = Vec::new();
         let mut loss_sum = 0.0;
-        crate::engine::memory::reset_allocator_peak(device);
         // Busy seconds in compute operations, and forward records held (now and at most).
         let (mut busy, mut held, mut most_held) = (0.0, 0u64, 0u64);
         let missing = |what: &str, micro: usize, chunk: usize| {
@@ -448,11 +482,59 @@ impl PipelineTrainer {
         for w in sending {
             w.wait()?;
         }
-        // The schedule's span: the bubble is the share of it outside compute operations.
-        let schedule_seconds = start.elapsed().as_secs_f64();
-        for c in &mut self.chunks {
-            c.engine.finish_grads()?;
+        Ok(OpsOutcome { loss_sum, busy, span: start.elapsed().as_secs_f64(), most_held })
+    }
+
+    /// Each unit's forward and backward seconds over `step`'s micro-batches, timed after a
+    /// warm-up pass (the same on every rank: the slowest replica's) and the bytes of its model states as one rank of
+    /// its tensor group holds them unsharded. The step's gradients are discarded and nothing
+    /// is updated; the trainer is used up, as its engines now report to a clock.
+    pub fn measure_units(mut self, step: &Step) -> Result<Vec<UnitCost>> {
+        let clocks: Vec<Arc<UnitClock>> = self.chunks.iter().map(|_| Arc::new(UnitClock::default())).collect();
+        for (c, clock) in self.chunks.iter_mut().zip(&clocks) {
+            c.engine.set_event_sink(clock.clone());
         }
+        // The first pass pays one-time costs (allocations, lazy initialisation): the second
+        // is timed.
+        for _ in 0..2 {
+            for clock in &clocks {
+                clock.take();
+            }
+            self.run_ops(step)?;
+            for c in &mut self.chunks {
+                c.engine.finish_grads()?;
+                c.engine.end_step()?;
+                c.engine.zero_grad()?;
+            }
+        }
+        let units = self.layout.unit_numel.len();
+        let mut seconds = vec![0.0; units];
+        let mut bytes = vec![0.0; units];
+        for (c, clock) in self.chunks.iter_mut().zip(&clocks) {
+            let first = self.ranges[c.stage].0;
+            for t in clock.take() {
+                seconds[first + t.unit] += t.forward_s + t.backward_s;
+            }
+            // Parameters and gradients, and each optimizer state, in the master dtype.
+            let per_element = c.engine.master_kind().elt_size_in_bytes() * (2 + c.optimizer.state_names().len());
+            for (k, s) in c.engine.storage().iter().enumerate() {
+                bytes[first + k] = (s.numel as usize * per_element) as f64;
+            }
+        }
+        // Each stage measured its own units: summed over the pipeline, the slowest replica's.
+        let whole = self.sum(&[seconds, bytes].concat())?;
+        let agreed = match &self.world_group {
+            Some(g) => all_reduce_values(g.as_ref(), &whole, ReduceOp::Max)?,
+            None => whole,
+        };
+        Ok((0..units).map(|k| UnitCost { seconds: agreed[k], bytes: agreed[units + k] as u64 }).collect())
+    }
+
+    /// The optimizer step after a step's operations: ties, clipping, update, report.
+    fn update(&mut self, step: &Step, outcome: OpsOutcome, start: Instant) -> Result<StepReport> {
+        let OpsOutcome { loss_sum, busy, span: schedule_seconds, most_held } = outcome;
+        let m = step.micro_batches.len();
+        let device = self.chunks[0].engine.config().device;
         self.sum_ties()?;
         let mut grad_norm = None;
         if let Some(max) = self.grad_clip {
