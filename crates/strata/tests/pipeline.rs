@@ -1,10 +1,14 @@
-//! A pipeline's unit measurement, in one process (one stage): every unit is timed, and
-//! its model-state bytes are those its buffers hold, so a balance over them is a balance
-//! of what the stages really carry.
+//! Pipelines in the library: the unit measurement, in one process (one stage), where every
+//! unit is timed and weighed by the model-state bytes its buffers hold; and fsdp beside a
+//! pipeline, on 4 ranks, gathering each unit once per step however many micro-batches run.
+mod common;
+
+use common::ranks::{assert_all_ok, connect, run_ranks};
 use std::sync::Arc;
 use strata::data::{validation_steps, LoaderConfig, TokenData};
 use strata::engine::EngineConfig;
-use strata::model::{GptConfig, ModelConfig};
+use strata::engine::{Event, EventLog};
+use strata::model::{GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{OptimizerConfig, Schedule};
 use strata::parallel::pipeline::{partition, PipelineSetup, PipelineTrainer};
 use strata::parallel::DataParallelOptions;
@@ -46,4 +50,68 @@ fn measured_units_are_timed_and_weighed_by_their_buffers() {
     let total: u64 = costs.iter().map(|c| c.bytes).sum();
     assert!(partition::balance(&costs, 2, Some(costs[0].bytes - 1)).is_err());
     assert_eq!(partition::balance(&costs, 2, Some(total)).unwrap().len(), 2);
+}
+
+/// 2 stages × 2 fsdp shards; 4 micro-batches per step under 1F1B.
+#[test]
+fn fsdp_in_a_pipeline_gathers_each_unit_once_per_step() {
+    assert_all_ok(&run_ranks(4, "shm", "pipeline-fsdp"));
+}
+
+#[test]
+fn rank_entry() {
+    let Ok(scenario) = std::env::var("STRATA_TEST_SCENARIO") else { return };
+    assert_eq!(scenario, "pipeline-fsdp");
+    let comm = connect();
+    let model = ModelConfig::Llama(LlamaConfig::new(64, 16, 4, 2, 32));
+    let spec = || model.spec();
+    let strategy =
+        Strategy::parse(r#"[["parallel_mode", [[["pipeline", 2], ["data", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}], "fsdp"]"#)
+            .unwrap();
+    let micro_batches = 4;
+    let setup = PipelineSetup {
+        spec: &spec,
+        engine: EngineConfig::default(),
+        strategy: &strategy,
+        comm: Some(&comm),
+        local_world_size: 4,
+        data_parallel: DataParallelOptions::default(),
+        optimizer: OptimizerConfig::default(),
+        schedule: Schedule::Constant,
+        grad_clip: None,
+        micro_batches,
+        split: None,
+    };
+    let mut trainer = PipelineTrainer::new(setup).unwrap();
+    let logs: Vec<Arc<EventLog>> = trainer
+        .engines()
+        .map(|e| {
+            let log = Arc::new(EventLog::default());
+            e.set_event_sink(log.clone());
+            log
+        })
+        .collect();
+    let data = Arc::new(TokenData::new((0..4000).map(|i| (i * 13 % 64) as u32).collect(), "tokens"));
+    // The replica group's rank: the data dimension is the second.
+    let config =
+        LoaderConfig { accumulation: micro_batches, rank: comm.rank() / 2, world: 2, ..LoaderConfig::new(16, 8) };
+    let steps = validation_steps(&data, &config, Some(2), 2).unwrap();
+    for step in &steps {
+        trainer.train_step(step).unwrap();
+        for log in &logs {
+            let events = log.take();
+            let units: std::collections::BTreeSet<usize> = events
+                .iter()
+                .filter_map(|e| if let Event::Phase { unit, .. } = e { Some(*unit) } else { None })
+                .collect();
+            for &u in &units {
+                let gathers = events.iter().filter(|e| **e == Event::GatherStarted { unit: u }).count();
+                let freed = events.iter().filter(|e| **e == Event::ParamsFreed { unit: u }).count();
+                // Gathered for the first forward, freed after the backward that completes
+                // the step's gradients: not once per micro-batch.
+                assert_eq!((gathers, freed), (1, 1), "unit {u} of this stage over {micro_batches} micro-batches");
+            }
+        }
+    }
+    println!("RANK-OK");
 }

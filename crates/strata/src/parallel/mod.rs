@@ -168,6 +168,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     let options = ZeroOptions {
         stage,
         reshard_after_forward,
+        keep_gathered_in_step: at.stage,
         backward_prefetch: shard.backward_prefetch,
         forward_prefetch: shard.forward_prefetch,
         limit_all_gathers: shard.limit_all_gathers,

@@ -34,6 +34,11 @@ pub struct ZeroOptions {
     pub stage: Stage,
     /// Free a unit's gathered parameters after its forward (stage 3).
     pub reshard_after_forward: bool,
+    /// Keep gathered parameters through a step's micro-batches, freeing them only in the
+    /// backward that completes the step's gradients (stage 3 in a pipeline, where the
+    /// micro-batches' forwards and backwards interleave: one gather per unit and step, not
+    /// one per micro-batch).
+    pub keep_gathered_in_step: bool,
     pub backward_prefetch: Option<BackwardPrefetch>,
     pub forward_prefetch: bool,
     /// At most one gather runs ahead of the unit being computed; without it, two.
@@ -491,7 +496,8 @@ impl UnitSchedule for Zero {
                 }
             }
             Phase::AfterForward => {
-                if stage3 && self.options.reshard_after_forward && k != last {
+                let keep_all = self.options.keep_gathered_in_step;
+                if stage3 && self.options.reshard_after_forward && !keep_all && k != last {
                     let keep = self.needs[k + 1].clone();
                     self.free_params(&needs, &keep, storage, ledger)?;
                 }
@@ -527,7 +533,9 @@ impl UnitSchedule for Zero {
                         }
                     }
                 }
-                if stage3 {
+                // An earlier micro-batch's backward: later ones still need the parameters.
+                let held_for_step = self.options.keep_gathered_in_step && !ctx.sync_grads;
+                if stage3 && !held_for_step {
                     if k == 0 {
                         self.free_all_params(storage, ledger)?;
                     } else {
