@@ -94,7 +94,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
             strategy: r.strategy.to_value(),
             optimizer: optimizer_name.clone(),
             data: crate::run_io::data_position(s, trainer.step()),
-            loss_scaler: None,
+            loss_scaler: trainer.scaling.scaler.clone(),
             model: Some(r.choice.clone()),
         };
         let dir = trainer

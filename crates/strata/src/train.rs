@@ -152,6 +152,48 @@ pub struct GradScaling {
     pub skip_if_nonfinite: bool,
 }
 
+/// What a step's gradients get before the update.
+pub(crate) struct GradDecision {
+    /// Multiplies the gradients: unscaling and clipping together.
+    pub factor: f64,
+    /// The global norm before clipping, where clipping is on.
+    pub grad_norm: Option<f64>,
+    /// The gradients were not finite and the scaling says to skip the update.
+    pub skipped: bool,
+}
+
+impl GradScaling {
+    /// The loss scale of the coming step (1 without a scaler).
+    pub fn scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, |s| s.scale)
+    }
+
+    /// Unscales, checks and clips gradients computed from a loss scaled by `scale`, from
+    /// their global squared norm (`sq_norm`, computed only where needed), and moves the
+    /// scaler on.
+    pub(crate) fn decide(
+        &mut self,
+        grad_clip: Option<f64>,
+        scale: f64,
+        sq_norm: impl FnOnce() -> Result<f64>,
+    ) -> Result<GradDecision> {
+        let check = self.skip_if_nonfinite || self.scaler.as_ref().is_some_and(LossScaler::is_dynamic);
+        let mut decision = GradDecision { factor: 1.0, grad_norm: None, skipped: false };
+        if check || scale != 1.0 || grad_clip.is_some() {
+            let norm = sq_norm()?.sqrt() / scale;
+            decision.skipped = check && !norm.is_finite();
+            if !decision.skipped {
+                decision.factor = grad_clip.map_or(1.0, |max| clip_coefficient(max, norm)) / scale;
+                decision.grad_norm = grad_clip.map(|_| norm);
+            }
+        }
+        if let Some(s) = &mut self.scaler {
+            s.update(decision.skipped);
+        }
+        Ok(decision)
+    }
+}
+
 impl Trainer {
     pub fn new(engine: Engine, optimizer: Optimizer, schedule: Schedule, grad_clip: Option<f64>) -> Trainer {
         Trainer {
@@ -192,7 +234,7 @@ impl Trainer {
         let device = self.engine.config().device;
         memory::reset_allocator_peak(device);
         let factor = self.schedule.factor(self.step);
-        let scale = self.scaling.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let scale = self.scaling.scale();
         self.optimizer.set_lr_factor(factor);
         let n = step.micro_batches.len() as f64;
         let mut loss_sum = 0.0;
@@ -209,22 +251,11 @@ impl Trainer {
             tokens += batch.targets.numel() as u64;
         }
         self.engine.finish_grads()?;
-        let check = self.scaling.skip_if_nonfinite || self.scaling.scaler.as_ref().is_some_and(LossScaler::is_dynamic);
-        let mut grad_norm = None;
-        let mut skipped = false;
-        if check || scale != 1.0 || self.grad_clip.is_some() {
-            let norm = self.engine.grad_sq_sum(&self.optimizer.grad_sq_per_unit()?)?.sqrt() / scale;
-            skipped = check && !norm.is_finite();
-            if !skipped {
-                let clip = self.grad_clip.map_or(1.0, |max| clip_coefficient(max, norm));
-                if clip / scale != 1.0 {
-                    self.optimizer.scale_grads(clip / scale)?;
-                }
-                grad_norm = self.grad_clip.map(|_| norm);
-            }
-        }
-        if let Some(s) = &mut self.scaling.scaler {
-            s.update(skipped);
+        let (engine, optimizer) = (&self.engine, &self.optimizer);
+        let GradDecision { factor, grad_norm, skipped } =
+            self.scaling.decide(self.grad_clip, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
+        if factor != 1.0 {
+            self.optimizer.scale_grads(factor)?;
         }
         if !skipped {
             self.optimizer.step()?;

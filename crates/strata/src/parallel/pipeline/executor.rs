@@ -8,9 +8,12 @@ use crate::compute::deferred::{self, WeightGrads};
 use crate::data::Step;
 use crate::engine::{Engine, EngineConfig, UnitClock, Upstream};
 use crate::model::{ModelSpec, ParamId};
-use crate::optim::{clip_coefficient, Optimizer, OptimizerConfig, Schedule};
+use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::strategy::Strategy;
-use crate::train::{next_token_loss, next_token_loss_of, token_input, InputFn, LossFn, PipelineFigures, StepReport};
+use crate::train::{
+    next_token_loss, next_token_loss_of, token_input, GradDecision, GradScaling, InputFn, LossFn, PipelineFigures,
+    StepReport,
+};
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::collections::HashSet;
@@ -123,6 +126,9 @@ pub struct PipelineTrainer {
     world_group: Option<Arc<dyn ProcessGroup>>,
     pub schedule: Schedule,
     pub grad_clip: Option<f64>,
+    /// The loss scale and the check of gradients before the update (`amp_native`,
+    /// `loss_scaler`), decided from the gradients of every stage together.
+    pub scaling: GradScaling,
     pub prepare_input: InputFn,
     pub loss_func: LossFn,
     step: u64,
@@ -186,9 +192,6 @@ impl PipelineTrainer {
         let mode = setup.strategy.parallel_mode();
         let p = mode.size("pipeline", world)?;
         let replicas = world / (p * mode.size("tensor", world)?);
-        if setup.strategy.grad_scaling()?.scaler.is_some() {
-            return Err(Error::Config("pipeline_parallel: loss scaling beside a pipeline is not available yet".into()));
-        }
         if config.schedule == ScheduleKind::ZeroBubble && replicas > 1 {
             return Err(Error::Config(
                 "pipeline_parallel: the zero-bubble schedule completes weight gradients after the data-parallel reduction would start; data and zero dimensions beside it are not available yet".into(),
@@ -349,6 +352,7 @@ impl PipelineTrainer {
             world_group,
             schedule: setup.schedule,
             grad_clip: setup.grad_clip,
+            scaling: setup.strategy.grad_scaling()?,
             prepare_input: token_input(),
             loss_func,
             step: 0,
@@ -403,6 +407,7 @@ impl PipelineTrainer {
         let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut sending: Vec<Work> = Vec::new();
         let mut loss_sum = 0.0;
+        let scale = self.scaling.scale();
         // Busy seconds in compute operations, and forward records held (now and at most).
         let (mut busy, mut held, mut most_held) = (0.0, 0u64, 0u64);
         let missing = |what: &str, micro: usize, chunk: usize| {
@@ -429,10 +434,11 @@ impl PipelineTrainer {
                     };
                     let out = self.in_chunk(chunk, micro, |engine| engine.forward_micro(micro, &input))?;
                     let kept = if stage == last {
-                        // The mean over the step's micro-batches, as one process averages it.
+                        // The mean over the step's micro-batches, as one process averages it,
+                        // times the loss scale.
                         let loss = (self.loss_func)(&out, batch)?;
                         loss_sum += loss.f_double_value(&[])?;
-                        loss.f_div_scalar(m as f64)?
+                        loss.f_mul_scalar(scale / m as f64)?
                     } else {
                         out
                     };
@@ -536,24 +542,28 @@ impl PipelineTrainer {
         let m = step.micro_batches.len();
         let device = self.chunks[0].engine.config().device;
         self.sum_ties()?;
-        let mut grad_norm = None;
-        if let Some(max) = self.grad_clip {
+        let scale = self.scaling.scale();
+        let (chunks, stages_group) = (&self.chunks, &self.stages_group);
+        // The norm spans every stage: each rank's chunks, summed over the pipeline.
+        let sq_norm = || -> Result<f64> {
             let mut local = 0.0;
-            for c in &self.chunks {
+            for c in chunks {
                 local += c.engine.grad_sq_sum(&c.optimizer.grad_sq_per_unit()?)?;
             }
-            let norm = self.sum(&[local])?[0].sqrt();
-            let clip = clip_coefficient(max, norm);
-            if clip != 1.0 {
-                for c in &mut self.chunks {
-                    c.optimizer.scale_grads(clip)?;
-                }
-            }
-            grad_norm = Some(norm);
-        }
+            Ok(match stages_group {
+                Some(g) => all_reduce_values(g.as_ref(), &[local], ReduceOp::Sum)?[0],
+                None => local,
+            })
+        };
+        let GradDecision { factor, grad_norm, skipped } = self.scaling.decide(self.grad_clip, scale, sq_norm)?;
         for c in &mut self.chunks {
-            c.optimizer.step()?;
-            c.engine.after_update()?;
+            if factor != 1.0 {
+                c.optimizer.scale_grads(factor)?;
+            }
+            if !skipped {
+                c.optimizer.step()?;
+                c.engine.after_update()?;
+            }
             c.engine.end_step()?;
             c.engine.zero_grad()?;
         }
@@ -590,8 +600,8 @@ impl PipelineTrainer {
             seconds,
             tokens_per_s: tokens as f64 / seconds.max(1e-12),
             peak_bytes: ledger.peak_total(),
-            loss_scale: None,
-            skipped: false,
+            loss_scale: self.scaling.scaler.as_ref().map(|_| scale),
+            skipped,
             allocator_peak_bytes: crate::engine::memory::allocator_peak(device),
             model_state_peak_bytes: ledger.model_state_peak(),
             memory: ledger.report(),
@@ -712,6 +722,9 @@ impl PipelineTrainer {
         let layout = self.layout.clone();
         checkpoint.restore_parts(&layout, &mut self.parts(), optimizer_name)?;
         self.step = checkpoint.meta.step;
+        if let (Some(saved), Some(scaler)) = (&checkpoint.meta.loss_scaler, &mut self.scaling.scaler) {
+            *scaler = saved.clone();
+        }
         Ok(())
     }
 
