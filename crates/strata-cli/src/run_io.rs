@@ -8,6 +8,7 @@ use strata::data::{SyntheticCorpus, TokenData};
 use strata::engine::Engine;
 use strata::io::FolderOut;
 use strata::model::ModelConfig;
+use strata::train::StepReport;
 
 /// Tokens to train on, and the best loss when it is known (the synthetic corpus).
 pub fn load_data(settings: &TrainSettings) -> Result<(TokenData, Option<f64>, usize)> {
@@ -88,6 +89,25 @@ pub fn checkpoint_to_resume(settings: &TrainSettings) -> Result<Option<Checkpoin
         );
     }
     Ok(Some(ckpt))
+}
+
+/// Whether a checkpoint is saved after step `step` on the way (the last step's always is).
+pub fn checkpoint_due(settings: &TrainSettings, step: u64) -> bool {
+    step < settings.steps && settings.checkpoint_every.is_some_and(|every| step.is_multiple_of(every))
+}
+
+/// The progress line of a step, every --log-every steps.
+pub fn log_progress(settings: &TrainSettings, report: &StepReport) {
+    if report.step.is_multiple_of(settings.log_every) {
+        tracing::info!(
+            step = report.step,
+            loss = report.loss,
+            val_loss = report.val_loss,
+            lr = report.lr,
+            tokens_per_s = report.tokens_per_s as u64,
+            "progress"
+        );
+    }
 }
 
 /// Whether a validation runs after step `step`: every --eval-every steps, and after the last.

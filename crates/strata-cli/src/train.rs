@@ -1,8 +1,8 @@
 //! `strata train`: build the model, load data and weights, run the steps, report.
 use crate::options::{StrategyChoice, TrainSettings};
 use crate::run_io::{
-    checkpoint_to_resume, data_position, load_data, load_initial_weights, load_validation, model_folder,
-    optimizer_name, validation_due,
+    checkpoint_due, checkpoint_to_resume, data_position, load_data, load_initial_weights, load_validation,
+    log_progress, model_folder, optimizer_name, validation_due,
 };
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -331,20 +331,10 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             human_bytes(report.peak_bytes)
         ));
         bar.inc(1);
-        if leader && report.step % settings.log_every == 0 {
-            bar.suspend(|| {
-                info!(
-                    step = report.step,
-                    loss = report.loss,
-                    val_loss = report.val_loss,
-                    lr = report.lr,
-                    tokens_per_s = report.tokens_per_s as u64,
-                    "progress"
-                )
-            });
+        if leader {
+            bar.suspend(|| log_progress(&settings, &report));
         }
-        let due = settings.checkpoint_every.is_some_and(|every| report.step % every == 0);
-        if due && report.step < settings.steps {
+        if checkpoint_due(&settings, report.step) {
             bar.suspend(|| save_checkpoint(&mut trainer))?;
         }
         last = Some(report);

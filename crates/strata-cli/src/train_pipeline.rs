@@ -131,17 +131,10 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
             writeln!(m)?;
             m.flush()?;
         }
-        if r.leader && report.step % s.log_every == 0 {
-            info!(
-                step = report.step,
-                loss = report.loss,
-                val_loss = report.val_loss,
-                tokens_per_s = report.tokens_per_s as u64,
-                "progress"
-            );
+        if r.leader {
+            crate::run_io::log_progress(s, &report);
         }
-        let due = s.checkpoint_every.is_some_and(|every| report.step % every == 0);
-        if due && report.step < s.steps {
+        if crate::run_io::checkpoint_due(s, report.step) {
             save_checkpoint(&mut trainer)?;
         }
         last = Some(report);
