@@ -162,6 +162,22 @@ pub(crate) struct GradDecision {
     pub skipped: bool,
 }
 
+impl GradDecision {
+    /// Ends the step on `engine` and its `optimizer`: gradients scaled, the update unless
+    /// skipped, gradients cleared.
+    pub(crate) fn apply(&self, engine: &mut Engine, optimizer: &mut Optimizer) -> Result<()> {
+        if self.factor != 1.0 {
+            optimizer.scale_grads(self.factor)?;
+        }
+        if !self.skipped {
+            optimizer.step()?;
+            engine.after_update()?;
+        }
+        engine.end_step()?;
+        engine.zero_grad()
+    }
+}
+
 impl GradScaling {
     /// The loss scale of the coming step (1 without a scaler).
     pub fn scale(&self) -> f64 {
@@ -252,17 +268,10 @@ impl Trainer {
         }
         self.engine.finish_grads()?;
         let (engine, optimizer) = (&self.engine, &self.optimizer);
-        let GradDecision { factor, grad_norm, skipped } =
+        let decision =
             self.scaling.decide(self.grad_clip, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
-        if factor != 1.0 {
-            self.optimizer.scale_grads(factor)?;
-        }
-        if !skipped {
-            self.optimizer.step()?;
-            self.engine.after_update()?;
-        }
-        self.engine.end_step()?;
-        self.engine.zero_grad()?;
+        decision.apply(&mut self.engine, &mut self.optimizer)?;
+        let GradDecision { grad_norm, skipped, .. } = decision;
         let seconds = start.elapsed().as_secs_f64();
         self.step += 1;
         Ok(StepReport {

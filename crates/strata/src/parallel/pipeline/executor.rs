@@ -555,18 +555,11 @@ impl PipelineTrainer {
                 None => local,
             })
         };
-        let GradDecision { factor, grad_norm, skipped } = self.scaling.decide(self.grad_clip, scale, sq_norm)?;
+        let decision = self.scaling.decide(self.grad_clip, scale, sq_norm)?;
         for c in &mut self.chunks {
-            if factor != 1.0 {
-                c.optimizer.scale_grads(factor)?;
-            }
-            if !skipped {
-                c.optimizer.step()?;
-                c.engine.after_update()?;
-            }
-            c.engine.end_step()?;
-            c.engine.zero_grad()?;
+            decision.apply(&mut c.engine, &mut c.optimizer)?;
         }
+        let GradDecision { grad_norm, skipped, .. } = decision;
         let ledger = self.chunks[0].engine.ledger().clone();
         let activations =
             crate::engine::memory::allocator_peak(device).unwrap_or(0).saturating_sub(ledger.model_state_peak());
