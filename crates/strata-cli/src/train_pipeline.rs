@@ -62,10 +62,12 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
     let mut trainer = PipelineTrainer::new(setup(None))?;
     let config = r.strategy.pipeline_parallel().unwrap_or_default();
     if config.stages.is_none() && config.balance == Balance::Measured {
-        // The first global batch, the same on every run of this data, times the units.
-        let first = strata::data::validation_steps(&r.data, &loader_config, Some(1), 1)?;
+        // The run's first step times the units.
+        let mut loader = DataLoader::new(r.data.clone(), loader_config.clone(), r.order.clone())?;
+        let first = loader.next().ok_or_else(|| anyhow::anyhow!("the data gives no step to time the stages on"))??;
+        drop(loader);
         let (before, stages) = (trainer.ranges().to_vec(), trainer.ranges().len());
-        let costs = trainer.measure_units(&first[0])?;
+        let costs = trainer.measure_units(&first)?;
         let split = partition::balance(&costs, stages, r.engine.device_budget)?;
         if r.leader {
             let seconds: Vec<String> = costs.iter().map(|c| format!("{:.1}", c.seconds * 1e3)).collect();

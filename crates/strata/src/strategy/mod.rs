@@ -101,7 +101,7 @@ impl Default for MixedConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Balance {
-    /// From each unit's forward and backward seconds, measured on the first global batch
+    /// From each unit's forward and backward seconds, measured on the run's first step
     /// before training, within the device budget (`--device-memory`) per stage.
     #[default]
     Measured,
