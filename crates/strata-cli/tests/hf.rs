@@ -45,13 +45,8 @@ const RUN: [&str; 10] =
 
 /// The validation losses of a metrics file, by step.
 fn val_losses(metrics: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r.get("val_loss").is_some())
-        .map(|r| (r["step"].as_u64().unwrap(), r["val_loss"].as_f64().unwrap()))
-        .collect()
+    let validated = common::reports(metrics).into_iter().filter(|r| r.get("val_loss").is_some());
+    validated.map(|r| (r["step"].as_u64().unwrap(), r["val_loss"].as_f64().unwrap())).collect()
 }
 
 fn transformers_val_loss(py: &Path, folder: &Path, val: &Path) -> f64 {

@@ -214,12 +214,8 @@ fn loss_scaling_skips_the_same_steps_as_one_process() {
     let staged = format!(r#"[["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel", {scaler}]"#);
     let run = train(dir.path(), "pp", &GPT, &["--nproc", "2", "--strategy", &staged]);
     let report = |path: &Path| -> Vec<(bool, f64)> {
-        std::fs::read_to_string(path)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .map(|r| (r["skipped"].as_bool().unwrap(), r["loss_scale"].as_f64().unwrap()))
-            .collect()
+        let scaled = |r: &serde_json::Value| (r["skipped"].as_bool().unwrap(), r["loss_scale"].as_f64().unwrap());
+        common::reports(path).iter().map(scaled).collect()
     };
     let (a, b) = (report(&one.1), report(&run.1));
     let skipped = a.iter().filter(|r| r.0).count();

@@ -48,12 +48,12 @@ pub fn global_gap(a: &Path, b: &Path) -> f64 {
     (diff / norm).sqrt()
 }
 
+/// The step reports of a metrics file, one per line.
+pub fn reports(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
 /// Per-step losses of a metrics file.
 pub fn losses(path: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap()))
-        .collect()
+    reports(path).iter().map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap())).collect()
 }
