@@ -215,6 +215,8 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> Placement<'a>
         local_world_size: job.local_world_size,
         data_parallel: DataParallelOptions { bucket_bytes, find_unused_parameters: job.options.find_unused_parameters },
         stage: false,
+        optimizer_bytes_per_element: job.optim.state_bytes_per_element(),
+        non_model: None,
     }
 }
 

@@ -37,6 +37,16 @@ struct State {
     peak: BTreeMap<Placement, u64>,
     budget: BTreeMap<Placement, u64>,
     model_state_peak: u64,
+    transfers: Transfers,
+}
+
+/// Copies between device and host since the ledger was made: bytes that arrived on each
+/// placement and the time spent waiting for copies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Transfers {
+    pub to_device: u64,
+    pub to_host: u64,
+    pub wait_s: f64,
 }
 
 impl State {
@@ -101,6 +111,26 @@ impl MemoryLedger {
         let mut s = self.lock();
         let held = s.current.entry((placement, category)).or_default();
         *held = held.saturating_sub(bytes);
+    }
+
+    /// Bytes of `category` held on `placement` now.
+    pub fn held(&self, placement: Placement, category: Category) -> u64 {
+        self.lock().current.get(&(placement, category)).copied().unwrap_or(0)
+    }
+
+    /// Records a copy of `bytes` that arrived on `to`, waited for for `waited`.
+    pub fn record_transfer(&self, to: Placement, bytes: u64, waited: std::time::Duration) {
+        let mut s = self.lock();
+        match to {
+            Placement::Device => s.transfers.to_device += bytes,
+            Placement::Host => s.transfers.to_host += bytes,
+        }
+        s.transfers.wait_s += waited.as_secs_f64();
+    }
+
+    /// Copies between device and host so far.
+    pub fn transfers(&self) -> Transfers {
+        self.lock().transfers
     }
 
     /// Starts a new peak from what is held now.

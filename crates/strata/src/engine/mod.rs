@@ -10,6 +10,8 @@
 
 pub mod events;
 pub mod memory;
+pub mod offload;
+pub mod placement;
 mod schedule;
 
 use crate::comm::ProcessGroup;
@@ -50,6 +52,8 @@ pub struct EngineConfig {
     pub backward: BackwardMode,
     /// Bytes the compute device may hold; `None` for no limit.
     pub device_budget: Option<u64>,
+    /// Bytes of host memory the engine and optimizer may hold for model states.
+    pub host_budget: Option<u64>,
     /// Each unit's buffers are padded to a multiple of this many elements, so that a
     /// sharded strategy cuts them into equal shards.
     pub pad_to: i64,
@@ -77,6 +81,7 @@ impl Default for EngineConfig {
             seed: 0,
             backward: BackwardMode::UnitByUnit,
             device_budget: None,
+            host_budget: None,
             pad_to: 1,
             grad_layout: GradLayout::Contiguous,
             tensor: None,
@@ -110,6 +115,8 @@ pub struct Segment {
     /// parameters every tensor rank holds whole, so a sum over the tensor group counts
     /// them once.
     pub norm_share: f64,
+    /// Where `param` and `grad` live.
+    pub placement: Placement,
 }
 
 struct Boundary {
@@ -186,6 +193,9 @@ impl Engine {
         let ledger = Arc::new(MemoryLedger::new());
         if let Some(budget) = config.device_budget {
             ledger.set_budget(Placement::Device, budget);
+        }
+        if let Some(budget) = config.host_budget {
+            ledger.set_budget(Placement::Host, budget);
         }
         if spec.params.iter().any(|p| p.kind.is_some_and(|k| k != config.kind)) {
             return Err(Error::Model("parameters with their own dtype are not supported yet".into()));
@@ -842,6 +852,7 @@ impl Engine {
                         unit,
                         offset: start,
                         norm_share,
+                        placement: view.placement,
                     });
                 }
             }

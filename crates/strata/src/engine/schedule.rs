@@ -2,7 +2,7 @@
 //! schedule may act on at each, and the [`UnitSchedule`] trait strategies implement
 //! (gather before, free after, reduce gradients, publish updates). The engine calls it; a
 //! schedule never runs units itself.
-use super::{EventSink, MemoryLedger, UnitStorage};
+use super::{EventSink, MemoryLedger, Placement, UnitStorage};
 use crate::model::ModelSpec;
 use crate::Result;
 use std::sync::Arc;
@@ -14,6 +14,8 @@ pub struct OptimizerView {
     pub param: Tensor,
     pub grad: Tensor,
     pub offset: i64,
+    /// Where `param` and `grad` live, and so where the optimizer keeps its state for them.
+    pub placement: Placement,
 }
 
 /// The moment of a unit's execution at which a [`UnitSchedule`] is called.
@@ -50,7 +52,12 @@ pub trait UnitSchedule: Send {
     /// What the optimizer updates for `ctx.unit`.
     fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
         let s = &ctx.storage[ctx.unit];
-        Ok(OptimizerView { param: s.flat.shallow_clone(), grad: s.grad.shallow_clone(), offset: 0 })
+        Ok(OptimizerView {
+            param: s.flat.shallow_clone(),
+            grad: s.grad.shallow_clone(),
+            offset: 0,
+            placement: Placement::Device,
+        })
     }
 
     /// Runs after the optimizer updated what [`UnitSchedule::optimizer_view`] handed it.

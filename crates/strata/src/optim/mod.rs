@@ -64,6 +64,16 @@ impl Default for OptimizerConfig {
 }
 
 impl OptimizerConfig {
+    /// Bytes of state kept per parameter element: fp32 moments (two for Adam, one for SGD
+    /// with momentum), fp32 also for low-precision parameters.
+    pub fn state_bytes_per_element(&self) -> u64 {
+        match self.kind {
+            OptimizerKind::Sgd if self.momentum == 0.0 => 0,
+            OptimizerKind::Sgd => 4,
+            OptimizerKind::Adam | OptimizerKind::AdamW => 8,
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(Error::Config(what));
         if !(self.lr.is_finite() && self.lr >= 0.0) {
@@ -103,6 +113,8 @@ struct Group {
     places: Vec<(usize, i64)>,
     /// Share of each segment's squared gradient norm this rank counts ([`Segment::norm_share`]).
     norm_shares: Vec<f64>,
+    /// Where each segment lives (its state lives there too, and is charged there).
+    placements: Vec<Placement>,
     params: Vec<Tensor>,
     grads: Vec<Tensor>,
     /// Adam: first and second moments; SGD: momentum buffers (empty without momentum).
@@ -118,7 +130,8 @@ pub struct Optimizer {
     lr_factor: f64,
     steps_taken: u64,
     ledger: Arc<MemoryLedger>,
-    state_bytes: u64,
+    /// State bytes charged to the ledger, per placement.
+    state_bytes: std::collections::BTreeMap<Placement, u64>,
 }
 
 impl Optimizer {
@@ -136,6 +149,7 @@ impl Optimizer {
                 weight_decay,
                 places: vec![],
                 norm_shares: vec![],
+                placements: vec![],
                 params: vec![],
                 grads: vec![],
                 first: vec![],
@@ -144,8 +158,8 @@ impl Optimizer {
             })
             .collect();
         let ledger = engine.ledger().clone();
-        let mut state_bytes = 0;
-        for Segment { param, grad, group, unit, offset, norm_share } in engine.segments(group_of)? {
+        let mut state_bytes = std::collections::BTreeMap::new();
+        for Segment { param, grad, group, unit, offset, norm_share, placement } in engine.segments(group_of)? {
             let g = &mut groups[group];
             // States of low-precision parameters are fp32: g² of a small gradient would
             // underflow in fp16, and an update divided by it blow up.
@@ -156,8 +170,8 @@ impl Optimizer {
                 OptimizerKind::Sgd => 1,
                 _ => 2,
             };
-            ledger.alloc(Placement::Device, Category::OptimizerState, bytes * states)?;
-            state_bytes += bytes * states;
+            ledger.alloc(placement, Category::OptimizerState, bytes * states)?;
+            *state_bytes.entry(placement).or_default() += bytes * states;
             if states >= 1 {
                 g.first.push(Tensor::f_zeros([param.numel() as i64], (state_kind, param.device()))?);
             }
@@ -167,6 +181,7 @@ impl Optimizer {
             }
             g.places.push((unit, offset));
             g.norm_shares.push(norm_share);
+            g.placements.push(placement);
             g.params.push(param);
             g.grads.push(grad);
         }
@@ -203,7 +218,7 @@ impl Optimizer {
                 let low = is_low_precision(param.kind());
                 let kind = if low { Kind::Float } else { param.kind() };
                 let bytes = (param.numel() * kind.elt_size_in_bytes()) as u64 * (1 + u64::from(low));
-                self.ledger.alloc(Placement::Device, Category::Grads, bytes)?;
+                self.ledger.alloc(g.placements[i], Category::Grads, bytes)?;
                 let result = (|| -> Result<()> {
                     let work = if low { param.f_to_kind(kind)? } else { param.shallow_clone() };
                     self.update(g, i..i + 1, std::slice::from_ref(&work), &[grad.f_to_kind(kind)?])?;
@@ -212,7 +227,7 @@ impl Optimizer {
                     }
                     Ok(())
                 })();
-                self.ledger.free(Placement::Device, Category::Grads, bytes);
+                self.ledger.free(g.placements[i], Category::Grads, bytes);
                 result?;
             }
         }
@@ -358,7 +373,9 @@ fn is_low_precision(kind: Kind) -> bool {
 
 impl Drop for Optimizer {
     fn drop(&mut self) {
-        self.ledger.free(Placement::Device, Category::OptimizerState, self.state_bytes);
+        for (&placement, &bytes) in &self.state_bytes {
+            self.ledger.free(placement, Category::OptimizerState, bytes);
+        }
     }
 }
 

@@ -16,9 +16,13 @@ use crate::comm::{Comm, ProcessGroup};
 use crate::compute::fp8::Fp8Unit;
 use crate::compute::replace::Replacements;
 use crate::compute::UnitCompute;
+use crate::engine::offload::{NonModelTrace, Offload, OffloadOptions};
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
-use crate::strategy::{select_units, AmpConfig, ParallelMode, ShardingStrategy, Strategy};
+use crate::strategy::{
+    select_units, AmpConfig, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ParallelMode, ShardingStrategy,
+    Strategy,
+};
 use crate::{Error, Result};
 use std::sync::Arc;
 use zero::{ShardGroups, Zero, ZeroOptions};
@@ -32,12 +36,26 @@ pub struct Placement<'a> {
     pub data_parallel: DataParallelOptions,
     /// The engine is one pipeline stage's (its groups span the ranks of that stage).
     pub stage: bool,
+    /// Bytes of optimizer state per trainable parameter element
+    /// ([`crate::optim::OptimizerConfig::state_bytes_per_element`]), for placing states
+    /// before the optimizer exists.
+    pub optimizer_bytes_per_element: u64,
+    /// Per moment of a step, device bytes beside model states ([`measure_non_model`]):
+    /// what offload's plan leaves room for (`None`: nothing).
+    pub non_model: Option<Vec<u64>>,
 }
 
 impl Placement<'_> {
     /// One process, no communication.
     pub fn single() -> Placement<'static> {
-        Placement { comm: None, local_world_size: 1, data_parallel: DataParallelOptions::default(), stage: false }
+        Placement {
+            comm: None,
+            local_world_size: 1,
+            data_parallel: DataParallelOptions::default(),
+            stage: false,
+            optimizer_bytes_per_element: crate::optim::OptimizerConfig::default().state_bytes_per_element(),
+            non_model: None,
+        }
     }
 
     fn world_size(&self) -> usize {
@@ -135,6 +153,9 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
             "parallel_mode: a pipeline runs through parallel::pipeline::PipelineTrainer, one engine per stage".into(),
         ));
     }
+    if let Some(offload) = strategy.offload() {
+        return build_offload(spec, config, strategy, offload, at);
+    }
     let tensor = mode.size("tensor", world)?;
     let replicas = world / (tensor * stages);
     // Every rank creates every group in one order: tensor groups, then the replicas'.
@@ -218,6 +239,67 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         },
     };
     Zero::build(spec, config, groups, options)
+}
+
+/// One process with model states placed between device and host by `offload`.
+fn build_offload(
+    spec: ModelSpec,
+    config: EngineConfig,
+    strategy: &Strategy,
+    offload: &OffloadConfig,
+    at: &Placement,
+) -> Result<Engine> {
+    let refuse = |what: &str| Err(Error::Config(format!("offload: {what} is not supported with offload yet")));
+    if let Some((name, _)) = strategy.sharding() {
+        return refuse(name);
+    }
+    if at.world_size() > 1 {
+        return refuse("more than one rank (data parallelism)");
+    }
+    // Low-precision parameters keep fp32 optimizer state: its bytes per element do not
+    // follow the parameters' dtype.
+    let options = OffloadOptions {
+        policy: offload.home_policy()?,
+        optimizer_bytes_per_element: at.optimizer_bytes_per_element,
+        prefetch: offload.prefetch,
+        pin_memory: offload.pin_memory,
+        non_model: at.non_model.clone(),
+    };
+    Offload::build(spec, config, options)
+}
+
+/// Per moment of a step, the device bytes beside model states that `run` (a step's
+/// forwards and backwards) needs under `strategy`'s compute methods: measured once on an
+/// engine built as `strategy` says but with every state on the host and no budgets, the
+/// least the device can hold. Offload's plan leaves room for them
+/// ([`Placement::non_model`]), so a run within the budget never runs out mid-step.
+pub fn measure_non_model(
+    spec: ModelSpec,
+    config: EngineConfig,
+    strategy: &Strategy,
+    at: &Placement,
+    run: impl FnOnce(&mut Engine) -> Result<()>,
+) -> Result<Vec<u64>> {
+    let all_on_host = |m: &Method| match m {
+        Method::Offload(c) => Method::Offload(OffloadConfig {
+            params: OffloadTarget::Cpu,
+            optimizer: OffloadTarget::Cpu,
+            policy: OffloadPolicy::Static,
+            ratio: 1.0,
+            ..c.clone()
+        }),
+        other => other.clone(),
+    };
+    if strategy.offload().is_none() {
+        return Err(Error::Config("measuring room beside model states needs the offload method".into()));
+    }
+    let measured = Strategy { methods: strategy.methods.iter().map(all_on_host).collect() };
+    let config = EngineConfig { device_budget: None, host_budget: None, ..config };
+    let mut engine = build_engine(spec, config, &measured, at)?;
+    let trace = Arc::new(NonModelTrace::new(&engine));
+    engine.set_event_sink(trace.clone());
+    run(&mut engine)?;
+    Ok(trace.peaks())
 }
 
 /// Creates every group of `lists` (every rank creates every group, in the same order) and

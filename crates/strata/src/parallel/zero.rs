@@ -579,13 +579,13 @@ impl UnitSchedule for Zero {
             None => s.flat.f_narrow(0, offset, count)?,
         };
         if unit.wrap == Wrap::Ignored {
-            return Ok(OptimizerView { param, grad: s.grad.shallow_clone(), offset: 0 });
+            return Ok(OptimizerView { param, grad: s.grad.shallow_clone(), offset: 0, placement: Placement::Device });
         }
         let grad = match &unit.grad_shard {
             Some(g) => g.shallow_clone(),
             None => s.grad.f_narrow(0, offset, unit.shard_len)?,
         };
-        Ok(OptimizerView { param, grad, offset })
+        Ok(OptimizerView { param, grad, offset, placement: Placement::Device })
     }
 
     fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {

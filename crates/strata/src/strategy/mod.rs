@@ -6,9 +6,11 @@
 //! text or values, validation (errors name the bad method or field and list what is
 //! allowed) and serialisation back to the same form. Must not execute anything: the
 //! `parallel` module turns a validated strategy into an engine.
+mod offload;
 mod parallel_mode;
 mod shard;
 
+pub use offload::{OffloadConfig, OffloadPolicy, OffloadTarget};
 pub use parallel_mode::{ParallelMode, DIMENSIONS};
 pub use shard::{BackwardPrefetch, MixedPrecision, ShardConfig, ShardingStrategy, Stage, Wrap};
 
@@ -23,7 +25,7 @@ use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 13] = [
+pub const METHODS: [&str; 14] = [
     "parallel_mode",
     "amp_native",
     "half",
@@ -37,6 +39,7 @@ pub const METHODS: [&str; 13] = [
     "pipeline_parallel",
     "mixed_parallel",
     "ds_3d_parallel",
+    "offload",
 ];
 
 /// A validated strategy: its methods in the order given.
@@ -70,6 +73,8 @@ pub enum Method {
     /// As `mixed_parallel`, with ranks laid out in DeepSpeed's order: tensor fastest, then
     /// data, then pipeline, whatever order parallel_mode lists them in.
     Ds3dParallel(MixedConfig),
+    /// Model states in host memory besides the device, placed by a plan.
+    Offload(OffloadConfig),
 }
 
 /// `mixed_parallel`'s and `ds_3d_parallel`'s configuration: the pipeline's and tensor
@@ -265,6 +270,7 @@ impl Method {
             Method::PipelineParallel(_) => "pipeline_parallel",
             Method::MixedParallel(_) => "mixed_parallel",
             Method::Ds3dParallel(_) => "ds_3d_parallel",
+            Method::Offload(_) => "offload",
         }
     }
 
@@ -340,6 +346,11 @@ impl Method {
             "pipeline_parallel" => Method::PipelineParallel(parse_config(name, config)?),
             "mixed_parallel" => Method::MixedParallel(parse_config(name, config)?),
             "ds_3d_parallel" => Method::Ds3dParallel(parse_config(name, config)?),
+            "offload" => {
+                let c: OffloadConfig = parse_config(name, config)?;
+                c.home_policy()?;
+                Method::Offload(c)
+            }
             other => return Err(Error::Config(format!("unknown method {other:?}; allowed: {}", METHODS.join(", ")))),
         })
     }
@@ -364,6 +375,7 @@ impl Method {
             Method::TensorParallel(c) => serde_json::to_value(c),
             Method::PipelineParallel(c) => serde_json::to_value(c),
             Method::MixedParallel(c) | Method::Ds3dParallel(c) => serde_json::to_value(c),
+            Method::Offload(c) => serde_json::to_value(c),
         };
         Value::Array(vec![Value::String(self.name().into()), config.unwrap_or(Value::Null)])
     }
@@ -593,6 +605,13 @@ impl Strategy {
     }
 
     /// The sharding method, if any: (name, config).
+    pub fn offload(&self) -> Option<&OffloadConfig> {
+        self.methods.iter().find_map(|m| match m {
+            Method::Offload(c) => Some(c),
+            _ => None,
+        })
+    }
+
     pub fn sharding(&self) -> Option<(&'static str, &ShardConfig)> {
         self.methods.iter().find_map(|m| m.shard_config().map(|c| (m.name(), c)))
     }
@@ -614,6 +633,8 @@ mod tests {
             r#"[["amp_native", {"loss_scaler": {"loss_scale": 1024}}], ["module_replace", ["FlashAttention"]], "zero2"]"#,
             r#"["parallel_mode", ["amp_native", "bf16"]]"#,
             r#"[["parallel_mode", [[["zero", 2], ["data", 2]], null]], "fsdp"]"#,
+            r#"[["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}], ["checkpoint", ["GptBlock"]]]"#,
+            r#"["offload"]"#,
             "[]",
         ] {
             let s = Strategy::parse(text).unwrap();

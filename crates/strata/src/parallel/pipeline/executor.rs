@@ -269,6 +269,8 @@ impl PipelineTrainer {
                 local_world_size: setup.local_world_size,
                 data_parallel: setup.data_parallel,
                 stage: true,
+                optimizer_bytes_per_element: setup.optimizer.state_bytes_per_element(),
+                non_model: None,
             };
             let mut engine = crate::parallel::build_engine(spec, setup.engine.clone(), setup.strategy, &placement)?;
             let optimizer = Optimizer::new(&mut engine, setup.optimizer.clone(), &[])?;

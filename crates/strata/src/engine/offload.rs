@@ -1,0 +1,402 @@
+//! The offload schedule: executes a [`Plan`] around every unit's forward and backward.
+//!
+//! Owns the host copies of the units whose states live on the host (their parameters,
+//! which are the masters the optimizer updates there, and their gradients) and the
+//! device copies' comings and goings: before each moment the copies the plan does not keep
+//! are released and those the moment reads are filled from the host; after a unit's last
+//! backward its gradient is added into the host's and its device buffer released.
+//! Must not decide placement (that is [`super::placement`]'s) or update anything (the
+//! optimizer updates each segment where [`OptimizerView::placement`] says it lives).
+use super::placement::{self, moment_index, Home, HomePolicy, Moment, Plan, PlanInput, UnitStates};
+use super::{
+    memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, MemoryLedger, OptimizerView, Phase,
+    Placement, ScheduleContext, UnitSchedule, UnitStorage,
+};
+use crate::model::ModelSpec;
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+/// How an offloading engine is built.
+#[derive(Clone, Debug)]
+pub struct OffloadOptions {
+    pub policy: HomePolicy,
+    /// Bytes of optimizer state per parameter element (8 for Adam's two fp32 moments).
+    pub optimizer_bytes_per_element: u64,
+    /// How many moments ahead parameter copies start.
+    pub prefetch: usize,
+    /// Host buffers in page-locked memory, where the device is a GPU.
+    pub pin_memory: bool,
+    /// Per moment of a step, device bytes that are not model states (from a measured step);
+    /// `None`: none are reserved.
+    pub non_model: Option<Vec<u64>>,
+}
+
+/// One unit's host side and where its buffers are now.
+struct UnitState {
+    home: Home,
+    /// The master parameters (homes other than the device).
+    host_params: Option<Tensor>,
+    /// The step's gradient, accumulated from each backward (homes other than the device).
+    host_grad: Option<Tensor>,
+    params_on_device: bool,
+    grads_on_device: bool,
+    trainable: bool,
+    bytes: UnitStates,
+}
+
+pub struct Offload {
+    plan: Plan,
+    units: Vec<UnitState>,
+    needs: Vec<Vec<usize>>,
+    /// Per unit, the last unit whose backward reads it (itself, or the lowest borrower).
+    last_reader: Vec<usize>,
+}
+
+/// Per unit, the bytes of its model states in `kind`.
+fn unit_states(spec: &ModelSpec, kind: Kind, optimizer_bytes_per_element: u64) -> Vec<UnitStates> {
+    let esize = kind.elt_size_in_bytes() as u64;
+    // The optimizer updates low-precision parameters through fp32 copies of the parameters
+    // and gradients of one unit at a time.
+    let scratch_per_element = if esize < 4 { 8 } else { 0 };
+    spec.units
+        .iter()
+        .map(|u| {
+            let numel: u64 = u.params.iter().map(|id| spec.params[id.0].numel() as u64).sum();
+            let trainable: u64 = u
+                .params
+                .iter()
+                .filter(|id| spec.params[id.0].requires_grad)
+                .map(|id| spec.params[id.0].numel() as u64)
+                .sum();
+            let grads = if trainable > 0 { numel * esize } else { 0 };
+            UnitStates {
+                params: numel * esize,
+                grads,
+                optimizer: trainable * optimizer_bytes_per_element,
+                update_scratch: trainable * scratch_per_element,
+            }
+        })
+        .collect()
+}
+
+impl Offload {
+    /// Plans where `spec`'s states live under `options` and builds the engine: each unit is
+    /// initialised on the device and moved to its home before the next is allocated, so the
+    /// device never holds more than the plan allows. Refuses, with the numbers, a model whose
+    /// states fit no placement the policy allows.
+    pub fn build(spec: ModelSpec, config: EngineConfig, options: OffloadOptions) -> Result<Engine> {
+        if config.tensor.is_some() {
+            return Err(Error::Config("offload does not combine with tensor parallelism yet".into()));
+        }
+        let n = spec.units.len();
+        let needs = spec.units_read();
+        let plan = Offload::plan_for(&spec, &config, &options)?;
+        tracing::info!(homes = ?plan.homes, traffic = ?plan.traffic, device_peak = plan.device_peak(), "offload plan");
+        let unit_bytes = unit_states(&spec, config.kind, options.optimizer_bytes_per_element);
+        let mut last_reader: Vec<usize> = (0..n).collect();
+        for (k, reads) in needs.iter().enumerate() {
+            for &u in reads {
+                last_reader[u] = last_reader[u].min(k);
+            }
+        }
+        let host = HostMemory { device: config.device, pin: options.pin_memory };
+        let mut units = Vec::with_capacity(n);
+        let mut on_unit = |k: usize, s: &mut UnitStorage, _: &Tensor, ledger: &MemoryLedger| -> Result<()> {
+            let home = plan.homes[k];
+            let bytes = unit_bytes[k];
+            let mut unit = UnitState {
+                home,
+                host_params: None,
+                host_grad: None,
+                params_on_device: true,
+                grads_on_device: true,
+                trainable: s.trainable,
+                bytes,
+            };
+            if home != Home::Device {
+                ledger.alloc(Placement::Host, Category::Params, bytes.params)?;
+                unit.host_params = Some(host.copy_of(&s.flat)?);
+                if s.trainable {
+                    ledger.alloc(Placement::Host, Category::Grads, bytes.grads)?;
+                    unit.host_grad = Some(host.zeros_like(&s.grad)?);
+                }
+            }
+            // The device gradient of a unit homed elsewhere exists only during its backwards.
+            if home != Home::Device || !s.trainable {
+                // SAFETY: no backward has run; the schedule restores it before one does.
+                unsafe { memory::release_buffer(&s.grad) }?;
+                ledger.free(Placement::Device, Category::Grads, memory::tensor_bytes(&s.grad));
+                unit.grads_on_device = false;
+            }
+            if home == Home::Host {
+                // SAFETY: nothing has run on the unit; the schedule fills it before any use.
+                unsafe { memory::release_buffer(&s.flat) }?;
+                ledger.free(Placement::Device, Category::Params, bytes.params);
+                unit.params_on_device = false;
+            }
+            units.push(unit);
+            Ok(())
+        };
+        let config = EngineConfig { grad_layout: GradLayout::PerUnit, ..config };
+        let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
+        engine.set_schedule(Box::new(Offload { plan, units, needs, last_reader }));
+        Ok(engine)
+    }
+
+    /// The plan [`Offload::build`] would execute for `spec` under `config`'s budgets.
+    pub fn plan_for(spec: &ModelSpec, config: &EngineConfig, options: &OffloadOptions) -> Result<Plan> {
+        let n = spec.units.len();
+        let input = PlanInput {
+            units: unit_states(spec, config.kind, options.optimizer_bytes_per_element),
+            needs: spec.units_read(),
+            non_model: options.non_model.clone().unwrap_or_else(|| vec![0; 2 * n + 1]),
+            device_budget: config.device_budget,
+            host_budget: config.host_budget,
+            prefetch: options.prefetch,
+        };
+        placement::plan(&input, &options.policy)
+    }
+
+    /// Copies unit `u`'s parameters from the host into its device buffer.
+    fn fetch(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let unit = &mut self.units[u];
+        let Some(host) = unit.host_params.as_ref().filter(|_| !unit.params_on_device) else { return Ok(()) };
+        ledger.alloc(Placement::Device, Category::Params, unit.bytes.params)?;
+        let started = Instant::now();
+        // SAFETY: the engine's flat buffer spans its storage; it is filled before any use.
+        unsafe { memory::restore_buffer(&storage[u].flat) }?;
+        tch::no_grad(|| storage[u].flat.shallow_clone().f_copy_(host))?;
+        ledger.record_transfer(Placement::Device, unit.bytes.params, started.elapsed());
+        unit.params_on_device = true;
+        Ok(())
+    }
+
+    /// Releases the device copy of a host-homed unit's parameters.
+    fn evict(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let unit = &mut self.units[u];
+        if unit.home != Home::Host || !unit.params_on_device {
+            return Ok(());
+        }
+        // SAFETY: the unit's forward or backward that read the copy is over (the engine runs
+        // one moment at a time) and the copy is filled again before its next use.
+        unsafe { memory::release_buffer(&storage[u].flat) }?;
+        ledger.free(Placement::Device, Category::Params, unit.bytes.params);
+        unit.params_on_device = false;
+        Ok(())
+    }
+
+    /// Makes the device hold what moment `t`, which reads `reads`, needs: copies the plan
+    /// does not keep leave first, then the missing ones come.
+    fn prepare(&mut self, t: usize, reads: &[usize], storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let keep = &self.plan.resident[t];
+        let leaving: Vec<usize> = (0..self.units.len()).filter(|u| !keep.contains(u) && !reads.contains(u)).collect();
+        for u in leaving {
+            self.evict(u, storage, ledger)?;
+        }
+        for &u in reads {
+            self.fetch(u, storage, ledger)?;
+        }
+        for u in self.plan.prefetch[t].clone() {
+            self.fetch(u, storage, ledger)?;
+        }
+        Ok(())
+    }
+
+    /// Gives unit `u` a zeroed device gradient if it has none.
+    fn ensure_grads(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let unit = &mut self.units[u];
+        if unit.grads_on_device || !unit.trainable {
+            return Ok(());
+        }
+        ledger.alloc(Placement::Device, Category::Grads, unit.bytes.grads)?;
+        // SAFETY: the engine's gradient buffer spans its storage; zeroed next.
+        unsafe { memory::restore_buffer(&storage[u].grad) }?;
+        let _ = storage[u].grad.shallow_clone().f_zero_()?;
+        unit.grads_on_device = true;
+        Ok(())
+    }
+
+    /// Adds unit `u`'s device gradient into its host gradient and releases it.
+    fn send_grads(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+        let unit = &mut self.units[u];
+        let Some(host) = unit.host_grad.as_ref().filter(|_| unit.grads_on_device) else { return Ok(()) };
+        let started = Instant::now();
+        let grad = &storage[u].grad;
+        tch::no_grad(|| -> Result<()> {
+            let arrived = if grad.device() == host.device() { grad.shallow_clone() } else { grad.f_to(host.device())? };
+            let _ = host.shallow_clone().f_add_(&arrived)?;
+            Ok(())
+        })?;
+        ledger.record_transfer(Placement::Host, unit.bytes.grads, started.elapsed());
+        // SAFETY: the unit's last backward of this micro-batch is over and its gradient was
+        // read above; `ensure_grads` restores it before the next backward.
+        unsafe { memory::release_buffer(grad) }?;
+        ledger.free(Placement::Device, Category::Grads, unit.bytes.grads);
+        unit.grads_on_device = false;
+        Ok(())
+    }
+
+    /// The placement plan this schedule executes.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+}
+
+/// Records, per moment of a step, the most device bytes beside model states the ledger
+/// counted (activations kept for backward): installed as an engine's event sink for one
+/// step, it measures what an offload plan must leave room for.
+pub struct NonModelTrace {
+    ledger: Arc<MemoryLedger>,
+    units: usize,
+    peaks: Mutex<Vec<u64>>,
+}
+
+impl NonModelTrace {
+    pub fn new(engine: &Engine) -> NonModelTrace {
+        let units = engine.spec().units.len();
+        NonModelTrace { ledger: engine.ledger().clone(), units, peaks: Mutex::new(vec![0; 2 * units + 1]) }
+    }
+
+    /// The peaks so far, one per moment of [`placement::step_moments`].
+    pub fn peaks(&self) -> Vec<u64> {
+        self.peaks.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl EventSink for NonModelTrace {
+    fn record(&self, event: Event) {
+        let Event::Phase { phase, unit, .. } = event else { return };
+        let moment = match phase {
+            Phase::BeforeForward | Phase::AfterForward => Moment::Forward(unit),
+            Phase::BeforeBackward | Phase::AfterBackward => Moment::Backward(unit),
+        };
+        let held = self.ledger.held(Placement::Device, Category::Activations);
+        let mut peaks = self.peaks.lock().unwrap_or_else(|e| e.into_inner());
+        let peak = &mut peaks[moment_index(self.units, moment)];
+        *peak = (*peak).max(held);
+    }
+}
+
+/// Where host buffers are made: the CPU, page-locked when the device is a GPU.
+struct HostMemory {
+    device: Device,
+    pin: bool,
+}
+
+impl HostMemory {
+    fn place(&self, t: Tensor) -> Result<Tensor> {
+        Ok(match self.device {
+            Device::Cuda(_) if self.pin => t.f_pin_memory(self.device)?,
+            _ => t,
+        })
+    }
+
+    fn copy_of(&self, t: &Tensor) -> Result<Tensor> {
+        self.place(t.f_to_device(Device::Cpu)?.f_detach_copy()?)
+    }
+
+    fn zeros_like(&self, t: &Tensor) -> Result<Tensor> {
+        self.place(Tensor::f_zeros(t.size().as_slice(), (t.kind(), Device::Cpu))?)
+    }
+}
+
+impl UnitSchedule for Offload {
+    fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()> {
+        let (k, storage, ledger) = (ctx.unit, &*ctx.storage, ctx.ledger);
+        let n = self.units.len();
+        let reads = self.needs[k].clone();
+        match phase {
+            Phase::BeforeForward => self.prepare(moment_index(n, Moment::Forward(k)), &reads, storage, ledger),
+            Phase::BeforeBackward => {
+                self.prepare(moment_index(n, Moment::Backward(k)), &reads, storage, ledger)?;
+                for &u in &reads {
+                    if self.units[u].home != Home::Device {
+                        self.ensure_grads(u, storage, ledger)?;
+                    }
+                }
+                Ok(())
+            }
+            Phase::AfterBackward => {
+                for u in reads {
+                    if self.last_reader[u] == k {
+                        self.send_grads(u, storage, ledger)?;
+                    }
+                }
+                Ok(())
+            }
+            Phase::AfterForward => Ok(()),
+        }
+    }
+
+    fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
+        let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
+        match (&unit.host_params, &unit.host_grad) {
+            (Some(param), Some(grad)) => Ok(OptimizerView {
+                param: param.shallow_clone(),
+                grad: grad.shallow_clone(),
+                offset: 0,
+                placement: Placement::Host,
+            }),
+            _ => Ok(OptimizerView {
+                param: s.flat.shallow_clone(),
+                grad: s.grad.shallow_clone(),
+                offset: 0,
+                placement: Placement::Device,
+            }),
+        }
+    }
+
+    fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        let (storage, ledger) = (&*ctx.storage, ctx.ledger);
+        for u in 0..self.units.len() {
+            match self.units[u].home {
+                Home::Device => {}
+                // The device copy is stale: the next use fetches the updated master.
+                Home::Host => self.evict(u, storage, ledger)?,
+                Home::OptimizerOnHost => {
+                    let Some(host) = &self.units[u].host_params else { continue };
+                    let started = Instant::now();
+                    tch::no_grad(|| storage[u].flat.shallow_clone().f_copy_(host))?;
+                    ledger.record_transfer(Placement::Device, self.units[u].bytes.params, started.elapsed());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn held_tensors(&self) -> Vec<Tensor> {
+        let host = self.units.iter().flat_map(|u| [u.host_params.as_ref(), u.host_grad.as_ref()]);
+        host.flatten().map(Tensor::shallow_clone).collect()
+    }
+
+    fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        for (unit, s) in self.units.iter().zip(ctx.storage.iter()) {
+            if unit.grads_on_device {
+                let _ = s.grad.shallow_clone().f_zero_()?;
+            }
+            if let Some(g) = &unit.host_grad {
+                let _ = g.shallow_clone().f_zero_()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn full_unit(&mut self, ctx: ScheduleContext<'_>) -> Result<Tensor> {
+        let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
+        let master = unit.host_params.as_ref().unwrap_or(&s.flat);
+        Ok(master.f_narrow(0, 0, s.numel)?)
+    }
+
+    fn set_full_unit(&mut self, ctx: ScheduleContext<'_>, values: &Tensor) -> Result<()> {
+        let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
+        if let Some(host) = &unit.host_params {
+            tch::no_grad(|| host.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
+        }
+        if unit.params_on_device {
+            tch::no_grad(|| s.flat.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
+        }
+        Ok(())
+    }
+}

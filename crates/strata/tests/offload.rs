@@ -1,0 +1,143 @@
+//! Offload: model states placed between device and host train exactly as when every state
+//! stays on the device, within the device and host budgets, moving the bytes the plan says.
+use strata::data::{Batch, Step};
+use strata::engine::offload::{Offload, OffloadOptions};
+use strata::engine::placement::{Home, HomePolicy};
+use strata::engine::{with_seed, EngineConfig, Placement as Where};
+use strata::model::{self, Builder, GptConfig, ModelSpec};
+use strata::optim::{Optimizer, OptimizerConfig, Schedule};
+use strata::parallel::{build_engine, Placement};
+use strata::strategy::Strategy;
+use strata::train::{measure_non_model, StepReport, Trainer};
+use tch::{Device, Kind, Tensor};
+
+/// Four layers; the head borrows the embedding's weight (tied), so one unit's gradient
+/// comes from two backwards.
+const GPT: GptConfig = GptConfig::new(64, 16, 4, 2, 32);
+
+fn spec() -> ModelSpec {
+    let mut b = Builder::new();
+    model::gpt(&GPT, &mut b).unwrap();
+    b.build().unwrap()
+}
+
+/// Step `index`: two micro-batches (gradients accumulate) of two sequences, each counting
+/// up by three from a random start (a pattern the model can learn).
+fn step(index: usize) -> Step {
+    let batch = |i: i64| {
+        // Tests run on several threads: the draw holds libtorch's generator.
+        let starts = with_seed(1000 + 2 * index as i64 + i, || Tensor::randint(64, [2, 1], (Kind::Int64, Device::Cpu)));
+        let tokens = (starts + Tensor::arange(17, (Kind::Int64, Device::Cpu)) * 3).remainder(64);
+        Batch { inputs: tokens.narrow(1, 0, 16), targets: tokens.narrow(1, 1, 16) }
+    };
+    Step { index, micro_batches: vec![batch(0), batch(1)] }
+}
+
+/// Bytes of the model's states in fp32 with Adam: 16 per parameter.
+fn model_state_bytes() -> u64 {
+    spec().num_params() as u64 * 16
+}
+
+fn trainer(strategy: &str, config: &EngineConfig, at: &Placement) -> strata::Result<Trainer> {
+    let strategy = Strategy::parse(strategy).unwrap();
+    let mut engine = build_engine(spec(), config.clone(), &strategy, at)?;
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
+    Ok(Trainer::new(engine, optimizer, Schedule::Constant, Some(0.5)))
+}
+
+/// `steps` steps of `strategy` under `budget` bytes of device, with the room beside model
+/// states measured on the first step; the reports.
+fn train(strategy: &str, budget: Option<u64>, steps: usize) -> Vec<StepReport> {
+    let config = EngineConfig { device_budget: budget, ..EngineConfig::default() };
+    let mut at = Placement::single();
+    if strategy.contains("offload") {
+        let parsed = Strategy::parse(strategy).unwrap();
+        at.non_model = Some(measure_non_model(spec(), config.clone(), &parsed, &at, &step(0)).unwrap());
+    }
+    let mut trainer = trainer(strategy, &config, &at).unwrap();
+    (0..steps).map(|i| trainer.train_step(&step(i)).unwrap()).collect()
+}
+
+const OPTIMIZER_ONLY: &str = r#"[["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]]"#;
+const FULL: &str = r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#;
+const AUTO: &str = r#"["offload"]"#;
+
+#[test]
+fn offloaded_runs_give_the_losses_of_the_run_that_keeps_everything_on_the_device() {
+    let reference: Vec<f64> = train("[]", None, 20).iter().map(|r| r.loss).collect();
+    assert!(reference[19] < reference[0] - 0.05, "the model learns: {reference:?}");
+    let budget = model_state_bytes() * 4 / 10;
+    for (strategy, budget) in [(OPTIMIZER_ONLY, None), (FULL, None), (FULL, Some(budget)), (AUTO, Some(budget))] {
+        let reports = train(strategy, budget, 20);
+        for (i, (r, expected)) in reports.iter().zip(&reference).enumerate() {
+            assert!((r.loss - expected).abs() <= 1e-6, "{strategy} step {i}: {} against {expected}", r.loss);
+        }
+        let host = &reports[19].memory[&Where::Host];
+        assert!(host.current > 0, "{strategy}: states live on the host: {host:?}");
+    }
+}
+
+#[test]
+fn the_device_stays_within_its_budget_and_a_run_without_offload_is_refused_when_built() {
+    let budget = model_state_bytes() * 4 / 10;
+    for strategy in [FULL, AUTO] {
+        for r in train(strategy, Some(budget), 3) {
+            let device = &r.memory[&Where::Device];
+            assert!(device.peak <= budget, "{strategy}: device peak {} over {budget}", device.peak);
+            assert!(device.peak > budget / 4, "{strategy}: the device is used: {}", device.peak);
+        }
+    }
+    let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
+    let err = trainer("[]", &config, &Placement::single()).err().expect("refused").to_string();
+    assert!(err.contains("out of memory on device"), "{err}");
+}
+
+#[test]
+fn auto_keeps_on_the_device_what_fits_and_moves_only_the_rest() {
+    let config = EngineConfig { device_budget: None, ..EngineConfig::default() };
+    let options = |policy| OffloadOptions {
+        policy,
+        optimizer_bytes_per_element: 8,
+        prefetch: 0,
+        pin_memory: false,
+        non_model: None,
+    };
+    let auto = HomePolicy::Auto { params_may_leave: true };
+    let unlimited = Offload::plan_for(&spec(), &config, &options(auto.clone())).unwrap();
+    assert!(unlimited.homes.iter().all(|&h| h == Home::Device));
+    assert_eq!(unlimited.traffic.total(), 0, "nothing moves when everything fits");
+    let tight = EngineConfig { device_budget: Some(model_state_bytes() * 4 / 10), ..config };
+    let planned = Offload::plan_for(&spec(), &tight, &options(auto)).unwrap();
+    let full =
+        Offload::plan_for(&spec(), &tight, &options(HomePolicy::Static { params: 1.0, optimizer: 1.0 })).unwrap();
+    assert!(planned.homes.contains(&Home::Device), "{:?}", planned.homes);
+    assert!(planned.traffic.total() < full.traffic.total(), "{:?} against {:?}", planned.traffic, full.traffic);
+}
+
+#[test]
+fn bytes_moved_per_step_are_those_the_plan_computed() {
+    let budget = model_state_bytes() * 4 / 10;
+    let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
+    let strategy = Strategy::parse(AUTO).unwrap();
+    let mut at = Placement::single();
+    let non_model = measure_non_model(spec(), config.clone(), &strategy, &at, &step(0)).unwrap();
+    at.non_model = Some(non_model.clone());
+    let options = OffloadOptions {
+        policy: strategy.offload().unwrap().home_policy().unwrap(),
+        optimizer_bytes_per_element: 8,
+        prefetch: 2,
+        pin_memory: false,
+        non_model: Some(non_model),
+    };
+    let plan = Offload::plan_for(&spec(), &config, &options).unwrap();
+    let mut trainer = trainer(AUTO, &config, &at).unwrap();
+    for i in 0..3 {
+        let before = trainer.engine.ledger().transfers();
+        trainer.train_step(&step(i)).unwrap();
+        let after = trainer.engine.ledger().transfers();
+        // Two micro-batches: parameter copies twice, gradients sent after each backward.
+        let micro = 2;
+        assert_eq!(after.to_host - before.to_host, micro * plan.traffic.to_host, "step {i}");
+        assert!(after.to_device > before.to_device, "step {i}");
+    }
+}
