@@ -200,15 +200,13 @@ impl PlanInput {
         }
         let persistent: u64 = self.units.iter().zip(homes).map(|(s, &h)| s.device_resident(h)).sum();
         let spans = self.grad_spans();
-        let on_host = |u: usize| homes[u] == Home::Host;
         let size = |u: usize| self.units[u].params;
-        // The next moment at or after `t` that reads unit `u` in this step (none: never).
-        let next_use = |u: usize, t: usize| {
-            (t..moments.len()).find(|&s| self.reads(moments[s]).contains(&u)).unwrap_or(usize::MAX)
-        };
-        let mut traffic = Traffic::default();
-        let mut resident: BTreeSet<usize> = BTreeSet::new();
-        let (mut resident_at, mut prefetch_at, mut device_bytes) = (vec![], vec![], vec![]);
+        let budget = self.device_budget.unwrap_or(u64::MAX);
+        // Per moment: the host-homed copies it reads, the bytes beside all copies, and the
+        // room left for copies kept for later.
+        let mut needs: Vec<Vec<usize>> = vec![];
+        let mut fixed = vec![];
+        let mut room = vec![];
         for (t, &moment) in moments.iter().enumerate() {
             let transient_grads: u64 = (0..n)
                 .filter(|&u| homes[u] != Home::Device && spans[u].is_some_and(|(a, b)| a <= t && t <= b))
@@ -221,49 +219,48 @@ impl PlanInput {
                 }
                 _ => None,
             };
-            let fixed = persistent + transient_grads + self.non_model[t] + scratch.unwrap_or(0);
-            let budget = self.device_budget.unwrap_or(u64::MAX);
-            let room = budget.saturating_sub(fixed);
-            let need: BTreeSet<usize> = self.reads(moment).iter().copied().filter(|&u| on_host(u)).collect();
+            let beside = persistent + transient_grads + self.non_model[t] + scratch.unwrap_or(0);
+            let need: Vec<usize> = self.reads(moment).iter().copied().filter(|&u| homes[u] == Home::Host).collect();
             let need_bytes: u64 = need.iter().map(|&u| size(u)).sum();
-            if fixed + need_bytes > budget {
+            if beside + need_bytes > budget {
                 return Err(DoesNotFit(format!(
-                    "{moment:?} needs {need_bytes} bytes of parameters on the device beside {fixed} \
-                     (resident states {persistent}, gradients {transient_grads}, non-model {}) of a budget of {}",
+                    "{moment:?} needs {need_bytes} bytes of parameters on the device beside {beside} \
+                     (resident states {persistent}, gradients {transient_grads}, non-model {}) of a budget of {budget}",
                     self.non_model[t],
-                    self.device_budget.unwrap_or(0)
                 )));
             }
-            // Furthest next use leaves first, until the copies this moment reads fit.
-            let held = |r: &BTreeSet<usize>| r.union(&need).map(|&u| size(u)).sum::<u64>();
-            while held(&resident) > room {
-                // What this moment reads fits alone (checked above), so a victim exists.
-                let Some(victim) =
-                    resident.iter().copied().filter(|u| !need.contains(u)).max_by_key(|&u| next_use(u, t))
-                else {
-                    break;
-                };
-                resident.remove(&victim);
+            room.push(budget - beside - need_bytes);
+            fixed.push(beside);
+            needs.push(need);
+        }
+        let kept = keep_between_uses(&needs, &room, &size);
+        let mut resident: Vec<BTreeSet<usize>> = needs.iter().map(|need| need.iter().copied().collect()).collect();
+        for gap in &kept {
+            for r in &mut resident[gap.from + 1..gap.to] {
+                r.insert(gap.unit);
             }
-            traffic.to_device += need.iter().filter(|u| !resident.contains(u)).map(|&u| size(u)).sum::<u64>();
-            resident.extend(&need);
-            // Copies for the next moments start now where they fit beside what is held.
-            let mut prefetch = vec![];
-            for &ahead in moments.iter().skip(t + 1).take(self.prefetch) {
-                for &u in self.reads(ahead).iter().filter(|&&u| on_host(u)) {
-                    if !resident.contains(&u) && held(&resident) + size(u) <= room {
-                        resident.insert(u);
-                        prefetch.push(u);
-                        traffic.to_device += size(u);
+        }
+        let mut traffic = Traffic::default();
+        for u in (0..n).filter(|&u| homes[u] == Home::Host) {
+            let uses = needs.iter().filter(|need| need.contains(&u)).count();
+            let bridged = kept.iter().filter(|g| g.unit == u).count();
+            traffic.to_device += size(u) * (uses - bridged) as u64;
+        }
+        // Copies start up to `prefetch` moments early where they fit beside what is held
+        // at every moment until they are read (traffic is unchanged: each is copied anyway).
+        let held = |r: &BTreeSet<usize>| r.iter().map(|&u| size(u)).sum::<u64>();
+        let mut prefetch = vec![vec![]; moments.len()];
+        for t in 0..moments.len() {
+            for ahead in t + 1..(t + 1 + self.prefetch).min(moments.len()) {
+                for &u in &needs[ahead] {
+                    let absent = (t..ahead).all(|s| !resident[s].contains(&u));
+                    if absent && (t..ahead).all(|s| fixed[s] + held(&resident[s]) + size(u) <= budget) {
+                        for r in &mut resident[t..ahead] {
+                            r.insert(u);
+                        }
+                        prefetch[t].push(u);
                     }
                 }
-            }
-            device_bytes.push(fixed + resident.iter().map(|&u| size(u)).sum::<u64>());
-            resident_at.push(resident.iter().copied().collect());
-            prefetch_at.push(prefetch);
-            if moment == Moment::Update {
-                // The host's update makes every copy stale.
-                resident.clear();
             }
         }
         for (s, &h) in self.units.iter().zip(homes) {
@@ -276,13 +273,124 @@ impl PlanInput {
         }
         Ok(Plan {
             homes: homes.to_vec(),
-            resident: resident_at,
-            prefetch: prefetch_at,
-            device_bytes,
+            device_bytes: fixed.iter().zip(&resident).map(|(f, r)| f + held(r)).collect(),
+            resident: resident.into_iter().map(|r| r.into_iter().collect()).collect(),
+            prefetch,
             host_bytes,
             traffic,
         })
     }
+}
+
+/// Unit `unit`'s copy stays on the device from its use at moment `from` to the next at `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Gap {
+    unit: usize,
+    from: usize,
+    to: usize,
+}
+
+/// At most this many gaps are chosen by trying every subset; a model has one per borrowed
+/// unit's extra use (a tied embedding: two).
+const ENUMERATED_GAPS: usize = 12;
+
+/// Which copies stay on the device between consecutive uses, saving the most bytes copied
+/// while every moment's kept copies fit its `room`. Furthest-next-use eviction is optimal
+/// only for copies of equal size; this is exact for units of any size: a unit read only by
+/// its own forward and backward keeps its copy over a span that contains the spans of all
+/// later such units, so the choice among them is a knapsack over nested prefixes, solved by
+/// dynamic programming over the reachable byte sums; the spans of units read elsewhere too
+/// (borrowed weights) are few and tried in every combination around it.
+fn keep_between_uses(needs: &[Vec<usize>], room: &[u64], size: &dyn Fn(usize) -> u64) -> Vec<Gap> {
+    let mut units: Vec<usize> = needs.iter().flatten().copied().collect();
+    units.sort_unstable();
+    units.dedup();
+    let mut free = vec![];
+    let mut nested = vec![];
+    let mut other = vec![];
+    for &u in &units {
+        let uses: Vec<usize> = (0..needs.len()).filter(|&t| needs[t].contains(&u)).collect();
+        let gaps: Vec<Gap> = uses.windows(2).map(|w| Gap { unit: u, from: w[0], to: w[1] }).collect();
+        for gap in gaps.iter().copied() {
+            match gap {
+                g if g.to == g.from + 1 => free.push(g),
+                g if gaps.len() == 1 => nested.push(g),
+                g => other.push(g),
+            }
+        }
+    }
+    // Outermost span first: each nested span lies inside the ones before it.
+    nested.sort_by_key(|g| (g.from, std::cmp::Reverse(g.to)));
+    // Beyond the limit (many borrowed weights), the remaining copies are fetched again.
+    let tried = &other[..other.len().min(ENUMERATED_GAPS)];
+    let mut best: Option<(u64, Vec<Gap>)> = None;
+    for subset in 0u32..1 << tried.len() {
+        let chosen: Vec<Gap> = (0..tried.len()).filter(|i| subset & 1 << i != 0).map(|i| tried[i]).collect();
+        let mut left: Vec<i128> = room.iter().map(|&r| r as i128).collect();
+        for g in &chosen {
+            for l in &mut left[g.from + 1..g.to] {
+                *l -= size(g.unit) as i128;
+            }
+        }
+        if left.iter().any(|&l| l < 0) {
+            continue;
+        }
+        let (saved, picked) = nested_knapsack(&nested, &left, size);
+        let total = saved + chosen.iter().map(|g| size(g.unit)).sum::<u64>();
+        if best.as_ref().is_none_or(|(most, _)| total > *most) {
+            best = Some((total, chosen.into_iter().chain(picked).collect()));
+        }
+    }
+    // Keeping none of the tried spans always fits, so a best exists.
+    let mut kept = best.map(|(_, gaps)| gaps).unwrap_or_default();
+    kept.extend(free);
+    kept
+}
+
+/// The subset of `nested` spans (outermost first, each inside the previous) with the most
+/// bytes whose kept copies fit `left` at every moment, and those bytes.
+fn nested_knapsack(nested: &[Gap], left: &[i128], size: &dyn Fn(usize) -> u64) -> (u64, Vec<Gap>) {
+    // The moments each span covers beyond the next span in: the kept bytes there are the
+    // sum over the spans up to it, so the tightest room there bounds that prefix.
+    let limits: Vec<i128> = nested
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            let inner = nested.get(i + 1).map(|h| h.from + 1..h.to);
+            (g.from + 1..g.to)
+                .filter(|t| inner.as_ref().is_none_or(|r| !r.contains(t)))
+                .map(|t| left[t])
+                .min()
+                .unwrap_or(i128::MAX)
+        })
+        .collect();
+    // Reachable sums after each span, with how each was reached: (previous sum, kept).
+    let mut layers: Vec<std::collections::BTreeMap<u64, (u64, bool)>> = vec![];
+    let mut sums: Vec<u64> = vec![0];
+    for (g, &limit) in nested.iter().zip(&limits) {
+        let mut next = std::collections::BTreeMap::new();
+        for &sum in &sums {
+            for keep in [false, true] {
+                let after = sum + if keep { size(g.unit) } else { 0 };
+                if (after as i128) <= limit {
+                    next.entry(after).or_insert((sum, keep));
+                }
+            }
+        }
+        sums = next.keys().copied().collect();
+        layers.push(next);
+    }
+    let Some(&best) = sums.iter().max() else { return (0, vec![]) };
+    let mut picked = vec![];
+    let mut sum = best;
+    for (g, layer) in nested.iter().zip(&layers).rev() {
+        let (before, keep) = layer[&sum];
+        if keep {
+            picked.push(*g);
+        }
+        sum = before;
+    }
+    (best, picked)
 }
 
 /// The placement of `input`'s units under `policy`, or an error with the numbers when no
@@ -376,6 +484,86 @@ mod tests {
         assert!(tight.device_peak() <= 25);
         let never = plan(&input(&[10, 10, 10], 25), &HomePolicy::Auto { params_may_leave: false });
         assert!(never.unwrap_err().to_string().contains("do not fit"));
+    }
+
+    /// The fewest parameter bytes any eviction order copies to the device in one step under
+    /// `plan`'s homes and room, by trying every choice of which copies to keep at every moment.
+    fn fewest_bytes_copied(input: &PlanInput, plan: &Plan) -> u64 {
+        let n = input.units.len();
+        let moments = step_moments(n);
+        let size = |mask: u32| (0..n).filter(|u| mask & (1 << u) != 0).map(|u| input.units[u].params).sum::<u64>();
+        let mask_of = |units: &[usize]| units.iter().fold(0u32, |m, &u| m | 1 << u);
+        let budget = input.device_budget.unwrap_or(u64::MAX);
+        let room: Vec<u64> =
+            (0..moments.len()).map(|t| budget - (plan.device_bytes[t] - size(mask_of(&plan.resident[t])))).collect();
+        let need: Vec<u32> = moments
+            .iter()
+            .map(|&m| {
+                mask_of(&input.reads(m).iter().copied().filter(|&u| plan.homes[u] == Home::Host).collect::<Vec<_>>())
+            })
+            .collect();
+        fn best(
+            t: usize,
+            held: u32,
+            need: &[u32],
+            room: &[u64],
+            size: &dyn Fn(u32) -> u64,
+            memo: &mut std::collections::HashMap<(usize, u32), u64>,
+        ) -> u64 {
+            if t == need.len() {
+                return 0;
+            }
+            if let Some(&v) = memo.get(&(t, held)) {
+                return v;
+            }
+            let mut lowest = u64::MAX;
+            // Every subset of what is held may stay; what this moment reads must be there.
+            let mut kept = held;
+            loop {
+                let present = kept | need[t];
+                if size(present) <= room[t] {
+                    let after = if t == need.len() - 1 { 0 } else { present };
+                    let rest = best(t + 1, after, need, room, size, memo);
+                    lowest = lowest.min(size(need[t] & !kept).saturating_add(rest));
+                }
+                if kept == 0 {
+                    break;
+                }
+                kept = (kept - 1) & held;
+            }
+            memo.insert((t, held), lowest);
+            lowest
+        }
+        best(0, 0, &need, &room, &size, &mut Default::default())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        #[test]
+        fn the_plan_copies_the_fewest_bytes_any_eviction_order_could(
+            sizes in proptest::collection::vec(1u64..4, 2..=8),
+            tied in proptest::bool::ANY,
+            slack in 0u64..40,
+        ) {
+            let n = sizes.len();
+            let slot = 64;
+            let mut i = input(&sizes.iter().map(|s| s * slot).collect::<Vec<_>>(), u64::MAX);
+            if tied {
+                i.needs[n - 1].push(0);
+            }
+            let full = HomePolicy::Static { params: 1.0, optimizer: 1.0 };
+            // The least budget a full offload fits, plus some slack.
+            let least = (0..).map(|b| b * slot / 4).find(|&b| {
+                i.device_budget = Some(b);
+                plan(&i, &full).is_ok()
+            });
+            i.device_budget = least.map(|b| b + slack * slot / 4);
+            let plan = plan(&i, &full).unwrap();
+            proptest::prop_assert_eq!(plan.traffic.to_device, fewest_bytes_copied(&i, &plan), "{:?}", plan.resident);
+            for (t, bytes) in plan.device_bytes.iter().enumerate() {
+                proptest::prop_assert!(*bytes <= i.device_budget.unwrap(), "moment {}: {} bytes", t, bytes);
+            }
+        }
     }
 
     #[test]
