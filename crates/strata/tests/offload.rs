@@ -1,13 +1,14 @@
 //! Offload: model states placed between device and host train exactly as when every state
 //! stays on the device, within the device and host budgets, moving the bytes the plan says.
+use std::sync::Arc;
 use strata::data::{Batch, Step};
 use strata::engine::offload::{Offload, OffloadOptions};
 use strata::engine::placement::{Home, HomePolicy};
-use strata::engine::{with_seed, EngineConfig, Placement as Where};
+use strata::engine::{with_seed, EngineConfig, Event, EventLog, Placement as Where};
 use strata::model::{self, Builder, GptConfig, ModelSpec};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{build_engine, Placement};
-use strata::strategy::Strategy;
+use strata::strategy::{Method, Strategy};
 use strata::train::{measure_non_model, StepReport, Trainer};
 use tch::{Device, Kind, Tensor};
 
@@ -38,9 +39,8 @@ fn model_state_bytes() -> u64 {
     spec().num_params() as u64 * 16
 }
 
-fn trainer(strategy: &str, config: &EngineConfig, at: &Placement) -> strata::Result<Trainer> {
-    let strategy = Strategy::parse(strategy).unwrap();
-    let mut engine = build_engine(spec(), config.clone(), &strategy, at)?;
+fn trainer(strategy: &Strategy, config: &EngineConfig, at: &Placement) -> strata::Result<Trainer> {
+    let mut engine = build_engine(spec(), config.clone(), strategy, at)?;
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
     Ok(Trainer::new(engine, optimizer, Schedule::Constant, Some(0.5)))
 }
@@ -50,11 +50,11 @@ fn trainer(strategy: &str, config: &EngineConfig, at: &Placement) -> strata::Res
 fn train(strategy: &str, budget: Option<u64>, steps: usize) -> Vec<StepReport> {
     let config = EngineConfig { device_budget: budget, ..EngineConfig::default() };
     let mut at = Placement::single();
-    if strategy.contains("offload") {
-        let parsed = Strategy::parse(strategy).unwrap();
-        at.non_model = Some(measure_non_model(spec(), config.clone(), &parsed, &at, &step(0)).unwrap());
+    let strategy = Strategy::parse(strategy).unwrap();
+    if strategy.offload().is_some() {
+        at.non_model = Some(measure_non_model(spec(), config.clone(), &strategy, &at, &step(0)).unwrap());
     }
-    let mut trainer = trainer(strategy, &config, &at).unwrap();
+    let mut trainer = trainer(&strategy, &config, &at).unwrap();
     (0..steps).map(|i| trainer.train_step(&step(i)).unwrap()).collect()
 }
 
@@ -88,7 +88,7 @@ fn the_device_stays_within_its_budget_and_a_run_without_offload_is_refused_when_
         }
     }
     let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
-    let err = trainer("[]", &config, &Placement::single()).err().expect("refused").to_string();
+    let err = trainer(&Strategy::default(), &config, &Placement::single()).err().expect("refused").to_string();
     assert!(err.contains("out of memory on device"), "{err}");
 }
 
@@ -115,29 +115,55 @@ fn auto_keeps_on_the_device_what_fits_and_moves_only_the_rest() {
 }
 
 #[test]
-fn bytes_moved_per_step_are_those_the_plan_computed() {
+fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_buffers_hold() {
     let budget = model_state_bytes() * 4 / 10;
     let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
-    let strategy = Strategy::parse(AUTO).unwrap();
-    let mut at = Placement::single();
-    let non_model = measure_non_model(spec(), config.clone(), &strategy, &at, &step(0)).unwrap();
-    at.non_model = Some(non_model.clone());
-    let options = OffloadOptions {
-        policy: strategy.offload().unwrap().home_policy().unwrap(),
-        optimizer_bytes_per_element: 8,
-        prefetch: 2,
-        pin_memory: false,
-        non_model: Some(non_model),
+    // One micro-batch a step: every step starts with no copy on the device.
+    let single = |i: usize| {
+        let mut s = step(i);
+        s.micro_batches.truncate(1);
+        s
     };
-    let plan = Offload::plan_for(&spec(), &config, &options).unwrap();
-    let mut trainer = trainer(AUTO, &config, &at).unwrap();
-    for i in 0..3 {
-        let before = trainer.engine.ledger().transfers();
-        trainer.train_step(&step(i)).unwrap();
-        let after = trainer.engine.ledger().transfers();
-        // Two micro-batches: parameter copies twice, gradients sent after each backward.
-        let micro = 2;
-        assert_eq!(after.to_host - before.to_host, micro * plan.traffic.to_host, "step {i}");
-        assert!(after.to_device > before.to_device, "step {i}");
+    for (strategy, prefetch) in [(AUTO, 2), (FULL, 2), (FULL, 0), (OPTIMIZER_ONLY, 2)] {
+        let mut parsed = Strategy::parse(strategy).unwrap();
+        for method in &mut parsed.methods {
+            if let Method::Offload(c) = method {
+                c.prefetch = prefetch;
+            }
+        }
+        let mut at = Placement::single();
+        let non_model = measure_non_model(spec(), config.clone(), &parsed, &at, &single(0)).unwrap();
+        at.non_model = Some(non_model.clone());
+        let options = OffloadOptions {
+            policy: parsed.offload().unwrap().home_policy().unwrap(),
+            optimizer_bytes_per_element: 8,
+            prefetch,
+            pin_memory: false,
+            non_model: Some(non_model),
+        };
+        let plan = Offload::plan_for(&spec(), &config, &options).unwrap();
+        let mut trainer = trainer(&parsed, &config, &at).unwrap();
+        let log = Arc::new(EventLog::default());
+        trainer.engine.set_event_sink(log.clone());
+        for i in 0..3 {
+            let before = trainer.engine.ledger().transfers();
+            trainer.train_step(&single(i)).unwrap();
+            let after = trainer.engine.ledger().transfers();
+            assert_eq!(after.to_host - before.to_host, plan.traffic.to_host, "{strategy} prefetch {prefetch} step {i}");
+            assert_eq!(
+                after.to_device - before.to_device,
+                plan.traffic.to_device,
+                "{strategy} prefetch {prefetch} step {i}"
+            );
+        }
+        assert!(plan.traffic.to_device > 0, "{strategy}");
+        let mut phases = 0;
+        for event in log.take() {
+            if let Event::Phase { phase, unit, ledger_bytes, storage_bytes } = event {
+                assert_eq!(ledger_bytes, storage_bytes, "{strategy}: {phase:?} of unit {unit}");
+                phases += 1;
+            }
+        }
+        assert_eq!(phases, 3 * 4 * spec().units.len(), "{strategy}");
     }
 }

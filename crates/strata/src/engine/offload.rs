@@ -52,6 +52,17 @@ pub struct Offload {
     needs: Vec<Vec<usize>>,
     /// Per unit, the last unit whose backward reads it (itself, or the lowest borrower).
     last_reader: Vec<usize>,
+    /// Parameter copies started ahead and still running, by unit.
+    copying: Vec<(usize, std::thread::JoinHandle<Result<()>>)>,
+}
+
+impl Drop for Offload {
+    fn drop(&mut self) {
+        // The copies write buffers they hold a reference to: wait for them to end.
+        for (_, copy) in self.copying.drain(..) {
+            let _ = copy.join();
+        }
+    }
 }
 
 /// Per unit, the bytes of its model states in `kind`.
@@ -141,7 +152,7 @@ impl Offload {
         };
         let config = EngineConfig { grad_layout: GradLayout::PerUnit, ..config };
         let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
-        engine.set_schedule(Box::new(Offload { plan, units, needs, last_reader }));
+        engine.set_schedule(Box::new(Offload { plan, units, needs, last_reader, copying: vec![] }));
         Ok(engine)
     }
 
@@ -159,26 +170,57 @@ impl Offload {
         placement::plan(&input, &options.policy)
     }
 
-    /// Copies unit `u`'s parameters from the host into its device buffer.
-    fn fetch(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+    /// Starts copying unit `u`'s parameters from the host into its device buffer: on a
+    /// thread of its own with `ahead` where the device is the CPU (so the copy overlaps the
+    /// units computing meanwhile), here otherwise. [`Offload::finish_fetch`] waits for it.
+    fn start_fetch(&mut self, u: usize, ahead: bool, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
         let unit = &mut self.units[u];
         let Some(host) = unit.host_params.as_ref().filter(|_| !unit.params_on_device) else { return Ok(()) };
         ledger.alloc(Placement::Device, Category::Params, unit.bytes.params)?;
         let started = Instant::now();
         // SAFETY: the engine's flat buffer spans its storage; it is filled before any use.
         unsafe { memory::restore_buffer(&storage[u].flat) }?;
-        tch::no_grad(|| storage[u].flat.shallow_clone().f_copy_(host))?;
-        ledger.record_transfer(Placement::Device, unit.bytes.params, started.elapsed());
         unit.params_on_device = true;
+        let (destination, source) = (storage[u].flat.shallow_clone(), host.shallow_clone());
+        let copy = move || -> Result<()> {
+            tch::no_grad(|| destination.shallow_clone().f_copy_(&source))?;
+            Ok(())
+        };
+        if ahead && storage[u].flat.device() == Device::Cpu {
+            self.copying.push((u, std::thread::spawn(copy)));
+        } else {
+            copy()?;
+            ledger.record_transfer(Placement::Device, unit.bytes.params, started.elapsed());
+        }
+        Ok(())
+    }
+
+    /// Waits for unit `u`'s copy started ahead, if one is in flight.
+    fn finish_fetch(&mut self, u: usize, ledger: &MemoryLedger) -> Result<()> {
+        let Some(i) = self.copying.iter().position(|(v, _)| *v == u) else { return Ok(()) };
+        let (_, copy) = self.copying.swap_remove(i);
+        let started = Instant::now();
+        let copied = copy.join().map_err(|_| Error::Engine(format!("the copy of unit {u}'s parameters panicked")))?;
+        ledger.record_transfer(Placement::Device, self.units[u].bytes.params, started.elapsed());
+        copied
+    }
+
+    /// Waits for every copy in flight.
+    fn finish_fetches(&mut self, ledger: &MemoryLedger) -> Result<()> {
+        while let Some(&(u, _)) = self.copying.first() {
+            self.finish_fetch(u, ledger)?;
+        }
         Ok(())
     }
 
     /// Releases the device copy of a host-homed unit's parameters.
     fn evict(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
-        let unit = &mut self.units[u];
-        if unit.home != Home::Host || !unit.params_on_device {
+        if self.units[u].home != Home::Host || !self.units[u].params_on_device {
             return Ok(());
         }
+        // A copy still filling the buffer completes before its memory goes.
+        self.finish_fetch(u, ledger)?;
+        let unit = &mut self.units[u];
         // SAFETY: the unit's forward or backward that read the copy is over (the engine runs
         // one moment at a time) and the copy is filled again before its next use.
         unsafe { memory::release_buffer(&storage[u].flat) }?;
@@ -196,10 +238,11 @@ impl Offload {
             self.evict(u, storage, ledger)?;
         }
         for &u in reads {
-            self.fetch(u, storage, ledger)?;
+            self.start_fetch(u, false, storage, ledger)?;
+            self.finish_fetch(u, ledger)?;
         }
         for u in self.plan.prefetch[t].clone() {
-            self.fetch(u, storage, ledger)?;
+            self.start_fetch(u, true, storage, ledger)?;
         }
         Ok(())
     }
@@ -348,8 +391,14 @@ impl UnitSchedule for Offload {
         }
     }
 
+    fn finish_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        // No copy may read a master while the optimizer writes it.
+        self.finish_fetches(ctx.ledger)
+    }
+
     fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         let (storage, ledger) = (&*ctx.storage, ctx.ledger);
+        self.finish_fetches(ledger)?;
         for u in 0..self.units.len() {
             match self.units[u].home {
                 Home::Device => {}
@@ -384,12 +433,14 @@ impl UnitSchedule for Offload {
     }
 
     fn full_unit(&mut self, ctx: ScheduleContext<'_>) -> Result<Tensor> {
+        self.finish_fetches(ctx.ledger)?;
         let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
         let master = unit.host_params.as_ref().unwrap_or(&s.flat);
         Ok(master.f_narrow(0, 0, s.numel)?)
     }
 
     fn set_full_unit(&mut self, ctx: ScheduleContext<'_>, values: &Tensor) -> Result<()> {
+        self.finish_fetches(ctx.ledger)?;
         let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
         if let Some(host) = &unit.host_params {
             tch::no_grad(|| host.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
