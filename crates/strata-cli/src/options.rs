@@ -154,6 +154,9 @@ train_options! {
     search_report: PathBuf,
     /// Bytes each rank's device may hold: dry runs over it are out, the engine refuses more.
     device_memory: u64,
+    /// Bytes of host memory each rank may hold for model states the offload method places
+    /// there: a plan over it is refused when the engine is built.
+    host_memory: u64,
     /// Freeze parameters whose name contains any of these comma-separated substrings.
     freeze: String,
     /// Save sharded checkpoints into this folder (at the end, and every --checkpoint-every).
@@ -235,6 +238,7 @@ pub struct TrainSettings {
     pub save_strategy: Option<PathBuf>,
     pub search_report: Option<PathBuf>,
     pub device_memory: Option<u64>,
+    pub host_memory: Option<u64>,
     pub freeze: Vec<String>,
     pub save_checkpoint: Option<PathBuf>,
     pub checkpoint_every: Option<u64>,
@@ -582,6 +586,10 @@ impl TrainOptions {
             search_report: o.search_report,
             device_memory: match o.device_memory {
                 Some(0) => bail!("--device-memory must be positive"),
+                m => m,
+            },
+            host_memory: match o.host_memory {
+                Some(0) => bail!("--host-memory must be positive"),
                 m => m,
             },
             freeze: list(o.freeze),

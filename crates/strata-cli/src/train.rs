@@ -17,7 +17,7 @@ use strata::io::WeightsTarget;
 use strata::model::Builder;
 use strata::optim::{Optimizer, OptimizerKind};
 use strata::parallel::{self, DataParallelOptions, Placement};
-use strata::train::{StepReport, Trainer};
+use strata::train::{measure_non_model, StepReport, Trainer};
 use tracing::info;
 
 fn human_bytes(b: u64) -> String {
@@ -118,11 +118,16 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         device: settings.device,
         seed: settings.seed as i64,
         device_budget: settings.device_memory,
+        host_budget: settings.host_memory,
         ..Default::default()
     };
     let data = Arc::new(data);
-    let mut spec = choice.spec()?;
-    spec.freeze(&settings.freeze)?;
+    let model_spec = || -> Result<strata::model::ModelSpec> {
+        let mut spec = choice.spec()?;
+        spec.freeze(&settings.freeze)?;
+        Ok(spec)
+    };
+    let spec = model_spec()?;
     check_outputs(&settings, spec.num_params() as u64)?;
     // Started as one of several ranks: join the job.
     // Shared memory between the ranks of one host, TCP when the job spans hosts.
@@ -212,13 +217,39 @@ pub fn run(settings: TrainSettings) -> Result<()> {
             leader,
         });
     }
-    let placement = Placement { comm: comm.as_ref(), local_world_size, data_parallel, stage: false };
-    let mut engine = parallel::build_engine(spec, engine_config, &strategy, &placement)?;
-    load_initial_weights(&settings, &mut engine)?;
     let world_group = comm.as_ref().map(|c| c.world()).transpose()?;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
     // The ranks of one tensor group read the same batches.
     let (data_rank, data_world) = parallel::batch_shard(&strategy.parallel_mode(), rank, world)?;
+    let loader_config = |start_step: u64| LoaderConfig {
+        accumulation: settings.accumulation,
+        rank: data_rank,
+        world: data_world,
+        seed: settings.seed,
+        device: settings.device,
+        start_step: start_step as usize,
+        ..LoaderConfig::new(ctx, settings.batch_size)
+    };
+    let mut placement = Placement {
+        comm: comm.as_ref(),
+        local_world_size,
+        data_parallel,
+        stage: false,
+        optimizer_bytes_per_element: settings.optimizer.state_bytes_per_element(),
+        non_model: None,
+    };
+    if strategy.offload().is_some() {
+        // The plan leaves room for what a step holds beside model states, measured on a
+        // step of the run's own shape.
+        let first = DataLoader::new(data.clone(), loader_config(0), order.clone())?
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("the data holds no step to measure offload's room on"))??;
+        let room = measure_non_model(model_spec()?, engine_config.clone(), &strategy, &placement, &first)
+            .context("measuring what a step holds beside model states")?;
+        placement.non_model = Some(room);
+    }
+    let mut engine = parallel::build_engine(spec, engine_config, &strategy, &placement)?;
+    load_initial_weights(&settings, &mut engine)?;
     info!(
         model = settings.model_name,
         params = engine.spec().num_params(),
@@ -250,15 +281,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     if start > settings.steps {
         bail!("the checkpoint is at step {start}, past --steps {}", settings.steps);
     }
-    let loader_config = LoaderConfig {
-        accumulation: settings.accumulation,
-        rank: data_rank,
-        world: data_world,
-        seed: settings.seed,
-        device: settings.device,
-        start_step: start as usize,
-        ..LoaderConfig::new(ctx, settings.batch_size)
-    };
+    let loader_config = loader_config(start);
     let val_steps = val.as_ref().map(|v| validation_steps(v, &loader_config, settings.eval_batches, 8)).transpose()?;
     let loader = DataLoader::new(data, loader_config, order)?;
     let save_checkpoint = |trainer: &mut Trainer| -> Result<()> {

@@ -181,7 +181,9 @@ impl Offload {
         // SAFETY: the engine's flat buffer spans its storage; it is filled before any use.
         unsafe { memory::restore_buffer(&storage[u].flat) }?;
         unit.params_on_device = true;
-        let (destination, source) = (storage[u].flat.shallow_clone(), host.shallow_clone());
+        // Written through a tensor with a version counter of its own: autograd's saved views
+        // of these parameters see the values they saw in forward, with no version change.
+        let (destination, source) = (storage[u].flat.f_data()?, host.shallow_clone());
         let copy = move || -> Result<()> {
             tch::no_grad(|| destination.shallow_clone().f_copy_(&source))?;
             Ok(())

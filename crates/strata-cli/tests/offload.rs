@@ -1,0 +1,94 @@
+//! Offload end to end: `strata train` with model states placed between device and host
+//! under a device budget reaches what the run without a budget reaches, also when a run is
+//! resumed across offload and no offload; budgets that nothing fits are one clear line.
+mod common;
+
+use common::{assert_fails_with, global_gap, losses, reports, stderr, strata};
+use std::path::{Path, PathBuf};
+
+/// A constant learning rate: a run of 6 steps and one of 3 resumed to 6 see the same rates.
+const RUN: [&str; 16] = [
+    "--model",
+    "gpt",
+    "--layers",
+    "4",
+    "--dim",
+    "32",
+    "--ctx",
+    "32",
+    "--seed",
+    "5",
+    "--batch-size",
+    "4",
+    "--threads",
+    "1",
+    "--schedule",
+    "constant",
+];
+
+/// Trains `steps` steps with `extra` flags; the saved weights and metrics.
+fn train(dir: &Path, name: &str, steps: u64, extra: &[&str]) -> (PathBuf, PathBuf) {
+    let (w, m) = (dir.join(format!("{name}.st")), dir.join(format!("{name}.jsonl")));
+    let steps = steps.to_string();
+    let files = ["--steps", &steps, "--save-weights", w.to_str().unwrap(), "--metrics", m.to_str().unwrap()];
+    let o = strata(&[&["train"][..], &RUN, &files, extra].concat());
+    assert!(o.status.success(), "{name} {extra:?}:\n{}", stderr(&o));
+    (w, m)
+}
+
+/// 40% of the model states' bytes (parameters, gradients, Adam's moments) of a run.
+fn tight_budget(metrics: &Path) -> String {
+    let states = reports(metrics)[0]["model_state_peak_bytes"].as_u64().unwrap();
+    (states * 4 / 10).to_string()
+}
+
+#[test]
+fn offloaded_training_under_a_budget_matches_the_run_without_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reference, reference_metrics) = train(dir.path(), "reference", 8, &[]);
+    let budget = tight_budget(&reference_metrics);
+    let refused = strata(&[&["train"][..], &RUN, &["--steps", "2", "--device-memory", &budget]].concat());
+    assert_fails_with(&refused, "out of memory on device");
+    for (name, strategy) in [
+        ("auto", r#"["offload"]"#),
+        ("full", r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#),
+    ] {
+        let (weights, metrics) = train(dir.path(), name, 8, &["--strategy", strategy, "--device-memory", &budget]);
+        assert_eq!(losses(&metrics), losses(&reference_metrics), "{name}");
+        assert_eq!(global_gap(&reference, &weights), 0.0, "{name}");
+        for r in reports(&metrics) {
+            let peak = r["memory"]["device"]["peak"].as_u64().unwrap();
+            assert!(peak <= budget.parse().unwrap(), "{name}: device peak {peak} over {budget}");
+        }
+    }
+}
+
+#[test]
+fn a_run_resumes_across_offload_and_no_offload() {
+    let dir = tempfile::tempdir().unwrap();
+    let (straight, _) = train(dir.path(), "straight", 6, &[]);
+    let ckpt = dir.path().join("ckpt");
+    let offload = ["--strategy", r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#];
+    let save = [&offload[..], &["--save-checkpoint", ckpt.to_str().unwrap()]].concat();
+    train(dir.path(), "first", 3, &save);
+    let (resumed, _) = train(dir.path(), "resumed", 6, &["--resume", ckpt.to_str().unwrap()]);
+    assert!(global_gap(&straight, &resumed) < 1e-6, "offload then none: {}", global_gap(&straight, &resumed));
+    let plain = dir.path().join("plain");
+    train(dir.path(), "plain_first", 3, &["--save-checkpoint", plain.to_str().unwrap()]);
+    let resume_offloaded = [&offload[..], &["--resume", plain.to_str().unwrap()]].concat();
+    let (offloaded, _) = train(dir.path(), "offloaded", 6, &resume_offloaded);
+    assert!(global_gap(&straight, &offloaded) < 1e-6, "none then offload: {}", global_gap(&straight, &offloaded));
+}
+
+#[test]
+fn budgets_nothing_fits_are_refused_with_the_numbers() {
+    let o = strata(
+        &[&["train"][..], &RUN, &["--steps", "1", "--strategy", r#"["offload"]"#, "--device-memory", "1000"]].concat(),
+    );
+    assert_fails_with(&o, "do not fit");
+    let full = r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#;
+    let o = strata(&[&["train"][..], &RUN, &["--steps", "1", "--strategy", full, "--host-memory", "1000"]].concat());
+    assert_fails_with(&o, "the host needs");
+    let o = strata(&[&["train"][..], &RUN, &["--steps", "1", "--strategy", r#"[["offload", {"ratio": 2}]]"#]].concat());
+    assert_fails_with(&o, "ratio must lie in (0, 1]");
+}
