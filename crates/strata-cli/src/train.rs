@@ -238,7 +238,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         optimizer_bytes_per_element: settings.optimizer.state_bytes_per_element(),
         non_model: None,
     };
-    if strategy.offload().is_some() {
+    if strategy.offload_plan().is_some() {
         // The plan leaves room for what a step holds beside model states, measured on a
         // step of the run's own shape.
         let first = DataLoader::new(data.clone(), loader_config(0), order.clone())?

@@ -92,3 +92,36 @@ fn budgets_nothing_fits_are_refused_with_the_numbers() {
     let o = strata(&[&["train"][..], &RUN, &["--steps", "1", "--strategy", r#"[["offload", {"ratio": 2}]]"#]].concat());
     assert_fails_with(&o, "ratio must lie in (0, 1]");
 }
+
+#[test]
+fn zero_stages_with_their_shards_on_the_host_match_the_same_stages_on_the_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let common = ["--nproc", "2", "--accumulation", "2", "--grad-clip", "0.5"];
+    for (name, stage, params) in [("zero1", "zero1", "none"), ("zero2", "zero2", "none"), ("fsdp", "fsdp", "cpu")] {
+        let plain = format!(r#"["{stage}"]"#);
+        let offloaded =
+            format!(r#"["{stage}", ["offload", {{"params": "{params}", "optimizer": "cpu", "policy": "static"}}]]"#);
+        let (w0, m0) =
+            train(dir.path(), &format!("{name}-device"), 6, &[&common[..], &["--strategy", &plain]].concat());
+        let (w1, m1) =
+            train(dir.path(), &format!("{name}-host"), 6, &[&common[..], &["--strategy", &offloaded]].concat());
+        assert_eq!(losses(&m1), losses(&m0), "{name}");
+        assert_eq!(global_gap(&w0, &w1), 0.0, "{name}");
+        let host = &reports(&m1)[5]["memory"]["host"];
+        assert!(host["current"].as_u64().unwrap() > 0, "{name}: shards live on the host: {host}");
+    }
+    let o = strata(
+        &[
+            &["train"][..],
+            &RUN,
+            &[
+                "--steps",
+                "1",
+                "--strategy",
+                r#"["fsdp", ["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]]"#,
+            ],
+        ]
+        .concat(),
+    );
+    assert_fails_with(&o, "params must be \"cpu\"");
+}

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use strata::comm::{Comm, Store, StoreServer};
 use strata::data::{Batch, Step};
-use strata::engine::{Category, EngineConfig, Event, EventLog, Phase, Placement as Where};
+use strata::engine::{Category, EngineConfig, Event, EventLog, Phase};
 use strata::model::{self, Builder, GptConfig, MlpConfig, ModelSpec};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{build_engine, Placement};
@@ -87,12 +87,13 @@ fn trained_on(model: fn() -> ModelSpec, strategy: &str) -> (Vec<Event>, u64, u64
         }
         let held: u64 =
             trainer.optimizer.state().iter().map(|(_, _, _, t)| strata_ext::storage_nbytes(t).unwrap() as u64).sum();
-        let ledger = trainer.engine.ledger().report()[&Where::Device].by_category[&Category::OptimizerState];
+        let report = trainer.engine.ledger().report();
+        let ledger = report.values().filter_map(|r| r.by_category.get(&Category::OptimizerState)).sum();
         (log.take(), held, ledger)
     })
 }
 
-const STRATEGIES: [&str; 8] = [
+const STRATEGIES: [&str; 10] = [
     "[]",
     r#"["zero1"]"#,
     r#"["zero2"]"#,
@@ -101,6 +102,8 @@ const STRATEGIES: [&str; 8] = [
     r#"[["zero2", {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}]]"#,
     r#"[["fsdp", {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}]]"#,
     r#"[["fsdp", {"mixed_precision": {"param_dtype": "bf16"}, "atorch_ignored_cls": ["MlpEmbedding"]}]]"#,
+    r#"["zero2", ["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]]"#,
+    r#"[["fsdp", {"mixed_precision": {"param_dtype": "bf16"}}], ["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#,
 ];
 
 #[test]

@@ -325,9 +325,10 @@ impl EventSink for NonModelTrace {
 }
 
 /// Where host buffers are made: the CPU, page-locked when the device is a GPU.
-struct HostMemory {
-    device: Device,
-    pin: bool,
+#[derive(Clone, Debug)]
+pub struct HostMemory {
+    pub device: Device,
+    pub pin: bool,
 }
 
 impl HostMemory {
@@ -338,11 +339,12 @@ impl HostMemory {
         })
     }
 
-    fn copy_of(&self, t: &Tensor) -> Result<Tensor> {
+    /// A host copy of `t`, in `t`'s dtype.
+    pub fn copy_of(&self, t: &Tensor) -> Result<Tensor> {
         self.place(t.f_to_device(Device::Cpu)?.f_detach_copy()?)
     }
 
-    fn zeros_like(&self, t: &Tensor) -> Result<Tensor> {
+    pub fn zeros_like(&self, t: &Tensor) -> Result<Tensor> {
         self.place(Tensor::f_zeros(t.size().as_slice(), (t.kind(), Device::Cpu))?)
     }
 }

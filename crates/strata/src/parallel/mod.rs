@@ -16,12 +16,12 @@ use crate::comm::{Comm, ProcessGroup};
 use crate::compute::fp8::Fp8Unit;
 use crate::compute::replace::Replacements;
 use crate::compute::UnitCompute;
-use crate::engine::offload::{NonModelTrace, Offload, OffloadOptions};
+use crate::engine::offload::{HostMemory, NonModelTrace, Offload, OffloadOptions};
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
 use crate::strategy::{
     select_units, AmpConfig, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ParallelMode, ShardingStrategy,
-    Strategy,
+    Stage, Strategy,
 };
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -153,8 +153,8 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
             "parallel_mode: a pipeline runs through parallel::pipeline::PipelineTrainer, one engine per stage".into(),
         ));
     }
-    if let Some(offload) = strategy.offload() {
-        return build_offload(spec, config, strategy, offload, at);
+    if let Some(offload) = strategy.offload_plan() {
+        return build_offload(spec, config, offload, at);
     }
     let tensor = mode.size("tensor", world)?;
     let replicas = world / (tensor * stages);
@@ -198,6 +198,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         wrap: shard.wrap(&spec)?,
         param_dtype,
         reduce_dtype,
+        offload: strategy.offload().map(|o| zero_offload(name, stage, o, config.device)).transpose()?,
     };
     // Shard groups are parallel_mode's zero groups, replicas its data groups; without a
     // zero dimension the sharding strategy says how many ranks share a shard group.
@@ -242,19 +243,11 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
 }
 
 /// One process with model states placed between device and host by `offload`.
-fn build_offload(
-    spec: ModelSpec,
-    config: EngineConfig,
-    strategy: &Strategy,
-    offload: &OffloadConfig,
-    at: &Placement,
-) -> Result<Engine> {
-    let refuse = |what: &str| Err(Error::Config(format!("offload: {what} is not supported with offload yet")));
-    if let Some((name, _)) = strategy.sharding() {
-        return refuse(name);
-    }
+fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig, at: &Placement) -> Result<Engine> {
     if at.world_size() > 1 {
-        return refuse("more than one rank (data parallelism)");
+        return Err(Error::Config(
+            "offload: over several ranks it combines with zero1, zero2 or fsdp, not with data parallelism".into(),
+        ));
     }
     // Low-precision parameters keep fp32 optimizer state: its bytes per element do not
     // follow the parameters' dtype.
@@ -266,6 +259,25 @@ fn build_offload(
         non_model: at.non_model.clone(),
     };
     Offload::build(spec, config, options)
+}
+
+/// What `offload` asks of the ZeRO stage `stage` (method `name`): every sharded unit's
+/// master, gradient shard and optimizer state in host memory, updated there. The stage's own
+/// layout decides where parameters are between uses, so `params` must say the same.
+fn zero_offload(name: &str, stage: Stage, c: &OffloadConfig, device: tch::Device) -> Result<HostMemory> {
+    let bad = |why: String| Err(Error::Config(format!("offload with {name}: {why}")));
+    if c.policy != OffloadPolicy::Static || c.ratio != 1.0 || c.optimizer != OffloadTarget::Cpu {
+        return bad("every shard goes to the host: use {\"optimizer\": \"cpu\", \"policy\": \"static\"}".into());
+    }
+    match (stage, c.params) {
+        (Stage::Parameters, OffloadTarget::Cpu) | (Stage::Optimizer | Stage::Gradients, OffloadTarget::None) => {
+            Ok(HostMemory { device, pin: c.pin_memory })
+        }
+        (Stage::Parameters, _) => {
+            bad("its parameters between uses are the shards the host updates: params must be \"cpu\"".into())
+        }
+        _ => bad("whole parameters stay on the device for compute: params must be \"none\"".into()),
+    }
 }
 
 /// Per moment of a step, the device bytes beside model states that `run` (a step's
@@ -290,8 +302,8 @@ pub fn measure_non_model(
         }),
         other => other.clone(),
     };
-    if strategy.offload().is_none() {
-        return Err(Error::Config("measuring room beside model states needs the offload method".into()));
+    if strategy.offload_plan().is_none() {
+        return Err(Error::Config("measuring room beside model states needs offload without a ZeRO stage".into()));
     }
     let measured = Strategy { methods: strategy.methods.iter().map(all_on_host).collect() };
     let config = EngineConfig { device_budget: None, host_budget: None, ..config };

@@ -18,6 +18,7 @@
 //! Must not touch model definitions or optimizer policy: it manages buffers and
 //! communication for the engine.
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp, Work};
+use crate::engine::offload::HostMemory;
 use crate::engine::{
     memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, MemoryLedger, OptimizerView, Phase,
     Placement, ScheduleContext, UnitSchedule, UnitStorage,
@@ -53,6 +54,10 @@ pub struct ZeroOptions {
     pub wrap: Vec<Wrap>,
     pub param_dtype: Option<Kind>,
     pub reduce_dtype: Option<Kind>,
+    /// Master shards, reduced gradient shards and optimizer state of sharded units live in
+    /// host memory and are updated there (ZeRO-Offload; with stage 3, FSDP's CPU offload):
+    /// gradients are reduce-scattered as in stage 2, gathers and refreshes copy from the host.
+    pub offload: Option<HostMemory>,
 }
 
 /// The process groups of a sharded run. `shard` is `None` when every rank holds whole
@@ -102,20 +107,22 @@ struct InFlight {
 }
 
 impl InFlight {
-    /// Starts a collective that reads `source` in `kind`: where the dtypes differ a copy is
-    /// made, charged to `category` before it is allocated. If the collective does not start,
-    /// the charge is undone.
+    /// Starts a collective that reads `source` in `kind` on `device`: where the dtypes or
+    /// devices differ (a cast master, one in host memory) a copy is made, charged to
+    /// `category` before it is allocated. If the collective does not start, the charge is
+    /// undone.
     fn start(
         source: &Tensor,
-        kind: Kind,
+        (kind, device): (Kind, tch::Device),
         category: Category,
         ledger: &MemoryLedger,
         launch: impl FnOnce(&Tensor) -> Result<Work>,
     ) -> Result<InFlight> {
-        let copy_bytes = if source.kind() == kind { 0 } else { bytes(source.numel() as i64, kind) };
+        let needs_copy = source.kind() != kind || source.device() != device;
+        let copy_bytes = if needs_copy { bytes(source.numel() as i64, kind) } else { 0 };
         ledger.alloc(Placement::Device, category, copy_bytes)?;
         let started = (|| {
-            let copy = (source.kind() != kind).then(|| source.f_to_kind(kind)).transpose()?;
+            let copy = needs_copy.then(|| source.f_to(device)?.f_to_kind(kind)).transpose()?;
             let work = launch(copy.as_ref().unwrap_or(source))?;
             Ok(InFlight { work, copy, category })
         })();
@@ -145,11 +152,21 @@ pub struct Zero {
     param_kind: Kind,
     master_kind: Kind,
     reduce_kind: Kind,
-    /// Gradient reduce-scatters in flight, oldest first.
-    reducing: VecDeque<(usize, InFlight)>,
+    /// Gradient reduce-scatters in flight, oldest first, with the device buffer each lands
+    /// in when its shard lives in host memory.
+    reducing: VecDeque<(usize, InFlight, Option<Tensor>)>,
     /// All-reduces in flight (replicas, stage 1, ignored units).
     all_reducing: Vec<Work>,
     events: Option<Arc<dyn EventSink>>,
+}
+
+/// Where a unit's master and gradient shards live.
+fn placement_of(host: Option<&HostMemory>) -> Placement {
+    if host.is_some() {
+        Placement::Host
+    } else {
+        Placement::Device
+    }
 }
 
 fn bytes(numel: i64, kind: Kind) -> u64 {
@@ -174,6 +191,7 @@ impl Zero {
         }
         let master_kind = config.kind;
         let param_kind = options.param_dtype.unwrap_or(master_kind);
+        let shards_grads = options.stage >= Stage::Gradients || options.offload.is_some();
         let reduce_kind = options.reduce_dtype.unwrap_or(param_kind);
         let n = groups.shard_size() as i64;
         let rank = groups.shard_rank() as i64;
@@ -203,24 +221,26 @@ impl Zero {
             };
             let sharded = wrap != Wrap::Ignored;
             let frees_params = options.stage == Stage::Parameters && groups.shard.is_some();
+            let host = options.offload.as_ref().filter(|_| sharded && s.trainable);
             // A master of what this rank updates: its shard, or all of an ignored unit.
-            if (sharded && frees_params) || param_kind != master_kind {
+            if (sharded && frees_params) || param_kind != master_kind || host.is_some() {
                 let (start, count) = if sharded { (rank * shard_len, shard_len) } else { (0, len) };
                 // Gathers read the master of a sharded unit when it is in the parameters'
                 // dtype: there it goes where the shard group reads it in place.
-                let shared = match (&groups.shard, sharded && master_kind == param_kind) {
+                let shared = match (&groups.shard, sharded && master_kind == param_kind && host.is_none()) {
                     (Some(g), true) => g.alloc(count, master_kind, s.flat.device())?,
                     _ => None,
                 };
                 let values = initial.f_narrow(0, start, count)?;
-                let master = match shared {
-                    Some(t) => {
+                let master = match (shared, host) {
+                    (Some(t), _) => {
                         tch::no_grad(|| t.shallow_clone().f_copy_(&values))?;
                         t
                     }
-                    None => values.f_to_kind(master_kind)?.f_detach_copy()?,
+                    (None, Some(host)) => host.copy_of(&values.f_to_kind(master_kind)?)?,
+                    (None, None) => values.f_to_kind(master_kind)?.f_detach_copy()?,
                 };
-                ledger.alloc(Placement::Device, Category::Params, bytes(count, master_kind))?;
+                ledger.alloc(placement_of(host), Category::Params, bytes(count, master_kind))?;
                 unit.master = Some(master);
             }
             // Parameters are freed only when other ranks hold the rest: a shard group of
@@ -232,15 +252,19 @@ impl Zero {
                 unit.params_resident = false;
             }
             // Frozen units never need gradients; stages 2 and 3 hold only a shard between steps.
-            if !s.trainable || (sharded && options.stage >= Stage::Gradients) {
+            if !s.trainable || (sharded && shards_grads) {
                 // SAFETY: no backward has run; `ensure_grads` restores it before one does.
                 unsafe { memory::release_buffer(&s.grad) }?;
                 ledger.free(Placement::Device, Category::Grads, bytes(len, param_kind));
                 unit.grads_resident = false;
             }
-            if s.trainable && sharded && options.stage >= Stage::Gradients {
-                ledger.alloc(Placement::Device, Category::Grads, bytes(shard_len, reduce_kind))?;
-                unit.grad_shard = Some(Tensor::f_zeros([shard_len], (reduce_kind, s.flat.device()))?);
+            if s.trainable && sharded && shards_grads {
+                ledger.alloc(placement_of(host), Category::Grads, bytes(shard_len, reduce_kind))?;
+                let zeros = Tensor::f_zeros([shard_len], (reduce_kind, s.flat.device()))?;
+                unit.grad_shard = Some(match host {
+                    Some(host) => host.zeros_like(&zeros)?,
+                    None => zeros,
+                });
             }
             units.push(unit);
             Ok(())
@@ -283,7 +307,7 @@ impl Zero {
                 self.groups.shard.as_ref().ok_or_else(|| Error::Engine("gathering without a shard group".into()))?;
             // The collective writes the memory directly: autograd's saved views of these
             // parameters see the same values they saw in forward, with no version change.
-            InFlight::start(master, self.param_kind, Category::Params, ledger, |input| {
+            InFlight::start(master, (self.param_kind, flat.device()), Category::Params, ledger, |input| {
                 g.all_gather(&flat.f_chunk(g.size() as i64, 0)?, input)
             })
         })();
@@ -407,15 +431,33 @@ impl Zero {
             }
             return Ok(());
         };
-        let reduction =
-            InFlight::start(grad, self.reduce_kind, Category::Grads, ledger, |input| match &self.groups.shard {
-                Some(g) => g.reduce_scatter(shard, &input.f_chunk(g.size() as i64, 0)?, ReduceOp::Avg),
+        // A shard in host memory is reduced on the device, then copied over.
+        let landing = (shard.device() != grad.device())
+            .then(|| -> Result<Tensor> {
+                ledger.alloc(Placement::Device, Category::Grads, memory::tensor_bytes(shard))?;
+                Ok(Tensor::f_empty([shard.numel() as i64], (shard.kind(), grad.device()))?)
+            })
+            .transpose()?;
+        let target = landing.as_ref().unwrap_or(shard);
+        let reduction = InFlight::start(grad, (self.reduce_kind, grad.device()), Category::Grads, ledger, |input| {
+            match &self.groups.shard {
+                Some(g) => g.reduce_scatter(target, &input.f_chunk(g.size() as i64, 0)?, ReduceOp::Avg),
                 None => {
-                    tch::no_grad(|| shard.shallow_clone().f_copy_(input))?;
+                    tch::no_grad(|| target.shallow_clone().f_copy_(input))?;
                     Ok(Work::done())
                 }
-            })?;
-        self.reducing.push_back((u, reduction));
+            }
+        });
+        let reduction = match reduction {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(t) = &landing {
+                    ledger.free(Placement::Device, Category::Grads, memory::tensor_bytes(t));
+                }
+                return Err(e);
+            }
+        };
+        self.reducing.push_back((u, reduction, landing));
         // Bound the whole gradients alive: finish the older reduction before going on.
         while self.reducing.len() > 1 {
             self.complete_oldest_reduction(storage, ledger)?;
@@ -424,8 +466,12 @@ impl Zero {
     }
 
     fn complete_oldest_reduction(&mut self, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
-        let Some((u, reduction)) = self.reducing.pop_front() else { return Ok(()) };
+        let Some((u, reduction, landing)) = self.reducing.pop_front() else { return Ok(()) };
         reduction.finish(ledger, "gradient reduce-scatter")?;
+        if let (Some(landed), Some(shard)) = (landing, &self.units[u].grad_shard) {
+            tch::no_grad(|| shard.shallow_clone().f_copy_(&landed))?;
+            ledger.free(Placement::Device, Category::Grads, memory::tensor_bytes(&landed));
+        }
         let unit = &mut self.units[u];
         // SAFETY: the reduce-scatter reading it has completed (waited above), and the
         // unit's backward, which wrote it, is over; `ensure_grads` restores it.
@@ -463,6 +509,12 @@ impl Zero {
             Wrap::Ignored => (0, unit.len),
             _ => (self.shard_rank() * unit.shard_len, unit.shard_len),
         }
+    }
+
+    /// Whether each unit's gradient is reduced into a shard and freed (stage 2 and 3, and
+    /// any stage whose shards the host updates).
+    fn shards_grads(&self) -> bool {
+        self.options.stage >= Stage::Gradients || self.options.offload.is_some()
     }
 
     /// Whether parameters live as shards between uses (stage 3 over more than one rank).
@@ -509,7 +561,7 @@ impl UnitSchedule for Zero {
                         self.prefetch(k, -1, storage, ledger)?;
                     }
                 }
-                if self.options.stage >= Stage::Gradients {
+                if self.shards_grads() {
                     if !self.options.overlap_comm {
                         self.drain_gradient_reductions(storage, ledger)?;
                     }
@@ -562,7 +614,7 @@ impl UnitSchedule for Zero {
             let copy = u.gathering.as_ref().and_then(|g| g.copy.as_ref());
             [u.master.as_ref(), u.grad_shard.as_ref(), copy]
         });
-        let reductions = self.reducing.iter().map(|(_, r)| r.copy.as_ref());
+        let reductions = self.reducing.iter().flat_map(|(_, r, landing)| [r.copy.as_ref(), landing.as_ref()]);
         per_unit.chain(reductions).flatten().map(Tensor::shallow_clone).collect()
     }
 
@@ -585,7 +637,8 @@ impl UnitSchedule for Zero {
             Some(g) => g.shallow_clone(),
             None => s.grad.f_narrow(0, offset, unit.shard_len)?,
         };
-        Ok(OptimizerView { param, grad, offset, placement: Placement::Device })
+        let placement = if self.options.offload.is_some() { Placement::Host } else { Placement::Device };
+        Ok(OptimizerView { param, grad, offset, placement })
     }
 
     fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
@@ -661,6 +714,8 @@ impl UnitSchedule for Zero {
         if unit.wrap == Wrap::Ignored {
             return Ok(mine.f_narrow(0, 0, s.numel)?);
         }
+        // A shard in host memory is gathered on the device.
+        let mine = mine.f_to_device(s.flat.device())?;
         let full = match &self.groups.shard {
             Some(g) => {
                 let full = Tensor::f_empty([unit.len], (self.master_kind, s.flat.device()))?;

@@ -612,6 +612,12 @@ impl Strategy {
         })
     }
 
+    /// `offload` placed unit by unit by a plan (without a ZeRO stage, whose shards go to
+    /// the host as a whole instead).
+    pub fn offload_plan(&self) -> Option<&OffloadConfig> {
+        self.offload().filter(|_| self.sharding().is_none())
+    }
+
     pub fn sharding(&self) -> Option<(&'static str, &ShardConfig)> {
         self.methods.iter().find_map(|m| m.shard_config().map(|c| (m.name(), c)))
     }
