@@ -8,6 +8,7 @@ use strata::auto::SearchMode;
 use strata::data::Tokenizer;
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
 use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
+use strata::patrickstar::PatrickStarConfig;
 use strata::strategy::Strategy;
 
 /// Declares the option struct once for clap and serde, and its merge.
@@ -148,6 +149,10 @@ train_options! {
     dry_run_steps: usize,
     /// Tune the given strategy's knobs (prefetch, bucket size) with short dry runs.
     finetune_strategy: bool,
+    /// Train as PatrickStar's JSON configuration says (optimizer, fp16 loss scaler, chunk
+    /// size, CPU embedding): states placed between device and host against the budgets;
+    /// instead of --strategy and the optimizer flags.
+    patrickstar_config: PathBuf,
     /// Write the strategy used to this file (JSON, loadable with --strategy).
     save_strategy: PathBuf,
     /// Write the search's report (every candidate, its outcome) to this JSON file.
@@ -229,6 +234,9 @@ pub struct TrainSettings {
     pub bucket_bytes: usize,
     pub find_unused_parameters: bool,
     pub strategy: StrategyChoice,
+    /// PatrickStar's configuration, which decides the strategy once the model and the world
+    /// size are known.
+    pub patrickstar: Option<strata::patrickstar::PatrickStarConfig>,
     pub excluded: Vec<String>,
     pub included: Vec<String>,
     pub time_limit: Option<std::time::Duration>,
@@ -412,6 +420,20 @@ impl TrainOptions {
             None => StrategyChoice::Given(Strategy::default()),
         };
         refuse_idle_options(&o, &strategy)?;
+        let patrickstar = o.patrickstar_config.as_deref().map(PatrickStarConfig::from_file).transpose()?;
+        if patrickstar.is_some() {
+            let given = [
+                ("--strategy", o.strategy.is_some()),
+                ("--optimizer", o.optimizer.is_some()),
+                ("--lr", o.lr.is_some()),
+                ("--betas", o.betas.is_some()),
+                ("--eps", o.eps.is_some()),
+                ("--weight-decay", o.weight_decay.is_some()),
+            ];
+            if let Some((flag, _)) = given.iter().find(|(_, set)| *set) {
+                bail!("{flag} conflicts with --patrickstar-config, whose configuration sets it");
+            }
+        }
         let defaults = OptimizerConfig::default();
         let kind: OptimizerKind = o.optimizer.as_deref().unwrap_or("adamw").parse()?;
         let lr = o.lr.unwrap_or(3e-3);
@@ -437,6 +459,10 @@ impl TrainOptions {
             momentum: o.momentum.unwrap_or(0.0),
             dampening: 0.0,
             nesterov: o.nesterov.unwrap_or(false),
+        };
+        let optimizer = match &patrickstar {
+            Some(c) => c.optimizer_config()?,
+            None => optimizer,
         };
         optimizer.validate()?;
         let val = match (o.val_data, o.val_token_file) {
@@ -562,6 +588,7 @@ impl TrainOptions {
             },
             find_unused_parameters: o.find_unused_parameters.unwrap_or(false),
             strategy,
+            patrickstar,
             excluded: list(o.excluded),
             included: list(o.included),
             time_limit: match o.time_limit {

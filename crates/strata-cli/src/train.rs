@@ -148,6 +148,11 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     };
     let leader = comm.as_ref().is_none_or(|c| c.rank() == 0);
     let (strategy, data_parallel) = match &settings.strategy {
+        _ if settings.patrickstar.is_some() => {
+            let world = comm.as_ref().map_or(1, |c| c.size());
+            let config = settings.patrickstar.as_ref().context("PatrickStar configuration")?;
+            (config.strategy(&model_spec()?, world)?, data_parallel)
+        }
         StrategyChoice::Given(s) if !settings.finetune_strategy => (s.clone(), data_parallel),
         given => {
             let model_fn = |b: &mut Builder| choice.build(b);

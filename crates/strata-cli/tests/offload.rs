@@ -125,3 +125,29 @@ fn zero_stages_with_their_shards_on_the_host_match_the_same_stages_on_the_device
     );
     assert_fails_with(&o, "params must be \"cpu\"");
 }
+
+#[test]
+fn a_patrickstar_configuration_file_trains_as_its_optimizer_does_without_offload() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("patrickstar.json");
+    std::fs::write(
+        &config,
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.01, "use_hybrid_adam": true}},
+            "default_chunk_size": 1048576, "use_cpu_embedding": true}"#,
+    )
+    .unwrap();
+    let optimizer = ["--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01", "--eps", "1e-8"];
+    let (reference, reference_metrics) = train(dir.path(), "reference", 6, &optimizer);
+    let budget = tight_budget(&reference_metrics);
+    let flags = ["--patrickstar-config", config.to_str().unwrap(), "--device-memory", &budget];
+    let (weights, metrics) = train(dir.path(), "patrickstar", 6, &flags);
+    assert_eq!(losses(&metrics), losses(&reference_metrics));
+    assert_eq!(global_gap(&reference, &weights), 0.0);
+    let host = &reports(&metrics)[5]["memory"]["host"];
+    assert!(host["current"].as_u64().unwrap() > 0, "{host}");
+    let o = strata(&[&["train"][..], &RUN, &["--steps", "1", "--lr", "0.1"], &flags].concat());
+    assert_fails_with(&o, "--lr conflicts with --patrickstar-config");
+    std::fs::write(&config, r#"{"optimizer": {"type": "Lamb"}}"#).unwrap();
+    let o = strata(&[&["train"][..], &RUN, &["--steps", "1"], &flags].concat());
+    assert_fails_with(&o, "expected Adam or AdamW");
+}

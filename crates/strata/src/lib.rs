@@ -38,6 +38,7 @@ pub mod io;
 pub mod model;
 pub mod optim;
 pub mod parallel;
+pub mod patrickstar;
 pub mod strategy;
 pub mod train;
 

@@ -101,6 +101,7 @@ fn auto_keeps_on_the_device_what_fits_and_moves_only_the_rest() {
         prefetch: 0,
         pin_memory: false,
         non_model: None,
+        on_host: vec![],
     };
     let auto = HomePolicy::Auto { params_may_leave: true };
     let unlimited = Offload::plan_for(&spec(), &config, &options(auto.clone())).unwrap();
@@ -140,6 +141,7 @@ fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_b
             prefetch,
             pin_memory: false,
             non_model: Some(non_model),
+            on_host: vec![],
         };
         let plan = Offload::plan_for(&spec(), &config, &options).unwrap();
         let mut trainer = trainer(&parsed, &config, &at).unwrap();

@@ -31,6 +31,8 @@ pub struct OffloadOptions {
     /// Per moment of a step, device bytes that are not model states (from a measured step);
     /// `None`: none are reserved.
     pub non_model: Option<Vec<u64>>,
+    /// Per unit, whether its states live on the host whatever the policy says.
+    pub on_host: Vec<bool>,
 }
 
 /// One unit's host side and where its buffers are now.
@@ -166,6 +168,7 @@ impl Offload {
             device_budget: config.device_budget,
             host_budget: config.host_budget,
             prefetch: options.prefetch,
+            on_host: options.on_host.clone(),
         };
         placement::plan(&input, &options.policy)
     }

@@ -113,6 +113,8 @@ pub struct PlanInput {
     pub host_budget: Option<u64>,
     /// How many moments ahead parameter copies are started, where they fit.
     pub prefetch: usize,
+    /// Per unit, whether it lives on the host whatever the policy says (empty: none).
+    pub on_host: Vec<bool>,
 }
 
 /// Bytes moved per step between device and host.
@@ -166,6 +168,13 @@ impl PlanInput {
             )));
         }
         Ok(())
+    }
+
+    /// Every unit on the device, but those that live on the host whatever the policy says.
+    fn initial_homes(&self) -> Vec<Home> {
+        (0..self.units.len())
+            .map(|u| if self.on_host.get(u).copied().unwrap_or(false) { Home::Host } else { Home::Device })
+            .collect()
     }
 
     fn reads(&self, moment: Moment) -> &[usize] {
@@ -402,21 +411,21 @@ pub fn plan(input: &PlanInput, policy: &HomePolicy) -> Result<Plan> {
     match *policy {
         HomePolicy::Static { params, optimizer } => {
             let total: u64 = input.units.iter().map(UnitStates::total).sum();
-            let mut homes = vec![Home::Device; n];
+            let mut homes = input.initial_homes();
             let mut covered = 0u64;
             for (home, s) in homes.iter_mut().zip(&input.units) {
                 let share = covered as f64 / total.max(1) as f64;
                 if share < params {
                     *home = Home::Host;
                 } else if share < optimizer.max(params) {
-                    *home = Home::OptimizerOnHost;
+                    *home = (*home).max(Home::OptimizerOnHost);
                 }
                 covered += s.total();
             }
             input.simulate(&homes).map_err(refuse)
         }
         HomePolicy::Auto { params_may_leave } => {
-            let mut homes = vec![Home::Device; n];
+            let mut homes = input.initial_homes();
             let mut by_size: Vec<usize> = (0..n).collect();
             by_size.sort_by_key(|&u| std::cmp::Reverse(input.units[u].optimizer + input.units[u].grads));
             let demotions = by_size
@@ -428,7 +437,7 @@ pub fn plan(input: &PlanInput, policy: &HomePolicy) -> Result<Plan> {
                 if last.is_ok() {
                     break;
                 }
-                homes[u] = home;
+                homes[u] = homes[u].max(home);
                 last = input.simulate(&homes);
             }
             last.map_err(refuse)
@@ -452,6 +461,7 @@ mod tests {
             device_budget: Some(budget),
             host_budget: None,
             prefetch: 0,
+            on_host: vec![],
         }
     }
 

@@ -257,6 +257,7 @@ fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig,
         prefetch: offload.prefetch,
         pin_memory: offload.pin_memory,
         non_model: at.non_model.clone(),
+        on_host: select_units(&spec, &offload.host_units, "offload.host_units")?,
     };
     Offload::build(spec, config, options)
 }
@@ -266,7 +267,11 @@ fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig,
 /// layout decides where parameters are between uses, so `params` must say the same.
 fn zero_offload(name: &str, stage: Stage, c: &OffloadConfig, device: tch::Device) -> Result<HostMemory> {
     let bad = |why: String| Err(Error::Config(format!("offload with {name}: {why}")));
-    if c.policy != OffloadPolicy::Static || c.ratio != 1.0 || c.optimizer != OffloadTarget::Cpu {
+    if c.policy != OffloadPolicy::Static
+        || c.ratio != 1.0
+        || c.optimizer != OffloadTarget::Cpu
+        || !c.host_units.is_empty()
+    {
         return bad("every shard goes to the host: use {\"optimizer\": \"cpu\", \"policy\": \"static\"}".into());
     }
     match (stage, c.params) {
@@ -298,6 +303,7 @@ pub fn measure_non_model(
             optimizer: OffloadTarget::Cpu,
             policy: OffloadPolicy::Static,
             ratio: 1.0,
+            host_units: vec![],
             ..c.clone()
         }),
         other => other.clone(),

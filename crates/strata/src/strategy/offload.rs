@@ -42,6 +42,9 @@ pub struct OffloadConfig {
     pub prefetch: usize,
     /// Host buffers in page-locked memory where the device is a GPU (faster copies).
     pub pin_memory: bool,
+    /// Unit kinds or names whose states always live on the host (PatrickStar's
+    /// `use_cpu_embedding`: the embedding's).
+    pub host_units: Vec<String>,
 }
 
 impl Default for OffloadConfig {
@@ -53,6 +56,7 @@ impl Default for OffloadConfig {
             ratio: 1.0,
             prefetch: 2,
             pin_memory: true,
+            host_units: vec![],
         }
     }
 }
@@ -64,6 +68,9 @@ impl OffloadConfig {
         let bad = |why: &str| Err(Error::Config(format!("offload: {why}")));
         if !(self.ratio > 0.0 && self.ratio <= 1.0) {
             return bad(&format!("ratio must lie in (0, 1], got {}", self.ratio));
+        }
+        if !self.host_units.is_empty() && self.params == None {
+            return bad("host_units put parameters on the host: params cannot be \"none\"");
         }
         match self.policy {
             OffloadPolicy::Static => {

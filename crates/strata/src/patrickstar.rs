@@ -1,0 +1,447 @@
+//! PatrickStar's face: `initialize_engine(model_func, local_rank, config)` with PatrickStar's
+//! JSON configuration, returning a model engine and an optimizer driven by its loop
+//! (`optimizer.zero_grad(); let loss = model.forward(&batch)?; model.backward(&loss)?;
+//! optimizer.step()?`), and per-rank state dictionaries.
+//!
+//! Owns: the configuration's keys and their translation into a Strata strategy and
+//! optimizer. Must not place or move anything itself: the `offload` method (one process)
+//! or fsdp with its shards on the host (several ranks) does, through `parallel`.
+use crate::comm::Comm;
+use crate::compute::scaler::LossScalerConfig;
+use crate::data::{Batch, Step};
+use crate::engine::{Engine, EngineConfig};
+use crate::model::ModelSpec;
+use crate::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+use crate::parallel::{build_engine, Placement};
+use crate::strategy::{AmpConfig, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ShardConfig, Strategy};
+use crate::train::{next_token_loss_of, GradScaling, LossFn};
+use crate::{Error, Result};
+use serde::Deserialize;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use tch::{Device, Tensor};
+
+/// PatrickStar's configuration, in its keys and with its defaults.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PatrickStarConfig {
+    pub optimizer: OptimizerSection,
+    /// Loss scaling; absent: none.
+    pub fp16: Option<Fp16Section>,
+    /// Elements per chunk. Strata's chunks are the units' flat buffers; the size must hold
+    /// the largest parameter, as PatrickStar requires.
+    pub default_chunk_size: u64,
+    /// Several ranks: keep the whole model until initialisation ends (true, refused: nothing
+    /// in Strata's initialisation needs it) or release each unit's remote part as soon as it
+    /// is initialised (false, what fsdp does).
+    pub release_after_init: bool,
+    /// The embedding units' states live on the host and are updated there.
+    pub use_cpu_embedding: bool,
+}
+
+impl Default for PatrickStarConfig {
+    fn default() -> Self {
+        PatrickStarConfig {
+            optimizer: OptimizerSection::default(),
+            fp16: None,
+            default_chunk_size: 64 * 1024 * 1024,
+            release_after_init: false,
+            use_cpu_embedding: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerSection {
+    /// `Adam` or `AdamW`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub params: AdamParams,
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        OptimizerSection { kind: "Adam".into(), params: AdamParams::default() }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdamParams {
+    pub lr: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Update each chunk where it lives (device or host); false: every update on the host.
+    pub use_hybrid_adam: bool,
+}
+
+impl Default for AdamParams {
+    fn default() -> Self {
+        AdamParams { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, use_hybrid_adam: true }
+    }
+}
+
+/// The `fp16` section: fp16 computation with a loss scaler.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fp16Section {
+    pub enabled: bool,
+    #[serde(default)]
+    pub loss_scale: f64,
+    #[serde(default = "initial_scale_power")]
+    pub initial_scale_power: u32,
+    #[serde(default = "loss_scale_window")]
+    pub loss_scale_window: u64,
+    #[serde(default = "hysteresis")]
+    pub hysteresis: u32,
+    #[serde(default = "min_loss_scale")]
+    pub min_loss_scale: f64,
+}
+
+fn initial_scale_power() -> u32 {
+    LossScalerConfig::default().initial_scale_power
+}
+fn loss_scale_window() -> u64 {
+    LossScalerConfig::default().loss_scale_window
+}
+fn hysteresis() -> u32 {
+    LossScalerConfig::default().hysteresis
+}
+fn min_loss_scale() -> f64 {
+    LossScalerConfig::default().min_loss_scale
+}
+
+impl PatrickStarConfig {
+    /// Parses the configuration from JSON text (a file's contents), naming a bad key or
+    /// value in one line.
+    pub fn parse(text: &str) -> Result<PatrickStarConfig> {
+        let config: PatrickStarConfig =
+            serde_json::from_str(text).map_err(|e| Error::Config(format!("PatrickStar config: {e}")))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn from_file(path: &std::path::Path) -> Result<PatrickStarConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("cannot read PatrickStar config {}: {e}", path.display())))?;
+        PatrickStarConfig::parse(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    }
+
+    fn validate(&self) -> Result<()> {
+        self.optimizer_config()?.validate()?;
+        if let Some(fp16) = &self.fp16 {
+            if !fp16.enabled {
+                return Err(Error::Config(
+                    "PatrickStar config: fp16.enabled must be true; drop the section for fp32".into(),
+                ));
+            }
+            self.loss_scaler().into_iter().try_for_each(|c| c.validate())?;
+        }
+        if self.default_chunk_size == 0 {
+            return Err(Error::Config("PatrickStar config: default_chunk_size must be positive".into()));
+        }
+        if self.release_after_init {
+            return Err(Error::Config(
+                "PatrickStar config: release_after_init: true is not needed: every parameter draws from its own seed \
+                 and weights load after initialisation, so each unit's remote part is released as it is made"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The optimizer the configuration asks for.
+    pub fn optimizer_config(&self) -> Result<OptimizerConfig> {
+        let kind = match self.optimizer.kind.as_str() {
+            "Adam" => OptimizerKind::Adam,
+            "AdamW" => OptimizerKind::AdamW,
+            other => {
+                return Err(Error::Config(format!(
+                    "PatrickStar config: optimizer type {other:?}; expected Adam or AdamW"
+                )))
+            }
+        };
+        let p = &self.optimizer.params;
+        Ok(OptimizerConfig {
+            kind,
+            lr: p.lr,
+            betas: p.betas,
+            eps: p.eps,
+            weight_decay: p.weight_decay,
+            ..OptimizerConfig::default()
+        })
+    }
+
+    fn loss_scaler(&self) -> Option<LossScalerConfig> {
+        self.fp16.as_ref().map(|f| LossScalerConfig {
+            loss_scale: f.loss_scale,
+            initial_scale_power: f.initial_scale_power,
+            loss_scale_window: f.loss_scale_window,
+            hysteresis: f.hysteresis,
+            min_loss_scale: f.min_loss_scale,
+        })
+    }
+
+    /// The Strata strategy for `spec` over `world` ranks: fp16 autocast with the loss
+    /// scaler (`fp16`); in one process `offload`, planned against the budgets (`auto`) with
+    /// the hybrid Adam, or every state on the host without it; over several ranks fsdp with
+    /// every shard on the host (each rank holds 1/N of the model, as PatrickStar's chunks).
+    pub fn strategy(&self, spec: &ModelSpec, world: usize) -> Result<Strategy> {
+        let largest = spec.params.iter().map(|p| p.numel() as u64).max().unwrap_or(0);
+        if largest > self.default_chunk_size {
+            return Err(Error::Config(format!(
+                "PatrickStar config: default_chunk_size {} is smaller than the largest parameter ({largest} elements)",
+                self.default_chunk_size
+            )));
+        }
+        let mut methods = vec![];
+        if let Some(scaler) = self.loss_scaler() {
+            methods.push(Method::AmpNative(AmpConfig { loss_scaler: Some(scaler), ..AmpConfig::default() }));
+        }
+        let everything_on_host = OffloadConfig {
+            params: OffloadTarget::Cpu,
+            optimizer: OffloadTarget::Cpu,
+            policy: OffloadPolicy::Static,
+            ..OffloadConfig::default()
+        };
+        let embeddings = || spec.units.iter().filter(|u| u.kind().ends_with("Embedding")).map(|u| u.name.clone());
+        if world > 1 {
+            methods.push(Method::Fsdp(ShardConfig::default()));
+            methods.push(Method::Offload(everything_on_host));
+        } else if self.optimizer.params.use_hybrid_adam {
+            let host_units = if self.use_cpu_embedding { embeddings().collect() } else { vec![] };
+            methods.push(Method::Offload(OffloadConfig { host_units, ..OffloadConfig::default() }));
+        } else {
+            methods.push(Method::Offload(everything_on_host));
+        }
+        Ok(Strategy { methods })
+    }
+}
+
+/// What the model engine and its optimizer share.
+struct Session {
+    engine: Engine,
+    optimizer: Optimizer,
+    scaling: GradScaling,
+    loss: LossFn,
+    /// The job's ranks, when there are several (joined from the launcher's environment).
+    comm: Option<Comm>,
+}
+
+/// The model: `forward` gives the loss of a batch, `backward` runs backward from it.
+pub struct PatrickStarEngine {
+    session: Rc<RefCell<Session>>,
+}
+
+/// The optimizer: updates each state where it lives.
+pub struct PatrickStarOptimizer {
+    session: Rc<RefCell<Session>>,
+}
+
+/// Budgets and a sample step for [`initialize_engine_within`].
+pub struct Budgets<'a> {
+    pub device: Option<u64>,
+    pub host: Option<u64>,
+    /// A step of the run's shape, to measure what a step holds beside model states.
+    pub sample: &'a Step,
+}
+
+/// Builds the model of `model_func` as `config` says, on `cuda:local_rank` where CUDA is
+/// available (else the CPU), joining the job's other ranks when a launcher started several.
+pub fn initialize_engine(
+    model_func: impl Fn() -> Result<ModelSpec>,
+    local_rank: usize,
+    config: &PatrickStarConfig,
+) -> Result<(PatrickStarEngine, PatrickStarOptimizer)> {
+    initialize(model_func, local_rank, config, None)
+}
+
+/// [`initialize_engine`] with a device and host budget: the placement keeps room for what
+/// `budgets.sample` holds beside model states, and a model that fits no placement is refused.
+pub fn initialize_engine_within(
+    model_func: impl Fn() -> Result<ModelSpec>,
+    local_rank: usize,
+    config: &PatrickStarConfig,
+    budgets: Budgets<'_>,
+) -> Result<(PatrickStarEngine, PatrickStarOptimizer)> {
+    initialize(model_func, local_rank, config, Some(budgets))
+}
+
+fn initialize(
+    model_func: impl Fn() -> Result<ModelSpec>,
+    local_rank: usize,
+    config: &PatrickStarConfig,
+    budgets: Option<Budgets<'_>>,
+) -> Result<(PatrickStarEngine, PatrickStarOptimizer)> {
+    let device = if tch::Cuda::is_available() { Device::Cuda(local_rank) } else { Device::Cpu };
+    let comm = match crate::comm::launched_world_size() {
+        Some(world) if world > 1 => Some(crate::comm::init_from_env("cpu:tcp", std::time::Duration::from_secs(300))?),
+        _ => None,
+    };
+    let world = comm.as_ref().map_or(1, Comm::size);
+    let spec = model_func()?;
+    let strategy = config.strategy(&spec, world)?;
+    let optimizer_config = config.optimizer_config()?;
+    let engine_config = EngineConfig {
+        device,
+        device_budget: budgets.as_ref().and_then(|b| b.device),
+        host_budget: budgets.as_ref().and_then(|b| b.host),
+        ..EngineConfig::default()
+    };
+    let mut at = Placement {
+        comm: comm.as_ref(),
+        local_world_size: world,
+        optimizer_bytes_per_element: optimizer_config.state_bytes_per_element(),
+        ..Placement::single()
+    };
+    if let (Some(b), Some(_)) = (&budgets, strategy.offload_plan()) {
+        at.non_model =
+            Some(crate::train::measure_non_model(model_func()?, engine_config.clone(), &strategy, &at, b.sample)?);
+    }
+    let mut engine = build_engine(spec, engine_config, &strategy, &at)?;
+    let optimizer = Optimizer::new(&mut engine, optimizer_config, &[])?;
+    let session =
+        Session { loss: next_token_loss_of(&engine), scaling: strategy.grad_scaling()?, engine, optimizer, comm };
+    let session = Rc::new(RefCell::new(session));
+    Ok((PatrickStarEngine { session: session.clone() }, PatrickStarOptimizer { session }))
+}
+
+impl PatrickStarEngine {
+    /// The mean next-token loss of `batch`.
+    pub fn forward(&mut self, batch: &Batch) -> Result<Tensor> {
+        let mut s = self.session.borrow_mut();
+        let output = s.engine.forward(&batch.inputs)?;
+        (s.loss)(&output, batch)
+    }
+
+    /// Backward from `loss` (multiplied by the loss scale where `fp16` scales it); gradients
+    /// accumulate until the optimizer's step.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        let mut s = self.session.borrow_mut();
+        let scale = s.scaling.scale();
+        s.engine.backward(&loss.f_mul_scalar(scale)?)
+    }
+
+    /// The engine, for what the loop above does not cover (evaluation, the ledger).
+    pub fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
+        f(&mut self.session.borrow_mut().engine)
+    }
+
+    /// This rank's parameters by name: over several ranks each rank holds the units
+    /// `u` with `u % world == rank` whole, so the ranks' dictionaries together are the
+    /// model (merged by taking every entry). Every rank must call it.
+    pub fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut s = self.session.borrow_mut();
+        let (rank, world) = s.comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
+        let mut out = BTreeMap::new();
+        for u in 0..s.engine.spec().units.len() {
+            let full = s.engine.full_unit(u)?;
+            if u % world != rank {
+                continue;
+            }
+            for &id in &s.engine.spec().units[u].params {
+                let p = &s.engine.spec().params[id.0];
+                let value = full.f_narrow(0, s.engine.full_offset(id), p.numel())?.f_view(p.shape.as_slice())?;
+                out.insert(p.name.clone(), value.f_detach_copy()?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Loads parameters by name: each unit takes the values of the rank that holds it in
+    /// [`PatrickStarEngine::state_dict`] (where that rank's dictionary has them; a merged
+    /// dictionary on every rank works too). Every rank must call it.
+    pub fn load_state_dict(&mut self, values: &BTreeMap<String, Tensor>) -> Result<()> {
+        let mut s = self.session.borrow_mut();
+        if let Some(unknown) = values.keys().find(|k| s.engine.spec().find(k).is_none()) {
+            return Err(Error::Model(format!("state dict: {unknown} names no parameter of this model")));
+        }
+        let world_group = s.comm.as_ref().map(Comm::world).transpose()?;
+        for u in 0..s.engine.spec().units.len() {
+            let full = s.engine.full_unit(u)?.f_detach_copy()?;
+            for &id in &s.engine.spec().units[u].params {
+                let p = &s.engine.spec().params[id.0];
+                if let Some(v) = values.get(&p.name) {
+                    if v.size() != p.shape {
+                        return Err(Error::Model(format!(
+                            "state dict: {} has shape {:?}, not {:?}",
+                            p.name,
+                            v.size(),
+                            p.shape
+                        )));
+                    }
+                    full.f_narrow(0, s.engine.full_offset(id), p.numel())?.f_copy_(&v.f_reshape([-1])?)?;
+                }
+            }
+            if let Some(g) = &world_group {
+                g.broadcast(&full, u % g.size())?.wait()?;
+            }
+            s.engine.set_full_unit(u, &full)?;
+        }
+        Ok(())
+    }
+}
+
+impl PatrickStarOptimizer {
+    /// Clears the gradients.
+    pub fn zero_grad(&mut self) -> Result<()> {
+        self.session.borrow_mut().engine.zero_grad()
+    }
+
+    /// Unscales and checks the gradients (with `fp16`), then updates every state where it
+    /// lives, or skips the update when the gradients are not finite.
+    pub fn step(&mut self) -> Result<()> {
+        let mut guard = self.session.borrow_mut();
+        let s = &mut *guard;
+        s.engine.finish_grads()?;
+        let scale = s.scaling.scale();
+        let (engine, optimizer) = (&s.engine, &s.optimizer);
+        let decision = s.scaling.decide(None, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
+        decision.apply(&mut s.engine, &mut s.optimizer)
+    }
+
+    /// This rank's optimizer state: `unit{U}.{OFFSET}.{exp_avg|exp_avg_sq}` per segment and
+    /// `step`; it loads back into the same model, strategy and world size.
+    pub fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
+        let s = self.session.borrow();
+        let mut out: BTreeMap<String, Tensor> = s
+            .optimizer
+            .state()
+            .into_iter()
+            .map(|(unit, offset, name, t)| Ok((format!("unit{unit}.{offset}.{name}"), t.f_detach_copy()?)))
+            .collect::<Result<_>>()?;
+        out.insert("step".into(), Tensor::from(s.optimizer.steps_taken() as i64));
+        Ok(out)
+    }
+
+    pub fn load_state_dict(&mut self, values: &BTreeMap<String, Tensor>) -> Result<()> {
+        let mut s = self.session.borrow_mut();
+        let step = values
+            .get("step")
+            .ok_or_else(|| Error::Model("optimizer state dict: no step".into()))?
+            .f_int64_value(&[])?;
+        let expected = s.optimizer.state().len() + 1;
+        if values.len() != expected {
+            return Err(Error::Model(format!(
+                "optimizer state dict: {} entries, this optimizer keeps {expected} (another model, strategy or world size?)",
+                values.len()
+            )));
+        }
+        s.optimizer.load_state(step as u64, |unit, offset, name, t| {
+            let key = format!("unit{unit}.{offset}.{name}");
+            let v = values.get(&key).ok_or_else(|| Error::Model(format!("optimizer state dict: no {key}")))?;
+            if v.size() != t.size() {
+                return Err(Error::Model(format!(
+                    "optimizer state dict: {key} has shape {:?}, not {:?}",
+                    v.size(),
+                    t.size()
+                )));
+            }
+            tch::no_grad(|| t.shallow_clone().f_copy_(v))?;
+            Ok(())
+        })
+    }
+}
