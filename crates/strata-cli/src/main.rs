@@ -4,6 +4,7 @@ mod bench;
 mod bench_comm;
 mod bench_dist;
 mod bench_methods;
+mod bench_offload;
 mod bench_parallel;
 mod bench_pipeline;
 mod bench_runs;
@@ -102,6 +103,9 @@ enum BenchCommand {
     /// Pipeline schedules at several micro-batch counts: tokens/s, measured bubble against
     /// the analytic one, micro-batches held and activation peaks per stage.
     Pipeline(bench_pipeline::BenchPipelineArgs),
+    /// The largest GPT each placement (none, optimizer on the host, everything on the host,
+    /// auto) trains within a device and a host budget: tokens/s, bytes moved, copy-wait.
+    Offload(bench_offload::BenchOffloadArgs),
 }
 
 fn validate(text: &str, world_size: Option<usize>) -> anyhow::Result<()> {
@@ -168,6 +172,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Methods(a) } => bench_methods::run(a),
         Command::Bench { which: BenchCommand::Search(a) } => bench_search::run(a),
         Command::Bench { which: BenchCommand::Dist(a) } => bench_dist::run(a),
+        Command::Bench { which: BenchCommand::Offload(a) } => bench_offload::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
         Command::Strategy { which: StrategyCommand::Show { strategy } } => {
             options::parse_strategy(&strategy).map(|s| println!("{}", s.to_json()))

@@ -46,6 +46,9 @@ pub struct StepReport {
     /// Seconds of this step the rank spent waiting for collectives to complete: the
     /// communication its computation did not hide.
     pub comm_wait_s: f64,
+    /// Copies between device and host during this step (offload): bytes each way and the
+    /// seconds spent waiting for them.
+    pub transfers: crate::engine::memory::Transfers,
     /// Per unit: forward and backward seconds and communication waited for around them,
     /// when a [`crate::engine::UnitClock`] times the engine (filled in by its owner).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -268,6 +271,7 @@ impl Trainer {
     pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
         let start = Instant::now();
         let waited_before = crate::comm::time_waited();
+        let moved_before = self.engine.ledger().transfers();
         let device = self.engine.config().device;
         memory::reset_allocator_peak(device);
         let factor = self.schedule.factor(self.step);
@@ -311,6 +315,7 @@ impl Trainer {
             memory: self.engine.ledger().report(),
             rss_peak_bytes: memory::process_peak_rss(),
             comm_wait_s: (crate::comm::time_waited() - waited_before).as_secs_f64(),
+            transfers: self.engine.ledger().transfers().since(&moved_before),
             unit_times: None,
             pipeline: None,
             val_loss: None,

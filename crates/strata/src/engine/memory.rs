@@ -49,6 +49,17 @@ pub struct Transfers {
     pub wait_s: f64,
 }
 
+impl Transfers {
+    /// What happened after `earlier` was taken.
+    pub fn since(&self, earlier: &Transfers) -> Transfers {
+        Transfers {
+            to_device: self.to_device - earlier.to_device,
+            to_host: self.to_host - earlier.to_host,
+            wait_s: self.wait_s - earlier.wait_s,
+        }
+    }
+}
+
 impl State {
     fn total(&self, placement: Placement) -> u64 {
         self.current.iter().filter(|((p, _), _)| *p == placement).map(|(_, b)| b).sum()

@@ -93,10 +93,9 @@ pub enum HomePolicy {
     /// The first units, in order, covering `params` of the model states' bytes live on the
     /// host, and those covering `optimizer` (at least as many) keep their optimizer there.
     Static { params: f64, optimizer: f64 },
-    /// As many states as possible stay on the device: units leave it one at a time
-    /// (optimizer first, largest first; then parameters, first units first, whose copies
-    /// wait longest between forward and backward) until every moment fits the budget.
-    /// `params_may_leave: false` keeps every unit's parameters on the device.
+    /// As many states as possible stay on the device: units leave it whole for the host, one
+    /// at a time, largest first, until every moment fits the budget. `params_may_leave:
+    /// false` keeps every unit's parameters on the device (only the optimizer leaves).
     Auto { params_may_leave: bool },
 }
 
@@ -426,18 +425,21 @@ pub fn plan(input: &PlanInput, policy: &HomePolicy) -> Result<Plan> {
         }
         HomePolicy::Auto { params_may_leave } => {
             let mut homes = input.initial_homes();
-            let mut by_size: Vec<usize> = (0..n).collect();
-            by_size.sort_by_key(|&u| std::cmp::Reverse(input.units[u].optimizer + input.units[u].grads));
-            let demotions = by_size
-                .into_iter()
-                .map(|u| (u, Home::OptimizerOnHost))
-                .chain((0..n).filter(|_| params_may_leave).map(|u| (u, Home::Host)));
+            // A host home holds on the host what an optimizer-on-host home does, and on the
+            // device never more (its parameter copy comes for the unit's span, not for the
+            // whole step), for the same bytes moved where the copy stays between forward and
+            // backward: units leave whole where they may.
+            let leave = if params_may_leave { Home::Host } else { Home::OptimizerOnHost };
+            // Largest first (fewest units leave); among equals the last units, whose copies
+            // are kept over the shortest spans.
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by_key(|&u| std::cmp::Reverse((input.units[u].total(), u)));
             let mut last = input.simulate(&homes);
-            for (u, home) in demotions {
+            for u in order {
                 if last.is_ok() {
                     break;
                 }
-                homes[u] = homes[u].max(home);
+                homes[u] = homes[u].max(leave);
                 last = input.simulate(&homes);
             }
             last.map_err(refuse)
@@ -484,14 +486,21 @@ mod tests {
     }
 
     #[test]
-    fn auto_moves_optimizer_state_before_parameters_and_stays_within_the_budget() {
-        let i = input(&[10, 10, 10], 80);
-        let p = plan(&i, &HomePolicy::Auto { params_may_leave: true }).unwrap();
-        assert!(p.homes.iter().all(|&h| h != Home::Host), "{:?}", p.homes);
+    fn auto_moves_units_to_the_host_until_the_budget_holds_and_no_further() {
+        // 40 bytes of states a unit: at 80, one unit leaving is not enough (40 + 40 resident,
+        // plus its copy and gradient in its backward); two leave, and their copies are kept
+        // between forward and backward (one copy each way a step).
+        let p = plan(&input(&[10, 10, 10], 80), &HomePolicy::Auto { params_may_leave: true }).unwrap();
+        assert_eq!(p.homes, [Home::Device, Home::Host, Home::Host]);
         assert!(p.device_peak() <= 80);
+        assert_eq!(p.traffic, Traffic { to_device: 20, to_host: 20 });
         let tight = plan(&input(&[10, 10, 10], 25), &HomePolicy::Auto { params_may_leave: true }).unwrap();
-        assert!(tight.homes.contains(&Home::Host));
+        assert_eq!(tight.homes, [Home::Host; 3]);
         assert!(tight.device_peak() <= 25);
+        // Parameters that may not leave: only optimizer state does, and 25 bytes cannot hold
+        // three units' parameters.
+        let kept = plan(&input(&[10, 10, 10], 80), &HomePolicy::Auto { params_may_leave: false }).unwrap();
+        assert!(kept.homes.iter().all(|&h| h != Home::Host) && kept.homes.contains(&Home::OptimizerOnHost));
         let never = plan(&input(&[10, 10, 10], 25), &HomePolicy::Auto { params_may_leave: false });
         assert!(never.unwrap_err().to_string().contains("do not fit"));
     }

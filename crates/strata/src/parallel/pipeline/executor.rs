@@ -602,6 +602,7 @@ impl PipelineTrainer {
             memory: ledger.report(),
             rss_peak_bytes: crate::engine::memory::process_peak_rss(),
             comm_wait_s: 0.0,
+            transfers: Default::default(),
             unit_times: None,
             pipeline: Some(figures),
             val_loss: None,

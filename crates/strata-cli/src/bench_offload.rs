@@ -1,0 +1,197 @@
+//! `strata bench offload`: for a device and a host budget, the largest GPT (in layers of a
+//! given width) that trains under each placement — everything on the device, optimizer
+//! state on the host, everything on the host (static), and the planner's `auto` — with its
+//! tokens/s, the bytes moved per step and the share of the step spent waiting for copies;
+//! `auto` also without prefetch at the same size, to show what prefetching hides.
+use crate::bench_runs;
+use anyhow::{bail, Result};
+use clap::Args;
+use serde::Serialize;
+use strata::model::{GptConfig, ModelConfig};
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchOffloadArgs {
+    /// Bytes the device may hold.
+    #[arg(long, default_value_t = 256 << 20)]
+    device_memory: u64,
+    /// Bytes of host memory for model states.
+    #[arg(long, default_value_t = 4 << 30)]
+    host_memory: u64,
+    #[arg(long, default_value_t = 8)]
+    heads: i64,
+    #[arg(long, default_value_t = 512)]
+    dim: i64,
+    #[arg(long, default_value_t = 64)]
+    ctx: i64,
+    #[arg(long, default_value_t = 2)]
+    batch_size: usize,
+    /// Steps of the timed run at each placement's largest size (the first is warm-up).
+    #[arg(long, default_value_t = 4)]
+    steps: u64,
+    /// Most layers tried.
+    #[arg(long, default_value_t = 256)]
+    max_layers: i64,
+    /// Print the results as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Row {
+    placement: &'static str,
+    strategy: &'static str,
+    /// The most layers that train within the budgets (0: none).
+    layers: i64,
+    params: i64,
+    /// Parameters over static full offload's.
+    vs_static_full: f64,
+    tokens_per_s: f64,
+    /// Bytes copied between device and host per step, both ways (median of the timed steps).
+    moved_per_step: f64,
+    /// Seconds waiting for copies over the step's seconds.
+    copy_wait_share: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    device_memory: u64,
+    host_memory: u64,
+    /// (device + host) / 16 bytes per parameter: fp32 parameters, gradients and Adam's moments.
+    bound_params: f64,
+    rows: Vec<Row>,
+}
+
+const PLACEMENTS: [(&str, &str); 5] = [
+    ("none", "[]"),
+    ("optimizer", r#"[["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]]"#),
+    ("static-full", r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#),
+    ("auto", r#"["offload"]"#),
+    ("auto-no-prefetch", r#"[["offload", {"prefetch": 0}]]"#),
+];
+
+fn flags(args: &BenchOffloadArgs, layers: i64, steps: u64, strategy: &str) -> Vec<String> {
+    let text = format!(
+        "--model gpt --vocab 256 --schedule constant --threads 1 --layers {layers} --heads {} --dim {} --ctx {} --batch-size {} --steps {steps} --device-memory {} --host-memory {}",
+        args.heads, args.dim, args.ctx, args.batch_size, args.device_memory, args.host_memory
+    );
+    let mut argv: Vec<String> = text.split_whitespace().map(String::from).collect();
+    argv.extend(["--strategy".to_string(), strategy.to_string()]);
+    argv
+}
+
+/// Whether a GPT of `layers` layers trains a step under `strategy` within the budgets;
+/// failures other than running out of a budget are errors.
+fn fits(args: &BenchOffloadArgs, layers: i64, strategy: &str) -> Result<bool> {
+    match bench_runs::train(&flags(args, layers, 1, strategy), 0) {
+        Ok(_) => Ok(true),
+        Err(e) if ["out of memory", "do not fit"].iter().any(|m| e.to_string().contains(m)) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The most layers (up to `max_layers`) that fit: doubling, then bisecting.
+fn largest(args: &BenchOffloadArgs, strategy: &str) -> Result<i64> {
+    let (mut good, mut bad) = (0, None);
+    let mut probe = 1;
+    while bad.is_none() && good < args.max_layers {
+        if fits(args, probe, strategy)? {
+            good = probe;
+            probe = (probe * 2).min(args.max_layers);
+        } else {
+            bad = Some(probe);
+        }
+    }
+    let Some(mut bad) = bad else { return Ok(good) };
+    while bad - good > 1 {
+        let mid = (good + bad) / 2;
+        if fits(args, mid, strategy)? {
+            good = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    Ok(good)
+}
+
+pub fn run(args: BenchOffloadArgs) -> Result<()> {
+    if args.steps < 2 {
+        bail!("--steps must be at least 2 (one warm-up, one timed)");
+    }
+    let params_of = |layers: i64| -> Result<i64> {
+        if layers == 0 {
+            return Ok(0);
+        }
+        Ok(ModelConfig::Gpt(GptConfig::new(256, args.ctx, layers, args.heads, args.dim)).spec()?.num_params())
+    };
+    let mut rows: Vec<Row> = Vec::new();
+    let mut auto_layers = 0;
+    for (placement, strategy) in PLACEMENTS {
+        // Prefetch changes no placement: the same size as auto's, for the copy-wait.
+        let layers = if placement == "auto-no-prefetch" { auto_layers } else { largest(&args, strategy)? };
+        if placement == "auto" {
+            auto_layers = layers;
+        }
+        let (mut tokens_per_s, mut moved, mut wait_share) = (0.0, 0.0, 0.0);
+        if layers > 0 {
+            let run = bench_runs::train(&flags(&args, layers, args.steps, strategy), 1)?;
+            tokens_per_s = run.tokens_per_s;
+            let per_step = |f: &dyn Fn(&serde_json::Value) -> f64| {
+                bench_runs::median(run.timed.iter().map(|r| f(&r["transfers"])).collect())
+            };
+            moved = per_step(&|t| t["to_device"].as_f64().unwrap_or(0.0) + t["to_host"].as_f64().unwrap_or(0.0));
+            let shares = run.timed.iter().map(|r| {
+                r["transfers"]["wait_s"].as_f64().unwrap_or(0.0) / r["seconds"].as_f64().unwrap_or(1.0).max(1e-9)
+            });
+            wait_share = bench_runs::median(shares.collect());
+        }
+        rows.push(Row {
+            placement,
+            strategy,
+            layers,
+            params: params_of(layers)?,
+            vs_static_full: 0.0,
+            tokens_per_s,
+            moved_per_step: moved,
+            copy_wait_share: wait_share,
+        });
+    }
+    let full = rows.iter().find(|r| r.placement == "static-full").map_or(0, |r| r.params).max(1) as f64;
+    for r in &mut rows {
+        r.vs_static_full = r.params as f64 / full;
+    }
+    let report = Report {
+        device_memory: args.device_memory,
+        host_memory: args.host_memory,
+        bound_params: (args.device_memory + args.host_memory) as f64 / 16.0,
+        rows,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "device {:.0} MiB, host {:.0} MiB: bound (device + host) / 16 B = {:.1}M parameters (GPT, width {})",
+        args.device_memory as f64 / (1 << 20) as f64,
+        args.host_memory as f64 / (1 << 20) as f64,
+        report.bound_params / 1e6,
+        args.dim
+    );
+    println!(
+        "{:<17} {:>6} {:>10} {:>8} {:>9} {:>10} {:>10} {:>9}",
+        "placement", "layers", "params", "/bound", "/static", "tokens/s", "MB moved", "copy-wait"
+    );
+    for r in &report.rows {
+        println!(
+            "{:<17} {:>6} {:>9.1}M {:>8.3} {:>9.2} {:>10.0} {:>10.1} {:>8.1}%",
+            r.placement,
+            r.layers,
+            r.params as f64 / 1e6,
+            r.params as f64 / report.bound_params,
+            r.vs_static_full,
+            r.tokens_per_s,
+            r.moved_per_step / 1e6,
+            100.0 * r.copy_wait_share
+        );
+    }
+    Ok(())
+}
