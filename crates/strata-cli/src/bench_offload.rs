@@ -135,10 +135,11 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
         if layers > 0 {
             let run = bench_runs::train(&flags(&args, layers, args.steps, strategy), 1)?;
             tokens_per_s = run.tokens_per_s;
-            let per_step = |f: &dyn Fn(&serde_json::Value) -> f64| {
-                bench_runs::median(run.timed.iter().map(|r| f(&r["transfers"])).collect())
-            };
-            moved = per_step(&|t| t["to_device"].as_f64().unwrap_or(0.0) + t["to_host"].as_f64().unwrap_or(0.0));
+            let moved_each = run.timed.iter().map(|r| {
+                let t = &r["transfers"];
+                t["to_device"].as_f64().unwrap_or(0.0) + t["to_host"].as_f64().unwrap_or(0.0)
+            });
+            moved = bench_runs::median(moved_each.collect());
             let shares = run.timed.iter().map(|r| {
                 r["transfers"]["wait_s"].as_f64().unwrap_or(0.0) / r["seconds"].as_f64().unwrap_or(1.0).max(1e-9)
             });
