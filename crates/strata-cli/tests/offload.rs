@@ -36,10 +36,13 @@ fn train(dir: &Path, name: &str, steps: u64, extra: &[&str]) -> (PathBuf, PathBu
     (w, m)
 }
 
-/// 40% of the model states' bytes (parameters, gradients, Adam's moments) of a run.
+/// The device peak of a run without a budget (everything the allocator held: model states,
+/// activations, temporaries) less 60% of its model states (parameters, gradients, Adam's
+/// moments): the run itself does not fit.
 fn tight_budget(metrics: &Path) -> String {
-    let states = reports(metrics)[0]["model_state_peak_bytes"].as_u64().unwrap();
-    (states * 4 / 10).to_string()
+    let first = &reports(metrics)[0];
+    let states = first["model_state_peak_bytes"].as_u64().unwrap();
+    (first["allocator_peak_bytes"].as_u64().unwrap() - states * 6 / 10).to_string()
 }
 
 #[test]
@@ -47,7 +50,11 @@ fn offloaded_training_under_a_budget_matches_the_run_without_one() {
     let dir = tempfile::tempdir().unwrap();
     let (reference, reference_metrics) = train(dir.path(), "reference", 8, &[]);
     let budget = tight_budget(&reference_metrics);
-    let refused = strata(&[&["train"][..], &RUN, &["--steps", "2", "--device-memory", &budget]].concat());
+    let limit: u64 = budget.parse().unwrap();
+    // Below its model states, the plain run is refused when its engine is built.
+    let states = reports(&reference_metrics)[0]["model_state_peak_bytes"].as_u64().unwrap();
+    let below = (states * 4 / 10).to_string();
+    let refused = strata(&[&["train"][..], &RUN, &["--steps", "2", "--device-memory", &below]].concat());
     assert_fails_with(&refused, "out of memory on device");
     for (name, strategy) in [
         ("auto", r#"["offload"]"#),
@@ -58,9 +65,15 @@ fn offloaded_training_under_a_budget_matches_the_run_without_one() {
         assert_eq!(global_gap(&reference, &weights), 0.0, "{name}");
         for r in reports(&metrics) {
             let peak = r["memory"]["device"]["peak"].as_u64().unwrap();
-            assert!(peak <= budget.parse().unwrap(), "{name}: device peak {peak} over {budget}");
+            assert!(peak <= limit, "{name}: the ledger's device peak {peak} over {budget}");
+            // On the CPU the allocator holds the host's states too: the rest is the device's.
+            let host = r["memory"]["host"]["current"].as_u64().unwrap();
+            let allocated = r["allocator_peak_bytes"].as_u64().unwrap() - host;
+            assert!(allocated <= limit, "{name}: the allocator's device peak {allocated} over {budget}");
         }
     }
+    let plain = reports(&reference_metrics)[0]["allocator_peak_bytes"].as_u64().unwrap();
+    assert!(plain > limit, "the plain run's peak {plain} does not fit {budget}");
 }
 
 #[test]
@@ -150,4 +163,31 @@ fn a_patrickstar_configuration_file_trains_as_its_optimizer_does_without_offload
     std::fs::write(&config, r#"{"optimizer": {"type": "Lamb"}}"#).unwrap();
     let o = strata(&[&["train"][..], &RUN, &["--steps", "1"], &flags].concat());
     assert_fails_with(&o, "expected Adam or AdamW");
+}
+
+#[test]
+fn the_automatic_search_offloads_a_model_that_fits_no_device_only_strategy() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, reference_metrics) = train(dir.path(), "reference", 1, &[]);
+    // With fp32 and the reference modules kept (other precisions, recomputation and fused
+    // kernels left out), only offload can fit.
+    let budget = tight_budget(&reference_metrics);
+    let saved = dir.path().join("chosen.json");
+    let flags = [
+        "--strategy",
+        "auto",
+        "--excluded",
+        "amp_native,half,checkpoint,module_replace",
+        "--device-memory",
+        &budget,
+        "--save-strategy",
+        saved.to_str().unwrap(),
+    ];
+    let (_, metrics) = train(dir.path(), "auto", 3, &flags);
+    let chosen = std::fs::read_to_string(&saved).unwrap();
+    assert!(chosen.contains("offload"), "{chosen}");
+    for r in reports(&metrics) {
+        let peak = r["memory"]["device"]["peak"].as_u64().unwrap();
+        assert!(peak <= budget.parse().unwrap(), "device peak {peak} over {budget}");
+    }
 }

@@ -2,7 +2,7 @@
 //! stays on the device, within the device and host budgets, moving the bytes the plan says.
 use std::sync::Arc;
 use strata::data::{Batch, Step};
-use strata::engine::offload::{Offload, OffloadOptions};
+use strata::engine::offload::{NonModelTrace, Offload, OffloadOptions};
 use strata::engine::placement::{Home, HomePolicy};
 use strata::engine::{with_seed, EngineConfig, Event, EventLog, Placement as Where};
 use strata::model::{self, Builder, GptConfig, ModelSpec};
@@ -168,4 +168,34 @@ fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_b
         }
         assert_eq!(phases, 3 * 4 * spec().units.len(), "{strategy}");
     }
+}
+
+#[test]
+fn the_room_measured_before_the_run_is_what_every_step_holds_and_a_tight_budget_lasts() {
+    let strategy = Strategy::parse(AUTO).unwrap();
+    let unlimited = EngineConfig::default();
+    let predicted = measure_non_model(spec(), unlimited.clone(), &strategy, &Placement::single(), &step(0)).unwrap();
+    assert!(predicted.iter().any(|&b| b > 0), "{predicted:?}");
+    // The budget: what the plan needs at 40% of the model states, plus 5%.
+    let options = OffloadOptions {
+        policy: strategy.offload().unwrap().home_policy().unwrap(),
+        optimizer_bytes_per_element: 8,
+        prefetch: 2,
+        pin_memory: false,
+        non_model: Some(predicted.clone()),
+        on_host: vec![],
+    };
+    let tight = EngineConfig { device_budget: Some(model_state_bytes() * 4 / 10), ..unlimited };
+    let need = Offload::plan_for(&spec(), &tight, &options).unwrap().device_peak();
+    let config = EngineConfig { device_budget: Some(need + need / 20), ..tight };
+    let at = Placement { non_model: Some(predicted.clone()), ..Placement::single() };
+    let mut trainer = trainer(&strategy, &config, &at).unwrap();
+    let trace = Arc::new(NonModelTrace::new(&trainer.engine));
+    trainer.engine.set_event_sink(trace.clone());
+    for i in 0..200 {
+        trainer.train_step(&step(i % 20)).unwrap();
+    }
+    // Every step holds, at every moment, what the measured one did (the ledger's count).
+    assert_eq!(trace.peaks(), predicted);
+    assert!(trainer.engine.ledger().report()[&Where::Device].peak <= need + need / 20);
 }

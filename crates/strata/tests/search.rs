@@ -83,7 +83,11 @@ fn analysis() -> Analysis {
 fn the_memory_model_orders_the_methods_as_zero_does() {
     let a = analysis();
     let at = |precision, sharding, checkpoint| {
-        predicted_peak(&a, &Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1 }, 4)
+        predicted_peak(
+            &a,
+            &Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1, offload: false },
+            4,
+        )
     };
     let fp32 = Precision::Fp32;
     assert!(at(fp32, Sharding::None, false) > at(fp32, Sharding::Zero1, false));
@@ -103,7 +107,7 @@ fn run(table: &mut Table<'_>, limits: SearchLimits, mode: SearchMode) -> SearchR
 }
 
 fn run_on(table: &mut Table<'_>, analysis: Analysis, limits: SearchLimits, mode: SearchMode) -> SearchReport {
-    let cands = candidates(&[], &[], true, &analysis.tensor_sizes);
+    let cands = candidates(&[], &[], true, &analysis.tensor_sizes, false);
     let mut search = Search::new(table, analysis, cands, limits).unwrap();
     match mode {
         SearchMode::Guided => search.guided().unwrap(),
@@ -123,7 +127,7 @@ fn speed_of(report: &SearchReport, label: &str) -> Option<f64> {
 /// The candidates that can run on a CPU at two ranks (fp16 and fp8 are pruned there).
 fn runnable() -> Vec<Candidate> {
     let cpu = [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16];
-    candidates(&[], &[], true, &[]).into_iter().filter(|c| cpu.contains(&c.precision)).collect()
+    candidates(&[], &[], true, &[], false).into_iter().filter(|c| cpu.contains(&c.precision)).collect()
 }
 
 /// The best label of `table` over `cands` among those that fit `budget`.
@@ -215,7 +219,7 @@ fn a_table_that_traps_a_one_dimension_search_does_not_trap_the_guided_one() {
 }
 
 fn candidate(label: &str) -> Candidate {
-    candidates(&[], &[], true, &[]).into_iter().find(|c| c.label() == label).unwrap()
+    candidates(&[], &[], true, &[], false).into_iter().find(|c| c.label() == label).unwrap()
 }
 
 #[test]
@@ -250,7 +254,7 @@ fn over_the_budget_is_never_chosen_and_the_fastest_that_fits_is() {
     let at = |precision, sharding, checkpoint| {
         predicted_peak(
             &analysis(),
-            &Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1 },
+            &Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1, offload: false },
             world,
         )
     };
@@ -378,7 +382,14 @@ fn the_search_tries_tensor_sizes_and_takes_one_where_it_is_best() {
     let world = 4;
     let a = Analysis { tensor_sizes: vec![2, 4], ..analysis() };
     let at = |tensor, sharding| {
-        let c = Candidate { precision: Precision::Fp32, module_replace: false, sharding, checkpoint: false, tensor };
+        let c = Candidate {
+            precision: Precision::Fp32,
+            module_replace: false,
+            sharding,
+            checkpoint: false,
+            tensor,
+            offload: false,
+        };
         predicted_peak(&a, &c, world)
     };
     assert!(at(2, Sharding::None) < at(1, Sharding::None), "a tensor rank holds its pieces only");
@@ -393,7 +404,7 @@ fn the_search_tries_tensor_sizes_and_takes_one_where_it_is_best() {
     let mut table = Table::new(&cost);
     let report = run_on(&mut table, a.clone(), limits(world, None, None), SearchMode::Guided);
     let cpu = [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16];
-    let cands: Vec<Candidate> = candidates(&[], &[], true, &a.tensor_sizes)
+    let cands: Vec<Candidate> = candidates(&[], &[], true, &a.tensor_sizes, false)
         .into_iter()
         .filter(|c| cpu.contains(&c.precision) && !(c.tensor == 4 && c.sharding != Sharding::None))
         .collect();
@@ -402,4 +413,39 @@ fn the_search_tries_tensor_sizes_and_takes_one_where_it_is_best() {
     assert_eq!(report.chosen, Some(best));
     let explored: std::collections::BTreeSet<&String> = table.runs.iter().collect();
     assert!(explored.len() <= cands.len() / 3, "{} of {} candidates", explored.len(), cands.len());
+}
+
+/// One rank under a budget: offload is tried only where nothing else fits, and chosen then.
+#[test]
+fn offload_is_chosen_where_nothing_without_it_fits_and_only_there() {
+    let a = analysis();
+    let at = |offload, checkpoint| {
+        let c = Candidate {
+            precision: Precision::HalfBf16,
+            module_replace: false,
+            sharding: Sharding::None,
+            checkpoint,
+            tensor: 1,
+            offload,
+        };
+        predicted_peak(&a, &c, 1)
+    };
+    // Offloading costs a third of the speed; peaks as the memory model predicts them.
+    let cost = |c: &Candidate| {
+        let speed = trap_speed(&Candidate { offload: false, ..*c }) * if c.offload { 0.66 } else { 1.0 };
+        Cost::Runs { tokens_per_s: speed, peak_bytes: predicted_peak(&analysis(), c, 1) }
+    };
+    let search = |budget: u64| {
+        let mut table = Table::new(&cost);
+        let cands = candidates(&[], &[], true, &[], true);
+        let mut search = Search::new(&mut table, analysis(), cands, limits(1, Some(budget), None)).unwrap();
+        search.guided().unwrap();
+        let best = search.best();
+        search.report(SearchMode::Guided, best).unwrap().chosen.expect("a candidate fits")
+    };
+    let tight = search(at(true, false) * 11 / 10);
+    assert!(tight.contains("offload"), "nothing else fits: {tight}");
+    assert!(at(false, true) < at(false, false), "the memory model sees recomputation");
+    let roomy = search(at(false, false) * 2);
+    assert!(!roomy.contains("offload"), "everything fits: {roomy}");
 }

@@ -99,7 +99,24 @@ impl Bench<'_> {
         let tensor = strategy.parallel_mode().size("tensor", self.world_size())?;
         let steps = self.steps_for(tensor)?;
         let device = self.engine.device;
-        let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, &self.placement)?;
+        // An offload plan keeps room for what a step holds beside model states, measured on
+        // the first step.
+        let measured;
+        let placement = match strategy.offload_plan() {
+            None => &self.placement,
+            Some(_) => {
+                let room = crate::train::measure_non_model(
+                    self.spec()?,
+                    self.engine.clone(),
+                    strategy,
+                    &self.placement,
+                    &steps[0],
+                )?;
+                measured = parallel::Placement { non_model: Some(room), ..self.placement.clone() };
+                &measured
+            }
+        };
+        let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, placement)?;
         let optimizer = Optimizer::new(&mut engine, self.optimizer.clone(), self.rules)?;
         let mut trainer = Trainer::new(engine, optimizer, self.schedule.clone(), self.grad_clip);
         trainer.scaling = strategy.grad_scaling()?;
@@ -118,8 +135,14 @@ impl Bench<'_> {
             }
         }
         rates.sort_by(f64::total_cmp);
-        let ledger_peak = trainer.engine.ledger().report().get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);
-        let peak = memory::allocator_peak(device).unwrap_or(0).max(ledger_peak);
+        let report = trainer.engine.ledger().report();
+        let ledger_peak = report.get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);
+        // On the CPU the allocator also holds what the ledger places on the host.
+        let host = match device {
+            tch::Device::Cpu => report.get(&crate::engine::Placement::Host).map_or(0, |r| r.current),
+            _ => 0,
+        };
+        let peak = memory::allocator_peak(device).unwrap_or(0).saturating_sub(host).max(ledger_peak);
         Ok((rates.get(rates.len() / 2).copied().unwrap_or(0.0), peak))
     }
 }

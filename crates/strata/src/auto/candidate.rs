@@ -43,6 +43,9 @@ pub struct Candidate {
     /// Ranks each unit is split over (with sequence parallel above 1); sharding and data
     /// parallelism span the ranks that hold the same pieces.
     pub tensor: usize,
+    /// Model states between device and host: `offload`'s plan in one process, every shard
+    /// on the host beside zero1/zero2/fsdp.
+    pub offload: bool,
 }
 
 impl Candidate {
@@ -70,6 +73,9 @@ impl Candidate {
             Sharding::Zero2 => Some("zero2"),
             Sharding::Fsdp => Some("fsdp"),
         });
+        if self.offload {
+            m.push("offload");
+        }
         m
     }
 
@@ -102,6 +108,16 @@ impl Candidate {
         if let Some(name) = self.methods().iter().find(|m| ["zero1", "zero2", "fsdp"].contains(m)) {
             items.push(serde_json::json!(name));
         }
+        if self.offload {
+            // One process: the plan against the budget; beside a ZeRO stage, its shards.
+            items.push(match self.sharding {
+                Sharding::None => serde_json::json!("offload"),
+                Sharding::Fsdp => {
+                    serde_json::json!(["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}])
+                }
+                _ => serde_json::json!(["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]),
+            });
+        }
         Strategy::from_value(&serde_json::Value::Array(items))
     }
 
@@ -130,30 +146,38 @@ impl Candidate {
             Sharding::Zero2 => "zero2",
             Sharding::Fsdp => "fsdp",
         });
+        if self.offload {
+            parts.push("offload");
+        }
         parts.join(" + ")
     }
 }
 
 /// The candidates: every combination of the methods that exist, at tensor size 1 and each
-/// of `tensor_sizes` (those the model splits over at this world size), minus those using
-/// an `excluded` method, keeping only those using every `included` one.
+/// of `tensor_sizes` (those the model splits over at this world size), with and without
+/// offload where `offload` says it is worth trying (a device budget), minus those using an
+/// `excluded` method, keeping only those using every `included` one.
 pub fn candidates(
     excluded: &[String],
     included: &[String],
     has_blocks: bool,
     tensor_sizes: &[usize],
+    offload: bool,
 ) -> Vec<Candidate> {
+    let offloads: &[bool] = if offload { &[false, true] } else { &[false] };
     let mut out = Vec::new();
     let tensors: Vec<usize> = std::iter::once(1).chain(tensor_sizes.iter().copied().filter(|&t| t > 1)).collect();
     for &tensor in &tensors {
         for precision in PRECISIONS {
             for module_replace in [true, false] {
                 for sharding in SHARDINGS {
-                    for checkpoint in [false, true] {
+                    for (checkpoint, &offload) in
+                        [false, true].into_iter().flat_map(|c| offloads.iter().map(move |o| (c, o)))
+                    {
                         if checkpoint && !has_blocks {
                             continue;
                         }
-                        let c = Candidate { precision, module_replace, sharding, checkpoint, tensor };
+                        let c = Candidate { precision, module_replace, sharding, checkpoint, tensor, offload };
                         let methods = c.methods();
                         if methods.iter().any(|m| excluded.iter().any(|e| e == m)) {
                             continue;
@@ -186,6 +210,12 @@ pub fn capability(c: &Candidate, device: Device, world: usize) -> Option<String>
     if c.tensor > 1 && !world.is_multiple_of(c.tensor) {
         return Some(format!("tensor size {} does not divide the {world} ranks", c.tensor));
     }
+    if c.offload && c.tensor > 1 {
+        return Some("offload does not combine with tensor parallelism".into());
+    }
+    if c.offload && c.sharding == Sharding::None && world > 1 {
+        return Some("offload over several ranks goes with zero1, zero2 or fsdp".into());
+    }
     (world / c.tensor == 1 && c.sharding != Sharding::None).then(|| "nothing to shard on one rank".into())
 }
 
@@ -195,21 +225,28 @@ mod tests {
 
     #[test]
     fn candidates_cover_every_method_and_honour_included_and_excluded() {
-        let all = candidates(&[], &[], true, &[]);
+        let all = candidates(&[], &[], true, &[], false);
         assert_eq!(all.len(), PRECISIONS.len() * 2 * SHARDINGS.len() * 2);
-        assert_eq!(candidates(&[], &[], true, &[2, 4]).len(), 3 * all.len());
+        assert_eq!(candidates(&[], &[], true, &[2, 4], false).len(), 3 * all.len());
+        let offloading = candidates(&[], &[], true, &[], true);
+        assert_eq!(offloading.len(), 2 * all.len(), "with and without offload under a budget");
+        for c in offloading.iter().filter(|c| c.offload) {
+            let s = c.strategy(&["GptBlock".into()]).unwrap();
+            assert!(s.offload().is_some(), "{}", c.label());
+            assert_eq!(s.offload_plan().is_some(), c.sharding == Sharding::None, "{}", c.label());
+        }
         for c in &all {
             let s = c.strategy(&["GptBlock".into()]).unwrap();
             let names: Vec<&str> = s.methods.iter().map(|m| m.name()).collect();
             assert_eq!(names.len(), c.methods().len(), "{}", c.label());
         }
-        let some = candidates(&["fsdp".into()], &["checkpoint".into(), "amp_native".into()], true, &[2]);
+        let some = candidates(&["fsdp".into()], &["checkpoint".into(), "amp_native".into()], true, &[2], false);
         assert!(!some.is_empty());
         assert!(some
             .iter()
             .all(|c| c.checkpoint && c.sharding != Sharding::Fsdp && c.methods().contains(&"amp_native")));
         assert!(
-            candidates(&[], &["checkpoint".into()], false, &[]).is_empty(),
+            candidates(&[], &["checkpoint".into()], false, &[], false).is_empty(),
             "nothing to recompute without repeated units"
         );
         let cpu = Candidate {
@@ -218,6 +255,7 @@ mod tests {
             sharding: Sharding::None,
             checkpoint: false,
             tensor: 1,
+            offload: false,
         };
         assert!(capability(&cpu, Device::Cpu, 1).is_some());
         let shard = Candidate { precision: Precision::Fp32, sharding: Sharding::Zero2, ..cpu };
@@ -226,7 +264,10 @@ mod tests {
         let split = Candidate { tensor: 2, ..shard };
         assert_eq!(capability(&split, Device::Cpu, 2).as_deref(), Some("nothing to shard on one rank"));
         assert!(capability(&split, Device::Cpu, 4).is_none());
-        let tensor_only = candidates(&[], &["tensor_parallel".into()], true, &[2]);
+        let offloaded = Candidate { offload: true, precision: Precision::Fp32, ..cpu };
+        assert!(capability(&offloaded, Device::Cpu, 1).is_none());
+        assert!(capability(&offloaded, Device::Cpu, 2).is_some_and(|why| why.contains("zero1, zero2 or fsdp")));
+        let tensor_only = candidates(&[], &["tensor_parallel".into()], true, &[2], false);
         assert!(!tensor_only.is_empty() && tensor_only.iter().all(|c| c.tensor == 2));
         let strategy = tensor_only[0].strategy(&[]).unwrap();
         assert_eq!(strategy.parallel_mode().size("tensor", 4).unwrap(), 2);

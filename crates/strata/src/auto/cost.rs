@@ -39,11 +39,16 @@ pub fn predicted_peak(a: &Analysis, c: &Candidate, world: usize) -> u64 {
         _ => (4.0, 4.0, 8.0),
     };
     let largest = a.unit_params.iter().copied().max().unwrap_or(0) as f64 / t;
-    let states = match c.sharding {
-        Sharding::None => psi * (p + g + k),
-        Sharding::Zero1 => psi * (p + g) + psi * k / n,
-        Sharding::Zero2 => psi * p + psi * (g + k) / n + 2.0 * largest * g,
-        Sharding::Fsdp => psi * (p + g + k) / n + 2.0 * largest * (p + g),
+    let states = match (c.sharding, c.offload) {
+        (Sharding::None, false) => psi * (p + g + k),
+        (Sharding::Zero1, false) => psi * (p + g) + psi * k / n,
+        (Sharding::Zero2, false) => psi * p + psi * (g + k) / n + 2.0 * largest * g,
+        (Sharding::Fsdp, false) => psi * (p + g + k) / n + 2.0 * largest * (p + g),
+        // Offloaded, the device needs at least the unit computing: its parameters and
+        // gradient (and, beside zero1/zero2, the whole parameters they keep there); the
+        // plan fills the rest of the budget with whatever fits.
+        (Sharding::None | Sharding::Fsdp, true) => 2.0 * largest * (p + g),
+        (Sharding::Zero1 | Sharding::Zero2, true) => psi * p + 2.0 * largest * g,
     };
     // Lower precision keeps lower-precision copies of most saved tensors; fused attention
     // keeps no score matrices.

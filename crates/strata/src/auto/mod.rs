@@ -334,7 +334,10 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     }
     let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
     let analysis = bench::analyse(&b)?;
-    let cands = candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty(), &analysis.tensor_sizes);
+    // Offload is worth trying only where a device budget can be short.
+    let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
+    let cands =
+        candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty(), &analysis.tensor_sizes, offload);
     if cands.is_empty() {
         return Err(Error::Config("no candidate strategy uses every included method and none excluded".into()));
     }

@@ -178,10 +178,11 @@ const MODULE_REPLACE: usize = 1;
 const SHARDING: usize = 2;
 const TENSOR: usize = 3;
 const CHECKPOINT: usize = 4;
+const OFFLOAD: usize = 5;
 
 /// A candidate's value in each searched dimension.
-fn coordinates(c: &Candidate) -> [u8; 5] {
-    [c.precision as u8, c.module_replace as u8, c.sharding as u8, c.tensor as u8, c.checkpoint as u8]
+fn coordinates(c: &Candidate) -> [u8; 6] {
+    [c.precision as u8, c.module_replace as u8, c.sharding as u8, c.tensor as u8, c.checkpoint as u8, c.offload as u8]
 }
 
 /// Search state shared by both modes.
@@ -378,7 +379,14 @@ impl<'m> Search<'m> {
         // first, then replacement is tried on the chosen precision: fused kernels differ
         // most between precisions (bf16 attention can be slower fused on a CPU).
         let cost = |c: &Candidate| {
-            (c.checkpoint, c.tensor, c.sharding, c.module_replace, PRECISIONS.iter().position(|p| *p == c.precision))
+            (
+                c.offload,
+                c.checkpoint,
+                c.tensor,
+                c.sharding,
+                c.module_replace,
+                PRECISIONS.iter().position(|p| *p == c.precision),
+            )
         };
         let mut order: Vec<usize> = (0..self.trials.len()).filter(|&i| self.open(i)).collect();
         order.sort_by_key(|&i| (!self.predicted_fit(i), cost(&self.cands[i])));
@@ -390,14 +398,16 @@ impl<'m> Search<'m> {
         // that is). Passes repeat while they change the choice, within a third of the
         // candidates in dry runs.
         // A dimension: its coordinate, and the coordinates its alternatives keep as they are.
-        let dimensions: [(usize, &[usize]); 5] = [
-            (PRECISION, &[MODULE_REPLACE]),
-            (MODULE_REPLACE, &[PRECISION]),
-            (SHARDING, &[PRECISION, MODULE_REPLACE, CHECKPOINT, TENSOR]),
+        let dimensions: [(usize, &[usize]); 6] = [
+            (PRECISION, &[MODULE_REPLACE, OFFLOAD]),
+            (MODULE_REPLACE, &[PRECISION, OFFLOAD]),
+            (SHARDING, &[PRECISION, MODULE_REPLACE, CHECKPOINT, TENSOR, OFFLOAD]),
             // Splitting units over a tensor group: the other methods kept.
-            (TENSOR, &[PRECISION, MODULE_REPLACE, SHARDING, CHECKPOINT]),
-            // Recomputation only costs time: try dropping it, never adding it (below).
-            (CHECKPOINT, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR]),
+            (TENSOR, &[PRECISION, MODULE_REPLACE, SHARDING, CHECKPOINT, OFFLOAD]),
+            // Recomputation and offload only cost time: try dropping them, never adding them
+            // (below); the start is offloaded only when nothing else is predicted to fit.
+            (CHECKPOINT, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, OFFLOAD]),
+            (OFFLOAD, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, CHECKPOINT]),
         ];
         let value = |dimension: usize, c: &Candidate| coordinates(c)[dimension];
         let keeps =
@@ -414,7 +424,13 @@ impl<'m> Search<'m> {
                     // A seed over the budget also gets its own value's next option.
                     let here_fits = !self.over_budget(seed);
                     let distance = |c: &Candidate| {
-                        (c.checkpoint != here.checkpoint, c.tensor != here.tensor, c.sharding != here.sharding, cost(c))
+                        (
+                            c.offload != here.offload,
+                            c.checkpoint != here.checkpoint,
+                            c.tensor != here.tensor,
+                            c.sharding != here.sharding,
+                            cost(c),
+                        )
                     };
                     let mut options: Vec<usize> = (0..self.trials.len())
                         .filter(|&i| self.predicted_fit(i) && !matches!(self.trials[i].outcome, Outcome::Pruned { .. }))
@@ -423,6 +439,7 @@ impl<'m> Search<'m> {
                             i != seed
                                 && keeps(kept, &here, c)
                                 && !(dimension == CHECKPOINT && c.checkpoint)
+                                && !(dimension == OFFLOAD && c.offload)
                                 && (value(dimension, c) != value(dimension, &here) || !here_fits)
                         })
                         .collect();

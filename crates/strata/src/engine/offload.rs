@@ -292,24 +292,47 @@ impl Offload {
     }
 }
 
-/// Records, per moment of a step, the most device bytes beside model states the ledger
-/// counted (activations kept for backward): installed as an engine's event sink for one
+/// Records, per moment of a step, the most device bytes beside model states: where the
+/// allocator is tracked, its peak between consecutive phase events minus the fewer model
+/// states held at either end (activations and every temporary, the loss's between the last
+/// forward and the first backward included), counted for the moments at both ends; and at
+/// least the activations the ledger counts. Installed as an engine's event sink for one
 /// step, it measures what an offload plan must leave room for.
 pub struct NonModelTrace {
     ledger: Arc<MemoryLedger>,
     units: usize,
-    peaks: Mutex<Vec<u64>>,
+    device: Device,
+    state: Mutex<TraceState>,
+}
+
+struct TraceState {
+    peaks: Vec<u64>,
+    /// The previous event's moment and the model-state bytes then.
+    previous: Option<(usize, u64)>,
 }
 
 impl NonModelTrace {
     pub fn new(engine: &Engine) -> NonModelTrace {
         let units = engine.spec().units.len();
-        NonModelTrace { ledger: engine.ledger().clone(), units, peaks: Mutex::new(vec![0; 2 * units + 1]) }
+        NonModelTrace {
+            ledger: engine.ledger().clone(),
+            units,
+            device: engine.config().device,
+            state: Mutex::new(TraceState { peaks: vec![0; 2 * units + 1], previous: None }),
+        }
+    }
+
+    /// Model-state bytes the device's allocator holds now (on the CPU it also holds the
+    /// host's).
+    fn model_state_bytes(&self) -> u64 {
+        let report = self.ledger.report();
+        let counted = report.iter().filter(|(p, _)| self.device == Device::Cpu || **p == Placement::Device);
+        counted.flat_map(|(_, r)| r.by_category.iter()).filter(|(c, _)| c.is_model_state()).map(|(_, &b)| b).sum()
     }
 
     /// The peaks so far, one per moment of [`placement::step_moments`].
     pub fn peaks(&self) -> Vec<u64> {
-        self.peaks.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).peaks.clone()
     }
 }
 
@@ -320,10 +343,18 @@ impl EventSink for NonModelTrace {
             Phase::BeforeForward | Phase::AfterForward => Moment::Forward(unit),
             Phase::BeforeBackward | Phase::AfterBackward => Moment::Backward(unit),
         };
+        let now = moment_index(self.units, moment);
         let held = self.ledger.held(Placement::Device, Category::Activations);
-        let mut peaks = self.peaks.lock().unwrap_or_else(|e| e.into_inner());
-        let peak = &mut peaks[moment_index(self.units, moment)];
-        *peak = (*peak).max(held);
+        let model = self.model_state_bytes();
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let (before, model_before) = state.previous.unwrap_or((now, model));
+        let window = memory::allocator_peak(self.device).unwrap_or(0).saturating_sub(model.min(model_before));
+        for m in [before, now] {
+            state.peaks[m] = state.peaks[m].max(window);
+        }
+        state.peaks[now] = state.peaks[now].max(held);
+        state.previous = Some((now, model));
+        memory::reset_allocator_peak(self.device);
     }
 }
 

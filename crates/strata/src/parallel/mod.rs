@@ -29,6 +29,7 @@ use zero::{ShardGroups, Zero, ZeroOptions};
 
 /// How ranks are laid out for a strategy: the communicator (none for one process) and the
 /// ranks of one node (the shard group of HYBRID_SHARD by default).
+#[derive(Clone)]
 pub struct Placement<'a> {
     pub comm: Option<&'a Comm>,
     pub local_world_size: usize,
