@@ -2,7 +2,9 @@
 //! given width) that trains under each placement — everything on the device, optimizer
 //! state on the host, everything on the host (static), and the planner's `auto` — with its
 //! tokens/s, the bytes moved per step and the share of the step spent waiting for copies;
-//! `auto` also without prefetch at the same size, to show what prefetching hides.
+//! `auto` also without prefetch at the same size, to show what prefetching hides. Every
+//! placement recomputes its blocks (unless `--no-checkpoint`), as offloaded training does,
+//! so activations do not crowd the model states out of the device.
 use crate::bench_runs;
 use anyhow::{bail, Result};
 use clap::Args;
@@ -31,6 +33,9 @@ pub struct BenchOffloadArgs {
     /// Most layers tried.
     #[arg(long, default_value_t = 256)]
     max_layers: i64,
+    /// Keep every block's activations instead of recomputing them.
+    #[arg(long)]
+    no_checkpoint: bool,
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
@@ -39,7 +44,7 @@ pub struct BenchOffloadArgs {
 #[derive(Serialize)]
 struct Row {
     placement: &'static str,
-    strategy: &'static str,
+    strategy: String,
     /// The most layers that train within the budgets (0: none).
     layers: i64,
     params: i64,
@@ -61,13 +66,21 @@ struct Report {
     rows: Vec<Row>,
 }
 
-const PLACEMENTS: [(&str, &str); 5] = [
-    ("none", "[]"),
-    ("optimizer", r#"[["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]]"#),
-    ("static-full", r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#),
-    ("auto", r#"["offload"]"#),
-    ("auto-no-prefetch", r#"[["offload", {"prefetch": 0}]]"#),
+/// Each placement's `offload` method (none: no offload).
+const PLACEMENTS: [(&str, Option<&str>); 5] = [
+    ("none", None),
+    ("optimizer", Some(r#"["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]"#)),
+    ("static-full", Some(r#"["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]"#)),
+    ("auto", Some(r#""offload""#)),
+    ("auto-no-prefetch", Some(r#"["offload", {"prefetch": 0}]"#)),
 ];
+
+/// The strategy of a placement: its offload method, after recomputation unless left out.
+fn strategy(args: &BenchOffloadArgs, offload: Option<&str>) -> String {
+    let checkpoint = (!args.no_checkpoint).then_some(r#"["checkpoint", ["GptBlock"]]"#);
+    let methods: Vec<&str> = checkpoint.into_iter().chain(offload).collect();
+    format!("[{}]", methods.join(", "))
+}
 
 fn flags(args: &BenchOffloadArgs, layers: i64, steps: u64, strategy: &str) -> Vec<String> {
     let text = format!(
@@ -125,7 +138,9 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
     };
     let mut rows: Vec<Row> = Vec::new();
     let mut auto_layers = 0;
-    for (placement, strategy) in PLACEMENTS {
+    for (placement, offload) in PLACEMENTS {
+        let strategy = strategy(&args, offload);
+        let strategy = strategy.as_str();
         // Prefetch changes no placement: the same size as auto's, for the copy-wait.
         let layers = if placement == "auto-no-prefetch" { auto_layers } else { largest(&args, strategy)? };
         if placement == "auto" {
@@ -147,7 +162,7 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
         }
         rows.push(Row {
             placement,
-            strategy,
+            strategy: strategy.to_string(),
             layers,
             params: params_of(layers)?,
             vs_static_full: 0.0,

@@ -356,24 +356,22 @@ impl PatrickStarEngine {
     /// dictionary on every rank works too). Every rank must call it.
     pub fn load_state_dict(&mut self, values: &BTreeMap<String, Tensor>) -> Result<()> {
         let mut s = self.session.borrow_mut();
-        if let Some(unknown) = values.keys().find(|k| s.engine.spec().find(k).is_none()) {
-            return Err(Error::Model(format!("state dict: {unknown} names no parameter of this model")));
+        // By parameter, whichever name (or alias) the dictionary uses.
+        let mut by_id = BTreeMap::new();
+        for (name, value) in values {
+            let id = s
+                .engine
+                .spec()
+                .find(name)
+                .ok_or_else(|| Error::Model(format!("state dict: {name} names no parameter of this model")))?;
+            by_id.insert(id, value);
         }
         let world_group = s.comm.as_ref().map(Comm::world).transpose()?;
         for u in 0..s.engine.spec().units.len() {
             let full = s.engine.full_unit(u)?.f_detach_copy()?;
             for &id in &s.engine.spec().units[u].params {
-                let p = &s.engine.spec().params[id.0];
-                if let Some(v) = values.get(&p.name) {
-                    if v.size() != p.shape {
-                        return Err(Error::Model(format!(
-                            "state dict: {} has shape {:?}, not {:?}",
-                            p.name,
-                            v.size(),
-                            p.shape
-                        )));
-                    }
-                    full.f_narrow(0, s.engine.full_offset(id), p.numel())?.f_copy_(&v.f_reshape([-1])?)?;
+                if let Some(v) = by_id.get(&id) {
+                    s.engine.write_param(&full, id, v)?;
                 }
             }
             if let Some(g) = &world_group {

@@ -860,6 +860,22 @@ impl Engine {
         Ok(out)
     }
 
+    /// Writes `value` as parameter `id` into `full`, its unit's whole layout (as
+    /// [`Engine::full_unit`] returns it), after checking its shape.
+    pub fn write_param(&self, full: &Tensor, id: ParamId, value: &Tensor) -> Result<()> {
+        let p = &self.spec.params[id.0];
+        if value.size() != p.shape {
+            return Err(Error::Model(format!(
+                "{}: shape {:?} does not match the model's {:?}",
+                p.name,
+                value.size(),
+                p.shape
+            )));
+        }
+        tch::no_grad(|| full.f_narrow(0, self.full_offsets[id.0], p.numel())?.f_copy_(&value.f_reshape([-1])?))?;
+        Ok(())
+    }
+
     /// Copies `values` into the parameters they name, unit by unit through the schedule
     /// (so that a sharded rank keeps only its share); units not named keep their values.
     pub fn set_params(&mut self, values: &std::collections::BTreeMap<ParamId, Tensor>) -> Result<()> {
@@ -871,17 +887,7 @@ impl Engine {
             }
             let full = self.full_unit(unit)?.f_detach_copy()?;
             for id in ids {
-                let p = &self.spec.params[id.0];
-                let value = &values[&id];
-                if value.size() != p.shape {
-                    return Err(Error::Model(format!(
-                        "{}: shape {:?} does not match the model's {:?}",
-                        p.name,
-                        value.size(),
-                        p.shape
-                    )));
-                }
-                full.f_narrow(0, self.full_offsets[id.0], p.numel())?.f_copy_(&value.f_reshape([-1])?)?;
+                self.write_param(&full, id, &values[&id])?;
             }
             self.set_full_unit(unit, &full)?;
         }
