@@ -17,7 +17,7 @@ use strata::io::WeightsTarget;
 use strata::model::Builder;
 use strata::optim::{Optimizer, OptimizerKind};
 use strata::parallel::{self, DataParallelOptions, Placement};
-use strata::train::{measure_non_model, StepReport, Trainer};
+use strata::train::{StepReport, Trainer};
 use tracing::info;
 
 fn human_bytes(b: u64) -> String {
@@ -249,7 +249,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         let first = DataLoader::new(data.clone(), loader_config(0), order.clone())?
             .next()
             .ok_or_else(|| anyhow::anyhow!("the data holds no step to measure offload's room on"))??;
-        let room = measure_non_model(model_spec()?, engine_config.clone(), &strategy, &placement, &first)
+        let room = parallel::measure_non_model(model_spec()?, engine_config.clone(), &strategy, &placement, &first)
             .context("measuring what a step holds beside model states")?;
         placement.non_model = Some(room);
     }

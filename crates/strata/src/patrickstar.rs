@@ -299,7 +299,7 @@ fn initialize(
     };
     if let (Some(b), Some(_)) = (&budgets, strategy.offload_plan()) {
         at.non_model =
-            Some(crate::train::measure_non_model(model_func()?, engine_config.clone(), &strategy, &at, b.sample)?);
+            Some(crate::parallel::measure_non_model(model_func()?, engine_config.clone(), &strategy, &at, b.sample)?);
     }
     let mut engine = build_engine(spec, engine_config, &strategy, &at)?;
     let optimizer = Optimizer::new(&mut engine, optimizer_config, &[])?;

@@ -107,27 +107,6 @@ pub(crate) fn mean(losses: &[f64]) -> Result<f64> {
     Ok(losses.iter().sum::<f64>() / losses.len() as f64)
 }
 
-/// Per moment of a step, the device bytes beside model states that `step`'s forwards and
-/// backwards (next-token loss on the token ids) need under `strategy`: what an offload plan
-/// leaves room for ([`crate::parallel::Placement::non_model`]).
-pub fn measure_non_model(
-    spec: crate::model::ModelSpec,
-    config: crate::engine::EngineConfig,
-    strategy: &crate::strategy::Strategy,
-    at: &crate::parallel::Placement,
-    step: &Step,
-) -> Result<Vec<u64>> {
-    crate::parallel::measure_non_model(spec, config, strategy, at, |engine| {
-        let loss = next_token_loss_of(engine);
-        let n = step.micro_batches.len() as f64;
-        for batch in &step.micro_batches {
-            let output = engine.forward(&batch.inputs)?;
-            engine.backward(&loss(&output, batch)?.f_div_scalar(n)?)?;
-        }
-        Ok(())
-    })
-}
-
 /// Turns a micro-batch into the model's input (`prepare_input`).
 pub type InputFn = Arc<dyn Fn(&Batch) -> Result<Tensor> + Send + Sync>;
 /// The loss from the model's output and the micro-batch (`loss_func`).

@@ -7,9 +7,9 @@ use strata::engine::placement::{Home, HomePolicy};
 use strata::engine::{with_seed, EngineConfig, Event, EventLog, Placement as Where};
 use strata::model::{self, Builder, GptConfig, ModelSpec};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
-use strata::parallel::{build_engine, Placement};
+use strata::parallel::{build_engine, measure_non_model, Placement};
 use strata::strategy::{Method, Strategy};
-use strata::train::{measure_non_model, StepReport, Trainer};
+use strata::train::{StepReport, Trainer};
 use tch::{Device, Kind, Tensor};
 
 /// Four layers; the head borrows the embedding's weight (tied), so one unit's gradient

@@ -105,7 +105,7 @@ impl Bench<'_> {
         let placement = match strategy.offload_plan() {
             None => &self.placement,
             Some(_) => {
-                let room = crate::train::measure_non_model(
+                let room = parallel::measure_non_model(
                     self.spec()?,
                     self.engine.clone(),
                     strategy,

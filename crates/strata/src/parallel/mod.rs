@@ -286,17 +286,17 @@ fn zero_offload(name: &str, stage: Stage, c: &OffloadConfig, device: tch::Device
     }
 }
 
-/// Per moment of a step, the device bytes beside model states that `run` (a step's
-/// forwards and backwards) needs under `strategy`'s compute methods: measured once on an
-/// engine built as `strategy` says but with every state on the host and no budgets, the
-/// least the device can hold. Offload's plan leaves room for them
+/// Per moment of a step, the device bytes beside model states that `step`'s forwards and
+/// backwards (next-token loss on the token ids) need under `strategy`'s compute methods:
+/// measured once on an engine built as `strategy` says but with every state on the host
+/// and no budgets, the least the device can hold. Offload's plan leaves room for them
 /// ([`Placement::non_model`]), so a run within the budget never runs out mid-step.
 pub fn measure_non_model(
     spec: ModelSpec,
     config: EngineConfig,
     strategy: &Strategy,
     at: &Placement,
-    run: impl FnOnce(&mut Engine) -> Result<()>,
+    step: &crate::data::Step,
 ) -> Result<Vec<u64>> {
     let all_on_host = |m: &Method| match m {
         Method::Offload(c) => Method::Offload(OffloadConfig {
@@ -317,7 +317,12 @@ pub fn measure_non_model(
     let mut engine = build_engine(spec, config, &measured, at)?;
     let trace = Arc::new(NonModelTrace::new(&engine));
     engine.set_event_sink(trace.clone());
-    run(&mut engine)?;
+    let loss = crate::train::next_token_loss_of(&engine);
+    let n = step.micro_batches.len() as f64;
+    for batch in &step.micro_batches {
+        let output = engine.forward(&batch.inputs)?;
+        engine.backward(&loss(&output, batch)?.f_div_scalar(n)?)?;
+    }
     Ok(trace.peaks())
 }
 
