@@ -398,7 +398,7 @@ impl PatrickStarOptimizer {
         let scale = s.scaling.scale();
         let (engine, optimizer) = (&s.engine, &s.optimizer);
         let decision = s.scaling.decide(None, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
-        decision.apply(&mut s.engine, &mut s.optimizer)
+        decision.apply(&mut s.engine, &mut s.optimizer, &Default::default())
     }
 
     /// This rank's optimizer state: `unit{U}.{OFFSET}.{exp_avg|exp_avg_sq}` per segment and

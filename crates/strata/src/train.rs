@@ -11,7 +11,7 @@ use crate::model::layers::cross_entropy;
 use crate::optim::{clip_coefficient, Optimizer, Schedule};
 use crate::Result;
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 use tch::Tensor;
@@ -166,14 +166,19 @@ pub(crate) struct GradDecision {
 }
 
 impl GradDecision {
-    /// Ends the step on `engine` and its `optimizer`: gradients scaled, the update unless
-    /// skipped, gradients cleared.
-    pub(crate) fn apply(&self, engine: &mut Engine, optimizer: &mut Optimizer) -> Result<()> {
+    /// Ends the step on `engine` and its `optimizer`: gradients scaled, the update (of
+    /// the units not `updated` already) unless skipped, gradients cleared.
+    pub(crate) fn apply(
+        &self,
+        engine: &mut Engine,
+        optimizer: &mut Optimizer,
+        updated: &BTreeSet<usize>,
+    ) -> Result<()> {
         if self.factor != 1.0 {
             optimizer.scale_grads(self.factor)?;
         }
         if !self.skipped {
-            optimizer.step()?;
+            optimizer.step_except(updated)?;
             engine.after_update()?;
         }
         engine.end_step()?;
@@ -182,6 +187,12 @@ impl GradDecision {
 }
 
 impl GradScaling {
+    /// Whether a step with `grad_clip` updates whatever its gradients are (no clipping, no
+    /// scaling, no check), so an update may start before the whole step's gradients exist.
+    pub fn updates_unconditionally(&self, grad_clip: Option<f64>) -> bool {
+        grad_clip.is_none() && self.scaler.is_none() && !self.skip_if_nonfinite
+    }
+
     /// The loss scale of the coming step (1 without a scaler).
     pub fn scale(&self) -> f64 {
         self.scaler.as_ref().map_or(1.0, |s| s.scale)
@@ -260,9 +271,18 @@ impl Trainer {
         let mut loss_sum = 0.0;
         let mut tokens = 0;
         let last = step.micro_batches.len().saturating_sub(1);
+        // Units updated on the host start as soon as their gradient is complete, while the
+        // device computes the rest of backward, where nothing decided later can stop them.
+        self.engine.set_grad_ready(None);
+        let host_updates =
+            self.scaling.updates_unconditionally(self.grad_clip).then(|| Arc::new(self.optimizer.host_updates()));
         for (i, batch) in step.micro_batches.iter().enumerate() {
             // Only the last micro-batch's backward completes the step's gradients.
             self.engine.set_grad_sync(i == last);
+            if let (true, Some(updates)) = (i == last, &host_updates) {
+                let updates = updates.clone();
+                self.engine.set_grad_ready(Some(Arc::new(move |unit| updates.start(unit))));
+            }
             let output = self.engine.forward(&(self.prepare_input)(batch)?)?;
             crate::fault::point("backward", self.step + 1);
             let loss = (self.loss_func)(&output, batch)?;
@@ -270,11 +290,17 @@ impl Trainer {
             loss_sum += loss.f_double_value(&[])?;
             tokens += batch.targets.numel() as u64;
         }
+        self.engine.set_grad_ready(None);
         self.engine.finish_grads()?;
+        let updated = match host_updates.map(Arc::try_unwrap) {
+            Some(Ok(updates)) => updates.finish()?,
+            Some(Err(_)) => return Err(crate::Error::Engine("host updates still shared after backward".into())),
+            None => BTreeSet::new(),
+        };
         let (engine, optimizer) = (&self.engine, &self.optimizer);
         let decision =
             self.scaling.decide(self.grad_clip, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
-        decision.apply(&mut self.engine, &mut self.optimizer)?;
+        decision.apply(&mut self.engine, &mut self.optimizer, &updated)?;
         let GradDecision { grad_norm, skipped, .. } = decision;
         let seconds = start.elapsed().as_secs_f64();
         self.step += 1;

@@ -216,3 +216,31 @@ fn offload_composes_with_recomputation_and_mixed_precision() {
         }
     }
 }
+
+#[test]
+fn host_updates_start_during_backward_where_nothing_can_stop_them_and_change_nothing() {
+    let budget = Some(model_state_bytes() * 4 / 10);
+    let run = |strategy: &str, budget: Option<u64>| -> Vec<StepReport> {
+        let config = EngineConfig { device_budget: budget, ..EngineConfig::default() };
+        let strategy = Strategy::parse(strategy).unwrap();
+        let mut at = Placement::single();
+        if strategy.offload().is_some() {
+            at.non_model = Some(measure_non_model(spec(), config.clone(), &strategy, &at, &step(0)).unwrap());
+        }
+        let mut trainer = trainer(&strategy, &config, &at).unwrap();
+        // No clipping and no loss scaling: an update cannot be called off once it is due.
+        trainer.grad_clip = None;
+        (0..10).map(|i| trainer.train_step(&step(i)).unwrap()).collect()
+    };
+    let reference: Vec<f64> = run("[]", None).iter().map(|r| r.loss).collect();
+    for strategy in [FULL, AUTO, OPTIMIZER_ONLY] {
+        let reports = run(strategy, if strategy == OPTIMIZER_ONLY { None } else { budget });
+        for (i, (r, want)) in reports.iter().zip(&reference).enumerate() {
+            assert!((r.loss - want).abs() <= 1e-6, "{strategy} step {i}: {} against {want}", r.loss);
+        }
+        assert!(
+            reports.iter().all(|r| r.transfers.host_update_s > 0.0),
+            "{strategy}: the host updated during backward"
+        );
+    }
+}

@@ -40,13 +40,14 @@ struct State {
     transfers: Transfers,
 }
 
-/// Copies between device and host since the ledger was made: bytes that arrived on each
-/// placement and the time spent waiting for copies.
+/// Offload's figures since the ledger was made: bytes copied to each placement, the time
+/// spent waiting for copies, and the time host updates ran (beside the device's work).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Transfers {
     pub to_device: u64,
     pub to_host: u64,
     pub wait_s: f64,
+    pub host_update_s: f64,
 }
 
 impl Transfers {
@@ -56,6 +57,7 @@ impl Transfers {
             to_device: self.to_device - earlier.to_device,
             to_host: self.to_host - earlier.to_host,
             wait_s: self.wait_s - earlier.wait_s,
+            host_update_s: self.host_update_s - earlier.host_update_s,
         }
     }
 }
@@ -137,6 +139,11 @@ impl MemoryLedger {
             Placement::Host => s.transfers.to_host += bytes,
         }
         s.transfers.wait_s += waited.as_secs_f64();
+    }
+
+    /// Records `seconds` of updates run on the host.
+    pub fn record_host_update(&self, seconds: std::time::Duration) {
+        self.lock().transfers.host_update_s += seconds.as_secs_f64();
     }
 
     /// Copies between device and host so far.

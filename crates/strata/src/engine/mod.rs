@@ -20,7 +20,7 @@ use crate::model::{DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, Ten
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, UnitClock, UnitTime};
 pub use memory::{Category, MemoryLedger, Placement};
-pub use schedule::{OptimizerView, Phase, Resident, ScheduleContext, UnitSchedule};
+pub use schedule::{GradReady, OptimizerView, Phase, Resident, ScheduleContext, UnitSchedule};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
@@ -159,6 +159,7 @@ pub struct Engine {
     fp8_weights: Vec<Vec<ParamId>>,
     amax_group: Option<Arc<dyn ProcessGroup>>,
     events: Option<Arc<dyn EventSink>>,
+    grad_ready: Option<Arc<GradReady>>,
 }
 
 /// Held while libtorch's one random generator is seeded and drawn from.
@@ -307,6 +308,7 @@ impl Engine {
             fp8_weights: vec![vec![]; units],
             amax_group: None,
             events: None,
+            grad_ready: None,
         })
     }
 
@@ -435,6 +437,7 @@ impl Engine {
             storage: &mut self.storage,
             ledger: &self.ledger,
             sync_grads: self.sync_grads,
+            grad_ready: self.grad_ready.as_deref(),
         };
         (self.schedule.as_mut(), ctx)
     }
@@ -566,6 +569,12 @@ impl Engine {
             pieces.push(p.tp.shard(&whole, tp.size(), tp.rank())?.f_reshape([-1])?);
         }
         Ok(Tensor::f_cat(&pieces, 0)?)
+    }
+
+    /// Calls `ready` with each unit whose gradient the step's completing backward has made
+    /// final where the optimizer updates it on the host (`None`: nobody is told).
+    pub fn set_grad_ready(&mut self, ready: Option<Arc<GradReady>>) {
+        self.grad_ready = ready;
     }
 
     /// Says whether the next backward completes the step's gradients (default true); with

@@ -403,6 +403,11 @@ impl UnitSchedule for Offload {
                 for u in reads {
                     if self.last_reader[u] == k {
                         self.send_grads(u, storage, ledger)?;
+                        if let (true, Some(ready), true) =
+                            (ctx.sync_grads, ctx.grad_ready, self.units[u].host_grad.is_some())
+                        {
+                            ready(u);
+                        }
                     }
                 }
                 Ok(())

@@ -36,7 +36,13 @@ pub struct ScheduleContext<'a> {
     /// Whether this backward completes the step's gradients (false on the earlier
     /// micro-batches of gradient accumulation, when nothing needs communicating).
     pub sync_grads: bool,
+    /// Called with a unit once its gradient of the step is complete where the optimizer
+    /// updates it (the host), so its update can start while backward goes on.
+    pub grad_ready: Option<&'a GradReady>,
 }
+
+/// What [`ScheduleContext::grad_ready`] calls.
+pub type GradReady = dyn Fn(usize) + Send + Sync;
 
 /// Per-unit policy run by the engine around every forward and backward of a unit, and the
 /// owner of whatever a strategy keeps instead of the engine's buffers (shards, masters).

@@ -9,7 +9,8 @@ use crate::engine::{Category, Engine, MemoryLedger, Placement, Segment};
 use crate::model::ParamSpec;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 use strata_ext::{AdamStep, AdamTensors, Scaling, SgdStep};
 use tch::{Kind, Tensor};
 
@@ -131,7 +132,7 @@ pub struct Optimizer {
     steps_taken: u64,
     ledger: Arc<MemoryLedger>,
     /// State bytes charged to the ledger, per placement.
-    state_bytes: std::collections::BTreeMap<Placement, u64>,
+    state_bytes: BTreeMap<Placement, u64>,
 }
 
 impl Optimizer {
@@ -158,7 +159,7 @@ impl Optimizer {
             })
             .collect();
         let ledger = engine.ledger().clone();
-        let mut state_bytes = std::collections::BTreeMap::new();
+        let mut state_bytes = BTreeMap::new();
         for Segment { param, grad, group, unit, offset, norm_share, placement } in engine.segments(group_of)? {
             let g = &mut groups[group];
             // States of low-precision parameters are fp32: g² of a small gradient would
@@ -208,20 +209,46 @@ impl Optimizer {
     /// low-precision parameter (updated in fp32 against its fp32 states), is converted one
     /// segment at a time, so only one segment's fp32 copy exists at once.
     pub fn step(&mut self) -> Result<()> {
+        self.step_except(&BTreeSet::new())
+    }
+
+    /// [`Optimizer::step`] for every segment but those of the units in `updated` (their
+    /// update already ran: [`HostUpdates`]).
+    pub fn step_except(&mut self, updated: &BTreeSet<usize>) -> Result<()> {
         for g in &self.groups {
-            let direct = |(p, gr): (&Tensor, &Tensor)| p.kind() == gr.kind() && !is_low_precision(p.kind());
-            if g.params.iter().zip(&g.grads).all(direct) {
-                self.update(g, 0..g.params.len(), &g.params, &g.grads)?;
+            let pending: Vec<usize> = (0..g.params.len()).filter(|&i| !updated.contains(&g.places[i].0)).collect();
+            let rule = self.rule(g);
+            let direct = |&i: &usize| g.params[i].kind() == g.grads[i].kind() && !is_low_precision(g.params[i].kind());
+            if pending.is_empty() {
                 continue;
             }
-            for (i, (param, grad)) in g.params.iter().zip(&g.grads).enumerate() {
+            if pending.iter().all(direct) {
+                let pick = |v: &[Tensor]| -> Vec<Tensor> {
+                    if v.is_empty() {
+                        vec![]
+                    } else {
+                        pending.iter().map(|&i| v[i].shallow_clone()).collect()
+                    }
+                };
+                rule.apply(&pick(&g.params), &pick(&g.grads), &pick(&g.first), &pick(&g.second), &pick(&g.steps))?;
+                continue;
+            }
+            for i in pending {
+                let (param, grad) = (&g.params[i], &g.grads[i]);
                 let low = is_low_precision(param.kind());
                 let kind = if low { Kind::Float } else { param.kind() };
                 let bytes = (param.numel() * kind.elt_size_in_bytes()) as u64 * (1 + u64::from(low));
                 self.ledger.alloc(g.placements[i], Category::Grads, bytes)?;
                 let result = (|| -> Result<()> {
                     let work = if low { param.f_to_kind(kind)? } else { param.shallow_clone() };
-                    self.update(g, i..i + 1, std::slice::from_ref(&work), &[grad.f_to_kind(kind)?])?;
+                    let one = |v: &[Tensor]| v.get(i).map(|t| vec![t.shallow_clone()]).unwrap_or_default();
+                    rule.apply(
+                        &[work.shallow_clone()],
+                        &[grad.f_to_kind(kind)?],
+                        &one(&g.first),
+                        &one(&g.second),
+                        &one(&g.steps),
+                    )?;
                     if low {
                         tch::no_grad(|| param.shallow_clone().f_copy_(&work))?;
                     }
@@ -235,56 +262,41 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Updates `params` (segments `range` of group `g`, or fp32 copies of them) with `grads`.
-    fn update(&self, g: &Group, range: std::ops::Range<usize>, params: &[Tensor], grads: &[Tensor]) -> Result<()> {
-        let c = &self.config;
-        let lr = g.lr * self.lr_factor;
-        fn state(v: &[Tensor], range: std::ops::Range<usize>) -> &[Tensor] {
-            if v.is_empty() {
-                &[]
-            } else {
-                &v[range]
-            }
+    /// The update rule of group `g` at this step.
+    fn rule(&self, g: &Group) -> UpdateRule {
+        UpdateRule {
+            config: self.config.clone(),
+            lr: g.lr * self.lr_factor,
+            weight_decay: g.weight_decay,
+            first_step: self.steps_taken == 0,
         }
-        match c.kind {
-            OptimizerKind::Adam | OptimizerKind::AdamW => strata_ext::fused_adam(
-                &AdamTensors {
-                    params,
-                    grads,
-                    exp_avgs: state(&g.first, range.clone()),
-                    exp_avg_sqs: state(&g.second, range.clone()),
-                    steps: state(&g.steps, range.clone()),
-                },
-                AdamStep {
-                    lr,
-                    beta1: c.betas.0,
-                    beta2: c.betas.1,
-                    eps: c.eps,
-                    weight_decay: g.weight_decay,
-                    decoupled: c.kind == OptimizerKind::AdamW,
-                    maximize: false,
-                },
-                Scaling::default(),
-            )?,
-            OptimizerKind::Sgd => strata_ext::fused_sgd(
-                params,
-                grads,
-                state(&g.first, range.clone()),
-                SgdStep {
-                    lr,
-                    momentum: c.momentum,
-                    dampening: c.dampening,
-                    weight_decay: g.weight_decay,
-                    nesterov: c.nesterov,
-                    maximize: false,
-                    is_first_step: self.steps_taken == 0,
-                },
-                Scaling::default(),
-            )?,
-        }
-        Ok(())
     }
 
+    /// This step's updates of the segments that live on the host, by unit, to be started as
+    /// each unit's gradient is complete ([`HostUpdates::start`]), while the rest of backward
+    /// runs. Low-precision segments (updated through fp32 copies) are left to
+    /// [`Optimizer::step_except`].
+    pub fn host_updates(&self) -> HostUpdates {
+        let mut by_unit: BTreeMap<usize, Vec<SegmentUpdate>> = BTreeMap::new();
+        for g in &self.groups {
+            for i in 0..g.params.len() {
+                let (param, grad) = (&g.params[i], &g.grads[i]);
+                if g.placements[i] != Placement::Host || param.kind() != grad.kind() || is_low_precision(param.kind()) {
+                    continue;
+                }
+                let one = |v: &[Tensor]| v.get(i).map(Tensor::shallow_clone);
+                by_unit.entry(g.places[i].0).or_default().push(SegmentUpdate {
+                    rule: self.rule(g),
+                    param: param.shallow_clone(),
+                    grad: grad.shallow_clone(),
+                    first: one(&g.first),
+                    second: one(&g.second),
+                    step: one(&g.steps),
+                });
+            }
+        }
+        HostUpdates { by_unit: Mutex::new(by_unit), running: Mutex::new(vec![]), ledger: self.ledger.clone() }
+    }
     /// Names of the per-element state tensors this optimizer keeps (torch.optim's names).
     pub fn state_names(&self) -> &'static [&'static str] {
         match self.config.kind {
@@ -358,6 +370,117 @@ impl Optimizer {
             let _ = grad.shallow_clone().f_mul_scalar_(factor)?;
         }
         Ok(())
+    }
+}
+
+/// One step's update of a group: the rule and its hyper-parameters at that step.
+#[derive(Clone)]
+struct UpdateRule {
+    config: OptimizerConfig,
+    lr: f64,
+    weight_decay: f64,
+    first_step: bool,
+}
+
+impl UpdateRule {
+    /// Updates `params` with `grads` and the states (each list empty where the rule keeps
+    /// none) through libtorch's fused kernels.
+    fn apply(
+        &self,
+        params: &[Tensor],
+        grads: &[Tensor],
+        first: &[Tensor],
+        second: &[Tensor],
+        steps: &[Tensor],
+    ) -> Result<()> {
+        let c = &self.config;
+        match c.kind {
+            OptimizerKind::Adam | OptimizerKind::AdamW => strata_ext::fused_adam(
+                &AdamTensors { params, grads, exp_avgs: first, exp_avg_sqs: second, steps },
+                AdamStep {
+                    lr: self.lr,
+                    beta1: c.betas.0,
+                    beta2: c.betas.1,
+                    eps: c.eps,
+                    weight_decay: self.weight_decay,
+                    decoupled: c.kind == OptimizerKind::AdamW,
+                    maximize: false,
+                },
+                Scaling::default(),
+            )?,
+            OptimizerKind::Sgd => strata_ext::fused_sgd(
+                params,
+                grads,
+                first,
+                SgdStep {
+                    lr: self.lr,
+                    momentum: c.momentum,
+                    dampening: c.dampening,
+                    weight_decay: self.weight_decay,
+                    nesterov: c.nesterov,
+                    maximize: false,
+                    is_first_step: self.first_step,
+                },
+                Scaling::default(),
+            )?,
+        }
+        Ok(())
+    }
+}
+
+/// One segment's update, holding what it reads and writes, so that it runs on a thread of
+/// its own.
+struct SegmentUpdate {
+    rule: UpdateRule,
+    param: Tensor,
+    grad: Tensor,
+    first: Option<Tensor>,
+    second: Option<Tensor>,
+    step: Option<Tensor>,
+}
+
+impl SegmentUpdate {
+    fn run(&self) -> Result<()> {
+        let list = |t: &Option<Tensor>| t.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
+        let (first, second, step) = (list(&self.first), list(&self.second), list(&self.step));
+        self.rule.apply(&[self.param.shallow_clone()], &[self.grad.shallow_clone()], &first, &second, &step)
+    }
+}
+
+/// A step's host updates ([`Optimizer::host_updates`]): each unit's starts on a thread as
+/// soon as [`HostUpdates::start`] is called for it (its gradient is complete), so the host
+/// updates while the device computes the rest of backward.
+pub struct HostUpdates {
+    by_unit: Mutex<BTreeMap<usize, Vec<SegmentUpdate>>>,
+    running: Mutex<Vec<(usize, std::thread::JoinHandle<Result<f64>>)>>,
+    ledger: Arc<MemoryLedger>,
+}
+
+impl HostUpdates {
+    /// Starts unit `unit`'s host updates (none if it has none, or they started already).
+    pub fn start(&self, unit: usize) {
+        let Some(segments) = self.by_unit.lock().unwrap_or_else(|e| e.into_inner()).remove(&unit) else { return };
+        let handle = std::thread::spawn(move || -> Result<f64> {
+            let started = std::time::Instant::now();
+            for s in &segments {
+                s.run()?;
+            }
+            Ok(started.elapsed().as_secs_f64())
+        });
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).push((unit, handle));
+    }
+
+    /// Waits for every update started; the units updated. Their seconds go into the
+    /// ledger's host-update time.
+    pub fn finish(self) -> Result<BTreeSet<usize>> {
+        let mut done = BTreeSet::new();
+        for (unit, handle) in self.running.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            let seconds =
+                handle.join().map_err(|_| Error::Engine(format!("the host update of unit {unit} panicked")))??;
+            self.ledger.record_host_update(std::time::Duration::from_secs_f64(seconds));
+            done.insert(unit);
+        }
+        Ok(done)
     }
 }
 

@@ -559,7 +559,7 @@ impl PipelineTrainer {
         };
         let decision = self.scaling.decide(self.grad_clip, scale, sq_norm)?;
         for c in &mut self.chunks {
-            decision.apply(&mut c.engine, &mut c.optimizer)?;
+            decision.apply(&mut c.engine, &mut c.optimizer, &Default::default())?;
         }
         let GradDecision { grad_norm, skipped, .. } = decision;
         let ledger = self.chunks[0].engine.ledger().clone();
