@@ -13,6 +13,7 @@ mod bench_zero;
 mod infer;
 mod launch;
 mod options;
+mod profile_cmd;
 mod run_io;
 mod train;
 mod train_pipeline;
@@ -52,6 +53,11 @@ enum Command {
     Ckpt {
         #[command(subcommand)]
         which: CkptCommand,
+    },
+    /// Profiles recorded by `strata train --profile DIR`: a Chrome trace, or a summary.
+    Profile {
+        #[command(subcommand)]
+        which: profile_cmd::ProfileCommand,
     },
 }
 
@@ -174,6 +180,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Dist(a) } => bench_dist::run(a),
         Command::Bench { which: BenchCommand::Offload(a) } => bench_offload::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
+        Command::Profile { which } => profile_cmd::run(which),
         Command::Strategy { which: StrategyCommand::Show { strategy } } => {
             options::parse_strategy(&strategy).map(|s| println!("{}", s.to_json()))
         }

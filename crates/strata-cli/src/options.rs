@@ -128,6 +128,9 @@ train_options! {
     /// Time every unit's forward and backward and the communication waited for around
     /// them, into the metrics (`unit_times`).
     unit_times: bool,
+    /// Record a profile of the run into this folder (one file per rank): every unit's phases,
+    /// gathers, copies and the ledger's bytes over time (`strata profile trace|summary`).
+    profile: PathBuf,
     /// Train data parallel on this many local ranks (started through `strata launch`).
     nproc: usize,
     /// Gradient bucket size of data-parallel training, in bytes (default 25 MiB).
@@ -229,6 +232,7 @@ pub struct TrainSettings {
     pub device: tch::Device,
     pub metrics: Option<PathBuf>,
     pub unit_times: bool,
+    pub profile: Option<PathBuf>,
     pub log_every: u64,
     pub nproc: usize,
     pub bucket_bytes: usize,
@@ -577,6 +581,7 @@ impl TrainOptions {
             device: parse_device(o.device.as_deref().unwrap_or("cpu"))?,
             metrics: o.metrics,
             unit_times: o.unit_times.unwrap_or(false),
+            profile: o.profile,
             log_every: o.log_every.unwrap_or(50).max(1),
             nproc: match o.nproc {
                 Some(0) => bail!("--nproc must be at least 1"),

@@ -12,11 +12,12 @@ use strata::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use strata::checkpoint::{self, RunInfo};
 use strata::comm::{all_reduce_values, init_from_env, launched_world_size, RankInfo, ReduceOp};
 use strata::data::{validation_steps, BatchOffsets, DataLoader, LoaderConfig, Order};
-use strata::engine::{EngineConfig, UnitClock};
+use strata::engine::{EngineConfig, EventSink, EventSinks, UnitClock};
 use strata::io::WeightsTarget;
 use strata::model::Builder;
 use strata::optim::{Optimizer, OptimizerKind};
 use strata::parallel::{self, DataParallelOptions, Placement};
+use strata::profile::Profiler;
 use strata::train::{StepReport, Trainer};
 use tracing::info;
 
@@ -267,8 +268,16 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     let optimizer = Optimizer::new(&mut engine, settings.optimizer.clone(), &[])?;
     let mut trainer = Trainer::new(engine, optimizer, settings.schedule.clone(), settings.grad_clip);
     let clock = settings.unit_times.then(|| Arc::new(UnitClock::default()));
+    let profiler = settings.profile.as_ref().map(|_| Profiler::new(&trainer.engine, rank, world));
+    let sinks: Vec<Arc<dyn EventSink>> = clock
+        .iter()
+        .map(|c| c.clone() as Arc<dyn EventSink>)
+        .chain(profiler.iter().map(|p| p.clone() as Arc<dyn EventSink>))
+        .collect();
+    if !sinks.is_empty() {
+        trainer.engine.set_event_sink(Arc::new(EventSinks(sinks)));
+    }
     if let Some(c) = &clock {
-        trainer.engine.set_event_sink(c.clone());
         c.take(); // the first step's clock starts here
     }
     trainer.scaling = strategy.grad_scaling()?;
@@ -368,6 +377,11 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         last = Some(report);
     }
     bar.finish_and_clear();
+    if let (Some(dir), Some(profiler)) = (&settings.profile, &profiler) {
+        profiler.end();
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create profile folder {}", dir.display()))?;
+        profiler.save(&Profiler::rank_file(dir, rank)).context("saving the profile")?;
+    }
     save_checkpoint(&mut trainer)?;
     if let Some(mut m) = metrics {
         m.flush().context("cannot write metrics")?;

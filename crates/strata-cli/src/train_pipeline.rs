@@ -31,6 +31,9 @@ pub struct PipelineRun<'a> {
 
 pub fn run(r: PipelineRun<'_>) -> Result<()> {
     let s = r.settings;
+    if s.profile.is_some() {
+        anyhow::bail!("--profile records one engine per rank; pipelines are not profiled yet");
+    }
     let make = || -> strata::Result<ModelSpec> {
         let mut spec = r.choice.spec()?;
         spec.freeze(&s.freeze)?;

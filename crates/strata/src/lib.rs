@@ -39,6 +39,7 @@ pub mod model;
 pub mod optim;
 pub mod parallel;
 pub mod patrickstar;
+pub mod profile;
 pub mod strategy;
 pub mod train;
 

@@ -142,7 +142,7 @@ fn gathers(events: &[Event]) -> Vec<Gather> {
             Event::Phase { phase, unit: during, .. } => {
                 out.extend(waiting.drain(..).map(|u| (u, phase, during)));
             }
-            Event::ParamsFreed { .. } => {}
+            _ => {}
         }
     }
     out

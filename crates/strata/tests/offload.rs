@@ -8,6 +8,7 @@ use strata::engine::{with_seed, EngineConfig, Event, EventLog, Placement as Wher
 use strata::model::{self, Builder, GptConfig, ModelSpec};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{build_engine, measure_non_model, Placement};
+use strata::profile::{Profiler, Record, SpanKind};
 use strata::strategy::{Method, Strategy};
 use strata::train::{StepReport, Trainer};
 use tch::{Device, Kind, Tensor};
@@ -243,4 +244,42 @@ fn host_updates_start_during_backward_where_nothing_can_stop_them_and_change_not
             "{strategy}: the host updated during backward"
         );
     }
+}
+
+#[test]
+fn a_profile_of_an_offloaded_run_records_every_copy_the_ledger_counts() {
+    let budget = model_state_bytes() * 4 / 10;
+    let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
+    let strategy = Strategy::parse(FULL).unwrap();
+    let at = Placement {
+        non_model: Some(measure_non_model(spec(), config.clone(), &strategy, &Placement::single(), &step(0)).unwrap()),
+        ..Placement::single()
+    };
+    let mut trainer = trainer(&strategy, &config, &at).unwrap();
+    let profiler = Profiler::start(&mut trainer.engine, 0, 1);
+    for i in 0..3 {
+        trainer.train_step(&step(i)).unwrap();
+    }
+    profiler.end();
+    let dir = tempfile::tempdir().unwrap();
+    let path = Profiler::rank_file(dir.path(), 0);
+    profiler.save(&path).unwrap();
+    let profile = strata::profile::read(&path).unwrap();
+    let copied = |to: Where| -> u64 {
+        profile
+            .records
+            .iter()
+            .map(|r| match r {
+                Record::Copy { to: t, bytes, .. } if *t == to => *bytes,
+                _ => 0,
+            })
+            .sum()
+    };
+    let moved = trainer.engine.ledger().transfers();
+    assert_eq!((copied(Where::Device), copied(Where::Host)), (moved.to_device, moved.to_host));
+    assert!(profile.records.iter().any(|r| matches!(r, Record::Evict { .. })));
+    let units = spec().units.len();
+    let spans = profile.spans();
+    assert_eq!(spans.iter().filter(|s| matches!(s.kind, SpanKind::Forward(_))).count(), 3 * 2 * units);
+    assert_eq!(spans.iter().filter(|s| s.kind == SpanKind::Update).count(), 3);
 }

@@ -19,6 +19,24 @@ pub enum Event {
     GatherStarted { unit: usize },
     /// `unit`'s gathered parameters were freed.
     ParamsFreed { unit: usize },
+    /// `bytes` of `unit`'s states were copied to `to` (offload).
+    Copied { unit: usize, to: super::Placement, bytes: u64 },
+    /// The device copy of `unit`'s parameters was released (offload).
+    Evicted { unit: usize },
+    /// The step's gradients are complete and the update begins (`done: false`), or the
+    /// step has ended, updated or skipped (`done: true`).
+    Update { done: bool },
+}
+
+/// Hands every event to each of several sinks, in order.
+pub struct EventSinks(pub Vec<std::sync::Arc<dyn EventSink>>);
+
+impl EventSink for EventSinks {
+    fn record(&self, event: Event) {
+        for sink in &self.0 {
+            sink.record(event.clone());
+        }
+    }
 }
 
 /// Receives events as they happen, from the thread running the engine.

@@ -18,7 +18,7 @@ use crate::comm::ProcessGroup;
 use crate::compute::{self, UnitCompute};
 use crate::model::{DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, TensorParallel, TpRole};
 use crate::{Error, Result};
-pub use events::{Event, EventLog, EventSink, UnitClock, UnitTime};
+pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
 pub use memory::{Category, MemoryLedger, Placement};
 pub use schedule::{GradReady, OptimizerView, Phase, Resident, ScheduleContext, UnitSchedule};
 use std::sync::Arc;
@@ -468,6 +468,9 @@ impl Engine {
         for state in self.compute.iter().filter_map(|p| p.fp8.as_ref()) {
             state.lock().map_err(|e| Error::Engine(e.to_string()))?.end_step(self.amax_group.as_deref())?;
         }
+        if let Some(sink) = &self.events {
+            sink.record(Event::Update { done: true });
+        }
         Ok(())
     }
 
@@ -586,7 +589,11 @@ impl Engine {
     /// Waits for the schedule's work on the gradients; call before the optimizer step.
     pub fn finish_grads(&mut self) -> Result<()> {
         let (schedule, ctx) = self.schedule_for(0);
-        schedule.finish_grads(ctx)
+        schedule.finish_grads(ctx)?;
+        if let Some(sink) = &self.events {
+            sink.record(Event::Update { done: false });
+        }
+        Ok(())
     }
 
     /// Runs every unit in order and returns the last unit's output. In unit-by-unit mode the

@@ -56,6 +56,7 @@ pub struct Offload {
     last_reader: Vec<usize>,
     /// Parameter copies started ahead and still running, by unit.
     copying: Vec<(usize, std::thread::JoinHandle<Result<()>>)>,
+    events: Option<Arc<dyn EventSink>>,
 }
 
 impl Drop for Offload {
@@ -154,7 +155,7 @@ impl Offload {
         };
         let config = EngineConfig { grad_layout: GradLayout::PerUnit, ..config };
         let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
-        engine.set_schedule(Box::new(Offload { plan, units, needs, last_reader, copying: vec![] }));
+        engine.set_schedule(Box::new(Offload { plan, units, needs, last_reader, copying: vec![], events: None }));
         Ok(engine)
     }
 
@@ -184,6 +185,7 @@ impl Offload {
         // SAFETY: the engine's flat buffer spans its storage; it is filled before any use.
         unsafe { memory::restore_buffer(&storage[u].flat) }?;
         unit.params_on_device = true;
+        let bytes = unit.bytes.params;
         // Written through a tensor with a version counter of its own: autograd's saved views
         // of these parameters see the values they saw in forward, with no version change.
         let (destination, source) = (storage[u].flat.f_data()?, host.shallow_clone());
@@ -195,8 +197,9 @@ impl Offload {
             self.copying.push((u, std::thread::spawn(copy)));
         } else {
             copy()?;
-            ledger.record_transfer(Placement::Device, unit.bytes.params, started.elapsed());
+            ledger.record_transfer(Placement::Device, bytes, started.elapsed());
         }
+        self.record(Event::Copied { unit: u, to: Placement::Device, bytes });
         Ok(())
     }
 
@@ -231,7 +234,14 @@ impl Offload {
         unsafe { memory::release_buffer(&storage[u].flat) }?;
         ledger.free(Placement::Device, Category::Params, unit.bytes.params);
         unit.params_on_device = false;
+        self.record(Event::Evicted { unit: u });
         Ok(())
+    }
+
+    fn record(&self, event: Event) {
+        if let Some(sink) = &self.events {
+            sink.record(event);
+        }
     }
 
     /// Makes the device hold what moment `t`, which reads `reads`, needs: copies the plan
@@ -278,11 +288,13 @@ impl Offload {
             Ok(())
         })?;
         ledger.record_transfer(Placement::Host, unit.bytes.grads, started.elapsed());
+        let bytes = unit.bytes.grads;
         // SAFETY: the unit's last backward of this micro-batch is over and its gradient was
         // read above; `ensure_grads` restores it before the next backward.
         unsafe { memory::release_buffer(grad) }?;
         ledger.free(Placement::Device, Category::Grads, unit.bytes.grads);
         unit.grads_on_device = false;
+        self.record(Event::Copied { unit: u, to: Placement::Host, bytes });
         Ok(())
     }
 
@@ -456,6 +468,10 @@ impl UnitSchedule for Offload {
             }
         }
         Ok(())
+    }
+
+    fn attach_events(&mut self, sink: Arc<dyn EventSink>) {
+        self.events = Some(sink);
     }
 
     fn held_tensors(&self) -> Vec<Tensor> {

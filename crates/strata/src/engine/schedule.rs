@@ -19,7 +19,8 @@ pub struct OptimizerView {
 }
 
 /// The moment of a unit's execution at which a [`UnitSchedule`] is called.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Phase {
     BeforeForward,
     AfterForward,

@@ -1,0 +1,67 @@
+//! Chrome trace / Perfetto JSON from profiles: one process per rank, with its unit phases on
+//! a compute track, gathers and frees on a communication track, copies and evictions on a
+//! copy track (so overlap, or its absence, is visible), and the ledger's bytes per
+//! placement as counters.
+use super::{Memory, Profile, Record, SpanKind};
+use serde_json::{json, Value};
+
+const COMPUTE: usize = 0;
+const COMMUNICATION: usize = 1;
+const COPIES: usize = 2;
+
+fn micros(t: f64) -> f64 {
+    t * 1e6
+}
+
+/// Bytes per placement, for a counter.
+fn totals(memory: &Memory) -> Value {
+    let per: serde_json::Map<String, Value> =
+        memory.iter().map(|(p, by)| (format!("{p:?}").to_lowercase(), json!(by.values().sum::<u64>()))).collect();
+    Value::Object(per)
+}
+
+/// The trace of `profiles` (`{"traceEvents": [...], "displayTimeUnit": "ms"}`).
+pub fn chrome_trace(profiles: &[Profile]) -> Value {
+    let mut events = Vec::new();
+    for p in profiles {
+        let pid = p.header.rank;
+        events.push(json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": format!("rank {pid}")}}));
+        for (tid, name) in [(COMPUTE, "compute"), (COMMUNICATION, "communication"), (COPIES, "copies")] {
+            events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
+        }
+        for span in p.spans() {
+            let (cat, name) = match span.kind {
+                SpanKind::Forward(u) => ("forward", format!("forward {}", p.unit_name(u))),
+                SpanKind::Backward(u) => ("backward", format!("backward {}", p.unit_name(u))),
+                SpanKind::Update => ("update", "update".to_string()),
+            };
+            events.push(json!({
+                "ph": "X", "pid": pid, "tid": COMPUTE, "cat": cat, "name": name,
+                "ts": micros(span.start), "dur": micros(span.end - span.start),
+            }));
+        }
+        for r in &p.records {
+            match r {
+                Record::Phase { t, memory, .. } | Record::Update { t, memory, .. } => events
+                    .push(json!({"ph": "C", "pid": pid, "name": "memory", "ts": micros(*t), "args": totals(memory)})),
+                Record::Gather { t, unit } | Record::Freed { t, unit } => {
+                    let what = if matches!(r, Record::Gather { .. }) { "gather" } else { "free" };
+                    events.push(json!({
+                        "ph": "i", "s": "t", "pid": pid, "tid": COMMUNICATION, "cat": what,
+                        "name": format!("{what} {}", p.unit_name(*unit)), "ts": micros(*t),
+                    }));
+                }
+                Record::Copy { t, unit, to, bytes } => events.push(json!({
+                    "ph": "i", "s": "t", "pid": pid, "tid": COPIES, "cat": "copy",
+                    "name": format!("copy {} to the {}", p.unit_name(*unit), format!("{to:?}").to_lowercase()),
+                    "ts": micros(*t), "args": {"bytes": bytes},
+                })),
+                Record::Evict { t, unit } => events.push(json!({
+                    "ph": "i", "s": "t", "pid": pid, "tid": COPIES, "cat": "evict",
+                    "name": format!("evict {}", p.unit_name(*unit)), "ts": micros(*t),
+                })),
+            }
+        }
+    }
+    json!({"traceEvents": events, "displayTimeUnit": "ms"})
+}
