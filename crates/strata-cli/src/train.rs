@@ -250,9 +250,9 @@ pub fn run(settings: TrainSettings) -> Result<()> {
         let first = DataLoader::new(data.clone(), loader_config(0), order.clone())?
             .next()
             .ok_or_else(|| anyhow::anyhow!("the data holds no step to measure offload's room on"))??;
-        let room = parallel::measure_non_model(model_spec()?, engine_config.clone(), &strategy, &placement, &first)
+        placement = placement
+            .with_room_measured(model_spec()?, &engine_config, &strategy, &first)
             .context("measuring what a step holds beside model states")?;
-        placement.non_model = Some(room);
     }
     let mut engine = parallel::build_engine(spec, engine_config, &strategy, &placement)?;
     load_initial_weights(&settings, &mut engine)?;

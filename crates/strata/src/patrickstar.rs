@@ -13,7 +13,7 @@ use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
 use crate::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use crate::parallel::{build_engine, Placement};
-use crate::strategy::{AmpConfig, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ShardConfig, Strategy};
+use crate::strategy::{AmpConfig, Method, OffloadConfig, ShardConfig, Strategy};
 use crate::train::{next_token_loss_of, GradScaling, LossFn};
 use crate::{Error, Result};
 use serde::Deserialize;
@@ -201,12 +201,7 @@ impl PatrickStarConfig {
         if let Some(scaler) = self.loss_scaler() {
             methods.push(Method::AmpNative(AmpConfig { loss_scaler: Some(scaler), ..AmpConfig::default() }));
         }
-        let everything_on_host = OffloadConfig {
-            params: OffloadTarget::Cpu,
-            optimizer: OffloadTarget::Cpu,
-            policy: OffloadPolicy::Static,
-            ..OffloadConfig::default()
-        };
+        let everything_on_host = OffloadConfig::default().everything_on_host();
         let embeddings = || spec.units.iter().filter(|u| u.kind().ends_with("Embedding")).map(|u| u.name.clone());
         if world > 1 {
             methods.push(Method::Fsdp(ShardConfig::default()));
@@ -297,9 +292,8 @@ fn initialize(
         optimizer_bytes_per_element: optimizer_config.state_bytes_per_element(),
         ..Placement::single()
     };
-    if let (Some(b), Some(_)) = (&budgets, strategy.offload_plan()) {
-        at.non_model =
-            Some(crate::parallel::measure_non_model(model_func()?, engine_config.clone(), &strategy, &at, b.sample)?);
+    if let Some(b) = &budgets {
+        at = at.with_room_measured(model_func()?, &engine_config, &strategy, b.sample)?;
     }
     let mut engine = build_engine(spec, engine_config, &strategy, &at)?;
     let optimizer = Optimizer::new(&mut engine, optimizer_config, &[])?;

@@ -240,7 +240,7 @@ fn host_updates_start_during_backward_where_nothing_can_stop_them_and_change_not
             assert!((r.loss - want).abs() <= 1e-6, "{strategy} step {i}: {} against {want}", r.loss);
         }
         assert!(
-            reports.iter().all(|r| r.transfers.host_update_s > 0.0),
+            reports.iter().all(|r| r.transfers.updated_during_backward > 0),
             "{strategy}: the host updated during backward"
         );
     }
@@ -278,6 +278,22 @@ fn a_profile_of_an_offloaded_run_records_every_copy_the_ledger_counts() {
     let moved = trainer.engine.ledger().transfers();
     assert_eq!((copied(Where::Device), copied(Where::Host)), (moved.to_device, moved.to_host));
     assert!(profile.records.iter().any(|r| matches!(r, Record::Evict { .. })));
+    // Prefetched copies start in the moment of a unit that does not read them.
+    let reads = spec().units_read();
+    let prefetched = profile
+        .records
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| {
+            let Record::Copy { to: Where::Device, unit, .. } = r else { return false };
+            let next = profile.records[i + 1..].iter().find_map(|r| match r {
+                Record::Phase { unit, .. } => Some(*unit),
+                _ => None,
+            });
+            next.is_some_and(|k| !reads[k].contains(unit))
+        })
+        .count();
+    assert!(prefetched > 0, "copies are started ahead of the moments that read them");
     let units = spec().units.len();
     let spans = profile.spans();
     assert_eq!(spans.iter().filter(|s| matches!(s.kind, SpanKind::Forward(_))).count(), 3 * 2 * units);

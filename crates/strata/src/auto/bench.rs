@@ -101,22 +101,8 @@ impl Bench<'_> {
         let device = self.engine.device;
         // An offload plan keeps room for what a step holds beside model states, measured on
         // the first step.
-        let measured;
-        let placement = match strategy.offload_plan() {
-            None => &self.placement,
-            Some(_) => {
-                let room = parallel::measure_non_model(
-                    self.spec()?,
-                    self.engine.clone(),
-                    strategy,
-                    &self.placement,
-                    &steps[0],
-                )?;
-                measured = parallel::Placement { non_model: Some(room), ..self.placement.clone() };
-                &measured
-            }
-        };
-        let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, placement)?;
+        let placement = self.placement.with_room_measured(self.spec()?, &self.engine, strategy, &steps[0])?;
+        let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, &placement)?;
         let optimizer = Optimizer::new(&mut engine, self.optimizer.clone(), self.rules)?;
         let mut trainer = Trainer::new(engine, optimizer, self.schedule.clone(), self.grad_clip);
         trainer.scaling = strategy.grad_scaling()?;

@@ -41,12 +41,14 @@ struct State {
 }
 
 /// Offload's figures since the ledger was made: bytes copied to each placement, the time
-/// spent waiting for copies, and the time host updates ran (beside the device's work).
+/// spent waiting for copies, and the units whose host update ran during backward and the
+/// time those updates took (beside the device's work).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Transfers {
     pub to_device: u64,
     pub to_host: u64,
     pub wait_s: f64,
+    pub updated_during_backward: u64,
     pub host_update_s: f64,
 }
 
@@ -57,6 +59,7 @@ impl Transfers {
             to_device: self.to_device - earlier.to_device,
             to_host: self.to_host - earlier.to_host,
             wait_s: self.wait_s - earlier.wait_s,
+            updated_during_backward: self.updated_during_backward - earlier.updated_during_backward,
             host_update_s: self.host_update_s - earlier.host_update_s,
         }
     }
@@ -141,9 +144,11 @@ impl MemoryLedger {
         s.transfers.wait_s += waited.as_secs_f64();
     }
 
-    /// Records `seconds` of updates run on the host.
+    /// Records a unit's host update run during backward, which took `seconds`.
     pub fn record_host_update(&self, seconds: std::time::Duration) {
-        self.lock().transfers.host_update_s += seconds.as_secs_f64();
+        let mut s = self.lock();
+        s.transfers.updated_during_backward += 1;
+        s.transfers.host_update_s += seconds.as_secs_f64();
     }
 
     /// Copies between device and host so far.

@@ -105,10 +105,10 @@ impl Offload {
             return Err(Error::Config("offload does not combine with tensor parallelism yet".into()));
         }
         let n = spec.units.len();
-        let needs = spec.units_read();
-        let plan = Offload::plan_for(&spec, &config, &options)?;
+        let input = plan_input(&spec, &config, &options);
+        let plan = placement::plan(&input, &options.policy)?;
         tracing::info!(homes = ?plan.homes, traffic = ?plan.traffic, device_peak = plan.device_peak(), "offload plan");
-        let unit_bytes = unit_states(&spec, config.kind, options.optimizer_bytes_per_element);
+        let (needs, unit_bytes) = (input.needs, input.units);
         let mut last_reader: Vec<usize> = (0..n).collect();
         for (k, reads) in needs.iter().enumerate() {
             for &u in reads {
@@ -161,17 +161,7 @@ impl Offload {
 
     /// The plan [`Offload::build`] would execute for `spec` under `config`'s budgets.
     pub fn plan_for(spec: &ModelSpec, config: &EngineConfig, options: &OffloadOptions) -> Result<Plan> {
-        let n = spec.units.len();
-        let input = PlanInput {
-            units: unit_states(spec, config.kind, options.optimizer_bytes_per_element),
-            needs: spec.units_read(),
-            non_model: options.non_model.clone().unwrap_or_else(|| vec![0; 2 * n + 1]),
-            device_budget: config.device_budget,
-            host_budget: config.host_budget,
-            prefetch: options.prefetch,
-            on_host: options.on_host.clone(),
-        };
-        placement::plan(&input, &options.policy)
+        placement::plan(&plan_input(spec, config, options), &options.policy)
     }
 
     /// Starts copying unit `u`'s parameters from the host into its device buffer: on a
@@ -297,10 +287,18 @@ impl Offload {
         self.record(Event::Copied { unit: u, to: Placement::Host, bytes });
         Ok(())
     }
+}
 
-    /// The placement plan this schedule executes.
-    pub fn plan(&self) -> &Plan {
-        &self.plan
+/// What the plan of `spec` under `config` and `options` is made from.
+fn plan_input(spec: &ModelSpec, config: &EngineConfig, options: &OffloadOptions) -> PlanInput {
+    PlanInput {
+        units: unit_states(spec, config.kind, options.optimizer_bytes_per_element),
+        needs: spec.units_read(),
+        non_model: options.non_model.clone().unwrap_or_else(|| vec![0; 2 * spec.units.len() + 1]),
+        device_budget: config.device_budget,
+        host_budget: config.host_budget,
+        prefetch: options.prefetch,
+        on_host: options.on_host.clone(),
     }
 }
 

@@ -46,7 +46,7 @@ pub struct Placement<'a> {
     pub non_model: Option<Vec<u64>>,
 }
 
-impl Placement<'_> {
+impl<'a> Placement<'a> {
     /// One process, no communication.
     pub fn single() -> Placement<'static> {
         Placement {
@@ -57,6 +57,22 @@ impl Placement<'_> {
             optimizer_bytes_per_element: crate::optim::OptimizerConfig::default().state_bytes_per_element(),
             non_model: None,
         }
+    }
+
+    /// This placement with the room `strategy`'s offload plan must leave beside model
+    /// states measured on `step` ([`measure_non_model`]); as it is without such a plan.
+    pub fn with_room_measured(
+        &self,
+        spec: ModelSpec,
+        config: &EngineConfig,
+        strategy: &Strategy,
+        step: &crate::data::Step,
+    ) -> Result<Placement<'a>> {
+        let non_model = match strategy.offload_plan() {
+            Some(_) => Some(measure_non_model(spec, config.clone(), strategy, self, step)?),
+            None => self.non_model.clone(),
+        };
+        Ok(Placement { non_model, ..self.clone() })
     }
 
     fn world_size(&self) -> usize {
@@ -250,8 +266,6 @@ fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig,
             "offload: over several ranks it combines with zero1, zero2 or fsdp, not with data parallelism".into(),
         ));
     }
-    // Low-precision parameters keep fp32 optimizer state: its bytes per element do not
-    // follow the parameters' dtype.
     let options = OffloadOptions {
         policy: offload.home_policy()?,
         optimizer_bytes_per_element: at.optimizer_bytes_per_element,
@@ -299,14 +313,7 @@ pub fn measure_non_model(
     step: &crate::data::Step,
 ) -> Result<Vec<u64>> {
     let all_on_host = |m: &Method| match m {
-        Method::Offload(c) => Method::Offload(OffloadConfig {
-            params: OffloadTarget::Cpu,
-            optimizer: OffloadTarget::Cpu,
-            policy: OffloadPolicy::Static,
-            ratio: 1.0,
-            host_units: vec![],
-            ..c.clone()
-        }),
+        Method::Offload(c) => Method::Offload(c.everything_on_host()),
         other => other.clone(),
     };
     if strategy.offload_plan().is_none() {

@@ -60,6 +60,14 @@ pub struct ZeroOptions {
     pub offload: Option<HostMemory>,
 }
 
+impl ZeroOptions {
+    /// Whether each unit's gradient is reduced into a shard and freed (stages 2 and 3, and
+    /// any stage whose shards the host updates).
+    fn shards_grads(&self) -> bool {
+        self.stage >= Stage::Gradients || self.offload.is_some()
+    }
+}
+
 /// The process groups of a sharded run. `shard` is `None` when every rank holds whole
 /// states (a shard group of one, e.g. NO_SHARD); `replicate` is `None` unless shard groups
 /// are replicated (HYBRID_SHARD, NO_SHARD); `world` spans every rank that holds this
@@ -191,7 +199,7 @@ impl Zero {
         }
         let master_kind = config.kind;
         let param_kind = options.param_dtype.unwrap_or(master_kind);
-        let shards_grads = options.stage >= Stage::Gradients || options.offload.is_some();
+        let shards_grads = options.shards_grads();
         let reduce_kind = options.reduce_dtype.unwrap_or(param_kind);
         let n = groups.shard_size() as i64;
         let rank = groups.shard_rank() as i64;
@@ -511,12 +519,6 @@ impl Zero {
         }
     }
 
-    /// Whether each unit's gradient is reduced into a shard and freed (stage 2 and 3, and
-    /// any stage whose shards the host updates).
-    fn shards_grads(&self) -> bool {
-        self.options.stage >= Stage::Gradients || self.options.offload.is_some()
-    }
-
     /// Whether parameters live as shards between uses (stage 3 over more than one rank).
     fn shards_params(&self) -> bool {
         self.options.stage == Stage::Parameters && self.groups.shard.is_some()
@@ -561,7 +563,7 @@ impl UnitSchedule for Zero {
                         self.prefetch(k, -1, storage, ledger)?;
                     }
                 }
-                if self.shards_grads() {
+                if self.options.shards_grads() {
                     if !self.options.overlap_comm {
                         self.drain_gradient_reductions(storage, ledger)?;
                     }
@@ -637,8 +639,7 @@ impl UnitSchedule for Zero {
             Some(g) => g.shallow_clone(),
             None => s.grad.f_narrow(0, offset, unit.shard_len)?,
         };
-        let placement = if self.options.offload.is_some() { Placement::Host } else { Placement::Device };
-        Ok(OptimizerView { param, grad, offset, placement })
+        Ok(OptimizerView { param, grad, offset, placement: placement_of(self.options.offload.as_ref()) })
     }
 
     fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {

@@ -62,6 +62,19 @@ impl Default for OffloadConfig {
 }
 
 impl OffloadConfig {
+    /// This configuration with every state of every unit on the host (its prefetch and
+    /// pinning kept).
+    pub fn everything_on_host(&self) -> OffloadConfig {
+        OffloadConfig {
+            params: OffloadTarget::Cpu,
+            optimizer: OffloadTarget::Cpu,
+            policy: OffloadPolicy::Static,
+            ratio: 1.0,
+            host_units: vec![],
+            ..self.clone()
+        }
+    }
+
     /// How the planner chooses homes, or why this configuration is not one.
     pub fn home_policy(&self) -> Result<HomePolicy> {
         use OffloadTarget::{Auto, Cpu, None};
