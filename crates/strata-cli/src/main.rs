@@ -54,11 +54,13 @@ enum Command {
         #[command(subcommand)]
         which: CkptCommand,
     },
-    /// Profiles recorded by `strata train --profile DIR`: a Chrome trace, or a summary.
+    /// Profiles recorded by `strata train --profile DIR`: a Chrome trace, a summary, pictures.
     Profile {
         #[command(subcommand)]
         which: profile_cmd::ProfileCommand,
     },
+    /// Draw training metrics (`strata train --metrics FILE`) of one or more runs, overlaid.
+    Plot(profile_cmd::PlotArgs),
 }
 
 #[derive(Subcommand)]
@@ -181,6 +183,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Offload(a) } => bench_offload::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
         Command::Profile { which } => profile_cmd::run(which),
+        Command::Plot(a) => profile_cmd::plot_metrics(a),
         Command::Strategy { which: StrategyCommand::Show { strategy } } => {
             options::parse_strategy(&strategy).map(|s| println!("{}", s.to_json()))
         }

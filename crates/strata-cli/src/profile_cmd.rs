@@ -1,8 +1,10 @@
-//! `strata profile trace|summary DIR`: a recorded profile (`strata train --profile DIR`) as a
-//! Chrome trace or a summary table; the library does the reading and the work.
+//! `strata profile trace|summary|plot DIR`: a recorded profile (`strata train --profile DIR`)
+//! as a Chrome trace, a summary table or pictures; `strata plot METRICS...`: training
+//! metrics drawn. The library does the reading and the work.
 use anyhow::{Context, Result};
-use clap::Subcommand;
-use std::path::PathBuf;
+use clap::{Args, Subcommand};
+use std::path::{Path, PathBuf};
+use strata::profile::plot::{self, metrics, ImageFormat};
 use strata::profile::{self, summary, trace};
 
 #[derive(Subcommand)]
@@ -24,6 +26,55 @@ pub enum ProfileCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Draw memory over time (with forward, backward and update bands), the map of where
+    /// each unit's parameters are over time, and per-unit time and memory bars.
+    Plot {
+        dir: PathBuf,
+        /// Folder for the pictures (default: the profile folder).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// png or svg.
+        #[arg(long, default_value = "png")]
+        format: String,
+        /// TrueType font for the labels (default: a system font found in the usual places).
+        #[arg(long)]
+        font: Option<PathBuf>,
+    },
+}
+
+#[derive(Args)]
+pub struct PlotArgs {
+    /// Metrics files (JSON lines of `strata train --metrics`), one run each.
+    #[arg(required = true)]
+    metrics: Vec<PathBuf>,
+    /// The picture to write (.png or .svg).
+    #[arg(short, long)]
+    output: PathBuf,
+    /// TrueType font for the labels (default: a system font found in the usual places).
+    #[arg(long)]
+    font: Option<PathBuf>,
+}
+
+fn use_font(font: Option<&Path>) -> Result<()> {
+    if let Some(f) = font {
+        plot::use_font(f)?;
+    }
+    Ok(())
+}
+
+pub fn plot_metrics(a: PlotArgs) -> Result<()> {
+    use_font(a.font.as_deref())?;
+    let runs = a
+        .metrics
+        .iter()
+        .map(|path| {
+            let name = path.file_stem().map_or_else(|| path.display().to_string(), |s| s.to_string_lossy().into());
+            Ok((name, metrics::read(path)?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    plot::render(&metrics::MetricsPlot(&runs), &a.output)?;
+    println!("wrote {} ({} runs)", a.output.display(), runs.len());
+    Ok(())
 }
 
 pub fn run(command: ProfileCommand) -> Result<()> {
@@ -40,6 +91,14 @@ pub fn run(command: ProfileCommand) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&summaries)?);
             } else {
                 print!("{}", summary::table(&summaries, top));
+            }
+        }
+        ProfileCommand::Plot { dir, output, format, font } => {
+            use_font(font.as_deref())?;
+            let format = ImageFormat::of(Path::new(&format!("picture.{format}")))?;
+            let profiles = profile::read_dir(&dir)?;
+            for path in plot::profile_pictures(&profiles, output.as_ref().unwrap_or(&dir), format)? {
+                println!("wrote {}", path.display());
             }
         }
     }

@@ -269,6 +269,9 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     let mut trainer = Trainer::new(engine, optimizer, settings.schedule.clone(), settings.grad_clip);
     let clock = settings.unit_times.then(|| Arc::new(UnitClock::default()));
     let profiler = settings.profile.as_ref().map(|_| Profiler::new(&trainer.engine, rank, world));
+    if let (Some(c), Some(p)) = (&comm, &profiler) {
+        c.observe(Some(p.clone()));
+    }
     let sinks: Vec<Arc<dyn EventSink>> = clock
         .iter()
         .map(|c| c.clone() as Arc<dyn EventSink>)

@@ -23,6 +23,8 @@ pub enum Error {
     Engine(String),
     #[error("communication: {0}")]
     Comm(String),
+    #[error("drawing: {0}")]
+    Plot(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

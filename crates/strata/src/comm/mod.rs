@@ -48,11 +48,64 @@ pub fn time_waited() -> Duration {
     Duration::from_nanos(WAITED_NS.load(std::sync::atomic::Ordering::Relaxed))
 }
 
+/// A collective as observed: the operation, its group, the bytes it moves or reduces (the
+/// larger side: every rank's pieces of a gather or a reduce-scatter), when it was issued and
+/// when it finished (for a CUDA collective: when a wait first saw it done).
+#[derive(Clone, Debug)]
+pub struct Collective {
+    pub op: &'static str,
+    pub group: Arc<str>,
+    pub bytes: u64,
+    pub issued: Instant,
+    pub finished: Instant,
+}
+
+/// A thread blocked on a collective from `began` to `ended`.
+#[derive(Clone, Debug)]
+pub struct Waited {
+    pub op: &'static str,
+    pub group: Arc<str>,
+    pub began: Instant,
+    pub ended: Instant,
+}
+
+/// Receives every collective of a [`Comm`]'s groups as it finishes, and every wait that
+/// blocked on one ([`Comm::observe`]); from whichever thread finished or waited.
+pub trait CommObserver: Send + Sync {
+    fn collective(&self, collective: &Collective);
+    fn waited(&self, waited: &Waited);
+}
+
+/// The observer a [`Comm`] and every group it made share, settable after they exist.
+type ObserverSlot = Arc<std::sync::RwLock<Option<Arc<dyn CommObserver>>>>;
+
+/// One observed operation: reported once, when it finishes.
+struct Watch {
+    observer: Arc<dyn CommObserver>,
+    op: &'static str,
+    group: Arc<str>,
+    bytes: u64,
+    issued: Instant,
+    reported: std::sync::atomic::AtomicBool,
+}
+
+impl Watch {
+    fn finished(&self, at: Instant) {
+        if !self.reported.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            let (op, group, bytes, issued) = (self.op, self.group.clone(), self.bytes, self.issued);
+            self.observer.collective(&Collective { op, group, bytes, issued, finished: at });
+        }
+    }
+}
+
 /// Completion of an asynchronous collective.
 #[derive(Default)]
 struct Completion {
-    result: Mutex<Option<std::result::Result<(), String>>>,
+    result: Mutex<Option<(std::result::Result<(), String>, Instant)>>,
     done: Condvar,
+    /// Told when the result arrives; attached after the operation was queued, so whichever
+    /// of attaching and finishing comes second reports (see [`Work::watched`]).
+    watch: Mutex<Option<Arc<Watch>>>,
 }
 
 /// Where an operation runs: on a host thread of the group, or queued on a CUDA stream.
@@ -68,11 +121,12 @@ enum Pending {
 pub struct Work {
     pending: Pending,
     timeout: Duration,
+    watch: Option<Arc<Watch>>,
 }
 
 impl Work {
     fn pending(timeout: Duration) -> Work {
-        Work { pending: Pending::Host(Arc::default()), timeout }
+        Work { pending: Pending::Host(Arc::default()), timeout, watch: None }
     }
 
     /// A handle of work already done (an operation that needed no communication).
@@ -84,14 +138,34 @@ impl Work {
 
     /// Completes when the device reaches `event`.
     fn on_device(event: strata_ext::cuda::Event, timeout: Duration) -> Work {
-        Work { pending: Pending::Device(Arc::new(event)), timeout }
+        Work { pending: Pending::Device(Arc::new(event)), timeout, watch: None }
     }
 
     fn finish(&self, result: Result<()>) {
         if let Pending::Host(c) = &self.pending {
-            *c.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map_err(comm_text));
+            let now = Instant::now();
+            *c.result.lock().unwrap_or_else(|e| e.into_inner()) = Some((result.map_err(comm_text), now));
             c.done.notify_all();
+            // Finishing sets the result before it looks for a watch; attaching holds the
+            // watch's lock while it looks at the result: one of the two reports.
+            if let Some(w) = c.watch.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                w.finished(now);
+            }
         }
+    }
+
+    /// This work, reporting to `watch` when it finishes and when a wait blocks on it.
+    fn watched(mut self, watch: Watch) -> Work {
+        let watch = Arc::new(watch);
+        if let Pending::Host(c) = &self.pending {
+            let mut slot = c.watch.lock().unwrap_or_else(|e| e.into_inner());
+            match c.result.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                Some((_, at)) => watch.finished(*at),
+                None => *slot = Some(watch.clone()),
+            }
+        }
+        self.watch = Some(watch);
+        self
     }
 
     pub fn is_completed(&self) -> bool {
@@ -108,8 +182,19 @@ impl Work {
 
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
+        let blocks = !self.is_completed();
         let result = self.block_until_done(timeout);
-        WAITED_NS.fetch_add(start.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+        let end = Instant::now();
+        WAITED_NS.fetch_add((end - start).as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+        if let Some(w) = &self.watch {
+            if matches!(self.pending, Pending::Device(_)) && result.is_ok() {
+                w.finished(end);
+            }
+            if blocks {
+                let (op, group) = (w.op, w.group.clone());
+                w.observer.waited(&Waited { op, group, began: start, ended: end });
+            }
+        }
         result
     }
 
@@ -129,7 +214,7 @@ impl Work {
         };
         let mut slot = completion.result.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(r) = slot.as_ref() {
+            if let Some((r, _)) = slot.as_ref() {
                 return r.clone().map_err(Error::Comm);
             }
             let Some(left) = deadline.checked_duration_since(Instant::now()) else {
@@ -320,6 +405,9 @@ pub fn parse_backend_spec(spec: &str) -> Result<Vec<(String, String)>> {
 struct DeviceDispatch {
     name: String,
     by_device: Vec<(String, Box<dyn ProcessGroup>)>,
+    /// How observed collectives name this group.
+    label: Arc<str>,
+    observer: ObserverSlot,
 }
 
 impl DeviceDispatch {
@@ -339,6 +427,32 @@ impl DeviceDispatch {
     fn first(&self) -> &dyn ProcessGroup {
         self.by_device[0].1.as_ref()
     }
+
+    /// Runs `call` (issuing `op` over `bytes`), its work watched by the observer if any.
+    fn observed(&self, op: &'static str, bytes: u64, call: impl FnOnce() -> Result<Work>) -> Result<Work> {
+        let observer = self.observer.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let issued = Instant::now();
+        let work = call()?;
+        Ok(match observer {
+            Some(observer) => work.watched(Watch {
+                observer,
+                op,
+                group: self.label.clone(),
+                bytes,
+                issued,
+                reported: Default::default(),
+            }),
+            None => work,
+        })
+    }
+}
+
+fn bytes_of(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+fn bytes_of_all(list: &[Tensor]) -> u64 {
+    list.iter().map(bytes_of).sum()
 }
 
 impl ProcessGroup for DeviceDispatch {
@@ -352,34 +466,34 @@ impl ProcessGroup for DeviceDispatch {
         &self.name
     }
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work> {
-        self.pick(t)?.all_reduce(t, op)
+        self.observed("all_reduce", bytes_of(t), || self.pick(t)?.all_reduce(t, op))
     }
     fn all_gather(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
-        self.pick(input)?.all_gather(outputs, input)
+        self.observed("all_gather", bytes_of_all(outputs), || self.pick(input)?.all_gather(outputs, input))
     }
     fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
-        self.pick(output)?.reduce_scatter(output, inputs, op)
+        self.observed("reduce_scatter", bytes_of_all(inputs), || self.pick(output)?.reduce_scatter(output, inputs, op))
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Work> {
-        self.pick(t)?.broadcast(t, root)
+        self.observed("broadcast", bytes_of(t), || self.pick(t)?.broadcast(t, root))
     }
     fn reduce(&self, t: &Tensor, root: usize, op: ReduceOp) -> Result<Work> {
-        self.pick(t)?.reduce(t, root, op)
+        self.observed("reduce", bytes_of(t), || self.pick(t)?.reduce(t, root, op))
     }
     fn send(&self, t: &Tensor, peer: usize) -> Result<Work> {
-        self.pick(t)?.send(t, peer)
+        self.observed("send", bytes_of(t), || self.pick(t)?.send(t, peer))
     }
     fn recv(&self, t: &Tensor, peer: usize) -> Result<Work> {
-        self.pick(t)?.recv(t, peer)
+        self.observed("recv", bytes_of(t), || self.pick(t)?.recv(t, peer))
     }
     fn all_to_all(&self, outputs: &[Tensor], inputs: &[Tensor]) -> Result<Work> {
-        match inputs.first() {
+        self.observed("all_to_all", bytes_of_all(inputs), || match inputs.first() {
             Some(t) => self.pick(t)?.all_to_all(outputs, inputs),
             None => self.first().all_to_all(outputs, inputs),
-        }
+        })
     }
     fn barrier(&self) -> Result<Work> {
-        self.first().barrier()
+        self.observed("barrier", 0, || self.first().barrier())
     }
     fn alloc(&self, numel: i64, kind: Kind, device: Device) -> Result<Option<Tensor>> {
         let wanted = if device.is_cuda() { "cuda" } else { "cpu" };
@@ -398,6 +512,7 @@ pub struct Comm {
     spec: String,
     timeout: Duration,
     groups_made: Mutex<usize>,
+    observer: ObserverSlot,
     /// Kept alive on the rank that hosts the store.
     _server: Option<StoreServer>,
 }
@@ -423,6 +538,7 @@ impl Comm {
             spec: spec.to_string(),
             timeout,
             groups_made: Mutex::new(0),
+            observer: ObserverSlot::default(),
             _server: server,
         })
     }
@@ -437,6 +553,12 @@ impl Comm {
 
     pub fn store(&self) -> &Arc<Store> {
         &self.store
+    }
+
+    /// Reports every collective of this job's groups (those made already included) and
+    /// every wait that blocks on one to `observer`, or to none.
+    pub fn observe(&self, observer: Option<Arc<dyn CommObserver>>) {
+        *self.observer.write().unwrap_or_else(|e| e.into_inner()) = observer;
     }
 
     /// The group of all ranks.
@@ -480,7 +602,8 @@ impl Comm {
             };
             by_device.push((device, factory(&backend)?(&setup)?));
         }
-        Ok(Some(Box::new(DeviceDispatch { name: spec.to_string(), by_device })))
+        let label = format!("group {id} {ranks:?} {spec}").into();
+        Ok(Some(Box::new(DeviceDispatch { name: spec.to_string(), by_device, label, observer: self.observer.clone() })))
     }
 }
 

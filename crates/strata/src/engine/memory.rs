@@ -237,6 +237,14 @@ pub fn allocator_peak(device: tch::Device) -> Option<u64> {
     }
 }
 
+/// Bytes libtorch's allocator holds on `device` now. `None` when it is not tracked.
+pub fn allocator_current(device: tch::Device) -> Option<u64> {
+    match device {
+        tch::Device::Cuda(i) => strata_ext::cuda::memory_stats(i).ok().map(|s| s.allocated as u64),
+        _ => strata_ext::cpu_memory::stats().ok().map(|(current, _)| current as u64),
+    }
+}
+
 /// Peak resident set size of this process (Linux `VmHWM`), if the system reports it.
 pub fn process_peak_rss() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;

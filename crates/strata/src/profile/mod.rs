@@ -1,19 +1,25 @@
 //! The profiler: records what an engine and its schedule report — every phase of every unit
-//! with the ledger's bytes per placement and category at that moment, every gather and free,
-//! every copy between device and host and eviction, the update — stamped with the time it
-//! arrives, one JSON-lines file per rank; and reads such files back, validated. A Chrome
-//! trace ([`trace`]) and a summary ([`summary`]) are made from what it reads.
+//! with the ledger's bytes per placement and category and the allocator's bytes at that
+//! moment, every gather and free, every copy between device and host and eviction, the
+//! update — stamped with the time it arrives, and every collective and every wait on one
+//! as the communication layer reports them; one JSON-lines file per rank. It reads such
+//! files back, validated. A Chrome trace ([`trace`]), a summary ([`summary`]) and pictures
+//! ([`plot`]) are made from what it reads.
 //!
-//! Owns: the on-disk format and its validation. Must not time anything inside the engine
-//! or the schedules: it stamps the events handed to it through the engine's one sink.
+//! Owns: the on-disk format and its validation. Must not time anything inside the engine,
+//! the schedules or the collectives: it stamps the events handed to it through the
+//! engine's one sink and the communication layer's observer.
 //!
 //! The format (`strata-profile`, version [`VERSION`]): the first line is a [`Header`]
-//! (`{"format": "strata-profile", "version": 1, "rank", "world", "units": [names],
-//! "device"}`); every other line is a [`Record`] tagged by `kind` (`phase`, `gather`,
-//! `freed`, `copy`, `evict`, `update`) with `t`, seconds since recording started.
+//! (`{"format": "strata-profile", "version": 2, "rank", "world", "units": [names],
+//! "unit_param_bytes", "device"}`); every other line is a [`Record`] tagged by `kind`
+//! (`phase`, `gather`, `freed`, `copy`, `evict`, `update`, `collective`, `wait`) with `t`,
+//! seconds since recording started (for a collective or a wait: when it ended), in order.
+pub mod plot;
 pub mod summary;
 pub mod trace;
 
+use crate::comm::{Collective, CommObserver, Waited};
 use crate::engine::{Category, Engine, Event, EventSink, MemoryLedger, Phase, Placement};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -24,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub const FORMAT: &str = "strata-profile";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// The first line of a rank's profile.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -36,6 +42,8 @@ pub struct Header {
     pub world: usize,
     /// The units' names, in order.
     pub units: Vec<String>,
+    /// Bytes of each unit's parameters, whole (not sharded), in the engine's dtype.
+    pub unit_param_bytes: Vec<u64>,
     pub device: String,
 }
 
@@ -48,8 +56,10 @@ pub type Memory = BTreeMap<Placement, BTreeMap<Category, u64>>;
 pub enum Record {
     /// The schedule has run for `phase` of `unit` (the unit computes between a `before_*`
     /// and its `after_*`); `storage_bytes`: what the buffers of parameters and gradients
-    /// hold from the allocator then (the ledger's `params` and `grads` say the same).
-    Phase { t: f64, phase: Phase, unit: usize, memory: Memory, storage_bytes: u64 },
+    /// hold from the allocator then (the ledger's `params` and `grads` say the same);
+    /// `allocated`: every byte libtorch's allocator holds for this process on the engine's
+    /// device then (on the CPU: host memory, offloaded states included), where tracked.
+    Phase { t: f64, phase: Phase, unit: usize, memory: Memory, storage_bytes: u64, allocated: Option<u64> },
     /// A gather of `unit`'s parameters started.
     Gather { t: f64, unit: usize },
     /// `unit`'s gathered parameters were freed.
@@ -59,7 +69,13 @@ pub enum Record {
     /// The device copy of `unit`'s parameters was released.
     Evict { t: f64, unit: usize },
     /// The update began (`done: false`) or the step ended (`done: true`).
-    Update { t: f64, done: bool, memory: Memory },
+    Update { t: f64, done: bool, memory: Memory, allocated: Option<u64> },
+    /// A collective `op` over `group`, moving or reducing `bytes`, issued at `start` and
+    /// finished at `t` (it ran on the group's own thread or stream, one at a time).
+    Collective { t: f64, start: f64, op: String, group: String, bytes: u64 },
+    /// A thread blocked on a collective from `start` to `t`; `compute`: the thread that
+    /// runs the engine (its wait is communication the computation did not hide).
+    Wait { t: f64, start: f64, op: String, group: String, compute: bool },
 }
 
 impl Record {
@@ -70,7 +86,9 @@ impl Record {
             | Record::Freed { t, .. }
             | Record::Copy { t, .. }
             | Record::Evict { t, .. }
-            | Record::Update { t, .. } => t,
+            | Record::Update { t, .. }
+            | Record::Collective { t, .. }
+            | Record::Wait { t, .. } => t,
         }
     }
 }
@@ -80,27 +98,41 @@ impl Record {
 pub struct Profiler {
     header: Header,
     ledger: Arc<MemoryLedger>,
+    device: tch::Device,
+    /// The thread that made the profiler: the one running the engine.
+    compute_thread: std::thread::ThreadId,
     started: Instant,
     recording: AtomicBool,
     records: Mutex<Vec<Record>>,
 }
 
 impl Profiler {
-    /// A profiler for `engine`, this process being `rank` of `world`, recording from now.
-    /// Install it as (or among) the engine's event sinks.
+    /// A profiler for `engine`, this process being `rank` of `world`, recording from now;
+    /// made on the thread that runs the engine. Install it as (or among) the engine's event
+    /// sinks, and as the job's communication observer ([`crate::comm::Comm::observe`]).
     pub fn new(engine: &Engine, rank: usize, world: usize) -> Arc<Profiler> {
         let spec = engine.spec();
+        let config = engine.config();
+        let element = config.kind.elt_size_in_bytes() as u64;
+        let unit_param_bytes = spec
+            .units
+            .iter()
+            .map(|u| u.params.iter().map(|&p| spec.params[p.0].numel() as u64 * element).sum())
+            .collect();
         let header = Header {
             format: FORMAT.into(),
             version: VERSION,
             rank,
             world,
             units: spec.units.iter().map(|u| u.name.clone()).collect(),
-            device: format!("{:?}", engine.config().device),
+            unit_param_bytes,
+            device: format!("{:?}", config.device),
         };
         Arc::new(Profiler {
             header,
             ledger: engine.ledger().clone(),
+            device: config.device,
+            compute_thread: std::thread::current().id(),
             started: Instant::now(),
             recording: AtomicBool::new(true),
             records: Mutex::new(vec![]),
@@ -128,7 +160,10 @@ impl Profiler {
     pub fn save(&self, path: &Path) -> Result<()> {
         let mut text = serde_json::to_string(&self.header).map_err(|e| Error::Engine(e.to_string()))?;
         text.push('\n');
-        for r in self.records() {
+        // Threads stamp and push separately, so arrival order can differ from time order.
+        let mut records = self.records();
+        records.sort_by(|a, b| a.t().total_cmp(&b.t()));
+        for r in records {
             text.push_str(&serde_json::to_string(&r).map_err(|e| Error::Engine(e.to_string()))?);
             text.push('\n');
         }
@@ -143,6 +178,16 @@ impl Profiler {
     fn memory(&self) -> Memory {
         self.ledger.report().into_iter().map(|(p, r)| (p, r.by_category)).collect()
     }
+
+    fn seconds(&self, at: Instant) -> f64 {
+        at.saturating_duration_since(self.started).as_secs_f64()
+    }
+
+    fn push(&self, record: Record) {
+        if self.recording.load(Ordering::SeqCst) {
+            self.records.lock().unwrap_or_else(|e| e.into_inner()).push(record);
+        }
+    }
 }
 
 impl EventSink for Profiler {
@@ -150,18 +195,41 @@ impl EventSink for Profiler {
         if !self.recording.load(Ordering::SeqCst) {
             return;
         }
-        let t = self.started.elapsed().as_secs_f64();
+        let t = self.seconds(Instant::now());
+        let allocated = crate::engine::memory::allocator_current(self.device);
         let record = match event {
             Event::Phase { phase, unit, storage_bytes, .. } => {
-                Record::Phase { t, phase, unit, memory: self.memory(), storage_bytes }
+                Record::Phase { t, phase, unit, memory: self.memory(), storage_bytes, allocated }
             }
             Event::GatherStarted { unit } => Record::Gather { t, unit },
             Event::ParamsFreed { unit } => Record::Freed { t, unit },
             Event::Copied { unit, to, bytes } => Record::Copy { t, unit, to, bytes },
             Event::Evicted { unit } => Record::Evict { t, unit },
-            Event::Update { done } => Record::Update { t, done, memory: self.memory() },
+            Event::Update { done } => Record::Update { t, done, memory: self.memory(), allocated },
         };
-        self.records.lock().unwrap_or_else(|e| e.into_inner()).push(record);
+        self.push(record);
+    }
+}
+
+impl CommObserver for Profiler {
+    fn collective(&self, c: &Collective) {
+        self.push(Record::Collective {
+            t: self.seconds(c.finished),
+            start: self.seconds(c.issued),
+            op: c.op.into(),
+            group: c.group.to_string(),
+            bytes: c.bytes,
+        });
+    }
+
+    fn waited(&self, w: &Waited) {
+        self.push(Record::Wait {
+            t: self.seconds(w.ended),
+            start: self.seconds(w.began),
+            op: w.op.into(),
+            group: w.group.to_string(),
+            compute: std::thread::current().id() == self.compute_thread,
+        });
     }
 }
 
@@ -180,6 +248,34 @@ pub struct Span {
     pub kind: SpanKind,
     pub start: f64,
     pub end: f64,
+}
+
+/// A collective as it ran on its group's thread or stream.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CollectiveRun {
+    pub op: String,
+    pub group: String,
+    pub bytes: u64,
+    pub issued: f64,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// Seconds covered by the union of `intervals` (each `(start, end)`).
+pub fn covered_seconds(mut intervals: Vec<(f64, f64)>) -> f64 {
+    intervals.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut total = 0.0;
+    let mut current: Option<(f64, f64)> = None;
+    for (start, end) in intervals {
+        match current {
+            Some((s, e)) if start <= e => current = Some((s, e.max(end))),
+            _ => {
+                total += current.map_or(0.0, |(s, e)| e - s);
+                current = Some((start, end));
+            }
+        }
+    }
+    total + current.map_or(0.0, |(s, e)| e - s)
 }
 
 /// One rank's profile as read back.
@@ -223,6 +319,34 @@ impl Profile {
         spans
     }
 
+    /// The collectives of this rank's records, in the order they finished, each with the
+    /// time it ran: a group runs its collectives one at a time in issue order, so one
+    /// starts when it was issued or when the group's previous one finished, if later.
+    pub fn collectives(&self) -> Vec<CollectiveRun> {
+        let mut group_free: BTreeMap<&str, f64> = BTreeMap::new();
+        let mut runs = Vec::new();
+        for r in &self.records {
+            if let Record::Collective { t, start, op, group, bytes } = r {
+                let free = group_free.entry(group.as_str()).or_insert(0.0);
+                let began = start.max(*free).min(*t);
+                *free = *t;
+                runs.push(CollectiveRun { op: op.clone(), group: group.clone(), bytes: *bytes, issued: *start, start: began, end: *t });
+            }
+        }
+        runs
+    }
+
+    /// The stretches the engine's thread spent blocked on collectives.
+    pub fn compute_waits(&self) -> Vec<(f64, f64)> {
+        self.records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Wait { t, start, compute: true, .. } => Some((*start, *t)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The name of unit `u`.
     pub fn unit_name(&self, u: usize) -> String {
         self.header.units.get(u).cloned().unwrap_or_else(|| format!("unit {u}"))
@@ -236,6 +360,11 @@ pub fn read(path: &Path) -> Result<Profile> {
     let bad = |line: usize, why: String| Error::Data(format!("{}:{line}: {why}", path.display()));
     let mut lines = text.lines().enumerate();
     let (_, first) = lines.next().ok_or_else(|| bad(1, "empty file: not a Strata profile".into()))?;
+    // The version first, so another version's header is named as such, not as malformed.
+    let version = serde_json::from_str::<serde_json::Value>(first).ok().and_then(|v| v.get("version")?.as_u64());
+    if version.is_some_and(|v| v != u64::from(VERSION)) {
+        return Err(bad(1, format!("profile version {} is not this version's ({VERSION})", version.unwrap_or(0))));
+    }
     let header: Header =
         serde_json::from_str(first).map_err(|e| bad(1, format!("not a Strata profile header: {e}")))?;
     if header.format != FORMAT {
@@ -243,6 +372,9 @@ pub fn read(path: &Path) -> Result<Profile> {
     }
     if header.version != VERSION {
         return Err(bad(1, format!("profile version {} is not this version's ({VERSION})", header.version)));
+    }
+    if header.unit_param_bytes.len() != header.units.len() {
+        return Err(bad(1, format!("{} unit sizes for {} units", header.unit_param_bytes.len(), header.units.len())));
     }
     let mut records: Vec<Record> = Vec::new();
     for (i, line) in lines {
@@ -253,13 +385,18 @@ pub fn read(path: &Path) -> Result<Profile> {
             | Record::Freed { unit, .. }
             | Record::Copy { unit, .. }
             | Record::Evict { unit, .. } => Some(*unit),
-            Record::Update { .. } => None,
+            Record::Update { .. } | Record::Collective { .. } | Record::Wait { .. } => None,
         };
         if unit.is_some_and(|u| u >= header.units.len()) {
             return Err(bad(i + 1, format!("unit {} of a model of {} units", unit.unwrap_or(0), header.units.len())));
         }
         if records.last().is_some_and(|last| record.t() < last.t()) {
             return Err(bad(i + 1, "time goes back".into()));
+        }
+        if let Record::Collective { t, start, .. } | Record::Wait { t, start, .. } = record {
+            if start > t {
+                return Err(bad(i + 1, "ends before it starts".into()));
+            }
         }
         records.push(record);
     }

@@ -1,6 +1,8 @@
-//! A profile's summary: per unit its forward and backward time and calls, the ledger's peaks
-//! per placement, bytes copied each way, the update's time, per rank and over the job.
-use super::{Profile, Record, SpanKind};
+//! A profile's summary, per rank: per unit its forward and backward time and calls, the
+//! ledger's peaks per placement, bytes copied each way, the update's time; collectives per
+//! operation with how much of their time the computation hid; and the critical path of the
+//! engine's thread, split into unit compute, exposed communication, update and the rest.
+use super::{covered_seconds, Profile, Record, SpanKind};
 use crate::engine::Placement;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -13,6 +15,29 @@ pub struct UnitSummary {
     pub backwards: u64,
     pub forward_s: f64,
     pub backward_s: f64,
+}
+
+/// Collectives of one operation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct OpSummary {
+    pub op: String,
+    pub calls: u64,
+    pub bytes: u64,
+    /// Seconds they ran (each from its start on its group to its end), summed.
+    pub seconds: f64,
+}
+
+/// Where the engine's thread spent the recorded time. The engine runs on one thread, so
+/// this is the step's critical path: communication on it is what was not hidden.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct CriticalPath {
+    /// Units computing (forward and backward spans, less waits inside them).
+    pub compute_s: f64,
+    /// Blocked on collectives.
+    pub exposed_comm_s: f64,
+    pub update_s: f64,
+    /// Neither: data, loss, the schedule's own work.
+    pub other_s: f64,
 }
 
 /// One rank's figures.
@@ -29,6 +54,14 @@ pub struct RankSummary {
     pub gathers: u64,
     pub update_s: f64,
     pub updates: u64,
+    /// Collectives by operation, most time first.
+    pub collectives: Vec<OpSummary>,
+    /// Seconds some collective of this rank was running.
+    pub comm_busy_s: f64,
+    /// Of those, seconds the engine's thread was not waiting: communication hidden behind
+    /// computation.
+    pub comm_overlapped_s: f64,
+    pub critical_path: CriticalPath,
 }
 
 /// Summarises each rank's profile.
@@ -73,12 +106,40 @@ fn rank_summary(p: &Profile) -> RankSummary {
             Record::Gather { .. } => s.gathers += 1,
             Record::Copy { to: Placement::Device, bytes, .. } => s.copied_to_device += bytes,
             Record::Copy { to: Placement::Host, bytes, .. } => s.copied_to_host += bytes,
-            Record::Freed { .. } | Record::Evict { .. } => {}
+            Record::Freed { .. } | Record::Evict { .. } | Record::Collective { .. } | Record::Wait { .. } => {}
         }
     }
     if let (Some(first), Some(last)) = (p.records.first(), p.records.last()) {
         s.seconds = last.t() - first.t();
     }
+    let runs = p.collectives();
+    let mut by_op: BTreeMap<&str, OpSummary> = BTreeMap::new();
+    for run in &runs {
+        let o = by_op.entry(run.op.as_str()).or_insert_with(|| OpSummary { op: run.op.clone(), ..Default::default() });
+        o.calls += 1;
+        o.bytes += run.bytes;
+        o.seconds += run.end - run.start;
+    }
+    s.collectives = by_op.into_values().collect();
+    s.collectives.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+    s.comm_busy_s = covered_seconds(runs.iter().map(|r| (r.start, r.end)).collect());
+    let waits = p.compute_waits();
+    let exposed = covered_seconds(waits.clone());
+    s.comm_overlapped_s = (s.comm_busy_s - exposed).max(0.0);
+    let spans = p.spans();
+    let unit_spans: Vec<(f64, f64)> =
+        spans.iter().filter(|x| x.kind != SpanKind::Update).map(|x| (x.start, x.end)).collect();
+    let updates: Vec<(f64, f64)> =
+        spans.iter().filter(|x| x.kind == SpanKind::Update).map(|x| (x.start, x.end)).collect();
+    let unit_time = covered_seconds(unit_spans.clone());
+    let waits_in_units = unit_time + exposed - covered_seconds([unit_spans.clone(), waits.clone()].concat());
+    let busy = covered_seconds([unit_spans, waits, updates].concat());
+    s.critical_path = CriticalPath {
+        compute_s: unit_time - waits_in_units,
+        exposed_comm_s: exposed,
+        update_s: s.update_s,
+        other_s: (s.seconds - busy).max(0.0),
+    };
     units.sort_by(|a, b| (b.forward_s + b.backward_s).total_cmp(&(a.forward_s + a.backward_s)));
     s.units = units;
     s
@@ -101,6 +162,33 @@ pub fn table(summaries: &[RankSummary], top: usize) -> String {
         for (placement, peak) in &s.peak_bytes {
             let placement = format!("{placement:?}").to_lowercase();
             out.push_str(&format!("  peak on the {placement}: {:.2} MB (ledger)\n", *peak as f64 / 1e6));
+        }
+        let path = &s.critical_path;
+        let per_step = |x: f64| x * 1e3 / s.updates.max(1) as f64;
+        out.push_str(&format!(
+            "  critical path per step: {:.2} ms unit compute, {:.2} ms exposed communication, {:.2} ms update, {:.2} ms other\n",
+            per_step(path.compute_s),
+            per_step(path.exposed_comm_s),
+            per_step(path.update_s),
+            per_step(path.other_s)
+        ));
+        if !s.collectives.is_empty() {
+            let hidden = if s.comm_busy_s > 0.0 { 100.0 * s.comm_overlapped_s / s.comm_busy_s } else { 0.0 };
+            out.push_str(&format!(
+                "  communication: {:.2} ms running, {:.2} ms exposed, {:.2} ms overlapped ({hidden:.0}% hidden)\n",
+                s.comm_busy_s * 1e3,
+                path.exposed_comm_s * 1e3,
+                s.comm_overlapped_s * 1e3
+            ));
+            for o in &s.collectives {
+                out.push_str(&format!(
+                    "    {:<16} {:>6} calls {:>10.2} MB {:>10.2} ms\n",
+                    o.op,
+                    o.calls,
+                    o.bytes as f64 / 1e6,
+                    o.seconds * 1e3
+                ));
+            }
         }
         out.push_str(&format!(
             "  {:<24} {:>9} {:>12} {:>9} {:>12}\n",

@@ -1,13 +1,17 @@
 //! Chrome trace / Perfetto JSON from profiles: one process per rank, with its unit phases on
-//! a compute track, gathers and frees on a communication track, copies and evictions on a
-//! copy track (so overlap, or its absence, is visible), and the ledger's bytes per
-//! placement as counters.
+//! a compute track, the engine thread's waits on collectives on a track of their own,
+//! gathers and frees on a communication track, each group's collectives on that group's
+//! track, copies and evictions on a copy track (so overlap, or its absence, is visible),
+//! and the ledger's bytes per placement and the allocator's as counters.
 use super::{Memory, Profile, Record, SpanKind};
 use serde_json::{json, Value};
 
 const COMPUTE: usize = 0;
 const COMMUNICATION: usize = 1;
 const COPIES: usize = 2;
+const WAITS: usize = 3;
+/// Groups' tracks are numbered from here, in the order their first collective finished.
+const FIRST_GROUP: usize = 10;
 
 fn micros(t: f64) -> f64 {
     t * 1e6
@@ -26,8 +30,30 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
     for p in profiles {
         let pid = p.header.rank;
         events.push(json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": format!("rank {pid}")}}));
-        for (tid, name) in [(COMPUTE, "compute"), (COMMUNICATION, "communication"), (COPIES, "copies")] {
+        for (tid, name) in [
+            (COMPUTE, "compute"),
+            (WAITS, "blocked on communication"),
+            (COMMUNICATION, "gathers and frees"),
+            (COPIES, "copies"),
+        ] {
             events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
+        }
+        let mut groups: Vec<String> = Vec::new();
+        for run in p.collectives() {
+            let index = groups.iter().position(|g| *g == run.group).unwrap_or_else(|| {
+                groups.push(run.group.clone());
+                groups.len() - 1
+            });
+            events.push(json!({
+                "ph": "X", "pid": pid, "tid": FIRST_GROUP + index, "cat": "collective", "name": run.op,
+                "ts": micros(run.start), "dur": micros(run.end - run.start),
+                "args": {"bytes": run.bytes, "issued_us": micros(run.issued)},
+            }));
+        }
+        for (index, group) in groups.iter().enumerate() {
+            events.push(json!({
+                "ph": "M", "name": "thread_name", "pid": pid, "tid": FIRST_GROUP + index, "args": {"name": group},
+            }));
         }
         for span in p.spans() {
             let (cat, name) = match span.kind {
@@ -42,8 +68,19 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
         }
         for r in &p.records {
             match r {
-                Record::Phase { t, memory, .. } | Record::Update { t, memory, .. } => events
-                    .push(json!({"ph": "C", "pid": pid, "name": "memory", "ts": micros(*t), "args": totals(memory)})),
+                Record::Phase { t, memory, allocated, .. } | Record::Update { t, memory, allocated, .. } => {
+                    events.push(json!({"ph": "C", "pid": pid, "name": "memory", "ts": micros(*t), "args": totals(memory)}));
+                    if let Some(bytes) = allocated {
+                        events.push(json!({
+                            "ph": "C", "pid": pid, "name": "allocator", "ts": micros(*t), "args": {"allocated": bytes},
+                        }));
+                    }
+                }
+                Record::Wait { t, start, op, compute: true, .. } => events.push(json!({
+                    "ph": "X", "pid": pid, "tid": WAITS, "cat": "wait", "name": format!("wait {op}"),
+                    "ts": micros(*start), "dur": micros(t - start),
+                })),
+                Record::Wait { .. } | Record::Collective { .. } => {}
                 Record::Gather { t, unit } | Record::Freed { t, unit } => {
                     let what = if matches!(r, Record::Gather { .. }) { "gather" } else { "free" };
                     events.push(json!({

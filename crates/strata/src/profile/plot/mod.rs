@@ -1,0 +1,630 @@
+//! Pictures of profiles and of training metrics, drawn with `plotters` as PNG or SVG:
+//! memory over time per rank with the forward, backward and update stretches as bands; the
+//! map of where each unit's parameters are over time; per-unit time and memory bars; and
+//! ([`metrics`]) loss, learning rate, tokens/s and memory over steps for several runs.
+//!
+//! Owns: turning read profiles into the series drawn ([`memory_series`], [`residency`],
+//! [`unit_costs`], testable without drawing) and the drawing. Must not read or validate
+//! files: it takes what [`super::read_dir`] and [`metrics::read`] return.
+//!
+//! Labels need a TrueType font: [`use_font`] takes one, else the first of the usual system
+//! places ([`FONT_PLACES`]) is loaded once per process.
+pub mod metrics;
+
+use super::{Profile, Record, SpanKind};
+use crate::engine::{Category, Phase, Placement};
+use crate::{Error, Result};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// Where a font for labels is looked for when none is given (Debian and Ubuntu, Fedora,
+/// Arch, macOS).
+pub const FONT_PLACES: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu-sans-fonts/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/liberation-sans/LiberationSans-Regular.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+    "/Library/Fonts/Arial.ttf",
+];
+
+/// The font registered for labels, if any (a process registers one and keeps it).
+static FONT: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// Draws labels with the TrueType font at `path` from now on.
+pub fn use_font(path: &Path) -> Result<()> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    // plotters keeps fonts for the life of the process; one font per process is leaked.
+    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+        .map_err(|_| Error::Plot(format!("{}: not a TrueType or OpenType font", path.display())))?;
+    *FONT.lock().unwrap_or_else(|e| e.into_inner()) = Some(path.to_path_buf());
+    Ok(())
+}
+
+fn ensure_font() -> Result<()> {
+    if FONT.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+        return Ok(());
+    }
+    let found = FONT_PLACES.iter().map(Path::new).find(|p| p.is_file()).ok_or_else(|| {
+        Error::Plot("no font for the labels in the usual places: give one (--font FILE.ttf, e.g. DejaVuSans.ttf)".into())
+    })?;
+    use_font(found)
+}
+
+/// PNG or SVG, by the file's extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageFormat {
+    Png,
+    Svg,
+}
+
+impl ImageFormat {
+    pub fn of(path: &Path) -> Result<ImageFormat> {
+        match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
+            Some("png") => Ok(ImageFormat::Png),
+            Some("svg") => Ok(ImageFormat::Svg),
+            _ => Err(Error::Plot(format!("{}: pictures are .png or .svg", path.display()))),
+        }
+    }
+
+    pub fn extension(self) -> &'static str {
+        match self {
+            ImageFormat::Png => "png",
+            ImageFormat::Svg => "svg",
+        }
+    }
+}
+
+/// Something drawn on a drawing area of any backend.
+pub trait Picture {
+    /// Width and height in pixels.
+    fn size(&self) -> (u32, u32);
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult;
+}
+
+/// A drawing's outcome; plotters' errors carry the backend's type, so they become text.
+pub type DrawResult = std::result::Result<(), String>;
+
+fn drawing<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+/// Draws `picture` into `path` (format by extension), replacing it whole or not at all.
+pub fn render(picture: &impl Picture, path: &Path) -> Result<()> {
+    let format = ImageFormat::of(path)?;
+    ensure_font()?;
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("picture");
+    // The bitmap backend picks its encoder by extension, so the partial file keeps it.
+    let partial = path.with_file_name(format!(".{name}.partial.{}", format.extension()));
+    let drawn = match format {
+        ImageFormat::Png => {
+            let root = BitMapBackend::new(&partial, picture.size()).into_drawing_area();
+            picture.draw(&root).and_then(|()| root.present().map_err(drawing))
+        }
+        ImageFormat::Svg => {
+            let root = SVGBackend::new(&partial, picture.size()).into_drawing_area();
+            picture.draw(&root).and_then(|()| root.present().map_err(drawing))
+        }
+    };
+    if let Err(e) = drawn {
+        let _ = std::fs::remove_file(&partial);
+        return Err(Error::Plot(format!("{}: {e}", path.display())));
+    }
+    std::fs::rename(&partial, path).map_err(|e| Error::io(path, e))
+}
+
+const MB: f64 = 1e6;
+
+/// Colours of the stretches of a step, drawn as bands behind the memory curves.
+fn band_colour(kind: SpanKind) -> RGBAColor {
+    match kind {
+        SpanKind::Forward(_) => RGBColor(120, 170, 230).mix(0.22),
+        SpanKind::Backward(_) => RGBColor(240, 160, 90).mix(0.22),
+        SpanKind::Update => RGBColor(110, 190, 110).mix(0.30),
+    }
+}
+
+/// The memory of one moment of a profile.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryPoint {
+    pub t: f64,
+    /// Every byte the ledger counts, per placement.
+    pub by_placement: BTreeMap<Placement, u64>,
+    /// Parameters, gradients and optimizer states on the device: the chunk-managed part.
+    pub device_model_states: u64,
+    /// The allocator's bytes, where tracked.
+    pub allocated: Option<u64>,
+}
+
+/// The memory recorded at each phase and update of `p`, in time order.
+pub fn memory_series(p: &Profile) -> Vec<MemoryPoint> {
+    p.records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Phase { t, memory, allocated, .. } | Record::Update { t, memory, allocated, .. } => {
+                Some(MemoryPoint {
+                    t: *t,
+                    by_placement: memory.iter().map(|(p, by)| (*p, by.values().sum())).collect(),
+                    device_model_states: memory
+                        .get(&Placement::Device)
+                        .map_or(0, |by| by.iter().filter(|(c, _)| c.is_model_state()).map(|(_, b)| b).sum()),
+                    allocated: *allocated,
+                })
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Where a unit's parameters are over a stretch of time, beyond their home.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Residency {
+    /// Gathered whole on the device (ZeRO-3 / fsdp), from the gather's start to the free.
+    Gathered,
+    /// Copied from their host home to the device (offload), until evicted.
+    OnDevice,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UnitStretch {
+    pub unit: usize,
+    pub residency: Residency,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// Each unit's stretches away from home, from its gathers and frees, copies to the device
+/// and evictions; one still open when the profile ends closes there.
+pub fn residency(p: &Profile) -> Vec<UnitStretch> {
+    let mut open: BTreeMap<(usize, bool), f64> = BTreeMap::new();
+    let mut stretches = Vec::new();
+    let mut close = |unit: usize, gathered: bool, end: f64, open: &mut BTreeMap<(usize, bool), f64>| {
+        if let Some(start) = open.remove(&(unit, gathered)) {
+            let residency = if gathered { Residency::Gathered } else { Residency::OnDevice };
+            stretches.push(UnitStretch { unit, residency, start, end });
+        }
+    };
+    for r in &p.records {
+        match *r {
+            Record::Gather { t, unit } => {
+                open.entry((unit, true)).or_insert(t);
+            }
+            Record::Freed { t, unit } => close(unit, true, t, &mut open),
+            Record::Copy { t, unit, to: Placement::Device, .. } => {
+                open.entry((unit, false)).or_insert(t);
+            }
+            Record::Evict { t, unit } => close(unit, false, t, &mut open),
+            _ => {}
+        }
+    }
+    let end = p.records.last().map_or(0.0, Record::t);
+    for (unit, gathered) in open.keys().copied().collect::<Vec<_>>() {
+        close(unit, gathered, end, &mut open);
+    }
+    stretches
+}
+
+/// Whether `unit`'s parameters live on the host between uses (they are copied in).
+fn host_homed(p: &Profile, unit: usize) -> bool {
+    p.records.iter().any(|r| matches!(r, Record::Copy { unit: u, to: Placement::Device, .. } if *u == unit))
+}
+
+/// One unit's cost, averaged over ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnitCost {
+    pub name: String,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    pub param_bytes: u64,
+    /// Activations the ledger gained over the unit's forward (what it keeps for backward),
+    /// the largest over its forwards.
+    pub activation_bytes: u64,
+}
+
+/// Per unit, time in forward and backward (summed over the profile) and memory, averaged
+/// over `profiles`' ranks.
+pub fn unit_costs(profiles: &[Profile]) -> Vec<UnitCost> {
+    let Some(first) = profiles.first() else { return vec![] };
+    let mut costs: Vec<UnitCost> = first
+        .header
+        .units
+        .iter()
+        .zip(&first.header.unit_param_bytes)
+        .map(|(name, &param_bytes)| UnitCost {
+            name: name.clone(),
+            forward_s: 0.0,
+            backward_s: 0.0,
+            param_bytes,
+            activation_bytes: 0,
+        })
+        .collect();
+    let ranks = profiles.len() as f64;
+    for p in profiles {
+        for span in p.spans() {
+            match span.kind {
+                SpanKind::Forward(u) => costs[u].forward_s += (span.end - span.start) / ranks,
+                SpanKind::Backward(u) => costs[u].backward_s += (span.end - span.start) / ranks,
+                SpanKind::Update => {}
+            }
+        }
+        let activations = |memory: &super::Memory| -> u64 {
+            memory.values().filter_map(|by| by.get(&Category::Activations)).sum()
+        };
+        let mut before: BTreeMap<usize, u64> = BTreeMap::new();
+        for r in &p.records {
+            if let Record::Phase { phase, unit, memory, .. } = r {
+                match phase {
+                    Phase::BeforeForward => {
+                        before.insert(*unit, activations(memory));
+                    }
+                    Phase::AfterForward => {
+                        if let Some(b) = before.remove(unit) {
+                            let kept = activations(memory).saturating_sub(b);
+                            costs[*unit].activation_bytes = costs[*unit].activation_bytes.max(kept);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    costs
+}
+
+/// Device and host memory over time, one panel per rank: what the ledger counts per
+/// placement, the device's model states (the chunk-managed part) and the allocator's
+/// bytes, over bands marking each unit's forward and backward and the update.
+pub struct MemoryOverTime<'a>(pub &'a [Profile]);
+
+/// The map of units over time, one panel per rank: a row per unit, its home shaded (grey on
+/// the device, light brown on the host), its stretches gathered or copied to the device
+/// drawn over it, and its forward and backward marked.
+pub struct UnitMap<'a>(pub &'a [Profile]);
+
+/// Per-unit bars: forward and backward time above, parameter and kept-activation bytes
+/// below (averaged over ranks).
+pub struct UnitBars<'a>(pub &'a [Profile]);
+
+fn span_of(p: &Profile) -> (f64, f64) {
+    let end = p.records.last().map_or(1.0, Record::t);
+    let start = p.records.first().map_or(0.0, Record::t);
+    (start, if end > start { end } else { start + 1.0 })
+}
+
+fn placement_name(p: Placement) -> &'static str {
+    match p {
+        Placement::Device => "device",
+        Placement::Host => "host",
+    }
+}
+
+/// A line series with its legend entry.
+fn legend_line<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>,
+    points: Vec<(f64, f64)>,
+    colour: RGBColor,
+    label: &str,
+) -> DrawResult {
+    chart
+        .draw_series(LineSeries::new(points, colour.stroke_width(2)))
+        .map_err(drawing)?
+        .label(label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2)));
+    Ok(())
+}
+
+/// The name for an axis position: the unit whose row or bar is centred there (rows counted
+/// from the top when `reversed`), nothing between them.
+fn row_label(names: &[String], at: f64, reversed: bool) -> String {
+    let index = at.round();
+    if (at - index).abs() > 1e-6 || index < 0.0 {
+        return String::new();
+    }
+    let index = index as usize;
+    let index = if reversed { names.len().checked_sub(index + 1) } else { Some(index) };
+    index.and_then(|i| names.get(i)).cloned().unwrap_or_default()
+}
+
+impl Picture for MemoryOverTime<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1280, 380 * self.0.len().max(1) as u32)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
+        root.fill(&WHITE).map_err(drawing)?;
+        for (area, p) in root.split_evenly((self.0.len(), 1)).iter().zip(self.0) {
+            let series = memory_series(p);
+            let top = series
+                .iter()
+                .flat_map(|m| m.by_placement.values().copied().chain(m.allocated))
+                .max()
+                .unwrap_or(1)
+                .max(1) as f64
+                / MB
+                * 1.45;
+            let (start, end) = span_of(p);
+            let mut chart = ChartBuilder::on(area)
+                .caption(format!("rank {}: memory over time ({})", p.header.rank, p.header.device), ("sans-serif", 20))
+                .margin(12)
+                .x_label_area_size(36)
+                .y_label_area_size(70)
+                .build_cartesian_2d(start..end, 0.0..top)
+                .map_err(drawing)?;
+            chart.configure_mesh().x_desc("seconds").y_desc("MB").draw().map_err(drawing)?;
+            let bands = p.spans().into_iter().map(|s| {
+                Rectangle::new([(s.start, 0.0), (s.end, top)], band_colour(s.kind).filled())
+            });
+            chart.draw_series(bands).map_err(drawing)?;
+            let colours = [RGBColor(31, 90, 170), RGBColor(150, 90, 40)];
+            for (i, placement) in [Placement::Device, Placement::Host].into_iter().enumerate() {
+                let points: Vec<(f64, f64)> = series
+                    .iter()
+                    .filter_map(|m| m.by_placement.get(&placement).map(|&b| (m.t, b as f64 / MB)))
+                    .collect();
+                if points.iter().any(|&(_, y)| y > 0.0) {
+                    let label = format!("ledger, {}", placement_name(placement));
+                    legend_line(&mut chart, points, colours[i], &label)?;
+                }
+            }
+            let states: Vec<(f64, f64)> = series.iter().map(|m| (m.t, m.device_model_states as f64 / MB)).collect();
+            legend_line(&mut chart, states, RGBColor(40, 150, 70), "model states on the device")?;
+            let allocated: Vec<(f64, f64)> =
+                series.iter().filter_map(|m| m.allocated.map(|a| (m.t, a as f64 / MB))).collect();
+            if !allocated.is_empty() {
+                legend_line(&mut chart, allocated, RGBColor(200, 40, 40), "allocator (whole process)")?;
+            }
+            for (colour, label) in [
+                (band_colour(SpanKind::Forward(0)), "forward"),
+                (band_colour(SpanKind::Backward(0)), "backward"),
+                (band_colour(SpanKind::Update), "update"),
+            ] {
+                chart
+                    .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
+                    .map_err(drawing)?
+                    .label(label)
+                    .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], colour.filled()));
+            }
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .draw()
+                .map_err(drawing)?;
+        }
+        Ok(())
+    }
+}
+
+impl Picture for UnitMap<'_> {
+    fn size(&self) -> (u32, u32) {
+        let units = self.0.first().map_or(1, |p| p.header.units.len()) as u32;
+        (1280, (110 + 16 * units) * self.0.len().max(1) as u32)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
+        root.fill(&WHITE).map_err(drawing)?;
+        let home_device = RGBColor(215, 215, 215).filled();
+        let home_host = RGBColor(235, 215, 180).filled();
+        let gathered = RGBColor(70, 120, 200).filled();
+        let on_device = RGBColor(60, 160, 90).filled();
+        let computing = RGBColor(30, 30, 30).filled();
+        for (area, p) in root.split_evenly((self.0.len(), 1)).iter().zip(self.0) {
+            let units = p.header.units.len();
+            let (start, end) = span_of(p);
+            // Room on the right for the legend, clear of the rows.
+            let room = end + (end - start) * 0.22;
+            let names = p.header.units.clone();
+            let mut chart = ChartBuilder::on(area)
+                .caption(format!("rank {}: where each unit's parameters are", p.header.rank), ("sans-serif", 20))
+                .margin(12)
+                .x_label_area_size(36)
+                .y_label_area_size(150)
+                .build_cartesian_2d(start..room, -0.5..units as f64 - 0.5)
+                .map_err(drawing)?;
+            chart
+                .configure_mesh()
+                .x_desc("seconds")
+                .y_labels(units + 1)
+                .y_label_formatter(&|&y| row_label(&names, y, true))
+                .disable_y_mesh()
+                .draw()
+                .map_err(drawing)?;
+            // Row `u` is centred on `units - 1 - u`: unit 0 uppermost, as the schedule runs them.
+            let row = |u: usize, inset: f64| (units - 1 - u) as f64 - 0.5 + inset;
+            let homes = (0..units).map(|u| {
+                let style = if host_homed(p, u) { home_host } else { home_device };
+                Rectangle::new([(start, row(u, 0.1)), (end, row(u, 0.9))], style)
+            });
+            chart.draw_series(homes).map_err(drawing)?;
+            let away = residency(p).into_iter().map(|s| {
+                let style = if s.residency == Residency::Gathered { gathered } else { on_device };
+                Rectangle::new([(s.start, row(s.unit, 0.1)), (s.end, row(s.unit, 0.9))], style)
+            });
+            chart.draw_series(away).map_err(drawing)?;
+            let compute = p.spans().into_iter().filter_map(|s| match s.kind {
+                SpanKind::Forward(u) | SpanKind::Backward(u) => {
+                    Some(Rectangle::new([(s.start, row(u, 0.4)), (s.end, row(u, 0.6))], computing))
+                }
+                SpanKind::Update => None,
+            });
+            chart.draw_series(compute).map_err(drawing)?;
+            for (style, label) in [
+                (home_device, "home on the device"),
+                (home_host, "home on the host"),
+                (gathered, "gathered whole"),
+                (on_device, "copied to the device"),
+                (computing, "forward / backward"),
+            ] {
+                chart
+                    .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
+                    .map_err(drawing)?
+                    .label(label)
+                    .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], style));
+            }
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .draw()
+                .map_err(drawing)?;
+        }
+        Ok(())
+    }
+}
+
+impl Picture for UnitBars<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1280, 760)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
+        root.fill(&WHITE).map_err(drawing)?;
+        let costs = unit_costs(self.0);
+        let names: Vec<String> = costs.iter().map(|c| c.name.clone()).collect();
+        let panels = root.split_evenly((2, 1));
+        let pairs: [(&str, &str, [(RGBColor, &str); 2], Vec<(f64, f64)>); 2] = [
+            (
+                "time per unit (whole profile, mean over ranks)",
+                "ms",
+                [(RGBColor(70, 120, 200), "forward"), (RGBColor(230, 140, 60), "backward")],
+                costs.iter().map(|c| (c.forward_s * 1e3, c.backward_s * 1e3)).collect(),
+            ),
+            (
+                "memory per unit",
+                "MB",
+                [(RGBColor(60, 160, 90), "parameters"), (RGBColor(160, 80, 160), "activations kept for backward")],
+                costs.iter().map(|c| (c.param_bytes as f64 / MB, c.activation_bytes as f64 / MB)).collect(),
+            ),
+        ];
+        for (area, (title, unit, colours, values)) in panels.iter().zip(pairs) {
+            let top = values.iter().map(|(a, b)| a + b).fold(0.0, f64::max).max(1e-9) * 1.15;
+            let n = values.len().max(1);
+            let mut chart = ChartBuilder::on(area)
+                .caption(title, ("sans-serif", 20))
+                .margin(12)
+                .x_label_area_size(70)
+                .y_label_area_size(70)
+                .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..top)
+                .map_err(drawing)?;
+            // Few units: names across; many: names down, so they do not collide.
+            let style = if n <= 12 {
+                ("sans-serif", 12).into_font()
+            } else {
+                ("sans-serif", 11).into_font().transform(FontTransform::Rotate90)
+            };
+            chart
+                .configure_mesh()
+                .y_desc(unit)
+                .x_labels(n + 1)
+                .x_label_formatter(&|&x| row_label(&names, x, false))
+                .x_label_style(style)
+                .disable_x_mesh()
+                .draw()
+                .map_err(drawing)?;
+            // Stacked: the first value at the bottom, the second on top of it.
+            for (layer, (colour, label)) in colours.into_iter().enumerate() {
+                let bars = values.iter().enumerate().map(|(i, &(a, b))| {
+                    let (low, high) = if layer == 0 { (0.0, a) } else { (a, a + b) };
+                    Rectangle::new([(i as f64 - 0.35, low), (i as f64 + 0.35, high)], colour.filled())
+                });
+                chart
+                    .draw_series(bars)
+                    .map_err(drawing)?
+                    .label(label)
+                    .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], colour.filled()));
+            }
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .draw()
+                .map_err(drawing)?;
+        }
+        Ok(())
+    }
+}
+
+/// Draws a profile's pictures into `dir` as `memory`, `units` and `unit_bars` with the
+/// given format's extension; returns their paths.
+pub fn profile_pictures(profiles: &[Profile], dir: &Path, format: ImageFormat) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let path = |name: &str| dir.join(format!("{name}.{}", format.extension()));
+    let paths = vec![path("memory"), path("units"), path("unit_bars")];
+    render(&MemoryOverTime(profiles), &paths[0])?;
+    render(&UnitMap(profiles), &paths[1])?;
+    render(&UnitBars(profiles), &paths[2])?;
+    Ok(paths)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::{Header, Memory};
+
+    fn memory(device_params: u64, activations: u64) -> Memory {
+        let mut by = BTreeMap::new();
+        by.insert(Category::Params, device_params);
+        by.insert(Category::Activations, activations);
+        [(Placement::Device, by)].into_iter().collect()
+    }
+
+    fn phase(t: f64, phase: Phase, unit: usize, activations: u64) -> Record {
+        Record::Phase { t, phase, unit, memory: memory(100, activations), storage_bytes: 0, allocated: Some(500) }
+    }
+
+    fn profile(records: Vec<Record>) -> Profile {
+        let header = Header {
+            format: crate::profile::FORMAT.into(),
+            version: crate::profile::VERSION,
+            rank: 0,
+            world: 1,
+            units: vec!["a".into(), "b".into()],
+            unit_param_bytes: vec![40, 60],
+            device: "Cpu".into(),
+        };
+        Profile { header, records }
+    }
+
+    #[test]
+    fn series_follow_the_records() {
+        let p = profile(vec![
+            Record::Gather { t: 0.0, unit: 1 },
+            phase(0.1, Phase::BeforeForward, 0, 0),
+            phase(0.2, Phase::AfterForward, 0, 30),
+            phase(0.3, Phase::BeforeForward, 1, 30),
+            Record::Freed { t: 0.35, unit: 1 },
+            phase(0.4, Phase::AfterForward, 1, 80),
+            Record::Copy { t: 0.45, unit: 0, to: Placement::Device, bytes: 40 },
+            Record::Evict { t: 0.5, unit: 0 },
+            Record::Copy { t: 0.55, unit: 1, to: Placement::Device, bytes: 60 },
+        ]);
+        let series = memory_series(&p);
+        assert_eq!(series.len(), 4);
+        assert_eq!(series[1].by_placement[&Placement::Device], 130);
+        assert_eq!(series[1].device_model_states, 100);
+        assert_eq!(series[1].allocated, Some(500));
+        let stretches = residency(&p);
+        assert_eq!(
+            stretches,
+            vec![
+                UnitStretch { unit: 1, residency: Residency::Gathered, start: 0.0, end: 0.35 },
+                UnitStretch { unit: 0, residency: Residency::OnDevice, start: 0.45, end: 0.5 },
+                UnitStretch { unit: 1, residency: Residency::OnDevice, start: 0.55, end: 0.55 },
+            ]
+        );
+        assert!(host_homed(&p, 0) && host_homed(&p, 1));
+        let costs = unit_costs(&[p.clone(), p]);
+        assert_eq!((costs[0].param_bytes, costs[0].activation_bytes), (40, 30));
+        assert_eq!((costs[1].param_bytes, costs[1].activation_bytes), (60, 50));
+        assert!((costs[0].forward_s - 0.1).abs() < 1e-12 && costs[0].backward_s == 0.0);
+    }
+}
