@@ -1,6 +1,6 @@
 //! Profiles end to end: a 2-rank fsdp run with recomputation and accumulation recorded with
-//! `--profile`, read back and checked against what is known of it; the Chrome trace and the
-//! summary made from it; bad profile folders refused in one line.
+//! `--profile`, read back and checked against what is known of it; the Chrome trace, the
+//! summary and the pictures made from it; metrics drawn; bad input refused in one line.
 mod common;
 
 use common::{assert_fails_with, stderr, strata};
@@ -84,11 +84,34 @@ fn a_recorded_fsdp_profile_holds_what_the_run_did() {
             }
         }
         assert_eq!(phases, 4 * units * STEPS * MICRO);
+        // The allocator's bytes at every moment hold at least the parameter and gradient
+        // buffers it allocated.
+        for r in &p.records {
+            if let Record::Phase { allocated, storage_bytes, .. } = r {
+                assert!(allocated.is_some_and(|a| a >= *storage_bytes), "{r:?}");
+            }
+        }
+        // Every gather is an all-gather the communication layer saw finish, issued when
+        // the gather started; gradients leave through reduce-scatters, once per step.
+        let gathers: Vec<f64> =
+            p.records.iter().filter_map(|r| matches!(r, Record::Gather { .. }).then(|| r.t())).collect();
+        let runs = p.collectives();
+        let all_gathers: Vec<_> = runs.iter().filter(|c| c.op == "all_gather").collect();
+        assert_eq!(all_gathers.len(), gathers.len(), "rank {}", p.header.rank);
+        for (k, c) in all_gathers.iter().enumerate() {
+            // Issued while the engine started that gather: after the one before it.
+            let after_previous = k == 0 || c.issued >= gathers[k - 1];
+            assert!(after_previous && c.issued <= gathers[k], "{c:?}: gather {k} of {gathers:?}");
+            assert!(c.issued <= c.start && c.start <= c.end && c.bytes > 0, "{c:?}");
+        }
+        let scatters = runs.iter().filter(|c| c.op == "reduce_scatter").count();
+        assert!(scatters > 0 && scatters % STEPS == 0, "{scatters} reduce-scatters in {STEPS} steps");
+        assert!(!p.compute_waits().is_empty(), "the engine's thread waited on some collective");
     }
 }
 
 #[test]
-fn the_trace_and_the_summary_come_from_the_profile() {
+fn the_trace_the_summary_and_the_pictures_come_from_the_profile() {
     let dir = tempfile::tempdir().unwrap();
     record(dir.path());
     let trace = dir.path().join("trace.json");
@@ -108,11 +131,122 @@ fn the_trace_and_the_summary_come_from_the_profile() {
     let names = |cat: &str| events.iter().filter(|e| e["cat"] == cat).count();
     assert_eq!(names("forward"), 2 * 4 * STEPS * MICRO, "two ranks, four units");
     assert!(names("gather") > 0, "gathers on the communication track");
+    let profiles = profile::read_dir(dir.path()).unwrap();
+    let collectives: usize = profiles.iter().map(|p| p.collectives().len()).sum();
+    assert_eq!(names("collective"), collectives, "each collective on its group's track");
     let o = strata(&["profile", "summary", dir.path().to_str().unwrap(), "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(summary.as_array().unwrap().len(), 2);
     assert_eq!(summary[0]["updates"], STEPS as u64);
+    for rank in summary.as_array().unwrap() {
+        // The critical path's parts cover the recorded time without counting any twice.
+        let path = &rank["critical_path"];
+        let parts: f64 =
+            ["compute_s", "exposed_comm_s", "update_s", "other_s"].iter().map(|k| path[k].as_f64().unwrap()).sum();
+        let seconds = rank["seconds"].as_f64().unwrap();
+        assert!(path["compute_s"].as_f64().unwrap() > 0.0 && path["exposed_comm_s"].as_f64().unwrap() > 0.0);
+        assert!(parts >= seconds * 0.999 && parts <= seconds * 1.001, "{parts} against {seconds}");
+        let busy = rank["comm_busy_s"].as_f64().unwrap();
+        let hidden = rank["comm_overlapped_s"].as_f64().unwrap();
+        assert!(hidden >= 0.0 && hidden <= busy, "{hidden} of {busy}");
+        assert!(rank["collectives"].as_array().unwrap().iter().any(|c| c["op"] == "all_gather"));
+    }
+
+    if !fonts_present() {
+        return;
+    }
+    let pictures = dir.path().join("pictures");
+    let o =
+        strata(&["profile", "plot", dir.path().to_str().unwrap(), "-o", pictures.to_str().unwrap(), "--format", "svg"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let svg = |name: &str| std::fs::read_to_string(pictures.join(name)).unwrap();
+    // The unit map draws each stretch a unit spent gathered as one rectangle of the
+    // gathered colour (and one more in each rank's legend).
+    let stretches: usize = profiles.iter().map(|p| strata::profile::plot::residency(p).len()).sum();
+    let units = svg("units.svg");
+    assert_eq!(units.matches(r##"fill="#4678C8""##).count(), stretches + profiles.len());
+    for name in &profiles[0].header.units {
+        assert!(texts(&units).contains(name), "row label {name}");
+    }
+    let memory = texts(&svg("memory.svg"));
+    for want in
+        ["rank 0: memory over time (Cpu)", "rank 1: memory over time (Cpu)", "allocator (whole process)", "backward"]
+    {
+        assert!(memory.iter().any(|t| t == want), "{want}");
+    }
+    assert!(texts(&svg("unit_bars.svg")).iter().any(|t| t == "activations kept for backward"));
+    let o = strata(&["profile", "plot", dir.path().to_str().unwrap(), "-o", pictures.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for name in ["memory.png", "units.png", "unit_bars.png"] {
+        assert!(std::fs::read(pictures.join(name)).unwrap().starts_with(b"\x89PNG"), "{name}");
+    }
+}
+
+/// The texts of an SVG picture.
+fn texts(svg: &str) -> Vec<String> {
+    svg.split("<text")
+        .skip(1)
+        .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim().to_string()))
+        .collect()
+}
+
+/// Labels need a TrueType font; without one in the usual places the pictures are skipped.
+fn fonts_present() -> bool {
+    let present = strata::profile::plot::FONT_PLACES.iter().any(|p| Path::new(p).is_file());
+    if !present {
+        eprintln!("skipping the pictures: no font in the usual places");
+    }
+    present
+}
+
+#[test]
+fn metrics_of_runs_are_drawn_and_bad_ones_refused() {
+    if !fonts_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = |name: &str, lr: &str| {
+        let path = dir.path().join(name);
+        let o = strata(&[
+            "train",
+            "--model",
+            "gpt",
+            "--layers",
+            "1",
+            "--dim",
+            "16",
+            "--ctx",
+            "16",
+            "--batch-size",
+            "4",
+            "--threads",
+            "1",
+            "--steps",
+            "4",
+            "--lr",
+            lr,
+            "--metrics",
+            path.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        path
+    };
+    let (a, b) = (metrics("fast.jsonl", "3e-3"), metrics("slow.jsonl", "1e-4"));
+    let picture = dir.path().join("runs.svg");
+    let o = strata(&["plot", a.to_str().unwrap(), b.to_str().unwrap(), "-o", picture.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let svg = texts(&std::fs::read_to_string(&picture).unwrap());
+    for want in ["loss", "learning rate", "tokens per second", "fast", "slow"] {
+        assert!(svg.iter().any(|t| t == want), "{want}");
+    }
+    let text = std::fs::read_to_string(&a).unwrap();
+    std::fs::write(&a, &text[..text.len() - 20]).unwrap();
+    let plot = |p: &Path| strata(&["plot", p.to_str().unwrap(), "-o", picture.to_str().unwrap()]);
+    assert_fails_with(&plot(&a), "fast.jsonl:4: not a step's metrics");
+    assert_fails_with(&plot(&dir.path().join("missing.jsonl")), "missing.jsonl");
+    let jpg = strata(&["plot", b.to_str().unwrap(), "-o", dir.path().join("x.jpg").to_str().unwrap()]);
+    assert_fails_with(&jpg, "pictures are .png or .svg");
 }
 
 #[test]
@@ -120,13 +254,15 @@ fn bad_profile_folders_are_one_line() {
     let dir = tempfile::tempdir().unwrap();
     let summary = |d: &Path| strata(&["profile", "summary", d.to_str().unwrap()]);
     assert_fails_with(&summary(dir.path()), "no profile");
-    let header = r#"{"format":"strata-profile","version":1,"rank":0,"world":1,"units":["a"],"device":"Cpu"}"#;
+    let header = r#"{"format":"strata-profile","version":2,"rank":0,"world":1,"units":["a"],"unit_param_bytes":[4],"device":"Cpu"}"#;
     let file = dir.path().join("rank0.jsonl");
     std::fs::write(&file, format!("{header}\n")).unwrap();
     assert_fails_with(&summary(dir.path()), "recorded nothing");
     std::fs::write(&file, format!("{header}\n{{\"kind\":\"gather\",\"t\":0.1,\"un")).unwrap();
     assert_fails_with(&summary(dir.path()), "rank0.jsonl:2: bad record");
-    std::fs::write(&file, header.replace("\"version\":1", "\"version\":9")).unwrap();
+    std::fs::write(&file, header.replace("\"version\":2", "\"version\":1")).unwrap();
+    assert_fails_with(&summary(dir.path()), "profile version 1 is not this version's (2)");
+    std::fs::write(&file, header.replace("\"version\":2", "\"version\":9")).unwrap();
     assert_fails_with(&summary(dir.path()), "profile version 9");
     std::fs::write(dir.path().join("rank1.jsonl"), format!("{header}\n")).unwrap();
     std::fs::write(&file, format!("{header}\n{{\"kind\":\"gather\",\"t\":0.1,\"unit\":0}}\n")).unwrap();

@@ -6,8 +6,9 @@ mod common;
 use common::ranks::{assert_all_ok, connect, run_ranks};
 #[cfg(feature = "mpi")]
 use std::process::Command;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use strata::comm::{Comm, ProcessGroup, ReduceOp, Store, StoreServer};
+use strata::comm::{Collective, Comm, CommObserver, ProcessGroup, ReduceOp, Store, StoreServer, Waited};
 use tch::{Device, Kind, Tensor};
 
 const KINDS: [Kind; 6] = [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16, Kind::Int, Kind::Int64];
@@ -267,6 +268,8 @@ fn rank_entry() {
         "idle-wait" => {
             // Rank 0 arrives late; rank 1 waits for it inside an all-reduce.
             world.barrier().unwrap().wait().unwrap();
+            let seen = Arc::new(Seen::default());
+            comm.observe(Some(seen.clone()));
             let t = Tensor::ones([1024], (Kind::Float, Device::Cpu));
             if comm.rank() == 0 {
                 std::thread::sleep(Duration::from_millis(400));
@@ -283,7 +286,17 @@ fn rank_entry() {
                 // A spinning waiter would burn CPU for as long as the peer is late (400 ms);
                 // a sleeping one uses a little for its wake-ups, however busy the machine is.
                 assert!(cpu < Duration::from_millis(40), "a waiting rank sleeps: it used {cpu:?} of CPU");
+                // The observer saw the wait, as long as it blocked.
+                let waits = seen.waits.lock().unwrap().clone();
+                assert_eq!(waits.len(), 1, "{waits:?}");
+                assert!(waits[0] <= blocked && waits[0] >= blocked.mul_f64(0.9), "{waits:?} of {blocked:?}");
             }
+            // Every rank's observer saw its one collective finish, with its bytes.
+            let collectives = seen.collectives.lock().unwrap().clone();
+            assert_eq!(collectives.len(), 1, "{collectives:?}");
+            let (op, bytes, ran) = collectives[0];
+            assert_eq!((op, bytes), ("all_reduce", 4096));
+            assert!(ran <= blocked, "{ran:?} of {blocked:?}");
         }
         other => panic!("unknown scenario {other}"),
     }
@@ -340,6 +353,23 @@ fn check_shared_buffers(g: &dyn ProcessGroup) {
     same(&t, &values(Kind::Float, 5000, n - 1), "shared all_reduce avg");
 }
 
+/// What a communication observer was told: (operation, bytes, issue to finish) per
+/// collective, and how long each blocking wait took.
+#[derive(Default)]
+struct Seen {
+    collectives: Mutex<Vec<(&'static str, u64, Duration)>>,
+    waits: Mutex<Vec<Duration>>,
+}
+
+impl CommObserver for Seen {
+    fn collective(&self, c: &Collective) {
+        self.collectives.lock().unwrap().push((c.op, c.bytes, c.finished - c.issued));
+    }
+    fn waited(&self, w: &Waited) {
+        self.waits.lock().unwrap().push(w.ended - w.began);
+    }
+}
+
 /// CPU time this process has used, all threads.
 fn cpu_time() -> Duration {
     // SAFETY: getrusage fills the struct it is given.
@@ -353,7 +383,8 @@ fn cpu_time() -> Duration {
 }
 
 /// A rank waiting for a late peer sleeps in the kernel instead of spinning (so it takes no
-/// core from ranks that compute), and its wait is counted as exposed communication.
+/// core from ranks that compute), and its wait is counted as exposed communication and told
+/// to the job's observer with the collective itself.
 #[test]
 fn a_rank_waiting_for_a_late_peer_sleeps_and_counts_the_wait() {
     assert_all_ok(&run_ranks(2, "shm", "idle-wait"));

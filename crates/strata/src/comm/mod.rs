@@ -104,7 +104,7 @@ struct Completion {
     result: Mutex<Option<(std::result::Result<(), String>, Instant)>>,
     done: Condvar,
     /// Told when the result arrives; attached after the operation was queued, so whichever
-    /// of attaching and finishing comes second reports (see [`Work::watched`]).
+    /// of attaching and finishing comes second reports (see [`Work::finish`]).
     watch: Mutex<Option<Arc<Watch>>>,
 }
 
@@ -144,13 +144,16 @@ impl Work {
     fn finish(&self, result: Result<()>) {
         if let Pending::Host(c) = &self.pending {
             let now = Instant::now();
-            *c.result.lock().unwrap_or_else(|e| e.into_inner()) = Some((result.map_err(comm_text), now));
-            c.done.notify_all();
-            // Finishing sets the result before it looks for a watch; attaching holds the
-            // watch's lock while it looks at the result: one of the two reports.
-            if let Some(w) = c.watch.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            // Finishing and attaching (`watched`) each hold the watch's lock while they look
+            // at the result, so exactly one of them reports; finishing reports before the
+            // result is visible, so whoever waited finds the collective already reported.
+            let mut watch = c.watch.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(w) = watch.take() {
                 w.finished(now);
             }
+            *c.result.lock().unwrap_or_else(|e| e.into_inner()) = Some((result.map_err(comm_text), now));
+            drop(watch);
+            c.done.notify_all();
         }
     }
 

@@ -330,10 +330,32 @@ impl Profile {
                 let free = group_free.entry(group.as_str()).or_insert(0.0);
                 let began = start.max(*free).min(*t);
                 *free = *t;
-                runs.push(CollectiveRun { op: op.clone(), group: group.clone(), bytes: *bytes, issued: *start, start: began, end: *t });
+                runs.push(CollectiveRun {
+                    op: op.clone(),
+                    group: group.clone(),
+                    bytes: *bytes,
+                    issued: *start,
+                    start: began,
+                    end: *t,
+                });
             }
         }
         runs
+    }
+
+    /// The first and last moment the records speak of (a collective or a wait may have
+    /// begun before the first record arrived).
+    pub fn time_range(&self) -> (f64, f64) {
+        let start = self
+            .records
+            .iter()
+            .map(|r| match r {
+                Record::Collective { start, .. } | Record::Wait { start, .. } => *start,
+                other => other.t(),
+            })
+            .fold(f64::INFINITY, f64::min);
+        let end = self.records.last().map_or(0.0, Record::t);
+        (if start.is_finite() { start } else { 0.0 }, end)
     }
 
     /// The stretches the engine's thread spent blocked on collectives.

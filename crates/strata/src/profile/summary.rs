@@ -109,9 +109,8 @@ fn rank_summary(p: &Profile) -> RankSummary {
             Record::Freed { .. } | Record::Evict { .. } | Record::Collective { .. } | Record::Wait { .. } => {}
         }
     }
-    if let (Some(first), Some(last)) = (p.records.first(), p.records.last()) {
-        s.seconds = last.t() - first.t();
-    }
+    let (first, last) = p.time_range();
+    s.seconds = last - first;
     let runs = p.collectives();
     let mut by_op: BTreeMap<&str, OpSummary> = BTreeMap::new();
     for run in &runs {
@@ -131,13 +130,13 @@ fn rank_summary(p: &Profile) -> RankSummary {
         spans.iter().filter(|x| x.kind != SpanKind::Update).map(|x| (x.start, x.end)).collect();
     let updates: Vec<(f64, f64)> =
         spans.iter().filter(|x| x.kind == SpanKind::Update).map(|x| (x.start, x.end)).collect();
-    let unit_time = covered_seconds(unit_spans.clone());
-    let waits_in_units = unit_time + exposed - covered_seconds([unit_spans.clone(), waits.clone()].concat());
+    // Each part is what it adds to the ones before it, so the parts add up to the whole.
+    let units_or_waiting = covered_seconds([unit_spans.clone(), waits.clone()].concat());
     let busy = covered_seconds([unit_spans, waits, updates].concat());
     s.critical_path = CriticalPath {
-        compute_s: unit_time - waits_in_units,
+        compute_s: units_or_waiting - exposed,
         exposed_comm_s: exposed,
-        update_s: s.update_s,
+        update_s: busy - units_or_waiting,
         other_s: (s.seconds - busy).max(0.0),
     };
     units.sort_by(|a, b| (b.forward_s + b.backward_s).total_cmp(&(a.forward_s + a.backward_s)));

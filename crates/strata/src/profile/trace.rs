@@ -69,7 +69,9 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
         for r in &p.records {
             match r {
                 Record::Phase { t, memory, allocated, .. } | Record::Update { t, memory, allocated, .. } => {
-                    events.push(json!({"ph": "C", "pid": pid, "name": "memory", "ts": micros(*t), "args": totals(memory)}));
+                    events.push(
+                        json!({"ph": "C", "pid": pid, "name": "memory", "ts": micros(*t), "args": totals(memory)}),
+                    );
                     if let Some(bytes) = allocated {
                         events.push(json!({
                             "ph": "C", "pid": pid, "name": "allocator", "ts": micros(*t), "args": {"allocated": bytes},

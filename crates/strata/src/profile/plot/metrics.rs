@@ -31,7 +31,13 @@ pub fn read(path: &Path) -> Result<Vec<StepPoint>> {
         let point: StepPoint = serde_json::from_str(line)
             .map_err(|e| Error::Data(format!("{}:{}: not a step's metrics: {e}", path.display(), i + 1)))?;
         if points.last().is_some_and(|last| point.step <= last.step) {
-            return Err(Error::Data(format!("{}:{}: step {} after step {}", path.display(), i + 1, point.step, points[points.len() - 1].step)));
+            return Err(Error::Data(format!(
+                "{}:{}: step {} after step {}",
+                path.display(),
+                i + 1,
+                point.step,
+                points[points.len() - 1].step
+            )));
         }
         points.push(point);
     }
@@ -103,16 +109,12 @@ impl Picture for MetricsPlot<'_> {
                 legend_line(&mut chart, points, colour, name)?;
                 if unit == "loss" {
                     let val = steps.iter().filter_map(|p| p.val_loss.map(|v| (p.step as f64, v)));
-                    chart
-                        .draw_series(val.map(|xy| Circle::new(xy, 4, colour.filled())))
-                        .map_err(drawing)?;
+                    chart.draw_series(val.map(|xy| Circle::new(xy, 4, colour.filled()))).map_err(drawing)?;
                 }
                 if memory {
                     let points: Vec<(f64, f64)> =
                         steps.iter().filter_map(|p| allocator(p).map(|v| (p.step as f64, v))).collect();
-                    chart
-                        .draw_series(DashedLineSeries::new(points, 6, 4, colour.stroke_width(2)))
-                        .map_err(drawing)?;
+                    chart.draw_series(DashedLineSeries::new(points, 6, 4, colour.stroke_width(2))).map_err(drawing)?;
                 }
             }
             chart

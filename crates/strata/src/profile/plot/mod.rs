@@ -52,7 +52,9 @@ fn ensure_font() -> Result<()> {
         return Ok(());
     }
     let found = FONT_PLACES.iter().map(Path::new).find(|p| p.is_file()).ok_or_else(|| {
-        Error::Plot("no font for the labels in the usual places: give one (--font FILE.ttf, e.g. DejaVuSans.ttf)".into())
+        Error::Plot(
+            "no font for the labels in the usual places: give one (--font FILE.ttf, e.g. DejaVuSans.ttf)".into(),
+        )
     })?;
     use_font(found)
 }
@@ -253,9 +255,8 @@ pub fn unit_costs(profiles: &[Profile]) -> Vec<UnitCost> {
                 SpanKind::Update => {}
             }
         }
-        let activations = |memory: &super::Memory| -> u64 {
-            memory.values().filter_map(|by| by.get(&Category::Activations)).sum()
-        };
+        let activations =
+            |memory: &super::Memory| -> u64 { memory.values().filter_map(|by| by.get(&Category::Activations)).sum() };
         let mut before: BTreeMap<usize, u64> = BTreeMap::new();
         for r in &p.records {
             if let Record::Phase { phase, unit, memory, .. } = r {
@@ -291,9 +292,9 @@ pub struct UnitMap<'a>(pub &'a [Profile]);
 /// below (averaged over ranks).
 pub struct UnitBars<'a>(pub &'a [Profile]);
 
+/// The time axis of `p`'s panels (never empty).
 fn span_of(p: &Profile) -> (f64, f64) {
-    let end = p.records.last().map_or(1.0, Record::t);
-    let start = p.records.first().map_or(0.0, Record::t);
+    let (start, end) = p.time_range();
     (start, if end > start { end } else { start + 1.0 })
 }
 
@@ -306,7 +307,11 @@ fn placement_name(p: Placement) -> &'static str {
 
 /// A line series with its legend entry.
 fn legend_line<DB: DrawingBackend>(
-    chart: &mut ChartContext<'_, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>,
+    chart: &mut ChartContext<
+        '_,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
     points: Vec<(f64, f64)>,
     colour: RGBColor,
     label: &str,
@@ -357,9 +362,10 @@ impl Picture for MemoryOverTime<'_> {
                 .build_cartesian_2d(start..end, 0.0..top)
                 .map_err(drawing)?;
             chart.configure_mesh().x_desc("seconds").y_desc("MB").draw().map_err(drawing)?;
-            let bands = p.spans().into_iter().map(|s| {
-                Rectangle::new([(s.start, 0.0), (s.end, top)], band_colour(s.kind).filled())
-            });
+            let bands = p
+                .spans()
+                .into_iter()
+                .map(|s| Rectangle::new([(s.start, 0.0), (s.end, top)], band_colour(s.kind).filled()));
             chart.draw_series(bands).map_err(drawing)?;
             let colours = [RGBColor(31, 90, 170), RGBColor(150, 90, 40)];
             for (i, placement) in [Placement::Device, Placement::Host].into_iter().enumerate() {
