@@ -114,3 +114,11 @@ pub fn log_progress(settings: &TrainSettings, report: &StepReport) {
 pub fn validation_due(settings: &TrainSettings, step: u64) -> bool {
     step == settings.steps || settings.eval_every.is_some_and(|every| step.is_multiple_of(every))
 }
+
+/// Stops `profiler` and writes this rank's file into `dir`.
+pub fn save_profile(profiler: &strata::profile::Profiler, dir: &std::path::Path, rank: usize) -> Result<()> {
+    use anyhow::Context;
+    profiler.end();
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create profile folder {}", dir.display()))?;
+    profiler.save(&strata::profile::Profiler::rank_file(dir, rank)).context("saving the profile")
+}

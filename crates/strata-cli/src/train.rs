@@ -381,9 +381,7 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     }
     bar.finish_and_clear();
     if let (Some(dir), Some(profiler)) = (&settings.profile, &profiler) {
-        profiler.end();
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create profile folder {}", dir.display()))?;
-        profiler.save(&Profiler::rank_file(dir, rank)).context("saving the profile")?;
+        crate::run_io::save_profile(profiler, dir, rank)?;
     }
     save_checkpoint(&mut trainer)?;
     if let Some(mut m) = metrics {

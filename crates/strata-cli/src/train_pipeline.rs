@@ -11,6 +11,7 @@ use strata::engine::EngineConfig;
 use strata::io::WeightsTarget;
 use strata::model::ModelSpec;
 use strata::parallel::pipeline::{partition, PipelineSetup, PipelineTrainer};
+use strata::profile::Profiler;
 use strata::strategy::{Balance, Strategy};
 use tracing::info;
 
@@ -31,9 +32,6 @@ pub struct PipelineRun<'a> {
 
 pub fn run(r: PipelineRun<'_>) -> Result<()> {
     let s = r.settings;
-    if s.profile.is_some() {
-        anyhow::bail!("--profile records one engine per rank; pipelines are not profiled yet");
-    }
     let make = || -> strata::Result<ModelSpec> {
         let mut spec = r.choice.spec()?;
         spec.freeze(&s.freeze)?;
@@ -90,6 +88,17 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
     if start > s.steps {
         bail!("the checkpoint is at step {start}, past --steps {}", s.steps);
     }
+    let profiler = match &s.profile {
+        Some(_) => {
+            let profiler = Profiler::of_model(&make()?, &r.engine, trainer.ledgers(), rank, world);
+            trainer.set_event_sink(profiler.clone());
+            if let Some(c) = r.comm {
+                c.observe(Some(profiler.clone()));
+            }
+            Some(profiler)
+        }
+        None => None,
+    };
     let world_group = r.comm.map(|c| c.world()).transpose()?;
     let save_checkpoint = |trainer: &mut PipelineTrainer| -> Result<()> {
         let Some(root) = &s.save_checkpoint else { return Ok(()) };
@@ -143,6 +152,9 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
             save_checkpoint(&mut trainer)?;
         }
         last = Some(report);
+    }
+    if let (Some(dir), Some(profiler)) = (&s.profile, &profiler) {
+        crate::run_io::save_profile(profiler, dir, rank)?;
     }
     save_checkpoint(&mut trainer)?;
     if let Some(path) = &s.save_weights {

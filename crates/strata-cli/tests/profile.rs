@@ -183,6 +183,74 @@ fn the_trace_the_summary_and_the_pictures_come_from_the_profile() {
     }
 }
 
+/// A 2-stage pipeline's profile: each rank records its own stage's units (numbered as in the
+/// whole model) and every micro-batch's forward and backward once per step, and its schedule
+/// is drawn as a timeline with the bubble.
+#[test]
+fn a_pipeline_profile_holds_each_stage_and_its_schedule() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = strata(&[
+        "train",
+        "--model",
+        "gpt",
+        "--layers",
+        "2",
+        "--dim",
+        "32",
+        "--ctx",
+        "32",
+        "--batch-size",
+        "8",
+        "--threads",
+        "1",
+        "--steps",
+        "2",
+        "--accumulation",
+        "4",
+        "--nproc",
+        "2",
+        "--strategy",
+        r#"[["parallel_mode", [[["pipeline", 2]], null]]]"#,
+        "--profile",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let profiles = profile::read_dir(dir.path()).unwrap();
+    let units = profiles[0].header.units.len();
+    let mut seen_units = vec![0usize; units];
+    for p in &profiles {
+        let steps = p.operation_steps();
+        assert_eq!(steps.len(), 2, "rank {}", p.header.rank);
+        for ops in &steps {
+            for (op, micro) in ["forward", "backward"].iter().flat_map(|op| (0..4).map(move |m| (*op, m))) {
+                let n = ops.iter().filter(|o| o.op == op && o.micro == micro).count();
+                assert_eq!(n, 1, "rank {}: {op} of micro-batch {micro}", p.header.rank);
+            }
+        }
+        let bubble = p.bubble().unwrap();
+        assert!(bubble > 0.0 && bubble < 1.0, "{bubble}");
+        for s in p.spans() {
+            if let SpanKind::Forward(u) = s.kind {
+                seen_units[u] += 1;
+                // A unit computes inside one of its stage's forward operations.
+                let inside = steps.iter().flatten().any(|o| o.op == "forward" && o.start <= s.start && s.end <= o.end);
+                assert!(inside, "rank {}: unit {u} at {}", p.header.rank, s.start);
+            }
+        }
+    }
+    // Every unit of the model ran on exactly one stage, once per micro-batch of each step.
+    assert_eq!(seen_units, vec![2 * 4; units]);
+    if !fonts_present() {
+        return;
+    }
+    let o = strata(&["profile", "plot", dir.path().to_str().unwrap(), "--format", "svg"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let timeline = std::fs::read_to_string(dir.path().join("pipeline.svg")).unwrap();
+    // A box per forward (blue), one more in the legend.
+    let forwards: usize = profiles.iter().map(|p| p.operations().iter().filter(|o| o.op == "forward").count()).sum();
+    assert_eq!(timeline.matches(r##"fill="#4678C8""##).count(), forwards + 1);
+}
+
 /// The texts of an SVG picture.
 fn texts(svg: &str) -> Vec<String> {
     svg.split("<text")
@@ -254,7 +322,7 @@ fn bad_profile_folders_are_one_line() {
     let dir = tempfile::tempdir().unwrap();
     let summary = |d: &Path| strata(&["profile", "summary", d.to_str().unwrap()]);
     assert_fails_with(&summary(dir.path()), "no profile");
-    let header = r#"{"format":"strata-profile","version":2,"rank":0,"world":1,"units":["a"],"unit_param_bytes":[4],"device":"Cpu"}"#;
+    let header = r#"{"format":"strata-profile","version":2,"rank":0,"world":1,"units":["a"],"unit_param_bytes":[4],"device":"Cpu","started_at":0.0}"#;
     let file = dir.path().join("rank0.jsonl");
     std::fs::write(&file, format!("{header}\n")).unwrap();
     assert_fails_with(&summary(dir.path()), "recorded nothing");

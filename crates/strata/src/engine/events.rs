@@ -26,6 +26,9 @@ pub enum Event {
     /// The step's gradients are complete and the update begins (`done: false`), or the
     /// step has ended, updated or skipped (`done: true`).
     Update { done: bool },
+    /// An operation of a schedule running above the engine (a pipeline's forward, backward,
+    /// send or receive of micro-batch `micro` on its chunk `chunk`) ran from `began` to now.
+    Operation { name: &'static str, micro: usize, chunk: usize, began: Instant },
 }
 
 /// Hands every event to each of several sinks, in order.

@@ -20,7 +20,8 @@ pub mod summary;
 pub mod trace;
 
 use crate::comm::{Collective, CommObserver, Waited};
-use crate::engine::{Category, Engine, Event, EventSink, MemoryLedger, Phase, Placement};
+use crate::engine::{Category, Engine, EngineConfig, Event, EventSink, MemoryLedger, Phase, Placement};
+use crate::model::ModelSpec;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -45,6 +46,9 @@ pub struct Header {
     /// Bytes of each unit's parameters, whole (not sharded), in the engine's dtype.
     pub unit_param_bytes: Vec<u64>,
     pub device: String,
+    /// When recording started, in seconds since the Unix epoch: the ranks' records line up
+    /// on it (exactly on one host, as well as the hosts' clocks agree across hosts).
+    pub started_at: f64,
 }
 
 /// Bytes the ledger counts now, per placement and category.
@@ -70,6 +74,10 @@ pub enum Record {
     Evict { t: f64, unit: usize },
     /// The update began (`done: false`) or the step ended (`done: true`).
     Update { t: f64, done: bool, memory: Memory, allocated: Option<u64> },
+    /// A pipeline operation (`forward`, `backward`, `backward_input`, `backward_weight`,
+    /// `send_*`, `recv_*`) of micro-batch `micro` on this rank's chunk `chunk`, from `start`
+    /// to `t`.
+    Op { t: f64, start: f64, op: String, micro: usize, chunk: usize },
     /// A collective `op` over `group`, moving or reducing `bytes`, issued at `start` and
     /// finished at `t` (it ran on the group's own thread or stream, one at a time).
     Collective { t: f64, start: f64, op: String, group: String, bytes: u64 },
@@ -87,6 +95,7 @@ impl Record {
             | Record::Copy { t, .. }
             | Record::Evict { t, .. }
             | Record::Update { t, .. }
+            | Record::Op { t, .. }
             | Record::Collective { t, .. }
             | Record::Wait { t, .. } => t,
         }
@@ -97,7 +106,8 @@ impl Record {
 /// `end()` / `save()`).
 pub struct Profiler {
     header: Header,
-    ledger: Arc<MemoryLedger>,
+    /// The ledgers of the engines recorded (a pipeline rank has one per chunk), summed.
+    ledgers: Vec<Arc<MemoryLedger>>,
     device: tch::Device,
     /// The thread that made the profiler: the one running the engine.
     compute_thread: std::thread::ThreadId,
@@ -111,8 +121,18 @@ impl Profiler {
     /// made on the thread that runs the engine. Install it as (or among) the engine's event
     /// sinks, and as the job's communication observer ([`crate::comm::Comm::observe`]).
     pub fn new(engine: &Engine, rank: usize, world: usize) -> Arc<Profiler> {
-        let spec = engine.spec();
-        let config = engine.config();
+        Profiler::of_model(engine.spec(), engine.config(), vec![engine.ledger().clone()], rank, world)
+    }
+
+    /// A profiler of engines over parts of the model `spec` (a pipeline rank's chunks, whose
+    /// events number units as in `spec`), built with `config`, with their `ledgers`.
+    pub fn of_model(
+        spec: &ModelSpec,
+        config: &EngineConfig,
+        ledgers: Vec<Arc<MemoryLedger>>,
+        rank: usize,
+        world: usize,
+    ) -> Arc<Profiler> {
         let element = config.kind.elt_size_in_bytes() as u64;
         let unit_param_bytes = spec
             .units
@@ -127,10 +147,13 @@ impl Profiler {
             units: spec.units.iter().map(|u| u.name.clone()).collect(),
             unit_param_bytes,
             device: format!("{:?}", config.device),
+            started_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
         };
         Arc::new(Profiler {
             header,
-            ledger: engine.ledger().clone(),
+            ledgers,
             device: config.device,
             compute_thread: std::thread::current().id(),
             started: Instant::now(),
@@ -176,7 +199,16 @@ impl Profiler {
     }
 
     fn memory(&self) -> Memory {
-        self.ledger.report().into_iter().map(|(p, r)| (p, r.by_category)).collect()
+        let mut memory = Memory::new();
+        for ledger in &self.ledgers {
+            for (placement, report) in ledger.report() {
+                let by = memory.entry(placement).or_default();
+                for (category, bytes) in report.by_category {
+                    *by.entry(category).or_default() += bytes;
+                }
+            }
+        }
+        memory
     }
 
     fn seconds(&self, at: Instant) -> f64 {
@@ -206,6 +238,9 @@ impl EventSink for Profiler {
             Event::Copied { unit, to, bytes } => Record::Copy { t, unit, to, bytes },
             Event::Evicted { unit } => Record::Evict { t, unit },
             Event::Update { done } => Record::Update { t, done, memory: self.memory(), allocated },
+            Event::Operation { name, micro, chunk, began } => {
+                Record::Op { t, start: self.seconds(began), op: name.into(), micro, chunk }
+            }
         };
         self.push(record);
     }
@@ -250,6 +285,30 @@ pub struct Span {
     pub end: f64,
 }
 
+/// A pipeline operation as it ran.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Operation {
+    pub op: String,
+    pub micro: usize,
+    pub chunk: usize,
+    pub start: f64,
+    pub end: f64,
+}
+
+impl Operation {
+    /// A forward or a backward (part), not a send or receive.
+    pub fn computes(&self) -> bool {
+        self.op.starts_with("forward") || self.op.starts_with("backward")
+    }
+
+    /// The first start and the last end of `ops`.
+    pub fn extent(ops: &[Operation]) -> Option<(f64, f64)> {
+        let first = ops.iter().map(|o| o.start).reduce(f64::min)?;
+        let last = ops.iter().map(|o| o.end).reduce(f64::max)?;
+        Some((first, last))
+    }
+}
+
 /// A collective as it ran on its group's thread or stream.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CollectiveRun {
@@ -259,6 +318,13 @@ pub struct CollectiveRun {
     pub issued: f64,
     pub start: f64,
     pub end: f64,
+}
+
+/// Per profile, what to add to its times to put every rank on the clock of the one that
+/// started recording first.
+pub fn clock_offsets(profiles: &[Profile]) -> Vec<f64> {
+    let first = profiles.iter().map(|p| p.header.started_at).fold(f64::INFINITY, f64::min);
+    profiles.iter().map(|p| p.header.started_at - first).collect()
 }
 
 /// Seconds covered by the union of `intervals` (each `(start, end)`).
@@ -350,12 +416,46 @@ impl Profile {
             .records
             .iter()
             .map(|r| match r {
-                Record::Collective { start, .. } | Record::Wait { start, .. } => *start,
+                Record::Collective { start, .. } | Record::Wait { start, .. } | Record::Op { start, .. } => *start,
                 other => other.t(),
             })
             .fold(f64::INFINITY, f64::min);
         let end = self.records.last().map_or(0.0, Record::t);
         (if start.is_finite() { start } else { 0.0 }, end)
+    }
+
+    /// The pipeline operations of this rank's records, in the order they ended.
+    pub fn operations(&self) -> Vec<Operation> {
+        self.operation_steps().into_iter().flatten().collect()
+    }
+
+    /// The pipeline operations, step by step (a step's end closes its operations).
+    pub fn operation_steps(&self) -> Vec<Vec<Operation>> {
+        let mut steps: Vec<Vec<Operation>> = vec![vec![]];
+        for r in &self.records {
+            match r {
+                Record::Op { t, start, op, micro, chunk } => steps.last_mut().into_iter().for_each(|s| {
+                    s.push(Operation { op: op.clone(), micro: *micro, chunk: *chunk, start: *start, end: *t })
+                }),
+                Record::Update { done: true, .. } if steps.last().is_some_and(|s| !s.is_empty()) => steps.push(vec![]),
+                _ => {}
+            }
+        }
+        steps.retain(|s| !s.is_empty());
+        steps
+    }
+
+    /// The fraction of the pipeline's time this rank computed nothing: over each step, the
+    /// stretch from its first operation to its last less its forwards and backwards
+    /// (`None` without a pipeline).
+    pub fn bubble(&self) -> Option<f64> {
+        let (mut span, mut computing) = (0.0, 0.0);
+        for ops in self.operation_steps() {
+            let (first, last) = Operation::extent(&ops)?;
+            span += last - first;
+            computing += covered_seconds(ops.iter().filter(|o| o.computes()).map(|o| (o.start, o.end)).collect());
+        }
+        (span > 0.0).then(|| 1.0 - computing / span)
     }
 
     /// The stretches the engine's thread spent blocked on collectives.
@@ -407,7 +507,7 @@ pub fn read(path: &Path) -> Result<Profile> {
             | Record::Freed { unit, .. }
             | Record::Copy { unit, .. }
             | Record::Evict { unit, .. } => Some(*unit),
-            Record::Update { .. } | Record::Collective { .. } | Record::Wait { .. } => None,
+            Record::Update { .. } | Record::Op { .. } | Record::Collective { .. } | Record::Wait { .. } => None,
         };
         if unit.is_some_and(|u| u >= header.units.len()) {
             return Err(bad(i + 1, format!("unit {} of a model of {} units", unit.unwrap_or(0), header.units.len())));
@@ -415,7 +515,9 @@ pub fn read(path: &Path) -> Result<Profile> {
         if records.last().is_some_and(|last| record.t() < last.t()) {
             return Err(bad(i + 1, "time goes back".into()));
         }
-        if let Record::Collective { t, start, .. } | Record::Wait { t, start, .. } = record {
+        if let Record::Collective { t, start, .. } | Record::Wait { t, start, .. } | Record::Op { t, start, .. } =
+            record
+        {
             if start > t {
                 return Err(bad(i + 1, "ends before it starts".into()));
             }

@@ -62,6 +62,8 @@ pub struct RankSummary {
     /// computation.
     pub comm_overlapped_s: f64,
     pub critical_path: CriticalPath,
+    /// Where a pipeline ran: the fraction of its time this rank computed nothing.
+    pub pipeline_bubble: Option<f64>,
 }
 
 /// Summarises each rank's profile.
@@ -106,9 +108,14 @@ fn rank_summary(p: &Profile) -> RankSummary {
             Record::Gather { .. } => s.gathers += 1,
             Record::Copy { to: Placement::Device, bytes, .. } => s.copied_to_device += bytes,
             Record::Copy { to: Placement::Host, bytes, .. } => s.copied_to_host += bytes,
-            Record::Freed { .. } | Record::Evict { .. } | Record::Collective { .. } | Record::Wait { .. } => {}
+            Record::Freed { .. }
+            | Record::Evict { .. }
+            | Record::Op { .. }
+            | Record::Collective { .. }
+            | Record::Wait { .. } => {}
         }
     }
+    s.pipeline_bubble = p.bubble();
     let (first, last) = p.time_range();
     s.seconds = last - first;
     let runs = p.collectives();
@@ -161,6 +168,9 @@ pub fn table(summaries: &[RankSummary], top: usize) -> String {
         for (placement, peak) in &s.peak_bytes {
             let placement = format!("{placement:?}").to_lowercase();
             out.push_str(&format!("  peak on the {placement}: {:.2} MB (ledger)\n", *peak as f64 / 1e6));
+        }
+        if let Some(bubble) = s.pipeline_bubble {
+            out.push_str(&format!("  pipeline bubble: {:.1}% of the schedule's time\n", bubble * 100.0));
         }
         let path = &s.critical_path;
         let per_step = |x: f64| x * 1e3 / s.updates.max(1) as f64;

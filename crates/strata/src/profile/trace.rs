@@ -10,6 +10,7 @@ const COMPUTE: usize = 0;
 const COMMUNICATION: usize = 1;
 const COPIES: usize = 2;
 const WAITS: usize = 3;
+const PIPELINE: usize = 4;
 /// Groups' tracks are numbered from here, in the order their first collective finished.
 const FIRST_GROUP: usize = 10;
 
@@ -27,14 +28,18 @@ fn totals(memory: &Memory) -> Value {
 /// The trace of `profiles` (`{"traceEvents": [...], "displayTimeUnit": "ms"}`).
 pub fn chrome_trace(profiles: &[Profile]) -> Value {
     let mut events = Vec::new();
-    for p in profiles {
+    let offsets = super::clock_offsets(profiles);
+    for (p, offset) in profiles.iter().zip(offsets) {
         let pid = p.header.rank;
+        // Every rank's times on one clock, so the ranks line up.
+        let at = |t: f64| micros(t + offset);
         events.push(json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": format!("rank {pid}")}}));
         for (tid, name) in [
             (COMPUTE, "compute"),
             (WAITS, "blocked on communication"),
             (COMMUNICATION, "gathers and frees"),
             (COPIES, "copies"),
+            (PIPELINE, "pipeline operations"),
         ] {
             events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
         }
@@ -46,7 +51,7 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
             });
             events.push(json!({
                 "ph": "X", "pid": pid, "tid": FIRST_GROUP + index, "cat": "collective", "name": run.op,
-                "ts": micros(run.start), "dur": micros(run.end - run.start),
+                "ts": at(run.start), "dur": micros(run.end - run.start),
                 "args": {"bytes": run.bytes, "issued_us": micros(run.issued)},
             }));
         }
@@ -63,41 +68,44 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
             };
             events.push(json!({
                 "ph": "X", "pid": pid, "tid": COMPUTE, "cat": cat, "name": name,
-                "ts": micros(span.start), "dur": micros(span.end - span.start),
+                "ts": at(span.start), "dur": micros(span.end - span.start),
             }));
         }
         for r in &p.records {
             match r {
                 Record::Phase { t, memory, allocated, .. } | Record::Update { t, memory, allocated, .. } => {
-                    events.push(
-                        json!({"ph": "C", "pid": pid, "name": "memory", "ts": micros(*t), "args": totals(memory)}),
-                    );
+                    events.push(json!({"ph": "C", "pid": pid, "name": "memory", "ts": at(*t), "args": totals(memory)}));
                     if let Some(bytes) = allocated {
                         events.push(json!({
-                            "ph": "C", "pid": pid, "name": "allocator", "ts": micros(*t), "args": {"allocated": bytes},
+                            "ph": "C", "pid": pid, "name": "allocator", "ts": at(*t), "args": {"allocated": bytes},
                         }));
                     }
                 }
                 Record::Wait { t, start, op, compute: true, .. } => events.push(json!({
                     "ph": "X", "pid": pid, "tid": WAITS, "cat": "wait", "name": format!("wait {op}"),
-                    "ts": micros(*start), "dur": micros(t - start),
+                    "ts": at(*start), "dur": micros(t - start),
+                })),
+                Record::Op { t, start, op, micro, chunk } => events.push(json!({
+                    "ph": "X", "pid": pid, "tid": PIPELINE, "cat": "pipeline",
+                    "name": format!("{op} {micro}"), "ts": at(*start), "dur": micros(t - start),
+                    "args": {"micro_batch": micro, "chunk": chunk},
                 })),
                 Record::Wait { .. } | Record::Collective { .. } => {}
                 Record::Gather { t, unit } | Record::Freed { t, unit } => {
                     let what = if matches!(r, Record::Gather { .. }) { "gather" } else { "free" };
                     events.push(json!({
                         "ph": "i", "s": "t", "pid": pid, "tid": COMMUNICATION, "cat": what,
-                        "name": format!("{what} {}", p.unit_name(*unit)), "ts": micros(*t),
+                        "name": format!("{what} {}", p.unit_name(*unit)), "ts": at(*t),
                     }));
                 }
                 Record::Copy { t, unit, to, bytes } => events.push(json!({
                     "ph": "i", "s": "t", "pid": pid, "tid": COPIES, "cat": "copy",
                     "name": format!("copy {} to the {}", p.unit_name(*unit), format!("{to:?}").to_lowercase()),
-                    "ts": micros(*t), "args": {"bytes": bytes},
+                    "ts": at(*t), "args": {"bytes": bytes},
                 })),
                 Record::Evict { t, unit } => events.push(json!({
                     "ph": "i", "s": "t", "pid": pid, "tid": COPIES, "cat": "evict",
-                    "name": format!("evict {}", p.unit_name(*unit)), "ts": micros(*t),
+                    "name": format!("evict {}", p.unit_name(*unit)), "ts": at(*t),
                 })),
             }
         }

@@ -6,7 +6,7 @@ use super::schedule::{schedule, Op, Pipeline, ScheduleKind};
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp, Work};
 use crate::compute::deferred::{self, WeightGrads};
 use crate::data::Step;
-use crate::engine::{Engine, EngineConfig, UnitClock, Upstream};
+use crate::engine::{Engine, EngineConfig, Event, EventSink, UnitClock, Upstream};
 use crate::model::{ModelSpec, ParamId};
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::strategy::Strategy;
@@ -132,6 +132,30 @@ pub struct PipelineTrainer {
     pub prepare_input: InputFn,
     pub loss_func: LossFn,
     step: u64,
+    /// Told each operation as it ends, and (through each chunk's engine) its units' events.
+    events: Option<Arc<dyn EventSink>>,
+}
+
+/// Hands a chunk engine's events on with its units numbered as in the whole model.
+struct WholeModelUnits {
+    first_unit: usize,
+    sink: Arc<dyn EventSink>,
+}
+
+impl EventSink for WholeModelUnits {
+    fn record(&self, event: Event) {
+        let shift = |unit: usize| unit + self.first_unit;
+        self.sink.record(match event {
+            Event::Phase { phase, unit, ledger_bytes, storage_bytes } => {
+                Event::Phase { phase, unit: shift(unit), ledger_bytes, storage_bytes }
+            }
+            Event::GatherStarted { unit } => Event::GatherStarted { unit: shift(unit) },
+            Event::ParamsFreed { unit } => Event::ParamsFreed { unit: shift(unit) },
+            Event::Copied { unit, to, bytes } => Event::Copied { unit: shift(unit), to, bytes },
+            Event::Evicted { unit } => Event::Evicted { unit: shift(unit) },
+            other @ (Event::Update { .. } | Event::Operation { .. }) => other,
+        });
+    }
 }
 
 /// What [`PipelineTrainer::new`] builds from.
@@ -358,6 +382,7 @@ impl PipelineTrainer {
             prepare_input: token_input(),
             loss_func,
             step: 0,
+            events: None,
         })
     }
 
@@ -371,6 +396,21 @@ impl PipelineTrainer {
     }
 
     /// The stages' unit ranges `[start, end)`, in stage order.
+    /// Reports every operation and every unit's events to `sink`, units numbered as in the
+    /// whole model.
+    pub fn set_event_sink(&mut self, sink: Arc<dyn EventSink>) {
+        for c in &mut self.chunks {
+            let first_unit = self.ranges[c.stage].0;
+            c.engine.set_event_sink(Arc::new(WholeModelUnits { first_unit, sink: sink.clone() }));
+        }
+        self.events = Some(sink);
+    }
+
+    /// The memory ledgers of this rank's chunks.
+    pub fn ledgers(&self) -> Vec<Arc<crate::engine::MemoryLedger>> {
+        self.chunks.iter().map(|c| c.engine.ledger().clone()).collect()
+    }
+
     pub fn ranges(&self) -> &[(usize, usize)] {
         &self.ranges
     }
@@ -485,6 +525,10 @@ impl PipelineTrainer {
             most_held = most_held.max(held);
             if computes {
                 busy += began.elapsed().as_secs_f64();
+            }
+            if let Some(sink) = &self.events {
+                let (name, micro, chunk) = op.parts();
+                sink.record(Event::Operation { name, micro, chunk, began });
             }
         }
         for w in sending {

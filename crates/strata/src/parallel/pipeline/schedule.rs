@@ -50,6 +50,22 @@ pub enum Op {
     },
 }
 
+impl Op {
+    /// The operation's name, its micro-batch and its chunk.
+    pub fn parts(self) -> (&'static str, usize, usize) {
+        match self {
+            Op::RecvActivation { micro, chunk } => ("recv_activation", micro, chunk),
+            Op::Forward { micro, chunk } => ("forward", micro, chunk),
+            Op::SendActivation { micro, chunk } => ("send_activation", micro, chunk),
+            Op::RecvGrad { micro, chunk } => ("recv_grad", micro, chunk),
+            Op::Backward { micro, chunk } => ("backward", micro, chunk),
+            Op::BackwardInput { micro, chunk } => ("backward_input", micro, chunk),
+            Op::BackwardWeight { micro, chunk } => ("backward_weight", micro, chunk),
+            Op::SendGrad { micro, chunk } => ("send_grad", micro, chunk),
+        }
+    }
+}
+
 /// The shape of a pipeline: `stages` ranks, `micro_batches` per step, `virtual_stages`
 /// chunks per rank (1 except for the interleaved schedule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -217,7 +217,7 @@ fn host_homed(p: &Profile, unit: usize) -> bool {
     p.records.iter().any(|r| matches!(r, Record::Copy { unit: u, to: Placement::Device, .. } if *u == unit))
 }
 
-/// One unit's cost, averaged over ranks.
+/// One unit's cost, averaged over the ranks that ran it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct UnitCost {
     pub name: String,
@@ -230,7 +230,7 @@ pub struct UnitCost {
 }
 
 /// Per unit, time in forward and backward (summed over the profile) and memory, averaged
-/// over `profiles`' ranks.
+/// over the ranks of `profiles` that ran it (all of them, or one pipeline stage's).
 pub fn unit_costs(profiles: &[Profile]) -> Vec<UnitCost> {
     let Some(first) = profiles.first() else { return vec![] };
     let mut costs: Vec<UnitCost> = first
@@ -246,15 +246,20 @@ pub fn unit_costs(profiles: &[Profile]) -> Vec<UnitCost> {
             activation_bytes: 0,
         })
         .collect();
-    let ranks = profiles.len() as f64;
+    let mut ran = vec![0usize; costs.len()];
     for p in profiles {
+        let mut ran_here = vec![false; costs.len()];
         for span in p.spans() {
             match span.kind {
-                SpanKind::Forward(u) => costs[u].forward_s += (span.end - span.start) / ranks,
-                SpanKind::Backward(u) => costs[u].backward_s += (span.end - span.start) / ranks,
+                SpanKind::Forward(u) => {
+                    costs[u].forward_s += span.end - span.start;
+                    ran_here[u] = true;
+                }
+                SpanKind::Backward(u) => costs[u].backward_s += span.end - span.start,
                 SpanKind::Update => {}
             }
         }
+        ran.iter_mut().zip(ran_here).for_each(|(n, here)| *n += usize::from(here));
         let activations =
             |memory: &super::Memory| -> u64 { memory.values().filter_map(|by| by.get(&Category::Activations)).sum() };
         let mut before: BTreeMap<usize, u64> = BTreeMap::new();
@@ -275,6 +280,10 @@ pub fn unit_costs(profiles: &[Profile]) -> Vec<UnitCost> {
             }
         }
     }
+    for (c, &n) in costs.iter_mut().zip(&ran) {
+        c.forward_s /= n.max(1) as f64;
+        c.backward_s /= n.max(1) as f64;
+    }
     costs
 }
 
@@ -289,7 +298,7 @@ pub struct MemoryOverTime<'a>(pub &'a [Profile]);
 pub struct UnitMap<'a>(pub &'a [Profile]);
 
 /// Per-unit bars: forward and backward time above, parameter and kept-activation bytes
-/// below (averaged over ranks).
+/// below (averaged over the ranks that ran each unit).
 pub struct UnitBars<'a>(pub &'a [Profile]);
 
 /// The time axis of `p`'s panels (never empty).
@@ -498,7 +507,7 @@ impl Picture for UnitBars<'_> {
         let panels = root.split_evenly((2, 1));
         let pairs: [(&str, &str, [(RGBColor, &str); 2], Vec<(f64, f64)>); 2] = [
             (
-                "time per unit (whole profile, mean over ranks)",
+                "time per unit (whole profile, mean over the ranks running it)",
                 "ms",
                 [(RGBColor(70, 120, 200), "forward"), (RGBColor(230, 140, 60), "backward")],
                 costs.iter().map(|c| (c.forward_s * 1e3, c.backward_s * 1e3)).collect(),
@@ -559,15 +568,128 @@ impl Picture for UnitBars<'_> {
     }
 }
 
-/// Draws a profile's pictures into `dir` as `memory`, `units` and `unit_bars` with the
-/// given format's extension; returns their paths.
+/// A pipeline's schedule as it ran: a row per rank on one clock, each forward and backward
+/// a box of its kind's colour with its micro-batch, sends and receives thin below, and the
+/// time a rank computed nothing shaded red: the bubble.
+pub struct PipelineTimeline<'a>(pub &'a [Profile]);
+
+fn op_colour(op: &str) -> RGBColor {
+    match op {
+        "forward" => RGBColor(70, 120, 200),
+        "backward" => RGBColor(230, 140, 60),
+        "backward_input" => RGBColor(200, 100, 40),
+        "backward_weight" => RGBColor(60, 160, 90),
+        _ => RGBColor(120, 120, 120),
+    }
+}
+
+impl Picture for PipelineTimeline<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1400, 140 + 70 * self.0.len().max(1) as u32)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
+        root.fill(&WHITE).map_err(drawing)?;
+        let ranks = self.0.len();
+        let offsets = super::clock_offsets(self.0);
+        let ops: Vec<Vec<super::Operation>> = self.0.iter().map(Profile::operations).collect();
+        let start = ops
+            .iter()
+            .zip(&offsets)
+            .flat_map(|(o, off)| o.iter().map(move |x| x.start + off))
+            .fold(f64::INFINITY, f64::min);
+        let end = ops
+            .iter()
+            .zip(&offsets)
+            .flat_map(|(o, off)| o.iter().map(move |x| x.end + off))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let (start, end) = if start < end { (start, end) } else { (0.0, 1.0) };
+        // Room on the right for the legend, clear of the rows.
+        let room = end + (end - start) * 0.2;
+        let bubbles: Vec<String> =
+            self.0.iter().map(|p| p.bubble().map_or("-".into(), |b| format!("{:.0}%", b * 100.0))).collect();
+        let mut chart = ChartBuilder::on(root)
+            .caption(format!("pipeline schedule per rank (bubble: {})", bubbles.join(", ")), ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(70)
+            .build_cartesian_2d(start..room, -0.5..ranks as f64 - 0.5)
+            .map_err(drawing)?;
+        let names: Vec<String> = self.0.iter().map(|p| format!("rank {}", p.header.rank)).collect();
+        chart
+            .configure_mesh()
+            .x_desc("seconds")
+            .y_labels(ranks + 1)
+            .y_label_formatter(&|&y| row_label(&names, y, true))
+            .disable_y_mesh()
+            .draw()
+            .map_err(drawing)?;
+        let row = |rank: usize, inset: f64| (ranks - 1 - rank) as f64 - 0.5 + inset;
+        let bubble = RGBColor(235, 90, 90).mix(0.30).filled();
+        for (rank, (p, off)) in self.0.iter().zip(&offsets).enumerate() {
+            // Each step's stretch shaded, the operations drawn over it: what stays red is
+            // the bubble (the update between steps is not part of it).
+            let stretches = p.operation_steps().into_iter().filter_map(|ops| {
+                let (first, last) = super::Operation::extent(&ops)?;
+                Some(Rectangle::new([(first + off, row(rank, 0.1)), (last + off, row(rank, 0.9))], bubble))
+            });
+            chart.draw_series(stretches).map_err(drawing)?;
+            let rank_ops = &ops[rank];
+            let boxes = rank_ops.iter().map(|o| {
+                let (low, high) = if o.computes() { (0.1, 0.9) } else { (0.1, 0.22) };
+                let colour = op_colour(&o.op).filled();
+                Rectangle::new([(o.start + off, row(rank, low)), (o.end + off, row(rank, high))], colour)
+            });
+            chart.draw_series(boxes).map_err(drawing)?;
+            // The micro-batch of each box wide enough to hold its number.
+            let wide = (end - start) / 60.0;
+            let labels = rank_ops.iter().filter(|o| o.computes() && o.end - o.start > wide).map(|o| {
+                Text::new(
+                    o.micro.to_string(),
+                    ((o.start + o.end) / 2.0 + off, row(rank, 0.62)),
+                    ("sans-serif", 13).into_font().color(&WHITE),
+                )
+            });
+            chart.draw_series(labels).map_err(drawing)?;
+        }
+        for (colour, label) in [
+            (op_colour("forward").filled(), "forward"),
+            (op_colour("backward").filled(), "backward"),
+            (op_colour("backward_input").filled(), "input gradient"),
+            (op_colour("backward_weight").filled(), "weight gradient"),
+            (op_colour("send").filled(), "send / receive"),
+            (bubble, "bubble (computing nothing)"),
+        ] {
+            chart
+                .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
+                .map_err(drawing)?
+                .label(label)
+                .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], colour));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK)
+            .draw()
+            .map_err(drawing)?;
+        Ok(())
+    }
+}
+
+/// Draws a profile's pictures into `dir` as `memory`, `units`, `unit_bars` and, where a
+/// pipeline ran, `pipeline`, with the given format's extension; returns their paths.
 pub fn profile_pictures(profiles: &[Profile], dir: &Path, format: ImageFormat) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let path = |name: &str| dir.join(format!("{name}.{}", format.extension()));
-    let paths = vec![path("memory"), path("units"), path("unit_bars")];
+    let mut paths = vec![path("memory"), path("units"), path("unit_bars")];
     render(&MemoryOverTime(profiles), &paths[0])?;
     render(&UnitMap(profiles), &paths[1])?;
     render(&UnitBars(profiles), &paths[2])?;
+    if profiles.iter().any(|p| p.bubble().is_some()) {
+        paths.push(path("pipeline"));
+        render(&PipelineTimeline(profiles), &paths[3])?;
+    }
     Ok(paths)
 }
 
@@ -596,6 +718,7 @@ mod tests {
             units: vec!["a".into(), "b".into()],
             unit_param_bytes: vec![40, 60],
             device: "Cpu".into(),
+            started_at: 0.0,
         };
         Profile { header, records }
     }
