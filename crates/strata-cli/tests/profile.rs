@@ -94,7 +94,7 @@ fn a_recorded_fsdp_profile_holds_what_the_run_did() {
         // Every gather is an all-gather the communication layer saw finish, issued when
         // the gather started; gradients leave through reduce-scatters, once per step.
         let gathers: Vec<f64> =
-            p.records.iter().filter_map(|r| matches!(r, Record::Gather { .. }).then(|| r.t())).collect();
+            p.records.iter().filter(|r| matches!(r, Record::Gather { .. })).map(|r| r.t()).collect();
         let runs = p.collectives();
         let all_gathers: Vec<_> = runs.iter().filter(|c| c.op == "all_gather").collect();
         assert_eq!(all_gathers.len(), gathers.len(), "rank {}", p.header.rank);

@@ -495,6 +495,14 @@ impl Picture for UnitMap<'_> {
     }
 }
 
+/// One panel of [`UnitBars`]: two values per unit, stacked.
+struct StackedBars {
+    title: &'static str,
+    unit: &'static str,
+    layers: [(RGBColor, &'static str); 2],
+    values: Vec<(f64, f64)>,
+}
+
 impl Picture for UnitBars<'_> {
     fn size(&self) -> (u32, u32) {
         (1280, 760)
@@ -505,21 +513,24 @@ impl Picture for UnitBars<'_> {
         let costs = unit_costs(self.0);
         let names: Vec<String> = costs.iter().map(|c| c.name.clone()).collect();
         let panels = root.split_evenly((2, 1));
-        let pairs: [(&str, &str, [(RGBColor, &str); 2], Vec<(f64, f64)>); 2] = [
-            (
-                "time per unit (whole profile, mean over the ranks running it)",
-                "ms",
-                [(RGBColor(70, 120, 200), "forward"), (RGBColor(230, 140, 60), "backward")],
-                costs.iter().map(|c| (c.forward_s * 1e3, c.backward_s * 1e3)).collect(),
-            ),
-            (
-                "memory per unit",
-                "MB",
-                [(RGBColor(60, 160, 90), "parameters"), (RGBColor(160, 80, 160), "activations kept for backward")],
-                costs.iter().map(|c| (c.param_bytes as f64 / MB, c.activation_bytes as f64 / MB)).collect(),
-            ),
+        let pairs = [
+            StackedBars {
+                title: "time per unit (whole profile, mean over the ranks running it)",
+                unit: "ms",
+                layers: [(RGBColor(70, 120, 200), "forward"), (RGBColor(230, 140, 60), "backward")],
+                values: costs.iter().map(|c| (c.forward_s * 1e3, c.backward_s * 1e3)).collect(),
+            },
+            StackedBars {
+                title: "memory per unit",
+                unit: "MB",
+                layers: [
+                    (RGBColor(60, 160, 90), "parameters"),
+                    (RGBColor(160, 80, 160), "activations kept for backward"),
+                ],
+                values: costs.iter().map(|c| (c.param_bytes as f64 / MB, c.activation_bytes as f64 / MB)).collect(),
+            },
         ];
-        for (area, (title, unit, colours, values)) in panels.iter().zip(pairs) {
+        for (area, StackedBars { title, unit, layers: colours, values }) in panels.iter().zip(pairs) {
             let top = values.iter().map(|(a, b)| a + b).fold(0.0, f64::max).max(1e-9) * 1.15;
             let n = values.len().max(1);
             let mut chart = ChartBuilder::on(area)
