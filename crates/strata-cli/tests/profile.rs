@@ -11,9 +11,9 @@ use strata::profile::{self, Record, SpanKind};
 const STEPS: usize = 3;
 const MICRO: usize = 2;
 
-fn record(dir: &Path) {
-    let steps = STEPS.to_string();
-    let micro = MICRO.to_string();
+/// Records a 2-rank run of a small GPT with `strategy`, `steps` steps of `micro` micro-batches.
+fn record_run(dir: &Path, steps: usize, micro: usize, strategy: &str) {
+    let (steps, micro) = (steps.to_string(), micro.to_string());
     let o = strata(&[
         "train",
         "--model",
@@ -35,11 +35,15 @@ fn record(dir: &Path) {
         "--nproc",
         "2",
         "--strategy",
-        r#"["fsdp", ["checkpoint", ["GptBlock"]]]"#,
+        strategy,
         "--profile",
         dir.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+fn record(dir: &Path) {
+    record_run(dir, STEPS, MICRO, r#"["fsdp", ["checkpoint", ["GptBlock"]]]"#);
 }
 
 #[test]
@@ -189,32 +193,7 @@ fn the_trace_the_summary_and_the_pictures_come_from_the_profile() {
 #[test]
 fn a_pipeline_profile_holds_each_stage_and_its_schedule() {
     let dir = tempfile::tempdir().unwrap();
-    let o = strata(&[
-        "train",
-        "--model",
-        "gpt",
-        "--layers",
-        "2",
-        "--dim",
-        "32",
-        "--ctx",
-        "32",
-        "--batch-size",
-        "8",
-        "--threads",
-        "1",
-        "--steps",
-        "2",
-        "--accumulation",
-        "4",
-        "--nproc",
-        "2",
-        "--strategy",
-        r#"[["parallel_mode", [[["pipeline", 2]], null]]]"#,
-        "--profile",
-        dir.path().to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    record_run(dir.path(), 2, 4, r#"[["parallel_mode", [[["pipeline", 2]], null]]]"#);
     let profiles = profile::read_dir(dir.path()).unwrap();
     let units = profiles[0].header.units.len();
     let mut seen_units = vec![0usize; units];

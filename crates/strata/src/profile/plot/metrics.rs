@@ -1,6 +1,6 @@
 //! Training metrics over steps (the JSON lines `strata train --metrics` writes), several
 //! runs overlaid: loss (validation loss as points), learning rate, tokens/s and memory.
-use super::{drawing, legend_line, DrawResult, Picture, MB};
+use super::{draw_legend, drawing, legend_line, DrawResult, Picture, MB};
 use crate::{Error, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -117,13 +117,7 @@ impl Picture for MetricsPlot<'_> {
                     chart.draw_series(DashedLineSeries::new(points, 6, 4, colour.stroke_width(2))).map_err(drawing)?;
                 }
             }
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .draw()
-                .map_err(drawing)?;
+            draw_legend(&mut chart)?;
         }
         Ok(())
     }

@@ -314,13 +314,36 @@ fn placement_name(p: Placement) -> &'static str {
     }
 }
 
+/// A chart of seconds, steps or positions against values.
+type Chart<'a, DB> =
+    ChartContext<'a, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>;
+
+/// Legend entries drawn as filled boxes (for bands, boxes and bars).
+fn legend_boxes<DB: DrawingBackend>(chart: &mut Chart<'_, DB>, entries: &[(ShapeStyle, &str)]) -> DrawResult {
+    for &(style, label) in entries {
+        chart
+            .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
+            .map_err(drawing)?
+            .label(label)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], style));
+    }
+    Ok(())
+}
+
+/// The legend of every labelled series, in the upper right corner.
+fn draw_legend<'a, DB: DrawingBackend + 'a>(chart: &mut Chart<'a, DB>) -> DrawResult {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(drawing)
+}
+
 /// A line series with its legend entry.
 fn legend_line<DB: DrawingBackend>(
-    chart: &mut ChartContext<
-        '_,
-        DB,
-        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
-    >,
+    chart: &mut Chart<'_, DB>,
     points: Vec<(f64, f64)>,
     colour: RGBColor,
     label: &str,
@@ -394,24 +417,15 @@ impl Picture for MemoryOverTime<'_> {
             if !allocated.is_empty() {
                 legend_line(&mut chart, allocated, RGBColor(200, 40, 40), "allocator (whole process)")?;
             }
-            for (colour, label) in [
-                (band_colour(SpanKind::Forward(0)), "forward"),
-                (band_colour(SpanKind::Backward(0)), "backward"),
-                (band_colour(SpanKind::Update), "update"),
-            ] {
-                chart
-                    .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
-                    .map_err(drawing)?
-                    .label(label)
-                    .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], colour.filled()));
-            }
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .draw()
-                .map_err(drawing)?;
+            legend_boxes(
+                &mut chart,
+                &[
+                    (band_colour(SpanKind::Forward(0)).filled(), "forward"),
+                    (band_colour(SpanKind::Backward(0)).filled(), "backward"),
+                    (band_colour(SpanKind::Update).filled(), "update"),
+                ],
+            )?;
+            draw_legend(&mut chart)?;
         }
         Ok(())
     }
@@ -470,26 +484,17 @@ impl Picture for UnitMap<'_> {
                 SpanKind::Update => None,
             });
             chart.draw_series(compute).map_err(drawing)?;
-            for (style, label) in [
-                (home_device, "home on the device"),
-                (home_host, "home on the host"),
-                (gathered, "gathered whole"),
-                (on_device, "copied to the device"),
-                (computing, "forward / backward"),
-            ] {
-                chart
-                    .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
-                    .map_err(drawing)?
-                    .label(label)
-                    .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], style));
-            }
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .draw()
-                .map_err(drawing)?;
+            legend_boxes(
+                &mut chart,
+                &[
+                    (home_device, "home on the device"),
+                    (home_host, "home on the host"),
+                    (gathered, "gathered whole"),
+                    (on_device, "copied to the device"),
+                    (computing, "forward / backward"),
+                ],
+            )?;
+            draw_legend(&mut chart)?;
         }
         Ok(())
     }
@@ -567,13 +572,7 @@ impl Picture for UnitBars<'_> {
                     .label(label)
                     .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], colour.filled()));
             }
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .draw()
-                .map_err(drawing)?;
+            draw_legend(&mut chart)?;
         }
         Ok(())
     }
@@ -663,27 +662,18 @@ impl Picture for PipelineTimeline<'_> {
             });
             chart.draw_series(labels).map_err(drawing)?;
         }
-        for (colour, label) in [
-            (op_colour("forward").filled(), "forward"),
-            (op_colour("backward").filled(), "backward"),
-            (op_colour("backward_input").filled(), "input gradient"),
-            (op_colour("backward_weight").filled(), "weight gradient"),
-            (op_colour("send").filled(), "send / receive"),
-            (bubble, "bubble (computing nothing)"),
-        ] {
-            chart
-                .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
-                .map_err(drawing)?
-                .label(label)
-                .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], colour));
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .map_err(drawing)?;
+        legend_boxes(
+            &mut chart,
+            &[
+                (op_colour("forward").filled(), "forward"),
+                (op_colour("backward").filled(), "backward"),
+                (op_colour("backward_input").filled(), "input gradient"),
+                (op_colour("backward_weight").filled(), "weight gradient"),
+                (op_colour("send").filled(), "send / receive"),
+                (bubble, "bubble (computing nothing)"),
+            ],
+        )?;
+        draw_legend(&mut chart)?;
         Ok(())
     }
 }
