@@ -61,6 +61,18 @@ fn a_recorded_fsdp_profile_holds_what_the_run_did() {
             assert_eq!((forwards, backwards), (STEPS * MICRO, STEPS * MICRO), "rank {} unit {u}", p.header.rank);
         }
         assert_eq!(spans.iter().filter(|s| s.kind == SpanKind::Update).count(), STEPS);
+        // The blocks (checkpointed) run their forward again inside each backward; the
+        // embedding and the head do not.
+        for u in 0..units {
+            let recomputes: Vec<_> = spans.iter().filter(|s| s.kind == SpanKind::Recompute(u)).collect();
+            let block = p.header.units[u].starts_with("transformer.h.");
+            assert_eq!(recomputes.len(), if block { STEPS * MICRO } else { 0 }, "unit {u}");
+            for r in recomputes {
+                let inside =
+                    spans.iter().any(|b| b.kind == SpanKind::Backward(u) && b.start <= r.start && r.end <= b.end);
+                assert!(inside, "rank {}: recompute of unit {u} at {}", p.header.rank, r.start);
+            }
+        }
         // FULL_SHARD: each forward begins with its unit gathered (the last gather or free of
         // it before the forward is a gather).
         for s in spans.iter().filter(|s| matches!(s.kind, SpanKind::Forward(_))) {

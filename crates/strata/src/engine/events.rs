@@ -26,6 +26,8 @@ pub enum Event {
     /// The step's gradients are complete and the update begins (`done: false`), or the
     /// step has ended, updated or skipped (`done: true`).
     Update { done: bool },
+    /// `unit`'s forward was run again in its backward (recomputation), from `began` to now.
+    Recomputed { unit: usize, began: Instant },
     /// An operation of a schedule running above the engine (a pipeline's forward, backward,
     /// send or receive of micro-batch `micro` on its chunk `chunk`) ran from `began` to now.
     Operation { name: &'static str, micro: usize, chunk: usize, began: Instant },

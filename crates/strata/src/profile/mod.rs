@@ -72,6 +72,8 @@ pub enum Record {
     Copy { t: f64, unit: usize, to: Placement, bytes: u64 },
     /// The device copy of `unit`'s parameters was released.
     Evict { t: f64, unit: usize },
+    /// `unit`'s forward ran again in its backward (recomputation), from `start` to `t`.
+    Recompute { t: f64, start: f64, unit: usize },
     /// The update began (`done: false`) or the step ended (`done: true`).
     Update { t: f64, done: bool, memory: Memory, allocated: Option<u64> },
     /// A pipeline operation (`forward`, `backward`, `backward_input`, `backward_weight`,
@@ -94,6 +96,7 @@ impl Record {
             | Record::Freed { t, .. }
             | Record::Copy { t, .. }
             | Record::Evict { t, .. }
+            | Record::Recompute { t, .. }
             | Record::Update { t, .. }
             | Record::Op { t, .. }
             | Record::Collective { t, .. }
@@ -237,6 +240,7 @@ impl EventSink for Profiler {
             Event::ParamsFreed { unit } => Record::Freed { t, unit },
             Event::Copied { unit, to, bytes } => Record::Copy { t, unit, to, bytes },
             Event::Evicted { unit } => Record::Evict { t, unit },
+            Event::Recomputed { unit, began } => Record::Recompute { t, start: self.seconds(began), unit },
             Event::Update { done } => Record::Update { t, done, memory: self.memory(), allocated },
             Event::Operation { name, micro, chunk, began } => {
                 Record::Op { t, start: self.seconds(began), op: name.into(), micro, chunk }
@@ -273,6 +277,8 @@ impl CommObserver for Profiler {
 pub enum SpanKind {
     Forward(usize),
     Backward(usize),
+    /// A forward run again inside its unit's backward.
+    Recompute(usize),
     Update,
 }
 
@@ -373,6 +379,9 @@ impl Profile {
                         }
                     }
                 }
+                Record::Recompute { t, start, unit } => {
+                    spans.push(Span { kind: SpanKind::Recompute(unit), start, end: t })
+                }
                 Record::Update { t, done: false, .. } => update_began = Some(t),
                 Record::Update { t, done: true, .. } => {
                     if let Some(start) = update_began.take() {
@@ -416,7 +425,10 @@ impl Profile {
             .records
             .iter()
             .map(|r| match r {
-                Record::Collective { start, .. } | Record::Wait { start, .. } | Record::Op { start, .. } => *start,
+                Record::Collective { start, .. }
+                | Record::Wait { start, .. }
+                | Record::Op { start, .. }
+                | Record::Recompute { start, .. } => *start,
                 other => other.t(),
             })
             .fold(f64::INFINITY, f64::min);
@@ -506,7 +518,8 @@ pub fn read(path: &Path) -> Result<Profile> {
             | Record::Gather { unit, .. }
             | Record::Freed { unit, .. }
             | Record::Copy { unit, .. }
-            | Record::Evict { unit, .. } => Some(*unit),
+            | Record::Evict { unit, .. }
+            | Record::Recompute { unit, .. } => Some(*unit),
             Record::Update { .. } | Record::Op { .. } | Record::Collective { .. } | Record::Wait { .. } => None,
         };
         if unit.is_some_and(|u| u >= header.units.len()) {
@@ -515,8 +528,10 @@ pub fn read(path: &Path) -> Result<Profile> {
         if records.last().is_some_and(|last| record.t() < last.t()) {
             return Err(bad(i + 1, "time goes back".into()));
         }
-        if let Record::Collective { t, start, .. } | Record::Wait { t, start, .. } | Record::Op { t, start, .. } =
-            record
+        if let Record::Collective { t, start, .. }
+        | Record::Wait { t, start, .. }
+        | Record::Op { t, start, .. }
+        | Record::Recompute { t, start, .. } = record
         {
             if start > t {
                 return Err(bad(i + 1, "ends before it starts".into()));

@@ -15,6 +15,9 @@ pub struct UnitSummary {
     pub backwards: u64,
     pub forward_s: f64,
     pub backward_s: f64,
+    /// Forwards run again in backward, and their seconds (part of `backward_s`).
+    pub recomputes: u64,
+    pub recompute_s: f64,
 }
 
 /// Collectives of one operation.
@@ -91,6 +94,10 @@ fn rank_summary(p: &Profile) -> RankSummary {
                 units[u].backwards += 1;
                 units[u].backward_s += spent;
             }
+            SpanKind::Recompute(u) => {
+                units[u].recomputes += 1;
+                units[u].recompute_s += spent;
+            }
             SpanKind::Update => {
                 s.updates += 1;
                 s.update_s += spent;
@@ -110,6 +117,7 @@ fn rank_summary(p: &Profile) -> RankSummary {
             Record::Copy { to: Placement::Host, bytes, .. } => s.copied_to_host += bytes,
             Record::Freed { .. }
             | Record::Evict { .. }
+            | Record::Recompute { .. }
             | Record::Op { .. }
             | Record::Collective { .. }
             | Record::Wait { .. } => {}
@@ -200,17 +208,18 @@ pub fn table(summaries: &[RankSummary], top: usize) -> String {
             }
         }
         out.push_str(&format!(
-            "  {:<24} {:>9} {:>12} {:>9} {:>12}\n",
-            "unit", "forwards", "forward ms", "backwards", "backward ms"
+            "  {:<24} {:>9} {:>12} {:>9} {:>12} {:>13}\n",
+            "unit", "forwards", "forward ms", "backwards", "backward ms", "recompute ms"
         ));
         for u in s.units.iter().take(top) {
             out.push_str(&format!(
-                "  {:<24} {:>9} {:>12.2} {:>9} {:>12.2}\n",
+                "  {:<24} {:>9} {:>12.2} {:>9} {:>12.2} {:>13.2}\n",
                 u.name,
                 u.forwards,
                 u.forward_s * 1e3,
                 u.backwards,
-                u.backward_s * 1e3
+                u.backward_s * 1e3,
+                u.recompute_s * 1e3
             ));
         }
     }

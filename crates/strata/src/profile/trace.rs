@@ -64,6 +64,7 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
             let (cat, name) = match span.kind {
                 SpanKind::Forward(u) => ("forward", format!("forward {}", p.unit_name(u))),
                 SpanKind::Backward(u) => ("backward", format!("backward {}", p.unit_name(u))),
+                SpanKind::Recompute(u) => ("recompute", format!("recompute {}", p.unit_name(u))),
                 SpanKind::Update => ("update", "update".to_string()),
             };
             events.push(json!({
@@ -90,7 +91,7 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
                     "name": format!("{op} {micro}"), "ts": at(*start), "dur": micros(t - start),
                     "args": {"micro_batch": micro, "chunk": chunk},
                 })),
-                Record::Wait { .. } | Record::Collective { .. } => {}
+                Record::Wait { .. } | Record::Collective { .. } | Record::Recompute { .. } => {}
                 Record::Gather { t, unit } | Record::Freed { t, unit } => {
                     let what = if matches!(r, Record::Gather { .. }) { "gather" } else { "free" };
                     events.push(json!({

@@ -153,6 +153,7 @@ impl EventSink for WholeModelUnits {
             Event::ParamsFreed { unit } => Event::ParamsFreed { unit: shift(unit) },
             Event::Copied { unit, to, bytes } => Event::Copied { unit: shift(unit), to, bytes },
             Event::Evicted { unit } => Event::Evicted { unit: shift(unit) },
+            Event::Recomputed { unit, began } => Event::Recomputed { unit: shift(unit), began },
             other @ (Event::Update { .. } | Event::Operation { .. }) => other,
         });
     }

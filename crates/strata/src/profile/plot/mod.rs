@@ -131,6 +131,7 @@ fn band_colour(kind: SpanKind) -> RGBAColor {
     match kind {
         SpanKind::Forward(_) => RGBColor(120, 170, 230).mix(0.22),
         SpanKind::Backward(_) => RGBColor(240, 160, 90).mix(0.22),
+        SpanKind::Recompute(_) => RGBColor(170, 120, 200).mix(0.30),
         SpanKind::Update => RGBColor(110, 190, 110).mix(0.30),
     }
 }
@@ -270,6 +271,7 @@ impl Picture for MemoryOverTime<'_> {
                 &[
                     (band_colour(SpanKind::Forward(0)).filled(), "forward"),
                     (band_colour(SpanKind::Backward(0)).filled(), "backward"),
+                    (band_colour(SpanKind::Recompute(0)).filled(), "recompute (in backward)"),
                     (band_colour(SpanKind::Update).filled(), "update"),
                 ],
             )?;
@@ -292,6 +294,7 @@ impl Picture for UnitMap<'_> {
         let gathered = RGBColor(70, 120, 200).filled();
         let on_device = RGBColor(60, 160, 90).filled();
         let computing = RGBColor(30, 30, 30).filled();
+        let recomputing = RGBColor(150, 60, 190).filled();
         for (area, p) in root.split_evenly((self.0.len(), 1)).iter().zip(self.0) {
             let units = p.header.units.len();
             let (start, end) = span_of(p);
@@ -325,9 +328,15 @@ impl Picture for UnitMap<'_> {
                 Rectangle::new([(s.start, row(s.unit, 0.1)), (s.end, row(s.unit, 0.9))], style)
             });
             chart.draw_series(away).map_err(drawing)?;
-            let compute = p.spans().into_iter().filter_map(|s| match s.kind {
+            // Recomputed forwards go last, over their backward's mark, in their own colour.
+            let mut spans = p.spans();
+            spans.sort_by_key(|s| matches!(s.kind, SpanKind::Recompute(_)));
+            let compute = spans.into_iter().filter_map(|s| match s.kind {
                 SpanKind::Forward(u) | SpanKind::Backward(u) => {
                     Some(Rectangle::new([(s.start, row(u, 0.4)), (s.end, row(u, 0.6))], computing))
+                }
+                SpanKind::Recompute(u) => {
+                    Some(Rectangle::new([(s.start, row(u, 0.4)), (s.end, row(u, 0.6))], recomputing))
                 }
                 SpanKind::Update => None,
             });
@@ -340,6 +349,7 @@ impl Picture for UnitMap<'_> {
                     (gathered, "gathered whole"),
                     (on_device, "copied to the device"),
                     (computing, "forward / backward"),
+                    (recomputing, "forward recomputed"),
                 ],
             )?;
             draw_legend(&mut chart)?;

@@ -129,7 +129,7 @@ pub fn unit_costs(profiles: &[Profile]) -> Vec<UnitCost> {
                     ran_here[u] = true;
                 }
                 SpanKind::Backward(u) => costs[u].backward_s += span.end - span.start,
-                SpanKind::Update => {}
+                SpanKind::Recompute(_) | SpanKind::Update => {}
             }
         }
         ran.iter_mut().zip(ran_here).for_each(|(n, here)| *n += usize::from(here));
