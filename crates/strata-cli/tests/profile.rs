@@ -179,7 +179,7 @@ fn the_trace_the_summary_and_the_pictures_come_from_the_profile() {
     let svg = |name: &str| std::fs::read_to_string(pictures.join(name)).unwrap();
     // The unit map draws each stretch a unit spent gathered as one rectangle of the
     // gathered colour (and one more in each rank's legend).
-    let stretches: usize = profiles.iter().map(|p| strata::profile::plot::residency(p).len()).sum();
+    let stretches: usize = profiles.iter().map(|p| strata::profile::series::residency(p).len()).sum();
     let units = svg("units.svg");
     assert_eq!(units.matches(r##"fill="#4678C8""##).count(), stretches + profiles.len());
     for name in &profiles[0].header.units {

@@ -278,6 +278,24 @@ fn a_profile_of_an_offloaded_run_records_every_copy_the_ledger_counts() {
     let moved = trainer.engine.ledger().transfers();
     assert_eq!((copied(Where::Device), copied(Where::Host)), (moved.to_device, moved.to_host));
     assert!(profile.records.iter().any(|r| matches!(r, Record::Evict { .. })));
+    // A gradient's copy to the host is made on the engine's thread, which waits for it: each
+    // is recorded as a copy-wait of its unit just before the copy itself.
+    let to_host: Vec<usize> = profile
+        .records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| matches!(r, Record::Copy { to: Where::Host, .. }))
+        .map(|(i, _)| i)
+        .collect();
+    assert!(!to_host.is_empty());
+    for i in to_host {
+        let (Record::Copy { unit, .. }, Record::CopyWait { unit: waited, .. }) =
+            (&profile.records[i], &profile.records[i - 1])
+        else {
+            panic!("no copy-wait before {:?}", profile.records[i]);
+        };
+        assert_eq!(unit, waited);
+    }
     // Prefetched copies start in the moment of a unit that does not read them.
     let reads = spec().units_read();
     let prefetched = profile

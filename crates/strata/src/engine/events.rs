@@ -26,6 +26,9 @@ pub enum Event {
     /// The step's gradients are complete and the update begins (`done: false`), or the
     /// step has ended, updated or skipped (`done: true`).
     Update { done: bool },
+    /// The engine's thread waited from `began` to now for a copy of `unit`'s states between
+    /// device and host (offload: a prefetch still running, or a copy made in place).
+    CopyWaited { unit: usize, began: Instant },
     /// `unit`'s forward was run again in its backward (recomputation), from `began` to now.
     Recomputed { unit: usize, began: Instant },
     /// An operation of a schedule running above the engine (a pipeline's forward, backward,

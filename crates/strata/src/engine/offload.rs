@@ -187,7 +187,7 @@ impl Offload {
             self.copying.push((u, std::thread::spawn(copy)));
         } else {
             copy()?;
-            ledger.record_transfer(Placement::Device, bytes, started.elapsed());
+            self.waited_for_copy(ledger, u, Placement::Device, bytes, started);
         }
         self.record(Event::Copied { unit: u, to: Placement::Device, bytes });
         Ok(())
@@ -199,7 +199,7 @@ impl Offload {
         let (_, copy) = self.copying.swap_remove(i);
         let started = Instant::now();
         let copied = copy.join().map_err(|_| Error::Engine(format!("the copy of unit {u}'s parameters panicked")))?;
-        ledger.record_transfer(Placement::Device, self.units[u].bytes.params, started.elapsed());
+        self.waited_for_copy(ledger, u, Placement::Device, self.units[u].bytes.params, started);
         copied
     }
 
@@ -232,6 +232,12 @@ impl Offload {
         if let Some(sink) = &self.events {
             sink.record(event);
         }
+    }
+
+    /// Counts a copy of `unit`'s states the engine's thread waited for since `began`.
+    fn waited_for_copy(&self, ledger: &MemoryLedger, unit: usize, to: Placement, bytes: u64, began: Instant) {
+        ledger.record_transfer(to, bytes, began.elapsed());
+        self.record(Event::CopyWaited { unit, began });
     }
 
     /// Makes the device hold what moment `t`, which reads `reads`, needs: copies the plan
@@ -277,13 +283,14 @@ impl Offload {
             let _ = host.shallow_clone().f_add_(&arrived)?;
             Ok(())
         })?;
-        ledger.record_transfer(Placement::Host, unit.bytes.grads, started.elapsed());
         let bytes = unit.bytes.grads;
+        ledger.record_transfer(Placement::Host, bytes, started.elapsed());
         // SAFETY: the unit's last backward of this micro-batch is over and its gradient was
         // read above; `ensure_grads` restores it before the next backward.
         unsafe { memory::release_buffer(grad) }?;
         ledger.free(Placement::Device, Category::Grads, unit.bytes.grads);
         unit.grads_on_device = false;
+        self.record(Event::CopyWaited { unit: u, began: started });
         self.record(Event::Copied { unit: u, to: Placement::Host, bytes });
         Ok(())
     }
@@ -461,7 +468,7 @@ impl UnitSchedule for Offload {
                     let Some(host) = &self.units[u].host_params else { continue };
                     let started = Instant::now();
                     tch::no_grad(|| storage[u].flat.shallow_clone().f_copy_(host))?;
-                    ledger.record_transfer(Placement::Device, self.units[u].bytes.params, started.elapsed());
+                    self.waited_for_copy(ledger, u, Placement::Device, self.units[u].bytes.params, started);
                 }
             }
         }

@@ -4,7 +4,7 @@
 //! update — stamped with the time it arrives, and every collective and every wait on one
 //! as the communication layer reports them; one JSON-lines file per rank. It reads such
 //! files back, validated. A Chrome trace ([`trace`]), a summary ([`summary`]) and pictures
-//! ([`plot`]) are made from what it reads.
+//! ([`plot`]) are made from what it reads, through the series of [`series`].
 //!
 //! Owns: the on-disk format and its validation. Must not time anything inside the engine,
 //! the schedules or the collectives: it stamps the events handed to it through the
@@ -16,6 +16,7 @@
 //! (`phase`, `gather`, `freed`, `copy`, `evict`, `update`, `collective`, `wait`) with `t`,
 //! seconds since recording started (for a collective or a wait: when it ended), in order.
 pub mod plot;
+pub mod series;
 pub mod summary;
 pub mod trace;
 
@@ -72,6 +73,8 @@ pub enum Record {
     Copy { t: f64, unit: usize, to: Placement, bytes: u64 },
     /// The device copy of `unit`'s parameters was released.
     Evict { t: f64, unit: usize },
+    /// The engine's thread waited for a copy of `unit`'s states from `start` to `t`.
+    CopyWait { t: f64, start: f64, unit: usize },
     /// `unit`'s forward ran again in its backward (recomputation), from `start` to `t`.
     Recompute { t: f64, start: f64, unit: usize },
     /// The update began (`done: false`) or the step ended (`done: true`).
@@ -97,6 +100,7 @@ impl Record {
             | Record::Copy { t, .. }
             | Record::Evict { t, .. }
             | Record::Recompute { t, .. }
+            | Record::CopyWait { t, .. }
             | Record::Update { t, .. }
             | Record::Op { t, .. }
             | Record::Collective { t, .. }
@@ -241,6 +245,7 @@ impl EventSink for Profiler {
             Event::Copied { unit, to, bytes } => Record::Copy { t, unit, to, bytes },
             Event::Evicted { unit } => Record::Evict { t, unit },
             Event::Recomputed { unit, began } => Record::Recompute { t, start: self.seconds(began), unit },
+            Event::CopyWaited { unit, began } => Record::CopyWait { t, start: self.seconds(began), unit },
             Event::Update { done } => Record::Update { t, done, memory: self.memory(), allocated },
             Event::Operation { name, micro, chunk, began } => {
                 Record::Op { t, start: self.seconds(began), op: name.into(), micro, chunk }
@@ -428,7 +433,8 @@ impl Profile {
                 Record::Collective { start, .. }
                 | Record::Wait { start, .. }
                 | Record::Op { start, .. }
-                | Record::Recompute { start, .. } => *start,
+                | Record::Recompute { start, .. }
+                | Record::CopyWait { start, .. } => *start,
                 other => other.t(),
             })
             .fold(f64::INFINITY, f64::min);
@@ -468,6 +474,17 @@ impl Profile {
             computing += covered_seconds(ops.iter().filter(|o| o.computes()).map(|o| (o.start, o.end)).collect());
         }
         (span > 0.0).then(|| 1.0 - computing / span)
+    }
+
+    /// The stretches the engine's thread spent waiting for copies between device and host.
+    pub fn copy_waits(&self) -> Vec<(f64, f64)> {
+        self.records
+            .iter()
+            .filter_map(|r| match r {
+                Record::CopyWait { t, start, .. } => Some((*start, *t)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// The stretches the engine's thread spent blocked on collectives.
@@ -519,7 +536,8 @@ pub fn read(path: &Path) -> Result<Profile> {
             | Record::Freed { unit, .. }
             | Record::Copy { unit, .. }
             | Record::Evict { unit, .. }
-            | Record::Recompute { unit, .. } => Some(*unit),
+            | Record::Recompute { unit, .. }
+            | Record::CopyWait { unit, .. } => Some(*unit),
             Record::Update { .. } | Record::Op { .. } | Record::Collective { .. } | Record::Wait { .. } => None,
         };
         if unit.is_some_and(|u| u >= header.units.len()) {
@@ -531,7 +549,8 @@ pub fn read(path: &Path) -> Result<Profile> {
         if let Record::Collective { t, start, .. }
         | Record::Wait { t, start, .. }
         | Record::Op { t, start, .. }
-        | Record::Recompute { t, start, .. } = record
+        | Record::Recompute { t, start, .. }
+        | Record::CopyWait { t, start, .. } = record
         {
             if start > t {
                 return Err(bad(i + 1, "ends before it starts".into()));

@@ -2,6 +2,7 @@
 //! ledger's peaks per placement, bytes copied each way, the update's time; collectives per
 //! operation with how much of their time the computation hid; and the critical path of the
 //! engine's thread, split into unit compute, exposed communication, update and the rest.
+use super::series::unit_costs;
 use super::{covered_seconds, Profile, Record, SpanKind};
 use crate::engine::Placement;
 use serde::Serialize;
@@ -15,6 +16,10 @@ pub struct UnitSummary {
     pub backwards: u64,
     pub forward_s: f64,
     pub backward_s: f64,
+    /// Bytes of the unit's parameters (whole) and of the activations its forward kept for
+    /// backward (the most over its forwards).
+    pub param_bytes: u64,
+    pub activation_bytes: u64,
     /// Forwards run again in backward, and their seconds (part of `backward_s`).
     pub recomputes: u64,
     pub recompute_s: f64,
@@ -38,6 +43,8 @@ pub struct CriticalPath {
     pub compute_s: f64,
     /// Blocked on collectives.
     pub exposed_comm_s: f64,
+    /// Waiting for copies between device and host (offload), outside collectives.
+    pub copy_wait_s: f64,
     pub update_s: f64,
     /// Neither: data, loss, the schedule's own work.
     pub other_s: f64,
@@ -76,12 +83,16 @@ pub fn summarize(profiles: &[Profile]) -> Vec<RankSummary> {
 
 fn rank_summary(p: &Profile) -> RankSummary {
     let mut s = RankSummary { rank: p.header.rank, ..Default::default() };
-    let mut units: Vec<UnitSummary> = p
-        .header
-        .units
-        .iter()
+    let mut units: Vec<UnitSummary> = unit_costs(std::slice::from_ref(p))
+        .into_iter()
         .enumerate()
-        .map(|(unit, name)| UnitSummary { unit, name: name.clone(), ..Default::default() })
+        .map(|(unit, c)| UnitSummary {
+            unit,
+            name: c.name,
+            param_bytes: c.param_bytes,
+            activation_bytes: c.activation_bytes,
+            ..Default::default()
+        })
         .collect();
     for span in p.spans() {
         let spent = span.end - span.start;
@@ -118,6 +129,7 @@ fn rank_summary(p: &Profile) -> RankSummary {
             Record::Freed { .. }
             | Record::Evict { .. }
             | Record::Recompute { .. }
+            | Record::CopyWait { .. }
             | Record::Op { .. }
             | Record::Collective { .. }
             | Record::Wait { .. } => {}
@@ -146,11 +158,14 @@ fn rank_summary(p: &Profile) -> RankSummary {
     let updates: Vec<(f64, f64)> =
         spans.iter().filter(|x| x.kind == SpanKind::Update).map(|x| (x.start, x.end)).collect();
     // Each part is what it adds to the ones before it, so the parts add up to the whole.
-    let units_or_waiting = covered_seconds([unit_spans.clone(), waits.clone()].concat());
-    let busy = covered_seconds([unit_spans, waits, updates].concat());
+    let all_waits = [waits, p.copy_waits()].concat();
+    let waiting = covered_seconds(all_waits.clone());
+    let units_or_waiting = covered_seconds([unit_spans.clone(), all_waits.clone()].concat());
+    let busy = covered_seconds([unit_spans, all_waits, updates].concat());
     s.critical_path = CriticalPath {
-        compute_s: units_or_waiting - exposed,
+        compute_s: units_or_waiting - waiting,
         exposed_comm_s: exposed,
+        copy_wait_s: waiting - exposed,
         update_s: busy - units_or_waiting,
         other_s: (s.seconds - busy).max(0.0),
     };
@@ -183,9 +198,10 @@ pub fn table(summaries: &[RankSummary], top: usize) -> String {
         let path = &s.critical_path;
         let per_step = |x: f64| x * 1e3 / s.updates.max(1) as f64;
         out.push_str(&format!(
-            "  critical path per step: {:.2} ms unit compute, {:.2} ms exposed communication, {:.2} ms update, {:.2} ms other\n",
+            "  critical path per step: {:.2} ms unit compute, {:.2} ms exposed communication, {:.2} ms copy-wait, {:.2} ms update, {:.2} ms other\n",
             per_step(path.compute_s),
             per_step(path.exposed_comm_s),
+            per_step(path.copy_wait_s),
             per_step(path.update_s),
             per_step(path.other_s)
         ));
@@ -208,20 +224,30 @@ pub fn table(summaries: &[RankSummary], top: usize) -> String {
             }
         }
         out.push_str(&format!(
-            "  {:<24} {:>9} {:>12} {:>9} {:>12} {:>13}\n",
-            "unit", "forwards", "forward ms", "backwards", "backward ms", "recompute ms"
+            "  {:<24} {:>9} {:>12} {:>9} {:>12} {:>13} {:>10} {:>10}\n",
+            "unit", "forwards", "forward ms", "backwards", "backward ms", "recompute ms", "params MB", "kept MB"
         ));
         for u in s.units.iter().take(top) {
             out.push_str(&format!(
-                "  {:<24} {:>9} {:>12.2} {:>9} {:>12.2} {:>13.2}\n",
+                "  {:<24} {:>9} {:>12.2} {:>9} {:>12.2} {:>13.2} {:>10.2} {:>10.2}\n",
                 u.name,
                 u.forwards,
                 u.forward_s * 1e3,
                 u.backwards,
                 u.backward_s * 1e3,
-                u.recompute_s * 1e3
+                u.recompute_s * 1e3,
+                u.param_bytes as f64 / 1e6,
+                u.activation_bytes as f64 / 1e6
             ));
         }
+        let mut by_memory: Vec<&UnitSummary> = s.units.iter().collect();
+        by_memory.sort_by_key(|u| std::cmp::Reverse(u.param_bytes + u.activation_bytes));
+        let most: Vec<String> = by_memory
+            .iter()
+            .take(top.min(5))
+            .map(|u| format!("{} {:.2} MB", u.name, (u.param_bytes + u.activation_bytes) as f64 / 1e6))
+            .collect();
+        out.push_str(&format!("  most memory (parameters + kept activations): {}\n", most.join(", ")));
     }
     out
 }

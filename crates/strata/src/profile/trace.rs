@@ -91,6 +91,11 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
                     "name": format!("{op} {micro}"), "ts": at(*start), "dur": micros(t - start),
                     "args": {"micro_batch": micro, "chunk": chunk},
                 })),
+                Record::CopyWait { t, start, unit } => events.push(json!({
+                    "ph": "X", "pid": pid, "tid": WAITS, "cat": "copy_wait",
+                    "name": format!("wait for the copy of {}", p.unit_name(*unit)),
+                    "ts": at(*start), "dur": micros(t - start),
+                })),
                 Record::Wait { .. } | Record::Collective { .. } | Record::Recompute { .. } => {}
                 Record::Gather { t, unit } | Record::Freed { t, unit } => {
                     let what = if matches!(r, Record::Gather { .. }) { "gather" } else { "free" };

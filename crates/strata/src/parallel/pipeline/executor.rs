@@ -154,6 +154,7 @@ impl EventSink for WholeModelUnits {
             Event::Copied { unit, to, bytes } => Event::Copied { unit: shift(unit), to, bytes },
             Event::Evicted { unit } => Event::Evicted { unit: shift(unit) },
             Event::Recomputed { unit, began } => Event::Recomputed { unit: shift(unit), began },
+            Event::CopyWaited { unit, began } => Event::CopyWaited { unit: shift(unit), began },
             other @ (Event::Update { .. } | Event::Operation { .. }) => other,
         });
     }

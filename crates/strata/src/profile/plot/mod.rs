@@ -3,23 +3,19 @@
 //! map of where each unit's parameters are over time; per-unit time and memory bars; and
 //! ([`metrics`]) loss, learning rate, tokens/s and memory over steps for several runs.
 //!
-//! Owns: turning read profiles into the series drawn ([`memory_series`], [`residency`],
-//! [`unit_costs`], testable without drawing) and the drawing. Must not read or validate
+//! Owns: the drawing of the series [`super::series`] takes from read profiles. Must not read or validate
 //! files: it takes what [`super::read_dir`] and [`metrics::read`] return.
 //!
 //! Labels need a TrueType font: [`use_font`] takes one, else the first of the usual system
 //! places ([`FONT_PLACES`]) is loaded once per process.
 pub mod metrics;
-mod series;
 
-pub use series::{memory_series, residency, unit_costs, MemoryPoint, Residency, UnitCost, UnitStretch};
-
+use super::series::{host_homed, memory_series, residency, unit_costs, Residency};
 use super::{Profile, SpanKind};
 use crate::engine::Placement;
 use crate::{Error, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use series::host_homed;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 

@@ -1,4 +1,4 @@
-//! The series the pictures draw, taken from read profiles: memory at each moment, each
+//! The series drawn and summarised, taken from read profiles: memory at each moment, each
 //! unit's stretches away from its home, and per-unit costs. Pure functions, tested without
 //! drawing.
 use crate::engine::{Category, Phase, Placement};
@@ -86,7 +86,7 @@ pub fn residency(p: &Profile) -> Vec<UnitStretch> {
 }
 
 /// Whether `unit`'s parameters live on the host between uses (they are copied in).
-pub(super) fn host_homed(p: &Profile, unit: usize) -> bool {
+pub(crate) fn host_homed(p: &Profile, unit: usize) -> bool {
     p.records.iter().any(|r| matches!(r, Record::Copy { unit: u, to: Placement::Device, .. } if *u == unit))
 }
 
