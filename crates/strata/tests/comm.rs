@@ -286,17 +286,12 @@ fn rank_entry() {
                 // A spinning waiter would burn CPU for as long as the peer is late (400 ms);
                 // a sleeping one uses a little for its wake-ups, however busy the machine is.
                 assert!(cpu < Duration::from_millis(40), "a waiting rank sleeps: it used {cpu:?} of CPU");
-                // The observer saw the wait, as long as it blocked.
-                let waits = seen.waits.lock().unwrap().clone();
-                assert_eq!(waits.len(), 1, "{waits:?}");
-                assert!(waits[0] <= blocked && waits[0] >= blocked.mul_f64(0.9), "{waits:?} of {blocked:?}");
+                // The observer was told of the one wait, the very stretch the counter added.
+                assert_eq!(*seen.waits.lock().unwrap(), vec![waited]);
             }
             // Every rank's observer saw its one collective finish, with its bytes.
             let collectives = seen.collectives.lock().unwrap().clone();
-            assert_eq!(collectives.len(), 1, "{collectives:?}");
-            let (op, bytes, ran) = collectives[0];
-            assert_eq!((op, bytes), ("all_reduce", 4096));
-            assert!(ran <= blocked, "{ran:?} of {blocked:?}");
+            assert_eq!(collectives, vec![("all_reduce", 4096)]);
         }
         other => panic!("unknown scenario {other}"),
     }
@@ -353,17 +348,18 @@ fn check_shared_buffers(g: &dyn ProcessGroup) {
     same(&t, &values(Kind::Float, 5000, n - 1), "shared all_reduce avg");
 }
 
-/// What a communication observer was told: (operation, bytes, issue to finish) per
-/// collective, and how long each blocking wait took.
+/// What a communication observer was told: (operation, bytes) per collective, and how
+/// long each blocking wait took.
 #[derive(Default)]
 struct Seen {
-    collectives: Mutex<Vec<(&'static str, u64, Duration)>>,
+    collectives: Mutex<Vec<(&'static str, u64)>>,
     waits: Mutex<Vec<Duration>>,
 }
 
 impl CommObserver for Seen {
     fn collective(&self, c: &Collective) {
-        self.collectives.lock().unwrap().push((c.op, c.bytes, c.finished - c.issued));
+        assert!(c.issued <= c.finished);
+        self.collectives.lock().unwrap().push((c.op, c.bytes));
     }
     fn waited(&self, w: &Waited) {
         self.waits.lock().unwrap().push(w.ended - w.began);
