@@ -185,7 +185,8 @@ impl Work {
 
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
-        let blocks = !self.is_completed();
+        // Only an observed wait needs to know whether it blocked.
+        let blocks = self.watch.is_some() && !self.is_completed();
         let result = self.block_until_done(timeout);
         let end = Instant::now();
         WAITED_NS.fetch_add((end - start).as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -231,8 +232,7 @@ impl Work {
 /// Whether `t`'s bytes lie in memory a group allocated for its peers to read in place
 /// ([`ProcessGroup::alloc`]).
 pub fn in_shared_memory(t: &Tensor) -> bool {
-    let bytes = t.numel() * t.kind().elt_size_in_bytes();
-    t.device() == Device::Cpu && shared::Heap::get().locate(t.data_ptr() as *const u8, bytes).is_some()
+    t.device() == Device::Cpu && shared::Heap::get().locate(t.data_ptr() as *const u8, bytes_of(t) as usize).is_some()
 }
 
 /// All-reduces a few host numbers over `group` and waits: agreement on flags, norms,

@@ -14,6 +14,16 @@ pub enum Placement {
     Host,
 }
 
+impl Placement {
+    /// The placement as messages, traces and pictures name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Device => "device",
+            Placement::Host => "host",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Category {
@@ -107,7 +117,7 @@ impl MemoryLedger {
         if let Some(&budget) = s.budget.get(&placement) {
             if in_use + bytes > budget {
                 return Err(Error::OutOfMemory {
-                    placement: format!("{placement:?}").to_lowercase(),
+                    placement: placement.name().into(),
                     requested: bytes,
                     in_use,
                     budget,

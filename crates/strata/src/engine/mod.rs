@@ -714,9 +714,9 @@ impl Engine {
         for k in (0..self.spec.units.len()).rev() {
             self.run_schedule(Phase::BeforeBackward, k)?;
             let b = &record.boundaries[k];
-            let began = std::time::Instant::now();
+            let began = self.events.as_ref().map(|_| std::time::Instant::now());
             let recomputed = b.recompute_from.as_ref().map(|input| self.unit_forward(k, input, true)).transpose()?;
-            if let (Some(sink), Some(_)) = (&self.events, &recomputed) {
+            if let (Some(sink), Some(began), Some(_)) = (&self.events, began, &recomputed) {
                 sink.record(Event::Recomputed { unit: k, began });
             }
             let output = recomputed.as_ref().unwrap_or(&b.output);

@@ -284,13 +284,12 @@ impl Offload {
             Ok(())
         })?;
         let bytes = unit.bytes.grads;
-        ledger.record_transfer(Placement::Host, bytes, started.elapsed());
         // SAFETY: the unit's last backward of this micro-batch is over and its gradient was
         // read above; `ensure_grads` restores it before the next backward.
         unsafe { memory::release_buffer(grad) }?;
         ledger.free(Placement::Device, Category::Grads, unit.bytes.grads);
         unit.grads_on_device = false;
-        self.record(Event::CopyWaited { unit: u, began: started });
+        self.waited_for_copy(ledger, u, Placement::Host, bytes, started);
         self.record(Event::Copied { unit: u, to: Placement::Host, bytes });
         Ok(())
     }

@@ -12,9 +12,10 @@
 //!
 //! The format (`strata-profile`, version [`VERSION`]): the first line is a [`Header`]
 //! (`{"format": "strata-profile", "version": 2, "rank", "world", "units": [names],
-//! "unit_param_bytes", "device"}`); every other line is a [`Record`] tagged by `kind`
-//! (`phase`, `gather`, `freed`, `copy`, `evict`, `update`, `collective`, `wait`) with `t`,
-//! seconds since recording started (for a collective or a wait: when it ended), in order.
+//! "unit_param_bytes", "device", "started_at"}`); every other line is a [`Record`] tagged by
+//! `kind` (`phase`, `gather`, `freed`, `copy`, `evict`, `copy_wait`, `recompute`, `update`,
+//! `op`, `collective`, `wait`) with `t`, seconds since recording started (for a stretch:
+//! when it ended, with its `start`), in order.
 pub mod plot;
 pub mod series;
 pub mod summary;
@@ -105,6 +106,32 @@ impl Record {
             | Record::Op { t, .. }
             | Record::Collective { t, .. }
             | Record::Wait { t, .. } => t,
+        }
+    }
+
+    /// When the record's stretch began: its `start`, or `t` for a record of a moment.
+    pub fn start(&self) -> f64 {
+        match *self {
+            Record::Collective { start, .. }
+            | Record::Wait { start, .. }
+            | Record::Op { start, .. }
+            | Record::Recompute { start, .. }
+            | Record::CopyWait { start, .. } => start,
+            _ => self.t(),
+        }
+    }
+
+    /// The unit the record is about, if it is about one.
+    pub fn unit(&self) -> Option<usize> {
+        match *self {
+            Record::Phase { unit, .. }
+            | Record::Gather { unit, .. }
+            | Record::Freed { unit, .. }
+            | Record::Copy { unit, .. }
+            | Record::Evict { unit, .. }
+            | Record::Recompute { unit, .. }
+            | Record::CopyWait { unit, .. } => Some(unit),
+            Record::Update { .. } | Record::Op { .. } | Record::Collective { .. } | Record::Wait { .. } => None,
         }
     }
 }
@@ -235,10 +262,10 @@ impl EventSink for Profiler {
             return;
         }
         let t = self.seconds(Instant::now());
-        let allocated = crate::engine::memory::allocator_current(self.device);
+        let allocated = || crate::engine::memory::allocator_current(self.device);
         let record = match event {
             Event::Phase { phase, unit, storage_bytes, .. } => {
-                Record::Phase { t, phase, unit, memory: self.memory(), storage_bytes, allocated }
+                Record::Phase { t, phase, unit, memory: self.memory(), storage_bytes, allocated: allocated() }
             }
             Event::GatherStarted { unit } => Record::Gather { t, unit },
             Event::ParamsFreed { unit } => Record::Freed { t, unit },
@@ -246,7 +273,7 @@ impl EventSink for Profiler {
             Event::Evicted { unit } => Record::Evict { t, unit },
             Event::Recomputed { unit, began } => Record::Recompute { t, start: self.seconds(began), unit },
             Event::CopyWaited { unit, began } => Record::CopyWait { t, start: self.seconds(began), unit },
-            Event::Update { done } => Record::Update { t, done, memory: self.memory(), allocated },
+            Event::Update { done } => Record::Update { t, done, memory: self.memory(), allocated: allocated() },
             Event::Operation { name, micro, chunk, began } => {
                 Record::Op { t, start: self.seconds(began), op: name.into(), micro, chunk }
             }
@@ -426,18 +453,7 @@ impl Profile {
     /// The first and last moment the records speak of (a collective or a wait may have
     /// begun before the first record arrived).
     pub fn time_range(&self) -> (f64, f64) {
-        let start = self
-            .records
-            .iter()
-            .map(|r| match r {
-                Record::Collective { start, .. }
-                | Record::Wait { start, .. }
-                | Record::Op { start, .. }
-                | Record::Recompute { start, .. }
-                | Record::CopyWait { start, .. } => *start,
-                other => other.t(),
-            })
-            .fold(f64::INFINITY, f64::min);
+        let start = self.records.iter().map(Record::start).fold(f64::INFINITY, f64::min);
         let end = self.records.last().map_or(0.0, Record::t);
         (if start.is_finite() { start } else { 0.0 }, end)
     }
@@ -521,40 +537,20 @@ pub fn read(path: &Path) -> Result<Profile> {
     if header.format != FORMAT {
         return Err(bad(1, format!("format {:?}, expected {FORMAT:?}", header.format)));
     }
-    if header.version != VERSION {
-        return Err(bad(1, format!("profile version {} is not this version's ({VERSION})", header.version)));
-    }
     if header.unit_param_bytes.len() != header.units.len() {
         return Err(bad(1, format!("{} unit sizes for {} units", header.unit_param_bytes.len(), header.units.len())));
     }
     let mut records: Vec<Record> = Vec::new();
     for (i, line) in lines {
         let record: Record = serde_json::from_str(line).map_err(|e| bad(i + 1, format!("bad record: {e}")))?;
-        let unit = match &record {
-            Record::Phase { unit, .. }
-            | Record::Gather { unit, .. }
-            | Record::Freed { unit, .. }
-            | Record::Copy { unit, .. }
-            | Record::Evict { unit, .. }
-            | Record::Recompute { unit, .. }
-            | Record::CopyWait { unit, .. } => Some(*unit),
-            Record::Update { .. } | Record::Op { .. } | Record::Collective { .. } | Record::Wait { .. } => None,
-        };
-        if unit.is_some_and(|u| u >= header.units.len()) {
-            return Err(bad(i + 1, format!("unit {} of a model of {} units", unit.unwrap_or(0), header.units.len())));
+        if let Some(unit) = record.unit().filter(|&u| u >= header.units.len()) {
+            return Err(bad(i + 1, format!("unit {unit} of a model of {} units", header.units.len())));
         }
         if records.last().is_some_and(|last| record.t() < last.t()) {
             return Err(bad(i + 1, "time goes back".into()));
         }
-        if let Record::Collective { t, start, .. }
-        | Record::Wait { t, start, .. }
-        | Record::Op { t, start, .. }
-        | Record::Recompute { t, start, .. }
-        | Record::CopyWait { t, start, .. } = record
-        {
-            if start > t {
-                return Err(bad(i + 1, "ends before it starts".into()));
-            }
+        if record.start() > record.t() {
+            return Err(bad(i + 1, "ends before it starts".into()));
         }
         records.push(record);
     }

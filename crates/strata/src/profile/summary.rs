@@ -189,8 +189,7 @@ pub fn table(summaries: &[RankSummary], top: usize) -> String {
             s.copied_to_host as f64 / 1e6
         ));
         for (placement, peak) in &s.peak_bytes {
-            let placement = format!("{placement:?}").to_lowercase();
-            out.push_str(&format!("  peak on the {placement}: {:.2} MB (ledger)\n", *peak as f64 / 1e6));
+            out.push_str(&format!("  peak on the {}: {:.2} MB (ledger)\n", placement.name(), *peak as f64 / 1e6));
         }
         if let Some(bubble) = s.pipeline_bubble {
             out.push_str(&format!("  pipeline bubble: {:.1}% of the schedule's time\n", bubble * 100.0));

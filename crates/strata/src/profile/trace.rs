@@ -21,7 +21,7 @@ fn micros(t: f64) -> f64 {
 /// Bytes per placement, for a counter.
 fn totals(memory: &Memory) -> Value {
     let per: serde_json::Map<String, Value> =
-        memory.iter().map(|(p, by)| (format!("{p:?}").to_lowercase(), json!(by.values().sum::<u64>()))).collect();
+        memory.iter().map(|(p, by)| (p.name().to_string(), json!(by.values().sum::<u64>()))).collect();
     Value::Object(per)
 }
 
@@ -106,7 +106,7 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
                 }
                 Record::Copy { t, unit, to, bytes } => events.push(json!({
                     "ph": "i", "s": "t", "pid": pid, "tid": COPIES, "cat": "copy",
-                    "name": format!("copy {} to the {}", p.unit_name(*unit), format!("{to:?}").to_lowercase()),
+                    "name": format!("copy {} to the {}", p.unit_name(*unit), to.name()),
                     "ts": at(*t), "args": {"bytes": bytes},
                 })),
                 Record::Evict { t, unit } => events.push(json!({

@@ -397,7 +397,6 @@ impl PipelineTrainer {
         self.pipeline.total_stages() - 1
     }
 
-    /// The stages' unit ranges `[start, end)`, in stage order.
     /// Reports every operation and every unit's events to `sink`, units numbered as in the
     /// whole model.
     pub fn set_event_sink(&mut self, sink: Arc<dyn EventSink>) {
@@ -413,6 +412,7 @@ impl PipelineTrainer {
         self.chunks.iter().map(|c| c.engine.ledger().clone()).collect()
     }
 
+    /// The stages' unit ranges `[start, end)`, in stage order.
     pub fn ranges(&self) -> &[(usize, usize)] {
         &self.ranges
     }

@@ -152,13 +152,6 @@ fn span_of(p: &Profile) -> (f64, f64) {
     (start, if end > start { end } else { start + 1.0 })
 }
 
-fn placement_name(p: Placement) -> &'static str {
-    match p {
-        Placement::Device => "device",
-        Placement::Host => "host",
-    }
-}
-
 /// A chart of seconds, steps or positions against values.
 type Chart<'a, DB> =
     ChartContext<'a, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>;
@@ -251,7 +244,7 @@ impl Picture for MemoryOverTime<'_> {
                     .filter_map(|m| m.by_placement.get(&placement).map(|&b| (m.t, b as f64 / MB)))
                     .collect();
                 if points.iter().any(|&(_, y)| y > 0.0) {
-                    let label = format!("ledger, {}", placement_name(placement));
+                    let label = format!("ledger, {}", placement.name());
                     legend_line(&mut chart, points, colours[i], &label)?;
                 }
             }
