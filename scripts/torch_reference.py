@@ -1,12 +1,14 @@
 """PyTorch reference for Strata's tests and benchmarks.
 
 The same GPT as Strata's (nanoGPT layout: learned positions, pre-LayerNorm, GELU-tanh,
-tied embeddings), written in plain PyTorch eager, with two commands:
+tied embeddings) and the same LLaMA (RMSNorm, rotary positions, grouped-query attention,
+SwiGLU), written in plain PyTorch eager, with two commands:
 
   train  replays given batches from given initial weights and prints the loss of every
          step as JSON, so Strata's losses can be compared with PyTorch's step by step;
   bench  trains a freshly initialised model on random tokens in blocks of steps asked for
-         on stdin, answering each with its time and the peak memory as a JSON line.
+         on stdin, answering each with its time and the peak memory as a JSON line; on a
+         GPU (--device cuda) with autocast (--amp bf16) and the fused AdamW.
 
 Run it with the project's virtual environment: .venv/bin/python scripts/torch_reference.py
 """
@@ -76,6 +78,81 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim, heads, kv_heads, ffn_dim, eps):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.input_layernorm = RMSNorm(dim, eps)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(dim, dim, bias=False)
+        self.self_attn.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.self_attn.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.self_attn.o_proj = nn.Linear(dim, dim, bias=False)
+        self.post_attention_layernorm = RMSNorm(dim, eps)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(dim, ffn_dim, bias=False)
+        self.mlp.up_proj = nn.Linear(dim, ffn_dim, bias=False)
+        self.mlp.down_proj = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, c = x.shape
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = a.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = a.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = a.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        x = x + a.o_proj(y.transpose(1, 2).reshape(b, t, c))
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+
+
+class Llama(nn.Module):
+    """LLaMA as Strata lays it out: RMSNorm, rotary positions (half rotation), grouped-query
+    attention, SwiGLU, untied head."""
+
+    def __init__(self, vocab, ctx, layers, heads, dim, kv_heads, ffn_dim, eps=1e-5, theta=10000.0):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, heads, kv_heads, ffn_dim, eps) for _ in range(layers))
+        self.norm = RMSNorm(dim, eps)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        head_dim = dim // heads
+        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(ctx, dtype=torch.float32), inv)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        cos, sin = self.cos[:t], self.sin[:t]
+        x = self.embed_tokens(idx)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
 def spawn_on_loopback(worker, args, nprocs):
     """Runs worker(rank, args, port) in `nprocs` processes that can join over a free
     loopback port (torch.distributed's tcp:// init)."""
@@ -106,9 +183,10 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def train_step(model, opt, x, y, grad_clip):
-    logits = model(x)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+def train_step(model, opt, x, y, grad_clip, amp=None):
+    with torch.autocast(x.device.type, dtype=amp, enabled=amp is not None):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
     loss.backward()
     if grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -118,8 +196,15 @@ def train_step(model, opt, x, y, grad_clip):
 
 
 def make_optimizer(model, args):
+    # On a GPU the fused AdamW, as a user tuning for speed would choose.
+    fused = next(model.parameters()).is_cuda or None
     return torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay
+        model.parameters(),
+        lr=args.lr,
+        betas=tuple(args.betas),
+        eps=args.eps,
+        weight_decay=args.weight_decay,
+        fused=fused,
     )
 
 
@@ -146,24 +231,64 @@ def cmd_train(args):
     json.dump({"losses": losses}, sys.stdout)
 
 
+def split(batch):
+    return batch[:, :-1], batch[:, 1:]
+
+
+def count_syncs(step):
+    """Runs step() once and counts the host-device synchronisations CUDA's sync debug mode
+    reports in it."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing CUDA operation" in str(w.message) for w in seen)
+
+
 def cmd_bench(args):
     """Serves timed blocks of training steps: reads "K" lines from stdin, runs K steps and
-    answers with one JSON line, so a caller can alternate blocks with its own."""
+    answers with one JSON line, so a caller can alternate blocks with its own; a "count"
+    line runs one step and answers with the host-device synchronisations it made."""
     torch.manual_seed(args.seed)
-    model = GPT(args.vocab, args.ctx, args.layers, args.heads, args.dim)
+    device = torch.device(args.device)
+    if args.model == "gpt":
+        model = GPT(args.vocab, args.ctx, args.layers, args.heads, args.dim)
+    else:
+        kv_heads = args.kv_heads or args.heads
+        ffn_dim = args.ffn_dim or (8 * args.dim // 3 + 31) // 32 * 32
+        model = Llama(args.vocab, args.ctx, args.layers, args.heads, args.dim, kv_heads, ffn_dim)
+    model.to(device)
     opt = make_optimizer(model, args)
+    amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     gen = torch.Generator().manual_seed(args.seed)
-    batches = [torch.randint(args.vocab, (args.batch, args.ctx + 1), generator=gen) for _ in range(4)]
+    batches = [torch.randint(args.vocab, (args.batch, args.ctx + 1), generator=gen).to(device) for _ in range(4)]
+    cuda = device.type == "cuda"
     step = 0
     for line in sys.stdin:
+        if line.strip() == "count":
+            print(json.dumps({"syncs": count_syncs(lambda: train_step(model, opt, *split(batches[0]), args.grad_clip, amp))}), flush=True)
+            continue
         k = int(line)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         for _ in range(k):
-            b = batches[step % len(batches)]
-            train_step(model, opt, b[:, :-1], b[:, 1:], args.grad_clip)
+            train_step(model, opt, *split(batches[step % len(batches)]), args.grad_clip, amp)
             step += 1
+        if cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        print(json.dumps({"seconds": elapsed, "steps": k, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
+        answer = {"seconds": elapsed, "steps": k, "peak_rss_bytes": peak_rss_bytes()}
+        if cuda:
+            answer["peak_device_bytes"] = torch.cuda.max_memory_allocated()
+        print(json.dumps(answer), flush=True)
 
 
 def main():
@@ -187,6 +312,11 @@ def main():
     for flag in ("--vocab", "--ctx", "--layers", "--dim", "--batch"):
         b.add_argument(flag, type=int, required=True)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--model", choices=("gpt", "llama"), default="gpt")
+    b.add_argument("--ffn-dim", type=int, default=None)
+    b.add_argument("--kv-heads", type=int, default=None)
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,68 +1,156 @@
-//! `strata bench train`: the same GPT trained by Strata and by PyTorch eager (the project's
-//! reference script, run with the project's virtual environment) in one run, side by side.
+//! `strata bench train`: the same GPT or LLaMA trained by Strata and by PyTorch eager (the
+//! project's reference script, run with the project's virtual environment) in one run, side
+//! by side, on the CPU or a GPU; optionally Strata with fp8 linears as a third side.
 use crate::bench_runs::GptShape;
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use strata::data::{Batch, Step};
-use strata::engine::{memory, EngineConfig};
-use strata::model::GptConfig;
-use strata::model::ModelConfig;
+use strata::engine::events::{Event, EventSink};
+use strata::engine::{memory, EngineConfig, Phase};
+use strata::model::{GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{self, Placement};
 use strata::strategy::Strategy;
 use strata::train::Trainer;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchModel {
+    Gpt,
+    Llama,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Amp {
+    None,
+    Bf16,
+    Fp16,
+}
+
+impl Amp {
+    fn name(self) -> &'static str {
+        match self {
+            Amp::None => "none",
+            Amp::Bf16 => "bf16",
+            Amp::Fp16 => "fp16",
+        }
+    }
+}
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchTrainArgs {
     #[command(flatten)]
-    shape: GptShape,
+    pub shape: GptShape,
+    #[arg(long, value_enum, default_value_t = BenchModel::Gpt)]
+    pub model: BenchModel,
+    /// LLaMA: key/value heads of grouped-query attention (default: one per query head).
+    #[arg(long)]
+    pub kv_heads: Option<i64>,
+    /// LLaMA: hidden size of the SwiGLU feed-forward (default 8/3 · dim rounded up to 32).
+    #[arg(long)]
+    pub ffn_dim: Option<i64>,
     #[arg(long, default_value_t = 256)]
-    vocab: i64,
+    pub vocab: i64,
     #[arg(long, default_value_t = 8)]
-    batch_size: i64,
+    pub batch_size: i64,
     #[arg(long, default_value_t = 2)]
-    threads: i32,
-    /// Measured blocks of each side, alternating PyTorch and Strata.
+    pub threads: i32,
+    /// Compute device of both sides: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Mixed precision of both sides: autocast in PyTorch, amp_native in Strata.
+    #[arg(long, value_enum, default_value_t = Amp::None)]
+    pub amp: Amp,
+    /// A third side: Strata with fp8 linears (all but the output head) on top of --amp.
+    #[arg(long)]
+    pub fp8: bool,
+    /// Dense peak of the device in TFLOP/s for the model FLOPs utilisation (default: known
+    /// from the GPU's name, bf16 without sparsity).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    /// Measured blocks of each side, alternating between the sides.
     #[arg(long, default_value_t = 10)]
-    rounds: u64,
+    pub rounds: u64,
     /// Training steps per block.
     #[arg(long, default_value_t = 5)]
-    block: u64,
+    pub block: u64,
     /// Warm-up steps of each side before measuring.
     #[arg(long, default_value_t = 5)]
-    warmup: u64,
+    pub warmup: u64,
     /// Python of the environment with torch (default: the checkout's .venv).
     #[arg(long)]
-    python: Option<PathBuf>,
+    pub python: Option<PathBuf>,
     /// Print the results as JSON.
     #[arg(long)]
-    json: bool,
+    pub json: bool,
 }
 
+impl BenchTrainArgs {
+    fn model_config(&self) -> ModelConfig {
+        let GptShape { layers, heads, dim, ctx } = self.shape;
+        match self.model {
+            BenchModel::Gpt => ModelConfig::Gpt(GptConfig::new(self.vocab, ctx, layers, heads, dim)),
+            BenchModel::Llama => ModelConfig::Llama(LlamaConfig {
+                kv_heads: self.kv_heads,
+                ffn_dim: self.ffn_dim,
+                ..LlamaConfig::new(self.vocab, ctx, layers, heads, dim)
+            }),
+        }
+    }
+}
+
+/// What one side measured over all its blocks.
 #[derive(Clone, Debug, Default, Serialize)]
-struct Measurement {
-    tokens_per_s: f64,
-    step_ms: f64,
-    peak_rss_bytes: u64,
+pub struct Measurement {
+    pub side: String,
+    pub tokens_per_s: f64,
+    pub step_ms: f64,
+    /// Model FLOPs utilisation, where the device's peak is known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
+    pub peak_rss_bytes: u64,
+    /// The device allocator's peak over a block (GPU only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes: Option<u64>,
+    /// Host-device synchronisations of one step (GPU only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub syncs_per_step: Option<u64>,
+    /// Where Strata's synchronisations of that step happened, and how many each.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub sync_sites: BTreeMap<String, u64>,
 }
 
 #[derive(Serialize)]
-struct Report {
-    config: GptConfig,
-    batch_size: i64,
-    threads: i32,
+pub struct Report {
+    pub model: BenchModel,
+    pub config: serde_json::Value,
+    pub params: i64,
+    pub batch_size: i64,
+    pub device: String,
+    pub amp: Amp,
+    pub threads: i32,
+    /// Model FLOPs of one token, forward and backward: 6 · parameters plus attention.
+    pub flops_per_token: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_tflops: Option<f64>,
     /// Measured steps of each side.
-    steps: u64,
-    strata: Measurement,
-    pytorch: Measurement,
+    pub steps: u64,
+    /// PyTorch first, then Strata, then Strata with fp8 where asked for.
+    pub sides: Vec<Measurement>,
     /// Strata tokens/s divided by PyTorch tokens/s.
-    ratio: f64,
+    pub ratio: f64,
+    /// Strata with fp8 against Strata without, tokens/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fp8_ratio: Option<f64>,
 }
 
 pub fn repo_root() -> PathBuf {
@@ -85,40 +173,128 @@ pub fn run_reference(python: Option<&PathBuf>, script: &str, args: &[String]) ->
         .with_context(|| format!("the PyTorch reference {script} printed no JSON report"))
 }
 
-/// Strata's side: a trainer and a few fixed batches, timed block by block.
+/// One timed block of steps.
+struct Block {
+    seconds: f64,
+    peak_rss_bytes: u64,
+    peak_device_bytes: Option<u64>,
+}
+
+/// A trainer under measurement: runs blocks of steps, and counts one step's synchronisations.
+trait Side {
+    fn run(&mut self, steps: u64) -> Result<Block>;
+    /// One step with host-device synchronisations counted: the total and where they were.
+    fn count_syncs(&mut self) -> Result<(u64, BTreeMap<String, u64>)>;
+}
+
+/// Strata's side: a trainer and a few fixed batches on the device, timed block by block.
 struct StrataSide {
     trainer: Trainer,
     batches: Vec<Step>,
+    device: Device,
     done: usize,
 }
 
 impl StrataSide {
-    fn new(cfg: &GptConfig, batch_size: i64) -> Result<StrataSide> {
-        // The reference uses fused attention and layer norm: so does this side.
-        let strategy = Strategy::parse(r#"["module_replace"]"#)?;
-        let spec = ModelConfig::Gpt(cfg.clone()).spec()?;
-        let mut engine = parallel::build_engine(spec, EngineConfig::default(), &strategy, &Placement::single())?;
+    fn new(model: &ModelConfig, batch_size: i64, device: Device, strategy: &str) -> Result<StrataSide> {
+        let strategy = Strategy::parse(strategy)?;
+        let spec = model.spec()?;
+        let config = EngineConfig { device, ..EngineConfig::default() };
+        let mut engine = parallel::build_engine(spec, config, &strategy, &Placement::single())?;
         let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
-        let trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+        let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+        trainer.scaling = strategy.grad_scaling()?;
+        let ctx = model.context().context("the model has a context length")?;
         let batches = (0..4)
             .map(|i| {
-                let t = Tensor::randint(cfg.vocab, [batch_size, cfg.ctx + 1], (Kind::Int64, tch::Device::Cpu));
+                let t = Tensor::randint(model.vocab(), [batch_size, ctx + 1], (Kind::Int64, device));
                 Step {
                     index: i,
-                    micro_batches: vec![Batch { inputs: t.narrow(1, 0, cfg.ctx), targets: t.narrow(1, 1, cfg.ctx) }],
+                    micro_batches: vec![Batch { inputs: t.narrow(1, 0, ctx), targets: t.narrow(1, 1, ctx) }],
                 }
             })
             .collect();
-        Ok(StrataSide { trainer, batches, done: 0 })
+        Ok(StrataSide { trainer, batches, device, done: 0 })
     }
 
-    fn run(&mut self, steps: u64) -> Result<f64> {
-        let start = Instant::now();
+    fn steps(&mut self, steps: u64) -> Result<()> {
         for _ in 0..steps {
             self.trainer.train_step(&self.batches[self.done % self.batches.len()])?;
             self.done += 1;
         }
-        Ok(start.elapsed().as_secs_f64())
+        Ok(())
+    }
+
+    fn synchronize(&self) {
+        if let Device::Cuda(i) = self.device {
+            tch::Cuda::synchronize(i as i64);
+        }
+    }
+}
+
+impl Side for StrataSide {
+    fn run(&mut self, steps: u64) -> Result<Block> {
+        self.synchronize();
+        let start = Instant::now();
+        self.steps(steps)?;
+        self.synchronize();
+        let seconds = start.elapsed().as_secs_f64();
+        Ok(Block {
+            seconds,
+            peak_rss_bytes: memory::process_peak_rss().unwrap_or(0),
+            peak_device_bytes: self.device.is_cuda().then(|| memory::allocator_peak(self.device)).flatten(),
+        })
+    }
+
+    fn count_syncs(&mut self) -> Result<(u64, BTreeMap<String, u64>)> {
+        self.synchronize();
+        let sites = Arc::new(SyncSites::default());
+        self.trainer.engine.set_event_sink(sites.clone());
+        strata_ext::cuda::count_syncs(true)?;
+        let before = strata_ext::cuda::syncs_counted();
+        *sites.state.lock().unwrap_or_else(|e| e.into_inner()) = (before, "step start (before unit 0)".into());
+        let result = self.steps(1);
+        sites.record_until_now("end of step (after the update)");
+        strata_ext::cuda::count_syncs(false)?;
+        result?;
+        let total = strata_ext::cuda::syncs_counted() - before;
+        let counts = std::mem::take(&mut *sites.counts.lock().unwrap_or_else(|e| e.into_inner()));
+        Ok((total, counts))
+    }
+}
+
+/// Attributes synchronisations to the stretch of a step they happened in: between one engine
+/// event and the next, named after the earlier one.
+#[derive(Default)]
+struct SyncSites {
+    /// The count at the last event, and the stretch that began there.
+    state: Mutex<(u64, String)>,
+    counts: Mutex<BTreeMap<String, u64>>,
+}
+
+impl SyncSites {
+    fn record_until_now(&self, next: &str) {
+        let now = strata_ext::cuda::syncs_counted();
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let (at, stretch) = std::mem::replace(&mut *state, (now, next.to_string()));
+        if now > at {
+            *self.counts.lock().unwrap_or_else(|e| e.into_inner()).entry(stretch).or_default() += now - at;
+        }
+    }
+}
+
+impl EventSink for SyncSites {
+    fn record(&self, event: Event) {
+        let next = match event {
+            Event::Phase { phase: Phase::BeforeForward, unit, .. } => format!("unit {unit} forward"),
+            Event::Phase { phase: Phase::AfterForward, unit, .. } => format!("after unit {unit} forward"),
+            Event::Phase { phase: Phase::BeforeBackward, unit, .. } => format!("unit {unit} backward"),
+            Event::Phase { phase: Phase::AfterBackward, unit, .. } => format!("after unit {unit} backward"),
+            Event::Update { done: false } => "optimizer update".into(),
+            Event::Update { done: true } => "after the update".into(),
+            _ => return,
+        };
+        self.record_until_now(&next);
     }
 }
 
@@ -127,19 +303,31 @@ struct PytorchSide {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
-    peak_rss_bytes: u64,
 }
 
 impl PytorchSide {
-    fn start(a: &BenchTrainArgs, cfg: &GptConfig) -> Result<PytorchSide> {
+    fn start(a: &BenchTrainArgs) -> Result<PytorchSide> {
         let root = repo_root();
         let python = a.python.clone().unwrap_or_else(|| root.join(".venv/bin/python"));
         let n = |v: i64| v.to_string();
-        let mut child = Command::new(&python)
+        let GptShape { layers, heads, dim, ctx } = a.shape;
+        let model = match a.model {
+            BenchModel::Gpt => "gpt",
+            BenchModel::Llama => "llama",
+        };
+        let mut command = Command::new(&python);
+        command
             .arg(root.join("scripts/torch_reference.py"))
-            .args(["bench", "--vocab", &n(cfg.vocab), "--ctx", &n(cfg.ctx), "--layers", &n(cfg.layers)])
-            .args(["--heads", &n(cfg.heads), "--dim", &n(cfg.dim), "--batch", &n(a.batch_size)])
+            .args(["bench", "--model", model, "--vocab", &n(a.vocab), "--ctx", &n(ctx), "--layers", &n(layers)])
+            .args(["--heads", &n(heads), "--dim", &n(dim), "--batch", &n(a.batch_size)])
             .args(["--threads", &a.threads.to_string(), "--grad-clip", "1.0"])
+            .args(["--device", &a.device, "--amp", a.amp.name()]);
+        for (flag, value) in [("--kv-heads", a.kv_heads), ("--ffn-dim", a.ffn_dim)] {
+            if let Some(v) = value {
+                command.args([flag, &n(v)]);
+            }
+        }
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -147,24 +335,40 @@ impl PytorchSide {
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             bail!("no pipes to the PyTorch reference");
         };
-        Ok(PytorchSide { child, stdin, stdout: BufReader::new(stdout), peak_rss_bytes: 0 })
+        Ok(PytorchSide { child, stdin, stdout: BufReader::new(stdout) })
     }
 
-    fn run(&mut self, steps: u64) -> Result<f64> {
+    /// Sends one request line and reads the JSON answer.
+    fn ask<T: for<'de> Deserialize<'de>>(&mut self, request: &str) -> Result<T> {
+        writeln!(self.stdin, "{request}").context("the PyTorch reference stopped")?;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).context("the PyTorch reference stopped")?;
+        serde_json::from_str(&line).with_context(|| {
+            let status = self.child.try_wait().ok().flatten();
+            format!("the PyTorch reference failed (exit {status:?}); run it by hand to see why")
+        })
+    }
+}
+
+impl Side for PytorchSide {
+    fn run(&mut self, steps: u64) -> Result<Block> {
         #[derive(Deserialize)]
         struct Answer {
             seconds: f64,
             peak_rss_bytes: u64,
+            peak_device_bytes: Option<u64>,
         }
-        writeln!(self.stdin, "{steps}").context("the PyTorch reference stopped")?;
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).context("the PyTorch reference stopped")?;
-        let answer: Answer = serde_json::from_str(&line).with_context(|| {
-            let status = self.child.try_wait().ok().flatten();
-            format!("the PyTorch reference failed (exit {status:?}); run it by hand to see why")
-        })?;
-        self.peak_rss_bytes = answer.peak_rss_bytes;
-        Ok(answer.seconds)
+        let a: Answer = self.ask(&steps.to_string())?;
+        Ok(Block { seconds: a.seconds, peak_rss_bytes: a.peak_rss_bytes, peak_device_bytes: a.peak_device_bytes })
+    }
+
+    fn count_syncs(&mut self) -> Result<(u64, BTreeMap<String, u64>)> {
+        #[derive(Deserialize)]
+        struct Answer {
+            syncs: u64,
+        }
+        let a: Answer = self.ask("count")?;
+        Ok((a.syncs, BTreeMap::new()))
     }
 }
 
@@ -175,56 +379,185 @@ impl Drop for PytorchSide {
     }
 }
 
-pub fn run(a: BenchTrainArgs) -> Result<()> {
-    let GptShape { layers, heads, dim, ctx } = a.shape;
-    let cfg = GptConfig::new(a.vocab, ctx, layers, heads, dim);
-    cfg.validate()?;
+/// Dense (no sparsity) bf16 peak in TFLOP/s of the GPUs whose name says which they are.
+fn known_peak_tflops(name: &str) -> Option<f64> {
+    const PEAKS: [(&str, f64); 6] =
+        [("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0)];
+    PEAKS.iter().find(|(part, _)| name.contains(part)).map(|&(_, peak)| peak)
+}
+
+/// Model FLOPs of one trained token (forward and backward): 6 per parameter, plus the
+/// attention's scores and weighted sums, 12 · layers · context · width (as if not causal).
+fn flops_per_token(model: &ModelConfig, params: i64) -> f64 {
+    let (layers, ctx, dim) = match model {
+        ModelConfig::Gpt(c) => (c.layers, c.ctx, c.dim),
+        ModelConfig::Llama(c) => (c.layers, c.ctx, c.dim),
+        ModelConfig::Mlp(_) => (0, 0, 0),
+    };
+    6.0 * params as f64 + 12.0 * (layers * ctx * dim) as f64
+}
+
+/// Strata's strategy for a side: fused attention and norms as the reference uses, the
+/// reference's precision, and fp8 linears where asked.
+fn strata_strategy(amp: Amp, fp8: bool) -> String {
+    let mut methods = vec![r#""module_replace""#.to_string()];
+    if fp8 {
+        methods.push(r#"["fp8", {"exclude": ["lm_head"]}]"#.into());
+    }
+    if amp != Amp::None {
+        methods.push(format!(r#"["amp_native", {{"dtype": "{}"}}]"#, amp.name()));
+    }
+    format!("[{}]", methods.join(", "))
+}
+
+/// Measures every side of `a` in alternating blocks and reports them.
+pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
+    let model = a.model_config();
     if a.rounds == 0 || a.block == 0 || a.batch_size <= 0 || a.threads <= 0 {
         bail!("rounds, block, batch size and threads must be positive");
     }
+    let device = crate::options::parse_device(&a.device)?;
+    let gpu = match device {
+        Device::Cuda(i) => {
+            let name = strata_ext::cuda::device_name(i).context("no usable GPU for --device")?;
+            Some((i, name))
+        }
+        _ => None,
+    };
+    if a.fp8 && gpu.is_none() {
+        bail!("--fp8 compares fp8 matrix products, which need a GPU (--device cuda)");
+    }
     tch::set_num_threads(a.threads);
     tch::manual_seed(0);
-    let mut pytorch = PytorchSide::start(&a, &cfg)?;
-    let mut strata = StrataSide::new(&cfg, a.batch_size)?;
-    pytorch.run(a.warmup)?;
-    strata.run(a.warmup)?;
-    // Short alternating blocks: both sides see the same drifts of a shared machine, and
+    let mut names = vec!["pytorch eager".to_string(), "strata".to_string()];
+    let mut sides: Vec<Box<dyn Side>> = vec![
+        Box::new(PytorchSide::start(a)?),
+        Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a.amp, false))?),
+    ];
+    if a.fp8 {
+        names.push("strata fp8".into());
+        sides.push(Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a.amp, true))?));
+    }
+    for side in &mut sides {
+        side.run(a.warmup)?;
+    }
+    // Short alternating blocks: every side sees the same drifts of a shared machine, and
     // only one of them runs at a time.
-    let (mut t_pytorch, mut t_strata) = (0.0, 0.0);
+    let mut blocks: Vec<Vec<Block>> = sides.iter().map(|_| Vec::new()).collect();
     for _ in 0..a.rounds {
-        t_pytorch += pytorch.run(a.block)?;
-        t_strata += strata.run(a.block)?;
+        for (side, done) in sides.iter_mut().zip(&mut blocks) {
+            done.push(side.run(a.block)?);
+        }
     }
-    let steps = a.rounds * a.block;
-    let tokens = (steps as i64 * a.batch_size * cfg.ctx) as f64;
-    let measured = |seconds: f64, peak_rss_bytes: u64| Measurement {
-        tokens_per_s: tokens / seconds,
-        step_ms: 1000.0 * seconds / steps as f64,
-        peak_rss_bytes,
+    // Counted after the timed blocks: the count leaves its event sink on Strata's engine.
+    let syncs = match gpu {
+        Some(_) => sides.iter_mut().map(|s| s.count_syncs().map(Some)).collect::<Result<Vec<_>>>()?,
+        None => vec![None; sides.len()],
     };
-    let strata = measured(t_strata, memory::process_peak_rss().unwrap_or(0));
-    let pytorch = measured(t_pytorch, pytorch.peak_rss_bytes);
-    let ratio = strata.tokens_per_s / pytorch.tokens_per_s;
-    let report = Report { config: cfg, batch_size: a.batch_size, threads: a.threads, steps, strata, pytorch, ratio };
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
-    }
+    drop(sides);
+    let params = model.spec()?.num_params();
+    let flops_per_token = flops_per_token(&model, params);
+    let peak_tflops = a.peak_tflops.or_else(|| gpu.as_ref().and_then(|(_, name)| known_peak_tflops(name)));
+    let steps = a.rounds * a.block;
+    let ctx = model.context().unwrap_or(0);
+    let tokens = (steps as i64 * a.batch_size * ctx) as f64;
+    let measured: Vec<Measurement> = names
+        .into_iter()
+        .zip(blocks)
+        .zip(syncs)
+        .map(|((side, blocks), syncs)| {
+            let seconds: f64 = blocks.iter().map(|b| b.seconds).sum();
+            let tokens_per_s = tokens / seconds;
+            let (syncs_per_step, sync_sites) = match syncs {
+                Some((n, sites)) => (Some(n), sites),
+                None => (None, BTreeMap::new()),
+            };
+            Measurement {
+                side,
+                tokens_per_s,
+                step_ms: 1000.0 * seconds / steps as f64,
+                mfu: peak_tflops.map(|peak| tokens_per_s * flops_per_token / (peak * 1e12)),
+                peak_rss_bytes: blocks.iter().map(|b| b.peak_rss_bytes).max().unwrap_or(0),
+                peak_device_bytes: blocks.iter().filter_map(|b| b.peak_device_bytes).max(),
+                syncs_per_step,
+                sync_sites,
+            }
+        })
+        .collect();
+    let ratio = measured[1].tokens_per_s / measured[0].tokens_per_s;
+    let fp8_ratio = measured.get(2).map(|fp8| fp8.tokens_per_s / measured[1].tokens_per_s);
+    Ok(Report {
+        model: a.model,
+        config: serde_json::to_value(&model)?,
+        params,
+        batch_size: a.batch_size,
+        device: gpu.map_or_else(|| "cpu".to_string(), |(_, name)| name),
+        amp: a.amp,
+        threads: a.threads,
+        flops_per_token,
+        peak_tflops,
+        steps,
+        sides: measured,
+        ratio,
+        fp8_ratio,
+    })
+}
+
+/// Prints `report` as a small table.
+pub fn print(report: &Report, block: u64) {
     let c = &report.config;
+    let field = |k: &str| c.get(k).and_then(|v| v.as_i64()).unwrap_or(0);
     println!(
-        "GPT {} layers, {} heads, dim {}, ctx {}, vocab {}, batch {}, {} threads; {} steps each, in alternating blocks of {}",
-        c.layers, c.heads, c.dim, c.ctx, c.vocab, report.batch_size, report.threads, steps, a.block
+        "{:?} {:.0}M parameters ({} layers, {} heads, dim {}, ctx {}, vocab {}), batch {}, amp {}, on {}; {} steps each, in alternating blocks of {}",
+        report.model,
+        report.params as f64 / 1e6,
+        field("layers"),
+        field("heads"),
+        field("dim"),
+        field("ctx"),
+        field("vocab"),
+        report.batch_size,
+        report.amp.name(),
+        report.device,
+        report.steps,
+        block
     );
-    println!("{:<16} {:>12} {:>10} {:>14}", "", "tokens/s", "ms/step", "peak RSS MiB");
-    for (name, m) in [("strata", &report.strata), ("pytorch eager", &report.pytorch)] {
+    if let Some(peak) = report.peak_tflops {
+        println!("MFU: {:.2} GFLOP per token over a dense peak of {peak:.0} TFLOP/s", report.flops_per_token / 1e9);
+    }
+    println!(
+        "{:<14} {:>11} {:>9} {:>6} {:>15} {:>13} {:>11}",
+        "", "tokens/s", "ms/step", "MFU %", "peak device MiB", "peak RSS MiB", "syncs/step"
+    );
+    let mib = |b: u64| b as f64 / 1048576.0;
+    for m in &report.sides {
+        let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
         println!(
-            "{:<16} {:>12.0} {:>10.1} {:>14.1}",
-            name,
+            "{:<14} {:>11.0} {:>9.1} {:>6} {:>15} {:>13.1} {:>11}",
+            m.side,
             m.tokens_per_s,
             m.step_ms,
-            m.peak_rss_bytes as f64 / 1048576.0
+            or_dash(m.mfu.map(|u| format!("{:.1}", 100.0 * u))),
+            or_dash(m.peak_device_bytes.map(|b| format!("{:.0}", mib(b)))),
+            mib(m.peak_rss_bytes),
+            or_dash(m.syncs_per_step.map(|n| n.to_string())),
         );
+        for (site, n) in &m.sync_sites {
+            println!("{:<14}   {n} sync at {site}", "");
+        }
     }
     println!("strata / pytorch tokens/s: {:.3}", report.ratio);
+    if let Some(r) = report.fp8_ratio {
+        println!("strata fp8 / strata tokens/s: {r:.3}");
+    }
+}
+
+pub fn run(a: BenchTrainArgs) -> Result<()> {
+    let report = measure(&a)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print(&report, a.block);
+    }
     Ok(())
 }

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_comm;
 mod bench_dist;
+mod bench_gpu;
 mod bench_methods;
 mod bench_offload;
 mod bench_parallel;
@@ -89,8 +90,12 @@ enum CkptCommand {
 
 #[derive(Subcommand)]
 enum BenchCommand {
-    /// Training throughput of a GPT in Strata and in PyTorch eager, side by side.
+    /// Training throughput of a GPT or LLaMA in Strata and in PyTorch eager, side by side, on
+    /// the CPU or a GPU.
     Train(bench::BenchTrainArgs),
+    /// On one GPU: GPT-2 124M and a 1.1B LLaMA in bf16, Strata against PyTorch eager (and fp8
+    /// against bf16): tokens/s, MFU, peak memory and synchronisations per step.
+    Gpu(bench_gpu::BenchGpuArgs),
     /// Collective bandwidth per backend and size, with memcpy bandwidth as the reference.
     Comm(bench_comm::BenchCommArgs),
     /// Per-rank model-state memory of ddp/zero1/zero2/fsdp against the ZeRO formula, and
@@ -173,6 +178,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => infer::eval(*a),
         Command::Generate(a) => infer::run_generate(*a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
+        Command::Bench { which: BenchCommand::Gpu(a) } => bench_gpu::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
         Command::Bench { which: BenchCommand::Parallel(a) } => bench_parallel::run(a),

@@ -179,6 +179,10 @@ train_options! {
     resume: PathBuf,
     /// Seconds to wait for the other ranks and the store (joining, every collective).
     comm_timeout: f64,
+    /// Backends of the ranks' collectives, per device type ("cpu:shm,cuda:nccl"). Default:
+    /// shm between the ranks of one host, else tcp; on GPUs nccl, or the host-staged ring
+    /// where ranks share a GPU.
+    comm_backend: String,
     /// Log a line every this many steps.
     log_every: u64,
 }
@@ -257,6 +261,7 @@ pub struct TrainSettings {
     pub keep_checkpoints: usize,
     pub resume: Option<PathBuf>,
     pub comm_timeout: std::time::Duration,
+    pub comm_backend: Option<String>,
 }
 
 /// A given strategy, or one to search for.
@@ -635,6 +640,7 @@ impl TrainOptions {
                 k => k.unwrap_or(2),
             },
             resume,
+            comm_backend: o.comm_backend,
             comm_timeout: match o.comm_timeout {
                 Some(t) if !(t.is_finite() && t > 0.0) => bail!("--comm-timeout must be a positive number of seconds"),
                 Some(t) => std::time::Duration::try_from_secs_f64(t)

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <unordered_map>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -327,11 +328,34 @@ int strata_fused_sgd(Tensor* const* params, Tensor* const* grads,
 // ---- CUDA -----------------------------------------------------------------------------
 
 #ifdef STRATA_CUDA
-#define STRATA_REQUIRE_CUDA() \
-  TORCH_CHECK(c10::cuda::device_count() > 0, "no CUDA device is visible")
+// Also initialises libtorch's CUDA state (its caching allocator among it) as a first
+// tensor on the device would, so statistics can be read before any allocation.
+#define STRATA_REQUIRE_CUDA()                                               \
+  TORCH_CHECK(c10::cuda::device_count() > 0, "no CUDA device is visible"); \
+  at::globalContext().lazyInitDevice(at::kCUDA)
 #else
 #define STRATA_REQUIRE_CUDA() \
   TORCH_CHECK(false, "Strata was built without CUDA support (cargo feature `cuda`)")
+#endif
+
+#ifdef STRATA_CUDA
+namespace {
+// Counts the warnings libtorch's sync debug mode raises on a thread where counting is on:
+// one per host-device synchronisation (copies to pageable host memory, `.item()`, stream
+// and device synchronisations). Other warnings go on to the handler that was there before.
+std::atomic<int64_t> syncs_counted{0};
+struct SyncCounter final : c10::WarningHandler {
+  c10::WarningHandler* previous = nullptr;
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find("synchronizing CUDA operation") != std::string::npos) {
+      syncs_counted.fetch_add(1, std::memory_order_relaxed);
+    } else if (previous != nullptr) {
+      previous->process(warning);
+    }
+  }
+};
+thread_local SyncCounter sync_counter;
+}  // namespace
 #endif
 
 int strata_cuda_is_built() {
@@ -357,6 +381,22 @@ int strata_cuda_capability(int device, int* major, int* minor) {
     (void)device;
     (void)major;
     (void)minor;
+#endif
+  });
+}
+
+// Writes the device's name, NUL-terminated and cut to `len` bytes.
+int strata_cuda_device_name(int device, char* name, int len) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    cudaDeviceProp props;
+    if (cudaGetDeviceProperties(&props, device) != cudaSuccess) throw std::runtime_error("no such CUDA device");
+    std::snprintf(name, static_cast<size_t>(len), "%s", props.name);
+#else
+    (void)device;
+    (void)name;
+    (void)len;
 #endif
   });
 }
@@ -500,11 +540,41 @@ int strata_cuda_event_synchronize(void* event) {
   return guarded([&] {
     STRATA_REQUIRE_CUDA();
 #ifdef STRATA_CUDA
+    if (c10::WarningUtils::get_warning_handler() == &sync_counter) {
+      syncs_counted.fetch_add(1, std::memory_order_relaxed);
+    }
     static_cast<at::cuda::CUDAEvent*>(event)->synchronize();
 #else
     (void)event;
 #endif
   });
+}
+
+int strata_cuda_count_syncs(int on) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    bool counting = c10::WarningUtils::get_warning_handler() == &sync_counter;
+    if (on && !counting) {
+      sync_counter.previous = c10::WarningUtils::get_warning_handler();
+      c10::WarningUtils::set_warning_handler(&sync_counter);
+      c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+    } else if (!on && counting) {
+      c10::WarningUtils::set_warning_handler(sync_counter.previous);
+      c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    }
+#else
+    (void)on;
+#endif
+  });
+}
+
+int64_t strata_cuda_syncs_counted() {
+#ifdef STRATA_CUDA
+  return syncs_counted.load(std::memory_order_relaxed);
+#else
+  return 0;
+#endif
 }
 
 int strata_cuda_event_query(void* event, int* done) {

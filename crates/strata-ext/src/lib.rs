@@ -114,6 +114,7 @@ extern "C" {
     ) -> c_int;
     fn strata_cpu_memory_track() -> c_int;
     fn strata_cuda_capability(device: c_int, major: *mut c_int, minor: *mut c_int) -> c_int;
+    fn strata_cuda_device_name(device: c_int, name: *mut c_char, len: c_int) -> c_int;
     fn strata_cpu_memory_stats(current: *mut i64, peak: *mut i64) -> c_int;
     fn strata_cpu_memory_reset_peak() -> c_int;
     fn strata_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> c_int;
@@ -164,6 +165,8 @@ extern "C" {
     fn strata_cuda_event_synchronize(event: *mut c_void) -> c_int;
     fn strata_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f32) -> c_int;
     fn strata_cuda_event_query(event: *mut c_void, done: *mut c_int) -> c_int;
+    fn strata_cuda_count_syncs(on: c_int) -> c_int;
+    fn strata_cuda_syncs_counted() -> i64;
     fn strata_nccl_unique_id(id: *mut u8) -> c_int;
     fn strata_nccl_comm_init(id: *const u8, nranks: c_int, rank: c_int, device: c_int, comm: *mut *mut c_void)
         -> c_int;
@@ -660,6 +663,30 @@ pub mod cuda {
         // SAFETY: both pointers are live for the call.
         check(unsafe { strata_cuda_capability(device as c_int, &mut major, &mut minor) })?;
         Ok((major, minor))
+    }
+
+    /// Counts, on the calling thread, every host-device synchronisation libtorch's sync debug
+    /// mode sees (copies to pageable host memory, `.item()`, stream and device
+    /// synchronisations) plus every [`Event::synchronize`], into [`syncs_counted`]. Libtorch's
+    /// mode is process-wide: other threads' synchronisations print a warning while it is on.
+    pub fn count_syncs(on: bool) -> Result<()> {
+        // SAFETY: a plain call.
+        check(unsafe { strata_cuda_count_syncs(c_int::from(on)) })
+    }
+
+    /// Synchronisations counted so far by [`count_syncs`] (across threads, since the start).
+    pub fn syncs_counted() -> u64 {
+        // SAFETY: a pure query.
+        unsafe { strata_cuda_syncs_counted() as u64 }
+    }
+
+    /// The device's name, as `nvidia-smi` shows it (e.g. "NVIDIA H100 80GB HBM3").
+    pub fn device_name(device: usize) -> Result<String> {
+        let mut buf = [0 as c_char; 256];
+        // SAFETY: the C++ side writes at most `buf.len()` bytes, NUL included.
+        check(unsafe { strata_cuda_device_name(device as c_int, buf.as_mut_ptr(), buf.len() as c_int) })?;
+        // SAFETY: the buffer is NUL-terminated (zeroed, and snprintf terminates).
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
     }
 
     pub fn reset_peak_stats(device: usize) -> Result<()> {

@@ -196,7 +196,7 @@ fn fused_adam_skips_the_step_when_found_inf_is_set() {
 }
 
 #[test]
-fn cuda_calls_fail_cleanly_without_a_gpu() {
+fn cuda_calls_work_on_a_gpu_and_fail_cleanly_without_one() {
     if tch::Cuda::is_available() && cuda::is_built() {
         let stats = cuda::memory_stats(0).unwrap();
         assert!(stats.reserved >= stats.allocated);
@@ -206,9 +206,24 @@ fn cuda_calls_fail_cleanly_without_a_gpu() {
         b.record(&stream).unwrap();
         b.synchronize().unwrap();
         assert!(a.elapsed_ms(&b).unwrap() >= 0.0);
+        assert!(!cuda::device_name(0).unwrap().is_empty());
+        // Kernels queue without a synchronisation; reading a value back is one, and so is
+        // waiting for an event.
+        let x = Tensor::ones([1024], (Kind::Float, tch::Device::Cuda(0)));
+        cuda::count_syncs(true).unwrap();
+        let before = cuda::syncs_counted();
+        let y = (&x * 2.0).sum(Kind::Float);
+        let queued = cuda::syncs_counted() - before;
+        assert_eq!(y.double_value(&[]), 2048.0);
+        let read = cuda::syncs_counted() - before - queued;
+        b.synchronize().unwrap();
+        let waited = cuda::syncs_counted() - before - queued - read;
+        cuda::count_syncs(false).unwrap();
+        assert_eq!((queued, read, waited), (0, 1, 1));
         return;
     }
     let err = cuda::memory_stats(0).unwrap_err();
+    assert!(cuda::count_syncs(true).is_err());
     assert!(err.0.contains("CUDA"), "{err}");
     assert!(cuda::Event::new(false).is_err());
     assert!(cuda::Stream::from_pool(0, false).is_err());

@@ -268,7 +268,8 @@ impl Trainer {
         let scale = self.scaling.scale();
         self.optimizer.set_lr_factor(factor);
         let n = step.micro_batches.len() as f64;
-        let mut loss_sum = 0.0;
+        // Read back once, after the update is queued: a read waits for the device.
+        let mut losses = Vec::with_capacity(step.micro_batches.len());
         let mut tokens = 0;
         let last = step.micro_batches.len().saturating_sub(1);
         // Units updated on the host start as soon as their gradient is complete, while the
@@ -287,7 +288,7 @@ impl Trainer {
             crate::fault::point("backward", self.step + 1);
             let loss = (self.loss_func)(&output, batch)?;
             self.engine.backward(&loss.f_mul_scalar(scale / n)?)?;
-            loss_sum += loss.f_double_value(&[])?;
+            losses.push(loss.f_detach()?);
             tokens += batch.targets.numel() as u64;
         }
         self.engine.set_grad_ready(None);
@@ -302,6 +303,7 @@ impl Trainer {
             self.scaling.decide(self.grad_clip, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
         decision.apply(&mut self.engine, &mut self.optimizer, &updated)?;
         let GradDecision { grad_norm, skipped, .. } = decision;
+        let loss_sum: f64 = crate::compute::read_scalars(&losses)?.iter().sum();
         let seconds = start.elapsed().as_secs_f64();
         self.step += 1;
         Ok(StepReport {

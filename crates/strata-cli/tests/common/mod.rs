@@ -4,12 +4,18 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output};
 
+/// The binary under test: `STRATA_BIN` where set (test binaries built on another machine,
+/// run beside a copy of the binary), else the one cargo built with them.
+pub fn binary() -> String {
+    std::env::var("STRATA_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_strata").to_string())
+}
+
 pub fn strata(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output().expect("the strata binary runs")
+    Command::new(binary()).args(args).output().expect("the strata binary runs")
 }
 
 pub fn strata_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+    let mut c = Command::new(binary());
     c.args(args);
     for (k, v) in env {
         c.env(k, v);

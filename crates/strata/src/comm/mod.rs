@@ -4,7 +4,8 @@
 //! handle), the built-in backends (`shm` between processes of one host, `tcp` between
 //! hosts, and `mpi` with the cargo feature of that name; all run the same ring algorithms
 //! over a byte [`transport`]; and `nccl` for CUDA tensors, built with the `cuda` feature), the backend
-//! registry and per-device dispatch (`"cpu:shm,cuda:nccl"`), the rendezvous [`store`], and
+//! registry and per-device dispatch (`"cpu:shm,cuda:nccl"`; a ring backend named for `cuda`
+//! stages GPU tensors through pinned host memory), the rendezvous [`store`], and
 //! reading a rank's identity from the environment (`strata launch`, torchrun, Slurm, Open
 //! MPI). Must not know about models or strategies: it moves and reduces tensors.
 
@@ -16,6 +17,7 @@ mod env;
 mod mpi;
 mod nccl;
 mod shared;
+mod staged;
 pub mod store;
 pub mod transport;
 
@@ -603,7 +605,12 @@ impl Comm {
                 world_size: self.size,
                 timeout: self.timeout,
             };
-            by_device.push((device, factory(&backend)?(&setup)?));
+            let mut group = factory(&backend)?(&setup)?;
+            // The built-in ring backends move host memory: GPU tensors go through it.
+            if device == "cuda" && matches!(backend.as_str(), "shm" | "tcp" | "mpi") {
+                group = Box::new(staged::HostStaged::new(group, self.timeout));
+            }
+            by_device.push((device, group));
         }
         let label = format!("group {id} {ranks:?} {spec}").into();
         Ok(Some(Box::new(DeviceDispatch { name: spec.to_string(), by_device, label, observer: self.observer.clone() })))

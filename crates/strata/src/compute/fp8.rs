@@ -115,12 +115,6 @@ impl Meter {
     fn new() -> Meter {
         Meter { history: VecDeque::new(), pending: 0.0, scale: 1.0 }
     }
-
-    fn record(&mut self, t: &Tensor) -> Result<()> {
-        let amax = t.f_abs()?.f_max()?.f_to_kind(Kind::Double)?.f_double_value(&[])?;
-        self.pending = self.pending.max(amax);
-        Ok(())
-    }
 }
 
 /// The three meters of one fp8 linear layer.
@@ -131,10 +125,27 @@ pub struct LinearMeters {
     pub grad: Meter,
 }
 
+impl LinearMeters {
+    fn meters_mut(&mut self) -> [&mut Meter; 3] {
+        [&mut self.input, &mut self.weight, &mut self.grad]
+    }
+}
+
+/// The tensor roles of an fp8 linear, in [`LinearMeters`] order.
+#[derive(Clone, Copy)]
+enum Role {
+    Input = 0,
+    Weight = 1,
+    Grad = 2,
+}
+
 /// The fp8 state of one unit: its linear layers in call order.
 pub struct Fp8Unit {
     pub config: Fp8Config,
     pub layers: Vec<LinearMeters>,
+    /// The step's running amaxes per layer and role, still where the tensors live: read
+    /// back once, when the step ends, so recording never waits for the device.
+    observed: Vec<[Option<Tensor>; 3]>,
     steps: u64,
 }
 
@@ -150,7 +161,7 @@ pub struct Fp8Snapshot {
 
 impl Fp8Unit {
     pub fn new(config: Fp8Config) -> SharedFp8 {
-        Arc::new(Mutex::new(Fp8Unit { config, layers: Vec::new(), steps: 0 }))
+        Arc::new(Mutex::new(Fp8Unit { config, layers: Vec::new(), observed: Vec::new(), steps: 0 }))
     }
 
     pub fn snapshot(&self) -> Fp8Snapshot {
@@ -159,17 +170,35 @@ impl Fp8Unit {
 
     pub fn restore(&mut self, snapshot: &Fp8Snapshot) {
         self.layers = snapshot.layers.clone();
+        self.observed = self.layers.iter().map(|_| Default::default()).collect();
         self.steps = snapshot.steps;
     }
 
-    /// Ends a step: the step's amaxes (maximum over `group` with `reduce_amax`) enter the
-    /// histories, and every `interval` steps the scales are recomputed from them.
+    /// Takes `t`'s absolute maximum into the step's running maximum of `role` of layer
+    /// `slot`, on `t`'s device (NaN ignored, as `f64::max` would).
+    fn observe(&mut self, slot: usize, role: Role, t: &Tensor) -> Result<()> {
+        let amax = t.f_abs()?.f_max()?.f_to_kind(Kind::Float)?;
+        let cell = &mut self.observed[slot][role as usize];
+        *cell = Some(match cell.take() {
+            Some(before) => before.f_fmax(&amax)?,
+            None => amax,
+        });
+        Ok(())
+    }
+
+    /// Ends a step of this unit alone (see [`end_steps`]).
     pub fn end_step(&mut self, group: Option<&dyn ProcessGroup>) -> Result<()> {
-        let mut pending: Vec<f64> =
-            self.layers.iter().flat_map(|l| [l.input.pending, l.weight.pending, l.grad.pending]).collect();
-        if let (Some(g), true, false) = (group, self.config.reduce_amax, pending.is_empty()) {
-            pending = all_reduce_values(g, &pending, ReduceOp::Max)?;
-        }
+        end_steps(&mut [self], group)
+    }
+
+    /// The step's amaxes of every layer and role, in [`LinearMeters`] order.
+    fn pending(&self) -> Vec<f64> {
+        self.layers.iter().flat_map(|l| [l.input.pending, l.weight.pending, l.grad.pending]).collect()
+    }
+
+    /// The step's amaxes (`pending`, three per layer) enter the histories, and every
+    /// `interval` steps the scales are recomputed from them.
+    fn take_step(&mut self, pending: &[f64]) {
         self.steps += 1;
         let refresh = self.steps.is_multiple_of(self.config.interval);
         let (fwd_max, grad_max) = (E4M3_MAX, self.config.grad_format().1);
@@ -199,8 +228,44 @@ impl Fp8Unit {
                 }
             }
         }
-        Ok(())
     }
+}
+
+/// Ends a step of `units`, whether it updated or was skipped: the amaxes observed on the
+/// device are read back in one transfer (the step's one synchronisation for fp8), those of
+/// units with `reduce_amax` take their maximum over `group` in one all-reduce, and every
+/// unit's histories and scales move on.
+pub fn end_steps(units: &mut [&mut Fp8Unit], group: Option<&dyn ProcessGroup>) -> Result<()> {
+    let mut observed = Vec::new();
+    let mut places = Vec::new();
+    for (u, unit) in units.iter_mut().enumerate() {
+        for (l, roles) in unit.observed.iter_mut().enumerate() {
+            for (r, amax) in roles.iter_mut().enumerate() {
+                if let Some(amax) = amax.take() {
+                    observed.push(amax);
+                    places.push((u, l, r));
+                }
+            }
+        }
+    }
+    for ((u, l, r), amax) in places.into_iter().zip(super::read_scalars(&observed)?) {
+        let meter = &mut units[u].layers[l].meters_mut()[r];
+        meter.pending = meter.pending.max(amax);
+    }
+    let mut pending: Vec<Vec<f64>> = units.iter().map(|u| u.pending()).collect();
+    let reduced: Vec<usize> =
+        (0..units.len()).filter(|&u| units[u].config.reduce_amax && !pending[u].is_empty()).collect();
+    if let (Some(g), false) = (group, reduced.is_empty()) {
+        let all: Vec<f64> = reduced.iter().flat_map(|&u| pending[u].iter().copied()).collect();
+        let mut maxima = all_reduce_values(g, &all, ReduceOp::Max)?.into_iter();
+        for &u in &reduced {
+            pending[u] = maxima.by_ref().take(pending[u].len()).collect();
+        }
+    }
+    for (unit, pending) in units.iter_mut().zip(pending) {
+        unit.take_step(&pending);
+    }
+    Ok(())
 }
 
 fn quantize(t: &Tensor, scale: f64, kind: Kind, max: f64) -> Result<Tensor> {
@@ -215,7 +280,8 @@ fn scaled_mm(a: &Tensor, b: &Tensor, sa: f64, sb: f64, out: Kind) -> std::result
     if let Some(d) = a.size().into_iter().chain(b.size()).find(|d| d % 16 != 0) {
         return Err(format!("fp8 scaled products need dimensions that are multiples of 16, got {d}"));
     }
-    let factor = |s: f64| Tensor::from_slice(&[(1.0 / s) as f32]).reshape([]).to_device(a.device());
+    // Filled on the device: a copy from the host would wait for the device to catch up.
+    let factor = |s: f64| Tensor::full([], 1.0 / s, (Kind::Float, a.device()));
     a.f_internal_scaled_mm::<Tensor>(b, &factor(sa), &factor(sb), None, None, out, false).map_err(text)
 }
 
@@ -237,9 +303,8 @@ impl strata_ext::Function for Fp8Linear {
         let (x, w) = (&inputs[0], &inputs[1]);
         if self.record {
             let mut s = self.state.lock().map_err(text)?;
-            let l = &mut s.layers[self.slot];
-            l.input.record(x).map_err(text)?;
-            l.weight.record(w).map_err(text)?;
+            s.observe(self.slot, Role::Input, x).map_err(text)?;
+            s.observe(self.slot, Role::Weight, w).map_err(text)?;
         }
         let (sx, sw, _) = self.scales;
         let xq = quantize(x, sx, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
@@ -257,7 +322,7 @@ impl strata_ext::Function for Fp8Linear {
         let g = grads[0].contiguous();
         let (grad_kind, grad_max) = {
             let mut s = self.state.lock().map_err(text)?;
-            s.layers[self.slot].grad.record(&g).map_err(text)?;
+            s.observe(self.slot, Role::Grad, &g).map_err(text)?;
             s.config.grad_format()
         };
         let (sx, sw, sg) = self.scales;
@@ -289,6 +354,7 @@ pub fn linear(
         let mut s = state.lock().map_err(|e| Error::Engine(e.to_string()))?;
         while s.layers.len() <= slot {
             s.layers.push(LinearMeters { input: Meter::new(), weight: Meter::new(), grad: Meter::new() });
+            s.observed.push(Default::default());
         }
         let l = &s.layers[slot];
         (l.input.scale, l.weight.scale, l.grad.scale)

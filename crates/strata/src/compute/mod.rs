@@ -18,6 +18,30 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
+/// The values of one-element tensors, read back in one transfer per device: each read
+/// from a GPU waits for it to finish what was queued, so a step reads what it must at once.
+pub fn read_scalars(values: &[Tensor]) -> Result<Vec<f64>> {
+    let mut out = vec![0.0; values.len()];
+    let mut done = vec![false; values.len()];
+    for first in 0..values.len() {
+        if done[first] {
+            continue;
+        }
+        let device = values[first].device();
+        let same: Vec<usize> = (first..values.len()).filter(|&i| !done[i] && values[i].device() == device).collect();
+        let parts = same
+            .iter()
+            .map(|&i| values[i].f_reshape([1])?.f_to_kind(Kind::Double))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let read = Vec::<f64>::try_from(Tensor::f_cat(&parts, 0)?.f_to_device(tch::Device::Cpu)?)?;
+        for (&i, v) in same.iter().zip(read) {
+            out[i] = v;
+            done[i] = true;
+        }
+    }
+    Ok(out)
+}
+
 /// What a unit's forward computes with.
 #[derive(Clone, Default)]
 pub struct UnitCompute {

@@ -464,10 +464,13 @@ impl Engine {
     /// Ends a step, whether it updated or was skipped: fp8 scaling takes in the step's
     /// statistics, so none leak into the next step.
     pub fn end_step(&mut self) -> Result<()> {
-        // Each unit has an fp8 state of its own.
+        // Each unit has an fp8 state of its own; they end the step together.
+        let mut states = Vec::new();
         for state in self.compute.iter().filter_map(|p| p.fp8.as_ref()) {
-            state.lock().map_err(|e| Error::Engine(e.to_string()))?.end_step(self.amax_group.as_deref())?;
+            states.push(state.lock().map_err(|e| Error::Engine(e.to_string()))?);
         }
+        let mut units: Vec<&mut compute::fp8::Fp8Unit> = states.iter_mut().map(|s| &mut **s).collect();
+        compute::fp8::end_steps(&mut units, self.amax_group.as_deref())?;
         if let Some(sink) = &self.events {
             sink.record(Event::Update { done: true });
         }

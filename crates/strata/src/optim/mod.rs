@@ -354,14 +354,16 @@ impl Optimizer {
     /// Sums of squared gradients this rank holds, one per segment: (unit, sum), each
     /// weighted by its [`Segment::norm_share`].
     pub fn grad_sq_per_unit(&self) -> Result<Vec<(usize, f64)>> {
-        let mut out = Vec::new();
+        let mut segments = Vec::new();
+        let mut norms = Vec::new();
         for g in &self.groups {
-            for ((grad, &(unit, _)), share) in g.grads.iter().zip(&g.places).zip(&g.norm_shares) {
-                let norm = grad.f_norm_scalaropt_dtype(2.0, Kind::Double)?.f_double_value(&[])?;
-                out.push((unit, norm * norm * share));
+            for ((grad, &(unit, _)), &share) in g.grads.iter().zip(&g.places).zip(&g.norm_shares) {
+                segments.push((unit, share));
+                norms.push(grad.f_norm_scalaropt_dtype(2.0, Kind::Double)?);
             }
         }
-        Ok(out)
+        let norms = crate::compute::read_scalars(&norms)?;
+        Ok(segments.into_iter().zip(norms).map(|((unit, share), norm)| (unit, norm * norm * share)).collect())
     }
 
     /// Multiplies every gradient by `factor` (unscaling, clipping).

@@ -66,5 +66,8 @@ pub fn connect() -> Comm {
     // RANK and WORLD_SIZE from the driver, or Open MPI's variables under mpirun.
     let info = strata::comm::RankInfo::from_env().unwrap();
     let (rank, size) = (info.rank, info.world_size);
-    Comm::new(store, None, rank, size, &format!("cpu:{}", var("STRATA_TEST_BACKEND")), Duration::from_secs(20)).unwrap()
+    // A backend name means CPU tensors; a spec ("cpu:shm,cuda:shm") names each device's.
+    let backend = var("STRATA_TEST_BACKEND");
+    let spec = if backend.contains(':') { backend } else { format!("cpu:{backend}") };
+    Comm::new(store, None, rank, size, &spec, Duration::from_secs(20)).unwrap()
 }

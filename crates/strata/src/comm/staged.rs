@@ -1,0 +1,153 @@
+//! Collectives on GPU tensors through a host backend (`"cuda:shm"`, `"cuda:tcp"`): each
+//! tensor is copied into pinned host memory, the host group runs the collective there, and
+//! a thread of the group copies the results back before the work completes. This lets
+//! several ranks share one GPU, which NCCL refuses, and GPUs without NCCL train together;
+//! real multi-GPU runs use `nccl`.
+//!
+//! The copy to the host happens when the collective is issued and waits for the device to
+//! produce the tensor, so an issuing thread does not run ahead of its GPU while staging.
+use super::{ProcessGroup, ReduceOp, Work};
+use crate::{Error, Result};
+use std::sync::mpsc;
+use std::sync::Mutex;
+use std::time::Duration;
+use tch::{Device, Kind, Tensor};
+
+/// A collective issued on host copies: once `inner` completes, each host tensor is copied
+/// into its device tensor, and then `done` completes.
+struct Return {
+    inner: Work,
+    copies: Vec<(Tensor, Tensor)>,
+    done: Work,
+}
+
+// SAFETY: the tensors are handles libtorch shares across threads; the caller of a
+// collective promises not to touch its tensors until the work completes.
+unsafe impl Send for Return {}
+
+pub(super) struct HostStaged {
+    inner: Box<dyn ProcessGroup>,
+    timeout: Duration,
+    returns: Mutex<mpsc::Sender<Return>>,
+}
+
+impl HostStaged {
+    pub(super) fn new(inner: Box<dyn ProcessGroup>, timeout: Duration) -> HostStaged {
+        let (tx, rx) = mpsc::channel::<Return>();
+        // Returns complete in issue order, as the host group completes its collectives; the
+        // thread ends when the group is dropped.
+        std::thread::spawn(move || {
+            for r in rx {
+                let result = r.inner.wait().and_then(|()| {
+                    for (device, host) in &r.copies {
+                        device.shallow_clone().f_copy_(host)?;
+                    }
+                    Ok(())
+                });
+                r.done.finish(result);
+            }
+        });
+        HostStaged { inner, timeout, returns: Mutex::new(tx) }
+    }
+
+    /// Runs `issue` on host copies of `inputs` (their values) and `outputs` (written by
+    /// the collective, copied back to the device when it completes). Host tensors pass as
+    /// they are.
+    fn staged(
+        &self,
+        inputs: &[&Tensor],
+        outputs: &[&Tensor],
+        issue: impl FnOnce(&[Tensor], &[Tensor]) -> Result<Work>,
+    ) -> Result<Work> {
+        let host_inputs = inputs.iter().map(|t| to_host(t, true)).collect::<Result<Vec<_>>>()?;
+        let host_outputs = outputs.iter().map(|t| to_host(t, false)).collect::<Result<Vec<_>>>()?;
+        let inner = issue(&host_inputs, &host_outputs)?;
+        let copies = outputs.iter().map(|t| t.shallow_clone()).zip(host_outputs).collect();
+        self.returned(inner, copies)
+    }
+
+    /// A collective whose tensor is read and written in place.
+    fn in_place(&self, t: &Tensor, issue: impl FnOnce(&Tensor) -> Result<Work>) -> Result<Work> {
+        let host = to_host(t, true)?;
+        let inner = issue(&host)?;
+        self.returned(inner, vec![(t.shallow_clone(), host)])
+    }
+
+    /// `inner`, followed by copying each (device, host) pair's host tensor into the device
+    /// one; pairs already on the host need no copy.
+    fn returned(&self, inner: Work, mut copies: Vec<(Tensor, Tensor)>) -> Result<Work> {
+        copies.retain(|(t, _)| t.device() != Device::Cpu);
+        if copies.is_empty() {
+            return Ok(inner);
+        }
+        let done = Work::pending(self.timeout);
+        let r = Return { inner, copies, done: done.clone() };
+        self.returns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(r)
+            .map_err(|_| Error::Comm("the staging thread of a host-staged group stopped".into()))?;
+        Ok(done)
+    }
+}
+
+/// A pinned host tensor shaped as `t`, holding its values where `copy` (else uninitialised);
+/// `t` itself where it already lives on the host.
+fn to_host(t: &Tensor, copy: bool) -> Result<Tensor> {
+    if t.device() == Device::Cpu {
+        return Ok(t.shallow_clone());
+    }
+    let mut host = Tensor::f_empty(t.size(), (t.kind(), Device::Cpu))?.f_pin_memory(t.device())?;
+    if copy {
+        host.f_copy_(t)?;
+    }
+    Ok(host)
+}
+
+impl ProcessGroup for HostStaged {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn backend(&self) -> &str {
+        self.inner.backend()
+    }
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work> {
+        self.in_place(t, |h| self.inner.all_reduce(h, op))
+    }
+    fn all_gather(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
+        let outs: Vec<&Tensor> = outputs.iter().collect();
+        self.staged(&[input], &outs, |i, o| self.inner.all_gather(o, &i[0]))
+    }
+    fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
+        let ins: Vec<&Tensor> = inputs.iter().collect();
+        self.staged(&ins, &[output], |i, o| self.inner.reduce_scatter(&o[0], i, op))
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Work> {
+        self.in_place(t, |h| self.inner.broadcast(h, root))
+    }
+    fn reduce(&self, t: &Tensor, root: usize, op: ReduceOp) -> Result<Work> {
+        self.in_place(t, |h| self.inner.reduce(h, root, op))
+    }
+    fn send(&self, t: &Tensor, peer: usize) -> Result<Work> {
+        self.staged(&[t], &[], |i, _| self.inner.send(&i[0], peer))
+    }
+    fn recv(&self, t: &Tensor, peer: usize) -> Result<Work> {
+        self.staged(&[], &[t], |_, o| self.inner.recv(&o[0], peer))
+    }
+    fn all_to_all(&self, outputs: &[Tensor], inputs: &[Tensor]) -> Result<Work> {
+        let (outs, ins): (Vec<&Tensor>, Vec<&Tensor>) = (outputs.iter().collect(), inputs.iter().collect());
+        self.staged(&ins, &outs, |i, o| self.inner.all_to_all(o, i))
+    }
+    fn barrier(&self) -> Result<Work> {
+        self.inner.barrier()
+    }
+    fn alloc(&self, numel: i64, kind: Kind, device: Device) -> Result<Option<Tensor>> {
+        match device {
+            Device::Cpu => self.inner.alloc(numel, kind, device),
+            _ => Ok(None),
+        }
+    }
+}

@@ -1,0 +1,363 @@
+//! The CUDA paths on a GPU: the engine against the CPU, amp (autocast) and half, fp8 scaled
+//! products, fused attention, streams and events, the caching allocator against the
+//! ledger, NCCL on a one-rank group, and ranks sharing one GPU through the host-staged
+//! backend. Every test says it is skipped, and passes, where no GPU is visible or the build
+//! lacks the `cuda` feature (`cargo test --features cuda` on a machine with a GPU runs them).
+mod common;
+
+use common::ranks::{assert_all_ok, run_ranks};
+use std::time::Duration;
+use strata::comm::{Comm, ProcessGroup, ReduceOp, Store, StoreServer};
+use strata::compute::fp8::{self, Fp8Config, Fp8Unit};
+use strata::compute::replace::Replacements;
+use strata::compute::{self, UnitCompute};
+use strata::data::{Batch, Step};
+use strata::engine::{memory, with_seed, EngineConfig};
+use strata::model::{layers, GptConfig, ModelConfig};
+use strata::optim::{Optimizer, OptimizerConfig, Schedule};
+use strata::parallel::{build_engine, Placement};
+use strata::strategy::Strategy;
+use strata::train::Trainer;
+use strata_ext::cuda;
+use tch::{Device, Kind, Tensor};
+
+/// One test at a time: allocator figures and synchronisation counts are per process.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The GPU to test on, holding the lock that runs these tests one at a time; `None` (with
+/// a message) where there is none.
+fn gpu(test: &str) -> Option<(Device, std::sync::MutexGuard<'static, ()>)> {
+    if !(cuda::is_built() && tch::Cuda::is_available()) {
+        eprintln!("{test}: skipped, no GPU visible to a build with the cuda feature");
+        return None;
+    }
+    Some((Device::Cuda(0), SERIAL.lock().unwrap_or_else(|e| e.into_inner())))
+}
+
+const GPT: GptConfig = GptConfig::new(64, 32, 2, 4, 64);
+
+/// Batches of 4 sequences, drawn on the CPU (the same for every device), placed on `device`.
+fn steps(n: usize, device: Device) -> Vec<Step> {
+    let tokens = with_seed(7, || Tensor::randint(GPT.vocab, [n as i64, 4, GPT.ctx + 1], (Kind::Int64, Device::Cpu)));
+    (0..n)
+        .map(|i| {
+            let t = tokens.get(i as i64).to_device(device);
+            let batch = Batch { inputs: t.narrow(1, 0, GPT.ctx), targets: t.narrow(1, 1, GPT.ctx) };
+            Step { index: i, micro_batches: vec![batch] }
+        })
+        .collect()
+}
+
+fn trainer(device: Device, strategy: &str) -> Trainer {
+    let strategy = Strategy::parse(strategy).unwrap();
+    let spec = ModelConfig::Gpt(GPT).spec().unwrap();
+    let config = EngineConfig { device, ..EngineConfig::default() };
+    let mut engine = build_engine(spec, config, &strategy, &Placement::single()).unwrap();
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+    let mut t = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+    t.scaling = strategy.grad_scaling().unwrap();
+    t
+}
+
+/// `to`'s parameters set to `from`'s (the devices' random generators differ).
+fn copy_weights(from: &Trainer, to: &Trainer) {
+    tch::no_grad(|| {
+        for (name, value) in from.engine.named_params() {
+            to.engine.param_by_name(name).unwrap().shallow_clone().copy_(value);
+        }
+    });
+}
+
+fn losses(t: &mut Trainer, steps: &[Step]) -> Vec<f64> {
+    steps.iter().map(|s| t.train_step(s).unwrap().loss).collect()
+}
+
+/// Largest relative difference between the loss curves.
+fn loss_gap(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| ((x - y) / y).abs()).fold(0.0, f64::max)
+}
+
+/// ‖θa − θb‖ / ‖θb‖ over all parameters as one vector.
+fn weight_gap(a: &Trainer, b: &Trainer) -> f64 {
+    let (mut diff, mut norm) = (0.0, 0.0);
+    for (name, x) in a.engine.named_params() {
+        let x = x.to_device(Device::Cpu).to_kind(Kind::Double);
+        let y = b.engine.param_by_name(name).unwrap().to_device(Device::Cpu).to_kind(Kind::Double);
+        diff += (&x - &y).square().sum(Kind::Double).double_value(&[]);
+        norm += y.square().sum(Kind::Double).double_value(&[]);
+    }
+    (diff / norm).sqrt()
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_device(Device::Cpu).to_kind(Kind::Double), b.to_device(Device::Cpu).to_kind(Kind::Double));
+    (&a - &b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
+}
+
+#[test]
+fn the_engine_on_a_gpu_matches_the_cpu_in_fp32() {
+    let Some((gpu, _serial)) = gpu("the_engine_on_a_gpu_matches_the_cpu_in_fp32") else { return };
+    for strategy in ["[]", r#"[["checkpoint", ["GptBlock"]]]"#] {
+        let (mut cpu, mut cuda) = (trainer(Device::Cpu, strategy), trainer(gpu, strategy));
+        copy_weights(&cpu, &cuda);
+        assert!(cuda.engine.named_params().all(|(_, p)| p.device() == gpu), "every parameter on the GPU");
+        let (on_cpu, on_gpu) = (losses(&mut cpu, &steps(4, Device::Cpu)), losses(&mut cuda, &steps(4, gpu)));
+        let (losses, weights) = (loss_gap(&on_gpu, &on_cpu), weight_gap(&cuda, &cpu));
+        eprintln!("{strategy}: losses {on_gpu:?} vs {on_cpu:?}: gap {losses:.2e}, weights {weights:.2e}");
+        assert!(losses < 1e-5 && weights < 1e-5, "{strategy}: losses {losses:e}, weights {weights:e}");
+        assert!(on_cpu[3] < on_cpu[0], "it trained");
+    }
+}
+
+#[test]
+fn amp_and_half_on_a_gpu_stay_near_fp32_and_compute_in_low_precision() {
+    let Some((gpu, _serial)) = gpu("amp_and_half_on_a_gpu_stay_near_fp32_and_compute_in_low_precision") else {
+        return;
+    };
+    let batches = steps(4, gpu);
+    let reference = losses(&mut trainer(gpu, "[]"), &batches);
+    // Same seed, same device: every run starts from the same weights.
+    for (strategy, bound) in [
+        (r#"[["amp_native", {"dtype": "bf16"}]]"#, 2e-2),
+        (r#"[["amp_native", {"dtype": "fp16"}]]"#, 5e-3),
+        (r#"["half"]"#, 2e-2),
+    ] {
+        let got = losses(&mut trainer(gpu, strategy), &batches);
+        let gap = loss_gap(&got, &reference);
+        eprintln!("{strategy}: losses {got:?}, gap to fp32 {gap:.2e}");
+        // Low precision shows (a run in fp32 would match to 1e-6), and stays close.
+        assert!(gap > 1e-5 && gap < bound, "{strategy}: gap {gap:e}");
+    }
+    // Autocast puts a unit's products in bf16 while its norms stay fp32.
+    let bf16 = UnitCompute { autocast: Some(Kind::BFloat16), device_autocast: true, ..Default::default() };
+    let x = Tensor::randn([8, 64], (Kind::Float, gpu));
+    let w = Tensor::randn([32, 64], (Kind::Float, gpu));
+    let (product, norm) = compute::run(&std::sync::Arc::new(bf16), vec![], false, || {
+        Ok((x.linear::<Tensor>(&w, None), layers::layer_norm(&x, &w.get(0), &w.get(1), 1e-5)?))
+    })
+    .unwrap();
+    assert_eq!((product.kind(), norm.kind()), (Kind::BFloat16, Kind::Float));
+}
+
+#[test]
+fn fp8_products_on_a_gpu_stay_near_bf16_without_waiting_for_the_device() {
+    let Some((gpu, _serial)) = gpu("fp8_products_on_a_gpu_stay_near_bf16_without_waiting_for_the_device") else {
+        return;
+    };
+    if let Some(why) = fp8::unsupported_on(gpu) {
+        eprintln!("fp8_products_on_a_gpu_stay_near_bf16_without_waiting_for_the_device: skipped, {why}");
+        return;
+    }
+    let x = with_seed(1, || Tensor::randn([64, 128], (Kind::BFloat16, Device::Cpu))).to_device(gpu);
+    let w = with_seed(2, || Tensor::randn([96, 128], (Kind::BFloat16, Device::Cpu)) * 0.1).to_device(gpu);
+    let (x, w) = (x.set_requires_grad(true), w.set_requires_grad(true));
+    let reference = x.linear::<Tensor>(&w, None);
+    let want = Tensor::run_backward(&[&reference], &[&x, &w], false, false);
+    let state = Fp8Unit::new(Fp8Config::default());
+    let mut errors = [0.0; 3];
+    for step in 0..3 {
+        cuda::count_syncs(true).unwrap();
+        let before = cuda::syncs_counted();
+        let out = fp8::linear(&state, 0, true, &x, &w, None, Kind::BFloat16).unwrap();
+        let got = Tensor::run_backward(&[&out], &[&x, &w], false, false);
+        let during = cuda::syncs_counted() - before;
+        state.lock().unwrap().end_step(None).unwrap();
+        let ending = cuda::syncs_counted() - before - during;
+        cuda::count_syncs(false).unwrap();
+        assert_eq!((during, ending), (0, 1), "step {step}: the amaxes are read once, when the step ends");
+        errors = [rel(&out, &reference), rel(&got[0], &want[0]), rel(&got[1], &want[1])];
+    }
+    let amax = x.abs().max().double_value(&[]);
+    let meters = &state.lock().unwrap().layers[0];
+    assert!((meters.input.history.back().unwrap() - amax).abs() < 1e-6, "the device amax reached the history");
+    assert!((meters.input.scale - 448.0 / amax).abs() < 1e-3);
+    // Quantised for real (bf16 itself would be far closer), and within fp8's rounding.
+    eprintln!("fp8 against bf16 on the GPU: relative errors {errors:?}");
+    assert!(errors.iter().all(|&e| e > 1e-3), "{errors:?}");
+    assert!(errors[0] < 0.05 && errors[1] < 0.1 && errors[2] < 0.1, "{errors:?}");
+    // In a model: fp8 linears train as bf16 does.
+    let batches = steps(4, gpu);
+    let bf16 = losses(&mut trainer(gpu, r#"[["amp_native", {"dtype": "bf16"}]]"#), &batches);
+    let with_fp8 = losses(
+        &mut trainer(gpu, r#"[["fp8", {"exclude": ["lm_head"]}], ["amp_native", {"dtype": "bf16"}]]"#),
+        &batches,
+    );
+    let gap = loss_gap(&with_fp8, &bf16);
+    eprintln!("fp8 model losses {with_fp8:?} against bf16 {bf16:?}: gap {gap:.2e}");
+    assert!(gap > 1e-5 && gap < 5e-2, "{gap:e}");
+}
+
+#[test]
+fn fused_attention_and_norms_on_a_gpu_match_the_composites() {
+    let Some((gpu, _serial)) = gpu("fused_attention_and_norms_on_a_gpu_match_the_composites") else { return };
+    let all = std::sync::Arc::new(UnitCompute {
+        replacements: Replacements::select(None).unwrap(),
+        device_autocast: true,
+        ..Default::default()
+    });
+    for (kind, bound) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2e-2)] {
+        let draw =
+            |seed: i64, shape: &[i64]| with_seed(seed, || Tensor::randn(shape, (kind, Device::Cpu))).to_device(gpu);
+        let (q, k, v) = (draw(1, &[2, 4, 64, 32]), draw(2, &[2, 4, 64, 32]), draw(3, &[2, 4, 64, 32]));
+        let (x, w, b) = (draw(4, &[2, 64, 32]), draw(5, &[32]), draw(6, &[32]));
+        let reference = [
+            layers::causal_attention(&q, &k, &v).unwrap(),
+            layers::layer_norm(&x, &w, &b, 1e-5).unwrap(),
+            layers::rms_norm(&x, &w, 1e-6).unwrap(),
+        ];
+        let replaced = compute::run(&all, vec![], false, || {
+            Ok([
+                layers::causal_attention(&q, &k, &v)?,
+                layers::layer_norm(&x, &w, &b, 1e-5)?,
+                layers::rms_norm(&x, &w, 1e-6)?,
+            ])
+        })
+        .unwrap();
+        for (name, (a, r)) in ["attention", "layer norm", "rms norm"].iter().zip(reference.iter().zip(&replaced)) {
+            let err = rel(r, a);
+            eprintln!("{name} in {kind:?} on the GPU: {err:.2e}");
+            assert!(err < bound && a.device() == gpu, "{name} in {kind:?}: {err:e}");
+        }
+    }
+    // Whole models: the fused modules give the losses of the composites.
+    let batches = steps(3, gpu);
+    let (composite, fused) =
+        (losses(&mut trainer(gpu, "[]"), &batches), losses(&mut trainer(gpu, r#"["module_replace"]"#), &batches));
+    assert!(loss_gap(&fused, &composite) < 1e-5, "{fused:?} vs {composite:?}");
+}
+
+#[test]
+fn streams_and_events_order_work_between_streams() {
+    let Some((gpu, _serial)) = gpu("streams_and_events_order_work_between_streams") else { return };
+    let Device::Cuda(index) = gpu else { unreachable!() };
+    let main = cuda::Stream::current(index).unwrap();
+    let side = cuda::Stream::from_pool(index, false).unwrap();
+    assert_ne!(main, side);
+    // A long chain on the side stream, then a copy on the main stream that waits for it.
+    let x = Tensor::zeros([1 << 22], (Kind::Float, gpu));
+    side.make_current().unwrap();
+    for _ in 0..50 {
+        let _ = x.shallow_clone().f_add_scalar_(1.0).unwrap();
+    }
+    let produced = cuda::Event::new(false).unwrap();
+    produced.record(&side).unwrap();
+    main.make_current().unwrap();
+    produced.wait(&main).unwrap();
+    let y = &x * 2.0;
+    main.synchronize().unwrap();
+    assert!(produced.query().unwrap(), "the main stream waited for the side stream's event");
+    assert_eq!(y.min().double_value(&[]), 100.0, "the copy saw all 50 additions");
+    // Timing events measure the time between them.
+    let (a, b) = (cuda::Event::new(true).unwrap(), cuda::Event::new(true).unwrap());
+    a.record(&main).unwrap();
+    let m = x.view([2048, 2048]);
+    let _ = m.matmul(&m);
+    b.record(&main).unwrap();
+    b.synchronize().unwrap();
+    assert!(a.elapsed_ms(&b).unwrap() >= 0.0);
+}
+
+#[test]
+fn the_caching_allocator_holds_what_the_ledger_counts() {
+    let Some((gpu, _serial)) = gpu("the_caching_allocator_holds_what_the_ledger_counts") else { return };
+    let Device::Cuda(index) = gpu else { unreachable!() };
+    let before = cuda::memory_stats(index).unwrap().allocated as u64;
+    let mut t = trainer(gpu, "[]");
+    let states = memory::allocator_current(gpu).unwrap() - before;
+    let counted = t.engine.ledger().report().get(&strata::engine::Placement::Device).map_or(0, |r| r.current);
+    eprintln!("model states: allocator {states} bytes, ledger {counted} bytes");
+    // Every byte the ledger counts is allocated; the allocator's rounding (512-byte blocks)
+    // adds little.
+    assert!(states >= counted && states <= counted + counted / 50 + (1 << 16), "{states} vs {counted}");
+    // A step's peak: model states plus activations, all counted by the allocator.
+    let report = t.train_step(&steps(1, gpu)[0]).unwrap();
+    let peak = report.allocator_peak_bytes.unwrap();
+    assert!(peak > t.engine.ledger().model_state_peak(), "{peak}");
+}
+
+/// A one-rank job on `spec`: its store on loopback, its world group.
+fn one_rank(spec: &str) -> (Comm, Box<dyn ProcessGroup>) {
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").unwrap();
+    let store = Store::connect(server.addr(), "t", Duration::from_secs(10)).unwrap();
+    let comm = Comm::new(store, Some(server), 0, 1, spec, Duration::from_secs(30)).unwrap();
+    let world = comm.world().unwrap();
+    (comm, world)
+}
+
+#[test]
+fn nccl_runs_every_collective_in_every_dtype_on_one_rank() {
+    let Some((gpu, _serial)) = gpu("nccl_runs_every_collective_in_every_dtype_on_one_rank") else { return };
+    let (_comm, world) = one_rank("cpu:shm,cuda:nccl");
+    assert_eq!(world.backend(), "cpu:shm,cuda:nccl");
+    for kind in [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16, Kind::Int, Kind::Int64, Kind::Uint8] {
+        let t = Tensor::arange(16, (Kind::Float, gpu)).to_kind(kind);
+        let expect = t.copy();
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+            world.all_reduce(&t, op).unwrap().wait().unwrap();
+        }
+        world.broadcast(&t, 0).unwrap().wait().unwrap();
+        world.reduce(&t, 0, ReduceOp::Sum).unwrap().wait().unwrap();
+        assert!(t.equal(&expect), "{kind:?}: a group of one leaves values as they are");
+        let gathered = [t.zeros_like()];
+        world.all_gather(&gathered, &t).unwrap().wait().unwrap();
+        let scattered = t.zeros_like();
+        world.reduce_scatter(&scattered, &[t.shallow_clone()], ReduceOp::Sum).unwrap().wait().unwrap();
+        let exchanged = [t.zeros_like()];
+        world.all_to_all(&exchanged, &[t.shallow_clone()]).unwrap().wait().unwrap();
+        for (what, got) in [("all_gather", &gathered[0]), ("reduce_scatter", &scattered), ("all_to_all", &exchanged[0])]
+        {
+            assert!(got.equal(&expect), "{what} in {kind:?}");
+        }
+    }
+    let f = Tensor::ones([4], (Kind::Float, gpu));
+    world.all_reduce(&f, ReduceOp::Avg).unwrap().wait().unwrap();
+    assert!(f.equal(&Tensor::ones([4], (Kind::Float, gpu))));
+    world.barrier().unwrap().wait().unwrap();
+}
+
+#[test]
+fn ranks_sharing_a_gpu_run_collectives_through_the_host() {
+    if gpu("ranks_sharing_a_gpu_run_collectives_through_the_host").is_none() {
+        return;
+    }
+    assert_all_ok(&run_ranks(2, "cpu:shm,cuda:shm", "staged"));
+}
+
+/// Ranks of the multi-process tests (started by [`run_ranks`]).
+#[test]
+fn rank_entry() {
+    let Ok(scenario) = std::env::var("STRATA_TEST_SCENARIO") else { return };
+    let comm = common::ranks::connect();
+    let world = comm.world().unwrap();
+    let (rank, gpu) = (comm.rank() as f64, Device::Cuda(0));
+    assert_eq!(scenario, "staged");
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Int64] {
+        let t = Tensor::full([1000], rank + 1.0, (kind, gpu));
+        world.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
+        assert_eq!(t.device(), gpu);
+        assert!(t.equal(&Tensor::full([1000], 3.0, (kind, gpu))), "all_reduce in {kind:?}");
+        let pieces = [Tensor::zeros([3], (kind, gpu)), Tensor::zeros([3], (kind, gpu))];
+        world.all_gather(&pieces, &Tensor::full([3], rank, (kind, gpu))).unwrap().wait().unwrap();
+        assert!(pieces[1].equal(&Tensor::ones([3], (kind, gpu))), "all_gather in {kind:?}");
+        let mine = Tensor::zeros([2], (kind, gpu));
+        let inputs = [Tensor::full([2], 1.0, (kind, gpu)), Tensor::full([2], 2.0, (kind, gpu))];
+        world.reduce_scatter(&mine, &inputs, ReduceOp::Sum).unwrap().wait().unwrap();
+        assert!(mine.equal(&Tensor::full([2], 2.0 * (rank + 1.0), (kind, gpu))), "reduce_scatter in {kind:?}");
+        let b = Tensor::full([5], rank, (kind, gpu));
+        world.broadcast(&b, 1).unwrap().wait().unwrap();
+        assert!(b.equal(&Tensor::ones([5], (kind, gpu))), "broadcast in {kind:?}");
+    }
+    // Point to point, and a non-contiguous tensor written in place.
+    let m = Tensor::zeros([4, 4], (Kind::Float, gpu));
+    let column = m.select(1, 2);
+    if comm.rank() == 0 {
+        world.send(&Tensor::arange(4, (Kind::Float, gpu)), 1).unwrap().wait().unwrap();
+    } else {
+        world.recv(&column, 0).unwrap().wait().unwrap();
+        assert!(
+            m.select(1, 2).equal(&Tensor::arange(4, (Kind::Float, gpu))) && m.sum(Kind::Float).double_value(&[]) == 6.0
+        );
+    }
+    world.barrier().unwrap().wait().unwrap();
+    println!("RANK-OK");
+}

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Strata on a GPU, in one command: the CUDA tests and `strata bench gpu`, with a Markdown
+# report (report.md) and the figures as JSON (report.json, bench-gpu.json) in OUT.
+#
+#   scripts/gpu-check.sh --build DIR          build the CUDA binaries (release) into DIR
+#   scripts/gpu-check.sh OUT [--prebuilt DIR] run them on this machine's GPU, report in OUT
+#
+# Without --prebuilt the binaries are built here first (scripts/setup.sh's libtorch). With
+# it, binaries built on another x86-64 machine run against the libtorch of the Python torch
+# found here (python3, or $PYTHON), so the GPU machine needs no Rust toolchain.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# Builds the strata binary and the CUDA test binaries into $1, stripped.
+build() {
+  local into=$1
+  mkdir -p "$into"
+  "$repo/scripts/setup.sh"
+  cd "$repo"
+  cargo build --release --features cuda -p strata-cli
+  cp target/release/strata "$into/strata"
+  # Each test binary cargo builds, found in its JSON messages.
+  for target in "strata-ext ext" "strata cuda" "strata-cli gpu"; do
+    set -- $target
+    local exe
+    exe=$(cargo test --release --features cuda -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
+      python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$2" | tail -1)
+    [ -n "$exe" ] || { echo "no test binary $1/$2" >&2; exit 1; }
+    cp "$exe" "$into/test-$2"
+  done
+  strip "$into"/*
+}
+
+if [ "${1:-}" = "--build" ]; then
+  build "${2:?--build needs a folder}"
+  exit 0
+fi
+
+out=${1:?usage: scripts/gpu-check.sh OUT [--prebuilt DIR] | --build DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+if [ "${2:-}" = "--prebuilt" ]; then
+  bin=$(cd "${3:?--prebuilt needs a folder}" && pwd)
+else
+  bin="$repo/target/gpu-check"
+  build "$bin"
+fi
+
+# The libtorch of the Python torch (the wheel ships libtorch, CUDA's runtime and NCCL).
+python=${PYTHON:-}
+[ -n "$python" ] || { [ -x "$repo/.venv/bin/python" ] && python="$repo/.venv/bin/python"; } || python=python3
+site=$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+export LD_LIBRARY_PATH="$site/torch/lib:$site/nvidia/cu13/lib:$site/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export STRATA_BIN="$bin/strata"
+start=$(date +%s)
+
+gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "none visible")
+torch=$("$python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
+commit=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)
+
+# Every test binary, one test at a time; its log kept, its results parsed below.
+status=0
+for t in ext cuda gpu; do
+  (cd "$repo" && "$bin/test-$t" --test-threads 1 --nocapture) >"$out/test-$t.log" 2>&1 || status=1
+done
+"$bin/strata" bench gpu --python "$python" --json-out "$out/bench-gpu.json" >"$out/bench-gpu.txt" 2>&1 || status=1
+
+"$python" - "$out" "$gpu" "$torch" "$commit" "$start" "$status" <<'EOF'
+import json, os, re, sys, time
+out, gpu, torch, commit, start, status = sys.argv[1:]
+tests = []
+for name in ("ext", "cuda", "gpu"):
+    log = open(os.path.join(out, f"test-{name}.log"), errors="replace").read()
+    for test, result in re.findall(r"^test (\S+) \.\.\. (ok|FAILED|ignored)", log, re.M):
+        skipped = f"{test}: skipped" in log or f"{test} skipped" in log
+        tests.append({"binary": name, "test": test, "result": "skipped" if skipped and result == "ok" else result})
+bench_path = os.path.join(out, "bench-gpu.json")
+bench = json.load(open(bench_path)) if os.path.exists(bench_path) else None
+report = {"gpu": gpu, "torch": torch, "commit": commit, "seconds": int(time.time()) - int(start),
+          "passed": status == "0" and all(t["result"] == "ok" for t in tests if t["test"] != "rank_entry"),
+          "tests": tests, "bench": bench}
+json.dump(report, open(os.path.join(out, "report.json"), "w"), indent=2)
+lines = [f"# Strata on {gpu}", "",
+         f"torch {torch}, commit {commit}, {report['seconds']} s; {'all passed' if report['passed'] else 'FAILURES'}", "",
+         "## CUDA tests", "", "| binary | test | result |", "| --- | --- | --- |"]
+lines += [f"| {t['binary']} | {t['test']} | {t['result']} |" for t in tests]
+lines += ["", "## strata bench gpu", "", "```", open(os.path.join(out, "bench-gpu.txt"), errors="replace").read().rstrip(), "```"]
+open(os.path.join(out, "report.md"), "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+exit $status
