@@ -60,7 +60,7 @@ start=$(date +%s)
 
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "none visible")
 torch=$("$python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
-commit=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=${STRATA_COMMIT:-$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 # Every test binary, one test at a time; its log kept, its results parsed below.
 status=0
@@ -75,9 +75,14 @@ out, gpu, torch, commit, start, status = sys.argv[1:]
 tests = []
 for name in ("ext", "cuda", "gpu"):
     log = open(os.path.join(out, f"test-{name}.log"), errors="replace").read()
-    for test, result in re.findall(r"^test (\S+) \.\.\. (ok|FAILED|ignored)", log, re.M):
-        skipped = f"{test}: skipped" in log or f"{test} skipped" in log
-        tests.append({"binary": name, "test": test, "result": "skipped" if skipped and result == "ok" else result})
+    # A test's own output may follow its "test NAME ..." line: results come from the summary.
+    finished = re.search(r"^test result: ", log, re.M) is not None
+    failed = set(re.findall(r"^    (\S+)$", log.split("\nfailures:\n")[-1], re.M)) if "\nfailures:\n" in log else set()
+    for test in re.findall(r"^test (\S+) \.\.\. ", log, re.M):
+        result = "FAILED" if test in failed else "ok" if finished else "did not finish"
+        if result == "ok" and f"{test}: skipped" in log:
+            result = "skipped"
+        tests.append({"binary": name, "test": test, "result": result})
 bench_path = os.path.join(out, "bench-gpu.json")
 bench = json.load(open(bench_path)) if os.path.exists(bench_path) else None
 report = {"gpu": gpu, "torch": torch, "commit": commit, "seconds": int(time.time()) - int(start),

@@ -235,6 +235,9 @@ impl StrataSide {
 impl Side for StrataSide {
     fn run(&mut self, steps: u64) -> Result<Block> {
         self.synchronize();
+        // What the process's other sides hold on the device stays out of this side's peak.
+        let own = self.trainer.engine.ledger().report().get(&memory::Placement::Device).map_or(0, |r| r.current);
+        let others = memory::allocator_current(self.device).unwrap_or(0).saturating_sub(own);
         let start = Instant::now();
         self.steps(steps)?;
         self.synchronize();
@@ -242,7 +245,10 @@ impl Side for StrataSide {
         Ok(Block {
             seconds,
             peak_rss_bytes: memory::process_peak_rss().unwrap_or(0),
-            peak_device_bytes: self.device.is_cuda().then(|| memory::allocator_peak(self.device)).flatten(),
+            peak_device_bytes: match self.device {
+                Device::Cuda(_) => memory::allocator_peak(self.device).map(|peak| peak.saturating_sub(others)),
+                _ => None,
+            },
         })
     }
 

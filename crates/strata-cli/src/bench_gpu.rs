@@ -3,9 +3,13 @@
 //! LLaMA of 1.1B parameters, the latter also with fp8 linears.
 use crate::bench::{self, Amp, BenchModel, BenchTrainArgs, Report};
 use crate::bench_runs::GptShape;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
+use serde::Serialize;
 use std::path::PathBuf;
+use std::time::Instant;
+use strata::compute::fp8::{self, Fp8Config, Fp8Unit};
+use tch::{Device, Kind, Tensor};
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchGpuArgs {
@@ -19,7 +23,7 @@ pub struct BenchGpuArgs {
     /// 80 GB GPU for its three sides (PyTorch, Strata bf16 and Strata fp8) at once.
     #[arg(long, default_value_t = 2)]
     llama_batch_size: i64,
-    /// Leave out the fp8 side of the LLaMA.
+    /// Leave out the fp8 side of the LLaMA and the fp8 products.
     #[arg(long)]
     no_fp8: bool,
     /// Dense bf16 peak of the GPU in TFLOP/s (default: known from its name).
@@ -81,6 +85,58 @@ impl BenchGpuArgs {
     }
 }
 
+/// One size of square matrix product, in TFLOP/s.
+#[derive(Serialize)]
+struct GemmRow {
+    size: i64,
+    bf16: f64,
+    /// `_scaled_mm` on operands already in fp8.
+    fp8_product: f64,
+    /// Strata's fp8 linear: amaxes, casts to fp8 and the product, as training runs it.
+    fp8_linear: f64,
+}
+
+#[derive(Serialize)]
+struct GpuReport {
+    models: Vec<Report>,
+    gemm: Vec<GemmRow>,
+}
+
+/// TFLOP/s of `f`, an n×n×n product, over 20 calls after 3 warm-up calls.
+fn tflops(device: Device, n: i64, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
+    let Device::Cuda(index) = device else { bail!("the products are measured on a GPU") };
+    for _ in 0..3 {
+        let _ = f()?;
+    }
+    tch::Cuda::synchronize(index as i64);
+    let start = Instant::now();
+    for _ in 0..20 {
+        let _ = f()?;
+    }
+    tch::Cuda::synchronize(index as i64);
+    Ok(20.0 * 2.0 * (n * n * n) as f64 / start.elapsed().as_secs_f64() / 1e12)
+}
+
+/// bf16 against fp8 matrix products of growing size: where fp8 pays once its casts are
+/// counted.
+fn gemm_table(device: Device) -> Result<Vec<GemmRow>> {
+    let mut rows = Vec::new();
+    for n in [1024, 2048, 4096, 8192, 16384] {
+        let x = Tensor::f_randn([n, n], (Kind::BFloat16, device))?;
+        let w = Tensor::f_randn([n, n], (Kind::BFloat16, device))?;
+        let bf16 = tflops(device, n, || Ok(x.f_linear::<Tensor>(&w, None)?))?;
+        let (xq, wq) = (x.f_to_kind(Kind::Float8e4m3fn)?, w.f_to_kind(Kind::Float8e4m3fn)?);
+        let one = Tensor::f_ones([], (Kind::Float, device))?;
+        let fp8_product = tflops(device, n, || {
+            Ok(xq.f_internal_scaled_mm::<Tensor>(&wq.tr(), &one, &one, None, None, Kind::BFloat16, true)?)
+        })?;
+        let state = Fp8Unit::new(Fp8Config::default());
+        let fp8_linear = tflops(device, n, || Ok(fp8::linear(&state, 0, true, &x, &w, None, Kind::BFloat16)?))?;
+        rows.push(GemmRow { size: n, bf16, fp8_product, fp8_linear });
+    }
+    Ok(rows)
+}
+
 pub fn run(a: BenchGpuArgs) -> Result<()> {
     let mut reports: Vec<Report> = Vec::new();
     for model in [BenchModel::Gpt, BenchModel::Llama] {
@@ -91,7 +147,17 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
         }
         reports.push(report);
     }
-    let json = serde_json::to_string_pretty(&reports)?;
+    let device = crate::options::parse_device(&a.device)?;
+    let gemm = if a.no_fp8 { Vec::new() } else { gemm_table(device)? };
+    if !a.json && !gemm.is_empty() {
+        println!("Square products n×n×n, TFLOP/s (fp8 linear: with its amaxes and casts, forward only)");
+        println!("{:>6} {:>8} {:>12} {:>11} {:>16}", "n", "bf16", "fp8 product", "fp8 linear", "fp8 linear/bf16");
+        for r in &gemm {
+            let ratio = r.fp8_linear / r.bf16;
+            println!("{:>6} {:>8.0} {:>12.0} {:>11.0} {:>16.2}", r.size, r.bf16, r.fp8_product, r.fp8_linear, ratio);
+        }
+    }
+    let json = serde_json::to_string_pretty(&GpuReport { models: reports, gemm })?;
     if a.json {
         println!("{json}");
     }

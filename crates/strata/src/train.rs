@@ -298,12 +298,27 @@ impl Trainer {
             Some(Err(_)) => return Err(crate::Error::Engine("host updates still shared after backward".into())),
             None => BTreeSet::new(),
         };
-        let (engine, optimizer) = (&self.engine, &self.optimizer);
-        let decision =
-            self.scaling.decide(self.grad_clip, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
+        // Plain clipping on a GPU runs there: the norm is read back with the loss, at the end.
+        let plain = self.scaling.updates_unconditionally(None) && scale == 1.0 && self.engine.grad_norm_is_local();
+        let device_norm = match self.grad_clip {
+            Some(max_norm) if plain => self.optimizer.clip_grad_norm_on_device(max_norm)?,
+            _ => None,
+        };
+        let decision = match device_norm {
+            Some(_) => GradDecision { factor: 1.0, grad_norm: None, skipped: false },
+            None => {
+                let (engine, optimizer) = (&self.engine, &self.optimizer);
+                self.scaling.decide(self.grad_clip, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?
+            }
+        };
         decision.apply(&mut self.engine, &mut self.optimizer, &updated)?;
-        let GradDecision { grad_norm, skipped, .. } = decision;
-        let loss_sum: f64 = crate::compute::read_scalars(&losses)?.iter().sum();
+        let GradDecision { mut grad_norm, skipped, .. } = decision;
+        losses.extend(device_norm);
+        let mut read = crate::compute::read_scalars(&losses)?;
+        if losses.len() > step.micro_batches.len() {
+            grad_norm = read.pop();
+        }
+        let loss_sum: f64 = read.iter().sum();
         let seconds = start.elapsed().as_secs_f64();
         self.step += 1;
         Ok(StepReport {

@@ -40,7 +40,7 @@ impl HostStaged {
             for r in rx {
                 let result = r.inner.wait().and_then(|()| {
                     for (device, host) in &r.copies {
-                        device.shallow_clone().f_copy_(host)?;
+                        write_back(device, host)?;
                     }
                     Ok(())
                 });
@@ -89,6 +89,17 @@ impl HostStaged {
             .map_err(|_| Error::Comm("the staging thread of a host-staged group stopped".into()))?;
         Ok(done)
     }
+}
+
+/// Writes `host` into `device`'s memory as the host backends write into host memory: through
+/// an alias of its storage with a version counter of its own. Gathers refill parameters
+/// that autograd saved for backward (fsdp), which a versioned in-place copy would make look
+/// modified.
+fn write_back(device: &Tensor, host: &Tensor) -> Result<()> {
+    let mut alias = Tensor::f_empty([0], (device.kind(), device.device()))?;
+    let _ = alias.f_set_source_tensor_(device)?;
+    alias.f_copy_(host)?;
+    Ok(())
 }
 
 /// A pinned host tensor shaped as `t`, holding its values where `copy` (else uninitialised);
@@ -149,5 +160,26 @@ impl ProcessGroup for HostStaged {
             Device::Cpu => self.inner.alloc(numel, kind, device),
             _ => Ok(None),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_back_refills_saved_tensors_without_touching_their_version() {
+        let flat = Tensor::zeros([6], (Kind::Float, Device::Cpu));
+        let weight = flat.narrow(0, 0, 4).view([2, 2]).detach().set_requires_grad(true);
+        let x = Tensor::ones([2, 2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        // The product saves the weight for x's gradient, as a linear layer does.
+        let y = x.matmul(&weight).sum(Kind::Float);
+        let version = weight.f_internal_version().unwrap();
+        write_back(&flat.narrow(0, 0, 4), &Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])).unwrap();
+        assert_eq!(weight.f_internal_version().unwrap(), version);
+        assert_eq!(Vec::<f32>::try_from(flat).unwrap(), [1.0, 2.0, 3.0, 4.0, 0.0, 0.0]);
+        y.backward();
+        // d(sum(x·W))/dx = row sums of W, from the refilled values.
+        assert_eq!(Vec::<f32>::try_from(x.grad().view([-1])).unwrap(), [3.0, 7.0, 3.0, 7.0]);
     }
 }

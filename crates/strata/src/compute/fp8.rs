@@ -177,7 +177,8 @@ impl Fp8Unit {
     /// Takes `t`'s absolute maximum into the step's running maximum of `role` of layer
     /// `slot`, on `t`'s device (NaN ignored, as `f64::max` would).
     fn observe(&mut self, slot: usize, role: Role, t: &Tensor) -> Result<()> {
-        let amax = t.f_abs()?.f_max()?.f_to_kind(Kind::Float)?;
+        // The infinity norm: the largest magnitude in one pass.
+        let amax = t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?;
         let cell = &mut self.observed[slot][role as usize];
         *cell = Some(match cell.take() {
             Some(before) => before.f_fmax(&amax)?,
@@ -268,13 +269,26 @@ pub fn end_steps(units: &mut [&mut Fp8Unit], group: Option<&dyn ProcessGroup>) -
     Ok(())
 }
 
+/// `t · scale`, saturated to ±`max`, in fp8 `kind`. Scaled in `t`'s own dtype: bf16 keeps
+/// more mantissa than either fp8 format.
 fn quantize(t: &Tensor, scale: f64, kind: Kind, max: f64) -> Result<Tensor> {
-    Ok(t.f_to_kind(Kind::Float)?.f_mul_scalar(scale)?.f_clamp(-max, max)?.f_to_kind(kind)?)
+    let mut scaled = t.f_mul_scalar(scale)?;
+    let _ = scaled.f_clamp_(-max, max)?;
+    Ok(scaled.f_to_kind(kind)?)
 }
 
 /// `a @ b` of fp8 operands quantised with scales `sa` and `sb`, in `out`; `b` must be
 /// column-major. The dequantisation factors sit beside the operands, as CUDA requires.
-fn scaled_mm(a: &Tensor, b: &Tensor, sa: f64, sb: f64, out: Kind) -> std::result::Result<Tensor, String> {
+/// `fast_accum` trades accumulation precision for speed (Transformer Engine's choice for
+/// the forward product; gradients accumulate exactly).
+fn scaled_mm(
+    a: &Tensor,
+    b: &Tensor,
+    sa: f64,
+    sb: f64,
+    out: Kind,
+    fast_accum: bool,
+) -> std::result::Result<Tensor, String> {
     // CUDA's kernels need every dimension a multiple of 16; the CPU's emulation does not, but
     // holding it to the same rule keeps CPU runs honest about what a GPU would accept.
     if let Some(d) = a.size().into_iter().chain(b.size()).find(|d| d % 16 != 0) {
@@ -282,7 +296,7 @@ fn scaled_mm(a: &Tensor, b: &Tensor, sa: f64, sb: f64, out: Kind) -> std::result
     }
     // Filled on the device: a copy from the host would wait for the device to catch up.
     let factor = |s: f64| Tensor::full([], 1.0 / s, (Kind::Float, a.device()));
-    a.f_internal_scaled_mm::<Tensor>(b, &factor(sa), &factor(sb), None, None, out, false).map_err(text)
+    a.f_internal_scaled_mm::<Tensor>(b, &factor(sa), &factor(sb), None, None, out, fast_accum).map_err(text)
 }
 
 /// One fp8 linear: forward and backward as scaled matrix products.
@@ -309,7 +323,7 @@ impl strata_ext::Function for Fp8Linear {
         let (sx, sw, _) = self.scales;
         let xq = quantize(x, sx, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
         let wq = quantize(w, sw, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
-        let mut out = scaled_mm(&xq, &wq.tr(), sx, sw, self.out_kind)?;
+        let mut out = scaled_mm(&xq, &wq.tr(), sx, sw, self.out_kind, true)?;
         if let Some(b) = inputs.get(2) {
             out = out.f_add(&b.f_to_kind(self.out_kind).map_err(text)?).map_err(text)?;
         }
@@ -329,8 +343,8 @@ impl strata_ext::Function for Fp8Linear {
         let gq = quantize(&g, sg, grad_kind, grad_max).map_err(text)?;
         // The second operand of a scaled product is column-major: a transposed contiguous copy.
         let column_major = |t: &Tensor| t.tr().contiguous().tr();
-        let grad_x = scaled_mm(&gq, &column_major(&wq), sg, sw, x_kind)?;
-        let grad_w = scaled_mm(&gq.tr().contiguous(), &column_major(&xq), sg, sx, w_kind)?;
+        let grad_x = scaled_mm(&gq, &column_major(&wq), sg, sw, x_kind, false)?;
+        let grad_w = scaled_mm(&gq.tr().contiguous(), &column_major(&xq), sg, sx, w_kind, false)?;
         let mut out = vec![grad_x, grad_w];
         if let Some(kind) = self.bias_kind {
             out.push(g.f_sum_dim_intlist(0, false, kind).map_err(text)?);

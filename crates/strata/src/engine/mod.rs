@@ -477,6 +477,12 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether the global gradient norm is this rank's own (nothing sharded or split over
+    /// other ranks).
+    pub fn grad_norm_is_local(&self) -> bool {
+        self.tensor_parallel().is_none() && self.schedule.grad_norm_is_local()
+    }
+
     /// The global sum of squared gradients from this rank's per-unit sums (unit, sum).
     pub fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
         let sum = self.schedule.grad_sq_sum(per_unit)?;

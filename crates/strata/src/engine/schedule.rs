@@ -89,6 +89,12 @@ pub trait UnitSchedule: Send {
         Ok(())
     }
 
+    /// Whether [`UnitSchedule::grad_sq_sum`] is this rank's own sum (no shards elsewhere),
+    /// so the norm can be computed where the gradients are, without reading it back.
+    fn grad_norm_is_local(&self) -> bool {
+        true
+    }
+
     /// The global sum of squared gradients from this rank's per-unit sums (unit, sum):
     /// adds the shards other ranks hold.
     fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {

@@ -340,6 +340,31 @@ impl Optimizer {
         Ok(())
     }
 
+    /// [`Optimizer::clip_grad_norm`] computed where the gradients are, when they all live on
+    /// one GPU and their norm is this rank's own: nothing is read back (a read would wait
+    /// for the device), and the norm comes back as a tensor there. `None` elsewhere.
+    pub fn clip_grad_norm_on_device(&mut self, max_norm: f64) -> Result<Option<Tensor>> {
+        let grads: Vec<&Tensor> = self.groups.iter().flat_map(|g| g.grads.iter()).collect();
+        let device = match grads.first() {
+            Some(g) if g.device().is_cuda() && grads.iter().all(|x| x.device() == g.device()) => g.device(),
+            _ => return Ok(None),
+        };
+        let mut sq = Tensor::f_zeros([], (Kind::Double, device))?;
+        for g in &self.groups {
+            for (grad, share) in g.grads.iter().zip(&g.norm_shares) {
+                let norm = grad.f_norm_scalaropt_dtype(2.0, Kind::Double)?;
+                sq = sq.f_add(&norm.f_square()?.f_mul_scalar(*share)?)?;
+            }
+        }
+        let norm = sq.f_sqrt()?;
+        // clip_coefficient's formula, in f64 on the device.
+        let coef = norm.f_add_scalar(1e-6)?.f_reciprocal()?.f_mul_scalar(max_norm)?.f_clamp_max(1.0)?;
+        for grad in grads {
+            let _ = grad.shallow_clone().f_mul_(&coef)?;
+        }
+        Ok(Some(norm))
+    }
+
     /// Scales all gradients so their global L2 norm is at most `max_norm`
     /// (`torch.nn.utils.clip_grad_norm_`); returns the norm before clipping.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {

@@ -684,6 +684,10 @@ impl UnitSchedule for Zero {
         Ok(())
     }
 
+    fn grad_norm_is_local(&self) -> bool {
+        self.groups.shard.is_none()
+    }
+
     fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
         // Shards add up over the shard group; replicated (ignored) units count once.
         let (sharded, replicated): (Vec<_>, Vec<_>) = per_unit.iter().partition(|(u, _)| self.is_sharded(*u));
