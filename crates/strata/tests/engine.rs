@@ -313,3 +313,45 @@ fn deferred_weight_gradients_complete_the_same_gradients_later() {
         assert!(p.grad().allclose(&other, 1e-10, 1e-12, false), "{name}");
     }
 }
+
+/// A step's first backward writes each unit's own gradients over whatever its slice of the
+/// flat buffer held (zeroing them first is left out), while a tied weight's gradients, which
+/// arrive in two units' backward, still accumulate from zero; later micro-batches add.
+#[test]
+fn a_first_backward_overwrites_own_gradients_and_accumulates_tied_ones() {
+    for mode in [BackwardMode::UnitByUnit, BackwardMode::WholeGraph] {
+        let grads_after = |stale: bool, micro_batches: i64| {
+            let mut e = engine(tiny_gpt, Kind::Double, mode, 3);
+            e.zero_grad().unwrap();
+            if stale {
+                // What a previous step left behind, everywhere but the tied embedding.
+                for (name, p) in e.named_params() {
+                    if name != "transformer.wte.weight" {
+                        let _ = p.grad().fill_(f64::NAN);
+                    }
+                }
+            }
+            for m in 0..micro_batches {
+                let (x, y) = batch(5 + m);
+                let out = e.forward(&x).unwrap();
+                e.backward(&cross_entropy(&out, &y).unwrap()).unwrap();
+            }
+            e.named_params().map(|(n, p)| (n.to_string(), p.grad().copy())).collect::<Vec<_>>()
+        };
+        let (clean, over_stale) = (grads_after(false, 1), grads_after(true, 1));
+        for ((name, a), (_, b)) in clean.iter().zip(&over_stale) {
+            assert!(a.isfinite().all().int64_value(&[]) == 1 && a.abs().sum(Kind::Double).double_value(&[]) > 0.0);
+            assert!(a.equal(b), "{mode:?}: {name} is this step's gradient alone");
+        }
+        // A second micro-batch adds its gradients to the first's.
+        let two = grads_after(false, 2);
+        let (x, y) = batch(6);
+        let mut second = engine(tiny_gpt, Kind::Double, mode, 3);
+        let out = second.forward(&x).unwrap();
+        second.backward(&cross_entropy(&out, &y).unwrap()).unwrap();
+        for (((name, sum), (_, first)), (_, only)) in two.iter().zip(&clean).zip(second.named_params()) {
+            let expected = first + only.grad();
+            assert!((sum - &expected).abs().max().double_value(&[]) < 1e-12, "{mode:?}: {name} accumulates");
+        }
+    }
+}

@@ -141,6 +141,10 @@ pub struct Engine {
     config: EngineConfig,
     /// Every unit's gradient buffer, concatenated in unit order ([`GradLayout::Contiguous`]).
     grads: Option<Tensor>,
+    /// Per unit: its gradients were zeroed and its first backward since then has not run,
+    /// so that backward may hand its own parameters' gradients over as computed
+    /// ([`Engine::release_fresh_grads`]).
+    fresh_grads: Vec<bool>,
     storage: Vec<UnitStorage>,
     /// Leaf views into `storage[unit].flat`, indexed by `ParamId`.
     params: Vec<Tensor>,
@@ -296,6 +300,7 @@ impl Engine {
             spec,
             config,
             grads,
+            fresh_grads: vec![false; units],
             storage,
             params,
             offsets,
@@ -700,16 +705,33 @@ impl Engine {
     }
 
     fn backward_from(&mut self, seed: Upstream<'_>, record: &ForwardRecord) -> Result<Option<Tensor>> {
+        let units = self.spec.units.len();
+        let result = self.backward_units(seed, record);
+        // Units the gradient did not reach got none this time: zeros, as accumulation gives.
+        for k in 0..units {
+            let released = self.release_fresh_grads(k)?;
+            self.land_grads(k, &released)?;
+        }
+        result
+    }
+
+    fn backward_units(&mut self, seed: Upstream<'_>, record: &ForwardRecord) -> Result<Option<Tensor>> {
         let mut upstream = match seed {
             Upstream::Loss(loss) => {
                 if loss.numel() != 1 {
                     return Err(Error::Engine(format!("backward needs a scalar loss, got shape {:?}", loss.size())));
                 }
                 let ones = loss.f_ones_like()?;
-                strata_ext::backward(&[loss], &[&ones], false)?;
                 if self.config.backward == BackwardMode::WholeGraph {
+                    let released =
+                        (0..self.spec.units.len()).map(|k| self.release_fresh_grads(k)).collect::<Result<Vec<_>>>()?;
+                    strata_ext::backward(&[loss], &[&ones], false)?;
+                    for (k, released) in released.iter().enumerate() {
+                        self.land_grads(k, released)?;
+                    }
                     return Ok(None);
                 }
+                strata_ext::backward(&[loss], &[&ones], false)?;
                 record.out.grad()
             }
             Upstream::Grad(_) if self.config.backward == BackwardMode::WholeGraph => {
@@ -729,9 +751,11 @@ impl Engine {
                 sink.record(Event::Recomputed { unit: k, began });
             }
             let output = recomputed.as_ref().unwrap_or(&b.output);
+            let released = self.release_fresh_grads(k)?;
             if output.requires_grad() {
                 strata_ext::backward(&[output], &[&upstream], false)?;
             }
+            self.land_grads(k, &released)?;
             self.run_schedule(Phase::AfterBackward, k)?;
             match &b.input {
                 Some(input) if input.grad().defined() => upstream = input.grad(),
@@ -740,6 +764,52 @@ impl Engine {
         }
         // The loop ended at the first unit with the gradient of a cut input.
         Ok(Some(upstream))
+    }
+
+    /// Parameters some unit reads from another unit (tied weights): their gradients arrive in
+    /// several units' backward and accumulate.
+    fn borrowed_params(&self) -> std::collections::BTreeSet<ParamId> {
+        self.spec.units.iter().flat_map(|u| u.borrowed.iter().copied()).collect()
+    }
+
+    /// Parameter `id`'s slice of its unit's flat gradient buffer, shaped as the parameter.
+    fn grad_view(&self, id: ParamId) -> Result<Tensor> {
+        let p = &self.params[id.0];
+        let unit_grad = &self.storage[self.spec.params[id.0].unit].grad;
+        Ok(unit_grad.f_narrow(0, self.offsets[id.0], p.numel() as i64)?.f_view(p.size().as_slice())?)
+    }
+
+    /// Before unit `k`'s first backward since its gradients were zeroed: its own trainable
+    /// parameters that no other unit borrows give up their `.grad` view, so autograd hands
+    /// the new gradient over as computed instead of adding it to zeros, and
+    /// [`Engine::land_grads`] copies it into the flat buffer: one pass over the gradients
+    /// where zeroing and accumulating take two, writing three times. Returns them.
+    fn release_fresh_grads(&mut self, k: usize) -> Result<Vec<ParamId>> {
+        if !std::mem::take(&mut self.fresh_grads[k]) {
+            return Ok(Vec::new());
+        }
+        let borrowed = self.borrowed_params();
+        let mut released = Vec::new();
+        for &id in &self.spec.units[k].params {
+            let p = &self.params[id.0];
+            if p.requires_grad() && !borrowed.contains(&id) {
+                strata_ext::set_grad(p, None)?;
+                released.push(id);
+            }
+        }
+        Ok(released)
+    }
+
+    /// Puts the gradients of `released` parameters (zeros where none came) into their
+    /// slices of the flat buffer and makes those slices their `.grad` again.
+    fn land_grads(&self, k: usize, released: &[ParamId]) -> Result<()> {
+        for &id in released {
+            let (p, mut view) = (&self.params[id.0], self.grad_view(id)?);
+            let g = p.grad();
+            tch::no_grad(|| if g.defined() { view.f_copy_(&g) } else { view.f_zero_().map(|_| ()) })?;
+            attach_grad(p, &self.storage[k].grad, self.offsets[id.0])?;
+        }
+        Ok(())
     }
 
     /// Unit `k`'s forward under its compute policy.
@@ -828,10 +898,20 @@ impl Engine {
         }
     }
 
-    /// Sets every gradient to zero.
+    /// Sets every gradient to zero (where the schedule lets a unit's first backward copy its
+    /// gradients in, only those of parameters other units borrow are written now).
     pub fn zero_grad(&mut self) -> Result<()> {
         if let Some(all) = &self.grads {
-            let _ = all.shallow_clone().f_zero_()?;
+            if self.schedule.accepts_copied_grads() {
+                for id in self.borrowed_params() {
+                    if self.params[id.0].requires_grad() {
+                        let _ = self.grad_view(id)?.f_zero_()?;
+                    }
+                }
+                self.fresh_grads.fill(true);
+            } else {
+                let _ = all.shallow_clone().f_zero_()?;
+            }
             return Ok(());
         }
         let (schedule, ctx) = self.schedule_for(0);

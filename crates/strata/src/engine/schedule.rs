@@ -89,6 +89,13 @@ pub trait UnitSchedule: Send {
         Ok(())
     }
 
+    /// Whether this schedule reads each unit's gradients only from the engine's contiguous
+    /// buffer, once that unit's backward is over: the engine may then let a step's first
+    /// backward produce them freely and copy them in, rather than add them to zeros.
+    fn accepts_copied_grads(&self) -> bool {
+        false
+    }
+
     /// Whether [`UnitSchedule::grad_sq_sum`] is this rank's own sum (no shards elsewhere),
     /// so the norm can be computed where the gradients are, without reading it back.
     fn grad_norm_is_local(&self) -> bool {
@@ -132,5 +139,9 @@ pub struct Resident;
 impl UnitSchedule for Resident {
     fn on(&mut self, _: Phase, _: ScheduleContext<'_>) -> Result<()> {
         Ok(())
+    }
+
+    fn accepts_copied_grads(&self) -> bool {
+        true
     }
 }

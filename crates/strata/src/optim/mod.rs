@@ -130,6 +130,9 @@ pub struct Optimizer {
     groups: Vec<Group>,
     lr_factor: f64,
     steps_taken: u64,
+    /// Every gradient is divided by this device value in the next update, inside the fused
+    /// kernel (clipping decided on the device: [`Optimizer::clip_grad_norm_on_device`]).
+    grad_divisor: Option<Tensor>,
     ledger: Arc<MemoryLedger>,
     /// State bytes charged to the ledger, per placement.
     state_bytes: BTreeMap<Placement, u64>,
@@ -187,7 +190,7 @@ impl Optimizer {
             g.grads.push(grad);
         }
         groups.retain(|g| !g.params.is_empty());
-        Ok(Optimizer { config, groups, lr_factor: 1.0, steps_taken: 0, ledger, state_bytes })
+        Ok(Optimizer { config, groups, lr_factor: 1.0, steps_taken: 0, grad_divisor: None, ledger, state_bytes })
     }
 
     /// Scales every group's learning rate (set each step from a [`Schedule`]).
@@ -215,6 +218,7 @@ impl Optimizer {
     /// [`Optimizer::step`] for every segment but those of the units in `updated` (their
     /// update already ran: [`HostUpdates`]).
     pub fn step_except(&mut self, updated: &BTreeSet<usize>) -> Result<()> {
+        let divisor = self.grad_divisor.take();
         for g in &self.groups {
             let pending: Vec<usize> = (0..g.params.len()).filter(|&i| !updated.contains(&g.places[i].0)).collect();
             let rule = self.rule(g);
@@ -230,7 +234,8 @@ impl Optimizer {
                         pending.iter().map(|&i| v[i].shallow_clone()).collect()
                     }
                 };
-                rule.apply(&pick(&g.params), &pick(&g.grads), &pick(&g.first), &pick(&g.second), &pick(&g.steps))?;
+                let (first, second, steps) = (pick(&g.first), pick(&g.second), pick(&g.steps));
+                rule.apply(&pick(&g.params), &pick(&g.grads), &first, &second, &steps, divisor.as_ref())?;
                 continue;
             }
             for i in pending {
@@ -248,6 +253,7 @@ impl Optimizer {
                         &one(&g.first),
                         &one(&g.second),
                         &one(&g.steps),
+                        divisor.as_ref(),
                     )?;
                     if low {
                         tch::no_grad(|| param.shallow_clone().f_copy_(&work))?;
@@ -342,7 +348,9 @@ impl Optimizer {
 
     /// [`Optimizer::clip_grad_norm`] computed where the gradients are, when they all live on
     /// one GPU and their norm is this rank's own: nothing is read back (a read would wait
-    /// for the device), and the norm comes back as a tensor there. `None` elsewhere.
+    /// for the device), the norm comes back as a tensor there, and the clipping itself
+    /// happens inside the next [`Optimizer::step`]'s fused kernels (no pass of its own over
+    /// the gradients). `None` elsewhere.
     pub fn clip_grad_norm_on_device(&mut self, max_norm: f64) -> Result<Option<Tensor>> {
         let grads: Vec<&Tensor> = self.groups.iter().flat_map(|g| g.grads.iter()).collect();
         let device = match grads.first() {
@@ -357,11 +365,9 @@ impl Optimizer {
             }
         }
         let norm = sq.f_sqrt()?;
-        // clip_coefficient's formula, in f64 on the device.
-        let coef = norm.f_add_scalar(1e-6)?.f_reciprocal()?.f_mul_scalar(max_norm)?.f_clamp_max(1.0)?;
-        for grad in grads {
-            let _ = grad.shallow_clone().f_mul_(&coef)?;
-        }
+        // The inverse of clip_coefficient's factor, in f64 on the device.
+        let divisor = norm.f_add_scalar(1e-6)?.f_div_scalar(max_norm)?.f_clamp_min(1.0)?;
+        self.grad_divisor = Some(divisor.f_to_kind(Kind::Float)?);
         Ok(Some(norm))
     }
 
@@ -419,8 +425,10 @@ impl UpdateRule {
         first: &[Tensor],
         second: &[Tensor],
         steps: &[Tensor],
+        grad_divisor: Option<&Tensor>,
     ) -> Result<()> {
         let c = &self.config;
+        let scaling = Scaling { grad_scale: grad_divisor, found_inf: None };
         match c.kind {
             OptimizerKind::Adam | OptimizerKind::AdamW => strata_ext::fused_adam(
                 &AdamTensors { params, grads, exp_avgs: first, exp_avg_sqs: second, steps },
@@ -433,7 +441,7 @@ impl UpdateRule {
                     decoupled: c.kind == OptimizerKind::AdamW,
                     maximize: false,
                 },
-                Scaling::default(),
+                scaling,
             )?,
             OptimizerKind::Sgd => strata_ext::fused_sgd(
                 params,
@@ -448,7 +456,7 @@ impl UpdateRule {
                     maximize: false,
                     is_first_step: self.first_step,
                 },
-                Scaling::default(),
+                scaling,
             )?,
         }
         Ok(())
@@ -470,7 +478,7 @@ impl SegmentUpdate {
     fn run(&self) -> Result<()> {
         let list = |t: &Option<Tensor>| t.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
         let (first, second, step) = (list(&self.first), list(&self.second), list(&self.step));
-        self.rule.apply(&[self.param.shallow_clone()], &[self.grad.shallow_clone()], &first, &second, &step)
+        self.rule.apply(&[self.param.shallow_clone()], &[self.grad.shallow_clone()], &first, &second, &step, None)
     }
 }
 

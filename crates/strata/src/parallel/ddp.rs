@@ -113,6 +113,10 @@ impl UnitSchedule for DataParallel {
         self.group.rank() == 0
     }
 
+    fn accepts_copied_grads(&self) -> bool {
+        true
+    }
+
     fn finish_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         for work in self.in_flight.drain(..) {
             work.wait().map_err(|e| Error::Comm(format!("gradient all-reduce failed: {e}")))?;
