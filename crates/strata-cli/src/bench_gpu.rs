@@ -29,10 +29,13 @@ pub struct BenchGpuArgs {
     /// Dense bf16 peak of the GPU in TFLOP/s (default: known from its name).
     #[arg(long)]
     peak_tflops: Option<f64>,
-    #[arg(long, default_value_t = 6)]
+    /// Measured blocks of each side, alternating between the sides.
+    #[arg(long, default_value_t = 10)]
     rounds: u64,
+    /// Training steps per block.
     #[arg(long, default_value_t = 5)]
     block: u64,
+    /// Warm-up steps of each side before measuring.
     #[arg(long, default_value_t = 5)]
     warmup: u64,
     /// Python of the environment with torch (default: the checkout's .venv).
