@@ -157,6 +157,12 @@ pub fn run(mut settings: TrainSettings) -> Result<()> {
     };
     let spec = model_spec()?;
     check_outputs(&settings, spec.num_params() as u64)?;
+    // Initial weights or a checkpoint that cannot load are refused before any search or
+    // step (the checkpoint is opened again, and restored, once the engine exists).
+    if let Some(path) = &settings.init_weights {
+        strata::io::check_weights_file(&spec, path)?;
+    }
+    checkpoint_to_resume(&settings)?;
     // Started as one of several ranks: join the job.
     let (comm, local_world_size) = match &launched {
         Some(info) => {

@@ -258,6 +258,15 @@ fn bad_input_gets_one_line_errors() {
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
     let e = one_line_error(&run(&["--init-weights", s(&truncated)]));
     assert!(e.contains("truncated.safetensors") && e.contains("not a valid safetensors"), "{e}");
+    // Refused before a strategy search spends any time (the search would print its table).
+    for (flag, bad) in [
+        ("--init-weights", truncated.clone()),
+        ("--init-weights", d.join("missing.safetensors")),
+        ("--resume", d.join("no-checkpoint")),
+    ] {
+        let e = one_line_error(&run(&["--strategy", "auto", flag, s(&bad)]));
+        assert!(e.contains(s(&bad)), "{flag}: {e}");
+    }
 
     // Weights of a one-layer MLP of width 8 loaded into other models.
     for (model, needle) in [

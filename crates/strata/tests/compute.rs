@@ -1,6 +1,9 @@
 //! The compute methods inside one process: the loss scaler's skip and recovery, fp8
 //! numerics and delayed scaling, recomputation's gradients and memory, replaced modules
 //! against the reference ones, and where amp_native computes in which dtype.
+mod common;
+
+use common::rel;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use strata::compute::fp8::{self, AmaxAlgo, Fp8Config, Fp8Unit};
@@ -34,11 +37,6 @@ fn step(seed: i64) -> Step {
     tch::manual_seed(seed);
     let tokens = Tensor::randint(32, [4, 17], (Kind::Int64, Device::Cpu));
     Step { index: 0, micro_batches: vec![Batch { inputs: tokens.narrow(1, 0, 16), targets: tokens.narrow(1, 1, 16) }] }
-}
-
-fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
-    (&a - &b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
 }
 
 #[test]
@@ -217,32 +215,8 @@ fn recomputed_units_give_the_same_gradients_with_less_memory() {
 #[test]
 fn replaced_modules_match_the_reference_ones() {
     let _serial = serial();
-    tch::manual_seed(3);
-    let all = Arc::new(UnitCompute { replacements: Replacements::select(None).unwrap(), ..Default::default() });
-    for (kind, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2e-2)] {
-        let q = Tensor::randn([2, 2, 8, 16], (kind, Device::Cpu));
-        let k = Tensor::randn([2, 2, 8, 16], (kind, Device::Cpu));
-        let v = Tensor::randn([2, 2, 8, 16], (kind, Device::Cpu));
-        let x = Tensor::randn([2, 8, 16], (kind, Device::Cpu));
-        let (w, b) = (Tensor::randn([16], (kind, Device::Cpu)), Tensor::randn([16], (kind, Device::Cpu)));
-        let reference = [
-            layers::causal_attention(&q, &k, &v).unwrap(),
-            layers::layer_norm(&x, &w, &b, 1e-5).unwrap(),
-            layers::rms_norm(&x, &w, 1e-6).unwrap(),
-        ];
-        let replaced = compute::run(&all, vec![], false, || {
-            Ok([
-                layers::causal_attention(&q, &k, &v)?,
-                layers::layer_norm(&x, &w, &b, 1e-5)?,
-                layers::rms_norm(&x, &w, 1e-6)?,
-            ])
-        })
-        .unwrap();
-        for (name, (a, r)) in ["attention", "layer norm", "rms norm"].iter().zip(reference.iter().zip(&replaced)) {
-            assert_eq!(a.kind(), r.kind());
-            let err = rel(r, a);
-            assert!(err < tol, "{name} in {kind:?}: {err:e}");
-        }
+    for (name, kind, err, bound) in common::replaced_module_errors(Device::Cpu) {
+        assert!(err < bound, "{name} in {kind:?}: {err:e}");
     }
     assert!(Replacements::select(Some(&["NoSuchPair".to_string()])).is_err());
 }

@@ -6,10 +6,10 @@
 mod common;
 
 use common::ranks::{assert_all_ok, run_ranks};
+use common::rel;
 use std::time::Duration;
 use strata::comm::{Comm, ProcessGroup, ReduceOp, Store, StoreServer};
 use strata::compute::fp8::{self, Fp8Config, Fp8Unit};
-use strata::compute::replace::Replacements;
 use strata::compute::{self, UnitCompute};
 use strata::data::{Batch, Step};
 use strata::engine::{memory, with_seed, EngineConfig};
@@ -87,11 +87,6 @@ fn weight_gap(a: &Trainer, b: &Trainer) -> f64 {
         norm += y.square().sum(Kind::Double).double_value(&[]);
     }
     (diff / norm).sqrt()
-}
-
-fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (a.to_device(Device::Cpu).to_kind(Kind::Double), b.to_device(Device::Cpu).to_kind(Kind::Double));
-    (&a - &b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
 }
 
 #[test]
@@ -207,34 +202,9 @@ fn fp8_products_on_a_gpu_stay_near_bf16_without_waiting_for_the_device() {
 #[test]
 fn fused_attention_and_norms_on_a_gpu_match_the_composites() {
     let Some((gpu, _serial)) = gpu("fused_attention_and_norms_on_a_gpu_match_the_composites") else { return };
-    let all = std::sync::Arc::new(UnitCompute {
-        replacements: Replacements::select(None).unwrap(),
-        device_autocast: true,
-        ..Default::default()
-    });
-    for (kind, bound) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2e-2)] {
-        let draw =
-            |seed: i64, shape: &[i64]| with_seed(seed, || Tensor::randn(shape, (kind, Device::Cpu))).to_device(gpu);
-        let (q, k, v) = (draw(1, &[2, 4, 64, 32]), draw(2, &[2, 4, 64, 32]), draw(3, &[2, 4, 64, 32]));
-        let (x, w, b) = (draw(4, &[2, 64, 32]), draw(5, &[32]), draw(6, &[32]));
-        let reference = [
-            layers::causal_attention(&q, &k, &v).unwrap(),
-            layers::layer_norm(&x, &w, &b, 1e-5).unwrap(),
-            layers::rms_norm(&x, &w, 1e-6).unwrap(),
-        ];
-        let replaced = compute::run(&all, vec![], false, || {
-            Ok([
-                layers::causal_attention(&q, &k, &v)?,
-                layers::layer_norm(&x, &w, &b, 1e-5)?,
-                layers::rms_norm(&x, &w, 1e-6)?,
-            ])
-        })
-        .unwrap();
-        for (name, (a, r)) in ["attention", "layer norm", "rms norm"].iter().zip(reference.iter().zip(&replaced)) {
-            let err = rel(r, a);
-            eprintln!("{name} in {kind:?} on the GPU: {err:.2e}");
-            assert!(err < bound && a.device() == gpu, "{name} in {kind:?}: {err:e}");
-        }
+    for (name, kind, err, bound) in common::replaced_module_errors(gpu) {
+        eprintln!("{name} in {kind:?} on the GPU: {err:.2e}");
+        assert!(err < bound, "{name} in {kind:?}: {err:e}");
     }
     // Whole models: the fused modules give the losses of the composites.
     let batches = steps(3, gpu);

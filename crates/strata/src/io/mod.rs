@@ -10,7 +10,7 @@ mod folder;
 pub use folder::{load_model_dir, FolderOut, DEFAULT_SHARD_BYTES};
 
 use crate::engine::Engine;
-use crate::model::ParamId;
+use crate::model::{ModelSpec, ParamId};
 use crate::{Error, Result};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
@@ -300,28 +300,85 @@ pub fn load_weights(engine: &mut Engine, path: &Path) -> Result<()> {
     load_named(engine, path, named.map(|(name, t)| (name.clone(), name, t)))
 }
 
+/// Checks, from its header alone, that the safetensors file at `path` is whole and holds
+/// every parameter of `spec` under a known name and in its shape, as [`load_weights`]
+/// demands: a run refuses it before spending any time (a search, a first step).
+pub fn check_weights_file(spec: &ModelSpec, path: &Path) -> Result<()> {
+    use std::io::Read;
+    let err = |message: String| Error::Weights { path: path.to_path_buf(), message };
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|_| err("not a valid safetensors file (no header)".into()))?;
+    let header_len = u64::from_le_bytes(len);
+    if header_len > file_len.saturating_sub(8) {
+        return Err(err(format!("not a valid safetensors file (a header of {header_len} bytes in {file_len})")));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(|e| Error::io(path, e))?;
+    #[derive(serde::Deserialize)]
+    struct Entry {
+        shape: Vec<i64>,
+        data_offsets: (u64, u64),
+    }
+    let mut entries: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| err(format!("not a valid safetensors file (header: {e})")))?;
+    entries.remove("__metadata__");
+    let mut shapes = Vec::new();
+    for (name, value) in entries {
+        let entry: Entry =
+            serde_json::from_value(value).map_err(|e| err(format!("not a valid safetensors file ({name}: {e})")))?;
+        if 8 + header_len + entry.data_offsets.1 > file_len {
+            return Err(err(format!("not a valid safetensors file ({name} lies past its end: truncated?)")));
+        }
+        shapes.push((name, entry.shape));
+    }
+    let named = shapes.iter().filter(|(name, _)| !name.starts_with("optim."));
+    match_params(spec, path, named.map(|(name, shape)| (name.as_str(), name.as_str(), shape.as_slice())))?;
+    Ok(())
+}
+
+/// Matches `(parameter name, name in the source, shape)` against `spec`: every name a
+/// parameter, every shape its shape, every parameter present. Returns each entry's
+/// parameter, in order; errors name `source` and the source's names.
+fn match_params<'a>(
+    spec: &ModelSpec,
+    source: &Path,
+    named: impl Iterator<Item = (&'a str, &'a str, &'a [i64])>,
+) -> Result<Vec<ParamId>> {
+    let err = |message: String| Error::Weights { path: source.to_path_buf(), message };
+    let mut ids = Vec::new();
+    for (name, shown, shape) in named {
+        let id =
+            spec.find(name).ok_or_else(|| err(format!("unknown tensor {shown:?} (not a parameter of this model)")))?;
+        let expected = &spec.params[id.0].shape;
+        if shape != expected.as_slice() {
+            return Err(err(format!("{shown}: shape {shape:?} but the model expects {expected:?}")));
+        }
+        ids.push(id);
+    }
+    if let Some(missing) = spec.params.iter().enumerate().find(|(i, _)| !ids.contains(&ParamId(*i))) {
+        return Err(err(format!("missing parameter {:?}", missing.1.name)));
+    }
+    Ok(ids)
+}
+
 /// Loads parameters from `(parameter name, name in the source, values)`, as
 /// [`load_weights`] describes; errors name `source` and the source's names.
 fn load_named(engine: &mut Engine, source: &Path, named: impl Iterator<Item = (String, String, Tensor)>) -> Result<()> {
     let err = |message: String| Error::Weights { path: source.to_path_buf(), message };
+    let named: Vec<(String, String, Tensor)> = named.collect();
+    let shapes: Vec<Vec<i64>> = named.iter().map(|(_, _, t)| t.size()).collect();
+    let entries =
+        named.iter().zip(&shapes).map(|((name, shown, _), shape)| (name.as_str(), shown.as_str(), shape.as_slice()));
+    let ids = match_params(engine.spec(), source, entries)?;
     let mut assigned: BTreeMap<ParamId, (String, Tensor)> = BTreeMap::new();
-    for (name, shown, t) in named {
-        let id = engine
-            .spec()
-            .find(&name)
-            .ok_or_else(|| err(format!("unknown tensor {shown:?} (not a parameter of this model)")))?;
-        let expected = &engine.spec().params[id.0];
-        if t.size() != expected.shape {
-            return Err(err(format!("{shown}: shape {:?} but the model expects {:?}", t.size(), expected.shape)));
-        }
+    for (id, (_, shown, t)) in ids.into_iter().zip(named) {
         if let Some((first, earlier)) = assigned.insert(id, (shown.clone(), t.shallow_clone())) {
             if !earlier.f_to_kind(Kind::Double)?.f_equal(&t.f_to_kind(Kind::Double)?)? {
                 return Err(err(format!("{first} and {shown} differ, but the model ties them into one parameter")));
             }
         }
-    }
-    if let Some(missing) = engine.spec().params.iter().enumerate().find(|(i, _)| !assigned.contains_key(&ParamId(*i))) {
-        return Err(err(format!("missing parameter {:?}", missing.1.name)));
     }
     let values = assigned.into_iter().map(|(id, (_, t))| (id, t)).collect();
     engine.set_params(&values)

@@ -1,2 +1,51 @@
 //! Helpers shared by the integration tests.
+#![allow(dead_code)] // each test binary uses its own subset
 pub mod ranks;
+
+use strata::compute::replace::Replacements;
+use strata::compute::{self, UnitCompute};
+use strata::engine::with_seed;
+use strata::model::layers;
+use tch::{Device, Kind, Tensor};
+
+/// ‖a − b‖ / ‖b‖, in f64 on the CPU.
+pub fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_device(Device::Cpu).to_kind(Kind::Double), b.to_device(Device::Cpu).to_kind(Kind::Double));
+    (&a - &b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
+}
+
+/// Every replaced module (fused attention, layer norm, RMS norm) against its reference
+/// composite on `device`, in fp32 and bf16: (module, dtype, relative error, bound). The
+/// bounds: fp32 rounding alone, and bf16's 8-bit mantissa.
+pub fn replaced_module_errors(device: Device) -> Vec<(&'static str, Kind, f64, f64)> {
+    let all = std::sync::Arc::new(UnitCompute {
+        replacements: Replacements::select(None).unwrap(),
+        device_autocast: device.is_cuda(),
+        ..Default::default()
+    });
+    let mut out = Vec::new();
+    for (kind, bound) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2e-2)] {
+        let draw =
+            |seed: i64, shape: &[i64]| with_seed(seed, || Tensor::randn(shape, (kind, Device::Cpu))).to_device(device);
+        let (q, k, v) = (draw(1, &[2, 4, 64, 32]), draw(2, &[2, 4, 64, 32]), draw(3, &[2, 4, 64, 32]));
+        let (x, w, b) = (draw(4, &[2, 64, 32]), draw(5, &[32]), draw(6, &[32]));
+        let reference = [
+            layers::causal_attention(&q, &k, &v).unwrap(),
+            layers::layer_norm(&x, &w, &b, 1e-5).unwrap(),
+            layers::rms_norm(&x, &w, 1e-6).unwrap(),
+        ];
+        let replaced = compute::run(&all, vec![], false, || {
+            Ok([
+                layers::causal_attention(&q, &k, &v)?,
+                layers::layer_norm(&x, &w, &b, 1e-5)?,
+                layers::rms_norm(&x, &w, 1e-6)?,
+            ])
+        })
+        .unwrap();
+        for (name, (a, r)) in ["attention", "layer norm", "rms norm"].into_iter().zip(reference.iter().zip(&replaced)) {
+            assert_eq!((a.kind(), r.device()), (r.kind(), device), "{name} keeps its dtype and device");
+            out.push((name, kind, rel(r, a), bound));
+        }
+    }
+    out
+}
