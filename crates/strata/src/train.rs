@@ -313,9 +313,10 @@ impl Trainer {
         };
         decision.apply(&mut self.engine, &mut self.optimizer, &updated)?;
         let GradDecision { mut grad_norm, skipped, .. } = decision;
+        let norm_on_device = device_norm.is_some();
         losses.extend(device_norm);
         let mut read = crate::compute::read_scalars(&losses)?;
-        if losses.len() > step.micro_batches.len() {
+        if norm_on_device {
             grad_norm = read.pop();
         }
         let loss_sum: f64 = read.iter().sum();

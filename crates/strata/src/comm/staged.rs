@@ -9,7 +9,6 @@
 use super::{ProcessGroup, ReduceOp, Work};
 use crate::{Error, Result};
 use std::sync::mpsc;
-use std::sync::Mutex;
 use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
@@ -21,14 +20,10 @@ struct Return {
     done: Work,
 }
 
-// SAFETY: the tensors are handles libtorch shares across threads; the caller of a
-// collective promises not to touch its tensors until the work completes.
-unsafe impl Send for Return {}
-
 pub(super) struct HostStaged {
     inner: Box<dyn ProcessGroup>,
     timeout: Duration,
-    returns: Mutex<mpsc::Sender<Return>>,
+    returns: mpsc::Sender<Return>,
 }
 
 impl HostStaged {
@@ -47,7 +42,7 @@ impl HostStaged {
                 r.done.finish(result);
             }
         });
-        HostStaged { inner, timeout, returns: Mutex::new(tx) }
+        HostStaged { inner, timeout, returns: tx }
     }
 
     /// Runs `issue` on host copies of `inputs` (their values) and `outputs` (written by
@@ -82,11 +77,7 @@ impl HostStaged {
         }
         let done = Work::pending(self.timeout);
         let r = Return { inner, copies, done: done.clone() };
-        self.returns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(r)
-            .map_err(|_| Error::Comm("the staging thread of a host-staged group stopped".into()))?;
+        self.returns.send(r).map_err(|_| Error::Comm("the staging thread of a host-staged group stopped".into()))?;
         Ok(done)
     }
 }

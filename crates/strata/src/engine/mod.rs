@@ -145,6 +145,9 @@ pub struct Engine {
     /// so that backward may hand its own parameters' gradients over as computed
     /// ([`Engine::release_fresh_grads`]).
     fresh_grads: Vec<bool>,
+    /// Parameters some unit reads from another unit (tied weights): their gradients arrive
+    /// in several units' backward and accumulate.
+    borrowed: std::collections::BTreeSet<ParamId>,
     storage: Vec<UnitStorage>,
     /// Leaf views into `storage[unit].flat`, indexed by `ParamId`.
     params: Vec<Tensor>,
@@ -296,11 +299,13 @@ impl Engine {
         let params = params.into_iter().map(|p| p.unwrap_or_else(Tensor::new)).collect();
         let units = spec.units.len();
         tracing::debug!(units, params = spec.num_params(), device = ?config.device, "engine allocated");
+        let borrowed = spec.units.iter().flat_map(|u| u.borrowed.iter().copied()).collect();
         Ok(Engine {
             spec,
             config,
             grads,
             fresh_grads: vec![false; units],
+            borrowed,
             storage,
             params,
             offsets,
@@ -766,12 +771,6 @@ impl Engine {
         Ok(Some(upstream))
     }
 
-    /// Parameters some unit reads from another unit (tied weights): their gradients arrive in
-    /// several units' backward and accumulate.
-    fn borrowed_params(&self) -> std::collections::BTreeSet<ParamId> {
-        self.spec.units.iter().flat_map(|u| u.borrowed.iter().copied()).collect()
-    }
-
     /// Parameter `id`'s slice of its unit's flat gradient buffer, shaped as the parameter.
     fn grad_view(&self, id: ParamId) -> Result<Tensor> {
         let p = &self.params[id.0];
@@ -788,11 +787,10 @@ impl Engine {
         if !std::mem::take(&mut self.fresh_grads[k]) {
             return Ok(Vec::new());
         }
-        let borrowed = self.borrowed_params();
         let mut released = Vec::new();
         for &id in &self.spec.units[k].params {
             let p = &self.params[id.0];
-            if p.requires_grad() && !borrowed.contains(&id) {
+            if p.requires_grad() && !self.borrowed.contains(&id) {
                 strata_ext::set_grad(p, None)?;
                 released.push(id);
             }
@@ -903,7 +901,7 @@ impl Engine {
     pub fn zero_grad(&mut self) -> Result<()> {
         if let Some(all) = &self.grads {
             if self.schedule.accepts_copied_grads() {
-                for id in self.borrowed_params() {
+                for &id in &self.borrowed {
                     if self.params[id.0].requires_grad() {
                         let _ = self.grad_view(id)?.f_zero_()?;
                     }
