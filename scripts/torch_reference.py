@@ -183,16 +183,41 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def train_step(model, opt, x, y, grad_clip, amp=None):
+def train_step(model, opt, x, y, grad_clip, amp=None, mark=lambda phase: None):
+    """One step; mark(phase) is called as each of PHASES begins."""
+    mark(PHASES[0])
     with torch.autocast(x.device.type, dtype=amp, enabled=amp is not None):
         logits = model(x)
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    mark(PHASES[1])
     loss.backward()
+    mark(PHASES[2])
     if grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
     opt.zero_grad()
+    mark(PHASES[3])
     return loss
+
+
+# The parts of a step timed on the GPU, as Strata's bench names them.
+PHASES = ("1 forward and loss", "2 backward", "3 clipping and update", "4 after the update")
+
+
+def phase_times(step):
+    """GPU milliseconds of each part of step(mark), from CUDA events recorded at the marks."""
+    marks = []
+
+    def mark(phase):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((phase, event))
+
+    torch.cuda.synchronize()
+    step(mark)
+    mark("end")
+    torch.cuda.synchronize()
+    return {a[0]: a[1].elapsed_time(b[1]) for a, b in zip(marks, marks[1:])}
 
 
 def make_optimizer(model, args):
@@ -253,8 +278,9 @@ def count_syncs(step):
 
 def cmd_bench(args):
     """Serves timed blocks of training steps: reads "K" lines from stdin, runs K steps and
-    answers with one JSON line, so a caller can alternate blocks with its own; a "count"
-    line runs one step and answers with the host-device synchronisations it made."""
+    answers with one JSON line, so a caller can alternate blocks with its own; an "inspect"
+    line runs one step and answers with the host-device synchronisations it made, and then
+    another with the GPU time of each of its parts."""
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     if args.model == "gpt":
@@ -271,8 +297,10 @@ def cmd_bench(args):
     cuda = device.type == "cuda"
     step = 0
     for line in sys.stdin:
-        if line.strip() == "count":
-            print(json.dumps({"syncs": count_syncs(lambda: train_step(model, opt, *split(batches[0]), args.grad_clip, amp))}), flush=True)
+        if line.strip() == "inspect":
+            syncs = count_syncs(lambda: train_step(model, opt, *split(batches[0]), args.grad_clip, amp))
+            phases = phase_times(lambda mark: train_step(model, opt, *split(batches[0]), args.grad_clip, amp, mark))
+            print(json.dumps({"syncs": syncs, "phases_ms": phases}), flush=True)
             continue
         k = int(line)
         if cuda:

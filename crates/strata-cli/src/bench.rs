@@ -12,7 +12,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use strata::data::{Batch, Step};
-use strata::engine::events::{Event, EventSink};
+use strata::engine::events::{Event, EventSink, EventSinks};
 use strata::engine::{memory, EngineConfig, Phase};
 use strata::model::{GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
@@ -127,6 +127,9 @@ pub struct Measurement {
     /// Where Strata's synchronisations of that step happened, and how many each.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub sync_sites: BTreeMap<String, u64>,
+    /// GPU milliseconds of each part of that step (GPU only).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub phases_ms: BTreeMap<String, f64>,
 }
 
 #[derive(Serialize)]
@@ -180,11 +183,21 @@ struct Block {
     peak_device_bytes: Option<u64>,
 }
 
-/// A trainer under measurement: runs blocks of steps, and counts one step's synchronisations.
+/// One step looked into on a GPU: its host-device synchronisations (the total, and where in
+/// the step they were) and the GPU time of each part of it, in ms.
+struct Inspection {
+    syncs: u64,
+    sync_sites: BTreeMap<String, u64>,
+    phases_ms: BTreeMap<String, f64>,
+}
+
+/// The parts of a step timed on the GPU, in order; every side splits its step alike.
+const PHASES: [&str; 4] = ["1 forward and loss", "2 backward", "3 clipping and update", "4 after the update"];
+
+/// A trainer under measurement: runs blocks of steps, and looks into one step.
 trait Side {
     fn run(&mut self, steps: u64) -> Result<Block>;
-    /// One step with host-device synchronisations counted: the total and where they were.
-    fn count_syncs(&mut self) -> Result<(u64, BTreeMap<String, u64>)>;
+    fn inspect_step(&mut self) -> Result<Inspection>;
 }
 
 /// Strata's side: a trainer and a few fixed batches on the device, timed block by block.
@@ -252,20 +265,65 @@ impl Side for StrataSide {
         })
     }
 
-    fn count_syncs(&mut self) -> Result<(u64, BTreeMap<String, u64>)> {
+    fn inspect_step(&mut self) -> Result<Inspection> {
+        let Device::Cuda(index) = self.device else { bail!("steps are looked into on a GPU") };
         self.synchronize();
         let sites = Arc::new(SyncSites::default());
-        self.trainer.engine.set_event_sink(sites.clone());
+        let phases = Arc::new(GpuPhases { device: index, marks: Mutex::default() });
+        self.trainer.engine.set_event_sink(Arc::new(EventSinks(vec![sites.clone(), phases.clone()])));
         strata_ext::cuda::count_syncs(true)?;
         let before = strata_ext::cuda::syncs_counted();
         *sites.state.lock().unwrap_or_else(|e| e.into_inner()) = (before, "step start (before unit 0)".into());
+        phases.mark(PHASES[0])?;
         let result = self.steps(1);
         sites.record_until_now("end of step (after the update)");
         strata_ext::cuda::count_syncs(false)?;
         result?;
-        let total = strata_ext::cuda::syncs_counted() - before;
-        let counts = std::mem::take(&mut *sites.counts.lock().unwrap_or_else(|e| e.into_inner()));
-        Ok((total, counts))
+        phases.mark("end")?;
+        self.synchronize();
+        let syncs = strata_ext::cuda::syncs_counted() - before;
+        let sync_sites = std::mem::take(&mut *sites.counts.lock().unwrap_or_else(|e| e.into_inner()));
+        Ok(Inspection { syncs, sync_sites, phases_ms: phases.times()? })
+    }
+}
+
+/// CUDA events recorded where a step passes from one of [`PHASES`] to the next, as the
+/// engine reports it: backward begins, the update begins (clipping included), it ends.
+struct GpuPhases {
+    device: usize,
+    marks: Mutex<Vec<(&'static str, strata_ext::cuda::Event)>>,
+}
+
+impl GpuPhases {
+    fn mark(&self, phase: &'static str) -> Result<()> {
+        let event = strata_ext::cuda::Event::new(true)?;
+        event.record(&strata_ext::cuda::Stream::current(self.device)?)?;
+        self.marks.lock().unwrap_or_else(|e| e.into_inner()).push((phase, event));
+        Ok(())
+    }
+
+    /// GPU milliseconds of each phase, once the device passed the last mark.
+    fn times(&self) -> Result<BTreeMap<String, f64>> {
+        let marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = BTreeMap::new();
+        for pair in marks.windows(2) {
+            *out.entry(pair[0].0.to_string()).or_default() += f64::from(pair[0].1.elapsed_ms(&pair[1].1)?);
+        }
+        Ok(out)
+    }
+}
+
+impl EventSink for GpuPhases {
+    fn record(&self, event: Event) {
+        let current = self.marks.lock().unwrap_or_else(|e| e.into_inner()).last().map(|(p, _)| *p);
+        let next = match event {
+            Event::Phase { phase: Phase::BeforeBackward, .. } if current == Some(PHASES[0]) => PHASES[1],
+            Event::Update { done: false } => PHASES[2],
+            Event::Update { done: true } => PHASES[3],
+            _ => return,
+        };
+        // A failed mark leaves its phase joined to the one before.
+        let _ = self.mark(next);
     }
 }
 
@@ -368,13 +426,14 @@ impl Side for PytorchSide {
         Ok(Block { seconds: a.seconds, peak_rss_bytes: a.peak_rss_bytes, peak_device_bytes: a.peak_device_bytes })
     }
 
-    fn count_syncs(&mut self) -> Result<(u64, BTreeMap<String, u64>)> {
+    fn inspect_step(&mut self) -> Result<Inspection> {
         #[derive(Deserialize)]
         struct Answer {
             syncs: u64,
+            phases_ms: BTreeMap<String, f64>,
         }
-        let a: Answer = self.ask("count")?;
-        Ok((a.syncs, BTreeMap::new()))
+        let a: Answer = self.ask("inspect")?;
+        Ok(Inspection { syncs: a.syncs, sync_sites: BTreeMap::new(), phases_ms: a.phases_ms })
     }
 }
 
@@ -455,10 +514,10 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
             done.push(side.run(a.block)?);
         }
     }
-    // Counted after the timed blocks: the count leaves its event sink on Strata's engine.
-    let syncs = match gpu {
-        Some(_) => sides.iter_mut().map(|s| s.count_syncs().map(Some)).collect::<Result<Vec<_>>>()?,
-        None => vec![None; sides.len()],
+    // Looked into after the timed blocks: that leaves its event sinks on Strata's engine.
+    let inspections: Vec<Option<Inspection>> = match gpu {
+        Some(_) => sides.iter_mut().map(|s| s.inspect_step().map(Some)).collect::<Result<_>>()?,
+        None => sides.iter().map(|_| None).collect(),
     };
     drop(sides);
     let params = model.spec()?.num_params();
@@ -470,13 +529,13 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
     let measured: Vec<Measurement> = names
         .into_iter()
         .zip(blocks)
-        .zip(syncs)
-        .map(|((side, blocks), syncs)| {
+        .zip(inspections)
+        .map(|((side, blocks), inspection)| {
             let seconds: f64 = blocks.iter().map(|b| b.seconds).sum();
             let tokens_per_s = tokens / seconds;
-            let (syncs_per_step, sync_sites) = match syncs {
-                Some((n, sites)) => (Some(n), sites),
-                None => (None, BTreeMap::new()),
+            let (syncs_per_step, sync_sites, phases_ms) = match inspection {
+                Some(i) => (Some(i.syncs), i.sync_sites, i.phases_ms),
+                None => (None, BTreeMap::new(), BTreeMap::new()),
             };
             Measurement {
                 side,
@@ -487,6 +546,7 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
                 peak_device_bytes: blocks.iter().filter_map(|b| b.peak_device_bytes).max(),
                 syncs_per_step,
                 sync_sites,
+                phases_ms,
             }
         })
         .collect();
@@ -550,6 +610,18 @@ pub fn print(report: &Report, block: u64) {
         );
         for (site, n) in &m.sync_sites {
             println!("{:<14}   {n} sync at {site}", "");
+        }
+    }
+    if report.sides.iter().any(|m| !m.phases_ms.is_empty()) {
+        print!("{:<24}", "GPU ms of one step");
+        report.sides.iter().for_each(|m| print!(" {:>14}", m.side));
+        println!();
+        for phase in PHASES {
+            print!("{:<24}", &phase[2..]);
+            for m in &report.sides {
+                print!(" {:>14.2}", m.phases_ms.get(phase).copied().unwrap_or(0.0));
+            }
+            println!();
         }
     }
     println!("strata / pytorch tokens/s: {:.3}", report.ratio);
