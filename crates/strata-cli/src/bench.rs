@@ -2,6 +2,7 @@
 //! project's reference script, run with the project's virtual environment) in one run, side
 //! by side, on the CPU or a GPU; optionally Strata with fp8 linears as a third side.
 use crate::bench_runs::GptShape;
+use crate::bench_step::{GpuPhases, Inspection, SyncSites, PHASES};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
@@ -9,11 +10,11 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 use strata::data::{Batch, Step};
-use strata::engine::events::{Event, EventSink, EventSinks};
-use strata::engine::{memory, EngineConfig, Phase};
+use strata::engine::events::EventSinks;
+use strata::engine::{memory, EngineConfig};
 use strata::model::{GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{self, Placement};
@@ -183,17 +184,6 @@ struct Block {
     peak_device_bytes: Option<u64>,
 }
 
-/// One step looked into on a GPU: its host-device synchronisations (the total, and where in
-/// the step they were) and the GPU time of each part of it, in ms.
-struct Inspection {
-    syncs: u64,
-    sync_sites: BTreeMap<String, u64>,
-    phases_ms: BTreeMap<String, f64>,
-}
-
-/// The parts of a step timed on the GPU, in order; every side splits its step alike.
-const PHASES: [&str; 4] = ["1 forward and loss", "2 backward", "3 clipping and update", "4 after the update"];
-
 /// A trainer under measurement: runs blocks of steps, and looks into one step.
 trait Side {
     fn run(&mut self, steps: u64) -> Result<Block>;
@@ -269,11 +259,11 @@ impl Side for StrataSide {
         let Device::Cuda(index) = self.device else { bail!("steps are looked into on a GPU") };
         self.synchronize();
         let sites = Arc::new(SyncSites::default());
-        let phases = Arc::new(GpuPhases { device: index, marks: Mutex::default() });
+        let phases = Arc::new(GpuPhases::new(index));
         self.trainer.engine.set_event_sink(Arc::new(EventSinks(vec![sites.clone(), phases.clone()])));
         strata_ext::cuda::count_syncs(true)?;
         let before = strata_ext::cuda::syncs_counted();
-        *sites.state.lock().unwrap_or_else(|e| e.into_inner()) = (before, "step start (before unit 0)".into());
+        sites.start(before, "step start (before unit 0)");
         phases.mark(PHASES[0])?;
         let result = self.steps(1);
         sites.record_until_now("end of step (after the update)");
@@ -282,83 +272,8 @@ impl Side for StrataSide {
         phases.mark("end")?;
         self.synchronize();
         let syncs = strata_ext::cuda::syncs_counted() - before;
-        let sync_sites = std::mem::take(&mut *sites.counts.lock().unwrap_or_else(|e| e.into_inner()));
+        let sync_sites = sites.take();
         Ok(Inspection { syncs, sync_sites, phases_ms: phases.times()? })
-    }
-}
-
-/// CUDA events recorded where a step passes from one of [`PHASES`] to the next, as the
-/// engine reports it: backward begins, the update begins (clipping included), it ends.
-struct GpuPhases {
-    device: usize,
-    marks: Mutex<Vec<(&'static str, strata_ext::cuda::Event)>>,
-}
-
-impl GpuPhases {
-    fn mark(&self, phase: &'static str) -> Result<()> {
-        let event = strata_ext::cuda::Event::new(true)?;
-        event.record(&strata_ext::cuda::Stream::current(self.device)?)?;
-        self.marks.lock().unwrap_or_else(|e| e.into_inner()).push((phase, event));
-        Ok(())
-    }
-
-    /// GPU milliseconds of each phase, once the device passed the last mark.
-    fn times(&self) -> Result<BTreeMap<String, f64>> {
-        let marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = BTreeMap::new();
-        for pair in marks.windows(2) {
-            *out.entry(pair[0].0.to_string()).or_default() += f64::from(pair[0].1.elapsed_ms(&pair[1].1)?);
-        }
-        Ok(out)
-    }
-}
-
-impl EventSink for GpuPhases {
-    fn record(&self, event: Event) {
-        let current = self.marks.lock().unwrap_or_else(|e| e.into_inner()).last().map(|(p, _)| *p);
-        let next = match event {
-            Event::Phase { phase: Phase::BeforeBackward, .. } if current == Some(PHASES[0]) => PHASES[1],
-            Event::Update { done: false } => PHASES[2],
-            Event::Update { done: true } => PHASES[3],
-            _ => return,
-        };
-        // A failed mark leaves its phase joined to the one before.
-        let _ = self.mark(next);
-    }
-}
-
-/// Attributes synchronisations to the stretch of a step they happened in: between one engine
-/// event and the next, named after the earlier one.
-#[derive(Default)]
-struct SyncSites {
-    /// The count at the last event, and the stretch that began there.
-    state: Mutex<(u64, String)>,
-    counts: Mutex<BTreeMap<String, u64>>,
-}
-
-impl SyncSites {
-    fn record_until_now(&self, next: &str) {
-        let now = strata_ext::cuda::syncs_counted();
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let (at, stretch) = std::mem::replace(&mut *state, (now, next.to_string()));
-        if now > at {
-            *self.counts.lock().unwrap_or_else(|e| e.into_inner()).entry(stretch).or_default() += now - at;
-        }
-    }
-}
-
-impl EventSink for SyncSites {
-    fn record(&self, event: Event) {
-        let next = match event {
-            Event::Phase { phase: Phase::BeforeForward, unit, .. } => format!("unit {unit} forward"),
-            Event::Phase { phase: Phase::AfterForward, unit, .. } => format!("after unit {unit} forward"),
-            Event::Phase { phase: Phase::BeforeBackward, unit, .. } => format!("unit {unit} backward"),
-            Event::Phase { phase: Phase::AfterBackward, unit, .. } => format!("after unit {unit} backward"),
-            Event::Update { done: false } => "optimizer update".into(),
-            Event::Update { done: true } => "after the update".into(),
-            _ => return,
-        };
-        self.record_until_now(&next);
     }
 }
 

@@ -10,6 +10,7 @@ mod bench_parallel;
 mod bench_pipeline;
 mod bench_runs;
 mod bench_search;
+mod bench_step;
 mod bench_zero;
 mod infer;
 mod launch;
