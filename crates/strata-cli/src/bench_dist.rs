@@ -29,6 +29,11 @@ pub struct BenchDistArgs {
     /// Rounds; each figure is the median over rounds.
     #[arg(long, default_value_t = 2)]
     rounds: usize,
+    /// Strata's `module_replace` pairs, comma-separated (default: every registered one).
+    /// `FlashAttention` gives both sides the same attention kernel;
+    /// `OneDnnLinear` is Strata's own choice of matrix-product kernel on the CPU.
+    #[arg(long)]
+    replace: Option<String>,
     /// Compute threads per rank, on both sides.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -51,20 +56,32 @@ struct Row {
     /// The share of Strata's step time rank 0 spent waiting for collectives (exposed
     /// communication), median over rounds.
     strata_exposed_comm: f64,
+    /// Strata's `module_replace` pairs.
+    strata_replace: Vec<String>,
     strata_allocator_peak_bytes: u64,
     strata_rss_peak_bytes: u64,
     pytorch_rss_peak_bytes: u64,
 }
 
-/// Strata's strategy for a method. Both add `module_replace`: the reference's GPT calls
-/// PyTorch's fused attention (`F.scaled_dot_product_attention`), which is what
-/// `module_replace` puts in Strata's attention, so both sides run the same kernels.
-fn strategy(method: &str) -> Result<&'static str> {
+/// The `module_replace` pairs Strata runs with: those named, or every registered one.
+/// The reference's GPT calls PyTorch's fused attention (`F.scaled_dot_product_attention`),
+/// which is what `FlashAttention` puts in Strata's attention.
+fn replace_pairs(args: &BenchDistArgs) -> Vec<String> {
+    match &args.replace {
+        Some(names) => names.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect(),
+        None => strata::compute::replace::pair_names(),
+    }
+}
+
+/// Strata's strategy for a method, with `module_replace` over `pairs`.
+fn strategy(method: &str, pairs: &[String]) -> Result<String> {
+    let replace = serde_json::json!(["module_replace", pairs]);
     Ok(match method {
-        "ddp" => r#"["module_replace"]"#,
-        "fsdp" => r#"[["fsdp", {}], "module_replace"]"#,
+        "ddp" => serde_json::json!([replace]),
+        "fsdp" => serde_json::json!([["fsdp", {}], replace]),
         other => bail!("unknown method {other:?}; expected ddp or fsdp"),
-    })
+    }
+    .to_string())
 }
 
 /// One PyTorch run: (tokens/s, largest peak RSS of a rank).
@@ -89,7 +106,7 @@ fn strata(args: &BenchDistArgs, method: &str, n: usize) -> Result<(f64, u64, u64
         args.steps, s.layers, s.heads, s.dim, s.ctx, args.batch_size, args.threads
     );
     let mut argv: Vec<String> = flags.split_whitespace().map(String::from).collect();
-    argv.extend(["--strategy".into(), strategy(method)?.into()]);
+    argv.extend(["--strategy".into(), strategy(method, &replace_pairs(args))?]);
     let run = bench_runs::train(&argv, 2)?;
     let bytes = |k: &str| run.last[k].as_u64().with_context(|| format!("no {k} in the metrics"));
     let share = |k: &str| run.last[k].as_f64().with_context(|| format!("no {k} in the metrics"));
@@ -120,6 +137,7 @@ pub fn run(args: BenchDistArgs) -> Result<()> {
                 pytorch_tokens_per_s: torch_speed,
                 speedup: strata_speed / torch_speed.max(1e-9),
                 strata_exposed_comm: median(ours.iter().map(|r| r.3).collect()),
+                strata_replace: replace_pairs(&args),
                 strata_allocator_peak_bytes: ours.iter().map(|r| r.1).max().unwrap_or(0),
                 strata_rss_peak_bytes: ours.iter().map(|r| r.2).max().unwrap_or(0),
                 pytorch_rss_peak_bytes: theirs.iter().map(|r| r.1).max().unwrap_or(0),
@@ -135,6 +153,7 @@ pub fn run(args: BenchDistArgs) -> Result<()> {
         "GPT {} layers, width {}, ctx {}, global batch {}, {} thread(s) per rank: medians over {} rounds",
         s.layers, s.dim, s.ctx, args.batch_size, args.threads, args.rounds
     );
+    println!("Strata's module_replace pairs: {}", replace_pairs(&args).join(", "));
     println!(
         "{:<6} {:>5} {:>14} {:>14} {:>8} {:>9} {:>14} {:>12} {:>12}",
         "method",

@@ -4,6 +4,8 @@
 // `at::Tensor*`, the same handle tch's `C_tensor` points to.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/CPUAllocator.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -237,6 +239,15 @@ int strata_register_hook(Tensor* t, TensorCallback cb, void* data, void (*drop)(
   });
 }
 
+// The name of the autograd node that made `t` (empty for a leaf or a tensor without one),
+// written into `name` (at most `capacity` bytes with the terminating zero).
+int strata_grad_fn_name(const Tensor* t, char* name, size_t capacity) {
+  return guarded([&] {
+    std::string n = t->grad_fn() ? t->grad_fn()->name() : std::string();
+    std::snprintf(name, capacity, "%s", n.c_str());
+  });
+}
+
 int strata_remove_hook(Tensor* t, uint64_t handle) {
   return guarded([&] { t->remove_hook(handle); });
 }
@@ -322,6 +333,41 @@ int strata_fused_sgd(Tensor* const* params, Tensor* const* grads,
                     to_vector(momentum_buffers, n_buffers), weight_decay, momentum, lr,
                     dampening, nesterov != 0, maximize != 0, is_first_step != 0,
                     optional_tensor(grad_scale), optional_tensor(found_inf));
+  });
+}
+
+// ---- oneDNN ---------------------------------------------------------------------------
+
+// oneDNN's inner product as libtorch registers it for its CPU graph compiler
+// (`mkldnn::_linear_pointwise`), called on plain strided tensors; null when this libtorch
+// has no oneDNN or does not register the op.
+const c10::OperatorHandle* onednn_linear_op() {
+  static const std::optional<c10::OperatorHandle> op = []() -> std::optional<c10::OperatorHandle> {
+    if (!at::hasMKLDNN()) return std::nullopt;
+    return c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  }();
+  return op ? &*op : nullptr;
+}
+
+int strata_onednn_available(int* yes) {
+  return guarded([&] { *yes = onednn_linear_op() != nullptr; });
+}
+
+// `x @ w.T + b` through oneDNN; `w` may be any strided `[out, in]` matrix (a transposed
+// view included), `b` null for none.
+int strata_onednn_linear(const Tensor* x, const Tensor* w, const Tensor* b, Tensor** out) {
+  return guarded([&] {
+    const c10::OperatorHandle* op = onednn_linear_op();
+    TORCH_CHECK(op != nullptr, "this libtorch has no oneDNN linear");
+    torch::jit::Stack stack;
+    stack.emplace_back(*x);
+    stack.emplace_back(*w);
+    stack.emplace_back(b == nullptr ? c10::IValue() : c10::IValue(*b));
+    stack.emplace_back(std::string("none"));
+    stack.emplace_back(c10::List<std::optional<c10::Scalar>>());
+    stack.emplace_back(c10::IValue());
+    op->callBoxed(&stack);
+    *out = new Tensor(stack.at(0).toTensor());
   });
 }
 

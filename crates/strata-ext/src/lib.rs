@@ -57,6 +57,9 @@ extern "C" {
     ) -> c_int;
     fn strata_storage_resize(t: TensorPtr, nbytes: usize) -> c_int;
     fn strata_storage_nbytes(t: *const C_tensor, nbytes: *mut usize) -> c_int;
+    fn strata_onednn_available(yes: *mut c_int) -> c_int;
+    fn strata_grad_fn_name(t: *const C_tensor, name: *mut c_char, capacity: usize) -> c_int;
+    fn strata_onednn_linear(x: *const C_tensor, w: *const C_tensor, b: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_cpu_memory_account(bytes: i64) -> c_int;
     fn strata_from_blob(
         data: *mut c_void,
@@ -334,6 +337,17 @@ pub unsafe fn from_blob(data: *mut c_void, numel: i64, kind: tch::Kind, release:
     Ok(unsafe { Tensor::from_ptr(out) })
 }
 
+/// The name of the autograd node that made `tensor` (`AddmmBackward0`, a custom
+/// function's type, …); `None` for leaves and tensors outside any graph.
+pub fn grad_fn_name(tensor: &Tensor) -> Result<Option<String>> {
+    let mut name = [0 as c_char; 256];
+    // SAFETY: the tensor is live; the name is written, zero-terminated, within `name`.
+    check(unsafe { strata_grad_fn_name(tensor.as_ptr(), name.as_mut_ptr(), name.len()) })?;
+    // SAFETY: zero-terminated by snprintf.
+    let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    Ok((!name.is_empty()).then_some(name))
+}
+
 /// Bytes currently allocated to the storage behind `tensor`.
 pub fn storage_nbytes(tensor: &Tensor) -> Result<usize> {
     let mut n = 0usize;
@@ -464,6 +478,38 @@ extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
     // SAFETY: `list` is the `Vec<Tensor>` of `apply_function`; `owned` is a fresh heap tensor.
     let list = unsafe { &mut *(list as *mut Vec<Tensor>) };
     list.push(unsafe { Tensor::from_ptr(owned) });
+}
+
+// ---- oneDNN ----------------------------------------------------------------------------
+
+/// oneDNN's inner product (the matrix-product kernels libtorch's CPU graph compiler calls),
+/// usable on plain tensors: on CPUs where libtorch's BLAS is not tuned for the machine it
+/// is several times faster than `Tensor::linear`.
+pub mod onednn {
+    use super::{check, optional_ptr, strata_onednn_available, strata_onednn_linear, Result, TensorPtr};
+    use std::os::raw::c_int;
+    use std::sync::OnceLock;
+    use tch::Tensor;
+
+    /// Whether this libtorch has oneDNN and registers its linear op.
+    pub fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            let mut yes: c_int = 0;
+            // SAFETY: writes one int.
+            check(unsafe { strata_onednn_available(&mut yes) }).is_ok() && yes != 0
+        })
+    }
+
+    /// `x @ w.T + b` for CPU tensors of fp32 or bf16; `w` is `[out, in]`, any strides (a
+    /// transposed view included). No autograd graph is recorded.
+    pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        let mut out: TensorPtr = std::ptr::null_mut();
+        // SAFETY: the tensors are live for the call; the result is a fresh heap tensor.
+        check(unsafe { strata_onednn_linear(x.as_ptr(), w.as_ptr(), optional_ptr(b), &mut out) })?;
+        // SAFETY: a fresh `new at::Tensor` owned by nobody else.
+        Ok(unsafe { Tensor::from_ptr(out) })
+    }
 }
 
 // ---- fused optimizer kernels -----------------------------------------------------------

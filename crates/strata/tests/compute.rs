@@ -10,7 +10,7 @@ use strata::compute::fp8::{self, AmaxAlgo, Fp8Config, Fp8Unit};
 use strata::compute::replace::Replacements;
 use strata::compute::{self, UnitCompute};
 use strata::data::{Batch, Step};
-use strata::engine::{Engine, EngineConfig};
+use strata::engine::{with_seed, Engine, EngineConfig};
 use strata::model::{self, layers, Builder, GptConfig};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{build_engine, Placement};
@@ -219,6 +219,81 @@ fn replaced_modules_match_the_reference_ones() {
         assert!(err < bound, "{name} in {kind:?}: {err:e}");
     }
     assert!(Replacements::select(Some(&["NoSuchPair".to_string()])).is_err());
+}
+
+/// Forward and backward of a linear layer under `policy`: output and the gradients of
+/// input, weight and bias for the upstream gradient `g` (undefined where none).
+fn linear_with_grads(policy: &Arc<UnitCompute>, x: &Tensor, w: &Tensor, b: Option<&Tensor>, g: &Tensor) -> Vec<Tensor> {
+    let (x, w) = (x.detach().set_requires_grad(x.requires_grad()), w.detach().set_requires_grad(true));
+    let b = b.map(|b| b.detach().set_requires_grad(true));
+    let y = compute::run(policy, vec![], false, || layers::linear(&x, &w, b.as_ref())).unwrap();
+    strata_ext::backward(&[&y], &[g], false).unwrap();
+    let mut out = vec![y.detach(), x.grad(), w.grad()];
+    out.extend(b.map(|b| b.grad()));
+    out
+}
+
+#[test]
+fn onednn_linear_matches_libtorch_forward_and_backward() {
+    let _serial = serial();
+    if !strata_ext::onednn::available() {
+        eprintln!("skipped: this libtorch has no oneDNN, so OneDnnLinear is not registered");
+        return;
+    }
+    let onednn = Arc::new(UnitCompute {
+        replacements: Replacements::select(Some(&["OneDnnLinear".to_string()])).unwrap(),
+        ..Default::default()
+    });
+    let plain = Arc::new(UnitCompute::default());
+    let draw = |seed: i64, shape: &[i64]| with_seed(seed, || Tensor::randn(shape, (Kind::Float, Device::Cpu)));
+    // (input, weight out × in, bias, whether the input takes a gradient)
+    let cases = [
+        ("3-d input with bias", draw(1, &[3, 5, 7]), 4, true, true),
+        ("input without gradient", draw(2, &[6, 7]), 9, true, false),
+        ("transposed input, no bias", draw(3, &[7, 5, 3]).transpose(0, 2), 4, false, true),
+        ("one row", draw(4, &[1, 1, 7]), 4, true, true),
+        ("no rows", draw(5, &[0, 7]), 4, true, true),
+    ];
+    for (name, x, outs, bias, input_grad) in cases {
+        let ins = *x.size().last().unwrap();
+        let (w, b) = (draw(10, &[outs, ins]), draw(11, &[outs]));
+        let mut shape = x.size();
+        *shape.last_mut().unwrap() = outs;
+        let g = draw(12, &shape);
+        let x = x.set_requires_grad(input_grad);
+        let b = bias.then_some(&b);
+        let replaced = linear_with_grads(&onednn, &x, &w, b, &g);
+        let reference = linear_with_grads(&plain, &x, &w, b, &g);
+        for (what, (r, e)) in
+            ["output", "input grad", "weight grad", "bias grad"].iter().zip(replaced.iter().zip(&reference))
+        {
+            assert_eq!(r.defined(), e.defined(), "{name}: {what} defined on both sides");
+            if e.defined() {
+                assert_eq!(r.size(), e.size(), "{name}: {what} shape");
+                if e.numel() == 0 {
+                    continue;
+                }
+                if e.abs().max().double_value(&[]) > 0.0 {
+                    assert!(rel(r, e) < 1e-5, "{name}: {what} differs by {:e}", rel(r, e));
+                } else {
+                    assert_eq!(r.abs().max().double_value(&[]), 0.0, "{name}: {what} is zero");
+                }
+            }
+        }
+    }
+    // The replacement really runs: the output comes from its own autograd node, not
+    // libtorch's product.
+    let (x, w) = (draw(20, &[4, 8]).set_requires_grad(true), draw(21, &[3, 8]).set_requires_grad(true));
+    let node = |policy: &Arc<UnitCompute>| {
+        let y = compute::run(policy, vec![], false, || layers::linear(&x, &w, None)).unwrap();
+        strata_ext::grad_fn_name(&y).unwrap().unwrap_or_default()
+    };
+    assert!(node(&onednn).contains("RustFunction"), "OneDnnLinear's node, got {:?}", node(&onednn));
+    assert!(!node(&plain).contains("RustFunction"), "libtorch's node without the replacement");
+    // Other dtypes keep libtorch's linear.
+    let (xd, wd) = (x.to_kind(Kind::Double), w.to_kind(Kind::Double));
+    let yd = compute::run(&onednn, vec![], false, || layers::linear(&xd, &wd, None)).unwrap();
+    assert!(!strata_ext::grad_fn_name(&yd).unwrap().unwrap_or_default().contains("RustFunction"));
 }
 
 #[test]

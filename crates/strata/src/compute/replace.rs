@@ -3,7 +3,10 @@
 //! attention and norms with plain composites (the eager modules); a strategy with
 //! `module_replace` swaps in the registered implementations wherever the op's dtype is
 //! supported. Built in: `FlashAttention` (libtorch's fused scaled-dot-product attention,
-//! flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm`.
+//! flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm`, and, where
+//! libtorch has oneDNN, `OneDnnLinear` (fp32 linear layers on the CPU through oneDNN's
+//! inner product, forward and backward, instead of libtorch's BLAS).
+use crate::error::text;
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
 use tch::{Kind, Tensor};
@@ -11,6 +14,7 @@ use tch::{Kind, Tensor};
 pub type AttentionFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
 pub type LayerNormFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
 pub type RmsNormFn = Arc<dyn Fn(&Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
+pub type LinearFn = Arc<dyn Fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> + Send + Sync>;
 
 /// The op a pair replaces, with its implementation.
 #[derive(Clone)]
@@ -21,6 +25,8 @@ pub enum Replacement {
     LayerNorm(LayerNormFn),
     /// RMS norm over the last dimension: input, weight, eps.
     RmsNorm(RmsNormFn),
+    /// `x @ w.T + b` with PyTorch's `[out, in]` weight layout.
+    Linear(LinearFn),
 }
 
 #[derive(Clone)]
@@ -45,7 +51,7 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
             let dim = *x.size().last().unwrap_or(&1);
             Ok(x.f_rms_norm([dim], Some(w), eps)?)
         });
-        Mutex::new(vec![
+        let mut pairs = vec![
             ReplacePair {
                 name: "FlashAttention".into(),
                 supported_dtypes: all.clone(),
@@ -57,8 +63,71 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                 with: Replacement::LayerNorm(layer_norm),
             },
             ReplacePair { name: "FusedRMSNorm".into(), supported_dtypes: all, with: Replacement::RmsNorm(rms_norm) },
-        ])
+        ];
+        if strata_ext::onednn::available() {
+            pairs.push(ReplacePair {
+                name: "OneDnnLinear".into(),
+                supported_dtypes: vec![Kind::Float],
+                with: Replacement::Linear(Arc::new(onednn_linear)),
+            });
+        }
+        Mutex::new(pairs)
     })
+}
+
+/// `x @ w.T + b` through oneDNN on the CPU, as one autograd node whose backward also runs
+/// on oneDNN; libtorch's linear on other devices.
+fn onednn_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let cpu = x.device() == tch::Device::Cpu && w.device() == tch::Device::Cpu;
+    if !cpu || w.dim() != 2 || w.kind() != x.kind() {
+        return Ok(x.f_linear(w, b)?);
+    }
+    let function = OneDnnLinear { needs: [x.requires_grad(), w.requires_grad()], saved: None };
+    let mut inputs = vec![x, w];
+    inputs.extend(b);
+    Ok(strata_ext::apply_function(function, &inputs)?.remove(0))
+}
+
+struct OneDnnLinear {
+    /// Whether the input and the weight take gradients.
+    needs: [bool; 2],
+    saved: Option<(Tensor, Tensor, bool)>,
+}
+
+impl strata_ext::Function for OneDnnLinear {
+    fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let (x, w, b) = (&inputs[0], &inputs[1], inputs.get(2));
+        let out = strata_ext::onednn::linear(x, w, b).map_err(text)?;
+        self.saved = Some((x.shallow_clone(), w.shallow_clone(), b.is_some()));
+        Ok(vec![out])
+    }
+
+    /// With `g` and `x` as `[rows, ·]` matrices: the input's gradient `g @ w` (an inner
+    /// product with `w.T` as the weight), the weight's `gᵀ @ x` (with `xᵀ` as the weight),
+    /// both read through transposed views, and the bias's the column sums of `g`.
+    fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let (x, w, has_bias) = self.saved.take().ok_or("OneDnnLinear: backward twice")?;
+        let (outs, ins) = (w.size()[0], w.size()[1]);
+        let g = grads[0].f_contiguous().and_then(|g| g.f_reshape([-1, outs])).map_err(text)?;
+        let mut result = vec![Tensor::new(), Tensor::new()];
+        if self.needs[0] {
+            let grad_x = strata_ext::onednn::linear(&g, &w.f_tr().map_err(text)?, None).map_err(text)?;
+            result[0] = grad_x.f_reshape(x.size()).map_err(text)?;
+        }
+        if self.needs[1] {
+            let rows = x.f_reshape([-1, ins]).map_err(text)?;
+            result[1] = if g.size()[0] == 0 {
+                w.f_zeros_like().map_err(text)?
+            } else {
+                let (gt, xt) = (g.f_tr().map_err(text)?, rows.f_tr().map_err(text)?);
+                strata_ext::onednn::linear(&gt, &xt, None).map_err(text)?
+            };
+        }
+        if has_bias {
+            result.push(g.f_sum_dim_intlist([0].as_slice(), false, g.kind()).map_err(text)?);
+        }
+        Ok(result)
+    }
 }
 
 /// Registers (or replaces) a pair under `name`, used where its op runs in one of
@@ -119,5 +188,9 @@ impl Replacements {
 
     pub fn rms_norm(&self, kind: Kind) -> Option<RmsNormFn> {
         self.find(kind, |r| if let Replacement::RmsNorm(f) = r { Some(f.clone()) } else { None })
+    }
+
+    pub fn linear(&self, kind: Kind) -> Option<LinearFn> {
+        self.find(kind, |r| if let Replacement::Linear(f) = r { Some(f.clone()) } else { None })
     }
 }
