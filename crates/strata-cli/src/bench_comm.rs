@@ -1,6 +1,6 @@
 //! `strata bench comm`: collectives of each backend over a range of sizes, in the style of
-//! nccl-tests (time, algorithm bandwidth, bus bandwidth), with this machine's single-process
-//! memcpy bandwidth and PyTorch's gloo backend (`scripts/torch_comm_reference.py`, same
+//! nccl-tests (time, algorithm bandwidth, bus bandwidth), with this machine's memcpy
+//! bandwidth (one process alone, and every rank at once) and PyTorch's gloo backend (`scripts/torch_comm_reference.py`, same
 //! operations, sizes and timing rule) measured in the same run as the references.
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -69,7 +69,11 @@ struct Row {
 #[derive(Serialize)]
 struct Report {
     world_size: usize,
+    /// One process copying alone: (bytes, GB/s).
     memcpy_gbps: Vec<(usize, f64)>,
+    /// Every rank copying at the same time, the slowest rank's GB/s: the memory bus is
+    /// shared, so this bounds what a copy inside a collective can reach.
+    memcpy_every_rank_gbps: Vec<(usize, f64)>,
     rows: Vec<Row>,
     /// With two ranks or more.
     idle_wait: Option<IdleWait>,
@@ -274,11 +278,18 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     let first = a.backends.split(',').map(str::trim).next().unwrap_or("shm");
     let g = comm.new_group_with(&all, &format!("cpu:{first}"))?.context("this rank is in the world")?;
     let idle_wait = if n > 1 { Some(idle_wait(&comm, g.as_ref(), first)?) } else { None };
+    let memcpy_sizes = [16usize << 20, 64 << 20];
+    let mut memcpy_every_rank = Vec::new();
+    for &b in &memcpy_sizes {
+        g.barrier()?.wait()?;
+        let gbps = memcpy_gbps(b);
+        memcpy_every_rank.push((b, all_reduce_values(g.as_ref(), &[gbps], ReduceOp::Min)?[0]));
+    }
     if comm.rank() != 0 {
         return Ok(());
     }
     // The reference, measured after the collectives so they do not share the machine.
-    let memcpy: Vec<(usize, f64)> = [16usize << 20, 64 << 20].iter().map(|&b| (b, memcpy_gbps(b))).collect();
+    let memcpy: Vec<(usize, f64)> = memcpy_sizes.iter().map(|&b| (b, memcpy_gbps(b))).collect();
     if !a.no_reference {
         for (op, bytes, t) in gloo_times(&a, n)? {
             for r in rows.iter_mut().filter(|r| r.op == op && r.bytes == bytes) {
@@ -288,7 +299,7 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
             }
         }
     }
-    let report = Report { world_size: n, memcpy_gbps: memcpy, rows, idle_wait };
+    let report = Report { world_size: n, memcpy_gbps: memcpy, memcpy_every_rank_gbps: memcpy_every_rank, rows, idle_wait };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
@@ -313,11 +324,20 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
             or_dash(r.speedup_vs_gloo, 2)
         );
     }
-    for (bytes, gbps) in &report.memcpy_gbps {
-        println!("memcpy (one process) {:>10} bytes: {gbps:.3} GB/s", bytes);
+    for ((bytes, alone), (_, together)) in report.memcpy_gbps.iter().zip(&report.memcpy_every_rank_gbps) {
+        println!(
+            "memcpy {bytes:>10} bytes: {alone:.3} GB/s in one process, {together:.3} GB/s per rank with every rank copying"
+        );
         for r in report.rows.iter().filter(|r| r.bytes == *bytes) {
             let place = if r.in_place { " in place" } else { "" };
-            println!("  {} {} {}{place} busbw / memcpy: {:.2}", r.backend, r.buffers, r.op, r.busbw_gbps / gbps);
+            println!(
+                "  {} {} {}{place} busbw / memcpy: {:.2} (one process), {:.2} (every rank)",
+                r.backend,
+                r.buffers,
+                r.op,
+                r.busbw_gbps / alone,
+                r.busbw_gbps / together
+            );
         }
     }
     if let Some(w) = &report.idle_wait {
