@@ -299,7 +299,8 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
             }
         }
     }
-    let report = Report { world_size: n, memcpy_gbps: memcpy, memcpy_every_rank_gbps: memcpy_every_rank, rows, idle_wait };
+    let report =
+        Report { world_size: n, memcpy_gbps: memcpy, memcpy_every_rank_gbps: memcpy_every_rank, rows, idle_wait };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());

@@ -107,7 +107,8 @@ fn bad_pipelines_are_refused_in_one_line() {
     assert!(stderr(&o).contains("pipeline_parallel: give the number of stages in parallel_mode"), "{}", stderr(&o));
 }
 
-/// 1F1B's stage r holds at most p − r micro-batches' activations; GPipe holds all m.
+/// 1F1B's stage r holds at most p − r micro-batches' activations; GPipe holds all m; the
+/// values of outputs sent on are freed.
 #[test]
 fn schedules_hold_the_micro_batches_their_analysis_says() {
     let dir = tempfile::tempdir().unwrap();
@@ -122,6 +123,10 @@ fn schedules_hold_the_micro_batches_their_analysis_says() {
         let held: Vec<u64> =
             report["pipeline"]["micro_batches_held"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
         assert_eq!(held, expected, "{schedule}");
+        // Every stage but the last frees each output's values once sent, before its backward.
+        let freed: Vec<u64> =
+            report["pipeline"]["outputs_freed"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        assert_eq!(freed, [8, 8, 8, 0], "{schedule}");
         let bubbles = report["pipeline"]["bubble"].as_array().unwrap();
         assert!(bubbles.iter().all(|b| (0.0..1.0).contains(&b.as_f64().unwrap())), "{bubbles:?}");
     }

@@ -82,6 +82,8 @@ pub struct PipelineFigures {
     pub micro_batches_held: Vec<u64>,
     /// The allocator's peak beyond model states: activations and temporaries.
     pub activation_peak_bytes: Vec<u64>,
+    /// Stage outputs whose values the rank freed once sent, before their backward.
+    pub outputs_freed: Vec<u64>,
 }
 
 /// The mean next-token loss of `engine` over `steps`' micro-batches, forward only.

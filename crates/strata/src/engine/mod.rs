@@ -127,6 +127,9 @@ struct Boundary {
     recompute_from: Option<Tensor>,
 }
 
+/// Autograd nodes whose backward never reads the values of the tensor they made.
+const NODES_NOT_READING_THEIR_OUTPUT: [&str; 2] = ["AddBackward0", "EmbeddingBackward0"];
+
 struct ForwardRecord {
     boundaries: Vec<Boundary>,
     out: Tensor,
@@ -657,6 +660,31 @@ impl Engine {
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
         self.records.insert(micro, ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes });
         Ok(out)
+    }
+
+    /// Frees the values of micro-batch `micro`'s output, which a pipeline stage has sent on
+    /// (Megatron-LM's `deallocate_output_tensor`): backward keeps the tensor and its node,
+    /// not the values, where the node that made it never reads them and no other tensor
+    /// shares their storage. Returns whether they were freed; the caller must not read the
+    /// output again.
+    pub fn free_output_values(&mut self, micro: usize) -> Result<bool> {
+        let Some(record) = self.records.get_mut(&micro) else { return Ok(false) };
+        let Some(last) = record.boundaries.last() else { return Ok(false) };
+        let y = &last.output;
+        let bytes = memory::tensor_bytes(y);
+        let owns_storage = bytes > 0 && y.is_contiguous() && strata_ext::storage_nbytes(y)? as u64 == bytes;
+        let node = strata_ext::grad_fn_name(y)?.unwrap_or_default();
+        if !owns_storage || !NODES_NOT_READING_THEIR_OUTPUT.iter().any(|n| node.ends_with(n)) {
+            return Ok(false);
+        }
+        // SAFETY: the node that made `y` does not read its values in backward, no other
+        // tensor shares the storage (the detached output, which shares it, is not read
+        // again: the caller's contract), and nothing is in flight on it.
+        unsafe { memory::release_buffer(y) }?;
+        record.activation_bytes -= bytes.min(record.activation_bytes);
+        self.ledger.free(Placement::Device, Category::Activations, bytes);
+        // What the storage now holds, not what was asked of it.
+        Ok(strata_ext::storage_nbytes(y)? == 0)
     }
 
     /// Forward without recording anything for backward (evaluation).

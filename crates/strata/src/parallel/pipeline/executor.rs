@@ -189,6 +189,16 @@ struct OpsOutcome {
     span: f64,
     /// The most micro-batches whose forward records were held at once.
     most_held: u64,
+    /// Outputs whose values were freed once sent, before their backward.
+    outputs_freed: u64,
+}
+
+/// A stage's output sent to the next stage: the backward keeps the tensor (its autograd
+/// node), not its values, which go once the send has completed.
+struct SentOutput {
+    works: Vec<Work>,
+    micro: usize,
+    chunk: usize,
 }
 
 /// The stages' unit ranges: the strategy's, or balanced by parameter count.
@@ -450,6 +460,8 @@ impl PipelineTrainer {
         let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut sending: Vec<Work> = Vec::new();
+        let mut sent: Vec<SentOutput> = Vec::new();
+        let mut outputs_freed = 0;
         let mut loss_sum = 0.0;
         let scale = self.scaling.scale();
         // Busy seconds in compute operations, and forward records held (now and at most).
@@ -458,6 +470,13 @@ impl PipelineTrainer {
             Error::Engine(format!("pipeline: no {what} for micro-batch {micro} of chunk {chunk}"))
         };
         for &op in ops.iter() {
+            // Sent outputs whose sends have completed give their values back.
+            let (done, waiting): (Vec<SentOutput>, Vec<SentOutput>) =
+                sent.drain(..).partition(|s| s.works.iter().all(Work::is_completed));
+            sent = waiting;
+            for s in done {
+                outputs_freed += self.chunks[s.chunk].engine.free_output_values(s.micro)? as u64;
+            }
             let began = Instant::now();
             let computes = matches!(
                 op,
@@ -492,7 +511,9 @@ impl PipelineTrainer {
                     let out = outputs.get(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
                     let link =
                         self.activations_out[chunk].as_ref().ok_or_else(|| missing("output link", micro, chunk))?;
-                    sending.extend(link.send(out)?);
+                    let works = link.send(out)?;
+                    sent.push(SentOutput { works: works.clone(), micro, chunk });
+                    sending.extend(works);
                 }
                 Op::RecvGrad { micro, chunk } => {
                     let link = self.grads_in[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
@@ -536,7 +557,7 @@ impl PipelineTrainer {
         for w in sending {
             w.wait()?;
         }
-        Ok(OpsOutcome { loss_sum, busy, span: start.elapsed().as_secs_f64(), most_held })
+        Ok(OpsOutcome { loss_sum, busy, span: start.elapsed().as_secs_f64(), most_held, outputs_freed })
     }
 
     /// Each unit's forward and backward seconds over `step`'s micro-batches, timed after a
@@ -586,7 +607,7 @@ impl PipelineTrainer {
 
     /// The optimizer step after a step's operations: ties, clipping, update, report.
     fn update(&mut self, step: &Step, outcome: OpsOutcome, start: Instant) -> Result<StepReport> {
-        let OpsOutcome { loss_sum, busy, span: schedule_seconds, most_held } = outcome;
+        let OpsOutcome { loss_sum, busy, span: schedule_seconds, most_held, outputs_freed } = outcome;
         let m = step.micro_batches.len();
         let device = self.chunks[0].engine.config().device;
         self.sum_ties()?;
@@ -613,11 +634,12 @@ impl PipelineTrainer {
             crate::engine::memory::allocator_peak(device).unwrap_or(0).saturating_sub(ledger.model_state_peak());
         // The last stage computed the losses: every stage reports them, and its figures.
         let p = self.pipeline.stages;
-        let mut mine = vec![0.0; 1 + 3 * p];
+        let mut mine = vec![0.0; 1 + 4 * p];
         mine[0] = loss_sum / m as f64;
         mine[1 + self.rank] = 1.0 - busy / schedule_seconds.max(1e-12);
         mine[1 + p + self.rank] = most_held as f64;
         mine[1 + 2 * p + self.rank] = activations as f64;
+        mine[1 + 3 * p + self.rank] = outputs_freed as f64;
         let all = self.sum(&mine)?;
         // Each pipeline's loss, averaged over the data replicas.
         let loss = match &self.world_group {
@@ -627,7 +649,8 @@ impl PipelineTrainer {
         let figures = PipelineFigures {
             bubble: all[1..1 + p].to_vec(),
             micro_batches_held: all[1 + p..1 + 2 * p].iter().map(|&x| x as u64).collect(),
-            activation_peak_bytes: all[1 + 2 * p..].iter().map(|&x| x as u64).collect(),
+            activation_peak_bytes: all[1 + 2 * p..1 + 3 * p].iter().map(|&x| x as u64).collect(),
+            outputs_freed: all[1 + 3 * p..].iter().map(|&x| x as u64).collect(),
         };
         self.step += 1;
         let seconds = start.elapsed().as_secs_f64();
