@@ -135,7 +135,11 @@ impl Buffer {
             return Err(Error::Comm(format!("backend {backend} needs contiguous CPU tensors, got {:?}", t.device())));
         }
         let len = t.numel() * t.kind().elt_size_in_bytes();
-        Ok(Buffer { _tensor: t.shallow_clone(), ptr: t.data_ptr() as *mut u8, len })
+        let ptr = t.data_ptr() as *mut u8;
+        if ptr.is_null() && len > 0 {
+            return Err(Error::Comm(format!("backend {backend}: a tensor of {len} bytes has no memory (released)")));
+        }
+        Ok(Buffer { _tensor: t.shallow_clone(), ptr, len })
     }
 
     fn block(&self, range: std::ops::Range<usize>) -> Block {

@@ -621,6 +621,23 @@ impl Strategy {
     pub fn sharding(&self) -> Option<(&'static str, &ShardConfig)> {
         self.methods.iter().find_map(|m| m.shard_config().map(|c| (m.name(), c)))
     }
+
+    /// This strategy with the units named `units` kept whole by its sharding method (added
+    /// to `atorch_ignored_cls`, FSDP's `ignored_modules`): replicated, their gradients
+    /// all-reduced whole.
+    pub fn with_ignored_units(&self, units: &[String]) -> Strategy {
+        let mut out = self.clone();
+        for m in &mut out.methods {
+            if let Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) = m {
+                for name in units {
+                    if !c.atorch_ignored_cls.contains(name) {
+                        c.atorch_ignored_cls.push(name.clone());
+                    }
+                }
+            }
+        }
+        out
+    }
 }
 
 #[cfg(test)]

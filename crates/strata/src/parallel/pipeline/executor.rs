@@ -289,17 +289,29 @@ impl PipelineTrainer {
         let layout = crate::checkpoint::Layout::of_spec(&whole, tensor_size);
         let mut tied: Vec<(ParamId, Vec<usize>)> = readers.into_iter().filter(|(_, s)| s.len() > 1).collect();
         tied.sort();
-        let across_ranks = tied.iter().any(|(_, stages)| stages.iter().any(|s| s % p != stages[0] % p));
-        if let Some((name @ ("zero2" | "fsdp"), _)) = setup.strategy.sharding().filter(|_| across_ranks) {
-            return Err(Error::Config(format!(
-                "pipeline_parallel: {name} frees whole gradients before weights tied across stages (GPT's wte) could be summed; use zero1 or data parallelism with tied weights"
-            )));
-        }
+        // zero2 and fsdp free a unit's whole gradient once reduced, before a weight tied
+        // across ranks (GPT's wte) could be summed over its stages: units holding one stay
+        // whole (ignored by the sharding), so their gradients are summed whole as under zero1.
+        let tied_across_ranks: HashSet<ParamId> = tied
+            .iter()
+            .filter(|(_, stages)| stages.iter().any(|s| s % p != stages[0] % p))
+            .map(|(id, _)| *id)
+            .collect();
+        let frees_whole_grads = matches!(setup.strategy.sharding(), Some(("zero2" | "fsdp", _)));
         let mut chunks = Vec::with_capacity(v);
         for chunk in 0..v {
             let stage = pipeline.stage(rank, chunk);
             let (start, end) = ranges[stage];
             let spec = (setup.spec)()?.stage(start, end)?;
+            let holding_ties: Vec<String> = whole.units[start..end]
+                .iter()
+                .filter(|u| u.params.iter().chain(&u.borrowed).any(|id| tied_across_ranks.contains(id)))
+                .map(|u| u.name.clone())
+                .collect();
+            let strategy = match frees_whole_grads && !holding_ties.is_empty() {
+                true => setup.strategy.with_ignored_units(&holding_ties),
+                false => setup.strategy.clone(),
+            };
             let placement = crate::parallel::Placement {
                 comm: setup.comm,
                 local_world_size: setup.local_world_size,
@@ -308,7 +320,7 @@ impl PipelineTrainer {
                 optimizer_bytes_per_element: setup.optimizer.state_bytes_per_element(),
                 non_model: None,
             };
-            let mut engine = crate::parallel::build_engine(spec, setup.engine.clone(), setup.strategy, &placement)?;
+            let mut engine = crate::parallel::build_engine(spec, setup.engine.clone(), &strategy, &placement)?;
             let optimizer = Optimizer::new(&mut engine, setup.optimizer.clone(), &[])?;
             chunks.push(Chunk { stage, engine, optimizer, weight_grads: WeightGrads::new() });
         }
