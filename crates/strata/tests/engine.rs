@@ -281,36 +281,45 @@ fn builder_refuses_duplicate_names_and_bad_configs() {
 #[test]
 fn deferred_weight_gradients_complete_the_same_gradients_later() {
     use strata::compute::deferred::{deferring, WeightGrads};
+    use strata::compute::UnitCompute;
     use strata::engine::Upstream;
-    let build = || {
-        let mut b = model::Builder::new();
-        model::gpt(&model::GptConfig::new(16, 8, 1, 2, 8), &mut b).unwrap();
-        Engine::new(b.build().unwrap(), EngineConfig { kind: Kind::Double, ..Default::default() }).unwrap()
-    };
-    let tokens = Tensor::from_slice(&[1i64, 5, 3, 7, 2, 9, 4, 0]).view([2, 4]);
-    let targets = tokens.roll([1], [1]);
-    let loss = |out: &Tensor| model::layers::cross_entropy(out, &targets).unwrap();
-    let mut plain = build();
-    let out = plain.forward(&tokens).unwrap();
-    plain.backward(&loss(&out)).unwrap();
-    let mut split = build();
-    let queue = WeightGrads::new();
-    deferring(&queue, 0, || {
-        let out = split.forward_micro(0, &tokens)?;
-        split.backward_micro(0, Upstream::Loss(&loss(&out)))
-    })
-    .unwrap();
-    let weight = "transformer.h.0.attn.c_attn.weight";
-    let grad = |e: &Engine, name: &str| e.param_by_name(name).unwrap().grad();
-    assert!(queue.pending() >= 4, "the block's linear layers queued their weight gradients");
-    assert_eq!(grad(&split, weight).abs().sum(Kind::Double).double_value(&[]), 0.0, "not computed yet");
-    let bias = "transformer.h.0.attn.c_attn.bias";
-    assert!(grad(&split, bias).allclose(&grad(&plain, bias), 1e-12, 1e-12, false), "biases are not deferred");
-    queue.run(0).unwrap();
-    assert_eq!(queue.pending(), 0);
-    for (name, p) in plain.named_params() {
-        let other = grad(&split, name);
-        assert!(p.grad().allclose(&other, 1e-10, 1e-12, false), "{name}");
+    // f64, and bf16 autocast over fp32 weights (the product in bf16, added to the fp32
+    // gradient as the cast's backward adds it).
+    for (kind, autocast, tolerance) in [(Kind::Double, None, 1e-10), (Kind::Float, Some(Kind::BFloat16), 1e-6)] {
+        let build = || {
+            let mut b = model::Builder::new();
+            model::gpt(&model::GptConfig::new(16, 8, 1, 2, 8), &mut b).unwrap();
+            let mut e = Engine::new(b.build().unwrap(), EngineConfig { kind, ..Default::default() }).unwrap();
+            let units = e.spec().units.len();
+            e.set_compute(vec![UnitCompute { autocast, ..Default::default() }; units]).unwrap();
+            e
+        };
+        let tokens = Tensor::from_slice(&[1i64, 5, 3, 7, 2, 9, 4, 0]).view([2, 4]);
+        let targets = tokens.roll([1], [1]);
+        let loss = |out: &Tensor| model::layers::cross_entropy(out, &targets).unwrap();
+        let mut plain = build();
+        let out = plain.forward(&tokens).unwrap();
+        plain.backward(&loss(&out)).unwrap();
+        let mut split = build();
+        let queue = WeightGrads::new();
+        deferring(&queue, 0, || {
+            let out = split.forward_micro(0, &tokens)?;
+            split.backward_micro(0, Upstream::Loss(&loss(&out)))
+        })
+        .unwrap();
+        let weight = "transformer.h.0.attn.c_attn.weight";
+        let grad = |e: &Engine, name: &str| e.param_by_name(name).unwrap().grad();
+        assert!(queue.pending() >= 4, "the block's linear layers queued their weight gradients");
+        assert_eq!(grad(&split, weight).abs().sum(Kind::Double).double_value(&[]), 0.0, "not computed yet");
+        let bias = "transformer.h.0.attn.c_attn.bias";
+        assert!(grad(&split, bias).allclose(&grad(&plain, bias), tolerance, 1e-12, false), "biases are not deferred");
+        queue.run(0).unwrap();
+        assert_eq!(queue.pending(), 0);
+        for (name, p) in plain.named_params() {
+            let other = grad(&split, name);
+            assert_eq!(other.kind(), kind, "{name}: the gradient keeps the weight's dtype");
+            assert!(p.grad().allclose(&other, tolerance, 1e-12, false), "{name} under {autocast:?}");
+        }
     }
 }
 

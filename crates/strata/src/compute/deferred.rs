@@ -2,16 +2,18 @@
 //! pipeline schedules): while a [`WeightGrads`] queue is active, a linear layer's backward
 //! returns its input's (and bias's) gradient at once and queues what its weight's needs;
 //! [`WeightGrads::run`] later adds `gᵀx` into the weight's `.grad` (the flat gradient
-//! buffer), so the previous stage's wait is only the input gradient.
+//! buffer), so the previous stage's wait is only the input gradient. Under autocast the
+//! product runs in the autocast dtype and is added to the fp32 `.grad` as the cast's
+//! backward would.
 use crate::error::text;
 use crate::{Error, Result};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
-/// A linear layer's queued weight gradient: output gradient and input, both `[rows, ·]`,
-/// and the weight whose `.grad` takes `gᵀx`.
+/// A linear layer's queued weight gradient: output gradient and input, both `[rows, ·]` in
+/// the dtype the product ran in, and the weight whose `.grad` takes `gᵀx`.
 struct Job {
     grad_out: Tensor,
     input: Tensor,
@@ -40,7 +42,12 @@ impl WeightGrads {
         tch::no_grad(|| -> Result<()> {
             for job in jobs {
                 let mut grad = job.weight.grad();
-                let _ = grad.f_addmm_(&job.grad_out.f_tr()?, &job.input)?;
+                if job.input.kind() == grad.kind() {
+                    let _ = grad.f_addmm_(&job.grad_out.f_tr()?, &job.input)?;
+                } else {
+                    let product = job.grad_out.f_tr()?.f_mm(&job.input)?;
+                    let _ = grad.f_add_(&product.f_to_kind(grad.kind())?)?;
+                }
             }
             Ok(())
         })
@@ -70,22 +77,35 @@ struct DeferredLinear {
     micro: usize,
     /// The weight leaf whose `.grad` the queued job fills.
     weight: Tensor,
-    has_bias: bool,
+    /// The autocast dtype the product runs in, if any.
+    product_kind: Option<Kind>,
+    /// The dtypes of the input and the bias, which their gradients take.
+    input_kind: Kind,
+    bias_kind: Option<Kind>,
     saved: Option<(Tensor, Tensor)>,
+}
+
+/// `t` in `kind`, if one is given and `t` is not in it already.
+fn in_kind(t: &Tensor, kind: Option<Kind>) -> std::result::Result<Tensor, String> {
+    match kind {
+        Some(k) if t.kind() != k => t.f_to_kind(k).map_err(text),
+        _ => Ok(t.shallow_clone()),
+    }
 }
 
 impl strata_ext::Function for DeferredLinear {
     fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
-        let (x, w) = (&inputs[0], &inputs[1]);
-        let out = x.f_linear(w, inputs.get(2)).map_err(text)?;
-        self.saved = Some((x.shallow_clone(), w.shallow_clone()));
+        let (x, w) = (in_kind(&inputs[0], self.product_kind)?, in_kind(&inputs[1], self.product_kind)?);
+        let b = inputs.get(2).map(|b| in_kind(b, self.product_kind)).transpose()?;
+        let out = x.f_linear(&w, b.as_ref()).map_err(text)?;
+        self.saved = Some((x, w));
         Ok(vec![out])
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
         let (x, w) = self.saved.take().ok_or("deferred linear: backward twice")?;
         let g = &grads[0];
-        let grad_x = g.f_matmul(&w).map_err(text)?;
+        let grad_x = g.f_matmul(&w).and_then(|t| t.f_to_kind(self.input_kind)).map_err(text)?;
         let (rows_out, rows_in) = (*g.size().last().unwrap_or(&1), *x.size().last().unwrap_or(&1));
         let job = Job {
             grad_out: g.f_reshape([-1, rows_out]).map_err(text)?,
@@ -94,9 +114,11 @@ impl strata_ext::Function for DeferredLinear {
         };
         self.queue.push(self.micro, job)?;
         let mut out = vec![grad_x, Tensor::new()];
-        if self.has_bias {
+        if let Some(kind) = self.bias_kind {
             let dims: Vec<i64> = (0..g.dim() as i64 - 1).collect();
-            out.push(g.f_sum_dim_intlist(dims.as_slice(), false, g.kind()).map_err(text)?);
+            out.push(
+                g.f_sum_dim_intlist(dims.as_slice(), false, g.kind()).and_then(|t| t.f_to_kind(kind)).map_err(text)?,
+            );
         }
         Ok(out)
     }
@@ -109,7 +131,15 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Option<Result<Tenso
     if !w.requires_grad() || !w.is_leaf() || !w.grad().defined() {
         return None;
     }
-    let f = DeferredLinear { queue, micro, weight: w.shallow_clone(), has_bias: b.is_some(), saved: None };
+    let f = DeferredLinear {
+        queue,
+        micro,
+        weight: w.shallow_clone(),
+        product_kind: crate::compute::product_kind(),
+        input_kind: x.kind(),
+        bias_kind: b.map(Tensor::kind),
+        saved: None,
+    };
     let mut inputs = vec![x, w];
     inputs.extend(b);
     Some(strata_ext::apply_function(f, &inputs).map(|mut v| v.remove(0)).map_err(Error::from))

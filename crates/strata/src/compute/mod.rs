@@ -112,6 +112,12 @@ pub fn autocast_kind() -> Option<Kind> {
     with_active(|a| a.and_then(|a| a.policy.autocast.filter(|_| !a.policy.device_autocast)))
 }
 
+/// The dtype matrix products compute in under either autocast (the layers' own or
+/// libtorch's on a device); `None` without one.
+pub fn product_kind() -> Option<Kind> {
+    with_active(|a| a.and_then(|a| a.policy.autocast))
+}
+
 /// Whether any autocast (the layers' own or libtorch's) is on: norms and the loss then
 /// compute in fp32.
 pub fn autocast_on() -> bool {

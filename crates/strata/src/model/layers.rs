@@ -32,11 +32,11 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if let Some(out) = compute::fp8_linear(x, w, b) {
         return out;
     }
+    if let Some(out) = compute::deferred::linear(x, w, b) {
+        return out;
+    }
     let kind = compute::autocast_kind();
     if kind.is_none() {
-        if let Some(out) = compute::deferred::linear(x, w, b) {
-            return out;
-        }
         if let Some(replaced) = compute::replaced(|r| r.linear(x.kind())) {
             return replaced(x, w, b);
         }

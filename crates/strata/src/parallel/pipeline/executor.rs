@@ -233,11 +233,6 @@ impl PipelineTrainer {
                 "pipeline_parallel: the zero-bubble schedule completes weight gradients after the data-parallel reduction would start; data and zero dimensions beside it are not available yet".into(),
             ));
         }
-        if config.schedule == ScheduleKind::ZeroBubble && setup.strategy.amp().is_some() {
-            return Err(Error::Config(
-                "pipeline_parallel: the zero-bubble schedule defers fp32 and half linear layers' weight gradients; amp_native beside it is not available yet".into(),
-            ));
-        }
         let v = config.virtual_stages;
         let pipeline = Pipeline { stages: p, micro_batches: setup.micro_batches, virtual_stages: v };
         // The ranks of every pipeline, each in stage order; this rank's stage is its place.
