@@ -142,7 +142,7 @@ fn pipelines_beside_tensor_parallelism_and_sharding_match_one_process() {
         let strategy = format!(r#"[["parallel_mode", [{dims}, null]], {more}]"#);
         train(dir.path(), "pp", model, &[&two[..], &["--nproc", "4", "--strategy", &strategy]].concat())
     };
-    let cases: [(&str, &[&str], &str, &str); 7] = [
+    let cases: [(&str, &[&str], &str, &str); 9] = [
         (
             "gpt",
             &GPT,
@@ -153,6 +153,9 @@ fn pipelines_beside_tensor_parallelism_and_sharding_match_one_process() {
         // The units holding the tied wte stay whole; the blocks are sharded.
         ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "zero2""#),
         ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "fsdp""#),
+        // ZB-H1 beside data replicas: the reduction waits for the deferred weight gradients.
+        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#"["pipeline_parallel", {"schedule": "zero_bubble"}]"#),
+        ("llama", &LLAMA, r#"[["pipeline", 2]]"#, r#"["pipeline_parallel", {"schedule": "zero_bubble"}], "zero1""#),
         (
             "llama",
             &LLAMA,
@@ -174,6 +177,9 @@ fn pipelines_beside_tensor_parallelism_and_sharding_match_one_process() {
         eprintln!("{what}: weights differ by {gap:.2e}");
         assert!(gap < 1e-5, "{what}: weights differ by {gap:e}");
     }
+    let zb_zero2 = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "zero_bubble"}], "zero2"]"#;
+    let o = strata(&[&["train"][..], &LLAMA, &RUN, &["--steps", "1", "--nproc", "4", "--strategy", zb_zero2]].concat());
+    common::assert_fails_with(&o, "the zero-bubble schedule completes weight gradients after zero2");
 }
 
 /// Saved by a pipeline of 2, resumed by one process, saved, resumed by 2 stages × tensor

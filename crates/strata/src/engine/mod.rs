@@ -608,6 +608,16 @@ impl Engine {
         self.sync_grads = sync;
     }
 
+    /// Runs the schedule's gradient synchronisation for every unit, last first, as the
+    /// backward that completes a step's gradients would; for gradients completed after
+    /// their backward (the zero-bubble schedule's deferred weight gradients).
+    pub fn sync_grads_now(&mut self) -> Result<()> {
+        let previous = std::mem::replace(&mut self.sync_grads, true);
+        let result = (0..self.spec.units.len()).rev().try_for_each(|k| self.run_schedule(Phase::AfterBackward, k));
+        self.sync_grads = previous;
+        result
+    }
+
     /// Waits for the schedule's work on the gradients; call before the optimizer step.
     pub fn finish_grads(&mut self) -> Result<()> {
         let (schedule, ctx) = self.schedule_for(0);

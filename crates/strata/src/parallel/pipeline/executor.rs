@@ -228,10 +228,12 @@ impl PipelineTrainer {
         let mode = setup.strategy.parallel_mode();
         let p = mode.size("pipeline", world)?;
         let replicas = world / (p * mode.size("tensor", world)?);
-        if config.schedule == ScheduleKind::ZeroBubble && replicas > 1 {
-            return Err(Error::Config(
-                "pipeline_parallel: the zero-bubble schedule completes weight gradients after the data-parallel reduction would start; data and zero dimensions beside it are not available yet".into(),
-            ));
+        let zero_bubble = config.schedule == ScheduleKind::ZeroBubble;
+        if let Some((name @ ("zero2" | "fsdp"), _)) = setup.strategy.sharding().filter(|_| zero_bubble && replicas > 1)
+        {
+            return Err(Error::Config(format!(
+                "pipeline_parallel: the zero-bubble schedule completes weight gradients after {name} has reduced and freed the whole ones; use data parallelism or zero1 beside it"
+            )));
         }
         let v = config.virtual_stages;
         let pipeline = Pipeline { stages: p, micro_batches: setup.micro_batches, virtual_stages: v };
@@ -241,11 +243,17 @@ impl PipelineTrainer {
         let rank = pipelines.iter().find_map(|g| g.iter().position(|&r| r == global_rank)).unwrap_or(0);
         // The schedule refuses bad shapes before anything is built; it is the same every step.
         let ops: Arc<[Op]> = schedule(config.schedule, pipeline, rank)?.into();
-        // Each chunk's last backward completes its gradients (data parallelism reduces then).
+        // Each chunk's last backward completes its gradients (data parallelism reduces then);
+        // under the zero-bubble schedule, its last weight-gradient operation does.
         let mut last_backward: HashSet<(usize, usize)> = HashSet::new();
         for chunk in 0..v {
             let last = ops.iter().rev().find_map(|op| match *op {
-                Op::Backward { micro, chunk: c } | Op::BackwardInput { micro, chunk: c } if c == chunk => Some(micro),
+                Op::Backward { micro, chunk: c } | Op::BackwardInput { micro, chunk: c }
+                    if c == chunk && !zero_bubble =>
+                {
+                    Some(micro)
+                }
+                Op::BackwardWeight { micro, chunk: c } if c == chunk => Some(micro),
                 _ => None,
             });
             last_backward.extend(last.map(|micro| (micro, chunk)));
@@ -310,7 +318,12 @@ impl PipelineTrainer {
             let placement = crate::parallel::Placement {
                 comm: setup.comm,
                 local_world_size: setup.local_world_size,
-                data_parallel: setup.data_parallel,
+                // Deferred weight gradients arrive outside autograd, where the unused-parameter
+                // check's hooks would not see them.
+                data_parallel: crate::parallel::DataParallelOptions {
+                    find_unused_parameters: setup.data_parallel.find_unused_parameters || zero_bubble,
+                    ..setup.data_parallel
+                },
                 stage: true,
                 optimizer_bytes_per_element: setup.optimizer.state_bytes_per_element(),
                 non_model: None,
@@ -528,7 +541,10 @@ impl PipelineTrainer {
                 }
                 Op::Backward { micro, chunk } | Op::BackwardInput { micro, chunk } => {
                     let kept = outputs.remove(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
-                    self.chunks[chunk].engine.set_grad_sync(self.last_backward.contains(&(micro, chunk)));
+                    // Under the zero-bubble schedule the weight gradients complete later.
+                    let completes =
+                        self.kind != ScheduleKind::ZeroBubble && self.last_backward.contains(&(micro, chunk));
+                    self.chunks[chunk].engine.set_grad_sync(completes);
                     let grad = if self.chunks[chunk].stage == last {
                         self.in_chunk(chunk, micro, |engine| engine.backward_micro(micro, Upstream::Loss(&kept)))?
                     } else {
@@ -545,7 +561,12 @@ impl PipelineTrainer {
                     let link = self.grads_out[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
                     sending.extend(link.send(&g)?);
                 }
-                Op::BackwardWeight { micro, chunk } => self.chunks[chunk].weight_grads.run(micro)?,
+                Op::BackwardWeight { micro, chunk } => {
+                    self.chunks[chunk].weight_grads.run(micro)?;
+                    if self.last_backward.contains(&(micro, chunk)) {
+                        self.chunks[chunk].engine.sync_grads_now()?;
+                    }
+                }
             }
             match op {
                 Op::Forward { .. } => held += 1,
