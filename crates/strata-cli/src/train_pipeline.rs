@@ -68,11 +68,19 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         let first = loader.next().ok_or_else(|| anyhow::anyhow!("the data gives no step to time the stages on"))??;
         drop(loader);
         let (before, stages) = (trainer.ranges().to_vec(), trainer.ranges().len());
+        let held = trainer.most_held()?;
         let costs = trainer.measure_units(&first)?;
-        let split = partition::balance(&costs, stages, r.engine.device_budget)?;
+        let split = partition::balance(&costs, stages, r.engine.device_budget, &held)?;
         if r.leader {
             let seconds: Vec<String> = costs.iter().map(|c| format!("{:.1}", c.seconds * 1e3)).collect();
-            info!(by_parameters = ?before, measured = ?split, unit_ms = seconds.join(" "), "balanced the stages");
+            let kept: Vec<String> = costs.iter().map(|c| format!("{:.2}", c.activation_bytes as f64 / 1e6)).collect();
+            info!(
+                by_parameters = ?before,
+                measured = ?split,
+                unit_ms = seconds.join(" "),
+                unit_activation_mb = kept.join(" "),
+                "balanced the stages"
+            );
         }
         trainer = PipelineTrainer::new(setup(Some(split)))?;
     }

@@ -1,5 +1,6 @@
 //! Pipelines in the library: the unit measurement, in one process (one stage), where every
-//! unit is timed and weighed by the model-state bytes its buffers hold; and fsdp beside a
+//! unit is timed and weighed by the model-state bytes its buffers hold and the activation
+//! bytes its forward keeps; and fsdp beside a
 //! pipeline, on 4 ranks, gathering each unit once per step however many micro-batches run.
 mod common;
 
@@ -10,6 +11,7 @@ use strata::engine::EngineConfig;
 use strata::engine::{Event, EventLog};
 use strata::model::{GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{OptimizerConfig, Schedule};
+use strata::parallel::pipeline::schedule::{self, Pipeline, ScheduleKind};
 use strata::parallel::pipeline::{partition, PipelineSetup, PipelineTrainer};
 use strata::parallel::DataParallelOptions;
 use strata::strategy::Strategy;
@@ -36,6 +38,9 @@ fn measured_units_are_timed_and_weighed_by_their_buffers() {
     let data = Arc::new(TokenData::new((0..2000).map(|i| (i * 7 % 300) as u32).collect(), "tokens"));
     let config = LoaderConfig { accumulation: 2, ..LoaderConfig::new(16, 4) };
     let step = validation_steps(&data, &config, Some(1), 1).unwrap().remove(0);
+    let held = trainer.most_held().unwrap();
+    assert_eq!(held, [1], "one stage under 1F1B runs each micro-batch's backward before the next forward");
+    strata_ext::cpu_memory::track().unwrap();
     let costs = trainer.measure_units(&step).unwrap();
     let whole = model.spec().unwrap();
     assert_eq!(costs.len(), whole.units.len());
@@ -44,12 +49,34 @@ fn measured_units_are_timed_and_weighed_by_their_buffers() {
         // fp32 parameters, gradients and AdamW's two moments.
         assert_eq!(cost.bytes, numel as u64 * 4 * 4, "unit {k}");
         assert!(cost.seconds > 0.0, "unit {k} was not timed");
+        // A unit's forward keeps at least its output: a micro-batch of 2 rows × 16 positions
+        // × width 32 in fp32.
+        assert!(cost.activation_bytes >= 2 * 16 * 32 * 4, "unit {k} keeps {} bytes", cost.activation_bytes);
     }
     // A budget below the embedding's states alone leaves no split; at the whole model's,
     // any split fits.
     let total: u64 = costs.iter().map(|c| c.bytes).sum();
-    assert!(partition::balance(&costs, 2, Some(costs[0].bytes - 1)).is_err());
-    assert_eq!(partition::balance(&costs, 2, Some(total)).unwrap().len(), 2);
+    // Split in two under 1F1B with 2 micro-batches, the first stage holds both.
+    let two = Pipeline { stages: 2, micro_batches: 2, virtual_stages: 1 };
+    let held = schedule::most_held(ScheduleKind::OneForwardOneBackward, two).unwrap();
+    assert_eq!(held, [2, 1]);
+    assert!(partition::balance(&costs, 2, Some(costs[0].bytes - 1), &held).is_err());
+    let activations: u64 = costs.iter().map(|c| c.activation_bytes).sum();
+    assert_eq!(partition::balance(&costs, 2, Some(total + 2 * activations), &held).unwrap().len(), 2);
+    // The least budget any split fits in grows by the activations the stages hold.
+    let least_budget = |held: &[u64]| {
+        let (mut low, mut high) = (0, total + 2 * activations);
+        while low < high {
+            let mid = (low + high) / 2;
+            if partition::balance(&costs, 2, Some(mid), held).is_ok() {
+                high = mid;
+            } else {
+                low = mid + 1;
+            }
+        }
+        low
+    };
+    assert!(least_budget(&held) > least_budget(&[0, 0]), "activations count against the budget");
 }
 
 /// 2 stages × 2 fsdp shards; 4 micro-batches per step under 1F1B.

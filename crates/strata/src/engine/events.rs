@@ -75,19 +75,24 @@ impl EventSink for EventLog {
 /// before each to the one after), and seconds this rank waited for collectives since the
 /// phase event before each of its phases (the gathers it needed and whatever the schedule
 /// waited for there). The step's remaining wait (gradient reductions completed after the
-/// last unit, norms) is its `comm_wait_s` minus these.
+/// last unit, norms) is its `comm_wait_s` minus these. A clock that measures memory also
+/// gives the most bytes one forward of the unit left allocated (what it keeps for backward).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct UnitTime {
     pub unit: usize,
     pub forward_s: f64,
     pub backward_s: f64,
     pub comm_wait_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kept_bytes: Option<u64>,
 }
 
 /// A sink that times every unit's phases, step by step ([`UnitClock::take`]).
 #[derive(Default)]
 pub struct UnitClock {
     state: Mutex<ClockState>,
+    /// The device whose allocator the clock reads around each forward, if any.
+    memory_of: Option<tch::Device>,
 }
 
 #[derive(Default)]
@@ -97,9 +102,17 @@ struct ClockState {
     /// When the phase being timed began (its `Before*` event).
     began: Option<Instant>,
     units: BTreeMap<usize, UnitTime>,
+    /// The allocator's bytes when the forward being measured began.
+    allocated_before: Option<u64>,
 }
 
 impl UnitClock {
+    /// A clock that also measures, on `device`'s allocator (which must be tracked), the
+    /// bytes each unit's forward keeps.
+    pub fn measuring_memory(device: tch::Device) -> UnitClock {
+        UnitClock { memory_of: Some(device), ..UnitClock::default() }
+    }
+
     /// The units' times since the last call, in unit order; the next step's clock starts now.
     pub fn take(&self) -> Vec<UnitTime> {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -118,10 +131,21 @@ impl EventSink for UnitClock {
         let t = s.units.entry(unit).or_insert_with(|| UnitTime { unit, ..UnitTime::default() });
         t.comm_wait_s += waited_since.as_secs_f64();
         let spent = began.map_or(0.0, |b| now.duration_since(b).as_secs_f64());
+        let allocated = self.memory_of.and_then(crate::engine::memory::allocator_current);
         match phase {
             Phase::BeforeForward | Phase::BeforeBackward => s.began = Some(now),
             Phase::AfterForward => t.forward_s += spent,
             Phase::AfterBackward => t.backward_s += spent,
+        }
+        match phase {
+            Phase::BeforeForward => s.allocated_before = allocated,
+            Phase::AfterForward => {
+                if let (Some(before), Some(after)) = (s.allocated_before.take(), allocated) {
+                    let t = s.units.entry(unit).or_default();
+                    t.kept_bytes = Some(t.kept_bytes.unwrap_or(0).max(after.saturating_sub(before)));
+                }
+            }
+            _ => {}
         }
         s.last = Some((now, waited));
     }

@@ -213,10 +213,10 @@ pub fn stage_ranges(spec: &ModelSpec, stages: usize, given: Option<&[(usize, usi
                 .map(|u| {
                     let params: i64 = u.params.iter().map(|id| spec.params[id.0].numel()).sum();
                     // A unit without parameters still costs something to run.
-                    UnitCost { seconds: params.max(1) as f64, bytes: params.max(0) as u64 }
+                    UnitCost { seconds: params.max(1) as f64, bytes: params.max(0) as u64, activation_bytes: 0 }
                 })
                 .collect();
-            partition::balance(&costs, stages, None)
+            partition::balance(&costs, stages, None, &vec![0; stages])
         }
     }
 }
@@ -593,7 +593,9 @@ impl PipelineTrainer {
     /// its tensor group holds them unsharded. The step's gradients are discarded and nothing
     /// is updated; the trainer is used up, as its engines now report to a clock.
     pub fn measure_units(mut self, step: &Step) -> Result<Vec<UnitCost>> {
-        let clocks: Vec<Arc<UnitClock>> = self.chunks.iter().map(|_| Arc::new(UnitClock::default())).collect();
+        let device = self.chunks[0].engine.config().device;
+        let clocks: Vec<Arc<UnitClock>> =
+            self.chunks.iter().map(|_| Arc::new(UnitClock::measuring_memory(device))).collect();
         for (c, clock) in self.chunks.iter_mut().zip(&clocks) {
             c.engine.set_event_sink(clock.clone());
         }
@@ -613,10 +615,12 @@ impl PipelineTrainer {
         let units = self.layout.unit_numel.len();
         let mut seconds = vec![0.0; units];
         let mut bytes = vec![0.0; units];
+        let mut activations = vec![0.0; units];
         for (c, clock) in self.chunks.iter_mut().zip(&clocks) {
             let first = self.ranges[c.stage].0;
             for t in clock.take() {
                 seconds[first + t.unit] += t.forward_s + t.backward_s;
+                activations[first + t.unit] = t.kept_bytes.unwrap_or(0) as f64;
             }
             // Parameters and gradients, and each optimizer state, in the master dtype.
             let per_element = c.engine.master_kind().elt_size_in_bytes() * (2 + c.optimizer.state_names().len());
@@ -625,12 +629,23 @@ impl PipelineTrainer {
             }
         }
         // Each stage measured its own units: summed over the pipeline, the slowest replica's.
-        let whole = self.sum(&[seconds, bytes].concat())?;
+        let whole = self.sum(&[seconds, bytes, activations].concat())?;
         let agreed = match &self.world_group {
             Some(g) => all_reduce_values(g.as_ref(), &whole, ReduceOp::Max)?,
             None => whole,
         };
-        Ok((0..units).map(|k| UnitCost { seconds: agreed[k], bytes: agreed[units + k] as u64 }).collect())
+        Ok((0..units)
+            .map(|k| UnitCost {
+                seconds: agreed[k],
+                bytes: agreed[units + k] as u64,
+                activation_bytes: agreed[2 * units + k] as u64,
+            })
+            .collect())
+    }
+
+    /// The most micro-batches each stage holds at once under this trainer's schedule.
+    pub fn most_held(&self) -> Result<Vec<u64>> {
+        super::schedule::most_held(self.kind, self.pipeline)
     }
 
     /// The optimizer step after a step's operations: ties, clipping, update, report.

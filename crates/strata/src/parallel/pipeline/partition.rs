@@ -7,7 +7,10 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UnitCost {
     pub seconds: f64,
+    /// Model states.
     pub bytes: u64,
+    /// What the unit's forward keeps for its backward, per micro-batch.
+    pub activation_bytes: u64,
 }
 
 /// Stages as half-open unit ranges `[start, end)`, in order.
@@ -18,11 +21,16 @@ fn refuse<T>(message: String) -> Result<T> {
 }
 
 /// The split of `units` into `stages` contiguous ranges whose slowest stage is fastest,
-/// each stage's bytes within `budget`; ties go to the split whose earlier stages end first.
-pub fn balance(units: &[UnitCost], stages: usize, budget: Option<u64>) -> Result<Stages> {
+/// each stage's bytes within `budget`: its units' model states plus `held[s]` micro-batches
+/// of their activations (as many as the schedule has stage `s` hold at once); ties go to
+/// the split whose earlier stages end first.
+pub fn balance(units: &[UnitCost], stages: usize, budget: Option<u64>, held: &[u64]) -> Result<Stages> {
     let n = units.len();
     if stages == 0 || stages > n {
         return refuse(format!("{stages} stages for {n} units: each stage needs at least one unit"));
+    }
+    if held.len() != stages {
+        return refuse(format!("{} held counts for {stages} stages", held.len()));
     }
     let prefix_seconds: Vec<f64> = std::iter::once(0.0)
         .chain(units.iter().scan(0.0, |s, u| {
@@ -36,7 +44,17 @@ pub fn balance(units: &[UnitCost], stages: usize, budget: Option<u64>) -> Result
             Some(*s)
         }))
         .collect();
-    let fits = |a: usize, b: usize| budget.is_none_or(|limit| prefix_bytes[b] - prefix_bytes[a] <= limit);
+    let prefix_activations: Vec<u64> = std::iter::once(0)
+        .chain(units.iter().scan(0u64, |s, u| {
+            *s += u.activation_bytes;
+            Some(*s)
+        }))
+        .collect();
+    // Stage `s` holding units a..b.
+    let fits = |s: usize, a: usize, b: usize| {
+        let activations = held[s].saturating_mul(prefix_activations[b] - prefix_activations[a]);
+        budget.is_none_or(|limit| (prefix_bytes[b] - prefix_bytes[a]).saturating_add(activations) <= limit)
+    };
     // slowest[k][j]: the best slowest-stage time of units 0..j in k stages; cut[k][j]: where
     // the last of those stages starts.
     let mut slowest = vec![vec![f64::INFINITY; n + 1]; stages + 1];
@@ -45,7 +63,7 @@ pub fn balance(units: &[UnitCost], stages: usize, budget: Option<u64>) -> Result
     for k in 1..=stages {
         for j in k..=n {
             for i in (k - 1)..j {
-                if !slowest[k - 1][i].is_finite() || !fits(i, j) {
+                if !slowest[k - 1][i].is_finite() || !fits(k - 1, i, j) {
                     continue;
                 }
                 let candidate = slowest[k - 1][i].max(prefix_seconds[j] - prefix_seconds[i]);
@@ -99,7 +117,7 @@ mod tests {
     use super::*;
 
     fn costs(seconds: &[f64]) -> Vec<UnitCost> {
-        seconds.iter().map(|&s| UnitCost { seconds: s, bytes: 1 }).collect()
+        seconds.iter().map(|&s| UnitCost { seconds: s, bytes: 1, activation_bytes: 0 }).collect()
     }
 
     /// Every split of `n` units into `k` stages, to check the program against.
@@ -124,7 +142,7 @@ mod tests {
         let slowest =
             |s: &Stages| s.iter().map(|&(a, b)| units[a..b].iter().map(|u| u.seconds).sum::<f64>()).fold(0.0, f64::max);
         for k in 1..=8 {
-            let best = balance(&units, k, None).unwrap();
+            let best = balance(&units, k, None, &vec![0; k]).unwrap();
             assert_eq!(check(&best, 8, k).unwrap(), best, "a balance is a valid split");
             let optimum = every_split(8, k).iter().map(slowest).fold(f64::INFINITY, f64::min);
             assert_eq!(slowest(&best), optimum, "{k} stages");
@@ -135,16 +153,33 @@ mod tests {
     fn the_memory_budget_moves_the_cut() {
         // Time alone splits 2+2 | 4; with units 0 and 1 heavy in memory they cannot share.
         let mut units = costs(&[2.0, 2.0, 4.0]);
-        assert_eq!(balance(&units, 2, None).unwrap(), [(0, 2), (2, 3)]);
+        assert_eq!(balance(&units, 2, None, &[0; 2]).unwrap(), [(0, 2), (2, 3)]);
         units[0].bytes = 10;
         units[1].bytes = 10;
-        assert_eq!(balance(&units, 2, Some(11)).unwrap(), [(0, 1), (1, 3)]);
-        assert!(balance(&units, 2, Some(5)).unwrap_err().to_string().contains("within 5 bytes"));
+        assert_eq!(balance(&units, 2, Some(11), &[0; 2]).unwrap(), [(0, 1), (1, 3)]);
+        assert!(balance(&units, 2, Some(5), &[0; 2]).unwrap_err().to_string().contains("within 5 bytes"));
+    }
+
+    #[test]
+    fn activations_held_by_each_stage_count_against_the_budget() {
+        // Time alone splits 1+1 | 2. Each unit keeps 10 bytes per micro-batch; under 1F1B on
+        // 2 stages the first holds 2 micro-batches and the second 1: two units on the first
+        // stage need 40 bytes, one unit 20, and the second stage's two units 20.
+        let mut units = costs(&[1.0, 1.0, 2.0]);
+        units.iter_mut().for_each(|u| (u.bytes, u.activation_bytes) = (0, 10));
+        assert_eq!(balance(&units, 2, Some(25), &[0, 0]).unwrap(), [(0, 2), (2, 3)]);
+        assert_eq!(balance(&units, 2, Some(25), &[2, 1]).unwrap(), [(0, 1), (1, 3)]);
+        assert_eq!(balance(&units, 2, Some(40), &[2, 1]).unwrap(), [(0, 2), (2, 3)]);
+        assert!(balance(&units, 2, Some(19), &[2, 1]).is_err());
     }
 
     #[test]
     fn bad_splits_are_refused_by_name() {
-        assert!(balance(&costs(&[1.0, 1.0]), 3, None).unwrap_err().to_string().contains("3 stages for 2 units"));
+        assert!(balance(&costs(&[1.0, 1.0]), 3, None, &[0; 3])
+            .unwrap_err()
+            .to_string()
+            .contains("3 stages for 2 units"));
+        assert!(balance(&costs(&[1.0, 1.0]), 2, None, &[0]).unwrap_err().to_string().contains("1 held counts"));
         let err = |s: &[(usize, usize)]| check(s, 9, 2).unwrap_err().to_string();
         assert!(err(&[(0, 4), (5, 9)]).contains("skips unit 4"));
         assert!(err(&[(0, 5), (4, 9)]).contains("repeats unit 4"));

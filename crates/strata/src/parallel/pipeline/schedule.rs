@@ -128,6 +128,30 @@ impl Pipeline {
     }
 }
 
+/// For every stage of `pipeline` (chunks of every rank, in stage order), the most
+/// micro-batches whose forward records it holds at once under `kind`: from a forward until
+/// its (input-gradient) backward.
+pub fn most_held(kind: ScheduleKind, pipeline: Pipeline) -> Result<Vec<u64>> {
+    let mut most = vec![0u64; pipeline.total_stages()];
+    for rank in 0..pipeline.stages {
+        let mut held = vec![0u64; pipeline.virtual_stages];
+        for op in schedule(kind, pipeline, rank)? {
+            match op {
+                Op::Forward { chunk, .. } => held[chunk] += 1,
+                Op::Backward { chunk, .. } | Op::BackwardInput { chunk, .. } => {
+                    held[chunk] = held[chunk].saturating_sub(1)
+                }
+                _ => continue,
+            }
+            for (chunk, &h) in held.iter().enumerate() {
+                let stage = pipeline.stage(rank, chunk);
+                most[stage] = most[stage].max(h);
+            }
+        }
+    }
+    Ok(most)
+}
+
 /// Rank `rank`'s operations, in order, for one step of `pipeline` under `kind`.
 pub fn schedule(kind: ScheduleKind, pipeline: Pipeline, rank: usize) -> Result<Vec<Op>> {
     pipeline.check(kind)?;
@@ -485,20 +509,17 @@ mod tests {
     #[test]
     fn one_f_one_b_holds_at_most_the_stages_after_it_plus_one() {
         let p = Pipeline { stages: 4, micro_batches: 8, virtual_stages: 1 };
-        for r in 0..4 {
-            let ops = schedule(ScheduleKind::OneForwardOneBackward, p, r).unwrap();
-            let mut held: i64 = 0;
-            let mut most = 0;
-            for op in ops {
-                match op {
-                    Op::Forward { .. } => held += 1,
-                    Op::Backward { .. } => held -= 1,
-                    _ => {}
-                }
-                most = most.max(held);
-            }
-            assert_eq!(most, (4 - r) as i64, "rank {r}");
-        }
+        assert_eq!(most_held(ScheduleKind::OneForwardOneBackward, p).unwrap(), [4, 3, 2, 1]);
+        assert_eq!(most_held(ScheduleKind::ZeroBubble, p).unwrap(), [4, 3, 2, 1]);
+        assert_eq!(most_held(ScheduleKind::Gpipe, p).unwrap(), [8, 8, 8, 8]);
+        // Fewer micro-batches than stages: no stage holds more than there are.
+        let short = Pipeline { micro_batches: 2, ..p };
+        assert_eq!(most_held(ScheduleKind::OneForwardOneBackward, short).unwrap(), [2, 2, 2, 1]);
+        // Interleaved: one count per chunk, in global stage order.
+        let v = Pipeline { stages: 2, micro_batches: 4, virtual_stages: 2 };
+        let held = most_held(ScheduleKind::Interleaved, v).unwrap();
+        assert_eq!(held.len(), 4);
+        assert!(held.iter().all(|&h| (1..=4).contains(&h)), "{held:?}");
     }
 
     #[test]
