@@ -85,18 +85,11 @@ struct DeferredLinear {
     saved: Option<(Tensor, Tensor)>,
 }
 
-/// `t` in `kind`, if one is given and `t` is not in it already.
-fn in_kind(t: &Tensor, kind: Option<Kind>) -> std::result::Result<Tensor, String> {
-    match kind {
-        Some(k) if t.kind() != k => t.f_to_kind(k).map_err(text),
-        _ => Ok(t.shallow_clone()),
-    }
-}
-
 impl strata_ext::Function for DeferredLinear {
     fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
-        let (x, w) = (in_kind(&inputs[0], self.product_kind)?, in_kind(&inputs[1], self.product_kind)?);
-        let b = inputs.get(2).map(|b| in_kind(b, self.product_kind)).transpose()?;
+        let in_kind = |t: &Tensor| super::cast(t, self.product_kind).map_err(text);
+        let (x, w) = (in_kind(&inputs[0])?, in_kind(&inputs[1])?);
+        let b = inputs.get(2).map(in_kind).transpose()?;
         let out = x.f_linear(&w, b.as_ref()).map_err(text)?;
         self.saved = Some((x, w));
         Ok(vec![out])

@@ -112,6 +112,14 @@ pub fn autocast_kind() -> Option<Kind> {
     with_active(|a| a.and_then(|a| a.policy.autocast.filter(|_| !a.policy.device_autocast)))
 }
 
+/// `x` in `kind`, if one is given and `x` is not in it already.
+pub fn cast(x: &Tensor, kind: Option<Kind>) -> Result<Tensor> {
+    Ok(match kind {
+        Some(k) if x.kind() != k => x.f_to_kind(k)?,
+        _ => x.shallow_clone(),
+    })
+}
+
 /// The dtype matrix products compute in under either autocast (the layers' own or
 /// libtorch's on a device); `None` without one.
 pub fn product_kind() -> Option<Kind> {

@@ -691,7 +691,7 @@ impl Engine {
         // tensor shares the storage (the detached output, which shares it, is not read
         // again: the caller's contract), and nothing is in flight on it.
         unsafe { memory::release_buffer(y) }?;
-        record.activation_bytes -= bytes.min(record.activation_bytes);
+        record.activation_bytes = record.activation_bytes.saturating_sub(bytes);
         self.ledger.free(Placement::Device, Category::Activations, bytes);
         // What the storage now holds, not what was asked of it.
         Ok(strata_ext::storage_nbytes(y)? == 0)

@@ -6,17 +6,9 @@
 //! (`module_replace`), compute linear layers in fp8, or cast to a lower precision
 //! (`amp_native`: matrix products and attention in it, norms, softmax and the loss in fp32).
 use super::tensor::{vocab_rows, TensorParallel};
-use crate::compute;
+use crate::compute::{self, cast};
 use crate::Result;
 use tch::{Kind, Tensor};
-
-/// `x` in `kind`, if it is not already.
-fn cast(x: &Tensor, kind: Option<Kind>) -> Result<Tensor> {
-    Ok(match kind {
-        Some(k) if x.kind() != k => x.f_to_kind(k)?,
-        _ => x.shallow_clone(),
-    })
-}
 
 fn is_low(kind: Kind) -> bool {
     matches!(kind, Kind::Half | Kind::BFloat16)

@@ -311,9 +311,10 @@ impl PipelineTrainer {
                 .filter(|u| u.params.iter().chain(&u.borrowed).any(|id| tied_across_ranks.contains(id)))
                 .map(|u| u.name.clone())
                 .collect();
-            let strategy = match frees_whole_grads && !holding_ties.is_empty() {
-                true => setup.strategy.with_ignored_units(&holding_ties),
-                false => setup.strategy.clone(),
+            let strategy = if frees_whole_grads && !holding_ties.is_empty() {
+                setup.strategy.with_ignored_units(&holding_ties)
+            } else {
+                setup.strategy.clone()
             };
             let placement = crate::parallel::Placement {
                 comm: setup.comm,
