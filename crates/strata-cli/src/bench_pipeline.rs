@@ -1,12 +1,13 @@
 //! `strata bench pipeline`: each schedule at several micro-batch counts on one pipeline:
 //! tokens/s, the measured bubble (the share of the schedule each rank spent outside compute)
-//! against the schedule's analytic one, and per stage the micro-batches held and the
-//! activation peak.
+//! against the schedule's analytic one (equal forward, input- and weight-gradient costs) and
+//! against the bubble the schedule simulator gives with the operation costs measured in the
+//! same run, and per stage the micro-batches held and the activation peak.
 use crate::bench_runs::{self, median};
 use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
-use strata::parallel::pipeline::schedule::{Pipeline, ScheduleKind};
+use strata::parallel::pipeline::schedule::{self, Costs, Pipeline, ScheduleKind};
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchPipelineArgs {
@@ -46,6 +47,11 @@ struct Row {
     /// Median over the timed steps of the mean over ranks.
     measured_bubble: f64,
     analytic_bubble: f64,
+    /// Median over the timed steps of the simulated bubble with that step's mean operation
+    /// costs (mean over ranks of forward, backward, weight gradient).
+    simulated_bubble: f64,
+    /// The operation costs of the last step, mean over ranks, in milliseconds.
+    op_ms: [f64; 3],
     micro_batches_held: Vec<u64>,
     activation_peak_bytes: Vec<u64>,
 }
@@ -85,19 +91,26 @@ pub fn run(args: BenchPipelineArgs) -> Result<()> {
             let numbers = |key: &str| -> Vec<u64> {
                 figures[key].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).collect()).unwrap_or_default()
             };
-            let bubbles = run.timed.iter().map(|r| {
-                let b: Vec<f64> = r["pipeline"]["bubble"]
-                    .as_array()
-                    .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
-                    .unwrap_or_default();
-                b.iter().sum::<f64>() / b.len().max(1) as f64
-            });
+            let bubbles = run.timed.iter().map(|r| mean(&r["pipeline"]["bubble"]));
+            let ranks: Vec<Vec<_>> =
+                (0..args.stages).map(|r| schedule::schedule(kind, pipeline, r)).collect::<Result<_, _>>()?;
+            let simulated = run
+                .timed
+                .iter()
+                .map(|r| {
+                    let [forward, input_grad, weight_grad] = mean_op_seconds(&r["pipeline"]["mean_op_seconds"]);
+                    let sim = schedule::simulate(pipeline, &ranks, Costs { forward, input_grad, weight_grad })?;
+                    Ok(sim.bubbles().iter().sum::<f64>() / args.stages as f64)
+                })
+                .collect::<Result<Vec<f64>>>()?;
             rows.push(Row {
                 schedule: name.to_string(),
                 micro_batches: m,
                 tokens_per_s: run.tokens_per_s,
                 measured_bubble: median(bubbles.collect()),
                 analytic_bubble: pipeline.analytic_bubble(kind),
+                simulated_bubble: median(simulated),
+                op_ms: mean_op_seconds(&figures["mean_op_seconds"]).map(|s| s * 1e3),
                 micro_batches_held: numbers("micro_batches_held"),
                 activation_peak_bytes: numbers("activation_peak_bytes"),
             });
@@ -112,22 +125,40 @@ pub fn run(args: BenchPipelineArgs) -> Result<()> {
         args.layers, args.dim, args.ctx, args.batch_size, args.stages
     );
     println!(
-        "{:<12} {:>3} {:>10} {:>9} {:>9} {:>10} {:>24}",
-        "schedule", "m", "tokens/s", "bubble", "analytic", "held", "activations per stage"
+        "{:<12} {:>3} {:>10} {:>9} {:>9} {:>9} {:>16} {:>10} {:>24}",
+        "schedule", "m", "tokens/s", "bubble", "analytic", "simulated", "F/B/W ms", "held", "activations per stage"
     );
     for r in &rows {
         let held: Vec<String> = r.micro_batches_held.iter().map(u64::to_string).collect();
         let acts: Vec<String> = r.activation_peak_bytes.iter().map(|b| format!("{:.1}MB", *b as f64 / 1e6)).collect();
+        let [f, b, w] = r.op_ms;
         println!(
-            "{:<12} {:>3} {:>10.0} {:>9.3} {:>9.3} {:>10} {:>24}",
+            "{:<12} {:>3} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>16} {:>10} {:>24}",
             r.schedule,
             r.micro_batches,
             r.tokens_per_s,
             r.measured_bubble,
             r.analytic_bubble,
+            r.simulated_bubble,
+            format!("{f:.1}/{b:.1}/{w:.1}"),
             held.join("/"),
             acts.join(" ")
         );
     }
     Ok(())
+}
+
+/// The mean of a JSON array of numbers (0 for none).
+fn mean(values: &serde_json::Value) -> f64 {
+    let v: Vec<f64> = values.as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default();
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Forward, backward and weight-gradient seconds averaged over the ranks' `[f, b, w]` rows.
+fn mean_op_seconds(rows: &serde_json::Value) -> [f64; 3] {
+    let rows = rows.as_array().map(Vec::as_slice).unwrap_or_default();
+    std::array::from_fn(|k| {
+        let column: Vec<f64> = rows.iter().filter_map(|r| r.get(k).and_then(|x| x.as_f64())).collect();
+        column.iter().sum::<f64>() / column.len().max(1) as f64
+    })
 }

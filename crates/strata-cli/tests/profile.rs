@@ -5,7 +5,7 @@ mod common;
 
 use common::{assert_fails_with, stderr, strata};
 use std::path::Path;
-use strata::engine::{Category, Placement};
+use strata::engine::{Category, Phase, Placement};
 use strata::profile::{self, Record, SpanKind};
 
 const STEPS: usize = 3;
@@ -201,42 +201,64 @@ fn the_trace_the_summary_and_the_pictures_come_from_the_profile() {
 
 /// A 2-stage pipeline's profile: each rank records its own stage's units (numbered as in the
 /// whole model) and every micro-batch's forward and backward once per step, and its schedule
-/// is drawn as a timeline with the bubble.
+/// is drawn as a timeline with the bubble. Under the zero-bubble schedule a unit's backward
+/// is still one span per micro-batch: completing the deferred weight gradients ends none.
 #[test]
 fn a_pipeline_profile_holds_each_stage_and_its_schedule() {
-    let dir = tempfile::tempdir().unwrap();
-    record_run(dir.path(), 2, 4, r#"[["parallel_mode", [[["pipeline", 2]], null]]]"#);
-    let profiles = profile::read_dir(dir.path()).unwrap();
-    let units = profiles[0].header.units.len();
-    let mut seen_units = vec![0usize; units];
-    for p in &profiles {
-        let steps = p.operation_steps();
-        assert_eq!(steps.len(), 2, "rank {}", p.header.rank);
-        for ops in &steps {
-            for (op, micro) in ["forward", "backward"].iter().flat_map(|op| (0..4).map(move |m| (*op, m))) {
-                let n = ops.iter().filter(|o| o.op == op && o.micro == micro).count();
-                assert_eq!(n, 1, "rank {}: {op} of micro-batch {micro}", p.header.rank);
+    for (schedule, operations) in
+        [("1f1b", &["forward", "backward"][..]), ("zero_bubble", &["forward", "backward_input", "backward_weight"])]
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let strategy = format!(
+            r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {{"schedule": "{schedule}"}}]]"#
+        );
+        record_run(dir.path(), 2, 4, &strategy);
+        let profiles = profile::read_dir(dir.path()).unwrap();
+        let units = profiles[0].header.units.len();
+        let (mut forwards, mut backwards_ended) = (vec![0usize; units], vec![0usize; units]);
+        for p in &profiles {
+            let steps = p.operation_steps();
+            assert_eq!(steps.len(), 2, "rank {}", p.header.rank);
+            for ops in &steps {
+                for (op, micro) in operations.iter().flat_map(|op| (0..4).map(move |m| (*op, m))) {
+                    let n = ops.iter().filter(|o| o.op == op && o.micro == micro).count();
+                    assert_eq!(n, 1, "{schedule} rank {}: {op} of micro-batch {micro}", p.header.rank);
+                }
+            }
+            let bubble = p.bubble().unwrap();
+            assert!(bubble > 0.0 && bubble < 1.0, "{bubble}");
+            for s in p.spans() {
+                if let SpanKind::Forward(u) = s.kind {
+                    forwards[u] += 1;
+                    // A unit computes inside one of its stage's forward operations.
+                    let inside =
+                        steps.iter().flatten().any(|o| o.op == "forward" && o.start <= s.start && s.end <= o.end);
+                    assert!(inside, "rank {}: unit {u} at {}", p.header.rank, s.start);
+                }
+            }
+            for r in &p.records {
+                if let Record::Phase { phase: Phase::AfterBackward, unit, .. } = r {
+                    backwards_ended[*unit] += 1;
+                }
             }
         }
-        let bubble = p.bubble().unwrap();
-        assert!(bubble > 0.0 && bubble < 1.0, "{bubble}");
-        for s in p.spans() {
-            if let SpanKind::Forward(u) = s.kind {
-                seen_units[u] += 1;
-                // A unit computes inside one of its stage's forward operations.
-                let inside = steps.iter().flatten().any(|o| o.op == "forward" && o.start <= s.start && s.end <= o.end);
-                assert!(inside, "rank {}: unit {u} at {}", p.header.rank, s.start);
-            }
+        // Every unit of the model ran on exactly one stage, once per micro-batch of each step.
+        assert_eq!(forwards, vec![2 * 4; units], "{schedule}");
+        assert_eq!(backwards_ended, vec![2 * 4; units], "{schedule}");
+        if schedule == "1f1b" {
+            draws_the_schedule(dir.path(), &profiles);
         }
     }
-    // Every unit of the model ran on exactly one stage, once per micro-batch of each step.
-    assert_eq!(seen_units, vec![2 * 4; units]);
+}
+
+/// The pipeline's timeline picture: a box per forward.
+fn draws_the_schedule(dir: &Path, profiles: &[profile::Profile]) {
     if !fonts_present() {
         return;
     }
-    let o = strata(&["profile", "plot", dir.path().to_str().unwrap(), "--format", "svg"]);
+    let o = strata(&["profile", "plot", dir.to_str().unwrap(), "--format", "svg"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let timeline = std::fs::read_to_string(dir.path().join("pipeline.svg")).unwrap();
+    let timeline = std::fs::read_to_string(dir.join("pipeline.svg")).unwrap();
     // A box per forward (blue), one more in the legend.
     let forwards: usize = profiles.iter().map(|p| p.operations().iter().filter(|o| o.op == "forward").count()).sum();
     assert_eq!(timeline.matches(r##"fill="#4678C8""##).count(), forwards + 1);

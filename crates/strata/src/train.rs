@@ -76,7 +76,8 @@ impl StepReport {
 /// What each pipeline rank measured in a step, in rank order.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PipelineFigures {
-    /// The share of the step the rank spent outside its compute operations.
+    /// The share of the step's schedule (as long as its slowest rank's) that the rank spent
+    /// outside its compute operations.
     pub bubble: Vec<f64>,
     /// The most micro-batches whose forward records the rank held at once.
     pub micro_batches_held: Vec<u64>,
@@ -84,6 +85,9 @@ pub struct PipelineFigures {
     pub activation_peak_bytes: Vec<u64>,
     /// Stage outputs whose values the rank freed once sent, before their backward.
     pub outputs_freed: Vec<u64>,
+    /// The rank's mean seconds of a forward, a backward (its input-gradient part under the
+    /// zero-bubble schedule) and a deferred weight gradient (0 under other schedules).
+    pub mean_op_seconds: Vec<[f64; 3]>,
 }
 
 /// The mean next-token loss of `engine` over `steps`' micro-batches, forward only.

@@ -613,7 +613,11 @@ impl Engine {
     /// their backward (the zero-bubble schedule's deferred weight gradients).
     pub fn sync_grads_now(&mut self) -> Result<()> {
         let previous = std::mem::replace(&mut self.sync_grads, true);
-        let result = (0..self.spec.units.len()).rev().try_for_each(|k| self.run_schedule(Phase::AfterBackward, k));
+        // No unit's backward ends here, so no phase event is recorded.
+        let result = (0..self.spec.units.len()).rev().try_for_each(|k| {
+            let (schedule, ctx) = self.schedule_for(k);
+            schedule.on(Phase::AfterBackward, ctx)
+        });
         self.sync_grads = previous;
         result
     }

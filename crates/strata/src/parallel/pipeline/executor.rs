@@ -107,6 +107,9 @@ pub struct PipelineTrainer {
     /// last backward.
     ops: Arc<[Op]>,
     last_backward: HashSet<(usize, usize)>,
+    /// Whether linear layers' weight gradients wait for their [`Op::BackwardWeight`] (the
+    /// zero-bubble schedule), or are computed in the backward as usual.
+    defer_weight_grads: bool,
     /// Activations in from the previous stage and out to the next, gradients the other way,
     /// by chunk.
     activations_in: Vec<Option<Link>>,
@@ -187,6 +190,9 @@ struct OpsOutcome {
     /// Seconds in compute operations, and the schedule's whole span.
     busy: f64,
     span: f64,
+    /// Mean seconds of a forward, a backward (its input-gradient part where split) and a
+    /// deferred weight gradient (0 where none ran).
+    mean_op_seconds: [f64; 3],
     /// The most micro-batches whose forward records were held at once.
     most_held: u64,
     /// Outputs whose values were freed once sent, before their backward.
@@ -395,6 +401,7 @@ impl PipelineTrainer {
         Ok(PipelineTrainer {
             chunks,
             kind: config.schedule,
+            defer_weight_grads: config.schedule == ScheduleKind::ZeroBubble,
             pipeline,
             rank,
             ops,
@@ -487,6 +494,8 @@ impl PipelineTrainer {
         let scale = self.scaling.scale();
         // Busy seconds in compute operations, and forward records held (now and at most).
         let (mut busy, mut held, mut most_held) = (0.0, 0u64, 0u64);
+        // Seconds and counts of forwards, backwards and weight gradients.
+        let (mut op_seconds, mut op_counts) = ([0.0f64; 3], [0u32; 3]);
         let missing = |what: &str, micro: usize, chunk: usize| {
             Error::Engine(format!("pipeline: no {what} for micro-batch {micro} of chunk {chunk}"))
         };
@@ -499,10 +508,12 @@ impl PipelineTrainer {
                 outputs_freed += self.chunks[s.chunk].engine.free_output_values(s.micro)? as u64;
             }
             let began = Instant::now();
-            let computes = matches!(
-                op,
-                Op::Forward { .. } | Op::Backward { .. } | Op::BackwardInput { .. } | Op::BackwardWeight { .. }
-            );
+            let compute_kind = match op {
+                Op::Forward { .. } => Some(0),
+                Op::Backward { .. } | Op::BackwardInput { .. } => Some(1),
+                Op::BackwardWeight { .. } => Some(2),
+                _ => None,
+            };
             match op {
                 Op::RecvActivation { micro, chunk } => {
                     let link =
@@ -575,8 +586,11 @@ impl PipelineTrainer {
                 _ => {}
             }
             most_held = most_held.max(held);
-            if computes {
-                busy += began.elapsed().as_secs_f64();
+            if let Some(k) = compute_kind {
+                let seconds = began.elapsed().as_secs_f64();
+                busy += seconds;
+                op_seconds[k] += seconds;
+                op_counts[k] += 1;
             }
             if let Some(sink) = &self.events {
                 let (name, micro, chunk) = op.parts();
@@ -586,7 +600,15 @@ impl PipelineTrainer {
         for w in sending {
             w.wait()?;
         }
-        Ok(OpsOutcome { loss_sum, busy, span: start.elapsed().as_secs_f64(), most_held, outputs_freed })
+        let mean_op_seconds = std::array::from_fn(|k| op_seconds[k] / f64::from(op_counts[k].max(1)));
+        Ok(OpsOutcome {
+            loss_sum,
+            busy,
+            span: start.elapsed().as_secs_f64(),
+            mean_op_seconds,
+            most_held,
+            outputs_freed,
+        })
     }
 
     /// Each unit's forward and backward seconds over `step`'s micro-batches, timed after a
@@ -600,6 +622,9 @@ impl PipelineTrainer {
         for (c, clock) in self.chunks.iter_mut().zip(&clocks) {
             c.engine.set_event_sink(clock.clone());
         }
+        // A unit's clock times its forward and backward: deferred weight gradients would run
+        // outside both, so the measuring passes compute them in the backward.
+        self.defer_weight_grads = false;
         // The first pass pays one-time costs (allocations, lazy initialisation): the second
         // is timed.
         for _ in 0..2 {
@@ -651,7 +676,7 @@ impl PipelineTrainer {
 
     /// The optimizer step after a step's operations: ties, clipping, update, report.
     fn update(&mut self, step: &Step, outcome: OpsOutcome, start: Instant) -> Result<StepReport> {
-        let OpsOutcome { loss_sum, busy, span: schedule_seconds, most_held, outputs_freed } = outcome;
+        let OpsOutcome { loss_sum, busy, span: schedule_seconds, mean_op_seconds, most_held, outputs_freed } = outcome;
         let m = step.micro_batches.len();
         let device = self.chunks[0].engine.config().device;
         self.sum_ties()?;
@@ -678,12 +703,14 @@ impl PipelineTrainer {
             crate::engine::memory::allocator_peak(device).unwrap_or(0).saturating_sub(ledger.model_state_peak());
         // The last stage computed the losses: every stage reports them, and its figures.
         let p = self.pipeline.stages;
-        let mut mine = vec![0.0; 1 + 4 * p];
+        let mut mine = vec![0.0; 1 + 8 * p];
         mine[0] = loss_sum / m as f64;
-        mine[1 + self.rank] = 1.0 - busy / schedule_seconds.max(1e-12);
+        mine[1 + self.rank] = busy;
         mine[1 + p + self.rank] = most_held as f64;
         mine[1 + 2 * p + self.rank] = activations as f64;
         mine[1 + 3 * p + self.rank] = outputs_freed as f64;
+        mine[1 + 4 * p + self.rank] = schedule_seconds;
+        mine[1 + 5 * p + 3 * self.rank..][..3].copy_from_slice(&mean_op_seconds);
         let all = self.sum(&mine)?;
         // Each pipeline's loss, averaged over the data replicas.
         let loss = match &self.world_group {
@@ -691,10 +718,12 @@ impl PipelineTrainer {
             None => all[0],
         };
         let figures = PipelineFigures {
-            bubble: all[1..1 + p].to_vec(),
+            // The ranks begin a step together: they leave the last step's reductions at once.
+            bubble: super::schedule::idle_shares(&all[1..1 + p], &all[1 + 4 * p..1 + 5 * p]),
             micro_batches_held: all[1 + p..1 + 2 * p].iter().map(|&x| x as u64).collect(),
             activation_peak_bytes: all[1 + 2 * p..1 + 3 * p].iter().map(|&x| x as u64).collect(),
-            outputs_freed: all[1 + 3 * p..].iter().map(|&x| x as u64).collect(),
+            outputs_freed: all[1 + 3 * p..1 + 4 * p].iter().map(|&x| x as u64).collect(),
+            mean_op_seconds: all[1 + 5 * p..].chunks(3).map(|c| [c[0], c[1], c[2]]).collect(),
         };
         self.step += 1;
         let seconds = start.elapsed().as_secs_f64();
@@ -766,9 +795,10 @@ impl PipelineTrainer {
     /// `micro`'s linear weight gradients deferred to its [`Op::BackwardWeight`].
     fn in_chunk<R>(&mut self, chunk: usize, micro: usize, f: impl FnOnce(&mut Engine) -> Result<R>) -> Result<R> {
         let c = &mut self.chunks[chunk];
-        match self.kind {
-            ScheduleKind::ZeroBubble => deferred::deferring(&c.weight_grads, micro, || f(&mut c.engine)),
-            _ => f(&mut c.engine),
+        if self.defer_weight_grads {
+            deferred::deferring(&c.weight_grads, micro, || f(&mut c.engine))
+        } else {
+            f(&mut c.engine)
         }
     }
 
