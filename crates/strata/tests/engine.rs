@@ -280,18 +280,37 @@ fn builder_refuses_duplicate_names_and_bad_configs() {
 /// for later and computes everything else; running the queue completes them exactly.
 #[test]
 fn deferred_weight_gradients_complete_the_same_gradients_later() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use strata::compute::deferred::{deferring, WeightGrads};
+    use strata::compute::replace::{register_replace_pair, Replacement, Replacements};
     use strata::compute::UnitCompute;
     use strata::engine::Upstream;
-    // f64, and bf16 autocast over fp32 weights (the product in bf16, added to the fp32
-    // gradient as the cast's backward adds it).
-    for (kind, autocast, tolerance) in [(Kind::Double, None, 1e-10), (Kind::Float, Some(Kind::BFloat16), 1e-6)] {
+    // A replacement linear that counts its calls: the deferred layers compute their forward
+    // and input gradient through it.
+    static PRODUCTS: AtomicUsize = AtomicUsize::new(0);
+    register_replace_pair(
+        "CountingLinear",
+        &[Kind::Float],
+        Replacement::Linear(Arc::new(|x: &Tensor, w: &Tensor, b: Option<&Tensor>| {
+            PRODUCTS.fetch_add(1, Ordering::SeqCst);
+            Ok(x.f_linear(w, b)?)
+        })),
+    );
+    let counting = Replacements::select(Some(&["CountingLinear".to_string()])).unwrap();
+    // f64; bf16 autocast over fp32 weights (the product in bf16, added to the fp32 gradient
+    // as the cast's backward adds it); fp32 through the replacement.
+    for (kind, autocast, replaced, tolerance) in [
+        (Kind::Double, None, false, 1e-10),
+        (Kind::Float, Some(Kind::BFloat16), false, 1e-6),
+        (Kind::Float, None, true, 1e-5),
+    ] {
         let build = || {
             let mut b = model::Builder::new();
             model::gpt(&model::GptConfig::new(16, 8, 1, 2, 8), &mut b).unwrap();
             let mut e = Engine::new(b.build().unwrap(), EngineConfig { kind, ..Default::default() }).unwrap();
             let units = e.spec().units.len();
-            e.set_compute(vec![UnitCompute { autocast, ..Default::default() }; units]).unwrap();
+            let replacements = if replaced { counting.clone() } else { Replacements::default() };
+            e.set_compute(vec![UnitCompute { autocast, replacements, ..Default::default() }; units]).unwrap();
             e
         };
         let tokens = Tensor::from_slice(&[1i64, 5, 3, 7, 2, 9, 4, 0]).view([2, 4]);
@@ -301,6 +320,7 @@ fn deferred_weight_gradients_complete_the_same_gradients_later() {
         let out = plain.forward(&tokens).unwrap();
         plain.backward(&loss(&out)).unwrap();
         let mut split = build();
+        PRODUCTS.store(0, Ordering::SeqCst);
         let queue = WeightGrads::new();
         deferring(&queue, 0, || {
             let out = split.forward_micro(0, &tokens)?;
@@ -313,8 +333,13 @@ fn deferred_weight_gradients_complete_the_same_gradients_later() {
         assert_eq!(grad(&split, weight).abs().sum(Kind::Double).double_value(&[]), 0.0, "not computed yet");
         let bias = "transformer.h.0.attn.c_attn.bias";
         assert!(grad(&split, bias).allclose(&grad(&plain, bias), tolerance, 1e-12, false), "biases are not deferred");
+        let deferred = queue.pending();
+        // Forward and input gradient, through the replacement where it is on.
+        assert_eq!(PRODUCTS.load(Ordering::SeqCst), if replaced { 2 * deferred } else { 0 });
         queue.run(0).unwrap();
         assert_eq!(queue.pending(), 0);
+        // The weight gradients are added into `.grad` in place, not through it.
+        assert_eq!(PRODUCTS.load(Ordering::SeqCst), if replaced { 2 * deferred } else { 0 });
         for (name, p) in plain.named_params() {
             let other = grad(&split, name);
             assert_eq!(other.kind(), kind, "{name}: the gradient keeps the weight's dtype");

@@ -4,7 +4,12 @@
 //! [`WeightGrads::run`] later adds `gᵀx` into the weight's `.grad` (the flat gradient
 //! buffer), so the previous stage's wait is only the input gradient. Under autocast the
 //! product runs in the autocast dtype and is added to the fp32 `.grad` as the cast's
-//! backward would.
+//! backward would. Where the running unit replaces its linear layers (`module_replace`,
+//! e.g. `OneDnnLinear`), the replacement computes the forward and the input gradient (a
+//! linear layer without autograd is the product `a @ bᵀ`); the weight gradient stays an
+//! in-place `addmm_` into `.grad`, which measured faster on the CPU than oneDNN's product
+//! plus the add it needs.
+use super::replace::LinearFn;
 use crate::error::text;
 use crate::{Error, Result};
 use std::cell::RefCell;
@@ -79,6 +84,9 @@ struct DeferredLinear {
     weight: Tensor,
     /// The autocast dtype the product runs in, if any.
     product_kind: Option<Kind>,
+    /// The unit's replacement linear (without autocast), which computes the forward and
+    /// the input gradient.
+    product: Option<LinearFn>,
     /// The dtypes of the input and the bias, which their gradients take.
     input_kind: Kind,
     bias_kind: Option<Kind>,
@@ -90,15 +98,23 @@ impl strata_ext::Function for DeferredLinear {
         let in_kind = |t: &Tensor| super::cast(t, self.product_kind).map_err(text);
         let (x, w) = (in_kind(&inputs[0])?, in_kind(&inputs[1])?);
         let b = inputs.get(2).map(in_kind).transpose()?;
-        let out = x.f_linear(&w, b.as_ref()).map_err(text)?;
+        let out = match &self.product {
+            Some(product) => tch::no_grad(|| product(&x, &w, b.as_ref())).map_err(text)?,
+            None => x.f_linear(&w, b.as_ref()).map_err(text)?,
+        };
         self.saved = Some((x, w));
         Ok(vec![out])
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
         let (x, w) = self.saved.take().ok_or("deferred linear: backward twice")?;
-        let g = &grads[0];
-        let grad_x = g.f_matmul(&w).and_then(|t| t.f_to_kind(self.input_kind)).map_err(text)?;
+        // oneDNN reads the gradient as rows; it nearly always comes contiguous.
+        let g = &grads[0].f_contiguous().map_err(text)?;
+        let grad_x = match &self.product {
+            Some(product) => tch::no_grad(|| Ok::<_, Error>(product(g, &w.f_tr()?, None)?.f_to_kind(self.input_kind)?)),
+            None => g.f_matmul(&w).and_then(|t| t.f_to_kind(self.input_kind)).map_err(Error::from),
+        }
+        .map_err(text)?;
         let (rows_out, rows_in) = (*g.size().last().unwrap_or(&1), *x.size().last().unwrap_or(&1));
         let job = Job {
             grad_out: g.f_reshape([-1, rows_out]).map_err(text)?,
@@ -124,11 +140,14 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Option<Result<Tenso
     if !w.requires_grad() || !w.is_leaf() || !w.grad().defined() {
         return None;
     }
+    let product_kind = crate::compute::product_kind();
     let f = DeferredLinear {
         queue,
         micro,
         weight: w.shallow_clone(),
-        product_kind: crate::compute::product_kind(),
+        product_kind,
+        // As `layers::linear` has it: replacements run where no autocast does.
+        product: product_kind.is_none().then(|| crate::compute::replaced(|r| r.linear(x.kind()))).flatten(),
         input_kind: x.kind(),
         bias_kind: b.map(Tensor::kind),
         saved: None,
