@@ -170,7 +170,10 @@ fn compute_methods_work_inside_split_units() {
     let methods = [
         (r#"["amp_native", "bf16"]"#, 2e-2),
         (r#"["checkpoint", ["GptBlock"]], "module_replace""#, 1e-5),
-        (r#"["fp8", {}]"#, 1e-4),
+        // fp8 keeps 3 mantissa bits: where the CPU's kernels round split products apart
+        // (measured 1.6e-3 on an Intel Xeon, under 1e-4 on an AMD EPYC) an operand can
+        // quantise one step apart. Leaving fp8 out entirely moves the weights by 4.5e-2.
+        (r#"["fp8", {}]"#, 1e-2),
     ];
     for (methods, bound) in methods {
         let one = train(dir.path(), "one", &GPT, &["--strategy", &format!("[{methods}]")]);
