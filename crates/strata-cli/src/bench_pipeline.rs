@@ -3,7 +3,7 @@
 //! against the schedule's analytic one (equal forward, input- and weight-gradient costs) and
 //! against the bubble the schedule simulator gives with the operation costs measured in the
 //! same run, and per stage the micro-batches held and the activation peak.
-use crate::bench_runs::{self, median};
+use crate::bench_runs::{self, mean, median};
 use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
@@ -91,7 +91,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<()> {
             let numbers = |key: &str| -> Vec<u64> {
                 figures[key].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).collect()).unwrap_or_default()
             };
-            let bubbles = run.timed.iter().map(|r| mean(&r["pipeline"]["bubble"]));
+            let bubbles = run.timed.iter().map(|r| mean(&numbers_of(&r["pipeline"]["bubble"])));
             let ranks: Vec<Vec<_>> =
                 (0..args.stages).map(|r| schedule::schedule(kind, pipeline, r)).collect::<Result<_, _>>()?;
             let simulated = run
@@ -100,7 +100,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<()> {
                 .map(|r| {
                     let [forward, input_grad, weight_grad] = mean_op_seconds(&r["pipeline"]["mean_op_seconds"]);
                     let sim = schedule::simulate(pipeline, &ranks, Costs { forward, input_grad, weight_grad })?;
-                    Ok(sim.bubbles().iter().sum::<f64>() / args.stages as f64)
+                    Ok(mean(&sim.bubbles()))
                 })
                 .collect::<Result<Vec<f64>>>()?;
             rows.push(Row {
@@ -148,17 +148,13 @@ pub fn run(args: BenchPipelineArgs) -> Result<()> {
     Ok(())
 }
 
-/// The mean of a JSON array of numbers (0 for none).
-fn mean(values: &serde_json::Value) -> f64 {
-    let v: Vec<f64> = values.as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default();
-    v.iter().sum::<f64>() / v.len().max(1) as f64
+/// The numbers of a JSON array (none where it is not one).
+fn numbers_of(values: &serde_json::Value) -> Vec<f64> {
+    values.as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()
 }
 
 /// Forward, backward and weight-gradient seconds averaged over the ranks' `[f, b, w]` rows.
 fn mean_op_seconds(rows: &serde_json::Value) -> [f64; 3] {
     let rows = rows.as_array().map(Vec::as_slice).unwrap_or_default();
-    std::array::from_fn(|k| {
-        let column: Vec<f64> = rows.iter().filter_map(|r| r.get(k).and_then(|x| x.as_f64())).collect();
-        column.iter().sum::<f64>() / column.len().max(1) as f64
-    })
+    std::array::from_fn(|k| mean(&rows.iter().filter_map(|r| r.get(k).and_then(|x| x.as_f64())).collect::<Vec<_>>()))
 }

@@ -455,9 +455,15 @@ impl Engine {
         (self.schedule.as_mut(), ctx)
     }
 
-    fn run_schedule(&mut self, phase: Phase, unit: usize) -> Result<()> {
+    /// The schedule's work for `phase` of `unit`, with nothing recorded.
+    fn schedule_on(&mut self, phase: Phase, unit: usize) -> Result<()> {
         let (schedule, ctx) = self.schedule_for(unit);
-        schedule.on(phase, ctx)?;
+        schedule.on(phase, ctx)
+    }
+
+    /// The schedule's work for `phase` of `unit`, recorded as that phase.
+    fn run_schedule(&mut self, phase: Phase, unit: usize) -> Result<()> {
+        self.schedule_on(phase, unit)?;
         if let Some(sink) = &self.events {
             let by_category = self.ledger.report().into_values().flat_map(|r| r.by_category);
             let ledger_bytes =
@@ -614,10 +620,7 @@ impl Engine {
     pub fn sync_grads_now(&mut self) -> Result<()> {
         let previous = std::mem::replace(&mut self.sync_grads, true);
         // No unit's backward ends here, so no phase event is recorded.
-        let result = (0..self.spec.units.len()).rev().try_for_each(|k| {
-            let (schedule, ctx) = self.schedule_for(k);
-            schedule.on(Phase::AfterBackward, ctx)
-        });
+        let result = (0..self.spec.units.len()).rev().try_for_each(|k| self.schedule_on(Phase::AfterBackward, k));
         self.sync_grads = previous;
         result
     }

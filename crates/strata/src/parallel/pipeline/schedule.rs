@@ -330,11 +330,6 @@ pub struct Simulation {
 }
 
 impl Simulation {
-    /// When the last rank finished.
-    pub fn makespan(&self) -> f64 {
-        self.ends.iter().copied().fold(0.0, f64::max)
-    }
-
     /// Each rank's idle share of the makespan.
     pub fn bubbles(&self) -> Vec<f64> {
         idle_shares(&self.busy, &self.ends)
