@@ -279,6 +279,22 @@ int strata_storage_resize(Tensor* t, size_t nbytes) {
   });
 }
 
+// Points the storage behind `t` (and every view sharing it) at `data`, memory the caller
+// owns, counting `nbytes` of it; what the storage held is freed. `release(context)` runs
+// once the storage itself goes.
+int strata_storage_adopt(Tensor* t, void* data, size_t nbytes, void (*release)(void*), void* context) {
+  return guarded([&] {
+    auto* impl = t->storage().unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(c10::DataPtr(data, context, release, impl->device()));
+    impl->set_nbytes(nbytes);
+  });
+}
+
+// The bytes the storage behind `t` claims to hold, its memory unchanged.
+int strata_storage_set_nbytes(Tensor* t, size_t nbytes) {
+  return guarded([&] { t->storage().unsafeGetStorageImpl()->set_nbytes(nbytes); });
+}
+
 // A 1-D CPU tensor over `numel` elements at `data`, memory the caller owns:
 // `release(context)` runs once the last tensor sharing the storage is gone. Such a storage
 // has no allocator, so `strata_storage_resize` refuses it.

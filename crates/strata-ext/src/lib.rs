@@ -57,6 +57,14 @@ extern "C" {
     ) -> c_int;
     fn strata_storage_resize(t: TensorPtr, nbytes: usize) -> c_int;
     fn strata_storage_nbytes(t: *const C_tensor, nbytes: *mut usize) -> c_int;
+    fn strata_storage_adopt(
+        t: TensorPtr,
+        data: *mut c_void,
+        nbytes: usize,
+        release: extern "C" fn(*mut c_void),
+        context: *mut c_void,
+    ) -> c_int;
+    fn strata_storage_set_nbytes(t: TensorPtr, nbytes: usize) -> c_int;
     fn strata_onednn_available(yes: *mut c_int) -> c_int;
     fn strata_grad_fn_name(t: *const C_tensor, name: *mut c_char, capacity: usize) -> c_int;
     fn strata_onednn_linear(x: *const C_tensor, w: *const C_tensor, b: *const C_tensor, out: *mut TensorPtr) -> c_int;
@@ -279,6 +287,33 @@ pub unsafe fn resize_storage(tensor: &Tensor, nbytes: usize) -> Result<()> {
     // SAFETY: the tensor is live; the C++ side swaps the storage's data pointer. What the
     // views may do afterwards is the caller's contract.
     check(unsafe { strata_storage_resize(tensor.as_ptr() as TensorPtr, nbytes) })
+}
+
+/// Points the storage behind `tensor` (and every view of it) at memory the caller owns,
+/// counting `nbytes` of it, and frees what it held; `release` runs once the storage goes.
+///
+/// # Safety
+/// `data` must stay valid until `release` runs, and no view may be read or written beyond
+/// the bytes the caller has made accessible there (libtorch does not check on access).
+pub unsafe fn adopt_storage(tensor: &Tensor, data: *mut c_void, nbytes: usize, release: Release) -> Result<()> {
+    let context = Box::into_raw(Box::new(release)) as *mut c_void;
+    // SAFETY: the tensor is live; `context` is handed to `run_release` exactly once.
+    let code = unsafe { strata_storage_adopt(tensor.as_ptr() as TensorPtr, data, nbytes, run_release, context) };
+    if code != 0 {
+        // The storage never took the memory: release it here.
+        run_release(context);
+        check(code)?;
+    }
+    Ok(())
+}
+
+/// Sets the bytes the storage behind `tensor` claims to hold, leaving its memory as it is.
+///
+/// # Safety
+/// As [`resize_storage`]: no view may be used beyond what the memory really holds.
+pub unsafe fn set_storage_nbytes(tensor: &Tensor, nbytes: usize) -> Result<()> {
+    // SAFETY: the tensor is live; only the storage's byte count changes.
+    check(unsafe { strata_storage_set_nbytes(tensor.as_ptr() as TensorPtr, nbytes) })
 }
 
 /// An identity of the storage behind `tensor`, shared by all views of it (for counting a

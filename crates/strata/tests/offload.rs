@@ -79,6 +79,27 @@ fn offloaded_runs_give_the_losses_of_the_run_that_keeps_everything_on_the_device
 }
 
 #[test]
+fn copies_split_into_slots_of_any_size_train_alike_within_the_budget() {
+    let reference: Vec<f64> = train("[]", None, 6).iter().map(|r| r.loss).collect();
+    let budget = model_state_bytes() * 4 / 10;
+    let page = strata::engine::slots::granularity();
+    // One page splits every block's parameters (13 KiB) and the embedding's into pieces;
+    // four pages hold a block in one slot with a quarter of it wasted.
+    for slot_bytes in [Some(page), Some(4 * page), None] {
+        let strategy = format!(
+            r#"[["offload", {{"params": "cpu", "optimizer": "cpu", "policy": "static", "slot_bytes": {}}}]]"#,
+            slot_bytes.map_or("null".to_string(), |b| b.to_string())
+        );
+        let reports = train(&strategy, Some(budget), 6);
+        for (i, (r, want)) in reports.iter().zip(&reference).enumerate() {
+            assert!((r.loss - want).abs() <= 1e-6, "{strategy} step {i}: {} against {want}", r.loss);
+            let device = &r.memory[&Where::Device];
+            assert!(device.peak <= budget, "{strategy}: device peak {} over {budget}", device.peak);
+        }
+    }
+}
+
+#[test]
 fn the_device_stays_within_its_budget_and_a_run_without_offload_is_refused_when_built() {
     let budget = model_state_bytes() * 4 / 10;
     for strategy in [FULL, AUTO] {
@@ -103,6 +124,7 @@ fn auto_keeps_on_the_device_what_fits_and_moves_only_the_rest() {
         pin_memory: false,
         non_model: None,
         on_host: vec![],
+        slot_bytes: None,
     };
     let auto = HomePolicy::Auto { params_may_leave: true };
     let unlimited = Offload::plan_for(&spec(), &config, &options(auto.clone())).unwrap();
@@ -143,6 +165,7 @@ fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_b
             pin_memory: false,
             non_model: Some(non_model),
             on_host: vec![],
+            slot_bytes: None,
         };
         let plan = Offload::plan_for(&spec(), &config, &options).unwrap();
         let mut trainer = trainer(&parsed, &config, &at).unwrap();
@@ -185,6 +208,7 @@ fn the_room_measured_before_the_run_is_what_every_step_holds_and_a_tight_budget_
         pin_memory: false,
         non_model: Some(predicted.clone()),
         on_host: vec![],
+        slot_bytes: None,
     };
     let tight = EngineConfig { device_budget: Some(model_state_bytes() * 4 / 10), ..unlimited };
     let need = Offload::plan_for(&spec(), &tight, &options).unwrap().device_peak();

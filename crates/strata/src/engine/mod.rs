@@ -13,6 +13,7 @@ pub mod memory;
 pub mod offload;
 pub mod placement;
 mod schedule;
+pub mod slots;
 
 use crate::comm::ProcessGroup;
 use crate::compute::{self, UnitCompute};

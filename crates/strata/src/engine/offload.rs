@@ -1,13 +1,15 @@
 //! The offload schedule: executes a [`Plan`] around every unit's forward and backward.
 //!
 //! Owns the host copies of the units whose states live on the host (their parameters,
-//! which are the masters the optimizer updates there, and their gradients) and the
-//! device copies' comings and goings: before each moment the copies the plan does not keep
-//! are released and those the moment reads are filled from the host; after a unit's last
-//! backward its gradient is added into the host's and its device buffer released.
+//! which are the masters the optimizer updates there, and their gradients), the pool of
+//! equal-size slots their device copies take ([`super::slots`], sized by the plan), and the
+//! copies' comings and goings: before each moment the copies the plan does not keep return
+//! their slots and those the moment reads are mapped and filled from the host; after a
+//! unit's last backward its gradient is added into the host's and its slots returned.
 //! Must not decide placement (that is [`super::placement`]'s) or update anything (the
 //! optimizer updates each segment where [`OptimizerView::placement`] says it lives).
 use super::placement::{self, moment_index, Home, HomePolicy, Moment, Plan, PlanInput, UnitStates};
+use super::slots::{self, SlotPool, SlottedBuffer};
 use super::{
     memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, MemoryLedger, OptimizerView, Phase,
     Placement, ScheduleContext, UnitSchedule, UnitStorage,
@@ -33,6 +35,8 @@ pub struct OffloadOptions {
     pub non_model: Option<Vec<u64>>,
     /// Per unit, whether its states live on the host whatever the policy says.
     pub on_host: Vec<bool>,
+    /// Bytes of one slot of the device pool; `None`: chosen from the model's buffer sizes.
+    pub slot_bytes: Option<u64>,
 }
 
 /// One unit's host side and where its buffers are now.
@@ -42,14 +46,28 @@ struct UnitState {
     host_params: Option<Tensor>,
     /// The step's gradient, accumulated from each backward (homes other than the device).
     host_grad: Option<Tensor>,
-    params_on_device: bool,
-    grads_on_device: bool,
+    /// The device copy of the parameters in the pool's slots (host homes); `None`: the
+    /// engine's own buffer, always there.
+    params_slots: Option<SlottedBuffer>,
+    /// The device gradient in the pool's slots (homes other than the device).
+    grad_slots: Option<SlottedBuffer>,
     trainable: bool,
     bytes: UnitStates,
 }
 
+impl UnitState {
+    fn params_on_device(&self) -> bool {
+        self.params_slots.as_ref().is_none_or(SlottedBuffer::is_mapped)
+    }
+
+    fn grads_on_device(&self) -> bool {
+        self.trainable && self.grad_slots.as_ref().is_none_or(SlottedBuffer::is_mapped)
+    }
+}
+
 pub struct Offload {
     plan: Plan,
+    pool: SlotPool,
     units: Vec<UnitState>,
     needs: Vec<Vec<usize>>,
     /// Per unit, the last unit whose backward reads it (itself, or the lowest borrower).
@@ -68,16 +86,19 @@ impl Drop for Offload {
     }
 }
 
-/// Per unit, the bytes of its model states in `kind`.
-fn unit_states(spec: &ModelSpec, kind: Kind, optimizer_bytes_per_element: u64) -> Vec<UnitStates> {
+/// Per unit, the bytes of its model states in `kind`, its buffers padded to `pad_to`
+/// elements as the engine makes them.
+fn unit_states(spec: &ModelSpec, kind: Kind, pad_to: i64, optimizer_bytes_per_element: u64) -> Vec<UnitStates> {
     let esize = kind.elt_size_in_bytes() as u64;
+    let pad_to = pad_to.max(1) as u64;
     // The optimizer updates low-precision parameters through fp32 copies of the parameters
     // and gradients of one unit at a time.
     let scratch_per_element = if esize < 4 { 8 } else { 0 };
     spec.units
         .iter()
         .map(|u| {
-            let numel: u64 = u.params.iter().map(|id| spec.params[id.0].numel() as u64).sum();
+            let numel: u64 =
+                u.params.iter().map(|id| spec.params[id.0].numel() as u64).sum::<u64>().next_multiple_of(pad_to);
             let trainable: u64 = u
                 .params
                 .iter()
@@ -104,6 +125,12 @@ impl Offload {
         if config.tensor.is_some() {
             return Err(Error::Config("offload does not combine with tensor parallelism yet".into()));
         }
+        if options.slot_bytes.is_some() && !SlotPool::maps_slots(config.device) {
+            return Err(Error::Config(format!(
+                "offload: slot_bytes applies where copies take slots (the CPU), not on {:?}",
+                config.device
+            )));
+        }
         let n = spec.units.len();
         let input = plan_input(&spec, &config, &options);
         let plan = placement::plan(&input, &options.policy)?;
@@ -115,6 +142,10 @@ impl Offload {
                 last_reader[u] = last_reader[u].min(k);
             }
         }
+        let slot_bytes = input.slot_bytes;
+        let capacity = u32::try_from(plan.slot_peak.div_ceil(slot_bytes))
+            .map_err(|_| Error::Config(format!("offload: {} bytes of slots of {slot_bytes}", plan.slot_peak)))?;
+        let pool = SlotPool::on(config.device, slot_bytes, capacity)?;
         let host = HostMemory { device: config.device, pin: options.pin_memory };
         let mut units = Vec::with_capacity(n);
         let mut on_unit = |k: usize, s: &mut UnitStorage, _: &Tensor, ledger: &MemoryLedger| -> Result<()> {
@@ -124,8 +155,8 @@ impl Offload {
                 home,
                 host_params: None,
                 host_grad: None,
-                params_on_device: true,
-                grads_on_device: true,
+                params_slots: None,
+                grad_slots: None,
                 trainable: s.trainable,
                 bytes,
             };
@@ -137,25 +168,30 @@ impl Offload {
                     unit.host_grad = Some(host.zeros_like(&s.grad)?);
                 }
             }
-            // The device gradient of a unit homed elsewhere exists only during its backwards.
+            // The device gradient of a unit homed elsewhere exists only during its backwards,
+            // in the pool's slots; a frozen unit's, never.
             if home != Home::Device || !s.trainable {
-                // SAFETY: no backward has run; the schedule restores it before one does.
-                unsafe { memory::release_buffer(&s.grad) }?;
                 ledger.free(Placement::Device, Category::Grads, memory::tensor_bytes(&s.grad));
-                unit.grads_on_device = false;
+                if s.trainable {
+                    // SAFETY: no backward has run; `ensure_grads` maps and zeroes it first.
+                    unit.grad_slots = Some(unsafe { pool.adopt(&s.grad) }?);
+                } else {
+                    // SAFETY: a frozen unit's gradient is never read or written.
+                    unsafe { memory::release_buffer(&s.grad) }?;
+                }
             }
             if home == Home::Host {
-                // SAFETY: nothing has run on the unit; the schedule fills it before any use.
-                unsafe { memory::release_buffer(&s.flat) }?;
-                ledger.free(Placement::Device, Category::Params, bytes.params);
-                unit.params_on_device = false;
+                // SAFETY: nothing has run on the unit; the schedule maps and fills it before
+                // any use.
+                unit.params_slots = Some(unsafe { pool.adopt(&s.flat) }?);
+                ledger.free(Placement::Device, Category::Params, memory::tensor_bytes(&s.flat));
             }
             units.push(unit);
             Ok(())
         };
         let config = EngineConfig { grad_layout: GradLayout::PerUnit, ..config };
         let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
-        engine.set_schedule(Box::new(Offload { plan, units, needs, last_reader, copying: vec![], events: None }));
+        engine.set_schedule(Box::new(Offload { plan, pool, units, needs, last_reader, copying: vec![], events: None }));
         Ok(engine)
     }
 
@@ -168,13 +204,15 @@ impl Offload {
     /// thread of its own with `ahead` where the device is the CPU (so the copy overlaps the
     /// units computing meanwhile), here otherwise. [`Offload::finish_fetch`] waits for it.
     fn start_fetch(&mut self, u: usize, ahead: bool, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
-        let unit = &mut self.units[u];
-        let Some(host) = unit.host_params.as_ref().filter(|_| !unit.params_on_device) else { return Ok(()) };
-        ledger.alloc(Placement::Device, Category::Params, unit.bytes.params)?;
+        let (pool, unit) = (&mut self.pool, &mut self.units[u]);
+        let (Some(host), Some(slots)) = (unit.host_params.as_ref(), unit.params_slots.as_mut()) else { return Ok(()) };
+        if slots.is_mapped() {
+            return Ok(());
+        }
+        ledger.alloc(Placement::Device, Category::Params, slots.slot_bytes_held(pool))?;
         let started = Instant::now();
-        // SAFETY: the engine's flat buffer spans its storage; it is filled before any use.
-        unsafe { memory::restore_buffer(&storage[u].flat) }?;
-        unit.params_on_device = true;
+        // Filled below, before any use.
+        pool.map(slots)?;
         let bytes = unit.bytes.params;
         // Written through a tensor with a version counter of its own: autograd's saved views
         // of these parameters see the values they saw in forward, with no version change.
@@ -212,18 +250,18 @@ impl Offload {
     }
 
     /// Releases the device copy of a host-homed unit's parameters.
-    fn evict(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
-        if self.units[u].home != Home::Host || !self.units[u].params_on_device {
+    fn evict(&mut self, u: usize, ledger: &MemoryLedger) -> Result<()> {
+        if !self.units[u].params_slots.as_ref().is_some_and(SlottedBuffer::is_mapped) {
             return Ok(());
         }
         // A copy still filling the buffer completes before its memory goes.
         self.finish_fetch(u, ledger)?;
-        let unit = &mut self.units[u];
+        let (pool, unit) = (&mut self.pool, &mut self.units[u]);
+        let Some(slots) = unit.params_slots.as_mut() else { return Ok(()) };
+        ledger.free(Placement::Device, Category::Params, slots.slot_bytes_held(pool));
         // SAFETY: the unit's forward or backward that read the copy is over (the engine runs
         // one moment at a time) and the copy is filled again before its next use.
-        unsafe { memory::release_buffer(&storage[u].flat) }?;
-        ledger.free(Placement::Device, Category::Params, unit.bytes.params);
-        unit.params_on_device = false;
+        unsafe { pool.unmap(slots) }?;
         self.record(Event::Evicted { unit: u });
         Ok(())
     }
@@ -246,7 +284,7 @@ impl Offload {
         let keep = &self.plan.resident[t];
         let leaving: Vec<usize> = (0..self.units.len()).filter(|u| !keep.contains(u) && !reads.contains(u)).collect();
         for u in leaving {
-            self.evict(u, storage, ledger)?;
+            self.evict(u, ledger)?;
         }
         for &u in reads {
             self.start_fetch(u, false, storage, ledger)?;
@@ -260,22 +298,19 @@ impl Offload {
 
     /// Gives unit `u` a zeroed device gradient if it has none.
     fn ensure_grads(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
-        let unit = &mut self.units[u];
-        if unit.grads_on_device || !unit.trainable {
-            return Ok(());
-        }
-        ledger.alloc(Placement::Device, Category::Grads, unit.bytes.grads)?;
-        // SAFETY: the engine's gradient buffer spans its storage; zeroed next.
-        unsafe { memory::restore_buffer(&storage[u].grad) }?;
+        let (pool, unit) = (&mut self.pool, &mut self.units[u]);
+        let Some(slots) = unit.grad_slots.as_mut().filter(|b| !b.is_mapped()) else { return Ok(()) };
+        ledger.alloc(Placement::Device, Category::Grads, slots.slot_bytes_held(pool))?;
+        // Zeroed next, before the backward accumulates into it.
+        pool.map(slots)?;
         let _ = storage[u].grad.shallow_clone().f_zero_()?;
-        unit.grads_on_device = true;
         Ok(())
     }
 
     /// Adds unit `u`'s device gradient into its host gradient and releases it.
     fn send_grads(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
-        let unit = &mut self.units[u];
-        let Some(host) = unit.host_grad.as_ref().filter(|_| unit.grads_on_device) else { return Ok(()) };
+        let (pool, unit) = (&mut self.pool, &mut self.units[u]);
+        let Some(host) = unit.host_grad.as_ref().filter(|_| unit.grads_on_device()) else { return Ok(()) };
         let started = Instant::now();
         let grad = &storage[u].grad;
         tch::no_grad(|| -> Result<()> {
@@ -284,11 +319,12 @@ impl Offload {
             Ok(())
         })?;
         let bytes = unit.bytes.grads;
-        // SAFETY: the unit's last backward of this micro-batch is over and its gradient was
-        // read above; `ensure_grads` restores it before the next backward.
-        unsafe { memory::release_buffer(grad) }?;
-        ledger.free(Placement::Device, Category::Grads, unit.bytes.grads);
-        unit.grads_on_device = false;
+        if let Some(slots) = unit.grad_slots.as_mut() {
+            ledger.free(Placement::Device, Category::Grads, slots.slot_bytes_held(pool));
+            // SAFETY: the unit's last backward of this micro-batch is over and its gradient
+            // was read above; `ensure_grads` maps it again before the next backward.
+            unsafe { pool.unmap(slots) }?;
+        }
         self.waited_for_copy(ledger, u, Placement::Host, bytes, started);
         self.record(Event::Copied { unit: u, to: Placement::Host, bytes });
         Ok(())
@@ -297,8 +333,14 @@ impl Offload {
 
 /// What the plan of `spec` under `config` and `options` is made from.
 fn plan_input(spec: &ModelSpec, config: &EngineConfig, options: &OffloadOptions) -> PlanInput {
+    let units = unit_states(spec, config.kind, config.pad_to, options.optimizer_bytes_per_element);
+    let buffers: Vec<u64> = units.iter().flat_map(|u| [u.params, u.grads]).filter(|&b| b > 0).collect();
     PlanInput {
-        units: unit_states(spec, config.kind, options.optimizer_bytes_per_element),
+        slot_bytes: match SlotPool::maps_slots(config.device) {
+            true => options.slot_bytes.unwrap_or_else(|| slots::choose_slot_bytes(&buffers, slots::granularity())),
+            false => 1,
+        },
+        units,
         needs: spec.units_read(),
         non_model: options.non_model.clone().unwrap_or_else(|| vec![0; 2 * spec.units.len() + 1]),
         device_budget: config.device_budget,
@@ -458,15 +500,15 @@ impl UnitSchedule for Offload {
     fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         let (storage, ledger) = (&*ctx.storage, ctx.ledger);
         self.finish_fetches(ledger)?;
-        for u in 0..self.units.len() {
+        for (u, flat) in storage.iter().map(|s| &s.flat).enumerate() {
             match self.units[u].home {
                 Home::Device => {}
                 // The device copy is stale: the next use fetches the updated master.
-                Home::Host => self.evict(u, storage, ledger)?,
+                Home::Host => self.evict(u, ledger)?,
                 Home::OptimizerOnHost => {
                     let Some(host) = &self.units[u].host_params else { continue };
                     let started = Instant::now();
-                    tch::no_grad(|| storage[u].flat.shallow_clone().f_copy_(host))?;
+                    tch::no_grad(|| flat.shallow_clone().f_copy_(host))?;
                     self.waited_for_copy(ledger, u, Placement::Device, self.units[u].bytes.params, started);
                 }
             }
@@ -485,7 +527,7 @@ impl UnitSchedule for Offload {
 
     fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         for (unit, s) in self.units.iter().zip(ctx.storage.iter()) {
-            if unit.grads_on_device {
+            if unit.grads_on_device() {
                 let _ = s.grad.shallow_clone().f_zero_()?;
             }
             if let Some(g) = &unit.host_grad {
@@ -508,7 +550,7 @@ impl UnitSchedule for Offload {
         if let Some(host) = &unit.host_params {
             tch::no_grad(|| host.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
         }
-        if unit.params_on_device {
+        if unit.params_on_device() {
             tch::no_grad(|| s.flat.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
         }
         Ok(())

@@ -114,6 +114,9 @@ pub struct PlanInput {
     pub prefetch: usize,
     /// Per unit, whether it lives on the host whatever the policy says (empty: none).
     pub on_host: Vec<bool>,
+    /// The device copies of host-homed states come in whole slots of this many bytes
+    /// ([`super::slots`]); 1: in their own bytes.
+    pub slot_bytes: u64,
 }
 
 /// Bytes moved per step between device and host.
@@ -140,6 +143,10 @@ pub struct Plan {
     pub prefetch: Vec<Vec<usize>>,
     /// Per moment, every byte the plan places on the device (non-model bytes included).
     pub device_bytes: Vec<u64>,
+    /// The most bytes of slots the copies of host-homed states take at any moment: the
+    /// size of the slot pool.
+    pub slot_peak: u64,
+    pub slot_bytes: u64,
     pub host_bytes: u64,
     pub traffic: Traffic,
 }
@@ -176,6 +183,11 @@ impl PlanInput {
             .collect()
     }
 
+    /// Bytes of the slots a device copy of `bytes` takes.
+    fn in_slots(&self, bytes: u64) -> u64 {
+        bytes.next_multiple_of(self.slot_bytes.max(1))
+    }
+
     fn reads(&self, moment: Moment) -> &[usize] {
         match moment {
             Moment::Forward(k) | Moment::Backward(k) => &self.needs[k],
@@ -208,18 +220,22 @@ impl PlanInput {
         }
         let persistent: u64 = self.units.iter().zip(homes).map(|(s, &h)| s.device_resident(h)).sum();
         let spans = self.grad_spans();
-        let size = |u: usize| self.units[u].params;
+        // A parameter copy takes whole slots; what is copied is the parameters' own bytes.
+        let size = |u: usize| self.in_slots(self.units[u].params);
+        let copied = |u: usize| self.units[u].params;
         let budget = self.device_budget.unwrap_or(u64::MAX);
         // Per moment: the host-homed copies it reads, the bytes beside all copies, and the
         // room left for copies kept for later.
         let mut needs: Vec<Vec<usize>> = vec![];
         let mut fixed = vec![];
         let mut room = vec![];
+        let mut grad_slots = vec![];
         for (t, &moment) in moments.iter().enumerate() {
             let transient_grads: u64 = (0..n)
                 .filter(|&u| homes[u] != Home::Device && spans[u].is_some_and(|(a, b)| a <= t && t <= b))
-                .map(|u| self.units[u].grads)
+                .map(|u| self.in_slots(self.units[u].grads))
                 .sum();
+            grad_slots.push(transient_grads);
             // The device's updates run one unit at a time: the largest scratch is the peak.
             let scratch = match moment {
                 Moment::Update => {
@@ -241,7 +257,7 @@ impl PlanInput {
             fixed.push(beside);
             needs.push(need);
         }
-        let kept = keep_between_uses(&needs, &room, &size);
+        let kept = keep_between_uses(&needs, &room, &Sizes { space: &size, worth: &copied });
         let mut resident: Vec<BTreeSet<usize>> = needs.iter().map(|need| need.iter().copied().collect()).collect();
         for gap in &kept {
             for r in &mut resident[gap.from + 1..gap.to] {
@@ -252,7 +268,7 @@ impl PlanInput {
         for u in (0..n).filter(|&u| homes[u] == Home::Host) {
             let uses = needs.iter().filter(|need| need.contains(&u)).count();
             let bridged = kept.iter().filter(|g| g.unit == u).count();
-            traffic.to_device += size(u) * (uses - bridged) as u64;
+            traffic.to_device += copied(u) * (uses - bridged) as u64;
         }
         // Copies start up to `prefetch` moments early where they fit beside what is held
         // at every moment until they are read (traffic is unchanged: each is copied anyway).
@@ -279,9 +295,12 @@ impl PlanInput {
                 traffic.to_device += s.params;
             }
         }
+        let slot_peak = grad_slots.iter().zip(&resident).map(|(g, r)| g + held(r)).max().unwrap_or(0);
         Ok(Plan {
             homes: homes.to_vec(),
             device_bytes: fixed.iter().zip(&resident).map(|(f, r)| f + held(r)).collect(),
+            slot_peak,
+            slot_bytes: self.slot_bytes,
             resident: resident.into_iter().map(|r| r.into_iter().collect()).collect(),
             prefetch,
             host_bytes,
@@ -298,6 +317,13 @@ struct Gap {
     to: usize,
 }
 
+/// A copy's bytes on the device (`space`) and those copying it moves (`worth`): a copy in
+/// slots takes its last slot whole.
+struct Sizes<'a> {
+    space: &'a dyn Fn(usize) -> u64,
+    worth: &'a dyn Fn(usize) -> u64,
+}
+
 /// At most this many gaps are chosen by trying every subset; a model has one per borrowed
 /// unit's extra use (a tied embedding: two).
 const ENUMERATED_GAPS: usize = 12;
@@ -307,9 +333,9 @@ const ENUMERATED_GAPS: usize = 12;
 /// only for copies of equal size; this is exact for units of any size: a unit read only by
 /// its own forward and backward keeps its copy over a span that contains the spans of all
 /// later such units, so the choice among them is a knapsack over nested prefixes, solved by
-/// dynamic programming over the reachable byte sums; the spans of units read elsewhere too
-/// (borrowed weights) are few and tried in every combination around it.
-fn keep_between_uses(needs: &[Vec<usize>], room: &[u64], size: &dyn Fn(usize) -> u64) -> Vec<Gap> {
+/// dynamic programming over the reachable sums of space; the spans of units read elsewhere
+/// too (borrowed weights) are few and tried in every combination around it.
+fn keep_between_uses(needs: &[Vec<usize>], room: &[u64], sizes: &Sizes) -> Vec<Gap> {
     let mut units: Vec<usize> = needs.iter().flatten().copied().collect();
     units.sort_unstable();
     units.dedup();
@@ -337,14 +363,14 @@ fn keep_between_uses(needs: &[Vec<usize>], room: &[u64], size: &dyn Fn(usize) ->
         let mut left: Vec<i128> = room.iter().map(|&r| r as i128).collect();
         for g in &chosen {
             for l in &mut left[g.from + 1..g.to] {
-                *l -= size(g.unit) as i128;
+                *l -= (sizes.space)(g.unit) as i128;
             }
         }
         if left.iter().any(|&l| l < 0) {
             continue;
         }
-        let (saved, picked) = nested_knapsack(&nested, &left, size);
-        let total = saved + chosen.iter().map(|g| size(g.unit)).sum::<u64>();
+        let (saved, picked) = nested_knapsack(&nested, &left, sizes);
+        let total = saved + chosen.iter().map(|g| (sizes.worth)(g.unit)).sum::<u64>();
         if best.as_ref().is_none_or(|(most, _)| total > *most) {
             best = Some((total, chosen.into_iter().chain(picked).collect()));
         }
@@ -355,9 +381,9 @@ fn keep_between_uses(needs: &[Vec<usize>], room: &[u64], size: &dyn Fn(usize) ->
     kept
 }
 
-/// The subset of `nested` spans (outermost first, each inside the previous) with the most
-/// bytes whose kept copies fit `left` at every moment, and those bytes.
-fn nested_knapsack(nested: &[Gap], left: &[i128], size: &dyn Fn(usize) -> u64) -> (u64, Vec<Gap>) {
+/// The subset of `nested` spans (outermost first, each inside the previous) saving the most
+/// bytes copied whose kept copies fit `left` at every moment, and those bytes.
+fn nested_knapsack(nested: &[Gap], left: &[i128], sizes: &Sizes) -> (u64, Vec<Gap>) {
     // The moments each span covers beyond the next span in: the kept bytes there are the
     // sum over the spans up to it, so the tightest room there bounds that prefix.
     let limits: Vec<i128> = nested
@@ -372,27 +398,30 @@ fn nested_knapsack(nested: &[Gap], left: &[i128], size: &dyn Fn(usize) -> u64) -
                 .unwrap_or(i128::MAX)
         })
         .collect();
-    // Reachable sums after each span, with how each was reached: (previous sum, kept).
-    let mut layers: Vec<std::collections::BTreeMap<u64, (u64, bool)>> = vec![];
-    let mut sums: Vec<u64> = vec![0];
+    // After each span, per reachable sum of space kept, the most bytes saved reaching it
+    // and how: (bytes saved, previous sum, kept). What comes later depends on the sum alone.
+    let mut layers: Vec<std::collections::BTreeMap<u64, (u64, u64, bool)>> = vec![];
+    let mut reached: Vec<(u64, u64)> = vec![(0, 0)];
     for (g, &limit) in nested.iter().zip(&limits) {
-        let mut next = std::collections::BTreeMap::new();
-        for &sum in &sums {
+        let mut next: std::collections::BTreeMap<u64, (u64, u64, bool)> = std::collections::BTreeMap::new();
+        for &(sum, saved) in &reached {
             for keep in [false, true] {
-                let after = sum + if keep { size(g.unit) } else { 0 };
-                if (after as i128) <= limit {
-                    next.entry(after).or_insert((sum, keep));
+                let (after, worth) =
+                    if keep { (sum + (sizes.space)(g.unit), saved + (sizes.worth)(g.unit)) } else { (sum, saved) };
+                if (after as i128) <= limit && next.get(&after).is_none_or(|&(best, _, _)| worth > best) {
+                    next.insert(after, (worth, sum, keep));
                 }
             }
         }
-        sums = next.keys().copied().collect();
+        reached = next.iter().map(|(&sum, &(saved, _, _))| (sum, saved)).collect();
         layers.push(next);
     }
-    let Some(&best) = sums.iter().max() else { return (0, vec![]) };
+    let Some(&(mut sum, best)) = reached.iter().max_by_key(|&&(sum, saved)| (saved, std::cmp::Reverse(sum))) else {
+        return (0, vec![]);
+    };
     let mut picked = vec![];
-    let mut sum = best;
     for (g, layer) in nested.iter().zip(&layers).rev() {
-        let (before, keep) = layer[&sum];
+        let (_, before, keep) = layer[&sum];
         if keep {
             picked.push(*g);
         }
@@ -464,6 +493,7 @@ mod tests {
             host_budget: None,
             prefetch: 0,
             on_host: vec![],
+            slot_bytes: 1,
         }
     }
 
@@ -506,11 +536,14 @@ mod tests {
     }
 
     /// The fewest parameter bytes any eviction order copies to the device in one step under
-    /// `plan`'s homes and room, by trying every choice of which copies to keep at every moment.
+    /// `plan`'s homes and room (copies taking whole slots), by trying every choice of which
+    /// copies to keep at every moment.
     fn fewest_bytes_copied(input: &PlanInput, plan: &Plan) -> u64 {
         let n = input.units.len();
         let moments = step_moments(n);
-        let size = |mask: u32| (0..n).filter(|u| mask & (1 << u) != 0).map(|u| input.units[u].params).sum::<u64>();
+        let units = |mask: u32| (0..n).filter(move |u| mask & (1 << u) != 0);
+        let size = |mask: u32| units(mask).map(|u| input.in_slots(input.units[u].params)).sum::<u64>();
+        let copied = |mask: u32| units(mask).map(|u| input.units[u].params).sum::<u64>();
         let mask_of = |units: &[usize]| units.iter().fold(0u32, |m, &u| m | 1 << u);
         let budget = input.device_budget.unwrap_or(u64::MAX);
         let room: Vec<u64> =
@@ -526,7 +559,7 @@ mod tests {
             held: u32,
             need: &[u32],
             room: &[u64],
-            size: &dyn Fn(u32) -> u64,
+            sizes: &Sizes,
             memo: &mut std::collections::HashMap<(usize, u32), u64>,
         ) -> u64 {
             if t == need.len() {
@@ -540,10 +573,10 @@ mod tests {
             let mut kept = held;
             loop {
                 let present = kept | need[t];
-                if size(present) <= room[t] {
+                if (sizes.space)(present as usize) <= room[t] {
                     let after = if t == need.len() - 1 { 0 } else { present };
-                    let rest = best(t + 1, after, need, room, size, memo);
-                    lowest = lowest.min(size(need[t] & !kept).saturating_add(rest));
+                    let rest = best(t + 1, after, need, room, sizes, memo);
+                    lowest = lowest.min((sizes.worth)((need[t] & !kept) as usize).saturating_add(rest));
                 }
                 if kept == 0 {
                     break;
@@ -553,7 +586,8 @@ mod tests {
             memo.insert((t, held), lowest);
             lowest
         }
-        best(0, 0, &need, &room, &size, &mut Default::default())
+        let (space, worth) = (|m: usize| size(m as u32), |m: usize| copied(m as u32));
+        best(0, 0, &need, &room, &Sizes { space: &space, worth: &worth }, &mut Default::default())
     }
 
     proptest::proptest! {
@@ -563,10 +597,12 @@ mod tests {
             sizes in proptest::collection::vec(1u64..4, 2..=8),
             tied in proptest::bool::ANY,
             slack in 0u64..40,
+            slot_bytes in proptest::prop_oneof![proptest::strategy::Just(1u64), 40u64..100],
         ) {
             let n = sizes.len();
             let slot = 64;
             let mut i = input(&sizes.iter().map(|s| s * slot).collect::<Vec<_>>(), u64::MAX);
+            i.slot_bytes = slot_bytes;
             if tied {
                 i.needs[n - 1].push(0);
             }

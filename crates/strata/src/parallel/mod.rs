@@ -273,6 +273,7 @@ fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig,
         pin_memory: offload.pin_memory,
         non_model: at.non_model.clone(),
         on_host: select_units(&spec, &offload.host_units, "offload.host_units")?,
+        slot_bytes: offload.slot_bytes,
     };
     Offload::build(spec, config, options)
 }

@@ -28,7 +28,7 @@ pub enum OffloadPolicy {
 }
 
 /// `offload`: `{"params": "none|cpu|auto", "optimizer": "none|cpu|auto", "policy":
-/// "static|auto", "ratio": 1.0, "prefetch": 2, "pin_memory": true}`.
+/// "static|auto", "ratio": 1.0, "prefetch": 2, "pin_memory": true, "slot_bytes": null}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OffloadConfig {
@@ -45,6 +45,9 @@ pub struct OffloadConfig {
     /// Unit kinds or names whose states always live on the host (PatrickStar's
     /// `use_cpu_embedding`: the embedding's).
     pub host_units: Vec<String>,
+    /// Bytes of one slot of the device pool the moving copies take (a multiple of the page
+    /// size); `null`: the size that wastes the fewest bytes for the model's buffers.
+    pub slot_bytes: Option<u64>,
 }
 
 impl Default for OffloadConfig {
@@ -57,6 +60,7 @@ impl Default for OffloadConfig {
             prefetch: 2,
             pin_memory: true,
             host_units: vec![],
+            slot_bytes: None,
         }
     }
 }
