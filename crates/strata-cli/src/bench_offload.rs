@@ -2,7 +2,8 @@
 //! given width) that trains under each placement — everything on the device, optimizer
 //! state on the host, everything on the host (static), and the planner's `auto` — with its
 //! tokens/s, the bytes moved per step and the share of the step spent waiting for copies;
-//! `auto` also without prefetch at the same size, to show what prefetching hides. Every
+//! `auto` also without prefetch, and the optimizer on the host also with its update delayed
+//! (run during the next step), at the same sizes, to show what each hides. Every
 //! placement recomputes its blocks (unless `--no-checkpoint`), as offloaded training does,
 //! so activations do not crowd the model states out of the device.
 use crate::bench_runs;
@@ -66,13 +67,20 @@ struct Report {
     rows: Vec<Row>,
 }
 
-/// Each placement's `offload` method (none: no offload).
-const PLACEMENTS: [(&str, Option<&str>); 5] = [
-    ("none", None),
-    ("optimizer", Some(r#"["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]"#)),
-    ("static-full", Some(r#"["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]"#)),
-    ("auto", Some(r#""offload""#)),
-    ("auto-no-prefetch", Some(r#"["offload", {"prefetch": 0}]"#)),
+/// Each placement's `offload` method (none: no offload), and the placement whose largest
+/// size it runs at (none: its own). Prefetch and delaying the update change no placement:
+/// at the same size they show what they hide.
+const PLACEMENTS: [(&str, Option<&str>, Option<&str>); 6] = [
+    ("none", None, None),
+    ("optimizer", Some(r#"["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]"#), None),
+    (
+        "optimizer-delayed",
+        Some(r#"["offload", {"params": "none", "optimizer": "cpu", "policy": "static", "delayed_update": true}]"#),
+        Some("optimizer"),
+    ),
+    ("static-full", Some(r#"["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]"#), None),
+    ("auto", Some(r#""offload""#), None),
+    ("auto-no-prefetch", Some(r#"["offload", {"prefetch": 0}]"#), Some("auto")),
 ];
 
 /// The strategy of a placement: its offload method, after recomputation unless left out.
@@ -137,15 +145,13 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
         Ok(ModelConfig::Gpt(GptConfig::new(256, args.ctx, layers, args.heads, args.dim)).spec()?.num_params())
     };
     let mut rows: Vec<Row> = Vec::new();
-    let mut auto_layers = 0;
-    for (placement, offload) in PLACEMENTS {
+    for (placement, offload, sized_like) in PLACEMENTS {
         let strategy = strategy(&args, offload);
         let strategy = strategy.as_str();
-        // Prefetch changes no placement: the same size as auto's, for the copy-wait.
-        let layers = if placement == "auto-no-prefetch" { auto_layers } else { largest(&args, strategy)? };
-        if placement == "auto" {
-            auto_layers = layers;
-        }
+        let layers = match sized_like {
+            Some(other) => rows.iter().find(|r| r.placement == other).map_or(0, |r| r.layers),
+            None => largest(&args, strategy)?,
+        };
         let (mut tokens_per_s, mut moved, mut wait_share) = (0.0, 0.0, 0.0);
         if layers > 0 {
             let run = bench_runs::train(&flags(&args, layers, args.steps, strategy), 1)?;

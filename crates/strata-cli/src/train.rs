@@ -409,6 +409,8 @@ pub fn run(mut settings: TrainSettings) -> Result<()> {
         last = Some(report);
     }
     bar.finish_and_clear();
+    // What is saved below reads the model after the last step's update.
+    trainer.settle_updates()?;
     if let (Some(dir), Some(profiler)) = (&settings.profile, &profiler) {
         crate::run_io::save_profile(profiler, dir, rank)?;
     }

@@ -290,6 +290,19 @@ int strata_storage_adopt(Tensor* t, void* data, size_t nbytes, void (*release)(v
   });
 }
 
+// Exchanges the memory behind two storages of the same size and device: every view of
+// `a` then reads what `b`'s views read before, and the other way round.
+int strata_storage_swap(Tensor* a, Tensor* b) {
+  return guarded([&] {
+    auto* x = a->storage().unsafeGetStorageImpl();
+    auto* y = b->storage().unsafeGetStorageImpl();
+    TORCH_CHECK(x->nbytes() == y->nbytes() && x->device() == y->device(),
+                "storages to swap differ in size or device");
+    c10::DataPtr held = x->set_data_ptr(c10::DataPtr(nullptr, x->device()));
+    x->set_data_ptr_noswap(y->set_data_ptr(std::move(held)));
+  });
+}
+
 // The bytes the storage behind `t` claims to hold, its memory unchanged.
 int strata_storage_set_nbytes(Tensor* t, size_t nbytes) {
   return guarded([&] { t->storage().unsafeGetStorageImpl()->set_nbytes(nbytes); });

@@ -65,6 +65,7 @@ extern "C" {
         context: *mut c_void,
     ) -> c_int;
     fn strata_storage_set_nbytes(t: TensorPtr, nbytes: usize) -> c_int;
+    fn strata_storage_swap(a: TensorPtr, b: TensorPtr) -> c_int;
     fn strata_onednn_available(yes: *mut c_int) -> c_int;
     fn strata_grad_fn_name(t: *const C_tensor, name: *mut c_char, capacity: usize) -> c_int;
     fn strata_onednn_linear(x: *const C_tensor, w: *const C_tensor, b: *const C_tensor, out: *mut TensorPtr) -> c_int;
@@ -314,6 +315,16 @@ pub unsafe fn adopt_storage(tensor: &Tensor, data: *mut c_void, nbytes: usize, r
 pub unsafe fn set_storage_nbytes(tensor: &Tensor, nbytes: usize) -> Result<()> {
     // SAFETY: the tensor is live; only the storage's byte count changes.
     check(unsafe { strata_storage_set_nbytes(tensor.as_ptr() as TensorPtr, nbytes) })
+}
+
+/// Exchanges the memory behind the storages of `a` and `b` (of one size and device):
+/// every view of `a` then reads what the views of `b` read before, and the other way round.
+///
+/// # Safety
+/// No operation may be reading or writing either storage (on any thread) during the call.
+pub unsafe fn swap_storages(a: &Tensor, b: &Tensor) -> Result<()> {
+    // SAFETY: both tensors are live; the caller keeps every other user away.
+    check(unsafe { strata_storage_swap(a.as_ptr() as TensorPtr, b.as_ptr() as TensorPtr) })
 }
 
 /// An identity of the storage behind `tensor`, shared by all views of it (for counting a

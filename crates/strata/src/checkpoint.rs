@@ -255,6 +255,10 @@ pub fn save_parts(
     if parts.is_empty() {
         return Err(Error::Engine("a checkpoint of no engine".into()));
     }
+    // A delayed host update still running writes the masters and moments saved here.
+    for part in parts.iter_mut() {
+        part.optimizer.settle(part.engine)?;
+    }
     let rank = world.map_or(0, |g| g.rank());
     let staging = root.join(format!(".step-{:08}.partial", run.step));
     // Every phase ends with all ranks agreeing that it went well, so a failure on one rank
@@ -809,6 +813,10 @@ impl Checkpoint {
     /// [`Checkpoint::restore`] into the `parts` of a model of `layout` this rank holds (a
     /// pipeline rank's chunks).
     pub fn restore_parts(&self, layout: &Layout, parts: &mut [Part<'_>], optimizer_name: &str) -> Result<()> {
+        // Nothing may overwrite what is restored here.
+        for part in parts.iter_mut() {
+            part.optimizer.settle(part.engine)?;
+        }
         let Some(first) = parts.first() else { return Err(Error::Engine("a restore into no engine".into())) };
         self.check_layout(layout, first.optimizer, optimizer_name)?;
         for part in parts.iter_mut() {

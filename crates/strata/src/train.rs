@@ -190,6 +190,22 @@ impl GradDecision {
         engine.end_step()?;
         engine.zero_grad()
     }
+
+    /// [`GradDecision::apply`] where the host's updates run during the next step: the
+    /// previous step's are waited for and published first, then this step's start, so the
+    /// device computes the next step with the parameters from before them.
+    pub(crate) fn apply_delayed(&self, engine: &mut Engine, optimizer: &mut Optimizer) -> Result<()> {
+        optimizer.settle(engine)?;
+        if self.factor != 1.0 {
+            optimizer.scale_grads(self.factor)?;
+        }
+        if !self.skipped {
+            let started = optimizer.start_delayed_host_updates()?;
+            optimizer.step_except(&started)?;
+        }
+        engine.end_step()?;
+        engine.zero_grad()
+    }
 }
 
 impl GradScaling {
@@ -244,6 +260,12 @@ impl Trainer {
         }
     }
 
+    /// Waits for host updates still running from the last step (a delayed update) and puts
+    /// their parameters on the device: before reading or saving the model.
+    pub fn settle_updates(&mut self) -> Result<()> {
+        self.optimizer.settle(&mut self.engine)
+    }
+
     /// Steps completed so far.
     pub fn step(&self) -> u64 {
         self.step
@@ -257,6 +279,7 @@ impl Trainer {
     /// The mean loss over `steps`' micro-batches, forward only (validation): this rank's
     /// share, as [`Trainer::train_step`] reports its training loss.
     pub fn evaluate(&mut self, steps: &[Step]) -> Result<f64> {
+        self.settle_updates()?;
         evaluate_with(&mut self.engine, steps, &self.prepare_input, &self.loss_func)
     }
 
@@ -281,8 +304,9 @@ impl Trainer {
         // Units updated on the host start as soon as their gradient is complete, while the
         // device computes the rest of backward, where nothing decided later can stop them.
         self.engine.set_grad_ready(None);
-        let host_updates =
-            self.scaling.updates_unconditionally(self.grad_clip).then(|| Arc::new(self.optimizer.host_updates()));
+        let delayed = self.engine.delays_host_updates();
+        let host_updates = (!delayed && self.scaling.updates_unconditionally(self.grad_clip))
+            .then(|| Arc::new(self.optimizer.host_updates()));
         for (i, batch) in step.micro_batches.iter().enumerate() {
             // Only the last micro-batch's backward completes the step's gradients.
             self.engine.set_grad_sync(i == last);
@@ -317,7 +341,11 @@ impl Trainer {
                 self.scaling.decide(self.grad_clip, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?
             }
         };
-        decision.apply(&mut self.engine, &mut self.optimizer, &updated)?;
+        if delayed {
+            decision.apply_delayed(&mut self.engine, &mut self.optimizer)?;
+        } else {
+            decision.apply(&mut self.engine, &mut self.optimizer, &updated)?;
+        }
         let GradDecision { mut grad_norm, skipped, .. } = decision;
         let norm_on_device = device_norm.is_some();
         losses.extend(device_norm);

@@ -125,6 +125,7 @@ fn auto_keeps_on_the_device_what_fits_and_moves_only_the_rest() {
         non_model: None,
         on_host: vec![],
         slot_bytes: None,
+        delayed_update: false,
     };
     let auto = HomePolicy::Auto { params_may_leave: true };
     let unlimited = Offload::plan_for(&spec(), &config, &options(auto.clone())).unwrap();
@@ -166,6 +167,7 @@ fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_b
             non_model: Some(non_model),
             on_host: vec![],
             slot_bytes: None,
+            delayed_update: false,
         };
         let plan = Offload::plan_for(&spec(), &config, &options).unwrap();
         let mut trainer = trainer(&parsed, &config, &at).unwrap();
@@ -209,6 +211,7 @@ fn the_room_measured_before_the_run_is_what_every_step_holds_and_a_tight_budget_
         non_model: Some(predicted.clone()),
         on_host: vec![],
         slot_bytes: None,
+        delayed_update: false,
     };
     let tight = EngineConfig { device_budget: Some(model_state_bytes() * 4 / 10), ..unlimited };
     let need = Offload::plan_for(&spec(), &tight, &options).unwrap().device_peak();
@@ -268,6 +271,70 @@ fn host_updates_start_during_backward_where_nothing_can_stop_them_and_change_not
             "{strategy}: the host updated during backward"
         );
     }
+}
+
+/// Losses of `steps` steps where each step's gradient is computed at the parameters from
+/// before the previous step's update (the first at the initial ones), and each update is
+/// clipped and applied as the trainer does: a delayed update's trajectory, built from a
+/// plain engine that computes gradients and a plain trainer's optimizer that applies them.
+fn one_step_stale_losses(steps: usize, grad_clip: f64) -> Vec<f64> {
+    let config = EngineConfig::default();
+    let plain = Strategy::default();
+    let mut master = trainer(&plain, &config, &Placement::single()).unwrap();
+    let mut stale_engine = build_engine(spec(), config, &plain, &Placement::single()).unwrap();
+    let flats = |t: &Trainer| -> Vec<Tensor> { t.engine.storage().iter().map(|s| s.flat.copy()).collect() };
+    let mut stale = flats(&master);
+    let loss_of = strata::train::next_token_loss();
+    let mut losses = vec![];
+    for i in 0..steps {
+        let s = step(i);
+        tch::no_grad(|| {
+            for (unit, values) in stale_engine.storage().iter().zip(&stale) {
+                unit.flat.shallow_clone().copy_(values);
+            }
+        });
+        stale_engine.zero_grad().unwrap();
+        let mut total = 0.0;
+        for batch in &s.micro_batches {
+            let output = stale_engine.forward(&batch.inputs).unwrap();
+            let loss = loss_of(&output, batch).unwrap();
+            stale_engine.backward(&(&loss / s.micro_batches.len() as f64)).unwrap();
+            total += loss.double_value(&[]);
+        }
+        losses.push(total / s.micro_batches.len() as f64);
+        let before = flats(&master);
+        tch::no_grad(|| {
+            for (to, from) in master.engine.storage().iter().zip(stale_engine.storage()) {
+                to.grad.shallow_clone().copy_(&from.grad);
+            }
+        });
+        master.optimizer.clip_grad_norm(grad_clip).unwrap();
+        master.optimizer.step().unwrap();
+        stale = before;
+    }
+    losses
+}
+
+#[test]
+fn delayed_updates_compute_each_step_at_the_parameters_before_the_last_update() {
+    let delayed =
+        r#"[["offload", {"params": "none", "optimizer": "cpu", "policy": "static", "delayed_update": true}]]"#;
+    let reports = train(delayed, None, 8);
+    let expected = one_step_stale_losses(8, 0.5);
+    let current: Vec<f64> = train("[]", None, 8).iter().map(|r| r.loss).collect();
+    for (i, (r, want)) in reports.iter().zip(&expected).enumerate() {
+        assert!((r.loss - want).abs() <= 1e-6, "step {i}: {} against {want}", r.loss);
+        // The first two steps compute at the initial parameters; later ones lag behind.
+        if i >= 2 {
+            assert!((r.loss - current[i]).abs() > 1e-4, "step {i} lags: {} against {}", r.loss, current[i]);
+        }
+    }
+    assert!(reports.iter().skip(1).all(|r| r.transfers.updated_during_backward > 0), "updates ran during steps");
+    // A configuration whose parameters live on the host cannot leave them behind.
+    let config = EngineConfig::default();
+    let on_host = r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static", "delayed_update": true}]]"#;
+    let err = trainer(&Strategy::parse(on_host).unwrap(), &config, &Placement::single()).err().expect("refused");
+    assert!(err.to_string().contains("delayed_update"), "{err}");
 }
 
 #[test]

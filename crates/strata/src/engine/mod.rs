@@ -481,6 +481,12 @@ impl Engine {
         schedule.after_update(ctx)
     }
 
+    /// Whether the host's updates of a step run during the next one
+    /// ([`UnitSchedule::delays_host_updates`]).
+    pub fn delays_host_updates(&self) -> bool {
+        self.schedule.delays_host_updates()
+    }
+
     /// Ends a step, whether it updated or was skipped: fp8 scaling takes in the step's
     /// statistics, so none leak into the next step.
     pub fn end_step(&mut self) -> Result<()> {

@@ -37,6 +37,9 @@ pub struct OffloadOptions {
     pub on_host: Vec<bool>,
     /// Bytes of one slot of the device pool; `None`: chosen from the model's buffer sizes.
     pub slot_bytes: Option<u64>,
+    /// The host's updates of a step run during the next step, which computes with the
+    /// device's parameters from before them (units whose parameters stay on the device).
+    pub delayed_update: bool,
 }
 
 /// One unit's host side and where its buffers are now.
@@ -67,6 +70,7 @@ impl UnitState {
 
 pub struct Offload {
     plan: Plan,
+    delayed_update: bool,
     pool: SlotPool,
     units: Vec<UnitState>,
     needs: Vec<Vec<usize>>,
@@ -135,6 +139,13 @@ impl Offload {
         let input = plan_input(&spec, &config, &options);
         let plan = placement::plan(&input, &options.policy)?;
         tracing::info!(homes = ?plan.homes, traffic = ?plan.traffic, device_peak = plan.device_peak(), "offload plan");
+        if options.delayed_update && plan.homes.contains(&Home::Host) {
+            return Err(Error::Config(
+                "offload: delayed_update computes a step with the device's parameters while the host updates the \
+                 masters; parameters that live on the host cannot stay behind (use params \"none\")"
+                    .into(),
+            ));
+        }
         let (needs, unit_bytes) = (input.needs, input.units);
         let mut last_reader: Vec<usize> = (0..n).collect();
         for (k, reads) in needs.iter().enumerate() {
@@ -191,7 +202,9 @@ impl Offload {
         };
         let config = EngineConfig { grad_layout: GradLayout::PerUnit, ..config };
         let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
-        engine.set_schedule(Box::new(Offload { plan, pool, units, needs, last_reader, copying: vec![], events: None }));
+        let delayed_update = options.delayed_update;
+        let offload = Offload { plan, delayed_update, pool, units, needs, last_reader, copying: vec![], events: None };
+        engine.set_schedule(Box::new(offload));
         Ok(engine)
     }
 
@@ -518,6 +531,10 @@ impl UnitSchedule for Offload {
 
     fn attach_events(&mut self, sink: Arc<dyn EventSink>) {
         self.events = Some(sink);
+    }
+
+    fn delays_host_updates(&self) -> bool {
+        self.delayed_update
     }
 
     fn held_tensors(&self) -> Vec<Tensor> {

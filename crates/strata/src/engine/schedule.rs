@@ -72,6 +72,13 @@ pub trait UnitSchedule: Send {
         Ok(())
     }
 
+    /// Whether the host's updates of a step run during the next step (ZeRO-Offload's
+    /// delayed parameter update): the device computes that step with the parameters before
+    /// them, and [`UnitSchedule::after_update`] runs once they are over.
+    fn delays_host_updates(&self) -> bool {
+        false
+    }
+
     /// The tensors the schedule holds besides the engine's buffers (shards, masters, copies
     /// in flight), for counting what model states occupy.
     fn held_tensors(&self) -> Vec<Tensor> {

@@ -136,6 +136,22 @@ pub struct Optimizer {
     ledger: Arc<MemoryLedger>,
     /// State bytes charged to the ledger, per placement.
     state_bytes: BTreeMap<Placement, u64>,
+    delayed: DelayedHostUpdates,
+}
+
+/// Host updates that run during the next step ([`Optimizer::start_delayed_host_updates`]).
+#[derive(Default)]
+struct DelayedHostUpdates {
+    /// Per storage of host gradients, a view spanning it and a twin of its size: the two
+    /// exchange their memory when an update starts, so the update reads the step's
+    /// gradients from the twin while the next step's backward accumulates into the
+    /// original.
+    twins: Vec<(Tensor, Tensor)>,
+    /// Per host segment (group, index), its gradient's place in its storage's twin.
+    grads: BTreeMap<(usize, usize), Tensor>,
+    /// Bytes of the twins, charged to the host.
+    bytes: u64,
+    running: Option<HostUpdates>,
 }
 
 impl Optimizer {
@@ -190,7 +206,16 @@ impl Optimizer {
             g.grads.push(grad);
         }
         groups.retain(|g| !g.params.is_empty());
-        Ok(Optimizer { config, groups, lr_factor: 1.0, steps_taken: 0, grad_divisor: None, ledger, state_bytes })
+        Ok(Optimizer {
+            config,
+            groups,
+            lr_factor: 1.0,
+            steps_taken: 0,
+            grad_divisor: None,
+            ledger,
+            state_bytes,
+            delayed: DelayedHostUpdates::default(),
+        })
     }
 
     /// Scales every group's learning rate (set each step from a [`Schedule`]).
@@ -283,25 +308,98 @@ impl Optimizer {
     /// runs. Low-precision segments (updated through fp32 copies) are left to
     /// [`Optimizer::step_except`].
     pub fn host_updates(&self) -> HostUpdates {
-        let mut by_unit: BTreeMap<usize, Vec<SegmentUpdate>> = BTreeMap::new();
-        for g in &self.groups {
-            for i in 0..g.params.len() {
-                let (param, grad) = (&g.params[i], &g.grads[i]);
-                if g.placements[i] != Placement::Host || param.kind() != grad.kind() || is_low_precision(param.kind()) {
-                    continue;
+        self.host_updates_reading(|gi, i| self.groups[gi].grads[i].shallow_clone())
+    }
+
+    /// The segments (group, index) updated on the host in their own kind.
+    fn host_segments(&self) -> Vec<(usize, usize)> {
+        let mut out = vec![];
+        for (gi, g) in self.groups.iter().enumerate() {
+            for (i, (param, grad)) in g.params.iter().zip(&g.grads).enumerate() {
+                if g.placements[i] == Placement::Host && param.kind() == grad.kind() && !is_low_precision(param.kind())
+                {
+                    out.push((gi, i));
                 }
-                let one = |v: &[Tensor]| v.get(i).map(Tensor::shallow_clone);
-                by_unit.entry(g.places[i].0).or_default().push(SegmentUpdate {
-                    rule: self.rule(g),
-                    param: param.shallow_clone(),
-                    grad: grad.shallow_clone(),
-                    first: one(&g.first),
-                    second: one(&g.second),
-                    step: one(&g.steps),
-                });
             }
         }
+        out
+    }
+
+    /// [`Optimizer::host_updates`] reading each segment's gradient from `grad_of(group,
+    /// index)`.
+    fn host_updates_reading(&self, grad_of: impl Fn(usize, usize) -> Tensor) -> HostUpdates {
+        let mut by_unit: BTreeMap<usize, Vec<SegmentUpdate>> = BTreeMap::new();
+        for (gi, i) in self.host_segments() {
+            let g = &self.groups[gi];
+            let one = |v: &[Tensor]| v.get(i).map(Tensor::shallow_clone);
+            by_unit.entry(g.places[i].0).or_default().push(SegmentUpdate {
+                rule: self.rule(g),
+                param: g.params[i].shallow_clone(),
+                grad: grad_of(gi, i),
+                first: one(&g.first),
+                second: one(&g.second),
+                step: one(&g.steps),
+            });
+        }
         HostUpdates { by_unit: Mutex::new(by_unit), running: Mutex::new(vec![]), ledger: self.ledger.clone() }
+    }
+
+    /// Starts this step's updates of the host segments on threads that run on during the
+    /// next step (ZeRO-Offload's delayed parameter update); the units started, whose
+    /// segments [`Optimizer::step_except`] leaves out. The gradients go with the update:
+    /// each storage of host gradients exchanges its memory with a twin, so the engine's
+    /// next backward accumulates into zeroed memory while the update reads this step's.
+    /// [`Optimizer::settle`] waits for the update, before anything reads the masters.
+    pub fn start_delayed_host_updates(&mut self) -> Result<BTreeSet<usize>> {
+        if self.delayed.running.is_some() {
+            return Err(Error::Engine("a delayed host update is still running: settle it first".into()));
+        }
+        if self.delayed.twins.is_empty() {
+            self.make_twins()?;
+        }
+        for (original, twin) in &self.delayed.twins {
+            // SAFETY: no update is running (checked above) and the engine's backward is
+            // over: nothing reads or writes either storage.
+            unsafe { strata_ext::swap_storages(original, twin) }?;
+        }
+        let updates = self.host_updates_reading(|gi, i| self.delayed.grads[&(gi, i)].shallow_clone());
+        let started = updates.start_all();
+        self.delayed.running = Some(updates);
+        Ok(started)
+    }
+
+    /// A twin for every storage of host gradients, and each host segment's place in it.
+    fn make_twins(&mut self) -> Result<()> {
+        // Per storage: a view spanning it (its first element's address) and its twin.
+        let mut pairs: BTreeMap<usize, (Tensor, Tensor)> = BTreeMap::new();
+        for (gi, i) in self.host_segments() {
+            let grad = &self.groups[gi].grads[i];
+            let id = strata_ext::storage_id(grad)?;
+            let (span, twin) = match pairs.entry(id) {
+                std::collections::btree_map::Entry::Occupied(pair) => pair.into_mut(),
+                std::collections::btree_map::Entry::Vacant(slot) => {
+                    let bytes = strata_ext::storage_nbytes(grad)?;
+                    let numel = (bytes / grad.kind().elt_size_in_bytes()) as i64;
+                    self.ledger.alloc(Placement::Host, Category::Grads, bytes as u64)?;
+                    self.delayed.bytes += bytes as u64;
+                    let twin = Tensor::f_zeros([numel], (grad.kind(), grad.device()))?;
+                    slot.insert((grad.f_as_strided([numel], [1], 0)?, twin))
+                }
+            };
+            let offset = (grad.data_ptr() as usize - span.data_ptr() as usize) / grad.kind().elt_size_in_bytes();
+            let place = twin.f_as_strided(grad.size(), grad.stride(), offset as i64)?;
+            self.delayed.grads.insert((gi, i), place);
+        }
+        self.delayed.twins = pairs.into_values().collect();
+        Ok(())
+    }
+
+    /// Waits for a delayed host update still running and has `engine` publish it
+    /// ([`Engine::after_update`]: the masters reach the device); nothing without one.
+    pub fn settle(&mut self, engine: &mut Engine) -> Result<()> {
+        let Some(running) = self.delayed.running.take() else { return Ok(()) };
+        running.finish()?;
+        engine.after_update()
     }
     /// Names of the per-element state tensors this optimizer keeps (torch.optim's names).
     pub fn state_names(&self) -> &'static [&'static str] {
@@ -492,6 +590,15 @@ pub struct HostUpdates {
 }
 
 impl HostUpdates {
+    /// Starts every unit's host updates; the units started.
+    pub fn start_all(&self) -> BTreeSet<usize> {
+        let units: BTreeSet<usize> = self.by_unit.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        for &unit in &units {
+            self.start(unit);
+        }
+        units
+    }
+
     /// Starts unit `unit`'s host updates (none if it has none, or they started already).
     pub fn start(&self, unit: usize) {
         let Some(segments) = self.by_unit.lock().unwrap_or_else(|e| e.into_inner()).remove(&unit) else { return };
@@ -531,6 +638,11 @@ fn is_low_precision(kind: Kind) -> bool {
 
 impl Drop for Optimizer {
     fn drop(&mut self) {
+        // An update still running writes tensors it holds: it ends before they go.
+        if let Some(running) = self.delayed.running.take() {
+            let _ = running.finish();
+        }
+        self.ledger.free(Placement::Host, Category::Grads, self.delayed.bytes);
         for (&placement, &bytes) in &self.state_bytes {
             self.ledger.free(placement, Category::OptimizerState, bytes);
         }

@@ -274,6 +274,7 @@ fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig,
         non_model: at.non_model.clone(),
         on_host: select_units(&spec, &offload.host_units, "offload.host_units")?,
         slot_bytes: offload.slot_bytes,
+        delayed_update: offload.delayed_update,
     };
     Offload::build(spec, config, options)
 }
@@ -289,6 +290,9 @@ fn zero_offload(name: &str, stage: Stage, c: &OffloadConfig, device: tch::Device
         || !c.host_units.is_empty()
     {
         return bad("every shard goes to the host: use {\"optimizer\": \"cpu\", \"policy\": \"static\"}".into());
+    }
+    if c.delayed_update || c.slot_bytes.is_some() {
+        return bad("delayed_update and slot_bytes belong to offload's plan in one process".into());
     }
     match (stage, c.params) {
         (Stage::Parameters, OffloadTarget::Cpu) | (Stage::Optimizer | Stage::Gradients, OffloadTarget::None) => {

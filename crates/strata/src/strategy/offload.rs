@@ -28,7 +28,8 @@ pub enum OffloadPolicy {
 }
 
 /// `offload`: `{"params": "none|cpu|auto", "optimizer": "none|cpu|auto", "policy":
-/// "static|auto", "ratio": 1.0, "prefetch": 2, "pin_memory": true, "slot_bytes": null}`.
+/// "static|auto", "ratio": 1.0, "prefetch": 2, "pin_memory": true, "slot_bytes": null,
+/// "delayed_update": false}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OffloadConfig {
@@ -48,6 +49,10 @@ pub struct OffloadConfig {
     /// Bytes of one slot of the device pool the moving copies take (a multiple of the page
     /// size); `null`: the size that wastes the fewest bytes for the model's buffers.
     pub slot_bytes: Option<u64>,
+    /// The host's updates of a step run during the next step, which computes with the
+    /// parameters from before them (ZeRO-Offload's delayed parameter update; parameters
+    /// must stay on the device).
+    pub delayed_update: bool,
 }
 
 impl Default for OffloadConfig {
@@ -61,13 +66,14 @@ impl Default for OffloadConfig {
             pin_memory: true,
             host_units: vec![],
             slot_bytes: None,
+            delayed_update: false,
         }
     }
 }
 
 impl OffloadConfig {
-    /// This configuration with every state of every unit on the host (its prefetch and
-    /// pinning kept).
+    /// This configuration with every state of every unit on the host (its prefetch, pinning
+    /// and slots kept; updates not delayed, which parameters on the host cannot be).
     pub fn everything_on_host(&self) -> OffloadConfig {
         OffloadConfig {
             params: OffloadTarget::Cpu,
@@ -75,6 +81,7 @@ impl OffloadConfig {
             policy: OffloadPolicy::Static,
             ratio: 1.0,
             host_units: vec![],
+            delayed_update: false,
             ..self.clone()
         }
     }
