@@ -28,9 +28,13 @@ pub struct BenchOffloadArgs {
     ctx: i64,
     #[arg(long, default_value_t = 2)]
     batch_size: usize,
-    /// Steps of the timed run at each placement's largest size (the first is warm-up).
+    /// Steps of each timed run at each placement's largest size (the first is warm-up).
     #[arg(long, default_value_t = 4)]
     steps: u64,
+    /// Timed runs per placement, in rounds that visit every placement in turn (so drifts of
+    /// a shared machine fall on all alike); the figures are their steps' medians.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Most layers tried.
     #[arg(long, default_value_t = 256)]
     max_layers: i64,
@@ -56,6 +60,10 @@ struct Row {
     moved_per_step: f64,
     /// Seconds waiting for copies over the step's seconds.
     copy_wait_share: f64,
+    /// Tokens/s over those of the placement it runs the size of (prefetch off, update
+    /// delayed), measured in the same rounds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vs_same_size: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -144,38 +152,53 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
         }
         Ok(ModelConfig::Gpt(GptConfig::new(256, args.ctx, layers, args.heads, args.dim)).spec()?.num_params())
     };
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
     let mut rows: Vec<Row> = Vec::new();
     for (placement, offload, sized_like) in PLACEMENTS {
         let strategy = strategy(&args, offload);
-        let strategy = strategy.as_str();
         let layers = match sized_like {
             Some(other) => rows.iter().find(|r| r.placement == other).map_or(0, |r| r.layers),
-            None => largest(&args, strategy)?,
+            None => largest(&args, &strategy)?,
         };
-        let (mut tokens_per_s, mut moved, mut wait_share) = (0.0, 0.0, 0.0);
-        if layers > 0 {
-            let run = bench_runs::train(&flags(&args, layers, args.steps, strategy), 1)?;
-            tokens_per_s = run.tokens_per_s;
-            let moved_each = run.timed.iter().map(|r| {
-                let t = &r["transfers"];
-                t["to_device"].as_f64().unwrap_or(0.0) + t["to_host"].as_f64().unwrap_or(0.0)
-            });
-            moved = bench_runs::median(moved_each.collect());
-            let shares = run.timed.iter().map(|r| {
-                r["transfers"]["wait_s"].as_f64().unwrap_or(0.0) / r["seconds"].as_f64().unwrap_or(1.0).max(1e-9)
-            });
-            wait_share = bench_runs::median(shares.collect());
-        }
+        let params = params_of(layers)?;
         rows.push(Row {
             placement,
-            strategy: strategy.to_string(),
+            strategy,
             layers,
-            params: params_of(layers)?,
+            params,
             vs_static_full: 0.0,
-            tokens_per_s,
-            moved_per_step: moved,
-            copy_wait_share: wait_share,
+            tokens_per_s: 0.0,
+            moved_per_step: 0.0,
+            copy_wait_share: 0.0,
+            vs_same_size: None,
         });
+    }
+    // Per placement, every timed step's tokens/s, bytes moved and copy-wait share.
+    let mut samples: Vec<[Vec<f64>; 3]> = rows.iter().map(|_| Default::default()).collect();
+    for _ in 0..args.rounds {
+        for (row, sample) in rows.iter().zip(&mut samples).filter(|(r, _)| r.layers > 0) {
+            let run = bench_runs::train(&flags(&args, row.layers, args.steps, &row.strategy), 1)?;
+            for r in &run.timed {
+                let t = &r["transfers"];
+                let seconds = r["seconds"].as_f64().unwrap_or(1.0).max(1e-9);
+                sample[0].push(r["tokens_per_s"].as_f64().unwrap_or(0.0));
+                sample[1].push(t["to_device"].as_f64().unwrap_or(0.0) + t["to_host"].as_f64().unwrap_or(0.0));
+                sample[2].push(t["wait_s"].as_f64().unwrap_or(0.0) / seconds);
+            }
+        }
+    }
+    for (row, [speeds, moved, waits]) in rows.iter_mut().zip(samples) {
+        row.tokens_per_s = bench_runs::median(speeds);
+        row.moved_per_step = bench_runs::median(moved);
+        row.copy_wait_share = bench_runs::median(waits);
+    }
+    for (i, (_, _, sized_like)) in PLACEMENTS.iter().enumerate() {
+        let reference = sized_like.and_then(|other| rows.iter().find(|r| r.placement == other));
+        if let Some(speed) = reference.map(|r| r.tokens_per_s).filter(|&s| s > 0.0) {
+            rows[i].vs_same_size = Some(rows[i].tokens_per_s / speed);
+        }
     }
     let full = rows.iter().find(|r| r.placement == "static-full").map_or(0, |r| r.params).max(1) as f64;
     for r in &mut rows {
@@ -199,12 +222,12 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
         args.dim
     );
     println!(
-        "{:<17} {:>6} {:>10} {:>8} {:>9} {:>10} {:>10} {:>9}",
-        "placement", "layers", "params", "/bound", "/static", "tokens/s", "MB moved", "copy-wait"
+        "{:<17} {:>6} {:>10} {:>8} {:>9} {:>10} {:>10} {:>9} {:>9}",
+        "placement", "layers", "params", "/bound", "/static", "tokens/s", "MB moved", "copy-wait", "/same size"
     );
     for r in &report.rows {
         println!(
-            "{:<17} {:>6} {:>9.1}M {:>8.3} {:>9.2} {:>10.0} {:>10.1} {:>8.1}%",
+            "{:<17} {:>6} {:>9.1}M {:>8.3} {:>9.2} {:>10.0} {:>10.1} {:>8.1}% {:>9}",
             r.placement,
             r.layers,
             r.params as f64 / 1e6,
@@ -212,7 +235,8 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
             r.vs_static_full,
             r.tokens_per_s,
             r.moved_per_step / 1e6,
-            100.0 * r.copy_wait_share
+            100.0 * r.copy_wait_share,
+            r.vs_same_size.map_or(String::new(), |v| format!("{v:.2}"))
         );
     }
     Ok(())

@@ -51,8 +51,8 @@ struct State {
 }
 
 /// Offload's figures since the ledger was made: bytes copied to each placement, the time
-/// spent waiting for copies, and the units whose host update ran during backward and the
-/// time those updates took (beside the device's work).
+/// spent waiting for copies, and the units whose host update ran beside the device's work
+/// (during backward, or delayed during the next step) and the time those updates took.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Transfers {
     pub to_device: u64,
@@ -154,10 +154,11 @@ impl MemoryLedger {
         s.transfers.wait_s += waited.as_secs_f64();
     }
 
-    /// Records a unit's host update run during backward, which took `seconds`.
-    pub fn record_host_update(&self, seconds: std::time::Duration) {
+    /// Records the host updates of `units` units run beside the device's work, which took
+    /// `seconds`.
+    pub fn record_host_updates(&self, units: u64, seconds: std::time::Duration) {
         let mut s = self.lock();
-        s.transfers.updated_during_backward += 1;
+        s.transfers.updated_during_backward += units;
         s.transfers.host_update_s += seconds.as_secs_f64();
     }
 

@@ -585,42 +585,59 @@ impl SegmentUpdate {
 /// updates while the device computes the rest of backward.
 pub struct HostUpdates {
     by_unit: Mutex<BTreeMap<usize, Vec<SegmentUpdate>>>,
-    running: Mutex<Vec<(usize, std::thread::JoinHandle<Result<f64>>)>>,
+    running: Mutex<Vec<UpdateThread>>,
     ledger: Arc<MemoryLedger>,
 }
 
+/// A thread updating `units` in turn; it returns the seconds it took.
+struct UpdateThread {
+    units: Vec<usize>,
+    handle: std::thread::JoinHandle<Result<f64>>,
+}
+
 impl HostUpdates {
-    /// Starts every unit's host updates; the units started.
+    /// Starts every unit's host updates on one thread, in turn (they are all due: one
+    /// thread leaves the other cores to the device's work); the units started.
     pub fn start_all(&self) -> BTreeSet<usize> {
         let units: BTreeSet<usize> = self.by_unit.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
-        for &unit in &units {
-            self.start(unit);
-        }
+        self.spawn(units.iter().copied().collect());
         units
     }
 
     /// Starts unit `unit`'s host updates (none if it has none, or they started already).
     pub fn start(&self, unit: usize) {
-        let Some(segments) = self.by_unit.lock().unwrap_or_else(|e| e.into_inner()).remove(&unit) else { return };
+        self.spawn(vec![unit]);
+    }
+
+    /// Updates the `units` not started yet on a thread of their own, one after another.
+    fn spawn(&self, units: Vec<usize>) {
+        let mut by_unit = self.by_unit.lock().unwrap_or_else(|e| e.into_inner());
+        let work: Vec<(usize, Vec<SegmentUpdate>)> =
+            units.into_iter().filter_map(|u| by_unit.remove(&u).map(|segments| (u, segments))).collect();
+        drop(by_unit);
+        if work.is_empty() {
+            return;
+        }
+        let units = work.iter().map(|(u, _)| *u).collect();
         let handle = std::thread::spawn(move || -> Result<f64> {
             let started = std::time::Instant::now();
-            for s in &segments {
+            for s in work.iter().flat_map(|(_, segments)| segments) {
                 s.run()?;
             }
             Ok(started.elapsed().as_secs_f64())
         });
-        self.running.lock().unwrap_or_else(|e| e.into_inner()).push((unit, handle));
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).push(UpdateThread { units, handle });
     }
 
     /// Waits for every update started; the units updated. Their seconds go into the
     /// ledger's host-update time.
     pub fn finish(self) -> Result<BTreeSet<usize>> {
         let mut done = BTreeSet::new();
-        for (unit, handle) in self.running.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        for UpdateThread { units, handle } in self.running.into_inner().unwrap_or_else(|e| e.into_inner()) {
             let seconds =
-                handle.join().map_err(|_| Error::Engine(format!("the host update of unit {unit} panicked")))??;
-            self.ledger.record_host_update(std::time::Duration::from_secs_f64(seconds));
-            done.insert(unit);
+                handle.join().map_err(|_| Error::Engine(format!("the host update of units {units:?} panicked")))??;
+            self.ledger.record_host_updates(units.len() as u64, std::time::Duration::from_secs_f64(seconds));
+            done.extend(units);
         }
         Ok(done)
     }
