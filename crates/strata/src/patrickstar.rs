@@ -14,7 +14,7 @@ use crate::model::ModelSpec;
 use crate::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use crate::parallel::{build_engine, Placement};
 use crate::strategy::{AmpConfig, Method, OffloadConfig, ShardConfig, Strategy};
-use crate::train::{next_token_loss_of, GradScaling, LossFn};
+use crate::train::{next_token_loss_of, GradScaling, HostUpdating, LossFn};
 use crate::{Error, Result};
 use serde::Deserialize;
 use std::cell::RefCell;
@@ -392,7 +392,7 @@ impl PatrickStarOptimizer {
         let scale = s.scaling.scale();
         let (engine, optimizer) = (&s.engine, &s.optimizer);
         let decision = s.scaling.decide(None, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
-        decision.apply(&mut s.engine, &mut s.optimizer, &Default::default())
+        decision.apply(&mut s.engine, &mut s.optimizer, HostUpdating::Done(&Default::default()))
     }
 
     /// This rank's optimizer state: `unit{U}.{OFFSET}.{exp_avg|exp_avg_sq}` per segment and

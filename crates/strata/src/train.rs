@@ -171,37 +171,36 @@ pub(crate) struct GradDecision {
     pub skipped: bool,
 }
 
-impl GradDecision {
-    /// Ends the step on `engine` and its `optimizer`: gradients scaled, the update (of
-    /// the units not `updated` already) unless skipped, gradients cleared.
-    pub(crate) fn apply(
-        &self,
-        engine: &mut Engine,
-        optimizer: &mut Optimizer,
-        updated: &BTreeSet<usize>,
-    ) -> Result<()> {
-        if self.factor != 1.0 {
-            optimizer.scale_grads(self.factor)?;
-        }
-        if !self.skipped {
-            optimizer.step_except(updated)?;
-            engine.after_update()?;
-        }
-        engine.end_step()?;
-        engine.zero_grad()
-    }
+/// Where a step's host updates stand when its update is applied.
+pub(crate) enum HostUpdating<'a> {
+    /// Those of these units ran during backward; the rest run with the update.
+    Done(&'a BTreeSet<usize>),
+    /// They run during the next step, which computes with the parameters from before them.
+    Delayed,
+}
 
-    /// [`GradDecision::apply`] where the host's updates run during the next step: the
-    /// previous step's are waited for and published first, then this step's start, so the
-    /// device computes the next step with the parameters from before them.
-    pub(crate) fn apply_delayed(&self, engine: &mut Engine, optimizer: &mut Optimizer) -> Result<()> {
-        optimizer.settle(engine)?;
+impl GradDecision {
+    /// Ends the step on `engine` and its `optimizer`: gradients scaled, the update unless
+    /// skipped, gradients cleared. Delayed host updates wait for (and publish) the previous
+    /// step's first, then start this step's.
+    pub(crate) fn apply(&self, engine: &mut Engine, optimizer: &mut Optimizer, host: HostUpdating) -> Result<()> {
+        if let HostUpdating::Delayed = host {
+            optimizer.settle(engine)?;
+        }
         if self.factor != 1.0 {
             optimizer.scale_grads(self.factor)?;
         }
         if !self.skipped {
-            let started = optimizer.start_delayed_host_updates()?;
-            optimizer.step_except(&started)?;
+            match host {
+                HostUpdating::Done(updated) => {
+                    optimizer.step_except(updated)?;
+                    engine.after_update()?;
+                }
+                HostUpdating::Delayed => {
+                    let started = optimizer.start_delayed_host_updates()?;
+                    optimizer.step_except(&started)?;
+                }
+            }
         }
         engine.end_step()?;
         engine.zero_grad()
@@ -341,11 +340,8 @@ impl Trainer {
                 self.scaling.decide(self.grad_clip, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?
             }
         };
-        if delayed {
-            decision.apply_delayed(&mut self.engine, &mut self.optimizer)?;
-        } else {
-            decision.apply(&mut self.engine, &mut self.optimizer, &updated)?;
-        }
+        let host = if delayed { HostUpdating::Delayed } else { HostUpdating::Done(&updated) };
+        decision.apply(&mut self.engine, &mut self.optimizer, host)?;
         let GradDecision { mut grad_norm, skipped, .. } = decision;
         let norm_on_device = device_norm.is_some();
         losses.extend(device_norm);

@@ -176,14 +176,6 @@ impl SlotPool {
         })
     }
 
-    pub fn slot_bytes(&self) -> u64 {
-        self.slot_bytes
-    }
-
-    pub fn capacity(&self) -> u32 {
-        self.capacity
-    }
-
     pub fn free_slots(&self) -> usize {
         self.free.len()
     }

@@ -11,8 +11,8 @@ use crate::model::{ModelSpec, ParamId};
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::strategy::Strategy;
 use crate::train::{
-    next_token_loss, next_token_loss_of, token_input, GradDecision, GradScaling, InputFn, LossFn, PipelineFigures,
-    StepReport,
+    next_token_loss, next_token_loss_of, token_input, GradDecision, GradScaling, HostUpdating, InputFn, LossFn,
+    PipelineFigures, StepReport,
 };
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -695,7 +695,7 @@ impl PipelineTrainer {
         };
         let decision = self.scaling.decide(self.grad_clip, scale, sq_norm)?;
         for c in &mut self.chunks {
-            decision.apply(&mut c.engine, &mut c.optimizer, &Default::default())?;
+            decision.apply(&mut c.engine, &mut c.optimizer, HostUpdating::Done(&Default::default()))?;
         }
         let GradDecision { grad_norm, skipped, .. } = decision;
         let ledger = self.chunks[0].engine.ledger().clone();
