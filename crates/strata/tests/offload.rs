@@ -276,8 +276,9 @@ fn host_updates_start_during_backward_where_nothing_can_stop_them_and_change_not
 /// Losses of `steps` steps where each step's gradient is computed at the parameters from
 /// before the previous step's update (the first at the initial ones), and each update is
 /// clipped and applied as the trainer does: a delayed update's trajectory, built from a
-/// plain engine that computes gradients and a plain trainer's optimizer that applies them.
-fn one_step_stale_losses(steps: usize, grad_clip: f64) -> Vec<f64> {
+/// plain engine that computes gradients and a plain trainer's optimizer that applies them;
+/// and that trainer, holding the parameters after the last update.
+fn one_step_stale_losses(steps: usize, grad_clip: f64) -> (Vec<f64>, Trainer) {
     let config = EngineConfig::default();
     let plain = Strategy::default();
     let mut master = trainer(&plain, &config, &Placement::single()).unwrap();
@@ -312,15 +313,17 @@ fn one_step_stale_losses(steps: usize, grad_clip: f64) -> Vec<f64> {
         master.optimizer.step().unwrap();
         stale = before;
     }
-    losses
+    (losses, master)
 }
 
 #[test]
 fn delayed_updates_compute_each_step_at_the_parameters_before_the_last_update() {
     let delayed =
         r#"[["offload", {"params": "none", "optimizer": "cpu", "policy": "static", "delayed_update": true}]]"#;
-    let reports = train(delayed, None, 8);
-    let expected = one_step_stale_losses(8, 0.5);
+    let mut delayed_run =
+        trainer(&Strategy::parse(delayed).unwrap(), &EngineConfig::default(), &Placement::single()).unwrap();
+    let reports: Vec<StepReport> = (0..8).map(|i| delayed_run.train_step(&step(i)).unwrap()).collect();
+    let (expected, mut master) = one_step_stale_losses(8, 0.5);
     let current: Vec<f64> = train("[]", None, 8).iter().map(|r| r.loss).collect();
     for (i, (r, want)) in reports.iter().zip(&expected).enumerate() {
         assert!((r.loss - want).abs() <= 1e-6, "step {i}: {} against {want}", r.loss);
@@ -330,6 +333,10 @@ fn delayed_updates_compute_each_step_at_the_parameters_before_the_last_update() 
         }
     }
     assert!(reports.iter().skip(1).all(|r| r.transfers.updated_during_backward > 0), "updates ran during steps");
+    // Evaluation waits for the last update and sees its parameters.
+    let held_out = [step(100)];
+    let (got, want) = (delayed_run.evaluate(&held_out).unwrap(), master.evaluate(&held_out).unwrap());
+    assert!((got - want).abs() <= 1e-6, "evaluated {got} against {want}");
     // A configuration whose parameters live on the host cannot leave them behind.
     let config = EngineConfig::default();
     let on_host = r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static", "delayed_update": true}]]"#;
