@@ -116,28 +116,16 @@ impl SlottedBuffer {
     pub fn slot_bytes_held(&self, pool: &SlotPool) -> u64 {
         self.pieces as u64 * pool.slot_bytes
     }
-
-    /// The pool's slots behind the buffer, in address order.
-    pub fn slots(&self) -> &[u32] {
-        &self.slots
-    }
 }
 
 impl SlotPool {
     /// The pool for copies on `device`: `capacity` slots of `slot_bytes` where slots are
     /// mapped (the CPU), the device's allocator elsewhere.
     pub fn on(device: Device, slot_bytes: u64, capacity: u32) -> Result<SlotPool> {
-        match device {
-            Device::Cpu => SlotPool::new(slot_bytes, capacity),
-            _ => Ok(SlotPool {
-                slot_bytes: 1,
-                memory: Memory::Allocator,
-                free: vec![],
-                capacity: 0,
-                mapped: 0,
-                counted: false,
-            }),
+        if SlotPool::maps_slots(device) {
+            return SlotPool::new(slot_bytes, capacity);
         }
+        Ok(SlotPool { slot_bytes: 1, memory: Memory::Allocator, free: vec![], capacity: 0, mapped: 0, counted: false })
     }
 
     /// Whether copies on `device` take whole slots.
@@ -192,7 +180,7 @@ impl SlotPool {
     /// Nothing may read or write a view of `t` until [`SlotPool::map`] maps the buffer
     /// and it is filled, nor while it is unmapped again.
     pub unsafe fn adopt(&self, t: &Tensor) -> Result<SlottedBuffer> {
-        let bytes = memory_bytes(t);
+        let bytes = memory::tensor_bytes(t);
         if let Memory::Allocator = self.memory {
             // SAFETY: the caller's contract.
             unsafe { memory::release_buffer(t) }?;
@@ -305,11 +293,6 @@ impl Drop for SlotPool {
     }
 }
 
-/// Bytes of a buffer's elements.
-fn memory_bytes(t: &Tensor) -> u64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as u64
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -375,7 +358,7 @@ mod tests {
         assert!(err.contains("needs 3 slots") && err.contains("2 of 5 are free"), "{err}");
         unsafe { pool.unmap(&mut buffers[0]) }.unwrap();
         pool.map(&mut buffers[2]).unwrap();
-        let slots = buffers[2].slots().to_vec();
+        let slots = buffers[2].slots.clone();
         assert!(slots.windows(2).any(|w| w[1] != w[0] + 1), "scattered slots: {slots:?}");
         let values = with_seed(7, || Tensor::randn([sizes[2]], (Kind::Float, Device::Cpu)));
         tensors[2].shallow_clone().copy_(&values);
