@@ -484,6 +484,9 @@ impl Meta {
         if let Some(n) = self.unit_numel.iter().find(|&&n| n < 0) {
             return bad(format!("a unit of {n} elements"));
         }
+        if self.tensor_size == 0 || i64::try_from(self.tensor_size).is_err() {
+            return bad(format!("{} tensor ranks", self.tensor_size));
+        }
         let mut ends = vec![0i64; self.unit_numel.len()];
         for p in &self.params {
             let numel = p.shape.iter().try_fold(1i64, |acc, &d| if d < 0 { None } else { acc.checked_mul(d) });
@@ -527,11 +530,12 @@ impl Meta {
         Ok(())
     }
 
-    /// Elements of each unit's layout on one tensor rank.
+    /// Elements of each unit's layout on one tensor rank. Saturating: overlapping parameters
+    /// of a damaged description may sum past any size, which no rank file then matches.
     fn local_unit_numel(&self) -> Vec<i64> {
-        let mut numel = vec![0; self.unit_numel.len()];
+        let mut numel = vec![0i64; self.unit_numel.len()];
         for p in &self.params {
-            numel[p.unit] += p.local_numel(self.tensor_size as i64);
+            numel[p.unit] = numel[p.unit].saturating_add(p.local_numel(self.tensor_size as i64));
         }
         numel
     }

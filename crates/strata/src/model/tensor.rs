@@ -139,9 +139,10 @@ impl TpRole {
 }
 
 /// Rows of the vocabulary each of `tp` ranks holds: the vocabulary rounded up to a multiple
-/// of `tp`, divided by `tp`.
+/// of `tp`, divided by `tp` (computed without rounding up first, which could overflow for
+/// the sizes a damaged checkpoint claims).
 pub fn vocab_rows(vocab: i64, tp: i64) -> i64 {
-    (vocab + tp - 1) / tp
+    vocab / tp + i64::from(vocab % tp != 0)
 }
 
 /// The collectives a unit calls where a tensor-parallel region begins and ends. Forward and
@@ -218,6 +219,14 @@ impl std::fmt::Debug for dyn TensorParallel {
 mod tests {
     use super::*;
     use tch::Kind;
+
+    #[test]
+    fn vocabulary_rows_round_up_without_overflowing() {
+        assert_eq!((vocab_rows(10, 4), vocab_rows(8, 4), vocab_rows(0, 3)), (3, 2, 0));
+        // The size a damaged checkpoint may claim.
+        assert_eq!(vocab_rows(i64::MAX, 1), i64::MAX);
+        assert_eq!(vocab_rows(i64::MAX, 2), i64::MAX / 2 + 1);
+    }
 
     fn whole(shape: &[i64]) -> Tensor {
         Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, tch::Device::Cpu)).reshape(shape)
