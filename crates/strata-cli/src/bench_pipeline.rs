@@ -17,8 +17,8 @@ pub struct BenchPipelineArgs {
     /// Micro-batch counts, comma-separated.
     #[arg(long, default_value = "2,4,8")]
     micro_batches: String,
-    /// Schedules, comma-separated (gpipe, 1f1b, interleaved, zero_bubble).
-    #[arg(long, default_value = "gpipe,1f1b,interleaved,zero_bubble")]
+    /// Schedules, comma-separated (gpipe, 1f1b, interleaved, zero_bubble, zero_bubble_h2).
+    #[arg(long, default_value = "gpipe,1f1b,interleaved,zero_bubble,zero_bubble_h2")]
     schedules: String,
     #[arg(long, default_value_t = 8)]
     layers: i64,
@@ -57,8 +57,9 @@ struct Row {
 }
 
 fn parse_kind(name: &str) -> Result<ScheduleKind> {
-    serde_json::from_value(serde_json::Value::String(name.to_string()))
-        .with_context(|| format!("--schedules: {name:?} is not gpipe, 1f1b, interleaved or zero_bubble"))
+    serde_json::from_value(serde_json::Value::String(name.to_string())).with_context(|| {
+        format!("--schedules: {name:?} is not gpipe, 1f1b, interleaved, zero_bubble or zero_bubble_h2")
+    })
 }
 
 pub fn run(args: BenchPipelineArgs) -> Result<()> {
@@ -125,7 +126,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<()> {
         args.layers, args.dim, args.ctx, args.batch_size, args.stages
     );
     println!(
-        "{:<12} {:>3} {:>10} {:>9} {:>9} {:>9} {:>16} {:>10} {:>24}",
+        "{:<14} {:>3} {:>10} {:>9} {:>9} {:>9} {:>16} {:>10} {:>24}",
         "schedule", "m", "tokens/s", "bubble", "analytic", "simulated", "F/B/W ms", "held", "activations per stage"
     );
     for r in &rows {
@@ -133,7 +134,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<()> {
         let acts: Vec<String> = r.activation_peak_bytes.iter().map(|b| format!("{:.1}MB", *b as f64 / 1e6)).collect();
         let [f, b, w] = r.op_ms;
         println!(
-            "{:<12} {:>3} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>16} {:>10} {:>24}",
+            "{:<14} {:>3} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>16} {:>10} {:>24}",
             r.schedule,
             r.micro_batches,
             r.tokens_per_s,

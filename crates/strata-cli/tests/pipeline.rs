@@ -1,6 +1,6 @@
 //! Pipeline parallelism end to end: GPT (tied embedding on the first and last stage) and
 //! LLaMA (untied), 7 blocks (9 units) on 2 and 4 ranks, with GPipe, 1F1B, the interleaved
-//! schedule and ZB-H1, reach what one process reaches with the same micro-batches; bad
+//! schedule, ZB-H1 and ZB-H2, reach what one process reaches with the same micro-batches; bad
 //! layouts are refused in one line.
 mod common;
 
@@ -57,6 +57,8 @@ fn pipelines_match_one_process() {
             (4, "interleaved", 2),
             (2, "zero_bubble", 1),
             (4, "zero_bubble", 1),
+            (2, "zero_bubble_h2", 1),
+            (4, "zero_bubble_h2", 1),
         ] {
             let what = format!("{name}: {stages} stages, {schedule}, {v} chunks per rank");
             let n = stages.to_string();
@@ -115,12 +117,18 @@ fn bad_pipelines_are_refused_in_one_line() {
     assert!(stderr(&o).contains("pipeline_parallel: give the number of stages in parallel_mode"), "{}", stderr(&o));
 }
 
-/// 1F1B's stage r holds at most p − r micro-batches' activations; GPipe holds all m; the
+/// 1F1B's stage r holds at most p − r micro-batches' activations, ZB-H2's 2(p − r) − 1;
+/// GPipe holds all m; the
 /// values of outputs sent on are freed.
 #[test]
 fn schedules_hold_the_micro_batches_their_analysis_says() {
     let dir = tempfile::tempdir().unwrap();
-    for (schedule, expected) in [("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8]), ("zero_bubble", [4, 3, 2, 1])] {
+    for (schedule, expected) in [
+        ("1f1b", [4, 3, 2, 1]),
+        ("gpipe", [8, 8, 8, 8]),
+        ("zero_bubble", [4, 3, 2, 1]),
+        ("zero_bubble_h2", [7, 5, 3, 1]),
+    ] {
         let metrics = dir.path().join(format!("{schedule}.jsonl"));
         let args = ["--layers", "2", "--accumulation", "8", "--steps", "1", "--nproc", "4"];
         let files = ["--strategy", &pipeline(4, schedule, 1), "--metrics", metrics.to_str().unwrap()];
@@ -161,8 +169,9 @@ fn pipelines_beside_tensor_parallelism_and_sharding_match_one_process() {
         // The units holding the tied wte stay whole; the blocks are sharded.
         ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "zero2""#),
         ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "fsdp""#),
-        // ZB-H1 beside data replicas: the reduction waits for the deferred weight gradients.
-        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#"["pipeline_parallel", {"schedule": "zero_bubble"}]"#),
+        // ZB-H2 and ZB-H1 beside data replicas: the reduction waits for the deferred weight
+        // gradients.
+        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#"["pipeline_parallel", {"schedule": "zero_bubble_h2"}]"#),
         ("llama", &LLAMA, r#"[["pipeline", 2]]"#, r#"["pipeline_parallel", {"schedule": "zero_bubble"}], "zero1""#),
         (
             "llama",

@@ -128,8 +128,22 @@ pub enum ScheduleKind {
     /// for more communication.
     Interleaved,
     /// Zero-bubble ZB-H1: backward split into the input gradient, which the previous stage
-    /// waits for, and the weight gradient, which fills what would be bubbles.
+    /// waits for, and the weight gradient, which fills what would be bubbles; stage r holds
+    /// at most 1F1B's p − r micro-batches.
     ZeroBubble,
+    /// Zero-bubble ZB-H2: as ZB-H1, with stage r holding up to 2(p − r) − 1 micro-batches,
+    /// so that extra warm-up forwards fill what a weight gradient cheaper than an input
+    /// gradient leaves idle.
+    #[serde(rename = "zero_bubble_h2")]
+    ZeroBubbleH2,
+}
+
+impl ScheduleKind {
+    /// Whether the schedule splits each backward into an input gradient and a weight
+    /// gradient computed later.
+    pub fn splits_backward(self) -> bool {
+        matches!(self, ScheduleKind::ZeroBubble | ScheduleKind::ZeroBubbleH2)
+    }
 }
 
 /// `pipeline_parallel`'s configuration; the number of stages is parallel_mode's

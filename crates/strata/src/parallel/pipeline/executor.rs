@@ -234,7 +234,7 @@ impl PipelineTrainer {
         let mode = setup.strategy.parallel_mode();
         let p = mode.size("pipeline", world)?;
         let replicas = world / (p * mode.size("tensor", world)?);
-        let zero_bubble = config.schedule == ScheduleKind::ZeroBubble;
+        let zero_bubble = config.schedule.splits_backward();
         if let Some((name @ ("zero2" | "fsdp"), _)) = setup.strategy.sharding().filter(|_| zero_bubble && replicas > 1)
         {
             return Err(Error::Config(format!(
@@ -401,7 +401,7 @@ impl PipelineTrainer {
         Ok(PipelineTrainer {
             chunks,
             kind: config.schedule,
-            defer_weight_grads: config.schedule == ScheduleKind::ZeroBubble,
+            defer_weight_grads: config.schedule.splits_backward(),
             pipeline,
             rank,
             ops,
@@ -554,8 +554,7 @@ impl PipelineTrainer {
                 Op::Backward { micro, chunk } | Op::BackwardInput { micro, chunk } => {
                     let kept = outputs.remove(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
                     // Under the zero-bubble schedule the weight gradients complete later.
-                    let completes =
-                        self.kind != ScheduleKind::ZeroBubble && self.last_backward.contains(&(micro, chunk));
+                    let completes = !self.kind.splits_backward() && self.last_backward.contains(&(micro, chunk));
                     self.chunks[chunk].engine.set_grad_sync(completes);
                     let grad = if self.chunks[chunk].stage == last {
                         self.in_chunk(chunk, micro, |engine| engine.backward_micro(micro, Upstream::Loss(&kept)))?

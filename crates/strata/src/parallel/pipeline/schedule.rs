@@ -122,8 +122,10 @@ impl Pipeline {
         match kind {
             ScheduleKind::Gpipe | ScheduleKind::OneForwardOneBackward => (p - 1.0) / (m + p - 1.0),
             ScheduleKind::Interleaved => (p - 1.0) / (v * m + p - 1.0),
-            // Idle (p − 1)·(F + B − W) of 3m per rank: a third of 1F1B's (p − 1)·3.
-            ScheduleKind::ZeroBubble => (p - 1.0) / (3.0 * m + p - 1.0),
+            // Idle (p − 1)·(F + B − W) of 3m per rank: a third of 1F1B's (p − 1)·3. With equal
+            // costs this is also the floor of any schedule: the last stage waits (p − 1)·F
+            // for its first input, so ZB-H2's extra micro-batches gain only where W < B.
+            ScheduleKind::ZeroBubble | ScheduleKind::ZeroBubbleH2 => (p - 1.0) / (3.0 * m + p - 1.0),
         }
     }
 }
@@ -162,7 +164,8 @@ pub fn schedule(kind: ScheduleKind, pipeline: Pipeline, rank: usize) -> Result<V
         ScheduleKind::Gpipe => gpipe(pipeline),
         ScheduleKind::OneForwardOneBackward => one_f_one_b(pipeline, rank),
         ScheduleKind::Interleaved => interleaved(pipeline, rank),
-        ScheduleKind::ZeroBubble => zero_bubble(pipeline)?.swap_remove(rank),
+        ScheduleKind::ZeroBubble => zero_bubble(pipeline, HeldLimits::H1)?.swap_remove(rank),
+        ScheduleKind::ZeroBubbleH2 => zero_bubble(pipeline, HeldLimits::H2)?.swap_remove(rank),
     };
     Ok(with_communication(pipeline, rank, &steps))
 }
@@ -215,12 +218,38 @@ fn interleaved(p: Pipeline, rank: usize) -> Vec<Step> {
     out
 }
 
-/// ZB-H1, built by running every rank at once with unit costs: a rank computes an input
-/// gradient whenever one can start; else a deferred weight gradient if `p` are waiting;
-/// else a forward while fewer than 1F1B's `p − r` micro-batches await their input
-/// gradient; else a deferred weight gradient. Weight gradients thus fill the idle slots of
-/// 1F1B's warm-up and cool-down, and at most `p` wait at any time.
-fn zero_bubble(p: Pipeline) -> Result<Vec<Vec<Step>>> {
+/// How many micro-batches a zero-bubble schedule lets a stage hold, and how many deferred
+/// weight gradients may wait.
+#[derive(Clone, Copy)]
+enum HeldLimits {
+    /// ZB-H1: 1F1B's `p − r` held, `p` waiting.
+    H1,
+    /// ZB-H2: `2(p − r) − 1` held, `2p` waiting.
+    H2,
+}
+
+impl HeldLimits {
+    fn held(self, stages: usize, rank: usize) -> usize {
+        match self {
+            HeldLimits::H1 => stages - rank,
+            HeldLimits::H2 => 2 * (stages - rank) - 1,
+        }
+    }
+
+    fn waiting(self, stages: usize) -> usize {
+        match self {
+            HeldLimits::H1 => stages,
+            HeldLimits::H2 => 2 * stages,
+        }
+    }
+}
+
+/// ZB-H1 and ZB-H2, built by running every rank at once with unit costs: a rank computes an
+/// input gradient whenever one can start; else a deferred weight gradient if the most that
+/// may wait are waiting; else a forward while fewer micro-batches than the stage may hold
+/// await their input gradient; else a deferred weight gradient. Weight gradients thus fill
+/// the idle slots of 1F1B's warm-up and cool-down; under ZB-H2 extra forwards do too.
+fn zero_bubble(p: Pipeline, limits: HeldLimits) -> Result<Vec<Vec<Step>>> {
     let (n, m) = (p.stages, p.micro_batches);
     let mut out: Vec<Vec<Step>> = vec![Vec::new(); n];
     // When each (rank, micro)'s forward output and input gradient are available to others.
@@ -236,12 +265,13 @@ fn zero_bubble(p: Pipeline) -> Result<Vec<Vec<Step>>> {
                 && forward_done[r][b].is_some_and(|t| t <= time)
                 && (r + 1 == n || grad_done[r + 1][b].is_some_and(|t| t <= time));
             let f = next_f[r];
-            let forward_ready =
-                f < m && f - next_b[r] < n - r && (r == 0 || forward_done[r - 1][f].is_some_and(|t| t <= time));
+            let forward_ready = f < m
+                && f - next_b[r] < limits.held(n, r)
+                && (r == 0 || forward_done[r - 1][f].is_some_and(|t| t <= time));
             let waiting = next_b[r] - next_w[r];
             started[r] = if input_grad_ready {
                 Some(Step::Bi(b, 0))
-            } else if waiting >= n {
+            } else if waiting >= limits.waiting(n) {
                 Some(Step::W(next_w[r], 0))
             } else if forward_ready {
                 Some(Step::F(f, 0))
@@ -441,8 +471,13 @@ pub fn simulate(pipeline: Pipeline, ranks: &[Vec<Op>], costs: Costs) -> Result<S
 mod tests {
     use super::*;
 
-    const KINDS: [ScheduleKind; 4] =
-        [ScheduleKind::Gpipe, ScheduleKind::OneForwardOneBackward, ScheduleKind::Interleaved, ScheduleKind::ZeroBubble];
+    const KINDS: [ScheduleKind; 5] = [
+        ScheduleKind::Gpipe,
+        ScheduleKind::OneForwardOneBackward,
+        ScheduleKind::Interleaved,
+        ScheduleKind::ZeroBubble,
+        ScheduleKind::ZeroBubbleH2,
+    ];
 
     fn all_ranks(kind: ScheduleKind, p: Pipeline) -> Vec<Vec<Op>> {
         (0..p.stages).map(|r| schedule(kind, p, r).unwrap()).collect()
@@ -489,12 +524,13 @@ mod tests {
                     (ScheduleKind::OneForwardOneBackward, 1),
                     (ScheduleKind::Interleaved, 2),
                     (ScheduleKind::ZeroBubble, 1),
+                    (ScheduleKind::ZeroBubbleH2, 1),
                 ] {
                     let p = Pipeline { stages, micro_batches, virtual_stages: v };
                     if kind == ScheduleKind::Interleaved && micro_batches % stages != 0 {
                         continue; // the analysis assumes whole groups of p micro-batches
                     }
-                    if kind == ScheduleKind::ZeroBubble && micro_batches < stages {
+                    if kind.splits_backward() && micro_batches < stages {
                         continue; // too few micro-batches to hide the weight gradients
                     }
                     // Chunks of the interleaved schedule cost 1/v each.
@@ -520,6 +556,7 @@ mod tests {
         let p = Pipeline { stages: 4, micro_batches: 8, virtual_stages: 1 };
         assert_eq!(most_held(ScheduleKind::OneForwardOneBackward, p).unwrap(), [4, 3, 2, 1]);
         assert_eq!(most_held(ScheduleKind::ZeroBubble, p).unwrap(), [4, 3, 2, 1]);
+        assert_eq!(most_held(ScheduleKind::ZeroBubbleH2, p).unwrap(), [7, 5, 3, 1]);
         assert_eq!(most_held(ScheduleKind::Gpipe, p).unwrap(), [8, 8, 8, 8]);
         // Fewer micro-batches than stages: no stage holds more than there are.
         let short = Pipeline { micro_batches: 2, ..p };
@@ -529,6 +566,34 @@ mod tests {
         let held = most_held(ScheduleKind::Interleaved, v).unwrap();
         assert_eq!(held.len(), 4);
         assert!(held.iter().all(|&h| (1..=4).contains(&h)), "{held:?}");
+    }
+
+    /// The worst rank's bubble of `kind` with `costs`.
+    fn worst_bubble(kind: ScheduleKind, p: Pipeline, costs: Costs) -> f64 {
+        simulate(p, &all_ranks(kind, p), costs).unwrap().bubbles().into_iter().fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn zero_bubble_h2_halves_one_f_one_b_where_weight_gradients_are_cheaper() {
+        // A weight gradient half an input gradient, as where only a block's linear products
+        // are deferred: ZB-H1 keeps (p − 1)(F + B − W) of 1F1B's (p − 1)(F + B + W) idle,
+        // more than half; ZB-H2's extra forwards bring it near the floor, the last stage's
+        // wait (p − 1)·F for its first input.
+        let costs = Costs { forward: 2.0, input_grad: 2.0, weight_grad: 1.0 };
+        for stages in [2, 4, 8] {
+            for micro_batches in [2 * stages, 4 * stages] {
+                let p = Pipeline { stages, micro_batches, virtual_stages: 1 };
+                let what = format!("p={stages} m={micro_batches}");
+                let one_f_one_b = worst_bubble(ScheduleKind::OneForwardOneBackward, p, costs);
+                let h1 = worst_bubble(ScheduleKind::ZeroBubble, p, costs);
+                let h2 = worst_bubble(ScheduleKind::ZeroBubbleH2, p, costs);
+                assert!(h1 > 0.5 * one_f_one_b, "{what}: ZB-H1 {h1} against 1F1B {one_f_one_b}");
+                assert!(h2 <= 0.5 * one_f_one_b, "{what}: ZB-H2 {h2} against 1F1B {one_f_one_b}");
+                let wait = (stages - 1) as f64 * costs.forward;
+                let floor = wait / (wait + micro_batches as f64 * 5.0);
+                assert!(h2 >= floor - 1e-9, "{what}: ZB-H2 {h2} under the floor {floor}");
+            }
+        }
     }
 
     #[test]
