@@ -67,10 +67,10 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         let mut loader = DataLoader::new(r.data.clone(), loader_config.clone(), r.order.clone())?;
         let first = loader.next().ok_or_else(|| anyhow::anyhow!("the data gives no step to time the stages on"))??;
         drop(loader);
-        let (before, stages) = (trainer.ranges().to_vec(), trainer.ranges().len());
+        let (before, stages, ranks) = (trainer.ranges().to_vec(), trainer.ranges().len(), trainer.pipeline().stages);
         let held = trainer.most_held()?;
         let costs = trainer.measure_units(&first)?;
-        let split = partition::balance(&costs, stages, r.engine.device_budget, &held)?;
+        let split = partition::balance(&costs, stages, ranks, r.engine.device_budget, &held)?;
         if r.leader {
             let seconds: Vec<String> = costs.iter().map(|c| format!("{:.1}", c.seconds * 1e3)).collect();
             let kept: Vec<String> = costs.iter().map(|c| format!("{:.2}", c.activation_bytes as f64 / 1e6)).collect();

@@ -60,15 +60,15 @@ fn measured_units_are_timed_and_weighed_by_their_buffers() {
     let two = Pipeline { stages: 2, micro_batches: 2, virtual_stages: 1 };
     let held = schedule::most_held(ScheduleKind::OneForwardOneBackward, two).unwrap();
     assert_eq!(held, [2, 1]);
-    assert!(partition::balance(&costs, 2, Some(costs[0].bytes - 1), &held).is_err());
+    assert!(partition::balance(&costs, 2, 2, Some(costs[0].bytes - 1), &held).is_err());
     let activations: u64 = costs.iter().map(|c| c.activation_bytes).sum();
-    assert_eq!(partition::balance(&costs, 2, Some(total + 2 * activations), &held).unwrap().len(), 2);
+    assert_eq!(partition::balance(&costs, 2, 2, Some(total + 2 * activations), &held).unwrap().len(), 2);
     // The least budget any split fits in grows by the activations the stages hold.
     let least_budget = |held: &[u64]| {
         let (mut low, mut high) = (0, total + 2 * activations);
         while low < high {
             let mid = (low + high) / 2;
-            if partition::balance(&costs, 2, Some(mid), held).is_ok() {
+            if partition::balance(&costs, 2, 2, Some(mid), held).is_ok() {
                 high = mid;
             } else {
                 low = mid + 1;

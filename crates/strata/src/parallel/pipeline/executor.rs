@@ -207,8 +207,14 @@ struct SentOutput {
     chunk: usize,
 }
 
-/// The stages' unit ranges: the strategy's, or balanced by parameter count.
-pub fn stage_ranges(spec: &ModelSpec, stages: usize, given: Option<&[(usize, usize)]>) -> Result<Vec<(usize, usize)>> {
+/// The stages' unit ranges, stage `s` on rank `s % ranks`: the strategy's, or balanced by
+/// parameter count.
+pub fn stage_ranges(
+    spec: &ModelSpec,
+    stages: usize,
+    ranks: usize,
+    given: Option<&[(usize, usize)]>,
+) -> Result<Vec<(usize, usize)>> {
     let units = spec.units.len();
     match given {
         Some(split) => partition::check(split, units, stages),
@@ -222,7 +228,7 @@ pub fn stage_ranges(spec: &ModelSpec, stages: usize, given: Option<&[(usize, usi
                     UnitCost { seconds: params.max(1) as f64, bytes: params.max(0) as u64, activation_bytes: 0 }
                 })
                 .collect();
-            partition::balance(&costs, stages, None, &vec![0; stages])
+            partition::balance(&costs, stages, ranks, None, &vec![0; stages])
         }
     }
 }
@@ -268,7 +274,7 @@ impl PipelineTrainer {
         let total = p * v;
         let ranges = match &setup.split {
             Some(split) => partition::check(split, whole.units.len(), total)?,
-            None => stage_ranges(&whole, total, config.stages.as_deref())?,
+            None => stage_ranges(&whole, total, p, config.stages.as_deref())?,
         };
         // Tied parameters: the stages that read each.
         let stage_of = |unit: usize| ranges.iter().position(|&(a, b)| (a..b).contains(&unit)).unwrap_or(0);
@@ -453,6 +459,11 @@ impl PipelineTrainer {
     /// The stages' unit ranges `[start, end)`, in stage order.
     pub fn ranges(&self) -> &[(usize, usize)] {
         &self.ranges
+    }
+
+    /// The pipeline's shape: ranks, micro-batches, chunks per rank.
+    pub fn pipeline(&self) -> Pipeline {
+        self.pipeline
     }
 
     /// One optimizer step over `step`'s micro-batches, as the schedule orders them.
