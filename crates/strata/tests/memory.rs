@@ -241,6 +241,41 @@ fn sharded_model_states_peak_at_the_formula_plus_the_units_in_use() {
     assert_eq!(peak, param_shards + shards(&lens) + in_use, "fsdp");
 }
 
+/// With shm, zero2's and fsdp's whole gradients live in memory the shard group reads in
+/// place, their pages given back once reduced; over tcp they cannot; both train alike.
+#[test]
+fn sharded_whole_gradients_live_where_shm_reads_them_in_place() {
+    // Tokens from each rank's own formula: the ranks share the process's generator.
+    let tokens = |rank: i64| (Tensor::arange(18, (Kind::Int64, Device::Cpu)) * (rank + 3) + 5 * rank).remainder(32);
+    for strategy in [r#"["zero2"]"#, r#"["fsdp"]"#] {
+        let parsed = Strategy::parse(strategy).unwrap();
+        let run = |backend: &str| {
+            two_ranks_on(backend, |comm, rank| {
+                let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+                let mut engine = build_engine(spec(), EngineConfig::default(), &parsed, &placement).unwrap();
+                let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+                let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+                let t = tokens(rank as i64).view([2, 9]);
+                let batch = Batch { inputs: t.narrow(1, 0, 8), targets: t.narrow(1, 1, 8) };
+                let step = Step { index: 0, micro_batches: vec![batch] };
+                let losses: Vec<f64> = (0..3).map(|_| trainer.train_step(&step).unwrap().loss).collect();
+                let storage = trainer.engine.storage();
+                let shared: Vec<bool> = storage.iter().map(|s| strata::comm::in_shared_memory(&s.grad)).collect();
+                let held: Vec<usize> = storage.iter().map(|s| strata_ext::storage_nbytes(&s.grad).unwrap()).collect();
+                (shared, held, losses)
+            })
+        };
+        let (shared, held, losses) = run("cpu:shm");
+        assert!(shared.iter().all(|&s| s), "{strategy}: whole gradients in shared memory: {shared:?}");
+        assert!(held.iter().all(|&b| b == 0), "{strategy}: given back between steps: {held:?}");
+        let (shared, _, reference) = run("cpu:tcp");
+        assert!(shared.iter().all(|&s| !s), "{strategy} over tcp: {shared:?}");
+        for (a, b) in losses.iter().zip(&reference) {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "{strategy}: loss {a} with shm, {b} with tcp");
+        }
+    }
+}
+
 /// With shm, data parallelism's gradient buffer lives in memory the peers read in place,
 /// and stays there through training (autograd accumulates into it); over tcp it cannot.
 #[test]

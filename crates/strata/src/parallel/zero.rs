@@ -259,6 +259,25 @@ impl Zero {
                 ledger.free(Placement::Device, Category::Params, bytes(len, param_kind));
                 unit.params_resident = false;
             }
+            // A whole gradient that the shard group reduce-scatters goes where its peers read
+            // it in place (with shm): each step's copy then gets and gives back pages there.
+            if s.trainable && sharded && shards_grads && host.is_none() && reduce_kind == param_kind {
+                if let Some(shared) =
+                    groups.shard.as_ref().map(|g| g.alloc(len, param_kind, s.grad.device())).transpose()?.flatten()
+                {
+                    let data = shared.data_ptr();
+                    // SAFETY: `shared` holds `len` zeroed elements of the gradient's dtype, as
+                    // its storage does; the storage keeps `shared` alive until it lets go.
+                    unsafe {
+                        strata_ext::adopt_storage(
+                            &s.grad,
+                            data,
+                            bytes(len, param_kind) as usize,
+                            Box::new(move || drop(shared)),
+                        )
+                    }?;
+                }
+            }
             // Frozen units never need gradients; stages 2 and 3 hold only a shard between steps.
             if !s.trainable || (sharded && shards_grads) {
                 // SAFETY: no backward has run; `ensure_grads` restores it before one does.
