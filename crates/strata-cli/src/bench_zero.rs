@@ -128,6 +128,8 @@ pub fn run(args: BenchZeroArgs) -> Result<()> {
                 let (bytes, allocated, speed) = run_one(&args, n, &strategy)?;
                 let expected = formula(method, params as f64, n as f64, sizes);
                 let unit = match method {
+                    // One rank shards nothing: every method holds what data parallelism does.
+                    _ if n == 1 => 0.1 * expected,
                     "ddp" | "zero1" => 0.1 * expected,
                     "zero2" => (largest + lent) as f64 * sizes.1,
                     _ => largest as f64 * (2.0 * sizes.0 + sizes.1) + lent as f64 * sizes.1,

@@ -241,8 +241,9 @@ fn sharded_model_states_peak_at_the_formula_plus_the_units_in_use() {
     assert_eq!(peak, param_shards + shards(&lens) + in_use, "fsdp");
 }
 
-/// With shm, zero2's and fsdp's whole gradients live in memory the shard group reads in
-/// place, their pages given back once reduced; over tcp they cannot; both train alike.
+/// With shm, zero2's and fsdp's whole gradients live, from a unit's backward until its
+/// reduce-scatter completes, in memory the shard group reads in place; over tcp they
+/// cannot; both train alike, and give the memory back after each backward.
 #[test]
 fn sharded_whole_gradients_live_where_shm_reads_them_in_place() {
     // Tokens from each rank's own formula: the ranks share the process's generator.
@@ -256,20 +257,26 @@ fn sharded_whole_gradients_live_where_shm_reads_them_in_place() {
                 let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
                 let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
                 let t = tokens(rank as i64).view([2, 9]);
-                let batch = Batch { inputs: t.narrow(1, 0, 8), targets: t.narrow(1, 1, 8) };
+                let (inputs, targets) = (t.narrow(1, 0, 8), t.narrow(1, 1, 8));
+                let batch = Batch { inputs: inputs.shallow_clone(), targets: targets.shallow_clone() };
                 let step = Step { index: 0, micro_batches: vec![batch] };
                 let losses: Vec<f64> = (0..3).map(|_| trainer.train_step(&step).unwrap().loss).collect();
-                let storage = trainer.engine.storage();
-                let shared: Vec<bool> = storage.iter().map(|s| strata::comm::in_shared_memory(&s.grad)).collect();
-                let held: Vec<usize> = storage.iter().map(|s| strata_ext::storage_nbytes(&s.grad).unwrap()).collect();
-                (shared, held, losses)
+                // The first unit's gradient is the last reduced: in flight when backward ends.
+                let engine = &mut trainer.engine;
+                let out = engine.forward(&inputs).unwrap();
+                engine.backward(&model::layers::cross_entropy(&out, &targets).unwrap()).unwrap();
+                let in_place = strata::comm::in_shared_memory(&engine.storage()[0].grad);
+                engine.finish_grads().unwrap();
+                let held: Vec<usize> =
+                    engine.storage().iter().map(|s| strata_ext::storage_nbytes(&s.grad).unwrap()).collect();
+                (in_place, held, losses)
             })
         };
-        let (shared, held, losses) = run("cpu:shm");
-        assert!(shared.iter().all(|&s| s), "{strategy}: whole gradients in shared memory: {shared:?}");
-        assert!(held.iter().all(|&b| b == 0), "{strategy}: given back between steps: {held:?}");
-        let (shared, _, reference) = run("cpu:tcp");
-        assert!(shared.iter().all(|&s| !s), "{strategy} over tcp: {shared:?}");
+        let (in_place, held, losses) = run("cpu:shm");
+        assert!(in_place, "{strategy}: the gradient being reduced is in shared memory");
+        assert!(held.iter().all(|&b| b == 0), "{strategy}: given back after backward: {held:?}");
+        let (in_place, _, reference) = run("cpu:tcp");
+        assert!(!in_place, "{strategy} over tcp");
         for (a, b) in losses.iter().zip(&reference) {
             assert!((a - b).abs() <= 1e-6 * a.abs(), "{strategy}: loss {a} with shm, {b} with tcp");
         }

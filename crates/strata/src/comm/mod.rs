@@ -237,19 +237,6 @@ pub fn in_shared_memory(t: &Tensor) -> bool {
     t.device() == Device::Cpu && shared::Heap::get().locate(t.data_ptr() as *const u8, bytes_of(t) as usize).is_some()
 }
 
-/// Gives back the pages of `t`, a whole allocation of [`ProcessGroup::alloc`], keeping its
-/// address for this process and the peers that read it in place; false, and nothing
-/// done, where `t` is not one.
-pub fn discard_shared(t: &Tensor) -> Result<bool> {
-    shared::Heap::get().discard(t.data_ptr() as *const u8)
-}
-
-/// Counts a discarded allocation of [`ProcessGroup::alloc`] as in use again; false where
-/// `t` is not one.
-pub fn recommit_shared(t: &Tensor) -> bool {
-    shared::Heap::get().recommit(t.data_ptr() as *const u8)
-}
-
 /// All-reduces a few host numbers over `group` and waits: agreement on flags, norms,
 /// timings and statistics rather than tensor data.
 pub fn all_reduce_values(group: &dyn ProcessGroup, values: &[f64], op: ReduceOp) -> Result<Vec<f64>> {

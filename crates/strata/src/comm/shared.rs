@@ -27,10 +27,6 @@ struct Segment {
     fd: i32,
     base: usize,
     len: usize,
-    /// Whether its bytes are in the CPU allocator's statistics: from allocation (where
-    /// those are kept) until [`Heap::discard`] gives its pages back, and again from
-    /// [`Heap::recommit`].
-    counted: bool,
 }
 
 /// This process's shared allocations.
@@ -88,13 +84,10 @@ impl Heap {
         let counted = strata_ext::cpu_memory::stats().is_ok() && strata_ext::cpu_memory::account(bytes as i64).is_ok();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let base = base as usize;
-        self.lock().push(Segment { id, fd, base, len: bytes, counted });
+        self.lock().push(Segment { id, fd, base, len: bytes });
         let heap = self.clone();
         let release = Box::new(move || {
-            let mut live = heap.lock();
-            let counted = live.iter().any(|s| s.id == id && s.counted);
-            live.retain(|s| s.id != id);
-            drop(live);
+            heap.lock().retain(|s| s.id != id);
             if counted {
                 let _ = strata_ext::cpu_memory::account(-(bytes as i64));
             }
@@ -117,34 +110,6 @@ impl Heap {
             fd: s.fd,
             offset: (at - s.base) as u64,
         })
-    }
-
-    /// Gives back the pages of the allocation that starts at `ptr`, keeping its mapping,
-    /// here and in the peers that mapped it: it reads as zeros until written again, and
-    /// leaves the allocator's statistics until [`Heap::recommit`]. False where `ptr` starts
-    /// no allocation.
-    pub fn discard(&self, ptr: *const u8) -> Result<bool> {
-        let mut live = self.lock();
-        let Some(s) = live.iter_mut().find(|s| s.base == ptr as usize) else { return Ok(false) };
-        // SAFETY: the whole mapping of a live allocation; the caller no longer reads it.
-        if unsafe { libc::madvise(s.base as *mut libc::c_void, s.len, libc::MADV_REMOVE) } != 0 {
-            return Err(os_error("cannot give back shared memory"));
-        }
-        if std::mem::replace(&mut s.counted, false) {
-            let _ = strata_ext::cpu_memory::account(-(s.len as i64));
-        }
-        Ok(true)
-    }
-
-    /// Counts a discarded allocation that starts at `ptr` as in use again (its pages come
-    /// back as they are written). False where `ptr` starts no allocation.
-    pub fn recommit(&self, ptr: *const u8) -> bool {
-        let mut live = self.lock();
-        let Some(s) = live.iter_mut().find(|s| s.base == ptr as usize) else { return false };
-        if !s.counted && strata_ext::cpu_memory::account(s.len as i64).is_ok() {
-            s.counted = true;
-        }
-        true
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Segment>> {

@@ -211,11 +211,6 @@ impl MemoryLedger {
 /// operation on it may be in flight, until [`restore_buffer`] gives it memory again and it
 /// is refilled.
 pub unsafe fn release_buffer(t: &tch::Tensor) -> Result<()> {
-    // Memory that peers map keeps its address, where they find it again: its pages go.
-    if crate::comm::discard_shared(t)? {
-        // SAFETY: the caller's contract above.
-        return Ok(unsafe { strata_ext::set_storage_nbytes(t, 0) }?);
-    }
     // SAFETY: the caller's contract above.
     Ok(unsafe { strata_ext::resize_storage(t, 0) }?)
 }
@@ -226,13 +221,8 @@ pub unsafe fn release_buffer(t: &tch::Tensor) -> Result<()> {
 /// `t` spans its whole storage (a unit's flat buffer, as the engine makes them), so every
 /// view of the storage lies within the bytes it gets back.
 pub unsafe fn restore_buffer(t: &tch::Tensor) -> Result<()> {
-    let bytes = t.numel() * t.kind().elt_size_in_bytes();
-    if crate::comm::recommit_shared(t) {
-        // SAFETY: a shared allocation spans the storage it was adopted into.
-        return Ok(unsafe { strata_ext::set_storage_nbytes(t, bytes) }?);
-    }
     // SAFETY: the caller's contract above.
-    Ok(unsafe { strata_ext::resize_storage(t, bytes) }?)
+    Ok(unsafe { strata_ext::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes()) }?)
 }
 
 /// Bytes of a tensor's elements.

@@ -27,7 +27,7 @@ use crate::model::ModelSpec;
 use crate::strategy::{BackwardPrefetch, Stage, Wrap};
 use crate::{Error, Result};
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
 
 #[derive(Clone, Debug)]
@@ -103,7 +103,56 @@ struct Sharded {
     grad_shard: Option<Tensor>,
     params_resident: bool,
     grads_resident: bool,
+    /// Whether its whole gradient borrows a [`SharedGradSlots`] slot from its backward until
+    /// its reduce-scatter completes.
+    borrows_grad_slot: bool,
     gathering: Option<InFlight>,
+}
+
+/// Memory for whole gradients that the shard group reads in place (`shm`): buffers the size
+/// of the largest such gradient, each lent to one unit from its backward until its
+/// reduce-scatter has completed, so that the reduce-scatter reads the peers' gradients
+/// directly instead of staging them through the group's arena. A slot is made when none is
+/// free, so there are as many as are ever in use at once, and kept for the run: peers keep
+/// their mappings of it, and its pages stay in place from step to step.
+struct SharedGradSlots {
+    group: Arc<dyn ProcessGroup>,
+    numel: i64,
+    kind: Kind,
+    free: Arc<Mutex<Vec<Tensor>>>,
+}
+
+impl SharedGradSlots {
+    /// Slots of `numel` elements of `kind` from `group`, where it hands out shared memory.
+    fn new(group: &Arc<dyn ProcessGroup>, numel: i64, kind: Kind, device: tch::Device) -> Result<Option<Self>> {
+        Ok(group.alloc(numel, kind, device)?.map(|first| SharedGradSlots {
+            group: group.clone(),
+            numel,
+            kind,
+            free: Arc::new(Mutex::new(vec![first])),
+        }))
+    }
+
+    /// Points the storage of `grad` (and every view of it) at a slot, which goes back to
+    /// the free ones when the storage lets go of it ([`memory::release_buffer`]). Its
+    /// values are what the slot last held.
+    fn lend(&self, grad: &Tensor) -> Result<()> {
+        let free = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let slot = match free {
+            Some(slot) => slot,
+            None => self
+                .group
+                .alloc(self.numel, self.kind, grad.device())?
+                .ok_or_else(|| Error::Comm("the shard group no longer hands out shared memory".into()))?,
+        };
+        let data = slot.data_ptr();
+        let free = self.free.clone();
+        let give_back = Box::new(move || free.lock().unwrap_or_else(|e| e.into_inner()).push(slot));
+        // SAFETY: the slot holds at least the gradient's elements in its dtype and lives
+        // until the storage gives it back.
+        unsafe { strata_ext::adopt_storage(grad, data, bytes(grad.numel() as i64, self.kind) as usize, give_back) }?;
+        Ok(())
+    }
 }
 
 /// A collective in flight and the copy it reads from, if it needed one (a cast master, a
@@ -165,6 +214,8 @@ pub struct Zero {
     reducing: VecDeque<(usize, InFlight, Option<Tensor>)>,
     /// All-reduces in flight (replicas, stage 1, ignored units).
     all_reducing: Vec<Work>,
+    /// Where whole gradients go while the shard group reads them in place, if it can.
+    grad_slots: Option<SharedGradSlots>,
     events: Option<Arc<dyn EventSink>>,
 }
 
@@ -225,6 +276,7 @@ impl Zero {
                 grad_shard: None,
                 params_resident: true,
                 grads_resident: true,
+                borrows_grad_slot: false,
                 gathering: None,
             };
             let sharded = wrap != Wrap::Ignored;
@@ -259,25 +311,10 @@ impl Zero {
                 ledger.free(Placement::Device, Category::Params, bytes(len, param_kind));
                 unit.params_resident = false;
             }
-            // A whole gradient that the shard group reduce-scatters goes where its peers read
-            // it in place (with shm): each step's copy then gets and gives back pages there.
-            if s.trainable && sharded && shards_grads && host.is_none() && reduce_kind == param_kind {
-                if let Some(shared) =
-                    groups.shard.as_ref().map(|g| g.alloc(len, param_kind, s.grad.device())).transpose()?.flatten()
-                {
-                    let data = shared.data_ptr();
-                    // SAFETY: `shared` holds `len` zeroed elements of the gradient's dtype, as
-                    // its storage does; the storage keeps `shared` alive until it lets go.
-                    unsafe {
-                        strata_ext::adopt_storage(
-                            &s.grad,
-                            data,
-                            bytes(len, param_kind) as usize,
-                            Box::new(move || drop(shared)),
-                        )
-                    }?;
-                }
-            }
+            // A whole gradient reduce-scattered as it is (no cast, no host shard) can be read
+            // in place by the shard group's peers.
+            unit.borrows_grad_slot =
+                s.trainable && sharded && shards_grads && host.is_none() && reduce_kind == param_kind;
             // Frozen units never need gradients; stages 2 and 3 hold only a shard between steps.
             if !s.trainable || (sharded && shards_grads) {
                 // SAFETY: no backward has run; `ensure_grads` restores it before one does.
@@ -296,7 +333,13 @@ impl Zero {
             units.push(unit);
             Ok(())
         };
+        let device = config.device;
         let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
+        let largest_borrowed = units.iter().filter(|u| u.borrows_grad_slot).map(|u| u.len).max();
+        let grad_slots = match (&groups.shard, largest_borrowed) {
+            (Some(g), Some(numel)) => SharedGradSlots::new(g, numel, param_kind, device)?,
+            _ => None,
+        };
         let zero = Zero {
             options,
             groups,
@@ -307,6 +350,7 @@ impl Zero {
             reduce_kind,
             reducing: VecDeque::new(),
             all_reducing: Vec::new(),
+            grad_slots,
             events: None,
         };
         engine.set_schedule(Box::new(zero));
@@ -437,8 +481,11 @@ impl Zero {
             return Ok(());
         }
         ledger.alloc(Placement::Device, Category::Grads, bytes(unit.len, self.param_kind))?;
-        // SAFETY: the engine's gradient buffer spans its storage.
-        unsafe { memory::restore_buffer(&storage[u].grad) }?;
+        match (&self.grad_slots, unit.borrows_grad_slot) {
+            (Some(slots), true) => slots.lend(&storage[u].grad)?,
+            // SAFETY: the engine's gradient buffer spans its storage.
+            _ => unsafe { memory::restore_buffer(&storage[u].grad) }?,
+        }
         let _ = storage[u].grad.shallow_clone().f_zero_()?;
         unit.grads_resident = true;
         Ok(())
