@@ -239,14 +239,7 @@ impl PipelineTrainer {
         let world = setup.comm.map_or(1, Comm::size);
         let mode = setup.strategy.parallel_mode();
         let p = mode.size("pipeline", world)?;
-        let replicas = world / (p * mode.size("tensor", world)?);
         let zero_bubble = config.schedule.splits_backward();
-        if let Some((name @ ("zero2" | "fsdp"), _)) = setup.strategy.sharding().filter(|_| zero_bubble && replicas > 1)
-        {
-            return Err(Error::Config(format!(
-                "pipeline_parallel: the zero-bubble schedule completes weight gradients after {name} has reduced and freed the whole ones; use data parallelism or zero1 beside it"
-            )));
-        }
         let v = config.virtual_stages;
         let pipeline = Pipeline { stages: p, micro_batches: setup.micro_batches, virtual_stages: v };
         // The ranks of every pipeline, each in stage order; this rank's stage is its place.
