@@ -43,9 +43,22 @@ impl WeightGrads {
 
     /// Computes micro-batch `micro`'s queued weight gradients into the weights' `.grad`.
     pub fn run(&self, micro: usize) -> Result<()> {
+        self.run_each(micro, |_| Ok(()))
+    }
+
+    /// The weights of micro-batch `micro`'s queued gradients, in the order they run.
+    pub fn weights(&self, micro: usize) -> Result<Vec<Tensor>> {
+        let queued = self.queued.lock().map_err(|e| Error::Engine(e.to_string()))?;
+        Ok(queued.get(&micro).map_or_else(Vec::new, |jobs| jobs.iter().map(|j| j.weight.shallow_clone()).collect()))
+    }
+
+    /// [`WeightGrads::run`], calling `before(i)` ahead of the `i`-th gradient (in the order of
+    /// [`WeightGrads::weights`]).
+    pub fn run_each(&self, micro: usize, mut before: impl FnMut(usize) -> Result<()>) -> Result<()> {
         let jobs = self.queued.lock().map_err(|e| Error::Engine(e.to_string()))?.remove(&micro).unwrap_or_default();
         tch::no_grad(|| -> Result<()> {
-            for job in jobs {
+            for (i, job) in jobs.into_iter().enumerate() {
+                before(i)?;
                 let mut grad = job.weight.grad();
                 if job.input.kind() == grad.kind() {
                     let _ = grad.f_addmm_(&job.grad_out.f_tr()?, &job.input)?;

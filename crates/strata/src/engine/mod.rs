@@ -621,15 +621,27 @@ impl Engine {
         self.sync_grads = sync;
     }
 
-    /// Runs the schedule's gradient synchronisation for every unit, last first, as the
-    /// backward that completes a step's gradients would; for gradients completed after
-    /// their backward (the zero-bubble schedule's deferred weight gradients).
-    pub fn sync_grads_now(&mut self) -> Result<()> {
+    /// Runs the schedule's gradient synchronisation for unit `k`, as the end of the backward
+    /// that completes a step's gradients would; for gradients completed after their
+    /// backward (the zero-bubble schedules' deferred weight gradients). Call it for every
+    /// unit, last first, each once nothing left to compute adds to its gradients.
+    pub fn sync_unit_grads_now(&mut self, k: usize) -> Result<()> {
         let previous = std::mem::replace(&mut self.sync_grads, true);
         // No unit's backward ends here, so no phase event is recorded.
-        let result = (0..self.spec.units.len()).rev().try_for_each(|k| self.schedule_on(Phase::AfterBackward, k));
+        let result = self.schedule_on(Phase::AfterBackward, k);
         self.sync_grads = previous;
         result
+    }
+
+    /// The unit whose parameter buffer holds `t` (a parameter, or a view of one).
+    pub fn unit_holding(&self, t: &Tensor) -> Result<usize> {
+        let id = strata_ext::storage_id(t)?;
+        for (k, s) in self.storage.iter().enumerate() {
+            if strata_ext::storage_id(&s.flat)? == id {
+                return Ok(k);
+            }
+        }
+        Err(Error::Engine("a tensor that belongs to no unit's parameters".into()))
     }
 
     /// Waits for the schedule's work on the gradients; call before the optimizer step.

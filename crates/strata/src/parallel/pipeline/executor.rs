@@ -233,6 +233,19 @@ pub fn stage_ranges(
     }
 }
 
+/// For each of a chunk's last weight gradients, in order, given the unit each adds to: the
+/// lowest unit from which on every unit is complete before it runs (none of it or the ones
+/// after it reaches them).
+fn complete_from(units: &[usize]) -> Vec<usize> {
+    let mut out = vec![0; units.len()];
+    let mut reached = None;
+    for (i, &u) in units.iter().enumerate().rev() {
+        reached = reached.max(Some(u));
+        out[i] = reached.map_or(0, |r| r + 1);
+    }
+    out
+}
+
 impl PipelineTrainer {
     pub fn new(setup: PipelineSetup<'_>) -> Result<PipelineTrainer> {
         let config = setup.strategy.pipeline_parallel().unwrap_or_default();
@@ -576,10 +589,27 @@ impl PipelineTrainer {
                     let link = self.grads_out[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
                     sending.extend(link.send(&g)?);
                 }
-                Op::BackwardWeight { micro, chunk } => {
+                Op::BackwardWeight { micro, chunk } if !self.last_backward.contains(&(micro, chunk)) => {
                     self.chunks[chunk].weight_grads.run(micro)?;
-                    if self.last_backward.contains(&(micro, chunk)) {
-                        self.chunks[chunk].engine.sync_grads_now()?;
+                }
+                Op::BackwardWeight { micro, chunk } => {
+                    // The chunk's gradients complete here: each unit's reduction starts as
+                    // soon as no weight gradient left adds to it, beside those still to come.
+                    let Chunk { engine, weight_grads, .. } = &mut self.chunks[chunk];
+                    let weights = weight_grads.weights(micro)?;
+                    let units = weights.iter().map(|w| engine.unit_holding(w)).collect::<Result<Vec<_>>>()?;
+                    let complete = complete_from(&units);
+                    let mut unsynced = engine.spec().units.len();
+                    weight_grads.run_each(micro, |i| {
+                        while unsynced > complete[i] {
+                            unsynced -= 1;
+                            engine.sync_unit_grads_now(unsynced)?;
+                        }
+                        Ok(())
+                    })?;
+                    while unsynced > 0 {
+                        unsynced -= 1;
+                        engine.sync_unit_grads_now(unsynced)?;
                     }
                 }
             }
@@ -908,5 +938,20 @@ impl PipelineTrainer {
         let layout: Vec<(String, Kind, Vec<i64>)> =
             self.params.iter().map(|p| (p.name.clone(), Kind::Float, p.shape.clone())).collect();
         crate::io::write_weights(target, &layout, fetch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::complete_from;
+
+    #[test]
+    fn a_unit_is_complete_once_no_weight_gradient_left_reaches_it() {
+        // Units 3, 2, 1 in backward order, with a tied weight of unit 0 queued first.
+        assert_eq!(complete_from(&[0, 3, 3, 2, 1, 1]), [4, 4, 4, 3, 2, 2]);
+        assert_eq!(complete_from(&[3, 3, 2, 1]), [4, 4, 3, 2]);
+        // Out of order: unit 2 waits for its last gradient behind unit 1's.
+        assert_eq!(complete_from(&[2, 1, 2, 0]), [3, 3, 3, 1]);
+        assert!(complete_from(&[]).is_empty());
     }
 }
