@@ -45,7 +45,27 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
+/// A port on `addr` free now, for rank 0's store. Rank 0 binds it only later, so it is
+/// drawn below the range the kernel hands out to outgoing connections
+/// (`ip_local_port_range`): a connection made meanwhile, by these ranks or anyone, cannot
+/// take it. Where that range leaves no room below it, any free port.
 fn free_port(addr: &str) -> Result<u16> {
+    let outgoing_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    const FIRST: u16 = 10_000;
+    // Random draws, so that launches starting together rarely try the same port.
+    let mut draws = [0u8; 128];
+    let drawn = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut draws)).is_ok();
+    if drawn && outgoing_low > FIRST {
+        for pair in draws.chunks_exact(2) {
+            let port = FIRST + u16::from_le_bytes([pair[0], pair[1]]) % (outgoing_low - FIRST);
+            if std::net::TcpListener::bind((addr, port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     let l = std::net::TcpListener::bind((addr, 0)).with_context(|| format!("cannot find a free port on {addr}"))?;
     Ok(l.local_addr()?.port())
 }
@@ -240,4 +260,23 @@ pub fn relaunch_self(n: usize, flag: &str, stdout_of: Option<usize>) -> Result<(
         bail!("the ranks failed (see their output above)");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::free_port;
+
+    #[test]
+    fn the_store_port_lies_below_the_ports_of_outgoing_connections() {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+        let low: u16 = range.split_whitespace().next().unwrap().parse().unwrap();
+        if low <= 10_000 {
+            eprintln!("skipped: outgoing connections take ports from {low}, leaving none below for the store");
+            return;
+        }
+        for _ in 0..20 {
+            let port = free_port("127.0.0.1").unwrap();
+            assert!((10_000..low).contains(&port), "port {port}, outgoing connections from {low}");
+        }
+    }
 }
