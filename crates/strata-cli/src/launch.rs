@@ -268,7 +268,10 @@ mod tests {
 
     #[test]
     fn the_store_port_lies_below_the_ports_of_outgoing_connections() {
-        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+        let Ok(range) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range") else {
+            eprintln!("skipped: this system does not say which ports outgoing connections take");
+            return;
+        };
         let low: u16 = range.split_whitespace().next().unwrap().parse().unwrap();
         if low <= 10_000 {
             eprintln!("skipped: outgoing connections take ports from {low}, leaving none below for the store");

@@ -262,21 +262,27 @@ fn sharded_whole_gradients_live_where_shm_reads_them_in_place() {
                 let step = Step { index: 0, micro_batches: vec![batch] };
                 let losses: Vec<f64> = (0..3).map(|_| trainer.train_step(&step).unwrap().loss).collect();
                 // The first unit's gradient is the last reduced: in flight when backward ends.
+                // Twice, in the same memory: each unit gives its slot back for the next.
                 let engine = &mut trainer.engine;
-                let out = engine.forward(&inputs).unwrap();
-                engine.backward(&model::layers::cross_entropy(&out, &targets).unwrap()).unwrap();
-                let in_place = strata::comm::in_shared_memory(&engine.storage()[0].grad);
-                engine.finish_grads().unwrap();
+                let mut lent = Vec::new();
+                for _ in 0..2 {
+                    let out = engine.forward(&inputs).unwrap();
+                    engine.backward(&model::layers::cross_entropy(&out, &targets).unwrap()).unwrap();
+                    let grad = &engine.storage()[0].grad;
+                    lent.push((strata::comm::in_shared_memory(grad), grad.data_ptr() as usize));
+                    engine.finish_grads().unwrap();
+                }
                 let held: Vec<usize> =
                     engine.storage().iter().map(|s| strata_ext::storage_nbytes(&s.grad).unwrap()).collect();
-                (in_place, held, losses)
+                (lent, held, losses)
             })
         };
-        let (in_place, held, losses) = run("cpu:shm");
-        assert!(in_place, "{strategy}: the gradient being reduced is in shared memory");
+        let (lent, held, losses) = run("cpu:shm");
+        assert!(lent.iter().all(|l| l.0), "{strategy}: the gradient being reduced is in shared memory");
+        assert_eq!(lent[0].1, lent[1].1, "{strategy}: one slot serves every unit in turn");
         assert!(held.iter().all(|&b| b == 0), "{strategy}: given back after backward: {held:?}");
-        let (in_place, _, reference) = run("cpu:tcp");
-        assert!(!in_place, "{strategy} over tcp");
+        let (lent, _, reference) = run("cpu:tcp");
+        assert!(lent.iter().all(|l| !l.0), "{strategy} over tcp");
         for (a, b) in losses.iter().zip(&reference) {
             assert!((a - b).abs() <= 1e-6 * a.abs(), "{strategy}: loss {a} with shm, {b} with tcp");
         }

@@ -110,11 +110,13 @@ struct Sharded {
 }
 
 /// Memory for whole gradients that the shard group reads in place (`shm`): buffers the size
-/// of the largest such gradient, each lent to one unit from its backward until its
-/// reduce-scatter has completed, so that the reduce-scatter reads the peers' gradients
-/// directly instead of staging them through the group's arena. A slot is made when none is
-/// free, so there are as many as are ever in use at once, and kept for the run: peers keep
-/// their mappings of it, and its pages stay in place from step to step.
+/// of the largest such gradient, each lent to one unit from the backward that completes the
+/// step's gradients until its reduce-scatter has completed, so that the reduce-scatter reads
+/// the peers' gradients directly instead of staging them through the group's arena. A slot
+/// is made when none is free, so there are as many as units are reduced at once (one, or
+/// two with `overlap_comm` or a borrowed weight), and kept for the run: peers keep their
+/// mappings of it, and its pages stay in place from step to step. The ledger counts a slot
+/// while a unit holds it, at the unit's bytes.
 struct SharedGradSlots {
     group: Arc<dyn ProcessGroup>,
     numel: i64,
@@ -474,19 +476,32 @@ impl Zero {
         Ok(())
     }
 
-    /// Gives unit `u` a zeroed whole gradient buffer if it has none (stages 2 and 3).
-    fn ensure_grads(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
+    /// Gives unit `u` a zeroed whole gradient buffer if it has none (stages 2 and 3): a
+    /// shared slot where this backward completes the step's gradients (`reduced_after`), so
+    /// that no more slots are kept than units reduced at once; otherwise (accumulating
+    /// micro-batches keep every unit's gradient) memory of its own.
+    fn ensure_grads(
+        &mut self,
+        u: usize,
+        storage: &[UnitStorage],
+        ledger: &MemoryLedger,
+        reduced_after: bool,
+    ) -> Result<()> {
         let unit = &mut self.units[u];
         if unit.grads_resident || !unit.trainable {
             return Ok(());
         }
-        ledger.alloc(Placement::Device, Category::Grads, bytes(unit.len, self.param_kind))?;
-        match (&self.grad_slots, unit.borrows_grad_slot) {
-            (Some(slots), true) => slots.lend(&storage[u].grad)?,
+        let charged = bytes(unit.len, self.param_kind);
+        ledger.alloc(Placement::Device, Category::Grads, charged)?;
+        let given = match (&self.grad_slots, unit.borrows_grad_slot && reduced_after) {
+            (Some(slots), true) => slots.lend(&storage[u].grad),
             // SAFETY: the engine's gradient buffer spans its storage.
-            _ => unsafe { memory::restore_buffer(&storage[u].grad) }?,
+            _ => unsafe { memory::restore_buffer(&storage[u].grad) },
+        };
+        if let Err(e) = given.and_then(|()| Ok(storage[u].grad.shallow_clone().f_zero_().map(|_| ())?)) {
+            ledger.free(Placement::Device, Category::Grads, charged);
+            return Err(e);
         }
-        let _ = storage[u].grad.shallow_clone().f_zero_()?;
         unit.grads_resident = true;
         Ok(())
     }
@@ -635,7 +650,7 @@ impl UnitSchedule for Zero {
                     }
                     for &u in &needs {
                         if self.is_sharded(u) {
-                            self.ensure_grads(u, storage, ledger)?;
+                            self.ensure_grads(u, storage, ledger, ctx.sync_grads)?;
                         }
                     }
                 }

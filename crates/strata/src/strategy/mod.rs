@@ -107,7 +107,7 @@ impl Default for MixedConfig {
 #[serde(rename_all = "snake_case")]
 pub enum Balance {
     /// From each unit's forward and backward seconds, measured on the run's first step
-    /// before training, within the device budget (`--device-memory`) per stage.
+    /// before training, within the device budget (`--device-memory`) per rank.
     #[default]
     Measured,
     /// From each unit's parameter count.

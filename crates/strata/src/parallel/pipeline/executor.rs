@@ -601,7 +601,8 @@ impl PipelineTrainer {
                     let complete = complete_from(&units);
                     let mut unsynced = engine.spec().units.len();
                     weight_grads.run_each(micro, |i| {
-                        while unsynced > complete[i] {
+                        // A gradient queued after the weights were read reaches every unit.
+                        while unsynced > complete.get(i).copied().unwrap_or(unsynced) {
                             unsynced -= 1;
                             engine.sync_unit_grads_now(unsynced)?;
                         }

@@ -1,6 +1,7 @@
-//! The stage split: contiguous unit ranges, balanced from per-unit costs by an exact dynamic
-//! program (the slowest stage as fast as possible, every stage within its memory budget),
-//! or given by hand and checked.
+//! The stage split: contiguous unit ranges, balanced from per-unit costs (the slowest stage
+//! as fast as possible, every rank's stages together within its memory budget) by an exact
+//! dynamic program and, where a rank runs several stages, a search; or given by hand and
+//! checked.
 use crate::{Error, Result};
 
 /// What one unit costs its stage: time of its forward and backward, and bytes it holds.
@@ -117,8 +118,8 @@ pub fn balance(units: &[UnitCost], stages: usize, ranks: usize, budget: Option<u
     })
 }
 
-/// The exact dynamic program over one stage per rank: the split whose slowest stage is
-/// fastest with each stage's bytes within `budget`.
+/// The exact dynamic program: the split whose slowest stage is fastest with each stage's
+/// bytes, on its own, within `budget` (every rank's, where each runs one stage).
 fn slowest_stage_first(prefix: &Prefix, stages: usize, budget: Option<u64>, held: &[u64]) -> Result<Stages> {
     let n = prefix.seconds.len() - 1;
     let fits = |s: usize, a: usize, b: usize| budget.is_none_or(|limit| prefix.bytes(a, b, held[s]) <= limit);

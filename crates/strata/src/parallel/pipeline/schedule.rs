@@ -131,8 +131,10 @@ impl Pipeline {
 }
 
 /// For every stage of `pipeline` (chunks of every rank, in stage order), the most
-/// micro-batches whose forward records it holds at once under `kind`: from a forward until
-/// its (input-gradient) backward.
+/// micro-batches whose activations it keeps at once under `kind`: from a forward until its
+/// backward, or, where the backward is split, until its weight gradient (the deferred
+/// weight gradients keep their linear layers' inputs; counting the whole micro-batch until
+/// then errs on the side of memory).
 pub fn most_held(kind: ScheduleKind, pipeline: Pipeline) -> Result<Vec<u64>> {
     let mut most = vec![0u64; pipeline.total_stages()];
     for rank in 0..pipeline.stages {
@@ -140,7 +142,7 @@ pub fn most_held(kind: ScheduleKind, pipeline: Pipeline) -> Result<Vec<u64>> {
         for op in schedule(kind, pipeline, rank)? {
             match op {
                 Op::Forward { chunk, .. } => held[chunk] += 1,
-                Op::Backward { chunk, .. } | Op::BackwardInput { chunk, .. } => {
+                Op::Backward { chunk, .. } | Op::BackwardWeight { chunk, .. } => {
                     held[chunk] = held[chunk].saturating_sub(1)
                 }
                 _ => continue,
@@ -555,8 +557,9 @@ mod tests {
     fn one_f_one_b_holds_at_most_the_stages_after_it_plus_one() {
         let p = Pipeline { stages: 4, micro_batches: 8, virtual_stages: 1 };
         assert_eq!(most_held(ScheduleKind::OneForwardOneBackward, p).unwrap(), [4, 3, 2, 1]);
-        assert_eq!(most_held(ScheduleKind::ZeroBubble, p).unwrap(), [4, 3, 2, 1]);
-        assert_eq!(most_held(ScheduleKind::ZeroBubbleH2, p).unwrap(), [7, 5, 3, 1]);
+        // Split backwards keep a micro-batch until its weight gradient: up to p of those wait.
+        assert_eq!(most_held(ScheduleKind::ZeroBubble, p).unwrap(), [7, 6, 5, 4]);
+        assert_eq!(most_held(ScheduleKind::ZeroBubbleH2, p).unwrap(), [8, 8, 8, 8]);
         assert_eq!(most_held(ScheduleKind::Gpipe, p).unwrap(), [8, 8, 8, 8]);
         // Fewer micro-batches than stages: no stage holds more than there are.
         let short = Pipeline { micro_batches: 2, ..p };
