@@ -58,6 +58,20 @@ impl Prefix {
 /// and that split overfills one, a search finds the least slowest-stage time at which some
 /// split fits every rank.
 pub fn balance(units: &[UnitCost], stages: usize, ranks: usize, budget: Option<u64>, held: &[u64]) -> Result<Stages> {
+    balance_searching(units, stages, ranks, budget, held, RankSearch::MOST_PLACES)
+}
+
+/// [`balance`] with a search that gives up after `most_places` places: then it keeps the
+/// better of what it found and the split giving each stage an equal share of its rank's
+/// budget.
+fn balance_searching(
+    units: &[UnitCost],
+    stages: usize,
+    ranks: usize,
+    budget: Option<u64>,
+    held: &[u64],
+    most_places: usize,
+) -> Result<Stages> {
     let n = units.len();
     if stages == 0 || stages > n {
         return refuse(format!("{stages} stages for {n} units: each stage needs at least one unit"));
@@ -71,7 +85,7 @@ pub fn balance(units: &[UnitCost], stages: usize, ranks: usize, budget: Option<u
     let prefix = Prefix::new(units);
     let by_stage = slowest_stage_first(&prefix, stages, budget, held)?;
     let Some(budget) = budget else { return Ok(by_stage) };
-    let search = RankSearch { prefix: &prefix, ranks, budget, held };
+    let search = RankSearch { prefix: &prefix, ranks, budget, held, most_places };
     if search.fits(&by_stage) {
         return Ok(by_stage);
     }
@@ -164,13 +178,15 @@ struct RankSearch<'a> {
     ranks: usize,
     budget: u64,
     held: &'a [u64],
+    /// Places a search tries before it gives up.
+    most_places: usize,
 }
 
 /// What a search for a split within a time limit found.
 enum Searched {
     Found(Stages),
     NoneFits,
-    /// It tried [`RankSearch::MOST_PLACES`] places without an answer.
+    /// It tried [`RankSearch::most_places`] places without an answer.
     GaveUp,
 }
 
@@ -184,7 +200,8 @@ struct Walk {
 }
 
 impl RankSearch<'_> {
-    /// Places a search tries before it gives up, so that a balance takes seconds at most.
+    /// Places a balance's searches try before they give up, so that it takes seconds at
+    /// most.
     const MOST_PLACES: usize = 200_000;
 
     fn fits(&self, split: &Stages) -> bool {
@@ -217,7 +234,7 @@ impl RankSearch<'_> {
         if walk.failed.contains(&place) {
             return Some(false);
         }
-        if walk.failed.len() > Self::MOST_PLACES {
+        if walk.failed.len() > self.most_places {
             return None;
         }
         let rank = stage % self.ranks;
@@ -382,6 +399,16 @@ mod tests {
                 }
                 (Err(e), None) => proptest::prop_assert!(e.to_string().contains("bytes"), "{}", e),
                 (got, best) => proptest::prop_assert!(false, "balance gave {:?}, the best split takes {:?}", got, best),
+            }
+            // A search that gives up at once still never overfills a rank: it falls back on
+            // equal shares of each rank's budget, or refuses.
+            match balance_searching(&units, stages, ranks, Some(budget), &held, 0) {
+                Ok(split) => {
+                    let (slowest, fits) = judge(&units, &split, ranks, budget, &held);
+                    proptest::prop_assert!(fits, "{:?} exceeds {} bytes on a rank", split, budget);
+                    proptest::prop_assert!(best.is_some_and(|b| slowest >= b), "{:?} beats the best split", split);
+                }
+                Err(e) => proptest::prop_assert!(e.to_string().contains("bytes"), "{}", e),
             }
         }
     }
