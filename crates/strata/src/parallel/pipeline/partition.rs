@@ -89,9 +89,10 @@ fn balance_searching(
     if search.fits(&by_stage) {
         return Ok(by_stage);
     }
+    let slowest = |s: &Stages| s.iter().map(|&(a, b)| prefix.seconds(a, b)).fold(0.0, f64::max);
     // Fitting only grows with the time a stage may take: bisect the ranges' times from the
     // per-stage optimum, which no split that fits every rank can beat.
-    let floor = by_stage.iter().map(|&(a, b)| prefix.seconds(a, b)).fold(0.0, f64::max);
+    let floor = slowest(&by_stage);
     let mut limits: Vec<f64> =
         (0..n).flat_map(|a| (a + 1..=n).map(move |b| (a, b))).map(|(a, b)| prefix.seconds(a, b)).collect();
     limits.retain(|&t| t >= floor);
@@ -115,7 +116,6 @@ fn balance_searching(
     if gave_up {
         // Each stage given its rank's budget over the stages the rank runs always fits.
         let shares = slowest_stage_first(&prefix, stages, Some(budget / (stages / ranks) as u64), held).ok();
-        let slowest = |s: &Stages| s.iter().map(|&(a, b)| prefix.seconds(a, b)).fold(0.0, f64::max);
         found = match (found, shares) {
             (Some(a), Some(b)) => Some(if slowest(&b) < slowest(&a) { b } else { a }),
             (a, b) => a.or(b),

@@ -593,7 +593,8 @@ mod tests {
                 assert!(h1 > 0.5 * one_f_one_b, "{what}: ZB-H1 {h1} against 1F1B {one_f_one_b}");
                 assert!(h2 <= 0.5 * one_f_one_b, "{what}: ZB-H2 {h2} against 1F1B {one_f_one_b}");
                 let wait = (stages - 1) as f64 * costs.forward;
-                let floor = wait / (wait + micro_batches as f64 * 5.0);
+                let floor =
+                    wait / (wait + micro_batches as f64 * (costs.forward + costs.input_grad + costs.weight_grad));
                 assert!(h2 >= floor - 1e-9, "{what}: ZB-H2 {h2} under the floor {floor}");
             }
         }
