@@ -37,6 +37,10 @@ pub struct BenchCommArgs {
     /// Size growth factor between rows.
     #[arg(long, default_value_t = 4)]
     factor: usize,
+    /// Timed rounds per row (the iterations split between them); a row reports the median
+    /// round, which a passing stall on a shared machine does not move.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Print the results as JSON (rank 0).
     #[arg(long)]
     json: bool,
@@ -74,6 +78,10 @@ struct Report {
     /// Every rank copying at the same time, the slowest rank's GB/s: the memory bus is
     /// shared, so this bounds what a copy inside a collective can reach.
     memcpy_every_rank_gbps: Vec<(usize, f64)>,
+    /// The same with streaming stores (what the shm collectives write large outputs with):
+    /// the fastest a copy gets on this machine.
+    streaming_copy_gbps: Vec<(usize, f64)>,
+    streaming_copy_every_rank_gbps: Vec<(usize, f64)>,
     rows: Vec<Row>,
     /// With two ranks or more.
     idle_wait: Option<IdleWait>,
@@ -143,26 +151,42 @@ fn bus_factor(op: &str, n: usize) -> f64 {
     }
 }
 
-fn memcpy_gbps(bytes: usize) -> f64 {
+/// GB/s of copying `bytes` bytes with memcpy or, with `streaming`, with streaming stores.
+fn copy_gbps(bytes: usize, streaming: bool) -> f64 {
     let src = vec![1u8; bytes];
     let mut dst = vec![0u8; bytes];
-    dst.copy_from_slice(&src);
+    let copy = |dst: &mut [u8], src: &[u8]| {
+        if streaming {
+            strata::comm::copy_streaming(dst, src)
+        } else {
+            dst.copy_from_slice(src)
+        }
+    };
+    copy(&mut dst, &src);
     let iters = (1usize << 30).div_ceil(bytes).clamp(3, 200);
     let start = Instant::now();
     for _ in 0..iters {
-        dst.copy_from_slice(std::hint::black_box(&src));
+        copy(&mut dst, std::hint::black_box(&src));
     }
     std::hint::black_box(&dst);
     (bytes * iters) as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
-/// Times `iters` runs of `op` on a buffer of `bytes` bytes; returns seconds per run (the
-/// slowest rank's, as every rank agrees through a max all-reduce).
+/// Times runs of `op` on a buffer of `bytes` bytes in `rounds` rounds; returns seconds per
+/// run of the median round (each round's the slowest rank's, as every rank agrees through a
+/// max all-reduce).
 /// With `shared`, the buffers peers read (all-reduce's, all-gather's input, reduce-scatter's
 /// inputs) come from the group; `None` when it offers no such memory.
 /// With `in_place`, all-gather's input is its own output's block and reduce-scatter's
 /// output its own input's block (nccl-tests' in-place columns).
-fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize, shared: bool, in_place: bool) -> Result<Option<f64>> {
+fn time_op(
+    g: &dyn ProcessGroup,
+    op: &str,
+    bytes: usize,
+    shared: bool,
+    in_place: bool,
+    rounds: usize,
+) -> Result<Option<f64>> {
     let n = g.size();
     let numel = (bytes / 4) as i64;
     let private = |k: i64| Tensor::ones([k], (Kind::Float, Device::Cpu));
@@ -201,13 +225,17 @@ fn time_op(g: &dyn ProcessGroup, op: &str, bytes: usize, shared: bool, in_place:
         Ok(work.wait()?)
     };
     run()?;
-    let iters = ((256usize << 20) / bytes.max(1)).clamp(3, 100);
-    g.barrier()?.wait()?;
-    let start = Instant::now();
-    for _ in 0..iters {
-        run()?;
+    let iters = ((256usize << 20) / bytes.max(1)).clamp(3, 100).div_ceil(rounds);
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        g.barrier()?.wait()?;
+        let start = Instant::now();
+        for _ in 0..iters {
+            run()?;
+        }
+        times.push(all_reduce_values(g, &[start.elapsed().as_secs_f64() / iters as f64], ReduceOp::Max)?[0]);
     }
-    Ok(Some(all_reduce_values(g, &[start.elapsed().as_secs_f64() / iters as f64], ReduceOp::Max)?[0]))
+    Ok(Some(crate::bench_runs::median(times)))
 }
 
 /// Runs the gloo reference with `n` processes; its rows as (op, bytes) → microseconds.
@@ -236,6 +264,9 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     if a.min_bytes == 0 || a.factor < 2 || a.min_bytes > a.max_bytes {
         bail!("sizes must satisfy 0 < --min-bytes <= --max-bytes and --factor >= 2");
     }
+    if a.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
     let comm = init_from_env("cpu:shm", Duration::from_secs(120)).context("joining the job")?;
     let n = comm.size();
     let all: Vec<usize> = (0..n).collect();
@@ -257,7 +288,7 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
                     "shared" => true,
                     other => bail!("unknown buffers {other:?}; expected private or shared"),
                 };
-                let Some(t) = time_op(g.as_ref(), op, bytes, shared, in_place)? else { break };
+                let Some(t) = time_op(g.as_ref(), op, bytes, shared, in_place, a.rounds)? else { break };
                 let algbw = bytes as f64 / t / 1e9;
                 rows.push(Row {
                     backend: backend.into(),
@@ -279,17 +310,23 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     let g = comm.new_group_with(&all, &format!("cpu:{first}"))?.context("this rank is in the world")?;
     let idle_wait = if n > 1 { Some(idle_wait(&comm, g.as_ref(), first)?) } else { None };
     let memcpy_sizes = [16usize << 20, 64 << 20];
-    let mut memcpy_every_rank = Vec::new();
-    for &b in &memcpy_sizes {
-        g.barrier()?.wait()?;
-        let gbps = memcpy_gbps(b);
-        memcpy_every_rank.push((b, all_reduce_values(g.as_ref(), &[gbps], ReduceOp::Min)?[0]));
-    }
+    let every_rank = |streaming: bool| -> Result<Vec<(usize, f64)>> {
+        let mut out = Vec::new();
+        for &b in &memcpy_sizes {
+            g.barrier()?.wait()?;
+            let gbps = copy_gbps(b, streaming);
+            out.push((b, all_reduce_values(g.as_ref(), &[gbps], ReduceOp::Min)?[0]));
+        }
+        Ok(out)
+    };
+    let (memcpy_every_rank, streaming_every_rank) = (every_rank(false)?, every_rank(true)?);
     if comm.rank() != 0 {
         return Ok(());
     }
-    // The reference, measured after the collectives so they do not share the machine.
-    let memcpy: Vec<(usize, f64)> = memcpy_sizes.iter().map(|&b| (b, memcpy_gbps(b))).collect();
+    // The references, measured after the collectives so they do not share the machine.
+    let alone =
+        |streaming: bool| -> Vec<(usize, f64)> { memcpy_sizes.iter().map(|&b| (b, copy_gbps(b, streaming))).collect() };
+    let (memcpy, streaming) = (alone(false), alone(true));
     if !a.no_reference {
         for (op, bytes, t) in gloo_times(&a, n)? {
             for r in rows.iter_mut().filter(|r| r.op == op && r.bytes == bytes) {
@@ -299,8 +336,15 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
             }
         }
     }
-    let report =
-        Report { world_size: n, memcpy_gbps: memcpy, memcpy_every_rank_gbps: memcpy_every_rank, rows, idle_wait };
+    let report = Report {
+        world_size: n,
+        memcpy_gbps: memcpy,
+        memcpy_every_rank_gbps: memcpy_every_rank,
+        streaming_copy_gbps: streaming,
+        streaming_copy_every_rank_gbps: streaming_every_rank,
+        rows,
+        idle_wait,
+    };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
@@ -325,19 +369,23 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
             or_dash(r.speedup_vs_gloo, 2)
         );
     }
-    for ((bytes, alone), (_, together)) in report.memcpy_gbps.iter().zip(&report.memcpy_every_rank_gbps) {
+    for (i, (bytes, alone)) in report.memcpy_gbps.iter().enumerate() {
+        let together = report.memcpy_every_rank_gbps[i].1;
+        let (streamed_alone, streamed) = (report.streaming_copy_gbps[i].1, report.streaming_copy_every_rank_gbps[i].1);
         println!(
-            "memcpy {bytes:>10} bytes: {alone:.3} GB/s in one process, {together:.3} GB/s per rank with every rank copying"
+            "memcpy {bytes:>10} bytes: {alone:.3} GB/s in one process, {together:.3} GB/s per rank with every rank copying; \
+             streaming copy {streamed_alone:.3} and {streamed:.3} GB/s"
         );
         for r in report.rows.iter().filter(|r| r.bytes == *bytes) {
             let place = if r.in_place { " in place" } else { "" };
             println!(
-                "  {} {} {}{place} busbw / memcpy: {:.2} (one process), {:.2} (every rank)",
+                "  {} {} {}{place} busbw / memcpy: {:.2} (one process), {:.2} (every rank); / streaming copy: {:.2} (every rank)",
                 r.backend,
                 r.buffers,
                 r.op,
                 r.busbw_gbps / alone,
-                r.busbw_gbps / together
+                r.busbw_gbps / together,
+                r.busbw_gbps / streamed
             );
         }
     }

@@ -87,6 +87,72 @@ fn apply(kind: Kind, op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8])
     }
 }
 
+/// Bytes a collective writes into its outputs from which it writes them with streaming
+/// (non-temporal) stores: past one core's L2 the output is evicted before anyone reads
+/// it, so pulling each line into cache first (a read for ownership) only adds traffic on
+/// the memory bus that every rank shares. Below it, the output stays where the caller
+/// reads it next.
+pub(crate) const STREAM_FROM: usize = 1 << 20;
+
+/// Copies `len` bytes from `src` to `dst` (which must not overlap); with `stream`, the
+/// destination's aligned middle is written with non-temporal stores, fenced before
+/// returning so that a peer told afterwards sees every byte.
+///
+/// # Safety
+/// `src` must be readable and `dst` writable for `len` bytes, and the ranges disjoint.
+pub(crate) unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, stream: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if stream && len >= 256 {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let head = dst.align_offset(16).min(len);
+        std::ptr::copy_nonoverlapping(src, dst, head);
+        let body = (len - head) / 64 * 64;
+        let (mut d, mut s) = (dst.add(head), src.add(head));
+        let end = d.add(body);
+        // SSE2 is part of x86-64, so no feature check is needed; 64 bytes a step keeps a
+        // whole cache line's stores together in the write-combining buffer.
+        while d < end {
+            for lane in 0..4 {
+                let v = _mm_loadu_si128(s.add(16 * lane) as *const __m128i);
+                _mm_stream_si128(d.add(16 * lane) as *mut __m128i, v);
+            }
+            d = d.add(64);
+            s = s.add(64);
+        }
+        _mm_sfence();
+        std::ptr::copy_nonoverlapping(s, d, len - head - body);
+        return;
+    }
+    let _ = stream;
+    std::ptr::copy_nonoverlapping(src, dst, len);
+}
+
+/// Writes into `dst` the reduction of `first` with each of `rest` (the average of all of
+/// them for avg), streamed (see [`copy_bytes`]): piece by piece in a small buffer that stays
+/// in L1, so `dst` is written once and never read.
+pub(crate) fn reduce_streamed(kind: Kind, op: ReduceOp, dst: &mut [u8], first: &[u8], rest: &[&[u8]]) {
+    // u64s, so the buffer is aligned for every dtype; 4 KiB holds whole elements of each.
+    let mut piece = [0u64; 512];
+    let step = std::mem::size_of_val(&piece);
+    for start in (0..dst.len()).step_by(step) {
+        let end = (start + step).min(dst.len());
+        // SAFETY: the u64 buffer viewed as its own bytes.
+        let tmp = unsafe { std::slice::from_raw_parts_mut(piece.as_mut_ptr() as *mut u8, end - start) };
+        match rest.split_first() {
+            Some((second, others)) => {
+                combine_into(kind, op, tmp, &first[start..end], &second[start..end]);
+                others.iter().for_each(|o| reduce_into(kind, op, tmp, &o[start..end]));
+            }
+            None => tmp.copy_from_slice(&first[start..end]),
+        }
+        if op == ReduceOp::Avg {
+            divide(kind, tmp, rest.len() + 1);
+        }
+        // SAFETY: `dst[start..end]` is writable and distinct from the stack buffer.
+        unsafe { copy_bytes(dst[start..end].as_mut_ptr(), tmp.as_ptr(), end - start, true) };
+    }
+}
+
 /// Divides a block of floating-point elements by `n` (the second half of avg).
 pub(crate) fn divide(kind: Kind, block: &mut [u8], n: usize) {
     fn typed<T: Copy>(b: &mut [u8], f: impl Fn(T) -> T) {
@@ -133,5 +199,52 @@ mod tests {
         assert_eq!(out.to_vec(), [3.0f32, -1.0].map(f32::to_le_bytes).concat());
         assert!(check_reducible(Kind::Int64, ReduceOp::Avg).is_err());
         assert!(check_reducible(Kind::Bool, ReduceOp::Sum).is_err());
+    }
+
+    proptest::proptest! {
+        /// Streamed copies land every byte, whatever the destination's alignment and the
+        /// length's remainder, and touch nothing beyond the destination range.
+        #[test]
+        fn streamed_copies_equal_plain_ones(src_at in 0usize..64, dst_at in 0usize..64, len in 0usize..9000) {
+            let src: Vec<u8> = (0..src_at + len).map(|i| (i * 7 + 3) as u8).collect();
+            let mut dst = vec![0xAAu8; dst_at + len + 64];
+            // SAFETY: both ranges lie inside their vectors, which are distinct.
+            unsafe { copy_bytes(dst[dst_at..].as_mut_ptr(), src[src_at..].as_ptr(), len, true) };
+            proptest::prop_assert_eq!(&dst[dst_at..dst_at + len], &src[src_at..]);
+            proptest::prop_assert!(dst[..dst_at].iter().chain(&dst[dst_at + len..]).all(|&b| b == 0xAA));
+        }
+
+        /// A streamed reduction equals reducing in place one contribution after another, for
+        /// every dtype and op, over lengths that end inside a piece of its buffer.
+        #[test]
+        fn streamed_reductions_equal_plain_ones(numel in 0usize..3000, peers in 0usize..4, which in 0usize..9) {
+            let (kind, op) = [
+                (Kind::Float, ReduceOp::Sum), (Kind::Float, ReduceOp::Avg), (Kind::Double, ReduceOp::Max),
+                (Kind::Half, ReduceOp::Avg), (Kind::BFloat16, ReduceOp::Sum), (Kind::Int, ReduceOp::Min),
+                (Kind::Int64, ReduceOp::Sum), (Kind::Float, ReduceOp::Min), (Kind::Half, ReduceOp::Max),
+            ][which];
+            let contribution = |c: usize| {
+                let t = tch::Tensor::arange(numel as i64, (Kind::Int64, tch::Device::Cpu)) * (c as i64 + 1);
+                let t = t.remainder(13) - 6;
+                let t = t.to_kind(kind);
+                let mut bytes = vec![0u8; numel * kind.elt_size_in_bytes()];
+                t.copy_data_u8(&mut bytes, numel);
+                bytes
+            };
+            let first = contribution(0);
+            let rest: Vec<Vec<u8>> = (1..=peers).map(contribution).collect();
+            let mut expected = first.clone();
+            rest.iter().for_each(|r| reduce_into(kind, op, &mut expected, r));
+            if op == ReduceOp::Avg {
+                divide(kind, &mut expected, peers + 1);
+            }
+            // u64 storage, aligned for every dtype as tensor storage is.
+            let mut out = vec![0u64; expected.len().div_ceil(8)];
+            // SAFETY: the u64 vector viewed as its first `expected.len()` bytes.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, expected.len()) };
+            let rest: Vec<&[u8]> = rest.iter().map(Vec::as_slice).collect();
+            reduce_streamed(kind, op, dst, &first, &rest);
+            proptest::prop_assert_eq!(&*dst, &expected[..]);
+        }
     }
 }

@@ -237,6 +237,15 @@ pub fn in_shared_memory(t: &Tensor) -> bool {
     t.device() == Device::Cpu && shared::Heap::get().locate(t.data_ptr() as *const u8, bytes_of(t) as usize).is_some()
 }
 
+/// Copies `src` into `dst` as the shm collectives write large outputs: with streaming
+/// stores that bypass the cache. `strata bench comm` measures it beside memcpy, as the
+/// fastest a copy gets on the machine. Panics, like `copy_from_slice`, if the lengths differ.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming: slices of different lengths");
+    // SAFETY: two distinct slices (one borrowed mutably) of the same length.
+    unsafe { elementwise::copy_bytes(dst.as_mut_ptr(), src.as_ptr(), src.len(), true) }
+}
+
 /// All-reduces a few host numbers over `group` and waits: agreement on flags, norms,
 /// timings and statistics rather than tensor data.
 pub fn all_reduce_values(group: &dyn ProcessGroup, values: &[f64], op: ReduceOp) -> Result<Vec<f64>> {

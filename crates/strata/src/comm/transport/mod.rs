@@ -9,6 +9,7 @@ mod tcp;
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
 
+use super::elementwise::copy_bytes;
 use super::ReduceOp;
 use crate::{Error, Result};
 use tch::Kind;
@@ -47,12 +48,13 @@ impl Block {
         Block { ptr: unsafe { self.ptr.add(at) }, len: max.min(self.len - at) }
     }
 
-    /// Copies this block's bytes to `dst` (at least as long).
-    fn copy_to(self, dst: *mut u8) {
+    /// Copies this block's bytes to `dst` (at least as long), with streaming stores when
+    /// `stream` (see [`copy_bytes`]).
+    fn copy_to(self, dst: *mut u8, stream: bool) {
         if self.len > 0 {
             // SAFETY: callers pass a destination of at least `len` bytes that does not
             // overlap the block (a shared slot, or another tensor of the collective).
-            unsafe { std::ptr::copy_nonoverlapping(self.ptr, dst, self.len) }
+            unsafe { copy_bytes(dst, self.ptr, self.len, stream) }
         }
     }
 }

@@ -2,7 +2,7 @@
 //! chunk by chunk through the arena's slots, and their direct forms, which read buffers
 //! every rank holds in its [`Heap`](crate::comm::shared::Heap) in place.
 use super::{ShmTransport, LOCATION_BYTES, SLOT_BYTES};
-use crate::comm::elementwise::{combine_into, divide, reduce_into, split};
+use crate::comm::elementwise::{combine_into, copy_bytes, divide, reduce_into, reduce_streamed, split, STREAM_FROM};
 use crate::comm::shared::Location;
 use crate::comm::transport::Block;
 use crate::comm::ReduceOp;
@@ -57,6 +57,7 @@ impl ShmTransport {
             peers.push(if p == r { buf.ptr } else { self.peer_block(p, 0, buf.len)? });
         }
         let shares = split(buf.len / esize, n, esize);
+        let stream = buf.len >= STREAM_FROM;
         let mine = buf.piece(shares[r].start, shares[r].len());
         for p in (0..n).filter(|&p| p != r) {
             // SAFETY: peer p's buffer has the same length; its share r is not written
@@ -71,7 +72,7 @@ impl ShmTransport {
         for p in (0..n).filter(|&p| p != r) {
             let s = shares[p].clone();
             // SAFETY: share p of peer p's buffer is final and stays so until the barrier below.
-            unsafe { std::ptr::copy_nonoverlapping(peers[p].add(s.start), buf.ptr.add(s.start), s.len()) };
+            unsafe { copy_bytes(buf.ptr.add(s.start), peers[p].add(s.start), s.len(), stream) };
         }
         self.arena_barrier()
     }
@@ -80,15 +81,16 @@ impl ShmTransport {
     /// inputs straight into its outputs, between two barriers.
     pub(super) fn direct_all_gather(&mut self, outputs: &[Block], input: Block, at: Location) -> Result<()> {
         let (n, r) = (self.size, self.rank);
+        let stream = outputs.iter().map(|b| b.len).sum::<usize>() >= STREAM_FROM;
         if outputs[r].ptr != input.ptr {
-            input.copy_to(outputs[r].ptr);
+            input.copy_to(outputs[r].ptr, stream);
         }
         self.publish(&[at]);
         self.arena_barrier()?;
         for p in (0..n).filter(|&p| p != r) {
             let src = self.peer_block(p, 0, outputs[p].len)?;
             // SAFETY: peer p's input holds outputs[p].len bytes, unchanged until the barrier.
-            unsafe { std::ptr::copy_nonoverlapping(src, outputs[p].ptr, outputs[p].len) };
+            unsafe { copy_bytes(outputs[p].ptr, src, outputs[p].len, stream) };
         }
         self.arena_barrier()
     }
@@ -112,7 +114,7 @@ impl ShmTransport {
             // SAFETY: peer p's block r holds out.len bytes, unchanged until the barrier.
             theirs.push(unsafe { std::slice::from_raw_parts(block, out.len) });
         }
-        reduce_own_block(kind, op, n, inputs[r], out, theirs);
+        reduce_own_block(kind, op, n, inputs[r], out, theirs, out.len >= STREAM_FROM);
         self.arena_barrier()
     }
 
@@ -123,6 +125,7 @@ impl ShmTransport {
     pub(super) fn arena_all_reduce(&mut self, buf: &mut [u8], kind: Kind, op: ReduceOp) -> Result<()> {
         let (n, r, esize) = (self.size, self.rank, kind.elt_size_in_bytes());
         let chunk = SLOT_BYTES / esize * esize;
+        let stream = buf.len() >= STREAM_FROM;
         for piece in buf.chunks_mut(chunk) {
             let shares = split(piece.len() / esize, n, esize);
             let share = |p: usize| shares[p].clone();
@@ -148,9 +151,7 @@ impl ShmTransport {
             self.arena_barrier()?;
             for p in (0..n).filter(|&p| p != r) {
                 let s = share(p);
-                unsafe {
-                    std::ptr::copy_nonoverlapping(self.slot(n).add(s.start), piece[s.clone()].as_mut_ptr(), s.len())
-                };
+                unsafe { copy_bytes(piece[s.clone()].as_mut_ptr(), self.slot(n).add(s.start), s.len(), stream) };
             }
         }
         Ok(())
@@ -180,11 +181,12 @@ impl ShmTransport {
         // Cache-line multiples, so every region is aligned for every dtype.
         let region = SLOT_BYTES / 2 / n / 64 * 64;
         let longest = inputs.iter().map(|b| b.len).max().unwrap_or(0);
+        let stream = out.len >= STREAM_FROM;
         for (c, at) in (0..longest).step_by(region).enumerate() {
             let h = c % 2;
             for p in (0..n).filter(|&p| p != r) {
                 // SAFETY: region p of this rank's half holds `region` bytes.
-                inputs[p].piece(at, region).copy_to(unsafe { self.half(r, h).add(p * region) });
+                inputs[p].piece(at, region).copy_to(unsafe { self.half(r, h).add(p * region) }, false);
             }
             self.arena_barrier()?;
             let dst = out.piece(at, region);
@@ -193,7 +195,7 @@ impl ShmTransport {
             let theirs = (0..n)
                 .filter(|&p| p != r)
                 .map(|p| unsafe { std::slice::from_raw_parts(self.half(p, h).add(r * region), dst.len) });
-            reduce_own_block(kind, op, n, inputs[r].piece(at, region), dst, theirs);
+            reduce_own_block(kind, op, n, inputs[r].piece(at, region), dst, theirs, stream);
         }
         self.arena_barrier()
     }
@@ -204,19 +206,20 @@ impl ShmTransport {
         let (n, r) = (self.size, self.rank);
         let region = SLOT_BYTES / 2;
         let longest = outputs.iter().map(|b| b.len).max().unwrap_or(0);
+        let stream = outputs.iter().map(|b| b.len).sum::<usize>() >= STREAM_FROM;
         for (c, at) in (0..longest).step_by(region).enumerate() {
             let h = c % 2;
             let piece = input.piece(at, region);
-            piece.copy_to(self.half(r, h));
+            piece.copy_to(self.half(r, h), false);
             let own = outputs[r].piece(at, region);
             if own.ptr != piece.ptr {
-                piece.copy_to(own.ptr);
+                piece.copy_to(own.ptr, stream);
             }
             self.arena_barrier()?;
             for p in (0..n).filter(|&p| p != r) {
                 let dst = outputs[p].piece(at, region);
                 // SAFETY: peer p's half holds its piece until the next barrier.
-                unsafe { std::ptr::copy_nonoverlapping(self.half(p, h), dst.ptr, dst.len) };
+                unsafe { copy_bytes(dst.ptr, self.half(p, h), dst.len, stream) };
             }
         }
         self.arena_barrier()
@@ -224,9 +227,10 @@ impl ShmTransport {
 }
 
 /// Writes into `dst` the reduction of this rank's block `mine` with the peers' copies of it
-/// (`theirs`), divided by `n` for avg. The first peer's copy is combined with `mine`
-/// straight into `dst`, so `mine` is never copied first; in place (`dst` is `mine`), every
-/// copy is reduced into it; with no peers, `mine` is copied over.
+/// (`theirs`), divided by `n` for avg. Out of place, `mine` is never copied first: the
+/// first peer's copy is combined with it straight into `dst` (or, with `stream`, every copy
+/// piece by piece and streamed out). In place (`dst` is `mine`), every copy is reduced into
+/// it; with no peers, `mine` is copied over.
 fn reduce_own_block<'a>(
     kind: Kind,
     op: ReduceOp,
@@ -234,7 +238,12 @@ fn reduce_own_block<'a>(
     mine: Block,
     dst: Block,
     theirs: impl IntoIterator<Item = &'a [u8]>,
+    stream: bool,
 ) {
+    if stream && mine.ptr != dst.ptr {
+        let theirs: Vec<&[u8]> = theirs.into_iter().collect();
+        return reduce_streamed(kind, op, dst.bytes_mut(), mine.bytes(), &theirs);
+    }
     let mut first = mine.ptr != dst.ptr;
     for peer in theirs {
         if std::mem::take(&mut first) {
@@ -244,7 +253,7 @@ fn reduce_own_block<'a>(
         }
     }
     if first {
-        mine.copy_to(dst.ptr);
+        mine.copy_to(dst.ptr, false);
     }
     if op == ReduceOp::Avg {
         divide(kind, dst.bytes_mut(), n);
