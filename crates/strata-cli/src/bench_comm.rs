@@ -309,7 +309,14 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     let first = a.backends.split(',').map(str::trim).next().unwrap_or("shm");
     let g = comm.new_group_with(&all, &format!("cpu:{first}"))?.context("this rank is in the world")?;
     let idle_wait = if n > 1 { Some(idle_wait(&comm, g.as_ref(), first)?) } else { None };
-    let memcpy_sizes = [16usize << 20, 64 << 20];
+    // Copies are compared at every measured size from 16 MiB on (below it caches, not the
+    // memory bus, set the pace), or at the largest size when all are smaller.
+    let mut memcpy_sizes: Vec<usize> = rows.iter().map(|r| r.bytes).filter(|&b| b >= 16 << 20).collect();
+    memcpy_sizes.sort_unstable();
+    memcpy_sizes.dedup();
+    if memcpy_sizes.is_empty() {
+        memcpy_sizes.extend(rows.iter().map(|r| r.bytes).max());
+    }
     let every_rank = |streaming: bool| -> Result<Vec<(usize, f64)>> {
         let mut out = Vec::new();
         for &b in &memcpy_sizes {

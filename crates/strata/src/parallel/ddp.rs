@@ -1,7 +1,7 @@
 //! Data parallelism: every rank holds the whole model, trains on its
 //! share of the global batch, and gradients are averaged across ranks in buckets: runs of
-//! adjacent units of at least the bucket size (25 MiB by default), each a contiguous slice
-//! of the engine's gradient buffer. A bucket's asynchronous all-reduce starts as soon as
+//! adjacent units of at least the bucket size (25 MiB by default; the first, at the model's
+//! end, of at least 1 MiB), each a contiguous slice of the engine's gradient buffer. A bucket's asynchronous all-reduce starts as soon as
 //! the backward of its first unit is done (backward runs in reverse), so communication
 //! overlaps the backward of the units before it. A parameter no batch reaches simply has a
 //! zero gradient, so unused parameters never stall the reduction; unless
@@ -18,6 +18,11 @@ use tch::Tensor;
 
 /// Bucket size of PyTorch DDP's default, which this follows.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+/// The most the first bucket reduced (the model's last units) waits for, as in PyTorch DDP:
+/// a small first all-reduce starts while most of backward is still ahead, where a full-size
+/// one would start only once it is nearly over.
+pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
 
 pub struct DataParallel {
     group: Arc<dyn ProcessGroup>,
@@ -59,7 +64,7 @@ impl DataParallel {
                 engine.place_grads(shared)?;
             }
         }
-        let bucket_ending_at = buckets(engine, options.bucket_bytes)?;
+        let bucket_ending_at = buckets(engine, FIRST_BUCKET_BYTES.min(options.bucket_bytes), options.bucket_bytes)?;
         let (mut reached, mut hooks) = (Vec::new(), Vec::new());
         if !options.find_unused_parameters {
             for (name, p) in engine.named_params().filter(|(_, p)| p.requires_grad()) {
@@ -80,7 +85,9 @@ impl DataParallel {
 
 /// Groups units from the last backwards into buckets of at least `bucket_bytes`; returns,
 /// per unit, the bucket whose all-reduce starts after that unit's backward.
-fn buckets(engine: &Engine, bucket_bytes: usize) -> Result<Vec<Option<Tensor>>> {
+/// For each unit that closes a bucket, the bucket: from the last unit back, runs of units of
+/// at least `first_bytes` for the first bucket and `bucket_bytes` for the others.
+fn buckets(engine: &Engine, first_bytes: usize, bucket_bytes: usize) -> Result<Vec<Option<Tensor>>> {
     let grads = engine
         .grads()
         .ok_or_else(|| Error::Config("data parallelism needs the engine's contiguous gradient layout".into()))?;
@@ -89,11 +96,13 @@ fn buckets(engine: &Engine, bucket_bytes: usize) -> Result<Vec<Option<Tensor>>> 
     let mut out: Vec<Option<Tensor>> = (0..sizes.len()).map(|_| None).collect();
     let mut end: i64 = sizes.iter().sum();
     let mut start = end;
+    let mut cap = first_bytes;
     for k in (0..sizes.len()).rev() {
         start -= sizes[k];
-        if (end - start) as usize * esize >= bucket_bytes || k == 0 {
+        if (end - start) as usize * esize >= cap || k == 0 {
             out[k] = Some(grads.f_narrow(0, start, end - start)?);
             end = start;
+            cap = bucket_bytes;
         }
     }
     Ok(out)
@@ -149,15 +158,18 @@ mod tests {
         let e = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
         let total = e.grads().unwrap().numel();
         // Units: embedding 80, three layers of 72, head 90 elements (f32).
-        let per_unit = buckets(&e, 1).unwrap();
+        let per_unit = buckets(&e, 1, 1).unwrap();
         assert!(per_unit.iter().all(Option::is_some), "a tiny bucket size gives one bucket per unit");
-        let whole = buckets(&e, usize::MAX).unwrap();
+        let whole = buckets(&e, usize::MAX, usize::MAX).unwrap();
         assert!(whole[1..].iter().all(Option::is_none));
         assert_eq!(whole[0].as_ref().unwrap().numel(), total, "a huge size gives one bucket of everything");
         // 150 elements: the head (90) is too small alone, head + last layer (162) is not;
         // the rest (72 + 72 + 80) closes at the first unit.
-        let mid = buckets(&e, 150 * 4).unwrap();
-        let sizes: Vec<usize> = mid.iter().map(|b| b.as_ref().map_or(0, Tensor::numel)).collect();
-        assert_eq!(sizes, [224, 0, 0, 162, 0]);
+        let mid = buckets(&e, 150 * 4, 150 * 4).unwrap();
+        let sizes = |b: Vec<Option<Tensor>>| b.iter().map(|b| b.as_ref().map_or(0, Tensor::numel)).collect::<Vec<_>>();
+        assert_eq!(sizes(mid), [224, 0, 0, 162, 0]);
+        // A first bucket of 80 elements closes at the head alone; the rest, under the
+        // bucket size of everything, closes at the first unit.
+        assert_eq!(sizes(buckets(&e, 80 * 4, usize::MAX).unwrap()), [296, 0, 0, 0, 90]);
     }
 }
