@@ -272,10 +272,11 @@ pub fn run(mut settings: TrainSettings) -> Result<()> {
         stage: false,
         optimizer_bytes_per_element: settings.optimizer.state_bytes_per_element(),
         non_model: None,
+        shard_floor: None,
     };
-    if strategy.offload_plan().is_some() {
-        // The plan leaves room for what a step holds beside model states, measured on a
-        // step of the run's own shape.
+    if strategy.offload().is_some() {
+        // The plan leaves room for what a step holds beside model states (beside a ZeRO
+        // stage, for the step itself), measured on a step of the run's own shape.
         let first = DataLoader::new(data.clone(), loader_config(0), order.clone())?
             .next()
             .ok_or_else(|| anyhow::anyhow!("the data holds no step to measure offload's room on"))??;

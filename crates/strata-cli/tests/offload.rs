@@ -139,6 +139,57 @@ fn zero_stages_with_their_shards_on_the_host_match_the_same_stages_on_the_device
     assert_fails_with(&o, "params must be \"cpu\"");
 }
 
+/// `auto` beside zero2 and fsdp (2 ranks, accumulation, clipping) under a budget that the
+/// same stage without offload exceeds: the units whose shard states fit stay on the device,
+/// the others go to the host, losses and weights are those of the run without offload, and
+/// the device stays within the budget at every step; a budget below the step itself is
+/// refused when the engine is built.
+#[test]
+fn auto_beside_zero2_and_fsdp_keeps_what_fits_on_the_device_and_trains_as_without_offload() {
+    let dir = tempfile::tempdir().unwrap();
+    let common = ["--nproc", "2", "--accumulation", "2", "--grad-clip", "0.5"];
+    let bytes = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    for (stage, params) in [("zero2", "none"), ("fsdp", "auto")] {
+        let plain = format!(r#"["{stage}"]"#);
+        let (w0, m0) =
+            train(dir.path(), &format!("{stage}-device"), 6, &[&common[..], &["--strategy", &plain]].concat());
+        // The plain run's peak less 60% of the shard states it keeps on the device (stage 3
+        // keeps parameter shards too; stage 2 whole parameters, which cannot leave).
+        let shards = &reports(&m0)[5]["memory"]["device"]["by_category"];
+        let mut movable = bytes(&shards["grads"]) + bytes(&shards["optimizer_state"]);
+        if stage == "fsdp" {
+            movable += bytes(&shards["params"]);
+        }
+        let plain_peak = reports(&m0).iter().map(|r| bytes(&r["allocator_peak_bytes"])).max().unwrap();
+        let limit = plain_peak - movable * 6 / 10;
+        let budget = limit.to_string();
+        let auto =
+            format!(r#"["{stage}", ["offload", {{"params": "{params}", "optimizer": "auto", "policy": "auto"}}]]"#);
+        let flags = [&common[..], &["--strategy", &auto, "--device-memory", &budget]].concat();
+        let (w1, m1) = train(dir.path(), &format!("{stage}-auto"), 6, &flags);
+        assert_eq!(losses(&m1), losses(&m0), "{stage}");
+        assert_eq!(global_gap(&w0, &w1), 0.0, "{stage}");
+        for r in reports(&m1) {
+            let peak = bytes(&r["memory"]["device"]["peak"]);
+            assert!(peak <= limit, "{stage}: the ledger's device peak {peak} over {budget}");
+            // On the CPU the allocator holds the host's states too: the rest is the device's.
+            let allocated = bytes(&r["allocator_peak_bytes"]) - bytes(&r["memory"]["host"]["current"]);
+            assert!(allocated <= limit, "{stage}: the allocator's device peak {allocated} over {budget}");
+        }
+        let memory = &reports(&m1)[5]["memory"];
+        for side in ["device", "host"] {
+            let held = bytes(&memory[side]["by_category"]["optimizer_state"]);
+            assert!(held > 0, "{stage}: some shard states live on the {side}: {memory}");
+        }
+    }
+    let auto = r#"["zero2", ["offload", {"params": "none", "optimizer": "auto", "policy": "auto"}]]"#;
+    let o = strata(
+        &[&["train"][..], &RUN, &["--nproc", "2", "--steps", "1", "--strategy", auto, "--device-memory", "100000"]]
+            .concat(),
+    );
+    assert_fails_with(&o, "with every shard on the host a step needs");
+}
+
 #[test]
 fn a_patrickstar_configuration_file_trains_as_its_optimizer_does_without_offload() {
     let dir = tempfile::tempdir().unwrap();

@@ -217,6 +217,7 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> Placement<'a>
         stage: false,
         optimizer_bytes_per_element: job.optim.state_bytes_per_element(),
         non_model: None,
+        shard_floor: None,
     }
 }
 

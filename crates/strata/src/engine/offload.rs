@@ -378,6 +378,9 @@ pub struct NonModelTrace {
 
 struct TraceState {
     peaks: Vec<u64>,
+    /// Per moment, the most model-state bytes the ledger held on the device at either end.
+    device_states: Vec<u64>,
+    previous_on_device: u64,
     /// The previous event's moment and the model-state bytes then.
     previous: Option<(usize, u64)>,
 }
@@ -389,7 +392,12 @@ impl NonModelTrace {
             ledger: engine.ledger().clone(),
             units,
             device: engine.config().device,
-            state: Mutex::new(TraceState { peaks: vec![0; 2 * units + 1], previous: None }),
+            state: Mutex::new(TraceState {
+                peaks: vec![0; 2 * units + 1],
+                device_states: vec![0; 2 * units + 1],
+                previous_on_device: 0,
+                previous: None,
+            }),
         }
     }
 
@@ -405,6 +413,13 @@ impl NonModelTrace {
     pub fn peaks(&self) -> Vec<u64> {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).peaks.clone()
     }
+
+    /// The most device bytes of any moment so far: its peak beside model states plus the
+    /// model states the ledger held on the device then.
+    pub fn device_peak(&self) -> u64 {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.peaks.iter().zip(&state.device_states).map(|(p, d)| p + d).max().unwrap_or(0)
+    }
 }
 
 impl EventSink for NonModelTrace {
@@ -417,11 +432,20 @@ impl EventSink for NonModelTrace {
         let now = moment_index(self.units, moment);
         let held = self.ledger.held(Placement::Device, Category::Activations);
         let model = self.model_state_bytes();
+        let on_device = self
+            .ledger
+            .report()
+            .get(&Placement::Device)
+            .map_or(0, |r| r.by_category.iter().filter(|(c, _)| c.is_model_state()).map(|(_, &b)| b).sum::<u64>());
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        // What the device held between the two events, counted for both moments.
+        let window_states = on_device.max(state.previous_on_device);
+        state.previous_on_device = on_device;
         let (before, model_before) = state.previous.unwrap_or((now, model));
         let window = memory::allocator_peak(self.device).unwrap_or(0).saturating_sub(model.min(model_before));
         for m in [before, now] {
             state.peaks[m] = state.peaks[m].max(window);
+            state.device_states[m] = state.device_states[m].max(window_states);
         }
         state.peaks[now] = state.peaks[now].max(held);
         state.previous = Some((now, model));

@@ -12,7 +12,7 @@ pub mod zero;
 
 pub use ddp::{DataParallel, DataParallelOptions, DEFAULT_BUCKET_BYTES};
 
-use crate::comm::{Comm, ProcessGroup};
+use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp};
 use crate::compute::fp8::Fp8Unit;
 use crate::compute::replace::Replacements;
 use crate::compute::UnitCompute;
@@ -25,7 +25,7 @@ use crate::strategy::{
 };
 use crate::{Error, Result};
 use std::sync::Arc;
-use zero::{ShardGroups, Zero, ZeroOptions};
+use zero::{ShardGroups, ShardHomes, ShardOffload, Zero, ZeroOptions};
 
 /// How ranks are laid out for a strategy: the communicator (none for one process) and the
 /// ranks of one node (the shard group of HYBRID_SHARD by default).
@@ -44,6 +44,10 @@ pub struct Placement<'a> {
     /// Per moment of a step, device bytes beside model states ([`measure_non_model`]):
     /// what offload's plan leaves room for (`None`: nothing).
     pub non_model: Option<Vec<u64>>,
+    /// Beside a ZeRO stage, the device bytes a step needs at its peak with every shard on
+    /// the host ([`measure_shard_floor`]): `offload`'s `auto` keeps on the device the shard
+    /// states that fit in the budget above it (`None`: the budget holds shard states only).
+    pub shard_floor: Option<u64>,
 }
 
 impl<'a> Placement<'a> {
@@ -56,11 +60,14 @@ impl<'a> Placement<'a> {
             stage: false,
             optimizer_bytes_per_element: crate::optim::OptimizerConfig::default().state_bytes_per_element(),
             non_model: None,
+            shard_floor: None,
         }
     }
 
     /// This placement with the room `strategy`'s offload plan must leave beside model
-    /// states measured on `step` ([`measure_non_model`]); as it is without such a plan.
+    /// states measured on `step` ([`measure_non_model`]), or beside a ZeRO stage whose
+    /// `offload` places shards by the budget, the step's floor ([`measure_shard_floor`]);
+    /// as it is otherwise.
     pub fn with_room_measured(
         &self,
         spec: ModelSpec,
@@ -68,11 +75,14 @@ impl<'a> Placement<'a> {
         strategy: &Strategy,
         step: &crate::data::Step,
     ) -> Result<Placement<'a>> {
-        let non_model = match strategy.offload_plan() {
-            Some(_) => Some(measure_non_model(spec, config.clone(), strategy, self, step)?),
-            None => self.non_model.clone(),
-        };
-        Ok(Placement { non_model, ..self.clone() })
+        let mut at = self.clone();
+        if strategy.offload_plan().is_some() {
+            at.non_model = Some(measure_non_model(spec, config.clone(), strategy, self, step)?);
+        } else if strategy.offload().is_some_and(|o| o.policy == OffloadPolicy::Auto) && config.device_budget.is_some()
+        {
+            at.shard_floor = Some(measure_shard_floor(spec, config.clone(), strategy, self, step)?);
+        }
+        Ok(at)
     }
 
     fn world_size(&self) -> usize {
@@ -215,7 +225,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         wrap: shard.wrap(&spec)?,
         param_dtype,
         reduce_dtype,
-        offload: strategy.offload().map(|o| zero_offload(name, stage, o, config.device)).transpose()?,
+        offload: strategy.offload().map(|o| zero_offload(name, stage, o, &spec, &config, at)).transpose()?,
     };
     // Shard groups are parallel_mode's zero groups, replicas its data groups; without a
     // zero dimension the sharding strategy says how many ranks share a shard group.
@@ -279,29 +289,115 @@ fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig,
     Offload::build(spec, config, options)
 }
 
-/// What `offload` asks of the ZeRO stage `stage` (method `name`): every sharded unit's
-/// master, gradient shard and optimizer state in host memory, updated there. The stage's own
-/// layout decides where parameters are between uses, so `params` must say the same.
-fn zero_offload(name: &str, stage: Stage, c: &OffloadConfig, device: tch::Device) -> Result<HostMemory> {
+/// What `offload` asks of the ZeRO stage `stage` (method `name`): which sharded units keep
+/// their master shard, gradient shard and optimizer state in host memory, updated there.
+/// `static` sends the first units covering `ratio` of those states; `auto` keeps on the
+/// device what the budget holds above the step's floor. The stage's own layout decides
+/// where parameters are between uses, so `params` must say the same: the shards, which go
+/// with their unit, under stage 3; whole on the device otherwise.
+fn zero_offload(
+    name: &str,
+    stage: Stage,
+    c: &OffloadConfig,
+    spec: &ModelSpec,
+    config: &EngineConfig,
+    at: &Placement,
+) -> Result<ShardOffload> {
     let bad = |why: String| Err(Error::Config(format!("offload with {name}: {why}")));
-    if c.policy != OffloadPolicy::Static
-        || c.ratio != 1.0
-        || c.optimizer != OffloadTarget::Cpu
-        || !c.host_units.is_empty()
-    {
-        return bad("every shard goes to the host: use {\"optimizer\": \"cpu\", \"policy\": \"static\"}".into());
-    }
     if c.delayed_update || c.slot_bytes.is_some() {
         return bad("delayed_update and slot_bytes belong to offload's plan in one process".into());
     }
+    if !(c.ratio > 0.0 && c.ratio <= 1.0) {
+        return bad(format!("ratio must lie in (0, 1], got {}", c.ratio));
+    }
+    let (chosen, policy) = match c.policy {
+        OffloadPolicy::Static => (OffloadTarget::Cpu, "static"),
+        OffloadPolicy::Auto => (OffloadTarget::Auto, "auto"),
+    };
+    let word = |t: OffloadTarget| if t == OffloadTarget::Cpu { "\"cpu\"" } else { "\"auto\"" };
+    if c.optimizer != chosen {
+        return bad(format!(
+            "with policy {policy} the shard states' places follow it: optimizer must be {}",
+            word(chosen)
+        ));
+    }
     match (stage, c.params) {
-        (Stage::Parameters, OffloadTarget::Cpu) | (Stage::Optimizer | Stage::Gradients, OffloadTarget::None) => {
-            Ok(HostMemory { device, pin: c.pin_memory })
-        }
+        (Stage::Parameters, p) if p == chosen => {}
+        (Stage::Optimizer | Stage::Gradients, OffloadTarget::None) => {}
         (Stage::Parameters, _) => {
-            bad("its parameters between uses are the shards the host updates: params must be \"cpu\"".into())
+            return bad(format!(
+                "its parameters between uses are the shards, which go with their unit: params must be {}",
+                word(chosen)
+            ))
         }
-        _ => bad("whole parameters stay on the device for compute: params must be \"none\"".into()),
+        _ => return bad("whole parameters stay on the device for compute: params must be \"none\"".into()),
+    }
+    let homes = match c.policy {
+        OffloadPolicy::Static => ShardHomes::Static { ratio: c.ratio },
+        OffloadPolicy::Auto => ShardHomes::Auto {
+            room: match config.device_budget {
+                None => None,
+                Some(budget) => {
+                    let floor = at.shard_floor.unwrap_or(0);
+                    if floor > budget {
+                        return bad(format!(
+                            "the model's states do not fit: with every shard on the host a step needs {floor} bytes \
+                             of the device at its peak, over its budget of {budget}"
+                        ));
+                    }
+                    Some(budget - floor)
+                }
+            },
+        },
+    };
+    Ok(ShardOffload {
+        memory: HostMemory { device: config.device, pin: c.pin_memory },
+        homes,
+        forced: select_units(spec, &c.host_units, "offload.host_units")?,
+        optimizer_bytes_per_element: at.optimizer_bytes_per_element,
+    })
+}
+
+/// The device bytes a step of `strategy` (a ZeRO stage beside `offload`) needs at its peak
+/// with every shard on the host: measured on an engine built so, without budgets, over two
+/// steps on `step`'s batches (so that the update between them, with its refresh of whole
+/// parameters from the host, falls inside the trace), as the most model-state bytes the
+/// ledger holds on the device at a moment plus the most the allocator held beside model
+/// states then ([`NonModelTrace`]); the largest over the ranks, so that every rank places
+/// its shards from the same floor.
+pub fn measure_shard_floor(
+    spec: ModelSpec,
+    config: EngineConfig,
+    strategy: &Strategy,
+    at: &Placement,
+    step: &crate::data::Step,
+) -> Result<u64> {
+    let (Some((name, shard)), Some(offload)) = (strategy.sharding(), strategy.offload()) else {
+        return Err(Error::Config("measuring a step's floor needs a ZeRO stage beside offload".into()));
+    };
+    let params = match shard.stage(name).0 {
+        Stage::Parameters => OffloadTarget::Cpu,
+        _ => OffloadTarget::None,
+    };
+    let on_host = OffloadConfig { params, ..offload.everything_on_host() };
+    let all_on_host = |m: &Method| match m {
+        Method::Offload(_) => Method::Offload(on_host.clone()),
+        other => other.clone(),
+    };
+    let measured = Strategy { methods: strategy.methods.iter().map(all_on_host).collect() };
+    let config = EngineConfig { device_budget: None, host_budget: None, ..config };
+    let mut engine = build_engine(spec, config, &measured, at)?;
+    let trace = Arc::new(NonModelTrace::new(&engine));
+    engine.set_event_sink(trace.clone());
+    let optimizer = crate::optim::Optimizer::new(&mut engine, crate::optim::OptimizerConfig::default(), &[])?;
+    let mut trainer = crate::train::Trainer::new(engine, optimizer, crate::optim::Schedule::Constant, None);
+    for _ in 0..2 {
+        trainer.train_step(step)?;
+    }
+    let floor = trace.device_peak() as f64;
+    match at.comm.filter(|c| c.size() > 1) {
+        Some(comm) => Ok(all_reduce_values(comm.world()?.as_ref(), &[floor], ReduceOp::Max)?[0] as u64),
+        None => Ok(floor as u64),
     }
 }
 

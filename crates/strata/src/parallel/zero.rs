@@ -14,7 +14,8 @@
 //! With a mixed-precision policy the flat buffers hold `param_dtype` and the optimizer
 //! updates fp32 masters; reduce-scattered gradients are reduced in `reduce_dtype` (stage
 //! 1's and ignored units' all-reduces in the parameters' dtype). A hybrid layout
-//! shards inside a group and all-reduces the shards across replica groups.
+//! shards inside a group and all-reduces the shards across replica groups. Beside
+//! `offload`, [`shard_homes`] places each unit's shard states on the device or the host.
 //! Must not touch model definitions or optimizer policy: it manages buffers and
 //! communication for the engine.
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp, Work};
@@ -54,17 +55,99 @@ pub struct ZeroOptions {
     pub wrap: Vec<Wrap>,
     pub param_dtype: Option<Kind>,
     pub reduce_dtype: Option<Kind>,
-    /// Master shards, reduced gradient shards and optimizer state of sharded units live in
-    /// host memory and are updated there (ZeRO-Offload; with stage 3, FSDP's CPU offload):
-    /// gradients are reduce-scattered as in stage 2, gathers and refreshes copy from the host.
-    pub offload: Option<HostMemory>,
+    /// Master shards, reduced gradient shards and optimizer state of the sharded units it
+    /// places on the host live in host memory and are updated there (ZeRO-Offload; with
+    /// stage 3, FSDP's CPU offload): gradients are reduce-scattered as in stage 2, gathers
+    /// and refreshes copy from the host.
+    pub offload: Option<ShardOffload>,
+}
+
+/// `offload` beside a ZeRO stage: which sharded units keep their shard states (master
+/// shard, gradient shard, optimizer state) in host memory.
+#[derive(Clone, Debug)]
+pub struct ShardOffload {
+    pub memory: HostMemory,
+    pub homes: ShardHomes,
+    /// Per unit, whether its shard states always live on the host (`host_units`).
+    pub forced: Vec<bool>,
+    /// Optimizer state bytes per trainable element, which the plan counts before the
+    /// optimizer exists.
+    pub optimizer_bytes_per_element: u64,
+}
+
+/// How [`shard_homes`] places shard states.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ShardHomes {
+    /// The first units covering `ratio` of the shard states' bytes go to the host.
+    Static { ratio: f64 },
+    /// Units stay on the device while their shard states fit in `room`: the device budget
+    /// less what a step needs with every shard on the host (no limit when `None`); the
+    /// others go to the host, largest first.
+    Auto { room: Option<u64> },
+}
+
+/// Per unit, whether its shard states go to the host, from the device bytes they hold where
+/// they stay (`states`; zero for units that are not sharded or not trained, which never
+/// leave) and the units that must go (`forced`). Every unit can leave, so a plan always
+/// exists: what cannot fit is the step itself, which the caller checks against the budget.
+pub fn shard_homes(states: &[u64], forced: &[bool], homes: ShardHomes) -> Vec<bool> {
+    let mut on_host: Vec<bool> = states.iter().zip(forced).map(|(&b, &f)| f && b > 0).collect();
+    match homes {
+        ShardHomes::Static { ratio } => {
+            let total: u64 = states.iter().sum();
+            let mut covered = 0u64;
+            for (host, &b) in on_host.iter_mut().zip(states) {
+                if b > 0 && (covered as f64) < ratio * total as f64 {
+                    *host = true;
+                }
+                covered += b;
+            }
+        }
+        ShardHomes::Auto { room } => {
+            let Some(room) = room else { return on_host };
+            let mut on_device: u64 = states.iter().zip(&on_host).filter(|(_, &h)| !h).map(|(&b, _)| b).sum();
+            // Largest first, so the fewest units pay for copies; among equals the last.
+            let mut order: Vec<usize> = (0..states.len()).filter(|&u| !on_host[u] && states[u] > 0).collect();
+            order.sort_by_key(|&u| std::cmp::Reverse((states[u], u)));
+            for u in order {
+                if on_device <= room {
+                    break;
+                }
+                on_host[u] = true;
+                on_device -= states[u];
+            }
+        }
+    }
+    on_host
 }
 
 impl ZeroOptions {
     /// Whether each unit's gradient is reduced into a shard and freed (stages 2 and 3, and
-    /// any stage whose shards the host updates).
+    /// any stage whose shards the host may update).
     fn shards_grads(&self) -> bool {
         self.stage >= Stage::Gradients || self.offload.is_some()
+    }
+
+    /// Per unit of `spec` sharded over `n` ranks, the device bytes its shard states hold
+    /// where they stay on the device: a master shard where one is kept apart from the
+    /// parameters, the gradient shard and the optimizer state.
+    fn shard_state_bytes(&self, spec: &ModelSpec, n: i64, kinds: [Kind; 3], optimizer_bytes: u64) -> Vec<u64> {
+        let [master_kind, param_kind, reduce_kind] = kinds;
+        let separate_master = (self.stage == Stage::Parameters && n > 1) || param_kind != master_kind;
+        spec.units
+            .iter()
+            .zip(&self.wrap)
+            .map(|(unit, wrap)| {
+                let trainable = unit.params.iter().any(|id| spec.params[id.0].requires_grad);
+                if *wrap == Wrap::Ignored || !trainable {
+                    return 0;
+                }
+                let numel: i64 = unit.params.iter().map(|id| spec.params[id.0].numel()).sum();
+                let shard = (numel + n - 1) / n;
+                let master = if separate_master { bytes(shard, master_kind) } else { 0 };
+                master + bytes(shard, reduce_kind) + shard as u64 * optimizer_bytes
+            })
+            .collect()
     }
 }
 
@@ -107,6 +190,8 @@ struct Sharded {
     /// its reduce-scatter completes.
     borrows_grad_slot: bool,
     gathering: Option<InFlight>,
+    /// Whether its shard states live in host memory (and are updated there).
+    host: bool,
 }
 
 /// Memory for whole gradients that the shard group reads in place (`shm`): buffers the size
@@ -258,6 +343,23 @@ impl Zero {
         let rank = groups.shard_rank() as i64;
         let config = EngineConfig { kind: param_kind, pad_to: n, grad_layout: GradLayout::PerUnit, ..config };
         let needs = spec.units_read();
+        let on_host = match &options.offload {
+            Some(o) => {
+                let kinds = [master_kind, param_kind, reduce_kind];
+                let states = options.shard_state_bytes(&spec, n, kinds, o.optimizer_bytes_per_element);
+                let on_host = shard_homes(&states, &o.forced, o.homes);
+                let moved: u64 = states.iter().zip(&on_host).filter(|(_, &h)| h).map(|(b, _)| b).sum();
+                tracing::info!(
+                    units_on_host = on_host.iter().filter(|&&h| h).count(),
+                    device_bytes_moved = moved,
+                    device_bytes_kept = states.iter().sum::<u64>() - moved,
+                    homes = ?o.homes,
+                    "offload beside a ZeRO stage: shard states placed"
+                );
+                on_host
+            }
+            None => vec![false; spec.units.len()],
+        };
         let mut units = Vec::with_capacity(spec.units.len());
         let mut on_unit = |k: usize, s: &mut UnitStorage, initial: &Tensor, ledger: &MemoryLedger| -> Result<()> {
             if let (true, Some(world)) = (options.sync_module_states, &groups.world) {
@@ -280,10 +382,11 @@ impl Zero {
                 grads_resident: true,
                 borrows_grad_slot: false,
                 gathering: None,
+                host: false,
             };
             let sharded = wrap != Wrap::Ignored;
             let frees_params = options.stage == Stage::Parameters && groups.shard.is_some();
-            let host = options.offload.as_ref().filter(|_| sharded && s.trainable);
+            let host = options.offload.as_ref().filter(|_| sharded && s.trainable && on_host[k]).map(|o| &o.memory);
             // A master of what this rank updates: its shard, or all of an ignored unit.
             if (sharded && frees_params) || param_kind != master_kind || host.is_some() {
                 let (start, count) = if sharded { (rank * shard_len, shard_len) } else { (0, len) };
@@ -314,9 +417,11 @@ impl Zero {
                 unit.params_resident = false;
             }
             // A whole gradient reduce-scattered as it is (no cast, no host shard) can be read
-            // in place by the shard group's peers.
+            // in place by the shard group's peers. Not beside offload: slots stay allocated
+            // for the run, which the step's floor, measured with every shard on the host and
+            // so with no slots, would not count.
             unit.borrows_grad_slot =
-                s.trainable && sharded && shards_grads && host.is_none() && reduce_kind == param_kind;
+                options.offload.is_none() && s.trainable && sharded && shards_grads && reduce_kind == param_kind;
             // Frozen units never need gradients; stages 2 and 3 hold only a shard between steps.
             if !s.trainable || (sharded && shards_grads) {
                 // SAFETY: no backward has run; `ensure_grads` restores it before one does.
@@ -332,6 +437,7 @@ impl Zero {
                     None => zeros,
                 });
             }
+            unit.host = host.is_some();
             units.push(unit);
             Ok(())
         };
@@ -720,7 +826,8 @@ impl UnitSchedule for Zero {
             Some(g) => g.shallow_clone(),
             None => s.grad.f_narrow(0, offset, unit.shard_len)?,
         };
-        Ok(OptimizerView { param, grad, offset, placement: placement_of(self.options.offload.as_ref()) })
+        let placement = if unit.host { Placement::Host } else { Placement::Device };
+        Ok(OptimizerView { param, grad, offset, placement })
     }
 
     fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
@@ -828,5 +935,42 @@ impl UnitSchedule for Zero {
             tch::no_grad(|| master.shallow_clone().f_copy_(&padded.f_narrow(0, offset, count)?))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shard state bytes of six units: the second is frozen (nothing to place).
+    const STATES: [u64; 6] = [40, 0, 30, 30, 20, 10];
+
+    fn homes(homes: ShardHomes, forced: &[bool]) -> Vec<bool> {
+        shard_homes(&STATES, forced, homes)
+    }
+
+    #[test]
+    fn static_sends_the_first_units_covering_the_ratio() {
+        let none = [false; 6];
+        assert_eq!(homes(ShardHomes::Static { ratio: 1.0 }, &none), [true, false, true, true, true, true]);
+        // 50% of 130 bytes: the first unit (40) covers less, the next with states reaches it.
+        assert_eq!(homes(ShardHomes::Static { ratio: 0.5 }, &none), [true, false, true, false, false, false]);
+        assert_eq!(homes(ShardHomes::Static { ratio: 0.2 }, &none), [true, false, false, false, false, false]);
+    }
+
+    #[test]
+    fn auto_keeps_what_fits_and_sends_the_largest_first() {
+        let none = [false; 6];
+        assert_eq!(homes(ShardHomes::Auto { room: None }, &none), [false; 6], "no budget: all stay");
+        assert_eq!(homes(ShardHomes::Auto { room: Some(130) }, &none), [false; 6], "all fit");
+        // 129 of 130: the largest leaves.
+        assert_eq!(homes(ShardHomes::Auto { room: Some(129) }, &none), [true, false, false, false, false, false]);
+        // 60 left: 40 and then the later of the two 30s leave.
+        assert_eq!(homes(ShardHomes::Auto { room: Some(60) }, &none), [true, false, false, true, false, false]);
+        assert_eq!(homes(ShardHomes::Auto { room: Some(0) }, &none), [true, false, true, true, true, true]);
+        // A unit forced to the host counts as gone; the frozen one never moves.
+        let forced = [false, true, false, false, false, true];
+        assert_eq!(homes(ShardHomes::Auto { room: Some(120) }, &forced), [false, false, false, false, false, true]);
+        assert_eq!(homes(ShardHomes::Auto { room: Some(90) }, &forced), [true, false, false, false, false, true]);
     }
 }

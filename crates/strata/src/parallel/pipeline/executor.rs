@@ -346,6 +346,7 @@ impl PipelineTrainer {
                 stage: true,
                 optimizer_bytes_per_element: setup.optimizer.state_bytes_per_element(),
                 non_model: None,
+                shard_floor: None,
             };
             let mut engine = crate::parallel::build_engine(spec, setup.engine.clone(), &strategy, &placement)?;
             let optimizer = Optimizer::new(&mut engine, setup.optimizer.clone(), &[])?;
