@@ -43,8 +43,8 @@ pub struct Candidate {
     /// Ranks each unit is split over (with sequence parallel above 1); sharding and data
     /// parallelism span the ranks that hold the same pieces.
     pub tensor: usize,
-    /// Model states between device and host: `offload`'s plan in one process, every shard
-    /// on the host beside zero1/zero2/fsdp.
+    /// Model states between device and host, placed against the device budget: `offload`'s
+    /// plan in one process, the shard states of whole units beside zero1/zero2/fsdp.
     pub offload: bool,
 }
 
@@ -113,9 +113,9 @@ impl Candidate {
             items.push(match self.sharding {
                 Sharding::None => serde_json::json!("offload"),
                 Sharding::Fsdp => {
-                    serde_json::json!(["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}])
+                    serde_json::json!(["offload", {"params": "auto", "optimizer": "auto", "policy": "auto"}])
                 }
-                _ => serde_json::json!(["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]),
+                _ => serde_json::json!(["offload", {"params": "none", "optimizer": "auto", "policy": "auto"}]),
             });
         }
         Strategy::from_value(&serde_json::Value::Array(items))
