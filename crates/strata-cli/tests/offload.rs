@@ -139,6 +139,33 @@ fn zero_stages_with_their_shards_on_the_host_match_the_same_stages_on_the_device
     assert_fails_with(&o, "params must be \"cpu\"");
 }
 
+fn bytes(v: &serde_json::Value) -> u64 {
+    v.as_u64().unwrap_or(0)
+}
+
+/// For a ZeRO stage's run without offload (its metrics): its allocator peak less 60% of the
+/// shard states it keeps on the device (stage 3 keeps parameter shards too; stage 2 whole
+/// parameters, which cannot leave), so the run itself does not fit.
+fn shard_budget(stage: &str, metrics: &Path) -> u64 {
+    let last = reports(metrics).pop().unwrap();
+    let shards = &last["memory"]["device"]["by_category"];
+    let mut movable = bytes(&shards["grads"]) + bytes(&shards["optimizer_state"]);
+    if stage == "fsdp" {
+        movable += bytes(&shards["params"]);
+    }
+    allocator_peak(metrics) - movable * 6 / 10
+}
+
+fn allocator_peak(metrics: &Path) -> u64 {
+    reports(metrics).iter().map(|r| bytes(&r["allocator_peak_bytes"])).max().unwrap()
+}
+
+/// `auto` beside a ZeRO stage.
+fn shard_auto(stage: &str) -> String {
+    let params = if stage == "fsdp" { "auto" } else { "none" };
+    format!(r#"["{stage}", ["offload", {{"params": "{params}", "optimizer": "auto", "policy": "auto"}}]]"#)
+}
+
 /// `auto` beside zero2 and fsdp (2 ranks, accumulation, clipping) under a budget that the
 /// same stage without offload exceeds: the units whose shard states fit stay on the device,
 /// the others go to the host, losses and weights are those of the run without offload, and
@@ -148,23 +175,14 @@ fn zero_stages_with_their_shards_on_the_host_match_the_same_stages_on_the_device
 fn auto_beside_zero2_and_fsdp_keeps_what_fits_on_the_device_and_trains_as_without_offload() {
     let dir = tempfile::tempdir().unwrap();
     let common = ["--nproc", "2", "--accumulation", "2", "--grad-clip", "0.5"];
-    let bytes = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
-    for (stage, params) in [("zero2", "none"), ("fsdp", "auto")] {
+    for stage in ["zero2", "fsdp"] {
         let plain = format!(r#"["{stage}"]"#);
         let (w0, m0) =
             train(dir.path(), &format!("{stage}-device"), 6, &[&common[..], &["--strategy", &plain]].concat());
-        // The plain run's peak less 60% of the shard states it keeps on the device (stage 3
-        // keeps parameter shards too; stage 2 whole parameters, which cannot leave).
-        let shards = &reports(&m0)[5]["memory"]["device"]["by_category"];
-        let mut movable = bytes(&shards["grads"]) + bytes(&shards["optimizer_state"]);
-        if stage == "fsdp" {
-            movable += bytes(&shards["params"]);
-        }
-        let plain_peak = reports(&m0).iter().map(|r| bytes(&r["allocator_peak_bytes"])).max().unwrap();
-        let limit = plain_peak - movable * 6 / 10;
+        let limit = shard_budget(stage, &m0);
+        assert!(allocator_peak(&m0) > limit, "{stage}: the run without offload does not fit");
         let budget = limit.to_string();
-        let auto =
-            format!(r#"["{stage}", ["offload", {{"params": "{params}", "optimizer": "auto", "policy": "auto"}}]]"#);
+        let auto = shard_auto(stage);
         let flags = [&common[..], &["--strategy", &auto, "--device-memory", &budget]].concat();
         let (w1, m1) = train(dir.path(), &format!("{stage}-auto"), 6, &flags);
         assert_eq!(losses(&m1), losses(&m0), "{stage}");
@@ -182,12 +200,32 @@ fn auto_beside_zero2_and_fsdp_keeps_what_fits_on_the_device_and_trains_as_withou
             assert!(held > 0, "{stage}: some shard states live on the {side}: {memory}");
         }
     }
-    let auto = r#"["zero2", ["offload", {"params": "none", "optimizer": "auto", "policy": "auto"}]]"#;
+    let auto = shard_auto("zero2");
     let o = strata(
-        &[&["train"][..], &RUN, &["--nproc", "2", "--steps", "1", "--strategy", auto, "--device-memory", "100000"]]
+        &[&["train"][..], &RUN, &["--nproc", "2", "--steps", "1", "--strategy", &auto, "--device-memory", "100000"]]
             .concat(),
     );
     assert_fails_with(&o, "with every shard on the host a step needs");
+}
+
+/// Two ranks of zero2: a run checkpointed with `auto` placing shard states under a budget
+/// and resumed without offload, and the reverse, end where the run without offload ends.
+#[test]
+fn a_sharded_run_resumes_across_offload_and_no_offload() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = ["--nproc", "2", "--strategy", r#"["zero2"]"#];
+    let (straight, metrics) = train(dir.path(), "straight", 6, &plain);
+    let budget = shard_budget("zero2", &metrics).to_string();
+    let auto = shard_auto("zero2");
+    let offloaded = ["--nproc", "2", "--strategy", &auto, "--device-memory", &budget];
+    let (from_offloaded, from_plain) = (dir.path().join("offloaded"), dir.path().join("plain"));
+    let (from_offloaded, from_plain) = (from_offloaded.to_str().unwrap(), from_plain.to_str().unwrap());
+    train(dir.path(), "offloaded-first", 3, &[&offloaded[..], &["--save-checkpoint", from_offloaded]].concat());
+    let (resumed, _) = train(dir.path(), "plain-after", 6, &[&plain[..], &["--resume", from_offloaded]].concat());
+    assert!(global_gap(&straight, &resumed) < 1e-6, "offload then none: {}", global_gap(&straight, &resumed));
+    train(dir.path(), "plain-first", 3, &[&plain[..], &["--save-checkpoint", from_plain]].concat());
+    let (resumed, _) = train(dir.path(), "offloaded-after", 6, &[&offloaded[..], &["--resume", from_plain]].concat());
+    assert!(global_gap(&straight, &resumed) < 1e-6, "none then offload: {}", global_gap(&straight, &resumed));
 }
 
 #[test]
