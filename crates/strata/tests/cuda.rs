@@ -262,6 +262,26 @@ fn the_caching_allocator_holds_what_the_ledger_counts() {
     assert!(peak > t.engine.ledger().model_state_peak(), "{peak}");
 }
 
+/// Offload's host buffers (parameter copies, gradients, and with `delayed_update` the
+/// gradients' twins) are page-locked with `pin_memory` and counted so in the ledger; without
+/// it nothing is; the optimizer state, updated on the host, is not.
+#[test]
+fn offloads_host_buffers_are_page_locked_and_counted() {
+    let Some((gpu, _serial)) = gpu("offloads_host_buffers_are_page_locked_and_counted") else { return };
+    use strata::engine::{Category, Placement as Where};
+    for (pin, delayed) in [(true, false), (true, true), (false, false)] {
+        let strategy = format!(
+            r#"[["offload", {{"params": "none", "optimizer": "cpu", "policy": "static", "pin_memory": {pin}, "delayed_update": {delayed}}}]]"#
+        );
+        let mut t = trainer(gpu, &strategy);
+        losses(&mut t, &steps(2, gpu));
+        let report = t.engine.ledger().report();
+        let host = &report[&Where::Host];
+        let buffers = host.by_category[&Category::Params] + host.by_category[&Category::Grads];
+        assert_eq!(host.pinned, if pin { buffers } else { 0 }, "{strategy}: {host:?}");
+    }
+}
+
 /// A one-rank job on `spec`: its store on loopback, its world group.
 fn one_rank(spec: &str) -> (Comm, Box<dyn ProcessGroup>) {
     let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").unwrap();

@@ -75,6 +75,7 @@ fn offloaded_runs_give_the_losses_of_the_run_that_keeps_everything_on_the_device
         }
         let host = &reports[19].memory[&Where::Host];
         assert!(host.current > 0, "{strategy}: states live on the host: {host:?}");
+        assert_eq!(host.pinned, 0, "{strategy}: nothing is page-locked without a GPU");
     }
 }
 

@@ -46,6 +46,8 @@ struct State {
     current: BTreeMap<(Placement, Category), u64>,
     peak: BTreeMap<Placement, u64>,
     budget: BTreeMap<Placement, u64>,
+    /// Bytes of host buffers in page-locked memory (the GPU copies them without staging).
+    pinned: u64,
     model_state_peak: u64,
     transfers: Transfers,
 }
@@ -93,6 +95,9 @@ pub struct PlacementReport {
     pub current: u64,
     pub peak: u64,
     pub by_category: BTreeMap<Category, u64>,
+    /// Of `current`, the bytes in page-locked memory (the host's, where the device is a GPU
+    /// and `pin_memory` is on).
+    pub pinned: u64,
 }
 
 impl MemoryLedger {
@@ -162,6 +167,12 @@ impl MemoryLedger {
         s.transfers.host_update_s += seconds.as_secs_f64();
     }
 
+    /// Records `bytes` of host buffers made page-locked: they live as long as the engine
+    /// (offload's and the ZeRO stages' host copies are never freed before it).
+    pub fn record_pinned(&self, bytes: u64) {
+        self.lock().pinned += bytes;
+    }
+
     /// Copies between device and host so far.
     pub fn transfers(&self) -> Transfers {
         self.lock().transfers
@@ -193,6 +204,9 @@ impl MemoryLedger {
         }
         for (&p, &peak) in &s.peak {
             out.entry(p).or_default().peak = peak;
+        }
+        if s.pinned > 0 {
+            out.entry(Placement::Host).or_default().pinned = s.pinned;
         }
         out
     }

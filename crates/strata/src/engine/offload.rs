@@ -173,10 +173,10 @@ impl Offload {
             };
             if home != Home::Device {
                 ledger.alloc(Placement::Host, Category::Params, bytes.params)?;
-                unit.host_params = Some(host.copy_of(&s.flat)?);
+                unit.host_params = Some(host.copy_of(&s.flat, ledger)?);
                 if s.trainable {
                     ledger.alloc(Placement::Host, Category::Grads, bytes.grads)?;
-                    unit.host_grad = Some(host.zeros_like(&s.grad)?);
+                    unit.host_grad = Some(host.zeros_like(&s.grad, ledger)?);
                 }
             }
             // The device gradient of a unit homed elsewhere exists only during its backwards,
@@ -461,20 +461,26 @@ pub struct HostMemory {
 }
 
 impl HostMemory {
-    fn place(&self, t: Tensor) -> Result<Tensor> {
+    /// `t` in page-locked memory where the device is a GPU and pinning is on (counted in
+    /// `ledger`), as it is otherwise.
+    fn place(&self, t: Tensor, ledger: &MemoryLedger) -> Result<Tensor> {
         Ok(match self.device {
-            Device::Cuda(_) if self.pin => t.f_pin_memory(self.device)?,
+            Device::Cuda(_) if self.pin => {
+                let pinned = t.f_pin_memory(self.device)?;
+                ledger.record_pinned(memory::tensor_bytes(&pinned));
+                pinned
+            }
             _ => t,
         })
     }
 
     /// A host copy of `t`, in `t`'s dtype.
-    pub fn copy_of(&self, t: &Tensor) -> Result<Tensor> {
-        self.place(t.f_to_device(Device::Cpu)?.f_detach_copy()?)
+    pub fn copy_of(&self, t: &Tensor, ledger: &MemoryLedger) -> Result<Tensor> {
+        self.place(t.f_to_device(Device::Cpu)?.f_detach_copy()?, ledger)
     }
 
-    pub fn zeros_like(&self, t: &Tensor) -> Result<Tensor> {
-        self.place(Tensor::f_zeros(t.size().as_slice(), (t.kind(), Device::Cpu))?)
+    pub fn zeros_like(&self, t: &Tensor, ledger: &MemoryLedger) -> Result<Tensor> {
+        self.place(Tensor::f_zeros(t.size().as_slice(), (t.kind(), Device::Cpu))?, ledger)
     }
 }
 

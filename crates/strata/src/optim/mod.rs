@@ -382,7 +382,14 @@ impl Optimizer {
                     let numel = (bytes / grad.kind().elt_size_in_bytes()) as i64;
                     self.ledger.alloc(Placement::Host, Category::Grads, bytes as u64)?;
                     self.delayed.bytes += bytes as u64;
-                    let twin = Tensor::f_zeros([numel], (grad.kind(), grad.device()))?;
+                    let mut twin = Tensor::f_zeros([numel], (grad.kind(), grad.device()))?;
+                    // Page-locked like the storage it exchanges memory with, so the GPU's
+                    // copies from it stay direct whichever of the two it holds.
+                    let gpu = tch::Device::Cuda(0);
+                    if tch::Cuda::is_available() && grad.f_is_pinned(gpu).unwrap_or(false) {
+                        twin = twin.f_pin_memory(gpu)?;
+                        self.ledger.record_pinned(bytes as u64);
+                    }
                     slot.insert((grad.f_as_strided([numel], [1], 0)?, twin))
                 }
             };

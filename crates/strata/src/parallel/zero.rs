@@ -402,7 +402,7 @@ impl Zero {
                         tch::no_grad(|| t.shallow_clone().f_copy_(&values))?;
                         t
                     }
-                    (None, Some(host)) => host.copy_of(&values.f_to_kind(master_kind)?)?,
+                    (None, Some(host)) => host.copy_of(&values.f_to_kind(master_kind)?, ledger)?,
                     (None, None) => values.f_to_kind(master_kind)?.f_detach_copy()?,
                 };
                 ledger.alloc(placement_of(host), Category::Params, bytes(count, master_kind))?;
@@ -433,7 +433,7 @@ impl Zero {
                 ledger.alloc(placement_of(host), Category::Grads, bytes(shard_len, reduce_kind))?;
                 let zeros = Tensor::f_zeros([shard_len], (reduce_kind, s.flat.device()))?;
                 unit.grad_shard = Some(match host {
-                    Some(host) => host.zeros_like(&zeros)?,
+                    Some(host) => host.zeros_like(&zeros, ledger)?,
                     None => zeros,
                 });
             }
