@@ -110,18 +110,24 @@ fn budgets_nothing_fits_are_refused_with_the_numbers() {
 fn zero_stages_with_their_shards_on_the_host_match_the_same_stages_on_the_device() {
     let dir = tempfile::tempdir().unwrap();
     let common = ["--nproc", "2", "--accumulation", "2", "--grad-clip", "0.5"];
-    for (name, stage, params) in [("zero1", "zero1", "none"), ("zero2", "zero2", "none"), ("fsdp", "fsdp", "cpu")] {
+    // The first units covering half of the shard states' bytes, or all of them.
+    let cases =
+        [("zero1", "zero1", "none", 1.0), ("zero2", "zero2", "none", 1.0), ("zero2-half", "zero2", "none", 0.5)];
+    for (name, stage, params, ratio) in cases.into_iter().chain([("fsdp", "fsdp", "cpu", 1.0)]) {
         let plain = format!(r#"["{stage}"]"#);
-        let offloaded =
-            format!(r#"["{stage}", ["offload", {{"params": "{params}", "optimizer": "cpu", "policy": "static"}}]]"#);
+        let offloaded = format!(
+            r#"["{stage}", ["offload", {{"params": "{params}", "optimizer": "cpu", "policy": "static", "ratio": {ratio}}}]]"#
+        );
         let (w0, m0) =
             train(dir.path(), &format!("{name}-device"), 6, &[&common[..], &["--strategy", &plain]].concat());
         let (w1, m1) =
             train(dir.path(), &format!("{name}-host"), 6, &[&common[..], &["--strategy", &offloaded]].concat());
         assert_eq!(losses(&m1), losses(&m0), "{name}");
         assert_eq!(global_gap(&w0, &w1), 0.0, "{name}");
-        let host = &reports(&m1)[5]["memory"]["host"];
-        assert!(host["current"].as_u64().unwrap() > 0, "{name}: shards live on the host: {host}");
+        let memory = &reports(&m1)[5]["memory"];
+        assert!(bytes(&memory["host"]["current"]) > 0, "{name}: shards live on the host: {memory}");
+        let kept = bytes(&memory["device"]["by_category"]["optimizer_state"]);
+        assert_eq!(kept > 0, ratio < 1.0, "{name}: shard states kept on the device: {memory}");
     }
     let o = strata(
         &[
@@ -220,7 +226,10 @@ fn a_sharded_run_resumes_across_offload_and_no_offload() {
     let offloaded = ["--nproc", "2", "--strategy", &auto, "--device-memory", &budget];
     let (from_offloaded, from_plain) = (dir.path().join("offloaded"), dir.path().join("plain"));
     let (from_offloaded, from_plain) = (from_offloaded.to_str().unwrap(), from_plain.to_str().unwrap());
-    train(dir.path(), "offloaded-first", 3, &[&offloaded[..], &["--save-checkpoint", from_offloaded]].concat());
+    let (_, first) =
+        train(dir.path(), "offloaded-first", 3, &[&offloaded[..], &["--save-checkpoint", from_offloaded]].concat());
+    let host = &reports(&first)[2]["memory"]["host"]["by_category"];
+    assert!(bytes(&host["optimizer_state"]) > 0, "shard states went to the host: {host}");
     let (resumed, _) = train(dir.path(), "plain-after", 6, &[&plain[..], &["--resume", from_offloaded]].concat());
     assert!(global_gap(&straight, &resumed) < 1e-6, "offload then none: {}", global_gap(&straight, &resumed));
     train(dir.path(), "plain-first", 3, &[&plain[..], &["--save-checkpoint", from_plain]].concat());

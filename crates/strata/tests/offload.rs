@@ -79,6 +79,20 @@ fn offloaded_runs_give_the_losses_of_the_run_that_keeps_everything_on_the_device
     }
 }
 
+/// `auto` beside a ZeRO stage under a budget needs the step's floor, which
+/// `Placement::with_room_measured` measures; an engine built without it is refused.
+#[test]
+fn auto_beside_a_zero_stage_under_a_budget_is_refused_without_the_measured_floor() {
+    let strategy = r#"["zero2", ["offload", {"params": "none", "optimizer": "auto", "policy": "auto"}]]"#;
+    let strategy = Strategy::parse(strategy).unwrap();
+    let config = EngineConfig { device_budget: Some(model_state_bytes()), ..EngineConfig::default() };
+    let err = build_engine(spec(), config.clone(), &strategy, &Placement::single()).err().expect("refused");
+    assert!(err.to_string().contains("needs the step's floor"), "{err}");
+    let at = Placement::single().with_room_measured(spec(), &config, &strategy, &step(0)).unwrap();
+    assert!(at.shard_floor.is_some_and(|f| f > 0), "measured: {:?}", at.shard_floor);
+    build_engine(spec(), config, &strategy, &at).unwrap();
+}
+
 #[test]
 fn copies_split_into_slots_of_any_size_train_alike_within_the_budget() {
     let reference: Vec<f64> = train("[]", None, 6).iter().map(|r| r.loss).collect();

@@ -101,16 +101,30 @@ pub(crate) const STREAM_FROM: usize = 1 << 20;
 /// # Safety
 /// `src` must be readable and `dst` writable for `len` bytes, and the ranges disjoint.
 pub(crate) unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, stream: bool) {
+    if stream && stream_unfenced(dst, src, len) {
+        fence_streams();
+    } else {
+        std::ptr::copy_nonoverlapping(src, dst, len);
+    }
+}
+
+/// Copies as [`copy_bytes`] does with `stream`, without the closing fence; false (nothing
+/// copied) where streaming stores do not apply: other architectures, or fewer bytes than a
+/// few cache lines.
+///
+/// # Safety
+/// As [`copy_bytes`]; the caller fences ([`fence_streams`]) before telling anyone.
+unsafe fn stream_unfenced(dst: *mut u8, src: *const u8, len: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if stream && len >= 256 {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-        let head = dst.align_offset(16).min(len);
+    if len >= 256 {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        // From the first cache-line boundary, so each step's four stores fill one line of
+        // the write-combining buffer. SSE2 is part of x86-64: no feature check is needed.
+        let head = dst.align_offset(64).min(len);
         std::ptr::copy_nonoverlapping(src, dst, head);
         let body = (len - head) / 64 * 64;
         let (mut d, mut s) = (dst.add(head), src.add(head));
         let end = d.add(body);
-        // SSE2 is part of x86-64, so no feature check is needed; 64 bytes a step keeps a
-        // whole cache line's stores together in the write-combining buffer.
         while d < end {
             for lane in 0..4 {
                 let v = _mm_loadu_si128(s.add(16 * lane) as *const __m128i);
@@ -119,12 +133,21 @@ pub(crate) unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, stream
             d = d.add(64);
             s = s.add(64);
         }
-        _mm_sfence();
         std::ptr::copy_nonoverlapping(s, d, len - head - body);
-        return;
+        return true;
     }
-    let _ = stream;
-    std::ptr::copy_nonoverlapping(src, dst, len);
+    let _ = (dst, src, len);
+    false
+}
+
+/// Orders every streaming store before what follows (the release store a peer waits on):
+/// they bypass the cache, which orders ordinary stores, so nothing else orders them.
+fn fence_streams() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a store fence has no preconditions.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 /// Writes into `dst` the reduction of `first` with each of `rest` (the average of all of
@@ -149,8 +172,11 @@ pub(crate) fn reduce_streamed(kind: Kind, op: ReduceOp, dst: &mut [u8], first: &
             divide(kind, tmp, rest.len() + 1);
         }
         // SAFETY: `dst[start..end]` is writable and distinct from the stack buffer.
-        unsafe { copy_bytes(dst[start..end].as_mut_ptr(), tmp.as_ptr(), end - start, true) };
+        if !unsafe { stream_unfenced(dst[start..end].as_mut_ptr(), tmp.as_ptr(), end - start) } {
+            dst[start..end].copy_from_slice(tmp);
+        }
     }
+    fence_streams();
 }
 
 /// Divides a block of floating-point elements by `n` (the second half of avg).

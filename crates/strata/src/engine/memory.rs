@@ -167,10 +167,15 @@ impl MemoryLedger {
         s.transfers.host_update_s += seconds.as_secs_f64();
     }
 
-    /// Records `bytes` of host buffers made page-locked: they live as long as the engine
-    /// (offload's and the ZeRO stages' host copies are never freed before it).
+    /// Records `bytes` of host buffers made page-locked.
     pub fn record_pinned(&self, bytes: u64) {
         self.lock().pinned += bytes;
+    }
+
+    /// Records that `bytes` of page-locked host buffers were freed.
+    pub fn release_pinned(&self, bytes: u64) {
+        let mut s = self.lock();
+        s.pinned = s.pinned.saturating_sub(bytes);
     }
 
     /// Copies between device and host so far.

@@ -367,8 +367,10 @@ fn plan_input(spec: &ModelSpec, config: &EngineConfig, options: &OffloadOptions)
 /// allocator is tracked, its peak between consecutive phase events minus the fewer model
 /// states held at either end (activations and every temporary, the loss's between the last
 /// forward and the first backward included), counted for the moments at both ends; and at
-/// least the activations the ledger counts. Installed as an engine's event sink for one
-/// step, it measures what an offload plan must leave room for.
+/// least the activations the ledger counts; and per moment the most model-state bytes the
+/// ledger held on the device at either end. Installed as an engine's event sink for a step
+/// (or two, with an update between them), it measures what an offload plan must leave room
+/// for, and the device's peak ([`NonModelTrace::device_peak`]).
 pub struct NonModelTrace {
     ledger: Arc<MemoryLedger>,
     units: usize,
@@ -402,11 +404,18 @@ impl NonModelTrace {
     }
 
     /// Model-state bytes the device's allocator holds now (on the CPU it also holds the
-    /// host's).
-    fn model_state_bytes(&self) -> u64 {
+    /// host's), and those the ledger places on the device.
+    fn model_state_bytes(&self) -> (u64, u64) {
         let report = self.ledger.report();
-        let counted = report.iter().filter(|(p, _)| self.device == Device::Cpu || **p == Placement::Device);
-        counted.flat_map(|(_, r)| r.by_category.iter()).filter(|(c, _)| c.is_model_state()).map(|(_, &b)| b).sum()
+        let states = |r: &memory::PlacementReport| -> u64 {
+            r.by_category.iter().filter(|(c, _)| c.is_model_state()).map(|(_, &b)| b).sum()
+        };
+        let on_device = report.get(&Placement::Device).map_or(0, states);
+        let allocated = match self.device {
+            Device::Cpu => report.values().map(states).sum(),
+            _ => on_device,
+        };
+        (allocated, on_device)
     }
 
     /// The peaks so far, one per moment of [`placement::step_moments`].
@@ -431,12 +440,7 @@ impl EventSink for NonModelTrace {
         };
         let now = moment_index(self.units, moment);
         let held = self.ledger.held(Placement::Device, Category::Activations);
-        let model = self.model_state_bytes();
-        let on_device = self
-            .ledger
-            .report()
-            .get(&Placement::Device)
-            .map_or(0, |r| r.by_category.iter().filter(|(c, _)| c.is_model_state()).map(|(_, &b)| b).sum::<u64>());
+        let (model, on_device) = self.model_state_bytes();
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         // What the device held between the two events, counted for both moments.
         let window_states = on_device.max(state.previous_on_device);

@@ -149,8 +149,9 @@ struct DelayedHostUpdates {
     twins: Vec<(Tensor, Tensor)>,
     /// Per host segment (group, index), its gradient's place in its storage's twin.
     grads: BTreeMap<(usize, usize), Tensor>,
-    /// Bytes of the twins, charged to the host.
+    /// Bytes of the twins, charged to the host, and of those page-locked.
     bytes: u64,
+    pinned: u64,
     running: Option<HostUpdates>,
 }
 
@@ -384,11 +385,13 @@ impl Optimizer {
                     self.delayed.bytes += bytes as u64;
                     let mut twin = Tensor::f_zeros([numel], (grad.kind(), grad.device()))?;
                     // Page-locked like the storage it exchanges memory with, so the GPU's
-                    // copies from it stay direct whichever of the two it holds.
+                    // copies from it stay direct whichever of the two it holds (page-locked
+                    // memory serves every GPU: the index only names the kind of device).
                     let gpu = tch::Device::Cuda(0);
                     if tch::Cuda::is_available() && grad.f_is_pinned(gpu).unwrap_or(false) {
                         twin = twin.f_pin_memory(gpu)?;
                         self.ledger.record_pinned(bytes as u64);
+                        self.delayed.pinned += bytes as u64;
                     }
                     slot.insert((grad.f_as_strided([numel], [1], 0)?, twin))
                 }
@@ -667,6 +670,7 @@ impl Drop for Optimizer {
             let _ = running.finish();
         }
         self.ledger.free(Placement::Host, Category::Grads, self.delayed.bytes);
+        self.ledger.release_pinned(self.delayed.pinned);
         for (&placement, &bytes) in &self.state_bytes {
             self.ledger.free(placement, Category::OptimizerState, bytes);
         }

@@ -1,9 +1,9 @@
-//! Data parallelism: every rank holds the whole model, trains on its
-//! share of the global batch, and gradients are averaged across ranks in buckets: runs of
-//! adjacent units of at least the bucket size (25 MiB by default; the first, at the model's
-//! end, of at least 1 MiB), each a contiguous slice of the engine's gradient buffer. A bucket's asynchronous all-reduce starts as soon as
-//! the backward of its first unit is done (backward runs in reverse), so communication
-//! overlaps the backward of the units before it. A parameter no batch reaches simply has a
+//! Data parallelism: every rank holds the whole model, trains on its share of the global
+//! batch, and gradients are averaged across ranks in buckets: runs of adjacent units of at
+//! least the bucket size (25 MiB by default; the first, at the model's end, of at least
+//! 1 MiB), each a contiguous slice of the engine's gradient buffer. A bucket's asynchronous
+//! all-reduce starts as soon as the backward of its first unit is done (backward runs in
+//! reverse), so communication overlaps the backward of the units before it. A parameter no batch reaches simply has a
 //! zero gradient, so unused parameters never stall the reduction; unless
 //! `find_unused_parameters` says they are expected, a step in which some parameter got no
 //! gradient is an error naming them (as PyTorch DDP refuses them). Must not touch model

@@ -46,7 +46,8 @@ pub struct Placement<'a> {
     pub non_model: Option<Vec<u64>>,
     /// Beside a ZeRO stage, the device bytes a step needs at its peak with every shard on
     /// the host ([`measure_shard_floor`]): `offload`'s `auto` keeps on the device the shard
-    /// states that fit in the budget above it (`None`: the budget holds shard states only).
+    /// states that fit in the budget above it (`None`: not measured, and `auto` under a
+    /// budget is refused).
     pub shard_floor: Option<u64>,
 }
 
@@ -307,9 +308,6 @@ fn zero_offload(
     if c.delayed_update || c.slot_bytes.is_some() {
         return bad("delayed_update and slot_bytes belong to offload's plan in one process".into());
     }
-    if !(c.ratio > 0.0 && c.ratio <= 1.0) {
-        return bad(format!("ratio must lie in (0, 1], got {}", c.ratio));
-    }
     let (chosen, policy) = match c.policy {
         OffloadPolicy::Static => (OffloadTarget::Cpu, "static"),
         OffloadPolicy::Auto => (OffloadTarget::Auto, "auto"),
@@ -338,7 +336,13 @@ fn zero_offload(
             room: match config.device_budget {
                 None => None,
                 Some(budget) => {
-                    let floor = at.shard_floor.unwrap_or(0);
+                    let Some(floor) = at.shard_floor else {
+                        return bad(
+                            "policy auto under a device budget needs the step's floor, measured before the engine \
+                             is built (Placement::with_room_measured); a pipeline stage has none: use policy static"
+                                .into(),
+                        );
+                    };
                     if floor > budget {
                         return bad(format!(
                             "the model's states do not fit: with every shard on the host a step needs {floor} bytes \
@@ -379,7 +383,8 @@ pub fn measure_shard_floor(
         Stage::Parameters => OffloadTarget::Cpu,
         _ => OffloadTarget::None,
     };
-    let on_host = OffloadConfig { params, ..offload.everything_on_host() };
+    // Nothing page-locked: this engine only measures.
+    let on_host = OffloadConfig { params, pin_memory: false, ..offload.everything_on_host() };
     let all_on_host = |m: &Method| match m {
         Method::Offload(_) => Method::Offload(on_host.clone()),
         other => other.clone(),
@@ -389,6 +394,7 @@ pub fn measure_shard_floor(
     let mut engine = build_engine(spec, config, &measured, at)?;
     let trace = Arc::new(NonModelTrace::new(&engine));
     engine.set_event_sink(trace.clone());
+    crate::engine::memory::reset_allocator_peak(engine.config().device);
     let optimizer = crate::optim::Optimizer::new(&mut engine, crate::optim::OptimizerConfig::default(), &[])?;
     let mut trainer = crate::train::Trainer::new(engine, optimizer, crate::optim::Schedule::Constant, None);
     for _ in 0..2 {
@@ -425,6 +431,8 @@ pub fn measure_non_model(
     let mut engine = build_engine(spec, config, &measured, at)?;
     let trace = Arc::new(NonModelTrace::new(&engine));
     engine.set_event_sink(trace.clone());
+    // The first window starts here, not at a peak of the build or of an earlier engine.
+    crate::engine::memory::reset_allocator_peak(engine.config().device);
     let loss = crate::train::next_token_loss_of(&engine);
     let n = step.micro_batches.len() as f64;
     for batch in &step.micro_batches {

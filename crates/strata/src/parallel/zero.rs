@@ -128,10 +128,17 @@ impl ZeroOptions {
         self.stage >= Stage::Gradients || self.offload.is_some()
     }
 
-    /// Per unit of `spec` sharded over `n` ranks, the device bytes its shard states hold
-    /// where they stay on the device: a master shard where one is kept apart from the
-    /// parameters, the gradient shard and the optimizer state.
-    fn shard_state_bytes(&self, spec: &ModelSpec, n: i64, kinds: [Kind; 3], optimizer_bytes: u64) -> Vec<u64> {
+    /// Per unit of `spec` sharded over `n` ranks (of this tensor rank's pieces, of `tp`),
+    /// the device bytes its shard states hold where they stay on the device: a master shard
+    /// where one is kept apart from the parameters, the gradient shard and the optimizer
+    /// state.
+    fn shard_state_bytes(
+        &self,
+        spec: &ModelSpec,
+        (n, tp): (i64, i64),
+        kinds: [Kind; 3],
+        optimizer_bytes: u64,
+    ) -> Vec<u64> {
         let [master_kind, param_kind, reduce_kind] = kinds;
         let separate_master = (self.stage == Stage::Parameters && n > 1) || param_kind != master_kind;
         spec.units
@@ -142,7 +149,8 @@ impl ZeroOptions {
                 if *wrap == Wrap::Ignored || !trainable {
                     return 0;
                 }
-                let numel: i64 = unit.params.iter().map(|id| spec.params[id.0].numel()).sum();
+                let numel: i64 =
+                    unit.params.iter().map(|id| spec.params[id.0].local_shape(tp).iter().product::<i64>()).sum();
                 let shard = (numel + n - 1) / n;
                 let master = if separate_master { bytes(shard, master_kind) } else { 0 };
                 master + bytes(shard, reduce_kind) + shard as u64 * optimizer_bytes
@@ -346,7 +354,8 @@ impl Zero {
         let on_host = match &options.offload {
             Some(o) => {
                 let kinds = [master_kind, param_kind, reduce_kind];
-                let states = options.shard_state_bytes(&spec, n, kinds, o.optimizer_bytes_per_element);
+                let tp = config.tensor.as_ref().map_or(1, |t| t.size());
+                let states = options.shard_state_bytes(&spec, (n, tp), kinds, o.optimizer_bytes_per_element);
                 let on_host = shard_homes(&states, &o.forced, o.homes);
                 let moved: u64 = states.iter().zip(&on_host).filter(|(_, &h)| h).map(|(b, _)| b).sum();
                 tracing::info!(

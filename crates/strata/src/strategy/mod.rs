@@ -626,8 +626,8 @@ impl Strategy {
         })
     }
 
-    /// `offload` placed unit by unit by a plan (without a ZeRO stage, whose shards go to
-    /// the host as a whole instead).
+    /// `offload` placed unit by unit by a plan in one process (without a ZeRO stage, beside
+    /// which it places whole units' shard states instead).
     pub fn offload_plan(&self) -> Option<&OffloadConfig> {
         self.offload().filter(|_| self.sharding().is_none())
     }

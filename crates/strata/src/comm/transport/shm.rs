@@ -5,7 +5,6 @@
 mod collectives;
 
 use super::{peer_error, Block, Transport};
-use crate::comm::elementwise::{copy_bytes, STREAM_FROM};
 use crate::comm::shared::{Heap, Location, PeerMappings};
 use crate::comm::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
@@ -320,9 +319,8 @@ impl ShmTransport {
         n
     }
 
-    /// Reads what is available from channel (from → self) into `buf`, with streaming stores
-    /// when `stream` (see [`copy_bytes`]); returns bytes read.
-    fn pull(&self, from: usize, buf: &mut [u8], stream: bool) -> usize {
+    /// Reads what is available from channel (from → self) into `buf`; returns bytes read.
+    fn pull(&self, from: usize, buf: &mut [u8]) -> usize {
         let base = self.channel(from, self.rank);
         let (head, tail) = self.counters(base);
         let t = tail.load(Ordering::Relaxed);
@@ -334,8 +332,8 @@ impl ShmTransport {
         // until `tail` moves past them.
         unsafe {
             let ring = base.add(CHANNEL_HEADER);
-            copy_bytes(buf.as_mut_ptr(), ring.add(at), first, stream);
-            copy_bytes(buf.as_mut_ptr().add(first), ring, n - first, stream);
+            std::ptr::copy_nonoverlapping(ring.add(at), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(ring, buf.as_mut_ptr().add(first), n - first);
         }
         tail.store(t + n as u64, Ordering::Release);
         if n > 0 {
@@ -412,12 +410,11 @@ impl Transport for ShmTransport {
             }
         }
         let (mut sent, mut got) = (0, 0);
-        let stream = inp.len() >= STREAM_FROM;
         let mut backoff = Backoff::new();
         while sent < out.len() || got < inp.len() {
             let seen = self.bell();
             let pushed = self.push(to, &out[sent..]);
-            let pulled = self.pull(from, &mut inp[got..], stream);
+            let pulled = self.pull(from, &mut inp[got..]);
             sent += pushed;
             got += pulled;
             if pushed + pulled > 0 {
