@@ -385,16 +385,7 @@ pub fn measure_shard_floor(
     };
     // Nothing page-locked: this engine only measures.
     let on_host = OffloadConfig { params, pin_memory: false, ..offload.everything_on_host() };
-    let all_on_host = |m: &Method| match m {
-        Method::Offload(_) => Method::Offload(on_host.clone()),
-        other => other.clone(),
-    };
-    let measured = Strategy { methods: strategy.methods.iter().map(all_on_host).collect() };
-    let config = EngineConfig { device_budget: None, host_budget: None, ..config };
-    let mut engine = build_engine(spec, config, &measured, at)?;
-    let trace = Arc::new(NonModelTrace::new(&engine));
-    engine.set_event_sink(trace.clone());
-    crate::engine::memory::reset_allocator_peak(engine.config().device);
+    let (mut engine, trace) = traced_engine(spec, config, strategy, at, &on_host)?;
     let optimizer = crate::optim::Optimizer::new(&mut engine, crate::optim::OptimizerConfig::default(), &[])?;
     let mut trainer = crate::train::Trainer::new(engine, optimizer, crate::optim::Schedule::Constant, None);
     for _ in 0..2 {
@@ -405,6 +396,29 @@ pub fn measure_shard_floor(
         Some(comm) => Ok(all_reduce_values(comm.world()?.as_ref(), &[floor], ReduceOp::Max)?[0] as u64),
         None => Ok(floor as u64),
     }
+}
+
+/// An engine built as `strategy` says but with `offload` for its offload and no budgets,
+/// with a [`NonModelTrace`] whose first window starts once it is built (not at a peak of the
+/// build or of an earlier engine).
+fn traced_engine(
+    spec: ModelSpec,
+    config: EngineConfig,
+    strategy: &Strategy,
+    at: &Placement,
+    offload: &OffloadConfig,
+) -> Result<(Engine, Arc<NonModelTrace>)> {
+    let replace = |m: &Method| match m {
+        Method::Offload(_) => Method::Offload(offload.clone()),
+        other => other.clone(),
+    };
+    let measured = Strategy { methods: strategy.methods.iter().map(replace).collect() };
+    let config = EngineConfig { device_budget: None, host_budget: None, ..config };
+    let mut engine = build_engine(spec, config, &measured, at)?;
+    let trace = Arc::new(NonModelTrace::new(&engine));
+    engine.set_event_sink(trace.clone());
+    crate::engine::memory::reset_allocator_peak(engine.config().device);
+    Ok((engine, trace))
 }
 
 /// Per moment of a step, the device bytes beside model states that `step`'s forwards and
@@ -419,20 +433,10 @@ pub fn measure_non_model(
     at: &Placement,
     step: &crate::data::Step,
 ) -> Result<Vec<u64>> {
-    let all_on_host = |m: &Method| match m {
-        Method::Offload(c) => Method::Offload(c.everything_on_host()),
-        other => other.clone(),
-    };
-    if strategy.offload_plan().is_none() {
+    let Some(offload) = strategy.offload_plan() else {
         return Err(Error::Config("measuring room beside model states needs offload without a ZeRO stage".into()));
-    }
-    let measured = Strategy { methods: strategy.methods.iter().map(all_on_host).collect() };
-    let config = EngineConfig { device_budget: None, host_budget: None, ..config };
-    let mut engine = build_engine(spec, config, &measured, at)?;
-    let trace = Arc::new(NonModelTrace::new(&engine));
-    engine.set_event_sink(trace.clone());
-    // The first window starts here, not at a peak of the build or of an earlier engine.
-    crate::engine::memory::reset_allocator_peak(engine.config().device);
+    };
+    let (mut engine, trace) = traced_engine(spec, config, strategy, at, &offload.everything_on_host())?;
     let loss = crate::train::next_token_loss_of(&engine);
     let n = step.micro_batches.len() as f64;
     for batch in &step.micro_batches {
