@@ -92,7 +92,12 @@ fn apply(kind: Kind, op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8])
 /// it, so pulling each line into cache first (a read for ownership) only adds traffic on
 /// the memory bus that every rank shares. Below it, the output stays where the caller
 /// reads it next.
-pub(crate) const STREAM_FROM: usize = 1 << 20;
+const STREAM_FROM: usize = 1 << 20;
+
+/// Whether a collective that writes `bytes` into its outputs streams them ([`STREAM_FROM`]).
+pub(crate) fn streams(bytes: usize) -> bool {
+    bytes >= STREAM_FROM
+}
 
 /// Copies `len` bytes from `src` to `dst` (which must not overlap); with `stream`, the
 /// destination's aligned middle is written with non-temporal stores, fenced before

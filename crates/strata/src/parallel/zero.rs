@@ -965,6 +965,9 @@ mod tests {
         // 50% of 130 bytes: the first unit (40) covers less, the next with states reaches it.
         assert_eq!(homes(ShardHomes::Static { ratio: 0.5 }, &none), [true, false, true, false, false, false]);
         assert_eq!(homes(ShardHomes::Static { ratio: 0.2 }, &none), [true, false, false, false, false, false]);
+        // Units that exactly cover the ratio are enough: the next one stays.
+        let exact = shard_homes(&[1, 1, 2], &[false; 3], ShardHomes::Static { ratio: 0.5 });
+        assert_eq!(exact, [true, true, false]);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! chunk by chunk through the arena's slots, and their direct forms, which read buffers
 //! every rank holds in its [`Heap`](crate::comm::shared::Heap) in place.
 use super::{ShmTransport, LOCATION_BYTES, SLOT_BYTES};
-use crate::comm::elementwise::{combine_into, copy_bytes, divide, reduce_into, reduce_streamed, split, STREAM_FROM};
+use crate::comm::elementwise::{combine_into, copy_bytes, divide, reduce_into, reduce_streamed, split, streams};
 use crate::comm::shared::Location;
 use crate::comm::transport::Block;
 use crate::comm::ReduceOp;
@@ -57,7 +57,7 @@ impl ShmTransport {
             peers.push(if p == r { buf.ptr } else { self.peer_block(p, 0, buf.len)? });
         }
         let shares = split(buf.len / esize, n, esize);
-        let stream = buf.len >= STREAM_FROM;
+        let stream = streams(buf.len);
         let mine = buf.piece(shares[r].start, shares[r].len());
         for p in (0..n).filter(|&p| p != r) {
             // SAFETY: peer p's buffer has the same length; its share r is not written
@@ -81,7 +81,7 @@ impl ShmTransport {
     /// inputs straight into its outputs, between two barriers.
     pub(super) fn direct_all_gather(&mut self, outputs: &[Block], input: Block, at: Location) -> Result<()> {
         let (n, r) = (self.size, self.rank);
-        let stream = outputs.iter().map(|b| b.len).sum::<usize>() >= STREAM_FROM;
+        let stream = streams(outputs.iter().map(|b| b.len).sum());
         if outputs[r].ptr != input.ptr {
             input.copy_to(outputs[r].ptr, stream);
         }
@@ -114,7 +114,7 @@ impl ShmTransport {
             // SAFETY: peer p's block r holds out.len bytes, unchanged until the barrier.
             theirs.push(unsafe { std::slice::from_raw_parts(block, out.len) });
         }
-        reduce_own_block(kind, op, n, inputs[r], out, theirs, out.len >= STREAM_FROM);
+        reduce_own_block(kind, op, n, inputs[r], out, theirs, streams(out.len));
         self.arena_barrier()
     }
 
@@ -125,7 +125,7 @@ impl ShmTransport {
     pub(super) fn arena_all_reduce(&mut self, buf: &mut [u8], kind: Kind, op: ReduceOp) -> Result<()> {
         let (n, r, esize) = (self.size, self.rank, kind.elt_size_in_bytes());
         let chunk = SLOT_BYTES / esize * esize;
-        let stream = buf.len() >= STREAM_FROM;
+        let stream = streams(buf.len());
         for piece in buf.chunks_mut(chunk) {
             let shares = split(piece.len() / esize, n, esize);
             let share = |p: usize| shares[p].clone();
@@ -181,7 +181,7 @@ impl ShmTransport {
         // Cache-line multiples, so every region is aligned for every dtype.
         let region = SLOT_BYTES / 2 / n / 64 * 64;
         let longest = inputs.iter().map(|b| b.len).max().unwrap_or(0);
-        let stream = out.len >= STREAM_FROM;
+        let stream = streams(out.len);
         for (c, at) in (0..longest).step_by(region).enumerate() {
             let h = c % 2;
             for p in (0..n).filter(|&p| p != r) {
@@ -206,7 +206,7 @@ impl ShmTransport {
         let (n, r) = (self.size, self.rank);
         let region = SLOT_BYTES / 2;
         let longest = outputs.iter().map(|b| b.len).max().unwrap_or(0);
-        let stream = outputs.iter().map(|b| b.len).sum::<usize>() >= STREAM_FROM;
+        let stream = streams(outputs.iter().map(|b| b.len).sum());
         for (c, at) in (0..longest).step_by(region).enumerate() {
             let h = c % 2;
             let piece = input.piece(at, region);
