@@ -34,6 +34,13 @@ fn main() {
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
         println!("cargo:rustc-link-arg=-Wl,-rpath={}", cuda_lib.display());
     }
+    // The CPU kernels split their work with `at::parallel_for`, which in libtorch's builds
+    // is OpenMP compiled into the caller: with libtorch's own OpenMP runtime (shipped beside
+    // it) they share its thread pool and thread count. Without one they run on one thread.
+    if let Some(openmp) = openmp_runtime(&lib) {
+        build.flag("-fopenmp");
+        println!("cargo:rustc-link-lib=dylib:+verbatim={openmp}");
+    }
     build.compile("strata_ext");
 
     println!("cargo:rerun-if-changed=csrc/strata_ext.cpp");
@@ -44,4 +51,16 @@ fn main() {
     println!("cargo:rustc-link-arg=-Wl,-rpath={}", lib.display());
     println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
     println!("cargo:rustc-link-arg=-ltorch");
+}
+
+/// The file name of the GNU OpenMP runtime in libtorch's library folder (`libgomp.so.1`, or
+/// a hashed name such as `libgomp-a34b3233.so.1` in libtorch's own archives).
+fn openmp_runtime(lib: &std::path::Path) -> Option<String> {
+    let mut names: Vec<String> = std::fs::read_dir(lib)
+        .ok()?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with("libgomp") && name.contains(".so"))
+        .collect();
+    names.sort();
+    names.into_iter().next()
 }

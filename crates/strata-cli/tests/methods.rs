@@ -74,7 +74,10 @@ fn bad_method_configurations_are_one_line_errors_listing_what_is_allowed() {
         (r#"[["checkpoint", ["Transformer"]]]"#, "its unit kinds are GptEmbedding, GptBlock, GptHead"),
         (r#"["half", "amp_native"]"#, "half and amp_native cannot be combined"),
         (r#"[["half", "int8"]]"#, "allowed: bf16, fp16, fp32"),
-        (r#"[["module_replace", ["FastGelu"]]]"#, "registered: FlashAttention, FusedLayerNorm, FusedRMSNorm"),
+        (
+            r#"[["module_replace", ["FusedSwiGLU"]]]"#,
+            "registered: FlashAttention, FusedLayerNorm, FusedRMSNorm, VectorGelu",
+        ),
         (r#"[["amp_native", {"loss_scaler": {"hysteresis": 0}}]]"#, "hysteresis must be positive"),
     ] {
         let o = strata_env(

@@ -3,6 +3,7 @@
 // `strata_last_error`, so no exception ever crosses into Rust. Tensors travel as
 // `at::Tensor*`, the same handle tch's `C_tensor` points to.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -17,12 +18,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -964,6 +967,117 @@ int strata_c10d_wait(void* s, const char* const* keys, const size_t* lens, size_
 
 int strata_c10d_check(void* s, const char* const* keys, const size_t* lens, size_t n, int* out) {
   return guarded([&] { *out = store_of(s).check(keys_of(keys, lens, n)) ? 1 : 0; });
+}
+
+}  // extern "C"
+
+// ---- GELU (tanh form) on the CPU ------------------------------------------------------
+
+namespace {
+// GELU's tanh form, x/2 · (1 + tanh(u)) with u = √(2/π)·(x + 0.044715·x³), equals
+// x · σ(2u) = x / (1 + e^(−2u)) exactly. Written that way it needs one exponential, keeps
+// its relative precision where tanh(u) nears −1 (where 1 + tanh(u) cancels), and
+// vectorises; libtorch's kernel evaluates tanh itself, several times slower on one core.
+constexpr float kGeluScale = 0.7978845608028654f;  // √(2/π)
+constexpr float kGeluCubic = 0.044715f;
+
+// e^t to about one ulp for t in [−87, 88], +∞ above 88.7 and e^−87 below −87 (σ needs no
+// more): t = n·ln2 + r, |r| ≤ ln2/2, a degree-7 Taylor polynomial in r, and 2^n made from
+// exponent bits (n = 128 makes them +∞). Free of branches and calls so that the loops below
+// vectorise.
+inline __attribute__((always_inline)) float exp_clamped(float t) {
+  t = t < -87.0f ? -87.0f : (t > 89.0f ? 89.0f : t);
+  // Adding and taking away 1.5·2^23 rounds to the nearest integer in any rounding of the sum.
+  const float n = (t * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = std::fma(n, -0.693145751953125f, t);  // ln2's leading bits: n·hi is exact
+  r = std::fma(n, -1.428606765330187e-06f, r);    // and the rest of ln2
+  float p = 1.0f / 5040;
+  p = std::fma(p, r, 1.0f / 720);
+  p = std::fma(p, r, 1.0f / 120);
+  p = std::fma(p, r, 1.0f / 24);
+  p = std::fma(p, r, 1.0f / 6);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One clone per x86-64 level, chosen once at load time, so one binary runs everywhere and
+// uses AVX-512 or AVX2 where the CPU has them.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define STRATA_VECTOR_KERNEL \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("O3")))
+#else
+#define STRATA_VECTOR_KERNEL
+#endif
+
+STRATA_VECTOR_KERNEL void gelu_tanh_forward(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float u = kGeluScale * std::fma(kGeluCubic * v * v, v, v);
+    y[i] = v / (1.0f + exp_clamped(-2.0f * u));
+  }
+}
+
+// d/dx x·σ(2u) = σ + x·σ·(1 − σ)·2u', with 1 − σ = e·σ (e = e^(−2u)) rather than a
+// difference that cancels where σ nears 1; where e is +∞, σ is 0 and 1 − σ is 1.
+STRATA_VECTOR_KERNEL void gelu_tanh_backward(const float* g, const float* x, float* dx, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float v2 = v * v;
+    const float u = kGeluScale * std::fma(kGeluCubic * v2, v, v);
+    const float e = exp_clamped(-2.0f * u);
+    const float s = 1.0f / (1.0f + e);
+    const float one_minus_s = e == std::numeric_limits<float>::infinity() ? 1.0f : e * s;
+    const float du = 2.0f * kGeluScale * std::fma(3.0f * kGeluCubic, v2, 1.0f);
+    dx[i] = g[i] * std::fma(v * one_minus_s * s, du, s);
+  }
+}
+
+// libtorch's grain for elementwise kernels: below it one thread does the whole tensor.
+constexpr int64_t kElementwiseGrain = 32768;
+
+struct GeluTanh : public torch::autograd::Function<GeluTanh> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x) {
+    Tensor input = x.contiguous();
+    Tensor y = at::empty(input.sizes(), input.options());
+    const float* in = input.const_data_ptr<float>();
+    float* out = y.mutable_data_ptr<float>();
+    at::parallel_for(0, input.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+      gelu_tanh_forward(in + begin, out + begin, end - begin);
+    });
+    ctx->save_for_backward({input});
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    Tensor x = ctx->get_saved_variables()[0];
+    Tensor g = grads[0].contiguous();
+    Tensor dx = at::empty(x.sizes(), x.options());
+    const float* gp = g.const_data_ptr<float>();
+    const float* xp = x.const_data_ptr<float>();
+    float* out = dx.mutable_data_ptr<float>();
+    at::parallel_for(0, x.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+      gelu_tanh_backward(gp + begin, xp + begin, out + begin, end - begin);
+    });
+    return {dx};
+  }
+};
+}  // namespace
+
+extern "C" {
+
+// GELU, tanh form: Strata's kernel for fp32 CPU tensors (its backward is not itself
+// differentiable), libtorch's `gelu(x, "tanh")` for everything else.
+int strata_gelu_tanh(const Tensor* x, Tensor** out) {
+  return guarded([&] {
+    const bool own = x->device().is_cpu() && x->scalar_type() == at::kFloat;
+    *out = new Tensor(own ? GeluTanh::apply(*x) : at::gelu(*x, "tanh"));
+  });
 }
 
 }  // extern "C"

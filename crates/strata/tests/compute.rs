@@ -1,6 +1,6 @@
 //! The compute methods inside one process: the loss scaler's skip and recovery, fp8
 //! numerics and delayed scaling, recomputation's gradients and memory, replaced modules
-//! against the reference ones, and where amp_native computes in which dtype.
+//! against the reference ones (Strata's GELU kernel against the exact function), and where amp_native computes in which dtype.
 mod common;
 
 use common::rel;
@@ -294,6 +294,120 @@ fn onednn_linear_matches_libtorch_forward_and_backward() {
     let (xd, wd) = (x.to_kind(Kind::Double), w.to_kind(Kind::Double));
     let yd = compute::run(&onednn, vec![], false, || layers::linear(&xd, &wd, None)).unwrap();
     assert!(!strata_ext::grad_fn_name(&yd).unwrap().unwrap_or_default().contains("RustFunction"));
+}
+
+/// GELU (tanh form) under `policy` of `x`, with the gradient for upstream `g`: (output,
+/// input gradient, the name of the output's autograd node).
+fn gelu_with_grad(policy: &Arc<UnitCompute>, x: &Tensor, g: &Tensor) -> (Tensor, Tensor, String) {
+    let x = x.detach().set_requires_grad(true);
+    let y = compute::run(policy, vec![], false, || layers::gelu_tanh(&x)).unwrap();
+    let node = strata_ext::grad_fn_name(&y).unwrap().unwrap_or_default();
+    strata_ext::backward(&[&y], &[g], false).unwrap();
+    (y.detach(), x.grad(), node)
+}
+
+/// GELU's tanh form and its derivative in f64, from the exact rewrite x·σ(2u), where
+/// nothing cancels: 1 − σ(2u) is σ(−2u).
+fn exact_gelu(x: &Tensor) -> (Tensor, Tensor) {
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let x = x.to_kind(Kind::Double);
+    let u = (&x + x.pow_tensor_scalar(3) * 0.044715) * k;
+    let (s, one_minus_s) = ((&u * 2.0).sigmoid(), (&u * -2.0).sigmoid());
+    let du = (x.square() * (3.0 * 0.044715) + 1.0) * (2.0 * k);
+    let dy = &s + &x * &s * one_minus_s * du;
+    (&x * s, dy)
+}
+
+/// The largest of |a − b| / max(|b|, floor) (both read as f64).
+fn worst_relative(a: &Tensor, b: &Tensor, floor: f64) -> f64 {
+    let b = b.to_kind(Kind::Double);
+    ((a.to_kind(Kind::Double) - &b).abs() / b.abs().clamp_min(floor)).max().double_value(&[])
+}
+
+#[test]
+fn vector_gelu_is_the_exact_function_to_a_few_ulp_where_libtorchs_cancels() {
+    let _serial = serial();
+    let vector = Arc::new(UnitCompute {
+        replacements: Replacements::select(Some(&["VectorGelu".to_string()])).unwrap(),
+        ..Default::default()
+    });
+    let plain = Arc::new(UnitCompute::default());
+    // A dense sweep through the whole curve (the far tails included) and normal samples,
+    // more than one parallel grain of elements.
+    let x = Tensor::cat(
+        &[
+            Tensor::linspace(-12.0, 12.0, 240_001, (Kind::Float, Device::Cpu)),
+            with_seed(1, || Tensor::randn([300_000], (Kind::Float, Device::Cpu))) * 3.0,
+        ],
+        0,
+    );
+    let g = with_seed(2, || Tensor::randn(x.size(), (Kind::Float, Device::Cpu)));
+    let threads = tch::get_num_threads();
+    tch::set_num_threads(1);
+    let (y, dx, node) = gelu_with_grad(&vector, &x, &g);
+    let (reference_y, reference_dx, reference_node) = gelu_with_grad(&plain, &x, &g);
+    assert!(node.contains("GeluTanh"), "Strata's kernel made the output, got node {node:?}");
+    assert!(!reference_node.contains("GeluTanh"), "libtorch's kernel without the replacement");
+    let (exact_y, exact_dy) = exact_gelu(&x);
+    let exact_dx = exact_dy * g.to_kind(Kind::Double);
+
+    // Within fp32's rounding of u (whose error e^(−2u) multiplies by 2|u| in the far left
+    // tail), everywhere; libtorch's 1 + tanh(u) cancels there and returns 0.
+    let forward = worst_relative(&y, &exact_y, 1e-30);
+    assert!(forward < 1e-5, "forward within 1e-5 of the exact function, worst {forward:e}");
+    let libtorch = worst_relative(&reference_y, &exact_y, 1e-30);
+    assert!(libtorch > 0.5, "libtorch's kernel loses the left tail (worst {libtorch:e})");
+    let middle = x.ge(-3.0);
+    let (ours, theirs) = (
+        worst_relative(&y.masked_select(&middle), &exact_y.masked_select(&middle), 1e-30),
+        worst_relative(&reference_y.masked_select(&middle), &exact_y.masked_select(&middle), 1e-30),
+    );
+    assert!(ours < 1e-6 && ours < theirs, "from −3 on: ours {ours:e}, libtorch's {theirs:e}");
+    // The gradient, in units of the upstream gradient (the derivative is at most 1.13).
+    let backward = ((dx.to_kind(Kind::Double) - &exact_dx).abs() / g.abs().to_kind(Kind::Double).clamp_min(1e-30))
+        .max()
+        .double_value(&[]);
+    assert!(backward < 1e-6, "backward within 1e-6·|g| of the exact derivative, worst {backward:e}");
+    assert!(rel(&dx, &reference_dx) < 1e-5, "backward near libtorch's: {:e}", rel(&dx, &reference_dx));
+    assert!(!dx.equal(&reference_dx), "a kernel of its own computes the gradient");
+
+    // Several threads split the work without changing a bit.
+    tch::set_num_threads(2);
+    let (y2, dx2, _) = gelu_with_grad(&vector, &x, &g);
+    tch::set_num_threads(threads);
+    assert!(y2.equal(&y) && dx2.equal(&dx), "the same values on two threads");
+
+    // Strided input, empty and zero-dimensional tensors, and special values.
+    let block = with_seed(3, || Tensor::randn([3, 5, 7], (Kind::Float, Device::Cpu)));
+    let strided = block.transpose(0, 2);
+    let gs = with_seed(4, || Tensor::randn(strided.size(), (Kind::Float, Device::Cpu)));
+    let (ys, dxs, _) = gelu_with_grad(&vector, &strided, &gs);
+    let (yc, dxc, _) = gelu_with_grad(&vector, &strided.contiguous(), &gs.contiguous());
+    assert!(ys.equal(&yc) && dxs.equal(&dxc), "a transposed input gives the contiguous one's values");
+    let (ye, dxe, _) = gelu_with_grad(
+        &vector,
+        &Tensor::zeros([0, 4], (Kind::Float, Device::Cpu)),
+        &Tensor::zeros([0, 4], (Kind::Float, Device::Cpu)),
+    );
+    assert_eq!((ye.size(), dxe.size()), (vec![0, 4], vec![0, 4]));
+    let special = Tensor::from_slice(&[f32::NAN, f32::INFINITY, -50.0, 0.0, 50.0]);
+    let (yv, dxv, _) = gelu_with_grad(&vector, &special, &special.ones_like());
+    let (yv, dxv) = (Vec::<f32>::try_from(&yv).unwrap(), Vec::<f32>::try_from(&dxv).unwrap());
+    assert!(yv[0].is_nan() && dxv[0].is_nan(), "NaN stays NaN");
+    assert_eq!(&yv[1..], &[f32::INFINITY, 0.0, 0.0, 50.0]);
+    assert_eq!(&dxv[2..], &[0.0, 0.5, 1.0]);
+    let scalar = Tensor::from(0.5f32);
+    let (y0, _, _) = gelu_with_grad(&vector, &scalar, &scalar.ones_like());
+    assert_eq!(y0.size(), Vec::<i64>::new());
+
+    // Other dtypes keep libtorch's kernel, bit for bit.
+    for kind in [Kind::Double, Kind::BFloat16] {
+        let xk = x.narrow(0, 0, 1000).to_kind(kind);
+        let gk = g.narrow(0, 0, 1000).to_kind(kind);
+        let (a, da, node) = gelu_with_grad(&vector, &xk, &gk);
+        let (b, db, _) = gelu_with_grad(&plain, &xk, &gk);
+        assert!(!node.contains("GeluTanh") && a.equal(&b) && da.equal(&db), "{kind:?} runs libtorch's GELU");
+    }
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //! supported. Built in: `FlashAttention` (libtorch's fused scaled-dot-product attention,
 //! flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm`, and, where
 //! libtorch has oneDNN, `OneDnnLinear` (fp32 linear layers on the CPU through oneDNN's
-//! inner product, forward and backward, instead of libtorch's BLAS).
+//! inner product, forward and backward, instead of libtorch's BLAS), and `VectorGelu`
+//! (GELU's tanh form on fp32 CPU tensors through Strata's vectorised kernel).
 use crate::error::text;
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -15,6 +16,7 @@ pub type AttentionFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor> +
 pub type LayerNormFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
 pub type RmsNormFn = Arc<dyn Fn(&Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
 pub type LinearFn = Arc<dyn Fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> + Send + Sync>;
+pub type GeluFn = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
 /// The op a pair replaces, with its implementation.
 #[derive(Clone)]
@@ -27,6 +29,8 @@ pub enum Replacement {
     RmsNorm(RmsNormFn),
     /// `x @ w.T + b` with PyTorch's `[out, in]` weight layout.
     Linear(LinearFn),
+    /// GELU in its tanh form (`gelu(x, "tanh")`).
+    Gelu(GeluFn),
 }
 
 #[derive(Clone)]
@@ -63,6 +67,11 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                 with: Replacement::LayerNorm(layer_norm),
             },
             ReplacePair { name: "FusedRMSNorm".into(), supported_dtypes: all, with: Replacement::RmsNorm(rms_norm) },
+            ReplacePair {
+                name: "VectorGelu".into(),
+                supported_dtypes: vec![Kind::Float],
+                with: Replacement::Gelu(Arc::new(|x| Ok(strata_ext::gelu_tanh(x)?))),
+            },
         ];
         if strata_ext::onednn::available() {
             pairs.push(ReplacePair {
@@ -192,5 +201,9 @@ impl Replacements {
 
     pub fn linear(&self, kind: Kind) -> Option<LinearFn> {
         self.find(kind, |r| if let Replacement::Linear(f) = r { Some(f.clone()) } else { None })
+    }
+
+    pub fn gelu(&self, kind: Kind) -> Option<GeluFn> {
+        self.find(kind, |r| if let Replacement::Gelu(f) = r { Some(f.clone()) } else { None })
     }
 }

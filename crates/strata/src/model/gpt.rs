@@ -2,7 +2,8 @@
 //! output head tied to the token embedding. Parameter names and `[out, in]` layouts are
 //! nanoGPT's, so its safetensors files load as they are.
 use super::layers::{
-    causal_attention, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding, vocab_logits,
+    causal_attention, gelu_tanh, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding,
+    vocab_logits,
 };
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS,
@@ -143,7 +144,7 @@ impl GptBlock {
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
         let x = x.f_add(&row_linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]), tp)?)?;
         let h = tp.enter(&layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?)?;
-        let h = linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?.f_gelu("tanh")?;
+        let h = gelu_tanh(&linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?)?;
         Ok(x.f_add(&row_linear(&h, &p[self.mlp_proj.0], Some(&p[self.mlp_proj.1]), tp)?)?)
     }
 }

@@ -1,8 +1,8 @@
 //! Functional building blocks shared by the reference models. Each takes its parameters
 //! as tensors, so units stay plain data and the engine decides where weights live.
 //!
-//! Attention and norms are the plain composites of eager PyTorch modules; the running
-//! unit's compute policy (`crate::compute`) may replace them with fused implementations
+//! Attention, norms and GELU are the plain composites and kernels of eager PyTorch modules;
+//! the running unit's compute policy (`crate::compute`) may replace them with faster implementations
 //! (`module_replace`), compute linear layers in fp8, or cast to a lower precision
 //! (`amp_native`: matrix products and attention in it, norms, softmax and the loss in fp32).
 use super::tensor::{vocab_rows, TensorParallel};
@@ -104,6 +104,14 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
     let ms = x32.f_square()?.f_mean_dim(-1, true, None)?;
     Ok(cast(&x32.f_mul(&ms.f_add_scalar(eps)?.f_rsqrt()?)?, Some(x.kind()))?.f_mul(w)?)
+}
+
+/// GELU in its tanh form, GPT-2's activation.
+pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    if let Some(replaced) = compute::replaced(|r| r.gelu(x.kind())) {
+        return replaced(x);
+    }
+    Ok(x.f_gelu("tanh")?)
 }
 
 /// Causal multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and

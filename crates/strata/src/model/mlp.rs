@@ -1,6 +1,6 @@
 //! A small residual MLP language model (each position predicts the next token from its own
 //! token only): the quickest model to test engine and strategy machinery with.
-use super::layers::{row_linear, vocab_logits};
+use super::layers::{gelu_tanh, row_linear, vocab_logits};
 use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
 use crate::Result;
 use serde::{Deserialize, Serialize};
@@ -29,7 +29,7 @@ impl Unit for MlpLayer {
         let tp = p.tp();
         let piece = self.dim / tp.size();
         let h = tp.enter(x)?.f_narrow(-1, tp.rank() * piece, piece)?;
-        Ok(x.f_add(&row_linear(&h, &p[self.weight], Some(&p[self.bias]), tp)?.f_gelu("tanh")?)?)
+        Ok(x.f_add(&gelu_tanh(&row_linear(&h, &p[self.weight], Some(&p[self.bias]), tp)?)?)?)
     }
     fn position_wise(&self) -> bool {
         true
