@@ -971,7 +971,7 @@ int strata_c10d_check(void* s, const char* const* keys, const size_t* lens, size
 
 }  // extern "C"
 
-// ---- GELU (tanh form) on the CPU ------------------------------------------------------
+// ---- activations on the CPU: GELU (tanh form) and SwiGLU --------------------------------
 
 namespace {
 // GELU's tanh form, x/2 · (1 + tanh(u)) with u = √(2/π)·(x + 0.044715·x³), equals
@@ -1037,16 +1037,45 @@ STRATA_VECTOR_KERNEL void gelu_tanh_backward(const float* g, const float* x, flo
   }
 }
 
-// libtorch's grain for elementwise kernels: below it one thread does the whole tensor.
-constexpr int64_t kElementwiseGrain = 32768;
+// SwiGLU, silu(g)·u = g·σ(g)·u, in one pass over both inputs (libtorch makes silu(g) and
+// keeps it for the product's backward: a third tensor of the gate's size).
+STRATA_VECTOR_KERNEL void swiglu_forward(const float* gate, const float* up, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    y[i] = g / (1.0f + exp_clamped(-g)) * up[i];
+  }
+}
+
+// d/dg = dy·u·σ·(1 + g·(1 − σ)) and d/du = dy·g·σ, with 1 − σ formed as for GELU.
+STRATA_VECTOR_KERNEL void swiglu_backward(const float* dy, const float* gate, const float* up, float* dgate,
+                                          float* dup, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float e = exp_clamped(-g);
+    const float s = 1.0f / (1.0f + e);
+    const float one_minus_s = e == std::numeric_limits<float>::infinity() ? 1.0f : e * s;
+    dup[i] = dy[i] * (g * s);
+    dgate[i] = dy[i] * up[i] * s * std::fma(g, one_minus_s, 1.0f);
+  }
+}
+
+// Runs `kernel(begin, end)` over [0, n) on libtorch's intra-op threads, with libtorch's
+// grain for elementwise kernels (below it one thread does the whole range).
+template <typename Kernel>
+void over_elements(int64_t n, const Kernel& kernel) {
+  at::parallel_for(0, n, 32768, kernel);
+}
+
+// A new contiguous tensor of `like`'s shape, dtype and device.
+Tensor empty_as(const Tensor& like) { return at::empty(like.sizes(), like.options()); }
 
 struct GeluTanh : public torch::autograd::Function<GeluTanh> {
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x) {
     Tensor input = x.contiguous();
-    Tensor y = at::empty(input.sizes(), input.options());
-    const float* in = input.const_data_ptr<float>();
+    Tensor y = empty_as(input);
     float* out = y.mutable_data_ptr<float>();
-    at::parallel_for(0, input.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    const float* in = input.const_data_ptr<float>();
+    over_elements(input.numel(), [&](int64_t begin, int64_t end) {
       gelu_tanh_forward(in + begin, out + begin, end - begin);
     });
     ctx->save_for_backward({input});
@@ -1057,16 +1086,50 @@ struct GeluTanh : public torch::autograd::Function<GeluTanh> {
                                                  torch::autograd::variable_list grads) {
     Tensor x = ctx->get_saved_variables()[0];
     Tensor g = grads[0].contiguous();
-    Tensor dx = at::empty(x.sizes(), x.options());
+    Tensor dx = empty_as(x);
+    float* out = dx.mutable_data_ptr<float>();
     const float* gp = g.const_data_ptr<float>();
     const float* xp = x.const_data_ptr<float>();
-    float* out = dx.mutable_data_ptr<float>();
-    at::parallel_for(0, x.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    over_elements(x.numel(), [&](int64_t begin, int64_t end) {
       gelu_tanh_backward(gp + begin, xp + begin, out + begin, end - begin);
     });
     return {dx};
   }
 };
+
+struct SwiGlu : public torch::autograd::Function<SwiGlu> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& gate, const Tensor& up) {
+    Tensor g = gate.contiguous(), u = up.contiguous();
+    Tensor y = empty_as(g);
+    float* out = y.mutable_data_ptr<float>();
+    const float* gp = g.const_data_ptr<float>();
+    const float* up_data = u.const_data_ptr<float>();
+    over_elements(g.numel(), [&](int64_t begin, int64_t end) {
+      swiglu_forward(gp + begin, up_data + begin, out + begin, end - begin);
+    });
+    ctx->save_for_backward({g, u});
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &g = saved[0], &u = saved[1];
+    Tensor dy = grads[0].contiguous();
+    Tensor dgate = empty_as(g), dup = empty_as(u);
+    float* dg = dgate.mutable_data_ptr<float>();
+    float* du = dup.mutable_data_ptr<float>();
+    const float* dyp = dy.const_data_ptr<float>();
+    const float* gp = g.const_data_ptr<float>();
+    const float* up_data = u.const_data_ptr<float>();
+    over_elements(g.numel(), [&](int64_t begin, int64_t end) {
+      swiglu_backward(dyp + begin, gp + begin, up_data + begin, dg + begin, du + begin, end - begin);
+    });
+    return {dgate, dup};
+  }
+};
+
+bool own_kernel_serves(const Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
 }  // namespace
 
 extern "C" {
@@ -1074,9 +1137,16 @@ extern "C" {
 // GELU, tanh form: Strata's kernel for fp32 CPU tensors (its backward is not itself
 // differentiable), libtorch's `gelu(x, "tanh")` for everything else.
 int strata_gelu_tanh(const Tensor* x, Tensor** out) {
+  return guarded([&] { *out = new Tensor(own_kernel_serves(*x) ? GeluTanh::apply(*x) : at::gelu(*x, "tanh")); });
+}
+
+// SwiGLU's `silu(gate) * up`: Strata's kernel for fp32 CPU tensors of one shape (its
+// backward is not itself differentiable), libtorch's ops for everything else (broadcasting
+// included).
+int strata_swiglu(const Tensor* gate, const Tensor* up, Tensor** out) {
   return guarded([&] {
-    const bool own = x->device().is_cpu() && x->scalar_type() == at::kFloat;
-    *out = new Tensor(own ? GeluTanh::apply(*x) : at::gelu(*x, "tanh"));
+    const bool own = own_kernel_serves(*gate) && own_kernel_serves(*up) && gate->sizes() == up->sizes();
+    *out = new Tensor(own ? SwiGlu::apply(*gate, *up) : at::silu(*gate) * *up);
   });
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Owns: backward and `grad` with given upstream gradients, setting `.grad`, tensor hooks,
 //! autograd functions whose forward and backward are Rust closures, resizing (freeing and
-//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, a CPU GELU kernel, and CUDA streams,
+//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU and SwiGLU, and CUDA streams,
 //! events and allocator statistics. Must not hold policy: callers decide what to free,
 //! when to hook and how to update; this crate only makes those calls possible and safe.
 
@@ -70,6 +70,7 @@ extern "C" {
     fn strata_grad_fn_name(t: *const C_tensor, name: *mut c_char, capacity: usize) -> c_int;
     fn strata_onednn_linear(x: *const C_tensor, w: *const C_tensor, b: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_gelu_tanh(x: *const C_tensor, out: *mut TensorPtr) -> c_int;
+    fn strata_swiglu(gate: *const C_tensor, up: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_cpu_memory_account(bytes: i64) -> c_int;
     fn strata_from_blob(
         data: *mut c_void,
@@ -538,6 +539,18 @@ pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
     let mut out: TensorPtr = std::ptr::null_mut();
     // SAFETY: `x` is live for the call; the result is a fresh heap tensor.
     check(unsafe { strata_gelu_tanh(x.as_ptr(), &mut out) })?;
+    // SAFETY: a fresh `new at::Tensor` owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// SwiGLU's `silu(gate) * up`, recorded for autograd. On fp32 CPU tensors of one shape it
+/// runs Strata's vectorised kernel: one pass for the product, one for both gradients, and
+/// only the two inputs kept for backward (libtorch's ops also keep `silu(gate)`); its
+/// backward is not itself differentiable. Anything else goes to libtorch's ops.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let mut out: TensorPtr = std::ptr::null_mut();
+    // SAFETY: the tensors are live for the call; the result is a fresh heap tensor.
+    check(unsafe { strata_swiglu(gate.as_ptr(), up.as_ptr(), &mut out) })?;
     // SAFETY: a fresh `new at::Tensor` owned by nobody else.
     Ok(unsafe { Tensor::from_ptr(out) })
 }

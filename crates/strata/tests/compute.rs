@@ -1,6 +1,6 @@
 //! The compute methods inside one process: the loss scaler's skip and recovery, fp8
 //! numerics and delayed scaling, recomputation's gradients and memory, replaced modules
-//! against the reference ones (Strata's GELU kernel against the exact function), and where amp_native computes in which dtype.
+//! against the reference ones (Strata's GELU and SwiGLU kernels against the exact functions), and where amp_native computes in which dtype.
 mod common;
 
 use common::rel;
@@ -296,14 +296,45 @@ fn onednn_linear_matches_libtorch_forward_and_backward() {
     assert!(!strata_ext::grad_fn_name(&yd).unwrap().unwrap_or_default().contains("RustFunction"));
 }
 
-/// GELU (tanh form) under `policy` of `x`, with the gradient for upstream `g`: (output,
-/// input gradient, the name of the output's autograd node).
-fn gelu_with_grad(policy: &Arc<UnitCompute>, x: &Tensor, g: &Tensor) -> (Tensor, Tensor, String) {
-    let x = x.detach().set_requires_grad(true);
-    let y = compute::run(policy, vec![], false, || layers::gelu_tanh(&x)).unwrap();
+/// `op` of `inputs` under `policy`, with the inputs' gradients for the upstream gradient
+/// `g`: (output, gradients, the name of the output's autograd node).
+fn with_grads(
+    policy: &Arc<UnitCompute>,
+    op: impl Fn(&[Tensor]) -> strata::Result<Tensor>,
+    inputs: &[&Tensor],
+    g: &Tensor,
+) -> (Tensor, Vec<Tensor>, String) {
+    let inputs: Vec<Tensor> = inputs.iter().map(|x| x.detach().set_requires_grad(true)).collect();
+    let y = compute::run(policy, vec![], false, || op(&inputs)).unwrap();
     let node = strata_ext::grad_fn_name(&y).unwrap().unwrap_or_default();
     strata_ext::backward(&[&y], &[g], false).unwrap();
-    (y.detach(), x.grad(), node)
+    (y.detach(), inputs.iter().map(Tensor::grad).collect(), node)
+}
+
+/// GELU (tanh form) under `policy` of `x`, with the gradient for upstream `g`.
+fn gelu_with_grad(policy: &Arc<UnitCompute>, x: &Tensor, g: &Tensor) -> (Tensor, Tensor, String) {
+    let (y, mut grads, node) = with_grads(policy, |t| layers::gelu_tanh(&t[0]), &[x], g);
+    (y, grads.remove(0), node)
+}
+
+/// A policy that replaces `pair` only.
+fn replacing(pair: &str) -> Arc<UnitCompute> {
+    Arc::new(UnitCompute {
+        replacements: Replacements::select(Some(&[pair.to_string()])).unwrap(),
+        ..Default::default()
+    })
+}
+
+/// Every element once: −100 to 100 densely (the tails included), then normal samples
+/// scaled by `scale`; more than one parallel grain of elements.
+fn activation_inputs(scale: f64) -> Tensor {
+    Tensor::cat(
+        &[
+            Tensor::linspace(-100.0, 100.0, 200_001, (Kind::Float, Device::Cpu)),
+            with_seed(1, || Tensor::randn([300_000], (Kind::Float, Device::Cpu))) * scale,
+        ],
+        0,
+    )
 }
 
 /// GELU's tanh form and its derivative in f64, from the exact rewrite x·σ(2u), where
@@ -327,20 +358,9 @@ fn worst_relative(a: &Tensor, b: &Tensor, floor: f64) -> f64 {
 #[test]
 fn vector_gelu_is_the_exact_function_to_a_few_ulp_where_libtorchs_cancels() {
     let _serial = serial();
-    let vector = Arc::new(UnitCompute {
-        replacements: Replacements::select(Some(&["VectorGelu".to_string()])).unwrap(),
-        ..Default::default()
-    });
+    let vector = replacing("VectorGelu");
     let plain = Arc::new(UnitCompute::default());
-    // A dense sweep through the whole curve (the far tails included) and normal samples,
-    // more than one parallel grain of elements.
-    let x = Tensor::cat(
-        &[
-            Tensor::linspace(-12.0, 12.0, 240_001, (Kind::Float, Device::Cpu)),
-            with_seed(1, || Tensor::randn([300_000], (Kind::Float, Device::Cpu))) * 3.0,
-        ],
-        0,
-    );
+    let x = activation_inputs(3.0);
     let g = with_seed(2, || Tensor::randn(x.size(), (Kind::Float, Device::Cpu)));
     let threads = tch::get_num_threads();
     tch::set_num_threads(1);
@@ -407,6 +427,91 @@ fn vector_gelu_is_the_exact_function_to_a_few_ulp_where_libtorchs_cancels() {
         let (a, da, node) = gelu_with_grad(&vector, &xk, &gk);
         let (b, db, _) = gelu_with_grad(&plain, &xk, &gk);
         assert!(!node.contains("GeluTanh") && a.equal(&b) && da.equal(&db), "{kind:?} runs libtorch's GELU");
+    }
+}
+
+#[test]
+fn fused_swiglu_is_silu_times_up_to_a_few_ulp_keeping_one_tensor_less() {
+    let _serial = serial();
+    let fused = replacing("FusedSwiGLU");
+    let plain = Arc::new(UnitCompute::default());
+    let swiglu = |t: &[Tensor]| layers::swiglu(&t[0], &t[1]);
+    let gate = activation_inputs(4.0);
+    let up = with_seed(2, || Tensor::randn(gate.size(), (Kind::Float, Device::Cpu)));
+    let dy = with_seed(3, || Tensor::randn(gate.size(), (Kind::Float, Device::Cpu)));
+    let threads = tch::get_num_threads();
+    tch::set_num_threads(1);
+    let (y, grads, node) = with_grads(&fused, swiglu, &[&gate, &up], &dy);
+    let (reference_y, reference_grads, reference_node) = with_grads(&plain, swiglu, &[&gate, &up], &dy);
+    assert!(node.contains("SwiGlu"), "Strata's kernel made the output, got node {node:?}");
+    assert!(!reference_node.contains("SwiGlu"), "libtorch's ops without the replacement");
+
+    // The exact values in f64, with 1 − σ(g) as σ(−g).
+    let (g64, u64, dy64) = (gate.to_kind(Kind::Double), up.to_kind(Kind::Double), dy.to_kind(Kind::Double));
+    let (s, one_minus_s) = (g64.sigmoid(), g64.neg().sigmoid());
+    let exact_y = &g64 * &s * &u64;
+    let exact_dgate = &dy64 * &u64 * &s * (&g64 * one_minus_s + 1.0);
+    let exact_dup = &dy64 * &g64 * &s;
+    // Relative, down to 1e-20 (the kernel's e^−g overflows a little early, near g = −88.4,
+    // where the product is below 1e-35).
+    let forward = worst_relative(&y, &exact_y, 1e-20);
+    assert!(forward < 1e-6, "forward within 1e-6 of the exact product, worst {forward:e}");
+    assert!(rel(&y, &reference_y) < 1e-6, "forward near libtorch's: {:e}", rel(&y, &reference_y));
+    // The gate's gradient in units of |dy·u| (silu's derivative lies in [−0.1, 1.1]).
+    let scale = (&dy64 * &u64).abs().clamp_min(1e-30);
+    let dgate = ((grads[0].to_kind(Kind::Double) - &exact_dgate).abs() / scale).max().double_value(&[]);
+    assert!(dgate < 1e-6, "gate gradient within 1e-6·|dy·u| of the exact one, worst {dgate:e}");
+    let dup = worst_relative(&grads[1], &exact_dup, 1e-20);
+    assert!(dup < 1e-6, "up gradient within 1e-6 of the exact one, worst {dup:e}");
+    for (what, (a, b)) in ["gate", "up"].iter().zip(grads.iter().zip(&reference_grads)) {
+        assert!(rel(a, b) < 1e-6, "{what} gradient near libtorch's: {:e}", rel(a, b));
+    }
+    assert!(
+        !(y.equal(&reference_y) && grads[0].equal(&reference_grads[0])),
+        "a kernel of its own computes the product and the gate's gradient"
+    );
+
+    // Several threads split the work without changing a bit.
+    tch::set_num_threads(2);
+    let (y2, grads2, _) = with_grads(&fused, swiglu, &[&gate, &up], &dy);
+    tch::set_num_threads(threads);
+    assert!(y2.equal(&y) && grads2[0].equal(&grads[0]) && grads2[1].equal(&grads[1]), "the same values on two threads");
+
+    // Held for backward beside the inputs: the product alone, where libtorch's ops also
+    // keep silu(gate).
+    strata_ext::cpu_memory::track().unwrap();
+    let held = |policy: &Arc<UnitCompute>| {
+        let (g, u) = (gate.detach().set_requires_grad(true), up.detach().set_requires_grad(true));
+        let before = strata_ext::cpu_memory::stats().unwrap().0;
+        let y = compute::run(policy, vec![], false, || layers::swiglu(&g, &u)).unwrap();
+        let bytes = strata_ext::cpu_memory::stats().unwrap().0 - before;
+        drop(y);
+        bytes
+    };
+    let bytes = gate.numel() as i64 * 4;
+    assert_eq!((held(&fused), held(&plain)), (bytes, 2 * bytes), "bytes held after forward");
+
+    // Strided inputs, broadcasting, and other dtypes.
+    let block = with_seed(4, || Tensor::randn([2, 3, 5, 7], (Kind::Float, Device::Cpu)));
+    let (gs, us) = (block.get(0).transpose(0, 2), block.get(1).transpose(0, 2));
+    let ds = with_seed(5, || Tensor::randn(gs.size(), (Kind::Float, Device::Cpu)));
+    let (a, da, _) = with_grads(&fused, swiglu, &[&gs, &us], &ds);
+    let (b, db, _) = with_grads(&fused, swiglu, &[&gs.contiguous(), &us.contiguous()], &ds.contiguous());
+    assert!(
+        a.equal(&b) && da[0].equal(&db[0]) && da[1].equal(&db[1]),
+        "transposed inputs give the contiguous ones' values"
+    );
+    let (g2, u1) = (gate.narrow(0, 0, 1000).view([4, 250]), up.narrow(0, 0, 250).view([1, 250]));
+    let d2 = dy.narrow(0, 0, 1000).view([4, 250]);
+    let double = |t: &Tensor| t.to_kind(Kind::Double);
+    for (what, g, u, d) in [
+        ("broadcast up", g2.shallow_clone(), u1.shallow_clone(), d2.shallow_clone()),
+        ("f64", double(&g2), double(&g2.flip([0])), double(&d2)),
+    ] {
+        let (a, da, node) = with_grads(&fused, swiglu, &[&g, &u], &d);
+        let (b, db, _) = with_grads(&plain, swiglu, &[&g, &u], &d);
+        assert!(!node.contains("SwiGlu"), "{what}: libtorch's ops");
+        assert!(a.equal(&b) && da[0].equal(&db[0]) && da[1].equal(&db[1]), "{what}: libtorch's values, bit for bit");
     }
 }
 

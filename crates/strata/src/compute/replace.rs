@@ -5,8 +5,9 @@
 //! supported. Built in: `FlashAttention` (libtorch's fused scaled-dot-product attention,
 //! flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm`, and, where
 //! libtorch has oneDNN, `OneDnnLinear` (fp32 linear layers on the CPU through oneDNN's
-//! inner product, forward and backward, instead of libtorch's BLAS), and `VectorGelu`
-//! (GELU's tanh form on fp32 CPU tensors through Strata's vectorised kernel).
+//! inner product, forward and backward, instead of libtorch's BLAS), and, on fp32 CPU
+//! tensors through Strata's vectorised kernels, `VectorGelu` (GELU's tanh form) and
+//! `FusedSwiGLU` (`silu(gate) * up` in one pass).
 use crate::error::text;
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,6 +18,7 @@ pub type LayerNormFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tens
 pub type RmsNormFn = Arc<dyn Fn(&Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
 pub type LinearFn = Arc<dyn Fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> + Send + Sync>;
 pub type GeluFn = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
+pub type SwiGluFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
 
 /// The op a pair replaces, with its implementation.
 #[derive(Clone)]
@@ -31,6 +33,8 @@ pub enum Replacement {
     Linear(LinearFn),
     /// GELU in its tanh form (`gelu(x, "tanh")`).
     Gelu(GeluFn),
+    /// SwiGLU's gating, `silu(gate) * up`.
+    SwiGlu(SwiGluFn),
 }
 
 #[derive(Clone)]
@@ -71,6 +75,11 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                 name: "VectorGelu".into(),
                 supported_dtypes: vec![Kind::Float],
                 with: Replacement::Gelu(Arc::new(|x| Ok(strata_ext::gelu_tanh(x)?))),
+            },
+            ReplacePair {
+                name: "FusedSwiGLU".into(),
+                supported_dtypes: vec![Kind::Float],
+                with: Replacement::SwiGlu(Arc::new(|gate, up| Ok(strata_ext::swiglu(gate, up)?))),
             },
         ];
         if strata_ext::onednn::available() {
@@ -205,5 +214,9 @@ impl Replacements {
 
     pub fn gelu(&self, kind: Kind) -> Option<GeluFn> {
         self.find(kind, |r| if let Replacement::Gelu(f) = r { Some(f.clone()) } else { None })
+    }
+
+    pub fn swiglu(&self, kind: Kind) -> Option<SwiGluFn> {
+        self.find(kind, |r| if let Replacement::SwiGlu(f) = r { Some(f.clone()) } else { None })
     }
 }

@@ -1,7 +1,7 @@
 //! Functional building blocks shared by the reference models. Each takes its parameters
 //! as tensors, so units stay plain data and the engine decides where weights live.
 //!
-//! Attention, norms and GELU are the plain composites and kernels of eager PyTorch modules;
+//! Attention, norms and activations are the plain composites and kernels of eager PyTorch modules;
 //! the running unit's compute policy (`crate::compute`) may replace them with faster implementations
 //! (`module_replace`), compute linear layers in fp8, or cast to a lower precision
 //! (`amp_native`: matrix products and attention in it, norms, softmax and the loss in fp32).
@@ -112,6 +112,14 @@ pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
         return replaced(x);
     }
     Ok(x.f_gelu("tanh")?)
+}
+
+/// SwiGLU's gating, `silu(gate) * up`.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if let Some(replaced) = compute::replaced(|r| r.swiglu(gate.kind())) {
+        return replaced(gate, up);
+    }
+    Ok(gate.f_silu()?.f_mul(up)?)
 }
 
 /// Causal multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and

@@ -6,7 +6,7 @@
 //! output projection too). Names follow the common `model.layers.{i}.self_attn.q_proj.weight`
 //! layout.
 use super::gpt::divides_heads;
-use super::layers::{causal_attention, linear, merge_heads, rms_norm, row_linear, split_heads, vocab_logits};
+use super::layers::{causal_attention, linear, merge_heads, rms_norm, row_linear, split_heads, swiglu, vocab_logits};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TokenEmbedding, TpRole, Unit,
     DEFAULT_NORM_EPS, INIT_STD as STD,
@@ -179,7 +179,7 @@ impl LlamaBlock {
         let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
         let x = x.f_add(&row_linear(&y, &p[self.o.0], self.o.1.map(|b| &p[b]), tp)?)?;
         let h = tp.enter(&rms_norm(&x, &p[self.post_norm], self.eps)?)?;
-        let gated = linear(&h, &p[self.gate], None)?.f_silu()?.f_mul(&linear(&h, &p[self.up], None)?)?;
+        let gated = swiglu(&linear(&h, &p[self.gate], None)?, &linear(&h, &p[self.up], None)?)?;
         Ok(x.f_add(&row_linear(&gated, &p[self.down], None, tp)?)?)
     }
 }
