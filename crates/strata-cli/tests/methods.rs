@@ -75,8 +75,8 @@ fn bad_method_configurations_are_one_line_errors_listing_what_is_allowed() {
         (r#"["half", "amp_native"]"#, "half and amp_native cannot be combined"),
         (r#"[["half", "int8"]]"#, "allowed: bf16, fp16, fp32"),
         (
-            r#"[["module_replace", ["FusedRoPE"]]]"#,
-            "registered: FlashAttention, FusedLayerNorm, FusedRMSNorm, VectorGelu, FusedSwiGLU",
+            r#"[["module_replace", ["FusedMoE"]]]"#,
+            "registered: FlashAttention, FusedLayerNorm, FusedRMSNorm, VectorGelu, FusedSwiGLU, FusedRoPE",
         ),
         (r#"[["amp_native", {"loss_scaler": {"hysteresis": 0}}]]"#, "hysteresis must be positive"),
     ] {

@@ -1059,6 +1059,27 @@ STRATA_VECTOR_KERNEL void swiglu_backward(const float* dy, const float* gate, co
   }
 }
 
+// Rotary positions for one row of `d` (even) features: x·cos + rotate_half(x)·sin, where
+// rotate_half(x) = (−x₂, x₁) for the halves x₁, x₂; `x` may be a strided row.
+STRATA_VECTOR_KERNEL void rotary_row(const float* __restrict__ x, const float* __restrict__ cos,
+                                     const float* __restrict__ sin, float* __restrict__ y, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    y[i] = x[i] * cos[i] - x[i + h] * sin[i];
+    y[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h];
+  }
+}
+
+// Its transpose, the input's gradient: dy·cos + (s₂·dy₂, −s₁·dy₁) with s = sin.
+STRATA_VECTOR_KERNEL void rotary_row_backward(const float* __restrict__ dy, const float* __restrict__ cos,
+                                              const float* __restrict__ sin, float* __restrict__ dx, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    dx[i] = dy[i] * cos[i] + dy[i + h] * sin[i + h];
+    dx[i + h] = dy[i + h] * cos[i + h] - dy[i] * sin[i];
+  }
+}
+
 // Runs `kernel(begin, end)` over [0, n) on libtorch's intra-op threads, with libtorch's
 // grain for elementwise kernels (below it one thread does the whole range).
 template <typename Kernel>
@@ -1129,6 +1150,42 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
   }
 };
 
+// Applies `row(in, cos, sin, out, d)` to every row of `[B, H, T, D]` `x` (rows of D features
+// with unit stride, others any), with the tables' row of the row's position, into a new
+// contiguous tensor.
+template <typename Row>
+Tensor by_rows(const Tensor& x, const Tensor& cos, const Tensor& sin, const Row& row) {
+  const int64_t heads = x.size(1), t = x.size(2), d = x.size(3);
+  Tensor y = at::empty(x.sizes(), x.options());
+  if (y.numel() == 0) return y;
+  const float* in = x.const_data_ptr<float>();
+  const float *c = cos.const_data_ptr<float>(), *s = sin.const_data_ptr<float>();
+  float* out = y.mutable_data_ptr<float>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), st = x.stride(2);
+  at::parallel_for(0, x.numel() / d, std::max<int64_t>(1, 32768 / d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / (heads * t), hh = r / t % heads, p = r % t;
+      row(in + b * sb + hh * sh + p * st, c + p * d, s + p * d, out + r * d, d);
+    }
+  });
+  return y;
+}
+
+struct Rotary : public torch::autograd::Function<Rotary> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& cos,
+                        const Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return by_rows(x.stride(3) == 1 ? x : x.contiguous(), cos, sin, rotary_row);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    Tensor dy = grads[0].contiguous();
+    return {by_rows(dy, saved[0], saved[1], rotary_row_backward), Tensor(), Tensor()};
+  }
+};
+
 bool own_kernel_serves(const Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
 }  // namespace
 
@@ -1138,6 +1195,21 @@ extern "C" {
 // differentiable), libtorch's `gelu(x, "tanh")` for everything else.
 int strata_gelu_tanh(const Tensor* x, Tensor** out) {
   return guarded([&] { *out = new Tensor(own_kernel_serves(*x) ? GeluTanh::apply(*x) : at::gelu(*x, "tanh")); });
+}
+
+// Rotary positions of `[B, H, T, D]` `x` with `[T, D]` tables: Strata's kernel for fp32 CPU
+// tensors (the tables contiguous and without gradients; its backward, which needs only
+// the tables, is not itself differentiable). `*out` is null where the kernel does not
+// serve, for the caller's own composite.
+int strata_rotary(const Tensor* x, const Tensor* cos, const Tensor* sin, Tensor** out) {
+  return guarded([&] {
+    const bool tables = cos->dim() == 2 && cos->sizes() == sin->sizes() && cos->is_contiguous() &&
+                        sin->is_contiguous() && !cos->requires_grad() && !sin->requires_grad();
+    const bool own = own_kernel_serves(*x) && own_kernel_serves(*cos) && own_kernel_serves(*sin) && tables &&
+                     x->dim() == 4 && x->size(2) == cos->size(0) && x->size(3) == cos->size(1) &&
+                     x->size(3) % 2 == 0;
+    *out = own ? new Tensor(Rotary::apply(*x, *cos, *sin)) : nullptr;
+  });
 }
 
 // SwiGLU's `silu(gate) * up`: Strata's kernel for fp32 CPU tensors of one shape (its

@@ -2,7 +2,8 @@
 //!
 //! Owns: backward and `grad` with given upstream gradients, setting `.grad`, tensor hooks,
 //! autograd functions whose forward and backward are Rust closures, resizing (freeing and
-//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU and SwiGLU, and CUDA streams,
+//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU, SwiGLU and rotary
+//! positions, and CUDA streams,
 //! events and allocator statistics. Must not hold policy: callers decide what to free,
 //! when to hook and how to update; this crate only makes those calls possible and safe.
 
@@ -71,6 +72,7 @@ extern "C" {
     fn strata_onednn_linear(x: *const C_tensor, w: *const C_tensor, b: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_gelu_tanh(x: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_swiglu(gate: *const C_tensor, up: *const C_tensor, out: *mut TensorPtr) -> c_int;
+    fn strata_rotary(x: *const C_tensor, cos: *const C_tensor, sin: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_cpu_memory_account(bytes: i64) -> c_int;
     fn strata_from_blob(
         data: *mut c_void,
@@ -553,6 +555,19 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     check(unsafe { strata_swiglu(gate.as_ptr(), up.as_ptr(), &mut out) })?;
     // SAFETY: a fresh `new at::Tensor` owned by nobody else.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// Rotary positions, `x·cos + rotate_half(x)·sin`, for `[B, H, T, D]` `x` (any strides) and
+/// `[T, D]` tables, recorded for autograd: Strata's vectorised kernel for fp32 CPU tensors
+/// whose tables are contiguous and take no gradient, with a backward that keeps only the
+/// tables (and is not itself differentiable). `None` for anything else: the caller
+/// computes it its own way.
+pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
+    let mut out: TensorPtr = std::ptr::null_mut();
+    // SAFETY: the tensors are live for the call; the result is null or a fresh heap tensor.
+    check(unsafe { strata_rotary(x.as_ptr(), cos.as_ptr(), sin.as_ptr(), &mut out) })?;
+    // SAFETY: a fresh `new at::Tensor` owned by nobody else.
+    Ok((!out.is_null()).then(|| unsafe { Tensor::from_ptr(out) }))
 }
 
 /// oneDNN's inner product (the matrix-product kernels libtorch's CPU graph compiler calls),

@@ -1,6 +1,6 @@
 //! The compute methods inside one process: the loss scaler's skip and recovery, fp8
 //! numerics and delayed scaling, recomputation's gradients and memory, replaced modules
-//! against the reference ones (Strata's GELU and SwiGLU kernels against the exact functions), and where amp_native computes in which dtype.
+//! against the reference ones (Strata's GELU, SwiGLU and rotary kernels against the exact functions), and where amp_native computes in which dtype.
 mod common;
 
 use common::rel;
@@ -296,15 +296,21 @@ fn onednn_linear_matches_libtorch_forward_and_backward() {
     assert!(!strata_ext::grad_fn_name(&yd).unwrap().unwrap_or_default().contains("RustFunction"));
 }
 
-/// `op` of `inputs` under `policy`, with the inputs' gradients for the upstream gradient
-/// `g`: (output, gradients, the name of the output's autograd node).
+/// `op` of `inputs` under `policy`, the first `learned` of them taking gradients (the rest
+/// as given), with the inputs' gradients for the upstream gradient `g`: (output,
+/// gradients, the name of the output's autograd node).
 fn with_grads(
     policy: &Arc<UnitCompute>,
     op: impl Fn(&[Tensor]) -> strata::Result<Tensor>,
     inputs: &[&Tensor],
+    learned: usize,
     g: &Tensor,
 ) -> (Tensor, Vec<Tensor>, String) {
-    let inputs: Vec<Tensor> = inputs.iter().map(|x| x.detach().set_requires_grad(true)).collect();
+    let inputs: Vec<Tensor> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, x)| if i < learned { x.detach().set_requires_grad(true) } else { x.shallow_clone() })
+        .collect();
     let y = compute::run(policy, vec![], false, || op(&inputs)).unwrap();
     let node = strata_ext::grad_fn_name(&y).unwrap().unwrap_or_default();
     strata_ext::backward(&[&y], &[g], false).unwrap();
@@ -313,7 +319,7 @@ fn with_grads(
 
 /// GELU (tanh form) under `policy` of `x`, with the gradient for upstream `g`.
 fn gelu_with_grad(policy: &Arc<UnitCompute>, x: &Tensor, g: &Tensor) -> (Tensor, Tensor, String) {
-    let (y, mut grads, node) = with_grads(policy, |t| layers::gelu_tanh(&t[0]), &[x], g);
+    let (y, mut grads, node) = with_grads(policy, |t| layers::gelu_tanh(&t[0]), &[x], 1, g);
     (y, grads.remove(0), node)
 }
 
@@ -441,8 +447,8 @@ fn fused_swiglu_is_silu_times_up_to_a_few_ulp_keeping_one_tensor_less() {
     let dy = with_seed(3, || Tensor::randn(gate.size(), (Kind::Float, Device::Cpu)));
     let threads = tch::get_num_threads();
     tch::set_num_threads(1);
-    let (y, grads, node) = with_grads(&fused, swiglu, &[&gate, &up], &dy);
-    let (reference_y, reference_grads, reference_node) = with_grads(&plain, swiglu, &[&gate, &up], &dy);
+    let (y, grads, node) = with_grads(&fused, swiglu, &[&gate, &up], 2, &dy);
+    let (reference_y, reference_grads, reference_node) = with_grads(&plain, swiglu, &[&gate, &up], 2, &dy);
     assert!(node.contains("SwiGlu"), "Strata's kernel made the output, got node {node:?}");
     assert!(!reference_node.contains("SwiGlu"), "libtorch's ops without the replacement");
 
@@ -473,7 +479,7 @@ fn fused_swiglu_is_silu_times_up_to_a_few_ulp_keeping_one_tensor_less() {
 
     // Several threads split the work without changing a bit.
     tch::set_num_threads(2);
-    let (y2, grads2, _) = with_grads(&fused, swiglu, &[&gate, &up], &dy);
+    let (y2, grads2, _) = with_grads(&fused, swiglu, &[&gate, &up], 2, &dy);
     tch::set_num_threads(threads);
     assert!(y2.equal(&y) && grads2[0].equal(&grads[0]) && grads2[1].equal(&grads[1]), "the same values on two threads");
 
@@ -495,8 +501,8 @@ fn fused_swiglu_is_silu_times_up_to_a_few_ulp_keeping_one_tensor_less() {
     let block = with_seed(4, || Tensor::randn([2, 3, 5, 7], (Kind::Float, Device::Cpu)));
     let (gs, us) = (block.get(0).transpose(0, 2), block.get(1).transpose(0, 2));
     let ds = with_seed(5, || Tensor::randn(gs.size(), (Kind::Float, Device::Cpu)));
-    let (a, da, _) = with_grads(&fused, swiglu, &[&gs, &us], &ds);
-    let (b, db, _) = with_grads(&fused, swiglu, &[&gs.contiguous(), &us.contiguous()], &ds.contiguous());
+    let (a, da, _) = with_grads(&fused, swiglu, &[&gs, &us], 2, &ds);
+    let (b, db, _) = with_grads(&fused, swiglu, &[&gs.contiguous(), &us.contiguous()], 2, &ds.contiguous());
     assert!(
         a.equal(&b) && da[0].equal(&db[0]) && da[1].equal(&db[1]),
         "transposed inputs give the contiguous ones' values"
@@ -508,10 +514,67 @@ fn fused_swiglu_is_silu_times_up_to_a_few_ulp_keeping_one_tensor_less() {
         ("broadcast up", g2.shallow_clone(), u1.shallow_clone(), d2.shallow_clone()),
         ("f64", double(&g2), double(&g2.flip([0])), double(&d2)),
     ] {
-        let (a, da, node) = with_grads(&fused, swiglu, &[&g, &u], &d);
-        let (b, db, _) = with_grads(&plain, swiglu, &[&g, &u], &d);
+        let (a, da, node) = with_grads(&fused, swiglu, &[&g, &u], 2, &d);
+        let (b, db, _) = with_grads(&plain, swiglu, &[&g, &u], 2, &d);
         assert!(!node.contains("SwiGlu"), "{what}: libtorch's ops");
         assert!(a.equal(&b) && da[0].equal(&db[0]) && da[1].equal(&db[1]), "{what}: libtorch's values, bit for bit");
+    }
+}
+
+#[test]
+fn fused_rope_rotates_as_the_composite_does_and_declines_what_it_does_not_serve() {
+    let _serial = serial();
+    let fused = replacing("FusedRoPE");
+    let plain = Arc::new(UnitCompute::default());
+    let rope = |t: &[Tensor]| layers::rotary(&t[0], &t[1], &t[2]);
+    let (b, h, t, d) = (4, 4, 128, 64);
+    // Heads split from [B, T, H·D] rows, as attention makes them: a strided view.
+    let x = with_seed(1, || Tensor::randn([b, t, h, d], (Kind::Float, Device::Cpu))).transpose(1, 2);
+    let angles = with_seed(2, || Tensor::rand([t, d], (Kind::Float, Device::Cpu))) * 6.0;
+    let (cos, sin) = (angles.cos(), angles.sin());
+    let dy = with_seed(3, || Tensor::randn([b, h, t, d], (Kind::Float, Device::Cpu)));
+    let threads = tch::get_num_threads();
+    tch::set_num_threads(1);
+    let (y, grads, node) = with_grads(&fused, rope, &[&x, &cos, &sin], 1, &dy);
+    let (reference_y, reference_grads, reference_node) = with_grads(&plain, rope, &[&x, &cos, &sin], 1, &dy);
+    assert!(node.contains("Rotary"), "Strata's kernel made the output, got node {node:?}");
+    assert!(!reference_node.contains("Rotary"), "libtorch's ops without the replacement");
+    assert!(!grads[1].defined() && !grads[2].defined(), "the tables take no gradient");
+    // The composite in f64 as the exact values.
+    let double = |t: &Tensor| t.to_kind(Kind::Double);
+    let (exact_y, exact_grads, _) =
+        with_grads(&plain, rope, &[&double(&x), &double(&cos), &double(&sin)], 1, &double(&dy));
+    for (what, ours, theirs, exact) in
+        [("output", &y, &reference_y, &exact_y), ("input gradient", &grads[0], &reference_grads[0], &exact_grads[0])]
+    {
+        assert!(rel(ours, exact) < 1e-7, "{what} within 1e-7 of the exact one: {:e}", rel(ours, exact));
+        assert!(rel(ours, theirs) < 1e-7, "{what} near libtorch's: {:e}", rel(ours, theirs));
+    }
+
+    tch::set_num_threads(2);
+    let (y2, grads2, _) = with_grads(&fused, rope, &[&x, &cos, &sin], 1, &dy);
+    tch::set_num_threads(threads);
+    assert!(y2.equal(&y) && grads2[0].equal(&grads[0]), "the same values on two threads");
+    let (yc, gc, _) = with_grads(&fused, rope, &[&x.contiguous(), &cos, &sin], 1, &dy);
+    assert!(yc.equal(&y) && gc[0].equal(&grads[0]), "a contiguous input gives the strided one's values");
+    let empty = Tensor::zeros([0, h, t, d], (Kind::Float, Device::Cpu));
+    let (ye, _, _) = with_grads(&fused, rope, &[&empty, &cos, &sin], 1, &empty);
+    assert_eq!(ye.size(), vec![0, h, t, d]);
+
+    // What the kernel declines runs libtorch's ops: tables that take gradients, tables
+    // broadcast over positions, other dtypes.
+    let one_row = |t: &Tensor| t.narrow(0, 0, 1);
+    for (what, inputs) in [
+        ("tables with gradients", vec![x.shallow_clone(), cos.detach().set_requires_grad(true), sin.shallow_clone()]),
+        ("broadcast tables", vec![x.shallow_clone(), one_row(&cos), one_row(&sin)]),
+        ("f64", vec![double(&x), double(&cos), double(&sin)]),
+    ] {
+        let refs: Vec<&Tensor> = inputs.iter().collect();
+        let g = if what == "f64" { double(&dy) } else { dy.shallow_clone() };
+        let (a, da, node) = with_grads(&fused, rope, &refs, 1, &g);
+        let (b, db, _) = with_grads(&plain, rope, &refs, 1, &g);
+        assert!(!node.contains("Rotary"), "{what}: libtorch's ops");
+        assert!(a.equal(&b) && da[0].equal(&db[0]), "{what}: libtorch's values, bit for bit");
     }
 }
 

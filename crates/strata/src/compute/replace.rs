@@ -6,8 +6,8 @@
 //! flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm`, and, where
 //! libtorch has oneDNN, `OneDnnLinear` (fp32 linear layers on the CPU through oneDNN's
 //! inner product, forward and backward, instead of libtorch's BLAS), and, on fp32 CPU
-//! tensors through Strata's vectorised kernels, `VectorGelu` (GELU's tanh form) and
-//! `FusedSwiGLU` (`silu(gate) * up` in one pass).
+//! tensors through Strata's vectorised kernels, `VectorGelu` (GELU's tanh form),
+//! `FusedSwiGLU` (`silu(gate) * up` in one pass) and `FusedRoPE` (rotary positions).
 use crate::error::text;
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -19,6 +19,8 @@ pub type RmsNormFn = Arc<dyn Fn(&Tensor, &Tensor, f64) -> Result<Tensor> + Send 
 pub type LinearFn = Arc<dyn Fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> + Send + Sync>;
 pub type GeluFn = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 pub type SwiGluFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
+/// Rotary positions of `x` by `cos` and `sin` tables, or `None` where it does not serve them.
+pub type RotaryFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 
 /// The op a pair replaces, with its implementation.
 #[derive(Clone)]
@@ -35,6 +37,9 @@ pub enum Replacement {
     Gelu(GeluFn),
     /// SwiGLU's gating, `silu(gate) * up`.
     SwiGlu(SwiGluFn),
+    /// Rotary positions, `x·cos + rotate_half(x)·sin` for `[B, H, T, D]` `x` and `[T, D]`
+    /// tables; it may decline (`None`) inputs it does not serve.
+    Rotary(RotaryFn),
 }
 
 #[derive(Clone)]
@@ -80,6 +85,11 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                 name: "FusedSwiGLU".into(),
                 supported_dtypes: vec![Kind::Float],
                 with: Replacement::SwiGlu(Arc::new(|gate, up| Ok(strata_ext::swiglu(gate, up)?))),
+            },
+            ReplacePair {
+                name: "FusedRoPE".into(),
+                supported_dtypes: vec![Kind::Float],
+                with: Replacement::Rotary(Arc::new(|x, cos, sin| Ok(strata_ext::rotary(x, cos, sin)?))),
             },
         ];
         if strata_ext::onednn::available() {
@@ -218,5 +228,9 @@ impl Replacements {
 
     pub fn swiglu(&self, kind: Kind) -> Option<SwiGluFn> {
         self.find(kind, |r| if let Replacement::SwiGlu(f) = r { Some(f.clone()) } else { None })
+    }
+
+    pub fn rotary(&self, kind: Kind) -> Option<RotaryFn> {
+        self.find(kind, |r| if let Replacement::Rotary(f) = r { Some(f.clone()) } else { None })
     }
 }

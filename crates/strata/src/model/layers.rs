@@ -122,6 +122,19 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     Ok(gate.f_silu()?.f_mul(up)?)
 }
 
+/// Rotary positions of `[B, H, T, D]` `x` by `[T, D]` tables: `x·cos + rotate_half(x)·sin`,
+/// where rotate_half maps the halves (x₁, x₂) of the last dimension to (−x₂, x₁).
+pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if let Some(replaced) = compute::replaced(|r| r.rotary(x.kind())) {
+        if let Some(y) = replaced(x, cos, sin)? {
+            return Ok(y);
+        }
+    }
+    let halves = x.f_chunk(2, -1)?;
+    let rotated = Tensor::f_cat(&[&halves[1].f_neg()?, &halves[0]], -1)?;
+    Ok(x.f_mul(cos)?.f_add(&rotated.f_mul(sin)?)?)
+}
+
 /// Causal multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and
 /// values, `Tk ≥ Tq`: the queries are the last `Tq` of the `Tk` positions (decoding with
 /// a key/value cache), each attending to itself and the positions before it.

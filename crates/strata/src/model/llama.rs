@@ -6,7 +6,9 @@
 //! output projection too). Names follow the common `model.layers.{i}.self_attn.q_proj.weight`
 //! layout.
 use super::gpt::divides_heads;
-use super::layers::{causal_attention, linear, merge_heads, rms_norm, row_linear, split_heads, swiglu, vocab_logits};
+use super::layers::{
+    causal_attention, linear, merge_heads, rms_norm, rotary, row_linear, split_heads, swiglu, vocab_logits,
+};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TokenEmbedding, TpRole, Unit,
     DEFAULT_NORM_EPS, INIT_STD as STD,
@@ -117,9 +119,8 @@ struct LlamaBlock {
     eps: f64,
 }
 
-/// Rotates `[B, H, T, D]`, whose first position is `start`, by position:
-/// `x·cos + rotate_half(x)·sin`.
-fn rotary(x: &Tensor, theta: f64, start: i64) -> Result<Tensor> {
+/// Rotates `[B, H, T, D]`, whose first position is `start`, by position.
+fn rotate_by_position(x: &Tensor, theta: f64, start: i64) -> Result<Tensor> {
     let (_, _, t, d) = x.size4()?;
     let opts = (Kind::Float, x.device());
     let inv_freq = Tensor::f_arange_start_step(0, d, 2, opts)?
@@ -129,10 +130,7 @@ fn rotary(x: &Tensor, theta: f64, start: i64) -> Result<Tensor> {
         .f_exp()?;
     let freqs = Tensor::f_arange_start(start, start + t, opts)?.f_outer(&inv_freq)?;
     let angles = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_to_kind(x.kind())?;
-    let (cos, sin) = (angles.f_cos()?, angles.f_sin()?);
-    let halves = x.f_chunk(2, -1)?;
-    let rotated = Tensor::f_cat(&[&halves[1].f_neg()?, &halves[0]], -1)?;
-    Ok(x.f_mul(&cos)?.f_add(&rotated.f_mul(&sin)?)?)
+    rotary(x, &angles.f_cos()?, &angles.f_sin()?)
 }
 
 impl Unit for LlamaBlock {
@@ -162,8 +160,8 @@ impl LlamaBlock {
         let dense = |h: &Tensor, (w, b): Dense| linear(h, &p[w], b.map(|b| &p[b]));
         let start = cache.as_ref().map_or(0, |c| c.position());
         let h = tp.enter(&rms_norm(x, &p[self.input_norm], self.eps)?)?;
-        let q = rotary(&split_heads(&dense(&h, self.q)?, heads)?, self.rope_theta, start)?;
-        let k = rotary(&split_heads(&dense(&h, self.k)?, kv_heads)?, self.rope_theta, start)?;
+        let q = rotate_by_position(&split_heads(&dense(&h, self.q)?, heads)?, self.rope_theta, start)?;
+        let k = rotate_by_position(&split_heads(&dense(&h, self.k)?, kv_heads)?, self.rope_theta, start)?;
         let v = split_heads(&dense(&h, self.v)?, kv_heads)?;
         let (k, v) = match cache {
             Some(c) => c.extend(&k, &v)?,
