@@ -971,7 +971,7 @@ int strata_c10d_check(void* s, const char* const* keys, const size_t* lens, size
 
 }  // extern "C"
 
-// ---- activations on the CPU: GELU (tanh form) and SwiGLU --------------------------------
+// ---- CPU kernels: GELU (tanh form), SwiGLU, rotary positions ---------------------------
 
 namespace {
 // GELU's tanh form, x/2 · (1 + tanh(u)) with u = √(2/π)·(x + 0.044715·x³), equals
@@ -981,15 +981,18 @@ namespace {
 constexpr float kGeluScale = 0.7978845608028654f;  // √(2/π)
 constexpr float kGeluCubic = 0.044715f;
 
-// e^t to about one ulp for t in [−87, 88], +∞ above 88.7 and e^−87 below −87 (σ needs no
-// more): t = n·ln2 + r, |r| ≤ ln2/2, a degree-7 Taylor polynomial in r, and 2^n made from
-// exponent bits (n = 128 makes them +∞). Free of branches and calls so that the loops below
-// vectorise.
+// e^t to about one ulp for t in [−87, 88.37], +∞ above (n = 128 makes the exponent bits
+// +∞) and 0 below −87 (σ needs no more range): t = n·ln2 + r, |r| ≤ ln2/2, a degree-7
+// Taylor polynomial in r, and 2^n made from exponent bits. Free of branches and calls so
+// that the loops below vectorise. NaN gives a finite value: callers' results stay NaN
+// through their other operand. Needs IEEE arithmetic (no -ffast-math, which would fold the
+// rounding below away).
 inline __attribute__((always_inline)) float exp_clamped(float t) {
-  t = t < -87.0f ? -87.0f : (t > 89.0f ? 89.0f : t);
+  // In range or at an end, NaN included, so the conversion to an integer below is defined.
+  const float c = t > -87.0f ? (t < 89.0f ? t : 89.0f) : -87.0f;
   // Adding and taking away 1.5·2^23 rounds to the nearest integer in any rounding of the sum.
-  const float n = (t * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = std::fma(n, -0.693145751953125f, t);  // ln2's leading bits: n·hi is exact
+  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = std::fma(n, -0.693145751953125f, c);  // ln2's leading bits: n·hi is exact
   r = std::fma(n, -1.428606765330187e-06f, r);    // and the rest of ln2
   float p = 1.0f / 5040;
   p = std::fma(p, r, 1.0f / 720);
@@ -1002,14 +1005,24 @@ inline __attribute__((always_inline)) float exp_clamped(float t) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return t < -87.0f ? 0.0f : p * scale;
 }
 
-// One clone per x86-64 level, chosen once at load time, so one binary runs everywhere and
-// uses AVX-512 or AVX2 where the CPU has them.
+// σ = 1/(1 + e) for e = e^(−z), and 1 − σ as e·σ rather than a difference that cancels where
+// σ nears 1; where e is +∞, σ is 0 and 1 − σ is 1.
+struct Sigmoid {
+  float s, one_minus_s;
+};
+inline __attribute__((always_inline)) Sigmoid sigmoid_of_exp(float e) {
+  const float s = 1.0f / (1.0f + e);
+  return {s, e == std::numeric_limits<float>::infinity() ? 1.0f : e * s};
+}
+
+// One clone per x86-64 level (GCC 12 or newer), chosen once at load time by the CPU's
+// features, so one binary runs everywhere and uses AVX-512 or AVX2 with FMA where the CPU
+// has them. build.rs compiles this file at -O3, which vectorises the loops.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define STRATA_VECTOR_KERNEL \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("O3")))
+#define STRATA_VECTOR_KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define STRATA_VECTOR_KERNEL
 #endif
@@ -1022,18 +1035,15 @@ STRATA_VECTOR_KERNEL void gelu_tanh_forward(const float* x, float* y, int64_t n)
   }
 }
 
-// d/dx x·σ(2u) = σ + x·σ·(1 − σ)·2u', with 1 − σ = e·σ (e = e^(−2u)) rather than a
-// difference that cancels where σ nears 1; where e is +∞, σ is 0 and 1 − σ is 1.
+// d/dx x·σ(2u) = σ + x·σ·(1 − σ)·2u'.
 STRATA_VECTOR_KERNEL void gelu_tanh_backward(const float* g, const float* x, float* dx, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
     const float v2 = v * v;
     const float u = kGeluScale * std::fma(kGeluCubic * v2, v, v);
-    const float e = exp_clamped(-2.0f * u);
-    const float s = 1.0f / (1.0f + e);
-    const float one_minus_s = e == std::numeric_limits<float>::infinity() ? 1.0f : e * s;
+    const Sigmoid sg = sigmoid_of_exp(exp_clamped(-2.0f * u));
     const float du = 2.0f * kGeluScale * std::fma(3.0f * kGeluCubic, v2, 1.0f);
-    dx[i] = g[i] * std::fma(v * one_minus_s * s, du, s);
+    dx[i] = g[i] * std::fma(v * sg.one_minus_s * sg.s, du, sg.s);
   }
 }
 
@@ -1046,16 +1056,14 @@ STRATA_VECTOR_KERNEL void swiglu_forward(const float* gate, const float* up, flo
   }
 }
 
-// d/dg = dy·u·σ·(1 + g·(1 − σ)) and d/du = dy·g·σ, with 1 − σ formed as for GELU.
+// d/dg = dy·u·σ·(1 + g·(1 − σ)) and d/du = dy·g·σ.
 STRATA_VECTOR_KERNEL void swiglu_backward(const float* dy, const float* gate, const float* up, float* dgate,
                                           float* dup, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
-    const float e = exp_clamped(-g);
-    const float s = 1.0f / (1.0f + e);
-    const float one_minus_s = e == std::numeric_limits<float>::infinity() ? 1.0f : e * s;
-    dup[i] = dy[i] * (g * s);
-    dgate[i] = dy[i] * up[i] * s * std::fma(g, one_minus_s, 1.0f);
+    const Sigmoid sg = sigmoid_of_exp(exp_clamped(-g));
+    dup[i] = dy[i] * (g * sg.s);
+    dgate[i] = dy[i] * up[i] * sg.s * std::fma(g, sg.one_minus_s, 1.0f);
   }
 }
 
@@ -1084,7 +1092,14 @@ STRATA_VECTOR_KERNEL void rotary_row_backward(const float* __restrict__ dy, cons
 // grain for elementwise kernels (below it one thread does the whole range).
 template <typename Kernel>
 void over_elements(int64_t n, const Kernel& kernel) {
-  at::parallel_for(0, n, 32768, kernel);
+  at::parallel_for(0, n, at::internal::GRAIN_SIZE, kernel);
+}
+
+// The kernels' backwards write through raw pointers and record nothing: refuse a backward
+// asked to build a graph for a second derivative rather than return a wrong one.
+void first_order_only(const char* kernel) {
+  TORCH_CHECK(!at::GradMode::is_enabled(), "Strata's ", kernel,
+              " kernel has no second derivative: leave its pair out of module_replace to differentiate twice");
 }
 
 // A new contiguous tensor of `like`'s shape, dtype and device.
@@ -1105,6 +1120,7 @@ struct GeluTanh : public torch::autograd::Function<GeluTanh> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    first_order_only("GELU");
     Tensor x = ctx->get_saved_variables()[0];
     Tensor g = grads[0].contiguous();
     Tensor dx = empty_as(x);
@@ -1134,6 +1150,7 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    first_order_only("SwiGLU");
     auto saved = ctx->get_saved_variables();
     const Tensor &g = saved[0], &u = saved[1];
     Tensor dy = grads[0].contiguous();
@@ -1156,13 +1173,13 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
 template <typename Row>
 Tensor by_rows(const Tensor& x, const Tensor& cos, const Tensor& sin, const Row& row) {
   const int64_t heads = x.size(1), t = x.size(2), d = x.size(3);
-  Tensor y = at::empty(x.sizes(), x.options());
+  Tensor y = empty_as(x);
   if (y.numel() == 0) return y;
   const float* in = x.const_data_ptr<float>();
   const float *c = cos.const_data_ptr<float>(), *s = sin.const_data_ptr<float>();
   float* out = y.mutable_data_ptr<float>();
   const int64_t sb = x.stride(0), sh = x.stride(1), st = x.stride(2);
-  at::parallel_for(0, x.numel() / d, std::max<int64_t>(1, 32768 / d), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.numel() / d, std::max<int64_t>(1, at::internal::GRAIN_SIZE / d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / (heads * t), hh = r / t % heads, p = r % t;
       row(in + b * sb + hh * sh + p * st, c + p * d, s + p * d, out + r * d, d);
@@ -1180,6 +1197,7 @@ struct Rotary : public torch::autograd::Function<Rotary> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    first_order_only("rotary");
     auto saved = ctx->get_saved_variables();
     Tensor dy = grads[0].contiguous();
     return {by_rows(dy, saved[0], saved[1], rotary_row_backward), Tensor(), Tensor()};
@@ -1191,16 +1209,17 @@ bool own_kernel_serves(const Tensor& t) { return t.device().is_cpu() && t.scalar
 
 extern "C" {
 
-// GELU, tanh form: Strata's kernel for fp32 CPU tensors (its backward is not itself
-// differentiable), libtorch's `gelu(x, "tanh")` for everything else.
+// The kernels below leave `*out` null where they do not serve the inputs, for the caller's
+// own composite: they serve fp32 CPU tensors, and record backwards without a second
+// derivative.
+
+// GELU, tanh form, of any shape.
 int strata_gelu_tanh(const Tensor* x, Tensor** out) {
-  return guarded([&] { *out = new Tensor(own_kernel_serves(*x) ? GeluTanh::apply(*x) : at::gelu(*x, "tanh")); });
+  return guarded([&] { *out = own_kernel_serves(*x) ? new Tensor(GeluTanh::apply(*x)) : nullptr; });
 }
 
-// Rotary positions of `[B, H, T, D]` `x` with `[T, D]` tables: Strata's kernel for fp32 CPU
-// tensors (the tables contiguous and without gradients; its backward, which needs only
-// the tables, is not itself differentiable). `*out` is null where the kernel does not
-// serve, for the caller's own composite.
+// Rotary positions of `[B, H, T, D]` `x` (even D) with contiguous `[T, D]` tables that take
+// no gradient.
 int strata_rotary(const Tensor* x, const Tensor* cos, const Tensor* sin, Tensor** out) {
   return guarded([&] {
     const bool tables = cos->dim() == 2 && cos->sizes() == sin->sizes() && cos->is_contiguous() &&
@@ -1212,13 +1231,11 @@ int strata_rotary(const Tensor* x, const Tensor* cos, const Tensor* sin, Tensor*
   });
 }
 
-// SwiGLU's `silu(gate) * up`: Strata's kernel for fp32 CPU tensors of one shape (its
-// backward is not itself differentiable), libtorch's ops for everything else (broadcasting
-// included).
+// SwiGLU's `silu(gate) * up` for two tensors of one shape.
 int strata_swiglu(const Tensor* gate, const Tensor* up, Tensor** out) {
   return guarded([&] {
     const bool own = own_kernel_serves(*gate) && own_kernel_serves(*up) && gate->sizes() == up->sizes();
-    *out = new Tensor(own ? SwiGlu::apply(*gate, *up) : at::silu(*gate) * *up);
+    *out = own ? new Tensor(SwiGlu::apply(*gate, *up)) : nullptr;
   });
 }
 

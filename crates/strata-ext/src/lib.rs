@@ -2,9 +2,8 @@
 //!
 //! Owns: backward and `grad` with given upstream gradients, setting `.grad`, tensor hooks,
 //! autograd functions whose forward and backward are Rust closures, resizing (freeing and
-//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU, SwiGLU and rotary
-//! positions, and CUDA streams,
-//! events and allocator statistics. Must not hold policy: callers decide what to free,
+//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU,
+//! SwiGLU and rotary positions, and CUDA streams, events and allocator statistics. Must not hold policy: callers decide what to free,
 //! when to hook and how to update; this crate only makes those calls possible and safe.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -530,45 +529,50 @@ extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
     list.push(unsafe { Tensor::from_ptr(owned) });
 }
 
+// ---- CPU kernels for activations and rotary positions -----------------------------------
+
+/// Strata's vectorised CPU kernels, each recorded for autograd as one node whose backward
+/// is not itself differentiable (asking for a second derivative through it is an error).
+/// Each serves fp32 CPU tensors of the shapes it names and returns `None` for anything
+/// else, for the caller's own composite.
+pub mod kernels {
+    use super::{check, strata_gelu_tanh, strata_rotary, strata_swiglu, Result, TensorPtr};
+    use tch::Tensor;
+
+    /// Takes the result of a call that leaves null where its kernel does not serve.
+    fn served(call: impl FnOnce(&mut TensorPtr) -> std::os::raw::c_int) -> Result<Option<Tensor>> {
+        let mut out: TensorPtr = std::ptr::null_mut();
+        check(call(&mut out))?;
+        // SAFETY: null or a fresh `new at::Tensor` owned by nobody else.
+        Ok((!out.is_null()).then(|| unsafe { Tensor::from_ptr(out) }))
+    }
+
+    /// GELU in its tanh form (`gelu(x, "tanh")`, GPT-2's activation), computed as
+    /// `x·σ(2u)`, an exact rewrite of `x/2·(1 + tanh(u))` that needs one exponential and does
+    /// not cancel where tanh(u) nears −1. Any shape.
+    pub fn gelu_tanh(x: &Tensor) -> Result<Option<Tensor>> {
+        // SAFETY: `x` is live for the call.
+        served(|out| unsafe { strata_gelu_tanh(x.as_ptr(), out) })
+    }
+
+    /// SwiGLU's `silu(gate) * up` for two tensors of one shape: one pass for the product,
+    /// one for both gradients, and only the two inputs kept for backward (libtorch's ops
+    /// also keep `silu(gate)`).
+    pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+        // SAFETY: the tensors are live for the call.
+        served(|out| unsafe { strata_swiglu(gate.as_ptr(), up.as_ptr(), out) })
+    }
+
+    /// Rotary positions, `x·cos + rotate_half(x)·sin`, for `[B, H, T, D]` `x` (even D, any
+    /// strides) and contiguous `[T, D]` tables that take no gradient; the backward keeps
+    /// only the tables.
+    pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
+        // SAFETY: the tensors are live for the call.
+        served(|out| unsafe { strata_rotary(x.as_ptr(), cos.as_ptr(), sin.as_ptr(), out) })
+    }
+}
+
 // ---- oneDNN ----------------------------------------------------------------------------
-
-/// GELU in its tanh form (`gelu(x, "tanh")`, GPT-2's activation), recorded for autograd. On
-/// fp32 CPU tensors it runs Strata's vectorised kernel, which computes `x·σ(2u)`, an exact
-/// rewrite of `x/2·(1 + tanh(u))`, to within a few ulp and several times faster on one core
-/// than libtorch's; its backward is not itself differentiable. Every other tensor goes to
-/// libtorch's kernel.
-pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
-    let mut out: TensorPtr = std::ptr::null_mut();
-    // SAFETY: `x` is live for the call; the result is a fresh heap tensor.
-    check(unsafe { strata_gelu_tanh(x.as_ptr(), &mut out) })?;
-    // SAFETY: a fresh `new at::Tensor` owned by nobody else.
-    Ok(unsafe { Tensor::from_ptr(out) })
-}
-
-/// SwiGLU's `silu(gate) * up`, recorded for autograd. On fp32 CPU tensors of one shape it
-/// runs Strata's vectorised kernel: one pass for the product, one for both gradients, and
-/// only the two inputs kept for backward (libtorch's ops also keep `silu(gate)`); its
-/// backward is not itself differentiable. Anything else goes to libtorch's ops.
-pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let mut out: TensorPtr = std::ptr::null_mut();
-    // SAFETY: the tensors are live for the call; the result is a fresh heap tensor.
-    check(unsafe { strata_swiglu(gate.as_ptr(), up.as_ptr(), &mut out) })?;
-    // SAFETY: a fresh `new at::Tensor` owned by nobody else.
-    Ok(unsafe { Tensor::from_ptr(out) })
-}
-
-/// Rotary positions, `x·cos + rotate_half(x)·sin`, for `[B, H, T, D]` `x` (any strides) and
-/// `[T, D]` tables, recorded for autograd: Strata's vectorised kernel for fp32 CPU tensors
-/// whose tables are contiguous and take no gradient, with a backward that keeps only the
-/// tables (and is not itself differentiable). `None` for anything else: the caller
-/// computes it its own way.
-pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
-    let mut out: TensorPtr = std::ptr::null_mut();
-    // SAFETY: the tensors are live for the call; the result is null or a fresh heap tensor.
-    check(unsafe { strata_rotary(x.as_ptr(), cos.as_ptr(), sin.as_ptr(), &mut out) })?;
-    // SAFETY: a fresh `new at::Tensor` owned by nobody else.
-    Ok((!out.is_null()).then(|| unsafe { Tensor::from_ptr(out) }))
-}
 
 /// oneDNN's inner product (the matrix-product kernels libtorch's CPU graph compiler calls),
 /// usable on plain tensors: on CPUs where libtorch's BLAS is not tuned for the machine it

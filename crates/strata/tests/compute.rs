@@ -1,6 +1,7 @@
 //! The compute methods inside one process: the loss scaler's skip and recovery, fp8
 //! numerics and delayed scaling, recomputation's gradients and memory, replaced modules
-//! against the reference ones (Strata's GELU, SwiGLU and rotary kernels against the exact functions), and where amp_native computes in which dtype.
+//! against the reference ones (Strata's GELU, SwiGLU and rotary kernels against the exact
+//! functions), and where amp_native computes in which dtype.
 mod common;
 
 use common::rel;
@@ -323,6 +324,24 @@ fn gelu_with_grad(policy: &Arc<UnitCompute>, x: &Tensor, g: &Tensor) -> (Tensor,
     (y, grads.remove(0), node)
 }
 
+/// Sets libtorch's intra-op thread count until dropped, then restores the one before (also
+/// when an assertion fails in between).
+struct Threads(i32);
+
+impl Threads {
+    fn set(n: i32) -> Threads {
+        let before = tch::get_num_threads();
+        tch::set_num_threads(n);
+        Threads(before)
+    }
+}
+
+impl Drop for Threads {
+    fn drop(&mut self) {
+        tch::set_num_threads(self.0);
+    }
+}
+
 /// A policy that replaces `pair` only.
 fn replacing(pair: &str) -> Arc<UnitCompute> {
     Arc::new(UnitCompute {
@@ -362,14 +381,13 @@ fn worst_relative(a: &Tensor, b: &Tensor, floor: f64) -> f64 {
 }
 
 #[test]
-fn vector_gelu_is_the_exact_function_to_a_few_ulp_where_libtorchs_cancels() {
+fn vector_gelu_is_the_exact_function_within_the_rounding_of_its_argument() {
     let _serial = serial();
     let vector = replacing("VectorGelu");
     let plain = Arc::new(UnitCompute::default());
     let x = activation_inputs(3.0);
     let g = with_seed(2, || Tensor::randn(x.size(), (Kind::Float, Device::Cpu)));
-    let threads = tch::get_num_threads();
-    tch::set_num_threads(1);
+    let single = Threads::set(1);
     let (y, dx, node) = gelu_with_grad(&vector, &x, &g);
     let (reference_y, reference_dx, reference_node) = gelu_with_grad(&plain, &x, &g);
     assert!(node.contains("GeluTanh"), "Strata's kernel made the output, got node {node:?}");
@@ -377,18 +395,15 @@ fn vector_gelu_is_the_exact_function_to_a_few_ulp_where_libtorchs_cancels() {
     let (exact_y, exact_dy) = exact_gelu(&x);
     let exact_dx = exact_dy * g.to_kind(Kind::Double);
 
-    // Within fp32's rounding of u (whose error e^(−2u) multiplies by 2|u| in the far left
-    // tail), everywhere; libtorch's 1 + tanh(u) cancels there and returns 0.
+    // u carries fp32's rounding (ε/2 ≈ 6e-8 relative), which e^(−2u) multiplies by 2|u|: at
+    // most 88 before the result drops below the 1e-30 floor, so 5e-6, and from −3 on (2|u| ≤
+    // 6.6) 4e-7, each with a few ulp of the kernel's own on top.
     let forward = worst_relative(&y, &exact_y, 1e-30);
     assert!(forward < 1e-5, "forward within 1e-5 of the exact function, worst {forward:e}");
-    let libtorch = worst_relative(&reference_y, &exact_y, 1e-30);
-    assert!(libtorch > 0.5, "libtorch's kernel loses the left tail (worst {libtorch:e})");
+    assert!(rel(&y, &reference_y) < 1e-6, "forward near libtorch's: {:e}", rel(&y, &reference_y));
     let middle = x.ge(-3.0);
-    let (ours, theirs) = (
-        worst_relative(&y.masked_select(&middle), &exact_y.masked_select(&middle), 1e-30),
-        worst_relative(&reference_y.masked_select(&middle), &exact_y.masked_select(&middle), 1e-30),
-    );
-    assert!(ours < 1e-6 && ours < theirs, "from −3 on: ours {ours:e}, libtorch's {theirs:e}");
+    let from_minus_3 = worst_relative(&y.masked_select(&middle), &exact_y.masked_select(&middle), 1e-30);
+    assert!(from_minus_3 < 1e-6, "from −3 on within 1e-6, worst {from_minus_3:e}");
     // The gradient, in units of the upstream gradient (the derivative is at most 1.13).
     let backward = ((dx.to_kind(Kind::Double) - &exact_dx).abs() / g.abs().to_kind(Kind::Double).clamp_min(1e-30))
         .max()
@@ -398,9 +413,10 @@ fn vector_gelu_is_the_exact_function_to_a_few_ulp_where_libtorchs_cancels() {
     assert!(!dx.equal(&reference_dx), "a kernel of its own computes the gradient");
 
     // Several threads split the work without changing a bit.
-    tch::set_num_threads(2);
+    drop(single);
+    let two = Threads::set(2);
     let (y2, dx2, _) = gelu_with_grad(&vector, &x, &g);
-    tch::set_num_threads(threads);
+    drop(two);
     assert!(y2.equal(&y) && dx2.equal(&dx), "the same values on two threads");
 
     // Strided input, empty and zero-dimensional tensors, and special values.
@@ -416,15 +432,24 @@ fn vector_gelu_is_the_exact_function_to_a_few_ulp_where_libtorchs_cancels() {
         &Tensor::zeros([0, 4], (Kind::Float, Device::Cpu)),
     );
     assert_eq!((ye.size(), dxe.size()), (vec![0, 4], vec![0, 4]));
-    let special = Tensor::from_slice(&[f32::NAN, f32::INFINITY, -50.0, 0.0, 50.0]);
+    // Far right, e^(−2u) underflows to 0 and the derivative is exactly 1.
+    let special = Tensor::from_slice(&[f32::NAN, f32::INFINITY, -50.0, 0.0, 50.0, 1e13]);
     let (yv, dxv, _) = gelu_with_grad(&vector, &special, &special.ones_like());
     let (yv, dxv) = (Vec::<f32>::try_from(&yv).unwrap(), Vec::<f32>::try_from(&dxv).unwrap());
     assert!(yv[0].is_nan() && dxv[0].is_nan(), "NaN stays NaN");
-    assert_eq!(&yv[1..], &[f32::INFINITY, 0.0, 0.0, 50.0]);
-    assert_eq!(&dxv[2..], &[0.0, 0.5, 1.0]);
+    assert_eq!(&yv[1..], &[f32::INFINITY, 0.0, 0.0, 50.0, 1e13]);
+    assert_eq!(&dxv[2..], &[0.0, 0.5, 1.0, 1.0]);
     let scalar = Tensor::from(0.5f32);
     let (y0, _, _) = gelu_with_grad(&vector, &scalar, &scalar.ones_like());
     assert_eq!(y0.size(), Vec::<i64>::new());
+    assert!((y0.double_value(&[]) - 0.345_714).abs() < 1e-6, "GELU(0.5) = 0.345714, got {y0}");
+
+    // A second derivative is refused, not silently wrong.
+    let xg = x.narrow(0, 0, 8).detach().set_requires_grad(true);
+    let yg = compute::run(&vector, vec![], false, || layers::gelu_tanh(&xg)).unwrap();
+    let options = strata_ext::GradOptions { retain_graph: true, create_graph: true, allow_unused: false };
+    let err = strata_ext::grad(&[&yg], &[&yg.ones_like()], &[&xg], options).unwrap_err();
+    assert!(err.to_string().contains("no second derivative"), "{err}");
 
     // Other dtypes keep libtorch's kernel, bit for bit.
     for kind in [Kind::Double, Kind::BFloat16] {
@@ -437,7 +462,7 @@ fn vector_gelu_is_the_exact_function_to_a_few_ulp_where_libtorchs_cancels() {
 }
 
 #[test]
-fn fused_swiglu_is_silu_times_up_to_a_few_ulp_keeping_one_tensor_less() {
+fn fused_swiglu_is_silu_times_up_within_1e_6_keeping_one_tensor_less() {
     let _serial = serial();
     let fused = replacing("FusedSwiGLU");
     let plain = Arc::new(UnitCompute::default());
@@ -445,8 +470,7 @@ fn fused_swiglu_is_silu_times_up_to_a_few_ulp_keeping_one_tensor_less() {
     let gate = activation_inputs(4.0);
     let up = with_seed(2, || Tensor::randn(gate.size(), (Kind::Float, Device::Cpu)));
     let dy = with_seed(3, || Tensor::randn(gate.size(), (Kind::Float, Device::Cpu)));
-    let threads = tch::get_num_threads();
-    tch::set_num_threads(1);
+    let single = Threads::set(1);
     let (y, grads, node) = with_grads(&fused, swiglu, &[&gate, &up], 2, &dy);
     let (reference_y, reference_grads, reference_node) = with_grads(&plain, swiglu, &[&gate, &up], 2, &dy);
     assert!(node.contains("SwiGlu"), "Strata's kernel made the output, got node {node:?}");
@@ -478,9 +502,10 @@ fn fused_swiglu_is_silu_times_up_to_a_few_ulp_keeping_one_tensor_less() {
     );
 
     // Several threads split the work without changing a bit.
-    tch::set_num_threads(2);
+    drop(single);
+    let two = Threads::set(2);
     let (y2, grads2, _) = with_grads(&fused, swiglu, &[&gate, &up], 2, &dy);
-    tch::set_num_threads(threads);
+    drop(two);
     assert!(y2.equal(&y) && grads2[0].equal(&grads[0]) && grads2[1].equal(&grads[1]), "the same values on two threads");
 
     // Held for backward beside the inputs: the product alone, where libtorch's ops also
@@ -527,14 +552,14 @@ fn fused_rope_rotates_as_the_composite_does_and_declines_what_it_does_not_serve(
     let fused = replacing("FusedRoPE");
     let plain = Arc::new(UnitCompute::default());
     let rope = |t: &[Tensor]| layers::rotary(&t[0], &t[1], &t[2]);
-    let (b, h, t, d) = (4, 4, 128, 64);
+    // Distinct sizes, so batch, head and position cannot stand in for one another.
+    let (b, h, t, d) = (2, 3, 128, 64);
     // Heads split from [B, T, H·D] rows, as attention makes them: a strided view.
     let x = with_seed(1, || Tensor::randn([b, t, h, d], (Kind::Float, Device::Cpu))).transpose(1, 2);
     let angles = with_seed(2, || Tensor::rand([t, d], (Kind::Float, Device::Cpu))) * 6.0;
     let (cos, sin) = (angles.cos(), angles.sin());
     let dy = with_seed(3, || Tensor::randn([b, h, t, d], (Kind::Float, Device::Cpu)));
-    let threads = tch::get_num_threads();
-    tch::set_num_threads(1);
+    let single = Threads::set(1);
     let (y, grads, node) = with_grads(&fused, rope, &[&x, &cos, &sin], 1, &dy);
     let (reference_y, reference_grads, reference_node) = with_grads(&plain, rope, &[&x, &cos, &sin], 1, &dy);
     assert!(node.contains("Rotary"), "Strata's kernel made the output, got node {node:?}");
@@ -547,13 +572,15 @@ fn fused_rope_rotates_as_the_composite_does_and_declines_what_it_does_not_serve(
     for (what, ours, theirs, exact) in
         [("output", &y, &reference_y, &exact_y), ("input gradient", &grads[0], &reference_grads[0], &exact_grads[0])]
     {
-        assert!(rel(ours, exact) < 1e-7, "{what} within 1e-7 of the exact one: {:e}", rel(ours, exact));
-        assert!(rel(ours, theirs) < 1e-7, "{what} near libtorch's: {:e}", rel(ours, theirs));
+        // Two products and a sum in fp32, fused or not depending on the CPU's kernel clone.
+        assert!(rel(ours, exact) < 3e-7, "{what} within 3e-7 of the exact one: {:e}", rel(ours, exact));
+        assert!(rel(ours, theirs) < 3e-7, "{what} near libtorch's: {:e}", rel(ours, theirs));
     }
 
-    tch::set_num_threads(2);
+    drop(single);
+    let two = Threads::set(2);
     let (y2, grads2, _) = with_grads(&fused, rope, &[&x, &cos, &sin], 1, &dy);
-    tch::set_num_threads(threads);
+    drop(two);
     assert!(y2.equal(&y) && grads2[0].equal(&grads[0]), "the same values on two threads");
     let (yc, gc, _) = with_grads(&fused, rope, &[&x.contiguous(), &cos, &sin], 1, &dy);
     assert!(yc.equal(&y) && gc[0].equal(&grads[0]), "a contiguous input gives the strided one's values");

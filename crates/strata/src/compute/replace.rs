@@ -17,9 +17,10 @@ pub type AttentionFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor> +
 pub type LayerNormFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
 pub type RmsNormFn = Arc<dyn Fn(&Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
 pub type LinearFn = Arc<dyn Fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> + Send + Sync>;
-pub type GeluFn = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
-pub type SwiGluFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
-/// Rotary positions of `x` by `cos` and `sin` tables, or `None` where it does not serve them.
+/// The activations and rotary positions may decline inputs they do not serve (`None`): the
+/// reference composite runs instead.
+pub type GeluFn = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+pub type SwiGluFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 pub type RotaryFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 
 /// The op a pair replaces, with its implementation.
@@ -38,7 +39,7 @@ pub enum Replacement {
     /// SwiGLU's gating, `silu(gate) * up`.
     SwiGlu(SwiGluFn),
     /// Rotary positions, `x·cos + rotate_half(x)·sin` for `[B, H, T, D]` `x` and `[T, D]`
-    /// tables; it may decline (`None`) inputs it does not serve.
+    /// tables.
     Rotary(RotaryFn),
 }
 
@@ -79,17 +80,17 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
             ReplacePair {
                 name: "VectorGelu".into(),
                 supported_dtypes: vec![Kind::Float],
-                with: Replacement::Gelu(Arc::new(|x| Ok(strata_ext::gelu_tanh(x)?))),
+                with: Replacement::Gelu(Arc::new(|x| Ok(strata_ext::kernels::gelu_tanh(x)?))),
             },
             ReplacePair {
                 name: "FusedSwiGLU".into(),
                 supported_dtypes: vec![Kind::Float],
-                with: Replacement::SwiGlu(Arc::new(|gate, up| Ok(strata_ext::swiglu(gate, up)?))),
+                with: Replacement::SwiGlu(Arc::new(|gate, up| Ok(strata_ext::kernels::swiglu(gate, up)?))),
             },
             ReplacePair {
                 name: "FusedRoPE".into(),
                 supported_dtypes: vec![Kind::Float],
-                with: Replacement::Rotary(Arc::new(|x, cos, sin| Ok(strata_ext::rotary(x, cos, sin)?))),
+                with: Replacement::Rotary(Arc::new(|x, cos, sin| Ok(strata_ext::kernels::rotary(x, cos, sin)?))),
             },
         ];
         if strata_ext::onednn::available() {

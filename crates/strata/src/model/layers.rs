@@ -109,7 +109,9 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// GELU in its tanh form, GPT-2's activation.
 pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
     if let Some(replaced) = compute::replaced(|r| r.gelu(x.kind())) {
-        return replaced(x);
+        if let Some(y) = replaced(x)? {
+            return Ok(y);
+        }
     }
     Ok(x.f_gelu("tanh")?)
 }
@@ -117,7 +119,9 @@ pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
 /// SwiGLU's gating, `silu(gate) * up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if let Some(replaced) = compute::replaced(|r| r.swiglu(gate.kind())) {
-        return replaced(gate, up);
+        if let Some(y) = replaced(gate, up)? {
+            return Ok(y);
+        }
     }
     Ok(gate.f_silu()?.f_mul(up)?)
 }
