@@ -1,7 +1,8 @@
 //! End-to-end tests of the `strata` binary: training against PyTorch, weights round trips,
-//! learning on the default corpus, and one-line errors for bad input.
+//! learning on the default corpus, one-line errors for bad input, and the binary's reuse of
+//! freed heap memory.
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 fn strata(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_strata"))
@@ -440,4 +441,42 @@ fn llama_shape_flags_reach_the_model() {
     assert_ne!(gpt(&["--norm-eps", "0.5"], "gpt-eps.jsonl"), gpt(&[], "gpt.jsonl"), "GPT's norms take it");
     let bad = strata(&["train", "--model", "llama", "--heads", "2", "--dim", "32", "--kv-heads", "3", "--steps", "1"]);
     assert!(one_line_error(&bad).contains("kv_heads 3 must divide the 2 query heads"));
+}
+
+/// Minor page faults of one `strata train` run of `steps` steps, from the child's own
+/// resource usage, on a GPT whose activations pass malloc's default mapping threshold
+/// (128 KiB): a [8, 64, 512] hidden layer is 1 MiB.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(clippy::zombie_processes)] // reaped by wait4, which also reads its resource usage
+fn train_page_faults(steps: u32, env: &[(&str, &str)]) -> i64 {
+    let steps = steps.to_string();
+    let args = ["train", "--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "128", "--ctx", "64"];
+    let child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .args(["--batch-size", "8", "--threads", "1", "--steps", &steps])
+        .env("STRATA_LOG", "warn")
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the strata binary runs");
+    let mut status = 0;
+    // SAFETY: rusage is plain old data, filled in by wait4.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waits for our own child, writing into the two live locals.
+    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut usage) };
+    assert!(pid > 0 && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "strata train failed");
+    usage.ru_minflt
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn training_steps_reuse_freed_heap_memory_unless_the_user_tunes_malloc() {
+    // Faults of ten more steps, so start-up and the first steps' growth cancel out.
+    let per_step = |env: &[(&str, &str)]| (train_page_faults(12, env) - train_page_faults(2, env)) as f64 / 10.0;
+    let kept = per_step(&[]);
+    let tuned = per_step(&[("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")]);
+    eprintln!("page faults per step: {kept} with the binary's malloc setting, {tuned} under the user's tunables");
+    assert!(kept < 100.0, "steps reuse freed memory: {kept} page faults a step");
+    assert!(tuned > 1000.0, "the user's malloc tunables win: {tuned} page faults a step");
 }
