@@ -1,9 +1,9 @@
 //! Functional building blocks shared by the reference models. Each takes its parameters
 //! as tensors, so units stay plain data and the engine decides where weights live.
 //!
-//! Attention, norms and activations are the plain composites and kernels of eager PyTorch modules;
-//! the running unit's compute policy (`crate::compute`) may replace them with faster implementations
-//! (`module_replace`), compute linear layers in fp8, or cast to a lower precision
+//! Attention, norms and activations are the plain composites and kernels of eager PyTorch
+//! modules; the running unit's compute policy (`crate::compute`) may replace them with
+//! faster implementations (`module_replace`), compute linear layers in fp8, or cast to a lower precision
 //! (`amp_native`: matrix products and attention in it, norms, softmax and the loss in fp32).
 use super::tensor::{vocab_rows, TensorParallel};
 use crate::compute::{self, cast};
