@@ -262,6 +262,31 @@ fn the_caching_allocator_holds_what_the_ledger_counts() {
     assert!(peak > t.engine.ledger().model_state_peak(), "{peak}");
 }
 
+/// Clipping on the GPU reads each gradient where it is: its norm allocates no copy of the
+/// gradients (an f64 reduction of fp32 ones would write an f64 copy of each first) and is
+/// the f64 norm within fp32 accumulation's rounding.
+#[test]
+fn clipping_on_a_gpu_reduces_the_gradients_without_copying_them() {
+    let Some((gpu, _serial)) = gpu("clipping_on_a_gpu_reduces_the_gradients_without_copying_them") else { return };
+    let mut t = trainer(gpu, "[]");
+    // A step leaves its gradients in the flat buffers (the next backward overwrites them).
+    losses(&mut t, &steps(1, gpu));
+    let grads: Vec<Tensor> = t.engine.named_params().map(|(_, p)| p.grad()).filter(Tensor::defined).collect();
+    let grad_bytes: u64 = grads.iter().map(memory::tensor_bytes).sum();
+    let expected = grads
+        .iter()
+        .map(|g| g.to_device(Device::Cpu).to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]))
+        .sum::<f64>()
+        .sqrt();
+    let before = memory::allocator_current(gpu).unwrap();
+    memory::reset_allocator_peak(gpu);
+    let norm = t.optimizer.clip_grad_norm_on_device(1.0).unwrap().unwrap().double_value(&[]);
+    let extra = memory::allocator_peak(gpu).unwrap() - before;
+    eprintln!("gradient norm {norm} (f64 on the host {expected}); {extra} bytes allocated beside {grad_bytes} of gradients");
+    assert!(expected > 0.0 && ((norm - expected) / expected).abs() < 1e-6, "{norm} vs {expected}");
+    assert!(extra < grad_bytes / 8, "the norm allocated {extra} bytes beside {grad_bytes} of gradients");
+}
+
 /// Offload's host buffers (parameter copies, gradients, and with `delayed_update` the
 /// gradients' twins) are page-locked with `pin_memory` and counted so in the ledger; without
 /// it nothing is; the optimizer state, updated on the host, is not.

@@ -468,8 +468,7 @@ impl Optimizer {
         let mut sq = Tensor::f_zeros([], (Kind::Double, device))?;
         for g in &self.groups {
             for (grad, share) in g.grads.iter().zip(&g.norm_shares) {
-                let norm = grad.f_norm_scalaropt_dtype(2.0, Kind::Double)?;
-                sq = sq.f_add(&norm.f_square()?.f_mul_scalar(*share)?)?;
+                sq = sq.f_add(&l2_norm(grad)?.f_square()?.f_mul_scalar(*share)?)?;
             }
         }
         let norm = sq.f_sqrt()?;
@@ -498,7 +497,7 @@ impl Optimizer {
         for g in &self.groups {
             for ((grad, &(unit, _)), &share) in g.grads.iter().zip(&g.places).zip(&g.norm_shares) {
                 segments.push((unit, share));
-                norms.push(grad.f_norm_scalaropt_dtype(2.0, Kind::Double)?);
+                norms.push(l2_norm(grad)?);
             }
         }
         let norms = crate::compute::read_scalars(&norms)?;
@@ -512,6 +511,15 @@ impl Optimizer {
         }
         Ok(())
     }
+}
+
+/// `grad`'s L2 norm, an f64 scalar on its device. On a GPU, gradients of a lower precision
+/// than f64 are reduced with fp32 accumulation (as `clip_grad_norm_`'s `_foreach_norm` is):
+/// libtorch's CUDA reduction asked for f64 from fp32 first writes an f64 copy of the whole
+/// gradient, twice its bytes and three times its traffic.
+fn l2_norm(grad: &Tensor) -> Result<Tensor> {
+    let accumulate = if grad.device().is_cuda() && grad.kind() != Kind::Double { Kind::Float } else { Kind::Double };
+    Ok(grad.f_norm_scalaropt_dtype(2.0, accumulate)?.f_to_kind(Kind::Double)?)
 }
 
 /// One step's update of a group: the rule and its hyper-parameters at that step.
