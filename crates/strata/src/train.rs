@@ -296,7 +296,7 @@ impl Trainer {
         let scale = self.scaling.scale();
         self.optimizer.set_lr_factor(factor);
         let n = step.micro_batches.len() as f64;
-        // Read back once, after the update is queued: a read waits for the device.
+        // Read back once, when the step is queued: a read waits for the device.
         let mut losses = Vec::with_capacity(step.micro_batches.len());
         let mut tokens = 0;
         let last = step.micro_batches.len().saturating_sub(1);
@@ -340,12 +340,15 @@ impl Trainer {
                 self.scaling.decide(self.grad_clip, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?
             }
         };
+        let norm_on_device = device_norm.is_some();
+        losses.extend(device_norm);
+        // Queued ahead of the update, so the device still updates while the host waits for
+        // these and starts the next step.
+        let reading = crate::compute::ScalarRead::start(&losses)?;
         let host = if delayed { HostUpdating::Delayed } else { HostUpdating::Done(&updated) };
         decision.apply(&mut self.engine, &mut self.optimizer, host)?;
         let GradDecision { mut grad_norm, skipped, .. } = decision;
-        let norm_on_device = device_norm.is_some();
-        losses.extend(device_norm);
-        let mut read = crate::compute::read_scalars(&losses)?;
+        let mut read = reading.finish()?;
         if norm_on_device {
             grad_norm = read.pop();
         }

@@ -282,9 +282,37 @@ fn clipping_on_a_gpu_reduces_the_gradients_without_copying_them() {
     memory::reset_allocator_peak(gpu);
     let norm = t.optimizer.clip_grad_norm_on_device(1.0).unwrap().unwrap().double_value(&[]);
     let extra = memory::allocator_peak(gpu).unwrap() - before;
-    eprintln!("gradient norm {norm} (f64 on the host {expected}); {extra} bytes allocated beside {grad_bytes} of gradients");
+    eprintln!(
+        "gradient norm {norm} (f64 on the host {expected}); {extra} bytes allocated beside {grad_bytes} of gradients"
+    );
     assert!(expected > 0.0 && ((norm - expected) / expected).abs() < 1e-6, "{norm} vs {expected}");
     assert!(extra < grad_bytes / 8, "the norm allocated {extra} bytes beside {grad_bytes} of gradients");
+}
+
+/// A step's scalars are read back by a copy queued behind the work so far: starting the read
+/// waits for nothing and finishing it waits once, so work queued between the two (a step's
+/// update) keeps the device busy while the host waits.
+#[test]
+fn scalars_are_read_back_by_a_queued_copy() {
+    let Some((gpu, _serial)) = gpu("scalars_are_read_back_by_a_queued_copy") else { return };
+    let values = [
+        Tensor::from(2.5f32).to_device(gpu),
+        Tensor::from(-3i64).to_device(gpu),
+        Tensor::ones([1, 1], (Kind::BFloat16, gpu)),
+    ];
+    cuda::count_syncs(true).unwrap();
+    let before = cuda::syncs_counted();
+    let reading = compute::ScalarRead::start(&values).unwrap();
+    let when_started = cuda::syncs_counted() - before;
+    let queued = matches!(reading, compute::ScalarRead::Queued { .. });
+    let read = reading.finish().unwrap();
+    let in_all = cuda::syncs_counted() - before;
+    cuda::count_syncs(false).unwrap();
+    assert!(queued && (when_started, in_all) == (0, 1), "synchronisations: {when_started} starting, {in_all} in all");
+    assert_eq!(read, [2.5, -3.0, 1.0]);
+    // On the CPU the values are there at once.
+    let on_cpu = compute::ScalarRead::start(&[Tensor::from(7.0f64)]).unwrap();
+    assert!(matches!(on_cpu, compute::ScalarRead::Ready(ref v) if v == &[7.0]));
 }
 
 /// Offload's host buffers (parameter copies, gradients, and with `delayed_update` the

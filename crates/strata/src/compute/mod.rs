@@ -18,6 +18,50 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
+/// The values of one-element tensors on one GPU, being copied into page-locked host memory
+/// behind the work queued so far: the host queues more (a step's update) and waits for the
+/// copy alone, so the device still has work when the host starts the next step, where a
+/// plain read would let it drain. Elsewhere (the CPU, several devices, a build without the
+/// `cuda` feature) the values are read when the read starts.
+pub enum ScalarRead {
+    Ready(Vec<f64>),
+    Queued { host: Tensor, copied: strata_ext::cuda::Event },
+}
+
+impl ScalarRead {
+    pub fn start(values: &[Tensor]) -> Result<ScalarRead> {
+        let device = values.first().map(Tensor::device);
+        let (Some(tch::Device::Cuda(index)), true) =
+            (device, strata_ext::cuda::is_built() && values.iter().all(|v| Some(v.device()) == device))
+        else {
+            return Ok(ScalarRead::Ready(read_scalars(values)?));
+        };
+        let on_device = Tensor::f_cat(&as_f64_rows(values)?, 0)?;
+        // A non-blocking copy to the CPU lands in page-locked memory; the caching allocator
+        // keeps `on_device` from reuse until the stream has passed the copy.
+        let host = on_device.f_to_device_(tch::Device::Cpu, Kind::Double, true, false)?;
+        let copied = strata_ext::cuda::Event::new(false)?;
+        copied.record(&strata_ext::cuda::Stream::current(index)?)?;
+        Ok(ScalarRead::Queued { host, copied })
+    }
+
+    /// The values, once the device has copied them.
+    pub fn finish(self) -> Result<Vec<f64>> {
+        match self {
+            ScalarRead::Ready(values) => Ok(values),
+            ScalarRead::Queued { host, copied } => {
+                copied.synchronize()?;
+                Ok(Vec::<f64>::try_from(host)?)
+            }
+        }
+    }
+}
+
+/// Each value as a one-element f64 tensor, to be concatenated into one transfer.
+fn as_f64_rows(values: &[Tensor]) -> Result<Vec<Tensor>> {
+    Ok(values.iter().map(|v| v.f_reshape([1])?.f_to_kind(Kind::Double)).collect::<std::result::Result<Vec<_>, _>>()?)
+}
+
 /// The values of one-element tensors, read back in one transfer per device: each read
 /// from a GPU waits for it to finish what was queued, so a step reads what it must at once.
 pub fn read_scalars(values: &[Tensor]) -> Result<Vec<f64>> {
@@ -29,11 +73,8 @@ pub fn read_scalars(values: &[Tensor]) -> Result<Vec<f64>> {
         }
         let device = values[first].device();
         let same: Vec<usize> = (first..values.len()).filter(|&i| !done[i] && values[i].device() == device).collect();
-        let parts = same
-            .iter()
-            .map(|&i| values[i].f_reshape([1])?.f_to_kind(Kind::Double))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let read = Vec::<f64>::try_from(Tensor::f_cat(&parts, 0)?.f_to_device(tch::Device::Cpu)?)?;
+        let parts: Vec<Tensor> = same.iter().map(|&i| values[i].shallow_clone()).collect();
+        let read = Vec::<f64>::try_from(Tensor::f_cat(&as_f64_rows(&parts)?, 0)?.f_to_device(tch::Device::Cpu)?)?;
         for (&i, v) in same.iter().zip(read) {
             out[i] = v;
             done[i] = true;
