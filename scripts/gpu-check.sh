@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Strata on a GPU, in one command: the CUDA tests and `strata bench gpu`, with a Markdown
-# report (report.md) and the figures as JSON (report.json, bench-gpu.json) in OUT.
+# report (report.md) and the figures as JSON (report.json, bench-gpu.json) in OUT, with a
+# kernel trace of one step of each side of the benchmark (OUT/traces/<model>/<side>.json).
 #
 #   scripts/gpu-check.sh --build DIR          build the CUDA binaries (release) into DIR
 #   scripts/gpu-check.sh OUT [--prebuilt DIR] run them on this machine's GPU, report in OUT
@@ -67,7 +68,7 @@ status=0
 for t in ext cuda gpu; do
   (cd "$repo" && "$bin/test-$t" --test-threads 1 --nocapture) >"$out/test-$t.log" 2>&1 || status=1
 done
-"$bin/strata" bench gpu --python "$python" --json-out "$out/bench-gpu.json" >"$out/bench-gpu.txt" 2>&1 || status=1
+"$bin/strata" bench gpu --python "$python" --json-out "$out/bench-gpu.json" --kernel-trace "$out/traces" >"$out/bench-gpu.txt" 2>&1 || status=1
 
 "$python" - "$out" "$gpu" "$torch" "$commit" "$start" "$status" <<'EOF'
 import json, os, re, sys, time

@@ -276,11 +276,33 @@ def count_syncs(step):
     return sum("synchronizing CUDA operation" in str(w.message) for w in seen)
 
 
+def trace_step(step, path):
+    """Runs step() once under torch.profiler (operators, and a GPU's kernels) and writes its
+    Chrome trace to path."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        # One recording cycle is all there is: its note about later cycles does not apply.
+        warnings.simplefilter("ignore")
+        with profile(activities=activities) as prof:
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+        prof.export_chrome_trace(path)
+
+
 def cmd_bench(args):
     """Serves timed blocks of training steps: reads "K" lines from stdin, runs K steps and
     answers with one JSON line, so a caller can alternate blocks with its own; an "inspect"
     line runs one step and answers with the host-device synchronisations it made, and then
-    another with the GPU time of each of its parts."""
+    another with the GPU time of each of its parts; a "trace PATH" line runs one step under
+    torch.profiler and writes its Chrome trace to PATH."""
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     if args.model == "gpt":
@@ -301,6 +323,11 @@ def cmd_bench(args):
             syncs = count_syncs(lambda: train_step(model, opt, *split(batches[0]), args.grad_clip, amp))
             phases = phase_times(lambda mark: train_step(model, opt, *split(batches[0]), args.grad_clip, amp, mark))
             print(json.dumps({"syncs": syncs, "phases_ms": phases}), flush=True)
+            continue
+        if line.startswith("trace "):
+            path = line[len("trace ") :].strip()
+            trace_step(lambda: train_step(model, opt, *split(batches[0]), args.grad_clip, amp), path)
+            print(json.dumps({"trace": path}), flush=True)
             continue
         k = int(line)
         if cuda:

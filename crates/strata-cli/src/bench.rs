@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,6 +18,7 @@ use strata::engine::{memory, EngineConfig};
 use strata::model::{GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{self, Placement};
+use strata::profile;
 use strata::strategy::Strategy;
 use strata::train::Trainer;
 use tch::{Device, Kind, Tensor};
@@ -93,6 +94,10 @@ pub struct BenchTrainArgs {
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
+    /// On a GPU, one more step of each side traced by libtorch's Kineto profiler into this
+    /// folder (`<side>.json`, Chrome trace), and the device time per kernel compared.
+    #[arg(long)]
+    pub kernel_trace: Option<PathBuf>,
 }
 
 impl BenchTrainArgs {
@@ -131,6 +136,9 @@ pub struct Measurement {
     /// GPU milliseconds of each part of that step (GPU only).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub phases_ms: BTreeMap<String, f64>,
+    /// Device milliseconds per kernel name of one traced step (`--kernel-trace`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub kernels_ms: BTreeMap<String, f64>,
 }
 
 #[derive(Serialize)]
@@ -188,6 +196,8 @@ struct Block {
 trait Side {
     fn run(&mut self, steps: u64) -> Result<Block>;
     fn inspect_step(&mut self) -> Result<Inspection>;
+    /// Runs one step under the kernel tracer, its Chrome trace written to `path`.
+    fn trace_step(&mut self, path: &Path) -> Result<()>;
 }
 
 /// Strata's side: a trainer and a few fixed batches on the device, timed block by block.
@@ -275,6 +285,15 @@ impl Side for StrataSide {
         let sync_sites = sites.take();
         Ok(Inspection { syncs, sync_sites, phases_ms: phases.times()? })
     }
+
+    fn trace_step(&mut self, path: &Path) -> Result<()> {
+        self.synchronize();
+        profile::kernels::start(matches!(self.device, Device::Cuda(_)))?;
+        let result = self.steps(1);
+        self.synchronize();
+        profile::kernels::save(path)?;
+        result
+    }
 }
 
 /// PyTorch's side: the reference script serving blocks of steps over stdin/stdout.
@@ -349,6 +368,12 @@ impl Side for PytorchSide {
         }
         let a: Answer = self.ask("inspect")?;
         Ok(Inspection { syncs: a.syncs, sync_sites: BTreeMap::new(), phases_ms: a.phases_ms })
+    }
+
+    fn trace_step(&mut self, path: &Path) -> Result<()> {
+        let path = path.to_str().context("a kernel trace's path must be UTF-8")?;
+        let _: serde_json::Value = self.ask(&format!("trace {path}"))?;
+        Ok(())
     }
 }
 
@@ -434,6 +459,15 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         Some(_) => sides.iter_mut().map(|s| s.inspect_step().map(Some)).collect::<Result<_>>()?,
         None => sides.iter().map(|_| None).collect(),
     };
+    let mut kernels = Vec::new();
+    if let (Some(dir), Some(_)) = (&a.kernel_trace, &gpu) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        for (side, name) in sides.iter_mut().zip(&names) {
+            let path = dir.join(format!("{}.json", name.replace(' ', "-")));
+            side.trace_step(&path).with_context(|| format!("tracing a step of {name}"))?;
+            kernels.push(profile::kernels::device_ms_by_name(&path)?);
+        }
+    }
     drop(sides);
     let params = model.spec()?.num_params();
     let flops_per_token = flops_per_token(&model, params);
@@ -445,7 +479,8 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         .into_iter()
         .zip(blocks)
         .zip(inspections)
-        .map(|((side, blocks), inspection)| {
+        .zip(kernels.into_iter().map(Some).chain(std::iter::repeat(None)))
+        .map(|(((side, blocks), inspection), kernels_ms)| {
             let seconds: f64 = blocks.iter().map(|b| b.seconds).sum();
             let tokens_per_s = tokens / seconds;
             let (syncs_per_step, sync_sites, phases_ms) = match inspection {
@@ -462,6 +497,7 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
                 syncs_per_step,
                 sync_sites,
                 phases_ms,
+                kernels_ms: kernels_ms.unwrap_or_default(),
             }
         })
         .collect();
@@ -539,10 +575,60 @@ pub fn print(report: &Report, block: u64) {
             println!();
         }
     }
+    if report.sides.iter().any(|m| !m.kernels_ms.is_empty()) {
+        print_kernels(&report.sides);
+    }
     println!("strata / pytorch tokens/s: {:.3}", report.ratio);
     if let Some(r) = report.fp8_ratio {
         println!("strata fp8 / strata tokens/s: {r:.3}");
     }
+}
+
+/// The kernels that took the most device time in any side's traced step, side by side, and
+/// every kernel's time in all.
+fn print_kernels(sides: &[Measurement]) {
+    const SHOWN: usize = 16;
+    let by_label: Vec<BTreeMap<String, f64>> = sides
+        .iter()
+        .map(|m| {
+            let mut out = BTreeMap::new();
+            for (name, ms) in &m.kernels_ms {
+                *out.entry(kernel_label(name)).or_default() += ms;
+            }
+            out
+        })
+        .collect();
+    let mut labels: Vec<(&String, f64)> = Vec::new();
+    for (label, _) in by_label.iter().flatten() {
+        if !labels.iter().any(|(l, _)| *l == label) {
+            let most = by_label.iter().filter_map(|m| m.get(label)).fold(0.0, |a: f64, &b| a.max(b));
+            labels.push((label, most));
+        }
+    }
+    labels.sort_by(|a, b| b.1.total_cmp(&a.1));
+    print!("{:<64}", "device ms of one traced step, by kernel");
+    sides.iter().for_each(|m| print!(" {:>14}", m.side));
+    println!();
+    for (label, _) in labels.iter().take(SHOWN) {
+        print!("{label:<64}");
+        by_label.iter().for_each(|m| print!(" {:>14.2}", m.get(*label).copied().unwrap_or(0.0)));
+        println!();
+    }
+    print!("{:<64}", format!("all {} kernels", labels.len()));
+    by_label.iter().for_each(|m| print!(" {:>14.2}", m.values().sum::<f64>()));
+    println!();
+}
+
+/// A kernel's name cut to a table column: without the return type, the namespaces that
+/// every kernel of a library shares, and the argument list.
+fn kernel_label(name: &str) -> String {
+    let name = name.strip_prefix("void ").unwrap_or(name);
+    let name = name.replace("at::native::", "").replace("(anonymous namespace)::", "");
+    let name = match name.find('(') {
+        Some(i) if i > 0 => &name[..i],
+        _ => &name,
+    };
+    name.chars().take(63).collect()
 }
 
 pub fn run(a: BenchTrainArgs) -> Result<()> {

@@ -47,6 +47,10 @@ pub struct BenchGpuArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json_out: Option<PathBuf>,
+    /// One more step of each side traced by libtorch's Kineto profiler into this folder
+    /// (`<model>/<side>.json`), and the device time per kernel compared.
+    #[arg(long)]
+    kernel_trace: Option<PathBuf>,
 }
 
 impl BenchGpuArgs {
@@ -84,6 +88,7 @@ impl BenchGpuArgs {
             warmup: self.warmup,
             python: self.python.clone(),
             json: self.json,
+            kernel_trace: self.kernel_trace.as_ref().map(|dir| dir.join(format!("{model:?}").to_lowercase())),
         }
     }
 }

@@ -349,3 +349,42 @@ fn bad_profile_folders_are_one_line() {
     std::fs::write(&file, format!("{header}\n{{\"kind\":\"gather\",\"t\":0.1,\"unit\":0}}\n")).unwrap();
     assert_fails_with(&summary(dir.path()), "every rank's file must be there once");
 }
+
+/// Kernel traces in libtorch's own format: the operators a thread ran are in one, and the
+/// device time per kernel is read from a trace's kernels, copies and fills alone.
+#[test]
+fn kernel_traces_are_written_and_their_device_time_read_by_kernel() {
+    use profile::kernels;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cpu.json");
+    kernels::start(false).unwrap();
+    let a = tch::Tensor::ones([64, 64], (tch::Kind::Float, tch::Device::Cpu));
+    let _ = a.matmul(&a);
+    kernels::save(&path).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(r#""aten::mm""#), "the product is in the trace");
+    assert!(kernels::device_ms_by_name(&path).unwrap().is_empty(), "no device ran anything");
+    assert!(kernels::save(&dir.path().join("none.json")).is_err(), "nothing was being recorded");
+    // A GPU's trace as Kineto writes it, its host side included.
+    let gpu = dir.path().join("gpu.json");
+    let events = r#"{"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 1500},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 2000, "dur": 500.5},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 3000, "dur": 20},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 3100, "dur": 5},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 7},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 10},
+        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "python"}}
+    ]}"#;
+    std::fs::write(&gpu, events).unwrap();
+    let ms: Vec<(String, f64)> = kernels::device_ms_by_name(&gpu).unwrap().into_iter().collect();
+    let expected = [("Memcpy DtoH (Device -> Pinned)", 0.02), ("Memset (Device)", 0.005), ("gemm", 2.0005)];
+    assert_eq!(ms.len(), expected.len(), "{ms:?}");
+    for ((name, got), (want_name, want)) in ms.iter().zip(expected) {
+        assert!(name == want_name && (got - want).abs() < 1e-12, "{ms:?}");
+    }
+    std::fs::write(&gpu, "not a trace").unwrap();
+    let err = kernels::device_ms_by_name(&gpu).unwrap_err().to_string();
+    assert!(err.contains("gpu.json") && err.contains("not a Chrome trace"), "{err}");
+}

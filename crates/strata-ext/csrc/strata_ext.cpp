@@ -13,6 +13,7 @@
 #include <ATen/ops/_fused_sgd.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -400,6 +401,36 @@ int strata_onednn_linear(const Tensor* x, const Tensor* w, const Tensor* b, Tens
     stack.emplace_back(c10::IValue());
     op->callBoxed(&stack);
     *out = new Tensor(stack.at(0).toTensor());
+  });
+}
+
+// ---- kernel traces ---------------------------------------------------------------------
+
+namespace {
+namespace kineto = torch::autograd::profiler;
+using torch::profiler::impl::ActivityType;
+using torch::profiler::impl::ProfilerConfig;
+using torch::profiler::impl::ProfilerState;
+}  // namespace
+
+// Starts libtorch's Kineto profiler on the calling thread: operators, and with `cuda` the
+// device's kernels, copies and runtime calls (through CUPTI).
+int strata_kineto_start(int cuda) {
+  return guarded([&] {
+    ProfilerConfig config(ProfilerState::KINETO);
+    std::set<ActivityType> activities{ActivityType::CPU};
+    if (cuda) activities.insert(ActivityType::CUDA);
+    kineto::prepareProfiler(config, activities);
+    kineto::enableProfiler(config, activities);
+  });
+}
+
+// Stops the profiler started on this thread and writes its Chrome trace to `path`.
+int strata_kineto_save(const char* path) {
+  return guarded([&] {
+    auto result = kineto::disableProfiler();
+    TORCH_CHECK(result != nullptr, "no kernel trace was being recorded");
+    result->save(path);
   });
 }
 

@@ -181,6 +181,8 @@ extern "C" {
     fn strata_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f32) -> c_int;
     fn strata_cuda_event_query(event: *mut c_void, done: *mut c_int) -> c_int;
     fn strata_cuda_count_syncs(on: c_int) -> c_int;
+    fn strata_kineto_start(cuda: c_int) -> c_int;
+    fn strata_kineto_save(path: *const c_char) -> c_int;
     fn strata_cuda_syncs_counted() -> i64;
     fn strata_nccl_unique_id(id: *mut u8) -> c_int;
     fn strata_nccl_comm_init(id: *const u8, nranks: c_int, rank: c_int, device: c_int, comm: *mut *mut c_void)
@@ -601,6 +603,29 @@ pub mod onednn {
         check(unsafe { strata_onednn_linear(x.as_ptr(), w.as_ptr(), optional_ptr(b), &mut out) })?;
         // SAFETY: a fresh `new at::Tensor` owned by nobody else.
         Ok(unsafe { Tensor::from_ptr(out) })
+    }
+}
+
+/// libtorch's Kineto profiler, as `torch.profiler` drives it: a Chrome trace of the operators
+/// a thread runs and, on a GPU, of the device's kernels and copies.
+pub mod kernel_trace {
+    use super::{check, strata_kineto_save, strata_kineto_start, ExtError, Result};
+    use std::ffi::CString;
+    use std::os::raw::c_int;
+    use std::path::Path;
+
+    /// Starts recording on the calling thread; with `cuda`, the GPU's activity too.
+    pub fn start(cuda: bool) -> Result<()> {
+        // SAFETY: a plain call.
+        check(unsafe { strata_kineto_start(c_int::from(cuda)) })
+    }
+
+    /// Stops the recording this thread started and writes it to `path` (Chrome trace JSON).
+    pub fn save(path: &Path) -> Result<()> {
+        let path = path.to_str().ok_or_else(|| ExtError(format!("{} is not UTF-8", path.display())))?;
+        let path = CString::new(path).map_err(|e| ExtError(e.to_string()))?;
+        // SAFETY: a NUL-terminated string, live for the call.
+        check(unsafe { strata_kineto_save(path.as_ptr()) })
     }
 }
 

@@ -315,6 +315,24 @@ fn scalars_are_read_back_by_a_queued_copy() {
     assert!(matches!(on_cpu, compute::ScalarRead::Ready(ref v) if v == &[7.0]));
 }
 
+/// A kernel trace on a GPU holds the device's kernels and copies with their times.
+#[test]
+fn kernel_traces_record_the_device_s_kernels_and_copies() {
+    let Some((gpu, _serial)) = gpu("kernel_traces_record_the_device_s_kernels_and_copies") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trace.json");
+    let m = Tensor::ones([1024, 1024], (Kind::Float, gpu));
+    strata::profile::kernels::start(true).unwrap();
+    let product = m.matmul(&m).sum(Kind::Float).to_device(Device::Cpu);
+    strata::profile::kernels::save(&path).unwrap();
+    assert_eq!(product.double_value(&[]), 1024.0f64.powi(3));
+    let ms = strata::profile::kernels::device_ms_by_name(&path).unwrap();
+    eprintln!("device ms by kernel: {ms:?}");
+    assert!(ms.keys().any(|k| k.starts_with("Memcpy DtoH")), "the copy to the host: {ms:?}");
+    assert!(ms.iter().filter(|(k, _)| !k.starts_with("Memcpy")).count() >= 2, "the product and the sum: {ms:?}");
+    assert!(ms.values().all(|&t| t > 0.0 && t < 1e3), "{ms:?}");
+}
+
 /// Offload's host buffers (parameter copies, gradients, and with `delayed_update` the
 /// gradients' twins) are page-locked with `pin_memory` and counted so in the ledger; without
 /// it nothing is; the optimizer state, updated on the host, is not.

@@ -16,6 +16,7 @@
 //! `kind` (`phase`, `gather`, `freed`, `copy`, `evict`, `copy_wait`, `recompute`, `update`,
 //! `op`, `collective`, `wait`) with `t`, seconds since recording started (for a stretch:
 //! when it ended, with its `start`), in order.
+pub mod kernels;
 pub mod plot;
 pub mod series;
 pub mod summary;
