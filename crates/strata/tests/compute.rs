@@ -227,7 +227,7 @@ fn replaced_modules_match_the_reference_ones() {
 fn linear_with_grads(policy: &Arc<UnitCompute>, x: &Tensor, w: &Tensor, b: Option<&Tensor>, g: &Tensor) -> Vec<Tensor> {
     let (x, w) = (x.detach().set_requires_grad(x.requires_grad()), w.detach().set_requires_grad(true));
     let b = b.map(|b| b.detach().set_requires_grad(true));
-    let y = compute::run(policy, vec![], false, || layers::linear(&x, &w, b.as_ref())).unwrap();
+    let y = compute::run(policy, Default::default(), false, || layers::linear(&x, &w, b.as_ref())).unwrap();
     strata_ext::backward(&[&y], &[g], false).unwrap();
     let mut out = vec![y.detach(), x.grad(), w.grad()];
     out.extend(b.map(|b| b.grad()));
@@ -286,14 +286,14 @@ fn onednn_linear_matches_libtorch_forward_and_backward() {
     // libtorch's product.
     let (x, w) = (draw(20, &[4, 8]).set_requires_grad(true), draw(21, &[3, 8]).set_requires_grad(true));
     let node = |policy: &Arc<UnitCompute>| {
-        let y = compute::run(policy, vec![], false, || layers::linear(&x, &w, None)).unwrap();
+        let y = compute::run(policy, Default::default(), false, || layers::linear(&x, &w, None)).unwrap();
         strata_ext::grad_fn_name(&y).unwrap().unwrap_or_default()
     };
     assert!(node(&onednn).contains("RustFunction"), "OneDnnLinear's node, got {:?}", node(&onednn));
     assert!(!node(&plain).contains("RustFunction"), "libtorch's node without the replacement");
     // Other dtypes keep libtorch's linear.
     let (xd, wd) = (x.to_kind(Kind::Double), w.to_kind(Kind::Double));
-    let yd = compute::run(&onednn, vec![], false, || layers::linear(&xd, &wd, None)).unwrap();
+    let yd = compute::run(&onednn, Default::default(), false, || layers::linear(&xd, &wd, None)).unwrap();
     assert!(!strata_ext::grad_fn_name(&yd).unwrap().unwrap_or_default().contains("RustFunction"));
 }
 
@@ -312,7 +312,7 @@ fn with_grads(
         .enumerate()
         .map(|(i, x)| if i < learned { x.detach().set_requires_grad(true) } else { x.shallow_clone() })
         .collect();
-    let y = compute::run(policy, vec![], false, || op(&inputs)).unwrap();
+    let y = compute::run(policy, Default::default(), false, || op(&inputs)).unwrap();
     let node = strata_ext::grad_fn_name(&y).unwrap().unwrap_or_default();
     strata_ext::backward(&[&y], &[g], false).unwrap();
     (y.detach(), inputs.iter().map(Tensor::grad).collect(), node)
@@ -446,7 +446,7 @@ fn vector_gelu_is_the_exact_function_within_the_rounding_of_its_argument() {
 
     // A second derivative is refused, not silently wrong.
     let xg = x.narrow(0, 0, 8).detach().set_requires_grad(true);
-    let yg = compute::run(&vector, vec![], false, || layers::gelu_tanh(&xg)).unwrap();
+    let yg = compute::run(&vector, Default::default(), false, || layers::gelu_tanh(&xg)).unwrap();
     let options = strata_ext::GradOptions { retain_graph: true, create_graph: true, allow_unused: false };
     let err = strata_ext::grad(&[&yg], &[&yg.ones_like()], &[&xg], options).unwrap_err();
     assert!(err.to_string().contains("no second derivative"), "{err}");
@@ -514,7 +514,7 @@ fn fused_swiglu_is_silu_times_up_within_1e_6_keeping_one_tensor_less() {
     let held = |policy: &Arc<UnitCompute>| {
         let (g, u) = (gate.detach().set_requires_grad(true), up.detach().set_requires_grad(true));
         let before = strata_ext::cpu_memory::stats().unwrap().0;
-        let y = compute::run(policy, vec![], false, || layers::swiglu(&g, &u)).unwrap();
+        let y = compute::run(policy, Default::default(), false, || layers::swiglu(&g, &u)).unwrap();
         let bytes = strata_ext::cpu_memory::stats().unwrap().0 - before;
         drop(y);
         bytes
@@ -605,6 +605,62 @@ fn fused_rope_rotates_as_the_composite_does_and_declines_what_it_does_not_serve(
     }
 }
 
+/// One forward and backward of `batch` on `engine`, its gradients added to what it holds.
+fn backward_on(engine: &mut Engine, batch: &Batch) {
+    let out = engine.forward(&batch.inputs).unwrap();
+    engine.backward(&layers::cross_entropy(&out, &batch.targets).unwrap()).unwrap();
+}
+
+/// Under `amp_native` a weight's gradient goes from the product's dtype straight into its
+/// slot of the unit's flat gradient buffer: backward never holds an fp32 gradient of a
+/// weight beside the buffer, and what lands is what accumulating the plain cast gives.
+#[test]
+fn amp_converts_weight_gradients_straight_into_the_gradient_buffer() {
+    let _serial = serial();
+    strata_ext::cpu_memory::track().unwrap();
+    // Wide weights and four tokens: a block's gradients outweigh everything else backward holds.
+    const WIDE: GptConfig = GptConfig::new(32, 4, 1, 4, 256);
+    let amp_engine = || {
+        let mut b = Builder::new();
+        model::gpt(&WIDE, &mut b).unwrap();
+        // The engine draws its initial weights from its own seed: both engines start alike.
+        let mut e = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
+        let amp = UnitCompute { autocast: Some(Kind::BFloat16), ..Default::default() };
+        e.set_compute(vec![amp; e.spec().units.len()]).unwrap();
+        e
+    };
+    let batch = |seed| {
+        tch::manual_seed(seed);
+        let tokens = Tensor::randint(32, [1, 5], (Kind::Int64, Device::Cpu));
+        Batch { inputs: tokens.narrow(1, 0, 4), targets: tokens.narrow(1, 1, 4) }
+    };
+    let (a, b) = (batch(1), batch(2));
+    let (mut ab, mut ba) = (amp_engine(), amp_engine());
+    // Zeroed, as a step starts: the next backward's gradients are fresh.
+    ab.zero_grad().unwrap();
+    ba.zero_grad().unwrap();
+    let out = ab.forward(&a.inputs).unwrap();
+    let loss = layers::cross_entropy(&out, &a.targets).unwrap();
+    let base = strata_ext::cpu_memory::stats().unwrap().0;
+    strata_ext::cpu_memory::reset_peak().unwrap();
+    ab.backward(&loss).unwrap();
+    let peak = strata_ext::cpu_memory::stats().unwrap().1 - base;
+    let block = (ab.storage()[1].grad.numel() * 4) as i64;
+    eprintln!("backward's peak: {peak} bytes beside a block of {block} bytes of fp32 gradients");
+    assert!(peak < block / 2, "backward held {peak} bytes beside {block} of the block's gradients");
+    // The first backward's gradients go into the slots, the second's add to them: in either
+    // order the sums are the same, bit for bit, but for the tied embedding's (unit 0's),
+    // which sums four gradients in two orders.
+    backward_on(&mut ab, &b);
+    backward_on(&mut ba, &b);
+    backward_on(&mut ba, &a);
+    for (k, (x, y)) in ab.storage().iter().zip(ba.storage()).enumerate() {
+        let gap = rel(&x.grad, &y.grad);
+        assert!(if k == 0 { gap < 1e-6 } else { gap == 0.0 }, "unit {k}: a then b differs from b then a by {gap:e}");
+        assert!(x.grad.abs().max().double_value(&[]) > 0.0, "unit {k} got a gradient");
+    }
+}
+
 #[test]
 fn amp_computes_products_in_low_precision_and_norms_and_loss_in_fp32() {
     let _serial = serial();
@@ -612,7 +668,7 @@ fn amp_computes_products_in_low_precision_and_norms_and_loss_in_fp32() {
     let x = Tensor::randn([2, 4, 16], (Kind::Float, Device::Cpu));
     let w = Tensor::randn([16, 16], (Kind::Float, Device::Cpu));
     let ones = Tensor::ones([16], (Kind::Float, Device::Cpu));
-    let (y, n, l) = compute::run(&amp, vec![], false, || {
+    let (y, n, l) = compute::run(&amp, Default::default(), false, || {
         let y = layers::linear(&x, &w, None)?;
         let n = layers::layer_norm(&y, &ones, &ones.zeros_like(), 1e-5)?;
         let l = layers::cross_entropy(&y, &Tensor::zeros([2, 4], (Kind::Int64, Device::Cpu)))?;

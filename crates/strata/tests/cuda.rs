@@ -144,7 +144,7 @@ fn amp_and_half_on_a_gpu_stay_near_fp32_and_compute_in_low_precision() {
     let bf16 = UnitCompute { autocast: Some(Kind::BFloat16), device_autocast: true, ..Default::default() };
     let x = Tensor::randn([8, 64], (Kind::Float, gpu));
     let w = Tensor::randn([32, 64], (Kind::Float, gpu));
-    let (product, norm) = compute::run(&std::sync::Arc::new(bf16), vec![], false, || {
+    let (product, norm) = compute::run(&std::sync::Arc::new(bf16), Default::default(), false, || {
         Ok((x.linear::<Tensor>(&w, None), layers::layer_norm(&x, &w.get(0), &w.get(1), 1e-5)?))
     })
     .unwrap();

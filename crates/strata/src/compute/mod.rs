@@ -10,6 +10,7 @@ pub mod deferred;
 pub mod fp8;
 pub mod replace;
 pub mod scaler;
+mod weight_cast;
 
 use crate::Result;
 use fp8::SharedFp8;
@@ -114,19 +115,29 @@ struct Active {
     fp8_calls: usize,
     /// Storage addresses of the weights this unit computes in fp8.
     fp8_weights: Vec<usize>,
+    /// The slots of the unit's weights in its flat gradient buffer, by storage address.
+    grad_slots: Vec<(usize, Tensor)>,
 }
 
 thread_local! {
     static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
 }
 
-/// Runs `f` (a unit's forward) under `policy`. `fp8_weights` are the storage addresses of
-/// the weights computed in fp8 (those fp8's include/exclude and shape rules admit);
-/// `recomputing` marks the second forward of a checkpointed unit, which must not record
-/// fp8 statistics again.
+/// What the engine tells a unit's forward about its weights: the storage addresses of
+/// those computed in fp8 (those fp8's include/exclude and shape rules admit), and the slots
+/// in the flat gradient buffer of those whose gradients may be converted into place there
+/// ([`weight_for_product`]), each by its weight's storage address.
+#[derive(Default)]
+pub struct UnitWeights {
+    pub fp8: Vec<usize>,
+    pub grad_slots: Vec<(usize, Tensor)>,
+}
+
+/// Runs `f` (a unit's forward) under `policy`; `recomputing` marks the second forward of a
+/// checkpointed unit, which must not record fp8 statistics again.
 pub fn run<R>(
     policy: &Arc<UnitCompute>,
-    fp8_weights: Vec<usize>,
+    weights: UnitWeights,
     recomputing: bool,
     f: impl FnOnce() -> Result<R>,
 ) -> Result<R> {
@@ -134,8 +145,14 @@ pub fn run<R>(
     if let Some(kind) = device_autocast {
         strata_ext::cuda_autocast(true, kind)?;
     }
-    let previous = ACTIVE
-        .with(|a| a.borrow_mut().replace(Active { policy: policy.clone(), recomputing, fp8_calls: 0, fp8_weights }));
+    let active = Active {
+        policy: policy.clone(),
+        recomputing,
+        fp8_calls: 0,
+        fp8_weights: weights.fp8,
+        grad_slots: weights.grad_slots,
+    };
+    let previous = ACTIVE.with(|a| a.borrow_mut().replace(active));
     let result = f();
     ACTIVE.with(|a| *a.borrow_mut() = previous);
     if let Some(kind) = device_autocast {
@@ -159,6 +176,22 @@ pub fn cast(x: &Tensor, kind: Option<Kind>) -> Result<Tensor> {
         Some(k) if x.kind() != k => x.f_to_kind(k)?,
         _ => x.shallow_clone(),
     })
+}
+
+/// Weight `w` of a matrix product in `kind`, the dtype products compute in. An fp32 master
+/// weight with a slot in the running unit's gradient buffer is cast by a node whose
+/// backward converts its gradient straight into the slot (`weight_cast`).
+pub fn weight_for_product(w: &Tensor, kind: Kind) -> Result<Tensor> {
+    let slot = (w.kind() == Kind::Float && kind != Kind::Float && w.requires_grad() && w.is_leaf())
+        .then(|| {
+            let address = w.data_ptr() as usize;
+            with_active(|a| a?.grad_slots.iter().find(|(at, _)| *at == address).map(|(_, s)| s.shallow_clone()))
+        })
+        .flatten();
+    match slot {
+        Some(slot) => weight_cast::CastWeight::apply(w, kind, slot),
+        None => cast(w, Some(kind)),
+    }
 }
 
 /// The dtype matrix products compute in under either autocast (the layers' own or

@@ -887,8 +887,31 @@ impl Engine {
             return unit.body.forward(&params, input);
         }
         // Addresses change when a sharded unit is gathered again: taken at each forward.
-        let fp8_weights = self.fp8_weights[k].iter().map(|id| self.params[id.0].data_ptr() as usize).collect();
-        compute::run(policy, fp8_weights, recomputing, || unit.body.forward(&params, input))
+        let fp8 = self.fp8_weights[k].iter().map(|id| self.params[id.0].data_ptr() as usize).collect();
+        let weights = compute::UnitWeights { fp8, grad_slots: self.grad_slots(k)? };
+        compute::run(policy, weights, recomputing, || unit.body.forward(&params, input))
+    }
+
+    /// The slots in unit `k`'s flat gradient buffer that its weights' casts may convert
+    /// their gradients into, by storage address: where the unit's gradients are landed as
+    /// computed ([`Engine::release_fresh_grads`]) and a cast happens (`amp_native`), for the
+    /// unit's own parameters whole on this rank beside their buffer.
+    fn grad_slots(&self, k: usize) -> Result<Vec<(usize, Tensor)>> {
+        let eligible = self.compute[k].autocast.is_some()
+            && self.grads.is_some()
+            && self.config.tensor.is_none()
+            && self.schedule.accepts_copied_grads();
+        if !eligible {
+            return Ok(Vec::new());
+        }
+        let mut slots = Vec::new();
+        for &id in &self.spec.units[k].params {
+            let p = &self.params[id.0];
+            if p.requires_grad() && !self.borrowed.contains(&id) && p.device() == self.storage[k].grad.device() {
+                slots.push((p.data_ptr() as usize, self.grad_view(id)?));
+            }
+        }
+        Ok(slots)
     }
 
     /// Under sequence parallel, the parameters unit `k` reads with its sequence-replicated

@@ -27,14 +27,23 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if let Some(out) = compute::deferred::linear(x, w, b) {
         return out;
     }
-    let kind = compute::autocast_kind();
-    if kind.is_none() {
+    // A replaced linear computes in its input's dtype: none serves a product that autocast
+    // (the layers' own or libtorch's) puts in a lower one.
+    let product = compute::product_kind();
+    if product.is_none() {
         if let Some(replaced) = compute::replaced(|r| r.linear(x.kind())) {
             return replaced(x, w, b);
         }
     }
+    let kind = compute::autocast_kind();
     let b = b.map(|b| cast(b, kind)).transpose()?;
-    Ok(cast(x, kind)?.f_linear(&cast(w, kind)?, b.as_ref())?)
+    // Under libtorch's autocast only the weight is cast here (its gradient may go straight
+    // into its buffer); autocast casts the rest.
+    let w = match product {
+        Some(product) => compute::weight_for_product(w, product)?,
+        None => w.shallow_clone(),
+    };
+    Ok(cast(x, kind)?.f_linear(&w, b.as_ref())?)
 }
 
 /// A row-parallel linear layer: this rank's input columns times its weight columns, summed

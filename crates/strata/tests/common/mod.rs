@@ -34,7 +34,7 @@ pub fn replaced_module_errors(device: Device) -> Vec<(&'static str, Kind, f64, f
             layers::layer_norm(&x, &w, &b, 1e-5).unwrap(),
             layers::rms_norm(&x, &w, 1e-6).unwrap(),
         ];
-        let replaced = compute::run(&all, vec![], false, || {
+        let replaced = compute::run(&all, Default::default(), false, || {
             Ok([
                 layers::causal_attention(&q, &k, &v)?,
                 layers::layer_norm(&x, &w, &b, 1e-5)?,
