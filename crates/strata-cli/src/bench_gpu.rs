@@ -6,6 +6,7 @@ use crate::bench_runs::GptShape;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 use strata::compute::fp8::{self, Fp8Config, Fp8Unit};
@@ -47,8 +48,9 @@ pub struct BenchGpuArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json_out: Option<PathBuf>,
-    /// One more step of each side traced by libtorch's Kineto profiler into this folder
-    /// (`<model>/<side>.json`), and the device time per kernel compared.
+    /// After everything is timed, one step of each side traced by libtorch's Kineto profiler
+    /// into this folder (`<model>/<side>.json`, from sides started afresh, so no profiler has
+    /// run in a process that is timed), and the device time per kernel compared.
     #[arg(long)]
     kernel_trace: Option<PathBuf>,
 }
@@ -88,7 +90,7 @@ impl BenchGpuArgs {
             warmup: self.warmup,
             python: self.python.clone(),
             json: self.json,
-            kernel_trace: self.kernel_trace.as_ref().map(|dir| dir.join(format!("{model:?}").to_lowercase())),
+            kernel_trace: None,
         }
     }
 }
@@ -145,6 +147,17 @@ fn gemm_table(device: Device) -> Result<Vec<GemmRow>> {
     Ok(rows)
 }
 
+/// The device time per kernel of one step of each of `model`'s sides, traced into
+/// `dir/<model>/` by sides started afresh and warmed up, with nothing timed.
+fn trace_kernels(a: &BenchGpuArgs, model: BenchModel, dir: &std::path::Path) -> Result<Vec<BTreeMap<String, f64>>> {
+    let args = BenchTrainArgs {
+        rounds: 0,
+        kernel_trace: Some(dir.join(format!("{model:?}").to_lowercase())),
+        ..a.train_args(model)
+    };
+    Ok(bench::measure(&args)?.sides.into_iter().map(|m| m.kernels_ms).collect())
+}
+
 pub fn run(a: BenchGpuArgs) -> Result<()> {
     let mut reports: Vec<Report> = Vec::new();
     for model in [BenchModel::Gpt, BenchModel::Llama] {
@@ -163,6 +176,18 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
         for r in &gemm {
             let ratio = r.fp8_linear / r.bf16;
             println!("{:>6} {:>8.0} {:>12.0} {:>11.0} {:>16.2}", r.size, r.bf16, r.fp8_product, r.fp8_linear, ratio);
+        }
+    }
+    if let Some(dir) = &a.kernel_trace {
+        for report in &mut reports {
+            let traced = trace_kernels(&a, report.model, dir)?;
+            for (side, kernels) in report.sides.iter_mut().zip(traced) {
+                side.kernels_ms = kernels;
+            }
+            if !a.json {
+                println!("\n{:?}, one step traced", report.model);
+                bench::print_kernels(&report.sides);
+            }
         }
     }
     let json = serde_json::to_string_pretty(&GpuReport { models: reports, gemm })?;

@@ -661,6 +661,41 @@ fn amp_converts_weight_gradients_straight_into_the_gradient_buffer() {
     }
 }
 
+/// A weight's gradient under `amp_native`, through its slot in a gradient buffer or not: the
+/// slot becomes `.grad` where the weight is used once, and serves the first cast alone where
+/// it is used twice; the values are the plain cast's either way, bit for bit.
+#[test]
+fn a_weight_s_slot_takes_its_gradient_once_per_forward() {
+    let _serial = serial();
+    let amp = Arc::new(UnitCompute { autocast: Some(Kind::BFloat16), ..Default::default() });
+    let x = Tensor::randn([3, 8], (Kind::Float, Device::Cpu));
+    let w = Tensor::randn([8, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let buffer = Tensor::zeros([72], (Kind::Float, Device::Cpu));
+    // The gradient of `uses` products by `w`, with `w`'s slot offered or not.
+    let grad = |uses: usize, slot: bool| {
+        strata_ext::set_grad(&w, None).unwrap();
+        let grad_slots =
+            if slot { vec![(w.data_ptr() as usize, buffer.narrow(0, 8, 64).view([8, 8]))] } else { vec![] };
+        let weights = compute::UnitWeights { fp8: vec![], grad_slots };
+        let y = compute::run(&amp, weights, false, || {
+            let mut y = x.shallow_clone();
+            for _ in 0..uses {
+                y = layers::linear(&y, &w, None)?;
+            }
+            Ok(y)
+        })
+        .unwrap();
+        y.to_kind(Kind::Float).sum(Kind::Float).backward();
+        w.grad()
+    };
+    for uses in [1, 2] {
+        let (plain, slotted) = (grad(uses, false), grad(uses, true));
+        assert!(slotted.equal(&plain), "{uses} uses: the slot's gradient differs from the plain cast's");
+        let in_buffer = strata_ext::storage_id(&slotted).unwrap() == strata_ext::storage_id(&buffer).unwrap();
+        assert!(uses == 2 || in_buffer, "one use: the gradient is the slot itself");
+    }
+}
+
 #[test]
 fn amp_computes_products_in_low_precision_and_norms_and_loss_in_fp32() {
     let _serial = serial();

@@ -22,7 +22,7 @@ use tch::{Kind, Tensor};
 /// The values of one-element tensors on one GPU, being copied into page-locked host memory
 /// behind the work queued so far: the host queues more (a step's update) and waits for the
 /// copy alone, so the device still has work when the host starts the next step, where a
-/// plain read would let it drain. Elsewhere (the CPU, several devices, a build without the
+/// plain read would let it drain (as fp8's read of its amaxes after the update still does). Elsewhere (the CPU, several devices, a build without the
 /// `cuda` feature) the values are read when the read starts.
 pub enum ScalarRead {
     Ready(Vec<f64>),
@@ -38,8 +38,8 @@ impl ScalarRead {
             return Ok(ScalarRead::Ready(read_scalars(values)?));
         };
         let on_device = Tensor::f_cat(&as_f64_rows(values)?, 0)?;
-        // A non-blocking copy to the CPU lands in page-locked memory; the caching allocator
-        // keeps `on_device` from reuse until the stream has passed the copy.
+        // A non-blocking copy to the CPU lands in page-locked memory; whatever reuses
+        // `on_device`'s memory later runs on the same stream, after the copy.
         let host = on_device.f_to_device_(tch::Device::Cpu, Kind::Double, true, false)?;
         let copied = strata_ext::cuda::Event::new(false)?;
         copied.record(&strata_ext::cuda::Stream::current(index)?)?;
@@ -180,12 +180,19 @@ pub fn cast(x: &Tensor, kind: Option<Kind>) -> Result<Tensor> {
 
 /// Weight `w` of a matrix product in `kind`, the dtype products compute in. An fp32 master
 /// weight with a slot in the running unit's gradient buffer is cast by a node whose
-/// backward converts its gradient straight into the slot (`weight_cast`).
+/// backward converts its gradient straight into the slot (`weight_cast`). A slot serves one
+/// cast per forward: autograd sums a weight's gradients from all its uses before it keeps
+/// one, so a second node writing the same slot would overwrite the first's; later uses get
+/// the plain cast, whose gradients autograd adds to the slot's.
 pub fn weight_for_product(w: &Tensor, kind: Kind) -> Result<Tensor> {
     let slot = (w.kind() == Kind::Float && kind != Kind::Float && w.requires_grad() && w.is_leaf())
         .then(|| {
             let address = w.data_ptr() as usize;
-            with_active(|a| a?.grad_slots.iter().find(|(at, _)| *at == address).map(|(_, s)| s.shallow_clone()))
+            with_active(|a| {
+                let slots = &mut a?.grad_slots;
+                let at = slots.iter().position(|(at, s)| *at == address && s.size() == w.size())?;
+                Some(slots.swap_remove(at).1)
+            })
         })
         .flatten();
     match slot {

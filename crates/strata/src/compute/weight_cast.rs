@@ -35,8 +35,8 @@ impl strata_ext::Function for CastWeight {
 
     fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
         let g = &grads[0];
-        // A defined `.grad` holds earlier gradients (an earlier micro-batch, another use of
-        // the weight in this backward), which autograd adds the plain cast to.
+        // A defined `.grad` holds an earlier micro-batch's gradients, which autograd adds
+        // the plain cast to.
         if !self.weight.grad().defined() {
             if let Some(slot) = self.slot.take() {
                 tch::no_grad(|| slot.shallow_clone().f_copy_(g)).map_err(text)?;
