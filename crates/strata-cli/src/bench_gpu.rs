@@ -148,10 +148,12 @@ fn gemm_table(device: Device) -> Result<Vec<GemmRow>> {
 }
 
 /// The device time per kernel of one step of each of `model`'s sides, traced into
-/// `dir/<model>/` by sides started afresh and warmed up, with nothing timed.
+/// `dir/<model>/` by sides started afresh and warmed up.
 fn trace_kernels(a: &BenchGpuArgs, model: BenchModel, dir: &std::path::Path) -> Result<Vec<BTreeMap<String, f64>>> {
+    // One timed block of one step, its time left out.
     let args = BenchTrainArgs {
-        rounds: 0,
+        rounds: 1,
+        block: 1,
         kernel_trace: Some(dir.join(format!("{model:?}").to_lowercase())),
         ..a.train_args(model)
     };
