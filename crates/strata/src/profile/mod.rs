@@ -5,6 +5,8 @@
 //! as the communication layer reports them; one JSON-lines file per rank. It reads such
 //! files back, validated. A Chrome trace ([`trace`]), a summary ([`summary`]) and pictures
 //! ([`plot`]) are made from what it reads, through the series of [`series`].
+//! Beside it, [`kernels`] records and reads libtorch's own kernel traces (Kineto), where a
+//! GPU's kernels are timed one by one.
 //!
 //! Owns: the on-disk format and its validation. Must not time anything inside the engine,
 //! the schedules or the collectives: it stamps the events handed to it through the
