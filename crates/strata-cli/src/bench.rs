@@ -485,7 +485,7 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         .into_iter()
         .zip(blocks)
         .zip(inspections)
-        .zip(kernels.into_iter().map(Some).chain(std::iter::repeat(None)))
+        .zip(kernels.into_iter().chain(std::iter::repeat_with(BTreeMap::new)))
         .map(|(((side, blocks), inspection), kernels_ms)| {
             let seconds: f64 = blocks.iter().map(|b| b.seconds).sum();
             let tokens_per_s = tokens / seconds;
@@ -503,7 +503,7 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
                 syncs_per_step,
                 sync_sites,
                 phases_ms,
-                kernels_ms: kernels_ms.unwrap_or_default(),
+                kernels_ms,
             }
         })
         .collect();
@@ -604,13 +604,13 @@ pub fn print_kernels(sides: &[Measurement]) {
             out
         })
         .collect();
-    let mut labels: Vec<(&String, f64)> = Vec::new();
-    for (label, _) in by_label.iter().flatten() {
-        if !labels.iter().any(|(l, _)| *l == label) {
-            let most = by_label.iter().filter_map(|m| m.get(label)).fold(0.0, |a: f64, &b| a.max(b));
-            labels.push((label, most));
-        }
+    // Each label with the most any side spent in it, most first.
+    let mut most: BTreeMap<&String, f64> = BTreeMap::new();
+    for (label, &ms) in by_label.iter().flatten() {
+        let m = most.entry(label).or_default();
+        *m = m.max(ms);
     }
+    let mut labels: Vec<(&String, f64)> = most.into_iter().collect();
     labels.sort_by(|a, b| b.1.total_cmp(&a.1));
     print!("{:<64}", "device ms of one traced step, by kernel");
     sides.iter().for_each(|m| print!(" {:>14}", m.side));
