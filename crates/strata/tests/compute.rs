@@ -297,6 +297,37 @@ fn onednn_linear_matches_libtorch_forward_and_backward() {
     assert!(!strata_ext::grad_fn_name(&yd).unwrap().unwrap_or_default().contains("RustFunction"));
 }
 
+/// OneDnnLinear's weight gradient reads the output gradient transposed in place: its
+/// backward allocates the three gradients and no contiguous copy of the output gradient,
+/// which oneDNN's product would first make of a transposed input.
+#[test]
+fn onednn_linear_backward_copies_no_output_gradient() {
+    let _serial = serial();
+    if !strata_ext::onednn::available() {
+        eprintln!("skipped: this libtorch has no oneDNN, so OneDnnLinear is not registered");
+        return;
+    }
+    let onednn = Arc::new(UnitCompute {
+        replacements: Replacements::select(Some(&["OneDnnLinear".to_string()])).unwrap(),
+        ..Default::default()
+    });
+    let (rows, ins, outs) = (4096, 16, 512);
+    let draw = |seed: i64, shape: &[i64]| with_seed(seed, || Tensor::randn(shape, (Kind::Float, Device::Cpu)));
+    let (x, w, b) = (draw(1, &[rows, ins]).set_requires_grad(true), draw(2, &[outs, ins]), draw(3, &[outs]));
+    let (w, b) = (w.set_requires_grad(true), b.set_requires_grad(true));
+    let g = draw(4, &[rows, outs]);
+    let y = compute::run(&onednn, Default::default(), false, || layers::linear(&x, &w, Some(&b))).unwrap();
+    strata_ext::cpu_memory::track().unwrap();
+    let held = strata_ext::cpu_memory::stats().unwrap().0;
+    strata_ext::cpu_memory::reset_peak().unwrap();
+    strata_ext::backward(&[&y], &[&g], false).unwrap();
+    let extra = strata_ext::cpu_memory::stats().unwrap().1 - held;
+    let grads = 4 * (rows * ins + outs * ins + outs);
+    let output_grad = 4 * rows * outs;
+    eprintln!("backward allocated {extra} bytes: gradients {grads}, the output gradient {output_grad}");
+    assert!(extra >= grads && extra < grads + output_grad / 2, "backward allocated {extra} bytes");
+}
+
 /// `op` of `inputs` under `policy`, the first `learned` of them taking gradients (the rest
 /// as given), with the inputs' gradients for the upstream gradient `g`: (output,
 /// gradients, the name of the output's autograd node).

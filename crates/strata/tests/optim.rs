@@ -50,6 +50,37 @@ fn sgd_and_adam_follow_their_update_rules_on_engine_storage() {
     }
 }
 
+/// The global norm reduces each gradient in its own precision, as `clip_grad_norm_` does:
+/// asked for f64 from fp32, libtorch would first write an f64 copy of each gradient. The
+/// sum of squares stays within fp32's precision of the exact one computed in f64 (1.7e-6
+/// relative here).
+#[test]
+fn the_gradient_norm_reads_the_gradients_without_copying_them() {
+    let mut b = Builder::new();
+    model::mlp(&MlpConfig { vocab: 64, layers: 2, dim: 512 }, &mut b).unwrap();
+    let mut e = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
+    let opt = Optimizer::new(&mut e, OptimizerConfig::default(), &[]).unwrap();
+    tch::manual_seed(3);
+    for s in e.storage() {
+        let _ = s.grad.shallow_clone().normal_(0.0, 1.0);
+    }
+    let grad_bytes: i64 = e.storage().iter().map(|s| s.grad.numel() as i64 * 4).sum();
+    let exact = e
+        .storage()
+        .iter()
+        .map(|s| s.grad.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]))
+        .sum::<f64>();
+    strata_ext::cpu_memory::track().unwrap();
+    let held = strata_ext::cpu_memory::stats().unwrap().0;
+    strata_ext::cpu_memory::reset_peak().unwrap();
+    let squares: f64 = opt.grad_sq_per_unit().unwrap().iter().map(|(_, x)| x).sum();
+    let extra = strata_ext::cpu_memory::stats().unwrap().1 - held;
+    let error = ((squares - exact) / exact).abs();
+    eprintln!("sum of squares {squares} (exact {exact}, relative error {error:e}); {extra} bytes beside {grad_bytes}");
+    assert!(exact > 1e5 && error < 1e-5, "{squares} vs {exact}");
+    assert!(extra < grad_bytes / 8, "the norm allocated {extra} bytes beside {grad_bytes} of gradients");
+}
+
 #[test]
 fn clipping_scales_the_global_norm_down_to_the_limit() {
     let mut e = mlp_engine();
