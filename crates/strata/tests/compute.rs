@@ -234,17 +234,23 @@ fn linear_with_grads(policy: &Arc<UnitCompute>, x: &Tensor, w: &Tensor, b: Optio
     out
 }
 
+/// A policy that replaces linear layers by `OneDnnLinear`; none (the test is skipped, with
+/// a message) where libtorch has no oneDNN.
+fn onednn_policy() -> Option<Arc<UnitCompute>> {
+    if !strata_ext::onednn::available() {
+        eprintln!("skipped: this libtorch has no oneDNN, so OneDnnLinear is not registered");
+        return None;
+    }
+    Some(Arc::new(UnitCompute {
+        replacements: Replacements::select(Some(&["OneDnnLinear".to_string()])).unwrap(),
+        ..Default::default()
+    }))
+}
+
 #[test]
 fn onednn_linear_matches_libtorch_forward_and_backward() {
     let _serial = serial();
-    if !strata_ext::onednn::available() {
-        eprintln!("skipped: this libtorch has no oneDNN, so OneDnnLinear is not registered");
-        return;
-    }
-    let onednn = Arc::new(UnitCompute {
-        replacements: Replacements::select(Some(&["OneDnnLinear".to_string()])).unwrap(),
-        ..Default::default()
-    });
+    let Some(onednn) = onednn_policy() else { return };
     let plain = Arc::new(UnitCompute::default());
     let draw = |seed: i64, shape: &[i64]| with_seed(seed, || Tensor::randn(shape, (Kind::Float, Device::Cpu)));
     // (input, weight out × in, bias, whether the input takes a gradient)
@@ -303,14 +309,7 @@ fn onednn_linear_matches_libtorch_forward_and_backward() {
 #[test]
 fn onednn_linear_backward_copies_no_output_gradient() {
     let _serial = serial();
-    if !strata_ext::onednn::available() {
-        eprintln!("skipped: this libtorch has no oneDNN, so OneDnnLinear is not registered");
-        return;
-    }
-    let onednn = Arc::new(UnitCompute {
-        replacements: Replacements::select(Some(&["OneDnnLinear".to_string()])).unwrap(),
-        ..Default::default()
-    });
+    let Some(onednn) = onednn_policy() else { return };
     let (rows, ins, outs) = (4096, 16, 512);
     let draw = |seed: i64, shape: &[i64]| with_seed(seed, || Tensor::randn(shape, (Kind::Float, Device::Cpu)));
     let (x, w, b) = (draw(1, &[rows, ins]).set_requires_grad(true), draw(2, &[outs, ins]), draw(3, &[outs]));
