@@ -94,8 +94,9 @@ pub struct BenchTrainArgs {
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
-    /// On a GPU, one more step of each side traced by libtorch's Kineto profiler into this
-    /// folder (`<side>.json`, Chrome trace), and the device time per kernel compared.
+    /// One more step of each side traced by libtorch's Kineto profiler into this folder
+    /// (`<side>.json`, Chrome trace), and the device time per kernel (on a GPU) or the host's
+    /// self time per operator (on the CPU) compared
     #[arg(long)]
     pub kernel_trace: Option<PathBuf>,
 }
@@ -136,7 +137,8 @@ pub struct Measurement {
     /// GPU milliseconds of each part of that step (GPU only).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub phases_ms: BTreeMap<String, f64>,
-    /// Device milliseconds per kernel name of one traced step (`--kernel-trace`).
+    /// Milliseconds per name of one traced step (`--kernel-trace`): each kernel's device
+    /// time on a GPU, each operator's self time on the CPU.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub kernels_ms: BTreeMap<String, f64>,
 }
@@ -464,10 +466,12 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
     };
     // A trace that fails leaves the timings standing.
     let mut kernels = Vec::new();
-    if let (Some(dir), Some(_)) = (&a.kernel_trace, &gpu) {
+    if let Some(dir) = &a.kernel_trace {
+        let read =
+            if gpu.is_some() { profile::kernels::device_ms_by_name } else { profile::kernels::host_self_ms_by_name };
         for (side, name) in sides.iter_mut().zip(&names) {
             let path = dir.join(format!("{}.json", name.replace(' ', "-")));
-            let traced = side.trace_step(&path).and_then(|()| Ok(profile::kernels::device_ms_by_name(&path)?));
+            let traced = side.trace_step(&path).and_then(|()| Ok(read(&path)?));
             kernels.push(traced.unwrap_or_else(|e| {
                 eprintln!("warning: no kernel trace of {name}: {e:#}");
                 BTreeMap::new()
@@ -582,7 +586,8 @@ pub fn print(report: &Report, block: u64) {
         }
     }
     if report.sides.iter().any(|m| !m.kernels_ms.is_empty()) {
-        print_kernels(&report.sides);
+        let on_gpu = report.device != "cpu";
+        print_kernels(&report.sides, if on_gpu { TracedTime::Device } else { TracedTime::HostSelf });
     }
     println!("strata / pytorch tokens/s: {:.3}", report.ratio);
     if let Some(r) = report.fp8_ratio {
@@ -590,9 +595,18 @@ pub fn print(report: &Report, block: u64) {
     }
 }
 
-/// The kernels that took the most device time in any side's traced step, side by side, and
-/// every kernel's time in all.
-pub fn print_kernels(sides: &[Measurement]) {
+/// What a traced step's times per name are.
+#[derive(Clone, Copy)]
+pub enum TracedTime {
+    /// Device time per kernel, copy and fill.
+    Device,
+    /// The host's self time per operator.
+    HostSelf,
+}
+
+/// The kernels (or operators) that took the most time in any side's traced step, side by
+/// side, and every one's time in all.
+pub fn print_kernels(sides: &[Measurement], what: TracedTime) {
     const SHOWN: usize = 16;
     let by_label: Vec<BTreeMap<String, f64>> = sides
         .iter()
@@ -612,7 +626,11 @@ pub fn print_kernels(sides: &[Measurement]) {
     }
     let mut labels: Vec<(&String, f64)> = most.into_iter().collect();
     labels.sort_by(|a, b| b.1.total_cmp(&a.1));
-    print!("{:<64}", "device ms of one traced step, by kernel");
+    let (heading, each) = match what {
+        TracedTime::Device => ("device ms of one traced step, by kernel", "kernels"),
+        TracedTime::HostSelf => ("host ms of one traced step, by operator (self time)", "operators"),
+    };
+    print!("{heading:<64}");
     sides.iter().for_each(|m| print!(" {:>14}", m.side));
     println!();
     for (label, _) in labels.iter().take(SHOWN) {
@@ -621,7 +639,7 @@ pub fn print_kernels(sides: &[Measurement]) {
         println!();
     }
     let kernels: std::collections::BTreeSet<&String> = sides.iter().flat_map(|m| m.kernels_ms.keys()).collect();
-    print!("{:<64}", format!("all {} kernels", kernels.len()));
+    print!("{:<64}", format!("all {} {each}", kernels.len()));
     by_label.iter().for_each(|m| print!(" {:>14.2}", m.values().sum::<f64>()));
     println!();
 }

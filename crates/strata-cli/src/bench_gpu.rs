@@ -188,7 +188,7 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
             }
             if !a.json {
                 println!("\n{:?}, one step traced", report.model);
-                bench::print_kernels(&report.sides);
+                bench::print_kernels(&report.sides, bench::TracedTime::Device);
             }
         }
     }

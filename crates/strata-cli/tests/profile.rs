@@ -350,10 +350,11 @@ fn bad_profile_folders_are_one_line() {
     assert_fails_with(&summary(dir.path()), "every rank's file must be there once");
 }
 
-/// Kernel traces in libtorch's own format: the operators a thread ran are in one, and the
-/// device time per kernel is read from a trace's kernels, copies and fills alone.
+/// Kernel traces in libtorch's own format: the operators a thread ran are in one, the
+/// device time per kernel is read from a trace's kernels, copies and fills alone, and the
+/// host's self time per operator from its operators, less the operators they called.
 #[test]
-fn kernel_traces_are_written_and_their_device_time_read_by_kernel() {
+fn kernel_traces_are_written_and_read_by_kernel_and_by_operator() {
     use profile::kernels;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cpu.json");
@@ -364,6 +365,8 @@ fn kernel_traces_are_written_and_their_device_time_read_by_kernel() {
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(text.contains(r#""aten::mm""#), "the product is in the trace");
     assert!(kernels::device_ms_by_name(&path).unwrap().is_empty(), "no device ran anything");
+    let host = kernels::host_self_ms_by_name(&path).unwrap();
+    assert!(host.get("aten::mm").is_some_and(|&ms| ms > 0.0), "the product's own time: {host:?}");
     assert!(kernels::save(&dir.path().join("none.json")).is_err(), "nothing was being recorded");
     // A GPU's trace as Kineto writes it, its host side included.
     let gpu = dir.path().join("gpu.json");
@@ -380,6 +383,26 @@ fn kernel_traces_are_written_and_their_device_time_read_by_kernel() {
     std::fs::write(&gpu, events).unwrap();
     let ms: Vec<(String, f64)> = kernels::device_ms_by_name(&gpu).unwrap().into_iter().collect();
     let expected = [("Memcpy DtoH (Device -> Pinned)", 0.02), ("Memset (Device)", 0.005), ("gemm", 2.0005)];
+    assert_eq!(ms.len(), expected.len(), "{ms:?}");
+    for ((name, got), (want_name, want)) in ms.iter().zip(expected) {
+        assert!(name == want_name && (got - want).abs() < 1e-12, "{ms:?}");
+    }
+    // Self times: a product calling a copy that calls an allocation, then a second product,
+    // on one thread; a product of another thread overlapping them; device work and
+    // annotations left out.
+    let host = dir.path().join("host.json");
+    let events = r#"{"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 100, "dur": 300, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 150, "dur": 50, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1000, "dur": 400, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 200, "dur": 600, "tid": 2},
+        {"ph": "X", "cat": "user_annotation", "name": "step", "ts": 0, "dur": 2000, "tid": 1},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 1500, "tid": "stream 7"}
+    ]}"#;
+    std::fs::write(&host, events).unwrap();
+    let ms: Vec<(String, f64)> = kernels::host_self_ms_by_name(&host).unwrap().into_iter().collect();
+    let expected = [("aten::copy_", 0.25), ("aten::empty", 0.05), ("aten::mm", 0.7 + 0.4 + 0.6)];
     assert_eq!(ms.len(), expected.len(), "{ms:?}");
     for ((name, got), (want_name, want)) in ms.iter().zip(expected) {
         assert!(name == want_name && (got - want).abs() < 1e-12, "{ms:?}");
