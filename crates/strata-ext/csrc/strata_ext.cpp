@@ -1002,7 +1002,7 @@ int strata_c10d_check(void* s, const char* const* keys, const size_t* lens, size
 
 }  // extern "C"
 
-// ---- CPU kernels: GELU (tanh form), SwiGLU, rotary positions ---------------------------
+// ---- CPU kernels: GELU (tanh form), SwiGLU, RMSNorm, rotary positions ------------------
 
 namespace {
 // GELU's tanh form, x/2 · (1 + tanh(u)) with u = √(2/π)·(x + 0.044715·x³), equals
@@ -1095,6 +1095,44 @@ STRATA_VECTOR_KERNEL void swiglu_backward(const float* dy, const float* gate, co
     const Sigmoid sg = sigmoid_of_exp(exp_clamped(-g));
     dup[i] = dy[i] * (g * sg.s);
     dgate[i] = dy[i] * up[i] * sg.s * std::fma(g, sg.one_minus_s, 1.0f);
+  }
+}
+
+// Σ term(i) for i < n in 16 interleaved partial sums, which the vectoriser keeps in one
+// register: a single running sum would wait on its own previous addition every time (and
+// the compiler may not reorder float additions to split it).
+template <typename Term>
+inline __attribute__((always_inline)) float sum16(int64_t n, const Term& term) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += term(i + j);
+  }
+  float sum = 0.0f;
+  for (; i < n; ++i) sum += term(i);
+  for (int j = 0; j < 16; ++j) sum += acc[j];
+  return sum;
+}
+
+// RMSNorm of one row of `d` features, y = x·r·w with r = 1/√(mean(x²) + eps); returns r.
+STRATA_VECTOR_KERNEL float rms_norm_row(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ y, int64_t d, float eps) {
+  const float squares = sum16(d, [&](int64_t i) { return x[i] * x[i]; });
+  const float r = 1.0f / std::sqrt(squares / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) y[i] = x[i] * r * w[i];
+  return r;
+}
+
+// The gradients of one row: dx = r·(w·dy − x·r²·mean(w·dy·x)), and the row's share of the
+// weight's, dw += dy·x·r.
+STRATA_VECTOR_KERNEL void rms_norm_row_backward(const float* __restrict__ dy, const float* __restrict__ x,
+                                                const float* __restrict__ w, float r, float* __restrict__ dx,
+                                                float* __restrict__ dw, int64_t d) {
+  const float dot = sum16(d, [&](int64_t i) { return w[i] * dy[i] * x[i]; });
+  const float k = r * r * dot / static_cast<float>(d);
+  for (int64_t i = 0; i < d; ++i) {
+    dx[i] = r * (w[i] * dy[i] - x[i] * k);
+    dw[i] = std::fma(dy[i] * x[i], r, dw[i]);
   }
 }
 
@@ -1198,6 +1236,50 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
   }
 };
 
+// RMSNorm over the last dimension with a weight, keeping the input and each row's r for
+// backward (libtorch's composite keeps the input, its square's mean and r·x).
+struct RmsNorm : public torch::autograd::Function<RmsNorm> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps) {
+    Tensor input = x.contiguous(), w = weight.contiguous();
+    const int64_t d = input.size(-1), rows = d == 0 ? 0 : input.numel() / d;
+    Tensor y = empty_as(input), r = at::empty({rows}, input.options());
+    const float *in = input.const_data_ptr<float>(), *wp = w.const_data_ptr<float>();
+    float *out = y.mutable_data_ptr<float>(), *rp = r.mutable_data_ptr<float>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(d, 1)),
+                     [&](int64_t begin, int64_t end) {
+                       for (int64_t row = begin; row < end; ++row) {
+                         rp[row] = rms_norm_row(in + row * d, wp, out + row * d, d, static_cast<float>(eps));
+                       }
+                     });
+    ctx->save_for_backward({input, w, r});
+    return y;
+  }
+
+  // Rows are split over threads; each thread sums its rows' weight gradients into its own
+  // row of `partial`, and the rows of `partial` are summed at the end.
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    first_order_only("RMSNorm");
+    auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &w = saved[1], &r = saved[2];
+    Tensor dy = grads[0].contiguous();
+    const int64_t d = x.size(-1), rows = r.numel();
+    Tensor dx = empty_as(x);
+    Tensor partial = at::zeros({at::get_num_threads(), d}, x.options());
+    const float *dyp = dy.const_data_ptr<float>(), *xp = x.const_data_ptr<float>();
+    const float *wp = w.const_data_ptr<float>(), *rp = r.const_data_ptr<float>();
+    float *dxp = dx.mutable_data_ptr<float>(), *pp = partial.mutable_data_ptr<float>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(d, 1)),
+                     [&](int64_t begin, int64_t end) {
+                       float* dw = pp + at::get_thread_num() * d;
+                       for (int64_t row = begin; row < end; ++row) {
+                         rms_norm_row_backward(dyp + row * d, xp + row * d, wp, rp[row], dxp + row * d, dw, d);
+                       }
+                     });
+    return {dx, partial.sum(0), Tensor()};
+  }
+};
+
 // Applies `row(in, cos, sin, out, d)` to every row of `[B, H, T, D]` `x` (rows of D features
 // with unit stride, others any), with the tables' row of the row's position, into a new
 // contiguous tensor.
@@ -1259,6 +1341,15 @@ int strata_rotary(const Tensor* x, const Tensor* cos, const Tensor* sin, Tensor*
                      x->dim() == 4 && x->size(2) == cos->size(0) && x->size(3) == cos->size(1) &&
                      x->size(3) % 2 == 0;
     *out = own ? new Tensor(Rotary::apply(*x, *cos, *sin)) : nullptr;
+  });
+}
+
+// RMSNorm over the last dimension of `x` with a weight of that size.
+int strata_rms_norm(const Tensor* x, const Tensor* weight, double eps, Tensor** out) {
+  return guarded([&] {
+    const bool own = own_kernel_serves(*x) && own_kernel_serves(*weight) && x->dim() >= 1 && weight->dim() == 1 &&
+                     weight->size(0) == x->size(-1);
+    *out = own ? new Tensor(RmsNorm::apply(*x, *weight, eps)) : nullptr;
   });
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Owns: backward and `grad` with given upstream gradients, setting `.grad`, tensor hooks,
 //! autograd functions whose forward and backward are Rust closures, resizing (freeing and
-//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU,
+//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU, RMSNorm,
 //! SwiGLU and rotary positions, and CUDA streams, events and allocator statistics. Must not hold policy: callers decide what to free,
 //! when to hook and how to update; this crate only makes those calls possible and safe.
 
@@ -71,6 +71,7 @@ extern "C" {
     fn strata_onednn_linear(x: *const C_tensor, w: *const C_tensor, b: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_gelu_tanh(x: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_swiglu(gate: *const C_tensor, up: *const C_tensor, out: *mut TensorPtr) -> c_int;
+    fn strata_rms_norm(x: *const C_tensor, weight: *const C_tensor, eps: f64, out: *mut TensorPtr) -> c_int;
     fn strata_rotary(x: *const C_tensor, cos: *const C_tensor, sin: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_cpu_memory_account(bytes: i64) -> c_int;
     fn strata_from_blob(
@@ -531,14 +532,14 @@ extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
     list.push(unsafe { Tensor::from_ptr(owned) });
 }
 
-// ---- CPU kernels for activations and rotary positions -----------------------------------
+// ---- CPU kernels for activations, RMSNorm and rotary positions --------------------------
 
 /// Strata's vectorised CPU kernels, each recorded for autograd as one node whose backward
 /// is not itself differentiable (asking for a second derivative through it is an error).
 /// Each serves fp32 CPU tensors of the shapes it names and returns `None` for anything
 /// else, for the caller's own composite.
 pub mod kernels {
-    use super::{check, strata_gelu_tanh, strata_rotary, strata_swiglu, Result, TensorPtr};
+    use super::{check, strata_gelu_tanh, strata_rms_norm, strata_rotary, strata_swiglu, Result, TensorPtr};
     use tch::Tensor;
 
     /// Takes the result of a call that leaves null where its kernel does not serve.
@@ -563,6 +564,15 @@ pub mod kernels {
     pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
         // SAFETY: the tensors are live for the call.
         served(|out| unsafe { strata_swiglu(gate.as_ptr(), up.as_ptr(), out) })
+    }
+
+    /// RMSNorm over the last dimension, `x / √(mean(x²) + eps) · weight`, for a weight of
+    /// that dimension's size: one pass per row each way, keeping the input and each row's
+    /// scale for backward (libtorch's composite runs five operators forward and keeps three
+    /// tensors of the input's size).
+    pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Option<Tensor>> {
+        // SAFETY: the tensors are live for the call.
+        served(|out| unsafe { strata_rms_norm(x.as_ptr(), weight.as_ptr(), eps, out) })
     }
 
     /// Rotary positions, `x·cos + rotate_half(x)·sin`, for `[B, H, T, D]` `x` (even D, any

@@ -241,10 +241,7 @@ fn onednn_policy() -> Option<Arc<UnitCompute>> {
         eprintln!("skipped: this libtorch has no oneDNN, so OneDnnLinear is not registered");
         return None;
     }
-    Some(Arc::new(UnitCompute {
-        replacements: Replacements::select(Some(&["OneDnnLinear".to_string()])).unwrap(),
-        ..Default::default()
-    }))
+    Some(replacing("OneDnnLinear"))
 }
 
 #[test]
@@ -574,6 +571,93 @@ fn fused_swiglu_is_silu_times_up_within_1e_6_keeping_one_tensor_less() {
         assert!(!node.contains("SwiGlu"), "{what}: libtorch's ops");
         assert!(a.equal(&b) && da[0].equal(&db[0]) && da[1].equal(&db[1]), "{what}: libtorch's values, bit for bit");
     }
+}
+
+/// RMSNorm and its gradients in f64: y = x·r·w with r = 1/√(mean(x²) + eps),
+/// dx = r·(w·dy − x·r²·mean(w·dy·x)), dw = Σ over rows of dy·x·r.
+fn exact_rms_norm(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> (Tensor, Tensor, Tensor) {
+    let (x, w, dy) = (x.to_kind(Kind::Double), w.to_kind(Kind::Double), dy.to_kind(Kind::Double));
+    let mean = |t: &Tensor| t.mean_dim(-1, true, Kind::Double);
+    let r = (mean(&x.square()) + eps).rsqrt();
+    let y = &x * &r * &w;
+    let dx = &r * (&w * &dy - &x * r.square() * mean(&(&w * &dy * &x)));
+    let dw = (&dy * &x * &r).reshape([-1, *x.size().last().unwrap()]).sum_dim_intlist(0, false, Kind::Double);
+    (y, dx, dw)
+}
+
+#[test]
+fn fused_rms_norm_is_the_exact_norm_within_1e_6_keeping_half_as_much() {
+    let _serial = serial();
+    let fused = replacing("FusedRMSNorm");
+    let plain = Arc::new(UnitCompute::default());
+    let eps = 1e-5;
+    let norm = |t: &[Tensor]| layers::rms_norm(&t[0], &t[1], eps);
+    // Rows of very different scales (e^−6 to e^6), more rows than one thread's share; and
+    // rows whose length is no multiple of the kernel's 16 partial sums.
+    for (shape, d) in [([4, 96], 256), ([3, 5], 70)] {
+        let rows = shape[0] * shape[1];
+        let scales = with_seed(1, || Tensor::randn([shape[0], shape[1], 1], (Kind::Float, Device::Cpu)) * 2.0).exp();
+        let x = with_seed(2, || Tensor::randn([shape[0], shape[1], d], (Kind::Float, Device::Cpu))) * scales;
+        let w = with_seed(3, || Tensor::randn([d], (Kind::Float, Device::Cpu))) * 0.1 + 1.0;
+        let dy = with_seed(4, || Tensor::randn(x.size(), (Kind::Float, Device::Cpu)));
+        let single = Threads::set(1);
+        let (y, grads, node) = with_grads(&fused, norm, &[&x, &w], 2, &dy);
+        let (reference_y, reference_grads, reference_node) = with_grads(&plain, norm, &[&x, &w], 2, &dy);
+        assert!(node.contains("RmsNorm"), "Strata's kernel made the output, got node {node:?}");
+        assert!(!reference_node.contains("RmsNorm"), "libtorch's ops without the replacement");
+        let (exact_y, exact_dx, exact_dw) = exact_rms_norm(&x, &w, &dy, eps);
+        let forward = worst_relative(&y, &exact_y, 1e-30);
+        assert!(forward < 1e-6, "d {d}: forward within 1e-6 of the exact norm, worst {forward:e}");
+        for (what, got, exact, reference) in [
+            ("input", &grads[0], &exact_dx, &reference_grads[0]),
+            ("weight", &grads[1], &exact_dw, &reference_grads[1]),
+        ] {
+            let err = rel(&got.to_kind(Kind::Double), exact);
+            assert!(err < 1e-6, "d {d}: {what} gradient within 1e-6 of the exact one, {err:e}");
+            assert!(rel(got, reference) < 1e-5, "d {d}: {what} gradient near libtorch's: {:e}", rel(got, reference));
+        }
+        assert!(rel(&y, &reference_y) < 1e-6, "d {d}: forward near libtorch's");
+        assert!(!grads[0].equal(&reference_grads[0]), "a kernel of its own computes the input's gradient");
+
+        // Two threads: rows are each computed whole, so the output and the input's gradient
+        // keep every bit; the weight's sums its rows in another order.
+        drop(single);
+        let two = Threads::set(2);
+        let (y2, grads2, _) = with_grads(&fused, norm, &[&x, &w], 2, &dy);
+        drop(two);
+        assert!(y2.equal(&y) && grads2[0].equal(&grads[0]), "d {d}: the same rows on two threads");
+        assert!(rel(&grads2[1], &grads[1]) < 1e-6, "d {d}: the weight's gradient on two threads");
+
+        // Held after forward beside the inputs: the output and one scale per row, where
+        // libtorch's composite also keeps the normalised input.
+        strata_ext::cpu_memory::track().unwrap();
+        let held = |policy: &Arc<UnitCompute>| {
+            let (xg, wg) = (x.detach().set_requires_grad(true), w.detach().set_requires_grad(true));
+            let before = strata_ext::cpu_memory::stats().unwrap().0;
+            let y = compute::run(policy, Default::default(), false, || layers::rms_norm(&xg, &wg, eps)).unwrap();
+            let bytes = strata_ext::cpu_memory::stats().unwrap().0 - before;
+            drop(y);
+            bytes
+        };
+        let output = rows * d * 4;
+        let (fused_bytes, plain_bytes) = (held(&fused), held(&plain));
+        assert_eq!(fused_bytes, output + rows * 4, "d {d}: bytes held after forward");
+        assert!(plain_bytes >= 2 * output, "d {d}: libtorch's composite held {plain_bytes}");
+    }
+
+    // A second derivative is refused; other dtypes keep libtorch's ops, bit for bit.
+    let x = with_seed(5, || Tensor::randn([6, 32], (Kind::Float, Device::Cpu)));
+    let w = Tensor::ones([32], (Kind::Float, Device::Cpu));
+    let (xg, wg) = (x.set_requires_grad(true), w.set_requires_grad(true));
+    let yg = compute::run(&fused, Default::default(), false, || layers::rms_norm(&xg, &wg, eps)).unwrap();
+    let options = strata_ext::GradOptions { retain_graph: true, create_graph: true, allow_unused: false };
+    let err = strata_ext::grad(&[&yg], &[&yg.ones_like()], &[&xg], options).unwrap_err();
+    assert!(err.to_string().contains("no second derivative"), "{err}");
+    let (xd, wd) = (x.to_kind(Kind::Double), w.to_kind(Kind::Double));
+    let dy = x.ones_like().to_kind(Kind::Double);
+    let (a, da, node) = with_grads(&fused, norm, &[&xd, &wd], 2, &dy);
+    let (b, db, _) = with_grads(&plain, norm, &[&xd, &wd], 2, &dy);
+    assert!(!node.contains("RmsNorm") && a.equal(&b) && da[0].equal(&db[0]), "f64 runs libtorch's ops");
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //! attention and norms with plain composites (the eager modules); a strategy with
 //! `module_replace` swaps in the registered implementations wherever the op's dtype is
 //! supported. Built in: `FlashAttention` (libtorch's fused scaled-dot-product attention,
-//! flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm`, and, where
+//! flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm` (Strata's
+//! kernel on fp32 CPU tensors, libtorch's `rms_norm` elsewhere), and, where
 //! libtorch has oneDNN, `OneDnnLinear` (fp32 linear layers on the CPU through oneDNN's
 //! inner product, forward and input gradient, instead of libtorch's BLAS), and, on fp32 CPU
 //! tensors through Strata's vectorised kernels, `VectorGelu` (GELU's tanh form),
@@ -61,9 +62,10 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
             let dim = *x.size().last().unwrap_or(&1);
             Ok(x.f_layer_norm([dim], Some(w), Some(b), eps, true)?)
         });
-        let rms_norm: RmsNormFn = Arc::new(|x, w, eps| {
-            let dim = *x.size().last().unwrap_or(&1);
-            Ok(x.f_rms_norm([dim], Some(w), eps)?)
+        // Strata's kernel on fp32 CPU tensors, libtorch's op elsewhere.
+        let rms_norm: RmsNormFn = Arc::new(|x, w, eps| match strata_ext::kernels::rms_norm(x, w, eps)? {
+            Some(y) => Ok(y),
+            None => Ok(x.f_rms_norm([*x.size().last().unwrap_or(&1)], Some(w), eps)?),
         });
         let mut pairs = vec![
             ReplacePair {
