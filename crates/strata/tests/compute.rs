@@ -370,6 +370,24 @@ impl Drop for Threads {
 }
 
 /// A policy that replaces `pair` only.
+/// `op` of `inputs` (all taking gradients) under the replacement and under libtorch's ops:
+/// each side's output and gradients, after checking that Strata's kernel (autograd node
+/// `kernel`) made the replacement's output and not the other.
+fn kernel_and_composite(
+    replaced: &Arc<UnitCompute>,
+    plain: &Arc<UnitCompute>,
+    op: impl Fn(&[Tensor]) -> strata::Result<Tensor> + Copy,
+    inputs: &[&Tensor],
+    g: &Tensor,
+    kernel: &str,
+) -> ((Tensor, Vec<Tensor>), (Tensor, Vec<Tensor>)) {
+    let (y, grads, node) = with_grads(replaced, op, inputs, inputs.len(), g);
+    let (reference_y, reference_grads, reference_node) = with_grads(plain, op, inputs, inputs.len(), g);
+    assert!(node.contains(kernel), "Strata's kernel made the output, got node {node:?}");
+    assert!(!reference_node.contains(kernel), "libtorch's ops without the replacement");
+    ((y, grads), (reference_y, reference_grads))
+}
+
 fn replacing(pair: &str) -> Arc<UnitCompute> {
     Arc::new(UnitCompute {
         replacements: Replacements::select(Some(&[pair.to_string()])).unwrap(),
@@ -498,10 +516,8 @@ fn fused_swiglu_is_silu_times_up_within_1e_6_keeping_one_tensor_less() {
     let up = with_seed(2, || Tensor::randn(gate.size(), (Kind::Float, Device::Cpu)));
     let dy = with_seed(3, || Tensor::randn(gate.size(), (Kind::Float, Device::Cpu)));
     let single = Threads::set(1);
-    let (y, grads, node) = with_grads(&fused, swiglu, &[&gate, &up], 2, &dy);
-    let (reference_y, reference_grads, reference_node) = with_grads(&plain, swiglu, &[&gate, &up], 2, &dy);
-    assert!(node.contains("SwiGlu"), "Strata's kernel made the output, got node {node:?}");
-    assert!(!reference_node.contains("SwiGlu"), "libtorch's ops without the replacement");
+    let ((y, grads), (reference_y, reference_grads)) =
+        kernel_and_composite(&fused, &plain, swiglu, &[&gate, &up], &dy, "SwiGlu");
 
     // The exact values in f64, with 1 − σ(g) as σ(−g).
     let (g64, u64, dy64) = (gate.to_kind(Kind::Double), up.to_kind(Kind::Double), dy.to_kind(Kind::Double));
@@ -601,10 +617,8 @@ fn fused_rms_norm_is_the_exact_norm_within_1e_6_keeping_half_as_much() {
         let w = with_seed(3, || Tensor::randn([d], (Kind::Float, Device::Cpu))) * 0.1 + 1.0;
         let dy = with_seed(4, || Tensor::randn(x.size(), (Kind::Float, Device::Cpu)));
         let single = Threads::set(1);
-        let (y, grads, node) = with_grads(&fused, norm, &[&x, &w], 2, &dy);
-        let (reference_y, reference_grads, reference_node) = with_grads(&plain, norm, &[&x, &w], 2, &dy);
-        assert!(node.contains("RmsNorm"), "Strata's kernel made the output, got node {node:?}");
-        assert!(!reference_node.contains("RmsNorm"), "libtorch's ops without the replacement");
+        let ((y, grads), (reference_y, reference_grads)) =
+            kernel_and_composite(&fused, &plain, norm, &[&x, &w], &dy, "RmsNorm");
         let (exact_y, exact_dx, exact_dw) = exact_rms_norm(&x, &w, &dy, eps);
         let forward = worst_relative(&y, &exact_y, 1e-30);
         assert!(forward < 1e-6, "d {d}: forward within 1e-6 of the exact norm, worst {forward:e}");
