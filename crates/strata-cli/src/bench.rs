@@ -96,7 +96,7 @@ pub struct BenchTrainArgs {
     pub json: bool,
     /// One more step of each side traced by libtorch's Kineto profiler into this folder
     /// (`<side>.json`, Chrome trace), and the device time per kernel (on a GPU) or the host's
-    /// self time per operator (on the CPU) compared
+    /// self time per operator (on the CPU) compared.
     #[arg(long)]
     pub kernel_trace: Option<PathBuf>,
 }

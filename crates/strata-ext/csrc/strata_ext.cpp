@@ -1124,15 +1124,16 @@ STRATA_VECTOR_KERNEL float rms_norm_row(const float* __restrict__ x, const float
 }
 
 // The gradients of one row: dx = r·(w·dy − x·r²·mean(w·dy·x)), and the row's share of the
-// weight's, dw += dy·x·r.
+// weight's, dw += dy·x·r, summed in f64 so that the error of a sum over many rows does not
+// grow with their number.
 STRATA_VECTOR_KERNEL void rms_norm_row_backward(const float* __restrict__ dy, const float* __restrict__ x,
                                                 const float* __restrict__ w, float r, float* __restrict__ dx,
-                                                float* __restrict__ dw, int64_t d) {
+                                                double* __restrict__ dw, int64_t d) {
   const float dot = sum16(d, [&](int64_t i) { return w[i] * dy[i] * x[i]; });
   const float k = r * r * dot / static_cast<float>(d);
   for (int64_t i = 0; i < d; ++i) {
     dx[i] = r * (w[i] * dy[i] - x[i] * k);
-    dw[i] = std::fma(dy[i] * x[i], r, dw[i]);
+    dw[i] += static_cast<double>(dy[i] * x[i] * r);
   }
 }
 
@@ -1256,7 +1257,7 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
   }
 
   // Rows are split over threads; each thread sums its rows' weight gradients into its own
-  // row of `partial`, and the rows of `partial` are summed at the end.
+  // f64 row of `partial`, and the rows of `partial` are summed at the end.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     first_order_only("RMSNorm");
@@ -1265,18 +1266,19 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
     Tensor dy = grads[0].contiguous();
     const int64_t d = x.size(-1), rows = r.numel();
     Tensor dx = empty_as(x);
-    Tensor partial = at::zeros({at::get_num_threads(), d}, x.options());
+    Tensor partial = at::zeros({at::get_num_threads(), d}, x.options().dtype(at::kDouble));
     const float *dyp = dy.const_data_ptr<float>(), *xp = x.const_data_ptr<float>();
     const float *wp = w.const_data_ptr<float>(), *rp = r.const_data_ptr<float>();
-    float *dxp = dx.mutable_data_ptr<float>(), *pp = partial.mutable_data_ptr<float>();
+    float* dxp = dx.mutable_data_ptr<float>();
+    double* pp = partial.mutable_data_ptr<double>();
     at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(d, 1)),
                      [&](int64_t begin, int64_t end) {
-                       float* dw = pp + at::get_thread_num() * d;
+                       double* dw = pp + at::get_thread_num() * d;
                        for (int64_t row = begin; row < end; ++row) {
                          rms_norm_row_backward(dyp + row * d, xp + row * d, wp, rp[row], dxp + row * d, dw, d);
                        }
                      });
-    return {dx, partial.sum(0), Tensor()};
+    return {dx, partial.sum(0).to(at::kFloat), Tensor()};
   }
 };
 

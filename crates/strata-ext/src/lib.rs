@@ -568,8 +568,8 @@ pub mod kernels {
 
     /// RMSNorm over the last dimension, `x / √(mean(x²) + eps) · weight`, for a weight of
     /// that dimension's size: one pass per row each way, keeping the input and each row's
-    /// scale for backward (libtorch's composite runs five operators forward and keeps three
-    /// tensors of the input's size).
+    /// scale for backward (libtorch's composite runs five operators forward and also keeps
+    /// the normalised input).
     pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Option<Tensor>> {
         // SAFETY: the tensors are live for the call.
         served(|out| unsafe { strata_rms_norm(x.as_ptr(), weight.as_ptr(), eps, out) })

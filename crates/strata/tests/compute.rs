@@ -369,7 +369,6 @@ impl Drop for Threads {
     }
 }
 
-/// A policy that replaces `pair` only.
 /// `op` of `inputs` (all taking gradients) under the replacement and under libtorch's ops:
 /// each side's output and gradients, after checking that Strata's kernel (autograd node
 /// `kernel`) made the replacement's output and not the other.
@@ -388,6 +387,7 @@ fn kernel_and_composite(
     ((y, grads), (reference_y, reference_grads))
 }
 
+/// A policy that replaces `pair` only.
 fn replacing(pair: &str) -> Arc<UnitCompute> {
     Arc::new(UnitCompute {
         replacements: Replacements::select(Some(&[pair.to_string()])).unwrap(),
@@ -608,9 +608,11 @@ fn fused_rms_norm_is_the_exact_norm_within_1e_6_keeping_half_as_much() {
     let plain = Arc::new(UnitCompute::default());
     let eps = 1e-5;
     let norm = |t: &[Tensor]| layers::rms_norm(&t[0], &t[1], eps);
-    // Rows of very different scales (e^−6 to e^6), more rows than one thread's share; and
-    // rows whose length is no multiple of the kernel's 16 partial sums.
-    for (shape, d) in [([4, 96], 256), ([3, 5], 70)] {
+    // Rows of very different scales (e^−6 to e^6), more rows than one thread's share; rows
+    // whose length is no multiple of the kernel's 16 partial sums.
+    // And many short rows, whose weight gradient sums 16 384 of them (over two threads
+    // when two are set).
+    for (shape, d) in [([4, 96], 256), ([3, 5], 70), ([64, 256], 16)] {
         let rows = shape[0] * shape[1];
         let scales = with_seed(1, || Tensor::randn([shape[0], shape[1], 1], (Kind::Float, Device::Cpu)) * 2.0).exp();
         let x = with_seed(2, || Tensor::randn([shape[0], shape[1], d], (Kind::Float, Device::Cpu))) * scales;

@@ -70,19 +70,22 @@ pub fn device_ms_by_name(path: &Path) -> Result<BTreeMap<String, f64>> {
 /// operator's self time: its duration less that of the operators it called, which run
 /// nested inside it on the same thread (a copy inside a product counts as the copy's).
 pub fn host_self_ms_by_name(path: &Path) -> Result<BTreeMap<String, f64>> {
-    let mut by_thread: BTreeMap<String, Vec<(f64, f64, String)>> = BTreeMap::new();
+    // Whole nanoseconds, so that an operator ending where the next starts compares equal
+    // (decimal microseconds need not add up exactly).
+    let ns = |us: f64| (us * 1e3).round() as i64;
+    let mut by_thread: BTreeMap<String, Vec<(i64, i64, String)>> = BTreeMap::new();
     for e in read_trace(path)?.into_iter().filter(|e| e.cat == HOST_CATEGORY) {
         if let (Some(ts), Some(dur)) = (e.ts, e.dur) {
-            by_thread.entry(e.tid.to_string()).or_default().push((ts, dur, e.name));
+            by_thread.entry(e.tid.to_string()).or_default().push((ns(ts), ns(dur), e.name));
         }
     }
     let mut out = BTreeMap::new();
     for mut ops in by_thread.into_values() {
         // Callers before callees: by start, the longer first of two that start together.
-        ops.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.total_cmp(&a.1)));
-        let mut own: Vec<f64> = ops.iter().map(|op| op.1).collect();
+        ops.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        let mut own: Vec<i64> = ops.iter().map(|op| op.1).collect();
         // The operators still running at each start: (end, index), innermost last.
-        let mut running: Vec<(f64, usize)> = Vec::new();
+        let mut running: Vec<(i64, usize)> = Vec::new();
         for (i, &(ts, dur, _)) in ops.iter().enumerate() {
             while running.last().is_some_and(|&(end, _)| end <= ts) {
                 running.pop();
@@ -92,9 +95,9 @@ pub fn host_self_ms_by_name(path: &Path) -> Result<BTreeMap<String, f64>> {
             }
             running.push((ts + dur, i));
         }
-        for ((_, _, name), us) in ops.into_iter().zip(own) {
+        for ((_, _, name), ns) in ops.into_iter().zip(own) {
             // A callee's clock may overrun its caller's by a rounding.
-            *out.entry(name).or_default() += us.max(0.0) / 1e3;
+            *out.entry(name).or_default() += ns.max(0) as f64 / 1e6;
         }
     }
     Ok(out)
