@@ -162,6 +162,12 @@ fn check_collectives(g: &dyn ProcessGroup) {
         for (i, o) in outputs.iter().enumerate() {
             same(o, &values(kind, m, i as i64), &format!("in-place all_gather {kind:?} from {i}"));
         }
+        // Out of place, as large: each rank's own block is written beside its arena copy.
+        let outputs: Vec<Tensor> = (0..n).map(|_| Tensor::zeros([m], (kind, Device::Cpu))).collect();
+        g.all_gather(&outputs, &values(kind, m, r)).unwrap().wait().unwrap();
+        for (i, o) in outputs.iter().enumerate() {
+            same(o, &values(kind, m, i as i64), &format!("all_gather {kind:?} x{m} from {i}"));
+        }
         // Reduce-scatter of 5 elements per rank, of zero elements, and of more than a chunk.
         for m in [5, 0, 300_001] {
             let inputs: Vec<Tensor> = (0..n).map(|i| values(kind, m, r + i)).collect();

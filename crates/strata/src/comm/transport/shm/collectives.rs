@@ -2,7 +2,9 @@
 //! chunk by chunk through the arena's slots, and their direct forms, which read buffers
 //! every rank holds in its [`Heap`](crate::comm::shared::Heap) in place.
 use super::{ShmTransport, LOCATION_BYTES, SLOT_BYTES};
-use crate::comm::elementwise::{combine_into, copy_bytes, divide, reduce_into, reduce_streamed, split, streams};
+use crate::comm::elementwise::{
+    combine_into, copy_bytes, copy_twice, divide, reduce_into, reduce_streamed, split, streams,
+};
 use crate::comm::shared::Location;
 use crate::comm::transport::Block;
 use crate::comm::ReduceOp;
@@ -210,10 +212,16 @@ impl ShmTransport {
         for (c, at) in (0..longest).step_by(region).enumerate() {
             let h = c % 2;
             let piece = input.piece(at, region);
-            piece.copy_to(self.half(r, h), false);
             let own = outputs[r].piece(at, region);
-            if own.ptr != piece.ptr {
-                piece.copy_to(own.ptr, stream);
+            if own.ptr != piece.ptr && stream {
+                // SAFETY: the half holds `region` >= piece.len bytes; `own` is this rank's
+                // output piece, as long as the piece and apart from it and from the slot.
+                unsafe { copy_twice(self.half(r, h), own.ptr, piece.ptr, piece.len) };
+            } else {
+                piece.copy_to(self.half(r, h), false);
+                if own.ptr != piece.ptr {
+                    piece.copy_to(own.ptr, false);
+                }
             }
             self.arena_barrier()?;
             for p in (0..n).filter(|&p| p != r) {
