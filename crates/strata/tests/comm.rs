@@ -3,7 +3,7 @@
 //! cores; four ranks oversubscribe it on purpose).
 mod common;
 
-use common::ranks::{assert_all_ok, connect, run_ranks};
+use common::ranks::{assert_all_ok, connect, run_ranks, run_ranks_with};
 #[cfg(feature = "mpi")]
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -17,6 +17,13 @@ const SIZES: [i64; 5] = [0, 1, 7, 1031, 300_000];
 #[test]
 fn collectives_on_shm_with_2_ranks() {
     assert_all_ok(&run_ranks(2, "shm", "collectives"));
+}
+
+/// The arena collectives with their slots written by streaming stores (by default, only
+/// large collectives may be, by measurement).
+#[test]
+fn collectives_on_shm_with_streaming_slot_stores() {
+    assert_all_ok(&run_ranks_with(2, "shm", "collectives", &[("STRATA_SHM_SLOT_STORES", "streaming")]));
 }
 
 #[test]
@@ -162,11 +169,12 @@ fn check_collectives(g: &dyn ProcessGroup) {
         for (i, o) in outputs.iter().enumerate() {
             same(o, &values(kind, m, i as i64), &format!("in-place all_gather {kind:?} from {i}"));
         }
-        // Out of place, as large: each rank's own block is written beside its arena copy.
+        // Out of place, as large: each rank's own block is written beside its arena copy
+        // (other values than above, which the arena's slots still hold).
         let outputs: Vec<Tensor> = (0..n).map(|_| Tensor::zeros([m], (kind, Device::Cpu))).collect();
-        g.all_gather(&outputs, &values(kind, m, r)).unwrap().wait().unwrap();
+        g.all_gather(&outputs, &values(kind, m, r + n)).unwrap().wait().unwrap();
         for (i, o) in outputs.iter().enumerate() {
-            same(o, &values(kind, m, i as i64), &format!("all_gather {kind:?} x{m} from {i}"));
+            same(o, &values(kind, m, i as i64 + n), &format!("all_gather {kind:?} x{m} from {i}"));
         }
         // Reduce-scatter of 5 elements per rank, of zero elements, and of more than a chunk.
         for m in [5, 0, 300_001] {

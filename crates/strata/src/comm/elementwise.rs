@@ -113,22 +113,23 @@ pub(crate) unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, stream
     }
 }
 
-/// Copies `len` bytes from `src` to both `cached` (ordinary stores: a peer reads it next)
-/// and `streamed` (as [`copy_bytes`] with `stream`), reading `src` from memory once: it
-/// goes to `cached` a few KiB at a time and on to `streamed` from there while still in L1.
+/// Copies `len` bytes from `src` to `first` (with streaming stores when `stream_first`)
+/// and to `streamed` (as [`copy_bytes`] with `stream`), reading `src` from memory once: a
+/// few KiB at a time, the second copy reads the piece while the first left it in L1.
 ///
 /// # Safety
 /// As [`copy_bytes`], for both destinations; neither overlaps `src` or the other.
-pub(crate) unsafe fn copy_twice(cached: *mut u8, streamed: *mut u8, src: *const u8, len: usize) {
+pub(crate) unsafe fn copy_twice(first: *mut u8, stream_first: bool, streamed: *mut u8, src: *const u8, len: usize) {
     const PIECE: usize = 8 << 10;
     let mut fence = false;
     for at in (0..len).step_by(PIECE) {
-        let n = PIECE.min(len - at);
-        std::ptr::copy_nonoverlapping(src.add(at), cached.add(at), n);
-        if stream_unfenced(streamed.add(at), cached.add(at), n) {
-            fence = true;
-        } else {
-            std::ptr::copy_nonoverlapping(cached.add(at), streamed.add(at), n);
+        let (n, from) = (PIECE.min(len - at), src.add(at));
+        for (dst, stream) in [(first.add(at), stream_first), (streamed.add(at), true)] {
+            if stream && stream_unfenced(dst, from, n) {
+                fence = true;
+            } else {
+                std::ptr::copy_nonoverlapping(from, dst, n);
+            }
         }
     }
     if fence {

@@ -3,12 +3,14 @@
 //! doorbell, the arena's slots and the published locations of buffers peers read in place.
 //! The collectives that use the arena and those locations are in [`collectives`].
 mod collectives;
+mod slot_stores;
 
 use super::{peer_error, Block, Transport};
 use crate::comm::shared::{Heap, Location, PeerMappings};
 use crate::comm::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
 use memmap2::MmapMut;
+use slot_stores::{ArenaCollective, SlotStoreChoices, SlotStores};
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -107,6 +109,9 @@ pub struct ShmTransport {
     /// Whether every rank of the group can map every other's heap allocations.
     shares_memory: bool,
     peer_maps: PeerMappings,
+    /// How the arena all-reduce, reduce-scatter and all-gather write their slots, from
+    /// what each choice measured here (their rates differ by collective).
+    slot_stores: SlotStoreChoices,
 }
 
 impl ShmTransport {
@@ -153,6 +158,7 @@ impl ShmTransport {
             heap: Heap::get(),
             shares_memory: false,
             peer_maps: PeerMappings::default(),
+            slot_stores: SlotStoreChoices::from_setting(std::env::var(slot_stores::SLOT_STORES_VAR).ok().as_deref())?,
         };
         transport.shares_memory = transport.probe_sharing(setup)?;
         Ok(transport)
@@ -257,6 +263,21 @@ impl ShmTransport {
         let base = Self::arena_offset(self.size) + self.size * FLAG_STRIDE;
         // SAFETY: inside the mapping by construction of its size.
         unsafe { self.map.as_ptr().add(base + i * SLOT_BYTES) as *mut u8 }
+    }
+
+    /// Runs arena collective `which`, moving `bytes` bytes, with the slot stores chosen for
+    /// it, and records how long it took.
+    fn arena(
+        &mut self,
+        which: ArenaCollective,
+        bytes: usize,
+        collective: impl FnOnce(&mut Self, SlotStores) -> Result<()>,
+    ) -> Result<()> {
+        let stores = self.slot_stores.of(which).next(bytes);
+        let start = Instant::now();
+        collective(self, stores)?;
+        self.slot_stores.of(which).record(stores, bytes, start.elapsed().as_secs_f64());
+        Ok(())
     }
 
     /// Announces that this rank reached the next phase and waits until every rank has.
@@ -383,21 +404,25 @@ impl Transport for ShmTransport {
         if let Some(at) = self.locate(&[block]) {
             return Some(self.direct_all_reduce(block, at[0], kind, op));
         }
-        Some(self.arena_all_reduce(buf, kind, op))
+        Some(self.arena(ArenaCollective::AllReduce, buf.len(), |t, stores| t.arena_all_reduce(buf, kind, op, stores)))
     }
 
     fn native_reduce_scatter(&mut self, inputs: &[Block], out: Block, kind: Kind, op: ReduceOp) -> Option<Result<()>> {
         if let Some(at) = self.locate(inputs) {
             return Some(self.direct_reduce_scatter(inputs, out, &at, kind, op));
         }
-        Some(self.arena_reduce_scatter(inputs, out, kind, op))
+        let bytes = inputs.iter().map(|b| b.len).sum();
+        Some(self.arena(ArenaCollective::ReduceScatter, bytes, |t, stores| {
+            t.arena_reduce_scatter(inputs, out, kind, op, stores)
+        }))
     }
 
     fn native_all_gather(&mut self, outputs: &[Block], input: Block) -> Option<Result<()>> {
         if let Some(at) = self.locate(&[input]) {
             return Some(self.direct_all_gather(outputs, input, at[0]));
         }
-        Some(self.arena_all_gather(outputs, input))
+        let bytes = outputs.iter().map(|b| b.len).sum();
+        Some(self.arena(ArenaCollective::AllGather, bytes, |t, stores| t.arena_all_gather(outputs, input, stores)))
     }
 
     fn exchange(&mut self, to: usize, out: &[u8], from: usize, inp: &mut [u8]) -> Result<()> {

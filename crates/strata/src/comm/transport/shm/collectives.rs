@@ -1,7 +1,7 @@
 //! The shm transport's collectives: all-reduce, reduce-scatter and all-gather staged
 //! chunk by chunk through the arena's slots, and their direct forms, which read buffers
 //! every rank holds in its [`Heap`](crate::comm::shared::Heap) in place.
-use super::{ShmTransport, LOCATION_BYTES, SLOT_BYTES};
+use super::{ShmTransport, SlotStores, LOCATION_BYTES, SLOT_BYTES};
 use crate::comm::elementwise::{
     combine_into, copy_bytes, copy_twice, divide, reduce_into, reduce_streamed, split, streams,
 };
@@ -124,8 +124,15 @@ impl ShmTransport {
     /// rank's share in place (its own values never leave its buffer) and publish it,
     /// barrier, copy in the other shares' results. The next chunk's first barrier also
     /// guarantees that everyone has read the previous results before they are overwritten.
-    pub(super) fn arena_all_reduce(&mut self, buf: &mut [u8], kind: Kind, op: ReduceOp) -> Result<()> {
+    pub(super) fn arena_all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        kind: Kind,
+        op: ReduceOp,
+        stores: SlotStores,
+    ) -> Result<()> {
         let (n, r, esize) = (self.size, self.rank, kind.elt_size_in_bytes());
+        let stream_slots = stores == SlotStores::Streaming;
         let chunk = SLOT_BYTES / esize * esize;
         let stream = streams(buf.len());
         for piece in buf.chunks_mut(chunk) {
@@ -136,7 +143,7 @@ impl ShmTransport {
             // barriers at which nobody reads them.
             for p in (0..n).filter(|&p| p != r) {
                 let s = share(p);
-                unsafe { std::ptr::copy_nonoverlapping(piece[s.clone()].as_ptr(), self.slot(r).add(s.start), s.len()) };
+                unsafe { copy_bytes(self.slot(r).add(s.start), piece[s.clone()].as_ptr(), s.len(), stream_slots) };
             }
             self.arena_barrier()?;
             let mine = share(r);
@@ -147,9 +154,7 @@ impl ShmTransport {
             if op == ReduceOp::Avg {
                 divide(kind, &mut piece[mine.clone()], n);
             }
-            unsafe {
-                std::ptr::copy_nonoverlapping(piece[mine.clone()].as_ptr(), self.slot(n).add(mine.start), mine.len())
-            };
+            unsafe { copy_bytes(self.slot(n).add(mine.start), piece[mine.clone()].as_ptr(), mine.len(), stream_slots) };
             self.arena_barrier()?;
             for p in (0..n).filter(|&p| p != r) {
                 let s = share(p);
@@ -178,6 +183,7 @@ impl ShmTransport {
         out: Block,
         kind: Kind,
         op: ReduceOp,
+        stores: SlotStores,
     ) -> Result<()> {
         let (n, r) = (self.size, self.rank);
         // Cache-line multiples, so every region is aligned for every dtype.
@@ -188,7 +194,9 @@ impl ShmTransport {
             let h = c % 2;
             for p in (0..n).filter(|&p| p != r) {
                 // SAFETY: region p of this rank's half holds `region` bytes.
-                inputs[p].piece(at, region).copy_to(unsafe { self.half(r, h).add(p * region) }, false);
+                inputs[p]
+                    .piece(at, region)
+                    .copy_to(unsafe { self.half(r, h).add(p * region) }, stores == SlotStores::Streaming);
             }
             self.arena_barrier()?;
             let dst = out.piece(at, region);
@@ -204,7 +212,7 @@ impl ShmTransport {
 
     /// Chunk by chunk: copy this rank's input piece into its slot (and into its own output
     /// while the piece is in cache), barrier, copy every peer's piece out of its slot.
-    pub(super) fn arena_all_gather(&mut self, outputs: &[Block], input: Block) -> Result<()> {
+    pub(super) fn arena_all_gather(&mut self, outputs: &[Block], input: Block, stores: SlotStores) -> Result<()> {
         let (n, r) = (self.size, self.rank);
         let region = SLOT_BYTES / 2;
         let longest = outputs.iter().map(|b| b.len).max().unwrap_or(0);
@@ -213,12 +221,13 @@ impl ShmTransport {
             let h = c % 2;
             let piece = input.piece(at, region);
             let own = outputs[r].piece(at, region);
+            let stream_slot = stores == SlotStores::Streaming;
             if own.ptr != piece.ptr && stream {
                 // SAFETY: the half holds `region` >= piece.len bytes; `own` is this rank's
                 // output piece, as long as the piece and apart from it and from the slot.
-                unsafe { copy_twice(self.half(r, h), own.ptr, piece.ptr, piece.len) };
+                unsafe { copy_twice(self.half(r, h), stream_slot, own.ptr, piece.ptr, piece.len) };
             } else {
-                piece.copy_to(self.half(r, h), false);
+                piece.copy_to(self.half(r, h), stream_slot);
                 if own.ptr != piece.ptr {
                     piece.copy_to(own.ptr, false);
                 }
