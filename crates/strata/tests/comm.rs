@@ -19,11 +19,22 @@ fn collectives_on_shm_with_2_ranks() {
     assert_all_ok(&run_ranks(2, "shm", "collectives"));
 }
 
-/// The arena collectives with their slots written by streaming stores (by default, only
-/// large collectives may be, by measurement).
+/// The arena collectives with rank 1's slots written by streaming stores at every size
+/// and rank 0's by the stores it measures (cached below 4 MiB).
 #[test]
-fn collectives_on_shm_with_streaming_slot_stores() {
-    assert_all_ok(&run_ranks_with(2, "shm", "collectives", &[("STRATA_SHM_SLOT_STORES", "streaming")]));
+fn collectives_on_shm_with_streaming_slot_stores_on_one_rank() {
+    let vars = |rank| if rank == 1 { vec![("STRATA_SHM_SLOT_STORES", "streaming")] } else { vec![] };
+    assert_all_ok(&run_ranks_with(2, "shm", "collectives", vars));
+}
+
+#[test]
+fn a_bad_slot_store_setting_fails_the_group_in_one_line() {
+    for o in run_ranks_with(2, "shm", "collectives", |_| vec![("STRATA_SHM_SLOT_STORES", "nt")]) {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{err}");
+        // The rank's panic prints the error quoted, its quotes escaped.
+        assert!(err.contains(r#"STRATA_SHM_SLOT_STORES=\"nt\" is not one of auto, cached, streaming"#), "{err}");
+    }
 }
 
 #[test]

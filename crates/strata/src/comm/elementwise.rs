@@ -114,8 +114,9 @@ pub(crate) unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, stream
 }
 
 /// Copies `len` bytes from `src` to `first` (with streaming stores when `stream_first`)
-/// and to `streamed` (as [`copy_bytes`] with `stream`), reading `src` from memory once: a
-/// few KiB at a time, the second copy reads the piece while the first left it in L1.
+/// and to `streamed` (always with streaming stores, as [`copy_bytes`] with `stream`),
+/// reading `src` from memory once: a few KiB at a time, the second copy reads the piece
+/// while the first left it in L1.
 ///
 /// # Safety
 /// As [`copy_bytes`], for both destinations; neither overlaps `src` or the other.
@@ -267,6 +268,26 @@ mod tests {
             unsafe { copy_bytes(dst[dst_at..].as_mut_ptr(), src[src_at..].as_ptr(), len, true) };
             proptest::prop_assert_eq!(&dst[dst_at..dst_at + len], &src[src_at..]);
             proptest::prop_assert!(dst[..dst_at].iter().chain(&dst[dst_at + len..]).all(|&b| b == 0xAA));
+        }
+
+        /// Copying to two destinations lands every byte in both, whatever their alignments,
+        /// the length's place among the pieces and how the first is written, and touches
+        /// nothing beyond either range.
+        #[test]
+        fn copies_to_two_places_equal_plain_ones(
+            first_at in 0usize..64, second_at in 0usize..64, len in 0usize..20_000, stream_first: bool,
+        ) {
+            let src: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+            let mut first = vec![0xAAu8; first_at + len + 64];
+            let mut second = vec![0x55u8; second_at + len + 64];
+            // SAFETY: each range lies inside its own vector.
+            unsafe {
+                copy_twice(first[first_at..].as_mut_ptr(), stream_first, second[second_at..].as_mut_ptr(), src.as_ptr(), len)
+            };
+            proptest::prop_assert_eq!(&first[first_at..first_at + len], &src[..]);
+            proptest::prop_assert_eq!(&second[second_at..second_at + len], &src[..]);
+            proptest::prop_assert!(first[..first_at].iter().chain(&first[first_at + len..]).all(|&b| b == 0xAA));
+            proptest::prop_assert!(second[..second_at].iter().chain(&second[second_at + len..]).all(|&b| b == 0x55));
         }
 
         /// A streamed reduction equals reducing in place one contribution after another, for

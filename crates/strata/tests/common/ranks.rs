@@ -6,11 +6,16 @@ use strata::comm::{Comm, Store, StoreServer};
 
 /// Starts `n` ranks of `scenario` on `backend` and returns their outputs, in rank order.
 pub fn run_ranks(n: usize, backend: &str, scenario: &str) -> Vec<Output> {
-    run_ranks_with(n, backend, scenario, &[])
+    run_ranks_with(n, backend, scenario, |_| vec![])
 }
 
-/// As [`run_ranks`], with `vars` set in every rank's environment.
-pub fn run_ranks_with(n: usize, backend: &str, scenario: &str, vars: &[(&str, &str)]) -> Vec<Output> {
+/// As [`run_ranks`], with `vars(rank)` set in each rank's environment.
+pub fn run_ranks_with(
+    n: usize,
+    backend: &str,
+    scenario: &str,
+    vars: impl Fn(usize) -> Vec<(&'static str, &'static str)>,
+) -> Vec<Output> {
     let token = "test-token";
     let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
     let children: Vec<Child> = (0..n)
@@ -24,7 +29,7 @@ pub fn run_ranks_with(n: usize, backend: &str, scenario: &str, vars: &[(&str, &s
                 .env("STRATA_STORE_TOKEN", token)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", n.to_string())
-                .envs(vars.iter().copied())
+                .envs(vars(rank))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()

@@ -10,9 +10,9 @@ use crate::comm::shared::{Heap, Location, PeerMappings};
 use crate::comm::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
 use memmap2::MmapMut;
-use slot_stores::{ArenaCollective, SlotStoreChoices, SlotStores};
+use slot_stores::{measured, ArenaCollective, SlotStoreChoices, SlotStores};
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tch::Kind;
@@ -70,9 +70,11 @@ const SLOT_BYTES: usize = 1 << 21;
 /// Bytes of one published location (allocation id, descriptor, offset).
 const LOCATION_BYTES: usize = 24;
 /// Per rank: its progress counter on one cache line, its doorbell and sleeper count on the
-/// next.
+/// next. Rank 0's first line also holds the slot stores it chose for the arena
+/// collectives' next calls.
 const FLAG_STRIDE: usize = 128;
 const DOORBELL_AT: usize = 64;
+const CHOSEN_STORES_AT: usize = 8;
 
 /// Creates a shared-memory segment of `bytes` readable and writable by this user only: the
 /// job's gradients and parameters pass through it.
@@ -119,6 +121,14 @@ impl ShmTransport {
     /// nothing is left behind however the processes end.
     pub fn connect(setup: &GroupSetup) -> Result<ShmTransport> {
         let (rank, size) = (setup.rank, setup.size);
+        // Before any exchange with the peers, so that a bad setting fails at once.
+        let setting = match std::env::var_os(slot_stores::SLOT_STORES_VAR) {
+            None => None,
+            Some(v) => Some(v.into_string().map_err(|v| {
+                Error::Comm(format!("{}={v:?} is not one of auto, cached, streaming", slot_stores::SLOT_STORES_VAR))
+            })?),
+        };
+        let slot_stores = SlotStoreChoices::from_setting(setting.as_deref())?;
         let key = |k: &str| format!("{}shm/{k}", setup.prefix);
         let bytes = Self::locations_offset(size) + size * Self::locations_stride(size);
         let path = if rank == 0 {
@@ -158,7 +168,7 @@ impl ShmTransport {
             heap: Heap::get(),
             shares_memory: false,
             peer_maps: PeerMappings::default(),
-            slot_stores: SlotStoreChoices::from_setting(std::env::var(slot_stores::SLOT_STORES_VAR).ok().as_deref())?,
+            slot_stores,
         };
         transport.shares_memory = transport.probe_sharing(setup)?;
         Ok(transport)
@@ -217,6 +227,15 @@ impl ShmTransport {
         }
     }
 
+    /// Where rank 0 publishes the stores of `which`'s measured call `call`: one byte per
+    /// collective and parity of the call, as it writes call k + 1's while a peer may still
+    /// read call k's.
+    fn chosen_stores(&self, which: ArenaCollective, call: u64) -> &AtomicU8 {
+        let at = Self::arena_offset(self.size) + CHOSEN_STORES_AT + 2 * which as usize + (call % 2) as usize;
+        // SAFETY: a byte of rank 0's first flag line, past its counter, inside the mapping.
+        unsafe { AtomicU8::from_ptr(self.map.as_ptr().add(at) as *mut u8) }
+    }
+
     /// Rank `rank`'s doorbell (a futex word) and the number of its threads asleep on it.
     fn doorbell(&self, rank: usize) -> (&AtomicU32, &AtomicU32) {
         let at = Self::arena_offset(self.size) + rank * FLAG_STRIDE + DOORBELL_AT;
@@ -265,18 +284,38 @@ impl ShmTransport {
         unsafe { self.map.as_ptr().add(base + i * SLOT_BYTES) as *mut u8 }
     }
 
-    /// Runs arena collective `which`, moving `bytes` bytes, with the slot stores chosen for
-    /// it, and records how long it took.
+    /// Runs arena collective `which`, moving `bytes` bytes, with the slot stores of this
+    /// call. A rank with fixed stores uses them. Otherwise a measured call uses the stores
+    /// rank 0 published at the previous one (the first one's follow from no timing):
+    /// rank 0 publishes the next call's before this call's first barrier, past which
+    /// every peer reads, and times this call for the decisions after it.
     fn arena(
         &mut self,
         which: ArenaCollective,
         bytes: usize,
         collective: impl FnOnce(&mut Self, SlotStores) -> Result<()>,
     ) -> Result<()> {
-        let stores = self.slot_stores.of(which).next(bytes);
+        let rank = self.rank;
+        let (choice, calls) = self.slot_stores.of(which);
+        if !measured(bytes) {
+            let stores = choice.fixed().unwrap_or(SlotStores::Cached);
+            return collective(self, stores);
+        }
+        let call = *calls;
+        *calls += 1;
+        let (fixed, first, next) = (choice.fixed(), choice.decide(0), choice.decide(call + 1));
+        let stores = match fixed {
+            Some(stores) => stores,
+            None if call == 0 => first,
+            None => SlotStores::from_code(self.chosen_stores(which, call).load(Ordering::Relaxed)),
+        };
+        if rank != 0 {
+            return collective(self, stores);
+        }
+        self.chosen_stores(which, call + 1).store(next.code(), Ordering::Relaxed);
         let start = Instant::now();
         collective(self, stores)?;
-        self.slot_stores.of(which).record(stores, bytes, start.elapsed().as_secs_f64());
+        self.slot_stores.of(which).0.record(stores, bytes, start.elapsed().as_secs_f64());
         Ok(())
     }
 
@@ -459,6 +498,61 @@ impl Transport for ShmTransport {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// The stores two ranks (threads of this process) used on 40 arena all-gathers, every
+    /// fifth one small, with each rank's slot store setting.
+    fn stores_used(settings: [Option<&'static str>; 2]) -> [Vec<SlotStores>; 2] {
+        use crate::comm::{Store, StoreServer};
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").unwrap();
+        let addr = server.addr();
+        let ranks = settings.into_iter().enumerate().map(|(rank, setting)| {
+            std::thread::spawn(move || {
+                let store = Store::connect(addr, "t", Duration::from_secs(10)).unwrap();
+                let setup = GroupSetup {
+                    store: Arc::new(store),
+                    prefix: "stores-test/".into(),
+                    rank,
+                    size: 2,
+                    ranks: vec![0, 1],
+                    world_size: 2,
+                    timeout: Duration::from_secs(30),
+                };
+                let mut t = ShmTransport::connect(&setup).unwrap();
+                t.slot_stores = SlotStoreChoices::from_setting(setting).unwrap();
+                let mut used = Vec::new();
+                for call in 0..40 {
+                    let bytes = if call % 5 == 4 { 4096 } else { 64 << 20 };
+                    t.arena(ArenaCollective::AllGather, bytes, |t, stores| {
+                        used.push(stores);
+                        t.arena_barrier()
+                    })
+                    .unwrap();
+                }
+                used
+            })
+        });
+        let [zero, one]: [_; 2] = ranks.collect::<Vec<_>>().try_into().unwrap();
+        [zero.join().unwrap(), one.join().unwrap()]
+    }
+
+    #[test]
+    fn every_rank_writes_its_slots_with_the_stores_rank_0_chose() {
+        use SlotStores::{Cached, Streaming};
+        // Whatever rank 0's timings make it choose after its first tries, rank 1 uses the
+        // same stores on every call; small calls stay cached and are not counted.
+        let [zero, one] = stores_used([None, None]);
+        assert_eq!(zero, one);
+        let measured: Vec<SlotStores> = zero.iter().enumerate().filter(|(i, _)| i % 5 != 4).map(|(_, &s)| s).collect();
+        assert_eq!(&measured[..6], &[Cached, Streaming, Cached, Streaming, Cached, Streaming]);
+        assert!(zero.iter().skip(4).step_by(5).all(|&s| s == Cached), "{zero:?}");
+        // A rank 0 with fixed streaming stores publishes them: rank 1 follows from its
+        // second measured call (its first follows from no timing), small calls aside.
+        let [zero, one] = stores_used([Some("streaming"), None]);
+        assert_eq!(zero, vec![Streaming; 40]);
+        let expected: Vec<SlotStores> =
+            (0..40).map(|i| if i == 0 || i % 5 == 4 { Cached } else { Streaming }).collect();
+        assert_eq!(one, expected);
+    }
 
     #[test]
     fn the_shared_segment_is_private_to_its_user() {

@@ -5,13 +5,15 @@
 //! with cached slots ran for whole phases at a third of their usual bandwidth while
 //! streaming slots ran at full speed (the likely cause: cores that stop sharing a cache,
 //! so every line a peer reads crosses the chip). Which case holds cannot be known in
-//! advance and can change while a job runs, so each rank measures both on its large
-//! collectives of each kind (all-reduce, reduce-scatter, all-gather) and keeps the
-//! faster, trying the other again now and then; either choice moves the same bytes.
-//! `STRATA_SHM_SLOT_STORES=cached|streaming` fixes the choice instead.
+//! advance and can change while a job runs, so rank 0 times both on the large calls of
+//! each collective (all-reduce, reduce-scatter, all-gather), keeps the faster and tries
+//! the other again now and then. It publishes each call's stores one call ahead, so the
+//! whole group writes its slots alike (mixed stores would still move the same bytes).
+//! `STRATA_SHM_SLOT_STORES=cached|streaming` fixes a rank's stores instead.
 use crate::{Error, Result};
 
-/// The variable that fixes the choice (`auto`, the default, measures).
+/// The variable that fixes a rank's stores (`auto`, the default, follows rank 0's
+/// measurements).
 pub(crate) const SLOT_STORES_VAR: &str = "STRATA_SHM_SLOT_STORES";
 
 /// How a rank writes the slots its peers read.
@@ -28,6 +30,19 @@ impl SlotStores {
         self as usize
     }
 
+    /// As published in the shared segment.
+    pub(crate) fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub(crate) fn from_code(code: u8) -> SlotStores {
+        if code == SlotStores::Streaming.code() {
+            SlotStores::Streaming
+        } else {
+            SlotStores::Cached
+        }
+    }
+
     fn other(self) -> SlotStores {
         match self {
             SlotStores::Cached => SlotStores::Streaming,
@@ -36,10 +51,15 @@ impl SlotStores {
     }
 }
 
-/// Collectives moving fewer bytes than this use cached stores and are not measured: the
-/// slots' contents stay in cache whichever core reads them, and their timings are too
-/// short to compare.
+/// Calls moving fewer bytes than this (all of a call's inputs or outputs, every rank's
+/// together) use cached stores and are not measured: the slots' contents stay in cache
+/// whichever core reads them, and their timings are too short to compare.
 const MEASURED_FROM: usize = 4 << 20;
+
+/// Whether a call moving `bytes` bytes is measured (and its stores chosen by rank 0).
+pub(crate) fn measured(bytes: usize) -> bool {
+    bytes >= MEASURED_FROM
+}
 /// The first this many measured collectives alternate between the kinds of stores, so
 /// that the first choice rests on three timings of each.
 const FIRST_TRIES: u64 = 6;
@@ -76,13 +96,13 @@ impl Recent {
     }
 }
 
-/// The choice between [`SlotStores`], from the bandwidth each reached on this rank.
+/// The choice between [`SlotStores`] for the measured calls of one collective, from the
+/// bandwidth each reached.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct SlotStoreChoice {
-    /// Set by [`SLOT_STORES_VAR`]: the stores every collective uses, measured or not.
+    /// Set by [`SLOT_STORES_VAR`]: the stores every call uses, measured or not.
     fixed: Option<SlotStores>,
-    measured_calls: u64,
-    /// Bytes per second of each kind of stores on its recent collectives.
+    /// Bytes per second of each kind of stores on its recent calls.
     recent: [Recent; 2],
 }
 
@@ -100,37 +120,38 @@ impl SlotStoreChoice {
         Ok(SlotStoreChoice { fixed, ..SlotStoreChoice::default() })
     }
 
-    /// The stores for the next collective, which moves `bytes` bytes: each kind in turn
-    /// for the first [`FIRST_TRIES`] measured calls, then the faster, but the other on
-    /// every [`RETRY_EVERY`]-th measured call.
-    pub(crate) fn next(&self, bytes: usize) -> SlotStores {
+    /// The stores [`SLOT_STORES_VAR`] fixed, if it did.
+    pub(crate) fn fixed(&self) -> Option<SlotStores> {
+        self.fixed
+    }
+
+    /// The stores for measured call `call` (counted from 0) from the timings recorded so
+    /// far: each kind in turn for the first [`FIRST_TRIES`] calls, then the faster, but
+    /// the other on every [`RETRY_EVERY`]-th call.
+    pub(crate) fn decide(&self, call: u64) -> SlotStores {
         if let Some(fixed) = self.fixed {
             return fixed;
         }
-        if bytes < MEASURED_FROM {
-            return SlotStores::Cached;
+        if call < FIRST_TRIES {
+            return if call.is_multiple_of(2) { SlotStores::Cached } else { SlotStores::Streaming };
         }
-        if self.measured_calls < FIRST_TRIES {
-            return if self.measured_calls.is_multiple_of(2) { SlotStores::Cached } else { SlotStores::Streaming };
-        }
-        let best = match (self.recent[0].median(), self.recent[1].median()) {
+        let median = |stores: SlotStores| self.recent[stores.index()].median();
+        let best = match (median(SlotStores::Cached), median(SlotStores::Streaming)) {
             (Some(cached), Some(streaming)) if streaming > STREAMING_MARGIN * cached => SlotStores::Streaming,
             _ => SlotStores::Cached,
         };
-        if self.measured_calls % RETRY_EVERY == RETRY_EVERY - 1 {
+        if call % RETRY_EVERY == RETRY_EVERY - 1 {
             best.other()
         } else {
             best
         }
     }
 
-    /// Records that a collective of `bytes` bytes written with `stores` took `seconds`.
+    /// Records that a measured call of `bytes` bytes written with `stores` took `seconds`.
     pub(crate) fn record(&mut self, stores: SlotStores, bytes: usize, seconds: f64) {
-        if bytes < MEASURED_FROM || seconds <= 0.0 {
-            return;
+        if seconds > 0.0 {
+            self.recent[stores.index()].push(bytes as f64 / seconds);
         }
-        self.measured_calls += 1;
-        self.recent[stores.index()].push(bytes as f64 / seconds);
     }
 }
 
@@ -143,18 +164,21 @@ pub(crate) enum ArenaCollective {
     AllGather,
 }
 
-/// One [`SlotStoreChoice`] per [`ArenaCollective`].
-pub(crate) struct SlotStoreChoices([SlotStoreChoice; 3]);
+/// Per [`ArenaCollective`]: its [`SlotStoreChoice`] and how many measured calls it made
+/// (the same count on every rank, as every rank makes the same calls).
+pub(crate) struct SlotStoreChoices([(SlotStoreChoice, u64); 3]);
 
 impl SlotStoreChoices {
     /// As [`SlotStoreChoice::from_setting`], for each collective.
     pub(crate) fn from_setting(value: Option<&str>) -> Result<SlotStoreChoices> {
         let choice = SlotStoreChoice::from_setting(value)?;
-        Ok(SlotStoreChoices([choice.clone(), choice.clone(), choice]))
+        Ok(SlotStoreChoices([(choice.clone(), 0), (choice.clone(), 0), (choice, 0)]))
     }
 
-    pub(crate) fn of(&mut self, which: ArenaCollective) -> &mut SlotStoreChoice {
-        &mut self.0[which as usize]
+    /// `which`'s choice and the number of its next measured call.
+    pub(crate) fn of(&mut self, which: ArenaCollective) -> (&mut SlotStoreChoice, &mut u64) {
+        let (choice, calls) = &mut self.0[which as usize];
+        (choice, calls)
     }
 }
 
@@ -163,12 +187,15 @@ mod tests {
     use super::*;
     use SlotStores::{Cached, Streaming};
 
-    /// Runs `calls` collectives of 64 MiB whose seconds per kind of stores come from
-    /// `cost(call, stores)`; returns the stores each used.
-    fn run(choice: &mut SlotStoreChoice, calls: usize, cost: impl Fn(usize, SlotStores) -> f64) -> Vec<SlotStores> {
+    /// Runs `calls` measured calls of 64 MiB whose seconds per kind of stores come from
+    /// `cost(call, stores)`, deciding each call's stores before the previous call is
+    /// recorded, as rank 0 does; returns the stores each used.
+    fn run(choice: &mut SlotStoreChoice, calls: u64, cost: impl Fn(u64, SlotStores) -> f64) -> Vec<SlotStores> {
+        let mut next = choice.decide(0);
         (0..calls)
             .map(|call| {
-                let stores = choice.next(64 << 20);
+                let stores = next;
+                next = choice.decide(call + 1);
                 choice.record(stores, 64 << 20, cost(call, stores));
                 stores
             })
@@ -176,23 +203,23 @@ mod tests {
     }
 
     #[test]
-    fn small_collectives_use_cached_stores_and_are_not_measured() {
-        let mut choice = SlotStoreChoice::default();
-        choice.record(Cached, 64 << 20, 1.0);
-        choice.record(Streaming, 64 << 20, 0.001);
-        assert_eq!(choice.next(1 << 20), Cached);
-        choice.record(Cached, 1 << 20, 1e-9);
-        assert_eq!(choice.recent[Cached.index()].median(), Some((64 << 20) as f64));
+    fn only_calls_of_4_mib_or_more_are_measured() {
+        assert!(!measured((4 << 20) - 1));
+        assert!(measured(4 << 20));
     }
 
     #[test]
-    fn the_variable_fixes_the_stores_for_every_size() {
+    fn the_variable_fixes_the_stores() {
         for (value, stores) in [("cached", Cached), ("streaming", Streaming)] {
             let mut choice = SlotStoreChoice::from_setting(Some(value)).unwrap();
+            assert_eq!(choice.fixed(), Some(stores));
             assert_eq!(run(&mut choice, 40, |_, s| if s == stores { 1.0 } else { 0.001 }), vec![stores; 40]);
-            assert_eq!(choice.next(4096), stores);
         }
-        assert_eq!(SlotStoreChoice::from_setting(None).unwrap().next(4096), Cached);
+        for value in [None, Some("auto")] {
+            let choice = SlotStoreChoice::from_setting(value).unwrap();
+            assert_eq!(choice.fixed(), None);
+            assert_eq!([choice.decide(0), choice.decide(1)], [Cached, Streaming], "{value:?} measures");
+        }
         let e = SlotStoreChoice::from_setting(Some("nt")).unwrap_err().to_string();
         assert!(e.contains("STRATA_SHM_SLOT_STORES=\"nt\" is not one of auto, cached, streaming"), "{e}");
     }
@@ -202,7 +229,7 @@ mod tests {
         let mut choice = SlotStoreChoice::default();
         let used = run(&mut choice, 96, |_, s| if s == Streaming { 0.01 } else { 0.03 });
         assert_eq!(&used[..7], &[Cached, Streaming, Cached, Streaming, Cached, Streaming, Streaming]);
-        let retried: Vec<usize> = (0..used.len()).filter(|&i| i >= 6 && used[i] == Cached).collect();
+        let retried: Vec<usize> = (6..used.len()).filter(|&i| used[i] == Cached).collect();
         assert_eq!(retried, [31, 63, 95], "the slower stores are tried once per {RETRY_EVERY} calls");
     }
 
@@ -216,7 +243,7 @@ mod tests {
     }
 
     #[test]
-    fn stores_that_turn_slower_are_left_within_two_calls() {
+    fn stores_that_turn_slower_are_left_within_three_calls() {
         // Cached stores are fast for the first 40 calls, then three times slower than
         // streaming ones (cores that stopped sharing a cache); streaming ones never change.
         let mut choice = SlotStoreChoice::default();
@@ -227,23 +254,28 @@ mod tests {
         });
         let before: Vec<_> = (6..40).map(|i| if i == 31 { Streaming } else { Cached }).collect();
         assert_eq!(used[6..40], before[..], "cached, retrying streaming once at call 31");
-        assert_eq!(&used[40..43], &[Cached, Cached, Streaming], "two slow calls make the median slow");
-        assert!(used[42..63].iter().all(|&s| s == Streaming), "{used:?}");
+        // Call 43 is decided once calls 40 and 41 are in: two slow calls make the median slow.
+        assert_eq!(&used[40..44], &[Cached, Cached, Cached, Streaming], "{used:?}");
+        assert!(used[43..63].iter().all(|&s| s == Streaming), "{used:?}");
         assert_eq!(used[63], Cached, "retried");
+        assert!(used[64..95].iter().all(|&s| s == Streaming), "{used:?}");
+        assert_eq!(used[95], Cached, "retried");
     }
 
     #[test]
     fn stores_that_turn_faster_are_found_by_the_retries() {
         // Streaming stores are the faster until call 40, then cached ones become six times
-        // faster: the retries at calls 63 and 95 bring two fast timings into their median.
+        // faster: the retries at calls 63 and 95 bring two fast timings into their median,
+        // and call 97 is the first decided after the second is in.
         let mut choice = SlotStoreChoice::default();
         let used = run(&mut choice, 110, |call, s| match s {
             Cached if call < 40 => 0.03,
             Cached => 0.005,
             Streaming => 0.01,
         });
-        assert!(used[6..95].iter().enumerate().all(|(i, &s)| (s == Cached) == [31, 63].contains(&(i + 6))), "{used:?}");
-        assert_eq!(used[95], Cached);
-        assert!(used[96..].iter().all(|&s| s == Cached), "{used:?}");
+        let streaming_then: Vec<_> =
+            (6..97).map(|i| if [31, 63, 95].contains(&i) { Cached } else { Streaming }).collect();
+        assert_eq!(used[6..97], streaming_then[..], "{used:?}");
+        assert!(used[97..].iter().all(|&s| s == Cached), "{used:?}");
     }
 }
