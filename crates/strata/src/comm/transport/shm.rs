@@ -10,7 +10,7 @@ use crate::comm::shared::{Heap, Location, PeerMappings};
 use crate::comm::{GroupSetup, ReduceOp};
 use crate::{Error, Result};
 use memmap2::MmapMut;
-use slot_stores::{measured, ArenaCollective, SlotStoreChoices, SlotStores};
+use slot_stores::{choice_index, measured, ArenaCollective, SlotStoreChoices, SlotStores, CHOICES};
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -227,11 +227,12 @@ impl ShmTransport {
         }
     }
 
-    /// Where rank 0 publishes the stores of `which`'s measured call `call`: one byte per
-    /// collective and parity of the call, as it writes call k + 1's while a peer may still
-    /// read call k's.
-    fn chosen_stores(&self, which: ArenaCollective, call: u64) -> &AtomicU8 {
-        let at = Self::arena_offset(self.size) + CHOSEN_STORES_AT + 2 * which as usize + (call % 2) as usize;
+    /// Where rank 0 publishes the stores of measured call `call` of choice `index`
+    /// ([`choice_index`]): one byte per choice and parity of the call, as it writes call
+    /// k + 1's while a peer may still read call k's.
+    fn chosen_stores(&self, index: usize, call: u64) -> &AtomicU8 {
+        const _: () = assert!(CHOSEN_STORES_AT + 2 * CHOICES <= DOORBELL_AT);
+        let at = Self::arena_offset(self.size) + CHOSEN_STORES_AT + 2 * index + (call % 2) as usize;
         // SAFETY: a byte of rank 0's first flag line, past its counter, inside the mapping.
         unsafe { AtomicU8::from_ptr(self.map.as_ptr().add(at) as *mut u8) }
     }
@@ -295,8 +296,8 @@ impl ShmTransport {
         bytes: usize,
         collective: impl FnOnce(&mut Self, SlotStores) -> Result<()>,
     ) -> Result<()> {
-        let rank = self.rank;
-        let (choice, calls) = self.slot_stores.of(which);
+        let (rank, index) = (self.rank, choice_index(which, bytes));
+        let (choice, calls) = self.slot_stores.of(index);
         if !measured(bytes) {
             let stores = choice.fixed().unwrap_or(SlotStores::Cached);
             return collective(self, stores);
@@ -307,15 +308,15 @@ impl ShmTransport {
         let stores = match fixed {
             Some(stores) => stores,
             None if call == 0 => first,
-            None => SlotStores::from_code(self.chosen_stores(which, call).load(Ordering::Relaxed)),
+            None => SlotStores::from_code(self.chosen_stores(index, call).load(Ordering::Relaxed)),
         };
         if rank != 0 {
             return collective(self, stores);
         }
-        self.chosen_stores(which, call + 1).store(next.code(), Ordering::Relaxed);
+        self.chosen_stores(index, call + 1).store(next.code(), Ordering::Relaxed);
         let start = Instant::now();
         collective(self, stores)?;
-        self.slot_stores.of(which).0.record(stores, bytes, start.elapsed().as_secs_f64());
+        self.slot_stores.of(index).0.record(stores, bytes, start.elapsed().as_secs_f64());
         Ok(())
     }
 

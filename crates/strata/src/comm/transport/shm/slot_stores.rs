@@ -6,8 +6,8 @@
 //! streaming slots ran at full speed (the likely cause: cores that stop sharing a cache,
 //! so every line a peer reads crosses the chip). Which case holds cannot be known in
 //! advance and can change while a job runs, so rank 0 times both on the large calls of
-//! each collective (all-reduce, reduce-scatter, all-gather), keeps the faster and tries
-//! the other again now and then. It publishes each call's stores one call ahead, so the
+//! each collective (all-reduce, reduce-scatter, all-gather; below 64 MiB and above apart),
+//! keeps the faster and tries the other again now and then. It publishes each call's stores one call ahead, so the
 //! whole group writes its slots alike (mixed stores would still move the same bytes).
 //! `STRATA_SHM_SLOT_STORES=cached|streaming` fixes a rank's stores instead.
 use crate::{Error, Result};
@@ -155,7 +155,7 @@ impl SlotStoreChoice {
     }
 }
 
-/// The arena collectives, each with its own [`SlotStoreChoice`]: their bandwidths differ
+/// The arena collectives, each with its own [`SlotStoreChoice`]s: their bandwidths differ
 /// for the same bytes, so they are not compared with one another.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum ArenaCollective {
@@ -164,20 +164,33 @@ pub(crate) enum ArenaCollective {
     AllGather,
 }
 
-/// Per [`ArenaCollective`]: its [`SlotStoreChoice`] and how many measured calls it made
-/// (the same count on every rank, as every rank makes the same calls).
-pub(crate) struct SlotStoreChoices([(SlotStoreChoice, u64); 3]);
+/// Measured calls from this many bytes on are chosen for apart from smaller ones: the
+/// faster stores can differ between calls whose data partly stays in the last-level cache
+/// and calls far larger than it.
+const LARGE_FROM: usize = 64 << 20;
+
+/// The choices kept apart: each [`ArenaCollective`], below and from [`LARGE_FROM`].
+pub(crate) const CHOICES: usize = 6;
+
+/// Which choice a measured call of `which` moving `bytes` bytes belongs to.
+pub(crate) fn choice_index(which: ArenaCollective, bytes: usize) -> usize {
+    2 * which as usize + usize::from(bytes >= LARGE_FROM)
+}
+
+/// Per [`choice_index`]: its [`SlotStoreChoice`] and how many measured calls it made (the
+/// same count on every rank, as every rank makes the same calls).
+pub(crate) struct SlotStoreChoices([(SlotStoreChoice, u64); CHOICES]);
 
 impl SlotStoreChoices {
-    /// As [`SlotStoreChoice::from_setting`], for each collective.
+    /// As [`SlotStoreChoice::from_setting`], for each choice.
     pub(crate) fn from_setting(value: Option<&str>) -> Result<SlotStoreChoices> {
         let choice = SlotStoreChoice::from_setting(value)?;
-        Ok(SlotStoreChoices([(choice.clone(), 0), (choice.clone(), 0), (choice, 0)]))
+        Ok(SlotStoreChoices(std::array::from_fn(|_| (choice.clone(), 0))))
     }
 
-    /// `which`'s choice and the number of its next measured call.
-    pub(crate) fn of(&mut self, which: ArenaCollective) -> (&mut SlotStoreChoice, &mut u64) {
-        let (choice, calls) = &mut self.0[which as usize];
+    /// Choice `index`'s stores and the number of its next measured call.
+    pub(crate) fn of(&mut self, index: usize) -> (&mut SlotStoreChoice, &mut u64) {
+        let (choice, calls) = &mut self.0[index];
         (choice, calls)
     }
 }
@@ -203,9 +216,16 @@ mod tests {
     }
 
     #[test]
-    fn only_calls_of_4_mib_or_more_are_measured() {
+    fn only_calls_of_4_mib_or_more_are_measured_and_64_mib_apart() {
         assert!(!measured((4 << 20) - 1));
         assert!(measured(4 << 20));
+        let all = [ArenaCollective::AllReduce, ArenaCollective::ReduceScatter, ArenaCollective::AllGather];
+        let indices: Vec<usize> = all
+            .iter()
+            .flat_map(|&w| [choice_index(w, 4 << 20), choice_index(w, (64 << 20) - 1), choice_index(w, 64 << 20)])
+            .collect();
+        assert_eq!(indices, [0, 0, 1, 2, 2, 3, 4, 4, 5]);
+        assert!(indices.iter().all(|&i| i < CHOICES));
     }
 
     #[test]
