@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_reference import finish, spawn_on_loopback  # noqa: E402
 
 
-def time_op(op, nbytes, n):
+def time_op(op, nbytes, n, warmup):
     numel = nbytes // 4
     if op in ("all_reduce", "broadcast"):
         main, whole = torch.ones(numel), None
@@ -41,7 +41,8 @@ def time_op(op, nbytes, n):
         else:
             raise SystemExit(f"unknown operation {op!r}")
 
-    run()
+    for _ in range(warmup):
+        run()
     iters = max(3, min(100, (256 << 20) // max(nbytes, 1)))
     dist.barrier()
     start = time.perf_counter()
@@ -59,7 +60,7 @@ def worker(rank, args, port):
     for op in args.ops.split(","):
         nbytes = args.min_bytes
         while nbytes <= args.max_bytes:
-            rows.append({"op": op, "bytes": nbytes, "time_us": time_op(op, nbytes, args.nproc) * 1e6})
+            rows.append({"op": op, "bytes": nbytes, "time_us": time_op(op, nbytes, args.nproc, args.warmup) * 1e6})
             nbytes *= args.factor
     if rank == 0:
         print(json.dumps({"rows": rows}), flush=True)
@@ -73,6 +74,7 @@ def main():
     p.add_argument("--min-bytes", type=int, default=4 << 10)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--factor", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=8, help="untimed runs before each row's timed ones")
     args = p.parse_args()
     spawn_on_loopback(worker, args, args.nproc)
 

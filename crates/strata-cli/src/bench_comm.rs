@@ -41,6 +41,11 @@ pub struct BenchCommArgs {
     /// round, which a passing stall on a shared machine does not move.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Untimed runs before each row's timed ones, on every side (as nccl-tests' -w): the
+    /// first runs map buffers, and shm's first six large calls of a kind try both of its
+    /// slot stores before it keeps the faster.
+    #[arg(long, default_value_t = 8)]
+    warmup: usize,
     /// Print the results as JSON (rank 0).
     #[arg(long)]
     json: bool,
@@ -186,6 +191,7 @@ fn time_op(
     shared: bool,
     in_place: bool,
     rounds: usize,
+    warmup: usize,
 ) -> Result<Option<f64>> {
     let n = g.size();
     let numel = (bytes / 4) as i64;
@@ -224,7 +230,9 @@ fn time_op(
         };
         Ok(work.wait()?)
     };
-    run()?;
+    for _ in 0..warmup {
+        run()?;
+    }
     let iters = ((256usize << 20) / bytes.max(1)).clamp(3, 100).div_ceil(rounds);
     let mut times = Vec::with_capacity(rounds);
     for _ in 0..rounds {
@@ -241,8 +249,8 @@ fn time_op(
 /// Runs the gloo reference with `n` processes; its rows as (op, bytes) → microseconds.
 fn gloo_times(a: &BenchCommArgs, n: usize) -> Result<Vec<(String, usize, f64)>> {
     let args = format!(
-        "--nproc {n} --ops {} --min-bytes {} --max-bytes {} --factor {}",
-        a.ops, a.min_bytes, a.max_bytes, a.factor
+        "--nproc {n} --ops {} --min-bytes {} --max-bytes {} --factor {} --warmup {}",
+        a.ops, a.min_bytes, a.max_bytes, a.factor, a.warmup
     );
     let args: Vec<String> = args.split_whitespace().map(String::from).collect();
     let report = crate::bench::run_reference(a.python.as_ref(), "torch_comm_reference.py", &args)?;
@@ -288,7 +296,7 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
                     "shared" => true,
                     other => bail!("unknown buffers {other:?}; expected private or shared"),
                 };
-                let Some(t) = time_op(g.as_ref(), op, bytes, shared, in_place, a.rounds)? else { break };
+                let Some(t) = time_op(g.as_ref(), op, bytes, shared, in_place, a.rounds, a.warmup)? else { break };
                 let algbw = bytes as f64 / t / 1e9;
                 rows.push(Row {
                     backend: backend.into(),
