@@ -43,7 +43,7 @@ def time_op(op, nbytes, n, warmup):
 
     for _ in range(warmup):
         run()
-    iters = max(3, min(100, (256 << 20) // max(nbytes, 1)))
+    iters = max(3, min(100, (1 << 30) // max(nbytes, 1)))
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):

@@ -233,7 +233,9 @@ fn time_op(
     for _ in 0..warmup {
         run()?;
     }
-    let iters = ((256usize << 20) / bytes.max(1)).clamp(3, 100).div_ceil(rounds);
+    // A row moves 1 GiB (3 to 100 runs), so that each round of a 16 MiB row lasts tens of
+    // milliseconds, longer than one preemption of a rank on a shared machine.
+    let iters = ((1usize << 30) / bytes.max(1)).clamp(3, 100).div_ceil(rounds);
     let mut times = Vec::with_capacity(rounds);
     for _ in 0..rounds {
         g.barrier()?.wait()?;
