@@ -122,13 +122,7 @@ impl ShmTransport {
     pub fn connect(setup: &GroupSetup) -> Result<ShmTransport> {
         let (rank, size) = (setup.rank, setup.size);
         // Before any exchange with the peers, so that a bad setting fails at once.
-        let setting = match std::env::var_os(slot_stores::SLOT_STORES_VAR) {
-            None => None,
-            Some(v) => Some(v.into_string().map_err(|v| {
-                Error::Comm(format!("{}={v:?} is not one of auto, cached, streaming", slot_stores::SLOT_STORES_VAR))
-            })?),
-        };
-        let slot_stores = SlotStoreChoices::from_setting(setting.as_deref())?;
+        let slot_stores = SlotStoreChoices::from_env()?;
         let key = |k: &str| format!("{}shm/{k}", setup.prefix);
         let bytes = Self::locations_offset(size) + size * Self::locations_stride(size);
         let path = if rank == 0 {
@@ -519,7 +513,7 @@ mod tests {
                     timeout: Duration::from_secs(30),
                 };
                 let mut t = ShmTransport::connect(&setup).unwrap();
-                t.slot_stores = SlotStoreChoices::from_setting(setting).unwrap();
+                t.slot_stores = SlotStoreChoices::from_setting(setting.map(std::ffi::OsStr::new)).unwrap();
                 let mut used = Vec::new();
                 for call in 0..40 {
                     let bytes = if call % 5 == 4 { 4096 } else { 64 << 20 };

@@ -186,6 +186,7 @@ impl ShmTransport {
         stores: SlotStores,
     ) -> Result<()> {
         let (n, r) = (self.size, self.rank);
+        let stream_slots = stores == SlotStores::Streaming;
         // Cache-line multiples, so every region is aligned for every dtype.
         let region = SLOT_BYTES / 2 / n / 64 * 64;
         let longest = inputs.iter().map(|b| b.len).max().unwrap_or(0);
@@ -194,9 +195,7 @@ impl ShmTransport {
             let h = c % 2;
             for p in (0..n).filter(|&p| p != r) {
                 // SAFETY: region p of this rank's half holds `region` bytes.
-                inputs[p]
-                    .piece(at, region)
-                    .copy_to(unsafe { self.half(r, h).add(p * region) }, stores == SlotStores::Streaming);
+                inputs[p].piece(at, region).copy_to(unsafe { self.half(r, h).add(p * region) }, stream_slots);
             }
             self.arena_barrier()?;
             let dst = out.piece(at, region);
@@ -214,6 +213,7 @@ impl ShmTransport {
     /// while the piece is in cache), barrier, copy every peer's piece out of its slot.
     pub(super) fn arena_all_gather(&mut self, outputs: &[Block], input: Block, stores: SlotStores) -> Result<()> {
         let (n, r) = (self.size, self.rank);
+        let stream_slots = stores == SlotStores::Streaming;
         let region = SLOT_BYTES / 2;
         let longest = outputs.iter().map(|b| b.len).max().unwrap_or(0);
         let stream = streams(outputs.iter().map(|b| b.len).sum());
@@ -221,13 +221,12 @@ impl ShmTransport {
             let h = c % 2;
             let piece = input.piece(at, region);
             let own = outputs[r].piece(at, region);
-            let stream_slot = stores == SlotStores::Streaming;
             if own.ptr != piece.ptr && stream {
                 // SAFETY: the half holds `region` >= piece.len bytes; `own` is this rank's
                 // output piece, as long as the piece and apart from it and from the slot.
-                unsafe { copy_twice(self.half(r, h), stream_slot, own.ptr, piece.ptr, piece.len) };
+                unsafe { copy_twice(self.half(r, h), stream_slots, own.ptr, piece.ptr, piece.len) };
             } else {
-                piece.copy_to(self.half(r, h), stream_slot);
+                piece.copy_to(self.half(r, h), stream_slots);
                 if own.ptr != piece.ptr {
                     piece.copy_to(own.ptr, false);
                 }

@@ -11,6 +11,7 @@
 //! whole group writes its slots alike (mixed stores would still move the same bytes).
 //! `STRATA_SHM_SLOT_STORES=cached|streaming` fixes a rank's stores instead.
 use crate::{Error, Result};
+use std::ffi::OsStr;
 
 /// The variable that fixes a rank's stores (`auto`, the default, follows rank 0's
 /// measurements).
@@ -108,13 +109,14 @@ pub(crate) struct SlotStoreChoice {
 
 impl SlotStoreChoice {
     /// The choice [`SLOT_STORES_VAR`]'s `value` asks for (unset means `auto`).
-    pub(crate) fn from_setting(value: Option<&str>) -> Result<SlotStoreChoice> {
-        let fixed = match value.unwrap_or("auto") {
-            "auto" => None,
-            "cached" => Some(SlotStores::Cached),
-            "streaming" => Some(SlotStores::Streaming),
-            other => {
-                return Err(Error::Comm(format!("{SLOT_STORES_VAR}={other:?} is not one of auto, cached, streaming")))
+    pub(crate) fn from_setting(value: Option<&OsStr>) -> Result<SlotStoreChoice> {
+        let fixed = match value.map(OsStr::to_str) {
+            None | Some(Some("auto")) => None,
+            Some(Some("cached")) => Some(SlotStores::Cached),
+            Some(Some("streaming")) => Some(SlotStores::Streaming),
+            Some(_) => {
+                let shown = value.unwrap_or_default();
+                return Err(Error::Comm(format!("{SLOT_STORES_VAR}={shown:?} is not one of auto, cached, streaming")));
             }
         };
         Ok(SlotStoreChoice { fixed, ..SlotStoreChoice::default() })
@@ -182,8 +184,13 @@ pub(crate) fn choice_index(which: ArenaCollective, bytes: usize) -> usize {
 pub(crate) struct SlotStoreChoices([(SlotStoreChoice, u64); CHOICES]);
 
 impl SlotStoreChoices {
+    /// As [`SLOT_STORES_VAR`] in this process's environment asks.
+    pub(crate) fn from_env() -> Result<SlotStoreChoices> {
+        SlotStoreChoices::from_setting(std::env::var_os(SLOT_STORES_VAR).as_deref())
+    }
+
     /// As [`SlotStoreChoice::from_setting`], for each choice.
-    pub(crate) fn from_setting(value: Option<&str>) -> Result<SlotStoreChoices> {
+    pub(crate) fn from_setting(value: Option<&OsStr>) -> Result<SlotStoreChoices> {
         let choice = SlotStoreChoice::from_setting(value)?;
         Ok(SlotStoreChoices(std::array::from_fn(|_| (choice.clone(), 0))))
     }
@@ -231,16 +238,16 @@ mod tests {
     #[test]
     fn the_variable_fixes_the_stores() {
         for (value, stores) in [("cached", Cached), ("streaming", Streaming)] {
-            let mut choice = SlotStoreChoice::from_setting(Some(value)).unwrap();
+            let mut choice = SlotStoreChoice::from_setting(Some(OsStr::new(value))).unwrap();
             assert_eq!(choice.fixed(), Some(stores));
             assert_eq!(run(&mut choice, 40, |_, s| if s == stores { 1.0 } else { 0.001 }), vec![stores; 40]);
         }
-        for value in [None, Some("auto")] {
+        for value in [None, Some(OsStr::new("auto"))] {
             let choice = SlotStoreChoice::from_setting(value).unwrap();
             assert_eq!(choice.fixed(), None);
             assert_eq!([choice.decide(0), choice.decide(1)], [Cached, Streaming], "{value:?} measures");
         }
-        let e = SlotStoreChoice::from_setting(Some("nt")).unwrap_err().to_string();
+        let e = SlotStoreChoice::from_setting(Some(OsStr::new("nt"))).unwrap_err().to_string();
         assert!(e.contains("STRATA_SHM_SLOT_STORES=\"nt\" is not one of auto, cached, streaming"), "{e}");
     }
 
