@@ -235,6 +235,14 @@ fn check_collectives(g: &dyn ProcessGroup) {
         works.iter().for_each(|w| w.wait().unwrap());
         same(&got, &values(kind, 100, prev as i64), &format!("send/recv {kind:?}"));
     }
+    // Broadcast of 20 MB (shm: through the arena, in pieces, the last one partial) from the
+    // first and from the last rank, each with other values than the arena still holds.
+    let m = 5_000_001;
+    for root in [0, n - 1] {
+        let t = values(Kind::Float, m, r + 5 * root);
+        g.broadcast(&t, root as usize).unwrap().wait().unwrap();
+        same(&t, &values(Kind::Float, m, 6 * root), &format!("broadcast x{m} from {root}"));
+    }
     // Asynchronous handles: several calls in flight, completed in order.
     let ts: Vec<Tensor> = (0..4).map(|i| Tensor::full([1000], r + i, (Kind::Float, Device::Cpu))).collect();
     let works: Vec<_> = ts.iter().map(|t| g.all_reduce(t, ReduceOp::Sum).unwrap()).collect();
@@ -362,10 +370,24 @@ fn check_shared_buffers(g: &dyn ProcessGroup) {
             same(&inputs[0], &values(kind, numel, r), &what("reduce_scatter leaves its inputs alone"));
             g.reduce_scatter(&inputs[r as usize], &inputs, ReduceOp::Sum).unwrap().wait().unwrap();
             same(&inputs[r as usize], &output, &what("in-place reduce_scatter"));
+            // Broadcast from the first and from the last rank, read in place by the others.
+            for root in [0, n - 1] {
+                fill(&t, &values(kind, numel, r + 5 * root));
+                g.broadcast(&t, root as usize).unwrap().wait().unwrap();
+                same(&t, &values(kind, numel, 6 * root), &what(&format!("broadcast from {root}")));
+            }
         }
     }
     // Shared memory is host memory: a group has none to offer for a device it does not serve.
     assert!(g.alloc(4, Kind::Float, Device::Cuda(0)).unwrap().is_none());
+    // Broadcast of 20 MB (shm: read in place) from the first and from the last rank.
+    let m = 5_000_001;
+    let t = shared(Kind::Float, m);
+    for root in [0, n - 1] {
+        fill(&t, &values(Kind::Float, m, r + 5 * root));
+        g.broadcast(&t, root as usize).unwrap().wait().unwrap();
+        same(&t, &values(Kind::Float, m, 6 * root), &format!("shared broadcast x{m} from {root}"));
+    }
     // Avg in place on a shared buffer.
     let t = shared(Kind::Float, 5000);
     fill(&t, &values(Kind::Float, 5000, 2 * r));

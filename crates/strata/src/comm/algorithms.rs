@@ -294,6 +294,9 @@ impl ProcessGroup for RingGroup {
         check_rank(self.size, "broadcast root", root)?;
         let buf = Buffer::of(tensor, self.backend)?;
         self.submit(move |tr| {
+            if let Some(done) = tr.native_broadcast(buf.whole().bytes_mut(), root) {
+                return done;
+            }
             let (r, n) = (tr.rank(), tr.size());
             let pos = (r + n - root) % n;
             let (next, prev) = ((r + 1) % n, (r + n - 1) % n);

@@ -96,6 +96,11 @@ pub trait Transport: Send {
     fn native_all_gather(&mut self, _outputs: &[Block], _input: Block) -> Option<Result<()>> {
         None
     }
+    /// A broadcast of rank `root`'s `buf` into every other rank's done natively; `None`
+    /// to use the pipelined chain.
+    fn native_broadcast(&mut self, _buf: &mut [u8], _root: usize) -> Option<Result<()>> {
+        None
+    }
     fn recv(&mut self, from: usize, inp: &mut [u8]) -> Result<()> {
         self.exchange(from, &[], from, inp)
     }

@@ -76,6 +76,14 @@ const FLAG_STRIDE: usize = 128;
 const DOORBELL_AT: usize = 64;
 const CHOSEN_STORES_AT: usize = 8;
 
+/// Broadcasts from this many bytes go through the arena or read the root's buffer in
+/// place; smaller ones take the chain through the channels. Both copy the bytes twice (in
+/// place, once), but the chain lets the root run ahead of its peers by a channel's size,
+/// so back-to-back small broadcasts overlap, and a peer reads lines written a while ago
+/// rather than lines still in the root's cache; from a few MiB the arena's choice of
+/// slot stores and the direct form's single copy win.
+const NATIVE_BROADCAST_FROM: usize = 4 << 20;
+
 /// Creates a shared-memory segment of `bytes` readable and writable by this user only: the
 /// job's gradients and parameters pass through it.
 fn create_segment(path: &Path, bytes: usize) -> Result<std::fs::File> {
@@ -457,6 +465,17 @@ impl Transport for ShmTransport {
         }
         let bytes = outputs.iter().map(|b| b.len).sum();
         Some(self.arena(ArenaCollective::AllGather, bytes, |t, stores| t.arena_all_gather(outputs, input, stores)))
+    }
+
+    fn native_broadcast(&mut self, buf: &mut [u8], root: usize) -> Option<Result<()>> {
+        if buf.len() < NATIVE_BROADCAST_FROM {
+            return None;
+        }
+        let block = Block { ptr: buf.as_mut_ptr(), len: buf.len() };
+        if let Some(at) = self.locate(&[block]) {
+            return Some(self.direct_broadcast(block, at[0], root));
+        }
+        Some(self.arena(ArenaCollective::Broadcast, buf.len(), |t, stores| t.arena_broadcast(block, root, stores)))
     }
 
     fn exchange(&mut self, to: usize, out: &[u8], from: usize, inp: &mut [u8]) -> Result<()> {

@@ -1,6 +1,6 @@
-//! The shm transport's collectives: all-reduce, reduce-scatter and all-gather staged
-//! chunk by chunk through the arena's slots, and their direct forms, which read buffers
-//! every rank holds in its [`Heap`](crate::comm::shared::Heap) in place.
+//! The shm transport's collectives: all-reduce, reduce-scatter, all-gather and broadcast
+//! staged chunk by chunk through the arena's slots, and their direct forms, which read
+//! buffers every rank holds in its [`Heap`](crate::comm::shared::Heap) in place.
 use super::{ShmTransport, SlotStores, LOCATION_BYTES, SLOT_BYTES};
 use crate::comm::elementwise::{
     combine_into, copy_bytes, copy_twice, divide, reduce_into, reduce_streamed, split, streams,
@@ -93,6 +93,21 @@ impl ShmTransport {
             let src = self.peer_block(p, 0, outputs[p].len)?;
             // SAFETY: peer p's input holds outputs[p].len bytes, unchanged until the barrier.
             unsafe { copy_bytes(outputs[p].ptr, src, outputs[p].len, stream) };
+        }
+        self.arena_barrier()
+    }
+
+    /// Broadcast of a buffer every rank holds in its heap: each rank other than `root`
+    /// copies the root's buffer, read in place, between two barriers.
+    pub(super) fn direct_broadcast(&mut self, buf: Block, at: Location, root: usize) -> Result<()> {
+        if self.rank == root {
+            self.publish(&[at]);
+        }
+        self.arena_barrier()?;
+        if self.rank != root {
+            let src = self.peer_block(root, 0, buf.len)?;
+            // SAFETY: the root's buffer holds buf.len bytes, unchanged until the barrier.
+            unsafe { copy_bytes(buf.ptr, src, buf.len, streams(buf.len)) };
         }
         self.arena_barrier()
     }
@@ -236,6 +251,29 @@ impl ShmTransport {
                 let dst = outputs[p].piece(at, region);
                 // SAFETY: peer p's half holds its piece until the next barrier.
                 unsafe { copy_bytes(dst.ptr, self.half(p, h), dst.len, stream) };
+            }
+        }
+        self.arena_barrier()
+    }
+
+    /// Chunk by chunk: the root copies its piece into a half of the arena, barrier, every
+    /// other rank copies it out (while the root fills the other half). Only the root
+    /// writes, so it uses every slot, the result slot included: larger pieces, fewer
+    /// barriers.
+    pub(super) fn arena_broadcast(&mut self, buf: Block, root: usize, stores: SlotStores) -> Result<()> {
+        let region = (self.size + 1) * SLOT_BYTES / 2 / 64 * 64;
+        let stream = streams(buf.len);
+        for (c, at) in (0..buf.len).step_by(region).enumerate() {
+            // SAFETY: slots 0 to size lie one after another, 2 · region bytes in all.
+            let half = unsafe { self.slot(0).add(c % 2 * region) };
+            let piece = buf.piece(at, region);
+            if self.rank == root {
+                piece.copy_to(half, stores == SlotStores::Streaming);
+            }
+            self.arena_barrier()?;
+            if self.rank != root {
+                // SAFETY: the half holds the root's piece until the next barrier.
+                unsafe { copy_bytes(piece.ptr, half, piece.len, stream) };
             }
         }
         self.arena_barrier()

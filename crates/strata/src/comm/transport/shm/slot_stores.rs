@@ -6,9 +6,10 @@
 //! streaming slots ran at full speed (the likely cause: cores that stop sharing a cache,
 //! so every line a peer reads crosses the chip). Which case holds cannot be known in
 //! advance and can change while a job runs, so rank 0 times both on the large calls of
-//! each collective (all-reduce, reduce-scatter, all-gather; below 64 MiB and above apart),
-//! keeps the faster and tries the other again now and then. It publishes each call's stores one call ahead, so the
-//! whole group writes its slots alike (mixed stores would still move the same bytes).
+//! each collective (all-reduce, reduce-scatter, all-gather, broadcast; below 64 MiB and
+//! above apart), keeps the faster and tries the other again now and then. It publishes
+//! each call's stores one call ahead, so the whole group writes its slots alike (mixed
+//! stores would still move the same bytes).
 //! `STRATA_SHM_SLOT_STORES=cached|streaming` fixes a rank's stores instead.
 use crate::{Error, Result};
 use std::ffi::OsStr;
@@ -164,7 +165,11 @@ pub(crate) enum ArenaCollective {
     AllReduce,
     ReduceScatter,
     AllGather,
+    Broadcast,
 }
+
+/// How many [`ArenaCollective`]s there are.
+const ARENA_COLLECTIVES: usize = 4;
 
 /// Measured calls from this many bytes on are chosen for apart from smaller ones: the
 /// faster stores can differ between calls whose data partly stays in the last-level cache
@@ -172,7 +177,7 @@ pub(crate) enum ArenaCollective {
 const LARGE_FROM: usize = 64 << 20;
 
 /// The choices kept apart: each [`ArenaCollective`], below and from [`LARGE_FROM`].
-pub(crate) const CHOICES: usize = 6;
+pub(crate) const CHOICES: usize = 2 * ARENA_COLLECTIVES;
 
 /// Which choice a measured call of `which` moving `bytes` bytes belongs to.
 pub(crate) fn choice_index(which: ArenaCollective, bytes: usize) -> usize {
@@ -226,13 +231,14 @@ mod tests {
     fn only_calls_of_4_mib_or_more_are_measured_and_64_mib_apart() {
         assert!(!measured((4 << 20) - 1));
         assert!(measured(4 << 20));
-        let all = [ArenaCollective::AllReduce, ArenaCollective::ReduceScatter, ArenaCollective::AllGather];
+        use ArenaCollective::{AllGather, AllReduce, Broadcast, ReduceScatter};
+        let all = [AllReduce, ReduceScatter, AllGather, Broadcast];
         let indices: Vec<usize> = all
             .iter()
             .flat_map(|&w| [choice_index(w, 4 << 20), choice_index(w, (64 << 20) - 1), choice_index(w, 64 << 20)])
             .collect();
-        assert_eq!(indices, [0, 0, 1, 2, 2, 3, 4, 4, 5]);
-        assert!(indices.iter().all(|&i| i < CHOICES));
+        assert_eq!(indices, [0, 0, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7]);
+        assert_eq!(CHOICES, 8);
     }
 
     #[test]
