@@ -126,6 +126,12 @@ fn values(kind: Kind, numel: i64, offset: i64) -> Tensor {
     (Tensor::arange(numel, (Kind::Int64, Device::Cpu)).remainder(16) + offset).to_kind(kind)
 }
 
+/// `offset`, `offset + 1`, … in f32 (exact below 2^24): no two pieces of a chunked copy
+/// hold the same bytes, so a piece read from the wrong place or at the wrong time shows.
+fn distinct(numel: i64, offset: i64) -> Tensor {
+    Tensor::arange(numel, (Kind::Float, Device::Cpu)) + offset as f64
+}
+
 fn same(a: &Tensor, b: &Tensor, what: &str) {
     assert_eq!(a.size(), b.size(), "{what}: shapes");
     assert!(a.to_kind(Kind::Double).equal(&b.to_kind(Kind::Double)), "{what}: {a:?} vs {b:?}");
@@ -239,9 +245,9 @@ fn check_collectives(g: &dyn ProcessGroup) {
     // first and from the last rank, each with other values than the arena still holds.
     let m = 5_000_001;
     for root in [0, n - 1] {
-        let t = values(Kind::Float, m, r + 5 * root);
+        let t = distinct(m, r + 5 * root);
         g.broadcast(&t, root as usize).unwrap().wait().unwrap();
-        same(&t, &values(Kind::Float, m, 6 * root), &format!("broadcast x{m} from {root}"));
+        same(&t, &distinct(m, 6 * root), &format!("broadcast x{m} from {root}"));
     }
     // Asynchronous handles: several calls in flight, completed in order.
     let ts: Vec<Tensor> = (0..4).map(|i| Tensor::full([1000], r + i, (Kind::Float, Device::Cpu))).collect();
@@ -370,7 +376,7 @@ fn check_shared_buffers(g: &dyn ProcessGroup) {
             same(&inputs[0], &values(kind, numel, r), &what("reduce_scatter leaves its inputs alone"));
             g.reduce_scatter(&inputs[r as usize], &inputs, ReduceOp::Sum).unwrap().wait().unwrap();
             same(&inputs[r as usize], &output, &what("in-place reduce_scatter"));
-            // Broadcast from the first and from the last rank, read in place by the others.
+            // Broadcast from the first and from the last rank (below 4 MiB: shm's chain).
             for root in [0, n - 1] {
                 fill(&t, &values(kind, numel, r + 5 * root));
                 g.broadcast(&t, root as usize).unwrap().wait().unwrap();
@@ -384,9 +390,9 @@ fn check_shared_buffers(g: &dyn ProcessGroup) {
     let m = 5_000_001;
     let t = shared(Kind::Float, m);
     for root in [0, n - 1] {
-        fill(&t, &values(Kind::Float, m, r + 5 * root));
+        fill(&t, &distinct(m, r + 5 * root));
         g.broadcast(&t, root as usize).unwrap().wait().unwrap();
-        same(&t, &values(Kind::Float, m, 6 * root), &format!("shared broadcast x{m} from {root}"));
+        same(&t, &distinct(m, 6 * root), &format!("shared broadcast x{m} from {root}"));
     }
     // Avg in place on a shared buffer.
     let t = shared(Kind::Float, 5000);

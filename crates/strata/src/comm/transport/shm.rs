@@ -119,7 +119,7 @@ pub struct ShmTransport {
     /// Whether every rank of the group can map every other's heap allocations.
     shares_memory: bool,
     peer_maps: PeerMappings,
-    /// How the arena all-reduce, reduce-scatter and all-gather write their slots, from
+    /// How the arena all-reduce, reduce-scatter, all-gather and broadcast write their slots, from
     /// what each choice measured here (their rates differ by collective).
     slot_stores: SlotStoreChoices,
 }

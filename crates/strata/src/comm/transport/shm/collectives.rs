@@ -264,7 +264,10 @@ impl ShmTransport {
         let region = (self.size + 1) * SLOT_BYTES / 2 / 64 * 64;
         let stream = streams(buf.len);
         for (c, at) in (0..buf.len).step_by(region).enumerate() {
-            // SAFETY: slots 0 to size lie one after another, 2 · region bytes in all.
+            // SAFETY: slots 0 to size lie one after another, 2 · region bytes in all. The
+            // first half ends before slot `size`, the result slot that peers may still be
+            // reading after an arena all-reduce (it has no closing barrier); the second is
+            // written only past this broadcast's first barrier.
             let half = unsafe { self.slot(0).add(c % 2 * region) };
             let piece = buf.piece(at, region);
             if self.rank == root {

@@ -168,8 +168,8 @@ pub(crate) enum ArenaCollective {
     Broadcast,
 }
 
-/// How many [`ArenaCollective`]s there are.
-const ARENA_COLLECTIVES: usize = 4;
+/// How many [`ArenaCollective`]s there are (the last one's index + 1).
+const ARENA_COLLECTIVES: usize = ArenaCollective::Broadcast as usize + 1;
 
 /// Measured calls from this many bytes on are chosen for apart from smaller ones: the
 /// faster stores can differ between calls whose data partly stays in the last-level cache
