@@ -513,40 +513,72 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    /// The stores two ranks (threads of this process) used on 40 arena all-gathers, every
-    /// fifth one small, with each rank's slot store setting.
-    fn stores_used(settings: [Option<&'static str>; 2]) -> [Vec<SlotStores>; 2] {
+    /// Runs `body` as ranks 0 and 1 of a group, threads of this process, each with its
+    /// connected transport.
+    fn on_two_ranks<T: Send + 'static>(body: impl Fn(usize, ShmTransport) -> T + Send + Clone + 'static) -> [T; 2] {
         use crate::comm::{Store, StoreServer};
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").unwrap();
         let addr = server.addr();
-        let ranks = settings.into_iter().enumerate().map(|(rank, setting)| {
+        let ranks = (0..2).map(|rank| {
+            let body = body.clone();
             std::thread::spawn(move || {
                 let store = Store::connect(addr, "t", Duration::from_secs(10)).unwrap();
                 let setup = GroupSetup {
                     store: Arc::new(store),
-                    prefix: "stores-test/".into(),
+                    prefix: "shm-test/".into(),
                     rank,
                     size: 2,
                     ranks: vec![0, 1],
                     world_size: 2,
                     timeout: Duration::from_secs(30),
                 };
-                let mut t = ShmTransport::connect(&setup).unwrap();
-                t.slot_stores = SlotStoreChoices::from_setting(setting.map(std::ffi::OsStr::new)).unwrap();
-                let mut used = Vec::new();
-                for call in 0..40 {
-                    let bytes = if call % 5 == 4 { 4096 } else { 64 << 20 };
-                    t.arena(ArenaCollective::AllGather, bytes, |t, stores| {
-                        used.push(stores);
-                        t.arena_barrier()
-                    })
-                    .unwrap();
-                }
-                used
+                body(rank, ShmTransport::connect(&setup).unwrap())
             })
         });
         let [zero, one]: [_; 2] = ranks.collect::<Vec<_>>().try_into().unwrap();
         [zero.join().unwrap(), one.join().unwrap()]
+    }
+
+    /// The stores two ranks used on 40 arena all-gathers, every fifth one small, with each
+    /// rank's slot store setting.
+    fn stores_used(settings: [Option<&'static str>; 2]) -> [Vec<SlotStores>; 2] {
+        on_two_ranks(move |rank, mut t| {
+            t.slot_stores = SlotStoreChoices::from_setting(settings[rank].map(std::ffi::OsStr::new)).unwrap();
+            let mut used = Vec::new();
+            for call in 0..40 {
+                let bytes = if call % 5 == 4 { 4096 } else { 64 << 20 };
+                t.arena(ArenaCollective::AllGather, bytes, |t, stores| {
+                    used.push(stores);
+                    t.arena_barrier()
+                })
+                .unwrap();
+            }
+            used
+        })
+    }
+
+    /// Bytes that differ from one piece of a chunked copy to the next (251 is prime).
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
+    #[test]
+    fn broadcasts_from_4_mib_are_native_and_smaller_ones_left_to_the_chain() {
+        // Private buffers (not in the heap): the native broadcast runs through the arena,
+        // in several halves and a partial last one, from rank 1.
+        let len = NATIVE_BROADCAST_FROM + 5 * SLOT_BYTES + 3;
+        let [zero, one] = on_two_ranks(move |rank, mut t| {
+            let mut small = vec![0u8; NATIVE_BROADCAST_FROM - 1];
+            let small_native = t.native_broadcast(&mut small, 1).is_some();
+            let mut buf = if rank == 1 { pattern(len) } else { vec![0; len] };
+            let done = t.native_broadcast(&mut buf, 1).map(|r| r.map_err(|e| e.to_string()));
+            (small_native, done, buf)
+        });
+        for (small_native, done, buf) in [zero, one] {
+            assert!(!small_native, "a broadcast below 4 MiB is left to the chain");
+            assert_eq!(done, Some(Ok(())));
+            assert!(buf == pattern(len), "every rank holds the root's bytes");
+        }
     }
 
     #[test]
