@@ -241,14 +241,8 @@ fn check_collectives(g: &dyn ProcessGroup) {
         works.iter().for_each(|w| w.wait().unwrap());
         same(&got, &values(kind, 100, prev as i64), &format!("send/recv {kind:?}"));
     }
-    // Broadcast of 20 MB (shm: through the arena, in pieces, the last one partial) from the
-    // first and from the last rank, each with other values than the arena still holds.
-    let m = 5_000_001;
-    for root in [0, n - 1] {
-        let t = distinct(m, r + 5 * root);
-        g.broadcast(&t, root as usize).unwrap().wait().unwrap();
-        same(&t, &distinct(m, 6 * root), &format!("broadcast x{m} from {root}"));
-    }
+    // Broadcast of 20 MB (shm: through the arena, in pieces, the last one partial).
+    broadcast_from_both_ends(g, &Tensor::zeros([5_000_001], (Kind::Float, Device::Cpu)), "broadcast");
     // Asynchronous handles: several calls in flight, completed in order.
     let ts: Vec<Tensor> = (0..4).map(|i| Tensor::full([1000], r + i, (Kind::Float, Device::Cpu))).collect();
     let works: Vec<_> = ts.iter().map(|t| g.all_reduce(t, ReduceOp::Sum).unwrap()).collect();
@@ -337,6 +331,17 @@ fn rank_entry() {
     println!("RANK-OK");
 }
 
+/// Broadcasts `t` (f32) from the first and from the last rank, each rank's values
+/// differing piece by piece and from the other broadcast's.
+fn broadcast_from_both_ends(g: &dyn ProcessGroup, t: &Tensor, what: &str) {
+    let (r, n, m) = (g.rank() as i64, g.size() as i64, t.numel() as i64);
+    for root in [0, n - 1] {
+        t.shallow_clone().copy_(&distinct(m, r + 5 * root));
+        g.broadcast(t, root as usize).unwrap().wait().unwrap();
+        same(t, &distinct(m, 6 * root), &format!("{what} x{m} from {root}"));
+    }
+}
+
 /// Collectives on buffers the group allocated (shared memory the peers read in place),
 /// in sizes above and below an arena chunk, in place and not.
 fn check_shared_buffers(g: &dyn ProcessGroup) {
@@ -386,14 +391,8 @@ fn check_shared_buffers(g: &dyn ProcessGroup) {
     }
     // Shared memory is host memory: a group has none to offer for a device it does not serve.
     assert!(g.alloc(4, Kind::Float, Device::Cuda(0)).unwrap().is_none());
-    // Broadcast of 20 MB (shm: read in place) from the first and from the last rank.
-    let m = 5_000_001;
-    let t = shared(Kind::Float, m);
-    for root in [0, n - 1] {
-        fill(&t, &distinct(m, r + 5 * root));
-        g.broadcast(&t, root as usize).unwrap().wait().unwrap();
-        same(&t, &distinct(m, 6 * root), &format!("shared broadcast x{m} from {root}"));
-    }
+    // Broadcast of 20 MB (shm: read in place).
+    broadcast_from_both_ends(g, &shared(Kind::Float, 5_000_001), "shared broadcast");
     // Avg in place on a shared buffer.
     let t = shared(Kind::Float, 5000);
     fill(&t, &values(Kind::Float, 5000, 2 * r));

@@ -261,6 +261,7 @@ impl ShmTransport {
     /// writes, so it uses every slot, the result slot included: larger pieces, fewer
     /// barriers.
     pub(super) fn arena_broadcast(&mut self, buf: Block, root: usize, stores: SlotStores) -> Result<()> {
+        let stream_slots = stores == SlotStores::Streaming;
         let region = (self.size + 1) * SLOT_BYTES / 2 / 64 * 64;
         let stream = streams(buf.len);
         for (c, at) in (0..buf.len).step_by(region).enumerate() {
@@ -271,7 +272,7 @@ impl ShmTransport {
             let half = unsafe { self.slot(0).add(c % 2 * region) };
             let piece = buf.piece(at, region);
             if self.rank == root {
-                piece.copy_to(half, stores == SlotStores::Streaming);
+                piece.copy_to(half, stream_slots);
             }
             self.arena_barrier()?;
             if self.rank != root {
