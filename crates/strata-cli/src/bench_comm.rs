@@ -1,7 +1,8 @@
 //! `strata bench comm`: collectives of each backend over a range of sizes, in the style of
 //! nccl-tests (time, algorithm bandwidth, bus bandwidth), with this machine's memcpy
-//! bandwidth (one process alone, and every rank at once) and PyTorch's gloo backend (`scripts/torch_comm_reference.py`, same
-//! operations, sizes and timing rule) measured in the same run as the references.
+//! bandwidth (every rank at once, in rounds alternating with each large row's; one process
+//! alone) and PyTorch's gloo backend (`scripts/torch_comm_reference.py`, same operations,
+//! sizes and timing rule) measured in the same run as the references.
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
@@ -73,18 +74,22 @@ struct Row {
     gloo_time_us: Option<f64>,
     /// gloo's time over this row's: above 1, Strata is faster.
     speedup_vs_gloo: Option<f64>,
+    /// From [`MEMCPY_FROM`] bytes: every rank copying `bytes` bytes with memcpy at once, in
+    /// rounds alternating with this row's, the slowest rank's GB/s (median round). The
+    /// memory bus's pace drifts on a shared machine; measured beside the row, it is the
+    /// pace the row had, and bounds what a copy inside the collective could reach.
+    memcpy_beside_gbps: Option<f64>,
 }
 
 #[derive(Serialize)]
 struct Report {
     world_size: usize,
-    /// One process copying alone: (bytes, GB/s).
+    /// One process copying alone, after the collectives: (bytes, GB/s). (Every rank
+    /// copying at once is measured beside each row: [`Row::memcpy_beside_gbps`].)
     memcpy_gbps: Vec<(usize, f64)>,
-    /// Every rank copying at the same time, the slowest rank's GB/s: the memory bus is
-    /// shared, so this bounds what a copy inside a collective can reach.
-    memcpy_every_rank_gbps: Vec<(usize, f64)>,
-    /// The same with streaming stores (what the shm collectives write large outputs with):
-    /// the fastest a copy gets on this machine.
+    /// Copies with streaming stores (what the shm collectives write large outputs with,
+    /// usually the fastest copy on this machine), after the collectives: one process alone
+    /// and every rank at once (the slowest rank's GB/s).
     streaming_copy_gbps: Vec<(usize, f64)>,
     streaming_copy_every_rank_gbps: Vec<(usize, f64)>,
     rows: Vec<Row>,
@@ -156,30 +161,57 @@ fn bus_factor(op: &str, n: usize) -> f64 {
     }
 }
 
-/// GB/s of copying `bytes` bytes with memcpy or, with `streaming`, with streaming stores.
-fn copy_gbps(bytes: usize, streaming: bool) -> f64 {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
-    let copy = |dst: &mut [u8], src: &[u8]| {
-        if streaming {
-            strata::comm::copy_streaming(dst, src)
-        } else {
-            dst.copy_from_slice(src)
-        }
-    };
-    copy(&mut dst, &src);
-    let iters = (1usize << 30).div_ceil(bytes).clamp(3, 200);
-    let start = Instant::now();
-    for _ in 0..iters {
-        copy(&mut dst, std::hint::black_box(&src));
+/// Sizes from which memcpy is the reference (below it, caches rather than the memory bus
+/// set the pace).
+const MEMCPY_FROM: usize = 16 << 20;
+
+/// A source and a destination of one size, both touched, for timing copies.
+struct Memcpy {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl Memcpy {
+    fn new(bytes: usize) -> Memcpy {
+        let mut m = Memcpy { src: vec![1u8; bytes], dst: vec![0u8; bytes] };
+        m.copy(false);
+        m
     }
-    std::hint::black_box(&dst);
-    (bytes * iters) as f64 / start.elapsed().as_secs_f64() / 1e9
+
+    fn copy(&mut self, streaming: bool) {
+        if streaming {
+            strata::comm::copy_streaming(&mut self.dst, std::hint::black_box(&self.src))
+        } else {
+            self.dst.copy_from_slice(std::hint::black_box(&self.src))
+        }
+    }
+
+    /// GB/s of `iters` copies with memcpy or, with `streaming`, with streaming stores.
+    fn gbps(&mut self, iters: usize, streaming: bool) -> f64 {
+        let start = Instant::now();
+        for _ in 0..iters {
+            self.copy(streaming);
+        }
+        std::hint::black_box(&self.dst);
+        (self.src.len() * iters) as f64 / start.elapsed().as_secs_f64() / 1e9
+    }
+}
+
+/// GB/s of copying `bytes` bytes (1 GiB in all, 3 to 200 copies).
+fn copy_gbps(bytes: usize, streaming: bool) -> f64 {
+    Memcpy::new(bytes).gbps((1usize << 30).div_ceil(bytes).clamp(3, 200), streaming)
+}
+
+/// A row's seconds per run and, from [`MEMCPY_FROM`] bytes, the memcpy GB/s beside it.
+struct Timing {
+    seconds: f64,
+    memcpy_beside_gbps: Option<f64>,
 }
 
 /// Times runs of `op` on a buffer of `bytes` bytes in `rounds` rounds; returns seconds per
 /// run of the median round (each round's the slowest rank's, as every rank agrees through a
-/// max all-reduce).
+/// max all-reduce). From [`MEMCPY_FROM`] bytes, each round follows one in which every rank
+/// copies as many bytes with memcpy, also reported as the median round.
 /// With `shared`, the buffers peers read (all-reduce's, all-gather's input, reduce-scatter's
 /// inputs) come from the group; `None` when it offers no such memory.
 /// With `in_place`, all-gather's input is its own output's block and reduce-scatter's
@@ -192,7 +224,7 @@ fn time_op(
     in_place: bool,
     rounds: usize,
     warmup: usize,
-) -> Result<Option<f64>> {
+) -> Result<Option<Timing>> {
     let n = g.size();
     let numel = (bytes / 4) as i64;
     let private = |k: i64| Tensor::ones([k], (Kind::Float, Device::Cpu));
@@ -236,8 +268,14 @@ fn time_op(
     // A row moves 1 GiB (3 to 100 runs), so that each round of a 16 MiB row lasts tens of
     // milliseconds, longer than one preemption of a rank on a shared machine.
     let iters = ((1usize << 30) / bytes.max(1)).clamp(3, 100).div_ceil(rounds);
-    let mut times = Vec::with_capacity(rounds);
+    let mut memcpy = (bytes >= MEMCPY_FROM).then(|| Memcpy::new(bytes));
+    let (mut times, mut copies) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
     for _ in 0..rounds {
+        if let Some(m) = memcpy.as_mut() {
+            g.barrier()?.wait()?;
+            let gbps = m.gbps(iters, false);
+            copies.push(all_reduce_values(g, &[gbps], ReduceOp::Min)?[0]);
+        }
         g.barrier()?.wait()?;
         let start = Instant::now();
         for _ in 0..iters {
@@ -245,7 +283,8 @@ fn time_op(
         }
         times.push(all_reduce_values(g, &[start.elapsed().as_secs_f64() / iters as f64], ReduceOp::Max)?[0]);
     }
-    Ok(Some(crate::bench_runs::median(times)))
+    let median = crate::bench_runs::median;
+    Ok(Some(Timing { seconds: median(times), memcpy_beside_gbps: memcpy.is_some().then(|| median(copies)) }))
 }
 
 /// Runs the gloo reference with `n` processes; its rows as (op, bytes) → microseconds.
@@ -298,7 +337,10 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
                     "shared" => true,
                     other => bail!("unknown buffers {other:?}; expected private or shared"),
                 };
-                let Some(t) = time_op(g.as_ref(), op, bytes, shared, in_place, a.rounds, a.warmup)? else { break };
+                let Some(timing) = time_op(g.as_ref(), op, bytes, shared, in_place, a.rounds, a.warmup)? else {
+                    break;
+                };
+                let t = timing.seconds;
                 let algbw = bytes as f64 / t / 1e9;
                 rows.push(Row {
                     backend: backend.into(),
@@ -311,6 +353,7 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
                     busbw_gbps: algbw * bus_factor(op, n),
                     gloo_time_us: None,
                     speedup_vs_gloo: None,
+                    memcpy_beside_gbps: timing.memcpy_beside_gbps,
                 });
                 bytes *= a.factor;
             }
@@ -319,24 +362,20 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     let first = a.backends.split(',').map(str::trim).next().unwrap_or("shm");
     let g = comm.new_group_with(&all, &format!("cpu:{first}"))?.context("this rank is in the world")?;
     let idle_wait = if n > 1 { Some(idle_wait(&comm, g.as_ref(), first)?) } else { None };
-    // Copies are compared at every measured size from 16 MiB on (below it caches, not the
-    // memory bus, set the pace), or at the largest size when all are smaller.
-    let mut memcpy_sizes: Vec<usize> = rows.iter().map(|r| r.bytes).filter(|&b| b >= 16 << 20).collect();
+    // Copies are compared at every measured size from MEMCPY_FROM on, or at the largest
+    // size when all are smaller.
+    let mut memcpy_sizes: Vec<usize> = rows.iter().map(|r| r.bytes).filter(|&b| b >= MEMCPY_FROM).collect();
     memcpy_sizes.sort_unstable();
     memcpy_sizes.dedup();
     if memcpy_sizes.is_empty() {
         memcpy_sizes.extend(rows.iter().map(|r| r.bytes).max());
     }
-    let every_rank = |streaming: bool| -> Result<Vec<(usize, f64)>> {
-        let mut out = Vec::new();
-        for &b in &memcpy_sizes {
-            g.barrier()?.wait()?;
-            let gbps = copy_gbps(b, streaming);
-            out.push((b, all_reduce_values(g.as_ref(), &[gbps], ReduceOp::Min)?[0]));
-        }
-        Ok(out)
-    };
-    let (memcpy_every_rank, streaming_every_rank) = (every_rank(false)?, every_rank(true)?);
+    let mut streaming_every_rank = Vec::new();
+    for &b in &memcpy_sizes {
+        g.barrier()?.wait()?;
+        let gbps = copy_gbps(b, true);
+        streaming_every_rank.push((b, all_reduce_values(g.as_ref(), &[gbps], ReduceOp::Min)?[0]));
+    }
     if comm.rank() != 0 {
         return Ok(());
     }
@@ -356,7 +395,6 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
     let report = Report {
         world_size: n,
         memcpy_gbps: memcpy,
-        memcpy_every_rank_gbps: memcpy_every_rank,
         streaming_copy_gbps: streaming,
         streaming_copy_every_rank_gbps: streaming_every_rank,
         rows,
@@ -387,21 +425,22 @@ pub fn run(a: BenchCommArgs) -> Result<()> {
         );
     }
     for (i, (bytes, alone)) in report.memcpy_gbps.iter().enumerate() {
-        let together = report.memcpy_every_rank_gbps[i].1;
         let (streamed_alone, streamed) = (report.streaming_copy_gbps[i].1, report.streaming_copy_every_rank_gbps[i].1);
         println!(
-            "memcpy {bytes:>10} bytes: {alone:.3} GB/s in one process, {together:.3} GB/s per rank with every rank copying; \
-             streaming copy {streamed_alone:.3} and {streamed:.3} GB/s"
+            "memcpy {bytes:>10} bytes: {alone:.3} GB/s in one process; streaming copy {streamed_alone:.3} GB/s in one \
+             process, {streamed:.3} GB/s per rank with every rank copying"
         );
         for r in report.rows.iter().filter(|r| r.bytes == *bytes) {
             let place = if r.in_place { " in place" } else { "" };
+            let beside = r.memcpy_beside_gbps.map_or(String::new(), |m| {
+                format!(", {:.2} (every rank, beside the row at {m:.3} GB/s)", r.busbw_gbps / m)
+            });
             println!(
-                "  {} {} {}{place} busbw / memcpy: {:.2} (one process), {:.2} (every rank); / streaming copy: {:.2} (every rank)",
+                "  {} {} {}{place} busbw / memcpy: {:.2} (one process){beside}; / streaming copy: {:.2} (every rank)",
                 r.backend,
                 r.buffers,
                 r.op,
                 r.busbw_gbps / alone,
-                r.busbw_gbps / together,
                 r.busbw_gbps / streamed
             );
         }

@@ -69,6 +69,14 @@ fn bench_comm_runs_real_collectives_under_the_launcher() {
     // gloo measured the same operations and sizes in the same run.
     assert!(rows.iter().all(|r| r["gloo_time_us"].as_f64().unwrap() > 0.0 && r["speedup_vs_gloo"].is_number()));
     assert!(report["memcpy_gbps"][0][1].as_f64().unwrap() > 0.0);
+    // Below 16 MiB caches set the pace: no memcpy is timed beside the rows.
+    assert!(rows.iter().all(|r| r["memcpy_beside_gbps"].is_null()));
+    let sizes = ["--min-bytes", "16777216", "--max-bytes", "16777216"];
+    let quick = ["--backends", "shm", "--ops", "all_reduce", "--buffers", "private", "--warmup", "1", "--rounds", "2"];
+    let out = strata(&[&["bench", "comm", "--nproc", "2", "--no-reference", "--json"][..], &sizes, &quick].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["rows"][0]["memcpy_beside_gbps"].as_f64().unwrap() > 0.0, "{report}");
 }
 
 #[test]
