@@ -242,7 +242,8 @@ fn check_collectives(g: &dyn ProcessGroup) {
         same(&got, &values(kind, 100, prev as i64), &format!("send/recv {kind:?}"));
     }
     // Broadcast of 20 MB (shm: through the arena, in pieces, the last one partial).
-    broadcast_from_both_ends(g, &Tensor::zeros([5_000_001], (Kind::Float, Device::Cpu)), "broadcast");
+    let t = Tensor::zeros([5_000_001], (Kind::Float, Device::Cpu));
+    broadcast_from_both_ends(g, &t, |offset| distinct(5_000_001, offset), "broadcast");
     // Asynchronous handles: several calls in flight, completed in order.
     let ts: Vec<Tensor> = (0..4).map(|i| Tensor::full([1000], r + i, (Kind::Float, Device::Cpu))).collect();
     let works: Vec<_> = ts.iter().map(|t| g.all_reduce(t, ReduceOp::Sum).unwrap()).collect();
@@ -331,14 +332,14 @@ fn rank_entry() {
     println!("RANK-OK");
 }
 
-/// Broadcasts `t` (f32) from the first and from the last rank, each rank's values
-/// differing piece by piece and from the other broadcast's.
-fn broadcast_from_both_ends(g: &dyn ProcessGroup, t: &Tensor, what: &str) {
-    let (r, n, m) = (g.rank() as i64, g.size() as i64, t.numel() as i64);
+/// Broadcasts `t` from the first and from the last rank, each rank's values (`values_at`
+/// an offset) differing from every other rank's and from the other broadcast's.
+fn broadcast_from_both_ends(g: &dyn ProcessGroup, t: &Tensor, values_at: impl Fn(i64) -> Tensor, what: &str) {
+    let (r, n) = (g.rank() as i64, g.size() as i64);
     for root in [0, n - 1] {
-        t.shallow_clone().copy_(&distinct(m, r + 5 * root));
+        t.shallow_clone().copy_(&values_at(r + 5 * root));
         g.broadcast(t, root as usize).unwrap().wait().unwrap();
-        same(t, &distinct(m, 6 * root), &format!("{what} x{m} from {root}"));
+        same(t, &values_at(6 * root), &format!("{what} x{} from {root}", t.numel()));
     }
 }
 
@@ -382,17 +383,18 @@ fn check_shared_buffers(g: &dyn ProcessGroup) {
             g.reduce_scatter(&inputs[r as usize], &inputs, ReduceOp::Sum).unwrap().wait().unwrap();
             same(&inputs[r as usize], &output, &what("in-place reduce_scatter"));
             // Broadcast from the first and from the last rank (below 4 MiB: shm's chain).
-            for root in [0, n - 1] {
-                fill(&t, &values(kind, numel, r + 5 * root));
-                g.broadcast(&t, root as usize).unwrap().wait().unwrap();
-                same(&t, &values(kind, numel, 6 * root), &what(&format!("broadcast from {root}")));
-            }
+            broadcast_from_both_ends(g, &t, |offset| values(kind, numel, offset), &what("broadcast"));
         }
     }
     // Shared memory is host memory: a group has none to offer for a device it does not serve.
     assert!(g.alloc(4, Kind::Float, Device::Cuda(0)).unwrap().is_none());
     // Broadcast of 20 MB (shm: read in place).
-    broadcast_from_both_ends(g, &shared(Kind::Float, 5_000_001), "shared broadcast");
+    broadcast_from_both_ends(
+        g,
+        &shared(Kind::Float, 5_000_001),
+        |offset| distinct(5_000_001, offset),
+        "shared broadcast",
+    );
     // Avg in place on a shared buffer.
     let t = shared(Kind::Float, 5000);
     fill(&t, &values(Kind::Float, 5000, 2 * r));

@@ -4,9 +4,8 @@
 //! all-reduce = ring reduce-scatter then ring all-gather (each rank sends and receives
 //! 2·(n−1)/n of the data); broadcast = a pipelined chain from the root (unless the
 //! transport broadcasts natively, as it may also all-reduce, reduce-scatter and
-//! all-gather); reduce = ring
-//! reduce-scatter then a gather of the blocks at the root; all-to-all = n−1 pairwise
-//! exchanges; barrier = a one-byte all-gather.
+//! all-gather); reduce = ring reduce-scatter then a gather of the blocks at the root;
+//! all-to-all = n−1 pairwise exchanges; barrier = a one-byte all-gather.
 use super::elementwise::{check_reducible, divide, reduce_into, split};
 use super::transport::{Block, ShmTransport, TcpTransport, Transport};
 use super::{check_list, check_rank, comm_text, GroupSetup, ProcessGroup, ReduceOp, Store, Work};
