@@ -290,7 +290,7 @@ def trace_step(step, path):
     with warnings.catch_warnings():
         # One recording cycle is all there is: its note about later cycles does not apply.
         warnings.simplefilter("ignore")
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=True) as prof:
             step()
             if cuda:
                 torch.cuda.synchronize()

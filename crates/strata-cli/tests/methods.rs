@@ -3,27 +3,22 @@
 //! in one process, and bad configurations are one-line errors that list what is allowed.
 mod common;
 
-use common::{global_gap, losses, stderr, strata, strata_env};
-use std::path::{Path, PathBuf};
+use common::{global_gap, losses, stderr, strata, strata_env, train_run, Run};
+use std::path::Path;
 
 const MODEL: [&str; 12] =
     ["--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32", "--seed", "3"];
 const RUN: [&str; 8] = ["--batch-size", "8", "--schedule", "constant", "--threads", "1", "--log-every", "1000"];
 
-/// Trains `steps` AdamW steps with `strategy` and `extra` flags; returns (weights, metrics).
-fn train(dir: &Path, name: &str, steps: &str, strategy: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
-    let (w, m) = (dir.join(format!("{name}.st")), dir.join(format!("{name}.jsonl")));
-    let files = ["--save-weights", w.to_str().unwrap(), "--metrics", m.to_str().unwrap()];
-    let args = [&["train"][..], &MODEL, &RUN, &["--steps", steps, "--strategy", strategy], &files, extra].concat();
-    let o = strata(&args);
-    assert!(o.status.success(), "{strategy} {extra:?}:\n{}", stderr(&o));
-    (w, m)
+/// Trains `steps` AdamW steps with `strategy` and `extra` flags.
+fn train(dir: &Path, name: &str, steps: usize, strategy: &str, extra: &[&str]) -> Run {
+    train_run(dir, name, steps, &[&MODEL, &RUN, &["--strategy", strategy], extra])
 }
 
 #[test]
 fn mixed_and_half_precision_follow_the_fp32_loss_curve() {
     let dir = tempfile::tempdir().unwrap();
-    let fp32 = losses(&train(dir.path(), "fp32", "20", "[]", &[]).1);
+    let fp32 = losses(&train(dir.path(), "fp32", 20, "[]", &[]).1);
     // bf16 keeps 8 significant bits, fp16 11: one rounding of the logits moves the loss by
     // about 2^-9 of its size; over 20 steps the curves may drift apart a few times that.
     // Bound: 2% of the loss at every step for amp (fp32 masters), 5% for half (no masters).
@@ -33,7 +28,7 @@ fn mixed_and_half_precision_follow_the_fp32_loss_curve() {
         (r#"[["half", "bf16"]]"#, 0.05),
         (r#"["half"]"#, 0.05),
     ] {
-        let curve = losses(&train(dir.path(), "low", "20", strategy, &[]).1);
+        let curve = losses(&train(dir.path(), "low", 20, strategy, &[]).1);
         let worst = fp32.iter().zip(&curve).map(|((_, a), (_, b))| (a - b).abs() / a).fold(0.0, f64::max);
         eprintln!("{strategy}: largest relative loss difference {worst:.2e}");
         assert!(worst < bound, "{strategy}: {worst:e}");
@@ -55,10 +50,10 @@ fn every_method_combines_with_zero2_and_fsdp_on_2_ranks() {
         (r#"["half", "bf16"]"#, 2e-2),
         (r#"["fp8", {"exclude": ["lm_head"]}]"#, 5e-2),
     ] {
-        let one = train(dir.path(), "one", "6", &format!("[{method}]"), &[]).0;
+        let one = train(dir.path(), "one", 6, &format!("[{method}]"), &[]).0;
         for sharding in [r#""zero2""#, r#""fsdp""#] {
             let strategy = format!("[{method}, {sharding}]");
-            let two = train(dir.path(), "two", "6", &strategy, &["--nproc", "2"]).0;
+            let two = train(dir.path(), "two", 6, &strategy, &["--nproc", "2"]).0;
             let gap = global_gap(&one, &two);
             eprintln!("{strategy}: {gap:.2e}");
             assert!(gap < bound, "{strategy}: parameters differ by {gap:e}");

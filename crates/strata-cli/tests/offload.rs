@@ -3,8 +3,8 @@
 //! resumed across offload and no offload; budgets that nothing fits are one clear line.
 mod common;
 
-use common::{assert_fails_with, global_gap, losses, reports, stderr, strata};
-use std::path::{Path, PathBuf};
+use common::{assert_fails_with, global_gap, losses, reports, strata, train_run, Run};
+use std::path::Path;
 
 /// A constant learning rate: a run of 6 steps and one of 3 resumed to 6 see the same rates.
 const RUN: [&str; 16] = [
@@ -26,14 +26,9 @@ const RUN: [&str; 16] = [
     "constant",
 ];
 
-/// Trains `steps` steps with `extra` flags; the saved weights and metrics.
-fn train(dir: &Path, name: &str, steps: u64, extra: &[&str]) -> (PathBuf, PathBuf) {
-    let (w, m) = (dir.join(format!("{name}.st")), dir.join(format!("{name}.jsonl")));
-    let steps = steps.to_string();
-    let files = ["--steps", &steps, "--save-weights", w.to_str().unwrap(), "--metrics", m.to_str().unwrap()];
-    let o = strata(&[&["train"][..], &RUN, &files, extra].concat());
-    assert!(o.status.success(), "{name} {extra:?}:\n{}", stderr(&o));
-    (w, m)
+/// Trains `steps` steps with `extra` flags.
+fn train(dir: &Path, name: &str, steps: usize, extra: &[&str]) -> Run {
+    train_run(dir, name, steps, &[&RUN, extra])
 }
 
 /// The device peak of a run without a budget (everything the allocator held: model states,

@@ -4,8 +4,8 @@
 //! layouts are refused in one line.
 mod common;
 
-use common::{global_gap, losses, stderr, strata};
-use std::path::{Path, PathBuf};
+use common::{assert_follows, losses, stderr, strata, train_run, Run};
+use std::path::Path;
 
 const RUN: [&str; 16] = [
     "--layers",
@@ -34,13 +34,9 @@ fn pipeline(stages: usize, schedule: &str, virtual_stages: usize) -> String {
     )
 }
 
-/// Trains 10 AdamW steps (fp32) and returns the saved weights and the metrics.
-fn train(dir: &Path, name: &str, model: &[&str], extra: &[&str]) -> (PathBuf, PathBuf) {
-    let (w, m) = (dir.join(format!("{name}.st")), dir.join(format!("{name}.jsonl")));
-    let files = ["--steps", "10", "--save-weights", w.to_str().unwrap(), "--metrics", m.to_str().unwrap()];
-    let o = strata(&[&["train"][..], model, &RUN, &files, extra].concat());
-    assert!(o.status.success(), "{name} {extra:?}:\n{}", stderr(&o));
-    (w, m)
+/// Trains 10 AdamW steps (fp32).
+fn train(dir: &Path, name: &str, model: &[&str], extra: &[&str]) -> Run {
+    train_run(dir, name, 10, &[model, &RUN, extra])
 }
 
 #[test]
@@ -63,12 +59,7 @@ fn pipelines_match_one_process() {
             let what = format!("{name}: {stages} stages, {schedule}, {v} chunks per rank");
             let n = stages.to_string();
             let run = train(dir.path(), "pp", model, &["--nproc", &n, "--strategy", &pipeline(stages, schedule, v)]);
-            for ((step, a), (_, b)) in losses(&one.1).iter().zip(&losses(&run.1)) {
-                assert!(((a - b) / a).abs() < 1e-6, "{what}: step {step} loss {b} against one process's {a}");
-            }
-            let gap = global_gap(&one.0, &run.0);
-            eprintln!("{what}: weights differ by {gap:.2e}");
-            assert!(gap < 1e-5, "{what}: weights differ by {gap:e}");
+            assert_follows(&one, &run, &what, 1e-6, 1e-5);
             // Every parameter of every unit comes back, uneven stages included.
             assert_eq!(common::weights(&one.0).len(), common::weights(&run.0).len(), "{what}");
         }
@@ -79,20 +70,16 @@ fn pipelines_match_one_process() {
     let by_params =
         r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}]]"#;
     let run = train(dir.path(), "pp", &GPT, &["--nproc", "2", "--strategy", by_params]);
-    let gap = global_gap(&one.0, &run.0);
-    assert!(gap < 1e-5, "stages balanced by parameters: weights differ by {gap:e}");
+    assert_follows(&one, &run, "stages balanced by parameters", 1e-5, 1e-5);
     let strategy = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "zero_bubble"}], ["checkpoint", ["GptBlock"]]]"#;
     let run = train(dir.path(), "pp", &GPT, &["--nproc", "2", "--strategy", strategy]);
-    let gap = global_gap(&one.0, &run.0);
-    assert!(gap < 1e-5, "checkpointed blocks in a pipeline: weights differ by {gap:e}");
+    assert_follows(&one, &run, "checkpointed blocks in a pipeline", 1e-5, 1e-5);
     // Replaced kernels (oneDNN's linear where libtorch has it) compute the deferred layers'
     // forward and input gradient.
     let one = train(dir.path(), "one", &GPT, &["--strategy", r#"["module_replace"]"#]);
     let strategy = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "zero_bubble"}], "module_replace"]"#;
     let run = train(dir.path(), "pp", &GPT, &["--nproc", "2", "--strategy", strategy]);
-    let gap = global_gap(&one.0, &run.0);
-    eprintln!("zero bubble with module_replace: weights differ by {gap:.2e}");
-    assert!(gap < 1e-5, "zero bubble with module_replace: weights differ by {gap:e}");
+    assert_follows(&one, &run, "zero bubble with module_replace", 1e-5, 1e-5);
 }
 
 #[test]
@@ -191,12 +178,7 @@ fn pipelines_beside_tensor_parallelism_and_sharding_match_one_process() {
         let one = train(dir.path(), name, model, &two);
         let run = with(model, dims, more);
         let what = format!("{name}: {dims} with {more}");
-        for ((step, a), (_, b)) in losses(&one.1).iter().zip(&losses(&run.1)) {
-            assert!(((a - b) / a).abs() < 1e-5, "{what}: step {step} loss {b} against one process's {a}");
-        }
-        let gap = global_gap(&one.0, &run.0);
-        eprintln!("{what}: weights differ by {gap:.2e}");
-        assert!(gap < 1e-5, "{what}: weights differ by {gap:e}");
+        assert_follows(&one, &run, &what, 1e-5, 1e-5);
     }
 }
 
@@ -252,12 +234,7 @@ fn loss_scaling_skips_the_same_steps_as_one_process() {
     // fp16 compute: the stages sum a tied weight's gradients in another order than one
     // process, and fp16 (unit roundoff 4.9e-4) rounds what that leaves; a static scale
     // leaves the weights about 5e-4 apart too.
-    for ((step, x), (_, y)) in losses(&one.1).iter().zip(&losses(&run.1)) {
-        assert!(((x - y) / x).abs() < 1e-4, "step {step}: loss {y} against one process's {x}");
-    }
-    let gap = global_gap(&one.0, &run.0);
-    eprintln!("fp16 with loss scaling: weights differ by {gap:.2e}");
-    assert!(gap < 1e-3, "weights differ by {gap:e}");
+    assert_follows(&one, &run, "fp16 with loss scaling", 1e-4, 1e-3);
 }
 
 /// ZB-H1 under bf16 autocast: the deferred weight gradients are computed in bf16 and added
@@ -276,17 +253,7 @@ fn zero_bubble_under_amp_matches_one_f_one_b_and_one_process() {
         train(dir.path(), schedule, &GPT, &["--nproc", "2", "--strategy", &strategy])
     };
     let (zb, plain) = (staged("zero_bubble"), staged("1f1b"));
-    for ((step, a), (_, b)) in losses(&plain.1).iter().zip(&losses(&zb.1)) {
-        assert!(((a - b) / a).abs() < 1e-6, "step {step}: zero bubble's loss {b} against 1F1B's {a}");
-    }
-    let gap = global_gap(&plain.0, &zb.0);
-    eprintln!("zero bubble against 1F1B under bf16 autocast: weights differ by {gap:.2e}");
-    assert!(gap < 1e-6, "weights differ by {gap:e}");
-    for ((step, a), (_, b)) in losses(&one.1).iter().zip(&losses(&zb.1)) {
-        assert!(((a - b) / a).abs() < 1e-4, "step {step}: loss {b} against one process's {a}");
-    }
-    let gap = global_gap(&one.0, &zb.0);
-    eprintln!("zero bubble under bf16 autocast against one process: weights differ by {gap:.2e}");
+    assert_follows(&plain, &zb, "zero bubble against 1F1B under bf16 autocast", 1e-6, 1e-6);
     // bf16's unit roundoff is 3.9e-3.
-    assert!(gap < 5e-3, "weights differ by {gap:e}");
+    assert_follows(&one, &zb, "zero bubble under bf16 autocast against one process", 1e-4, 5e-3);
 }

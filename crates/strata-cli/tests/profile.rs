@@ -350,8 +350,8 @@ fn bad_profile_folders_are_one_line() {
     assert_fails_with(&summary(dir.path()), "every rank's file must be there once");
 }
 
-/// Kernel traces in libtorch's own format: the operators a thread ran are in one, the
-/// device time per kernel is read from a trace's kernels, copies and fills alone, and the
+/// Kernel traces in libtorch's own format: the operators a thread ran are in one, with
+/// their inputs' shapes, the device time per kernel is read from a trace's kernels, copies and fills alone, and the
 /// host's self time per operator from its operators, less the operators they called.
 #[test]
 fn kernel_traces_are_written_and_read_by_kernel_and_by_operator() {
@@ -364,6 +364,7 @@ fn kernel_traces_are_written_and_read_by_kernel_and_by_operator() {
     kernels::save(&path).unwrap();
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(text.contains(r#""aten::mm""#), "the product is in the trace");
+    assert!(text.contains(r#""Input Dims": [[64, 64], [64, 64]]"#), "with its inputs' shapes");
     assert!(kernels::device_ms_by_name(&path).unwrap().is_empty(), "no device ran anything");
     let host = kernels::host_self_ms_by_name(&path).unwrap();
     assert!(host.get("aten::mm").is_some_and(|&ms| ms > 0.0), "the product's own time: {host:?}");

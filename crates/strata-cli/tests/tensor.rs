@@ -5,8 +5,8 @@
 //! back; bad layouts are refused in one line.
 mod common;
 
-use common::{global_gap, losses, stderr, strata, weights};
-use std::path::{Path, PathBuf};
+use common::{assert_follows, global_gap, losses, stderr, strata, train_run, weights, Run};
+use std::path::Path;
 
 const RUN: [&str; 16] = [
     "--layers",
@@ -38,22 +38,13 @@ fn tensor(size: usize, sequence_parallel: bool, more: &str) -> String {
     )
 }
 
-/// Trains 10 AdamW steps (fp32) and returns the saved weights and the metrics.
-fn train(dir: &Path, name: &str, model: &[&str], extra: &[&str]) -> (PathBuf, PathBuf) {
-    let (w, m) = (dir.join(format!("{name}.st")), dir.join(format!("{name}.jsonl")));
-    let files = ["--steps", "10", "--save-weights", w.to_str().unwrap(), "--metrics", m.to_str().unwrap()];
-    let o = strata(&[&["train"][..], model, &RUN, &files, extra].concat());
-    assert!(o.status.success(), "{name} {extra:?}:\n{}", stderr(&o));
-    (w, m)
+/// Trains 10 AdamW steps (fp32).
+fn train(dir: &Path, name: &str, model: &[&str], extra: &[&str]) -> Run {
+    train_run(dir, name, 10, &[model, &RUN, extra])
 }
 
-fn assert_same_run(one: &(PathBuf, PathBuf), other: &(PathBuf, PathBuf), what: &str) {
-    for ((step, a), (_, b)) in losses(&one.1).iter().zip(&losses(&other.1)) {
-        assert!(((a - b) / a).abs() < 1e-5, "{what}: step {step} loss {b} against one process's {a}");
-    }
-    let gap = global_gap(&one.0, &other.0);
-    eprintln!("{what}: weights differ by {gap:.2e}");
-    assert!(gap < 1e-5, "{what}: final weights differ by {gap:e}");
+fn assert_same_run(one: &Run, other: &Run, what: &str) {
+    assert_follows(one, other, what, 1e-5, 1e-5);
 }
 
 #[test]

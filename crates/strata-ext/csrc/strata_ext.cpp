@@ -413,11 +413,12 @@ using torch::profiler::impl::ProfilerConfig;
 using torch::profiler::impl::ProfilerState;
 }  // namespace
 
-// Starts libtorch's Kineto profiler on the calling thread: operators, and with `cuda` the
-// device's kernels, copies and runtime calls (through CUPTI).
+// Starts libtorch's Kineto profiler on the calling thread: operators with their inputs'
+// shapes and strides, and with `cuda` the device's kernels, copies and runtime calls
+// (through CUPTI).
 int strata_kineto_start(int cuda) {
   return guarded([&] {
-    ProfilerConfig config(ProfilerState::KINETO);
+    ProfilerConfig config(ProfilerState::KINETO, /*report_input_shapes=*/true);
     std::set<ActivityType> activities{ActivityType::CPU};
     if (cuda) activities.insert(ActivityType::CUDA);
     kineto::prepareProfiler(config, activities);

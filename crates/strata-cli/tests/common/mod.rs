@@ -1,7 +1,7 @@
 //! Helpers shared by the command-line tests.
 #![allow(dead_code)] // each test binary uses its own subset
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// The binary under test: `STRATA_BIN` where set (test binaries built on another machine,
@@ -52,6 +52,34 @@ pub fn global_gap(a: &Path, b: &Path) -> f64 {
     let diff: f64 = a.iter().map(|(k, t)| sq(&(t.to_kind(tch::Kind::Double) - b[k].to_kind(tch::Kind::Double)))).sum();
     let norm: f64 = a.values().map(sq).sum();
     (diff / norm).sqrt()
+}
+
+/// A finished training run: its saved weights and its metrics file.
+pub type Run = (PathBuf, PathBuf);
+
+/// `strata train` for `steps` steps with the flags of `args`, its weights and metrics
+/// saved as `name` in `dir`; the run must succeed.
+pub fn train_run(dir: &Path, name: &str, steps: usize, args: &[&[&str]]) -> Run {
+    let (w, m) = (dir.join(format!("{name}.st")), dir.join(format!("{name}.jsonl")));
+    let steps = steps.to_string();
+    let files = ["--steps", &steps, "--save-weights", w.to_str().unwrap(), "--metrics", m.to_str().unwrap()];
+    let flags = args.concat();
+    let o = strata(&[&["train"][..], &flags, &files].concat());
+    assert!(o.status.success(), "{name} {flags:?}:\n{}", stderr(&o));
+    (w, m)
+}
+
+/// `other` follows `one` step for step: every loss within a relative `loss` of one's, and
+/// the final weights within a global gap of `weights`.
+pub fn assert_follows(one: &Run, other: &Run, what: &str, loss: f64, weights: f64) {
+    let (a, b) = (losses(&one.1), losses(&other.1));
+    assert_eq!(a.len(), b.len(), "{what}: steps recorded");
+    for ((step, a), (_, b)) in a.iter().zip(&b) {
+        assert!(((a - b) / a).abs() < loss, "{what}: step {step} loss {b} against {a}");
+    }
+    let gap = global_gap(&one.0, &other.0);
+    eprintln!("{what}: weights differ by {gap:.2e}");
+    assert!(gap < weights, "{what}: weights differ by {gap:e}");
 }
 
 /// The step reports of a metrics file, one per line.
