@@ -351,8 +351,9 @@ fn bad_profile_folders_are_one_line() {
 }
 
 /// Kernel traces in libtorch's own format: the operators a thread ran are in one, with
-/// their inputs' shapes, the device time per kernel is read from a trace's kernels, copies and fills alone, and the
-/// host's self time per operator from its operators, less the operators they called.
+/// their inputs' shapes; the device time per kernel is read from a trace's kernels, copies
+/// and fills alone, and the host's self time per operator from its operators, less the
+/// operators they called.
 #[test]
 fn kernel_traces_are_written_and_read_by_kernel_and_by_operator() {
     use profile::kernels;

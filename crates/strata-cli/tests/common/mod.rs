@@ -72,9 +72,9 @@ pub fn train_run(dir: &Path, name: &str, steps: usize, args: &[&[&str]]) -> Run 
 /// `other` follows `one` step for step: every loss within a relative `loss` of one's, and
 /// the final weights within a global gap of `weights`.
 pub fn assert_follows(one: &Run, other: &Run, what: &str, loss: f64, weights: f64) {
-    let (a, b) = (losses(&one.1), losses(&other.1));
-    assert_eq!(a.len(), b.len(), "{what}: steps recorded");
-    for ((step, a), (_, b)) in a.iter().zip(&b) {
+    let (expected, got) = (losses(&one.1), losses(&other.1));
+    assert_eq!(expected.len(), got.len(), "{what}: steps recorded");
+    for ((step, a), (_, b)) in expected.iter().zip(&got) {
         assert!(((a - b) / a).abs() < loss, "{what}: step {step} loss {b} against {a}");
     }
     let gap = global_gap(&one.0, &other.0);
