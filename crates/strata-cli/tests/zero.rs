@@ -113,7 +113,13 @@ fn bf16_parameters_follow_fp32_within_bf16_rounding() {
     assert_same(&one, &two, "bf16 fsdp, 2 ranks against 1", 2e-2);
     assert_same(&fp32, &one, "bf16 fsdp against fp32", 2e-2);
     let reduce = r#"[["zero2", {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}]]"#;
-    assert_same(&fp32, &train(dir.path(), "z.st", &["--strategy", reduce, "--nproc", "2"]), "bf16 zero2", 2e-2);
+    let zero2 = train(dir.path(), "z.st", &["--strategy", reduce, "--nproc", "2"]);
+    assert_same(&fp32, &zero2, "bf16 zero2", 2e-2);
+    // A param_dtype that was ignored would leave the runs equal to fp32.
+    for (run, what) in [(&one, "bf16 fsdp"), (&zero2, "bf16 zero2")] {
+        let gap = global_gap(&fp32, run);
+        assert!(gap > 1e-5, "{what} computes in fp32: parameters differ by {gap:e}");
+    }
 }
 
 /// Model-state bytes per rank (rank 0's peak) with a strategy on 2 ranks.

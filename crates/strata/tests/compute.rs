@@ -138,6 +138,8 @@ fn fp8_linear_stays_close_to_fp32_and_its_scaling_follows_the_history() {
         errors.0, errors.1, errors.2
     );
     assert!(errors.0 < 0.05 && errors.1 < 0.1 && errors.2 < 0.1, "{errors:?}");
+    // Quantised, not silently computed in fp32.
+    assert!(errors.0 > 1e-4 && errors.1 > 1e-4 && errors.2 > 1e-4, "{errors:?}");
     let recent = Fp8Unit::new(Fp8Config { amax_compute_algo: AmaxAlgo::MostRecent, ..Default::default() });
     for scale in [4.0, 1.0] {
         let _ = fp8::linear(&recent, 0, true, &(&x * scale), &w, None, Kind::Float).unwrap();
@@ -216,8 +218,8 @@ fn recomputed_units_give_the_same_gradients_with_less_memory() {
 #[test]
 fn replaced_modules_match_the_reference_ones() {
     let _serial = serial();
-    for (name, kind, err, bound) in common::replaced_module_errors(Device::Cpu) {
-        assert!(err < bound, "{name} in {kind:?}: {err:e}");
+    for module in common::replaced_modules(Device::Cpu) {
+        module.check(Device::Cpu);
     }
     assert!(Replacements::select(Some(&["NoSuchPair".to_string()])).is_err());
 }

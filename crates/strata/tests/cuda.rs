@@ -202,9 +202,8 @@ fn fp8_products_on_a_gpu_stay_near_bf16_without_waiting_for_the_device() {
 #[test]
 fn fused_attention_and_norms_on_a_gpu_match_the_composites() {
     let Some((gpu, _serial)) = gpu("fused_attention_and_norms_on_a_gpu_match_the_composites") else { return };
-    for (name, kind, err, bound) in common::replaced_module_errors(gpu) {
-        eprintln!("{name} in {kind:?} on the GPU: {err:.2e}");
-        assert!(err < bound, "{name} in {kind:?}: {err:e}");
+    for module in common::replaced_modules(gpu) {
+        module.check(gpu);
     }
     // Whole models: the fused modules give the losses of the composites.
     let batches = steps(3, gpu);
