@@ -274,9 +274,10 @@ pub fn run(mut settings: TrainSettings) -> Result<()> {
         non_model: None,
         shard_floor: None,
     };
-    if strategy.offload().is_some() {
-        // The plan leaves room for what a step holds beside model states (beside a ZeRO
-        // stage, for the step itself), measured on a step of the run's own shape.
+    if strategy.offload().is_some() || engine_config.device_budget.is_some() {
+        // Offload's plan leaves room for what a step holds beside model states (beside a
+        // ZeRO stage, for the step itself), measured on a step of the run's own shape; a
+        // run that keeps every state on the device is refused if its step cannot fit.
         let first = DataLoader::new(data.clone(), loader_config(0), order.clone())?
             .next()
             .ok_or_else(|| anyhow::anyhow!("the data holds no step to measure offload's room on"))??;

@@ -17,6 +17,7 @@ use crate::compute::fp8::Fp8Unit;
 use crate::compute::replace::Replacements;
 use crate::compute::UnitCompute;
 use crate::engine::offload::{HostMemory, NonModelTrace, Offload, OffloadOptions};
+use crate::engine::placement::HomePolicy;
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
 use crate::strategy::{
@@ -65,10 +66,11 @@ impl<'a> Placement<'a> {
         }
     }
 
-    /// This placement with the room `strategy`'s offload plan must leave beside model
-    /// states measured on `step` ([`measure_non_model`]), or beside a ZeRO stage whose
-    /// `offload` places shards by the budget, the step's floor ([`measure_shard_floor`]);
-    /// as it is otherwise.
+    /// This placement with the room beside model states measured on `step`
+    /// ([`measure_non_model`]) where `strategy`'s offload plan must leave it, or where one
+    /// process keeps every state on the device under a budget (so that a step that cannot
+    /// fit is refused when the engine is built); beside a ZeRO stage whose `offload` places
+    /// shards by the budget, the step's floor ([`measure_shard_floor`]); as it is otherwise.
     pub fn with_room_measured(
         &self,
         spec: ModelSpec,
@@ -77,7 +79,12 @@ impl<'a> Placement<'a> {
         step: &crate::data::Step,
     ) -> Result<Placement<'a>> {
         let mut at = self.clone();
-        if strategy.offload_plan().is_some() {
+        let resident_under_budget = strategy.offload().is_none()
+            && strategy.sharding().is_none()
+            && config.device_budget.is_some()
+            && self.world_size() == 1
+            && !self.stage;
+        if strategy.offload_plan().is_some() || resident_under_budget {
             at.non_model = Some(measure_non_model(spec, config.clone(), strategy, self, step)?);
         } else if strategy.offload().is_some_and(|o| o.policy == OffloadPolicy::Auto) && config.device_budget.is_some()
         {
@@ -184,6 +191,9 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     if let Some(offload) = strategy.offload_plan() {
         return build_offload(spec, config, offload, at);
     }
+    if world == 1 {
+        fits_on_the_device(&spec, &config, at)?;
+    }
     let tensor = mode.size("tensor", world)?;
     let replicas = world / (tensor * stages);
     // Every rank creates every group in one order: tensor groups, then the replicas'.
@@ -288,6 +298,30 @@ fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig,
         delayed_update: offload.delayed_update,
     };
     Offload::build(spec, config, options)
+}
+
+/// With the room beside model states measured ([`Placement::with_room_measured`]) and a
+/// device budget, whether one process that keeps every state on the device fits it at every
+/// moment of a step: the plan of an offload that moves nothing decides, as it would with
+/// offload. Nothing to check without either.
+fn fits_on_the_device(spec: &ModelSpec, config: &EngineConfig, at: &Placement) -> Result<()> {
+    if at.non_model.is_none() || config.device_budget.is_none() {
+        return Ok(());
+    }
+    let options = OffloadOptions {
+        policy: HomePolicy::Static { params: 0.0, optimizer: 0.0 },
+        optimizer_bytes_per_element: at.optimizer_bytes_per_element,
+        prefetch: 0,
+        pin_memory: false,
+        non_model: at.non_model.clone(),
+        on_host: vec![],
+        slot_bytes: None,
+        delayed_update: false,
+    };
+    match Offload::plan_for(spec, config, &options) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(Error::Config(format!("{e}; the offload method places states on the host"))),
+    }
 }
 
 /// What `offload` asks of the ZeRO stage `stage` (method `name`): which sharded units keep
@@ -408,11 +442,10 @@ fn traced_engine(
     at: &Placement,
     offload: &OffloadConfig,
 ) -> Result<(Engine, Arc<NonModelTrace>)> {
-    let replace = |m: &Method| match m {
-        Method::Offload(_) => Method::Offload(offload.clone()),
-        other => other.clone(),
-    };
-    let measured = Strategy { methods: strategy.methods.iter().map(replace).collect() };
+    let mut methods: Vec<Method> =
+        strategy.methods.iter().filter(|m| !matches!(m, Method::Offload(_))).cloned().collect();
+    methods.push(Method::Offload(offload.clone()));
+    let measured = Strategy { methods };
     let config = EngineConfig { device_budget: None, host_budget: None, ..config };
     let mut engine = build_engine(spec, config, &measured, at)?;
     let trace = Arc::new(NonModelTrace::new(&engine));
@@ -433,9 +466,10 @@ pub fn measure_non_model(
     at: &Placement,
     step: &crate::data::Step,
 ) -> Result<Vec<u64>> {
-    let Some(offload) = strategy.offload_plan() else {
-        return Err(Error::Config("measuring room beside model states needs offload without a ZeRO stage".into()));
-    };
+    if strategy.sharding().is_some() {
+        return Err(Error::Config("measuring room beside model states needs a strategy without a ZeRO stage".into()));
+    }
+    let offload = strategy.offload_plan().cloned().unwrap_or_default();
     let (mut engine, trace) = traced_engine(spec, config, strategy, at, &offload.everything_on_host())?;
     let loss = crate::train::next_token_loss_of(&engine);
     let n = step.micro_batches.len() as f64;
