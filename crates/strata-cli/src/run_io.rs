@@ -122,3 +122,28 @@ pub fn save_profile(profiler: &strata::profile::Profiler, dir: &std::path::Path,
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create profile folder {}", dir.display()))?;
     profiler.save(&strata::profile::Profiler::rank_file(dir, rank)).context("saving the profile")
 }
+
+/// The --metrics file, one JSON line per step, opened for the steps after `start`: a new
+/// run starts it afresh; a resumed one keeps the lines of the steps up to its checkpoint
+/// (rewritten atomically, without the lines of steps that run again) and appends after them.
+pub fn open_metrics(path: &std::path::Path, start: u64) -> Result<std::io::BufWriter<std::fs::File>> {
+    use anyhow::Context;
+    let cannot = || format!("cannot open metrics file {}", path.display());
+    if start > 0 && path.exists() {
+        let old = std::fs::read_to_string(path).with_context(cannot)?;
+        let done = |line: &&str| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= start)
+        };
+        let kept: String = old.lines().filter(done).flat_map(|l| [l, "\n"]).collect();
+        strata::io::write_atomic(path, kept.as_bytes()).with_context(cannot)?;
+    }
+    let mut options = std::fs::OpenOptions::new();
+    match start {
+        0 => options.write(true).create(true).truncate(true),
+        _ => options.append(true).create(true),
+    };
+    Ok(std::io::BufWriter::new(options.open(path).with_context(cannot)?))
+}

@@ -354,9 +354,7 @@ pub fn run(mut settings: TrainSettings) -> Result<()> {
     };
     // Rank 0 speaks for the job: metrics, progress, saved weights.
     let mut metrics = match settings.metrics.as_ref().filter(|_| leader) {
-        Some(path) => Some(std::io::BufWriter::new(
-            std::fs::File::create(path).with_context(|| format!("cannot create metrics file {}", path.display()))?,
-        )),
+        Some(path) => Some(crate::run_io::open_metrics(path, start)?),
         None => None,
     };
     let bar = if leader { ProgressBar::new(settings.steps) } else { ProgressBar::hidden() };

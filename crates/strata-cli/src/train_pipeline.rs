@@ -132,9 +132,7 @@ pub fn run(r: PipelineRun<'_>) -> Result<()> {
         r.val.as_ref().map(|v| strata::data::validation_steps(v, &config, s.eval_batches, 8)).transpose()?;
     let loader = DataLoader::new(r.data, config, r.order)?;
     let mut metrics = match s.metrics.as_ref().filter(|_| r.leader) {
-        Some(path) => Some(std::io::BufWriter::new(
-            std::fs::File::create(path).with_context(|| format!("cannot create metrics file {}", path.display()))?,
-        )),
+        Some(path) => Some(crate::run_io::open_metrics(path, start)?),
         None => None,
     };
     let mut last = None;
