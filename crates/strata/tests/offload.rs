@@ -1,50 +1,17 @@
 //! Offload: model states placed between device and host train exactly as when every state
 //! stays on the device, within the device and host budgets, moving the bytes the plan says.
+mod common;
+
+use common::tied_gpt::{model_state_bytes, spec, step, trainer};
 use std::sync::Arc;
-use strata::data::{Batch, Step};
-use strata::engine::offload::{NonModelTrace, Offload, OffloadOptions};
+use strata::engine::offload::{Offload, OffloadOptions};
 use strata::engine::placement::{Home, HomePolicy};
-use strata::engine::{with_seed, EngineConfig, Event, EventLog, Placement as Where};
-use strata::model::{self, Builder, GptConfig, ModelSpec};
-use strata::optim::{Optimizer, OptimizerConfig, Schedule};
+use strata::engine::{EngineConfig, Event, EventLog, Placement as Where};
 use strata::parallel::{build_engine, measure_non_model, Placement};
 use strata::profile::{Profiler, Record, SpanKind};
 use strata::strategy::{Method, Strategy};
 use strata::train::{StepReport, Trainer};
-use tch::{Device, Kind, Tensor};
-
-/// Four layers; the head borrows the embedding's weight (tied), so one unit's gradient
-/// comes from two backwards.
-const GPT: GptConfig = GptConfig::new(64, 16, 4, 2, 32);
-
-fn spec() -> ModelSpec {
-    let mut b = Builder::new();
-    model::gpt(&GPT, &mut b).unwrap();
-    b.build().unwrap()
-}
-
-/// Step `index`: two micro-batches (gradients accumulate) of two sequences, each counting
-/// up by three from a random start (a pattern the model can learn).
-fn step(index: usize) -> Step {
-    let batch = |i: i64| {
-        // Tests run on several threads: the draw holds libtorch's generator.
-        let starts = with_seed(1000 + 2 * index as i64 + i, || Tensor::randint(64, [2, 1], (Kind::Int64, Device::Cpu)));
-        let tokens = (starts + Tensor::arange(17, (Kind::Int64, Device::Cpu)) * 3).remainder(64);
-        Batch { inputs: tokens.narrow(1, 0, 16), targets: tokens.narrow(1, 1, 16) }
-    };
-    Step { index, micro_batches: vec![batch(0), batch(1)] }
-}
-
-/// Bytes of the model's states in fp32 with Adam: 16 per parameter.
-fn model_state_bytes() -> u64 {
-    spec().num_params() as u64 * 16
-}
-
-fn trainer(strategy: &Strategy, config: &EngineConfig, at: &Placement) -> strata::Result<Trainer> {
-    let mut engine = build_engine(spec(), config.clone(), strategy, at)?;
-    let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
-    Ok(Trainer::new(engine, optimizer, Schedule::Constant, Some(0.5)))
-}
+use tch::Tensor;
 
 /// `steps` steps of `strategy` under `budget` bytes of device, with the room beside model
 /// states measured on the first step; the reports.
@@ -127,6 +94,17 @@ fn the_device_stays_within_its_budget_and_a_run_without_offload_is_refused_when_
     let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
     let err = trainer(&Strategy::default(), &config, &Placement::single()).err().expect("refused").to_string();
     assert!(err.contains("out of memory on device"), "{err}");
+    // Where the states fit but not beside what a step holds, the room measured on one step
+    // refuses the run too.
+    let plain = Strategy::default();
+    let room = measure_non_model(spec(), EngineConfig::default(), &plain, &Placement::single(), &step(0)).unwrap();
+    let budget = model_state_bytes() + room.iter().max().unwrap() / 2;
+    let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
+    assert!(trainer(&plain, &config, &Placement::single()).is_ok(), "the states alone fit");
+    let at = Placement::single().with_room_measured(spec(), &config, &plain, &step(0)).unwrap();
+    assert_eq!(at.non_model, Some(room));
+    let err = trainer(&plain, &config, &at).err().expect("refused").to_string();
+    assert!(err.contains("do not fit") && err.contains("offload"), "{err}");
 }
 
 #[test]
@@ -209,38 +187,6 @@ fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_b
         }
         assert_eq!(phases, 3 * 4 * spec().units.len(), "{strategy}");
     }
-}
-
-#[test]
-fn the_room_measured_before_the_run_is_what_every_step_holds_and_a_tight_budget_lasts() {
-    let strategy = Strategy::parse(AUTO).unwrap();
-    let unlimited = EngineConfig::default();
-    let predicted = measure_non_model(spec(), unlimited.clone(), &strategy, &Placement::single(), &step(0)).unwrap();
-    assert!(predicted.iter().any(|&b| b > 0), "{predicted:?}");
-    // The budget: what the plan needs at 40% of the model states, plus 5%.
-    let options = OffloadOptions {
-        policy: strategy.offload().unwrap().home_policy().unwrap(),
-        optimizer_bytes_per_element: 8,
-        prefetch: 2,
-        pin_memory: false,
-        non_model: Some(predicted.clone()),
-        on_host: vec![],
-        slot_bytes: None,
-        delayed_update: false,
-    };
-    let tight = EngineConfig { device_budget: Some(model_state_bytes() * 4 / 10), ..unlimited };
-    let need = Offload::plan_for(&spec(), &tight, &options).unwrap().device_peak();
-    let config = EngineConfig { device_budget: Some(need + need / 20), ..tight };
-    let at = Placement { non_model: Some(predicted.clone()), ..Placement::single() };
-    let mut trainer = trainer(&strategy, &config, &at).unwrap();
-    let trace = Arc::new(NonModelTrace::new(&trainer.engine));
-    trainer.engine.set_event_sink(trace.clone());
-    for i in 0..200 {
-        trainer.train_step(&step(i % 20)).unwrap();
-    }
-    // Every step holds, at every moment, what the measured one did (the ledger's count).
-    assert_eq!(trace.peaks(), predicted);
-    assert!(trainer.engine.ledger().report()[&Where::Device].peak <= need + need / 20);
 }
 
 #[test]

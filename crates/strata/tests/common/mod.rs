@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)] // each test binary uses its own subset
 pub mod ranks;
+pub mod tied_gpt;
 
 use strata::compute::replace::Replacements;
 use strata::compute::{self, UnitCompute};
