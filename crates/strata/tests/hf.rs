@@ -6,11 +6,12 @@
 mod hf_reference;
 
 use hf_reference::{python, reference};
+use std::collections::BTreeMap;
 use std::path::Path;
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, GenerateConfig};
-use strata::io::{load_model_dir, save_weights, FolderOut, WeightsTarget};
-use strata::model::from_pretrained_dir;
+use strata::io::{load_model_dir, save_weights, write_weights, FolderOut, WeightsTarget};
+use strata::model::{from_pretrained_dir, Builder, GptConfig, ModelConfig};
 use tch::{Kind, Tensor};
 
 fn make(py: &Path, family: &str, dir: &Path, shard_bytes: Option<&str>) {
@@ -177,4 +178,53 @@ fn sampling_repeats_with_its_seed_and_windows_slide() {
     let cached = generate(&mut engine, &[4, 9, 16], &greedy, Some(8)).unwrap();
     let uncached = generate(&mut engine, &[4, 9, 16], &GenerateConfig { cache: false, ..greedy }, Some(8)).unwrap();
     assert_eq!(cached, uncached);
+}
+
+/// Every file of a folder and its bytes.
+fn folder_contents(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+        .collect()
+}
+
+/// A model folder written over an earlier one replaces it whole: a write that fails midway
+/// (here, the fifth parameter cannot be produced) leaves the earlier folder byte for byte,
+/// with no staging folder beside it; a write that succeeds leaves the new weights and the
+/// earlier folder's other files, and no weights of the earlier layout.
+#[test]
+fn a_folder_write_that_fails_midway_leaves_the_earlier_folder_whole() {
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("model");
+    let config = ModelConfig::Gpt(GptConfig::new(64, 16, 2, 2, 32));
+    let mut b = Builder::new();
+    config.build(&mut b).unwrap();
+    let mut engine = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
+    let mut out = FolderOut::new(&dir, config).unwrap();
+    out.shard_bytes = 20_000;
+    save_weights(&mut engine, WeightsTarget::Folder(&out), true).unwrap();
+    std::fs::write(dir.join("README.md"), "a model card").unwrap();
+    let earlier = folder_contents(&dir);
+    assert!(earlier.keys().filter(|n| n.ends_with(".safetensors")).count() > 1, "{:?}", earlier.keys());
+    let layout: Vec<(String, Kind, Vec<i64>)> =
+        engine.spec().params.iter().map(|p| (p.name.clone(), Kind::Float, p.shape.clone())).collect();
+    let zeros = |i: usize| Ok(Tensor::zeros(layout[i].2.as_slice(), (Kind::Float, tch::Device::Cpu)));
+    out.shard_bytes = u64::MAX;
+    let failing = |i: usize| match i {
+        4 => Err(strata::Error::Engine("the fifth parameter is lost".into())),
+        _ => zeros(i),
+    };
+    let err = write_weights(WeightsTarget::Folder(&out), &layout, failing).unwrap_err();
+    assert!(err.to_string().contains("fifth parameter"), "{err}");
+    assert_eq!(folder_contents(&dir), earlier, "the earlier folder is untouched");
+    let beside: Vec<_> = std::fs::read_dir(work.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(beside, vec![std::ffi::OsString::from("model")], "no staging folder is left");
+    write_weights(WeightsTarget::Folder(&out), &layout, zeros).unwrap();
+    let now = folder_contents(&dir);
+    let names: Vec<&str> = now.keys().map(String::as_str).collect();
+    assert_eq!(names, ["README.md", "config.json", "model.safetensors"]);
+    assert_eq!(now["README.md"], b"a model card");
+    let written = strata::io::read_safetensors(&dir.join("model.safetensors")).unwrap();
+    assert!(written.values().all(|t| t.abs().sum(Kind::Double).double_value(&[]) == 0.0), "the new weights");
 }

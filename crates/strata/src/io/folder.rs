@@ -70,15 +70,43 @@ impl FolderOut {
         }
     }
 
-    /// Writes the weights (as [`super::write_weights`] describes), then the index, the config
-    /// and the tokenizer files; files of an earlier save that this one does not rewrite
-    /// (other shards, a stale index) are removed, so the folder describes this model alone.
+    /// Writes the weights (as [`super::write_weights`] describes), the index, the config and
+    /// the tokenizer files into a staging folder beside the target, carries over the files of
+    /// the folder there now that are not weights (a model card, a generation config), and
+    /// then puts the staging folder in the target's place in one rename: a crash at any
+    /// point leaves the earlier folder whole, never new weights beside old ones.
     pub(super) fn write(
         &self,
         layout: &[(String, Kind, Vec<i64>)],
+        fetch: impl FnMut(usize) -> Result<Tensor>,
+    ) -> Result<()> {
+        let name = self
+            .dir
+            .file_name()
+            .ok_or_else(|| Error::Config(format!("{} is not a folder to write a model into", self.dir.display())))?;
+        let parent = self.dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        let staging = parent.join(format!(".{}.staging{}", name.to_string_lossy(), std::process::id()));
+        if staging.exists() {
+            std::fs::remove_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
+        }
+        std::fs::create_dir(&staging).map_err(|e| Error::io(&staging, e))?;
+        let result = self
+            .write_into(&staging, layout, fetch)
+            .and_then(|()| carry_other_files(&self.dir, &staging))
+            .and_then(|()| replace_folder(&staging, &self.dir));
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        result
+    }
+
+    fn write_into(
+        &self,
+        dir: &Path,
+        layout: &[(String, Kind, Vec<i64>)],
         mut fetch: impl FnMut(usize) -> Result<Tensor>,
     ) -> Result<()> {
-        std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
         let stored: Vec<(String, Kind, Vec<i64>, bool)> = layout
             .iter()
             .map(|(name, kind, shape)| {
@@ -100,7 +128,7 @@ impl FolderOut {
         for (i, range) in shards.iter().enumerate() {
             let part: Vec<(String, Kind, Vec<i64>)> =
                 stored[range.clone()].iter().map(|(n, k, s, _)| (n.clone(), *k, s.clone())).collect();
-            write_safetensors_streamed(&self.dir.join(file_name(i)), &part, &metadata, |j| {
+            write_safetensors_streamed(&dir.join(file_name(i)), &part, &metadata, |j| {
                 let t = fetch(range.start + j)?;
                 tensor_bytes_le(&if stored[range.start + j].3 { t.f_transpose(0, 1)? } else { t })
             })?;
@@ -108,20 +136,15 @@ impl FolderOut {
                 weight_map.insert(name.clone(), json!(file_name(i)));
             }
         }
-        let written: Vec<String> = (0..shards.len()).map(file_name).collect();
         if shards.len() > 1 {
             let total: u64 = stored.iter().map(bytes).sum();
             let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-            write_json(&self.dir.join(INDEX_FILE), &index)?;
+            write_json(&dir.join(INDEX_FILE), &index)?;
         }
-        remove_stale_weights(&self.dir, &written, shards.len() > 1)?;
-        write_json(&self.dir.join("config.json"), &self.family.config_json(&self.config, &self.special_tokens)?)?;
+        write_json(&dir.join("config.json"), &self.family.config_json(&self.config, &self.special_tokens)?)?;
         for (name, source) in &self.tokenizer_files {
-            let target = self.dir.join(name);
-            if target != *source {
-                let bytes = std::fs::read(source).map_err(|e| Error::io(source, e))?;
-                write_atomic(&target, &bytes)?;
-            }
+            let bytes = std::fs::read(source).map_err(|e| Error::io(source, e))?;
+            write_atomic(&dir.join(name), &bytes)?;
         }
         Ok(())
     }
@@ -149,20 +172,79 @@ fn write_json(path: &Path, value: &Value) -> Result<()> {
     write_atomic(path, &text)
 }
 
-/// Removes weight files of an earlier save that this one did not write: other shards, the
-/// single file or the index of the other layout.
-fn remove_stale_weights(dir: &Path, written: &[String], sharded: bool) -> Result<()> {
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+/// Whether a file of a model folder holds weights (a single file, a shard, the index).
+fn is_weights_file(name: &str) -> bool {
+    let shard = name.starts_with("model-") && name.contains("-of-") && name.ends_with(".safetensors");
+    shard || name == WEIGHTS_FILE || name == INDEX_FILE
+}
+
+/// Links (or, across file systems, copies) into `staging` whatever `dir` holds that the
+/// new folder did not write and that is not weights, folders included.
+fn carry_other_files(dir: &Path, staging: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
     for entry in entries {
-        let name = entry.map_err(|e| Error::io(dir, e))?.file_name().to_string_lossy().into_owned();
-        let shard = name.starts_with("model-") && name.contains("-of-") && name.ends_with(".safetensors");
-        let stale = (shard || name == WEIGHTS_FILE) && !written.contains(&name) || name == INDEX_FILE && !sharded;
-        if stale {
-            let path = dir.join(&name);
-            std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let name = entry.file_name();
+        let (from, to) = (entry.path(), staging.join(&name));
+        if to.exists() || is_weights_file(&name.to_string_lossy()) {
+            continue;
         }
+        carry(&from, &to)?;
     }
     Ok(())
+}
+
+fn carry(from: &Path, to: &Path) -> Result<()> {
+    if from.is_dir() {
+        std::fs::create_dir(to).map_err(|e| Error::io(to, e))?;
+        for entry in std::fs::read_dir(from).map_err(|e| Error::io(from, e))? {
+            let entry = entry.map_err(|e| Error::io(from, e))?;
+            carry(&entry.path(), &to.join(entry.file_name()))?;
+        }
+        return Ok(());
+    }
+    if std::fs::hard_link(from, to).is_err() {
+        std::fs::copy(from, to).map_err(|e| Error::io(from, e))?;
+    }
+    Ok(())
+}
+
+/// Puts the folder `staging` where `dir` is: swapped with it in one `renameat2` where the
+/// file system can exchange the two (the old folder then goes), renamed into its place
+/// where there is none; elsewhere the old folder is moved aside first, so the one moment a
+/// crash could leave no folder at `dir` keeps both, under their hidden names.
+fn replace_folder(staging: &Path, dir: &Path) -> Result<()> {
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !dir.exists() {
+        std::fs::rename(staging, dir).map_err(|e| Error::io(dir, e))?;
+        return super::sync_dir(parent);
+    }
+    if exchange(staging, dir).is_err() {
+        let aside = staging.with_extension("old");
+        std::fs::rename(dir, &aside).map_err(|e| Error::io(dir, e))?;
+        std::fs::rename(staging, dir).map_err(|e| Error::io(dir, e))?;
+        std::fs::rename(&aside, staging).map_err(|e| Error::io(staging, e))?;
+    }
+    super::sync_dir(parent)?;
+    // `staging` holds the earlier folder now.
+    std::fs::remove_dir_all(staging).map_err(|e| Error::io(staging, e))
+}
+
+/// Swaps two paths atomically (Linux's `renameat2` with `RENAME_EXCHANGE`).
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+    };
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: two NUL-terminated paths that live across the call.
+    let code =
+        unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+    match code {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
 }
 
 #[cfg(test)]
