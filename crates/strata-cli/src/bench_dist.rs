@@ -4,6 +4,9 @@
 //! see the same drifts of the machine: tokens/s with the ratio, and rank 0's allocator and
 //! RSS peaks (PyTorch's CPU allocator keeps no statistics: its RSS peak, the largest of any
 //! rank, stands in).
+//!
+//! Owns the rounds and the comparison. Must not train in this process: Strata's side runs as
+//! `strata train` children ([`crate::bench_runs`]), PyTorch's as the Python script.
 use crate::bench_runs::{self, median, GptShape};
 use anyhow::{bail, Context, Result};
 use clap::Args;

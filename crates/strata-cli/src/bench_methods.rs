@@ -2,6 +2,9 @@
 //! module_replace) each against none on the same GPT, in rounds that visit every
 //! configuration in turn so that all see the same drifts of the machine: tokens/s, the
 //! allocator's peak (activations included) and the model-state peak.
+//!
+//! Owns the configurations and the table. Must not train in this process: each run is a
+//! `strata train` child ([`crate::bench_runs`]), so its peaks are its own.
 use crate::bench_runs::{self, median, GptShape};
 use anyhow::{Context, Result};
 use clap::Args;

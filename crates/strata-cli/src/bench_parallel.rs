@@ -3,6 +3,9 @@
 //! over the rest (and sequence parallel where the tensor size is above one): throughput,
 //! per-rank model states and allocator peak, against plain data parallelism at the same
 //! world size, measured in one run.
+//!
+//! Owns the configurations and the table. Must not train in this process: each run is a
+//! `strata train` child ([`crate::bench_runs`]), so its peaks are its own.
 use crate::bench_runs;
 use anyhow::{Context, Result};
 use clap::Args;

@@ -3,6 +3,10 @@
 //! against the schedule's analytic one (equal forward, input- and weight-gradient costs) and
 //! against the bubble the schedule simulator gives with the operation costs measured in the
 //! same run, and per stage the micro-batches held and the activation peak.
+//!
+//! Owns the configurations and the comparison. Must not train in this process or simulate
+//! schedules itself: each run is a `strata train` child ([`crate::bench_runs`]), and the
+//! analytic and simulated bubbles come from the library's `schedule` module.
 use crate::bench_runs::{self, mean, median};
 use anyhow::{Context, Result};
 use clap::Args;

@@ -1,5 +1,8 @@
 //! Runs of `strata train` as child processes, for benchmarks that compare configurations:
 //! each run gets a process of its own, so peaks of memory are its own.
+//!
+//! Owns starting the children and reading their metrics. Must not choose configurations or
+//! judge results: the benchmarks that call it do.
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::process::Command;

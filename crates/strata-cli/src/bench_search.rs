@@ -2,6 +2,9 @@
 //! runs, per scenario (world size × memory budget). The guided choice and the exhaustive
 //! best are then trained side by side, alternating, and compared by median tokens/s: the
 //! best of many noisy dry runs is inflated by its luck, so only a paired run judges.
+//!
+//! Owns the scenarios and the paired comparison. Must not search or train in this process:
+//! both searches and the paired runs are `strata train` children ([`crate::bench_runs`]).
 use crate::bench_runs::{self, median, GptShape};
 use anyhow::{bail, Context, Result};
 use clap::Args;

@@ -1,6 +1,9 @@
 //! One training step looked into on a GPU, for `strata bench train`: its host-device
 //! synchronisations, attributed to the stretch of the step they happened in, and the GPU
 //! time of each part of it, from CUDA events recorded at the engine's events.
+//!
+//! Owns the marks and their attribution. Must not add timing to the library: it listens, as
+//! an [`EventSink`], to the events the engine already emits.
 use anyhow::Result;
 use std::collections::BTreeMap;
 use std::sync::Mutex;

@@ -1,6 +1,9 @@
 //! `strata bench zero`: per-rank peak model-state bytes of data parallelism and each ZeRO
 //! stage at several world sizes, against the ZeRO paper's formula, and each stage's
 //! throughput against plain data parallelism at the same world size, measured in one run.
+//!
+//! Owns the formula's figures and the table. Must not train in this process: each run is a
+//! `strata train` child ([`crate::bench_runs`]), so its peaks are its own.
 use crate::bench_runs;
 use anyhow::{Context, Result};
 use clap::Args;

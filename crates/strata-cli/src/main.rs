@@ -1,5 +1,8 @@
 //! The `strata` command line. Parses flags, hands typed settings to the library, and turns
 //! every failure into one line on stderr with a non-zero exit.
+//!
+//! Owns the command tree and the dispatch. Must not do the commands' work: each calls the
+//! library (the larger ones from files of their own), which trains, measures and reads.
 mod bench;
 mod bench_comm;
 mod bench_dist;

@@ -2,9 +2,13 @@
 //!
 //! Owns: backward and `grad` with given upstream gradients, setting `.grad`, tensor hooks,
 //! autograd functions whose forward and backward are Rust closures, resizing (freeing and
-//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU, RMSNorm,
-//! SwiGLU and rotary positions, and CUDA streams, events and allocator statistics. Must not hold policy: callers decide what to free,
-//! when to hook and how to update; this crate only makes those calls possible and safe.
+//! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU,
+//! RMSNorm, SwiGLU and rotary positions, oneDNN's inner product ([`onednn`]), libtorch's
+//! Kineto traces ([`kernel_trace`]), counts of libtorch's CPU allocations ([`cpu_memory`]),
+//! CUDA autocast ([`cuda_autocast`]), CUDA streams, events and allocator statistics
+//! ([`cuda`]), NCCL's [`nccl::Communicator`] and PyTorch's c10d [`c10d::TcpStore`].
+//! Must not hold policy: callers decide what to free, when to hook and how to update; this
+//! crate only makes those calls possible and safe.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use tch::Tensor;

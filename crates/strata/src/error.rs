@@ -1,4 +1,8 @@
 //! The library's one error type. Every fallible public function returns [`Result`].
+//!
+//! Owns the kinds of failure, their messages and the conversions from libtorch's and the
+//! extension's errors. Must not decide what a failure means for a run: callers stop, skip or
+//! report (the CLI prints one line).
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]

@@ -8,6 +8,9 @@
 //!
 //! Reading two variables at a handful of points costs nothing measurable; without them set
 //! nothing happens.
+//!
+//! Owns reading the variables and the kill. Must not choose the places: `train` and
+//! `checkpoint` call [`point`] at theirs.
 pub(crate) fn point(place: &str, step: u64) {
     let Ok(spec) = std::env::var("STRATA_FAULT") else { return };
     let wanted = spec.split_once('@').is_some_and(|(p, s)| p == place && s.parse::<u64>().ok() == Some(step));

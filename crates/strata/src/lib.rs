@@ -1,11 +1,31 @@
 //! Strata trains neural networks by keeping the model definition apart from how it is
-//! executed. A model is an ordered list of units declared through a [`model::Builder`];
-//! the [`engine::Engine`] owns their storage and runs them unit by unit; the
-//! [`optim::Optimizer`] updates the engine's flat buffers with fused kernels; [`data`]
-//! produces batches; [`io`] reads and writes safetensors weights and Hugging Face model
-//! folders; [`generate`] continues text from a trained model.
+//! executed. A model is an ordered list of units declared through a [`model::Builder`]; a
+//! [`strategy::Strategy`] says how to train it; [`parallel`] turns the two into an
+//! [`engine::Engine`] that owns their storage and runs them unit by unit; the
+//! [`train::Trainer`] drives the engine and the [`optim::Optimizer`] step by step.
 //!
-//! Data flows one way: model spec → engine → training loop.
+//! Data flows one way: model spec → strategy → engine → training loop. The modules, from
+//! the ground up:
+//! - [`comm`]: process groups, their collectives and backends, rendezvous;
+//! - [`compute`]: per-unit compute methods (mixed precision, fp8, replaced modules,
+//!   recomputation) and the loss scaler;
+//! - [`model`]: parameter specifications, units and the reference models;
+//! - [`engine`]: parameter storage, placement, the memory ledger and unit-by-unit execution;
+//! - [`optim`]: optimizers over the engine's flat buffers, clipping and learning-rate
+//!   schedules;
+//! - [`io`]: safetensors weights and Hugging Face model folders;
+//! - [`data`]: tokenizers, token datasets and the data loader;
+//! - [`checkpoint`]: sharded training checkpoints, exact resume and merging;
+//! - [`train`]: one optimizer step over a step's micro-batches;
+//! - [`generate`]: text continued from a trained model;
+//! - [`strategy`]: typed, serialisable strategies and their validation;
+//! - [`parallel`]: data, ZeRO, tensor and pipeline parallelism as engine schedules;
+//! - [`auto`]: `auto_accelerate` and the strategy search;
+//! - [`patrickstar`]: PatrickStar's `initialize_engine` face;
+//! - [`profile`]: recorded profiles, Chrome traces, summaries and plots.
+//!
+//! This root only declares the modules and re-exports [`Error`] and [`Result`]; it holds no
+//! logic of its own.
 //!
 //! ```no_run
 //! use strata::{data, engine, model, optim, train};

@@ -1,6 +1,9 @@
 //! Real dry runs: a job's model, optimizer and batches, trained for a few steps under one
 //! strategy and measured (tokens/s, allocator peak), and the profiling pass that feeds the
 //! memory model.
+//!
+//! Owns the dry runs and the profiling pass. Must not choose between candidates: it reports
+//! each outcome, and [`super::search`] decides.
 use super::candidate::Candidate;
 use super::cost::Analysis;
 use super::search::{agree_outcome, Measure, Outcome};

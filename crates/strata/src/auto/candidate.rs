@@ -1,6 +1,9 @@
 //! The search space: precision, module replacement, sharding, recomputation and the tensor
 //! size, as candidates built from every method minus `excluded` and with every `included`
 //! one, and what the device and the world size rule out before anything runs.
+//!
+//! Owns the candidates and their translation into strategies. Must not predict memory or
+//! run anything: [`super::cost`] predicts, [`super::search`] tries.
 use crate::strategy::Strategy;
 use crate::Result;
 use serde::Serialize;

@@ -1,5 +1,9 @@
 //! The memory model: what the profiling pass learnt about a model, and the peak bytes per
 //! rank it predicts for a candidate (ZeRO's model-state formula plus the activations kept).
+//!
+//! Owns the formula. Must not run or measure anything: the [`Analysis`] comes from the
+//! profiling pass of [`super::bench`], and [`super::search`] decides what a prediction rules
+//! out.
 use super::candidate::{Candidate, Precision, Sharding};
 use serde::Serialize;
 

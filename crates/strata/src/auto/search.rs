@@ -7,6 +7,9 @@
 //! same against real dry runs ([`super::bench::Bench`]) and against a deterministic cost
 //! table. Every rank runs the same candidates in the same order and decides from outcomes
 //! agreed as codes ([`agree_outcome`]), so every rank reaches the same decision.
+//!
+//! Owns the order of the trials and the choice. Must not build engines or train: every dry
+//! run and every reading of the clock goes through the [`Measure`].
 use super::candidate::{capability, Candidate, PRECISIONS};
 use super::cost::{predicted_peak, Analysis};
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};

@@ -6,6 +6,10 @@
 //! transport broadcasts natively, as it may also all-reduce, reduce-scatter and
 //! all-gather); reduce = ring reduce-scatter then a gather of the blocks at the root;
 //! all-to-all = n−1 pairwise exchanges; barrier = a one-byte all-gather.
+//!
+//! Owns the ring group ([`RingGroup`]): its work queue and the ring algorithms. Must not move
+//! bytes between processes itself (the [`Transport`] does) nor take GPU tensors: a ring
+//! backend named for `cuda` stages them through host memory before they reach it.
 use super::elementwise::{check_reducible, divide, reduce_into, split};
 use super::transport::{Block, ShmTransport, TcpTransport, Transport};
 use super::{check_list, check_rank, comm_text, GroupSetup, ProcessGroup, ReduceOp, Store, Work};

@@ -91,7 +91,8 @@ fn apply(kind: Kind, op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8])
 /// (non-temporal) stores: past one core's L2 the output is evicted before anyone reads
 /// it, so pulling each line into cache first (a read for ownership) only adds traffic on
 /// the memory bus that every rank shares. Below it, the output stays where the caller
-/// reads it next.
+/// reads it next. The shm arena reduce-scatter is the exception: it writes its output with
+/// ordinary stores at any size, which measured faster there.
 const STREAM_FROM: usize = 1 << 20;
 
 /// Whether a collective that writes `bytes` into its outputs streams them ([`STREAM_FROM`]).

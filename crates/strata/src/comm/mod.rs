@@ -2,12 +2,14 @@
 //!
 //! Owns: the [`ProcessGroup`] trait (collectives on tensors, each returning a [`Work`]
 //! handle), the built-in backends (`shm` between processes of one host, `tcp` between
-//! hosts, and `mpi` with the cargo feature of that name; all run the same ring algorithms
-//! over a byte [`transport`]; and `nccl` for CUDA tensors, built with the `cuda` feature), the backend
+//! hosts, and `mpi` with the cargo feature of that name, each a byte [`transport`] under the
+//! shared ring algorithms, which a transport may replace with its own collectives: shm
+//! all-reduces, reduce-scatters, all-gathers and broadcasts (from 4 MiB) its own way, MPI
+//! all-reduces; and `nccl` for CUDA tensors, built with the `cuda` feature), the backend
 //! registry and per-device dispatch (`"cpu:shm,cuda:nccl"`; a ring backend named for `cuda`
-//! stages GPU tensors through pinned host memory), the rendezvous [`store`], and
-//! reading a rank's identity from the environment (`strata launch`, torchrun, Slurm, Open
-//! MPI). Must not know about models or strategies: it moves and reduces tensors.
+//! stages GPU tensors through pinned host memory), the rendezvous [`store`], and reading a
+//! rank's identity from the environment (`strata launch`, torchrun, Slurm, Open MPI). Must
+//! not know about models or strategies: it moves and reduces tensors.
 
 mod algorithms;
 mod auth;
@@ -237,9 +239,10 @@ pub fn in_shared_memory(t: &Tensor) -> bool {
     t.device() == Device::Cpu && shared::Heap::get().locate(t.data_ptr() as *const u8, bytes_of(t) as usize).is_some()
 }
 
-/// Copies `src` into `dst` as the shm collectives write large outputs: with streaming
-/// stores that bypass the cache. `strata bench comm` measures it beside memcpy, as the
-/// fastest a copy gets on the machine. Panics, like `copy_from_slice`, if the lengths differ.
+/// Copies `src` into `dst` as the shm collectives write large outputs (all but the arena
+/// reduce-scatter's, which uses ordinary stores): with streaming stores that bypass the
+/// cache. `strata bench comm` measures it beside memcpy, as the fastest a copy gets on the
+/// machine. Panics, like `copy_from_slice`, if the lengths differ.
 pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_streaming: slices of different lengths");
     // SAFETY: two distinct slices (one borrowed mutably) of the same length.

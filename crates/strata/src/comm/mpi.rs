@@ -4,6 +4,9 @@
 //!
 //! MPI's failure model applies: a rank that dies makes `mpirun` end the job, and MPI calls
 //! have no timeout of their own.
+//!
+//! Owns MPI's initialisation and finalisation and [`MpiTransport`]. Must not queue work or
+//! touch tensors: the ring group of `algorithms` runs it, as it runs the other transports.
 use super::elementwise::divide;
 use super::transport::Transport;
 use super::{GroupSetup, ReduceOp};

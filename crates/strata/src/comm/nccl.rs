@@ -2,6 +2,10 @@
 //! of the tensors' device (so they are ordered with the kernels around them), each
 //! returning a [`Work`] that completes when the device passes an event recorded after it.
 //! Built with the `cuda` feature; otherwise making the group reports that.
+//!
+//! Owns [`NcclGroup`]: sharing the NCCL id through the store, the choice of device and the
+//! checks of the tensors it is given. Must not call NCCL or CUDA directly: `strata_ext`'s
+//! `nccl` module does, and this file only makes those calls a [`ProcessGroup`].
 use super::elementwise::check_reducible;
 use super::{check_list, check_rank, GroupSetup, ProcessGroup, ReduceOp, Work};
 use crate::{Error, Result};

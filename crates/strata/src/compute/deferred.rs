@@ -9,6 +9,9 @@
 //! linear layer without autograd is the product `a @ bᵀ`); the weight gradient stays an
 //! in-place `addmm_` into `.grad`, which measured faster on the CPU than oneDNN's product
 //! plus the add it needs.
+//!
+//! Owns the queue. Must not decide when the queued gradients run: the pipeline executor
+//! runs them where its schedule places each weight-gradient operation.
 use super::replace::LinearFn;
 use crate::error::text;
 use crate::{Error, Result};

@@ -4,6 +4,10 @@
 //! used in a step comes from the history before it (`fp8_max / amax / 2^margin`, amax the
 //! history's maximum or its most recent entry), refreshed every `interval` steps. Input
 //! and weight are E4M3; the gradient is E5M2 (`HYBRID`) or E4M3.
+//!
+//! Owns each fp8 linear's scaling state and its scaled product. Must not own weights or
+//! steps: the engine hands the weights in, ends each step through [`end_steps`] and passes
+//! the group whose ranks agree on the maxima.
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::error::text;
 use crate::{Error, Result};

@@ -9,6 +9,10 @@
 //! inner product, forward and input gradient, instead of libtorch's BLAS), and, on fp32 CPU
 //! tensors through Strata's vectorised kernels, `VectorGelu` (GELU's tanh form),
 //! `FusedSwiGLU` (`silu(gate) * up` in one pass) and `FusedRoPE` (rotary positions).
+//!
+//! Owns the registry and the selection a strategy names. Must not decide where a replacement
+//! runs: the layer functions of `model::layers` ask the running unit's policy for one and
+//! fall back to the composite.
 use crate::error::text;
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};

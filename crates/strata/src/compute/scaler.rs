@@ -1,6 +1,9 @@
 //! The loss scaler of fp16 training, configured as PatrickStar's `fp16` section: a static
 //! scale, or a dynamic one that halves on overflow (after `hysteresis` overflows) and
 //! doubles after `loss_scale_window` steps without one.
+//!
+//! Owns the scale and its rule. Must not scale losses or inspect gradients: the training
+//! step does both and reports each overflow through [`LossScaler::update`].
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 

@@ -1,5 +1,8 @@
 //! The data loader: windows of `ctx + 1` tokens cut from a [`TokenData`], grouped into
 //! global batches, split across ranks and into micro-batches, built on a background thread.
+//!
+//! Owns the order of the windows and the making of batches. Must not tokenise or read
+//! datasets (a [`TokenData`] arrives as tokens), nor know models: a batch is token tensors.
 use super::synthetic::SplitMix64;
 use super::TokenData;
 use crate::{Error, Result};

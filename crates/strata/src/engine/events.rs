@@ -3,6 +3,9 @@
 //! and as the allocator holds them), and each parameter gather started and each freed.
 //! Tests check the schedules against these; [`UnitClock`] times the units from them.
 //! Nothing is computed for events while no sink is installed.
+//!
+//! Owns the events, the [`EventSink`] trait and the plain sinks. Must not change the run or
+//! write anything: a sink only observes, and the profile's files are `profile`'s.
 use super::Phase;
 use serde::Serialize;
 use std::collections::BTreeMap;

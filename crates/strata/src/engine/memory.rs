@@ -1,6 +1,10 @@
 //! Accounting of every byte the engine and optimizers hold, per placement and category,
 //! checked against optional budgets so that running out of memory is an error raised before
 //! the allocation (and a CPU-only machine can simulate a device of a given size).
+//!
+//! Owns the ledger, its budgets and peaks, and the reading of the allocators' statistics.
+//! Must not decide what to hold, free or move: the engine, the optimizers and offload do,
+//! and record it here before they allocate.
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

@@ -1,6 +1,10 @@
 //! GPT-2 in nanoGPT's layout: learned positions, pre-LayerNorm blocks, GELU (tanh), and an
 //! output head tied to the token embedding. Parameter names and `[out, in]` layouts are
 //! nanoGPT's, so its safetensors files load as they are.
+//!
+//! Owns the GPT units and their parameter declarations. Must not allocate or place weights:
+//! [`gpt`] records specifications in the [`Builder`], and the units compute with the
+//! parameters the engine lends them.
 use super::layers::{
     causal_attention, gelu_tanh, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding,
     vocab_logits,

@@ -5,6 +5,10 @@
 //! modules; the running unit's compute policy (`crate::compute`) may replace them with
 //! faster implementations (`module_replace`), compute linear layers in fp8, or cast to a lower precision
 //! (`amp_native`: matrix products and attention in it, norms, softmax and the loss in fp32).
+//!
+//! Owns the layer functions. Must not hold parameters or call a process group: tensors come
+//! in as arguments, and a split layer communicates only through the [`TensorParallel`]
+//! context it is handed.
 use super::tensor::{vocab_rows, TensorParallel};
 use crate::compute::{self, cast};
 use crate::Result;

@@ -1,5 +1,9 @@
 //! A small residual MLP language model (each position predicts the next token from its own
 //! token only): the quickest model to test engine and strategy machinery with.
+//!
+//! Owns the MLP units and their parameter declarations. Must not allocate or place weights:
+//! [`mlp`] records specifications in the [`Builder`], and the units compute with the
+//! parameters the engine lends them.
 use super::layers::{gelu_tanh, row_linear, vocab_logits};
 use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
 use crate::Result;

@@ -204,7 +204,9 @@ pub trait Unit: Send + Sync {
 
     /// The forward of the next positions of a sequence whose earlier positions this unit
     /// saw through the same `cache` (decoding with a key/value cache: each new token costs
-    /// one position). Units that cannot refuse, and generation recomputes whole windows.
+    /// one position). The default refuses for units that are not position-wise, and
+    /// generation passes the refusal up: such a model generates only with the cache off
+    /// (`cache: false`, `--no-cache`), each token then recomputing its whole window.
     fn decode(&self, params: &Params<'_>, input: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
         if self.position_wise() {
             return self.forward(params, input);

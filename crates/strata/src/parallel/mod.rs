@@ -4,7 +4,10 @@
 //! coordinate.
 //!
 //! Owns: turning a validated [`Strategy`] and a communicator into an engine with the right
-//! schedule and process groups. Must not touch model definitions or optimizer policy.
+//! schedule and process groups, pipeline parallelism ([`pipeline`]: schedules, stage split,
+//! executor), and the measurements of the device room a step needs beside model states
+//! ([`measure_non_model`], [`measure_shard_floor`]). Must not touch model definitions or
+//! optimizer policy.
 mod ddp;
 pub mod pipeline;
 pub mod tensor;

@@ -2,6 +2,9 @@
 //! ledger's peaks per placement, bytes copied each way, the update's time; collectives per
 //! operation with how much of their time the computation hid; and the critical path of the
 //! engine's thread, split into unit compute, exposed communication, update and the rest.
+//!
+//! Owns the arithmetic over read profiles and the table. Must not read files or draw: it
+//! takes [`Profile`]s the parent module read, and pictures are [`super::plot`]'s.
 use super::series::unit_costs;
 use super::{covered_seconds, Profile, Record, SpanKind};
 use crate::engine::Placement;

@@ -3,6 +3,9 @@
 //! gathers and frees on a communication track, each group's collectives on that group's
 //! track, copies and evictions on a copy track (so overlap, or its absence, is visible),
 //! and the ledger's bytes per placement and the allocator's as counters.
+//!
+//! Owns the mapping of records to trace events. Must not read or write files: it takes read
+//! [`Profile`]s and returns JSON, which the CLI writes.
 use super::{Memory, Profile, Record, SpanKind};
 use serde_json::{json, Value};
 

@@ -1,5 +1,12 @@
 //! Byte transports between the ranks of a group: TCP sockets (any hosts) and shared-memory
-//! ring buffers (one host). Collectives are written once, over [`Transport`].
+//! ring buffers (one host) here, and MPI's point-to-point in `comm::mpi` (`MpiTransport`).
+//! The ring collectives are written once, over [`Transport`]; a transport may run a
+//! collective its own way through the `native_*` hooks instead (shm all four of them,
+//! broadcast from 4 MiB; MPI its all-reduce).
+//!
+//! Owns point-to-point byte movement and the shm transport's collectives. Must not know
+//! tensors or [`Work`](super::Work) handles: it moves and reduces bytes of a given dtype,
+//! and the ring algorithms and backends above it queue the work.
 //!
 //! Every blocking call gives up after the group's timeout, and a peer that went away is
 //! reported by rank (a closed socket, or a process that no longer exists).

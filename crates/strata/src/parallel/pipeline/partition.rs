@@ -2,6 +2,9 @@
 //! as fast as possible, every rank's stages together within its memory budget) by an exact
 //! dynamic program and, where a rank runs several stages, a search; or given by hand and
 //! checked.
+//!
+//! Owns the split. Must not measure costs or run stages: callers (the executor, `strata
+//! train`) bring the per-unit costs, and the executor runs the stages returned.
 use crate::{Error, Result};
 
 /// What one unit costs its stage: time of its forward and backward, and bytes it holds.

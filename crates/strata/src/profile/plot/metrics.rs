@@ -1,5 +1,8 @@
 //! Training metrics over steps (the JSON lines `strata train --metrics` writes), several
 //! runs overlaid: loss (validation loss as points), learning rate, tokens/s and memory.
+//!
+//! Owns reading such files back, validated, and their pictures. Must not write metrics or
+//! decide their fields: `strata train` writes them, and fields not drawn here are ignored.
 use super::{draw_legend, drawing, legend_line, DrawResult, Picture, MB};
 use crate::{Error, Result};
 use plotters::coord::Shift;

@@ -1,6 +1,10 @@
 //! The shm transport's collectives: all-reduce, reduce-scatter, all-gather and broadcast
 //! staged chunk by chunk through the arena's slots, and their direct forms, which read
 //! buffers every rank holds in its [`Heap`](crate::comm::shared::Heap) in place.
+//!
+//! Owns the collectives' algorithms over the arena and the heaps. Must not choose between
+//! the staged and the direct form or between slot stores: the [`ShmTransport`]'s `native_*`
+//! hooks do, per call.
 use super::{ShmTransport, SlotStores, LOCATION_BYTES, SLOT_BYTES};
 use crate::comm::elementwise::{
     combine_into, copy_bytes, copy_twice, divide, reduce_into, reduce_streamed, split, streams,
@@ -194,10 +198,8 @@ impl ShmTransport {
     /// free for the next collective.
     ///
     /// The output is written with ordinary stores, not streamed as other large outputs
-    /// are: on a 2-core machine, in nine pairs of alternating runs at 256 MiB, ordinary
-    /// stores came out ahead in eight, at 0.36–0.56 of memcpy's bandwidth against
-    /// 0.17–0.51 for streamed output (all-gather's output and the reduce-scatter that
-    /// reads peers' buffers in place measured the other way, so they stream).
+    /// are: here ordinary stores measured faster at large sizes, while all-gather's output
+    /// and the direct reduce-scatter measured faster streamed, so they stream.
     pub(super) fn arena_reduce_scatter(
         &mut self,
         inputs: &[Block],
