@@ -1,6 +1,9 @@
 //! `strata eval` and `strata generate`: a trained model (a Hugging Face model folder or a
 //! checkpoint of `strata train`) in one process, evaluated on validation data or asked to
 //! continue a prompt.
+//!
+//! Owns loading the model and turning flags into the library's settings. Must not decode or
+//! evaluate itself: `strata::generate` and `strata::train::evaluate` do.
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -36,6 +39,22 @@ struct Loaded {
     config: ModelConfig,
     tokenizer: Tokenizer,
     folder: Option<ModelDir>,
+}
+
+impl Loaded {
+    /// The tokenizer for text in and out: refused where it has more tokens than the model's
+    /// vocabulary; the byte tokenizer for a larger vocabulary is said in a warning.
+    fn text_tokenizer(&self) -> Result<&Tokenizer> {
+        let (tokens, vocab) = (self.tokenizer.vocab_size(), self.config.vocab());
+        if tokens as i64 > vocab {
+            bail!("the tokenizer has {tokens} tokens, the model's vocabulary {vocab}: give its own (--tokenizer)");
+        }
+        if matches!(self.tokenizer, Tokenizer::Bytes) && vocab > 256 {
+            let note = "text is read as bytes for a larger vocabulary: give --tokenizer if the model learned other ids";
+            tracing::warn!(vocab, "{note}");
+        }
+        Ok(&self.tokenizer)
+    }
 }
 
 impl ModelSource {
@@ -99,7 +118,7 @@ pub struct EvalArgs {
 pub fn eval(args: EvalArgs) -> Result<()> {
     let loaded = args.source.load()?;
     let data = match (&args.val_data, &args.val_token_file) {
-        (Some(path), None) => TokenData::from_text_file(path, &loaded.tokenizer)?,
+        (Some(path), None) => TokenData::from_text_file(path, loaded.text_tokenizer()?)?,
         (None, Some(path)) => TokenData::from_u16_file(path)?,
         (Some(_), Some(_)) => bail!("give either --val-data or --val-token-file, not both"),
         (None, None) => bail!("name the validation data: --val-data or --val-token-file"),
@@ -162,7 +181,7 @@ pub struct GenerateArgs {
 
 pub fn run_generate(args: GenerateArgs) -> Result<()> {
     let mut loaded = args.source.load()?;
-    let prompt: Vec<i64> = loaded.tokenizer.encode(&args.prompt)?.into_iter().map(i64::from).collect();
+    let prompt: Vec<i64> = loaded.text_tokenizer()?.encode(&args.prompt)?.into_iter().map(i64::from).collect();
     let vocab = loaded.config.vocab();
     if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
         bail!("the prompt holds token {bad}, outside the model's vocabulary of {vocab}");

@@ -265,3 +265,25 @@ fn checkpoints_evaluate_and_generate_without_model_flags() {
     let o = strata(&["generate", "--resume", s(&ckpt), "--prompt", "x", "--top-k", "5"]);
     assert_fails_with(&o, "--top-k and --top-p shape sampling");
 }
+
+/// A model of a vocabulary smaller than the byte tokenizer's (trained on a token file) is
+/// refused text without its own tokenizer, in one line; its token files evaluate as before.
+#[test]
+fn text_needs_a_tokenizer_the_vocabulary_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.bin");
+    strata::data::TokenData::new((0..2000).map(|i| (i * 7 % 60) as u32).collect(), "counting")
+        .write_u16_file(&tokens)
+        .unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let model = ["--model", "gpt", "--layers", "1", "--dim", "16", "--ctx", "16", "--batch-size", "4"];
+    let o = strata(
+        &[&["train"][..], &model, &["--token-file", s(&tokens), "--steps", "1", "--save-checkpoint", s(&ckpt)]]
+            .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = strata(&["generate", "--resume", s(&ckpt), "--prompt", "to be", "--max-new-tokens", "2"]);
+    assert_fails_with(&o, "the tokenizer has 256 tokens, the model's vocabulary 60");
+    let o = strata(&["eval", "--resume", s(&ckpt), "--val-token-file", s(&tokens), "--ctx", "16", "--batch-size", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

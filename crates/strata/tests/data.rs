@@ -41,6 +41,8 @@ fn byte_tokenizer_round_trips_text() {
     let ids = t.encode("héllo").unwrap();
     assert_eq!(ids.len(), 6, "bytes, not characters");
     assert_eq!(t.decode(&ids).unwrap(), "héllo");
+    let err = t.decode(&[104, 300]).unwrap_err().to_string();
+    assert!(err.contains("token 300 is no byte"), "{err}");
 }
 
 proptest! {

@@ -49,7 +49,12 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {
             Tokenizer::Bytes => {
-                Ok(String::from_utf8_lossy(&ids.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned())
+                let bytes = ids.iter().map(|&i| {
+                    u8::try_from(i).map_err(|_| {
+                        Error::Data(format!("token {i} is no byte: these ids need the tokenizer that made them"))
+                    })
+                });
+                Ok(String::from_utf8_lossy(&bytes.collect::<Result<Vec<u8>>>()?).into_owned())
             }
             Tokenizer::HuggingFace(t) => {
                 t.decode(ids, false).map_err(|e| Error::Data(format!("tokenizer failed: {e}")))
