@@ -43,6 +43,25 @@ pub fn launched_world_size() -> Option<usize> {
     std::env::var(names[1]).ok()?.trim().parse().ok()
 }
 
+/// The tasks on node `node` of a Slurm job step from its tasks-per-node list, nodes in
+/// order, a count repeated `k` times written `count(xk)`: `2(x3),1` puts 2 tasks on each of
+/// nodes 0–2 and 1 on node 3. `None` where the list is malformed or ends before the node.
+fn slurm_tasks_on_node(list: &str, node: usize) -> Option<usize> {
+    let mut first = 0usize;
+    for group in list.trim().split(',') {
+        let (count, repeat) = match group.split_once("(x") {
+            Some((count, rest)) => (count, rest.strip_suffix(')')?.parse::<usize>().ok()?),
+            None => (group, 1),
+        };
+        let count = count.parse::<usize>().ok()?;
+        first = first.checked_add(repeat)?;
+        if node < first {
+            return Some(count);
+        }
+    }
+    None
+}
+
 impl RankInfo {
     /// Reads the variables through `var` (the process environment in [`RankInfo::from_env`]).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<RankInfo> {
@@ -68,7 +87,21 @@ impl RankInfo {
             return Err(Error::Comm(format!("rank {rank} is outside a world of {world_size}")));
         }
         let local_rank = number(names[2])?.unwrap_or(rank);
-        let local_world_size = number(names[3])?.unwrap_or(world_size);
+        let local_world_size = match names[0] {
+            // Slurm gives every job step its tasks per node (`SLURM_NTASKS_PER_NODE` only
+            // with `--ntasks-per-node`); a rank that cannot tell counts itself alone, so it
+            // never takes a multi-node job for one host.
+            "SLURM_PROCID" => match (
+                var("SLURM_STEP_TASKS_PER_NODE").or_else(|| var("SLURM_TASKS_PER_NODE")),
+                number("SLURM_NODEID")?,
+            ) {
+                (Some(list), Some(node)) => slurm_tasks_on_node(&list, node).ok_or_else(|| {
+                    Error::Comm(format!("SLURM_TASKS_PER_NODE={list:?} names no count for node {node}"))
+                })?,
+                _ => number(names[3])?.unwrap_or(1),
+            },
+            _ => number(names[3])?.unwrap_or(world_size),
+        };
         let master_port = match var("MASTER_PORT") {
             Some(p) => p.trim().parse().map_err(|_| Error::Comm(format!("MASTER_PORT={p:?} is not a port")))?,
             None => 29500,
@@ -252,10 +285,31 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((s.rank, s.world_size, s.local_rank, s.master_port), (5, 8, 1, 29500));
+        assert_eq!(s.local_world_size, 1, "tasks per node unknown: alone on its node");
         assert_eq!(s.rendezvous, Rendezvous::Strata { token: "given".into() });
         let o =
             read(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("STRATA_STORE_TOKEN", "x")]).unwrap();
         assert_eq!((o.rank, o.world_size, o.local_rank), (0, 2, 0));
+    }
+
+    #[test]
+    fn slurm_ranks_count_the_tasks_of_their_own_node() {
+        assert_eq!(slurm_tasks_on_node("4", 0), Some(4));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 2), Some(2));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 3), Some(1));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 4), None);
+        assert_eq!(slurm_tasks_on_node("2(x3", 0), None);
+        let base = [("SLURM_PROCID", "6"), ("SLURM_NTASKS", "7"), ("SLURM_LOCALID", "0"), ("STRATA_STORE_TOKEN", "t")];
+        let on = |extra: &[(&str, &str)]| read(&[&base[..], extra].concat()).map(|r| r.local_world_size);
+        let list = ("SLURM_TASKS_PER_NODE", "2(x3),1");
+        assert_eq!(on(&[list, ("SLURM_NODEID", "3")]).unwrap(), 1);
+        assert_eq!(
+            on(&[list, ("SLURM_NODEID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "3,4")]).unwrap(),
+            4,
+            "the step's own"
+        );
+        assert_eq!(on(&[("SLURM_NTASKS_PER_NODE", "2")]).unwrap(), 2);
+        assert!(on(&[list, ("SLURM_NODEID", "9")]).unwrap_err().to_string().contains("no count for node 9"));
     }
 
     #[test]
