@@ -321,7 +321,7 @@ pub fn run(mut settings: TrainSettings) -> Result<()> {
         ckpt.restore(&mut trainer.engine, &mut trainer.optimizer, &optimizer_name)?;
         trainer.set_step(ckpt.meta.step);
         if let (Some(saved), Some(scaler)) = (&ckpt.meta.loss_scaler, &mut trainer.scaling.scaler) {
-            *scaler = saved.clone();
+            scaler.resume_from(saved)?;
         }
         info!(step = ckpt.meta.step, from = %ckpt.location.display(), saved_world_size = ckpt.meta.world_size, "resumed");
     }

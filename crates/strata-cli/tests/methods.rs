@@ -3,7 +3,7 @@
 //! in one process, and bad configurations are one-line errors that list what is allowed.
 mod common;
 
-use common::{global_gap, losses, stderr, strata, strata_env, train_run, Run};
+use common::{assert_fails_with, global_gap, losses, stderr, strata, strata_env, train_run, Run};
 use std::path::Path;
 
 const MODEL: [&str; 12] =
@@ -106,4 +106,45 @@ fn fp8_and_loss_scaled_runs_resume_exactly() {
     run(&["--resume", &p("ckpt"), "--metrics", &p("resumed.jsonl")]);
     let (full, resumed) = (losses(&dir.path().join("full.jsonl")), losses(&dir.path().join("resumed.jsonl")));
     assert_eq!(&full[3..], &resumed[..], "steps 4 to 6");
+    // A saved scale of zero or an fp8 scale that is not finite is refused when the
+    // checkpoint is opened, in one line.
+    let meta = newest_meta(&dir.path().join("ckpt"));
+    let saved = std::fs::read_to_string(&meta).unwrap();
+    let mut value: serde_json::Value = serde_json::from_str(&saved).unwrap();
+    value["loss_scaler"]["scale"] = 0.0.into();
+    std::fs::write(&meta, value.to_string()).unwrap();
+    let ckpt = p("ckpt");
+    let resume = [&["train"][..], &MODEL, &RUN, &["--steps", "6", "--strategy", strategy, "--resume", &ckpt]].concat();
+    assert_fails_with(&strata(&resume), "loss scaler: a scale of 0");
+    let mut value: serde_json::Value = serde_json::from_str(&saved).unwrap();
+    let layer = value["fp8"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|s| s["layers"].as_array().is_some_and(|l| !l.is_empty()))
+        .unwrap();
+    layer["layers"][0]["weight"]["scale"] = serde_json::Value::from(-1.0);
+    std::fs::write(&meta, value.to_string()).unwrap();
+    assert_fails_with(&strata(&resume), "has a scale of -1");
+}
+
+/// The `meta.json` of the newest checkpoint under `root`.
+fn newest_meta(root: &Path) -> std::path::PathBuf {
+    let mut metas: Vec<_> = walk(root).into_iter().filter(|p| p.ends_with("meta.json")).collect();
+    metas.sort();
+    metas.pop().expect("a checkpoint")
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flat_map(|e| {
+            let path = e.unwrap().path();
+            if path.is_dir() {
+                walk(&path)
+            } else {
+                vec![path]
+            }
+        })
+        .collect()
 }

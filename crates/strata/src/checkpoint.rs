@@ -524,6 +524,12 @@ impl Meta {
         if let Some(s) = self.fp8.iter().flatten().find(|s| s.steps > self.step) {
             return bad(format!("fp8 state of {} steps in {} training steps", s.steps, self.step));
         }
+        if let Some(why) = self.fp8.iter().flatten().find_map(|s| s.check().err()) {
+            return bad(why);
+        }
+        if let Some(Err(e)) = self.loss_scaler.as_ref().map(LossScaler::check) {
+            return bad(e.to_string());
+        }
         if self.optimizer_steps.is_some_and(|s| s > self.step) {
             return bad(format!("{:?} optimizer steps in {} training steps", self.optimizer_steps, self.step));
         }

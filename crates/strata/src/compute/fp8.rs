@@ -163,6 +163,24 @@ pub struct Fp8Snapshot {
     pub steps: u64,
 }
 
+impl Fp8Snapshot {
+    /// Why the state cannot be resumed from, if it cannot: every scale finite and positive,
+    /// every recorded maximum finite and not negative.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        for (i, layer) in self.layers.iter().enumerate() {
+            for meter in [&layer.input, &layer.weight, &layer.grad] {
+                if !(meter.scale.is_finite() && meter.scale > 0.0) {
+                    return Err(format!("fp8 layer {i} has a scale of {}", meter.scale));
+                }
+                if let Some(m) = meter.history.iter().chain([&meter.pending]).find(|m| !(m.is_finite() && **m >= 0.0)) {
+                    return Err(format!("fp8 layer {i} records a maximum of {m}"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Fp8Unit {
     pub fn new(config: Fp8Config) -> SharedFp8 {
         Arc::new(Mutex::new(Fp8Unit { config, layers: Vec::new(), observed: Vec::new(), steps: 0 }))

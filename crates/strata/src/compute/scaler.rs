@@ -70,6 +70,29 @@ impl LossScaler {
         Ok(LossScaler { config, scale, hysteresis_left, good_steps: 0, overflows: 0 })
     }
 
+    /// Why the saved state cannot be resumed from, if it cannot.
+    pub fn check(&self) -> Result<()> {
+        self.config.validate()?;
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return Err(Error::Config(format!("loss scaler: a scale of {}", self.scale)));
+        }
+        Ok(())
+    }
+
+    /// Continues from `saved`'s state (its scale, overflows and the steps since the last
+    /// change) under this run's configuration, which may differ from the saved one's: the
+    /// tolerated overflows and the clean steps are kept within this configuration's counts.
+    pub fn resume_from(&mut self, saved: &LossScaler) -> Result<()> {
+        saved.check()?;
+        if self.is_dynamic() {
+            self.scale = saved.scale.max(self.config.min_loss_scale);
+        }
+        self.hysteresis_left = saved.hysteresis_left.clamp(1, self.config.hysteresis);
+        self.good_steps = saved.good_steps.min(self.config.loss_scale_window - 1);
+        self.overflows = saved.overflows;
+        Ok(())
+    }
+
     /// Whether gradients are checked for inf/NaN (a dynamic scale).
     pub fn is_dynamic(&self) -> bool {
         self.config.loss_scale == 0.0

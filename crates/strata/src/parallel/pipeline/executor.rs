@@ -897,7 +897,7 @@ impl PipelineTrainer {
         checkpoint.restore_parts(&layout, &mut self.parts(), optimizer_name)?;
         self.step = checkpoint.meta.step;
         if let (Some(saved), Some(scaler)) = (&checkpoint.meta.loss_scaler, &mut self.scaling.scaler) {
-            *scaler = saved.clone();
+            scaler.resume_from(saved)?;
         }
         Ok(())
     }
