@@ -144,7 +144,8 @@ impl PeerMappings {
                 (base, size)
             }
         };
-        if loc.offset as usize + len > size {
+        let end = usize::try_from(loc.offset).ok().and_then(|offset| offset.checked_add(len));
+        if end.is_none_or(|end| end > size) {
             return Err(Error::Comm(format!(
                 "a peer's shared buffer holds {size} bytes, not {len} at offset {}",
                 loc.offset

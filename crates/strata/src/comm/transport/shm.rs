@@ -147,6 +147,11 @@ impl ShmTransport {
             .write(true)
             .open(&path)
             .map_err(|e| Error::Comm(format!("cannot open {path}: {e}")))?;
+        // A segment shorter than the group's layout would fault on first use instead.
+        let held = file.metadata().map_err(|e| Error::Comm(format!("{path}: {e}")))?.len();
+        if held < bytes as u64 {
+            return Err(Error::Comm(format!("{path} holds {held} bytes, the group's segment {bytes}")));
+        }
         // SAFETY: the file is a shared-memory segment of the right size, used only through
         // the atomics and byte copies below.
         let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::Comm(format!("cannot map {path}: {e}")))?;
