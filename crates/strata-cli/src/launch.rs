@@ -128,7 +128,8 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     if a.node_rank >= a.nnodes {
         bail!("--node-rank {} is outside {} nodes", a.node_rank, a.nnodes);
     }
-    let world = a.nproc_per_node * a.nnodes;
+    let world = a.nproc_per_node.checked_mul(a.nnodes).context("--nproc-per-node × --nnodes is too many ranks")?;
+    let grace = crate::options::seconds("--grace", a.grace, false)?;
     let port = match a.master_port {
         Some(p) => p,
         None if a.nnodes == 1 => free_port(&a.master_addr)?,
@@ -206,7 +207,7 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     if failure.is_some() || interrupted != 0 {
         // Ask the others to stop, then make sure they do.
         children.iter().for_each(|(_, c)| signal(c, libc::SIGTERM));
-        let deadline = Instant::now() + Duration::from_secs_f64(a.grace.max(0.0));
+        let deadline = Instant::now() + grace;
         while Instant::now() < deadline && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
             std::thread::sleep(Duration::from_millis(20));
         }

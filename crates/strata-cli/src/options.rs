@@ -459,6 +459,7 @@ impl TrainOptions {
             }
             other => bail!("unknown schedule {other:?}; expected constant, cosine or step"),
         };
+        schedule.validate()?;
         let optimizer = OptimizerConfig {
             kind,
             lr,
@@ -601,14 +602,7 @@ impl TrainOptions {
             patrickstar,
             excluded: list(o.excluded),
             included: list(o.included),
-            time_limit: match o.time_limit {
-                Some(t) if !(t.is_finite() && t > 0.0) => bail!("--time-limit must be a positive number of seconds"),
-                Some(t) => Some(
-                    std::time::Duration::try_from_secs_f64(t)
-                        .map_err(|_| anyhow::anyhow!("--time-limit {t} is more seconds than a run can wait"))?,
-                ),
-                None => None,
-            },
+            time_limit: o.time_limit.map(|t| seconds("--time-limit", t, true)).transpose()?,
             search: match o.search.as_deref() {
                 None | Some("guided") => SearchMode::Guided,
                 Some("exhaustive") => SearchMode::Exhaustive,
@@ -642,11 +636,23 @@ impl TrainOptions {
             resume,
             comm_backend: o.comm_backend,
             comm_timeout: match o.comm_timeout {
-                Some(t) if !(t.is_finite() && t > 0.0) => bail!("--comm-timeout must be a positive number of seconds"),
-                Some(t) => std::time::Duration::try_from_secs_f64(t)
-                    .map_err(|_| anyhow::anyhow!("--comm-timeout {t} is more seconds than a run can wait"))?,
+                Some(t) => seconds("--comm-timeout", t, true)?,
                 None => std::time::Duration::from_secs(300),
             },
         })
     }
+}
+
+/// A flag's seconds as a duration: finite, positive (or zero where `positive` is false),
+/// and at most a year, so that a deadline counted from now cannot overflow.
+pub fn seconds(flag: &str, t: f64, positive: bool) -> Result<std::time::Duration> {
+    const YEAR: f64 = 365.0 * 24.0 * 3600.0;
+    let least = if positive { "a positive" } else { "a" };
+    if !(t.is_finite() && (t > 0.0 || !positive && t == 0.0)) {
+        bail!("{flag} must be {least} number of seconds, got {t}");
+    }
+    if t > YEAR {
+        bail!("{flag} {t} is more seconds than a run can wait (at most a year, {YEAR})");
+    }
+    Ok(std::time::Duration::from_secs_f64(t))
 }

@@ -297,6 +297,9 @@ fn bad_input_gets_one_line_errors() {
         (&["--device", "tpu"], "unknown device"),
         (&["--model", "rnn"], "unknown model"),
         (&["--grad-clip", "-2"], "grad-clip"),
+        (&["--min-lr-factor", "-1"], "the floor factor must lie in [0, 1]"),
+        (&["--schedule", "step", "--step-gamma", "nan"], "the step factor must be positive"),
+        (&["--comm-timeout", "1e19"], "more seconds than a run can wait"),
     ] {
         let e = one_line_error(&run(flags));
         assert!(e.contains(needle), "{flags:?}: {e}");

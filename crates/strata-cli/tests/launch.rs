@@ -44,6 +44,8 @@ fn bad_launch_arguments_are_one_line_errors() {
     for args in [
         &["launch", "--nproc-per-node", "0", "--", "true"][..],
         &["launch", "--nnodes", "2", "--node-rank", "2", "--", "true"],
+        &["launch", "--grace", "inf", "--", "true"],
+        &["launch", "--grace", "-1", "--", "true"],
     ] {
         let out = strata(args);
         assert!(!out.status.success());

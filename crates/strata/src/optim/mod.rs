@@ -704,6 +704,23 @@ pub enum Schedule {
 }
 
 impl Schedule {
+    /// Refuses factors that would train backwards or stop: a cosine floor outside [0, 1], a
+    /// step factor that is not positive, a step every 0 steps.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(format!("learning-rate schedule: {m}")));
+        match *self {
+            Schedule::Constant => Ok(()),
+            Schedule::WarmupCosine { min_factor, .. } if !(0.0..=1.0).contains(&min_factor) => {
+                bad(format!("the floor factor must lie in [0, 1], got {min_factor}"))
+            }
+            Schedule::Step { gamma, .. } if !(gamma.is_finite() && gamma > 0.0) => {
+                bad(format!("the step factor must be positive, got {gamma}"))
+            }
+            Schedule::Step { every: 0, .. } => bad("a step every 0 steps".into()),
+            _ => Ok(()),
+        }
+    }
+
     pub fn factor(&self, step: u64) -> f64 {
         match *self {
             Schedule::Constant => 1.0,
@@ -749,5 +766,14 @@ mod tests {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
         assert!("lion".parse::<OptimizerKind>().is_err());
+        for bad in [
+            Schedule::WarmupCosine { warmup: 1, total: 10, min_factor: -0.5 },
+            Schedule::WarmupCosine { warmup: 1, total: 10, min_factor: f64::NAN },
+            Schedule::Step { every: 3, gamma: 0.0 },
+            Schedule::Step { every: 0, gamma: 0.5 },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        assert!(Schedule::Step { every: 3, gamma: 2.0 }.validate().is_ok());
     }
 }
