@@ -328,7 +328,8 @@ pub fn check_weights_file(spec: &ModelSpec, path: &Path) -> Result<()> {
     for (name, value) in entries {
         let entry: Entry =
             serde_json::from_value(value).map_err(|e| err(format!("not a valid safetensors file ({name}: {e})")))?;
-        if 8 + header_len + entry.data_offsets.1 > file_len {
+        let end = (8 + header_len).checked_add(entry.data_offsets.1);
+        if end.is_none_or(|end| end > file_len) {
             return Err(err(format!("not a valid safetensors file ({name} lies past its end: truncated?)")));
         }
         shapes.push((name, entry.shape));

@@ -53,12 +53,13 @@ impl ParallelMode {
     /// product of all sizes is the world size.
     pub fn resolve(&self, world: usize) -> Result<Vec<(String, usize)>> {
         self.validate()?;
-        let others: usize = self.0.iter().filter(|(n, _)| n != "data").map(|(_, s)| s).product();
-        if world == 0 || !world.is_multiple_of(others) {
+        let product = self.0.iter().filter(|(n, _)| n != "data").try_fold(1usize, |p, (_, s)| p.checked_mul(*s));
+        let Some(others) = product.filter(|&o| o > 0 && world > 0 && world.is_multiple_of(o)) else {
             let sizes: Vec<String> =
                 self.0.iter().filter(|(n, _)| n != "data").map(|(n, s)| format!("{n} {s}")).collect();
-            return Err(bad(format!("{} = {others} ranks do not divide the world size {world}", sizes.join(" × "))));
-        }
+            let ranks = product.map_or("more".to_string(), |p| p.to_string());
+            return Err(bad(format!("{} = {ranks} ranks do not divide the world size {world}", sizes.join(" × "))));
+        };
         let mut dims = self.0.clone();
         match dims.iter_mut().find(|(n, _)| n == "data") {
             Some(d) => d.1 = world / others,
@@ -126,6 +127,8 @@ mod tests {
         assert_eq!(mode(&[("zero", 2)]).resolve(8).unwrap()[1], ("data".to_string(), 4), "data is appended");
         let err = mode(&[("tensor", 4), ("pipeline", 2)]).resolve(12).unwrap_err().to_string();
         assert!(err.contains("tensor 4 × pipeline 2 = 8 ranks do not divide the world size 12"), "{err}");
+        let huge = mode(&[("tensor", usize::MAX / 2 + 1), ("pipeline", 2)]).resolve(16).unwrap_err().to_string();
+        assert!(huge.contains("= more ranks do not divide the world size 16"), "{huge}");
         assert!(mode(&[("expert", 2)])
             .validate()
             .unwrap_err()
