@@ -274,6 +274,18 @@ fn builder_refuses_duplicate_names_and_bad_configs() {
         model::llama(&LlamaConfig { kv_heads: Some(3), ..LlamaConfig::new(11, 6, 1, 4, 16) }, &mut Builder::new())
             .unwrap_err();
     assert!(err.to_string().contains("kv_heads 3 must divide the 4 query heads"), "{err}");
+    let huge = LlamaConfig { dim: 1 << 60, heads: 1 << 50, ..LlamaConfig::new(11, 6, 1, 2, 8) };
+    let err = model::llama(&huge, &mut Builder::new()).unwrap_err();
+    assert!(err.to_string().contains("larger than a model size may be"), "{err}");
+    let err =
+        model::llama(&LlamaConfig { rope_theta: f64::NAN, ..LlamaConfig::new(11, 6, 1, 2, 8) }, &mut Builder::new())
+            .unwrap_err();
+    assert!(err.to_string().contains("rope_theta must be positive"), "{err}");
+    let mut b = Builder::new();
+    let mut u = b.unit("a");
+    u.param("w", &[1 << 40, 1 << 40], model::Init::Zeros, model::TpRole::Replicated);
+    u.finish(Identity);
+    assert!(b.build().err().unwrap().to_string().contains("more elements than an i64 counts"));
 }
 
 /// Under a weight-gradient queue, a micro-batch's backward leaves linear weights' gradients

@@ -325,7 +325,7 @@ impl Keys<'_> {
     fn gpt2(&self) -> KeyResult<GptConfig> {
         let dim = self.required("n_embd")?;
         self.only("activation_function", &[json!("gelu_new"), json!("gelu_pytorch_tanh")], "GPT-2 runs GELU (tanh)")?;
-        if let Some(inner) = self.int("n_inner")?.filter(|&n| n != 4 * dim) {
+        if let Some(inner) = self.int("n_inner")?.filter(|&n| Some(n) != dim.checked_mul(4)) {
             return Err(format!("config.json: n_inner = {inner} is not supported (GPT-2's MLP is 4 · n_embd wide)"));
         }
         self.only("scale_attn_weights", &[json!(true)], "attention scores are scaled by 1/√head size")?;
@@ -354,7 +354,7 @@ impl Keys<'_> {
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
         self.only("hidden_act", &[json!("silu")], "the feed-forward is SwiGLU")?;
         self.only("mlp_bias", &[json!(false)], "the feed-forward has no biases")?;
-        if let Some(head_dim) = self.int("head_dim")?.filter(|&h| heads > 0 && h * heads != dim) {
+        if let Some(head_dim) = self.int("head_dim")?.filter(|&h| heads > 0 && h.checked_mul(heads) != Some(dim)) {
             return Err(format!(
                 "config.json: head_dim = {head_dim} is not supported (heads are hidden_size / num_attention_heads = {} wide)",
                 dim / heads.max(1)

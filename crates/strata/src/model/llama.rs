@@ -67,7 +67,7 @@ impl LlamaConfig {
     }
 
     pub fn hidden(&self) -> i64 {
-        self.ffn_dim.unwrap_or_else(|| (8 * self.dim / 3 + 31) / 32 * 32)
+        self.ffn_dim.unwrap_or_else(|| (self.dim.saturating_mul(8) / 3 + 31) / 32 * 32)
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -90,7 +90,7 @@ impl LlamaConfig {
         if self.dim % self.heads != 0 || (self.dim / self.heads) % 2 != 0 {
             return Err(Error::Config(format!("dim {} must split into {} heads of even size", self.dim, self.heads)));
         }
-        if self.rope_theta <= 0.0 {
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(Error::Config(format!("rope_theta must be positive, got {}", self.rope_theta)));
         }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {

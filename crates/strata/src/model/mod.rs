@@ -114,9 +114,13 @@ pub(crate) fn default_norm_eps() -> f64 {
 }
 
 /// Fails with the first of `values` (name, value) that is not positive.
+/// Model sizes are positive and at most 2^31, so the builders' products of them (a
+/// matrix's elements, a widened feed-forward) cannot overflow.
 pub(crate) fn positive(values: &[(&str, i64)]) -> Result<()> {
-    match values.iter().find(|(_, v)| *v <= 0) {
-        Some((name, v)) => Err(Error::Config(format!("{name} must be positive, got {v}"))),
+    const LARGEST: i64 = 1 << 31;
+    match values.iter().find(|(_, v)| *v <= 0 || *v > LARGEST) {
+        Some((name, v)) if *v <= 0 => Err(Error::Config(format!("{name} must be positive, got {v}"))),
+        Some((name, v)) => Err(Error::Config(format!("{name} = {v} is larger than a model size may be (2^31)"))),
         None => Ok(()),
     }
 }
@@ -433,6 +437,8 @@ impl UnitBuilder<'_> {
         }
         if shape.iter().any(|&d| d <= 0) {
             self.builder.fail(format!("parameter {name:?} has a non-positive dimension in {shape:?}"));
+        } else if shape.iter().try_fold(1i64, |n, &d| n.checked_mul(d)).is_none() {
+            self.builder.fail(format!("parameter {name:?} of shape {shape:?} has more elements than an i64 counts"));
         }
         self.builder.params.push(ParamSpec {
             name,
