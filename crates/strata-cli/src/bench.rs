@@ -181,7 +181,10 @@ pub fn run_reference(python: Option<&PathBuf>, script: &str, args: &[String]) ->
         .output()
         .with_context(|| format!("cannot run {} (run scripts/setup.sh first)", python.display()))?;
     if !out.status.success() {
-        bail!("the PyTorch reference {script} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        // A Python traceback ends with the exception: that line says what went wrong.
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message").trim();
+        bail!("the PyTorch reference {script} failed: {last}");
     }
     serde_json::from_slice(&out.stdout)
         .with_context(|| format!("the PyTorch reference {script} printed no JSON report"))

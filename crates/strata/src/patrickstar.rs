@@ -422,7 +422,8 @@ impl PatrickStarOptimizer {
                 values.len()
             )));
         }
-        s.optimizer.load_state(step as u64, |unit, offset, name, t| {
+        let step = u64::try_from(step).map_err(|_| Error::Model(format!("optimizer state dict: step {step}")))?;
+        s.optimizer.load_state(step, |unit, offset, name, t| {
             let key = format!("unit{unit}.{offset}.{name}");
             let v = values.get(&key).ok_or_else(|| Error::Model(format!("optimizer state dict: no {key}")))?;
             if v.size() != t.size() {
