@@ -348,6 +348,15 @@ fn bad_profile_folders_are_one_line() {
     std::fs::write(dir.path().join("rank1.jsonl"), format!("{header}\n")).unwrap();
     std::fs::write(&file, format!("{header}\n{{\"kind\":\"gather\",\"t\":0.1,\"unit\":0}}\n")).unwrap();
     assert_fails_with(&summary(dir.path()), "every rank's file must be there once");
+    // Two ranks of a world of 2, from runs of different models.
+    let two = |units: &str| header.replace("\"world\":1", "\"world\":2").replace("[\"a\"]", units);
+    let record = "{\"kind\":\"gather\",\"t\":0.1,\"unit\":0}";
+    std::fs::write(&file, format!("{}\n{record}\n", two("[\"a\"]"))).unwrap();
+    let other = two("[\"a\",\"b\"]").replace("\"rank\":0", "\"rank\":1").replace("[4]", "[4,4]");
+    std::fs::write(dir.path().join("rank1.jsonl"), format!("{other}\n{record}\n")).unwrap();
+    assert_fails_with(&summary(dir.path()), "rank 1 names other units than rank 0");
+    let plot = strata(&["profile", "plot", dir.path().to_str().unwrap(), "-o", dir.path().join("p").to_str().unwrap()]);
+    assert_fails_with(&plot, "rank 1 names other units than rank 0");
 }
 
 /// Kernel traces in libtorch's own format: the operators a thread ran are in one, with

@@ -584,6 +584,13 @@ pub fn read_dir(dir: &Path) -> Result<Vec<Profile>> {
             dir.display()
         )));
     }
+    if let Some(p) = profiles.iter().find(|p| p.header.units != profiles[0].header.units) {
+        return Err(Error::Data(format!(
+            "{}: rank {} names other units than rank 0: files of different runs",
+            dir.display(),
+            p.header.rank
+        )));
+    }
     if profiles.iter().all(|p| p.records.is_empty()) {
         return Err(Error::Data(format!("{}: the profile recorded nothing (an empty run)", dir.display())));
     }
