@@ -61,7 +61,7 @@ struct Row {
     /// Seconds waiting for copies over the step's seconds.
     copy_wait_share: f64,
     /// Tokens/s over those of the placement it runs the size of (prefetch off, update
-    /// delayed), measured in the same rounds.
+    /// delayed), measured in the same rounds; absent where it trains no model that large.
     #[serde(skip_serializing_if = "Option::is_none")]
     vs_same_size: Option<f64>,
 }
@@ -118,14 +118,14 @@ fn fits(args: &BenchOffloadArgs, layers: i64, strategy: &str) -> Result<bool> {
     }
 }
 
-/// The most layers (up to `max_layers`) that fit: doubling, then bisecting.
-fn largest(args: &BenchOffloadArgs, strategy: &str) -> Result<i64> {
+/// The most layers (up to `most`) that fit: doubling, then bisecting.
+fn largest(args: &BenchOffloadArgs, strategy: &str, most: i64) -> Result<i64> {
     let (mut good, mut bad) = (0, None);
-    let mut probe = 1;
-    while bad.is_none() && good < args.max_layers {
+    let mut probe = 1.min(most);
+    while bad.is_none() && good < most {
         if fits(args, probe, strategy)? {
             good = probe;
-            probe = (probe * 2).min(args.max_layers);
+            probe = (probe * 2).min(most);
         } else {
             bad = Some(probe);
         }
@@ -158,9 +158,15 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
     let mut rows: Vec<Row> = Vec::new();
     for (placement, offload, sized_like) in PLACEMENTS {
         let strategy = strategy(&args, offload);
-        let layers = match sized_like {
+        // A row run at another's size takes it where it fits there (a delayed update's
+        // gradient twins may not fit the host), else its own largest below it.
+        let most = match sized_like {
             Some(other) => rows.iter().find(|r| r.placement == other).map_or(0, |r| r.layers),
-            None => largest(&args, &strategy)?,
+            None => args.max_layers,
+        };
+        let layers = match sized_like {
+            Some(_) if most > 0 && fits(&args, most, &strategy)? => most,
+            _ => largest(&args, &strategy, most)?,
         };
         let params = params_of(layers)?;
         rows.push(Row {
@@ -196,6 +202,7 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
     }
     for (i, (_, _, sized_like)) in PLACEMENTS.iter().enumerate() {
         let reference = sized_like.and_then(|other| rows.iter().find(|r| r.placement == other));
+        let reference = reference.filter(|r| r.layers == rows[i].layers);
         if let Some(speed) = reference.map(|r| r.tokens_per_s).filter(|&s| s > 0.0) {
             rows[i].vs_same_size = Some(rows[i].tokens_per_s / speed);
         }

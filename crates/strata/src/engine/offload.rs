@@ -360,6 +360,7 @@ fn plan_input(spec: &ModelSpec, config: &EngineConfig, options: &OffloadOptions)
         host_budget: config.host_budget,
         prefetch: options.prefetch,
         on_host: options.on_host.clone(),
+        delayed_update: options.delayed_update,
     }
 }
 

@@ -93,8 +93,9 @@ pub enum HomePolicy {
     /// The first units, in order, covering `params` of the model states' bytes live on the
     /// host, and those covering `optimizer` (at least as many) keep their optimizer there.
     Static { params: f64, optimizer: f64 },
-    /// As many states as possible stay on the device: units leave it whole for the host, one
-    /// at a time, largest first, until every moment fits the budget. `params_may_leave:
+    /// States stay on the device where that moves fewer bytes: units leave it whole for the
+    /// host, one at a time, largest first, until every moment fits the budget, and further
+    /// where that lowers the bytes moved per step. `params_may_leave:
     /// false` keeps every unit's parameters on the device (only the optimizer leaves).
     Auto { params_may_leave: bool },
 }
@@ -117,6 +118,9 @@ pub struct PlanInput {
     /// The device copies of host-homed states come in whole slots of this many bytes
     /// ([`super::slots`]); 1: in their own bytes.
     pub slot_bytes: u64,
+    /// Host-homed gradients have a twin of their size: a delayed update reads one while the
+    /// next step's backward fills the other.
+    pub delayed_update: bool,
 }
 
 /// Bytes moved per step between device and host.
@@ -214,7 +218,8 @@ impl PlanInput {
     fn simulate(&self, homes: &[Home]) -> std::result::Result<Plan, DoesNotFit> {
         let n = self.units.len();
         let moments = step_moments(n);
-        let host_bytes: u64 = self.units.iter().zip(homes).map(|(s, &h)| s.host_resident(h)).sum();
+        let twin = |s: &UnitStates, h: Home| if self.delayed_update && h != Home::Device { s.grads } else { 0 };
+        let host_bytes: u64 = self.units.iter().zip(homes).map(|(s, &h)| s.host_resident(h) + twin(s, h)).sum();
         if let Some(budget) = self.host_budget.filter(|&b| host_bytes > b) {
             return Err(DoesNotFit(format!("the host needs {host_bytes} bytes of a budget of {budget}")));
         }
@@ -460,18 +465,24 @@ pub fn plan(input: &PlanInput, policy: &HomePolicy) -> Result<Plan> {
             // backward: units leave whole where they may.
             let leave = if params_may_leave { Home::Host } else { Home::OptimizerOnHost };
             // Largest first (fewest units leave); among equals the last units, whose copies
-            // are kept over the shortest spans.
+            // are kept over the shortest spans. Past the first placement that fits, the rest
+            // of the order is tried too and the one that moves the fewest bytes is kept (the
+            // earliest of equals): a state that leaves frees device room where copies can
+            // stay between uses, so `auto` never moves more than the end of its order,
+            // every state that may leave on the host.
             let mut order: Vec<usize> = (0..n).collect();
             order.sort_by_key(|&u| std::cmp::Reverse((input.units[u].total(), u)));
-            let mut last = input.simulate(&homes);
+            let mut placed = input.simulate(&homes);
             for u in order {
-                if last.is_ok() {
-                    break;
-                }
                 homes[u] = homes[u].max(leave);
-                last = input.simulate(&homes);
+                let next = input.simulate(&homes);
+                placed = match (placed, next) {
+                    (Ok(best), Ok(plan)) if plan.traffic.total() < best.traffic.total() => Ok(plan),
+                    (Ok(best), _) => Ok(best),
+                    (Err(_), next) => next,
+                };
             }
-            last.map_err(refuse)
+            placed.map_err(refuse)
         }
     }
 }
@@ -494,6 +505,7 @@ mod tests {
             prefetch: 0,
             on_host: vec![],
             slot_bytes: 1,
+            delayed_update: false,
         }
     }
 
@@ -618,7 +630,29 @@ mod tests {
             for (t, bytes) in plan.device_bytes.iter().enumerate() {
                 proptest::prop_assert!(*bytes <= i.device_budget.unwrap(), "moment {}: {} bytes", t, bytes);
             }
+            // `auto` fits wherever full offload does, copies the fewest bytes its own homes
+            // allow, and never more than full offload.
+            let auto = super::plan(&i, &HomePolicy::Auto { params_may_leave: true }).unwrap();
+            proptest::prop_assert_eq!(auto.traffic.to_device, fewest_bytes_copied(&i, &auto), "{:?}", auto.homes);
+            proptest::prop_assert!(
+                auto.traffic.total() <= plan.traffic.total(),
+                "auto {:?} against full {:?}",
+                auto.traffic,
+                plan.traffic
+            );
         }
+    }
+
+    #[test]
+    fn a_delayed_update_counts_the_twins_of_the_host_gradients() {
+        let optimizer_on_host = HomePolicy::Static { params: 0.0, optimizer: 1.0 };
+        let mut i = input(&[10, 20], u64::MAX);
+        let plain = plan(&i, &optimizer_on_host).unwrap().host_bytes;
+        i.delayed_update = true;
+        assert_eq!(plan(&i, &optimizer_on_host).unwrap().host_bytes, plain + 30, "one twin per gradient");
+        i.host_budget = Some(plain);
+        let err = plan(&i, &optimizer_on_host).unwrap_err().to_string();
+        assert!(err.contains(&format!("the host needs {} bytes of a budget of {plain}", plain + 30)), "{err}");
     }
 
     #[test]
