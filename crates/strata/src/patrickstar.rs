@@ -32,9 +32,9 @@ pub struct PatrickStarConfig {
     /// Elements per chunk. Strata's chunks are the units' flat buffers; the size must hold
     /// the largest parameter, as PatrickStar requires.
     pub default_chunk_size: u64,
-    /// Several ranks: keep the whole model until initialisation ends (true, refused: nothing
-    /// in Strata's initialisation needs it) or release each unit's remote part as soon as it
-    /// is initialised (false, what fsdp does).
+    /// Several ranks: keep every unit's whole parameters until initialisation ends, then
+    /// release the parts other ranks own (true), or release each unit's as soon as it is
+    /// initialised (false, what fsdp does). One process has no remote parts.
     pub release_after_init: bool,
     /// The embedding units' states live on the host and are updated there.
     pub use_cpu_embedding: bool,
@@ -118,8 +118,9 @@ impl PatrickStarConfig {
     /// Parses the configuration from JSON text (a file's contents), naming a bad key or
     /// value in one line.
     pub fn parse(text: &str) -> Result<PatrickStarConfig> {
-        let config: PatrickStarConfig =
-            serde_json::from_str(text).map_err(|e| Error::Config(format!("PatrickStar config: {e}")))?;
+        // Errors name the key they are about (`optimizer.params.lr: invalid type ...`).
+        let config: PatrickStarConfig = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text))
+            .map_err(|e| Error::Config(format!("PatrickStar config: {e}")))?;
         config.validate()?;
         Ok(config)
     }
@@ -142,13 +143,6 @@ impl PatrickStarConfig {
         }
         if self.default_chunk_size == 0 {
             return Err(Error::Config("PatrickStar config: default_chunk_size must be positive".into()));
-        }
-        if self.release_after_init {
-            return Err(Error::Config(
-                "PatrickStar config: release_after_init: true is not needed: every parameter draws from its own seed \
-                 and weights load after initialisation, so each unit's remote part is released as it is made"
-                    .into(),
-            ));
         }
         Ok(())
     }
@@ -204,7 +198,8 @@ impl PatrickStarConfig {
         let everything_on_host = OffloadConfig::default().everything_on_host();
         let embeddings = || spec.units.iter().filter(|u| u.kind().ends_with("Embedding")).map(|u| u.name.clone());
         if world > 1 {
-            methods.push(Method::Fsdp(ShardConfig::default()));
+            methods
+                .push(Method::Fsdp(ShardConfig { release_after_init: self.release_after_init, ..Default::default() }));
             methods.push(Method::Offload(everything_on_host));
         } else if self.optimizer.params.use_hybrid_adam {
             let host_units = if self.use_cpu_embedding { embeddings().collect() } else { vec![] };

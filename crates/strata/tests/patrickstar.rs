@@ -138,7 +138,9 @@ fn the_configuration_maps_to_strategies_and_bad_keys_are_one_line() {
         (r#"{"optimizer": {"type": "SGD"}}"#, "expected Adam or AdamW"),
         (r#"{"optimizer": {"params": {"lr": -1}}}"#, "learning rate"),
         (r#"{"fp16": {"enabled": false}}"#, "fp16.enabled must be true"),
-        (r#"{"release_after_init": true}"#, "release_after_init"),
+        (r#"{"release_after_init": 1}"#, "release_after_init: invalid type"),
+        (r#"{"optimizer": {"params": {"lr": "fast"}}}"#, "optimizer.params.lr: invalid type"),
+        (r#"{"fp16": {"enabled": true, "hysteresis": 2, "window": 3}}"#, "unknown field `window`"),
         (r#"{"default_chunk_size": 0}"#, "default_chunk_size must be positive"),
         ("not json", "PatrickStar config"),
     ] {

@@ -236,6 +236,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         limit_all_gathers: shard.limit_all_gathers,
         overlap_comm: shard.overlap_comm,
         sync_module_states: shard.sync_module_states,
+        release_after_init: shard.release_after_init,
         wrap: shard.wrap(&spec)?,
         param_dtype,
         reduce_dtype,

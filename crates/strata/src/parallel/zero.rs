@@ -51,6 +51,9 @@ pub struct ZeroOptions {
     pub overlap_comm: bool,
     /// Broadcast rank 0's initial parameters to every rank.
     pub sync_module_states: bool,
+    /// Stage 3 releases the parameters other ranks own once the whole model is built, not
+    /// unit by unit as each is made (PatrickStar's `release_after_init`).
+    pub release_after_init: bool,
     /// Per unit, from the wrap policy.
     pub wrap: Vec<Wrap>,
     pub param_dtype: Option<Kind>,
@@ -419,7 +422,7 @@ impl Zero {
             }
             // Parameters are freed only when other ranks hold the rest: a shard group of
             // one keeps them (refilling them would also bump autograd's version counters).
-            if sharded && frees_params {
+            if sharded && frees_params && !options.release_after_init {
                 // SAFETY: nothing has run on the unit yet; it is gathered before any use.
                 unsafe { memory::release_buffer(&s.flat) }?;
                 ledger.free(Placement::Device, Category::Params, bytes(len, param_kind));
@@ -452,6 +455,14 @@ impl Zero {
         };
         let device = config.device;
         let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
+        if options.release_after_init && options.stage == Stage::Parameters && groups.shard.is_some() {
+            for (unit, storage) in units.iter_mut().zip(engine.storage()).filter(|(u, _)| u.wrap != Wrap::Ignored) {
+                // SAFETY: nothing has run on the unit yet; it is gathered before any use.
+                unsafe { memory::release_buffer(&storage.flat) }?;
+                engine.ledger().free(Placement::Device, Category::Params, bytes(unit.len, param_kind));
+                unit.params_resident = false;
+            }
+        }
         let largest_borrowed = units.iter().filter(|u| u.borrows_grad_slot).map(|u| u.len).max();
         let grad_slots = match (&groups.shard, largest_borrowed) {
             (Some(g), Some(numel)) => SharedGradSlots::new(g, numel, param_kind, device)?,

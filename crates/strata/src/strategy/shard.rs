@@ -69,6 +69,11 @@ pub struct ShardConfig {
     pub hybrid_shard_size: Option<usize>,
     /// Parameter groups select parameters by name whatever this says.
     pub use_orig_params: bool,
+    /// PatrickStar's `release_after_init`, set by its face rather than a strategy key:
+    /// stage 3 keeps every unit's whole parameters until the model is built, then releases
+    /// the parts other ranks own (otherwise each unit's as soon as it is made).
+    #[serde(skip)]
+    pub release_after_init: bool,
 }
 
 impl Default for ShardConfig {
@@ -87,6 +92,7 @@ impl Default for ShardConfig {
             wrap_trainable_outmost: false,
             hybrid_shard_size: None,
             use_orig_params: false,
+            release_after_init: false,
         }
     }
 }
