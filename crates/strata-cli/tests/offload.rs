@@ -70,6 +70,26 @@ fn offloaded_training_under_a_budget_matches_the_run_without_one() {
     }
     let plain = reports(&reference_metrics)[0]["allocator_peak_bytes"].as_u64().unwrap();
     assert!(plain > limit, "the plain run's peak {plain} does not fit {budget}");
+    // The host's budget: what full offload held at its peak is enough, and every step stays
+    // within it; a tenth less is refused when the engine is built.
+    let full = dir.path().join("full.jsonl");
+    let host_peak = reports(&full).iter().map(|r| r["memory"]["host"]["peak"].as_u64().unwrap()).max().unwrap();
+    let strategy = r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#;
+    let hosted = |host: u64| {
+        let host = host.to_string();
+        ["--strategy", strategy, "--device-memory", &budget, "--host-memory", &host].map(String::from)
+    };
+    let flags = hosted(host_peak);
+    let (_, metrics) = train(dir.path(), "host-budget", 8, &flags.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(losses(&metrics), losses(&reference_metrics), "within the host's budget");
+    for r in reports(&metrics) {
+        let peak = r["memory"]["host"]["peak"].as_u64().unwrap();
+        assert!(peak <= host_peak, "the host's peak {peak} over its budget {host_peak}");
+    }
+    let flags = hosted(host_peak * 9 / 10);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let refused = strata(&[&["train"][..], &RUN, &["--steps", "2"], &flags].concat());
+    assert_fails_with(&refused, "the host needs");
 }
 
 /// A run checkpointed with full offload and resumed without it, and the reverse, records
@@ -288,4 +308,67 @@ fn the_automatic_search_offloads_a_model_that_fits_no_device_only_strategy() {
         let peak = r["memory"]["device"]["peak"].as_u64().unwrap();
         assert!(peak <= budget.parse().unwrap(), "device peak {peak} over {budget}");
     }
+}
+
+/// Over two ranks a PatrickStar configuration trains as fsdp with every shard on the host,
+/// step for step as AdamW without offload on two ranks. `release_after_init: true` keeps
+/// every unit whole until the model is built, so the device once held the whole model's
+/// parameters; false releases each unit's remote half as it is made.
+#[test]
+fn a_patrickstar_configuration_trains_over_two_ranks_and_releases_after_init_when_told() {
+    let dir = tempfile::tempdir().unwrap();
+    // Wide blocks on short sequences: the parameters outweigh what a step holds beside them.
+    let model = ["--model", "gpt", "--layers", "6", "--dim", "64", "--ctx", "16", "--seed", "5", "--threads", "1"];
+    let two = [&model[..], &["--nproc", "2", "--batch-size", "4", "--schedule", "constant"]].concat();
+    let train = |name: &str, steps: usize, extra: &[&str]| train_run(dir.path(), name, steps, &[&two, extra]);
+    let optimizer = ["--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01", "--eps", "1e-8"];
+    let reference = train("reference", 4, &optimizer);
+    let whole_params = reports(&reference.1)[0]["memory"]["device"]["by_category"]["params"].as_u64().unwrap();
+    let mut peaks = vec![];
+    for release in [false, true] {
+        let config = dir.path().join(format!("release-{release}.json"));
+        let text = format!(
+            r#"{{"optimizer": {{"type": "AdamW", "params": {{"lr": 0.003, "weight_decay": 0.01}}}}, "release_after_init": {release}}}"#
+        );
+        std::fs::write(&config, text).unwrap();
+        let run = train(&format!("release-{release}"), 4, &["--patrickstar-config", config.to_str().unwrap()]);
+        assert_follows(&reference, &run, &format!("release_after_init {release}"), 1e-5, 1e-5);
+        peaks.push(reports(&run.1)[0]["memory"]["device"]["peak"].as_u64().unwrap());
+    }
+    eprintln!("whole parameters {whole_params} bytes; device peaks (release false, true) {peaks:?}");
+    assert!(peaks[0] < whole_params, "released unit by unit: {peaks:?} against {whole_params}");
+    assert!(peaks[1] >= whole_params, "kept whole until built: {peaks:?} against {whole_params}");
+}
+
+/// `strata bench offload` on a tiny GPT and budgets: each placement's largest model grows
+/// with what it moves off the device (auto above static full offload, which is bounded by
+/// the host, above the optimizer alone, above nothing), only offload moves bytes, and the
+/// rows run at another's size report their speed against it.
+#[test]
+fn bench_offload_orders_the_placements_by_the_model_they_fit() {
+    let budgets = ["--device-memory", "1048576", "--host-memory", "4194304", "--max-layers", "32"];
+    let shape = ["--heads", "2", "--dim", "32", "--ctx", "16", "--batch-size", "2", "--steps", "2", "--rounds", "1"];
+    let o = strata(&[&["bench", "offload", "--json"][..], &budgets, &shape].concat());
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let row = |name: &str| rows.iter().find(|r| r["placement"] == name).unwrap_or_else(|| panic!("{name}"));
+    let layers = |name: &str| row(name)["layers"].as_i64().unwrap();
+    eprintln!("{}", serde_json::to_string(rows).unwrap());
+    assert!(layers("none") >= 1, "something fits without offload");
+    assert!(layers("optimizer") > layers("none"));
+    assert!(layers("static-full") > layers("optimizer"));
+    assert!(layers("auto") > layers("static-full"), "auto uses the device's room as well as the host's");
+    assert!(layers("auto") < 32, "the budgets bound auto, not --max-layers");
+    assert_eq!(row("none")["moved_per_step"].as_f64(), Some(0.0));
+    for name in ["optimizer", "static-full", "auto"] {
+        assert!(row(name)["moved_per_step"].as_f64().unwrap() > 0.0, "{name} moves bytes");
+    }
+    assert_eq!(layers("auto-no-prefetch"), layers("auto"), "prefetch changes no placement");
+    assert!(row("auto-no-prefetch")["vs_same_size"].as_f64().unwrap() > 0.0);
+    // A delayed update's gradient twins take host room: it runs at the optimizer's size
+    // where they fit there (and then has a speed at the same size), below it otherwise.
+    let (delayed, optimizer) = (layers("optimizer-delayed"), layers("optimizer"));
+    assert!(delayed >= 1 && delayed <= optimizer, "{delayed} against {optimizer}");
+    assert_eq!(row("optimizer-delayed").get("vs_same_size").is_some(), delayed == optimizer);
 }

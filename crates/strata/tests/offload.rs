@@ -35,10 +35,21 @@ fn offloaded_runs_give_the_losses_of_the_run_that_keeps_everything_on_the_device
     let reference: Vec<f64> = train("[]", None, 20).iter().map(|r| r.loss).collect();
     assert!(reference[19] < reference[0] - 0.05, "the model learns: {reference:?}");
     let budget = model_state_bytes() * 4 / 10;
-    for (strategy, budget) in [(OPTIMIZER_ONLY, None), (FULL, None), (FULL, Some(budget)), (AUTO, Some(budget))] {
+    // With only the optimizer on the host the device keeps parameters and gradients, half
+    // of the model states: it trains under 60% of them, not 40%.
+    let optimizer_budget = model_state_bytes() * 6 / 10;
+    for (strategy, budget) in [
+        (OPTIMIZER_ONLY, None),
+        (OPTIMIZER_ONLY, Some(optimizer_budget)),
+        (FULL, None),
+        (FULL, Some(budget)),
+        (AUTO, Some(budget)),
+    ] {
         let reports = train(strategy, budget, 20);
         for (i, (r, expected)) in reports.iter().zip(&reference).enumerate() {
             assert!((r.loss - expected).abs() <= 1e-6, "{strategy} step {i}: {} against {expected}", r.loss);
+            let peak = r.memory[&Where::Device].peak;
+            assert!(budget.is_none_or(|b| peak <= b), "{strategy} step {i}: device peak {peak} over {budget:?}");
         }
         let host = &reports[19].memory[&Where::Host];
         assert!(host.current > 0, "{strategy}: states live on the host: {host:?}");
@@ -228,8 +239,8 @@ fn host_updates_start_during_backward_where_nothing_can_stop_them_and_change_not
             assert!((r.loss - want).abs() <= 1e-6, "{strategy} step {i}: {} against {want}", r.loss);
         }
         assert!(
-            reports.iter().all(|r| r.transfers.updated_during_backward > 0),
-            "{strategy}: the host updated during backward"
+            reports.iter().all(|r| r.transfers.updated_during_backward > 0 && r.transfers.host_update_s > 0.0),
+            "{strategy}: the host updated during backward, and its seconds are counted"
         );
     }
 }
