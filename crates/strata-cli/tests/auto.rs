@@ -54,8 +54,9 @@ fn included_and_excluded_methods_shape_every_candidate() {
 fn the_time_limit_ends_the_search_with_the_best_so_far() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    // Any dry run takes longer than 50 ms: the first always runs, and the limit stops the rest.
-    let limited = search(dir.path(), "limited", &["--time-limit", "0.05"]);
+    // Any dry run takes longer than a microsecond: the first always runs, and the limit
+    // stops the rest.
+    let limited = search(dir.path(), "limited", &["--time-limit", "0.000001"]);
     assert_eq!(limited["stopped_by_time_limit"], true);
     assert_eq!(limited["dry_runs"], 1);
     let tried: Vec<&str> = outcomes(&limited)

@@ -73,12 +73,13 @@ fn a_rank_killed_under_torchrun_is_restarted_and_resumes_from_the_newest_checkpo
     let o = under_torchrun(&torchrun, &["--max-restarts", "1"], &[&args[..], &elastic, &outputs].concat(), &fault);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(Path::new(&p("fired")).exists(), "the first round was killed");
-    // The second round began at step 4's checkpoint (its metrics are steps 5 and 6) and ends
-    // where an uninterrupted run ends. Its keys live under its own round: the first round's
-    // (the shared segment's path, the ranks' process ids) are never read.
+    // The second round began at step 4's checkpoint (the metrics keep the first round's steps
+    // 1 to 4 and go on with 5 and 6) and ends where an uninterrupted run ends. Its keys live
+    // under its own round: the first round's (the shared segment's path, the ranks' process
+    // ids) are never read.
     let (full, restarted) = (losses(Path::new(&p("full.jsonl"))), losses(Path::new(&p("restarted.jsonl"))));
-    assert_eq!(restarted.iter().map(|r| r.0).collect::<Vec<_>>(), [5, 6]);
-    for ((step, a), (_, b)) in full[4..].iter().zip(&restarted) {
+    assert_eq!(restarted.iter().map(|r| r.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
+    for ((step, a), (_, b)) in full.iter().zip(&restarted) {
         assert!((a - b).abs() <= 1e-6 * a.abs(), "step {step}: {a} uninterrupted, {b} restarted");
     }
     let gap = global_gap(Path::new(&p("full.st")), Path::new(&p("restarted.st")));
@@ -137,13 +138,15 @@ fn a_store_that_never_answers_is_one_line_within_the_timeout() {
     drop(silent);
 }
 
-/// Two ranks of `strata train ARGS` started as a launcher would, with `vars(rank)` each.
+/// Two ranks of `strata train ARGS` started as a launcher would, with `vars(rank)` each;
+/// a rank left waiting for a peer gives up within a minute (`--comm-timeout`).
 fn two_ranks_with<const N: usize>(args: &[&str], vars: impl Fn(usize) -> [(&'static str, String); N]) {
     let children: Vec<_> = (0..2)
         .map(|rank| {
             Command::new(env!("CARGO_BIN_EXE_strata"))
                 .arg("train")
                 .args(args)
+                .args(["--comm-timeout", "60"])
                 .env("STRATA_LOG", "warn")
                 .env_remove("STRATA_STORE_TOKEN")
                 .envs(vars(rank))

@@ -9,6 +9,7 @@ use strata::engine::{Engine, EngineConfig};
 use strata::model::{self, Builder, MlpConfig};
 use strata::optim::{Optimizer, OptimizerConfig};
 use strata::strategy::Strategy as StrataStrategy;
+use tch::Tensor;
 
 fn one_line(e: &strata::Error) -> bool {
     let text = e.to_string();
@@ -90,9 +91,16 @@ fn mlp() -> (Engine, Optimizer) {
     (engine, optimizer)
 }
 
-/// A checkpoint of a small MLP; the path of its step folder.
-fn saved_checkpoint(root: &Path) -> std::path::PathBuf {
+/// A checkpoint of a small MLP whose parameters moved away from their initial values; the
+/// path of its step folder and the units' saved values.
+fn saved_checkpoint(root: &Path) -> (std::path::PathBuf, Vec<Tensor>) {
     let (mut engine, mut optimizer) = mlp();
+    tch::no_grad(|| {
+        for unit in engine.storage() {
+            let _ = unit.flat.shallow_clone().f_add_scalar_(0.5).unwrap();
+        }
+    });
+    let saved = engine.storage().iter().map(|u| u.flat.copy()).collect();
     let run = RunInfo {
         step: 3,
         world_size: 1,
@@ -102,7 +110,7 @@ fn saved_checkpoint(root: &Path) -> std::path::PathBuf {
         loss_scaler: None,
         model: None,
     };
-    checkpoint::save(root, &mut engine, &mut optimizer, &run, None, 2).unwrap()
+    (checkpoint::save(root, &mut engine, &mut optimizer, &run, None, 2).unwrap(), saved)
 }
 
 /// A change to a field of `meta.json` that a damaged or hand-edited file could hold.
@@ -211,7 +219,7 @@ proptest! {
     #[test]
     fn a_damaged_meta_json_is_refused_or_restores_never_panics(edits in prop::collection::vec(meta_edit(), 1..4)) {
         let dir = tempfile::tempdir().unwrap();
-        let step = saved_checkpoint(dir.path());
+        let (step, saved) = saved_checkpoint(dir.path());
         let meta_path = step.join("meta.json");
         let mut meta = std::fs::read(&meta_path).unwrap();
         for e in &edits {
@@ -222,8 +230,14 @@ proptest! {
         match Checkpoint::open(dir.path()) {
             Ok(ckpt) => {
                 let (mut engine, mut optimizer) = mlp();
-                if let Err(e) = ckpt.restore(&mut engine, &mut optimizer, "adamw") {
-                    prop_assert!(one_line(&e), "{e}");
+                match ckpt.restore(&mut engine, &mut optimizer, "adamw") {
+                    Err(e) => prop_assert!(one_line(&e), "{e}"),
+                    // What a damaged description lets through restores the saved values.
+                    Ok(()) => {
+                        for (unit, want) in engine.storage().iter().zip(&saved) {
+                            prop_assert!(unit.flat.equal(want), "restored other values than were saved");
+                        }
+                    }
                 }
             }
             Err(e) => prop_assert!(one_line(&e), "{e}"),

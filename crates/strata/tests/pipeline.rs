@@ -131,6 +131,7 @@ fn rank_entry() {
                 .iter()
                 .filter_map(|e| if let Event::Phase { unit, .. } = e { Some(*unit) } else { None })
                 .collect();
+            assert!(!units.is_empty(), "every stage's engine ran its units");
             for &u in &units {
                 let gathers = events.iter().filter(|e| **e == Event::GatherStarted { unit: u }).count();
                 let freed = events.iter().filter(|e| **e == Event::ParamsFreed { unit: u }).count();
