@@ -541,15 +541,25 @@ int strata_cuda_reset_peak_stats(int device) {
 }
 
 // Streams are identified by their packed c10 representation, which is plain data.
+#ifdef STRATA_CUDA
+static void pack_stream(const c10::cuda::CUDAStream& stream, int64_t* packed) {
+  auto p = stream.pack3();
+  packed[0] = p.stream_id;
+  packed[1] = p.device_index;
+  packed[2] = static_cast<int64_t>(p.device_type);
+}
+
+static c10::cuda::CUDAStream unpack_stream(const int64_t* packed) {
+  return c10::cuda::CUDAStream::unpack3(packed[0], static_cast<c10::DeviceIndex>(packed[1]),
+                                        static_cast<c10::DeviceType>(packed[2]));
+}
+#endif
+
 int strata_cuda_stream_from_pool(int device, int high_priority, int64_t* packed) {
   return guarded([&] {
     STRATA_REQUIRE_CUDA();
 #ifdef STRATA_CUDA
-    auto s = c10::cuda::getStreamFromPool(high_priority != 0, device);
-    auto p = s.pack3();
-    packed[0] = p.stream_id;
-    packed[1] = p.device_index;
-    packed[2] = static_cast<int64_t>(p.device_type);
+    pack_stream(c10::cuda::getStreamFromPool(high_priority != 0, device), packed);
 #else
     (void)device;
     (void)high_priority;
@@ -562,23 +572,13 @@ int strata_cuda_current_stream(int device, int64_t* packed) {
   return guarded([&] {
     STRATA_REQUIRE_CUDA();
 #ifdef STRATA_CUDA
-    auto p = c10::cuda::getCurrentCUDAStream(device).pack3();
-    packed[0] = p.stream_id;
-    packed[1] = p.device_index;
-    packed[2] = static_cast<int64_t>(p.device_type);
+    pack_stream(c10::cuda::getCurrentCUDAStream(device), packed);
 #else
     (void)device;
     (void)packed;
 #endif
   });
 }
-
-#ifdef STRATA_CUDA
-static c10::cuda::CUDAStream unpack_stream(const int64_t* packed) {
-  return c10::cuda::CUDAStream::unpack3(packed[0], static_cast<c10::DeviceIndex>(packed[1]),
-                                        static_cast<c10::DeviceType>(packed[2]));
-}
-#endif
 
 int strata_cuda_set_current_stream(const int64_t* packed) {
   return guarded([&] {

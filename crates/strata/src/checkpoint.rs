@@ -747,13 +747,8 @@ impl Checkpoint {
         Ok(out)
     }
 
-    /// Fails unless the checkpoint is of the model `engine` runs, with `optimizer`'s kind.
-    pub fn check_compatible(&self, engine: &Engine, optimizer: &Optimizer, optimizer_name: &str) -> Result<()> {
-        self.check_layout(&Layout::of(engine), optimizer, optimizer_name)
-    }
-
     /// Fails unless the checkpoint is of a model of `layout`, with `optimizer`'s kind.
-    pub fn check_layout(&self, layout: &Layout, optimizer: &Optimizer, optimizer_name: &str) -> Result<()> {
+    fn check_layout(&self, layout: &Layout, optimizer: &Optimizer, optimizer_name: &str) -> Result<()> {
         self.check_model(layout)?;
         let states = state_names(optimizer);
         if self.meta.optimizer != optimizer_name || self.meta.state_names != states {

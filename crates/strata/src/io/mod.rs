@@ -139,11 +139,8 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
 pub fn to_safetensors<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<Vec<u8>> {
     let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, t) in tensors {
-        let t = t.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
-        let mut data = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
-        t.f_copy_data_u8(&mut data, t.numel())?;
         let shape = t.size().iter().map(|&d| d as usize).collect();
-        owned.push((name.to_string(), dtype_of(t.kind())?, shape, data));
+        owned.push((name.to_string(), dtype_of(t.kind())?, shape, tensor_bytes_le(t)?));
     }
     let views = owned
         .iter()
