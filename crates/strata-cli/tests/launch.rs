@@ -153,5 +153,9 @@ fn unit_times_cover_every_unit_within_the_step() {
         }
         let waited: f64 = units.iter().map(|u| u["comm_wait_s"].as_f64().unwrap()).sum();
         assert!(waited <= step["comm_wait_s"].as_f64().unwrap() + 1e-6, "{step}");
+        // The units' forwards and backwards run one after another inside the step.
+        let computed: f64 =
+            units.iter().map(|u| u["forward_s"].as_f64().unwrap() + u["backward_s"].as_f64().unwrap()).sum();
+        assert!(computed <= step["seconds"].as_f64().unwrap(), "{step}");
     }
 }

@@ -469,3 +469,54 @@ fn nccl_groups_need_a_gpu_and_work_on_one() {
     world.all_reduce(&c, ReduceOp::Sum).unwrap().wait().unwrap();
     world.barrier().unwrap().wait().unwrap();
 }
+
+/// A group of one rank whose all-reduce multiplies by ten, so a collective shows which
+/// backend ran it; every other collective is the trait's "does not support".
+struct TimesTen;
+
+impl ProcessGroup for TimesTen {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn backend(&self) -> &str {
+        "times-ten"
+    }
+    fn all_reduce(&self, tensor: &Tensor, _op: ReduceOp) -> strata::Result<strata::comm::Work> {
+        let _ = tensor.shallow_clone().f_mul_scalar_(10.0)?;
+        Ok(strata::comm::Work::done())
+    }
+}
+
+/// A backend registered by name serves spec strings that name it; unknown names list the
+/// registered ones.
+#[test]
+fn a_registered_backend_serves_the_groups_of_specs_that_name_it() {
+    let built = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = built.clone();
+    strata::comm::register_backend(
+        "times-ten",
+        Arc::new(move |setup: &strata::comm::GroupSetup| {
+            assert_eq!((setup.rank, setup.size), (0, 1));
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(Box::new(TimesTen) as Box<dyn ProcessGroup>)
+        }),
+    );
+    let comm = |spec: &str| {
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").unwrap();
+        let store = Store::connect(server.addr(), "t", Duration::from_secs(10)).unwrap();
+        Comm::new(store, Some(server), 0, 1, spec, Duration::from_secs(10))
+    };
+    let world = comm("cpu:times-ten").unwrap().world().unwrap();
+    assert_eq!(world.backend(), "cpu:times-ten", "the world dispatches CPU tensors to it");
+    let t = Tensor::ones([4], (Kind::Float, Device::Cpu));
+    world.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
+    assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [10.0; 4]);
+    assert!(built.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    let err = world.broadcast(&t, 0).err().expect("unsupported").to_string();
+    assert!(err.contains("backend times-ten does not support broadcast"), "{err}");
+    let err = comm("cpu:nope").and_then(|c| c.world().map(|_| ())).err().expect("unknown").to_string();
+    assert!(err.contains("unknown backend \"nope\"") && err.contains("times-ten"), "{err}");
+}
