@@ -130,8 +130,8 @@ fn checkpoints_move_between_tensor_sizes() {
     run(1, "1", "4", &["--resume", &first, "--save-checkpoint", &second, "--metrics", &resumed]);
     let steps = losses(Path::new(&resumed));
     for (i, (size, nproc)) in [(4, "4"), (2, "4")].into_iter().enumerate() {
-        let metrics = p(&format!("resumed{i}.jsonl"));
-        let weights = p(&format!("resumed{i}.st"));
+        let metrics = p(&format!("later{i}.jsonl"));
+        let weights = p(&format!("later{i}.st"));
         run(size, nproc, "6", &["--resume", &second, "--metrics", &metrics, "--save-weights", &weights]);
         let later = [steps.clone(), losses(Path::new(&metrics))].concat();
         assert_eq!(later.iter().map(|r| r.0).collect::<Vec<_>>(), [3, 4, 5, 6]);
