@@ -517,6 +517,6 @@ fn a_registered_backend_serves_the_groups_of_specs_that_name_it() {
     assert!(built.load(std::sync::atomic::Ordering::SeqCst) >= 1);
     let err = world.broadcast(&t, 0).err().expect("unsupported").to_string();
     assert!(err.contains("backend times-ten does not support broadcast"), "{err}");
-    let err = comm("cpu:nope").and_then(|c| c.world().map(|_| ())).err().expect("unknown").to_string();
+    let err = comm("cpu:nope").and_then(|c| c.world().map(|_| ())).expect_err("unknown").to_string();
     assert!(err.contains("unknown backend \"nope\"") && err.contains("times-ten"), "{err}");
 }
