@@ -203,16 +203,30 @@ fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_b
 #[test]
 fn offload_composes_with_recomputation_and_mixed_precision() {
     let budget = Some(model_state_bytes() * 4 / 10);
-    for methods in [r#"["checkpoint", ["GptBlock"]]"#, r#"["amp_native", {"dtype": "bf16"}]"#] {
-        let plain: Vec<f64> = train(&format!("[{methods}]"), None, 6).iter().map(|r| r.loss).collect();
+    // fp16 with a dynamic loss scale from 2^24: its first steps overflow and are skipped,
+    // which must leave the host's masters and moments as the device's.
+    let scaled = r#"["amp_native", {"loss_scaler": {"initial_scale_power": 24, "loss_scale_window": 3}}]"#;
+    // Within 1e-6: the tied embedding's gradient from two micro-batches is summed on the
+    // host in another order than on the device. Under `half` that sum is rounded to bf16
+    // (8 bits), so the order moves the loss by a few 1e-5 within 8 steps: 2e-4.
+    let half = r#"["half", "bf16"]"#;
+    for methods in [r#"["checkpoint", ["GptBlock"]]"#, r#"["amp_native", {"dtype": "bf16"}]"#, scaled, half] {
+        let bound = if methods == half { 2e-4 } else { 1e-6 };
+        let plain = train(&format!("[{methods}]"), None, 8);
         for offload in [FULL, AUTO] {
             let strategy = format!("[{methods}, {}]", &offload[1..offload.len() - 1]);
-            let losses: Vec<f64> = train(&strategy, budget, 6).iter().map(|r| r.loss).collect();
-            // Within 1e-6: the tied embedding's gradient from two micro-batches is summed on
-            // the host in another order than on the device.
-            for (i, (got, want)) in losses.iter().zip(&plain).enumerate() {
-                assert!((got - want).abs() <= 1e-6, "{strategy} step {i}: {got} against {want}");
+            let reports = train(&strategy, budget, 8);
+            for (i, (got, want)) in reports.iter().zip(&plain).enumerate() {
+                assert!(
+                    (got.loss - want.loss).abs() <= bound,
+                    "{strategy} step {i}: {} against {}",
+                    got.loss,
+                    want.loss
+                );
+                assert_eq!(got.skipped, want.skipped, "{strategy} step {i}");
             }
+            let skipped = reports.iter().filter(|r| r.skipped).count();
+            assert_eq!(skipped > 0, methods == scaled, "{strategy}: {skipped} steps skipped");
         }
     }
 }

@@ -34,9 +34,12 @@ pub fn model_state_bytes() -> u64 {
     spec().num_params() as u64 * 16
 }
 
-/// A trainer of `strategy` with AdamW, a constant rate and gradients clipped at 0.5.
+/// A trainer of `strategy` with AdamW, a constant rate, gradients clipped at 0.5 and the
+/// strategy's loss scaling.
 pub fn trainer(strategy: &Strategy, config: &EngineConfig, at: &Placement) -> strata::Result<Trainer> {
     let mut engine = build_engine(spec(), config.clone(), strategy, at)?;
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
-    Ok(Trainer::new(engine, optimizer, Schedule::Constant, Some(0.5)))
+    let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(0.5));
+    trainer.scaling = strategy.grad_scaling()?;
+    Ok(trainer)
 }
