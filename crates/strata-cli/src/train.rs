@@ -85,21 +85,6 @@ fn share_cores(threads: Option<i32>, local_world_size: usize) {
     info!(threads = share, cores, ranks = local_world_size, "compute threads per rank (--threads sets them)");
 }
 
-/// A launched rank's device and the backends of its collectives. On GPUs each local rank
-/// takes GPU `local_rank % gpus`, as torchrun scripts do. Shared memory between the ranks of
-/// one host, TCP when the job spans hosts; GPU tensors over NCCL where each rank has a GPU
-/// of its own, else (ranks sharing a GPU, which NCCL refuses) through the host backend.
-fn rank_placement(device: tch::Device, info: &RankInfo, gpus: usize) -> (tch::Device, String) {
-    let host = if info.local_world_size == info.world_size { "shm" } else { "tcp" };
-    match device {
-        tch::Device::Cuda(_) if gpus > 0 => {
-            let gpu = if info.local_world_size <= gpus { "nccl" } else { host };
-            (tch::Device::Cuda(info.local_rank % gpus), format!("cpu:{host},cuda:{gpu}"))
-        }
-        _ => (device, format!("cpu:{host}")),
-    }
-}
-
 pub fn run(mut settings: TrainSettings) -> Result<()> {
     // Count every CPU allocation from here on (activation memory in the metrics).
     strata_ext::cpu_memory::track()?;
@@ -109,7 +94,7 @@ pub fn run(mut settings: TrainSettings) -> Result<()> {
     };
     let backends = match &launched {
         Some(info) => {
-            let (device, backends) = rank_placement(settings.device, info, tch::Cuda::device_count() as usize);
+            let (device, backends) = info.placement(settings.device, tch::Cuda::device_count() as usize);
             settings.device = device;
             settings.comm_backend.clone().unwrap_or(backends)
         }
@@ -445,31 +430,4 @@ pub fn run(mut settings: TrainSettings) -> Result<()> {
         println!("{line}");
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use strata::comm::Rendezvous;
-
-    fn rank(local_rank: usize, local_world_size: usize, world_size: usize) -> RankInfo {
-        RankInfo {
-            rank: local_rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            master_addr: "127.0.0.1".into(),
-            master_port: 29500,
-            rendezvous: Rendezvous::Strata { token: String::new() },
-        }
-    }
-
-    #[test]
-    fn ranks_take_their_own_gpu_and_share_one_through_the_host() {
-        let cuda = tch::Device::Cuda(0);
-        assert_eq!(rank_placement(cuda, &rank(1, 2, 2), 2), (tch::Device::Cuda(1), "cpu:shm,cuda:nccl".into()));
-        assert_eq!(rank_placement(cuda, &rank(1, 2, 2), 1), (tch::Device::Cuda(0), "cpu:shm,cuda:shm".into()));
-        assert_eq!(rank_placement(cuda, &rank(3, 4, 8), 2), (tch::Device::Cuda(1), "cpu:tcp,cuda:tcp".into()));
-        assert_eq!(rank_placement(tch::Device::Cpu, &rank(1, 2, 4), 8), (tch::Device::Cpu, "cpu:tcp".into()));
-    }
 }

@@ -266,10 +266,17 @@ fn initialize(
     config: &PatrickStarConfig,
     budgets: Option<Budgets<'_>>,
 ) -> Result<(PatrickStarEngine, PatrickStarOptimizer)> {
-    let device = if tch::Cuda::is_available() { Device::Cuda(local_rank) } else { Device::Cpu };
-    let comm = match crate::comm::launched_world_size() {
-        Some(world) if world > 1 => Some(crate::comm::init_from_env("cpu:tcp", std::time::Duration::from_secs(300))?),
-        _ => None,
+    let mut device = if tch::Cuda::is_available() { Device::Cuda(local_rank) } else { Device::Cpu };
+    // Launched as one of several ranks: join the job on the backends its hosts call for.
+    let (comm, local_world_size) = match crate::comm::launched_world_size() {
+        Some(world) if world > 1 => {
+            let info = crate::comm::RankInfo::from_env()?;
+            let backends;
+            (device, backends) = info.placement(device, tch::Cuda::device_count().max(0) as usize);
+            let comm = crate::comm::init_from_env(&backends, std::time::Duration::from_secs(300))?;
+            (Some(comm), info.local_world_size)
+        }
+        _ => (None, 1),
     };
     let world = comm.as_ref().map_or(1, Comm::size);
     let spec = model_func()?;
@@ -283,7 +290,7 @@ fn initialize(
     };
     let mut at = Placement {
         comm: comm.as_ref(),
-        local_world_size: world,
+        local_world_size,
         optimizer_bytes_per_element: optimizer_config.state_bytes_per_element(),
         ..Placement::single()
     };

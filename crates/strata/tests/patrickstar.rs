@@ -1,7 +1,11 @@
 //! PatrickStar's face: a seed-format configuration file and the seed's loop train a GPT and
 //! a LLaMA with their states placed between device and host, exactly as the plain trainer
 //! does with everything on the device; state dictionaries resume a run; bad keys and values
-//! are refused in one line.
+//! are refused in one line; launched as two ranks, the seed's loop trains as one process
+//! does on both ranks' batches.
+mod common;
+
+use common::ranks::{assert_all_ok, run_ranks_with};
 use std::collections::BTreeMap;
 use strata::data::{Batch, Step};
 use strata::engine::{with_seed, EngineConfig, Placement as Where};
@@ -149,4 +153,68 @@ fn the_configuration_maps_to_strategies_and_bad_keys_are_one_line() {
     }
     let small = PatrickStarConfig::parse(r#"{"default_chunk_size": 100}"#).unwrap().strategy(&spec, 1);
     assert!(small.unwrap_err().to_string().contains("smaller than the largest parameter"));
+}
+
+/// The losses of `steps` steps of the seed's loop, on batch `batch_of(step)`.
+fn seed_loop(
+    model: &mut strata::patrickstar::PatrickStarEngine,
+    optimizer: &mut strata::patrickstar::PatrickStarOptimizer,
+    steps: usize,
+    batch_of: impl Fn(usize) -> Batch,
+) -> Vec<f64> {
+    (0..steps)
+        .map(|i| {
+            optimizer.zero_grad().unwrap();
+            let loss = model.forward(&batch_of(i)).unwrap();
+            model.backward(&loss).unwrap();
+            optimizer.step().unwrap();
+            loss.double_value(&[])
+        })
+        .collect()
+}
+
+/// Rank `rank`'s half of batch `index` (one of its two sequences).
+fn half_batch(index: usize, rank: usize) -> Batch {
+    let b = batch(index);
+    Batch { inputs: b.inputs.narrow(0, rank as i64, 1), targets: b.targets.narrow(0, rank as i64, 1) }
+}
+
+/// One of two ranks started by [`two_ranks_train_as_one_process_on_both_batches`]: it joins
+/// the job from the launcher's variables and prints its losses.
+#[test]
+fn rank_entry() {
+    let Ok(scenario) = std::env::var("STRATA_TEST_SCENARIO") else { return };
+    assert_eq!(scenario, "patrickstar");
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    let losses = seed_loop(&mut model, &mut optimizer, 4, |i| half_batch(i, rank));
+    println!("LOSSES {}", serde_json::to_string(&losses).unwrap());
+    println!("RANK-OK");
+}
+
+/// Launched as two ranks on one host (`RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, the store
+/// at `MASTER_ADDR:MASTER_PORT`), `initialize_engine` joins the job, and each step's mean
+/// loss over the ranks is the loss one process computes on both ranks' sequences.
+#[test]
+fn two_ranks_train_as_one_process_on_both_batches() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port: &'static str = Box::leak(port.to_string().into_boxed_str());
+    let vars = move |_| vec![("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("LOCAL_WORLD_SIZE", "2")];
+    let outputs = run_ranks_with(2, "shm", "patrickstar", vars);
+    assert_all_ok(&outputs);
+    let losses: Vec<Vec<f64>> = outputs
+        .iter()
+        .map(|o| {
+            let text = String::from_utf8_lossy(&o.stdout);
+            let line = text.lines().find_map(|l| l.split_once("LOSSES ").map(|(_, r)| r)).expect(&text);
+            serde_json::from_str(line).unwrap()
+        })
+        .collect();
+    let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    let whole = seed_loop(&mut model, &mut optimizer, 4, batch);
+    for (i, want) in whole.iter().enumerate() {
+        let got = (losses[0][i] + losses[1][i]) / 2.0;
+        assert!((got - want).abs() <= 1e-5, "step {i}: the ranks' mean {got} against {want}");
+    }
+    assert!(losses[0] != losses[1], "each rank trained on its own sequence");
 }

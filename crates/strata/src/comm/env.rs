@@ -63,6 +63,22 @@ fn slurm_tasks_on_node(list: &str, node: usize) -> Option<usize> {
 }
 
 impl RankInfo {
+    /// This rank's device when the run asks for `device`, and the backends of its
+    /// collectives. On GPUs each local rank takes GPU `local_rank % gpus`, as torchrun
+    /// scripts do. Shared memory between the ranks of one host, TCP when the job spans
+    /// hosts; GPU tensors over NCCL where each rank has a GPU of its own, else (ranks sharing
+    /// a GPU, which NCCL refuses) through the host backend.
+    pub fn placement(&self, device: tch::Device, gpus: usize) -> (tch::Device, String) {
+        let host = if self.local_world_size == self.world_size { "shm" } else { "tcp" };
+        match device {
+            tch::Device::Cuda(_) if gpus > 0 => {
+                let gpu = if self.local_world_size <= gpus { "nccl" } else { host };
+                (tch::Device::Cuda(self.local_rank % gpus), format!("cpu:{host},cuda:{gpu}"))
+            }
+            _ => (device, format!("cpu:{host}")),
+        }
+    }
+
     /// Reads the variables through `var` (the process environment in [`RankInfo::from_env`]).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<RankInfo> {
         // Slurm writes per-node counts as `2(x3)` (2 tasks on each of 3 nodes): the count leads.
@@ -290,6 +306,24 @@ mod tests {
         let o =
             read(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("STRATA_STORE_TOKEN", "x")]).unwrap();
         assert_eq!((o.rank, o.world_size, o.local_rank), (0, 2, 0));
+    }
+
+    #[test]
+    fn ranks_take_their_own_gpu_and_share_one_through_the_host() {
+        let rank = |local_rank, local_world_size, world_size| RankInfo {
+            rank: local_rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            rendezvous: Rendezvous::Strata { token: String::new() },
+        };
+        let cuda = tch::Device::Cuda(0);
+        assert_eq!(rank(1, 2, 2).placement(cuda, 2), (tch::Device::Cuda(1), "cpu:shm,cuda:nccl".into()));
+        assert_eq!(rank(1, 2, 2).placement(cuda, 1), (tch::Device::Cuda(0), "cpu:shm,cuda:shm".into()));
+        assert_eq!(rank(3, 4, 8).placement(cuda, 2), (tch::Device::Cuda(1), "cpu:tcp,cuda:tcp".into()));
+        assert_eq!(rank(1, 2, 4).placement(tch::Device::Cpu, 8), (tch::Device::Cpu, "cpu:tcp".into()));
     }
 
     #[test]
