@@ -93,28 +93,15 @@ fn the_seeds_loop_trains_a_gpt_and_a_llama_as_the_plain_trainer_does() {
 #[test]
 fn state_dicts_resume_the_run() {
     let expected = reference(gpt, 6);
-    let run = |model: &mut strata::patrickstar::PatrickStarEngine,
-               optimizer: &mut strata::patrickstar::PatrickStarOptimizer,
-               steps: std::ops::Range<usize>| {
-        steps
-            .map(|i| {
-                optimizer.zero_grad().unwrap();
-                let loss = model.forward(&batch(i)).unwrap();
-                model.backward(&loss).unwrap();
-                optimizer.step().unwrap();
-                loss.double_value(&[])
-            })
-            .collect::<Vec<f64>>()
-    };
     let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
-    let first = run(&mut model, &mut optimizer, 0..3);
+    let first = seed_loop(&mut model, &mut optimizer, 3, batch);
     let (weights, states): (BTreeMap<String, Tensor>, BTreeMap<String, Tensor>) =
         (model.state_dict().unwrap(), optimizer.state_dict().unwrap());
     assert!(weights.contains_key("transformer.wte.weight") && states.contains_key("step"));
     let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
     model.load_state_dict(&weights).unwrap();
     optimizer.load_state_dict(&states).unwrap();
-    let rest = run(&mut model, &mut optimizer, 3..6);
+    let rest = seed_loop(&mut model, &mut optimizer, 3, |i| batch(3 + i));
     let all: Vec<f64> = first.into_iter().chain(rest).collect();
     for (i, (got, want)) in all.iter().zip(&expected).enumerate() {
         assert!((got - want).abs() <= 1e-6, "step {i}: {got} against {want}");
