@@ -81,7 +81,8 @@ impl RankInfo {
 
     /// Reads the variables through `var` (the process environment in [`RankInfo::from_env`]).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<RankInfo> {
-        // Slurm writes per-node counts as `2(x3)` (2 tasks on each of 3 nodes): the count leads.
+        // A count is read by its leading digits, as Slurm's lists (`2(x3)`) lead with one; the
+        // tasks-per-node list itself is read whole, node by node, below.
         let number = |name: &str| -> Result<Option<usize>> {
             var(name)
                 .map(|v| {
