@@ -518,11 +518,21 @@ impl PipelineTrainer {
             Error::Engine(format!("pipeline: no {what} for micro-batch {micro} of chunk {chunk}"))
         };
         for &op in ops.iter() {
-            // Sent outputs whose sends have completed give their values back.
-            let (done, waiting): (Vec<SentOutput>, Vec<SentOutput>) =
-                sent.drain(..).partition(|s| s.works.iter().all(Work::is_completed));
+            // Sent outputs whose sends have completed give their values back; so does the
+            // output this op's backward is for, whatever the send's thread has marked: its
+            // gradient came back, so the peer has it, and the wait costs nothing.
+            let backward_of = match op {
+                Op::Backward { micro, chunk } | Op::BackwardInput { micro, chunk } => Some((micro, chunk)),
+                _ => None,
+            };
+            let (done, waiting): (Vec<SentOutput>, Vec<SentOutput>) = sent
+                .drain(..)
+                .partition(|s| backward_of == Some((s.micro, s.chunk)) || s.works.iter().all(Work::is_completed));
             sent = waiting;
             for s in done {
+                for work in &s.works {
+                    work.wait()?;
+                }
                 outputs_freed += self.chunks[s.chunk].engine.free_output_values(s.micro)? as u64;
             }
             let began = Instant::now();
