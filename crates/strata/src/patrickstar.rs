@@ -36,7 +36,8 @@ pub struct PatrickStarConfig {
     /// release the parts other ranks own (true), or release each unit's as soon as it is
     /// initialised (false, what fsdp does). One process has no remote parts.
     pub release_after_init: bool,
-    /// The embedding units' states live on the host and are updated there.
+    /// The embedding units' states live on the host and are updated there; in one process
+    /// an untied embedding computes there too (`offload`'s `host_units`).
     pub use_cpu_embedding: bool,
 }
 
@@ -195,17 +196,17 @@ impl PatrickStarConfig {
         if let Some(scaler) = self.loss_scaler() {
             methods.push(Method::AmpNative(AmpConfig { loss_scaler: Some(scaler), ..AmpConfig::default() }));
         }
-        let everything_on_host = OffloadConfig::default().everything_on_host();
-        let embeddings = || spec.units.iter().filter(|u| u.kind().ends_with("Embedding")).map(|u| u.name.clone());
+        let embeddings = spec.units.iter().filter(|u| u.kind().ends_with("Embedding")).map(|u| u.name.clone());
+        let host_units = if self.use_cpu_embedding { embeddings.collect() } else { vec![] };
+        let hybrid = OffloadConfig { host_units, ..OffloadConfig::default() };
         if world > 1 {
             methods
                 .push(Method::Fsdp(ShardConfig { release_after_init: self.release_after_init, ..Default::default() }));
-            methods.push(Method::Offload(everything_on_host));
+            methods.push(Method::Offload(hybrid.everything_on_host()));
         } else if self.optimizer.params.use_hybrid_adam {
-            let host_units = if self.use_cpu_embedding { embeddings().collect() } else { vec![] };
-            methods.push(Method::Offload(OffloadConfig { host_units, ..OffloadConfig::default() }));
+            methods.push(Method::Offload(hybrid));
         } else {
-            methods.push(Method::Offload(everything_on_host));
+            methods.push(Method::Offload(hybrid.everything_on_host()));
         }
         Ok(Strategy { methods })
     }

@@ -13,7 +13,7 @@ use strata::compute::fp8::{self, Fp8Config, Fp8Unit};
 use strata::compute::{self, UnitCompute};
 use strata::data::{Batch, Step};
 use strata::engine::{memory, with_seed, EngineConfig};
-use strata::model::{layers, GptConfig, ModelConfig};
+use strata::model::{layers, GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{Optimizer, OptimizerConfig, Schedule};
 use strata::parallel::{build_engine, Placement};
 use strata::strategy::Strategy;
@@ -49,8 +49,12 @@ fn steps(n: usize, device: Device) -> Vec<Step> {
 }
 
 fn trainer(device: Device, strategy: &str) -> Trainer {
+    trainer_of(ModelConfig::Gpt(GPT), device, strategy)
+}
+
+fn trainer_of(model: ModelConfig, device: Device, strategy: &str) -> Trainer {
     let strategy = Strategy::parse(strategy).unwrap();
-    let spec = ModelConfig::Gpt(GPT).spec().unwrap();
+    let spec = model.spec().unwrap();
     let config = EngineConfig { device, ..EngineConfig::default() };
     let mut engine = build_engine(spec, config, &strategy, &Placement::single()).unwrap();
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
@@ -351,6 +355,31 @@ fn offloads_host_buffers_are_page_locked_and_counted() {
         let buffers = host.by_category[&Category::Params] + host.by_category[&Category::Grads];
         assert_eq!(host.pinned, if pin { buffers } else { 0 }, "{strategy}: {host:?}");
     }
+}
+
+/// A unit that offload keeps on the host computes there (PatrickStar's `use_cpu_embedding`):
+/// the LLaMA's embedding keeps its buffers on the CPU, takes the token ids there and hands
+/// its output to the GPU, and the run follows the one that keeps everything on the GPU
+/// (both draw their initial values on the GPU).
+#[test]
+fn an_embedding_kept_on_the_host_computes_there_beside_a_gpu() {
+    let Some((gpu, _serial)) = gpu("an_embedding_kept_on_the_host_computes_there_beside_a_gpu") else { return };
+    let llama = || ModelConfig::Llama(LlamaConfig::new(GPT.vocab, GPT.ctx, 2, 4, 64));
+    // No device budget: the rest stays on the GPU.
+    let host_embedding = r#"[["offload", {"host_units": ["embedding"]}]]"#;
+    let (mut plain, mut offloaded) = (trainer_of(llama(), gpu, "[]"), trainer_of(llama(), gpu, host_embedding));
+    let storage = offloaded.engine.storage();
+    assert_eq!(storage[0].flat.device(), Device::Cpu, "the embedding's parameters");
+    assert_eq!(storage[0].grad.device(), Device::Cpu, "the embedding's gradient");
+    assert!(storage[1..].iter().all(|s| s.flat.device() == gpu), "the other units compute on the GPU");
+    let on_gpu = steps(4, gpu);
+    let (want, got) = (losses(&mut plain, &on_gpu), losses(&mut offloaded, &on_gpu));
+    let (gap, weights) = (loss_gap(&got, &want), weight_gap(&offloaded, &plain));
+    eprintln!("losses {got:?} against {want:?}: {gap:.2e}; weights differ by {weights:.2e}");
+    assert!(gap < 1e-5 && weights < 1e-5, "{gap:e} {weights:e}");
+    assert!(want[3] < want[0], "it trained: {want:?}");
+    let transfers = offloaded.engine.ledger().transfers();
+    assert_eq!((transfers.to_device, transfers.to_host), (0, 0), "no state moves between host and GPU");
 }
 
 /// A one-rank job on `spec`: its store on loopback, its world group.

@@ -2,11 +2,12 @@
 //! stays on the device, within the device and host budgets, moving the bytes the plan says.
 mod common;
 
-use common::tied_gpt::{model_state_bytes, spec, step, trainer};
+use common::tied_gpt::{model_state_bytes, spec, step, trainer, trainer_of};
 use std::sync::Arc;
 use strata::engine::offload::{Offload, OffloadOptions};
 use strata::engine::placement::{Home, HomePolicy};
 use strata::engine::{EngineConfig, Event, EventLog, Placement as Where};
+use strata::model::{self, Builder, LlamaConfig, ModelSpec};
 use strata::parallel::{build_engine, measure_non_model, Placement};
 use strata::profile::{Profiler, Record, SpanKind};
 use strata::strategy::{Method, Strategy};
@@ -16,14 +17,20 @@ use tch::Tensor;
 /// `steps` steps of `strategy` under `budget` bytes of device, with the room beside model
 /// states measured on the first step; the reports.
 fn train(strategy: &str, budget: Option<u64>, steps: usize) -> Vec<StepReport> {
+    let mut trainer = trainer_within(spec, strategy, budget);
+    (0..steps).map(|i| trainer.train_step(&step(i)).unwrap()).collect()
+}
+
+/// A trainer of the model `spec` makes under `strategy` and `budget` bytes of device, with
+/// the room beside model states measured on the first step.
+fn trainer_within(spec: fn() -> ModelSpec, strategy: &str, budget: Option<u64>) -> Trainer {
     let config = EngineConfig { device_budget: budget, ..EngineConfig::default() };
     let mut at = Placement::single();
     let strategy = Strategy::parse(strategy).unwrap();
     if strategy.offload().is_some() {
         at.non_model = Some(measure_non_model(spec(), config.clone(), &strategy, &at, &step(0)).unwrap());
     }
-    let mut trainer = trainer(&strategy, &config, &at).unwrap();
-    (0..steps).map(|i| trainer.train_step(&step(i)).unwrap()).collect()
+    trainer_of(spec(), &strategy, &config, &at).unwrap()
 }
 
 const OPTIMIZER_ONLY: &str = r#"[["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]]"#;
@@ -54,6 +61,44 @@ fn offloaded_runs_give_the_losses_of_the_run_that_keeps_everything_on_the_device
         let host = &reports[19].memory[&Where::Host];
         assert!(host.current > 0, "{strategy}: states live on the host: {host:?}");
         assert_eq!(host.pinned, 0, "{strategy}: nothing is page-locked without a GPU");
+    }
+}
+
+/// A LLaMA: its head has a weight of its own, so no other unit reads the embedding's.
+fn llama() -> ModelSpec {
+    let mut b = Builder::new();
+    model::llama(&LlamaConfig::new(64, 16, 4, 2, 32), &mut b).unwrap();
+    b.build().unwrap()
+}
+
+#[test]
+fn an_embedding_kept_on_the_host_computes_there_and_its_states_never_move() {
+    let mut plain = trainer_within(llama, "[]", None);
+    let reference: Vec<f64> = (0..8).map(|i| plain.train_step(&step(i)).unwrap().loss).collect();
+    assert!(reference[7] < reference[0] - 0.05, "the model learns: {reference:?}");
+    let budget = llama().num_params() as u64 * 16 * 4 / 10;
+    let full =
+        r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static", "host_units": ["embedding"]}]]"#;
+    let auto = r#"[["offload", {"host_units": ["embedding"]}]]"#;
+    for strategy in [full, auto] {
+        let mut trainer = trainer_within(llama, strategy, Some(budget));
+        let log = Arc::new(EventLog::default());
+        trainer.engine.set_event_sink(log.clone());
+        for (i, want) in reference.iter().enumerate() {
+            let r = trainer.train_step(&step(i)).unwrap();
+            assert!((r.loss - want).abs() <= 1e-6, "{strategy} step {i}: {} against {want}", r.loss);
+            let peak = r.memory[&Where::Device].peak;
+            assert!(peak <= budget, "{strategy} step {i}: device peak {peak} over {budget}");
+        }
+        let (mut moved, mut embedding_moved) = (0, 0);
+        for event in log.take() {
+            if let Event::Copied { unit, .. } | Event::Evicted { unit } = event {
+                moved += 1;
+                embedding_moved += usize::from(unit == 0);
+            }
+        }
+        assert_eq!(embedding_moved, 0, "{strategy}: the embedding's parameters and gradient stay on the host");
+        assert!(moved > 0, "{strategy}: the other units on the host move");
     }
 }
 

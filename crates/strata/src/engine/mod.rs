@@ -1,7 +1,8 @@
 //! The engine: owns parameter storage and runs a model unit by unit.
 //!
 //! Owns: one flat parameter buffer and one flat gradient buffer per unit (every parameter is
-//! a view at an offset into them), the forward pass in unit order, the backward pass in
+//! a view at an offset into them; on the device, or on the host for a unit that computes
+//! there), the forward pass in unit order, the backward pass in
 //! reverse order seeded with each unit's upstream gradient, and the [`MemoryLedger`] entries
 //! for what it holds. Must not own optimisation policy (that is the optimizer's), data, or
 //! what a strategy does to a unit: strategies plug in through [`UnitSchedule`], which the
@@ -62,6 +63,9 @@ pub struct EngineConfig {
     /// The tensor group this rank's units are split over (`None`: whole units). Each
     /// parameter then holds this rank's piece, as its [`TpRole`] says.
     pub tensor: Option<Arc<dyn TensorParallel>>,
+    /// Per unit, whether it computes on the host (empty: none): its buffers live there, its
+    /// input comes to the host and its output goes to `device`. Needs per-unit gradients.
+    pub host_compute: Vec<bool>,
 }
 
 /// Where gradients live.
@@ -72,6 +76,13 @@ pub enum GradLayout {
     Contiguous,
     /// One buffer per unit, so that a sharded strategy can free each after reducing it.
     PerUnit,
+}
+
+impl EngineConfig {
+    /// Whether unit `k` computes on the host ([`EngineConfig::host_compute`]).
+    pub fn computes_on_host(&self, k: usize) -> bool {
+        self.host_compute.get(k).copied().unwrap_or(false)
+    }
 }
 
 impl Default for EngineConfig {
@@ -86,6 +97,7 @@ impl Default for EngineConfig {
             pad_to: 1,
             grad_layout: GradLayout::Contiguous,
             tensor: None,
+            host_compute: vec![],
         }
     }
 }
@@ -220,7 +232,9 @@ impl Engine {
             spec.check_tensor_parallel(tp)?;
         }
         let local_numel = |id: &ParamId| spec.params[id.0].local_shape(tp).iter().product::<i64>();
-        let opts = (config.kind, config.device);
+        if config.host_compute.iter().any(|&h| h) && config.grad_layout == GradLayout::Contiguous {
+            return Err(Error::Config("units that compute on the host need per-unit gradient buffers".into()));
+        }
         let esize = config.kind.elt_size_in_bytes() as u64;
         let padded = |numel: i64| (numel + config.pad_to - 1) / config.pad_to * config.pad_to;
         let unit_numel: Vec<i64> = spec.units.iter().map(|u| u.params.iter().map(local_numel).sum()).collect();
@@ -239,27 +253,36 @@ impl Engine {
             GradLayout::Contiguous => {
                 let total: i64 = unit_numel.iter().map(|&n| padded(n)).sum();
                 ledger.alloc(Placement::Device, Category::Grads, total as u64 * esize)?;
-                Some(Tensor::f_zeros([total], opts)?)
+                Some(Tensor::f_zeros([total], (config.kind, config.device))?)
             }
             GradLayout::PerUnit => None,
         };
         let mut grad_start = 0;
         for (k, unit) in spec.units.iter().enumerate() {
             let (numel, len) = (unit_numel[k], padded(unit_numel[k]));
-            ledger.alloc(Placement::Device, Category::Params, len as u64 * esize)?;
+            let (device, placement) = match config.computes_on_host(k) {
+                true => (Device::Cpu, Placement::Host),
+                false => (config.device, Placement::Device),
+            };
+            let opts = (config.kind, device);
+            ledger.alloc(placement, Category::Params, len as u64 * esize)?;
             let flat = Tensor::f_zeros([len], opts)?;
             let grad = match &grads {
                 Some(all) => all.f_narrow(0, grad_start, len)?,
                 None => {
-                    ledger.alloc(Placement::Device, Category::Grads, len as u64 * esize)?;
+                    ledger.alloc(placement, Category::Grads, len as u64 * esize)?;
                     Tensor::f_zeros([len], opts)?
                 }
             };
             grad_start += len;
             // Values are drawn in fp32 whatever the storage dtype, so a low-precision model
-            // starts from the rounded values of the fp32 one (and its fp32 master from them).
-            let initial = if config.kind.elt_size_in_bytes() < 4 {
-                Tensor::f_zeros([len], (Kind::Float, config.device))?
+            // starts from the rounded values of the fp32 one (and its fp32 master from them),
+            // and on the compute device wherever the unit computes, so that they are the
+            // same wherever it does (each device has its own random generator).
+            let low_precision = config.kind.elt_size_in_bytes() < 4;
+            let drawn_apart = low_precision || device != config.device;
+            let initial = if drawn_apart {
+                Tensor::f_zeros([len], (if low_precision { Kind::Float } else { config.kind }, config.device))?
             } else {
                 flat.shallow_clone()
             };
@@ -291,7 +314,7 @@ impl Engine {
                 params[id.0] = Some(leaf);
                 offset += numel;
             }
-            if initial.kind() != flat.kind() {
+            if drawn_apart {
                 tch::no_grad(|| flat.shallow_clone().f_copy_(&initial))?;
             }
             let trainable = unit.params.iter().any(|id| spec.params[id.0].requires_grad);
@@ -750,7 +773,9 @@ impl Engine {
         let mut x = input.shallow_clone();
         for (k, cache) in caches.iter_mut().enumerate() {
             self.run_schedule(Phase::BeforeForward, k)?;
-            x = tch::no_grad(|| self.spec.units[k].body.decode(&Params::new(&self.params), &x, cache))?;
+            let input = self.where_unit_computes(k, &x)?;
+            let y = tch::no_grad(|| self.spec.units[k].body.decode(&Params::new(&self.params), &input, cache))?;
+            x = self.on_the_device(k, y)?;
             self.run_schedule(Phase::AfterForward, k)?;
         }
         Ok(x)
@@ -874,7 +899,9 @@ impl Engine {
         Ok(())
     }
 
-    /// Unit `k`'s forward under its compute policy.
+    /// Unit `k`'s forward under its compute policy, where the unit computes: a unit that
+    /// computes on the host takes its input there and hands its output to the device (both
+    /// moves are recorded, so backward moves the gradients back).
     fn unit_forward(&self, k: usize, input: &Tensor, recomputing: bool) -> Result<Tensor> {
         let unit = &self.spec.units[k];
         let policy = &self.compute[k];
@@ -883,13 +910,28 @@ impl Engine {
             Some(tp) => Params::split(wrapped.as_deref().unwrap_or(&self.params), tp.as_ref()),
             None => Params::new(&self.params),
         };
-        if policy.is_plain() {
-            return unit.body.forward(&params, input);
-        }
-        // Addresses change when a sharded unit is gathered again: taken at each forward.
-        let fp8 = self.fp8_weights[k].iter().map(|id| self.params[id.0].data_ptr() as usize).collect();
-        let weights = compute::UnitWeights { fp8, grad_slots: self.grad_slots(k)? };
-        compute::run(policy, weights, recomputing, || unit.body.forward(&params, input))
+        let input = self.where_unit_computes(k, input)?;
+        let output = if policy.is_plain() {
+            unit.body.forward(&params, &input)?
+        } else {
+            // Addresses change when a sharded unit is gathered again: taken at each forward.
+            let fp8 = self.fp8_weights[k].iter().map(|id| self.params[id.0].data_ptr() as usize).collect();
+            let weights = compute::UnitWeights { fp8, grad_slots: self.grad_slots(k)? };
+            compute::run(policy, weights, recomputing, || unit.body.forward(&params, &input))?
+        };
+        self.on_the_device(k, output)
+    }
+
+    /// `x` where unit `k` computes: on the host for a unit that computes there.
+    fn where_unit_computes(&self, k: usize, x: &Tensor) -> Result<Tensor> {
+        let host = self.config.computes_on_host(k) && x.device() != Device::Cpu;
+        Ok(if host { x.f_to_device(Device::Cpu)? } else { x.shallow_clone() })
+    }
+
+    /// Unit `k`'s output `y` on the device.
+    fn on_the_device(&self, k: usize, y: Tensor) -> Result<Tensor> {
+        let elsewhere = self.config.computes_on_host(k) && y.device() != self.config.device;
+        Ok(if elsewhere { y.f_to_device(self.config.device)? } else { y })
     }
 
     /// The slots in unit `k`'s flat gradient buffer that its weights' casts may convert

@@ -45,9 +45,11 @@ pub struct OffloadOptions {
 /// One unit's host side and where its buffers are now.
 struct UnitState {
     home: Home,
-    /// The master parameters (homes other than the device).
+    /// The master parameters (homes whose gradient the device sends: a unit that computes
+    /// on the host has its engine buffers there, the masters themselves).
     host_params: Option<Tensor>,
-    /// The step's gradient, accumulated from each backward (homes other than the device).
+    /// The step's gradient, accumulated from each backward (homes whose gradient the device
+    /// sends).
     host_grad: Option<Tensor>,
     /// The device copy of the parameters in the pool's slots (host homes); `None`: the
     /// engine's own buffer, always there.
@@ -139,7 +141,7 @@ impl Offload {
         let input = plan_input(&spec, &config, &options);
         let plan = placement::plan(&input, &options.policy)?;
         tracing::info!(homes = ?plan.homes, traffic = ?plan.traffic, device_peak = plan.device_peak(), "offload plan");
-        if options.delayed_update && plan.homes.contains(&Home::Host) {
+        if options.delayed_update && plan.homes.iter().any(|h| h.params_on_host()) {
             return Err(Error::Config(
                 "offload: delayed_update computes a step with the device's parameters while the host updates the \
                  masters; parameters that live on the host cannot stay behind (use params \"none\")"
@@ -171,7 +173,8 @@ impl Offload {
                 trainable: s.trainable,
                 bytes,
             };
-            if home != Home::Device {
+            // A unit that computes on the host has its engine buffers there: they are its master.
+            if home.sends_grads() {
                 ledger.alloc(Placement::Host, Category::Params, bytes.params)?;
                 unit.host_params = Some(host.copy_of(&s.flat, ledger)?);
                 if s.trainable {
@@ -181,8 +184,9 @@ impl Offload {
             }
             // The device gradient of a unit homed elsewhere exists only during its backwards,
             // in the pool's slots; a frozen unit's, never.
-            if home != Home::Device || !s.trainable {
-                ledger.free(Placement::Device, Category::Grads, memory::tensor_bytes(&s.grad));
+            if home.sends_grads() || !s.trainable {
+                let held_at = if home == Home::HostCompute { Placement::Host } else { Placement::Device };
+                ledger.free(held_at, Category::Grads, memory::tensor_bytes(&s.grad));
                 if s.trainable {
                     // SAFETY: no backward has run; `ensure_grads` maps and zeroes it first.
                     unit.grad_slots = Some(unsafe { pool.adopt(&s.grad) }?);
@@ -200,7 +204,8 @@ impl Offload {
             units.push(unit);
             Ok(())
         };
-        let config = EngineConfig { grad_layout: GradLayout::PerUnit, ..config };
+        let host_compute = plan.homes.iter().map(|&h| h == Home::HostCompute).collect();
+        let config = EngineConfig { grad_layout: GradLayout::PerUnit, host_compute, ..config };
         let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
         let delayed_update = options.delayed_update;
         let offload = Offload { plan, delayed_update, pool, units, needs, last_reader, copying: vec![], events: None };
@@ -499,7 +504,7 @@ impl UnitSchedule for Offload {
             Phase::BeforeBackward => {
                 self.prepare(moment_index(n, Moment::Backward(k)), &reads, storage, ledger)?;
                 for &u in &reads {
-                    if self.units[u].home != Home::Device {
+                    if self.units[u].home.sends_grads() {
                         self.ensure_grads(u, storage, ledger)?;
                     }
                 }
@@ -510,7 +515,7 @@ impl UnitSchedule for Offload {
                     if self.last_reader[u] == k {
                         self.send_grads(u, storage, ledger)?;
                         if let (true, Some(ready), true) =
-                            (ctx.sync_grads, ctx.grad_ready, self.units[u].host_grad.is_some())
+                            (ctx.sync_grads, ctx.grad_ready, self.units[u].home != Home::Device)
                         {
                             ready(u);
                         }
@@ -524,20 +529,12 @@ impl UnitSchedule for Offload {
 
     fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
         let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
-        match (&unit.host_params, &unit.host_grad) {
-            (Some(param), Some(grad)) => Ok(OptimizerView {
-                param: param.shallow_clone(),
-                grad: grad.shallow_clone(),
-                offset: 0,
-                placement: Placement::Host,
-            }),
-            _ => Ok(OptimizerView {
-                param: s.flat.shallow_clone(),
-                grad: s.grad.shallow_clone(),
-                offset: 0,
-                placement: Placement::Device,
-            }),
-        }
+        let placement = if unit.home == Home::Device { Placement::Device } else { Placement::Host };
+        let (param, grad) = match (&unit.host_params, &unit.host_grad) {
+            (Some(param), Some(grad)) => (param, grad),
+            _ => (&s.flat, &s.grad),
+        };
+        Ok(OptimizerView { param: param.shallow_clone(), grad: grad.shallow_clone(), offset: 0, placement })
     }
 
     fn finish_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
@@ -550,7 +547,7 @@ impl UnitSchedule for Offload {
         self.finish_fetches(ledger)?;
         for (u, flat) in storage.iter().map(|s| &s.flat).enumerate() {
             match self.units[u].home {
-                Home::Device => {}
+                Home::Device | Home::HostCompute => {}
                 // The device copy is stale: the next use fetches the updated master.
                 Home::Host => self.evict(u, ledger)?,
                 Home::OptimizerOnHost => {

@@ -24,6 +24,23 @@ pub enum Home {
     /// Everything on the host, updated there; the parameters are copied to the device for
     /// the unit's forward and backward, the gradient to the host after its backward.
     Host,
+    /// Everything on the host, where the unit also computes (PatrickStar's
+    /// `use_cpu_embedding`): its input comes to the host and its output goes to the device;
+    /// nothing of its states ever does. Only for a unit no other unit reads.
+    HostCompute,
+}
+
+impl Home {
+    /// Whether the unit's gradient is made on the device and sent to the host after its
+    /// backward.
+    pub fn sends_grads(self) -> bool {
+        matches!(self, Home::OptimizerOnHost | Home::Host)
+    }
+
+    /// Whether the unit's parameters live on the host (the device holds copies at most).
+    pub fn params_on_host(self) -> bool {
+        matches!(self, Home::Host | Home::HostCompute)
+    }
 }
 
 /// Bytes of one unit's model states: parameters as the unit computes with them, their
@@ -48,7 +65,7 @@ impl UnitStates {
         match home {
             Home::Device => self.total(),
             Home::OptimizerOnHost => self.params,
-            Home::Host => 0,
+            Home::Host | Home::HostCompute => 0,
         }
     }
 
@@ -56,7 +73,7 @@ impl UnitStates {
     pub fn host_resident(&self, home: Home) -> u64 {
         match home {
             Home::Device => 0,
-            Home::OptimizerOnHost | Home::Host => self.total(),
+            Home::OptimizerOnHost | Home::Host | Home::HostCompute => self.total(),
         }
     }
 }
@@ -113,7 +130,8 @@ pub struct PlanInput {
     pub host_budget: Option<u64>,
     /// How many moments ahead parameter copies are started, where they fit.
     pub prefetch: usize,
-    /// Per unit, whether it lives on the host whatever the policy says (empty: none).
+    /// Per unit, whether it lives on the host whatever the policy says (empty: none); it
+    /// computes there too unless another unit reads its parameters.
     pub on_host: Vec<bool>,
     /// The device copies of host-homed states come in whole slots of this many bytes
     /// ([`super::slots`]); 1: in their own bytes.
@@ -180,10 +198,16 @@ impl PlanInput {
         Ok(())
     }
 
-    /// Every unit on the device, but those that live on the host whatever the policy says.
+    /// Every unit on the device, but those that live on the host whatever the policy says:
+    /// they compute there too, unless another unit reads their parameters on the device.
     fn initial_homes(&self) -> Vec<Home> {
+        let read_elsewhere = |u: usize| self.needs.iter().enumerate().any(|(k, reads)| k != u && reads.contains(&u));
         (0..self.units.len())
-            .map(|u| if self.on_host.get(u).copied().unwrap_or(false) { Home::Host } else { Home::Device })
+            .map(|u| match self.on_host.get(u).copied() {
+                Some(true) if read_elsewhere(u) => Home::Host,
+                Some(true) => Home::HostCompute,
+                _ => Home::Device,
+            })
             .collect()
     }
 
@@ -237,7 +261,7 @@ impl PlanInput {
         let mut grad_slots = vec![];
         for (t, &moment) in moments.iter().enumerate() {
             let transient_grads: u64 = (0..n)
-                .filter(|&u| homes[u] != Home::Device && spans[u].is_some_and(|(a, b)| a <= t && t <= b))
+                .filter(|&u| homes[u].sends_grads() && spans[u].is_some_and(|(a, b)| a <= t && t <= b))
                 .map(|u| self.in_slots(self.units[u].grads))
                 .sum();
             grad_slots.push(transient_grads);
@@ -293,7 +317,7 @@ impl PlanInput {
             }
         }
         for (s, &h) in self.units.iter().zip(homes) {
-            if h != Home::Device {
+            if h.sends_grads() {
                 traffic.to_host += s.grads;
             }
             if h == Home::OptimizerOnHost {
@@ -449,7 +473,7 @@ pub fn plan(input: &PlanInput, policy: &HomePolicy) -> Result<Plan> {
             for (home, s) in homes.iter_mut().zip(&input.units) {
                 let share = covered as f64 / total.max(1) as f64;
                 if share < params {
-                    *home = Home::Host;
+                    *home = (*home).max(Home::Host);
                 } else if share < optimizer.max(params) {
                     *home = (*home).max(Home::OptimizerOnHost);
                 }
@@ -653,6 +677,34 @@ mod tests {
         i.host_budget = Some(plain);
         let err = plan(&i, &optimizer_on_host).unwrap_err().to_string();
         assert!(err.contains(&format!("the host needs {} bytes of a budget of {plain}", plain + 30)), "{err}");
+    }
+
+    #[test]
+    fn a_unit_kept_on_the_host_computes_there_unless_another_unit_reads_it() {
+        let mut i = input(&[10, 20, 10], 200);
+        i.on_host = vec![true, false, false];
+        let auto = HomePolicy::Auto { params_may_leave: true };
+        let p = plan(&i, &auto).unwrap();
+        assert_eq!(p.homes, [Home::HostCompute, Home::Device, Home::Device]);
+        // Nothing of it comes to the device or leaves it.
+        assert_eq!(p.traffic, Traffic::default());
+        assert_eq!(p.device_peak(), 120, "the other units' states only");
+        assert_eq!(p.host_bytes, 40);
+        // Every unit on the host: only the others move.
+        let full = plan(&i, &full_offload()).unwrap();
+        assert_eq!(full.homes, [Home::HostCompute, Home::Host, Home::Host]);
+        assert_eq!(full.traffic.to_host, 30);
+        assert!(full.resident.iter().all(|r| !r.contains(&0)), "{:?}", full.resident);
+        // Read by the last unit (a tied head), it is copied to the device for that unit.
+        i.needs[2].push(0);
+        let tied = plan(&i, &full_offload()).unwrap();
+        assert_eq!(tied.homes[0], Home::Host);
+        assert_eq!(tied.traffic.to_host, 40);
+        assert!(tied.resident.iter().any(|r| r.contains(&0)), "{:?}", tied.resident);
+    }
+
+    fn full_offload() -> HomePolicy {
+        HomePolicy::Static { params: 1.0, optimizer: 1.0 }
     }
 
     #[test]

@@ -43,8 +43,9 @@ pub struct OffloadConfig {
     pub prefetch: usize,
     /// Host buffers in page-locked memory where the device is a GPU (faster copies).
     pub pin_memory: bool,
-    /// Unit kinds or names whose states always live on the host (PatrickStar's
-    /// `use_cpu_embedding`: the embedding's).
+    /// Unit kinds or names whose states always live on the host, and which compute there
+    /// unless another unit reads their parameters (PatrickStar's `use_cpu_embedding`: the
+    /// embedding's; a tied embedding, which the head reads, is copied to the device).
     pub host_units: Vec<String>,
     /// Bytes of one slot of the device pool the moving copies take (a multiple of the page
     /// size); `null`: the size that wastes the fewest bytes for the model's buffers.
@@ -72,15 +73,15 @@ impl Default for OffloadConfig {
 }
 
 impl OffloadConfig {
-    /// This configuration with every state of every unit on the host (its prefetch, pinning
-    /// and slots kept; updates not delayed, which parameters on the host cannot be).
+    /// This configuration with every state of every unit on the host (its prefetch, pinning,
+    /// slots and units computing on the host kept; updates not delayed, which parameters on
+    /// the host cannot be).
     pub fn everything_on_host(&self) -> OffloadConfig {
         OffloadConfig {
             params: OffloadTarget::Cpu,
             optimizer: OffloadTarget::Cpu,
             policy: OffloadPolicy::Static,
             ratio: 1.0,
-            host_units: vec![],
             delayed_update: false,
             ..self.clone()
         }

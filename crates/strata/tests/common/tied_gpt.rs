@@ -37,7 +37,17 @@ pub fn model_state_bytes() -> u64 {
 /// A trainer of `strategy` with AdamW, a constant rate, gradients clipped at 0.5 and the
 /// strategy's loss scaling.
 pub fn trainer(strategy: &Strategy, config: &EngineConfig, at: &Placement) -> strata::Result<Trainer> {
-    let mut engine = build_engine(spec(), config.clone(), strategy, at)?;
+    trainer_of(spec(), strategy, config, at)
+}
+
+/// [`trainer`] of another model.
+pub fn trainer_of(
+    spec: ModelSpec,
+    strategy: &Strategy,
+    config: &EngineConfig,
+    at: &Placement,
+) -> strata::Result<Trainer> {
+    let mut engine = build_engine(spec, config.clone(), strategy, at)?;
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
     let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(0.5));
     trainer.scaling = strategy.grad_scaling()?;
