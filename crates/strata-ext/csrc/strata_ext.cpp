@@ -232,6 +232,10 @@ int strata_set_grad(Tensor* t, const Tensor* grad) {
   return guarded([&] { t->mutable_grad() = grad == nullptr ? Tensor() : *grad; });
 }
 
+int strata_copy_non_blocking(Tensor* dst, const Tensor* src) {
+  return guarded([&] { dst->copy_(*src, /*non_blocking=*/true); });
+}
+
 int strata_register_hook(Tensor* t, TensorCallback cb, void* data, void (*drop)(void*),
                          uint64_t* handle) {
   auto closure = std::make_shared<RustClosure>(data, drop);

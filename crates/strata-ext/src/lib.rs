@@ -41,6 +41,7 @@ extern "C" {
         results: *mut TensorPtr,
     ) -> c_int;
     fn strata_set_grad(t: TensorPtr, grad: *const C_tensor) -> c_int;
+    fn strata_copy_non_blocking(dst: TensorPtr, src: *const C_tensor) -> c_int;
     fn strata_register_hook(
         t: TensorPtr,
         cb: TensorCallback,
@@ -284,6 +285,20 @@ pub fn grad(
 pub fn set_grad(tensor: &Tensor, grad: Option<&Tensor>) -> Result<()> {
     // SAFETY: both tensors are live for the call; the C++ side copies the handle.
     check(unsafe { strata_set_grad(tensor.as_ptr() as TensorPtr, optional_ptr(grad)) })
+}
+
+/// Writes `src` into `dst` without the host waiting where the copy runs on a GPU stream
+/// (from page-locked host memory, or between devices): libtorch queues it on the current
+/// stream of the GPU and returns.
+///
+/// # Safety
+/// Until that stream has run the copy, nothing may write `src` or read or write `dst`
+/// other than work queued after it on that stream (or made to wait for it), and neither
+/// buffer may be freed.
+pub unsafe fn copy_non_blocking(dst: &Tensor, src: &Tensor) -> Result<()> {
+    // SAFETY: both tensors are live for the call; what happens after is the caller's
+    // contract.
+    check(unsafe { strata_copy_non_blocking(dst.as_ptr() as TensorPtr, src.as_ptr()) })
 }
 
 /// Resizes the storage behind `tensor` to `nbytes`. With 0 the memory is released while

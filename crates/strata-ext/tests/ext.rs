@@ -196,6 +196,32 @@ fn fused_adam_skips_the_step_when_found_inf_is_set() {
 }
 
 #[test]
+fn a_non_blocking_copy_writes_its_destination_and_a_bad_one_is_an_error() {
+    let src = Tensor::arange(6, (Kind::Float, tch::Device::Cpu));
+    let dst = Tensor::zeros([6], (Kind::Float, tch::Device::Cpu));
+    // SAFETY: on the CPU the copy is done when the call returns.
+    unsafe { strata_ext::copy_non_blocking(&dst, &src) }.unwrap();
+    assert_eq!(Vec::<f32>::try_from(&dst).unwrap(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    let short = Tensor::zeros([4], (Kind::Float, tch::Device::Cpu));
+    // SAFETY: as above; the shapes do not match, so nothing is written.
+    assert!(unsafe { strata_ext::copy_non_blocking(&short, &src) }.is_err());
+    if !(tch::Cuda::is_available() && cuda::is_built()) {
+        return;
+    }
+    // From page-locked memory to the GPU: queued without the host waiting.
+    let gpu = tch::Device::Cuda(0);
+    let (pinned, on_gpu) = (src.pin_memory(gpu), Tensor::zeros([6], (Kind::Float, gpu)));
+    cuda::count_syncs(true).unwrap();
+    let before = cuda::syncs_counted();
+    // SAFETY: the values are read below through the same stream, and both buffers live on.
+    unsafe { strata_ext::copy_non_blocking(&on_gpu, &pinned) }.unwrap();
+    let queued = cuda::syncs_counted() - before;
+    cuda::count_syncs(false).unwrap();
+    assert_eq!(queued, 0, "the host did not wait");
+    assert_eq!(Vec::<f32>::try_from(&on_gpu.to_device(tch::Device::Cpu)).unwrap(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+}
+
+#[test]
 fn cuda_calls_work_on_a_gpu_and_fail_cleanly_without_one() {
     if tch::Cuda::is_available() && cuda::is_built() {
         let stats = cuda::memory_stats(0).unwrap();

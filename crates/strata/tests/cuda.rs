@@ -382,6 +382,38 @@ fn an_embedding_kept_on_the_host_computes_there_beside_a_gpu() {
     assert_eq!((transfers.to_device, transfers.to_host), (0, 0), "no state moves between host and GPU");
 }
 
+/// Offload's parameter copies started ahead run on a stream of their own: the host never
+/// waits for them (a copy made when needed waits for the device), and a run that prefetches
+/// trains as one that does not and as one that keeps everything on the GPU.
+#[test]
+fn prefetched_copies_run_on_a_stream_of_their_own() {
+    let Some((gpu, _serial)) = gpu("prefetched_copies_run_on_a_stream_of_their_own") else { return };
+    let offload = |prefetch: usize| {
+        format!(r#"[["offload", {{"params": "cpu", "optimizer": "cpu", "policy": "static", "prefetch": {prefetch}}}]]"#)
+    };
+    let on_gpu = steps(4, gpu);
+    let mut plain = trainer(gpu, "[]");
+    let want = losses(&mut plain, &on_gpu);
+    let mut syncs = vec![];
+    for prefetch in [0, 2] {
+        let mut t = trainer(gpu, &offload(prefetch));
+        let got = losses(&mut t, &on_gpu[..3]);
+        cuda::count_syncs(true).unwrap();
+        let before = cuda::syncs_counted();
+        let last = t.train_step(&on_gpu[3]).unwrap().loss;
+        syncs.push(cuda::syncs_counted() - before);
+        cuda::count_syncs(false).unwrap();
+        let got: Vec<f64> = got.into_iter().chain([last]).collect();
+        let gap = loss_gap(&got, &want);
+        eprintln!(
+            "prefetch {prefetch}: losses {got:?} against {want:?} ({gap:.2e}); {} syncs a step",
+            syncs[syncs.len() - 1]
+        );
+        assert!(gap < 1e-5, "prefetch {prefetch}: {gap:e}");
+    }
+    assert!(syncs[1] < syncs[0], "copies started ahead do not make the host wait: {syncs:?}");
+}
+
 /// A one-rank job on `spec`: its store on loopback, its world group.
 fn one_rank(spec: &str) -> (Comm, Box<dyn ProcessGroup>) {
     let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "t").unwrap();

@@ -18,6 +18,7 @@ use crate::model::ModelSpec;
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+use strata_ext::cuda;
 use tch::{Device, Kind, Tensor};
 
 /// How an offloading engine is built.
@@ -70,6 +71,29 @@ impl UnitState {
     }
 }
 
+/// A parameter copy started ahead and still running.
+enum InFlight {
+    /// On a thread of its own (the device is the CPU).
+    Thread(std::thread::JoinHandle<Result<()>>),
+    /// On the copy stream of GPU `device`: done when the event is.
+    Stream { done: cuda::Event, device: usize },
+}
+
+impl InFlight {
+    /// Waits for the copy: the host waits (`host_waits`, before the host writes the master
+    /// the copy reads), or only the device's current stream does (before the device reads
+    /// the copy or its memory is returned to the allocator).
+    fn finish(self, host_waits: bool) -> Result<()> {
+        match self {
+            InFlight::Thread(copy) => {
+                copy.join().map_err(|_| Error::Engine("a parameter copy to the device panicked".into()))?
+            }
+            InFlight::Stream { done, .. } if host_waits => Ok(done.synchronize()?),
+            InFlight::Stream { done, device } => Ok(done.wait(&cuda::Stream::current(device)?)?),
+        }
+    }
+}
+
 pub struct Offload {
     plan: Plan,
     delayed_update: bool,
@@ -79,17 +103,40 @@ pub struct Offload {
     /// Per unit, the last unit whose backward reads it (itself, or the lowest borrower).
     last_reader: Vec<usize>,
     /// Parameter copies started ahead and still running, by unit.
-    copying: Vec<(usize, std::thread::JoinHandle<Result<()>>)>,
+    copying: Vec<(usize, InFlight)>,
+    /// On a GPU, the stream copies started ahead run on, beside the compute stream.
+    copy_stream: Option<cuda::Stream>,
     events: Option<Arc<dyn EventSink>>,
 }
 
 impl Drop for Offload {
     fn drop(&mut self) {
-        // The copies write buffers they hold a reference to: wait for them to end.
+        // The copies write buffers they hold a reference to, from host memory this frees:
+        // wait for them to end.
         for (_, copy) in self.copying.drain(..) {
-            let _ = copy.join();
+            let _ = copy.finish(true);
         }
     }
+}
+
+/// Copies `source` (host memory) into `destination` (on GPU `device`) on `stream`, after
+/// the work queued so far on the device's current stream (which may still use the
+/// destination's memory), without the host waiting. The event completes with the copy.
+fn copy_on_stream(stream: &cuda::Stream, device: usize, destination: &Tensor, source: &Tensor) -> Result<cuda::Event> {
+    let compute = cuda::Stream::current(device)?;
+    let queued = cuda::Event::new(false)?;
+    queued.record(&compute)?;
+    queued.wait(stream)?;
+    stream.make_current()?;
+    // SAFETY: the caller waits for `done` before the compute stream reads the destination,
+    // before the host writes the source and before either is freed ([`InFlight::finish`]).
+    let copied = unsafe { strata_ext::copy_non_blocking(destination, source) };
+    // The compute stream is current again whatever the copy did.
+    compute.make_current()?;
+    copied?;
+    let done = cuda::Event::new(false)?;
+    done.record(stream)?;
+    Ok(done)
 }
 
 /// Per unit, the bytes of its model states in `kind`, its buffers padded to `pad_to`
@@ -159,6 +206,10 @@ impl Offload {
         let capacity = u32::try_from(plan.slot_peak.div_ceil(slot_bytes))
             .map_err(|_| Error::Config(format!("offload: {} bytes of slots of {slot_bytes}", plan.slot_peak)))?;
         let pool = SlotPool::on(config.device, slot_bytes, capacity)?;
+        let copy_stream = match config.device {
+            Device::Cuda(device) if options.prefetch > 0 => Some(cuda::Stream::from_pool(device, false)?),
+            _ => None,
+        };
         let host = HostMemory { device: config.device, pin: options.pin_memory };
         let mut units = Vec::with_capacity(n);
         let mut on_unit = |k: usize, s: &mut UnitStorage, _: &Tensor, ledger: &MemoryLedger| -> Result<()> {
@@ -208,7 +259,17 @@ impl Offload {
         let config = EngineConfig { grad_layout: GradLayout::PerUnit, host_compute, ..config };
         let mut engine = Engine::new_with(spec, config, &mut on_unit)?;
         let delayed_update = options.delayed_update;
-        let offload = Offload { plan, delayed_update, pool, units, needs, last_reader, copying: vec![], events: None };
+        let offload = Offload {
+            plan,
+            delayed_update,
+            pool,
+            units,
+            needs,
+            last_reader,
+            copying: vec![],
+            copy_stream,
+            events: None,
+        };
         engine.set_schedule(Box::new(offload));
         Ok(engine)
     }
@@ -218,9 +279,10 @@ impl Offload {
         placement::plan(&plan_input(spec, config, options), &options.policy)
     }
 
-    /// Starts copying unit `u`'s parameters from the host into its device buffer: on a
-    /// thread of its own with `ahead` where the device is the CPU (so the copy overlaps the
-    /// units computing meanwhile), here otherwise. [`Offload::finish_fetch`] waits for it.
+    /// Starts copying unit `u`'s parameters from the host into its device buffer: with
+    /// `ahead`, on a thread of its own where the device is the CPU, or on the copy stream
+    /// where it is a GPU (so the copy overlaps the units computing meanwhile); here
+    /// otherwise. [`Offload::finish_fetch`] waits for it.
     fn start_fetch(&mut self, u: usize, ahead: bool, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
         let (pool, unit) = (&mut self.pool, &mut self.units[u]);
         let (Some(host), Some(slots)) = (unit.host_params.as_ref(), unit.params_slots.as_mut()) else { return Ok(()) };
@@ -239,30 +301,37 @@ impl Offload {
             tch::no_grad(|| destination.shallow_clone().f_copy_(&source))?;
             Ok(())
         };
-        if ahead && storage[u].flat.device() == Device::Cpu {
-            self.copying.push((u, std::thread::spawn(copy)));
-        } else {
-            copy()?;
-            self.waited_for_copy(ledger, u, Placement::Device, bytes, started);
+        match (ahead, storage[u].flat.device(), &self.copy_stream) {
+            (true, Device::Cpu, _) => self.copying.push((u, InFlight::Thread(std::thread::spawn(copy)))),
+            (true, Device::Cuda(device), Some(stream)) => {
+                let done = copy_on_stream(stream, device, &storage[u].flat.f_data()?, host)?;
+                self.copying.push((u, InFlight::Stream { done, device }));
+            }
+            _ => {
+                copy()?;
+                self.waited_for_copy(ledger, u, Placement::Device, bytes, started);
+            }
         }
         self.record(Event::Copied { unit: u, to: Placement::Device, bytes });
         Ok(())
     }
 
-    /// Waits for unit `u`'s copy started ahead, if one is in flight.
-    fn finish_fetch(&mut self, u: usize, ledger: &MemoryLedger) -> Result<()> {
+    /// Waits for unit `u`'s copy started ahead, if one is in flight: the device's compute
+    /// stream waits, and the host too where `host_waits` ([`InFlight::finish`]).
+    fn finish_fetch(&mut self, u: usize, ledger: &MemoryLedger, host_waits: bool) -> Result<()> {
         let Some(i) = self.copying.iter().position(|(v, _)| *v == u) else { return Ok(()) };
         let (_, copy) = self.copying.swap_remove(i);
         let started = Instant::now();
-        let copied = copy.join().map_err(|_| Error::Engine(format!("the copy of unit {u}'s parameters panicked")))?;
+        let copied = copy.finish(host_waits);
         self.waited_for_copy(ledger, u, Placement::Device, self.units[u].bytes.params, started);
         copied
     }
 
-    /// Waits for every copy in flight.
+    /// Waits, on the host, for every copy in flight: none reads a master the host writes
+    /// next.
     fn finish_fetches(&mut self, ledger: &MemoryLedger) -> Result<()> {
         while let Some(&(u, _)) = self.copying.first() {
-            self.finish_fetch(u, ledger)?;
+            self.finish_fetch(u, ledger, true)?;
         }
         Ok(())
     }
@@ -273,7 +342,7 @@ impl Offload {
             return Ok(());
         }
         // A copy still filling the buffer completes before its memory goes.
-        self.finish_fetch(u, ledger)?;
+        self.finish_fetch(u, ledger, false)?;
         let (pool, unit) = (&mut self.pool, &mut self.units[u]);
         let Some(slots) = unit.params_slots.as_mut() else { return Ok(()) };
         ledger.free(Placement::Device, Category::Params, slots.slot_bytes_held(pool));
@@ -306,7 +375,7 @@ impl Offload {
         }
         for &u in reads {
             self.start_fetch(u, false, storage, ledger)?;
-            self.finish_fetch(u, ledger)?;
+            self.finish_fetch(u, ledger, false)?;
         }
         for u in self.plan.prefetch[t].clone() {
             self.start_fetch(u, true, storage, ledger)?;
