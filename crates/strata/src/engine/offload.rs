@@ -394,7 +394,10 @@ impl Offload {
         Ok(())
     }
 
-    /// Adds unit `u`'s device gradient into its host gradient and releases it.
+    /// Adds unit `u`'s device gradient into its host gradient and releases it. On a GPU the
+    /// host waits for the gradient's copy, so the compute stream has run the unit's
+    /// backward and, before it, the wait for the unit's parameter copy: no copy still reads
+    /// the master the host's update may write next.
     fn send_grads(&mut self, u: usize, storage: &[UnitStorage], ledger: &MemoryLedger) -> Result<()> {
         let (pool, unit) = (&mut self.pool, &mut self.units[u]);
         let Some(host) = unit.host_grad.as_ref().filter(|_| unit.grads_on_device()) else { return Ok(()) };
