@@ -100,6 +100,19 @@ fn an_embedding_kept_on_the_host_computes_there_and_its_states_never_move() {
         assert_eq!(embedding_moved, 0, "{strategy}: the embedding's parameters and gradient stay on the host");
         assert!(moved > 0, "{strategy}: the other units on the host move");
     }
+    // Without clipping a host update starts as soon as its unit's gradient is complete: with
+    // no budget only the embedding lives on the host, and its update runs during backward.
+    let unclipped = |strategy: &str| -> Vec<StepReport> {
+        let mut trainer = trainer_within(llama, strategy, None);
+        trainer.grad_clip = None;
+        (0..4).map(|i| trainer.train_step(&step(i)).unwrap()).collect()
+    };
+    let (plain, offloaded) = (unclipped("[]"), unclipped(auto));
+    for (i, (got, want)) in offloaded.iter().zip(&plain).enumerate() {
+        assert!((got.loss - want.loss).abs() <= 1e-6, "step {i}: {} against {}", got.loss, want.loss);
+        assert_eq!(got.transfers.updated_during_backward, 1, "step {i}: the embedding's update");
+        assert_eq!(got.transfers.to_device + got.transfers.to_host, 0, "step {i}: nothing moves");
+    }
 }
 
 /// `auto` beside a ZeRO stage under a budget needs the step's floor, which

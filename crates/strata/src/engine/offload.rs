@@ -82,14 +82,22 @@ enum InFlight {
 impl InFlight {
     /// Waits for the copy: the host waits (`host_waits`, before the host writes the master
     /// the copy reads), or only the device's current stream does (before the device reads
-    /// the copy or its memory is returned to the allocator).
-    fn finish(self, host_waits: bool) -> Result<()> {
+    /// the copy or its memory is returned to the allocator), and then the copy's event is
+    /// returned, for the host to wait on before it writes the master.
+    fn finish(self, host_waits: bool) -> Result<Option<cuda::Event>> {
         match self {
             InFlight::Thread(copy) => {
-                copy.join().map_err(|_| Error::Engine("a parameter copy to the device panicked".into()))?
+                copy.join().map_err(|_| Error::Engine("a parameter copy to the device panicked".into()))??;
+                Ok(None)
             }
-            InFlight::Stream { done, .. } if host_waits => Ok(done.synchronize()?),
-            InFlight::Stream { done, device } => Ok(done.wait(&cuda::Stream::current(device)?)?),
+            InFlight::Stream { done, .. } if host_waits => {
+                done.synchronize()?;
+                Ok(None)
+            }
+            InFlight::Stream { done, device } => {
+                done.wait(&cuda::Stream::current(device)?)?;
+                Ok(Some(done))
+            }
         }
     }
 }
@@ -104,6 +112,9 @@ pub struct Offload {
     last_reader: Vec<usize>,
     /// Parameter copies started ahead and still running, by unit.
     copying: Vec<(usize, InFlight)>,
+    /// Per unit, the last of its copies on a GPU's copy stream that the compute stream
+    /// waited for and the host has not: the host waits before it writes the master.
+    device_waited: Vec<Option<cuda::Event>>,
     /// On a GPU, the stream copies started ahead run on, beside the compute stream.
     copy_stream: Option<cuda::Stream>,
     events: Option<Arc<dyn EventSink>>,
@@ -115,6 +126,9 @@ impl Drop for Offload {
         // wait for them to end.
         for (_, copy) in self.copying.drain(..) {
             let _ = copy.finish(true);
+        }
+        for done in self.device_waited.iter_mut().filter_map(Option::take) {
+            let _ = done.synchronize();
         }
     }
 }
@@ -267,6 +281,7 @@ impl Offload {
             needs,
             last_reader,
             copying: vec![],
+            device_waited: (0..n).map(|_| None).collect(),
             copy_stream,
             events: None,
         };
@@ -301,16 +316,27 @@ impl Offload {
             tch::no_grad(|| destination.shallow_clone().f_copy_(&source))?;
             Ok(())
         };
-        match (ahead, storage[u].flat.device(), &self.copy_stream) {
-            (true, Device::Cpu, _) => self.copying.push((u, InFlight::Thread(std::thread::spawn(copy)))),
-            (true, Device::Cuda(device), Some(stream)) => {
-                let done = copy_on_stream(stream, device, &storage[u].flat.f_data()?, host)?;
-                self.copying.push((u, InFlight::Stream { done, device }));
+        let begun = match (ahead, storage[u].flat.device(), &self.copy_stream) {
+            (true, Device::Cpu, _) => {
+                self.copying.push((u, InFlight::Thread(std::thread::spawn(copy))));
+                Ok(())
             }
-            _ => {
-                copy()?;
-                self.waited_for_copy(ledger, u, Placement::Device, bytes, started);
+            (true, Device::Cuda(device), Some(stream)) => storage[u]
+                .flat
+                .f_data()
+                .map_err(Error::from)
+                .and_then(|destination| copy_on_stream(stream, device, &destination, host))
+                .map(|done| self.copying.push((u, InFlight::Stream { done, device }))),
+            _ => copy().map(|()| self.waited_for_copy(ledger, u, Placement::Device, bytes, started)),
+        };
+        if let Err(e) = begun {
+            // The buffer holds nothing usable: it goes back once nothing can write it any
+            // more, so that its next use maps and fills it again.
+            if let Some(stream) = &self.copy_stream {
+                let _ = stream.synchronize();
             }
+            let _ = self.evict(u, ledger);
+            return Err(e);
         }
         self.record(Event::Copied { unit: u, to: Placement::Device, bytes });
         Ok(())
@@ -324,14 +350,24 @@ impl Offload {
         let started = Instant::now();
         let copied = copy.finish(host_waits);
         self.waited_for_copy(ledger, u, Placement::Device, self.units[u].bytes.params, started);
-        copied
+        // A later copy of the unit follows this one on the stream: its event covers both.
+        if let Some(done) = copied? {
+            self.device_waited[u] = Some(done);
+        }
+        Ok(())
     }
 
-    /// Waits, on the host, for every copy in flight: none reads a master the host writes
-    /// next.
+    /// Waits, on the host, for every copy in flight or only waited for by the device: none
+    /// reads a master the host writes next.
     fn finish_fetches(&mut self, ledger: &MemoryLedger) -> Result<()> {
         while let Some(&(u, _)) = self.copying.first() {
             self.finish_fetch(u, ledger, true)?;
+        }
+        for done in self.device_waited.iter_mut().filter_map(Option::take) {
+            // Mostly long done: a query does not stall the host.
+            if !done.query()? {
+                done.synchronize()?;
+            }
         }
         Ok(())
     }
@@ -602,10 +638,10 @@ impl UnitSchedule for Offload {
     fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
         let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
         let placement = if unit.home == Home::Device { Placement::Device } else { Placement::Host };
-        let (param, grad) = match (&unit.host_params, &unit.host_grad) {
-            (Some(param), Some(grad)) => (param, grad),
-            _ => (&s.flat, &s.grad),
-        };
+        // The master where there is one apart (a frozen unit's too, whose device copy may be
+        // gone); a unit that computes on the host has its engine buffers there.
+        let param = unit.host_params.as_ref().unwrap_or(&s.flat);
+        let grad = unit.host_grad.as_ref().unwrap_or(&s.grad);
         Ok(OptimizerView { param: param.shallow_clone(), grad: grad.shallow_clone(), offset: 0, placement })
     }
 

@@ -199,12 +199,16 @@ impl PlanInput {
     }
 
     /// Every unit on the device, but those that live on the host whatever the policy says:
-    /// they compute there too, unless another unit reads their parameters on the device.
+    /// they compute there too where no other unit reads their parameters and they read no
+    /// other unit's (which lives on the device, or is copied there).
     fn initial_homes(&self) -> Vec<Home> {
-        let read_elsewhere = |u: usize| self.needs.iter().enumerate().any(|(k, reads)| k != u && reads.contains(&u));
+        let shares = |u: usize| {
+            self.needs[u].iter().any(|&v| v != u)
+                || self.needs.iter().enumerate().any(|(k, reads)| k != u && reads.contains(&u))
+        };
         (0..self.units.len())
             .map(|u| match self.on_host.get(u).copied() {
-                Some(true) if read_elsewhere(u) => Home::Host,
+                Some(true) if shares(u) => Home::Host,
                 Some(true) => Home::HostCompute,
                 _ => Home::Device,
             })
@@ -680,7 +684,7 @@ mod tests {
     }
 
     #[test]
-    fn a_unit_kept_on_the_host_computes_there_unless_another_unit_reads_it() {
+    fn a_unit_kept_on_the_host_computes_there_unless_it_shares_parameters() {
         let mut i = input(&[10, 20, 10], 200);
         i.on_host = vec![true, false, false];
         let auto = HomePolicy::Auto { params_may_leave: true };
@@ -695,10 +699,12 @@ mod tests {
         assert_eq!(full.homes, [Home::HostCompute, Home::Host, Home::Host]);
         assert_eq!(full.traffic.to_host, 30);
         assert!(full.resident.iter().all(|r| !r.contains(&0)), "{:?}", full.resident);
-        // Read by the last unit (a tied head), it is copied to the device for that unit.
+        // Read by the last unit (a tied head), it is copied to the device for that unit; and
+        // the head, which reads it, computes on the device too.
         i.needs[2].push(0);
+        i.on_host = vec![true, false, true];
         let tied = plan(&i, &full_offload()).unwrap();
-        assert_eq!(tied.homes[0], Home::Host);
+        assert_eq!(tied.homes, [Home::Host, Home::Host, Home::Host]);
         assert_eq!(tied.traffic.to_host, 40);
         assert!(tied.resident.iter().any(|r| r.contains(&0)), "{:?}", tied.resident);
     }
