@@ -2,11 +2,12 @@
 
 Every model is tiny and drawn from a seed here; nothing is downloaded.
 
-  make      builds a random GPT-2, LLaMA (grouped-query attention, tied embeddings) or
-            Qwen2 (attention biases) with a word-level tokenizer and saves it with
-            save_pretrained (sharded when --shard-bytes is given);
+  make      builds a random model of a family (see FAMILIES) with a word-level tokenizer and
+            saves it with save_pretrained (sharded when --shard-bytes is given); every
+            weight of the decoder families is moved off its initial value;
   logits    writes the logits of a folder's model for given token rows to a safetensors file;
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
+  train     prints the losses of AdamW steps (torch.optim's) on given batches;
   val-loss  prints the mean next-token loss over consecutive windows of a u16 token file,
             batch by batch, as Strata's validation reads them.
 
@@ -42,6 +43,55 @@ def tokenizer_json(path):
         json.dump(body, f)
 
 
+def decoder_families():
+    """Tiny configurations of today's decoder families, each with grouped-query attention and
+    the options that set it apart: rope scalings, head widths independent of the hidden size,
+    query/key norms, Gemma's norms, caps and local layers, Phi-3's fused projections and
+    sliding windows shorter than the sequences the tests run."""
+    import transformers as tf
+
+    common = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+
+    def llama(rope, **kw):
+        args = dict(common, num_hidden_layers=2, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    rope_parameters=dict(rope, rope_theta=500.0))
+        args.update(kw)
+        return tf.LlamaForCausalLM, tf.LlamaConfig(**args)
+
+    return {
+        "llama3": lambda: llama({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        "llama-linear": lambda: llama({"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False),
+        # Dynamic scaling starts past 8 positions, which every test sequence passes.
+        "llama-dynamic": lambda: llama({"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=8),
+        "llama-yarn": lambda: llama({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+        "qwen3": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(
+            **common, num_hidden_layers=2, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+        "qwen3-tied": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(
+            **common, num_hidden_layers=2, head_dim=8, tie_word_embeddings=True)),
+        "qwen2-sliding": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(
+            **common, num_hidden_layers=3, tie_word_embeddings=False, use_sliding_window=True,
+            sliding_window=5, max_window_layers=1)),
+        "mistral": lambda: (tf.MistralForCausalLM, tf.MistralConfig(
+            **common, num_hidden_layers=2, sliding_window=4, tie_word_embeddings=False)),
+        "gemma2": lambda: (tf.Gemma2ForCausalLM, tf.Gemma2Config(
+            **common, num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=4,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True)),
+        "gemma3": lambda: (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            **dict(common, num_key_value_heads=1), num_hidden_layers=3, head_dim=8, query_pre_attn_scalar=8,
+            sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            tie_word_embeddings=True)),
+        "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
+            **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            pad_token_id=0)),
+    }
+
+
 def build(family, seed):
     import transformers as tf
 
@@ -67,13 +117,24 @@ def build(family, seed):
                 if name.endswith("proj.bias"):
                     p.normal_(0.0, 0.5)
         return model
+    families = decoder_families()
+    if family in families:
+        cls, cfg = families[family]()
+        model = cls(cfg)
+        # Norm weights start at one (or zero) and biases at zero: move every weight, so that
+        # one read or applied wrongly shows in the logits.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        return model
     raise SystemExit(f"unknown family {family}")
 
 
 def load(folder):
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    # Eager attention: the composite every family's options (caps, windows) are defined by.
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     return model
 
@@ -94,6 +155,10 @@ def main():
     gen.add_argument("--dir", required=True)
     gen.add_argument("--prompt", required=True, help="JSON list of token ids")
     gen.add_argument("--max-new-tokens", type=int, required=True)
+    train = sub.add_parser("train")
+    train.add_argument("--dir", required=True)
+    train.add_argument("--batches", required=True, help="JSON list of [inputs, targets] row lists")
+    train.add_argument("--lr", type=float, required=True)
     val = sub.add_parser("val-loss")
     val.add_argument("--dir", required=True)
     val.add_argument("--token-file", required=True)
@@ -120,6 +185,22 @@ def main():
             out = model.generate(prompt, do_sample=False, max_new_tokens=args.max_new_tokens,
                                  attention_mask=torch.ones_like(prompt), pad_token_id=0)
         print(json.dumps(out[0, prompt.shape[1]:].tolist()))
+    elif args.command == "train":
+        model = load(args.dir)
+        model.train()
+        with open(args.batches) as f:
+            batches = json.load(f)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        losses = []
+        for inputs, targets in batches:
+            x, y = torch.tensor(inputs), torch.tensor(targets)
+            logits = model(x).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        print(json.dumps(losses))
     elif args.command == "val-loss":
         model = load(args.dir)
         tokens = torch.from_numpy(np.fromfile(args.token_file, dtype="<u2").astype(np.int64))

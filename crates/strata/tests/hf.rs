@@ -228,3 +228,163 @@ fn a_folder_write_that_fails_midway_leaves_the_earlier_folder_whole() {
     let written = strata::io::read_safetensors(&dir.join("model.safetensors")).unwrap();
     assert!(written.values().all(|t| t.abs().sum(Kind::Double).double_value(&[]) == 0.0), "the new weights");
 }
+
+/// Rows of 12 tokens for training: `count` batches of two rows, inputs and next-token
+/// targets, drawn by a fixed generator below the tokenizer's 90 words.
+fn training_batches(count: usize) -> Vec<(Vec<Vec<i64>>, Vec<Vec<i64>>)> {
+    let mut x: u64 = 7;
+    let mut draw = move || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((x >> 33) % 90) as i64
+    };
+    (0..count)
+        .map(|_| {
+            let rows: Vec<Vec<i64>> = (0..2).map(|_| (0..13).map(|_| draw()).collect()).collect();
+            (rows.iter().map(|r| r[..12].to_vec()).collect(), rows.iter().map(|r| r[1..].to_vec()).collect())
+        })
+        .collect()
+}
+
+fn rows_tensor(rows: &[Vec<i64>]) -> Tensor {
+    let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+    Tensor::from_slice(&flat).view([rows.len() as i64, -1])
+}
+
+/// Ten AdamW steps on the same batches in Strata and in `transformers` (torch.optim's
+/// AdamW): each step's loss agrees within 1e-5 relative, and training moves the loss.
+fn training_tracks_transformers(py: &Path, dir: &Path, work: &Path) {
+    use strata::data::{Batch, Step};
+    use strata::optim::{Optimizer, OptimizerConfig, Schedule};
+    let batches = training_batches(10);
+    let file = work.join("batches.json");
+    std::fs::write(&file, serde_json::to_string(&batches).unwrap()).unwrap();
+    let lr = 5e-3;
+    let theirs: Vec<f64> = serde_json::from_str(&reference(
+        py,
+        &["train", "--dir", dir.to_str().unwrap(), "--batches", file.to_str().unwrap(), "--lr", &lr.to_string()],
+    ))
+    .unwrap();
+    let mut engine = strata_engine(dir);
+    let config = OptimizerConfig { lr, ..Default::default() };
+    let optimizer = Optimizer::new(&mut engine, config, &[]).unwrap();
+    let mut trainer = strata::train::Trainer::new(engine, optimizer, Schedule::Constant, None);
+    for (i, ((inputs, targets), theirs)) in batches.iter().zip(&theirs).enumerate() {
+        let batch = Batch { inputs: rows_tensor(inputs), targets: rows_tensor(targets) };
+        let ours = trainer.train_step(&Step { index: i, micro_batches: vec![batch] }).unwrap().loss;
+        let relative = (ours - theirs).abs() / theirs.abs();
+        assert!(relative <= 1e-5, "{}: step {i}: loss {ours}, transformers {theirs}", dir.display());
+    }
+    assert!((theirs[0] - theirs[9]).abs() > 1e-2, "training moved nothing: {theirs:?}");
+}
+
+/// One of today's decoder families end to end against `transformers`: a random folder (every
+/// weight moved off its initial value) gives transformers' logits; ten AdamW steps track
+/// transformers' own; the model written back (every weight moved again) loads in
+/// transformers with Strata's logits; greedy generation, cached and not, equals
+/// transformers' generate for `new_tokens` tokens (past every sliding window).
+fn family_matches_transformers(family: &str, new_tokens: usize) {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let (dir, saved) = (work.path().join(family), work.path().join("saved"));
+    make(&py, family, &dir, None);
+    let theirs = transformers_logits(&py, &dir, work.path());
+    let mut engine = strata_engine(&dir);
+    let g = gap(&theirs, &strata_logits(&mut engine));
+    eprintln!("{family}: largest logit difference from transformers {g:.2e}");
+    assert!(g <= 1e-5, "{family}: logits differ from transformers' by {g}");
+
+    training_tracks_transformers(&py, &dir, work.path());
+
+    for k in 0..engine.spec().units.len() {
+        let values = engine.full_unit(k).unwrap();
+        engine.set_full_unit(k, &(&values + Tensor::randn_like(&values) * 0.02)).unwrap();
+    }
+    let ours = strata_logits(&mut engine);
+    save_weights(&mut engine, WeightsTarget::Folder(&FolderOut::like(&saved, &from_pretrained_dir(&dir).unwrap())), true)
+        .unwrap();
+    let g = gap(&transformers_logits(&py, &saved, work.path()), &ours);
+    eprintln!("{family} written back: largest logit difference from transformers {g:.2e}");
+    assert!(g <= 1e-5, "{family}: the written folder's logits differ by {g}");
+
+    let prompt = [7i64, 31, 3, 58, 12];
+    let args = [
+        "generate",
+        "--dir",
+        saved.to_str().unwrap(),
+        "--prompt",
+        &serde_json::to_string(&prompt).unwrap(),
+        "--max-new-tokens",
+        &new_tokens.to_string(),
+    ];
+    let expected: Vec<i64> = serde_json::from_str(&reference(&py, &args)).unwrap();
+    let context = from_pretrained_dir(&saved).unwrap().config.context();
+    let config = GenerateConfig { max_new_tokens: new_tokens, ..Default::default() };
+    let cached = generate(&mut engine, &prompt, &config, context).unwrap();
+    let uncached = generate(&mut engine, &prompt, &GenerateConfig { cache: false, ..config }, context).unwrap();
+    assert_eq!(cached, expected, "{family}: greedy tokens differ from transformers'");
+    assert_eq!(uncached, cached, "{family}: the cached path differs from the uncached one");
+}
+
+#[test]
+fn llama3_rope_scaling_matches_transformers() {
+    family_matches_transformers("llama3", 48);
+}
+
+#[test]
+fn linear_rope_scaling_with_an_untied_head_matches_transformers() {
+    family_matches_transformers("llama-linear", 48);
+}
+
+/// Dynamic scaling recomputes its frequencies as the sequence passes 8 positions, at every
+/// generated token; its context is four times that.
+#[test]
+fn dynamic_rope_scaling_matches_transformers() {
+    family_matches_transformers("llama-dynamic", 24);
+}
+
+#[test]
+fn yarn_rope_scaling_matches_transformers() {
+    family_matches_transformers("llama-yarn", 48);
+}
+
+/// Qwen3: query/key norms, heads twice as wide as hidden / heads, the second layer sliding.
+#[test]
+fn qwen3_with_wide_heads_and_a_sliding_layer_matches_transformers() {
+    family_matches_transformers("qwen3", 48);
+}
+
+#[test]
+fn qwen3_with_a_tied_head_matches_transformers() {
+    family_matches_transformers("qwen3-tied", 48);
+}
+
+/// Qwen2's `use_sliding_window` from `max_window_layers` on.
+#[test]
+fn qwen2_sliding_layers_match_transformers() {
+    family_matches_transformers("qwen2-sliding", 48);
+}
+
+#[test]
+fn mistral_with_a_window_shorter_than_its_sequences_matches_transformers() {
+    family_matches_transformers("mistral", 48);
+}
+
+/// Gemma 2: (1 + w) norms around attention and feed-forward, GeGLU, √d embeddings, a score
+/// scale from query_pre_attn_scalar, both soft-caps, local and global layers alternating.
+#[test]
+fn gemma2_matches_transformers() {
+    family_matches_transformers("gemma2", 48);
+}
+
+/// Gemma 3: query/key norms, two local layers with their own base and a global layer with
+/// linear scaling, one key/value head.
+#[test]
+fn gemma3_matches_transformers() {
+    family_matches_transformers("gemma3", 48);
+}
+
+/// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
+#[test]
+fn phi3_matches_transformers() {
+    family_matches_transformers("phi3", 48);
+}

@@ -956,17 +956,32 @@ impl Engine {
         Ok(slots)
     }
 
-    /// Under sequence parallel, the parameters unit `k` reads with its sequence-replicated
-    /// ones passed through the tensor group's `copy_in`: each rank's gradient of them covers
-    /// its piece of the sequence, and backward sums them. `None`: the parameters as they are.
+    /// Under tensor parallel, the parameters unit `k` reads with those whose gradient each
+    /// rank computes only in part passed through the tensor group's `copy_in`, so backward
+    /// sums them: per-head parameters (each rank applies them to its own heads) and, under
+    /// sequence parallel, sequence-replicated ones (each rank's piece of the sequence).
+    /// `None`: the parameters as they are.
     fn unit_params(&self, k: usize) -> Result<Option<Vec<Tensor>>> {
-        let Some(tp) = self.tensor_parallel().filter(|t| t.sequence_parallel()) else { return Ok(None) };
+        let Some(tp) = self.tensor_parallel() else { return Ok(None) };
+        let partial = |role: TpRole| match role {
+            TpRole::PerHead => true,
+            TpRole::SequenceReplicated => tp.sequence_parallel(),
+            _ => false,
+        };
         let unit = &self.spec.units[k];
+        let summed: Vec<ParamId> = unit
+            .params
+            .iter()
+            .chain(&unit.borrowed)
+            .copied()
+            .filter(|id| partial(self.spec.params[id.0].tp) && self.params[id.0].requires_grad())
+            .collect();
+        if summed.is_empty() {
+            return Ok(None);
+        }
         let mut params: Vec<Tensor> = self.params.iter().map(Tensor::shallow_clone).collect();
-        for &id in unit.params.iter().chain(&unit.borrowed) {
-            if self.spec.params[id.0].tp == TpRole::SequenceReplicated && self.params[id.0].requires_grad() {
-                params[id.0] = tp.copy_in(&self.params[id.0])?;
-            }
+        for id in summed {
+            params[id.0] = tp.copy_in(&self.params[id.0])?;
         }
         Ok(Some(params))
     }

@@ -6,7 +6,7 @@
 //! [`gpt`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::layers::{
-    causal_attention, gelu_tanh, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding,
+    causal_attention, gelu_tanh, AttentionOptions, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding,
     vocab_logits,
 };
 use super::{
@@ -145,7 +145,7 @@ impl GptBlock {
             Some(c) => c.extend(&k, &v)?,
             None => (k, v),
         };
-        let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
+        let y = merge_heads(&causal_attention(&q, &k, &v, &AttentionOptions::default())?)?;
         let x = x.f_add(&row_linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]), tp)?)?;
         let h = tp.enter(&layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?)?;
         let h = gelu_tanh(&linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?)?;
@@ -174,7 +174,7 @@ impl Unit for GptHead {
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         let h = layer_norm(x, &p[self.ln_f.0], &p[self.ln_f.1], self.eps)?;
-        vocab_logits(&h, &p[self.wte], None, self.vocab, p.tp())
+        vocab_logits(&h, &p[self.wte], None, self.vocab, None, p.tp())
     }
     fn position_wise(&self) -> bool {
         true

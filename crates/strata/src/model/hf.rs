@@ -1,11 +1,14 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
-//! configuration (GPT-2 for `gpt2`; the LLaMA model for `llama`, `mistral` and `qwen2`) and
-//! written back from one, and each family's parameter names and layouts.
+//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
+//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`) and written back from one, and each
+//! family's parameter names and layouts.
 //!
 //! Owns: the families, their config keys (each key that changes the computation is honoured
 //! or refused by name), a folder's file list (one safetensors file or the shards an index
 //! names, the tokenizer) and the mapping of names. Must not read tensors or touch an
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
+use super::llama::{Activation, LayerAttention, NormKind};
+use super::rope::{Rope, RopeScaling};
 use super::{GptConfig, LlamaConfig, ModelConfig, ModelSpec};
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
@@ -28,10 +31,26 @@ pub enum Family {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
+    Gemma2,
+    /// Gemma 3's text model (`gemma3_text`).
+    Gemma3,
+    Phi3,
 }
 
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
+
+const FAMILIES: [Family; 8] = [
+    Family::Gpt2,
+    Family::Llama,
+    Family::Mistral,
+    Family::Qwen2,
+    Family::Qwen3,
+    Family::Gemma2,
+    Family::Gemma3,
+    Family::Phi3,
+];
 
 impl Family {
     pub fn model_type(self) -> &'static str {
@@ -40,6 +59,10 @@ impl Family {
             Family::Llama => "llama",
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Gemma2 => "gemma2",
+            Family::Gemma3 => "gemma3_text",
+            Family::Phi3 => "phi3",
         }
     }
 
@@ -49,27 +72,69 @@ impl Family {
             Family::Llama => "LlamaForCausalLM",
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Gemma2 => "Gemma2ForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
+            Family::Phi3 => "Phi3ForCausalLM",
         }
     }
 
     fn from_model_type(name: &str) -> Option<Family> {
-        [Family::Gpt2, Family::Llama, Family::Mistral, Family::Qwen2].into_iter().find(|f| f.model_type() == name)
+        FAMILIES.into_iter().find(|f| f.model_type() == name)
     }
 
-    /// The family a built-in model is written as: GPT as GPT-2; the LLaMA model as Qwen2
-    /// where only its query, key and value projections have biases, else as LLaMA.
+    fn is_gemma(self) -> bool {
+        matches!(self, Family::Gemma2 | Family::Gemma3)
+    }
+
+    /// The family a built-in model is written as: GPT as GPT-2; the decoder by the options
+    /// it uses (fused projections: Phi-3; Gemma's norms: Gemma 3 with query/key norms, else
+    /// Gemma 2; query/key norms: Qwen3; biases on the query, key and value projections
+    /// alone: Qwen2; a window on every layer: Mistral; else LLaMA).
     pub fn of(config: &ModelConfig) -> Result<Family> {
-        match config {
-            ModelConfig::Gpt(_) => Ok(Family::Gpt2),
-            ModelConfig::Llama(c) if c.qkv_bias && !c.o_bias => Ok(Family::Qwen2),
-            ModelConfig::Llama(c) if c.qkv_bias == c.o_bias => Ok(Family::Llama),
-            ModelConfig::Llama(_) => Err(Error::Config(
-                "no model family has a bias on the attention output alone: it cannot be written".into(),
-            )),
+        let c = match config {
+            ModelConfig::Gpt(_) => return Ok(Family::Gpt2),
             ModelConfig::Mlp(_) => {
-                Err(Error::Config("the mlp model has no Hugging Face family to be written as".into()))
+                return Err(Error::Config("the mlp model has no Hugging Face family to be written as".into()))
             }
-        }
+            ModelConfig::Llama(c) => c,
+        };
+        Ok(match c {
+            c if c.fused_projections => Family::Phi3,
+            c if c.norm == NormKind::PlusOne && c.qk_norm => Family::Gemma3,
+            c if c.norm == NormKind::PlusOne => Family::Gemma2,
+            c if c.qk_norm => Family::Qwen3,
+            c if c.qkv_bias && !c.o_bias => Family::Qwen2,
+            c if c.qkv_bias != c.o_bias => {
+                return Err(Error::Config(
+                    "no model family has a bias on the attention output alone: it cannot be written".into(),
+                ))
+            }
+            c if c.sliding_window.is_some() && c.layer_types.is_none() => Family::Mistral,
+            _ => Family::Llama,
+        })
+    }
+
+    /// What of `config` this family's files cannot say, if anything.
+    fn cannot_write(self, c: &LlamaConfig) -> Option<String> {
+        let gemma = self.is_gemma();
+        let needs = [
+            (c.fused_projections != (self == Family::Phi3), "fused projections"),
+            ((c.norm == NormKind::PlusOne) != gemma, "Gemma's norms"),
+            ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
+            (c.sandwich_norms != gemma || c.scale_embeddings != gemma, "sandwich norms and scaled embeddings"),
+            (c.qk_norm != matches!(self, Family::Qwen3 | Family::Gemma3), "query/key norms"),
+            (c.local_rope.is_some() && self != Family::Gemma3, "a local rotation"),
+            ((c.attn_softcap.is_some() || c.logit_softcap.is_some() || c.query_pre_attn_scalar.is_some()) && !gemma,
+             "soft-capping or query_pre_attn_scalar"),
+            (c.qkv_bias && !matches!(self, Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Gemma2 | Family::Gemma3),
+             "attention biases"),
+            (c.partial_rotary != 1.0 && self != Family::Phi3, "a partial rotation"),
+            (c.sliding_window.is_some() && self == Family::Llama, "a sliding window"),
+            (c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
+                && matches!(self, Family::Mistral | Family::Phi3), "layers of different attention"),
+        ];
+        needs.iter().find(|(bad, _)| *bad).map(|(_, what)| format!("a {} model cannot hold {what}", self.model_type()))
     }
 
     /// The name a family's files give a Strata parameter, and whether they hold its matrix
@@ -118,31 +183,11 @@ impl Family {
                 "embd_pdrop": 0.0,
                 "resid_pdrop": 0.0,
             }),
-            (Family::Llama | Family::Mistral | Family::Qwen2, ModelConfig::Llama(c)) => {
-                let mut v = json!({
-                    "hidden_size": c.dim,
-                    "intermediate_size": c.hidden(),
-                    "num_hidden_layers": c.layers,
-                    "num_attention_heads": c.heads,
-                    "num_key_value_heads": c.key_value_heads(),
-                    "head_dim": c.dim / c.heads,
-                    "max_position_embeddings": c.ctx,
-                    "vocab_size": c.vocab,
-                    "rms_norm_eps": c.norm_eps,
-                    "hidden_act": "silu",
-                    "tie_word_embeddings": c.tie_embeddings,
-                    "rope_theta": c.rope_theta,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-                    "attention_dropout": 0.0,
-                });
-                if self == Family::Qwen2 {
-                    v["use_sliding_window"] = json!(false);
-                    v["sliding_window"] = Value::Null;
-                } else {
-                    v["attention_bias"] = json!(c.o_bias);
-                    v["mlp_bias"] = json!(false);
+            (family, ModelConfig::Llama(c)) if family != Family::Gpt2 => {
+                if let Some(why) = family.cannot_write(c) {
+                    return Err(Error::Config(why));
                 }
-                v
+                decoder_json(family, c)
             }
             (family, _) => {
                 return Err(Error::Config(format!("this model cannot be written as a {} model", family.model_type())))
@@ -156,6 +201,93 @@ impl Family {
         }
         Ok(out)
     }
+}
+
+/// `config.json` keys of a decoder written as `family` (checked by [`Family::cannot_write`]).
+fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
+    // Dynamic scaling reads the context it was trained at from max_position_embeddings.
+    let max_positions = match c.rope_scaling {
+        RopeScaling::Dynamic { original_context, .. } => original_context,
+        _ => c.ctx,
+    };
+    let mut v = json!({
+        "hidden_size": c.dim,
+        "intermediate_size": c.hidden(),
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "num_key_value_heads": c.key_value_heads(),
+        "head_dim": c.head_width(),
+        "max_position_embeddings": max_positions,
+        "vocab_size": c.vocab,
+        "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_dropout": 0.0,
+    });
+    let rope = |r: &Rope| {
+        let mut p = json!({"rope_theta": r.theta});
+        let extra = match &r.scaling {
+            RopeScaling::None => json!({"rope_type": "default"}),
+            RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
+            RopeScaling::Dynamic { factor, .. } => json!({"rope_type": "dynamic", "factor": factor}),
+            RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, attention_factor, truncate } => json!({
+                "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_context,
+                "beta_fast": beta_fast, "beta_slow": beta_slow, "attention_factor": attention_factor, "truncate": truncate,
+            }),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => json!({
+                "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original_context,
+            }),
+        };
+        for (key, value) in extra.as_object().into_iter().flatten() {
+            p[key] = value.clone();
+        }
+        if r.partial != 1.0 {
+            p["partial_rotary_factor"] = json!(r.partial);
+        }
+        p
+    };
+    v["rope_parameters"] = match (&c.local_rope, family) {
+        (Some(local), Family::Gemma3) => json!({"full_attention": rope(&c.rope()), "sliding_attention": rope(local)}),
+        _ => rope(&c.rope()),
+    };
+    let layer_types: Vec<&str> = (0..c.layers as usize)
+        .map(|i| if c.window(i).is_some() { "sliding_attention" } else { "full_attention" })
+        .collect();
+    let sliding = layer_types.contains(&"sliding_attention");
+    let window = if sliding { json!(c.sliding_window) } else { Value::Null };
+    match family {
+        Family::Qwen2 | Family::Qwen3 => {
+            // Qwen slides the layers from max_window_layers on.
+            let first = layer_types.iter().position(|t| *t == "sliding_attention").unwrap_or(layer_types.len());
+            v["use_sliding_window"] = json!(sliding);
+            v["sliding_window"] = window;
+            v["max_window_layers"] = json!(first);
+            v["layer_types"] = json!(layer_types);
+            if family == Family::Qwen3 {
+                v["attention_bias"] = json!(c.qkv_bias);
+            }
+        }
+        Family::Gemma2 | Family::Gemma3 => {
+            v["hidden_activation"] = json!("gelu_pytorch_tanh");
+            // An integer in transformers' config class.
+            let scalar = c.query_pre_attn_scalar.unwrap_or(c.head_width() as f64);
+            v["query_pre_attn_scalar"] = if scalar.fract() == 0.0 { json!(scalar as i64) } else { json!(scalar) };
+            v["attn_logit_softcapping"] = json!(c.attn_softcap);
+            v["final_logit_softcapping"] = json!(c.logit_softcap);
+            v["sliding_window"] = window;
+            v["layer_types"] = json!(layer_types);
+            v["attention_bias"] = json!(c.qkv_bias);
+        }
+        Family::Mistral | Family::Phi3 => v["sliding_window"] = window,
+        Family::Llama | Family::Gpt2 => {
+            v["attention_bias"] = json!(c.o_bias);
+            v["mlp_bias"] = json!(false);
+        }
+    }
+    if !family.is_gemma() {
+        v["hidden_act"] = json!("silu");
+    }
+    v
 }
 
 /// A Hugging Face model folder, read: the model it describes and where its files are.
@@ -204,14 +336,15 @@ pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let raw: Value = serde_json::from_str(&text).map_err(|e| fail(format!("config.json is not valid JSON ({e})")))?;
     let cfg = raw.as_object().ok_or_else(|| fail("config.json is not a JSON object".into()))?;
-    let keys = Keys { cfg };
+    let keys = Keys { cfg, prefix: String::new() };
     let model_type = keys.text("model_type").map_err(fail)?.unwrap_or_default();
     let family = Family::from_model_type(&model_type).ok_or_else(|| {
-        fail(format!("config.json: model_type {model_type:?} is not a family Strata has (gpt2, llama, mistral, qwen2)"))
+        let known: Vec<&str> = FAMILIES.iter().map(|f| f.model_type()).collect();
+        fail(format!("config.json: model_type {model_type:?} is not a family Strata has ({})", known.join(", ")))
     })?;
     let config = match family {
         Family::Gpt2 => ModelConfig::Gpt(keys.gpt2().map_err(fail)?),
-        _ => ModelConfig::Llama(keys.llama(family).map_err(fail)?),
+        _ => ModelConfig::Llama(keys.decoder(family).map_err(fail)?),
     };
     match &config {
         ModelConfig::Gpt(c) => c.validate(),
@@ -269,6 +402,8 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// Typed reads of a config's keys; errors are the message for the folder's error.
 struct Keys<'a> {
     cfg: &'a Map<String, Value>,
+    /// Where the keys sit (`rope_parameters.` for a nested dict), for messages.
+    prefix: String,
 }
 
 type KeyResult<T> = std::result::Result<T, String>;
@@ -280,34 +415,34 @@ impl Keys<'_> {
 
     fn int(&self, key: &str) -> KeyResult<Option<i64>> {
         self.get(key)
-            .map(|v| v.as_i64().ok_or_else(|| format!("config.json: {key} is not an integer ({v})")))
+            .map(|v| v.as_i64().ok_or_else(|| format!("config.json: {}{key} is not an integer ({v})", self.prefix)))
             .transpose()
     }
 
     fn required(&self, key: &str) -> KeyResult<i64> {
-        self.int(key)?.ok_or_else(|| format!("config.json: {key} is missing"))
+        self.int(key)?.ok_or_else(|| format!("config.json: {}{key} is missing", self.prefix))
     }
 
     fn float(&self, key: &str) -> KeyResult<Option<f64>> {
-        self.get(key).map(|v| v.as_f64().ok_or_else(|| format!("config.json: {key} is not a number ({v})"))).transpose()
+        self.get(key).map(|v| v.as_f64().ok_or_else(|| format!("config.json: {}{key} is not a number ({v})", self.prefix))).transpose()
     }
 
     fn flag(&self, key: &str) -> KeyResult<Option<bool>> {
         self.get(key)
-            .map(|v| v.as_bool().ok_or_else(|| format!("config.json: {key} is not true or false ({v})")))
+            .map(|v| v.as_bool().ok_or_else(|| format!("config.json: {}{key} is not true or false ({v})", self.prefix)))
             .transpose()
     }
 
     fn text(&self, key: &str) -> KeyResult<Option<String>> {
         self.get(key)
-            .map(|v| v.as_str().map(String::from).ok_or_else(|| format!("config.json: {key} is not a string ({v})")))
+            .map(|v| v.as_str().map(String::from).ok_or_else(|| format!("config.json: {}{key} is not a string ({v})", self.prefix)))
             .transpose()
     }
 
     /// Refuses `key` unless it is absent or one of `allowed`; `why` says what Strata does.
     fn only(&self, key: &str, allowed: &[Value], why: &str) -> KeyResult<()> {
         match self.get(key) {
-            Some(v) if !allowed.contains(v) => Err(format!("config.json: {key} = {v} is not supported ({why})")),
+            Some(v) if !allowed.contains(v) => Err(format!("config.json: {}{key} = {v} is not supported ({why})", self.prefix)),
             _ => Ok(()),
         }
     }
@@ -350,66 +485,208 @@ impl Keys<'_> {
         })
     }
 
-    fn llama(&self, family: Family) -> KeyResult<LlamaConfig> {
+    /// The decoder of `family` ([`super::llama`]); keys that change the computation and
+    /// that it cannot honour are refused by name.
+    fn decoder(&self, family: Family) -> KeyResult<LlamaConfig> {
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
-        self.only("hidden_act", &[json!("silu")], "the feed-forward is SwiGLU")?;
+        let layers = self.required("num_hidden_layers")?;
+        let gemma = family.is_gemma();
+        let activation = match self.text("hidden_activation")?.or(self.text("hidden_act")?).as_deref() {
+            None if gemma => Activation::GeluTanh,
+            None => Activation::Silu,
+            Some("silu") if !gemma => Activation::Silu,
+            Some("gelu_pytorch_tanh" | "gelu_tanh") if gemma => Activation::GeluTanh,
+            Some(other) => {
+                return Err(format!(
+                    "config.json: hidden_act {other:?} is not supported (the {} feed-forward gates with {})",
+                    family.model_type(),
+                    if gemma { "gelu_pytorch_tanh" } else { "silu" }
+                ))
+            }
+        };
         self.only("mlp_bias", &[json!(false)], "the feed-forward has no biases")?;
-        if let Some(head_dim) = self.int("head_dim")?.filter(|&h| heads > 0 && h.checked_mul(heads) != Some(dim)) {
-            return Err(format!(
-                "config.json: head_dim = {head_dim} is not supported (heads are hidden_size / num_attention_heads = {} wide)",
-                dim / heads.max(1)
-            ));
-        }
-        let rope_theta = self.rope_theta()?;
-        let mut ctx = self.int("max_position_embeddings")?.unwrap_or(2048);
-        if family == Family::Qwen2 {
-            self.only("use_sliding_window", &[json!(false)], "attention is full causal")?;
-            if let Some(types) = self.get("layer_types").and_then(Value::as_array) {
-                if let Some(other) = types.iter().find(|t| *t != "full_attention") {
-                    return Err(format!(
-                        "config.json: layer_types holds {other}, not supported (attention is full causal)"
-                    ));
-                }
-            }
-        }
-        if family == Family::Mistral {
-            // Within the window a sliding window is full causal attention: the context stops there.
-            if let Some(window) = self.int("sliding_window")? {
-                ctx = ctx.min(window);
-            }
-        }
-        self.note_dropout(&["attention_dropout"])?;
+        self.only("use_bidirectional_attention", &[json!(false)], "attention is causal")?;
         let attention_bias = self.flag("attention_bias")?.unwrap_or(false);
+        if family == Family::Phi3 && attention_bias {
+            return Err("config.json: attention_bias = true is not supported (Phi-3's fused projections have none)".into());
+        }
+        let head_dim = match self.int("head_dim")? {
+            Some(h) => Some(h),
+            None if gemma => Some(256),
+            None => None,
+        };
+        let max_positions = self.int("max_position_embeddings")?.unwrap_or(if gemma { 8192 } else { 2048 });
+        let (rope, local_rope) = match (family, self.get("rope_parameters")) {
+            (Family::Gemma3, params) => {
+                let nested = |layer: &str| params.and_then(|p| p.get(layer)).filter(|v| !v.is_null());
+                let global = self.rope(nested("full_attention"), "rope_theta", 1_000_000.0, max_positions)?;
+                let local = self.rope(nested("sliding_attention"), "rope_local_base_freq", 10_000.0, max_positions)?;
+                (global, Some(local))
+            }
+            (_, params) => (self.rope(params, "rope_theta", 10_000.0, max_positions)?, None),
+        };
+        // Dynamic scaling stretches the context it was trained at by its factor.
+        let ctx = match rope.scaling {
+            RopeScaling::Dynamic { factor, .. } if factor > 1.0 => (max_positions as f64 * factor) as i64,
+            _ => max_positions,
+        };
+        let (sliding_window, layer_types) = self.windows(family, layers)?;
+        self.note_dropout(&["attention_dropout", "resid_pdrop", "embd_pdrop"])?;
+        let softcap = |key: &str, default: Option<f64>| -> KeyResult<Option<f64>> {
+            Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
+        };
+        let gemma2 = family == Family::Gemma2;
         Ok(LlamaConfig {
             ffn_dim: Some(self.required("intermediate_size")?),
-            rope_theta,
+            rope_theta: rope.theta,
+            rope_scaling: rope.scaling,
+            partial_rotary: rope.partial,
+            local_rope,
             kv_heads: self.int("num_key_value_heads")?,
             norm_eps: self.float("rms_norm_eps")?.unwrap_or(1e-6),
-            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(false),
+            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma),
             qkv_bias: family == Family::Qwen2 || attention_bias,
             o_bias: family != Family::Qwen2 && attention_bias,
-            ..LlamaConfig::new(self.required("vocab_size")?, ctx, self.required("num_hidden_layers")?, heads, dim)
+            head_dim,
+            norm: if gemma { NormKind::PlusOne } else { NormKind::Weighted },
+            activation,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+            sandwich_norms: gemma,
+            scale_embeddings: gemma,
+            query_pre_attn_scalar: if gemma { Some(self.float("query_pre_attn_scalar")?.unwrap_or(256.0)) } else { None },
+            attn_softcap: if gemma { softcap("attn_logit_softcapping", gemma2.then_some(50.0))? } else { None },
+            logit_softcap: if gemma { softcap("final_logit_softcapping", gemma2.then_some(30.0))? } else { None },
+            sliding_window,
+            layer_types,
+            fused_projections: family == Family::Phi3,
+            ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
         })
     }
 
-    /// The rotary base, from `rope_parameters` (transformers 5) or `rope_theta` with
-    /// `rope_scaling` (earlier); only the unscaled rotation is honoured.
-    fn rope_theta(&self) -> KeyResult<f64> {
-        let (params, scaling) = (self.get("rope_parameters"), self.get("rope_scaling"));
-        for (key, p) in [("rope_parameters", params), ("rope_scaling", scaling)] {
-            let Some(p) = p else { continue };
-            let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
-            if kind != "default" {
+    /// The sliding window and which layers it applies to: Mistral's and Phi-3's
+    /// `sliding_window` on every layer; Qwen's from `use_sliding_window` on the layers from
+    /// `max_window_layers` on; Gemma's on the layers `layer_types` marks (every other layer
+    /// for Gemma 2, five of six for Gemma 3, where the list is absent). An explicit
+    /// `layer_types` is honoured wherever it is given.
+    fn windows(&self, family: Family, layers: i64) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
+        let window = match family {
+            Family::Qwen2 | Family::Qwen3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
+            Family::Gemma2 | Family::Gemma3 if !self.cfg.contains_key("sliding_window") => Some(4096),
+            _ => self.int("sliding_window")?,
+        };
+        let given = match self.get("layer_types") {
+            Some(Value::Array(types)) => Some(
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("full_attention") => Ok(LayerAttention::Full),
+                        Some("sliding_attention") => Ok(LayerAttention::Sliding),
+                        _ => Err(format!(
+                            "config.json: layer_types holds {t}, not supported (full_attention or sliding_attention)"
+                        )),
+                    })
+                    .collect::<KeyResult<Vec<_>>>()?,
+            ),
+            Some(other) => return Err(format!("config.json: layer_types is not a list ({other})")),
+            None => None,
+        };
+        let derived = |sliding: &dyn Fn(i64) -> bool| {
+            (0..layers).map(|i| if sliding(i) { LayerAttention::Sliding } else { LayerAttention::Full }).collect()
+        };
+        let types = match (given, family) {
+            (Some(types), _) => Some(types),
+            (None, Family::Qwen2 | Family::Qwen3) => {
+                let first = self.int("max_window_layers")?.unwrap_or(28);
+                Some(derived(&|i| window.is_some() && i >= first))
+            }
+            (None, Family::Gemma2) => Some(derived(&|i| (i + 1) % 2 != 0)),
+            (None, Family::Gemma3) => {
+                let pattern = self.int("sliding_window_pattern")?.unwrap_or(6).max(1);
+                Some(derived(&|i| (i + 1) % pattern != 0))
+            }
+            (None, _) => None,
+        };
+        if window.is_none() && types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Sliding)) {
+            return Err("config.json: layer_types has sliding_attention layers but sliding_window is not set".into());
+        }
+        Ok((window, types))
+    }
+
+    /// A rotation from a `rope_parameters` dict (transformers 5) or the older top-level
+    /// `theta_key` with `rope_scaling`; `max_positions` is the context the scaling keys
+    /// default to. Types other than default, linear, dynamic, yarn and llama3 are refused
+    /// by name.
+    fn rope(&self, params: Option<&Value>, theta_key: &str, theta: f64, max_positions: i64) -> KeyResult<Rope> {
+        let (key, params) = match (params, self.get("rope_scaling")) {
+            (Some(p), _) => ("rope_parameters", Some(p)),
+            (None, scaling) => ("rope_scaling", scaling),
+        };
+        let empty = Map::new();
+        let map = match params {
+            Some(Value::Object(m)) => m,
+            Some(other) => return Err(format!("config.json: {key} is not an object ({other})")),
+            None => &empty,
+        };
+        let p = Keys { cfg: map, prefix: format!("{key}.") };
+        let theta = match p.float("rope_theta")? {
+            Some(t) => t,
+            None => self.float(theta_key)?.unwrap_or(theta),
+        };
+        let partial = match p.float("partial_rotary_factor")? {
+            Some(f) => f,
+            None => self.float("partial_rotary_factor")?.unwrap_or(1.0),
+        };
+        let kind = match p.text("rope_type")? {
+            Some(t) => t,
+            None => p.text("type")?.unwrap_or_else(|| "default".into()),
+        };
+        let factor = || p.float("factor")?.ok_or_else(|| format!("config.json: {key}.factor is missing"));
+        // The context the checkpoint was trained at: Phi-3 keeps it at the top level.
+        let original = || -> KeyResult<i64> {
+            Ok(match self.int("original_max_position_embeddings")? {
+                Some(n) => n,
+                None => p.int("original_max_position_embeddings")?.unwrap_or(max_positions),
+            })
+        };
+        let scaling = match kind.as_str() {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear { factor: factor()? },
+            "dynamic" => RopeScaling::Dynamic { factor: factor()?, original_context: max_positions },
+            "yarn" => {
+                let original_context = original()?;
+                let factor = match p.float("factor")? {
+                    Some(f) => f,
+                    None => max_positions as f64 / original_context as f64,
+                };
+                let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let attention_factor = match (p.float("attention_factor")?, p.float("mscale")?, p.float("mscale_all_dim")?) {
+                    (Some(a), ..) => a,
+                    (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(factor, m) / mscale(factor, all),
+                    _ => mscale(factor, 1.0),
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_context,
+                    beta_fast: p.float("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
+                    beta_slow: p.float("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
+                    attention_factor,
+                    truncate: p.flag("truncate")?.unwrap_or(true),
+                }
+            }
+            "llama3" => RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: p.float("low_freq_factor")?.ok_or(format!("config.json: {key}.low_freq_factor is missing"))?,
+                high_freq_factor: p
+                    .float("high_freq_factor")?
+                    .ok_or(format!("config.json: {key}.high_freq_factor is missing"))?,
+                original_context: original()?,
+            },
+            other => {
                 return Err(format!(
-                    "config.json: {key} type {kind:?} is not supported (Strata's rotary embedding is unscaled)"
-                ));
+                    "config.json: {key} type {other:?} is not supported (Strata scales rotary embeddings as default, linear, dynamic, yarn or llama3)"
+                ))
             }
-        }
-        match params.and_then(|p| p.get("rope_theta")) {
-            Some(v) => {
-                v.as_f64().ok_or_else(|| format!("config.json: rope_parameters.rope_theta is not a number ({v})"))
-            }
-            None => Ok(self.float("rope_theta")?.unwrap_or(10_000.0)),
-        }
+        };
+        Ok(Rope { theta, scaling, partial })
     }
 }

@@ -79,13 +79,24 @@ pub fn vocab_embedding(table: &Tensor, tokens: &Tensor, vocab: i64, tp: &dyn Ten
 }
 
 /// Logits `[B, T, V/tp]` of this rank's vocabulary rows `w` (and `b`) for `x`, gathered
-/// whole first; the padding rows past `vocab` get -inf, so they never win the softmax and
-/// never receive a gradient.
-pub fn vocab_logits(x: &Tensor, w: &Tensor, b: Option<&Tensor>, vocab: i64, tp: &dyn TensorParallel) -> Result<Tensor> {
+/// whole first and soft-capped where `softcap` says; the padding rows past `vocab` get
+/// -inf, so they never win the softmax and never receive a gradient.
+pub fn vocab_logits(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    vocab: i64,
+    softcap: Option<f64>,
+    tp: &dyn TensorParallel,
+) -> Result<Tensor> {
+    let capped = |logits: Tensor| match softcap {
+        Some(cap) => soft_cap(&logits, cap),
+        None => Ok(logits),
+    };
     if tp.size() == 1 {
-        return linear(x, w, b);
+        return capped(linear(x, w, b)?);
     }
-    let logits = linear(&tp.enter(x)?, w, b)?;
+    let logits = capped(linear(&tp.enter(x)?, w, b)?)?;
     let rows = vocab_rows(vocab, tp.size());
     let real = (vocab - tp.rank() * rows).clamp(0, rows);
     if real == rows {
@@ -119,6 +130,18 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(cast(&x32.f_mul(&ms.f_add_scalar(eps)?.f_rsqrt()?)?, Some(x.kind()))?.f_mul(w)?)
 }
 
+/// Gemma's RMS norm, `x / rms(x) · (1 + w)`, computed in fp32 and returned in x's dtype.
+pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = norm_input(x)?;
+    let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
+    let w32 = cast(w, Some(x32.kind()))?.f_add_scalar(1.0)?;
+    if let Some(fused) = compute::replaced(|r| r.rms_norm(x32.kind())) {
+        return cast(&fused(&x32, &w32, eps)?, Some(x.kind()));
+    }
+    let ms = x32.f_square()?.f_mean_dim(-1, true, None)?;
+    cast(&x32.f_mul(&ms.f_add_scalar(eps)?.f_rsqrt()?)?.f_mul(&w32)?, Some(x.kind()))
+}
+
 /// GELU in its tanh form, GPT-2's activation.
 pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
     if let Some(replaced) = compute::replaced(|r| r.gelu(x.kind())) {
@@ -127,6 +150,11 @@ pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
         }
     }
     Ok(x.f_gelu("tanh")?)
+}
+
+/// GeGLU's gating, `gelu_tanh(gate) * up` (Gemma's feed-forward).
+pub fn geglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Ok(gelu_tanh(gate)?.f_mul(up)?)
 }
 
 /// SwiGLU's gating, `silu(gate) * up`.
@@ -152,20 +180,52 @@ pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(x.f_mul(cos)?.f_add(&rotated.f_mul(sin)?)?)
 }
 
+/// What a model's attention does beyond plain causal softmax attention.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttentionOptions {
+    /// The factor scores are multiplied by; `None`: 1/√head width.
+    pub scale: Option<f64>,
+    /// Each query sees itself and the `window - 1` positions before it (sliding-window
+    /// attention); `None`: every earlier position.
+    pub window: Option<i64>,
+    /// Scores pass through `cap · tanh(score / cap)` before the mask (Gemma 2's soft-capping).
+    pub softcap: Option<f64>,
+}
+
 /// Causal multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and
 /// values, `Tk ≥ Tq`: the queries are the last `Tq` of the `Tk` positions (decoding with
-/// a key/value cache), each attending to itself and the positions before it.
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+/// a key/value cache), each attending to itself and the positions before it (within its
+/// window, where `options` sets one).
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, options: &AttentionOptions) -> Result<Tensor> {
     let kind = compute::autocast_kind();
     let (q, k, v) = (cast(q, kind)?, cast(k, kind)?, cast(v, kind)?);
     let (t, d, keys) = (q.size()[2], q.size()[3], k.size()[2]);
-    // Fused kernels align a causal mask to the first key, so they serve equal lengths only.
-    if let Some(fused) = compute::replaced(|r| r.attention(q.kind())).filter(|_| keys == t) {
+    let window = options.window.filter(|&w| w < keys);
+    let default_scale = 1.0 / (d as f64).sqrt();
+    // Fused kernels align a causal mask to the first key, so they serve equal lengths only,
+    // and they know no window or cap; another scale is folded into the queries.
+    if let Some(fused) = compute::replaced(|r| r.attention(q.kind()))
+        .filter(|_| keys == t && window.is_none() && options.softcap.is_none())
+    {
+        let q = match options.scale {
+            Some(scale) => q.f_mul_scalar(scale / default_scale)?,
+            None => q,
+        };
         return fused(&q, &k, &v);
     }
-    let scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(1.0 / (d as f64).sqrt())?;
-    let future = Tensor::f_ones([t, keys], (Kind::Bool, q.device()))?.f_triu(1 + keys - t)?;
-    let scores = scores.f_masked_fill(&future, f64::NEG_INFINITY)?;
+    let scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(options.scale.unwrap_or(default_scale))?;
+    let scores = match options.softcap {
+        Some(cap) => soft_cap(&scores, cap)?,
+        None => scores,
+    };
+    // Query i sits at key position keys - t + i: later keys are its future, and keys `window`
+    // or more behind it are outside its window.
+    let ones = Tensor::f_ones([t, keys], (Kind::Bool, q.device()))?;
+    let mut hidden = ones.f_triu(1 + keys - t)?;
+    if let Some(w) = window {
+        hidden = hidden.f_logical_or(&ones.f_tril(keys - t - w)?)?;
+    }
+    let scores = scores.f_masked_fill(&hidden, f64::NEG_INFINITY)?;
     // Softmax in fp32 for low-precision inputs, as torch.amp does.
     let probs = if is_low(q.kind()) {
         scores.f_softmax(-1, Kind::Float)?.f_to_kind(q.kind())?
@@ -173,6 +233,11 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         scores.f_softmax(-1, q.kind())?
     };
     Ok(probs.f_matmul(&v)?)
+}
+
+/// `cap · tanh(x / cap)`: values kept within ±cap, smoothly.
+pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    Ok(x.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?)
 }
 
 /// `[B, T, H*D]` -> `[B, H, T, D]`.

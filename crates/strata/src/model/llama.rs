@@ -1,21 +1,67 @@
-//! A LLaMA-style decoder: RMSNorm, rotary position embeddings (half-rotation convention),
-//! grouped-query attention (`kv_heads` key/value heads, each shared by `heads / kv_heads`
-//! query heads), SwiGLU feed-forward, no biases, and an output head that is its own
-//! weight or, with `tie_embeddings`, the token embedding's. Optional attention biases cover
-//! Qwen2 (on the query, key and value projections) and LLaMA's `attention_bias` (on the
-//! output projection too). Names follow the common `model.layers.{i}.self_attn.q_proj.weight`
-//! layout.
+//! The decoder that today's open checkpoints share, as one configurable model: LLaMA's
+//! layout (RMSNorm, rotary positions, grouped-query attention, a gated feed-forward, no
+//! biases, an output head of its own or tied to the token embedding) with the options its
+//! descendants add, each a field of [`LlamaConfig`]:
+//!
+//! - attention biases (Qwen2 on the query, key and value projections; LLaMA's
+//!   `attention_bias` on the output projection too);
+//! - head widths independent of `dim / heads`, per-head RMSNorm of queries and keys (Qwen3,
+//!   Gemma 3), a score scale of `query_pre_attn_scalar^-1/2` and soft-capped scores and
+//!   logits (Gemma 2);
+//! - rotary scaling (linear, dynamic NTK, YaRN, Llama 3) and a partial rotation
+//!   ([`super::rope`]), and a second rotation for local layers (Gemma 3);
+//! - sliding-window attention on every layer (Mistral) or on the layers `layer_types`
+//!   marks (Qwen2/3, Gemma 2/3);
+//! - Gemma's RMSNorm scaled by `1 + w`, GELU (tanh) gating, embeddings scaled by √dim and
+//!   norms after attention and the feed-forward as well as before;
+//! - Phi-3's fused `qkv_proj` and `gate_up_proj`.
+//!
+//! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::divides_heads;
 use super::layers::{
-    causal_attention, linear, merge_heads, rms_norm, rotary, row_linear, split_heads, swiglu, vocab_logits,
+    causal_attention, geglu, linear, merge_heads, rms_norm, rms_norm_plus_one, row_linear, split_heads, swiglu,
+    vocab_logits, AttentionOptions,
 };
+use super::rope::{Rope, RopeScaling};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TokenEmbedding, TpRole, Unit,
     DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::Tensor;
+
+/// How the decoder's RMSNorms apply their weight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    /// `x / rms(x) · w`, `w` starting at one (LLaMA).
+    #[default]
+    Weighted,
+    /// `x / rms(x) · (1 + w)` in fp32, `w` starting at zero (Gemma).
+    PlusOne,
+}
+
+/// The gate's activation of the feed-forward, `down(act(gate(x)) · up(x))`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// SwiGLU (LLaMA, Qwen, Mistral, Phi-3).
+    #[default]
+    Silu,
+    /// GeGLU with GELU's tanh form (Gemma).
+    GeluTanh,
+}
+
+/// Which positions a layer's attention reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerAttention {
+    /// Every earlier position.
+    Full,
+    /// The `sliding_window` positions ending at the query.
+    Sliding,
+}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
@@ -42,6 +88,54 @@ pub struct LlamaConfig {
     /// A bias on the attention's output projection.
     #[serde(default)]
     pub o_bias: bool,
+    /// Width of an attention head; `None` means `dim / heads`.
+    #[serde(default)]
+    pub head_dim: Option<i64>,
+    /// How the rotary frequencies are scaled.
+    #[serde(default)]
+    pub rope_scaling: RopeScaling,
+    /// The share of each head's dimensions the rotation turns.
+    #[serde(default = "whole_rotation")]
+    pub partial_rotary: f64,
+    /// The rotation of sliding-window layers where it differs from the others' (Gemma 3's
+    /// local base).
+    #[serde(default)]
+    pub local_rope: Option<Rope>,
+    #[serde(default)]
+    pub norm: NormKind,
+    #[serde(default)]
+    pub activation: Activation,
+    /// Per-head RMSNorm of queries and keys before the rotation.
+    #[serde(default)]
+    pub qk_norm: bool,
+    /// Norms after attention and after the feed-forward too (before the residual add).
+    #[serde(default)]
+    pub sandwich_norms: bool,
+    /// Token embeddings multiplied by √dim.
+    #[serde(default)]
+    pub scale_embeddings: bool,
+    /// Attention scores scaled by `query_pre_attn_scalar^-1/2` instead of `head_dim^-1/2`.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Attention scores soft-capped at ± this.
+    #[serde(default)]
+    pub attn_softcap: Option<f64>,
+    /// Output logits soft-capped at ± this.
+    #[serde(default)]
+    pub logit_softcap: Option<f64>,
+    /// Width of the sliding window of the layers that have one.
+    #[serde(default)]
+    pub sliding_window: Option<i64>,
+    /// Each layer's attention; `None`: every layer slides where a window is set.
+    #[serde(default)]
+    pub layer_types: Option<Vec<LayerAttention>>,
+    /// Query, key and value projections in one `qkv_proj`, gate and up in one `gate_up_proj`.
+    #[serde(default)]
+    pub fused_projections: bool,
+}
+
+fn whole_rotation() -> f64 {
+    1.0
 }
 
 impl LlamaConfig {
@@ -59,7 +153,41 @@ impl LlamaConfig {
             tie_embeddings: false,
             qkv_bias: false,
             o_bias: false,
+            head_dim: None,
+            rope_scaling: RopeScaling::None,
+            partial_rotary: 1.0,
+            local_rope: None,
+            norm: NormKind::Weighted,
+            activation: Activation::Silu,
+            qk_norm: false,
+            sandwich_norms: false,
+            scale_embeddings: false,
+            query_pre_attn_scalar: None,
+            attn_softcap: None,
+            logit_softcap: None,
+            sliding_window: None,
+            layer_types: None,
+            fused_projections: false,
         }
+    }
+
+    /// Width of one attention head.
+    pub fn head_width(&self) -> i64 {
+        self.head_dim.unwrap_or(self.dim / self.heads.max(1))
+    }
+
+    /// The rotation of global layers.
+    pub fn rope(&self) -> Rope {
+        Rope { theta: self.rope_theta, scaling: self.rope_scaling.clone(), partial: self.partial_rotary }
+    }
+
+    /// Layer `layer`'s sliding window, if it has one.
+    pub fn window(&self, layer: usize) -> Option<i64> {
+        let sliding = match &self.layer_types {
+            Some(types) => types.get(layer) == Some(&LayerAttention::Sliding),
+            None => true,
+        };
+        self.sliding_window.filter(|_| sliding)
     }
 
     pub fn key_value_heads(&self) -> i64 {
@@ -87,11 +215,42 @@ impl LlamaConfig {
                 self.heads
             )));
         }
-        if self.dim % self.heads != 0 || (self.dim / self.heads) % 2 != 0 {
-            return Err(Error::Config(format!("dim {} must split into {} heads of even size", self.dim, self.heads)));
+        match self.head_dim {
+            None if self.dim % self.heads != 0 || (self.dim / self.heads) % 2 != 0 => {
+                return Err(Error::Config(format!(
+                    "dim {} must split into {} heads of even size",
+                    self.dim, self.heads
+                )))
+            }
+            Some(h) if h <= 0 || h % 2 != 0 || h > 1 << 20 => {
+                return Err(Error::Config(format!("head_dim must be positive and even, got {h}")))
+            }
+            _ => {}
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(Error::Config(format!("rope_theta must be positive, got {}", self.rope_theta)));
+        }
+        self.rope().validate(self.head_width())?;
+        if let Some(local) = &self.local_rope {
+            local.validate(self.head_width())?;
+        }
+        if let Some(w) = self.sliding_window.filter(|&w| w <= 0) {
+            return Err(Error::Config(format!("sliding_window must be positive, got {w}")));
+        }
+        if let Some(types) = self.layer_types.as_ref().filter(|t| t.len() as i64 != self.layers) {
+            return Err(Error::Config(format!("layer_types names {} layers of {}", types.len(), self.layers)));
+        }
+        for (name, value) in [
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+            ("attn_logit_softcapping", self.attn_softcap),
+            ("final_logit_softcapping", self.logit_softcap),
+        ] {
+            if let Some(v) = value.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(Error::Config(format!("{name} must be positive, got {v}")));
+            }
+        }
+        if self.fused_projections && (self.qkv_bias || self.o_bias) {
+            return Err(Error::Config("fused projections carry no attention biases".into()));
         }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
             return Err(Error::Config(format!("norm_eps must be positive, got {}", self.norm_eps)));
@@ -103,34 +262,60 @@ impl LlamaConfig {
 /// A projection's weight and optional bias.
 type Dense = (ParamId, Option<ParamId>);
 
-struct LlamaBlock {
-    input_norm: ParamId,
-    q: Dense,
-    k: Dense,
-    v: Dense,
-    o: Dense,
-    post_norm: ParamId,
-    gate: ParamId,
-    up: ParamId,
-    down: ParamId,
-    heads: i64,
-    kv_heads: i64,
-    rope_theta: f64,
+/// The attention's input projections: apart, or fused into one `[q; k; v]` weight.
+enum QkvProjection {
+    Apart { q: Dense, k: Dense, v: Dense },
+    Fused(ParamId),
+}
+
+/// The feed-forward's gate and up projections: apart, or fused into one `[gate; up]`.
+enum GateUpProjection {
+    Apart { gate: ParamId, up: ParamId },
+    Fused(ParamId),
+}
+
+/// How the decoder's norms and gate compute (shared by its blocks and head).
+#[derive(Clone, Copy)]
+struct Kinds {
+    norm: NormKind,
+    activation: Activation,
     eps: f64,
 }
 
-/// Rotates `[B, H, T, D]`, whose first position is `start`, by position.
-fn rotate_by_position(x: &Tensor, theta: f64, start: i64) -> Result<Tensor> {
-    let (_, _, t, d) = x.size4()?;
-    let opts = (Kind::Float, x.device());
-    let inv_freq = Tensor::f_arange_start_step(0, d, 2, opts)?
-        .f_div_scalar(d as f64)?
-        .f_neg()?
-        .f_mul_scalar(theta.ln())?
-        .f_exp()?;
-    let freqs = Tensor::f_arange_start(start, start + t, opts)?.f_outer(&inv_freq)?;
-    let angles = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_to_kind(x.kind())?;
-    rotary(x, &angles.f_cos()?, &angles.f_sin()?)
+impl Kinds {
+    fn norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match self.norm {
+            NormKind::Weighted => rms_norm(x, w, self.eps),
+            NormKind::PlusOne => rms_norm_plus_one(x, w, self.eps),
+        }
+    }
+
+    fn gate(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        match self.activation {
+            Activation::Silu => swiglu(gate, up),
+            Activation::GeluTanh => geglu(gate, up),
+        }
+    }
+}
+
+struct LlamaBlock {
+    input_norm: ParamId,
+    qkv: QkvProjection,
+    /// Per-head norms of the queries and of the keys.
+    qk_norms: Option<(ParamId, ParamId)>,
+    o: Dense,
+    /// Norm of the attention's output before the residual add (sandwich norms).
+    post_attention_norm: Option<ParamId>,
+    feed_forward_norm: ParamId,
+    gate_up: GateUpProjection,
+    down: ParamId,
+    post_feed_forward_norm: Option<ParamId>,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+    rope: Rope,
+    attention: AttentionOptions,
+    kinds: Kinds,
 }
 
 impl Unit for LlamaBlock {
@@ -150,6 +335,25 @@ impl Unit for LlamaBlock {
 }
 
 impl LlamaBlock {
+    /// This rank's queries, keys and values `[B, H, T, D]` of the normed input `h`.
+    fn project(&self, p: &Params<'_>, h: &Tensor, heads: i64, kv_heads: i64) -> Result<(Tensor, Tensor, Tensor)> {
+        let dense = |(w, b): Dense| linear(h, &p[w], b.map(|b| &p[b]));
+        let (q, k, v) = match self.qkv {
+            QkvProjection::Apart { q, k, v } => (dense(q)?, dense(k)?, dense(v)?),
+            QkvProjection::Fused(w) => {
+                let (q, kv) = (heads * self.head_dim, kv_heads * self.head_dim);
+                let parts = linear(h, &p[w], None)?.f_split_with_sizes([q, kv, kv], -1)?;
+                let [q, k, v] = <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("qkv_proj split".into()))?;
+                (q, k, v)
+            }
+        };
+        let (q, k, v) = (split_heads(&q, heads)?, split_heads(&k, kv_heads)?, split_heads(&v, kv_heads)?);
+        match self.qk_norms {
+            Some((qn, kn)) => Ok((self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?, v)),
+            None => Ok((q, k, v)),
+        }
+    }
+
     /// The block over new positions; with a cache, they follow the positions it holds and
     /// their attention also reads those positions' keys and values.
     fn run(&self, p: &Params<'_>, x: &Tensor, cache: Option<&mut DecodeCache>) -> Result<Tensor> {
@@ -157,14 +361,19 @@ impl LlamaBlock {
         // heads they read, and its piece of the feed-forward.
         let tp = p.tp();
         let (heads, kv_heads) = (self.heads / tp.size(), self.kv_heads / tp.size());
-        let dense = |h: &Tensor, (w, b): Dense| linear(h, &p[w], b.map(|b| &p[b]));
         let start = cache.as_ref().map_or(0, |c| c.position());
-        let h = tp.enter(&rms_norm(x, &p[self.input_norm], self.eps)?)?;
-        let q = rotate_by_position(&split_heads(&dense(&h, self.q)?, heads)?, self.rope_theta, start)?;
-        let k = rotate_by_position(&split_heads(&dense(&h, self.k)?, kv_heads)?, self.rope_theta, start)?;
-        let v = split_heads(&dense(&h, self.v)?, kv_heads)?;
+        let h = tp.enter(&self.kinds.norm(x, &p[self.input_norm])?)?;
+        let (q, k, v) = self.project(p, &h, heads, kv_heads)?;
+        let (q, k) = (self.rope.rotate(&q, start)?, self.rope.rotate(&k, start)?);
         let (k, v) = match cache {
-            Some(c) => c.extend(&k, &v)?,
+            Some(c) => {
+                let all = c.extend(&k, &v)?;
+                // A sliding window never reads further back than its width again.
+                if let Some(w) = self.attention.window {
+                    c.keep_last(w - 1)?;
+                }
+                all
+            }
             None => (k, v),
         };
         // Each key/value head serves `heads / kv_heads` adjacent query heads.
@@ -174,19 +383,37 @@ impl LlamaBlock {
         } else {
             (k, v)
         };
-        let y = merge_heads(&causal_attention(&q, &k, &v)?)?;
-        let x = x.f_add(&row_linear(&y, &p[self.o.0], self.o.1.map(|b| &p[b]), tp)?)?;
-        let h = tp.enter(&rms_norm(&x, &p[self.post_norm], self.eps)?)?;
-        let gated = swiglu(&linear(&h, &p[self.gate], None)?, &linear(&h, &p[self.up], None)?)?;
-        Ok(x.f_add(&row_linear(&gated, &p[self.down], None, tp)?)?)
+        let y = merge_heads(&causal_attention(&q, &k, &v, &self.attention)?)?;
+        let attended = row_linear(&y, &p[self.o.0], self.o.1.map(|b| &p[b]), tp)?;
+        let x = x.f_add(&self.post_norm(p, self.post_attention_norm, attended)?)?;
+        let h = tp.enter(&self.kinds.norm(&x, &p[self.feed_forward_norm])?)?;
+        let gated = match self.gate_up {
+            GateUpProjection::Apart { gate, up } => {
+                self.kinds.gate(&linear(&h, &p[gate], None)?, &linear(&h, &p[up], None)?)?
+            }
+            GateUpProjection::Fused(w) => {
+                let halves = linear(&h, &p[w], None)?.f_chunk(2, -1)?;
+                self.kinds.gate(&halves[0], &halves[1])?
+            }
+        };
+        let fed = row_linear(&gated, &p[self.down], None, tp)?;
+        Ok(x.f_add(&self.post_norm(p, self.post_feed_forward_norm, fed)?)?)
+    }
+
+    fn post_norm(&self, p: &Params<'_>, norm: Option<ParamId>, y: Tensor) -> Result<Tensor> {
+        match norm {
+            Some(w) => self.kinds.norm(&y, &p[w]),
+            None => Ok(y),
+        }
     }
 }
 
 struct LlamaHead {
     norm: ParamId,
     lm_head: ParamId,
-    eps: f64,
+    kinds: Kinds,
     vocab: i64,
+    softcap: Option<f64>,
 }
 
 impl Unit for LlamaHead {
@@ -194,7 +421,8 @@ impl Unit for LlamaHead {
         "LlamaHead"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        vocab_logits(&rms_norm(x, &p[self.norm], self.eps)?, &p[self.lm_head], None, self.vocab, p.tp())
+        let h = self.kinds.norm(x, &p[self.norm])?;
+        vocab_logits(&h, &p[self.lm_head], None, self.vocab, self.softcap, p.tp())
     }
     fn position_wise(&self) -> bool {
         true
@@ -204,67 +432,117 @@ impl Unit for LlamaHead {
     }
 }
 
-/// The LLaMA model function: units `embedding`, `model.layers.{i}`, `head`.
+/// The decoder's model function: units `embedding`, `model.layers.{i}`, `head`.
 pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
-    let (d, f) = (cfg.dim, cfg.hidden());
-    let kv = cfg.key_value_heads() * (d / cfg.heads);
+    let (d, f, hd) = (cfg.dim, cfg.hidden(), cfg.head_width());
+    let (heads, kv_heads) = (cfg.heads, cfg.key_value_heads());
+    let (q_out, kv_out) = (heads * hd, kv_heads * hd);
     let normal = Init::Normal { std: STD };
+    // Gemma's norms scale by 1 + w, so theirs start at zero.
+    let norm_init = match cfg.norm {
+        NormKind::Weighted => Init::Ones,
+        NormKind::PlusOne => Init::Zeros,
+    };
+    let kinds = Kinds { norm: cfg.norm, activation: cfg.activation, eps: cfg.norm_eps };
     let mut u = b.unit("embedding");
     let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
-    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, kind: "LlamaEmbedding" });
+    let scale = cfg.scale_embeddings.then(|| (d as f64).sqrt());
+    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, scale, kind: "LlamaEmbedding" });
     for i in 0..cfg.layers {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());
         let mut w = |suffix: &str, shape: &[i64], tp| u.param(format!("{name}.{suffix}"), shape, normal, tp);
-        let (q, k, v) = (
-            w("self_attn.q_proj.weight", &[d, d], TpRole::COLUMN),
-            w("self_attn.k_proj.weight", &[kv, d], TpRole::COLUMN),
-            w("self_attn.v_proj.weight", &[kv, d], TpRole::COLUMN),
-        );
-        let o = w("self_attn.o_proj.weight", &[d, d], TpRole::Row);
-        let (gate, up) =
-            (w("mlp.gate_proj.weight", &[f, d], TpRole::COLUMN), w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN));
+        let qkv = if cfg.fused_projections {
+            let role = TpRole::QueryKeyValue { heads, kv_heads };
+            QkvProjection::Fused(w("self_attn.qkv_proj.weight", &[q_out + 2 * kv_out, d], role))
+        } else {
+            let (q, k, v) = (
+                w("self_attn.q_proj.weight", &[q_out, d], TpRole::COLUMN),
+                w("self_attn.k_proj.weight", &[kv_out, d], TpRole::COLUMN),
+                w("self_attn.v_proj.weight", &[kv_out, d], TpRole::COLUMN),
+            );
+            QkvProjection::Apart { q: (q, None), k: (k, None), v: (v, None) }
+        };
+        let o = w("self_attn.o_proj.weight", &[d, q_out], TpRole::Row);
+        let gate_up = if cfg.fused_projections {
+            GateUpProjection::Fused(w("mlp.gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
+        } else {
+            let (gate, up) =
+                (w("mlp.gate_proj.weight", &[f, d], TpRole::COLUMN), w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN));
+            GateUpProjection::Apart { gate, up }
+        };
         let down = w("mlp.down_proj.weight", &[d, f], TpRole::Row);
         // A column projection's bias splits with its outputs; the output projection's is
         // added once after the row-parallel sum.
         let mut bias = |proj: &str, out: i64, tp, given: bool| {
             given.then(|| u.param(format!("{name}.self_attn.{proj}.bias"), &[out], Init::Zeros, tp))
         };
-        let (q_bias, k_bias, v_bias) = (
-            bias("q_proj", d, TpRole::COLUMN, cfg.qkv_bias),
-            bias("k_proj", kv, TpRole::COLUMN, cfg.qkv_bias),
-            bias("v_proj", kv, TpRole::COLUMN, cfg.qkv_bias),
-        );
+        let qkv = match qkv {
+            QkvProjection::Apart { q, k, v } => QkvProjection::Apart {
+                q: (q.0, bias("q_proj", q_out, TpRole::COLUMN, cfg.qkv_bias)),
+                k: (k.0, bias("k_proj", kv_out, TpRole::COLUMN, cfg.qkv_bias)),
+                v: (v.0, bias("v_proj", kv_out, TpRole::COLUMN, cfg.qkv_bias)),
+            },
+            fused => fused,
+        };
         let o_bias = bias("o_proj", d, TpRole::SequenceReplicated, cfg.o_bias);
-        let norm = TpRole::SequenceReplicated;
-        let input_norm = u.param(format!("{name}.input_layernorm.weight"), &[d], Init::Ones, norm);
-        let post_norm = u.param(format!("{name}.post_attention_layernorm.weight"), &[d], Init::Ones, norm);
+        let mut norm = |suffix: &str, width: i64, tp| u.param(format!("{name}.{suffix}"), &[width], norm_init, tp);
+        let input_norm = norm("input_layernorm.weight", d, TpRole::SequenceReplicated);
+        let qk_norms = cfg.qk_norm.then(|| {
+            (norm("self_attn.q_norm.weight", hd, TpRole::PerHead), norm("self_attn.k_norm.weight", hd, TpRole::PerHead))
+        });
+        // With sandwich norms `post_attention_layernorm` norms the attention's output and
+        // `pre_feedforward_layernorm` the feed-forward's input; without, the former is the
+        // feed-forward's input norm.
+        let residual = TpRole::SequenceReplicated;
+        let (post_attention_norm, feed_forward_norm, post_feed_forward_norm) = if cfg.sandwich_norms {
+            (
+                Some(norm("post_attention_layernorm.weight", d, residual)),
+                norm("pre_feedforward_layernorm.weight", d, residual),
+                Some(norm("post_feedforward_layernorm.weight", d, residual)),
+            )
+        } else {
+            (None, norm("post_attention_layernorm.weight", d, residual), None)
+        };
+        let layer = i as usize;
+        let window = cfg.window(layer);
+        let rope = match (&cfg.local_rope, window) {
+            (Some(local), Some(_)) => local.clone(),
+            _ => cfg.rope(),
+        };
         u.finish(LlamaBlock {
             input_norm,
-            q: (q, q_bias),
-            k: (k, k_bias),
-            v: (v, v_bias),
+            qkv,
+            qk_norms,
             o: (o, o_bias),
-            post_norm,
-            gate,
-            up,
+            post_attention_norm,
+            feed_forward_norm,
+            gate_up,
             down,
-            heads: cfg.heads,
-            kv_heads: cfg.key_value_heads(),
-            rope_theta: cfg.rope_theta,
-            eps: cfg.norm_eps,
+            post_feed_forward_norm,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            rope,
+            attention: AttentionOptions {
+                scale: cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5)),
+                window,
+                softcap: cfg.attn_softcap,
+            },
+            kinds,
         });
     }
     let mut u = b.unit("head");
-    let norm = u.param("model.norm.weight", &[d], Init::Ones, TpRole::SequenceReplicated);
+    let norm = u.param("model.norm.weight", &[d], norm_init, TpRole::SequenceReplicated);
+    let head = |lm_head| LlamaHead { norm, lm_head, kinds, vocab: cfg.vocab, softcap: cfg.logit_softcap };
     if cfg.tie_embeddings {
         let lm_head = u.borrow("model.embed_tokens.weight");
-        u.finish(LlamaHead { norm, lm_head, eps: cfg.norm_eps, vocab: cfg.vocab });
+        u.finish(head(lm_head));
         b.alias("lm_head.weight", embed);
     } else {
         let lm_head = u.param("lm_head.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
-        u.finish(LlamaHead { norm, lm_head, eps: cfg.norm_eps, vocab: cfg.vocab });
+        u.finish(head(lm_head));
     }
     Ok(())
 }

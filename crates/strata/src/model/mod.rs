@@ -10,13 +10,15 @@ pub mod hf;
 pub mod layers;
 mod llama;
 mod mlp;
+pub mod rope;
 pub mod tensor;
 
 pub use gpt::{gpt, GptConfig};
 pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use layers::NoTensorParallel;
-pub use llama::{llama, LlamaConfig};
+pub use llama::{llama, Activation, LayerAttention, LlamaConfig, NormKind};
 pub use mlp::{mlp, MlpConfig};
+pub use rope::{Rope, RopeScaling};
 pub use tensor::{TensorParallel, TpRole};
 
 use crate::{Error, Result};
@@ -98,6 +100,24 @@ impl DecodeCache {
         self.advance(keys.size()[2]);
         self.keys_values = Some((k.shallow_clone(), v.shallow_clone()));
         Ok((k, v))
+    }
+
+    /// Forgets all but the last `keep` positions' keys and values (a sliding window's
+    /// attention never reads further back); positions still count from the first.
+    pub fn keep_last(&mut self, keep: i64) -> Result<()> {
+        if let Some((k, v)) = &mut self.keys_values {
+            let held = k.size()[2];
+            if held > keep {
+                *k = k.f_narrow(2, held - keep, keep)?;
+                *v = v.f_narrow(2, held - keep, keep)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Positions whose keys and values are held.
+    pub fn held(&self) -> i64 {
+        self.keys_values.as_ref().map_or(0, |(k, _)| k.size()[2])
     }
 }
 
@@ -230,10 +250,13 @@ pub trait Unit: Send + Sync {
     }
 }
 
-/// Token ids `[B, T]` to vectors `[B, T, D]` by table look-up; `kind` names the model's unit.
+/// Token ids `[B, T]` to vectors `[B, T, D]` by table look-up, multiplied by `scale` where
+/// the model says (Gemma's √dim, rounded to the vectors' dtype as `transformers` does);
+/// `kind` names the model's unit.
 pub(crate) struct TokenEmbedding {
     pub(crate) table: ParamId,
     pub(crate) vocab: i64,
+    pub(crate) scale: Option<f64>,
     pub(crate) kind: &'static str,
 }
 
@@ -242,7 +265,14 @@ impl Unit for TokenEmbedding {
         self.kind
     }
     fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
-        layers::vocab_embedding(&p[self.table], tokens, self.vocab, p.tp())
+        let vectors = layers::vocab_embedding(&p[self.table], tokens, self.vocab, p.tp())?;
+        match self.scale {
+            Some(scale) => {
+                let scale = Tensor::from(scale).f_to_kind(vectors.kind())?.f_to_device(vectors.device())?;
+                Ok(vectors.f_mul(&scale)?)
+            }
+            None => Ok(vectors),
+        }
     }
     fn decode(&self, p: &Params<'_>, tokens: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
         cache.advance(tokens.size().last().copied().unwrap_or(0));

@@ -26,6 +26,15 @@ pub enum TpRole {
     /// output holds `parts` equal blocks fused into one tensor (GPT's `c_attn` holds q, k
     /// and v: `parts: 3`); each rank holds its piece of every block.
     Column { parts: i64 },
+    /// Split along the output dimension of a fused query/key/value projection holding
+    /// `heads` query heads, then `kv_heads` key heads and `kv_heads` value heads, all of
+    /// one width (Phi-3's `qkv_proj` under grouped-query attention): each rank holds its
+    /// heads of each of the three blocks.
+    QueryKeyValue { heads: i64, kv_heads: i64 },
+    /// Every rank holds the whole tensor and applies it to each of its own attention heads
+    /// (per-head query and key norms): each rank's gradient covers its heads only, so it
+    /// is all-reduced over the tensor group.
+    PerHead,
     /// Split along the input dimension (columns of a `[out, in]` weight).
     Row,
     /// Split along the vocabulary (rows of an embedding or output head, and its bias). The
@@ -40,7 +49,7 @@ impl TpRole {
 
     /// Whether ranks hold different pieces (rather than the whole tensor).
     pub fn is_split(self) -> bool {
-        matches!(self, TpRole::Column { .. } | TpRole::Row | TpRole::Vocab)
+        matches!(self, TpRole::Column { .. } | TpRole::QueryKeyValue { .. } | TpRole::Row | TpRole::Vocab)
     }
 
     /// Checks that a parameter of `shape` called `name` splits `tp` ways.
@@ -53,6 +62,15 @@ impl TpRole {
                     return refuse(format!("has {out} outputs in {parts} fused parts, not divisible by {tp} per part"));
                 }
             }
+            TpRole::QueryKeyValue { heads, kv_heads } => {
+                let out = shape.first().copied().unwrap_or(0);
+                let blocks = heads + 2 * kv_heads;
+                if heads < 1 || kv_heads < 1 || out % blocks != 0 || heads % tp != 0 || kv_heads % tp != 0 {
+                    return refuse(format!(
+                        "fuses {heads} query and {kv_heads} key/value heads in {out} outputs, not divisible by {tp} per block"
+                    ));
+                }
+            }
             TpRole::Row => {
                 if shape.len() != 2 || shape[1] % tp != 0 {
                     return refuse(format!("is not a [out, in] weight whose {tp} column pieces are equal"));
@@ -63,7 +81,7 @@ impl TpRole {
                     return refuse("has no vocabulary dimension to split".into());
                 }
             }
-            TpRole::Replicated | TpRole::SequenceReplicated => {}
+            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PerHead => {}
         }
         Ok(())
     }
@@ -72,9 +90,9 @@ impl TpRole {
     pub fn local_shape(self, shape: &[i64], tp: i64) -> Vec<i64> {
         let mut local = shape.to_vec();
         let dim = match self {
-            TpRole::Column { .. } | TpRole::Vocab => 0,
+            TpRole::Column { .. } | TpRole::QueryKeyValue { .. } | TpRole::Vocab => 0,
             TpRole::Row => 1,
-            TpRole::Replicated | TpRole::SequenceReplicated => return local,
+            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PerHead => return local,
         };
         // A shape the role does not fit stays whole; `check` refuses it where it matters.
         if let Some(d) = local.get_mut(dim) {
@@ -97,6 +115,14 @@ impl TpRole {
                     .f_narrow(1, rank * piece, piece)?
                     .f_reshape(self.local_shape(&shape, tp).as_slice())?
             }
+            TpRole::QueryKeyValue { .. } => {
+                let pieces: Vec<Tensor> = self
+                    .blocks(shape[0])
+                    .into_iter()
+                    .map(|(start, len)| full.f_narrow(0, start + rank * len / tp, len / tp))
+                    .collect::<std::result::Result<_, _>>()?;
+                Tensor::f_cat(&pieces, 0)?
+            }
             TpRole::Row => {
                 let piece = shape[1] / tp;
                 full.f_narrow(1, rank * piece, piece)?.f_contiguous()?
@@ -110,8 +136,21 @@ impl TpRole {
                 }
                 local
             }
-            TpRole::Replicated | TpRole::SequenceReplicated => unreachable!("not split"),
+            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PerHead => unreachable!("not split"),
         })
+    }
+
+    /// Where each block of a fused query/key/value output of `out` rows starts, and its
+    /// length (one block for every other role).
+    fn blocks(self, out: i64) -> Vec<(i64, i64)> {
+        match self {
+            TpRole::QueryKeyValue { heads, kv_heads } => {
+                let width = out / (heads + 2 * kv_heads);
+                let (q, kv) = (heads * width, kv_heads * width);
+                vec![(0, q), (q, kv), (q + kv, kv)]
+            }
+            _ => vec![(0, out)],
+        }
     }
 
     /// The whole tensor of shape `shape` from every rank's piece, in rank order.
@@ -131,9 +170,21 @@ impl TpRole {
                     .collect::<std::result::Result<_, _>>()?;
                 Tensor::f_cat(&blocked, 1)?.f_reshape(shape)?
             }
+            TpRole::QueryKeyValue { .. } => {
+                // Each rank's piece holds its share of every block, in block order.
+                let mut whole = Vec::new();
+                let mut offset = 0;
+                for (_, len) in self.blocks(shape[0]) {
+                    for p in pieces {
+                        whole.push(p.f_narrow(0, offset, len / tp)?);
+                    }
+                    offset += len / tp;
+                }
+                Tensor::f_cat(&whole, 0)?
+            }
             TpRole::Row => Tensor::f_cat(pieces, 1)?,
             TpRole::Vocab => Tensor::f_cat(pieces, 0)?.f_narrow(0, 0, shape[0])?,
-            TpRole::Replicated | TpRole::SequenceReplicated => unreachable!("not split"),
+            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PerHead => unreachable!("not split"),
         })
     }
 }
@@ -240,6 +291,7 @@ mod tests {
             (TpRole::Row, vec![3, 8]),
             (TpRole::Vocab, vec![7, 2]),
             (TpRole::Vocab, vec![5]),
+            (TpRole::QueryKeyValue { heads: 4, kv_heads: 2 }, vec![16, 3]),
         ];
         for (role, shape) in cases {
             for tp in [1, 2, 4] {
@@ -263,6 +315,16 @@ mod tests {
         assert_eq!(Vec::<f32>::try_from(&piece).unwrap(), [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
         let plain = TpRole::COLUMN.shard(&whole(&[12]), 2, 1).unwrap();
         assert_eq!(Vec::<f32>::try_from(&plain).unwrap(), [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]);
+    }
+
+    #[test]
+    fn a_fused_query_key_value_gives_each_rank_its_heads_of_each_block() {
+        // Four query heads (rows 0..8), two key heads (8..12), two value heads (12..16), two
+        // rows a head: rank 1 of 2 holds query heads 2, 3, key head 1 and value head 1.
+        let role = TpRole::QueryKeyValue { heads: 4, kv_heads: 2 };
+        let piece = role.shard(&whole(&[16]), 2, 1).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&piece).unwrap(), [4.0, 5.0, 6.0, 7.0, 10.0, 11.0, 14.0, 15.0]);
+        assert!(role.check("qkv_proj", &[16, 3], 4).is_err(), "two key/value heads do not split four ways");
     }
 
     #[test]

@@ -1,0 +1,264 @@
+//! Rotary position embeddings and the ways checkpoints stretch them past the context they
+//! were trained at: linear interpolation, dynamic NTK scaling, YaRN and Llama 3's
+//! wavelength-banded remap.
+//!
+//! Owns the inverse frequencies and the factor the cosines and sines are multiplied by.
+//! Must not read config files (the `hf` module maps `rope_parameters` onto [`Rope`]) nor
+//! hold parameters: a rotation has none.
+use super::layers::rotary;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::f64::consts::PI;
+use tch::{Kind, Tensor};
+
+/// How the inverse frequencies are scaled from the unscaled `theta^(-2i/d)`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// The frequencies as trained.
+    #[default]
+    None,
+    /// Every frequency divided by `factor` (position interpolation).
+    Linear { factor: f64 },
+    /// Past `original_context` positions the base grows with the sequence's length (NTK-aware
+    /// scaling recomputed as the sequence grows).
+    Dynamic { factor: f64, original_context: i64 },
+    /// YaRN: high frequencies kept, low ones interpolated by `factor`, a linear ramp between
+    /// the dimensions that turn `beta_fast` and `beta_slow` times over `original_context`;
+    /// cosines and sines multiplied by `attention_factor`.
+    Yarn { factor: f64, original_context: i64, beta_fast: f64, beta_slow: f64, attention_factor: f64, truncate: bool },
+    /// Llama 3: wavelengths longer than `original_context / low_freq_factor` divided by
+    /// `factor`, shorter than `original_context / high_freq_factor` kept, a smooth blend
+    /// between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_context: i64 },
+}
+
+/// A rotary embedding: its base, scaling, and the share of each head's dimensions it turns
+/// (the rest pass through, as in Phi-3's `partial_rotary_factor`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rope {
+    pub theta: f64,
+    #[serde(default)]
+    pub scaling: RopeScaling,
+    #[serde(default = "whole")]
+    pub partial: f64,
+}
+
+fn whole() -> f64 {
+    1.0
+}
+
+impl Rope {
+    pub fn new(theta: f64) -> Rope {
+        Rope { theta, scaling: RopeScaling::None, partial: 1.0 }
+    }
+
+    /// The rotated width of a head `head_dim` wide (even, as the half-rotation needs).
+    pub fn rotated_dims(&self, head_dim: i64) -> i64 {
+        let dims = (head_dim as f64 * self.partial) as i64;
+        dims - dims % 2
+    }
+
+    /// Checks the parameters, naming the first that cannot work.
+    pub fn validate(&self, head_dim: i64) -> Result<()> {
+        let bad = |what: String| Err(Error::Config(format!("rotary embedding: {what}")));
+        if !(self.theta.is_finite() && self.theta > 0.0) {
+            return bad(format!("rope_theta must be positive, got {}", self.theta));
+        }
+        if !(self.partial > 0.0 && self.partial <= 1.0) || self.rotated_dims(head_dim) < 2 {
+            return bad(format!("partial_rotary_factor {} leaves no pair of the {head_dim} dimensions", self.partial));
+        }
+        let (factor, context) = match &self.scaling {
+            RopeScaling::None => return Ok(()),
+            RopeScaling::Linear { factor } => (*factor, 1),
+            RopeScaling::Dynamic { factor, original_context } => (*factor, *original_context),
+            RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, attention_factor, .. } => {
+                if !(beta_fast > beta_slow && *beta_slow > 0.0 && attention_factor.is_finite()) {
+                    return bad(format!("yarn needs beta_fast > beta_slow > 0, got {beta_fast} and {beta_slow}"));
+                }
+                (*factor, *original_context)
+            }
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => {
+                if !(high_freq_factor > low_freq_factor && *low_freq_factor > 0.0) {
+                    return bad(format!(
+                        "llama3 needs high_freq_factor > low_freq_factor > 0, got {high_freq_factor} and {low_freq_factor}"
+                    ));
+                }
+                (*factor, *original_context)
+            }
+        };
+        if !(factor.is_finite() && factor > 0.0) || context <= 0 {
+            return bad(format!("scaling factor {factor} and original context {context} must be positive"));
+        }
+        Ok(())
+    }
+
+    /// The factor cosines and sines are multiplied by (YaRN's attention factor; else 1).
+    pub fn attention_factor(&self) -> f64 {
+        match self.scaling {
+            RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+            _ => 1.0,
+        }
+    }
+
+    /// The inverse frequencies of the `rotated_dims(head_dim) / 2` rotated pairs once the
+    /// sequence reaches `len` positions (only dynamic scaling depends on it).
+    pub fn inverse_frequencies(&self, head_dim: i64, len: i64) -> Vec<f64> {
+        let dim = self.rotated_dims(head_dim);
+        let unscaled = |base: f64| -> Vec<f64> { (0..dim / 2).map(|i| base.powf(-2.0 * i as f64 / dim as f64)).collect() };
+        match self.scaling {
+            RopeScaling::None => unscaled(self.theta),
+            RopeScaling::Linear { factor } => unscaled(self.theta).into_iter().map(|f| f / factor).collect(),
+            RopeScaling::Dynamic { factor, original_context } => {
+                let (len, context) = (len.max(original_context) as f64, original_context as f64);
+                let d = dim as f64;
+                unscaled(self.theta * (factor * len / context - (factor - 1.0)).powf(d / (d - 2.0)))
+            }
+            RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, truncate, .. } => {
+                let d = dim as f64;
+                // The dimension whose pair turns `turns` times over the original context.
+                let dimension_of =
+                    |turns: f64| d * (original_context as f64 / (turns * 2.0 * PI)).ln() / (2.0 * self.theta.ln());
+                let (mut low, mut high) = (dimension_of(beta_fast), dimension_of(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                unscaled(self.theta)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, kept)| {
+                        let keep = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        kept / factor * (1.0 - keep) + kept * keep
+                    })
+                    .collect()
+            }
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => {
+                let context = original_context as f64;
+                let (long, short) = (context / low_freq_factor, context / high_freq_factor);
+                unscaled(self.theta)
+                    .into_iter()
+                    .map(|f| {
+                        let wavelength = 2.0 * PI / f;
+                        if wavelength < short {
+                            f
+                        } else if wavelength > long {
+                            f / factor
+                        } else {
+                            let smooth = (context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Rotates `[B, H, T, D]` `x`, whose first position is `start`, by position; the
+    /// frequencies are those of a sequence of `start + T` positions.
+    pub fn rotate(&self, x: &Tensor, start: i64) -> Result<Tensor> {
+        let (_, _, t, d) = x.size4()?;
+        let dims = self.rotated_dims(d);
+        let inv_freq = Tensor::from_slice(&self.inverse_frequencies(d, start + t))
+            .f_to_kind(Kind::Float)?
+            .f_to_device(x.device())?;
+        // Angles in fp32 whatever x's dtype, as the frequencies are.
+        let positions = Tensor::f_arange_start(start, start + t, (Kind::Float, x.device()))?;
+        let freqs = positions.f_outer(&inv_freq)?;
+        let angles = Tensor::f_cat(&[&freqs, &freqs], -1)?;
+        let factor = self.attention_factor();
+        let (cos, sin) = (angles.f_cos()?.f_mul_scalar(factor)?, angles.f_sin()?.f_mul_scalar(factor)?);
+        let (cos, sin) = (cos.f_to_kind(x.kind())?, sin.f_to_kind(x.kind())?);
+        if dims == d {
+            return rotary(x, &cos, &sin);
+        }
+        let (turned, passed) = (x.f_narrow(-1, 0, dims)?, x.f_narrow(-1, dims, d - dims)?);
+        Ok(Tensor::f_cat(&[&rotary(&turned, &cos, &sin)?, &passed], -1)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: &[f64], b: &[f64]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-12 * x.abs().max(1e-30))
+    }
+
+    #[test]
+    fn unscaled_frequencies_fall_from_one_by_the_base() {
+        let f = Rope::new(10_000.0).inverse_frequencies(8, 1);
+        assert!(close(&f, &[1.0, 0.1, 0.01, 0.001]), "{f:?}");
+    }
+
+    #[test]
+    fn llama3_keeps_short_wavelengths_divides_long_ones_and_blends_between() {
+        let rope = Rope {
+            theta: 10_000.0,
+            scaling: RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_context: 64,
+            },
+            partial: 1.0,
+        };
+        let base = Rope::new(10_000.0).inverse_frequencies(16, 1);
+        let scaled = rope.inverse_frequencies(16, 1);
+        let (mut kept, mut divided, mut blended) = (0, 0, 0);
+        for (f, s) in base.iter().zip(&scaled) {
+            let wavelength = 2.0 * PI / f;
+            if wavelength < 16.0 {
+                assert_eq!(f, s);
+                kept += 1;
+            } else if wavelength > 64.0 {
+                assert!((s - f / 8.0).abs() < 1e-15);
+                divided += 1;
+            } else {
+                assert!(*s < *f && *s > f / 8.0, "{s} between {f} and its eighth");
+                blended += 1;
+            }
+        }
+        assert!(kept > 0 && divided > 0 && blended > 0, "{kept} {divided} {blended}");
+    }
+
+    #[test]
+    fn dynamic_scaling_starts_past_the_original_context() {
+        let rope = Rope { theta: 100.0, scaling: RopeScaling::Dynamic { factor: 2.0, original_context: 16 }, partial: 1.0 };
+        assert_eq!(rope.inverse_frequencies(8, 10), Rope::new(100.0).inverse_frequencies(8, 10));
+        let longer = rope.inverse_frequencies(8, 32);
+        // base · (2·32/16 − 1)^(8/6)
+        let base = 100.0 * 3f64.powf(8.0 / 6.0);
+        assert!(close(&longer, &Rope::new(base).inverse_frequencies(8, 1)), "{longer:?}");
+    }
+
+    #[test]
+    fn yarn_interpolates_low_frequencies_only() {
+        let scaling = RopeScaling::Yarn {
+            factor: 4.0,
+            original_context: 32,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 0.1 * 4f64.ln() + 1.0,
+            truncate: true,
+        };
+        let rope = Rope { theta: 10_000.0, scaling, partial: 1.0 };
+        let (base, scaled) = (Rope::new(10_000.0).inverse_frequencies(32, 1), rope.inverse_frequencies(32, 1));
+        assert_eq!(scaled[0], base[0], "the fastest pair is kept");
+        assert!((scaled[15] - base[15] / 4.0).abs() < 1e-15, "the slowest pair is interpolated");
+        assert!((rope.attention_factor() - 1.138_629_436_111_989).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_partial_rotation_passes_the_other_dimensions_through() {
+        let rope = Rope { partial: 0.5, ..Rope::new(10.0) };
+        let x = Tensor::randn([1, 2, 5, 8], (Kind::Float, tch::Device::Cpu));
+        let y = rope.rotate(&x, 3).unwrap();
+        assert_eq!(y.narrow(-1, 4, 4), x.narrow(-1, 4, 4));
+        assert!((y.narrow(-1, 0, 4) - x.narrow(-1, 0, 4)).abs().max().double_value(&[]) > 1e-3);
+        assert!(Rope { partial: 0.1, ..Rope::new(10.0) }.validate(8).is_err());
+    }
+}
