@@ -181,6 +181,8 @@ def main():
     elif args.command == "generate":
         model = load(args.dir)
         prompt = torch.tensor([json.loads(args.prompt)], dtype=torch.long)
+        # Every token asked for: the end token does not stop it (Strata's test asks for none).
+        model.generation_config.eos_token_id = None
         with torch.no_grad():
             out = model.generate(prompt, do_sample=False, max_new_tokens=args.max_new_tokens,
                                  attention_mask=torch.ones_like(prompt), pad_token_id=0)

@@ -109,7 +109,7 @@ fn check_cross_entropy(tp: &TensorGroup) {
     expected.backward();
 
     let (x_mine, w_mine) = (leaf(x.copy()), leaf(TpRole::Vocab.shard(&w, n, r).unwrap()));
-    let logits = vocab_logits(&x_mine, &w_mine, None, vocab, tp).unwrap();
+    let logits = vocab_logits(&x_mine, &w_mine, None, vocab, None, tp).unwrap();
     assert_eq!(logits.size(), [3, 5, vocab_rows(vocab, n)], "whole logits never exist on one rank");
     let loss = tp.cross_entropy(&logits, &targets).unwrap();
     loss.backward();

@@ -76,7 +76,7 @@ impl Unit for GptEmbedding {
         // Under sequence parallel this rank's vectors are its piece of the sequence.
         let (start, len) = tp.sequence_range(t);
         let pos = Tensor::f_arange_start(start, start + len, (tch::Kind::Int64, tokens.device()))?;
-        let tok = vocab_embedding(&p[self.wte], tokens, self.vocab, tp)?;
+        let tok = vocab_embedding(&p[self.wte], tokens, self.vocab, None, tp)?;
         Ok(tok.f_add(&Tensor::f_embedding(&p[self.wpe], &pos, -1, false, false)?)?)
     }
     fn decode(&self, p: &Params<'_>, tokens: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {

@@ -287,6 +287,9 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     if !family.is_gemma() {
         v["hidden_act"] = json!("silu");
     }
+    if let Some(t) = c.padding_token {
+        v["pad_token_id"] = json!(t);
+    }
     v
 }
 
@@ -559,6 +562,7 @@ impl Keys<'_> {
             sliding_window,
             layer_types,
             fused_projections: family == Family::Phi3,
+            padding_token: self.int("pad_token_id")?,
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
         })
     }

@@ -66,15 +66,24 @@ pub fn row_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, tp: &dyn TensorPar
 
 /// Token ids `[B, T]` to vectors `[B, T, D]` through an embedding table split along a
 /// vocabulary of `vocab` rows: each rank looks up the ids in its rows and the partial
-/// vectors are summed (split along the sequence under sequence parallel).
-pub fn vocab_embedding(table: &Tensor, tokens: &Tensor, vocab: i64, tp: &dyn TensorParallel) -> Result<Tensor> {
+/// vectors are summed (split along the sequence under sequence parallel). The row of
+/// `padding`, where given, receives no gradient from the look-up (`nn.Embedding`'s
+/// `padding_idx`).
+pub fn vocab_embedding(
+    table: &Tensor,
+    tokens: &Tensor,
+    vocab: i64,
+    padding: Option<i64>,
+    tp: &dyn TensorParallel,
+) -> Result<Tensor> {
     if tp.size() == 1 {
-        return Ok(Tensor::f_embedding(table, tokens, -1, false, false)?);
+        return Ok(Tensor::f_embedding(table, tokens, padding.unwrap_or(-1), false, false)?);
     }
     let rows = vocab_rows(vocab, tp.size());
     let local = tokens.f_sub_scalar(tp.rank() * rows)?;
+    let local_padding = padding.map(|p| p - tp.rank() * rows).filter(|p| (0..rows).contains(p)).unwrap_or(-1);
     let elsewhere = local.f_lt(0)?.f_logical_or(&local.f_ge(rows)?)?;
-    let found = Tensor::f_embedding(table, &local.f_masked_fill(&elsewhere, 0)?, -1, false, false)?;
+    let found = Tensor::f_embedding(table, &local.f_masked_fill(&elsewhere, 0)?, local_padding, false, false)?;
     tp.leave(&found.f_masked_fill(&elsewhere.f_unsqueeze(-1)?, 0.0)?)
 }
 

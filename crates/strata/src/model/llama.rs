@@ -132,6 +132,10 @@ pub struct LlamaConfig {
     /// Query, key and value projections in one `qkv_proj`, gate and up in one `gate_up_proj`.
     #[serde(default)]
     pub fused_projections: bool,
+    /// The token whose embedding row its look-ups leave untrained (`pad_token_id`, as
+    /// `transformers`' embeddings treat it).
+    #[serde(default)]
+    pub padding_token: Option<i64>,
 }
 
 fn whole_rotation() -> f64 {
@@ -168,6 +172,7 @@ impl LlamaConfig {
             sliding_window: None,
             layer_types: None,
             fused_projections: false,
+            padding_token: None,
         }
     }
 
@@ -248,6 +253,9 @@ impl LlamaConfig {
             if let Some(v) = value.filter(|v| !(v.is_finite() && *v > 0.0)) {
                 return Err(Error::Config(format!("{name} must be positive, got {v}")));
             }
+        }
+        if let Some(t) = self.padding_token.filter(|t| !(0..self.vocab).contains(t)) {
+            return Err(Error::Config(format!("the padding token {t} is outside the vocabulary of {}", self.vocab)));
         }
         if self.fused_projections && (self.qkv_bias || self.o_bias) {
             return Err(Error::Config("fused projections carry no attention biases".into()));
@@ -448,7 +456,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     let mut u = b.unit("embedding");
     let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
     let scale = cfg.scale_embeddings.then(|| (d as f64).sqrt());
-    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, scale, kind: "LlamaEmbedding" });
+    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, scale, padding: cfg.padding_token, kind: "LlamaEmbedding" });
     for i in 0..cfg.layers {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());

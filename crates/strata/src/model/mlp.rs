@@ -70,7 +70,7 @@ pub fn mlp(cfg: &MlpConfig, b: &mut Builder) -> Result<()> {
     let normal = Init::Normal { std: STD };
     let mut u = b.unit("embedding");
     let embed = u.param("embed.weight", &[cfg.vocab, cfg.dim], normal, TpRole::Vocab);
-    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, scale: None, kind: "MlpEmbedding" });
+    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, scale: None, padding: None, kind: "MlpEmbedding" });
     for i in 0..cfg.layers {
         let mut u = b.unit(format!("layers.{i}"));
         let weight = u.param(format!("layers.{i}.fc.weight"), &[cfg.dim, cfg.dim], normal, TpRole::Row);

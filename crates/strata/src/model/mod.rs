@@ -257,6 +257,8 @@ pub(crate) struct TokenEmbedding {
     pub(crate) table: ParamId,
     pub(crate) vocab: i64,
     pub(crate) scale: Option<f64>,
+    /// The row whose look-ups give it no gradient (`padding_idx`).
+    pub(crate) padding: Option<i64>,
     pub(crate) kind: &'static str,
 }
 
@@ -265,7 +267,7 @@ impl Unit for TokenEmbedding {
         self.kind
     }
     fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
-        let vectors = layers::vocab_embedding(&p[self.table], tokens, self.vocab, p.tp())?;
+        let vectors = layers::vocab_embedding(&p[self.table], tokens, self.vocab, self.padding, p.tp())?;
         match self.scale {
             Some(scale) => {
                 let scale = Tensor::from(scale).f_to_kind(vectors.kind())?.f_to_device(vectors.device())?;
