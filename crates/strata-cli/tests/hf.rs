@@ -99,21 +99,88 @@ fn fine_tune(family: &str, runs: &[(&str, &[&str])]) {
 
 #[test]
 fn gpt2_fine_tunes_alone_sharded_and_split() {
-    let tensor = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
     fine_tune(
         "gpt2",
         &[
             ("one", &[]),
             ("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]),
-            ("tensor", &["--nproc", "2", "--strategy", tensor]),
+            ("tensor", &["--nproc", "2", "--strategy", TENSOR]),
         ],
     );
 }
 
 #[test]
 fn qwen2_fine_tunes_in_a_pipeline() {
-    let pipeline = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
-    fine_tune("qwen2", &[("pp", &["--nproc", "2", "--accumulation", "2", "--strategy", pipeline])]);
+    fine_tune("qwen2", &[("pp", &["--nproc", "2", "--accumulation", "2", "--strategy", PIPELINE])]);
+}
+
+const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
+const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
+
+/// A family trained alone, over two ranks with fsdp, split by tensor parallel (where its
+/// heads allow) and in two pipeline stages: every run ends at `transformers`' validation
+/// loss of the folder it writes.
+fn fine_tunes_under_every_layout(family: &str, tensor: bool) {
+    let mut runs: Vec<(&str, &[&str])> = vec![
+        ("one", &[]),
+        ("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]),
+        ("pp", &["--nproc", "2", "--accumulation", "2", "--strategy", PIPELINE]),
+    ];
+    if tensor {
+        runs.push(("tensor", &["--nproc", "2", "--strategy", TENSOR]));
+    }
+    fine_tune(family, &runs);
+}
+
+#[test]
+fn llama3_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("llama3", true);
+}
+
+#[test]
+fn qwen3_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("qwen3", true);
+}
+
+#[test]
+fn mistral_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("mistral", true);
+}
+
+#[test]
+fn gemma2_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("gemma2", true);
+}
+
+#[test]
+fn phi3_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("phi3", true);
+}
+
+/// Gemma 3's single key/value head cannot split over two tensor ranks: refused in one line
+/// that says so, before any step.
+#[test]
+fn gemma3_fine_tunes_and_refuses_a_split_of_its_one_key_value_head() {
+    fine_tunes_under_every_layout("gemma3", false);
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, _) = setup(&py, dir.path(), "gemma3");
+    let o = strata(&[
+        "train",
+        "--model-dir",
+        s(&folder),
+        "--token-file",
+        s(&train),
+        "--ctx",
+        "16",
+        "--steps",
+        "1",
+        "--nproc",
+        "2",
+        "--strategy",
+        TENSOR,
+    ]);
+    assert_fails_with(&o, "key/value heads");
 }
 
 /// Generation from the command line: text in, text out, and it ends at the folder's end
@@ -179,12 +246,16 @@ fn bad_folders_are_refused_in_one_line() {
         (
             edit(
                 "scaled",
-                &set_config("rope_parameters", serde_json::json!({"rope_type": "llama3", "rope_theta": 1e4})),
+                &set_config("rope_parameters", serde_json::json!({"rope_type": "longrope", "rope_theta": 1e4})),
             ),
-            "rope_parameters type \"llama3\" is not supported",
+            "rope_parameters type \"longrope\" is not supported",
         ),
         (edit("mlp-bias", &set_config("mlp_bias", serde_json::json!(true))), "mlp_bias = true is not supported"),
         (edit("bert", &set_config("model_type", serde_json::json!("bert"))), "model_type \"bert\" is not a family"),
+        (
+            edit("llama3-incomplete", &set_config("rope_parameters", serde_json::json!({"rope_type": "llama3", "factor": 8.0}))),
+            "rope_parameters.low_freq_factor is missing",
+        ),
         (edit("small-vocab", &set_config("vocab_size", serde_json::json!(64))), "the tokenizer has 90 tokens"),
         (
             edit("truncated", &|d: &Path| {
