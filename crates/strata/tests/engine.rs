@@ -1,6 +1,6 @@
 use std::sync::{Arc, Mutex};
 use strata::engine::{BackwardMode, Engine, EngineConfig, Phase, ScheduleContext, UnitSchedule};
-use strata::model::{self, layers::cross_entropy, Builder, GptConfig, LlamaConfig, MlpConfig};
+use strata::model::{self, layers::cross_entropy, Builder, DecodeCache, GptConfig, LlamaConfig, MlpConfig};
 use strata::Error;
 use tch::{Kind, Tensor};
 
@@ -102,6 +102,116 @@ fn tied_llama_gradients_match_finite_differences() {
 /// Grouped-query attention is multi-head attention whose key/value heads are repeated over
 /// their groups: a GQA LLaMA and an MHA LLaMA holding its key/value weights repeated per
 /// group give the same logits.
+/// Gemma's options at once: (1 + w) norms around attention and feed-forward, GeGLU, √d
+/// embeddings, query/key norms, a score scale, both soft-caps, a sliding layer with its own
+/// scaled rotation beside a global one, heads wider than dim / heads.
+fn tiny_gemma_like(b: &mut Builder) -> strata::Result<()> {
+    use strata::model::{Activation, LayerAttention, NormKind, Rope, RopeScaling};
+    model::llama(
+        &LlamaConfig {
+            kv_heads: Some(1),
+            head_dim: Some(6),
+            norm: NormKind::PlusOne,
+            activation: Activation::GeluTanh,
+            qk_norm: true,
+            sandwich_norms: true,
+            scale_embeddings: true,
+            query_pre_attn_scalar: Some(5.0),
+            attn_softcap: Some(1.5),
+            logit_softcap: Some(2.0),
+            sliding_window: Some(3),
+            layer_types: Some(vec![LayerAttention::Sliding, LayerAttention::Full]),
+            local_rope: Some(Rope { scaling: RopeScaling::Linear { factor: 2.0 }, ..Rope::new(50.0) }),
+            tie_embeddings: true,
+            ..LlamaConfig::new(11, 6, 2, 2, 8)
+        },
+        b,
+    )
+}
+
+#[test]
+fn gemma_like_gradients_match_finite_differences() {
+    finite_difference_check(tiny_gemma_like);
+}
+
+/// Phi-3's fused projections with a partial, YaRN-scaled rotation and a sliding window.
+fn tiny_phi_like(b: &mut Builder) -> strata::Result<()> {
+    use strata::model::RopeScaling;
+    model::llama(
+        &LlamaConfig {
+            kv_heads: Some(1),
+            fused_projections: true,
+            partial_rotary: 0.5,
+            rope_scaling: RopeScaling::Yarn {
+                factor: 4.0,
+                original_context: 4,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: 1.1,
+                truncate: true,
+            },
+            sliding_window: Some(4),
+            ..LlamaConfig::new(11, 6, 2, 2, 8)
+        },
+        b,
+    )
+}
+
+#[test]
+fn phi_like_gradients_match_finite_differences() {
+    finite_difference_check(tiny_phi_like);
+}
+
+/// Decoding with a cache through sliding-window layers equals the uncached forward over
+/// the whole sequence, and each window layer's cache holds no more than its window reads.
+#[test]
+fn sliding_windows_decode_as_the_forward_computes_and_their_caches_stay_within_the_window() {
+    let window = |b: &mut Builder| {
+        model::llama(&LlamaConfig { sliding_window: Some(4), kv_heads: Some(1), ..LlamaConfig::new(11, 16, 2, 2, 8) }, b)
+    };
+    let mut e = engine(window, Kind::Double, BackwardMode::UnitByUnit, 4);
+    let tokens = strata::engine::with_seed(9, || Tensor::randint(11, [1, 12], (Kind::Int64, tch::Device::Cpu)));
+    let whole = e.evaluate(&tokens).unwrap();
+    let mut caches: Vec<DecodeCache> = (0..e.spec().units.len()).map(|_| DecodeCache::default()).collect();
+    let mut pieces = vec![e.decode(&tokens.narrow(1, 0, 6), &mut caches).unwrap()];
+    for t in 6..12 {
+        pieces.push(e.decode(&tokens.narrow(1, t, 1), &mut caches).unwrap());
+        for (k, cache) in caches.iter().enumerate().filter(|(k, _)| (1..=2).contains(k)) {
+            assert_eq!(cache.held(), 3, "unit {k} holds the 3 positions before the next query");
+        }
+    }
+    let decoded = Tensor::cat(&pieces, 1);
+    let gap = (&decoded - &whole).abs().max().double_value(&[]);
+    assert!(gap < 1e-10, "decoded logits differ from the forward's by {gap}");
+    // Without the window the last positions differ: the window changed what they read.
+    let mut full = engine(tiny_llama_16, Kind::Double, BackwardMode::UnitByUnit, 4);
+    let unwindowed = full.evaluate(&tokens).unwrap();
+    assert!((&unwindowed - &whole).narrow(1, 6, 6).abs().max().double_value(&[]) > 1e-6);
+    assert!((&unwindowed - &whole).narrow(1, 0, 4).abs().max().double_value(&[]) < 1e-12);
+}
+
+/// The padding token's embedding row learns nothing from its look-ups (`padding_idx`), while
+/// every other row looked up does.
+#[test]
+fn the_padding_row_takes_no_gradient_from_look_ups() {
+    let padded =
+        |b: &mut Builder| model::llama(&LlamaConfig { padding_token: Some(4), ..LlamaConfig::new(11, 6, 1, 2, 8) }, b);
+    let mut e = engine(padded, Kind::Double, BackwardMode::UnitByUnit, 1);
+    let x = Tensor::from_slice(&[4i64, 1, 4, 2, 3, 4]).view([1, 6]);
+    let out = e.forward(&x).unwrap();
+    e.backward(&cross_entropy(&out, &x).unwrap()).unwrap();
+    let grad = e.param_by_name("model.embed_tokens.weight").unwrap().grad();
+    let row_norm = |r: i64| grad.get(r).abs().sum(Kind::Double).double_value(&[]);
+    assert_eq!(row_norm(4), 0.0);
+    assert!([1, 2, 3].iter().all(|&r| row_norm(r) > 1e-6));
+    let bad = LlamaConfig { padding_token: Some(11), ..LlamaConfig::new(11, 6, 1, 2, 8) };
+    assert!(model::llama(&bad, &mut Builder::new()).unwrap_err().to_string().contains("padding token 11"));
+}
+
+fn tiny_llama_16(b: &mut Builder) -> strata::Result<()> {
+    model::llama(&LlamaConfig { kv_heads: Some(1), ..LlamaConfig::new(11, 16, 2, 2, 8) }, b)
+}
+
 #[test]
 fn grouped_query_attention_equals_attention_with_repeated_key_value_heads() {
     let mha = |b: &mut Builder| model::llama(&LlamaConfig::new(11, 6, 2, 4, 16), b);
