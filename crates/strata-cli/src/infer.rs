@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use strata::checkpoint::Checkpoint;
-use strata::data::{validation_steps, LoaderConfig, TokenData, Tokenizer};
+use strata::data::{validation_steps, LoaderConfig, TokenData, TokenWidth, Tokenizer};
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, GenerateConfig};
 use strata::model::{ModelConfig, ModelDir};
@@ -98,9 +98,13 @@ pub struct EvalArgs {
     /// Validation text, tokenised with the model's tokenizer.
     #[arg(long)]
     val_data: Option<PathBuf>,
-    /// Validation tokens as a raw little-endian u16 token file.
+    /// Validation tokens: a token file (`strata tokenize`'s, or raw little-endian ids).
     #[arg(long)]
     val_token_file: Option<PathBuf>,
+    /// Width of a raw token file's ids: u16 (nanoGPT's .bin, the default) or u32; a file
+    /// written by `strata tokenize` says its own.
+    #[arg(long)]
+    token_width: Option<TokenWidth>,
     /// Context of each window, in tokens.
     #[arg(long, default_value_t = 64)]
     ctx: usize,
@@ -119,7 +123,7 @@ pub fn eval(args: EvalArgs) -> Result<()> {
     let loaded = args.source.load()?;
     let data = match (&args.val_data, &args.val_token_file) {
         (Some(path), None) => TokenData::from_text_file(path, loaded.text_tokenizer()?)?,
-        (None, Some(path)) => TokenData::from_u16_file(path)?,
+        (None, Some(path)) => TokenData::open(path, args.token_width)?,
         (Some(_), Some(_)) => bail!("give either --val-data or --val-token-file, not both"),
         (None, None) => bail!("name the validation data: --val-data or --val-token-file"),
     };

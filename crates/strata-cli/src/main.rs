@@ -20,6 +20,7 @@ mod launch;
 mod options;
 mod profile_cmd;
 mod run_io;
+mod tokenize_cmd;
 mod train;
 mod train_pipeline;
 
@@ -42,6 +43,8 @@ enum Command {
     Eval(Box<infer::EvalArgs>),
     /// Continue a prompt with a model folder or checkpoint: greedy or sampled, key/value cached.
     Generate(Box<infer::GenerateArgs>),
+    /// Tokenize text files into one token file for --token-file (streaming, on every core).
+    Tokenize(tokenize_cmd::TokenizeArgs),
     /// Start the ranks of a job on this node (as torchrun): strata launch --nproc-per-node N -- CMD ARGS
     Launch(launch::LaunchArgs),
     /// Benchmarks, each against a reference measured in the same run.
@@ -200,6 +203,7 @@ fn main() -> ExitCode {
             _ => train::run(settings),
         }),
         Command::Launch(a) => launch::run(a),
+        Command::Tokenize(a) => tokenize_cmd::run(a),
         Command::Eval(a) => infer::eval(*a),
         Command::Generate(a) => infer::run_generate(*a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),

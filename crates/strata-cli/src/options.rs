@@ -5,7 +5,7 @@ use clap::Args;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
-use strata::data::Tokenizer;
+use strata::data::{TokenWidth, Tokenizer};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
 use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
 use strata::patrickstar::PatrickStarConfig;
@@ -68,11 +68,14 @@ train_options! {
     data: PathBuf,
     /// Hugging Face tokenizer.json for --data.
     tokenizer: PathBuf,
-    /// Train on this raw little-endian u16 token file.
+    /// Train on this token file (`strata tokenize`'s, or raw little-endian ids), memory-mapped.
     token_file: PathBuf,
+    /// Width of a raw token file's ids: u16 (nanoGPT's .bin, the default) or u32; a file
+    /// written by `strata tokenize` says its own.
+    token_width: String,
     /// Validation text (tokenised as --data): its loss and perplexity go to the metrics.
     val_data: PathBuf,
-    /// Validation tokens as a raw little-endian u16 token file.
+    /// Validation tokens as a token file (as --token-file).
     val_token_file: PathBuf,
     /// Steps between validations (default: at the end only).
     eval_every: u64,
@@ -193,7 +196,8 @@ pub enum DataChoice {
     Synthetic,
     /// A UTF-8 text file, tokenised with the run's tokenizer.
     Text(PathBuf),
-    TokenFile(PathBuf),
+    /// A token file, with the width of its ids where it is raw and a flag gave one.
+    TokenFile(PathBuf, Option<TokenWidth>),
 }
 
 /// Everything `strata train` needs, resolved and validated (except the vocabulary, which
@@ -475,10 +479,14 @@ impl TrainOptions {
             None => optimizer,
         };
         optimizer.validate()?;
+        let width: Option<TokenWidth> = o.token_width.as_deref().map(str::parse).transpose()?;
+        if width.is_some() && o.token_file.is_none() && o.val_token_file.is_none() {
+            bail!("--token-width reads token files: give --token-file or --val-token-file");
+        }
         let val = match (o.val_data, o.val_token_file) {
             (Some(_), Some(_)) => bail!("give either --val-data or --val-token-file, not both"),
             (Some(path), None) => Some(DataChoice::Text(path)),
-            (None, Some(path)) => Some(DataChoice::TokenFile(path)),
+            (None, Some(path)) => Some(DataChoice::TokenFile(path, width)),
             (None, None) => None,
         };
         if val.is_none() {
@@ -493,7 +501,7 @@ impl TrainOptions {
         let data = match (o.data, o.token_file) {
             (Some(_), Some(_)) => bail!("give either --data or --token-file, not both"),
             (Some(path), None) => DataChoice::Text(path),
-            (None, Some(path)) => DataChoice::TokenFile(path),
+            (None, Some(path)) => DataChoice::TokenFile(path, width),
             (None, None) if o.tokenizer.is_some() && !text_val => bail!("--tokenizer needs --data or --val-data"),
             (None, None) => DataChoice::Synthetic,
         };

@@ -31,8 +31,8 @@ fn load_tokens(settings: &TrainSettings, choice: &DataChoice) -> Result<(TokenDa
             let data = TokenData::from_text_file(path, &tokenizer)?;
             (data, None, tokenizer.vocab_size())
         }
-        DataChoice::TokenFile(path) => {
-            let data = TokenData::from_u16_file(path)?;
+        DataChoice::TokenFile(path, width) => {
+            let data = TokenData::open(path, *width)?;
             let vocab = data.vocab_needed() as usize;
             (data, None, vocab)
         }

@@ -164,7 +164,7 @@ pub struct DataLoader {
 impl DataLoader {
     pub fn new(data: Arc<TokenData>, config: LoaderConfig, order: Order) -> Result<DataLoader> {
         let rows = config.micro_batch_rows()?;
-        data.check_fits(config.ctx, usize::MAX)?;
+        data.check_length(config.ctx)?;
         let mut offsets = OffsetStream::new(&data, &config, order)?;
         // Skipped steps only advance the order: no batch is built for them.
         for _ in 0..config.start_step {
@@ -282,8 +282,8 @@ fn build_step(data: &TokenData, config: &LoaderConfig, rows: usize, index: usize
             let mut inputs = Vec::with_capacity(n * ctx);
             let mut targets = Vec::with_capacity(n * ctx);
             for &o in offsets {
-                inputs.extend(data.tokens[o..o + ctx].iter().map(|&t| i64::from(t)));
-                targets.extend(data.tokens[o + 1..o + ctx + 1].iter().map(|&t| i64::from(t)));
+                data.extend_window(&mut inputs, o, ctx);
+                data.extend_window(&mut targets, o + 1, ctx);
             }
             let shape = [n as i64, ctx as i64];
             Ok(Batch {

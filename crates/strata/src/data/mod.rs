@@ -1,19 +1,23 @@
 //! Tokens in, batches out.
 //!
 //! Owns: tokenizers (bytes, or a Hugging Face `tokenizer.json`), token datasets (a text file,
-//! a raw little-endian `u16` token file, or the embedded synthetic corpus), and the data
+//! a memory-mapped token file of `u16` or `u32` ids, or the embedded synthetic corpus), the
+//! streaming, parallel tokenization of text into token files, and the data
 //! loader (seeded shuffling, a global batch split into micro-batches for gradient
 //! accumulation and across ranks, background prefetch, or an exact replay of given offsets).
 //! Must not touch models or the engine: a batch is plain token tensors.
 
 mod loader;
 mod synthetic;
+mod tokenize;
 
 pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step};
 pub use synthetic::SyntheticCorpus;
+pub use tokenize::{tokenize_files, TokenizeOptions, TokenizeReport};
 
 use crate::{Error, Result};
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 /// Turns text into token ids.
 pub enum Tokenizer {
@@ -46,6 +50,20 @@ impl Tokenizer {
         }
     }
 
+    /// Encodes several texts at once, spread over the cores (the byte tokenizer needs no
+    /// spreading).
+    pub fn encode_batch(&self, texts: Vec<String>) -> Result<Vec<Vec<u32>>> {
+        match self {
+            Tokenizer::Bytes => Ok(texts.iter().map(|t| t.bytes().map(u32::from).collect()).collect()),
+            Tokenizer::HuggingFace(t) => Ok(t
+                .encode_batch(texts, false)
+                .map_err(|e| Error::Data(format!("tokenizer failed: {e}")))?
+                .into_iter()
+                .map(|e| e.get_ids().to_vec())
+                .collect()),
+        }
+    }
+
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {
             Tokenizer::Bytes => {
@@ -63,17 +81,89 @@ impl Tokenizer {
     }
 }
 
+/// How many bytes a token file spends on each id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenWidth {
+    /// Ids below 65,536 (GPT-2's vocabulary, nanoGPT's `.bin` files).
+    U16,
+    /// Any id of today's vocabularies (Llama 3's 128,256, Qwen's 151,936, Gemma's 262,144).
+    U32,
+}
+
+impl TokenWidth {
+    pub fn bytes(self) -> usize {
+        match self {
+            TokenWidth::U16 => 2,
+            TokenWidth::U32 => 4,
+        }
+    }
+
+    /// The largest vocabulary whose ids this width holds.
+    pub fn largest_vocab(self) -> u64 {
+        match self {
+            TokenWidth::U16 => 1 << 16,
+            TokenWidth::U32 => 1 << 32,
+        }
+    }
+
+    /// The narrowest width that holds every id of a vocabulary of `vocab`.
+    pub fn for_vocab(vocab: u64) -> TokenWidth {
+        if vocab <= TokenWidth::U16.largest_vocab() {
+            TokenWidth::U16
+        } else {
+            TokenWidth::U32
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenWidth::U16 => "u16",
+            TokenWidth::U32 => "u32",
+        }
+    }
+}
+
+impl std::str::FromStr for TokenWidth {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<TokenWidth> {
+        match s {
+            "u16" => Ok(TokenWidth::U16),
+            "u32" => Ok(TokenWidth::U32),
+            other => Err(Error::Config(format!("token width {other:?}: give u16 or u32"))),
+        }
+    }
+}
+
+/// The first bytes of a token file that says its own width: this magic, then the width in
+/// bytes and a format version, each a little-endian `u32`. Files without it are raw ids.
+const TOKEN_FILE_MAGIC: &[u8; 8] = b"STRATOKS";
+const TOKEN_FILE_HEADER: usize = 16;
+const TOKEN_FILE_VERSION: u32 = 1;
+
+/// The ids of a token dataset: in memory, or in a memory-mapped file that every process
+/// reading it shares through the page cache (a corpus larger than memory trains; ranks on
+/// one host hold one copy).
+#[derive(Clone, Debug)]
+enum Ids {
+    Owned(Vec<u32>),
+    Mapped { map: Arc<memmap2::Mmap>, start: usize, width: TokenWidth },
+}
+
 /// A stream of token ids to cut training windows from.
 #[derive(Clone, Debug)]
 pub struct TokenData {
-    pub tokens: Vec<u32>,
+    ids: Ids,
+    len: usize,
+    /// The largest id plus one, found on first use (a scan of the whole file).
+    vocab_needed: OnceLock<u32>,
     /// Where the tokens came from, for messages.
     pub source: String,
 }
 
 impl TokenData {
     pub fn new(tokens: Vec<u32>, source: impl Into<String>) -> TokenData {
-        TokenData { tokens, source: source.into() }
+        TokenData { len: tokens.len(), ids: Ids::Owned(tokens), vocab_needed: OnceLock::new(), source: source.into() }
     }
 
     /// Tokenises a UTF-8 text file.
@@ -82,51 +172,146 @@ impl TokenData {
         Ok(TokenData::new(tokenizer.encode(&text)?, path.display().to_string()))
     }
 
-    /// Reads a raw file of little-endian `u16` token ids (the nanoGPT `.bin` format).
-    pub fn from_u16_file(path: &Path) -> Result<TokenData> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        if bytes.len() % 2 != 0 {
-            return Err(Error::Data(format!(
-                "{}: {} bytes is not a whole number of u16 tokens",
-                path.display(),
-                bytes.len()
-            )));
+    /// Maps a token file: one that starts with Strata's header says its width (and `width`,
+    /// when given, must agree); a raw file of little-endian ids is read at `width` (`u16`,
+    /// nanoGPT's `.bin`, unless given).
+    pub fn open(path: &Path, width: Option<TokenWidth>) -> Result<TokenData> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let bad = |why: String| Error::Data(format!("{}: {why}", path.display()));
+        let size = file.metadata().map_err(|e| Error::io(path, e))?.len() as usize;
+        let map = if size == 0 {
+            None
+        } else {
+            // SAFETY: the map is read only; a file changed under a running job is the caller's
+            // to avoid, as with any input (the ids read are then what the file holds).
+            Some(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?)
+        };
+        let bytes: &[u8] = map.as_deref().unwrap_or(&[]);
+        let (start, width) = match bytes.strip_prefix(TOKEN_FILE_MAGIC.as_slice()) {
+            Some(rest) if rest.len() >= TOKEN_FILE_HEADER - TOKEN_FILE_MAGIC.len() => {
+                let word = |at: usize| u32::from_le_bytes([rest[at], rest[at + 1], rest[at + 2], rest[at + 3]]);
+                let said = match (word(0), word(4)) {
+                    (2, TOKEN_FILE_VERSION) => TokenWidth::U16,
+                    (4, TOKEN_FILE_VERSION) => TokenWidth::U32,
+                    (w, v) => return Err(bad(format!("a token file header of width {w} and version {v} is not one Strata writes"))),
+                };
+                if let Some(asked) = width.filter(|&w| w != said) {
+                    return Err(bad(format!(
+                        "holds {} ids (its header says so) but {} ids were asked for",
+                        said.name(),
+                        asked.name()
+                    )));
+                }
+                (TOKEN_FILE_HEADER, said)
+            }
+            Some(_) => return Err(bad("ends inside its header".into())),
+            None => (0, width.unwrap_or(TokenWidth::U16)),
+        };
+        let body = size - start;
+        if body % width.bytes() != 0 {
+            return Err(bad(format!("{body} bytes is not a whole number of {} tokens", width.name())));
         }
-        let tokens = bytes.chunks_exact(2).map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]))).collect();
-        Ok(TokenData::new(tokens, path.display().to_string()))
+        let ids = match map {
+            Some(map) => Ids::Mapped { map: Arc::new(map), start, width },
+            None => Ids::Owned(vec![]),
+        };
+        Ok(TokenData { ids, len: body / width.bytes(), vocab_needed: OnceLock::new(), source: path.display().to_string() })
     }
 
-    /// Writes the tokens as little-endian `u16` (fails if an id does not fit).
+    /// Writes the ids as a raw little-endian `u16` file (nanoGPT's `.bin`; fails if an id
+    /// does not fit).
     pub fn write_u16_file(&self, path: &Path) -> Result<()> {
-        let mut bytes = Vec::with_capacity(self.tokens.len() * 2);
-        for &t in &self.tokens {
-            let t = u16::try_from(t).map_err(|_| Error::Data(format!("token id {t} does not fit in u16")))?;
-            bytes.extend_from_slice(&t.to_le_bytes());
+        crate::io::write_atomic(path, &self.encode(TokenWidth::U16, false)?)
+    }
+
+    /// Writes the ids at `width` behind the header that names it.
+    pub fn write_token_file(&self, path: &Path, width: TokenWidth) -> Result<()> {
+        crate::io::write_atomic(path, &self.encode(width, true)?)
+    }
+
+    /// The file bytes of the ids at `width`, behind the header where `header` says.
+    fn encode(&self, width: TokenWidth, header: bool) -> Result<Vec<u8>> {
+        let mut bytes = Vec::with_capacity(TOKEN_FILE_HEADER + self.len * width.bytes());
+        if header {
+            bytes.extend_from_slice(&token_file_header(width));
         }
-        crate::io::write_atomic(path, &bytes)
+        for i in 0..self.len {
+            push_id(&mut bytes, self.get(i), width)?;
+        }
+        Ok(bytes)
     }
 
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.len == 0
+    }
+
+    /// The width of the file the ids are read from (`None` for ids in memory).
+    pub fn width(&self) -> Option<TokenWidth> {
+        match &self.ids {
+            Ids::Owned(_) => None,
+            Ids::Mapped { width, .. } => Some(*width),
+        }
+    }
+
+    /// Id `i` (below [`TokenData::len`]).
+    pub fn get(&self, i: usize) -> u32 {
+        match &self.ids {
+            Ids::Owned(ids) => ids[i],
+            Ids::Mapped { map, start, width } => {
+                let at = start + i * width.bytes();
+                match width {
+                    TokenWidth::U16 => u32::from(u16::from_le_bytes([map[at], map[at + 1]])),
+                    TokenWidth::U32 => u32::from_le_bytes([map[at], map[at + 1], map[at + 2], map[at + 3]]),
+                }
+            }
+        }
+    }
+
+    /// Appends ids `start .. start + count` to `out`.
+    pub fn extend_window(&self, out: &mut Vec<i64>, start: usize, count: usize) {
+        match &self.ids {
+            Ids::Owned(ids) => out.extend(ids[start..start + count].iter().map(|&t| i64::from(t))),
+            Ids::Mapped { .. } => out.extend((start..start + count).map(|i| i64::from(self.get(i)))),
+        }
+    }
+
+    /// Every id, copied.
+    pub fn to_vec(&self) -> Vec<u32> {
+        (0..self.len).map(|i| self.get(i)).collect()
     }
 
     /// The largest token id plus one.
     pub fn vocab_needed(&self) -> u32 {
-        self.tokens.iter().max().map_or(0, |m| m + 1)
+        *self.vocab_needed.get_or_init(|| (0..self.len).map(|i| self.get(i)).max().map_or(0, |m| m + 1))
     }
 
-    /// Checks that windows of `ctx` inputs (plus one target) fit and ids are below `vocab`.
-    pub fn check_fits(&self, ctx: usize, vocab: usize) -> Result<()> {
-        if self.tokens.len() < ctx + 1 {
+    /// Checks that windows of `ctx` inputs (plus one target) fit.
+    pub fn check_length(&self, ctx: usize) -> Result<()> {
+        if self.len < ctx + 1 {
             return Err(Error::Data(format!(
                 "{} has {} tokens, fewer than the {} a context of {ctx} needs",
                 self.source,
-                self.tokens.len(),
+                self.len,
                 ctx + 1
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks that windows of `ctx` fit, that the file's width can hold a vocabulary of
+    /// `vocab` (a `u16` file cannot carry ids past 65,535: a model that has them was given
+    /// ids cut short) and that every id is below `vocab`.
+    pub fn check_fits(&self, ctx: usize, vocab: usize) -> Result<()> {
+        self.check_length(ctx)?;
+        if let Some(width) = self.width().filter(|w| vocab as u64 > w.largest_vocab()) {
+            return Err(Error::Data(format!(
+                "{} holds {} ids, too narrow for the model's vocabulary of {vocab}: tokenize it as u32 (strata tokenize --width u32)",
+                self.source,
+                width.name()
             )));
         }
         if self.vocab_needed() as usize > vocab {
@@ -138,4 +323,25 @@ impl TokenData {
         }
         Ok(())
     }
+}
+
+/// The header of a token file of `width`.
+pub(crate) fn token_file_header(width: TokenWidth) -> [u8; TOKEN_FILE_HEADER] {
+    let mut header = [0u8; TOKEN_FILE_HEADER];
+    header[..8].copy_from_slice(TOKEN_FILE_MAGIC);
+    header[8..12].copy_from_slice(&(width.bytes() as u32).to_le_bytes());
+    header[12..].copy_from_slice(&TOKEN_FILE_VERSION.to_le_bytes());
+    header
+}
+
+/// Appends `id` at `width`, little-endian; an id the width cannot hold is an error.
+pub(crate) fn push_id(out: &mut Vec<u8>, id: u32, width: TokenWidth) -> Result<()> {
+    match width {
+        TokenWidth::U16 => {
+            let id = u16::try_from(id).map_err(|_| Error::Data(format!("token id {id} does not fit in u16")))?;
+            out.extend_from_slice(&id.to_le_bytes());
+        }
+        TokenWidth::U32 => out.extend_from_slice(&id.to_le_bytes()),
+    }
+    Ok(())
 }
