@@ -14,6 +14,7 @@ mod bench_pipeline;
 mod bench_runs;
 mod bench_search;
 mod bench_step;
+mod bench_tokenize;
 mod bench_zero;
 mod infer;
 mod launch;
@@ -126,6 +127,9 @@ enum BenchCommand {
     /// The largest GPT each placement (none, optimizer on the host, everything on the host,
     /// auto) trains within a device and a host budget: tokens/s, bytes moved, copy-wait.
     Offload(bench_offload::BenchOffloadArgs),
+    /// strata tokenize against tokenizers' batch encoding in Python on the same text, pieces
+    /// and tokenizer: MB/s, tokens/s, the ratio, and a check of equal ids.
+    Tokenize(bench_tokenize::BenchTokenizeArgs),
 }
 
 fn validate(text: &str, world_size: Option<usize>) -> anyhow::Result<()> {
@@ -216,6 +220,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Search(a) } => bench_search::run(a),
         Command::Bench { which: BenchCommand::Dist(a) } => bench_dist::run(a),
         Command::Bench { which: BenchCommand::Offload(a) } => bench_offload::run(a),
+        Command::Bench { which: BenchCommand::Tokenize(a) } => bench_tokenize::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
         Command::Profile { which } => profile_cmd::run(which),
         Command::Plot(a) => profile_cmd::plot_metrics(a),

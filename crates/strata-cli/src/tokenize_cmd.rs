@@ -32,7 +32,8 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
     let folder = args.model_dir.as_deref().map(strata::model::from_pretrained_dir).transpose()?;
     let tokenizer = crate::options::tokenizer(args.tokenizer.as_deref(), folder.as_ref())?;
     let vocab = folder.as_ref().map_or(0, |f| f.config.vocab() as u64).max(tokenizer.vocab_size() as u64);
-    let options = TokenizeOptions { width: Some(args.width.unwrap_or(TokenWidth::for_vocab(vocab))), ..Default::default() };
+    let options =
+        TokenizeOptions { width: Some(args.width.unwrap_or(TokenWidth::for_vocab(vocab))), ..Default::default() };
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")

@@ -253,7 +253,10 @@ fn bad_folders_are_refused_in_one_line() {
         (edit("mlp-bias", &set_config("mlp_bias", serde_json::json!(true))), "mlp_bias = true is not supported"),
         (edit("bert", &set_config("model_type", serde_json::json!("bert"))), "model_type \"bert\" is not a family"),
         (
-            edit("llama3-incomplete", &set_config("rope_parameters", serde_json::json!({"rope_type": "llama3", "factor": 8.0}))),
+            edit(
+                "llama3-incomplete",
+                &set_config("rope_parameters", serde_json::json!({"rope_type": "llama3", "factor": 8.0})),
+            ),
             "rope_parameters.low_freq_factor is missing",
         ),
         (edit("small-vocab", &set_config("vocab_size", serde_json::json!(64))), "the tokenizer has 90 tokens"),

@@ -91,3 +91,36 @@ fn tokenized_text_trains_as_the_text_does() {
     let o = strata(&["tokenize", s(&text), "--output", s(&tokens), "--width", "u8"]);
     assert_fails_with(&o, "u8");
 }
+
+/// `strata bench tokenize` on a small text: both sides wrote the same ids, and the report
+/// has its rows and ratio.
+#[test]
+fn the_tokenize_benchmark_compares_equal_ids() {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    if !venv.exists() {
+        eprintln!("skipping: {} is missing (run scripts/setup.sh)", venv.display());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("t.txt");
+    std::fs::write(&text, "Shall I compare thee to a summer's day?\nThou art more lovely.\n".repeat(300)).unwrap();
+    let o = strata(&[
+        "bench",
+        "tokenize",
+        "--input",
+        s(&text),
+        "--repeat",
+        "2",
+        "--rounds",
+        "1",
+        "--vocab",
+        "300",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["same_ids"], true);
+    assert_eq!(report["rows"].as_array().unwrap().len(), 2);
+    assert!(report["ratio"].as_f64().unwrap() > 0.0);
+    assert!(report["tokens"].as_u64().unwrap() > 1000);
+}

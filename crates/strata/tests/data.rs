@@ -149,7 +149,9 @@ fn bad_token_files_are_refused_by_name() {
     assert!(error(&six, Some(TokenWidth::U32)).contains("6 bytes is not a whole number of u32 tokens"));
     let headed = dir.path().join("headed.bin");
     TokenData::new(vec![70_000, 5], "t").write_token_file(&headed, TokenWidth::U32).unwrap();
-    assert!(error(&headed, Some(TokenWidth::U16)).contains("holds u32 ids (its header says so) but u16 ids were asked for"));
+    assert!(
+        error(&headed, Some(TokenWidth::U16)).contains("holds u32 ids (its header says so) but u16 ids were asked for")
+    );
     let cut = file("cut.bin", b"STRATOKS\x04\0");
     assert!(error(&cut, None).contains("ends inside its header"));
     let narrow = TokenData::open(&six, None).unwrap();
@@ -202,12 +204,22 @@ fn tokenize_files_equal_encoding_each_file_whole() {
     let bytes_out = dir.path().join("bytes.tok");
     tokenize_files(&[b.clone()], &Tokenizer::Bytes, &bytes_out, &TokenizeOptions::default(), &mut |_, _| {}).unwrap();
     let read = TokenData::open(&bytes_out, None).unwrap();
-    assert_eq!((read.width(), read.to_vec()), (Some(TokenWidth::U16), std::fs::read(&b).unwrap().into_iter().map(u32::from).collect()));
+    assert_eq!(
+        (read.width(), read.to_vec()),
+        (Some(TokenWidth::U16), std::fs::read(&b).unwrap().into_iter().map(u32::from).collect())
+    );
     let bad = dir.path().join("bad.txt");
     std::fs::write(&bad, b"to be\nor \xff not").unwrap();
     let failed = dir.path().join("failed.tok");
     let err = tokenize_files(&[bad], &tokenizer, &failed, &options, &mut |_, _| {}).unwrap_err().to_string();
     assert!(err.contains("bad.txt: not UTF-8 text at byte 9"), "{err}");
     assert!(!failed.exists());
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with('.')).count(), 0, "no staging file is left");
+    assert_eq!(
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with('.'))
+            .count(),
+        0,
+        "no staging file is left"
+    );
 }

@@ -167,7 +167,10 @@ fn phi_like_gradients_match_finite_differences() {
 #[test]
 fn sliding_windows_decode_as_the_forward_computes_and_their_caches_stay_within_the_window() {
     let window = |b: &mut Builder| {
-        model::llama(&LlamaConfig { sliding_window: Some(4), kv_heads: Some(1), ..LlamaConfig::new(11, 16, 2, 2, 8) }, b)
+        model::llama(
+            &LlamaConfig { sliding_window: Some(4), kv_heads: Some(1), ..LlamaConfig::new(11, 16, 2, 2, 8) },
+            b,
+        )
     };
     let mut e = engine(window, Kind::Double, BackwardMode::UnitByUnit, 4);
     let tokens = strata::engine::with_seed(9, || Tensor::randint(11, [1, 12], (Kind::Int64, tch::Device::Cpu)));

@@ -304,8 +304,12 @@ fn family_matches_transformers(family: &str, new_tokens: usize) {
         engine.set_full_unit(k, &(&values + Tensor::randn_like(&values) * 0.02)).unwrap();
     }
     let ours = strata_logits(&mut engine);
-    save_weights(&mut engine, WeightsTarget::Folder(&FolderOut::like(&saved, &from_pretrained_dir(&dir).unwrap())), true)
-        .unwrap();
+    save_weights(
+        &mut engine,
+        WeightsTarget::Folder(&FolderOut::like(&saved, &from_pretrained_dir(&dir).unwrap())),
+        true,
+    )
+    .unwrap();
     let g = gap(&transformers_logits(&py, &saved, work.path()), &ours);
     eprintln!("{family} written back: largest logit difference from transformers {g:.2e}");
     assert!(g <= 1e-5, "{family}: the written folder's logits differ by {g}");

@@ -193,7 +193,11 @@ impl TokenData {
                 let said = match (word(0), word(4)) {
                     (2, TOKEN_FILE_VERSION) => TokenWidth::U16,
                     (4, TOKEN_FILE_VERSION) => TokenWidth::U32,
-                    (w, v) => return Err(bad(format!("a token file header of width {w} and version {v} is not one Strata writes"))),
+                    (w, v) => {
+                        return Err(bad(format!(
+                            "a token file header of width {w} and version {v} is not one Strata writes"
+                        )))
+                    }
                 };
                 if let Some(asked) = width.filter(|&w| w != said) {
                     return Err(bad(format!(
@@ -215,7 +219,12 @@ impl TokenData {
             Some(map) => Ids::Mapped { map: Arc::new(map), start, width },
             None => Ids::Owned(vec![]),
         };
-        Ok(TokenData { ids, len: body / width.bytes(), vocab_needed: OnceLock::new(), source: path.display().to_string() })
+        Ok(TokenData {
+            ids,
+            len: body / width.bytes(),
+            vocab_needed: OnceLock::new(),
+            source: path.display().to_string(),
+        })
     }
 
     /// Writes the ids as a raw little-endian `u16` file (nanoGPT's `.bin`; fails if an id

@@ -6,8 +6,8 @@
 //! [`gpt`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::layers::{
-    causal_attention, gelu_tanh, AttentionOptions, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding,
-    vocab_logits,
+    causal_attention, gelu_tanh, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding,
+    vocab_logits, AttentionOptions,
 };
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS,

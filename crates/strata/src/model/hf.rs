@@ -125,14 +125,22 @@ impl Family {
             (c.sandwich_norms != gemma || c.scale_embeddings != gemma, "sandwich norms and scaled embeddings"),
             (c.qk_norm != matches!(self, Family::Qwen3 | Family::Gemma3), "query/key norms"),
             (c.local_rope.is_some() && self != Family::Gemma3, "a local rotation"),
-            ((c.attn_softcap.is_some() || c.logit_softcap.is_some() || c.query_pre_attn_scalar.is_some()) && !gemma,
-             "soft-capping or query_pre_attn_scalar"),
-            (c.qkv_bias && !matches!(self, Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Gemma2 | Family::Gemma3),
-             "attention biases"),
+            (
+                (c.attn_softcap.is_some() || c.logit_softcap.is_some() || c.query_pre_attn_scalar.is_some()) && !gemma,
+                "soft-capping or query_pre_attn_scalar",
+            ),
+            (
+                c.qkv_bias
+                    && !matches!(self, Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Gemma2 | Family::Gemma3),
+                "attention biases",
+            ),
             (c.partial_rotary != 1.0 && self != Family::Phi3, "a partial rotation"),
             (c.sliding_window.is_some() && self == Family::Llama, "a sliding window"),
-            (c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
-                && matches!(self, Family::Mistral | Family::Phi3), "layers of different attention"),
+            (
+                c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
+                    && matches!(self, Family::Mistral | Family::Phi3),
+                "layers of different attention",
+            ),
         ];
         needs.iter().find(|(bad, _)| *bad).map(|(_, what)| format!("a {} model cannot hold {what}", self.model_type()))
     }
@@ -427,7 +435,9 @@ impl Keys<'_> {
     }
 
     fn float(&self, key: &str) -> KeyResult<Option<f64>> {
-        self.get(key).map(|v| v.as_f64().ok_or_else(|| format!("config.json: {}{key} is not a number ({v})", self.prefix))).transpose()
+        self.get(key)
+            .map(|v| v.as_f64().ok_or_else(|| format!("config.json: {}{key} is not a number ({v})", self.prefix)))
+            .transpose()
     }
 
     fn flag(&self, key: &str) -> KeyResult<Option<bool>> {
@@ -438,14 +448,20 @@ impl Keys<'_> {
 
     fn text(&self, key: &str) -> KeyResult<Option<String>> {
         self.get(key)
-            .map(|v| v.as_str().map(String::from).ok_or_else(|| format!("config.json: {}{key} is not a string ({v})", self.prefix)))
+            .map(|v| {
+                v.as_str()
+                    .map(String::from)
+                    .ok_or_else(|| format!("config.json: {}{key} is not a string ({v})", self.prefix))
+            })
             .transpose()
     }
 
     /// Refuses `key` unless it is absent or one of `allowed`; `why` says what Strata does.
     fn only(&self, key: &str, allowed: &[Value], why: &str) -> KeyResult<()> {
         match self.get(key) {
-            Some(v) if !allowed.contains(v) => Err(format!("config.json: {}{key} = {v} is not supported ({why})", self.prefix)),
+            Some(v) if !allowed.contains(v) => {
+                Err(format!("config.json: {}{key} = {v} is not supported ({why})", self.prefix))
+            }
             _ => Ok(()),
         }
     }
@@ -511,7 +527,9 @@ impl Keys<'_> {
         self.only("use_bidirectional_attention", &[json!(false)], "attention is causal")?;
         let attention_bias = self.flag("attention_bias")?.unwrap_or(false);
         if family == Family::Phi3 && attention_bias {
-            return Err("config.json: attention_bias = true is not supported (Phi-3's fused projections have none)".into());
+            return Err(
+                "config.json: attention_bias = true is not supported (Phi-3's fused projections have none)".into()
+            );
         }
         let head_dim = match self.int("head_dim")? {
             Some(h) => Some(h),
@@ -556,7 +574,11 @@ impl Keys<'_> {
             qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
             sandwich_norms: gemma,
             scale_embeddings: gemma,
-            query_pre_attn_scalar: if gemma { Some(self.float("query_pre_attn_scalar")?.unwrap_or(256.0)) } else { None },
+            query_pre_attn_scalar: if gemma {
+                Some(self.float("query_pre_attn_scalar")?.unwrap_or(256.0))
+            } else {
+                None
+            },
             attn_softcap: if gemma { softcap("attn_logit_softcapping", gemma2.then_some(50.0))? } else { None },
             logit_softcap: if gemma { softcap("final_logit_softcapping", gemma2.then_some(30.0))? } else { None },
             sliding_window,

@@ -456,7 +456,13 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     let mut u = b.unit("embedding");
     let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
     let scale = cfg.scale_embeddings.then(|| (d as f64).sqrt());
-    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, scale, padding: cfg.padding_token, kind: "LlamaEmbedding" });
+    u.finish(TokenEmbedding {
+        table: embed,
+        vocab: cfg.vocab,
+        scale,
+        padding: cfg.padding_token,
+        kind: "LlamaEmbedding",
+    });
     for i in 0..cfg.layers {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());

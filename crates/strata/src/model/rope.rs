@@ -105,7 +105,8 @@ impl Rope {
     /// sequence reaches `len` positions (only dynamic scaling depends on it).
     pub fn inverse_frequencies(&self, head_dim: i64, len: i64) -> Vec<f64> {
         let dim = self.rotated_dims(head_dim);
-        let unscaled = |base: f64| -> Vec<f64> { (0..dim / 2).map(|i| base.powf(-2.0 * i as f64 / dim as f64)).collect() };
+        let unscaled =
+            |base: f64| -> Vec<f64> { (0..dim / 2).map(|i| base.powf(-2.0 * i as f64 / dim as f64)).collect() };
         match self.scaling {
             RopeScaling::None => unscaled(self.theta),
             RopeScaling::Linear { factor } => unscaled(self.theta).into_iter().map(|f| f / factor).collect(),
@@ -148,7 +149,8 @@ impl Rope {
                         } else if wavelength > long {
                             f / factor
                         } else {
-                            let smooth = (context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            let smooth =
+                                (context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -227,7 +229,8 @@ mod tests {
 
     #[test]
     fn dynamic_scaling_starts_past_the_original_context() {
-        let rope = Rope { theta: 100.0, scaling: RopeScaling::Dynamic { factor: 2.0, original_context: 16 }, partial: 1.0 };
+        let rope =
+            Rope { theta: 100.0, scaling: RopeScaling::Dynamic { factor: 2.0, original_context: 16 }, partial: 1.0 };
         assert_eq!(rope.inverse_frequencies(8, 10), Rope::new(100.0).inverse_frequencies(8, 10));
         let longer = rope.inverse_frequencies(8, 32);
         // base · (2·32/16 − 1)^(8/6)
