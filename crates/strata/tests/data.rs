@@ -202,7 +202,14 @@ fn tokenize_files_equal_encoding_each_file_whole() {
     assert!(calls > 10, "progress is reported batch by batch ({calls} calls)");
     // The byte tokenizer's vocabulary fits u16, its default.
     let bytes_out = dir.path().join("bytes.tok");
-    tokenize_files(&[b.clone()], &Tokenizer::Bytes, &bytes_out, &TokenizeOptions::default(), &mut |_, _| {}).unwrap();
+    tokenize_files(
+        std::slice::from_ref(&b),
+        &Tokenizer::Bytes,
+        &bytes_out,
+        &TokenizeOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
     let read = TokenData::open(&bytes_out, None).unwrap();
     assert_eq!(
         (read.width(), read.to_vec()),

@@ -229,9 +229,12 @@ fn a_folder_write_that_fails_midway_leaves_the_earlier_folder_whole() {
     assert!(written.values().all(|t| t.abs().sum(Kind::Double).double_value(&[]) == 0.0), "the new weights");
 }
 
+/// Token rows of a batch.
+type Rows = Vec<Vec<i64>>;
+
 /// Rows of 12 tokens for training: `count` batches of two rows, inputs and next-token
 /// targets, drawn by a fixed generator below the tokenizer's 90 words.
-fn training_batches(count: usize) -> Vec<(Vec<Vec<i64>>, Vec<Vec<i64>>)> {
+fn training_batches(count: usize) -> Vec<(Rows, Rows)> {
     let mut x: u64 = 7;
     let mut draw = move || {
         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

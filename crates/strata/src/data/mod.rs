@@ -212,7 +212,7 @@ impl TokenData {
             None => (0, width.unwrap_or(TokenWidth::U16)),
         };
         let body = size - start;
-        if body % width.bytes() != 0 {
+        if !body.is_multiple_of(width.bytes()) {
             return Err(bad(format!("{body} bytes is not a whole number of {} tokens", width.name())));
         }
         let ids = match map {
