@@ -115,11 +115,13 @@ fn qwen2_fine_tunes_in_a_pipeline() {
 }
 
 const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
+const SEQUENCE: &str =
+    r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
 const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
 
-/// A family trained alone, over two ranks with fsdp, split by tensor parallel (where its
-/// heads allow) and in two pipeline stages: every run ends at `transformers`' validation
-/// loss of the folder it writes.
+/// A family trained alone, over two ranks with fsdp, split by tensor parallel with and
+/// without sequence parallel (where its heads allow) and in two pipeline stages: every run
+/// ends at `transformers`' validation loss of the folder it writes.
 fn fine_tunes_under_every_layout(family: &str, tensor: bool) {
     let mut runs: Vec<(&str, &[&str])> = vec![
         ("one", &[]),
@@ -128,6 +130,7 @@ fn fine_tunes_under_every_layout(family: &str, tensor: bool) {
     ];
     if tensor {
         runs.push(("tensor", &["--nproc", "2", "--strategy", TENSOR]));
+        runs.push(("sequence", &["--nproc", "2", "--strategy", SEQUENCE]));
     }
     fine_tune(family, &runs);
 }

@@ -118,8 +118,29 @@ fn folders_written_back_load_in_transformers() {
     }
 }
 
-/// Greedy decoding equals `transformers`' generate(do_sample=False) token for token, with
-/// and without the key/value cache.
+/// Greedy decoding of `new_tokens` after a fixed prompt equals `transformers`'
+/// generate(do_sample=False) token for token (which is told to run past the end token),
+/// with and without the key/value cache.
+fn greedy_generation_matches(py: &Path, family: &str, dir: &Path, engine: &mut Engine, new_tokens: usize) {
+    let prompt = [7i64, 31, 3, 58, 12];
+    let args = [
+        "generate",
+        "--dir",
+        dir.to_str().unwrap(),
+        "--prompt",
+        &serde_json::to_string(&prompt).unwrap(),
+        "--max-new-tokens",
+        &new_tokens.to_string(),
+    ];
+    let theirs: Vec<i64> = serde_json::from_str(&reference(py, &args)).unwrap();
+    let context = from_pretrained_dir(dir).unwrap().config.context();
+    let config = GenerateConfig { max_new_tokens: new_tokens, ..Default::default() };
+    let cached = generate(engine, &prompt, &config, context).unwrap();
+    let uncached = generate(engine, &prompt, &GenerateConfig { cache: false, ..config }, context).unwrap();
+    assert_eq!(cached, theirs, "{family}: greedy tokens differ from transformers'");
+    assert_eq!(uncached, cached, "{family}: the cached path differs from the uncached one");
+}
+
 #[test]
 fn greedy_generation_equals_transformers() {
     let Some(py) = python() else { return };
@@ -127,28 +148,7 @@ fn greedy_generation_equals_transformers() {
         let work = tempfile::tempdir().unwrap();
         let dir = work.path().join(family);
         make(&py, family, &dir, None);
-        let prompt = [7i64, 31, 3, 58, 12];
-        let theirs: Vec<i64> = serde_json::from_str(&reference(
-            &py,
-            &[
-                "generate",
-                "--dir",
-                dir.to_str().unwrap(),
-                "--prompt",
-                &serde_json::to_string(&prompt).unwrap(),
-                "--max-new-tokens",
-                "20",
-            ],
-        ))
-        .unwrap();
-        let mut engine = strata_engine(&dir);
-        let context = from_pretrained_dir(&dir).unwrap().config.context();
-        // transformers stops at the end token only when asked; here it runs all 20.
-        let config = GenerateConfig { max_new_tokens: 20, ..Default::default() };
-        let cached = generate(&mut engine, &prompt, &config, context).unwrap();
-        let uncached = generate(&mut engine, &prompt, &GenerateConfig { cache: false, ..config }, context).unwrap();
-        assert_eq!(cached, theirs, "{family}: greedy tokens differ from transformers'");
-        assert_eq!(uncached, cached, "{family}: the cached path differs from the uncached one");
+        greedy_generation_matches(&py, family, &dir, &mut strata_engine(&dir), 20);
     }
 }
 
@@ -317,23 +317,7 @@ fn family_matches_transformers(family: &str, new_tokens: usize) {
     eprintln!("{family} written back: largest logit difference from transformers {g:.2e}");
     assert!(g <= 1e-5, "{family}: the written folder's logits differ by {g}");
 
-    let prompt = [7i64, 31, 3, 58, 12];
-    let args = [
-        "generate",
-        "--dir",
-        saved.to_str().unwrap(),
-        "--prompt",
-        &serde_json::to_string(&prompt).unwrap(),
-        "--max-new-tokens",
-        &new_tokens.to_string(),
-    ];
-    let expected: Vec<i64> = serde_json::from_str(&reference(&py, &args)).unwrap();
-    let context = from_pretrained_dir(&saved).unwrap().config.context();
-    let config = GenerateConfig { max_new_tokens: new_tokens, ..Default::default() };
-    let cached = generate(&mut engine, &prompt, &config, context).unwrap();
-    let uncached = generate(&mut engine, &prompt, &GenerateConfig { cache: false, ..config }, context).unwrap();
-    assert_eq!(cached, expected, "{family}: greedy tokens differ from transformers'");
-    assert_eq!(uncached, cached, "{family}: the cached path differs from the uncached one");
+    greedy_generation_matches(&py, family, &saved, &mut engine, new_tokens);
 }
 
 #[test]
