@@ -212,9 +212,55 @@ struct OffsetStream {
     batch: usize,
     len: usize,
     rng: SplitMix64,
-    epoch: Vec<usize>,
+    epoch: Epoch,
     cursor: usize,
     step: usize,
+}
+
+/// One pass over the windows of a shift: window `k` of the pass starts at
+/// `shift + ctx · order.at(k)`. The order is computed, not stored, so a pass over a corpus
+/// of any size costs no memory.
+struct Epoch {
+    shift: usize,
+    order: Permutation,
+}
+
+/// A seeded bijection of `0..count`: a four-round Feistel network over the smallest domain
+/// of an even number of bits that holds `count`, walked until it lands below `count`
+/// (the domain is at most four times `count`, so a few steps on average).
+struct Permutation {
+    count: u64,
+    half_bits: u32,
+    keys: [u64; 4],
+}
+
+impl Permutation {
+    fn new(count: u64, rng: &mut SplitMix64) -> Permutation {
+        let bits = (64 - count.saturating_sub(1).leading_zeros()).max(2);
+        let half_bits = bits.div_ceil(2);
+        let keys = [rng.next_u64(), rng.next_u64(), rng.next_u64(), rng.next_u64()];
+        Permutation { count, half_bits, keys }
+    }
+
+    fn at(&self, index: u64) -> u64 {
+        let mut x = index;
+        loop {
+            x = self.feistel(x);
+            if x < self.count {
+                return x;
+            }
+        }
+    }
+
+    fn feistel(&self, x: u64) -> u64 {
+        let mask = (1u64 << self.half_bits) - 1;
+        let (mut left, mut right) = (x >> self.half_bits, x & mask);
+        for key in self.keys {
+            let mixed = SplitMix64::new(right ^ key).next_u64() & mask;
+            (left, right) = (right, left ^ mixed);
+        }
+        (left << self.half_bits) | right
+    }
 }
 
 impl OffsetStream {
@@ -242,7 +288,7 @@ impl OffsetStream {
             batch: config.batch_size,
             len: data.len(),
             rng: SplitMix64::new(config.seed),
-            epoch: vec![],
+            epoch: Epoch { shift: 0, order: Permutation { count: 0, half_bits: 1, keys: [0; 4] } },
             cursor: 0,
             step: 0,
         })
@@ -258,17 +304,16 @@ impl OffsetStream {
     }
 
     fn next_window(&mut self) -> usize {
-        if self.cursor == self.epoch.len() {
+        if self.cursor as u64 == self.epoch.order.count {
             let shift = self.rng.below(self.ctx as u64) as usize;
             let count = (self.len - 1 - shift) / self.ctx;
             // A shift that leaves no whole window falls back to the aligned start.
             let (shift, count) = if count == 0 { (0, (self.len - 1) / self.ctx) } else { (shift, count) };
-            self.epoch = (0..count).map(|k| shift + k * self.ctx).collect();
-            self.rng.shuffle(&mut self.epoch);
+            self.epoch = Epoch { shift, order: Permutation::new(count as u64, &mut self.rng) };
             self.cursor = 0;
         }
         self.cursor += 1;
-        self.epoch[self.cursor - 1]
+        self.epoch.shift + self.ctx * self.epoch.order.at(self.cursor as u64 - 1) as usize
     }
 }
 
@@ -308,6 +353,22 @@ mod tests {
 
     fn rows(b: &Batch) -> Vec<Vec<i64>> {
         Vec::<Vec<i64>>::try_from(&b.inputs).unwrap()
+    }
+
+    proptest::proptest! {
+        /// Every index of `0..count` comes out exactly once, and the order depends on the
+        /// seed.
+        #[test]
+        fn epoch_orders_are_permutations(count in 1u64..3000, seed in proptest::prelude::any::<u64>()) {
+            let order = Permutation::new(count, &mut SplitMix64::new(seed));
+            let mut seen: Vec<u64> = (0..count).map(|k| order.at(k)).collect();
+            let identity = seen.iter().enumerate().all(|(k, &v)| k as u64 == v);
+            seen.sort_unstable();
+            proptest::prop_assert_eq!(seen, (0..count).collect::<Vec<_>>());
+            if count >= 64 {
+                proptest::prop_assert!(!identity, "a shuffle of {} windows left them in order", count);
+            }
+        }
     }
 
     #[test]
