@@ -593,9 +593,11 @@ impl Keys<'_> {
     /// `sliding_window` on every layer; Qwen's from `use_sliding_window` on the layers from
     /// `max_window_layers` on; Gemma's on the layers `layer_types` marks (every other layer
     /// for Gemma 2, five of six for Gemma 3, where the list is absent). An explicit
-    /// `layer_types` is honoured wherever it is given.
+    /// `layer_types` is honoured wherever it is given. LLaMA attends to every earlier
+    /// position whatever its config says, as `transformers`' LLaMA does.
     fn windows(&self, family: Family, layers: i64) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         let window = match family {
+            Family::Llama | Family::Gpt2 => return Ok((None, None)),
             Family::Qwen2 | Family::Qwen3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             Family::Gemma2 | Family::Gemma3 if !self.cfg.contains_key("sliding_window") => Some(4096),
             _ => self.int("sliding_window")?,
@@ -714,5 +716,105 @@ impl Keys<'_> {
             }
         };
         Ok(Rope { theta, scaling, partial })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The decoder a `config.json` of `family` with these keys (beside a small base) reads as.
+    fn read(family: Family, keys: Value) -> KeyResult<LlamaConfig> {
+        let mut cfg = json!({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 3,
+                             "intermediate_size": 48, "vocab_size": 96});
+        for (k, v) in keys.as_object().into_iter().flatten() {
+            cfg[k] = v.clone();
+        }
+        Keys { cfg: cfg.as_object().unwrap(), prefix: String::new() }.decoder(family)
+    }
+
+    #[test]
+    fn windows_apply_where_each_family_says() {
+        let window = json!({"sliding_window": 4});
+        let llama = read(Family::Llama, window.clone()).unwrap();
+        assert_eq!((llama.sliding_window, llama.layer_types), (None, None), "LLaMA has no window");
+        let mistral = read(Family::Mistral, window.clone()).unwrap();
+        assert_eq!((0..3).map(|i| mistral.window(i)).collect::<Vec<_>>(), [Some(4); 3]);
+        assert_eq!(read(Family::Qwen2, window).unwrap().sliding_window, None, "without use_sliding_window");
+        let qwen =
+            read(Family::Qwen3, json!({"sliding_window": 4, "use_sliding_window": true, "max_window_layers": 1}))
+                .unwrap();
+        assert_eq!((0..3).map(|i| qwen.window(i)).collect::<Vec<_>>(), [None, Some(4), Some(4)]);
+        let gemma2 = read(Family::Gemma2, json!({"sliding_window": 4})).unwrap();
+        assert_eq!((0..3).map(|i| gemma2.window(i)).collect::<Vec<_>>(), [Some(4), None, Some(4)]);
+        assert_eq!((gemma2.attn_softcap, gemma2.logit_softcap), (Some(50.0), Some(30.0)), "Gemma 2's defaults");
+        let long = read(Family::Mistral, json!({"sliding_window": 4, "max_position_embeddings": 64})).unwrap();
+        assert_eq!(long.ctx, 64, "a window is no cap on the context");
+    }
+
+    #[test]
+    fn rotations_come_from_either_format_and_gemma3_nests_them_by_layer_type() {
+        let llama3 = json!({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16});
+        let new = read(Family::Llama, json!({"rope_parameters": llama3.clone()})).unwrap();
+        let mut old_scaling = llama3;
+        old_scaling.as_object_mut().unwrap().remove("rope_theta");
+        let old = read(Family::Llama, json!({"rope_scaling": old_scaling, "rope_theta": 5e5})).unwrap();
+        assert_eq!(new.rope(), old.rope());
+        assert!(matches!(new.rope_scaling, RopeScaling::Llama3 { original_context: 16, .. }));
+        let gemma3 = read(
+            Family::Gemma3,
+            json!({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+        )
+        .unwrap();
+        assert_eq!(gemma3.rope(), Rope { scaling: RopeScaling::Linear { factor: 2.0 }, ..Rope::new(1e6) });
+        assert_eq!(gemma3.local_rope, Some(Rope::new(1e4)));
+        let dynamic = read(
+            Family::Llama,
+            json!({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0},
+                                                 "max_position_embeddings": 8}),
+        )
+        .unwrap();
+        assert_eq!(dynamic.ctx, 32, "dynamic scaling stretches the context by its factor");
+    }
+
+    #[test]
+    fn keys_without_a_meaning_here_are_refused_by_name() {
+        let longrope = read(Family::Phi3, json!({"rope_parameters": {"rope_type": "longrope"}})).unwrap_err();
+        assert!(longrope.contains("rope_parameters type \"longrope\" is not supported"), "{longrope}");
+        let both_ways = read(Family::Gemma3, json!({"use_bidirectional_attention": true})).unwrap_err();
+        assert!(both_ways.contains("use_bidirectional_attention = true is not supported"), "{both_ways}");
+        let act = read(Family::Qwen3, json!({"hidden_act": "gelu"})).unwrap_err();
+        assert!(act.contains("hidden_act \"gelu\" is not supported"), "{act}");
+        let types =
+            read(Family::Gemma2, json!({"layer_types": ["chunked_attention", "full_attention", "full_attention"]}))
+                .unwrap_err();
+        assert!(types.contains("layer_types holds \"chunked_attention\""), "{types}");
+    }
+
+    #[test]
+    fn a_decoder_is_written_as_the_family_its_options_name() {
+        let families = [
+            (Family::Llama, json!({})),
+            (Family::Mistral, json!({"sliding_window": 4})),
+            (Family::Qwen2, json!({})),
+            (Family::Qwen3, json!({})),
+            (Family::Gemma2, json!({})),
+            (Family::Gemma3, json!({})),
+            (Family::Phi3, json!({})),
+        ];
+        for (family, keys) in families {
+            let c = read(family, keys).unwrap();
+            assert_eq!(Family::of(&ModelConfig::Llama(c.clone())).unwrap(), family);
+            assert_eq!(family.cannot_write(&c), None, "{family:?}");
+        }
+        let mut windowed = read(Family::Llama, json!({})).unwrap();
+        windowed.sliding_window = Some(4);
+        windowed.layer_types = Some(vec![LayerAttention::Full, LayerAttention::Sliding, LayerAttention::Full]);
+        let why = Family::Llama.cannot_write(&windowed).unwrap();
+        assert!(why.contains("a llama model cannot hold a sliding window"), "{why}");
+        let gemma = read(Family::Gemma2, json!({})).unwrap();
+        assert!(Family::Qwen3.cannot_write(&gemma).is_some());
     }
 }
