@@ -54,7 +54,7 @@ impl Tokenizer {
     /// spreading).
     pub fn encode_batch(&self, texts: Vec<String>) -> Result<Vec<Vec<u32>>> {
         match self {
-            Tokenizer::Bytes => Ok(texts.iter().map(|t| t.bytes().map(u32::from).collect()).collect()),
+            Tokenizer::Bytes => texts.iter().map(|t| self.encode(t)).collect(),
             Tokenizer::HuggingFace(t) => Ok(t
                 .encode_batch(texts, false)
                 .map_err(|e| Error::Data(format!("tokenizer failed: {e}")))?
@@ -154,7 +154,6 @@ enum Ids {
 #[derive(Clone, Debug)]
 pub struct TokenData {
     ids: Ids,
-    len: usize,
     /// The largest id plus one, found on first use (a scan of the whole file).
     vocab_needed: OnceLock<u32>,
     /// Where the tokens came from, for messages.
@@ -163,7 +162,7 @@ pub struct TokenData {
 
 impl TokenData {
     pub fn new(tokens: Vec<u32>, source: impl Into<String>) -> TokenData {
-        TokenData { len: tokens.len(), ids: Ids::Owned(tokens), vocab_needed: OnceLock::new(), source: source.into() }
+        TokenData { ids: Ids::Owned(tokens), vocab_needed: OnceLock::new(), source: source.into() }
     }
 
     /// Tokenises a UTF-8 text file.
@@ -219,12 +218,7 @@ impl TokenData {
             Some(map) => Ids::Mapped { map: Arc::new(map), start, width },
             None => Ids::Owned(vec![]),
         };
-        Ok(TokenData {
-            ids,
-            len: body / width.bytes(),
-            vocab_needed: OnceLock::new(),
-            source: path.display().to_string(),
-        })
+        Ok(TokenData { ids, vocab_needed: OnceLock::new(), source: path.display().to_string() })
     }
 
     /// Writes the ids as a raw little-endian `u16` file (nanoGPT's `.bin`; fails if an id
@@ -240,22 +234,25 @@ impl TokenData {
 
     /// The file bytes of the ids at `width`, behind the header where `header` says.
     fn encode(&self, width: TokenWidth, header: bool) -> Result<Vec<u8>> {
-        let mut bytes = Vec::with_capacity(TOKEN_FILE_HEADER + self.len * width.bytes());
+        let mut bytes = Vec::with_capacity(TOKEN_FILE_HEADER + self.len() * width.bytes());
         if header {
             bytes.extend_from_slice(&token_file_header(width));
         }
-        for i in 0..self.len {
-            push_id(&mut bytes, self.get(i), width)?;
+        for id in self.ids(0, self.len()) {
+            push_id(&mut bytes, id, width)?;
         }
         Ok(bytes)
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        match &self.ids {
+            Ids::Owned(ids) => ids.len(),
+            Ids::Mapped { map, start, width } => (map.len() - start) / width.bytes(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// The width of the file the ids are read from (`None` for ids in memory).
@@ -266,45 +263,51 @@ impl TokenData {
         }
     }
 
-    /// Id `i` (below [`TokenData::len`]).
-    pub fn get(&self, i: usize) -> u32 {
+    /// Ids `first .. first + count` (within [`TokenData::len`]), decoded as they are read.
+    fn ids(&self, first: usize, count: usize) -> Box<dyn Iterator<Item = u32> + '_> {
         match &self.ids {
-            Ids::Owned(ids) => ids[i],
+            Ids::Owned(ids) => Box::new(ids[first..first + count].iter().copied()),
             Ids::Mapped { map, start, width } => {
-                let at = start + i * width.bytes();
+                let bytes = &map[start + first * width.bytes()..start + (first + count) * width.bytes()];
                 match width {
-                    TokenWidth::U16 => u32::from(u16::from_le_bytes([map[at], map[at + 1]])),
-                    TokenWidth::U32 => u32::from_le_bytes([map[at], map[at + 1], map[at + 2], map[at + 3]]),
+                    TokenWidth::U16 => {
+                        Box::new(bytes.chunks_exact(2).map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]))))
+                    }
+                    TokenWidth::U32 => {
+                        Box::new(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                    }
                 }
             }
         }
     }
 
+    /// Id `i` (below [`TokenData::len`]).
+    pub fn get(&self, i: usize) -> u32 {
+        self.ids(i, 1).next().unwrap_or_default()
+    }
+
     /// Appends ids `start .. start + count` to `out`.
     pub fn extend_window(&self, out: &mut Vec<i64>, start: usize, count: usize) {
-        match &self.ids {
-            Ids::Owned(ids) => out.extend(ids[start..start + count].iter().map(|&t| i64::from(t))),
-            Ids::Mapped { .. } => out.extend((start..start + count).map(|i| i64::from(self.get(i)))),
-        }
+        out.extend(self.ids(start, count).map(i64::from));
     }
 
     /// Every id, copied.
     pub fn to_vec(&self) -> Vec<u32> {
-        (0..self.len).map(|i| self.get(i)).collect()
+        self.ids(0, self.len()).collect()
     }
 
     /// The largest token id plus one.
     pub fn vocab_needed(&self) -> u32 {
-        *self.vocab_needed.get_or_init(|| (0..self.len).map(|i| self.get(i)).max().map_or(0, |m| m + 1))
+        *self.vocab_needed.get_or_init(|| self.ids(0, self.len()).max().map_or(0, |m| m + 1))
     }
 
     /// Checks that windows of `ctx` inputs (plus one target) fit.
     pub fn check_length(&self, ctx: usize) -> Result<()> {
-        if self.len < ctx + 1 {
+        if self.len() < ctx + 1 {
             return Err(Error::Data(format!(
                 "{} has {} tokens, fewer than the {} a context of {ctx} needs",
                 self.source,
-                self.len,
+                self.len(),
                 ctx + 1
             )));
         }

@@ -135,8 +135,13 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         return fused(&x, w, eps);
     }
     let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
-    let ms = x32.f_square()?.f_mean_dim(-1, true, None)?;
-    Ok(cast(&x32.f_mul(&ms.f_add_scalar(eps)?.f_rsqrt()?)?, Some(x.kind()))?.f_mul(w)?)
+    Ok(cast(&rms_normalized(&x32, eps)?, Some(x.kind()))?.f_mul(w)?)
+}
+
+/// `x / rms(x)` over the last dimension, in x's dtype.
+fn rms_normalized(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.f_square()?.f_mean_dim(-1, true, None)?;
+    Ok(x.f_mul(&ms.f_add_scalar(eps)?.f_rsqrt()?)?)
 }
 
 /// Gemma's RMS norm, `x / rms(x) · (1 + w)`, computed in fp32 and returned in x's dtype.
@@ -147,8 +152,7 @@ pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if let Some(fused) = compute::replaced(|r| r.rms_norm(x32.kind())) {
         return cast(&fused(&x32, &w32, eps)?, Some(x.kind()));
     }
-    let ms = x32.f_square()?.f_mean_dim(-1, true, None)?;
-    cast(&x32.f_mul(&ms.f_add_scalar(eps)?.f_rsqrt()?)?.f_mul(&w32)?, Some(x.kind()))
+    cast(&rms_normalized(&x32, eps)?.f_mul(&w32)?, Some(x.kind()))
 }
 
 /// GELU in its tanh form, GPT-2's activation.

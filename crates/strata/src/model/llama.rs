@@ -22,7 +22,7 @@ use super::layers::{
     causal_attention, geglu, linear, merge_heads, rms_norm, rms_norm_plus_one, row_linear, split_heads, swiglu,
     vocab_logits, AttentionOptions,
 };
-use super::rope::{Rope, RopeScaling};
+use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TokenEmbedding, TpRole, Unit,
     DEFAULT_NORM_EPS, INIT_STD as STD,
@@ -232,9 +232,6 @@ impl LlamaConfig {
             }
             _ => {}
         }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(Error::Config(format!("rope_theta must be positive, got {}", self.rope_theta)));
-        }
         self.rope().validate(self.head_width())?;
         if let Some(local) = &self.local_rope {
             local.validate(self.head_width())?;
@@ -321,7 +318,7 @@ struct LlamaBlock {
     heads: i64,
     kv_heads: i64,
     head_dim: i64,
-    rope: Rope,
+    rotation: Rotation,
     attention: AttentionOptions,
     kinds: Kinds,
 }
@@ -372,7 +369,7 @@ impl LlamaBlock {
         let start = cache.as_ref().map_or(0, |c| c.position());
         let h = tp.enter(&self.kinds.norm(x, &p[self.input_norm])?)?;
         let (q, k, v) = self.project(p, &h, heads, kv_heads)?;
-        let (q, k) = (self.rope.rotate(&q, start)?, self.rope.rotate(&k, start)?);
+        let (q, k) = self.rotation.rotate(&q, &k, start)?;
         let (k, v) = match cache {
             Some(c) => {
                 let all = c.extend(&k, &v)?;
@@ -538,7 +535,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             heads,
             kv_heads,
             head_dim: hd,
-            rope,
+            rotation: Rotation::new(rope),
             attention: AttentionOptions {
                 scale: cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5)),
                 window,

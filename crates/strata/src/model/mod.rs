@@ -18,7 +18,7 @@ pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use layers::NoTensorParallel;
 pub use llama::{llama, Activation, LayerAttention, LlamaConfig, NormKind};
 pub use mlp::{mlp, MlpConfig};
-pub use rope::{Rope, RopeScaling};
+pub use rope::{Rope, RopeScaling, Rotation};
 pub use tensor::{TensorParallel, TpRole};
 
 use crate::{Error, Result};

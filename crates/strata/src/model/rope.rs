@@ -9,7 +9,8 @@ use super::layers::rotary;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::f64::consts::PI;
-use tch::{Kind, Tensor};
+use std::sync::Mutex;
+use tch::{Device, Kind, Tensor};
 
 /// How the inverse frequencies are scaled from the unscaled `theta^(-2i/d)`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -158,27 +159,59 @@ impl Rope {
             }
         }
     }
+}
 
-    /// Rotates `[B, H, T, D]` `x`, whose first position is `start`, by position; the
-    /// frequencies are those of a sequence of `start + T` positions.
-    pub fn rotate(&self, x: &Tensor, start: i64) -> Result<Tensor> {
-        let (_, _, t, d) = x.size4()?;
-        let dims = self.rotated_dims(d);
-        let inv_freq = Tensor::from_slice(&self.inverse_frequencies(d, start + t))
+/// A [`Rope`] at work in a unit: queries and keys rotated with one pair of cosine and sine
+/// tables, from inverse frequencies kept on the device they were last used on. They are
+/// made again only where they change: on another device, or, under dynamic scaling, for
+/// another sequence length.
+pub struct Rotation {
+    rope: Rope,
+    /// The device, the length the frequencies are for (0 where they do not depend on it),
+    /// and the frequencies.
+    frequencies: Mutex<Option<(Device, i64, Tensor)>>,
+}
+
+impl Rotation {
+    pub fn new(rope: Rope) -> Rotation {
+        Rotation { rope, frequencies: Mutex::new(None) }
+    }
+
+    /// The fp32 inverse frequencies of heads `head_dim` wide on `device`, for `len` positions.
+    fn frequencies(&self, head_dim: i64, len: i64, device: Device) -> Result<Tensor> {
+        let len = if matches!(self.rope.scaling, RopeScaling::Dynamic { .. }) { len } else { 0 };
+        let mut held = self.frequencies.lock().map_err(|_| Error::Model("a rotation's lock was poisoned".into()))?;
+        if let Some((_, _, f)) = held.as_ref().filter(|(d, l, _)| *d == device && *l == len) {
+            return Ok(f.shallow_clone());
+        }
+        let f = Tensor::f_from_slice(&self.rope.inverse_frequencies(head_dim, len))?
             .f_to_kind(Kind::Float)?
-            .f_to_device(x.device())?;
-        // Angles in fp32 whatever x's dtype, as the frequencies are.
-        let positions = Tensor::f_arange_start(start, start + t, (Kind::Float, x.device()))?;
+            .f_to_device(device)?;
+        *held = Some((device, len, f.shallow_clone()));
+        Ok(f)
+    }
+
+    /// Rotates queries and keys `[B, H, T, D]` whose first position is `start`, by
+    /// position; the frequencies are those of a sequence of `start + T` positions.
+    pub fn rotate(&self, q: &Tensor, k: &Tensor, start: i64) -> Result<(Tensor, Tensor)> {
+        let (_, _, t, d) = q.size4()?;
+        let dims = self.rope.rotated_dims(d);
+        let inv_freq = self.frequencies(d, start + t, q.device())?;
+        // Angles in fp32 whatever the heads' dtype, as the frequencies are.
+        let positions = Tensor::f_arange_start(start, start + t, (Kind::Float, q.device()))?;
         let freqs = positions.f_outer(&inv_freq)?;
         let angles = Tensor::f_cat(&[&freqs, &freqs], -1)?;
-        let factor = self.attention_factor();
+        let factor = self.rope.attention_factor();
         let (cos, sin) = (angles.f_cos()?.f_mul_scalar(factor)?, angles.f_sin()?.f_mul_scalar(factor)?);
-        let (cos, sin) = (cos.f_to_kind(x.kind())?, sin.f_to_kind(x.kind())?);
-        if dims == d {
-            return rotary(x, &cos, &sin);
-        }
-        let (turned, passed) = (x.f_narrow(-1, 0, dims)?, x.f_narrow(-1, dims, d - dims)?);
-        Ok(Tensor::f_cat(&[&rotary(&turned, &cos, &sin)?, &passed], -1)?)
+        let (cos, sin) = (cos.f_to_kind(q.kind())?, sin.f_to_kind(q.kind())?);
+        let turn = |x: &Tensor| -> Result<Tensor> {
+            if dims == d {
+                return rotary(x, &cos, &sin);
+            }
+            let (turned, passed) = (x.f_narrow(-1, 0, dims)?, x.f_narrow(-1, dims, d - dims)?);
+            Ok(Tensor::f_cat(&[&rotary(&turned, &cos, &sin)?, &passed], -1)?)
+        };
+        Ok((turn(q)?, turn(k)?))
     }
 }
 
@@ -258,10 +291,11 @@ mod tests {
     #[test]
     fn a_partial_rotation_passes_the_other_dimensions_through() {
         let rope = Rope { partial: 0.5, ..Rope::new(10.0) };
+        let too_narrow = Rope { partial: 0.1, ..Rope::new(10.0) };
         let x = Tensor::randn([1, 2, 5, 8], (Kind::Float, tch::Device::Cpu));
-        let y = rope.rotate(&x, 3).unwrap();
+        let (y, _) = Rotation::new(rope).rotate(&x, &x, 3).unwrap();
         assert_eq!(y.narrow(-1, 4, 4), x.narrow(-1, 4, 4));
         assert!((y.narrow(-1, 0, 4) - x.narrow(-1, 0, 4)).abs().max().double_value(&[]) > 1e-3);
-        assert!(Rope { partial: 0.1, ..Rope::new(10.0) }.validate(8).is_err());
+        assert!(too_narrow.validate(8).is_err());
     }
 }
