@@ -20,10 +20,8 @@ mod infer;
 mod launch;
 mod options;
 mod profile_cmd;
-mod run_io;
 mod tokenize_cmd;
 mod train;
-mod train_pipeline;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -9,6 +9,7 @@ use strata::data::{TokenWidth, Tokenizer};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
 use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
 use strata::patrickstar::PatrickStarConfig;
+use strata::run::Resume;
 use strata::strategy::Strategy;
 
 /// Declares the option struct once for clap and serde, and its merge.
@@ -128,6 +129,9 @@ train_options! {
     device: String,
     /// Write one JSON object per step to this file.
     metrics: PathBuf,
+    /// Write TensorBoard event files into this folder: the metrics file's scalars per step
+    /// and, with --profile, the profile's pictures.
+    tensorboard: PathBuf,
     /// Time every unit's forward and backward and the communication waited for around
     /// them, into the metrics (`unit_times`).
     unit_times: bool,
@@ -239,6 +243,7 @@ pub struct TrainSettings {
     pub threads: Option<i32>,
     pub device: tch::Device,
     pub metrics: Option<PathBuf>,
+    pub tensorboard: Option<PathBuf>,
     pub unit_times: bool,
     pub profile: Option<PathBuf>,
     pub log_every: u64,
@@ -263,7 +268,7 @@ pub struct TrainSettings {
     pub save_checkpoint: Option<PathBuf>,
     pub checkpoint_every: Option<u64>,
     pub keep_checkpoints: usize,
-    pub resume: Option<PathBuf>,
+    pub resume: Option<Resume>,
     pub comm_timeout: std::time::Duration,
     pub comm_backend: Option<String>,
 }
@@ -543,10 +548,10 @@ impl TrainOptions {
         // A restarted job (torchrun --max-restarts) continues from its newest checkpoint.
         let resume = match o.resume {
             Some(path) if path.as_os_str() == "auto" => match &o.save_checkpoint {
-                Some(root) => root.join("latest").is_file().then(|| root.clone()),
+                Some(_) => Some(Resume::Latest),
                 None => bail!("--resume auto resumes from --save-checkpoint's folder: give --save-checkpoint"),
             },
-            other => other,
+            other => other.map(Resume::From),
         };
         Ok(TrainSettings {
             model_name: match &model_dir {
@@ -594,6 +599,7 @@ impl TrainOptions {
             threads,
             device: parse_device(o.device.as_deref().unwrap_or("cpu"))?,
             metrics: o.metrics,
+            tensorboard: o.tensorboard,
             unit_times: o.unit_times.unwrap_or(false),
             profile: o.profile,
             log_every: o.log_every.unwrap_or(50).max(1),

@@ -22,7 +22,8 @@
 //! - [`parallel`]: data, ZeRO, tensor and pipeline parallelism as engine schedules;
 //! - [`auto`]: `auto_accelerate` and the strategy search;
 //! - [`patrickstar`]: PatrickStar's `initialize_engine` face;
-//! - [`profile`]: recorded profiles, Chrome traces, summaries and plots.
+//! - [`profile`]: recorded profiles, Chrome traces, summaries and plots;
+//! - [`run`]: a whole training run as `strata train` does it, with its outputs.
 //!
 //! This root only declares the modules and re-exports [`Error`] and [`Result`]; it holds no
 //! logic of its own.
@@ -60,6 +61,7 @@ pub mod optim;
 pub mod parallel;
 pub mod patrickstar;
 pub mod profile;
+pub mod run;
 pub mod strategy;
 pub mod train;
 

@@ -1,0 +1,715 @@
+//! A whole training run, as `strata train` does it: launch-aware rank set-up, the strategy
+//! (given, searched by `auto_accelerate` or decided by PatrickStar), the engine or pipeline,
+//! initial weights, resume, the steps with validation, periodic and final checkpoints,
+//! metrics (JSON lines, TensorBoard), progress, profiles and saved weights — one loop for the
+//! plain and the pipelined engine.
+//!
+//! Owns the order of a run and what it writes beside its steps. Must not own a step itself
+//! ([`crate::train`] and [`crate::parallel::pipeline`] do), parse command lines or read
+//! files named by users into data (the caller hands over [`TokenData`]).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use strata::data::SyntheticCorpus;
+//! use strata::model::{GptConfig, ModelConfig};
+//! use strata::run::{self, Data, Model, RunConfig};
+//! # fn main() -> strata::Result<()> {
+//! let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 64, 2, 4, 64)));
+//! let data = Data::new(Arc::new(SyntheticCorpus::default().generate()));
+//! let config = RunConfig { steps: 50, ..RunConfig::default() };
+//! let summary = run::train(&model, &data, &config, &mut [])?;
+//! println!("final loss {:.3}", summary.last.map_or(f64::NAN, |r| r.loss));
+//! # Ok(()) }
+//! ```
+mod observe;
+mod runner;
+pub mod tensorboard;
+
+pub use observe::{human_bytes, open_metrics};
+
+use crate::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
+use crate::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
+use crate::comm::{init_from_env, launched_world_size, Comm, RankInfo};
+use crate::data::{validation_steps, DataLoader, LoaderConfig, Order, TokenData};
+use crate::engine::{EngineConfig, EventSink, EventSinks, UnitClock};
+use crate::io::{FolderOut, WeightsTarget};
+use crate::model::{Builder, ModelConfig, ModelDir, ModelSpec};
+use crate::optim::{OptimizerConfig, OptimizerKind, Schedule};
+use crate::parallel::{self, DataParallelOptions};
+use crate::patrickstar::PatrickStarConfig;
+use crate::profile::Profiler;
+use crate::strategy::Strategy;
+use crate::train::{LossFn, StepReport};
+use crate::{Error, Result};
+use runner::Runner;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::info;
+
+/// The model a run trains: a function declaring its units, and its configuration where it
+/// is one of Strata's (checkpoints record it; model folders are written from it).
+#[derive(Clone)]
+pub struct Model {
+    build: Arc<dyn Fn(&mut Builder) -> Result<()> + Send + Sync>,
+    config: Option<ModelConfig>,
+}
+
+impl Model {
+    /// A model written as units by `build` (see [`crate::model::Builder`]).
+    pub fn from_units(build: impl Fn(&mut Builder) -> Result<()> + Send + Sync + 'static) -> Model {
+        Model { build: Arc::new(build), config: None }
+    }
+
+    /// The configuration of one of Strata's models, if this is one.
+    pub fn config(&self) -> Option<&ModelConfig> {
+        self.config.as_ref()
+    }
+
+    fn spec(&self, freeze: &[String]) -> Result<ModelSpec> {
+        let mut b = Builder::new();
+        (self.build)(&mut b)?;
+        let mut spec = b.build()?;
+        spec.freeze(freeze)?;
+        Ok(spec)
+    }
+}
+
+impl From<ModelConfig> for Model {
+    fn from(config: ModelConfig) -> Model {
+        let declared = config.clone();
+        Model { build: Arc::new(move |b: &mut Builder| declared.build(b)), config: Some(config) }
+    }
+}
+
+/// The tokens a run trains on, and those it validates on.
+#[derive(Clone)]
+pub struct Data {
+    pub train: Arc<TokenData>,
+    pub validation: Option<Arc<TokenData>>,
+}
+
+impl Data {
+    /// Training tokens with no validation set.
+    pub fn new(train: Arc<TokenData>) -> Data {
+        Data { train, validation: None }
+    }
+}
+
+/// Where a run's strategy comes from.
+#[derive(Clone, Debug)]
+pub enum StrategySource {
+    /// This strategy, as given.
+    Given(Strategy),
+    /// `auto_accelerate`'s choice: searched, or loaded and tuned
+    /// ([`AutoOptions::load_strategy`], [`AutoOptions::finetune_strategy`]).
+    Auto(AutoOptions),
+    /// PatrickStar's configuration, which decides once the model and world size are known.
+    PatrickStar(PatrickStarConfig),
+}
+
+impl Default for StrategySource {
+    fn default() -> Self {
+        StrategySource::Given(Strategy::default())
+    }
+}
+
+/// Weights a run starts from, loaded in order after the engine is built.
+#[derive(Clone, Debug)]
+pub enum InitialWeights {
+    /// A safetensors file under Strata's parameter names.
+    File(PathBuf),
+    /// A Hugging Face model folder.
+    Folder(ModelDir),
+}
+
+/// Which checkpoint a run continues from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Resume {
+    /// This checkpoint (a folder, or a checkpoint root whose newest is taken).
+    From(PathBuf),
+    /// The newest complete checkpoint under [`Checkpoints::dir`], or a fresh start where
+    /// there is none yet: what a job restarted after a failure wants.
+    Latest,
+}
+
+/// Where and how often a run saves checkpoints.
+#[derive(Clone, Debug)]
+pub struct Checkpoints {
+    /// The checkpoint root (`--save-checkpoint`): each save is a folder in it, `latest`
+    /// names the newest.
+    pub dir: PathBuf,
+    /// Save after every this many steps too, beside after the last.
+    pub every: Option<u64>,
+    /// Keep this many newest checkpoints (0: all).
+    pub keep: usize,
+}
+
+/// What a run writes beside its checkpoints; every location is checked before the first
+/// step. Errors name each by its command-line flag.
+#[derive(Clone, Debug, Default)]
+pub struct Outputs {
+    /// The trained weights as one safetensors file (`--save-weights`).
+    pub weights: Option<PathBuf>,
+    /// The trained model as a Hugging Face folder (`--save-model-dir`).
+    pub model_folder: Option<FolderOut>,
+    /// One JSON line per step (`--metrics`).
+    pub metrics: Option<PathBuf>,
+    /// TensorBoard event files of the same series (`--tensorboard`).
+    pub tensorboard: Option<PathBuf>,
+    /// Each rank's profile (`--profile`).
+    pub profile: Option<PathBuf>,
+    /// The strategy the run trained with (`--save-strategy`).
+    pub strategy: Option<PathBuf>,
+    /// `auto_accelerate`'s search report (`--search-report`).
+    pub search_report: Option<PathBuf>,
+}
+
+/// Everything about a run but its model and data. [`RunConfig::default`] is a short
+/// single-process run on the CPU.
+#[derive(Clone)]
+pub struct RunConfig {
+    /// Optimizer steps in all (a resumed run continues up to this count).
+    pub steps: u64,
+    /// Windows per global batch, tokens per window, micro-batches per step.
+    pub batch_size: usize,
+    pub ctx: usize,
+    pub accumulation: usize,
+    /// Seeds parameter initialisation and the data order.
+    pub seed: u64,
+    /// How each step's windows are chosen.
+    pub order: Order,
+    /// This process's device; launched ranks move to their local GPU.
+    pub device: tch::Device,
+    /// Compute threads; `None`: the ranks of a host share its cores.
+    pub threads: Option<i32>,
+    pub optimizer: OptimizerConfig,
+    pub schedule: Schedule,
+    pub grad_clip: Option<f64>,
+    /// Parameters left out of training (name substrings).
+    pub freeze: Vec<String>,
+    /// The loss; `None`: next-token cross-entropy (vocabulary-parallel where split).
+    pub loss: Option<LossFn>,
+    pub strategy: StrategySource,
+    pub data_parallel: DataParallelOptions,
+    /// Memory budgets of each rank's device and host.
+    pub device_memory: Option<u64>,
+    pub host_memory: Option<u64>,
+    /// The communication backends of a launched job (default: chosen by placement), and
+    /// how long a collective may wait.
+    pub comm_backend: Option<String>,
+    pub comm_timeout: Duration,
+    pub init: Vec<InitialWeights>,
+    /// Validate after every this many steps (and after the last, when validation data is
+    /// given), on this many batches (`None`: as many as fit, at most 8).
+    pub eval_every: Option<u64>,
+    pub eval_batches: Option<usize>,
+    pub checkpoints: Option<Checkpoints>,
+    pub resume: Option<Resume>,
+    pub outputs: Outputs,
+    /// Time each unit's forward and backward into the metrics (not under a pipeline).
+    pub unit_times: bool,
+    /// A progress line in the log every this many steps.
+    pub log_every: u64,
+    /// A progress bar on standard error (rank 0).
+    pub progress: bool,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            steps: 100,
+            batch_size: 16,
+            ctx: 64,
+            accumulation: 1,
+            seed: 0,
+            order: Order::Shuffled,
+            device: tch::Device::Cpu,
+            threads: None,
+            optimizer: OptimizerConfig::default(),
+            schedule: Schedule::Constant,
+            grad_clip: Some(1.0),
+            freeze: vec![],
+            loss: None,
+            strategy: StrategySource::default(),
+            data_parallel: DataParallelOptions::default(),
+            device_memory: None,
+            host_memory: None,
+            comm_backend: None,
+            comm_timeout: Duration::from_secs(300),
+            init: vec![],
+            eval_every: None,
+            eval_batches: None,
+            checkpoints: None,
+            resume: None,
+            outputs: Outputs::default(),
+            unit_times: false,
+            log_every: 10,
+            progress: false,
+        }
+    }
+}
+
+impl RunConfig {
+    /// The optimizer's name as checkpoints record it.
+    fn optimizer_name(&self) -> String {
+        format!("{:?}", self.optimizer.kind).to_lowercase()
+    }
+
+    /// Where this run's data stands before step `next_step`, as checkpoints record it.
+    fn data_position(&self, next_step: u64) -> DataPosition {
+        DataPosition { seed: self.seed, batch_size: self.batch_size, ctx: self.ctx, next_step }
+    }
+
+    /// Whether a checkpoint is saved after step `step` on the way (the last step's always is).
+    fn checkpoint_due(&self, step: u64) -> bool {
+        step < self.steps && self.checkpoints.as_ref().and_then(|c| c.every).is_some_and(|e| step.is_multiple_of(e))
+    }
+
+    /// Whether a validation runs after step `step`: every `eval_every` steps, and after the last.
+    fn validation_due(&self, step: u64) -> bool {
+        step == self.steps || self.eval_every.is_some_and(|every| step.is_multiple_of(every))
+    }
+
+    /// The checkpoint to continue from, refused if it would not continue this run's data.
+    pub fn checkpoint_to_resume(&self) -> Result<Option<Checkpoint>> {
+        let path = match &self.resume {
+            None => return Ok(None),
+            Some(Resume::From(path)) => path.clone(),
+            Some(Resume::Latest) => match &self.checkpoints {
+                Some(c) if c.dir.join("latest").is_file() => c.dir.clone(),
+                Some(_) => return Ok(None),
+                None => {
+                    return Err(Error::Config(
+                        "resuming from the latest checkpoint needs a checkpoint folder (--save-checkpoint)".into(),
+                    ))
+                }
+            },
+        };
+        let ckpt = Checkpoint::open(&path)?;
+        let saved = &ckpt.meta.data;
+        let here = self.data_position(saved.next_step);
+        if *saved != here {
+            return Err(Error::Checkpoint(format!(
+                "{}: saved with seed {}, batch size {}, ctx {}; this run has seed {}, batch size {}, ctx {}: it would not continue the same run",
+                ckpt.location.display(), saved.seed, saved.batch_size, saved.ctx, here.seed, here.batch_size, here.ctx
+            )));
+        }
+        Ok(Some(ckpt))
+    }
+
+    /// Every output location is checked before the first step (and before any search), so
+    /// a long run is never lost to a path that could not be written. Every rank checks:
+    /// they all write into the checkpoint folder.
+    fn check_outputs(&self, params: u64) -> Result<()> {
+        use crate::io::{check_output, Output};
+        let states = match self.optimizer.kind {
+            OptimizerKind::Sgd if self.optimizer.momentum == 0.0 => 0,
+            OptimizerKind::Sgd => 1,
+            _ => 2,
+        };
+        let o = &self.outputs;
+        // fp32 values: weights once; a checkpoint holds parameters and each optimizer state.
+        let files = [
+            ("--save-weights", &o.weights, params * 4),
+            ("--metrics", &o.metrics, 0),
+            ("--save-strategy", &o.strategy, 0),
+            ("--search-report", &o.search_report, 0),
+        ];
+        for (flag, path, bytes) in files {
+            if let Some(path) = path {
+                check_output(flag, path, Output::File, bytes)?;
+            }
+        }
+        let folders = [
+            ("--save-checkpoint", self.checkpoints.as_ref().map(|c| &c.dir), params * 4 * (1 + states)),
+            ("--save-model-dir", o.model_folder.as_ref().map(|f| &f.dir), params * 4),
+            ("--tensorboard", o.tensorboard.as_ref(), 0),
+        ];
+        for (flag, dir, bytes) in folders {
+            if let Some(dir) = dir {
+                check_output(flag, dir, Output::Folder, bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the newest complete checkpoint of this run is, as a clause for a failed save.
+    fn last_checkpoint(&self) -> String {
+        let Some(c) = &self.checkpoints else { return String::new() };
+        match checkpoint::latest(&c.dir) {
+            Ok(dir) => format!(" (the newest complete checkpoint is {})", dir.display()),
+            Err(_) => " (no checkpoint was completed)".into(),
+        }
+    }
+}
+
+/// Whether a run goes on after a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// End the run after this step: validation, checkpoint and weights are saved as after
+    /// the last step. Every rank stops when any rank's callback says so.
+    Stop,
+}
+
+/// A user's hook into the loop: called on every rank after each step (with its validation,
+/// where one ran), with the job's figures.
+pub trait Callback {
+    fn on_step(&mut self, report: &StepReport) -> Result<Flow>;
+}
+
+impl<F: FnMut(&StepReport) -> Result<Flow>> Callback for F {
+    fn on_step(&mut self, report: &StepReport) -> Result<Flow> {
+        self(report)
+    }
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    /// The last step's report (none when a resumed run had no step left).
+    pub last: Option<StepReport>,
+    /// The strategy the run trained with.
+    pub strategy: Strategy,
+    /// This process's rank and the job's size.
+    pub rank: usize,
+    pub world_size: usize,
+}
+
+impl RunSummary {
+    /// Whether this process speaks for the job (rank 0).
+    pub fn is_leader(&self) -> bool {
+        self.rank == 0
+    }
+}
+
+/// The ranks of a job this process joined, or one process alone.
+struct Ranks {
+    comm: Option<Comm>,
+    local_world_size: usize,
+}
+
+impl Ranks {
+    fn rank(&self) -> usize {
+        self.comm.as_ref().map_or(0, Comm::rank)
+    }
+
+    fn world(&self) -> usize {
+        self.comm.as_ref().map_or(1, Comm::size)
+    }
+
+    fn leader(&self) -> bool {
+        self.rank() == 0
+    }
+}
+
+/// Trains `model` on `data` as `config` says, calling `callbacks` after every step.
+///
+/// Started by a launcher (`strata launch`, `torchrun`: `WORLD_SIZE` > 1), the process joins
+/// the job first and trains its share; every rank calls this with the same arguments.
+pub fn train(
+    model: &Model,
+    data: &Data,
+    config: &RunConfig,
+    callbacks: &mut [&mut dyn Callback],
+) -> Result<RunSummary> {
+    // Count every CPU allocation from here on (activation memory in the metrics).
+    strata_ext::cpu_memory::track()?;
+    let mut config = config.clone();
+    let launched = match launched_world_size() {
+        Some(world) if world > 1 => Some(RankInfo::from_env()?),
+        _ => None,
+    };
+    let backends = match &launched {
+        Some(info) => {
+            let (device, backends) = info.placement(config.device, tch::Cuda::device_count() as usize);
+            config.device = device;
+            config.comm_backend.clone().unwrap_or(backends)
+        }
+        None => String::new(),
+    };
+    if let Some(t) = config.threads {
+        tch::set_num_threads(t);
+    }
+    check_data(model, data, &config)?;
+    let spec = model.spec(&config.freeze)?;
+    config.check_outputs(spec.num_params() as u64)?;
+    // Initial weights or a checkpoint that cannot load are refused before any search or
+    // step (the checkpoint is opened again, and restored, once the engine exists).
+    for init in &config.init {
+        if let InitialWeights::File(path) = init {
+            crate::io::check_weights_file(&spec, path)?;
+        }
+    }
+    config.checkpoint_to_resume()?;
+    let ranks = match &launched {
+        Some(info) => Ranks {
+            comm: Some(init_from_env(&backends, config.comm_timeout)?),
+            local_world_size: info.local_world_size,
+        },
+        None => Ranks { comm: None, local_world_size: 1 },
+    };
+    share_cores(config.threads, ranks.local_world_size);
+    let engine_config = engine_config_of(&config);
+    let (strategy, data_parallel) = choose_strategy(model, data, &config, &ranks, &engine_config)?;
+    if let Some(path) = config.outputs.strategy.as_ref().filter(|_| ranks.leader()) {
+        strategy.save(path)?;
+    }
+    let (data_rank, data_world) = parallel::batch_shard(&strategy.parallel_mode(), ranks.rank(), ranks.world())?;
+    let loader_config = LoaderConfig {
+        accumulation: config.accumulation,
+        rank: data_rank,
+        world: data_world,
+        seed: config.seed,
+        device: config.device,
+        ..LoaderConfig::new(config.ctx, config.batch_size)
+    };
+    let setup = runner::Setup {
+        model,
+        data: &data.train,
+        config: &config,
+        engine: engine_config.clone(),
+        strategy: &strategy,
+        ranks: &ranks,
+        data_parallel,
+        loader: &loader_config,
+    };
+    let mut runner = if strategy.parallel_mode().size("pipeline", ranks.world())? > 1 {
+        if config.unit_times {
+            return Err(Error::Config(
+                "unit times (--unit-times) are measured by one engine's clock; under a pipeline each rank holds only its stages: profile the run instead (--profile)".into(),
+            ));
+        }
+        Runner::pipeline(&setup)?
+    } else {
+        Runner::plain(&setup, spec)?
+    };
+    info!(
+        params = model.spec(&config.freeze)?.num_params(),
+        tokens = data.train.len(),
+        source = data.train.source,
+        strategy = %strategy.to_value(),
+        "training"
+    );
+    let clock = config.unit_times.then(|| Arc::new(UnitClock::default()));
+    let profiler = match &config.outputs.profile {
+        Some(_) => Some(runner.profiler(model, &config, &engine_config, ranks.rank(), ranks.world())?),
+        None => None,
+    };
+    if let (Some(c), Some(p)) = (&ranks.comm, &profiler) {
+        c.observe(Some(p.clone()));
+    }
+    let sinks: Vec<Arc<dyn EventSink>> = clock
+        .iter()
+        .map(|c| c.clone() as Arc<dyn EventSink>)
+        .chain(profiler.iter().map(|p| p.clone() as Arc<dyn EventSink>))
+        .collect();
+    if !sinks.is_empty() {
+        runner.set_event_sink(Arc::new(EventSinks(sinks)));
+    }
+    if let Some(c) = &clock {
+        c.take(); // the first step's clock starts here
+    }
+    let optimizer_name = config.optimizer_name();
+    if let Some(ckpt) = config.checkpoint_to_resume()? {
+        runner.restore(&ckpt, &optimizer_name)?;
+        info!(step = ckpt.meta.step, from = %ckpt.location.display(), saved_world_size = ckpt.meta.world_size, "resumed");
+    }
+    let start = runner.step();
+    if start > config.steps {
+        return Err(Error::Checkpoint(format!(
+            "the checkpoint is at step {start}, past the run's {} steps",
+            config.steps
+        )));
+    }
+    let loader_config = LoaderConfig { start_step: start as usize, ..loader_config };
+    let val_steps =
+        data.validation.as_ref().map(|v| validation_steps(v, &loader_config, config.eval_batches, 8)).transpose()?;
+    let loader = DataLoader::new(data.train.clone(), loader_config, config.order.clone())?;
+    let world_group = ranks.comm.as_ref().map(|c| c.world()).transpose()?;
+    let save_checkpoint = |runner: &mut Runner| -> Result<()> {
+        let Some(c) = &config.checkpoints else { return Ok(()) };
+        let run = RunInfo {
+            step: runner.step(),
+            world_size: ranks.world(),
+            strategy: strategy.to_value(),
+            optimizer: optimizer_name.clone(),
+            data: config.data_position(runner.step()),
+            loss_scaler: runner.scaler(),
+            model: model.config.clone(),
+        };
+        let dir = runner.save_checkpoint(&c.dir, &run, world_group.as_deref(), c.keep).map_err(|e| {
+            Error::Checkpoint(format!("saving a checkpoint in {}: {e}{}", c.dir.display(), config.last_checkpoint()))
+        })?;
+        if ranks.leader() {
+            info!(path = %dir.display(), "saved checkpoint");
+        }
+        Ok(())
+    };
+    let mut observers = observe::Observers::open(&config, ranks.leader(), start)?;
+    let mut last: Option<StepReport> = None;
+    for step in loader.take((config.steps - start) as usize) {
+        let mut report = runner.train_step(&step?, world_group.as_deref(), data_world)?;
+        if let Some(steps) = val_steps.as_ref().filter(|_| config.validation_due(report.step)) {
+            report.set_validation(runner.evaluate(steps, world_group.as_deref())?);
+        }
+        // After the loss's all-reduce, so the next step's units wait for nothing of this one.
+        report.unit_times = clock.as_ref().map(|c| c.take());
+        if !report.loss.is_finite() {
+            return Err(Error::Engine(format!("loss became {} at step {}", report.loss, report.step)));
+        }
+        observers.step(&report)?;
+        let mut stop = false;
+        for callback in callbacks.iter_mut() {
+            stop |= callback.on_step(&report)? == Flow::Stop;
+        }
+        if let Some(g) = world_group.as_deref().filter(|_| !callbacks.is_empty()) {
+            // One rank's stop ends every rank's run, at the same step.
+            stop = crate::comm::all_reduce_values(g, &[stop as u8 as f64], crate::comm::ReduceOp::Max)?[0] > 0.0;
+        }
+        if config.checkpoint_due(report.step) && !stop {
+            observers.suspend(|| save_checkpoint(&mut runner))?;
+        }
+        last = Some(report);
+        if stop {
+            break;
+        }
+    }
+    observers.finish()?;
+    // What is saved below reads the model after the last step's update.
+    runner.settle()?;
+    if let (Some(dir), Some(profiler)) = (&config.outputs.profile, &profiler) {
+        save_profile(profiler, dir, ranks.rank())?;
+        if let Some(g) = world_group.as_deref() {
+            // Every rank's file is written before rank 0 draws them.
+            crate::comm::all_reduce_values(g, &[0.0], crate::comm::ReduceOp::Sum)?;
+        }
+        observers.attach_profile(dir)?;
+    }
+    save_checkpoint(&mut runner)?;
+    let leader = ranks.leader();
+    if let Some(path) = &config.outputs.weights {
+        // Every rank takes part in gathering the units; rank 0 writes them.
+        runner.save_weights(WeightsTarget::File(path), leader).map_err(|e| {
+            Error::Checkpoint(format!("saving the weights to {}: {e}{}", path.display(), config.last_checkpoint()))
+        })?;
+        if leader {
+            info!(path = %path.display(), "saved weights");
+        }
+    }
+    if let Some(out) = &config.outputs.model_folder {
+        runner
+            .save_weights(WeightsTarget::Folder(out), leader)
+            .map_err(|e| Error::Checkpoint(format!("saving the model folder {}: {e}", out.dir.display())))?;
+        if leader {
+            info!(path = %out.dir.display(), "saved model folder");
+        }
+    }
+    Ok(RunSummary { last, strategy, rank: ranks.rank(), world_size: ranks.world() })
+}
+
+/// Each rank's engine: device, seed and memory budgets.
+fn engine_config_of(config: &RunConfig) -> EngineConfig {
+    EngineConfig {
+        device: config.device,
+        seed: config.seed as i64,
+        device_budget: config.device_memory,
+        host_budget: config.host_memory,
+        ..Default::default()
+    }
+}
+
+/// Checks the data against the model and the run before anything is built.
+fn check_data(model: &Model, data: &Data, config: &RunConfig) -> Result<()> {
+    if let Some(vocab) = model.config.as_ref().map(|c| c.vocab() as usize) {
+        data.train.check_fits(config.ctx, vocab)?;
+        if let Some(v) = &data.validation {
+            v.check_fits(config.ctx, vocab)?;
+        }
+    }
+    if let Order::Offsets(offsets) = &config.order {
+        if (offsets.offsets.len() as u64) < config.steps {
+            return Err(Error::Data(format!(
+                "the batch offsets hold {} steps, fewer than the run's {}",
+                offsets.offsets.len(),
+                config.steps
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The strategy the run trains with, and data parallelism's options (buckets tuned by a
+/// search).
+fn choose_strategy(
+    model: &Model,
+    data: &Data,
+    config: &RunConfig,
+    ranks: &Ranks,
+    engine: &EngineConfig,
+) -> Result<(Strategy, DataParallelOptions)> {
+    let options = match &config.strategy {
+        StrategySource::Given(s) => return Ok((s.clone(), config.data_parallel)),
+        StrategySource::PatrickStar(p) => {
+            return Ok((p.strategy(&model.spec(&config.freeze)?, ranks.world())?, config.data_parallel))
+        }
+        StrategySource::Auto(options) => options,
+    };
+    let build = |b: &mut Builder| (model.build)(b);
+    let args = DataloaderArgs {
+        ctx: config.ctx,
+        batch_size: config.batch_size,
+        accumulation: config.accumulation,
+        seed: config.seed,
+        order: config.order.clone(),
+    };
+    let mut job = AutoAccelerate::new(&build, data.train.clone(), args);
+    job.freeze = config.freeze.clone();
+    job.optim = config.optimizer.clone();
+    job.lr_scheduler = config.schedule.clone();
+    job.grad_clip = config.grad_clip;
+    job.loss_func = config.loss.clone();
+    job.engine = engine.clone();
+    job.comm = ranks.comm.as_ref();
+    job.local_world_size = ranks.local_world_size;
+    job.options =
+        AutoOptions { find_unused_parameters: config.data_parallel.find_unused_parameters, ..options.clone() };
+    let choice = auto::choose_strategy(&job)?;
+    if ranks.leader() {
+        if options.verbose {
+            eprint!("{}", choice.report.table());
+        }
+        info!(
+            strategy = %choice.strategy.to_value(),
+            dry_runs = choice.report.dry_runs,
+            seconds = format!("{:.1}", choice.report.seconds),
+            "chose a strategy"
+        );
+        if let Some(path) = &config.outputs.search_report {
+            let text = serde_json::to_vec_pretty(&choice.report).map_err(|e| Error::Config(e.to_string()))?;
+            crate::io::write_atomic(path, &text)?;
+        }
+    }
+    Ok((choice.strategy, DataParallelOptions { bucket_bytes: choice.bucket_bytes, ..config.data_parallel }))
+}
+
+/// Without a thread count (or `OMP_NUM_THREADS`), the ranks of one host split its cores
+/// between them, as torchrun's one thread per rank does for its default: libtorch would
+/// otherwise give every rank a thread per core, and the ranks would take turns on them.
+fn share_cores(threads: Option<i32>, local_world_size: usize) {
+    if threads.is_some() || local_world_size < 2 || std::env::var_os("OMP_NUM_THREADS").is_some() {
+        return;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let share = (cores / local_world_size).max(1);
+    tch::set_num_threads(share as i32);
+    info!(threads = share, cores, ranks = local_world_size, "compute threads per rank (threads sets them)");
+}
+
+/// Stops `profiler` and writes this rank's file into `dir`.
+fn save_profile(profiler: &Profiler, dir: &Path, rank: usize) -> Result<()> {
+    profiler.end();
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    profiler.save(&Profiler::rank_file(dir, rank))
+}
