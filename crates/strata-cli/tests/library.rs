@@ -1,0 +1,295 @@
+//! The library's run (`strata::run::train`) against `strata train`, its examples, and its
+//! TensorBoard log read back by TensorBoard itself.
+mod common;
+use common::{global_gap, losses, reports, stderr, strata};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use strata::data::SyntheticCorpus;
+use strata::model::{GptConfig, ModelConfig};
+use strata::optim::{OptimizerConfig, Schedule};
+use strata::run::{self, Checkpoints, Data, Model, Outputs, RunConfig};
+
+/// The flags of `strata train` that give the run [`library_config`] describes.
+const SAME_RUN: &[&str] = &[
+    "--model",
+    "gpt",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--dim",
+    "64",
+    "--ctx",
+    "32",
+    "--batch-size",
+    "8",
+    "--accumulation",
+    "2",
+    "--steps",
+    "6",
+    "--lr",
+    "3e-3",
+    "--weight-decay",
+    "0.01",
+    "--schedule",
+    "constant",
+    "--threads",
+    "1",
+    "--checkpoint-every",
+    "3",
+    "--eval-every",
+    "3",
+];
+
+fn library_config(dir: &Path) -> RunConfig {
+    RunConfig {
+        steps: 6,
+        batch_size: 8,
+        ctx: 32,
+        accumulation: 2,
+        threads: Some(1),
+        optimizer: OptimizerConfig { lr: 3e-3, ..OptimizerConfig::default() },
+        schedule: Schedule::Constant,
+        eval_every: Some(3),
+        checkpoints: Some(Checkpoints { dir: dir.join("checkpoints"), every: Some(3), keep: 2 }),
+        outputs: Outputs {
+            weights: Some(dir.join("weights.safetensors")),
+            metrics: Some(dir.join("metrics.jsonl")),
+            ..Outputs::default()
+        },
+        ..RunConfig::default()
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The same losses step by step, validation included, and the same weights.
+fn assert_same_run(cli: &Path, library: &Path) {
+    let (a, b) = (reports(&cli.join("metrics.jsonl")), reports(&library.join("metrics.jsonl")));
+    assert_eq!(a.len(), b.len(), "steps recorded");
+    for (x, y) in a.iter().zip(&b) {
+        for field in ["step", "loss", "val_loss", "lr"] {
+            assert_eq!(x[field], y[field], "{field} at step {}", x["step"]);
+        }
+    }
+    let gap = global_gap(&cli.join("weights.safetensors"), &library.join("weights.safetensors"));
+    assert_eq!(gap, 0.0, "the weights differ by {gap:e}");
+}
+
+#[test]
+fn library_run_is_strata_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cli, library) = (dir.path().join("cli"), dir.path().join("library"));
+    let synthetic = SyntheticCorpus::default().generate();
+    let val = dir.path().join("val.tokens");
+    let held_out = strata::data::TokenData::new(synthetic.to_vec()[..20_000].to_vec(), "held out");
+    held_out.write_token_file(&val, strata::data::TokenWidth::U16).unwrap();
+    std::fs::create_dir_all(&cli).unwrap();
+    let files = [
+        "--val-token-file",
+        s(&val),
+        "--save-checkpoint",
+        &format!("{}/checkpoints", s(&cli)),
+        "--save-weights",
+        &format!("{}/weights.safetensors", s(&cli)),
+        "--metrics",
+        &format!("{}/metrics.jsonl", s(&cli)),
+    ];
+    let o = strata(&[&["train"][..], SAME_RUN, &files].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 2, 4, 64)));
+    let validation = strata::data::TokenData::open(&val, None).unwrap();
+    let data = Data { train: Arc::new(synthetic), validation: Some(Arc::new(validation)) };
+    std::fs::create_dir_all(&library).unwrap();
+    let summary = run::train(&model, &data, &library_config(&library), &mut []).unwrap();
+    assert_eq!(summary.last.map(|r| r.step), Some(6));
+    assert_same_run(&cli, &library);
+    // Both saved their checkpoints at the same steps.
+    for step in ["step-00000003", "step-00000006"] {
+        assert!(
+            cli.join("checkpoints").join(step).is_dir() && library.join("checkpoints").join(step).is_dir(),
+            "{step}"
+        );
+    }
+}
+
+/// Where cargo put the example binaries of this build (`--all-targets` builds them).
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().and_then(Path::parent).unwrap().join("examples").join(name);
+    assert!(
+        path.is_file(),
+        "{} is not built: cargo test --workspace --all-targets builds the examples",
+        path.display()
+    );
+    path
+}
+
+fn run_example(name: &str, args: &[&str]) -> String {
+    let o = Command::new(example(name)).args(args).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "example {name}:\n{out}\n{}", stderr(&o));
+    out
+}
+
+#[test]
+fn example_resume_continues_the_interrupted_run_exactly() {
+    let out = run_example("resume", &[]);
+    assert!(out.contains("first attempt stopped after step 6"), "{out}");
+    assert!(out.contains("resumed run trained steps [7, 8, 9, 10, 11, 12]"), "{out}");
+}
+
+#[test]
+fn example_custom_units_trains_with_the_searched_strategy_on_two_ranks() {
+    let o = strata(&["launch", "--nproc-per-node", "2", "--stdout-of", "0", "--", s(&example("custom_units"))]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(out.contains("strategy [") && out.contains("step 30: loss"), "{out}");
+}
+
+#[test]
+fn example_custom_data_loss_learns() {
+    let out = run_example("custom_data_loss", &[]);
+    assert!(out.contains("step 60:"), "{out}");
+}
+
+/// The multi-rank example started by `strata launch` trains as `strata train --nproc 2` with
+/// the same strategy: data parallel with FSDP, and a pipeline.
+fn multi_rank_matches_cli(strategy: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (cli, library) = (dir.path().join("cli"), dir.path().join("library"));
+    std::fs::create_dir_all(&library).unwrap();
+    let o = strata(&["launch", "--nproc-per-node", "2", "--", s(&example("multi_rank")), strategy, s(&library)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::create_dir_all(&cli).unwrap();
+    let flags = [
+        "train",
+        "--nproc",
+        "2",
+        "--strategy",
+        strategy,
+        "--model",
+        "gpt",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--dim",
+        "64",
+        "--ctx",
+        "32",
+        "--batch-size",
+        "8",
+        "--accumulation",
+        "2",
+        "--steps",
+        "6",
+        "--lr",
+        "3e-3",
+        "--weight-decay",
+        "0.01",
+        "--schedule",
+        "constant",
+        "--save-weights",
+        &format!("{}/weights.safetensors", s(&cli)),
+        "--metrics",
+        &format!("{}/metrics.jsonl", s(&cli)),
+    ];
+    let o = strata(&flags);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(losses(&cli.join("metrics.jsonl")).len(), 6);
+    assert_same_run(&cli, &library);
+}
+
+#[test]
+fn multi_rank_example_is_strata_train_fsdp() {
+    multi_rank_matches_cli(r#"["fsdp"]"#);
+}
+
+#[test]
+fn multi_rank_example_is_strata_train_pipelined() {
+    multi_rank_matches_cli(r#"[["parallel_mode", [[["pipeline", 2]], null]]]"#);
+}
+
+/// TensorBoard's own reader finds every scalar of the metrics file, step by step, at the
+/// metrics file's value (as the 32-bit float an event holds), and the profile's pictures.
+#[test]
+fn tensorboard_reads_the_metrics_series_and_profile_pictures() {
+    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    if !python.exists() {
+        eprintln!("skipping: {} is missing (run scripts/setup.sh)", python.display());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (metrics, logs, profile) = (dir.path().join("m.jsonl"), dir.path().join("tb"), dir.path().join("profile"));
+    let val = dir.path().join("val.tokens");
+    let held_out = strata::data::TokenData::new(SyntheticCorpus::default().generate().to_vec()[..20_000].to_vec(), "v");
+    held_out.write_token_file(&val, strata::data::TokenWidth::U16).unwrap();
+    let flags = [
+        "train",
+        "--steps",
+        "6",
+        "--ctx",
+        "32",
+        "--batch-size",
+        "8",
+        "--layers",
+        "1",
+        "--eval-every",
+        "2",
+        "--val-token-file",
+        s(&val),
+        "--metrics",
+        s(&metrics),
+        "--tensorboard",
+        s(&logs),
+        "--profile",
+        s(&profile),
+    ];
+    let o = strata(&flags);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/tensorboard_read.py");
+    let out = Command::new(&python).arg(script).arg(&logs).output().unwrap();
+    assert!(out.status.success(), "tensorboard_read.py: {}", String::from_utf8_lossy(&out.stderr));
+    let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let scalars = read["scalars"].as_object().unwrap();
+
+    let lines = reports(&metrics);
+    let mut expected = std::collections::BTreeMap::<String, Vec<(u64, f64)>>::new();
+    for line in &lines {
+        let step = line["step"].as_u64().unwrap();
+        for (name, value) in line.as_object().unwrap() {
+            if let (true, Some(v)) = (name != "step", value.as_f64()) {
+                expected.entry(name.clone()).or_default().push((step, v));
+            }
+        }
+    }
+    for name in ["loss", "lr", "grad_norm", "tokens_per_s", "peak_bytes", "val_loss", "val_perplexity"] {
+        assert!(expected.contains_key(name), "the metrics file has {name}");
+    }
+    assert_eq!(expected["val_loss"].len(), 3, "validations after steps 2, 4 and 6");
+    let tags: Vec<&String> = scalars.keys().collect();
+    assert_eq!(tags, expected.keys().collect::<Vec<_>>(), "TensorBoard's scalar series are the metrics file's");
+    for (name, series) in &expected {
+        // Both sides as the 32-bit float an event holds (JSON text may round the last digit).
+        let got: Vec<(u64, f32)> = scalars[name]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap() as f32))
+            .collect();
+        let want: Vec<(u64, f32)> = series.iter().map(|&(step, v)| (step, v as f32)).collect();
+        assert_eq!(got, want, "{name}");
+    }
+    let images = read["images"].as_object().unwrap();
+    for picture in ["profile/memory", "profile/units", "profile/unit_bars"] {
+        let at = images.get(picture).and_then(|i| i.as_array()).unwrap_or_else(|| panic!("{picture} in {images:?}"));
+        let (step, width, height) = (at[0][0].as_u64(), at[0][1].as_u64().unwrap(), at[0][2].as_u64().unwrap());
+        assert_eq!(step, Some(6), "{picture} at the last step");
+        assert!(width > 100 && height > 100, "{picture}: {width}×{height}");
+    }
+}
