@@ -66,3 +66,9 @@ pub mod strategy;
 pub mod train;
 
 pub use error::{Error, Result};
+
+/// The README's and the library guide's Rust examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+#[doc = include_str!("../../../docs/library.md")]
+pub struct DocumentedExamples;
