@@ -12,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use std::path::PathBuf;
+use strata::profile::MIB;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchDistArgs {
@@ -171,16 +172,16 @@ pub fn run(args: BenchDistArgs) -> Result<()> {
     );
     for r in &rows {
         println!(
-            "{:<6} {:>5} {:>14.0} {:>14.0} {:>8.2} {:>8.1}% {:>12.1}MB {:>10.1}MB {:>10.1}MB",
+            "{:<6} {:>5} {:>14.0} {:>14.0} {:>8.2} {:>8.1}% {:>11.1}MiB {:>9.1}MiB {:>9.1}MiB",
             r.method,
             r.world_size,
             r.strata_tokens_per_s,
             r.pytorch_tokens_per_s,
             r.speedup,
             100.0 * r.strata_exposed_comm,
-            r.strata_allocator_peak_bytes as f64 / 1e6,
-            r.strata_rss_peak_bytes as f64 / 1e6,
-            r.pytorch_rss_peak_bytes as f64 / 1e6
+            r.strata_allocator_peak_bytes as f64 / MIB,
+            r.strata_rss_peak_bytes as f64 / MIB,
+            r.pytorch_rss_peak_bytes as f64 / MIB
         );
     }
     Ok(())

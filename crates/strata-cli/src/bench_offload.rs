@@ -11,6 +11,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
 use strata::model::{GptConfig, ModelConfig};
+use strata::profile::MIB;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchOffloadArgs {
@@ -230,7 +231,7 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
     );
     println!(
         "{:<17} {:>6} {:>10} {:>8} {:>9} {:>10} {:>10} {:>9} {:>9}",
-        "placement", "layers", "params", "/bound", "/static", "tokens/s", "MB moved", "copy-wait", "/same size"
+        "placement", "layers", "params", "/bound", "/static", "tokens/s", "MiB moved", "copy-wait", "/same size"
     );
     for r in &report.rows {
         println!(
@@ -241,7 +242,7 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
             r.params as f64 / report.bound_params,
             r.vs_static_full,
             r.tokens_per_s,
-            r.moved_per_step / 1e6,
+            r.moved_per_step / MIB,
             100.0 * r.copy_wait_share,
             r.vs_same_size.map_or(String::new(), |v| format!("{v:.2}"))
         );

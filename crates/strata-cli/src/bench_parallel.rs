@@ -10,6 +10,7 @@ use crate::bench_runs;
 use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
+use strata::profile::MIB;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchParallelArgs {
@@ -155,16 +156,16 @@ pub fn run(args: BenchParallelArgs) -> Result<()> {
     );
     for r in &report.rows {
         println!(
-            "{:>5} {:>6} {:>3} {:<6} {:>10.0} {:>8.3} {:>10.2}MB {:>10.2}MB {:>10.2}MB",
+            "{:>5} {:>6} {:>3} {:<6} {:>10.0} {:>8.3} {:>9.2}MiB {:>9.2}MiB {:>9.2}MiB",
             r.world_size,
             r.tensor_size,
             if r.sequence_parallel { "yes" } else { "no" },
             r.method,
             r.tokens_per_s,
             r.speed_vs_data,
-            r.model_state_bytes as f64 / 1e6,
-            r.allocator_peak_bytes as f64 / 1e6,
-            r.activation_bytes as f64 / 1e6
+            r.model_state_bytes as f64 / MIB,
+            r.allocator_peak_bytes as f64 / MIB,
+            r.activation_bytes as f64 / MIB
         );
     }
     for (n, t, measured, estimate) in &report.sequence_parallel_activation_ratio {

@@ -12,6 +12,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
 use strata::parallel::pipeline::schedule::{self, Costs, Pipeline, ScheduleKind};
+use strata::profile::MIB;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchPipelineArgs {
@@ -135,7 +136,7 @@ pub fn run(args: BenchPipelineArgs) -> Result<()> {
     );
     for r in &rows {
         let held: Vec<String> = r.micro_batches_held.iter().map(u64::to_string).collect();
-        let acts: Vec<String> = r.activation_peak_bytes.iter().map(|b| format!("{:.1}MB", *b as f64 / 1e6)).collect();
+        let acts: Vec<String> = r.activation_peak_bytes.iter().map(|b| format!("{:.1}MiB", *b as f64 / MIB)).collect();
         let [f, b, w] = r.op_ms;
         println!(
             "{:<14} {:>3} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>16} {:>10} {:>24}",

@@ -1,6 +1,6 @@
 //! `strata bench tokenize`: Strata's streaming tokenization against Hugging Face
 //! `tokenizers`' own batch encoding in Python (scripts/tokenize_reference.py), on the same
-//! text cut into the same pieces, with the same tokenizer: MB/s, tokens/s and the ratio, and
+//! text cut into the same pieces, with the same tokenizer: MiB/s, tokens/s and the ratio, and
 //! a check that both wrote the same ids.
 use crate::bench::{repo_root, run_reference};
 use anyhow::{bail, Context, Result};
@@ -8,6 +8,7 @@ use clap::Args;
 use std::io::Write;
 use std::path::PathBuf;
 use strata::data::{tokenize_files, TokenData, TokenizeOptions, Tokenizer};
+use strata::profile::MIB;
 
 #[derive(Args, Debug)]
 pub struct BenchTokenizeArgs {
@@ -37,7 +38,7 @@ pub struct BenchTokenizeArgs {
 struct Side {
     name: &'static str,
     seconds: f64,
-    mb_per_s: f64,
+    mib_per_s: f64,
     tokens_per_s: f64,
 }
 
@@ -115,7 +116,7 @@ pub fn run(args: BenchTokenizeArgs) -> Result<()> {
     let side = |name, seconds: f64| Side {
         name,
         seconds,
-        mb_per_s: bytes / seconds / 1e6,
+        mib_per_s: bytes / seconds / MIB,
         tokens_per_s: tokens as f64 / seconds,
     };
     let rows = [side("strata tokenize", ours), side("tokenizers encode_batch (Python)", theirs)];
@@ -126,11 +127,11 @@ pub fn run(args: BenchTokenizeArgs) -> Result<()> {
         println!("{report}");
         return Ok(());
     }
-    println!("{} MB of text, {tokens} tokens, same ids on both sides", bytes / 1e6);
-    println!("| tokenizer | seconds | MB/s | tokens/s |");
+    println!("{:.1} MiB of text, {tokens} tokens, same ids on both sides", bytes / MIB);
+    println!("| tokenizer | seconds | MiB/s | tokens/s |");
     println!("|---|---|---|---|");
     for r in &rows {
-        println!("| {} | {:.2} | {:.1} | {:.0} |", r.name, r.seconds, r.mb_per_s, r.tokens_per_s);
+        println!("| {} | {:.2} | {:.1} | {:.0} |", r.name, r.seconds, r.mib_per_s, r.tokens_per_s);
     }
     println!("strata / tokenizers: {ratio:.2}x");
     Ok(())

@@ -10,6 +10,7 @@ use clap::Args;
 use serde::Serialize;
 use strata::model::GptConfig;
 use strata::model::ModelConfig;
+use strata::profile::MIB;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchZeroArgs {
@@ -166,15 +167,15 @@ pub fn run(args: BenchZeroArgs) -> Result<()> {
     );
     for r in &report.rows {
         println!(
-            "{:<11} {:<9} {:>5} {:>10.2}MB {:>10.2}MB {:>7.3} {:>6} {:>10.2}MB {:>10.0} {:>8.3}",
+            "{:<11} {:<9} {:>5} {:>9.2}MiB {:>9.2}MiB {:>7.3} {:>6} {:>9.2}MiB {:>10.0} {:>8.3}",
             r.precision,
             r.method,
             r.world_size,
-            r.model_state_bytes as f64 / 1e6,
-            r.formula_bytes / 1e6,
+            r.model_state_bytes as f64 / MIB,
+            r.formula_bytes / MIB,
             r.ratio,
             if r.within_target { "ok" } else { "over" },
-            r.allocator_peak_bytes as f64 / 1e6,
+            r.allocator_peak_bytes as f64 / MIB,
             r.tokens_per_s,
             r.speed_vs_ddp
         );

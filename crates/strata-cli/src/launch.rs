@@ -57,7 +57,7 @@ fn free_port(addr: &str) -> Result<u16> {
     const FIRST: u16 = 10_000;
     // Random draws, so that launches starting together rarely try the same port.
     let mut draws = [0u8; 128];
-    let drawn = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut draws)).is_ok();
+    let drawn = getrandom::fill(&mut draws).is_ok();
     if drawn && outgoing_low > FIRST {
         for pair in draws.chunks_exact(2) {
             let port = FIRST + u16::from_le_bytes([pair[0], pair[1]]) % (outgoing_low - FIRST);

@@ -48,12 +48,12 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "{} tokens ({}) from {} bytes in {:.1} s ({:.1} MB/s) into {}",
+            "{} tokens ({}) from {} bytes in {:.1} s ({:.1} MiB/s) into {}",
             report.tokens,
             report.width.name(),
             report.bytes,
             report.seconds,
-            report.bytes as f64 / report.seconds.max(1e-9) / 1e6,
+            report.bytes as f64 / report.seconds.max(1e-9) / strata::profile::MIB,
             args.output.display()
         );
     }

@@ -8,7 +8,8 @@ use strata::data::{BatchOffsets, Order, SyntheticCorpus, TokenData};
 use strata::io::FolderOut;
 use strata::model::ModelConfig;
 use strata::parallel::DataParallelOptions;
-use strata::run::{self, human_bytes, Checkpoints, Data, InitialWeights, Outputs, RunConfig, StrategySource};
+use strata::profile::human_bytes;
+use strata::run::{self, Checkpoints, Data, InitialWeights, Outputs, RunConfig, StrategySource};
 
 /// Tokens to train on, and the best loss when it is known (the synthetic corpus), and the
 /// vocabulary the data needs.

@@ -33,7 +33,8 @@ fn documented_flags() -> BTreeSet<String> {
     let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/cli.md")).unwrap();
     let start = page.find("`strata train` options").expect("the options table's heading sentence");
     let table = page[start..].lines().skip_while(|l| !l.starts_with('|')).take_while(|l| l.starts_with('|'));
-    let mut flags: BTreeSet<String> = table.flat_map(|row| flags_in(row.split(" | ").next().unwrap_or_default())).collect();
+    let mut flags: BTreeSet<String> =
+        table.flat_map(|row| flags_in(row.split(" | ").next().unwrap_or_default())).collect();
     flags.insert("--config".into());
     flags
 }

@@ -1,4 +1,6 @@
-//! Failure injection for tests, driven by the environment. `STRATA_FAULT=PLACE@STEP` kills
+//! Failure injection for tests, driven by the environment, compiled only with the
+//! `fault-injection` feature (which the test suites turn on): other builds ignore the
+//! variables and [`point`] does nothing. `STRATA_FAULT=PLACE@STEP` kills
 //! this process with SIGKILL — as the OOM killer or a lost node would, with no chance to
 //! clean up — when it reaches `PLACE` during step `STEP`; `STRATA_FAULT_RANK=R` limits that
 //! to the process whose `RANK` is `R`, and `STRATA_FAULT_ONCE=PATH` to the first time (see
@@ -11,6 +13,11 @@
 //!
 //! Owns reading the variables and the kill. Must not choose the places: `train` and
 //! `checkpoint` call [`point`] at theirs.
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+pub(crate) fn point(_place: &str, _step: u64) {}
+
+#[cfg(feature = "fault-injection")]
 pub(crate) fn point(place: &str, step: u64) {
     let Ok(spec) = std::env::var("STRATA_FAULT") else { return };
     let wanted = spec.split_once('@').is_some_and(|(p, s)| p == place && s.parse::<u64>().ok() == Some(step));
@@ -21,6 +28,7 @@ pub(crate) fn point(place: &str, step: u64) {
     }
 }
 
+#[cfg(feature = "fault-injection")]
 /// With `STRATA_FAULT_ONCE=PATH` a fault fires only while PATH does not exist, and creates it
 /// (so a restarted job runs through).
 fn first_time() -> bool {

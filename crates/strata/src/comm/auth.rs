@@ -79,9 +79,7 @@ pub fn read_frame(s: &mut TcpStream, max: usize, deadline: Option<Instant>) -> s
 /// `N` bytes from the system's random source.
 pub fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     let mut n = [0u8; N];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut n))
-        .map_err(|e| Error::Comm(format!("no random source: {e}")))?;
+    getrandom::fill(&mut n).map_err(|e| Error::Comm(format!("no random source: {e}")))?;
     Ok(n)
 }
 

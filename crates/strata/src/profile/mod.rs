@@ -35,6 +35,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+/// Bytes in a mebibyte: Strata reports bytes in binary units, labelled (KiB, MiB, GiB).
+pub const MIB: f64 = 1024.0 * 1024.0;
+
+/// Bytes in binary units, labelled (`1.5 GiB`): the one convention of Strata's output.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
 pub const FORMAT: &str = "strata-profile";
 pub const VERSION: u32 = 2;
 

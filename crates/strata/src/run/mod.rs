@@ -25,7 +25,7 @@ mod observe;
 mod runner;
 pub mod tensorboard;
 
-pub use observe::{human_bytes, open_metrics};
+pub use observe::open_metrics;
 
 use crate::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use crate::checkpoint::{self, Checkpoint, DataPosition, RunInfo};

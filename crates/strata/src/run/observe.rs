@@ -2,23 +2,12 @@
 //! scalars of the same fields, the progress bar and the log's progress lines.
 use super::tensorboard::EventWriter;
 use super::RunConfig;
+use crate::profile::human_bytes;
 use crate::train::StepReport;
 use crate::{Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{BufWriter, Write};
 use std::path::Path;
-
-/// Bytes in binary units, labelled (`1.5 GiB`): the one convention of Strata's output.
-pub fn human_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    format!("{value:.1} {}", UNITS[unit])
-}
 
 /// The metrics file, one JSON line per step, opened for the steps after `start`: a new
 /// run starts it afresh; a resumed one keeps the lines of the steps up to its checkpoint

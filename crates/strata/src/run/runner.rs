@@ -117,7 +117,7 @@ impl Runner {
             let split = partition::balance(&costs, stages, ranks, s.engine.device_budget, &held)?;
             if s.ranks.leader() {
                 let ms: Vec<String> = costs.iter().map(|c| format!("{:.1}", c.seconds * 1e3)).collect();
-                let kept: Vec<String> = costs.iter().map(|c| super::human_bytes(c.activation_bytes)).collect();
+                let kept: Vec<String> = costs.iter().map(|c| crate::profile::human_bytes(c.activation_bytes)).collect();
                 info!(
                     by_parameters = ?before,
                     measured = ?split,

@@ -68,7 +68,7 @@ const PANELS: [Panel; 4] = [
     ("loss", "loss", |p| Some(p.loss)),
     ("learning rate", "lr", |p| Some(p.lr)),
     ("tokens per second", "tokens/s", |p| Some(p.tokens_per_s)),
-    ("peak memory (ledger; allocator dashed)", "MB", |p| Some(p.peak_bytes as f64 / MB)),
+    ("peak memory (ledger; allocator dashed)", "MiB", |p| Some(p.peak_bytes as f64 / MB)),
 ];
 
 impl Picture for MetricsPlot<'_> {
@@ -83,7 +83,7 @@ impl Picture for MetricsPlot<'_> {
         let x_range = first_step as f64..(last_step.max(first_step + 1)) as f64;
         for (area, (title, unit, value)) in root.split_evenly((2, 2)).iter().zip(PANELS) {
             let allocator = |p: &StepPoint| p.allocator_peak_bytes.map(|b| b as f64 / MB);
-            let memory = unit == "MB";
+            let memory = unit == "MiB";
             let values = self.0.iter().flat_map(|(_, steps)| steps.iter()).flat_map(|p| {
                 let extra = if memory { allocator(p) } else { None };
                 value(p).into_iter().chain(p.val_loss.filter(|_| unit == "loss")).chain(extra)

@@ -120,7 +120,7 @@ pub fn render(picture: &impl Picture, path: &Path) -> Result<()> {
     std::fs::rename(&partial, path).map_err(|e| Error::io(path, e))
 }
 
-const MB: f64 = 1e6;
+use crate::profile::MIB as MB;
 
 /// Colours of the stretches of a step, drawn as bands behind the memory curves.
 fn band_colour(kind: SpanKind) -> RGBAColor {
@@ -231,7 +231,7 @@ impl Picture for MemoryOverTime<'_> {
                 .y_label_area_size(70)
                 .build_cartesian_2d(start..end, 0.0..top)
                 .map_err(drawing)?;
-            chart.configure_mesh().x_desc("seconds").y_desc("MB").draw().map_err(drawing)?;
+            chart.configure_mesh().x_desc("seconds").y_desc("MiB").draw().map_err(drawing)?;
             let bands = p
                 .spans()
                 .into_iter()
@@ -374,7 +374,7 @@ impl Picture for UnitBars<'_> {
             },
             StackedBars {
                 title: "memory per unit",
-                unit: "MB",
+                unit: "MiB",
                 layers: [
                     (RGBColor(60, 160, 90), "parameters"),
                     (RGBColor(160, 80, 160), "activations kept for backward"),
