@@ -16,8 +16,8 @@ use strata::data::{Batch, Step};
 use strata::engine::events::EventSinks;
 use strata::engine::{memory, EngineConfig};
 use strata::model::{GptConfig, LlamaConfig, ModelConfig};
-use strata::optim::{Optimizer, OptimizerConfig, Schedule};
-use strata::parallel::{self, Placement};
+use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use strata::parallel::{self, RankLayout};
 use strata::profile;
 use strata::strategy::Strategy;
 use strata::train::Trainer;
@@ -218,9 +218,9 @@ impl StrataSide {
         let strategy = Strategy::parse(strategy)?;
         let spec = model.spec()?;
         let config = EngineConfig { device, ..EngineConfig::default() };
-        let mut engine = parallel::build_engine(spec, config, &strategy, &Placement::single())?;
+        let mut engine = parallel::build_engine(spec, config, &strategy, &RankLayout::single())?;
         let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
-        let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+        let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
         trainer.scaling = strategy.grad_scaling()?;
         let ctx = model.context().context("the model has a context length")?;
         let batches = (0..4)

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
 use strata::data::{TokenWidth, Tokenizer};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
-use strata::optim::{OptimizerConfig, OptimizerKind, Schedule};
+use strata::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use strata::patrickstar::PatrickStarConfig;
 use strata::run::Resume;
 use strata::strategy::Strategy;
@@ -235,7 +235,7 @@ pub struct TrainSettings {
     pub save_weights: Option<PathBuf>,
     pub optimizer: OptimizerConfig,
     pub grad_clip: Option<f64>,
-    pub schedule: Schedule,
+    pub schedule: LrSchedule,
     pub steps: u64,
     pub batch_size: usize,
     pub accumulation: usize,
@@ -457,15 +457,16 @@ impl TrainOptions {
         let lr = o.lr.unwrap_or(3e-3);
         let steps = o.steps.unwrap_or(300);
         let schedule = match o.schedule.as_deref().unwrap_or("cosine") {
-            "constant" => Schedule::Constant,
-            "cosine" => Schedule::WarmupCosine {
+            "constant" => LrSchedule::Constant,
+            "cosine" => LrSchedule::WarmupCosine {
                 warmup: o.warmup.unwrap_or((steps / 20).max(1)),
                 total: steps,
                 min_factor: o.min_lr_factor.unwrap_or(0.1),
             },
-            "step" => {
-                Schedule::Step { every: o.step_every.unwrap_or((steps / 3).max(1)), gamma: o.step_gamma.unwrap_or(0.1) }
-            }
+            "step" => LrSchedule::Step {
+                every: o.step_every.unwrap_or((steps / 3).max(1)),
+                gamma: o.step_gamma.unwrap_or(0.1),
+            },
             other => bail!("unknown schedule {other:?}; expected constant, cosine or step"),
         };
         schedule.validate()?;

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::Arc;
 use strata::data::SyntheticCorpus;
 use strata::model::{GptConfig, ModelConfig};
-use strata::optim::{OptimizerConfig, Schedule};
+use strata::optim::{LrSchedule, OptimizerConfig};
 use strata::run::{self, Checkpoints, Data, Model, Outputs, RunConfig};
 
 /// The flags of `strata train` that give the run [`library_config`] describes.
@@ -50,7 +50,7 @@ fn library_config(dir: &Path) -> RunConfig {
         accumulation: 2,
         threads: Some(1),
         optimizer: OptimizerConfig { lr: 3e-3, ..OptimizerConfig::default() },
-        schedule: Schedule::Constant,
+        schedule: LrSchedule::Constant,
         eval_every: Some(3),
         checkpoints: Some(Checkpoints { dir: dir.join("checkpoints"), every: Some(3), keep: 2 }),
         outputs: Outputs {

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use strata::data::SyntheticCorpus;
 use strata::model::{GptConfig, ModelConfig};
-use strata::optim::{OptimizerConfig, Schedule};
+use strata::optim::{LrSchedule, OptimizerConfig};
 use strata::run::{self, Data, Model, Outputs, RunConfig, StrategySource};
 use strata::strategy::Strategy;
 
@@ -28,7 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ctx: 32,
         accumulation: 2,
         optimizer: OptimizerConfig { lr: 3e-3, ..OptimizerConfig::default() },
-        schedule: Schedule::Constant,
+        schedule: LrSchedule::Constant,
         strategy: StrategySource::Given(Strategy::parse(&strategy)?),
         outputs: Outputs {
             weights: Some(dir.join("weights.safetensors")),

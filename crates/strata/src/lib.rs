@@ -36,7 +36,7 @@
 //! model::gpt(&cfg, &mut b)?;
 //! let mut engine = engine::Engine::new(b.build()?, engine::EngineConfig::default())?;
 //! let optimizer = optim::Optimizer::new(&mut engine, optim::OptimizerConfig::default(), &[])?;
-//! let mut trainer = train::Trainer::new(engine, optimizer, optim::Schedule::Constant, Some(1.0));
+//! let mut trainer = train::Trainer::new(engine, optimizer, optim::LrSchedule::Constant, Some(1.0));
 //! let corpus = std::sync::Arc::new(data::SyntheticCorpus::default().generate());
 //! let loader = data::DataLoader::new(corpus, data::LoaderConfig::new(64, 16), data::Order::Shuffled)?;
 //! for step in loader.take(100) {

@@ -12,7 +12,7 @@ use crate::data::{Batch, Step};
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
 use crate::optim::{Optimizer, OptimizerConfig, OptimizerKind};
-use crate::parallel::{build_engine, Placement};
+use crate::parallel::{build_engine, RankLayout};
 use crate::strategy::{AmpConfig, Method, OffloadConfig, ShardConfig, Strategy};
 use crate::train::{next_token_loss_of, GradScaling, HostUpdating, LossFn};
 use crate::{Error, Result};
@@ -289,11 +289,11 @@ fn initialize(
         host_budget: budgets.as_ref().and_then(|b| b.host),
         ..EngineConfig::default()
     };
-    let mut at = Placement {
+    let mut at = RankLayout {
         comm: comm.as_ref(),
         local_world_size,
         optimizer_bytes_per_element: optimizer_config.state_bytes_per_element(),
-        ..Placement::single()
+        ..RankLayout::single()
     };
     if let Some(b) = &budgets {
         at = at.with_room_measured(model_func()?, &engine_config, &strategy, b.sample)?;

@@ -8,7 +8,7 @@ use crate::data::{Batch, Step};
 use crate::engine::memory::PlacementReport;
 use crate::engine::{memory, Engine, Placement};
 use crate::model::layers::cross_entropy;
-use crate::optim::{clip_coefficient, Optimizer, Schedule};
+use crate::optim::{clip_coefficient, LrSchedule, Optimizer};
 use crate::Result;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -143,7 +143,7 @@ pub fn next_token_loss_of(engine: &Engine) -> LossFn {
 pub struct Trainer {
     pub engine: Engine,
     pub optimizer: Optimizer,
-    pub schedule: Schedule,
+    pub schedule: LrSchedule,
     /// Clip the global gradient norm to this value.
     pub grad_clip: Option<f64>,
     pub scaling: GradScaling,
@@ -246,7 +246,7 @@ impl GradScaling {
 }
 
 impl Trainer {
-    pub fn new(engine: Engine, optimizer: Optimizer, schedule: Schedule, grad_clip: Option<f64>) -> Trainer {
+    pub fn new(engine: Engine, optimizer: Optimizer, schedule: LrSchedule, grad_clip: Option<f64>) -> Trainer {
         Trainer {
             loss_func: next_token_loss_of(&engine),
             engine,

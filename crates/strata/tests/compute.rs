@@ -13,8 +13,8 @@ use strata::compute::{self, UnitCompute};
 use strata::data::{Batch, Step};
 use strata::engine::{with_seed, Engine, EngineConfig};
 use strata::model::{self, layers, Builder, GptConfig};
-use strata::optim::{Optimizer, OptimizerConfig, Schedule};
-use strata::parallel::{build_engine, Placement};
+use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use strata::parallel::{build_engine, RankLayout};
 use strata::strategy::Strategy;
 use strata::train::Trainer;
 use tch::{Device, Kind, Tensor};
@@ -47,9 +47,9 @@ fn the_loss_scaler_skips_non_finite_steps_lowers_the_scale_and_recovers() {
         r#"[["amp_native", {"dtype": "fp16", "loss_scaler": {"initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}}]]"#,
     )
     .unwrap();
-    let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &Placement::single()).unwrap();
+    let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &RankLayout::single()).unwrap();
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
-    let mut t = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+    let mut t = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
     t.scaling = strategy.grad_scaling().unwrap();
     // Injection: while set, one weight's gradient is replaced by infinities.
     let poison = Arc::new(AtomicBool::new(false));
@@ -80,9 +80,9 @@ fn a_skipped_step_still_ends_the_fp8_step() {
         r#"[["fp8", {"exclude": ["lm_head"]}], ["amp_native", {"dtype": "bf16", "skip_if_nonfinite": true}]]"#,
     )
     .unwrap();
-    let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &Placement::single()).unwrap();
+    let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &RankLayout::single()).unwrap();
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
-    let mut t = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+    let mut t = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
     t.scaling = strategy.grad_scaling().unwrap();
     let weight = t.engine.param_by_name("transformer.h.0.mlp.c_fc.weight").unwrap().shallow_clone();
     let _hook = strata_ext::register_hook(&weight, |g| Some(g.full_like(f64::INFINITY))).unwrap();
@@ -176,7 +176,7 @@ fn fp8_pads_rows_that_are_not_a_multiple_of_16() {
     drop(st);
     // Inside a model: a batch of 2 × 5 tokens still computes every block's linears in fp8.
     let strategy = Strategy::parse(r#"[["fp8", {"exclude": ["lm_head"]}]]"#).unwrap();
-    let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &Placement::single()).unwrap();
+    let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &RankLayout::single()).unwrap();
     let tokens = Tensor::randint(32, [2, 5], (Kind::Int64, Device::Cpu));
     let _ = engine.forward(&tokens).unwrap();
     let recorded: Vec<usize> = engine.fp8_states().iter().flatten().map(|s| s.lock().unwrap().layers.len()).collect();

@@ -14,8 +14,8 @@ use strata::compute::{self, UnitCompute};
 use strata::data::{Batch, Step};
 use strata::engine::{memory, with_seed, EngineConfig};
 use strata::model::{layers, GptConfig, LlamaConfig, ModelConfig};
-use strata::optim::{Optimizer, OptimizerConfig, Schedule};
-use strata::parallel::{build_engine, Placement};
+use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use strata::parallel::{build_engine, RankLayout};
 use strata::strategy::Strategy;
 use strata::train::Trainer;
 use strata_ext::cuda;
@@ -56,9 +56,9 @@ fn trainer_of(model: ModelConfig, device: Device, strategy: &str) -> Trainer {
     let strategy = Strategy::parse(strategy).unwrap();
     let spec = model.spec().unwrap();
     let config = EngineConfig { device, ..EngineConfig::default() };
-    let mut engine = build_engine(spec, config, &strategy, &Placement::single()).unwrap();
+    let mut engine = build_engine(spec, config, &strategy, &RankLayout::single()).unwrap();
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
-    let mut t = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+    let mut t = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
     t.scaling = strategy.grad_scaling().unwrap();
     t
 }

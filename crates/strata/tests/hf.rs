@@ -258,7 +258,7 @@ fn rows_tensor(rows: &[Vec<i64>]) -> Tensor {
 /// the first batch.
 fn training_tracks_transformers(py: &Path, dir: &Path, work: &Path) {
     use strata::data::{Batch, Step};
-    use strata::optim::{Optimizer, OptimizerConfig, Schedule};
+    use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
     let batches = training_batches(10);
     let file = work.join("batches.json");
     std::fs::write(&file, serde_json::to_string(&batches).unwrap()).unwrap();
@@ -271,7 +271,7 @@ fn training_tracks_transformers(py: &Path, dir: &Path, work: &Path) {
     let mut engine = strata_engine(dir);
     let config = OptimizerConfig { lr, ..Default::default() };
     let optimizer = Optimizer::new(&mut engine, config, &[]).unwrap();
-    let mut trainer = strata::train::Trainer::new(engine, optimizer, Schedule::Constant, None);
+    let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
     for (i, ((inputs, targets), theirs)) in batches.iter().zip(&theirs).enumerate() {
         let batch = Batch { inputs: rows_tensor(inputs), targets: rows_tensor(targets) };
         let ours = trainer.train_step(&Step { index: i, micro_batches: vec![batch] }).unwrap().loss;

@@ -8,8 +8,8 @@ use strata::comm::{Comm, Store, StoreServer};
 use strata::data::{Batch, Step};
 use strata::engine::{Category, EngineConfig, Event, EventLog, Phase};
 use strata::model::{self, Builder, GptConfig, MlpConfig, ModelSpec};
-use strata::optim::{Optimizer, OptimizerConfig, Schedule};
-use strata::parallel::{build_engine, Placement};
+use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use strata::parallel::{build_engine, RankLayout};
 use strata::strategy::Strategy;
 use strata::train::Trainer;
 use tch::{Device, Kind, Tensor};
@@ -76,12 +76,12 @@ fn trained(strategy: &str) -> (Vec<Event>, u64, u64) {
 fn trained_on(model: fn() -> ModelSpec, strategy: &str) -> (Vec<Event>, u64, u64) {
     let strategy = Strategy::parse(strategy).unwrap();
     two_ranks(|comm, rank| {
-        let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+        let placement = RankLayout { comm: Some(comm), local_world_size: 2, ..RankLayout::single() };
         let mut engine = build_engine(model(), EngineConfig::default(), &strategy, &placement).unwrap();
         let log = Arc::new(EventLog::default());
         engine.set_event_sink(log.clone());
         let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
-        let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+        let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
         for _ in 0..2 {
             trainer.train_step(&step(rank)).unwrap();
         }
@@ -184,7 +184,7 @@ fn full_shard_frees_every_unit_after_its_forward_and_shard_grad_op_keeps_them() 
     for (strategy, freed) in [(r#"["fsdp"]"#, true), (r#"[["fsdp", {"sharding_strategy": "SHARD_GRAD_OP"}]]"#, false)] {
         let strategy = Strategy::parse(strategy).unwrap();
         let held = two_ranks(|comm, rank| {
-            let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+            let placement = RankLayout { comm: Some(comm), local_world_size: 2, ..RankLayout::single() };
             let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &placement).unwrap();
             let s = step(rank);
             let _ = engine.forward(&s.micro_batches[0].inputs).unwrap();
@@ -205,12 +205,12 @@ fn full_shard_frees_every_unit_after_its_forward_and_shard_grad_op_keeps_them() 
 fn model_state_peak(strategy: &str) -> (u64, Vec<u64>) {
     let strategy = Strategy::parse(strategy).unwrap();
     two_ranks(|comm, rank| {
-        let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+        let placement = RankLayout { comm: Some(comm), local_world_size: 2, ..RankLayout::single() };
         let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &placement).unwrap();
         // The padded length: a sharded unit's flat buffer holds nothing between uses.
         let lens: Vec<u64> = engine.storage().iter().map(|s| s.grad.numel() as u64).collect();
         let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
-        let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+        let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
         for _ in 0..2 {
             trainer.train_step(&step(rank)).unwrap();
         }
@@ -255,10 +255,10 @@ fn sharded_whole_gradients_live_where_shm_reads_them_in_place() {
         let parsed = Strategy::parse(strategy).unwrap();
         let run = |backend: &str| {
             two_ranks_on(backend, |comm, rank| {
-                let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+                let placement = RankLayout { comm: Some(comm), local_world_size: 2, ..RankLayout::single() };
                 let mut engine = build_engine(spec(), EngineConfig::default(), &parsed, &placement).unwrap();
                 let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
-                let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+                let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
                 let t = tokens(rank as i64).view([2, 9]);
                 let (inputs, targets) = (t.narrow(1, 0, 8), t.narrow(1, 1, 8));
                 let batch = Batch { inputs: inputs.shallow_clone(), targets: targets.shallow_clone() };
@@ -300,11 +300,11 @@ fn sharded_whole_gradients_live_where_shm_reads_them_in_place() {
 fn data_parallel_gradients_live_where_shm_reads_them_in_place() {
     for (backend, shared) in [("cpu:shm", true), ("cpu:tcp", false)] {
         let placed = two_ranks_on(backend, |comm, rank| {
-            let placement = Placement { comm: Some(comm), local_world_size: 2, ..Placement::single() };
+            let placement = RankLayout { comm: Some(comm), local_world_size: 2, ..RankLayout::single() };
             let strategy = Strategy::parse("[]").unwrap();
             let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &placement).unwrap();
             let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
-            let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(1.0));
+            let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
             trainer.train_step(&step(rank)).unwrap();
             let grads = trainer.engine.grads().unwrap();
             let grad_of_first = trainer.engine.named_params().next().unwrap().1.grad();

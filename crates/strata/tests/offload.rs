@@ -8,7 +8,7 @@ use strata::engine::offload::{Offload, OffloadOptions};
 use strata::engine::placement::{Home, HomePolicy};
 use strata::engine::{EngineConfig, Event, EventLog, Placement as Where};
 use strata::model::{self, Builder, LlamaConfig, ModelSpec};
-use strata::parallel::{build_engine, measure_non_model, Placement};
+use strata::parallel::{build_engine, measure_non_model, RankLayout};
 use strata::profile::{Profiler, Record, SpanKind};
 use strata::strategy::{Method, Strategy};
 use strata::train::{StepReport, Trainer};
@@ -25,7 +25,7 @@ fn train(strategy: &str, budget: Option<u64>, steps: usize) -> Vec<StepReport> {
 /// the room beside model states measured on the first step.
 fn trainer_within(spec: fn() -> ModelSpec, strategy: &str, budget: Option<u64>) -> Trainer {
     let config = EngineConfig { device_budget: budget, ..EngineConfig::default() };
-    let mut at = Placement::single();
+    let mut at = RankLayout::single();
     let strategy = Strategy::parse(strategy).unwrap();
     if strategy.offload().is_some() {
         at.non_model = Some(measure_non_model(spec(), config.clone(), &strategy, &at, &step(0)).unwrap());
@@ -116,15 +116,15 @@ fn an_embedding_kept_on_the_host_computes_there_and_its_states_never_move() {
 }
 
 /// `auto` beside a ZeRO stage under a budget needs the step's floor, which
-/// `Placement::with_room_measured` measures; an engine built without it is refused.
+/// `RankLayout::with_room_measured` measures; an engine built without it is refused.
 #[test]
 fn auto_beside_a_zero_stage_under_a_budget_is_refused_without_the_measured_floor() {
     let strategy = r#"["zero2", ["offload", {"params": "none", "optimizer": "auto", "policy": "auto"}]]"#;
     let strategy = Strategy::parse(strategy).unwrap();
     let config = EngineConfig { device_budget: Some(model_state_bytes()), ..EngineConfig::default() };
-    let err = build_engine(spec(), config.clone(), &strategy, &Placement::single()).err().expect("refused");
+    let err = build_engine(spec(), config.clone(), &strategy, &RankLayout::single()).err().expect("refused");
     assert!(err.to_string().contains("needs the step's floor"), "{err}");
-    let at = Placement::single().with_room_measured(spec(), &config, &strategy, &step(0)).unwrap();
+    let at = RankLayout::single().with_room_measured(spec(), &config, &strategy, &step(0)).unwrap();
     assert!(at.shard_floor.is_some_and(|f| f > 0), "measured: {:?}", at.shard_floor);
     build_engine(spec(), config, &strategy, &at).unwrap();
 }
@@ -161,16 +161,16 @@ fn the_device_stays_within_its_budget_and_a_run_without_offload_is_refused_when_
         }
     }
     let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
-    let err = trainer(&Strategy::default(), &config, &Placement::single()).err().expect("refused").to_string();
+    let err = trainer(&Strategy::default(), &config, &RankLayout::single()).err().expect("refused").to_string();
     assert!(err.contains("out of memory on device"), "{err}");
     // Where the states fit but not beside what a step holds, the room measured on one step
     // refuses the run too.
     let plain = Strategy::default();
-    let room = measure_non_model(spec(), EngineConfig::default(), &plain, &Placement::single(), &step(0)).unwrap();
+    let room = measure_non_model(spec(), EngineConfig::default(), &plain, &RankLayout::single(), &step(0)).unwrap();
     let budget = model_state_bytes() + room.iter().max().unwrap() / 2;
     let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
-    assert!(trainer(&plain, &config, &Placement::single()).is_ok(), "the states alone fit");
-    let at = Placement::single().with_room_measured(spec(), &config, &plain, &step(0)).unwrap();
+    assert!(trainer(&plain, &config, &RankLayout::single()).is_ok(), "the states alone fit");
+    let at = RankLayout::single().with_room_measured(spec(), &config, &plain, &step(0)).unwrap();
     assert_eq!(at.non_model, Some(room));
     let err = trainer(&plain, &config, &at).err().expect("refused").to_string();
     assert!(err.contains("do not fit") && err.contains("offload"), "{err}");
@@ -218,7 +218,7 @@ fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_b
                 c.prefetch = prefetch;
             }
         }
-        let mut at = Placement::single();
+        let mut at = RankLayout::single();
         let non_model = measure_non_model(spec(), config.clone(), &parsed, &at, &single(0)).unwrap();
         at.non_model = Some(non_model.clone());
         let options = OffloadOptions {
@@ -295,7 +295,7 @@ fn host_updates_start_during_backward_where_nothing_can_stop_them_and_change_not
     let run = |strategy: &str, budget: Option<u64>| -> Vec<StepReport> {
         let config = EngineConfig { device_budget: budget, ..EngineConfig::default() };
         let strategy = Strategy::parse(strategy).unwrap();
-        let mut at = Placement::single();
+        let mut at = RankLayout::single();
         if strategy.offload().is_some() {
             at.non_model = Some(measure_non_model(spec(), config.clone(), &strategy, &at, &step(0)).unwrap());
         }
@@ -325,8 +325,8 @@ fn host_updates_start_during_backward_where_nothing_can_stop_them_and_change_not
 fn one_step_stale_losses(steps: usize, grad_clip: f64) -> (Vec<f64>, Trainer) {
     let config = EngineConfig::default();
     let plain = Strategy::default();
-    let mut master = trainer(&plain, &config, &Placement::single()).unwrap();
-    let mut stale_engine = build_engine(spec(), config, &plain, &Placement::single()).unwrap();
+    let mut master = trainer(&plain, &config, &RankLayout::single()).unwrap();
+    let mut stale_engine = build_engine(spec(), config, &plain, &RankLayout::single()).unwrap();
     let flats = |t: &Trainer| -> Vec<Tensor> { t.engine.storage().iter().map(|s| s.flat.copy()).collect() };
     let mut stale = flats(&master);
     let loss_of = strata::train::next_token_loss();
@@ -365,7 +365,7 @@ fn delayed_updates_compute_each_step_at_the_parameters_before_the_last_update() 
     let delayed =
         r#"[["offload", {"params": "none", "optimizer": "cpu", "policy": "static", "delayed_update": true}]]"#;
     let mut delayed_run =
-        trainer(&Strategy::parse(delayed).unwrap(), &EngineConfig::default(), &Placement::single()).unwrap();
+        trainer(&Strategy::parse(delayed).unwrap(), &EngineConfig::default(), &RankLayout::single()).unwrap();
     let reports: Vec<StepReport> = (0..8).map(|i| delayed_run.train_step(&step(i)).unwrap()).collect();
     let (expected, mut master) = one_step_stale_losses(8, 0.5);
     let current: Vec<f64> = train("[]", None, 8).iter().map(|r| r.loss).collect();
@@ -384,7 +384,7 @@ fn delayed_updates_compute_each_step_at_the_parameters_before_the_last_update() 
     // A configuration whose parameters live on the host cannot leave them behind.
     let config = EngineConfig::default();
     let on_host = r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static", "delayed_update": true}]]"#;
-    let err = trainer(&Strategy::parse(on_host).unwrap(), &config, &Placement::single()).err().expect("refused");
+    let err = trainer(&Strategy::parse(on_host).unwrap(), &config, &RankLayout::single()).err().expect("refused");
     assert!(err.to_string().contains("delayed_update"), "{err}");
 }
 
@@ -393,9 +393,9 @@ fn a_profile_of_an_offloaded_run_records_every_copy_the_ledger_counts() {
     let budget = model_state_bytes() * 4 / 10;
     let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
     let strategy = Strategy::parse(FULL).unwrap();
-    let at = Placement {
-        non_model: Some(measure_non_model(spec(), config.clone(), &strategy, &Placement::single(), &step(0)).unwrap()),
-        ..Placement::single()
+    let at = RankLayout {
+        non_model: Some(measure_non_model(spec(), config.clone(), &strategy, &RankLayout::single(), &step(0)).unwrap()),
+        ..RankLayout::single()
     };
     let mut trainer = trainer(&strategy, &config, &at).unwrap();
     let profiler = Profiler::start(&mut trainer.engine, 0, 1);

@@ -8,7 +8,7 @@ use common::tied_gpt::{model_state_bytes, spec, step, trainer};
 use std::sync::Arc;
 use strata::engine::offload::{NonModelTrace, Offload, OffloadOptions};
 use strata::engine::EngineConfig;
-use strata::parallel::{measure_non_model, Placement};
+use strata::parallel::{measure_non_model, RankLayout};
 use strata::strategy::Strategy;
 
 #[test]
@@ -16,7 +16,7 @@ fn the_room_predicted_from_one_step_is_what_200_steps_hold_and_a_tight_budget_la
     strata_ext::cpu_memory::track().unwrap();
     let strategy = Strategy::parse(r#"["offload"]"#).unwrap();
     let unlimited = EngineConfig::default();
-    let predicted = measure_non_model(spec(), unlimited.clone(), &strategy, &Placement::single(), &step(0)).unwrap();
+    let predicted = measure_non_model(spec(), unlimited.clone(), &strategy, &RankLayout::single(), &step(0)).unwrap();
     // Activations and temporaries, far beyond what the ledger alone counts.
     let largest = predicted.iter().copied().max().unwrap();
     assert!(largest > model_state_bytes() / 4, "the allocator's figure: {predicted:?}");
@@ -36,7 +36,7 @@ fn the_room_predicted_from_one_step_is_what_200_steps_hold_and_a_tight_budget_la
     let need = Offload::plan_for(&spec(), &tight, &options).unwrap().device_peak();
     let budget = need + need / 20;
     let config = EngineConfig { device_budget: Some(budget), ..tight };
-    let at = Placement { non_model: Some(predicted.clone()), ..Placement::single() };
+    let at = RankLayout { non_model: Some(predicted.clone()), ..RankLayout::single() };
     let mut trainer = trainer(&strategy, &config, &at).unwrap();
     let trace = Arc::new(NonModelTrace::new(&trainer.engine));
     trainer.engine.set_event_sink(trace.clone());

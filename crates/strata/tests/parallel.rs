@@ -5,7 +5,7 @@ use strata::comm::{Comm, Store, StoreServer};
 use strata::data::{Batch, Step};
 use strata::engine::{Engine, EngineConfig};
 use strata::model::{Builder, Init, ParamId, Params, TpRole, Unit};
-use strata::optim::{Optimizer, OptimizerConfig, Schedule};
+use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use strata::parallel::{DataParallel, DataParallelOptions};
 use strata::train::Trainer;
 use tch::{Kind, Tensor};
@@ -37,7 +37,7 @@ fn trainer(find_unused_parameters: bool) -> Trainer {
     let options = DataParallelOptions { find_unused_parameters, ..Default::default() };
     DataParallel::install(&mut engine, Arc::from(comm.world().unwrap()), options).unwrap();
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
-    Trainer::new(engine, optimizer, Schedule::Constant, None)
+    Trainer::new(engine, optimizer, LrSchedule::Constant, None)
 }
 
 fn step() -> Step {

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use strata::data::{Batch, Step};
 use strata::engine::{with_seed, EngineConfig, Placement as Where};
 use strata::model::{self, Builder, GptConfig, LlamaConfig, ModelSpec};
-use strata::optim::{Optimizer, Schedule};
-use strata::parallel::{build_engine, Placement};
+use strata::optim::{LrSchedule, Optimizer};
+use strata::parallel::{build_engine, RankLayout};
 use strata::patrickstar::{initialize_engine, initialize_engine_within, Budgets, PatrickStarConfig};
 use strata::strategy::{Method, Strategy};
 use strata::train::Trainer;
@@ -62,9 +62,9 @@ fn config() -> PatrickStarConfig {
 fn reference(model: fn() -> strata::Result<ModelSpec>, steps: usize) -> Vec<f64> {
     let c = config();
     let mut engine =
-        build_engine(model().unwrap(), EngineConfig::default(), &Strategy::default(), &Placement::single()).unwrap();
+        build_engine(model().unwrap(), EngineConfig::default(), &Strategy::default(), &RankLayout::single()).unwrap();
     let optimizer = Optimizer::new(&mut engine, c.optimizer_config().unwrap(), &[]).unwrap();
-    let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, None);
+    let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, None);
     (0..steps).map(|i| trainer.train_step(&step(i)).unwrap().loss).collect()
 }
 

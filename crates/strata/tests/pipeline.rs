@@ -10,7 +10,7 @@ use strata::data::{validation_steps, LoaderConfig, TokenData};
 use strata::engine::EngineConfig;
 use strata::engine::{Event, EventLog};
 use strata::model::{GptConfig, LlamaConfig, ModelConfig};
-use strata::optim::{OptimizerConfig, Schedule};
+use strata::optim::{LrSchedule, OptimizerConfig};
 use strata::parallel::pipeline::schedule::{self, Pipeline, ScheduleKind};
 use strata::parallel::pipeline::{partition, PipelineSetup, PipelineTrainer};
 use strata::parallel::DataParallelOptions;
@@ -29,7 +29,7 @@ fn measured_units_are_timed_and_weighed_by_their_buffers() {
         local_world_size: 1,
         data_parallel: DataParallelOptions::default(),
         optimizer: OptimizerConfig::default(),
-        schedule: Schedule::Constant,
+        schedule: LrSchedule::Constant,
         grad_clip: None,
         micro_batches: 2,
         split: None,
@@ -104,7 +104,7 @@ fn rank_entry() {
         local_world_size: 4,
         data_parallel: DataParallelOptions::default(),
         optimizer: OptimizerConfig::default(),
-        schedule: Schedule::Constant,
+        schedule: LrSchedule::Constant,
         grad_clip: None,
         micro_batches,
         split: None,

@@ -13,8 +13,8 @@ use crate::engine::{
     memory, Category, EngineConfig, GradLayout, MemoryLedger, Phase, ScheduleContext, UnitSchedule, UnitStorage,
 };
 use crate::model::{Builder, ModelSpec};
-use crate::optim::{GroupRule, Optimizer, OptimizerConfig, Schedule};
-use crate::parallel::{self, Placement};
+use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
+use crate::parallel::{self, RankLayout};
 use crate::strategy::Strategy;
 use crate::train::{InputFn, LossFn, Trainer};
 use crate::{Error, Result};
@@ -30,9 +30,9 @@ pub struct Bench<'a> {
     pub engine: EngineConfig,
     pub optimizer: OptimizerConfig,
     pub rules: &'a [GroupRule],
-    pub schedule: Schedule,
+    pub schedule: LrSchedule,
     pub grad_clip: Option<f64>,
-    pub placement: Placement<'a>,
+    pub placement: RankLayout<'a>,
     pub prepare_input: InputFn,
     /// The loss; `None`: the next-token loss of the engine's output
     /// ([`crate::train::next_token_loss_of`]).
@@ -99,7 +99,7 @@ impl Bench<'_> {
 
     /// Trains the warm-up and timed steps with `strategy`; (tokens/s of the job, peak bytes).
     pub fn dry_run(&self, strategy: &Strategy) -> Result<(f64, u64)> {
-        let tensor = strategy.parallel_mode().size("tensor", self.world_size())?;
+        let tensor = strategy.parallel_mode().size(crate::strategy::Dim::Tensor, self.world_size())?;
         let steps = self.steps_for(tensor)?;
         let device = self.engine.device;
         // An offload plan keeps room for what a step holds beside model states, measured on

@@ -273,7 +273,7 @@ mod tests {
         let tensor_only = candidates(&[], &["tensor_parallel".into()], true, &[2], false);
         assert!(!tensor_only.is_empty() && tensor_only.iter().all(|c| c.tensor == 2));
         let strategy = tensor_only[0].strategy(&[]).unwrap();
-        assert_eq!(strategy.parallel_mode().size("tensor", 4).unwrap(), 2);
+        assert_eq!(strategy.parallel_mode().size(crate::strategy::Dim::Tensor, 4).unwrap(), 2);
         assert!(strategy.tensor_parallel().is_some_and(|t| t.sequence_parallel));
     }
 }

@@ -14,9 +14,9 @@ use crate::comm::{Comm, ProcessGroup};
 use crate::data::{DataLoader, LoaderConfig, Order, TokenData};
 use crate::engine::EngineConfig;
 use crate::model::Builder;
-use crate::optim::{GroupRule, Optimizer, OptimizerConfig, Schedule};
-use crate::parallel::{self, DataParallelOptions, Placement, DEFAULT_BUCKET_BYTES};
-use crate::strategy::{BackwardPrefetch, Method, Strategy, StrategySource};
+use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
+use crate::parallel::{self, DataParallelOptions, RankLayout, DEFAULT_BUCKET_BYTES};
+use crate::strategy::{BackwardPrefetch, Method, ShardMethod, Strategy, StrategySource};
 use crate::train::{token_input, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
 use bench::Bench;
@@ -93,7 +93,7 @@ pub struct AutoAccelerate<'a> {
     pub loss_func: Option<LossFn>,
     pub prepare_input: InputFn,
     pub dataloader_args: DataloaderArgs,
-    pub lr_scheduler: Schedule,
+    pub lr_scheduler: LrSchedule,
     pub grad_clip: Option<f64>,
     /// Device, seed and memory budget of each rank.
     pub engine: EngineConfig,
@@ -118,7 +118,7 @@ impl<'a> AutoAccelerate<'a> {
             loss_func: None,
             prepare_input: token_input(),
             dataloader_args,
-            lr_scheduler: Schedule::Constant,
+            lr_scheduler: LrSchedule::Constant,
             grad_clip: Some(1.0),
             engine: EngineConfig::default(),
             comm: None,
@@ -196,7 +196,7 @@ fn rank_and_world(comm: Option<&Comm>) -> (usize, usize) {
 /// same batches).
 fn loader_config(job: &AutoAccelerate<'_>, tensor: usize) -> Result<LoaderConfig> {
     let (rank, world) = rank_and_world(job.comm);
-    let mode = crate::strategy::ParallelMode(vec![("tensor".into(), tensor)], None);
+    let mode = crate::strategy::ParallelMode(vec![(crate::strategy::Dim::Tensor, tensor)], None);
     let (rank, world) = parallel::batch_shard(&mode, rank, world)?;
     let a = &job.dataloader_args;
     Ok(LoaderConfig {
@@ -209,8 +209,8 @@ fn loader_config(job: &AutoAccelerate<'_>, tensor: usize) -> Result<LoaderConfig
     })
 }
 
-fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> Placement<'a> {
-    Placement {
+fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> RankLayout<'a> {
+    RankLayout {
         comm: job.comm,
         local_world_size: job.local_world_size,
         data_parallel: DataParallelOptions { bucket_bytes, find_unused_parameters: job.options.find_unused_parameters },
@@ -232,7 +232,7 @@ pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usiz
     if let Some(loss) = &job.loss_func {
         trainer.loss_func = loss.clone();
     }
-    let tensor = strategy.parallel_mode().size("tensor", rank_and_world(job.comm).1)?;
+    let tensor = strategy.parallel_mode().size(crate::strategy::Dim::Tensor, rank_and_world(job.comm).1)?;
     let loader = DataLoader::new(job.dataset.clone(), loader_config(job, tensor)?, job.dataloader_args.order.clone())?;
     let args = PreparedArgs {
         use_optim_backward: false,
@@ -382,7 +382,7 @@ type KnobChange = fn(&mut crate::strategy::ShardConfig);
 fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Result<Choice> {
     let sharding = strategy.sharding().map(|(name, _)| name);
     let buckets = sharding.is_none() && rank_and_world(job.comm).1 > 1;
-    if sharding != Some("fsdp") && !buckets {
+    if sharding != Some(ShardMethod::Fsdp) && !buckets {
         let what = sharding.map_or("data parallel on one rank".to_string(), |name| format!("{name} (no buckets)"));
         return Err(Error::Config(format!(
             "finetune_strategy: {what} has nothing to tune; it tunes fsdp's prefetching and data parallel's buckets"
@@ -407,36 +407,37 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
         return Err(Error::Config("the loaded strategy does not run within the budget: nothing to fine-tune".into()));
     };
     // Prefetching exists only where parameters are gathered (fsdp).
-    let variants: Vec<(Strategy, usize, String)> = if strategy.sharding().is_some_and(|(name, _)| name == "fsdp") {
-        let knobs: [(&str, KnobChange); 4] = [
-            ("forward_prefetch switched", |c| c.forward_prefetch = !c.forward_prefetch),
-            ("backward_prefetch switched", |c| {
-                c.backward_prefetch = match c.backward_prefetch {
-                    Some(BackwardPrefetch::Pre) => Some(BackwardPrefetch::Post),
-                    _ => Some(BackwardPrefetch::Pre),
-                }
-            }),
-            ("limit_all_gathers switched", |c| c.limit_all_gathers = !c.limit_all_gathers),
-            ("overlap_comm switched", |c| c.overlap_comm = !c.overlap_comm),
-        ];
-        knobs
-            .iter()
-            .map(|(label, change)| {
-                let mut s = best.0.clone();
-                for m in &mut s.methods {
-                    if let Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) = m {
-                        change(c);
+    let variants: Vec<(Strategy, usize, String)> =
+        if strategy.sharding().is_some_and(|(method, _)| method == ShardMethod::Fsdp) {
+            let knobs: [(&str, KnobChange); 4] = [
+                ("forward_prefetch switched", |c| c.forward_prefetch = !c.forward_prefetch),
+                ("backward_prefetch switched", |c| {
+                    c.backward_prefetch = match c.backward_prefetch {
+                        Some(BackwardPrefetch::Pre) => Some(BackwardPrefetch::Post),
+                        _ => Some(BackwardPrefetch::Pre),
                     }
-                }
-                (s, DEFAULT_BUCKET_BYTES, label.to_string())
-            })
-            .collect()
-    } else {
-        [DEFAULT_BUCKET_BYTES / 6, DEFAULT_BUCKET_BYTES * 4]
-            .iter()
-            .map(|&b| (strategy.clone(), b, format!("bucket {} MiB", b >> 20)))
-            .collect()
-    };
+                }),
+                ("limit_all_gathers switched", |c| c.limit_all_gathers = !c.limit_all_gathers),
+                ("overlap_comm switched", |c| c.overlap_comm = !c.overlap_comm),
+            ];
+            knobs
+                .iter()
+                .map(|(label, change)| {
+                    let mut s = best.0.clone();
+                    for m in &mut s.methods {
+                        if let Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) = m {
+                            change(c);
+                        }
+                    }
+                    (s, DEFAULT_BUCKET_BYTES, label.to_string())
+                })
+                .collect()
+        } else {
+            [DEFAULT_BUCKET_BYTES / 6, DEFAULT_BUCKET_BYTES * 4]
+                .iter()
+                .map(|&b| (strategy.clone(), b, format!("bucket {} MiB", b >> 20)))
+                .collect()
+        };
     for (s, bucket, label) in variants {
         if let Some(speed) = measure(&s, bucket, label)? {
             if speed > best_speed {

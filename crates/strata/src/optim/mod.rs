@@ -219,7 +219,7 @@ impl Optimizer {
         })
     }
 
-    /// Scales every group's learning rate (set each step from a [`Schedule`]).
+    /// Scales every group's learning rate (set each step from a [`LrSchedule`]).
     pub fn set_lr_factor(&mut self, factor: f64) {
         self.lr_factor = factor;
     }
@@ -688,7 +688,7 @@ impl Drop for Optimizer {
 /// Learning-rate schedule, as a factor of the base rate at each step (0-based).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Schedule {
+pub enum LrSchedule {
     Constant,
     /// Linear warm-up from 1/warmup to 1, then cosine decay to `min_factor` at `total`.
     WarmupCosine {
@@ -703,28 +703,28 @@ pub enum Schedule {
     },
 }
 
-impl Schedule {
+impl LrSchedule {
     /// Refuses factors that would train backwards or stop: a cosine floor outside [0, 1], a
     /// step factor that is not positive, a step every 0 steps.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(format!("learning-rate schedule: {m}")));
         match *self {
-            Schedule::Constant => Ok(()),
-            Schedule::WarmupCosine { min_factor, .. } if !(0.0..=1.0).contains(&min_factor) => {
+            LrSchedule::Constant => Ok(()),
+            LrSchedule::WarmupCosine { min_factor, .. } if !(0.0..=1.0).contains(&min_factor) => {
                 bad(format!("the floor factor must lie in [0, 1], got {min_factor}"))
             }
-            Schedule::Step { gamma, .. } if !(gamma.is_finite() && gamma > 0.0) => {
+            LrSchedule::Step { gamma, .. } if !(gamma.is_finite() && gamma > 0.0) => {
                 bad(format!("the step factor must be positive, got {gamma}"))
             }
-            Schedule::Step { every: 0, .. } => bad("a step every 0 steps".into()),
+            LrSchedule::Step { every: 0, .. } => bad("a step every 0 steps".into()),
             _ => Ok(()),
         }
     }
 
     pub fn factor(&self, step: u64) -> f64 {
         match *self {
-            Schedule::Constant => 1.0,
-            Schedule::WarmupCosine { warmup, total, min_factor } => {
+            LrSchedule::Constant => 1.0,
+            LrSchedule::WarmupCosine { warmup, total, min_factor } => {
                 if step < warmup {
                     (step + 1) as f64 / warmup as f64
                 } else if step >= total {
@@ -734,7 +734,7 @@ impl Schedule {
                     min_factor + (1.0 - min_factor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
                 }
             }
-            Schedule::Step { every, gamma } => gamma.powi((step / every.max(1)) as i32),
+            LrSchedule::Step { every, gamma } => gamma.powi((step / every.max(1)) as i32),
         }
     }
 }
@@ -745,13 +745,13 @@ mod tests {
 
     #[test]
     fn warmup_cosine_rises_linearly_then_decays_to_the_floor() {
-        let s = Schedule::WarmupCosine { warmup: 4, total: 14, min_factor: 0.1 };
+        let s = LrSchedule::WarmupCosine { warmup: 4, total: 14, min_factor: 0.1 };
         assert_eq!(s.factor(0), 0.25);
         assert_eq!(s.factor(3), 1.0);
         assert!((s.factor(4) - 1.0).abs() < 1e-12);
         assert!((s.factor(9) - 0.55).abs() < 1e-12);
         assert_eq!(s.factor(100), 0.1);
-        let st = Schedule::Step { every: 10, gamma: 0.5 };
+        let st = LrSchedule::Step { every: 10, gamma: 0.5 };
         assert_eq!((st.factor(9), st.factor(10), st.factor(25)), (1.0, 0.5, 0.25));
     }
 
@@ -767,13 +767,13 @@ mod tests {
         }
         assert!("lion".parse::<OptimizerKind>().is_err());
         for bad in [
-            Schedule::WarmupCosine { warmup: 1, total: 10, min_factor: -0.5 },
-            Schedule::WarmupCosine { warmup: 1, total: 10, min_factor: f64::NAN },
-            Schedule::Step { every: 3, gamma: 0.0 },
-            Schedule::Step { every: 0, gamma: 0.5 },
+            LrSchedule::WarmupCosine { warmup: 1, total: 10, min_factor: -0.5 },
+            LrSchedule::WarmupCosine { warmup: 1, total: 10, min_factor: f64::NAN },
+            LrSchedule::Step { every: 3, gamma: 0.0 },
+            LrSchedule::Step { every: 0, gamma: 0.5 },
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
-        assert!(Schedule::Step { every: 3, gamma: 2.0 }.validate().is_ok());
+        assert!(LrSchedule::Step { every: 3, gamma: 2.0 }.validate().is_ok());
     }
 }

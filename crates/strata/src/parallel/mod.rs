@@ -24,8 +24,8 @@ use crate::engine::placement::HomePolicy;
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
 use crate::strategy::{
-    select_units, AmpConfig, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ParallelMode, ShardingStrategy,
-    Stage, Strategy,
+    select_units, AmpConfig, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ParallelMode, ShardMethod,
+    ShardingStrategy, Stage, Strategy,
 };
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -34,7 +34,7 @@ use zero::{ShardGroups, ShardHomes, ShardOffload, Zero, ZeroOptions};
 /// How ranks are laid out for a strategy: the communicator (none for one process) and the
 /// ranks of one node (the shard group of HYBRID_SHARD by default).
 #[derive(Clone)]
-pub struct Placement<'a> {
+pub struct RankLayout<'a> {
     pub comm: Option<&'a Comm>,
     pub local_world_size: usize,
     /// Data parallelism's buckets and unused-parameter policy.
@@ -55,10 +55,10 @@ pub struct Placement<'a> {
     pub shard_floor: Option<u64>,
 }
 
-impl<'a> Placement<'a> {
+impl<'a> RankLayout<'a> {
     /// One process, no communication.
-    pub fn single() -> Placement<'static> {
-        Placement {
+    pub fn single() -> RankLayout<'static> {
+        RankLayout {
             comm: None,
             local_world_size: 1,
             data_parallel: DataParallelOptions::default(),
@@ -80,7 +80,7 @@ impl<'a> Placement<'a> {
         config: &EngineConfig,
         strategy: &Strategy,
         step: &crate::data::Step,
-    ) -> Result<Placement<'a>> {
+    ) -> Result<RankLayout<'a>> {
         let mut at = self.clone();
         let resident_under_budget = strategy.offload().is_none()
             && strategy.sharding().is_none()
@@ -105,7 +105,7 @@ impl<'a> Placement<'a> {
 /// parallel over every rank otherwise (with more than one rank), resident on one; in
 /// `half`'s dtype; with each unit's compute methods (amp_native, fp8, checkpoint,
 /// module_replace). The loss scaling goes to the trainer: [`Strategy::grad_scaling`].
-pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &Placement) -> Result<Engine> {
+pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &RankLayout) -> Result<Engine> {
     let config = EngineConfig { kind: strategy.half().unwrap_or(config.kind), ..config };
     let policies = compute_policies(&spec, strategy, config.device)?;
     let mut engine = build_sharding(spec, config, strategy, at)?;
@@ -154,7 +154,7 @@ fn fp8_supported(device: tch::Device) -> bool {
 pub fn batch_shard(mode: &ParallelMode, rank: usize, world: usize) -> Result<(usize, usize)> {
     let groups = mode.groups(world)?;
     let (mut index, mut count) = (0, 1);
-    for (name, size) in mode.resolve(world)?.iter().filter(|(n, _)| n == "data" || n == "zero") {
+    for (name, size) in mode.resolve(world)?.iter().filter(|(n, _)| matches!(n, Dim::Data | Dim::Zero)) {
         let coordinate = groups[name].iter().find_map(|g| g.iter().position(|&r| r == rank)).ok_or_else(|| {
             Error::Config(format!("parallel_mode: rank {rank} is in no {name} group of a world of {world}"))
         })?;
@@ -168,12 +168,12 @@ pub fn batch_shard(mode: &ParallelMode, rank: usize, world: usize) -> Result<(us
 /// the replicas data parallelism and ZeRO work across, each list in rank order.
 fn replica_lists(mode: &ParallelMode, world: usize) -> Result<Vec<Vec<usize>>> {
     let groups = mode.groups(world)?;
-    let coordinate = |name: &str, rank: usize| {
-        groups.get(name).and_then(|g| g.iter().find_map(|g| g.iter().position(|&r| r == rank))).unwrap_or(0)
+    let coordinate = |dim: Dim, rank: usize| {
+        groups.get(&dim).and_then(|g| g.iter().find_map(|g| g.iter().position(|&r| r == rank))).unwrap_or(0)
     };
     let mut lists: Vec<((usize, usize), Vec<usize>)> = Vec::new();
     for rank in 0..world {
-        let key = (coordinate("tensor", rank), coordinate("pipeline", rank));
+        let key = (coordinate(Dim::Tensor, rank), coordinate(Dim::Pipeline, rank));
         match lists.iter_mut().find(|(k, _)| *k == key) {
             Some((_, ranks)) => ranks.push(rank),
             None => lists.push((key, vec![rank])),
@@ -182,10 +182,10 @@ fn replica_lists(mode: &ParallelMode, world: usize) -> Result<Vec<Vec<usize>>> {
     Ok(lists.into_iter().map(|(_, ranks)| ranks).collect())
 }
 
-fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &Placement) -> Result<Engine> {
+fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &RankLayout) -> Result<Engine> {
     let world = at.world_size();
     let mode = strategy.parallel_mode();
-    let stages = mode.size("pipeline", world)?;
+    let stages = mode.size(Dim::Pipeline, world)?;
     if stages > 1 && !at.stage {
         return Err(Error::Config(
             "parallel_mode: a pipeline runs through parallel::pipeline::PipelineTrainer, one engine per stage".into(),
@@ -197,7 +197,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     if world == 1 {
         fits_on_the_device(&spec, &config, at)?;
     }
-    let tensor = mode.size("tensor", world)?;
+    let tensor = mode.size(Dim::Tensor, world)?;
     let replicas = world / (tensor * stages);
     // Every rank creates every group in one order: tensor groups, then the replicas'.
     let (tensor_group, replica_group) = match at.comm.filter(|_| world > 1) {
@@ -207,14 +207,14 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
             let sequence_parallel = strategy.tensor_parallel().is_some_and(|c| c.sequence_parallel);
             let group = match tensor {
                 1 => None,
-                _ => my_group(comm, &mode.groups(world)?["tensor"])?
+                _ => my_group(comm, &mode.groups(world)?[&Dim::Tensor])?
                     .map(|g| Arc::new(tensor::TensorGroup::new(g, sequence_parallel))),
             };
             (group, my_group(comm, &replica_lists(&mode, world)?)?)
         }
     };
     let config = EngineConfig { tensor: tensor_group.map(|g| g as Arc<dyn crate::model::TensorParallel>), ..config };
-    let zero_size = mode.size("zero", world)?;
+    let zero_size = mode.size(Dim::Zero, world)?;
     let Some((name, shard)) = strategy.sharding() else {
         if zero_size > 1 {
             return Err(Error::Config("parallel_mode: a zero dimension needs zero1, zero2 or fsdp".into()));
@@ -244,7 +244,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     };
     // Shard groups are parallel_mode's zero groups, replicas its data groups; without a
     // zero dimension the sharding strategy says how many ranks share a shard group.
-    let explicit = mode.0.iter().any(|(n, _)| n == "zero");
+    let explicit = mode.0.iter().any(|(n, _)| *n == Dim::Zero);
     let shard_size = match shard.sharding_strategy {
         _ if explicit => {
             if shard.sharding_strategy == Some(ShardingStrategy::HybridShard) || shard.hybrid_shard_size.is_some() {
@@ -266,18 +266,18 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         return Err(Error::Config(format!("{name}: a shard group of {shard_size} ranks does not divide {whole}")));
     }
     // The user's layout with the shard group as its zero dimension and data taking the rest.
-    let mut dims: Vec<(String, usize)> = mode.0.iter().filter(|(n, _)| n != "zero").cloned().collect();
-    let data = dims.iter().position(|(n, _)| n == "data").unwrap_or(dims.len());
-    dims.insert(data, ("zero".into(), shard_size));
-    for (_, size) in dims.iter_mut().filter(|(n, _)| n == "data") {
+    let mut dims: Vec<(Dim, usize)> = mode.0.iter().filter(|(n, _)| *n != Dim::Zero).cloned().collect();
+    let data = dims.iter().position(|(n, _)| *n == Dim::Data).unwrap_or(dims.len());
+    dims.insert(data, (Dim::Zero, shard_size));
+    for (_, size) in dims.iter_mut().filter(|(n, _)| *n == Dim::Data) {
         *size = 0;
     }
     let layout = ParallelMode(dims, mode.1.clone()).groups(world)?;
     let groups = match at.comm.filter(|_| world > 1) {
         None => ShardGroups { shard: None, replicate: None, world: None },
         Some(comm) => ShardGroups {
-            shard: my_group(comm, &layout["zero"])?,
-            replicate: my_group(comm, &layout["data"])?,
+            shard: my_group(comm, &layout[&Dim::Zero])?,
+            replicate: my_group(comm, &layout[&Dim::Data])?,
             world: replica_group,
         },
     };
@@ -285,7 +285,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
 }
 
 /// One process with model states placed between device and host by `offload`.
-fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig, at: &Placement) -> Result<Engine> {
+fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig, at: &RankLayout) -> Result<Engine> {
     if at.world_size() > 1 {
         return Err(Error::Config(
             "offload: over several ranks it combines with zero1, zero2 or fsdp, not with data parallelism".into(),
@@ -304,11 +304,11 @@ fn build_offload(spec: ModelSpec, config: EngineConfig, offload: &OffloadConfig,
     Offload::build(spec, config, options)
 }
 
-/// With the room beside model states measured ([`Placement::with_room_measured`]) and a
+/// With the room beside model states measured ([`RankLayout::with_room_measured`]) and a
 /// device budget, whether one process that keeps every state on the device fits it at every
 /// moment of a step: the plan of an offload that moves nothing decides, as it would with
 /// offload. Nothing to check without either.
-fn fits_on_the_device(spec: &ModelSpec, config: &EngineConfig, at: &Placement) -> Result<()> {
+fn fits_on_the_device(spec: &ModelSpec, config: &EngineConfig, at: &RankLayout) -> Result<()> {
     if at.non_model.is_none() || config.device_budget.is_none() {
         return Ok(());
     }
@@ -335,12 +335,12 @@ fn fits_on_the_device(spec: &ModelSpec, config: &EngineConfig, at: &Placement) -
 /// where parameters are between uses, so `params` must say the same: the shards, which go
 /// with their unit, under stage 3; whole on the device otherwise.
 fn zero_offload(
-    name: &str,
+    name: ShardMethod,
     stage: Stage,
     c: &OffloadConfig,
     spec: &ModelSpec,
     config: &EngineConfig,
-    at: &Placement,
+    at: &RankLayout,
 ) -> Result<ShardOffload> {
     let bad = |why: String| Err(Error::Config(format!("offload with {name}: {why}")));
     if c.delayed_update || c.slot_bytes.is_some() {
@@ -377,7 +377,7 @@ fn zero_offload(
                     let Some(floor) = at.shard_floor else {
                         return bad(
                             "policy auto under a device budget needs the step's floor, measured before the engine \
-                             is built (Placement::with_room_measured); a pipeline stage has none: use policy static"
+                             is built (RankLayout::with_room_measured); a pipeline stage has none: use policy static"
                                 .into(),
                         );
                     };
@@ -411,7 +411,7 @@ pub fn measure_shard_floor(
     spec: ModelSpec,
     config: EngineConfig,
     strategy: &Strategy,
-    at: &Placement,
+    at: &RankLayout,
     step: &crate::data::Step,
 ) -> Result<u64> {
     let (Some((name, shard)), Some(offload)) = (strategy.sharding(), strategy.offload()) else {
@@ -425,7 +425,7 @@ pub fn measure_shard_floor(
     let on_host = OffloadConfig { params, pin_memory: false, ..offload.everything_on_host() };
     let (mut engine, trace) = traced_engine(spec, config, strategy, at, &on_host)?;
     let optimizer = crate::optim::Optimizer::new(&mut engine, crate::optim::OptimizerConfig::default(), &[])?;
-    let mut trainer = crate::train::Trainer::new(engine, optimizer, crate::optim::Schedule::Constant, None);
+    let mut trainer = crate::train::Trainer::new(engine, optimizer, crate::optim::LrSchedule::Constant, None);
     for _ in 0..2 {
         trainer.train_step(step)?;
     }
@@ -443,7 +443,7 @@ fn traced_engine(
     spec: ModelSpec,
     config: EngineConfig,
     strategy: &Strategy,
-    at: &Placement,
+    at: &RankLayout,
     offload: &OffloadConfig,
 ) -> Result<(Engine, Arc<NonModelTrace>)> {
     let mut methods: Vec<Method> =
@@ -462,12 +462,12 @@ fn traced_engine(
 /// backwards (next-token loss on the token ids) need under `strategy`'s compute methods:
 /// measured once on an engine built as `strategy` says but with every state on the host
 /// and no budgets, the least the device can hold. Offload's plan leaves room for them
-/// ([`Placement::non_model`]), so a run within the budget never runs out mid-step.
+/// ([`RankLayout::non_model`]), so a run within the budget never runs out mid-step.
 pub fn measure_non_model(
     spec: ModelSpec,
     config: EngineConfig,
     strategy: &Strategy,
-    at: &Placement,
+    at: &RankLayout,
     step: &crate::data::Step,
 ) -> Result<Vec<u64>> {
     if strategy.sharding().is_some() {

@@ -34,11 +34,11 @@ use crate::data::{validation_steps, DataLoader, LoaderConfig, Order, TokenData};
 use crate::engine::{EngineConfig, EventSink, EventSinks, UnitClock};
 use crate::io::{FolderOut, WeightsTarget};
 use crate::model::{Builder, ModelConfig, ModelDir, ModelSpec};
-use crate::optim::{OptimizerConfig, OptimizerKind, Schedule};
+use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use crate::parallel::{self, DataParallelOptions};
 use crate::patrickstar::PatrickStarConfig;
 use crate::profile::Profiler;
-use crate::strategy::Strategy;
+use crate::strategy::{Dim, Strategy};
 use crate::train::{LossFn, StepReport};
 use crate::{Error, Result};
 use runner::Runner;
@@ -184,7 +184,7 @@ pub struct RunConfig {
     /// Compute threads; `None`: the ranks of a host share its cores.
     pub threads: Option<i32>,
     pub optimizer: OptimizerConfig,
-    pub schedule: Schedule,
+    pub schedule: LrSchedule,
     pub grad_clip: Option<f64>,
     /// Parameters left out of training (name substrings).
     pub freeze: Vec<String>,
@@ -227,7 +227,7 @@ impl Default for RunConfig {
             device: tch::Device::Cpu,
             threads: None,
             optimizer: OptimizerConfig::default(),
-            schedule: Schedule::Constant,
+            schedule: LrSchedule::Constant,
             grad_clip: Some(1.0),
             freeze: vec![],
             loss: None,
@@ -475,7 +475,7 @@ pub fn train(
         data_parallel,
         loader: &loader_config,
     };
-    let mut runner = if strategy.parallel_mode().size("pipeline", ranks.world())? > 1 {
+    let mut runner = if strategy.parallel_mode().size(Dim::Pipeline, ranks.world())? > 1 {
         if config.unit_times {
             return Err(Error::Config(
                 "unit times (--unit-times) are measured by one engine's clock; under a pipeline each rank holds only its stages: profile the run instead (--profile)".into(),

@@ -10,7 +10,7 @@ use crate::engine::{Engine, EngineConfig, EventSink};
 use crate::io::WeightsTarget;
 use crate::optim::Optimizer;
 use crate::parallel::pipeline::{partition, PipelineSetup, PipelineTrainer};
-use crate::parallel::{self, DataParallelOptions, Placement};
+use crate::parallel::{self, DataParallelOptions, RankLayout};
 use crate::profile::Profiler;
 use crate::strategy::{Balance, Strategy};
 use crate::train::{StepReport, Trainer};
@@ -60,7 +60,7 @@ impl Runner {
     /// A trainer over one engine built for the strategy.
     pub fn plain(s: &Setup<'_>, spec: crate::model::ModelSpec) -> Result<Runner> {
         let c = s.config;
-        let mut placement = Placement {
+        let mut placement = RankLayout {
             comm: s.ranks.comm.as_ref(),
             local_world_size: s.ranks.local_world_size,
             data_parallel: s.data_parallel,

@@ -11,8 +11,8 @@ mod parallel_mode;
 mod shard;
 
 pub use offload::{OffloadConfig, OffloadPolicy, OffloadTarget};
-pub use parallel_mode::{ParallelMode, DIMENSIONS};
-pub use shard::{BackwardPrefetch, MixedPrecision, ShardConfig, ShardingStrategy, Stage, Wrap};
+pub use parallel_mode::{Dim, ParallelMode};
+pub use shard::{BackwardPrefetch, MixedPrecision, ShardConfig, ShardMethod, ShardingStrategy, Stage, Wrap};
 
 use crate::compute::fp8::Fp8Config;
 use crate::compute::replace::Replacements;
@@ -370,9 +370,12 @@ impl Method {
     }
 
     /// The sharding method's configuration, if this is one.
-    pub fn shard_config(&self) -> Option<&ShardConfig> {
+    /// The sharding method and its configuration, if this is one.
+    pub fn shard_config(&self) -> Option<(ShardMethod, &ShardConfig)> {
         match self {
-            Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => Some(c),
+            Method::Zero1(c) => Some((ShardMethod::Zero1, c)),
+            Method::Zero2(c) => Some((ShardMethod::Zero2, c)),
+            Method::Fsdp(c) => Some((ShardMethod::Fsdp, c)),
             _ => None,
         }
     }
@@ -513,14 +516,14 @@ impl Strategy {
             )));
         }
         let strategy = Strategy { methods };
-        let named = |dim: &str| strategy.parallel_mode().0.iter().any(|(n, _)| n == dim);
-        if layouts.contains(&"pipeline_parallel") && !named("pipeline") {
+        let named = |dim: Dim| strategy.parallel_mode().0.iter().any(|(n, _)| *n == dim);
+        if layouts.contains(&"pipeline_parallel") && !named(Dim::Pipeline) {
             return Err(Error::Config(
                 "pipeline_parallel: give the number of stages in parallel_mode, e.g. [\"parallel_mode\", [[[\"pipeline\", 2]], null]]"
                     .into(),
             ));
         }
-        if layouts.contains(&"tensor_parallel") && !named("tensor") {
+        if layouts.contains(&"tensor_parallel") && !named(Dim::Tensor) {
             return Err(Error::Config(
                 "tensor_parallel: give the tensor size in parallel_mode, e.g. [\"parallel_mode\", [[[\"tensor\", 2]], null]]"
                     .into(),
@@ -582,11 +585,11 @@ impl Strategy {
             .unwrap_or_default();
         if self.methods.iter().any(|m| matches!(m, Method::Ds3dParallel(_))) {
             // DeepSpeed's topology: tensor ranks adjacent, then data, then pipeline.
-            if !mode.0.iter().any(|(n, _)| n == "data") {
-                mode.0.push(("data".into(), 0));
+            if !mode.0.iter().any(|(n, _)| *n == Dim::Data) {
+                mode.0.push((Dim::Data, 0));
             }
-            let order = |n: &str| ["tensor", "zero", "data", "pipeline"].iter().position(|d| *d == n);
-            mode.0.sort_by_key(|(n, _)| order(n));
+            let order = |n: Dim| [Dim::Tensor, Dim::Zero, Dim::Data, Dim::Pipeline].iter().position(|d| *d == n);
+            mode.0.sort_by_key(|(n, _)| order(*n));
         }
         mode
     }
@@ -632,8 +635,9 @@ impl Strategy {
         self.offload().filter(|_| self.sharding().is_none())
     }
 
-    pub fn sharding(&self) -> Option<(&'static str, &ShardConfig)> {
-        self.methods.iter().find_map(|m| m.shard_config().map(|c| (m.name(), c)))
+    /// The sharding method the strategy resolves to, with its configuration.
+    pub fn sharding(&self) -> Option<(ShardMethod, &ShardConfig)> {
+        self.methods.iter().find_map(Method::shard_config)
     }
 
     /// This strategy with the units named `units` kept whole by its sharding method (added
@@ -680,7 +684,7 @@ mod tests {
         let s =
             Strategy::parse(r#"[["fsdp", {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}]]"#).unwrap();
         let (name, c) = s.sharding().unwrap();
-        assert_eq!((name, c.stage(name)), ("fsdp", (Stage::Parameters, true)));
+        assert_eq!((name, c.stage(name)), (ShardMethod::Fsdp, (Stage::Parameters, true)));
         assert_eq!(c.backward_prefetch, Some(BackwardPrefetch::Pre), "FSDP's default");
         // fp16 amp scales dynamically and checks; bf16 neither, unless asked.
         let fp16 = Strategy::parse(r#"["amp_native"]"#).unwrap().grad_scaling().unwrap();
@@ -700,13 +704,13 @@ mod tests {
         assert!(mixed.tensor_parallel().is_some_and(|t| t.sequence_parallel));
         assert_eq!(mixed.pipeline_parallel(), Some(PipelineConfig::default()));
         // mixed_parallel keeps parallel_mode's order: pipeline neighbours are adjacent ranks.
-        assert_eq!(mixed.parallel_mode().groups(8).unwrap()["pipeline"][0], [0, 1]);
+        assert_eq!(mixed.parallel_mode().groups(8).unwrap()[&Dim::Pipeline][0], [0, 1]);
         // ds_3d_parallel lays ranks out as DeepSpeed does: tensor, then data, then pipeline.
         let ds = Strategy::parse(&format!(r#"[{mode}, "ds_3d_parallel"]"#)).unwrap();
         let groups = ds.parallel_mode().groups(8).unwrap();
-        assert_eq!(groups["tensor"][0], [0, 1]);
-        assert_eq!(groups["data"][0], [0, 2]);
-        assert_eq!(groups["pipeline"][0], [0, 4]);
+        assert_eq!(groups[&Dim::Tensor][0], [0, 1]);
+        assert_eq!(groups[&Dim::Data][0], [0, 2]);
+        assert_eq!(groups[&Dim::Pipeline][0], [0, 4]);
         let both = Strategy::parse(r#"["mixed_parallel", "pipeline_parallel"]"#).unwrap_err().to_string();
         assert!(both.contains("cannot be combined"), "{both}");
     }
@@ -747,7 +751,10 @@ mod tests {
             (r#"["zero1", "fsdp"]"#, "cannot be combined"),
             (r#"["zero1", "zero1"]"#, "twice"),
             (r#"[["fsdp", {"mixed_precision": {"param_dtype": "int8"}}]]"#, "allowed: bf16, fp16, fp32"),
-            (r#"[["parallel_mode", [[["expert", 2]], null]]]"#, "allowed: data, zero, tensor, pipeline"),
+            (
+                r#"[["parallel_mode", [[["expert", 2]], null]]]"#,
+                "unknown variant `expert`, expected one of `data`, `zero`, `tensor`, `pipeline`",
+            ),
             (r#"[["fsdp", {"atorch_wrap_cls": ["X"], "atorch_size_based_min_num_params": 5}]]"#, "exclude each other"),
             (r#"["checkpoint"]"#, "give the units to recompute"),
             (r#"[["checkpoint", []]]"#, "list of units is empty"),

@@ -97,6 +97,31 @@ impl Default for ShardConfig {
     }
 }
 
+/// The sharding method a strategy resolves to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardMethod {
+    Zero1,
+    Zero2,
+    Fsdp,
+}
+
+impl ShardMethod {
+    /// The method's name in a strategy.
+    pub fn name(self) -> &'static str {
+        match self {
+            ShardMethod::Zero1 => "zero1",
+            ShardMethod::Zero2 => "zero2",
+            ShardMethod::Fsdp => "fsdp",
+        }
+    }
+}
+
+impl std::fmt::Display for ShardMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Which model states are sharded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Stage {
@@ -171,10 +196,10 @@ impl ShardConfig {
     }
 
     /// The ZeRO stage and whether parameters are freed after forward.
-    pub fn stage(&self, method: &str) -> (Stage, bool) {
+    pub fn stage(&self, method: ShardMethod) -> (Stage, bool) {
         match (method, self.sharding_strategy) {
-            ("zero1", _) | (_, Some(ShardingStrategy::NoShard)) => (Stage::Optimizer, false),
-            ("zero2", _) => (Stage::Gradients, false),
+            (ShardMethod::Zero1, _) | (_, Some(ShardingStrategy::NoShard)) => (Stage::Optimizer, false),
+            (ShardMethod::Zero2, _) => (Stage::Gradients, false),
             (_, Some(ShardingStrategy::ShardGradOp)) => (Stage::Parameters, false),
             _ => (Stage::Parameters, true),
         }

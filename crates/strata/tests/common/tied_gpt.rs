@@ -3,8 +3,8 @@
 use strata::data::{Batch, Step};
 use strata::engine::{with_seed, EngineConfig};
 use strata::model::{self, Builder, GptConfig, ModelSpec};
-use strata::optim::{Optimizer, OptimizerConfig, Schedule};
-use strata::parallel::{build_engine, Placement};
+use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use strata::parallel::{build_engine, RankLayout};
 use strata::strategy::Strategy;
 use strata::train::Trainer;
 use tch::{Device, Kind, Tensor};
@@ -36,7 +36,7 @@ pub fn model_state_bytes() -> u64 {
 
 /// A trainer of `strategy` with AdamW, a constant rate, gradients clipped at 0.5 and the
 /// strategy's loss scaling.
-pub fn trainer(strategy: &Strategy, config: &EngineConfig, at: &Placement) -> strata::Result<Trainer> {
+pub fn trainer(strategy: &Strategy, config: &EngineConfig, at: &RankLayout) -> strata::Result<Trainer> {
     trainer_of(spec(), strategy, config, at)
 }
 
@@ -45,11 +45,11 @@ pub fn trainer_of(
     spec: ModelSpec,
     strategy: &Strategy,
     config: &EngineConfig,
-    at: &Placement,
+    at: &RankLayout,
 ) -> strata::Result<Trainer> {
     let mut engine = build_engine(spec, config.clone(), strategy, at)?;
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
-    let mut trainer = Trainer::new(engine, optimizer, Schedule::Constant, Some(0.5));
+    let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(0.5));
     trainer.scaling = strategy.grad_scaling()?;
     Ok(trainer)
 }

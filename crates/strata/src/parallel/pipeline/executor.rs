@@ -8,8 +8,8 @@ use crate::compute::deferred::{self, WeightGrads};
 use crate::data::Step;
 use crate::engine::{Engine, EngineConfig, Event, EventSink, UnitClock, Upstream};
 use crate::model::{ModelSpec, ParamId};
-use crate::optim::{Optimizer, OptimizerConfig, Schedule};
-use crate::strategy::Strategy;
+use crate::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use crate::strategy::{Dim, ShardMethod, Strategy};
 use crate::train::{
     next_token_loss, next_token_loss_of, token_input, GradDecision, GradScaling, HostUpdating, InputFn, LossFn,
     PipelineFigures, StepReport,
@@ -127,7 +127,7 @@ pub struct PipelineTrainer {
     /// Every rank, where several pipelines run (data replicas, tensor ranks): losses are
     /// averaged over it, measurements agreed.
     world_group: Option<Arc<dyn ProcessGroup>>,
-    pub schedule: Schedule,
+    pub schedule: LrSchedule,
     pub grad_clip: Option<f64>,
     /// The loss scale and the check of gradients before the update (`amp_native`,
     /// `loss_scaler`), decided from the gradients of every stage together.
@@ -174,7 +174,7 @@ pub struct PipelineSetup<'a> {
     pub local_world_size: usize,
     pub data_parallel: crate::parallel::DataParallelOptions,
     pub optimizer: OptimizerConfig,
-    pub schedule: Schedule,
+    pub schedule: LrSchedule,
     pub grad_clip: Option<f64>,
     /// Micro-batches per step.
     pub micro_batches: usize,
@@ -251,12 +251,12 @@ impl PipelineTrainer {
         let config = setup.strategy.pipeline_parallel().unwrap_or_default();
         let world = setup.comm.map_or(1, Comm::size);
         let mode = setup.strategy.parallel_mode();
-        let p = mode.size("pipeline", world)?;
+        let p = mode.size(Dim::Pipeline, world)?;
         let zero_bubble = config.schedule.splits_backward();
         let v = config.virtual_stages;
         let pipeline = Pipeline { stages: p, micro_batches: setup.micro_batches, virtual_stages: v };
         // The ranks of every pipeline, each in stage order; this rank's stage is its place.
-        let pipelines = mode.groups(world)?.remove("pipeline").unwrap_or_else(|| vec![(0..world).collect()]);
+        let pipelines = mode.groups(world)?.remove(&Dim::Pipeline).unwrap_or_else(|| vec![(0..world).collect()]);
         let global_rank = setup.comm.map_or(0, Comm::rank);
         let rank = pipelines.iter().find_map(|g| g.iter().position(|&r| r == global_rank)).unwrap_or(0);
         // The schedule refuses bad shapes before anything is built; it is the same every step.
@@ -306,7 +306,7 @@ impl PipelineTrainer {
                 unit_in_stage: k - ranges[stage_of(k)].0,
             })
             .collect();
-        let tensor_size = mode.size("tensor", world)?;
+        let tensor_size = mode.size(Dim::Tensor, world)?;
         let layout = crate::checkpoint::Layout::of_spec(&whole, tensor_size);
         let mut tied: Vec<(ParamId, Vec<usize>)> = readers.into_iter().filter(|(_, s)| s.len() > 1).collect();
         tied.sort();
@@ -318,7 +318,7 @@ impl PipelineTrainer {
             .filter(|(_, stages)| stages.iter().any(|s| s % p != stages[0] % p))
             .map(|(id, _)| *id)
             .collect();
-        let frees_whole_grads = matches!(setup.strategy.sharding(), Some(("zero2" | "fsdp", _)));
+        let frees_whole_grads = matches!(setup.strategy.sharding(), Some((ShardMethod::Zero2 | ShardMethod::Fsdp, _)));
         let mut chunks = Vec::with_capacity(v);
         for chunk in 0..v {
             let stage = pipeline.stage(rank, chunk);
@@ -334,7 +334,7 @@ impl PipelineTrainer {
             } else {
                 setup.strategy.clone()
             };
-            let placement = crate::parallel::Placement {
+            let placement = crate::parallel::RankLayout {
                 comm: setup.comm,
                 local_world_size: setup.local_world_size,
                 // Deferred weight gradients arrive outside autograd, where the unused-parameter
