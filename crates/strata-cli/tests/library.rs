@@ -293,3 +293,35 @@ fn tensorboard_reads_the_metrics_series_and_profile_pictures() {
         assert!(width > 100 && height > 100, "{picture}: {width}×{height}");
     }
 }
+
+/// A library caller can tell failures apart by kind: a damaged checkpoint, data too short for
+/// the context, a strategy that cannot apply, an output that cannot be written.
+#[test]
+fn run_errors_have_kinds_a_caller_can_match() {
+    use strata::run::Resume;
+    use strata::Error;
+    let dir = tempfile::tempdir().unwrap();
+    let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 1, 4, 64)));
+    let data = Data::new(Arc::new(SyntheticCorpus::default().generate()));
+    let config = RunConfig { steps: 2, batch_size: 4, ctx: 32, ..RunConfig::default() };
+
+    let damaged = dir.path().join("damaged");
+    std::fs::create_dir_all(&damaged).unwrap();
+    std::fs::write(damaged.join("meta.json"), "{\"format\":").unwrap();
+    let resumed = RunConfig { resume: Some(Resume::From(damaged)), ..config.clone() };
+    let e = run::train(&model, &data, &resumed, &mut []).unwrap_err();
+    assert!(matches!(e, Error::Checkpoint(ref m) if m.contains("not a checkpoint description")), "{e}");
+
+    let short = Data::new(Arc::new(strata::data::TokenData::new(vec![1; 20], "twenty tokens")));
+    let e = run::train(&model, &short, &config, &mut []).unwrap_err();
+    assert!(matches!(e, Error::Data(_)), "{e}");
+
+    let tensor = strata::strategy::Strategy::parse(r#"[["parallel_mode", [[["tensor", 2]], null]]]"#).unwrap();
+    let alone = RunConfig { strategy: run::StrategySource::Given(tensor), ..config.clone() };
+    let e = run::train(&model, &data, &alone, &mut []).unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e}");
+
+    let nowhere = Outputs { metrics: Some(dir.path().join("missing/m.jsonl")), ..Outputs::default() };
+    let e = run::train(&model, &data, &RunConfig { outputs: nowhere, ..config }, &mut []).unwrap_err();
+    assert!(matches!(e, Error::Config(ref m) if m.contains("--metrics")), "{e}");
+}

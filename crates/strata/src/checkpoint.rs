@@ -472,7 +472,7 @@ pub struct Checkpoint {
 }
 
 fn fail(path: &Path, message: impl Into<String>) -> Error {
-    Error::Weights { path: path.to_path_buf(), message: message.into() }
+    Error::Checkpoint(format!("{}: {}", path.display(), message.into()))
 }
 
 impl Meta {

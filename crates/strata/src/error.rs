@@ -23,6 +23,7 @@ pub enum Error {
     Data(String),
     #[error("out of memory on {placement}: {requested} bytes requested, {in_use} of {budget} in use")]
     OutOfMemory { placement: String, requested: u64, in_use: u64, budget: u64 },
+    /// A checkpoint that cannot be read, does not fit the run, or could not be saved.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
     #[error("engine: {0}")]
