@@ -10,37 +10,15 @@ use strata::model::{GptConfig, ModelConfig};
 use strata::optim::{LrSchedule, OptimizerConfig};
 use strata::run::{self, Checkpoints, Data, Model, Outputs, RunConfig};
 
-/// The flags of `strata train` that give the run [`library_config`] describes.
-const SAME_RUN: &[&str] = &[
-    "--model",
-    "gpt",
-    "--layers",
-    "2",
-    "--heads",
-    "4",
-    "--dim",
-    "64",
-    "--ctx",
-    "32",
-    "--batch-size",
-    "8",
-    "--accumulation",
-    "2",
-    "--steps",
-    "6",
-    "--lr",
-    "3e-3",
-    "--weight-decay",
-    "0.01",
-    "--schedule",
-    "constant",
-    "--threads",
-    "1",
-    "--checkpoint-every",
-    "3",
-    "--eval-every",
-    "3",
-];
+/// The flags of `strata train` that give the run [`library_config`] describes (the model
+/// and the step's shape are also the `multi_rank` example's).
+const SAME_MODEL: &str = "--model gpt --layers 2 --heads 4 --dim 64 --ctx 32 --batch-size 8 --accumulation 2 \
+                          --steps 6 --lr 3e-3 --weight-decay 0.01 --schedule constant";
+const SAME_RUN: &str = "--threads 1 --checkpoint-every 3 --eval-every 3";
+
+fn words(flags: &str) -> Vec<&str> {
+    flags.split_whitespace().collect()
+}
 
 fn library_config(dir: &Path) -> RunConfig {
     RunConfig {
@@ -98,7 +76,7 @@ fn library_run_is_strata_train() {
         "--metrics",
         &format!("{}/metrics.jsonl", s(&cli)),
     ];
-    let o = strata(&[&["train"][..], SAME_RUN, &files].concat());
+    let o = strata(&[&["train"][..], &words(SAME_MODEL), &words(SAME_RUN), &files].concat());
     assert!(o.status.success(), "{}", stderr(&o));
 
     let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 2, 4, 64)));
@@ -166,39 +144,10 @@ fn multi_rank_matches_cli(strategy: &str) {
     let o = strata(&["launch", "--nproc-per-node", "2", "--", s(&example("multi_rank")), strategy, s(&library)]);
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::create_dir_all(&cli).unwrap();
-    let flags = [
-        "train",
-        "--nproc",
-        "2",
-        "--strategy",
-        strategy,
-        "--model",
-        "gpt",
-        "--layers",
-        "2",
-        "--heads",
-        "4",
-        "--dim",
-        "64",
-        "--ctx",
-        "32",
-        "--batch-size",
-        "8",
-        "--accumulation",
-        "2",
-        "--steps",
-        "6",
-        "--lr",
-        "3e-3",
-        "--weight-decay",
-        "0.01",
-        "--schedule",
-        "constant",
-        "--save-weights",
-        &format!("{}/weights.safetensors", s(&cli)),
-        "--metrics",
-        &format!("{}/metrics.jsonl", s(&cli)),
-    ];
+    let (weights, metrics) = (cli.join("weights.safetensors"), cli.join("metrics.jsonl"));
+    let ranks = ["train", "--nproc", "2", "--strategy", strategy];
+    let files = ["--save-weights", s(&weights), "--metrics", s(&metrics)];
+    let flags = [&ranks[..], &words(SAME_MODEL), &files].concat();
     let o = strata(&flags);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(losses(&cli.join("metrics.jsonl")).len(), 6);
@@ -216,7 +165,8 @@ fn multi_rank_example_is_strata_train_pipelined() {
 }
 
 /// TensorBoard's own reader finds every scalar of the metrics file, step by step, at the
-/// metrics file's value (as the 32-bit float an event holds), and the profile's pictures.
+/// metrics file's value (as the 32-bit float an event holds), once per step across a resumed
+/// run's two event files, and the profile's pictures.
 #[test]
 fn tensorboard_reads_the_metrics_series_and_profile_pictures() {
     let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
@@ -229,18 +179,9 @@ fn tensorboard_reads_the_metrics_series_and_profile_pictures() {
     let val = dir.path().join("val.tokens");
     let held_out = strata::data::TokenData::new(SyntheticCorpus::default().generate().to_vec()[..20_000].to_vec(), "v");
     held_out.write_token_file(&val, strata::data::TokenWidth::U16).unwrap();
-    let flags = [
-        "train",
-        "--steps",
-        "6",
-        "--ctx",
-        "32",
-        "--batch-size",
-        "8",
-        "--layers",
-        "1",
-        "--eval-every",
-        "2",
+    let ckpt = dir.path().join("ckpt");
+    let shape = "--steps 6 --ctx 32 --batch-size 8 --layers 1 --eval-every 2 --checkpoint-every 3";
+    let files = [
         "--val-token-file",
         s(&val),
         "--metrics",
@@ -249,9 +190,18 @@ fn tensorboard_reads_the_metrics_series_and_profile_pictures() {
         s(&logs),
         "--profile",
         s(&profile),
+        "--save-checkpoint",
+        s(&ckpt),
     ];
+    let flags = [&["train"][..], &words(shape), &files].concat();
     let o = strata(&flags);
     assert!(o.status.success(), "{}", stderr(&o));
+    // Resumed from step 3: its steps 4 to 6 replace the first run's, in the metrics file
+    // and for TensorBoard's reader (a second event file, starting a session at step 4).
+    let step_3 = ckpt.join("step-00000003");
+    let o = strata(&[&flags[..], &["--resume", s(&step_3)]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read_dir(&logs).unwrap().count(), 2, "an event file per run");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/tensorboard_read.py");
     let out = Command::new(&python).arg(script).arg(&logs).output().unwrap();
     assert!(out.status.success(), "tensorboard_read.py: {}", String::from_utf8_lossy(&out.stderr));
@@ -272,6 +222,7 @@ fn tensorboard_reads_the_metrics_series_and_profile_pictures() {
         assert!(expected.contains_key(name), "the metrics file has {name}");
     }
     assert_eq!(expected["val_loss"].len(), 3, "validations after steps 2, 4 and 6");
+    assert_eq!(expected["loss"].iter().map(|&(step, _)| step).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
     let tags: Vec<&String> = scalars.keys().collect();
     assert_eq!(tags, expected.keys().collect::<Vec<_>>(), "TensorBoard's scalar series are the metrics file's");
     for (name, series) in &expected {

@@ -1,7 +1,7 @@
 //! Pipeline parallelism end to end: GPT (tied embedding on the first and last stage) and
 //! LLaMA (untied), 7 blocks (9 units) on 2 and 4 ranks, with GPipe, 1F1B, the interleaved
 //! schedule, ZB-H1 and ZB-H2, reach what one process reaches with the same micro-batches; bad
-//! layouts are refused in one line.
+//! layouts are refused in one line. Each configuration is a test of its own.
 mod common;
 
 use common::{assert_follows, losses, stderr, strata, train_run, Run};
@@ -39,47 +39,88 @@ fn train(dir: &Path, name: &str, model: &[&str], extra: &[&str]) -> Run {
     train_run(dir, name, 10, &[model, &RUN, extra])
 }
 
-#[test]
-fn pipelines_match_one_process() {
+/// The one-process run of `model` with `extra` flags, trained once per test binary.
+fn one_process(key: &str, model: &[&str], extra: &[&str]) -> Run {
+    let dir = common::shared_dir(key, |dir| {
+        train(dir, "one", model, extra);
+    });
+    (dir.join("one.st"), dir.join("one.jsonl"))
+}
+
+/// A pipeline run with `strategy` on `nproc` ranks follows one process step for step.
+fn follows_one_process(one: Run, model: &[&str], nproc: usize, strategy: &str, what: &str, bounds: (f64, f64)) {
     let dir = tempfile::tempdir().unwrap();
-    for (name, model) in [("gpt", &GPT[..]), ("llama", &LLAMA[..])] {
-        let one = train(dir.path(), name, model, &[]);
-        for (stages, schedule, v) in [
-            (2, "gpipe", 1),
-            (2, "1f1b", 1),
-            (4, "1f1b", 1),
-            (4, "gpipe", 1),
-            (2, "interleaved", 2),
-            (4, "interleaved", 2),
-            (2, "zero_bubble", 1),
-            (4, "zero_bubble", 1),
-            (2, "zero_bubble_h2", 1),
-            (4, "zero_bubble_h2", 1),
-        ] {
-            let what = format!("{name}: {stages} stages, {schedule}, {v} chunks per rank");
-            let n = stages.to_string();
-            let run = train(dir.path(), "pp", model, &["--nproc", &n, "--strategy", &pipeline(stages, schedule, v)]);
-            assert_follows(&one, &run, &what, 1e-6, 1e-5);
-            // Every parameter of every unit comes back, uneven stages included.
-            assert_eq!(common::weights(&one.0).len(), common::weights(&run.0).len(), "{what}");
+    let run = train(dir.path(), "pp", model, &["--nproc", &nproc.to_string(), "--strategy", strategy]);
+    assert_follows(&one, &run, what, bounds.0, bounds.1);
+    // Every parameter of every unit comes back, uneven stages included.
+    assert_eq!(common::weights(&one.0).len(), common::weights(&run.0).len(), "{what}");
+}
+
+/// One test per model, stage count and schedule, so a failure names its case.
+macro_rules! schedules_match_one_process {
+    ($($case:ident: $model:ident, $stages:expr, $schedule:expr, $virtual:expr;)*) => {$(
+        #[test]
+        fn $case() {
+            let one = one_process(stringify!($model), &$model, &[]);
+            let what = format!("{}: {} stages, {}, {} chunks per rank", stringify!($model), $stages, $schedule, $virtual);
+            follows_one_process(one, &$model, $stages, &pipeline($stages, $schedule, $virtual), &what, (1e-6, 1e-5));
         }
-    }
-    // Recomputation per micro-batch, under the split backward too.
-    let one = train(dir.path(), "one", &GPT, &[]);
-    // Stages balanced by parameter count instead of measured time.
+    )*};
+}
+
+schedules_match_one_process! {
+    gpt_2_stages_gpipe: GPT, 2, "gpipe", 1;
+    gpt_2_stages_1f1b: GPT, 2, "1f1b", 1;
+    gpt_4_stages_1f1b: GPT, 4, "1f1b", 1;
+    gpt_4_stages_gpipe: GPT, 4, "gpipe", 1;
+    gpt_2_stages_interleaved: GPT, 2, "interleaved", 2;
+    gpt_4_stages_interleaved: GPT, 4, "interleaved", 2;
+    gpt_2_stages_zero_bubble: GPT, 2, "zero_bubble", 1;
+    gpt_4_stages_zero_bubble: GPT, 4, "zero_bubble", 1;
+    gpt_2_stages_zero_bubble_h2: GPT, 2, "zero_bubble_h2", 1;
+    gpt_4_stages_zero_bubble_h2: GPT, 4, "zero_bubble_h2", 1;
+    llama_2_stages_gpipe: LLAMA, 2, "gpipe", 1;
+    llama_2_stages_1f1b: LLAMA, 2, "1f1b", 1;
+    llama_4_stages_1f1b: LLAMA, 4, "1f1b", 1;
+    llama_4_stages_gpipe: LLAMA, 4, "gpipe", 1;
+    llama_2_stages_interleaved: LLAMA, 2, "interleaved", 2;
+    llama_4_stages_interleaved: LLAMA, 4, "interleaved", 2;
+    llama_2_stages_zero_bubble: LLAMA, 2, "zero_bubble", 1;
+    llama_4_stages_zero_bubble: LLAMA, 4, "zero_bubble", 1;
+    llama_2_stages_zero_bubble_h2: LLAMA, 2, "zero_bubble_h2", 1;
+    llama_4_stages_zero_bubble_h2: LLAMA, 4, "zero_bubble_h2", 1;
+}
+
+/// Stages balanced by parameter count instead of measured time.
+#[test]
+fn stages_balanced_by_parameters_match_one_process() {
     let by_params =
         r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}]]"#;
-    let run = train(dir.path(), "pp", &GPT, &["--nproc", "2", "--strategy", by_params]);
-    assert_follows(&one, &run, "stages balanced by parameters", 1e-5, 1e-5);
+    follows_one_process(
+        one_process("GPT", &GPT, &[]),
+        &GPT,
+        2,
+        by_params,
+        "stages balanced by parameters",
+        (1e-5, 1e-5),
+    );
+}
+
+/// Recomputation per micro-batch, under the split backward too.
+#[test]
+fn checkpointed_blocks_in_a_zero_bubble_pipeline_match_one_process() {
     let strategy = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "zero_bubble"}], ["checkpoint", ["GptBlock"]]]"#;
-    let run = train(dir.path(), "pp", &GPT, &["--nproc", "2", "--strategy", strategy]);
-    assert_follows(&one, &run, "checkpointed blocks in a pipeline", 1e-5, 1e-5);
-    // Replaced kernels (oneDNN's linear where libtorch has it) compute the deferred layers'
-    // forward and input gradient.
-    let one = train(dir.path(), "one", &GPT, &["--strategy", r#"["module_replace"]"#]);
+    let what = "checkpointed blocks in a pipeline";
+    follows_one_process(one_process("GPT", &GPT, &[]), &GPT, 2, strategy, what, (1e-5, 1e-5));
+}
+
+/// Replaced kernels (oneDNN's linear where libtorch has it) compute the deferred layers'
+/// forward and input gradient.
+#[test]
+fn zero_bubble_with_replaced_modules_matches_one_process() {
+    let one = one_process("GPT-module_replace", &GPT, &["--strategy", r#"["module_replace"]"#]);
     let strategy = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "zero_bubble"}], "module_replace"]"#;
-    let run = train(dir.path(), "pp", &GPT, &["--nproc", "2", "--strategy", strategy]);
-    assert_follows(&one, &run, "zero bubble with module_replace", 1e-5, 1e-5);
+    follows_one_process(one, &GPT, 2, strategy, "zero bubble with module_replace", (1e-5, 1e-5));
 }
 
 #[test]
@@ -137,49 +178,48 @@ fn schedules_hold_the_micro_batches_their_analysis_says() {
 
 /// A pipeline beside tensor parallelism and beside sharding, at 4 ranks, reaches what one
 /// process reaches, zero2 and fsdp with GPT's embedding tied across stages included.
-#[test]
-fn pipelines_beside_tensor_parallelism_and_sharding_match_one_process() {
-    let dir = tempfile::tempdir().unwrap();
+/// A pipeline beside other layouts on 4 ranks (`dims`, then `more` methods) follows one
+/// process, both with 2 micro-batches.
+fn beside_matches_one_process(model_name: &str, model: &[&str], dims: &str, more: &str) {
     let two = ["--accumulation", "2"];
-    let with = |model: &[&str], dims: &str, more: &str| {
-        let strategy = format!(r#"[["parallel_mode", [{dims}, null]], {more}]"#);
-        train(dir.path(), "pp", model, &[&two[..], &["--nproc", "4", "--strategy", &strategy]].concat())
-    };
-    let cases: [(&str, &[&str], &str, &str); 11] = [
-        (
-            "gpt",
-            &GPT,
-            r#"[["tensor", 2], ["pipeline", 2]]"#,
-            r#""pipeline_parallel", ["tensor_parallel", {"sequence_parallel": true}]"#,
-        ),
-        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "zero1""#),
-        // The units holding the tied wte stay whole; the blocks are sharded.
-        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "zero2""#),
-        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "fsdp""#),
-        // ZB-H2 and ZB-H1 beside data replicas: the reduction waits for the deferred weight
-        // gradients.
-        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#"["pipeline_parallel", {"schedule": "zero_bubble_h2"}]"#),
-        ("llama", &LLAMA, r#"[["pipeline", 2]]"#, r#"["pipeline_parallel", {"schedule": "zero_bubble"}], "zero1""#),
-        // Beside zero2 and fsdp the whole gradients wait for the deferred ones before they
-        // are reduce-scattered and freed.
-        ("llama", &LLAMA, r#"[["pipeline", 2]]"#, r#"["pipeline_parallel", {"schedule": "zero_bubble"}], "zero2""#),
-        ("gpt", &GPT, r#"[["pipeline", 2]]"#, r#"["pipeline_parallel", {"schedule": "zero_bubble_h2"}], "fsdp""#),
-        (
-            "llama",
-            &LLAMA,
-            r#"[["tensor", 2], ["pipeline", 2]]"#,
-            r#""pipeline_parallel", ["tensor_parallel", {"sequence_parallel": true}]"#,
-        ),
-        ("llama", &LLAMA, r#"[["pipeline", 2]]"#, r#""pipeline_parallel", "zero2""#),
-        // DeepSpeed's layout of the same sizes: tensor ranks adjacent, pipeline outermost.
-        ("llama", &LLAMA, r#"[["pipeline", 2], ["tensor", 2]]"#, r#""ds_3d_parallel""#),
-    ];
-    for (name, model, dims, more) in cases {
-        let one = train(dir.path(), name, model, &two);
-        let run = with(model, dims, more);
-        let what = format!("{name}: {dims} with {more}");
-        assert_follows(&one, &run, &what, 1e-5, 1e-5);
-    }
+    let one = one_process(&format!("{model_name}-2-micro-batches"), model, &two);
+    let dir = tempfile::tempdir().unwrap();
+    let strategy = format!(r#"[["parallel_mode", [{dims}, null]], {more}]"#);
+    let run = train(dir.path(), "pp", model, &[&two[..], &["--nproc", "4", "--strategy", &strategy]].concat());
+    assert_follows(&one, &run, &format!("{model_name}: {dims} with {more}"), 1e-5, 1e-5);
+}
+
+macro_rules! beside_matches_one_process {
+    ($($case:ident: $model:ident, $dims:expr, $more:expr;)*) => {$(
+        #[test]
+        fn $case() {
+            beside_matches_one_process(stringify!($model), &$model, $dims, $more);
+        }
+    )*};
+}
+
+const TP_PP: &str = r#"[["tensor", 2], ["pipeline", 2]]"#;
+const PP: &str = r#"[["pipeline", 2]]"#;
+const SEQUENCE: &str = r#""pipeline_parallel", ["tensor_parallel", {"sequence_parallel": true}]"#;
+
+beside_matches_one_process! {
+    gpt_pipeline_beside_sequence_parallel: GPT, TP_PP, SEQUENCE;
+    gpt_pipeline_beside_zero1: GPT, PP, r#""pipeline_parallel", "zero1""#;
+    // The units holding the tied wte stay whole; the blocks are sharded.
+    gpt_pipeline_beside_zero2: GPT, PP, r#""pipeline_parallel", "zero2""#;
+    gpt_pipeline_beside_fsdp: GPT, PP, r#""pipeline_parallel", "fsdp""#;
+    // ZB-H2 and ZB-H1 beside data replicas: the reduction waits for the deferred weight
+    // gradients.
+    gpt_zero_bubble_h2_beside_data_replicas: GPT, PP, r#"["pipeline_parallel", {"schedule": "zero_bubble_h2"}]"#;
+    llama_zero_bubble_beside_zero1: LLAMA, PP, r#"["pipeline_parallel", {"schedule": "zero_bubble"}], "zero1""#;
+    // Beside zero2 and fsdp the whole gradients wait for the deferred ones before they are
+    // reduce-scattered and freed.
+    llama_zero_bubble_beside_zero2: LLAMA, PP, r#"["pipeline_parallel", {"schedule": "zero_bubble"}], "zero2""#;
+    gpt_zero_bubble_h2_beside_fsdp: GPT, PP, r#"["pipeline_parallel", {"schedule": "zero_bubble_h2"}], "fsdp""#;
+    llama_pipeline_beside_sequence_parallel: LLAMA, TP_PP, SEQUENCE;
+    llama_pipeline_beside_zero2: LLAMA, PP, r#""pipeline_parallel", "zero2""#;
+    // DeepSpeed's layout of the same sizes: tensor ranks adjacent, pipeline outermost.
+    llama_deepspeed_3d_layout: LLAMA, r#"[["pipeline", 2], ["tensor", 2]]"#, r#""ds_3d_parallel""#;
 }
 
 /// Saved by a pipeline of 2, resumed by one process, saved, resumed by 2 stages × tensor

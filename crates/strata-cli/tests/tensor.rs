@@ -47,25 +47,58 @@ fn assert_same_run(one: &Run, other: &Run, what: &str) {
     assert_follows(one, other, what, 1e-5, 1e-5);
 }
 
-#[test]
-fn tensor_parallel_runs_match_one_process() {
+/// The one-process run of `model`, trained once per test binary.
+fn one_process(key: &str, model: &[&str]) -> Run {
+    let dir = common::shared_dir(key, |dir| {
+        train(dir, "one", model, &[]);
+    });
+    (dir.join("one.st"), dir.join("one.jsonl"))
+}
+
+/// `model` split over `size` tensor ranks (on `nproc` ranks, with `more` methods and `extra`
+/// flags) follows one process step for step.
+fn tensor_run_matches(
+    key: &str,
+    model: &[&str],
+    size: usize,
+    sequence_parallel: bool,
+    more: &str,
+    nproc: usize,
+    extra: &[&str],
+) {
     let dir = tempfile::tempdir().unwrap();
-    for (name, model) in [("gpt", &GPT[..]), ("llama", &LLAMA[..])] {
-        let one = train(dir.path(), name, model, &[]);
-        for size in [2, 4] {
-            for sequence_parallel in [false, true] {
-                let strategy = tensor(size, sequence_parallel, "");
-                let n = size.to_string();
-                let run = train(dir.path(), "tp", model, &["--nproc", &n, "--strategy", &strategy]);
-                assert_same_run(&one, &run, &format!("{name} tp={size} sequence parallel {sequence_parallel}"));
-            }
+    let strategy = tensor(size, sequence_parallel, more);
+    let n = nproc.to_string();
+    let run = train(dir.path(), "tp", model, &[&["--nproc", &n, "--strategy", &strategy][..], extra].concat());
+    let what = format!("{key} tp={size} sequence parallel {sequence_parallel} {more} on {nproc} ranks");
+    assert_same_run(&one_process(key, model), &run, &what);
+}
+
+/// One test per model and layout, so a failure names its case.
+macro_rules! tensor_matches_one_process {
+    ($($case:ident: $model:ident, $size:expr, $sequence:expr, $more:expr, $nproc:expr, $extra:expr;)*) => {$(
+        #[test]
+        fn $case() {
+            tensor_run_matches(stringify!($model), &$model, $size, $sequence, $more, $nproc, $extra);
         }
-        for sharding in ["zero2", "fsdp"] {
-            let strategy = tensor(2, true, &format!("{sharding:?}"));
-            let run = train(dir.path(), "tp", model, &["--nproc", "4", "--strategy", &strategy, "--accumulation", "2"]);
-            assert_same_run(&one, &run, &format!("{name} tp=2 × {sharding} on 4 ranks"));
-        }
-    }
+    )*};
+}
+
+const TWO_MICRO_BATCHES: &[&str] = &["--accumulation", "2"];
+
+tensor_matches_one_process! {
+    gpt_tensor_2: GPT, 2, false, "", 2, &[];
+    gpt_tensor_2_sequence_parallel: GPT, 2, true, "", 2, &[];
+    gpt_tensor_4: GPT, 4, false, "", 4, &[];
+    gpt_tensor_4_sequence_parallel: GPT, 4, true, "", 4, &[];
+    gpt_tensor_2_beside_zero2: GPT, 2, true, r#""zero2""#, 4, TWO_MICRO_BATCHES;
+    gpt_tensor_2_beside_fsdp: GPT, 2, true, r#""fsdp""#, 4, TWO_MICRO_BATCHES;
+    llama_tensor_2: LLAMA, 2, false, "", 2, &[];
+    llama_tensor_2_sequence_parallel: LLAMA, 2, true, "", 2, &[];
+    llama_tensor_4: LLAMA, 4, false, "", 4, &[];
+    llama_tensor_4_sequence_parallel: LLAMA, 4, true, "", 4, &[];
+    llama_tensor_2_beside_zero2: LLAMA, 2, true, r#""zero2""#, 4, TWO_MICRO_BATCHES;
+    llama_tensor_2_beside_fsdp: LLAMA, 2, true, r#""fsdp""#, 4, TWO_MICRO_BATCHES;
 }
 
 /// Whole weights go in split and come out gathered, unchanged, at any tensor size.

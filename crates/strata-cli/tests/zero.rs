@@ -1,5 +1,6 @@
 //! Data parallelism and the ZeRO family end to end: every strategy on 2 and 4 ranks reaches
-//! the parameters one process reaches on the same global batches; checkpoints resume
+//! the parameters one process reaches on the same global batches (one named test per
+//! configuration); checkpoints resume
 //! exactly, survive a crash while saving, merge, and refuse bad input by name.
 mod common;
 
@@ -30,53 +31,70 @@ fn assert_same(one: &Path, other: &Path, what: &str, bound: f64) {
     assert!(global < bound, "{what}: parameters differ by {global:e} (worst tensor {worst:e})");
 }
 
-#[test]
-fn every_strategy_on_2_and_4_ranks_matches_one_process() {
-    let dir = tempfile::tempdir().unwrap();
-    let one = train(dir.path(), "one.st", &[]);
-    let strategies = [
-        ("ddp", "[]"),
-        ("zero1", r#"["zero1"]"#),
-        ("zero2", r#"["zero2"]"#),
-        ("fsdp", r#"["fsdp"]"#),
-        ("fsdp-sgo", r#"[["fsdp", {"sharding_strategy": "SHARD_GRAD_OP"}]]"#),
-    ];
-    for (name, strategy) in strategies {
-        for nproc in ["2", "4"] {
-            for accumulation in ["1", "2"] {
-                let what = format!("{name} on {nproc} ranks, accumulation {accumulation}");
-                let args = ["--strategy", strategy, "--nproc", nproc, "--accumulation", accumulation];
-                assert_same(&one, &train(dir.path(), "w.st", &args), &what, 1e-5);
-            }
-        }
-    }
-    // A run of one rank on half the batch really differs: the ranks learned together.
-    let half = train(dir.path(), "half.st", &["--batch-size", "4"]);
-    assert!(global_gap(&one, &half) > 1e-3);
+/// The one-process run every layout below is compared with, trained once per test binary.
+fn one_process() -> PathBuf {
+    common::shared_dir("one", |dir| {
+        train(dir, "one.st", &[]);
+    })
+    .join("one.st")
 }
 
-#[test]
-fn fsdp_options_keep_the_same_numerics() {
+/// `strategy` on `nproc` ranks with `accumulation` micro-batches reaches one process's weights.
+fn matches_one_process(strategy: &str, nproc: &str, accumulation: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let one = train(dir.path(), "one.st", &[]);
-    for (what, nproc, strategy) in [
-        ("hybrid shard", "4", r#"[["fsdp", {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}]]"#),
-        ("no shard", "2", r#"[["fsdp", {"sharding_strategy": "NO_SHARD"}]]"#),
-        (
-            "prefetching",
-            "2",
-            r#"[["fsdp", {"forward_prefetch": true, "backward_prefetch": "BACKWARD_POST", "limit_all_gathers": false, "sync_module_states": true}]]"#,
-        ),
-        (
-            "wrap by kind, head ignored",
-            "2",
-            r#"[["fsdp", {"atorch_wrap_cls": ["GptBlock"], "atorch_ignored_cls": ["GptHead"]}]]"#,
-        ),
-        ("wrap by size", "2", r#"[["fsdp", {"atorch_size_based_min_num_params": 10000}]]"#),
-        ("trainable outmost", "2", r#"[["fsdp", {"wrap_trainable_outmost": true}]]"#),
-    ] {
-        assert_same(&one, &train(dir.path(), "w.st", &["--nproc", nproc, "--strategy", strategy]), what, 1e-5);
-    }
+    let what = format!("{strategy} on {nproc} ranks, accumulation {accumulation}");
+    let args = ["--strategy", strategy, "--nproc", nproc, "--accumulation", accumulation];
+    assert_same(&one_process(), &train(dir.path(), "w.st", &args), &what, 1e-5);
+}
+
+/// One test per configuration, so a failure names its case and the others still run.
+macro_rules! matches_one_process {
+    ($($case:ident: $strategy:expr, $nproc:expr, $accumulation:expr;)*) => {$(
+        #[test]
+        fn $case() {
+            matches_one_process($strategy, $nproc, $accumulation);
+        }
+    )*};
+}
+
+const FSDP_SGO: &str = r#"[["fsdp", {"sharding_strategy": "SHARD_GRAD_OP"}]]"#;
+
+matches_one_process! {
+    ddp_2_ranks: "[]", "2", "1";
+    ddp_2_ranks_2_micro_batches: "[]", "2", "2";
+    ddp_4_ranks: "[]", "4", "1";
+    ddp_4_ranks_2_micro_batches: "[]", "4", "2";
+    zero1_2_ranks: r#"["zero1"]"#, "2", "1";
+    zero1_2_ranks_2_micro_batches: r#"["zero1"]"#, "2", "2";
+    zero1_4_ranks: r#"["zero1"]"#, "4", "1";
+    zero1_4_ranks_2_micro_batches: r#"["zero1"]"#, "4", "2";
+    zero2_2_ranks: r#"["zero2"]"#, "2", "1";
+    zero2_2_ranks_2_micro_batches: r#"["zero2"]"#, "2", "2";
+    zero2_4_ranks: r#"["zero2"]"#, "4", "1";
+    zero2_4_ranks_2_micro_batches: r#"["zero2"]"#, "4", "2";
+    fsdp_2_ranks: r#"["fsdp"]"#, "2", "1";
+    fsdp_2_ranks_2_micro_batches: r#"["fsdp"]"#, "2", "2";
+    fsdp_4_ranks: r#"["fsdp"]"#, "4", "1";
+    fsdp_4_ranks_2_micro_batches: r#"["fsdp"]"#, "4", "2";
+    fsdp_shard_grad_op_2_ranks: FSDP_SGO, "2", "1";
+    fsdp_shard_grad_op_2_ranks_2_micro_batches: FSDP_SGO, "2", "2";
+    fsdp_shard_grad_op_4_ranks: FSDP_SGO, "4", "1";
+    fsdp_shard_grad_op_4_ranks_2_micro_batches: FSDP_SGO, "4", "2";
+    fsdp_hybrid_shard_4_ranks: r#"[["fsdp", {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}]]"#, "4", "1";
+    fsdp_no_shard_2_ranks: r#"[["fsdp", {"sharding_strategy": "NO_SHARD"}]]"#, "2", "1";
+    fsdp_prefetching_2_ranks: r#"[["fsdp", {"forward_prefetch": true, "backward_prefetch": "BACKWARD_POST", "limit_all_gathers": false, "sync_module_states": true}]]"#, "2", "1";
+    fsdp_wrap_by_kind_head_ignored_2_ranks: r#"[["fsdp", {"atorch_wrap_cls": ["GptBlock"], "atorch_ignored_cls": ["GptHead"]}]]"#, "2", "1";
+    fsdp_wrap_by_size_2_ranks: r#"[["fsdp", {"atorch_size_based_min_num_params": 10000}]]"#, "2", "1";
+    fsdp_trainable_outmost_2_ranks: r#"[["fsdp", {"wrap_trainable_outmost": true}]]"#, "2", "1";
+}
+
+/// The comparisons above could not pass by chance: one rank on half the batch really
+/// differs, so the ranks learned together.
+#[test]
+fn one_rank_on_half_the_batch_differs() {
+    let dir = tempfile::tempdir().unwrap();
+    let half = train(dir.path(), "half.st", &["--batch-size", "4"]);
+    assert!(global_gap(&one_process(), &half) > 1e-3);
 }
 
 #[test]

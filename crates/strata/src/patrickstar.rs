@@ -29,8 +29,8 @@ pub struct PatrickStarConfig {
     pub optimizer: OptimizerSection,
     /// Loss scaling; absent: none.
     pub fp16: Option<Fp16Section>,
-    /// Elements per chunk. Strata's chunks are the units' flat buffers; the size must hold
-    /// the largest parameter, as PatrickStar requires.
+    /// Elements per PatrickStar chunk. Strata manages memory by units' flat buffers instead;
+    /// the size must still hold the largest parameter, as PatrickStar requires.
     pub default_chunk_size: u64,
     /// Several ranks: keep every unit's whole parameters until initialisation ends, then
     /// release the parts other ranks own (true), or release each unit's as soon as it is
@@ -75,7 +75,8 @@ pub struct AdamParams {
     pub betas: (f64, f64),
     pub eps: f64,
     pub weight_decay: f64,
-    /// Update each chunk where it lives (device or host); false: every update on the host.
+    /// Update each unit's states where they live (device or host); false: every update on
+    /// the host.
     pub use_hybrid_adam: bool,
 }
 

@@ -91,3 +91,27 @@ pub fn reports(path: &Path) -> Vec<serde_json::Value> {
 pub fn losses(path: &Path) -> Vec<(u64, f64)> {
     reports(path).iter().map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap())).collect()
 }
+
+/// A folder of runs shared by the cases of one test binary — the one-process baseline many
+/// cases compare with — made by `make` once, on first use, under cargo's temporary folder for
+/// tests. Each case is then its own test, named by its configuration, yet the baseline trains
+/// once.
+pub fn shared_dir(key: &str, make: impl FnOnce(&Path)) -> PathBuf {
+    use std::sync::Mutex;
+    static MADE: Mutex<Option<(PathBuf, Vec<String>)>> = Mutex::new(None);
+    let mut made = MADE.lock().unwrap_or_else(|e| e.into_inner());
+    let (root, keys) = made.get_or_insert_with(|| {
+        let exe = std::env::current_exe().unwrap();
+        let name = exe.file_stem().and_then(|s| s.to_str()).unwrap_or("tests").to_string();
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-shared"));
+        let _ = std::fs::remove_dir_all(&root);
+        (root, vec![])
+    });
+    let dir = root.join(key);
+    if !keys.iter().any(|k| k == key) {
+        std::fs::create_dir_all(&dir).unwrap();
+        make(&dir);
+        keys.push(key.to_string());
+    }
+    dir
+}

@@ -19,8 +19,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
-/// Pieces of broadcast's pipeline.
-const CHUNK: usize = 1 << 20;
+/// Bytes of each piece of broadcast's pipeline.
+const PIECE_BYTES: usize = 1 << 20;
 
 type Job = Box<dyn FnOnce(&mut dyn Transport) -> Result<()> + Send>;
 
@@ -305,12 +305,12 @@ impl ProcessGroup for RingGroup {
             let (r, n) = (tr.rank(), tr.size());
             let pos = (r + n - root) % n;
             let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-            for chunk in buf.whole().bytes_mut().chunks_mut(CHUNK) {
+            for piece in buf.whole().bytes_mut().chunks_mut(PIECE_BYTES) {
                 if pos > 0 {
-                    tr.recv(prev, chunk)?;
+                    tr.recv(prev, piece)?;
                 }
                 if pos + 1 < n {
-                    tr.send(next, chunk)?;
+                    tr.send(next, piece)?;
                 }
             }
             Ok(())

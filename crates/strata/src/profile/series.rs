@@ -11,7 +11,7 @@ pub struct MemoryPoint {
     pub t: f64,
     /// Every byte the ledger counts, per placement.
     pub by_placement: BTreeMap<Placement, u64>,
-    /// Parameters, gradients and optimizer states on the device: the chunk-managed part.
+    /// Parameters, gradients and optimizer states on the device (model states).
     pub device_model_states: u64,
     /// The allocator's bytes, where tracked.
     pub allocated: Option<u64>,

@@ -61,7 +61,7 @@ impl Observers {
             None => None,
         };
         let tensorboard = match config.outputs.tensorboard.as_ref().filter(|_| leader) {
-            Some(dir) => Some(EventWriter::create(dir)?),
+            Some(dir) => Some(EventWriter::create(dir, start + 1)?),
             None => None,
         };
         let bar = match leader && config.progress {

@@ -17,7 +17,7 @@ struct Event {
     wall_time: f64,
     #[prost(int64, tag = "2")]
     step: i64,
-    #[prost(oneof = "EventBody", tags = "3, 5")]
+    #[prost(oneof = "EventBody", tags = "3, 5, 7")]
     body: Option<EventBody>,
 }
 
@@ -27,6 +27,17 @@ enum EventBody {
     FileVersion(String),
     #[prost(message, tag = "5")]
     Summary(Summary),
+    #[prost(message, tag = "7")]
+    SessionLog(SessionLog),
+}
+
+/// A session's start: readers drop the events of earlier files from its step on, so a
+/// resumed run's steps replace those the interrupted run logged past its checkpoint.
+#[derive(Clone, PartialEq, Message)]
+struct SessionLog {
+    /// 1: START.
+    #[prost(int32, tag = "1")]
+    status: i32,
 }
 
 #[derive(Clone, PartialEq, Message)]
@@ -90,15 +101,22 @@ pub struct EventWriter {
 }
 
 impl EventWriter {
-    /// A new event file in `dir` (created if needed), named as TensorBoard looks for them.
-    pub fn create(dir: &Path) -> Result<EventWriter> {
+    /// A new event file in `dir` (created if needed), named as TensorBoard looks for them,
+    /// for a run whose next step is `next_step`. Readers take a folder's files in name order,
+    /// so the name's time is later than that of every file already there; a resumed run
+    /// (`next_step` > 1) starts with a session start at `next_step`.
+    pub fn create(dir: &Path, next_step: u64) -> Result<EventWriter> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        let seconds = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let seconds = now.max(latest_file_time(dir)? + 1);
         let path = dir.join(format!("events.out.tfevents.{seconds}.{}.{}", host_name(), std::process::id()));
         let file =
             std::fs::OpenOptions::new().create_new(true).write(true).open(&path).map_err(|e| Error::io(&path, e))?;
         let mut writer = EventWriter { path, file };
         writer.write(0, EventBody::FileVersion("brain.Event:2".into()))?;
+        if next_step > 1 {
+            writer.write(next_step, EventBody::SessionLog(SessionLog { status: 1 }))?;
+        }
         Ok(writer)
     }
 
@@ -132,6 +150,16 @@ impl EventWriter {
         self.file.write_all(&record(&event.encode_to_vec())).map_err(|e| Error::io(&self.path, e))?;
         self.file.flush().map_err(|e| Error::io(&self.path, e))
     }
+}
+
+/// The largest time in the names of `dir`'s event files (0 where there are none).
+fn latest_file_time(dir: &Path) -> Result<u64> {
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+    Ok(entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter_map(|name| name.strip_prefix("events.out.tfevents.")?.split('.').next()?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0))
 }
 
 /// Width, height and TensorBoard's colour space of a PNG, from its header.

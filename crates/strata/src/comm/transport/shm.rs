@@ -105,7 +105,7 @@ fn create_segment(path: &Path, bytes: usize) -> Result<std::fs::File> {
 ///
 /// After the channels the segment holds an all-reduce arena: a progress counter per rank,
 /// a slot per rank and one result slot. All-reduce then costs each rank one copy in, a
-/// reduction of its share, and one copy out, chunk by chunk so the data stays in cache —
+/// reduction of its share, and one copy out, piece by piece so the data stays in cache —
 /// instead of the ring's 2·(n−1) messages through the channels.
 pub struct ShmTransport {
     rank: usize,
@@ -562,7 +562,7 @@ mod tests {
         })
     }
 
-    /// Bytes that differ from one piece of a chunked copy to the next (251 is prime).
+    /// Bytes that differ from one piece of a copy to the next (251 is prime).
     fn pattern(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i % 251) as u8).collect()
     }

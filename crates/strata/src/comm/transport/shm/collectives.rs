@@ -1,5 +1,5 @@
 //! The shm transport's collectives: all-reduce, reduce-scatter, all-gather and broadcast
-//! staged chunk by chunk through the arena's slots, and their direct forms, which read
+//! staged piece by piece through the arena's slots, and their direct forms, which read
 //! buffers every rank holds in its [`Heap`](crate::comm::shared::Heap) in place.
 //!
 //! Owns the collectives' algorithms over the arena and the heaps. Must not choose between
@@ -139,9 +139,9 @@ impl ShmTransport {
         self.arena_barrier()
     }
 
-    /// Chunk by chunk: copy in the shares the other ranks reduce, barrier, reduce this
+    /// Piece by piece: copy in the shares the other ranks reduce, barrier, reduce this
     /// rank's share in place (its own values never leave its buffer) and publish it,
-    /// barrier, copy in the other shares' results. The next chunk's first barrier also
+    /// barrier, copy in the other shares' results. The next piece's first barrier also
     /// guarantees that everyone has read the previous results before they are overwritten.
     pub(super) fn arena_all_reduce(
         &mut self,
@@ -152,12 +152,12 @@ impl ShmTransport {
     ) -> Result<()> {
         let (n, r, esize) = (self.size, self.rank, kind.elt_size_in_bytes());
         let stream_slots = stores == SlotStores::Streaming;
-        let chunk = SLOT_BYTES / esize * esize;
+        let piece_bytes = SLOT_BYTES / esize * esize;
         let stream = streams(buf.len());
-        for piece in buf.chunks_mut(chunk) {
+        for piece in buf.chunks_mut(piece_bytes) {
             let shares = split(piece.len() / esize, n, esize);
             let share = |p: usize| shares[p].clone();
-            // SAFETY (all copies below): slots hold SLOT_BYTES >= chunk bytes; a rank writes
+            // SAFETY (all copies below): slots hold SLOT_BYTES >= piece_bytes; a rank writes
             // only its own slot and its own share of the result slot, and only between
             // barriers at which nobody reads them.
             for p in (0..n).filter(|&p| p != r) {
@@ -183,15 +183,15 @@ impl ShmTransport {
         Ok(())
     }
 
-    /// Half `h` of rank `p`'s slot. Reduce-scatter and all-gather alternate halves chunk by
-    /// chunk, so one barrier per chunk suffices: a half is written again only after every
+    /// Half `h` of rank `p`'s slot. Reduce-scatter and all-gather alternate halves piece by
+    /// piece, so one barrier per piece suffices: a half is written again only after every
     /// rank has passed the barrier that follows its last reading.
     fn half(&self, p: usize, h: usize) -> *mut u8 {
         // SAFETY: both halves lie inside slot `p`.
         unsafe { self.slot(p).add(h * (SLOT_BYTES / 2)) }
     }
 
-    /// Chunk by chunk: copy into this rank's slot the pieces of the inputs the other ranks
+    /// Piece by piece: copy into this rank's slot the pieces of the inputs the other ranks
     /// own, barrier, then reduce this rank's own input piece with the peers' copies of it
     /// straight into the output. Each input byte is read once and copied at most once;
     /// nothing the size of the whole input is staged. A closing barrier leaves the slots
@@ -231,7 +231,7 @@ impl ShmTransport {
         self.arena_barrier()
     }
 
-    /// Chunk by chunk: copy this rank's input piece into its slot (and into its own output
+    /// Piece by piece: copy this rank's input piece into its slot (and into its own output
     /// while the piece is in cache), barrier, copy every peer's piece out of its slot.
     pub(super) fn arena_all_gather(&mut self, outputs: &[Block], input: Block, stores: SlotStores) -> Result<()> {
         let (n, r) = (self.size, self.rank);
@@ -263,7 +263,7 @@ impl ShmTransport {
         self.arena_barrier()
     }
 
-    /// Chunk by chunk: the root copies its piece into a half of the arena, barrier, every
+    /// Piece by piece: the root copies its piece into a half of the arena, barrier, every
     /// other rank copies it out (while the root fills the other half). Only the root
     /// writes, so it uses every slot, the result slot included: larger pieces, fewer
     /// barriers.
