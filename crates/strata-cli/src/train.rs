@@ -79,7 +79,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
         None => Order::Shuffled,
     };
     let mut init: Vec<InitialWeights> = s.init_weights.iter().cloned().map(InitialWeights::File).collect();
-    init.extend(s.model_dir.iter().cloned().map(InitialWeights::Folder));
+    init.extend(s.model_dir.iter().map(|dir| InitialWeights::Folder(Box::new(dir.clone()))));
     Ok(RunConfig {
         steps: s.steps,
         batch_size: s.batch_size,

@@ -47,11 +47,14 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::info;
 
+/// A model function: declares a model's units through a [`Builder`].
+pub type ModelFn = Arc<dyn Fn(&mut Builder) -> Result<()> + Send + Sync>;
+
 /// The model a run trains: a function declaring its units, and its configuration where it
 /// is one of Strata's (checkpoints record it; model folders are written from it).
 #[derive(Clone)]
 pub struct Model {
-    build: Arc<dyn Fn(&mut Builder) -> Result<()> + Send + Sync>,
+    build: ModelFn,
     config: Option<ModelConfig>,
 }
 
@@ -120,7 +123,7 @@ pub enum InitialWeights {
     /// A safetensors file under Strata's parameter names.
     File(PathBuf),
     /// A Hugging Face model folder.
-    Folder(ModelDir),
+    Folder(Box<ModelDir>),
 }
 
 /// Which checkpoint a run continues from.
