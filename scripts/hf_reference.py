@@ -9,13 +9,19 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
   train     prints the losses of AdamW steps (torch.optim's) on given batches;
   val-loss  prints the mean next-token loss over consecutive windows of a u16 token file,
-            batch by batch, as Strata's validation reads them.
+            batch by batch, as Strata's validation reads them;
+  serve     reads one command a line (a JSON list of the arguments above) and answers each
+            with one JSON line {"ok", "out", "error"}: the tests keep one process, so
+            `transformers` is imported once per test binary instead of once per command.
 
 Run it with the project's virtual environment: .venv/bin/python scripts/hf_reference.py
 """
 
 import argparse
+import contextlib
+import io
 import json
+import sys
 
 import numpy as np
 import torch
@@ -139,7 +145,7 @@ def load(folder):
     return model
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make")
@@ -165,7 +171,12 @@ def main():
     val.add_argument("--ctx", type=int, required=True)
     val.add_argument("--batch-size", type=int, required=True)
     val.add_argument("--batches", type=int, required=True)
-    args = ap.parse_args()
+    sub.add_parser("serve")
+    args = ap.parse_args(argv)
+
+    if args.command == "serve":
+        serve()
+        return
 
     if args.command == "make":
         model = build(args.family, args.seed)
@@ -216,6 +227,23 @@ def main():
                 logits = model(x).logits
             losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item())
         print(json.dumps({"val_loss": sum(losses) / len(losses)}))
+
+
+def serve():
+    """Answers commands from standard input until it closes, one JSON line each."""
+    answers = sys.stdout
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                main(json.loads(line))
+            answer = {"ok": True, "out": printed.getvalue(), "error": ""}
+        except BaseException as e:  # argparse exits with SystemExit; report it too
+            answer = {"ok": False, "out": printed.getvalue(), "error": f"{type(e).__name__}: {e}"}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
 
 
 if __name__ == "__main__":
