@@ -1,6 +1,8 @@
 //! End-to-end tests of the `strata` binary: training against PyTorch, weights round trips,
 //! learning on the default corpus, one-line errors for bad input, and the binary's reuse of
 //! freed heap memory.
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
@@ -14,16 +16,6 @@ fn strata(args: &[&str]) -> Output {
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn python() -> Option<PathBuf> {
-    let p = repo().join(".venv/bin/python");
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipping: {} is missing (run scripts/setup.sh)", p.display());
-        None
-    }
 }
 
 fn losses(metrics: &Path) -> Vec<f64> {
@@ -91,7 +83,7 @@ const OPTIM: [&str; 12] = [
 
 #[test]
 fn gpt_losses_match_pytorch_step_by_step() {
-    let Some(python) = python() else { return };
+    let Some(python) = common::venv_python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let (tokens, plan) = replay_inputs(dir.path());
     let init = dir.path().join("init.safetensors");

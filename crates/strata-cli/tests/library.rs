@@ -57,14 +57,20 @@ fn assert_same_run(cli: &Path, library: &Path) {
     assert_eq!(gap, 0.0, "the weights differ by {gap:e}");
 }
 
+/// A token file of the synthetic corpus's first 20,000 tokens in `dir`, to validate on.
+fn validation_file(dir: &Path) -> PathBuf {
+    let path = dir.join("val.tokens");
+    let held_out = strata::data::TokenData::new(SyntheticCorpus::default().generate().to_vec()[..20_000].to_vec(), "v");
+    held_out.write_token_file(&path, strata::data::TokenWidth::U16).unwrap();
+    path
+}
+
 #[test]
 fn library_run_is_strata_train() {
     let dir = tempfile::tempdir().unwrap();
     let (cli, library) = (dir.path().join("cli"), dir.path().join("library"));
     let synthetic = SyntheticCorpus::default().generate();
-    let val = dir.path().join("val.tokens");
-    let held_out = strata::data::TokenData::new(synthetic.to_vec()[..20_000].to_vec(), "held out");
-    held_out.write_token_file(&val, strata::data::TokenWidth::U16).unwrap();
+    let val = validation_file(dir.path());
     std::fs::create_dir_all(&cli).unwrap();
     let files = [
         "--val-token-file",
@@ -169,16 +175,10 @@ fn multi_rank_example_is_strata_train_pipelined() {
 /// run's two event files, and the profile's pictures.
 #[test]
 fn tensorboard_reads_the_metrics_series_and_profile_pictures() {
-    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    if !python.exists() {
-        eprintln!("skipping: {} is missing (run scripts/setup.sh)", python.display());
-        return;
-    }
+    let Some(python) = common::venv_python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let (metrics, logs, profile) = (dir.path().join("m.jsonl"), dir.path().join("tb"), dir.path().join("profile"));
-    let val = dir.path().join("val.tokens");
-    let held_out = strata::data::TokenData::new(SyntheticCorpus::default().generate().to_vec()[..20_000].to_vec(), "v");
-    held_out.write_token_file(&val, strata::data::TokenWidth::U16).unwrap();
+    let val = validation_file(dir.path());
     let ckpt = dir.path().join("ckpt");
     let shape = "--steps 6 --ctx 32 --batch-size 8 --layers 1 --eval-every 2 --checkpoint-every 3";
     let files = [

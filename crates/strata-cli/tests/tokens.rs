@@ -96,9 +96,7 @@ fn tokenized_text_trains_as_the_text_does() {
 /// has its rows and ratio.
 #[test]
 fn the_tokenize_benchmark_compares_equal_ids() {
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    if !venv.exists() {
-        eprintln!("skipping: {} is missing (run scripts/setup.sh)", venv.display());
+    if common::venv_python().is_none() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

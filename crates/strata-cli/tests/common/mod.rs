@@ -10,6 +10,17 @@ pub fn binary() -> String {
     std::env::var("STRATA_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_strata").to_string())
 }
 
+/// The project's environment's Python (scripts/setup.sh makes it), if it exists; a test
+/// that needs it says why it skips otherwise.
+pub fn venv_python() -> Option<PathBuf> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    if !p.exists() {
+        eprintln!("skipping: {} is missing (run scripts/setup.sh)", p.display());
+        return None;
+    }
+    Some(p)
+}
+
 pub fn strata(args: &[&str]) -> Output {
     Command::new(binary()).args(args).output().expect("the strata binary runs")
 }

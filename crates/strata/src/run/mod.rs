@@ -25,8 +25,6 @@ mod observe;
 mod runner;
 pub mod tensorboard;
 
-pub use observe::open_metrics;
-
 use crate::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use crate::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, RankInfo};
@@ -62,11 +60,6 @@ impl Model {
     /// A model written as units by `build` (see [`crate::model::Builder`]).
     pub fn from_units(build: impl Fn(&mut Builder) -> Result<()> + Send + Sync + 'static) -> Model {
         Model { build: Arc::new(build), config: None }
-    }
-
-    /// The configuration of one of Strata's models, if this is one.
-    pub fn config(&self) -> Option<&ModelConfig> {
-        self.config.as_ref()
     }
 
     fn spec(&self, freeze: &[String]) -> Result<ModelSpec> {
@@ -275,7 +268,7 @@ impl RunConfig {
     }
 
     /// The checkpoint to continue from, refused if it would not continue this run's data.
-    pub fn checkpoint_to_resume(&self) -> Result<Option<Checkpoint>> {
+    fn checkpoint_to_resume(&self) -> Result<Option<Checkpoint>> {
         let path = match &self.resume {
             None => return Ok(None),
             Some(Resume::From(path)) => path.clone(),
@@ -437,15 +430,16 @@ pub fn train(
     }
     check_data(model, data, &config)?;
     let spec = model.spec(&config.freeze)?;
-    config.check_outputs(spec.num_params() as u64)?;
+    let params = spec.num_params();
+    config.check_outputs(params as u64)?;
     // Initial weights or a checkpoint that cannot load are refused before any search or
-    // step (the checkpoint is opened again, and restored, once the engine exists).
+    // step (the checkpoint is restored once the engine exists).
     for init in &config.init {
         if let InitialWeights::File(path) = init {
             crate::io::check_weights_file(&spec, path)?;
         }
     }
-    config.checkpoint_to_resume()?;
+    let resume = config.checkpoint_to_resume()?;
     let ranks = match &launched {
         Some(info) => Ranks {
             comm: Some(init_from_env(&backends, config.comm_timeout)?),
@@ -489,7 +483,7 @@ pub fn train(
         Runner::plain(&setup, spec)?
     };
     info!(
-        params = model.spec(&config.freeze)?.num_params(),
+        params,
         tokens = data.train.len(),
         source = data.train.source,
         strategy = %strategy.to_value(),
@@ -515,8 +509,8 @@ pub fn train(
         c.take(); // the first step's clock starts here
     }
     let optimizer_name = config.optimizer_name();
-    if let Some(ckpt) = config.checkpoint_to_resume()? {
-        runner.restore(&ckpt, &optimizer_name)?;
+    if let Some(ckpt) = &resume {
+        runner.restore(ckpt, &optimizer_name)?;
         info!(step = ckpt.meta.step, from = %ckpt.location.display(), saved_world_size = ckpt.meta.world_size, "resumed");
     }
     let start = runner.step();

@@ -12,7 +12,7 @@ use std::path::Path;
 /// The metrics file, one JSON line per step, opened for the steps after `start`: a new
 /// run starts it afresh; a resumed one keeps the lines of the steps up to its checkpoint
 /// (rewritten atomically, without the lines of steps that run again) and appends after them.
-pub fn open_metrics(path: &Path, start: u64) -> Result<BufWriter<std::fs::File>> {
+fn open_metrics(path: &Path, start: u64) -> Result<BufWriter<std::fs::File>> {
     if start > 0 && path.exists() {
         let old = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let done = |line: &&str| {

@@ -120,11 +120,6 @@ impl EventWriter {
         Ok(writer)
     }
 
-    /// The file written.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Scalars of one step, by tag.
     pub fn scalars(&mut self, step: u64, values: &[(String, f64)]) -> Result<()> {
         let value = values
