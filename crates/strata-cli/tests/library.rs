@@ -276,3 +276,40 @@ fn run_errors_have_kinds_a_caller_can_match() {
     let e = run::train(&model, &data, &RunConfig { outputs: nowhere, ..config }, &mut []).unwrap_err();
     assert!(matches!(e, Error::Config(ref m) if m.contains("--metrics")), "{e}");
 }
+
+/// What each rank of [`one_rank_stopping_stops_every_rank`] runs, when that test starts this
+/// binary again under `strata launch`: a data-parallel run whose callback says stop on rank
+/// 0 alone, after step 3. It prints the last step this rank trained.
+#[test]
+fn rank_of_a_stopped_job() {
+    if std::env::var_os("STRATA_TEST_STOPPED_JOB").is_none() {
+        return; // only as a launched rank
+    }
+    let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 1, 4, 64)));
+    let data = Data::new(Arc::new(SyntheticCorpus::default().generate()));
+    let config = RunConfig {
+        steps: 8,
+        batch_size: 4,
+        ctx: 32,
+        comm_timeout: std::time::Duration::from_secs(60),
+        ..RunConfig::default()
+    };
+    let rank0 = std::env::var("RANK").as_deref() == Ok("0");
+    let mut stop =
+        |r: &strata::train::StepReport| Ok(if rank0 && r.step == 3 { run::Flow::Stop } else { run::Flow::Continue });
+    let summary = run::train(&model, &data, &config, &mut [&mut stop]).unwrap();
+    println!("last step {}", summary.last.map_or(0, |r| r.step));
+}
+
+/// A callback that stops the run on one rank stops every rank at the same step: each rank
+/// ends after step 3 and the job exits cleanly (a rank left running would wait for the
+/// stopped one's collectives and fail).
+#[test]
+fn one_rank_stopping_stops_every_rank() {
+    let exe = std::env::current_exe().unwrap();
+    let args = ["launch", "--nproc-per-node", "2", "--", s(&exe), "--exact", "rank_of_a_stopped_job", "--nocapture"];
+    let o = common::strata_env(&args, &[("STRATA_TEST_STOPPED_JOB", "1")]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert_eq!(out.matches("last step 3").count(), 2, "both ranks stop after step 3:\n{out}");
+}
