@@ -5,5 +5,8 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$repo/scripts/setup.sh"
 cd "$repo"
+# The examples as runnable programs: crates/strata-cli/tests/library.rs runs them
+# (`cargo test` alone builds them only as test harnesses).
+cargo build --workspace --examples
 cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc

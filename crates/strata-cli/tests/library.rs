@@ -101,16 +101,40 @@ fn library_run_is_strata_train() {
     }
 }
 
-/// Where cargo put the example binaries of this build (`--all-targets` builds them).
+/// The example binary `name` as `cargo build --examples` leaves it (`scripts/test.sh` builds
+/// them first: `cargo test` builds examples only as empty test harnesses). Refused when any
+/// source of the library or its examples is newer, so a stale binary never passes for the
+/// current code.
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let path = exe.parent().and_then(Path::parent).unwrap().join("examples").join(name);
-    assert!(
-        path.is_file(),
-        "{} is not built: cargo test --workspace --all-targets builds the examples",
-        path.display()
-    );
+    let built = std::fs::metadata(&path).and_then(|m| m.modified()).unwrap_or_else(|_| {
+        panic!("{} is not built: run `cargo build --examples` (scripts/test.sh does)", path.display())
+    });
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../strata");
+    for source in ["src", "examples"].iter().flat_map(|d| rust_files(&crate_dir.join(d))) {
+        let changed = std::fs::metadata(&source).and_then(|m| m.modified()).unwrap();
+        assert!(
+            changed <= built,
+            "{} is older than {}: run `cargo build --examples` (scripts/test.sh does)",
+            path.display(),
+            source.display()
+        );
+    }
     path
+}
+
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().map(Result::unwrap) {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+    files
 }
 
 fn run_example(name: &str, args: &[&str]) -> String {
