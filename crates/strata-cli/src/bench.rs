@@ -226,12 +226,9 @@ impl StrataSide {
         let batches = (0..4)
             .map(|i| {
                 let t = Tensor::randint(model.vocab(), [batch_size, ctx + 1], (Kind::Int64, device));
-                Step {
-                    index: i,
-                    micro_batches: vec![Batch { inputs: t.narrow(1, 0, ctx), targets: t.narrow(1, 1, ctx) }],
-                }
+                Ok(Step::new(i, vec![Batch::new(t.narrow(1, 0, ctx), t.narrow(1, 1, ctx))?]))
             })
-            .collect();
+            .collect::<strata::Result<_>>()?;
         Ok(StrataSide { trainer, batches, device, done: 0 })
     }
 

@@ -136,7 +136,7 @@ pub fn eval(args: EvalArgs) -> Result<()> {
     data.check_fits(args.ctx, loaded.config.vocab() as usize)?;
     let device = loaded.engine.config().device;
     let loader = LoaderConfig { device, ..LoaderConfig::new(args.ctx, args.batch_size) };
-    let steps = validation_steps(&data, &loader, args.eval_batches, usize::MAX)?;
+    let steps = validation_steps(&data.into(), &loader, args.eval_batches, usize::MAX)?;
     let tokens: i64 = steps.iter().flat_map(|s| &s.micro_batches).map(|b| b.targets.numel() as i64).sum();
     let mut engine = loaded.engine;
     let loss = strata::train::evaluate(&mut engine, &steps)?;

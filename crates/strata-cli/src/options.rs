@@ -5,7 +5,7 @@ use clap::Args;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
-use strata::data::{TokenWidth, Tokenizer};
+use strata::data::{ExampleOptions, TokenWidth, Tokenizer};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
 use strata::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use strata::patrickstar::PatrickStarConfig;
@@ -65,8 +65,19 @@ train_options! {
     tie_embeddings: bool,
     /// Vocabulary size (default: the tokenizer's, or what the token file needs).
     vocab: i64,
-    /// Train on this UTF-8 text file (tokenised with --tokenizer, bytes by default).
+    /// Train on this file: UTF-8 text (tokenised with --tokenizer, bytes by default), or
+    /// examples when it ends in .jsonl or .parquet (records of "text", "prompt" and
+    /// "completion", or "messages" rendered with the chat template).
     data: PathBuf,
+    /// Examples: the most tokens of one (default --ctx, which it also sets when --ctx is not given).
+    max_length: usize,
+    /// Examples: leave out those longer than --max-length instead of truncating them.
+    drop_long: bool,
+    /// Examples: learn the prompts (system and user turns, a completion's prompt) too.
+    train_on_prompt: bool,
+    /// Examples: the Jinja chat template that renders conversations (default: the model
+    /// folder's chat_template.jinja or tokenizer_config.json's chat_template).
+    chat_template: PathBuf,
     /// Hugging Face tokenizer.json for --data.
     tokenizer: PathBuf,
     /// Train on this token file (`strata tokenize`'s, or raw little-endian ids), memory-mapped.
@@ -74,7 +85,7 @@ train_options! {
     /// Width of a raw token file's ids: u16 (nanoGPT's .bin, the default) or u32; a file
     /// written by `strata tokenize` says its own.
     token_width: String,
-    /// Validation text (tokenised as --data): its loss and perplexity go to the metrics.
+    /// Validation text or examples (read as --data): its loss and perplexity go to the metrics.
     val_data: PathBuf,
     /// Validation tokens as a token file (as --token-file).
     val_token_file: PathBuf,
@@ -105,12 +116,19 @@ train_options! {
     nesterov: bool,
     /// Clip the global gradient norm to this value (default 1; 0 turns clipping off).
     grad_clip: f64,
-    /// Learning-rate schedule: constant, cosine (linear warm-up then cosine) or step.
+    /// Learning-rate schedule: constant, cosine (linear warm-up then cosine), linear (warm-up
+    /// then a straight line down), wsd (warm-up, stable, decay) or step.
     schedule: String,
-    /// Warm-up steps of the cosine schedule.
+    /// Warm-up steps of the cosine, linear and wsd schedules.
     warmup: u64,
-    /// Final learning rate of the cosine schedule, as a fraction of --lr.
+    /// Final learning rate of the cosine, linear and wsd schedules, as a fraction of --lr.
     min_lr_factor: f64,
+    /// Step where the wsd schedule's decay starts (default: --steps less --decay-steps).
+    decay_start: u64,
+    /// Steps of the wsd schedule's decay (default a fifth of --steps).
+    decay_steps: u64,
+    /// Shape of the wsd schedule's decay: linear or 1-sqrt.
+    decay_shape: String,
     /// Steps between learning-rate drops of the step schedule.
     step_every: u64,
     /// Factor of each drop of the step schedule.
@@ -200,8 +218,50 @@ pub enum DataChoice {
     Synthetic,
     /// A UTF-8 text file, tokenised with the run's tokenizer.
     Text(PathBuf),
+    /// Examples in a JSON Lines or Parquet file.
+    Examples(PathBuf),
     /// A token file, with the width of its ids where it is raw and a flag gave one.
     TokenFile(PathBuf, Option<TokenWidth>),
+}
+
+impl DataChoice {
+    /// A file named by --data or --val-data: examples by their extension, else text.
+    fn of_file(path: PathBuf) -> DataChoice {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("jsonl" | "parquet") => DataChoice::Examples(path),
+            _ => DataChoice::Text(path),
+        }
+    }
+}
+
+/// The example options and the context: --max-length and --ctx give each other's default
+/// (64 without either); the example flags are refused where no data is examples.
+fn example_options(
+    o: &TrainOptions,
+    data: &DataChoice,
+    val: Option<&DataChoice>,
+) -> Result<(Option<ExampleOptions>, i64)> {
+    let is_examples = |d: &DataChoice| matches!(d, DataChoice::Examples(_));
+    if !is_examples(data) && !val.is_some_and(is_examples) {
+        let given = [
+            ("--max-length", o.max_length.is_some()),
+            ("--drop-long", o.drop_long.is_some()),
+            ("--train-on-prompt", o.train_on_prompt.is_some()),
+            ("--chat-template", o.chat_template.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+            bail!("{flag} shapes examples: give --data FILE.jsonl or FILE.parquet");
+        }
+        return Ok((None, o.ctx.unwrap_or(64)));
+    }
+    let ctx = o.ctx.or(o.max_length.map(|m| m as i64)).unwrap_or(64);
+    let max_length = o.max_length.unwrap_or(ctx as usize);
+    if max_length == 0 || max_length as i64 > ctx {
+        bail!("--max-length {max_length} must be positive and within --ctx {ctx}");
+    }
+    let drop_long = o.drop_long.unwrap_or(false);
+    let train_on_prompt = o.train_on_prompt.unwrap_or(false);
+    Ok((Some(ExampleOptions { max_length, drop_long, train_on_prompt }), ctx))
 }
 
 /// Everything `strata train` needs, resolved and validated (except the vocabulary, which
@@ -215,6 +275,9 @@ pub struct TrainSettings {
     pub save_model_dir: Option<PathBuf>,
     pub max_shard_size: u64,
     pub val: Option<DataChoice>,
+    /// How example data is cut and learned (set when the data is examples).
+    pub examples: Option<ExampleOptions>,
+    pub chat_template: Option<PathBuf>,
     /// Hugging Face tokenizer.json for text data (default: the model folder's, else bytes).
     pub tokenizer: Option<PathBuf>,
     pub eval_every: Option<u64>,
@@ -467,8 +530,33 @@ impl TrainOptions {
                 every: o.step_every.unwrap_or((steps / 3).max(1)),
                 gamma: o.step_gamma.unwrap_or(0.1),
             },
-            other => bail!("unknown schedule {other:?}; expected constant, cosine or step"),
+            "linear" => LrSchedule::Linear {
+                warmup: o.warmup.unwrap_or((steps / 20).max(1)),
+                total: steps,
+                min_factor: o.min_lr_factor.unwrap_or(0.0),
+            },
+            "wsd" => {
+                let decay_steps = o.decay_steps.unwrap_or((steps / 5).max(1));
+                LrSchedule::WarmupStableDecay {
+                    warmup: o.warmup.unwrap_or((steps / 20).max(1)),
+                    decay_start: o.decay_start.unwrap_or(steps.saturating_sub(decay_steps)),
+                    decay_steps,
+                    min_factor: o.min_lr_factor.unwrap_or(0.0),
+                    shape: o.decay_shape.as_deref().unwrap_or("linear").parse()?,
+                }
+            }
+            other => bail!("unknown schedule {other:?}; expected constant, cosine, linear, wsd or step"),
         };
+        let wsd_only = [
+            ("--decay-start", o.decay_start.is_some()),
+            ("--decay-steps", o.decay_steps.is_some()),
+            ("--decay-shape", o.decay_shape.is_some()),
+        ];
+        if let Some((flag, _)) =
+            wsd_only.iter().find(|(_, g)| *g).filter(|_| !matches!(schedule, LrSchedule::WarmupStableDecay { .. }))
+        {
+            bail!("{flag} shapes the wsd schedule: give --schedule wsd");
+        }
         schedule.validate()?;
         let optimizer = OptimizerConfig {
             kind,
@@ -489,9 +577,9 @@ impl TrainOptions {
         if width.is_some() && o.token_file.is_none() && o.val_token_file.is_none() {
             bail!("--token-width reads token files: give --token-file or --val-token-file");
         }
-        let val = match (o.val_data, o.val_token_file) {
+        let val = match (o.val_data.clone(), o.val_token_file.clone()) {
             (Some(_), Some(_)) => bail!("give either --val-data or --val-token-file, not both"),
-            (Some(path), None) => Some(DataChoice::Text(path)),
+            (Some(path), None) => Some(DataChoice::of_file(path)),
             (None, Some(path)) => Some(DataChoice::TokenFile(path, width)),
             (None, None) => None,
         };
@@ -503,10 +591,10 @@ impl TrainOptions {
                 bail!("{flag} shapes validation: give --val-data or --val-token-file");
             }
         }
-        let text_val = matches!(val, Some(DataChoice::Text(_)));
-        let data = match (o.data, o.token_file) {
+        let text_val = matches!(val, Some(DataChoice::Text(_) | DataChoice::Examples(_)));
+        let data = match (o.data.clone(), o.token_file.clone()) {
             (Some(_), Some(_)) => bail!("give either --data or --token-file, not both"),
-            (Some(path), None) => DataChoice::Text(path),
+            (Some(path), None) => DataChoice::of_file(path),
             (None, Some(path)) => DataChoice::TokenFile(path, width),
             (None, None) if o.tokenizer.is_some() && !text_val => bail!("--tokenizer needs --data or --val-data"),
             (None, None) => DataChoice::Synthetic,
@@ -546,6 +634,7 @@ impl TrainOptions {
         if let Some(ctx) = o.ctx.filter(|&c| c <= 0) {
             bail!("--ctx must be positive, got {ctx}");
         }
+        let (examples, ctx) = example_options(&o, &data, val.as_ref())?;
         // A restarted job (torchrun --max-restarts) continues from its newest checkpoint.
         let resume = match o.resume {
             Some(path) if path.as_os_str() == "auto" => match &o.save_checkpoint {
@@ -584,7 +673,9 @@ impl TrainOptions {
             tie_embeddings: o.tie_embeddings,
             heads: o.heads.unwrap_or(4),
             dim: o.dim.unwrap_or(128),
-            ctx: o.ctx.unwrap_or(64),
+            ctx,
+            examples,
+            chat_template: o.chat_template,
             vocab: o.vocab,
             data,
             batch_offsets: o.batch_offsets,

@@ -1,35 +1,78 @@
 //! `strata train`: the flags' settings translated into the library's run
 //! ([`strata::run::train`]), its data read from the files they name, its outcome printed.
 use crate::options::{DataChoice, StrategyChoice, TrainSettings};
-use anyhow::Result;
+use anyhow::{Context, Result};
+use std::path::Path;
 use std::sync::Arc;
 use strata::auto::AutoOptions;
-use strata::data::{BatchOffsets, Order, SyntheticCorpus, TokenData};
+use strata::data::chat::{self, ChatTemplate};
+use strata::data::{BatchOffsets, Dataset, ExampleFormat, ExampleSet, Order, SyntheticCorpus, TokenData, Tokenizer};
 use strata::io::FolderOut;
 use strata::model::ModelConfig;
 use strata::parallel::DataParallelOptions;
 use strata::profile::human_bytes;
 use strata::run::{self, Checkpoints, Data, InitialWeights, Outputs, RunConfig, StrategySource};
 
-/// Tokens to train on, and the best loss when it is known (the synthetic corpus), and the
+/// Data to train on, the best loss when it is known (the synthetic corpus), and the
 /// vocabulary the data needs.
-fn load_tokens(settings: &TrainSettings, choice: &DataChoice) -> Result<(TokenData, Option<f64>, usize)> {
+fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, Option<f64>, usize)> {
     Ok(match choice {
         DataChoice::Synthetic => {
             let corpus = SyntheticCorpus::default();
-            (corpus.generate(), Some(corpus.best_loss()), 256)
+            (corpus.generate().into(), Some(corpus.best_loss()), 256)
         }
         DataChoice::Text(path) => {
             let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
             let data = TokenData::from_text_file(path, &tokenizer)?;
-            (data, None, tokenizer.vocab_size())
+            (data.into(), None, tokenizer.vocab_size())
+        }
+        DataChoice::Examples(path) => {
+            let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
+            let examples = load_examples(settings, path, &tokenizer)?;
+            (examples.into(), None, tokenizer.vocab_size())
         }
         DataChoice::TokenFile(path, width) => {
             let data = TokenData::open(path, *width)?;
             let vocab = data.vocab_needed() as usize;
-            (data, None, vocab)
+            (data.into(), None, vocab)
         }
     })
+}
+
+/// The examples of `path`, rendered with the chat template of --chat-template or the model
+/// folder, ended with the folder's end-of-sequence token, cached for the next run.
+fn load_examples(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> Result<ExampleSet> {
+    let folder = settings.model_dir.as_ref().map(|m| m.dir.as_path());
+    let special = match folder {
+        Some(dir) => chat::tokenizer_config(dir)?,
+        None => serde_json::json!({}),
+    };
+    let token = |key: &str| chat::special_token(&special, key);
+    let template = match (&settings.chat_template, folder) {
+        (Some(file), _) => {
+            let source = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+            Some(ChatTemplate::new(source, token("bos_token"), token("eos_token"), &file.display().to_string())?)
+        }
+        (None, Some(dir)) => ChatTemplate::from_model_dir(dir)?,
+        (None, None) => None,
+    };
+    let format = ExampleFormat { tokenizer, template: template.as_ref(), end_of_text: token("eos_token") };
+    let options = settings.examples.clone().context("example options are set for example data")?;
+    let set = ExampleSet::load(path, &format, &options, strata::data::records::default_cache_dir().as_deref())?;
+    let r = &set.report;
+    tracing::info!(
+        source = %path.display(),
+        records = r.records,
+        examples = r.examples,
+        truncated = r.truncated,
+        dropped_long = r.dropped_long,
+        dropped_unlearned = r.dropped_unlearned,
+        tokens = r.tokens,
+        learned_tokens = r.learned_tokens,
+        cached = set.cached,
+        "examples"
+    );
+    Ok(set)
 }
 
 /// The folder --save-model-dir writes: the model folder's family, special tokens and
@@ -128,9 +171,9 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
 }
 
 pub fn run(settings: TrainSettings) -> Result<()> {
-    let (train, best_loss, data_vocab) = load_tokens(&settings, &settings.data)?;
+    let (train, best_loss, data_vocab) = load_data(&settings, &settings.data)?;
     let validation = match &settings.val {
-        Some(v) => Some(Arc::new(load_tokens(&settings, v)?.0)),
+        Some(v) => Some(Arc::new(load_data(&settings, v)?.0)),
         None => None,
     };
     let model = settings.model(settings.vocab.unwrap_or(data_vocab as i64))?;

@@ -4,7 +4,6 @@ mod common;
 use common::{global_gap, losses, reports, stderr, strata};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 use strata::data::SyntheticCorpus;
 use strata::model::{GptConfig, ModelConfig};
 use strata::optim::{LrSchedule, OptimizerConfig};
@@ -87,7 +86,7 @@ fn library_run_is_strata_train() {
 
     let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 2, 4, 64)));
     let validation = strata::data::TokenData::open(&val, None).unwrap();
-    let data = Data { train: Arc::new(synthetic), validation: Some(Arc::new(validation)) };
+    let data = Data::with_validation(synthetic, validation);
     std::fs::create_dir_all(&library).unwrap();
     let summary = run::train(&model, &data, &library_config(&library), &mut []).unwrap();
     assert_eq!(summary.last.map(|r| r.step), Some(6));
@@ -277,7 +276,7 @@ fn run_errors_have_kinds_a_caller_can_match() {
     use strata::Error;
     let dir = tempfile::tempdir().unwrap();
     let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 1, 4, 64)));
-    let data = Data::new(Arc::new(SyntheticCorpus::default().generate()));
+    let data = Data::new(SyntheticCorpus::default().generate());
     let config = RunConfig { steps: 2, batch_size: 4, ctx: 32, ..RunConfig::default() };
 
     let damaged = dir.path().join("damaged");
@@ -287,7 +286,7 @@ fn run_errors_have_kinds_a_caller_can_match() {
     let e = run::train(&model, &data, &resumed, &mut []).unwrap_err();
     assert!(matches!(e, Error::Checkpoint(ref m) if m.contains("not a checkpoint description")), "{e}");
 
-    let short = Data::new(Arc::new(strata::data::TokenData::new(vec![1; 20], "twenty tokens")));
+    let short = Data::new(strata::data::TokenData::new(vec![1; 20], "twenty tokens"));
     let e = run::train(&model, &short, &config, &mut []).unwrap_err();
     assert!(matches!(e, Error::Data(_)), "{e}");
 
@@ -310,7 +309,7 @@ fn rank_of_a_stopped_job() {
         return; // only as a launched rank
     }
     let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 1, 4, 64)));
-    let data = Data::new(Arc::new(SyntheticCorpus::default().generate()));
+    let data = Data::new(SyntheticCorpus::default().generate());
     let config = RunConfig {
         steps: 8,
         batch_size: 4,

@@ -54,7 +54,7 @@ fn smoothed_cross_entropy(epsilon: f64) -> strata::train::LossFn {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let train = TokenData::new(sums(40_000), "two-digit sums");
     let validation = TokenData::new(sums(2_000), "two-digit sums, held out");
-    let data = Data { train: Arc::new(train), validation: Some(Arc::new(validation)) };
+    let data = Data::with_validation(train, validation);
     let model = Model::from(ModelConfig::Gpt(GptConfig::new(VOCAB, 32, 2, 4, 64)));
     let config = RunConfig {
         steps: 60,

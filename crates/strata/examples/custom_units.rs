@@ -7,7 +7,6 @@
 //!
 //! cargo run --release -p strata --example custom_units
 //! strata launch --nproc-per-node 2 -- target/release/examples/custom_units
-use std::sync::Arc;
 use strata::auto::AutoOptions;
 use strata::data::SyntheticCorpus;
 use strata::model::layers::{gelu_tanh, linear, row_linear, vocab_embedding, vocab_logits};
@@ -104,7 +103,7 @@ fn feed_forward_lm(b: &mut Builder) -> strata::Result<()> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let data = Data::new(Arc::new(SyntheticCorpus::default().generate()));
+    let data = Data::new(SyntheticCorpus::default().generate());
     let config = RunConfig {
         steps: 30,
         batch_size: 16,

@@ -8,7 +8,6 @@
 //! STRATEGY is a strategy's JSON (e.g. `[["parallel_mode", [[["pipeline", 2]], null]]]` or
 //! `["fsdp"]`); FOLDER receives `weights.safetensors` and `metrics.jsonl`.
 use std::path::PathBuf;
-use std::sync::Arc;
 use strata::data::SyntheticCorpus;
 use strata::model::{GptConfig, ModelConfig};
 use strata::optim::{LrSchedule, OptimizerConfig};
@@ -21,7 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("usage: multi_rank STRATEGY FOLDER".into());
     };
     let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 2, 4, 64)));
-    let data = Data::new(Arc::new(SyntheticCorpus::default().generate()));
+    let data = Data::new(SyntheticCorpus::default().generate());
     let config = RunConfig {
         steps: 6,
         batch_size: 8,

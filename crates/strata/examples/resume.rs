@@ -4,7 +4,6 @@
 //!
 //! cargo run --release -p strata --example resume [FOLDER]
 use std::path::Path;
-use std::sync::Arc;
 use strata::data::SyntheticCorpus;
 use strata::model::{GptConfig, ModelConfig};
 use strata::run::{self, Checkpoints, Data, Flow, Model, Outputs, Resume, RunConfig};
@@ -14,7 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let scratch = tempfile::tempdir()?;
     let dir = std::env::args().nth(1).map_or(scratch.path().to_path_buf(), Into::into);
     let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 2, 4, 64)));
-    let data = Data::new(Arc::new(SyntheticCorpus::default().generate()));
+    let data = Data::new(SyntheticCorpus::default().generate());
     let config = |name: &str| RunConfig {
         steps: 12,
         batch_size: 8,

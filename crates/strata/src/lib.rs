@@ -37,7 +37,7 @@
 //! let mut engine = engine::Engine::new(b.build()?, engine::EngineConfig::default())?;
 //! let optimizer = optim::Optimizer::new(&mut engine, optim::OptimizerConfig::default(), &[])?;
 //! let mut trainer = train::Trainer::new(engine, optimizer, optim::LrSchedule::Constant, Some(1.0));
-//! let corpus = std::sync::Arc::new(data::SyntheticCorpus::default().generate());
+//! let corpus = std::sync::Arc::new(data::SyntheticCorpus::default().generate().into());
 //! let loader = data::DataLoader::new(corpus, data::LoaderConfig::new(64, 16), data::Order::Shuffled)?;
 //! for step in loader.take(100) {
 //!     let report = trainer.train_step(&step?)?;

@@ -20,8 +20,11 @@ use tch::Tensor;
 #[derive(Clone, Debug, Serialize)]
 pub struct StepReport {
     pub step: u64,
-    /// Mean loss over the step's micro-batches.
+    /// Loss per supervised token of the step's global batch (this rank's share until the
+    /// run averages it over the data ranks).
     pub loss: f64,
+    /// Supervised tokens (targets that take a loss) in the step's global batch.
+    pub supervised_tokens: u64,
     pub lr: f64,
     /// Global gradient norm before clipping (when clipping is on).
     pub grad_norm: Option<f64>,
@@ -90,7 +93,7 @@ pub struct PipelineFigures {
     pub mean_op_seconds: Vec<[f64; 3]>,
 }
 
-/// The mean next-token loss of `engine` over `steps`' micro-batches, forward only.
+/// The next-token loss per supervised token of `engine` over `steps`, forward only.
 pub fn evaluate(engine: &mut Engine, steps: &[Step]) -> Result<f64> {
     let loss = next_token_loss_of(engine);
     evaluate_with(engine, steps, &token_input(), &loss)
@@ -102,15 +105,24 @@ fn evaluate_with(engine: &mut Engine, steps: &[Step], input: &InputFn, loss: &Lo
         let output = engine.evaluate(&input(batch)?)?;
         losses.push(loss(&output, batch)?.f_double_value(&[])?);
     }
-    mean(&losses)
+    token_mean(steps, &losses)
 }
 
-/// The mean of validation losses; none is an error (nothing was evaluated).
-pub(crate) fn mean(losses: &[f64]) -> Result<f64> {
+/// The token-weighted mean of `losses`, one mean loss per micro-batch of `steps` in order:
+/// this rank's share, which averaged over the data ranks is the loss per supervised token
+/// of all of `steps`' global batches. No micro-batch at all is an error (nothing was
+/// evaluated); no supervised token gives 0.
+pub(crate) fn token_mean(steps: &[Step], losses: &[f64]) -> Result<f64> {
     if losses.is_empty() {
         return Err(crate::Error::Data("no validation batches to evaluate".into()));
     }
-    Ok(losses.iter().sum::<f64>() / losses.len() as f64)
+    let total: u64 = steps.iter().map(|s| s.global_supervised).sum();
+    let weights = steps
+        .iter()
+        .flat_map(|s| (0..s.micro_batches.len()).map(move |i| s.loss_weight(i) * s.global_supervised as f64));
+    // A micro-batch without supervised tokens weighs nothing, whatever its loss reads.
+    let sum: f64 = losses.iter().zip(weights).filter(|(_, w)| *w > 0.0).map(|(l, w)| l * w).sum();
+    Ok(if total == 0 { 0.0 } else { sum / total as f64 })
 }
 
 /// Turns a micro-batch into the model's input (`prepare_input`).
@@ -283,7 +295,8 @@ impl Trainer {
     }
 
     /// Runs forward and backward on every micro-batch (gradients accumulate, each loss
-    /// scaled by 1/micro-batches so the step sees the mean, and by the loss scale), then
+    /// weighted by its share of the global batch's supervised tokens, [`Step::loss_weight`],
+    /// so every token weighs the same, and scaled by the loss scale), then
     /// unscales, checks, clips and updates — or skips the update when the gradients are not
     /// finite and the scaling says to check.
     pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
@@ -295,7 +308,6 @@ impl Trainer {
         let factor = self.schedule.factor(self.step);
         let scale = self.scaling.scale();
         self.optimizer.set_lr_factor(factor);
-        let n = step.micro_batches.len() as f64;
         // Read back once, when the step is queued: a read waits for the device.
         let mut losses = Vec::with_capacity(step.micro_batches.len());
         let mut tokens = 0;
@@ -316,7 +328,7 @@ impl Trainer {
             let output = self.engine.forward(&(self.prepare_input)(batch)?)?;
             crate::fault::point("backward", self.step + 1);
             let loss = (self.loss_func)(&output, batch)?;
-            self.engine.backward(&loss.f_mul_scalar(scale / n)?)?;
+            self.engine.backward(&loss.f_mul_scalar(scale * step.loss_weight(i))?)?;
             losses.push(loss.f_detach()?);
             tokens += batch.targets.numel() as u64;
         }
@@ -352,12 +364,13 @@ impl Trainer {
         if norm_on_device {
             grad_norm = read.pop();
         }
-        let loss_sum: f64 = read.iter().sum();
+        let loss = token_mean(std::slice::from_ref(step), &read)?;
         let seconds = start.elapsed().as_secs_f64();
         self.step += 1;
         Ok(StepReport {
             step: self.step,
-            loss: loss_sum / n,
+            loss,
+            supervised_tokens: step.global_supervised,
             lr: self.optimizer.lr(),
             grad_norm,
             loss_scale: self.scaling.scaler.as_ref().map(|_| scale),

@@ -37,7 +37,7 @@ fn spec() -> strata::model::ModelSpec {
 fn step(seed: i64) -> Step {
     tch::manual_seed(seed);
     let tokens = Tensor::randint(32, [4, 17], (Kind::Int64, Device::Cpu));
-    Step { index: 0, micro_batches: vec![Batch { inputs: tokens.narrow(1, 0, 16), targets: tokens.narrow(1, 1, 16) }] }
+    Step::new(0, vec![Batch::new(tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)).unwrap()])
 }
 
 #[test]
@@ -764,7 +764,7 @@ fn amp_converts_weight_gradients_straight_into_the_gradient_buffer() {
     let batch = |seed| {
         tch::manual_seed(seed);
         let tokens = Tensor::randint(32, [1, 5], (Kind::Int64, Device::Cpu));
-        Batch { inputs: tokens.narrow(1, 0, 4), targets: tokens.narrow(1, 1, 4) }
+        Batch::new(tokens.narrow(1, 0, 4), tokens.narrow(1, 1, 4)).unwrap()
     };
     let (a, b) = (batch(1), batch(2));
     let (mut ab, mut ba) = (amp_engine(), amp_engine());

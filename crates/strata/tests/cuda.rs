@@ -42,8 +42,8 @@ fn steps(n: usize, device: Device) -> Vec<Step> {
     (0..n)
         .map(|i| {
             let t = tokens.get(i as i64).to_device(device);
-            let batch = Batch { inputs: t.narrow(1, 0, GPT.ctx), targets: t.narrow(1, 1, GPT.ctx) };
-            Step { index: i, micro_batches: vec![batch] }
+            let batch = Batch::new(t.narrow(1, 0, GPT.ctx), t.narrow(1, 1, GPT.ctx)).unwrap();
+            Step::new(i, vec![batch])
         })
         .collect()
 }

@@ -114,8 +114,9 @@ proptest! {
         let path = dir.path().join("o.json");
         std::fs::write(&path, serde_json::json!({"ctx": 8, "batch": 3, "offsets": rows}).to_string()).unwrap();
         let plan = BatchOffsets::from_file(&path).unwrap();
-        let data = Arc::new(TokenData::new((0..100).map(|i| i * 7 % 251).collect(), "p"));
-        let steps: Vec<_> = DataLoader::new(data.clone(), LoaderConfig::new(8, 3), Order::Offsets(plan)).unwrap().collect();
+        let data = TokenData::new((0..100).map(|i| i * 7 % 251).collect(), "p");
+        let steps: Vec<_> =
+            DataLoader::new(Arc::new(data.clone().into()), LoaderConfig::new(8, 3), Order::Offsets(plan)).unwrap().collect();
         prop_assert_eq!(steps.len(), rows.len());
         for (step, offsets) in steps.iter().zip(&rows) {
             let b = &step.as_ref().unwrap().micro_batches[0];

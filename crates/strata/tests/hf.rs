@@ -273,8 +273,8 @@ fn training_tracks_transformers(py: &Path, dir: &Path, work: &Path) {
     let optimizer = Optimizer::new(&mut engine, config, &[]).unwrap();
     let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
     for (i, ((inputs, targets), theirs)) in batches.iter().zip(&theirs).enumerate() {
-        let batch = Batch { inputs: rows_tensor(inputs), targets: rows_tensor(targets) };
-        let ours = trainer.train_step(&Step { index: i, micro_batches: vec![batch] }).unwrap().loss;
+        let batch = Batch::new(rows_tensor(inputs), rows_tensor(targets)).unwrap();
+        let ours = trainer.train_step(&Step::new(i, vec![batch])).unwrap().loss;
         let relative = (ours - theirs).abs() / theirs.abs();
         assert!(relative <= 1e-5, "{}: step {i}: loss {ours}, transformers {theirs}", dir.display());
     }

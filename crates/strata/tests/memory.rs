@@ -35,7 +35,7 @@ fn gpt_spec() -> ModelSpec {
 fn step(rank: usize) -> Step {
     tch::manual_seed(rank as i64);
     let tokens = Tensor::randint(32, [2, 9], (Kind::Int64, Device::Cpu));
-    Step { index: 0, micro_batches: vec![Batch { inputs: tokens.narrow(1, 0, 8), targets: tokens.narrow(1, 1, 8) }] }
+    Step::new(0, vec![Batch::new(tokens.narrow(1, 0, 8), tokens.narrow(1, 1, 8)).unwrap()])
 }
 
 /// Runs `f` as rank 0 and rank 1 of a two-rank job; rank 0's result.
@@ -261,8 +261,8 @@ fn sharded_whole_gradients_live_where_shm_reads_them_in_place() {
                 let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
                 let t = tokens(rank as i64).view([2, 9]);
                 let (inputs, targets) = (t.narrow(1, 0, 8), t.narrow(1, 1, 8));
-                let batch = Batch { inputs: inputs.shallow_clone(), targets: targets.shallow_clone() };
-                let step = Step { index: 0, micro_batches: vec![batch] };
+                let batch = Batch::new(inputs.shallow_clone(), targets.shallow_clone()).unwrap();
+                let step = Step::new(0, vec![batch]);
                 let losses: Vec<f64> = (0..3).map(|_| trainer.train_step(&step).unwrap().loss).collect();
                 // The first unit's gradient is the last reduced: in flight when backward ends.
                 // Twice, in the same memory: each unit gives its slot back for the next.

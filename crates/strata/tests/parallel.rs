@@ -43,7 +43,7 @@ fn trainer(find_unused_parameters: bool) -> Trainer {
 fn step() -> Step {
     let inputs = Tensor::from_slice(&[0i64, 1, 2, 3]).view([2, 2]);
     let targets = Tensor::from_slice(&[1i64, 2, 3, 4]).view([2, 2]).to_kind(Kind::Int64);
-    Step { index: 0, micro_batches: vec![Batch { inputs, targets }] }
+    Step::new(0, vec![Batch::new(inputs, targets).unwrap()])
 }
 
 #[test]

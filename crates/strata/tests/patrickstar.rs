@@ -44,11 +44,11 @@ fn llama() -> strata::Result<ModelSpec> {
 fn batch(index: usize) -> Batch {
     let starts = with_seed(500 + index as i64, || Tensor::randint(64, [2, 1], (Kind::Int64, Device::Cpu)));
     let tokens = (starts + Tensor::arange(17, (Kind::Int64, Device::Cpu)) * 3).remainder(64);
-    Batch { inputs: tokens.narrow(1, 0, 16), targets: tokens.narrow(1, 1, 16) }
+    Batch::new(tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)).unwrap()
 }
 
 fn step(index: usize) -> Step {
-    Step { index, micro_batches: vec![batch(index)] }
+    Step::new(index, vec![batch(index)])
 }
 
 fn config() -> PatrickStarConfig {
@@ -163,7 +163,7 @@ fn seed_loop(
 /// Rank `rank`'s half of batch `index` (one of its two sequences).
 fn half_batch(index: usize, rank: usize) -> Batch {
     let b = batch(index);
-    Batch { inputs: b.inputs.narrow(0, rank as i64, 1), targets: b.targets.narrow(0, rank as i64, 1) }
+    Batch::new(b.inputs.narrow(0, rank as i64, 1), b.targets.narrow(0, rank as i64, 1)).unwrap()
 }
 
 /// One of two ranks started by [`two_ranks_train_as_one_process_on_both_batches`]: it joins

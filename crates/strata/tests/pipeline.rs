@@ -35,7 +35,7 @@ fn measured_units_are_timed_and_weighed_by_their_buffers() {
         split: None,
     };
     let trainer = PipelineTrainer::new(setup).unwrap();
-    let data = Arc::new(TokenData::new((0..2000).map(|i| (i * 7 % 300) as u32).collect(), "tokens"));
+    let data = TokenData::new((0..2000).map(|i| (i * 7 % 300) as u32).collect(), "tokens").into();
     let config = LoaderConfig { accumulation: 2, ..LoaderConfig::new(16, 4) };
     let step = validation_steps(&data, &config, Some(1), 1).unwrap().remove(0);
     let held = trainer.most_held().unwrap();
@@ -118,7 +118,7 @@ fn rank_entry() {
             log
         })
         .collect();
-    let data = Arc::new(TokenData::new((0..4000).map(|i| (i * 13 % 64) as u32).collect(), "tokens"));
+    let data = TokenData::new((0..4000).map(|i| (i * 13 % 64) as u32).collect(), "tokens").into();
     // The replica group's rank: the data dimension is the second.
     let config =
         LoaderConfig { accumulation: micro_batches, rank: comm.rank() / 2, world: 2, ..LoaderConfig::new(16, 8) };

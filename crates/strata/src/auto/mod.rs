@@ -11,7 +11,7 @@ pub mod cost;
 pub mod search;
 
 use crate::comm::{Comm, ProcessGroup};
-use crate::data::{DataLoader, LoaderConfig, Order, TokenData};
+use crate::data::{DataLoader, Dataset, LoaderConfig, Order};
 use crate::engine::EngineConfig;
 use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
@@ -87,7 +87,7 @@ pub struct AutoAccelerate<'a> {
     pub optim: OptimizerConfig,
     /// Parameter groups (`optim_param_func`).
     pub optim_param_func: Vec<GroupRule>,
-    pub dataset: Arc<TokenData>,
+    pub dataset: Arc<Dataset>,
     /// The loss; `None` (the default): next-token cross-entropy, vocabulary-parallel where
     /// the strategy splits the vocabulary.
     pub loss_func: Option<LossFn>,
@@ -106,7 +106,7 @@ impl<'a> AutoAccelerate<'a> {
     /// A job with the defaults: next-token loss on token ids, constant schedule, clipping at 1.
     pub fn new(
         model: &'a (dyn Fn(&mut Builder) -> Result<()> + Sync),
-        dataset: Arc<TokenData>,
+        dataset: Arc<Dataset>,
         dataloader_args: DataloaderArgs,
     ) -> AutoAccelerate<'a> {
         AutoAccelerate {

@@ -1,10 +1,11 @@
-//! The data loader: windows of `ctx + 1` tokens cut from a [`TokenData`], grouped into
-//! global batches, split across ranks and into micro-batches, built on a background thread.
+//! The data loader: rows of `ctx` positions — windows of `ctx + 1` tokens cut from a
+//! [`TokenData`], or one example of an [`ExampleSet`] each, padded — grouped into global
+//! batches, split across ranks and into micro-batches, built on a background thread.
 //!
-//! Owns the order of the windows and the making of batches. Must not tokenise or read
-//! datasets (a [`TokenData`] arrives as tokens), nor know models: a batch is token tensors.
+//! Owns the order of the rows and the making of batches. Must not tokenise or read
+//! datasets (a [`Dataset`] arrives as tokens), nor know models: a batch is token tensors.
 use super::synthetic::SplitMix64;
-use super::TokenData;
+use super::{Dataset, ExampleSet};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -14,7 +15,8 @@ use std::thread::JoinHandle;
 use tch::{Device, Kind, Tensor};
 
 /// An exact replay of another run's batches: row `b` of step `s` is
-/// `tokens[offsets[s][b] .. offsets[s][b] + ctx]`, its targets shifted by one.
+/// `tokens[offsets[s][b] .. offsets[s][b] + ctx]`, its targets shifted by one (of examples,
+/// example number `offsets[s][b]`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BatchOffsets {
     pub ctx: usize,
@@ -43,7 +45,8 @@ impl BatchOffsets {
 #[derive(Clone, Debug)]
 pub enum Order {
     /// Non-overlapping windows, reshuffled every epoch with the loader's seed (each epoch
-    /// also shifts where windows start, so every alignment is eventually seen).
+    /// also shifts where windows start, so every alignment is eventually seen); examples,
+    /// reshuffled every epoch.
     Shuffled,
     /// Exactly the given offsets; the loader ends when they run out.
     Offsets(BatchOffsets),
@@ -100,37 +103,74 @@ impl LoaderConfig {
     }
 }
 
+/// The target of a position that takes no loss (a prompt, padding), as `transformers`'
+/// labels and torch's `cross_entropy` mark it.
+pub const IGNORE: i64 = -100;
+
 /// Inputs and next-token targets, both `[rows, ctx]` int64.
 pub struct Batch {
     pub inputs: Tensor,
+    /// The next token at each position, or [`IGNORE`] where no loss is taken.
     pub targets: Tensor,
+    /// How many targets are not [`IGNORE`]: the tokens this micro-batch's loss averages over.
+    pub supervised: u64,
+}
+
+impl Batch {
+    /// A batch whose supervised targets are counted from `targets` (a read of the tensor).
+    pub fn new(inputs: Tensor, targets: Tensor) -> Result<Batch> {
+        let supervised = targets.f_ne(IGNORE)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as u64;
+        Ok(Batch { inputs, targets, supervised })
+    }
 }
 
 /// One optimizer step's data on this rank.
 pub struct Step {
     pub index: usize,
     pub micro_batches: Vec<Batch>,
+    /// Supervised targets in the whole global batch: every micro-batch of every rank.
+    pub global_supervised: u64,
+    /// Ranks the global batch is split across (their gradients are averaged).
+    pub data_ranks: usize,
 }
 
-/// Validation steps: `count` global batches of consecutive windows from the start of
-/// `data`, none overlapping, each split over ranks and micro-batches as `config` says (its
+impl Step {
+    /// A step of one process: the global batch is these micro-batches.
+    pub fn new(index: usize, micro_batches: Vec<Batch>) -> Step {
+        let global_supervised = micro_batches.iter().map(|b| b.supervised).sum();
+        Step { index, micro_batches, global_supervised, data_ranks: 1 }
+    }
+
+    /// What micro-batch `i`'s mean loss is multiplied by before backward, so that the step's
+    /// gradient (averaged over the data ranks) is that of the sum of every supervised
+    /// token's loss in the global batch divided by their count: each token weighs the same
+    /// however the tokens fall into micro-batches and ranks. Full windows give `1 / micro-batches`.
+    pub fn loss_weight(&self, i: usize) -> f64 {
+        match self.global_supervised {
+            0 => 0.0,
+            all => (self.micro_batches[i].supervised * self.data_ranks as u64) as f64 / all as f64,
+        }
+    }
+}
+
+/// Validation steps: `count` global batches of consecutive windows (or examples) from the
+/// start of `data`, none overlapping, each split over ranks and micro-batches as `config` says (its
 /// seed, order and start play no part), so every evaluation reads the same tokens. `None`
 /// takes as many whole batches as fit, at most `most`.
-pub fn validation_steps(
-    data: &TokenData,
-    config: &LoaderConfig,
-    count: Option<usize>,
-    most: usize,
-) -> Result<Vec<Step>> {
+pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usize>, most: usize) -> Result<Vec<Step>> {
     let rows = config.micro_batch_rows()?;
-    let windows = data.len().saturating_sub(1) / config.ctx;
-    let fit = windows / config.batch_size;
+    let (held, what, stride) = match data {
+        Dataset::Tokens(t) => {
+            (t.len().saturating_sub(1) / config.ctx, format!("windows of {} tokens", config.ctx + 1), config.ctx)
+        }
+        Dataset::Examples(e) => (e.len(), "examples".to_string(), 1),
+    };
+    let fit = held / config.batch_size;
     let count = match count {
         Some(c) if c > fit => {
             return Err(Error::Data(format!(
-                "{} holds {windows} windows of {} tokens: {c} validation batches of {} need {}",
-                data.source,
-                config.ctx + 1,
+                "{} holds {held} {what}: {c} validation batches of {} need {}",
+                data.source(),
                 config.batch_size,
                 c * config.batch_size
             )))
@@ -140,16 +180,14 @@ pub fn validation_steps(
     };
     if count == 0 {
         return Err(Error::Data(format!(
-            "{} ({} tokens) holds no whole validation batch of {} windows of {} tokens",
-            data.source,
-            data.len(),
+            "{} ({held} {what}) holds no whole validation batch of {}",
+            data.source(),
             config.batch_size,
-            config.ctx + 1
         )));
     }
     (0..count)
         .map(|i| {
-            let global: Vec<usize> = (0..config.batch_size).map(|r| (i * config.batch_size + r) * config.ctx).collect();
+            let global: Vec<usize> = (0..config.batch_size).map(|r| (i * config.batch_size + r) * stride).collect();
             build_step(data, config, rows, i, &global)
         })
         .collect()
@@ -162,9 +200,13 @@ pub struct DataLoader {
 }
 
 impl DataLoader {
-    pub fn new(data: Arc<TokenData>, config: LoaderConfig, order: Order) -> Result<DataLoader> {
+    pub fn new(data: Arc<Dataset>, config: LoaderConfig, order: Order) -> Result<DataLoader> {
         let rows = config.micro_batch_rows()?;
-        data.check_length(config.ctx)?;
+        match data.as_ref() {
+            Dataset::Tokens(t) => t.check_length(config.ctx)?,
+            Dataset::Examples(e) if e.is_empty() => return Err(Error::Data(format!("{} holds no example", e.source))),
+            Dataset::Examples(_) => {}
+        }
         let mut offsets = OffsetStream::new(&data, &config, order)?;
         // Skipped steps only advance the order: no batch is built for them.
         for _ in 0..config.start_step {
@@ -205,20 +247,28 @@ impl Drop for DataLoader {
     }
 }
 
-/// The global batch's window offsets, step after step.
+/// The global batch's window offsets (or example numbers), step after step.
 struct OffsetStream {
     order: Order,
     ctx: usize,
     batch: usize,
-    len: usize,
+    items: Items,
     rng: SplitMix64,
     epoch: Epoch,
     cursor: usize,
     step: usize,
 }
 
+/// What an epoch passes over.
+enum Items {
+    /// Windows of a token stream of this many tokens.
+    Windows { tokens: usize },
+    /// This many examples.
+    Examples { count: usize },
+}
+
 /// One pass over the windows of a shift: window `k` of the pass starts at
-/// `shift + ctx · order.at(k)`. The order is computed, not stored, so a pass over a corpus
+/// `shift + ctx · order.at(k)` (example `order.at(k)` of examples). The order is computed, not stored, so a pass over a corpus
 /// of any size costs no memory.
 struct Epoch {
     shift: usize,
@@ -264,7 +314,11 @@ impl Permutation {
 }
 
 impl OffsetStream {
-    fn new(data: &TokenData, config: &LoaderConfig, order: Order) -> Result<OffsetStream> {
+    fn new(data: &Dataset, config: &LoaderConfig, order: Order) -> Result<OffsetStream> {
+        let items = match data {
+            Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
+            Dataset::Examples(e) => Items::Examples { count: e.len() },
+        };
         if let Order::Offsets(o) = &order {
             if o.ctx != config.ctx || o.batch != config.batch_size {
                 return Err(Error::Data(format!(
@@ -272,21 +326,19 @@ impl OffsetStream {
                     o.ctx, o.batch, config.ctx, config.batch_size
                 )));
             }
-            let limit = data.len() - config.ctx - 1;
+            let (limit, held) = match items {
+                Items::Windows { tokens } => (tokens - config.ctx - 1, format!("{tokens} tokens, ctx {}", config.ctx)),
+                Items::Examples { count } => (count - 1, format!("{count} examples")),
+            };
             if let Some(bad) = o.offsets.iter().flatten().find(|&&x| x > limit) {
-                return Err(Error::Data(format!(
-                    "batch offset {bad} runs past the end of {} ({} tokens, ctx {})",
-                    data.source,
-                    data.len(),
-                    config.ctx
-                )));
+                return Err(Error::Data(format!("batch offset {bad} runs past the end of {} ({held})", data.source())));
             }
         }
         Ok(OffsetStream {
             order,
             ctx: config.ctx,
             batch: config.batch_size,
-            len: data.len(),
+            items,
             rng: SplitMix64::new(config.seed),
             epoch: Epoch { shift: 0, order: Permutation { count: 0, half_bits: 1, keys: [0; 4] } },
             cursor: 0,
@@ -305,50 +357,91 @@ impl OffsetStream {
 
     fn next_window(&mut self) -> usize {
         if self.cursor as u64 == self.epoch.order.count {
-            let shift = self.rng.below(self.ctx as u64) as usize;
-            let count = (self.len - 1 - shift) / self.ctx;
-            // A shift that leaves no whole window falls back to the aligned start.
-            let (shift, count) = if count == 0 { (0, (self.len - 1) / self.ctx) } else { (shift, count) };
+            let (shift, count) = match self.items {
+                Items::Windows { tokens } => {
+                    let shift = self.rng.below(self.ctx as u64) as usize;
+                    let count = (tokens - 1 - shift) / self.ctx;
+                    // A shift that leaves no whole window falls back to the aligned start.
+                    if count == 0 {
+                        (0, (tokens - 1) / self.ctx)
+                    } else {
+                        (shift, count)
+                    }
+                }
+                Items::Examples { count } => (0, count),
+            };
             self.epoch = Epoch { shift, order: Permutation::new(count as u64, &mut self.rng) };
             self.cursor = 0;
         }
         self.cursor += 1;
-        self.epoch.shift + self.ctx * self.epoch.order.at(self.cursor as u64 - 1) as usize
+        let k = self.epoch.order.at(self.cursor as u64 - 1) as usize;
+        match self.items {
+            Items::Windows { .. } => self.epoch.shift + self.ctx * k,
+            Items::Examples { .. } => k,
+        }
     }
 }
 
-fn build_step(data: &TokenData, config: &LoaderConfig, rows: usize, index: usize, global: &[usize]) -> Result<Step> {
+fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, global: &[usize]) -> Result<Step> {
     let per_rank = rows * config.accumulation;
     let mine = &global[config.rank * per_rank..(config.rank + 1) * per_rank];
+    let ctx = config.ctx;
     let micro_batches = mine
         .chunks(rows)
-        .map(|offsets| {
-            let (ctx, n) = (config.ctx, offsets.len());
-            let mut inputs = Vec::with_capacity(n * ctx);
-            let mut targets = Vec::with_capacity(n * ctx);
-            for &o in offsets {
-                data.extend_window(&mut inputs, o, ctx);
-                data.extend_window(&mut targets, o + 1, ctx);
+        .map(|items| {
+            let mut inputs = Vec::with_capacity(items.len() * ctx);
+            let mut targets = Vec::with_capacity(items.len() * ctx);
+            for &item in items {
+                match data {
+                    Dataset::Tokens(t) => {
+                        t.extend_window(&mut inputs, item, ctx);
+                        t.extend_window(&mut targets, item + 1, ctx);
+                    }
+                    Dataset::Examples(e) => example_row(e, item, ctx, &mut inputs, &mut targets),
+                }
             }
-            let shape = [n as i64, ctx as i64];
-            Ok(Batch {
-                inputs: Tensor::f_from_slice(&inputs)?.f_view(shape)?.f_to_device(config.device)?,
-                targets: Tensor::f_from_slice(&targets)?
-                    .f_view(shape)?
-                    .f_to_kind(Kind::Int64)?
-                    .f_to_device(config.device)?,
-            })
+            batch_of(inputs, targets, items.len(), ctx, config.device)
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Step { index, micro_batches })
+    let global_supervised = match data {
+        Dataset::Tokens(_) => (global.len() * ctx) as u64,
+        Dataset::Examples(e) => global.iter().map(|&i| learned_targets(e, i)).sum(),
+    };
+    Ok(Step { index, micro_batches, global_supervised, data_ranks: config.world })
+}
+
+/// Example `i` as a row of `ctx` positions, as `transformers` lays out `input_ids` and
+/// `labels`: its tokens, then padding (id 0, which no earlier position attends to under the
+/// causal mask); position `j`'s target is token `j + 1` where the loss learns it, else
+/// [`IGNORE`].
+fn example_row(examples: &ExampleSet, i: usize, ctx: usize, inputs: &mut Vec<i64>, targets: &mut Vec<i64>) {
+    let (ids, learned) = examples.example(i);
+    inputs.extend(ids.iter().map(|&t| i64::from(t)));
+    inputs.resize(inputs.len() + ctx - ids.len(), 0);
+    targets.extend(ids.iter().zip(learned).skip(1).map(|(&t, &l)| if l { i64::from(t) } else { IGNORE }));
+    targets.resize(targets.len() + ctx + 1 - ids.len(), IGNORE);
+}
+
+/// The targets example `i` gives the loss.
+fn learned_targets(examples: &ExampleSet, i: usize) -> u64 {
+    examples.example(i).1.iter().skip(1).filter(|&&l| l).count() as u64
+}
+
+/// A micro-batch of `rows` rows of `ctx` from host ids, on `device`.
+pub(super) fn batch_of(inputs: Vec<i64>, targets: Vec<i64>, rows: usize, ctx: usize, device: Device) -> Result<Batch> {
+    let supervised = targets.iter().filter(|&&t| t != IGNORE).count() as u64;
+    let shape = [rows as i64, ctx as i64];
+    let tensor = |ids: &[i64]| -> Result<Tensor> { Ok(Tensor::f_from_slice(ids)?.f_view(shape)?.f_to_device(device)?) };
+    Ok(Batch { inputs: tensor(&inputs)?, targets: tensor(&targets)?, supervised })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::TokenData;
 
-    fn data(n: u32) -> Arc<TokenData> {
-        Arc::new(TokenData::new((0..n).collect(), "test"))
+    fn data(n: u32) -> Arc<Dataset> {
+        Arc::new(TokenData::new((0..n).collect(), "test").into())
     }
 
     fn rows(b: &Batch) -> Vec<Vec<i64>> {

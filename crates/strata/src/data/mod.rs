@@ -7,11 +7,14 @@
 //! accumulation and across ranks, background prefetch, or an exact replay of given offsets).
 //! Must not touch models or the engine: a batch is plain token tensors.
 
+pub mod chat;
 mod loader;
+pub mod records;
 mod synthetic;
 mod tokenize;
 
-pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step};
+pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step, IGNORE};
+pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
 pub use synthetic::SyntheticCorpus;
 pub use tokenize::{tokenize_files, TokenizeOptions, TokenizeReport};
 
@@ -64,6 +67,32 @@ impl Tokenizer {
         }
     }
 
+    /// Encodes `texts` (with the tokenizer's own special tokens where `special` says, as
+    /// `transformers`' `add_special_tokens`), each id with the byte offset in its text where
+    /// the token starts.
+    pub fn encode_with_starts(&self, texts: Vec<String>, special: bool) -> Result<Vec<(Vec<u32>, Vec<usize>)>> {
+        match self {
+            Tokenizer::Bytes => {
+                Ok(texts.iter().map(|t| (t.bytes().map(u32::from).collect(), (0..t.len()).collect())).collect())
+            }
+            Tokenizer::HuggingFace(t) => Ok(t
+                .encode_batch(texts, special)
+                .map_err(|e| Error::Data(format!("tokenizer failed: {e}")))?
+                .into_iter()
+                .map(|e| (e.get_ids().to_vec(), e.get_offsets().iter().map(|o| o.0).collect()))
+                .collect()),
+        }
+    }
+
+    /// A text that differs between tokenizers that encode differently (for cache keys).
+    pub fn fingerprint(&self) -> Result<String> {
+        match self {
+            Tokenizer::Bytes => Ok("bytes".into()),
+            Tokenizer::HuggingFace(t) => serde_json::to_string(t.as_ref())
+                .map_err(|e| Error::Data(format!("tokenizer cannot be described: {e}"))),
+        }
+    }
+
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {
             Tokenizer::Bytes => {
@@ -76,6 +105,77 @@ impl Tokenizer {
             }
             Tokenizer::HuggingFace(t) => {
                 t.decode(ids, false).map_err(|e| Error::Data(format!("tokenizer failed: {e}")))
+            }
+        }
+    }
+}
+
+/// What a run trains on: a stream of tokens cut into windows (pretraining), or examples
+/// each in a row of its own with only their learned tokens as targets (fine-tuning).
+#[derive(Clone, Debug)]
+pub enum Dataset {
+    Tokens(TokenData),
+    Examples(ExampleSet),
+}
+
+impl From<TokenData> for Dataset {
+    fn from(data: TokenData) -> Dataset {
+        Dataset::Tokens(data)
+    }
+}
+
+impl From<ExampleSet> for Dataset {
+    fn from(data: ExampleSet) -> Dataset {
+        Dataset::Examples(data)
+    }
+}
+
+impl Dataset {
+    /// Where the data came from, for messages.
+    pub fn source(&self) -> &str {
+        match self {
+            Dataset::Tokens(t) => &t.source,
+            Dataset::Examples(e) => &e.source,
+        }
+    }
+
+    /// Tokens held.
+    pub fn tokens(&self) -> usize {
+        match self {
+            Dataset::Tokens(t) => t.len(),
+            Dataset::Examples(e) => e.report.tokens as usize,
+        }
+    }
+
+    /// The largest token id plus one.
+    pub fn vocab_needed(&self) -> u32 {
+        match self {
+            Dataset::Tokens(t) => t.vocab_needed(),
+            Dataset::Examples(e) => e.vocab_needed(),
+        }
+    }
+
+    /// Checks that rows of `ctx` positions can be cut (windows, or the longest example fits
+    /// in one) and that every id is below `vocab`.
+    pub fn check_fits(&self, ctx: usize, vocab: usize) -> Result<()> {
+        match self {
+            Dataset::Tokens(t) => t.check_fits(ctx, vocab),
+            Dataset::Examples(e) => {
+                if e.longest() > ctx {
+                    return Err(Error::Data(format!(
+                        "{} holds an example of {} tokens, longer than the context of {ctx}: give a --max-length within it",
+                        e.source,
+                        e.longest()
+                    )));
+                }
+                if e.vocab_needed() as usize > vocab {
+                    return Err(Error::Data(format!(
+                        "{} holds token id {} but the model's vocabulary is {vocab}",
+                        e.source,
+                        e.vocab_needed() - 1
+                    )));
+                }
+                Ok(())
             }
         }
     }
@@ -147,7 +247,13 @@ const TOKEN_FILE_VERSION: u32 = 1;
 #[derive(Clone, Debug)]
 enum Ids {
     Owned(Vec<u32>),
-    Mapped { map: Arc<memmap2::Mmap>, start: usize, width: TokenWidth },
+    Mapped {
+        map: Arc<memmap2::Mmap>,
+        start: usize,
+        width: TokenWidth,
+    },
+    /// A token file of no ids (nothing to map), of the width it was read at.
+    EmptyFile(TokenWidth),
 }
 
 /// A stream of token ids to cut training windows from.
@@ -216,7 +322,7 @@ impl TokenData {
         }
         let ids = match map {
             Some(map) => Ids::Mapped { map: Arc::new(map), start, width },
-            None => Ids::Owned(vec![]),
+            None => Ids::EmptyFile(width),
         };
         Ok(TokenData { ids, vocab_needed: OnceLock::new(), source: path.display().to_string() })
     }
@@ -248,6 +354,7 @@ impl TokenData {
         match &self.ids {
             Ids::Owned(ids) => ids.len(),
             Ids::Mapped { map, start, width } => (map.len() - start) / width.bytes(),
+            Ids::EmptyFile(_) => 0,
         }
     }
 
@@ -259,7 +366,7 @@ impl TokenData {
     pub fn width(&self) -> Option<TokenWidth> {
         match &self.ids {
             Ids::Owned(_) => None,
-            Ids::Mapped { width, .. } => Some(*width),
+            Ids::Mapped { width, .. } | Ids::EmptyFile(width) => Some(*width),
         }
     }
 
@@ -267,6 +374,7 @@ impl TokenData {
     fn ids(&self, first: usize, count: usize) -> Box<dyn Iterator<Item = u32> + '_> {
         match &self.ids {
             Ids::Owned(ids) => Box::new(ids[first..first + count].iter().copied()),
+            Ids::EmptyFile(_) => Box::new(std::iter::empty()),
             Ids::Mapped { map, start, width } => {
                 let bytes = &map[start + first * width.bytes()..start + (first + count) * width.bytes()];
                 match width {

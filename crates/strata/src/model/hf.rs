@@ -19,8 +19,13 @@ pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// The index naming the shards of a sharded model folder.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Files describing a folder's tokenizer, copied along when a model is written back.
-pub const TOKENIZER_FILES: [&str; 4] =
-    ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"];
+pub const TOKENIZER_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+];
 /// Config keys naming special tokens, carried from a read folder to a written one.
 const TOKEN_KEYS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
 

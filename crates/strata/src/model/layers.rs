@@ -270,13 +270,21 @@ pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let v = *logits.size().last().unwrap_or(&1);
     let logits = cast(logits, is_low(logits.kind()).then_some(Kind::Float))?;
-    Ok(logits.f_reshape([-1, v])?.f_cross_entropy_loss::<&Tensor>(
-        &targets.f_reshape([-1])?,
+    let targets = targets.f_reshape([-1])?;
+    let sum = logits.f_reshape([-1, v])?.f_cross_entropy_loss::<&Tensor>(
+        &targets,
         None,
-        tch::Reduction::Mean,
-        -100,
+        tch::Reduction::Sum,
+        crate::data::IGNORE,
         0.0,
-    )?)
+    )?;
+    // A micro-batch with no supervised target (all prompt) contributes 0, not 0 / 0.
+    Ok(sum.f_div(&supervised_count(&targets)?)?)
+}
+
+/// The number of `targets` that take a loss, at least 1, as a float scalar on their device.
+pub(crate) fn supervised_count(targets: &Tensor) -> Result<Tensor> {
+    Ok(targets.f_ne(crate::data::IGNORE)?.f_sum(Kind::Float)?.f_clamp_min(1)?)
 }
 
 /// One rank: every collective is the identity.

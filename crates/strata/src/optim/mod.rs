@@ -701,6 +701,44 @@ pub enum LrSchedule {
         every: u64,
         gamma: f64,
     },
+    /// Linear warm-up from 1/warmup to 1, then a straight line down to `min_factor` at `total`.
+    Linear {
+        warmup: u64,
+        total: u64,
+        min_factor: f64,
+    },
+    /// Warm-up, stable, decay: linear warm-up to 1, 1 until `decay_start`, then down to
+    /// `min_factor` over `decay_steps` steps along `shape`. A run kept stable can be cooled
+    /// down from any of its checkpoints by resuming with the decay started there.
+    WarmupStableDecay {
+        warmup: u64,
+        decay_start: u64,
+        decay_steps: u64,
+        min_factor: f64,
+        shape: DecayShape,
+    },
+}
+
+/// How a warm-up–stable–decay schedule falls from 1 to its floor, as a function of the
+/// share `p` of the decay done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecayShape {
+    /// `1 - p`.
+    Linear,
+    /// `1 - sqrt(p)`: falls fast at first, as the WSD studies found best.
+    OneMinusSqrt,
+}
+
+impl std::str::FromStr for DecayShape {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<DecayShape> {
+        match s {
+            "linear" => Ok(DecayShape::Linear),
+            "1-sqrt" => Ok(DecayShape::OneMinusSqrt),
+            other => Err(Error::Config(format!("decay shape {other:?}: give linear or 1-sqrt"))),
+        }
+    }
 }
 
 impl LrSchedule {
@@ -710,7 +748,11 @@ impl LrSchedule {
         let bad = |m: String| Err(Error::Config(format!("learning-rate schedule: {m}")));
         match *self {
             LrSchedule::Constant => Ok(()),
-            LrSchedule::WarmupCosine { min_factor, .. } if !(0.0..=1.0).contains(&min_factor) => {
+            LrSchedule::WarmupCosine { min_factor, .. }
+            | LrSchedule::Linear { min_factor, .. }
+            | LrSchedule::WarmupStableDecay { min_factor, .. }
+                if !(0.0..=1.0).contains(&min_factor) =>
+            {
                 bad(format!("the floor factor must lie in [0, 1], got {min_factor}"))
             }
             LrSchedule::Step { gamma, .. } if !(gamma.is_finite() && gamma > 0.0) => {
@@ -722,19 +764,28 @@ impl LrSchedule {
     }
 
     pub fn factor(&self, step: u64) -> f64 {
+        // Linear warm-up from 1/warmup to 1, shared by the schedules that have one.
+        let warming = |warmup: u64| (step < warmup).then(|| (step + 1) as f64 / warmup as f64);
+        // From 1 at `from` to `min_factor` `steps` later, along `fall` of the share done.
+        let falling = |from: u64, steps: u64, min_factor: f64, fall: &dyn Fn(f64) -> f64| {
+            let done = (step.saturating_sub(from) as f64 / steps.max(1) as f64).min(1.0);
+            min_factor + (1.0 - min_factor) * fall(done)
+        };
         match *self {
             LrSchedule::Constant => 1.0,
-            LrSchedule::WarmupCosine { warmup, total, min_factor } => {
-                if step < warmup {
-                    (step + 1) as f64 / warmup as f64
-                } else if step >= total {
-                    min_factor
-                } else {
-                    let progress = (step - warmup) as f64 / (total - warmup).max(1) as f64;
-                    min_factor + (1.0 - min_factor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
-                }
-            }
+            LrSchedule::WarmupCosine { warmup, total, min_factor } => warming(warmup).unwrap_or_else(|| {
+                falling(warmup, total.saturating_sub(warmup), min_factor, &|p| {
+                    0.5 * (1.0 + (std::f64::consts::PI * p).cos())
+                })
+            }),
             LrSchedule::Step { every, gamma } => gamma.powi((step / every.max(1)) as i32),
+            LrSchedule::Linear { warmup, total, min_factor } => warming(warmup)
+                .unwrap_or_else(|| falling(warmup, total.saturating_sub(warmup), min_factor, &|p| 1.0 - p)),
+            LrSchedule::WarmupStableDecay { warmup, decay_start, decay_steps, min_factor, shape } => warming(warmup)
+                .unwrap_or_else(|| match shape {
+                    DecayShape::Linear => falling(decay_start, decay_steps, min_factor, &|p| 1.0 - p),
+                    DecayShape::OneMinusSqrt => falling(decay_start, decay_steps, min_factor, &|p| 1.0 - p.sqrt()),
+                }),
         }
     }
 }
@@ -753,6 +804,27 @@ mod tests {
         assert_eq!(s.factor(100), 0.1);
         let st = LrSchedule::Step { every: 10, gamma: 0.5 };
         assert_eq!((st.factor(9), st.factor(10), st.factor(25)), (1.0, 0.5, 0.25));
+    }
+
+    #[test]
+    fn linear_and_warmup_stable_decay_fall_where_they_should() {
+        let l = LrSchedule::Linear { warmup: 2, total: 12, min_factor: 0.0 };
+        assert_eq!((l.factor(0), l.factor(1), l.factor(2)), (0.5, 1.0, 1.0));
+        assert!((l.factor(7) - 0.5).abs() < 1e-12);
+        assert_eq!((l.factor(12), l.factor(50)), (0.0, 0.0));
+        let wsd = |shape| LrSchedule::WarmupStableDecay {
+            warmup: 2,
+            decay_start: 10,
+            decay_steps: 4,
+            min_factor: 0.2,
+            shape,
+        };
+        let w = wsd(DecayShape::Linear);
+        assert_eq!((w.factor(0), w.factor(5), w.factor(10)), (0.5, 1.0, 1.0));
+        assert!((w.factor(12) - 0.6).abs() < 1e-12);
+        assert!((w.factor(14) - 0.2).abs() < 1e-12 && (w.factor(99) - 0.2).abs() < 1e-12);
+        // 1 - sqrt falls faster at first: a quarter of the way down, half of the fall is done.
+        assert!((wsd(DecayShape::OneMinusSqrt).factor(11) - 0.6).abs() < 1e-12);
     }
 
     #[test]

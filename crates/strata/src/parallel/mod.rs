@@ -476,10 +476,9 @@ pub fn measure_non_model(
     let offload = strategy.offload_plan().cloned().unwrap_or_default();
     let (mut engine, trace) = traced_engine(spec, config, strategy, at, &offload.everything_on_host())?;
     let loss = crate::train::next_token_loss_of(&engine);
-    let n = step.micro_batches.len() as f64;
-    for batch in &step.micro_batches {
+    for (i, batch) in step.micro_batches.iter().enumerate() {
         let output = engine.forward(&batch.inputs)?;
-        engine.backward(&loss(&output, batch)?.f_div_scalar(n)?)?;
+        engine.backward(&loss(&output, batch)?.f_mul_scalar(step.loss_weight(i))?)?;
     }
     Ok(trace.peaks())
 }

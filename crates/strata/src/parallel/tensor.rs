@@ -152,9 +152,9 @@ impl VocabCrossEntropy {
         let sums = Tensor::f_stack(&[exp.f_sum_dim_intlist(-1, false, Kind::Float)?, target_logit], 0)?;
         let sums = self.comm.all_reduce(&sums, ReduceOp::Sum).map_err(Error::Comm)?;
         let (exp_sum, target_logit) = (sums.f_get(0)?, sums.f_get(1)?);
-        // Targets of -100 are ignored, as torch's cross_entropy ignores them.
-        let valid = targets.f_ne(-100)?.f_to_kind(Kind::Float)?;
-        let weight = valid.f_div(&valid.f_sum(Kind::Float)?)?;
+        // Ignored targets weigh nothing, as torch's cross_entropy ignores them.
+        let valid = targets.f_ne(crate::data::IGNORE)?.f_to_kind(Kind::Float)?;
+        let weight = valid.f_div(&crate::model::layers::supervised_count(targets)?)?;
         let loss = exp_sum.f_log()?.f_sub(&target_logit)?.f_mul(&weight)?.f_sum(Kind::Float)?;
         let softmax = exp.f_div(&exp_sum.f_unsqueeze(1)?)?;
         self.saved = Some((softmax, column, held.f_to_kind(Kind::Float)?, weight));

@@ -15,7 +15,7 @@
 //! use strata::run::{self, Data, Model, RunConfig};
 //! # fn main() -> strata::Result<()> {
 //! let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 64, 2, 4, 64)));
-//! let data = Data::new(Arc::new(SyntheticCorpus::default().generate()));
+//! let data = Data::new(SyntheticCorpus::default().generate());
 //! let config = RunConfig { steps: 50, ..RunConfig::default() };
 //! let summary = run::train(&model, &data, &config, &mut [])?;
 //! println!("final loss {:.3}", summary.last.map_or(f64::NAN, |r| r.loss));
@@ -28,7 +28,7 @@ pub mod tensorboard;
 use crate::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use crate::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, RankInfo};
-use crate::data::{validation_steps, DataLoader, LoaderConfig, Order, TokenData};
+use crate::data::{validation_steps, DataLoader, Dataset, LoaderConfig, Order};
 use crate::engine::{EngineConfig, EventSink, EventSinks, UnitClock};
 use crate::io::{FolderOut, WeightsTarget};
 use crate::model::{Builder, ModelConfig, ModelDir, ModelSpec};
@@ -78,17 +78,22 @@ impl From<ModelConfig> for Model {
     }
 }
 
-/// The tokens a run trains on, and those it validates on.
+/// The data a run trains on (a token stream or examples), and the data it validates on.
 #[derive(Clone)]
 pub struct Data {
-    pub train: Arc<TokenData>,
-    pub validation: Option<Arc<TokenData>>,
+    pub train: Arc<Dataset>,
+    pub validation: Option<Arc<Dataset>>,
 }
 
 impl Data {
-    /// Training tokens with no validation set.
-    pub fn new(train: Arc<TokenData>) -> Data {
-        Data { train, validation: None }
+    /// Training data with no validation set.
+    pub fn new(train: impl Into<Dataset>) -> Data {
+        Data { train: Arc::new(train.into()), validation: None }
+    }
+
+    /// Training and validation data.
+    pub fn with_validation(train: impl Into<Dataset>, validation: impl Into<Dataset>) -> Data {
+        Data { train: Arc::new(train.into()), validation: Some(Arc::new(validation.into())) }
     }
 }
 
@@ -484,8 +489,8 @@ pub fn train(
     };
     info!(
         params,
-        tokens = data.train.len(),
-        source = data.train.source,
+        tokens = data.train.tokens(),
+        source = data.train.source(),
         strategy = %strategy.to_value(),
         "training"
     );

@@ -5,7 +5,7 @@ use super::{InitialWeights, Model, RunConfig};
 use crate::checkpoint::{Checkpoint, RunInfo};
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::compute::scaler::LossScaler;
-use crate::data::{DataLoader, LoaderConfig, Step, TokenData};
+use crate::data::{DataLoader, Dataset, LoaderConfig, Step};
 use crate::engine::{Engine, EngineConfig, EventSink};
 use crate::io::WeightsTarget;
 use crate::optim::Optimizer;
@@ -22,7 +22,7 @@ use tracing::info;
 /// What building either trainer needs.
 pub(super) struct Setup<'a> {
     pub model: &'a Model,
-    pub data: &'a Arc<TokenData>,
+    pub data: &'a Arc<Dataset>,
     pub config: &'a RunConfig,
     pub engine: EngineConfig,
     pub strategy: &'a Strategy,

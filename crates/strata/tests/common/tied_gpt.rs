@@ -24,9 +24,9 @@ pub fn step(index: usize) -> Step {
         // Tests run on several threads: the draw holds libtorch's generator.
         let starts = with_seed(1000 + 2 * index as i64 + i, || Tensor::randint(64, [2, 1], (Kind::Int64, Device::Cpu)));
         let tokens = (starts + Tensor::arange(17, (Kind::Int64, Device::Cpu)) * 3).remainder(64);
-        Batch { inputs: tokens.narrow(1, 0, 16), targets: tokens.narrow(1, 1, 16) }
+        Batch::new(tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)).unwrap()
     };
-    Step { index, micro_batches: vec![batch(0), batch(1)] }
+    Step::new(index, vec![batch(0), batch(1)])
 }
 
 /// Bytes of the model's states in fp32 with Adam: 16 per parameter.

@@ -186,7 +186,8 @@ pub struct PipelineSetup<'a> {
 
 /// What running a step's operations measured.
 struct OpsOutcome {
-    loss_sum: f64,
+    /// The last stage's micro-batch losses, each times its [`Step::loss_weight`].
+    weighted_loss: f64,
     /// Seconds in compute operations, and the schedule's whole span.
     busy: f64,
     span: f64,
@@ -508,7 +509,7 @@ impl PipelineTrainer {
         let mut sending: Vec<Work> = Vec::new();
         let mut sent: Vec<SentOutput> = Vec::new();
         let mut outputs_freed = 0;
-        let mut loss_sum = 0.0;
+        let mut weighted_loss = 0.0;
         let scale = self.scaling.scale();
         // Busy seconds in compute operations, and forward records held (now and at most).
         let (mut busy, mut held, mut most_held) = (0.0, 0u64, 0u64);
@@ -557,11 +558,14 @@ impl PipelineTrainer {
                     };
                     let out = self.in_chunk(chunk, micro, |engine| engine.forward_micro(micro, &input))?;
                     let kept = if stage == last {
-                        // The mean over the step's micro-batches, as one process averages it,
-                        // times the loss scale.
+                        // Weighted by the micro-batch's share of the global batch's
+                        // supervised tokens, as one process weighs it, times the loss scale.
                         let loss = (self.loss_func)(&out, batch)?;
-                        loss_sum += loss.f_double_value(&[])?;
-                        loss.f_mul_scalar(scale / m as f64)?
+                        let weight = step.loss_weight(micro);
+                        if weight > 0.0 {
+                            weighted_loss += loss.f_double_value(&[])? * weight;
+                        }
+                        loss.f_mul_scalar(scale * weight)?
                     } else {
                         out
                     };
@@ -647,7 +651,7 @@ impl PipelineTrainer {
         }
         let mean_op_seconds = std::array::from_fn(|k| op_seconds[k] / f64::from(op_counts[k].max(1)));
         Ok(OpsOutcome {
-            loss_sum,
+            weighted_loss,
             busy,
             span: start.elapsed().as_secs_f64(),
             mean_op_seconds,
@@ -721,8 +725,8 @@ impl PipelineTrainer {
 
     /// The optimizer step after a step's operations: ties, clipping, update, report.
     fn update(&mut self, step: &Step, outcome: OpsOutcome, start: Instant) -> Result<StepReport> {
-        let OpsOutcome { loss_sum, busy, span: schedule_seconds, mean_op_seconds, most_held, outputs_freed } = outcome;
-        let m = step.micro_batches.len();
+        let OpsOutcome { weighted_loss, busy, span: schedule_seconds, mean_op_seconds, most_held, outputs_freed } =
+            outcome;
         let device = self.chunks[0].engine.config().device;
         self.sum_ties()?;
         let scale = self.scaling.scale();
@@ -749,7 +753,7 @@ impl PipelineTrainer {
         // The last stage computed the losses: every stage reports them, and its figures.
         let p = self.pipeline.stages;
         let mut mine = vec![0.0; 1 + 8 * p];
-        mine[0] = loss_sum / m as f64;
+        mine[0] = weighted_loss;
         mine[1 + self.rank] = busy;
         mine[1 + p + self.rank] = most_held as f64;
         mine[1 + 2 * p + self.rank] = activations as f64;
@@ -776,6 +780,7 @@ impl PipelineTrainer {
         Ok(StepReport {
             step: self.step,
             loss,
+            supervised_tokens: step.global_supervised,
             lr: self.chunks[0].optimizer.lr(),
             grad_norm,
             tokens,
@@ -802,7 +807,7 @@ impl PipelineTrainer {
     /// order, and the last stage's losses are shared and averaged over the data replicas.
     pub fn evaluate(&mut self, steps: &[Step]) -> Result<f64> {
         if steps.iter().all(|s| s.micro_batches.is_empty()) {
-            return crate::train::mean(&[]);
+            return crate::train::token_mean(steps, &[]);
         }
         let device = self.chunks[0].engine.config().device;
         let last = self.last_stage();
@@ -828,7 +833,7 @@ impl PipelineTrainer {
             w.wait()?;
         }
         // Only the last stage holds losses: the others add nothing to the sum.
-        let mine = if losses.is_empty() { 0.0 } else { crate::train::mean(&losses)? };
+        let mine = if losses.is_empty() { 0.0 } else { crate::train::token_mean(steps, &losses)? };
         let loss = self.sum(&[mine])?[0];
         match &self.world_group {
             Some(g) => Ok(all_reduce_values(g.as_ref(), &[loss], ReduceOp::Avg)?[0]),

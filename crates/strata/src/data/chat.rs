@@ -1,0 +1,267 @@
+//! Chat templates: the Jinja program a model folder ships (`chat_template.jinja`, or
+//! `chat_template` in `tokenizer_config.json`) that turns a conversation into the text the
+//! model was trained on, run by the MiniJinja engine with Python's string methods.
+//!
+//! Owns rendering a conversation and finding which characters of the rendering each
+//! assistant turn produced. Must not tokenize or read datasets.
+use crate::{Error, Result};
+use minijinja::{Environment, ErrorKind, Value};
+use serde_json::json;
+use std::ops::Range;
+use std::path::Path;
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// A model's chat template and the special-token texts it reads.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// The template's source, for cache keys.
+    pub source: String,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").field("bos_token", &self.bos_token).field("eos_token", &self.eos_token).finish()
+    }
+}
+
+/// A special token in `tokenizer_config.json` (`bos_token`, `eos_token`): its text, or an
+/// object whose `content` is.
+pub fn special_token(config: &serde_json::Value, key: &str) -> Option<String> {
+    match config.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// A folder's `tokenizer_config.json`, or an empty object where it has none.
+pub fn tokenizer_config(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("tokenizer_config.json");
+    if !path.is_file() {
+        return Ok(json!({}));
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::Data(format!("{}: not JSON ({e})", path.display())))
+}
+
+impl ChatTemplate {
+    /// The template of a model folder: `chat_template.jinja`, else `tokenizer_config.json`'s
+    /// `chat_template` (a string, or a list of named templates of which `default` is taken).
+    /// `None` when the folder has none.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<ChatTemplate>> {
+        let config = tokenizer_config(dir)?;
+        let file = dir.join("chat_template.jinja");
+        let source = if file.is_file() {
+            std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?
+        } else {
+            match config.get("chat_template") {
+                None | Some(serde_json::Value::Null) => return Ok(None),
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Array(named)) => named
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .and_then(|t| t.get("template")?.as_str())
+                    .ok_or_else(|| {
+                        Error::Data(format!(
+                            "{}: chat_template lists no template named \"default\"",
+                            dir.join("tokenizer_config.json").display()
+                        ))
+                    })?
+                    .to_owned(),
+                Some(_) => {
+                    return Err(Error::Data(format!(
+                        "{}: chat_template is neither a string nor a list of named templates",
+                        dir.join("tokenizer_config.json").display()
+                    )))
+                }
+            }
+        };
+        let template = ChatTemplate::new(
+            source,
+            special_token(&config, "bos_token"),
+            special_token(&config, "eos_token"),
+            &dir.display().to_string(),
+        )?;
+        Ok(Some(template))
+    }
+
+    /// A template from its Jinja source; `origin` names it in errors.
+    pub fn new(source: String, bos: Option<String>, eos: Option<String>, origin: &str) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        // `message.content.strip()`, `.startswith(...)`, `dict.items()`: templates are
+        // written for Jinja under Python.
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |message: String| -> std::result::Result<Value, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+        });
+        env.add_filter("tojson", to_json);
+        // As `transformers` configures Jinja for chat templates.
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| Error::Data(format!("{e:#}")))?;
+        env.set_syntax(syntax);
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
+            .map_err(|e| Error::Data(format!("the chat template of {origin} does not parse: {e:#}")))?;
+        Ok(ChatTemplate { env, source, bos_token: bos, eos_token: eos })
+    }
+
+    /// The text of `messages`, with the opening of an assistant turn after them where
+    /// `add_generation_prompt` says.
+    pub fn render(&self, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<String> {
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::Data(format!("{e:#}")))?;
+        template
+            .render(minijinja::context! {
+                messages => Value::from(minijinja::value::Serde(messages)),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token.clone().unwrap_or_default(),
+                eos_token => self.eos_token.clone().unwrap_or_default(),
+            })
+            .map_err(|e| Error::Data(format!("the chat template failed: {}", describe(&e))))
+    }
+
+    /// The text of a conversation and the byte ranges of it that the turns from message
+    /// `first_learned` on whose role is `assistant` produced: what the model learns to say.
+    /// Each turn's range runs from the end of the text of the messages before it with an
+    /// assistant turn opened, to the end of the text of the messages up to it, so it holds
+    /// the turn's content and its closing tokens but not the template's opening of it.
+    pub fn render_with_turns(
+        &self,
+        messages: &[serde_json::Value],
+        first_learned: usize,
+    ) -> Result<(String, Vec<Range<usize>>)> {
+        let whole = self.render(messages, false)?;
+        let mut turns = vec![];
+        for (k, message) in messages.iter().enumerate().skip(first_learned) {
+            if message.get("role").and_then(|r| r.as_str()) != Some("assistant") {
+                continue;
+            }
+            let opened = self.render(&messages[..k], true)?;
+            let closed = self.render(&messages[..=k], false)?;
+            if !whole.starts_with(&opened) || !whole.starts_with(&closed) || closed.len() < opened.len() {
+                return Err(Error::Data(format!(
+                    "the chat template renders the conversation up to message {} as other than the start of the whole conversation, so what the assistant says there cannot be found",
+                    k + 1
+                )));
+            }
+            turns.push(opened.len()..closed.len());
+        }
+        Ok((whole, turns))
+    }
+}
+
+/// `tojson` as `transformers` defines it for templates: Python's `json.dumps` without ASCII
+/// escapes, `", "` and `": "` between items, or `indent` spaces per level.
+fn to_json(value: Value, kwargs: minijinja::value::Kwargs) -> std::result::Result<String, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let spaces = vec![b' '; n];
+            let formatter = serde_json::ser::PrettyFormatter::with_indent(&spaces);
+            serde::Serialize::serialize(&value, &mut serde_json::Serializer::with_formatter(&mut out, formatter))
+        }
+        None => {
+            serde::Serialize::serialize(&value, &mut serde_json::Serializer::with_formatter(&mut out, PythonSpacing))
+        }
+    };
+    written.map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    String::from_utf8(out).map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))
+}
+
+/// JSON on one line with Python's default separators.
+struct PythonSpacing;
+
+impl serde_json::ser::Formatter for PythonSpacing {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
+/// A template error in one line, with the template's own message and line where it has them.
+fn describe(e: &minijinja::Error) -> String {
+    let mut text = e.detail().map_or_else(|| e.kind().to_string(), str::to_owned);
+    if let Some(line) = e.line() {
+        text.push_str(&format!(" (template line {line})"));
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    fn msg(role: &str, content: &str) -> serde_json::Value {
+        json!({"role": role, "content": content})
+    }
+
+    #[test]
+    fn assistant_turns_are_found_in_the_rendering() {
+        let t = ChatTemplate::new(CHATML.into(), None, None, "test").unwrap();
+        let conv = [
+            msg("system", "Be brief."),
+            msg("user", "Hi"),
+            msg("assistant", " Hello. "),
+            msg("user", "Bye"),
+            msg("assistant", "Farewell."),
+        ];
+        let (text, turns) = t.render_with_turns(&conv, 0).unwrap();
+        let said: Vec<&str> = turns.iter().map(|r| &text[r.clone()]).collect();
+        assert_eq!(said, ["Hello.<|im_end|>\n", "Farewell.<|im_end|>\n"]);
+        // Turns before `first_learned` are prompt.
+        assert_eq!(t.render_with_turns(&conv, 3).unwrap().1.len(), 1);
+    }
+
+    #[test]
+    fn python_methods_and_raised_exceptions_work_as_under_transformers() {
+        let src = "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with the user') }}{% endif %}{% for m in messages %}{{ m.content.strip().upper() }}{% endfor %}";
+        let t = ChatTemplate::new(src.into(), None, None, "test").unwrap();
+        assert_eq!(t.render(&[msg("user", " hi ")], false).unwrap(), "HI");
+        let err = t.render(&[msg("assistant", "x")], false).unwrap_err().to_string();
+        assert!(err.contains("Conversations must start with the user"), "{err}");
+    }
+
+    #[test]
+    fn tojson_writes_as_python_does() {
+        let t = ChatTemplate::new(
+            "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}".into(),
+            None,
+            None,
+            "t",
+        )
+        .unwrap();
+        let out = t.render(&[json!({"role": "user", "content": "<é>", "n": [1, 2]})], false).unwrap();
+        assert_eq!(out, "{\"role\": \"user\", \"content\": \"<é>\", \"n\": [1, 2]}|{\n  \"role\": \"user\",\n  \"content\": \"<é>\",\n  \"n\": [\n    1,\n    2\n  ]\n}");
+    }
+
+    #[test]
+    fn a_template_that_rewrites_earlier_turns_is_refused() {
+        // Drops every turn but the last from the rendering: no prefix holds.
+        let src = "{{ messages[-1].content }}";
+        let t = ChatTemplate::new(src.into(), None, None, "test").unwrap();
+        let err = t.render_with_turns(&[msg("user", "a"), msg("assistant", "b")], 0).unwrap_err().to_string();
+        assert!(err.contains("cannot be found"), "{err}");
+    }
+}

@@ -1,0 +1,463 @@
+//! Example data: records of JSON Lines or Parquet files — `{"text"}`, `{"prompt",
+//! "completion"}` or `{"messages": [{"role", "content"}, ...]}` — turned into token ids with
+//! a flag per token saying whether the loss learns it (what the assistant says, the
+//! completion, or all of a text), cut to a most length, and cached on disk keyed by the
+//! file's content, the tokenizer, the template and the options.
+//!
+//! Owns reading and checking records, rendering conversations through a [`ChatTemplate`],
+//! the learned-token flags and the cache. Must not batch (the loader does) nor know models.
+use super::chat::ChatTemplate;
+use super::Tokenizer;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// How records become examples.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExampleOptions {
+    /// The most tokens of an example.
+    pub max_length: usize,
+    /// Drop an example longer than `max_length` instead of truncating it.
+    pub drop_long: bool,
+    /// Learn prompts (user and system turns, the prompt of a completion) too.
+    pub train_on_prompt: bool,
+}
+
+/// What turns text into examples: the tokenizer, the chat template for conversations, and
+/// the text that ends a plain text or a completion (the folder's end-of-sequence token).
+pub struct ExampleFormat<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub template: Option<&'a ChatTemplate>,
+    pub end_of_text: Option<String>,
+}
+
+/// What preparing a file's examples kept, cut and left out.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExampleReport {
+    /// Records read.
+    pub records: usize,
+    /// Examples kept.
+    pub examples: usize,
+    /// Kept examples cut to the most length.
+    pub truncated: usize,
+    /// Examples longer than the most length, left out (`drop_long`).
+    pub dropped_long: usize,
+    /// Examples with no learned token within the most length, left out.
+    pub dropped_unlearned: usize,
+    /// Tokens of the kept examples, and how many of them the loss learns.
+    pub tokens: u64,
+    pub learned_tokens: u64,
+}
+
+/// Token ids of examples, each token flagged where the loss learns it.
+#[derive(Clone, Debug)]
+pub struct ExampleSet {
+    ids: Vec<u32>,
+    learned: Vec<bool>,
+    /// Example `i` is `starts[i] .. starts[i + 1]`.
+    starts: Vec<usize>,
+    pub source: String,
+    pub report: ExampleReport,
+    /// Whether the examples came from the cache.
+    pub cached: bool,
+}
+
+/// One record of a file, checked.
+enum Record {
+    Text(String),
+    Completion {
+        prompt: String,
+        completion: String,
+    },
+    /// A conversation, and the first message whose assistant turns are learned (0, or the
+    /// first completion message of a conversational prompt and completion).
+    Conversation {
+        messages: Vec<Value>,
+        first_learned: usize,
+    },
+}
+
+impl Record {
+    fn parse(value: Value) -> std::result::Result<Record, String> {
+        let Value::Object(mut fields) = value else { return Err("a record is a JSON object".into()) };
+        if let Some(messages) = fields.remove("messages") {
+            return Ok(Record::Conversation { messages: messages_of(messages, "messages")?, first_learned: 0 });
+        }
+        match (fields.remove("prompt"), fields.remove("completion"), fields.remove("text")) {
+            (Some(Value::String(prompt)), Some(Value::String(completion)), _) => {
+                Ok(Record::Completion { prompt, completion })
+            }
+            (Some(prompt @ Value::Array(_)), Some(completion @ Value::Array(_)), _) => {
+                let mut messages = messages_of(prompt, "prompt")?;
+                let first_learned = messages.len();
+                messages.extend(messages_of(completion, "completion")?);
+                Ok(Record::Conversation { messages, first_learned })
+            }
+            (Some(_), Some(_), _) => {
+                Err("\"prompt\" and \"completion\" must both be strings or both lists of messages".into())
+            }
+            (None, None, Some(Value::String(text))) => Ok(Record::Text(text)),
+            (None, None, Some(_)) => Err("\"text\" must be a string".into()),
+            _ => Err("a record needs \"text\", \"prompt\" and \"completion\", or \"messages\"".into()),
+        }
+    }
+
+    /// The text to tokenize, the byte ranges the loss learns, and whether the tokenizer adds
+    /// its special tokens (a chat template writes them itself).
+    fn render(
+        self,
+        format: &ExampleFormat,
+        train_on_prompt: bool,
+    ) -> std::result::Result<(String, Vec<Range<usize>>, bool), String> {
+        let end = format.end_of_text.as_deref().unwrap_or("");
+        let (text, learned, special) = match self {
+            Record::Text(text) => {
+                let text = text + end;
+                let all = std::iter::once(0..text.len()).collect();
+                (text, all, true)
+            }
+            Record::Completion { prompt, completion } => {
+                let text = format!("{prompt}{completion}{end}");
+                let learned = std::iter::once(prompt.len()..text.len()).collect();
+                (text, learned, true)
+            }
+            Record::Conversation { messages, first_learned } => {
+                let template = format.template.ok_or(
+                    "conversations need a chat template: the model folder has none (give --chat-template FILE)",
+                )?;
+                let (text, turns) = template.render_with_turns(&messages, first_learned).map_err(|e| e.to_string())?;
+                (text, turns, false)
+            }
+        };
+        let learned = if train_on_prompt { std::iter::once(0..text.len()).collect() } else { learned };
+        Ok((text, learned, special))
+    }
+}
+
+/// Messages: a list of objects, each with a string `role` and a string `content` (a tool's
+/// turn is text like any other; the template decides how it reads).
+fn messages_of(value: Value, field: &str) -> std::result::Result<Vec<Value>, String> {
+    let Value::Array(messages) = value else { return Err(format!("\"{field}\" must be a list of messages")) };
+    if messages.is_empty() {
+        return Err(format!("\"{field}\" holds no message"));
+    }
+    for (k, m) in messages.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str);
+        let content_is_text = matches!(m.get("content"), Some(Value::String(_)));
+        if role.is_none() || !content_is_text {
+            return Err(format!("message {} of \"{field}\" needs a string \"role\" and a string \"content\"", k + 1));
+        }
+    }
+    Ok(messages)
+}
+
+/// Reads `path`'s records with where each came from (`:LINE`, or `: row N`): JSON Lines, or
+/// Parquet when the name ends in `.parquet`.
+fn read_records(path: &Path) -> Result<Vec<(String, std::result::Result<Value, String>)>> {
+    if path.extension().is_some_and(|e| e == "parquet") {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let bad = |e: parquet::errors::ParquetError| {
+            Error::Data(format!("{}: not a readable Parquet file ({e})", path.display()))
+        };
+        let reader = SerializedFileReader::new(file).map_err(bad)?;
+        let rows = reader.get_row_iter(None).map_err(bad)?;
+        rows.enumerate()
+            .map(|(i, row)| Ok((format!(": row {}", i + 1), Ok(row.map_err(bad)?.to_json_value()))))
+            .collect()
+    } else {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Ok(text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(i, l)| (format!(":{}", i + 1), serde_json::from_str(l).map_err(|e| format!("not JSON ({e})"))))
+            .collect())
+    }
+}
+
+impl ExampleSet {
+    /// Reads and tokenizes every record of `path` (no cache). Any bad record is an error
+    /// naming the file and its line (or row).
+    pub fn prepare(path: &Path, format: &ExampleFormat, options: &ExampleOptions) -> Result<ExampleSet> {
+        let records = read_records(path)?;
+        let progress =
+            indicatif::ProgressBar::new(records.len() as u64).with_message(format!("tokenizing {}", path.display()));
+        progress.set_style(
+            indicatif::ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} records")
+                .map_err(|e| Error::Data(e.to_string()))?,
+        );
+        let mut set = ExampleSet {
+            ids: vec![],
+            learned: vec![],
+            starts: vec![0],
+            source: path.display().to_string(),
+            report: ExampleReport { records: records.len(), ..Default::default() },
+            cached: false,
+        };
+        // Records are rendered here and tokenized a chunk at a time on every core.
+        for chunk in records.chunks(1024) {
+            let mut texts = Vec::with_capacity(chunk.len());
+            let mut spans = Vec::with_capacity(chunk.len());
+            let mut special_of_chunk = None;
+            for (at, value) in chunk {
+                let bad = |why: String| Error::Data(format!("{}{at}: {why}", path.display()));
+                let record = Record::parse(value.clone().map_err(bad)?).map_err(bad)?;
+                let (text, learned, special) = record.render(format, options.train_on_prompt).map_err(bad)?;
+                // One chunk is tokenized with one setting: split where the kind changes.
+                if special_of_chunk.is_some_and(|s| s != special) {
+                    set.push_tokenized(
+                        format.tokenizer,
+                        std::mem::take(&mut texts),
+                        std::mem::take(&mut spans),
+                        special_of_chunk == Some(true),
+                        options,
+                    )?;
+                }
+                special_of_chunk = Some(special);
+                texts.push(text);
+                spans.push(learned);
+            }
+            set.push_tokenized(format.tokenizer, texts, spans, special_of_chunk == Some(true), options)?;
+            progress.inc(chunk.len() as u64);
+        }
+        progress.finish_and_clear();
+        if set.is_empty() {
+            return Err(Error::Data(format!(
+                "{}: no example is left to train on ({} records: {} longer than {} tokens, {} with nothing to learn within them)",
+                set.source, set.report.records, set.report.dropped_long, options.max_length, set.report.dropped_unlearned
+            )));
+        }
+        Ok(set)
+    }
+
+    /// Tokenizes `texts`, flags the tokens that start inside their `spans`, cuts each to
+    /// the most length, and keeps those with something to learn.
+    fn push_tokenized(
+        &mut self,
+        tokenizer: &Tokenizer,
+        texts: Vec<String>,
+        spans: Vec<Vec<Range<usize>>>,
+        special: bool,
+        options: &ExampleOptions,
+    ) -> Result<()> {
+        if texts.is_empty() {
+            return Ok(());
+        }
+        for ((mut ids, starts), spans) in tokenizer.encode_with_starts(texts, special)?.into_iter().zip(spans) {
+            let mut learned: Vec<bool> = starts.iter().map(|s| spans.iter().any(|r| r.contains(s))).collect();
+            if ids.len() > options.max_length {
+                if options.drop_long {
+                    self.report.dropped_long += 1;
+                    continue;
+                }
+                ids.truncate(options.max_length);
+                learned.truncate(options.max_length);
+                self.report.truncated += 1;
+            }
+            // The first token is never a target: something after it must be learned.
+            let learned_count = learned.iter().skip(1).filter(|&&l| l).count() as u64;
+            if learned_count == 0 {
+                self.report.dropped_unlearned += 1;
+                continue;
+            }
+            self.report.examples += 1;
+            self.report.tokens += ids.len() as u64;
+            self.report.learned_tokens += learned_count;
+            self.ids.extend(ids);
+            self.learned.extend(learned);
+            self.starts.push(self.ids.len());
+        }
+        Ok(())
+    }
+
+    /// The examples of `path`, from the cache in `cache_dir` where an earlier run (or
+    /// another rank) prepared them with the same file content, tokenizer, template and
+    /// options; prepared and cached otherwise. Ranks on one host prepare a file once: the
+    /// first holds a lock on its cache entry while the others wait for it.
+    pub fn load(
+        path: &Path,
+        format: &ExampleFormat,
+        options: &ExampleOptions,
+        cache_dir: Option<&Path>,
+    ) -> Result<ExampleSet> {
+        let Some(dir) = cache_dir else { return ExampleSet::prepare(path, format, options) };
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let key = cache_key(path, format, options)?;
+        let entry = dir.join(format!("{key}.examples"));
+        let lock_path = dir.join(format!("{key}.lock"));
+        let lock = std::fs::File::create(&lock_path).map_err(|e| Error::io(&lock_path, e))?;
+        lock.lock().map_err(|e| Error::io(&lock_path, e))?;
+        if let Ok(bytes) = std::fs::read(&entry) {
+            match ExampleSet::decode(&bytes, path) {
+                Ok(set) => return Ok(set),
+                Err(e) => tracing::warn!(entry = %entry.display(), "rebuilding a damaged example cache: {e}"),
+            }
+        }
+        let set = ExampleSet::prepare(path, format, options)?;
+        crate::io::write_atomic(&entry, &set.encode()?)?;
+        Ok(set)
+    }
+
+    /// Examples held.
+    pub fn len(&self) -> usize {
+        self.starts.len() - 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Example `i`'s ids and learned flags.
+    pub fn example(&self, i: usize) -> (&[u32], &[bool]) {
+        let r = self.starts[i]..self.starts[i + 1];
+        (&self.ids[r.clone()], &self.learned[r])
+    }
+
+    /// The longest example, in tokens.
+    pub fn longest(&self) -> usize {
+        self.starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+    }
+
+    /// The largest id plus one.
+    pub fn vocab_needed(&self) -> u32 {
+        self.ids.iter().max().map_or(0, |m| m + 1)
+    }
+
+    fn encode(&self) -> Result<Vec<u8>> {
+        let header = serde_json::to_vec(&self.report).map_err(|e| Error::Data(e.to_string()))?;
+        let mut out = Vec::with_capacity(32 + header.len() + self.ids.len() * 5 + self.starts.len() * 8);
+        out.extend_from_slice(CACHE_MAGIC);
+        out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+        out.extend_from_slice(&header);
+        out.extend_from_slice(&(self.len() as u64).to_le_bytes());
+        for s in &self.starts {
+            out.extend_from_slice(&(*s as u64).to_le_bytes());
+        }
+        for id in &self.ids {
+            out.extend_from_slice(&id.to_le_bytes());
+        }
+        out.extend(self.learned.iter().map(|&l| l as u8));
+        Ok(out)
+    }
+
+    fn decode(bytes: &[u8], source: &Path) -> std::result::Result<ExampleSet, String> {
+        let mut at = 0;
+        let mut take = |n: usize| -> std::result::Result<&[u8], String> {
+            let piece = bytes.get(at..at + n).ok_or("ends early")?;
+            at += n;
+            Ok(piece)
+        };
+        if take(CACHE_MAGIC.len())? != CACHE_MAGIC {
+            return Err("not an example cache".into());
+        }
+        let word = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or_default()) as usize;
+        let header_len = word(take(8)?);
+        let report: ExampleReport = serde_json::from_slice(take(header_len)?).map_err(|e| e.to_string())?;
+        let count = word(take(8)?);
+        let starts: Vec<usize> = take(count.checked_add(1).and_then(|n| n.checked_mul(8)).ok_or("too long")?)?
+            .chunks_exact(8)
+            .map(word)
+            .collect();
+        let tokens = *starts.last().ok_or("no starts")?;
+        if starts.windows(2).any(|w| w[0] > w[1]) || starts[0] != 0 || report.examples != count {
+            return Err("inconsistent offsets".into());
+        }
+        let ids = take(tokens.checked_mul(4).ok_or("too long")?)?
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let learned = take(tokens)?.iter().map(|&b| b != 0).collect();
+        if at != bytes.len() {
+            return Err("trailing bytes".into());
+        }
+        Ok(ExampleSet { ids, learned, starts, source: source.display().to_string(), report, cached: true })
+    }
+}
+
+const CACHE_MAGIC: &[u8; 8] = b"STRATEX1";
+
+/// The cache entry's name: a hash of everything the examples depend on.
+fn cache_key(path: &Path, format: &ExampleFormat, options: &ExampleOptions) -> Result<String> {
+    let mut hash = Sha256::new();
+    let mut part = |bytes: &[u8]| {
+        hash.update((bytes.len() as u64).to_le_bytes());
+        hash.update(bytes);
+    };
+    part(CACHE_MAGIC);
+    part(&std::fs::read(path).map_err(|e| Error::io(path, e))?);
+    part(path.extension().map_or(b"".as_slice(), |e| e.as_encoded_bytes()));
+    part(format.tokenizer.fingerprint()?.as_bytes());
+    part(format.template.map_or("", |t| t.source.as_str()).as_bytes());
+    for token in [
+        format.template.and_then(|t| t.bos_token.as_ref()),
+        format.template.and_then(|t| t.eos_token.as_ref()),
+        format.end_of_text.as_ref(),
+    ] {
+        part(token.map_or("\u{0}", |t| t.as_str()).as_bytes());
+    }
+    part(format!("{} {} {}", options.max_length, options.drop_long, options.train_on_prompt).as_bytes());
+    Ok(hash.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect())
+}
+
+/// Where prepared examples are cached: `$STRATA_CACHE/examples`, else
+/// `~/.cache/strata/examples`; `None` without either variable.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    let root = std::env::var_os("STRATA_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/strata")))?;
+    Some(root.join("examples"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    fn options(max_length: usize) -> ExampleOptions {
+        ExampleOptions { max_length, drop_long: false, train_on_prompt: false }
+    }
+
+    fn prepare(lines: &[&str], options: &ExampleOptions) -> Result<ExampleSet> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.jsonl");
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let template = ChatTemplate::new(CHATML.into(), None, None, "test").unwrap();
+        let format =
+            ExampleFormat { tokenizer: &Tokenizer::Bytes, template: Some(&template), end_of_text: Some("#".into()) };
+        ExampleSet::prepare(&path, &format, options)
+    }
+
+    /// The learned bytes of example `i`, as text.
+    fn learned(set: &ExampleSet, i: usize) -> String {
+        let (ids, flags) = set.example(i);
+        ids.iter().zip(flags).filter(|(_, &l)| l).map(|(&t, _)| t as u8 as char).collect()
+    }
+
+    #[test]
+    fn each_record_form_learns_what_it_should() {
+        let set = prepare(
+            &[
+                r#"{"text": "plain"}"#,
+                r#"{"prompt": "2+2=", "completion": "4"}"#,
+                r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}"#,
+            ],
+            &options(100),
+        )
+        .unwrap();
+        assert_eq!(set.len(), 3);
+        assert_eq!(learned(&set, 0), "plain#");
+        assert_eq!(learned(&set, 1), "4#");
+        assert_eq!(learned(&set, 2), "yo<|im_end|>\n");
+        let all = prepare(
+            &[r#"{"prompt": "2+2=", "completion": "4"}"#],
+            &ExampleOptions { train_on_prompt: true, ..options(100) },
+        )
+        .unwrap();
+        assert_eq!(learned(&all, 0), "2+2=4#");
+    }
+}
