@@ -4,26 +4,20 @@
 //! and pipeline stages.
 mod common;
 
-use common::{assert_follows, reports, stderr, strata_env, Run};
+use common::{assert_fails_with, assert_follows, reports, stderr, strata, strata_env, Run};
 use std::path::{Path, PathBuf};
+use std::process::Command;
+use strata::data::chat::ChatTemplate;
+use strata::data::Tokenizer;
 
-const MODEL: [&str; 10] = ["--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--seed", "3"];
-const RUN: [&str; 14] = [
-    "--batch-size",
-    "32",
-    "--max-length",
-    "48",
-    "--schedule",
-    "constant",
-    "--threads",
-    "1",
-    "--lr",
-    "0.003",
-    "--log-every",
-    "1000",
-    "--grad-clip",
-    "0",
-];
+/// The model, and the step's shape and optimizer, of every run here.
+const MODEL: &str = "--model gpt --layers 2 --heads 2 --dim 32 --seed 3";
+const RUN: &str =
+    "--batch-size 32 --max-length 48 --schedule constant --threads 1 --lr 0.003 --log-every 1000 --grad-clip 0";
+
+fn words(flags: &str) -> Vec<&str> {
+    flags.split_whitespace().collect()
+}
 
 /// 96 prompt-and-completion records of different lengths: sums written out, with prompts of
 /// 10 to 40 bytes and completions of 2 to 12, so micro-batches hold very different numbers
@@ -61,7 +55,7 @@ fn train(dir: &Path, name: &str, extra: &[&str]) -> Run {
         "--metrics",
         m.to_str().unwrap(),
     ];
-    let args = [&["train"][..], &MODEL, &RUN, &files, extra].concat();
+    let args = [&["train"][..], &words(MODEL), &words(RUN), &files, extra].concat();
     let cache = dir.join("cache");
     let o = strata_env(&args, &[("STRATA_CACHE", cache.to_str().unwrap())]);
     assert!(o.status.success(), "{name} {extra:?}:\n{}", stderr(&o));
@@ -118,4 +112,221 @@ fn learned_tokens_are_counted_and_examples_cached() {
     // the batch's positions, yet some in every row.
     assert!((32..32 * 13).contains(&learned), "{learned}");
     assert!(first["tokens"].as_u64().unwrap() > learned);
+}
+
+/// Conversations in `dir/name`, one per line.
+fn conversation_file(dir: &Path, name: &str, conversations: &[serde_json::Value]) -> PathBuf {
+    let path = dir.join(name);
+    let lines: Vec<String> = conversations.iter().map(|c| serde_json::json!({ "messages": c }).to_string()).collect();
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    path
+}
+
+/// A tokenizer folder of a template style, made by `transformers` (scripts/chat_reference.py).
+fn tokenizer_folder(python: &Path, dir: &Path, style: &str) -> PathBuf {
+    let out = dir.join(format!("tok-{style}"));
+    let o = Command::new(python)
+        .args([reference_script().as_str(), "tokenizer", "--style", style, "--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    out
+}
+
+fn reference_script() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/chat_reference.py").display().to_string()
+}
+
+fn said(role: &str, content: &str) -> serde_json::Value {
+    serde_json::json!({"role": role, "content": content})
+}
+
+/// Sums asked and answered: `count` conversations from `seed`.
+fn sum_conversations(count: usize, seed: u64) -> Vec<serde_json::Value> {
+    let words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
+    let mut state = seed;
+    let mut next = |n: u64| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((state >> 33) % n) as usize
+    };
+    (0..count)
+        .map(|_| {
+            let (a, b) = (next(10), next(10));
+            serde_json::json!([
+                said("user", &format!("What is {} plus {}?", words[a], words[b])),
+                said("assistant", &format!("It is {}.", a + b))
+            ])
+        })
+        .collect()
+}
+
+#[test]
+fn chat_templates_render_and_tokenize_as_transformers_does() {
+    let Some(python) = common::venv_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let conversations = [
+        serde_json::json!([said("user", "What is two plus three?"), said("assistant", "It is 5.")]),
+        serde_json::json!([
+            said("system", "Be brief."),
+            said("user", " What is one plus one? "),
+            said("assistant", " 2. "),
+            said("user", "And four plus five?"),
+            said("assistant", "It is 9.")
+        ]),
+        serde_json::json!([said("user", "Check this."), said("tool", "  {\"sum\": 7}  "), said("assistant", "Seven.")]),
+    ];
+    let file = conversation_file(dir.path(), "c.jsonl", &conversations);
+    for style in ["chatml", "headers", "inst"] {
+        let folder = tokenizer_folder(&python, dir.path(), style);
+        let o = Command::new(&python)
+            .args([
+                reference_script().as_str(),
+                "render",
+                "--dir",
+                folder.to_str().unwrap(),
+                "--conversations",
+                file.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        let template = ChatTemplate::from_model_dir(&folder).unwrap().expect("the folder has a chat template");
+        let tokenizer = Tokenizer::from_file(&folder.join("tokenizer.json")).unwrap();
+        let references: Vec<serde_json::Value> =
+            String::from_utf8_lossy(&o.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        for (k, messages) in conversations.iter().enumerate() {
+            let messages = messages.as_array().unwrap();
+            let Some(reference) = references.get(k) else {
+                // transformers refused it (the inst style takes no system or tool turn): so must we.
+                let err = template.render(messages, false).unwrap_err().to_string();
+                assert!(stderr(&o).contains("roles") && err.contains("roles"), "{style} {k}: {err}");
+                break;
+            };
+            for (key, prompt) in [("whole", false), ("prompt", true)] {
+                let text = template.render(messages, prompt).unwrap();
+                assert_eq!(text, reference[key]["text"].as_str().unwrap(), "{style} conversation {k} {key}");
+                let ids = tokenizer.encode_with_starts(vec![text], false).unwrap().remove(0).0;
+                let want: Vec<u32> = serde_json::from_value(reference[key]["ids"].clone()).unwrap();
+                assert_eq!(ids, want, "{style} conversation {k} {key}: ids");
+            }
+        }
+    }
+}
+
+#[test]
+fn an_instruction_tuned_model_learns_to_answer_in_the_template() {
+    let Some(python) = common::venv_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let folder = tokenizer_folder(&python, dir.path(), "chatml");
+    let train = conversation_file(dir.path(), "train.jsonl", &sum_conversations(256, 1));
+    let val = conversation_file(dir.path(), "val.jsonl", &sum_conversations(32, 2));
+    let metrics = dir.path().join("m.jsonl");
+    let shape = "train --model llama --layers 2 --heads 4 --dim 64 --ctx 64 --seed 1 --threads 1";
+    let run = "--steps 80 --batch-size 16 --lr 0.003 --eval-every 20";
+    let (tokenizer, template) = (folder.join("tokenizer.json"), folder.join("chat_template.jinja"));
+    let files = [
+        ("--data", &train),
+        ("--val-data", &val),
+        ("--tokenizer", &tokenizer),
+        ("--chat-template", &template),
+        ("--metrics", &metrics),
+    ];
+    let files: Vec<&str> = files.iter().flat_map(|(flag, path)| [*flag, path.to_str().unwrap()]).collect();
+    let args = [words(shape), words(run), files].concat();
+    let cache = dir.path().join("cache");
+    let o = strata_env(&args, &[("STRATA_CACHE", cache.to_str().unwrap())]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let log = stderr(&o);
+    assert!(log.contains("records=256 examples=256 truncated=0"), "{log}");
+    let val_losses: Vec<f64> = reports(&metrics).iter().filter_map(|r| r["val_loss"].as_f64()).collect();
+    eprintln!("validation loss on answers: {val_losses:?}");
+    assert_eq!(val_losses.len(), 4);
+    // The answers ("It is N.<|im_end|>") are learned: the loss on them falls by more than half.
+    assert!(val_losses[3] < 0.5 * val_losses[0], "{val_losses:?}");
+    // The second run reads the cache.
+    let again = strata_env(&[&args[..], &["--steps", "1"]].concat(), &[("STRATA_CACHE", cache.to_str().unwrap())]);
+    assert!(stderr(&again).contains("cached=true"), "{}", stderr(&again));
+}
+
+/// `strata train` on a file of `lines` (with the chatml template) fails with `expected`,
+/// naming the file, and writes nothing.
+fn refused(lines: &[&str], extra: &[&str], expected: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("bad.jsonl");
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let template = dir.path().join("t.jinja");
+    std::fs::write(&template, CHATML).unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let args = [
+        &["train", "--data", data.to_str().unwrap(), "--chat-template", template.to_str().unwrap()][..],
+        &["--steps", "1", "--batch-size", "1", "--metrics", metrics.to_str().unwrap()],
+        extra,
+    ]
+    .concat();
+    let cache = dir.path().join("cache");
+    let o = strata_env(&args, &[("STRATA_CACHE", cache.to_str().unwrap())]);
+    assert_fails_with(&o, expected);
+    assert!(stderr(&o).contains("bad.jsonl"), "the file is named: {}", stderr(&o));
+    assert!(!metrics.exists(), "a refused run wrote its metrics");
+}
+
+const CHATML: &str = "{% for m in messages %}{% if m.role == 'system' and not loop.first %}{{ raise_exception('a system turn comes first') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+#[test]
+fn bad_example_files_are_refused_in_one_line_naming_file_and_line() {
+    let good = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}"#;
+    refused(&[good, "{not json"], &[], "bad.jsonl:2: not JSON");
+    refused(
+        &[good, r#"{"question": "x"}"#],
+        &[],
+        r#"bad.jsonl:2: a record needs "text", "prompt" and "completion", or "messages""#,
+    );
+    refused(
+        &[r#"{"messages": [{"role": "user"}]}"#],
+        &[],
+        r#"bad.jsonl:1: message 1 of "messages" needs a string "role" and a string "content""#,
+    );
+    let late_system = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}]}"#;
+    refused(&[good, late_system], &[], "bad.jsonl:2: the chat template failed: a system turn comes first");
+    // Every example longer than the most length, left out: nothing to train on.
+    refused(
+        &[good],
+        &["--max-length", "8", "--drop-long", "true"],
+        "no example is left to train on (1 records: 1 longer than 8 tokens",
+    );
+}
+
+#[test]
+fn a_template_that_does_not_parse_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = conversation_file(dir.path(), "d.jsonl", &sum_conversations(4, 3));
+    let template = dir.path().join("t.jinja");
+    std::fs::write(&template, "{% for m in messages %}{{ m.content }").unwrap();
+    let o = strata(&[
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--chat-template",
+        template.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("t.jinja does not parse"), "{}", stderr(&o));
+}
+
+#[test]
+fn long_examples_are_truncated_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d.jsonl");
+    let lines: Vec<String> =
+        (0..8).map(|i| serde_json::json!({"prompt": "p", "completion": "x".repeat(4 + 8 * i)}).to_string()).collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let cache = dir.path().join("cache");
+    let o = strata_env(
+        &["train", "--data", data.to_str().unwrap(), "--max-length", "24", "--steps", "1", "--batch-size", "4"],
+        &[("STRATA_CACHE", cache.to_str().unwrap())],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Completions of 4, 12, ..., 60 bytes after a 1-byte prompt: those of 28 and more cut.
+    assert!(stderr(&o).contains("records=8 examples=8 truncated=5 dropped_long=0"), "{}", stderr(&o));
 }

@@ -246,7 +246,8 @@ fn tensorboard_reads_the_metrics_series_and_profile_pictures() {
     }
     assert_eq!(expected["val_loss"].len(), 3, "validations after steps 2, 4 and 6");
     assert_eq!(expected["loss"].iter().map(|&(step, _)| step).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
-    let tags: Vec<&String> = scalars.keys().collect();
+    let mut tags: Vec<&String> = scalars.keys().collect();
+    tags.sort();
     assert_eq!(tags, expected.keys().collect::<Vec<_>>(), "TensorBoard's scalar series are the metrics file's");
     for (name, series) in &expected {
         // Both sides as the 32-bit float an event holds (JSON text may round the last digit).

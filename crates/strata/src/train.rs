@@ -59,7 +59,7 @@ pub struct StepReport {
     /// Per pipeline stage (rank), where a pipeline ran the step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineFigures>,
-    /// Mean loss over the validation batches, after steps where a validation ran (filled in
+    /// Loss per learned token of the validation batches, after steps where a validation ran (filled in
     /// by the training loop's owner).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
@@ -287,7 +287,7 @@ impl Trainer {
         self.step = step;
     }
 
-    /// The mean loss over `steps`' micro-batches, forward only (validation): this rank's
+    /// The loss per learned token over `steps`, forward only (validation): this rank's
     /// share, as [`Trainer::train_step`] reports its training loss.
     pub fn evaluate(&mut self, steps: &[Step]) -> Result<f64> {
         self.settle_updates()?;

@@ -1,10 +1,12 @@
 //! Tokens in, batches out.
 //!
 //! Owns: tokenizers (bytes, or a Hugging Face `tokenizer.json`), token datasets (a text file,
-//! a memory-mapped token file of `u16` or `u32` ids, or the embedded synthetic corpus), the
-//! streaming, parallel tokenization of text into token files, and the data
-//! loader (seeded shuffling, a global batch split into micro-batches for gradient
-//! accumulation and across ranks, background prefetch, or an exact replay of given offsets).
+//! a memory-mapped token file of `u16` or `u32` ids, or the embedded synthetic corpus),
+//! example datasets (instruction and chat records rendered through chat templates, with the
+//! tokens the loss learns flagged), the streaming, parallel tokenization of text into token
+//! files, and the data loader (seeded shuffling, a global batch split into micro-batches for
+//! gradient accumulation and across ranks, each micro-batch's share of the learned tokens,
+//! background prefetch, or an exact replay of given offsets).
 //! Must not touch models or the engine: a batch is plain token tensors.
 
 pub mod chat;
@@ -168,14 +170,7 @@ impl Dataset {
                         e.longest()
                     )));
                 }
-                if e.vocab_needed() as usize > vocab {
-                    return Err(Error::Data(format!(
-                        "{} holds token id {} but the model's vocabulary is {vocab}",
-                        e.source,
-                        e.vocab_needed() - 1
-                    )));
-                }
-                Ok(())
+                check_vocab(&e.source, e.vocab_needed(), vocab)
             }
         }
     }
@@ -434,15 +429,20 @@ impl TokenData {
                 width.name()
             )));
         }
-        if self.vocab_needed() as usize > vocab {
-            return Err(Error::Data(format!(
-                "{} holds token id {} but the model's vocabulary is {vocab}",
-                self.source,
-                self.vocab_needed() - 1
-            )));
-        }
-        Ok(())
+        check_vocab(&self.source, self.vocab_needed(), vocab)
     }
+}
+
+/// Refuses data from `source` whose ids need a vocabulary of `needed` where the model has
+/// `vocab`.
+fn check_vocab(source: &str, needed: u32, vocab: usize) -> Result<()> {
+    if needed as usize > vocab {
+        return Err(Error::Data(format!(
+            "{source} holds token id {} but the model's vocabulary is {vocab}",
+            needed - 1
+        )));
+    }
+    Ok(())
 }
 
 /// The header of a token file of `width`.

@@ -128,7 +128,11 @@ impl Record {
                 let template = format.template.ok_or(
                     "conversations need a chat template: the model folder has none (give --chat-template FILE)",
                 )?;
-                let (text, turns) = template.render_with_turns(&messages, first_learned).map_err(|e| e.to_string())?;
+                let (text, turns) = template.render_with_turns(&messages, first_learned).map_err(|e| match e {
+                    // Said again with the file and line in front.
+                    Error::Data(why) => why,
+                    other => other.to_string(),
+                })?;
                 (text, turns, false)
             }
         };

@@ -802,7 +802,7 @@ impl PipelineTrainer {
         })
     }
 
-    /// The mean loss over `steps`' micro-batches, forward only (validation), the same on
+    /// The loss per learned token over `steps`, forward only (validation), the same on
     /// every rank: each micro-batch passes the stages in order, this rank's chunks in stage
     /// order, and the last stage's losses are shared and averaged over the data replicas.
     pub fn evaluate(&mut self, steps: &[Step]) -> Result<f64> {

@@ -1,0 +1,127 @@
+"""Hugging Face `transformers` reference for Strata's chat-template tests.
+
+  tokenizer  trains a small byte-level BPE tokenizer on sentences made here, with the special
+             tokens of a template style (see TEMPLATES), and saves it with the template as a
+             tokenizer folder (save_pretrained: tokenizer.json, tokenizer_config.json and
+             chat_template.jinja);
+  render     prints, for each conversation of a JSON Lines file ({"messages": [...]}), the
+             text transformers' apply_chat_template renders and the ids of that text, with
+             and without the generation prompt after the conversation.
+
+Nothing is downloaded. Run it with the project's virtual environment:
+.venv/bin/python scripts/chat_reference.py
+"""
+
+import argparse
+import json
+
+# Chat templates in the styles of today's families, exercising what such templates use:
+# default system prompts, loop variables, namespaces, Python string methods, trimming,
+# raised errors and tool turns.
+TEMPLATES = {
+    "chatml": {
+        "special": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+        "bos": None,
+        "eos": "<|im_end|>",
+        "template": (
+            "{%- if messages[0].role != 'system' %}<|im_start|>system\nYou answer sums.<|im_end|>\n{% endif %}"
+            "{%- for message in messages %}"
+            "{%- if message.role == 'tool' %}"
+            "<|im_start|>user\n<tool_response>\n{{ message.content.strip() }}\n</tool_response><|im_end|>\n"
+            "{%- else %}"
+            "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+            "{%- endif %}"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        ),
+    },
+    "headers": {
+        "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "bos": "<|begin_of_text|>",
+        "eos": "<|eot_id|>",
+        "template": (
+            "{{- bos_token }}"
+            "{%- set ns = namespace(turns=0) %}"
+            "{%- for message in messages %}"
+            "{%- set ns.turns = ns.turns + 1 %}"
+            "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+        ),
+    },
+    "inst": {
+        "special": ["<s>", "</s>", "[INST]", "[/INST]"],
+        "bos": "<s>",
+        "eos": "</s>",
+        "template": (
+            "{{ bos_token }}"
+            "{% for message in messages %}"
+            "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+            "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+            "{% endif %}"
+            "{% if message['role'] == 'user' %}[INST] {{ message['content'] }} [/INST]"
+            "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+            "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
+            "{% endif %}"
+            "{% endfor %}"
+        ),
+    },
+}
+
+
+def sentences():
+    """Text to learn merges from: sums asked and answered in words and digits."""
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    for a in range(10):
+        for b in range(10):
+            yield f"What is {words[a]} plus {words[b]}? It is {a + b}. The sum of {a} and {b} is {a + b}."
+
+
+def make_tokenizer(style, out):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    spec = TEMPLATES[style]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=spec["special"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sentences(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=spec["bos"], eos_token=spec["eos"])
+    fast.chat_template = spec["template"]
+    fast.save_pretrained(out)
+
+
+def render(folder, conversations):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    with open(conversations) as f:
+        for line in f:
+            messages = json.loads(line)["messages"]
+            out = {}
+            for key, prompt in (("whole", False), ("prompt", True)):
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+                out[key] = {"text": text, "ids": tok(text, add_special_tokens=False)["input_ids"]}
+            print(json.dumps(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("tokenizer")
+    make.add_argument("--style", required=True, choices=sorted(TEMPLATES))
+    make.add_argument("--out", required=True)
+    ren = sub.add_parser("render")
+    ren.add_argument("--dir", required=True)
+    ren.add_argument("--conversations", required=True)
+    args = ap.parse_args()
+    if args.command == "tokenizer":
+        make_tokenizer(args.style, args.out)
+    else:
+        render(args.dir, args.conversations)
+
+
+if __name__ == "__main__":
+    main()
