@@ -41,21 +41,14 @@ fn example_file(dir: &Path) -> PathBuf {
     path
 }
 
-/// `strata train` on the example file for 6 steps with `extra` flags.
+/// `strata train` on the example file with `extra` flags (for 6 steps unless they say).
 fn train(dir: &Path, name: &str, extra: &[&str]) -> Run {
     let data = example_file(dir);
     let (w, m) = (dir.join(format!("{name}.st")), dir.join(format!("{name}.jsonl")));
-    let files = [
-        "--data",
-        data.to_str().unwrap(),
-        "--steps",
-        "6",
-        "--save-weights",
-        w.to_str().unwrap(),
-        "--metrics",
-        m.to_str().unwrap(),
-    ];
-    let args = [&["train"][..], &words(MODEL), &words(RUN), &files, extra].concat();
+    let files =
+        ["--data", data.to_str().unwrap(), "--save-weights", w.to_str().unwrap(), "--metrics", m.to_str().unwrap()];
+    let steps: &[&str] = if extra.contains(&"--steps") { &[] } else { &["--steps", "6"] };
+    let args = [&["train"][..], &words(MODEL), &words(RUN), &files, steps, extra].concat();
     let cache = dir.join("cache");
     let o = strata_env(&args, &[("STRATA_CACHE", cache.to_str().unwrap())]);
     assert!(o.status.success(), "{name} {extra:?}:\n{}", stderr(&o));
@@ -329,4 +322,17 @@ fn long_examples_are_truncated_and_counted() {
     assert!(o.status.success(), "{}", stderr(&o));
     // Completions of 4, 12, ..., 60 bytes after a 1-byte prompt: those of 28 and more cut.
     assert!(stderr(&o).contains("records=8 examples=8 truncated=5 dropped_long=0"), "{}", stderr(&o));
+}
+
+#[test]
+fn a_resumed_run_continues_the_epoch_where_it_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    // 96 examples in batches of 32: epochs of 3 steps, so step 4 is inside the second.
+    let whole = train(dir.path(), "whole", &["--steps", "8"]);
+    let ckpt = dir.path().join("ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    train(dir.path(), "first", &["--steps", "4", "--save-checkpoint", ckpt, "--checkpoint-every", "4"]);
+    let resumed = train(dir.path(), "resumed", &["--steps", "8", "--save-checkpoint", ckpt, "--resume", "auto"]);
+    let gap = common::global_gap(&whole.0, &resumed.0);
+    assert_eq!(gap, 0.0, "the resumed run's weights differ by {gap:e}");
 }

@@ -442,6 +442,95 @@ mod tests {
         ids.iter().zip(flags).filter(|(_, &l)| l).map(|(&t, _)| t as u8 as char).collect()
     }
 
+    /// A Parquet file (snappy pages) of prompt and completion columns.
+    fn write_parquet(path: &Path, rows: &[(&str, &str)]) {
+        use parquet::data_type::{ByteArray, ByteArrayType};
+        use parquet::file::properties::WriterProperties;
+        use parquet::file::writer::SerializedFileWriter;
+        let schema = "message examples { REQUIRED BYTE_ARRAY prompt (UTF8); REQUIRED BYTE_ARRAY completion (UTF8); }";
+        let schema = std::sync::Arc::new(parquet::schema::parser::parse_message_type(schema).unwrap());
+        let props = WriterProperties::builder().set_compression(parquet::basic::Compression::SNAPPY).build();
+        let mut writer = SerializedFileWriter::new(std::fs::File::create(path).unwrap(), schema, props.into()).unwrap();
+        let mut group = writer.next_row_group().unwrap();
+        for column in [0, 1] {
+            let values: Vec<ByteArray> =
+                rows.iter().map(|r| ByteArray::from(if column == 0 { r.0 } else { r.1 })).collect();
+            let mut col = group.next_column().unwrap().unwrap();
+            col.typed::<ByteArrayType>().write_batch(&values, None, None).unwrap();
+            col.close().unwrap();
+        }
+        group.close().unwrap();
+        writer.close().unwrap();
+    }
+
+    #[test]
+    fn parquet_rows_are_the_same_examples_as_json_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let rows = [("2+2=", "4"), ("10+5=", "15"), ("a long prompt, ", "and its completion")];
+        let parquet = dir.path().join("d.parquet");
+        write_parquet(&parquet, &rows);
+        let jsonl = dir.path().join("d.jsonl");
+        let lines: Vec<String> =
+            rows.iter().map(|(p, c)| serde_json::json!({"prompt": p, "completion": c}).to_string()).collect();
+        std::fs::write(&jsonl, lines.join("\n")).unwrap();
+        let format = ExampleFormat { tokenizer: &Tokenizer::Bytes, template: None, end_of_text: None };
+        let (a, b) = (
+            ExampleSet::prepare(&parquet, &format, &options(100)).unwrap(),
+            ExampleSet::prepare(&jsonl, &format, &options(100)).unwrap(),
+        );
+        assert_eq!(a.len(), 3);
+        assert_eq!((&a.ids, &a.learned, &a.starts), (&b.ids, &b.learned, &b.starts));
+        assert_eq!(learned(&a, 2), "and its completion");
+        // A row without the fields is named by its number.
+        let bad = dir.path().join("bad.parquet");
+        let schema = "message m { REQUIRED BYTE_ARRAY question (UTF8); }";
+        let schema = std::sync::Arc::new(parquet::schema::parser::parse_message_type(schema).unwrap());
+        let mut writer = parquet::file::writer::SerializedFileWriter::new(
+            std::fs::File::create(&bad).unwrap(),
+            schema,
+            Default::default(),
+        )
+        .unwrap();
+        let mut group = writer.next_row_group().unwrap();
+        let mut col = group.next_column().unwrap().unwrap();
+        col.typed::<parquet::data_type::ByteArrayType>().write_batch(&["x".into()], None, None).unwrap();
+        col.close().unwrap();
+        group.close().unwrap();
+        writer.close().unwrap();
+        let err = ExampleSet::prepare(&bad, &format, &options(100)).unwrap_err().to_string();
+        assert!(err.contains("bad.parquet: row 1: a record needs"), "{err}");
+    }
+
+    #[test]
+    fn the_cache_returns_what_was_prepared_and_a_damaged_entry_is_prepared_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.jsonl");
+        std::fs::write(&path, "{\"text\": \"abc\"}\n{\"prompt\": \"p\", \"completion\": \"q\"}").unwrap();
+        let format = ExampleFormat { tokenizer: &Tokenizer::Bytes, template: None, end_of_text: None };
+        let cache = dir.path().join("cache");
+        let first = ExampleSet::load(&path, &format, &options(100), Some(&cache)).unwrap();
+        let again = ExampleSet::load(&path, &format, &options(100), Some(&cache)).unwrap();
+        assert!(!first.cached && again.cached);
+        assert_eq!(
+            (&first.ids, &first.learned, &first.starts, &first.report),
+            (&again.ids, &again.learned, &again.starts, &again.report)
+        );
+        // Other options are another entry.
+        assert!(!ExampleSet::load(&path, &format, &options(2), Some(&cache)).unwrap().cached);
+        // A truncated entry is prepared again, not trusted.
+        for entry in std::fs::read_dir(&cache)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "examples"))
+        {
+            let bytes = std::fs::read(&entry).unwrap();
+            std::fs::write(&entry, &bytes[..bytes.len() - 3]).unwrap();
+        }
+        let rebuilt = ExampleSet::load(&path, &format, &options(100), Some(&cache)).unwrap();
+        assert!(!rebuilt.cached);
+        assert_eq!(rebuilt.ids, first.ids);
+    }
+
     #[test]
     fn each_record_form_learns_what_it_should() {
         let set = prepare(
