@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use strata::checkpoint::Checkpoint;
+use strata::data::chat::ChatTemplate;
 use strata::data::{validation_steps, LoaderConfig, TokenData, TokenWidth, Tokenizer};
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, GenerateConfig};
@@ -181,11 +182,46 @@ pub struct GenerateArgs {
     /// Print the prompt's and the new tokens' ids as JSON instead of text.
     #[arg(long)]
     ids: bool,
+    /// Ask as a user of the chat template: the prompt is rendered as one user turn with the
+    /// assistant's turn opened, generation stops at the template's end token, and only the
+    /// answer is printed.
+    #[arg(long)]
+    chat: bool,
+    /// The Jinja chat template for --chat (default: the model folder's).
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
+}
+
+/// The prompt's ids as --chat renders it, and the id of the template's end token.
+fn chat_prompt(args: &GenerateArgs, loaded: &Loaded) -> Result<(Vec<u32>, Option<i64>)> {
+    let folder = crate::options::tokenizer_folder(
+        args.source.tokenizer.as_deref(),
+        loaded.folder.as_ref().map(|m| m.dir.as_path()),
+    );
+    let template = ChatTemplate::choose(args.chat_template.as_deref(), folder)?
+        .context("--chat needs a chat template: the model folder has none (give --chat-template FILE)")?;
+    let turn = serde_json::json!({"role": "user", "content": args.prompt});
+    let text = template.render(&[turn], true)?;
+    let tokenizer = loaded.text_tokenizer()?;
+    let ids = tokenizer.encode_with_starts(vec![text], false)?.remove(0).0;
+    // The end token where it is one token of the vocabulary.
+    let end = match &template.eos_token {
+        Some(eos) => match tokenizer.encode_with_starts(vec![eos.clone()], false)?.remove(0).0[..] {
+            [id] => Some(i64::from(id)),
+            _ => None,
+        },
+        None => None,
+    };
+    Ok((ids, end))
 }
 
 pub fn run_generate(args: GenerateArgs) -> Result<()> {
     let mut loaded = args.source.load()?;
-    let prompt: Vec<i64> = loaded.text_tokenizer()?.encode(&args.prompt)?.into_iter().map(i64::from).collect();
+    let (prompt, chat_end) = match args.chat {
+        true => chat_prompt(&args, &loaded)?,
+        false => (loaded.text_tokenizer()?.encode(&args.prompt)?, None),
+    };
+    let prompt: Vec<i64> = prompt.into_iter().map(i64::from).collect();
     let vocab = loaded.config.vocab();
     if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
         bail!("the prompt holds token {bad}, outside the model's vocabulary of {vocab}");
@@ -200,7 +236,14 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         top_k: args.top_k,
         top_p: args.top_p,
         seed: args.seed,
-        stop_tokens: loaded.folder.as_ref().map(ModelDir::eos_tokens).unwrap_or_default(),
+        stop_tokens: loaded
+            .folder
+            .as_ref()
+            .map(ModelDir::eos_tokens)
+            .unwrap_or_default()
+            .into_iter()
+            .chain(chat_end)
+            .collect(),
         cache: !args.no_cache,
     };
     let new = generate(&mut loaded.engine, &prompt, &config, loaded.config.context())?;
@@ -213,9 +256,11 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         Some(t) if config.stop_tokens.contains(t) => &new[..new.len() - 1],
         _ => &new[..],
     };
-    // Decoded whole, so the tokenizer spaces the prompt and the new text as it spaces words.
+    // Decoded whole, so the tokenizer spaces the prompt and the new text as it spaces words;
+    // a chat prints the answer alone.
+    let text = if args.chat { &[][..] } else { &prompt[..] };
     let ids: Vec<u32> =
-        prompt.iter().chain(shown).map(|&t| u32::try_from(t)).collect::<Result<_, _>>().context("token id")?;
+        text.iter().chain(shown).map(|&t| u32::try_from(t)).collect::<Result<_, _>>().context("token id")?;
     println!("{}", loaded.tokenizer.decode(&ids)?);
     Ok(())
 }

@@ -377,6 +377,12 @@ pub fn tokenizer(given: Option<&Path>, model_dir: Option<&ModelDir>) -> Result<T
     Ok(tokenizer)
 }
 
+/// The folder whose `tokenizer_config.json` names the special tokens and chat template: the
+/// model folder, else the folder of a given `tokenizer.json` where it has one.
+pub fn tokenizer_folder<'a>(tokenizer: Option<&'a Path>, model_dir: Option<&'a Path>) -> Option<&'a Path> {
+    model_dir.or_else(|| tokenizer.and_then(Path::parent).filter(|d| d.join("tokenizer_config.json").is_file()))
+}
+
 impl TrainSettings {
     pub fn model(&self, vocab: i64) -> Result<ModelConfig> {
         if let Some(dir) = &self.model_dir {

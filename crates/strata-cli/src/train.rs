@@ -42,21 +42,16 @@ fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, 
 /// The examples of `path`, rendered with the chat template of --chat-template or the model
 /// folder, ended with the folder's end-of-sequence token, cached for the next run.
 fn load_examples(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> Result<ExampleSet> {
-    let folder = settings.model_dir.as_ref().map(|m| m.dir.as_path());
-    let special = match folder {
-        Some(dir) => chat::tokenizer_config(dir)?,
-        None => serde_json::json!({}),
+    let folder = crate::options::tokenizer_folder(
+        settings.tokenizer.as_deref(),
+        settings.model_dir.as_ref().map(|m| m.dir.as_path()),
+    );
+    let template = ChatTemplate::choose(settings.chat_template.as_deref(), folder)?;
+    let end_of_text = match folder {
+        Some(dir) => chat::special_token(&chat::tokenizer_config(dir)?, "eos_token"),
+        None => None,
     };
-    let token = |key: &str| chat::special_token(&special, key);
-    let template = match (&settings.chat_template, folder) {
-        (Some(file), _) => {
-            let source = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-            Some(ChatTemplate::new(source, token("bos_token"), token("eos_token"), &file.display().to_string())?)
-        }
-        (None, Some(dir)) => ChatTemplate::from_model_dir(dir)?,
-        (None, None) => None,
-    };
-    let format = ExampleFormat { tokenizer, template: template.as_ref(), end_of_text: token("eos_token") };
+    let format = ExampleFormat { tokenizer, template: template.as_ref(), end_of_text };
     let options = settings.examples.clone().context("example options are set for example data")?;
     let set = ExampleSet::load(path, &format, &options, strata::data::records::default_cache_dir().as_deref())?;
     let r = &set.report;

@@ -212,7 +212,7 @@ fn an_instruction_tuned_model_learns_to_answer_in_the_template() {
     let folder = tokenizer_folder(&python, dir.path(), "chatml");
     let train = conversation_file(dir.path(), "train.jsonl", &sum_conversations(256, 1));
     let val = conversation_file(dir.path(), "val.jsonl", &sum_conversations(32, 2));
-    let metrics = dir.path().join("m.jsonl");
+    let (metrics, ckpt) = (dir.path().join("m.jsonl"), dir.path().join("ckpt"));
     let shape = "train --model llama --layers 2 --heads 4 --dim 64 --ctx 64 --seed 1 --threads 1";
     let run = "--steps 80 --batch-size 16 --lr 0.003 --eval-every 20";
     let (tokenizer, template) = (folder.join("tokenizer.json"), folder.join("chat_template.jinja"));
@@ -222,6 +222,7 @@ fn an_instruction_tuned_model_learns_to_answer_in_the_template() {
         ("--tokenizer", &tokenizer),
         ("--chat-template", &template),
         ("--metrics", &metrics),
+        ("--save-checkpoint", &ckpt),
     ];
     let files: Vec<&str> = files.iter().flat_map(|(flag, path)| [*flag, path.to_str().unwrap()]).collect();
     let args = [words(shape), words(run), files].concat();
@@ -235,6 +236,16 @@ fn an_instruction_tuned_model_learns_to_answer_in_the_template() {
     assert_eq!(val_losses.len(), 4);
     // The answers ("It is N.<|im_end|>") are learned: the loss on them falls by more than half.
     assert!(val_losses[3] < 0.5 * val_losses[0], "{val_losses:?}");
+    // Asked as a user of the template, the model answers in the template's words and stops
+    // at its end token.
+    let ask = [("--resume", &ckpt), ("--tokenizer", &tokenizer), ("--chat-template", &template)];
+    let ask: Vec<&str> = ask.iter().flat_map(|(flag, path)| [*flag, path.to_str().unwrap()]).collect();
+    let question = ["generate", "--chat", "--prompt", "What is two plus three?", "--max-new-tokens", "16"];
+    let o = strata(&[&question[..], &ask].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let answer = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    eprintln!("answer: {answer:?}");
+    assert!(answer.starts_with("It is ") && answer.ends_with('.') && answer.len() <= 10, "{answer:?}");
     // The second run reads the cache.
     let again = strata_env(&[&args[..], &["--steps", "1"]].concat(), &[("STRATA_CACHE", cache.to_str().unwrap())]);
     assert!(stderr(&again).contains("cached=true"), "{}", stderr(&again));

@@ -88,6 +88,20 @@ impl ChatTemplate {
         Ok(Some(template))
     }
 
+    /// The template a run uses: the Jinja file `file` where one is given (with the special
+    /// tokens of `folder`'s tokenizer configuration), else `folder`'s own; `None` without
+    /// either.
+    pub fn choose(file: Option<&Path>, folder: Option<&Path>) -> Result<Option<ChatTemplate>> {
+        let Some(file) = file else { return folder.map(ChatTemplate::from_model_dir).transpose().map(Option::flatten) };
+        let config = match folder {
+            Some(dir) => tokenizer_config(dir)?,
+            None => json!({}),
+        };
+        let source = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
+        let (bos, eos) = (special_token(&config, "bos_token"), special_token(&config, "eos_token"));
+        Ok(Some(ChatTemplate::new(source, bos, eos, &file.display().to_string())?))
+    }
+
     /// A template from its Jinja source; `origin` names it in errors.
     pub fn new(source: String, bos: Option<String>, eos: Option<String>, origin: &str) -> Result<ChatTemplate> {
         let mut env = Environment::new();
