@@ -75,6 +75,9 @@ train_options! {
     drop_long: bool,
     /// Examples: learn the prompts (system and user turns, a completion's prompt) too.
     train_on_prompt: bool,
+    /// Examples: pack several into each row of --ctx tokens, each attending only to itself
+    /// and with positions starting again at 0.
+    pack: bool,
     /// Examples: the Jinja chat template that renders conversations (default: the model
     /// folder's chat_template.jinja or tokenizer_config.json's chat_template).
     chat_template: PathBuf,
@@ -247,6 +250,7 @@ fn example_options(
             ("--max-length", o.max_length.is_some()),
             ("--drop-long", o.drop_long.is_some()),
             ("--train-on-prompt", o.train_on_prompt.is_some()),
+            ("--pack", o.pack.is_some()),
             ("--chat-template", o.chat_template.is_some()),
         ];
         if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
@@ -277,6 +281,8 @@ pub struct TrainSettings {
     pub val: Option<DataChoice>,
     /// How example data is cut and learned (set when the data is examples).
     pub examples: Option<ExampleOptions>,
+    /// Pack several examples into each row.
+    pub pack: bool,
     pub chat_template: Option<PathBuf>,
     /// Hugging Face tokenizer.json for text data (default: the model folder's, else bytes).
     pub tokenizer: Option<PathBuf>,
@@ -681,6 +687,7 @@ impl TrainOptions {
             dim: o.dim.unwrap_or(128),
             ctx,
             examples,
+            pack: o.pack.unwrap_or(false),
             chat_template: o.chat_template,
             vocab: o.vocab,
             data,

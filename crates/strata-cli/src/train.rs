@@ -125,6 +125,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
         accumulation: s.accumulation,
         seed: s.seed,
         order,
+        pack: s.pack,
         device: s.device,
         threads: s.threads,
         optimizer: s.optimizer.clone(),

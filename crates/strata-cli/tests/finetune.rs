@@ -96,6 +96,53 @@ fn two_pipeline_stages_of_4_micro_batches_are_one_batch_of_32() {
     same_as_one_batch(&["--nproc", "2", "--accumulation", "4", "--strategy", pipeline]);
 }
 
+/// One process, the batch of 32 packed rows in one micro-batch: trained once per binary.
+fn one_packed_batch() -> Run {
+    let dir = common::shared_dir("one-packed", |dir| {
+        train(dir, "one", &["--pack", "true"]);
+    });
+    (dir.join("one.st"), dir.join("one.jsonl"))
+}
+
+/// Packed rows split by `extra` reach the losses and weights of one packed batch of 32.
+fn packed_same_as_one_batch(extra: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let what = format!("packed {extra:?}");
+    let run = train(dir.path(), "run", &[&["--pack", "true"][..], extra].concat());
+    assert_follows(&one_packed_batch(), &run, &what, 1e-6, 1e-6);
+}
+
+#[test]
+fn packed_rows_by_accumulation_4_are_one_batch() {
+    packed_same_as_one_batch(&["--accumulation", "4"]);
+}
+
+#[test]
+fn packed_rows_on_four_fsdp_ranks_are_one_batch() {
+    packed_same_as_one_batch(&["--nproc", "4", "--strategy", r#"["fsdp"]"#]);
+}
+
+#[test]
+fn packed_rows_in_two_pipeline_stages_are_one_batch() {
+    let pipeline = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
+    packed_same_as_one_batch(&["--nproc", "2", "--accumulation", "4", "--strategy", pipeline]);
+}
+
+#[test]
+fn packed_rows_under_tensor_and_sequence_parallel_are_one_batch() {
+    let tensor = r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
+    packed_same_as_one_batch(&["--nproc", "2", "--strategy", tensor]);
+}
+
+#[test]
+fn packing_fills_rows_with_several_examples() {
+    let (packed, one) = (reports(&one_packed_batch().1), reports(&one_batch().1));
+    // These examples run 10 to 33 tokens, rows 48: about two to a row, so a step's 32 rows
+    // learn well over 1.5 times the tokens of 32 examples alone.
+    let learned = |r: &serde_json::Value| r["supervised_tokens"].as_u64().unwrap() as f64;
+    assert!(learned(&packed[0]) > 1.5 * learned(&one[0]), "{} against {}", learned(&packed[0]), learned(&one[0]));
+}
+
 #[test]
 fn learned_tokens_are_counted_and_examples_cached() {
     let one = one_batch();

@@ -311,6 +311,7 @@ impl PatrickStarEngine {
     /// The mean next-token loss of `batch`.
     pub fn forward(&mut self, batch: &Batch) -> Result<Tensor> {
         let mut s = self.session.borrow_mut();
+        s.engine.set_layout(batch.layout.as_ref());
         let output = s.engine.forward(&batch.inputs)?;
         (s.loss)(&output, batch)
     }

@@ -102,6 +102,7 @@ pub fn evaluate(engine: &mut Engine, steps: &[Step]) -> Result<f64> {
 fn evaluate_with(engine: &mut Engine, steps: &[Step], input: &InputFn, loss: &LossFn) -> Result<f64> {
     let mut losses = vec![];
     for batch in steps.iter().flat_map(|s| &s.micro_batches) {
+        engine.set_layout(batch.layout.as_ref());
         let output = engine.evaluate(&input(batch)?)?;
         losses.push(loss(&output, batch)?.f_double_value(&[])?);
     }
@@ -325,6 +326,7 @@ impl Trainer {
                 let updates = updates.clone();
                 self.engine.set_grad_ready(Some(Arc::new(move |unit| updates.start(unit))));
             }
+            self.engine.set_layout(batch.layout.as_ref());
             let output = self.engine.forward(&(self.prepare_input)(batch)?)?;
             crate::fault::point("backward", self.step + 1);
             let loss = (self.loss_func)(&output, batch)?;

@@ -383,3 +383,97 @@ fn gemma3_matches_transformers() {
 fn phi3_matches_transformers() {
     family_matches_transformers("phi3", 48);
 }
+
+/// Examples packed two rows of 12: each row's examples one after another, then padding.
+const PACKED: [&[&[i64]]; 2] =
+    [&[&[5, 17, 3, 88, 40], &[41, 9, 0, 63], &[12, 77]], &[&[94, 1, 1, 30, 58, 6, 19], &[71, 4, 95, 50, 33]]];
+
+/// The packed rows' ids and layout (positions restart per example; the padding is one more
+/// example of its own).
+fn packed_rows(rows: &[&[&[i64]]]) -> (Tensor, strata::data::RowLayout) {
+    let (mut ids, mut positions, mut examples) = (vec![], vec![], vec![]);
+    for row in rows {
+        let used: usize = row.iter().map(|e| e.len()).sum();
+        for (n, example) in row.iter().chain(std::iter::once(&&[0i64; 12][..12 - used])).enumerate() {
+            ids.extend_from_slice(example);
+            positions.extend(0..example.len() as i64);
+            examples.extend(std::iter::repeat_n(n as i64, example.len()));
+        }
+    }
+    let shape = [rows.len() as i64, 12];
+    let t = |v: &[i64]| Tensor::from_slice(v).view(shape);
+    (t(&ids), strata::data::RowLayout { positions: t(&positions), examples: t(&examples) })
+}
+
+/// Each packed example's logits, in order.
+fn packed_logits(engine: &mut Engine, rows: &[&[&[i64]]]) -> Vec<Tensor> {
+    let (ids, layout) = packed_rows(rows);
+    engine.set_layout(Some(&layout));
+    let logits = engine.evaluate(&ids).unwrap();
+    engine.set_layout(None);
+    let mut out = vec![];
+    for (r, row) in rows.iter().enumerate() {
+        let mut start = 0;
+        for example in row.iter() {
+            out.push(logits.get(r as i64).narrow(0, start, example.len() as i64));
+            start += example.len() as i64;
+        }
+    }
+    out
+}
+
+/// A packed row gives each example the logits it has alone in `transformers` (so the same
+/// loss under any labels), and changing one example changes no other's logits at all.
+fn packing_matches(family: &str) {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join(family);
+    make(&py, family, &dir, None);
+    let mut engine = strata_engine(&dir);
+    let ours = packed_logits(&mut engine, &PACKED);
+    let examples: Vec<&[i64]> = PACKED.iter().flat_map(|r| r.iter().copied()).collect();
+    for (example, ours) in examples.iter().zip(&ours) {
+        let out = work.path().join("alone.safetensors");
+        let rows = serde_json::to_string(&[example]).unwrap();
+        reference(&py, &["logits", "--dir", dir.to_str().unwrap(), "--tokens", &rows, "--out", out.to_str().unwrap()]);
+        let theirs = strata::io::read_safetensors(&out).unwrap().remove("logits").unwrap().get(0);
+        let g = gap(&theirs, ours);
+        // The loss with the first token's prediction ignored where more follow (a prompt), as
+        // labels of -100 say; the last token predicts nothing.
+        let next = |j: usize| if j == 0 && example.len() > 2 { -100 } else { example[j + 1] };
+        let labels: Vec<i64> = (0..example.len() - 1).map(next).chain([-100]).collect();
+        let labels = Tensor::from_slice(&labels);
+        let loss = |l: &Tensor| {
+            l.cross_entropy_loss::<&Tensor>(&labels, None, tch::Reduction::Mean, -100, 0.0).double_value(&[])
+        };
+        let loss_gap = (loss(&theirs) - loss(ours)).abs();
+        eprintln!(
+            "{family}: example of {} tokens packed: logits within {g:.2e}, loss within {loss_gap:.2e}",
+            example.len()
+        );
+        assert!(
+            g < 1e-5 && loss_gap < 1e-5,
+            "{family}: a packed example's logits differ by {g}, its loss by {loss_gap}"
+        );
+    }
+    // The second example of the first row changed: the first and third read nothing of it.
+    let mut changed: Vec<Vec<Vec<i64>>> = PACKED.iter().map(|r| r.iter().map(|e| e.to_vec()).collect()).collect();
+    changed[0][1] = vec![2, 2, 2, 2];
+    let changed: Vec<Vec<&[i64]>> = changed.iter().map(|r| r.iter().map(Vec::as_slice).collect()).collect();
+    let changed: Vec<&[&[i64]]> = changed.iter().map(Vec::as_slice).collect();
+    let after = packed_logits(&mut engine, &changed);
+    for k in [0, 2, 3, 4] {
+        assert!(after[k].equal(&ours[k]), "{family}: example {k} changed with another example of its row");
+    }
+    assert!(!after[1].equal(&ours[1]));
+}
+
+#[test]
+fn packed_gpt2_examples_equal_each_alone_in_transformers() {
+    packing_matches("gpt2");
+}
+
+#[test]
+fn packed_llama_examples_equal_each_alone_in_transformers() {
+    packing_matches("llama");
+}

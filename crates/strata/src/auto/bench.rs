@@ -289,6 +289,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         .and_then(|s| s.micro_batches.first())
         .ok_or_else(|| Error::Data("no batch to profile".into()))?;
     let start = Instant::now();
+    engine.set_layout(batch.layout.as_ref());
     let out = engine.forward(&(bench.prepare_input)(batch)?)?;
     let loss = bench.loss_func.clone().unwrap_or_else(crate::train::next_token_loss);
     engine.backward(&loss(&out, batch)?)?;

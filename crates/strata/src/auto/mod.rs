@@ -77,6 +77,8 @@ pub struct DataloaderArgs {
     pub seed: u64,
     /// How the global batch's windows are chosen (the distributed sampler).
     pub order: Order,
+    /// Pack several examples into each row (example data).
+    pub pack: bool,
 }
 
 /// One training job to accelerate.
@@ -205,6 +207,7 @@ fn loader_config(job: &AutoAccelerate<'_>, tensor: usize) -> Result<LoaderConfig
         world,
         seed: a.seed,
         device: job.engine.device,
+        pack: a.pack,
         ..LoaderConfig::new(a.ctx, a.batch_size)
     })
 }

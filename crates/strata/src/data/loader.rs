@@ -67,6 +67,8 @@ pub struct LoaderConfig {
     pub device: Device,
     /// Index of the first step to produce: a resumed run continues where it stopped.
     pub start_step: usize,
+    /// Pack several examples into each row (examples only), each seeing only itself.
+    pub pack: bool,
 }
 
 impl LoaderConfig {
@@ -81,6 +83,7 @@ impl LoaderConfig {
             prefetch: 2,
             device: Device::Cpu,
             start_step: 0,
+            pack: false,
         }
     }
 
@@ -114,13 +117,32 @@ pub struct Batch {
     pub targets: Tensor,
     /// How many targets are not [`IGNORE`]: the tokens this micro-batch's loss averages over.
     pub supervised: u64,
+    /// Where rows hold several examples (packing): which example each position belongs to.
+    pub layout: Option<RowLayout>,
 }
 
 impl Batch {
     /// A batch whose supervised targets are counted from `targets` (a read of the tensor).
     pub fn new(inputs: Tensor, targets: Tensor) -> Result<Batch> {
         let supervised = targets.f_ne(IGNORE)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as u64;
-        Ok(Batch { inputs, targets, supervised })
+        Ok(Batch { inputs, targets, supervised, layout: None })
+    }
+}
+
+/// The examples packed into a batch's rows, both `[rows, ctx]` int64: each position's place
+/// within its example (positions restart at every example) and the example it belongs to,
+/// numbered within its row (the padding after the last example is one more). A model reads
+/// positions from it and lets a position attend only to earlier positions of its example.
+#[derive(Debug)]
+pub struct RowLayout {
+    pub positions: Tensor,
+    pub examples: Tensor,
+}
+
+impl RowLayout {
+    /// The same tensors, shared.
+    pub fn shallow_clone(&self) -> RowLayout {
+        RowLayout { positions: self.positions.shallow_clone(), examples: self.examples.shallow_clone() }
     }
 }
 
@@ -159,11 +181,17 @@ impl Step {
 /// takes as many whole batches as fit, at most `most`.
 pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usize>, most: usize) -> Result<Vec<Step>> {
     let rows = config.micro_batch_rows()?;
-    let (held, what, stride) = match data {
-        Dataset::Tokens(t) => {
+    // Packed rows are filled from the first example on, in order.
+    let packed = match data {
+        Dataset::Examples(e) if config.pack => Some(pack(&mut (0..e.len()).peekable(), &lengths(e), config.ctx)),
+        _ => None,
+    };
+    let (held, what, stride) = match (data, &packed) {
+        (_, Some(packed)) => (packed.len(), format!("packed rows of {} tokens", config.ctx), 0),
+        (Dataset::Tokens(t), None) => {
             (t.len().saturating_sub(1) / config.ctx, format!("windows of {} tokens", config.ctx + 1), config.ctx)
         }
-        Dataset::Examples(e) => (e.len(), "examples".to_string(), 1),
+        (Dataset::Examples(e), None) => (e.len(), "examples".to_string(), 1),
     };
     let fit = held / config.batch_size;
     let count = match count {
@@ -187,7 +215,11 @@ pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usi
     }
     (0..count)
         .map(|i| {
-            let global: Vec<usize> = (0..config.batch_size).map(|r| (i * config.batch_size + r) * stride).collect();
+            let batch = i * config.batch_size..(i + 1) * config.batch_size;
+            let global: Vec<Vec<usize>> = match &packed {
+                Some(packed) => packed[batch].to_vec(),
+                None => batch.map(|r| vec![r * stride]).collect(),
+            };
             build_step(data, config, rows, i, &global)
         })
         .collect()
@@ -256,6 +288,8 @@ struct OffsetStream {
     rng: SplitMix64,
     epoch: Epoch,
     cursor: usize,
+    /// A packed row's first example, drawn while filling the row before it.
+    waiting: Option<usize>,
     step: usize,
 }
 
@@ -263,8 +297,10 @@ struct OffsetStream {
 enum Items {
     /// Windows of a token stream of this many tokens.
     Windows { tokens: usize },
-    /// This many examples.
+    /// This many examples, one a row.
     Examples { count: usize },
+    /// Examples of these lengths, packed into rows of `ctx` tokens.
+    Packed { lengths: Vec<usize> },
 }
 
 /// One pass over the windows of a shift: window `k` of the pass starts at
@@ -317,6 +353,7 @@ impl OffsetStream {
     fn new(data: &Dataset, config: &LoaderConfig, order: Order) -> Result<OffsetStream> {
         let items = match data {
             Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
+            Dataset::Examples(e) if config.pack => Items::Packed { lengths: lengths(e) },
             Dataset::Examples(e) => Items::Examples { count: e.len() },
         };
         if let Order::Offsets(o) = &order {
@@ -326,9 +363,12 @@ impl OffsetStream {
                     o.ctx, o.batch, config.ctx, config.batch_size
                 )));
             }
-            let (limit, held) = match items {
+            let (limit, held) = match &items {
                 Items::Windows { tokens } => (tokens - config.ctx - 1, format!("{tokens} tokens, ctx {}", config.ctx)),
                 Items::Examples { count } => (count - 1, format!("{count} examples")),
+                Items::Packed { .. } => {
+                    return Err(Error::Data("batch offsets replay windows or single examples, not packed rows".into()))
+                }
             };
             if let Some(bad) = o.offsets.iter().flatten().find(|&&x| x > limit) {
                 return Err(Error::Data(format!("batch offset {bad} runs past the end of {} ({held})", data.source())));
@@ -342,20 +382,37 @@ impl OffsetStream {
             rng: SplitMix64::new(config.seed),
             epoch: Epoch { shift: 0, order: Permutation { count: 0, half_bits: 1, keys: [0; 4] } },
             cursor: 0,
+            waiting: None,
             step: 0,
         })
     }
 
-    fn next_step(&mut self) -> Option<Vec<usize>> {
+    /// The rows of the next global batch, each the window offset or examples it holds.
+    fn next_step(&mut self) -> Option<Vec<Vec<usize>>> {
         let step = self.step;
         self.step += 1;
         match &self.order {
-            Order::Offsets(o) => o.offsets.get(step).cloned(),
-            Order::Shuffled => Some((0..self.batch).map(|_| self.next_window()).collect()),
+            Order::Offsets(o) => o.offsets.get(step).map(|row| row.iter().map(|&x| vec![x]).collect()),
+            Order::Shuffled => Some((0..self.batch).map(|_| self.next_row()).collect()),
         }
     }
 
+    fn next_row(&mut self) -> Vec<usize> {
+        let Items::Packed { lengths } = &self.items else { return vec![self.next_window()] };
+        let (lengths, ctx) = (lengths.clone(), self.ctx);
+        let mut stream = std::iter::from_fn(|| Some(self.next_window())).peekable();
+        let row = pack_one(&mut stream, &lengths, ctx);
+        // The example that did not fit starts the next row.
+        let waiting = stream.peek().copied();
+        drop(stream);
+        self.waiting = waiting;
+        row
+    }
+
     fn next_window(&mut self) -> usize {
+        if let Some(waiting) = self.waiting.take() {
+            return waiting;
+        }
         if self.cursor as u64 == self.epoch.order.count {
             let (shift, count) = match self.items {
                 Items::Windows { tokens } => {
@@ -369,6 +426,7 @@ impl OffsetStream {
                     }
                 }
                 Items::Examples { count } => (0, count),
+                Items::Packed { ref lengths } => (0, lengths.len()),
             };
             self.epoch = Epoch { shift, order: Permutation::new(count as u64, &mut self.rng) };
             self.cursor = 0;
@@ -377,54 +435,48 @@ impl OffsetStream {
         let k = self.epoch.order.at(self.cursor as u64 - 1) as usize;
         match self.items {
             Items::Windows { .. } => self.epoch.shift + self.ctx * k,
-            Items::Examples { .. } => k,
+            Items::Examples { .. } | Items::Packed { .. } => k,
         }
     }
 }
 
-fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, global: &[usize]) -> Result<Step> {
+fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, global: &[Vec<usize>]) -> Result<Step> {
     let per_rank = rows * config.accumulation;
     let mine = &global[config.rank * per_rank..(config.rank + 1) * per_rank];
     let ctx = config.ctx;
     let micro_batches = mine
         .chunks(rows)
-        .map(|items| {
-            let mut inputs = Vec::with_capacity(items.len() * ctx);
-            let mut targets = Vec::with_capacity(items.len() * ctx);
-            for &item in items {
+        .map(|rows| {
+            let (mut inputs, mut targets) =
+                (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx));
+            let mut layout =
+                config.pack.then(|| (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx)));
+            for row in rows {
                 match data {
                     Dataset::Tokens(t) => {
-                        t.extend_window(&mut inputs, item, ctx);
-                        t.extend_window(&mut targets, item + 1, ctx);
+                        t.extend_window(&mut inputs, row[0], ctx);
+                        t.extend_window(&mut targets, row[0] + 1, ctx);
                     }
-                    Dataset::Examples(e) => example_row(e, item, ctx, &mut inputs, &mut targets),
+                    Dataset::Examples(e) => examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()),
                 }
             }
-            batch_of(inputs, targets, items.len(), ctx, config.device)
+            let mut batch = batch_of(inputs, targets, rows.len(), ctx, config.device)?;
+            if let Some((positions, examples)) = layout {
+                let tensor = |ids: &[i64]| -> Result<Tensor> {
+                    Ok(Tensor::f_from_slice(ids)?
+                        .f_view([rows.len() as i64, ctx as i64])?
+                        .f_to_device(config.device)?)
+                };
+                batch.layout = Some(RowLayout { positions: tensor(&positions)?, examples: tensor(&examples)? });
+            }
+            Ok(batch)
         })
         .collect::<Result<Vec<_>>>()?;
     let global_supervised = match data {
         Dataset::Tokens(_) => (global.len() * ctx) as u64,
-        Dataset::Examples(e) => global.iter().map(|&i| learned_targets(e, i)).sum(),
+        Dataset::Examples(e) => global.iter().flatten().map(|&i| learned_targets(e, i)).sum(),
     };
     Ok(Step { index, micro_batches, global_supervised, data_ranks: config.world })
-}
-
-/// Example `i` as a row of `ctx` positions, as `transformers` lays out `input_ids` and
-/// `labels`: its tokens, then padding (id 0, which no earlier position attends to under the
-/// causal mask); position `j`'s target is token `j + 1` where the loss learns it, else
-/// [`IGNORE`].
-fn example_row(examples: &ExampleSet, i: usize, ctx: usize, inputs: &mut Vec<i64>, targets: &mut Vec<i64>) {
-    let (ids, learned) = examples.example(i);
-    inputs.extend(ids.iter().map(|&t| i64::from(t)));
-    inputs.resize(inputs.len() + ctx - ids.len(), 0);
-    targets.extend(ids.iter().zip(learned).skip(1).map(|(&t, &l)| if l { i64::from(t) } else { IGNORE }));
-    targets.resize(targets.len() + ctx + 1 - ids.len(), IGNORE);
-}
-
-/// The targets example `i` gives the loss.
-fn learned_targets(examples: &ExampleSet, i: usize) -> u64 {
-    examples.example(i).1.iter().skip(1).filter(|&&l| l).count() as u64
 }
 
 /// A micro-batch of `rows` rows of `ctx` from host ids, on `device`.
@@ -432,7 +484,82 @@ pub(super) fn batch_of(inputs: Vec<i64>, targets: Vec<i64>, rows: usize, ctx: us
     let supervised = targets.iter().filter(|&&t| t != IGNORE).count() as u64;
     let shape = [rows as i64, ctx as i64];
     let tensor = |ids: &[i64]| -> Result<Tensor> { Ok(Tensor::f_from_slice(ids)?.f_view(shape)?.f_to_device(device)?) };
-    Ok(Batch { inputs: tensor(&inputs)?, targets: tensor(&targets)?, supervised })
+    Ok(Batch { inputs: tensor(&inputs)?, targets: tensor(&targets)?, supervised, layout: None })
+}
+
+/// A row of `ctx` positions holding `examples` one after another, as `transformers` lays out
+/// `input_ids` and `labels`: their tokens, then padding (id 0, which no earlier position
+/// attends to under the causal mask); position `j`'s target is the next token of the same
+/// example where the loss learns it, else [`IGNORE`] (an example's last token predicts
+/// nothing, not the next example's first). Where `layout` is given, each position's place in
+/// its example and the example's number in the row are appended to it.
+fn examples_row(
+    set: &ExampleSet,
+    examples: &[usize],
+    ctx: usize,
+    (inputs, targets): (&mut Vec<i64>, &mut Vec<i64>),
+    mut layout: Option<&mut (Vec<i64>, Vec<i64>)>,
+) {
+    let mut used = 0;
+    for (n, &i) in examples.iter().enumerate() {
+        let (ids, learned) = set.example(i);
+        inputs.extend(ids.iter().map(|&t| i64::from(t)));
+        targets.extend(ids.iter().zip(learned).skip(1).map(|(&t, &l)| if l { i64::from(t) } else { IGNORE }));
+        targets.push(IGNORE);
+        if let Some((positions, numbers)) = layout.as_mut() {
+            positions.extend(0..ids.len() as i64);
+            numbers.extend(std::iter::repeat_n(n as i64, ids.len()));
+        }
+        used += ids.len();
+    }
+    let pad = ctx - used;
+    inputs.resize(inputs.len() + pad, 0);
+    targets.resize(targets.len() + pad, IGNORE);
+    if let Some((positions, numbers)) = layout {
+        positions.extend(0..pad as i64);
+        numbers.extend(std::iter::repeat_n(examples.len() as i64, pad));
+    }
+}
+
+/// The targets example `i` gives the loss.
+fn learned_targets(examples: &ExampleSet, i: usize) -> u64 {
+    examples.example(i).1.iter().skip(1).filter(|&&l| l).count() as u64
+}
+
+/// Every example's length.
+fn lengths(set: &ExampleSet) -> Vec<usize> {
+    (0..set.len()).map(|i| set.example(i).0.len()).collect()
+}
+
+/// Rows of `ctx` tokens filled with the examples of `order` in turn, each row taking examples
+/// while the next fits (every example fits a row alone).
+fn pack(
+    order: &mut std::iter::Peekable<impl Iterator<Item = usize>>,
+    lengths: &[usize],
+    ctx: usize,
+) -> Vec<Vec<usize>> {
+    let mut rows = vec![];
+    while order.peek().is_some() {
+        rows.push(pack_one(order, lengths, ctx));
+    }
+    rows
+}
+
+/// One row of [`pack`]: the examples of `order` while they fit in `ctx` tokens.
+fn pack_one(order: &mut std::iter::Peekable<impl Iterator<Item = usize>>, lengths: &[usize], ctx: usize) -> Vec<usize> {
+    let (mut row, mut used) = (vec![], 0);
+    while let Some(&i) = order.peek() {
+        if used + lengths[i] > ctx && !row.is_empty() {
+            break;
+        }
+        used += lengths[i];
+        row.push(i);
+        order.next();
+        if used >= ctx {
+            break;
+        }
+    }
+    row
 }
 
 #[cfg(test)]
@@ -526,6 +653,74 @@ mod tests {
         let bad = BatchOffsets { ctx: 4, batch: 1, offsets: vec![vec![16]] };
         let err = DataLoader::new(data(20), LoaderConfig::new(4, 1), Order::Offsets(bad)).err().unwrap();
         assert!(err.to_string().contains("runs past the end"), "{err}");
+    }
+
+    /// Examples of lengths 3, 5, 7, ... in a JSON Lines file, every token learned.
+    fn examples(count: usize) -> Arc<Dataset> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.jsonl");
+        let lines: Vec<String> =
+            (0..count).map(|i| format!("{{\"text\": \"{}\"}}", "x".repeat(3 + 2 * (i % 4)))).collect();
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let format = super::super::ExampleFormat {
+            tokenizer: &super::super::Tokenizer::Bytes,
+            template: None,
+            end_of_text: None,
+        };
+        let options = super::super::ExampleOptions { max_length: 16, drop_long: false, train_on_prompt: false };
+        Arc::new(ExampleSet::prepare(&path, &format, &options).unwrap().into())
+    }
+
+    #[test]
+    fn packed_rows_hold_whole_examples_that_restart_positions_and_targets() {
+        let cfg = LoaderConfig { pack: true, seed: 3, ..LoaderConfig::new(16, 4) };
+        // 20 examples of 3, 5, 7 and 9 tokens: 120 tokens, an epoch in about 2 steps.
+        let steps: Vec<Step> =
+            DataLoader::new(examples(20), cfg, Order::Shuffled).unwrap().take(6).map(|s| s.unwrap()).collect();
+        let mut seen = 0;
+        for step in &steps {
+            let b = &step.micro_batches[0];
+            let layout = b.layout.as_ref().expect("packed rows carry their layout");
+            let rows = |t: &Tensor| Vec::<Vec<i64>>::try_from(t).unwrap();
+            let (inputs, targets, positions, numbers) =
+                (rows(&b.inputs), rows(&b.targets), rows(&layout.positions), rows(&layout.examples));
+            for r in 0..4 {
+                for j in 0..16 {
+                    let same_next =
+                        j + 1 < 16 && numbers[r][j + 1] == numbers[r][j] && positions[r][j + 1] == positions[r][j] + 1;
+                    if positions[r][j] == 0 && inputs[r][j] == i64::from(b'x') {
+                        seen += 1;
+                    }
+                    // Every token learned: a target is the next token of the same example, and
+                    // an example's last position (or padding) predicts nothing.
+                    let want = if same_next && inputs[r][j] != 0 { inputs[r][j + 1] } else { IGNORE };
+                    assert_eq!(targets[r][j], want, "row {r} position {j}");
+                    if j > 0 && numbers[r][j] != numbers[r][j - 1] {
+                        assert_eq!((positions[r][j], numbers[r][j]), (0, numbers[r][j - 1] + 1));
+                    }
+                }
+            }
+            assert_eq!(step.global_supervised, b.supervised);
+        }
+        // About two examples a row: 6 steps of 4 rows hold far more examples than rows.
+        assert!(seen > 40, "{seen} examples in 24 rows");
+    }
+
+    #[test]
+    fn packed_epochs_take_every_example_once() {
+        let cfg = LoaderConfig { pack: true, seed: 5, ..LoaderConfig::new(16, 1) };
+        let data = examples(20);
+        let Dataset::Examples(set) = data.as_ref() else { unreachable!() };
+        let mut stream = OffsetStream::new(&data, &cfg, Order::Shuffled).unwrap();
+        let mut taken = vec![];
+        while taken.len() < 20 {
+            let row = stream.next_step().unwrap().remove(0);
+            assert!(row.iter().map(|&i| set.example(i).0.len()).sum::<usize>() <= 16);
+            taken.extend(row);
+        }
+        taken.truncate(20);
+        taken.sort_unstable();
+        assert_eq!(taken, (0..20).collect::<Vec<_>>());
     }
 
     #[test]

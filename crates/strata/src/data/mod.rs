@@ -15,7 +15,7 @@ pub mod records;
 mod synthetic;
 mod tokenize;
 
-pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step, IGNORE};
+pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, RowLayout, Step, IGNORE};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
 pub use synthetic::SyntheticCorpus;
 pub use tokenize::{tokenize_files, TokenizeOptions, TokenizeReport};

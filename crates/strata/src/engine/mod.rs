@@ -18,6 +18,7 @@ pub mod slots;
 
 use crate::comm::ProcessGroup;
 use crate::compute::{self, UnitCompute};
+use crate::data::RowLayout;
 use crate::model::{DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, TensorParallel, TpRole};
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
@@ -147,6 +148,8 @@ struct ForwardRecord {
     boundaries: Vec<Boundary>,
     out: Tensor,
     activation_bytes: u64,
+    /// The rows' layout the forward ran with, for units recomputed in backward.
+    layout: Option<RowLayout>,
 }
 
 /// Called by [`Engine::new_with`] for each unit once it is initialised.
@@ -175,6 +178,8 @@ pub struct Engine {
     schedule: Box<dyn UnitSchedule>,
     /// What each micro-batch's forward kept for its backward, by micro-batch.
     records: std::collections::BTreeMap<usize, ForwardRecord>,
+    /// The layout of the coming forward's rows where they hold packed examples.
+    layout: Option<RowLayout>,
     sync_grads: bool,
     /// Each unit's compute policy.
     compute: Vec<Arc<UnitCompute>>,
@@ -340,6 +345,7 @@ impl Engine {
             ledger,
             schedule: Box::new(Resident),
             records: Default::default(),
+            layout: None,
             sync_grads: true,
             compute: (0..units).map(|_| Arc::new(UnitCompute::default())).collect(),
             fp8_weights: vec![vec![]; units],
@@ -677,6 +683,13 @@ impl Engine {
         Ok(())
     }
 
+    /// Sets the layout of the rows the next forwards run on (each until it is set again):
+    /// where rows hold packed examples, units read positions from it and attend within an
+    /// example; `None` for plain rows.
+    pub fn set_layout(&mut self, layout: Option<&RowLayout>) {
+        self.layout = layout.map(RowLayout::shallow_clone);
+    }
+
     /// Runs every unit in order and returns the last unit's output. In unit-by-unit mode the
     /// output is a leaf: compute the loss from it, then call [`Engine::backward`].
     pub fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
@@ -703,10 +716,11 @@ impl Engine {
             let unit_input = cut.as_ref().unwrap_or(&x).shallow_clone();
             // A recomputed unit keeps nothing of its forward but its input.
             let recompute = self.compute[k].recompute;
+            let layout = self.layout.as_ref();
             let y = if recompute {
-                tch::no_grad(|| self.unit_forward(k, &unit_input, false))?
+                tch::no_grad(|| self.unit_forward(k, &unit_input, false, layout))?
             } else {
-                self.unit_forward(k, &unit_input, false)?
+                self.unit_forward(k, &unit_input, false, layout)?
             };
             let bytes = memory::tensor_bytes(&y);
             self.ledger.alloc(Placement::Device, Category::Activations, bytes)?;
@@ -717,7 +731,8 @@ impl Engine {
             x = y;
         }
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
-        self.records.insert(micro, ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes });
+        let layout = self.layout.as_ref().map(RowLayout::shallow_clone);
+        self.records.insert(micro, ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes, layout });
         Ok(out)
     }
 
@@ -752,7 +767,7 @@ impl Engine {
         let mut x = input.shallow_clone();
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
-            x = tch::no_grad(|| self.unit_forward(k, &x, false))?;
+            x = tch::no_grad(|| self.unit_forward(k, &x, false, self.layout.as_ref()))?;
             self.run_schedule(Phase::AfterForward, k)?;
         }
         Ok(x)
@@ -840,7 +855,11 @@ impl Engine {
             self.run_schedule(Phase::BeforeBackward, k)?;
             let b = &record.boundaries[k];
             let began = self.events.as_ref().map(|_| std::time::Instant::now());
-            let recomputed = b.recompute_from.as_ref().map(|input| self.unit_forward(k, input, true)).transpose()?;
+            let recomputed = b
+                .recompute_from
+                .as_ref()
+                .map(|input| self.unit_forward(k, input, true, record.layout.as_ref()))
+                .transpose()?;
             if let (Some(sink), Some(began), Some(_)) = (&self.events, began, &recomputed) {
                 sink.record(Event::Recomputed { unit: k, began });
             }
@@ -902,14 +921,15 @@ impl Engine {
     /// Unit `k`'s forward under its compute policy, where the unit computes: a unit that
     /// computes on the host takes its input there and hands its output to the device (both
     /// moves are recorded, so backward moves the gradients back).
-    fn unit_forward(&self, k: usize, input: &Tensor, recomputing: bool) -> Result<Tensor> {
+    fn unit_forward(&self, k: usize, input: &Tensor, recomputing: bool, layout: Option<&RowLayout>) -> Result<Tensor> {
         let unit = &self.spec.units[k];
         let policy = &self.compute[k];
         let wrapped = self.unit_params(k)?;
         let params = match &self.config.tensor {
             Some(tp) => Params::split(wrapped.as_deref().unwrap_or(&self.params), tp.as_ref()),
             None => Params::new(&self.params),
-        };
+        }
+        .with_layout(layout);
         let input = self.where_unit_computes(k, input)?;
         let output = if policy.is_plain() {
             unit.body.forward(&params, &input)?

@@ -6,8 +6,8 @@
 //! [`gpt`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::layers::{
-    causal_attention, gelu_tanh, layer_norm, linear, merge_heads, row_linear, split_heads, vocab_embedding,
-    vocab_logits, AttentionOptions,
+    causal_attention, gelu_tanh, layer_norm, linear, merge_heads, other_examples, row_linear, split_heads,
+    vocab_embedding, vocab_logits, AttentionOptions,
 };
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS,
@@ -75,7 +75,11 @@ impl Unit for GptEmbedding {
         }
         // Under sequence parallel this rank's vectors are its piece of the sequence.
         let (start, len) = tp.sequence_range(t);
-        let pos = Tensor::f_arange_start(start, start + len, (tch::Kind::Int64, tokens.device()))?;
+        // Packed examples each start again at position 0.
+        let pos = match p.layout() {
+            Some(layout) => layout.positions.f_narrow(1, start, len)?,
+            None => Tensor::f_arange_start(start, start + len, (tch::Kind::Int64, tokens.device()))?,
+        };
         let tok = vocab_embedding(&p[self.wte], tokens, self.vocab, None, tp)?;
         Ok(tok.f_add(&Tensor::f_embedding(&p[self.wpe], &pos, -1, false, false)?)?)
     }
@@ -141,11 +145,14 @@ impl GptBlock {
         let parts = qkv.f_split(dim, 2)?;
         let (q, k, v) =
             (split_heads(&parts[0], heads)?, split_heads(&parts[1], heads)?, split_heads(&parts[2], heads)?);
-        let (k, v) = match cache {
-            Some(c) => c.extend(&k, &v)?,
-            None => (k, v),
+        let (k, v, hidden) = match cache {
+            Some(c) => {
+                let (k, v) = c.extend(&k, &v)?;
+                (k, v, None)
+            }
+            None => (k, v, other_examples(p.layout())?),
         };
-        let y = merge_heads(&causal_attention(&q, &k, &v, &AttentionOptions::default())?)?;
+        let y = merge_heads(&causal_attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref())?)?;
         let x = x.f_add(&row_linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]), tp)?)?;
         let h = tp.enter(&layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?)?;
         let h = gelu_tanh(&linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?)?;

@@ -183,7 +183,9 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// Rotary positions of `[B, H, T, D]` `x` by `[T, D]` tables: `x·cos + rotate_half(x)·sin`,
 /// where rotate_half maps the halves (x₁, x₂) of the last dimension to (−x₂, x₁).
 pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if let Some(replaced) = compute::replaced(|r| r.rotary(x.kind())) {
+    // Replacements take one table for every row; a table per row (packed examples) is
+    // computed here.
+    if let Some(replaced) = compute::replaced(|r| r.rotary(x.kind())).filter(|_| cos.dim() == 2) {
         if let Some(y) = replaced(x, cos, sin)? {
             return Ok(y);
         }
@@ -205,11 +207,25 @@ pub struct AttentionOptions {
     pub softcap: Option<f64>,
 }
 
+/// Where rows hold packed examples (`layout`), the `[B, 1, T, T]` mask of the key positions
+/// each query may not see because they belong to another example; `None` for plain rows.
+pub fn other_examples(layout: Option<&crate::data::RowLayout>) -> Result<Option<Tensor>> {
+    let Some(layout) = layout else { return Ok(None) };
+    let examples = &layout.examples;
+    Ok(Some(examples.f_unsqueeze(2)?.f_ne_tensor(&examples.f_unsqueeze(1)?)?.f_unsqueeze(1)?))
+}
+
 /// Causal multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and
 /// values, `Tk ≥ Tq`: the queries are the last `Tq` of the `Tk` positions (decoding with
 /// a key/value cache), each attending to itself and the positions before it (within its
-/// window, where `options` sets one).
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, options: &AttentionOptions) -> Result<Tensor> {
+/// window, where `options` sets one), and never to keys `hidden` masks ([`other_examples`]).
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    options: &AttentionOptions,
+    hidden: Option<&Tensor>,
+) -> Result<Tensor> {
     let kind = compute::autocast_kind();
     let (q, k, v) = (cast(q, kind)?, cast(k, kind)?, cast(v, kind)?);
     let (t, d, keys) = (q.size()[2], q.size()[3], k.size()[2]);
@@ -218,7 +234,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, options: &AttentionO
     // Fused kernels align a causal mask to the first key, so they serve equal lengths only,
     // and they know no window or cap; another scale is folded into the queries.
     if let Some(fused) = compute::replaced(|r| r.attention(q.kind()))
-        .filter(|_| keys == t && window.is_none() && options.softcap.is_none())
+        .filter(|_| keys == t && window.is_none() && options.softcap.is_none() && hidden.is_none())
     {
         let q = match options.scale {
             Some(scale) => q.f_mul_scalar(scale / default_scale)?,
@@ -234,11 +250,14 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, options: &AttentionO
     // Query i sits at key position keys - t + i: later keys are its future, and keys `window`
     // or more behind it are outside its window.
     let ones = Tensor::f_ones([t, keys], (Kind::Bool, q.device()))?;
-    let mut hidden = ones.f_triu(1 + keys - t)?;
+    let mut masked = ones.f_triu(1 + keys - t)?;
     if let Some(w) = window {
-        hidden = hidden.f_logical_or(&ones.f_tril(keys - t - w)?)?;
+        masked = masked.f_logical_or(&ones.f_tril(keys - t - w)?)?;
     }
-    let scores = scores.f_masked_fill(&hidden, f64::NEG_INFINITY)?;
+    if let Some(other) = hidden {
+        masked = masked.f_logical_or(other)?;
+    }
+    let scores = scores.f_masked_fill(&masked, f64::NEG_INFINITY)?;
     // Softmax in fp32 for low-precision inputs, as torch.amp does.
     let probs = if is_low(q.kind()) {
         scores.f_softmax(-1, Kind::Float)?.f_to_kind(q.kind())?

@@ -19,8 +19,8 @@
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::divides_heads;
 use super::layers::{
-    causal_attention, geglu, linear, merge_heads, rms_norm, rms_norm_plus_one, row_linear, split_heads, swiglu,
-    vocab_logits, AttentionOptions,
+    causal_attention, geglu, linear, merge_heads, other_examples, rms_norm, rms_norm_plus_one, row_linear, split_heads,
+    swiglu, vocab_logits, AttentionOptions,
 };
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
@@ -369,7 +369,12 @@ impl LlamaBlock {
         let start = cache.as_ref().map_or(0, |c| c.position());
         let h = tp.enter(&self.kinds.norm(x, &p[self.input_norm])?)?;
         let (q, k, v) = self.project(p, &h, heads, kv_heads)?;
-        let (q, k) = self.rotation.rotate(&q, &k, start)?;
+        let packed = p.layout().filter(|_| cache.is_none());
+        let (q, k) = match packed {
+            Some(layout) => self.rotation.rotate_at(&q, &k, &layout.positions)?,
+            None => self.rotation.rotate(&q, &k, start)?,
+        };
+        let hidden = other_examples(packed)?;
         let (k, v) = match cache {
             Some(c) => {
                 let all = c.extend(&k, &v)?;
@@ -388,7 +393,7 @@ impl LlamaBlock {
         } else {
             (k, v)
         };
-        let y = merge_heads(&causal_attention(&q, &k, &v, &self.attention)?)?;
+        let y = merge_heads(&causal_attention(&q, &k, &v, &self.attention, hidden.as_ref())?)?;
         let attended = row_linear(&y, &p[self.o.0], self.o.1.map(|b| &p[b]), tp)?;
         let x = x.f_add(&self.post_norm(p, self.post_attention_norm, attended)?)?;
         let h = tp.enter(&self.kinds.norm(&x, &p[self.feed_forward_norm])?)?;

@@ -21,6 +21,7 @@ pub use mlp::{mlp, MlpConfig};
 pub use rope::{Rope, RopeScaling, Rotation};
 pub use tensor::{TensorParallel, TpRole};
 
+use crate::data::RowLayout;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -191,22 +192,34 @@ impl ParamSpec {
 pub struct Params<'a> {
     tensors: &'a [Tensor],
     tp: &'a dyn TensorParallel,
+    layout: Option<&'a RowLayout>,
 }
 
 impl<'a> Params<'a> {
     /// Parameters of a unit that runs whole on one rank.
     pub fn new(tensors: &'a [Tensor]) -> Self {
-        Params { tensors, tp: &NoTensorParallel }
+        Params { tensors, tp: &NoTensorParallel, layout: None }
     }
 
     /// Parameters holding this rank's pieces, for a unit split over `tp`.
     pub fn split(tensors: &'a [Tensor], tp: &'a dyn TensorParallel) -> Self {
-        Params { tensors, tp }
+        Params { tensors, tp, layout: None }
     }
 
     /// The tensor group the unit runs in (one rank unless the strategy splits it).
     pub fn tp(&self) -> &dyn TensorParallel {
         self.tp
+    }
+
+    /// The same parameters for rows laid out as `layout` says.
+    pub fn with_layout(self, layout: Option<&'a RowLayout>) -> Self {
+        Params { layout, ..self }
+    }
+
+    /// Where the rows hold packed examples: each position's place in its example and the
+    /// example it belongs to. Units that see positions read them here.
+    pub fn layout(&self) -> Option<&RowLayout> {
+        self.layout
     }
 }
 

@@ -194,12 +194,27 @@ impl Rotation {
     /// Rotates queries and keys `[B, H, T, D]` whose first position is `start`, by
     /// position; the frequencies are those of a sequence of `start + T` positions.
     pub fn rotate(&self, q: &Tensor, k: &Tensor, start: i64) -> Result<(Tensor, Tensor)> {
-        let (_, _, t, d) = q.size4()?;
-        let dims = self.rope.rotated_dims(d);
-        let inv_freq = self.frequencies(d, start + t, q.device())?;
-        // Angles in fp32 whatever the heads' dtype, as the frequencies are.
+        let t = q.size()[2];
         let positions = Tensor::f_arange_start(start, start + t, (Kind::Float, q.device()))?;
-        let freqs = positions.f_outer(&inv_freq)?;
+        self.rotate_by(q, k, &positions, start + t)
+    }
+
+    /// Rotates queries and keys `[B, H, T, D]` by each row's own positions `[B, T]` (packed
+    /// examples, each starting again at 0); the frequencies are those of `T` positions.
+    pub fn rotate_at(&self, q: &Tensor, k: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        // [B, 1, T]: one table per row, shared by its heads.
+        let positions = positions.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
+        self.rotate_by(q, k, &positions, q.size()[2])
+    }
+
+    /// Rotates by angles `positions · frequencies` (`positions` `[T]`, or `[B, 1, T]`), the
+    /// frequencies those of a sequence of `len` positions.
+    fn rotate_by(&self, q: &Tensor, k: &Tensor, positions: &Tensor, len: i64) -> Result<(Tensor, Tensor)> {
+        let d = q.size()[3];
+        let dims = self.rope.rotated_dims(d);
+        let inv_freq = self.frequencies(d, len, q.device())?;
+        // Angles in fp32 whatever the heads' dtype, as the frequencies are.
+        let freqs = positions.f_unsqueeze(-1)?.f_mul(&inv_freq)?;
         let angles = Tensor::f_cat(&[&freqs, &freqs], -1)?;
         let factor = self.rope.attention_factor();
         let (cos, sin) = (angles.f_cos()?.f_mul_scalar(factor)?, angles.f_sin()?.f_mul_scalar(factor)?);

@@ -477,6 +477,7 @@ pub fn measure_non_model(
     let (mut engine, trace) = traced_engine(spec, config, strategy, at, &offload.everything_on_host())?;
     let loss = crate::train::next_token_loss_of(&engine);
     for (i, batch) in step.micro_batches.iter().enumerate() {
+        engine.set_layout(batch.layout.as_ref());
         let output = engine.forward(&batch.inputs)?;
         engine.backward(&loss(&output, batch)?.f_mul_scalar(step.loss_weight(i))?)?;
     }

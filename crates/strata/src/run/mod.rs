@@ -180,6 +180,8 @@ pub struct RunConfig {
     pub seed: u64,
     /// How each step's windows are chosen.
     pub order: Order,
+    /// Pack several examples into each row, each attending only to itself (example data).
+    pub pack: bool,
     /// This process's device; launched ranks move to their local GPU.
     pub device: tch::Device,
     /// Compute threads; `None`: the ranks of a host share its cores.
@@ -225,6 +227,7 @@ impl Default for RunConfig {
             accumulation: 1,
             seed: 0,
             order: Order::Shuffled,
+            pack: false,
             device: tch::Device::Cpu,
             threads: None,
             optimizer: OptimizerConfig::default(),
@@ -465,6 +468,7 @@ pub fn train(
         world: data_world,
         seed: config.seed,
         device: config.device,
+        pack: config.pack,
         ..LoaderConfig::new(config.ctx, config.batch_size)
     };
     let setup = runner::Setup {
@@ -624,6 +628,9 @@ fn engine_config_of(config: &RunConfig) -> EngineConfig {
 
 /// Checks the data against the model and the run before anything is built.
 fn check_data(model: &Model, data: &Data, config: &RunConfig) -> Result<()> {
+    if config.pack && !matches!(data.train.as_ref(), Dataset::Examples(_)) {
+        return Err(Error::Config("packing joins examples into rows: train on example data".into()));
+    }
     if let Some(vocab) = model.config.as_ref().map(|c| c.vocab() as usize) {
         data.train.check_fits(config.ctx, vocab)?;
         if let Some(v) = &data.validation {
@@ -665,6 +672,7 @@ fn choose_strategy(
         accumulation: config.accumulation,
         seed: config.seed,
         order: config.order.clone(),
+        pack: config.pack,
     };
     let mut job = AutoAccelerate::new(&build, data.train.clone(), args);
     job.freeze = config.freeze.clone();

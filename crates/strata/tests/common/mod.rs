@@ -56,13 +56,13 @@ pub fn replaced_modules(device: Device) -> Vec<ReplacedModule> {
         let (q, k, v) = (draw(1, &[2, 4, 64, 32]), draw(2, &[2, 4, 64, 32]), draw(3, &[2, 4, 64, 32]));
         let (x, w, b) = (draw(4, &[2, 64, 32]), draw(5, &[32]), draw(6, &[32]));
         let reference = [
-            layers::causal_attention(&q, &k, &v, &Default::default()).unwrap(),
+            layers::causal_attention(&q, &k, &v, &Default::default(), None).unwrap(),
             layers::layer_norm(&x, &w, &b, 1e-5).unwrap(),
             layers::rms_norm(&x, &w, 1e-6).unwrap(),
         ];
         let replaced = compute::run(&all, Default::default(), false, || {
             Ok([
-                layers::causal_attention(&q, &k, &v, &Default::default())?,
+                layers::causal_attention(&q, &k, &v, &Default::default(), None)?,
                 layers::layer_norm(&x, &w, &b, 1e-5)?,
                 layers::rms_norm(&x, &w, 1e-6)?,
             ])

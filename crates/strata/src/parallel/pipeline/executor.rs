@@ -556,7 +556,10 @@ impl PipelineTrainer {
                         0 => (self.prepare_input)(batch)?,
                         _ => received.remove(&(micro, chunk)).ok_or_else(|| missing("activation", micro, chunk))?,
                     };
-                    let out = self.in_chunk(chunk, micro, |engine| engine.forward_micro(micro, &input))?;
+                    let out = self.in_chunk(chunk, micro, |engine| {
+                        engine.set_layout(batch.layout.as_ref());
+                        engine.forward_micro(micro, &input)
+                    })?;
                     let kept = if stage == last {
                         // Weighted by the micro-batch's share of the global batch's
                         // supervised tokens, as one process weighs it, times the loss scale.
@@ -819,6 +822,7 @@ impl PipelineTrainer {
                     Some(link) => link.recv(device)?,
                     None => (self.prepare_input)(batch)?,
                 };
+                self.chunks[chunk].engine.set_layout(batch.layout.as_ref());
                 let out = self.chunks[chunk].engine.evaluate(&input)?;
                 match &self.activations_out[chunk] {
                     Some(link) => sending.extend(link.send(&out)?),
