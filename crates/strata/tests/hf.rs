@@ -44,6 +44,12 @@ fn strata_logits(engine: &mut Engine) -> Tensor {
     engine.evaluate(&Tensor::from_slice(&rows).view([2, 12])).unwrap()
 }
 
+/// Small random moves for the values of unit `k`, drawn from a seed under the process's
+/// lock on seeded draws, so a test sampling on another thread draws what its seed says.
+fn nudge(values: &Tensor, k: usize) -> Tensor {
+    strata::engine::with_seed(1000 + k as i64, || Tensor::randn_like(values) * 0.02)
+}
+
 /// The largest difference of two logit tensors, after checking that they are not trivial
 /// (a spread well above the tolerance, so agreement is not agreement of near-constants).
 fn gap(a: &Tensor, b: &Tensor) -> f64 {
@@ -95,7 +101,7 @@ fn folders_written_back_load_in_transformers() {
         // Every parameter moves, so a name or layout lost on the way changes the logits.
         for k in 0..engine.spec().units.len() {
             let values = engine.full_unit(k).unwrap();
-            let moved = &values + Tensor::randn_like(&values) * 0.02;
+            let moved = &values + nudge(&values, k);
             engine.set_full_unit(k, &moved).unwrap();
         }
         let ours = strata_logits(&mut engine);
@@ -304,7 +310,7 @@ fn family_matches_transformers(family: &str, new_tokens: usize) {
 
     for k in 0..engine.spec().units.len() {
         let values = engine.full_unit(k).unwrap();
-        engine.set_full_unit(k, &(&values + Tensor::randn_like(&values) * 0.02)).unwrap();
+        engine.set_full_unit(k, &(&values + nudge(&values, k))).unwrap();
     }
     let ours = strata_logits(&mut engine);
     save_weights(
@@ -390,7 +396,7 @@ const PACKED: [&[&[i64]]; 2] =
 
 /// The packed rows' ids and layout (positions restart per example; the padding is one more
 /// example of its own).
-fn packed_rows(rows: &[&[&[i64]]]) -> (Tensor, strata::data::RowLayout) {
+fn packed_rows(rows: &[&[&[i64]]]) -> (Tensor, strata::model::RowLayout) {
     let (mut ids, mut positions, mut examples) = (vec![], vec![], vec![]);
     for row in rows {
         let used: usize = row.iter().map(|e| e.len()).sum();
@@ -402,7 +408,7 @@ fn packed_rows(rows: &[&[&[i64]]]) -> (Tensor, strata::data::RowLayout) {
     }
     let shape = [rows.len() as i64, 12];
     let t = |v: &[i64]| Tensor::from_slice(v).view(shape);
-    (t(&ids), strata::data::RowLayout { positions: t(&positions), examples: t(&examples) })
+    (t(&ids), strata::model::RowLayout { positions: t(&positions), examples: t(&examples) })
 }
 
 /// Each packed example's logits, in order.

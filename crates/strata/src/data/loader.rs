@@ -6,6 +6,8 @@
 //! datasets (a [`Dataset`] arrives as tokens), nor know models: a batch is token tensors.
 use super::synthetic::SplitMix64;
 use super::{Dataset, ExampleSet};
+use crate::model::layers::IGNORE;
+use crate::model::RowLayout;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -106,10 +108,6 @@ impl LoaderConfig {
     }
 }
 
-/// The target of a position that takes no loss (a prompt, padding), as `transformers`'
-/// labels and torch's `cross_entropy` mark it.
-pub const IGNORE: i64 = -100;
-
 /// Inputs and next-token targets, both `[rows, ctx]` int64.
 pub struct Batch {
     pub inputs: Tensor,
@@ -126,23 +124,6 @@ impl Batch {
     pub fn new(inputs: Tensor, targets: Tensor) -> Result<Batch> {
         let supervised = targets.f_ne(IGNORE)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as u64;
         Ok(Batch { inputs, targets, supervised, layout: None })
-    }
-}
-
-/// The examples packed into a batch's rows, both `[rows, ctx]` int64: each position's place
-/// within its example (positions restart at every example) and the example it belongs to,
-/// numbered within its row (the padding after the last example is one more). A model reads
-/// positions from it and lets a position attend only to earlier positions of its example.
-#[derive(Debug)]
-pub struct RowLayout {
-    pub positions: Tensor,
-    pub examples: Tensor,
-}
-
-impl RowLayout {
-    /// The same tensors, shared.
-    pub fn shallow_clone(&self) -> RowLayout {
-        RowLayout { positions: self.positions.shallow_clone(), examples: self.examples.shallow_clone() }
     }
 }
 

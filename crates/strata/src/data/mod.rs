@@ -7,7 +7,8 @@
 //! files, and the data loader (seeded shuffling, a global batch split into micro-batches for
 //! gradient accumulation and across ranks, each micro-batch's share of the learned tokens,
 //! background prefetch, or an exact replay of given offsets).
-//! Must not touch models or the engine: a batch is plain token tensors.
+//! Must not touch models or the engine: a batch is plain token tensors (with, for packed
+//! rows, the [`crate::model::RowLayout`] units read).
 
 pub mod chat;
 mod loader;
@@ -15,7 +16,8 @@ pub mod records;
 mod synthetic;
 mod tokenize;
 
-pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, RowLayout, Step, IGNORE};
+pub use crate::model::layers::IGNORE;
+pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
 pub use synthetic::SyntheticCorpus;
 pub use tokenize::{tokenize_files, TokenizeOptions, TokenizeReport};

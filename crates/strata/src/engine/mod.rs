@@ -18,8 +18,7 @@ pub mod slots;
 
 use crate::comm::ProcessGroup;
 use crate::compute::{self, UnitCompute};
-use crate::data::RowLayout;
-use crate::model::{DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, TensorParallel, TpRole};
+use crate::model::{DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, RowLayout, TensorParallel, TpRole};
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
 pub use memory::{Category, MemoryLedger, Placement};

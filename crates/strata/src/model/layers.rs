@@ -209,7 +209,7 @@ pub struct AttentionOptions {
 
 /// Where rows hold packed examples (`layout`), the `[B, 1, T, T]` mask of the key positions
 /// each query may not see because they belong to another example; `None` for plain rows.
-pub fn other_examples(layout: Option<&crate::data::RowLayout>) -> Result<Option<Tensor>> {
+pub fn other_examples(layout: Option<&super::RowLayout>) -> Result<Option<Tensor>> {
     let Some(layout) = layout else { return Ok(None) };
     let examples = &layout.examples;
     Ok(Some(examples.f_unsqueeze(2)?.f_ne_tensor(&examples.f_unsqueeze(1)?)?.f_unsqueeze(1)?))
@@ -284,26 +284,25 @@ pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
     Ok(x.f_transpose(1, 2)?.f_contiguous()?.f_view([b, t, h * d])?)
 }
 
+/// The target of a position that takes no loss (a prompt, padding), as `transformers`'
+/// labels and torch's `cross_entropy` mark it.
+pub const IGNORE: i64 = -100;
+
 /// Mean cross-entropy of `[B, T, V]` logits against `[B, T]` targets, computed in fp32
 /// when the logits are of lower precision.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let v = *logits.size().last().unwrap_or(&1);
     let logits = cast(logits, is_low(logits.kind()).then_some(Kind::Float))?;
     let targets = targets.f_reshape([-1])?;
-    let sum = logits.f_reshape([-1, v])?.f_cross_entropy_loss::<&Tensor>(
-        &targets,
-        None,
-        tch::Reduction::Sum,
-        crate::data::IGNORE,
-        0.0,
-    )?;
+    let sum =
+        logits.f_reshape([-1, v])?.f_cross_entropy_loss::<&Tensor>(&targets, None, tch::Reduction::Sum, IGNORE, 0.0)?;
     // A micro-batch with no supervised target (all prompt) contributes 0, not 0 / 0.
     Ok(sum.f_div(&supervised_count(&targets)?)?)
 }
 
 /// The number of `targets` that take a loss, at least 1, as a float scalar on their device.
 pub(crate) fn supervised_count(targets: &Tensor) -> Result<Tensor> {
-    Ok(targets.f_ne(crate::data::IGNORE)?.f_sum(Kind::Float)?.f_clamp_min(1)?)
+    Ok(targets.f_ne(IGNORE)?.f_sum(Kind::Float)?.f_clamp_min(1)?)
 }
 
 /// One rank: every collective is the identity.

@@ -21,7 +21,6 @@ pub use mlp::{mlp, MlpConfig};
 pub use rope::{Rope, RopeScaling, Rotation};
 pub use tensor::{TensorParallel, TpRole};
 
-use crate::data::RowLayout;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -185,6 +184,24 @@ impl ParamSpec {
     /// The shape of one rank's piece when split over `tp` tensor ranks.
     pub fn local_shape(&self, tp: i64) -> Vec<i64> {
         self.tp.local_shape(&self.shape, tp)
+    }
+}
+
+/// A unit's side input where a batch's rows hold several examples (packing), both
+/// `[rows, ctx]` int64: each position's place within its example (positions restart at
+/// every example) and the example it belongs to, numbered within its row (the padding after
+/// the last example is one more). Units read positions from it and let a position attend
+/// only to earlier positions of its example.
+#[derive(Debug)]
+pub struct RowLayout {
+    pub positions: Tensor,
+    pub examples: Tensor,
+}
+
+impl RowLayout {
+    /// The same tensors, shared.
+    pub fn shallow_clone(&self) -> RowLayout {
+        RowLayout { positions: self.positions.shallow_clone(), examples: self.examples.shallow_clone() }
     }
 }
 

@@ -153,7 +153,7 @@ impl VocabCrossEntropy {
         let sums = self.comm.all_reduce(&sums, ReduceOp::Sum).map_err(Error::Comm)?;
         let (exp_sum, target_logit) = (sums.f_get(0)?, sums.f_get(1)?);
         // Ignored targets weigh nothing, as torch's cross_entropy ignores them.
-        let valid = targets.f_ne(crate::data::IGNORE)?.f_to_kind(Kind::Float)?;
+        let valid = targets.f_ne(crate::model::layers::IGNORE)?.f_to_kind(Kind::Float)?;
         let weight = valid.f_div(&crate::model::layers::supervised_count(targets)?)?;
         let loss = exp_sum.f_log()?.f_sub(&target_logit)?.f_mul(&weight)?.f_sum(Kind::Float)?;
         let softmax = exp.f_div(&exp_sum.f_unsqueeze(1)?)?;
