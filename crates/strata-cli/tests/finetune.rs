@@ -55,88 +55,58 @@ fn train(dir: &Path, name: &str, extra: &[&str]) -> Run {
     (w, m)
 }
 
-/// One process, the whole batch of 32 in one micro-batch: trained once per test binary.
-fn one_batch() -> Run {
-    let dir = common::shared_dir("one", |dir| {
-        train(dir, "one", &[]);
+/// One process, the whole batch of 32 rows (one example each, or packed) in one
+/// micro-batch: trained once per test binary.
+fn one_batch(packed: bool) -> Run {
+    let name = if packed { "one-packed" } else { "one" };
+    let flags: &[&str] = if packed { &["--pack", "true"] } else { &[] };
+    let dir = common::shared_dir(name, |dir| {
+        train(dir, "one", flags);
     });
     (dir.join("one.st"), dir.join("one.jsonl"))
 }
 
-/// `extra` reaches the losses and weights of one batch of 32, and reports the same learned
-/// tokens per step.
-fn same_as_one_batch(extra: &[&str]) {
+/// Rows (packed or not) split by `extra` reach the losses and weights of one batch of 32,
+/// and report the same learned tokens per step.
+fn same_as_one_batch(packed: bool, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
-    let what = format!("{extra:?}");
-    let run = train(dir.path(), "run", extra);
-    let one = one_batch();
+    let what = format!("packed {packed}, {extra:?}");
+    let flags: &[&str] = if packed { &["--pack", "true"] } else { &[] };
+    let run = train(dir.path(), "run", &[flags, extra].concat());
+    let one = one_batch(packed);
     assert_follows(&one, &run, &what, 1e-6, 1e-6);
     let learned = |m: &Path| reports(m).iter().map(|r| r["supervised_tokens"].as_u64().unwrap()).collect::<Vec<_>>();
     assert_eq!(learned(&one.1), learned(&run.1), "{what}: learned tokens per step");
 }
 
-#[test]
-fn eight_by_accumulation_4_is_one_batch_of_32() {
-    same_as_one_batch(&["--accumulation", "4"]);
+const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
+const TENSOR_AND_SEQUENCE: &str =
+    r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
+
+/// One test per layout, unpacked and packed.
+macro_rules! same_as_one_batch {
+    ($($case:ident: $packed:expr, [$($flag:expr),*];)*) => {$(
+        #[test]
+        fn $case() {
+            same_as_one_batch($packed, &[$($flag),*]);
+        }
+    )*};
 }
 
-#[test]
-fn four_zero2_ranks_of_8_are_one_batch_of_32() {
-    same_as_one_batch(&["--nproc", "4", "--strategy", r#"["zero2"]"#]);
-}
-
-#[test]
-fn four_fsdp_ranks_of_8_are_one_batch_of_32() {
-    same_as_one_batch(&["--nproc", "4", "--strategy", r#"["fsdp"]"#]);
-}
-
-#[test]
-fn two_pipeline_stages_of_4_micro_batches_are_one_batch_of_32() {
-    let pipeline = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
-    same_as_one_batch(&["--nproc", "2", "--accumulation", "4", "--strategy", pipeline]);
-}
-
-/// One process, the batch of 32 packed rows in one micro-batch: trained once per binary.
-fn one_packed_batch() -> Run {
-    let dir = common::shared_dir("one-packed", |dir| {
-        train(dir, "one", &["--pack", "true"]);
-    });
-    (dir.join("one.st"), dir.join("one.jsonl"))
-}
-
-/// Packed rows split by `extra` reach the losses and weights of one packed batch of 32.
-fn packed_same_as_one_batch(extra: &[&str]) {
-    let dir = tempfile::tempdir().unwrap();
-    let what = format!("packed {extra:?}");
-    let run = train(dir.path(), "run", &[&["--pack", "true"][..], extra].concat());
-    assert_follows(&one_packed_batch(), &run, &what, 1e-6, 1e-6);
-}
-
-#[test]
-fn packed_rows_by_accumulation_4_are_one_batch() {
-    packed_same_as_one_batch(&["--accumulation", "4"]);
-}
-
-#[test]
-fn packed_rows_on_four_fsdp_ranks_are_one_batch() {
-    packed_same_as_one_batch(&["--nproc", "4", "--strategy", r#"["fsdp"]"#]);
-}
-
-#[test]
-fn packed_rows_in_two_pipeline_stages_are_one_batch() {
-    let pipeline = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
-    packed_same_as_one_batch(&["--nproc", "2", "--accumulation", "4", "--strategy", pipeline]);
-}
-
-#[test]
-fn packed_rows_under_tensor_and_sequence_parallel_are_one_batch() {
-    let tensor = r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
-    packed_same_as_one_batch(&["--nproc", "2", "--strategy", tensor]);
+same_as_one_batch! {
+    eight_by_accumulation_4_is_one_batch_of_32: false, ["--accumulation", "4"];
+    four_zero2_ranks_of_8_are_one_batch_of_32: false, ["--nproc", "4", "--strategy", r#"["zero2"]"#];
+    four_fsdp_ranks_of_8_are_one_batch_of_32: false, ["--nproc", "4", "--strategy", r#"["fsdp"]"#];
+    two_pipeline_stages_of_4_micro_batches_are_one_batch_of_32: false, ["--nproc", "2", "--accumulation", "4", "--strategy", PIPELINE];
+    packed_rows_by_accumulation_4_are_one_batch: true, ["--accumulation", "4"];
+    packed_rows_on_four_fsdp_ranks_are_one_batch: true, ["--nproc", "4", "--strategy", r#"["fsdp"]"#];
+    packed_rows_in_two_pipeline_stages_are_one_batch: true, ["--nproc", "2", "--accumulation", "4", "--strategy", PIPELINE];
+    packed_rows_under_tensor_and_sequence_parallel_are_one_batch: true, ["--nproc", "2", "--strategy", TENSOR_AND_SEQUENCE];
 }
 
 #[test]
 fn packing_fills_rows_with_several_examples() {
-    let (packed, one) = (reports(&one_packed_batch().1), reports(&one_batch().1));
+    let (packed, one) = (reports(&one_batch(true).1), reports(&one_batch(false).1));
     // These examples run 10 to 33 tokens, rows 48: about two to a row, so a step's 32 rows
     // learn well over 1.5 times the tokens of 32 examples alone.
     let learned = |r: &serde_json::Value| r["supervised_tokens"].as_u64().unwrap() as f64;
@@ -145,7 +115,7 @@ fn packing_fills_rows_with_several_examples() {
 
 #[test]
 fn learned_tokens_are_counted_and_examples_cached() {
-    let one = one_batch();
+    let one = one_batch(false);
     let first = &reports(&one.1)[0];
     let learned = first["supervised_tokens"].as_u64().unwrap();
     // Completions of 1 to 12 bytes are all that is learned, 32 per step: far fewer than
