@@ -280,8 +280,9 @@ enum Items {
     Windows { tokens: usize },
     /// This many examples, one a row.
     Examples { count: usize },
-    /// Examples of these lengths, packed into rows of `ctx` tokens.
-    Packed { lengths: Vec<usize> },
+    /// Examples of these lengths, packed into rows of `ctx` tokens (shared, not copied, by
+    /// each row's filling).
+    Packed { lengths: Arc<[usize]> },
 }
 
 /// One pass over the windows of a shift: window `k` of the pass starts at
@@ -334,7 +335,7 @@ impl OffsetStream {
     fn new(data: &Dataset, config: &LoaderConfig, order: Order) -> Result<OffsetStream> {
         let items = match data {
             Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
-            Dataset::Examples(e) if config.pack => Items::Packed { lengths: lengths(e) },
+            Dataset::Examples(e) if config.pack => Items::Packed { lengths: lengths(e).into() },
             Dataset::Examples(e) => Items::Examples { count: e.len() },
         };
         if let Order::Offsets(o) = &order {
