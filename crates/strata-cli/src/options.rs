@@ -237,6 +237,11 @@ impl DataChoice {
     }
 }
 
+/// The first of `flags` (name, whether given) that was given.
+fn first_given(flags: &[(&'static str, bool)]) -> Option<&'static str> {
+    flags.iter().find(|(_, given)| *given).map(|(flag, _)| *flag)
+}
+
 /// The example options and the context: --max-length and --ctx give each other's default
 /// (64 without either); the example flags are refused where no data is examples.
 fn example_options(
@@ -253,7 +258,7 @@ fn example_options(
             ("--pack", o.pack.is_some()),
             ("--chat-template", o.chat_template.is_some()),
         ];
-        if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+        if let Some(flag) = first_given(&given) {
             bail!("{flag} shapes examples: give --data FILE.jsonl or FILE.parquet");
         }
         return Ok((None, o.ctx.unwrap_or(64)));
@@ -411,7 +416,7 @@ impl TrainSettings {
             ("--kv-heads", self.kv_heads.is_some()),
             ("--tie-embeddings", self.tie_embeddings.is_some()),
         ];
-        if let Some((flag, _)) = llama_only.iter().find(|(_, given)| *given).filter(|_| self.model_name != "llama") {
+        if let Some(flag) = first_given(&llama_only).filter(|_| self.model_name != "llama") {
             bail!("{flag} belongs to --model llama: the {} model has no such part", self.model_name);
         }
         if self.norm_eps.is_some() && self.model_name == "mlp" {
@@ -474,11 +479,11 @@ fn refuse_idle_options(o: &TrainOptions, strategy: &StrategyChoice) -> Result<()
         ("--time-limit", o.time_limit.is_some()),
         ("--search", o.search.is_some()),
     ];
-    if let Some((flag, _)) = searched_only.iter().find(|(_, given)| *given).filter(|_| !auto) {
+    if let Some(flag) = first_given(&searched_only).filter(|_| !auto) {
         bail!("{flag} shapes the automatic search: it needs --strategy auto");
     }
     let dry_run_only = [("--dry-run-steps", o.dry_run_steps.is_some()), ("--search-report", o.search_report.is_some())];
-    if let Some((flag, _)) = dry_run_only.iter().find(|(_, given)| *given).filter(|_| !auto && !finetune) {
+    if let Some(flag) = first_given(&dry_run_only).filter(|_| !auto && !finetune) {
         bail!("{flag} needs dry runs: give --strategy auto or --finetune-strategy");
     }
     if auto && finetune {
@@ -523,7 +528,7 @@ impl TrainOptions {
                 ("--eps", o.eps.is_some()),
                 ("--weight-decay", o.weight_decay.is_some()),
             ];
-            if let Some((flag, _)) = given.iter().find(|(_, set)| *set) {
+            if let Some(flag) = first_given(&given) {
                 bail!("{flag} conflicts with --patrickstar-config, whose configuration sets it");
             }
         }
@@ -564,8 +569,7 @@ impl TrainOptions {
             ("--decay-steps", o.decay_steps.is_some()),
             ("--decay-shape", o.decay_shape.is_some()),
         ];
-        if let Some((flag, _)) =
-            wsd_only.iter().find(|(_, g)| *g).filter(|_| !matches!(schedule, LrSchedule::WarmupStableDecay { .. }))
+        if let Some(flag) = first_given(&wsd_only).filter(|_| !matches!(schedule, LrSchedule::WarmupStableDecay { .. }))
         {
             bail!("{flag} shapes the wsd schedule: give --schedule wsd");
         }
@@ -596,9 +600,8 @@ impl TrainOptions {
             (None, None) => None,
         };
         if val.is_none() {
-            if let Some(flag) = [("--eval-every", o.eval_every.is_some()), ("--eval-batches", o.eval_batches.is_some())]
-                .iter()
-                .find_map(|(flag, given)| given.then_some(flag))
+            if let Some(flag) =
+                first_given(&[("--eval-every", o.eval_every.is_some()), ("--eval-batches", o.eval_batches.is_some())])
             {
                 bail!("{flag} shapes validation: give --val-data or --val-token-file");
             }
