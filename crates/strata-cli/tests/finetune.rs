@@ -114,7 +114,7 @@ fn packing_fills_rows_with_several_examples() {
 }
 
 #[test]
-fn learned_tokens_are_counted_and_examples_cached() {
+fn learned_tokens_are_counted() {
     let one = one_batch(false);
     let first = &reports(&one.1)[0];
     let learned = first["supervised_tokens"].as_u64().unwrap();

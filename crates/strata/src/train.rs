@@ -118,9 +118,9 @@ pub(crate) fn token_mean(steps: &[Step], losses: &[f64]) -> Result<f64> {
         return Err(crate::Error::Data("no validation batches to evaluate".into()));
     }
     let total: u64 = steps.iter().map(|s| s.global_supervised).sum();
-    let weights = steps
-        .iter()
-        .flat_map(|s| (0..s.micro_batches.len()).map(move |i| s.loss_weight(i) * s.global_supervised as f64));
+    // Each micro-batch's mean times its share of the tokens, over the data ranks' average.
+    let weights =
+        steps.iter().flat_map(|s| s.micro_batches.iter().map(|b| (b.supervised * s.data_ranks as u64) as f64));
     // A micro-batch without supervised tokens weighs nothing, whatever its loss reads.
     let sum: f64 = losses.iter().zip(weights).filter(|(_, w)| *w > 0.0).map(|(l, w)| l * w).sum();
     Ok(if total == 0 { 0.0 } else { sum / total as f64 })

@@ -204,28 +204,20 @@ impl ExampleSet {
         };
         // Records are rendered here and tokenized a chunk at a time on every core.
         for chunk in records.chunks(1024) {
-            let mut texts = Vec::with_capacity(chunk.len());
-            let mut spans = Vec::with_capacity(chunk.len());
-            let mut special_of_chunk = None;
-            for (at, value) in chunk {
-                let bad = |why: String| Error::Data(format!("{}{at}: {why}", path.display()));
-                let record = Record::parse(value.clone().map_err(bad)?).map_err(bad)?;
-                let (text, learned, special) = record.render(format, options.train_on_prompt).map_err(bad)?;
-                // One chunk is tokenized with one setting: split where the kind changes.
-                if special_of_chunk.is_some_and(|s| s != special) {
-                    set.push_tokenized(
-                        format.tokenizer,
-                        std::mem::take(&mut texts),
-                        std::mem::take(&mut spans),
-                        special_of_chunk == Some(true),
-                        options,
-                    )?;
-                }
-                special_of_chunk = Some(special);
-                texts.push(text);
-                spans.push(learned);
+            let rendered = chunk
+                .iter()
+                .map(|(at, value)| {
+                    let bad = |why: String| Error::Data(format!("{}{at}: {why}", path.display()));
+                    Record::parse(value.clone().map_err(bad)?)
+                        .map_err(bad)?
+                        .render(format, options.train_on_prompt)
+                        .map_err(bad)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            // A run of records is tokenized with one setting of the special tokens.
+            for run in rendered.chunk_by(|a, b| a.2 == b.2) {
+                set.push_tokenized(format.tokenizer, run, options)?;
             }
-            set.push_tokenized(format.tokenizer, texts, spans, special_of_chunk == Some(true), options)?;
             progress.inc(chunk.len() as u64);
         }
         progress.finish_and_clear();
@@ -238,20 +230,19 @@ impl ExampleSet {
         Ok(set)
     }
 
-    /// Tokenizes `texts`, flags the tokens that start inside their `spans`, cuts each to
-    /// the most length, and keeps those with something to learn.
+    /// Tokenizes rendered records (text, learned byte ranges, whether the tokenizer adds its
+    /// special tokens, the same for all), flags the tokens that start inside the ranges, cuts
+    /// each to the most length, and keeps those with something to learn.
     fn push_tokenized(
         &mut self,
         tokenizer: &Tokenizer,
-        texts: Vec<String>,
-        spans: Vec<Vec<Range<usize>>>,
-        special: bool,
+        rendered: &[(String, Vec<Range<usize>>, bool)],
         options: &ExampleOptions,
     ) -> Result<()> {
-        if texts.is_empty() {
-            return Ok(());
-        }
-        for ((mut ids, starts), spans) in tokenizer.encode_with_starts(texts, special)?.into_iter().zip(spans) {
+        let Some((_, _, special)) = rendered.first() else { return Ok(()) };
+        let texts = rendered.iter().map(|r| r.0.clone()).collect();
+        let spans = rendered.iter().map(|r| &r.1);
+        for ((mut ids, starts), spans) in tokenizer.encode_with_starts(texts, *special)?.into_iter().zip(spans) {
             let mut learned: Vec<bool> = starts.iter().map(|s| spans.iter().any(|r| r.contains(s))).collect();
             if ids.len() > options.max_length {
                 if options.drop_long {
