@@ -313,4 +313,23 @@ mod tests {
         assert!((y.narrow(-1, 0, 4) - x.narrow(-1, 0, 4)).abs().max().double_value(&[]) > 1e-3);
         assert!(too_narrow.validate(8).is_err());
     }
+
+    #[test]
+    fn each_row_turns_by_its_own_positions() {
+        let rotation = Rotation::new(Rope::new(10_000.0));
+        let x = Tensor::randn([2, 2, 4, 8], (Kind::Float, tch::Device::Cpu));
+        // Row 0 at positions 0..4; row 1 holds an example at 3..5 then one from 0 again.
+        let positions = Tensor::from_slice(&[0i64, 1, 2, 3, 3, 4, 0, 1]).view([2, 4]);
+        let (packed, _) = rotation.rotate_at(&x, &x, &positions).unwrap();
+        let (from_0, _) = rotation.rotate(&x, &x, 0).unwrap();
+        let (from_3, _) = rotation.rotate(&x, &x, 3).unwrap();
+        let row = |t: &Tensor, r: i64, at: i64, n: i64| t.get(r).narrow(1, at, n);
+        let same = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) < 1e-6;
+        assert!(same(&row(&packed, 0, 0, 4), &row(&from_0, 0, 0, 4)));
+        assert!(same(&row(&packed, 1, 0, 2), &row(&from_3, 1, 0, 2)));
+        // The second example of row 1 turns as if it began the row: by positions 0 and 1.
+        let second = x.get(1).narrow(1, 2, 2).unsqueeze(0);
+        let alone = rotation.rotate(&second, &second, 0).unwrap().0;
+        assert!(same(&row(&packed, 1, 2, 2), &alone.get(0)));
+    }
 }
