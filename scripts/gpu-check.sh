@@ -6,6 +6,8 @@
 #   scripts/gpu-check.sh --build DIR          build the CUDA binaries (release) into DIR
 #   scripts/gpu-check.sh OUT [--prebuilt DIR] run them on this machine's GPU, report in OUT
 #
+# BENCH_GPU_ARGS, where set, is added to `strata bench gpu`'s arguments (e.g. "--rounds 4").
+#
 # Without --prebuilt the binaries are built here first (scripts/setup.sh's libtorch). With
 # it, binaries built on another x86-64 machine run against the libtorch of the Python torch
 # found here (python3, or $PYTHON), so the GPU machine needs no Rust toolchain.
@@ -68,7 +70,8 @@ status=0
 for t in ext cuda gpu; do
   (cd "$repo" && "$bin/test-$t" --test-threads 1 --nocapture) >"$out/test-$t.log" 2>&1 || status=1
 done
-"$bin/strata" bench gpu --python "$python" --json-out "$out/bench-gpu.json" --kernel-trace "$out/traces" >"$out/bench-gpu.txt" 2>&1 || status=1
+# shellcheck disable=SC2086 # the extra arguments split on spaces
+"$bin/strata" bench gpu --python "$python" ${BENCH_GPU_ARGS:-} --json-out "$out/bench-gpu.json" --kernel-trace "$out/traces" >"$out/bench-gpu.txt" 2>&1 || status=1
 
 "$python" - "$out" "$gpu" "$torch" "$commit" "$start" "$status" <<'EOF'
 import json, os, re, sys, time

@@ -1,5 +1,6 @@
-//! Compiles `csrc/strata_ext.cpp` against the headers of the libtorch that torch-sys found,
-//! and makes this crate's own test binaries find libtorch at run time.
+//! Compiles `csrc/strata_ext.cpp` (and, with the cuda feature, `csrc/cuda_kernels.cpp`)
+//! against the headers of the libtorch that torch-sys found, and makes this crate's own test
+//! binaries find libtorch at run time.
 use std::path::PathBuf;
 
 fn main() {
@@ -25,13 +26,19 @@ fn main() {
         let torch = std::fs::canonicalize(&root).expect("libtorch folder exists");
         let cu13 = torch.parent().expect("torch lives in site-packages").join("nvidia/cu13");
         let nccl = cu13.parent().expect("nvidia folder").join("nccl");
-        build.define("STRATA_CUDA", None).include(cu13.join("include")).include(nccl.join("include"));
+        build
+            .define("STRATA_CUDA", None)
+            .file("csrc/cuda_kernels.cpp")
+            .include(cu13.join("include"))
+            .include(nccl.join("include"));
         let cuda_lib = cu13.join("lib");
         println!("cargo:rustc-link-search=native={}", nccl.join("lib").display());
         println!("cargo:rustc-link-lib=dylib:+verbatim=libnccl.so.2");
         println!("cargo:rustc-link-arg=-Wl,-rpath={}", nccl.join("lib").display());
         println!("cargo:rustc-link-search=native={}", cuda_lib.display());
         println!("cargo:rustc-link-lib=dylib:+verbatim=libcudart.so.13");
+        // NVRTC compiles Strata's CUDA kernels at run time (csrc/cuda_kernels.cpp).
+        println!("cargo:rustc-link-lib=dylib:+verbatim=libnvrtc.so.13");
         println!("cargo:rustc-link-lib=dylib=c10_cuda");
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
         println!("cargo:rustc-link-arg=-Wl,-rpath={}", cuda_lib.display());
@@ -52,7 +59,9 @@ fn main() {
     }
     build.compile("strata_ext");
 
-    println!("cargo:rerun-if-changed=csrc/strata_ext.cpp");
+    for source in ["csrc/strata_ext.cpp", "csrc/cuda_kernels.cpp", "csrc/cuda_kernels.h"] {
+        println!("cargo:rerun-if-changed={source}");
+    }
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=c10");
     // Dependents read this as DEP_STRATA_EXT_LIBTORCH_LIB to set their own rpath.

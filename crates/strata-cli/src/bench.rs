@@ -75,6 +75,10 @@ pub struct BenchTrainArgs {
     /// A third side: Strata with fp8 linears (all but the output head) on top of --amp.
     #[arg(long)]
     pub fp8: bool,
+    /// Strata's sides recompute each block's activations in backward (`checkpoint`), where
+    /// memory needs it; the PyTorch side keeps them.
+    #[arg(long)]
+    pub checkpoint: bool,
     /// Dense peak of the device in TFLOP/s for the model FLOPs utilisation (default: known
     /// from the GPU's name, bf16 without sparsity).
     #[arg(long)]
@@ -404,13 +408,21 @@ fn flops_per_token(model: &ModelConfig, params: i64) -> f64 {
     6.0 * params as f64 + 12.0 * (layers * ctx * dim) as f64
 }
 
-/// Strata's strategy for a side: fused attention and norms as the reference uses, the
-/// reference's precision, and fp8 linears where asked.
-fn strata_strategy(amp: Amp, fp8: bool) -> String {
+/// Strata's strategy for a side: fused attention and Strata's kernels (`module_replace`),
+/// the reference's precision, fp8 linears and recomputed blocks where asked.
+fn strata_strategy(a: &BenchTrainArgs, fp8: bool) -> String {
     let mut methods = vec![r#""module_replace""#.to_string()];
     if fp8 {
         methods.push(r#"["fp8", {"exclude": ["lm_head"]}]"#.into());
     }
+    if a.checkpoint {
+        let block = match a.model {
+            BenchModel::Gpt => "GptBlock",
+            BenchModel::Llama => "LlamaBlock",
+        };
+        methods.push(format!(r#"["checkpoint", ["{block}"]]"#));
+    }
+    let amp = a.amp;
     if amp != Amp::None {
         methods.push(format!(r#"["amp_native", {{"dtype": "{}"}}]"#, amp.name()));
     }
@@ -442,11 +454,11 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
     let mut names = vec!["pytorch eager".to_string(), "strata".to_string()];
     let mut sides: Vec<Box<dyn Side>> = vec![
         Box::new(PytorchSide::start(a)?),
-        Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a.amp, false))?),
+        Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a, false))?),
     ];
     if a.fp8 {
         names.push("strata fp8".into());
-        sides.push(Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a.amp, true))?));
+        sides.push(Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a, true))?));
     }
     for side in &mut sides {
         side.run(a.warmup)?;

@@ -1,6 +1,8 @@
 //! `strata bench gpu`: `strata bench train` on one GPU for the two models a user moving to a
-//! GPU would try first, in bf16 autocast with fused attention: GPT-2 small (124M) and a
-//! LLaMA of 1.1B parameters, the latter also with fp8 linears.
+//! GPU would try first, in bf16 autocast with fused attention and Strata's kernels, at the
+//! shapes of the published anchors: GPT-2 small (124M) at 64 × 1024 tokens per step (llm.c's)
+//! and a LLaMA of 1.1B parameters at 8 × 2048 (TinyLlama's), the latter also with fp8
+//! linears; and matrix products in bf16 against fp8 at square and at layer shapes.
 use crate::bench::{self, Amp, BenchModel, BenchTrainArgs, Report};
 use crate::bench_runs::GptShape;
 use anyhow::{bail, Context, Result};
@@ -18,12 +20,16 @@ pub struct BenchGpuArgs {
     #[arg(long, default_value = "cuda")]
     device: String,
     /// Sequences per step of GPT-2 (1024 tokens each).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 64)]
     gpt_batch_size: i64,
-    /// Sequences per step of the LLaMA (2048 tokens each); the default leaves room on an
-    /// 80 GB GPU for its three sides (PyTorch, Strata bf16 and Strata fp8) at once.
-    #[arg(long, default_value_t = 2)]
+    /// Sequences per step of the LLaMA (2048 tokens each).
+    #[arg(long, default_value_t = 8)]
     llama_batch_size: i64,
+    /// Strata's LLaMA sides keep every activation instead of recomputing each block's: the
+    /// recomputation leaves room for the three sides (PyTorch, Strata bf16 and Strata fp8)
+    /// on one GPU at once.
+    #[arg(long)]
+    llama_without_checkpoint: bool,
     /// Leave out the fp8 side of the LLaMA and the fp8 products.
     #[arg(long)]
     no_fp8: bool,
@@ -84,6 +90,7 @@ impl BenchGpuArgs {
             device: self.device.clone(),
             amp: Amp::Bf16,
             fp8,
+            checkpoint: model == BenchModel::Llama && !self.llama_without_checkpoint,
             peak_tflops: self.peak_tflops,
             rounds: self.rounds,
             block: self.block,
@@ -95,10 +102,14 @@ impl BenchGpuArgs {
     }
 }
 
-/// One size of square matrix product, in TFLOP/s.
+/// One matrix product `[m, k] × [k, n]`, in TFLOP/s.
 #[derive(Serialize)]
 struct GemmRow {
-    size: i64,
+    /// What the shape is: a square, or a layer of a model at its tokens per step.
+    shape: String,
+    m: i64,
+    k: i64,
+    n: i64,
     bf16: f64,
     /// `_scaled_mm` on operands already in fp8.
     fp8_product: f64,
@@ -112,8 +123,8 @@ struct GpuReport {
     gemm: Vec<GemmRow>,
 }
 
-/// TFLOP/s of `f`, an n×n×n product, over 20 calls after 3 warm-up calls.
-fn tflops(device: Device, n: i64, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
+/// TFLOP/s of `f`, an m×k×n product, over 20 calls after 3 warm-up calls.
+fn tflops(device: Device, (m, k, n): (i64, i64, i64), mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
     let Device::Cuda(index) = device else { bail!("the products are measured on a GPU") };
     for _ in 0..3 {
         let _ = f()?;
@@ -124,25 +135,38 @@ fn tflops(device: Device, n: i64, mut f: impl FnMut() -> Result<Tensor>) -> Resu
         let _ = f()?;
     }
     tch::Cuda::synchronize(index as i64);
-    Ok(20.0 * 2.0 * (n * n * n) as f64 / start.elapsed().as_secs_f64() / 1e12)
+    Ok(20.0 * 2.0 * (m * k * n) as f64 / start.elapsed().as_secs_f64() / 1e12)
 }
 
-/// bf16 against fp8 matrix products of growing size: where fp8 pays once its casts are
-/// counted.
+/// The products measured: squares of growing size, then the feed-forward layers of the
+/// 1.1B LLaMA (width 2048, hidden 5632) and of an 8B-like one (4096, 14336) at 8 × 2048
+/// tokens, each way (up and down projections).
+fn gemm_shapes() -> Vec<(String, (i64, i64, i64))> {
+    let mut shapes: Vec<(String, (i64, i64, i64))> =
+        [1024, 2048, 4096, 8192, 16384].into_iter().map(|n| (format!("square {n}"), (n, n, n))).collect();
+    let tokens = 8 * 2048;
+    for (model, width, hidden) in [("1.1B", 2048, 5632), ("8B-like", 4096, 14336)] {
+        shapes.push((format!("{model} up"), (tokens, width, hidden)));
+        shapes.push((format!("{model} down"), (tokens, hidden, width)));
+    }
+    shapes
+}
+
+/// bf16 against fp8 matrix products: where fp8 pays once its casts are counted.
 fn gemm_table(device: Device) -> Result<Vec<GemmRow>> {
     let mut rows = Vec::new();
-    for n in [1024, 2048, 4096, 8192, 16384] {
-        let x = Tensor::f_randn([n, n], (Kind::BFloat16, device))?;
-        let w = Tensor::f_randn([n, n], (Kind::BFloat16, device))?;
-        let bf16 = tflops(device, n, || Ok(x.f_linear::<Tensor>(&w, None)?))?;
+    for (shape, (m, k, n)) in gemm_shapes() {
+        let x = Tensor::f_randn([m, k], (Kind::BFloat16, device))?;
+        let w = Tensor::f_randn([n, k], (Kind::BFloat16, device))?;
+        let bf16 = tflops(device, (m, k, n), || Ok(x.f_linear::<Tensor>(&w, None)?))?;
         let (xq, wq) = (x.f_to_kind(Kind::Float8e4m3fn)?, w.f_to_kind(Kind::Float8e4m3fn)?);
         let one = Tensor::f_ones([], (Kind::Float, device))?;
-        let fp8_product = tflops(device, n, || {
+        let fp8_product = tflops(device, (m, k, n), || {
             Ok(xq.f_internal_scaled_mm::<Tensor>(&wq.tr(), &one, &one, None, None, Kind::BFloat16, true)?)
         })?;
         let state = Fp8Unit::new(Fp8Config::default());
-        let fp8_linear = tflops(device, n, || Ok(fp8::linear(&state, 0, true, &x, &w, None, Kind::BFloat16)?))?;
-        rows.push(GemmRow { size: n, bf16, fp8_product, fp8_linear });
+        let fp8_linear = tflops(device, (m, k, n), || Ok(fp8::linear(&state, 0, true, &x, &w, None, Kind::BFloat16)?))?;
+        rows.push(GemmRow { shape, m, k, n, bf16, fp8_product, fp8_linear });
     }
     Ok(rows)
 }
@@ -173,11 +197,17 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
     let device = crate::options::parse_device(&a.device)?;
     let gemm = if a.no_fp8 { Vec::new() } else { gemm_table(device)? };
     if !a.json && !gemm.is_empty() {
-        println!("Square products n×n×n, TFLOP/s (fp8 linear: with its amaxes and casts, forward only)");
-        println!("{:>6} {:>8} {:>12} {:>11} {:>16}", "n", "bf16", "fp8 product", "fp8 linear", "fp8 linear/bf16");
+        println!("Products m×k×n, TFLOP/s (fp8 linear: with its amaxes and casts, forward only)");
+        println!(
+            "{:<14} {:>20} {:>8} {:>12} {:>11} {:>16}",
+            "shape", "m×k×n", "bf16", "fp8 product", "fp8 linear", "fp8 linear/bf16"
+        );
         for r in &gemm {
-            let ratio = r.fp8_linear / r.bf16;
-            println!("{:>6} {:>8.0} {:>12.0} {:>11.0} {:>16.2}", r.size, r.bf16, r.fp8_product, r.fp8_linear, ratio);
+            let (dims, ratio) = (format!("{}×{}×{}", r.m, r.k, r.n), r.fp8_linear / r.bf16);
+            println!(
+                "{:<14} {:>20} {:>8.0} {:>12.0} {:>11.0} {:>16.2}",
+                r.shape, dims, r.bf16, r.fp8_product, r.fp8_linear, ratio
+            );
         }
     }
     if let Some(dir) = &a.kernel_trace {

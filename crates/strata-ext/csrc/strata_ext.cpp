@@ -17,6 +17,8 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "cuda_kernels.h"
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1170,12 +1172,7 @@ void over_elements(int64_t n, const Kernel& kernel) {
   at::parallel_for(0, n, at::internal::GRAIN_SIZE, kernel);
 }
 
-// The kernels' backwards write through raw pointers and record nothing: refuse a backward
-// asked to build a graph for a second derivative rather than return a wrong one.
-void first_order_only(const char* kernel) {
-  TORCH_CHECK(!at::GradMode::is_enabled(), "Strata's ", kernel,
-              " kernel has no second derivative: leave its pair out of module_replace to differentiate twice");
-}
+using strata_kernels::first_order_only;
 
 // A new contiguous tensor of `like`'s shape, dtype and device.
 Tensor empty_as(const Tensor& like) { return at::empty(like.sizes(), like.options()); }
@@ -1325,17 +1322,33 @@ struct Rotary : public torch::autograd::Function<Rotary> {
 };
 
 bool own_kernel_serves(const Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
+
+// Wraps a served result (or none) for the Rust side.
+[[maybe_unused]] Tensor* owned(std::optional<Tensor> result) {
+  return result ? new Tensor(std::move(*result)) : nullptr;
+}
 }  // namespace
 
 extern "C" {
 
 // The kernels below leave `*out` null where they do not serve the inputs, for the caller's
-// own composite: they serve fp32 CPU tensors, and record backwards without a second
-// derivative.
+// own composite: the vectorised kernels serve fp32 CPU tensors, and, in a build with the
+// cuda feature, the CUDA kernels (cuda_kernels.h) serve fp32, bf16 and fp16 GPU tensors.
+// Each records a backward without a second derivative.
 
 // GELU, tanh form, of any shape.
 int strata_gelu_tanh(const Tensor* x, Tensor** out) {
-  return guarded([&] { *out = own_kernel_serves(*x) ? new Tensor(GeluTanh::apply(*x)) : nullptr; });
+  return guarded([&] {
+    if (own_kernel_serves(*x)) {
+      *out = new Tensor(GeluTanh::apply(*x));
+      return;
+    }
+#ifdef STRATA_CUDA
+    *out = owned(strata_cuda::gelu_tanh(*x));
+#else
+    *out = nullptr;
+#endif
+  });
 }
 
 // Rotary positions of `[B, H, T, D]` `x` (even D) with contiguous `[T, D]` tables that take
@@ -1347,7 +1360,15 @@ int strata_rotary(const Tensor* x, const Tensor* cos, const Tensor* sin, Tensor*
     const bool own = own_kernel_serves(*x) && own_kernel_serves(*cos) && own_kernel_serves(*sin) && tables &&
                      x->dim() == 4 && x->size(2) == cos->size(0) && x->size(3) == cos->size(1) &&
                      x->size(3) % 2 == 0;
-    *out = own ? new Tensor(Rotary::apply(*x, *cos, *sin)) : nullptr;
+    if (own) {
+      *out = new Tensor(Rotary::apply(*x, *cos, *sin));
+      return;
+    }
+#ifdef STRATA_CUDA
+    *out = owned(strata_cuda::rotary(*x, *cos, *sin));
+#else
+    *out = nullptr;
+#endif
   });
 }
 
@@ -1363,8 +1384,70 @@ int strata_rms_norm(const Tensor* x, const Tensor* weight, double eps, Tensor** 
 // SwiGLU's `silu(gate) * up` for two tensors of one shape.
 int strata_swiglu(const Tensor* gate, const Tensor* up, Tensor** out) {
   return guarded([&] {
-    const bool own = own_kernel_serves(*gate) && own_kernel_serves(*up) && gate->sizes() == up->sizes();
-    *out = own ? new Tensor(SwiGlu::apply(*gate, *up)) : nullptr;
+    if (own_kernel_serves(*gate) && own_kernel_serves(*up) && gate->sizes() == up->sizes()) {
+      *out = new Tensor(SwiGlu::apply(*gate, *up));
+      return;
+    }
+#ifdef STRATA_CUDA
+    *out = owned(strata_cuda::swiglu(*gate, *up));
+#else
+    *out = nullptr;
+#endif
+  });
+}
+
+// The mean cross-entropy of logits against targets, over the targets other than `ignore`
+// (GPU only).
+int strata_cross_entropy(const Tensor* logits, const Tensor* targets, int64_t ignore, Tensor** out) {
+  return guarded([&] {
+#ifdef STRATA_CUDA
+    *out = owned(strata_cuda::cross_entropy(*logits, *targets, ignore));
+#else
+    *out = nullptr;
+#endif
+  });
+}
+
+// `s = x + r` and the layer norm (with `bias`) or RMS norm (`bias` null) of s (GPU only);
+// `*sum` and `*out` both null where not served.
+int strata_add_norm(const Tensor* x, const Tensor* r, const Tensor* weight, const Tensor* bias, double eps,
+                    Tensor** sum, Tensor** out) {
+  return guarded([&] {
+    *sum = nullptr;
+    *out = nullptr;
+#ifdef STRATA_CUDA
+    if (auto served = strata_cuda::add_norm(*x, *r, *weight, optional_tensor(bias), eps, bias == nullptr)) {
+      *sum = new Tensor(std::move(served->first));
+      *out = new Tensor(std::move(served->second));
+    }
+#endif
+  });
+}
+
+// An fp8 cast of `x` (see cuda_kernels.h); all three outputs null where not served, `*qt`
+// null where not asked for.
+int strata_fp8_cast(const Tensor* x, double scale, int e5m2, int transposed, Tensor** q, Tensor** qt,
+                    Tensor** amax) {
+  return guarded([&] {
+    *q = *qt = *amax = nullptr;
+#ifdef STRATA_CUDA
+    if (auto cast = strata_cuda::fp8_cast(*x, scale, e5m2 != 0, transposed != 0)) {
+      *q = new Tensor(std::move(cast->q));
+      *qt = cast->qt.defined() ? new Tensor(std::move(cast->qt)) : nullptr;
+      *amax = new Tensor(std::move(cast->amax));
+    }
+#endif
+  });
+}
+
+// Compiles every CUDA kernel for `arch` without a device (an error without the cuda feature).
+int strata_cuda_compile_kernels(const char* arch) {
+  return guarded([&] {
+#ifdef STRATA_CUDA
+    strata_cuda::compile_all(arch);
+#else
+    TORCH_CHECK(false, "built without the cuda feature");
+#endif
   });
 }
 

@@ -78,6 +78,31 @@ extern "C" {
     fn strata_swiglu(gate: *const C_tensor, up: *const C_tensor, out: *mut TensorPtr) -> c_int;
     fn strata_rms_norm(x: *const C_tensor, weight: *const C_tensor, eps: f64, out: *mut TensorPtr) -> c_int;
     fn strata_rotary(x: *const C_tensor, cos: *const C_tensor, sin: *const C_tensor, out: *mut TensorPtr) -> c_int;
+    fn strata_cross_entropy(
+        logits: *const C_tensor,
+        targets: *const C_tensor,
+        ignore: i64,
+        out: *mut TensorPtr,
+    ) -> c_int;
+    fn strata_add_norm(
+        x: *const C_tensor,
+        r: *const C_tensor,
+        weight: *const C_tensor,
+        bias: *const C_tensor,
+        eps: f64,
+        sum: *mut TensorPtr,
+        out: *mut TensorPtr,
+    ) -> c_int;
+    fn strata_cuda_compile_kernels(arch: *const c_char) -> c_int;
+    fn strata_fp8_cast(
+        x: *const C_tensor,
+        scale: f64,
+        e5m2: c_int,
+        transposed: c_int,
+        q: *mut TensorPtr,
+        qt: *mut TensorPtr,
+        amax: *mut TensorPtr,
+    ) -> c_int;
     fn strata_cpu_memory_account(bytes: i64) -> c_int;
     fn strata_from_blob(
         data: *mut c_void,
@@ -553,12 +578,17 @@ extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
 
 // ---- CPU kernels for activations, RMSNorm and rotary positions --------------------------
 
-/// Strata's vectorised CPU kernels, each recorded for autograd as one node whose backward
-/// is not itself differentiable (asking for a second derivative through it is an error).
-/// Each serves fp32 CPU tensors of the shapes it names and returns `None` for anything
-/// else, for the caller's own composite.
+/// Strata's kernels, each recorded for autograd as one node whose backward is not itself
+/// differentiable (asking for a second derivative through it is an error): vectorised CPU
+/// kernels for fp32 CPU tensors and, in a build with the `cuda` feature, CUDA kernels for
+/// fp32, bf16 and fp16 GPU tensors, compiled at run time by NVRTC for the device at hand
+/// (once per process for each dtype). Each returns `None` for inputs it does not serve, for
+/// the caller's own composite.
 pub mod kernels {
-    use super::{check, strata_gelu_tanh, strata_rms_norm, strata_rotary, strata_swiglu, Result, TensorPtr};
+    use super::{
+        check, optional_ptr, strata_add_norm, strata_cross_entropy, strata_fp8_cast, strata_gelu_tanh, strata_rms_norm,
+        strata_rotary, strata_swiglu, Result, TensorPtr,
+    };
     use tch::Tensor;
 
     /// Takes the result of a call that leaves null where its kernel does not serve.
@@ -600,6 +630,64 @@ pub mod kernels {
     pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
         // SAFETY: the tensors are live for the call.
         served(|out| unsafe { strata_rotary(x.as_ptr(), cos.as_ptr(), sin.as_ptr(), out) })
+    }
+
+    /// The mean cross-entropy of `[..., V]` logits against integer targets of their leading
+    /// shape, over the targets other than `ignore` (their count at least 1), on a GPU: one
+    /// pass over each row for its log-sum-exp forward and one writing its gradient backward,
+    /// in fp32 from the logits' dtype, so neither fp32 logits nor log-probabilities are ever
+    /// written; backward keeps the logits and one float per row.
+    pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore: i64) -> Result<Option<Tensor>> {
+        // SAFETY: the tensors are live for the call.
+        served(|out| unsafe { strata_cross_entropy(logits.as_ptr(), targets.as_ptr(), ignore, out) })
+    }
+
+    /// `x · scale` saturated to the fp8 format's largest finite value and cast to it (E4M3,
+    /// or E5M2 where `e5m2`), for a contiguous 2-D `x` on a GPU with fp8 conversions
+    /// (sm_89 and later): one pass that writes the cast row-major and, where `transposed`,
+    /// its contiguous transpose (the column-major operand a scaled product wants), and takes
+    /// the largest magnitude of `x` (NaN left out) into a float scalar on the device.
+    pub fn fp8_cast(
+        x: &Tensor,
+        scale: f64,
+        e5m2: bool,
+        transposed: bool,
+    ) -> Result<Option<(Tensor, Option<Tensor>, Tensor)>> {
+        let mut out: [TensorPtr; 3] = [std::ptr::null_mut(); 3];
+        let [q, qt, amax] = &mut out;
+        // SAFETY: `x` is live for the call; the three outputs are written.
+        check(unsafe { strata_fp8_cast(x.as_ptr(), scale, e5m2.into(), transposed.into(), q, qt, amax) })?;
+        if out[0].is_null() || out[2].is_null() {
+            return Ok(None);
+        }
+        // SAFETY: fresh `new at::Tensor`s (or null for the transpose) owned by nobody else.
+        Ok(Some(unsafe {
+            let qt = (!out[1].is_null()).then(|| Tensor::from_ptr(out[1]));
+            (Tensor::from_ptr(out[0]), qt, Tensor::from_ptr(out[2]))
+        }))
+    }
+
+    /// The residual sum `s = x + r` and its norm over the last dimension, in one pass per
+    /// row each way on a GPU: layer norm with `bias`, RMS norm without. `s` and the norm
+    /// take the weight's dtype, which must be the promotion of `x`'s and `r`'s; the width at
+    /// most 8,192.
+    pub fn add_norm(
+        x: &Tensor,
+        r: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let (mut sum, mut out): (TensorPtr, TensorPtr) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: the tensors are live for the call; both outputs are written.
+        check(unsafe {
+            strata_add_norm(x.as_ptr(), r.as_ptr(), weight.as_ptr(), optional_ptr(bias), eps, &mut sum, &mut out)
+        })?;
+        if sum.is_null() || out.is_null() {
+            return Ok(None);
+        }
+        // SAFETY: fresh `new at::Tensor`s owned by nobody else.
+        Ok(Some(unsafe { (Tensor::from_ptr(sum), Tensor::from_ptr(out)) }))
     }
 }
 
@@ -847,6 +935,15 @@ pub mod cuda {
         // SAFETY: `s` has the four slots the C++ side writes.
         check(unsafe { strata_cuda_memory_stats(device as c_int, s.as_mut_ptr()) })?;
         Ok(MemoryStats { allocated: s[0], allocated_peak: s[1], reserved: s[2], reserved_peak: s[3] })
+    }
+
+    /// Compiles every CUDA kernel of [`kernels`](super::kernels) for `arch` (such as
+    /// `sm_90`) with NVRTC, without loading them: needs no device, so a machine without a
+    /// GPU can check that the sources compile.
+    pub fn compile_kernels(arch: &str) -> Result<()> {
+        let arch = std::ffi::CString::new(arch).map_err(|e| ExtError(e.to_string()))?;
+        // SAFETY: a NUL-terminated string live for the call.
+        check(unsafe { strata_cuda_compile_kernels(arch.as_ptr()) })
     }
 
     /// The device's compute capability (major, minor), e.g. (9, 0) for an H100.

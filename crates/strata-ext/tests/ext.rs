@@ -256,6 +256,22 @@ fn cuda_calls_work_on_a_gpu_and_fail_cleanly_without_one() {
 }
 
 #[test]
+fn the_cuda_kernels_compile_for_every_dtype_without_a_device() {
+    if !cuda::is_built() {
+        let err = cuda::compile_kernels("sm_90").unwrap_err();
+        assert!(err.0.contains("cuda feature"), "{err}");
+        eprintln!("the_cuda_kernels_compile_for_every_dtype_without_a_device: skipped, built without the cuda feature");
+        return;
+    }
+    // Hopper and Blackwell; NVRTC needs no GPU to compile for them.
+    for arch in ["sm_90", "sm_100"] {
+        cuda::compile_kernels(arch).unwrap();
+    }
+    let err = cuda::compile_kernels("sm_1").unwrap_err();
+    assert!(err.0.contains("NVRTC"), "{err}");
+}
+
+#[test]
 fn cpu_memory_counts_allocations_and_their_release() {
     strata_ext::cpu_memory::track().unwrap();
     strata_ext::cpu_memory::reset_peak().unwrap();

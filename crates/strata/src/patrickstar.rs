@@ -313,7 +313,7 @@ impl PatrickStarEngine {
         let mut s = self.session.borrow_mut();
         s.engine.set_layout(batch.layout.as_ref());
         let output = s.engine.forward(&batch.inputs)?;
-        (s.loss)(&output, batch)
+        s.engine.compute_loss(|| (s.loss)(&output, batch))
     }
 
     /// Backward from `loss` (multiplied by the loss scale where `fp16` scales it); gradients

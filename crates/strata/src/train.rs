@@ -104,7 +104,7 @@ fn evaluate_with(engine: &mut Engine, steps: &[Step], input: &InputFn, loss: &Lo
     for batch in steps.iter().flat_map(|s| &s.micro_batches) {
         engine.set_layout(batch.layout.as_ref());
         let output = engine.evaluate(&input(batch)?)?;
-        losses.push(loss(&output, batch)?.f_double_value(&[])?);
+        losses.push(engine.compute_loss(|| loss(&output, batch))?.f_double_value(&[])?);
     }
     token_mean(steps, &losses)
 }
@@ -329,7 +329,7 @@ impl Trainer {
             self.engine.set_layout(batch.layout.as_ref());
             let output = self.engine.forward(&(self.prepare_input)(batch)?)?;
             crate::fault::point("backward", self.step + 1);
-            let loss = (self.loss_func)(&output, batch)?;
+            let loss = self.engine.compute_loss(|| (self.loss_func)(&output, batch))?;
             self.engine.backward(&loss.f_mul_scalar(scale * step.loss_weight(i))?)?;
             losses.push(loss.f_detach()?);
             tokens += batch.targets.numel() as u64;

@@ -224,6 +224,42 @@ fn replaced_modules_match_the_reference_ones() {
     assert!(Replacements::select(Some(&["NoSuchPair".to_string()])).is_err());
 }
 
+/// The training loss runs under the `module_replace` selection of the unit that made the
+/// logits: a cross-entropy pair registered and selected is called for every micro-batch's
+/// loss (and for evaluation), and not without `module_replace`.
+#[test]
+fn the_loss_runs_under_the_output_unit_s_replacements() {
+    use std::sync::atomic::AtomicUsize;
+    use strata::compute::replace::{register_replace_pair, Replacement};
+    let _serial = serial();
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    // Counts its calls and declines, so the composite computes the loss.
+    register_replace_pair(
+        "CountingCrossEntropy",
+        &[Kind::Float],
+        Replacement::CrossEntropy(Arc::new(|_: &Tensor, _: &Tensor, ignore: i64| {
+            assert_eq!(ignore, layers::IGNORE);
+            CALLS.fetch_add(1, Ordering::SeqCst);
+            Ok(None)
+        })),
+    );
+    let mut calls = vec![];
+    for strategy in [r#"[["module_replace", ["CountingCrossEntropy"]]]"#, "[]"] {
+        let strategy = Strategy::parse(strategy).unwrap();
+        let mut engine = build_engine(spec(), EngineConfig::default(), &strategy, &RankLayout::single()).unwrap();
+        let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+        let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+        let before = CALLS.load(Ordering::SeqCst);
+        let steps = [step(1), step(2)];
+        for s in &steps {
+            trainer.train_step(s).unwrap();
+        }
+        strata::train::evaluate(&mut trainer.engine, &steps).unwrap();
+        calls.push(CALLS.load(Ordering::SeqCst) - before);
+    }
+    assert_eq!(calls, vec![4, 0], "two training and two evaluation losses replaced, none without module_replace");
+}
+
 /// Forward and backward of a linear layer under `policy`: output and the gradients of
 /// input, weight and bias for the upstream gradient `g` (undefined where none).
 fn linear_with_grads(policy: &Arc<UnitCompute>, x: &Tensor, w: &Tensor, b: Option<&Tensor>, g: &Tensor) -> Vec<Tensor> {

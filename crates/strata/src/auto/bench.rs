@@ -292,7 +292,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     engine.set_layout(batch.layout.as_ref());
     let out = engine.forward(&(bench.prepare_input)(batch)?)?;
     let loss = bench.loss_func.clone().unwrap_or_else(crate::train::next_token_loss);
-    engine.backward(&loss(&out, batch)?)?;
+    engine.backward(&engine.compute_loss(|| loss(&out, batch))?)?;
     let step_seconds = start.elapsed().as_secs_f64();
     let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let ledger_peak = engine.ledger().report().get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);

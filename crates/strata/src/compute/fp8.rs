@@ -48,6 +48,9 @@ pub struct Fp8Config {
     pub include: Vec<String>,
     /// No linear layer whose weight name contains one of these.
     pub exclude: Vec<String>,
+    /// No linear layer with fewer input or output features than this: a product that
+    /// small gains less from fp8 than its operands' casts cost (0: no such limit).
+    pub min_features: i64,
 }
 
 impl Default for Fp8Config {
@@ -61,6 +64,7 @@ impl Default for Fp8Config {
             reduce_amax: true,
             include: vec![],
             exclude: vec![],
+            min_features: 0,
         }
     }
 }
@@ -69,6 +73,9 @@ impl Fp8Config {
     pub fn validate(&self) -> Result<()> {
         if self.interval == 0 || self.amax_history_len == 0 {
             return Err(Error::Config("fp8: interval and amax_history_len must be positive".into()));
+        }
+        if self.min_features < 0 {
+            return Err(Error::Config(format!("fp8: min_features must not be negative, got {}", self.min_features)));
         }
         Ok(())
     }
@@ -82,11 +89,34 @@ impl Fp8Config {
     }
 
     /// Whether the linear layer with weight `name` and shape `[out, in]` runs in fp8:
-    /// included, not excluded, both dimensions multiples of 16.
+    /// included, not excluded, both dimensions multiples of 16 and at least `min_features`.
     pub fn applies_to(&self, name: &str, shape: &[i64]) -> bool {
+        self.admits(name, shape) && !self.too_small(shape)
+    }
+
+    /// Whether the weight is left in bf16 for its size alone.
+    pub fn too_small(&self, shape: &[i64]) -> bool {
+        shape.iter().any(|&d| d < self.min_features)
+    }
+
+    /// Included, not excluded, a matrix both of whose dimensions are multiples of 16.
+    fn admits(&self, name: &str, shape: &[i64]) -> bool {
         let included = self.include.is_empty() || self.include.iter().any(|s| name.contains(s.as_str()));
         let excluded = self.exclude.iter().any(|s| name.contains(s.as_str()));
         included && !excluded && shape.len() == 2 && shape.iter().all(|d| d % 16 == 0)
+    }
+
+    /// The weights (by name and shape) it computes in fp8 and those it leaves in bf16 for
+    /// their size, as a line for the log.
+    pub fn describe(&self, weights: &[(&str, &[i64])]) -> String {
+        let admitted: Vec<&(&str, &[i64])> = weights.iter().filter(|(n, s)| self.admits(n, s)).collect();
+        let small: Vec<String> =
+            admitted.iter().filter(|(_, s)| self.too_small(s)).map(|(n, s)| format!("{n} {s:?}")).collect();
+        let mut line = format!("fp8: {} of {} linear weights", admitted.len() - small.len(), admitted.len());
+        if !small.is_empty() {
+            line += &format!("; below {} features, in bf16: {}", self.min_features, small.join(", "));
+        }
+        line
     }
 }
 
@@ -150,6 +180,9 @@ pub struct Fp8Unit {
     /// The step's running amaxes per layer and role, still where the tensors live: read
     /// back once, when the step ends, so recording never waits for the device.
     observed: Vec<[Option<Tensor>; 3]>,
+    /// Per layer, its weight cast to fp8 in this step: weights change only between steps,
+    /// so every forward of a step (micro-batches, recomputation) reuses one cast.
+    weights: Vec<Option<Cast>>,
     steps: u64,
 }
 
@@ -183,7 +216,13 @@ impl Fp8Snapshot {
 
 impl Fp8Unit {
     pub fn new(config: Fp8Config) -> SharedFp8 {
-        Arc::new(Mutex::new(Fp8Unit { config, layers: Vec::new(), observed: Vec::new(), steps: 0 }))
+        Arc::new(Mutex::new(Fp8Unit {
+            config,
+            layers: Vec::new(),
+            observed: Vec::new(),
+            weights: Vec::new(),
+            steps: 0,
+        }))
     }
 
     pub fn snapshot(&self) -> Fp8Snapshot {
@@ -193,14 +232,14 @@ impl Fp8Unit {
     pub fn restore(&mut self, snapshot: &Fp8Snapshot) {
         self.layers = snapshot.layers.clone();
         self.observed = self.layers.iter().map(|_| Default::default()).collect();
+        self.weights = self.layers.iter().map(|_| None).collect();
         self.steps = snapshot.steps;
     }
 
-    /// Takes `t`'s absolute maximum into the step's running maximum of `role` of layer
-    /// `slot`, on `t`'s device (NaN ignored, as `f64::max` would).
-    fn observe(&mut self, slot: usize, role: Role, t: &Tensor) -> Result<()> {
-        // The infinity norm: the largest magnitude in one pass.
-        let amax = t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?;
+    /// Takes a tensor's absolute maximum `amax` (a scalar where the tensor lives) into the
+    /// step's running maximum of `role` of layer `slot` (NaN ignored, as `f64::max` would).
+    fn observe(&mut self, slot: usize, role: Role, amax: &Tensor) -> Result<()> {
+        let amax = amax.shallow_clone();
         let cell = &mut self.observed[slot][role as usize];
         *cell = Some(match cell.take() {
             Some(before) => before.f_fmax(&amax)?,
@@ -223,6 +262,8 @@ impl Fp8Unit {
     /// `interval` steps the scales are recomputed from them.
     fn take_step(&mut self, pending: &[f64]) {
         self.steps += 1;
+        // The weights are about to change.
+        self.weights.iter_mut().for_each(|w| *w = None);
         let refresh = self.steps.is_multiple_of(self.config.interval);
         let (fwd_max, grad_max) = (E4M3_MAX, self.config.grad_format().1);
         let c = &self.config;
@@ -291,12 +332,36 @@ pub fn end_steps(units: &mut [&mut Fp8Unit], group: Option<&dyn ProcessGroup>) -
     Ok(())
 }
 
-/// `t · scale`, saturated to ±`max`, in fp8 `kind`. Scaled in `t`'s own dtype: bf16 keeps
-/// more mantissa than either fp8 format.
-fn quantize(t: &Tensor, scale: f64, kind: Kind, max: f64) -> Result<Tensor> {
+/// A 2-D tensor cast to fp8: row-major, its contiguous transpose (the column-major operand
+/// of a scaled product), and the tensor's largest magnitude before scaling (a float scalar
+/// where the tensor lives).
+struct Cast {
+    q: Tensor,
+    qt: Tensor,
+    amax: Tensor,
+}
+
+impl Cast {
+    fn shallow_clone(&self) -> Cast {
+        Cast { q: self.q.shallow_clone(), qt: self.qt.shallow_clone(), amax: self.amax.shallow_clone() }
+    }
+}
+
+/// `t · scale`, saturated to ±`max`, in fp8 `kind`, with its transpose and amax: one pass of
+/// Strata's CUDA kernel on a GPU; elsewhere composite ops, scaling in `t`'s own dtype (bf16
+/// keeps more mantissa than either fp8 format).
+fn cast(t: &Tensor, scale: f64, kind: Kind, max: f64) -> Result<Cast> {
+    let t = t.f_contiguous()?;
+    if let Some((q, Some(qt), amax)) = strata_ext::kernels::fp8_cast(&t, scale, kind == Kind::Float8e5m2, true)? {
+        return Ok(Cast { q, qt, amax });
+    }
+    // The infinity norm: the largest magnitude in one pass.
+    let amax = t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?;
     let mut scaled = t.f_mul_scalar(scale)?;
     let _ = scaled.f_clamp_(-max, max)?;
-    Ok(scaled.f_to_kind(kind)?)
+    let q = scaled.f_to_kind(kind)?;
+    let qt = q.f_tr()?.f_contiguous()?;
+    Ok(Cast { q, qt, amax })
 }
 
 /// `a @ b` of fp8 operands quantised with scales `sa` and `sb`, in `out`; `b` must be
@@ -331,42 +396,50 @@ struct Fp8Linear {
     /// The bias's dtype, when there is one.
     bias_kind: Option<Kind>,
     scales: (f64, f64, f64),
+    /// The transposed fp8 input and weight, and the dtypes of their gradients.
     saved: Option<(Tensor, Tensor, Kind, Kind)>,
 }
 
 impl strata_ext::Function for Fp8Linear {
     fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
         let (x, w) = (&inputs[0], &inputs[1]);
-        if self.record {
-            let mut s = self.state.lock().map_err(text)?;
-            s.observe(self.slot, Role::Input, x).map_err(text)?;
-            s.observe(self.slot, Role::Weight, w).map_err(text)?;
-        }
         let (sx, sw, _) = self.scales;
-        let xq = quantize(x, sx, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
-        let wq = quantize(w, sw, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
-        let mut out = scaled_mm(&xq, &wq.tr(), sx, sw, self.out_kind, true)?;
+        let x8 = cast(x, sx, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
+        let w8 = {
+            let mut s = self.state.lock().map_err(text)?;
+            let w8 = match s.weights[self.slot].as_ref() {
+                Some(cached) => cached.shallow_clone(),
+                None => {
+                    let fresh = cast(w, sw, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
+                    s.weights[self.slot] = Some(fresh.shallow_clone());
+                    fresh
+                }
+            };
+            if self.record {
+                s.observe(self.slot, Role::Input, &x8.amax).map_err(text)?;
+                s.observe(self.slot, Role::Weight, &w8.amax).map_err(text)?;
+            }
+            w8
+        };
+        let mut out = scaled_mm(&x8.q, &w8.q.tr(), sx, sw, self.out_kind, true)?;
         if let Some(b) = inputs.get(2) {
             out = out.f_add(&b.f_to_kind(self.out_kind).map_err(text)?).map_err(text)?;
         }
-        self.saved = Some((xq, wq, x.kind(), w.kind()));
+        self.saved = Some((x8.qt, w8.qt, x.kind(), w.kind()));
         Ok(vec![out])
     }
 
+    /// With the transposes kept from forward (`xᵀ`, `wᵀ`, contiguous): the input's gradient
+    /// `g @ w` (w column-major is `wᵀ` row-major) and the weight's `gᵀ @ x`.
     fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
-        let (xq, wq, x_kind, w_kind) = self.saved.take().ok_or("fp8 linear: backward before forward")?;
-        let g = grads[0].contiguous();
-        let (grad_kind, grad_max) = {
-            let mut s = self.state.lock().map_err(text)?;
-            s.observe(self.slot, Role::Grad, &g).map_err(text)?;
-            s.config.grad_format()
-        };
+        let (xt, wt, x_kind, w_kind) = self.saved.take().ok_or("fp8 linear: backward before forward")?;
+        let g = &grads[0];
+        let (grad_kind, grad_max) = self.state.lock().map_err(text)?.config.grad_format();
         let (sx, sw, sg) = self.scales;
-        let gq = quantize(&g, sg, grad_kind, grad_max).map_err(text)?;
-        // The second operand of a scaled product is column-major: a transposed contiguous copy.
-        let column_major = |t: &Tensor| t.tr().contiguous().tr();
-        let grad_x = scaled_mm(&gq, &column_major(&wq), sg, sw, x_kind, false)?;
-        let grad_w = scaled_mm(&gq.tr().contiguous(), &column_major(&xq), sg, sx, w_kind, false)?;
+        let g8 = cast(g, sg, grad_kind, grad_max).map_err(text)?;
+        self.state.lock().map_err(text)?.observe(self.slot, Role::Grad, &g8.amax).map_err(text)?;
+        let grad_x = scaled_mm(&g8.q, &wt.tr(), sg, sw, x_kind, false)?;
+        let grad_w = scaled_mm(&g8.qt, &xt.tr(), sg, sx, w_kind, false)?;
         let mut out = vec![grad_x, grad_w];
         if let Some(kind) = self.bias_kind {
             out.push(g.f_sum_dim_intlist(0, false, kind).map_err(text)?);
@@ -391,6 +464,7 @@ pub fn linear(
         while s.layers.len() <= slot {
             s.layers.push(LinearMeters { input: Meter::new(), weight: Meter::new(), grad: Meter::new() });
             s.observed.push(Default::default());
+            s.weights.push(None);
         }
         let l = &s.layers[slot];
         (l.input.scale, l.weight.scale, l.grad.scale)
@@ -414,4 +488,28 @@ pub fn linear(
     let mut shape = size[..size.len() - 1].to_vec();
     shape.push(w.size()[0]);
     Ok(out.f_reshape(shape)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Fp8Config;
+
+    #[test]
+    fn min_features_keeps_narrow_linears_out_of_fp8_and_says_which() {
+        let config = Fp8Config { min_features: 2048, exclude: vec!["lm_head".into()], ..Default::default() };
+        let (q, k, up, head) = ([2048, 2048], [512, 2048], [5632, 2048], [32000, 2048]);
+        assert!(config.applies_to("q_proj.weight", &q) && config.applies_to("up_proj.weight", &up));
+        assert!(!config.applies_to("k_proj.weight", &k), "512 output features");
+        assert!(!config.applies_to("lm_head.weight", &head), "excluded by name");
+        assert!(!config.applies_to("norm.weight", &[2048]), "not a matrix");
+        let line = config.describe(&[
+            ("q_proj.weight", &q),
+            ("k_proj.weight", &k),
+            ("up_proj.weight", &up),
+            ("lm_head.weight", &head),
+        ]);
+        assert_eq!(line, "fp8: 2 of 3 linear weights; below 2048 features, in bf16: k_proj.weight [512, 2048]");
+        assert!(Fp8Config { min_features: -1, ..Default::default() }.validate().is_err());
+        assert!(Fp8Config::default().applies_to("k_proj.weight", &k), "no limit by default");
+    }
 }

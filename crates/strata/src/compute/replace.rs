@@ -1,14 +1,19 @@
 //! `module_replace`: a registry of replacement pairs — an op of the reference models and a
 //! faster implementation of it, with the dtypes it supports. The reference models compute
-//! attention and norms with plain composites (the eager modules); a strategy with
-//! `module_replace` swaps in the registered implementations wherever the op's dtype is
-//! supported. Built in: `FlashAttention` (libtorch's fused scaled-dot-product attention,
-//! flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm` (Strata's
-//! kernel on fp32 CPU tensors, libtorch's `rms_norm` elsewhere), and, where
+//! attention, norms, activations and the loss with plain composites (the eager modules); a
+//! strategy with `module_replace` swaps in the registered implementations wherever the op's
+//! dtype is supported. Built in: `FlashAttention` (libtorch's fused scaled-dot-product
+//! attention, flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm`
+//! (Strata's kernel on fp32 CPU tensors, libtorch's `rms_norm` elsewhere), and, where
 //! libtorch has oneDNN, `OneDnnLinear` (fp32 linear layers on the CPU through oneDNN's
-//! inner product, forward and input gradient, instead of libtorch's BLAS), and, on fp32 CPU
-//! tensors through Strata's vectorised kernels, `VectorGelu` (GELU's tanh form),
-//! `FusedSwiGLU` (`silu(gate) * up` in one pass) and `FusedRoPE` (rotary positions).
+//! inner product, forward and input gradient, instead of libtorch's BLAS). Strata's own
+//! kernels (`strata_ext::kernels`: vectorised on fp32 CPU tensors, NVRTC-compiled on GPU
+//! tensors of fp32, bf16 and fp16) serve `VectorGelu` (GELU's tanh form), `FusedSwiGLU`
+//! (`silu(gate) * up` in one pass), `FusedRoPE` (rotary positions), and, on a GPU only,
+//! `FusedCrossEntropy` (the loss from the logits' own dtype, no fp32 logits or
+//! log-probabilities written), `FusedAddLayerNorm` and `FusedAddRMSNorm` (a residual sum and
+//! the norm that follows it in one pass). Where a kernel does not serve its inputs (device,
+//! dtype, shape) the composite runs.
 //!
 //! Owns the registry and the selection a strategy names. Must not decide where a replacement
 //! runs: the layer functions of `model::layers` ask the running unit's policy for one and
@@ -27,6 +32,11 @@ pub type LinearFn = Arc<dyn Fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tens
 pub type GeluFn = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 pub type SwiGluFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 pub type RotaryFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+/// Logits, targets and the target that takes no loss.
+pub type CrossEntropyFn = Arc<dyn Fn(&Tensor, &Tensor, i64) -> Result<Option<Tensor>> + Send + Sync>;
+/// A residual sum and its norm: `(x, r, weight, bias, eps)` to `(x + r, norm(x + r))`.
+pub type AddNormFn =
+    Arc<dyn Fn(&Tensor, &Tensor, &Tensor, Option<&Tensor>, f64) -> Result<Option<(Tensor, Tensor)>> + Send + Sync>;
 
 /// The op a pair replaces, with its implementation.
 #[derive(Clone)]
@@ -46,6 +56,13 @@ pub enum Replacement {
     /// Rotary positions, `x·cos + rotate_half(x)·sin` for `[B, H, T, D]` `x` and `[T, D]`
     /// tables.
     Rotary(RotaryFn),
+    /// The mean cross-entropy of `[..., V]` logits against targets, over those other than
+    /// the ignored one.
+    CrossEntropy(CrossEntropyFn),
+    /// `x + r` and its layer norm (weight and bias).
+    AddLayerNorm(AddNormFn),
+    /// `x + r` and its RMS norm (weight, no bias).
+    AddRmsNorm(AddNormFn),
 }
 
 #[derive(Clone)]
@@ -71,6 +88,8 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
             Some(y) => Ok(y),
             None => Ok(x.f_rms_norm([*x.size().last().unwrap_or(&1)], Some(w), eps)?),
         });
+        let low = vec![Kind::Float, Kind::Half, Kind::BFloat16];
+        let add_norm: AddNormFn = Arc::new(|x, r, w, b, eps| Ok(strata_ext::kernels::add_norm(x, r, w, b, eps)?));
         let mut pairs = vec![
             ReplacePair {
                 name: "FlashAttention".into(),
@@ -85,18 +104,35 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
             ReplacePair { name: "FusedRMSNorm".into(), supported_dtypes: all, with: Replacement::RmsNorm(rms_norm) },
             ReplacePair {
                 name: "VectorGelu".into(),
-                supported_dtypes: vec![Kind::Float],
+                supported_dtypes: low.clone(),
                 with: Replacement::Gelu(Arc::new(|x| Ok(strata_ext::kernels::gelu_tanh(x)?))),
             },
             ReplacePair {
                 name: "FusedSwiGLU".into(),
-                supported_dtypes: vec![Kind::Float],
+                supported_dtypes: low.clone(),
                 with: Replacement::SwiGlu(Arc::new(|gate, up| Ok(strata_ext::kernels::swiglu(gate, up)?))),
             },
             ReplacePair {
                 name: "FusedRoPE".into(),
-                supported_dtypes: vec![Kind::Float],
+                supported_dtypes: low.clone(),
                 with: Replacement::Rotary(Arc::new(|x, cos, sin| Ok(strata_ext::kernels::rotary(x, cos, sin)?))),
+            },
+            ReplacePair {
+                name: "FusedCrossEntropy".into(),
+                supported_dtypes: low.clone(),
+                with: Replacement::CrossEntropy(Arc::new(|logits, targets, ignore| {
+                    Ok(strata_ext::kernels::cross_entropy(logits, targets, ignore)?)
+                })),
+            },
+            ReplacePair {
+                name: "FusedAddLayerNorm".into(),
+                supported_dtypes: low.clone(),
+                with: Replacement::AddLayerNorm(add_norm.clone()),
+            },
+            ReplacePair {
+                name: "FusedAddRMSNorm".into(),
+                supported_dtypes: low,
+                with: Replacement::AddRmsNorm(add_norm),
             },
         ];
         if strata_ext::onednn::available() {
@@ -241,5 +277,17 @@ impl Replacements {
 
     pub fn rotary(&self, kind: Kind) -> Option<RotaryFn> {
         self.find(kind, |r| if let Replacement::Rotary(f) = r { Some(f.clone()) } else { None })
+    }
+
+    pub fn cross_entropy(&self, kind: Kind) -> Option<CrossEntropyFn> {
+        self.find(kind, |r| if let Replacement::CrossEntropy(f) = r { Some(f.clone()) } else { None })
+    }
+
+    pub fn add_layer_norm(&self, kind: Kind) -> Option<AddNormFn> {
+        self.find(kind, |r| if let Replacement::AddLayerNorm(f) = r { Some(f.clone()) } else { None })
+    }
+
+    pub fn add_rms_norm(&self, kind: Kind) -> Option<AddNormFn> {
+        self.find(kind, |r| if let Replacement::AddRmsNorm(f) = r { Some(f.clone()) } else { None })
     }
 }

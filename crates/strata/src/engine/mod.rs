@@ -182,6 +182,8 @@ pub struct Engine {
     sync_grads: bool,
     /// Each unit's compute policy.
     compute: Vec<Arc<UnitCompute>>,
+    /// What the loss runs under: the last unit's replacements alone.
+    loss_compute: Arc<UnitCompute>,
     /// Per unit, the weights it computes in fp8.
     fp8_weights: Vec<Vec<ParamId>>,
     amax_group: Option<Arc<dyn ProcessGroup>>,
@@ -347,6 +349,7 @@ impl Engine {
             layout: None,
             sync_grads: true,
             compute: (0..units).map(|_| Arc::new(UnitCompute::default())).collect(),
+            loss_compute: Arc::new(UnitCompute::default()),
             fp8_weights: vec![vec![]; units],
             amax_group: None,
             events: None,
@@ -1026,21 +1029,41 @@ impl Engine {
                 let Some(config) = policy.fp8.as_ref().and_then(|s| s.lock().ok().map(|s| s.config.clone())) else {
                     return vec![];
                 };
-                unit.params
+                let named: Vec<(ParamId, String)> = unit
+                    .params
                     .iter()
                     .chain(&unit.borrowed)
-                    .copied()
-                    .filter(|&id| {
-                        let p = &self.spec.params[id.0];
+                    .map(|&id| {
                         let aliases = self.spec.aliases.iter().filter(|(_, a)| *a == id).map(|(n, _)| n.as_str());
-                        let names: Vec<&str> = std::iter::once(p.name.as_str()).chain(aliases).collect();
-                        config.applies_to(&names.join(" "), &p.shape)
+                        let names: Vec<&str> =
+                            std::iter::once(self.spec.params[id.0].name.as_str()).chain(aliases).collect();
+                        (id, names.join(" "))
                     })
+                    .collect();
+                let weights: Vec<(&str, &[i64])> =
+                    named.iter().map(|(id, n)| (n.as_str(), self.spec.params[id.0].shape.as_slice())).collect();
+                // Said where the size rule keeps a weight in bf16, so the choice is seen.
+                if weights.iter().any(|(_, shape)| shape.len() == 2 && config.too_small(shape)) {
+                    tracing::info!("{}: {}", unit.name, config.describe(&weights));
+                }
+                named
+                    .iter()
+                    .filter(|(id, n)| config.applies_to(n, &self.spec.params[id.0].shape))
+                    .map(|(id, _)| *id)
                     .collect()
             })
             .collect();
+        let replacements = policies.last().map(|p| p.replacements.clone()).unwrap_or_default();
+        self.loss_compute = Arc::new(UnitCompute { replacements, ..Default::default() });
         self.compute = policies.into_iter().map(Arc::new).collect();
         Ok(())
+    }
+
+    /// Runs `loss` (computed from this engine's output) with the `module_replace` selection
+    /// of the unit that made the output, and nothing else of its policy: a fused
+    /// cross-entropy where one is selected, the loss's own precision otherwise.
+    pub fn compute_loss<R>(&self, loss: impl FnOnce() -> Result<R>) -> Result<R> {
+        compute::run(&self.loss_compute, Default::default(), false, loss)
     }
 
     /// Each unit's fp8 state, where the unit computes in fp8.

@@ -6,8 +6,8 @@
 //! [`gpt`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::layers::{
-    causal_attention, gelu_tanh, layer_norm, linear, merge_heads, other_examples, row_linear, split_heads,
-    vocab_embedding, vocab_logits, AttentionOptions,
+    add_layer_norm, causal_attention, gelu_tanh, layer_norm, linear, merge_heads, other_examples, row_linear,
+    split_heads, vocab_embedding, vocab_logits, AttentionOptions,
 };
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS,
@@ -153,8 +153,9 @@ impl GptBlock {
             None => (k, v, other_examples(p.layout())?),
         };
         let y = merge_heads(&causal_attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref())?)?;
-        let x = x.f_add(&row_linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]), tp)?)?;
-        let h = tp.enter(&layer_norm(&x, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?)?;
+        let attended = row_linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]), tp)?;
+        let (x, h) = add_layer_norm(x, &attended, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?;
+        let h = tp.enter(&h)?;
         let h = gelu_tanh(&linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?)?;
         Ok(x.f_add(&row_linear(&h, &p[self.mlp_proj.0], Some(&p[self.mlp_proj.1]), tp)?)?)
     }

@@ -138,6 +138,48 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(cast(&rms_normalized(&x32, eps)?, Some(x.kind()))?.f_mul(w)?)
 }
 
+/// The residual sum `x + r` and its layer norm, `(x + r, layer_norm(x + r))`: one kernel
+/// each way where `module_replace` has `FusedAddLayerNorm` and it serves the tensors.
+pub fn add_layer_norm(x: &Tensor, r: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    if let Some(pair) = fused_add_norm(x, r, w, Some(b), eps, |reps, kind| reps.add_layer_norm(kind))? {
+        return Ok(pair);
+    }
+    let s = x.f_add(r)?;
+    let normed = layer_norm(&s, w, b, eps)?;
+    Ok((s, normed))
+}
+
+/// The residual sum `x + r` and its RMS norm, `(x + r, rms_norm(x + r))`: one kernel each
+/// way where `module_replace` has `FusedAddRMSNorm` and it serves the tensors.
+pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    if let Some(pair) = fused_add_norm(x, r, w, None, eps, |reps, kind| reps.add_rms_norm(kind))? {
+        return Ok(pair);
+    }
+    let s = x.f_add(r)?;
+    let normed = rms_norm(&s, w, eps)?;
+    Ok((s, normed))
+}
+
+/// The replaced residual sum and norm, where one is selected and serves. The kernel returns
+/// both in the weight's dtype, as the composite does except under autocast, whose norms
+/// return fp32: there only an fp32 weight (and so an fp32 sum) is handed to it.
+fn fused_add_norm(
+    x: &Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f64,
+    pick: impl FnOnce(&compute::replace::Replacements, Kind) -> Option<compute::replace::AddNormFn>,
+) -> Result<Option<(Tensor, Tensor)>> {
+    if compute::autocast_on() && w.kind() != Kind::Float {
+        return Ok(None);
+    }
+    match compute::replaced(|reps| pick(reps, w.kind())) {
+        Some(fused) => fused(x, r, w, b, eps),
+        None => Ok(None),
+    }
+}
+
 /// `x / rms(x)` over the last dimension, in x's dtype.
 fn rms_normalized(x: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.f_square()?.f_mean_dim(-1, true, None)?;
@@ -291,6 +333,11 @@ pub const IGNORE: i64 = -100;
 /// Mean cross-entropy of `[B, T, V]` logits against `[B, T]` targets, computed in fp32
 /// when the logits are of lower precision.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if let Some(fused) = compute::replaced(|r| r.cross_entropy(logits.kind())) {
+        if let Some(loss) = fused(logits, targets, IGNORE)? {
+            return Ok(loss);
+        }
+    }
     let v = *logits.size().last().unwrap_or(&1);
     let logits = cast(logits, is_low(logits.kind()).then_some(Kind::Float))?;
     let targets = targets.f_reshape([-1])?;

@@ -19,8 +19,8 @@
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::divides_heads;
 use super::layers::{
-    causal_attention, geglu, linear, merge_heads, other_examples, rms_norm, rms_norm_plus_one, row_linear, split_heads,
-    swiglu, vocab_logits, AttentionOptions,
+    add_rms_norm, causal_attention, geglu, linear, merge_heads, other_examples, rms_norm, rms_norm_plus_one,
+    row_linear, split_heads, swiglu, vocab_logits, AttentionOptions,
 };
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
@@ -295,6 +295,18 @@ impl Kinds {
         }
     }
 
+    /// The residual sum `x + r` and its norm.
+    fn add_norm(&self, x: &Tensor, r: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
+        match self.norm {
+            NormKind::Weighted => add_rms_norm(x, r, w, self.eps),
+            NormKind::PlusOne => {
+                let s = x.f_add(r)?;
+                let normed = rms_norm_plus_one(&s, w, self.eps)?;
+                Ok((s, normed))
+            }
+        }
+    }
+
     fn gate(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         match self.activation {
             Activation::Silu => swiglu(gate, up),
@@ -395,8 +407,12 @@ impl LlamaBlock {
         };
         let y = merge_heads(&causal_attention(&q, &k, &v, &self.attention, hidden.as_ref())?)?;
         let attended = row_linear(&y, &p[self.o.0], self.o.1.map(|b| &p[b]), tp)?;
-        let x = x.f_add(&self.post_norm(p, self.post_attention_norm, attended)?)?;
-        let h = tp.enter(&self.kinds.norm(&x, &p[self.feed_forward_norm])?)?;
+        let (x, h) = self.kinds.add_norm(
+            x,
+            &self.post_norm(p, self.post_attention_norm, attended)?,
+            &p[self.feed_forward_norm],
+        )?;
+        let h = tp.enter(&h)?;
         let gated = match self.gate_up {
             GateUpProjection::Apart { gate, up } => {
                 self.kinds.gate(&linear(&h, &p[gate], None)?, &linear(&h, &p[up], None)?)?

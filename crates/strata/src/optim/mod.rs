@@ -543,6 +543,28 @@ impl UpdateRule {
         steps: &[Tensor],
         grad_divisor: Option<&Tensor>,
     ) -> Result<()> {
+        // A fused update takes tensors of one device, the divisor too (it lives where the
+        // gradient norm was reduced): parameters on several devices (a unit kept on the host
+        // beside a GPU) update device by device, each with the divisor there.
+        let mut devices: Vec<tch::Device> = Vec::new();
+        for device in params.iter().map(Tensor::device) {
+            if !devices.contains(&device) {
+                devices.push(device);
+            }
+        }
+        let divisor_elsewhere = grad_divisor.is_some_and(|d| devices.iter().any(|&device| device != d.device()));
+        if devices.len() > 1 || divisor_elsewhere {
+            for device in devices {
+                let on: Vec<usize> = (0..params.len()).filter(|&i| params[i].device() == device).collect();
+                let pick = |v: &[Tensor]| -> Vec<Tensor> {
+                    on.iter().filter_map(|&i| v.get(i)).map(Tensor::shallow_clone).collect()
+                };
+                let divisor = grad_divisor.map(|d| d.f_to_device(device)).transpose()?;
+                let (p, g) = (pick(params), pick(grads));
+                self.apply(&p, &g, &pick(first), &pick(second), &pick(steps), divisor.as_ref())?;
+            }
+            return Ok(());
+        }
         let c = &self.config;
         let scaling = Scaling { grad_scale: grad_divisor, found_inf: None };
         match c.kind {

@@ -479,7 +479,8 @@ pub fn measure_non_model(
     for (i, batch) in step.micro_batches.iter().enumerate() {
         engine.set_layout(batch.layout.as_ref());
         let output = engine.forward(&batch.inputs)?;
-        engine.backward(&loss(&output, batch)?.f_mul_scalar(step.loss_weight(i))?)?;
+        let weighted = engine.compute_loss(|| loss(&output, batch))?.f_mul_scalar(step.loss_weight(i))?;
+        engine.backward(&weighted)?;
     }
     Ok(trace.peaks())
 }

@@ -563,7 +563,7 @@ impl PipelineTrainer {
                     let kept = if stage == last {
                         // Weighted by the micro-batch's share of the global batch's
                         // supervised tokens, as one process weighs it, times the loss scale.
-                        let loss = (self.loss_func)(&out, batch)?;
+                        let loss = self.chunks[chunk].engine.compute_loss(|| (self.loss_func)(&out, batch))?;
                         let weight = step.loss_weight(micro);
                         if weight > 0.0 {
                             weighted_loss += loss.f_double_value(&[])? * weight;
@@ -827,7 +827,8 @@ impl PipelineTrainer {
                 match &self.activations_out[chunk] {
                     Some(link) => sending.extend(link.send(&out)?),
                     None if self.chunks[chunk].stage == last => {
-                        losses.push((self.loss_func)(&out, batch)?.f_double_value(&[])?)
+                        let engine = &self.chunks[chunk].engine;
+                        losses.push(engine.compute_loss(|| (self.loss_func)(&out, batch))?.f_double_value(&[])?)
                     }
                     None => {}
                 }

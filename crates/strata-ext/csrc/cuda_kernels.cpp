@@ -1,0 +1,823 @@
+// Strata's CUDA kernels (see cuda_kernels.h). The sources below are compiled by NVRTC, once
+// per process for each device architecture and dtype combination, to a cubin loaded through
+// the CUDA runtime's library API, so neither a CUDA compiler at build time nor the driver
+// library at link time is needed. The kernels compute in fp32 whatever the storage dtype
+// and include no CUDA header: bf16 and fp16 are converted with PTX instructions.
+#include "cuda_kernels.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#include <nvrtc.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <dlfcn.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace strata_cuda {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Storage types and their conversions to and from fp32, shared by every family.
+const char* kPrelude = R"(
+struct bf16 { unsigned short bits; };
+struct f16 { unsigned short bits; };
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
+__device__ __forceinline__ float to_f(f16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+template <class T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) {
+  unsigned short b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(x));
+  return bf16{b};
+}
+template <> __device__ __forceinline__ f16 from_f<f16>(float x) {
+  unsigned short b;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(x));
+  return f16{b};
+}
+#define INF __int_as_float(0x7f800000)
+typedef long long i64;
+
+// N elements loaded or stored in one access.
+template <class T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The sum of every thread's `v`, returned to all threads; `shared` holds 32 floats.
+__device__ float block_sum(float v, float* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = threadIdx.x < warps ? shared[threadIdx.x] : 0.f;
+  if (warp == 0) v = warp_sum(v);
+  if (threadIdx.x == 0) shared[0] = v;
+  __syncthreads();
+  return shared[0];
+}
+)";
+
+// Elementwise kernels over TX: GELU (tanh form), SwiGLU and rotary positions, each way.
+// The elementwise ones read and write 16 bytes per access where `vec` says every pointer
+// allows it, and the rest one by one.
+const char* kElementwise = R"(
+#define VEC (16 / (int)sizeof(TX))
+typedef Pack<TX, VEC> PX;
+#define K0 0.7978845608028654f
+#define K1 0.044715f
+
+// Calls `op(i)` for the packs (by VEC elements, `vec`) and the elements left of [0, n).
+template <class Op> __device__ __forceinline__ void packs_then_rest(i64 n, int vec, Op op) {
+  const i64 stride = (i64)gridDim.x * blockDim.x, first = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+  const i64 packs = vec ? n / VEC : 0;
+  for (i64 i = first; i < packs; i += stride) {
+    PX in[4], out[2];
+    op.load(i, in);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) op.at(in, out, k);
+    op.store(i, out);
+  }
+  for (i64 i = packs * VEC + first; i < n; i += stride) op.one(i);
+}
+
+__device__ __forceinline__ float gelu(float v) { return 0.5f * v * (1.f + tanhf(K0 * (v + K1 * v * v * v))); }
+__device__ __forceinline__ float gelu_grad(float v) {
+  float t = tanhf(K0 * (v + K1 * v * v * v));
+  return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * K0 * (1.f + 3.f * K1 * v * v);
+}
+__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+
+struct GeluForward {
+  const TX* x; TX* y;
+  __device__ void load(i64 i, PX* in) const { in[0] = ((const PX*)x)[i]; }
+  __device__ void at(const PX* in, PX* out, int k) const { out[0].v[k] = from_f<TX>(gelu(to_f(in[0].v[k]))); }
+  __device__ void store(i64 i, const PX* out) const { ((PX*)y)[i] = out[0]; }
+  __device__ void one(i64 i) const { y[i] = from_f<TX>(gelu(to_f(x[i]))); }
+};
+extern "C" __global__ void gelu_forward(const TX* x, TX* y, i64 n, int vec) { packs_then_rest(n, vec, GeluForward{x, y}); }
+
+struct GeluBackward {
+  const TX* dy; const TX* x; TX* dx;
+  __device__ void load(i64 i, PX* in) const { in[0] = ((const PX*)dy)[i]; in[1] = ((const PX*)x)[i]; }
+  __device__ void at(const PX* in, PX* out, int k) const {
+    out[0].v[k] = from_f<TX>(to_f(in[0].v[k]) * gelu_grad(to_f(in[1].v[k])));
+  }
+  __device__ void store(i64 i, const PX* out) const { ((PX*)dx)[i] = out[0]; }
+  __device__ void one(i64 i) const { dx[i] = from_f<TX>(to_f(dy[i]) * gelu_grad(to_f(x[i]))); }
+};
+extern "C" __global__ void gelu_backward(const TX* dy, const TX* x, TX* dx, i64 n, int vec) {
+  packs_then_rest(n, vec, GeluBackward{dy, x, dx});
+}
+
+struct SwigluForward {
+  const TX* gate; const TX* up; TX* y;
+  __device__ void load(i64 i, PX* in) const { in[0] = ((const PX*)gate)[i]; in[1] = ((const PX*)up)[i]; }
+  __device__ void at(const PX* in, PX* out, int k) const {
+    out[0].v[k] = from_f<TX>(silu(to_f(in[0].v[k])) * to_f(in[1].v[k]));
+  }
+  __device__ void store(i64 i, const PX* out) const { ((PX*)y)[i] = out[0]; }
+  __device__ void one(i64 i) const { y[i] = from_f<TX>(silu(to_f(gate[i])) * to_f(up[i])); }
+};
+extern "C" __global__ void swiglu_forward(const TX* gate, const TX* up, TX* y, i64 n, int vec) {
+  packs_then_rest(n, vec, SwigluForward{gate, up, y});
+}
+
+struct SwigluBackward {
+  const TX* dy; const TX* gate; const TX* up; TX* dgate; TX* dup;
+  __device__ void load(i64 i, PX* in) const {
+    in[0] = ((const PX*)dy)[i]; in[1] = ((const PX*)gate)[i]; in[2] = ((const PX*)up)[i];
+  }
+  __device__ void grads(float d, float g, float u, float& dg, float& du) const {
+    float s = 1.f / (1.f + expf(-g));
+    dg = d * u * s * (1.f + g * (1.f - s));
+    du = d * g * s;
+  }
+  __device__ void at(const PX* in, PX* out, int k) const {
+    float dg, du;
+    grads(to_f(in[0].v[k]), to_f(in[1].v[k]), to_f(in[2].v[k]), dg, du);
+    out[0].v[k] = from_f<TX>(dg);
+    out[1].v[k] = from_f<TX>(du);
+  }
+  __device__ void store(i64 i, const PX* out) const { ((PX*)dgate)[i] = out[0]; ((PX*)dup)[i] = out[1]; }
+  __device__ void one(i64 i) const {
+    float dg, du;
+    grads(to_f(dy[i]), to_f(gate[i]), to_f(up[i]), dg, du);
+    dgate[i] = from_f<TX>(dg);
+    dup[i] = from_f<TX>(du);
+  }
+};
+extern "C" __global__ void swiglu_backward(const TX* dy, const TX* gate, const TX* up, TX* dgate, TX* dup, i64 n,
+                                           int vec) {
+  packs_then_rest(n, vec, SwigluBackward{dy, gate, up, dgate, dup});
+}
+
+// Rotary positions, one thread per pair (j, j + half) of a row (b, h, p) of [B, H, T, D]
+// tensors whose rows have the given strides and unit stride in D:
+// forward (sign 1) y = x·cos + rotate_half(x)·sin; backward (sign −1), its transpose,
+// dx = dy·cos + (s₂·dy₂, −s₁·dy₁) with s = sin. Positions index the [T, D] tables.
+extern "C" __global__ void rotary(const TX* in, const TX* cos, const TX* sin, TX* out, int heads, int t, int half,
+                                  i64 ib, i64 ih, i64 it, i64 ob, i64 oh, i64 ot, i64 rows, int backward) {
+  const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+  if (row >= rows) return;
+  const int p = (int)(row % t), h = (int)((row / t) % heads);
+  const i64 b = row / ((i64)t * heads);
+  const TX* x = in + b * ib + h * ih + p * it;
+  TX* y = out + b * ob + h * oh + p * ot;
+  const TX* c = cos + (i64)p * 2 * half;
+  const TX* s = sin + (i64)p * 2 * half;
+  for (int j = threadIdx.x; j < half; j += blockDim.x) {
+    const float x1 = to_f(x[j]), x2 = to_f(x[j + half]);
+    if (backward) {
+      y[j] = from_f<TX>(x1 * to_f(c[j]) + x2 * to_f(s[j + half]));
+      y[j + half] = from_f<TX>(x2 * to_f(c[j + half]) - x1 * to_f(s[j]));
+    } else {
+      y[j] = from_f<TX>(x1 * to_f(c[j]) - x2 * to_f(s[j]));
+      y[j + half] = from_f<TX>(x2 * to_f(c[j + half]) + x1 * to_f(s[j + half]));
+    }
+  }
+}
+)";
+
+// Cross-entropy over rows of V logits of type TX, one block per row: the log-sum-exp in
+// one pass (a running maximum and the sum scaled to it), and the gradient written from it;
+// 16 bytes per access where `vec` says the rows allow it.
+const char* kCrossEntropy = R"(
+#define VEC (16 / (int)sizeof(TX))
+typedef Pack<TX, VEC> PX;
+
+__device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
+  if (m2 == -INF) return;
+  if (m == -INF) { m = m2; s = s2; return; }
+  if (m2 > m) { s = s * expf(m - m2) + s2; m = m2; } else { s += s2 * expf(m2 - m); }
+}
+
+extern "C" __global__ void ce_forward(const TX* logits, const i64* targets, float* loss, float* lse, i64 v,
+                                      i64 ignore, int vec) {
+  __shared__ float ms[32], ss[32];
+  const TX* x = logits + blockIdx.x * v;
+  float m = -INF, s = 0.f;
+  const i64 packs = vec ? v / VEC : 0;
+  for (i64 k = threadIdx.x; k < packs; k += blockDim.x) {
+    const PX a = ((const PX*)x)[k];
+    float f[VEC], top = -INF;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) { f[e] = to_f(a.v[e]); top = fmaxf(top, f[e]); }
+    if (top == -INF) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sum += expf(f[e] - top);
+    merge(m, s, top, sum);
+  }
+  for (i64 j = packs * VEC + threadIdx.x; j < v; j += blockDim.x) merge(m, s, to_f(x[j]), 1.f);
+  for (int o = 16; o > 0; o >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    merge(m, s, m2, s2);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  if (lane == 0) { ms[warp] = m; ss[warp] = s; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < warps; ++w) merge(ms[0], ss[0], ms[w], ss[w]);
+    const float l = ms[0] + logf(ss[0]);
+    const i64 target = targets[blockIdx.x];
+    lse[blockIdx.x] = l;
+    if (target == ignore) loss[blockIdx.x] = 0.f;
+    else if (target < 0 || target >= v) loss[blockIdx.x] = __int_as_float(0x7fc00000);
+    else loss[blockIdx.x] = l - to_f(x[target]);
+  }
+}
+
+// grad = (softmax - onehot(target)) · scale, where `scale` (on the device) is the loss's
+// gradient over the supervised count; rows whose target is `ignore` get zeros.
+extern "C" __global__ void ce_backward(const TX* logits, const i64* targets, const float* lse, const float* scale,
+                                       TX* grad, i64 v, i64 ignore, int vec) {
+  const TX* x = logits + blockIdx.x * v;
+  TX* g = grad + blockIdx.x * v;
+  const i64 target = targets[blockIdx.x];
+  const float k = target == ignore ? 0.f : *scale, l = lse[blockIdx.x];
+  const i64 packs = vec ? v / VEC : 0;
+  for (i64 i = threadIdx.x; i < packs; i += blockDim.x) {
+    const PX a = ((const PX*)x)[i];
+    PX out;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const i64 j = i * VEC + e;
+      out.v[e] = from_f<TX>((expf(to_f(a.v[e]) - l) - (j == target ? 1.f : 0.f)) * k);
+    }
+    ((PX*)g)[i] = out;
+  }
+  for (i64 j = packs * VEC + threadIdx.x; j < v; j += blockDim.x) {
+    g[j] = from_f<TX>((expf(to_f(x[j]) - l) - (j == target ? 1.f : 0.f)) * k);
+  }
+}
+)";
+
+// s = x + r (TX + TR into TS) and its norm (weight and bias of TS, output TS), one block
+// per row; `rms` leaves out the mean and the bias.
+const char* kAddNorm = R"(
+extern "C" __global__ void add_norm_forward(const TX* x, const TR* r, const TS* w, const TS* b, TS* s, TS* y,
+                                            float* mean, float* rstd, i64 d, float eps, int rms) {
+  __shared__ float shared[32];
+  const i64 row = blockIdx.x * d;
+  float sum = 0.f;
+  for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+    // The norm sees s as stored.
+    TS v = from_f<TS>(to_f(x[row + j]) + to_f(r[row + j]));
+    s[row + j] = v;
+    sum += to_f(v);
+  }
+  const float mu = rms ? 0.f : block_sum(sum, shared) / d;
+  float sq = 0.f;
+  for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+    float c = to_f(s[row + j]) - mu;
+    sq += c * c;
+  }
+  const float inv = rsqrtf(block_sum(sq, shared) / d + eps);
+  for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+    float out = (to_f(s[row + j]) - mu) * inv * to_f(w[j]);
+    if (!rms) out += to_f(b[j]);
+    y[row + j] = from_f<TS>(out);
+  }
+  if (threadIdx.x == 0) {
+    mean[blockIdx.x] = mu;
+    rstd[blockIdx.x] = inv;
+  }
+}
+
+#define MAX_PER_THREAD 32
+// ds = rstd·(g − mean(g) − x̂·mean(g·x̂)) + gs with g = gy·w (RMS: no mean(g) term), into
+// TS; each block takes rows blockIdx.x, blockIdx.x + gridDim.x, ... and sums its rows'
+// weight (gy·x̂) and bias (gy) gradients into its own row of `dw` and `db`.
+extern "C" __global__ void add_norm_backward(const TS* gy, const TS* gs, const TS* s, const TS* w, const float* mean,
+                                             const float* rstd, TS* ds, float* dw, float* db, i64 rows, i64 d,
+                                             int rms) {
+  __shared__ float shared[32];
+  float accw[MAX_PER_THREAD], accb[MAX_PER_THREAD];
+  for (int k = 0; k < MAX_PER_THREAD; ++k) accw[k] = accb[k] = 0.f;
+  for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    const i64 row = r * d;
+    const float mu = mean[r], inv = rstd[r];
+    float sg = 0.f, sgx = 0.f;
+    int k = 0;
+    for (i64 j = threadIdx.x; j < d; j += blockDim.x, ++k) {
+      float dy = to_f(gy[row + j]), xhat = (to_f(s[row + j]) - mu) * inv, g = dy * to_f(w[j]);
+      sg += g;
+      sgx += g * xhat;
+      accw[k] += dy * xhat;
+      accb[k] += dy;
+    }
+    const float cg = rms ? 0.f : block_sum(sg, shared) / d, cgx = block_sum(sgx, shared) / d;
+    for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+      float xhat = (to_f(s[row + j]) - mu) * inv, g = to_f(gy[row + j]) * to_f(w[j]);
+      float out = inv * (g - cg - xhat * cgx);
+      if (gs) out += to_f(gs[row + j]);
+      ds[row + j] = from_f<TS>(out);
+    }
+  }
+  int k = 0;
+  for (i64 j = threadIdx.x; j < d; j += blockDim.x, ++k) {
+    dw[blockIdx.x * d + j] = accw[k];
+    db[blockIdx.x * d + j] = accb[k];
+  }
+}
+)";
+
+// fp8 casts (sm_89 and later): x·scale saturated to the format's largest finite value, in
+// 64 × 64 tiles of 256 threads, each thread taking 4 consecutive elements of 4 rows, written
+// row-major and, where `qt` is given, transposed through shared memory (4 bytes per access
+// in whole tiles), with |x|'s maximum taken into `amax` (NaN ignored) in the same pass.
+const char* kFp8Cast = R"(
+__device__ __forceinline__ unsigned int to_fp8(float v, int e5m2) {
+  unsigned short pair;
+  if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.f), "f"(v));
+  else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.f), "f"(v));
+  return pair & 0xffu;
+}
+
+extern "C" __global__ void fp8_cast_transpose(const TX* x, float scale, unsigned char* q, unsigned char* qt,
+                                              float* amax, i64 rows, i64 cols, int e5m2) {
+  __shared__ unsigned int tile[64][17];
+  const i64 r0 = (i64)blockIdx.y * 64, c0 = (i64)blockIdx.x * 64;
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  // A whole tile with 4-aligned rows and columns takes the packed accesses.
+  const bool whole = r0 + 64 <= rows && c0 + 64 <= cols && (cols & 3) == 0 && (rows & 3) == 0;
+  float m = 0.f;
+  for (int k = 0; k < 4; ++k) {
+    const int lr = ty + 16 * k;
+    const i64 r = r0 + lr, c = c0 + 4 * tx;
+    unsigned int packed = 0;
+    if (whole) {
+      const Pack<TX, 4> a = *(const Pack<TX, 4>*)(x + r * cols + c);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = to_f(a.v[e]);
+        m = fmaxf(m, fabsf(v));
+        packed |= to_fp8(v * scale, e5m2) << (8 * e);
+      }
+      *(unsigned int*)(q + r * cols + c) = packed;
+    } else {
+      for (int e = 0; e < 4; ++e) {
+        if (r < rows && c + e < cols) {
+          const float v = to_f(x[r * cols + c + e]);
+          m = fmaxf(m, fabsf(v));
+          const unsigned int b = to_fp8(v * scale, e5m2);
+          packed |= b << (8 * e);
+          q[r * cols + c + e] = (unsigned char)b;
+        }
+      }
+    }
+    tile[lr][tx] = packed;
+  }
+  if (qt) {
+    __syncthreads();
+    for (int k = 0; k < 4; ++k) {
+      const int lc = ty + 16 * k;
+      const i64 c = c0 + lc, r = r0 + 4 * tx;
+      unsigned int packed = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) packed |= ((tile[4 * tx + e][lc >> 2] >> (8 * (lc & 3))) & 0xffu) << (8 * e);
+      if (whole) {
+        *(unsigned int*)(qt + c * rows + r) = packed;
+      } else {
+        for (int e = 0; e < 4; ++e) {
+          if (c < cols && r + e < rows) qt[c * rows + r + e] = (unsigned char)(packed >> (8 * e));
+        }
+      }
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  // Non-negative floats order as their bit patterns do.
+  if ((threadIdx.x & 31) == 0) atomicMax((int*)amax, __float_as_int(m));
+}
+)";
+
+constexpr int kMaxPerThread = 32;
+
+const char* type_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float";
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "f16";
+    default: return nullptr;
+  }
+}
+
+bool served_dtype(const Tensor& t) { return type_name(t.scalar_type()) != nullptr; }
+
+#define NVRTC_CHECK(call)                                                                   \
+  do {                                                                                      \
+    nvrtcResult status_ = (call);                                                           \
+    TORCH_CHECK(status_ == NVRTC_SUCCESS, "NVRTC: ", nvrtcGetErrorString(status_), " in " #call); \
+  } while (0)
+
+#define CUDA_CHECK(call)                                                                           \
+  do {                                                                                             \
+    cudaError_t status_ = (call);                                                                  \
+    TORCH_CHECK(status_ == cudaSuccess, "CUDA: ", cudaGetErrorString(status_), " in " #call);     \
+  } while (0)
+
+// NVRTC opens its builtins library by name when it compiles, which the loader finds only on
+// its own search path: a runpath reaches direct dependencies alone. Loading it first from the
+// folder libnvrtc came from lets NVRTC's open find it loaded (a failure here leaves NVRTC to
+// report the library by name).
+void load_nvrtc_builtins() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    Dl_info info;
+    int major = 0, minor = 0;
+    if (!dladdr(reinterpret_cast<void*>(&nvrtcCreateProgram), &info) || info.dli_fname == nullptr ||
+        nvrtcVersion(&major, &minor) != NVRTC_SUCCESS) {
+      return;
+    }
+    const std::string path = info.dli_fname;
+    const auto slash = path.rfind('/');
+    if (slash == std::string::npos) return;
+    const std::string builtins =
+        path.substr(0, slash) + "/libnvrtc-builtins.so." + std::to_string(major) + "." + std::to_string(minor);
+    dlopen(builtins.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  });
+}
+
+// A family's source with its type parameters bound, compiled for `arch` to a cubin.
+std::vector<char> compile(const char* family, const std::string& types, const std::string& arch) {
+  load_nvrtc_builtins();
+  const std::string source = kPrelude + types + family;
+  nvrtcProgram program;
+  NVRTC_CHECK(nvrtcCreateProgram(&program, source.c_str(), "strata_kernels.cu", 0, nullptr, nullptr));
+  const std::string gpu = "--gpu-architecture=" + arch;
+  const char* options[] = {gpu.c_str(), "--std=c++17"};
+  nvrtcResult compiled = nvrtcCompileProgram(program, 2, options);
+  if (compiled != NVRTC_SUCCESS) {
+    size_t size = 0;
+    nvrtcGetProgramLogSize(program, &size);
+    std::string log(size, '\0');
+    nvrtcGetProgramLog(program, log.data());
+    nvrtcDestroyProgram(&program);
+    TORCH_CHECK(false, "NVRTC could not compile Strata's kernels for ", arch, ": ", log);
+  }
+  size_t size = 0;
+  NVRTC_CHECK(nvrtcGetCUBINSize(program, &size));
+  std::vector<char> cubin(size);
+  NVRTC_CHECK(nvrtcGetCUBIN(program, cubin.data()));
+  nvrtcDestroyProgram(&program);
+  return cubin;
+}
+
+std::string bind(const std::vector<std::pair<const char*, at::ScalarType>>& params) {
+  std::string out;
+  for (const auto& [name, type] : params) out += std::string("typedef ") + type_name(type) + " " + name + ";\n";
+  return out;
+}
+
+// ATen caches each device's properties.
+std::string device_arch(int device) {
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+  return "sm_" + std::to_string(props->major) + std::to_string(props->minor);
+}
+
+// The kernel `name` of `family` with `params` bound, for the current device: compiled and
+// loaded on first use, then cached for the process.
+cudaKernel_t kernel(const char* family, const std::vector<std::pair<const char*, at::ScalarType>>& params,
+                    const char* name) {
+  static std::mutex lock;
+  static std::unordered_map<std::string, cudaLibrary_t> libraries;
+  static std::unordered_map<std::string, cudaKernel_t> kernels;
+  const int device = c10::cuda::current_device();
+  const std::string types = bind(params);
+  const std::string arch = device_arch(device);
+  const std::string library_key = arch + "\n" + std::to_string(reinterpret_cast<uintptr_t>(family)) + "\n" + types;
+  const std::string kernel_key = library_key + name;
+  std::lock_guard<std::mutex> guard(lock);
+  if (auto found = kernels.find(kernel_key); found != kernels.end()) return found->second;
+  auto library = libraries.find(library_key);
+  if (library == libraries.end()) {
+    std::vector<char> cubin = compile(family, types, arch);
+    cudaLibrary_t loaded;
+    CUDA_CHECK(cudaLibraryLoadData(&loaded, cubin.data(), nullptr, nullptr, 0, nullptr, nullptr, 0));
+    library = libraries.emplace(library_key, loaded).first;
+  }
+  cudaKernel_t k;
+  CUDA_CHECK(cudaLibraryGetKernel(&k, library->second, name));
+  kernels.emplace(kernel_key, k);
+  return k;
+}
+
+void launch(cudaKernel_t k, int64_t blocks, int threads, std::vector<void*> args) {
+  if (blocks == 0) return;
+  CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(k), dim3(static_cast<unsigned>(blocks)),
+                              dim3(threads), args.data(), 0, at::cuda::getCurrentCUDAStream()));
+}
+
+// Blocks for a grid-stride loop over n elements: enough to fill the device, no more.
+int64_t elementwise_blocks(int64_t n, int threads) {
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return std::min<int64_t>((n + threads - 1) / threads, sms * 16);
+}
+
+constexpr int kThreads = 256;
+
+using strata_kernels::first_order_only;
+
+Tensor empty_as(const Tensor& like) { return at::empty(like.sizes(), like.options()); }
+
+// Whether every tensor's data starts on a 16-byte boundary, for 16-byte accesses.
+bool aligned16(std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* t : tensors) {
+    if (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// Launches an elementwise kernel of kElementwise over `n` elements of `kind`, with 16-byte
+// accesses where `tensors` allow them; `args` are the kernel's pointers, followed here by
+// the count and the flag.
+void elementwise(const char* name, at::ScalarType kind, int64_t n, std::initializer_list<const Tensor*> tensors,
+                 std::vector<void*> args) {
+  int vec = aligned16(tensors);
+  const int64_t per_access = vec ? 16 / static_cast<int64_t>(c10::elementSize(kind)) : 1;
+  args.push_back(&n);
+  args.push_back(&vec);
+  launch(kernel(kElementwise, {{"TX", kind}}, name), elementwise_blocks((n + per_access - 1) / per_access, kThreads),
+         kThreads, args);
+}
+
+struct GeluTanh : public torch::autograd::Function<GeluTanh> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& input) {
+    Tensor x = input.contiguous(), y = empty_as(x);
+    void *xp = x.data_ptr(), *yp = y.data_ptr();
+    elementwise("gelu_forward", x.scalar_type(), x.numel(), {&x, &y}, {&xp, &yp});
+    ctx->save_for_backward({x});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    first_order_only("CUDA GELU");
+    Tensor x = ctx->get_saved_variables()[0], dy = grads[0].to(x.scalar_type()).contiguous(), dx = empty_as(x);
+    void *dyp = dy.data_ptr(), *xp = x.data_ptr(), *dxp = dx.data_ptr();
+    elementwise("gelu_backward", x.scalar_type(), x.numel(), {&dy, &x, &dx}, {&dyp, &xp, &dxp});
+    return {dx};
+  }
+};
+
+struct SwiGlu : public torch::autograd::Function<SwiGlu> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up) {
+    Tensor g = gate.contiguous(), u = up.contiguous(), y = empty_as(g);
+    void *gp = g.data_ptr(), *up_ = u.data_ptr(), *yp = y.data_ptr();
+    elementwise("swiglu_forward", g.scalar_type(), g.numel(), {&g, &u, &y}, {&gp, &up_, &yp});
+    ctx->save_for_backward({g, u});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    first_order_only("CUDA SwiGLU");
+    auto saved = ctx->get_saved_variables();
+    const Tensor &g = saved[0], &u = saved[1];
+    Tensor dy = grads[0].to(g.scalar_type()).contiguous(), dg = empty_as(g), du = empty_as(u);
+    void *dyp = dy.data_ptr(), *gp = g.data_ptr(), *up_ = u.data_ptr(), *dgp = dg.data_ptr(), *dup = du.data_ptr();
+    elementwise("swiglu_backward", g.scalar_type(), g.numel(), {&dy, &g, &u, &dg, &du}, {&dyp, &gp, &up_, &dgp, &dup});
+    return {dg, du};
+  }
+};
+
+// Rotary positions of `[B, H, T, D]` `in` (unit stride in D, any other strides) into a new
+// tensor of the same layout (the queries' `[B, T, H, D]` memory stays so, with no copy
+// before attention), forward or (`backward`) transposed.
+Tensor rotate(const Tensor& input, const Tensor& cos, const Tensor& sin, int backward) {
+  Tensor x = input.stride(3) == 1 ? input : input.contiguous();
+  Tensor y = at::empty_like(x);
+  int heads = static_cast<int>(x.size(1)), t = static_cast<int>(x.size(2)), half = static_cast<int>(x.size(3) / 2);
+  int64_t ib = x.stride(0), ih = x.stride(1), it = x.stride(2), ob = y.stride(0), oh = y.stride(1), ot = y.stride(2);
+  int64_t rows = x.size(0) * x.size(1) * x.size(2);
+  TORCH_CHECK(y.stride(3) == 1, "rotary: the output's last dimension is not dense");
+  const int across = std::min(half, kThreads), down = std::max(1, kThreads / across);
+  void *xp = x.data_ptr(), *cp = cos.data_ptr(), *sp = sin.data_ptr(), *yp = y.data_ptr();
+  std::vector<void*> args = {&xp, &cp, &sp, &yp, &heads, &t, &half, &ib, &ih, &it, &ob, &oh, &ot, &rows, &backward};
+  if (rows > 0 && half > 0) {
+    CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(kernel(kElementwise, {{"TX", x.scalar_type()}}, "rotary")),
+                                dim3(static_cast<unsigned>((rows + down - 1) / down)), dim3(across, down), args.data(), 0,
+                                at::cuda::getCurrentCUDAStream()));
+  }
+  return y;
+}
+
+struct Rotary : public torch::autograd::Function<Rotary> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return rotate(x, cos, sin, 0);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    first_order_only("CUDA rotary");
+    auto saved = ctx->get_saved_variables();
+    return {rotate(grads[0].to(saved[0].scalar_type()), saved[0], saved[1], 1), Tensor(), Tensor()};
+  }
+};
+
+constexpr int kRowThreads = 512;
+
+// Whether every row of contiguous `[rows, V]` `x` starts on a 16-byte boundary.
+bool rows_take_packs(const Tensor& x) {
+  return aligned16({&x}) && (x.size(1) * static_cast<int64_t>(x.element_size())) % 16 == 0;
+}
+
+struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& targets, int64_t ignore) {
+    int64_t v = logits.size(-1);
+    Tensor x = logits.reshape({-1, v}).contiguous(), t = targets.reshape({-1}).to(at::kLong).contiguous();
+    int64_t rows = x.size(0);
+    auto floats = x.options().dtype(at::kFloat);
+    Tensor loss = at::empty({rows}, floats), lse = at::empty({rows}, floats);
+    void *xp = x.data_ptr(), *tp = t.data_ptr(), *lp = loss.data_ptr(), *sp = lse.data_ptr();
+    int vec = rows_take_packs(x);
+    launch(kernel(kCrossEntropy, {{"TX", x.scalar_type()}}, "ce_forward"), rows, kRowThreads,
+           {&xp, &tp, &lp, &sp, &v, &ignore, &vec});
+    Tensor count = t.ne(ignore).sum(at::kFloat).clamp_min(1);
+    ctx->save_for_backward({x, t, lse, count});
+    ctx->saved_data["ignore"] = ignore;
+    ctx->saved_data["shape"] = logits.sizes().vec();
+    return loss.sum().div(count);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    first_order_only("CUDA cross-entropy");
+    auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &t = saved[1], &lse = saved[2], &count = saved[3];
+    int64_t ignore = ctx->saved_data["ignore"].toInt(), v = x.size(1), rows = x.size(0);
+    Tensor scale = grads[0].to(at::kFloat).div(count).contiguous(), grad = empty_as(x);
+    void *xp = x.data_ptr(), *tp = t.data_ptr(), *sp = lse.data_ptr(), *kp = scale.data_ptr(), *gp = grad.data_ptr();
+    int vec = rows_take_packs(x) && aligned16({&grad});
+    launch(kernel(kCrossEntropy, {{"TX", x.scalar_type()}}, "ce_backward"), rows, kRowThreads,
+           {&xp, &tp, &sp, &kp, &gp, &v, &ignore, &vec});
+    return {grad.view(ctx->saved_data["shape"].toIntVector()), Tensor(), Tensor()};
+  }
+};
+
+// The sum and the norm of `x + r` (see kAddNorm); `bias` undefined for RMS norm.
+variable_list add_norm_forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& r_in, const Tensor& weight,
+                               const Tensor& bias, double eps) {
+  const bool rms = !bias.defined();
+  const at::ScalarType ts = weight.scalar_type();
+  Tensor x = x_in.contiguous(), r = r_in.contiguous(), w = weight.contiguous();
+  Tensor b = rms ? w : bias.contiguous();
+  int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
+  Tensor s = at::empty(x.sizes(), x.options().dtype(ts)), y = at::empty(x.sizes(), x.options().dtype(ts));
+  auto floats = x.options().dtype(at::kFloat);
+  Tensor mean = at::empty({rows}, floats), rstd = at::empty({rows}, floats);
+  float epsf = static_cast<float>(eps);
+  int rms_flag = rms;
+  void *xp = x.data_ptr(), *rp = r.data_ptr(), *wp = w.data_ptr(), *bp = b.data_ptr(), *sp = s.data_ptr();
+  void *yp = y.data_ptr(), *mp = mean.data_ptr(), *ip = rstd.data_ptr();
+  launch(kernel(kAddNorm, {{"TX", x.scalar_type()}, {"TR", r.scalar_type()}, {"TS", ts}}, "add_norm_forward"), rows,
+         kThreads, {&xp, &rp, &wp, &bp, &sp, &yp, &mp, &ip, &d, &epsf, &rms_flag});
+  ctx->save_for_backward({s, w, mean, rstd});
+  ctx->saved_data["rms"] = rms;
+  ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(x_in.scalar_type()),
+                                                   static_cast<int64_t>(r_in.scalar_type())};
+  return {s, y};
+}
+
+// The gradients of x, r, the weight and (layer norm) the bias from those of the sum and
+// the norm.
+variable_list add_norm_backward(AutogradContext* ctx, const variable_list& grads) {
+  first_order_only("CUDA add-and-norm");
+  auto saved = ctx->get_saved_variables();
+  const Tensor &s = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];
+  const bool rms = ctx->saved_data["rms"].toBool();
+  const at::ScalarType ts = s.scalar_type();
+  int64_t d = s.size(-1), rows = d == 0 ? 0 : s.numel() / d;
+  Tensor gy = grads[1].defined() ? grads[1].to(ts).contiguous() : at::zeros_like(s);
+  Tensor gs = grads[0].defined() ? grads[0].to(ts).contiguous() : Tensor();
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, sms * 8));
+  Tensor ds = empty_as(s);
+  auto floats = s.options().dtype(at::kFloat);
+  Tensor dw = at::zeros({blocks, d}, floats), db = at::zeros({blocks, d}, floats);
+  int rms_flag = rms;
+  void *gyp = gy.data_ptr(), *gsp = gs.defined() ? gs.data_ptr() : nullptr, *sp = s.data_ptr();
+  void *wp = w.data_ptr(), *mp = mean.data_ptr(), *ip = rstd.data_ptr(), *dsp = ds.data_ptr();
+  void *dwp = dw.data_ptr(), *dbp = db.data_ptr();
+  launch(kernel(kAddNorm, {{"TX", ts}, {"TR", ts}, {"TS", ts}}, "add_norm_backward"), rows ? blocks : 0, kThreads,
+         {&gyp, &gsp, &sp, &wp, &mp, &ip, &dsp, &dwp, &dbp, &rows, &d, &rms_flag});
+  auto dtypes = ctx->saved_data["dtypes"].toIntVector();
+  Tensor dx = ds.to(static_cast<at::ScalarType>(dtypes[0])), dr = ds.to(static_cast<at::ScalarType>(dtypes[1]));
+  Tensor dweight = dw.sum(0).to(w.scalar_type());
+  if (rms) return {dx, dr, dweight, Tensor()};
+  return {dx, dr, dweight, db.sum(0).to(w.scalar_type()), Tensor()};
+}
+
+// Autograd takes no undefined inputs here: one node with a bias, one without.
+struct AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& weight,
+                               const Tensor& bias, double eps) {
+    return add_norm_forward(ctx, x, r, weight, bias, eps);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return add_norm_backward(ctx, grads); }
+};
+
+struct AddRmsNorm : public torch::autograd::Function<AddRmsNorm> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& weight,
+                               double eps) {
+    return add_norm_forward(ctx, x, r, weight, Tensor(), eps);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return add_norm_backward(ctx, grads); }
+};
+
+bool on_gpu(const Tensor& t) { return t.defined() && t.is_cuda() && served_dtype(t); }
+
+}  // namespace
+
+std::optional<Fp8Cast> fp8_cast(const Tensor& x, double scale, bool e5m2, bool transposed) {
+  if (!on_gpu(x) || x.dim() != 2 || !x.is_contiguous()) return std::nullopt;
+  c10::cuda::CUDAGuard guard(x.device());
+  int64_t rows = x.size(0), cols = x.size(1);
+  auto kind = x.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
+  Tensor q = at::empty({rows, cols}, kind);
+  Tensor qt = transposed ? at::empty({cols, rows}, kind) : Tensor();
+  Tensor amax = at::zeros({}, x.options().dtype(at::kFloat));
+  if (x.numel() > 0) {
+    TORCH_CHECK((rows + 63) / 64 <= 65535, "fp8 cast: too many rows for one grid (", rows, ")");
+    float scalef = static_cast<float>(scale);
+    int e5m2_flag = e5m2;
+    void *xp = x.data_ptr(), *qp = q.data_ptr(), *qtp = transposed ? qt.data_ptr() : nullptr, *ap = amax.data_ptr();
+    cudaKernel_t k = kernel(kFp8Cast, {{"TX", x.scalar_type()}}, "fp8_cast_transpose");
+    std::vector<void*> args = {&xp, &scalef, &qp, &qtp, &ap, &rows, &cols, &e5m2_flag};
+    CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(k),
+                                dim3(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64)),
+                                dim3(256), args.data(), 0, at::cuda::getCurrentCUDAStream()));
+  }
+  return Fp8Cast{q, qt, amax};
+}
+
+std::optional<Tensor> gelu_tanh(const Tensor& x) {
+  if (!on_gpu(x)) return std::nullopt;
+  c10::cuda::CUDAGuard guard(x.device());
+  return GeluTanh::apply(x);
+}
+
+std::optional<Tensor> swiglu(const Tensor& gate, const Tensor& up) {
+  if (!on_gpu(gate) || !on_gpu(up) || gate.sizes() != up.sizes() || gate.scalar_type() != up.scalar_type()) {
+    return std::nullopt;
+  }
+  c10::cuda::CUDAGuard guard(gate.device());
+  return SwiGlu::apply(gate, up);
+}
+
+std::optional<Tensor> rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const bool tables = on_gpu(cos) && on_gpu(sin) && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                      cos.is_contiguous() && sin.is_contiguous() && !cos.requires_grad() && !sin.requires_grad() &&
+                      cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type();
+  if (!on_gpu(x) || !tables || x.dim() != 4 || x.size(2) != cos.size(0) || x.size(3) != cos.size(1) ||
+      x.size(3) % 2 != 0) {
+    return std::nullopt;
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  return Rotary::apply(x, cos, sin);
+}
+
+std::optional<Tensor> cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore) {
+  const bool shapes = logits.dim() >= 1 && targets.numel() * logits.size(-1) == logits.numel() &&
+                      logits.size(-1) > 0 && targets.is_cuda() && !at::isFloatingType(targets.scalar_type());
+  if (!on_gpu(logits) || !shapes) return std::nullopt;
+  c10::cuda::CUDAGuard guard(logits.device());
+  return CrossEntropy::apply(logits, targets, ignore);
+}
+
+std::optional<std::pair<Tensor, Tensor>> add_norm(const Tensor& x, const Tensor& r, const Tensor& weight,
+                                                  const std::optional<Tensor>& bias, double eps, bool rms) {
+  const at::ScalarType ts = weight.scalar_type();
+  const int64_t d = x.dim() >= 1 ? x.size(-1) : 0;
+  const bool served = on_gpu(x) && on_gpu(r) && on_gpu(weight) && x.sizes() == r.sizes() && weight.dim() == 1 &&
+                      weight.size(0) == d && d > 0 && d <= kMaxPerThread * kThreads &&
+                      at::promote_types(x.scalar_type(), r.scalar_type()) == ts &&
+                      (rms || (bias && on_gpu(*bias) && bias->scalar_type() == ts && bias->sizes() == weight.sizes()));
+  if (!served) return std::nullopt;
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = rms ? AddRmsNorm::apply(x, r, weight, eps) : AddLayerNorm::apply(x, r, weight, *bias, eps);
+  return std::make_pair(out[0], out[1]);
+}
+
+void compile_all(const std::string& arch) {
+  const at::ScalarType types[] = {at::kFloat, at::kBFloat16, at::kHalf};
+  for (auto t : types) {
+    compile(kElementwise, bind({{"TX", t}}), arch);
+    compile(kCrossEntropy, bind({{"TX", t}}), arch);
+    compile(kFp8Cast, bind({{"TX", t}}), arch);
+    for (auto r : types) {
+      compile(kAddNorm, bind({{"TX", t}, {"TR", r}, {"TS", at::promote_types(t, r)}}), arch);
+    }
+  }
+}
+
+}  // namespace strata_cuda

@@ -1,0 +1,60 @@
+// Strata's CUDA kernels (in a build with the cuda feature), compiled at run time by NVRTC for the device at hand and recorded
+// for autograd as one node each. Every function returns nullopt where its kernel does not
+// serve the inputs (not on a GPU, a dtype or shape it does not handle), for the caller's
+// own composite.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+
+namespace strata_kernels {
+
+// The kernels' backwards write through raw pointers and record nothing: refuse a backward
+// asked to build a graph for a second derivative rather than return a wrong one.
+inline void first_order_only(const char* kernel) {
+  TORCH_CHECK(!at::GradMode::is_enabled(), "Strata's ", kernel,
+              " kernel has no second derivative: leave its pair out of module_replace to differentiate twice");
+}
+
+}  // namespace strata_kernels
+
+namespace strata_cuda {
+
+// GELU in its tanh form, any shape.
+std::optional<at::Tensor> gelu_tanh(const at::Tensor& x);
+
+// `silu(gate) * up` for two tensors of one shape and dtype.
+std::optional<at::Tensor> swiglu(const at::Tensor& gate, const at::Tensor& up);
+
+// Rotary positions of `[B, H, T, D]` `x` by `[T, D]` tables of x's dtype.
+std::optional<at::Tensor> rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// The mean cross-entropy of `[..., V]` logits against targets of their leading shape, over
+// the targets other than `ignore`.
+std::optional<at::Tensor> cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore);
+
+// `s = x + r` and the norm of `s` over its last dimension (layer norm with `bias`, or RMS
+// norm where `rms`), as the pair (s, norm).
+std::optional<std::pair<at::Tensor, at::Tensor>> add_norm(const at::Tensor& x, const at::Tensor& r,
+                                                          const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& bias, double eps,
+                                                          bool rms);
+
+// An fp8 cast: the tensor row-major, its transpose (contiguous; undefined where not asked
+// for), and the largest magnitude of the input (a float scalar on the device).
+struct Fp8Cast {
+  at::Tensor q, qt, amax;
+};
+
+// `x · scale` saturated and cast to E4M3 (E5M2 where `e5m2`), for a contiguous 2-D `x`,
+// in one pass that also writes the transpose where `transposed` and takes the amax.
+std::optional<Fp8Cast> fp8_cast(const at::Tensor& x, double scale, bool e5m2, bool transposed);
+
+// Compiles every kernel for every dtype they serve for `arch` (such as "sm_90"), without a
+// device: a check that the sources compile.
+void compile_all(const std::string& arch);
+
+}  // namespace strata_cuda
