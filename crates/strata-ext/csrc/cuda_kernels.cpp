@@ -268,10 +268,11 @@ extern "C" __global__ void ce_backward(const TX* logits, const i64* targets, con
 }
 )";
 
-// s = x + r (TX + TR into TS) and its norm (weight and bias of TS, output TS), one block
-// per row; `rms` leaves out the mean and the bias.
+// s = x + r (TX + TR into TS) and its norm (weight and bias of TS, output TY: the
+// products' dtype under autocast, which would cast it so at once), one block per row;
+// `rms` leaves out the mean and the bias.
 const char* kAddNorm = R"(
-extern "C" __global__ void add_norm_forward(const TX* x, const TR* r, const TS* w, const TS* b, TS* s, TS* y,
+extern "C" __global__ void add_norm_forward(const TX* x, const TR* r, const TS* w, const TS* b, TS* s, TY* y,
                                             float* mean, float* rstd, i64 d, float eps, int rms) {
   __shared__ float shared[32];
   const i64 row = blockIdx.x * d;
@@ -292,7 +293,7 @@ extern "C" __global__ void add_norm_forward(const TX* x, const TR* r, const TS* 
   for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
     float out = (to_f(s[row + j]) - mu) * inv * to_f(w[j]);
     if (!rms) out += to_f(b[j]);
-    y[row + j] = from_f<TS>(out);
+    y[row + j] = from_f<TY>(out);
   }
   if (threadIdx.x == 0) {
     mean[blockIdx.x] = mu;
@@ -304,7 +305,7 @@ extern "C" __global__ void add_norm_forward(const TX* x, const TR* r, const TS* 
 // ds = rstd·(g − mean(g) − x̂·mean(g·x̂)) + gs with g = gy·w (RMS: no mean(g) term), into
 // TS; each block takes rows blockIdx.x, blockIdx.x + gridDim.x, ... and sums its rows'
 // weight (gy·x̂) and bias (gy) gradients into its own row of `dw` and `db`.
-extern "C" __global__ void add_norm_backward(const TS* gy, const TS* gs, const TS* s, const TS* w, const float* mean,
+extern "C" __global__ void add_norm_backward(const TY* gy, const TS* gs, const TS* s, const TS* w, const float* mean,
                                              const float* rstd, TS* ds, float* dw, float* db, i64 rows, i64 d,
                                              int rms) {
   __shared__ float shared[32];
@@ -666,25 +667,25 @@ struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
 
 // The sum and the norm of `x + r` (see kAddNorm); `bias` undefined for RMS norm.
 variable_list add_norm_forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& r_in, const Tensor& weight,
-                               const Tensor& bias, double eps) {
+                               const Tensor& bias, double eps, at::ScalarType ty) {
   const bool rms = !bias.defined();
   const at::ScalarType ts = weight.scalar_type();
   Tensor x = x_in.contiguous(), r = r_in.contiguous(), w = weight.contiguous();
   Tensor b = rms ? w : bias.contiguous();
   int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
-  Tensor s = at::empty(x.sizes(), x.options().dtype(ts)), y = at::empty(x.sizes(), x.options().dtype(ts));
+  Tensor s = at::empty(x.sizes(), x.options().dtype(ts)), y = at::empty(x.sizes(), x.options().dtype(ty));
   auto floats = x.options().dtype(at::kFloat);
   Tensor mean = at::empty({rows}, floats), rstd = at::empty({rows}, floats);
   float epsf = static_cast<float>(eps);
   int rms_flag = rms;
   void *xp = x.data_ptr(), *rp = r.data_ptr(), *wp = w.data_ptr(), *bp = b.data_ptr(), *sp = s.data_ptr();
   void *yp = y.data_ptr(), *mp = mean.data_ptr(), *ip = rstd.data_ptr();
-  launch(kernel(kAddNorm, {{"TX", x.scalar_type()}, {"TR", r.scalar_type()}, {"TS", ts}}, "add_norm_forward"), rows,
+  launch(kernel(kAddNorm, {{"TX", x.scalar_type()}, {"TR", r.scalar_type()}, {"TS", ts}, {"TY", ty}}, "add_norm_forward"), rows,
          kThreads, {&xp, &rp, &wp, &bp, &sp, &yp, &mp, &ip, &d, &epsf, &rms_flag});
   ctx->save_for_backward({s, w, mean, rstd});
   ctx->saved_data["rms"] = rms;
   ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(x_in.scalar_type()),
-                                                   static_cast<int64_t>(r_in.scalar_type())};
+                                                   static_cast<int64_t>(r_in.scalar_type()), static_cast<int64_t>(ty)};
   return {s, y};
 }
 
@@ -697,7 +698,8 @@ variable_list add_norm_backward(AutogradContext* ctx, const variable_list& grads
   const bool rms = ctx->saved_data["rms"].toBool();
   const at::ScalarType ts = s.scalar_type();
   int64_t d = s.size(-1), rows = d == 0 ? 0 : s.numel() / d;
-  Tensor gy = grads[1].defined() ? grads[1].to(ts).contiguous() : at::zeros_like(s);
+  const at::ScalarType ty = static_cast<at::ScalarType>(ctx->saved_data["dtypes"].toIntVector()[2]);
+  Tensor gy = grads[1].defined() ? grads[1].to(ty).contiguous() : at::zeros(s.sizes(), s.options().dtype(ty));
   Tensor gs = grads[0].defined() ? grads[0].to(ts).contiguous() : Tensor();
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, sms * 8));
@@ -708,28 +710,29 @@ variable_list add_norm_backward(AutogradContext* ctx, const variable_list& grads
   void *gyp = gy.data_ptr(), *gsp = gs.defined() ? gs.data_ptr() : nullptr, *sp = s.data_ptr();
   void *wp = w.data_ptr(), *mp = mean.data_ptr(), *ip = rstd.data_ptr(), *dsp = ds.data_ptr();
   void *dwp = dw.data_ptr(), *dbp = db.data_ptr();
-  launch(kernel(kAddNorm, {{"TX", ts}, {"TR", ts}, {"TS", ts}}, "add_norm_backward"), rows ? blocks : 0, kThreads,
+  launch(kernel(kAddNorm, {{"TX", ts}, {"TR", ts}, {"TS", ts}, {"TY", ty}}, "add_norm_backward"), rows ? blocks : 0,
+         kThreads,
          {&gyp, &gsp, &sp, &wp, &mp, &ip, &dsp, &dwp, &dbp, &rows, &d, &rms_flag});
   auto dtypes = ctx->saved_data["dtypes"].toIntVector();
   Tensor dx = ds.to(static_cast<at::ScalarType>(dtypes[0])), dr = ds.to(static_cast<at::ScalarType>(dtypes[1]));
   Tensor dweight = dw.sum(0).to(w.scalar_type());
-  if (rms) return {dx, dr, dweight, Tensor()};
-  return {dx, dr, dweight, db.sum(0).to(w.scalar_type()), Tensor()};
+  if (rms) return {dx, dr, dweight, Tensor(), Tensor()};
+  return {dx, dr, dweight, db.sum(0).to(w.scalar_type()), Tensor(), Tensor()};
 }
 
 // Autograd takes no undefined inputs here: one node with a bias, one without.
 struct AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& weight,
-                               const Tensor& bias, double eps) {
-    return add_norm_forward(ctx, x, r, weight, bias, eps);
+                               const Tensor& bias, double eps, int64_t out) {
+    return add_norm_forward(ctx, x, r, weight, bias, eps, static_cast<at::ScalarType>(out));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) { return add_norm_backward(ctx, grads); }
 };
 
 struct AddRmsNorm : public torch::autograd::Function<AddRmsNorm> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& weight,
-                               double eps) {
-    return add_norm_forward(ctx, x, r, weight, Tensor(), eps);
+                               double eps, int64_t out) {
+    return add_norm_forward(ctx, x, r, weight, Tensor(), eps, static_cast<at::ScalarType>(out));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) { return add_norm_backward(ctx, grads); }
 };
@@ -795,7 +798,8 @@ std::optional<Tensor> cross_entropy(const Tensor& logits, const Tensor& targets,
 }
 
 std::optional<std::pair<Tensor, Tensor>> add_norm(const Tensor& x, const Tensor& r, const Tensor& weight,
-                                                  const std::optional<Tensor>& bias, double eps, bool rms) {
+                                                  const std::optional<Tensor>& bias, double eps, bool rms,
+                                                  std::optional<at::ScalarType> out) {
   const at::ScalarType ts = weight.scalar_type();
   const int64_t d = x.dim() >= 1 ? x.size(-1) : 0;
   const bool served = on_gpu(x) && on_gpu(r) && on_gpu(weight) && x.sizes() == r.sizes() && weight.dim() == 1 &&
@@ -804,8 +808,11 @@ std::optional<std::pair<Tensor, Tensor>> add_norm(const Tensor& x, const Tensor&
                       (rms || (bias && on_gpu(*bias) && bias->scalar_type() == ts && bias->sizes() == weight.sizes()));
   if (!served) return std::nullopt;
   c10::cuda::CUDAGuard guard(x.device());
-  auto out = rms ? AddRmsNorm::apply(x, r, weight, eps) : AddLayerNorm::apply(x, r, weight, *bias, eps);
-  return std::make_pair(out[0], out[1]);
+  const int64_t ty = static_cast<int64_t>(out.value_or(ts));
+  if (type_name(static_cast<at::ScalarType>(ty)) == nullptr) return std::nullopt;
+  auto sum_and_norm =
+      rms ? AddRmsNorm::apply(x, r, weight, eps, ty) : AddLayerNorm::apply(x, r, weight, *bias, eps, ty);
+  return std::make_pair(sum_and_norm[0], sum_and_norm[1]);
 }
 
 void compile_all(const std::string& arch) {
@@ -815,7 +822,7 @@ void compile_all(const std::string& arch) {
     compile(kCrossEntropy, bind({{"TX", t}}), arch);
     compile(kFp8Cast, bind({{"TX", t}}), arch);
     for (auto r : types) {
-      compile(kAddNorm, bind({{"TX", t}, {"TR", r}, {"TS", at::promote_types(t, r)}}), arch);
+      for (auto y : types) compile(kAddNorm, bind({{"TX", t}, {"TR", r}, {"TS", at::promote_types(t, r)}, {"TY", y}}), arch);
     }
   }
 }

@@ -37,11 +37,11 @@ std::optional<at::Tensor> rotary(const at::Tensor& x, const at::Tensor& cos, con
 std::optional<at::Tensor> cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore);
 
 // `s = x + r` and the norm of `s` over its last dimension (layer norm with `bias`, or RMS
-// norm where `rms`), as the pair (s, norm).
+// norm where `rms`), as the pair (s, norm); the norm in `out` (default: the weight's dtype).
 std::optional<std::pair<at::Tensor, at::Tensor>> add_norm(const at::Tensor& x, const at::Tensor& r,
                                                           const at::Tensor& weight,
                                                           const std::optional<at::Tensor>& bias, double eps,
-                                                          bool rms);
+                                                          bool rms, std::optional<at::ScalarType> out);
 
 // An fp8 cast: the tensor row-major, its transpose (contiguous; undefined where not asked
 // for), and the largest magnitude of the input (a float scalar on the device).

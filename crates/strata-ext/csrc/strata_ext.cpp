@@ -1408,15 +1408,18 @@ int strata_cross_entropy(const Tensor* logits, const Tensor* targets, int64_t ig
   });
 }
 
-// `s = x + r` and the layer norm (with `bias`) or RMS norm (`bias` null) of s (GPU only);
-// `*sum` and `*out` both null where not served.
+// `s = x + r` and the layer norm (with `bias`) or RMS norm (`bias` null) of s (GPU only),
+// the norm in scalar type `out_kind` (-1: the weight's); `*sum` and `*out` both null where
+// not served.
 int strata_add_norm(const Tensor* x, const Tensor* r, const Tensor* weight, const Tensor* bias, double eps,
-                    Tensor** sum, Tensor** out) {
+                    int out_kind, Tensor** sum, Tensor** out) {
   return guarded([&] {
     *sum = nullptr;
     *out = nullptr;
 #ifdef STRATA_CUDA
-    if (auto served = strata_cuda::add_norm(*x, *r, *weight, optional_tensor(bias), eps, bias == nullptr)) {
+    std::optional<at::ScalarType> kind;
+    if (out_kind >= 0) kind = static_cast<at::ScalarType>(out_kind);
+    if (auto served = strata_cuda::add_norm(*x, *r, *weight, optional_tensor(bias), eps, bias == nullptr, kind)) {
       *sum = new Tensor(std::move(served->first));
       *out = new Tensor(std::move(served->second));
     }

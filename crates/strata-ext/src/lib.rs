@@ -90,6 +90,7 @@ extern "C" {
         weight: *const C_tensor,
         bias: *const C_tensor,
         eps: f64,
+        out_kind: c_int,
         sum: *mut TensorPtr,
         out: *mut TensorPtr,
     ) -> c_int;
@@ -586,8 +587,8 @@ extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
 /// the caller's own composite.
 pub mod kernels {
     use super::{
-        check, optional_ptr, strata_add_norm, strata_cross_entropy, strata_fp8_cast, strata_gelu_tanh, strata_rms_norm,
-        strata_rotary, strata_swiglu, Result, TensorPtr,
+        check, optional_ptr, scalar_type, strata_add_norm, strata_cross_entropy, strata_fp8_cast, strata_gelu_tanh,
+        strata_rms_norm, strata_rotary, strata_swiglu, Result, TensorPtr,
     };
     use tch::Tensor;
 
@@ -668,26 +669,37 @@ pub mod kernels {
     }
 
     /// The residual sum `s = x + r` and its norm over the last dimension, in one pass per
-    /// row each way on a GPU: layer norm with `bias`, RMS norm without. `s` and the norm
-    /// take the weight's dtype, which must be the promotion of `x`'s and `r`'s; the width at
-    /// most 8,192.
+    /// row each way on a GPU: layer norm with `bias`, RMS norm without. `s` takes the
+    /// weight's dtype, which must be the promotion of `x`'s and `r`'s, and the norm `out`
+    /// (the weight's where `None`); the width at most 8,192.
     pub fn add_norm(
         x: &Tensor,
         r: &Tensor,
         weight: &Tensor,
         bias: Option<&Tensor>,
         eps: f64,
+        out: Option<tch::Kind>,
     ) -> Result<Option<(Tensor, Tensor)>> {
-        let (mut sum, mut out): (TensorPtr, TensorPtr) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let out_kind = out.map(scalar_type).transpose()?.unwrap_or(-1);
+        let (mut sum, mut normed): (TensorPtr, TensorPtr) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: the tensors are live for the call; both outputs are written.
         check(unsafe {
-            strata_add_norm(x.as_ptr(), r.as_ptr(), weight.as_ptr(), optional_ptr(bias), eps, &mut sum, &mut out)
+            strata_add_norm(
+                x.as_ptr(),
+                r.as_ptr(),
+                weight.as_ptr(),
+                optional_ptr(bias),
+                eps,
+                out_kind,
+                &mut sum,
+                &mut normed,
+            )
         })?;
-        if sum.is_null() || out.is_null() {
+        if sum.is_null() || normed.is_null() {
             return Ok(None);
         }
         // SAFETY: fresh `new at::Tensor`s owned by nobody else.
-        Ok(Some(unsafe { (Tensor::from_ptr(sum), Tensor::from_ptr(out)) }))
+        Ok(Some(unsafe { (Tensor::from_ptr(sum), Tensor::from_ptr(normed)) }))
     }
 }
 

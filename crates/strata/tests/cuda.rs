@@ -235,6 +235,29 @@ fn replaced_modules_on_a_gpu_match_the_composites_forward_and_backward() {
     for module in common::replaced_modules(gpu) {
         module.check(gpu);
     }
+    // Under bf16 autocast the fused norm comes in bf16, as the product after it casts the
+    // composite's fp32 norm; the residual sum stays fp32.
+    let amp = std::sync::Arc::new(UnitCompute {
+        autocast: Some(Kind::BFloat16),
+        device_autocast: true,
+        replacements: strata::compute::replace::Replacements::select(None).unwrap(),
+        ..Default::default()
+    });
+    let draw = |seed: i64, kind: Kind| {
+        with_seed(seed, || Tensor::randn([4, 16, 64], (Kind::Float, Device::Cpu))).to_kind(kind).to_device(gpu)
+    };
+    let (x, r, w, b) = (
+        draw(1, Kind::Float),
+        draw(2, Kind::BFloat16),
+        draw(3, Kind::Float).get(0).get(0),
+        draw(4, Kind::Float).get(0).get(0),
+    );
+    let (s, y) =
+        compute::run(&amp, Default::default(), false, || layers::add_layer_norm(&x, &r, &w, &b, 1e-5)).unwrap();
+    let composite = layers::layer_norm(&(&x + &r), &w, &b, 1e-5).unwrap();
+    assert_eq!((s.kind(), y.kind()), (Kind::Float, Kind::BFloat16));
+    let error = rel(&y, &composite.to_kind(Kind::BFloat16));
+    assert!(error < 1e-2, "{error:e}");
     // Whole models: with every pair (fused attention, Strata's CUDA kernels for the
     // activations, rotary positions, residual sums with their norms and the loss), the
     // losses of the composites, in fp32 and in bf16 autocast.
@@ -413,7 +436,8 @@ fn an_embedding_kept_on_the_host_computes_there_beside_a_gpu() {
     assert_eq!(storage[0].grad.device(), Device::Cpu, "the embedding's gradient");
     assert!(storage[1..].iter().all(|s| s.flat.device() == gpu), "the other units compute on the GPU");
     let on_gpu = steps(4, gpu);
-    let embedding = |t: &Trainer| t.engine.param_by_name("model.embed_tokens.weight").unwrap().to_device(Device::Cpu);
+    // A copy: the parameter itself lives on the host, where `to_device` would alias it.
+    let embedding = |t: &Trainer| t.engine.param_by_name("model.embed_tokens.weight").unwrap().copy();
     let before = embedding(&offloaded);
     let (want, got) = (losses(&mut plain, &on_gpu), losses(&mut offloaded, &on_gpu));
     let (gap, weights) = (loss_gap(&got, &want), weight_gap(&offloaded, &plain));

@@ -24,10 +24,10 @@ pub enum Precision {
 }
 
 /// The fewest input or output features of a linear layer the search computes in fp8. Below
-/// it the casts cost more than the faster product saves: at 16,384 tokens on an H200, the
-/// forward fp8 linear (casts included) ran at 0.25× bf16's speed on 2048-wide squares of
-/// 2,048 rows, 0.99–1.46× at 2048 × 5632 and 1.40× at 4096 × 14336 (`strata bench gpu`),
-/// while a 512-wide key or value projection leaves fp8 too little to gain.
+/// it the casts cost more than the faster product saves: on an H200 the forward fp8 linear
+/// (casts included) ran at 0.27× bf16's speed on 2048-wide squares of 2,048 rows, and at
+/// 16,384 tokens 1.00–1.44× at 2048 × 5632 and 1.38–1.47× at 4096 × 14336 (`strata bench
+/// gpu`), while a 512-wide key or value projection leaves fp8 too little to gain.
 pub const FP8_MIN_FEATURES: i64 = 2048;
 
 pub(crate) const PRECISIONS: [Precision; 6] =

@@ -34,9 +34,13 @@ pub type SwiGluFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + Sen
 pub type RotaryFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 /// Logits, targets and the target that takes no loss.
 pub type CrossEntropyFn = Arc<dyn Fn(&Tensor, &Tensor, i64) -> Result<Option<Tensor>> + Send + Sync>;
-/// A residual sum and its norm: `(x, r, weight, bias, eps)` to `(x + r, norm(x + r))`.
-pub type AddNormFn =
-    Arc<dyn Fn(&Tensor, &Tensor, &Tensor, Option<&Tensor>, f64) -> Result<Option<(Tensor, Tensor)>> + Send + Sync>;
+/// A residual sum and its norm: `(x, r, weight, bias, eps, out)` to `(x + r, norm(x + r))`,
+/// the norm in `out` (the weight's dtype where `None`).
+pub type AddNormFn = Arc<
+    dyn Fn(&Tensor, &Tensor, &Tensor, Option<&Tensor>, f64, Option<Kind>) -> Result<Option<(Tensor, Tensor)>>
+        + Send
+        + Sync,
+>;
 
 /// The op a pair replaces, with its implementation.
 #[derive(Clone)]
@@ -89,7 +93,8 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
             None => Ok(x.f_rms_norm([*x.size().last().unwrap_or(&1)], Some(w), eps)?),
         });
         let low = vec![Kind::Float, Kind::Half, Kind::BFloat16];
-        let add_norm: AddNormFn = Arc::new(|x, r, w, b, eps| Ok(strata_ext::kernels::add_norm(x, r, w, b, eps)?));
+        let add_norm: AddNormFn =
+            Arc::new(|x, r, w, b, eps, out| Ok(strata_ext::kernels::add_norm(x, r, w, b, eps, out)?));
         let mut pairs = vec![
             ReplacePair {
                 name: "FlashAttention".into(),

@@ -139,7 +139,8 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// The residual sum `x + r` and its layer norm, `(x + r, layer_norm(x + r))`: one kernel
-/// each way where `module_replace` has `FusedAddLayerNorm` and it serves the tensors.
+/// each way where `module_replace` has `FusedAddLayerNorm` and it serves the tensors (the
+/// norm then in the products' dtype under autocast).
 pub fn add_layer_norm(x: &Tensor, r: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     if let Some(pair) = fused_add_norm(x, r, w, Some(b), eps, |reps, kind| reps.add_layer_norm(kind))? {
         return Ok(pair);
@@ -150,7 +151,8 @@ pub fn add_layer_norm(x: &Tensor, r: &Tensor, w: &Tensor, b: &Tensor, eps: f64) 
 }
 
 /// The residual sum `x + r` and its RMS norm, `(x + r, rms_norm(x + r))`: one kernel each
-/// way where `module_replace` has `FusedAddRMSNorm` and it serves the tensors.
+/// way where `module_replace` has `FusedAddRMSNorm` and it serves the tensors (as
+/// [`add_layer_norm`]).
 pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     if let Some(pair) = fused_add_norm(x, r, w, None, eps, |reps, kind| reps.add_rms_norm(kind))? {
         return Ok(pair);
@@ -161,8 +163,11 @@ pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Ten
 }
 
 /// The replaced residual sum and norm, where one is selected and serves. The kernel returns
-/// both in the weight's dtype, as the composite does except under autocast, whose norms
-/// return fp32: there only an fp32 weight (and so an fp32 sum) is handed to it.
+/// the sum in the weight's dtype, as the composite does; under autocast only an fp32 weight
+/// (and so an fp32 sum) is handed to it, and the norm comes in the products' dtype: the
+/// composite's fp32 norm rounded as the next product's cast would round it, without
+/// writing it in fp32 first (its gradient comes back in that dtype, which the cast's
+/// backward would have widened exactly).
 fn fused_add_norm(
     x: &Tensor,
     r: &Tensor,
@@ -175,7 +180,7 @@ fn fused_add_norm(
         return Ok(None);
     }
     match compute::replaced(|reps| pick(reps, w.kind())) {
-        Some(fused) => fused(x, r, w, b, eps),
+        Some(fused) => fused(x, r, w, b, eps, compute::product_kind()),
         None => Ok(None),
     }
 }
