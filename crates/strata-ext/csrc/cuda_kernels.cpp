@@ -519,10 +519,15 @@ cudaKernel_t kernel(const char* family, const std::vector<std::pair<const char*,
   return k;
 }
 
+// Launches `k` on the current stream; an empty grid launches nothing.
+void launch(cudaKernel_t k, dim3 grid, dim3 block, std::vector<void*> args) {
+  if (grid.x == 0 || grid.y == 0) return;
+  CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, block, args.data(), 0,
+                              at::cuda::getCurrentCUDAStream()));
+}
+
 void launch(cudaKernel_t k, int64_t blocks, int threads, std::vector<void*> args) {
-  if (blocks == 0) return;
-  CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(k), dim3(static_cast<unsigned>(blocks)),
-                              dim3(threads), args.data(), 0, at::cuda::getCurrentCUDAStream()));
+  launch(k, dim3(static_cast<unsigned>(blocks)), dim3(threads), std::move(args));
 }
 
 // Blocks for a grid-stride loop over n elements: enough to fill the device, no more.
@@ -604,14 +609,11 @@ Tensor rotate(const Tensor& input, const Tensor& cos, const Tensor& sin, int bac
   int64_t ib = x.stride(0), ih = x.stride(1), it = x.stride(2), ob = y.stride(0), oh = y.stride(1), ot = y.stride(2);
   int64_t rows = x.size(0) * x.size(1) * x.size(2);
   TORCH_CHECK(y.stride(3) == 1, "rotary: the output's last dimension is not dense");
+  if (half == 0) return y;
   const int across = std::min(half, kThreads), down = std::max(1, kThreads / across);
   void *xp = x.data_ptr(), *cp = cos.data_ptr(), *sp = sin.data_ptr(), *yp = y.data_ptr();
-  std::vector<void*> args = {&xp, &cp, &sp, &yp, &heads, &t, &half, &ib, &ih, &it, &ob, &oh, &ot, &rows, &backward};
-  if (rows > 0 && half > 0) {
-    CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(kernel(kElementwise, {{"TX", x.scalar_type()}}, "rotary")),
-                                dim3(static_cast<unsigned>((rows + down - 1) / down)), dim3(across, down), args.data(), 0,
-                                at::cuda::getCurrentCUDAStream()));
-  }
+  launch(kernel(kElementwise, {{"TX", x.scalar_type()}}, "rotary"), dim3(static_cast<unsigned>((rows + down - 1) / down)),
+         dim3(across, down), {&xp, &cp, &sp, &yp, &heads, &t, &half, &ib, &ih, &it, &ob, &oh, &ot, &rows, &backward});
   return y;
 }
 
@@ -754,11 +756,9 @@ std::optional<Fp8Cast> fp8_cast(const Tensor& x, double scale, bool e5m2, bool t
     float scalef = static_cast<float>(scale);
     int e5m2_flag = e5m2;
     void *xp = x.data_ptr(), *qp = q.data_ptr(), *qtp = transposed ? qt.data_ptr() : nullptr, *ap = amax.data_ptr();
-    cudaKernel_t k = kernel(kFp8Cast, {{"TX", x.scalar_type()}}, "fp8_cast_transpose");
-    std::vector<void*> args = {&xp, &scalef, &qp, &qtp, &ap, &rows, &cols, &e5m2_flag};
-    CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(k),
-                                dim3(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64)),
-                                dim3(256), args.data(), 0, at::cuda::getCurrentCUDAStream()));
+    launch(kernel(kFp8Cast, {{"TX", x.scalar_type()}}, "fp8_cast_transpose"),
+           dim3(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64)), dim3(256),
+           {&xp, &scalef, &qp, &qtp, &ap, &rows, &cols, &e5m2_flag});
   }
   return Fp8Cast{q, qt, amax};
 }

@@ -152,6 +152,28 @@ fn fp8_linear_stays_close_to_fp32_and_its_scaling_follows_the_history() {
     );
 }
 
+/// A weight is cast to fp8 once a step: later forwards of the step (micro-batches,
+/// recomputation) reuse that cast, and the next step casts afresh.
+#[test]
+fn fp8_weights_are_cast_once_a_step() {
+    let _serial = serial();
+    tch::manual_seed(2);
+    let x = Tensor::randn([16, 64], (Kind::Float, Device::Cpu));
+    let w = Tensor::randn([32, 64], (Kind::Float, Device::Cpu)) * 0.1;
+    // Scales refresh only every 1000 steps: they stay as they start.
+    let config = Fp8Config { interval: 1000, ..Default::default() };
+    let (state, fresh) = (Fp8Unit::new(config.clone()), Fp8Unit::new(config));
+    let forward = |state: &fp8::SharedFp8, w: &Tensor| fp8::linear(state, 0, true, &x, w, None, Kind::Float).unwrap();
+    let first = forward(&state, &w);
+    // The weight changes within the step: the step's cast still serves.
+    let doubled = &w * 2.0;
+    assert!(forward(&state, &doubled).equal(&first), "the step's cast of the weight is reused");
+    state.lock().unwrap().end_step(None).unwrap();
+    let next = forward(&state, &doubled);
+    assert!(next.equal(&forward(&fresh, &doubled)), "a new step casts the weight again");
+    assert!(!next.equal(&first));
+}
+
 #[test]
 fn fp8_pads_rows_that_are_not_a_multiple_of_16() {
     let _serial = serial();
