@@ -5,9 +5,15 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
   make      builds a random model of a family (see FAMILIES) with a word-level tokenizer and
             saves it with save_pretrained (sharded when --shard-bytes is given); every
             weight of the decoder families is moved off its initial value;
-  logits    writes the logits of a folder's model for given token rows to a safetensors file;
+  logits    writes the logits of a folder's model (with a peft adapter folder, if given) for
+            given token rows to a safetensors file;
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
-  train     prints the losses of AdamW steps (torch.optim's) on given batches;
+  train     prints the losses of AdamW steps (torch.optim's) on given batches: of the whole
+            model, or with --adapter of that peft adapter's parameters alone (the adapter
+            trained is saved to --save-adapter);
+  lora-init saves a peft LoRA adapter of a folder's model, for a JSON LoraConfig, with both
+            factors drawn from a seed (init_lora_weights=False), so the adapter changes the
+            model from its first step;
   val-loss  prints the mean next-token loss over consecutive windows of a u16 token file,
             batch by batch, as Strata's validation reads them;
   serve     reads one command a line (a JSON list of the arguments above) and answers each
@@ -145,6 +151,14 @@ def load(folder):
     return model
 
 
+def with_adapter(model, adapter, trainable=False):
+    """The model with the peft adapter folder `adapter` loaded, if one is given."""
+    if adapter is None:
+        return model
+    import peft
+    return peft.PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="command", required=True)
@@ -157,6 +171,7 @@ def main(argv=None):
     logits.add_argument("--dir", required=True)
     logits.add_argument("--tokens", required=True, help="JSON rows of token ids")
     logits.add_argument("--out", required=True)
+    logits.add_argument("--adapter")
     gen = sub.add_parser("generate")
     gen.add_argument("--dir", required=True)
     gen.add_argument("--prompt", required=True, help="JSON list of token ids")
@@ -165,6 +180,13 @@ def main(argv=None):
     train.add_argument("--dir", required=True)
     train.add_argument("--batches", required=True, help="JSON list of [inputs, targets] row lists")
     train.add_argument("--lr", type=float, required=True)
+    train.add_argument("--adapter")
+    train.add_argument("--save-adapter")
+    lora = sub.add_parser("lora-init")
+    lora.add_argument("--dir", required=True)
+    lora.add_argument("--config", required=True, help="JSON of LoraConfig's fields")
+    lora.add_argument("--seed", type=int, default=0)
+    lora.add_argument("--out", required=True)
     val = sub.add_parser("val-loss")
     val.add_argument("--dir", required=True)
     val.add_argument("--token-file", required=True)
@@ -184,7 +206,7 @@ def main(argv=None):
         model.save_pretrained(args.out, **kwargs)
         tokenizer_json(f"{args.out}/tokenizer.json")
     elif args.command == "logits":
-        model = load(args.dir)
+        model = with_adapter(load(args.dir), args.adapter)
         tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
         with torch.no_grad():
             out = model(tokens).logits
@@ -198,12 +220,22 @@ def main(argv=None):
             out = model.generate(prompt, do_sample=False, max_new_tokens=args.max_new_tokens,
                                  attention_mask=torch.ones_like(prompt), pad_token_id=0)
         print(json.dumps(out[0, prompt.shape[1]:].tolist()))
+    elif args.command == "lora-init":
+        import peft
+        torch.manual_seed(args.seed)
+        config = peft.LoraConfig(**json.loads(args.config), init_lora_weights=False)
+        peft.get_peft_model(load(args.dir), config).save_pretrained(args.out)
     elif args.command == "train":
-        model = load(args.dir)
+        model = with_adapter(load(args.dir), args.adapter, trainable=True)
         model.train()
+        # Strata trains without dropout (GPT-2's folders ask for some).
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
         with open(args.batches) as f:
             batches = json.load(f)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
         losses = []
         for inputs, targets in batches:
             x, y = torch.tensor(inputs), torch.tensor(targets)
@@ -213,6 +245,8 @@ def main(argv=None):
             loss.backward()
             opt.step()
             losses.append(loss.item())
+        if args.save_adapter:
+            model.save_pretrained(args.save_adapter)
         print(json.dumps(losses))
     elif args.command == "val-loss":
         model = load(args.dir)

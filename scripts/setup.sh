@@ -15,10 +15,10 @@ pyver=$("$python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_inf
 venv="$cache/venv-torch-$TORCH_VERSION-py$pyver"
 
 # Python packages of the environment: libtorch itself, what the PyTorch reference scripts use
-# (transformers: the reference for model folders and generation; tensorboard: the reader of
-# event files), and the CUDA headers torch's wheel leaves out (for building with the `cuda`
+# (transformers: the reference for model folders and generation; peft: for LoRA adapters;
+# tensorboard: the reader of event files), and the CUDA headers torch's wheel leaves out (for building with the `cuda`
 # feature; headers only).
-packages=("torch==$TORCH_VERSION" "numpy" "safetensors" "transformers==5.23.0" "tensorboard==2.21.0" "nvidia-cuda-cccl==13.0.*" "nvidia-cuda-crt==13.0.*")
+packages=("torch==$TORCH_VERSION" "numpy" "safetensors" "transformers==5.23.0" "peft==0.21.2" "tensorboard==2.21.0" "nvidia-cuda-cccl==13.0.*" "nvidia-cuda-crt==13.0.*")
 stamp="$venv/.strata-complete"
 
 # The stamp is written last, so an interrupted install is finished on the next run, not trusted.

@@ -42,6 +42,13 @@ train_options! {
     model_dir: PathBuf,
     /// Write the trained model as a Hugging Face model folder (config, safetensors, tokenizer).
     save_model_dir: PathBuf,
+    /// Start a LoRA run's adapters from a peft adapter folder (adapter_config.json,
+    /// adapter_model.safetensors); its configuration is the lora method where the strategy
+    /// names none.
+    init_adapter: PathBuf,
+    /// Write a LoRA run's adapters as a peft adapter folder (--save-model-dir writes the
+    /// model with them merged).
+    save_adapter_dir: PathBuf,
     /// Largest safetensors file of --save-model-dir, in bytes (default 5 GB); larger models
     /// are sharded with an index.
     max_shard_size: u64,
@@ -282,6 +289,8 @@ pub struct TrainSettings {
     /// The model-shape flags given (refused beside --model-dir).
     pub shape_flags: Vec<&'static str>,
     pub save_model_dir: Option<PathBuf>,
+    pub init_adapter: Option<PathBuf>,
+    pub save_adapter_dir: Option<PathBuf>,
     pub max_shard_size: u64,
     pub val: Option<DataChoice>,
     /// How example data is cut and learned (set when the data is examples).
@@ -666,6 +675,8 @@ impl TrainOptions {
             model_dir,
             shape_flags,
             save_model_dir: o.save_model_dir,
+            init_adapter: o.init_adapter,
+            save_adapter_dir: o.save_adapter_dir,
             max_shard_size: match o.max_shard_size {
                 Some(0) => bail!("--max-shard-size must be positive"),
                 size => size.unwrap_or(strata::io::DEFAULT_SHARD_BYTES),

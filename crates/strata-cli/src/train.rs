@@ -118,6 +118,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
     };
     let mut init: Vec<InitialWeights> = s.init_weights.iter().cloned().map(InitialWeights::File).collect();
     init.extend(s.model_dir.iter().map(|dir| InitialWeights::Folder(Box::new(dir.clone()))));
+    init.extend(s.init_adapter.iter().cloned().map(InitialWeights::Adapter));
     Ok(RunConfig {
         steps: s.steps,
         batch_size: s.batch_size,
@@ -154,6 +155,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
         outputs: Outputs {
             weights: s.save_weights.clone(),
             model_folder: model_folder(s, model)?,
+            adapter_folder: s.save_adapter_dir.clone(),
             metrics: s.metrics.clone(),
             tensorboard: s.tensorboard.clone(),
             profile: s.profile.clone(),

@@ -9,7 +9,7 @@
 //! strata launch --nproc-per-node 2 -- target/release/examples/custom_units
 use strata::auto::AutoOptions;
 use strata::data::SyntheticCorpus;
-use strata::model::layers::{gelu_tanh, linear, row_linear, vocab_embedding, vocab_logits};
+use strata::model::layers::{gelu_tanh, vocab_embedding, vocab_logits};
 use strata::model::{Builder, Init, ParamId, Params, TpRole, Unit};
 use strata::run::{self, Data, Model, RunConfig, StrategySource};
 use tch::Tensor;
@@ -39,7 +39,8 @@ impl Unit for Embedding {
 
 /// `x + down(gelu(up(x)))`: `up` split by output rows (column parallel), `down` by input
 /// columns (row parallel), so each rank computes its slice of the hidden layer and one sum
-/// over the group joins them.
+/// over the group joins them. Declared as linear layers and applied through `Params`, they
+/// take low-rank adapters where a strategy's `lora` names them.
 struct FeedForward {
     up: ParamId,
     down: ParamId,
@@ -50,9 +51,8 @@ impl Unit for FeedForward {
         "FeedForward"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> strata::Result<Tensor> {
-        let tp = p.tp();
-        let hidden = gelu_tanh(&linear(&tp.enter(x)?, &p[self.up], None)?)?;
-        Ok(x.f_add(&row_linear(&hidden, &p[self.down], None, tp)?)?)
+        let hidden = gelu_tanh(&p.linear(&p.tp().enter(x)?, self.up, None)?)?;
+        Ok(x.f_add(&p.row_linear(&hidden, self.down, None)?)?)
     }
     fn position_wise(&self) -> bool {
         true
@@ -92,8 +92,8 @@ fn feed_forward_lm(b: &mut Builder) -> strata::Result<()> {
     u.finish(Embedding { table });
     for i in 0..4 {
         let mut u = b.unit(format!("blocks.{i}"));
-        let up = u.param(format!("blocks.{i}.up.weight"), &[HIDDEN, DIM], normal, TpRole::Column { parts: 1 });
-        let down = u.param(format!("blocks.{i}.down.weight"), &[DIM, HIDDEN], normal, TpRole::Row);
+        let up = u.linear(format!("blocks.{i}.up.weight"), &[HIDDEN, DIM], normal, TpRole::Column { parts: 1 });
+        let down = u.linear(format!("blocks.{i}.down.weight"), &[DIM, HIDDEN], normal, TpRole::Row);
         u.finish(FeedForward { up, down });
     }
     let mut u = b.unit("head");

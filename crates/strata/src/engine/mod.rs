@@ -791,7 +791,13 @@ impl Engine {
         for (k, cache) in caches.iter_mut().enumerate() {
             self.run_schedule(Phase::BeforeForward, k)?;
             let input = self.where_unit_computes(k, &x)?;
-            let y = tch::no_grad(|| self.spec.units[k].body.decode(&Params::new(&self.params), &input, cache))?;
+            let y = tch::no_grad(|| {
+                self.spec.units[k].body.decode(
+                    &Params::new(&self.params).with_adapters(&self.spec.adapters),
+                    &input,
+                    cache,
+                )
+            })?;
             x = self.on_the_device(k, y)?;
             self.run_schedule(Phase::AfterForward, k)?;
         }
@@ -931,7 +937,8 @@ impl Engine {
             Some(tp) => Params::split(wrapped.as_deref().unwrap_or(&self.params), tp.as_ref()),
             None => Params::new(&self.params),
         }
-        .with_layout(layout);
+        .with_layout(layout)
+        .with_adapters(&self.spec.adapters);
         let input = self.where_unit_computes(k, input)?;
         let output = if policy.is_plain() {
             unit.body.forward(&params, &input)?
@@ -986,7 +993,7 @@ impl Engine {
     fn unit_params(&self, k: usize) -> Result<Option<Vec<Tensor>>> {
         let Some(tp) = self.tensor_parallel() else { return Ok(None) };
         let partial = |role: TpRole| match role {
-            TpRole::PerHead => true,
+            TpRole::PartialGradient => true,
             TpRole::SequenceReplicated => tp.sequence_parallel(),
             _ => false,
         };
@@ -1194,6 +1201,7 @@ fn init(t: &Tensor, how: Init) -> Result<()> {
         Init::Normal { std } => t.f_normal_(0.0, std)?,
         Init::Zeros => t.f_zero_()?,
         Init::Ones => t.f_fill_(1.0)?,
+        Init::Uniform { bound } => t.f_uniform_(-bound, bound)?,
     };
     Ok(())
 }

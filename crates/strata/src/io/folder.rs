@@ -26,7 +26,8 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
             named.push((param, name, t));
         }
     }
-    load_named(engine, &model.dir, named.into_iter())
+    let factors = super::peft::factor_ids(&engine.spec().adapters);
+    load_named(engine, &model.dir, named.into_iter(), &|id| factors.contains(&id))
 }
 
 /// A model folder to write: where, as which family, and what goes along with the weights.

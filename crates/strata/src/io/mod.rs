@@ -6,8 +6,10 @@
 //! state: checkpoints of optimizer state build on this.
 
 mod folder;
+mod peft;
 
 pub use folder::{load_model_dir, FolderOut, DEFAULT_SHARD_BYTES};
+pub use peft::{load_adapter, read_adapter_config, write_model_weights, AdapterOut, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
 use crate::engine::Engine;
 use crate::model::{ModelSpec, ParamId};
@@ -228,6 +230,8 @@ pub enum WeightsTarget<'a> {
     File(&'a Path),
     /// A Hugging Face model folder.
     Folder(&'a FolderOut),
+    /// A peft adapter folder (a LoRA run's adapters alone; models get them merged).
+    Adapter(&'a AdapterOut),
 }
 
 /// Writes whole parameters, `layout` (Strata name, dtype, shape) in order, to `target`;
@@ -244,12 +248,14 @@ pub fn write_weights(
             write_safetensors_streamed(path, layout, &metadata, |i| tensor_bytes_le(&fetch(i)?))
         }
         WeightsTarget::Folder(out) => out.write(layout, fetch),
+        WeightsTarget::Adapter(out) => out.write(layout, fetch),
     }
 }
 
-/// Saves the whole model's parameters under their canonical names (a tied weight once),
-/// gathering one unit at a time. With a sharded strategy every rank of the shard group
-/// must call this together; only ranks with `write` set write.
+/// Saves the whole model's parameters under their canonical names (a tied weight once,
+/// adapters merged or alone as `target` says: [`write_model_weights`]), gathering one unit
+/// at a time. With a sharded strategy every rank of the shard group must call this
+/// together; only ranks with `write` set write.
 pub fn save_weights(engine: &mut Engine, target: WeightsTarget<'_>, write: bool) -> Result<()> {
     let kind = engine.master_kind();
     // Parameters in unit order, each with its unit and offset.
@@ -261,11 +267,11 @@ pub fn save_weights(engine: &mut Engine, target: WeightsTarget<'_>, write: bool)
         .flat_map(|(k, u)| u.params.iter().map(move |&id| (k, id)))
         .map(|(k, id)| (k, id, engine.full_offset(id)))
         .collect();
-    let layout: Vec<(String, Kind, Vec<i64>)> = order
+    let layout: Vec<(ParamId, String, Kind, Vec<i64>)> = order
         .iter()
         .map(|(_, id, _)| {
             let p = &engine.spec().params[id.0];
-            (p.name.clone(), kind, p.shape.clone())
+            (*id, p.name.clone(), kind, p.shape.clone())
         })
         .collect();
     let units = engine.spec().units.len();
@@ -275,8 +281,9 @@ pub fn save_weights(engine: &mut Engine, target: WeightsTarget<'_>, write: bool)
         }
         return Ok(());
     }
+    let adapters = engine.spec().adapters.clone();
     let mut current: Option<(usize, Tensor)> = None;
-    write_weights(target, &layout, |i| {
+    write_model_weights(target, &adapters, &layout, |i| {
         let (unit, id, offset) = order[i];
         if current.as_ref().map(|(k, _)| *k) != Some(unit) {
             current = Some((unit, engine.full_unit(unit)?));
@@ -294,7 +301,8 @@ pub fn load_weights(engine: &mut Engine, path: &Path) -> Result<()> {
     let tensors = read_safetensors(path)?;
     // A merged checkpoint also holds optimizer states, as `optim.<state>.<name>`.
     let named = tensors.into_iter().filter(|(name, _)| !name.starts_with("optim."));
-    load_named(engine, path, named.map(|(name, t)| (name.clone(), name, t)))
+    let factors = peft::factor_ids(&engine.spec().adapters);
+    load_named(engine, path, named.map(|(name, t)| (name.clone(), name, t)), &|id| factors.contains(&id))
 }
 
 /// Checks, from its header alone, that the safetensors file at `path` is whole and holds
@@ -332,17 +340,21 @@ pub fn check_weights_file(spec: &ModelSpec, path: &Path) -> Result<()> {
         shapes.push((name, entry.shape));
     }
     let named = shapes.iter().filter(|(name, _)| !name.starts_with("optim."));
-    match_params(spec, path, named.map(|(name, shape)| (name.as_str(), name.as_str(), shape.as_slice())))?;
+    let factors = peft::factor_ids(&spec.adapters);
+    let entries = named.map(|(name, shape)| (name.as_str(), name.as_str(), shape.as_slice()));
+    match_params(spec, path, entries, &|id| factors.contains(&id))?;
     Ok(())
 }
 
 /// Matches `(parameter name, name in the source, shape)` against `spec`: every name a
-/// parameter, every shape its shape, every parameter present. Returns each entry's
-/// parameter, in order; errors name `source` and the source's names.
+/// parameter, every shape its shape, every parameter present but those `absent` allows
+/// (adapters' factors beside a base model's weights, the base beside an adapter's).
+/// Returns each entry's parameter, in order; errors name `source` and the source's names.
 fn match_params<'a>(
     spec: &ModelSpec,
     source: &Path,
     named: impl Iterator<Item = (&'a str, &'a str, &'a [i64])>,
+    absent: &dyn Fn(ParamId) -> bool,
 ) -> Result<Vec<ParamId>> {
     let err = |message: String| Error::Weights { path: source.to_path_buf(), message };
     let mut ids = Vec::new();
@@ -355,21 +367,28 @@ fn match_params<'a>(
         }
         ids.push(id);
     }
-    if let Some(missing) = spec.params.iter().enumerate().find(|(i, _)| !ids.contains(&ParamId(*i))) {
+    let missing = spec.params.iter().enumerate().find(|(i, _)| !ids.contains(&ParamId(*i)) && !absent(ParamId(*i)));
+    if let Some(missing) = missing {
         return Err(err(format!("missing parameter {:?}", missing.1.name)));
     }
     Ok(ids)
 }
 
 /// Loads parameters from `(parameter name, name in the source, values)`, as
-/// [`load_weights`] describes; errors name `source` and the source's names.
-fn load_named(engine: &mut Engine, source: &Path, named: impl Iterator<Item = (String, String, Tensor)>) -> Result<()> {
+/// [`load_weights`] describes (parameters `absent` allows keep their values); errors name
+/// `source` and the source's names.
+fn load_named(
+    engine: &mut Engine,
+    source: &Path,
+    named: impl Iterator<Item = (String, String, Tensor)>,
+    absent: &dyn Fn(ParamId) -> bool,
+) -> Result<()> {
     let err = |message: String| Error::Weights { path: source.to_path_buf(), message };
     let named: Vec<(String, String, Tensor)> = named.collect();
     let shapes: Vec<Vec<i64>> = named.iter().map(|(_, _, t)| t.size()).collect();
     let entries =
         named.iter().zip(&shapes).map(|((name, shown, _), shape)| (name.as_str(), shown.as_str(), shape.as_slice()));
-    let ids = match_params(engine.spec(), source, entries)?;
+    let ids = match_params(engine.spec(), source, entries, absent)?;
     let mut assigned: BTreeMap<ParamId, (String, Tensor)> = BTreeMap::new();
     for (id, (_, shown, t)) in ids.into_iter().zip(named) {
         if let Some((first, earlier)) = assigned.insert(id, (shown.clone(), t.shallow_clone())) {

@@ -6,8 +6,8 @@
 //! [`gpt`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::layers::{
-    add_layer_norm, causal_attention, gelu_tanh, layer_norm, linear, merge_heads, other_examples, row_linear,
-    split_heads, vocab_embedding, vocab_logits, AttentionOptions,
+    add_layer_norm, causal_attention, gelu_tanh, layer_norm, merge_heads, other_examples, split_heads, vocab_embedding,
+    vocab_logits, AttentionOptions,
 };
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS,
@@ -141,7 +141,7 @@ impl GptBlock {
         let tp = p.tp();
         let (heads, dim) = (self.heads / tp.size(), self.dim / tp.size());
         let h = tp.enter(&layer_norm(x, &p[self.ln_1.0], &p[self.ln_1.1], self.eps)?)?;
-        let qkv = linear(&h, &p[self.c_attn.0], Some(&p[self.c_attn.1]))?;
+        let qkv = p.linear(&h, self.c_attn.0, Some(self.c_attn.1))?;
         let parts = qkv.f_split(dim, 2)?;
         let (q, k, v) =
             (split_heads(&parts[0], heads)?, split_heads(&parts[1], heads)?, split_heads(&parts[2], heads)?);
@@ -153,11 +153,11 @@ impl GptBlock {
             None => (k, v, other_examples(p.layout())?),
         };
         let y = merge_heads(&causal_attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref())?)?;
-        let attended = row_linear(&y, &p[self.attn_proj.0], Some(&p[self.attn_proj.1]), tp)?;
+        let attended = p.row_linear(&y, self.attn_proj.0, Some(self.attn_proj.1))?;
         let (x, h) = add_layer_norm(x, &attended, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?;
         let h = tp.enter(&h)?;
-        let h = gelu_tanh(&linear(&h, &p[self.c_fc.0], Some(&p[self.c_fc.1]))?)?;
-        Ok(x.f_add(&row_linear(&h, &p[self.mlp_proj.0], Some(&p[self.mlp_proj.1]), tp)?)?)
+        let h = gelu_tanh(&p.linear(&h, self.c_fc.0, Some(self.c_fc.1))?)?;
+        Ok(x.f_add(&p.row_linear(&h, self.mlp_proj.0, Some(self.mlp_proj.1))?)?)
     }
 }
 
@@ -197,7 +197,7 @@ fn dense(u: &mut super::UnitBuilder<'_>, prefix: &str, out: i64, inp: i64, std: 
     // A column layer's bias splits with its outputs; a row layer's is added after the sum.
     let bias_tp = if tp == TpRole::Row { TpRole::SequenceReplicated } else { tp };
     (
-        u.param(format!("{prefix}.weight"), &[out, inp], Init::Normal { std }, tp),
+        u.linear(format!("{prefix}.weight"), &[out, inp], Init::Normal { std }, tp),
         u.param(format!("{prefix}.bias"), &[out], Init::Zeros, bias_tp),
     )
 }

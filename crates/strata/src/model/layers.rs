@@ -50,14 +50,44 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     Ok(cast(x, kind)?.f_linear(&w, b.as_ref())?)
 }
 
+/// A low-rank adapter's factors as a layer reads them: `A` `[r, in]`, `B` `[out, r]` and
+/// the scale of their product.
+pub struct LowRank<'a> {
+    pub a: &'a Tensor,
+    pub b: &'a Tensor,
+    pub scale: f64,
+}
+
+impl LowRank<'_> {
+    /// What the adapter adds to its layer's output for input `x`: `scale·(x·Aᵀ)·Bᵀ`, each
+    /// product a linear layer of its own (so autocast and fp8 treat it as one).
+    pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(linear(&linear(x, self.a, None)?, self.b, None)?.f_mul_scalar(self.scale)?)
+    }
+}
+
 /// A row-parallel linear layer: this rank's input columns times its weight columns, summed
 /// over the tensor group (split along the sequence under sequence parallel); the bias, held
-/// whole by every rank, is added once after the sum.
-pub fn row_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, tp: &dyn TensorParallel) -> Result<Tensor> {
+/// whole by every rank, is added once after the sum. An adapter's `A` is split along the
+/// input as the weight is, so its part joins the sum before the reduction.
+pub fn row_linear(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    adapter: Option<LowRank<'_>>,
+    tp: &dyn TensorParallel,
+) -> Result<Tensor> {
+    let unreduced = |bias: Option<&Tensor>| -> Result<Tensor> {
+        let y = linear(x, w, bias)?;
+        match &adapter {
+            Some(adapter) => Ok(y.f_add(&adapter.delta(x)?)?),
+            None => Ok(y),
+        }
+    };
     if tp.size() == 1 {
-        return linear(x, w, b);
+        return unreduced(b);
     }
-    let y = tp.leave(&linear(x, w, None)?)?;
+    let y = tp.leave(&unreduced(None)?)?;
     match b {
         Some(b) => Ok(y.f_add(&cast(b, Some(y.kind()))?)?),
         None => Ok(y),

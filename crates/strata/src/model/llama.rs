@@ -19,8 +19,8 @@
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::divides_heads;
 use super::layers::{
-    add_rms_norm, causal_attention, geglu, linear, merge_heads, other_examples, rms_norm, rms_norm_plus_one,
-    row_linear, split_heads, swiglu, vocab_logits, AttentionOptions,
+    add_rms_norm, causal_attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_plus_one, split_heads,
+    swiglu, vocab_logits, AttentionOptions,
 };
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
@@ -354,12 +354,12 @@ impl Unit for LlamaBlock {
 impl LlamaBlock {
     /// This rank's queries, keys and values `[B, H, T, D]` of the normed input `h`.
     fn project(&self, p: &Params<'_>, h: &Tensor, heads: i64, kv_heads: i64) -> Result<(Tensor, Tensor, Tensor)> {
-        let dense = |(w, b): Dense| linear(h, &p[w], b.map(|b| &p[b]));
+        let dense = |(w, b): Dense| p.linear(h, w, b);
         let (q, k, v) = match self.qkv {
             QkvProjection::Apart { q, k, v } => (dense(q)?, dense(k)?, dense(v)?),
             QkvProjection::Fused(w) => {
                 let (q, kv) = (heads * self.head_dim, kv_heads * self.head_dim);
-                let parts = linear(h, &p[w], None)?.f_split_with_sizes([q, kv, kv], -1)?;
+                let parts = p.linear(h, w, None)?.f_split_with_sizes([q, kv, kv], -1)?;
                 let [q, k, v] = <[Tensor; 3]>::try_from(parts).map_err(|_| Error::Model("qkv_proj split".into()))?;
                 (q, k, v)
             }
@@ -406,7 +406,7 @@ impl LlamaBlock {
             (k, v)
         };
         let y = merge_heads(&causal_attention(&q, &k, &v, &self.attention, hidden.as_ref())?)?;
-        let attended = row_linear(&y, &p[self.o.0], self.o.1.map(|b| &p[b]), tp)?;
+        let attended = p.row_linear(&y, self.o.0, self.o.1)?;
         let (x, h) = self.kinds.add_norm(
             x,
             &self.post_norm(p, self.post_attention_norm, attended)?,
@@ -415,14 +415,14 @@ impl LlamaBlock {
         let h = tp.enter(&h)?;
         let gated = match self.gate_up {
             GateUpProjection::Apart { gate, up } => {
-                self.kinds.gate(&linear(&h, &p[gate], None)?, &linear(&h, &p[up], None)?)?
+                self.kinds.gate(&p.linear(&h, gate, None)?, &p.linear(&h, up, None)?)?
             }
             GateUpProjection::Fused(w) => {
-                let halves = linear(&h, &p[w], None)?.f_chunk(2, -1)?;
+                let halves = p.linear(&h, w, None)?.f_chunk(2, -1)?;
                 self.kinds.gate(&halves[0], &halves[1])?
             }
         };
-        let fed = row_linear(&gated, &p[self.down], None, tp)?;
+        let fed = p.row_linear(&gated, self.down, None)?;
         Ok(x.f_add(&self.post_norm(p, self.post_feed_forward_norm, fed)?)?)
     }
 
@@ -484,7 +484,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     for i in 0..cfg.layers {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());
-        let mut w = |suffix: &str, shape: &[i64], tp| u.param(format!("{name}.{suffix}"), shape, normal, tp);
+        let mut w = |suffix: &str, shape: &[i64], tp| u.linear(format!("{name}.{suffix}"), shape, normal, tp);
         let qkv = if cfg.fused_projections {
             let role = TpRole::QueryKeyValue { heads, kv_heads };
             QkvProjection::Fused(w("self_attn.qkv_proj.weight", &[q_out + 2 * kv_out, d], role))
@@ -522,7 +522,10 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let mut norm = |suffix: &str, width: i64, tp| u.param(format!("{name}.{suffix}"), &[width], norm_init, tp);
         let input_norm = norm("input_layernorm.weight", d, TpRole::SequenceReplicated);
         let qk_norms = cfg.qk_norm.then(|| {
-            (norm("self_attn.q_norm.weight", hd, TpRole::PerHead), norm("self_attn.k_norm.weight", hd, TpRole::PerHead))
+            (
+                norm("self_attn.q_norm.weight", hd, TpRole::PartialGradient),
+                norm("self_attn.k_norm.weight", hd, TpRole::PartialGradient),
+            )
         });
         // With sandwich norms `post_attention_layernorm` norms the attention's output and
         // `pre_feedforward_layernorm` the feed-forward's input; without, the former is the

@@ -4,7 +4,7 @@
 //! Owns the MLP units and their parameter declarations. Must not allocate or place weights:
 //! [`mlp`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
-use super::layers::{gelu_tanh, row_linear, vocab_logits};
+use super::layers::{gelu_tanh, vocab_logits};
 use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
 use crate::Result;
 use serde::{Deserialize, Serialize};
@@ -33,7 +33,7 @@ impl Unit for MlpLayer {
         let tp = p.tp();
         let piece = self.dim / tp.size();
         let h = tp.enter(x)?.f_narrow(-1, tp.rank() * piece, piece)?;
-        Ok(x.f_add(&gelu_tanh(&row_linear(&h, &p[self.weight], Some(&p[self.bias]), tp)?)?)?)
+        Ok(x.f_add(&gelu_tanh(&p.row_linear(&h, self.weight, Some(self.bias))?)?)?)
     }
     fn position_wise(&self) -> bool {
         true
@@ -73,7 +73,7 @@ pub fn mlp(cfg: &MlpConfig, b: &mut Builder) -> Result<()> {
     u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, scale: None, padding: None, kind: "MlpEmbedding" });
     for i in 0..cfg.layers {
         let mut u = b.unit(format!("layers.{i}"));
-        let weight = u.param(format!("layers.{i}.fc.weight"), &[cfg.dim, cfg.dim], normal, TpRole::Row);
+        let weight = u.linear(format!("layers.{i}.fc.weight"), &[cfg.dim, cfg.dim], normal, TpRole::Row);
         let bias = u.param(format!("layers.{i}.fc.bias"), &[cfg.dim], Init::Zeros, TpRole::SequenceReplicated);
         u.finish(MlpLayer { weight, bias, dim: cfg.dim });
     }

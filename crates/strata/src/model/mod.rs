@@ -151,9 +151,15 @@ pub(crate) fn positive(values: &[(&str, i64)]) -> Result<()> {
 /// How a parameter is initialised.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
     Zeros,
     Ones,
+    /// Uniform on `[-bound, bound]` (`nn.Linear`'s own draw, and LoRA's `A`).
+    Uniform {
+        bound: f64,
+    },
 }
 
 /// Index of a parameter in its [`ModelSpec`].
@@ -174,6 +180,9 @@ pub struct ParamSpec {
     /// Index of the unit that owns (stores) this parameter.
     pub unit: usize,
     pub requires_grad: bool,
+    /// Whether it is the `[out, in]` weight of a linear layer its unit applies through
+    /// [`Params::linear`] or [`Params::row_linear`]: what a low-rank adapter may join.
+    pub linear: bool,
 }
 
 impl ParamSpec {
@@ -210,17 +219,31 @@ pub struct Params<'a> {
     tensors: &'a [Tensor],
     tp: &'a dyn TensorParallel,
     layout: Option<&'a RowLayout>,
+    adapters: Option<&'a Adapters>,
 }
+
+/// A low-rank adapter (LoRA) joined to a linear layer: the layer computes
+/// `x·Wᵀ + scale·(x·Aᵀ)·Bᵀ`, with `A` `[r, in]` and `B` `[out, r]` parameters of the
+/// weight's unit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adapter {
+    pub a: ParamId,
+    pub b: ParamId,
+    pub scale: f64,
+}
+
+/// The adapters of a model, by the weight of the linear layer each joins.
+pub type Adapters = std::collections::BTreeMap<ParamId, Adapter>;
 
 impl<'a> Params<'a> {
     /// Parameters of a unit that runs whole on one rank.
     pub fn new(tensors: &'a [Tensor]) -> Self {
-        Params { tensors, tp: &NoTensorParallel, layout: None }
+        Params { tensors, tp: &NoTensorParallel, layout: None, adapters: None }
     }
 
     /// Parameters holding this rank's pieces, for a unit split over `tp`.
     pub fn split(tensors: &'a [Tensor], tp: &'a dyn TensorParallel) -> Self {
-        Params { tensors, tp, layout: None }
+        Params { tensors, tp, layout: None, adapters: None }
     }
 
     /// The tensor group the unit runs in (one rank unless the strategy splits it).
@@ -231,6 +254,32 @@ impl<'a> Params<'a> {
     /// The same parameters for rows laid out as `layout` says.
     pub fn with_layout(self, layout: Option<&'a RowLayout>) -> Self {
         Params { layout, ..self }
+    }
+
+    /// The same parameters with the model's low-rank adapters joined to their layers.
+    pub fn with_adapters(self, adapters: &'a Adapters) -> Self {
+        Params { adapters: Some(adapters).filter(|a| !a.is_empty()), ..self }
+    }
+
+    fn adapter(&self, w: ParamId) -> Option<layers::LowRank<'_>> {
+        let adapter = self.adapters?.get(&w)?;
+        Some(layers::LowRank { a: &self[adapter.a], b: &self[adapter.b], scale: adapter.scale })
+    }
+
+    /// The linear layer of weight `w` and bias `b` ([`layers::linear`]), with its adapter
+    /// where one is joined to it.
+    pub fn linear(&self, x: &Tensor, w: ParamId, b: Option<ParamId>) -> Result<Tensor> {
+        let y = layers::linear(x, &self[w], b.map(|b| &self[b]))?;
+        match self.adapter(w) {
+            Some(adapter) => Ok(y.f_add(&adapter.delta(x)?)?),
+            None => Ok(y),
+        }
+    }
+
+    /// The row-parallel linear layer of weight `w` and bias `b` ([`layers::row_linear`]),
+    /// with its adapter where one is joined to it.
+    pub fn row_linear(&self, x: &Tensor, w: ParamId, b: Option<ParamId>) -> Result<Tensor> {
+        layers::row_linear(x, &self[w], b.map(|b| &self[b]), self.adapter(w), self.tp)
     }
 
     /// Where the rows hold packed examples: each position's place in its example and the
@@ -344,6 +393,8 @@ pub struct ModelSpec {
     /// by units on both): their gradients are summed with the owner's, and the owner alone
     /// counts them in gradient norms. Empty for a whole model.
     pub copies: Vec<ParamId>,
+    /// Low-rank adapters joined to linear layers (a LoRA strategy adds them).
+    pub adapters: Adapters,
 }
 
 impl ModelSpec {
@@ -475,7 +526,13 @@ impl Builder {
         if self.units.is_empty() {
             return Err(Error::Model("the model function declared no units".into()));
         }
-        Ok(ModelSpec { units: self.units, params: self.params, aliases: self.aliases, copies: vec![] })
+        Ok(ModelSpec {
+            units: self.units,
+            params: self.params,
+            aliases: self.aliases,
+            copies: vec![],
+            adapters: Adapters::new(),
+        })
     }
 
     fn fail(&mut self, message: String) {
@@ -513,8 +570,17 @@ impl UnitBuilder<'_> {
             tp,
             unit: self.index,
             requires_grad: true,
+            linear: false,
         });
         self.owned.push(id);
+        id
+    }
+
+    /// Declares the `[out, in]` weight of a linear layer the unit applies through
+    /// [`Params::linear`] or [`Params::row_linear`] (so a LoRA strategy may adapt it).
+    pub fn linear(&mut self, name: impl Into<String>, shape: &[i64], init: Init, tp: TpRole) -> ParamId {
+        let id = self.param(name, shape, init, tp);
+        self.builder.params[id.0].linear = true;
         id
     }
 

@@ -31,10 +31,10 @@ pub enum TpRole {
     /// one width (Phi-3's `qkv_proj` under grouped-query attention): each rank holds its
     /// heads of each of the three blocks.
     QueryKeyValue { heads: i64, kv_heads: i64 },
-    /// Every rank holds the whole tensor and applies it to each of its own attention heads
-    /// (per-head query and key norms): each rank's gradient covers its heads only, so it
-    /// is all-reduced over the tensor group.
-    PerHead,
+    /// Every rank holds the whole tensor, but each rank's gradient covers only its share of
+    /// the work, so it is all-reduced over the tensor group: per-head query and key norms
+    /// applied to the rank's own heads, a LoRA factor beside a split weight.
+    PartialGradient,
     /// Split along the input dimension (columns of a `[out, in]` weight).
     Row,
     /// Split along the vocabulary (rows of an embedding or output head, and its bias). The
@@ -81,7 +81,7 @@ impl TpRole {
                     return refuse("has no vocabulary dimension to split".into());
                 }
             }
-            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PerHead => {}
+            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PartialGradient => {}
         }
         Ok(())
     }
@@ -92,7 +92,7 @@ impl TpRole {
         let dim = match self {
             TpRole::Column { .. } | TpRole::QueryKeyValue { .. } | TpRole::Vocab => 0,
             TpRole::Row => 1,
-            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PerHead => return local,
+            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PartialGradient => return local,
         };
         // A shape the role does not fit stays whole; `check` refuses it where it matters.
         if let Some(d) = local.get_mut(dim) {
@@ -136,7 +136,7 @@ impl TpRole {
                 }
                 local
             }
-            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PerHead => unreachable!("not split"),
+            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PartialGradient => unreachable!("not split"),
         })
     }
 
@@ -184,7 +184,7 @@ impl TpRole {
             }
             TpRole::Row => Tensor::f_cat(pieces, 1)?,
             TpRole::Vocab => Tensor::f_cat(pieces, 0)?.f_narrow(0, 0, shape[0])?,
-            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PerHead => unreachable!("not split"),
+            TpRole::Replicated | TpRole::SequenceReplicated | TpRole::PartialGradient => unreachable!("not split"),
         })
     }
 }

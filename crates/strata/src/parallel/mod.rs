@@ -105,7 +105,13 @@ impl<'a> RankLayout<'a> {
 /// parallel over every rank otherwise (with more than one rank), resident on one; in
 /// `half`'s dtype; with each unit's compute methods (amp_native, fp8, checkpoint,
 /// module_replace). The loss scaling goes to the trainer: [`Strategy::grad_scaling`].
+/// With `lora`, `spec` must hold the adapters ([`crate::strategy::LoraConfig::apply`]).
 pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &RankLayout) -> Result<Engine> {
+    if strategy.lora().is_some() && spec.adapters.is_empty() {
+        return Err(Error::Config(
+            "lora: the model has no adapters; join them to its description first (LoraConfig::apply)".into(),
+        ));
+    }
     let config = EngineConfig { kind: strategy.half().unwrap_or(config.kind), ..config };
     let policies = compute_policies(&spec, strategy, config.device)?;
     let mut engine = build_sharding(spec, config, strategy, at)?;

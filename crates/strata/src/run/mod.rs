@@ -30,13 +30,13 @@ use crate::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, RankInfo};
 use crate::data::{validation_steps, DataLoader, Dataset, LoaderConfig, Order};
 use crate::engine::{EngineConfig, EventSink, EventSinks, UnitClock};
-use crate::io::{FolderOut, WeightsTarget};
+use crate::io::{AdapterOut, FolderOut, WeightsTarget};
 use crate::model::{Builder, ModelConfig, ModelDir, ModelSpec};
 use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use crate::parallel::{self, DataParallelOptions};
 use crate::patrickstar::PatrickStarConfig;
 use crate::profile::Profiler;
-use crate::strategy::{Dim, Strategy};
+use crate::strategy::{Dim, LoraConfig, Strategy};
 use crate::train::{LossFn, StepReport};
 use crate::{Error, Result};
 use runner::Runner;
@@ -62,10 +62,15 @@ impl Model {
         Model { build: Arc::new(build), config: None }
     }
 
-    fn spec(&self, freeze: &[String]) -> Result<ModelSpec> {
+    /// The model's description with `lora`'s adapters joined (where the strategy trains
+    /// adapters), then the parameters `freeze` names frozen.
+    fn spec(&self, freeze: &[String], lora: Option<&LoraConfig>) -> Result<ModelSpec> {
         let mut b = Builder::new();
         (self.build)(&mut b)?;
         let mut spec = b.build()?;
+        if let Some(lora) = lora {
+            lora.apply(&mut spec)?;
+        }
         spec.freeze(freeze)?;
         Ok(spec)
     }
@@ -122,6 +127,9 @@ pub enum InitialWeights {
     File(PathBuf),
     /// A Hugging Face model folder.
     Folder(Box<ModelDir>),
+    /// A peft adapter folder, loaded into a LoRA run's adapters (whose configuration it
+    /// gives where the strategy has no `lora`).
+    Adapter(PathBuf),
 }
 
 /// Which checkpoint a run continues from.
@@ -152,8 +160,10 @@ pub struct Checkpoints {
 pub struct Outputs {
     /// The trained weights as one safetensors file (`--save-weights`).
     pub weights: Option<PathBuf>,
-    /// The trained model as a Hugging Face folder (`--save-model-dir`).
+    /// The trained model as a Hugging Face folder (`--save-model-dir`), adapters merged.
     pub model_folder: Option<FolderOut>,
+    /// A LoRA run's adapters as a peft folder (`--save-adapter-dir`).
+    pub adapter_folder: Option<PathBuf>,
     /// One JSON line per step (`--metrics`).
     pub metrics: Option<PathBuf>,
     /// TensorBoard event files of the same series (`--tensorboard`).
@@ -328,6 +338,7 @@ impl RunConfig {
         let folders = [
             ("--save-checkpoint", self.checkpoints.as_ref().map(|c| &c.dir), params * 4 * (1 + states)),
             ("--save-model-dir", o.model_folder.as_ref().map(|f| &f.dir), params * 4),
+            ("--save-adapter-dir", o.adapter_folder.as_ref(), 0),
             ("--tensorboard", o.tensorboard.as_ref(), 0),
         ];
         for (flag, dir, bytes) in folders {
@@ -437,14 +448,17 @@ pub fn train(
         tch::set_num_threads(t);
     }
     check_data(model, data, &config)?;
-    let spec = model.spec(&config.freeze)?;
+    // The base model: initial weights hold no adapters.
+    let spec = model.spec(&config.freeze, None)?;
     let params = spec.num_params();
     config.check_outputs(params as u64)?;
     // Initial weights or a checkpoint that cannot load are refused before any search or
     // step (the checkpoint is restored once the engine exists).
     for init in &config.init {
-        if let InitialWeights::File(path) = init {
-            crate::io::check_weights_file(&spec, path)?;
+        match init {
+            InitialWeights::File(path) => crate::io::check_weights_file(&spec, path)?,
+            InitialWeights::Adapter(dir) => drop(crate::io::read_adapter_config(dir)?),
+            InitialWeights::Folder(_) => {}
         }
     }
     let resume = config.checkpoint_to_resume()?;
@@ -458,6 +472,12 @@ pub fn train(
     share_cores(config.threads, ranks.local_world_size);
     let engine_config = engine_config_of(&config);
     let (strategy, data_parallel) = choose_strategy(model, data, &config, &ranks, &engine_config)?;
+    let strategy = with_adapter_config(strategy, &config.init)?;
+    if config.outputs.adapter_folder.is_some() && strategy.lora().is_none() {
+        return Err(Error::Config(
+            "--save-adapter-dir saves a LoRA run's adapters: the strategy has no lora method".into(),
+        ));
+    }
     if let Some(path) = config.outputs.strategy.as_ref().filter(|_| ranks.leader()) {
         strategy.save(path)?;
     }
@@ -489,7 +509,7 @@ pub fn train(
         }
         Runner::pipeline(&setup)?
     } else {
-        Runner::plain(&setup, spec)?
+        Runner::plain(&setup, model.spec(&config.freeze, strategy.lora())?)?
     };
     info!(
         params,
@@ -500,7 +520,7 @@ pub fn train(
     );
     let clock = config.unit_times.then(|| Arc::new(UnitClock::default()));
     let profiler = match &config.outputs.profile {
-        Some(_) => Some(runner.profiler(model, &config, &engine_config, ranks.rank(), ranks.world())?),
+        Some(_) => Some(runner.profiler(model, &config, &strategy, &engine_config, ranks.rank(), ranks.world())?),
         None => None,
     };
     if let (Some(c), Some(p)) = (&ranks.comm, &profiler) {
@@ -604,6 +624,23 @@ pub fn train(
             info!(path = %path.display(), "saved weights");
         }
     }
+    if let (Some(dir), Some(lora)) = (&config.outputs.adapter_folder, strategy.lora()) {
+        let out = AdapterOut {
+            dir: dir.clone(),
+            config: lora.clone(),
+            base_model: config.init.iter().find_map(|i| match i {
+                InitialWeights::Folder(m) => Some(m.dir.display().to_string()),
+                _ => None,
+            }),
+            fan_in_fan_out: matches!(model.config, Some(ModelConfig::Gpt(_))),
+        };
+        runner
+            .save_weights(WeightsTarget::Adapter(&out), leader)
+            .map_err(|e| Error::Checkpoint(format!("saving the adapter folder {}: {e}", dir.display())))?;
+        if leader {
+            info!(path = %dir.display(), "saved adapter folder");
+        }
+    }
     if let Some(out) = &config.outputs.model_folder {
         runner
             .save_weights(WeightsTarget::Folder(out), leader)
@@ -649,6 +686,34 @@ fn check_data(model: &Model, data: &Data, config: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// `strategy` with the LoRA configuration of an adapter folder the run starts from, where
+/// it has none; one that differs from the folder's is refused.
+fn with_adapter_config(mut strategy: Strategy, init: &[InitialWeights]) -> Result<Strategy> {
+    for dir in init.iter().filter_map(|i| match i {
+        InitialWeights::Adapter(dir) => Some(dir),
+        _ => None,
+    }) {
+        let folder = crate::io::read_adapter_config(dir)?;
+        match strategy.lora() {
+            None => strategy.methods.push(crate::strategy::Method::Lora(folder)),
+            Some(given) if given.same_adapters(&folder) => {}
+            Some(given) => {
+                return Err(Error::Config(format!(
+                    "the adapter folder {} holds r={} alpha={} on {}; the strategy's lora asks for r={} alpha={} on {}",
+                    dir.display(),
+                    folder.r,
+                    folder.alpha,
+                    folder.targets_text(),
+                    given.r,
+                    given.alpha,
+                    given.targets_text()
+                )))
+            }
+        }
+    }
+    Ok(strategy)
+}
+
 /// The strategy the run trains with, and data parallelism's options (buckets tuned by a
 /// search).
 fn choose_strategy(
@@ -661,7 +726,7 @@ fn choose_strategy(
     let options = match &config.strategy {
         StrategySource::Given(s) => return Ok((s.clone(), config.data_parallel)),
         StrategySource::PatrickStar(p) => {
-            return Ok((p.strategy(&model.spec(&config.freeze)?, ranks.world())?, config.data_parallel))
+            return Ok((p.strategy(&model.spec(&config.freeze, None)?, ranks.world())?, config.data_parallel))
         }
         StrategySource::Auto(options) => options,
     };

@@ -51,6 +51,7 @@ fn load_initial_weights(init: &[InitialWeights], engine: &mut Engine) -> Result<
         match weights {
             InitialWeights::File(path) => crate::io::load_weights(engine, path)?,
             InitialWeights::Folder(dir) => crate::io::load_model_dir(engine, dir)?,
+            InitialWeights::Adapter(dir) => crate::io::load_adapter(engine, dir)?,
         }
     }
     Ok(())
@@ -74,7 +75,12 @@ impl Runner {
             // ZeRO stage, for the step itself), measured on a step of the run's own shape; a
             // run that keeps every state on the device is refused if its step cannot fit.
             let first = s.first_step()?;
-            placement = placement.with_room_measured(s.model.spec(&c.freeze)?, &s.engine, s.strategy, &first)?;
+            placement = placement.with_room_measured(
+                s.model.spec(&c.freeze, s.strategy.lora())?,
+                &s.engine,
+                s.strategy,
+                &first,
+            )?;
         }
         let mut engine = parallel::build_engine(spec, s.engine.clone(), s.strategy, &placement)?;
         load_initial_weights(&c.init, &mut engine)?;
@@ -91,7 +97,7 @@ impl Runner {
     /// strategy asks for that.
     pub fn pipeline(s: &Setup<'_>) -> Result<Runner> {
         let c = s.config;
-        let spec = || s.model.spec(&c.freeze);
+        let spec = || s.model.spec(&c.freeze, s.strategy.lora());
         let setup = |split| PipelineSetup {
             spec: &spec,
             engine: s.engine.clone(),
@@ -142,13 +148,16 @@ impl Runner {
         &self,
         model: &Model,
         config: &RunConfig,
+        strategy: &Strategy,
         engine: &EngineConfig,
         rank: usize,
         world: usize,
     ) -> Result<Arc<Profiler>> {
         Ok(match self {
             Runner::Plain(t) => Profiler::new(&t.engine, rank, world),
-            Runner::Pipeline(t) => Profiler::of_model(&model.spec(&config.freeze)?, engine, t.ledgers(), rank, world),
+            Runner::Pipeline(t) => {
+                Profiler::of_model(&model.spec(&config.freeze, strategy.lora())?, engine, t.ledgers(), rank, world)
+            }
         })
     }
 

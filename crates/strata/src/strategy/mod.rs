@@ -6,10 +6,12 @@
 //! text or values, validation (errors name the bad method or field and list what is
 //! allowed) and serialisation back to the same form. Must not execute anything: the
 //! `parallel` module turns a validated strategy into an engine.
+mod lora;
 mod offload;
 mod parallel_mode;
 mod shard;
 
+pub use lora::{LoraConfig, Targets};
 pub use offload::{OffloadConfig, OffloadPolicy, OffloadTarget};
 pub use parallel_mode::{Dim, ParallelMode};
 pub use shard::{BackwardPrefetch, MixedPrecision, ShardConfig, ShardMethod, ShardingStrategy, Stage, Wrap};
@@ -25,7 +27,7 @@ use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 14] = [
+pub const METHODS: [&str; 15] = [
     "parallel_mode",
     "amp_native",
     "half",
@@ -40,6 +42,7 @@ pub const METHODS: [&str; 14] = [
     "mixed_parallel",
     "ds_3d_parallel",
     "offload",
+    "lora",
 ];
 
 /// A validated strategy: its methods in the order given.
@@ -75,6 +78,8 @@ pub enum Method {
     Ds3dParallel(MixedConfig),
     /// Model states in host memory besides the device, placed by a plan.
     Offload(OffloadConfig),
+    /// Low-rank adapters on the named linear layers; everything else frozen.
+    Lora(LoraConfig),
 }
 
 /// `mixed_parallel`'s and `ds_3d_parallel`'s configuration: the pipeline's and tensor
@@ -285,6 +290,7 @@ impl Method {
             Method::MixedParallel(_) => "mixed_parallel",
             Method::Ds3dParallel(_) => "ds_3d_parallel",
             Method::Offload(_) => "offload",
+            Method::Lora(_) => "lora",
         }
     }
 
@@ -365,6 +371,11 @@ impl Method {
                 c.home_policy()?;
                 Method::Offload(c)
             }
+            "lora" => {
+                let c: LoraConfig = parse_config(name, config)?;
+                c.validate()?;
+                Method::Lora(c)
+            }
             other => return Err(Error::Config(format!("unknown method {other:?}; allowed: {}", METHODS.join(", ")))),
         })
     }
@@ -393,6 +404,7 @@ impl Method {
             Method::PipelineParallel(c) => serde_json::to_value(c),
             Method::MixedParallel(c) | Method::Ds3dParallel(c) => serde_json::to_value(c),
             Method::Offload(c) => serde_json::to_value(c),
+            Method::Lora(c) => serde_json::to_value(c),
         };
         Value::Array(vec![Value::String(self.name().into()), config.unwrap_or(Value::Null)])
     }
@@ -621,7 +633,15 @@ impl Strategy {
         })
     }
 
-    /// The sharding method, if any: (name, config).
+    /// `lora`'s configuration, if the strategy trains adapters.
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.methods.iter().find_map(|m| match m {
+            Method::Lora(c) => Some(c),
+            _ => None,
+        })
+    }
+
+    /// `offload`'s configuration, if any.
     pub fn offload(&self) -> Option<&OffloadConfig> {
         self.methods.iter().find_map(|m| match m {
             Method::Offload(c) => Some(c),

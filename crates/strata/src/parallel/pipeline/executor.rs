@@ -926,6 +926,8 @@ impl PipelineTrainer {
     /// of the stage that owns a unit gather it whole (from tensor pieces and shards), and its
     /// first rank in each pipeline hands it on. Every rank calls this; only `write` ones write.
     pub fn save_weights(&mut self, target: crate::io::WeightsTarget<'_>, write: bool) -> Result<()> {
+        // Every stage's spec declares the whole model's adapters.
+        let adapters = self.chunks.first().map(|c| c.engine.spec().adapters.clone()).unwrap_or_default();
         // The unit gathered last: (stage, unit in stage) and its whole flat values.
         let mut current: Option<((usize, usize), Tensor)> = None;
         let mut fetch = |i: usize| -> Result<Tensor> {
@@ -957,9 +959,9 @@ impl PipelineTrainer {
             }
             return Ok(());
         }
-        let layout: Vec<(String, Kind, Vec<i64>)> =
-            self.params.iter().map(|p| (p.name.clone(), Kind::Float, p.shape.clone())).collect();
-        crate::io::write_weights(target, &layout, fetch)
+        let layout: Vec<(ParamId, String, Kind, Vec<i64>)> =
+            self.params.iter().map(|p| (p.id, p.name.clone(), Kind::Float, p.shape.clone())).collect();
+        crate::io::write_model_weights(target, &adapters, &layout, fetch)
     }
 }
 

@@ -1,0 +1,243 @@
+//! peft's adapter folders: `adapter_config.json` (a `LoraConfig`) and
+//! `adapter_model.safetensors`, whose keys are the model's own parameter names under
+//! `base_model.model.` (`...q_proj.lora_A.weight`, and the whole parameters of
+//! `modules_to_save`). Written from a LoRA run's adapters, read back into one.
+use super::{load_named, read_safetensors, write_atomic, write_weights, WeightsTarget};
+use crate::engine::Engine;
+use crate::model::{Adapters, ParamId};
+use crate::strategy::{LoraConfig, Targets};
+use crate::{Error, Result};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tch::{Kind, Tensor};
+
+/// The file of a peft folder holding its configuration.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// The file of a peft folder holding its tensors.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+/// The prefix peft gives the model's parameter names.
+const PREFIX: &str = "base_model.model.";
+
+/// An adapter folder to write.
+#[derive(Clone, Debug)]
+pub struct AdapterOut {
+    pub dir: PathBuf,
+    pub config: LoraConfig,
+    /// `base_model_name_or_path` (the model folder trained from, where there is one).
+    pub base_model: Option<String>,
+    /// Whether the adapted layers store their weights `[in, out]` (GPT-2's `Conv1D`), which
+    /// peft records as `fan_in_fan_out`.
+    pub fan_in_fan_out: bool,
+}
+
+impl AdapterOut {
+    fn config_json(&self) -> Value {
+        let c = &self.config;
+        let targets = match &c.target_modules {
+            Targets::Names(list) => json!(list),
+            Targets::Pattern(p) => json!(p),
+        };
+        json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": self.base_model,
+            "r": c.r,
+            "lora_alpha": c.alpha,
+            "lora_dropout": c.dropout,
+            "target_modules": targets,
+            "modules_to_save": if c.modules_to_save.is_empty() { Value::Null } else { json!(c.modules_to_save) },
+            "use_rslora": c.use_rslora,
+            "fan_in_fan_out": self.fan_in_fan_out,
+            "bias": "none",
+            "inference_mode": true,
+        })
+    }
+
+    /// Writes the folder: the configuration, then the tensors `layout` names (already under
+    /// peft's names), each file atomically.
+    pub(super) fn write(
+        &self,
+        layout: &[(String, Kind, Vec<i64>)],
+        fetch: impl FnMut(usize) -> Result<Tensor>,
+    ) -> Result<()> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
+        write_weights(WeightsTarget::File(&self.dir.join(ADAPTER_WEIGHTS)), layout, fetch)?;
+        let text = serde_json::to_vec_pretty(&self.config_json()).map_err(|e| Error::Config(e.to_string()))?;
+        write_atomic(&self.dir.join(ADAPTER_CONFIG), &text)
+    }
+
+    /// Whether parameter `name` goes into the folder: an adapter's factor or a parameter of
+    /// a module saved whole.
+    pub(super) fn holds(&self, name: &str, factor: bool) -> bool {
+        factor || self.config.saves(name)
+    }
+
+    /// The name a parameter takes in the folder.
+    pub(super) fn key(name: &str) -> String {
+        format!("{PREFIX}{name}")
+    }
+}
+
+/// Reads the LoRA configuration of the peft folder `dir`; a folder of another method
+/// (`peft_type` other than `LORA`) or with options Strata does not compute is refused.
+pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
+    let path = dir.join(ADAPTER_CONFIG);
+    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let err = |why: String| Error::Config(format!("{}: {why}", path.display()));
+    let mut value: Value = serde_json::from_slice(&bytes).map_err(|e| err(format!("not JSON: {e}")))?;
+    let fields = value.as_object_mut().ok_or_else(|| err("not a JSON object".into()))?;
+    match fields.get("peft_type").and_then(Value::as_str) {
+        Some("LORA") | None => {}
+        Some(other) => return Err(err(format!("a {other} adapter; Strata reads LoRA adapters"))),
+    }
+    if let Some(bias) = fields.get("bias").and_then(Value::as_str).filter(|b| *b != "none") {
+        return Err(err(format!("bias {bias:?}: Strata's adapters train no biases (\"none\")")));
+    }
+    if fields.get("use_dora").and_then(Value::as_bool) == Some(true) {
+        return Err(err("use_dora: Strata computes plain LoRA".into()));
+    }
+    if let Some(p) = fields.get("lora_dropout").and_then(Value::as_f64).filter(|p| *p != 0.0) {
+        tracing::warn!(dropout = p, "the adapter folder asks for dropout; Strata trains without dropout");
+        fields.insert("lora_dropout".into(), json!(0.0));
+    }
+    let known = ["r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_rslora"];
+    fields.retain(|k, v| known.contains(&k.as_str()) && !v.is_null());
+    let config: LoraConfig = serde_json::from_value(value).map_err(|e| err(e.to_string()))?;
+    config.validate().map_err(|e| err(e.to_string()))?;
+    Ok(config)
+}
+
+/// Loads the adapter of the peft folder `dir` into `engine`, built with the folder's
+/// LoRA configuration: every factor of the model's adapters must be in the file, in its
+/// shape, and every tensor of the file must name one (or a parameter of a module saved
+/// whole).
+pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
+    let path = dir.join(ADAPTER_WEIGHTS);
+    let err = |message: String| Error::Weights { path: path.clone(), message };
+    let mut named = vec![];
+    for (key, t) in read_safetensors(&path)? {
+        let name = key.strip_prefix(PREFIX).ok_or_else(|| err(format!("{key:?} is not under {PREFIX:?}")))?;
+        // peft's files written with an adapter name keep it before `.weight`.
+        let name = name.replace(".default.weight", ".weight");
+        named.push((name, key, t));
+    }
+    let spec = engine.spec();
+    let factors = factor_ids(&spec.adapters);
+    for id in &factors {
+        let name = &spec.params[id.0].name;
+        if !named.iter().any(|(n, _, _)| n == name) {
+            return Err(err(format!("missing {:?}", AdapterOut::key(name))));
+        }
+    }
+    load_named(engine, &path, named.into_iter(), &|id| !factors.contains(&id))
+}
+
+/// The parameters that are adapters' factors.
+pub(crate) fn factor_ids(adapters: &Adapters) -> Vec<ParamId> {
+    adapters.values().flat_map(|a| [a.a, a.b]).collect()
+}
+
+/// A tensor as written: its name there, dtype and shape.
+type Written = (String, Kind, Vec<i64>);
+
+/// Where one entry of a written model comes from: a parameter as it is, or a weight merged
+/// with its adapter.
+enum Source {
+    Plain(usize),
+    Merged { weight: usize, a: usize, b: usize, scale: f64 },
+}
+
+/// The entries of `layout` (parameter, name, dtype, shape) as `target` receives them: a
+/// model (file or folder) gets every weight merged with its adapter and no factors; an
+/// adapter folder gets the factors and the parameters of modules saved whole, under peft's
+/// names.
+fn selection(
+    target: &WeightsTarget<'_>,
+    adapters: &Adapters,
+    layout: &[(ParamId, String, Kind, Vec<i64>)],
+) -> Result<(Vec<Written>, Vec<Source>)> {
+    let index: BTreeMap<ParamId, usize> = layout.iter().enumerate().map(|(i, e)| (e.0, i)).collect();
+    let factors = factor_ids(adapters);
+    let position = |id: &ParamId| {
+        index
+            .get(id)
+            .copied()
+            .ok_or_else(|| Error::Model(format!("an adapter's factor (parameter {}) is not among those written", id.0)))
+    };
+    let mut out = vec![];
+    for (i, (id, name, kind, shape)) in layout.iter().enumerate() {
+        let factor = factors.contains(id);
+        match target {
+            WeightsTarget::Adapter(folder) => {
+                if folder.holds(name, factor) {
+                    out.push(((AdapterOut::key(name), *kind, shape.clone()), Source::Plain(i)));
+                }
+            }
+            _ if factor => {}
+            _ => {
+                let source = match adapters.get(id) {
+                    Some(adapter) => Source::Merged {
+                        weight: i,
+                        a: position(&adapter.a)?,
+                        b: position(&adapter.b)?,
+                        scale: adapter.scale,
+                    },
+                    None => Source::Plain(i),
+                };
+                out.push(((name.clone(), *kind, shape.clone()), source));
+            }
+        }
+    }
+    Ok(out.into_iter().unzip())
+}
+
+/// Fetches entries in order, holding those fetched ahead of their turn.
+struct Ahead<F> {
+    fetch: F,
+    next: usize,
+    held: BTreeMap<usize, Tensor>,
+}
+
+impl<F: FnMut(usize) -> Result<Tensor>> Ahead<F> {
+    fn take(&mut self, i: usize) -> Result<Tensor> {
+        while self.next <= i {
+            self.held.insert(self.next, (self.fetch)(self.next)?);
+            self.next += 1;
+        }
+        self.held.remove(&i).ok_or_else(|| Error::Model(format!("entry {i} of the weights was read twice")))
+    }
+
+    fn produce(&mut self, source: &Source) -> Result<Tensor> {
+        match *source {
+            Source::Plain(i) => self.take(i),
+            Source::Merged { weight, a, b, scale } => {
+                let w = self.take(weight)?;
+                let (a, b) = (self.take(a)?.f_to_kind(Kind::Float)?, self.take(b)?.f_to_kind(Kind::Float)?);
+                let merged = w.f_to_kind(Kind::Float)?.f_add(&b.f_matmul(&a)?.f_mul_scalar(scale)?)?;
+                Ok(merged.f_to_kind(w.kind())?)
+            }
+        }
+    }
+}
+
+/// Writes a model's parameters to `target` as [`selection`] chooses them. `fetch(i)`
+/// produces entry `i` of `layout` and is called once for every entry, in order, whatever
+/// is written (so ranks that gather together stay in step); only the entries still needed
+/// are held.
+pub fn write_model_weights(
+    target: WeightsTarget<'_>,
+    adapters: &Adapters,
+    layout: &[(ParamId, String, Kind, Vec<i64>)],
+    fetch: impl FnMut(usize) -> Result<Tensor>,
+) -> Result<()> {
+    let (written, sources) = selection(&target, adapters, layout)?;
+    let mut ahead = Ahead { fetch, next: 0, held: BTreeMap::new() };
+    write_weights(target, &written, |j| ahead.produce(&sources[j]))?;
+    // The entries after the last one written are fetched too, as the other ranks fetch them.
+    while ahead.next < layout.len() {
+        let last = ahead.next;
+        drop(ahead.take(last)?);
+    }
+    Ok(())
+}

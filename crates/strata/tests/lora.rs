@@ -1,0 +1,190 @@
+//! LoRA against peft itself (scripts/hf_reference.py, the project's `.venv`): from the same
+//! base folder and the same initial adapter, Strata's adapted model gives peft's logits, ten
+//! AdamW steps on the same batches give peft's losses and adapter weights, the adapter
+//! Strata writes loads in peft with Strata's logits, the merged folder loads in
+//! `transformers` with them too, and the base never moves.
+#[path = "common/hf_reference.rs"]
+mod hf_reference;
+
+use hf_reference::{python, reference};
+use serde_json::{json, Value};
+use std::path::Path;
+use strata::data::{Batch, Step};
+use strata::engine::{Engine, EngineConfig};
+use strata::io::{load_adapter, load_model_dir, read_safetensors, save_weights, AdapterOut, FolderOut, WeightsTarget};
+use strata::model::from_pretrained_dir;
+use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use strata::strategy::{LoraConfig, Strategy};
+use tch::{Kind, Tensor};
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+const ROWS: [[i64; 12]; 2] =
+    [[5, 17, 3, 88, 40, 41, 9, 0, 63, 12, 77, 2], [94, 1, 1, 30, 58, 6, 19, 71, 4, 95, 50, 33]];
+
+fn rows() -> Tensor {
+    Tensor::from_slice(&ROWS.concat()).view([2, 12])
+}
+
+/// The logits of `transformers` for the folder, with the adapter folder if given.
+fn reference_logits(py: &Path, dir: &Path, adapter: Option<&Path>, work: &Path) -> Tensor {
+    let out = work.join("logits.safetensors");
+    let tokens = serde_json::to_string(&ROWS).unwrap();
+    let mut args = vec!["logits", "--dir", s(dir), "--tokens", &tokens, "--out", s(&out)];
+    if let Some(a) = adapter {
+        args.extend(["--adapter", s(a)]);
+    }
+    reference(py, &args);
+    read_safetensors(&out).unwrap().remove("logits").unwrap()
+}
+
+fn largest_gap(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().to_kind(Kind::Double).double_value(&[])
+}
+
+type Rows = Vec<Vec<i64>>;
+
+/// Ten steps' batches of two rows of 12 tokens and their next tokens: two batches drawn
+/// from a seed, taken in turn (so training has something to learn).
+fn batches() -> Vec<(Rows, Rows)> {
+    let mut x: u64 = 11;
+    let mut draw = move || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((x >> 33) % 90) as i64
+    };
+    let two: Vec<_> = (0..2)
+        .map(|_| {
+            let rows: Vec<Vec<i64>> = (0..2).map(|_| (0..13).map(|_| draw()).collect()).collect();
+            (rows.iter().map(|r| r[..12].to_vec()).collect(), rows.iter().map(|r| r[1..].to_vec()).collect())
+        })
+        .collect();
+    two.iter().cycle().take(10).cloned().collect()
+}
+
+fn tensor_of(rows: &[Vec<i64>]) -> Tensor {
+    Tensor::from_slice(&rows.concat()).view([rows.len() as i64, -1])
+}
+
+/// The engine of the folder's model with `lora`'s adapters, base weights from the folder
+/// and adapter from `adapter`.
+fn adapted_engine(dir: &Path, lora: &LoraConfig, adapter: &Path) -> Engine {
+    let folder = from_pretrained_dir(dir).unwrap();
+    let mut spec = folder.spec().unwrap();
+    lora.apply(&mut spec).unwrap();
+    let mut engine = Engine::new(spec, EngineConfig::default()).unwrap();
+    load_model_dir(&mut engine, &folder).unwrap();
+    load_adapter(&mut engine, adapter).unwrap();
+    engine
+}
+
+fn lora_matches_peft(family: &str, peft_config: Value) {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let w = work.path();
+    let (dir, initial, theirs, ours, merged) =
+        (w.join(family), w.join("initial"), w.join("peft-trained"), w.join("strata-trained"), w.join("merged"));
+    reference(py.as_path(), &["make", "--family", family, "--out", s(&dir)]);
+    reference(&py, &["lora-init", "--dir", s(&dir), "--config", &peft_config.to_string(), "--out", s(&initial)]);
+
+    // The strategy's lora method reads peft's own configuration (fan_in_fan_out aside, which
+    // Strata knows from the family).
+    let mut fields = peft_config.clone();
+    fields.as_object_mut().unwrap().remove("fan_in_fan_out");
+    let strategy = Strategy::from_value(&json!([["lora", fields]])).unwrap();
+    let lora = strategy.lora().unwrap().clone();
+    let mut engine = adapted_engine(&dir, &lora, &initial);
+    let base = reference_logits(&py, &dir, None, w);
+    let start = engine.evaluate(&rows()).unwrap();
+    let g = largest_gap(&reference_logits(&py, &dir, Some(&initial), w), &start);
+    eprintln!("{family}: with peft's initial adapter, largest logit difference {g:.2e}");
+    assert!(g <= 1e-5, "{family}: logits with the initial adapter differ from peft's by {g}");
+    assert!(largest_gap(&base, &start) > 1e-3, "{family}: the initial adapter changes nothing");
+
+    let data = batches();
+    let file = w.join("batches.json");
+    std::fs::write(&file, serde_json::to_string(&data).unwrap()).unwrap();
+    let lr = 2e-3;
+    let args = ["train", "--dir", s(&dir), "--batches", s(&file), "--lr", "0.002"];
+    let extra = ["--adapter", s(&initial), "--save-adapter", s(&theirs)];
+    let peft_losses: Vec<f64> = serde_json::from_str(&reference(&py, &[&args[..], &extra].concat())).unwrap();
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig { lr, ..Default::default() }, &[]).unwrap();
+    let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+    for (i, ((inputs, targets), theirs)) in data.iter().zip(&peft_losses).enumerate() {
+        let batch = Batch::new(tensor_of(inputs), tensor_of(targets)).unwrap();
+        let loss = trainer.train_step(&Step::new(i, vec![batch])).unwrap().loss;
+        let relative = (loss - theirs).abs() / theirs.abs();
+        assert!(relative <= 1e-5, "{family}: step {i}: loss {loss}, peft {theirs}");
+    }
+    assert!(peft_losses[9] < peft_losses[1] - 0.02, "{family}: training went nowhere: {peft_losses:?}");
+    let mut engine = trainer.engine;
+
+    let out =
+        AdapterOut { dir: ours.clone(), config: lora.clone(), base_model: None, fan_in_fan_out: family == "gpt2" };
+    save_weights(&mut engine, WeightsTarget::Adapter(&out), true).unwrap();
+    let (mine, peft_trained, first) =
+        [&ours, &theirs, &initial].map(|d| read_safetensors(&d.join("adapter_model.safetensors")).unwrap()).into();
+    assert_eq!(mine.keys().collect::<Vec<_>>(), peft_trained.keys().collect::<Vec<_>>(), "{family}: adapter keys");
+    for (key, t) in &mine {
+        let g = largest_gap(t, &peft_trained[key]);
+        eprintln!("{key}: {g:.2e} of {:.2e}", t.abs().max().double_value(&[]));
+        assert!(g <= 1e-5, "{family}: {key} differs from peft's by {g}");
+        assert!(largest_gap(t, &first[key]) > 1e-3, "{family}: {key} did not train");
+    }
+
+    let trained = engine.evaluate(&rows()).unwrap();
+    let g = largest_gap(&reference_logits(&py, &dir, Some(&ours), w), &trained);
+    eprintln!("{family}: Strata's adapter in peft, largest logit difference {g:.2e}");
+    assert!(g <= 1e-5, "{family}: Strata's adapter loads in peft with logits {g} away");
+
+    save_weights(
+        &mut engine,
+        WeightsTarget::Folder(&FolderOut::like(&merged, &from_pretrained_dir(&dir).unwrap())),
+        true,
+    )
+    .unwrap();
+    let g = largest_gap(&reference_logits(&py, &merged, None, w), &trained);
+    eprintln!("{family}: merged folder in transformers, largest logit difference {g:.2e}");
+    assert!(g <= 1e-5, "{family}: the merged folder's logits differ by {g}");
+
+    // The base stayed as it was: the folder's weights, the adapter removed, give its logits.
+    let mut base_again =
+        Engine::new(from_pretrained_dir(&dir).unwrap().spec().unwrap(), EngineConfig::default()).unwrap();
+    load_model_dir(&mut base_again, &from_pretrained_dir(&dir).unwrap()).unwrap();
+    let mut adapters_off = engine;
+    let zero_b: std::collections::BTreeMap<_, _> = adapters_off
+        .spec()
+        .adapters
+        .values()
+        .map(|a| {
+            (a.b, Tensor::zeros(adapters_off.spec().params[a.b.0].shape.as_slice(), (Kind::Float, tch::Device::Cpu)))
+        })
+        .collect();
+    adapters_off.set_params(&zero_b).unwrap();
+    let unsaved = lora.modules_to_save.is_empty();
+    let g = largest_gap(&adapters_off.evaluate(&rows()).unwrap(), &base_again.evaluate(&rows()).unwrap());
+    if unsaved {
+        assert_eq!(g, 0.0, "{family}: the frozen base moved");
+    } else {
+        assert!(g > 1e-4, "{family}: the modules saved whole did not train");
+    }
+}
+
+#[test]
+fn llama_lora_matches_peft() {
+    lora_matches_peft(
+        "llama",
+        json!({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}),
+    );
+}
+
+#[test]
+fn gpt2_lora_with_a_module_saved_whole_matches_peft() {
+    lora_matches_peft(
+        "gpt2",
+        json!({"r": 4, "lora_alpha": 16, "use_rslora": true, "target_modules": ["c_attn", "c_proj"],
+               "modules_to_save": ["ln_f"], "fan_in_fan_out": true}),
+    );
+}
