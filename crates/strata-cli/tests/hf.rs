@@ -364,3 +364,143 @@ fn text_needs_a_tokenizer_the_vocabulary_holds() {
     let o = strata(&["eval", "--resume", s(&ckpt), "--val-token-file", s(&tokens), "--ctx", "16", "--batch-size", "4"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+const LORA: &str =
+    r#"["lora", {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}]"#;
+
+/// A LoRA run of a folder over two ranks with fsdp, split by tensor parallel, with its
+/// states offloaded to the host and in two pipeline stages follows the one-process run:
+/// every step's loss and the adapters it writes; the merged folder it writes has
+/// `transformers`' validation loss; and a run started from its adapter folder (the lora
+/// method read from the folder, the learning rate 0) validates where it ended.
+#[test]
+fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, val) = setup(&py, dir.path(), "llama3");
+    let runs: [(&str, String, &[&str]); 5] = [
+        ("one", format!("[{LORA}]"), &[]),
+        ("fsdp", format!(r#"["fsdp", {LORA}]"#), &["--nproc", "2"]),
+        (
+            "tensor",
+            format!(r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel", {LORA}]"#),
+            &["--nproc", "2"],
+        ),
+        (
+            "offload",
+            format!(r#"[["offload", {{"params": "cpu", "optimizer": "cpu", "policy": "static"}}], {LORA}]"#),
+            &[],
+        ),
+        (
+            "pp",
+            format!(r#"[["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel", {LORA}]"#),
+            &["--nproc", "2"],
+        ),
+    ];
+    let out = |name: &str, what: &str| dir.path().join(format!("{name}-{what}"));
+    for (name, strategy, extra) in &runs {
+        let (adapter, merged, metrics) = (out(name, "adapter"), out(name, "merged"), out(name, "metrics.jsonl"));
+        let files = [
+            "--model-dir",
+            s(&folder),
+            "--token-file",
+            s(&train),
+            "--val-token-file",
+            s(&val),
+            "--accumulation",
+            "2",
+            "--strategy",
+            strategy,
+            "--save-adapter-dir",
+            s(&adapter),
+            "--save-model-dir",
+            s(&merged),
+            "--metrics",
+            s(&metrics),
+        ];
+        let o = strata(&[&["train"][..], &RUN, &WINDOWS, &files, extra].concat());
+        assert!(o.status.success(), "lora {name}:\n{}", stderr(&o));
+        let last = val_losses(&metrics)[1].1;
+        let theirs = transformers_val_loss(&py, &merged, &val);
+        assert!((last - theirs).abs() < 1e-5, "lora {name}: validation loss {last}, transformers {theirs}");
+        if *name == "one" {
+            continue;
+        }
+        let (one, this) = (common::losses(&out("one", "metrics.jsonl")), common::losses(&metrics));
+        for ((step, a), (_, b)) in one.iter().zip(&this) {
+            assert!(((a - b) / a).abs() < 1e-5, "lora {name}: step {step} loss {b} against {a}");
+        }
+        let file = |name: &str| out(name, "adapter").join("adapter_model.safetensors");
+        let gap = common::global_gap(&file("one"), &file(name));
+        eprintln!("lora {name}: adapters differ from one process's by {gap:.2e}");
+        assert!(gap < 1e-5, "lora {name}: adapters differ by {gap:e}");
+    }
+    let (metrics, adapter) = (out("again", "metrics.jsonl"), out("one", "adapter"));
+    let again = [
+        "--model-dir",
+        s(&folder),
+        "--token-file",
+        s(&train),
+        "--val-token-file",
+        s(&val),
+        "--init-adapter",
+        s(&adapter),
+        "--steps",
+        "1",
+        "--eval-every",
+        "1",
+        "--lr",
+        "0",
+        "--metrics",
+        s(&metrics),
+    ];
+    let o = strata(&[&["train"][..], &WINDOWS, &again].concat());
+    assert!(o.status.success(), "lora from the adapter folder:\n{}", stderr(&o));
+    let (resumed, ended) = (val_losses(&metrics)[0].1, val_losses(&out("one", "metrics.jsonl"))[1].1);
+    assert!(
+        (resumed - ended).abs() < 1e-6,
+        "from the adapter folder: validation loss {resumed}, the run ended at {ended}"
+    );
+
+    // Stopped after two steps and resumed from its checkpoint, the run ends with the
+    // adapters of the run that went straight through.
+    let (ckpt, adapter) = (out("halves", "ckpt"), out("halves", "adapter"));
+    let strategy = format!("[{LORA}]");
+    for steps in ["2", "4"] {
+        let halves = [
+            "--model-dir",
+            s(&folder),
+            "--token-file",
+            s(&train),
+            "--val-token-file",
+            s(&val),
+            "--accumulation",
+            "2",
+            "--strategy",
+            &strategy,
+            "--steps",
+            steps,
+            "--lr",
+            "0.01",
+            "--threads",
+            "1",
+            "--schedule",
+            "constant",
+            "--save-checkpoint",
+            s(&ckpt),
+            "--resume",
+            "auto",
+            "--save-adapter-dir",
+            s(&adapter),
+        ];
+        let o = strata(&[&["train"][..], &WINDOWS, &halves].concat());
+        assert!(o.status.success(), "lora to step {steps}:\n{}", stderr(&o));
+    }
+    let file = |dir: &Path| dir.join("adapter_model.safetensors");
+    let gap = common::global_gap(&file(&out("one", "adapter")), &file(&adapter));
+    assert_eq!(gap, 0.0, "the resumed LoRA run's adapters differ by {gap:e}");
+
+    let bad = format!(r#"[["lora", {{"target_modules": ["q_proj", "qkv"]}}]]"#);
+    let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--strategy", &bad]);
+    assert_fails_with(&o, "target_modules \"qkv\" names no linear layer of this model");
+}

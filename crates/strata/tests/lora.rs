@@ -188,3 +188,93 @@ fn gpt2_lora_with_a_module_saved_whole_matches_peft() {
                "modules_to_save": ["ln_f"], "fan_in_fan_out": true}),
     );
 }
+
+/// The feed-forward width of [`tiny_llama_spec`].
+const FFN: i64 = 64;
+
+/// Two layers of width 32, four heads, a vocabulary of 64.
+fn tiny_llama_spec() -> strata::model::ModelSpec {
+    let config = strata::model::LlamaConfig { ffn_dim: Some(FFN), ..strata::model::LlamaConfig::new(64, 16, 2, 4, 32) };
+    strata::model::ModelConfig::Llama(config).spec().unwrap()
+}
+
+fn lora_of(config: Value) -> LoraConfig {
+    Strategy::from_value(&json!([["lora", config]])).unwrap().lora().unwrap().clone()
+}
+
+/// A LoRA engine's model states, as the allocator holds them and the ledger counts them:
+/// the base's values alone, and values, gradients and AdamW's two states for the adapters;
+/// steps move the adapters and nothing of the base.
+#[test]
+fn a_lora_engine_holds_the_base_and_the_adapters_states_alone() {
+    use strata::engine::{Category, Placement};
+    let mut spec = tiny_llama_spec();
+    let base = spec.num_params();
+    lora_of(json!({"r": 2, "target_modules": "all-linear"})).apply(&mut spec).unwrap();
+    let adapters = spec.num_params() - base;
+    // q, k, v, o, gate, up and down in two layers: (in + out)·r each.
+    let (d, kv, f) = (32, 32, FFN);
+    let per_layer = 2 * ((d + d) + (d + kv) + (d + kv) + (d + d) + (d + f) + (d + f) + (f + d));
+    assert_eq!(adapters, 2 * per_layer, "adapter parameters");
+    let mut engine = Engine::new(spec, EngineConfig::default()).unwrap();
+    let f32 = 4u64;
+    let held = engine.model_state_storage_bytes().unwrap();
+    assert_eq!(held, (base + 2 * adapters) as u64 * f32, "bytes the allocator holds for values and gradients");
+    let ledger = engine.ledger().clone();
+    assert_eq!(ledger.held(Placement::Device, Category::Grads), adapters as u64 * f32);
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+    assert_eq!(ledger.held(Placement::Device, Category::OptimizerState), 2 * adapters as u64 * f32);
+
+    let before: Vec<Tensor> = (0..engine.spec().units.len()).map(|k| engine.full_unit(k).unwrap().copy()).collect();
+    let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+    let tokens = Tensor::arange(2 * 17, (Kind::Int64, tch::Device::Cpu)).remainder(64).view([2, 17]);
+    // B starts at zero, so A's gradient is zero until B has moved once.
+    for step in 0..2 {
+        let batch = Batch::new(tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)).unwrap();
+        trainer.train_step(&Step::new(step, vec![batch])).unwrap();
+    }
+    let engine = &mut trainer.engine;
+    let factors: Vec<_> = engine.spec().adapters.values().flat_map(|a| [a.a, a.b]).collect();
+    let mut moved = 0;
+    for (k, unit_before) in before.iter().enumerate() {
+        let after = engine.full_unit(k).unwrap();
+        let unit = &engine.spec().units[k];
+        for &id in &unit.params {
+            let (at, n) = (engine.full_offset(id), engine.spec().params[id.0].numel());
+            let changed = largest_gap(&after.narrow(0, at, n), &unit_before.narrow(0, at, n)) > 0.0;
+            let name = &engine.spec().params[id.0].name;
+            assert_eq!(changed, factors.contains(&id), "{name}: moved {changed}");
+            moved += changed as usize;
+        }
+    }
+    assert_eq!(moved, factors.len());
+}
+
+/// Targets that name no linear layer, modules that name nothing, and options Strata does
+/// not compute are refused, each in one message that says what the model has.
+#[test]
+fn lora_refuses_what_it_cannot_adapt() {
+    let refuse = |config: Value, expected: &str| {
+        let parsed = Strategy::from_value(&json!([["lora", config]]));
+        let err = match parsed {
+            Ok(s) => s.lora().unwrap().apply(&mut tiny_llama_spec()).unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(err.to_string().contains(expected), "{err}");
+    };
+    refuse(
+        json!({"target_modules": ["q_proj", "c_attn"]}),
+        "target_modules \"c_attn\" names no linear layer of this model; its linear layers are down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj",
+    );
+    refuse(json!({"target_modules": "lm_head"}), "names no linear layer");
+    refuse(json!({"target_modules": ["embed_tokens"]}), "names no linear layer");
+    refuse(json!({"modules_to_save": ["score"]}), "modules_to_save \"score\" names no module");
+    refuse(json!({"r": 0}), "r must be positive");
+    refuse(json!({"dropout": 0.1}), "Strata trains without dropout");
+    refuse(json!({"rank": 8}), "unknown field `rank`");
+    // A pattern matches whole names, as peft's does.
+    let mut spec = tiny_llama_spec();
+    lora_of(json!({"target_modules": r"model\.layers\.1\.self_attn\.(q|v)_proj"})).apply(&mut spec).unwrap();
+    let adapted: Vec<&str> = spec.adapters.keys().map(|id| spec.params[id.0].name.as_str()).collect();
+    assert_eq!(adapted, ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight"]);
+}

@@ -107,8 +107,13 @@ pub struct UnitStorage {
     /// All parameters the unit owns, concatenated in declaration order, then padding up to
     /// a multiple of [`EngineConfig::pad_to`].
     pub flat: Tensor,
-    /// Their gradients, laid out the same way; autograd accumulates into it.
+    /// Their gradients, laid out as `flat` from `grad_start` on; autograd accumulates into
+    /// it.
     pub grad: Tensor,
+    /// Where in `flat` the gradient buffer begins: the parameters before it take no
+    /// gradient (a frozen base ahead of a LoRA run's adapters). 0 under a sharded or
+    /// offloaded strategy, whose gradients follow the whole unit's layout.
+    pub grad_start: i64,
     /// Elements that belong to parameters (the rest of `flat` is padding).
     pub numel: i64,
     /// Whether any of the unit's parameters takes a gradient.
@@ -211,15 +216,28 @@ fn attach_grad(param: &Tensor, unit_grad: &Tensor, offset: i64) -> Result<()> {
 
 impl Engine {
     /// Allocates and initialises the model described by `spec`.
+    /// Each unit's gradient buffer spans its trainable parameters only: from the first
+    /// that takes a gradient to the end, none for a unit frozen whole.
     pub fn new(spec: ModelSpec, config: EngineConfig) -> Result<Engine> {
-        Engine::new_with(spec, config, &mut |_, _, _, _| Ok(()))
+        Engine::allocate(spec, config, true, &mut |_, _, _, _| Ok(()))
     }
 
     /// Like [`Engine::new`], calling `on_unit(unit, storage, initial, ledger)` as soon as
     /// each unit is initialised, before the next is allocated: a sharded strategy keeps its
     /// shard and frees the rest there, so the whole model never exists at once. `initial`
     /// holds the initial values in at least fp32 precision, laid out as `storage.flat`.
+    /// Gradient buffers span whole units (those of units frozen whole are empty), as
+    /// shards of them follow the units' layouts.
     pub fn new_with(spec: ModelSpec, config: EngineConfig, on_unit: &mut UnitInitHook<'_>) -> Result<Engine> {
+        Engine::allocate(spec, config, false, on_unit)
+    }
+
+    fn allocate(
+        spec: ModelSpec,
+        config: EngineConfig,
+        trainable_span: bool,
+        on_unit: &mut UnitInitHook<'_>,
+    ) -> Result<Engine> {
         let ledger = Arc::new(MemoryLedger::new());
         if let Some(budget) = config.device_budget {
             ledger.set_budget(Placement::Device, budget);
@@ -246,24 +264,36 @@ impl Engine {
         let unit_numel: Vec<i64> = spec.units.iter().map(|u| u.params.iter().map(local_numel).sum()).collect();
         let mut offsets = vec![0; spec.params.len()];
         let mut full_offsets = vec![0; spec.params.len()];
+        // Per unit, where its gradient buffer begins in its (local) layout.
+        let mut grad_starts = Vec::with_capacity(spec.units.len());
         for unit in &spec.units {
-            let mut offset = 0;
+            let (mut offset, mut local) = (0, 0);
+            let mut first_trained = None;
             for id in &unit.params {
                 full_offsets[id.0] = offset;
                 offset += spec.params[id.0].numel();
+                if spec.params[id.0].requires_grad {
+                    first_trained.get_or_insert(local);
+                }
+                local += local_numel(id);
             }
+            grad_starts.push(if trainable_span { first_trained.unwrap_or(local) } else { 0 });
         }
         let mut params: Vec<Option<Tensor>> = (0..spec.params.len()).map(|_| None).collect();
         let mut storage = Vec::with_capacity(spec.units.len());
+        // A unit that trains nothing (frozen whole) has no gradient buffer; one that trains
+        // some has one from `grad_starts` on, or over the whole unit.
+        let trains = |u: &crate::model::UnitSpec| u.params.iter().any(|id| spec.params[id.0].requires_grad);
+        let grad_len = |k: usize, len: i64| if trains(&spec.units[k]) { len - grad_starts[k] } else { 0 };
         let grads = match config.grad_layout {
             GradLayout::Contiguous => {
-                let total: i64 = unit_numel.iter().map(|&n| padded(n)).sum();
+                let total: i64 = spec.units.iter().enumerate().map(|(k, _)| grad_len(k, padded(unit_numel[k]))).sum();
                 ledger.alloc(Placement::Device, Category::Grads, total as u64 * esize)?;
                 Some(Tensor::f_zeros([total], (config.kind, config.device))?)
             }
             GradLayout::PerUnit => None,
         };
-        let mut grad_start = 0;
+        let mut grads_used = 0;
         for (k, unit) in spec.units.iter().enumerate() {
             let (numel, len) = (unit_numel[k], padded(unit_numel[k]));
             let (device, placement) = match config.computes_on_host(k) {
@@ -273,14 +303,15 @@ impl Engine {
             let opts = (config.kind, device);
             ledger.alloc(placement, Category::Params, len as u64 * esize)?;
             let flat = Tensor::f_zeros([len], opts)?;
+            let grad_len = grad_len(k, len);
             let grad = match &grads {
-                Some(all) => all.f_narrow(0, grad_start, len)?,
+                Some(all) => all.f_narrow(0, grads_used, grad_len)?,
                 None => {
-                    ledger.alloc(placement, Category::Grads, len as u64 * esize)?;
-                    Tensor::f_zeros([len], opts)?
+                    ledger.alloc(placement, Category::Grads, grad_len as u64 * esize)?;
+                    Tensor::f_zeros([grad_len], opts)?
                 }
             };
-            grad_start += len;
+            grads_used += grad_len;
             // Values are drawn in fp32 whatever the storage dtype, so a low-precision model
             // starts from the rounded values of the fp32 one (and its fp32 master from them),
             // and on the compute device wherever the unit computes, so that they are the
@@ -314,7 +345,7 @@ impl Engine {
                 })?;
                 let leaf = view.f_detach()?.f_set_requires_grad(p.requires_grad)?;
                 if p.requires_grad {
-                    attach_grad(&leaf, &grad, offset)?;
+                    attach_grad(&leaf, &grad, offset - grad_starts[k])?;
                 }
                 offsets[id.0] = offset;
                 params[id.0] = Some(leaf);
@@ -323,8 +354,8 @@ impl Engine {
             if drawn_apart {
                 tch::no_grad(|| flat.shallow_clone().f_copy_(&initial))?;
             }
-            let trainable = unit.params.iter().any(|id| spec.params[id.0].requires_grad);
-            let mut unit_storage = UnitStorage { flat, grad, numel, trainable };
+            let trainable = trains(unit);
+            let mut unit_storage = UnitStorage { flat, grad, grad_start: grad_starts[k], numel, trainable };
             on_unit(k, &mut unit_storage, &initial, &ledger)?;
             storage.push(unit_storage);
         }
@@ -434,7 +465,7 @@ impl Engine {
             for &id in &unit.params {
                 let p = &self.params[id.0];
                 if p.requires_grad() {
-                    attach_grad(p, &storage.grad, self.offsets[id.0])?;
+                    attach_grad(p, &storage.grad, self.offsets[id.0] - storage.grad_start)?;
                 }
             }
             start += len;
@@ -890,8 +921,9 @@ impl Engine {
     /// Parameter `id`'s slice of its unit's flat gradient buffer, shaped as the parameter.
     fn grad_view(&self, id: ParamId) -> Result<Tensor> {
         let p = &self.params[id.0];
-        let unit_grad = &self.storage[self.spec.params[id.0].unit].grad;
-        Ok(unit_grad.f_narrow(0, self.offsets[id.0], p.numel() as i64)?.f_view(p.size().as_slice())?)
+        let storage = &self.storage[self.spec.params[id.0].unit];
+        let at = self.offsets[id.0] - storage.grad_start;
+        Ok(storage.grad.f_narrow(0, at, p.numel() as i64)?.f_view(p.size().as_slice())?)
     }
 
     /// Before unit `k`'s first backward since its gradients were zeroed: its own trainable
@@ -921,7 +953,7 @@ impl Engine {
             let (p, mut view) = (&self.params[id.0], self.grad_view(id)?);
             let g = p.grad();
             tch::no_grad(|| if g.defined() { view.f_copy_(&g) } else { view.f_zero_().map(|_| ()) })?;
-            attach_grad(p, &self.storage[k].grad, self.offsets[id.0])?;
+            attach_grad(p, &self.storage[k].grad, self.offsets[id.0] - self.storage[k].grad_start)?;
         }
         Ok(())
     }
@@ -1147,7 +1179,7 @@ impl Engine {
                 if start < end {
                     out.push(Segment {
                         param: view.param.f_narrow(0, start - lo, end - start)?,
-                        grad: view.grad.f_narrow(0, start - lo, end - start)?,
+                        grad: view.grad.f_narrow(0, start - lo - view.grad_offset, end - start)?,
                         group,
                         unit,
                         offset: start,

@@ -642,7 +642,13 @@ impl UnitSchedule for Offload {
         // gone); a unit that computes on the host has its engine buffers there.
         let param = unit.host_params.as_ref().unwrap_or(&s.flat);
         let grad = unit.host_grad.as_ref().unwrap_or(&s.grad);
-        Ok(OptimizerView { param: param.shallow_clone(), grad: grad.shallow_clone(), offset: 0, placement })
+        Ok(OptimizerView {
+            param: param.shallow_clone(),
+            grad: grad.shallow_clone(),
+            offset: 0,
+            grad_offset: 0,
+            placement,
+        })
     }
 
     fn finish_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {

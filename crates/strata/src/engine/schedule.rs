@@ -13,7 +13,10 @@ use tch::{Kind, Tensor};
 pub struct OptimizerView {
     pub param: Tensor,
     pub grad: Tensor,
+    /// Where `param` begins in the unit's flat layout.
     pub offset: i64,
+    /// Where `grad` begins in `param` (the parameters before it take no gradient).
+    pub grad_offset: i64,
     /// Where `param` and `grad` live, and so where the optimizer keeps its state for them.
     pub placement: Placement,
 }
@@ -63,6 +66,7 @@ pub trait UnitSchedule: Send {
             param: s.flat.shallow_clone(),
             grad: s.grad.shallow_clone(),
             offset: 0,
+            grad_offset: s.grad_start,
             placement: Placement::Device,
         })
     }

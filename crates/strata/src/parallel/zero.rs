@@ -438,7 +438,7 @@ impl Zero {
             if !s.trainable || (sharded && shards_grads) {
                 // SAFETY: no backward has run; `ensure_grads` restores it before one does.
                 unsafe { memory::release_buffer(&s.grad) }?;
-                ledger.free(Placement::Device, Category::Grads, bytes(len, param_kind));
+                ledger.free(Placement::Device, Category::Grads, bytes(s.grad.numel() as i64, param_kind));
                 unit.grads_resident = false;
             }
             if s.trainable && sharded && shards_grads {
@@ -840,14 +840,20 @@ impl UnitSchedule for Zero {
             None => s.flat.f_narrow(0, offset, count)?,
         };
         if unit.wrap == Wrap::Ignored {
-            return Ok(OptimizerView { param, grad: s.grad.shallow_clone(), offset: 0, placement: Placement::Device });
+            return Ok(OptimizerView {
+                param,
+                grad: s.grad.shallow_clone(),
+                offset: 0,
+                grad_offset: 0,
+                placement: Placement::Device,
+            });
         }
         let grad = match &unit.grad_shard {
             Some(g) => g.shallow_clone(),
             None => s.grad.f_narrow(0, offset, unit.shard_len)?,
         };
         let placement = if unit.host { Placement::Host } else { Placement::Device };
-        Ok(OptimizerView { param, grad, offset, placement })
+        Ok(OptimizerView { param, grad, offset, grad_offset: 0, placement })
     }
 
     fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
