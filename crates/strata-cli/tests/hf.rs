@@ -500,7 +500,7 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
     let gap = common::global_gap(&file(&out("one", "adapter")), &file(&adapter));
     assert_eq!(gap, 0.0, "the resumed LoRA run's adapters differ by {gap:e}");
 
-    let bad = format!(r#"[["lora", {{"target_modules": ["q_proj", "qkv"]}}]]"#);
-    let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--strategy", &bad]);
+    let bad = r#"[["lora", {"target_modules": ["q_proj", "qkv"]}]]"#;
+    let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--strategy", bad]);
     assert_fails_with(&o, "target_modules \"qkv\" names no linear layer of this model");
 }
