@@ -183,6 +183,9 @@ train_options! {
     time_limit: f64,
     /// With --strategy auto: guided (a few dry runs) or exhaustive (every candidate).
     search: String,
+    /// With --strategy auto: LoRA adapters to train where full fine-tuning fits no
+    /// candidate, as lora's JSON configuration (e.g. '{"r": 16, "target_modules": "all-linear"}').
+    auto_lora: String,
     /// Timed steps of each dry run (after one warm-up step).
     dry_run_steps: usize,
     /// Tune the given strategy's knobs (prefetch, bucket size) with short dry runs.
@@ -350,6 +353,7 @@ pub struct TrainSettings {
     pub search: SearchMode,
     pub finetune_strategy: bool,
     pub dry_run_steps: usize,
+    pub auto_lora: Option<strata::strategy::LoraConfig>,
     pub save_strategy: Option<PathBuf>,
     pub search_report: Option<PathBuf>,
     pub device_memory: Option<u64>,
@@ -495,6 +499,15 @@ pub fn parse_device(s: &str) -> Result<tch::Device> {
     }
 }
 
+/// `--auto-lora`'s JSON: a configuration of the `lora` method.
+fn parse_lora(text: &str) -> Result<strata::strategy::LoraConfig> {
+    let config: serde_json::Value =
+        serde_json::from_str(text).context("--auto-lora takes lora's configuration as JSON")?;
+    let strategy =
+        strata::strategy::Strategy::from_value(&serde_json::json!([["lora", config]])).context("--auto-lora")?;
+    strategy.lora().cloned().context("--auto-lora")
+}
+
 fn parse_betas(s: &str) -> Result<(f64, f64)> {
     let parts: Vec<&str> = s.split(',').map(str::trim).collect();
     match parts.as_slice() {
@@ -512,6 +525,7 @@ fn refuse_idle_options(o: &TrainOptions, strategy: &StrategyChoice) -> Result<()
         ("--included", o.included.is_some()),
         ("--time-limit", o.time_limit.is_some()),
         ("--search", o.search.is_some()),
+        ("--auto-lora", o.auto_lora.is_some()),
     ];
     if let Some(flag) = first_given(&searched_only).filter(|_| !auto) {
         bail!("{flag} shapes the automatic search: it needs --strategy auto");
@@ -767,6 +781,7 @@ impl TrainOptions {
                 Some(other) => bail!("unknown search {other:?}; expected guided or exhaustive"),
             },
             finetune_strategy: o.finetune_strategy.unwrap_or(false),
+            auto_lora: o.auto_lora.as_deref().map(parse_lora).transpose()?,
             dry_run_steps: match o.dry_run_steps {
                 Some(0) => bail!("--dry-run-steps must be positive"),
                 n => n.unwrap_or(3),

@@ -106,6 +106,7 @@ fn strategy_source(s: &TrainSettings) -> StrategySource {
             time_limit: s.time_limit,
             search: s.search,
             dry_run_steps: s.dry_run_steps,
+            lora: s.auto_lora.clone(),
             ..Default::default()
         }),
     }

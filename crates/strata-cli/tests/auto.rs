@@ -122,3 +122,34 @@ fn a_budget_below_the_unsharded_model_states_gets_a_sharded_or_split_strategy_wi
     let step: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     assert!(step["allocator_peak_bytes"].as_u64().unwrap() <= budget, "the run itself: {step}");
 }
+
+/// Where no candidate fits full fine-tuning within the budgets (8 MB of device, 2 MB of
+/// host memory for a model whose fp32 parameters alone are 3.4 MB), the search tries again
+/// training LoRA adapters given by `--auto-lora`, picks a plan that fits, and the run trains
+/// with it; without `--auto-lora` the same search fails in one line.
+#[test]
+fn lora_is_chosen_where_full_fine_tuning_fits_no_candidate() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (budget, host) = ("8000000", "2000000");
+    let metrics = dir.path().join("m.jsonl");
+    let lora = r#"{"r": 4, "target_modules": ["c_attn", "c_proj"]}"#;
+    let flags = ["--device-memory", budget, "--host-memory", host, "--metrics", metrics.to_str().unwrap()];
+    let report = search(dir.path(), "lora", &[&flags[..], &["--auto-lora", lora]].concat());
+    assert!(report["mode"].as_str().unwrap().contains("training LoRA adapters: full fine-tuning fits no candidate"));
+    let chosen = report["chosen_strategy"].as_array().unwrap();
+    let method = chosen.iter().find(|m| m[0] == "lora").expect("the chosen strategy trains adapters");
+    assert_eq!(method[1]["r"], 4);
+    let analysis = &report["analysis"];
+    let (params, trainable) = (analysis["params"].as_i64().unwrap(), analysis["trainable_params"].as_i64().unwrap());
+    // c_attn (128 → 384) and the two c_proj per block, r = 4: (in + out)·r each.
+    assert_eq!(trainable, 4 * 4 * ((128 + 384) + (128 + 128) + (512 + 128)), "of {params}");
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let step: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert!(step["peak_bytes"].as_u64().unwrap() <= budget.parse().unwrap(), "the run itself: {step}");
+
+    let args = [&["train"][..], &MODEL, &RUN, &["--strategy", "auto"], &flags].concat();
+    let o = strata_env(&args, &[("STRATA_LOG", "warn")]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("error: invalid configuration: auto_accelerate found no strategy"), "{}", stderr(&o));
+}

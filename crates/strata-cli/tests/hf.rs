@@ -398,15 +398,10 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
         ),
     ];
     let out = |name: &str, what: &str| dir.path().join(format!("{name}-{what}"));
+    let data = ["--model-dir", s(&folder), "--token-file", s(&train), "--val-token-file", s(&val)];
     for (name, strategy, extra) in &runs {
         let (adapter, merged, metrics) = (out(name, "adapter"), out(name, "merged"), out(name, "metrics.jsonl"));
         let files = [
-            "--model-dir",
-            s(&folder),
-            "--token-file",
-            s(&train),
-            "--val-token-file",
-            s(&val),
             "--accumulation",
             "2",
             "--strategy",
@@ -418,7 +413,7 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
             "--metrics",
             s(&metrics),
         ];
-        let o = strata(&[&["train"][..], &RUN, &WINDOWS, &files, extra].concat());
+        let o = strata(&[&["train"][..], &RUN, &WINDOWS, &data, &files, extra].concat());
         assert!(o.status.success(), "lora {name}:\n{}", stderr(&o));
         let last = val_losses(&metrics)[1].1;
         let theirs = transformers_val_loss(&py, &merged, &val);
@@ -436,25 +431,9 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
         assert!(gap < 1e-5, "lora {name}: adapters differ by {gap:e}");
     }
     let (metrics, adapter) = (out("again", "metrics.jsonl"), out("one", "adapter"));
-    let again = [
-        "--model-dir",
-        s(&folder),
-        "--token-file",
-        s(&train),
-        "--val-token-file",
-        s(&val),
-        "--init-adapter",
-        s(&adapter),
-        "--steps",
-        "1",
-        "--eval-every",
-        "1",
-        "--lr",
-        "0",
-        "--metrics",
-        s(&metrics),
-    ];
-    let o = strata(&[&["train"][..], &WINDOWS, &again].concat());
+    let again =
+        ["--init-adapter", s(&adapter), "--steps", "1", "--eval-every", "1", "--lr", "0", "--metrics", s(&metrics)];
+    let o = strata(&[&["train"][..], &WINDOWS, &data, &again].concat());
     assert!(o.status.success(), "lora from the adapter folder:\n{}", stderr(&o));
     let (resumed, ended) = (val_losses(&metrics)[0].1, val_losses(&out("one", "metrics.jsonl"))[1].1);
     assert!(
@@ -468,12 +447,6 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
     let strategy = format!("[{LORA}]");
     for steps in ["2", "4"] {
         let halves = [
-            "--model-dir",
-            s(&folder),
-            "--token-file",
-            s(&train),
-            "--val-token-file",
-            s(&val),
             "--accumulation",
             "2",
             "--strategy",
@@ -493,7 +466,7 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
             "--save-adapter-dir",
             s(&adapter),
         ];
-        let o = strata(&[&["train"][..], &WINDOWS, &halves].concat());
+        let o = strata(&[&["train"][..], &WINDOWS, &data, &halves].concat());
         assert!(o.status.success(), "lora to step {steps}:\n{}", stderr(&o));
     }
     let file = |dir: &Path| dir.join("adapter_model.safetensors");

@@ -67,6 +67,7 @@ impl Measure for Table<'_> {
 fn analysis() -> Analysis {
     Analysis {
         params: 1_000_000,
+        trainable_params: 1_000_000,
         unit_params: vec![100_000; 10],
         unit_activation_bytes: vec![1_000_000; 10],
         unit_output_bytes: vec![100_000; 10],

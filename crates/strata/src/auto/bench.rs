@@ -15,7 +15,7 @@ use crate::engine::{
 use crate::model::{Builder, ModelSpec};
 use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
 use crate::parallel::{self, RankLayout};
-use crate::strategy::Strategy;
+use crate::strategy::{LoraConfig, Strategy};
 use crate::train::{InputFn, LossFn, Trainer};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -27,6 +27,9 @@ use tch::{Device, Tensor};
 pub struct Bench<'a> {
     pub model: &'a (dyn Fn(&mut Builder) -> Result<()> + Sync),
     pub freeze: &'a [String],
+    /// Adapters every dry run trains (the model's description has them, and each strategy
+    /// tried gains the `lora` method).
+    pub lora: Option<&'a LoraConfig>,
     pub engine: EngineConfig,
     pub optimizer: OptimizerConfig,
     pub rules: &'a [GroupRule],
@@ -62,8 +65,20 @@ impl Bench<'_> {
         let mut b = Builder::new();
         (self.model)(&mut b)?;
         let mut spec = b.build()?;
+        if let Some(lora) = self.lora {
+            lora.apply(&mut spec)?;
+        }
         spec.freeze(self.freeze)?;
         Ok(spec)
+    }
+
+    /// `strategy` with the bench's `lora` method, where it has one and the strategy not.
+    fn with_adapters(&self, strategy: &Strategy) -> Strategy {
+        let mut strategy = strategy.clone();
+        if let (Some(lora), None) = (self.lora, strategy.lora()) {
+            strategy.methods.push(crate::strategy::Method::Lora(lora.clone()));
+        }
+        strategy
     }
 
     /// The largest of `values` over all ranks.
@@ -99,6 +114,7 @@ impl Bench<'_> {
 
     /// Trains the warm-up and timed steps with `strategy`; (tokens/s of the job, peak bytes).
     pub fn dry_run(&self, strategy: &Strategy) -> Result<(f64, u64)> {
+        let strategy = &self.with_adapters(strategy);
         let tensor = strategy.parallel_mode().size(crate::strategy::Dim::Tensor, self.world_size())?;
         let steps = self.steps_for(tensor)?;
         let device = self.engine.device;
@@ -259,6 +275,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         kinds.into_iter().filter(|k| all.iter().filter(|a| *a == k).count() > 1).collect()
     };
     let params = spec.num_params();
+    let trainable_params = spec.params.iter().filter(|p| p.requires_grad).map(|p| p.numel()).sum();
     let split_params = spec.params.iter().filter(|p| p.tp.is_split()).map(|p| p.numel()).sum();
     // Sizes dividing the world that the model splits over, and the bench has batches for.
     let tensor_sizes: Vec<usize> =
@@ -307,6 +324,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     let (pairs, totals) = agreed.split_at(agreed.len() - 3);
     Ok(Analysis {
         params,
+        trainable_params,
         unit_params,
         unit_activation_bytes: pairs.chunks(2).map(|k| k[0] as u64).collect(),
         unit_output_bytes: pairs.chunks(2).map(|k| k[1] as u64).collect(),

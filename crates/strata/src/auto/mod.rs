@@ -16,7 +16,7 @@ use crate::engine::EngineConfig;
 use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
 use crate::parallel::{self, DataParallelOptions, RankLayout, DEFAULT_BUCKET_BYTES};
-use crate::strategy::{BackwardPrefetch, Method, ShardMethod, Strategy, StrategySource};
+use crate::strategy::{BackwardPrefetch, LoraConfig, Method, ShardMethod, Strategy, StrategySource};
 use crate::train::{token_input, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
 use bench::Bench;
@@ -48,6 +48,10 @@ pub struct AutoOptions {
     pub search: SearchMode,
     /// Timed steps per dry run (after one warm-up step).
     pub dry_run_steps: usize,
+    /// Low-rank adapters to train where full fine-tuning fits no candidate: the search then
+    /// runs again over the same candidates with every parameter but the adapters frozen,
+    /// and the strategy it finds gains this `lora` method.
+    pub lora: Option<LoraConfig>,
 }
 
 impl Default for AutoOptions {
@@ -64,6 +68,7 @@ impl Default for AutoOptions {
             find_unused_parameters: false,
             search: SearchMode::Guided,
             dry_run_steps: 3,
+            lora: None,
         }
     }
 }
@@ -226,7 +231,7 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> RankLayout<'a
 
 /// Builds the engine, optimizer, trainer and loader for `strategy`.
 pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usize) -> Result<Prepared> {
-    let bench = bench(job, bucket_bytes, 0)?;
+    let bench = bench(job, bucket_bytes, 0, strategy.lora())?;
     let mut engine = parallel::build_engine(bench.spec()?, job.engine.clone(), strategy, &bench.placement)?;
     let optimizer = Optimizer::new(&mut engine, job.optim.clone(), &job.optim_param_func)?;
     let mut trainer = Trainer::new(engine, optimizer, job.lr_scheduler.clone(), job.grad_clip);
@@ -244,8 +249,14 @@ pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usiz
     Ok(Prepared { trainer, loader, args, bucket_bytes })
 }
 
-/// What a dry run of `job` needs, with `steps` steps of real batches.
-fn bench<'a>(job: &'a AutoAccelerate<'a>, bucket_bytes: usize, steps: usize) -> Result<Bench<'a>> {
+/// What a dry run of `job` needs, with `steps` steps of real batches (training `lora`'s
+/// adapters, where given).
+fn bench<'a>(
+    job: &'a AutoAccelerate<'a>,
+    bucket_bytes: usize,
+    steps: usize,
+    lora: Option<&'a LoraConfig>,
+) -> Result<Bench<'a>> {
     // Batches for every tensor size that divides the world: few steps each.
     let world_size = rank_and_world(job.comm).1;
     let mut batches = std::collections::BTreeMap::new();
@@ -265,6 +276,7 @@ fn bench<'a>(job: &'a AutoAccelerate<'a>, bucket_bytes: usize, steps: usize) -> 
     Ok(Bench {
         model: job.model,
         freeze: &job.freeze,
+        lora,
         engine: job.engine.clone(),
         optimizer: job.optim.clone(),
         rules: &job.optim_param_func,
@@ -292,7 +304,7 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
             if o.finetune_strategy {
                 finetune(job, strategy, steps)?
             } else if !o.ignore_dryrun_on_load_strategy {
-                let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
+                let b = bench(job, DEFAULT_BUCKET_BYTES, steps, strategy.lora())?;
                 let (speed, peak) = match b.trial(&strategy, job.engine.device_budget)? {
                     Outcome::Fits { tokens_per_s, peak_bytes, .. } => (tokens_per_s, peak_bytes),
                     Outcome::OverBudget { peak_bytes: Some(peak), .. } => {
@@ -326,6 +338,8 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
     Ok(choice)
 }
 
+/// Searches with every parameter trained; where nothing fits and the options give
+/// adapters, searches again training those alone.
 fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     let o = &job.options;
     for name in o.included.iter().chain(&o.excluded) {
@@ -336,7 +350,35 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
             )));
         }
     }
-    let b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
+    let whole = match search_with(job, steps, None)? {
+        Ok(choice) => return Ok(choice),
+        Err(why) => why,
+    };
+    let Some(lora) = &o.lora else {
+        return Err(Error::Config(format!("auto_accelerate found no strategy: {whole}")));
+    };
+    match search_with(job, steps, Some(lora))? {
+        Ok(mut choice) => {
+            choice.strategy.methods.push(Method::Lora(lora.clone()));
+            choice.report.mode = format!("{}, training LoRA adapters: full fine-tuning fits no candidate", choice.report.mode);
+            choice.report.chosen_strategy = Some(choice.strategy.to_value());
+            Ok(choice)
+        }
+        Err(adapted) => Err(Error::Config(format!(
+            "auto_accelerate found no strategy, training every parameter: {whole}\nnor training LoRA adapters: {adapted}"
+        ))),
+    }
+}
+
+/// The best candidate for `job` (training `lora`'s adapters alone, where given), or why
+/// there is none, with the search's table.
+fn search_with(
+    job: &AutoAccelerate<'_>,
+    steps: usize,
+    lora: Option<&LoraConfig>,
+) -> Result<std::result::Result<Choice, String>> {
+    let o = &job.options;
+    let b = bench(job, DEFAULT_BUCKET_BYTES, steps, lora)?;
     let analysis = bench::analyse(&b)?;
     // Offload is worth trying only where a device budget can be short.
     let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
@@ -366,14 +408,11 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
         } else {
             "no candidate fits the memory budget".into()
         };
-        return Err(Error::Config(format!(
-            "auto_accelerate found no strategy: {why}\n{}",
-            s.report(o.search, None)?.table()
-        )));
+        return Ok(Err(format!("{why}\n{}", s.report(o.search, None)?.table())));
     };
     let report = s.report(o.search, Some(best))?;
     let strategy = s.cands[best].strategy(&s.analysis.blocks)?;
-    Ok(Choice { strategy, bucket_bytes: DEFAULT_BUCKET_BYTES, report })
+    Ok(Ok(Choice { strategy, bucket_bytes: DEFAULT_BUCKET_BYTES, report }))
 }
 
 /// One change of a sharding method's configuration.
@@ -393,7 +432,7 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
     }
     let mut trials = Vec::new();
     // One set of batches for every variant; only the bucket size changes between them.
-    let mut b = bench(job, DEFAULT_BUCKET_BYTES, steps)?;
+    let mut b = bench(job, DEFAULT_BUCKET_BYTES, steps, strategy.lora())?;
     let mut measure = |s: &Strategy, bucket: usize, label: String| -> Result<Option<f64>> {
         b.placement.data_parallel.bucket_bytes = bucket;
         let outcome = b.trial(s, job.engine.device_budget)?;

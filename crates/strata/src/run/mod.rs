@@ -689,10 +689,7 @@ fn check_data(model: &Model, data: &Data, config: &RunConfig) -> Result<()> {
 /// `strategy` with the LoRA configuration of an adapter folder the run starts from, where
 /// it has none; one that differs from the folder's is refused.
 fn with_adapter_config(mut strategy: Strategy, init: &[InitialWeights]) -> Result<Strategy> {
-    for dir in init.iter().filter_map(|i| match i {
-        InitialWeights::Adapter(dir) => Some(dir),
-        _ => None,
-    }) {
+    for dir in adapter_folders(init) {
         let folder = crate::io::read_adapter_config(dir)?;
         match strategy.lora() {
             None => strategy.methods.push(crate::strategy::Method::Lora(folder)),
@@ -712,6 +709,13 @@ fn with_adapter_config(mut strategy: Strategy, init: &[InitialWeights]) -> Resul
         }
     }
     Ok(strategy)
+}
+
+fn adapter_folders(init: &[InitialWeights]) -> impl Iterator<Item = &PathBuf> {
+    init.iter().filter_map(|i| match i {
+        InitialWeights::Adapter(dir) => Some(dir),
+        _ => None,
+    })
 }
 
 /// The strategy the run trains with, and data parallelism's options (buckets tuned by a
@@ -748,8 +752,14 @@ fn choose_strategy(
     job.engine = engine.clone();
     job.comm = ranks.comm.as_ref();
     job.local_world_size = ranks.local_world_size;
+    // A run that starts from an adapter folder trains adapters wherever full fine-tuning
+    // does not fit.
+    let lora = match (&options.lora, adapter_folders(&config.init).next()) {
+        (None, Some(dir)) => Some(crate::io::read_adapter_config(dir)?),
+        (given, _) => given.clone(),
+    };
     job.options =
-        AutoOptions { find_unused_parameters: config.data_parallel.find_unused_parameters, ..options.clone() };
+        AutoOptions { find_unused_parameters: config.data_parallel.find_unused_parameters, lora, ..options.clone() };
     let choice = auto::choose_strategy(&job)?;
     if ranks.leader() {
         if options.verbose {
