@@ -1,5 +1,5 @@
 //! `strata bench methods`: the compute methods (amp_native, half, fp8, checkpoint,
-//! module_replace) each against none on the same GPT, in rounds that visit every
+//! module_replace) and LoRA adapters each against none on the same GPT, in rounds that visit every
 //! configuration in turn so that all see the same drifts of the machine: tokens/s, the
 //! allocator's peak (activations included) and the model-state peak.
 //!
@@ -31,7 +31,7 @@ pub struct BenchMethodsArgs {
 }
 
 /// (label, strategy) of every configuration; the first is the reference.
-const CONFIGS: [(&str, &str); 9] = [
+const CONFIGS: [(&str, &str); 11] = [
     ("none", "[]"),
     ("amp_native bf16", r#"[["amp_native", {"dtype": "bf16"}]]"#),
     ("amp_native fp16", r#"["amp_native"]"#),
@@ -41,6 +41,8 @@ const CONFIGS: [(&str, &str); 9] = [
     ("checkpoint", r#"[["checkpoint", ["GptBlock"]]]"#),
     ("module_replace", r#"["module_replace"]"#),
     ("all but fp16", r#"[["amp_native", {"dtype": "bf16"}], ["checkpoint", ["GptBlock"]], "module_replace"]"#),
+    ("lora r=8", r#"[["lora", {"r": 8, "alpha": 16, "target_modules": "all-linear"}]]"#),
+    ("lora, half bf16", r#"[["half", "bf16"], ["lora", {"r": 8, "alpha": 16, "target_modules": "all-linear"}]]"#),
 ];
 
 #[derive(Serialize)]

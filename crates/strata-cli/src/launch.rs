@@ -250,17 +250,43 @@ pub fn relaunch_self(n: usize, flag: &str, stdout_of: Option<usize>) -> Result<(
     if let Some(rank) = stdout_of {
         launch.extend(["--stdout-of".into(), rank.to_string()]);
     }
-    let status = Command::new(&exe)
+    let mut child = Command::new(&exe)
         .args(launch)
         .arg("--")
         .arg(&exe)
         .args(&args)
-        .status()
+        .stderr(Stdio::piped())
+        .spawn()
         .context("cannot start strata launch")?;
-    if !status.success() {
-        bail!("the ranks failed (see their output above)");
+    // Everything the ranks say goes through as it comes, but their errors: ranks that all
+    // fail alike (a file none can read) are one error, said once.
+    let mut errors: Vec<String> = Vec::new();
+    if let Some(stderr) = child.stderr.take() {
+        for line in BufReader::new(stderr).lines() {
+            let line = line.context("reading the ranks' output")?;
+            let failure = line.strip_prefix("[rank ").and_then(|l| l.split_once("] ")).map(|(_, t)| t);
+            match failure {
+                Some(text) if text.starts_with("error: ") => errors.push(line),
+                _ if line.starts_with("error: rank ") => errors.push(line),
+                _ => eprintln!("{line}"),
+            }
+        }
     }
-    Ok(())
+    let status = child.wait().context("waiting for strata launch")?;
+    let said: std::collections::BTreeSet<&str> = errors
+        .iter()
+        .filter_map(|l| l.strip_prefix("[rank ").and_then(|l| l.split_once("] error: ")).map(|(_, t)| t))
+        .collect();
+    match (status.success(), said.len()) {
+        (false, 1) => bail!("{}", said.into_iter().next().unwrap_or_default()),
+        (ok, _) => {
+            errors.iter().for_each(|l| eprintln!("{l}"));
+            if !ok {
+                bail!("the ranks failed (see their output above)");
+            }
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]

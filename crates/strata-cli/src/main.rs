@@ -201,9 +201,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(o) => o.resolve().and_then(|settings| match settings.nproc {
             // Not yet one of the ranks: start them.
-            n if n > 1 && std::env::var_os("RANK").is_none() => {
-                settings.check_inputs().and_then(|()| launch::relaunch_self(n, "--nproc", None))
-            }
+            n if n > 1 && std::env::var_os("RANK").is_none() => launch::relaunch_self(n, "--nproc", None),
             _ => train::run(settings),
         }),
         Command::Launch(a) => launch::run(a),

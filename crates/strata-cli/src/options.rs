@@ -238,13 +238,6 @@ pub enum DataChoice {
 }
 
 impl DataChoice {
-    fn file(&self) -> Option<&Path> {
-        match self {
-            DataChoice::Synthetic => None,
-            DataChoice::Text(p) | DataChoice::Examples(p) | DataChoice::TokenFile(p, _) => Some(p),
-        }
-    }
-
     /// A file named by --data or --val-data: examples by their extension, else text.
     fn of_file(path: PathBuf) -> DataChoice {
         match path.extension().and_then(|e| e.to_str()) {
@@ -415,24 +408,6 @@ pub fn tokenizer_folder<'a>(tokenizer: Option<&'a Path>, model_dir: Option<&'a P
 }
 
 impl TrainSettings {
-    /// Checks that every input file the run reads can be opened, as each rank would: the
-    /// launcher refuses a missing one in one line instead of every rank failing on it.
-    pub fn check_inputs(&self) -> Result<()> {
-        let files = [self.data.file(), self.val.as_ref().and_then(DataChoice::file)]
-            .into_iter()
-            .chain(
-                [&self.tokenizer, &self.chat_template, &self.batch_offsets, &self.init_weights].map(Option::as_deref),
-            )
-            .flatten();
-        for path in files {
-            std::fs::File::open(path).with_context(|| path.display().to_string())?;
-        }
-        if let Some(dir) = &self.init_adapter {
-            strata::io::read_adapter_config(dir)?;
-        }
-        Ok(())
-    }
-
     pub fn model(&self, vocab: i64) -> Result<ModelConfig> {
         if let Some(dir) = &self.model_dir {
             if let Some(flag) = self.shape_flags.first() {

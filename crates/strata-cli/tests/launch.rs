@@ -159,3 +159,20 @@ fn unit_times_cover_every_unit_within_the_step() {
         assert!(computed <= step["seconds"].as_f64().unwrap(), "{step}");
     }
 }
+
+/// Ranks started by `--nproc` that all fail alike (an input none can read, a freeze that
+/// names nothing) are one error line, as one process would be.
+#[test]
+fn ranks_that_fail_alike_are_one_error_line() {
+    let base = ["train", "--model", "mlp", "--layers", "1", "--dim", "8", "--steps", "1", "--nproc", "2"];
+    for (flags, expected) in [
+        (["--data", "no-such-file.txt"], "error: no-such-file.txt: No such file or directory"),
+        (["--freeze", "nothing"], "error: invalid configuration: freeze: no parameter name contains \"nothing\""),
+    ] {
+        let o = strata(&[&base[..], &flags].concat());
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{flags:?}: {err}");
+        assert!(err.starts_with(expected), "{flags:?}: {err}");
+    }
+}
