@@ -81,7 +81,12 @@ impl ModelSource {
                 let Some(model) = ckpt.meta.model.clone() else {
                     bail!("{}: the checkpoint does not record its model", ckpt.location.display());
                 };
-                let mut engine = Engine::new(model.spec()?, config)?;
+                // A LoRA run's checkpoint holds its adapters beside the base.
+                let mut spec = model.spec()?;
+                if let Some(lora) = strata::strategy::Strategy::from_value(&ckpt.meta.strategy)?.lora() {
+                    lora.apply(&mut spec)?;
+                }
+                let mut engine = Engine::new(spec, config)?;
                 ckpt.restore_weights(&mut engine)?;
                 let tokenizer = crate::options::tokenizer(self.tokenizer.as_deref(), None)?;
                 Ok(Loaded { engine, config: model, tokenizer, folder: None })

@@ -273,12 +273,15 @@ pub fn relaunch_self(n: usize, flag: &str, stdout_of: Option<usize>) -> Result<(
         }
     }
     let status = child.wait().context("waiting for strata launch")?;
-    let said: std::collections::BTreeSet<&str> = errors
+    let said: Vec<&str> = errors
         .iter()
         .filter_map(|l| l.strip_prefix("[rank ").and_then(|l| l.split_once("] error: ")).map(|(_, t)| t))
         .collect();
-    match (status.success(), said.len()) {
-        (false, 1) => bail!("{}", said.into_iter().next().unwrap_or_default()),
+    // Every rank said it, and the same: one error. A rank that died without a word (killed)
+    // leaves the launcher's line about it and every rank's in place.
+    let shared = !said.is_empty() && said.len() == n && said.iter().all(|t| *t == said[0]);
+    match (status.success(), shared) {
+        (false, true) => bail!("{}", said[0]),
         (ok, _) => {
             errors.iter().for_each(|l| eprintln!("{l}"));
             if !ok {

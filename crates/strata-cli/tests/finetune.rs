@@ -222,16 +222,18 @@ fn chat_templates_render_and_tokenize_as_transformers_does() {
     }
 }
 
-#[test]
-fn an_instruction_tuned_model_learns_to_answer_in_the_template() {
-    let Some(python) = common::venv_python() else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let folder = tokenizer_folder(&python, dir.path(), "chatml");
-    let train = conversation_file(dir.path(), "train.jsonl", &sum_conversations(256, 1));
-    let val = conversation_file(dir.path(), "val.jsonl", &sum_conversations(32, 2));
-    let (metrics, ckpt) = (dir.path().join("m.jsonl"), dir.path().join("ckpt"));
+/// Instruction-tunes a 2-layer LLaMA on 256 sum conversations (ChatML, a byte-level BPE)
+/// with `extra` flags for 80 steps, then asks it as a user of the template from its last
+/// checkpoint: the validation losses on answers, the answer, the run's arguments and the
+/// tokenized cache's folder.
+fn instruction_tune(dir: &Path, extra: &[&str]) -> (Vec<f64>, String, Vec<String>, PathBuf) {
+    let python = common::venv_python().expect("checked by the caller");
+    let folder = tokenizer_folder(&python, dir, "chatml");
+    let train = conversation_file(dir, "train.jsonl", &sum_conversations(256, 1));
+    let val = conversation_file(dir, "val.jsonl", &sum_conversations(32, 2));
+    let (metrics, ckpt) = (dir.join("m.jsonl"), dir.join("ckpt"));
     let shape = "train --model llama --layers 2 --heads 4 --dim 64 --ctx 64 --seed 1 --threads 1";
-    let run = "--steps 80 --batch-size 16 --lr 0.003 --eval-every 20";
+    let run = "--steps 80 --batch-size 16 --eval-every 20";
     let (tokenizer, template) = (folder.join("tokenizer.json"), folder.join("chat_template.jinja"));
     let files = [
         ("--data", &train),
@@ -242,30 +244,61 @@ fn an_instruction_tuned_model_learns_to_answer_in_the_template() {
         ("--save-checkpoint", &ckpt),
     ];
     let files: Vec<&str> = files.iter().flat_map(|(flag, path)| [*flag, path.to_str().unwrap()]).collect();
-    let args = [words(shape), words(run), files].concat();
-    let cache = dir.path().join("cache");
-    let o = strata_env(&args, &[("STRATA_CACHE", cache.to_str().unwrap())]);
+    let args: Vec<String> =
+        [words(shape), words(run), files, extra.to_vec()].concat().into_iter().map(String::from).collect();
+    let cache = dir.join("cache");
+    let o =
+        strata_env(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[("STRATA_CACHE", cache.to_str().unwrap())]);
     assert!(o.status.success(), "{}", stderr(&o));
     let log = stderr(&o);
     assert!(log.contains("records=256 examples=256 truncated=0"), "{log}");
     let val_losses: Vec<f64> = reports(&metrics).iter().filter_map(|r| r["val_loss"].as_f64()).collect();
-    eprintln!("validation loss on answers: {val_losses:?}");
+    eprintln!("{extra:?}: validation loss on answers: {val_losses:?}");
     assert_eq!(val_losses.len(), 4);
-    // The answers ("It is N.<|im_end|>") are learned: the loss on them falls by more than half.
-    assert!(val_losses[3] < 0.5 * val_losses[0], "{val_losses:?}");
-    // Asked as a user of the template, the model answers in the template's words and stops
-    // at its end token.
     let ask = [("--resume", &ckpt), ("--tokenizer", &tokenizer), ("--chat-template", &template)];
     let ask: Vec<&str> = ask.iter().flat_map(|(flag, path)| [*flag, path.to_str().unwrap()]).collect();
     let question = ["generate", "--chat", "--prompt", "What is two plus three?", "--max-new-tokens", "16"];
     let o = strata(&[&question[..], &ask].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let answer = String::from_utf8_lossy(&o.stdout).trim().to_string();
-    eprintln!("answer: {answer:?}");
+    eprintln!("{extra:?}: answer: {answer:?}");
+    (val_losses, answer, args, cache)
+}
+
+/// The answers ("It is N.<|im_end|>") are learned: the validation loss on them falls by
+/// more than half, and asked as a user of the template the model answers in the template's
+/// words and stops at its end token.
+fn assert_answers_in_the_template(val_losses: &[f64], answer: &str) {
+    assert!(val_losses[3] < 0.5 * val_losses[0], "{val_losses:?}");
     assert!(answer.starts_with("It is ") && answer.ends_with('.') && answer.len() <= 10, "{answer:?}");
+}
+
+#[test]
+fn an_instruction_tuned_model_learns_to_answer_in_the_template() {
+    if common::venv_python().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (val_losses, answer, args, cache) = instruction_tune(dir.path(), &["--lr", "0.003"]);
+    assert_answers_in_the_template(&val_losses, &answer);
     // The second run reads the cache.
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let again = strata_env(&[&args[..], &["--steps", "1"]].concat(), &[("STRATA_CACHE", cache.to_str().unwrap())]);
     assert!(stderr(&again).contains("cached=true"), "{}", stderr(&again));
+}
+
+/// The same with LoRA adapters on every linear layer of the model (its embedding and head
+/// trained whole, as a new chat vocabulary needs): the answers are learned too, and the
+/// checkpoint, which holds the adapters, answers in the template.
+#[test]
+fn lora_adapters_learn_to_answer_in_the_template() {
+    if common::venv_python().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let lora = r#"[["lora", {"r": 16, "alpha": 32, "target_modules": "all-linear", "modules_to_save": ["embed_tokens", "lm_head"]}]]"#;
+    let (val_losses, answer, _, _) = instruction_tune(dir.path(), &["--lr", "0.003", "--strategy", lora]);
+    assert_answers_in_the_template(&val_losses, &answer);
 }
 
 /// `strata train` on a file of `lines` (with the chatml template) fails with `expected`,
