@@ -272,6 +272,11 @@ fn lora_refuses_what_it_cannot_adapt() {
     refuse(json!({"r": 0}), "r must be positive");
     refuse(json!({"dropout": 0.1}), "Strata trains without dropout");
     refuse(json!({"rank": 8}), "unknown field `rank`");
+    // A folder's configuration matches the strategy's whatever order it lists names in.
+    let given = lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"]}));
+    assert!(given.same_adapters(&lora_of(json!({"r": 8, "target_modules": ["v_proj", "q_proj"]}))));
+    assert!(!given.same_adapters(&lora_of(json!({"r": 4, "target_modules": ["q_proj", "v_proj"]}))));
+    assert!(!given.same_adapters(&lora_of(json!({"r": 8, "target_modules": ["q_proj"]}))));
     // A pattern matches whole names, as peft's does.
     let mut spec = tiny_llama_spec();
     lora_of(json!({"target_modules": r"model\.layers\.1\.self_attn\.(q|v)_proj"})).apply(&mut spec).unwrap();

@@ -137,12 +137,20 @@ impl LoraConfig {
     }
 
     /// Whether `other` declares the same adapters: rank, scale, targets and saved modules
-    /// (what a folder's tensors must fit).
+    /// (what a folder's tensors must fit). Lists compare as sets (peft writes its target names
+    /// in no set order).
     pub fn same_adapters(&self, other: &LoraConfig) -> bool {
+        fn set(names: &[String]) -> std::collections::BTreeSet<&str> {
+            names.iter().map(String::as_str).collect()
+        }
+        let same_targets = match (&self.target_modules, &other.target_modules) {
+            (Targets::Names(a), Targets::Names(b)) => set(a) == set(b),
+            (a, b) => a == b,
+        };
         self.r == other.r
             && self.scale() == other.scale()
-            && self.target_modules == other.target_modules
-            && self.modules_to_save == other.modules_to_save
+            && same_targets
+            && set(&self.modules_to_save) == set(&other.modules_to_save)
     }
 
     /// The targets as one line.
