@@ -478,9 +478,7 @@ pub fn parse_device(s: &str) -> Result<tch::Device> {
 fn parse_lora(text: &str) -> Result<strata::strategy::LoraConfig> {
     let config: serde_json::Value =
         serde_json::from_str(text).context("--auto-lora takes lora's configuration as JSON")?;
-    let strategy =
-        strata::strategy::Strategy::from_value(&serde_json::json!([["lora", config]])).context("--auto-lora")?;
-    strategy.lora().cloned().context("--auto-lora")
+    strata::strategy::LoraConfig::from_value(Some(&config)).context("--auto-lora")
 }
 
 fn parse_betas(s: &str) -> Result<(f64, f64)> {

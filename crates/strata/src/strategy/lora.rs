@@ -59,6 +59,14 @@ fn names(module: &str, target: &str) -> bool {
 }
 
 impl LoraConfig {
+    /// The configuration a strategy's `["lora", config]` gives (the defaults where `config`
+    /// is absent), validated.
+    pub fn from_value(config: Option<&serde_json::Value>) -> Result<LoraConfig> {
+        let c: LoraConfig = super::parse_config("lora", config)?;
+        c.validate()?;
+        Ok(c)
+    }
+
     /// Checks the sizes; errors name the field.
     pub fn validate(&self) -> Result<()> {
         let bad = |why: String| Err(Error::Config(format!("lora: {why}")));

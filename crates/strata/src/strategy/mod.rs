@@ -371,11 +371,7 @@ impl Method {
                 c.home_policy()?;
                 Method::Offload(c)
             }
-            "lora" => {
-                let c: LoraConfig = parse_config(name, config)?;
-                c.validate()?;
-                Method::Lora(c)
-            }
+            "lora" => Method::Lora(LoraConfig::from_value(config)?),
             other => return Err(Error::Config(format!("unknown method {other:?}; allowed: {}", METHODS.join(", ")))),
         })
     }
