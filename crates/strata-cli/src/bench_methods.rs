@@ -1,7 +1,8 @@
 //! `strata bench methods`: the compute methods (amp_native, half, fp8, checkpoint,
-//! module_replace) and LoRA adapters each against none on the same GPT, in rounds that visit every
-//! configuration in turn so that all see the same drifts of the machine: tokens/s, the
-//! allocator's peak (activations included) and the model-state peak.
+//! module_replace) and LoRA adapters (alone, on a bf16 base, beside fsdp over two ranks and
+//! offloaded) each against none on the same GPT, in rounds that visit every configuration in
+//! turn so that all see the same drifts of the machine: tokens/s, the allocator's peak
+//! (activations included) and the model-state peaks, in all and on the host.
 //!
 //! Owns the configurations and the table. Must not train in this process: each run is a
 //! `strata train` child ([`crate::bench_runs`]), so its peaks are its own.
@@ -9,6 +10,7 @@ use crate::bench_runs::{self, median, GptShape};
 use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
+use strata::profile::MIB;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchMethodsArgs {
@@ -30,19 +32,25 @@ pub struct BenchMethodsArgs {
     json: bool,
 }
 
-/// (label, strategy) of every configuration; the first is the reference.
-const CONFIGS: [(&str, &str); 11] = [
-    ("none", "[]"),
-    ("amp_native bf16", r#"[["amp_native", {"dtype": "bf16"}]]"#),
-    ("amp_native fp16", r#"["amp_native"]"#),
-    ("half bf16", r#"[["half", "bf16"]]"#),
-    ("half fp16", r#"["half"]"#),
-    ("fp8", r#"[["fp8", {"exclude": ["lm_head"]}]]"#),
-    ("checkpoint", r#"[["checkpoint", ["GptBlock"]]]"#),
-    ("module_replace", r#"["module_replace"]"#),
-    ("all but fp16", r#"[["amp_native", {"dtype": "bf16"}], ["checkpoint", ["GptBlock"]], "module_replace"]"#),
-    ("lora r=8", r#"[["lora", {"r": 8, "alpha": 16, "target_modules": "all-linear"}]]"#),
-    ("lora, half bf16", r#"[["half", "bf16"], ["lora", {"r": 8, "alpha": 16, "target_modules": "all-linear"}]]"#),
+const LORA: &str = r#"["lora", {"r": 8, "alpha": 16, "target_modules": "all-linear"}]"#;
+
+/// (label, strategy, ranks) of every configuration; the first is the reference. `{lora}`
+/// stands for [`LORA`].
+const CONFIGS: [(&str, &str, usize); 14] = [
+    ("none", "[]", 1),
+    ("amp_native bf16", r#"[["amp_native", {"dtype": "bf16"}]]"#, 1),
+    ("amp_native fp16", r#"["amp_native"]"#, 1),
+    ("half bf16", r#"[["half", "bf16"]]"#, 1),
+    ("half fp16", r#"["half"]"#, 1),
+    ("fp8", r#"[["fp8", {"exclude": ["lm_head"]}]]"#, 1),
+    ("checkpoint", r#"[["checkpoint", ["GptBlock"]]]"#, 1),
+    ("module_replace", r#"["module_replace"]"#, 1),
+    ("all but fp16", r#"[["amp_native", {"dtype": "bf16"}], ["checkpoint", ["GptBlock"]], "module_replace"]"#, 1),
+    ("lora r=8", "[{lora}]", 1),
+    ("lora, half bf16", r#"[["half", "bf16"], {lora}]"#, 1),
+    ("fsdp ×2 bf16", r#"[["fsdp", {"mixed_precision": {"param_dtype": "bf16"}}]]"#, 2),
+    ("lora, fsdp ×2 bf16", r#"[["fsdp", {"mixed_precision": {"param_dtype": "bf16"}}], {lora}]"#, 2),
+    ("lora, offload", r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}], {lora}]"#, 1),
 ];
 
 #[derive(Serialize)]
@@ -51,9 +59,11 @@ struct Row {
     strategy: &'static str,
     tokens_per_s: f64,
     speed_vs_none: f64,
+    ranks: usize,
     allocator_peak_bytes: u64,
     memory_vs_none: f64,
     model_state_bytes: u64,
+    host_model_state_bytes: u64,
     final_loss: f64,
 }
 
@@ -63,34 +73,38 @@ pub fn run(args: BenchMethodsArgs) -> Result<()> {
         args.steps, args.shape.layers, args.shape.heads, args.shape.dim, args.shape.ctx, args.batch_size, args.threads
     );
     let base: Vec<String> = flags.split_whitespace().map(String::from).collect();
-    let mut samples: Vec<Vec<(f64, f64, f64, f64)>> = vec![Vec::new(); CONFIGS.len()];
+    let mut samples: Vec<Vec<[f64; 5]>> = vec![Vec::new(); CONFIGS.len()];
     for _ in 0..args.rounds.max(1) {
-        for (i, (_, strategy)) in CONFIGS.iter().enumerate() {
-            let argv = [&base[..], &["--strategy".to_string(), strategy.to_string()]].concat();
+        for (i, (_, strategy, ranks)) in CONFIGS.iter().enumerate() {
+            let strategy = strategy.replace("{lora}", LORA);
+            let argv = [&base[..], &["--strategy".into(), strategy, "--nproc".into(), ranks.to_string()]].concat();
             let run = bench_runs::train(&argv, 2)?;
             let field = |k: &str| run.last[k].as_f64().with_context(|| format!("no {k} in the metrics"));
-            samples[i].push((
+            samples[i].push([
                 run.tokens_per_s,
                 field("allocator_peak_bytes")?,
                 field("model_state_peak_bytes")?,
+                run.last["memory"]["host"]["peak"].as_f64().unwrap_or(0.0),
                 field("loss")?,
-            ));
+            ]);
         }
     }
-    let pick = |i: usize, f: fn(&(f64, f64, f64, f64)) -> f64| median(samples[i].iter().map(f).collect());
-    let (speed0, mem0) = (pick(0, |s| s.0), pick(0, |s| s.1));
+    let pick = |i: usize, k: usize| median(samples[i].iter().map(|s| s[k]).collect());
+    let (speed0, mem0) = (pick(0, 0), pick(0, 1));
     let rows: Vec<Row> = CONFIGS
         .iter()
         .enumerate()
-        .map(|(i, (method, strategy))| Row {
+        .map(|(i, &(method, strategy, ranks))| Row {
             method,
             strategy,
-            tokens_per_s: pick(i, |s| s.0),
-            speed_vs_none: pick(i, |s| s.0) / speed0.max(1e-9),
-            allocator_peak_bytes: pick(i, |s| s.1) as u64,
-            memory_vs_none: pick(i, |s| s.1) / mem0.max(1.0),
-            model_state_bytes: pick(i, |s| s.2) as u64,
-            final_loss: pick(i, |s| s.3),
+            tokens_per_s: pick(i, 0),
+            speed_vs_none: pick(i, 0) / speed0.max(1e-9),
+            ranks,
+            allocator_peak_bytes: pick(i, 1) as u64,
+            memory_vs_none: pick(i, 1) / mem0.max(1.0),
+            model_state_bytes: pick(i, 2) as u64,
+            host_model_state_bytes: pick(i, 3) as u64,
+            final_loss: pick(i, 4),
         })
         .collect();
     if args.json {
@@ -102,18 +116,20 @@ pub fn run(args: BenchMethodsArgs) -> Result<()> {
         args.shape.layers, args.shape.dim, args.shape.ctx, args.batch_size, args.rounds
     );
     println!(
-        "{:<16} {:>10} {:>8} {:>13} {:>8} {:>13} {:>8}",
-        "method", "tokens/s", "speed", "peak alloc", "memory", "model states", "loss"
+        "{:<20} {:>5} {:>10} {:>8} {:>13} {:>8} {:>13} {:>13} {:>8}",
+        "method", "ranks", "tokens/s", "speed", "peak alloc", "memory", "model states", "on the host", "loss"
     );
     for r in &rows {
         println!(
-            "{:<16} {:>10.0} {:>8.3} {:>11.1}MB {:>8.3} {:>11.1}MB {:>8.4}",
+            "{:<20} {:>5} {:>10.0} {:>8.3} {:>10.1}MiB {:>8.3} {:>10.1}MiB {:>10.1}MiB {:>8.4}",
             r.method,
+            r.ranks,
             r.tokens_per_s,
             r.speed_vs_none,
-            r.allocator_peak_bytes as f64 / 1e6,
+            r.allocator_peak_bytes as f64 / MIB,
             r.memory_vs_none,
-            r.model_state_bytes as f64 / 1e6,
+            r.model_state_bytes as f64 / MIB,
+            r.host_model_state_bytes as f64 / MIB,
             r.final_loss
         );
     }

@@ -20,7 +20,8 @@ pub struct ModelSource {
     /// A Hugging Face model folder (config.json, safetensors weights, tokenizer.json).
     #[arg(long)]
     model_dir: Option<PathBuf>,
-    /// A checkpoint of `strata train` (its folder, one step's folder or a merged file).
+    /// A checkpoint of `strata train` (its folder, one step's folder or a merged file); with
+    /// --model-dir, it replaces what it holds (a LoRA run's adapters) of that model.
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Hugging Face tokenizer.json (default: the model folder's, else one token per byte).
@@ -68,32 +69,38 @@ impl ModelSource {
         }
         let device = crate::options::parse_device(&self.device)?;
         let config = EngineConfig { device, ..Default::default() };
-        match (&self.model_dir, &self.resume) {
-            (Some(dir), None) => {
-                let folder = strata::model::from_pretrained_dir(dir)?;
-                let mut engine = Engine::new(folder.spec()?, config)?;
-                strata::io::load_model_dir(&mut engine, &folder)?;
-                let tokenizer = crate::options::tokenizer(self.tokenizer.as_deref(), Some(&folder))?;
-                Ok(Loaded { engine, config: folder.config.clone(), tokenizer, folder: Some(folder) })
-            }
-            (None, Some(path)) => {
-                let ckpt = Checkpoint::open(path)?;
-                let Some(model) = ckpt.meta.model.clone() else {
-                    bail!("{}: the checkpoint does not record its model", ckpt.location.display());
-                };
-                // A LoRA run's checkpoint holds its adapters beside the base.
-                let mut spec = model.spec()?;
-                if let Some(lora) = strata::strategy::Strategy::from_value(&ckpt.meta.strategy)?.lora() {
-                    lora.apply(&mut spec)?;
-                }
-                let mut engine = Engine::new(spec, config)?;
-                ckpt.restore_weights(&mut engine)?;
-                let tokenizer = crate::options::tokenizer(self.tokenizer.as_deref(), None)?;
-                Ok(Loaded { engine, config: model, tokenizer, folder: None })
-            }
-            (Some(_), Some(_)) => bail!("give either --model-dir or --resume, not both"),
+        let checkpoint = self.resume.as_deref().map(Checkpoint::open).transpose()?;
+        let folder = self.model_dir.as_deref().map(strata::model::from_pretrained_dir).transpose()?;
+        let (model, mut spec) = match (&folder, &checkpoint) {
+            (Some(folder), _) => (folder.config.clone(), folder.spec()?),
+            (None, Some(ckpt)) => match &ckpt.meta.model {
+                Some(model) => (model.clone(), model.spec()?),
+                None => bail!("{}: the checkpoint does not record its model", ckpt.location.display()),
+            },
             (None, None) => bail!("name the model: --model-dir DIR or --resume CHECKPOINT"),
+        };
+        // A LoRA run's checkpoint holds its adapters (and, unless it froze them whole, not
+        // the base, which comes from --model-dir).
+        if let Some(ckpt) = &checkpoint {
+            if let Some(lora) = strata::strategy::Strategy::from_value(&ckpt.meta.strategy)?.lora() {
+                lora.apply(&mut spec)?;
+            }
+            if folder.is_none() && !ckpt.holds_every_parameter() {
+                bail!(
+                    "{}: the checkpoint holds what its run trained, not the frozen base: give the base with --model-dir DIR",
+                    ckpt.location.display()
+                );
+            }
         }
+        let mut engine = Engine::new(spec, config)?;
+        if let Some(folder) = &folder {
+            strata::io::load_model_dir(&mut engine, folder)?;
+        }
+        if let Some(ckpt) = &checkpoint {
+            ckpt.restore_weights(&mut engine)?;
+        }
+        let tokenizer = crate::options::tokenizer(self.tokenizer.as_deref(), folder.as_ref())?;
+        Ok(Loaded { engine, config: model, tokenizer, folder })
     }
 }
 

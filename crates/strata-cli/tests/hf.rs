@@ -473,6 +473,43 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
     let gap = common::global_gap(&file(&out("one", "adapter")), &file(&adapter));
     assert_eq!(gap, 0.0, "the resumed LoRA run's adapters differ by {gap:e}");
 
+    // Its checkpoint holds the adapters and their optimizer state, not the base the folder
+    // gives: merged, it is the adapters alone; generating from it needs the folder beside it.
+    let merged = out("halves", "merged.safetensors");
+    let o = strata(&["ckpt", "merge", s(&ckpt), s(&merged)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let names: Vec<String> = strata::io::read_safetensors(&merged).unwrap().into_keys().collect();
+    assert!(!names.is_empty() && names.iter().all(|n| n.contains(".lora_")), "the merged checkpoint holds {names:?}");
+    let ask = ["generate", "--prompt", "to be", "--max-new-tokens", "6", "--ids"];
+    let o = strata(&[&ask[..], &["--resume", s(&ckpt)]].concat());
+    assert_fails_with(&o, "not the frozen base: give the base with --model-dir DIR");
+    let from_checkpoint = strata(&[&ask[..], &["--resume", s(&ckpt), "--model-dir", s(&folder)]].concat());
+    let from_merged = strata(&[&ask[..], &["--model-dir", s(&out("one", "merged"))]].concat());
+    assert!(from_checkpoint.status.success(), "{}", stderr(&from_checkpoint));
+    assert_eq!(
+        from_checkpoint.stdout, from_merged.stdout,
+        "the checkpoint beside its base answers as the merged model"
+    );
+    let o = strata(&["train", "--token-file", s(&train), "--ctx", "16", "--batch-size", "4", "--resume", s(&ckpt)]);
+    assert_fails_with(&o, "not the frozen base it started from");
+
+    // Saved by fsdp over two ranks (each rank its shard of the adapters) and resumed by one
+    // process, the run ends where the one-process run does.
+    let (ckpt, adapter) = (out("fsdp-then-one", "ckpt"), out("fsdp-then-one", "adapter"));
+    let fsdp = format!(r#"["fsdp", {LORA}]"#);
+    for (steps, strategy, ranks) in [("2", &fsdp, "2"), ("4", &strategy, "1")] {
+        let halves = [
+            ["--accumulation", "2", "--strategy", strategy, "--steps", steps, "--nproc", ranks].as_slice(),
+            &["--lr", "0.01", "--threads", "1", "--schedule", "constant", "--resume", "auto"],
+            &["--save-checkpoint", s(&ckpt), "--save-adapter-dir", s(&adapter)],
+        ]
+        .concat();
+        let o = strata(&[&["train"][..], &WINDOWS, &data, &halves].concat());
+        assert!(o.status.success(), "lora to step {steps} on {ranks} ranks:\n{}", stderr(&o));
+    }
+    let gap = common::global_gap(&file(&out("one", "adapter")), &file(&adapter));
+    assert!(gap < 1e-5, "the LoRA run resumed from fsdp's checkpoint: adapters differ by {gap:e}");
+
     let bad = r#"[["lora", {"target_modules": ["q_proj", "qkv"]}]]"#;
     let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--strategy", bad]);
     assert_fails_with(&o, "target_modules \"qkv\" names no linear layer of this model");

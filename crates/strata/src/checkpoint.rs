@@ -47,6 +47,11 @@ pub struct ParamEntry {
     /// How tensor parallelism splits it (absent in checkpoints that predate the split).
     #[serde(default)]
     pub tp: Option<TpRole>,
+    /// In its unit's frozen head (ahead of the first trainable parameter: a LoRA run's
+    /// base), which has no optimizer state and is stored only where the run's base did not
+    /// come from its initial weights ([`RunInfo::saves_frozen`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub frozen: bool,
 }
 
 impl ParamEntry {
@@ -112,28 +117,9 @@ pub struct RunInfo {
     pub data: DataPosition,
     pub loss_scaler: Option<LossScaler>,
     pub model: Option<ModelConfig>,
-}
-
-/// The model's parameters as a checkpoint lists them.
-fn param_entries(engine: &Engine) -> Vec<ParamEntry> {
-    let spec = engine.spec();
-    spec.params
-        .iter()
-        .enumerate()
-        .map(|(i, p)| ParamEntry {
-            name: p.name.clone(),
-            shape: p.shape.clone(),
-            unit: p.unit,
-            offset: engine.full_offset(crate::model::ParamId(i)),
-            tp: Some(p.tp),
-        })
-        .collect()
-}
-
-/// Elements of each unit's whole layout.
-fn whole_unit_numel(engine: &Engine) -> Vec<i64> {
-    let spec = engine.spec();
-    spec.units.iter().map(|u| u.params.iter().map(|id| spec.params[id.0].numel()).sum()).collect()
+    /// Store the units' frozen heads: false where they come from the run's initial weights
+    /// (a model folder or weights file), which a resumed run loads again.
+    pub saves_frozen: bool,
 }
 
 fn state_names(optimizer: &Optimizer) -> Vec<String> {
@@ -152,36 +138,36 @@ pub struct Layout {
 impl Layout {
     /// The layout of `engine`'s model, which it holds whole (no pipeline stage).
     pub fn of(engine: &Engine) -> Layout {
-        Layout {
-            params: param_entries(engine),
-            unit_numel: whole_unit_numel(engine),
-            tensor_size: engine.tensor_parallel().map_or(1, |t| t.size() as usize),
-        }
+        Layout::of_spec(engine.spec(), engine.tensor_parallel().map_or(1, |t| t.size() as usize))
     }
 
     /// The layout of the whole model `spec` describes, split over `tensor_size` ranks (for
     /// pipeline stages, whose engines hold some of its units).
     pub fn of_spec(spec: &ModelSpec, tensor_size: usize) -> Layout {
         let mut offsets = vec![0; spec.params.len()];
+        let mut frozen = vec![false; spec.params.len()];
         let mut unit_numel = Vec::with_capacity(spec.units.len());
         for unit in &spec.units {
-            let mut offset = 0;
+            let (mut offset, mut head) = (0, true);
             for id in &unit.params {
                 offsets[id.0] = offset;
                 offset += spec.params[id.0].numel();
+                head &= !spec.params[id.0].requires_grad;
+                frozen[id.0] = head;
             }
             unit_numel.push(offset);
         }
         let params = spec
             .params
             .iter()
-            .zip(offsets)
-            .map(|(p, offset)| ParamEntry {
+            .zip(offsets.into_iter().zip(frozen))
+            .map(|(p, (offset, frozen))| ParamEntry {
                 name: p.name.clone(),
                 shape: p.shape.clone(),
                 unit: p.unit,
                 offset,
                 tp: Some(p.tp),
+                frozen,
             })
             .collect();
         Layout { params, unit_numel, tensor_size }
@@ -283,9 +269,14 @@ pub fn save_parts(
     } else {
         Ok(())
     })?;
-    let written = match parts[0].engine.checkpoint_writer() {
-        true => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), layout, parts),
-        false => Ok(()),
+    let heads = match run.saves_frozen {
+        true => frozen_heads(parts),
+        false => Ok(vec![]),
+    };
+    let written = match (heads, parts[0].engine.checkpoint_writer()) {
+        (Ok(heads), true) => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), layout, parts, &heads),
+        (Ok(_), false) => Ok(()),
+        (Err(e), _) => Err(e),
     };
     fault::point("save-written", run.step);
     agree(written)?;
@@ -388,7 +379,38 @@ fn prune(root: &Path, keep: usize, saved: &Path) -> Result<()> {
 
 /// This rank's part: for each unit it holds, its range of parameters and of every optimizer
 /// state (a stage's copies of other stages' weights left out: their owners save them).
-fn write_rank_file(path: &Path, whole: &Layout, parts: &mut [Part<'_>]) -> Result<()> {
+/// Per part, per unit, this rank's piece of the unit's frozen head (master dtype, on the
+/// CPU) where it writes them; every rank takes part in the gathers.
+fn frozen_heads(parts: &mut [Part<'_>]) -> Result<Vec<Vec<Option<Tensor>>>> {
+    let mut heads = Vec::with_capacity(parts.len());
+    for part in parts.iter_mut() {
+        let engine = &mut *part.engine;
+        let writes = engine.writes_frozen_heads();
+        let mut of_part = Vec::new();
+        for k in 0..engine.spec().units.len() {
+            let head = engine.storage()[k].grad_start;
+            if head == 0 {
+                of_part.push(None);
+                continue;
+            }
+            let whole = engine.full_unit(k)?;
+            let local = engine.split_unit(k, &whole)?;
+            of_part.push(writes.then(|| local.f_narrow(0, 0, head)?.f_to_device(tch::Device::Cpu)).transpose()?);
+        }
+        heads.push(of_part);
+    }
+    Ok(heads)
+}
+
+/// What one tensor of a rank file holds for a unit.
+#[derive(Clone, Copy)]
+enum Stored<'a> {
+    Param,
+    FrozenHead,
+    State(&'a str),
+}
+
+fn write_rank_file(path: &Path, whole: &Layout, parts: &mut [Part<'_>], heads: &[Vec<Option<Tensor>>]) -> Result<()> {
     let units = whole.unit_numel.len();
     let mut ranges = vec![(0i64, 0i64); units];
     // Which part, and which of its units, holds each unit of the model.
@@ -410,30 +432,44 @@ fn write_rank_file(path: &Path, whole: &Layout, parts: &mut [Part<'_>]) -> Resul
         .map(|p| p.optimizer.state().into_iter().map(|(u, o, n, t)| (u, o, n.to_string(), t.shallow_clone())).collect())
         .collect();
     let mut layout = Vec::new();
-    let mut jobs: Vec<(usize, Option<&str>)> = Vec::new();
+    let mut jobs: Vec<(usize, Stored)> = Vec::new();
+    let head_of = |unit: usize| {
+        let (part, local) = holder[unit];
+        heads.get(part).and_then(|h| h.get(local)).and_then(Option::as_ref)
+    };
+    let mut head_lens = vec![0i64; units];
     for (unit, &(_, len)) in ranges.iter().enumerate() {
+        if let Some(head) = head_of(unit) {
+            head_lens[unit] = head.numel() as i64;
+            layout.push((format!("head.{unit}"), kind, vec![head_lens[unit]]));
+            jobs.push((unit, Stored::FrozenHead));
+        }
         if len == 0 {
             continue;
         }
         layout.push((format!("param.{unit}"), kind, vec![len]));
-        jobs.push((unit, None));
+        jobs.push((unit, Stored::Param));
         for name in &names {
             layout.push((format!("{name}.{unit}"), kind, vec![len]));
-            jobs.push((unit, Some(name.as_str())));
+            jobs.push((unit, Stored::State(name.as_str())));
         }
     }
     let tensor_rank = parts[0].engine.tensor_parallel().map_or(0, |t| t.rank());
     let metadata = BTreeMap::from([
         ("ranges".to_string(), serde_json::to_string(&ranges).map_err(|e| Error::Model(e.to_string()))?),
         ("tensor_rank".to_string(), tensor_rank.to_string()),
+        ("heads".to_string(), serde_json::to_string(&head_lens).map_err(|e| Error::Model(e.to_string()))?),
     ]);
     write_safetensors_streamed(path, &layout, &metadata, |i| {
         let (unit, what) = jobs[i];
         let (start, len) = ranges[unit];
         let (part, local) = holder[unit];
         let out = match what {
-            None => parts[part].engine.local_params(local)?.f_narrow(0, 0, len)?.f_to_kind(kind)?,
-            Some(name) => {
+            Stored::Param => parts[part].engine.local_params(local)?.f_narrow(0, 0, len)?.f_to_kind(kind)?,
+            Stored::FrozenHead => {
+                head_of(unit).ok_or_else(|| Error::Engine("a frozen head not gathered".into()))?.f_to_kind(kind)?
+            }
+            Stored::State(name) => {
                 // Frozen parameters and padding have no state: zeros.
                 let out = Tensor::f_zeros([len], (kind, tch::Device::Cpu))?;
                 for (u, offset, n, t) in &states[part] {
@@ -469,6 +505,8 @@ pub struct Checkpoint {
     pieces: BTreeMap<(String, usize, usize), Vec<Piece>>,
     /// Whole units joined from tensor ranks' pieces, for the unit read last.
     joined: std::cell::RefCell<BTreeMap<(String, usize), Tensor>>,
+    /// Units whose frozen head is stored.
+    heads: std::collections::BTreeSet<usize>,
 }
 
 fn fail(path: &Path, message: impl Into<String>) -> Error {
@@ -572,6 +610,7 @@ impl Checkpoint {
         let local_numel = meta.local_unit_numel();
         let mut files = Vec::new();
         let mut pieces: BTreeMap<(String, usize, usize), Vec<Piece>> = BTreeMap::new();
+        let mut heads = std::collections::BTreeSet::new();
         for name in &meta.files {
             let file_path = dir.join(name);
             if !file_path.is_file() {
@@ -600,7 +639,19 @@ impl Checkpoint {
             if ranges.iter().enumerate().any(outside) {
                 return Err(fail(&file_path, "shard ranges outside the units the checkpoint describes"));
             }
+            let head_lens: Vec<i64> = match header.metadata().as_ref().and_then(|m| m.get("heads")) {
+                None => vec![],
+                Some(h) => serde_json::from_str(h).map_err(|_| fail(&file_path, "unreadable frozen heads"))?,
+            };
             let index = files.len();
+            for (unit, &len) in head_lens.iter().enumerate().filter(|(_, &len)| len != 0) {
+                if len < 0 || local_numel.get(unit).is_none_or(|&n| len > n) {
+                    return Err(fail(&file_path, "a frozen head outside the units the checkpoint describes"));
+                }
+                let piece = Piece { file: index, tensor: format!("head.{unit}"), start: 0, len };
+                pieces.entry(("param".to_string(), tensor_rank, unit)).or_default().push(piece);
+                heads.insert(unit);
+            }
             for (unit, &(start, len)) in ranges.iter().enumerate().filter(|(_, r)| r.1 > 0) {
                 for what in std::iter::once("param".to_string()).chain(meta.state_names.iter().cloned()) {
                     let tensor = format!("{what}.{unit}");
@@ -610,7 +661,7 @@ impl Checkpoint {
             }
             files.push((file_path, mmap));
         }
-        Ok(Checkpoint { meta, location: dir, files, pieces, joined: Default::default() })
+        Ok(Checkpoint { meta, location: dir, files, pieces, joined: Default::default(), heads })
     }
 
     fn open_merged(path: &Path) -> Result<Checkpoint> {
@@ -631,18 +682,27 @@ impl Checkpoint {
         }
         meta.validate(path)?;
         let mut pieces: BTreeMap<(String, usize, usize), Vec<Piece>> = BTreeMap::new();
+        let mut heads = std::collections::BTreeSet::new();
+        let stored: std::collections::BTreeSet<String> = header.tensors().into_keys().collect();
         for p in &meta.params {
             let len = p.shape.iter().product();
             let mut add = |what: String, tensor: String| {
                 pieces.entry((what, 0, p.unit)).or_default().push(Piece { file: 0, tensor, start: p.offset, len });
             };
+            match (p.frozen, stored.contains(&p.name)) {
+                (true, true) => heads.insert(p.unit),
+                (true, false) => continue,
+                (false, _) => false,
+            };
             add("param".into(), p.name.clone());
-            for s in &meta.state_names {
-                add(s.clone(), format!("optim.{s}.{}", p.name));
+            if !p.frozen {
+                for s in &meta.state_names {
+                    add(s.clone(), format!("optim.{s}.{}", p.name));
+                }
             }
         }
         let files = vec![(path.to_path_buf(), mmap)];
-        Ok(Checkpoint { meta, location: path.to_path_buf(), files, pieces, joined: Default::default() })
+        Ok(Checkpoint { meta, location: path.to_path_buf(), files, pieces, joined: Default::default(), heads })
     }
 
     /// Elements `start..start+len` of `what` ("param" or a state) of `unit`'s whole layout,
@@ -658,17 +718,44 @@ impl Checkpoint {
             let whole = self.join_unit(what, unit)?;
             joined.insert(key.clone(), whole);
         }
-        Ok(joined[&key].f_narrow(0, start, len)?.f_to_kind(kind)?)
+        let held = self.held_start(what, unit);
+        if start < held {
+            return Err(fail(
+                &self.location,
+                format!("{what} of unit {unit}: elements from {start} on are not stored"),
+            ));
+        }
+        Ok(joined[&key].f_narrow(0, start - held, len)?.f_to_kind(kind)?)
     }
 
-    /// `what` of unit `unit`, whole: each parameter's pieces from every tensor rank joined.
+    /// Whether `what` of parameter `p` is stored: states and parameters outside frozen
+    /// heads always, a frozen head's parameters where the head is.
+    fn stores(&self, what: &str, p: &ParamEntry) -> bool {
+        !p.frozen || (what == "param" && self.heads.contains(&p.unit))
+    }
+
+    /// Whether the checkpoint holds every parameter (the frozen base too).
+    pub fn holds_every_parameter(&self) -> bool {
+        self.meta.params.iter().all(|p| self.stores("param", p))
+    }
+
+    /// Where the stored part of `what` of unit `unit`'s whole layout begins.
+    fn held_start(&self, what: &str, unit: usize) -> i64 {
+        let held = self.meta.params.iter().filter(|p| p.unit == unit && self.stores(what, p));
+        held.map(|p| p.offset).min().unwrap_or(self.meta.unit_numel[unit])
+    }
+
+    /// `what` of unit `unit` from [`Checkpoint::held_start`] on, whole: each stored
+    /// parameter's pieces from every tensor rank joined.
     fn join_unit(&self, what: &str, unit: usize) -> Result<Tensor> {
         let size = self.meta.tensor_size;
         let mut params: Vec<&ParamEntry> = self.meta.params.iter().filter(|p| p.unit == unit).collect();
         params.sort_by_key(|p| p.offset);
+        let head: i64 = params.iter().filter(|p| !self.stores(what, p)).map(|p| p.local_numel(size as i64)).sum();
+        params.retain(|p| self.stores(what, p));
         let pieces_of_rank = |rank: usize| -> Result<Vec<Tensor>> {
             let numel: i64 = params.iter().map(|p| p.local_numel(size as i64)).sum();
-            let flat = self.read_pieces(what, rank, unit, 0, numel, Kind::Float)?;
+            let flat = self.read_pieces(what, rank, unit, head, numel, Kind::Float)?;
             let mut start = 0;
             params
                 .iter()
@@ -770,7 +857,11 @@ impl Checkpoint {
         let params: Vec<ParamEntry> = params
             .into_iter()
             .enumerate()
-            .map(|(i, p)| ParamEntry { tp: self.meta.params.get(i).map_or(p.tp, |saved| saved.tp), ..p })
+            .map(|(i, p)| match self.meta.params.get(i) {
+                // What the checkpoint stores is its own: a run may train more or less of it.
+                Some(saved) => ParamEntry { tp: saved.tp, frozen: saved.frozen, ..p },
+                None => p,
+            })
             .collect();
         let err = |m: String| Err(fail(&self.location, m));
         if params.len() != self.meta.params.len() {
@@ -801,9 +892,8 @@ impl Checkpoint {
     /// Loads the parameters alone (evaluation, generation) into `engine`, of any strategy.
     pub fn restore_weights(&self, engine: &mut Engine) -> Result<()> {
         self.check_model(&Layout::of(engine))?;
-        let kind = engine.master_kind();
         for k in 0..engine.spec().units.len() {
-            let full = self.unit_values(engine, 0, k, "param", kind)?;
+            let full = self.unit_params(engine, 0, k)?;
             engine.set_full_unit(k, &full)?;
         }
         Ok(())
@@ -831,23 +921,58 @@ impl Checkpoint {
     }
 
     /// Unit `k` of `engine` (unit `first + k` of the model) in the engine's whole layout: the
-    /// unit's own values, then those of other stages' weights it holds copies of.
-    fn unit_values(&self, engine: &Engine, first: usize, k: usize, what: &str, kind: Kind) -> Result<Tensor> {
+    /// unit's own values, then those of other stages' weights it holds copies of. Parameters
+    /// the checkpoint does not store take their values from `unstored` (the engine's whole
+    /// unit as it stands), or zeros (optimizer states).
+    fn unit_values(
+        &self,
+        engine: &Engine,
+        (first, k): (usize, usize),
+        what: &str,
+        kind: Kind,
+        unstored: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let u = first + k;
-        let mut pieces = vec![self.read_range(what, u, 0, self.meta.unit_numel[u], kind)?];
         let spec = engine.spec();
-        for id in spec.units[k].params.iter().filter(|id| spec.copies.contains(id)) {
-            let owner = &self.meta.params[id.0];
-            pieces.push(self.read_range(what, owner.unit, owner.offset, owner.shape.iter().product(), kind)?);
+        let ids = &spec.units[k].params;
+        if ids.iter().all(|id| self.stores(what, &self.meta.params[id.0])) {
+            let mut pieces = vec![self.read_range(what, u, 0, self.meta.unit_numel[u], kind)?];
+            for id in ids.iter().filter(|id| spec.copies.contains(id)) {
+                let owner = &self.meta.params[id.0];
+                pieces.push(self.read_range(what, owner.unit, owner.offset, owner.shape.iter().product(), kind)?);
+            }
+            return Ok(if pieces.len() == 1 { pieces.remove(0) } else { Tensor::f_cat(&pieces, 0)? });
         }
-        Ok(if pieces.len() == 1 { pieces.remove(0) } else { Tensor::f_cat(&pieces, 0)? })
+        let pieces = ids
+            .iter()
+            .map(|&id| {
+                let entry = &self.meta.params[id.0];
+                let numel = entry.shape.iter().product();
+                match (!self.stores(what, entry), unstored) {
+                    (false, _) => self.read_range(what, entry.unit, entry.offset, numel, kind),
+                    (true, Some(values)) => Ok(values.f_narrow(0, engine.full_offset(id), numel)?.f_to_kind(kind)?),
+                    (true, None) => Ok(Tensor::f_zeros([numel], (kind, tch::Device::Cpu))?),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::f_cat(&pieces, 0)?)
+    }
+
+    /// Unit `k` of `engine`'s parameters from the checkpoint, the unstored ones as they stand.
+    fn unit_params(&self, engine: &mut Engine, first: usize, k: usize) -> Result<Tensor> {
+        let some_unstored =
+            engine.spec().units[k].params.iter().any(|id| !self.stores("param", &self.meta.params[id.0]));
+        let unstored = match some_unstored {
+            true => Some(engine.full_unit(k)?.f_to_device(tch::Device::Cpu)?),
+            false => None,
+        };
+        self.unit_values(engine, (first, k), "param", engine.master_kind(), unstored.as_ref())
     }
 
     fn restore_part(&self, part: &mut Part<'_>) -> Result<()> {
         let (first, engine) = (part.first_unit, &mut *part.engine);
-        let kind = engine.master_kind();
         for k in 0..engine.spec().units.len() {
-            let full = self.unit_values(engine, first, k, "param", kind)?;
+            let full = self.unit_params(engine, first, k)?;
             engine.set_full_unit(k, &full)?;
         }
         for (k, state) in engine.fp8_states().iter().enumerate() {
@@ -869,7 +994,7 @@ impl Checkpoint {
                 local.retain(|(u, _), _| *u == unit);
                 let key = (unit, name.to_string());
                 if !local.contains_key(&key) {
-                    let whole = self.unit_values(engine, first, unit, name, dest.kind())?;
+                    let whole = self.unit_values(engine, (first, unit), name, dest.kind(), None)?;
                     local.insert(key.clone(), engine.split_unit(unit, &whole)?);
                 }
                 local[&key].f_narrow(0, offset, dest.numel() as i64)?
@@ -887,10 +1012,10 @@ impl Checkpoint {
     pub fn merge(&self, out: &Path) -> Result<()> {
         let mut layout = Vec::new();
         let mut jobs = Vec::new();
-        for p in &self.meta.params {
+        for p in self.meta.params.iter().filter(|p| self.stores("param", p)) {
             layout.push((p.name.clone(), Kind::Float, p.shape.clone()));
             jobs.push(("param".to_string(), p));
-            for s in &self.meta.state_names {
+            for s in self.meta.state_names.iter().filter(|_| !p.frozen) {
                 layout.push((format!("optim.{s}.{}", p.name), Kind::Float, p.shape.clone()));
                 jobs.push((s.clone(), p));
             }

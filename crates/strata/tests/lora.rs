@@ -5,6 +5,8 @@
 //! `transformers` with them too, and the base never moves.
 #[path = "common/hf_reference.rs"]
 mod hf_reference;
+#[path = "common/ranks.rs"]
+mod ranks;
 
 use hf_reference::{python, reference};
 use serde_json::{json, Value};
@@ -282,4 +284,85 @@ fn lora_refuses_what_it_cannot_adapt() {
     lora_of(json!({"target_modules": r"model\.layers\.1\.self_attn\.(q|v)_proj"})).apply(&mut spec).unwrap();
     let adapted: Vec<&str> = spec.adapters.keys().map(|id| spec.params[id.0].name.as_str()).collect();
     assert_eq!(adapted, ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight"]);
+}
+
+/// One rank of fsdp over two ranks with bf16 parameters and fp32 masters, training LoRA
+/// adapters: what it holds, then two steps.
+#[test]
+fn rank_entry() {
+    use strata::engine::{Category, Placement, UnitLayout};
+    let Ok(scenario) = std::env::var("STRATA_TEST_SCENARIO") else { return };
+    assert_eq!(scenario, "lora-fsdp");
+    let comm = ranks::connect();
+    let at = strata::parallel::RankLayout {
+        comm: Some(&comm),
+        local_world_size: 2,
+        ..strata::parallel::RankLayout::single()
+    };
+    let strategy = Strategy::from_value(&json!([
+        ["fsdp", {"mixed_precision": {"param_dtype": "bf16"}}],
+        ["lora", {"r": 2, "target_modules": "all-linear"}]
+    ]))
+    .unwrap();
+    let mut spec = tiny_llama_spec();
+    let base = spec.num_params();
+    strategy.lora().unwrap().apply(&mut spec).unwrap();
+    let adapters = spec.num_params() - base;
+    // Per unit: a shard of its frozen head and one of its gradient span, over two ranks.
+    let layouts: Vec<UnitLayout> = (0..spec.units.len()).map(|k| UnitLayout::of(&spec, k, 1, 2)).collect();
+    let head: i64 = layouts.iter().map(|l| (l.grad_start + 1) / 2).sum();
+    let span: i64 = layouts.iter().map(|l| l.grad_len() / 2).sum();
+    assert!(2 * head >= base && 2 * head <= base + spec.units.len() as i64, "the base is halved");
+    assert!(2 * span >= adapters && 2 * span <= adapters + 2 * spec.units.len() as i64, "the adapters are halved");
+    let mut engine = strata::parallel::build_engine(spec, EngineConfig::default(), &strategy, &at).unwrap();
+    let ledger = engine.ledger().clone();
+    // The base in bf16 with no master or gradient; the adapters with fp32 masters and bf16
+    // gradient shards.
+    let (bf16, f32) = (2u64, 4u64);
+    let held = engine.model_state_storage_bytes().unwrap();
+    assert_eq!(held, head as u64 * bf16 + span as u64 * (f32 + bf16), "bytes the allocator holds");
+    assert_eq!(ledger.held(Placement::Device, Category::Params), (head as u64) * bf16 + span as u64 * f32);
+    assert_eq!(ledger.held(Placement::Device, Category::Grads), span as u64 * bf16);
+    let before: Vec<Tensor> = (0..engine.spec().units.len()).map(|k| engine.full_unit(k).unwrap().copy()).collect();
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+    let states = ledger.held(Placement::Device, Category::OptimizerState);
+    assert!(states <= 2 * f32 * span as u64, "optimizer state for this rank's adapter shard alone: {states}");
+    let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+    let rank = comm.rank() as i64;
+    let tokens = (Tensor::arange(2 * 17, (Kind::Int64, tch::Device::Cpu)) * (rank + 1)).remainder(64).view([2, 17]);
+    let mut losses = vec![];
+    for step in 0..2 {
+        let batch = Batch::new(tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)).unwrap();
+        losses.push(trainer.train_step(&Step::new(step, vec![batch])).unwrap().loss);
+    }
+    let engine = &mut trainer.engine;
+    let factors: Vec<_> = engine.spec().adapters.values().flat_map(|a| [a.a, a.b]).collect();
+    for (k, unit_before) in before.iter().enumerate() {
+        let after = engine.full_unit(k).unwrap();
+        for &id in &engine.spec().units[k].params.clone() {
+            let (at, n) = (engine.full_offset(id), engine.spec().params[id.0].numel());
+            let changed = largest_gap(&after.narrow(0, at, n), &unit_before.narrow(0, at, n)) > 0.0;
+            let moves = factors.contains(&id) && engine.spec().params[id.0].name.contains("lora_B");
+            // A's gradient is zero until B has moved, so only B moves in two steps.
+            if !factors.contains(&id) || moves {
+                assert_eq!(changed, moves, "{}: moved {changed}", engine.spec().params[id.0].name);
+            }
+        }
+    }
+    println!("LOSSES {}", serde_json::to_string(&losses).unwrap());
+    println!("RANK-OK");
+}
+
+/// fsdp at two ranks holds half the LoRA base each, in bf16, and no gradient, master or
+/// optimizer state for it; the adapters' states are sharded too; the ranks step alike.
+#[test]
+fn fsdp_halves_the_lora_base_and_keeps_states_for_the_adapters_alone() {
+    let outputs = ranks::run_ranks(2, "tcp", "lora-fsdp");
+    ranks::assert_all_ok(&outputs);
+    for o in &outputs {
+        let text = String::from_utf8_lossy(&o.stdout);
+        let line = text.lines().find_map(|l| l.split_once("LOSSES ").map(|(_, r)| r)).expect(&text);
+        let losses: Vec<f64> = serde_json::from_str(line).unwrap();
+        assert!(losses.iter().all(|l| l.is_finite() && *l > 0.0), "{losses:?}");
+    }
 }

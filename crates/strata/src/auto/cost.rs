@@ -12,7 +12,7 @@ use serde::Serialize;
 pub struct Analysis {
     pub params: i64,
     /// Parameters that train (the rest are frozen: LoRA's base, `freeze`): only they have
-    /// optimizer states, and on an unsharded engine gradients.
+    /// gradients and optimizer states.
     pub trainable_params: i64,
     pub unit_params: Vec<i64>,
     /// Bytes each unit's forward keeps for backward (fp32, one micro-batch of this rank).
@@ -40,24 +40,28 @@ pub fn predicted_peak(a: &Analysis, c: &Candidate, world: usize) -> u64 {
     // Each tensor rank holds the whole parameters and its piece of the split ones; sharding
     // spans the ranks that hold the same pieces.
     let psi = (a.params - a.split_params) as f64 + a.split_params as f64 / t;
-    // What of it trains, in the same proportion; sharded gradients follow whole units.
-    let trained = psi * a.trainable_params as f64 / a.params.max(1) as f64;
+    // What of it trains, in the same proportion: gradients, masters and optimizer state
+    // exist for that alone, sharded or not.
+    let share = a.trainable_params as f64 / a.params.max(1) as f64;
+    let trained = psi * share;
     let n = if c.sharding == Sharding::None { 1.0 } else { world as f64 / t };
     let (p, g, k) = match c.precision {
         Precision::HalfBf16 | Precision::HalfFp16 => (2.0, 2.0, 8.0),
         _ => (4.0, 4.0, 8.0),
     };
     let largest = a.unit_params.iter().copied().max().unwrap_or(0) as f64 / t;
+    // The whole gradients alive at once: two units' trained parts.
+    let whole_grads = 2.0 * largest * share * g;
     let states = match (c.sharding, c.offload) {
         (Sharding::None, false) => psi * p + trained * (g + k),
-        (Sharding::Zero1, false) => psi * (p + g) + trained * k / n,
-        (Sharding::Zero2, false) => psi * p + psi * g / n + trained * k / n + 2.0 * largest * g,
-        (Sharding::Fsdp, false) => psi * (p + g) / n + trained * k / n + 2.0 * largest * (p + g),
+        (Sharding::Zero1, false) => psi * p + trained * g + trained * k / n,
+        (Sharding::Zero2, false) => psi * p + trained * (g + k) / n + whole_grads,
+        (Sharding::Fsdp, false) => psi * p / n + trained * (g + k) / n + 2.0 * largest * p + whole_grads,
         // Offloaded, the device needs at least the unit computing: its parameters and
         // gradient (and, beside zero1/zero2, the whole parameters they keep there); the
         // plan fills the rest of the budget with whatever fits.
-        (Sharding::None | Sharding::Fsdp, true) => 2.0 * largest * (p + g),
-        (Sharding::Zero1 | Sharding::Zero2, true) => psi * p + 2.0 * largest * g,
+        (Sharding::None | Sharding::Fsdp, true) => 2.0 * largest * p + whole_grads,
+        (Sharding::Zero1 | Sharding::Zero2, true) => psi * p + whole_grads,
     };
     // Lower precision keeps lower-precision copies of most saved tensors; fused attention
     // keeps no score matrices.

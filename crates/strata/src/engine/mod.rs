@@ -56,8 +56,8 @@ pub struct EngineConfig {
     pub device_budget: Option<u64>,
     /// Bytes of host memory the engine and optimizer may hold for model states.
     pub host_budget: Option<u64>,
-    /// Each unit's buffers are padded to a multiple of this many elements, so that a
-    /// sharded strategy cuts them into equal shards.
+    /// Each unit's gradient span ([`UnitLayout`]) is padded to a multiple of this many
+    /// elements, so that a sharded strategy cuts it into equal shards.
     pub pad_to: i64,
     pub grad_layout: GradLayout,
     /// The tensor group this rank's units are split over (`None`: whole units). Each
@@ -102,17 +102,50 @@ impl Default for EngineConfig {
     }
 }
 
-/// A unit's contiguous storage.
+/// Where a unit's parameters lie in its flat buffer: `numel` elements of parameters in
+/// declaration order; the gradient span from `grad_start` (the first parameter that takes a
+/// gradient; `numel` for a unit frozen whole) on, padded to a multiple of
+/// [`EngineConfig::pad_to`]; `len` elements in all. The parameters before `grad_start` (a
+/// frozen base ahead of a LoRA run's adapters) have no gradient, master or optimizer state
+/// under any strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnitLayout {
+    pub numel: i64,
+    pub grad_start: i64,
+    pub len: i64,
+}
+
+impl UnitLayout {
+    /// The layout of unit `unit` of `spec` holding tensor rank pieces of `tp`.
+    pub fn of(spec: &ModelSpec, unit: usize, tp: i64, pad_to: i64) -> UnitLayout {
+        let (mut numel, mut grad_start) = (0, None);
+        for id in &spec.units[unit].params {
+            let p = &spec.params[id.0];
+            if p.requires_grad {
+                grad_start.get_or_insert(numel);
+            }
+            numel += p.local_shape(tp).iter().product::<i64>();
+        }
+        let grad_start = grad_start.unwrap_or(numel);
+        let pad_to = pad_to.max(1);
+        let span = (numel - grad_start + pad_to - 1) / pad_to * pad_to;
+        UnitLayout { numel, grad_start, len: grad_start + span }
+    }
+
+    /// Elements of the gradient span (0 for a unit frozen whole).
+    pub fn grad_len(&self) -> i64 {
+        self.len - self.grad_start
+    }
+}
+
+/// A unit's contiguous storage, laid out as its [`UnitLayout`] says.
 pub struct UnitStorage {
-    /// All parameters the unit owns, concatenated in declaration order, then padding up to
-    /// a multiple of [`EngineConfig::pad_to`].
+    /// All parameters the unit owns, concatenated in declaration order, then padding.
     pub flat: Tensor,
     /// Their gradients, laid out as `flat` from `grad_start` on; autograd accumulates into
     /// it.
     pub grad: Tensor,
-    /// Where in `flat` the gradient buffer begins: the parameters before it take no
-    /// gradient (a frozen base ahead of a LoRA run's adapters). 0 under a sharded or
-    /// offloaded strategy, whose gradients follow the whole unit's layout.
+    /// Where in `flat` the gradient buffer begins ([`UnitLayout::grad_start`]).
     pub grad_start: i64,
     /// Elements that belong to parameters (the rest of `flat` is padding).
     pub numel: i64,
@@ -215,29 +248,17 @@ fn attach_grad(param: &Tensor, unit_grad: &Tensor, offset: i64) -> Result<()> {
 }
 
 impl Engine {
-    /// Allocates and initialises the model described by `spec`.
-    /// Each unit's gradient buffer spans its trainable parameters only: from the first
-    /// that takes a gradient to the end, none for a unit frozen whole.
+    /// Allocates and initialises the model described by `spec`, each unit laid out as its
+    /// [`UnitLayout`] says.
     pub fn new(spec: ModelSpec, config: EngineConfig) -> Result<Engine> {
-        Engine::allocate(spec, config, true, &mut |_, _, _, _| Ok(()))
+        Engine::new_with(spec, config, &mut |_, _, _, _| Ok(()))
     }
 
     /// Like [`Engine::new`], calling `on_unit(unit, storage, initial, ledger)` as soon as
     /// each unit is initialised, before the next is allocated: a sharded strategy keeps its
     /// shard and frees the rest there, so the whole model never exists at once. `initial`
     /// holds the initial values in at least fp32 precision, laid out as `storage.flat`.
-    /// Gradient buffers span whole units (those of units frozen whole are empty), as
-    /// shards of them follow the units' layouts.
     pub fn new_with(spec: ModelSpec, config: EngineConfig, on_unit: &mut UnitInitHook<'_>) -> Result<Engine> {
-        Engine::allocate(spec, config, false, on_unit)
-    }
-
-    fn allocate(
-        spec: ModelSpec,
-        config: EngineConfig,
-        trainable_span: bool,
-        on_unit: &mut UnitInitHook<'_>,
-    ) -> Result<Engine> {
         let ledger = Arc::new(MemoryLedger::new());
         if let Some(budget) = config.device_budget {
             ledger.set_budget(Placement::Device, budget);
@@ -260,34 +281,22 @@ impl Engine {
             return Err(Error::Config("units that compute on the host need per-unit gradient buffers".into()));
         }
         let esize = config.kind.elt_size_in_bytes() as u64;
-        let padded = |numel: i64| (numel + config.pad_to - 1) / config.pad_to * config.pad_to;
-        let unit_numel: Vec<i64> = spec.units.iter().map(|u| u.params.iter().map(local_numel).sum()).collect();
+        let layouts: Vec<UnitLayout> =
+            (0..spec.units.len()).map(|k| UnitLayout::of(&spec, k, tp, config.pad_to)).collect();
         let mut offsets = vec![0; spec.params.len()];
         let mut full_offsets = vec![0; spec.params.len()];
-        // Per unit, where its gradient buffer begins in its (local) layout.
-        let mut grad_starts = Vec::with_capacity(spec.units.len());
         for unit in &spec.units {
-            let (mut offset, mut local) = (0, 0);
-            let mut first_trained = None;
+            let mut offset = 0;
             for id in &unit.params {
                 full_offsets[id.0] = offset;
                 offset += spec.params[id.0].numel();
-                if spec.params[id.0].requires_grad {
-                    first_trained.get_or_insert(local);
-                }
-                local += local_numel(id);
             }
-            grad_starts.push(if trainable_span { first_trained.unwrap_or(local) } else { 0 });
         }
         let mut params: Vec<Option<Tensor>> = (0..spec.params.len()).map(|_| None).collect();
         let mut storage = Vec::with_capacity(spec.units.len());
-        // A unit that trains nothing (frozen whole) has no gradient buffer; one that trains
-        // some has one from `grad_starts` on, or over the whole unit.
-        let trains = |u: &crate::model::UnitSpec| u.params.iter().any(|id| spec.params[id.0].requires_grad);
-        let grad_len = |k: usize, len: i64| if trains(&spec.units[k]) { len - grad_starts[k] } else { 0 };
         let grads = match config.grad_layout {
             GradLayout::Contiguous => {
-                let total: i64 = spec.units.iter().enumerate().map(|(k, _)| grad_len(k, padded(unit_numel[k]))).sum();
+                let total: i64 = layouts.iter().map(UnitLayout::grad_len).sum();
                 ledger.alloc(Placement::Device, Category::Grads, total as u64 * esize)?;
                 Some(Tensor::f_zeros([total], (config.kind, config.device))?)
             }
@@ -295,7 +304,7 @@ impl Engine {
         };
         let mut grads_used = 0;
         for (k, unit) in spec.units.iter().enumerate() {
-            let (numel, len) = (unit_numel[k], padded(unit_numel[k]));
+            let UnitLayout { numel, grad_start, len } = layouts[k];
             let (device, placement) = match config.computes_on_host(k) {
                 true => (Device::Cpu, Placement::Host),
                 false => (config.device, Placement::Device),
@@ -303,7 +312,7 @@ impl Engine {
             let opts = (config.kind, device);
             ledger.alloc(placement, Category::Params, len as u64 * esize)?;
             let flat = Tensor::f_zeros([len], opts)?;
-            let grad_len = grad_len(k, len);
+            let grad_len = layouts[k].grad_len();
             let grad = match &grads {
                 Some(all) => all.f_narrow(0, grads_used, grad_len)?,
                 None => {
@@ -345,7 +354,7 @@ impl Engine {
                 })?;
                 let leaf = view.f_detach()?.f_set_requires_grad(p.requires_grad)?;
                 if p.requires_grad {
-                    attach_grad(&leaf, &grad, offset - grad_starts[k])?;
+                    attach_grad(&leaf, &grad, offset - grad_start)?;
                 }
                 offsets[id.0] = offset;
                 params[id.0] = Some(leaf);
@@ -354,8 +363,8 @@ impl Engine {
             if drawn_apart {
                 tch::no_grad(|| flat.shallow_clone().f_copy_(&initial))?;
             }
-            let trainable = trains(unit);
-            let mut unit_storage = UnitStorage { flat, grad, grad_start: grad_starts[k], numel, trainable };
+            let trainable = grad_len > 0;
+            let mut unit_storage = UnitStorage { flat, grad, grad_start, numel, trainable };
             on_unit(k, &mut unit_storage, &initial, &ledger)?;
             storage.push(unit_storage);
         }
@@ -589,6 +598,11 @@ impl Engine {
     /// Whether this rank writes its part of the model states into checkpoints.
     pub fn checkpoint_writer(&self) -> bool {
         self.schedule.checkpoint_writer()
+    }
+
+    /// Whether this rank writes the units' frozen heads into checkpoints.
+    pub fn writes_frozen_heads(&self) -> bool {
+        self.schedule.writes_frozen_heads()
     }
 
     /// Per unit, the range (start, length) of its flat layout whose master values and
@@ -1179,7 +1193,7 @@ impl Engine {
                 if start < end {
                     out.push(Segment {
                         param: view.param.f_narrow(0, start - lo, end - start)?,
-                        grad: view.grad.f_narrow(0, start - lo - view.grad_offset, end - start)?,
+                        grad: view.grad.f_narrow(0, start - lo, end - start)?,
                         group,
                         unit,
                         offset: start,

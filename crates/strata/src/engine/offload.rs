@@ -12,7 +12,7 @@ use super::placement::{self, moment_index, Home, HomePolicy, Moment, Plan, PlanI
 use super::slots::{self, SlotPool, SlottedBuffer};
 use super::{
     memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, MemoryLedger, OptimizerView, Phase,
-    Placement, ScheduleContext, UnitSchedule, UnitStorage,
+    Placement, ScheduleContext, UnitLayout, UnitSchedule, UnitStorage,
 };
 use crate::model::ModelSpec;
 use crate::{Error, Result};
@@ -153,29 +153,27 @@ fn copy_on_stream(stream: &cuda::Stream, device: usize, destination: &Tensor, so
     Ok(done)
 }
 
-/// Per unit, the bytes of its model states in `kind`, its buffers padded to `pad_to`
-/// elements as the engine makes them.
+/// Per unit, the bytes of its model states in `kind`, its buffers laid out as the engine
+/// lays them out ([`UnitLayout`], padded to `pad_to`).
 fn unit_states(spec: &ModelSpec, kind: Kind, pad_to: i64, optimizer_bytes_per_element: u64) -> Vec<UnitStates> {
     let esize = kind.elt_size_in_bytes() as u64;
-    let pad_to = pad_to.max(1) as u64;
     // The optimizer updates low-precision parameters through fp32 copies of the parameters
     // and gradients of one unit at a time.
     let scratch_per_element = if esize < 4 { 8 } else { 0 };
     spec.units
         .iter()
-        .map(|u| {
-            let numel: u64 =
-                u.params.iter().map(|id| spec.params[id.0].numel() as u64).sum::<u64>().next_multiple_of(pad_to);
+        .enumerate()
+        .map(|(k, u)| {
+            let layout = UnitLayout::of(spec, k, 1, pad_to);
             let trainable: u64 = u
                 .params
                 .iter()
                 .filter(|id| spec.params[id.0].requires_grad)
                 .map(|id| spec.params[id.0].numel() as u64)
                 .sum();
-            let grads = if trainable > 0 { numel * esize } else { 0 };
             UnitStates {
-                params: numel * esize,
-                grads,
+                params: layout.len as u64 * esize,
+                grads: layout.grad_len() as u64 * esize,
                 optimizer: trainable * optimizer_bytes_per_element,
                 update_scratch: trainable * scratch_per_element,
             }
@@ -638,15 +636,14 @@ impl UnitSchedule for Offload {
     fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
         let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
         let placement = if unit.home == Home::Device { Placement::Device } else { Placement::Host };
-        // The master where there is one apart (a frozen unit's too, whose device copy may be
-        // gone); a unit that computes on the host has its engine buffers there.
+        // The master where there is one apart; a unit that computes on the host has its
+        // engine buffers there.
         let param = unit.host_params.as_ref().unwrap_or(&s.flat);
         let grad = unit.host_grad.as_ref().unwrap_or(&s.grad);
         Ok(OptimizerView {
-            param: param.shallow_clone(),
+            param: param.f_narrow(0, s.grad_start, grad.numel() as i64)?,
             grad: grad.shallow_clone(),
-            offset: 0,
-            grad_offset: 0,
+            offset: s.grad_start,
             placement,
         })
     }

@@ -9,14 +9,13 @@ use std::sync::Arc;
 use tch::{Kind, Tensor};
 
 /// The buffers the optimizer updates for one unit: `param` and `grad` cover elements
-/// `offset..offset + len` of the unit's flat layout (all of it unless a strategy shards).
+/// `offset..offset + len` of the unit's flat layout (its whole gradient span unless a
+/// strategy shards it; the frozen head before it is never updated).
 pub struct OptimizerView {
     pub param: Tensor,
     pub grad: Tensor,
     /// Where `param` begins in the unit's flat layout.
     pub offset: i64,
-    /// Where `grad` begins in `param` (the parameters before it take no gradient).
-    pub grad_offset: i64,
     /// Where `param` and `grad` live, and so where the optimizer keeps its state for them.
     pub placement: Placement,
 }
@@ -63,10 +62,9 @@ pub trait UnitSchedule: Send {
     fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
         let s = &ctx.storage[ctx.unit];
         Ok(OptimizerView {
-            param: s.flat.shallow_clone(),
+            param: s.flat.f_narrow(0, s.grad_start, s.grad.numel() as i64)?,
             grad: s.grad.shallow_clone(),
-            offset: 0,
-            grad_offset: s.grad_start,
+            offset: s.grad_start,
             placement: Placement::Device,
         })
     }
@@ -123,6 +121,12 @@ pub trait UnitSchedule: Send {
     /// writes it into checkpoints (replicas leave it to one of them).
     fn checkpoint_writer(&self) -> bool {
         true
+    }
+
+    /// Whether this rank writes the units' frozen heads (which every rank holding a unit
+    /// can gather) into checkpoints: one writer of each unit's.
+    fn writes_frozen_heads(&self) -> bool {
+        self.checkpoint_writer()
     }
 
     /// dtype of the values the optimizer updates (the fp32 master of a mixed-precision run).

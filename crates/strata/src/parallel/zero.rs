@@ -1,7 +1,8 @@
 //! ZeRO stages 1–3 (`zero1`, `zero2`, `fsdp`) as one engine schedule.
 //!
-//! Every unit's flat buffer is padded to a multiple of the shard group's size and cut into
-//! equal shards; rank `r` of the group owns shard `r` of every sharded unit:
+//! Every unit's gradient span ([`UnitLayout`]: the parameters from its first trainable one
+//! on) is padded to a multiple of the shard group's size and cut into equal shards; rank
+//! `r` of the group owns shard `r` of every sharded unit's span:
 //! - stage 1 keeps whole parameters and gradients, all-reduces gradients and updates only
 //!   its shard, then all-gathers the updated parameters;
 //! - stage 2 also reduce-scatters each unit's gradient as soon as its backward is done and
@@ -10,6 +11,10 @@
 //!   before its forward and backward and freed after (after forward only with
 //!   `reshard_after_forward`, FSDP's FULL_SHARD). The engine knows the unit order, so
 //!   the next unit's gather is started early (forward prefetch, backward PRE/POST).
+//!
+//! A frozen head ahead of the span (a LoRA run's base) has no gradient, master or
+//! optimizer state; stage 3 cuts it into shards of its own, kept in `param_dtype` and
+//! gathered beside the span's.
 //!
 //! With a mixed-precision policy the flat buffers hold `param_dtype` and the optimizer
 //! updates fp32 masters; reduce-scattered gradients are reduced in `reduce_dtype` (stage
@@ -22,7 +27,7 @@ use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp, Work};
 use crate::engine::offload::HostMemory;
 use crate::engine::{
     memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, MemoryLedger, OptimizerView, Phase,
-    Placement, ScheduleContext, UnitSchedule, UnitStorage,
+    Placement, ScheduleContext, UnitLayout, UnitSchedule, UnitStorage,
 };
 use crate::model::ModelSpec;
 use crate::strategy::{BackwardPrefetch, Stage, Wrap};
@@ -144,17 +149,15 @@ impl ZeroOptions {
     ) -> Vec<u64> {
         let [master_kind, param_kind, reduce_kind] = kinds;
         let separate_master = (self.stage == Stage::Parameters && n > 1) || param_kind != master_kind;
-        spec.units
+        self.wrap
             .iter()
-            .zip(&self.wrap)
-            .map(|(unit, wrap)| {
-                let trainable = unit.params.iter().any(|id| spec.params[id.0].requires_grad);
-                if *wrap == Wrap::Ignored || !trainable {
+            .enumerate()
+            .map(|(k, wrap)| {
+                let span = UnitLayout::of(spec, k, tp, n).grad_len();
+                if *wrap == Wrap::Ignored || span == 0 {
                     return 0;
                 }
-                let numel: i64 =
-                    unit.params.iter().map(|id| spec.params[id.0].local_shape(tp).iter().product::<i64>()).sum();
-                let shard = (numel + n - 1) / n;
+                let shard = span / n;
                 let master = if separate_master { bytes(shard, master_kind) } else { 0 };
                 master + bytes(shard, reduce_kind) + shard as u64 * optimizer_bytes
             })
@@ -187,11 +190,17 @@ impl ShardGroups {
 struct Sharded {
     wrap: Wrap,
     trainable: bool,
-    /// Padded length of the flat buffers and of one shard.
+    /// Length of the flat buffer, where its gradient span begins, and one shard of that
+    /// span.
     len: i64,
+    grad_start: i64,
     shard_len: i64,
-    /// The master shard when it is not a view of the flat buffer (stage 3, or a
-    /// mixed-precision policy).
+    /// One shard of the frozen head `0..grad_start` (a whole number of them covers it),
+    /// and the shard itself in the parameters' dtype where stage 3 frees the flat buffer.
+    frozen_len: i64,
+    frozen: Option<Tensor>,
+    /// The master shard of the span when it is not a view of the flat buffer (stage 3, or
+    /// a mixed-precision policy).
     master: Option<Tensor>,
     /// The reduced gradient shard (stages 2 and 3).
     grad_shard: Option<Tensor>,
@@ -200,9 +209,15 @@ struct Sharded {
     /// Whether its whole gradient borrows a [`SharedGradSlots`] slot from its backward until
     /// its reduce-scatter completes.
     borrows_grad_slot: bool,
-    gathering: Option<InFlight>,
+    gathering: Option<Gather>,
     /// Whether its shard states live in host memory (and are updated there).
     host: bool,
+}
+
+impl Sharded {
+    fn grad_len(&self) -> i64 {
+        self.len - self.grad_start
+    }
 }
 
 /// Memory for whole gradients that the shard group reads in place (`shm`): buffers the size
@@ -298,6 +313,79 @@ impl InFlight {
     }
 }
 
+/// A unit's parameter gather: the collectives of its frozen head and its span, and the
+/// scratch shards of the head that reach past it, whose leading elements are copied into
+/// place once the gather completes.
+#[derive(Default)]
+struct Gather {
+    parts: Vec<InFlight>,
+    /// (scratch, where its leading elements go, what the scratch was charged).
+    tails: Vec<(Tensor, Tensor, u64)>,
+}
+
+impl Gather {
+    /// Waits for every part (all of them, even after one fails, so nothing still writes
+    /// the buffers when this returns), then copies the tails into place.
+    fn finish(self, ledger: &MemoryLedger, what: &str) -> Result<()> {
+        let mut waited = Ok(());
+        for part in self.parts {
+            let done = part.finish(ledger, what);
+            if waited.is_ok() {
+                waited = done;
+            }
+        }
+        for (scratch, into, charged) in self.tails {
+            if waited.is_ok() {
+                let have = into.numel() as i64;
+                waited = tch::no_grad(|| Ok(into.shallow_clone().f_copy_(&scratch.f_narrow(0, 0, have)?).map(drop)?));
+            }
+            ledger.free(Placement::Device, Category::Params, charged);
+        }
+        waited
+    }
+}
+
+/// The outputs of gathering shards of `shard` elements into the first `head` elements of
+/// `buffer`, one per rank of `n`: views of `buffer` where a shard lies inside the head, else
+/// scratch shards (charged to the ledger) recorded in `gather` to be copied in on completion.
+fn head_outputs(
+    buffer: &Tensor,
+    head: i64,
+    shard: i64,
+    n: i64,
+    gather: &mut Gather,
+    ledger: &MemoryLedger,
+) -> Result<Vec<Tensor>> {
+    let mut outputs = Vec::with_capacity(n as usize);
+    for r in 0..n {
+        let start = r * shard;
+        if start + shard <= head {
+            outputs.push(buffer.f_narrow(0, start, shard)?);
+            continue;
+        }
+        let charged = bytes(shard, buffer.kind());
+        ledger.alloc(Placement::Device, Category::Params, charged)?;
+        let scratch = Tensor::f_empty([shard], (buffer.kind(), buffer.device()))?;
+        let into = buffer.f_narrow(0, start.min(head), (head - start).max(0))?;
+        gather.tails.push((scratch.shallow_clone(), into, charged));
+        outputs.push(scratch);
+    }
+    Ok(outputs)
+}
+
+/// Elements `start..start + count` of the flat `values`, zeros past its end.
+fn padded_slice(values: &Tensor, start: i64, count: i64) -> Result<Tensor> {
+    let have = (values.numel() as i64 - start).clamp(0, count);
+    if have == count {
+        return Ok(values.f_narrow(0, start, count)?);
+    }
+    let out = Tensor::f_zeros([count], (values.kind(), values.device()))?;
+    if have > 0 {
+        tch::no_grad(|| out.f_narrow(0, 0, have)?.f_copy_(&values.f_narrow(0, start, have)?))?;
+    }
+    Ok(out)
+}
+
 pub struct Zero {
     options: ZeroOptions,
     groups: ShardGroups,
@@ -381,13 +469,16 @@ impl Zero {
                 }
             }
             let wrap = options.wrap[k];
-            let len = s.flat.numel() as i64;
-            let shard_len = len / n;
+            let (len, grad_start) = (s.flat.numel() as i64, s.grad_start);
+            let shard_len = (len - grad_start) / n;
             let mut unit = Sharded {
                 wrap,
                 trainable: s.trainable,
                 len,
+                grad_start,
                 shard_len,
+                frozen_len: (grad_start + n - 1) / n,
+                frozen: None,
                 master: None,
                 grad_shard: None,
                 params_resident: true,
@@ -399,9 +490,29 @@ impl Zero {
             let sharded = wrap != Wrap::Ignored;
             let frees_params = options.stage == Stage::Parameters && groups.shard.is_some();
             let host = options.offload.as_ref().filter(|_| sharded && s.trainable && on_host[k]).map(|o| &o.memory);
-            // A master of what this rank updates: its shard, or all of an ignored unit.
-            if (sharded && frees_params) || param_kind != master_kind || host.is_some() {
-                let (start, count) = if sharded { (rank * shard_len, shard_len) } else { (0, len) };
+            // Stage 3 keeps a shard of the frozen head to gather it from.
+            if sharded && frees_params && grad_start > 0 {
+                let count = unit.frozen_len;
+                let values = padded_slice(initial, rank * count, count)?.f_to_kind(param_kind)?;
+                let shared = match &groups.shard {
+                    Some(g) => g.alloc(count, param_kind, s.flat.device())?,
+                    None => None,
+                };
+                let frozen = match shared {
+                    Some(t) => {
+                        tch::no_grad(|| t.shallow_clone().f_copy_(&values))?;
+                        t
+                    }
+                    None => values.f_to_device(s.flat.device())?.f_detach_copy()?,
+                };
+                ledger.alloc(Placement::Device, Category::Params, bytes(count, param_kind))?;
+                unit.frozen = Some(frozen);
+            }
+            // A master of what this rank updates: its shard of the span, or all of an
+            // ignored unit's span.
+            if s.trainable && ((sharded && frees_params) || param_kind != master_kind || host.is_some()) {
+                let (start, count) =
+                    if sharded { (grad_start + rank * shard_len, shard_len) } else { (grad_start, len - grad_start) };
                 // Gathers read the master of a sharded unit when it is in the parameters'
                 // dtype: there it goes where the shard group reads it in place.
                 let shared = match (&groups.shard, sharded && master_kind == param_kind && host.is_none()) {
@@ -463,7 +574,7 @@ impl Zero {
                 unit.params_resident = false;
             }
         }
-        let largest_borrowed = units.iter().filter(|u| u.borrows_grad_slot).map(|u| u.len).max();
+        let largest_borrowed = units.iter().filter(|u| u.borrows_grad_slot).map(Sharded::grad_len).max();
         let grad_slots = match (&groups.shard, largest_borrowed) {
             (Some(g), Some(numel)) => SharedGradSlots::new(g, numel, param_kind, device)?,
             _ => None,
@@ -498,27 +609,40 @@ impl Zero {
         let flat = &storage[u].flat;
         let flat_bytes = bytes(unit.len, self.param_kind);
         ledger.alloc(Placement::Device, Category::Params, flat_bytes)?;
-        let started = (|| -> Result<InFlight> {
+        let mut gather = Gather::default();
+        let started = (|| -> Result<()> {
             // SAFETY: the engine's flat buffer spans its storage.
             unsafe { memory::restore_buffer(flat) }?;
-            let master = unit.master.as_ref().ok_or_else(|| Error::Engine("a stage-3 unit has no shard".into()))?;
             let g =
                 self.groups.shard.as_ref().ok_or_else(|| Error::Engine("gathering without a shard group".into()))?;
-            // The collective writes the memory directly: autograd's saved views of these
+            let n = g.size() as i64;
+            let target = (self.param_kind, flat.device());
+            // The collectives write the memory directly: autograd's saved views of these
             // parameters see the same values they saw in forward, with no version change.
-            InFlight::start(master, (self.param_kind, flat.device()), Category::Params, ledger, |input| {
-                g.all_gather(&flat.f_chunk(g.size() as i64, 0)?, input)
-            })
-        })();
-        let gather = match started {
-            Ok(gather) => gather,
-            Err(e) => {
-                // SAFETY: nothing reads or writes the buffer: its gather never started.
-                let _ = unsafe { memory::release_buffer(flat) };
-                ledger.free(Placement::Device, Category::Params, flat_bytes);
-                return Err(e);
+            if let Some(frozen) = &unit.frozen {
+                let outputs = head_outputs(flat, unit.grad_start, unit.frozen_len, n, &mut gather, ledger)?;
+                let part =
+                    InFlight::start(frozen, target, Category::Params, ledger, |input| g.all_gather(&outputs, input))?;
+                gather.parts.push(part);
             }
-        };
+            if unit.trainable {
+                let master = unit.master.as_ref().ok_or_else(|| Error::Engine("a stage-3 unit has no shard".into()))?;
+                let span = flat.f_narrow(0, unit.grad_start, unit.grad_len())?;
+                let part = InFlight::start(master, target, Category::Params, ledger, |input| {
+                    g.all_gather(&span.f_chunk(n, 0)?, input)
+                })?;
+                gather.parts.push(part);
+            }
+            Ok(())
+        })();
+        if let Err(e) = started {
+            // Nothing reads or writes the buffer once what started of the gather is over.
+            let _ = gather.finish(ledger, "parameter all-gather");
+            // SAFETY: as above.
+            let _ = unsafe { memory::release_buffer(flat) };
+            ledger.free(Placement::Device, Category::Params, flat_bytes);
+            return Err(e);
+        }
         let unit = &mut self.units[u];
         unit.gathering = Some(gather);
         unit.params_resident = true;
@@ -617,7 +741,7 @@ impl Zero {
         if unit.grads_resident || !unit.trainable {
             return Ok(());
         }
-        let charged = bytes(unit.len, self.param_kind);
+        let charged = bytes(unit.grad_len(), self.param_kind);
         ledger.alloc(Placement::Device, Category::Grads, charged)?;
         let given = match (&self.grad_slots, unit.borrows_grad_slot && reduced_after) {
             (Some(slots), true) => slots.lend(&storage[u].grad),
@@ -691,7 +815,7 @@ impl Zero {
         // SAFETY: the reduce-scatter reading it has completed (waited above), and the
         // unit's backward, which wrote it, is over; `ensure_grads` restores it.
         unsafe { memory::release_buffer(&storage[u].grad) }?;
-        ledger.free(Placement::Device, Category::Grads, bytes(unit.len, self.param_kind));
+        ledger.free(Placement::Device, Category::Grads, bytes(unit.grad_len(), self.param_kind));
         unit.grads_resident = false;
         if let (Some(replicas), Some(shard)) = (&self.groups.replicate, &unit.grad_shard) {
             self.all_reducing.push(replicas.all_reduce(shard, ReduceOp::Avg)?);
@@ -716,13 +840,13 @@ impl Zero {
         Ok(())
     }
 
-    /// The range of unit `u`'s flat layout this rank updates: its shard, or all of an
-    /// ignored (replicated) unit.
+    /// The range of unit `u`'s flat layout this rank updates: its shard of the span, or all
+    /// of an ignored (replicated) unit's span.
     fn master_range(&self, u: usize) -> (i64, i64) {
         let unit = &self.units[u];
         match unit.wrap {
-            Wrap::Ignored => (0, unit.len),
-            _ => (self.shard_rank() * unit.shard_len, unit.shard_len),
+            Wrap::Ignored => (unit.grad_start, unit.grad_len()),
+            _ => (unit.grad_start + self.shard_rank() * unit.shard_len, unit.shard_len),
         }
     }
 
@@ -819,12 +943,13 @@ impl UnitSchedule for Zero {
     }
 
     fn held_tensors(&self) -> Vec<Tensor> {
-        let per_unit = self.units.iter().flat_map(|u| {
-            let copy = u.gathering.as_ref().and_then(|g| g.copy.as_ref());
-            [u.master.as_ref(), u.grad_shard.as_ref(), copy]
+        let per_unit = self.units.iter().flat_map(|u| [u.frozen.as_ref(), u.master.as_ref(), u.grad_shard.as_ref()]);
+        let gathers = self.units.iter().filter_map(|u| u.gathering.as_ref()).flat_map(|g| {
+            let copies = g.parts.iter().filter_map(|p| p.copy.as_ref());
+            copies.chain(g.tails.iter().map(|(scratch, _, _)| scratch))
         });
         let reductions = self.reducing.iter().flat_map(|(_, r, landing)| [r.copy.as_ref(), landing.as_ref()]);
-        per_unit.chain(reductions).flatten().map(Tensor::shallow_clone).collect()
+        per_unit.flatten().chain(gathers).chain(reductions.flatten()).map(Tensor::shallow_clone).collect()
     }
 
     fn attach_events(&mut self, sink: Arc<dyn EventSink>) {
@@ -840,20 +965,14 @@ impl UnitSchedule for Zero {
             None => s.flat.f_narrow(0, offset, count)?,
         };
         if unit.wrap == Wrap::Ignored {
-            return Ok(OptimizerView {
-                param,
-                grad: s.grad.shallow_clone(),
-                offset: 0,
-                grad_offset: 0,
-                placement: Placement::Device,
-            });
+            return Ok(OptimizerView { param, grad: s.grad.shallow_clone(), offset, placement: Placement::Device });
         }
         let grad = match &unit.grad_shard {
             Some(g) => g.shallow_clone(),
-            None => s.grad.f_narrow(0, offset, unit.shard_len)?,
+            None => s.grad.f_narrow(0, offset - unit.grad_start, unit.shard_len)?,
         };
         let placement = if unit.host { Placement::Host } else { Placement::Device };
-        Ok(OptimizerView { param, grad, offset, grad_offset: 0, placement })
+        Ok(OptimizerView { param, grad, offset, placement })
     }
 
     fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
@@ -876,7 +995,8 @@ impl UnitSchedule for Zero {
                 tch::no_grad(|| mine.shallow_clone().f_copy_(master))?;
             }
             if let (Some(g), true) = (&self.groups.shard, unit.wrap != Wrap::Ignored) {
-                works.push(g.all_gather(&storage[u].flat.f_chunk(g.size() as i64, 0)?, &mine)?);
+                let span = storage[u].flat.f_narrow(0, unit.grad_start, unit.grad_len())?;
+                works.push(g.all_gather(&span.f_chunk(g.size() as i64, 0)?, &mine)?);
             }
         }
         for w in works {
@@ -918,46 +1038,80 @@ impl UnitSchedule for Zero {
         self.groups.replicate.as_ref().is_none_or(|g| g.rank() == 0)
     }
 
+    fn writes_frozen_heads(&self) -> bool {
+        self.checkpoint_writer() && self.shard_rank() == 0
+    }
+
     fn master_kind(&self) -> Option<Kind> {
         Some(self.master_kind)
     }
 
     fn full_unit(&mut self, ctx: ScheduleContext<'_>) -> Result<Tensor> {
         let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
-        let unit = &self.units[u];
-        let (offset, count) = self.master_range(u);
-        let mine = match &unit.master {
-            Some(m) => m.shallow_clone(),
-            None => s.flat.f_narrow(0, offset, count)?.f_to_kind(self.master_kind)?,
-        };
-        if unit.wrap == Wrap::Ignored {
-            return Ok(mine.f_narrow(0, 0, s.numel)?);
+        if let Some(gather) = self.units[u].gathering.take() {
+            gather.finish(ctx.ledger, "parameter all-gather")?;
         }
-        // A shard in host memory is gathered on the device.
-        let mine = mine.f_to_device(s.flat.device())?;
-        let full = match &self.groups.shard {
-            Some(g) => {
-                let full = Tensor::f_empty([unit.len], (self.master_kind, s.flat.device()))?;
-                g.all_gather(&full.f_chunk(g.size() as i64, 0)?, &mine)?
-                    .wait()
-                    .map_err(comm_failed("parameter all-gather"))?;
-                full
+        let unit = &self.units[u];
+        let device = s.flat.device();
+        let full = Tensor::f_zeros([unit.len], (self.master_kind, device))?;
+        let group = self.groups.shard.as_ref().filter(|_| unit.wrap != Wrap::Ignored);
+        // The frozen head: from the parameters where they are here, else from its shards.
+        match (&unit.frozen, group) {
+            (Some(frozen), Some(g)) if !unit.params_resident => {
+                let mut gather = Gather::default();
+                let outputs =
+                    head_outputs(&full, unit.grad_start, unit.frozen_len, g.size() as i64, &mut gather, ctx.ledger);
+                let started = outputs.and_then(|outputs| {
+                    let target = (self.master_kind, device);
+                    let part = InFlight::start(frozen, target, Category::Params, ctx.ledger, |input| {
+                        g.all_gather(&outputs, input)
+                    })?;
+                    gather.parts.push(part);
+                    Ok(())
+                });
+                let finished = gather.finish(ctx.ledger, "parameter all-gather");
+                started.and(finished)?;
             }
-            None => mine,
-        };
+            _ => {
+                let head = s.flat.f_narrow(0, 0, unit.grad_start)?;
+                tch::no_grad(|| full.f_narrow(0, 0, unit.grad_start)?.f_copy_(&head))?;
+            }
+        }
+        if unit.trainable {
+            let (offset, count) = self.master_range(u);
+            // A shard in host memory is gathered on the device.
+            let mine = match &unit.master {
+                Some(m) => m.f_to_device(device)?.f_to_kind(self.master_kind)?,
+                None => s.flat.f_narrow(0, offset, count)?.f_to_kind(self.master_kind)?,
+            };
+            let span = full.f_narrow(0, unit.grad_start, unit.grad_len())?;
+            match group {
+                Some(g) => g
+                    .all_gather(&span.f_chunk(g.size() as i64, 0)?, &mine)?
+                    .wait()
+                    .map_err(comm_failed("parameter all-gather"))?,
+                None => tch::no_grad(|| span.shallow_clone().f_copy_(&mine).map(drop))?,
+            }
+        }
         Ok(full.f_narrow(0, 0, s.numel)?)
     }
 
     fn set_full_unit(&mut self, ctx: ScheduleContext<'_>, values: &Tensor) -> Result<()> {
         let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
+        if let Some(gather) = self.units[u].gathering.take() {
+            gather.finish(ctx.ledger, "parameter all-gather")?;
+        }
         let unit = &self.units[u];
-        let padded = Tensor::f_zeros([unit.len], (self.master_kind, s.flat.device()))?;
-        tch::no_grad(|| padded.f_narrow(0, 0, s.numel)?.f_copy_(values))?;
+        let padded = padded_slice(&values.f_to_kind(self.master_kind)?.f_to_device(s.flat.device())?, 0, unit.len)?;
         if unit.params_resident {
             tch::no_grad(|| s.flat.shallow_clone().f_copy_(&padded))?;
         }
+        if let Some(frozen) = &unit.frozen {
+            let mine = padded_slice(&padded, self.shard_rank() * unit.frozen_len, unit.frozen_len)?;
+            tch::no_grad(|| frozen.shallow_clone().f_copy_(&mine))?;
+        }
         let (offset, count) = self.master_range(u);
-        if let Some(master) = &self.units[u].master {
+        if let Some(master) = &unit.master {
             tch::no_grad(|| master.shallow_clone().f_copy_(&padded.f_narrow(0, offset, count)?))?;
         }
         Ok(())

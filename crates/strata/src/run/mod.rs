@@ -462,6 +462,16 @@ pub fn train(
         }
     }
     let resume = config.checkpoint_to_resume()?;
+    // A frozen base loaded from a model folder or weights file is left out of checkpoints
+    // and loaded again on resume.
+    let base_in_init = config.init.iter().any(|i| matches!(i, InitialWeights::File(_) | InitialWeights::Folder(_)));
+    if let Some(ckpt) = resume.as_ref().filter(|c| !c.holds_every_parameter() && !base_in_init) {
+        return Err(Error::Checkpoint(format!(
+            "{}: the checkpoint holds what its run trained, not the frozen base it started from: give that base \
+             (--model-dir or --init-weights) again",
+            ckpt.location.display()
+        )));
+    }
     let ranks = match &launched {
         Some(info) => Ranks {
             comm: Some(init_from_env(&backends, config.comm_timeout)?),
@@ -564,6 +574,7 @@ pub fn train(
             data: config.data_position(runner.step()),
             loss_scaler: runner.scaler(),
             model: model.config.clone(),
+            saves_frozen: !base_in_init,
         };
         let dir = runner.save_checkpoint(&c.dir, &run, world_group.as_deref(), c.keep).map_err(|e| {
             Error::Checkpoint(format!("saving a checkpoint in {}: {e}{}", c.dir.display(), config.last_checkpoint()))
