@@ -366,3 +366,70 @@ fn fsdp_halves_the_lora_base_and_keeps_states_for_the_adapters_alone() {
         assert!(losses.iter().all(|l| l.is_finite() && *l > 0.0), "{losses:?}");
     }
 }
+
+/// A LoRA engine of `seed` after two steps, with its optimizer.
+fn trained_lora_engine(seed: i64) -> (Engine, Optimizer) {
+    let mut spec = tiny_llama_spec();
+    lora_of(json!({"r": 2, "target_modules": ["q_proj", "down_proj"]})).apply(&mut spec).unwrap();
+    let mut engine = Engine::new(spec, EngineConfig { seed, ..Default::default() }).unwrap();
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+    let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+    let tokens = Tensor::arange(2 * 17, (Kind::Int64, tch::Device::Cpu)).remainder(64).view([2, 17]);
+    for step in 0..2 {
+        let batch = Batch::new(tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)).unwrap();
+        trainer.train_step(&Step::new(step, vec![batch])).unwrap();
+    }
+    (trainer.engine, trainer.optimizer)
+}
+
+fn units(engine: &mut Engine) -> Vec<Tensor> {
+    (0..engine.spec().units.len()).map(|k| engine.full_unit(k).unwrap().copy()).collect()
+}
+
+/// A LoRA run's checkpoint holds its frozen base only where the run did not load it from
+/// initial weights: without it, a restore keeps the loading engine's base and takes the
+/// adapters and their optimizer state; with it, everything.
+#[test]
+fn lora_checkpoints_hold_the_base_only_where_asked() {
+    use strata::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
+    let (mut engine, mut optimizer) = trained_lora_engine(1);
+    let saved = units(&mut engine);
+    let factors: Vec<_> = engine.spec().adapters.values().flat_map(|a| [a.a, a.b]).collect();
+    for saves_frozen in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunInfo {
+            step: 2,
+            world_size: 1,
+            strategy: json!([]),
+            optimizer: "adamw".into(),
+            data: DataPosition { seed: 0, batch_size: 2, ctx: 16, next_step: 2 },
+            loss_scaler: None,
+            model: None,
+            saves_frozen,
+        };
+        let path = checkpoint::save(dir.path(), &mut engine, &mut optimizer, &run, None, 1).unwrap();
+        let ckpt = Checkpoint::open(&path).unwrap();
+        assert_eq!(ckpt.holds_every_parameter(), saves_frozen);
+        // Another engine of another seed: another base, other adapters.
+        let (mut other, mut other_optimizer) = trained_lora_engine(2);
+        let base = units(&mut other);
+        ckpt.restore(&mut other, &mut other_optimizer, "adamw").unwrap();
+        let restored = units(&mut other);
+        for k in 0..restored.len() {
+            for &id in &other.spec().units[k].params {
+                let (at, n) = (other.full_offset(id), other.spec().params[id.0].numel());
+                let value = restored[k].narrow(0, at, n);
+                let frozen_head = !factors.contains(&id);
+                let want = if frozen_head && !saves_frozen { &base[k] } else { &saved[k] };
+                let name = &other.spec().params[id.0].name;
+                assert_eq!(largest_gap(&value, &want.narrow(0, at, n)), 0.0, "{name}, base saved {saves_frozen}");
+            }
+        }
+        let moments = |o: &Optimizer| -> Vec<Tensor> { o.state().into_iter().map(|(_, _, _, t)| t.copy()).collect() };
+        let (want, got) = (moments(&optimizer), moments(&other_optimizer));
+        assert!(!want.is_empty() && want.len() == got.len());
+        for (a, b) in want.iter().zip(&got) {
+            assert_eq!(largest_gap(a, b), 0.0, "optimizer state");
+        }
+    }
+}
