@@ -450,3 +450,42 @@ fn offload_is_chosen_where_nothing_without_it_fits_and_only_there() {
     let roomy = search(at(false, false) * 2);
     assert!(!roomy.contains("offload"), "everything fits: {roomy}");
 }
+
+/// The speeds of a table where plain fsdp (fp32, nothing else) is the fastest of all, and
+/// every neighbour the guided passes visit is slower than their own leaders: module
+/// replacement speeds up every layout but fsdp's, so the fp32 leader the sharding pass starts
+/// from has replaced modules, and its fsdp (with them) is slow.
+fn hidden_baseline_speed(c: &Candidate) -> f64 {
+    let plain = !c.module_replace && !c.checkpoint && c.tensor == 1 && !c.offload;
+    if plain && c.precision == Precision::Fp32 && c.sharding == Sharding::Fsdp {
+        return 200.0;
+    }
+    let precision = if c.precision == Precision::AmpBf16 { 110.0 } else { 100.0 };
+    let sharding = if c.sharding == Sharding::None { 1.0 } else { 0.9 };
+    let replace = match (c.module_replace, c.sharding) {
+        (true, Sharding::Fsdp) => 0.5,
+        (true, _) => 1.1,
+        (false, _) => 1.0,
+    };
+    let recompute = if c.checkpoint { 0.8 } else { 1.0 };
+    precision * sharding * replace * recompute
+}
+
+fn hidden_baseline(c: &Candidate) -> Cost {
+    Cost::Runs { tokens_per_s: hidden_baseline_speed(c), peak_bytes: 1 }
+}
+
+/// Plain data parallel and plain fsdp are dry-run whatever the passes visit, so the choice
+/// is never slower than either: here plain fsdp, which no pass reaches.
+#[test]
+fn plain_data_parallel_and_fsdp_are_always_measured_and_never_beaten_by_the_choice() {
+    let mut table = Table::new(&hidden_baseline);
+    let report = run(&mut table, limits(2, None, None), SearchMode::Guided);
+    let (ddp, fsdp) = ("fp32 + data parallel", "fp32 + fsdp");
+    for baseline in [ddp, fsdp] {
+        assert!(table.runs.iter().any(|r| r == baseline), "{baseline} dry-run: {:?}", table.runs);
+    }
+    assert_eq!(report.chosen.as_deref(), Some(fsdp));
+    let chosen = speed_of(&report, fsdp).unwrap();
+    assert!(chosen >= speed_of(&report, ddp).unwrap());
+}

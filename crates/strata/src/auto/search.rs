@@ -10,7 +10,7 @@
 //!
 //! Owns the order of the trials and the choice. Must not build engines or train: every dry
 //! run and every reading of the clock goes through the [`Measure`].
-use super::candidate::{capability, Candidate, PRECISIONS};
+use super::candidate::{capability, Candidate, Precision, Sharding, PRECISIONS};
 use super::cost::{predicted_peak, Analysis};
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::strategy::Strategy;
@@ -345,6 +345,15 @@ impl<'m> Search<'m> {
         leaders
     }
 
+    /// Plain data parallel and plain fsdp (fp32, nothing else), where they may run.
+    fn baselines(&self) -> Vec<usize> {
+        let plain = |c: &Candidate| {
+            c.precision == Precision::Fp32 && !c.module_replace && !c.checkpoint && c.tensor == 1 && !c.offload
+        };
+        let layouts = [Sharding::None, Sharding::Fsdp];
+        (0..self.cands.len()).filter(|&i| plain(&self.cands[i]) && layouts.contains(&self.cands[i].sharding)).collect()
+    }
+
     /// The fastest measured candidate that fits.
     pub fn best(&self) -> Option<usize> {
         self.fastest(1).first().copied()
@@ -395,7 +404,12 @@ impl<'m> Search<'m> {
         order.sort_by_key(|&i| (!self.predicted_fit(i), cost(&self.cands[i])));
         let Some(&start) = order.first() else { return Ok(()) };
         self.measure(start)?;
-        let mut current = start;
+        // Plain data parallel and plain fsdp, the layouts anyone tries first, are dry-run
+        // whatever the passes visit: the choice is never a layout measured slower than them.
+        for i in self.baselines() {
+            self.measure(i)?;
+        }
+        let mut current = self.best().unwrap_or(start);
         // Each dimension: the values it can take, each kept as close to the current choice as
         // fits (same recomputation and sharding if predicted to fit, else the least machinery
         // that is). Passes repeat while they change the choice, within a third of the
