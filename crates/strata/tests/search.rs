@@ -293,6 +293,10 @@ fn over_the_budget_is_never_chosen_and_the_fastest_that_fits_is() {
         report.trials.iter().any(|t| matches!(t.outcome, Outcome::OverBudget { .. })),
         "the table puts some predicted fits over the budget; the search met one"
     );
+    // Every measured peak is set beside the prediction (the table measures 10% above it).
+    let text = report.table();
+    let measured = text.lines().filter(|l| l.contains("peak")).count();
+    assert!(measured > 0 && text.matches("(1.10× the prediction)").count() == measured, "{text}");
 }
 
 #[test]

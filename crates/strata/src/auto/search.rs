@@ -118,6 +118,18 @@ pub struct SearchReport {
     pub stopped_by_time_limit: bool,
 }
 
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / crate::profile::MIB
+}
+
+/// A measured peak against the memory model's prediction for the same trial.
+fn measured_over(t: &Trial, peak: u64) -> String {
+    match t.predicted_peak_bytes {
+        0 => String::new(),
+        predicted => format!(" ({:.2}× the prediction)", peak as f64 / predicted as f64),
+    }
+}
+
 impl SearchReport {
     /// One line per candidate dry-run or left untried (the chosen one marked), then the
     /// pruned ones counted by reason.
@@ -134,18 +146,21 @@ impl SearchReport {
                     continue;
                 }
                 Outcome::Fits { tokens_per_s, peak_bytes, .. } => {
-                    format!("{tokens_per_s:.0} tokens/s, peak {:.1} MB", *peak_bytes as f64 / 1e6)
+                    format!(
+                        "{tokens_per_s:.0} tokens/s, peak {:.1} MiB{}",
+                        mib(*peak_bytes),
+                        measured_over(t, *peak_bytes)
+                    )
                 }
                 Outcome::OverBudget { peak_bytes: Some(peak), .. } => {
-                    format!("peak {:.1} MB, over the budget", *peak as f64 / 1e6)
+                    format!("peak {:.1} MiB{}, over the budget", mib(*peak), measured_over(t, *peak))
                 }
                 Outcome::OverBudget { peak_bytes: None, .. } => "out of memory".into(),
                 Outcome::Failed { reason, .. } => format!("failed: {reason}"),
                 Outcome::NotTried => "not dry-run".into(),
             };
             let mark = if self.chosen.as_deref() == Some(t.label.as_str()) { "*" } else { " " };
-            out +=
-                &format!("{mark} {:<58} predicted {:>8.1} MB  {what}\n", t.label, t.predicted_peak_bytes as f64 / 1e6);
+            out += &format!("{mark} {:<58} predicted {:>8.1} MiB  {what}\n", t.label, mib(t.predicted_peak_bytes));
         }
         for (reason, n) in pruned {
             out += &format!("  {n} candidates pruned: {reason}\n");
@@ -378,9 +393,9 @@ impl<'m> Search<'m> {
                 if t.predicted_peak_bytes as f64 > b as f64 * 1.25 {
                     t.outcome = Outcome::Pruned {
                         reason: format!(
-                            "the memory model predicts {:.1} MB, over the {:.1} MB budget",
-                            t.predicted_peak_bytes as f64 / 1e6,
-                            b as f64 / 1e6
+                            "the memory model predicts {:.1} MiB, over the {:.1} MiB budget",
+                            mib(t.predicted_peak_bytes),
+                            mib(b)
                         ),
                     };
                 }
