@@ -54,6 +54,7 @@ pub mod data;
 pub mod engine;
 mod error;
 mod fault;
+pub mod files;
 pub mod generate;
 pub mod io;
 pub mod model;

@@ -3,12 +3,13 @@
 //!
 //! Owns: the order forward → loss → backward per micro-batch, gradient clipping, the
 //! schedule, the update and the per-step report. Must not own data loading or output.
-use crate::compute::scaler::LossScaler;
+use crate::compute::scaler::GradDecision;
+pub use crate::compute::scaler::GradScaling;
 use crate::data::{Batch, Step};
 use crate::engine::memory::PlacementReport;
 use crate::engine::{memory, Engine, Placement};
 use crate::model::layers::cross_entropy;
-use crate::optim::{clip_coefficient, LrSchedule, Optimizer};
+use crate::optim::{LrSchedule, Optimizer};
 use crate::Result;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -165,25 +166,6 @@ pub struct Trainer {
     step: u64,
 }
 
-/// How gradients are scaled and checked before the update (`amp_native`).
-#[derive(Clone, Debug, Default)]
-pub struct GradScaling {
-    /// Scale the loss before backward and unscale the gradients after.
-    pub scaler: Option<LossScaler>,
-    /// Check the gradients for inf/NaN and skip such steps (a dynamic scaler always does).
-    pub skip_if_nonfinite: bool,
-}
-
-/// What a step's gradients get before the update.
-pub(crate) struct GradDecision {
-    /// Multiplies the gradients: unscaling and clipping together.
-    pub factor: f64,
-    /// The global norm before clipping, where clipping is on.
-    pub grad_norm: Option<f64>,
-    /// The gradients were not finite and the scaling says to skip the update.
-    pub skipped: bool,
-}
-
 /// Where a step's host updates stand when its update is applied.
 pub(crate) enum HostUpdating<'a> {
     /// Those of these units ran during backward; the rest run with the update.
@@ -217,44 +199,6 @@ impl GradDecision {
         }
         engine.end_step()?;
         engine.zero_grad()
-    }
-}
-
-impl GradScaling {
-    /// Whether a step with `grad_clip` updates whatever its gradients are (no clipping, no
-    /// scaling, no check), so an update may start before the whole step's gradients exist.
-    pub fn updates_unconditionally(&self, grad_clip: Option<f64>) -> bool {
-        grad_clip.is_none() && self.scaler.is_none() && !self.skip_if_nonfinite
-    }
-
-    /// The loss scale of the coming step (1 without a scaler).
-    pub fn scale(&self) -> f64 {
-        self.scaler.as_ref().map_or(1.0, |s| s.scale)
-    }
-
-    /// Unscales, checks and clips gradients computed from a loss scaled by `scale`, from
-    /// their global squared norm (`sq_norm`, computed only where needed), and moves the
-    /// scaler on.
-    pub(crate) fn decide(
-        &mut self,
-        grad_clip: Option<f64>,
-        scale: f64,
-        sq_norm: impl FnOnce() -> Result<f64>,
-    ) -> Result<GradDecision> {
-        let check = self.skip_if_nonfinite || self.scaler.as_ref().is_some_and(LossScaler::is_dynamic);
-        let mut decision = GradDecision { factor: 1.0, grad_norm: None, skipped: false };
-        if check || scale != 1.0 || grad_clip.is_some() {
-            let norm = sq_norm()?.sqrt() / scale;
-            decision.skipped = check && !norm.is_finite();
-            if !decision.skipped {
-                decision.factor = grad_clip.map_or(1.0, |max| clip_coefficient(max, norm)) / scale;
-                decision.grad_norm = grad_clip.map(|_| norm);
-            }
-        }
-        if let Some(s) = &mut self.scaler {
-            s.update(decision.skipped);
-        }
-        Ok(decision)
     }
 }
 

@@ -2,8 +2,9 @@
 //! scale, or a dynamic one that halves on overflow (after `hysteresis` overflows) and
 //! doubles after `loss_scale_window` steps without one.
 //!
-//! Owns the scale and its rule. Must not scale losses or inspect gradients: the training
-//! step does both and reports each overflow through [`LossScaler::update`].
+//! Owns the scale and its rule, and what a step's gradients get from their global norm
+//! ([`GradScaling::decide`]: unscaling, the overflow check, the clipping factor). Must not
+//! scale losses or read gradients: the training step does both, handing over the norm.
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -153,4 +154,67 @@ mod tests {
         assert_eq!((fixed.scale, fixed.is_dynamic()), (128.0, false));
         assert!(LossScaler::new(LossScalerConfig { hysteresis: 0, ..Default::default() }).is_err());
     }
+}
+
+/// How gradients are scaled and checked before the update (`amp_native`).
+#[derive(Clone, Debug, Default)]
+pub struct GradScaling {
+    /// Scale the loss before backward and unscale the gradients after.
+    pub scaler: Option<LossScaler>,
+    /// Check the gradients for inf/NaN and skip such steps (a dynamic scaler always does).
+    pub skip_if_nonfinite: bool,
+}
+
+/// What a step's gradients get before the update.
+pub(crate) struct GradDecision {
+    /// Multiplies the gradients: unscaling and clipping together.
+    pub factor: f64,
+    /// The global norm before clipping, where clipping is on.
+    pub grad_norm: Option<f64>,
+    /// The gradients were not finite and the scaling says to skip the update.
+    pub skipped: bool,
+}
+
+impl GradScaling {
+    /// Whether a step with `grad_clip` updates whatever its gradients are (no clipping, no
+    /// scaling, no check), so an update may start before the whole step's gradients exist.
+    pub fn updates_unconditionally(&self, grad_clip: Option<f64>) -> bool {
+        grad_clip.is_none() && self.scaler.is_none() && !self.skip_if_nonfinite
+    }
+
+    /// The loss scale of the coming step (1 without a scaler).
+    pub fn scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, |s| s.scale)
+    }
+
+    /// Unscales, checks and clips gradients computed from a loss scaled by `scale`, from
+    /// their global squared norm (`sq_norm`, computed only where needed), and moves the
+    /// scaler on.
+    pub(crate) fn decide(
+        &mut self,
+        grad_clip: Option<f64>,
+        scale: f64,
+        sq_norm: impl FnOnce() -> Result<f64>,
+    ) -> Result<GradDecision> {
+        let check = self.skip_if_nonfinite || self.scaler.as_ref().is_some_and(LossScaler::is_dynamic);
+        let mut decision = GradDecision { factor: 1.0, grad_norm: None, skipped: false };
+        if check || scale != 1.0 || grad_clip.is_some() {
+            let norm = sq_norm()?.sqrt() / scale;
+            decision.skipped = check && !norm.is_finite();
+            if !decision.skipped {
+                decision.factor = grad_clip.map_or(1.0, |max| clip_coefficient(max, norm)) / scale;
+                decision.grad_norm = grad_clip.map(|_| norm);
+            }
+        }
+        if let Some(s) = &mut self.scaler {
+            s.update(decision.skipped);
+        }
+        Ok(decision)
+    }
+}
+
+/// The factor that brings gradients of global norm `norm` down to `max_norm` (1 when they
+/// are within it), as `clip_grad_norm_` computes it.
+pub fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
+    (max_norm / (norm + 1e-6)).min(1.0)
 }

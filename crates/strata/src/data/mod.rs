@@ -327,12 +327,12 @@ impl TokenData {
     /// Writes the ids as a raw little-endian `u16` file (nanoGPT's `.bin`; fails if an id
     /// does not fit).
     pub fn write_u16_file(&self, path: &Path) -> Result<()> {
-        crate::io::write_atomic(path, &self.encode(TokenWidth::U16, false)?)
+        crate::files::write_atomic(path, &self.encode(TokenWidth::U16, false)?)
     }
 
     /// Writes the ids at `width` behind the header that names it.
     pub fn write_token_file(&self, path: &Path, width: TokenWidth) -> Result<()> {
-        crate::io::write_atomic(path, &self.encode(width, true)?)
+        crate::files::write_atomic(path, &self.encode(width, true)?)
     }
 
     /// The file bytes of the ids at `width`, behind the header where `header` says.

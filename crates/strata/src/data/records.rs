@@ -293,7 +293,7 @@ impl ExampleSet {
             }
         }
         let set = ExampleSet::prepare(path, format, options)?;
-        crate::io::write_atomic(&entry, &set.encode()?)?;
+        crate::files::write_atomic(&entry, &set.encode()?)?;
         Ok(set)
     }
 

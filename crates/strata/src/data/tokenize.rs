@@ -66,7 +66,7 @@ pub fn tokenize_files(
     }
     let started = Instant::now();
     let (mut read, mut tokens) = (0u64, 0u64);
-    crate::io::write_atomic_with(output, |file| {
+    crate::files::write_atomic_with(output, |file| {
         let mut out = std::io::BufWriter::new(file);
         let failed = |e: std::io::Error| Error::io(output, e);
         out.write_all(&token_file_header(width)).map_err(failed)?;

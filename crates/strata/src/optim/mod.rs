@@ -5,6 +5,7 @@
 //! Must not decide what is stored where or run the model: it updates the segments the
 //! engine hands it, in place.
 
+use crate::compute::scaler::clip_coefficient;
 use crate::engine::{Category, Engine, MemoryLedger, Placement, Segment};
 use crate::model::ParamSpec;
 use crate::{Error, Result};
@@ -681,12 +682,6 @@ impl HostUpdates {
         }
         Ok(done)
     }
-}
-
-/// The factor that brings gradients of global norm `norm` down to `max_norm` (1 when they
-/// are within it), as `clip_grad_norm_` computes it.
-pub fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
-    (max_norm / (norm + 1e-6)).min(1.0)
 }
 
 fn is_low_precision(kind: Kind) -> bool {

@@ -242,7 +242,7 @@ impl Profiler {
             text.push_str(&serde_json::to_string(&r).map_err(|e| Error::Engine(e.to_string()))?);
             text.push('\n');
         }
-        crate::io::write_atomic(path, text.as_bytes())
+        crate::files::write_atomic(path, text.as_bytes())
     }
 
     /// The file a rank's profile goes to in `dir`.

@@ -18,9 +18,9 @@ pub use shard::{BackwardPrefetch, MixedPrecision, ShardConfig, ShardMethod, Shar
 
 use crate::compute::fp8::Fp8Config;
 use crate::compute::replace::Replacements;
+use crate::compute::scaler::GradScaling;
 use crate::compute::scaler::{LossScaler, LossScalerConfig};
 use crate::model::ModelSpec;
-use crate::train::GradScaling;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -458,7 +458,7 @@ impl Strategy {
 
     /// Writes the strategy as readable JSON, every config with its defaults (atomically).
     pub fn save(&self, path: &std::path::Path) -> Result<()> {
-        crate::io::write_atomic(path, self.to_json().as_bytes())
+        crate::files::write_atomic(path, self.to_json().as_bytes())
     }
 
     /// The list form as pretty JSON text.

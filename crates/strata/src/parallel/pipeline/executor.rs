@@ -5,14 +5,15 @@ use super::partition::{self, UnitCost};
 use super::schedule::{schedule, Op, Pipeline, ScheduleKind};
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp, Work};
 use crate::compute::deferred::{self, WeightGrads};
+use crate::compute::scaler::GradDecision;
 use crate::data::Step;
 use crate::engine::{Engine, EngineConfig, Event, EventSink, UnitClock, Upstream};
 use crate::model::{ModelSpec, ParamId};
 use crate::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use crate::strategy::{Dim, ShardMethod, Strategy};
 use crate::train::{
-    next_token_loss, next_token_loss_of, token_input, GradDecision, GradScaling, HostUpdating, InputFn, LossFn,
-    PipelineFigures, StepReport,
+    next_token_loss, next_token_loss_of, token_input, GradScaling, HostUpdating, InputFn, LossFn, PipelineFigures,
+    StepReport,
 };
 use crate::{Error, Result};
 use std::collections::HashMap;
