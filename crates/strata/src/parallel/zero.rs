@@ -345,19 +345,20 @@ impl Gather {
     }
 }
 
-/// The outputs of gathering shards of `shard` elements into the first `head` elements of
-/// `buffer`, one per rank of `n`: views of `buffer` where a shard lies inside the head, else
-/// scratch shards (charged to the ledger) recorded in `gather` to be copied in on completion.
-fn head_outputs(
-    buffer: &Tensor,
-    head: i64,
-    shard: i64,
-    n: i64,
+/// Starts gathering the shards `frozen` of a frozen head into the first `head` elements of
+/// `buffer` (in its dtype) over `g`: each rank's shard lands in a view of `buffer` where it
+/// lies inside the head, else in a scratch shard (charged to the ledger) whose leading
+/// elements [`Gather::finish`] copies in. The collective and the scratch go into `gather`.
+fn gather_head(
+    g: &Arc<dyn ProcessGroup>,
+    frozen: &Tensor,
+    (buffer, head): (&Tensor, i64),
     gather: &mut Gather,
     ledger: &MemoryLedger,
-) -> Result<Vec<Tensor>> {
-    let mut outputs = Vec::with_capacity(n as usize);
-    for r in 0..n {
+) -> Result<()> {
+    let shard = frozen.numel() as i64;
+    let mut outputs = Vec::with_capacity(g.size());
+    for r in 0..g.size() as i64 {
         let start = r * shard;
         if start + shard <= head {
             outputs.push(buffer.f_narrow(0, start, shard)?);
@@ -370,7 +371,34 @@ fn head_outputs(
         gather.tails.push((scratch.shallow_clone(), into, charged));
         outputs.push(scratch);
     }
-    Ok(outputs)
+    let target = (buffer.kind(), buffer.device());
+    let part = InFlight::start(frozen, target, Category::Params, ledger, |input| g.all_gather(&outputs, input))?;
+    gather.parts.push(part);
+    Ok(())
+}
+
+/// A shard holding `values` in `kind` on `device`: in memory `group` reads in place where
+/// one is given and hands it out, else in host memory where `host` says, else a copy of its
+/// own.
+fn shard_of(
+    values: &Tensor,
+    (kind, device): (Kind, tch::Device),
+    group: Option<&Arc<dyn ProcessGroup>>,
+    host: Option<&HostMemory>,
+    ledger: &MemoryLedger,
+) -> Result<Tensor> {
+    let shared = match group {
+        Some(g) => g.alloc(values.numel() as i64, kind, device)?,
+        None => None,
+    };
+    Ok(match (shared, host) {
+        (Some(t), _) => {
+            tch::no_grad(|| t.shallow_clone().f_copy_(values))?;
+            t
+        }
+        (None, Some(host)) => host.copy_of(&values.f_to_kind(kind)?, ledger)?,
+        (None, None) => values.f_to_kind(kind)?.f_to_device(device)?.f_detach_copy()?,
+    })
 }
 
 /// Elements `start..start + count` of the flat `values`, zeros past its end.
@@ -493,18 +521,8 @@ impl Zero {
             // Stage 3 keeps a shard of the frozen head to gather it from.
             if sharded && frees_params && grad_start > 0 {
                 let count = unit.frozen_len;
-                let values = padded_slice(initial, rank * count, count)?.f_to_kind(param_kind)?;
-                let shared = match &groups.shard {
-                    Some(g) => g.alloc(count, param_kind, s.flat.device())?,
-                    None => None,
-                };
-                let frozen = match shared {
-                    Some(t) => {
-                        tch::no_grad(|| t.shallow_clone().f_copy_(&values))?;
-                        t
-                    }
-                    None => values.f_to_device(s.flat.device())?.f_detach_copy()?,
-                };
+                let values = padded_slice(initial, rank * count, count)?;
+                let frozen = shard_of(&values, (param_kind, s.flat.device()), groups.shard.as_ref(), None, ledger)?;
                 ledger.alloc(Placement::Device, Category::Params, bytes(count, param_kind))?;
                 unit.frozen = Some(frozen);
             }
@@ -515,19 +533,10 @@ impl Zero {
                     if sharded { (grad_start + rank * shard_len, shard_len) } else { (grad_start, len - grad_start) };
                 // Gathers read the master of a sharded unit when it is in the parameters'
                 // dtype: there it goes where the shard group reads it in place.
-                let shared = match (&groups.shard, sharded && master_kind == param_kind && host.is_none()) {
-                    (Some(g), true) => g.alloc(count, master_kind, s.flat.device())?,
-                    _ => None,
-                };
+                let read_in_place = sharded && master_kind == param_kind && host.is_none();
+                let group = groups.shard.as_ref().filter(|_| read_in_place);
                 let values = initial.f_narrow(0, start, count)?;
-                let master = match (shared, host) {
-                    (Some(t), _) => {
-                        tch::no_grad(|| t.shallow_clone().f_copy_(&values))?;
-                        t
-                    }
-                    (None, Some(host)) => host.copy_of(&values.f_to_kind(master_kind)?, ledger)?,
-                    (None, None) => values.f_to_kind(master_kind)?.f_detach_copy()?,
-                };
+                let master = shard_of(&values, (master_kind, s.flat.device()), group, host, ledger)?;
                 ledger.alloc(placement_of(host), Category::Params, bytes(count, master_kind))?;
                 unit.master = Some(master);
             }
@@ -620,10 +629,7 @@ impl Zero {
             // The collectives write the memory directly: autograd's saved views of these
             // parameters see the same values they saw in forward, with no version change.
             if let Some(frozen) = &unit.frozen {
-                let outputs = head_outputs(flat, unit.grad_start, unit.frozen_len, n, &mut gather, ledger)?;
-                let part =
-                    InFlight::start(frozen, target, Category::Params, ledger, |input| g.all_gather(&outputs, input))?;
-                gather.parts.push(part);
+                gather_head(g, frozen, (flat, unit.grad_start), &mut gather, ledger)?;
             }
             if unit.trainable {
                 let master = unit.master.as_ref().ok_or_else(|| Error::Engine("a stage-3 unit has no shard".into()))?;
@@ -1059,16 +1065,7 @@ impl UnitSchedule for Zero {
         match (&unit.frozen, group) {
             (Some(frozen), Some(g)) if !unit.params_resident => {
                 let mut gather = Gather::default();
-                let outputs =
-                    head_outputs(&full, unit.grad_start, unit.frozen_len, g.size() as i64, &mut gather, ctx.ledger);
-                let started = outputs.and_then(|outputs| {
-                    let target = (self.master_kind, device);
-                    let part = InFlight::start(frozen, target, Category::Params, ctx.ledger, |input| {
-                        g.all_gather(&outputs, input)
-                    })?;
-                    gather.parts.push(part);
-                    Ok(())
-                });
+                let started = gather_head(g, frozen, (&full, unit.grad_start), &mut gather, ctx.ledger);
                 let finished = gather.finish(ctx.ledger, "parameter all-gather");
                 started.and(finished)?;
             }
