@@ -75,6 +75,10 @@ pub struct BenchTrainArgs {
     /// A third side: Strata with fp8 linears (all but the output head) on top of --amp.
     #[arg(long)]
     pub fp8: bool,
+    /// A further side: Strata with its step captured as a CUDA graph and replayed (on a GPU;
+    /// the fp8 side stays eager, its delayed scaling reading maxima on the host).
+    #[arg(long)]
+    pub cuda_graph: bool,
     /// Strata's sides recompute each block's activations in backward (`checkpoint`), where
     /// memory needs it; the PyTorch side keeps them.
     #[arg(long)]
@@ -169,6 +173,9 @@ pub struct Report {
     /// Strata with fp8 against Strata without, tokens/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fp8_ratio: Option<f64>,
+    /// Strata replaying a CUDA graph against Strata without, tokens/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph_ratio: Option<f64>,
 }
 
 pub fn repo_root() -> PathBuf {
@@ -218,7 +225,7 @@ struct StrataSide {
 }
 
 impl StrataSide {
-    fn new(model: &ModelConfig, batch_size: i64, device: Device, strategy: &str) -> Result<StrataSide> {
+    fn new(model: &ModelConfig, batch_size: i64, device: Device, strategy: &str, graph: bool) -> Result<StrataSide> {
         let strategy = Strategy::parse(strategy)?;
         let spec = model.spec()?;
         let config = EngineConfig { device, ..EngineConfig::default() };
@@ -226,6 +233,9 @@ impl StrataSide {
         let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[])?;
         let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
         trainer.scaling = strategy.grad_scaling()?;
+        if graph {
+            trainer.capture_cuda_graph(strata::run::CUDA_GRAPH_WARMUP)?;
+        }
         let ctx = model.context().context("the model has a context length")?;
         let batches = (0..4)
             .map(|i| {
@@ -274,6 +284,16 @@ impl Side for StrataSide {
     fn inspect_step(&mut self) -> Result<Inspection> {
         let Device::Cuda(index) = self.device else { bail!("steps are looked into on a GPU") };
         self.synchronize();
+        if self.trainer.graph_replays() > 0 {
+            // A replay runs none of the host code that reports units and phases.
+            strata_ext::cuda::count_syncs(true)?;
+            let before = strata_ext::cuda::syncs_counted();
+            let result = self.steps(1);
+            strata_ext::cuda::count_syncs(false)?;
+            result?;
+            let syncs = strata_ext::cuda::syncs_counted() - before;
+            return Ok(Inspection { syncs, sync_sites: BTreeMap::new(), phases_ms: BTreeMap::new() });
+        }
         let sites = Arc::new(SyncSites::default());
         let phases = Arc::new(GpuPhases::new(index));
         self.trainer.engine.set_event_sink(Arc::new(EventSinks(vec![sites.clone(), phases.clone()])));
@@ -446,19 +466,24 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
     if a.fp8 && gpu.is_none() {
         bail!("--fp8 compares fp8 matrix products, which need a GPU (--device cuda)");
     }
+    if a.cuda_graph && gpu.is_none() {
+        bail!("--cuda-graph replays CUDA graphs, which need a GPU (--device cuda)");
+    }
     if let Some(dir) = &a.kernel_trace {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
     tch::set_num_threads(a.threads);
     tch::manual_seed(0);
     let mut names = vec!["pytorch eager".to_string(), "strata".to_string()];
-    let mut sides: Vec<Box<dyn Side>> = vec![
-        Box::new(PytorchSide::start(a)?),
-        Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a, false))?),
-    ];
+    let strata = |fp8, graph| StrataSide::new(&model, a.batch_size, device, &strata_strategy(a, fp8), graph);
+    let mut sides: Vec<Box<dyn Side>> = vec![Box::new(PytorchSide::start(a)?), Box::new(strata(false, false)?)];
     if a.fp8 {
-        names.push("strata fp8".into());
-        sides.push(Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a, true))?));
+        names.push(FP8_SIDE.into());
+        sides.push(Box::new(strata(true, false)?));
+    }
+    if a.cuda_graph {
+        names.push(GRAPH_SIDE.into());
+        sides.push(Box::new(strata(false, true)?));
     }
     for side in &mut sides {
         side.run(a.warmup)?;
@@ -524,7 +549,9 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         })
         .collect();
     let ratio = measured[1].tokens_per_s / measured[0].tokens_per_s;
-    let fp8_ratio = measured.get(2).map(|fp8| fp8.tokens_per_s / measured[1].tokens_per_s);
+    let against_strata =
+        |name: &str| measured.iter().find(|m| m.side == name).map(|m| m.tokens_per_s / measured[1].tokens_per_s);
+    let (fp8_ratio, graph_ratio) = (against_strata(FP8_SIDE), against_strata(GRAPH_SIDE));
     Ok(Report {
         model: a.model,
         config: serde_json::to_value(&model)?,
@@ -539,8 +566,13 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         sides: measured,
         ratio,
         fp8_ratio,
+        graph_ratio,
     })
 }
+
+/// The names of the sides beside PyTorch's and Strata's plain one.
+const FP8_SIDE: &str = "strata fp8";
+const GRAPH_SIDE: &str = "strata graph";
 
 /// Prints `report` as a small table.
 pub fn print(report: &Report, block: u64) {
@@ -603,7 +635,10 @@ pub fn print(report: &Report, block: u64) {
     }
     println!("strata / pytorch tokens/s: {:.3}", report.ratio);
     if let Some(r) = report.fp8_ratio {
-        println!("strata fp8 / strata tokens/s: {r:.3}");
+        println!("{FP8_SIDE} / strata tokens/s: {r:.3}");
+    }
+    if let Some(r) = report.graph_ratio {
+        println!("{GRAPH_SIDE} / strata tokens/s: {r:.3}");
     }
 }
 

@@ -33,6 +33,10 @@ pub struct BenchGpuArgs {
     /// Leave out the fp8 side of the LLaMA and the fp8 products.
     #[arg(long)]
     no_fp8: bool,
+    /// A side of GPT-2 replaying Strata's step as a CUDA graph (the LLaMA's sides fill the
+    /// GPU already).
+    #[arg(long)]
+    cuda_graph: bool,
     /// Dense bf16 peak of the GPU in TFLOP/s (default: known from its name).
     #[arg(long)]
     peak_tflops: Option<f64>,
@@ -90,6 +94,7 @@ impl BenchGpuArgs {
             device: self.device.clone(),
             amp: Amp::Bf16,
             fp8,
+            cuda_graph: self.cuda_graph && model == BenchModel::Gpt,
             checkpoint: model == BenchModel::Llama && !self.llama_without_checkpoint,
             peak_tflops: self.peak_tflops,
             rounds: self.rounds,

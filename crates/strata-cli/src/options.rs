@@ -163,6 +163,9 @@ train_options! {
     /// Time every unit's forward and backward and the communication waited for around
     /// them, into the metrics (`unit_times`).
     unit_times: bool,
+    /// On a GPU: capture the training step as a CUDA graph after two eager steps and replay
+    /// it for every later step of the same shapes.
+    cuda_graph: bool,
     /// Record a profile of the run into this folder (one file per rank): every unit's phases,
     /// gathers, copies and the ledger's bytes over time (`strata profile trace|summary`).
     profile: PathBuf,
@@ -331,6 +334,7 @@ pub struct TrainSettings {
     pub metrics: Option<PathBuf>,
     pub tensorboard: Option<PathBuf>,
     pub unit_times: bool,
+    pub cuda_graph: bool,
     pub profile: Option<PathBuf>,
     pub log_every: u64,
     pub nproc: usize,
@@ -732,6 +736,7 @@ impl TrainOptions {
             metrics: o.metrics,
             tensorboard: o.tensorboard,
             unit_times: o.unit_times.unwrap_or(false),
+            cuda_graph: o.cuda_graph.unwrap_or(false),
             profile: o.profile,
             log_every: o.log_every.unwrap_or(50).max(1),
             nproc: match o.nproc {

@@ -164,6 +164,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
             search_report: s.search_report.clone(),
         },
         unit_times: s.unit_times,
+        cuda_graph: s.cuda_graph,
         log_every: s.log_every,
         progress: true,
     })

@@ -297,8 +297,16 @@ fn run_errors_have_kinds_a_caller_can_match() {
     assert!(matches!(e, Error::Config(_)), "{e}");
 
     let nowhere = Outputs { metrics: Some(dir.path().join("missing/m.jsonl")), ..Outputs::default() };
-    let e = run::train(&model, &data, &RunConfig { outputs: nowhere, ..config }, &mut []).unwrap_err();
+    let e = run::train(&model, &data, &RunConfig { outputs: nowhere, ..config.clone() }, &mut []).unwrap_err();
     assert!(matches!(e, Error::Config(ref m) if m.contains("--metrics")), "{e}");
+
+    // A CUDA graph needs a GPU, and a step that needs no host between its kernels.
+    let graphed = RunConfig { cuda_graph: true, ..config.clone() };
+    let e = run::train(&model, &data, &graphed, &mut []).unwrap_err();
+    assert!(matches!(e, Error::Config(ref m) if m.contains("cuda_graph") && m.contains("CUDA device")), "{e}");
+    let packed = RunConfig { pack: true, ..graphed };
+    let e = run::train(&model, &data, &packed, &mut []).unwrap_err();
+    assert!(matches!(e, Error::Config(ref m) if m.contains("cuda_graph") && m.contains("--pack")), "{e}");
 }
 
 /// What each rank of [`one_rank_stopping_stops_every_rank`] runs, when that test starts this

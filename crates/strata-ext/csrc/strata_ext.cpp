@@ -36,6 +36,7 @@
 
 #ifdef STRATA_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -340,22 +341,30 @@ int strata_storage_id(const Tensor* t, uintptr_t* id) {
 // ---- fused optimizers -----------------------------------------------------------------
 
 // Adam or AdamW over lists of tensors. `steps` holds one float scalar tensor per parameter;
-// it is incremented here before the update, as torch.optim does.
+// it is incremented here before the update, as torch.optim does. `lr_tensor`, where given
+// (a float scalar on the parameters' device), is read there instead of `lr`.
 int strata_fused_adam(Tensor* const* params, Tensor* const* grads, Tensor* const* exp_avgs,
                       Tensor* const* exp_avg_sqs, Tensor* const* steps, size_t n, double lr,
-                      double beta1, double beta2, double weight_decay, double eps,
-                      int decoupled, int maximize, const Tensor* grad_scale,
+                      const Tensor* lr_tensor, double beta1, double beta2, double weight_decay,
+                      double eps, int decoupled, int maximize, const Tensor* grad_scale,
                       const Tensor* found_inf) {
   return guarded([&] {
     auto p = to_vector(params, n), g = to_vector(grads, n), m = to_vector(exp_avgs, n),
          v = to_vector(exp_avg_sqs, n), s = to_vector(steps, n);
     at::_foreach_add_(s, 1);
-    if (decoupled) {
-      at::_fused_adamw_(p, g, m, v, {}, s, lr, beta1, beta2, weight_decay, eps, false,
-                        maximize != 0, optional_tensor(grad_scale), optional_tensor(found_inf));
+    auto update = [&](const auto& rate) {
+      if (decoupled) {
+        at::_fused_adamw_(p, g, m, v, {}, s, rate, beta1, beta2, weight_decay, eps, false,
+                          maximize != 0, optional_tensor(grad_scale), optional_tensor(found_inf));
+      } else {
+        at::_fused_adam_(p, g, m, v, {}, s, rate, beta1, beta2, weight_decay, eps, false,
+                         maximize != 0, optional_tensor(grad_scale), optional_tensor(found_inf));
+      }
+    };
+    if (lr_tensor != nullptr) {
+      update(*lr_tensor);
     } else {
-      at::_fused_adam_(p, g, m, v, {}, s, lr, beta1, beta2, weight_decay, eps, false,
-                       maximize != 0, optional_tensor(grad_scale), optional_tensor(found_inf));
+      update(lr);
     }
   });
 }
@@ -364,14 +373,21 @@ int strata_fused_adam(Tensor* const* params, Tensor* const* grads, Tensor* const
 // momentum is zero.
 int strata_fused_sgd(Tensor* const* params, Tensor* const* grads,
                      Tensor* const* momentum_buffers, size_t n, size_t n_buffers,
-                     double weight_decay, double momentum, double lr, double dampening,
-                     int nesterov, int maximize, int is_first_step, const Tensor* grad_scale,
-                     const Tensor* found_inf) {
+                     double weight_decay, double momentum, double lr, const Tensor* lr_tensor,
+                     double dampening, int nesterov, int maximize, int is_first_step,
+                     const Tensor* grad_scale, const Tensor* found_inf) {
   return guarded([&] {
-    at::_fused_sgd_(to_vector(params, n), to_vector(grads, n),
-                    to_vector(momentum_buffers, n_buffers), weight_decay, momentum, lr,
-                    dampening, nesterov != 0, maximize != 0, is_first_step != 0,
-                    optional_tensor(grad_scale), optional_tensor(found_inf));
+    auto p = to_vector(params, n), g = to_vector(grads, n), b = to_vector(momentum_buffers, n_buffers);
+    auto update = [&](const auto& rate) {
+      at::_fused_sgd_(p, g, b, weight_decay, momentum, rate, dampening, nesterov != 0,
+                      maximize != 0, is_first_step != 0, optional_tensor(grad_scale),
+                      optional_tensor(found_inf));
+    };
+    if (lr_tensor != nullptr) {
+      update(*lr_tensor);
+    } else {
+      update(lr);
+    }
   });
 }
 
@@ -664,6 +680,104 @@ int strata_cuda_event_synchronize(void* event) {
     (void)event;
 #endif
   });
+}
+
+// A CUDA graph captured from the work queued between begin and end on one device. Capture
+// runs on a stream of the pool (a graph cannot be captured on the default stream), which
+// first waits for the stream that was current; end makes that stream current again and
+// orders it after the capture. Replays run on the stream current then.
+#ifdef STRATA_CUDA
+namespace {
+struct Capture {
+  at::cuda::CUDAGraph graph;
+  c10::cuda::CUDAStream previous;
+  c10::cuda::CUDAStream capturing;
+  bool ended = false;
+  explicit Capture(c10::DeviceIndex device)
+      : previous(c10::cuda::getCurrentCUDAStream(device)),
+        capturing(c10::cuda::getStreamFromPool(false, device)) {}
+  // Back to the stream that was current, after everything the capture stream queued.
+  void restore() {
+    at::cuda::CUDAEvent done;
+    done.record(capturing);
+    c10::cuda::setCurrentCUDAStream(previous);
+    done.block(previous);
+  }
+};
+}  // namespace
+#endif
+
+int strata_cuda_graph_begin(int device, void** out) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    auto capture = std::make_unique<Capture>(static_cast<c10::DeviceIndex>(device));
+    at::cuda::CUDAEvent ready;
+    ready.record(capture->previous);
+    ready.block(capture->capturing);
+    c10::cuda::setCurrentCUDAStream(capture->capturing);
+    try {
+      capture->graph.capture_begin();
+    } catch (...) {
+      c10::cuda::setCurrentCUDAStream(capture->previous);
+      throw;
+    }
+    *out = capture.release();
+#else
+    (void)device;
+    (void)out;
+#endif
+  });
+}
+
+// Ends the capture. With `keep` false (the captured work failed on the host) the capture is
+// ended and dropped whatever state it is in, and no error is reported for it.
+int strata_cuda_graph_end(void* handle, int keep) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    auto* capture = static_cast<Capture*>(handle);
+    if (capture->ended) return;
+    capture->ended = true;
+    if (keep) {
+      try {
+        capture->graph.capture_end();
+      } catch (...) {
+        c10::cuda::setCurrentCUDAStream(capture->previous);
+        throw;
+      }
+      capture->restore();
+    } else {
+      cudaGraph_t dropped = nullptr;
+      cudaStreamEndCapture(capture->capturing.stream(), &dropped);
+      if (dropped != nullptr) cudaGraphDestroy(dropped);
+      (void)cudaGetLastError();
+      c10::cuda::setCurrentCUDAStream(capture->previous);
+    }
+#else
+    (void)handle;
+    (void)keep;
+#endif
+  });
+}
+
+int strata_cuda_graph_replay(void* handle) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    static_cast<Capture*>(handle)->graph.replay();
+#else
+    (void)handle;
+#endif
+  });
+}
+
+void strata_cuda_graph_free(void* handle) {
+#ifdef STRATA_CUDA
+  delete static_cast<Capture*>(handle);
+#else
+  (void)handle;
+#endif
 }
 
 int strata_cuda_count_syncs(int on) {

@@ -173,6 +173,7 @@ extern "C" {
         steps: *const TensorPtr,
         n: usize,
         lr: f64,
+        lr_tensor: *const C_tensor,
         beta1: f64,
         beta2: f64,
         weight_decay: f64,
@@ -191,6 +192,7 @@ extern "C" {
         weight_decay: f64,
         momentum: f64,
         lr: f64,
+        lr_tensor: *const C_tensor,
         dampening: f64,
         nesterov: c_int,
         maximize: c_int,
@@ -207,6 +209,10 @@ extern "C" {
     fn strata_cuda_stream_synchronize(packed: *const i64) -> c_int;
     fn strata_cuda_event_new(enable_timing: c_int, event: *mut *mut c_void) -> c_int;
     fn strata_cuda_event_free(event: *mut c_void);
+    fn strata_cuda_graph_begin(device: c_int, out: *mut *mut c_void) -> c_int;
+    fn strata_cuda_graph_end(graph: *mut c_void, keep: c_int) -> c_int;
+    fn strata_cuda_graph_replay(graph: *mut c_void) -> c_int;
+    fn strata_cuda_graph_free(graph: *mut c_void);
     fn strata_cuda_event_record(event: *mut c_void, packed: *const i64) -> c_int;
     fn strata_cuda_event_wait(event: *mut c_void, packed: *const i64) -> c_int;
     fn strata_cuda_event_synchronize(event: *mut c_void) -> c_int;
@@ -783,10 +789,13 @@ pub struct AdamTensors<'a> {
     pub steps: &'a [Tensor],
 }
 
-/// Optional loss-scaling inputs of the fused kernels: gradients are divided by
-/// `grad_scale`, and the whole update is skipped where `found_inf` is non-zero.
+/// Optional inputs the fused kernels read on the device: the learning rate (a float scalar,
+/// in place of the step's `lr`: a captured CUDA graph replays with whatever it holds), and
+/// loss scaling's (gradients divided by `grad_scale`, the whole update skipped where
+/// `found_inf` is non-zero).
 #[derive(Clone, Copy, Default)]
-pub struct Scaling<'a> {
+pub struct DeviceInputs<'a> {
+    pub lr: Option<&'a Tensor>,
     pub grad_scale: Option<&'a Tensor>,
     pub found_inf: Option<&'a Tensor>,
 }
@@ -800,7 +809,7 @@ fn same_lengths(what: &str, lengths: &[usize]) -> Result<()> {
 }
 
 /// One Adam/AdamW update through `at::_fused_adam_` / `at::_fused_adamw_`.
-pub fn fused_adam(t: &AdamTensors<'_>, h: AdamStep, scaling: Scaling<'_>) -> Result<()> {
+pub fn fused_adam(t: &AdamTensors<'_>, h: AdamStep, inputs: DeviceInputs<'_>) -> Result<()> {
     same_lengths("fused_adam", &[t.params.len(), t.grads.len(), t.exp_avgs.len(), t.exp_avg_sqs.len(), t.steps.len()])?;
     let (p, g, m, v, s) = (ptrs(t.params), ptrs(t.grads), ptrs(t.exp_avgs), ptrs(t.exp_avg_sqs), ptrs(t.steps));
     // SAFETY: all lists hold live tensors of equal length, borrowed for the call.
@@ -813,14 +822,15 @@ pub fn fused_adam(t: &AdamTensors<'_>, h: AdamStep, scaling: Scaling<'_>) -> Res
             s.as_ptr(),
             p.len(),
             h.lr,
+            optional_ptr(inputs.lr),
             h.beta1,
             h.beta2,
             h.weight_decay,
             h.eps,
             h.decoupled as c_int,
             h.maximize as c_int,
-            optional_ptr(scaling.grad_scale),
-            optional_ptr(scaling.found_inf),
+            optional_ptr(inputs.grad_scale),
+            optional_ptr(inputs.found_inf),
         )
     })
 }
@@ -845,7 +855,7 @@ pub fn fused_sgd(
     grads: &[Tensor],
     momentum_buffers: &[Tensor],
     h: SgdStep,
-    scaling: Scaling<'_>,
+    inputs: DeviceInputs<'_>,
 ) -> Result<()> {
     same_lengths("fused_sgd", &[params.len(), grads.len()])?;
     if !momentum_buffers.is_empty() {
@@ -863,12 +873,13 @@ pub fn fused_sgd(
             h.weight_decay,
             h.momentum,
             h.lr,
+            optional_ptr(inputs.lr),
             h.dampening,
             h.nesterov as c_int,
             h.maximize as c_int,
             h.is_first_step as c_int,
-            optional_ptr(scaling.grad_scale),
-            optional_ptr(scaling.found_inf),
+            optional_ptr(inputs.grad_scale),
+            optional_ptr(inputs.found_inf),
         )
     })
 }
@@ -1084,6 +1095,56 @@ pub mod cuda {
         fn drop(&mut self) {
             // SAFETY: the event was created by `strata_cuda_event_new` and is freed once.
             unsafe { strata_cuda_event_free(self.0) }
+        }
+    }
+
+    /// A CUDA graph: what one piece of host code queued on a device, captured once and
+    /// replayed by one launch.
+    pub struct Graph(*mut c_void);
+
+    // SAFETY: a captured graph may be replayed and freed from any host thread.
+    unsafe impl Send for Graph {}
+
+    impl Graph {
+        /// Runs `queue` with the kernels and copies it queues on `device` captured instead
+        /// of run: nothing of it runs until [`Graph::replay`]. What the captured work
+        /// allocates comes from a memory pool of the graph's own, kept while it lives, so the
+        /// tensors `queue` returns stay valid and each replay rewrites them. Work that makes
+        /// the host wait for the device (reading a value, a copy to pageable memory) fails
+        /// the capture; so does an error of `queue`, whose error is returned.
+        pub fn capture<T, E: From<ExtError>>(
+            device: usize,
+            queue: impl FnOnce() -> std::result::Result<T, E>,
+        ) -> std::result::Result<(Graph, T), E> {
+            let mut raw = std::ptr::null_mut();
+            // SAFETY: the C++ side writes a fresh capture into `raw`.
+            check(unsafe { strata_cuda_graph_begin(device as c_int, &mut raw) })?;
+            let graph = Graph(raw);
+            match queue() {
+                Ok(value) => {
+                    // SAFETY: a live capture, ended once.
+                    check(unsafe { strata_cuda_graph_end(graph.0, 1) })?;
+                    Ok((graph, value))
+                }
+                Err(e) => {
+                    // SAFETY: as above; the capture is dropped whatever state it is in.
+                    let _ = unsafe { strata_cuda_graph_end(graph.0, 0) };
+                    Err(e)
+                }
+            }
+        }
+
+        /// Launches the captured work on the device's current stream.
+        pub fn replay(&self) -> Result<()> {
+            // SAFETY: a capture ended by `capture`.
+            check(unsafe { strata_cuda_graph_replay(self.0) })
+        }
+    }
+
+    impl Drop for Graph {
+        fn drop(&mut self) {
+            // SAFETY: created by `strata_cuda_graph_begin`, freed once.
+            unsafe { strata_cuda_graph_free(self.0) }
         }
     }
 }

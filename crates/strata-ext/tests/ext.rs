@@ -191,7 +191,7 @@ fn fused_adam_skips_the_step_when_found_inf_is_set() {
     };
     let h =
         AdamStep { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, maximize: false };
-    fused_adam(&t, h, Scaling { grad_scale: Some(&scale), found_inf: Some(&found_inf) }).unwrap();
+    fused_adam(&t, h, DeviceInputs { grad_scale: Some(&scale), found_inf: Some(&found_inf), lr: None }).unwrap();
     assert_eq!(params[0].double_value(&[0]), 1.0);
 }
 
@@ -253,6 +253,63 @@ fn cuda_calls_work_on_a_gpu_and_fail_cleanly_without_one() {
     assert!(err.0.contains("CUDA"), "{err}");
     assert!(cuda::Event::new(false).is_err());
     assert!(cuda::Stream::from_pool(0, false).is_err());
+}
+
+#[test]
+fn a_cuda_graph_replays_its_work_with_what_its_inputs_hold_then() {
+    if !(tch::Cuda::is_available() && cuda::is_built()) {
+        let err = cuda::Graph::capture(0, || Ok::<_, ExtError>(())).err().expect("no GPU, no capture");
+        assert!(err.0.contains("CUDA"), "{err}");
+        eprintln!("a_cuda_graph_replays_its_work_with_what_its_inputs_hold_then: skipped, no GPU");
+        return;
+    }
+    let gpu = tch::Device::Cuda(0);
+    let h =
+        AdamStep { lr: 0.0, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, decoupled: true, maximize: false };
+    // Two copies of one parameter: one updated by replays of a captured step whose learning
+    // rate lives on the device, one by eager steps given each rate on the host.
+    let state = || {
+        let p = vec![Tensor::linspace(-1.0, 1.0, 64, (Kind::Float, gpu))];
+        let zeros = || vec![Tensor::zeros([64], (Kind::Float, gpu))];
+        (p, zeros(), zeros(), vec![Tensor::zeros([], (Kind::Float, gpu))])
+    };
+    let (gp, gm, gv, gs) = state();
+    let (ep, em, ev, es) = state();
+    let grad = Tensor::zeros([64], (Kind::Float, gpu));
+    let lr = Tensor::zeros([], (Kind::Float, gpu));
+    let t = |p, m, v, s| AdamTensors {
+        params: p,
+        grads: std::slice::from_ref(&grad),
+        exp_avgs: m,
+        exp_avg_sqs: v,
+        steps: s,
+    };
+    let (graph, doubled) = cuda::Graph::capture(0, || {
+        fused_adam(&t(&gp, &gm, &gv, &gs), h, DeviceInputs { lr: Some(&lr), ..Default::default() })?;
+        Ok::<_, ExtError>(&grad * 2.0)
+    })
+    .unwrap();
+    assert_eq!(gs[0].double_value(&[]), 0.0, "capturing runs nothing");
+    for (i, rate) in [1e-2, 5e-3, 2.5e-3].into_iter().enumerate() {
+        let _ = grad.copy_(&Tensor::linspace(0.5, -0.5 * i as f64, 64, (Kind::Float, gpu)));
+        let _ = lr.fill_(rate);
+        graph.replay().unwrap();
+        fused_adam(&t(&ep, &em, &ev, &es), AdamStep { lr: rate as f32 as f64, ..h }, DeviceInputs::default()).unwrap();
+        assert!(close(&doubled, &(&grad * 2.0), 0.0), "replay {i} reads the input as it is now");
+    }
+    assert_eq!(gs[0].double_value(&[]), 3.0, "three replays, three steps");
+    assert!(close(&gp[0], &ep[0], 0.0), "replayed updates equal eager ones");
+    assert!(!close(&gp[0], &Tensor::linspace(-1.0, 1.0, 64, (Kind::Float, gpu)), 1e-4), "the parameter moved");
+    // A capture whose host code fails, or that waits for the device, is dropped; the stream
+    // it ran on works on.
+    let err = cuda::Graph::capture(0, || Err::<(), _>(ExtError("stopped".into()))).err().expect("an error");
+    assert_eq!(err.0, "stopped");
+    let waited = cuda::Graph::capture(0, || {
+        let x = Tensor::ones([4], (Kind::Float, gpu));
+        x.f_sum(Kind::Float).and_then(|s| s.f_double_value(&[])).map_err(|e| ExtError(e.to_string()))
+    });
+    assert!(waited.is_err(), "a read of a value cannot be captured");
+    assert_eq!(Tensor::ones([4], (Kind::Float, gpu)).sum(Kind::Float).double_value(&[]), 4.0);
 }
 
 #[test]

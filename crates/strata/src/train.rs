@@ -164,6 +164,99 @@ pub struct Trainer {
     pub prepare_input: InputFn,
     pub loss_func: LossFn,
     step: u64,
+    graphs: Option<GraphedSteps>,
+}
+
+/// How a step's micro-batch losses are weighted before backward: by numbers given to the
+/// kernels when the step is queued, or by scalars on the device that a captured step reads
+/// at each replay.
+#[derive(Clone, Copy)]
+enum LossWeights<'a> {
+    Host(&'a Step),
+    Device(&'a [Tensor]),
+}
+
+/// What a queued step sends back when it ends: the losses of its micro-batches, then the
+/// gradient norm where clipping measured it on the device.
+enum StepRead {
+    Started(crate::compute::ScalarRead),
+    /// Stacked on the device, in a step being captured (read after each replay).
+    OnDevice(Tensor),
+}
+
+impl StepRead {
+    fn finish(self) -> Result<Vec<f64>> {
+        match self {
+            StepRead::Started(read) => read.finish(),
+            StepRead::OnDevice(values) => crate::compute::read_scalars(&[values]),
+        }
+    }
+}
+
+/// A step queued on the device, with what the host decided about it.
+struct QueuedStep {
+    read: StepRead,
+    norm_on_device: bool,
+    grad_norm: Option<f64>,
+    skipped: bool,
+}
+
+/// `cuda_graph` ([`Trainer::capture_cuda_graph`]): the step captured once the warm-up's
+/// eager steps are over.
+struct GraphedSteps {
+    warmup_left: u64,
+    device: usize,
+    captured: Option<CapturedStep>,
+    replays: u64,
+}
+
+/// A step captured as a CUDA graph, with its own copies of the micro-batches and of their
+/// loss weights, which each replay refills from the step it runs.
+struct CapturedStep {
+    graph: strata_ext::cuda::Graph,
+    batches: Vec<Batch>,
+    weights: Vec<Tensor>,
+    /// The micro-batches' losses, then the norm where clipping measured one, as f64s.
+    read: Tensor,
+    norm_on_device: bool,
+}
+
+impl CapturedStep {
+    /// A copy of `batch` the captured step owns (packed layouts are refused before).
+    fn own_batch(batch: &Batch) -> Result<Batch> {
+        let own = |t: &Tensor| -> Result<Tensor> {
+            let mut copy = t.f_empty_like()?;
+            copy.f_copy_(t)?;
+            Ok(copy)
+        };
+        Ok(Batch {
+            inputs: own(&batch.inputs)?,
+            targets: own(&batch.targets)?,
+            supervised: batch.supervised,
+            layout: None,
+        })
+    }
+
+    /// Whether `step`'s micro-batches have the captured ones' shapes, dtypes and devices.
+    fn fits(&self, step: &Step) -> bool {
+        let same = |a: &Tensor, b: &Tensor| a.size() == b.size() && a.kind() == b.kind() && a.device() == b.device();
+        self.batches.len() == step.micro_batches.len()
+            && self
+                .batches
+                .iter()
+                .zip(&step.micro_batches)
+                .all(|(a, b)| same(&a.inputs, &b.inputs) && same(&a.targets, &b.targets))
+    }
+
+    /// Refills the captured inputs from `step` and replays the graph.
+    fn replay(&self, step: &Step) -> Result<()> {
+        for (i, (own, batch)) in self.batches.iter().zip(&step.micro_batches).enumerate() {
+            own.inputs.shallow_clone().f_copy_(&batch.inputs)?;
+            own.targets.shallow_clone().f_copy_(&batch.targets)?;
+            let _ = self.weights[i].shallow_clone().f_fill_(step.loss_weight(i))?;
+        }
+        Ok(self.graph.replay()?)
+    }
 }
 
 /// Where a step's host updates stand when its update is applied.
@@ -213,6 +306,7 @@ impl Trainer {
             scaling: GradScaling::default(),
             prepare_input: token_input(),
             step: 0,
+            graphs: None,
         }
     }
 
@@ -222,48 +316,21 @@ impl Trainer {
         self.optimizer.settle(&mut self.engine)
     }
 
-    /// Steps completed so far.
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// Continues the step count (and the schedule) from a checkpoint's.
-    pub fn set_step(&mut self, step: u64) {
-        self.step = step;
-    }
-
-    /// The loss per learned token over `steps`, forward only (validation): this rank's
-    /// share, as [`Trainer::train_step`] reports its training loss.
-    pub fn evaluate(&mut self, steps: &[Step]) -> Result<f64> {
-        self.settle_updates()?;
-        evaluate_with(&mut self.engine, steps, &self.prepare_input, &self.loss_func)
-    }
-
-    /// Runs forward and backward on every micro-batch (gradients accumulate, each loss
-    /// weighted by its share of the global batch's supervised tokens, [`Step::loss_weight`],
-    /// so every token weighs the same, and scaled by the loss scale), then
-    /// unscales, checks, clips and updates — or skips the update when the gradients are not
-    /// finite and the scaling says to check.
-    pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
-        let start = Instant::now();
-        let waited_before = crate::comm::time_waited();
-        let moved_before = self.engine.ledger().transfers();
-        let device = self.engine.config().device;
-        memory::reset_allocator_peak(device);
-        let factor = self.schedule.factor(self.step);
+    /// Queues one step on `batches`: forward and backward of each, the gradients' decision
+    /// and the update. The losses (and a norm measured on the device) are read back by a
+    /// copy queued before the update, or, `into_graph`, left stacked on the device for the
+    /// replays of the graph this step is being captured into to refill.
+    fn queue_step(&mut self, batches: &[Batch], weights: LossWeights, into_graph: bool) -> Result<QueuedStep> {
         let scale = self.scaling.scale();
-        self.optimizer.set_lr_factor(factor);
-        // Read back once, when the step is queued: a read waits for the device.
-        let mut losses = Vec::with_capacity(step.micro_batches.len());
-        let mut tokens = 0;
-        let last = step.micro_batches.len().saturating_sub(1);
+        let mut losses = Vec::with_capacity(batches.len());
+        let last = batches.len().saturating_sub(1);
         // Units updated on the host start as soon as their gradient is complete, while the
         // device computes the rest of backward, where nothing decided later can stop them.
         self.engine.set_grad_ready(None);
         let delayed = self.engine.delays_host_updates();
         let host_updates = (!delayed && self.scaling.updates_unconditionally(self.grad_clip))
             .then(|| Arc::new(self.optimizer.host_updates()));
-        for (i, batch) in step.micro_batches.iter().enumerate() {
+        for (i, batch) in batches.iter().enumerate() {
             // Only the last micro-batch's backward completes the step's gradients.
             self.engine.set_grad_sync(i == last);
             if let (true, Some(updates)) = (i == last, &host_updates) {
@@ -274,9 +341,12 @@ impl Trainer {
             let output = self.engine.forward(&(self.prepare_input)(batch)?)?;
             crate::fault::point("backward", self.step + 1);
             let loss = self.engine.compute_loss(|| (self.loss_func)(&output, batch))?;
-            self.engine.backward(&loss.f_mul_scalar(scale * step.loss_weight(i))?)?;
+            let weighted = match weights {
+                LossWeights::Host(step) => loss.f_mul_scalar(scale * step.loss_weight(i))?,
+                LossWeights::Device(weights) => loss.f_mul(&weights[i].f_to_kind(loss.kind())?)?,
+            };
+            self.engine.backward(&weighted)?;
             losses.push(loss.f_detach()?);
-            tokens += batch.targets.numel() as u64;
         }
         self.engine.set_grad_ready(None);
         self.engine.finish_grads()?;
@@ -302,11 +372,134 @@ impl Trainer {
         losses.extend(device_norm);
         // Queued ahead of the update, so the device still updates while the host waits for
         // these and starts the next step.
-        let reading = crate::compute::ScalarRead::start(&losses)?;
+        let read = match into_graph {
+            true => StepRead::OnDevice(crate::compute::stack_scalars(&losses)?),
+            false => StepRead::Started(crate::compute::ScalarRead::start(&losses)?),
+        };
         let host = if delayed { HostUpdating::Delayed } else { HostUpdating::Done(&updated) };
         decision.apply(&mut self.engine, &mut self.optimizer, host)?;
-        let GradDecision { mut grad_norm, skipped, .. } = decision;
-        let mut read = reading.finish()?;
+        Ok(QueuedStep { read, norm_on_device, grad_norm: decision.grad_norm, skipped: decision.skipped })
+    }
+
+    /// Whether `step` runs through the CUDA graph: graphs are on, the warm-up is over and
+    /// the step has the captured shapes (or none is captured yet).
+    fn graph_due(&self, step: &Step) -> Result<bool> {
+        let Some(graphs) = &self.graphs else { return Ok(false) };
+        if step.micro_batches.iter().any(|b| b.layout.is_some()) {
+            return Err(crate::Error::Config(
+                "cuda_graph: packed rows (a row layout) are laid out on the host for each step".into(),
+            ));
+        }
+        Ok(graphs.warmup_left == 0 && graphs.captured.as_ref().is_none_or(|c| c.fits(step)))
+    }
+
+    /// `step` through the CUDA graph: captured first if none is, then replayed.
+    fn replay_step(&mut self, step: &Step) -> Result<QueuedStep> {
+        let (device, capture) = match &self.graphs {
+            Some(g) => (g.device, g.captured.is_none()),
+            None => return Err(crate::Error::Engine("no CUDA graph to replay".into())),
+        };
+        if capture {
+            let batches = step.micro_batches.iter().map(CapturedStep::own_batch).collect::<Result<Vec<_>>>()?;
+            let weights = (0..batches.len())
+                .map(|i| Ok(Tensor::f_full([], step.loss_weight(i), (tch::Kind::Float, tch::Device::Cuda(device)))?))
+                .collect::<Result<Vec<_>>>()?;
+            let (graph, queued) = strata_ext::cuda::Graph::capture(device, || {
+                self.queue_step(&batches, LossWeights::Device(&weights), true)
+            })?;
+            let StepRead::OnDevice(read) = queued.read else {
+                return Err(crate::Error::Engine("a captured step must leave its read on the device".into()));
+            };
+            let captured = CapturedStep { graph, batches, weights, read, norm_on_device: queued.norm_on_device };
+            if let Some(g) = self.graphs.as_mut() {
+                g.captured = Some(captured);
+            }
+        } else {
+            // The update the host code of a captured step counts once, each replay does again.
+            self.optimizer.count_replayed_step();
+        }
+        let graphs = self.graphs.as_mut().ok_or_else(|| crate::Error::Engine("no CUDA graph to replay".into()))?;
+        let captured = graphs.captured.as_ref().ok_or_else(|| crate::Error::Engine("no CUDA graph captured".into()))?;
+        captured.replay(step)?;
+        graphs.replays += 1;
+        Ok(QueuedStep {
+            read: StepRead::Started(crate::compute::ScalarRead::start_stacked(&captured.read, device)?),
+            norm_on_device: captured.norm_on_device,
+            grad_norm: None,
+            skipped: false,
+        })
+    }
+
+    /// Steps completed so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Continues the step count (and the schedule) from a checkpoint's.
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// The loss per learned token over `steps`, forward only (validation): this rank's
+    /// share, as [`Trainer::train_step`] reports its training loss.
+    pub fn evaluate(&mut self, steps: &[Step]) -> Result<f64> {
+        self.settle_updates()?;
+        evaluate_with(&mut self.engine, steps, &self.prepare_input, &self.loss_func)
+    }
+
+    /// Captures the training step as a CUDA graph after `warmup` eager steps (at least one:
+    /// the first steps compile kernels and allocate what every later step reuses), and
+    /// replays it for every later step whose micro-batches have the captured shapes: one
+    /// launch instead of the host queueing every kernel. A step of other shapes (a shorter
+    /// last batch) runs eagerly. Refused, with the reason, where a step needs the host
+    /// between its kernels ([`Engine::capture_obstacle`]; a loss scaler or
+    /// `skip_if_nonfinite`, which decide on the host whether a step updates).
+    pub fn capture_cuda_graph(&mut self, warmup: u64) -> Result<()> {
+        let refuse = |why: &str| Err(crate::Error::Config(format!("cuda_graph: {why}")));
+        if let Some(why) = self.engine.capture_obstacle() {
+            return refuse(&why);
+        }
+        if !self.scaling.updates_unconditionally(None) {
+            return refuse("a loss scaler or skip_if_nonfinite decides on the host whether each step updates");
+        }
+        let tch::Device::Cuda(device) = self.engine.config().device else {
+            return refuse("it needs a CUDA device");
+        };
+        self.graphs = Some(GraphedSteps { warmup_left: warmup.max(1), device, captured: None, replays: 0 });
+        Ok(())
+    }
+
+    /// Steps replayed from a captured CUDA graph so far (the captured step among them).
+    pub fn graph_replays(&self) -> u64 {
+        self.graphs.as_ref().map_or(0, |g| g.replays)
+    }
+
+    /// Runs forward and backward on every micro-batch (gradients accumulate, each loss
+    /// weighted by its share of the global batch's supervised tokens, [`Step::loss_weight`],
+    /// so every token weighs the same, and scaled by the loss scale), then
+    /// unscales, checks, clips and updates — or skips the update when the gradients are not
+    /// finite and the scaling says to check.
+    pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
+        let start = Instant::now();
+        let waited_before = crate::comm::time_waited();
+        let moved_before = self.engine.ledger().transfers();
+        let device = self.engine.config().device;
+        memory::reset_allocator_peak(device);
+        let factor = self.schedule.factor(self.step);
+        let scale = self.scaling.scale();
+        self.optimizer.set_lr_factor(factor)?;
+        let tokens = step.micro_batches.iter().map(|b| b.targets.numel() as u64).sum();
+        let queued = match self.graph_due(step)? {
+            true => self.replay_step(step)?,
+            false => {
+                if let Some(graphs) = self.graphs.as_mut() {
+                    graphs.warmup_left = graphs.warmup_left.saturating_sub(1);
+                }
+                self.queue_step(&step.micro_batches, LossWeights::Host(step), false)?
+            }
+        };
+        let QueuedStep { read, norm_on_device, mut grad_norm, skipped } = queued;
+        let mut read = read.finish()?;
         if norm_on_device {
             grad_norm = read.pop();
         }

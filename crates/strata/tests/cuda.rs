@@ -125,6 +125,71 @@ fn the_engine_on_a_gpu_matches_the_cpu_in_fp32() {
     }
 }
 
+/// `t`'s losses and gradient norms over `steps`, and its CUDA graph's replays.
+fn curve(t: &mut Trainer, steps: &[&Step]) -> (Vec<f64>, Vec<f64>) {
+    let reports: Vec<_> = steps.iter().map(|s| t.train_step(s).unwrap()).collect();
+    (reports.iter().map(|r| r.loss).collect(), reports.iter().map(|r| r.grad_norm.unwrap()).collect())
+}
+
+#[test]
+fn a_step_replayed_from_a_cuda_graph_trains_as_the_eager_step() {
+    let Some((gpu, _serial)) = gpu("a_step_replayed_from_a_cuda_graph_trains_as_the_eager_step") else { return };
+    let full = steps(6, gpu);
+    // A step of other shapes (two sequences) runs eagerly between replays.
+    let short = {
+        let b = &full[0].micro_batches[0];
+        Step::new(9, vec![Batch::new(b.inputs.narrow(0, 0, 2), b.targets.narrow(0, 0, 2)).unwrap()])
+    };
+    let order: Vec<&Step> = vec![&full[0], &full[1], &full[2], &full[3], &short, &full[4], &full[5]];
+    let fused = r#"[["amp_native", {"dtype": "bf16"}], "module_replace", ["checkpoint", ["GptBlock"]]]"#;
+    for strategy in ["[]", fused] {
+        let make = || {
+            let mut t = trainer(gpu, strategy);
+            // A learning rate that changes every step, and clipping that engages.
+            t.schedule = LrSchedule::WarmupCosine { warmup: 3, total: 8, min_factor: 0.1 };
+            t.grad_clip = Some(0.05);
+            t
+        };
+        let (mut eager, mut again, mut graphed) = (make(), make(), make());
+        graphed.capture_cuda_graph(2).unwrap();
+        let (losses, norms) = curve(&mut eager, &order);
+        let repeat = curve(&mut again, &order);
+        let replayed = curve(&mut graphed, &order);
+        assert_eq!(graphed.graph_replays(), 4, "{strategy}: steps 3, 4, 6 and 7 replay the graph");
+        assert_eq!(graphed.optimizer.steps_taken(), 7, "{strategy}: a replay's update is counted");
+        // Kernels that repeat exactly repeat under replay too; others stay within their own
+        // run-to-run spread.
+        let spread = loss_gap(&repeat.0, &losses).max(weight_gap(&again, &eager));
+        let gap = loss_gap(&replayed.0, &losses).max(loss_gap(&replayed.1, &norms)).max(weight_gap(&graphed, &eager));
+        eprintln!(
+            "{strategy}: eager losses {losses:?}, replayed {:?}; gap {gap:.2e}, eager spread {spread:.2e}",
+            replayed.0
+        );
+        assert!(
+            gap <= 10.0 * spread,
+            "{strategy}: replays differ from eager steps by {gap:e} (eager runs by {spread:e})"
+        );
+        if strategy == "[]" {
+            assert_eq!(replayed.0, losses, "fp32 replays give the eager losses bit for bit");
+        }
+        assert!(losses[6] < losses[0] && norms.iter().all(|&n| n > 0.05), "{strategy}: it trained, clipped");
+        // A replayed step waits for the device once, to read its losses and norm.
+        cuda::count_syncs(true).unwrap();
+        let before = cuda::syncs_counted();
+        graphed.train_step(&full[0]).unwrap();
+        let syncs = cuda::syncs_counted() - before;
+        cuda::count_syncs(false).unwrap();
+        assert_eq!((syncs, graphed.graph_replays()), (1, 5), "{strategy}: synchronisations of a replayed step");
+    }
+    // Where a step needs the host between its kernels, the capture is refused by name.
+    let mut scaled = trainer(gpu, r#"[["amp_native", {"dtype": "fp16"}]]"#);
+    let err = scaled.capture_cuda_graph(2).unwrap_err().to_string();
+    assert!(err.contains("loss scaler"), "{err}");
+    let mut fp8 = trainer(gpu, r#"[["amp_native", {"dtype": "bf16"}], "fp8"]"#);
+    let err = fp8.capture_cuda_graph(2).unwrap_err().to_string();
+    assert!(err.contains("delayed scaling"), "{err}");
+}
+
 #[test]
 fn amp_and_half_on_a_gpu_stay_near_fp32_and_compute_in_low_precision() {
     let Some((gpu, _serial)) = gpu("amp_and_half_on_a_gpu_stay_near_fp32_and_compute_in_low_precision") else {

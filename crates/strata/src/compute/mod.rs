@@ -38,7 +38,11 @@ impl ScalarRead {
         else {
             return Ok(ScalarRead::Ready(read_scalars(values)?));
         };
-        let on_device = Tensor::f_cat(&as_f64_rows(values)?, 0)?;
+        ScalarRead::start_stacked(&stack_scalars(values)?, index)
+    }
+
+    /// [`ScalarRead::start`] of values already stacked into one f64 tensor on GPU `index`.
+    pub fn start_stacked(on_device: &Tensor, index: usize) -> Result<ScalarRead> {
         // A non-blocking copy to the CPU lands in page-locked memory; whatever reuses
         // `on_device`'s memory later runs on the same stream, after the copy.
         let host = on_device.f_to_device_(tch::Device::Cpu, Kind::Double, true, false)?;
@@ -59,9 +63,11 @@ impl ScalarRead {
     }
 }
 
-/// Each value as a one-element f64 tensor, to be concatenated into one transfer.
-fn as_f64_rows(values: &[Tensor]) -> Result<Vec<Tensor>> {
-    Ok(values.iter().map(|v| v.f_reshape([1])?.f_to_kind(Kind::Double)).collect::<std::result::Result<Vec<_>, _>>()?)
+/// One-element tensors of one device as one f64 vector there, to be read in one transfer.
+pub fn stack_scalars(values: &[Tensor]) -> Result<Tensor> {
+    let rows =
+        values.iter().map(|v| v.f_reshape([1])?.f_to_kind(Kind::Double)).collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(Tensor::f_cat(&rows, 0)?)
 }
 
 /// The values of one-element tensors, read back in one transfer per device: each read
@@ -76,7 +82,7 @@ pub fn read_scalars(values: &[Tensor]) -> Result<Vec<f64>> {
         let device = values[first].device();
         let same: Vec<usize> = (first..values.len()).filter(|&i| !done[i] && values[i].device() == device).collect();
         let parts: Vec<Tensor> = same.iter().map(|&i| values[i].shallow_clone()).collect();
-        let read = Vec::<f64>::try_from(Tensor::f_cat(&as_f64_rows(&parts)?, 0)?.f_to_device(tch::Device::Cpu)?)?;
+        let read = Vec::<f64>::try_from(stack_scalars(&parts)?.f_to_device(tch::Device::Cpu)?)?;
         for (&i, v) in same.iter().zip(read) {
             out[i] = v;
             done[i] = true;

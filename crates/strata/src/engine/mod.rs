@@ -552,6 +552,31 @@ impl Engine {
         schedule.after_update(ctx)
     }
 
+    /// Why a training step of this engine cannot be captured as a CUDA graph, if it cannot:
+    /// a step captured runs no host code when replayed, so nothing in it may wait for the
+    /// device or decide on the host from what the device computed.
+    pub fn capture_obstacle(&self) -> Option<String> {
+        if !self.config.device.is_cuda() || !strata_ext::cuda::is_built() {
+            return Some(format!(
+                "it needs a CUDA device and a build with the `cuda` feature; this engine runs on {:?}",
+                self.config.device
+            ));
+        }
+        if let Some(tp) = self.tensor_parallel() {
+            return Some(format!(
+                "tensor parallelism over {} ranks: its collectives are waited for by the host",
+                tp.size()
+            ));
+        }
+        if self.config.host_compute.iter().any(|&h| h) {
+            return Some("units computed on the host".into());
+        }
+        if self.compute.iter().any(|c| c.fp8.is_some()) {
+            return Some("fp8's delayed scaling reads every step's maxima on the host".into());
+        }
+        self.schedule.capture_obstacle()
+    }
+
     /// Whether the host's updates of a step run during the next one
     /// ([`UnitSchedule::delays_host_updates`]).
     pub fn delays_host_updates(&self) -> bool {

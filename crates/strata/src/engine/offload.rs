@@ -680,6 +680,10 @@ impl UnitSchedule for Offload {
         self.delayed_update
     }
 
+    fn capture_obstacle(&self) -> Option<String> {
+        Some("offload: each step waits for copies between host and device and updates on the host".into())
+    }
+
     fn held_tensors(&self) -> Vec<Tensor> {
         let host = self.units.iter().flat_map(|u| [u.host_params.as_ref(), u.host_grad.as_ref()]);
         host.flatten().map(Tensor::shallow_clone).collect()

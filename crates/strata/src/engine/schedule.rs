@@ -87,6 +87,12 @@ pub trait UnitSchedule: Send {
         Vec::new()
     }
 
+    /// Why a step under this schedule cannot be captured as a CUDA graph, if it cannot:
+    /// something in it makes the host wait for the device or act between kernels.
+    fn capture_obstacle(&self) -> Option<String> {
+        None
+    }
+
     /// Where the schedule reports its gathers and frees.
     fn attach_events(&mut self, _sink: Arc<dyn EventSink>) {}
 

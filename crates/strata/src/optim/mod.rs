@@ -12,7 +12,7 @@ use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
-use strata_ext::{AdamStep, AdamTensors, Scaling, SgdStep};
+use strata_ext::{AdamStep, AdamTensors, DeviceInputs, SgdStep};
 use tch::{Kind, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,6 +123,9 @@ struct Group {
     first: Vec<Tensor>,
     second: Vec<Tensor>,
     steps: Vec<Tensor>,
+    /// The learning rate where the group's GPU parameters read it: a float on their device,
+    /// rewritten every step, so a step captured as a CUDA graph replays with each step's rate.
+    device_lr: Option<Tensor>,
 }
 
 /// An optimizer over an engine's parameters.
@@ -177,6 +180,7 @@ impl Optimizer {
                 first: vec![],
                 second: vec![],
                 steps: vec![],
+                device_lr: None,
             })
             .collect();
         let ledger = engine.ledger().clone();
@@ -208,6 +212,11 @@ impl Optimizer {
             g.grads.push(grad);
         }
         groups.retain(|g| !g.params.is_empty());
+        for g in &mut groups {
+            if let Some(gpu) = g.params.iter().map(Tensor::device).find(|d| d.is_cuda()) {
+                g.device_lr = Some(Tensor::f_full([], g.lr, (Kind::Float, gpu))?);
+            }
+        }
         Ok(Optimizer {
             config,
             groups,
@@ -221,8 +230,14 @@ impl Optimizer {
     }
 
     /// Scales every group's learning rate (set each step from a [`LrSchedule`]).
-    pub fn set_lr_factor(&mut self, factor: f64) {
+    pub fn set_lr_factor(&mut self, factor: f64) -> Result<()> {
         self.lr_factor = factor;
+        for g in &self.groups {
+            if let Some(lr) = &g.device_lr {
+                let _ = lr.shallow_clone().f_fill_(g.lr * factor)?;
+            }
+        }
+        Ok(())
     }
 
     /// The default group's current learning rate.
@@ -232,6 +247,11 @@ impl Optimizer {
 
     pub fn steps_taken(&self) -> u64 {
         self.steps_taken
+    }
+
+    /// Counts an update made by a replay of a captured step, which runs no host code.
+    pub(crate) fn count_replayed_step(&mut self) {
+        self.steps_taken += 1;
     }
 
     /// Applies one update to every parameter from its gradient. A gradient held in another
@@ -300,6 +320,7 @@ impl Optimizer {
         UpdateRule {
             config: self.config.clone(),
             lr: g.lr * self.lr_factor,
+            device_lr: g.device_lr.as_ref().map(Tensor::shallow_clone),
             weight_decay: g.weight_decay,
             first_step: self.steps_taken == 0,
         }
@@ -524,12 +545,23 @@ fn l2_norm(grad: &Tensor) -> Result<Tensor> {
 }
 
 /// One step's update of a group: the rule and its hyper-parameters at that step.
-#[derive(Clone)]
 struct UpdateRule {
     config: OptimizerConfig,
     lr: f64,
+    /// `lr` on the GPU, read there by the updates of parameters on that device.
+    device_lr: Option<Tensor>,
     weight_decay: f64,
     first_step: bool,
+}
+
+impl Clone for UpdateRule {
+    fn clone(&self) -> UpdateRule {
+        UpdateRule {
+            device_lr: self.device_lr.as_ref().map(Tensor::shallow_clone),
+            config: self.config.clone(),
+            ..*self
+        }
+    }
 }
 
 impl UpdateRule {
@@ -567,7 +599,8 @@ impl UpdateRule {
             return Ok(());
         }
         let c = &self.config;
-        let scaling = Scaling { grad_scale: grad_divisor, found_inf: None };
+        let lr = self.device_lr.as_ref().filter(|lr| params.first().is_some_and(|p| p.device() == lr.device()));
+        let inputs = DeviceInputs { lr, grad_scale: grad_divisor, found_inf: None };
         match c.kind {
             OptimizerKind::Adam | OptimizerKind::AdamW => strata_ext::fused_adam(
                 &AdamTensors { params, grads, exp_avgs: first, exp_avg_sqs: second, steps },
@@ -580,7 +613,7 @@ impl UpdateRule {
                     decoupled: c.kind == OptimizerKind::AdamW,
                     maximize: false,
                 },
-                scaling,
+                inputs,
             )?,
             OptimizerKind::Sgd => strata_ext::fused_sgd(
                 params,
@@ -595,7 +628,7 @@ impl UpdateRule {
                     maximize: false,
                     is_first_step: self.first_step,
                 },
-                scaling,
+                inputs,
             )?,
         }
         Ok(())

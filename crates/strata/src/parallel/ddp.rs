@@ -122,6 +122,10 @@ impl UnitSchedule for DataParallel {
         self.group.rank() == 0
     }
 
+    fn capture_obstacle(&self) -> Option<String> {
+        (self.group.size() > 1).then(|| super::collectives_obstacle(self.group.size()))
+    }
+
     fn accepts_copied_grads(&self) -> bool {
         true
     }

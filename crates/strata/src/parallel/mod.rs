@@ -154,6 +154,11 @@ fn fp8_supported(device: tch::Device) -> bool {
     }
 }
 
+/// Why a step whose gradients travel between `ranks` ranks is not captured as a CUDA graph.
+fn collectives_obstacle(ranks: usize) -> String {
+    format!("collectives between {ranks} ranks: each is started and waited for by the host")
+}
+
 /// Which of the data-parallel replicas this rank's batches belong to, and how many there
 /// are: ranks that differ only in their tensor or pipeline coordinate read the same batches.
 /// (index, count) at `rank` of `world`.

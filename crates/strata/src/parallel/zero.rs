@@ -867,6 +867,12 @@ impl Zero {
 }
 
 impl UnitSchedule for Zero {
+    fn capture_obstacle(&self) -> Option<String> {
+        let groups = [&self.groups.shard, &self.groups.replicate, &self.groups.world];
+        let ranks = groups.iter().filter_map(|g| g.as_ref().map(|g| g.size())).max().unwrap_or(1);
+        (ranks > 1).then(|| super::collectives_obstacle(ranks))
+    }
+
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()> {
         let (k, storage, ledger) = (ctx.unit, &*ctx.storage, ctx.ledger);
         let last = self.units.len() - 1;

@@ -176,6 +176,11 @@ pub struct Outputs {
     pub search_report: Option<PathBuf>,
 }
 
+/// Eager steps a run takes before it captures its step as a CUDA graph (`cuda_graph`): the
+/// first compiles kernels and allocates what every later step reuses; the second runs as
+/// every later one will.
+pub const CUDA_GRAPH_WARMUP: u64 = 2;
+
 /// Everything about a run but its model and data. [`RunConfig::default`] is a short
 /// single-process run on the CPU.
 #[derive(Clone)]
@@ -222,6 +227,9 @@ pub struct RunConfig {
     pub outputs: Outputs,
     /// Time each unit's forward and backward into the metrics (not under a pipeline).
     pub unit_times: bool,
+    /// Capture the training step as a CUDA graph after [`CUDA_GRAPH_WARMUP`] eager steps
+    /// and replay it ([`crate::train::Trainer::capture_cuda_graph`]).
+    pub cuda_graph: bool,
     /// A progress line in the log every this many steps.
     pub log_every: u64,
     /// A progress bar on standard error (rank 0).
@@ -258,6 +266,7 @@ impl Default for RunConfig {
             resume: None,
             outputs: Outputs::default(),
             unit_times: false,
+            cuda_graph: false,
             log_every: 10,
             progress: false,
         }
@@ -511,7 +520,25 @@ pub fn train(
         data_parallel,
         loader: &loader_config,
     };
-    let mut runner = if strategy.parallel_mode().size(Dim::Pipeline, ranks.world())? > 1 {
+    let pipelined = strategy.parallel_mode().size(Dim::Pipeline, ranks.world())? > 1;
+    if config.cuda_graph {
+        let host_side = [
+            (pipelined, "a pipeline schedules its stages' sends and receives from the host"),
+            (config.pack, "packed rows (--pack) are laid out on the host for each step"),
+            (
+                config.unit_times,
+                "unit times (--unit-times) are host clocks around each unit, which a replay runs none of",
+            ),
+            (
+                config.outputs.profile.is_some(),
+                "a profile (--profile) records each unit's phases on the host, which a replay runs none of",
+            ),
+        ];
+        if let Some((_, why)) = host_side.iter().find(|(applies, _)| *applies) {
+            return Err(Error::Config(format!("cuda_graph: {why}")));
+        }
+    }
+    let mut runner = if pipelined {
         if config.unit_times {
             return Err(Error::Config(
                 "unit times (--unit-times) are measured by one engine's clock; under a pipeline each rank holds only its stages: profile the run instead (--profile)".into(),

@@ -90,6 +90,9 @@ impl Runner {
             trainer.loss_func = loss.clone();
         }
         trainer.scaling = s.strategy.grad_scaling()?;
+        if c.cuda_graph {
+            trainer.capture_cuda_graph(super::CUDA_GRAPH_WARMUP)?;
+        }
         Ok(Runner::Plain(Box::new(trainer)))
     }
 

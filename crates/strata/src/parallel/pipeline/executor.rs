@@ -480,7 +480,7 @@ impl PipelineTrainer {
         let start = Instant::now();
         let factor = self.schedule.factor(self.step);
         for c in &mut self.chunks {
-            c.optimizer.set_lr_factor(factor);
+            c.optimizer.set_lr_factor(factor)?;
         }
         crate::engine::memory::reset_allocator_peak(self.chunks[0].engine.config().device);
         let outcome = self.run_ops(step)?;
