@@ -11,7 +11,7 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
-use strata::compute::fp8::{self, Fp8Config, Fp8Unit};
+use strata::compute::fp8::{self, Fp8Config, Fp8Scaling, Fp8Unit};
 use tch::{Device, Kind, Tensor};
 
 #[derive(Args, Debug, Clone)]
@@ -118,8 +118,13 @@ struct GemmRow {
     bf16: f64,
     /// `_scaled_mm` on operands already in fp8.
     fp8_product: f64,
-    /// Strata's fp8 linear: amaxes, casts to fp8 and the product, as training runs it.
+    /// Strata's fp8 linear: amaxes, casts to fp8 and the product, as training runs it
+    /// with delayed scaling.
     fp8_linear: f64,
+    /// The same with current scaling (each operand's maximum reduced before its cast).
+    fp8_current: f64,
+    /// The same with rowwise scaling.
+    fp8_rowwise: f64,
 }
 
 #[derive(Serialize)]
@@ -169,9 +174,13 @@ fn gemm_table(device: Device) -> Result<Vec<GemmRow>> {
         let fp8_product = tflops(device, (m, k, n), || {
             Ok(xq.f_internal_scaled_mm::<Tensor>(&wq.tr(), &one, &one, None, None, Kind::BFloat16, true)?)
         })?;
-        let state = Fp8Unit::new(Fp8Config::default());
-        let fp8_linear = tflops(device, (m, k, n), || Ok(fp8::linear(&state, 0, true, &x, &w, None, Kind::BFloat16)?))?;
-        rows.push(GemmRow { shape, m, k, n, bf16, fp8_product, fp8_linear });
+        let linear = |scaling| {
+            let state = Fp8Unit::new(Fp8Config { scaling, ..Fp8Config::default() });
+            tflops(device, (m, k, n), || Ok(fp8::linear(&state, 0, true, &x, &w, None, Kind::BFloat16)?))
+        };
+        let fp8_linear = linear(Fp8Scaling::Delayed)?;
+        let (fp8_current, fp8_rowwise) = (linear(Fp8Scaling::Current)?, linear(Fp8Scaling::Rowwise)?);
+        rows.push(GemmRow { shape, m, k, n, bf16, fp8_product, fp8_linear, fp8_current, fp8_rowwise });
     }
     Ok(rows)
 }
@@ -202,16 +211,16 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
     let device = crate::options::parse_device(&a.device)?;
     let gemm = if a.no_fp8 { Vec::new() } else { gemm_table(device)? };
     if !a.json && !gemm.is_empty() {
-        println!("Products m×k×n, TFLOP/s (fp8 linear: with its amaxes and casts, forward only)");
+        println!("Products m×k×n, TFLOP/s (fp8 linear: with its amaxes and casts, forward only; delayed, current and rowwise scaling)");
         println!(
-            "{:<14} {:>20} {:>8} {:>12} {:>11} {:>16}",
-            "shape", "m×k×n", "bf16", "fp8 product", "fp8 linear", "fp8 linear/bf16"
+            "{:<14} {:>20} {:>8} {:>12} {:>11} {:>16} {:>8} {:>8}",
+            "shape", "m×k×n", "bf16", "fp8 product", "fp8 linear", "fp8 linear/bf16", "current", "rowwise"
         );
         for r in &gemm {
             let (dims, ratio) = (format!("{}×{}×{}", r.m, r.k, r.n), r.fp8_linear / r.bf16);
             println!(
-                "{:<14} {:>20} {:>8.0} {:>12.0} {:>11.0} {:>16.2}",
-                r.shape, dims, r.bf16, r.fp8_product, r.fp8_linear, ratio
+                "{:<14} {:>20} {:>8.0} {:>12.0} {:>11.0} {:>16.2} {:>8.0} {:>8.0}",
+                r.shape, dims, r.bf16, r.fp8_product, r.fp8_linear, ratio, r.fp8_current, r.fp8_rowwise
             );
         }
     }

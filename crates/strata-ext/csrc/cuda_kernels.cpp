@@ -342,7 +342,8 @@ extern "C" __global__ void add_norm_backward(const TY* gy, const TS* gs, const T
 // fp8 casts (sm_89 and later): x·scale saturated to the format's largest finite value, in
 // 64 × 64 tiles of 256 threads, each thread taking 4 consecutive elements of 4 rows, written
 // row-major and, where `qt` is given, transposed through shared memory (4 bytes per access
-// in whole tiles), with |x|'s maximum taken into `amax` (NaN ignored) in the same pass.
+// in whole tiles), with |x|'s maximum taken into `amax` (NaN ignored) in the same pass. The
+// scale is read from `scale_at` where given (computed on the device, current scaling).
 const char* kFp8Cast = R"(
 __device__ __forceinline__ unsigned int to_fp8(float v, int e5m2) {
   unsigned short pair;
@@ -351,9 +352,11 @@ __device__ __forceinline__ unsigned int to_fp8(float v, int e5m2) {
   return pair & 0xffu;
 }
 
-extern "C" __global__ void fp8_cast_transpose(const TX* x, float scale, unsigned char* q, unsigned char* qt,
-                                              float* amax, i64 rows, i64 cols, int e5m2) {
+extern "C" __global__ void fp8_cast_transpose(const TX* x, float given_scale, const float* scale_at,
+                                              unsigned char* q, unsigned char* qt, float* amax, i64 rows,
+                                              i64 cols, int e5m2) {
   __shared__ unsigned int tile[64][17];
+  const float scale = scale_at ? *scale_at : given_scale;
   const i64 r0 = (i64)blockIdx.y * 64, c0 = (i64)blockIdx.x * 64;
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
   // A whole tile with 4-aligned rows and columns takes the packed accesses.
@@ -743,8 +746,13 @@ bool on_gpu(const Tensor& t) { return t.defined() && t.is_cuda() && served_dtype
 
 }  // namespace
 
-std::optional<Fp8Cast> fp8_cast(const Tensor& x, double scale, bool e5m2, bool transposed) {
+std::optional<Fp8Cast> fp8_cast(const Tensor& x, double scale, const Tensor* scale_at, bool e5m2,
+                                bool transposed) {
   if (!on_gpu(x) || x.dim() != 2 || !x.is_contiguous()) return std::nullopt;
+  if (scale_at != nullptr) {
+    TORCH_CHECK(scale_at->device() == x.device() && scale_at->scalar_type() == at::kFloat && scale_at->numel() == 1,
+                "fp8 cast: a device scale must be one float on the tensor's GPU");
+  }
   c10::cuda::CUDAGuard guard(x.device());
   int64_t rows = x.size(0), cols = x.size(1);
   auto kind = x.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
@@ -756,9 +764,10 @@ std::optional<Fp8Cast> fp8_cast(const Tensor& x, double scale, bool e5m2, bool t
     float scalef = static_cast<float>(scale);
     int e5m2_flag = e5m2;
     void *xp = x.data_ptr(), *qp = q.data_ptr(), *qtp = transposed ? qt.data_ptr() : nullptr, *ap = amax.data_ptr();
+    void* sp = scale_at != nullptr ? scale_at->data_ptr() : nullptr;
     launch(kernel(kFp8Cast, {{"TX", x.scalar_type()}}, "fp8_cast_transpose"),
            dim3(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64)), dim3(256),
-           {&xp, &scalef, &qp, &qtp, &ap, &rows, &cols, &e5m2_flag});
+           {&xp, &scalef, &sp, &qp, &qtp, &ap, &rows, &cols, &e5m2_flag});
   }
   return Fp8Cast{q, qt, amax};
 }

@@ -51,7 +51,8 @@ struct Fp8Cast {
 
 // `x · scale` saturated and cast to E4M3 (E5M2 where `e5m2`), for a contiguous 2-D `x`,
 // in one pass that also writes the transpose where `transposed` and takes the amax.
-std::optional<Fp8Cast> fp8_cast(const at::Tensor& x, double scale, bool e5m2, bool transposed);
+std::optional<Fp8Cast> fp8_cast(const at::Tensor& x, double scale, const at::Tensor* scale_at, bool e5m2,
+                                bool transposed);
 
 // Compiles every kernel for every dtype they serve for `arch` (such as "sm_90"), without a
 // device: a check that the sources compile.

@@ -730,6 +730,35 @@ int strata_cuda_graph_begin(int device, void** out) {
   });
 }
 
+#ifdef STRATA_CUDA
+namespace {
+// After a capture_end that failed or never ran: ends the capture whatever its state, drops
+// what was captured, gives the graph's memory pool back to the allocator, and makes the
+// stream that was current before the capture current again.
+void abandon(Capture* capture) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(capture->capturing.stream(), &status) == cudaSuccess &&
+      status != cudaStreamCaptureStatusNone) {
+    cudaGraph_t dropped = nullptr;
+    cudaStreamEndCapture(capture->capturing.stream(), &dropped);
+    if (dropped != nullptr) cudaGraphDestroy(dropped);
+  }
+  (void)cudaGetLastError();
+  auto device = capture->capturing.device_index();
+  // Either may already be done, by a capture_end that failed after it.
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device, capture->graph.pool());
+  } catch (...) {
+  }
+  try {
+    c10::cuda::CUDACachingAllocator::releasePool(device, capture->graph.pool());
+  } catch (...) {
+  }
+  c10::cuda::setCurrentCUDAStream(capture->previous);
+}
+}  // namespace
+#endif
+
 // Ends the capture. With `keep` false (the captured work failed on the host) the capture is
 // ended and dropped whatever state it is in, and no error is reported for it.
 int strata_cuda_graph_end(void* handle, int keep) {
@@ -739,19 +768,18 @@ int strata_cuda_graph_end(void* handle, int keep) {
     auto* capture = static_cast<Capture*>(handle);
     if (capture->ended) return;
     capture->ended = true;
-    if (keep) {
-      try {
-        capture->graph.capture_end();
-      } catch (...) {
-        c10::cuda::setCurrentCUDAStream(capture->previous);
-        throw;
-      }
+    bool ended = false;
+    try {
+      capture->graph.capture_end();
+      ended = true;
+    } catch (...) {
+      abandon(capture);
+      if (keep) throw;
+    }
+    if (ended && keep) {
       capture->restore();
-    } else {
-      cudaGraph_t dropped = nullptr;
-      cudaStreamEndCapture(capture->capturing.stream(), &dropped);
-      if (dropped != nullptr) cudaGraphDestroy(dropped);
-      (void)cudaGetLastError();
+    } else if (ended) {
+      // A whole graph of work that failed on the host: dropped with the capture.
       c10::cuda::setCurrentCUDAStream(capture->previous);
     }
 #else
@@ -1543,12 +1571,12 @@ int strata_add_norm(const Tensor* x, const Tensor* r, const Tensor* weight, cons
 
 // An fp8 cast of `x` (see cuda_kernels.h); all three outputs null where not served, `*qt`
 // null where not asked for.
-int strata_fp8_cast(const Tensor* x, double scale, int e5m2, int transposed, Tensor** q, Tensor** qt,
-                    Tensor** amax) {
+int strata_fp8_cast(const Tensor* x, double scale, const Tensor* scale_at, int e5m2, int transposed,
+                    Tensor** q, Tensor** qt, Tensor** amax) {
   return guarded([&] {
     *q = *qt = *amax = nullptr;
 #ifdef STRATA_CUDA
-    if (auto cast = strata_cuda::fp8_cast(*x, scale, e5m2 != 0, transposed != 0)) {
+    if (auto cast = strata_cuda::fp8_cast(*x, scale, scale_at, e5m2 != 0, transposed != 0)) {
       *q = new Tensor(std::move(cast->q));
       *qt = cast->qt.defined() ? new Tensor(std::move(cast->qt)) : nullptr;
       *amax = new Tensor(std::move(cast->amax));

@@ -98,6 +98,7 @@ extern "C" {
     fn strata_fp8_cast(
         x: *const C_tensor,
         scale: f64,
+        scale_at: *const C_tensor,
         e5m2: c_int,
         transposed: c_int,
         q: *mut TensorPtr,
@@ -653,17 +654,20 @@ pub mod kernels {
     /// or E5M2 where `e5m2`), for a contiguous 2-D `x` on a GPU with fp8 conversions
     /// (sm_89 and later): one pass that writes the cast row-major and, where `transposed`,
     /// its contiguous transpose (the column-major operand a scaled product wants), and takes
-    /// the largest magnitude of `x` (NaN left out) into a float scalar on the device.
+    /// the largest magnitude of `x` (NaN left out) into a float scalar on the device. The
+    /// scale is `scale_at`'s value where given (one float on `x`'s GPU, computed there).
     pub fn fp8_cast(
         x: &Tensor,
         scale: f64,
+        scale_at: Option<&Tensor>,
         e5m2: bool,
         transposed: bool,
     ) -> Result<Option<(Tensor, Option<Tensor>, Tensor)>> {
         let mut out: [TensorPtr; 3] = [std::ptr::null_mut(); 3];
         let [q, qt, amax] = &mut out;
-        // SAFETY: `x` is live for the call; the three outputs are written.
-        check(unsafe { strata_fp8_cast(x.as_ptr(), scale, e5m2.into(), transposed.into(), q, qt, amax) })?;
+        let at = optional_ptr(scale_at);
+        // SAFETY: `x` (and `scale_at`) are live for the call; the three outputs are written.
+        check(unsafe { strata_fp8_cast(x.as_ptr(), scale, at, e5m2.into(), transposed.into(), q, qt, amax) })?;
         if out[0].is_null() || out[2].is_null() {
             return Ok(None);
         }

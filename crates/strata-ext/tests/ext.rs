@@ -134,7 +134,7 @@ fn fused_adamw_matches_the_textbook_update() {
         AdamStep { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, decoupled: true, maximize: false };
     let t = AdamTensors { params: &params, grads: &[g.shallow_clone()], exp_avgs: &m, exp_avg_sqs: &v, steps: &s };
     for step in 1..=2 {
-        fused_adam(&t, h, Scaling::default()).unwrap();
+        fused_adam(&t, h, DeviceInputs::default()).unwrap();
         assert_eq!(s[0].double_value(&[]), step as f64);
     }
     // Reference: two AdamW steps with a constant gradient.
@@ -165,11 +165,11 @@ fn fused_sgd_applies_nesterov_momentum() {
         maximize: false,
         is_first_step: true,
     };
-    fused_sgd(&p, &g, &buf, h, Scaling::default()).unwrap();
+    fused_sgd(&p, &g, &buf, h, DeviceInputs::default()).unwrap();
     // buf = g = 0.5; step = g + 0.9 * buf = 0.95
     assert!((p[0].double_value(&[0]) - (1.0 - 0.095)).abs() < 1e-6);
     h.is_first_step = false;
-    fused_sgd(&p, &g, &buf, h, Scaling::default()).unwrap();
+    fused_sgd(&p, &g, &buf, h, DeviceInputs::default()).unwrap();
     // buf = 0.9 * 0.5 + 0.5 = 0.95; step = 0.5 + 0.9 * 0.95 = 1.355
     assert!((p[0].double_value(&[0]) - (0.905 - 0.1355)).abs() < 1e-6);
 }
@@ -291,14 +291,14 @@ fn a_cuda_graph_replays_its_work_with_what_its_inputs_hold_then() {
     .unwrap();
     assert_eq!(gs[0].double_value(&[]), 0.0, "capturing runs nothing");
     for (i, rate) in [1e-2, 5e-3, 2.5e-3].into_iter().enumerate() {
-        let _ = grad.copy_(&Tensor::linspace(0.5, -0.5 * i as f64, 64, (Kind::Float, gpu)));
-        let _ = lr.fill_(rate);
+        let _ = grad.shallow_clone().copy_(&Tensor::linspace(0.5, -0.5 * i as f64, 64, (Kind::Float, gpu)));
+        let _ = lr.shallow_clone().fill_(rate);
         graph.replay().unwrap();
         fused_adam(&t(&ep, &em, &ev, &es), AdamStep { lr: rate as f32 as f64, ..h }, DeviceInputs::default()).unwrap();
         assert!(close(&doubled, &(&grad * 2.0), 0.0), "replay {i} reads the input as it is now");
     }
     assert_eq!(gs[0].double_value(&[]), 3.0, "three replays, three steps");
-    assert!(close(&gp[0], &ep[0], 0.0), "replayed updates equal eager ones");
+    assert!(close(&gp[0], &ep[0], 1e-6), "replayed updates equal eager ones");
     assert!(!close(&gp[0], &Tensor::linspace(-1.0, 1.0, 64, (Kind::Float, gpu)), 1e-4), "the parameter moved");
     // A capture whose host code fails, or that waits for the device, is dropped; the stream
     // it ran on works on.

@@ -152,6 +152,57 @@ fn fp8_linear_stays_close_to_fp32_and_its_scaling_follows_the_history() {
     );
 }
 
+/// `t · scale` saturated to E4M3 and back: what an fp8 operand holds, in fp32.
+fn e4m3(t: &Tensor, scale: &Tensor) -> Tensor {
+    (t * scale).clamp(-448.0, 448.0).to_kind(Kind::Float8e4m3fn).to_kind(Kind::Float) / scale
+}
+
+#[test]
+fn current_and_rowwise_scaling_take_each_tensors_own_maxima() {
+    let _serial = serial();
+    tch::manual_seed(4);
+    // One row of outliers, 10^5 times the others: one scale for the tensor puts the other
+    // rows below E4M3's smallest normal number (2^-6), where precision runs out.
+    let x = Tensor::randn([32, 64], (Kind::Float, Device::Cpu));
+    let _ = x.get(0).g_mul_scalar_(1e5);
+    let w = Tensor::randn([48, 64], (Kind::Float, Device::Cpu)) * 0.1;
+    let reference = x.linear::<Tensor>(&w, None);
+    let rest = |t: &Tensor| t.narrow(0, 1, 31);
+    let mut errors = Vec::new();
+    for scaling in [fp8::Fp8Scaling::Current, fp8::Fp8Scaling::Rowwise] {
+        let state = Fp8Unit::new(Fp8Config { scaling, ..Default::default() });
+        let out = fp8::linear(&state, 0, true, &x, &w, None, Kind::Float).unwrap();
+        // The product of the operands as each scaling quantises them, from its definition.
+        let (sx, sw) = match scaling {
+            fp8::Fp8Scaling::Current => (x.abs().max().reciprocal() * 448.0, w.abs().max().reciprocal() * 448.0),
+            _ => (x.abs().amax([1], true).reciprocal() * 448.0, w.abs().amax([1], true).reciprocal() * 448.0),
+        };
+        let expected = e4m3(&x, &sx).matmul(&e4m3(&w, &sw).tr());
+        assert!(rel(&out, &expected) < 1e-5, "{scaling:?}: {:e}", rel(&out, &expected));
+        let error = rel(&rest(&out), &rest(&reference));
+        errors.push(error);
+        // Nothing is kept for later steps, and nothing is read at the end of a step.
+        let mut st = state.lock().unwrap();
+        st.end_step(None).unwrap();
+        assert!(st.layers[0].input.history.is_empty() && st.layers[0].input.scale == 1.0, "{scaling:?}: no history");
+    }
+    eprintln!("relative error of the rows beside the outliers: current {:.3e}, rowwise {:.3e}", errors[0], errors[1]);
+    // A scale per row keeps fp8's full precision for each row (and is still quantised).
+    assert!(errors[1] > 1e-4 && errors[1] < 0.05 && errors[0] > 3.0 * errors[1], "{errors:?}");
+    // Rowwise gradients: E4M3 throughout, each product's operands scaled along the axis it
+    // sums over; both gradients stay near fp32's (on operands without outliers, which would
+    // carry the weight's gradient alone).
+    let xg = Tensor::randn([32, 64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let wg = w.shallow_clone().set_requires_grad(true);
+    let state = Fp8Unit::new(Fp8Config { scaling: fp8::Fp8Scaling::Rowwise, ..Default::default() });
+    let out = fp8::linear(&state, 0, true, &xg, &wg, None, Kind::Float).unwrap();
+    let got = Tensor::run_backward(&[&out], &[&xg, &wg], false, false);
+    let want = Tensor::run_backward(&[&xg.linear::<Tensor>(&wg, None)], &[&xg, &wg], false, false);
+    let grads = [rel(&got[0], &want[0]), rel(&got[1], &want[1])];
+    eprintln!("rowwise gradient errors (input, weight): {grads:?}");
+    assert!(grads.iter().all(|&e| e > 1e-4 && e < 0.05), "{grads:?}");
+}
+
 /// A weight is cast to fp8 once a step: later forwards of the step (micro-batches,
 /// recomputation) reuse that cast, and the next step casts afresh.
 #[test]

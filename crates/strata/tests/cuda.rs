@@ -142,7 +142,8 @@ fn a_step_replayed_from_a_cuda_graph_trains_as_the_eager_step() {
     };
     let order: Vec<&Step> = vec![&full[0], &full[1], &full[2], &full[3], &short, &full[4], &full[5]];
     let fused = r#"[["amp_native", {"dtype": "bf16"}], "module_replace", ["checkpoint", ["GptBlock"]]]"#;
-    for strategy in ["[]", fused] {
+    let fp8_current = r#"[["amp_native", {"dtype": "bf16"}], ["fp8", {"scaling": "current"}]]"#;
+    for strategy in ["[]", fused, fp8_current] {
         let make = || {
             let mut t = trainer(gpu, strategy);
             // A learning rate that changes every step, and clipping that engages.
@@ -280,7 +281,8 @@ fn fp8_casts_on_a_gpu_equal_the_composite_ops_in_one_pass() {
     for (kind, max, e5m2) in [(Kind::Float8e4m3fn, 448.0, false), (Kind::Float8e5m2, 57344.0, true)] {
         // The largest inputs land at several times the format's largest value.
         let scale = max / 300.0;
-        let (q, qt, amax) = strata_ext::kernels::fp8_cast(&x, scale, e5m2, true).unwrap().expect("served on a GPU");
+        let (q, qt, amax) =
+            strata_ext::kernels::fp8_cast(&x, scale, None, e5m2, true).unwrap().expect("served on a GPU");
         let composite = (&x * scale).clamp(-max, max).to_kind(kind);
         let as_float = |t: &Tensor| t.to_kind(Kind::Float);
         assert_eq!(q.kind(), kind);
@@ -289,6 +291,28 @@ fn fp8_casts_on_a_gpu_equal_the_composite_ops_in_one_pass() {
         let largest = x.abs().max();
         assert_eq!(amax.double_value(&[]), largest.double_value(&[]), "{kind:?}: the amax");
         assert!(as_float(&q).abs().max().double_value(&[]) == max, "{kind:?}: saturated, not infinite");
+        // The same scale read on the device (current scaling) casts the same.
+        let at = Tensor::full([], scale, (Kind::Float, gpu));
+        let (q_at, _, _) = strata_ext::kernels::fp8_cast(&x, 1.0, Some(&at), e5m2, true).unwrap().expect("served");
+        assert!(as_float(&q_at).equal(&as_float(&q)), "{kind:?}: a scale read on the device");
+    }
+    // Current and rowwise fp8 linears on the GPU: the same products as on the CPU's
+    // emulation, forward and backward, from the same operands.
+    let w = with_seed(4, || Tensor::randn([48, 80], (Kind::Float, Device::Cpu))) * 0.1;
+    let x = with_seed(5, || Tensor::randn([64, 80], (Kind::Float, Device::Cpu)));
+    for scaling in [fp8::Fp8Scaling::Current, fp8::Fp8Scaling::Rowwise] {
+        let run = |device: Device| {
+            let (x, w) = (x.to_device(device).set_requires_grad(true), w.to_device(device).set_requires_grad(true));
+            let state = Fp8Unit::new(Fp8Config { scaling, ..Default::default() });
+            let out = fp8::linear(&state, 0, true, &x, &w, None, Kind::Float).unwrap();
+            let grads = Tensor::run_backward(&[&out], &[&x, &w], false, false);
+            [out, grads[0].shallow_clone(), grads[1].shallow_clone()].map(|t| t.to_device(Device::Cpu))
+        };
+        let (on_gpu, on_cpu) = (run(gpu), run(Device::Cpu));
+        let gaps: Vec<f64> = on_gpu.iter().zip(&on_cpu).map(|(g, c)| rel(g, c)).collect();
+        eprintln!("{scaling:?} fp8 linear, GPU against the CPU (output, input grad, weight grad): {gaps:?}");
+        // The forward product accumulates fast on the GPU; the gradients' exactly.
+        assert!(gaps[0] < 1e-3 && gaps[1] < 1e-5 && gaps[2] < 1e-5, "{scaling:?}: {gaps:?}");
     }
 }
 

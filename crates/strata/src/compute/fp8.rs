@@ -1,9 +1,12 @@
-//! `fp8`: linear layers computed with libtorch's scaled matrix multiply on fp8 operands,
-//! with Transformer Engine's delayed scaling. Each fp8 linear keeps, for its input, weight
-//! and output gradient, a history of absolute maxima (`amax_history_len` steps); the scale
-//! used in a step comes from the history before it (`fp8_max / amax / 2^margin`, amax the
-//! history's maximum or its most recent entry), refreshed every `interval` steps. Input
-//! and weight are E4M3; the gradient is E5M2 (`HYBRID`) or E4M3.
+//! `fp8`: linear layers computed with libtorch's scaled matrix multiply on fp8 operands.
+//! Scales come one of three ways ([`Fp8Scaling`]). Delayed (Transformer Engine's): each fp8
+//! linear keeps, for its input, weight and output gradient, a history of absolute maxima
+//! (`amax_history_len` steps); the scale used in a step comes from the history before it
+//! (`fp8_max / amax / 2^margin`, amax the history's maximum or its most recent entry),
+//! refreshed every `interval` steps. Current: each tensor's scale from its own maximum,
+//! taken on the device just before its cast. Rowwise: a scale per row of each operand as
+//! its product reads it. Input and weight are E4M3; the gradient is E5M2 (`HYBRID`) or
+//! E4M3, and E4M3 under rowwise scaling.
 //!
 //! Owns each fp8 linear's scaling state and its scaled product. Must not own weights or
 //! steps: the engine hands the weights in, ends each step through [`end_steps`] and passes
@@ -25,6 +28,22 @@ pub enum Fp8Format {
     E4m3,
 }
 
+/// How an fp8 linear chooses the scales that bring its operands into fp8's range.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8Scaling {
+    /// From the maxima of earlier steps, per tensor role, read on the host when a step ends.
+    #[default]
+    Delayed,
+    /// Per tensor, from its own maximum, computed on the device before its cast: no
+    /// history, nothing read on the host (a step can be captured as a CUDA graph).
+    Current,
+    /// Per row of each operand as its product reads it (and per column for the transposed
+    /// copy backward reads), from the device: an outlier costs its own row's precision
+    /// alone. Every operand, gradients included, in E4M3.
+    Rowwise,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AmaxAlgo {
@@ -37,6 +56,7 @@ pub enum AmaxAlgo {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Fp8Config {
+    pub scaling: Fp8Scaling,
     pub margin: i32,
     pub interval: u64,
     pub fp8_format: Fp8Format,
@@ -56,6 +76,7 @@ pub struct Fp8Config {
 impl Default for Fp8Config {
     fn default() -> Self {
         Fp8Config {
+            scaling: Fp8Scaling::Delayed,
             margin: 0,
             interval: 1,
             fp8_format: Fp8Format::Hybrid,
@@ -82,9 +103,9 @@ impl Fp8Config {
 
     /// The fp8 type of gradients and its largest value.
     pub fn grad_format(&self) -> (Kind, f64) {
-        match self.fp8_format {
-            Fp8Format::Hybrid => (Kind::Float8e5m2, E5M2_MAX),
-            Fp8Format::E4m3 => (Kind::Float8e4m3fn, E4M3_MAX),
+        match (self.fp8_format, self.scaling) {
+            (Fp8Format::Hybrid, Fp8Scaling::Delayed | Fp8Scaling::Current) => (Kind::Float8e5m2, E5M2_MAX),
+            _ => (Kind::Float8e4m3fn, E4M3_MAX),
         }
     }
 
@@ -264,6 +285,9 @@ impl Fp8Unit {
         self.steps += 1;
         // The weights are about to change.
         self.weights.iter_mut().for_each(|w| *w = None);
+        if self.config.scaling != Fp8Scaling::Delayed {
+            return;
+        }
         let refresh = self.steps.is_multiple_of(self.config.interval);
         let (fwd_max, grad_max) = (E4M3_MAX, self.config.grad_format().1);
         let c = &self.config;
@@ -317,8 +341,8 @@ pub fn end_steps(units: &mut [&mut Fp8Unit], group: Option<&dyn ProcessGroup>) -
         meter.pending = meter.pending.max(amax);
     }
     let mut pending: Vec<Vec<f64>> = units.iter().map(|u| u.pending()).collect();
-    let reduced: Vec<usize> =
-        (0..units.len()).filter(|&u| units[u].config.reduce_amax && !pending[u].is_empty()).collect();
+    let delayed = |u: &Fp8Unit| u.config.reduce_amax && u.config.scaling == Fp8Scaling::Delayed;
+    let reduced: Vec<usize> = (0..units.len()).filter(|&u| delayed(units[u]) && !pending[u].is_empty()).collect();
     if let (Some(g), false) = (group, reduced.is_empty()) {
         let all: Vec<f64> = reduced.iter().flat_map(|&u| pending[u].iter().copied()).collect();
         let mut maxima = all_reduce_values(g, &all, ReduceOp::Max)?.into_iter();
@@ -332,58 +356,116 @@ pub fn end_steps(units: &mut [&mut Fp8Unit], group: Option<&dyn ProcessGroup>) -
     Ok(())
 }
 
+/// How one operand is scaled into fp8 in a step.
+#[derive(Clone, Copy)]
+enum Scale {
+    /// Delayed scaling's, decided on the host before the step.
+    Given(f64),
+    /// From the tensor's own maximum, on the device.
+    Current,
+    /// From each row's maximum (and each column's, for the transpose), on the device.
+    Rowwise,
+}
+
 /// A 2-D tensor cast to fp8: row-major, its contiguous transpose (the column-major operand
-/// of a scaled product), and the tensor's largest magnitude before scaling (a float scalar
-/// where the tensor lives).
+/// of a scaled product), with what multiplies each back out of its products (the inverse
+/// scales, on the device: one float for the tensor, or under rowwise scaling one per row of
+/// `q`, `[rows, 1]`, and one per row of `qt`, `[cols, 1]`), and, under delayed scaling, the
+/// tensor's largest magnitude before scaling (a float scalar where it lives).
 struct Cast {
     q: Tensor,
+    q_factor: Tensor,
     qt: Tensor,
-    amax: Tensor,
+    qt_factor: Tensor,
+    amax: Option<Tensor>,
 }
 
 impl Cast {
     fn shallow_clone(&self) -> Cast {
-        Cast { q: self.q.shallow_clone(), qt: self.qt.shallow_clone(), amax: self.amax.shallow_clone() }
+        Cast {
+            q: self.q.shallow_clone(),
+            q_factor: self.q_factor.shallow_clone(),
+            qt: self.qt.shallow_clone(),
+            qt_factor: self.qt_factor.shallow_clone(),
+            amax: self.amax.as_ref().map(Tensor::shallow_clone),
+        }
     }
 }
 
-/// `t · scale`, saturated to ±`max`, in fp8 `kind`, with its transpose and amax: one pass of
-/// Strata's CUDA kernel on a GPU; elsewhere composite ops, scaling in `t`'s own dtype (bf16
-/// keeps more mantissa than either fp8 format).
-fn cast(t: &Tensor, scale: f64, kind: Kind, max: f64) -> Result<Cast> {
+/// `t · scale`, saturated to ±`max`, in fp8 `kind`, with its transpose. A given or current
+/// scale casts in one pass of Strata's CUDA kernel on a GPU; elsewhere, and for rowwise
+/// scales, composite ops, scaling in `t`'s own dtype (bf16 keeps more mantissa than either
+/// fp8 format) or, per row, in fp32.
+fn cast(t: &Tensor, scale: Scale, kind: Kind, max: f64) -> Result<Cast> {
     let t = t.f_contiguous()?;
-    if let Some((q, Some(qt), amax)) = strata_ext::kernels::fp8_cast(&t, scale, kind == Kind::Float8e5m2, true)? {
-        return Ok(Cast { q, qt, amax });
+    let on_device = |v: f64| Tensor::f_full([], v, (Kind::Float, t.device()));
+    // The largest magnitude over `dims` (all: the infinity norm, one pass) in fp32; a zero
+    // maximum scales by one.
+    let amax = |dims: Option<i64>| -> Result<Tensor> {
+        let m = match dims {
+            None => t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?,
+            Some(d) => t.f_abs()?.f_amax([d], true)?.f_to_kind(Kind::Float)?,
+        };
+        Ok(m.f_clamp_min(f64::from(f32::MIN_POSITIVE))?)
+    };
+    let saturate = |scaled: Tensor| -> Result<Tensor> { Ok(scaled.f_clamp(-max, max)?.f_to_kind(kind)?) };
+    match scale {
+        Scale::Rowwise => {
+            let (rows, cols) = (amax(Some(1))?, amax(Some(0))?);
+            let (row_scale, col_scale) =
+                (rows.f_reciprocal()?.f_mul_scalar(max)?, cols.f_reciprocal()?.f_mul_scalar(max)?);
+            let wide = t.f_to_kind(Kind::Float)?;
+            let q = saturate(wide.f_mul(&row_scale)?)?;
+            let qt = saturate(wide.f_mul(&col_scale)?)?.f_tr()?.f_contiguous()?;
+            let (q_factor, qt_factor) = (rows.f_div_scalar(max)?, cols.f_div_scalar(max)?.f_reshape([-1, 1])?);
+            Ok(Cast { q, q_factor, qt, qt_factor, amax: None })
+        }
+        Scale::Given(_) | Scale::Current => {
+            let (value, at, recorded) = match scale {
+                Scale::Given(v) => (v, None, true),
+                _ => (1.0, Some(amax(None)?.f_reciprocal()?.f_mul_scalar(max)?), false),
+            };
+            let factor = match &at {
+                Some(at) => at.f_reciprocal()?,
+                // Filled on the device: a copy from the host would wait for the device.
+                None => on_device(1.0 / value)?,
+            };
+            let kernel = strata_ext::kernels::fp8_cast(&t, value, at.as_ref(), kind == Kind::Float8e5m2, true)?;
+            let (q, qt, amax) = match kernel {
+                Some((q, Some(qt), amax)) => (q, qt, amax),
+                _ => {
+                    let scaled = match &at {
+                        Some(at) => t.f_mul(at)?,
+                        None => t.f_mul_scalar(value)?,
+                    };
+                    let q = saturate(scaled)?;
+                    let qt = q.f_tr()?.f_contiguous()?;
+                    (q, qt, t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?)
+                }
+            };
+            Ok(Cast { q, q_factor: factor.shallow_clone(), qt, qt_factor: factor, amax: recorded.then_some(amax) })
+        }
     }
-    // The infinity norm: the largest magnitude in one pass.
-    let amax = t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?;
-    let mut scaled = t.f_mul_scalar(scale)?;
-    let _ = scaled.f_clamp_(-max, max)?;
-    let q = scaled.f_to_kind(kind)?;
-    let qt = q.f_tr()?.f_contiguous()?;
-    Ok(Cast { q, qt, amax })
 }
 
-/// `a @ b` of fp8 operands quantised with scales `sa` and `sb`, in `out`; `b` must be
-/// column-major. The dequantisation factors sit beside the operands, as CUDA requires.
-/// `fast_accum` trades accumulation precision for speed (Transformer Engine's choice for
-/// the forward product; gradients accumulate exactly).
-fn scaled_mm(
-    a: &Tensor,
-    b: &Tensor,
-    sa: f64,
-    sb: f64,
-    out: Kind,
-    fast_accum: bool,
-) -> std::result::Result<Tensor, String> {
+/// `a @ b` of fp8 operands, `b` column-major, each multiplied back by its factors: floats
+/// (tensorwise), or `[rows of a, 1]` and `[columns of b, 1]` (rowwise). `fast_accum` trades
+/// accumulation precision for speed (Transformer Engine's choice for the forward product;
+/// gradients accumulate exactly).
+fn scaled_mm(a: &Tensor, fa: &Tensor, b: &Tensor, fb: &Tensor, out: Kind, fast_accum: bool) -> Result<Tensor> {
     // CUDA's kernels need every dimension a multiple of 16; the CPU's emulation does not, but
     // holding it to the same rule keeps CPU runs honest about what a GPU would accept.
     if let Some(d) = a.size().into_iter().chain(b.size()).find(|d| d % 16 != 0) {
-        return Err(format!("fp8 scaled products need dimensions that are multiples of 16, got {d}"));
+        return Err(Error::Engine(format!("fp8 scaled products need dimensions that are multiples of 16, got {d}")));
     }
-    // Filled on the device: a copy from the host would wait for the device to catch up.
-    let factor = |s: f64| Tensor::full([], 1.0 / s, (Kind::Float, a.device()));
-    a.f_internal_scaled_mm::<Tensor>(b, &factor(sa), &factor(sb), None, None, out, fast_accum).map_err(text)
+    let rowwise = fa.dim() > 0;
+    if rowwise && !a.device().is_cuda() {
+        // The CPU has no rowwise scaled product: the same sum of exact fp8 products in fp32.
+        let wide = |t: &Tensor, f: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(Kind::Float)?.f_mul(f)?) };
+        return Ok(wide(a, fa)?.f_matmul(&wide(b, &fb.f_reshape([1, -1])?)?)?.f_to_kind(out)?);
+    }
+    let fb = if rowwise { fb.f_reshape([1, -1])? } else { fb.shallow_clone() };
+    Ok(a.f_internal_scaled_mm::<Tensor>(b, fa, &fb, None, None, out, fast_accum)?)
 }
 
 /// One fp8 linear: forward and backward as scaled matrix products.
@@ -395,15 +477,17 @@ struct Fp8Linear {
     out_kind: Kind,
     /// The bias's dtype, when there is one.
     bias_kind: Option<Kind>,
-    scales: (f64, f64, f64),
-    /// The transposed fp8 input and weight, and the dtypes of their gradients.
-    saved: Option<(Tensor, Tensor, Kind, Kind)>,
+    /// Input, weight and gradient scales.
+    scales: [Scale; 3],
+    /// The transposed fp8 input and weight with their factors (`xᵀ`, its factors, `wᵀ`,
+    /// its factors), and the dtypes of their gradients.
+    saved: Option<([Tensor; 4], Kind, Kind)>,
 }
 
 impl strata_ext::Function for Fp8Linear {
     fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
         let (x, w) = (&inputs[0], &inputs[1]);
-        let (sx, sw, _) = self.scales;
+        let [sx, sw, _] = self.scales;
         let x8 = cast(x, sx, Kind::Float8e4m3fn, E4M3_MAX).map_err(text)?;
         let w8 = {
             let mut s = self.state.lock().map_err(text)?;
@@ -415,31 +499,33 @@ impl strata_ext::Function for Fp8Linear {
                     fresh
                 }
             };
-            if self.record {
-                s.observe(self.slot, Role::Input, &x8.amax).map_err(text)?;
-                s.observe(self.slot, Role::Weight, &w8.amax).map_err(text)?;
+            if let (true, Some(xa), Some(wa)) = (self.record, &x8.amax, &w8.amax) {
+                s.observe(self.slot, Role::Input, xa).map_err(text)?;
+                s.observe(self.slot, Role::Weight, wa).map_err(text)?;
             }
             w8
         };
-        let mut out = scaled_mm(&x8.q, &w8.q.tr(), sx, sw, self.out_kind, true)?;
+        let mut out = scaled_mm(&x8.q, &x8.q_factor, &w8.q.tr(), &w8.q_factor, self.out_kind, true).map_err(text)?;
         if let Some(b) = inputs.get(2) {
             out = out.f_add(&b.f_to_kind(self.out_kind).map_err(text)?).map_err(text)?;
         }
-        self.saved = Some((x8.qt, w8.qt, x.kind(), w.kind()));
+        self.saved = Some(([x8.qt, x8.qt_factor, w8.qt, w8.qt_factor], x.kind(), w.kind()));
         Ok(vec![out])
     }
 
     /// With the transposes kept from forward (`xᵀ`, `wᵀ`, contiguous): the input's gradient
     /// `g @ w` (w column-major is `wᵀ` row-major) and the weight's `gᵀ @ x`.
     fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
-        let (xt, wt, x_kind, w_kind) = self.saved.take().ok_or("fp8 linear: backward before forward")?;
+        let ([xt, xt_factor, wt, wt_factor], x_kind, w_kind) =
+            self.saved.take().ok_or("fp8 linear: backward before forward")?;
         let g = &grads[0];
         let (grad_kind, grad_max) = self.state.lock().map_err(text)?.config.grad_format();
-        let (sx, sw, sg) = self.scales;
-        let g8 = cast(g, sg, grad_kind, grad_max).map_err(text)?;
-        self.state.lock().map_err(text)?.observe(self.slot, Role::Grad, &g8.amax).map_err(text)?;
-        let grad_x = scaled_mm(&g8.q, &wt.tr(), sg, sw, x_kind, false)?;
-        let grad_w = scaled_mm(&g8.qt, &xt.tr(), sg, sx, w_kind, false)?;
+        let g8 = cast(g, self.scales[2], grad_kind, grad_max).map_err(text)?;
+        if let Some(ga) = &g8.amax {
+            self.state.lock().map_err(text)?.observe(self.slot, Role::Grad, ga).map_err(text)?;
+        }
+        let grad_x = scaled_mm(&g8.q, &g8.q_factor, &wt.tr(), &wt_factor, x_kind, false).map_err(text)?;
+        let grad_w = scaled_mm(&g8.qt, &g8.qt_factor, &xt.tr(), &xt_factor, w_kind, false).map_err(text)?;
         let mut out = vec![grad_x, grad_w];
         if let Some(kind) = self.bias_kind {
             out.push(g.f_sum_dim_intlist(0, false, kind).map_err(text)?);
@@ -467,7 +553,11 @@ pub fn linear(
             s.weights.push(None);
         }
         let l = &s.layers[slot];
-        (l.input.scale, l.weight.scale, l.grad.scale)
+        match s.config.scaling {
+            Fp8Scaling::Delayed => [l.input.scale, l.weight.scale, l.grad.scale].map(Scale::Given),
+            Fp8Scaling::Current => [Scale::Current; 3],
+            Fp8Scaling::Rowwise => [Scale::Rowwise; 3],
+        }
     };
     let size = x.size();
     let k = *size.last().unwrap_or(&1);

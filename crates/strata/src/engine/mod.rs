@@ -17,6 +17,7 @@ mod schedule;
 pub mod slots;
 
 use crate::comm::ProcessGroup;
+use crate::compute::fp8::Fp8Scaling;
 use crate::compute::{self, UnitCompute};
 use crate::model::{DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, RowLayout, TensorParallel, TpRole};
 use crate::{Error, Result};
@@ -571,8 +572,12 @@ impl Engine {
         if self.config.host_compute.iter().any(|&h| h) {
             return Some("units computed on the host".into());
         }
-        if self.compute.iter().any(|c| c.fp8.is_some()) {
-            return Some("fp8's delayed scaling reads every step's maxima on the host".into());
+        let delayed = |s: &compute::fp8::SharedFp8| s.lock().map_or(true, |s| s.config.scaling == Fp8Scaling::Delayed);
+        if self.compute.iter().filter_map(|c| c.fp8.as_ref()).any(delayed) {
+            return Some(
+                "fp8's delayed scaling reads every step's maxima on the host (current or rowwise scaling reads none)"
+                    .into(),
+            );
         }
         self.schedule.capture_obstacle()
     }
