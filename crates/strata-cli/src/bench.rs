@@ -274,8 +274,10 @@ impl Side for StrataSide {
         Ok(Block {
             seconds,
             peak_rss_bytes: memory::process_peak_rss().unwrap_or(0),
+            // A replayed graph allocates nothing: its step's memory is its pool's.
             peak_device_bytes: match self.device {
-                Device::Cuda(_) => memory::allocator_peak(self.device).map(|peak| peak.saturating_sub(others)),
+                Device::Cuda(_) => memory::allocator_peak(self.device)
+                    .map(|peak| peak.saturating_sub(others) + self.trainer.graph_pool_bytes().unwrap_or(0)),
                 _ => None,
             },
         })

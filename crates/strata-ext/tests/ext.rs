@@ -291,7 +291,7 @@ fn a_cuda_graph_replays_its_work_with_what_its_inputs_hold_then() {
     .unwrap();
     assert_eq!(gs[0].double_value(&[]), 0.0, "capturing runs nothing");
     for (i, rate) in [1e-2, 5e-3, 2.5e-3].into_iter().enumerate() {
-        let _ = grad.shallow_clone().copy_(&Tensor::linspace(0.5, -0.5 * i as f64, 64, (Kind::Float, gpu)));
+        grad.shallow_clone().copy_(&Tensor::linspace(0.5, -0.5 * i as f64, 64, (Kind::Float, gpu)));
         let _ = lr.shallow_clone().fill_(rate);
         graph.replay().unwrap();
         fused_adam(&t(&ep, &em, &ev, &es), AdamStep { lr: rate as f32 as f64, ..h }, DeviceInputs::default()).unwrap();

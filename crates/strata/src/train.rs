@@ -219,6 +219,8 @@ struct CapturedStep {
     /// The micro-batches' losses, then the norm where clipping measured one, as f64s.
     read: Tensor,
     norm_on_device: bool,
+    /// Device memory the graph's pool holds for its step (activations, casts, scratch).
+    pool_bytes: u64,
 }
 
 impl CapturedStep {
@@ -404,13 +406,18 @@ impl Trainer {
             let weights = (0..batches.len())
                 .map(|i| Ok(Tensor::f_full([], step.loss_weight(i), (tch::Kind::Float, tch::Device::Cuda(device)))?))
                 .collect::<Result<Vec<_>>>()?;
+            let reserved = || strata_ext::cuda::memory_stats(device).map(|s| s.reserved as u64);
+            let before = reserved()?;
             let (graph, queued) = strata_ext::cuda::Graph::capture(device, || {
                 self.queue_step(&batches, LossWeights::Device(&weights), true)
             })?;
+            // A graph's memory comes from segments of its own pool, reserved for it alone.
+            let pool_bytes = reserved()?.saturating_sub(before);
             let StepRead::OnDevice(read) = queued.read else {
                 return Err(crate::Error::Engine("a captured step must leave its read on the device".into()));
             };
-            let captured = CapturedStep { graph, batches, weights, read, norm_on_device: queued.norm_on_device };
+            let captured =
+                CapturedStep { graph, batches, weights, read, norm_on_device: queued.norm_on_device, pool_bytes };
             if let Some(g) = self.graphs.as_mut() {
                 g.captured = Some(captured);
             }
@@ -472,6 +479,12 @@ impl Trainer {
     /// Steps replayed from a captured CUDA graph so far (the captured step among them).
     pub fn graph_replays(&self) -> u64 {
         self.graphs.as_ref().map_or(0, |g| g.replays)
+    }
+
+    /// Device bytes the captured CUDA graph's memory pool holds for the whole run: what its
+    /// step needs beyond the model states, which no allocation between replays shows.
+    pub fn graph_pool_bytes(&self) -> Option<u64> {
+        self.graphs.as_ref()?.captured.as_ref().map(|c| c.pool_bytes)
     }
 
     /// Runs forward and backward on every micro-batch (gradients accumulate, each loss

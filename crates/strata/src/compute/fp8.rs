@@ -40,7 +40,8 @@ pub enum Fp8Scaling {
     Current,
     /// Per row of each operand as its product reads it (and per column for the transposed
     /// copy backward reads), from the device: an outlier costs its own row's precision
-    /// alone. Every operand, gradients included, in E4M3.
+    /// alone. Every operand, gradients included, in E4M3; on a GPU the products come out in
+    /// bf16 (libtorch's rowwise kernels write no other dtype) and are cast from there.
     Rowwise,
 }
 
@@ -464,8 +465,13 @@ fn scaled_mm(a: &Tensor, fa: &Tensor, b: &Tensor, fb: &Tensor, out: Kind, fast_a
         let wide = |t: &Tensor, f: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(Kind::Float)?.f_mul(f)?) };
         return Ok(wide(a, fa)?.f_matmul(&wide(b, &fb.f_reshape([1, -1])?)?)?.f_to_kind(out)?);
     }
-    let fb = if rowwise { fb.f_reshape([1, -1])? } else { fb.shallow_clone() };
-    Ok(a.f_internal_scaled_mm::<Tensor>(b, fa, &fb, None, None, out, fast_accum)?)
+    if rowwise {
+        // libtorch's rowwise products write bf16 alone: other dtypes come from that.
+        let product =
+            a.f_internal_scaled_mm::<Tensor>(b, fa, &fb.f_reshape([1, -1])?, None, None, Kind::BFloat16, fast_accum)?;
+        return Ok(product.f_to_kind(out)?);
+    }
+    Ok(a.f_internal_scaled_mm::<Tensor>(b, fa, fb, None, None, out, fast_accum)?)
 }
 
 /// One fp8 linear: forward and backward as scaled matrix products.

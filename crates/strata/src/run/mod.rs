@@ -521,22 +521,10 @@ pub fn train(
         loader: &loader_config,
     };
     let pipelined = strategy.parallel_mode().size(Dim::Pipeline, ranks.world())? > 1;
-    if config.cuda_graph {
-        let host_side = [
-            (pipelined, "a pipeline schedules its stages' sends and receives from the host"),
-            (config.pack, "packed rows (--pack) are laid out on the host for each step"),
-            (
-                config.unit_times,
-                "unit times (--unit-times) are host clocks around each unit, which a replay runs none of",
-            ),
-            (
-                config.outputs.profile.is_some(),
-                "a profile (--profile) records each unit's phases on the host, which a replay runs none of",
-            ),
-        ];
-        if let Some((_, why)) = host_side.iter().find(|(applies, _)| *applies) {
-            return Err(Error::Config(format!("cuda_graph: {why}")));
-        }
+    if config.cuda_graph && pipelined {
+        return Err(Error::Config(
+            "cuda_graph: a pipeline schedules its stages' sends and receives from the host".into(),
+        ));
     }
     let mut runner = if pipelined {
         if config.unit_times {
@@ -703,6 +691,22 @@ fn engine_config_of(config: &RunConfig) -> EngineConfig {
 
 /// Checks the data against the model and the run before anything is built.
 fn check_data(model: &Model, data: &Data, config: &RunConfig) -> Result<()> {
+    if config.cuda_graph {
+        let host_side = [
+            (config.pack, "packed rows (--pack) are laid out on the host for each step"),
+            (
+                config.unit_times,
+                "unit times (--unit-times) are host clocks around each unit, which a replay runs none of",
+            ),
+            (
+                config.outputs.profile.is_some(),
+                "a profile (--profile) records each unit's phases on the host, which a replay runs none of",
+            ),
+        ];
+        if let Some((_, why)) = host_side.iter().find(|(applies, _)| *applies) {
+            return Err(Error::Config(format!("cuda_graph: {why}")));
+        }
+    }
     if config.pack && !matches!(data.train.as_ref(), Dataset::Examples(_)) {
         return Err(Error::Config("packing joins examples into rows: train on example data".into()));
     }
