@@ -167,28 +167,49 @@ extern "C" __global__ void swiglu_backward(const TX* dy, const TX* gate, const T
   packs_then_rest(n, vec, SwigluBackward{dy, gate, up, dgate, dup});
 }
 
-// Rotary positions, one thread per pair (j, j + half) of a row (b, h, p) of [B, H, T, D]
-// tensors whose rows have the given strides and unit stride in D:
-// forward (sign 1) y = x·cos + rotate_half(x)·sin; backward (sign −1), its transpose,
-// dx = dy·cos + (s₂·dy₂, −s₁·dy₁) with s = sin. Positions index the [T, D] tables.
-extern "C" __global__ void rotary(const TX* in, const TX* cos, const TX* sin, TX* out, int heads, int t, int half,
-                                  i64 ib, i64 ih, i64 it, i64 ob, i64 oh, i64 ot, i64 rows, int backward) {
-  const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-  if (row >= rows) return;
-  const int p = (int)(row % t), h = (int)((row / t) % heads);
-  const i64 b = row / ((i64)t * heads);
+// Rotary positions of rows (b, h, p) of [B, H, T, D] tensors whose rows have the given
+// strides and unit stride in D: forward y = x·cos + rotate_half(x)·sin; backward, its
+// transpose, dx = dy·cos + (s₂·dy₂, −s₁·dy₁) with s = sin. Positions index the [T, D] tables.
+// A block covers positions of one head of one batch entry (the grid's y and z: no index
+// division), a thread G pairs (j .. j+G, j+half .. j+half+G), each G-element run one access.
+template <int G>
+__device__ __forceinline__ void rotate_pairs(const TX* x, const TX* c, const TX* s, TX* y, int j, int half,
+                                             int backward) {
+  typedef Pack<TX, G> P;
+  const P x1 = *(const P*)(x + j), x2 = *(const P*)(x + j + half);
+  const P c1 = *(const P*)(c + j), c2 = *(const P*)(c + j + half);
+  const P s1 = *(const P*)(s + j), s2 = *(const P*)(s + j + half);
+  P y1, y2;
+#pragma unroll
+  for (int k = 0; k < G; ++k) {
+    const float a = to_f(x1.v[k]), b = to_f(x2.v[k]);
+    if (backward) {
+      y1.v[k] = from_f<TX>(a * to_f(c1.v[k]) + b * to_f(s2.v[k]));
+      y2.v[k] = from_f<TX>(b * to_f(c2.v[k]) - a * to_f(s1.v[k]));
+    } else {
+      y1.v[k] = from_f<TX>(a * to_f(c1.v[k]) - b * to_f(s1.v[k]));
+      y2.v[k] = from_f<TX>(b * to_f(c2.v[k]) + a * to_f(s2.v[k]));
+    }
+  }
+  *(P*)(y + j) = y1;
+  *(P*)(y + j + half) = y2;
+}
+
+extern "C" __global__ void rotary(const TX* in, const TX* cos, const TX* sin, TX* out, int t, int half, i64 ib,
+                                  i64 ih, i64 it, i64 ob, i64 oh, i64 ot, int group, int backward) {
+  const int p = blockIdx.x * blockDim.y + threadIdx.y;
+  if (p >= t) return;
+  const i64 b = blockIdx.z, h = blockIdx.y;
   const TX* x = in + b * ib + h * ih + p * it;
   TX* y = out + b * ob + h * oh + p * ot;
   const TX* c = cos + (i64)p * 2 * half;
   const TX* s = sin + (i64)p * 2 * half;
-  for (int j = threadIdx.x; j < half; j += blockDim.x) {
-    const float x1 = to_f(x[j]), x2 = to_f(x[j + half]);
-    if (backward) {
-      y[j] = from_f<TX>(x1 * to_f(c[j]) + x2 * to_f(s[j + half]));
-      y[j + half] = from_f<TX>(x2 * to_f(c[j + half]) - x1 * to_f(s[j]));
-    } else {
-      y[j] = from_f<TX>(x1 * to_f(c[j]) - x2 * to_f(s[j]));
-      y[j + half] = from_f<TX>(x2 * to_f(c[j + half]) + x1 * to_f(s[j + half]));
+  for (int j = threadIdx.x * group; j < half; j += blockDim.x * group) {
+    switch (group) {
+      case 8: rotate_pairs<8>(x, c, s, y, j, half, backward); break;
+      case 4: rotate_pairs<4>(x, c, s, y, j, half, backward); break;
+      case 2: rotate_pairs<2>(x, c, s, y, j, half, backward); break;
+      default: rotate_pairs<1>(x, c, s, y, j, half, backward);
     }
   }
 }
@@ -524,7 +545,7 @@ cudaKernel_t kernel(const char* family, const std::vector<std::pair<const char*,
 
 // Launches `k` on the current stream; an empty grid launches nothing.
 void launch(cudaKernel_t k, dim3 grid, dim3 block, std::vector<void*> args) {
-  if (grid.x == 0 || grid.y == 0) return;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, block, args.data(), 0,
                               at::cuda::getCurrentCUDAStream()));
 }
@@ -545,10 +566,10 @@ using strata_kernels::first_order_only;
 
 Tensor empty_as(const Tensor& like) { return at::empty(like.sizes(), like.options()); }
 
-// Whether every tensor's data starts on a 16-byte boundary, for 16-byte accesses.
-bool aligned16(std::initializer_list<const Tensor*> tensors) {
+// Whether every tensor's data starts on a boundary of `bytes`, for accesses that wide.
+bool aligned(std::initializer_list<const Tensor*> tensors, int64_t bytes) {
   for (const Tensor* t : tensors) {
-    if (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0) return false;
+    if (reinterpret_cast<uintptr_t>(t->data_ptr()) % bytes != 0) return false;
   }
   return true;
 }
@@ -558,7 +579,7 @@ bool aligned16(std::initializer_list<const Tensor*> tensors) {
 // the count and the flag.
 void elementwise(const char* name, at::ScalarType kind, int64_t n, std::initializer_list<const Tensor*> tensors,
                  std::vector<void*> args) {
-  int vec = aligned16(tensors);
+  int vec = aligned(tensors, 16);
   const int64_t per_access = vec ? 16 / static_cast<int64_t>(c10::elementSize(kind)) : 1;
   args.push_back(&n);
   args.push_back(&vec);
@@ -608,15 +629,26 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
 Tensor rotate(const Tensor& input, const Tensor& cos, const Tensor& sin, int backward) {
   Tensor x = input.stride(3) == 1 ? input : input.contiguous();
   Tensor y = at::empty_like(x);
-  int heads = static_cast<int>(x.size(1)), t = static_cast<int>(x.size(2)), half = static_cast<int>(x.size(3) / 2);
+  const int64_t batch = x.size(0), heads = x.size(1);
+  int t = static_cast<int>(x.size(2)), half = static_cast<int>(x.size(3) / 2);
   int64_t ib = x.stride(0), ih = x.stride(1), it = x.stride(2), ob = y.stride(0), oh = y.stride(1), ot = y.stride(2);
-  int64_t rows = x.size(0) * x.size(1) * x.size(2);
   TORCH_CHECK(y.stride(3) == 1, "rotary: the output's last dimension is not dense");
+  TORCH_CHECK(batch <= 65535 && heads <= 65535, "rotary: at most 65535 batch entries and heads");
   if (half == 0) return y;
-  const int across = std::min(half, kThreads), down = std::max(1, kThreads / across);
+  // The widest run of pairs every row and table start allows, at most 16 bytes.
+  const int64_t esize = x.element_size();
+  int group = static_cast<int>(16 / esize);
+  auto fits = [&](int g) {
+    bool strides = ib % g == 0 && ih % g == 0 && it % g == 0 && ob % g == 0 && oh % g == 0 && ot % g == 0;
+    bool starts = aligned({&x, &y, &cos, &sin}, g * esize);
+    return half % g == 0 && strides && starts;
+  };
+  while (group > 1 && !fits(group)) group /= 2;
+  const int across = std::max(1, std::min(half / group, kThreads)), down = std::max(1, kThreads / across);
   void *xp = x.data_ptr(), *cp = cos.data_ptr(), *sp = sin.data_ptr(), *yp = y.data_ptr();
-  launch(kernel(kElementwise, {{"TX", x.scalar_type()}}, "rotary"), dim3(static_cast<unsigned>((rows + down - 1) / down)),
-         dim3(across, down), {&xp, &cp, &sp, &yp, &heads, &t, &half, &ib, &ih, &it, &ob, &oh, &ot, &rows, &backward});
+  launch(kernel(kElementwise, {{"TX", x.scalar_type()}}, "rotary"),
+         dim3(static_cast<unsigned>((t + down - 1) / down), static_cast<unsigned>(heads), static_cast<unsigned>(batch)),
+         dim3(across, down), {&xp, &cp, &sp, &yp, &t, &half, &ib, &ih, &it, &ob, &oh, &ot, &group, &backward});
   return y;
 }
 
@@ -636,7 +668,7 @@ constexpr int kRowThreads = 512;
 
 // Whether every row of contiguous `[rows, V]` `x` starts on a 16-byte boundary.
 bool rows_take_packs(const Tensor& x) {
-  return aligned16({&x}) && (x.size(1) * static_cast<int64_t>(x.element_size())) % 16 == 0;
+  return aligned({&x}, 16) && (x.size(1) * static_cast<int64_t>(x.element_size())) % 16 == 0;
 }
 
 struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
@@ -663,7 +695,7 @@ struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
     int64_t ignore = ctx->saved_data["ignore"].toInt(), v = x.size(1), rows = x.size(0);
     Tensor scale = grads[0].to(at::kFloat).div(count).contiguous(), grad = empty_as(x);
     void *xp = x.data_ptr(), *tp = t.data_ptr(), *sp = lse.data_ptr(), *kp = scale.data_ptr(), *gp = grad.data_ptr();
-    int vec = rows_take_packs(x) && aligned16({&grad});
+    int vec = rows_take_packs(x) && aligned({&grad}, 16);
     launch(kernel(kCrossEntropy, {{"TX", x.scalar_type()}}, "ce_backward"), rows, kRowThreads,
            {&xp, &tp, &sp, &kp, &gp, &v, &ignore, &vec});
     return {grad.view(ctx->saved_data["shape"].toIntVector()), Tensor(), Tensor()};
