@@ -692,7 +692,6 @@ struct Capture {
   at::cuda::CUDAGraph graph;
   c10::cuda::CUDAStream previous;
   c10::cuda::CUDAStream capturing;
-  bool ended = false;
   explicit Capture(c10::DeviceIndex device)
       : previous(c10::cuda::getCurrentCUDAStream(device)),
         capturing(c10::cuda::getStreamFromPool(false, device)) {}
@@ -759,27 +758,24 @@ void abandon(Capture* capture) {
 }  // namespace
 #endif
 
-// Ends the capture. With `keep` false (the captured work failed on the host) the capture is
-// ended and dropped whatever state it is in, and no error is reported for it.
+// Ends the capture (once). With `keep` false (the captured work failed on the host) the
+// capture is ended and dropped whatever state it is in, and no error is reported for it.
 int strata_cuda_graph_end(void* handle, int keep) {
   return guarded([&] {
     STRATA_REQUIRE_CUDA();
 #ifdef STRATA_CUDA
     auto* capture = static_cast<Capture*>(handle);
-    if (capture->ended) return;
-    capture->ended = true;
-    bool ended = false;
     try {
       capture->graph.capture_end();
-      ended = true;
     } catch (...) {
       abandon(capture);
       if (keep) throw;
+      return;
     }
-    if (ended && keep) {
+    if (keep) {
       capture->restore();
-    } else if (ended) {
-      // A whole graph of work that failed on the host: dropped with the capture.
+    } else {
+      // Work that failed on the host: its graph is dropped with the capture.
       c10::cuda::setCurrentCUDAStream(capture->previous);
     }
 #else

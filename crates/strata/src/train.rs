@@ -188,7 +188,7 @@ impl StepRead {
     fn finish(self) -> Result<Vec<f64>> {
         match self {
             StepRead::Started(read) => read.finish(),
-            StepRead::OnDevice(values) => crate::compute::read_scalars(&[values]),
+            StepRead::OnDevice(values) => Ok(Vec::<f64>::try_from(values.f_to_device(tch::Device::Cpu)?)?),
         }
     }
 }
@@ -397,44 +397,48 @@ impl Trainer {
 
     /// `step` through the CUDA graph: captured first if none is, then replayed.
     fn replay_step(&mut self, step: &Step) -> Result<QueuedStep> {
-        let (device, capture) = match &self.graphs {
-            Some(g) => (g.device, g.captured.is_none()),
-            None => return Err(crate::Error::Engine("no CUDA graph to replay".into())),
-        };
-        if capture {
-            let batches = step.micro_batches.iter().map(CapturedStep::own_batch).collect::<Result<Vec<_>>>()?;
-            let weights = (0..batches.len())
-                .map(|i| Ok(Tensor::f_full([], step.loss_weight(i), (tch::Kind::Float, tch::Device::Cuda(device)))?))
-                .collect::<Result<Vec<_>>>()?;
-            let reserved = || strata_ext::cuda::memory_stats(device).map(|s| s.reserved as u64);
-            let before = reserved()?;
-            let (graph, queued) = strata_ext::cuda::Graph::capture(device, || {
-                self.queue_step(&batches, LossWeights::Device(&weights), true)
-            })?;
-            // A graph's memory comes from segments of its own pool, reserved for it alone.
-            let pool_bytes = reserved()?.saturating_sub(before);
-            let StepRead::OnDevice(read) = queued.read else {
-                return Err(crate::Error::Engine("a captured step must leave its read on the device".into()));
-            };
-            let captured =
-                CapturedStep { graph, batches, weights, read, norm_on_device: queued.norm_on_device, pool_bytes };
-            if let Some(g) = self.graphs.as_mut() {
-                g.captured = Some(captured);
-            }
-        } else {
-            // The update the host code of a captured step counts once, each replay does again.
-            self.optimizer.count_replayed_step();
-        }
         let graphs = self.graphs.as_mut().ok_or_else(|| crate::Error::Engine("no CUDA graph to replay".into()))?;
-        let captured = graphs.captured.as_ref().ok_or_else(|| crate::Error::Engine("no CUDA graph captured".into()))?;
+        let device = graphs.device;
+        let captured = match graphs.captured.take() {
+            Some(captured) => {
+                // The update the host code of a captured step counts once, each replay again.
+                self.optimizer.count_replayed_step();
+                captured
+            }
+            None => self.capture_step(step, device)?,
+        };
         captured.replay(step)?;
-        graphs.replays += 1;
-        Ok(QueuedStep {
+        let queued = QueuedStep {
             read: StepRead::Started(crate::compute::ScalarRead::start_stacked(&captured.read, device)?),
             norm_on_device: captured.norm_on_device,
             grad_norm: None,
             skipped: false,
-        })
+        };
+        if let Some(graphs) = self.graphs.as_mut() {
+            graphs.captured = Some(captured);
+            graphs.replays += 1;
+        }
+        Ok(queued)
+    }
+
+    /// Captures a step shaped as `step` on GPU `device`, over copies of its micro-batches and
+    /// loss weights that the graph owns; nothing of it runs until the graph is replayed.
+    fn capture_step(&mut self, step: &Step, device: usize) -> Result<CapturedStep> {
+        let batches = step.micro_batches.iter().map(CapturedStep::own_batch).collect::<Result<Vec<_>>>()?;
+        let weights = (0..batches.len())
+            .map(|i| Ok(Tensor::f_full([], step.loss_weight(i), (tch::Kind::Float, tch::Device::Cuda(device)))?))
+            .collect::<Result<Vec<_>>>()?;
+        let reserved = || strata_ext::cuda::memory_stats(device).map(|s| s.reserved as u64);
+        let before = reserved()?;
+        let (graph, queued) = strata_ext::cuda::Graph::capture(device, || {
+            self.queue_step(&batches, LossWeights::Device(&weights), true)
+        })?;
+        // A graph's memory comes from segments of its own pool, reserved for it alone.
+        let pool_bytes = reserved()?.saturating_sub(before);
+        let StepRead::OnDevice(read) = queued.read else {
+            return Err(crate::Error::Engine("a captured step must leave its read on the device".into()));
+        };
+        Ok(CapturedStep { graph, batches, weights, read, norm_on_device: queued.norm_on_device, pool_bytes })
     }
 
     /// Steps completed so far.

@@ -399,7 +399,6 @@ impl Cast {
 /// fp8 format) or, per row, in fp32.
 fn cast(t: &Tensor, scale: Scale, kind: Kind, max: f64) -> Result<Cast> {
     let t = t.f_contiguous()?;
-    let on_device = |v: f64| Tensor::f_full([], v, (Kind::Float, t.device()));
     // The largest magnitude over `dims` (all: the infinity norm, one pass) in fp32; a zero
     // maximum scales by one.
     let amax = |dims: Option<i64>| -> Result<Tensor> {
@@ -429,11 +428,11 @@ fn cast(t: &Tensor, scale: Scale, kind: Kind, max: f64) -> Result<Cast> {
             let factor = match &at {
                 Some(at) => at.f_reciprocal()?,
                 // Filled on the device: a copy from the host would wait for the device.
-                None => on_device(1.0 / value)?,
+                None => Tensor::f_full([], 1.0 / value, (Kind::Float, t.device()))?,
             };
             let kernel = strata_ext::kernels::fp8_cast(&t, value, at.as_ref(), kind == Kind::Float8e5m2, true)?;
-            let (q, qt, amax) = match kernel {
-                Some((q, Some(qt), amax)) => (q, qt, amax),
+            let (q, qt, kernel_amax) = match kernel {
+                Some((q, Some(qt), amax)) => (q, qt, Some(amax)),
                 _ => {
                     let scaled = match &at {
                         Some(at) => t.f_mul(at)?,
@@ -441,10 +440,16 @@ fn cast(t: &Tensor, scale: Scale, kind: Kind, max: f64) -> Result<Cast> {
                     };
                     let q = saturate(scaled)?;
                     let qt = q.f_tr()?.f_contiguous()?;
-                    (q, qt, t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?)
+                    (q, qt, None)
                 }
             };
-            Ok(Cast { q, q_factor: factor.shallow_clone(), qt, qt_factor: factor, amax: recorded.then_some(amax) })
+            // Delayed scaling records the tensor's maximum (the kernel takes it in its pass).
+            let amax = match (recorded, kernel_amax) {
+                (false, _) => None,
+                (true, Some(amax)) => Some(amax),
+                (true, None) => Some(t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?),
+            };
+            Ok(Cast { q, q_factor: factor.shallow_clone(), qt, qt_factor: factor, amax })
         }
     }
 }
@@ -459,19 +464,19 @@ fn scaled_mm(a: &Tensor, fa: &Tensor, b: &Tensor, fb: &Tensor, out: Kind, fast_a
     if let Some(d) = a.size().into_iter().chain(b.size()).find(|d| d % 16 != 0) {
         return Err(Error::Engine(format!("fp8 scaled products need dimensions that are multiples of 16, got {d}")));
     }
-    let rowwise = fa.dim() > 0;
-    if rowwise && !a.device().is_cuda() {
+    if fa.dim() == 0 {
+        return Ok(a.f_internal_scaled_mm::<Tensor>(b, fa, fb, None, None, out, fast_accum)?);
+    }
+    // Rowwise: `b`'s factors as a row, one per column of the product.
+    let fb = fb.f_reshape([1, -1])?;
+    if !a.device().is_cuda() {
         // The CPU has no rowwise scaled product: the same sum of exact fp8 products in fp32.
         let wide = |t: &Tensor, f: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(Kind::Float)?.f_mul(f)?) };
-        return Ok(wide(a, fa)?.f_matmul(&wide(b, &fb.f_reshape([1, -1])?)?)?.f_to_kind(out)?);
+        return Ok(wide(a, fa)?.f_matmul(&wide(b, &fb)?)?.f_to_kind(out)?);
     }
-    if rowwise {
-        // libtorch's rowwise products write bf16 alone: other dtypes come from that.
-        let product =
-            a.f_internal_scaled_mm::<Tensor>(b, fa, &fb.f_reshape([1, -1])?, None, None, Kind::BFloat16, fast_accum)?;
-        return Ok(product.f_to_kind(out)?);
-    }
-    Ok(a.f_internal_scaled_mm::<Tensor>(b, fa, fb, None, None, out, fast_accum)?)
+    // libtorch's rowwise products write bf16 alone: other dtypes come from that.
+    let product = a.f_internal_scaled_mm::<Tensor>(b, fa, &fb, None, None, Kind::BFloat16, fast_accum)?;
+    Ok(product.f_to_kind(out)?)
 }
 
 /// One fp8 linear: forward and backward as scaled matrix products.
