@@ -37,6 +37,8 @@ fn main() {
         println!("cargo:rustc-link-arg=-Wl,-rpath={}", nccl.join("lib").display());
         println!("cargo:rustc-link-search=native={}", cuda_lib.display());
         println!("cargo:rustc-link-lib=dylib:+verbatim=libcudart.so.13");
+        // Linear layers' weight and bias gradients in one product (cuBLASLt's epilogues).
+        println!("cargo:rustc-link-lib=dylib:+verbatim=libcublasLt.so.13");
         // NVRTC compiles Strata's CUDA kernels at run time (csrc/cuda_kernels.cpp).
         println!("cargo:rustc-link-lib=dylib:+verbatim=libnvrtc.so.13");
         println!("cargo:rustc-link-lib=dylib=c10_cuda");

@@ -7,12 +7,14 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <nvrtc.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <dlfcn.h>
 
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -291,28 +293,34 @@ extern "C" __global__ void ce_backward(const TX* logits, const i64* targets, con
 
 // s = x + r (TX + TR into TS) and its norm (weight and bias of TS, output TY: the
 // products' dtype under autocast, which would cast it so at once), one block per row;
-// `rms` leaves out the mean and the bias.
+// `rms` leaves out the mean and the bias. Without `r` (and `s`) the norm is x's own (TX is
+// TS), written in TY.
 const char* kAddNorm = R"(
 extern "C" __global__ void add_norm_forward(const TX* x, const TR* r, const TS* w, const TS* b, TS* s, TY* y,
                                             float* mean, float* rstd, i64 d, float eps, int rms) {
   __shared__ float shared[32];
   const i64 row = blockIdx.x * d;
+  const TS* sum_of = s ? s : (const TS*)x;
   float sum = 0.f;
   for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
-    // The norm sees s as stored.
-    TS v = from_f<TS>(to_f(x[row + j]) + to_f(r[row + j]));
-    s[row + j] = v;
-    sum += to_f(v);
+    if (s) {
+      // The norm sees s as stored.
+      TS v = from_f<TS>(to_f(x[row + j]) + to_f(r[row + j]));
+      s[row + j] = v;
+      sum += to_f(v);
+    } else {
+      sum += to_f(sum_of[row + j]);
+    }
   }
   const float mu = rms ? 0.f : block_sum(sum, shared) / d;
   float sq = 0.f;
   for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
-    float c = to_f(s[row + j]) - mu;
+    float c = to_f(sum_of[row + j]) - mu;
     sq += c * c;
   }
   const float inv = rsqrtf(block_sum(sq, shared) / d + eps);
   for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
-    float out = (to_f(s[row + j]) - mu) * inv * to_f(w[j]);
+    float out = (to_f(sum_of[row + j]) - mu) * inv * to_f(w[j]);
     if (!rms) out += to_f(b[j]);
     y[row + j] = from_f<TY>(out);
   }
@@ -702,33 +710,39 @@ struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
   }
 };
 
-// The sum and the norm of `x + r` (see kAddNorm); `bias` undefined for RMS norm.
+// The sum and the norm of `x + r` (see kAddNorm); `bias` undefined for RMS norm, `r_in`
+// for a norm of `x` alone (of the weight's dtype: the sum is `x`, neither written nor
+// returned).
 variable_list add_norm_forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& r_in, const Tensor& weight,
                                const Tensor& bias, double eps, at::ScalarType ty) {
-  const bool rms = !bias.defined();
+  const bool rms = !bias.defined(), summed = r_in.defined();
   const at::ScalarType ts = weight.scalar_type();
-  Tensor x = x_in.contiguous(), r = r_in.contiguous(), w = weight.contiguous();
+  Tensor x = x_in.contiguous(), w = weight.contiguous();
+  Tensor r = summed ? r_in.contiguous() : Tensor();
   Tensor b = rms ? w : bias.contiguous();
   int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
-  Tensor s = at::empty(x.sizes(), x.options().dtype(ts)), y = at::empty(x.sizes(), x.options().dtype(ty));
+  Tensor s = summed ? at::empty(x.sizes(), x.options().dtype(ts)) : x;
+  Tensor y = at::empty(x.sizes(), x.options().dtype(ty));
   auto floats = x.options().dtype(at::kFloat);
   Tensor mean = at::empty({rows}, floats), rstd = at::empty({rows}, floats);
   float epsf = static_cast<float>(eps);
   int rms_flag = rms;
-  void *xp = x.data_ptr(), *rp = r.data_ptr(), *wp = w.data_ptr(), *bp = b.data_ptr(), *sp = s.data_ptr();
-  void *yp = y.data_ptr(), *mp = mean.data_ptr(), *ip = rstd.data_ptr();
-  launch(kernel(kAddNorm, {{"TX", x.scalar_type()}, {"TR", r.scalar_type()}, {"TS", ts}, {"TY", ty}}, "add_norm_forward"), rows,
+  void *xp = x.data_ptr(), *rp = summed ? r.data_ptr() : nullptr, *wp = w.data_ptr(), *bp = b.data_ptr();
+  void *sp = summed ? s.data_ptr() : nullptr, *yp = y.data_ptr(), *mp = mean.data_ptr(), *ip = rstd.data_ptr();
+  const at::ScalarType tr = summed ? r.scalar_type() : x.scalar_type();
+  launch(kernel(kAddNorm, {{"TX", x.scalar_type()}, {"TR", tr}, {"TS", ts}, {"TY", ty}}, "add_norm_forward"), rows,
          kThreads, {&xp, &rp, &wp, &bp, &sp, &yp, &mp, &ip, &d, &epsf, &rms_flag});
   ctx->save_for_backward({s, w, mean, rstd});
   ctx->saved_data["rms"] = rms;
   ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(x_in.scalar_type()),
-                                                   static_cast<int64_t>(r_in.scalar_type()), static_cast<int64_t>(ty)};
+                                                   static_cast<int64_t>(tr), static_cast<int64_t>(ty)};
+  if (!summed) return {y};
   return {s, y};
 }
 
-// The gradients of x, r, the weight and (layer norm) the bias from those of the sum and
-// the norm.
-variable_list add_norm_backward(AutogradContext* ctx, const variable_list& grads) {
+// The gradients of x, r (where summed), the weight and (layer norm) the bias from those
+// of the sum (undefined where nobody used it) and the norm.
+variable_list add_norm_backward(AutogradContext* ctx, const Tensor& grad_sum, const Tensor& grad_norm, bool summed) {
   first_order_only("CUDA add-and-norm");
   auto saved = ctx->get_saved_variables();
   const Tensor &s = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];
@@ -736,8 +750,8 @@ variable_list add_norm_backward(AutogradContext* ctx, const variable_list& grads
   const at::ScalarType ts = s.scalar_type();
   int64_t d = s.size(-1), rows = d == 0 ? 0 : s.numel() / d;
   const at::ScalarType ty = static_cast<at::ScalarType>(ctx->saved_data["dtypes"].toIntVector()[2]);
-  Tensor gy = grads[1].defined() ? grads[1].to(ty).contiguous() : at::zeros(s.sizes(), s.options().dtype(ty));
-  Tensor gs = grads[0].defined() ? grads[0].to(ts).contiguous() : Tensor();
+  Tensor gy = grad_norm.defined() ? grad_norm.to(ty).contiguous() : at::zeros(s.sizes(), s.options().dtype(ty));
+  Tensor gs = grad_sum.defined() ? grad_sum.to(ts).contiguous() : Tensor();
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, sms * 8));
   Tensor ds = empty_as(s);
@@ -751,19 +765,26 @@ variable_list add_norm_backward(AutogradContext* ctx, const variable_list& grads
          kThreads,
          {&gyp, &gsp, &sp, &wp, &mp, &ip, &dsp, &dwp, &dbp, &rows, &d, &rms_flag});
   auto dtypes = ctx->saved_data["dtypes"].toIntVector();
-  Tensor dx = ds.to(static_cast<at::ScalarType>(dtypes[0])), dr = ds.to(static_cast<at::ScalarType>(dtypes[1]));
-  Tensor dweight = dw.sum(0).to(w.scalar_type());
-  if (rms) return {dx, dr, dweight, Tensor(), Tensor()};
-  return {dx, dr, dweight, db.sum(0).to(w.scalar_type()), Tensor(), Tensor()};
+  variable_list out{ds.to(static_cast<at::ScalarType>(dtypes[0]))};
+  if (summed) out.push_back(ds.to(static_cast<at::ScalarType>(dtypes[1])));
+  out.push_back(dw.sum(0).to(w.scalar_type()));
+  if (!rms) out.push_back(db.sum(0).to(w.scalar_type()));
+  // None for eps and the output dtype.
+  out.push_back(Tensor());
+  out.push_back(Tensor());
+  return out;
 }
 
-// Autograd takes no undefined inputs here: one node with a bias, one without.
+// Autograd takes no undefined inputs here: one node with a bias, one without, each with a
+// residual sum or without.
 struct AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& weight,
                                const Tensor& bias, double eps, int64_t out) {
     return add_norm_forward(ctx, x, r, weight, bias, eps, static_cast<at::ScalarType>(out));
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return add_norm_backward(ctx, grads); }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return add_norm_backward(ctx, grads[0], grads[1], true);
+  }
 };
 
 struct AddRmsNorm : public torch::autograd::Function<AddRmsNorm> {
@@ -771,7 +792,28 @@ struct AddRmsNorm : public torch::autograd::Function<AddRmsNorm> {
                                double eps, int64_t out) {
     return add_norm_forward(ctx, x, r, weight, Tensor(), eps, static_cast<at::ScalarType>(out));
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return add_norm_backward(ctx, grads); }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return add_norm_backward(ctx, grads[0], grads[1], true);
+  }
+};
+
+struct LayerNormTo : public torch::autograd::Function<LayerNormTo> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                               double eps, int64_t out) {
+    return add_norm_forward(ctx, x, Tensor(), weight, bias, eps, static_cast<at::ScalarType>(out));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return add_norm_backward(ctx, Tensor(), grads[0], false);
+  }
+};
+
+struct RmsNormTo : public torch::autograd::Function<RmsNormTo> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps, int64_t out) {
+    return add_norm_forward(ctx, x, Tensor(), weight, Tensor(), eps, static_cast<at::ScalarType>(out));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return add_norm_backward(ctx, Tensor(), grads[0], false);
+  }
 };
 
 bool on_gpu(const Tensor& t) { return t.defined() && t.is_cuda() && served_dtype(t); }
@@ -838,22 +880,127 @@ std::optional<Tensor> cross_entropy(const Tensor& logits, const Tensor& targets,
   return CrossEntropy::apply(logits, targets, ignore);
 }
 
-std::optional<std::pair<Tensor, Tensor>> add_norm(const Tensor& x, const Tensor& r, const Tensor& weight,
-                                                  const std::optional<Tensor>& bias, double eps, bool rms,
-                                                  std::optional<at::ScalarType> out) {
+std::optional<std::pair<Tensor, Tensor>> add_norm(const Tensor& x, const std::optional<Tensor>& r,
+                                                  const Tensor& weight, const std::optional<Tensor>& bias, double eps,
+                                                  bool rms, std::optional<at::ScalarType> out) {
   const at::ScalarType ts = weight.scalar_type();
   const int64_t d = x.dim() >= 1 ? x.size(-1) : 0;
-  const bool served = on_gpu(x) && on_gpu(r) && on_gpu(weight) && x.sizes() == r.sizes() && weight.dim() == 1 &&
-                      weight.size(0) == d && d > 0 && d <= kMaxPerThread * kThreads &&
-                      at::promote_types(x.scalar_type(), r.scalar_type()) == ts &&
+  const bool summand = r ? on_gpu(*r) && x.sizes() == r->sizes() &&
+                               at::promote_types(x.scalar_type(), r->scalar_type()) == ts
+                         : x.scalar_type() == ts;
+  const bool served = on_gpu(x) && summand && on_gpu(weight) && weight.dim() == 1 && weight.size(0) == d && d > 0 &&
+                      d <= kMaxPerThread * kThreads &&
                       (rms || (bias && on_gpu(*bias) && bias->scalar_type() == ts && bias->sizes() == weight.sizes()));
   if (!served) return std::nullopt;
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t ty = static_cast<int64_t>(out.value_or(ts));
   if (type_name(static_cast<at::ScalarType>(ty)) == nullptr) return std::nullopt;
+  if (!r) {
+    auto normed = rms ? RmsNormTo::apply(x, weight, eps, ty) : LayerNormTo::apply(x, weight, *bias, eps, ty);
+    return std::make_pair(x, normed[0]);
+  }
   auto sum_and_norm =
-      rms ? AddRmsNorm::apply(x, r, weight, eps, ty) : AddLayerNorm::apply(x, r, weight, *bias, eps, ty);
+      rms ? AddRmsNorm::apply(x, *r, weight, eps, ty) : AddLayerNorm::apply(x, *r, weight, *bias, eps, ty);
   return std::make_pair(sum_and_norm[0], sum_and_norm[1]);
+}
+
+namespace {
+
+cudaDataType_t blas_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return CUDA_R_32F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    case at::kHalf: return CUDA_R_16F;
+    default: return CUDA_R_8I;  // not served; checked by the caller
+  }
+}
+
+void blas_check(cublasStatus_t status, const char* what) {
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "cuBLASLt ", what, ": status ", static_cast<int>(status));
+}
+
+// The largest power of two up to 256 that divides the address: what cuBLASLt may assume.
+uint32_t alignment(const void* p) {
+  uint32_t a = 256;
+  while (a > 1 && reinterpret_cast<uintptr_t>(p) % a != 0) a /= 2;
+  return a;
+}
+
+template <class T, cublasStatus_t (*Destroy)(T)>
+struct Owned {
+  T handle = nullptr;
+  ~Owned() {
+    if (handle != nullptr) Destroy(handle);
+  }
+};
+
+}  // namespace
+
+bool linear_weight_grad(const Tensor& g, const Tensor& x, const Tensor& dw, const Tensor* db, bool accumulate) {
+  const at::ScalarType in = g.scalar_type(), out = dw.scalar_type();
+  const bool types = (in == at::kFloat || in == at::kBFloat16 || in == at::kHalf) && x.scalar_type() == in &&
+                     (out == in || out == at::kFloat) && (db == nullptr || db->scalar_type() == out);
+  const bool on_device = g.is_cuda() && x.device() == g.device() && dw.device() == g.device() &&
+                         (db == nullptr || db->device() == g.device());
+  if (!types || !on_device || g.dim() != 2 || x.dim() != 2 || g.size(0) != x.size(0)) return false;
+  const int64_t rows = g.size(0), outs = g.size(1), ins = x.size(1);
+  const bool layouts = g.is_contiguous() && x.is_contiguous() && dw.is_contiguous() &&
+                       dw.sizes() == at::IntArrayRef({outs, ins}) &&
+                       (db == nullptr || (db->is_contiguous() && db->dim() == 1 && db->size(0) == outs));
+  if (!layouts || outs == 0 || ins == 0) return false;
+  c10::cuda::CUDAGuard guard(g.device());
+  if (rows == 0) {
+    if (!accumulate) dw.zero_();
+    if (db != nullptr) db->zero_();
+    return true;
+  }
+  // Column-major, as cuBLAS reads: x is `[in, rows]` (A, as is), g `[out, rows]` (B,
+  // transposed to `[rows, out]`), dw `[in, out]`: D = A·op(B) = xᵀ·g, which row-major is gᵀ·x;
+  // BGRADB sums op(B) over k (the rows) into one value per column of D (per output).
+  Owned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy> desc;
+  blas_check(cublasLtMatmulDescCreate(&desc.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor");
+  const cublasOperation_t no = CUBLAS_OP_N, yes = CUBLAS_OP_T;
+  blas_check(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSA, &no, sizeof(no)), "transa");
+  blas_check(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSB, &yes, sizeof(yes)), "transb");
+  if (db != nullptr) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BGRADB;
+    const void* bias = db->data_ptr();
+    blas_check(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)),
+               "epilogue");
+    blas_check(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
+               "bias");
+  }
+  Owned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy> a, b, d;
+  blas_check(cublasLtMatrixLayoutCreate(&a.handle, blas_type(in), ins, rows, ins), "layout of x");
+  blas_check(cublasLtMatrixLayoutCreate(&b.handle, blas_type(in), outs, rows, outs), "layout of g");
+  blas_check(cublasLtMatrixLayoutCreate(&d.handle, blas_type(out), ins, outs, ins), "layout of dw");
+  Owned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy> preference;
+  blas_check(cublasLtMatmulPreferenceCreate(&preference.handle), "preference");
+  uint64_t workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  blas_check(cublasLtMatmulPreferenceSetAttribute(preference.handle, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                  &workspace_bytes, sizeof(workspace_bytes)),
+             "workspace");
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, const void*> aligned[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, x.data_ptr()},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, g.data_ptr()},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, dw.data_ptr()},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, dw.data_ptr()}};
+  for (const auto& [attribute, pointer] : aligned) {
+    const uint32_t bytes = alignment(pointer);
+    blas_check(cublasLtMatmulPreferenceSetAttribute(preference.handle, attribute, &bytes, sizeof(bytes)), "alignment");
+  }
+  cublasLtHandle_t lt = at::cuda::getCurrentCUDABlasLtHandle();
+  cublasLtMatmulHeuristicResult_t found{};
+  int count = 0;
+  const cublasStatus_t searched = cublasLtMatmulAlgoGetHeuristic(lt, desc.handle, a.handle, b.handle, d.handle,
+                                                                 d.handle, preference.handle, 1, &found, &count);
+  if (searched != CUBLAS_STATUS_SUCCESS || count == 0) return false;
+  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
+  blas_check(cublasLtMatmul(lt, desc.handle, &one, x.data_ptr(), a.handle, g.data_ptr(), b.handle, &beta,
+                            dw.data_ptr(), d.handle, dw.data_ptr(), d.handle, &found.algo,
+                            at::cuda::getCUDABlasLtWorkspace(), workspace_bytes, at::cuda::getCurrentCUDAStream()),
+             "product");
+  return true;
 }
 
 void compile_all(const std::string& arch) {

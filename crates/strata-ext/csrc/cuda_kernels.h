@@ -38,7 +38,8 @@ std::optional<at::Tensor> cross_entropy(const at::Tensor& logits, const at::Tens
 
 // `s = x + r` and the norm of `s` over its last dimension (layer norm with `bias`, or RMS
 // norm where `rms`), as the pair (s, norm); the norm in `out` (default: the weight's dtype).
-std::optional<std::pair<at::Tensor, at::Tensor>> add_norm(const at::Tensor& x, const at::Tensor& r,
+// Without `r`, the norm of `x` (of the weight's dtype), returned beside `x` itself.
+std::optional<std::pair<at::Tensor, at::Tensor>> add_norm(const at::Tensor& x, const std::optional<at::Tensor>& r,
                                                           const at::Tensor& weight,
                                                           const std::optional<at::Tensor>& bias, double eps,
                                                           bool rms, std::optional<at::ScalarType> out);
@@ -53,6 +54,16 @@ struct Fp8Cast {
 // in one pass that also writes the transpose where `transposed` and takes the amax.
 std::optional<Fp8Cast> fp8_cast(const at::Tensor& x, double scale, const at::Tensor* scale_at, bool e5m2,
                                 bool transposed);
+
+// The weight and bias gradients of a linear layer `y = x·wᵀ + b` from the output's gradient:
+// `dw (+)= gᵀ·x` for 2-D `g` `[rows, out]` and `x` `[rows, in]` of one dtype, written into
+// (or, where `accumulate`, added to) `dw` `[out, in]` (that dtype or fp32), and, where `db`
+// is given, `g`'s column sums into it (`dw`'s dtype), in one cuBLASLt product whose epilogue
+// reduces the bias gradient as it reads `g`. False where that does not serve (not on a GPU,
+// dtypes or layouts it does not take, no cuBLASLt algorithm for the case), with nothing
+// written.
+bool linear_weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& dw, const at::Tensor* db,
+                        bool accumulate);
 
 // Compiles every kernel for every dtype they serve for `arch` (such as "sm_90"), without a
 // device: a check that the sources compile.

@@ -1557,7 +1557,7 @@ int strata_add_norm(const Tensor* x, const Tensor* r, const Tensor* weight, cons
 #ifdef STRATA_CUDA
     std::optional<at::ScalarType> kind;
     if (out_kind >= 0) kind = static_cast<at::ScalarType>(out_kind);
-    if (auto served = strata_cuda::add_norm(*x, *r, *weight, optional_tensor(bias), eps, bias == nullptr, kind)) {
+    if (auto served = strata_cuda::add_norm(*x, optional_tensor(r), *weight, optional_tensor(bias), eps, bias == nullptr, kind)) {
       *sum = new Tensor(std::move(served->first));
       *out = new Tensor(std::move(served->second));
     }
@@ -1577,6 +1577,18 @@ int strata_fp8_cast(const Tensor* x, double scale, const Tensor* scale_at, int e
       *qt = cast->qt.defined() ? new Tensor(std::move(cast->qt)) : nullptr;
       *amax = new Tensor(std::move(cast->amax));
     }
+#endif
+  });
+}
+
+// A linear layer's weight (and bias) gradient in one cuBLASLt product (see cuda_kernels.h);
+// `*served` 0 where it does not serve.
+int strata_linear_weight_grad(const Tensor* g, const Tensor* x, const Tensor* dw, const Tensor* db, int accumulate,
+                              int* served) {
+  return guarded([&] {
+    *served = 0;
+#ifdef STRATA_CUDA
+    *served = strata_cuda::linear_weight_grad(*g, *x, *dw, db, accumulate != 0);
 #endif
   });
 }

@@ -105,6 +105,14 @@ extern "C" {
         qt: *mut TensorPtr,
         amax: *mut TensorPtr,
     ) -> c_int;
+    fn strata_linear_weight_grad(
+        g: *const C_tensor,
+        x: *const C_tensor,
+        dw: *const C_tensor,
+        db: *const C_tensor,
+        accumulate: c_int,
+        served: *mut c_int,
+    ) -> c_int;
     fn strata_cpu_memory_account(bytes: i64) -> c_int;
     fn strata_from_blob(
         data: *mut c_void,
@@ -595,7 +603,7 @@ extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
 pub mod kernels {
     use super::{
         check, optional_ptr, scalar_type, strata_add_norm, strata_cross_entropy, strata_fp8_cast, strata_gelu_tanh,
-        strata_rms_norm, strata_rotary, strata_swiglu, Result, TensorPtr,
+        strata_linear_weight_grad, strata_rms_norm, strata_rotary, strata_swiglu, Result, TensorPtr,
     };
     use tch::Tensor;
 
@@ -681,10 +689,11 @@ pub mod kernels {
     /// The residual sum `s = x + r` and its norm over the last dimension, in one pass per
     /// row each way on a GPU: layer norm with `bias`, RMS norm without. `s` takes the
     /// weight's dtype, which must be the promotion of `x`'s and `r`'s, and the norm `out`
-    /// (the weight's where `None`); the width at most 8,192.
+    /// (the weight's where `None`); the width at most 8,192. Without `r`, the norm of `x`
+    /// (of the weight's dtype) in `out`, returned beside `x` itself.
     pub fn add_norm(
         x: &Tensor,
-        r: &Tensor,
+        r: Option<&Tensor>,
         weight: &Tensor,
         bias: Option<&Tensor>,
         eps: f64,
@@ -696,7 +705,7 @@ pub mod kernels {
         check(unsafe {
             strata_add_norm(
                 x.as_ptr(),
-                r.as_ptr(),
+                optional_ptr(r),
                 weight.as_ptr(),
                 optional_ptr(bias),
                 eps,
@@ -710,6 +719,35 @@ pub mod kernels {
         }
         // SAFETY: fresh `new at::Tensor`s owned by nobody else.
         Ok(Some(unsafe { (Tensor::from_ptr(sum), Tensor::from_ptr(normed)) }))
+    }
+
+    /// A linear layer's weight gradient `gᵀ·x` for `[rows, out]` `g` and `[rows, in]` `x`
+    /// (contiguous, one dtype of fp32, bf16 and fp16) written into `dw` (`[out, in]`, that
+    /// dtype or fp32; added to what it holds where `accumulate`), and, where `db` is given,
+    /// the bias gradient (`g`'s column sums, in `dw`'s dtype) written into it by the same
+    /// cuBLASLt product on a GPU, whose epilogue reduces `g` as the product reads it: no
+    /// pass of its own over `g`, and no gradient in the products' dtype to widen after.
+    /// False, with nothing written, where it does not serve.
+    pub fn linear_weight_grad(
+        g: &Tensor,
+        x: &Tensor,
+        dw: &Tensor,
+        db: Option<&Tensor>,
+        accumulate: bool,
+    ) -> Result<bool> {
+        let mut served = 0;
+        // SAFETY: the tensors are live for the call, which writes into `dw` and `db` only.
+        check(unsafe {
+            strata_linear_weight_grad(
+                g.as_ptr(),
+                x.as_ptr(),
+                dw.as_ptr(),
+                optional_ptr(db),
+                accumulate.into(),
+                &mut served,
+            )
+        })?;
+        Ok(served != 0)
     }
 }
 

@@ -313,6 +313,58 @@ fn a_cuda_graph_replays_its_work_with_what_its_inputs_hold_then() {
 }
 
 #[test]
+fn a_linear_weight_gradient_and_its_bias_come_from_one_product() {
+    let cpu = |rows, cols, seed| {
+        tch::manual_seed(seed);
+        Tensor::randn([rows, cols], (Kind::Float, tch::Device::Cpu))
+    };
+    let (g, x) = (cpu(300, 24, 1), cpu(300, 40, 2));
+    let (dw, db) = (
+        Tensor::zeros([24, 40], (Kind::Float, tch::Device::Cpu)),
+        Tensor::zeros([24], (Kind::Float, tch::Device::Cpu)),
+    );
+    assert!(!kernels::linear_weight_grad(&g, &x, &dw, Some(&db), false).unwrap(), "a CPU tensor is not served");
+    if !(tch::Cuda::is_available() && cuda::is_built()) {
+        eprintln!("a_linear_weight_gradient_and_its_bias_come_from_one_product: skipped, no GPU");
+        return;
+    }
+    let gpu = tch::Device::Cuda(0);
+    let relative =
+        |a: &Tensor, b: &Tensor| ((a.to_device(tch::Device::Cpu) - b).abs().max() / b.abs().max()).double_value(&[]);
+    for (kind, into, bound) in [
+        (Kind::Float, Kind::Float, 1e-5),
+        (Kind::BFloat16, Kind::Float, 1e-5),
+        (Kind::BFloat16, Kind::BFloat16, 1e-2),
+        (Kind::Half, Kind::Half, 2e-3),
+    ] {
+        let (g, x) = (g.to_kind(kind).to_device(gpu), x.to_kind(kind).to_device(gpu));
+        // The exact product of the operands as stored (a bf16 or fp16 operand's rounding is
+        // not the product's error).
+        let stored = |t: &Tensor| t.to_device(tch::Device::Cpu).to_kind(Kind::Float);
+        let (want_w, want_b) =
+            (stored(&g).tr().mm(&stored(&x)), stored(&g).sum_dim_intlist([0].as_slice(), false, Kind::Float));
+        let dw = Tensor::full([24, 40], 7.0, (into, gpu));
+        let db = Tensor::full([24], 7.0, (into, gpu));
+        assert!(kernels::linear_weight_grad(&g, &x, &dw, Some(&db), false).unwrap(), "{kind:?} into {into:?} served");
+        let (ew, eb) = (relative(&dw.to_kind(Kind::Float), &want_w), relative(&db.to_kind(Kind::Float), &want_b));
+        eprintln!("{kind:?} into {into:?}: weight {ew:.2e}, bias {eb:.2e}");
+        assert!(ew < bound && eb < bound, "{kind:?} into {into:?}: weight {ew:e}, bias {eb:e}");
+        // Accumulating adds the product to what the gradient holds; the bias is written.
+        assert!(kernels::linear_weight_grad(&g, &x, &dw, None, true).unwrap());
+        let twice = relative(&dw.to_kind(Kind::Float), &(&want_w * 2.0));
+        assert!(twice < bound, "{kind:?}: accumulated {twice:e}");
+        assert!(relative(&db.to_kind(Kind::Float), &want_b) < bound, "no bias asked, none written");
+    }
+    // Shapes it does not take are declined, nothing written.
+    let (g, x) = (g.to_device(gpu), x.to_device(gpu));
+    let dw = Tensor::zeros([24, 40], (Kind::Float, gpu));
+    assert!(!kernels::linear_weight_grad(&g, &x.narrow(0, 0, 299), &dw, None, false).unwrap(), "rows differ");
+    assert!(!kernels::linear_weight_grad(&g, &x.tr().contiguous().tr(), &dw, None, false).unwrap(), "not contiguous");
+    assert!(!kernels::linear_weight_grad(&g.to_kind(Kind::BFloat16), &x, &dw, None, false).unwrap(), "dtypes differ");
+    assert_eq!(dw.abs().sum(Kind::Float).double_value(&[]), 0.0);
+}
+
+#[test]
 fn the_cuda_kernels_compile_for_every_dtype_without_a_device() {
     if !cuda::is_built() {
         let err = cuda::compile_kernels("sm_90").unwrap_err();

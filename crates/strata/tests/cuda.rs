@@ -351,6 +351,53 @@ fn replaced_modules_on_a_gpu_match_the_composites_forward_and_backward() {
     assert_eq!((s.kind(), y.kind()), (Kind::Float, Kind::BFloat16));
     let error = rel(&y, &composite.to_kind(Kind::BFloat16));
     assert!(error < 1e-2, "{error:e}");
+    // A norm that only a product reads: the same kernel without the sum, in bf16.
+    let y =
+        compute::run(&amp, Default::default(), false, || layers::layer_norm_into_product(&x, &w, &b, 1e-5)).unwrap();
+    let composite = layers::layer_norm(&x, &w, &b, 1e-5).unwrap();
+    assert_eq!(y.kind(), Kind::BFloat16);
+    let error = rel(&y, &composite.to_kind(Kind::BFloat16));
+    assert!(error < 1e-2, "{error:e}");
+    // FusedLinearGrad: the weight's gradient in fp32 from the bf16 operands and the bias's,
+    // from one product; without it the weight's gradient comes rounded to bf16.
+    let without: Vec<String> =
+        strata::compute::replace::pair_names().into_iter().filter(|n| n != "FusedLinearGrad").collect();
+    let (xb, seed) = (x.to_kind(Kind::BFloat16), draw(6, Kind::Float).narrow(2, 0, 32));
+    let exact_w = seed
+        .to_kind(Kind::BFloat16)
+        .to_kind(Kind::Double)
+        .reshape([-1, 32])
+        .tr()
+        .mm(&xb.to_kind(Kind::Double).reshape([-1, 64]));
+    let exact_b = seed.to_kind(Kind::BFloat16).to_kind(Kind::Double).reshape([-1, 32]).sum_dim_intlist(
+        [0].as_slice(),
+        false,
+        Kind::Double,
+    );
+    for (pairs, fused) in [(None, true), (Some(without.as_slice()), false)] {
+        let policy = std::sync::Arc::new(UnitCompute {
+            replacements: strata::compute::replace::Replacements::select(pairs).unwrap(),
+            ..(*amp).clone()
+        });
+        let weight = draw(7, Kind::Float).reshape([-1, 64]).narrow(0, 0, 32).set_requires_grad(true);
+        let bias = draw(8, Kind::Float).get(0).get(0).narrow(0, 0, 32).set_requires_grad(true);
+        let y = compute::run(&policy, Default::default(), false, || layers::linear(&x, &weight, Some(&bias))).unwrap();
+        assert_eq!(y.kind(), Kind::BFloat16);
+        let reference =
+            xb.to_kind(Kind::Float).matmul(&weight.to_kind(Kind::BFloat16).to_kind(Kind::Float).tr()) + &bias;
+        let error = rel(&y, &reference.to_kind(Kind::BFloat16));
+        assert!(error < 1e-2, "fused {fused}: output {error:e}");
+        (y.to_kind(Kind::Float) * &seed).sum(Kind::Float).backward();
+        let (ew, eb) =
+            (rel(&weight.grad().to_kind(Kind::Double), &exact_w), rel(&bias.grad().to_kind(Kind::Double), &exact_b));
+        eprintln!("linear, FusedLinearGrad {fused}: weight gradient {ew:.2e}, bias gradient {eb:.2e}");
+        assert_eq!(weight.grad().kind(), Kind::Float);
+        if fused {
+            assert!(ew < 1e-5 && eb < 1e-5, "weight {ew:e}, bias {eb:e}");
+        } else {
+            assert!(ew > 1e-4, "the composite's bf16 weight gradient: {ew:e}");
+        }
+    }
     // Whole models: with every pair (fused attention, Strata's CUDA kernels for the
     // activations, rotary positions, residual sums with their norms and the loss), the
     // losses of the composites, in fp32 and in bf16 autocast.

@@ -192,20 +192,40 @@ pub fn cast(x: &Tensor, kind: Option<Kind>) -> Result<Tensor> {
 /// one, so a second node writing the same slot would overwrite the first's; later uses get
 /// the plain cast, whose gradients autograd adds to the slot's.
 pub fn weight_for_product(w: &Tensor, kind: Kind) -> Result<Tensor> {
-    let slot = (w.kind() == Kind::Float && kind != Kind::Float && w.requires_grad() && w.is_leaf())
-        .then(|| {
-            let address = w.data_ptr() as usize;
-            with_active(|a| {
-                let slots = &mut a?.grad_slots;
-                let at = slots.iter().position(|(at, s)| *at == address && s.size() == w.size())?;
-                Some(slots.swap_remove(at).1)
-            })
-        })
-        .flatten();
-    match slot {
+    match grad_slot(w, kind) {
         Some(slot) => weight_cast::CastWeight::apply(w, kind, slot),
         None => cast(w, Some(kind)),
     }
+}
+
+/// The slot in the running unit's gradient buffer of fp32 master weight `w`, computing in
+/// `kind`, given away once per forward (see [`weight_for_product`]).
+fn grad_slot(w: &Tensor, kind: Kind) -> Option<Tensor> {
+    if w.kind() != Kind::Float || kind == Kind::Float || !w.requires_grad() || !w.is_leaf() {
+        return None;
+    }
+    let address = w.data_ptr() as usize;
+    with_active(|a| {
+        let slots = &mut a?.grad_slots;
+        let at = slots.iter().position(|(at, s)| *at == address && s.size() == w.size())?;
+        Some(slots.swap_remove(at).1)
+    })
+}
+
+/// `x @ w.T + b` for an fp32 master weight (and bias) on a GPU, computing in `kind` under
+/// the device's autocast, where the running unit has `FusedLinearGrad` for `kind`: one node
+/// whose backward writes the weight's gradient in fp32 (into its slot where fresh) and the
+/// bias's in one product (`weight_cast::ProductLinear`); `None` where it does not apply.
+pub fn product_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, kind: Kind) -> Option<Result<Tensor>> {
+    let master = |t: &Tensor| t.kind() == Kind::Float && t.device() == x.device();
+    let applies = x.device().is_cuda()
+        && master(w)
+        && w.dim() == 2
+        && w.requires_grad()
+        && w.is_leaf()
+        && b.is_none_or(|b| master(b) && b.dim() == 1)
+        && replaced(|r| r.linear_grad(kind).then_some(())).is_some();
+    applies.then(|| weight_cast::ProductLinear::apply(x, w, b, kind, grad_slot(w, kind)))
 }
 
 /// The dtype matrix products compute in under either autocast (the layers' own or

@@ -12,8 +12,10 @@
 //! (`silu(gate) * up` in one pass), `FusedRoPE` (rotary positions), and, on a GPU only,
 //! `FusedCrossEntropy` (the loss from the logits' own dtype, no fp32 logits or
 //! log-probabilities written), `FusedAddLayerNorm` and `FusedAddRMSNorm` (a residual sum and
-//! the norm that follows it in one pass). Where a kernel does not serve its inputs (device,
-//! dtype, shape) the composite runs.
+//! the norm that follows it in one pass), and `FusedLinearGrad` (a linear layer under a
+//! GPU's autocast whose backward writes the weight's fp32 gradient and the bias's in one
+//! cuBLASLt product: `compute::weight_cast::ProductLinear`). Where a kernel does not serve
+//! its inputs (device, dtype, shape) the composite runs.
 //!
 //! Owns the registry and the selection a strategy names. Must not decide where a replacement
 //! runs: the layer functions of `model::layers` ask the running unit's policy for one and
@@ -35,9 +37,9 @@ pub type RotaryFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Option<Tenso
 /// Logits, targets and the target that takes no loss.
 pub type CrossEntropyFn = Arc<dyn Fn(&Tensor, &Tensor, i64) -> Result<Option<Tensor>> + Send + Sync>;
 /// A residual sum and its norm: `(x, r, weight, bias, eps, out)` to `(x + r, norm(x + r))`,
-/// the norm in `out` (the weight's dtype where `None`).
+/// the norm in `out` (the weight's dtype where `None`); without `r`, `(x, norm(x))`.
 pub type AddNormFn = Arc<
-    dyn Fn(&Tensor, &Tensor, &Tensor, Option<&Tensor>, f64, Option<Kind>) -> Result<Option<(Tensor, Tensor)>>
+    dyn Fn(&Tensor, Option<&Tensor>, &Tensor, Option<&Tensor>, f64, Option<Kind>) -> Result<Option<(Tensor, Tensor)>>
         + Send
         + Sync,
 >;
@@ -63,10 +65,15 @@ pub enum Replacement {
     /// The mean cross-entropy of `[..., V]` logits against targets, over those other than
     /// the ignored one.
     CrossEntropy(CrossEntropyFn),
-    /// `x + r` and its layer norm (weight and bias).
+    /// `x + r` and its layer norm (weight and bias); also the norm of `x` alone that feeds
+    /// a product (`layers::layer_norm_into_product`).
     AddLayerNorm(AddNormFn),
-    /// `x + r` and its RMS norm (weight, no bias).
+    /// `x + r` and its RMS norm (weight, no bias); also `x`'s alone before a product.
     AddRmsNorm(AddNormFn),
+    /// A linear layer of an fp32 master weight computing in the autocast dtype, whose
+    /// backward computes the weight's and the bias's gradients in one product, in fp32
+    /// (Strata's node: the pair selects it, by the products' dtype).
+    LinearGrad,
 }
 
 #[derive(Clone)]
@@ -138,6 +145,11 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                 name: "FusedAddRMSNorm".into(),
                 supported_dtypes: low,
                 with: Replacement::AddRmsNorm(add_norm),
+            },
+            ReplacePair {
+                name: "FusedLinearGrad".into(),
+                supported_dtypes: vec![Kind::Half, Kind::BFloat16],
+                with: Replacement::LinearGrad,
             },
         ];
         if strata_ext::onednn::available() {
@@ -294,5 +306,10 @@ impl Replacements {
 
     pub fn add_rms_norm(&self, kind: Kind) -> Option<AddNormFn> {
         self.find(kind, |r| if let Replacement::AddRmsNorm(f) = r { Some(f.clone()) } else { None })
+    }
+
+    /// Whether products in `kind` compute their weight and bias gradients in one product.
+    pub fn linear_grad(&self, kind: Kind) -> bool {
+        self.find(kind, |r| matches!(r, Replacement::LinearGrad).then_some(())).is_some()
     }
 }

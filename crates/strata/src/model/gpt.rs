@@ -6,8 +6,8 @@
 //! [`gpt`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::layers::{
-    add_layer_norm, causal_attention, gelu_tanh, layer_norm, merge_heads, other_examples, split_heads, vocab_embedding,
-    vocab_logits, AttentionOptions,
+    add_layer_norm, causal_attention, gelu_tanh, layer_norm_into_product, merge_heads, other_examples, split_heads,
+    vocab_embedding, vocab_logits, AttentionOptions,
 };
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS,
@@ -140,7 +140,7 @@ impl GptBlock {
         // Split over the tensor group, this rank computes its heads and its piece of the MLP.
         let tp = p.tp();
         let (heads, dim) = (self.heads / tp.size(), self.dim / tp.size());
-        let h = tp.enter(&layer_norm(x, &p[self.ln_1.0], &p[self.ln_1.1], self.eps)?)?;
+        let h = tp.enter(&layer_norm_into_product(x, &p[self.ln_1.0], &p[self.ln_1.1], self.eps)?)?;
         let qkv = p.linear(&h, self.c_attn.0, Some(self.c_attn.1))?;
         let parts = qkv.f_split(dim, 2)?;
         let (q, k, v) =
@@ -181,7 +181,7 @@ impl Unit for GptHead {
         "GptHead"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let h = layer_norm(x, &p[self.ln_f.0], &p[self.ln_f.1], self.eps)?;
+        let h = layer_norm_into_product(x, &p[self.ln_f.0], &p[self.ln_f.1], self.eps)?;
         vocab_logits(&h, &p[self.wte], None, self.vocab, None, p.tp())
     }
     fn position_wise(&self) -> bool {

@@ -44,7 +44,12 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     // Under libtorch's autocast only the weight is cast here (its gradient may go straight
     // into its buffer); autocast casts the rest.
     let w = match product {
-        Some(product) => compute::weight_for_product(w, product)?,
+        Some(product) => {
+            if let Some(out) = compute::product_linear(x, w, b.as_ref(), product) {
+                return out;
+            }
+            compute::weight_for_product(w, product)?
+        }
         None => w.shallow_clone(),
     };
     Ok(cast(x, kind)?.f_linear(&w, b.as_ref())?)
@@ -168,11 +173,30 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(cast(&rms_normalized(&x32, eps)?, Some(x.kind()))?.f_mul(w)?)
 }
 
+/// The layer norm of `x` where its only reader is a matrix product: one kernel each way
+/// where `module_replace` has `FusedAddLayerNorm` and it serves the tensors, the norm then
+/// written in the products' dtype under autocast (as [`add_layer_norm`]'s).
+pub fn layer_norm_into_product(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    match fused_add_norm(x, None, w, Some(b), eps, |reps, kind| reps.add_layer_norm(kind))? {
+        Some((_, normed)) => Ok(normed),
+        None => layer_norm(x, w, b, eps),
+    }
+}
+
+/// The RMS norm of `x` where its only reader is a matrix product (as
+/// [`layer_norm_into_product`], with `FusedAddRMSNorm`).
+pub fn rms_norm_into_product(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    match fused_add_norm(x, None, w, None, eps, |reps, kind| reps.add_rms_norm(kind))? {
+        Some((_, normed)) => Ok(normed),
+        None => rms_norm(x, w, eps),
+    }
+}
+
 /// The residual sum `x + r` and its layer norm, `(x + r, layer_norm(x + r))`: one kernel
 /// each way where `module_replace` has `FusedAddLayerNorm` and it serves the tensors (the
 /// norm then in the products' dtype under autocast).
 pub fn add_layer_norm(x: &Tensor, r: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    if let Some(pair) = fused_add_norm(x, r, w, Some(b), eps, |reps, kind| reps.add_layer_norm(kind))? {
+    if let Some(pair) = fused_add_norm(x, Some(r), w, Some(b), eps, |reps, kind| reps.add_layer_norm(kind))? {
         return Ok(pair);
     }
     let s = x.f_add(r)?;
@@ -184,7 +208,7 @@ pub fn add_layer_norm(x: &Tensor, r: &Tensor, w: &Tensor, b: &Tensor, eps: f64) 
 /// way where `module_replace` has `FusedAddRMSNorm` and it serves the tensors (as
 /// [`add_layer_norm`]).
 pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    if let Some(pair) = fused_add_norm(x, r, w, None, eps, |reps, kind| reps.add_rms_norm(kind))? {
+    if let Some(pair) = fused_add_norm(x, Some(r), w, None, eps, |reps, kind| reps.add_rms_norm(kind))? {
         return Ok(pair);
     }
     let s = x.f_add(r)?;
@@ -200,7 +224,7 @@ pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Ten
 /// backward would have widened exactly).
 fn fused_add_norm(
     x: &Tensor,
-    r: &Tensor,
+    r: Option<&Tensor>,
     w: &Tensor,
     b: Option<&Tensor>,
     eps: f64,

@@ -19,8 +19,8 @@
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::divides_heads;
 use super::layers::{
-    add_rms_norm, causal_attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_plus_one, split_heads,
-    swiglu, vocab_logits, AttentionOptions,
+    add_rms_norm, causal_attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product,
+    rms_norm_plus_one, split_heads, swiglu, vocab_logits, AttentionOptions,
 };
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
@@ -295,6 +295,14 @@ impl Kinds {
         }
     }
 
+    /// The norm of `x` where a matrix product alone reads it.
+    fn norm_into_product(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match self.norm {
+            NormKind::Weighted => rms_norm_into_product(x, w, self.eps),
+            NormKind::PlusOne => rms_norm_plus_one(x, w, self.eps),
+        }
+    }
+
     /// The residual sum `x + r` and its norm.
     fn add_norm(&self, x: &Tensor, r: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
         match self.norm {
@@ -379,7 +387,7 @@ impl LlamaBlock {
         let tp = p.tp();
         let (heads, kv_heads) = (self.heads / tp.size(), self.kv_heads / tp.size());
         let start = cache.as_ref().map_or(0, |c| c.position());
-        let h = tp.enter(&self.kinds.norm(x, &p[self.input_norm])?)?;
+        let h = tp.enter(&self.kinds.norm_into_product(x, &p[self.input_norm])?)?;
         let (q, k, v) = self.project(p, &h, heads, kv_heads)?;
         let packed = p.layout().filter(|_| cache.is_none());
         let (q, k) = match packed {
@@ -447,7 +455,7 @@ impl Unit for LlamaHead {
         "LlamaHead"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let h = self.kinds.norm(x, &p[self.norm])?;
+        let h = self.kinds.norm_into_product(x, &p[self.norm])?;
         vocab_logits(&h, &p[self.lm_head], None, self.vocab, self.softcap, p.tp())
     }
     fn position_wise(&self) -> bool {
