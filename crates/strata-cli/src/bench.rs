@@ -83,6 +83,11 @@ pub struct BenchTrainArgs {
     /// memory needs it; the PyTorch side keeps them.
     #[arg(long)]
     pub checkpoint: bool,
+    /// Each side started, warmed up, timed and looked into alone, and its device memory
+    /// released before the next starts: for a GPU that cannot hold every side at once (the
+    /// sides then do not share the machine's drifts as alternating blocks do).
+    #[arg(long)]
+    pub one_side_at_a_time: bool,
     /// Dense peak of the device in TFLOP/s for the model FLOPs utilisation (default: known
     /// from the GPU's name, bf16 without sparsity).
     #[arg(long)]
@@ -166,6 +171,9 @@ pub struct Report {
     pub peak_tflops: Option<f64>,
     /// Measured steps of each side.
     pub steps: u64,
+    /// Whether each side ran alone (`--one-side-at-a-time`) rather than in alternating
+    /// blocks.
+    pub one_side_at_a_time: bool,
     /// PyTorch first, then Strata, then Strata with fp8 where asked for.
     pub sides: Vec<Measurement>,
     /// Strata tokens/s divided by PyTorch tokens/s.
@@ -476,48 +484,74 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
     }
     tch::set_num_threads(a.threads);
     tch::manual_seed(0);
-    let mut names = vec!["pytorch eager".to_string(), "strata".to_string()];
-    let strata = |fp8, graph| StrataSide::new(&model, a.batch_size, device, &strata_strategy(a, fp8), graph);
-    let mut sides: Vec<Box<dyn Side>> = vec![Box::new(PytorchSide::start(a)?), Box::new(strata(false, false)?)];
+    let strata = |fp8, graph| -> Result<Box<dyn Side>> {
+        Ok(Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a, fp8), graph)?))
+    };
+    type Start<'a> = Box<dyn Fn() -> Result<Box<dyn Side>> + 'a>;
+    let mut starts: Vec<(&str, Start)> = vec![
+        ("pytorch eager", Box::new(|| Ok(Box::new(PytorchSide::start(a)?) as Box<dyn Side>))),
+        ("strata", Box::new(|| strata(false, false))),
+    ];
     if a.fp8 {
-        names.push(FP8_SIDE.into());
-        sides.push(Box::new(strata(true, false)?));
+        starts.push((FP8_SIDE, Box::new(|| strata(true, false))));
     }
     if a.cuda_graph {
-        names.push(GRAPH_SIDE.into());
-        sides.push(Box::new(strata(false, true)?));
+        starts.push((GRAPH_SIDE, Box::new(|| strata(false, true))));
     }
-    for side in &mut sides {
-        side.run(a.warmup)?;
-    }
-    // Short alternating blocks: every side sees the same drifts of a shared machine, and
-    // only one of them runs at a time.
-    let mut blocks: Vec<Vec<Block>> = sides.iter().map(|_| Vec::new()).collect();
-    for _ in 0..a.rounds {
-        for (side, done) in sides.iter_mut().zip(&mut blocks) {
-            done.push(side.run(a.block)?);
-        }
-    }
-    // Looked into after the timed blocks: that leaves its event sinks on Strata's engine.
-    let inspections: Vec<Option<Inspection>> = match gpu {
-        Some(_) => sides.iter_mut().map(|s| s.inspect_step().map(Some)).collect::<Result<_>>()?,
-        None => sides.iter().map(|_| None).collect(),
-    };
-    // A trace that fails leaves the timings standing.
-    let mut kernels = Vec::new();
-    if let Some(dir) = &a.kernel_trace {
+    let names: Vec<String> = starts.iter().map(|(name, _)| name.to_string()).collect();
+    // Looked into after the timed blocks (that leaves its event sinks on Strata's engine);
+    // a trace that fails leaves the timings standing.
+    let look_into = |side: &mut Box<dyn Side>, name: &str| -> Result<(Option<Inspection>, BTreeMap<String, f64>)> {
+        let inspection = gpu.as_ref().map(|_| side.inspect_step()).transpose()?;
+        let Some(dir) = &a.kernel_trace else { return Ok((inspection, BTreeMap::new())) };
         let read =
             if gpu.is_some() { profile::kernels::device_ms_by_name } else { profile::kernels::host_self_ms_by_name };
-        for (side, name) in sides.iter_mut().zip(&names) {
-            let path = dir.join(format!("{}.json", name.replace(' ', "-")));
-            let traced = side.trace_step(&path).and_then(|()| Ok(read(&path)?));
-            kernels.push(traced.unwrap_or_else(|e| {
+        let path = dir.join(format!("{}.json", name.replace(' ', "-")));
+        let traced = side.trace_step(&path).and_then(|()| Ok(read(&path)?));
+        Ok((
+            inspection,
+            traced.unwrap_or_else(|e| {
                 eprintln!("warning: no kernel trace of {name}: {e:#}");
                 BTreeMap::new()
-            }));
+            }),
+        ))
+    };
+    // What a side's device memory held goes back to the driver, for the next process.
+    let release = |sides: Vec<Box<dyn Side>>| -> Result<()> {
+        drop(sides);
+        if gpu.is_some() {
+            strata_ext::cuda::empty_cache()?;
         }
+        Ok(())
+    };
+    let mut blocks: Vec<Vec<Block>> = Vec::new();
+    let mut looked: Vec<(Option<Inspection>, BTreeMap<String, f64>)> = Vec::new();
+    if a.one_side_at_a_time {
+        for (name, start) in &starts {
+            let mut side = start()?;
+            side.run(a.warmup)?;
+            blocks.push((0..a.rounds).map(|_| side.run(a.block)).collect::<Result<_>>()?);
+            looked.push(look_into(&mut side, name)?);
+            release(vec![side])?;
+        }
+    } else {
+        let mut sides = starts.iter().map(|(_, start)| start()).collect::<Result<Vec<_>>>()?;
+        for side in &mut sides {
+            side.run(a.warmup)?;
+        }
+        // Short alternating blocks: every side sees the same drifts of a shared machine, and
+        // only one of them runs at a time.
+        blocks = sides.iter().map(|_| Vec::new()).collect();
+        for _ in 0..a.rounds {
+            for (side, done) in sides.iter_mut().zip(&mut blocks) {
+                done.push(side.run(a.block)?);
+            }
+        }
+        for (side, name) in sides.iter_mut().zip(&names) {
+            looked.push(look_into(side, name)?);
+        }
+        release(sides)?;
     }
-    drop(sides);
     let params = model.spec()?.num_params();
     let flops_per_token = flops_per_token(&model, params);
     let peak_tflops = a.peak_tflops.or_else(|| gpu.as_ref().and_then(|(_, name)| known_peak_tflops(name)));
@@ -527,9 +561,8 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
     let measured: Vec<Measurement> = names
         .into_iter()
         .zip(blocks)
-        .zip(inspections)
-        .zip(kernels.into_iter().chain(std::iter::repeat_with(BTreeMap::new)))
-        .map(|(((side, blocks), inspection), kernels_ms)| {
+        .zip(looked)
+        .map(|((side, blocks), (inspection, kernels_ms))| {
             let seconds: f64 = blocks.iter().map(|b| b.seconds).sum();
             let tokens_per_s = tokens / seconds;
             let (syncs_per_step, sync_sites, phases_ms) = match inspection {
@@ -565,6 +598,7 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         flops_per_token,
         peak_tflops,
         steps,
+        one_side_at_a_time: a.one_side_at_a_time,
         sides: measured,
         ratio,
         fp8_ratio,
@@ -581,7 +615,7 @@ pub fn print(report: &Report, block: u64) {
     let c = &report.config;
     let field = |k: &str| c.get(k).and_then(|v| v.as_i64()).unwrap_or(0);
     println!(
-        "{:?} {:.0}M parameters ({} layers, {} heads, dim {}, ctx {}, vocab {}), batch {}, amp {}, on {}; {} steps each, in alternating blocks of {}",
+        "{:?} {:.0}M parameters ({} layers, {} heads, dim {}, ctx {}, vocab {}), batch {}, amp {}, on {}; {} steps each, in {} blocks of {}",
         report.model,
         report.params as f64 / 1e6,
         field("layers"),
@@ -593,6 +627,7 @@ pub fn print(report: &Report, block: u64) {
         report.amp.name(),
         report.device,
         report.steps,
+        if report.one_side_at_a_time { "one side's" } else { "alternating" },
         block
     );
     if let Some(peak) = report.peak_tflops {

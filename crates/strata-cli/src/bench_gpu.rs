@@ -30,6 +30,11 @@ pub struct BenchGpuArgs {
     /// on one GPU at once.
     #[arg(long)]
     llama_without_checkpoint: bool,
+    /// Each side of each model alone on the GPU (`bench train --one-side-at-a-time`): for
+    /// a GPU that cannot hold PyTorch's side beside Strata's (an 80 GB H100 at GPT-2's
+    /// 64 × 1024 tokens, where PyTorch's alone peaks near 67 GB).
+    #[arg(long)]
+    one_side_at_a_time: bool,
     /// Leave out the fp8 side of the LLaMA and the fp8 products.
     #[arg(long)]
     no_fp8: bool,
@@ -96,6 +101,7 @@ impl BenchGpuArgs {
             fp8,
             cuda_graph: self.cuda_graph && model == BenchModel::Gpt,
             checkpoint: model == BenchModel::Llama && !self.llama_without_checkpoint,
+            one_side_at_a_time: self.one_side_at_a_time,
             peak_tflops: self.peak_tflops,
             rounds: self.rounds,
             block: self.block,

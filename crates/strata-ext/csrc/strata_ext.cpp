@@ -551,6 +551,16 @@ int strata_cuda_memory_stats(int device, int64_t* stats) {
   });
 }
 
+// Hands the caching allocator's unused blocks back to the driver, for other processes.
+int strata_cuda_empty_cache() {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+  });
+}
+
 int strata_cuda_reset_peak_stats(int device) {
   return guarded([&] {
     STRATA_REQUIRE_CUDA();

@@ -212,6 +212,7 @@ extern "C" {
     fn strata_cuda_is_built() -> c_int;
     fn strata_cuda_memory_stats(device: c_int, stats: *mut i64) -> c_int;
     fn strata_cuda_reset_peak_stats(device: c_int) -> c_int;
+    fn strata_cuda_empty_cache() -> c_int;
     fn strata_cuda_stream_from_pool(device: c_int, high_priority: c_int, packed: *mut i64) -> c_int;
     fn strata_cuda_current_stream(device: c_int, packed: *mut i64) -> c_int;
     fn strata_cuda_set_current_stream(packed: *const i64) -> c_int;
@@ -1046,6 +1047,14 @@ pub mod cuda {
     pub fn reset_peak_stats(device: usize) -> Result<()> {
         // SAFETY: a plain call with a device index.
         check(unsafe { strata_cuda_reset_peak_stats(device as c_int) })
+    }
+
+    /// Gives the caching allocator's unused device memory back to the driver, so that
+    /// another process can have it (what the allocator keeps cached is otherwise this
+    /// process's until it exits).
+    pub fn empty_cache() -> Result<()> {
+        // SAFETY: a plain call.
+        check(unsafe { strata_cuda_empty_cache() })
     }
 
     /// A CUDA stream of libtorch's pool (plain data: libtorch owns the stream itself).
