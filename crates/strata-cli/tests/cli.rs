@@ -475,3 +475,34 @@ fn training_steps_reuse_freed_heap_memory_unless_the_user_tunes_malloc() {
     assert!(kept < 100.0, "steps reuse freed memory: {kept} page faults a step");
     assert!(tuned > 1000.0, "the user's malloc tunables win: {tuned} page faults a step");
 }
+
+/// `strata bench train` measures PyTorch's side and Strata's in alternating blocks, or each
+/// alone one after the other (`--one-side-at-a-time`); either way every side is timed over
+/// every block and reported.
+#[test]
+fn bench_train_times_every_side_in_alternating_blocks_or_one_at_a_time() {
+    if common::venv_python().is_none() {
+        return;
+    }
+    let args = ["bench", "train", "--layers", "1", "--heads", "2", "--dim", "16", "--ctx", "16", "--batch-size", "2"];
+    for alone in [false, true] {
+        let mut args = args.to_vec();
+        args.extend(["--rounds", "2", "--block", "2", "--warmup", "1", "--threads", "1", "--json"]);
+        if alone {
+            args.push("--one-side-at-a-time");
+        }
+        let o = strata(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(report["one_side_at_a_time"], alone);
+        assert_eq!(report["steps"], 4);
+        let sides = report["sides"].as_array().unwrap();
+        let names: Vec<&str> = sides.iter().map(|s| s["side"].as_str().unwrap()).collect();
+        assert_eq!(names, ["pytorch eager", "strata"]);
+        for side in sides {
+            let rate = side["tokens_per_s"].as_f64().unwrap();
+            assert!(rate.is_finite() && rate > 0.0, "{alone}: {side}");
+        }
+        assert!(report["ratio"].as_f64().unwrap() > 0.0);
+    }
+}

@@ -75,7 +75,7 @@ fn bad_method_configurations_are_one_line_errors_listing_what_is_allowed() {
         (
             r#"[["module_replace", ["FusedMoE"]]]"#,
             "registered: FlashAttention, FusedLayerNorm, FusedRMSNorm, VectorGelu, FusedSwiGLU, FusedRoPE, \
-             FusedCrossEntropy, FusedAddLayerNorm, FusedAddRMSNorm",
+             FusedCrossEntropy, FusedAddLayerNorm, FusedAddRMSNorm, FusedLinearGrad",
         ),
         (r#"[["amp_native", {"loss_scaler": {"hysteresis": 0}}]]"#, "hysteresis must be positive"),
     ] {
