@@ -7,6 +7,9 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
             weight of the decoder families is moved off its initial value;
   logits    writes the logits of a folder's model (with a peft adapter folder, if given) for
             given token rows to a safetensors file;
+  encoder   writes the logits of a BERT folder's model (classifier or masked language
+            model) for token rows with their token types and attention mask, and its loss
+            against given labels, to a safetensors file;
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
   train     prints the losses of AdamW steps (torch.optim's) on given batches: of the whole
             model, or with --adapter of that peft adapter's parameters alone (the adapter
@@ -129,6 +132,23 @@ def build(family, seed):
                 if name.endswith("proj.bias"):
                     p.normal_(0.0, 0.5)
         return model
+    if family in ("bert-classifier", "bert-mlm"):
+        common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                      vocab_size=VOCAB, max_position_embeddings=64, type_vocab_size=2, pad_token_id=0,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        if family == "bert-classifier":
+            labels = ["negative", "neutral", "positive"]
+            cfg = tf.BertConfig(**common, id2label=dict(enumerate(labels)),
+                                label2id={name: i for i, name in enumerate(labels)})
+            model = tf.BertForSequenceClassification(cfg)
+        else:
+            model = tf.BertForMaskedLM(tf.BertConfig(**common))
+        # Norm weights start at one and biases at zero: move every weight, so that one read
+        # or applied wrongly shows in the logits.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        return model
     families = decoder_families()
     if family in families:
         cls, cfg = families[family]()
@@ -172,6 +192,13 @@ def main(argv=None):
     logits.add_argument("--tokens", required=True, help="JSON rows of token ids")
     logits.add_argument("--out", required=True)
     logits.add_argument("--adapter")
+    enc = sub.add_parser("encoder")
+    enc.add_argument("--dir", required=True)
+    enc.add_argument("--tokens", required=True, help="JSON rows of token ids")
+    enc.add_argument("--types", required=True, help="JSON rows of token types")
+    enc.add_argument("--mask", required=True, help="JSON rows of 1 (token) and 0 (padding)")
+    enc.add_argument("--labels", required=True, help="JSON: a label per row, or per position (-100: none)")
+    enc.add_argument("--out", required=True)
     gen = sub.add_parser("generate")
     gen.add_argument("--dir", required=True)
     gen.add_argument("--prompt", required=True, help="JSON list of token ids")
@@ -211,6 +238,18 @@ def main(argv=None):
         with torch.no_grad():
             out = model(tokens).logits
         save_file({"logits": out.contiguous()}, args.out)
+    elif args.command == "encoder":
+        import transformers as tf
+        config = tf.AutoConfig.from_pretrained(args.dir)
+        classifier = config.architectures[0] == "BertForSequenceClassification"
+        cls = tf.AutoModelForSequenceClassification if classifier else tf.AutoModelForMaskedLM
+        model = cls.from_pretrained(args.dir, dtype=torch.float32, attn_implementation="eager")
+        model.eval()
+        rows = {k: torch.tensor(json.loads(getattr(args, k)), dtype=torch.long) for k in ("tokens", "types", "mask")}
+        with torch.no_grad():
+            out = model(input_ids=rows["tokens"], token_type_ids=rows["types"], attention_mask=rows["mask"],
+                        labels=torch.tensor(json.loads(args.labels), dtype=torch.long))
+        save_file({"logits": out.logits.contiguous(), "loss": out.loss.reshape(1)}, args.out)
     elif args.command == "generate":
         model = load(args.dir)
         prompt = torch.tensor([json.loads(args.prompt)], dtype=torch.long)

@@ -433,6 +433,7 @@ fn flops_per_token(model: &ModelConfig, params: i64) -> f64 {
     let (layers, ctx, dim) = match model {
         ModelConfig::Gpt(c) => (c.layers, c.ctx, c.dim),
         ModelConfig::Llama(c) => (c.layers, c.ctx, c.dim),
+        ModelConfig::Bert(c) => (c.layers, c.max_positions, c.dim),
         ModelConfig::Mlp(_) => (0, 0, 0),
     };
     6.0 * params as f64 + 12.0 * (layers * ctx * dim) as f64

@@ -661,6 +661,13 @@ impl TrainOptions {
             bail!("--max-shard-size sizes the files of --save-model-dir: give --save-model-dir");
         }
         let model_dir = o.model_dir.as_deref().map(strata::model::from_pretrained_dir).transpose()?;
+        if let Some(m) = model_dir.as_ref().filter(|m| matches!(m.config, ModelConfig::Bert(_))) {
+            bail!(
+                "{}: a BERT folder; strata train trains language models on next-token windows, \
+                 and BERT's classification and masked-language tasks run through the library",
+                m.dir.display()
+            );
+        }
         let grad_clip = match o.grad_clip.unwrap_or(1.0) {
             0.0 => None,
             c if c > 0.0 => Some(c),

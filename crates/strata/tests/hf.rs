@@ -11,7 +11,7 @@ use std::path::Path;
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, GenerateConfig};
 use strata::io::{load_model_dir, save_weights, write_weights, FolderOut, WeightsTarget};
-use strata::model::{from_pretrained_dir, Builder, GptConfig, ModelConfig};
+use strata::model::{from_pretrained_dir, BertConfig, BertHead, Builder, GptConfig, ModelConfig};
 use tch::{Kind, Tensor};
 
 fn make(py: &Path, family: &str, dir: &Path, shard_bytes: Option<&str>) {
@@ -408,7 +408,7 @@ fn packed_rows(rows: &[&[&[i64]]]) -> (Tensor, strata::model::RowLayout) {
     }
     let shape = [rows.len() as i64, 12];
     let t = |v: &[i64]| Tensor::from_slice(v).view(shape);
-    (t(&ids), strata::model::RowLayout { positions: t(&positions), examples: t(&examples) })
+    (t(&ids), strata::model::RowLayout { positions: t(&positions), examples: t(&examples), segments: None })
 }
 
 /// Each packed example's logits, in order.
@@ -482,4 +482,104 @@ fn packed_gpt2_examples_equal_each_alone_in_transformers() {
 #[test]
 fn packed_llama_examples_equal_each_alone_in_transformers() {
     packing_matches("llama");
+}
+
+/// Two rows of a BERT batch: the first a full text pair (types 0 then 1), the second a
+/// shorter pair padded with token 0 after its eighth token.
+const ENCODER_ROWS: [[i64; 12]; 2] =
+    [[2, 17, 3, 88, 40, 41, 9, 5, 63, 12, 77, 3], [2, 1, 30, 58, 3, 19, 71, 3, 0, 0, 0, 0]];
+const ENCODER_TYPES: [[i64; 12]; 2] = [[0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0]];
+const ENCODER_LENGTHS: [i64; 2] = [12, 8];
+
+/// BERT's logits and loss in `transformers` for the encoder rows and `labels`.
+fn transformers_encoder(py: &Path, dir: &Path, work: &Path, labels: &str) -> (Tensor, f64) {
+    let out = work.join("encoder.safetensors");
+    let mask: Vec<Vec<i64>> = ENCODER_LENGTHS.iter().map(|&n| (0..12).map(|i| i64::from(i < n)).collect()).collect();
+    let tokens = serde_json::to_string(&ENCODER_ROWS).unwrap();
+    let (types, mask) = (serde_json::to_string(&ENCODER_TYPES).unwrap(), serde_json::to_string(&mask).unwrap());
+    let dir = dir.to_str().unwrap();
+    let args = ["encoder", "--dir", dir, "--tokens", &tokens, "--types", &types, "--mask", &mask, "--labels", labels];
+    reference(py, &[&args[..], &["--out", out.to_str().unwrap()]].concat());
+    let mut read = strata::io::read_safetensors(&out).unwrap();
+    (read.remove("logits").unwrap(), read.remove("loss").unwrap().double_value(&[0]))
+}
+
+/// The rows' layout: positions counted from 0, each row's padding an example of its own
+/// (so no token attends to it), and the token types as segments.
+fn encoder_layout() -> strata::model::RowLayout {
+    let rows = |f: &dyn Fn(usize, i64) -> i64| {
+        let v: Vec<i64> = (0..2).flat_map(|r| (0..12).map(move |i| (r, i))).map(|(r, i)| f(r, i)).collect();
+        Tensor::from_slice(&v).view([2, 12])
+    };
+    strata::model::RowLayout {
+        positions: rows(&|_, i| i),
+        examples: rows(&|r, i| i64::from(i >= ENCODER_LENGTHS[r])),
+        segments: Some(rows(&|r, i| ENCODER_TYPES[r][i as usize])),
+    }
+}
+
+/// Per-position logits at the positions of tokens only (a padding position's output
+/// differs, and is nobody's); per-row logits as they are.
+fn of_tokens(logits: &Tensor) -> Tensor {
+    if logits.dim() < 3 {
+        return logits.shallow_clone();
+    }
+    Tensor::cat(&[logits.get(0), logits.get(1).narrow(0, 0, ENCODER_LENGTHS[1])], 0)
+}
+
+/// Tiny random BERT folders — a sequence classifier over three named labels and a masked
+/// language model, every weight moved off its initial value — give `transformers`' logits
+/// (every position of a token; padding positions are nobody's output) and losses, for a
+/// text pair beside a padded shorter one.
+#[test]
+fn bert_classifier_and_masked_lm_equal_transformers() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    for family in ["bert-classifier", "bert-mlm"] {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let folder = from_pretrained_dir(&dir).unwrap();
+        let mut engine = strata_engine(&dir);
+        engine.set_layout(Some(&encoder_layout()));
+        let tokens = Tensor::from_slice(&ENCODER_ROWS.concat()).view([2, 12]);
+        let ours = engine.evaluate(&tokens).unwrap();
+        let (labels, targets) = match &folder.config {
+            ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, .. }) => {
+                assert_eq!(labels, &["negative", "neutral", "positive"], "id2label is read in id order");
+                ("[2, 0]".to_string(), Tensor::from_slice(&[2i64, 0]))
+            }
+            _ => {
+                // Three masked positions carry labels; the rest (and the padding) none.
+                let mut rows = [[-100i64; 12]; 2];
+                (rows[0][3], rows[0][9], rows[1][5]) = (88, 12, 19);
+                (serde_json::to_string(&rows).unwrap(), Tensor::from_slice(&rows.concat()).view([2, 12]))
+            }
+        };
+        let (theirs, their_loss) = transformers_encoder(&py, &dir, work.path(), &labels);
+        assert_eq!(ours.size(), theirs.size(), "{family}");
+        let g = gap(&of_tokens(&theirs), &of_tokens(&ours));
+        let our_loss = strata::model::layers::cross_entropy(&ours, &targets).unwrap().double_value(&[]);
+        eprintln!("{family}: largest logit difference {g:.2e}; loss {our_loss} against {their_loss}");
+        assert!(g < 1e-5, "{family}: logits differ from transformers' by {g}");
+        assert!((our_loss - their_loss).abs() < 1e-5, "{family}: loss {our_loss} against {their_loss}");
+        // Without the layout every position attends to the padding too, and the second
+        // row's logits move: the mask is what makes them agree.
+        engine.set_layout(None);
+        let unmasked = engine.evaluate(&tokens).unwrap();
+        assert!(gap(&ours.get(1), &unmasked.get(1)) > 1e-3, "{family}: the padding changes nothing");
+        // Moved and written back, the folder loads in transformers (head, labels and tied
+        // decoder included) and gives the moved model's logits.
+        for k in 0..engine.spec().units.len() {
+            let values = engine.full_unit(k).unwrap();
+            engine.set_full_unit(k, &(&values + nudge(&values, k))).unwrap();
+        }
+        engine.set_layout(Some(&encoder_layout()));
+        let moved = engine.evaluate(&tokens).unwrap();
+        let saved = work.path().join(format!("{family}-saved"));
+        save_weights(&mut engine, WeightsTarget::Folder(&FolderOut::like(&saved, &folder)), true).unwrap();
+        assert_eq!(from_pretrained_dir(&saved).unwrap().config, folder.config, "{family}: config.json round trip");
+        let (written, _) = transformers_encoder(&py, &saved, work.path(), &labels);
+        let g = gap(&of_tokens(&written), &of_tokens(&moved));
+        assert!(g < 1e-5, "{family}: the written folder's logits differ by {g}");
+    }
 }

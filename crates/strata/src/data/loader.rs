@@ -449,7 +449,8 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
                         .f_view([rows.len() as i64, ctx as i64])?
                         .f_to_device(config.device)?)
                 };
-                batch.layout = Some(RowLayout { positions: tensor(&positions)?, examples: tensor(&examples)? });
+                batch.layout =
+                    Some(RowLayout { positions: tensor(&positions)?, examples: tensor(&examples)?, segments: None });
             }
             Ok(batch)
         })

@@ -6,7 +6,7 @@
 //! [`gpt`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::layers::{
-    add_layer_norm, causal_attention, gelu_tanh, layer_norm_into_product, merge_heads, other_examples, split_heads,
+    add_layer_norm, attention, gelu_tanh, layer_norm_into_product, merge_heads, other_examples, split_heads,
     vocab_embedding, vocab_logits, AttentionOptions,
 };
 use super::{
@@ -152,7 +152,7 @@ impl GptBlock {
             }
             None => (k, v, other_examples(p.layout())?),
         };
-        let y = merge_heads(&causal_attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref())?)?;
+        let y = merge_heads(&attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref())?)?;
         let attended = p.row_linear(&y, self.attn_proj.0, Some(self.attn_proj.1))?;
         let (x, h) = add_layer_norm(x, &attended, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?;
         let h = tp.enter(&h)?;
@@ -193,7 +193,14 @@ impl Unit for GptHead {
 }
 
 /// Declares a weight/bias pair `{prefix}.weight` `[out, in]` and `{prefix}.bias` `[out]`.
-fn dense(u: &mut super::UnitBuilder<'_>, prefix: &str, out: i64, inp: i64, std: f64, tp: TpRole) -> (ParamId, ParamId) {
+pub(crate) fn dense(
+    u: &mut super::UnitBuilder<'_>,
+    prefix: &str,
+    out: i64,
+    inp: i64,
+    std: f64,
+    tp: TpRole,
+) -> (ParamId, ParamId) {
     // A column layer's bias splits with its outputs; a row layer's is added after the sum.
     let bias_tp = if tp == TpRole::Row { TpRole::SequenceReplicated } else { tp };
     (
@@ -202,7 +209,7 @@ fn dense(u: &mut super::UnitBuilder<'_>, prefix: &str, out: i64, inp: i64, std: 
     )
 }
 
-fn norm(u: &mut super::UnitBuilder<'_>, prefix: &str, dim: i64) -> (ParamId, ParamId) {
+pub(crate) fn norm(u: &mut super::UnitBuilder<'_>, prefix: &str, dim: i64) -> (ParamId, ParamId) {
     (
         u.param(format!("{prefix}.weight"), &[dim], Init::Ones, TpRole::SequenceReplicated),
         u.param(format!("{prefix}.bias"), &[dim], Init::Zeros, TpRole::SequenceReplicated),

@@ -1,7 +1,8 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`) and written back from one, and each
-//! family's parameter names and layouts.
+//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`; [`super::bert`] for `bert`, as a
+//! sequence classifier or a masked language model by its architecture) and written back
+//! from one, and each family's parameter names and layouts.
 //!
 //! Owns: the families, their config keys (each key that changes the computation is honoured
 //! or refused by name), a folder's file list (one safetensors file or the shards an index
@@ -9,7 +10,7 @@
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::llama::{Activation, LayerAttention, NormKind};
 use super::rope::{Rope, RopeScaling};
-use super::{GptConfig, LlamaConfig, ModelConfig, ModelSpec};
+use super::{BertConfig, BertHead, GptConfig, LlamaConfig, ModelConfig, ModelSpec};
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
@@ -41,12 +42,13 @@ pub enum Family {
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
     Phi3,
+    Bert,
 }
 
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 8] = [
+const FAMILIES: [Family; 9] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -55,6 +57,7 @@ const FAMILIES: [Family; 8] = [
     Family::Gemma2,
     Family::Gemma3,
     Family::Phi3,
+    Family::Bert,
 ];
 
 impl Family {
@@ -68,11 +71,19 @@ impl Family {
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
             Family::Phi3 => "phi3",
+            Family::Bert => "bert",
         }
     }
 
-    fn architecture(self) -> &'static str {
+    /// The `transformers` class of `config` in this family.
+    fn architecture(self, config: &ModelConfig) -> &'static str {
         match self {
+            Family::Bert => match config {
+                ModelConfig::Bert(BertConfig { head: BertHead::Classify { .. }, .. }) => {
+                    "BertForSequenceClassification"
+                }
+                _ => "BertForMaskedLM",
+            },
             Family::Gpt2 => "GPT2LMHeadModel",
             Family::Llama => "LlamaForCausalLM",
             Family::Mistral => "MistralForCausalLM",
@@ -99,6 +110,7 @@ impl Family {
     pub fn of(config: &ModelConfig) -> Result<Family> {
         let c = match config {
             ModelConfig::Gpt(_) => return Ok(Family::Gpt2),
+            ModelConfig::Bert(_) => return Ok(Family::Bert),
             ModelConfig::Mlp(_) => {
                 return Err(Error::Config("the mlp model has no Hugging Face family to be written as".into()))
             }
@@ -172,6 +184,12 @@ impl Family {
                 let transposed = self.hf_name(&full).1;
                 Some((full, transposed))
             }
+            // Buffers of ids BERT's embeddings keep for inputs that come without them.
+            Family::Bert
+                if name.ends_with("embeddings.position_ids") || name.ends_with("embeddings.token_type_ids") =>
+            {
+                None
+            }
             _ if name.ends_with("rotary_emb.inv_freq") => None,
             _ => Some((name.to_string(), false)),
         }
@@ -196,7 +214,8 @@ impl Family {
                 "embd_pdrop": 0.0,
                 "resid_pdrop": 0.0,
             }),
-            (family, ModelConfig::Llama(c)) if family != Family::Gpt2 => {
+            (Family::Bert, ModelConfig::Bert(c)) => bert_json(c),
+            (family, ModelConfig::Llama(c)) if !matches!(family, Family::Gpt2 | Family::Bert) => {
                 if let Some(why) = family.cannot_write(c) {
                     return Err(Error::Config(why));
                 }
@@ -207,13 +226,40 @@ impl Family {
             }
         };
         out["model_type"] = json!(self.model_type());
-        out["architectures"] = json!([self.architecture()]);
+        out["architectures"] = json!([self.architecture(config)]);
         out["dtype"] = json!("float32");
         for (key, value) in special_tokens {
             out[key] = value.clone();
         }
         Ok(out)
     }
+}
+
+/// `config.json` keys of a BERT model.
+fn bert_json(c: &BertConfig) -> Value {
+    let mut out = json!({
+        "vocab_size": c.vocab,
+        "hidden_size": c.dim,
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "intermediate_size": c.ffn_dim,
+        "hidden_act": "gelu",
+        "max_position_embeddings": c.max_positions,
+        "type_vocab_size": c.type_vocab,
+        "layer_norm_eps": c.norm_eps,
+        "position_embedding_type": "absolute",
+        "pad_token_id": c.padding,
+        // Strata trains without dropout.
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    });
+    if let BertHead::Classify { labels } = &c.head {
+        let ids: Map<String, Value> = labels.iter().enumerate().map(|(i, l)| (i.to_string(), json!(l))).collect();
+        let names: Map<String, Value> = labels.iter().enumerate().map(|(i, l)| (l.clone(), json!(i))).collect();
+        out["id2label"] = Value::Object(ids);
+        out["label2id"] = Value::Object(names);
+    }
+    out
 }
 
 /// `config.json` keys of a decoder written as `family` (checked by [`Family::cannot_write`]).
@@ -292,7 +338,8 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["attention_bias"] = json!(c.qkv_bias);
         }
         Family::Mistral | Family::Phi3 => v["sliding_window"] = window,
-        Family::Llama | Family::Gpt2 => {
+        // GPT-2 and BERT never reach here (`Family::config_json`).
+        Family::Llama | Family::Gpt2 | Family::Bert => {
             v["attention_bias"] = json!(c.o_bias);
             v["mlp_bias"] = json!(false);
         }
@@ -360,10 +407,12 @@ pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
     })?;
     let config = match family {
         Family::Gpt2 => ModelConfig::Gpt(keys.gpt2().map_err(fail)?),
+        Family::Bert => ModelConfig::Bert(keys.bert().map_err(fail)?),
         _ => ModelConfig::Llama(keys.decoder(family).map_err(fail)?),
     };
     match &config {
         ModelConfig::Gpt(c) => c.validate(),
+        ModelConfig::Bert(c) => c.validate(),
         ModelConfig::Llama(c) => c.validate(),
         ModelConfig::Mlp(_) => Ok(()),
     }
@@ -507,6 +556,59 @@ impl Keys<'_> {
                 dim,
             )
         })
+    }
+
+    /// BERT ([`super::bert`]): a sequence classifier over the folder's `id2label` or a
+    /// masked language model, by the folder's architecture.
+    fn bert(&self) -> KeyResult<BertConfig> {
+        self.only("hidden_act", &[json!("gelu")], "BERT's feed-forward runs GELU in its exact form")?;
+        self.only("position_embedding_type", &[json!("absolute")], "positions are a learned table")?;
+        self.only("is_decoder", &[json!(false)], "Strata's BERT is an encoder")?;
+        self.only("add_cross_attention", &[json!(false)], "Strata's BERT is an encoder")?;
+        let single = "a classifier's loss is the cross-entropy over its labels";
+        self.only("problem_type", &[json!("single_label_classification")], single)?;
+        self.note_dropout(&["hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"])?;
+        let architectures = self.get("architectures").and_then(Value::as_array);
+        let architecture = architectures.and_then(|a| a.first()).and_then(Value::as_str);
+        let head = match architecture {
+            Some("BertForSequenceClassification") => BertHead::Classify { labels: self.labels()? },
+            Some("BertForMaskedLM") | None => BertHead::MaskedLm,
+            Some(other) => {
+                return Err(format!(
+                    "config.json: architecture {other} has no task Strata runs \
+                     (BertForSequenceClassification, BertForMaskedLM)"
+                ))
+            }
+        };
+        Ok(BertConfig {
+            vocab: self.required("vocab_size")?,
+            max_positions: self.required("max_position_embeddings")?,
+            type_vocab: self.int("type_vocab_size")?.unwrap_or(2),
+            layers: self.required("num_hidden_layers")?,
+            heads: self.required("num_attention_heads")?,
+            dim: self.required("hidden_size")?,
+            ffn_dim: self.required("intermediate_size")?,
+            norm_eps: self.float("layer_norm_eps")?.unwrap_or(1e-12),
+            padding: self.int("pad_token_id")?,
+            head,
+        })
+    }
+
+    /// A classifier's label names in id order, from `id2label` (`transformers`' default
+    /// when absent: two labels, `LABEL_0` and `LABEL_1`).
+    fn labels(&self) -> KeyResult<Vec<String>> {
+        let Some(map) = self.get("id2label") else { return Ok(vec!["LABEL_0".into(), "LABEL_1".into()]) };
+        let map = map.as_object().ok_or_else(|| format!("config.json: id2label is not an object ({map})"))?;
+        let mut labels = vec![None; map.len()];
+        for (id, name) in map {
+            let at = id.parse::<usize>().ok().filter(|&i| i < labels.len());
+            let name = name.as_str();
+            match (at, name) {
+                (Some(i), Some(name)) if labels[i].is_none() => labels[i] = Some(name.to_string()),
+                _ => return Err(format!("config.json: id2label must map the ids 0..{} to names", map.len())),
+            }
+        }
+        Ok(labels.into_iter().flatten().collect())
     }
 
     /// The decoder of `family` ([`super::llama`]); keys that change the computation and
@@ -796,6 +898,33 @@ mod tests {
             read(Family::Gemma2, json!({"layer_types": ["chunked_attention", "full_attention", "full_attention"]}))
                 .unwrap_err();
         assert!(types.contains("layer_types holds \"chunked_attention\""), "{types}");
+    }
+
+    #[test]
+    fn bert_reads_its_task_from_its_architecture_and_refuses_what_it_cannot_run() {
+        let read = |keys: Value| {
+            let mut cfg = json!({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+                                 "intermediate_size": 48, "vocab_size": 96, "max_position_embeddings": 64});
+            for (k, v) in keys.as_object().into_iter().flatten() {
+                cfg[k] = v.clone();
+            }
+            Keys { cfg: cfg.as_object().unwrap(), prefix: String::new() }.bert()
+        };
+        let classifier = read(json!({"architectures": ["BertForSequenceClassification"],
+                                     "id2label": {"1": "yes", "0": "no"}}))
+        .unwrap();
+        assert_eq!(classifier.head, BertHead::Classify { labels: vec!["no".into(), "yes".into()] });
+        let default_labels = read(json!({"architectures": ["BertForSequenceClassification"]})).unwrap();
+        assert_eq!(default_labels.head, BertHead::Classify { labels: vec!["LABEL_0".into(), "LABEL_1".into()] });
+        assert_eq!(read(json!({})).unwrap().head, BertHead::MaskedLm);
+        let pretraining = read(json!({"architectures": ["BertForPreTraining"]})).unwrap_err();
+        assert!(pretraining.contains("architecture BertForPreTraining has no task"), "{pretraining}");
+        let gap = read(json!({"architectures": ["BertForSequenceClassification"], "id2label": {"0": "a", "2": "c"}}));
+        assert!(gap.unwrap_err().contains("id2label must map the ids 0..2"));
+        let relative = read(json!({"position_embedding_type": "relative_key"})).unwrap_err();
+        assert!(relative.contains("position_embedding_type = \"relative_key\" is not supported"), "{relative}");
+        let multi = read(json!({"problem_type": "multi_label_classification"})).unwrap_err();
+        assert!(multi.contains("problem_type"), "{multi}");
     }
 
     #[test]

@@ -306,6 +306,9 @@ pub struct AttentionOptions {
     pub window: Option<i64>,
     /// Scores pass through `cap · tanh(score / cap)` before the mask (Gemma 2's soft-capping).
     pub softcap: Option<f64>,
+    /// Each query sees every key of its example, before and after it (an encoder's
+    /// attention); `false`: only those up to it (causal).
+    pub bidirectional: bool,
 }
 
 /// Where rows hold packed examples (`layout`), the `[B, 1, T, T]` mask of the key positions
@@ -316,11 +319,12 @@ pub fn other_examples(layout: Option<&super::RowLayout>) -> Result<Option<Tensor
     Ok(Some(examples.f_unsqueeze(2)?.f_ne_tensor(&examples.f_unsqueeze(1)?)?.f_unsqueeze(1)?))
 }
 
-/// Causal multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and
-/// values, `Tk ≥ Tq`: the queries are the last `Tq` of the `Tk` positions (decoding with
-/// a key/value cache), each attending to itself and the positions before it (within its
-/// window, where `options` sets one), and never to keys `hidden` masks ([`other_examples`]).
-pub fn causal_attention(
+/// Multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and values,
+/// `Tk ≥ Tq`: the queries are the last `Tq` of the `Tk` positions (decoding with a
+/// key/value cache), each attending to itself and the positions before it (within its
+/// window, where `options` sets one; every position where `options.bidirectional`), and
+/// never to keys `hidden` masks ([`other_examples`]).
+pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -336,6 +340,7 @@ pub fn causal_attention(
     // and they know no window or cap; another scale is folded into the queries.
     if let Some(fused) = compute::replaced(|r| r.attention(q.kind()))
         .filter(|_| keys == t && window.is_none() && options.softcap.is_none() && hidden.is_none())
+        .filter(|_| !options.bidirectional)
     {
         let q = match options.scale {
             Some(scale) => q.f_mul_scalar(scale / default_scale)?,
@@ -351,7 +356,7 @@ pub fn causal_attention(
     // Query i sits at key position keys - t + i: later keys are its future, and keys `window`
     // or more behind it are outside its window.
     let ones = Tensor::f_ones([t, keys], (Kind::Bool, q.device()))?;
-    let mut masked = ones.f_triu(1 + keys - t)?;
+    let mut masked = if options.bidirectional { ones.f_logical_not()? } else { ones.f_triu(1 + keys - t)? };
     if let Some(w) = window {
         masked = masked.f_logical_or(&ones.f_tril(keys - t - w)?)?;
     }
@@ -371,6 +376,11 @@ pub fn causal_attention(
 /// `cap · tanh(x / cap)`: values kept within ±cap, smoothly.
 pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
     Ok(x.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?)
+}
+
+/// GELU in its exact form, `x·Φ(x)` (BERT's `gelu`).
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    Ok(x.f_gelu("none")?)
 }
 
 /// `[B, T, H*D]` -> `[B, H, T, D]`.

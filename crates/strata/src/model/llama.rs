@@ -19,8 +19,8 @@
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::divides_heads;
 use super::layers::{
-    add_rms_norm, causal_attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product,
-    rms_norm_plus_one, split_heads, swiglu, vocab_logits, AttentionOptions,
+    add_rms_norm, attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product, rms_norm_plus_one,
+    split_heads, swiglu, vocab_logits, AttentionOptions,
 };
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
@@ -413,7 +413,7 @@ impl LlamaBlock {
         } else {
             (k, v)
         };
-        let y = merge_heads(&causal_attention(&q, &k, &v, &self.attention, hidden.as_ref())?)?;
+        let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref())?)?;
         let attended = p.row_linear(&y, self.o.0, self.o.1)?;
         let (x, h) = self.kinds.add_norm(
             x,
@@ -572,6 +572,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 scale: cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5)),
                 window,
                 softcap: cfg.attn_softcap,
+                bidirectional: false,
             },
             kinds,
         });

@@ -5,6 +5,7 @@
 //! activations to activations over borrowed parameters) and the reference models.
 //! Must not own storage, placement or execution order: that is the engine's.
 
+mod bert;
 mod gpt;
 pub mod hf;
 pub mod layers;
@@ -13,6 +14,7 @@ mod mlp;
 pub mod rope;
 pub mod tensor;
 
+pub use bert::{bert, BertConfig, BertHead};
 pub use gpt::{gpt, GptConfig};
 pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use layers::NoTensorParallel;
@@ -34,6 +36,7 @@ use tch::{Kind, Tensor};
 #[allow(clippy::large_enum_variant)]
 pub enum ModelConfig {
     Gpt(GptConfig),
+    Bert(BertConfig),
     Llama(LlamaConfig),
     Mlp(MlpConfig),
 }
@@ -43,6 +46,7 @@ impl ModelConfig {
     pub fn build(&self, b: &mut Builder) -> Result<()> {
         match self {
             ModelConfig::Gpt(c) => gpt(c, b),
+            ModelConfig::Bert(c) => bert(c, b),
             ModelConfig::Llama(c) => llama(c, b),
             ModelConfig::Mlp(c) => mlp(c, b),
         }
@@ -59,6 +63,7 @@ impl ModelConfig {
     pub fn context(&self) -> Option<i64> {
         match self {
             ModelConfig::Gpt(c) => Some(c.ctx),
+            ModelConfig::Bert(c) => Some(c.max_positions),
             ModelConfig::Llama(c) => Some(c.ctx),
             ModelConfig::Mlp(_) => None,
         }
@@ -67,6 +72,7 @@ impl ModelConfig {
     pub fn vocab(&self) -> i64 {
         match self {
             ModelConfig::Gpt(c) => c.vocab,
+            ModelConfig::Bert(c) => c.vocab,
             ModelConfig::Llama(c) => c.vocab,
             ModelConfig::Mlp(c) => c.vocab,
         }
@@ -196,21 +202,28 @@ impl ParamSpec {
     }
 }
 
-/// A unit's side input where a batch's rows hold several examples (packing), both
-/// `[rows, ctx]` int64: each position's place within its example (positions restart at
-/// every example) and the example it belongs to, numbered within its row (the padding after
-/// the last example is one more). Units read positions from it and let a position attend
-/// only to earlier positions of its example.
+/// A unit's side input where a batch's rows hold several examples (packing) or an example
+/// and padding, both `[rows, ctx]` int64: each position's place within its example
+/// (positions restart at every example) and the example it belongs to, numbered within its
+/// row (the padding after the last example is one more). Units read positions from it and
+/// let a position attend only to positions of its example (earlier ones, in a decoder).
+/// `segments`, where given, is the part of a text pair each position belongs to (BERT's
+/// token types: 0 for the first text, 1 for the second).
 #[derive(Debug)]
 pub struct RowLayout {
     pub positions: Tensor,
     pub examples: Tensor,
+    pub segments: Option<Tensor>,
 }
 
 impl RowLayout {
     /// The same tensors, shared.
     pub fn shallow_clone(&self) -> RowLayout {
-        RowLayout { positions: self.positions.shallow_clone(), examples: self.examples.shallow_clone() }
+        RowLayout {
+            positions: self.positions.shallow_clone(),
+            examples: self.examples.shallow_clone(),
+            segments: self.segments.as_ref().map(Tensor::shallow_clone),
+        }
     }
 }
 

@@ -1,0 +1,281 @@
+//! BERT as `transformers` defines it (`BertForSequenceClassification`, `BertForMaskedLM`):
+//! word, position and token-type embeddings summed and normed, post-norm encoder blocks
+//! whose attention reads every position of its example in both directions, and a head — the
+//! pooler (the first token through a dense layer and tanh) with a classifier, or the
+//! masked-language-model transform with an output layer tied to the word embeddings.
+//! Padding and packed examples reach the attention through the batch's [`RowLayout`]
+//! (each position attends to its own example's), and token types through its `segments`.
+//! Parameter names are `transformers`' own, so its folders load as they are.
+//!
+//! Owns the BERT units and their declarations. Must not allocate or place weights: [`bert`]
+//! records specifications in the [`Builder`], and the units compute with the parameters
+//! the engine lends them.
+use super::gpt::{dense, norm};
+use super::layers::{
+    attention, gelu, layer_norm, merge_heads, other_examples, split_heads, vocab_embedding, vocab_logits,
+    AttentionOptions,
+};
+use super::{positive, Builder, Init, ParamId, Params, TpRole, Unit, UnitBuilder, INIT_STD as STD};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+/// What BERT's last unit computes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum BertHead {
+    /// Logits over the classes `labels` names, in id order (`id2label`), from the pooled
+    /// first token (`[B, classes]`).
+    Classify { labels: Vec<String> },
+    /// Logits over the vocabulary at every position (`[B, T, vocab]`).
+    MaskedLm,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BertConfig {
+    pub vocab: i64,
+    /// Positions the learned position table holds (`max_position_embeddings`).
+    pub max_positions: i64,
+    /// Token types the type table holds (`type_vocab_size`).
+    pub type_vocab: i64,
+    pub layers: i64,
+    pub heads: i64,
+    pub dim: i64,
+    /// The feed-forward layer's width (`intermediate_size`).
+    pub ffn_dim: i64,
+    /// The LayerNorms' epsilon (`layer_norm_eps`).
+    pub norm_eps: f64,
+    /// The word whose look-ups get no gradient (`pad_token_id`).
+    pub padding: Option<i64>,
+    pub head: BertHead,
+}
+
+impl BertConfig {
+    pub fn validate(&self) -> Result<()> {
+        positive(&[
+            ("vocab", self.vocab),
+            ("max_positions", self.max_positions),
+            ("type_vocab", self.type_vocab),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("dim", self.dim),
+            ("ffn_dim", self.ffn_dim),
+        ])?;
+        if self.dim % self.heads != 0 {
+            return Err(Error::Config(format!("dim {} is not divisible by heads {}", self.dim, self.heads)));
+        }
+        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
+            return Err(Error::Config(format!("norm_eps must be positive, got {}", self.norm_eps)));
+        }
+        if let BertHead::Classify { labels } = &self.head {
+            positive(&[("labels", labels.len() as i64)])?;
+        }
+        if let Some(pad) = self.padding.filter(|p| !(0..self.vocab).contains(p)) {
+            return Err(Error::Config(format!("pad token {pad} is outside the vocabulary of {}", self.vocab)));
+        }
+        Ok(())
+    }
+}
+
+struct BertEmbedding {
+    words: ParamId,
+    positions: ParamId,
+    types: ParamId,
+    norm: (ParamId, ParamId),
+    vocab: i64,
+    max_positions: i64,
+    type_vocab: i64,
+    padding: Option<i64>,
+    eps: f64,
+}
+
+impl Unit for BertEmbedding {
+    fn kind(&self) -> &'static str {
+        "BertEmbedding"
+    }
+    fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
+        let t = tokens.size().last().copied().unwrap_or(0);
+        if t > self.max_positions {
+            return Err(Error::Model(format!(
+                "sequence of {t} tokens is longer than the {} positions",
+                self.max_positions
+            )));
+        }
+        let layout = p.layout();
+        let positions = match layout {
+            Some(layout) => layout.positions.shallow_clone(),
+            None => Tensor::f_arange(t, (Kind::Int64, tokens.device()))?,
+        };
+        let types = match layout.and_then(|l| l.segments.as_ref()) {
+            Some(segments) => {
+                let (low, high) = (segments.f_min()?.f_int64_value(&[])?, segments.f_max()?.f_int64_value(&[])?);
+                if segments.numel() > 0 && (low < 0 || high >= self.type_vocab) {
+                    return Err(Error::Model(format!(
+                        "token types {low}..={high} outside the {} the model has",
+                        self.type_vocab
+                    )));
+                }
+                segments.shallow_clone()
+            }
+            None => tokens.f_zeros_like()?,
+        };
+        let words = vocab_embedding(&p[self.words], tokens, self.vocab, self.padding, p.tp())?;
+        let summed = words
+            .f_add(&Tensor::f_embedding(&p[self.types], &types, -1, false, false)?)?
+            .f_add(&Tensor::f_embedding(&p[self.positions], &positions, -1, false, false)?)?;
+        layer_norm(&summed, &p[self.norm.0], &p[self.norm.1], self.eps)
+    }
+}
+
+struct BertBlock {
+    query: (ParamId, ParamId),
+    key: (ParamId, ParamId),
+    value: (ParamId, ParamId),
+    attention_out: (ParamId, ParamId),
+    attention_norm: (ParamId, ParamId),
+    intermediate: (ParamId, ParamId),
+    output: (ParamId, ParamId),
+    output_norm: (ParamId, ParamId),
+    heads: i64,
+    eps: f64,
+}
+
+impl Unit for BertBlock {
+    fn kind(&self) -> &'static str {
+        "BertBlock"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let project =
+            |(w, b): (ParamId, ParamId)| -> Result<Tensor> { split_heads(&p.linear(x, w, Some(b))?, self.heads) };
+        let (q, k, v) = (project(self.query)?, project(self.key)?, project(self.value)?);
+        let options = AttentionOptions { bidirectional: true, ..AttentionOptions::default() };
+        let attended = merge_heads(&attention(&q, &k, &v, &options, other_examples(p.layout())?.as_ref())?)?;
+        let attended = p.linear(&attended, self.attention_out.0, Some(self.attention_out.1))?;
+        // Post-norm: the normed sum is the residual stream itself.
+        let (w, b) = self.attention_norm;
+        let x = layer_norm(&x.f_add(&attended)?, &p[w], &p[b], self.eps)?;
+        let h = gelu(&p.linear(&x, self.intermediate.0, Some(self.intermediate.1))?)?;
+        let h = p.linear(&h, self.output.0, Some(self.output.1))?;
+        let (w, b) = self.output_norm;
+        layer_norm(&x.f_add(&h)?, &p[w], &p[b], self.eps)
+    }
+}
+
+struct BertClassifierHead {
+    pooler: (ParamId, ParamId),
+    classifier: (ParamId, ParamId),
+}
+
+impl Unit for BertClassifierHead {
+    fn kind(&self) -> &'static str {
+        "BertClassifierHead"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        // The first token of each row (`[CLS]`) stands for the whole text.
+        let first = x.f_select(1, 0)?;
+        let pooled = p.linear(&first, self.pooler.0, Some(self.pooler.1))?.f_tanh()?;
+        p.linear(&pooled, self.classifier.0, Some(self.classifier.1))
+    }
+}
+
+struct BertMaskedLmHead {
+    transform: (ParamId, ParamId),
+    norm: (ParamId, ParamId),
+    words: ParamId,
+    bias: ParamId,
+    vocab: i64,
+    eps: f64,
+}
+
+impl Unit for BertMaskedLmHead {
+    fn kind(&self) -> &'static str {
+        "BertMaskedLmHead"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let h = gelu(&p.linear(x, self.transform.0, Some(self.transform.1))?)?;
+        let h = layer_norm(&h, &p[self.norm.0], &p[self.norm.1], self.eps)?;
+        vocab_logits(&h, &p[self.words], Some(&p[self.bias]), self.vocab, None, p.tp())
+    }
+    fn position_wise(&self) -> bool {
+        true
+    }
+}
+
+/// The BERT model function: units `embedding`, `bert.encoder.layer.{i}`, `head`.
+pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
+    cfg.validate()?;
+    let d = cfg.dim;
+    let mut u = b.unit("embedding");
+    let prefix = "bert.embeddings";
+    let normal = Init::Normal { std: STD };
+    let words = u.param(format!("{prefix}.word_embeddings.weight"), &[cfg.vocab, d], normal, TpRole::Vocab);
+    let positions =
+        u.param(format!("{prefix}.position_embeddings.weight"), &[cfg.max_positions, d], normal, TpRole::Replicated);
+    let types =
+        u.param(format!("{prefix}.token_type_embeddings.weight"), &[cfg.type_vocab, d], normal, TpRole::Replicated);
+    let embedding_norm = norm(&mut u, &format!("{prefix}.LayerNorm"), d);
+    u.finish(BertEmbedding {
+        words,
+        positions,
+        types,
+        norm: embedding_norm,
+        vocab: cfg.vocab,
+        max_positions: cfg.max_positions,
+        type_vocab: cfg.type_vocab,
+        padding: cfg.padding,
+        eps: cfg.norm_eps,
+    });
+    for i in 0..cfg.layers {
+        let name = format!("bert.encoder.layer.{i}");
+        let mut u = b.unit(name.clone());
+        let linear = |u: &mut UnitBuilder<'_>, part: &str, out: i64, inp: i64, tp| {
+            dense(u, &format!("{name}.{part}"), out, inp, STD, tp)
+        };
+        // In `transformers`' order of declaration.
+        let query = linear(&mut u, "attention.self.query", d, d, TpRole::COLUMN);
+        let key = linear(&mut u, "attention.self.key", d, d, TpRole::COLUMN);
+        let value = linear(&mut u, "attention.self.value", d, d, TpRole::COLUMN);
+        let attention_out = linear(&mut u, "attention.output.dense", d, d, TpRole::Row);
+        let attention_norm = norm(&mut u, &format!("{name}.attention.output.LayerNorm"), d);
+        let intermediate = linear(&mut u, "intermediate.dense", cfg.ffn_dim, d, TpRole::COLUMN);
+        let output = linear(&mut u, "output.dense", d, cfg.ffn_dim, TpRole::Row);
+        let output_norm = norm(&mut u, &format!("{name}.output.LayerNorm"), d);
+        let block = BertBlock {
+            query,
+            key,
+            value,
+            attention_out,
+            attention_norm,
+            intermediate,
+            output,
+            output_norm,
+            heads: cfg.heads,
+            eps: cfg.norm_eps,
+        };
+        u.finish(block);
+    }
+    let mut u = b.unit("head");
+    match &cfg.head {
+        BertHead::Classify { labels } => {
+            let pooler = dense(&mut u, "bert.pooler.dense", d, d, STD, TpRole::Replicated);
+            let classifier = dense(&mut u, "classifier", labels.len() as i64, d, STD, TpRole::Replicated);
+            u.finish(BertClassifierHead { pooler, classifier });
+        }
+        BertHead::MaskedLm => {
+            let transform = dense(&mut u, "cls.predictions.transform.dense", d, d, STD, TpRole::Replicated);
+            let transform_norm = norm(&mut u, "cls.predictions.transform.LayerNorm", d);
+            let bias = u.param("cls.predictions.bias", &[cfg.vocab], Init::Zeros, TpRole::Vocab);
+            let tied = u.borrow(&format!("{prefix}.word_embeddings.weight"));
+            u.finish(BertMaskedLmHead {
+                transform,
+                norm: transform_norm,
+                words: tied,
+                bias,
+                vocab: cfg.vocab,
+                eps: cfg.norm_eps,
+            });
+            b.alias("cls.predictions.decoder.weight", words);
+            b.alias("cls.predictions.decoder.bias", bias);
+        }
+    }
+    Ok(())
+}
