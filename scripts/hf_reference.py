@@ -10,6 +10,8 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
   encoder   writes the logits of a BERT folder's model (classifier or masked language
             model) for token rows with their token types and attention mask, and its loss
             against given labels, to a safetensors file;
+  encoder-train  prints the losses of AdamW steps on a BERT folder's model for batches of
+            token rows with their token types, attention mask and labels;
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
   train     prints the losses of AdamW steps (torch.optim's) on given batches: of the whole
             model, or with --adapter of that peft adapter's parameters alone (the adapter
@@ -199,6 +201,10 @@ def main(argv=None):
     enc.add_argument("--mask", required=True, help="JSON rows of 1 (token) and 0 (padding)")
     enc.add_argument("--labels", required=True, help="JSON: a label per row, or per position (-100: none)")
     enc.add_argument("--out", required=True)
+    enc_train = sub.add_parser("encoder-train")
+    enc_train.add_argument("--dir", required=True)
+    enc_train.add_argument("--batches", required=True, help="JSON list of {tokens, types, mask, labels}")
+    enc_train.add_argument("--lr", type=float, required=True)
     gen = sub.add_parser("generate")
     gen.add_argument("--dir", required=True)
     gen.add_argument("--prompt", required=True, help="JSON list of token ids")
@@ -250,6 +256,29 @@ def main(argv=None):
             out = model(input_ids=rows["tokens"], token_type_ids=rows["types"], attention_mask=rows["mask"],
                         labels=torch.tensor(json.loads(args.labels), dtype=torch.long))
         save_file({"logits": out.logits.contiguous(), "loss": out.loss.reshape(1)}, args.out)
+    elif args.command == "encoder-train":
+        import transformers as tf
+        config = tf.AutoConfig.from_pretrained(args.dir)
+        classifier = config.architectures[0] == "BertForSequenceClassification"
+        cls = tf.AutoModelForSequenceClassification if classifier else tf.AutoModelForMaskedLM
+        model = cls.from_pretrained(args.dir, dtype=torch.float32, attn_implementation="eager")
+        model.train()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        with open(args.batches) as f:
+            batches = json.load(f)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        losses = []
+        for b in batches:
+            t = {k: torch.tensor(b[k], dtype=torch.long) for k in ("tokens", "types", "mask", "labels")}
+            loss = model(input_ids=t["tokens"], token_type_ids=t["types"], attention_mask=t["mask"],
+                         labels=t["labels"]).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        print(json.dumps(losses))
     elif args.command == "generate":
         model = load(args.dir)
         prompt = torch.tensor([json.loads(args.prompt)], dtype=torch.long)

@@ -111,11 +111,13 @@ impl LoaderConfig {
 /// Inputs and next-token targets, both `[rows, ctx]` int64.
 pub struct Batch {
     pub inputs: Tensor,
-    /// The next token at each position, or [`IGNORE`] where no loss is taken.
+    /// What the loss compares the model's output with: the next token at each position
+    /// (or [`IGNORE`] where no loss is taken), or, for a classifier, a label per row.
     pub targets: Tensor,
     /// How many targets are not [`IGNORE`]: the tokens this micro-batch's loss averages over.
     pub supervised: u64,
-    /// Where rows hold several examples (packing): which example each position belongs to.
+    /// Where rows hold several examples (packing) or padding: which example each position
+    /// belongs to (and, for an encoder, the token types).
     pub layout: Option<RowLayout>,
 }
 
