@@ -10,6 +10,8 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
   encoder   writes the logits of a BERT folder's model (classifier or masked language
             model) for token rows with their token types and attention mask, and its loss
             against given labels, to a safetensors file;
+  encode-pairs  prints the ids and token types a BERT folder's tokenizer gives texts and
+            text pairs (transformers' truncation to a most length, longest first);
   encoder-train  prints the losses of AdamW steps on a BERT folder's model for batches of
             token rows with their token types, attention mask and labels;
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
@@ -58,6 +60,27 @@ def tokenizer_json(path):
     }
     with open(path, "w") as f:
         json.dump(body, f)
+
+
+def wordpiece_tokenizer_json(path):
+    """BERT's tokenizer in small: lower-cased WordPiece over a few words and pieces, with
+    [CLS] a [SEP] b [SEP] around texts and their pairs (token types 0, then 1)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = ["the", "a", "play", "movie", "was", "good", "bad", "not", "very", "is", "it", "and", "but",
+             "plot", "act", "story", "fun", "dull", ",", ".", "!", "?"]
+    pieces = ["##s", "##ing", "##ed", "##ly", "##er", "##y"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = {t: i for i, t in enumerate(special + words + pieces + letters + ["##" + c for c in letters])}
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tok.save(path)
 
 
 def decoder_families():
@@ -201,6 +224,10 @@ def main(argv=None):
     enc.add_argument("--mask", required=True, help="JSON rows of 1 (token) and 0 (padding)")
     enc.add_argument("--labels", required=True, help="JSON: a label per row, or per position (-100: none)")
     enc.add_argument("--out", required=True)
+    pairs = sub.add_parser("encode-pairs")
+    pairs.add_argument("--dir", required=True)
+    pairs.add_argument("--texts", required=True, help="JSON list of [text, pair or null]")
+    pairs.add_argument("--max-length", type=int, required=True)
     enc_train = sub.add_parser("encoder-train")
     enc_train.add_argument("--dir", required=True)
     enc_train.add_argument("--batches", required=True, help="JSON list of {tokens, types, mask, labels}")
@@ -237,7 +264,10 @@ def main(argv=None):
         model = build(args.family, args.seed)
         kwargs = {"max_shard_size": args.shard_bytes} if args.shard_bytes else {}
         model.save_pretrained(args.out, **kwargs)
-        tokenizer_json(f"{args.out}/tokenizer.json")
+        if args.family.startswith("bert"):
+            wordpiece_tokenizer_json(f"{args.out}/tokenizer.json")
+        else:
+            tokenizer_json(f"{args.out}/tokenizer.json")
     elif args.command == "logits":
         model = with_adapter(load(args.dir), args.adapter)
         tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
@@ -256,6 +286,14 @@ def main(argv=None):
             out = model(input_ids=rows["tokens"], token_type_ids=rows["types"], attention_mask=rows["mask"],
                         labels=torch.tensor(json.loads(args.labels), dtype=torch.long))
         save_file({"logits": out.logits.contiguous(), "loss": out.loss.reshape(1)}, args.out)
+    elif args.command == "encode-pairs":
+        import transformers as tf
+        tok = tf.PreTrainedTokenizerFast(tokenizer_file=f"{args.dir}/tokenizer.json")
+        out = []
+        for a, b in json.loads(args.texts):
+            enc = tok(a, b, truncation=True, max_length=args.max_length, return_token_type_ids=True)
+            out.append([enc["input_ids"], enc["token_type_ids"]])
+        print(json.dumps(out))
     elif args.command == "encoder-train":
         import transformers as tf
         config = tf.AutoConfig.from_pretrained(args.dir)

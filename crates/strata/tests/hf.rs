@@ -686,3 +686,31 @@ fn bert_training_tracks_transformers() {
         assert!(last < first, "{family}: the losses did not fall: {ours:?}");
     }
 }
+
+/// A BERT folder's WordPiece tokenizer pairs texts as `transformers`' does: the same ids
+/// (`[CLS] a [SEP] b [SEP]`, words split into pieces, unknown words `[UNK]`) and token
+/// types, cut to a most length from the longer text first.
+#[test]
+fn bert_text_pairs_encode_as_transformers_encodes_them() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("bert");
+    make(&py, "bert-classifier", &dir, None);
+    let tokenizer = strata::data::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+    let texts: Vec<(&str, Option<&str>)> = vec![
+        ("The movie was good!", None),
+        ("The plot is dull, but the acting...", Some("Not very fun, and the story drags.")),
+        ("Playing", Some("played playfully quizzically")),
+        ("a b c d e f g h i j k l m n o p", Some("q r s")),
+    ];
+    for max_length in [64, 9] {
+        let json = serde_json::to_string(&texts).unwrap();
+        let args = ["encode-pairs", "--dir", dir.to_str().unwrap(), "--texts", &json, "--max-length"];
+        let theirs: Vec<(Vec<u32>, Vec<u32>)> =
+            serde_json::from_str(&reference(&py, &[&args[..], &[&max_length.to_string()]].concat())).unwrap();
+        let ours = tokenizer.encode_pairs(&texts, max_length).unwrap();
+        assert_eq!(ours, theirs, "max length {max_length}");
+        assert!(ours.iter().all(|(ids, _)| ids.len() <= max_length && ids[0] == 2 && *ids.last().unwrap() == 3));
+        assert!(ours[1].1.contains(&1), "the second text's types are 1");
+    }
+}

@@ -11,12 +11,14 @@
 //! rows, the [`crate::model::RowLayout`] units read).
 
 pub mod chat;
+mod classify;
 mod loader;
 pub mod records;
 mod synthetic;
 mod tokenize;
 
 pub use crate::model::layers::IGNORE;
+pub use classify::{predictions, read_labeled, scores, ClassifySet, LabeledText, Scores};
 pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
 pub use synthetic::SyntheticCorpus;
@@ -85,6 +87,48 @@ impl Tokenizer {
                 .into_iter()
                 .map(|e| (e.get_ids().to_vec(), e.get_offsets().iter().map(|o| o.0).collect()))
                 .collect()),
+        }
+    }
+
+    /// Encodes texts, each alone or with a second text (a sentence pair), as a model of the
+    /// tokenizer reads them: with the tokenizer's special tokens (`[CLS] a [SEP] b [SEP]`
+    /// for BERT's) and each id's token type (0 in the first text, 1 in the second), cut to
+    /// `max_length` ids by taking from the longer text first. The byte tokenizer has no
+    /// special tokens.
+    pub fn encode_pairs(&self, texts: &[(&str, Option<&str>)], max_length: usize) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
+        match self {
+            Tokenizer::Bytes => Ok(texts
+                .iter()
+                .map(|(a, b)| {
+                    let (mut a, mut b) = (a.as_bytes(), b.map_or(&[][..], str::as_bytes));
+                    while a.len() + b.len() > max_length {
+                        if a.len() >= b.len() {
+                            a = &a[..a.len() - 1];
+                        } else {
+                            b = &b[..b.len() - 1];
+                        }
+                    }
+                    let ids = a.iter().chain(b).map(|&c| u32::from(c)).collect();
+                    (ids, [vec![0; a.len()], vec![1; b.len()]].concat())
+                })
+                .collect()),
+            Tokenizer::HuggingFace(t) => {
+                let mut cut = t.as_ref().clone();
+                let params = tokenizers::TruncationParams { max_length, ..Default::default() };
+                let failed = |e: tokenizers::Error| Error::Data(format!("tokenizer failed: {e}"));
+                cut.with_truncation(Some(params)).map_err(failed)?;
+                texts
+                    .iter()
+                    .map(|&(a, b)| {
+                        let encoded = match b {
+                            Some(b) => cut.encode((a, b), true),
+                            None => cut.encode(a, true),
+                        }
+                        .map_err(failed)?;
+                        Ok((encoded.get_ids().to_vec(), encoded.get_type_ids().to_vec()))
+                    })
+                    .collect()
+            }
         }
     }
 
