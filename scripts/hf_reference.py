@@ -196,6 +196,16 @@ def load(folder):
     return model
 
 
+def load_encoder(folder):
+    """A BERT folder's model, as the class its config names (classifier or masked model)."""
+    import transformers as tf
+
+    config = tf.AutoConfig.from_pretrained(folder)
+    classifier = config.architectures[0] == "BertForSequenceClassification"
+    cls = tf.AutoModelForSequenceClassification if classifier else tf.AutoModelForMaskedLM
+    return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+
+
 def with_adapter(model, adapter, trainable=False):
     """The model with the peft adapter folder `adapter` loaded, if one is given."""
     if adapter is None:
@@ -275,11 +285,7 @@ def main(argv=None):
             out = model(tokens).logits
         save_file({"logits": out.contiguous()}, args.out)
     elif args.command == "encoder":
-        import transformers as tf
-        config = tf.AutoConfig.from_pretrained(args.dir)
-        classifier = config.architectures[0] == "BertForSequenceClassification"
-        cls = tf.AutoModelForSequenceClassification if classifier else tf.AutoModelForMaskedLM
-        model = cls.from_pretrained(args.dir, dtype=torch.float32, attn_implementation="eager")
+        model = load_encoder(args.dir)
         model.eval()
         rows = {k: torch.tensor(json.loads(getattr(args, k)), dtype=torch.long) for k in ("tokens", "types", "mask")}
         with torch.no_grad():
@@ -295,11 +301,7 @@ def main(argv=None):
             out.append([enc["input_ids"], enc["token_type_ids"]])
         print(json.dumps(out))
     elif args.command == "encoder-train":
-        import transformers as tf
-        config = tf.AutoConfig.from_pretrained(args.dir)
-        classifier = config.architectures[0] == "BertForSequenceClassification"
-        cls = tf.AutoModelForSequenceClassification if classifier else tf.AutoModelForMaskedLM
-        model = cls.from_pretrained(args.dir, dtype=torch.float32, attn_implementation="eager")
+        model = load_encoder(args.dir)
         model.train()
         for m in model.modules():
             if isinstance(m, torch.nn.Dropout):
