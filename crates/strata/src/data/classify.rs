@@ -85,24 +85,50 @@ pub fn read_labeled(path: &Path, labels: &[String]) -> Result<Vec<LabeledText>> 
     Ok(out)
 }
 
-/// Encoded records: each one's token ids and types, and its label.
+/// Encoded records: each one's token ids and types, and its label; rows of a batch are
+/// padded with `pad`.
 #[derive(Clone, Debug)]
 pub struct ClassifySet {
     ids: Vec<Vec<u32>>,
     types: Vec<Vec<u32>>,
     labels: Vec<i64>,
+    pad: u32,
+    /// Where the records came from, for messages.
+    pub source: String,
 }
 
 impl ClassifySet {
     /// `records` encoded by `tokenizer` ([`Tokenizer::encode_pairs`]), each cut to
-    /// `max_length` ids.
-    pub fn encode(records: &[LabeledText], tokenizer: &Tokenizer, max_length: usize) -> Result<ClassifySet> {
+    /// `max_length` ids; `pad` fills the rows of a batch after their texts.
+    pub fn encode(
+        records: &[LabeledText],
+        tokenizer: &Tokenizer,
+        max_length: usize,
+        pad: u32,
+        source: impl Into<String>,
+    ) -> Result<ClassifySet> {
         if max_length == 0 {
             return Err(Error::Config("the most length of an example must be positive".into()));
         }
         let texts: Vec<(&str, Option<&str>)> = records.iter().map(|r| (r.text.as_str(), r.pair.as_deref())).collect();
         let (ids, types) = tokenizer.encode_pairs(&texts, max_length)?.into_iter().unzip();
-        Ok(ClassifySet { ids, types, labels: records.iter().map(|r| r.label).collect() })
+        let labels = records.iter().map(|r| r.label).collect();
+        Ok(ClassifySet { ids, types, labels, pad, source: source.into() })
+    }
+
+    /// Tokens of every text.
+    pub fn tokens(&self) -> usize {
+        self.ids.iter().map(Vec::len).sum()
+    }
+
+    /// The most tokens of one text.
+    pub fn longest(&self) -> usize {
+        self.ids.iter().map(Vec::len).max().unwrap_or(0)
+    }
+
+    /// The largest token id (the padding's included) plus one.
+    pub fn vocab_needed(&self) -> u32 {
+        self.ids.iter().flatten().copied().chain([self.pad]).max().map_or(0, |m| m + 1)
     }
 
     pub fn len(&self) -> usize {
@@ -117,10 +143,10 @@ impl ClassifySet {
         &self.labels
     }
 
-    /// The examples `rows` as one batch: ids padded with `pad` to the longest of them, the
-    /// labels as targets, and the layout — positions from 0, the padding after each text an
-    /// example of its own, the token types as segments.
-    pub fn batch(&self, rows: &[usize], pad: u32) -> Result<Batch> {
+    /// The examples `rows` as one batch: ids padded to the longest of them, the labels as
+    /// targets, and the layout — positions from 0, the padding after each text an example
+    /// of its own, the token types as segments.
+    pub fn batch(&self, rows: &[usize]) -> Result<Batch> {
         if let Some(&bad) = rows.iter().find(|&&r| r >= self.len()) {
             return Err(Error::Data(format!("example {bad} of {}", self.len())));
         }
@@ -130,7 +156,7 @@ impl ClassifySet {
             Tensor::from_slice(&v).view([rows.len() as i64, width as i64])
         };
         let inside = |r: usize, t: usize| t < self.ids[r].len();
-        let tokens = grid(&|r, t| i64::from(if inside(r, t) { self.ids[r][t] } else { pad }));
+        let tokens = grid(&|r, t| i64::from(if inside(r, t) { self.ids[r][t] } else { self.pad }));
         let labels: Vec<i64> = rows.iter().map(|&r| self.labels[r]).collect();
         let mut batch = Batch::new(tokens, Tensor::from_slice(&labels))?;
         batch.layout = Some(RowLayout {
@@ -243,8 +269,8 @@ mod tests {
             LabeledText { text: "abc".into(), pair: Some("de".into()), label: 1 },
             LabeledText { text: "xy".into(), pair: None, label: 0 },
         ];
-        let set = ClassifySet::encode(&records, &Tokenizer::Bytes, 4).unwrap();
-        let batch = set.batch(&[0, 1], 0).unwrap();
+        let set = ClassifySet::encode(&records, &Tokenizer::Bytes, 4, 0, "two texts").unwrap();
+        let batch = set.batch(&[0, 1]).unwrap();
         // The longer text gives way first: "ab" + "de".
         assert_eq!(Vec::<i64>::try_from(batch.inputs.flatten(0, -1)).unwrap(), [97, 98, 100, 101, 120, 121, 0, 0]);
         let layout = batch.layout.as_ref().unwrap();
@@ -253,7 +279,8 @@ mod tests {
         assert_eq!(Vec::<i64>::try_from(segments.flatten(0, -1)).unwrap(), [0, 0, 1, 1, 0, 0, 0, 0]);
         assert_eq!(Vec::<i64>::try_from(batch.targets.shallow_clone()).unwrap(), [1, 0]);
         assert_eq!(batch.supervised, 2);
-        assert!(set.batch(&[2], 0).is_err());
+        assert!(set.batch(&[2]).is_err());
+        assert_eq!((set.tokens(), set.longest(), set.vocab_needed()), (6, 4, 122));
     }
 
     #[test]

@@ -175,6 +175,7 @@ pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usi
             (t.len().saturating_sub(1) / config.ctx, format!("windows of {} tokens", config.ctx + 1), config.ctx)
         }
         (Dataset::Examples(e), None) => (e.len(), "examples".to_string(), 1),
+        (Dataset::Labeled(l), None) => (l.len(), "labeled texts".to_string(), 1),
     };
     let fit = held / config.batch_size;
     let count = match count {
@@ -221,6 +222,8 @@ impl DataLoader {
             Dataset::Tokens(t) => t.check_length(config.ctx)?,
             Dataset::Examples(e) if e.is_empty() => return Err(Error::Data(format!("{} holds no example", e.source))),
             Dataset::Examples(_) => {}
+            Dataset::Labeled(l) if l.is_empty() => return Err(Error::Data(format!("{} holds no text", l.source))),
+            Dataset::Labeled(_) => {}
         }
         let mut offsets = OffsetStream::new(&data, &config, order)?;
         // Skipped steps only advance the order: no batch is built for them.
@@ -339,6 +342,7 @@ impl OffsetStream {
             Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
             Dataset::Examples(e) if config.pack => Items::Packed { lengths: lengths(e).into() },
             Dataset::Examples(e) => Items::Examples { count: e.len() },
+            Dataset::Labeled(l) => Items::Examples { count: l.len() },
         };
         if let Order::Offsets(o) = &order {
             if o.ctx != config.ctx || o.batch != config.batch_size {
@@ -431,6 +435,9 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
     let micro_batches = mine
         .chunks(rows)
         .map(|rows| {
+            if let Dataset::Labeled(l) = data {
+                return labeled_batch(l, rows, config.device);
+            }
             let (mut inputs, mut targets) =
                 (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx));
             let mut layout =
@@ -442,6 +449,7 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
                         t.extend_window(&mut targets, row[0] + 1, ctx);
                     }
                     Dataset::Examples(e) => examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()),
+                    Dataset::Labeled(_) => unreachable!("labeled texts are batched whole above"),
                 }
             }
             let mut batch = batch_of(inputs, targets, rows.len(), ctx, config.device)?;
@@ -460,8 +468,26 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
     let global_supervised = match data {
         Dataset::Tokens(_) => (global.len() * ctx) as u64,
         Dataset::Examples(e) => global.iter().flatten().map(|&i| learned_targets(e, i)).sum(),
+        // A label a row.
+        Dataset::Labeled(_) => global.len() as u64,
     };
     Ok(Step { index, micro_batches, global_supervised, data_ranks: config.world })
+}
+
+/// The labeled texts of `rows` (one index each) as a micro-batch on `device`.
+fn labeled_batch(set: &super::ClassifySet, rows: &[Vec<usize>], device: Device) -> Result<Batch> {
+    let indices: Vec<usize> = rows.iter().map(|r| r[0]).collect();
+    let batch = set.batch(&indices)?;
+    let on = |t: &Tensor| t.f_to_device(device);
+    let layout = match &batch.layout {
+        Some(l) => Some(RowLayout {
+            positions: on(&l.positions)?,
+            examples: on(&l.examples)?,
+            segments: l.segments.as_ref().map(on).transpose()?,
+        }),
+        None => None,
+    };
+    Ok(Batch { inputs: on(&batch.inputs)?, targets: on(&batch.targets)?, supervised: batch.supervised, layout })
 }
 
 /// A micro-batch of `rows` rows of `ctx` from host ids, on `device`.

@@ -164,6 +164,14 @@ impl Tokenizer {
 pub enum Dataset {
     Tokens(TokenData),
     Examples(ExampleSet),
+    /// Texts (or text pairs) each with a label, a row each (classification).
+    Labeled(ClassifySet),
+}
+
+impl From<ClassifySet> for Dataset {
+    fn from(data: ClassifySet) -> Dataset {
+        Dataset::Labeled(data)
+    }
 }
 
 impl From<TokenData> for Dataset {
@@ -184,6 +192,7 @@ impl Dataset {
         match self {
             Dataset::Tokens(t) => &t.source,
             Dataset::Examples(e) => &e.source,
+            Dataset::Labeled(l) => &l.source,
         }
     }
 
@@ -192,6 +201,7 @@ impl Dataset {
         match self {
             Dataset::Tokens(t) => t.len(),
             Dataset::Examples(e) => e.report.tokens as usize,
+            Dataset::Labeled(l) => l.tokens(),
         }
     }
 
@@ -200,6 +210,7 @@ impl Dataset {
         match self {
             Dataset::Tokens(t) => t.vocab_needed(),
             Dataset::Examples(e) => e.vocab_needed(),
+            Dataset::Labeled(l) => l.vocab_needed(),
         }
     }
 
@@ -217,6 +228,16 @@ impl Dataset {
                     )));
                 }
                 check_vocab(&e.source, e.vocab_needed(), vocab)
+            }
+            Dataset::Labeled(l) => {
+                if l.longest() > ctx {
+                    return Err(Error::Data(format!(
+                        "{} holds a text of {} tokens, longer than the model's {ctx} positions",
+                        l.source,
+                        l.longest()
+                    )));
+                }
+                check_vocab(&l.source, l.vocab_needed(), vocab)
             }
         }
     }
