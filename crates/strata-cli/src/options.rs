@@ -6,7 +6,7 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
 use strata::data::{ExampleOptions, TokenWidth, Tokenizer};
-use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
+use strata::model::{BertHead, GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
 use strata::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use strata::patrickstar::PatrickStarConfig;
 use strata::run::Resume;
@@ -661,10 +661,11 @@ impl TrainOptions {
             bail!("--max-shard-size sizes the files of --save-model-dir: give --save-model-dir");
         }
         let model_dir = o.model_dir.as_deref().map(strata::model::from_pretrained_dir).transpose()?;
-        if let Some(m) = model_dir.as_ref().filter(|m| matches!(m.config, ModelConfig::Bert(_))) {
+        let masked_lm = |m: &&ModelDir| matches!(&m.config, ModelConfig::Bert(c) if c.head == BertHead::MaskedLm);
+        if let Some(m) = model_dir.as_ref().filter(masked_lm) {
             bail!(
-                "{}: a BERT folder; strata train trains language models on next-token windows, \
-                 and BERT's classification and masked-language tasks run through the library",
+                "{}: a BERT masked language model; strata train trains classifiers of this family, \
+                 and masked-language pretraining runs through the library",
                 m.dir.display()
             );
         }

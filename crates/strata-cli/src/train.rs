@@ -1,14 +1,17 @@
 //! `strata train`: the flags' settings translated into the library's run
 //! ([`strata::run::train`]), its data read from the files they name, its outcome printed.
 use crate::options::{DataChoice, StrategyChoice, TrainSettings};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::sync::Arc;
 use strata::auto::AutoOptions;
 use strata::data::chat::{self, ChatTemplate};
-use strata::data::{BatchOffsets, Dataset, ExampleFormat, ExampleSet, Order, SyntheticCorpus, TokenData, Tokenizer};
+use strata::data::{
+    read_labeled, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleSet, Order, SyntheticCorpus, TokenData,
+    Tokenizer,
+};
 use strata::io::FolderOut;
-use strata::model::ModelConfig;
+use strata::model::{BertConfig, BertHead, ModelConfig};
 use strata::parallel::DataParallelOptions;
 use strata::profile::human_bytes;
 use strata::run::{self, Checkpoints, Data, InitialWeights, Outputs, RunConfig, StrategySource};
@@ -16,6 +19,20 @@ use strata::run::{self, Checkpoints, Data, InitialWeights, Outputs, RunConfig, S
 /// Data to train on, the best loss when it is known (the synthetic corpus), and the
 /// vocabulary the data needs.
 fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, Option<f64>, usize)> {
+    if let Some((folder, labels, pad)) = classifier(settings) {
+        let path = match choice {
+            DataChoice::Text(path) | DataChoice::Examples(path) => path,
+            _ => bail!(
+                "{}: a classifier trains on labeled records: give --data FILE.jsonl or FILE.csv",
+                folder.display()
+            ),
+        };
+        let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
+        let records = read_labeled(path, labels)?;
+        let set = ClassifySet::encode(&records, &tokenizer, settings.ctx as usize, pad, path.display().to_string())?;
+        tracing::info!(source = %path.display(), texts = set.len(), tokens = set.tokens(), longest = set.longest(), "labeled texts");
+        return Ok((set.into(), None, tokenizer.vocab_size()));
+    }
     Ok(match choice {
         DataChoice::Synthetic => {
             let corpus = SyntheticCorpus::default();
@@ -37,6 +54,18 @@ fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, 
             (data.into(), None, vocab)
         }
     })
+}
+
+/// Where the run starts from a BERT classifier's folder: the folder, its label names and the
+/// id that pads its rows.
+fn classifier(settings: &TrainSettings) -> Option<(&Path, &[String], u32)> {
+    let folder = settings.model_dir.as_ref()?;
+    match &folder.config {
+        ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, padding, .. }) => {
+            Some((folder.dir.as_path(), labels.as_slice(), padding.unwrap_or(0) as u32))
+        }
+        _ => None,
+    }
 }
 
 /// The examples of `path`, rendered with the chat template of --chat-template or the model

@@ -514,3 +514,60 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
     let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--strategy", bad]);
     assert_fails_with(&o, "target_modules \"qkv\" names no linear layer of this model");
 }
+
+/// Labeled reviews over the BERT folder's words, positive where "good" outnumbers "bad";
+/// as JSON Lines, or CSV where `csv`.
+fn reviews(count: usize, seed: u64, csv: bool) -> String {
+    let mut state = seed;
+    let mut draw = |n: u64| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) % n
+    };
+    let words = ["good", "bad", "movie", "plot", "story", "the", "was"];
+    let rows = (0..count).map(|_| {
+        let picked: Vec<&str> = (0..3 + draw(5)).map(|_| words[draw(words.len() as u64) as usize]).collect();
+        let count = |w: &str| picked.iter().filter(|p| **p == w).count();
+        (picked.join(" "), if count("good") > count("bad") { "positive" } else { "negative" })
+    });
+    if csv {
+        std::iter::once("text,label\n".to_string()).chain(rows.map(|(t, l)| format!("{t},{l}\n"))).collect()
+    } else {
+        rows.map(|(t, l)| format!("{}\n", serde_json::json!({"text": t, "label": l}))).collect()
+    }
+}
+
+/// `strata train` on a BERT classifier's folder reads labeled records (JSON Lines or CSV)
+/// through the folder's tokenizer and label names, and its validation loss falls; a label
+/// the folder does not name, or data that is not records, is refused in one line.
+#[test]
+fn a_bert_classifier_folder_trains_on_labeled_records() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("bert");
+    reference(&py, &["make", "--family", "bert-classifier", "--out", s(&folder)]);
+    // The folder's labels are negative, neutral and positive.
+    let (train, val) = (dir.path().join("train.csv"), dir.path().join("val.jsonl"));
+    std::fs::write(&train, reviews(400, 1, true)).unwrap();
+    std::fs::write(&val, reviews(48, 2, false)).unwrap();
+    let metrics = dir.path().join("metrics.jsonl");
+    let base = ["train", "--model-dir", s(&folder), "--ctx", "16", "--batch-size", "16", "--threads", "1"];
+    let run = [
+        &base[..],
+        &["--data", s(&train), "--val-data", s(&val), "--eval-batches", "3", "--steps", "60", "--eval-every", "30"],
+        &["--lr", "0.001", "--metrics", s(&metrics)],
+    ]
+    .concat();
+    let o = strata(&run);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let losses = val_losses(&metrics);
+    eprintln!("validation losses {losses:?}");
+    assert_eq!(losses.len(), 2);
+    assert!(losses[1].1 < losses[0].1 * 0.8, "the validation loss falls: {losses:?}");
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"good movie\", \"label\": \"great\"}\n").unwrap();
+    assert_fails_with(
+        &strata(&[&base[..], &["--data", s(&bad), "--steps", "1"]].concat()),
+        "bad.jsonl:1: label \"great\" is not one of the model's labels (negative, neutral, positive)",
+    );
+    assert_fails_with(&strata(&[&base[..], &["--steps", "1"]].concat()), "a classifier trains on labeled records");
+}
