@@ -254,7 +254,11 @@ fn bad_folders_are_refused_in_one_line() {
             "rope_parameters type \"longrope\" is not supported",
         ),
         (edit("mlp-bias", &set_config("mlp_bias", serde_json::json!(true))), "mlp_bias = true is not supported"),
-        (edit("bert", &set_config("model_type", serde_json::json!("bert"))), "model_type \"bert\" is not a family"),
+        (
+            edit("bert", &set_config("model_type", serde_json::json!("bert"))),
+            "architecture LlamaForCausalLM has no task Strata runs (BertForSequenceClassification, BertForMaskedLM)",
+        ),
+        (edit("t5", &set_config("model_type", serde_json::json!("t5"))), "model_type \"t5\" is not a family"),
         (
             edit(
                 "llama3-incomplete",

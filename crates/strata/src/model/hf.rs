@@ -561,13 +561,7 @@ impl Keys<'_> {
     /// BERT ([`super::bert`]): a sequence classifier over the folder's `id2label` or a
     /// masked language model, by the folder's architecture.
     fn bert(&self) -> KeyResult<BertConfig> {
-        self.only("hidden_act", &[json!("gelu")], "BERT's feed-forward runs GELU in its exact form")?;
-        self.only("position_embedding_type", &[json!("absolute")], "positions are a learned table")?;
-        self.only("is_decoder", &[json!(false)], "Strata's BERT is an encoder")?;
-        self.only("add_cross_attention", &[json!(false)], "Strata's BERT is an encoder")?;
-        let single = "a classifier's loss is the cross-entropy over its labels";
-        self.only("problem_type", &[json!("single_label_classification")], single)?;
-        self.note_dropout(&["hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"])?;
+        // The task first: a folder of another class is refused for that, whatever its keys.
         let architectures = self.get("architectures").and_then(Value::as_array);
         let architecture = architectures.and_then(|a| a.first()).and_then(Value::as_str);
         let head = match architecture {
@@ -580,6 +574,13 @@ impl Keys<'_> {
                 ))
             }
         };
+        self.only("hidden_act", &[json!("gelu")], "BERT's feed-forward runs GELU in its exact form")?;
+        self.only("position_embedding_type", &[json!("absolute")], "positions are a learned table")?;
+        self.only("is_decoder", &[json!(false)], "Strata's BERT is an encoder")?;
+        self.only("add_cross_attention", &[json!(false)], "Strata's BERT is an encoder")?;
+        let single = "a classifier's loss is the cross-entropy over its labels";
+        self.only("problem_type", &[json!("single_label_classification")], single)?;
+        self.note_dropout(&["hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"])?;
         Ok(BertConfig {
             vocab: self.required("vocab_size")?,
             max_positions: self.required("max_position_embeddings")?,
