@@ -27,6 +27,15 @@ fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, 
                 folder.display()
             ),
         };
+        if settings.tokenizer.is_none() && settings.model_dir.as_ref().is_some_and(|m| m.tokenizer.is_none()) {
+            bail!("{}: no tokenizer.json, which a classifier's texts need: give --tokenizer", folder.display());
+        }
+        if settings.pack
+            || settings.chat_template.is_some()
+            || settings.examples.as_ref().is_some_and(|e| e.train_on_prompt)
+        {
+            bail!("--pack, --chat-template and --train-on-prompt shape language-model examples, not labeled texts");
+        }
         let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
         let records = read_labeled(path, labels)?;
         let set = ClassifySet::encode(&records, &tokenizer, settings.ctx as usize, pad, path.display().to_string())?;

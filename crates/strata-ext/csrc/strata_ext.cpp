@@ -1557,8 +1557,8 @@ int strata_cross_entropy(const Tensor* logits, const Tensor* targets, int64_t ig
 }
 
 // `s = x + r` and the layer norm (with `bias`) or RMS norm (`bias` null) of s (GPU only),
-// the norm in scalar type `out_kind` (-1: the weight's); `*sum` and `*out` both null where
-// not served.
+// the norm in scalar type `out_kind` (-1: the weight's); with `r` null the norm of `x`
+// alone, `*sum` then `x` itself; `*sum` and `*out` both null where not served.
 int strata_add_norm(const Tensor* x, const Tensor* r, const Tensor* weight, const Tensor* bias, double eps,
                     int out_kind, Tensor** sum, Tensor** out) {
   return guarded([&] {

@@ -66,9 +66,16 @@ pub fn read_labeled(path: &Path, labels: &[String]) -> Result<Vec<LabeledText>> 
         let mut reader = csv::ReaderBuilder::new().from_reader(read.as_slice());
         let header = reader.headers().map_err(|e| fail(1, format!("not a CSV header ({e})")))?.clone();
         for (i, row) in reader.records().enumerate() {
-            let line = i + 2;
-            let row = row.map_err(|e| fail(line, format!("not a CSV row ({e})")))?;
-            let fields = header.iter().zip(&row).map(|(k, v)| (k.to_string(), Value::String(v.into()))).collect();
+            let row = row.map_err(|e| fail(i + 2, format!("not a CSV row ({e})")))?;
+            // Quoted cells may span lines: the row's own first line.
+            let line = row.position().map_or(i + 2, |p| p.line() as usize);
+            // An empty cell is an absent field (a row with no second text).
+            let fields = header
+                .iter()
+                .zip(&row)
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(k, v)| (k.to_string(), Value::String(v.into())))
+                .collect();
             out.push(record(line, &fields)?);
         }
     } else {
@@ -233,7 +240,7 @@ mod tests {
         );
         let (_d, csv) = file("d.csv", "label,text,text_pair\nnegative,\"bad, very\",\n1,fine,\"and, so\"\n");
         let read = read_labeled(&csv, &labels()).unwrap();
-        assert_eq!(read[0], LabeledText { text: "bad, very".into(), pair: Some(String::new()), label: 0 });
+        assert_eq!(read[0], LabeledText { text: "bad, very".into(), pair: None, label: 0 });
         assert_eq!(read[1].label, 1);
         assert_eq!(read[1].pair.as_deref(), Some("and, so"));
     }
@@ -258,9 +265,9 @@ mod tests {
             assert!(err.contains(expected), "{text:?}: {err}");
             assert_eq!(err.lines().count(), 1, "{err}");
         }
-        let (_d, path) = file("bad.csv", "text,label\nx,7\n");
+        let (_d, path) = file("bad.csv", "text,label\n\"two\nlines\",1\nx,7\n");
         let err = read_labeled(&path, &labels()).unwrap_err().to_string();
-        assert!(err.contains("bad.csv:2: label \"7\" is not one of the model's labels"), "{err}");
+        assert!(err.contains("bad.csv:4: label \"7\" is not one of the model's labels"), "{err}");
     }
 
     #[test]

@@ -102,7 +102,7 @@ impl Tokenizer {
                 .map(|(a, b)| {
                     let (mut a, mut b) = (a.as_bytes(), b.map_or(&[][..], str::as_bytes));
                     while a.len() + b.len() > max_length {
-                        if a.len() >= b.len() {
+                        if a.len() > b.len() {
                             a = &a[..a.len() - 1];
                         } else {
                             b = &b[..b.len() - 1];
@@ -117,6 +117,8 @@ impl Tokenizer {
                 let params = tokenizers::TruncationParams { max_length, ..Default::default() };
                 let failed = |e: tokenizers::Error| Error::Data(format!("tokenizer failed: {e}"));
                 cut.with_truncation(Some(params)).map_err(failed)?;
+                // Rows are padded by the batch (the layout keeps padding apart), never here.
+                cut.with_padding(None);
                 texts
                     .iter()
                     .map(|&(a, b)| {

@@ -106,9 +106,9 @@ impl Unit for BertEmbedding {
             None => Tensor::f_arange(t, (Kind::Int64, tokens.device()))?,
         };
         let types = match layout.and_then(|l| l.segments.as_ref()) {
-            Some(segments) => {
+            Some(segments) if segments.numel() > 0 => {
                 let (low, high) = (segments.f_min()?.f_int64_value(&[])?, segments.f_max()?.f_int64_value(&[])?);
-                if segments.numel() > 0 && (low < 0 || high >= self.type_vocab) {
+                if low < 0 || high >= self.type_vocab {
                     return Err(Error::Model(format!(
                         "token types {low}..={high} outside the {} the model has",
                         self.type_vocab
@@ -116,7 +116,7 @@ impl Unit for BertEmbedding {
                 }
                 segments.shallow_clone()
             }
-            None => tokens.f_zeros_like()?,
+            _ => tokens.f_zeros_like()?,
         };
         let words = vocab_embedding(&p[self.words], tokens, self.vocab, self.padding, p.tp())?;
         let summed = words

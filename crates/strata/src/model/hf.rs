@@ -590,7 +590,8 @@ impl Keys<'_> {
             dim: self.required("hidden_size")?,
             ffn_dim: self.required("intermediate_size")?,
             norm_eps: self.float("layer_norm_eps")?.unwrap_or(1e-12),
-            padding: self.int("pad_token_id")?,
+            // transformers' BertConfig pads with 0 unless told otherwise.
+            padding: Some(self.int("pad_token_id")?.unwrap_or(0)),
             head,
         })
     }
@@ -608,6 +609,11 @@ impl Keys<'_> {
                 (Some(i), Some(name)) if labels[i].is_none() => labels[i] = Some(name.to_string()),
                 _ => return Err(format!("config.json: id2label must map the ids 0..{} to names", map.len())),
             }
+        }
+        if labels.len() < 2 {
+            return Err("config.json: id2label names one label: a single output is a regression, which Strata's \
+                        classifier does not train"
+                .into());
         }
         Ok(labels.into_iter().flatten().collect())
     }
