@@ -478,16 +478,9 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
 fn labeled_batch(set: &super::ClassifySet, rows: &[Vec<usize>], device: Device) -> Result<Batch> {
     let indices: Vec<usize> = rows.iter().map(|r| r[0]).collect();
     let batch = set.batch(&indices)?;
-    let on = |t: &Tensor| t.f_to_device(device);
-    let layout = match &batch.layout {
-        Some(l) => Some(RowLayout {
-            positions: on(&l.positions)?,
-            examples: on(&l.examples)?,
-            segments: l.segments.as_ref().map(on).transpose()?,
-        }),
-        None => None,
-    };
-    Ok(Batch { inputs: on(&batch.inputs)?, targets: on(&batch.targets)?, supervised: batch.supervised, layout })
+    let layout = batch.layout.as_ref().map(|l| l.to_device(device)).transpose()?;
+    let (inputs, targets) = (batch.inputs.f_to_device(device)?, batch.targets.f_to_device(device)?);
+    Ok(Batch { inputs, targets, supervised: batch.supervised, layout })
 }
 
 /// A micro-batch of `rows` rows of `ctx` from host ids, on `device`.

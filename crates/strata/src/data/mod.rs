@@ -222,27 +222,26 @@ impl Dataset {
         match self {
             Dataset::Tokens(t) => t.check_fits(ctx, vocab),
             Dataset::Examples(e) => {
-                if e.longest() > ctx {
-                    return Err(Error::Data(format!(
-                        "{} holds an example of {} tokens, longer than the context of {ctx}: give a --max-length within it",
-                        e.source,
-                        e.longest()
-                    )));
-                }
+                let hint = ": give a --max-length within it";
+                check_rows(&e.source, ("an example", e.longest()), ctx, hint)?;
                 check_vocab(&e.source, e.vocab_needed(), vocab)
             }
             Dataset::Labeled(l) => {
-                if l.longest() > ctx {
-                    return Err(Error::Data(format!(
-                        "{} holds a text of {} tokens, longer than the model's {ctx} positions",
-                        l.source,
-                        l.longest()
-                    )));
-                }
+                check_rows(&l.source, ("a text", l.longest()), ctx, "")?;
                 check_vocab(&l.source, l.vocab_needed(), vocab)
             }
         }
     }
+}
+
+/// Refuses data whose longest row (`what`, of `longest` tokens) does not fit `ctx`.
+fn check_rows(source: &str, (what, longest): (&str, usize), ctx: usize, hint: &str) -> Result<()> {
+    if longest > ctx {
+        return Err(Error::Data(format!(
+            "{source} holds {what} of {longest} tokens, longer than the context of {ctx}{hint}"
+        )));
+    }
+    Ok(())
 }
 
 /// How many bytes a token file spends on each id.

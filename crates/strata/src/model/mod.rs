@@ -225,6 +225,16 @@ impl RowLayout {
             segments: self.segments.as_ref().map(Tensor::shallow_clone),
         }
     }
+
+    /// The same layout on `device`.
+    pub fn to_device(&self, device: tch::Device) -> Result<RowLayout> {
+        let on = |t: &Tensor| t.f_to_device(device);
+        Ok(RowLayout {
+            positions: on(&self.positions)?,
+            examples: on(&self.examples)?,
+            segments: self.segments.as_ref().map(on).transpose()?,
+        })
+    }
 }
 
 /// The parameters a unit's forward reads, by [`ParamId`], and the tensor group it runs in.
