@@ -15,6 +15,12 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
   encoder-train  prints the losses of AdamW steps on a BERT folder's model for batches of
             token rows with their token types, attention mask and labels;
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
+  seq2seq   writes the logits of a T5 folder's model for padded source rows with their
+            attention mask and target labels (-100: none; the decoder's input is the labels
+            shifted right), and its loss, to a safetensors file;
+  seq2seq-train  prints the losses of AdamW steps on a T5 folder's model for batches of
+            {sources, mask, labels};
+  seq2seq-generate  prints the ids T5's generate(do_sample=False) writes for a source;
   train     prints the losses of AdamW steps (torch.optim's) on given batches: of the whole
             model, or with --adapter of that peft adapter's parameters alone (the adapter
             trained is saved to --save-adapter);
@@ -80,6 +86,28 @@ def wordpiece_tokenizer_json(path):
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tok.save(path)
+
+
+def unigram_tokenizer_json(path):
+    """T5's tokenizer in small: a Unigram model over pieces that start a word (with the
+    metaspace) or continue one, every text ended by </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    special = ["<pad>", "</s>", "<unk>"]
+    words = ["the", "a", "play", "movie", "was", "good", "bad", "not", "very", "is", "it", "and", "summar",
+             "story", "king", "queen", "said", "short", "long", "text", ":", ".", ","]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    pieces = special + ["\u2581" + w for w in words] + ["\u2581"] + letters + ["ize", "s", "ing", "ed", ":", ".", ","]
+    assert len(pieces) <= VOCAB
+    # Whole words score higher than their letters, so they are kept whole.
+    vocab = [(p, 0.0 if i < len(special) else -1.0 - 0.1 * (len(p) == 1)) for i, p in enumerate(pieces)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.add_special_tokens(special)
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
     tok.save(path)
 
 
@@ -174,6 +202,26 @@ def build(family, seed):
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
         return model
+    if family in ("t5", "t5-v11"):
+        # v1.0: ReLU and a head tied to the embedding (outputs scaled by 1/sqrt(d_model));
+        # v1.1: gated GELU and a head of its own. Two encoder and three decoder layers, an
+        # inner attention width unlike d_model, few buckets so that distances reach the
+        # logarithmic ones.
+        v11 = family == "t5-v11"
+        cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=12, d_ff=48, num_layers=2, num_decoder_layers=3,
+                          num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+                          feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11,
+                          dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+        model = tf.T5ForConditionalGeneration(cfg)
+        with torch.no_grad():
+            if v11:
+                # Scaled as v1.0's tied head is, so the logits are of the same size.
+                head = model.shared.weight.detach().clone() * cfg.d_model ** -0.5
+                model.lm_head.weight = torch.nn.Parameter(head)
+                model.config.tie_word_embeddings = False
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        return model
     families = decoder_families()
     if family in families:
         cls, cfg = families[family]()
@@ -204,6 +252,16 @@ def load_encoder(folder):
     classifier = config.architectures[0] == "BertForSequenceClassification"
     cls = tf.AutoModelForSequenceClassification if classifier else tf.AutoModelForMaskedLM
     return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+
+
+def load_seq2seq(folder):
+    import transformers as tf
+
+    return tf.T5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+
+
+def seq2seq_rows(batch):
+    return {k: torch.tensor(batch[k], dtype=torch.long) for k in ("sources", "mask", "labels")}
 
 
 def with_adapter(model, adapter, trainable=False):
@@ -246,6 +304,18 @@ def main(argv=None):
     gen.add_argument("--dir", required=True)
     gen.add_argument("--prompt", required=True, help="JSON list of token ids")
     gen.add_argument("--max-new-tokens", type=int, required=True)
+    s2s = sub.add_parser("seq2seq")
+    s2s.add_argument("--dir", required=True)
+    s2s.add_argument("--batch", required=True, help="JSON {sources, mask, labels}")
+    s2s.add_argument("--out", required=True)
+    s2s_train = sub.add_parser("seq2seq-train")
+    s2s_train.add_argument("--dir", required=True)
+    s2s_train.add_argument("--batches", required=True, help="JSON list of {sources, mask, labels}")
+    s2s_train.add_argument("--lr", type=float, required=True)
+    s2s_gen = sub.add_parser("seq2seq-generate")
+    s2s_gen.add_argument("--dir", required=True)
+    s2s_gen.add_argument("--source", required=True, help="JSON list of token ids")
+    s2s_gen.add_argument("--max-new-tokens", type=int, required=True)
     train = sub.add_parser("train")
     train.add_argument("--dir", required=True)
     train.add_argument("--batches", required=True, help="JSON list of [inputs, targets] row lists")
@@ -276,6 +346,8 @@ def main(argv=None):
         model.save_pretrained(args.out, **kwargs)
         if args.family.startswith("bert"):
             wordpiece_tokenizer_json(f"{args.out}/tokenizer.json")
+        elif args.family.startswith("t5"):
+            unigram_tokenizer_json(f"{args.out}/tokenizer.json")
         else:
             tokenizer_json(f"{args.out}/tokenizer.json")
     elif args.command == "logits":
@@ -328,6 +400,41 @@ def main(argv=None):
             out = model.generate(prompt, do_sample=False, max_new_tokens=args.max_new_tokens,
                                  attention_mask=torch.ones_like(prompt), pad_token_id=0)
         print(json.dumps(out[0, prompt.shape[1]:].tolist()))
+    elif args.command == "seq2seq":
+        model = load_seq2seq(args.dir)
+        model.eval()
+        t = seq2seq_rows(json.loads(args.batch))
+        with torch.no_grad():
+            out = model(input_ids=t["sources"], attention_mask=t["mask"], labels=t["labels"])
+        save_file({"logits": out.logits.contiguous(), "loss": out.loss.reshape(1)}, args.out)
+    elif args.command == "seq2seq-train":
+        model = load_seq2seq(args.dir)
+        model.train()
+        with open(args.batches) as f:
+            batches = json.load(f)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        losses = []
+        for b in batches:
+            t = seq2seq_rows(b)
+            loss = model(input_ids=t["sources"], attention_mask=t["mask"], labels=t["labels"]).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        print(json.dumps(losses))
+    elif args.command == "seq2seq-generate":
+        model = load_seq2seq(args.dir)
+        model.eval()
+        source = torch.tensor([json.loads(args.source)], dtype=torch.long)
+        model.generation_config.eos_token_id = None
+        # A cache sized by the config's num_layers would be too short for more decoder layers.
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        with torch.no_grad():
+            out = model.generate(source, attention_mask=torch.ones_like(source), do_sample=False,
+                                 max_new_tokens=args.max_new_tokens, past_key_values=cache)
+        # The first id is the decoder's start token.
+        print(json.dumps(out[0, 1:].tolist()))
     elif args.command == "lora-init":
         import peft
         torch.manual_seed(args.seed)

@@ -434,7 +434,8 @@ fn flops_per_token(model: &ModelConfig, params: i64) -> f64 {
         ModelConfig::Gpt(c) => (c.layers, c.ctx, c.dim),
         ModelConfig::Llama(c) => (c.layers, c.ctx, c.dim),
         ModelConfig::Bert(c) => (c.layers, c.max_positions, c.dim),
-        ModelConfig::Mlp(_) => (0, 0, 0),
+        // Attention work of a source and a target of up to 512 positions each is left out.
+        ModelConfig::Mlp(_) | ModelConfig::T5(_) => (0, 0, 0),
     };
     6.0 * params as f64 + 12.0 * (layers * ctx * dim) as f64
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use strata::auto::AutoOptions;
 use strata::data::chat::{self, ChatTemplate};
 use strata::data::{
-    read_labeled, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleSet, Order, SyntheticCorpus, TokenData,
-    Tokenizer,
+    read_labeled, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleSet, Order, RowSet, SyntheticCorpus,
+    TokenData, Tokenizer,
 };
 use strata::io::FolderOut;
 use strata::model::{BertConfig, BertHead, ModelConfig};

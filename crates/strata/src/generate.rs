@@ -4,7 +4,7 @@
 //! Owns: the decoding loop and the choice of each next token. Must not own weights or
 //! tokenisation: it takes an engine holding a whole model and token ids.
 use crate::engine::{with_seed, Engine};
-use crate::model::DecodeCache;
+use crate::model::{DecodeCache, RowLayout};
 use crate::{Error, Result};
 use tch::{Kind, Tensor};
 
@@ -74,6 +74,8 @@ pub fn generate(
     let device = engine.config().device;
     let units = engine.spec().units.len();
     let window = context.unwrap_or(i64::MAX) as usize;
+    // One plain row: no layout from a training batch applies.
+    engine.set_layout(None);
     let mut tokens = prompt.to_vec();
     let mut produced = Vec::with_capacity(config.max_new_tokens);
     // The cache holds the positions decoded so far; `None` once the window slides.
@@ -100,6 +102,58 @@ pub fn generate(
         }
         Ok(produced)
     })
+}
+
+/// The target an encoder–decoder (T5) writes for `source`, starting from `decoder_start`
+/// (the start token not included). The encoder runs once; with the cache each new target
+/// token then costs one decoder position, without it the whole target is decoded again.
+pub fn generate_from_source(
+    engine: &mut Engine,
+    source: &[i64],
+    decoder_start: i64,
+    config: &GenerateConfig,
+) -> Result<Vec<i64>> {
+    config.validate()?;
+    if source.is_empty() {
+        return Err(Error::Config("the source holds no tokens".into()));
+    }
+    let device = engine.config().device;
+    let sources = source.len() as i64;
+    let mut target = vec![decoder_start];
+    let mut produced = Vec::with_capacity(config.max_new_tokens);
+    let layout = |targets: usize| -> Result<RowLayout> {
+        RowLayout::encoder_decoder(&[sources], sources, targets as i64)?.to_device(device)
+    };
+    let mut caches: Option<Vec<DecodeCache>> =
+        config.cache.then(|| (0..engine.spec().units.len()).map(|_| DecodeCache::default()).collect());
+    let result = with_seed(config.seed as i64, || {
+        while produced.len() < config.max_new_tokens {
+            let first = produced.is_empty();
+            let logits = match caches.as_mut() {
+                Some(c) if first => {
+                    engine.set_layout(Some(&layout(1)?));
+                    engine.decode(&row(&[source, &target[..]].concat(), device)?, c)?
+                }
+                Some(c) => {
+                    engine.set_layout(None);
+                    engine.decode(&row(&target[target.len() - 1..], device)?, c)?
+                }
+                None => {
+                    engine.set_layout(Some(&layout(target.len())?));
+                    engine.evaluate(&row(&[source, &target[..]].concat(), device)?)?
+                }
+            };
+            let next = choose(&logits.f_select(1, -1)?.f_select(0, 0)?, config)?;
+            target.push(next);
+            produced.push(next);
+            if config.stop_tokens.contains(&next) {
+                break;
+            }
+        }
+        Ok(produced)
+    });
+    engine.set_layout(None);
+    result
 }
 
 /// A batch of one sequence.

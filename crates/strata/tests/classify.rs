@@ -1,7 +1,7 @@
 //! A BERT classifier trained by the library's run (`strata::run::train`) on labeled texts:
 //! records read and encoded, batched by the data loader with each row's padding and token
 //! types, the loss falling and the held-out accuracy above chance.
-use strata::data::{predictions, read_labeled, scores, ClassifySet, Tokenizer};
+use strata::data::{predictions, read_labeled, scores, ClassifySet, RowSet, Tokenizer};
 use strata::engine::{Engine, EngineConfig};
 use strata::model::{BertConfig, BertHead, ModelConfig};
 use strata::run::{self, Data, Model, RunConfig};

@@ -53,6 +53,7 @@ fn steps(rank: Option<usize>) -> Vec<Step> {
                 positions: row(&|_, t, _| t),
                 examples: row(&|_, t, n| i64::from(t >= n)),
                 segments: Some(row(&|_, t, n| i64::from(t >= n / 2 && t < n))),
+                source_len: None,
             };
             let (take, data_ranks) = match rank {
                 Some(r) => ((2 * r as i64, 2), 2),
@@ -64,6 +65,7 @@ fn steps(rank: Option<usize>) -> Vec<Step> {
                 positions: pick(&layout.positions),
                 examples: pick(&layout.examples),
                 segments: layout.segments.as_ref().map(pick),
+                source_len: None,
             });
             Step { index: step, micro_batches: vec![batch], global_supervised: ROWS as u64, data_ranks }
         })

@@ -408,7 +408,10 @@ fn packed_rows(rows: &[&[&[i64]]]) -> (Tensor, strata::model::RowLayout) {
     }
     let shape = [rows.len() as i64, 12];
     let t = |v: &[i64]| Tensor::from_slice(v).view(shape);
-    (t(&ids), strata::model::RowLayout { positions: t(&positions), examples: t(&examples), segments: None })
+    (
+        t(&ids),
+        strata::model::RowLayout { positions: t(&positions), examples: t(&examples), segments: None, source_len: None },
+    )
 }
 
 /// Each packed example's logits, in order.
@@ -515,6 +518,7 @@ fn encoder_layout() -> strata::model::RowLayout {
         positions: rows(&|_, i| i),
         examples: rows(&|r, i| i64::from(i >= ENCODER_LENGTHS[r])),
         segments: Some(rows(&|r, i| ENCODER_TYPES[r][i as usize])),
+        source_len: None,
     }
 }
 
@@ -674,6 +678,7 @@ fn bert_training_tracks_transformers() {
                 positions: Tensor::arange(12, (Kind::Int64, tch::Device::Cpu)).repeat([2, 1]),
                 examples: rows_tensor(&examples),
                 segments: Some(rows_tensor(&b.types)),
+                source_len: None,
             });
             ours.push(trainer.train_step(&Step::new(i, vec![batch])).unwrap().loss);
         }
@@ -712,5 +717,190 @@ fn bert_text_pairs_encode_as_transformers_encodes_them() {
         assert_eq!(ours, theirs, "max length {max_length}");
         assert!(ours.iter().all(|(ids, _)| ids.len() <= max_length && ids[0] == 2 && *ids.last().unwrap() == 3));
         assert!(ours[1].1.contains(&1), "the second text's types are 1");
+    }
+}
+
+/// Two T5 records: a source closed by `</s>` (1) beside a shorter one padded after it, and
+/// targets of unequal lengths.
+fn t5_records() -> strata::data::Seq2SeqSet {
+    let sources = vec![vec![15, 53, 57, 3, 17, 19, 4, 21, 16, 58, 1], vec![3, 40, 22, 1]];
+    let targets = vec![vec![17, 19, 21, 1], vec![30, 44, 12, 61, 70, 1]];
+    strata::data::Seq2SeqSet::from_ids(sources, targets, (0, 0), "records").unwrap()
+}
+
+/// The batch of `rows` as `transformers` takes it: padded sources, their attention mask,
+/// and the labels (the decoder's input is the labels shifted right, in the model).
+fn t5_reference_batch(set: &strata::data::Seq2SeqSet, rows: &[usize]) -> serde_json::Value {
+    use strata::data::RowSet;
+    let batch = set.batch(rows).unwrap();
+    let width = batch.layout.as_ref().unwrap().source_len.unwrap() as usize;
+    let sources: Vec<Vec<i64>> = rows
+        .iter()
+        .map(|&r| {
+            let ids = set.source_ids(r);
+            ids.iter().map(|&t| i64::from(t)).chain(std::iter::repeat_n(0, width - ids.len())).collect()
+        })
+        .collect();
+    let mask: Vec<Vec<i64>> = sources
+        .iter()
+        .zip(rows)
+        .map(|(row, &r)| (0..row.len()).map(|i| i64::from(i < set.source_ids(r).len())).collect())
+        .collect();
+    let labels: Vec<Vec<i64>> = (0..rows.len()).map(|i| Vec::try_from(batch.targets.get(i as i64)).unwrap()).collect();
+    serde_json::json!({"sources": sources, "mask": mask, "labels": labels})
+}
+
+fn transformers_seq2seq(py: &Path, dir: &Path, work: &Path, batch: &serde_json::Value) -> (Tensor, f64) {
+    let out = work.join("seq2seq.safetensors");
+    let (dir, batch) = (dir.to_str().unwrap(), batch.to_string());
+    reference(py, &["seq2seq", "--dir", dir, "--batch", &batch, "--out", out.to_str().unwrap()]);
+    let mut read = strata::io::read_safetensors(&out).unwrap();
+    (read.remove("logits").unwrap(), read.remove("loss").unwrap().double_value(&[0]))
+}
+
+/// The logits `[N, V]` of the batch's supervised positions: after a target's end the
+/// decoder reads padding, where `transformers` shifts the end token in (nobody's output).
+fn supervised(logits: &Tensor, batch: &strata::data::Batch) -> Tensor {
+    logits.index(&[Some(batch.targets.ne(strata::data::IGNORE))])
+}
+
+/// Strata's logits and loss for a T5 batch.
+fn strata_seq2seq(engine: &mut Engine, batch: &strata::data::Batch) -> (Tensor, f64) {
+    engine.set_layout(batch.layout.as_ref());
+    let logits = engine.evaluate(&batch.inputs).unwrap();
+    let loss = strata::model::layers::cross_entropy(&logits, &batch.targets).unwrap().double_value(&[]);
+    (logits, loss)
+}
+
+/// Tiny random T5 folders — v1.0 (ReLU, a tied head scaled by 1/√d) and v1.1 (gated GELU, a
+/// head of its own), every weight moved off its initial value, an attention width unlike
+/// the model's, distances past the exact buckets — give `transformers`' logits and loss for
+/// a padded source beside a longer one; the source's padding must be hidden to agree; and
+/// a folder written back loads in `transformers` with the moved model's logits.
+#[test]
+fn t5_v10_and_v11_equal_transformers() {
+    use strata::data::RowSet;
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let set = t5_records();
+    let batch = set.batch(&[0, 1]).unwrap();
+    let reference_batch = t5_reference_batch(&set, &[0, 1]);
+    for family in ["t5", "t5-v11"] {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let folder = from_pretrained_dir(&dir).unwrap();
+        let ModelConfig::T5(config) = &folder.config else { panic!("{family}: {:?}", folder.config) };
+        assert_eq!(
+            (config.tied_head, config.scale_output, config.gated),
+            (family == "t5", family == "t5", family != "t5")
+        );
+        let mut engine = strata_engine(&dir);
+        let (ours, our_loss) = strata_seq2seq(&mut engine, &batch);
+        let (theirs, their_loss) = transformers_seq2seq(&py, &dir, work.path(), &reference_batch);
+        let g = gap(&supervised(&theirs, &batch), &supervised(&ours, &batch));
+        eprintln!("{family}: largest logit difference {g:.2e}; loss {our_loss} against {their_loss}");
+        assert!(g < 1e-5, "{family}: logits differ from transformers' by {g}");
+        assert!((our_loss - their_loss).abs() < 1e-5, "{family}: loss {our_loss} against {their_loss}");
+        // With the source's padding visible the padded row's logits move.
+        let mut seen = strata::data::Batch::new(batch.inputs.shallow_clone(), batch.targets.shallow_clone()).unwrap();
+        let mut layout = batch.layout.as_ref().unwrap().shallow_clone();
+        layout.examples = layout.examples.zeros_like();
+        seen.layout = Some(layout);
+        let (unmasked, _) = strata_seq2seq(&mut engine, &seen);
+        assert!(gap(&ours.get(1), &unmasked.get(1)) > 1e-3, "{family}: the padding changes nothing");
+        for k in 0..engine.spec().units.len() {
+            let values = engine.full_unit(k).unwrap();
+            engine.set_full_unit(k, &(&values + nudge(&values, k))).unwrap();
+        }
+        let (moved, _) = strata_seq2seq(&mut engine, &batch);
+        let saved = work.path().join(format!("{family}-saved"));
+        save_weights(&mut engine, WeightsTarget::Folder(&FolderOut::like(&saved, &folder)), true).unwrap();
+        assert_eq!(from_pretrained_dir(&saved).unwrap().config, folder.config, "{family}: config.json round trip");
+        let (written, _) = transformers_seq2seq(&py, &saved, work.path(), &reference_batch);
+        let g = gap(&supervised(&written, &batch), &supervised(&moved, &batch));
+        assert!(g < 1e-5, "{family}: the written folder's logits differ by {g}");
+    }
+}
+
+/// Ten AdamW steps of both T5 versions on batches of two records each, in Strata and in
+/// `transformers`: each step's loss agrees within 1e-5 relative, and the losses fall.
+#[test]
+fn t5_training_tracks_transformers() {
+    use strata::data::{RowSet, Step};
+    use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let mut x: u64 = 5;
+    let mut draw = move |n: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) % n
+    };
+    let mut text = |len: u64| -> Vec<u32> {
+        let n = 2 + draw(len);
+        (0..n).map(|_| 3 + draw(90) as u32).chain([1]).collect()
+    };
+    let (sources, targets): (Vec<_>, Vec<_>) = (0..20).map(|_| (text(9), text(6))).unzip();
+    let set = strata::data::Seq2SeqSet::from_ids(sources, targets, (0, 0), "records").unwrap();
+    let pairs: Vec<[usize; 2]> = (0..10).map(|i| [2 * i, 2 * i + 1]).collect();
+    let reference_batches: Vec<serde_json::Value> = pairs.iter().map(|p| t5_reference_batch(&set, p)).collect();
+    let file = work.path().join("t5-batches.json");
+    std::fs::write(&file, serde_json::to_string(&reference_batches).unwrap()).unwrap();
+    for family in ["t5", "t5-v11"] {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let lr = 5e-3;
+        let args = ["seq2seq-train", "--dir", dir.to_str().unwrap(), "--batches", file.to_str().unwrap()];
+        let theirs: Vec<f64> =
+            serde_json::from_str(&reference(&py, &[&args[..], &["--lr", &lr.to_string()]].concat())).unwrap();
+        let mut engine = strata_engine(&dir);
+        let optimizer = Optimizer::new(&mut engine, OptimizerConfig { lr, ..Default::default() }, &[]).unwrap();
+        let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+        let ours: Vec<f64> = pairs
+            .iter()
+            .enumerate()
+            .map(|(i, p)| trainer.train_step(&Step::new(i, vec![set.batch(p).unwrap()])).unwrap().loss)
+            .collect();
+        eprintln!("{family}: Strata {ours:?}\ntransformers {theirs:?}");
+        for (i, (ours, theirs)) in ours.iter().zip(&theirs).enumerate() {
+            let relative = (ours - theirs).abs() / theirs.abs();
+            assert!(relative <= 1e-5, "{family}: step {i}: loss {ours}, transformers {theirs}");
+        }
+        let (first, last) = (ours[..3].iter().sum::<f64>(), ours[7..].iter().sum::<f64>());
+        assert!(last < first, "{family}: the losses did not fall: {ours:?}");
+    }
+}
+
+/// Greedy T5 generation — the encoder once, the decoder a position a step with its cache,
+/// and again recomputing the whole target each step — writes `transformers`' `generate`.
+/// The weights are moved further first (and the folder written back for `transformers`),
+/// so that greedy decoding does not settle on one token.
+#[test]
+fn t5_greedy_generation_equals_transformers() {
+    use strata::generate::generate_from_source;
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let source: Vec<i64> = t5_records().source_ids(0).iter().map(|&t| i64::from(t)).collect();
+    for family in ["t5", "t5-v11"] {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let mut engine = strata_engine(&dir);
+        for k in 0..engine.spec().units.len() {
+            let values = engine.full_unit(k).unwrap();
+            engine.set_full_unit(k, &(&values + nudge(&values, k) * 30.0)).unwrap();
+        }
+        let moved = work.path().join(format!("{family}-moved"));
+        let folder = from_pretrained_dir(&dir).unwrap();
+        save_weights(&mut engine, WeightsTarget::Folder(&FolderOut::like(&moved, &folder)), true).unwrap();
+        let args = ["seq2seq-generate", "--dir", moved.to_str().unwrap(), "--max-new-tokens", "12", "--source"];
+        let theirs: Vec<i64> =
+            serde_json::from_str(&reference(&py, &[&args[..], &[&serde_json::to_string(&source).unwrap()]].concat()))
+                .unwrap();
+        for cache in [true, false] {
+            let config = GenerateConfig { max_new_tokens: 12, cache, ..Default::default() };
+            let ours = generate_from_source(&mut engine, &source, 0, &config).unwrap();
+            assert_eq!(ours, theirs, "{family}: cache {cache}");
+        }
+        let distinct = theirs.iter().collect::<std::collections::BTreeSet<_>>().len();
+        assert!(distinct > 3, "{family}: a generation this repetitive compares little: {theirs:?}");
     }
 }

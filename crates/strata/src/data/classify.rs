@@ -7,7 +7,7 @@
 //!
 //! Owns reading and checking such records, their encoding, batching and scores. Must not
 //! know models beyond their label names.
-use super::{Batch, Tokenizer};
+use super::{Batch, RowSet, Tokenizer};
 use crate::model::RowLayout;
 use crate::{Error, Result};
 use serde_json::Value;
@@ -123,37 +123,44 @@ impl ClassifySet {
         Ok(ClassifySet { ids, types, labels, pad, source: source.into() })
     }
 
+    pub fn labels(&self) -> &[i64] {
+        &self.labels
+    }
+}
+
+impl RowSet for ClassifySet {
+    fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    fn source(&self) -> &str {
+        &self.source
+    }
+
     /// Tokens of every text.
-    pub fn tokens(&self) -> usize {
+    fn tokens(&self) -> usize {
         self.ids.iter().map(Vec::len).sum()
     }
 
     /// The most tokens of one text.
-    pub fn longest(&self) -> usize {
+    fn longest(&self) -> usize {
         self.ids.iter().map(Vec::len).max().unwrap_or(0)
     }
 
     /// The largest token id (the padding's included) plus one.
-    pub fn vocab_needed(&self) -> u32 {
+    fn vocab_needed(&self) -> u32 {
         self.ids.iter().flatten().copied().chain([self.pad]).max().map_or(0, |m| m + 1)
     }
 
-    pub fn len(&self) -> usize {
-        self.labels.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.labels.is_empty()
-    }
-
-    pub fn labels(&self) -> &[i64] {
-        &self.labels
+    /// A label a row.
+    fn supervised(&self, _row: usize) -> u64 {
+        1
     }
 
     /// The examples `rows` as one batch: ids padded to the longest of them, the labels as
     /// targets, and the layout — positions from 0, the padding after each text an example
     /// of its own, the token types as segments.
-    pub fn batch(&self, rows: &[usize]) -> Result<Batch> {
+    fn batch(&self, rows: &[usize]) -> Result<Batch> {
         if let Some(&bad) = rows.iter().find(|&&r| r >= self.len()) {
             return Err(Error::Data(format!("example {bad} of {}", self.len())));
         }
@@ -170,6 +177,7 @@ impl ClassifySet {
             positions: grid(&|_, t| t as i64),
             examples: grid(&|r, t| i64::from(!inside(r, t))),
             segments: Some(grid(&|r, t| if inside(r, t) { i64::from(self.types[r][t]) } else { 0 })),
+            source_len: None,
         });
         Ok(batch)
     }

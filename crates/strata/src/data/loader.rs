@@ -5,7 +5,7 @@
 //! Owns the order of the rows and the making of batches. Must not tokenise or read
 //! datasets (a [`Dataset`] arrives as tokens), nor know models: a batch is token tensors.
 use super::synthetic::SplitMix64;
-use super::{Dataset, ExampleSet};
+use super::{Dataset, ExampleSet, RowSet};
 use crate::model::layers::IGNORE;
 use crate::model::RowLayout;
 use crate::{Error, Result};
@@ -176,6 +176,7 @@ pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usi
         }
         (Dataset::Examples(e), None) => (e.len(), "examples".to_string(), 1),
         (Dataset::Labeled(l), None) => (l.len(), "labeled texts".to_string(), 1),
+        (Dataset::SourceTarget(s), None) => (s.len(), "sources with targets".to_string(), 1),
     };
     let fit = held / config.batch_size;
     let count = match count {
@@ -222,8 +223,10 @@ impl DataLoader {
             Dataset::Tokens(t) => t.check_length(config.ctx)?,
             Dataset::Examples(e) if e.is_empty() => return Err(Error::Data(format!("{} holds no example", e.source))),
             Dataset::Examples(_) => {}
-            Dataset::Labeled(l) if l.is_empty() => return Err(Error::Data(format!("{} holds no text", l.source))),
-            Dataset::Labeled(_) => {}
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) => match data.row_set() {
+                Some(rows) if rows.is_empty() => return Err(Error::Data(format!("{} holds no record", rows.source()))),
+                _ => {}
+            },
         }
         let mut offsets = OffsetStream::new(&data, &config, order)?;
         // Skipped steps only advance the order: no batch is built for them.
@@ -342,7 +345,9 @@ impl OffsetStream {
             Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
             Dataset::Examples(e) if config.pack => Items::Packed { lengths: lengths(e).into() },
             Dataset::Examples(e) => Items::Examples { count: e.len() },
-            Dataset::Labeled(l) => Items::Examples { count: l.len() },
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) => {
+                Items::Examples { count: data.row_set().map_or(0, |r| r.len()) }
+            }
         };
         if let Order::Offsets(o) = &order {
             if o.ctx != config.ctx || o.batch != config.batch_size {
@@ -435,8 +440,8 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
     let micro_batches = mine
         .chunks(rows)
         .map(|rows| {
-            if let Dataset::Labeled(l) = data {
-                return labeled_batch(l, rows, config.device);
+            if let Some(set) = data.row_set() {
+                return record_batch(set, rows, config.device);
             }
             let (mut inputs, mut targets) =
                 (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx));
@@ -449,7 +454,9 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
                         t.extend_window(&mut targets, row[0] + 1, ctx);
                     }
                     Dataset::Examples(e) => examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()),
-                    Dataset::Labeled(_) => unreachable!("labeled texts are batched whole above"),
+                    Dataset::Labeled(_) | Dataset::SourceTarget(_) => {
+                        unreachable!("records are batched whole above")
+                    }
                 }
             }
             let mut batch = batch_of(inputs, targets, rows.len(), ctx, config.device)?;
@@ -459,8 +466,12 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
                         .f_view([rows.len() as i64, ctx as i64])?
                         .f_to_device(config.device)?)
                 };
-                batch.layout =
-                    Some(RowLayout { positions: tensor(&positions)?, examples: tensor(&examples)?, segments: None });
+                batch.layout = Some(RowLayout {
+                    positions: tensor(&positions)?,
+                    examples: tensor(&examples)?,
+                    segments: None,
+                    source_len: None,
+                });
             }
             Ok(batch)
         })
@@ -468,14 +479,16 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
     let global_supervised = match data {
         Dataset::Tokens(_) => (global.len() * ctx) as u64,
         Dataset::Examples(e) => global.iter().flatten().map(|&i| learned_targets(e, i)).sum(),
-        // A label a row.
-        Dataset::Labeled(_) => global.len() as u64,
+        Dataset::Labeled(_) | Dataset::SourceTarget(_) => {
+            let set = data.row_set();
+            global.iter().flatten().map(|&i| set.map_or(0, |s| s.supervised(i))).sum()
+        }
     };
     Ok(Step { index, micro_batches, global_supervised, data_ranks: config.world })
 }
 
-/// The labeled texts of `rows` (one index each) as a micro-batch on `device`.
-fn labeled_batch(set: &super::ClassifySet, rows: &[Vec<usize>], device: Device) -> Result<Batch> {
+/// The records of `rows` (one index each) as a micro-batch on `device`.
+fn record_batch(set: &dyn super::RowSet, rows: &[Vec<usize>], device: Device) -> Result<Batch> {
     let indices: Vec<usize> = rows.iter().map(|r| r[0]).collect();
     let batch = set.batch(&indices)?;
     let layout = batch.layout.as_ref().map(|l| l.to_device(device)).transpose()?;

@@ -14,6 +14,7 @@ pub mod chat;
 mod classify;
 mod loader;
 pub mod records;
+mod seq2seq;
 mod synthetic;
 mod tokenize;
 
@@ -21,6 +22,7 @@ pub use crate::model::layers::IGNORE;
 pub use classify::{predictions, read_labeled, scores, ClassifySet, LabeledText, Scores};
 pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
+pub use seq2seq::{read_source_target, rouge_l, Seq2SeqSet, SourceTarget};
 pub use synthetic::SyntheticCorpus;
 pub use tokenize::{tokenize_files, TokenizeOptions, TokenizeReport};
 
@@ -168,11 +170,41 @@ pub enum Dataset {
     Examples(ExampleSet),
     /// Texts (or text pairs) each with a label, a row each (classification).
     Labeled(ClassifySet),
+    /// Sources each with its target, a row each (an encoder–decoder's task).
+    SourceTarget(Seq2SeqSet),
+}
+
+/// Records batched a record a row, each batch padded to its longest record (labeled texts,
+/// source–target pairs): the loader takes its rows' indices and the set builds the batch.
+pub trait RowSet {
+    /// Records held.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Where the records came from, for messages.
+    fn source(&self) -> &str;
+    /// Tokens of every record.
+    fn tokens(&self) -> usize;
+    /// The most positions of one row.
+    fn longest(&self) -> usize;
+    /// The largest token id plus one.
+    fn vocab_needed(&self) -> u32;
+    /// The targets record `row` supervises.
+    fn supervised(&self, row: usize) -> u64;
+    /// Records `rows` as one batch on the host.
+    fn batch(&self, rows: &[usize]) -> Result<Batch>;
 }
 
 impl From<ClassifySet> for Dataset {
     fn from(data: ClassifySet) -> Dataset {
         Dataset::Labeled(data)
+    }
+}
+
+impl From<Seq2SeqSet> for Dataset {
+    fn from(data: Seq2SeqSet) -> Dataset {
+        Dataset::SourceTarget(data)
     }
 }
 
@@ -189,30 +221,41 @@ impl From<ExampleSet> for Dataset {
 }
 
 impl Dataset {
+    /// The records batched a record a row, where the data is such a set.
+    pub fn row_set(&self) -> Option<&dyn RowSet> {
+        match self {
+            Dataset::Labeled(l) => Some(l),
+            Dataset::SourceTarget(s) => Some(s),
+            Dataset::Tokens(_) | Dataset::Examples(_) => None,
+        }
+    }
+
     /// Where the data came from, for messages.
     pub fn source(&self) -> &str {
         match self {
             Dataset::Tokens(t) => &t.source,
             Dataset::Examples(e) => &e.source,
-            Dataset::Labeled(l) => &l.source,
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) => self.row_set().map_or("", |r| r.source()),
         }
     }
 
     /// Tokens held.
     pub fn tokens(&self) -> usize {
-        match self {
-            Dataset::Tokens(t) => t.len(),
-            Dataset::Examples(e) => e.report.tokens as usize,
-            Dataset::Labeled(l) => l.tokens(),
+        match (self, self.row_set()) {
+            (_, Some(rows)) => rows.tokens(),
+            (Dataset::Tokens(t), None) => t.len(),
+            (Dataset::Examples(e), None) => e.report.tokens as usize,
+            (_, None) => 0,
         }
     }
 
     /// The largest token id plus one.
     pub fn vocab_needed(&self) -> u32 {
-        match self {
-            Dataset::Tokens(t) => t.vocab_needed(),
-            Dataset::Examples(e) => e.vocab_needed(),
-            Dataset::Labeled(l) => l.vocab_needed(),
+        match (self, self.row_set()) {
+            (_, Some(rows)) => rows.vocab_needed(),
+            (Dataset::Tokens(t), None) => t.vocab_needed(),
+            (Dataset::Examples(e), None) => e.vocab_needed(),
+            (_, None) => 0,
         }
     }
 
@@ -229,6 +272,10 @@ impl Dataset {
             Dataset::Labeled(l) => {
                 check_rows(&l.source, ("a text", l.longest()), ctx, "")?;
                 check_vocab(&l.source, l.vocab_needed(), vocab)
+            }
+            Dataset::SourceTarget(s) => {
+                check_rows(&s.source, ("a source and target", s.longest()), ctx, "")?;
+                check_vocab(&s.source, s.vocab_needed(), vocab)
             }
         }
     }

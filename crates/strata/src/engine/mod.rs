@@ -852,7 +852,8 @@ impl Engine {
 
     /// Forward of the next positions of sequences whose earlier positions went through the
     /// same `caches` (one per unit, each [`DecodeCache::default`] at the start): decoding with
-    /// a key/value cache, recording nothing for backward. Each unit runs as declared, without
+    /// a key/value cache, recording nothing for backward. Units read the layout set by
+    /// [`Engine::set_layout`] (an encoder–decoder's first step names its source there). Each unit runs as declared, without
     /// the strategy's compute policy; units split over a tensor group are refused.
     pub fn decode(&mut self, input: &Tensor, caches: &mut [DecodeCache]) -> Result<Tensor> {
         if self.config.tensor.is_some() {
@@ -866,13 +867,8 @@ impl Engine {
         for (k, cache) in caches.iter_mut().enumerate() {
             self.run_schedule(Phase::BeforeForward, k)?;
             let input = self.where_unit_computes(k, &x)?;
-            let y = tch::no_grad(|| {
-                self.spec.units[k].body.decode(
-                    &Params::new(&self.params).with_adapters(&self.spec.adapters),
-                    &input,
-                    cache,
-                )
-            })?;
+            let params = Params::new(&self.params).with_adapters(&self.spec.adapters).with_layout(self.layout.as_ref());
+            let y = tch::no_grad(|| self.spec.units[k].body.decode(&params, &input, cache))?;
             x = self.on_the_device(k, y)?;
             self.run_schedule(Phase::AfterForward, k)?;
         }

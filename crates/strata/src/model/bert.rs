@@ -148,7 +148,7 @@ impl Unit for BertBlock {
             |(w, b): (ParamId, ParamId)| -> Result<Tensor> { split_heads(&p.linear(x, w, Some(b))?, self.heads) };
         let (q, k, v) = (project(self.query)?, project(self.key)?, project(self.value)?);
         let options = AttentionOptions { bidirectional: true, ..AttentionOptions::default() };
-        let attended = merge_heads(&attention(&q, &k, &v, &options, other_examples(p.layout())?.as_ref())?)?;
+        let attended = merge_heads(&attention(&q, &k, &v, &options, other_examples(p.layout())?.as_ref(), None)?)?;
         let attended = p.linear(&attended, self.attention_out.0, Some(self.attention_out.1))?;
         // Post-norm: the normed sum is the residual stream itself.
         let (w, b) = self.attention_norm;

@@ -152,7 +152,7 @@ impl GptBlock {
             }
             None => (k, v, other_examples(p.layout())?),
         };
-        let y = merge_heads(&attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref())?)?;
+        let y = merge_heads(&attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref(), None)?)?;
         let attended = p.row_linear(&y, self.attn_proj.0, Some(self.attn_proj.1))?;
         let (x, h) = add_layer_norm(x, &attended, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?;
         let h = tp.enter(&h)?;

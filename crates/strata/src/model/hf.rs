@@ -1,8 +1,8 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
 //! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`; [`super::bert`] for `bert`, as a
-//! sequence classifier or a masked language model by its architecture) and written back
-//! from one, and each family's parameter names and layouts.
+//! sequence classifier or a masked language model by its architecture; [`super::t5`] for
+//! `t5`) and written back from one, and each family's parameter names and layouts.
 //!
 //! Owns: the families, their config keys (each key that changes the computation is honoured
 //! or refused by name), a folder's file list (one safetensors file or the shards an index
@@ -10,7 +10,7 @@
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::llama::{Activation, LayerAttention, NormKind};
 use super::rope::{Rope, RopeScaling};
-use super::{BertConfig, BertHead, GptConfig, LlamaConfig, ModelConfig, ModelSpec};
+use super::{BertConfig, BertHead, FeedForwardActivation, GptConfig, LlamaConfig, ModelConfig, ModelSpec, T5Config};
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
@@ -43,12 +43,13 @@ pub enum Family {
     Gemma3,
     Phi3,
     Bert,
+    T5,
 }
 
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 9] = [
+const FAMILIES: [Family; 10] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -58,6 +59,7 @@ const FAMILIES: [Family; 9] = [
     Family::Gemma3,
     Family::Phi3,
     Family::Bert,
+    Family::T5,
 ];
 
 impl Family {
@@ -72,6 +74,7 @@ impl Family {
             Family::Gemma3 => "gemma3_text",
             Family::Phi3 => "phi3",
             Family::Bert => "bert",
+            Family::T5 => "t5",
         }
     }
 
@@ -92,6 +95,7 @@ impl Family {
             Family::Gemma2 => "Gemma2ForCausalLM",
             Family::Gemma3 => "Gemma3ForCausalLM",
             Family::Phi3 => "Phi3ForCausalLM",
+            Family::T5 => "T5ForConditionalGeneration",
         }
     }
 
@@ -111,6 +115,7 @@ impl Family {
         let c = match config {
             ModelConfig::Gpt(_) => return Ok(Family::Gpt2),
             ModelConfig::Bert(_) => return Ok(Family::Bert),
+            ModelConfig::T5(_) => return Ok(Family::T5),
             ModelConfig::Mlp(_) => {
                 return Err(Error::Config("the mlp model has no Hugging Face family to be written as".into()))
             }
@@ -215,7 +220,8 @@ impl Family {
                 "resid_pdrop": 0.0,
             }),
             (Family::Bert, ModelConfig::Bert(c)) => bert_json(c),
-            (family, ModelConfig::Llama(c)) if !matches!(family, Family::Gpt2 | Family::Bert) => {
+            (Family::T5, ModelConfig::T5(c)) => t5_json(c),
+            (family, ModelConfig::Llama(c)) if !matches!(family, Family::Gpt2 | Family::Bert | Family::T5) => {
                 if let Some(why) = family.cannot_write(c) {
                     return Err(Error::Config(why));
                 }
@@ -260,6 +266,42 @@ fn bert_json(c: &BertConfig) -> Value {
         out["label2id"] = Value::Object(names);
     }
     out
+}
+
+/// `config.json` keys of a T5 model.
+fn t5_json(c: &T5Config) -> Value {
+    let activation = match c.activation {
+        FeedForwardActivation::Relu => "relu",
+        FeedForwardActivation::Gelu => "gelu",
+        FeedForwardActivation::GeluTanh => "gelu_new",
+        FeedForwardActivation::Silu => "silu",
+    };
+    // transformers spells T5 v1.1's gated tanh GELU `gated-gelu`.
+    let feed_forward = match (c.gated, c.activation) {
+        (true, FeedForwardActivation::GeluTanh) => "gated-gelu".to_string(),
+        (true, _) => format!("gated-{activation}"),
+        (false, _) => activation.to_string(),
+    };
+    json!({
+        "vocab_size": c.vocab,
+        "d_model": c.dim,
+        "d_kv": c.head_dim,
+        "d_ff": c.ffn_dim,
+        "num_layers": c.encoder_layers,
+        "num_decoder_layers": c.decoder_layers,
+        "num_heads": c.heads,
+        "relative_attention_num_buckets": c.buckets,
+        "relative_attention_max_distance": c.max_distance,
+        "layer_norm_epsilon": c.norm_eps,
+        "feed_forward_proj": feed_forward,
+        "tie_word_embeddings": c.tied_head,
+        "scale_decoder_outputs": c.scale_output,
+        "pad_token_id": c.padding,
+        "decoder_start_token_id": c.decoder_start,
+        "is_encoder_decoder": true,
+        // Strata trains without dropout.
+        "dropout_rate": 0.0,
+    })
 }
 
 /// `config.json` keys of a decoder written as `family` (checked by [`Family::cannot_write`]).
@@ -338,8 +380,8 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["attention_bias"] = json!(c.qkv_bias);
         }
         Family::Mistral | Family::Phi3 => v["sliding_window"] = window,
-        // GPT-2 and BERT never reach here (`Family::config_json`).
-        Family::Llama | Family::Gpt2 | Family::Bert => {
+        // GPT-2, BERT and T5 never reach here (`Family::config_json`).
+        Family::Llama | Family::Gpt2 | Family::Bert | Family::T5 => {
             v["attention_bias"] = json!(c.o_bias);
             v["mlp_bias"] = json!(false);
         }
@@ -408,12 +450,14 @@ pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
     let config = match family {
         Family::Gpt2 => ModelConfig::Gpt(keys.gpt2().map_err(fail)?),
         Family::Bert => ModelConfig::Bert(keys.bert().map_err(fail)?),
+        Family::T5 => ModelConfig::T5(keys.t5().map_err(fail)?),
         _ => ModelConfig::Llama(keys.decoder(family).map_err(fail)?),
     };
     match &config {
         ModelConfig::Gpt(c) => c.validate(),
         ModelConfig::Bert(c) => c.validate(),
         ModelConfig::Llama(c) => c.validate(),
+        ModelConfig::T5(c) => c.validate(),
         ModelConfig::Mlp(_) => Ok(()),
     }
     .map_err(|e| match e {
@@ -593,6 +637,62 @@ impl Keys<'_> {
             // transformers' BertConfig pads with 0 unless told otherwise.
             padding: Some(self.int("pad_token_id")?.unwrap_or(0)),
             head,
+        })
+    }
+
+    /// T5 ([`super::t5`]): `T5ForConditionalGeneration`, v1.0 (ReLU, a tied head scaled by
+    /// 1/√d_model) or v1.1 (gated GELU, a head of its own), as the keys say.
+    fn t5(&self) -> KeyResult<T5Config> {
+        let architectures = self.get("architectures").and_then(Value::as_array);
+        match architectures.and_then(|a| a.first()).and_then(Value::as_str) {
+            Some("T5ForConditionalGeneration") | None => {}
+            Some(other) => {
+                return Err(format!(
+                    "config.json: architecture {other} has no task Strata runs (T5ForConditionalGeneration)"
+                ))
+            }
+        }
+        let proj = self.text("feed_forward_proj")?.unwrap_or_else(|| "relu".into());
+        let (gated, name) = match proj.split_once('-') {
+            Some(("gated", name)) => (true, name),
+            Some(_) => return Err(format!("config.json: feed_forward_proj = {proj:?} is neither ACT nor gated-ACT")),
+            None => (false, proj.as_str()),
+        };
+        let activation = match name {
+            "relu" => FeedForwardActivation::Relu,
+            // transformers runs `gated-gelu` with GELU's tanh form.
+            "gelu" if gated => FeedForwardActivation::GeluTanh,
+            "gelu" => FeedForwardActivation::Gelu,
+            "gelu_new" | "gelu_pytorch_tanh" => FeedForwardActivation::GeluTanh,
+            "silu" | "swish" => FeedForwardActivation::Silu,
+            other => {
+                return Err(format!(
+                    "config.json: feed_forward_proj activation {other:?} is not supported (relu, gelu, gelu_new, silu)"
+                ))
+            }
+        };
+        self.note_dropout(&["dropout_rate"])?;
+        let layers = self.required("num_layers")?;
+        let tied_head = self.flag("tie_word_embeddings")?.unwrap_or(true);
+        let padding = self.int("pad_token_id")?.unwrap_or(0);
+        Ok(T5Config {
+            vocab: self.required("vocab_size")?,
+            dim: self.required("d_model")?,
+            head_dim: self.required("d_kv")?,
+            ffn_dim: self.required("d_ff")?,
+            encoder_layers: layers,
+            decoder_layers: self.int("num_decoder_layers")?.unwrap_or(layers),
+            heads: self.required("num_heads")?,
+            buckets: self.int("relative_attention_num_buckets")?.unwrap_or(32),
+            max_distance: self.int("relative_attention_max_distance")?.unwrap_or(128),
+            norm_eps: self.float("layer_norm_epsilon")?.unwrap_or(1e-6),
+            activation,
+            gated,
+            tied_head,
+            // Folders written before the key existed scale exactly where the head is tied.
+            scale_output: self.flag("scale_decoder_outputs")?.unwrap_or(tied_head),
+            padding,
+            decoder_start: self.int("decoder_start_token_id")?.unwrap_or(padding),
         })
     }
 

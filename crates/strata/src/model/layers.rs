@@ -323,13 +323,15 @@ pub fn other_examples(layout: Option<&super::RowLayout>) -> Result<Option<Tensor
 /// `Tk ≥ Tq`: the queries are the last `Tq` of the `Tk` positions (decoding with a
 /// key/value cache), each attending to itself and the positions before it (within its
 /// window, where `options` sets one; every position where `options.bidirectional`), and
-/// never to keys `hidden` masks ([`other_examples`]).
+/// never to keys `hidden` masks ([`other_examples`]). `bias`, where given, is added to the
+/// scaled scores (T5's relative position bias, `[1, H, Tq, Tk]`).
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     options: &AttentionOptions,
     hidden: Option<&Tensor>,
+    bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     let kind = compute::autocast_kind();
     let (q, k, v) = (cast(q, kind)?, cast(k, kind)?, cast(v, kind)?);
@@ -339,7 +341,7 @@ pub fn attention(
     // Fused kernels align a causal mask to the first key, so they serve equal lengths only,
     // and they know no window or cap; another scale is folded into the queries.
     if let Some(fused) = compute::replaced(|r| r.attention(q.kind()))
-        .filter(|_| keys == t && window.is_none() && options.softcap.is_none() && hidden.is_none())
+        .filter(|_| keys == t && window.is_none() && options.softcap.is_none() && hidden.is_none() && bias.is_none())
         .filter(|_| !options.bidirectional)
     {
         let q = match options.scale {
@@ -351,6 +353,10 @@ pub fn attention(
     let scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(options.scale.unwrap_or(default_scale))?;
     let scores = match options.softcap {
         Some(cap) => soft_cap(&scores, cap)?,
+        None => scores,
+    };
+    let scores = match bias {
+        Some(bias) => scores.f_add(bias)?,
         None => scores,
     };
     // Query i sits at key position keys - t + i: later keys are its future, and keys `window`

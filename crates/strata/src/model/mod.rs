@@ -12,6 +12,7 @@ pub mod layers;
 mod llama;
 mod mlp;
 pub mod rope;
+mod t5;
 pub mod tensor;
 
 pub use bert::{bert, BertConfig, BertHead};
@@ -21,6 +22,7 @@ pub use layers::NoTensorParallel;
 pub use llama::{llama, Activation, LayerAttention, LlamaConfig, NormKind};
 pub use mlp::{mlp, MlpConfig};
 pub use rope::{Rope, RopeScaling, Rotation};
+pub use t5::{t5, FeedForwardActivation, T5Config};
 pub use tensor::{TensorParallel, TpRole};
 
 use crate::{Error, Result};
@@ -39,6 +41,7 @@ pub enum ModelConfig {
     Bert(BertConfig),
     Llama(LlamaConfig),
     Mlp(MlpConfig),
+    T5(T5Config),
 }
 
 impl ModelConfig {
@@ -49,6 +52,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => bert(c, b),
             ModelConfig::Llama(c) => llama(c, b),
             ModelConfig::Mlp(c) => mlp(c, b),
+            ModelConfig::T5(c) => t5(c, b),
         }
     }
 
@@ -65,7 +69,7 @@ impl ModelConfig {
             ModelConfig::Gpt(c) => Some(c.ctx),
             ModelConfig::Bert(c) => Some(c.max_positions),
             ModelConfig::Llama(c) => Some(c.ctx),
-            ModelConfig::Mlp(_) => None,
+            ModelConfig::Mlp(_) | ModelConfig::T5(_) => None,
         }
     }
 
@@ -75,6 +79,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => c.vocab,
             ModelConfig::Llama(c) => c.vocab,
             ModelConfig::Mlp(c) => c.vocab,
+            ModelConfig::T5(c) => c.vocab,
         }
     }
 }
@@ -85,6 +90,16 @@ impl ModelConfig {
 pub struct DecodeCache {
     position: i64,
     keys_values: Option<(Tensor, Tensor)>,
+    encoded: Option<EncodedMemory>,
+}
+
+/// What a decoder layer's cross-attention reads of the encoder's output, computed at the
+/// first decoding step and kept for the others: its keys and values (`[B, H, S, D]`) and the
+/// source positions hidden from every target (`[B, 1, 1, S]`, padding), where any are.
+pub struct EncodedMemory {
+    pub keys: Tensor,
+    pub values: Tensor,
+    pub hidden: Option<Tensor>,
 }
 
 impl DecodeCache {
@@ -122,6 +137,16 @@ impl DecodeCache {
             }
         }
         Ok(())
+    }
+
+    /// Keeps what the cross-attention reads of the encoder's output for the next steps.
+    pub fn keep_encoded(&mut self, memory: EncodedMemory) {
+        self.encoded = Some(memory);
+    }
+
+    /// The cross-attention's memory kept at the first step, where one was.
+    pub fn encoded(&self) -> Option<&EncodedMemory> {
+        self.encoded.as_ref()
     }
 
     /// Positions whose keys and values are held.
@@ -208,12 +233,15 @@ impl ParamSpec {
 /// row (the padding after the last example is one more). Units read positions from it and
 /// let a position attend only to positions of its example (earlier ones, in a decoder).
 /// `segments`, where given, is the part of a text pair each position belongs to (BERT's
-/// token types: 0 for the first text, 1 for the second).
+/// token types: 0 for the first text, 1 for the second). `source_len`, where given, says
+/// that every row holds a source and then its target (an encoder–decoder's input, T5's): its
+/// first `source_len` positions are the encoder's, the rest the decoder's.
 #[derive(Debug)]
 pub struct RowLayout {
     pub positions: Tensor,
     pub examples: Tensor,
     pub segments: Option<Tensor>,
+    pub source_len: Option<i64>,
 }
 
 impl RowLayout {
@@ -223,7 +251,31 @@ impl RowLayout {
             positions: self.positions.shallow_clone(),
             examples: self.examples.shallow_clone(),
             segments: self.segments.as_ref().map(Tensor::shallow_clone),
+            source_len: self.source_len,
         }
+    }
+
+    /// The layout of encoder–decoder rows of `sources` source positions then `targets`
+    /// target positions, row `r`'s source `source_lengths[r]` long and padded after: positions
+    /// count from 0 in each part; the padding of a source is an example of its own (hidden
+    /// from every other position), a target's is not (its loss is masked and causal
+    /// attention keeps it from the positions before it).
+    pub fn encoder_decoder(source_lengths: &[i64], sources: i64, targets: i64) -> Result<RowLayout> {
+        if let Some(bad) = source_lengths.iter().find(|&&n| n < 1 || n > sources) {
+            return Err(Error::Data(format!("a source of {bad} tokens in rows of {sources} source positions")));
+        }
+        let grid = |cell: &dyn Fn(i64, i64) -> i64| -> Result<Tensor> {
+            let width = sources + targets;
+            let v: Vec<i64> =
+                source_lengths.iter().flat_map(|&n| (0..width).map(move |t| (n, t))).map(|(n, t)| cell(n, t)).collect();
+            Ok(Tensor::f_from_slice(&v)?.f_view([source_lengths.len() as i64, width])?)
+        };
+        Ok(RowLayout {
+            positions: grid(&|_, t| if t < sources { t } else { t - sources })?,
+            examples: grid(&|n, t| i64::from(t >= n && t < sources))?,
+            segments: None,
+            source_len: Some(sources),
+        })
     }
 
     /// The same layout on `device`.
@@ -233,6 +285,7 @@ impl RowLayout {
             positions: on(&self.positions)?,
             examples: on(&self.examples)?,
             segments: self.segments.as_ref().map(on).transpose()?,
+            source_len: self.source_len,
         })
     }
 }

@@ -1,0 +1,519 @@
+//! T5 as `transformers` defines it (`T5ForConditionalGeneration`): one embedding table for
+//! both stacks, pre-norm blocks with T5's RMS norm (no mean, no bias), attention without the
+//! 1/√d scale and with a relative position bias (buckets of the key's distance, a table held
+//! by each stack's first block and read by all of its blocks), a decoder whose every block
+//! also attends to the encoder's output, and an output head — tied to the embedding with the
+//! √d down-scaling of T5 v1.0, or its own (v1.1).
+//!
+//! The encoder's output reaches the decoder by travelling with the activations: a row is its
+//! source then its target (the [`RowLayout`]'s `source_len` says where the target starts),
+//! every unit passes the whole `[B, S + T, D]` tensor on, encoder blocks transform the source
+//! part and decoder blocks the target part, reading the source part (by then the encoder's
+//! normed output) as their cross-attention's memory. So backward unit by unit, recomputation,
+//! sharding, offload and pipeline stages need nothing of their own: the gradient of the
+//! encoder's output is the sum of every decoder block's, as autograd adds it along the chain.
+//!
+//! Owns the T5 units and their declarations. Must not allocate or place weights: [`t5`]
+//! records specifications in the [`Builder`], and the units compute with the parameters the
+//! engine lends them.
+use super::layers::{attention, merge_heads, rms_norm, split_heads, vocab_logits, AttentionOptions};
+use super::{
+    positive, Builder, DecodeCache, EncodedMemory, Init, ParamId, Params, RowLayout, TokenEmbedding, TpRole, Unit,
+    UnitBuilder,
+};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+/// The feed-forward layer's activation (`feed_forward_proj`: `relu`, `gelu`, `gelu_new`,
+/// `silu`, each optionally `gated-`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FeedForwardActivation {
+    Relu,
+    /// GELU in its exact form (`gelu`).
+    Gelu,
+    /// GELU in its tanh form (`gelu_new`, and `gated-gelu`, T5 v1.1's).
+    GeluTanh,
+    Silu,
+}
+
+impl FeedForwardActivation {
+    fn apply(self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            FeedForwardActivation::Relu => x.f_relu()?,
+            FeedForwardActivation::Gelu => x.f_gelu("none")?,
+            FeedForwardActivation::GeluTanh => x.f_gelu("tanh")?,
+            FeedForwardActivation::Silu => x.f_silu()?,
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct T5Config {
+    pub vocab: i64,
+    /// The residual stream's width (`d_model`).
+    pub dim: i64,
+    /// Each head's width (`d_kv`): the attention's inner width is `heads · head_dim`.
+    pub head_dim: i64,
+    /// The feed-forward layer's width (`d_ff`).
+    pub ffn_dim: i64,
+    pub encoder_layers: i64,
+    pub decoder_layers: i64,
+    pub heads: i64,
+    /// Buckets of the relative position bias (`relative_attention_num_buckets`).
+    pub buckets: i64,
+    /// Distances at and past which keys share the last bucket (`relative_attention_max_distance`).
+    pub max_distance: i64,
+    pub norm_eps: f64,
+    pub activation: FeedForwardActivation,
+    /// The feed-forward layer gates its activation with a second projection (`wi_0`, `wi_1`).
+    pub gated: bool,
+    /// The output head is the embedding table (v1.0); otherwise a weight of its own (v1.1).
+    pub tied_head: bool,
+    /// The decoder's output is multiplied by 1/√dim before the head (v1.0's
+    /// `scale_decoder_outputs`).
+    pub scale_output: bool,
+    /// The padding token (`pad_token_id`).
+    pub padding: i64,
+    /// The token every target starts from (`decoder_start_token_id`).
+    pub decoder_start: i64,
+}
+
+impl T5Config {
+    pub fn validate(&self) -> Result<()> {
+        positive(&[
+            ("vocab", self.vocab),
+            ("dim", self.dim),
+            ("head_dim", self.head_dim),
+            ("ffn_dim", self.ffn_dim),
+            ("encoder_layers", self.encoder_layers),
+            ("decoder_layers", self.decoder_layers),
+            ("heads", self.heads),
+            ("buckets", self.buckets),
+            ("max_distance", self.max_distance),
+        ])?;
+        // The encoder's half of the buckets needs exact ones and logarithmic ones, and the
+        // logarithmic range must not be empty.
+        if self.buckets < 4 || self.max_distance <= self.buckets / 2 {
+            return Err(Error::Config(format!(
+                "relative attention needs at least 4 buckets and a max distance above half of them, got {} and {}",
+                self.buckets, self.max_distance
+            )));
+        }
+        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
+            return Err(Error::Config(format!("norm_eps must be positive, got {}", self.norm_eps)));
+        }
+        for (name, token) in [("pad token", self.padding), ("decoder start token", self.decoder_start)] {
+            if !(0..self.vocab).contains(&token) {
+                return Err(Error::Config(format!("{name} {token} is outside the vocabulary of {}", self.vocab)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The number of source positions leading each row of `total`, from the batch's layout.
+fn source_len(layout: Option<&RowLayout>, total: i64) -> Result<Option<i64>> {
+    match layout.and_then(|l| l.source_len) {
+        Some(s) if (1..total).contains(&s) => Ok(Some(s)),
+        Some(s) => Err(Error::Model(format!("a source of {s} positions in rows of {total}: no room for a target"))),
+        None => Ok(None),
+    }
+}
+
+/// [`source_len`], required: a training or evaluation forward always reads both parts.
+fn required_source_len(p: &Params<'_>, total: i64) -> Result<i64> {
+    if p.tp().sequence_parallel() {
+        return Err(Error::Config("T5 rows hold a source and a target: sequence parallel would split them".into()));
+    }
+    source_len(p.layout(), total)?.ok_or_else(|| {
+        Error::Model(
+            "T5 rows hold a source then its target: the batch's layout must say where the target starts \
+             (RowLayout::source_len)"
+                .into(),
+        )
+    })
+}
+
+/// The `[B, 1, 1, S]` mask of the source positions hidden from every target position of a
+/// row: those of another example than the target's (padding is an example of its own).
+fn hidden_sources(layout: &RowLayout, sources: i64) -> Result<Tensor> {
+    let source = layout.examples.f_narrow(1, 0, sources)?;
+    let target = layout.examples.f_narrow(1, sources, 1)?;
+    Ok(source.f_ne_tensor(&target)?.f_unsqueeze(1)?.f_unsqueeze(1)?)
+}
+
+/// The `[B, 1, S, S]` mask of the source positions each source position may not see.
+fn hidden_within_source(layout: &RowLayout, sources: i64) -> Result<Tensor> {
+    let source = layout.examples.f_narrow(1, 0, sources)?;
+    Ok(source.f_unsqueeze(2)?.f_ne_tensor(&source.f_unsqueeze(1)?)?.f_unsqueeze(1)?)
+}
+
+/// How a stack's relative position bias is bucketed.
+#[derive(Clone, Copy)]
+struct Buckets {
+    count: i64,
+    max_distance: i64,
+    /// Keys after the query get buckets of their own (the encoder); otherwise they share
+    /// the bucket of distance 0 (the decoder, which never sees them).
+    bidirectional: bool,
+}
+
+impl Buckets {
+    /// The bucket of each `key − query` distance of `queries` queries, the first at position
+    /// `first_query`, over `keys` keys from position 0: `[Tq, Tk]` int64.
+    fn of(&self, queries: i64, keys: i64, first_query: i64, device: tch::Device) -> Result<Tensor> {
+        let query =
+            Tensor::f_arange_start(first_query, first_query + queries, (Kind::Int64, device))?.f_unsqueeze(1)?;
+        let key = Tensor::f_arange(keys, (Kind::Int64, device))?.f_unsqueeze(0)?;
+        let distance = key.f_sub(&query)?;
+        let (count, offset, distance) = if self.bidirectional {
+            let half = self.count / 2;
+            (half, distance.f_gt(0)?.f_to_kind(Kind::Int64)?.f_mul_scalar(half)?, distance.f_abs()?)
+        } else {
+            (self.count, distance.f_zeros_like()?, distance.f_clamp_max(0)?.f_neg()?)
+        };
+        // Half of the buckets are single distances; the rest widen logarithmically up to
+        // `max_distance`, computed in fp32 as the reference does, so each falls in the same bucket.
+        let exact = count / 2;
+        let widened = distance
+            .f_to_kind(Kind::Float)?
+            .f_div_scalar(exact as f64)?
+            .f_log()?
+            .f_div_scalar((self.max_distance as f64 / exact as f64).ln())?
+            .f_mul_scalar((count - exact) as f64)?
+            .f_to_kind(Kind::Int64)?
+            .f_add_scalar(exact)?
+            .f_clamp_max(count - 1)?;
+        Ok(offset.f_add(&distance.f_where_self(&distance.f_lt(exact)?, &widened)?)?)
+    }
+
+    /// The bias `[1, H, Tq, Tk]` of this rank's heads from `table` (`[buckets, H]`).
+    fn bias(&self, table: &Tensor, queries: i64, keys: i64, first_query: i64) -> Result<Tensor> {
+        let buckets = self.of(queries, keys, first_query, table.device())?;
+        Ok(Tensor::f_embedding(table, &buckets, -1, false, false)?.f_permute([2, 0, 1])?.f_unsqueeze(0)?)
+    }
+}
+
+/// One attention's projections (`q`, `k`, `v` `[H·D, dim]`, `o` `[dim, H·D]`, no biases).
+#[derive(Clone, Copy)]
+struct Projections {
+    q: ParamId,
+    k: ParamId,
+    v: ParamId,
+    o: ParamId,
+}
+
+impl Projections {
+    fn declare(u: &mut UnitBuilder<'_>, prefix: &str, dim: i64, inner: i64, head_dim: i64) -> Projections {
+        let normal = |std: f64| Init::Normal { std };
+        let d = dim as f64;
+        Projections {
+            q: u.linear(
+                format!("{prefix}.q.weight"),
+                &[inner, dim],
+                normal((d * head_dim as f64).powf(-0.5)),
+                TpRole::COLUMN,
+            ),
+            k: u.linear(format!("{prefix}.k.weight"), &[inner, dim], normal(d.powf(-0.5)), TpRole::COLUMN),
+            v: u.linear(format!("{prefix}.v.weight"), &[inner, dim], normal(d.powf(-0.5)), TpRole::COLUMN),
+            o: u.linear(format!("{prefix}.o.weight"), &[dim, inner], normal((inner as f64).powf(-0.5)), TpRole::Row),
+        }
+    }
+
+    /// `[B, T, dim]` through projection `w` into this rank's `heads` heads, `[B, H, T, D]`.
+    fn heads(&self, p: &Params<'_>, x: &Tensor, w: ParamId, heads: i64) -> Result<Tensor> {
+        split_heads(&p.linear(x, w, None)?, heads)
+    }
+}
+
+/// The feed-forward layer's weights.
+#[derive(Clone, Copy)]
+struct FeedForward {
+    norm: ParamId,
+    /// `wi`, or `wi_0` (through the activation) and `wi_1` (its gate) where gated.
+    wi: (ParamId, Option<ParamId>),
+    wo: ParamId,
+    activation: FeedForwardActivation,
+}
+
+/// An encoder or decoder block; the first of a stack owns the stack's bias table, the last
+/// of the encoder also its final norm.
+struct T5Block {
+    self_norm: ParamId,
+    self_attention: Projections,
+    /// The decoder's cross-attention: its norm and projections.
+    cross: Option<(ParamId, Projections)>,
+    feed_forward: FeedForward,
+    bias_table: ParamId,
+    buckets: Buckets,
+    /// The encoder's final norm, applied by its last block.
+    final_norm: Option<ParamId>,
+    heads: i64,
+    eps: f64,
+}
+
+impl Unit for T5Block {
+    fn kind(&self) -> &'static str {
+        if self.cross.is_some() {
+            "T5DecoderBlock"
+        } else {
+            "T5EncoderBlock"
+        }
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let total = x.size()[1];
+        let sources = required_source_len(p, total)?;
+        let layout = p.layout().ok_or_else(|| Error::Engine("a source length without a layout".into()))?;
+        let (source, target) = (x.f_narrow(1, 0, sources)?, x.f_narrow(1, sources, total - sources)?);
+        if self.cross.is_none() {
+            let encoded = self.encode(p, &source, Some(&hidden_within_source(layout, sources)?))?;
+            return Ok(Tensor::f_cat(&[&encoded, &target], 1)?);
+        }
+        let memory = self.memory(p, &source, Some(hidden_sources(layout, sources)?))?;
+        let decoded = self.decode_target(p, &target, &memory, None)?;
+        Ok(Tensor::f_cat(&[&source, &decoded], 1)?)
+    }
+    fn decode(&self, p: &Params<'_>, x: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        let total = x.size()[1];
+        let sources = source_len(p.layout(), total)?;
+        match (self.cross.is_some(), sources) {
+            // The first step: the encoder runs once, over the whole source.
+            (false, Some(s)) => {
+                let out = self.forward(p, x)?;
+                cache.advance(s);
+                Ok(out)
+            }
+            (false, None) if cache.position() > 0 => Ok(x.shallow_clone()),
+            (false, None) => Err(Error::Model("T5 decoding starts from a source (RowLayout::source_len)".into())),
+            (true, Some(s)) => {
+                let layout = p.layout().ok_or_else(|| Error::Engine("a source length without a layout".into()))?;
+                let source = x.f_narrow(1, 0, s)?;
+                cache.keep_encoded(self.memory(p, &source, Some(hidden_sources(layout, s)?))?);
+                let target = x.f_narrow(1, s, total - s)?;
+                let memory = self.kept_memory(cache)?;
+                let decoded = self.decode_target(p, &target, &memory, Some(cache))?;
+                Ok(Tensor::f_cat(&[&source, &decoded], 1)?)
+            }
+            (true, None) => {
+                let memory = self.kept_memory(cache)?;
+                self.decode_target(p, x, &memory, Some(cache))
+            }
+        }
+    }
+    fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
+        super::gpt::divides_heads(tp, "heads", self.heads)
+    }
+}
+
+impl T5Block {
+    /// The encoder block over the source `[B, S, dim]`; the last one also norms its output.
+    fn encode(&self, p: &Params<'_>, x: &Tensor, hidden: Option<&Tensor>) -> Result<Tensor> {
+        let x = self.self_attend(p, x, hidden, None)?;
+        let x = self.feed_forward(p, &x)?;
+        match self.final_norm {
+            Some(w) => rms_norm(&x, &p[w], self.eps),
+            None => Ok(x),
+        }
+    }
+
+    /// The decoder block over target positions, attending causally to the target (through
+    /// `cache` where decoding) and to the encoder's output through `memory`.
+    fn decode_target(
+        &self,
+        p: &Params<'_>,
+        x: &Tensor,
+        memory: &EncodedMemory,
+        cache: Option<&mut DecodeCache>,
+    ) -> Result<Tensor> {
+        let x = self.self_attend(p, x, None, cache)?;
+        let Some((norm, cross)) = &self.cross else { return Err(Error::Engine("an encoder block decodes".into())) };
+        let heads = self.heads / p.tp().size();
+        let h = p.tp().enter(&rms_norm(&x, &p[*norm], self.eps)?)?;
+        let q = cross.heads(p, &h, cross.q, heads)?;
+        let options = AttentionOptions { scale: Some(1.0), bidirectional: true, ..AttentionOptions::default() };
+        let attended = attention(&q, &memory.keys, &memory.values, &options, memory.hidden.as_ref(), None)?;
+        let x = x.f_add(&p.row_linear(&merge_heads(&attended)?, cross.o, None)?)?;
+        self.feed_forward(p, &x)
+    }
+
+    /// `x` plus its self-attention, with the stack's relative position bias; decoding, the
+    /// keys and values of earlier positions come from `cache`.
+    fn self_attend(
+        &self,
+        p: &Params<'_>,
+        x: &Tensor,
+        hidden: Option<&Tensor>,
+        cache: Option<&mut DecodeCache>,
+    ) -> Result<Tensor> {
+        let tp = p.tp();
+        let heads = self.heads / tp.size();
+        let h = tp.enter(&rms_norm(x, &p[self.self_norm], self.eps)?)?;
+        let a = &self.self_attention;
+        let (q, k, v) = (a.heads(p, &h, a.q, heads)?, a.heads(p, &h, a.k, heads)?, a.heads(p, &h, a.v, heads)?);
+        let first_query = cache.as_ref().map_or(0, |c| c.position());
+        let (k, v) = match cache {
+            Some(c) => c.extend(&k, &v)?,
+            None => (k, v),
+        };
+        let bias = self.buckets.bias(&p[self.bias_table], q.size()[2], k.size()[2], first_query)?;
+        let options = AttentionOptions {
+            scale: Some(1.0),
+            bidirectional: self.buckets.bidirectional,
+            ..AttentionOptions::default()
+        };
+        let attended = attention(&q, &k, &v, &options, hidden, Some(&bias))?;
+        Ok(x.f_add(&p.row_linear(&merge_heads(&attended)?, a.o, None)?)?)
+    }
+
+    fn feed_forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let f = &self.feed_forward;
+        let h = p.tp().enter(&rms_norm(x, &p[f.norm], self.eps)?)?;
+        let activated = f.activation.apply(&p.linear(&h, f.wi.0, None)?)?;
+        let h = match f.wi.1 {
+            Some(gate) => activated.f_mul(&p.linear(&h, gate, None)?)?,
+            None => activated,
+        };
+        Ok(x.f_add(&p.row_linear(&h, f.wo, None)?)?)
+    }
+
+    /// The cross-attention's keys and values of the encoder's output `[B, S, dim]`.
+    fn memory(&self, p: &Params<'_>, encoded: &Tensor, hidden: Option<Tensor>) -> Result<EncodedMemory> {
+        let Some((_, cross)) = &self.cross else { return Err(Error::Engine("an encoder block has no memory".into())) };
+        let heads = self.heads / p.tp().size();
+        let encoded = p.tp().enter(encoded)?;
+        let keys = cross.heads(p, &encoded, cross.k, heads)?;
+        let values = cross.heads(p, &encoded, cross.v, heads)?;
+        Ok(EncodedMemory { keys, values, hidden })
+    }
+
+    fn kept_memory(&self, cache: &DecodeCache) -> Result<EncodedMemory> {
+        let kept = cache.encoded().ok_or_else(|| Error::Model("T5 decoding starts from a source".into()))?;
+        Ok(EncodedMemory {
+            keys: kept.keys.shallow_clone(),
+            values: kept.values.shallow_clone(),
+            hidden: kept.hidden.as_ref().map(Tensor::shallow_clone),
+        })
+    }
+}
+
+/// The decoder's final norm and the output head over the target positions: `[B, T, vocab]`.
+struct T5Head {
+    norm: ParamId,
+    table: ParamId,
+    vocab: i64,
+    /// 1/√dim where the outputs are scaled (v1.0).
+    scale: Option<f64>,
+    eps: f64,
+}
+
+impl Unit for T5Head {
+    fn kind(&self) -> &'static str {
+        "T5Head"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let total = x.size()[1];
+        let sources = required_source_len(p, total)?;
+        self.logits(p, &x.f_narrow(1, sources, total - sources)?)
+    }
+    fn decode(&self, p: &Params<'_>, x: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        let total = x.size()[1];
+        let target = match source_len(p.layout(), total)? {
+            Some(s) => x.f_narrow(1, s, total - s)?,
+            None => x.shallow_clone(),
+        };
+        cache.advance(target.size()[1]);
+        self.logits(p, &target)
+    }
+    fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl T5Head {
+    fn logits(&self, p: &Params<'_>, target: &Tensor) -> Result<Tensor> {
+        let h = rms_norm(target, &p[self.norm], self.eps)?;
+        let h = match self.scale {
+            Some(scale) => h.f_mul_scalar(scale)?,
+            None => h,
+        };
+        vocab_logits(&h, &p[self.table], None, self.vocab, None, p.tp())
+    }
+}
+
+/// The T5 model function: units `embedding`, `encoder.block.{i}`, `decoder.block.{i}`,
+/// `head`. A unit's input and output are whole rows, source then target.
+pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
+    cfg.validate()?;
+    let (d, inner) = (cfg.dim, cfg.heads * cfg.head_dim);
+    let mut u = b.unit("embedding");
+    let shared = u.param("shared.weight", &[cfg.vocab, d], Init::Normal { std: 1.0 }, TpRole::Vocab);
+    u.finish(TokenEmbedding { table: shared, vocab: cfg.vocab, scale: None, padding: None, kind: "T5Embedding" });
+    b.alias("encoder.embed_tokens.weight", shared);
+    b.alias("decoder.embed_tokens.weight", shared);
+    for (stack, layers) in [("encoder", cfg.encoder_layers), ("decoder", cfg.decoder_layers)] {
+        let decoder = stack == "decoder";
+        let table_name = format!("{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight");
+        for i in 0..layers {
+            let name = format!("{stack}.block.{i}");
+            let mut u = b.unit(name.clone());
+            let ones = |u: &mut UnitBuilder<'_>, part: &str| {
+                u.param(format!("{name}.{part}.layer_norm.weight"), &[d], Init::Ones, TpRole::Replicated)
+            };
+            // In `transformers`' order of declaration.
+            let self_attention =
+                Projections::declare(&mut u, &format!("{name}.layer.0.SelfAttention"), d, inner, cfg.head_dim);
+            // Split with the heads, as the projections are.
+            let bias_table = if i == 0 {
+                let std = (d as f64).powf(-0.5);
+                u.param(table_name.clone(), &[cfg.buckets, cfg.heads], Init::Normal { std }, TpRole::Row)
+            } else {
+                u.borrow(&table_name)
+            };
+            let self_norm = ones(&mut u, "layer.0");
+            let cross = decoder.then(|| {
+                let projections =
+                    Projections::declare(&mut u, &format!("{name}.layer.1.EncDecAttention"), d, inner, cfg.head_dim);
+                (ones(&mut u, "layer.1"), projections)
+            });
+            let ff = format!("{name}.layer.{}.DenseReluDense", if decoder { 2 } else { 1 });
+            let into = Init::Normal { std: (d as f64).powf(-0.5) };
+            let wi = if cfg.gated {
+                let w0 = u.linear(format!("{ff}.wi_0.weight"), &[cfg.ffn_dim, d], into, TpRole::COLUMN);
+                (w0, Some(u.linear(format!("{ff}.wi_1.weight"), &[cfg.ffn_dim, d], into, TpRole::COLUMN)))
+            } else {
+                (u.linear(format!("{ff}.wi.weight"), &[cfg.ffn_dim, d], into, TpRole::COLUMN), None)
+            };
+            let out = Init::Normal { std: (cfg.ffn_dim as f64).powf(-0.5) };
+            let wo = u.linear(format!("{ff}.wo.weight"), &[d, cfg.ffn_dim], out, TpRole::Row);
+            let ff_norm = ones(&mut u, if decoder { "layer.2" } else { "layer.1" });
+            let final_norm = (!decoder && i + 1 == layers)
+                .then(|| u.param("encoder.final_layer_norm.weight", &[d], Init::Ones, TpRole::Replicated));
+            u.finish(T5Block {
+                self_norm,
+                self_attention,
+                cross,
+                feed_forward: FeedForward { norm: ff_norm, wi, wo, activation: cfg.activation },
+                bias_table,
+                buckets: Buckets { count: cfg.buckets, max_distance: cfg.max_distance, bidirectional: !decoder },
+                final_norm,
+                heads: cfg.heads,
+                eps: cfg.norm_eps,
+            });
+        }
+    }
+    let mut u = b.unit("head");
+    let norm = u.param("decoder.final_layer_norm.weight", &[d], Init::Ones, TpRole::Replicated);
+    let table = if cfg.tied_head {
+        u.borrow("shared.weight")
+    } else {
+        u.linear("lm_head.weight", &[cfg.vocab, d], Init::Normal { std: 1.0 }, TpRole::Vocab)
+    };
+    let scale = cfg.scale_output.then(|| (d as f64).powf(-0.5));
+    u.finish(T5Head { norm, table, vocab: cfg.vocab, scale, eps: cfg.norm_eps });
+    if cfg.tied_head {
+        b.alias("lm_head.weight", shared);
+    }
+    Ok(())
+}
