@@ -96,7 +96,10 @@ def unigram_tokenizer_json(path):
 
     special = ["<pad>", "</s>", "<unk>"]
     words = ["the", "a", "play", "movie", "was", "good", "bad", "not", "very", "is", "it", "and", "summar",
-             "story", "king", "queen", "said", "short", "long", "text", ":", ".", ","]
+             "story", "king", "queen", "said", "short", "long", "text", ":", ".", ",",
+             # The opening of A Tale of Two Cities, for the tests' summarization records.
+             "best", "of", "times", "worst", "age", "wisdom", "foolishness", "epoch", "belief", "incredulity",
+             "season", "light", "darkness", "spring", "hope", "winter", "despair"]
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     pieces = special + ["\u2581" + w for w in words] + ["\u2581"] + letters + ["ize", "s", "ing", "ed", ":", ".", ","]
     assert len(pieces) <= VOCAB

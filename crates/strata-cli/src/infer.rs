@@ -1,6 +1,8 @@
 //! `strata eval` and `strata generate`: a trained model (a Hugging Face model folder or a
-//! checkpoint of `strata train`) in one process, evaluated on validation data or asked to
-//! continue a prompt.
+//! checkpoint of `strata train`) in one process, evaluated on validation data (a language
+//! model's loss and perplexity; a classifier's loss, accuracy and F1; an encoder–decoder's
+//! loss and ROUGE-L) or asked to continue a prompt (an encoder–decoder: to write a target for
+//! it).
 //!
 //! Owns loading the model and turning flags into the library's settings. Must not decode or
 //! evaluate itself: `strata::generate` and `strata::train::evaluate` do.
@@ -9,10 +11,13 @@ use clap::Args;
 use std::path::PathBuf;
 use strata::checkpoint::Checkpoint;
 use strata::data::chat::ChatTemplate;
-use strata::data::{validation_steps, LoaderConfig, TokenData, TokenWidth, Tokenizer};
+use strata::data::{
+    read_labeled, read_source_target, validation_steps, ClassifySet, LoaderConfig, Seq2SeqSet, TokenData, TokenWidth,
+    Tokenizer,
+};
 use strata::engine::{Engine, EngineConfig};
-use strata::generate::{generate, GenerateConfig};
-use strata::model::{ModelConfig, ModelDir};
+use strata::generate::{generate, generate_from_source, GenerateConfig};
+use strata::model::{BertConfig, BertHead, ModelConfig, ModelDir};
 
 /// Where the model comes from, and where it runs.
 #[derive(Args, Debug)]
@@ -127,13 +132,70 @@ pub struct EvalArgs {
     /// Batches, consecutive windows from the start of the data (default: all that fit).
     #[arg(long)]
     eval_batches: Option<usize>,
+    /// An encoder–decoder's targets written for ROUGE-L: tokens at most each.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
 }
 
+/// Scores a classifier or an encoder–decoder on the records of --val-data; `false` where
+/// the model's task reads no records.
+fn eval_records(args: &EvalArgs, loaded: &mut Loaded) -> Result<bool> {
+    let task_reads_records = matches!(
+        &loaded.config,
+        ModelConfig::T5(_) | ModelConfig::Bert(BertConfig { head: BertHead::Classify { .. }, .. })
+    );
+    if !task_reads_records {
+        return Ok(false);
+    }
+    let path = match (&args.val_data, &args.val_token_file) {
+        (Some(path), None) => path,
+        _ => bail!("this model's task reads records: give them with --val-data FILE"),
+    };
+    if args.ctx == 0 || args.batch_size == 0 {
+        bail!("--ctx and --batch-size must be positive");
+    }
+    loaded.text_tokenizer()?;
+    let tokenizer = &loaded.tokenizer;
+    let source = path.display().to_string();
+    let (json, line) = match &loaded.config {
+        ModelConfig::T5(c) => {
+            let set = Seq2SeqSet::encode(
+                &read_source_target(path)?,
+                tokenizer,
+                (args.ctx, args.ctx),
+                (c.padding, c.decoder_start),
+                source,
+            )?;
+            let stop_tokens = loaded.folder.as_ref().map(ModelDir::eos_tokens).unwrap_or_default();
+            let generation = GenerateConfig { max_new_tokens: args.max_new_tokens, stop_tokens, ..Default::default() };
+            let r = strata::tasks::seq2seq(&mut loaded.engine, &set, args.batch_size, tokenizer, &generation)?;
+            let line = format!("validation loss {:.6}, ROUGE-L {:.4} ({} records)", r.loss, r.rouge_l, r.records);
+            (serde_json::to_value(r)?, line)
+        }
+        ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, padding, .. }) => {
+            let pad = padding.unwrap_or(0) as u32;
+            let set = ClassifySet::encode(&read_labeled(path, labels)?, tokenizer, args.ctx, pad, source)?;
+            let r = strata::tasks::classify(&mut loaded.engine, &set, args.batch_size, labels.len())?;
+            let line = format!(
+                "validation loss {:.6}, accuracy {:.4}, macro-F1 {:.4} ({} texts)",
+                r.loss, r.accuracy, r.macro_f1, r.texts
+            );
+            (serde_json::to_value(r)?, line)
+        }
+        _ => return Ok(false),
+    };
+    println!("{}", if args.json { json.to_string() } else { line });
+    Ok(true)
+}
+
 pub fn eval(args: EvalArgs) -> Result<()> {
-    let loaded = args.source.load()?;
+    let mut loaded = args.source.load()?;
+    if eval_records(&args, &mut loaded)? {
+        return Ok(());
+    }
     let data = match (&args.val_data, &args.val_token_file) {
         (Some(path), None) => TokenData::from_text_file(path, loaded.text_tokenizer()?)?,
         (None, Some(path)) => TokenData::open(path, args.token_width)?,
@@ -258,7 +320,33 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
             .collect(),
         cache: !args.no_cache,
     };
-    let new = generate(&mut loaded.engine, &prompt, &config, loaded.config.context())?;
+    let new = match &loaded.config {
+        // An encoder–decoder writes a target for the prompt, which it reads whole (with the
+        // tokenizer's closing token); the target is printed alone.
+        ModelConfig::T5(c) => {
+            if args.chat {
+                bail!("--chat renders a conversation for a decoder; an encoder-decoder reads the prompt as its source");
+            }
+            let source = loaded.text_tokenizer()?.encode_pairs(&[(args.prompt.as_str(), None)], usize::MAX)?;
+            let source: Vec<i64> = source[0].0.iter().map(|&t| i64::from(t)).collect();
+            let new = generate_from_source(&mut loaded.engine, &source, c.decoder_start, &config)?;
+            return print_generated(&args, &loaded, &config, &source, &new, false);
+        }
+        _ => generate(&mut loaded.engine, &prompt, &config, loaded.config.context())?,
+    };
+    print_generated(&args, &loaded, &config, &prompt, &new, !args.chat)
+}
+
+/// The ids as JSON, or the text: the prompt (where `with_prompt`) and the new tokens,
+/// decoded whole, without a closing stop token.
+fn print_generated(
+    args: &GenerateArgs,
+    loaded: &Loaded,
+    config: &GenerateConfig,
+    prompt: &[i64],
+    new: &[i64],
+    with_prompt: bool,
+) -> Result<()> {
     if args.ids {
         println!("{}", serde_json::json!({"prompt": prompt, "new": new}));
         return Ok(());
@@ -266,11 +354,11 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
     // The end token is kept in the ids (as transformers keeps it), not shown in the text.
     let shown = match new.last() {
         Some(t) if config.stop_tokens.contains(t) => &new[..new.len() - 1],
-        _ => &new[..],
+        _ => new,
     };
     // Decoded whole, so the tokenizer spaces the prompt and the new text as it spaces words;
     // a chat prints the answer alone.
-    let text = if args.chat { &[][..] } else { &prompt[..] };
+    let text = if with_prompt { prompt } else { &[][..] };
     let ids: Vec<u32> =
         text.iter().chain(shown).map(|&t| u32::try_from(t)).collect::<Result<_, _>>().context("token id")?;
     println!("{}", loaded.tokenizer.decode(&ids)?);

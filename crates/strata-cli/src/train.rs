@@ -7,8 +7,8 @@ use std::sync::Arc;
 use strata::auto::AutoOptions;
 use strata::data::chat::{self, ChatTemplate};
 use strata::data::{
-    read_labeled, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleSet, Order, RowSet, SyntheticCorpus,
-    TokenData, Tokenizer,
+    read_labeled, read_source_target, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleSet, Order, Seq2SeqSet,
+    SyntheticCorpus, TokenData, Tokenizer,
 };
 use strata::io::FolderOut;
 use strata::model::{BertConfig, BertHead, ModelConfig};
@@ -19,28 +19,38 @@ use strata::run::{self, Checkpoints, Data, InitialWeights, Outputs, RunConfig, S
 /// Data to train on, the best loss when it is known (the synthetic corpus), and the
 /// vocabulary the data needs.
 fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, Option<f64>, usize)> {
-    if let Some((folder, labels, pad)) = classifier(settings) {
+    if let Some((folder, task)) = record_task(settings) {
         let path = match choice {
             DataChoice::Text(path) | DataChoice::Examples(path) => path,
-            _ => bail!(
-                "{}: a classifier trains on labeled records: give --data FILE.jsonl or FILE.csv",
-                folder.display()
-            ),
+            _ => bail!("{}: {}: give --data FILE{}", folder.display(), task.reads(), task.extensions()),
         };
         if settings.tokenizer.is_none() && settings.model_dir.as_ref().is_some_and(|m| m.tokenizer.is_none()) {
-            bail!("{}: no tokenizer.json, which a classifier's texts need: give --tokenizer", folder.display());
+            bail!("{}: no tokenizer.json, which the records' texts need: give --tokenizer", folder.display());
         }
         if settings.pack
             || settings.chat_template.is_some()
             || settings.examples.as_ref().is_some_and(|e| e.train_on_prompt)
         {
-            bail!("--pack, --chat-template and --train-on-prompt shape language-model examples, not labeled texts");
+            bail!(
+                "--pack, --chat-template and --train-on-prompt shape language-model examples, not {}",
+                task.records()
+            );
         }
         let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
-        let records = read_labeled(path, labels)?;
-        let set = ClassifySet::encode(&records, &tokenizer, settings.ctx as usize, pad, path.display().to_string())?;
-        tracing::info!(source = %path.display(), texts = set.len(), tokens = set.tokens(), longest = set.longest(), "labeled texts");
-        return Ok((set.into(), None, tokenizer.vocab_size()));
+        let (ctx, source) = (settings.ctx as usize, path.display().to_string());
+        let set: Dataset = match task {
+            RecordTask::Classify { labels, pad } => {
+                ClassifySet::encode(&read_labeled(path, labels)?, &tokenizer, ctx, pad, source)?.into()
+            }
+            RecordTask::SourceTarget { pad, decoder_start } => {
+                let records = read_source_target(path)?;
+                Seq2SeqSet::encode(&records, &tokenizer, (ctx, ctx), (pad, decoder_start), source)?.into()
+            }
+        };
+        if let Some(rows) = set.row_set() {
+            tracing::info!(source = %path.display(), records = rows.len(), tokens = rows.tokens(), longest = rows.longest(), "{}", task.records());
+        }
+        return Ok((set, None, tokenizer.vocab_size()));
     }
     Ok(match choice {
         DataChoice::Synthetic => {
@@ -65,16 +75,50 @@ fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, 
     })
 }
 
-/// Where the run starts from a BERT classifier's folder: the folder, its label names and the
-/// id that pads its rows.
-fn classifier(settings: &TrainSettings) -> Option<(&Path, &[String], u32)> {
-    let folder = settings.model_dir.as_ref()?;
-    match &folder.config {
-        ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, padding, .. }) => {
-            Some((folder.dir.as_path(), labels.as_slice(), padding.unwrap_or(0) as u32))
+/// A task whose data is records, a record a row, as the model folder's architecture says.
+#[derive(Clone, Copy)]
+enum RecordTask<'a> {
+    /// A BERT classifier: labeled texts, labels named by the folder's `id2label`.
+    Classify { labels: &'a [String], pad: u32 },
+    /// T5: sources with their targets.
+    SourceTarget { pad: i64, decoder_start: i64 },
+}
+
+impl RecordTask<'_> {
+    fn records(self) -> &'static str {
+        match self {
+            RecordTask::Classify { .. } => "labeled texts",
+            RecordTask::SourceTarget { .. } => "sources with targets",
         }
-        _ => None,
     }
+
+    fn reads(self) -> &'static str {
+        match self {
+            RecordTask::Classify { .. } => "a classifier trains on labeled records",
+            RecordTask::SourceTarget { .. } => "an encoder-decoder trains on records of a source and a target",
+        }
+    }
+
+    fn extensions(self) -> &'static str {
+        match self {
+            RecordTask::Classify { .. } => ".jsonl or FILE.csv",
+            RecordTask::SourceTarget { .. } => ".jsonl",
+        }
+    }
+}
+
+/// Where the run starts from the folder of a model whose task reads records (a BERT
+/// classifier, T5): the folder and the task.
+fn record_task(settings: &TrainSettings) -> Option<(&Path, RecordTask<'_>)> {
+    let folder = settings.model_dir.as_ref()?;
+    let task = match &folder.config {
+        ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, padding, .. }) => {
+            RecordTask::Classify { labels, pad: padding.unwrap_or(0) as u32 }
+        }
+        ModelConfig::T5(c) => RecordTask::SourceTarget { pad: c.padding, decoder_start: c.decoder_start },
+        _ => return None,
+    };
+    Some((folder.dir.as_path(), task))
 }
 
 /// The examples of `path`, rendered with the chat template of --chat-template or the model

@@ -258,7 +258,11 @@ fn bad_folders_are_refused_in_one_line() {
             edit("bert", &set_config("model_type", serde_json::json!("bert"))),
             "architecture LlamaForCausalLM has no task Strata runs (BertForSequenceClassification, BertForMaskedLM)",
         ),
-        (edit("t5", &set_config("model_type", serde_json::json!("t5"))), "model_type \"t5\" is not a family"),
+        (
+            edit("t5", &set_config("model_type", serde_json::json!("t5"))),
+            "architecture LlamaForCausalLM has no task Strata runs (T5ForConditionalGeneration)",
+        ),
+        (edit("gemma", &set_config("model_type", serde_json::json!("gemma"))), "model_type \"gemma\" is not a family"),
         (
             edit(
                 "llama3-incomplete",
@@ -553,12 +557,12 @@ fn a_bert_classifier_folder_trains_on_labeled_records() {
     let (train, val) = (dir.path().join("train.csv"), dir.path().join("val.jsonl"));
     std::fs::write(&train, reviews(400, 1, true)).unwrap();
     std::fs::write(&val, reviews(48, 2, false)).unwrap();
-    let metrics = dir.path().join("metrics.jsonl");
+    let (metrics, trained) = (dir.path().join("metrics.jsonl"), dir.path().join("trained"));
     let base = ["train", "--model-dir", s(&folder), "--ctx", "16", "--batch-size", "16", "--threads", "1"];
     let run = [
         &base[..],
         &["--data", s(&train), "--val-data", s(&val), "--eval-batches", "3", "--steps", "60", "--eval-every", "30"],
-        &["--lr", "0.001", "--metrics", s(&metrics)],
+        &["--lr", "0.001", "--metrics", s(&metrics), "--save-model-dir", s(&trained)],
     ]
     .concat();
     let o = strata(&run);
@@ -567,6 +571,15 @@ fn a_bert_classifier_folder_trains_on_labeled_records() {
     eprintln!("validation losses {losses:?}");
     assert_eq!(losses.len(), 2);
     assert!(losses[1].1 < losses[0].1 * 0.8, "the validation loss falls: {losses:?}");
+    // `strata eval` of the written folder: the same loss on the same texts, and the
+    // classifier's accuracy and F1, well above chance (a third) after training.
+    let o = strata(&["eval", "--model-dir", s(&trained), "--val-data", s(&val), "--ctx", "16", "--json"]);
+    assert!(o.status.success(), "eval:\n{}", stderr(&o));
+    let eval: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    eprintln!("eval {eval}");
+    assert!((eval["loss"].as_f64().unwrap() - losses[1].1).abs() < 1e-5, "{eval} against {losses:?}");
+    assert_eq!(eval["texts"].as_u64(), Some(48));
+    assert!(eval["accuracy"].as_f64().unwrap() > 0.6 && eval["macro_f1"].as_f64().unwrap() > 0.5, "{eval}");
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"good movie\", \"label\": \"great\"}\n").unwrap();
     assert_fails_with(

@@ -64,6 +64,7 @@ pub mod patrickstar;
 pub mod profile;
 pub mod run;
 pub mod strategy;
+pub mod tasks;
 pub mod train;
 
 pub use error::{Error, Result};

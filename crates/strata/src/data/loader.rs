@@ -127,6 +127,16 @@ impl Batch {
         let supervised = targets.f_ne(IGNORE)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as u64;
         Ok(Batch { inputs, targets, supervised, layout: None })
     }
+
+    /// The same batch on `device`.
+    pub fn to_device(&self, device: Device) -> Result<Batch> {
+        Ok(Batch {
+            inputs: self.inputs.f_to_device(device)?,
+            targets: self.targets.f_to_device(device)?,
+            supervised: self.supervised,
+            layout: self.layout.as_ref().map(|l| l.to_device(device)).transpose()?,
+        })
+    }
 }
 
 /// One optimizer step's data on this rank.
@@ -490,10 +500,7 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
 /// The records of `rows` (one index each) as a micro-batch on `device`.
 fn record_batch(set: &dyn super::RowSet, rows: &[Vec<usize>], device: Device) -> Result<Batch> {
     let indices: Vec<usize> = rows.iter().map(|r| r[0]).collect();
-    let batch = set.batch(&indices)?;
-    let layout = batch.layout.as_ref().map(|l| l.to_device(device)).transpose()?;
-    let (inputs, targets) = (batch.inputs.f_to_device(device)?, batch.targets.f_to_device(device)?);
-    Ok(Batch { inputs, targets, supervised: batch.supervised, layout })
+    set.batch(&indices)?.to_device(device)
 }
 
 /// A micro-batch of `rows` rows of `ctx` from host ids, on `device`.

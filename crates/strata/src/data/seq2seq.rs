@@ -105,6 +105,11 @@ impl Seq2SeqSet {
         &self.targets[r]
     }
 
+    /// The most tokens of one source or one target.
+    pub fn longest_part(&self) -> usize {
+        self.sources.iter().chain(&self.targets).map(Vec::len).max().unwrap_or(0)
+    }
+
     pub fn decoder_start(&self) -> i64 {
         self.decoder_start
     }

@@ -538,12 +538,16 @@ impl ModelSpec {
         }
         let owner: Vec<usize> = self.params.iter().map(|p| p.unit).collect();
         let mut units: Vec<UnitSpec> = self.units.drain(start..end).collect();
+        // A parameter of another stage that several of this stage's units read is copied
+        // once, into the first of them; the others borrow the copy.
+        let mut copied = std::collections::BTreeSet::new();
         for (k, u) in units.iter_mut().enumerate() {
             for id in &u.params {
                 self.params[id.0].unit = k;
             }
             let (kept, elsewhere): (Vec<ParamId>, Vec<ParamId>) =
-                u.borrowed.iter().partition(|id| (start..end).contains(&owner[id.0]));
+                u.borrowed.iter().partition(|id| (start..end).contains(&owner[id.0]) || copied.contains(*id));
+            copied.extend(elsewhere.iter().copied());
             u.borrowed = kept;
             for id in elsewhere {
                 self.params[id.0].unit = k;

@@ -1,0 +1,100 @@
+//! A record task's scores on held-out records, as a user of the task reads them: a
+//! classifier's loss, accuracy and macro-F1; an encoder–decoder's loss and the ROUGE-L of
+//! its greedy generations against the references.
+//!
+//! Owns batching the records for scoring and the scores' arithmetic over them. Must not
+//! train or place weights: it runs forwards and generation on the engine it is lent.
+use crate::data::{predictions, rouge_l, scores, Batch, ClassifySet, RowSet, Scores, Seq2SeqSet, Step, Tokenizer};
+use crate::engine::Engine;
+use crate::generate::{generate_from_source, GenerateConfig};
+use crate::{Error, Result};
+
+/// A classifier's scores on labeled texts.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct ClassifyReport {
+    /// Mean cross-entropy per text.
+    pub loss: f64,
+    pub accuracy: f64,
+    pub macro_f1: f64,
+    pub texts: usize,
+}
+
+/// An encoder–decoder's scores on sources with their targets.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Seq2SeqReport {
+    /// Mean cross-entropy per target token, the decoder reading the reference (teacher forcing).
+    pub loss: f64,
+    /// Mean ROUGE-L (F-measure) of the generated targets against the references.
+    pub rouge_l: f64,
+    pub records: usize,
+}
+
+/// The records of `set` in batches of `rows` on `device`, each a step of its own.
+fn steps(set: &dyn RowSet, rows: usize, device: tch::Device) -> Result<Vec<Step>> {
+    if rows == 0 {
+        return Err(Error::Config("a scoring batch needs at least one row".into()));
+    }
+    let all: Vec<usize> = (0..set.len()).collect();
+    all.chunks(rows)
+        .enumerate()
+        .map(|(i, chunk)| Ok(Step::new(i, vec![set.batch(chunk)?.to_device(device)?])))
+        .collect()
+}
+
+/// `engine`'s loss, accuracy and macro-F1 on `set`, `rows` texts a batch.
+pub fn classify(engine: &mut Engine, set: &ClassifySet, rows: usize, classes: usize) -> Result<ClassifyReport> {
+    let steps = steps(set, rows, engine.config().device)?;
+    let mut predicted = Vec::with_capacity(set.len());
+    let mut losses = Vec::with_capacity(steps.len());
+    for batch in steps.iter().flat_map(|s| &s.micro_batches) {
+        let (logits, loss) = forward(engine, batch)?;
+        predicted.extend(predictions(&logits)?);
+        losses.push(loss);
+    }
+    let Scores { accuracy, macro_f1 } = scores(&predicted, set.labels(), classes);
+    Ok(ClassifyReport { loss: crate::train::token_mean(&steps, &losses)?, accuracy, macro_f1, texts: set.len() })
+}
+
+/// `engine`'s loss on `set` (`rows` records a batch) and the mean ROUGE-L of the targets it
+/// writes for each source under `generation` (greedy unless it samples), both sides decoded
+/// by `tokenizer` without the stop tokens.
+pub fn seq2seq(
+    engine: &mut Engine,
+    set: &Seq2SeqSet,
+    rows: usize,
+    tokenizer: &Tokenizer,
+    generation: &GenerateConfig,
+) -> Result<Seq2SeqReport> {
+    let steps = steps(set, rows, engine.config().device)?;
+    let losses = steps
+        .iter()
+        .flat_map(|s| &s.micro_batches)
+        .map(|batch| forward(engine, batch).map(|(_, loss)| loss))
+        .collect::<Result<Vec<_>>>()?;
+    let loss = crate::train::token_mean(&steps, &losses)?;
+    let text = |ids: &[i64]| -> Result<String> {
+        let kept: Vec<u32> = ids
+            .iter()
+            .filter(|t| !generation.stop_tokens.contains(t))
+            .map(|&t| u32::try_from(t).map_err(|_| Error::Data(format!("token {t} is no id"))))
+            .collect::<Result<_>>()?;
+        tokenizer.decode(&kept)
+    };
+    let mut total = 0.0;
+    for r in 0..set.len() {
+        let source: Vec<i64> = set.source_ids(r).iter().map(|&t| i64::from(t)).collect();
+        let written = generate_from_source(engine, &source, set.decoder_start(), generation)?;
+        let reference: Vec<i64> = set.target_ids(r).iter().map(|&t| i64::from(t)).collect();
+        total += rouge_l(&text(&written)?, &text(&reference)?);
+    }
+    Ok(Seq2SeqReport { loss, rouge_l: total / set.len().max(1) as f64, records: set.len() })
+}
+
+/// The batch's output and its mean loss, forward only.
+fn forward(engine: &mut Engine, batch: &Batch) -> Result<(tch::Tensor, f64)> {
+    engine.set_layout(batch.layout.as_ref());
+    let out = engine.evaluate(&batch.inputs)?;
+    engine.set_layout(None);
+    let loss = engine.compute_loss(|| crate::model::layers::cross_entropy(&out, &batch.targets))?;
+    Ok((out, loss.f_double_value(&[])?))
+}
