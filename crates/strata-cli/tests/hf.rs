@@ -588,3 +588,50 @@ fn a_bert_classifier_folder_trains_on_labeled_records() {
     );
     assert_fails_with(&strata(&[&base[..], &["--steps", "1"]].concat()), "a classifier trains on labeled records");
 }
+
+/// PatrickStar's BERT example in small: a BERT classifier trained under a PatrickStar
+/// configuration (hybrid Adam, the embedding on the host) takes the same steps as plain
+/// AdamW, with the embedding unit's parameters, gradients and Adam states — and only
+/// them — on the host.
+#[test]
+fn a_bert_classifier_trains_under_patrickstars_configuration_with_its_embedding_on_the_host() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("bert");
+    reference(&py, &["make", "--family", "bert-classifier", "--out", s(&folder)]);
+    let (data, config) = (dir.path().join("train.jsonl"), dir.path().join("patrickstar.json"));
+    std::fs::write(&data, reviews(64, 3, false)).unwrap();
+    std::fs::write(
+        &config,
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.01, "use_hybrid_adam": true}},
+            "default_chunk_size": 1048576, "use_cpu_embedding": true}"#,
+    )
+    .unwrap();
+    let run = |name: &str, flags: &[&str]| {
+        let metrics = dir.path().join(format!("{name}.jsonl"));
+        let base = ["train", "--model-dir", s(&folder), "--data", s(&data), "--ctx", "16", "--batch-size", "8"];
+        let o = strata(
+            &[
+                &base[..],
+                &["--steps", "4", "--schedule", "constant", "--threads", "1"],
+                flags,
+                &["--metrics", s(&metrics)],
+            ]
+            .concat(),
+        );
+        assert!(o.status.success(), "{name}:\n{}", stderr(&o));
+        common::reports(&metrics)
+    };
+    let plain = run("plain", &["--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01", "--eps", "1e-8"]);
+    let patrickstar = run("patrickstar", &["--patrickstar-config", s(&config)]);
+    let losses = |r: &[serde_json::Value]| r.iter().map(|r| r["loss"].as_f64().unwrap()).collect::<Vec<_>>();
+    assert_eq!(losses(&patrickstar), losses(&plain));
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap()).unwrap();
+    let size = |k: &str| c[k].as_u64().unwrap();
+    let embedding =
+        4 * size("hidden_size") * (size("vocab_size") + size("max_position_embeddings") + size("type_vocab_size") + 2);
+    let host = &patrickstar.last().unwrap()["memory"]["host"]["by_category"];
+    assert_eq!(host["params"].as_u64(), Some(embedding), "{host}");
+    assert_eq!(host["optimizer_state"].as_u64(), Some(2 * embedding), "{host}");
+}

@@ -245,3 +245,66 @@ fn bad_records_are_refused_in_one_line() {
         assert_eq!(stderr(&o).trim().lines().count(), 1, "{expected}: {}", stderr(&o));
     }
 }
+
+/// The chosen strategy's label and its dry run's peak, from a search report.
+fn chosen(report: &Path) -> (String, u64) {
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    let label = r["chosen"].as_str().unwrap().to_string();
+    let trial = r["trials"].as_array().unwrap().iter().find(|t| t["label"] == r["chosen"]).unwrap();
+    (label, trial["outcome"]["peak_bytes"].as_u64().unwrap())
+}
+
+/// `auto_accelerate` takes the seeds' task models with their records: for a T5 and a BERT
+/// classifier, a search without a budget, then one with three quarters of the memory its
+/// choice took, picks a strategy that fits the budget (in its dry run) and trains with it.
+#[test]
+fn auto_picks_a_strategy_for_t5_and_bert_within_a_memory_budget() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (t5, train, _) = setup(&py, dir.path());
+    let bert = dir.path().join("bert");
+    reference(&py, &["make", "--family", "bert-classifier", "--out", s(&bert)]);
+    let labeled = dir.path().join("labeled.jsonl");
+    const LABELS: [&str; 3] = ["positive", "negative", "neutral"];
+    let words = ["the movie was good", "the play was bad", "it is not very fun", "the story is dull but fun"];
+    let records: String =
+        (0..64).map(|i| serde_json::json!({"text": words[i % 4], "label": LABELS[i % 3]}).to_string() + "\n").collect();
+    std::fs::write(&labeled, records).unwrap();
+    for (name, folder, data) in [("t5", &t5, &train), ("bert", &bert, &labeled)] {
+        let search = |budget: Option<u64>| {
+            let report = dir.path().join(format!("{name}-{budget:?}.json"));
+            let budget_text = budget.map(|b| b.to_string());
+            let mut args = vec![
+                "train",
+                "--model-dir",
+                s(folder),
+                "--data",
+                s(data),
+                "--ctx",
+                "40",
+                "--batch-size",
+                "8",
+                "--steps",
+                "2",
+                "--threads",
+                "1",
+                "--strategy",
+                "auto",
+                "--search-report",
+                s(&report),
+            ];
+            if let Some(b) = &budget_text {
+                args.extend(["--device-memory", b.as_str()]);
+            }
+            let o = strata(&args);
+            assert!(o.status.success(), "{name} {budget:?}:\n{}", stderr(&o));
+            chosen(&report)
+        };
+        let (free, free_peak) = search(None);
+        let budget = free_peak * 3 / 4;
+        let (bounded, bounded_peak) = search(Some(budget));
+        eprintln!("{name}: {free} ({free_peak} bytes); within {budget}: {bounded} ({bounded_peak} bytes)");
+        assert!(bounded_peak <= budget, "{name}: {bounded} took {bounded_peak} bytes of {budget}");
+        assert_ne!(free, bounded, "{name}: the budget changed nothing");
+    }
+}
