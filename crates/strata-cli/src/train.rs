@@ -217,6 +217,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
         grad_clip: s.grad_clip,
         freeze: s.freeze.clone(),
         loss: None,
+        prepare_input: None,
         strategy: strategy_source(s),
         data_parallel: DataParallelOptions {
             bucket_bytes: s.bucket_bytes,

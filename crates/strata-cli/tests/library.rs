@@ -159,6 +159,12 @@ fn example_custom_units_trains_with_the_searched_strategy_on_two_ranks() {
 }
 
 #[test]
+fn example_custom_classifier_learns_within_its_memory_budget() {
+    let out = run_example("custom_classifier", &[]);
+    assert!(out.contains("step 80:") && out.contains("strategy [["), "{out}");
+}
+
+#[test]
 fn example_custom_data_loss_learns() {
     let out = run_example("custom_data_loss", &[]);
     assert!(out.contains("step 60:"), "{out}");

@@ -82,3 +82,55 @@ fn a_bert_classifier_learns_labeled_texts_through_the_library_run() {
     eprintln!("validation losses {losses:?}; held-out accuracy {:.3}, macro-F1 {:.3}", s.accuracy, s.macro_f1);
     assert!(s.accuracy > 0.75, "{s:?}");
 }
+
+/// The library run feeds the model through the `prepare_input` it is given and takes the
+/// loss from its `loss`, in the run itself and in the search's dry runs.
+#[test]
+fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let labels = vec!["negative".to_string(), "positive".to_string()];
+    let path = dir.path().join("train.jsonl");
+    std::fs::write(&path, reviews(64, 1)).unwrap();
+    let set = ClassifySet::encode(&read_labeled(&path, &labels).unwrap(), &Tokenizer::Bytes, 64, 0, "train").unwrap();
+    let model = Model::from(ModelConfig::Bert(BertConfig {
+        vocab: 256,
+        max_positions: 64,
+        type_vocab: 2,
+        layers: 1,
+        heads: 2,
+        dim: 16,
+        ffn_dim: 32,
+        norm_eps: 1e-12,
+        padding: Some(0),
+        head: BertHead::Classify { labels },
+    }));
+    // Calls of prepare_input and of the loss in a run under `strategy`.
+    let calls = |strategy: run::StrategySource| {
+        let (inputs, losses) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (counted_inputs, counted_losses) = (inputs.clone(), losses.clone());
+        let config = RunConfig {
+            steps: 4,
+            batch_size: 16,
+            ctx: 64,
+            prepare_input: Some(Arc::new(move |b: &strata::data::Batch| {
+                counted_inputs.fetch_add(1, Ordering::Relaxed);
+                Ok(b.inputs.shallow_clone())
+            })),
+            loss: Some(Arc::new(move |logits: &tch::Tensor, b: &strata::data::Batch| {
+                counted_losses.fetch_add(1, Ordering::Relaxed);
+                strata::model::layers::cross_entropy(logits, &b.targets)
+            })),
+            strategy,
+            ..RunConfig::default()
+        };
+        run::train(&model, &Data::new(set.clone()), &config, &mut []).unwrap();
+        (inputs.load(Ordering::Relaxed), losses.load(Ordering::Relaxed))
+    };
+    let given = strata::strategy::Strategy::parse("[]").unwrap();
+    assert_eq!(calls(run::StrategySource::Given(given)), (4, 4), "a micro-batch a step, each read and scored once");
+    let auto = run::StrategySource::Auto(strata::auto::AutoOptions { dry_run_steps: 1, ..Default::default() });
+    let (inputs, losses) = calls(auto);
+    assert!(inputs > 4 && losses > 4, "the search's dry runs call them too: {inputs}, {losses}");
+}

@@ -37,7 +37,7 @@ use crate::parallel::{self, DataParallelOptions};
 use crate::patrickstar::PatrickStarConfig;
 use crate::profile::Profiler;
 use crate::strategy::{Dim, LoraConfig, Strategy};
-use crate::train::{LossFn, StepReport};
+use crate::train::{InputFn, LossFn, StepReport};
 use crate::{Error, Result};
 use runner::Runner;
 use std::path::{Path, PathBuf};
@@ -208,6 +208,9 @@ pub struct RunConfig {
     pub freeze: Vec<String>,
     /// The loss; `None`: next-token cross-entropy (vocabulary-parallel where split).
     pub loss: Option<LossFn>,
+    /// What the model's first unit reads of each micro-batch (`prepare_input`); `None`: its
+    /// token ids.
+    pub prepare_input: Option<InputFn>,
     pub strategy: StrategySource,
     pub data_parallel: DataParallelOptions,
     /// Memory budgets of each rank's device and host.
@@ -253,6 +256,7 @@ impl Default for RunConfig {
             grad_clip: Some(1.0),
             freeze: vec![],
             loss: None,
+            prepare_input: None,
             strategy: StrategySource::default(),
             data_parallel: DataParallelOptions::default(),
             device_memory: None,
@@ -791,6 +795,9 @@ fn choose_strategy(
     job.lr_scheduler = config.schedule.clone();
     job.grad_clip = config.grad_clip;
     job.loss_func = config.loss.clone();
+    if let Some(input) = &config.prepare_input {
+        job.prepare_input = input.clone();
+    }
     job.engine = engine.clone();
     job.comm = ranks.comm.as_ref();
     job.local_world_size = ranks.local_world_size;

@@ -89,6 +89,9 @@ impl Runner {
         if let Some(loss) = &c.loss {
             trainer.loss_func = loss.clone();
         }
+        if let Some(input) = &c.prepare_input {
+            trainer.prepare_input = input.clone();
+        }
         trainer.scaling = s.strategy.grad_scaling()?;
         if c.cuda_graph {
             trainer.capture_cuda_graph(super::CUDA_GRAPH_WARMUP)?;
@@ -139,6 +142,9 @@ impl Runner {
         }
         if let Some(loss) = &c.loss {
             trainer.loss_func = loss.clone();
+        }
+        if let Some(input) = &c.prepare_input {
+            trainer.prepare_input = input.clone();
         }
         for engine in trainer.engines() {
             load_initial_weights(&c.init, engine)?;
