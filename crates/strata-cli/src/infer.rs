@@ -12,8 +12,8 @@ use std::path::PathBuf;
 use strata::checkpoint::Checkpoint;
 use strata::data::chat::ChatTemplate;
 use strata::data::{
-    read_labeled, read_source_target, validation_steps, ClassifySet, LoaderConfig, Seq2SeqSet, TokenData, TokenWidth,
-    Tokenizer,
+    read_labeled, read_source_target, validation_steps, ClassifySet, LoaderConfig, MaskOptions, MaskedSet, Seq2SeqSet,
+    TokenData, TokenWidth, Tokenizer,
 };
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, generate_from_source, GenerateConfig};
@@ -140,13 +140,10 @@ pub struct EvalArgs {
     json: bool,
 }
 
-/// Scores a classifier or an encoder–decoder on the records of --val-data; `false` where
-/// the model's task reads no records.
+/// Scores a classifier, an encoder–decoder or a masked language model on the records (or
+/// text) of --val-data; `false` where the model is a language model of next tokens.
 fn eval_records(args: &EvalArgs, loaded: &mut Loaded) -> Result<bool> {
-    let task_reads_records = matches!(
-        &loaded.config,
-        ModelConfig::T5(_) | ModelConfig::Bert(BertConfig { head: BertHead::Classify { .. }, .. })
-    );
+    let task_reads_records = matches!(&loaded.config, ModelConfig::T5(_) | ModelConfig::Bert(_));
     if !task_reads_records {
         return Ok(false);
     }
@@ -154,9 +151,10 @@ fn eval_records(args: &EvalArgs, loaded: &mut Loaded) -> Result<bool> {
         (Some(path), None) => path,
         _ => bail!("this model's task reads records: give them with --val-data FILE"),
     };
-    if args.ctx == 0 || args.batch_size == 0 {
-        bail!("--ctx and --batch-size must be positive");
+    if args.ctx == 0 || args.batch_size == 0 || args.eval_batches == Some(0) {
+        bail!("--ctx, --batch-size and --eval-batches must be positive");
     }
+    let scoring = strata::tasks::Scoring { rows: args.batch_size, batches: args.eval_batches };
     loaded.text_tokenizer()?;
     let tokenizer = &loaded.tokenizer;
     let source = path.display().to_string();
@@ -171,14 +169,20 @@ fn eval_records(args: &EvalArgs, loaded: &mut Loaded) -> Result<bool> {
             )?;
             let stop_tokens = loaded.folder.as_ref().map(ModelDir::eos_tokens).unwrap_or_default();
             let generation = GenerateConfig { max_new_tokens: args.max_new_tokens, stop_tokens, ..Default::default() };
-            let r = strata::tasks::seq2seq(&mut loaded.engine, &set, args.batch_size, tokenizer, &generation)?;
+            let r = strata::tasks::seq2seq(&mut loaded.engine, &set, scoring, tokenizer, &generation)?;
             let line = format!("validation loss {:.6}, ROUGE-L {:.4} ({} records)", r.loss, r.rouge_l, r.records);
+            (serde_json::to_value(r)?, line)
+        }
+        ModelConfig::Bert(BertConfig { head: BertHead::MaskedLm, .. }) => {
+            let set = MaskedSet::from_text(path, tokenizer, args.ctx, MaskOptions::default())?;
+            let r = strata::tasks::masked_lm(&mut loaded.engine, &set, scoring)?;
+            let line = format!("validation loss {:.6} on {} masked tokens", r.loss, r.masked_tokens);
             (serde_json::to_value(r)?, line)
         }
         ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, padding, .. }) => {
             let pad = padding.unwrap_or(0) as u32;
             let set = ClassifySet::encode(&read_labeled(path, labels)?, tokenizer, args.ctx, pad, source)?;
-            let r = strata::tasks::classify(&mut loaded.engine, &set, args.batch_size, labels.len())?;
+            let r = strata::tasks::classify(&mut loaded.engine, &set, scoring, labels.len())?;
             let line = format!(
                 "validation loss {:.6}, accuracy {:.4}, macro-F1 {:.4} ({} texts)",
                 r.loss, r.accuracy, r.macro_f1, r.texts

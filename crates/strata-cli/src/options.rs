@@ -6,7 +6,7 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
 use strata::data::{ExampleOptions, TokenWidth, Tokenizer};
-use strata::model::{BertHead, GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
+use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
 use strata::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use strata::patrickstar::PatrickStarConfig;
 use strata::run::Resume;
@@ -661,14 +661,6 @@ impl TrainOptions {
             bail!("--max-shard-size sizes the files of --save-model-dir: give --save-model-dir");
         }
         let model_dir = o.model_dir.as_deref().map(strata::model::from_pretrained_dir).transpose()?;
-        let masked_lm = |m: &&ModelDir| matches!(&m.config, ModelConfig::Bert(c) if c.head == BertHead::MaskedLm);
-        if let Some(m) = model_dir.as_ref().filter(masked_lm) {
-            bail!(
-                "{}: a BERT masked language model; strata train trains classifiers of this family, \
-                 and masked-language pretraining runs through the library",
-                m.dir.display()
-            );
-        }
         let grad_clip = match o.grad_clip.unwrap_or(1.0) {
             0.0 => None,
             c if c > 0.0 => Some(c),

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use strata::auto::AutoOptions;
 use strata::data::chat::{self, ChatTemplate};
 use strata::data::{
-    read_labeled, read_source_target, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleSet, Order, Seq2SeqSet,
-    SyntheticCorpus, TokenData, Tokenizer,
+    read_labeled, read_source_target, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleSet, MaskOptions,
+    MaskedSet, Order, Seq2SeqSet, SyntheticCorpus, TokenData, Tokenizer,
 };
 use strata::io::FolderOut;
 use strata::model::{BertConfig, BertHead, ModelConfig};
@@ -46,6 +46,10 @@ fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, 
                 let records = read_source_target(path)?;
                 Seq2SeqSet::encode(&records, &tokenizer, (ctx, ctx), (pad, decoder_start), source)?.into()
             }
+            RecordTask::MaskedText => {
+                let options = MaskOptions { seed: settings.seed, ..MaskOptions::default() };
+                MaskedSet::from_text(path, &tokenizer, ctx, options)?.into()
+            }
         };
         if let Some(rows) = set.row_set() {
             tracing::info!(source = %path.display(), records = rows.len(), tokens = rows.tokens(), longest = rows.longest(), "{}", task.records());
@@ -82,6 +86,8 @@ enum RecordTask<'a> {
     Classify { labels: &'a [String], pad: u32 },
     /// T5: sources with their targets.
     SourceTarget { pad: i64, decoder_start: i64 },
+    /// A BERT masked language model: text, its tokens masked for prediction.
+    MaskedText,
 }
 
 impl RecordTask<'_> {
@@ -89,6 +95,7 @@ impl RecordTask<'_> {
         match self {
             RecordTask::Classify { .. } => "labeled texts",
             RecordTask::SourceTarget { .. } => "sources with targets",
+            RecordTask::MaskedText => "masked text",
         }
     }
 
@@ -96,6 +103,7 @@ impl RecordTask<'_> {
         match self {
             RecordTask::Classify { .. } => "a classifier trains on labeled records",
             RecordTask::SourceTarget { .. } => "an encoder-decoder trains on records of a source and a target",
+            RecordTask::MaskedText => "a masked language model trains on text, a line a text",
         }
     }
 
@@ -103,12 +111,13 @@ impl RecordTask<'_> {
         match self {
             RecordTask::Classify { .. } => ".jsonl or FILE.csv",
             RecordTask::SourceTarget { .. } => ".jsonl",
+            RecordTask::MaskedText => ".txt",
         }
     }
 }
 
-/// Where the run starts from the folder of a model whose task reads records (a BERT
-/// classifier, T5): the folder and the task.
+/// Where the run starts from the folder of a model whose task reads records a row each (a
+/// BERT classifier, T5, a BERT masked language model): the folder and the task.
 fn record_task(settings: &TrainSettings) -> Option<(&Path, RecordTask<'_>)> {
     let folder = settings.model_dir.as_ref()?;
     let task = match &folder.config {
@@ -116,6 +125,7 @@ fn record_task(settings: &TrainSettings) -> Option<(&Path, RecordTask<'_>)> {
             RecordTask::Classify { labels, pad: padding.unwrap_or(0) as u32 }
         }
         ModelConfig::T5(c) => RecordTask::SourceTarget { pad: c.padding, decoder_start: c.decoder_start },
+        ModelConfig::Bert(BertConfig { head: BertHead::MaskedLm, .. }) => RecordTask::MaskedText,
         _ => return None,
     };
     Some((folder.dir.as_path(), task))

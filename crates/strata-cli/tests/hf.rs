@@ -635,3 +635,69 @@ fn a_bert_classifier_trains_under_patrickstars_configuration_with_its_embedding_
     assert_eq!(host["params"].as_u64(), Some(embedding), "{host}");
     assert_eq!(host["optimizer_state"].as_u64(), Some(2 * embedding), "{host}");
 }
+
+/// Masked-language pretraining from the command line: a BERT masked language model's folder
+/// trains on text (a line a text, joined and cut into rows, 15% of the words masked), its
+/// validation loss on the masked words falls, and `strata eval` of the written folder
+/// reports the run's last validation loss on the same masked words (the first two batches).
+#[test]
+fn a_bert_masked_language_model_pretrains_on_text() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("bert-mlm");
+    reference(&py, &["make", "--family", "bert-mlm", "--out", s(&folder)]);
+    let (train, val) = (dir.path().join("train.txt"), dir.path().join("val.txt"));
+    // Each line's words are reviews; the model learns which words follow which.
+    let text = |seed: u64, lines: usize| -> String {
+        let records = reviews(lines, seed, false);
+        records
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["text"].as_str().unwrap().to_string() + "\n")
+            .collect()
+    };
+    std::fs::write(&train, text(5, 600)).unwrap();
+    std::fs::write(&val, text(6, 160)).unwrap();
+    let evaluate = |model: &Path| -> f64 {
+        let eval = ["eval", "--model-dir", s(model), "--val-data", s(&val), "--ctx", "32", "--json"];
+        let o = strata(&[&eval[..], &["--batch-size", "16", "--eval-batches", "2"]].concat());
+        assert!(o.status.success(), "eval:\n{}", stderr(&o));
+        let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(out["masked_tokens"].as_u64().unwrap() > 20, "{out}");
+        out["loss"].as_f64().unwrap()
+    };
+    let untrained = evaluate(&folder);
+    let (trained, metrics) = (dir.path().join("trained"), dir.path().join("metrics.jsonl"));
+    let o = strata(&[
+        "train",
+        "--model-dir",
+        s(&folder),
+        "--data",
+        s(&train),
+        "--val-data",
+        s(&val),
+        "--ctx",
+        "32",
+        "--batch-size",
+        "16",
+        "--steps",
+        "80",
+        "--eval-every",
+        "80",
+        "--eval-batches",
+        "2",
+        "--lr",
+        "0.003",
+        "--threads",
+        "1",
+        "--metrics",
+        s(&metrics),
+        "--save-model-dir",
+        s(&trained),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let last = val_losses(&metrics)[0].1;
+    let evaluated = evaluate(&trained);
+    eprintln!("masked-word loss {untrained:.4} -> {last:.4} (strata eval {evaluated:.4})");
+    assert!(last < 0.8 * untrained, "the loss on masked words falls: {untrained} -> {last}");
+    assert!((evaluated - last).abs() < 1e-5, "strata eval {evaluated}, the run's last validation {last}");
+}

@@ -1,10 +1,13 @@
 //! A record task's scores on held-out records, as a user of the task reads them: a
 //! classifier's loss, accuracy and macro-F1; an encoder–decoder's loss and the ROUGE-L of
-//! its greedy generations against the references.
+//! its greedy generations against the references; a masked language model's loss on the
+//! tokens it predicts.
 //!
 //! Owns batching the records for scoring and the scores' arithmetic over them. Must not
 //! train or place weights: it runs forwards and generation on the engine it is lent.
-use crate::data::{predictions, rouge_l, scores, Batch, ClassifySet, RowSet, Scores, Seq2SeqSet, Step, Tokenizer};
+use crate::data::{
+    predictions, rouge_l, scores, Batch, ClassifySet, MaskedSet, RowSet, Scores, Seq2SeqSet, Step, Tokenizer,
+};
 use crate::engine::Engine;
 use crate::generate::{generate_from_source, GenerateConfig};
 use crate::{Error, Result};
@@ -29,21 +32,38 @@ pub struct Seq2SeqReport {
     pub records: usize,
 }
 
-/// The records of `set` in batches of `rows` on `device`, each a step of its own.
-fn steps(set: &dyn RowSet, rows: usize, device: tch::Device) -> Result<Vec<Step>> {
-    if rows == 0 {
-        return Err(Error::Config("a scoring batch needs at least one row".into()));
+/// A masked language model's scores on masked text.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct MaskedLmReport {
+    /// Mean cross-entropy per masked token.
+    pub loss: f64,
+    pub masked_tokens: u64,
+}
+
+/// How much of a set is scored: `rows` records a batch, the first `batches` batches (all,
+/// the last one partial, where `None`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scoring {
+    pub rows: usize,
+    pub batches: Option<usize>,
+}
+
+/// The records of `set` in batches as `scoring` says, on `device`, each a step of its own.
+fn steps(set: &dyn RowSet, scoring: Scoring, device: tch::Device) -> Result<Vec<Step>> {
+    if scoring.rows == 0 || scoring.batches == Some(0) {
+        return Err(Error::Config("scoring needs at least one row and one batch".into()));
     }
     let all: Vec<usize> = (0..set.len()).collect();
-    all.chunks(rows)
+    all.chunks(scoring.rows)
+        .take(scoring.batches.unwrap_or(usize::MAX))
         .enumerate()
         .map(|(i, chunk)| Ok(Step::new(i, vec![set.batch(chunk)?.to_device(device)?])))
         .collect()
 }
 
-/// `engine`'s loss, accuracy and macro-F1 on `set`, `rows` texts a batch.
-pub fn classify(engine: &mut Engine, set: &ClassifySet, rows: usize, classes: usize) -> Result<ClassifyReport> {
-    let steps = steps(set, rows, engine.config().device)?;
+/// `engine`'s loss, accuracy and macro-F1 on the texts of `set` that `scoring` takes.
+pub fn classify(engine: &mut Engine, set: &ClassifySet, scoring: Scoring, classes: usize) -> Result<ClassifyReport> {
+    let steps = steps(set, scoring, engine.config().device)?;
     let mut predicted = Vec::with_capacity(set.len());
     let mut losses = Vec::with_capacity(steps.len());
     for batch in steps.iter().flat_map(|s| &s.micro_batches) {
@@ -51,21 +71,23 @@ pub fn classify(engine: &mut Engine, set: &ClassifySet, rows: usize, classes: us
         predicted.extend(predictions(&logits)?);
         losses.push(loss);
     }
-    let Scores { accuracy, macro_f1 } = scores(&predicted, set.labels(), classes);
-    Ok(ClassifyReport { loss: crate::train::token_mean(&steps, &losses)?, accuracy, macro_f1, texts: set.len() })
+    let truth = &set.labels()[..predicted.len()];
+    let Scores { accuracy, macro_f1 } = scores(&predicted, truth, classes);
+    Ok(ClassifyReport { loss: crate::train::token_mean(&steps, &losses)?, accuracy, macro_f1, texts: predicted.len() })
 }
 
-/// `engine`'s loss on `set` (`rows` records a batch) and the mean ROUGE-L of the targets it
-/// writes for each source under `generation` (greedy unless it samples), both sides decoded
-/// by `tokenizer` without the stop tokens.
+/// `engine`'s loss on the records of `set` that `scoring` takes and the mean ROUGE-L of the
+/// targets it writes for their sources under `generation` (greedy unless it samples), both
+/// sides decoded by `tokenizer` without the stop tokens.
 pub fn seq2seq(
     engine: &mut Engine,
     set: &Seq2SeqSet,
-    rows: usize,
+    scoring: Scoring,
     tokenizer: &Tokenizer,
     generation: &GenerateConfig,
 ) -> Result<Seq2SeqReport> {
-    let steps = steps(set, rows, engine.config().device)?;
+    let steps = steps(set, scoring, engine.config().device)?;
+    let records = steps.iter().flat_map(|s| &s.micro_batches).map(|b| b.inputs.size()[0] as usize).sum();
     let losses = steps
         .iter()
         .flat_map(|s| &s.micro_batches)
@@ -81,13 +103,25 @@ pub fn seq2seq(
         tokenizer.decode(&kept)
     };
     let mut total = 0.0;
-    for r in 0..set.len() {
+    for r in 0..records {
         let source: Vec<i64> = set.source_ids(r).iter().map(|&t| i64::from(t)).collect();
         let written = generate_from_source(engine, &source, set.decoder_start(), generation)?;
         let reference: Vec<i64> = set.target_ids(r).iter().map(|&t| i64::from(t)).collect();
         total += rouge_l(&text(&written)?, &text(&reference)?);
     }
-    Ok(Seq2SeqReport { loss, rouge_l: total / set.len().max(1) as f64, records: set.len() })
+    Ok(Seq2SeqReport { loss, rouge_l: total / records.max(1) as f64, records })
+}
+
+/// `engine`'s loss on the masked tokens of the rows of `set` that `scoring` takes.
+pub fn masked_lm(engine: &mut Engine, set: &MaskedSet, scoring: Scoring) -> Result<MaskedLmReport> {
+    let steps = steps(set, scoring, engine.config().device)?;
+    let losses = steps
+        .iter()
+        .flat_map(|s| &s.micro_batches)
+        .map(|batch| forward(engine, batch).map(|(_, loss)| loss))
+        .collect::<Result<Vec<_>>>()?;
+    let masked_tokens = steps.iter().map(|s| s.global_supervised).sum();
+    Ok(MaskedLmReport { loss: crate::train::token_mean(&steps, &losses)?, masked_tokens })
 }
 
 /// The batch's output and its mean loss, forward only.

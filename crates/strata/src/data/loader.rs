@@ -187,6 +187,7 @@ pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usi
         (Dataset::Examples(e), None) => (e.len(), "examples".to_string(), 1),
         (Dataset::Labeled(l), None) => (l.len(), "labeled texts".to_string(), 1),
         (Dataset::SourceTarget(s), None) => (s.len(), "sources with targets".to_string(), 1),
+        (Dataset::Masked(m), None) => (m.len(), format!("masked rows of {} tokens", m.longest()), 1),
     };
     let fit = held / config.batch_size;
     let count = match count {
@@ -233,7 +234,7 @@ impl DataLoader {
             Dataset::Tokens(t) => t.check_length(config.ctx)?,
             Dataset::Examples(e) if e.is_empty() => return Err(Error::Data(format!("{} holds no example", e.source))),
             Dataset::Examples(_) => {}
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) => match data.row_set() {
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => match data.row_set() {
                 Some(rows) if rows.is_empty() => return Err(Error::Data(format!("{} holds no record", rows.source()))),
                 _ => {}
             },
@@ -355,7 +356,7 @@ impl OffsetStream {
             Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
             Dataset::Examples(e) if config.pack => Items::Packed { lengths: lengths(e).into() },
             Dataset::Examples(e) => Items::Examples { count: e.len() },
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) => {
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
                 Items::Examples { count: data.row_set().map_or(0, |r| r.len()) }
             }
         };
@@ -464,7 +465,7 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
                         t.extend_window(&mut targets, row[0] + 1, ctx);
                     }
                     Dataset::Examples(e) => examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()),
-                    Dataset::Labeled(_) | Dataset::SourceTarget(_) => {
+                    Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
                         unreachable!("records are batched whole above")
                     }
                 }
@@ -489,7 +490,7 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
     let global_supervised = match data {
         Dataset::Tokens(_) => (global.len() * ctx) as u64,
         Dataset::Examples(e) => global.iter().flatten().map(|&i| learned_targets(e, i)).sum(),
-        Dataset::Labeled(_) | Dataset::SourceTarget(_) => {
+        Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
             let set = data.row_set();
             global.iter().flatten().map(|&i| set.map_or(0, |s| s.supervised(i))).sum()
         }

@@ -13,6 +13,7 @@
 pub mod chat;
 mod classify;
 mod loader;
+mod masked;
 pub mod records;
 mod seq2seq;
 mod synthetic;
@@ -21,6 +22,7 @@ mod tokenize;
 pub use crate::model::layers::IGNORE;
 pub use classify::{predictions, read_labeled, scores, ClassifySet, LabeledText, Scores};
 pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step};
+pub use masked::{MaskOptions, MaskedSet};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
 pub use seq2seq::{read_source_target, rouge_l, Seq2SeqSet, SourceTarget};
 pub use synthetic::SyntheticCorpus;
@@ -43,6 +45,14 @@ impl Tokenizer {
         let t = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::Data(format!("{}: not a usable tokenizer.json: {e}", path.display())))?;
         Ok(Tokenizer::HuggingFace(Box::new(t)))
+    }
+
+    /// The id of `token` in the vocabulary, where it is one.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        match self {
+            Tokenizer::Bytes => None,
+            Tokenizer::HuggingFace(t) => t.token_to_id(token),
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -172,6 +182,8 @@ pub enum Dataset {
     Labeled(ClassifySet),
     /// Sources each with its target, a row each (an encoder–decoder's task).
     SourceTarget(Seq2SeqSet),
+    /// Rows of text with tokens masked for prediction (masked-language pretraining).
+    Masked(MaskedSet),
 }
 
 /// Records batched a record a row, each batch padded to its longest record (labeled texts,
@@ -202,6 +214,12 @@ impl From<ClassifySet> for Dataset {
     }
 }
 
+impl From<MaskedSet> for Dataset {
+    fn from(data: MaskedSet) -> Dataset {
+        Dataset::Masked(data)
+    }
+}
+
 impl From<Seq2SeqSet> for Dataset {
     fn from(data: Seq2SeqSet) -> Dataset {
         Dataset::SourceTarget(data)
@@ -226,6 +244,7 @@ impl Dataset {
         match self {
             Dataset::Labeled(l) => Some(l),
             Dataset::SourceTarget(s) => Some(s),
+            Dataset::Masked(m) => Some(m),
             Dataset::Tokens(_) | Dataset::Examples(_) => None,
         }
     }
@@ -235,7 +254,9 @@ impl Dataset {
         match self {
             Dataset::Tokens(t) => &t.source,
             Dataset::Examples(e) => &e.source,
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) => self.row_set().map_or("", |r| r.source()),
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
+                self.row_set().map_or("", |r| r.source())
+            }
         }
     }
 
@@ -277,6 +298,10 @@ impl Dataset {
             Dataset::SourceTarget(s) => {
                 check_rows(&s.source, ("a source or target", s.longest_part()), ctx, "")?;
                 check_vocab(&s.source, s.vocab_needed(), vocab)
+            }
+            Dataset::Masked(m) => {
+                check_rows(&m.source, ("a row", m.longest()), ctx, "")?;
+                check_vocab(&m.source, m.vocab_needed(), vocab)
             }
         }
     }
