@@ -69,6 +69,14 @@ fn setup(py: &Path, dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     (folder, train, val)
 }
 
+/// `strata train` of a T5 folder on the training and validation records, rows of 40 tokens
+/// in batches of 8, with `extra` flags.
+fn train_t5(folder: &Path, train: &Path, val: &Path, extra: &[&str]) -> std::process::Output {
+    let files = ["--model-dir", s(folder), "--data", s(train), "--val-data", s(val)];
+    let shape = ["--ctx", "40", "--batch-size", "8", "--lr", "0.003", "--threads", "1"];
+    strata(&[&["train"][..], &files, &shape, extra].concat())
+}
+
 /// `strata eval` of a T5 folder on the validation records: (loss, ROUGE-L).
 fn eval(folder: &Path, val: &Path) -> (f64, f64) {
     let o = strata(&[
@@ -101,31 +109,8 @@ fn t5_fine_tunes_on_summaries_as_the_fsdp_tutorial_does() {
     let (folder, train, val) = setup(&py, dir.path());
     let (loss_before, rouge_before) = eval(&folder, &val);
     let trained = dir.path().join("trained");
-    let o = strata(&[
-        "train",
-        "--model-dir",
-        s(&folder),
-        "--data",
-        s(&train),
-        "--val-data",
-        s(&val),
-        "--ctx",
-        "40",
-        "--batch-size",
-        "8",
-        "--steps",
-        "60",
-        "--lr",
-        "0.003",
-        "--threads",
-        "1",
-        "--nproc",
-        "2",
-        "--strategy",
-        TUTORIAL,
-        "--save-model-dir",
-        s(&trained),
-    ]);
+    let flags = ["--steps", "60", "--nproc", "2", "--strategy", TUTORIAL, "--save-model-dir", s(&trained)];
+    let o = train_t5(&folder, &train, &val, &flags);
     assert!(o.status.success(), "{}", stderr(&o));
     let (loss_after, rouge_after) = eval(&trained, &val);
     eprintln!("validation loss {loss_before:.4} -> {loss_after:.4}, ROUGE-L {rouge_before:.4} -> {rouge_after:.4}");
@@ -147,7 +132,7 @@ fn val_losses(metrics: &Path) -> Vec<(u64, f64)> {
 /// Four steps of T5 alone, over two ranks with fsdp and with zero2 recomputing its
 /// blocks, split by tensor parallel, in two pipeline stages and with its optimizer on the
 /// host: the validation losses after two and four steps equal the single process's (fp32,
-/// 1e-5 relative) and differ from the untrained model's.
+/// 2e-6 relative) and differ from the untrained model's.
 #[test]
 fn t5_trains_alike_alone_sharded_split_staged_recomputed_and_offloaded() {
     let Some(py) = python() else { return };
@@ -179,34 +164,8 @@ fn t5_trains_alike_alone_sharded_split_staged_recomputed_and_offloaded() {
     let mut single = vec![];
     for (name, extra) in runs {
         let metrics = dir.path().join(format!("{name}.jsonl"));
-        let args = [
-            "train",
-            "--model-dir",
-            s(&folder),
-            "--data",
-            s(&train),
-            "--val-data",
-            s(&val),
-            "--ctx",
-            "40",
-            "--batch-size",
-            "8",
-            "--accumulation",
-            "2",
-            "--steps",
-            "4",
-            "--eval-every",
-            "2",
-            "--lr",
-            "0.003",
-            "--schedule",
-            "constant",
-            "--threads",
-            "1",
-            "--metrics",
-            s(&metrics),
-        ];
-        let o = strata(&[&args[..], extra].concat());
+        let steps = ["--accumulation", "2", "--steps", "4", "--eval-every", "2", "--schedule", "constant"];
+        let o = train_t5(&folder, &train, &val, &[&steps[..], &["--metrics", s(&metrics)], extra].concat());
         assert!(o.status.success(), "{name}:\n{}", stderr(&o));
         let losses = val_losses(&metrics);
         eprintln!("{name}: validation losses {losses:?}");
@@ -217,7 +176,8 @@ fn t5_trains_alike_alone_sharded_split_staged_recomputed_and_offloaded() {
             continue;
         }
         for ((_, ours), (_, alone)) in losses.iter().zip(&single) {
-            assert!((ours - alone).abs() / alone < 1e-5, "{name}: {losses:?} against one process's {single:?}");
+            // Tighter than fp32's 1e-5: a pipeline stage that took a tied table twice was 6e-6 off.
+            assert!((ours - alone).abs() / alone < 2e-6, "{name}: {losses:?} against one process's {single:?}");
         }
     }
 }

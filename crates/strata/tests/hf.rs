@@ -904,3 +904,31 @@ fn t5_greedy_generation_equals_transformers() {
         assert!(distinct > 3, "{family}: a generation this repetitive compares little: {theirs:?}");
     }
 }
+
+/// A T5 folder's Unigram tokenizer encodes as `transformers`' does: pieces chosen by their
+/// scores (whole words before their letters), the metaspace before each word, unknown
+/// characters as `<unk>`, `</s>` closing each text, cut to a most length with `</s>` kept.
+#[test]
+fn t5_unigram_tokenizer_encodes_as_transformers_does() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("t5");
+    make(&py, "t5", &dir, None);
+    let tokenizer = strata::data::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+    let texts: Vec<(&str, Option<&str>)> = vec![
+        ("summarize: it was the best of times, it was the worst of times.", None),
+        ("The Queens said: playing is fun!", None),
+        ("kings summarized stories", Some("it was the age of wisdom")),
+        ("zebra quartz 123", None),
+    ];
+    for max_length in [64, 6] {
+        let json = serde_json::to_string(&texts).unwrap();
+        let args = ["encode-pairs", "--dir", dir.to_str().unwrap(), "--texts", &json, "--max-length"];
+        let theirs: Vec<(Vec<u32>, Vec<u32>)> =
+            serde_json::from_str(&reference(&py, &[&args[..], &[&max_length.to_string()]].concat())).unwrap();
+        let ours = tokenizer.encode_pairs(&texts, max_length).unwrap();
+        assert_eq!(ours, theirs, "max length {max_length}");
+        assert!(ours.iter().all(|(ids, _)| ids.len() <= max_length && ids.last() == Some(&1)));
+    }
+    assert!(tokenizer.encode_pairs(&texts[3..], 64).unwrap()[0].0.contains(&2), "unknown characters are <unk>");
+}
