@@ -153,3 +153,34 @@ fn lora_is_chosen_where_full_fine_tuning_fits_no_candidate() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("error: invalid configuration: auto_accelerate found no strategy"), "{}", stderr(&o));
 }
+
+/// A device budget too small for the search's own profiling pass (one unit and one
+/// micro-batch at a time) ends the run with the reason in one line, not a bare shortage.
+#[test]
+fn a_budget_below_the_profiling_pass_is_refused_with_its_reason() {
+    let _serial = serial();
+    let o = strata(&[
+        "train",
+        "--layers",
+        "2",
+        "--dim",
+        "64",
+        "--heads",
+        "4",
+        "--ctx",
+        "32",
+        "--batch-size",
+        "8",
+        "--steps",
+        "1",
+        "--strategy",
+        "auto",
+        "--device-memory",
+        "262144",
+    ]);
+    common::assert_fails_with(
+        &o,
+        "profiling one micro-batch unit by unit in fp32 already needs more than the device budget of 262144 bytes",
+    );
+    assert_eq!(stderr(&o).trim().lines().filter(|l| !l.contains(" INFO ")).count(), 1, "{}", stderr(&o));
+}

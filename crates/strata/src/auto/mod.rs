@@ -379,7 +379,15 @@ fn search_with(
 ) -> Result<std::result::Result<Choice, String>> {
     let o = &job.options;
     let b = bench(job, DEFAULT_BUCKET_BYTES, steps, lora)?;
-    let analysis = bench::analyse(&b)?;
+    // The profiling pass holds one unit and one micro-batch's fp32 activations: where even
+    // that exceeds the budget, no candidate can fit.
+    let analysis = bench::analyse(&b).map_err(|e| match e {
+        Error::OutOfMemory { placement, budget, .. } => Error::Config(format!(
+            "auto_accelerate found no strategy: profiling one micro-batch unit by unit in fp32 already needs more \
+             than the {placement} budget of {budget} bytes; give more memory or a smaller micro-batch"
+        )),
+        other => other,
+    })?;
     // Offload is worth trying only where a device budget can be short.
     let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
     let cands =
