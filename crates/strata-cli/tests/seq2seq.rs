@@ -132,15 +132,17 @@ fn val_losses(metrics: &Path) -> Vec<(u64, f64)> {
 /// Four steps of T5 alone, over two ranks with fsdp and with zero2 recomputing its
 /// blocks, split by tensor parallel, in two pipeline stages and with its optimizer on the
 /// host: the validation losses after two and four steps equal the single process's (fp32,
-/// 2e-6 relative) and differ from the untrained model's.
+/// 2e-6 relative) and differ from the untrained model's; under the tutorial's fsdp with bf16
+/// parameters they stay within 2e-2 and move by at least 1e-5.
 #[test]
 fn t5_trains_alike_alone_sharded_split_staged_recomputed_and_offloaded() {
     let Some(py) = python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let (folder, train, val) = setup(&py, dir.path());
     let (untrained, _) = eval(&folder, &val);
-    let runs: [(&str, &[&str]); 6] = [
+    let runs: [(&str, &[&str]); 7] = [
         ("one", &[]),
+        ("fsdp-bf16", &["--nproc", "2", "--strategy", TUTORIAL]),
         ("fsdp", &["--nproc", "2", "--strategy", r#"[["fsdp", {"backward_prefetch": "BACKWARD_PRE"}]]"#]),
         (
             "zero2",
@@ -175,9 +177,15 @@ fn t5_trains_alike_alone_sharded_split_staged_recomputed_and_offloaded() {
             single = losses;
             continue;
         }
-        for ((_, ours), (_, alone)) in losses.iter().zip(&single) {
+        let gaps: Vec<f64> =
+            losses.iter().zip(&single).map(|((_, ours), (_, alone))| (ours - alone).abs() / alone).collect();
+        let worst = gaps.iter().copied().fold(0.0, f64::max);
+        if name == "fsdp-bf16" {
+            // bf16 parameters round: near one process, and not equal to it.
+            assert!((1e-5..2e-2).contains(&worst), "{name}: {losses:?} against one process's {single:?}");
+        } else {
             // Tighter than fp32's 1e-5: a pipeline stage that took a tied table twice was 6e-6 off.
-            assert!((ours - alone).abs() / alone < 2e-6, "{name}: {losses:?} against one process's {single:?}");
+            assert!(worst < 2e-6, "{name}: {losses:?} against one process's {single:?}");
         }
     }
 }
