@@ -5,7 +5,7 @@
 //! it).
 //!
 //! Owns loading the model and turning flags into the library's settings. Must not decode or
-//! evaluate itself: `strata::generate` and `strata::train::evaluate` do.
+//! evaluate itself: `strata::generate`, `strata::train::evaluate` and `strata::tasks` do.
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;

@@ -853,8 +853,9 @@ impl Engine {
     /// Forward of the next positions of sequences whose earlier positions went through the
     /// same `caches` (one per unit, each [`DecodeCache::default`] at the start): decoding with
     /// a key/value cache, recording nothing for backward. Units read the layout set by
-    /// [`Engine::set_layout`] (an encoder–decoder's first step names its source there). Each unit runs as declared, without
-    /// the strategy's compute policy; units split over a tensor group are refused.
+    /// [`Engine::set_layout`] (an encoder–decoder's first step names its source there). Each
+    /// unit runs as declared, without the strategy's compute policy; units split over a
+    /// tensor group are refused.
     pub fn decode(&mut self, input: &Tensor, caches: &mut [DecodeCache]) -> Result<Tensor> {
         if self.config.tensor.is_some() {
             return Err(Error::Config("decoding runs whole units: the model is split over a tensor group".into()));
