@@ -64,6 +64,18 @@ impl Loaded {
     }
 }
 
+impl Loaded {
+    /// The tokens that end a generated text: the folder's `eos_token_id`; without a folder,
+    /// an encoder–decoder's `</s>` where its tokenizer has one.
+    fn stop_tokens(&self) -> Vec<i64> {
+        match (&self.folder, &self.config) {
+            (Some(folder), _) => folder.eos_tokens(),
+            (None, ModelConfig::T5(_)) => self.tokenizer.token_id("</s>").map(i64::from).into_iter().collect(),
+            (None, _) => vec![],
+        }
+    }
+}
+
 impl ModelSource {
     fn load(&self) -> Result<Loaded> {
         if let Some(t) = self.threads {
@@ -167,7 +179,7 @@ fn eval_records(args: &EvalArgs, loaded: &mut Loaded) -> Result<bool> {
                 (c.padding, c.decoder_start),
                 source,
             )?;
-            let stop_tokens = loaded.folder.as_ref().map(ModelDir::eos_tokens).unwrap_or_default();
+            let stop_tokens = loaded.stop_tokens();
             let generation = GenerateConfig { max_new_tokens: args.max_new_tokens, stop_tokens, ..Default::default() };
             let r = strata::tasks::seq2seq(&mut loaded.engine, &set, scoring, tokenizer, &generation)?;
             let line = format!("validation loss {:.6}, ROUGE-L {:.4} ({} records)", r.loss, r.rouge_l, r.records);
@@ -295,6 +307,9 @@ fn chat_prompt(args: &GenerateArgs, loaded: &Loaded) -> Result<(Vec<u32>, Option
 
 pub fn run_generate(args: GenerateArgs) -> Result<()> {
     let mut loaded = args.source.load()?;
+    if args.chat && matches!(loaded.config, ModelConfig::T5(_)) {
+        bail!("--chat renders a conversation for a decoder; an encoder-decoder reads the prompt as its source");
+    }
     let (prompt, chat_end) = match args.chat {
         true => chat_prompt(&args, &loaded)?,
         false => (loaded.text_tokenizer()?.encode(&args.prompt)?, None),
@@ -314,23 +329,13 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         top_k: args.top_k,
         top_p: args.top_p,
         seed: args.seed,
-        stop_tokens: loaded
-            .folder
-            .as_ref()
-            .map(ModelDir::eos_tokens)
-            .unwrap_or_default()
-            .into_iter()
-            .chain(chat_end)
-            .collect(),
+        stop_tokens: loaded.stop_tokens().into_iter().chain(chat_end).collect(),
         cache: !args.no_cache,
     };
     let new = match &loaded.config {
         // An encoder–decoder writes a target for the prompt, which it reads whole (with the
         // tokenizer's closing token); the target is printed alone.
         ModelConfig::T5(c) => {
-            if args.chat {
-                bail!("--chat renders a conversation for a decoder; an encoder-decoder reads the prompt as its source");
-            }
             let source = loaded.text_tokenizer()?.encode_pairs(&[(args.prompt.as_str(), None)], usize::MAX)?;
             let source: Vec<i64> = source[0].0.iter().map(|&t| i64::from(t)).collect();
             let new = generate_from_source(&mut loaded.engine, &source, c.decoder_start, &config)?;

@@ -77,8 +77,9 @@ pub fn classify(engine: &mut Engine, set: &ClassifySet, scoring: Scoring, classe
 }
 
 /// `engine`'s loss on the records of `set` that `scoring` takes and the mean ROUGE-L of the
-/// targets it writes for their sources under `generation` (greedy unless it samples), both
-/// sides decoded by `tokenizer` without the stop tokens.
+/// targets it writes for their sources under `generation` (greedy unless it samples),
+/// decoded by `tokenizer` without special tokens, against each record's target text as
+/// read (its ids decoded, for a set made from ids).
 pub fn seq2seq(
     engine: &mut Engine,
     set: &Seq2SeqSet,
@@ -100,14 +101,17 @@ pub fn seq2seq(
             .filter(|t| !generation.stop_tokens.contains(t))
             .map(|&t| u32::try_from(t).map_err(|_| Error::Data(format!("token {t} is no id"))))
             .collect::<Result<_>>()?;
-        tokenizer.decode(&kept)
+        tokenizer.decode_text(&kept)
     };
     let mut total = 0.0;
     for r in 0..records {
         let source: Vec<i64> = set.source_ids(r).iter().map(|&t| i64::from(t)).collect();
         let written = generate_from_source(engine, &source, set.decoder_start(), generation)?;
-        let reference: Vec<i64> = set.target_ids(r).iter().map(|&t| i64::from(t)).collect();
-        total += rouge_l(&text(&written)?, &text(&reference)?);
+        let reference = match set.reference(r) {
+            Some(read) => read.to_string(),
+            None => text(&set.target_ids(r).iter().map(|&t| i64::from(t)).collect::<Vec<_>>())?,
+        };
+        total += rouge_l(&text(&written)?, &reference);
     }
     Ok(Seq2SeqReport { loss, rouge_l: total / records.max(1) as f64, records })
 }
@@ -127,8 +131,10 @@ pub fn masked_lm(engine: &mut Engine, set: &MaskedSet, scoring: Scoring) -> Resu
 /// The batch's output and its mean loss, forward only.
 fn forward(engine: &mut Engine, batch: &Batch) -> Result<(tch::Tensor, f64)> {
     engine.set_layout(batch.layout.as_ref());
-    let out = engine.evaluate(&batch.inputs)?;
+    let out = engine.evaluate(&batch.inputs);
+    // The layout is this batch's alone, whatever the forward did.
     engine.set_layout(None);
+    let out = out?;
     let loss = engine.compute_loss(|| crate::model::layers::cross_entropy(&out, &batch.targets))?;
     Ok((out, loss.f_double_value(&[])?))
 }

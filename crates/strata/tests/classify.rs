@@ -84,7 +84,8 @@ fn a_bert_classifier_learns_labeled_texts_through_the_library_run() {
 }
 
 /// The library run feeds the model through the `prepare_input` it is given and takes the
-/// loss from its `loss`, in the run itself and in the search's dry runs.
+/// loss from its `loss`, in the run itself and in the search's dry runs; what the input
+/// function returns is what the model reads.
 #[test]
 fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -133,4 +134,13 @@ fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
     let auto = run::StrategySource::Auto(strata::auto::AutoOptions { dry_run_steps: 1, ..Default::default() });
     let (inputs, losses) = calls(auto);
     assert!(inputs > 4 && losses > 4, "the search's dry runs call them too: {inputs}, {losses}");
+    // What prepare_input returns is what the model reads: ids past the vocabulary fail.
+    let config = RunConfig {
+        steps: 1,
+        batch_size: 16,
+        ctx: 64,
+        prepare_input: Some(Arc::new(|b: &strata::data::Batch| Ok(b.inputs.f_add_scalar(10_000)?))),
+        ..RunConfig::default()
+    };
+    assert!(run::train(&model, &Data::new(set.clone()), &config, &mut []).is_err(), "the input went unread");
 }

@@ -134,8 +134,9 @@ impl RowSet for MaskedSet {
         self.rows.first().map_or(0, Vec::len)
     }
 
+    /// The tokenizer's whole vocabulary: a chosen token may be shown as any of its ids.
     fn vocab_needed(&self) -> u32 {
-        self.rows.iter().flatten().copied().chain([self.mask]).max().map_or(0, |m| m + 1)
+        self.rows.iter().flatten().copied().chain([self.mask]).max().map_or(0, |m| m + 1).max(self.vocab)
     }
 
     fn supervised(&self, row: usize) -> u64 {

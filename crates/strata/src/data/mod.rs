@@ -47,6 +47,15 @@ impl Tokenizer {
         Ok(Tokenizer::HuggingFace(Box::new(t)))
     }
 
+    /// `ids` as text without the tokenizer's special tokens (`</s>`, `<pad>`, `[CLS]`): what a
+    /// metric over written text reads, as `transformers`' `skip_special_tokens` decodes.
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        match self {
+            Tokenizer::Bytes => self.decode(ids),
+            Tokenizer::HuggingFace(t) => t.decode(ids, true).map_err(|e| Error::Data(format!("tokenizer failed: {e}"))),
+        }
+    }
+
     /// The id of `token` in the vocabulary, where it is one.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         match self {

@@ -50,6 +50,9 @@ pub fn read_source_target(path: &Path) -> Result<Vec<SourceTarget>> {
 pub struct Seq2SeqSet {
     sources: Vec<Vec<u32>>,
     targets: Vec<Vec<u32>>,
+    /// Each target's text as read, where the set was encoded from records: what a written
+    /// target is scored against, whole where its ids were cut.
+    references: Option<Vec<String>>,
     pad: i64,
     decoder_start: i64,
     /// Where the records came from, for messages.
@@ -75,7 +78,8 @@ impl Seq2SeqSet {
         };
         let sources = encode(records.iter().map(|r| (r.source.as_str(), None)).collect(), max_source)?;
         let targets = encode(records.iter().map(|r| (r.target.as_str(), None)).collect(), max_target)?;
-        Seq2SeqSet::from_ids(sources, targets, (pad, decoder_start), source)
+        let set = Seq2SeqSet::from_ids(sources, targets, (pad, decoder_start), source)?;
+        Ok(Seq2SeqSet { references: Some(records.iter().map(|r| r.target.clone()).collect()), ..set })
     }
 
     /// Records already encoded: each source's and target's ids.
@@ -92,7 +96,7 @@ impl Seq2SeqSet {
         if let Some(at) = sources.iter().zip(&targets).position(|(s, t)| s.is_empty() || t.is_empty()) {
             return Err(Error::Data(format!("{source}: record {} holds no tokens", at + 1)));
         }
-        Ok(Seq2SeqSet { sources, targets, pad, decoder_start, source })
+        Ok(Seq2SeqSet { sources, targets, references: None, pad, decoder_start, source })
     }
 
     /// Record `r`'s source ids.
@@ -100,9 +104,14 @@ impl Seq2SeqSet {
         &self.sources[r]
     }
 
-    /// Record `r`'s target ids (the reference a generated target is scored against).
+    /// Record `r`'s target ids.
     pub fn target_ids(&self, r: usize) -> &[u32] {
         &self.targets[r]
+    }
+
+    /// Record `r`'s target text as read, where the set was encoded from records.
+    pub fn reference(&self, r: usize) -> Option<&str> {
+        self.references.as_ref().map(|t| t[r].as_str())
     }
 
     /// The most tokens of one source or one target.
@@ -133,8 +142,10 @@ impl RowSet for Seq2SeqSet {
         self.sources.iter().zip(&self.targets).map(|(s, t)| s.len() + t.len()).max().unwrap_or(0)
     }
 
+    /// The padding and the start token included: both are looked up.
     fn vocab_needed(&self) -> u32 {
-        self.sources.iter().chain(&self.targets).flatten().max().map_or(0, |&m| m + 1)
+        let ids = self.sources.iter().chain(&self.targets).flatten().map(|&t| i64::from(t));
+        ids.chain([self.pad, self.decoder_start]).max().map_or(0, |m| (m + 1) as u32)
     }
 
     fn supervised(&self, r: usize) -> u64 {
@@ -145,6 +156,9 @@ impl RowSet for Seq2SeqSet {
     /// the start token and its target but the last token, padded to the longest target; the
     /// labels its target, padding [`IGNORE`]d.
     fn batch(&self, rows: &[usize]) -> Result<Batch> {
+        if let Some(&bad) = rows.iter().find(|&&r| r >= self.len()) {
+            return Err(Error::Data(format!("record {bad} of {}", self.len())));
+        }
         let sources = rows.iter().map(|&r| self.sources[r].len()).max().unwrap_or(0).max(1);
         let targets = rows.iter().map(|&r| self.targets[r].len()).max().unwrap_or(0).max(1);
         let (mut inputs, mut labels) = (Vec::new(), Vec::new());
@@ -167,12 +181,13 @@ impl RowSet for Seq2SeqSet {
 }
 
 /// ROUGE-L of `candidate` against `reference`: the F-measure of the precision and recall of
-/// their longest common subsequence of words. Words are the lower-cased runs of letters and
-/// digits, as the reference implementation (Google's `rouge_score`) tokenizes without
-/// stemming; 0 where either has none.
+/// their longest common subsequence of words. Words are the runs of ASCII letters and digits
+/// of the lower-cased text (anything else separates them), as the reference implementation
+/// (Google's `rouge_score`) tokenizes without stemming; 0 where either has none.
 pub fn rouge_l(candidate: &str, reference: &str) -> f64 {
     let words = |text: &str| -> Vec<String> {
-        text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).map(str::to_lowercase).collect()
+        let lower = text.to_lowercase();
+        lower.split(|c: char| !c.is_ascii_alphanumeric()).filter(|w| !w.is_empty()).map(String::from).collect()
     };
     let (c, r) = (words(candidate), words(reference));
     if c.is_empty() || r.is_empty() {
@@ -208,6 +223,8 @@ mod tests {
         assert_eq!(rouge_l("a b c", "a b c"), 1.0);
         assert_eq!(rouge_l("x y", "a b"), 0.0);
         assert_eq!(rouge_l("", "a"), 0.0);
+        // Letters outside ASCII separate words, as rouge_score's tokenizer treats them.
+        assert_eq!(rouge_l("Café au lait", "caf au lait"), 1.0);
         // Order matters: a reversed text shares one word in sequence.
         assert!((rouge_l("c b a", "a b c") - 1.0 / 3.0).abs() < 1e-12);
     }

@@ -868,7 +868,9 @@ impl Engine {
         for (k, cache) in caches.iter_mut().enumerate() {
             self.run_schedule(Phase::BeforeForward, k)?;
             let input = self.where_unit_computes(k, &x)?;
-            let params = Params::new(&self.params).with_adapters(&self.spec.adapters).with_layout(self.layout.as_ref());
+            let moved = self.layout_on_host(k, self.layout.as_ref())?;
+            let layout = moved.as_ref().or(self.layout.as_ref());
+            let params = Params::new(&self.params).with_adapters(&self.spec.adapters).with_layout(layout);
             let y = tch::no_grad(|| self.spec.units[k].body.decode(&params, &input, cache))?;
             x = self.on_the_device(k, y)?;
             self.run_schedule(Phase::AfterForward, k)?;
@@ -1006,6 +1008,8 @@ impl Engine {
         let unit = &self.spec.units[k];
         let policy = &self.compute[k];
         let wrapped = self.unit_params(k)?;
+        let moved = self.layout_on_host(k, layout)?;
+        let layout = moved.as_ref().or(layout);
         let params = match &self.config.tensor {
             Some(tp) => Params::split(wrapped.as_deref().unwrap_or(&self.params), tp.as_ref()),
             None => Params::new(&self.params),
@@ -1022,6 +1026,17 @@ impl Engine {
             compute::run(policy, weights, recomputing, || unit.body.forward(&params, &input))?
         };
         self.on_the_device(k, output)
+    }
+
+    /// For a unit that computes on the host, `layout` moved there (`None`: it reads `layout`
+    /// where it is).
+    fn layout_on_host(&self, k: usize, layout: Option<&RowLayout>) -> Result<Option<RowLayout>> {
+        match layout {
+            Some(l) if self.config.computes_on_host(k) && l.positions.device() != Device::Cpu => {
+                Ok(Some(l.to_device(Device::Cpu)?))
+            }
+            _ => Ok(None),
+        }
     }
 
     /// `x` where unit `k` computes: on the host for a unit that computes there.

@@ -220,7 +220,7 @@ impl Family {
                 "resid_pdrop": 0.0,
             }),
             (Family::Bert, ModelConfig::Bert(c)) => bert_json(c),
-            (Family::T5, ModelConfig::T5(c)) => t5_json(c),
+            (Family::T5, ModelConfig::T5(c)) => t5_json(c)?,
             (family, ModelConfig::Llama(c)) if !matches!(family, Family::Gpt2 | Family::Bert | Family::T5) => {
                 if let Some(why) = family.cannot_write(c) {
                     return Err(Error::Config(why));
@@ -269,20 +269,28 @@ fn bert_json(c: &BertConfig) -> Value {
 }
 
 /// `config.json` keys of a T5 model.
-fn t5_json(c: &T5Config) -> Value {
+fn t5_json(c: &T5Config) -> Result<Value> {
     let activation = match c.activation {
         FeedForwardActivation::Relu => "relu",
         FeedForwardActivation::Gelu => "gelu",
         FeedForwardActivation::GeluTanh => "gelu_new",
         FeedForwardActivation::Silu => "silu",
     };
-    // transformers spells T5 v1.1's gated tanh GELU `gated-gelu`.
+    // transformers spells T5 v1.1's gated tanh GELU `gated-gelu`, and reads `gated-gelu` so
+    // whatever is written: a gated exact GELU has no spelling.
     let feed_forward = match (c.gated, c.activation) {
         (true, FeedForwardActivation::GeluTanh) => "gated-gelu".to_string(),
+        (true, FeedForwardActivation::Gelu) => {
+            return Err(Error::Config(
+                "a T5 feed-forward gated by exact GELU cannot be written: transformers reads \
+                 gated-gelu as GELU's tanh form"
+                    .into(),
+            ))
+        }
         (true, _) => format!("gated-{activation}"),
         (false, _) => activation.to_string(),
     };
-    json!({
+    Ok(json!({
         "vocab_size": c.vocab,
         "d_model": c.dim,
         "d_kv": c.head_dim,
@@ -301,7 +309,7 @@ fn t5_json(c: &T5Config) -> Value {
         "is_encoder_decoder": true,
         // Strata trains without dropout.
         "dropout_rate": 0.0,
-    })
+    }))
 }
 
 /// `config.json` keys of a decoder written as `family` (checked by [`Family::cannot_write`]).
@@ -645,7 +653,8 @@ impl Keys<'_> {
     fn t5(&self) -> KeyResult<T5Config> {
         let architectures = self.get("architectures").and_then(Value::as_array);
         match architectures.and_then(|a| a.first()).and_then(Value::as_str) {
-            Some("T5ForConditionalGeneration") | None => {}
+            // `T5WithLMHeadModel` is the same class's older name (t5-small's own folder).
+            Some("T5ForConditionalGeneration" | "T5WithLMHeadModel") | None => {}
             Some(other) => {
                 return Err(format!(
                     "config.json: architecture {other} has no task Strata runs (T5ForConditionalGeneration)"
@@ -1005,6 +1014,35 @@ mod tests {
             read(Family::Gemma2, json!({"layer_types": ["chunked_attention", "full_attention", "full_attention"]}))
                 .unwrap_err();
         assert!(types.contains("layer_types holds \"chunked_attention\""), "{types}");
+    }
+
+    #[test]
+    fn t5_reads_its_versions_and_writes_back_only_what_transformers_reads_alike() {
+        let read = |cfg: Value| Keys { cfg: cfg.as_object().unwrap(), prefix: String::new() }.t5();
+        let sizes = json!({"vocab_size": 32, "d_model": 8, "d_kv": 4, "d_ff": 16, "num_layers": 2, "num_heads": 2});
+        let with = |extra: Value| {
+            let mut cfg = sizes.clone();
+            cfg.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            read(cfg)
+        };
+        // t5-small's own folder names the class by its older name.
+        let v10 = with(json!({"architectures": ["T5WithLMHeadModel"]})).unwrap();
+        assert!(v10.tied_head && v10.scale_output && !v10.gated && v10.activation == FeedForwardActivation::Relu);
+        assert_eq!((v10.decoder_layers, v10.decoder_start), (2, 0));
+        let v11 = with(json!({"feed_forward_proj": "gated-gelu", "tie_word_embeddings": false})).unwrap();
+        assert!(!v11.tied_head && !v11.scale_output && v11.gated && v11.activation == FeedForwardActivation::GeluTanh);
+        let err = with(json!({"architectures": ["T5EncoderModel"]})).unwrap_err();
+        assert!(err.contains("architecture T5EncoderModel has no task"), "{err}");
+        let err = with(json!({"feed_forward_proj": "gated-mish"})).unwrap_err();
+        assert!(err.contains("activation \"mish\" is not supported"), "{err}");
+        // Written back, each reads as it was; a gated exact GELU would read as the tanh form.
+        for c in [v10, v11.clone()] {
+            let written = Family::T5.config_json(&ModelConfig::T5(c.clone()), &Map::new()).unwrap();
+            assert_eq!(read(written).unwrap(), c);
+        }
+        let exact = T5Config { activation: FeedForwardActivation::Gelu, ..v11 };
+        let err = Family::T5.config_json(&ModelConfig::T5(exact), &Map::new()).unwrap_err().to_string();
+        assert!(err.contains("gated by exact GELU cannot be written"), "{err}");
     }
 
     #[test]

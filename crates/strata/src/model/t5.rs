@@ -113,8 +113,17 @@ impl T5Config {
     }
 }
 
-/// The number of source positions leading each row of `total`, from the batch's layout.
+/// The number of source positions leading each row of `total`, from the batch's layout
+/// (which must be the layout of these rows).
 fn source_len(layout: Option<&RowLayout>, total: i64) -> Result<Option<i64>> {
+    if let Some(width) = layout.filter(|l| l.source_len.is_some()).map(|l| l.examples.size()[1]) {
+        if width != total {
+            return Err(Error::Model(format!(
+                "the layout set is for rows of {width} positions, these rows hold {total}: set the layout of the \
+                 batch that runs (Engine::set_layout)"
+            )));
+        }
+    }
     match layout.and_then(|l| l.source_len) {
         Some(s) if (1..total).contains(&s) => Ok(Some(s)),
         Some(s) => Err(Error::Model(format!("a source of {s} positions in rows of {total}: no room for a target"))),
