@@ -267,6 +267,27 @@ def seq2seq_rows(batch):
     return {k: torch.tensor(batch[k], dtype=torch.long) for k in ("sources", "mask", "labels")}
 
 
+def adamw_losses(model, batches_file, lr, loss_of):
+    """The losses of AdamW steps (torch.optim's, Strata's defaults) on the model, one for
+    each batch of the JSON file, the loss of a batch given by loss_of(model, batch); dropout
+    off, as Strata trains."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    with open(batches_file) as f:
+        batches = json.load(f)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    losses = []
+    for b in batches:
+        loss = loss_of(model, b)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def with_adapter(model, adapter, trainable=False):
     """The model with the peft adapter folder `adapter` loaded, if one is given."""
     if adapter is None:
@@ -376,24 +397,11 @@ def main(argv=None):
             out.append([enc["input_ids"], enc["token_type_ids"]])
         print(json.dumps(out))
     elif args.command == "encoder-train":
-        model = load_encoder(args.dir)
-        model.train()
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-        with open(args.batches) as f:
-            batches = json.load(f)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-        losses = []
-        for b in batches:
+        def loss(model, b):
             t = {k: torch.tensor(b[k], dtype=torch.long) for k in ("tokens", "types", "mask", "labels")}
-            loss = model(input_ids=t["tokens"], token_type_ids=t["types"], attention_mask=t["mask"],
+            return model(input_ids=t["tokens"], token_type_ids=t["types"], attention_mask=t["mask"],
                          labels=t["labels"]).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        print(json.dumps(losses))
+        print(json.dumps(adamw_losses(load_encoder(args.dir), args.batches, args.lr, loss)))
     elif args.command == "generate":
         model = load(args.dir)
         prompt = torch.tensor([json.loads(args.prompt)], dtype=torch.long)
@@ -411,20 +419,10 @@ def main(argv=None):
             out = model(input_ids=t["sources"], attention_mask=t["mask"], labels=t["labels"])
         save_file({"logits": out.logits.contiguous(), "loss": out.loss.reshape(1)}, args.out)
     elif args.command == "seq2seq-train":
-        model = load_seq2seq(args.dir)
-        model.train()
-        with open(args.batches) as f:
-            batches = json.load(f)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-        losses = []
-        for b in batches:
+        def loss(model, b):
             t = seq2seq_rows(b)
-            loss = model(input_ids=t["sources"], attention_mask=t["mask"], labels=t["labels"]).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        print(json.dumps(losses))
+            return model(input_ids=t["sources"], attention_mask=t["mask"], labels=t["labels"]).loss
+        print(json.dumps(adamw_losses(load_seq2seq(args.dir), args.batches, args.lr, loss)))
     elif args.command == "seq2seq-generate":
         model = load_seq2seq(args.dir)
         model.eval()

@@ -77,24 +77,33 @@ pub fn generate(
     // One plain row: no layout from a training batch applies.
     engine.set_layout(None);
     let mut tokens = prompt.to_vec();
-    let mut produced = Vec::with_capacity(config.max_new_tokens);
     // The cache holds the positions decoded so far; `None` once the window slides.
     let mut caches: Option<Vec<DecodeCache>> =
         config.cache.then(|| (0..units).map(|_| DecodeCache::default()).collect());
-    with_seed(config.seed as i64, || {
-        while produced.len() < config.max_new_tokens {
-            if caches.is_some() && tokens.len() > window {
-                caches = None;
+    produce(config, |produced| {
+        tokens.extend(produced.last());
+        if caches.is_some() && tokens.len() > window {
+            caches = None;
+        }
+        match caches.as_mut() {
+            Some(c) => {
+                let seen = c[0].position() as usize;
+                engine.decode(&row(&tokens[seen..], device)?, c)
             }
-            let logits = match caches.as_mut() {
-                Some(c) => {
-                    let seen = c[0].position() as usize;
-                    engine.decode(&row(&tokens[seen..], device)?, c)?
-                }
-                None => engine.evaluate(&row(&tokens[tokens.len().saturating_sub(window)..], device)?)?,
-            };
+            None => engine.evaluate(&row(&tokens[tokens.len().saturating_sub(window)..], device)?),
+        }
+    })
+}
+
+/// The tokens chosen one after another from the logits `next_logits` gives for the tokens
+/// chosen so far (its output's last position), under `config`'s seed, until its count or a
+/// stop token.
+fn produce(config: &GenerateConfig, mut next_logits: impl FnMut(&[i64]) -> Result<Tensor>) -> Result<Vec<i64>> {
+    with_seed(config.seed as i64, || {
+        let mut produced = Vec::with_capacity(config.max_new_tokens);
+        while produced.len() < config.max_new_tokens {
+            let logits = next_logits(&produced)?;
             let next = choose(&logits.f_select(1, -1)?.f_select(0, 0)?, config)?;
-            tokens.push(next);
             produced.push(next);
             if config.stop_tokens.contains(&next) {
                 break;
@@ -120,37 +129,27 @@ pub fn generate_from_source(
     let device = engine.config().device;
     let sources = source.len() as i64;
     let mut target = vec![decoder_start];
-    let mut produced = Vec::with_capacity(config.max_new_tokens);
     let layout = |targets: usize| -> Result<RowLayout> {
         RowLayout::encoder_decoder(&[sources], sources, targets as i64)?.to_device(device)
     };
     let mut caches: Option<Vec<DecodeCache>> =
         config.cache.then(|| (0..engine.spec().units.len()).map(|_| DecodeCache::default()).collect());
-    let result = with_seed(config.seed as i64, || {
-        while produced.len() < config.max_new_tokens {
-            let first = produced.is_empty();
-            let logits = match caches.as_mut() {
-                Some(c) if first => {
-                    engine.set_layout(Some(&layout(1)?));
-                    engine.decode(&row(&[source, &target[..]].concat(), device)?, c)?
-                }
-                Some(c) => {
-                    engine.set_layout(None);
-                    engine.decode(&row(&target[target.len() - 1..], device)?, c)?
-                }
-                None => {
-                    engine.set_layout(Some(&layout(target.len())?));
-                    engine.evaluate(&row(&[source, &target[..]].concat(), device)?)?
-                }
-            };
-            let next = choose(&logits.f_select(1, -1)?.f_select(0, 0)?, config)?;
-            target.push(next);
-            produced.push(next);
-            if config.stop_tokens.contains(&next) {
-                break;
+    let result = produce(config, |produced| {
+        target.extend(produced.last());
+        match caches.as_mut() {
+            Some(c) if produced.is_empty() => {
+                engine.set_layout(Some(&layout(1)?));
+                engine.decode(&row(&[source, &target[..]].concat(), device)?, c)
+            }
+            Some(c) => {
+                engine.set_layout(None);
+                engine.decode(&row(&target[target.len() - 1..], device)?, c)
+            }
+            None => {
+                engine.set_layout(Some(&layout(target.len())?));
+                engine.evaluate(&row(&[source, &target[..]].concat(), device)?)
             }
         }
-        Ok(produced)
     });
     engine.set_layout(None);
     result

@@ -588,6 +588,18 @@ fn bert_classifier_and_masked_lm_equal_transformers() {
     }
 }
 
+/// Ten training losses of `family` in Strata, each within 1e-5 relative of `transformers`'
+/// at the same step, and falling.
+fn assert_tracks(family: &str, ours: &[f64], theirs: &[f64]) {
+    eprintln!("{family}: Strata {ours:?}\ntransformers {theirs:?}");
+    for (i, (ours, theirs)) in ours.iter().zip(theirs).enumerate() {
+        let relative = (ours - theirs).abs() / theirs.abs();
+        assert!(relative <= 1e-5, "{family}: step {i}: loss {ours}, transformers {theirs}");
+    }
+    let (first, last) = (ours[..3].iter().sum::<f64>(), ours[7..].iter().sum::<f64>());
+    assert!(last < first, "{family}: the losses did not fall: {ours:?}");
+}
+
 /// One BERT batch as both sides read it: two rows of 12 token ids (a `[CLS]`-like 2, then
 /// words, then padding 0 after each row's length), their token types (the second half of
 /// each text 1), attention mask, and labels (a class per row, or three masked positions'
@@ -682,13 +694,7 @@ fn bert_training_tracks_transformers() {
             });
             ours.push(trainer.train_step(&Step::new(i, vec![batch])).unwrap().loss);
         }
-        eprintln!("{family}: Strata {ours:?}\ntransformers {theirs:?}");
-        for (i, (ours, theirs)) in ours.iter().zip(&theirs).enumerate() {
-            let relative = (ours - theirs).abs() / theirs.abs();
-            assert!(relative <= 1e-5, "{family}: step {i}: loss {ours}, transformers {theirs}");
-        }
-        let (first, last) = (ours[..3].iter().sum::<f64>(), ours[7..].iter().sum::<f64>());
-        assert!(last < first, "{family}: the losses did not fall: {ours:?}");
+        assert_tracks(family, &ours, &theirs);
     }
 }
 
@@ -860,13 +866,7 @@ fn t5_training_tracks_transformers() {
             .enumerate()
             .map(|(i, p)| trainer.train_step(&Step::new(i, vec![set.batch(p).unwrap()])).unwrap().loss)
             .collect();
-        eprintln!("{family}: Strata {ours:?}\ntransformers {theirs:?}");
-        for (i, (ours, theirs)) in ours.iter().zip(&theirs).enumerate() {
-            let relative = (ours - theirs).abs() / theirs.abs();
-            assert!(relative <= 1e-5, "{family}: step {i}: loss {ours}, transformers {theirs}");
-        }
-        let (first, last) = (ours[..3].iter().sum::<f64>(), ours[7..].iter().sum::<f64>());
-        assert!(last < first, "{family}: the losses did not fall: {ours:?}");
+        assert_tracks(family, &ours, &theirs);
     }
 }
 

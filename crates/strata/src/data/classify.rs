@@ -7,7 +7,7 @@
 //!
 //! Owns reading and checking such records, their encoding, batching and scores. Must not
 //! know models beyond their label names.
-use super::{Batch, RowSet, Tokenizer};
+use super::{check_indices, Batch, RowSet, Tokenizer};
 use crate::model::RowLayout;
 use crate::{Error, Result};
 use serde_json::Value;
@@ -161,9 +161,7 @@ impl RowSet for ClassifySet {
     /// targets, and the layout — positions from 0, the padding after each text an example
     /// of its own, the token types as segments.
     fn batch(&self, rows: &[usize]) -> Result<Batch> {
-        if let Some(&bad) = rows.iter().find(|&&r| r >= self.len()) {
-            return Err(Error::Data(format!("example {bad} of {}", self.len())));
-        }
+        check_indices(rows, self.len())?;
         let width = rows.iter().map(|&r| self.ids[r].len()).max().unwrap_or(0).max(1);
         let grid = |cell: &dyn Fn(usize, usize) -> i64| -> Tensor {
             let v: Vec<i64> = rows.iter().flat_map(|&r| (0..width).map(move |t| cell(r, t))).collect();

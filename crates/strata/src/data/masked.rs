@@ -10,7 +10,7 @@
 //! prepared), and a run is reproducible. Owns the rows and their masking. Must not know
 //! models beyond the vocabulary's size.
 use super::synthetic::SplitMix64;
-use super::{Batch, RowSet, Tokenizer, IGNORE};
+use super::{check_indices, Batch, RowSet, Tokenizer, IGNORE};
 use crate::{Error, Result};
 use std::path::Path;
 use tch::Tensor;
@@ -144,9 +144,7 @@ impl RowSet for MaskedSet {
     }
 
     fn batch(&self, rows: &[usize]) -> Result<Batch> {
-        if let Some(&bad) = rows.iter().find(|&&r| r >= self.len()) {
-            return Err(Error::Data(format!("row {bad} of {}", self.len())));
-        }
+        check_indices(rows, self.len())?;
         let (inputs, labels): (Vec<Vec<i64>>, Vec<Vec<i64>>) = rows.iter().map(|&r| self.masked_row(r)).unzip();
         let shape = [rows.len() as i64, self.longest() as i64];
         let tensor = |v: Vec<Vec<i64>>| -> Result<Tensor> { Ok(Tensor::f_from_slice(&v.concat())?.f_view(shape)?) };

@@ -217,6 +217,14 @@ pub trait RowSet {
     fn batch(&self, rows: &[usize]) -> Result<Batch>;
 }
 
+/// Refuses a row index past a set of `len` records.
+fn check_indices(rows: &[usize], len: usize) -> Result<()> {
+    match rows.iter().find(|&&r| r >= len) {
+        Some(bad) => Err(Error::Data(format!("record {bad} of {len}"))),
+        None => Ok(()),
+    }
+}
+
 impl From<ClassifySet> for Dataset {
     fn from(data: ClassifySet) -> Dataset {
         Dataset::Labeled(data)

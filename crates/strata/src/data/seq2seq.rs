@@ -7,7 +7,7 @@
 //!
 //! Owns reading and checking such records, their encoding, batching and the score. Must not
 //! know models beyond their pad and start tokens.
-use super::{Batch, RowSet, Tokenizer, IGNORE};
+use super::{check_indices, Batch, RowSet, Tokenizer, IGNORE};
 use crate::model::RowLayout;
 use crate::{Error, Result};
 use serde_json::Value;
@@ -156,9 +156,7 @@ impl RowSet for Seq2SeqSet {
     /// the start token and its target but the last token, padded to the longest target; the
     /// labels its target, padding [`IGNORE`]d.
     fn batch(&self, rows: &[usize]) -> Result<Batch> {
-        if let Some(&bad) = rows.iter().find(|&&r| r >= self.len()) {
-            return Err(Error::Data(format!("record {bad} of {}", self.len())));
-        }
+        check_indices(rows, self.len())?;
         let sources = rows.iter().map(|&r| self.sources[r].len()).max().unwrap_or(0).max(1);
         let targets = rows.iter().map(|&r| self.targets[r].len()).max().unwrap_or(0).max(1);
         let (mut inputs, mut labels) = (Vec::new(), Vec::new());

@@ -315,8 +315,13 @@ pub struct AttentionOptions {
 /// each query may not see because they belong to another example; `None` for plain rows.
 pub fn other_examples(layout: Option<&super::RowLayout>) -> Result<Option<Tensor>> {
     let Some(layout) = layout else { return Ok(None) };
-    let examples = &layout.examples;
-    Ok(Some(examples.f_unsqueeze(2)?.f_ne_tensor(&examples.f_unsqueeze(1)?)?.f_unsqueeze(1)?))
+    examples_differ(&layout.examples, &layout.examples).map(Some)
+}
+
+/// The `[B, 1, Tq, Tk]` mask of the keys of another example than their query's, from the
+/// example numbers of the queries' (`[B, Tq]`) and the keys' (`[B, Tk]`) positions.
+pub fn examples_differ(queries: &Tensor, keys: &Tensor) -> Result<Tensor> {
+    Ok(queries.f_unsqueeze(2)?.f_ne_tensor(&keys.f_unsqueeze(1)?)?.f_unsqueeze(1)?)
 }
 
 /// Multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and values,

@@ -16,7 +16,7 @@
 //! Owns the T5 units and their declarations. Must not allocate or place weights: [`t5`]
 //! records specifications in the [`Builder`], and the units compute with the parameters the
 //! engine lends them.
-use super::layers::{attention, merge_heads, rms_norm, split_heads, vocab_logits, AttentionOptions};
+use super::layers::{attention, examples_differ, merge_heads, rms_norm, split_heads, vocab_logits, AttentionOptions};
 use super::{
     positive, Builder, DecodeCache, EncodedMemory, Init, ParamId, Params, RowLayout, TokenEmbedding, TpRole, Unit,
     UnitBuilder,
@@ -149,14 +149,13 @@ fn required_source_len(p: &Params<'_>, total: i64) -> Result<i64> {
 /// row: those of another example than the target's (padding is an example of its own).
 fn hidden_sources(layout: &RowLayout, sources: i64) -> Result<Tensor> {
     let source = layout.examples.f_narrow(1, 0, sources)?;
-    let target = layout.examples.f_narrow(1, sources, 1)?;
-    Ok(source.f_ne_tensor(&target)?.f_unsqueeze(1)?.f_unsqueeze(1)?)
+    examples_differ(&layout.examples.f_narrow(1, sources, 1)?, &source)
 }
 
 /// The `[B, 1, S, S]` mask of the source positions each source position may not see.
 fn hidden_within_source(layout: &RowLayout, sources: i64) -> Result<Tensor> {
     let source = layout.examples.f_narrow(1, 0, sources)?;
-    Ok(source.f_unsqueeze(2)?.f_ne_tensor(&source.f_unsqueeze(1)?)?.f_unsqueeze(1)?)
+    examples_differ(&source, &source)
 }
 
 /// How a stack's relative position bias is bucketed.
@@ -525,4 +524,44 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
         b.alias("lm_head.weight", shared);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Engine, EngineConfig};
+    use crate::model::ModelConfig;
+
+    fn tiny() -> T5Config {
+        T5Config {
+            vocab: 16,
+            dim: 8,
+            head_dim: 4,
+            ffn_dim: 12,
+            encoder_layers: 1,
+            decoder_layers: 1,
+            heads: 2,
+            buckets: 8,
+            max_distance: 16,
+            norm_eps: 1e-6,
+            activation: FeedForwardActivation::Relu,
+            gated: false,
+            tied_head: true,
+            scale_output: true,
+            padding: 0,
+            decoder_start: 0,
+        }
+    }
+
+    #[test]
+    fn a_forward_reads_the_layout_of_its_own_rows_and_no_other() {
+        let mut engine = Engine::new(ModelConfig::T5(tiny()).spec().unwrap(), EngineConfig::default()).unwrap();
+        let rows = |width: i64| Tensor::arange(width, (Kind::Int64, tch::Device::Cpu)).remainder(16).view([1, width]);
+        let err = engine.evaluate(&rows(5)).unwrap_err().to_string();
+        assert!(err.contains("must say where the target starts"), "{err}");
+        engine.set_layout(Some(&RowLayout::encoder_decoder(&[3], 3, 2).unwrap()));
+        assert_eq!(engine.evaluate(&rows(5)).unwrap().size(), [1, 2, 16], "logits of the target's positions");
+        let err = engine.evaluate(&rows(6)).unwrap_err().to_string();
+        assert!(err.contains("the layout set is for rows of 5 positions, these rows hold 6"), "{err}");
+    }
 }
