@@ -6,6 +6,7 @@
 mod bench;
 mod bench_comm;
 mod bench_dist;
+mod bench_estimate;
 mod bench_gpu;
 mod bench_methods;
 mod bench_offload;
@@ -128,6 +129,9 @@ enum BenchCommand {
     /// strata tokenize against tokenizers' batch encoding in Python on the same text, pieces
     /// and tokenizer: MB/s, tokens/s, the ratio, and a check of equal ids.
     Tokenize(bench_tokenize::BenchTokenizeArgs),
+    /// The memory estimate of `strata estimate` against the allocator's peak of real runs
+    /// over families, sizes, layouts and 1–4 ranks: each error, their median, the worst.
+    Estimate(bench_estimate::BenchEstimateArgs),
 }
 
 fn validate(text: &str, world_size: Option<usize>) -> anyhow::Result<()> {
@@ -219,6 +223,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Dist(a) } => bench_dist::run(a),
         Command::Bench { which: BenchCommand::Offload(a) } => bench_offload::run(a),
         Command::Bench { which: BenchCommand::Tokenize(a) } => bench_tokenize::run(a),
+        Command::Bench { which: BenchCommand::Estimate(a) } => bench_estimate::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
         Command::Profile { which } => profile_cmd::run(which),
         Command::Plot(a) => profile_cmd::plot_metrics(a),

@@ -4,7 +4,7 @@
 //!
 //! Owns the candidates and their translation into strategies. Must not predict memory or
 //! run anything: [`super::cost`] predicts, [`super::search`] tries.
-use crate::strategy::Strategy;
+use crate::strategy::{ScheduleKind, Strategy};
 use crate::Result;
 use serde::Serialize;
 use tch::Device;
@@ -92,13 +92,35 @@ impl Candidate {
 
     /// The candidate as a strategy; `blocks` are the unit kinds recomputed by `checkpoint`.
     pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
-        let mut items = match self.tensor {
-            1 => vec![serde_json::json!("parallel_mode")],
-            t => vec![
-                serde_json::json!(["parallel_mode", [[["tensor", t]], null]]),
-                serde_json::json!(["tensor_parallel", {"sequence_parallel": true}]),
-            ],
+        self.strategy_with_pipeline(blocks, None)
+    }
+
+    /// [`Candidate::strategy`] over `pipeline` stages (with their schedule and chunks per
+    /// rank) where given, the stages balanced by parameters.
+    pub fn strategy_with_pipeline(
+        &self,
+        blocks: &[String],
+        pipeline: Option<(usize, ScheduleKind, usize)>,
+    ) -> Result<Strategy> {
+        let mut dims = vec![];
+        if self.tensor > 1 {
+            dims.push(serde_json::json!(["tensor", self.tensor]));
+        }
+        if let Some((stages, _, _)) = pipeline {
+            dims.push(serde_json::json!(["pipeline", stages]));
+        }
+        let mut items = match dims.is_empty() {
+            true => vec![serde_json::json!("parallel_mode")],
+            false => vec![serde_json::json!(["parallel_mode", [dims, null]])],
         };
+        if self.tensor > 1 {
+            items.push(serde_json::json!(["tensor_parallel", {"sequence_parallel": true}]));
+        }
+        if let Some((_, schedule, virtual_stages)) = pipeline {
+            items.push(serde_json::json!(["pipeline_parallel", {
+                "schedule": schedule, "virtual_stages": virtual_stages, "balance": "parameters"
+            }]));
+        }
         items.extend(match self.precision {
             Precision::Fp32 => vec![],
             Precision::AmpBf16 => vec![serde_json::json!(["amp_native", {"dtype": "bf16"}])],

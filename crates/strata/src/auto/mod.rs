@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod candidate;
 pub mod cost;
+pub mod estimate;
 pub mod search;
 
 use crate::comm::{Comm, ProcessGroup};

@@ -1,0 +1,506 @@
+//! Memory before anything runs: for a model's configuration, a layout (precision,
+//! sharding, recomputation, offload, tensor and pipeline sizes) and a workload, the peak
+//! bytes each rank needs on its device and its host, split into parameters, gradients,
+//! optimizer states, activations, communication buffers and the allocator's overhead.
+//!
+//! Owns the memory formulas. Must not allocate a tensor or run a unit: the model's spec is
+//! a list of shapes (the builder allocates nothing), and what each unit keeps for its
+//! backward is counted from its configuration by [`kept`].
+//!
+//! Model states follow the engine's own layout exactly ([`UnitLayout::of`], the optimizer's
+//! bytes per element, the gathers of fsdp and zero2). Activations are what each unit's
+//! forward keeps for its backward per token, counted from the tensors its layers save in
+//! this implementation (libtorch's CPU kernels): a coefficient per model width, feed-forward
+//! width, vocabulary and attended position. `strata bench estimate` checks the whole
+//! against the allocator's peak over runs of every family and layout it can run here.
+use super::candidate::{Candidate, Precision, Sharding};
+use crate::engine::UnitLayout;
+use crate::model::{ModelConfig, ModelSpec};
+use crate::parallel::pipeline::partition::{self, UnitCost};
+use crate::parallel::pipeline::schedule::{self, Pipeline};
+use crate::strategy::ScheduleKind;
+use crate::{Error, Result};
+use serde::Serialize;
+
+/// One kind of accelerator (or the CPU acting as one): its memory, its peak dense
+/// throughput, and what its kernels keep.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceKind {
+    pub name: &'static str,
+    pub memory_bytes: u64,
+    /// Peak dense bf16 tensor throughput, FLOP/s (without sparsity).
+    pub bf16_flops: f64,
+    /// Peak fp32 throughput (TF32 tensor cores where the card has them), FLOP/s.
+    pub fp32_flops: f64,
+    /// Peak dense fp8 throughput, FLOP/s (0 where the card has no fp8 tensor cores).
+    pub fp8_flops: f64,
+    /// Memory bandwidth, bytes/s.
+    pub memory_bandwidth: f64,
+    /// Attention runs fused (flash attention through SDPA): no score matrices are kept.
+    pub fused_attention: bool,
+    /// Bytes the device holds outside the allocator's count: the CUDA context, cuBLAS and
+    /// cuDNN workspaces and handles.
+    pub reserved_bytes: u64,
+    /// The caching allocator's blocks beyond what tensors use, as a share of the peak.
+    pub fragmentation: f64,
+}
+
+const GIB: u64 = 1 << 30;
+
+/// The device kinds `strata estimate` and `strata plan` know by name. Peak figures are the
+/// vendors' data-sheet numbers for dense math (NVIDIA H100 SXM5: 989 TFLOP/s bf16, 1,979
+/// fp8, 494 TF32, 3.35 TB/s; H200 SXM: the same compute with 141 GB at 4.8 TB/s; A100 SXM:
+/// 312 TFLOP/s bf16, 156 TF32, 2.04 TB/s at 80 GB and 1.56 TB/s at 40 GB). The reserve
+/// outside the allocator is an allowance of 1 GiB for the CUDA context and library
+/// workspaces; fragmentation is an allowance of 5% of the allocator's peak.
+pub fn device_kinds() -> Vec<DeviceKind> {
+    let gpu = |name, memory_gb: u64, bf16: f64, tf32: f64, fp8: f64, bandwidth: f64| DeviceKind {
+        name,
+        memory_bytes: memory_gb * 1_000_000_000,
+        bf16_flops: bf16 * 1e12,
+        fp32_flops: tf32 * 1e12,
+        fp8_flops: fp8 * 1e12,
+        memory_bandwidth: bandwidth * 1e12,
+        fused_attention: true,
+        reserved_bytes: GIB,
+        fragmentation: 0.05,
+    };
+    vec![
+        gpu("h100-80gb", 80, 989.0, 494.0, 1979.0, 3.35),
+        gpu("h200", 141, 989.0, 494.0, 1979.0, 4.8),
+        gpu("a100-80gb", 80, 312.0, 156.0, 0.0, 2.04),
+        gpu("a100-40gb", 40, 312.0, 156.0, 0.0, 1.56),
+        DeviceKind {
+            name: "cpu",
+            memory_bytes: host_memory_bytes().unwrap_or(16 * GIB),
+            bf16_flops: 0.0,
+            fp32_flops: 0.0,
+            fp8_flops: 0.0,
+            memory_bandwidth: 0.0,
+            fused_attention: false,
+            reserved_bytes: 0,
+            fragmentation: 0.0,
+        },
+    ]
+}
+
+/// The device kind called `name` (`h100-80gb`, `h200`, `a100-80gb`, `a100-40gb`, `cpu`).
+pub fn device_kind(name: &str) -> Result<DeviceKind> {
+    let kinds = device_kinds();
+    let names: Vec<&str> = kinds.iter().map(|k| k.name).collect();
+    let known = names.join(", ");
+    kinds
+        .into_iter()
+        .find(|k| k.name.eq_ignore_ascii_case(name) || (name.eq_ignore_ascii_case("h100") && k.name == "h100-80gb"))
+        .ok_or_else(|| Error::Config(format!("unknown device {name:?}; known: {known}")))
+}
+
+/// This machine's memory (`MemTotal` of `/proc/meminfo`).
+pub fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// Where and how a model runs: the search's candidate plus the pipeline's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Layout {
+    pub candidate: Candidate,
+    /// Pipeline stages (1: none).
+    pub pipeline: usize,
+    pub schedule: ScheduleKind,
+    /// Chunks per rank of the interleaved schedule (1 otherwise).
+    pub virtual_stages: usize,
+}
+
+impl Layout {
+    pub fn new(candidate: Candidate) -> Layout {
+        Layout { candidate, pipeline: 1, schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1 }
+    }
+
+    /// Ranks holding the same pieces of the model: what data parallelism and sharding span.
+    pub fn data_ranks(&self, ranks: usize) -> usize {
+        ranks / (self.candidate.tensor.max(1) * self.pipeline.max(1))
+    }
+
+    pub fn label(&self) -> String {
+        match self.pipeline {
+            1 => self.candidate.label(),
+            p => format!("{} + pipeline {p} ({})", self.candidate.label(), schedule_name(self.schedule)),
+        }
+    }
+}
+
+pub(crate) fn schedule_name(kind: ScheduleKind) -> &'static str {
+    match kind {
+        ScheduleKind::Gpipe => "gpipe",
+        ScheduleKind::OneForwardOneBackward => "1f1b",
+        ScheduleKind::Interleaved => "interleaved",
+        ScheduleKind::ZeroBubble => "zero_bubble",
+        ScheduleKind::ZeroBubbleH2 => "zero_bubble_h2",
+    }
+}
+
+/// What runs: ranks, the rows of one micro-batch of one data-parallel group, their length,
+/// the micro-batches per step, and the optimizer's state per trained element.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Workload {
+    pub ranks: usize,
+    pub micro_batch: usize,
+    pub ctx: i64,
+    pub micro_batches: usize,
+    /// Bytes of optimizer state per trained element (AdamW: 8).
+    pub optimizer_state_bytes: u64,
+}
+
+/// Bytes of one placement by what holds them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Breakdown {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    pub activations: u64,
+    pub comm: u64,
+    pub overhead: u64,
+}
+
+impl Breakdown {
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer + self.activations + self.comm + self.overhead
+    }
+}
+
+/// One rank's device and host bytes at its peak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct RankBytes {
+    pub device: Breakdown,
+    pub host: Breakdown,
+}
+
+/// The estimate for one layout: the busiest rank's device and host bytes, and each
+/// pipeline rank's (one entry without a pipeline).
+#[derive(Clone, Debug, Serialize)]
+pub struct Estimate {
+    pub layout: String,
+    pub device: Breakdown,
+    pub host: Breakdown,
+    /// The pipeline rank (or 0) that holds the most on its device.
+    pub busiest: usize,
+    pub fits: bool,
+    pub pipeline_ranks: Vec<RankBytes>,
+}
+
+/// The machine an estimate is for: its device kind and, per rank, the device and host bytes.
+#[derive(Clone, Debug)]
+pub struct Machine {
+    pub device: DeviceKind,
+    pub device_bytes: u64,
+    pub host_bytes: u64,
+}
+
+/// What one unit keeps for its backward per token of a micro-batch, in fp32 values:
+/// `values` whatever the sequence's length plus `scores` per position attended (attention
+/// probabilities, one per head, where attention is not fused); `output` is the width of
+/// the unit's output, which a recomputed block keeps alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Kept {
+    pub values: f64,
+    /// The part of `values` over the vocabulary (logits, their softmax and gradients).
+    pub vocab_values: f64,
+    pub scores: f64,
+    pub output: f64,
+    /// A repeated block: what `checkpoint` recomputes.
+    pub block: bool,
+}
+
+/// What a unit of kind `kind` of `config` keeps, counted from the tensors its layers save.
+///
+/// A transformer block keeps its norms' inputs and statistics, the inputs of its linear
+/// layers, the attention's queries, keys, values, output and (unfused) probabilities, and
+/// the activation function's input and output; the head keeps its norm's and product's
+/// inputs and, over the vocabulary, the logits, their log-softmax, and the gradient pair
+/// the loss's backward writes (four values per vocabulary entry). The token ids and targets
+/// of the batch are four fp32-sized values per token.
+pub fn kept(config: &ModelConfig, kind: &str) -> Result<Kept> {
+    let block = |values: f64, heads: i64, output: i64| Kept {
+        values,
+        vocab_values: 0.0,
+        scores: heads as f64,
+        output: output as f64,
+        block: true,
+    };
+    let head = |values: f64, vocab: i64| Kept {
+        values: values + 4.0 * vocab as f64,
+        vocab_values: 4.0 * vocab as f64,
+        scores: 0.0,
+        output: vocab as f64,
+        block: false,
+    };
+    let ids = |dim: i64| Kept { values: 4.0, vocab_values: 0.0, scores: 0.0, output: dim as f64, block: false };
+    let f = |x: i64| x as f64;
+    let unknown = || Error::Config(format!("no activation count for {kind} units"));
+    Ok(match config {
+        // Attention: the block's input (norm), q, k, v, attention output, projection input,
+        // residual, second norm input, MLP input; the GELU's input and output are 4·D each.
+        ModelConfig::Gpt(c) => match kind {
+            "GptEmbedding" => ids(c.dim),
+            "GptBlock" => block(19.0 * f(c.dim) + 3.0, c.heads, c.dim),
+            "GptHead" => head(4.0 * f(c.dim) + 13.0, c.vocab),
+            _ => return Err(unknown()),
+        },
+        // RMS norms keep their input and one statistic; SwiGLU keeps gate, up, the gate's
+        // activation and their product (4·F); rotary embedding keeps nothing extra.
+        ModelConfig::Llama(c) => match kind {
+            "LlamaEmbedding" => ids(c.dim),
+            "LlamaBlock" => block(10.0 * f(c.dim) + 4.0 * f(c.hidden()) + 7.0, c.heads, c.dim),
+            "LlamaHead" => head(3.0 * f(c.dim) + 13.0, c.vocab),
+            _ => return Err(unknown()),
+        },
+        // Post-norm blocks: as GPT's with the feed-forward width given.
+        ModelConfig::Bert(c) => match kind {
+            "BertEmbedding" => Kept { values: 4.0 + 3.0 * f(c.dim), ..ids(c.dim) },
+            "BertBlock" => block(11.0 * f(c.dim) + 2.0 * f(c.ffn_dim) + 3.0, c.heads, c.dim),
+            "BertClassifierHead" => Kept { values: 2.0, ..ids(c.dim) },
+            "BertMaskedLmHead" => head(4.0 * f(c.dim) + 13.0, c.vocab),
+            _ => return Err(unknown()),
+        },
+        // A decoder block adds cross-attention (its norm, queries, output: 4 widths of the
+        // inner width) and carries the encoder's output within its own.
+        ModelConfig::T5(c) => {
+            let inner = f(c.heads * c.head_dim);
+            let ffn = if c.gated { 4.0 } else { 2.0 } * f(c.ffn_dim);
+            match kind {
+                "T5Embedding" => ids(c.dim),
+                "T5EncoderBlock" => block(4.0 * f(c.dim) + 4.0 * inner + ffn + 4.0, c.heads, c.dim),
+                "T5DecoderBlock" => block(6.0 * f(c.dim) + 8.0 * inner + ffn + 6.0, 2 * c.heads, c.dim),
+                "T5Head" => head(3.0 * f(c.dim) + 13.0, c.vocab),
+                _ => return Err(unknown()),
+            }
+        }
+        ModelConfig::Mlp(c) => match kind {
+            "MlpEmbedding" => ids(c.dim),
+            "MlpLayer" => block(2.0 * f(c.dim), 0, c.dim),
+            "MlpHead" => head(2.0 * f(c.dim) + 13.0, c.vocab),
+            _ => return Err(unknown()),
+        },
+    })
+}
+
+/// The share of the head's values over the vocabulary still held while the last block is
+/// recomputed: the logits and their log-softmax, which the loss's graph keeps until the
+/// step's backward ends (2.5 of the 4 values per entry at the peak, measured on the CPU).
+const LOSS_GRAPH_SHARE: f64 = 0.625;
+
+/// Bytes per kept value relative to fp32 under `precision`, for a block's values and a
+/// head's values off and over the vocabulary. Under `half` most saved tensors are bf16,
+/// the norms' statistics and the loss's are fp32; under autocast the products' inputs are
+/// kept in both precisions where a norm or softmax (which autocast runs in fp32) saves
+/// its own.
+fn precision_share(precision: Precision) -> (f64, f64, f64) {
+    match precision {
+        Precision::Fp32 => (1.0, 1.0, 1.0),
+        Precision::HalfBf16 | Precision::HalfFp16 => (0.66, 0.5, 0.83),
+        Precision::AmpBf16 | Precision::AmpFp16 | Precision::Fp8 => (0.81, 0.9, 0.91),
+    }
+}
+
+/// The bytes of a parameter element under `precision` (`half` keeps bf16 or fp16 weights).
+fn param_bytes(precision: Precision) -> u64 {
+    match precision {
+        Precision::HalfBf16 | Precision::HalfFp16 => 2,
+        _ => 4,
+    }
+}
+
+/// One unit's parameters as the engine lays them out.
+struct UnitStates {
+    /// Elements of the unit's buffer (padded for sharding).
+    len: u64,
+    /// Elements that train.
+    grad_len: u64,
+    /// Another unit reads its parameters (a tied weight): its whole gradient lives from
+    /// the first backward that adds to it to the last.
+    lent: bool,
+}
+
+/// The estimate for `layout` of `config` running `work` on `machine`.
+pub fn estimate(config: &ModelConfig, layout: &Layout, work: &Workload, machine: &Machine) -> Result<Estimate> {
+    let spec = config.spec()?;
+    estimate_spec(config, &spec, layout, work, machine)
+}
+
+/// [`estimate`] for a spec already built from `config` (with what it froze).
+pub fn estimate_spec(
+    config: &ModelConfig,
+    spec: &ModelSpec,
+    layout: &Layout,
+    work: &Workload,
+    machine: &Machine,
+) -> Result<Estimate> {
+    let c = &layout.candidate;
+    let (t, p) = (c.tensor.max(1), layout.pipeline.max(1));
+    if work.ranks == 0 || !work.ranks.is_multiple_of(t * p) {
+        return Err(Error::Config(format!("tensor {t} × pipeline {p} ranks do not divide the {} ranks", work.ranks)));
+    }
+    if t > 1 {
+        spec.check_tensor_parallel(t as i64)?;
+    }
+    let dp = layout.data_ranks(work.ranks);
+    let sharded = c.sharding != Sharding::None && dp > 1;
+    let pad = if sharded { dp as i64 } else { 1 };
+    let reads = spec.units_read();
+    let units: Vec<UnitStates> = (0..spec.units.len())
+        .map(|u| {
+            let l = UnitLayout::of(spec, u, t as i64, pad);
+            let lent = reads.iter().enumerate().any(|(k, r)| k != u && r.contains(&u));
+            UnitStates { len: l.len as u64, grad_len: l.grad_len() as u64, lent }
+        })
+        .collect();
+    let kept: Vec<Kept> = spec.units.iter().map(|u| kept(config, u.kind())).collect::<Result<_>>()?;
+    let tokens = (work.micro_batch as i64 * work.ctx) as f64;
+    let attended = if machine.device.fused_attention { 0.0 } else { work.ctx as f64 };
+    let (block_share, head_share, vocab_share) = precision_share(c.precision);
+    // Bytes one micro-batch leaves in each unit, off and over the vocabulary, split over
+    // the tensor ranks (sequence parallel splits what the blocks keep, heads and vocabulary
+    // what the rest keep).
+    let split_bytes = |k: &Kept| -> (f64, f64) {
+        // Under sequence parallel a block's column-parallel products keep the gathered
+        // whole sequence as their input: two widths that tensor ranks do not split.
+        let whole = if k.block && t > 1 { 2.0 * k.output * t as f64 } else { 0.0 };
+        let values = k.values - k.vocab_values + k.scores * attended + whole;
+        let scale = 4.0 * tokens / t as f64;
+        match k.block {
+            true => (values * block_share * scale, 0.0),
+            false => (values * head_share * scale, k.vocab_values * vocab_share * scale),
+        }
+    };
+    let unit_bytes = |k: &Kept| -> f64 {
+        let (off, over) = split_bytes(k);
+        off + over
+    };
+    let output_bytes = |k: &Kept| k.output * tokens * param_bytes(c.precision) as f64 / t as f64;
+    let held: Vec<u64> = if p == 1 {
+        vec![1]
+    } else {
+        let pipeline = Pipeline { stages: p, micro_batches: work.micro_batches, virtual_stages: layout.virtual_stages };
+        schedule::most_held(layout.schedule, pipeline)?
+    };
+    // The stages: balanced by parameters, as `Balance::Parameters` splits them.
+    let stages: Vec<(usize, usize)> = if p == 1 {
+        vec![(0, spec.units.len())]
+    } else {
+        let costs: Vec<UnitCost> =
+            units.iter().map(|u| UnitCost { seconds: u.len as f64, bytes: u.len, activation_bytes: 0 }).collect();
+        partition::balance(&costs, p * layout.virtual_stages, p, None, &held)?
+    };
+    let mut pipeline_ranks = Vec::with_capacity(p);
+    for rank in 0..p {
+        let ranges: Vec<(usize, (usize, usize))> = (0..layout.virtual_stages.max(1))
+            .map(|chunk| chunk * p + rank)
+            .filter_map(|s| stages.get(s).map(|&r| (s, r)))
+            .collect();
+        let mut device = Breakdown::default();
+        let mut host = Breakdown::default();
+        let (pb, gb) = (param_bytes(c.precision), param_bytes(c.precision));
+        let mut largest = 0u64;
+        let mut lent_grads = 0u64;
+        let mut trained = 0u64;
+        // Kept through the whole backward (under recomputation a block's input and its
+        // output, everything otherwise); kept by the units after the blocks (the head) until
+        // their backward, and the part of it that lives on while the last block is
+        // recomputed; the most one recomputed block holds.
+        let mut activations = 0.0f64;
+        let mut after_blocks = 0.0f64;
+        let mut during_recompute = 0.0f64;
+        let mut recompute = 0.0f64;
+        let mut seen_block = false;
+        let mut boundary = 0.0f64;
+        for &(stage, (start, end)) in &ranges {
+            let n = held[stage.min(held.len() - 1)] as f64;
+            for u in start..end {
+                let s = &units[u];
+                largest = largest.max(s.len);
+                if s.lent {
+                    lent_grads += s.grad_len;
+                }
+                let full = unit_bytes(&kept[u]);
+                seen_block |= kept[u].block;
+                if c.checkpoint && kept[u].block {
+                    activations += n * 2.0 * output_bytes(&kept[u]);
+                    recompute = recompute.max(full);
+                } else if c.checkpoint && seen_block {
+                    after_blocks += n * full;
+                    let (off, over) = split_bytes(&kept[u]);
+                    during_recompute += n * (off + LOSS_GRAPH_SHARE * over);
+                } else {
+                    activations += n * full;
+                }
+                device.params += s.len * pb;
+                device.grads += s.grad_len * gb;
+                device.optimizer += s.grad_len * work.optimizer_state_bytes;
+                trained += s.grad_len;
+            }
+            boundary = boundary.max(output_bytes(&kept[end - 1]));
+        }
+        let dpu = dp as u64;
+        if sharded {
+            match c.sharding {
+                Sharding::Zero1 => device.optimizer /= dpu,
+                Sharding::Zero2 => {
+                    device.optimizer /= dpu;
+                    device.grads = device.grads / dpu + (largest + lent_grads) * gb;
+                }
+                Sharding::Fsdp => {
+                    device.optimizer /= dpu;
+                    device.grads = device.grads / dpu + (largest + lent_grads) * gb;
+                    // The unit running and the one gathered ahead of it.
+                    device.params = device.params / dpu + 2 * largest * pb;
+                }
+                Sharding::None => {}
+            }
+            if pb != 4 {
+                // Sharded low-precision parameters keep an fp32 master shard.
+                device.optimizer += trained / dpu * 4;
+            }
+        }
+        // The optimizer's step over low-precision parameters works on an fp32 copy of one
+        // unit's parameters and gradient at a time, after the activations are gone.
+        let step_work = if pb != 4 && !sharded { 2 * largest * 4 } else { 0 };
+        if c.offload {
+            // The optimizer's states and masters move to the host; beside fsdp, the
+            // parameter shards too, the device keeping the units at work.
+            host.optimizer = std::mem::take(&mut device.optimizer);
+            if c.sharding == Sharding::Fsdp || c.sharding == Sharding::None {
+                let working = 2 * largest * pb;
+                host.params = device.params.saturating_sub(working);
+                device.params = working.min(device.params);
+            }
+            if c.sharding == Sharding::None {
+                // The copies in flight to the device: two units ahead (offload's prefetch).
+                device.comm += 2 * largest * pb;
+            }
+        }
+        device.activations = (activations + after_blocks.max(during_recompute + recompute)) as u64;
+        // Sequence parallel gathers a block's whole input; pipeline stages send and receive
+        // one micro-batch's boundary activation each way.
+        if t > 1 {
+            device.comm += (tokens * kept[0].output * pb as f64) as u64;
+        }
+        if p > 1 {
+            device.comm += (2.0 * boundary) as u64;
+        }
+        if step_work > device.activations + device.comm {
+            device.grads += step_work;
+            device.activations = 0;
+            device.comm = 0;
+        }
+        let allocated = device.total();
+        device.overhead = machine.device.reserved_bytes + (allocated as f64 * machine.device.fragmentation) as u64;
+        pipeline_ranks.push(RankBytes { device, host });
+    }
+    let busiest = (0..p).max_by_key(|&r| pipeline_ranks[r].device.total()).unwrap_or(0);
+    let RankBytes { device, host } = pipeline_ranks[busiest];
+    let fits =
+        pipeline_ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
+    Ok(Estimate { layout: layout.label(), device, host, busiest, fits, pipeline_ranks })
+}
