@@ -17,6 +17,7 @@ mod bench_search;
 mod bench_step;
 mod bench_tokenize;
 mod bench_zero;
+mod estimate_cmd;
 mod infer;
 mod launch;
 mod options;
@@ -45,6 +46,9 @@ enum Command {
     Generate(Box<infer::GenerateArgs>),
     /// Tokenize text files into one token file for --token-file (streaming, on every core).
     Tokenize(tokenize_cmd::TokenizeArgs),
+    /// Will it fit? Per layout, each rank's peak device and host bytes by what holds them,
+    /// from the model's configuration alone (no allocation, no run).
+    Estimate(Box<estimate_cmd::EstimateArgs>),
     /// Start the ranks of a job on this node (as torchrun): strata launch --nproc-per-node N -- CMD ARGS
     Launch(launch::LaunchArgs),
     /// Benchmarks, each against a reference measured in the same run.
@@ -212,6 +216,7 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => tokenize_cmd::run(a),
         Command::Eval(a) => infer::eval(*a),
         Command::Generate(a) => infer::run_generate(*a),
+        Command::Estimate(a) => estimate_cmd::run(*a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Gpu(a) } => bench_gpu::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),

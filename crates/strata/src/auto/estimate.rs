@@ -43,6 +43,8 @@ pub struct DeviceKind {
     pub reserved_bytes: u64,
     /// The caching allocator's blocks beyond what tensors use, as a share of the peak.
     pub fragmentation: f64,
+    /// Host memory per device of the kind's usual server (where no host size is given).
+    pub host_bytes_per_device: u64,
 }
 
 const GIB: u64 = 1 << 30;
@@ -52,9 +54,11 @@ const GIB: u64 = 1 << 30;
 /// fp8, 494 TF32, 3.35 TB/s; H200 SXM: the same compute with 141 GB at 4.8 TB/s; A100 SXM:
 /// 312 TFLOP/s bf16, 156 TF32, 2.04 TB/s at 80 GB and 1.56 TB/s at 40 GB). The reserve
 /// outside the allocator is an allowance of 1 GiB for the CUDA context and library
-/// workspaces; fragmentation is an allowance of 5% of the allocator's peak.
+/// workspaces; fragmentation is an allowance of 5% of the allocator's peak. Host memory is
+/// that of the vendors' eight-GPU servers (DGX H100, H200 and A100 80GB: 2 TB; DGX A100
+/// 40GB: 1 TB), an eighth per device.
 pub fn device_kinds() -> Vec<DeviceKind> {
-    let gpu = |name, memory_gb: u64, bf16: f64, tf32: f64, fp8: f64, bandwidth: f64| DeviceKind {
+    let gpu = |name, memory_gb: u64, bf16: f64, tf32: f64, fp8: f64, bandwidth: f64, host_tb: u64| DeviceKind {
         name,
         memory_bytes: memory_gb * 1_000_000_000,
         bf16_flops: bf16 * 1e12,
@@ -64,12 +68,13 @@ pub fn device_kinds() -> Vec<DeviceKind> {
         fused_attention: true,
         reserved_bytes: GIB,
         fragmentation: 0.05,
+        host_bytes_per_device: host_tb * 1_000_000_000_000 / 8,
     };
     vec![
-        gpu("h100-80gb", 80, 989.0, 494.0, 1979.0, 3.35),
-        gpu("h200", 141, 989.0, 494.0, 1979.0, 4.8),
-        gpu("a100-80gb", 80, 312.0, 156.0, 0.0, 2.04),
-        gpu("a100-40gb", 40, 312.0, 156.0, 0.0, 1.56),
+        gpu("h100-80gb", 80, 989.0, 494.0, 1979.0, 3.35, 2),
+        gpu("h200", 141, 989.0, 494.0, 1979.0, 4.8, 2),
+        gpu("a100-80gb", 80, 312.0, 156.0, 0.0, 2.04, 2),
+        gpu("a100-40gb", 40, 312.0, 156.0, 0.0, 1.56, 1),
         DeviceKind {
             name: "cpu",
             memory_bytes: host_memory_bytes().unwrap_or(16 * GIB),
@@ -80,6 +85,7 @@ pub fn device_kinds() -> Vec<DeviceKind> {
             fused_attention: false,
             reserved_bytes: 0,
             fragmentation: 0.0,
+            host_bytes_per_device: host_memory_bytes().unwrap_or(16 * GIB),
         },
     ]
 }
@@ -467,13 +473,15 @@ pub fn estimate_spec(
         // unit's parameters and gradient at a time, after the activations are gone.
         let step_work = if pb != 4 && !sharded { 2 * largest * 4 } else { 0 };
         if c.offload {
-            // The optimizer's states and masters move to the host; beside fsdp, the
-            // parameter shards too, the device keeping the units at work.
+            // The optimizer's states and masters move to the host; beside fsdp and alone,
+            // the parameters and gradients too, the device keeping the units at work.
             host.optimizer = std::mem::take(&mut device.optimizer);
             if c.sharding == Sharding::Fsdp || c.sharding == Sharding::None {
                 let working = 2 * largest * pb;
                 host.params = device.params.saturating_sub(working);
                 device.params = working.min(device.params);
+                host.grads = device.grads.saturating_sub(working);
+                device.grads = working.min(device.grads);
             }
             if c.sharding == Sharding::None {
                 // The copies in flight to the device: two units ahead (offload's prefetch).
@@ -503,4 +511,46 @@ pub fn estimate_spec(
     let fits =
         pipeline_ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
     Ok(Estimate { layout: layout.label(), device, host, busiest, fits, pipeline_ranks })
+}
+
+/// The layouts `strata estimate` shows for `ranks` ranks in `precision`: for each tensor
+/// size of `tensors` and pipeline size of `pipelines` that divide the ranks and that the
+/// model splits over, plain data parallelism and (where more than one rank holds the same
+/// pieces) zero1, zero2 and fsdp, each with and without recomputation and offload.
+pub fn layouts(
+    spec: &ModelSpec,
+    ranks: usize,
+    precision: Precision,
+    tensors: &[usize],
+    pipelines: &[usize],
+) -> Vec<Layout> {
+    let blocks = spec.units.iter().filter(|u| spec.units.iter().filter(|v| v.kind() == u.kind()).count() > 1).count();
+    let mut out = vec![];
+    for &tensor in tensors {
+        if tensor == 0 || (tensor > 1 && spec.check_tensor_parallel(tensor as i64).is_err()) {
+            continue;
+        }
+        for &pipeline in pipelines {
+            if pipeline == 0 || !ranks.is_multiple_of(tensor * pipeline) || pipeline > spec.units.len() {
+                continue;
+            }
+            let data = ranks / (tensor * pipeline);
+            for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
+                if sharding != Sharding::None && data < 2 {
+                    continue;
+                }
+                for checkpoint in [false, true] {
+                    if checkpoint && blocks == 0 {
+                        continue;
+                    }
+                    for offload in [false, true] {
+                        let candidate =
+                            Candidate { precision, module_replace: false, sharding, checkpoint, tensor, offload };
+                        out.push(Layout { pipeline, ..Layout::new(candidate) });
+                    }
+                }
+            }
+        }
+    }
+    out
 }

@@ -441,12 +441,27 @@ impl ModelDir {
 /// (checked to exist) and its tokenizer. Architectures and config keys Strata cannot
 /// honour are refused by name.
 pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
+    let (family, config, raw) = read_config(&dir.join("config.json"))?;
+    let special_tokens = TOKEN_KEYS.iter().filter_map(|&k| Some((k.to_string(), raw.get(k)?.clone()))).collect();
+    let tokenizer = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
+    Ok(ModelDir { dir: dir.to_path_buf(), family, config, weights: weight_files(dir)?, tokenizer, special_tokens })
+}
+
+/// The model a Hugging Face `config.json` describes (`path` is the file or its folder),
+/// without weights: what estimates and plans need.
+pub fn config_of(path: &Path) -> Result<ModelConfig> {
+    let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+    Ok(read_config(&file)?.1)
+}
+
+/// A `config.json`'s family, model and keys, checked.
+fn read_config(config_path: &Path) -> Result<(Family, ModelConfig, Map<String, Value>)> {
+    let dir = config_path.parent().unwrap_or(Path::new("."));
     let fail = |message: String| Error::Weights { path: dir.to_path_buf(), message };
-    let config_path = dir.join("config.json");
     if !config_path.is_file() {
         return Err(fail("no config.json: not a model folder".into()));
     }
-    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let text = std::fs::read_to_string(config_path).map_err(|e| Error::io(config_path, e))?;
     let raw: Value = serde_json::from_str(&text).map_err(|e| fail(format!("config.json is not valid JSON ({e})")))?;
     let cfg = raw.as_object().ok_or_else(|| fail("config.json is not a JSON object".into()))?;
     let keys = Keys { cfg, prefix: String::new() };
@@ -472,9 +487,7 @@ pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
         Error::Config(why) => fail(format!("config.json: {why}")),
         other => other,
     })?;
-    let special_tokens = TOKEN_KEYS.iter().filter_map(|&k| Some((k.to_string(), cfg.get(k)?.clone()))).collect();
-    let tokenizer = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
-    Ok(ModelDir { dir: dir.to_path_buf(), family, config, weights: weight_files(dir)?, tokenizer, special_tokens })
+    Ok((family, config, cfg.clone()))
 }
 
 /// The safetensors files of a folder: the shards its index names, or its single file.

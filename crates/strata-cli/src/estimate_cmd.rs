@@ -1,0 +1,275 @@
+//! `strata estimate`: will a model fit? Per layout (sharding, recomputation, offload,
+//! tensor and pipeline sizes, LoRA), the peak bytes each rank needs on its device and its
+//! host, split by what holds them, from the model's configuration alone, and whether they
+//! fit the device and host given.
+//!
+//! Owns the command's flags and its table. Must not compute bytes (`strata::auto::estimate`
+//! does) or allocate the model.
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use std::path::PathBuf;
+use strata::auto::candidate::Precision;
+use strata::auto::estimate::{self, DeviceKind, Estimate, Machine, Workload};
+use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig};
+use strata::profile::human_bytes;
+use strata::strategy::{LoraConfig, Targets};
+
+/// The model an estimate or a plan is for: a folder's `config.json`, a preset, or a
+/// built-in family with its sizes.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A Hugging Face model folder or its config.json (weights are not read).
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// A known model: gpt2, gpt2-medium, gpt2-large, gpt2-xl, tinyllama-1.1b, llama-2-7b,
+    /// llama-2-13b, llama-2-70b, llama-3-8b, llama-3-70b, llama-3.1-405b.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// A built-in family sized by the flags below: gpt, llama or mlp.
+    #[arg(long)]
+    pub model: Option<String>,
+    #[arg(long, default_value_t = 12)]
+    pub layers: i64,
+    #[arg(long, default_value_t = 12)]
+    pub heads: i64,
+    #[arg(long, default_value_t = 768)]
+    pub dim: i64,
+    #[arg(long, default_value_t = 50257)]
+    pub vocab: i64,
+    /// Feed-forward width (llama; default 8/3 of the width, rounded up to 32).
+    #[arg(long)]
+    pub ffn_dim: Option<i64>,
+    /// Key/value heads (llama; default: as many as heads).
+    #[arg(long)]
+    pub kv_heads: Option<i64>,
+    /// Tokens per sequence (default: the model's context, capped at 4096).
+    #[arg(long)]
+    pub ctx: Option<i64>,
+}
+
+impl ModelArgs {
+    /// The model and the sequence length to run it at.
+    pub fn resolve(&self) -> Result<(ModelConfig, i64)> {
+        let given = [self.model_dir.is_some(), self.preset.is_some(), self.model.is_some()];
+        if given.iter().filter(|&&g| g).count() != 1 {
+            bail!("give exactly one of --model-dir, --preset and --model");
+        }
+        let config = if let Some(dir) = &self.model_dir {
+            strata::model::hf::config_of(dir).with_context(|| format!("cannot read {}", dir.display()))?
+        } else if let Some(name) = &self.preset {
+            strata::model::preset(name)?
+        } else {
+            let ctx = self.ctx.unwrap_or(2048);
+            let (l, h, d, v) = (self.layers, self.heads, self.dim, self.vocab);
+            match self.model.as_deref().unwrap_or_default() {
+                "gpt" => ModelConfig::Gpt(GptConfig::new(v, ctx, l, h, d)),
+                "llama" => ModelConfig::Llama(LlamaConfig {
+                    ffn_dim: self.ffn_dim,
+                    kv_heads: self.kv_heads,
+                    ..LlamaConfig::new(v, ctx, l, h, d)
+                }),
+                "mlp" => ModelConfig::Mlp(MlpConfig { vocab: v, layers: l, dim: d }),
+                other => bail!("unknown model {other:?}; expected gpt, llama or mlp"),
+            }
+        };
+        let ctx = match (self.ctx, config.context()) {
+            (Some(t), Some(limit)) if t > limit => bail!("--ctx {t} is longer than the model's context of {limit}"),
+            (Some(t), _) => t,
+            (None, Some(limit)) => limit.min(4096),
+            (None, None) => 512,
+        };
+        if ctx < 1 {
+            bail!("--ctx must be positive");
+        }
+        Ok((config, ctx))
+    }
+}
+
+/// How the numbers are computed, as the flags name it.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum PrecisionArg {
+    Fp32,
+    AmpBf16,
+    HalfBf16,
+    Fp8,
+}
+
+impl PrecisionArg {
+    pub fn precision(self) -> Precision {
+        match self {
+            PrecisionArg::Fp32 => Precision::Fp32,
+            PrecisionArg::AmpBf16 => Precision::AmpBf16,
+            PrecisionArg::HalfBf16 => Precision::HalfBf16,
+            PrecisionArg::Fp8 => Precision::Fp8,
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct EstimateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Ranks (devices) in all.
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
+    /// Ranks per node: they share the node's host memory.
+    #[arg(long)]
+    gpus_per_node: Option<usize>,
+    /// The device kind: h100-80gb, h200, a100-80gb, a100-40gb or cpu (this machine).
+    #[arg(long, default_value = "h100-80gb")]
+    device: String,
+    /// Bytes of each device (default: the kind's).
+    #[arg(long)]
+    device_memory: Option<u64>,
+    /// Bytes of host memory per node (default: the device kind's usual server; this
+    /// machine's for the cpu).
+    #[arg(long)]
+    host_memory: Option<u64>,
+    /// Rows of one micro-batch per data-parallel group.
+    #[arg(long, default_value_t = 1)]
+    micro_batch: usize,
+    /// Micro-batches per step (gradient accumulation; a pipeline's micro-batches).
+    #[arg(long, default_value_t = 1)]
+    accumulation: usize,
+    /// Precision (default: amp-bf16 on a GPU, fp32 on the CPU).
+    #[arg(long, value_enum)]
+    precision: Option<PrecisionArg>,
+    /// Tensor sizes to show, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    tensor: Vec<usize>,
+    /// Pipeline sizes to show, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pipeline: Vec<usize>,
+    /// Also show each layout training LoRA adapters of this rank on every linear layer.
+    #[arg(long)]
+    lora_rank: Option<i64>,
+    /// Optimizer: adamw (8 bytes of state per trained element) or sgd (4, with momentum).
+    #[arg(long, default_value = "adamw")]
+    optimizer: String,
+    /// Print the results as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Row {
+    lora: bool,
+    #[serde(flatten)]
+    estimate: Estimate,
+}
+
+#[derive(Serialize)]
+struct Report {
+    params: i64,
+    device: DeviceKind,
+    device_bytes: u64,
+    host_bytes: u64,
+    workload: Workload,
+    rows: Vec<Row>,
+}
+
+/// The bytes of optimizer state per trained element of `name`.
+pub fn optimizer_state_bytes(name: &str) -> Result<u64> {
+    match name {
+        "adamw" | "adam" => Ok(8),
+        "sgd" => Ok(4),
+        other => bail!("unknown optimizer {other:?}; expected adamw, adam or sgd"),
+    }
+}
+
+pub fn run(a: EstimateArgs) -> Result<()> {
+    let (config, ctx) = a.model.resolve()?;
+    let kind = estimate::device_kind(&a.device)?;
+    if a.nproc == 0 || a.micro_batch == 0 || a.accumulation == 0 {
+        bail!("--nproc, --micro-batch and --accumulation must be positive");
+    }
+    let per_node = a.gpus_per_node.unwrap_or(a.nproc).clamp(1, a.nproc) as u64;
+    let machine = Machine {
+        device_bytes: a.device_memory.unwrap_or(kind.memory_bytes),
+        host_bytes: a.host_memory.map_or(kind.host_bytes_per_device, |node| node / per_node),
+        device: kind.clone(),
+    };
+    let precision = a.precision.map(PrecisionArg::precision).unwrap_or(if kind.name == "cpu" {
+        Precision::Fp32
+    } else {
+        Precision::AmpBf16
+    });
+    let work = Workload {
+        ranks: a.nproc,
+        micro_batch: a.micro_batch,
+        ctx,
+        micro_batches: a.accumulation,
+        optimizer_state_bytes: optimizer_state_bytes(&a.optimizer)?,
+    };
+    let spec = config.spec()?;
+    let layouts = estimate::layouts(&spec, a.nproc, precision, &a.tensor, &a.pipeline);
+    if layouts.is_empty() {
+        bail!("no layout: the tensor and pipeline sizes given do not divide {} ranks or the model", a.nproc);
+    }
+    let mut rows = vec![];
+    for layout in &layouts {
+        let e = estimate::estimate_spec(&config, &spec, layout, &work, &machine)?;
+        rows.push(Row { lora: false, estimate: e });
+    }
+    if let Some(r) = a.lora_rank {
+        let lora = LoraConfig {
+            r,
+            alpha: 2.0 * r as f64,
+            target_modules: Targets::Pattern("all-linear".into()),
+            ..LoraConfig::default()
+        };
+        let mut adapted = config.spec()?;
+        lora.apply(&mut adapted)?;
+        for layout in &layouts {
+            let e = estimate::estimate_spec(&config, &adapted, layout, &work, &machine)?;
+            rows.push(Row { lora: true, estimate: e });
+        }
+    }
+    let report = Report {
+        params: spec.num_params(),
+        device: kind,
+        device_bytes: machine.device_bytes,
+        host_bytes: machine.host_bytes,
+        workload: work,
+        rows,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{:.3}B parameters; {} rank(s) of {} ({} each, {} of host per rank); {} × {} tokens per micro-batch, {} micro-batch(es)",
+        report.params as f64 / 1e9,
+        a.nproc,
+        report.device.name,
+        human_bytes(report.device_bytes),
+        human_bytes(report.host_bytes),
+        a.micro_batch,
+        ctx,
+        a.accumulation
+    );
+    let label = |r: &Row| if r.lora { format!("{} + lora", r.estimate.layout) } else { r.estimate.layout.clone() };
+    let w = report.rows.iter().map(|r| label(r).chars().count()).max().unwrap_or(6);
+    println!(
+        "{:<w$} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}  fits",
+        "layout", "params", "grads", "optimizer", "activ.", "comm", "overhead", "device", "host"
+    );
+    for r in &report.rows {
+        let d = &r.estimate.device;
+        println!(
+            "{:<w$} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}  {}",
+            label(r),
+            human_bytes(d.params),
+            human_bytes(d.grads),
+            human_bytes(d.optimizer),
+            human_bytes(d.activations),
+            human_bytes(d.comm),
+            human_bytes(d.overhead),
+            human_bytes(d.total()),
+            human_bytes(r.estimate.host.total()),
+            if r.estimate.fits { "yes" } else { "no" }
+        );
+    }
+    Ok(())
+}
