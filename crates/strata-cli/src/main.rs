@@ -21,6 +21,7 @@ mod estimate_cmd;
 mod infer;
 mod launch;
 mod options;
+mod plan_cmd;
 mod profile_cmd;
 mod tokenize_cmd;
 mod train;
@@ -49,6 +50,9 @@ enum Command {
     /// Will it fit? Per layout, each rank's peak device and host bytes by what holds them,
     /// from the model's configuration alone (no allocation, no run).
     Estimate(Box<estimate_cmd::EstimateArgs>),
+    /// How should it run? The fastest layouts for a described cluster, by predicted step
+    /// time among those that fit, and the best as a strategy file.
+    Plan(Box<plan_cmd::PlanArgs>),
     /// Start the ranks of a job on this node (as torchrun): strata launch --nproc-per-node N -- CMD ARGS
     Launch(launch::LaunchArgs),
     /// Benchmarks, each against a reference measured in the same run.
@@ -217,6 +221,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => infer::eval(*a),
         Command::Generate(a) => infer::run_generate(*a),
         Command::Estimate(a) => estimate_cmd::run(*a),
+        Command::Plan(a) => plan_cmd::run(*a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Gpu(a) } => bench_gpu::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),

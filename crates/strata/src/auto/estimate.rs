@@ -16,11 +16,12 @@
 use super::candidate::{Candidate, Precision, Sharding};
 use crate::engine::UnitLayout;
 use crate::model::{ModelConfig, ModelSpec};
-use crate::parallel::pipeline::partition::{self, UnitCost};
+use crate::parallel::pipeline::partition::{self, Stages, UnitCost};
 use crate::parallel::pipeline::schedule::{self, Pipeline};
 use crate::strategy::ScheduleKind;
 use crate::{Error, Result};
 use serde::Serialize;
+use std::collections::HashMap;
 
 /// One kind of accelerator (or the CPU acting as one): its memory, its peak dense
 /// throughput, and what its kernels keep.
@@ -318,6 +319,35 @@ fn param_bytes(precision: Precision) -> u64 {
     }
 }
 
+/// Bytes one micro-batch of `work` leaves in a unit that keeps `k`, off and over the
+/// vocabulary, on one tensor rank of `layout` (sequence parallel splits what the blocks
+/// keep, heads and vocabulary what the rest keep).
+fn split_activation_bytes(k: &Kept, layout: &Layout, work: &Workload, device: &DeviceKind) -> (f64, f64) {
+    let t = layout.candidate.tensor.max(1) as f64;
+    let tokens = (work.micro_batch as i64 * work.ctx) as f64;
+    let attended = if device.fused_attention { 0.0 } else { work.ctx as f64 };
+    let (block_share, head_share, vocab_share) = precision_share(layout.candidate.precision);
+    // Under sequence parallel a block's column-parallel products keep the gathered whole
+    // sequence as their input: two widths that tensor ranks do not split.
+    let whole = if k.block && t > 1.0 { 2.0 * k.output * t } else { 0.0 };
+    let values = k.values - k.vocab_values + k.scores * attended + whole;
+    let scale = 4.0 * tokens / t;
+    match k.block {
+        true => (values * block_share * scale, 0.0),
+        false => (values * head_share * scale, k.vocab_values * vocab_share * scale),
+    }
+}
+
+/// Bytes one micro-batch leaves in each unit (of `kept`) on one rank of `layout`.
+pub fn unit_activation_bytes(kept: &[Kept], layout: &Layout, work: &Workload, device: &DeviceKind) -> Vec<f64> {
+    kept.iter()
+        .map(|k| {
+            let (off, over) = split_activation_bytes(k, layout, work, device);
+            off + over
+        })
+        .collect()
+}
+
 /// One unit's parameters as the engine lays them out.
 struct UnitStates {
     /// Elements of the unit's buffer (padded for sharding).
@@ -343,6 +373,59 @@ pub fn estimate_spec(
     work: &Workload,
     machine: &Machine,
 ) -> Result<Estimate> {
+    estimate_with(config, spec, layout, work, machine, &mut PipelineShapes::default())
+}
+
+/// Pipeline stage splits already balanced (by the units' buffer lengths and the stage
+/// count), and micro-batches each stage holds (by schedule and shape): a search asks for
+/// the same few many times.
+#[derive(Default)]
+pub struct PipelineShapes {
+    splits: HashMap<(Vec<u64>, usize, usize), Stages>,
+    held: HashMap<(ScheduleKind, usize, usize, usize), Vec<u64>>,
+}
+
+impl PipelineShapes {
+    /// The most micro-batches each stage of `pipeline` holds at once under `kind`.
+    pub fn held(&mut self, kind: ScheduleKind, pipeline: Pipeline) -> Result<Vec<u64>> {
+        let key = (kind, pipeline.stages, pipeline.micro_batches, pipeline.virtual_stages);
+        if let Some(held) = self.held.get(&key) {
+            return Ok(held.clone());
+        }
+        let held = schedule::most_held(kind, pipeline)?;
+        self.held.insert(key, held.clone());
+        Ok(held)
+    }
+
+    /// The split of units of buffer lengths `lens` into `pipeline × virtual_stages`
+    /// contiguous stages balanced by parameters, as `Balance::Parameters` splits them (and
+    /// as the strategies Strata writes ask for).
+    pub fn stages(&mut self, lens: &[u64], pipeline: usize, virtual_stages: usize) -> Result<Stages> {
+        if pipeline <= 1 {
+            return Ok(vec![(0, lens.len())]);
+        }
+        let key = (lens.to_vec(), pipeline, virtual_stages);
+        if let Some(split) = self.splits.get(&key) {
+            return Ok(split.clone());
+        }
+        let costs: Vec<UnitCost> =
+            lens.iter().map(|&len| UnitCost { seconds: len as f64, bytes: len, activation_bytes: 0 }).collect();
+        let total = pipeline * virtual_stages.max(1);
+        let split = partition::balance(&costs, total, pipeline, None, &vec![1; total])?;
+        self.splits.insert(key, split.clone());
+        Ok(split)
+    }
+}
+
+/// [`estimate_spec`] reusing the stage splits of `memo`.
+pub fn estimate_with(
+    config: &ModelConfig,
+    spec: &ModelSpec,
+    layout: &Layout,
+    work: &Workload,
+    machine: &Machine,
+    memo: &mut PipelineShapes,
+) -> Result<Estimate> {
     let c = &layout.candidate;
     let (t, p) = (c.tensor.max(1), layout.pipeline.max(1));
     if work.ranks == 0 || !work.ranks.is_multiple_of(t * p) {
@@ -364,22 +447,7 @@ pub fn estimate_spec(
         .collect();
     let kept: Vec<Kept> = spec.units.iter().map(|u| kept(config, u.kind())).collect::<Result<_>>()?;
     let tokens = (work.micro_batch as i64 * work.ctx) as f64;
-    let attended = if machine.device.fused_attention { 0.0 } else { work.ctx as f64 };
-    let (block_share, head_share, vocab_share) = precision_share(c.precision);
-    // Bytes one micro-batch leaves in each unit, off and over the vocabulary, split over
-    // the tensor ranks (sequence parallel splits what the blocks keep, heads and vocabulary
-    // what the rest keep).
-    let split_bytes = |k: &Kept| -> (f64, f64) {
-        // Under sequence parallel a block's column-parallel products keep the gathered
-        // whole sequence as their input: two widths that tensor ranks do not split.
-        let whole = if k.block && t > 1 { 2.0 * k.output * t as f64 } else { 0.0 };
-        let values = k.values - k.vocab_values + k.scores * attended + whole;
-        let scale = 4.0 * tokens / t as f64;
-        match k.block {
-            true => (values * block_share * scale, 0.0),
-            false => (values * head_share * scale, k.vocab_values * vocab_share * scale),
-        }
-    };
+    let split_bytes = |k: &Kept| split_activation_bytes(k, layout, work, &machine.device);
     let unit_bytes = |k: &Kept| -> f64 {
         let (off, over) = split_bytes(k);
         off + over
@@ -389,16 +457,10 @@ pub fn estimate_spec(
         vec![1]
     } else {
         let pipeline = Pipeline { stages: p, micro_batches: work.micro_batches, virtual_stages: layout.virtual_stages };
-        schedule::most_held(layout.schedule, pipeline)?
+        memo.held(layout.schedule, pipeline)?
     };
-    // The stages: balanced by parameters, as `Balance::Parameters` splits them.
-    let stages: Vec<(usize, usize)> = if p == 1 {
-        vec![(0, spec.units.len())]
-    } else {
-        let costs: Vec<UnitCost> =
-            units.iter().map(|u| UnitCost { seconds: u.len as f64, bytes: u.len, activation_bytes: 0 }).collect();
-        partition::balance(&costs, p * layout.virtual_stages, p, None, &held)?
-    };
+    let lens: Vec<u64> = units.iter().map(|u| u.len).collect();
+    let stages = memo.stages(&lens, p, layout.virtual_stages)?;
     let mut pipeline_ranks = Vec::with_capacity(p);
     for rank in 0..p {
         let ranges: Vec<(usize, (usize, usize))> = (0..layout.virtual_stages.max(1))

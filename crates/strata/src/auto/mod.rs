@@ -9,7 +9,9 @@ pub mod bench;
 pub mod candidate;
 pub mod cost;
 pub mod estimate;
+pub mod plan;
 pub mod search;
+pub mod step_time;
 
 use crate::comm::{Comm, ProcessGroup};
 use crate::data::{DataLoader, Dataset, LoaderConfig, Order};

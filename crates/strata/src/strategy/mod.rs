@@ -120,7 +120,7 @@ pub enum Balance {
 }
 
 /// Which schedule runs the micro-batches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ScheduleKind {
     /// Every forward, then every backward (GPipe).

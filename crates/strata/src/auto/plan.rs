@@ -1,0 +1,214 @@
+//! `strata plan`: the fastest layouts of a model for a described cluster, a global batch and
+//! a sequence length, found by searching data parallelism and its sharding stages × tensor
+//! size × pipeline size (schedule, micro-batches, chunks per rank) × recomputation ×
+//! offload × precision, pruned by the memory estimate and ranked by the predicted step.
+//!
+//! Owns the search space and the ranking. Must not predict bytes or seconds itself
+//! ([`super::estimate`] and [`super::step_time`] do) nor run anything.
+use super::candidate::{Candidate, Precision, Sharding};
+use super::estimate::{self, Estimate, Layout, Machine, Workload};
+use super::step_time::{self, Cluster, StepTime};
+use crate::model::ModelConfig;
+use crate::strategy::{ScheduleKind, Strategy};
+use crate::{Error, Result};
+use serde::Serialize;
+
+/// What to plan for.
+#[derive(Clone, Debug)]
+pub struct PlanRequest {
+    pub model: ModelConfig,
+    pub cluster: Cluster,
+    /// Sequences per step over all ranks.
+    pub global_batch: usize,
+    pub seq_len: i64,
+    pub precisions: Vec<Precision>,
+    pub optimizer_state_bytes: u64,
+    /// Host bytes per device.
+    pub host_bytes: u64,
+}
+
+/// One layout the search kept: its shape, bytes and predicted step.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanRow {
+    pub layout: Layout,
+    pub label: String,
+    /// Rows per micro-batch of a data-parallel group, and micro-batches per step.
+    pub micro_batch: usize,
+    pub micro_batches: usize,
+    pub data: usize,
+    pub memory: Estimate,
+    pub time: StepTime,
+    /// Why it lost to the best: the part of the step that grew the most.
+    pub behind: Option<String>,
+}
+
+impl PlanRow {
+    /// The row's strategy, as `strata train` runs it.
+    pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
+        let l = &self.layout;
+        let pipeline = (l.pipeline > 1).then_some((l.pipeline, l.schedule, l.virtual_stages));
+        l.candidate.strategy_with_pipeline(blocks, pipeline)
+    }
+}
+
+/// What the search found.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanReport {
+    /// Layouts that fit, fastest first.
+    pub rows: Vec<PlanRow>,
+    /// Layouts considered in all, and those whose estimate overfilled a device or host.
+    pub considered: usize,
+    pub over_memory: usize,
+    /// The smallest device need among the layouts that did not fit (bytes), for the message
+    /// when none fits.
+    pub least_over: Option<u64>,
+}
+
+/// Divisors of `n` in increasing order.
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// Searches every layout of `req` and ranks those that fit by predicted step time.
+pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
+    let spec = req.model.spec()?;
+    let ranks = req.cluster.devices();
+    if ranks == 0 || req.global_batch == 0 || req.seq_len < 1 {
+        return Err(Error::Config("a plan needs devices, a global batch and a sequence length".into()));
+    }
+    let blocks = spec.units.iter().filter(|u| spec.units.iter().filter(|v| v.kind() == u.kind()).count() > 1).count();
+    let machine = Machine {
+        device: req.cluster.device.clone(),
+        device_bytes: req.cluster.device.memory_bytes,
+        host_bytes: req.host_bytes,
+    };
+    let tensors: Vec<usize> = divisors(req.cluster.gpus_per_node.min(ranks))
+        .into_iter()
+        .filter(|&t| t == 1 || spec.check_tensor_parallel(t as i64).is_ok())
+        .collect();
+    let mut memo = step_time::Memo::default();
+    let mut rows = vec![];
+    let (mut considered, mut over_memory, mut least_over) = (0, 0, None::<u64>);
+    for &t in &tensors {
+        for p in divisors(ranks / t).into_iter().filter(|&p| p <= blocks.max(1)) {
+            let dp = ranks / (t * p);
+            if !req.global_batch.is_multiple_of(dp) {
+                continue;
+            }
+            let rows_per_group = req.global_batch / dp;
+            for micro_batch in divisors(rows_per_group).into_iter().filter(|&b| b <= 64) {
+                let m = rows_per_group / micro_batch;
+                for (schedule, virtual_stages) in schedules(p, m, blocks) {
+                    for layout in layouts(t, p, dp, schedule, virtual_stages, &req.precisions, blocks > 0) {
+                        considered += 1;
+                        let work = Workload {
+                            ranks,
+                            micro_batch,
+                            ctx: req.seq_len,
+                            micro_batches: m,
+                            optimizer_state_bytes: req.optimizer_state_bytes,
+                        };
+                        let memory =
+                            estimate::estimate_with(&req.model, &spec, &layout, &work, &machine, &mut memo.shapes)?;
+                        if !memory.fits {
+                            over_memory += 1;
+                            let need = memory.device.total();
+                            least_over = Some(least_over.map_or(need, |l| l.min(need)));
+                            continue;
+                        }
+                        let time = step_time::step_time(&req.model, &spec, &layout, &work, &req.cluster, &mut memo)?;
+                        let label = layout_label(&layout, micro_batch, m);
+                        rows.push(PlanRow {
+                            layout,
+                            label,
+                            micro_batch,
+                            micro_batches: m,
+                            data: dp,
+                            memory,
+                            time,
+                            behind: None,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    rows.sort_by(|a, b| a.time.total.total_cmp(&b.time.total));
+    if let Some(best) = rows.first().map(|r| r.time) {
+        for r in rows.iter_mut().skip(1) {
+            r.behind = Some(behind(&r.time, &best));
+        }
+    }
+    Ok(PlanReport { rows, considered, over_memory, least_over })
+}
+
+/// The schedules worth trying at `p` stages and `m` micro-batches: none without a
+/// pipeline; 1F1B, the interleaved schedule over two chunks per rank (where the blocks
+/// and micro-batches allow) and zero-bubble ZB-H1 with one.
+fn schedules(p: usize, m: usize, blocks: usize) -> Vec<(ScheduleKind, usize)> {
+    if p == 1 {
+        return vec![(ScheduleKind::OneForwardOneBackward, 1)];
+    }
+    let mut out = vec![(ScheduleKind::OneForwardOneBackward, 1), (ScheduleKind::ZeroBubble, 1)];
+    if m.is_multiple_of(p) && blocks >= 2 * p {
+        out.push((ScheduleKind::Interleaved, 2));
+    }
+    out
+}
+
+/// Every layout at tensor size `t` and pipeline size `p` with `dp` data ranks: each
+/// precision, sharding stage (sharded where more than one rank holds the same pieces),
+/// recomputation (where the model has blocks) and offload.
+fn layouts(
+    t: usize,
+    p: usize,
+    dp: usize,
+    schedule: ScheduleKind,
+    virtual_stages: usize,
+    precisions: &[Precision],
+    has_blocks: bool,
+) -> Vec<Layout> {
+    let mut out = vec![];
+    for &precision in precisions {
+        for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
+            if sharding != Sharding::None && dp < 2 {
+                continue;
+            }
+            for checkpoint in [false, true] {
+                if checkpoint && !has_blocks {
+                    continue;
+                }
+                for offload in [false, true] {
+                    let candidate =
+                        Candidate { precision, module_replace: false, sharding, checkpoint, tensor: t, offload };
+                    out.push(Layout { candidate, pipeline: p, schedule, virtual_stages });
+                }
+            }
+        }
+    }
+    out
+}
+
+fn layout_label(layout: &Layout, micro_batch: usize, micro_batches: usize) -> String {
+    let mut label = layout.label();
+    if layout.virtual_stages > 1 {
+        label.push_str(&format!(" ×{} chunks", layout.virtual_stages));
+    }
+    format!("{label}; micro-batch {micro_batch} × {micro_batches}")
+}
+
+/// The part of `slower`'s step that most exceeds `best`'s, as a reason.
+fn behind(slower: &StepTime, best: &StepTime) -> String {
+    let parts = [
+        ("compute", slower.compute - best.compute),
+        ("memory-bound work", slower.memory - best.memory),
+        ("pipeline bubble", slower.bubble - best.bubble),
+        ("data-parallel communication", slower.data_comm - best.data_comm),
+        ("tensor-parallel communication", slower.tensor_comm - best.tensor_comm),
+        ("pipeline communication", slower.pipeline_comm - best.pipeline_comm),
+        ("offload traffic", slower.offload - best.offload),
+        ("optimizer update", slower.optimizer - best.optimizer),
+    ];
+    let (what, by) = parts.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap_or(("compute", 0.0));
+    format!("{what} +{:.1} ms", 1e3 * by.max(0.0))
+}

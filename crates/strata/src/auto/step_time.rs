@@ -1,0 +1,397 @@
+//! Time before anything runs: the seconds of one training step of a layout of a model on a
+//! described cluster, split into compute, memory-bound work, the pipeline's bubble, the
+//! communication each method leaves exposed, offload traffic and the optimizer's update.
+//!
+//! Owns the time formulas and the cluster's description. Must not run anything: device
+//! throughputs come from [`super::estimate::DeviceKind`] (data sheets, or this machine's
+//! own, measured by [`super::calibrate`]), link bandwidths from the cluster's description.
+//!
+//! - Compute: each unit's matrix products (2 FLOPs per weight per token, and the
+//!   attention's scores and sums, 4 · positions · width) three times (forward, input and
+//!   weight gradients), four for a recomputed block, at the device's peak for the
+//!   precision times an efficiency.
+//! - Memory-bound work: the activations each unit keeps (the memory estimate's bytes) are
+//!   written, read, and their gradients written and read: four passes at the memory's
+//!   bandwidth, five for a recomputed block.
+//! - Collectives: α–β over rings (an all-reduce moves 2(n − 1)/n of its bytes, a gather or
+//!   scatter (n − 1)/n), on the link the group spans: within a node, or across nodes at
+//!   each device's share of its node's network.
+//! - Overlap: data parallelism's reduction hides behind the backward, fsdp's gathers and
+//!   reductions behind the forward and backward; tensor parallelism's collectives and the
+//!   pipeline's sends are exposed; so is offload's traffic, and the host's update.
+//! - The pipeline: its schedule run by the schedule simulator with the slowest stage's
+//!   costs.
+use super::candidate::{Precision, Sharding};
+use super::estimate::{self, DeviceKind, Kept, Layout, PipelineShapes, Workload};
+use crate::engine::UnitLayout;
+use crate::model::{ModelConfig, ModelSpec};
+use crate::parallel::pipeline::schedule::{self, Costs, Pipeline};
+use crate::strategy::ScheduleKind;
+use crate::{Error, Result};
+use serde::Serialize;
+use std::collections::HashMap;
+
+/// A kind of link between devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LinkKind {
+    Nvlink,
+    Infiniband,
+    Ethernet,
+    /// Shared memory between processes of one machine.
+    Shm,
+}
+
+/// A link class: its bandwidth per device (bytes/s each way) and its latency per message.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Link {
+    pub kind: LinkKind,
+    pub bandwidth: f64,
+    pub latency: f64,
+}
+
+impl Link {
+    /// Parses `KIND:BANDWIDTH` with the bandwidth in `GB/s` or `Gb/s`, optionally as
+    /// `COUNTxBANDWIDTH` (a node's NICs): `nvlink:450GB/s`, `ib:4x400Gb/s`, `eth:100Gb/s`.
+    /// `share` divides it among the devices using it at once (a node's network among its
+    /// devices; 1 for a link each device has to itself).
+    pub fn parse(text: &str, share: usize) -> Result<Link> {
+        let bad = |why: &str| Error::Config(format!("link {text:?}: {why} (e.g. nvlink:450GB/s or ib:4x400Gb/s)"));
+        let (kind, rate) = text.split_once(':').ok_or_else(|| bad("no KIND:"))?;
+        let (kind, latency) = match kind.to_ascii_lowercase().as_str() {
+            "nvlink" => (LinkKind::Nvlink, 3e-6),
+            "ib" | "infiniband" => (LinkKind::Infiniband, 6e-6),
+            "eth" | "ethernet" | "roce" => (LinkKind::Ethernet, 15e-6),
+            "shm" => (LinkKind::Shm, 2e-6),
+            _ => return Err(bad("unknown kind; expected nvlink, ib, eth or shm")),
+        };
+        let (count, rate) = match rate.split_once(['x', '×']) {
+            Some((n, r)) => (n.trim().parse::<f64>().map_err(|_| bad("bad count"))?, r),
+            None => (1.0, rate),
+        };
+        let rate = rate.trim();
+        let (number, scale) = if let Some(n) = rate.strip_suffix("GB/s") {
+            (n, 1e9)
+        } else if let Some(n) = rate.strip_suffix("Gb/s") {
+            (n, 1e9 / 8.0)
+        } else if let Some(n) = rate.strip_suffix("TB/s") {
+            (n, 1e12)
+        } else {
+            return Err(bad("the bandwidth needs a unit: GB/s, Gb/s or TB/s"));
+        };
+        let value: f64 = number.trim().parse().map_err(|_| bad("bad bandwidth"))?;
+        if !(value > 0.0 && count > 0.0) {
+            return Err(bad("the bandwidth must be positive"));
+        }
+        Ok(Link { kind, bandwidth: count * value * scale / share.max(1) as f64, latency })
+    }
+}
+
+/// A cluster: nodes of devices, the link within a node and the one between nodes, and
+/// each device's link to its host (offload's copies).
+#[derive(Clone, Debug, Serialize)]
+pub struct Cluster {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    pub device: DeviceKind,
+    pub intra: Link,
+    pub inter: Link,
+    /// Bytes/s each way between a device and its host.
+    pub host_link: f64,
+    /// Bytes/s of the host's memory available to one device's update.
+    pub host_bandwidth: f64,
+    /// The share of the device's peak its largest matrix products reach; smaller ones
+    /// reach less ([`product_efficiency`]).
+    pub efficiency: f64,
+}
+
+impl Cluster {
+    pub fn devices(&self) -> usize {
+        self.nodes * self.gpus_per_node
+    }
+
+    /// The link a group of `n` ranks spaced `stride` apart crosses at its slowest.
+    fn link(&self, n: usize, stride: usize) -> Link {
+        if n * stride > self.gpus_per_node {
+            self.inter
+        } else {
+            self.intra
+        }
+    }
+
+    fn all_reduce(&self, bytes: f64, n: usize, stride: usize) -> f64 {
+        self.ring(2.0, bytes, n, stride)
+    }
+
+    /// An all-gather or a reduce-scatter of `bytes` whole.
+    fn gather(&self, bytes: f64, n: usize, stride: usize) -> f64 {
+        self.ring(1.0, bytes, n, stride)
+    }
+
+    fn ring(&self, passes: f64, bytes: f64, n: usize, stride: usize) -> f64 {
+        if n < 2 {
+            return 0.0;
+        }
+        let l = self.link(n, stride);
+        let steps = (n - 1) as f64;
+        passes * (steps / n as f64 * bytes / l.bandwidth + steps * l.latency)
+    }
+}
+
+/// One step's seconds by where they go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct StepTime {
+    /// Matrix products (the busiest rank's, over all its micro-batches).
+    pub compute: f64,
+    /// Memory-bound work: writing and reading what the units keep.
+    pub memory: f64,
+    /// Idle time of the pipeline's schedule.
+    pub bubble: f64,
+    /// Data parallelism's and sharding's collectives not hidden behind compute.
+    pub data_comm: f64,
+    /// Tensor parallelism's collectives.
+    pub tensor_comm: f64,
+    /// The pipeline's sends and receives.
+    pub pipeline_comm: f64,
+    /// Copies between device and host, and the host's update.
+    pub offload: f64,
+    /// The optimizer's update on the device.
+    pub optimizer: f64,
+    pub total: f64,
+    pub tokens_per_s: f64,
+    /// Model FLOPs per second over the devices' peak in the precision's format.
+    pub mfu: f64,
+}
+
+/// Model FLOPs of one trained token (forward and backward) at `seq_len` positions: 6 per
+/// parameter, plus the attention's scores and weighted sums, 12 · layers · positions ·
+/// width (as if not causal).
+pub fn model_flops_per_token(model: &ModelConfig, params: i64, seq_len: i64) -> f64 {
+    let (layers, dim) = match model {
+        ModelConfig::Gpt(c) => (c.layers, c.dim),
+        ModelConfig::Llama(c) => (c.layers, c.heads * c.head_width()),
+        ModelConfig::Bert(c) => (c.layers, c.dim),
+        ModelConfig::T5(c) => (c.encoder_layers + c.decoder_layers, c.heads * c.head_dim),
+        ModelConfig::Mlp(_) => (0, 0),
+    };
+    6.0 * params as f64 + 12.0 * (layers * seq_len * dim) as f64
+}
+
+/// Forward FLOPs per token of each unit on one tensor rank: 2 per weight it multiplies by
+/// (its own and those it borrows, as a tied head does), and the attention's 4 · positions ·
+/// width per attention it runs.
+fn unit_flops(config: &ModelConfig, spec: &ModelSpec, kept: &[Kept], seq_len: i64, tensor: usize) -> Vec<f64> {
+    let attention_width = match config {
+        ModelConfig::Gpt(c) => c.dim,
+        ModelConfig::Llama(c) => c.heads * c.head_width(),
+        ModelConfig::Bert(c) => c.dim,
+        ModelConfig::T5(c) => c.heads * c.head_dim,
+        ModelConfig::Mlp(_) => 0,
+    } as f64;
+    spec.units
+        .iter()
+        .zip(kept)
+        .map(|(u, k)| {
+            let weights: i64 = u
+                .params
+                .iter()
+                .chain(&u.borrowed)
+                .map(|id| &spec.params[id.0])
+                .filter(|p| p.shape.len() == 2 && !u.kind().ends_with("Embedding"))
+                .map(|p| p.numel())
+                .sum();
+            // Attentions per position: one per head group the unit's scores count.
+            let attentions = if k.scores > 0.0 { (k.scores / heads_of(config)).round() } else { 0.0 };
+            (2.0 * weights as f64 + attentions * 4.0 * seq_len as f64 * attention_width) / tensor as f64
+        })
+        .collect()
+}
+
+fn heads_of(config: &ModelConfig) -> f64 {
+    match config {
+        ModelConfig::Gpt(c) => c.heads,
+        ModelConfig::Llama(c) => c.heads,
+        ModelConfig::Bert(c) => c.heads,
+        ModelConfig::T5(c) => c.heads,
+        ModelConfig::Mlp(_) => 1,
+    }
+    .max(1) as f64
+}
+
+/// What a search computes once and asks for many times: stage splits, and makespans of
+/// pipeline schedules per forward cost, by schedule, shape and the backward's cost over the
+/// forward's (a schedule's makespan scales with its costs).
+#[derive(Default)]
+pub struct Memo {
+    pub shapes: PipelineShapes,
+    makespans: HashMap<(ScheduleKind, usize, usize, usize, u64), f64>,
+}
+
+impl Memo {
+    /// The makespan of `pipeline` under `kind` with a forward of `forward` seconds and a
+    /// backward of `backward` (half input gradient, half weight gradient) per stage.
+    pub fn makespan(&mut self, kind: ScheduleKind, pipeline: Pipeline, forward: f64, backward: f64) -> Result<f64> {
+        let ratio = backward / forward.max(f64::MIN_POSITIVE);
+        let key =
+            (kind, pipeline.stages, pipeline.micro_batches, pipeline.virtual_stages, (ratio * 1e3).round() as u64);
+        if let Some(per_forward) = self.makespans.get(&key) {
+            return Ok(per_forward * forward);
+        }
+        let ops: Vec<_> = (0..pipeline.stages).map(|r| schedule::schedule(kind, pipeline, r)).collect::<Result<_>>()?;
+        let costs = Costs { forward: 1.0, input_grad: ratio / 2.0, weight_grad: ratio / 2.0 };
+        let per_forward = schedule::simulate(pipeline, &ops, costs)?.ends.iter().copied().fold(0.0, f64::max);
+        self.makespans.insert(key, per_forward);
+        Ok(per_forward * forward)
+    }
+}
+
+/// Tokens, and weights per rank of a width × width product, at which a product reaches
+/// half of its efficiency's ceiling: products over few rows or small weights leave the
+/// device's units idle (tiles not filled, waves not full). The ceiling of 0.87 and these
+/// two constants are set from published runs (`tests/data/published_layouts.json`: one
+/// law for Megatron-LM's ten weak-scaling rows on A100s, 137 to 163 teraFLOP/s per GPU,
+/// and torchtitan's Llama 3 8B and 70B).
+const HALF_EFFICIENCY_TOKENS: f64 = 512.0;
+const HALF_EFFICIENCY_WEIGHTS: f64 = 1.6e6;
+
+/// The share of the device's peak a product reaches, under a ceiling of `ceiling`, over
+/// `tokens` rows with a `width` × `width / tensor` weight on each tensor rank.
+pub fn product_efficiency(ceiling: f64, tokens: f64, width: f64, tensor: usize) -> f64 {
+    let weights = width * width / tensor.max(1) as f64;
+    ceiling * tokens / (tokens + HALF_EFFICIENCY_TOKENS) * weights / (weights + HALF_EFFICIENCY_WEIGHTS)
+}
+
+/// The device's peak FLOP/s for the products of `precision`.
+fn peak(device: &DeviceKind, precision: Precision) -> f64 {
+    match precision {
+        Precision::Fp32 => device.fp32_flops,
+        Precision::Fp8 if device.fp8_flops > 0.0 => device.fp8_flops,
+        _ => device.bf16_flops,
+    }
+}
+
+/// The predicted step of `layout` of `config` (its `spec`) running `work` on `cluster`.
+pub fn step_time(
+    config: &ModelConfig,
+    spec: &ModelSpec,
+    layout: &Layout,
+    work: &Workload,
+    cluster: &Cluster,
+    memo: &mut Memo,
+) -> Result<StepTime> {
+    let c = &layout.candidate;
+    let (t, p) = (c.tensor.max(1), layout.pipeline.max(1));
+    let dp = layout.data_ranks(work.ranks).max(1);
+    let device = &cluster.device;
+    let kept: Vec<Kept> = spec.units.iter().map(|u| estimate::kept(config, u.kind())).collect::<Result<_>>()?;
+    let tokens = (work.micro_batch as i64 * work.ctx) as f64;
+    let width = kept.first().map_or(1.0, |k| k.output);
+    let flops_peak = peak(device, c.precision) * product_efficiency(cluster.efficiency, tokens, width, t);
+    if flops_peak <= 0.0 || device.memory_bandwidth <= 0.0 {
+        return Err(Error::Config(format!("device {} has no throughput to predict from (calibrate it)", device.name)));
+    }
+    let flops = unit_flops(config, spec, &kept, work.ctx, t);
+    let act_bytes = estimate::unit_activation_bytes(&kept, layout, work, device);
+    let value_bytes = if matches!(c.precision, Precision::Fp32) { 4.0 } else { 2.0 };
+    // Per unit, one micro-batch: forward, and backward (with recomputation where asked).
+    let (mut forward, mut backward) = (vec![], vec![]);
+    for (u, k) in kept.iter().enumerate() {
+        let again = if c.checkpoint && k.block { 1.0 } else { 0.0 };
+        let f = flops[u] * tokens / flops_peak + act_bytes[u] / device.memory_bandwidth;
+        let b = (2.0 + again) * flops[u] * tokens / flops_peak + (3.0 + again) * act_bytes[u] / device.memory_bandwidth;
+        forward.push(f);
+        backward.push(b);
+    }
+    let m = work.micro_batches.max(1);
+    // The stages as the engine splits them (by parameters, the balance plans ask for).
+    let sharded = c.sharding != Sharding::None && dp > 1;
+    let lens: Vec<u64> = (0..spec.units.len())
+        .map(|u| UnitLayout::of(spec, u, t as i64, if sharded { dp as i64 } else { 1 }).len as u64)
+        .collect();
+    let stages = memo.shapes.stages(&lens, p, layout.virtual_stages)?;
+    let stage_sum = |v: &[f64], (a, b): (usize, usize)| v[a..b].iter().sum::<f64>();
+    // The slowest stage sets the pipeline's pace (per micro-batch, per chunk).
+    let slowest = stages.iter().copied().max_by(|x, y| {
+        (stage_sum(&forward, *x) + stage_sum(&backward, *x))
+            .total_cmp(&(stage_sum(&forward, *y) + stage_sum(&backward, *y)))
+    });
+    let (a, b) = slowest.unwrap_or((0, spec.units.len()));
+    let (f, bw) = (stage_sum(&forward, (a, b)), stage_sum(&backward, (a, b)));
+    // The products alone of one micro-batch through a range of units.
+    let compute_share = |(a, b): (usize, usize)| {
+        (a..b).map(|u| flops[u] * (3.0 + if c.checkpoint && kept[u].block { 1.0 } else { 0.0 })).sum::<f64>() * tokens
+            / flops_peak
+    };
+    let mut time = StepTime::default();
+    let per_rank_chunks = layout.virtual_stages.max(1) as f64;
+    let busy = (f + bw) * m as f64 * per_rank_chunks;
+    if p == 1 {
+        time.compute = compute_share((a, b)) * m as f64;
+        time.memory = busy - time.compute;
+    } else {
+        let pipeline = Pipeline { stages: p, micro_batches: m, virtual_stages: layout.virtual_stages };
+        let makespan = memo.makespan(layout.schedule, pipeline, f, bw)?;
+        time.compute = compute_share((a, b)) * m as f64 * per_rank_chunks;
+        time.memory = busy - time.compute;
+        time.bubble = (makespan - busy).max(0.0);
+        // Each micro-batch crosses every stage boundary forward and back.
+        let boundary = tokens * kept[0].output * value_bytes / t as f64;
+        let link = cluster.link(2, t);
+        time.pipeline_comm = 2.0 * m as f64 * per_rank_chunks * (boundary / link.bandwidth + link.latency);
+    }
+    if t > 1 {
+        // Sequence parallel: per block two gathers and two scatters of the micro-batch's
+        // activations forward, as many backward, and the forward's again when recomputed.
+        let blocks = kept[a..b].iter().filter(|k| k.block).count() as f64;
+        let whole = tokens * kept[0].output * value_bytes;
+        let passes = 4.0 * (2.0 + if c.checkpoint { 1.0 } else { 0.0 });
+        time.tensor_comm = blocks * passes * cluster.gather(whole, t, 1) * m as f64 * per_rank_chunks;
+    }
+    // Data parallelism over the stage's parameters: gradients reduced, sharded parameters
+    // gathered; the reduction hides behind the backward, fsdp's gathers behind all compute.
+    let stage_params: f64 = stages
+        .iter()
+        .map(|&(s, e)| spec.units[s..e].iter().flat_map(|u| &u.params).map(|id| spec.params[id.0].numel()).sum::<i64>())
+        .fold(0i64, i64::max) as f64
+        / t as f64;
+    let grad_bytes =
+        stage_params * if matches!(c.precision, Precision::HalfBf16 | Precision::HalfFp16) { 2.0 } else { 4.0 };
+    let param_bytes = stage_params * value_bytes;
+    let stride = t * p;
+    let (comm, hidden_behind) = match c.sharding {
+        Sharding::None => (cluster.all_reduce(grad_bytes, dp, stride), bw * m as f64),
+        Sharding::Zero1 | Sharding::Zero2 => {
+            (cluster.gather(grad_bytes, dp, stride) + cluster.gather(param_bytes, dp, stride), bw * m as f64)
+        }
+        // Gathered for the forward and again for the backward, gradients scattered, per
+        // micro-batch.
+        Sharding::Fsdp => {
+            (m as f64 * (2.0 * cluster.gather(param_bytes, dp, stride) + cluster.gather(grad_bytes, dp, stride)), busy)
+        }
+    };
+    time.data_comm = (comm - 0.9 * hidden_behind).max(0.0) + comm / spec.units.len().max(1) as f64;
+    // The update: read and write parameters, gradients and two moments (fp32).
+    let shard = if c.sharding == Sharding::None { 1.0 } else { dp as f64 };
+    let update_bytes = stage_params / shard * 28.0;
+    if c.offload {
+        let moved = grad_bytes / shard + param_bytes / shard;
+        let fetched =
+            if matches!(c.sharding, Sharding::None | Sharding::Fsdp) { 2.0 * param_bytes * m as f64 } else { 0.0 };
+        time.offload = (moved + fetched) / cluster.host_link + update_bytes / cluster.host_bandwidth;
+    } else {
+        time.optimizer = update_bytes / device.memory_bandwidth;
+    }
+    time.total = time.compute
+        + time.memory
+        + time.bubble
+        + time.data_comm
+        + time.tensor_comm
+        + time.pipeline_comm
+        + time.offload
+        + time.optimizer;
+    let global_tokens = tokens * (m * dp) as f64;
+    time.tokens_per_s = global_tokens / time.total;
+    let model_flops = model_flops_per_token(config, spec.num_params(), work.ctx) * time.tokens_per_s;
+    time.mfu = model_flops / (peak(device, c.precision) * work.ranks as f64);
+    Ok(time)
+}
