@@ -13,6 +13,7 @@ use clap::Args;
 use serde::Serialize;
 use strata::auto::candidate::{Candidate, Precision, Sharding};
 use strata::auto::estimate::{self, Layout, Machine, Workload};
+use strata::auto::step_time::{self, Cluster, Link, LinkKind};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig};
 use strata::profile::MIB;
 use strata::strategy::ScheduleKind;
@@ -46,6 +47,8 @@ struct Case {
 #[derive(Serialize)]
 struct Row {
     label: String,
+    /// The run that calibrated the cost of an operator (its predicted time is its own).
+    calibration: bool,
     ranks: usize,
     /// Rank 0's estimate, device and host together (on the CPU both are one allocator).
     estimated_bytes: u64,
@@ -55,6 +58,10 @@ struct Row {
     error: f64,
     /// Median seconds per step after the first.
     step_seconds: f64,
+    /// The step-time model's seconds, from this machine's measured throughput.
+    predicted_seconds: f64,
+    /// (predicted − measured) / measured.
+    time_error: f64,
 }
 
 #[derive(Serialize)]
@@ -63,6 +70,8 @@ struct Report {
     median_absolute_error: f64,
     /// The most negative error (an underestimate), or the least positive one.
     worst_underestimate: f64,
+    /// The median absolute error of the predicted step times (the calibration run left out).
+    median_time_error: f64,
 }
 
 const VOCAB: i64 = 512;
@@ -191,13 +200,59 @@ fn train_args(case: &Case, steps: u64) -> Result<Vec<String>> {
     Ok(a)
 }
 
+fn width_of(model: &ModelConfig) -> i64 {
+    match model {
+        ModelConfig::Gpt(c) => c.dim,
+        ModelConfig::Llama(c) => c.dim,
+        ModelConfig::Mlp(c) => c.dim,
+        ModelConfig::Bert(c) => c.dim,
+        ModelConfig::T5(c) => c.dim,
+    }
+}
+
 fn ctx_of(model: &ModelConfig) -> i64 {
     model.context().unwrap_or(32)
 }
 
+/// This machine as a cluster of `ranks` devices: its measured throughput at the products
+/// of `tokens` rows and `width` features, shared memory between ranks.
+/// `op_seconds`, where given, replaces the measured cost of issuing one operator.
+fn this_machine(ranks: usize, tokens: i64, width: i64, op_seconds: Option<f64>) -> Result<Cluster> {
+    let mut device = strata::auto::calibrate::this_machine(tokens, width)?;
+    device.op_seconds = op_seconds.unwrap_or(device.op_seconds);
+    // Ranks beyond the cores share them.
+    let share = core_share(ranks);
+    device.fp32_flops *= share;
+    device.bf16_flops *= share;
+    device.memory_bandwidth *= share;
+    device.op_seconds /= share;
+    let shm = Link { kind: LinkKind::Shm, bandwidth: device.memory_bandwidth / 2.0, latency: 2e-6 };
+    Ok(Cluster {
+        nodes: 1,
+        gpus_per_node: ranks,
+        intra: shm,
+        inter: shm,
+        host_link: device.memory_bandwidth,
+        host_bandwidth: device.memory_bandwidth,
+        efficiency: 1.0,
+        device,
+    })
+}
+
+/// The share of a core each of `ranks` ranks gets on this machine.
+fn core_share(ranks: usize) -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores as f64 / ranks as f64).min(1.0)
+}
+
 pub fn run(args: BenchEstimateArgs) -> Result<()> {
     let cpu = estimate::device_kind("cpu")?;
+    // Each run trains on one thread per rank; measure the machine the same way.
+    tch::set_num_threads(1);
     let mut rows = vec![];
+    // The cost of an operator inside a step, from the first run: what its products and
+    // memory traffic leave of its measured time, per operator.
+    let mut op_seconds: Option<f64> = None;
     for case in cases().into_iter().filter(|c| args.only.as_ref().is_none_or(|o| c.label.contains(o.as_str()))) {
         let dp = case.layout.data_ranks(case.ranks);
         let work = Workload {
@@ -216,51 +271,67 @@ pub fn run(args: BenchEstimateArgs) -> Result<()> {
             .with_context(|| format!("estimating {}", case.label))?;
         let rank0 = e.pipeline_ranks[0];
         let estimated = rank0.device.total() + rank0.host.total();
+        let cluster = this_machine(case.ranks, work.micro_batch as i64 * work.ctx, width_of(&case.model), op_seconds)?;
+        let spec = case.model.spec()?;
+        let time =
+            step_time::step_time(&case.model, &spec, &case.layout, &work, &cluster, &mut step_time::Memo::default())?;
         let run = bench_runs::train(&train_args(&case, args.steps)?, 1)?;
         let measured = run.last["allocator_peak_bytes"].as_u64().context("no allocator peak in the metrics")?;
         let seconds: Vec<f64> = run.timed.iter().filter_map(|r| r["seconds"].as_f64()).collect();
         let error = (estimated as f64 - measured as f64) / measured as f64;
-        if !args.json {
-            eprintln!(
-                "{:<40} {:>8.3} MiB {:>8.3} MiB {:>+7.1}%",
-                case.label,
-                estimated as f64 / MIB,
-                measured as f64 / MIB,
-                100.0 * error
-            );
-        }
+        let step_seconds = median(seconds);
+        let calibration = op_seconds.is_none();
+        let predicted = if calibration {
+            let ops = time.dispatch / cluster.device.op_seconds.max(f64::MIN_POSITIVE);
+            let fitted = ((step_seconds - (time.total - time.dispatch)) / ops.max(1.0)).max(0.0);
+            op_seconds = Some(fitted * core_share(case.ranks));
+            step_seconds
+        } else {
+            time.total
+        };
         rows.push(Row {
+            calibration,
             label: case.label,
             ranks: case.ranks,
             estimated_bytes: estimated,
             measured_bytes: measured,
             error,
-            step_seconds: median(seconds),
+            step_seconds,
+            predicted_seconds: predicted,
+            time_error: predicted / step_seconds - 1.0,
         });
     }
     let median_absolute_error = median(rows.iter().map(|r| r.error.abs()).collect());
     let worst_underestimate = rows.iter().map(|r| r.error).fold(f64::INFINITY, f64::min);
-    let report = Report { rows, median_absolute_error, worst_underestimate };
+    let median_time_error = median(rows.iter().filter(|r| !r.calibration).map(|r| r.time_error.abs()).collect());
+    let report = Report { rows, median_absolute_error, worst_underestimate, median_time_error };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    println!("{:<40} {:>5} {:>12} {:>12} {:>8}", "configuration", "ranks", "estimate", "measured", "error");
+    println!(
+        "{:<40} {:>5} {:>12} {:>12} {:>8} {:>10} {:>10} {:>8}",
+        "configuration", "ranks", "estimate", "measured", "error", "predicted", "measured", "error"
+    );
     for r in &report.rows {
         println!(
-            "{:<40} {:>5} {:>8.3} MiB {:>8.3} MiB {:>+7.1}%",
+            "{:<40} {:>5} {:>8.3} MiB {:>8.3} MiB {:>+7.1}% {:>7.1} ms {:>7.1} ms {:>+7.1}%",
             r.label,
             r.ranks,
             r.estimated_bytes as f64 / MIB,
             r.measured_bytes as f64 / MIB,
-            100.0 * r.error
+            100.0 * r.error,
+            1e3 * r.predicted_seconds,
+            1e3 * r.step_seconds,
+            100.0 * r.time_error
         );
     }
     println!(
-        "{} runs: median absolute error {:.1}%, worst underestimate {:+.1}%",
+        "{} runs: memory median absolute error {:.1}%, worst underestimate {:+.1}%; step time median absolute error {:.1}%",
         report.rows.len(),
         100.0 * report.median_absolute_error,
-        100.0 * report.worst_underestimate
+        100.0 * report.worst_underestimate,
+        100.0 * report.median_time_error
     );
     Ok(())
 }

@@ -13,7 +13,7 @@ use strata::auto::candidate::Precision;
 use strata::auto::estimate::{self, DeviceKind, Estimate, Machine, Workload};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig};
 use strata::profile::human_bytes;
-use strata::strategy::{LoraConfig, Targets};
+use strata::strategy::{LoraConfig, ScheduleKind, Targets};
 
 /// The model an estimate or a plan is for: a folder's `config.json`, a preset, or a
 /// built-in family with its sizes.
@@ -141,6 +141,12 @@ pub struct EstimateArgs {
     /// Pipeline sizes to show, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     pipeline: Vec<usize>,
+    /// The pipeline's schedule: 1f1b, gpipe, interleaved, zero_bubble or zero_bubble_h2.
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
+    /// Chunks per rank of the interleaved schedule.
+    #[arg(long, default_value_t = 1)]
+    virtual_stages: usize,
     /// Also show each layout training LoRA adapters of this rank on every linear layer.
     #[arg(long)]
     lora_rank: Option<i64>,
@@ -203,7 +209,14 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         optimizer_state_bytes: optimizer_state_bytes(&a.optimizer)?,
     };
     let spec = config.spec()?;
-    let layouts = estimate::layouts(&spec, a.nproc, precision, &a.tensor, &a.pipeline);
+    let schedule: ScheduleKind =
+        serde_json::from_value(serde_json::Value::String(a.schedule.clone())).map_err(|_| {
+            anyhow::anyhow!(
+                "unknown schedule {:?}; expected 1f1b, gpipe, interleaved, zero_bubble or zero_bubble_h2",
+                a.schedule
+            )
+        })?;
+    let layouts = estimate::layouts(&spec, a.nproc, precision, &a.tensor, &a.pipeline, (schedule, a.virtual_stages));
     if layouts.is_empty() {
         bail!("no layout: the tensor and pipeline sizes given do not divide {} ranks or the model", a.nproc);
     }

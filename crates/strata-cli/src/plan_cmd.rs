@@ -143,9 +143,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
+    let params = spec.num_params() as f64;
+    let size = if params >= 1e9 { format!("{:.1}B", params / 1e9) } else { format!("{:.1}M", params / 1e6) };
     println!(
-        "{:.1}B parameters on {} × {} {} ({} devices); {} sequences of {} tokens per step",
-        spec.num_params() as f64 / 1e9,
+        "{size} parameters on {} × {} {} ({} devices); {} sequences of {} tokens per step",
         a.nodes,
         a.gpus_per_node,
         cluster.device.name,
@@ -161,7 +162,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     for (i, r) in report.rows.iter().take(a.top).enumerate() {
         let t = &r.time;
         println!(
-            "{:>3} {:<w$} {:>11.0} {:>5.1}% {:>10} {:>6.1}% {:>7.1} ms {:>6.0} ms  {}",
+            "{:>3} {:<w$} {:>11.0} {:>5.1}% {:>10} {:>6.1}% {:>7.1} ms {:>6.1} ms  {}",
             i + 1,
             r.label,
             t.tokens_per_s,

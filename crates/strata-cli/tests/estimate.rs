@@ -129,3 +129,112 @@ fn strata_estimate_refuses_two_models_and_unknown_names_in_one_line() {
     assert_fails_with(&strata(&["estimate", "--preset", "gpt5"]), "no model preset \"gpt5\"");
     assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--device", "tpu"]), "unknown device \"tpu\"");
 }
+
+/// A 70B LLaMA on 64 H100s: the plan's best layout is one `strata estimate` says fits,
+/// and its strategy file validates for 64 ranks.
+#[test]
+fn strata_plan_for_a_70b_llama_on_64_h100s_picks_a_layout_that_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plan.json");
+    let out = strata(&[
+        "plan",
+        "--preset",
+        "llama-3-70b",
+        "--nodes",
+        "8",
+        "--gpus-per-node",
+        "8",
+        "--device",
+        "h100-80gb",
+        "--global-batch",
+        "64",
+        "--ctx",
+        "8192",
+        "--out",
+        file.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let best = &report["rows"][0];
+    assert_eq!(best["memory"]["fits"], true);
+    assert!(report["over_memory"].as_u64().unwrap() > 0, "some layouts must not fit a 70B model");
+    let times: Vec<f64> =
+        report["rows"].as_array().unwrap().iter().map(|r| r["time"]["total"].as_f64().unwrap()).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "fastest first: {times:?}");
+    assert!(best["time"]["mfu"].as_f64().unwrap() > 0.1 && best["time"]["mfu"].as_f64().unwrap() < 0.9);
+    // The same layout through `strata estimate`.
+    let layout = &best["layout"];
+    let candidate = &layout["candidate"];
+    let (t, p) = (candidate["tensor"].as_u64().unwrap(), layout["pipeline"].as_u64().unwrap());
+    let (mb, m) = (best["micro_batch"].as_u64().unwrap(), best["micro_batches"].as_u64().unwrap());
+    let schedule = layout["schedule"].as_str().unwrap();
+    let chunks = layout["virtual_stages"].as_u64().unwrap();
+    let estimate = strata(&[
+        "estimate",
+        "--preset",
+        "llama-3-70b",
+        "--nproc",
+        "64",
+        "--gpus-per-node",
+        "8",
+        "--ctx",
+        "8192",
+        "--micro-batch",
+        &mb.to_string(),
+        "--accumulation",
+        &m.to_string(),
+        "--tensor",
+        &t.to_string(),
+        "--pipeline",
+        &p.to_string(),
+        "--schedule",
+        schedule,
+        "--virtual-stages",
+        &chunks.to_string(),
+        "--json",
+    ]);
+    assert!(estimate.status.success(), "{}", stderr(&estimate));
+    let rows: serde_json::Value = serde_json::from_slice(&estimate.stdout).unwrap();
+    let label = best["memory"]["layout"].as_str().unwrap();
+    let same = rows["rows"].as_array().unwrap().iter().find(|r| r["layout"] == label && r["lora"] == false);
+    let same = same.unwrap_or_else(|| panic!("strata estimate shows no {label}"));
+    assert_eq!(same["fits"], true, "{label}");
+    assert_eq!(same["device"], best["memory"]["device"], "{label}: the same bytes");
+    let valid = strata(&["strategy", "validate", file.to_str().unwrap(), "--world-size", "64"]);
+    assert!(valid.status.success(), "{}", stderr(&valid));
+}
+
+/// The strategy file of a plan for a small GPT on two devices trains unchanged.
+#[test]
+fn a_plan_s_strategy_file_trains_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plan.json");
+    let shape = ["--model", "gpt", "--layers", "4", "--heads", "4", "--dim", "64", "--vocab", "512", "--ctx", "32"];
+    let mut plan =
+        vec!["plan", "--nodes", "1", "--gpus-per-node", "2", "--global-batch", "8", "--out", file.to_str().unwrap()];
+    plan.extend(shape);
+    let out = strata(&plan);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let accumulation =
+        text.split("--accumulation ").nth(1).and_then(|t| t.split_whitespace().next()).unwrap().to_string();
+    let mut train = vec![
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+        "--batch-size",
+        "8",
+        "--accumulation",
+        &accumulation,
+        "--strategy",
+        file.to_str().unwrap(),
+    ];
+    train.extend(shape);
+    let run = strata(&train);
+    assert!(run.status.success(), "{}", stderr(&run));
+}

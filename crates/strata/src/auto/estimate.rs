@@ -46,6 +46,14 @@ pub struct DeviceKind {
     pub fragmentation: f64,
     /// Host memory per device of the kind's usual server (where no host size is given).
     pub host_bytes_per_device: u64,
+    /// Tokens, and weights per rank of a width × width product, at which a product reaches
+    /// half of the efficiency's ceiling (0: every size reaches it, as where the peak was
+    /// measured at the sizes that run).
+    pub half_efficiency_tokens: f64,
+    pub half_efficiency_weights: f64,
+    /// Seconds the host spends issuing one operator that the device does not hide (0 on a
+    /// GPU, whose queue runs ahead of the host; measured on the CPU).
+    pub op_seconds: f64,
 }
 
 const GIB: u64 = 1 << 30;
@@ -57,7 +65,13 @@ const GIB: u64 = 1 << 30;
 /// outside the allocator is an allowance of 1 GiB for the CUDA context and library
 /// workspaces; fragmentation is an allowance of 5% of the allocator's peak. Host memory is
 /// that of the vendors' eight-GPU servers (DGX H100, H200 and A100 80GB: 2 TB; DGX A100
-/// 40GB: 1 TB), an eighth per device.
+/// 40GB: 1 TB), an eighth per device. Small products reach less of the peak: half of the
+/// efficiency's ceiling at 512 tokens, and at 1.6 million weights per rank of a width ×
+/// width product. These two constants and the ceiling `strata plan` assumes (0.87) are
+/// set from published runs (`crates/strata/tests/data/published_layouts.json`: one law for
+/// Megatron-LM's ten weak-scaling rows on A100s, 137 to 163 teraFLOP/s per GPU, and
+/// torchtitan's Llama 3 8B and 70B). The CPU's figures are measured
+/// ([`super::calibrate::this_machine`]).
 pub fn device_kinds() -> Vec<DeviceKind> {
     let gpu = |name, memory_gb: u64, bf16: f64, tf32: f64, fp8: f64, bandwidth: f64, host_tb: u64| DeviceKind {
         name,
@@ -70,6 +84,9 @@ pub fn device_kinds() -> Vec<DeviceKind> {
         reserved_bytes: GIB,
         fragmentation: 0.05,
         host_bytes_per_device: host_tb * 1_000_000_000_000 / 8,
+        half_efficiency_tokens: 512.0,
+        half_efficiency_weights: 1.6e6,
+        op_seconds: 0.0,
     };
     vec![
         gpu("h100-80gb", 80, 989.0, 494.0, 1979.0, 3.35, 2),
@@ -87,6 +104,9 @@ pub fn device_kinds() -> Vec<DeviceKind> {
             reserved_bytes: 0,
             fragmentation: 0.0,
             host_bytes_per_device: host_memory_bytes().unwrap_or(16 * GIB),
+            half_efficiency_tokens: 0.0,
+            half_efficiency_weights: 0.0,
+            op_seconds: 0.0,
         },
     ]
 }
@@ -576,8 +596,8 @@ pub fn estimate_with(
 }
 
 /// The layouts `strata estimate` shows for `ranks` ranks in `precision`: for each tensor
-/// size of `tensors` and pipeline size of `pipelines` that divide the ranks and that the
-/// model splits over, plain data parallelism and (where more than one rank holds the same
+/// size of `tensors` and pipeline size of `pipelines` (run by `schedule` over
+/// `virtual_stages` chunks per rank) that divide the ranks and that the model splits over, plain data parallelism and (where more than one rank holds the same
 /// pieces) zero1, zero2 and fsdp, each with and without recomputation and offload.
 pub fn layouts(
     spec: &ModelSpec,
@@ -585,6 +605,7 @@ pub fn layouts(
     precision: Precision,
     tensors: &[usize],
     pipelines: &[usize],
+    (schedule, virtual_stages): (ScheduleKind, usize),
 ) -> Vec<Layout> {
     let blocks = spec.units.iter().filter(|u| spec.units.iter().filter(|v| v.kind() == u.kind()).count() > 1).count();
     let mut out = vec![];
@@ -608,7 +629,10 @@ pub fn layouts(
                     for offload in [false, true] {
                         let candidate =
                             Candidate { precision, module_replace: false, sharding, checkpoint, tensor, offload };
-                        out.push(Layout { pipeline, ..Layout::new(candidate) });
+                        out.push(match pipeline {
+                            1 => Layout::new(candidate),
+                            _ => Layout { pipeline, schedule, virtual_stages, ..Layout::new(candidate) },
+                        });
                     }
                 }
             }

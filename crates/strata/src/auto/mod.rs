@@ -6,6 +6,7 @@
 //! Owns: the choice of strategy and the assembly of engine, optimizer, data loader and
 //! trainer for it. Must not own how a strategy executes (`parallel`, `compute` do).
 pub mod bench;
+pub mod calibrate;
 pub mod candidate;
 pub mod cost;
 pub mod estimate;

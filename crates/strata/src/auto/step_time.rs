@@ -145,6 +145,8 @@ pub struct StepTime {
     pub compute: f64,
     /// Memory-bound work: writing and reading what the units keep.
     pub memory: f64,
+    /// Issuing operators where the device does not hide it (the CPU).
+    pub dispatch: f64,
     /// Idle time of the pipeline's schedule.
     pub bubble: f64,
     /// Data parallelism's and sharding's collectives not hidden behind compute.
@@ -245,20 +247,12 @@ impl Memo {
     }
 }
 
-/// Tokens, and weights per rank of a width × width product, at which a product reaches
-/// half of its efficiency's ceiling: products over few rows or small weights leave the
-/// device's units idle (tiles not filled, waves not full). The ceiling of 0.87 and these
-/// two constants are set from published runs (`tests/data/published_layouts.json`: one
-/// law for Megatron-LM's ten weak-scaling rows on A100s, 137 to 163 teraFLOP/s per GPU,
-/// and torchtitan's Llama 3 8B and 70B).
-const HALF_EFFICIENCY_TOKENS: f64 = 512.0;
-const HALF_EFFICIENCY_WEIGHTS: f64 = 1.6e6;
-
-/// The share of the device's peak a product reaches, under a ceiling of `ceiling`, over
-/// `tokens` rows with a `width` × `width / tensor` weight on each tensor rank.
-pub fn product_efficiency(ceiling: f64, tokens: f64, width: f64, tensor: usize) -> f64 {
+/// The share of `device`'s peak a product reaches, under a ceiling of `ceiling`, over
+/// `tokens` rows with a `width` × `width / tensor` weight on each tensor rank: small
+/// products leave the device's units idle (tiles not filled, waves not full).
+pub fn product_efficiency(device: &DeviceKind, ceiling: f64, tokens: f64, width: f64, tensor: usize) -> f64 {
     let weights = width * width / tensor.max(1) as f64;
-    ceiling * tokens / (tokens + HALF_EFFICIENCY_TOKENS) * weights / (weights + HALF_EFFICIENCY_WEIGHTS)
+    ceiling * tokens / (tokens + device.half_efficiency_tokens) * weights / (weights + device.half_efficiency_weights)
 }
 
 /// The device's peak FLOP/s for the products of `precision`.
@@ -286,7 +280,7 @@ pub fn step_time(
     let kept: Vec<Kept> = spec.units.iter().map(|u| estimate::kept(config, u.kind())).collect::<Result<_>>()?;
     let tokens = (work.micro_batch as i64 * work.ctx) as f64;
     let width = kept.first().map_or(1.0, |k| k.output);
-    let flops_peak = peak(device, c.precision) * product_efficiency(cluster.efficiency, tokens, width, t);
+    let flops_peak = peak(device, c.precision) * product_efficiency(device, cluster.efficiency, tokens, width, t);
     if flops_peak <= 0.0 || device.memory_bandwidth <= 0.0 {
         return Err(Error::Config(format!("device {} has no throughput to predict from (calibrate it)", device.name)));
     }
@@ -323,6 +317,16 @@ pub fn step_time(
             / flops_peak
     };
     let mut time = StepTime::default();
+    // Operators per micro-batch and unit: about eight per parameter tensor forward and
+    // backward (product, bias, norm, activation and their gradients), a third more when
+    // recomputed, and a few for the unit itself.
+    let ops: f64 = (a..b)
+        .map(|u| {
+            let tensors = spec.units[u].params.len() as f64;
+            let again = if c.checkpoint && kept[u].block { 1.33 } else { 1.0 };
+            (8.0 * tensors * again + 10.0) * layout.virtual_stages.max(1) as f64
+        })
+        .sum();
     let per_rank_chunks = layout.virtual_stages.max(1) as f64;
     let busy = (f + bw) * m as f64 * per_rank_chunks;
     if p == 1 {
@@ -381,8 +385,10 @@ pub fn step_time(
     } else {
         time.optimizer = update_bytes / device.memory_bandwidth;
     }
+    time.dispatch = ops * m as f64 * device.op_seconds;
     time.total = time.compute
         + time.memory
+        + time.dispatch
         + time.bubble
         + time.data_comm
         + time.tensor_comm

@@ -1,0 +1,64 @@
+//! This machine's throughput, measured: what the step-time model needs of a device that
+//! has no data sheet (the CPU acting as one). A product of the size a run's blocks multiply
+//! in fp32 and in bf16, and a large copy, each timed for a short while.
+//!
+//! Owns the measurements. Must not predict anything ([`super::step_time`] does) or hold
+//! what it allocates past the call.
+use super::estimate::{self, DeviceKind};
+use crate::Result;
+use std::time::{Duration, Instant};
+use tch::{Device, Kind, Tensor};
+
+/// How long each measurement runs.
+const SPAN: Duration = Duration::from_millis(200);
+
+/// Repeats `work` for about [`SPAN`] after one warm-up, and returns its seconds per call.
+fn seconds_per_call(mut work: impl FnMut() -> Result<()>) -> Result<f64> {
+    work()?;
+    let start = Instant::now();
+    let mut calls = 0u32;
+    while start.elapsed() < SPAN || calls < 3 {
+        work()?;
+        calls += 1;
+    }
+    Ok(start.elapsed().as_secs_f64() / f64::from(calls))
+}
+
+/// FLOP/s of `[tokens, width] × [width, 4·width]` products in `kind` on the CPU.
+fn product_flops(tokens: i64, width: i64, kind: Kind) -> Result<f64> {
+    let opts = (kind, Device::Cpu);
+    let (a, b) = (Tensor::f_randn([tokens, width], opts)?, Tensor::f_randn([width, 4 * width], opts)?);
+    let seconds = seconds_per_call(|| {
+        let _product = a.f_matmul(&b)?;
+        Ok(())
+    })?;
+    Ok(2.0 * (tokens * width * 4 * width) as f64 / seconds)
+}
+
+/// The CPU as a device, its products measured at `tokens` rows of `width` features (the
+/// sizes a run multiplies), its memory bandwidth by a 64 MiB copy, and the cost of issuing
+/// one operator by a tiny product's forward and backward.
+pub fn this_machine(tokens: i64, width: i64) -> Result<DeviceKind> {
+    let src = Tensor::f_zeros([16 << 20], (Kind::Float, Device::Cpu))?;
+    let dst = src.f_empty_like()?;
+    let copy = seconds_per_call(|| {
+        dst.shallow_clone().f_copy_(&src)?;
+        Ok(())
+    })?;
+    // A small product forward and backward: four operators (the product, its two gradient
+    // products, the accumulation), each with autograd's bookkeeping.
+    let x = Tensor::f_randn([8, 64], (Kind::Float, Device::Cpu))?;
+    let w = Tensor::f_randn([64, 64], (Kind::Float, Device::Cpu))?.set_requires_grad(true);
+    let small = seconds_per_call(|| {
+        let y = x.f_matmul(&w)?.f_sum(Kind::Float)?;
+        y.f_backward()?;
+        Ok(())
+    })?;
+    let mut cpu = estimate::device_kind("cpu")?;
+    cpu.op_seconds = small / 4.0;
+    cpu.fp32_flops = product_flops(tokens, width, Kind::Float)?;
+    cpu.bf16_flops = product_flops(tokens, width, Kind::BFloat16)?;
+    // Read and written once each.
+    cpu.memory_bandwidth = 2.0 * (16u64 << 20) as f64 * 4.0 / copy;
+    Ok(cpu)
+}
