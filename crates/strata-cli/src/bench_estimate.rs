@@ -20,8 +20,9 @@ use strata::strategy::ScheduleKind;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchEstimateArgs {
-    /// Steps per run (the last one's peak is compared).
-    #[arg(long, default_value_t = 3)]
+    /// Steps per run (the last one's peak is compared; the steps after the first two are
+    /// timed).
+    #[arg(long, default_value_t = 6)]
     steps: u64,
     /// Run only the configurations whose label contains this text.
     #[arg(long)]
@@ -56,7 +57,7 @@ struct Row {
     measured_bytes: u64,
     /// (estimated − measured) / measured.
     error: f64,
-    /// Median seconds per step after the first.
+    /// Median seconds per step after the first two.
     step_seconds: f64,
     /// The step-time model's seconds, from this machine's measured throughput.
     predicted_seconds: f64,
@@ -275,7 +276,7 @@ pub fn run(args: BenchEstimateArgs) -> Result<()> {
         let spec = case.model.spec()?;
         let time =
             step_time::step_time(&case.model, &spec, &case.layout, &work, &cluster, &mut step_time::Memo::default())?;
-        let run = bench_runs::train(&train_args(&case, args.steps)?, 1)?;
+        let run = bench_runs::train(&train_args(&case, args.steps)?, 2)?;
         let measured = run.last["allocator_peak_bytes"].as_u64().context("no allocator peak in the metrics")?;
         let seconds: Vec<f64> = run.timed.iter().filter_map(|r| r["seconds"].as_f64()).collect();
         let error = (estimated as f64 - measured as f64) / measured as f64;

@@ -640,3 +640,49 @@ pub fn layouts(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::GptConfig;
+
+    fn run(layout: Layout, ranks: usize, micro_batches: usize) -> Estimate {
+        let model = ModelConfig::Gpt(GptConfig::new(256, 32, 2, 4, 64));
+        let device = device_kind("cpu").unwrap();
+        let machine = Machine { device, device_bytes: u64::MAX, host_bytes: u64::MAX };
+        let work = Workload { ranks, micro_batch: 8, ctx: 32, micro_batches, optimizer_state_bytes: 8 };
+        estimate(&model, &layout, &work, &machine).unwrap()
+    }
+
+    fn layout(precision: Precision, sharding: Sharding, checkpoint: bool) -> Layout {
+        Layout::new(Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1, offload: false })
+    }
+
+    /// The engine's ledger holds 474,112 bytes of parameters for this GPT, as many of
+    /// gradients and twice as many of AdamW's moments; zero1 halves the moments over two
+    /// ranks, fsdp the parameters too (beside two gathered blocks), `half` the parameters.
+    #[test]
+    fn model_states_are_the_engine_s() {
+        let plain = run(layout(Precision::Fp32, Sharding::None, false), 1, 1).device;
+        assert_eq!((plain.params, plain.grads, plain.optimizer), (474_112, 474_112, 948_224));
+        let zero1 = run(layout(Precision::Fp32, Sharding::Zero1, false), 2, 1).device;
+        assert_eq!((zero1.params, zero1.optimizer), (474_112, 474_112));
+        let block = (12 * 64 * 64 + 13 * 64) * 4;
+        let fsdp = run(layout(Precision::Fp32, Sharding::Fsdp, false), 2, 1).device;
+        assert_eq!(fsdp.params, 237_056 + 2 * block);
+        assert_eq!(run(layout(Precision::HalfBf16, Sharding::None, false), 1, 1).device.params, 237_056);
+    }
+
+    /// Recomputation keeps less; GPipe's first stage holds all four micro-batches, 1F1B's
+    /// two (as many as stages).
+    #[test]
+    fn activations_follow_recomputation_and_the_schedule() {
+        let full = run(layout(Precision::Fp32, Sharding::None, false), 1, 1).device.activations;
+        let recomputed = run(layout(Precision::Fp32, Sharding::None, true), 1, 1).device.activations;
+        assert!(recomputed < full && recomputed * 3 > full, "{recomputed} against {full}");
+        let piped = |schedule| Layout { pipeline: 2, schedule, ..layout(Precision::Fp32, Sharding::None, false) };
+        let gpipe = run(piped(ScheduleKind::Gpipe), 2, 4).pipeline_ranks[0].device.activations;
+        let one_f_one_b = run(piped(ScheduleKind::OneForwardOneBackward), 2, 4).pipeline_ranks[0].device.activations;
+        assert_eq!(gpipe, 2 * one_f_one_b);
+    }
+}

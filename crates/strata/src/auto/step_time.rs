@@ -401,3 +401,91 @@ pub fn step_time(
     time.mfu = model_flops / (peak(device, c.precision) * work.ranks as f64);
     Ok(time)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auto::candidate::Candidate;
+    use crate::model::GptConfig;
+
+    fn cluster(gpus: usize) -> Cluster {
+        Cluster {
+            nodes: gpus.div_ceil(8),
+            gpus_per_node: gpus.min(8),
+            device: estimate::device_kind("h100-80gb").unwrap(),
+            intra: Link::parse("nvlink:450GB/s", 1).unwrap(),
+            inter: Link::parse("ib:8x400Gb/s", 8).unwrap(),
+            host_link: 25e9,
+            host_bandwidth: 25e9,
+            efficiency: 0.87,
+        }
+    }
+
+    fn layout(sharding: Sharding, tensor: usize, pipeline: usize) -> Layout {
+        let candidate = Candidate {
+            precision: Precision::AmpBf16,
+            module_replace: false,
+            sharding,
+            checkpoint: false,
+            tensor,
+            offload: false,
+        };
+        Layout { pipeline, ..Layout::new(candidate) }
+    }
+
+    #[test]
+    fn links_parse_with_their_units_and_shares() {
+        let ib = Link::parse("ib:4x400Gb/s", 8).unwrap();
+        assert_eq!((ib.kind, ib.bandwidth), (LinkKind::Infiniband, 4.0 * 50e9 / 8.0));
+        assert_eq!(Link::parse("nvlink:450GB/s", 1).unwrap().bandwidth, 450e9);
+        for bad in ["ib:400", "pigeon:1GB/s", "ib:-1GB/s", "450GB/s"] {
+            assert!(Link::parse(bad, 1).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn rings_cost_what_their_formula_says_on_the_link_they_span() {
+        let c = cluster(16);
+        let bytes = 1e9;
+        let within = c.all_reduce(bytes, 8, 1);
+        assert!((within - (2.0 * 7.0 / 8.0 * bytes / 450e9 + 2.0 * 7.0 * 3e-6)).abs() < 1e-12);
+        // Spaced eight apart, two ranks sit on two nodes: each device's share of the network.
+        let across = c.all_reduce(bytes, 2, 8);
+        assert!((across - (2.0 * 0.5 * bytes / 50e9 + 2.0 * 6e-6)).abs() < 1e-12);
+        assert_eq!(c.all_reduce(bytes, 1, 1), 0.0);
+    }
+
+    /// With every stage alike, the simulated 1F1B bubble is the analytic (p − 1)/(m + p − 1).
+    #[test]
+    fn a_pipeline_s_bubble_is_its_schedule_s() {
+        let model = ModelConfig::Gpt(GptConfig::new(50257, 1024, 8, 12, 768));
+        let spec = model.spec().unwrap();
+        for m in [4usize, 16] {
+            let work = Workload { ranks: 4, micro_batch: 1, ctx: 1024, micro_batches: m, optimizer_state_bytes: 8 };
+            let t = step_time(&model, &spec, &layout(Sharding::None, 1, 4), &work, &cluster(4), &mut Memo::default())
+                .unwrap();
+            let busy = t.compute + t.memory;
+            let share = t.bubble / (busy + t.bubble);
+            let analytic = 3.0 / (m as f64 + 3.0);
+            assert!((share - analytic).abs() < 1e-9, "m={m}: {share} against {analytic}");
+        }
+    }
+
+    /// Tensor parallelism pays its collectives; sharding pays more traffic than plain data
+    /// parallelism; a larger micro-batch reaches more of the peak.
+    #[test]
+    fn each_method_pays_what_it_moves() {
+        let model = ModelConfig::Gpt(GptConfig::new(50257, 1024, 12, 12, 768));
+        let spec = model.spec().unwrap();
+        let run = |l: Layout, micro_batch| {
+            let work = Workload { ranks: 8, micro_batch, ctx: 1024, micro_batches: 1, optimizer_state_bytes: 8 };
+            step_time(&model, &spec, &l, &work, &cluster(8), &mut Memo::default()).unwrap()
+        };
+        assert_eq!(run(layout(Sharding::None, 1, 1), 1).tensor_comm, 0.0);
+        assert!(run(layout(Sharding::None, 2, 1), 1).tensor_comm > 0.0);
+        let (small, large) = (run(layout(Sharding::None, 1, 1), 1), run(layout(Sharding::None, 1, 1), 8));
+        assert!(large.compute / 8.0 < small.compute, "larger products run nearer the peak");
+        assert!(product_efficiency(&cluster(1).device, 0.87, 8192.0, 4096.0, 1) > 0.6);
+        assert!(product_efficiency(&cluster(1).device, 0.87, 128.0, 512.0, 8) < 0.05);
+    }
+}
