@@ -125,13 +125,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         );
     };
     let spec = model.spec()?;
-    let blocks: Vec<String> = {
-        let mut kinds: Vec<&str> = spec.units.iter().map(|u| u.kind()).collect();
-        kinds.retain(|k| spec.units.iter().filter(|u| u.kind() == *k).count() > 1);
-        kinds.dedup();
-        kinds.into_iter().map(String::from).collect()
-    };
-    let strategy = best.strategy(&blocks)?;
+    let strategy = best.strategy(&spec.block_kinds())?;
     if let Some(path) = &a.out {
         let text = serde_json::to_string_pretty(&strategy.to_value())? + "\n";
         strata::files::write_atomic(path, text.as_bytes())

@@ -267,13 +267,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     let spec = bench.spec()?;
     let unit_params: Vec<i64> =
         spec.units.iter().map(|u| u.params.iter().map(|id| spec.params[id.0].numel()).sum()).collect();
-    let mut kinds: Vec<String> = spec.units.iter().map(|u| u.kind().to_string()).collect();
-    let blocks: Vec<String> = {
-        let all = kinds.clone();
-        kinds.sort();
-        kinds.dedup();
-        kinds.into_iter().filter(|k| all.iter().filter(|a| *a == k).count() > 1).collect()
-    };
+    let blocks = spec.block_kinds();
     let params = spec.num_params();
     let trainable_params = spec.params.iter().filter(|p| p.requires_grad).map(|p| p.numel()).sum();
     let split_params = spec.params.iter().filter(|p| p.tp.is_split()).map(|p| p.numel()).sum();

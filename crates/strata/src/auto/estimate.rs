@@ -607,7 +607,7 @@ pub fn layouts(
     pipelines: &[usize],
     (schedule, virtual_stages): (ScheduleKind, usize),
 ) -> Vec<Layout> {
-    let blocks = spec.units.iter().filter(|u| spec.units.iter().filter(|v| v.kind() == u.kind()).count() > 1).count();
+    let blocks = spec.block_count();
     let mut out = vec![];
     for &tensor in tensors {
         if tensor == 0 || (tensor > 1 && spec.check_tensor_parallel(tensor as i64).is_err()) {

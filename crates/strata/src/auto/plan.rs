@@ -76,7 +76,7 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
     if ranks == 0 || req.global_batch == 0 || req.seq_len < 1 {
         return Err(Error::Config("a plan needs devices, a global batch and a sequence length".into()));
     }
-    let blocks = spec.units.iter().filter(|u| spec.units.iter().filter(|v| v.kind() == u.kind()).count() > 1).count();
+    let blocks = spec.block_count();
     let machine = Machine {
         device: req.cluster.device.clone(),
         device_bytes: req.cluster.device.memory_bytes,

@@ -476,6 +476,26 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// The unit kinds that repeat (the blocks, what `checkpoint` recomputes), sorted.
+    pub fn block_kinds(&self) -> Vec<String> {
+        let mut kinds: Vec<String> = self
+            .units
+            .iter()
+            .map(|u| u.kind())
+            .filter(|k| self.units.iter().filter(|u| u.kind() == *k).count() > 1)
+            .map(String::from)
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        kinds
+    }
+
+    /// How many units are blocks (of a kind that repeats).
+    pub fn block_count(&self) -> usize {
+        let kinds = self.block_kinds();
+        self.units.iter().filter(|u| kinds.iter().any(|k| k == u.kind())).count()
+    }
+
     pub fn num_params(&self) -> i64 {
         self.params.iter().map(ParamSpec::numel).sum()
     }
