@@ -37,6 +37,10 @@ pub struct LaunchArgs {
     pub command: Vec<String>,
 }
 
+/// How long the other ranks may take to end by themselves after one fails, before they are
+/// stopped.
+const SETTLE: Duration = Duration::from_secs(2);
+
 fn describe(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exited with status {code}"),
@@ -204,6 +208,14 @@ pub fn run(a: LaunchArgs) -> Result<()> {
         }
     }
     let interrupted = RECEIVED.load(Ordering::SeqCst);
+    if failure.is_some() && interrupted == 0 {
+        // Ranks that fail alike (a file none can read) fail within moments of each other:
+        // give them a moment to say so themselves before stopping them.
+        let settle = Instant::now() + SETTLE;
+        while Instant::now() < settle && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
     if failure.is_some() || interrupted != 0 {
         // Ask the others to stop, then make sure they do.
         children.iter().for_each(|(_, c)| signal(c, libc::SIGTERM));
