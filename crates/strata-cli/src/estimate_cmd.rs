@@ -56,7 +56,7 @@ impl ModelArgs {
             bail!("give exactly one of --model-dir, --preset and --model");
         }
         let config = if let Some(dir) = &self.model_dir {
-            strata::model::hf::config_of(dir).with_context(|| format!("cannot read {}", dir.display()))?
+            strata::model::hf::config_of(dir).context("--model-dir")?
         } else if let Some(name) = &self.preset {
             strata::model::preset(name)?
         } else {

@@ -116,12 +116,20 @@ pub fn run(a: PlanArgs) -> Result<()> {
     };
     let report = plan::plan(&req)?;
     let Some(best) = report.rows.first() else {
+        let closest = report.least_over.as_ref().map_or(String::new(), |e| {
+            format!(
+                "; the closest, {}, needs {} per device and {} of host per device",
+                e.layout,
+                human_bytes(e.device.total()),
+                human_bytes(e.host.total())
+            )
+        });
         bail!(
-            "no layout of {} considered fits {} devices of {} (the smallest need is {})",
+            "no layout of {} considered fits {} devices of {} with {} of host memory each{closest}",
             report.considered,
             cluster.devices(),
             human_bytes(cluster.device.memory_bytes),
-            human_bytes(report.least_over.unwrap_or(0))
+            human_bytes(req.host_bytes),
         );
     };
     let spec = model.spec()?;

@@ -128,6 +128,25 @@ fn strata_estimate_refuses_two_models_and_unknown_names_in_one_line() {
     assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--model", "gpt"]), "exactly one of");
     assert_fails_with(&strata(&["estimate", "--preset", "gpt5"]), "no model preset \"gpt5\"");
     assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--device", "tpu"]), "unknown device \"tpu\"");
+    assert_fails_with(&strata(&["estimate", "--model-dir", "no/such/folder"]), "no such folder or file");
+    assert_fails_with(
+        &strata(&["plan", "--preset", "llama-3-70b", "--nodes", "1", "--gpus-per-node", "2", "--global-batch", "2"]),
+        "no layout of",
+    );
+}
+
+/// A folder's config.json is read without weights: GPT-2's sizes give GPT-2's parameters.
+#[test]
+fn strata_estimate_reads_a_folder_s_config_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = r#"{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257,
+        "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}"#;
+    std::fs::write(dir.path().join("config.json"), config).unwrap();
+    let out = strata(&["estimate", "--model-dir", dir.path().to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let params = report["params"].as_i64().unwrap();
+    assert!((124_000_000..=125_000_000).contains(&params), "{params}");
 }
 
 /// A 70B LLaMA on 64 H100s: the plan's best layout is one `strata estimate` says fits,

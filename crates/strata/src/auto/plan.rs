@@ -59,9 +59,9 @@ pub struct PlanReport {
     /// Layouts considered in all, and those whose estimate overfilled a device or host.
     pub considered: usize,
     pub over_memory: usize,
-    /// The smallest device need among the layouts that did not fit (bytes), for the message
-    /// when none fits.
-    pub least_over: Option<u64>,
+    /// Of the layouts that did not fit, the one that overfilled least (its device and host
+    /// bytes against the device's and host's), for the message when none fits.
+    pub least_over: Option<Estimate>,
 }
 
 /// Divisors of `n` in increasing order.
@@ -88,7 +88,12 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         .collect();
     let mut memo = step_time::Memo::default();
     let mut rows = vec![];
-    let (mut considered, mut over_memory, mut least_over) = (0, 0, None::<u64>);
+    let (mut considered, mut over_memory, mut least_over) = (0, 0, None::<(f64, Estimate)>);
+    // How far a layout overfills the fuller of its device and host.
+    let overfill = |e: &Estimate| {
+        (e.device.total() as f64 / machine.device_bytes.max(1) as f64)
+            .max(e.host.total() as f64 / machine.host_bytes.max(1) as f64)
+    };
     for &t in &tensors {
         for p in divisors(ranks / t).into_iter().filter(|&p| p <= blocks.max(1)) {
             let dp = ranks / (t * p);
@@ -112,8 +117,10 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
                             estimate::estimate_with(&req.model, &spec, &layout, &work, &machine, &mut memo.shapes)?;
                         if !memory.fits {
                             over_memory += 1;
-                            let need = memory.device.total();
-                            least_over = Some(least_over.map_or(need, |l| l.min(need)));
+                            let over = overfill(&memory);
+                            if least_over.as_ref().is_none_or(|(least, _)| over < *least) {
+                                least_over = Some((over, memory));
+                            }
                             continue;
                         }
                         let time = step_time::step_time(&req.model, &spec, &layout, &work, &req.cluster, &mut memo)?;
@@ -139,7 +146,7 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
             r.behind = Some(behind(&r.time, &best));
         }
     }
-    Ok(PlanReport { rows, considered, over_memory, least_over })
+    Ok(PlanReport { rows, considered, over_memory, least_over: least_over.map(|(_, e)| e) })
 }
 
 /// The schedules worth trying at `p` stages and `m` micro-batches: none without a

@@ -450,6 +450,9 @@ pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
 /// The model a Hugging Face `config.json` describes (`path` is the file or its folder),
 /// without weights: what estimates and plans need.
 pub fn config_of(path: &Path) -> Result<ModelConfig> {
+    if !path.exists() {
+        return Err(Error::Weights { path: path.to_path_buf(), message: "no such folder or file".into() });
+    }
     let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
     Ok(read_config(&file)?.1)
 }
