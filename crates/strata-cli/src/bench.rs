@@ -427,19 +427,6 @@ fn known_peak_tflops(name: &str) -> Option<f64> {
     PEAKS.iter().find(|(part, _)| name.contains(part)).map(|&(_, peak)| peak)
 }
 
-/// Model FLOPs of one trained token (forward and backward): 6 per parameter, plus the
-/// attention's scores and weighted sums, 12 · layers · context · width (as if not causal).
-fn flops_per_token(model: &ModelConfig, params: i64) -> f64 {
-    let (layers, ctx, dim) = match model {
-        ModelConfig::Gpt(c) => (c.layers, c.ctx, c.dim),
-        ModelConfig::Llama(c) => (c.layers, c.ctx, c.dim),
-        ModelConfig::Bert(c) => (c.layers, c.max_positions, c.dim),
-        // Attention work of a source and a target of up to 512 positions each is left out.
-        ModelConfig::Mlp(_) | ModelConfig::T5(_) => (0, 0, 0),
-    };
-    6.0 * params as f64 + 12.0 * (layers * ctx * dim) as f64
-}
-
 /// Strata's strategy for a side: fused attention and Strata's kernels (`module_replace`),
 /// the reference's precision, fp8 linears and recomputed blocks where asked.
 fn strata_strategy(a: &BenchTrainArgs, fp8: bool) -> String {
@@ -555,7 +542,7 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         release(sides)?;
     }
     let params = model.spec()?.num_params();
-    let flops_per_token = flops_per_token(&model, params);
+    let flops_per_token = strata::auto::step_time::model_flops_per_token(&model, params, model.context().unwrap_or(0));
     let peak_tflops = a.peak_tflops.or_else(|| gpu.as_ref().and_then(|(_, name)| known_peak_tflops(name)));
     let steps = a.rounds * a.block;
     let ctx = model.context().unwrap_or(0);

@@ -106,11 +106,8 @@ pub fn run(args: BenchZeroArgs) -> Result<()> {
     let params = spec.num_params();
     let unit_numel = |u: &strata::model::UnitSpec| u.params.iter().map(|id| spec.params[id.0].numel()).sum::<i64>();
     let largest = spec.units.iter().map(unit_numel).max().unwrap_or(0);
-    let reads = spec.units_read();
-    let lent: i64 = (0..spec.units.len())
-        .filter(|&u| reads.iter().enumerate().any(|(k, r)| k != u && r.contains(&u)))
-        .map(|u| unit_numel(&spec.units[u]))
-        .sum();
+    let lent: i64 =
+        spec.units.iter().zip(spec.lent_units()).filter(|(_, lent)| *lent).map(|(u, _)| unit_numel(u)).sum();
     let mut rows = Vec::new();
     // fp32: parameters, gradients and Adam's two moments, no separate master.
     // mixed: bf16 parameters and gradients, fp32 master and moments (the paper's K = 12).

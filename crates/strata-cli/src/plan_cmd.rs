@@ -12,7 +12,7 @@ use serde::Serialize;
 use std::path::PathBuf;
 use strata::auto::estimate;
 use strata::auto::plan::{self, PlanReport, PlanRequest};
-use strata::auto::step_time::{Cluster, Link};
+use strata::auto::step_time::{self, Cluster, Link};
 use strata::profile::human_bytes;
 
 #[derive(Args, Debug, Clone)]
@@ -64,8 +64,7 @@ pub struct PlanArgs {
 
 /// `pcie:25GB/s` as bytes/s (a device's own link to its host).
 fn host_link(text: &str) -> Result<f64> {
-    let rate = text.strip_prefix("pcie:").unwrap_or(text);
-    Ok(Link::parse(&format!("eth:{rate}"), 1)?.bandwidth)
+    step_time::parse_rate(text.strip_prefix("pcie:").unwrap_or(text)).map_err(|why| anyhow::anyhow!("{text:?}: {why}"))
 }
 
 #[derive(Serialize)]

@@ -698,6 +698,24 @@ fn bert_training_tracks_transformers() {
     }
 }
 
+/// `texts` (single or paired) encoded by the folder's tokenizer and cut to `max_length`,
+/// checked equal to what `transformers`' tokenizer of `dir` gives (ids and token types).
+fn encode_pairs_as_transformers(
+    py: &Path,
+    dir: &Path,
+    tokenizer: &strata::data::Tokenizer,
+    texts: &[(&str, Option<&str>)],
+    max_length: usize,
+) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let json = serde_json::to_string(texts).unwrap();
+    let args = ["encode-pairs", "--dir", dir.to_str().unwrap(), "--texts", &json, "--max-length"];
+    let theirs: Vec<(Vec<u32>, Vec<u32>)> =
+        serde_json::from_str(&reference(py, &[&args[..], &[&max_length.to_string()]].concat())).unwrap();
+    let ours = tokenizer.encode_pairs(texts, max_length).unwrap();
+    assert_eq!(ours, theirs, "max length {max_length}");
+    ours
+}
+
 /// A BERT folder's WordPiece tokenizer pairs texts as `transformers`' does: the same ids
 /// (`[CLS] a [SEP] b [SEP]`, words split into pieces, unknown words `[UNK]`) and token
 /// types, cut to a most length from the longer text first.
@@ -715,12 +733,7 @@ fn bert_text_pairs_encode_as_transformers_encodes_them() {
         ("a b c d e f g h i j k l m n o p", Some("q r s")),
     ];
     for max_length in [64, 9] {
-        let json = serde_json::to_string(&texts).unwrap();
-        let args = ["encode-pairs", "--dir", dir.to_str().unwrap(), "--texts", &json, "--max-length"];
-        let theirs: Vec<(Vec<u32>, Vec<u32>)> =
-            serde_json::from_str(&reference(&py, &[&args[..], &[&max_length.to_string()]].concat())).unwrap();
-        let ours = tokenizer.encode_pairs(&texts, max_length).unwrap();
-        assert_eq!(ours, theirs, "max length {max_length}");
+        let ours = encode_pairs_as_transformers(&py, &dir, &tokenizer, &texts, max_length);
         assert!(ours.iter().all(|(ids, _)| ids.len() <= max_length && ids[0] == 2 && *ids.last().unwrap() == 3));
         assert!(ours[1].1.contains(&1), "the second text's types are 1");
     }
@@ -922,12 +935,7 @@ fn t5_unigram_tokenizer_encodes_as_transformers_does() {
         ("zebra quartz 123", None),
     ];
     for max_length in [64, 6] {
-        let json = serde_json::to_string(&texts).unwrap();
-        let args = ["encode-pairs", "--dir", dir.to_str().unwrap(), "--texts", &json, "--max-length"];
-        let theirs: Vec<(Vec<u32>, Vec<u32>)> =
-            serde_json::from_str(&reference(&py, &[&args[..], &[&max_length.to_string()]].concat())).unwrap();
-        let ours = tokenizer.encode_pairs(&texts, max_length).unwrap();
-        assert_eq!(ours, theirs, "max length {max_length}");
+        let ours = encode_pairs_as_transformers(&py, &dir, &tokenizer, &texts, max_length);
         assert!(ours.iter().all(|(ids, _)| ids.len() <= max_length && ids.last() == Some(&1)));
     }
     assert!(tokenizer.encode_pairs(&texts[3..], 64).unwrap()[0].0.contains(&2), "unknown characters are <unk>");

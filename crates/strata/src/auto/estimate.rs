@@ -158,14 +158,9 @@ impl Layout {
     }
 }
 
-pub(crate) fn schedule_name(kind: ScheduleKind) -> &'static str {
-    match kind {
-        ScheduleKind::Gpipe => "gpipe",
-        ScheduleKind::OneForwardOneBackward => "1f1b",
-        ScheduleKind::Interleaved => "interleaved",
-        ScheduleKind::ZeroBubble => "zero_bubble",
-        ScheduleKind::ZeroBubbleH2 => "zero_bubble_h2",
-    }
+pub(crate) fn schedule_name(kind: ScheduleKind) -> String {
+    // The name strategies spell it by.
+    serde_json::to_value(kind).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
 }
 
 /// What runs: ranks, the rows of one micro-batch of one data-parallel group, their length,
@@ -368,6 +363,19 @@ pub fn unit_activation_bytes(kept: &[Kept], layout: &Layout, work: &Workload, de
         .collect()
 }
 
+/// Each unit's buffer as the engine lays it out under `layout` on `ranks` ranks: split over
+/// its tensor ranks, padded to the shard count where it is sharded.
+pub(crate) fn unit_layouts<'a>(
+    spec: &'a ModelSpec,
+    layout: &Layout,
+    ranks: usize,
+) -> impl Iterator<Item = UnitLayout> + 'a {
+    let dp = layout.data_ranks(ranks);
+    let pad = if layout.candidate.sharding != Sharding::None && dp > 1 { dp as i64 } else { 1 };
+    let tensor = layout.candidate.tensor.max(1) as i64;
+    (0..spec.units.len()).map(move |u| UnitLayout::of(spec, u, tensor, pad))
+}
+
 /// One unit's parameters as the engine lays them out.
 struct UnitStates {
     /// Elements of the unit's buffer (padded for sharding).
@@ -456,22 +464,16 @@ pub fn estimate_with(
     }
     let dp = layout.data_ranks(work.ranks);
     let sharded = c.sharding != Sharding::None && dp > 1;
-    let pad = if sharded { dp as i64 } else { 1 };
-    let reads = spec.units_read();
-    let units: Vec<UnitStates> = (0..spec.units.len())
-        .map(|u| {
-            let l = UnitLayout::of(spec, u, t as i64, pad);
-            let lent = reads.iter().enumerate().any(|(k, r)| k != u && r.contains(&u));
-            UnitStates { len: l.len as u64, grad_len: l.grad_len() as u64, lent }
-        })
+    let lent = spec.lent_units();
+    let units: Vec<UnitStates> = unit_layouts(spec, layout, work.ranks)
+        .zip(lent)
+        .map(|(l, lent)| UnitStates { len: l.len as u64, grad_len: l.grad_len() as u64, lent })
         .collect();
     let kept: Vec<Kept> = spec.units.iter().map(|u| kept(config, u.kind())).collect::<Result<_>>()?;
     let tokens = (work.micro_batch as i64 * work.ctx) as f64;
-    let split_bytes = |k: &Kept| split_activation_bytes(k, layout, work, &machine.device);
-    let unit_bytes = |k: &Kept| -> f64 {
-        let (off, over) = split_bytes(k);
-        off + over
-    };
+    // One micro-batch's activation bytes per unit, off and over the vocabulary.
+    let splits: Vec<(f64, f64)> =
+        kept.iter().map(|k| split_activation_bytes(k, layout, work, &machine.device)).collect();
     let output_bytes = |k: &Kept| k.output * tokens * param_bytes(c.precision) as f64 / t as f64;
     let held: Vec<u64> = if p == 1 {
         vec![1]
@@ -481,6 +483,8 @@ pub fn estimate_with(
     };
     let lens: Vec<u64> = units.iter().map(|u| u.len).collect();
     let stages = memo.stages(&lens, p, layout.virtual_stages)?;
+    // Gradients take the parameters' width.
+    let pb = param_bytes(c.precision);
     let mut pipeline_ranks = Vec::with_capacity(p);
     for rank in 0..p {
         let ranges: Vec<(usize, (usize, usize))> = (0..layout.virtual_stages.max(1))
@@ -489,7 +493,6 @@ pub fn estimate_with(
             .collect();
         let mut device = Breakdown::default();
         let mut host = Breakdown::default();
-        let (pb, gb) = (param_bytes(c.precision), param_bytes(c.precision));
         let mut largest = 0u64;
         let mut lent_grads = 0u64;
         let mut trained = 0u64;
@@ -511,20 +514,20 @@ pub fn estimate_with(
                 if s.lent {
                     lent_grads += s.grad_len;
                 }
-                let full = unit_bytes(&kept[u]);
+                let (off, over) = splits[u];
+                let full = off + over;
                 seen_block |= kept[u].block;
                 if c.checkpoint && kept[u].block {
                     activations += n * 2.0 * output_bytes(&kept[u]);
                     recompute = recompute.max(full);
                 } else if c.checkpoint && seen_block {
                     after_blocks += n * full;
-                    let (off, over) = split_bytes(&kept[u]);
                     during_recompute += n * (off + LOSS_GRAPH_SHARE * over);
                 } else {
                     activations += n * full;
                 }
                 device.params += s.len * pb;
-                device.grads += s.grad_len * gb;
+                device.grads += s.grad_len * pb;
                 device.optimizer += s.grad_len * work.optimizer_state_bytes;
                 trained += s.grad_len;
             }
@@ -536,11 +539,11 @@ pub fn estimate_with(
                 Sharding::Zero1 => device.optimizer /= dpu,
                 Sharding::Zero2 => {
                     device.optimizer /= dpu;
-                    device.grads = device.grads / dpu + (largest + lent_grads) * gb;
+                    device.grads = device.grads / dpu + (largest + lent_grads) * pb;
                 }
                 Sharding::Fsdp => {
                     device.optimizer /= dpu;
-                    device.grads = device.grads / dpu + (largest + lent_grads) * gb;
+                    device.grads = device.grads / dpu + (largest + lent_grads) * pb;
                     // The unit running and the one gathered ahead of it.
                     device.params = device.params / dpu + 2 * largest * pb;
                 }
@@ -595,10 +598,42 @@ pub fn estimate_with(
     Ok(Estimate { layout: layout.label(), device, host, busiest, fits, pipeline_ranks })
 }
 
-/// The layouts `strata estimate` shows for `ranks` ranks in `precision`: for each tensor
-/// size of `tensors` and pipeline size of `pipelines` (run by `schedule` over
-/// `virtual_stages` chunks per rank) that divide the ranks and that the model splits over, plain data parallelism and (where more than one rank holds the same
-/// pieces) zero1, zero2 and fsdp, each with and without recomputation and offload.
+/// Every layout of one shape (tensor size, pipeline with its schedule and chunks, `data`
+/// ranks holding the same pieces) in `precision`: plain data parallelism and, where more
+/// than one rank holds the same pieces, zero1, zero2 and fsdp; each with and without
+/// recomputation (where the model has blocks) and offload.
+pub fn variants(
+    precision: Precision,
+    tensor: usize,
+    (pipeline, schedule, virtual_stages): (usize, ScheduleKind, usize),
+    data: usize,
+    has_blocks: bool,
+) -> Vec<Layout> {
+    let mut out = vec![];
+    for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
+        if sharding != Sharding::None && data < 2 {
+            continue;
+        }
+        for checkpoint in [false, true] {
+            if checkpoint && !has_blocks {
+                continue;
+            }
+            for offload in [false, true] {
+                let candidate = Candidate { precision, module_replace: false, sharding, checkpoint, tensor, offload };
+                out.push(match pipeline {
+                    1 => Layout::new(candidate),
+                    _ => Layout { pipeline, schedule, virtual_stages, ..Layout::new(candidate) },
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The layouts `strata estimate` shows for `ranks` ranks in `precision`: the
+/// [`variants`] of each tensor size of `tensors` and pipeline size of `pipelines` (run by
+/// `schedule` over `virtual_stages` chunks per rank) that divide the ranks and that the
+/// model splits over.
 pub fn layouts(
     spec: &ModelSpec,
     ranks: usize,
@@ -607,7 +642,7 @@ pub fn layouts(
     pipelines: &[usize],
     (schedule, virtual_stages): (ScheduleKind, usize),
 ) -> Vec<Layout> {
-    let blocks = spec.block_count();
+    let has_blocks = spec.block_count() > 0;
     let mut out = vec![];
     for &tensor in tensors {
         if tensor == 0 || (tensor > 1 && spec.check_tensor_parallel(tensor as i64).is_err()) {
@@ -618,24 +653,7 @@ pub fn layouts(
                 continue;
             }
             let data = ranks / (tensor * pipeline);
-            for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
-                if sharding != Sharding::None && data < 2 {
-                    continue;
-                }
-                for checkpoint in [false, true] {
-                    if checkpoint && blocks == 0 {
-                        continue;
-                    }
-                    for offload in [false, true] {
-                        let candidate =
-                            Candidate { precision, module_replace: false, sharding, checkpoint, tensor, offload };
-                        out.push(match pipeline {
-                            1 => Layout::new(candidate),
-                            _ => Layout { pipeline, schedule, virtual_stages, ..Layout::new(candidate) },
-                        });
-                    }
-                }
-            }
+            out.extend(variants(precision, tensor, (pipeline, schedule, virtual_stages), data, has_blocks));
         }
     }
     out
@@ -660,7 +678,9 @@ mod tests {
 
     /// The engine's ledger holds 474,112 bytes of parameters for this GPT, as many of
     /// gradients and twice as many of AdamW's moments; zero1 halves the moments over two
-    /// ranks, fsdp the parameters too (beside two gathered blocks), `half` the parameters.
+    /// ranks, zero2 the gradients too (beside a block's and the tied embedding's whole
+    /// gradients), fsdp the parameters too (beside two gathered blocks), `half` the
+    /// parameters.
     #[test]
     fn model_states_are_the_engine_s() {
         let plain = run(layout(Precision::Fp32, Sharding::None, false), 1, 1).device;
@@ -668,8 +688,14 @@ mod tests {
         let zero1 = run(layout(Precision::Fp32, Sharding::Zero1, false), 2, 1).device;
         assert_eq!((zero1.params, zero1.optimizer), (474_112, 474_112));
         let block = (12 * 64 * 64 + 13 * 64) * 4;
+        // The tied embedding (256 × 64 tokens and 32 × 64 positions) is read by the head: its
+        // whole gradient lives through backward beside the unit's in backward.
+        let embedding = (256 + 32) * 64 * 4;
+        let zero2 = run(layout(Precision::Fp32, Sharding::Zero2, false), 2, 1).device;
+        assert_eq!(zero2.grads, 237_056 + block + embedding);
         let fsdp = run(layout(Precision::Fp32, Sharding::Fsdp, false), 2, 1).device;
         assert_eq!(fsdp.params, 237_056 + 2 * block);
+        assert_eq!(fsdp.grads, 237_056 + block + embedding);
         assert_eq!(run(layout(Precision::HalfBf16, Sharding::None, false), 1, 1).device.params, 237_056);
     }
 

@@ -5,7 +5,7 @@
 //!
 //! Owns the search space and the ranking. Must not predict bytes or seconds itself
 //! ([`super::estimate`] and [`super::step_time`] do) nor run anything.
-use super::candidate::{Candidate, Precision, Sharding};
+use super::candidate::Precision;
 use super::estimate::{self, Estimate, Layout, Machine, Workload};
 use super::step_time::{self, Cluster, StepTime};
 use crate::model::ModelConfig;
@@ -104,7 +104,10 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
             for micro_batch in divisors(rows_per_group).into_iter().filter(|&b| b <= 64) {
                 let m = rows_per_group / micro_batch;
                 for (schedule, virtual_stages) in schedules(p, m, blocks) {
-                    for layout in layouts(t, p, dp, schedule, virtual_stages, &req.precisions, blocks > 0) {
+                    let layouts = req.precisions.iter().flat_map(|&precision| {
+                        estimate::variants(precision, t, (p, schedule, virtual_stages), dp, blocks > 0)
+                    });
+                    for layout in layouts {
                         considered += 1;
                         let work = Workload {
                             ranks,
@@ -159,39 +162,6 @@ fn schedules(p: usize, m: usize, blocks: usize) -> Vec<(ScheduleKind, usize)> {
     let mut out = vec![(ScheduleKind::OneForwardOneBackward, 1), (ScheduleKind::ZeroBubble, 1)];
     if m.is_multiple_of(p) && blocks >= 2 * p {
         out.push((ScheduleKind::Interleaved, 2));
-    }
-    out
-}
-
-/// Every layout at tensor size `t` and pipeline size `p` with `dp` data ranks: each
-/// precision, sharding stage (sharded where more than one rank holds the same pieces),
-/// recomputation (where the model has blocks) and offload.
-fn layouts(
-    t: usize,
-    p: usize,
-    dp: usize,
-    schedule: ScheduleKind,
-    virtual_stages: usize,
-    precisions: &[Precision],
-    has_blocks: bool,
-) -> Vec<Layout> {
-    let mut out = vec![];
-    for &precision in precisions {
-        for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
-            if sharding != Sharding::None && dp < 2 {
-                continue;
-            }
-            for checkpoint in [false, true] {
-                if checkpoint && !has_blocks {
-                    continue;
-                }
-                for offload in [false, true] {
-                    let candidate =
-                        Candidate { precision, module_replace: false, sharding, checkpoint, tensor: t, offload };
-                    out.push(Layout { candidate, pipeline: p, schedule, virtual_stages });
-                }
-            }
-        }
     }
     out
 }

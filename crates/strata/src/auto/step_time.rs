@@ -23,7 +23,6 @@
 //!   costs.
 use super::candidate::{Precision, Sharding};
 use super::estimate::{self, DeviceKind, Kept, Layout, PipelineShapes, Workload};
-use crate::engine::UnitLayout;
 use crate::model::{ModelConfig, ModelSpec};
 use crate::parallel::pipeline::schedule::{self, Costs, Pipeline};
 use crate::strategy::ScheduleKind;
@@ -65,26 +64,32 @@ impl Link {
             "shm" => (LinkKind::Shm, 2e-6),
             _ => return Err(bad("unknown kind; expected nvlink, ib, eth or shm")),
         };
-        let (count, rate) = match rate.split_once(['x', '×']) {
-            Some((n, r)) => (n.trim().parse::<f64>().map_err(|_| bad("bad count"))?, r),
-            None => (1.0, rate),
-        };
-        let rate = rate.trim();
-        let (number, scale) = if let Some(n) = rate.strip_suffix("GB/s") {
-            (n, 1e9)
-        } else if let Some(n) = rate.strip_suffix("Gb/s") {
-            (n, 1e9 / 8.0)
-        } else if let Some(n) = rate.strip_suffix("TB/s") {
-            (n, 1e12)
-        } else {
-            return Err(bad("the bandwidth needs a unit: GB/s, Gb/s or TB/s"));
-        };
-        let value: f64 = number.trim().parse().map_err(|_| bad("bad bandwidth"))?;
-        if !(value > 0.0 && count > 0.0) {
-            return Err(bad("the bandwidth must be positive"));
-        }
-        Ok(Link { kind, bandwidth: count * value * scale / share.max(1) as f64, latency })
+        let bandwidth = parse_rate(rate).map_err(|why| bad(&why))?;
+        Ok(Link { kind, bandwidth: bandwidth / share.max(1) as f64, latency })
     }
+}
+
+/// Bytes/s of `COUNTxBANDWIDTH` or `BANDWIDTH` in `GB/s`, `Gb/s` or `TB/s` (`4x400Gb/s`).
+pub fn parse_rate(text: &str) -> std::result::Result<f64, String> {
+    let (count, rate) = match text.split_once(['x', '×']) {
+        Some((n, r)) => (n.trim().parse::<f64>().map_err(|_| "bad count".to_string())?, r),
+        None => (1.0, text),
+    };
+    let rate = rate.trim();
+    let (number, scale) = if let Some(n) = rate.strip_suffix("GB/s") {
+        (n, 1e9)
+    } else if let Some(n) = rate.strip_suffix("Gb/s") {
+        (n, 1e9 / 8.0)
+    } else if let Some(n) = rate.strip_suffix("TB/s") {
+        (n, 1e12)
+    } else {
+        return Err("the bandwidth needs a unit: GB/s, Gb/s or TB/s".into());
+    };
+    let value: f64 = number.trim().parse().map_err(|_| "bad bandwidth".to_string())?;
+    if !(value > 0.0 && count > 0.0) {
+        return Err("the bandwidth must be positive".into());
+    }
+    Ok(count * value * scale)
 }
 
 /// A cluster: nodes of devices, the link within a node and the one between nodes, and
@@ -169,27 +174,32 @@ pub struct StepTime {
 /// parameter, plus the attention's scores and weighted sums, 12 · layers · positions ·
 /// width (as if not causal).
 pub fn model_flops_per_token(model: &ModelConfig, params: i64, seq_len: i64) -> f64 {
-    let (layers, dim) = match model {
-        ModelConfig::Gpt(c) => (c.layers, c.dim),
-        ModelConfig::Llama(c) => (c.layers, c.heads * c.head_width()),
-        ModelConfig::Bert(c) => (c.layers, c.dim),
-        ModelConfig::T5(c) => (c.encoder_layers + c.decoder_layers, c.heads * c.head_dim),
-        ModelConfig::Mlp(_) => (0, 0),
+    let layers = match model {
+        ModelConfig::Gpt(c) => c.layers,
+        ModelConfig::Llama(c) => c.layers,
+        ModelConfig::Bert(c) => c.layers,
+        ModelConfig::T5(c) => c.encoder_layers + c.decoder_layers,
+        ModelConfig::Mlp(_) => 0,
     };
-    6.0 * params as f64 + 12.0 * (layers * seq_len * dim) as f64
+    6.0 * params as f64 + 12.0 * (layers * seq_len) as f64 * attention_width(model)
+}
+
+/// The width of a model's attention: its heads times their width (0 without attention).
+fn attention_width(model: &ModelConfig) -> f64 {
+    (match model {
+        ModelConfig::Gpt(c) => c.dim,
+        ModelConfig::Llama(c) => c.heads * c.head_width(),
+        ModelConfig::Bert(c) => c.dim,
+        ModelConfig::T5(c) => c.heads * c.head_dim,
+        ModelConfig::Mlp(_) => 0,
+    }) as f64
 }
 
 /// Forward FLOPs per token of each unit on one tensor rank: 2 per weight it multiplies by
 /// (its own and those it borrows, as a tied head does), and the attention's 4 · positions ·
 /// width per attention it runs.
 fn unit_flops(config: &ModelConfig, spec: &ModelSpec, kept: &[Kept], seq_len: i64, tensor: usize) -> Vec<f64> {
-    let attention_width = match config {
-        ModelConfig::Gpt(c) => c.dim,
-        ModelConfig::Llama(c) => c.heads * c.head_width(),
-        ModelConfig::Bert(c) => c.dim,
-        ModelConfig::T5(c) => c.heads * c.head_dim,
-        ModelConfig::Mlp(_) => 0,
-    } as f64;
+    let attention_width = attention_width(config);
     spec.units
         .iter()
         .zip(kept)
@@ -298,10 +308,7 @@ pub fn step_time(
     }
     let m = work.micro_batches.max(1);
     // The stages as the engine splits them (by parameters, the balance plans ask for).
-    let sharded = c.sharding != Sharding::None && dp > 1;
-    let lens: Vec<u64> = (0..spec.units.len())
-        .map(|u| UnitLayout::of(spec, u, t as i64, if sharded { dp as i64 } else { 1 }).len as u64)
-        .collect();
+    let lens: Vec<u64> = estimate::unit_layouts(spec, layout, work.ranks).map(|l| l.len as u64).collect();
     let stages = memo.shapes.stages(&lens, p, layout.virtual_stages)?;
     let stage_sum = |v: &[f64], (a, b): (usize, usize)| v[a..b].iter().sum::<f64>();
     // The slowest stage sets the pipeline's pace (per micro-batch, per chunk).

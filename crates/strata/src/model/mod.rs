@@ -518,6 +518,13 @@ impl ModelSpec {
             .collect()
     }
 
+    /// For each unit, whether another unit reads its parameters (a tied weight): its whole
+    /// gradient lives from the first backward that adds to it to the last.
+    pub fn lent_units(&self) -> Vec<bool> {
+        let reads = self.units_read();
+        (0..self.units.len()).map(|u| reads.iter().enumerate().any(|(k, r)| k != u && r.contains(&u))).collect()
+    }
+
     /// Turns gradients off for every parameter whose name contains one of `patterns`
     /// (fine-tuning only part of a model); a pattern that matches nothing is an error.
     pub fn freeze(&mut self, patterns: &[String]) -> Result<()> {
