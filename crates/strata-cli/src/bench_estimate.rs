@@ -12,8 +12,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
 use strata::auto::candidate::{Candidate, Precision, Sharding};
-use strata::auto::estimate::{self, Layout, Machine, Workload};
-use strata::auto::step_time::{self, Cluster, Link, LinkKind};
+use strata::auto::candidate::Layout;
+use strata::auto::estimate::{self, Machine, Workload};
+use strata::auto::step_time::{self, Cluster, UnitWork};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig};
 use strata::profile::MIB;
 use strata::strategy::ScheduleKind;
@@ -185,9 +186,7 @@ fn train_args(case: &Case, steps: u64) -> Result<Vec<String>> {
         }
         other => anyhow::bail!("the benchmark trains no {other:?}"),
     };
-    let l = &case.layout;
-    let pipeline = (l.pipeline > 1).then_some((l.pipeline, l.schedule, l.virtual_stages));
-    let strategy = l.candidate.strategy_with_pipeline(&[blocks.to_string()], pipeline)?;
+    let strategy = case.layout.strategy(&[blocks.to_string()])?;
     flag("strategy", strategy.to_value().to_string());
     flag("batch-size", case.batch_size.to_string());
     flag("accumulation", case.accumulation.to_string());
@@ -216,7 +215,7 @@ fn ctx_of(model: &ModelConfig) -> i64 {
 }
 
 /// This machine as a cluster of `ranks` devices: its measured throughput at the products
-/// of `tokens` rows and `width` features, shared memory between ranks.
+/// of `tokens` rows and `width` features, each rank's share of its cores.
 /// `op_seconds`, where given, replaces the measured cost of issuing one operator.
 fn this_machine(ranks: usize, tokens: i64, width: i64, op_seconds: Option<f64>) -> Result<Cluster> {
     let mut device = strata::auto::calibrate::this_machine(tokens, width)?;
@@ -227,17 +226,7 @@ fn this_machine(ranks: usize, tokens: i64, width: i64, op_seconds: Option<f64>) 
     device.bf16_flops *= share;
     device.memory_bandwidth *= share;
     device.op_seconds /= share;
-    let shm = Link { kind: LinkKind::Shm, bandwidth: device.memory_bandwidth / 2.0, latency: 2e-6 };
-    Ok(Cluster {
-        nodes: 1,
-        gpus_per_node: ranks,
-        intra: shm,
-        inter: shm,
-        host_link: device.memory_bandwidth,
-        host_bandwidth: device.memory_bandwidth,
-        efficiency: 1.0,
-        device,
-    })
+    Ok(strata::auto::calibrate::node_of(device, ranks))
 }
 
 /// The share of a core each of `ranks` ranks gets on this machine.
@@ -274,8 +263,8 @@ pub fn run(args: BenchEstimateArgs) -> Result<()> {
         let estimated = rank0.device.total() + rank0.host.total();
         let cluster = this_machine(case.ranks, work.micro_batch as i64 * work.ctx, width_of(&case.model), op_seconds)?;
         let spec = case.model.spec()?;
-        let time =
-            step_time::step_time(&case.model, &spec, &case.layout, &work, &cluster, &mut step_time::Memo::default())?;
+        let units = UnitWork::counted(&case.model, &spec, work.ctx)?;
+        let time = step_time::step_time(&units, &spec, &case.layout, &work, &cluster, &mut step_time::Memo::default())?;
         let run = bench_runs::train(&train_args(&case, args.steps)?, 2)?;
         let measured = run.last["allocator_peak_bytes"].as_u64().context("no allocator peak in the metrics")?;
         let seconds: Vec<f64> = run.timed.iter().filter_map(|r| r["seconds"].as_f64()).collect();

@@ -132,7 +132,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         );
     };
     let spec = model.spec()?;
-    let strategy = best.strategy(&spec.block_kinds())?;
+    let strategy = best.layout.strategy(&spec.block_kinds())?;
     if let Some(path) = &a.out {
         let text = serde_json::to_string_pretty(&strategy.to_value())? + "\n";
         strata::files::write_atomic(path, text.as_bytes())

@@ -1,8 +1,8 @@
 //! `strata estimate` and the memory estimate under it, against runs of `strata train`.
 mod common;
 use common::*;
-use strata::auto::candidate::{Candidate, Precision, Sharding};
-use strata::auto::estimate::{self, Layout, Machine, Workload};
+use strata::auto::candidate::{Candidate, Layout, Precision, Sharding};
+use strata::auto::estimate::{self, Machine, Workload};
 use strata::model::{GptConfig, LlamaConfig, ModelConfig};
 use strata::strategy::ScheduleKind;
 
@@ -55,9 +55,7 @@ fn the_estimate_follows_the_allocator_over_families_and_layouts() {
             ModelConfig::Gpt(_) => ("gpt", "GptBlock", vec![]),
             _ => ("llama", "LlamaBlock", vec!["--ffn-dim".into(), "160".into(), "--kv-heads".into(), "2".into()]),
         };
-        let pipeline = (layout.pipeline > 1).then_some((layout.pipeline, layout.schedule, 1));
-        let strategy =
-            layout.candidate.strategy_with_pipeline(&[block.into()], pipeline).unwrap().to_value().to_string();
+        let strategy = layout.strategy(&[block.into()]).unwrap().to_value().to_string();
         let metrics = dir.path().join(format!("{}.jsonl", label.replace(' ', "_")));
         let mut args: Vec<String> =
             format!("train --model {name} --layers 4 --heads 4 --dim 64 --ctx 32 --vocab 512 --steps 3 --threads 1")

@@ -3,10 +3,10 @@
 //! predicted throughput lies within 15% of the published figure, and `plan`'s own choice
 //! is predicted at least as fast.
 use serde_json::Value;
-use strata::auto::candidate::{Candidate, Precision, Sharding};
-use strata::auto::estimate::{self, Layout, Workload};
+use strata::auto::candidate::{Candidate, Layout, Precision, Sharding};
+use strata::auto::estimate::{self, Workload};
 use strata::auto::plan::{self, PlanRequest};
-use strata::auto::step_time::{self, Cluster, Link, Memo};
+use strata::auto::step_time::{self, Cluster, Link, Memo, UnitWork};
 use strata::model::{GptConfig, ModelConfig};
 use strata::strategy::ScheduleKind;
 
@@ -75,7 +75,8 @@ fn megatron_weak_scaling_rows_are_predicted_within_15_percent_and_plan_is_as_fas
         };
         let work =
             Workload { ranks: gpus, micro_batch: 1, ctx: s, micro_batches: batch / dp, optimizer_state_bytes: 8 };
-        let time = step_time::step_time(&model, &spec, &published, &work, &cluster, &mut Memo::default()).unwrap();
+        let units = UnitWork::counted(&model, &spec, work.ctx).unwrap();
+        let time = step_time::step_time(&units, &spec, &published, &work, &cluster, &mut Memo::default()).unwrap();
         let predicted =
             megatron_flops(batch as f64, s as f64, l as f64, h as f64, v as f64) / time.total / gpus as f64 / 1e12;
         let reported = row["tflops_per_gpu"].as_f64().unwrap();
@@ -123,7 +124,8 @@ fn torchtitan_llama_3_rows_are_predicted_within_15_percent() {
         let published = layout(1, 1, Sharding::Fsdp, row["checkpoint"] == "full");
         let work =
             Workload { ranks: gpus, micro_batch: batch / gpus, ctx: seq, micro_batches: 1, optimizer_state_bytes: 8 };
-        let time = step_time::step_time(&model, &spec, &published, &work, &cluster, &mut Memo::default()).unwrap();
+        let units = UnitWork::counted(&model, &spec, work.ctx).unwrap();
+        let time = step_time::step_time(&units, &spec, &published, &work, &cluster, &mut Memo::default()).unwrap();
         let predicted = time.tokens_per_s / gpus as f64;
         let reported = row["tokens_per_s_per_gpu"].as_f64().unwrap();
         let gap = predicted / reported - 1.0;

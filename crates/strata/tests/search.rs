@@ -5,10 +5,13 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-use strata::auto::candidate::{candidates, Candidate, Precision, Sharding};
-use strata::auto::cost::{predicted_peak, Analysis};
+use strata::auto::calibrate;
+use strata::auto::candidate::{candidates, capability, Candidate, Layout, Precision, Sharding};
+use strata::auto::cost::{Analysis, JobShape, Predictor};
+use strata::auto::estimate;
 use strata::auto::search::{agree_outcome, Measure, Outcome, Search, SearchLimits, SearchMode, SearchReport};
 use strata::comm::{Comm, ProcessGroup, Store, StoreServer};
+use strata::model::{GptConfig, ModelConfig, ModelSpec};
 use strata::strategy::Strategy;
 use strata::Error;
 use tch::Device;
@@ -22,7 +25,7 @@ enum Cost {
 
 /// A measurement from a cost function: every dry run takes `seconds`.
 struct Table<'a> {
-    cost: &'a dyn Fn(&Candidate) -> Cost,
+    cost: &'a dyn Fn(&Layout) -> Cost,
     seconds: f64,
     clock: f64,
     /// Labels of the candidates dry-run, in order, re-measurements included.
@@ -33,13 +36,13 @@ struct Table<'a> {
 }
 
 impl<'a> Table<'a> {
-    fn new(cost: &'a dyn Fn(&Candidate) -> Cost) -> Table<'a> {
+    fn new(cost: &'a dyn Fn(&Layout) -> Cost) -> Table<'a> {
         Table { cost, seconds: 10.0, clock: 0.0, runs: vec![], group: None, fail_at: None }
     }
 }
 
 impl Measure for Table<'_> {
-    fn trial(&mut self, candidate: &Candidate, _: &Strategy, budget: Option<u64>) -> strata::Result<Outcome> {
+    fn trial(&mut self, candidate: &Layout, _: &Strategy, budget: Option<u64>) -> strata::Result<Outcome> {
         let local = if self.fail_at == Some(self.runs.len()) {
             Err(Error::Engine("injected failure".into()))
         } else {
@@ -63,39 +66,67 @@ impl Measure for Table<'_> {
     }
 }
 
-/// A model of ten equal units, 1M parameters, 1 MB of activations per unit.
+/// A GPT of eight blocks (ten units, 6.4M parameters): what the predictions are about.
+fn model() -> ModelConfig {
+    ModelConfig::Gpt(GptConfig::new(256, 32, 8, 4, 256))
+}
+
+fn spec() -> ModelSpec {
+    model().spec().unwrap()
+}
+
+/// Its profile as the search would take it, for a micro-batch of 4 rows of 32 tokens: each
+/// unit keeps what its layers save (in fp32, attention unfused) and outputs a width per
+/// token.
 fn analysis() -> Analysis {
+    let spec = spec();
+    let tokens = 128.0;
+    let kept = estimate::counted(&model(), &spec).unwrap();
     Analysis {
-        params: 1_000_000,
-        trainable_params: 1_000_000,
-        unit_params: vec![100_000; 10],
-        unit_activation_bytes: vec![1_000_000; 10],
-        unit_output_bytes: vec![100_000; 10],
+        params: spec.num_params(),
+        trainable_params: spec.num_params(),
+        unit_params: spec.units.iter().map(|u| u.params.iter().map(|id| spec.params[id.0].numel()).sum()).collect(),
+        unit_activation_bytes: kept.iter().map(|k| (4.0 * tokens * (k.values + 32.0 * k.scores)) as u64).collect(),
+        unit_output_bytes: kept.iter().map(|k| (4.0 * tokens * k.output) as u64).collect(),
+        profiled_tokens: tokens as u64,
         step_seconds: 0.1,
         ledger_peak_bytes: 0,
         allocator_peak_bytes: 0,
-        blocks: vec!["Block".into()],
-        split_params: 900_000,
+        blocks: vec!["GptBlock".into()],
         tensor_sizes: vec![],
+        pipeline_sizes: vec![],
     }
 }
 
+/// The analytic models over `analysis()` at `world` ranks, 4 rows per rank per step, on a
+/// machine of fixed figures (nothing measured).
+fn predictor(world: usize) -> Predictor {
+    let mut cpu = estimate::device_kind("cpu").unwrap();
+    (cpu.fp32_flops, cpu.bf16_flops, cpu.memory_bandwidth, cpu.op_seconds) = (1e11, 5e10, 1e10, 1e-6);
+    let job = JobShape { world, batch_size: 4 * world, accumulation: 1, ctx: 32, optimizer_state_bytes: 8 };
+    Predictor::new(spec(), &analysis(), job, calibrate::node_of(cpu, world)).unwrap()
+}
+
+/// The predicted peak of `layout` at `world` ranks.
+fn peak(layout: &Layout, world: usize) -> u64 {
+    predictor(world).predict(layout).unwrap().peak_bytes
+}
+
+fn plain(precision: Precision, sharding: Sharding, checkpoint: bool) -> Layout {
+    Layout::new(Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1, offload: false })
+}
+
 #[test]
-fn the_memory_model_orders_the_methods_as_zero_does() {
-    let a = analysis();
-    let at = |precision, sharding, checkpoint| {
-        predicted_peak(
-            &a,
-            &Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1, offload: false },
-            4,
-        )
-    };
+fn the_memory_estimate_orders_the_methods_as_zero_does() {
+    let at = |precision, sharding, checkpoint| peak(&plain(precision, sharding, checkpoint), 4);
     let fp32 = Precision::Fp32;
     assert!(at(fp32, Sharding::None, false) > at(fp32, Sharding::Zero1, false));
     assert!(at(fp32, Sharding::Zero1, false) > at(fp32, Sharding::Zero2, false));
     assert!(at(fp32, Sharding::Zero2, false) > at(fp32, Sharding::Fsdp, false));
     assert!(at(fp32, Sharding::None, true) < at(fp32, Sharding::None, false), "recomputation keeps less");
     assert!(at(Precision::HalfBf16, Sharding::None, false) < at(Precision::AmpBf16, Sharding::None, false));
+    let staged = |p| peak(&Layout::piped(plain(fp32, Sharding::None, false).candidate, p), 4);
+    assert!(staged(4) < staged(2) && staged(2) < at(fp32, Sharding::None, false), "stages hold their units");
 }
 
 fn limits(world: usize, budget: Option<u64>, time_limit: Option<f64>) -> SearchLimits {
@@ -108,8 +139,10 @@ fn run(table: &mut Table<'_>, limits: SearchLimits, mode: SearchMode) -> SearchR
 }
 
 fn run_on(table: &mut Table<'_>, analysis: Analysis, limits: SearchLimits, mode: SearchMode) -> SearchReport {
-    let cands = candidates(&[], &[], true, &analysis.tensor_sizes, false);
-    let mut search = Search::new(table, analysis, cands, limits).unwrap();
+    let sizes = (&analysis.tensor_sizes[..], &analysis.pipeline_sizes[..]);
+    let cands = candidates(&[], &[], true, sizes, false);
+    let mut predictor = predictor(limits.world);
+    let mut search = Search::new(table, analysis, cands, &mut |l| predictor.predict(l), limits).unwrap();
     match mode {
         SearchMode::Guided => search.guided().unwrap(),
         SearchMode::Exhaustive => search.exhaustive().unwrap(),
@@ -125,19 +158,25 @@ fn speed_of(report: &SearchReport, label: &str) -> Option<f64> {
     })
 }
 
-/// The candidates that can run on a CPU at two ranks (fp16 and fp8 are pruned there).
-fn runnable() -> Vec<Candidate> {
-    let cpu = [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16];
-    candidates(&[], &[], true, &[], false).into_iter().filter(|c| cpu.contains(&c.precision)).collect()
+const NO_SIZES: (&[usize], &[usize]) = (&[], &[]);
+
+/// Runs on a CPU (fp16 and fp8 do not).
+fn on_cpu(l: &Layout) -> bool {
+    [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16].contains(&l.candidate.precision)
+}
+
+/// The candidates that can run on a CPU at two ranks.
+fn runnable() -> Vec<Layout> {
+    candidates(&[], &[], true, NO_SIZES, false).into_iter().filter(on_cpu).collect()
 }
 
 /// The best label of `table` over `cands` among those that fit `budget`.
-fn table_best(cost: &dyn Fn(&Candidate) -> Cost, cands: &[Candidate], budget: Option<u64>) -> String {
-    let fits = |c: &&Candidate| match cost(c) {
+fn table_best(cost: &dyn Fn(&Layout) -> Cost, cands: &[Layout], budget: Option<u64>) -> String {
+    let fits = |c: &&Layout| match cost(c) {
         Cost::Runs { peak_bytes, .. } => budget.is_none_or(|b| peak_bytes <= b),
         Cost::OutOfMemory => false,
     };
-    let speed = |c: &Candidate| match cost(c) {
+    let speed = |c: &Layout| match cost(c) {
         Cost::Runs { tokens_per_s, .. } => tokens_per_s,
         Cost::OutOfMemory => 0.0,
     };
@@ -165,8 +204,8 @@ fn trap_speed(c: &Candidate) -> f64 {
     precision * sharding * replace * recompute
 }
 
-fn trap(c: &Candidate) -> Cost {
-    Cost::Runs { tokens_per_s: trap_speed(c), peak_bytes: 1 }
+fn trap(l: &Layout) -> Cost {
+    Cost::Runs { tokens_per_s: trap_speed(&l.candidate), peak_bytes: 1 }
 }
 
 /// What a plain one-dimension-at-a-time search picks: from the cheapest candidate, each
@@ -203,7 +242,8 @@ fn coordinate_search(cands: &[Candidate], speed: &dyn Fn(&Candidate) -> f64) -> 
 #[test]
 fn a_table_that_traps_a_one_dimension_search_does_not_trap_the_guided_one() {
     let cands = runnable();
-    let naive = coordinate_search(&cands, &trap_speed);
+    let methods: Vec<Candidate> = cands.iter().map(|l| l.candidate).collect();
+    let naive = coordinate_search(&methods, &trap_speed);
     let best = table_best(&trap, &cands, None);
     assert_eq!(naive.label(), "amp bf16 + module_replace + data parallel", "the table is a trap");
     assert_eq!(best, "half bf16 + module_replace + zero2");
@@ -220,7 +260,7 @@ fn a_table_that_traps_a_one_dimension_search_does_not_trap_the_guided_one() {
 }
 
 fn candidate(label: &str) -> Candidate {
-    candidates(&[], &[], true, &[], false).into_iter().find(|c| c.label() == label).unwrap()
+    candidates(&[], &[], true, NO_SIZES, false).into_iter().find(|c| c.label() == label).unwrap().candidate
 }
 
 #[test]
@@ -235,16 +275,16 @@ fn the_exhaustive_search_runs_every_runnable_candidate_once_and_agrees_with_the_
     assert_eq!(pruned + cands.len(), report.trials.len());
 }
 
-/// Peaks from the memory model, measured 10% above it, or out of memory where the model
+/// Peaks from the memory estimate, measured 10% above it, or out of memory where it
 /// predicts more than `oom_above`; speed falls with the machinery used.
-fn memory_table(world: usize, oom_above: u64) -> impl Fn(&Candidate) -> Cost {
-    move |c: &Candidate| {
-        let predicted = predicted_peak(&analysis(), c, world);
+fn memory_table(world: usize, oom_above: u64) -> impl Fn(&Layout) -> Cost {
+    move |l: &Layout| {
+        let predicted = peak(l, world);
         if predicted > oom_above {
             return Cost::OutOfMemory;
         }
-        let sharding = [1.0, 0.96, 0.93, 0.85][c.sharding as usize];
-        let speed = trap_speed(&Candidate { sharding: Sharding::None, ..*c }) * sharding;
+        let sharding = [1.0, 0.96, 0.93, 0.85][l.candidate.sharding as usize];
+        let speed = trap_speed(&Candidate { sharding: Sharding::None, ..l.candidate }) * sharding;
         Cost::Runs { tokens_per_s: speed, peak_bytes: predicted + predicted / 10 }
     }
 }
@@ -252,13 +292,7 @@ fn memory_table(world: usize, oom_above: u64) -> impl Fn(&Candidate) -> Cost {
 #[test]
 fn over_the_budget_is_never_chosen_and_the_fastest_that_fits_is() {
     let world = 2;
-    let at = |precision, sharding, checkpoint| {
-        predicted_peak(
-            &analysis(),
-            &Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1, offload: false },
-            world,
-        )
-    };
+    let at = |precision, sharding, checkpoint| peak(&plain(precision, sharding, checkpoint), world);
     // Between zero2's and zero1's fp32 peaks: data parallel and zero1 without recomputation
     // do not fit, and the cheapest starting points are over the budget when measured.
     let budget = (at(Precision::Fp32, Sharding::Zero2, false) + at(Precision::Fp32, Sharding::Zero1, false)) / 2;
@@ -278,12 +312,12 @@ fn over_the_budget_is_never_chosen_and_the_fastest_that_fits_is() {
     for t in &report.trials {
         match &t.outcome {
             // Pruned unmeasured only when the model puts it clearly (25%) over the budget.
-            Outcome::Pruned { reason } if reason.contains("memory model") => {
-                assert!(t.predicted_peak_bytes as f64 > 1.25 * budget as f64, "{}", t.label)
+            Outcome::Pruned { reason } if reason.contains("memory estimate") => {
+                assert!(t.predicted_peak_bytes() as f64 > 1.25 * budget as f64, "{}", t.label)
             }
             Outcome::OverBudget { peak_bytes: Some(peak), .. } => assert!(*peak > budget, "{}", t.label),
             Outcome::OverBudget { peak_bytes: None, .. } => {
-                assert!(t.predicted_peak_bytes > oom_above, "{} ran out of memory", t.label)
+                assert!(t.predicted_peak_bytes() > oom_above, "{} ran out of memory", t.label)
             }
             Outcome::Fits { peak_bytes, .. } => assert!(*peak_bytes <= budget, "{}", t.label),
             _ => {}
@@ -296,7 +330,8 @@ fn over_the_budget_is_never_chosen_and_the_fastest_that_fits_is() {
     // Every measured peak is set beside the prediction (the table measures 10% above it).
     let text = report.table();
     let measured = text.lines().filter(|l| l.contains("peak")).count();
-    assert!(measured > 0 && text.matches("(1.10× the prediction)").count() == measured, "{text}");
+    assert!(measured > 0 && text.matches("peak 0.0 MiB").count() == 0, "{text}");
+    assert_eq!(text.matches("(1.10× predicted)").count(), measured, "{text}");
 }
 
 #[test]
@@ -380,38 +415,27 @@ fn a_failure_on_one_rank_is_agreed_and_every_rank_chooses_the_same() {
 }
 
 /// Tensor sizes are a dimension like the others: split units hold a fraction of the model
-/// states (the memory model says so), and where a tensor size is fastest the guided search
-/// finds it, spending no more than its share of dry runs.
+/// states (the memory estimate says so), and where a tensor size is fastest the guided
+/// search finds it, spending no more than its share of dry runs.
 #[test]
 fn the_search_tries_tensor_sizes_and_takes_one_where_it_is_best() {
     let world = 4;
     let a = Analysis { tensor_sizes: vec![2, 4], ..analysis() };
-    let at = |tensor, sharding| {
-        let c = Candidate {
-            precision: Precision::Fp32,
-            module_replace: false,
-            sharding,
-            checkpoint: false,
-            tensor,
-            offload: false,
-        };
-        predicted_peak(&a, &c, world)
-    };
+    let at = |tensor, sharding| peak(&Layout::new(Candidate { tensor, ..plain(Precision::Fp32, sharding, false).candidate }), world);
     assert!(at(2, Sharding::None) < at(1, Sharding::None), "a tensor rank holds its pieces only");
     assert!(at(4, Sharding::None) < at(2, Sharding::None));
     assert!(at(2, Sharding::Zero2) < at(2, Sharding::None), "sharding spans the ranks with the same pieces");
     assert!(at(2, Sharding::Fsdp) < at(1, Sharding::Fsdp), "split and sharded holds least");
     // On this table tensor size 2 is the fastest layout, 4 the slowest.
-    let cost = |c: &Candidate| {
-        let speed = trap_speed(c) * [1.0, 1.0, 1.3, 0.0, 0.7][c.tensor];
-        Cost::Runs { tokens_per_s: speed, peak_bytes: predicted_peak(&a, c, world) }
+    let cost = |l: &Layout| {
+        let speed = trap_speed(&l.candidate) * [1.0, 1.0, 1.3, 0.0, 0.7][l.candidate.tensor];
+        Cost::Runs { tokens_per_s: speed, peak_bytes: peak(l, world) }
     };
     let mut table = Table::new(&cost);
     let report = run_on(&mut table, a.clone(), limits(world, None, None), SearchMode::Guided);
-    let cpu = [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16];
-    let cands: Vec<Candidate> = candidates(&[], &[], true, &a.tensor_sizes, false)
+    let cands: Vec<Layout> = candidates(&[], &[], true, (&a.tensor_sizes, &[]), false)
         .into_iter()
-        .filter(|c| cpu.contains(&c.precision) && !(c.tensor == 4 && c.sharding != Sharding::None))
+        .filter(|l| on_cpu(l) && !(l.candidate.tensor == 4 && l.candidate.sharding != Sharding::None))
         .collect();
     let best = table_best(&cost, &cands, None);
     assert!(best.contains("tensor 2"), "{best}");
@@ -420,37 +444,70 @@ fn the_search_tries_tensor_sizes_and_takes_one_where_it_is_best() {
     assert!(explored.len() <= cands.len() / 3, "{} of {} candidates", explored.len(), cands.len());
 }
 
+/// Pipeline sizes are a dimension too. Under a budget only stages fit (each holds its
+/// own units' states, where fsdp and zero keep whole units besides their shards): the
+/// estimate prunes the rest before any dry run, and the guided search takes the fastest
+/// pipeline that fits with at most a fifth of the exhaustive search's dry runs.
+#[test]
+fn where_only_a_pipeline_fits_the_search_finds_the_best_one_with_a_fifth_of_the_dry_runs() {
+    let world = 4;
+    let a = Analysis { pipeline_sizes: vec![2, 4], ..analysis() };
+    let all: Vec<Layout> = candidates(&[], &[], true, (&[], &a.pipeline_sizes), false)
+        .into_iter()
+        .filter(|l| on_cpu(l) && capability(l, Device::Cpu, world).is_none())
+        .collect();
+    // Just below the least any layout without stages needs.
+    let budget = all.iter().filter(|l| l.pipeline == 1).map(|l| peak(l, world)).min().unwrap() - 1;
+    // Stages cost their bubble; peaks as predicted.
+    let cost = |l: &Layout| {
+        let speed = trap_speed(&l.candidate) * [1.0, 1.0, 0.8, 0.0, 0.7][l.pipeline];
+        Cost::Runs { tokens_per_s: speed, peak_bytes: peak(l, world) }
+    };
+    let mut exhaustive = Table::new(&cost);
+    let everything = run_on(&mut exhaustive, a.clone(), limits(world, Some(budget), None), SearchMode::Exhaustive);
+    let mut guided = Table::new(&cost);
+    let report = run_on(&mut guided, a, limits(world, Some(budget), None), SearchMode::Guided);
+    let best = table_best(&cost, &all, Some(budget));
+    assert!(best.contains("pipeline"), "{best}");
+    assert_eq!(everything.chosen.as_deref(), Some(best.as_str()));
+    assert_eq!(report.chosen.as_deref(), Some(best.as_str()));
+    assert!(
+        5 * guided.runs.len() <= exhaustive.runs.len(),
+        "{} dry runs against {}: {:?}",
+        guided.runs.len(),
+        exhaustive.runs.len(),
+        guided.runs
+    );
+    let pruned = report.trials.iter().filter(|t| matches!(&t.outcome, Outcome::Pruned { reason } if reason.contains("memory estimate")));
+    assert!(pruned.count() > all.len() / 2, "the estimate rules most layouts out unmeasured");
+}
+
 /// One rank under a budget: offload is tried only where nothing else fits, and chosen then.
 #[test]
 fn offload_is_chosen_where_nothing_without_it_fits_and_only_there() {
-    let a = analysis();
     let at = |offload, checkpoint| {
-        let c = Candidate {
-            precision: Precision::HalfBf16,
-            module_replace: false,
-            sharding: Sharding::None,
-            checkpoint,
-            tensor: 1,
-            offload,
-        };
-        predicted_peak(&a, &c, 1)
+        let c = Candidate { offload, ..plain(Precision::HalfBf16, Sharding::None, checkpoint).candidate };
+        peak(&Layout::new(c), 1)
     };
-    // Offloading costs a third of the speed; peaks as the memory model predicts them.
-    let cost = |c: &Candidate| {
+    // Offloading costs a third of the speed; peaks as the memory estimate predicts them.
+    let cost = |l: &Layout| {
+        let c = &l.candidate;
         let speed = trap_speed(&Candidate { offload: false, ..*c }) * if c.offload { 0.66 } else { 1.0 };
-        Cost::Runs { tokens_per_s: speed, peak_bytes: predicted_peak(&analysis(), c, 1) }
+        Cost::Runs { tokens_per_s: speed, peak_bytes: peak(l, 1) }
     };
     let search = |budget: u64| {
         let mut table = Table::new(&cost);
-        let cands = candidates(&[], &[], true, &[], true);
-        let mut search = Search::new(&mut table, analysis(), cands, limits(1, Some(budget), None)).unwrap();
+        let cands = candidates(&[], &[], true, NO_SIZES, true);
+        let mut predictor = predictor(1);
+        let limits = limits(1, Some(budget), None);
+        let mut search = Search::new(&mut table, analysis(), cands, &mut |l| predictor.predict(l), limits).unwrap();
         search.guided().unwrap();
         let best = search.best();
         search.report(SearchMode::Guided, best).unwrap().chosen.expect("a candidate fits")
     };
     let tight = search(at(true, false) * 11 / 10);
     assert!(tight.contains("offload"), "nothing else fits: {tight}");
-    assert!(at(false, true) < at(false, false), "the memory model sees recomputation");
+    assert!(at(false, true) < at(false, false), "the memory estimate sees recomputation");
     let roomy = search(at(false, false) * 2);
     assert!(!roomy.contains("offload"), "everything fits: {roomy}");
 }
@@ -475,8 +532,8 @@ fn hidden_baseline_speed(c: &Candidate) -> f64 {
     precision * sharding * replace * recompute
 }
 
-fn hidden_baseline(c: &Candidate) -> Cost {
-    Cost::Runs { tokens_per_s: hidden_baseline_speed(c), peak_bytes: 1 }
+fn hidden_baseline(l: &Layout) -> Cost {
+    Cost::Runs { tokens_per_s: hidden_baseline_speed(&l.candidate), peak_bytes: 1 }
 }
 
 /// Plain data parallel and plain fsdp are dry-run whatever the passes visit, so the choice

@@ -4,7 +4,7 @@
 //!
 //! Owns the dry runs and the profiling pass. Must not choose between candidates: it reports
 //! each outcome, and [`super::search`] decides.
-use super::candidate::Candidate;
+use super::candidate::Layout;
 use super::cost::Analysis;
 use super::search::{agree_outcome, Measure, Outcome};
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
@@ -14,9 +14,10 @@ use crate::engine::{
 };
 use crate::model::{Builder, ModelSpec};
 use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
+use crate::parallel::pipeline::{PipelineSetup, PipelineTrainer};
 use crate::parallel::{self, RankLayout};
-use crate::strategy::{LoraConfig, Strategy};
-use crate::train::{InputFn, LossFn, Trainer};
+use crate::strategy::{Dim, LoraConfig, ParallelMode, Strategy};
+use crate::train::{InputFn, LossFn, StepReport, Trainer};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -40,9 +41,10 @@ pub struct Bench<'a> {
     /// The loss; `None`: the next-token loss of the engine's output
     /// ([`crate::train::next_token_loss_of`]).
     pub loss_func: Option<LossFn>,
-    /// This rank's steps per tensor size (the ranks of a tensor group read the same
-    /// batches): the first is warm-up, the rest are timed.
-    pub steps: BTreeMap<usize, Vec<Step>>,
+    /// This rank's steps per share of the batch (its index among the data replicas, and
+    /// their count: the ranks of a tensor group or a pipeline read the same batches): the
+    /// first is warm-up, the rest are timed.
+    pub steps: BTreeMap<(usize, usize), Vec<Step>>,
     /// The group every rank belongs to, to agree on measurements.
     pub world: Option<Arc<dyn ProcessGroup>>,
     /// When the search (or check) that uses this bench began.
@@ -51,7 +53,7 @@ pub struct Bench<'a> {
 
 /// The search measures by real dry runs.
 impl Measure for &Bench<'_> {
-    fn trial(&mut self, _candidate: &Candidate, strategy: &Strategy, budget: Option<u64>) -> Result<Outcome> {
+    fn trial(&mut self, _layout: &Layout, strategy: &Strategy, budget: Option<u64>) -> Result<Outcome> {
         Bench::trial(self, strategy, budget)
     }
 
@@ -105,22 +107,52 @@ impl Bench<'_> {
         self.placement.comm.map_or(1, |c| c.size())
     }
 
-    /// This rank's steps at tensor size `tensor`.
-    fn steps_for(&self, tensor: usize) -> Result<&[Step]> {
-        self.steps.get(&tensor).map(Vec::as_slice).ok_or_else(|| {
-            Error::Config(format!("tensor size {tensor} does not divide the {} ranks", self.world_size()))
-        })
+    /// This rank's steps under `mode`, and the data replicas reading others.
+    fn steps_for(&self, mode: &ParallelMode) -> Result<(&[Step], usize)> {
+        let rank = self.placement.comm.map_or(0, |c| c.rank());
+        let shard = parallel::batch_shard(mode, rank, self.world_size())?;
+        let steps = self.steps.get(&shard).map(Vec::as_slice).ok_or_else(|| {
+            Error::Config(format!("no batches for replica {} of {} at {} ranks", shard.0, shard.1, self.world_size()))
+        })?;
+        Ok((steps, shard.1))
     }
 
     /// Trains the warm-up and timed steps with `strategy`; (tokens/s of the job, peak bytes).
     pub fn dry_run(&self, strategy: &Strategy) -> Result<(f64, u64)> {
         let strategy = &self.with_adapters(strategy);
-        let tensor = strategy.parallel_mode().size(crate::strategy::Dim::Tensor, self.world_size())?;
-        let steps = self.steps_for(tensor)?;
+        let (steps, replicas) = self.steps_for(&strategy.parallel_mode())?;
         let device = self.engine.device;
+        let mut trainer = match strategy.parallel_mode().size(Dim::Pipeline, self.world_size())? {
+            1 => DryRun::Plain(Box::new(self.trainer(strategy, &steps[0])?)),
+            _ => DryRun::Pipeline(Box::new(self.pipeline_trainer(strategy, steps[0].micro_batches.len())?)),
+        };
+        memory::reset_allocator_peak(device);
+        // The median timed step: one slow step of a shared machine does not decide.
+        let mut rates = Vec::new();
+        for (i, step) in steps.iter().enumerate() {
+            let report = trainer.train_step(step)?;
+            if i > 0 {
+                rates.push(report.tokens as f64 * replicas as f64 / report.seconds.max(1e-9));
+            }
+        }
+        rates.sort_by(f64::total_cmp);
+        let (mut ledger_peak, mut host) = (0, 0);
+        for ledger in trainer.ledgers() {
+            let report = ledger.report();
+            ledger_peak += report.get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);
+            host += report.get(&crate::engine::Placement::Host).map_or(0, |r| r.current);
+        }
+        // On the CPU the allocator also holds what the ledger places on the host.
+        let host = if device == Device::Cpu { host } else { 0 };
+        let peak = memory::allocator_peak(device).unwrap_or(0).saturating_sub(host).max(ledger_peak);
+        Ok((rates.get(rates.len() / 2).copied().unwrap_or(0.0), peak))
+    }
+
+    /// A trainer over one engine built for `strategy`.
+    fn trainer(&self, strategy: &Strategy, first: &Step) -> Result<Trainer> {
         // An offload plan keeps room for what a step holds beside model states, measured on
         // the first step.
-        let placement = self.placement.with_room_measured(self.spec()?, &self.engine, strategy, &steps[0])?;
+        let placement = self.placement.with_room_measured(self.spec()?, &self.engine, strategy, first)?;
         let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, &placement)?;
         let optimizer = Optimizer::new(&mut engine, self.optimizer.clone(), self.rules)?;
         let mut trainer = Trainer::new(engine, optimizer, self.schedule.clone(), self.grad_clip);
@@ -129,26 +161,55 @@ impl Bench<'_> {
         if let Some(loss) = &self.loss_func {
             trainer.loss_func = loss.clone();
         }
-        memory::reset_allocator_peak(device);
-        // The median timed step: one slow step of a shared machine does not decide.
-        let mut rates = Vec::new();
-        let replicas = (self.world_size() / tensor) as f64;
-        for (i, step) in steps.iter().enumerate() {
-            let report = trainer.train_step(step)?;
-            if i > 0 {
-                rates.push(report.tokens as f64 * replicas / report.seconds.max(1e-9));
-            }
+        Ok(trainer)
+    }
+
+    /// This rank's pipeline trainer for `strategy`, its stages balanced by parameters.
+    fn pipeline_trainer(&self, strategy: &Strategy, micro_batches: usize) -> Result<PipelineTrainer> {
+        if !self.rules.is_empty() {
+            return Err(Error::Config("a pipeline's optimizer takes no parameter groups".into()));
         }
-        rates.sort_by(f64::total_cmp);
-        let report = trainer.engine.ledger().report();
-        let ledger_peak = report.get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);
-        // On the CPU the allocator also holds what the ledger places on the host.
-        let host = match device {
-            tch::Device::Cpu => report.get(&crate::engine::Placement::Host).map_or(0, |r| r.current),
-            _ => 0,
-        };
-        let peak = memory::allocator_peak(device).unwrap_or(0).saturating_sub(host).max(ledger_peak);
-        Ok((rates.get(rates.len() / 2).copied().unwrap_or(0.0), peak))
+        let spec = || self.spec();
+        let mut trainer = PipelineTrainer::new(PipelineSetup {
+            spec: &spec,
+            engine: self.engine.clone(),
+            strategy,
+            comm: self.placement.comm,
+            local_world_size: self.placement.local_world_size,
+            data_parallel: self.placement.data_parallel,
+            optimizer: self.optimizer.clone(),
+            schedule: self.schedule.clone(),
+            grad_clip: self.grad_clip,
+            micro_batches,
+            split: None,
+        })?;
+        trainer.prepare_input = self.prepare_input.clone();
+        if let Some(loss) = &self.loss_func {
+            trainer.loss_func = loss.clone();
+        }
+        Ok(trainer)
+    }
+}
+
+/// What a dry run trains: one engine, or this rank's stages of a pipeline.
+enum DryRun {
+    Plain(Box<Trainer>),
+    Pipeline(Box<PipelineTrainer>),
+}
+
+impl DryRun {
+    fn train_step(&mut self, step: &Step) -> Result<StepReport> {
+        match self {
+            DryRun::Plain(t) => t.train_step(step),
+            DryRun::Pipeline(t) => t.train_step(step),
+        }
+    }
+
+    fn ledgers(&self) -> Vec<Arc<MemoryLedger>> {
+        match self {
+            DryRun::Plain(t) => vec![t.engine.ledger().clone()],
+            DryRun::Pipeline(t) => t.ledgers(),
+        }
     }
 }
 
@@ -270,10 +331,12 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     let blocks = spec.block_kinds();
     let params = spec.num_params();
     let trainable_params = spec.params.iter().filter(|p| p.requires_grad).map(|p| p.numel()).sum();
-    let split_params = spec.params.iter().filter(|p| p.tp.is_split()).map(|p| p.numel()).sum();
-    // Sizes dividing the world that the model splits over, and the bench has batches for.
-    let tensor_sizes: Vec<usize> =
-        bench.steps.keys().copied().filter(|&t| t > 1 && spec.check_tensor_parallel(t as i64).is_ok()).collect();
+    // Sizes dividing the world: tensor sizes the model splits over, pipeline sizes that
+    // leave each stage a unit.
+    let world = bench.world_size();
+    let divisors = (2..=world).filter(|d| world.is_multiple_of(*d));
+    let tensor_sizes: Vec<usize> = divisors.clone().filter(|&t| spec.check_tensor_parallel(t as i64).is_ok()).collect();
+    let pipeline_sizes: Vec<usize> = divisors.filter(|&p| p <= spec.units.len()).collect();
     let needs = spec.units_read();
     // Within the device budget: one unit at a time is ever resident.
     // Unit by unit both ways: backward must pass through the probe to find its units' memory.
@@ -295,7 +358,8 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     let kept = Arc::new(Mutex::new(Vec::new()));
     engine.set_schedule(Box::new(Probe { device: bench.engine.device, needs, at_start: vec![], kept: kept.clone() }));
     let batch = bench
-        .steps_for(1)?
+        .steps_for(&ParallelMode::default())?
+        .0
         .first()
         .and_then(|s| s.micro_batches.first())
         .ok_or_else(|| Error::Data("no batch to profile".into()))?;
@@ -322,11 +386,12 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         unit_params,
         unit_activation_bytes: pairs.chunks(2).map(|k| k[0] as u64).collect(),
         unit_output_bytes: pairs.chunks(2).map(|k| k[1] as u64).collect(),
+        profiled_tokens: batch.targets.numel() as u64,
         step_seconds: totals[0],
         ledger_peak_bytes: totals[1] as u64,
         allocator_peak_bytes: totals[2] as u64,
         blocks,
-        split_params,
         tensor_sizes,
+        pipeline_sizes,
     })
 }

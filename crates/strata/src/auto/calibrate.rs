@@ -2,9 +2,10 @@
 //! has no data sheet (the CPU acting as one). A product of the size a run's blocks multiply
 //! in fp32 and in bf16, and a large copy, each timed for a short while.
 //!
-//! Owns the measurements. Must not predict anything ([`super::step_time`] does) or hold
-//! what it allocates past the call.
+//! Owns the measurements and the description of the machine at hand. Must not predict
+//! anything ([`super::step_time`] does) or hold what it allocates past the call.
 use super::estimate::{self, DeviceKind};
+use super::step_time::{Cluster, Link, LinkKind};
 use crate::Result;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
@@ -61,4 +62,40 @@ pub fn this_machine(tokens: i64, width: i64) -> Result<DeviceKind> {
     // Read and written once each.
     cpu.memory_bandwidth = 2.0 * (16u64 << 20) as f64 * 4.0 / copy;
     Ok(cpu)
+}
+
+/// This machine as one node of `ranks` devices of `device`'s kind. Processes of one
+/// machine share memory: a copy between two of them reads and writes once each. A GPU
+/// node is taken to link its devices by NVLink (an H100 SXM's 450 GB/s each way).
+pub fn node_of(device: DeviceKind, ranks: usize) -> Cluster {
+    let intra = match device.name {
+        "cpu" => Link { kind: LinkKind::Shm, bandwidth: device.memory_bandwidth / 2.0, latency: 2e-6 },
+        _ => Link { kind: LinkKind::Nvlink, bandwidth: 450e9, latency: 3e-6 },
+    };
+    let host = if device.name == "cpu" { device.memory_bandwidth } else { 25e9 };
+    Cluster {
+        nodes: 1,
+        gpus_per_node: ranks.max(1),
+        intra,
+        inter: intra,
+        host_link: host,
+        host_bandwidth: host,
+        efficiency: if device.name == "cpu" { 1.0 } else { 0.87 },
+        device,
+    }
+}
+
+/// The kind of CUDA device `index` from the table, by its name (an H100 where the name
+/// matches none).
+pub fn cuda_kind(index: usize) -> Result<DeviceKind> {
+    let name = strata_ext::cuda::device_name(index)?.to_ascii_lowercase();
+    let kinds = estimate::device_kinds();
+    let family = |k: &&DeviceKind| k.name != "cpu" && name.contains(k.name.split('-').next().unwrap_or(k.name));
+    // The family's entry of the same memory size where the name says it, else its first.
+    let matching = kinds
+        .iter()
+        .filter(family)
+        .find(|k| k.name.split_once('-').is_none_or(|(_, size)| name.contains(size)))
+        .or_else(|| kinds.iter().find(family));
+    Ok(matching.cloned().map_or_else(|| estimate::device_kind("h100-80gb"), Ok)?)
 }

@@ -1,9 +1,11 @@
-//! The search space: precision, module replacement, sharding, recomputation and the tensor
-//! size, as candidates built from every method minus `excluded` and with every `included`
-//! one, and what the device and the world size rule out before anything runs.
+//! The search space: precision, module replacement, sharding, recomputation, the tensor
+//! size and the pipeline's shape, as layouts built from every method minus `excluded` and
+//! with every `included` one, and what the device and the world size rule out before
+//! anything runs.
 //!
-//! Owns the candidates and their translation into strategies. Must not predict memory or
-//! run anything: [`super::cost`] predicts, [`super::search`] tries.
+//! Owns the candidates, the layouts around them and their translation into strategies.
+//! Must not predict memory or run anything: [`super::estimate`] predicts, [`super::search`]
+//! tries.
 use crate::strategy::{ScheduleKind, Strategy};
 use crate::Result;
 use serde::Serialize;
@@ -97,7 +99,7 @@ impl Candidate {
 
     /// [`Candidate::strategy`] over `pipeline` stages (with their schedule and chunks per
     /// rank) where given, the stages balanced by parameters.
-    pub fn strategy_with_pipeline(
+    fn strategy_with_pipeline(
         &self,
         blocks: &[String],
         pipeline: Option<(usize, ScheduleKind, usize)>,
@@ -186,37 +188,98 @@ impl Candidate {
     }
 }
 
+/// Where and how a model runs: the methods of a [`Candidate`] plus the pipeline's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Layout {
+    pub candidate: Candidate,
+    /// Pipeline stages (1: none).
+    pub pipeline: usize,
+    pub schedule: ScheduleKind,
+    /// Chunks per rank of the interleaved schedule (1 otherwise).
+    pub virtual_stages: usize,
+}
+
+impl Layout {
+    pub fn new(candidate: Candidate) -> Layout {
+        Layout { candidate, pipeline: 1, schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1 }
+    }
+
+    /// `candidate` over `pipeline` stages run by 1F1B (no pipeline at 1).
+    pub fn piped(candidate: Candidate, pipeline: usize) -> Layout {
+        Layout { pipeline: pipeline.max(1), ..Layout::new(candidate) }
+    }
+
+    /// Ranks holding the same pieces of the model: what data parallelism and sharding span.
+    pub fn data_ranks(&self, ranks: usize) -> usize {
+        ranks / (self.candidate.tensor.max(1) * self.pipeline.max(1))
+    }
+
+    /// The method names the layout uses.
+    pub fn methods(&self) -> Vec<&'static str> {
+        let mut m = self.candidate.methods();
+        if self.pipeline > 1 {
+            m.push("pipeline_parallel");
+        }
+        m
+    }
+
+    /// The layout as a strategy, the stages balanced by parameters; `blocks` are the unit
+    /// kinds recomputed by `checkpoint`.
+    pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
+        let pipeline = (self.pipeline > 1).then_some((self.pipeline, self.schedule, self.virtual_stages));
+        self.candidate.strategy_with_pipeline(blocks, pipeline)
+    }
+
+    pub fn label(&self) -> String {
+        match self.pipeline {
+            1 => self.candidate.label(),
+            p => format!("{} + pipeline {p} ({})", self.candidate.label(), schedule_name(self.schedule)),
+        }
+    }
+}
+
+fn schedule_name(kind: ScheduleKind) -> String {
+    // The name strategies spell it by.
+    serde_json::to_value(kind).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+}
+
 /// The candidates: every combination of the methods that exist, at tensor size 1 and each
-/// of `tensor_sizes` (those the model splits over at this world size), with and without
-/// offload where `offload` says it is worth trying (a device budget), minus those using an
-/// `excluded` method, keeping only those using every `included` one.
+/// of `tensor_sizes` (those the model splits over at this world size), without a pipeline
+/// and over each of `pipeline_sizes` (1F1B), with and without offload where `offload` says
+/// it is worth trying (a device budget), minus those using an `excluded` method, keeping
+/// only those using every `included` one.
 pub fn candidates(
     excluded: &[String],
     included: &[String],
     has_blocks: bool,
-    tensor_sizes: &[usize],
+    (tensor_sizes, pipeline_sizes): (&[usize], &[usize]),
     offload: bool,
-) -> Vec<Candidate> {
+) -> Vec<Layout> {
     let offloads: &[bool] = if offload { &[false, true] } else { &[false] };
     let mut out = Vec::new();
-    let tensors: Vec<usize> = std::iter::once(1).chain(tensor_sizes.iter().copied().filter(|&t| t > 1)).collect();
-    for &tensor in &tensors {
-        for precision in PRECISIONS {
-            for module_replace in [true, false] {
-                for sharding in SHARDINGS {
-                    for (checkpoint, &offload) in
-                        [false, true].into_iter().flat_map(|c| offloads.iter().map(move |o| (c, o)))
-                    {
-                        if checkpoint && !has_blocks {
-                            continue;
-                        }
-                        let c = Candidate { precision, module_replace, sharding, checkpoint, tensor, offload };
-                        let methods = c.methods();
-                        if methods.iter().any(|m| excluded.iter().any(|e| e == m)) {
-                            continue;
-                        }
-                        if included.iter().all(|i| methods.contains(&i.as_str())) {
-                            out.push(c);
+    let above_one = |sizes: &[usize]| -> Vec<usize> {
+        std::iter::once(1).chain(sizes.iter().copied().filter(|&t| t > 1)).collect()
+    };
+    for pipeline in above_one(pipeline_sizes) {
+        for tensor in above_one(tensor_sizes) {
+            for precision in PRECISIONS {
+                for module_replace in [true, false] {
+                    for sharding in SHARDINGS {
+                        for (checkpoint, &offload) in
+                            [false, true].into_iter().flat_map(|c| offloads.iter().map(move |o| (c, o)))
+                        {
+                            if checkpoint && !has_blocks {
+                                continue;
+                            }
+                            let c = Candidate { precision, module_replace, sharding, checkpoint, tensor, offload };
+                            let layout = Layout::piped(c, pipeline);
+                            let methods = layout.methods();
+                            if methods.iter().any(|m| excluded.iter().any(|e| e == m)) {
+                                continue;
+                            }
+                            if included.iter().all(|i| methods.contains(&i.as_str())) {
+                                out.push(layout);
+                            }
                         }
                     }
                 }
@@ -228,7 +291,8 @@ pub fn candidates(
 
 /// Why `c` cannot run here, if it cannot: the device lacks fast kernels for it, or there is
 /// nothing to shard.
-pub fn capability(c: &Candidate, device: Device, world: usize) -> Option<String> {
+pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<String> {
+    let c = &layout.candidate;
     let fp16 = matches!(c.precision, Precision::AmpFp16 | Precision::HalfFp16);
     match device {
         Device::Cpu if fp16 => return Some("libtorch has no fast fp16 matrix products on the CPU".into()),
@@ -243,43 +307,55 @@ pub fn capability(c: &Candidate, device: Device, world: usize) -> Option<String>
     if c.tensor > 1 && !world.is_multiple_of(c.tensor) {
         return Some(format!("tensor size {} does not divide the {world} ranks", c.tensor));
     }
+    if !world.is_multiple_of(c.tensor * layout.pipeline) {
+        return Some(format!(
+            "tensor {} × pipeline {} ranks do not divide the {world} ranks",
+            c.tensor, layout.pipeline
+        ));
+    }
+    if c.offload && layout.pipeline > 1 {
+        return Some("offload does not combine with pipeline parallelism".into());
+    }
     if c.offload && c.tensor > 1 {
         return Some("offload does not combine with tensor parallelism".into());
     }
     if c.offload && c.sharding == Sharding::None && world > 1 {
         return Some("offload over several ranks goes with zero1, zero2 or fsdp".into());
     }
-    (world / c.tensor == 1 && c.sharding != Sharding::None).then(|| "nothing to shard on one rank".into())
+    (layout.data_ranks(world) == 1 && c.sharding != Sharding::None).then(|| "nothing to shard on one rank".into())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const NONE: (&[usize], &[usize]) = (&[], &[]);
+
     #[test]
     fn candidates_cover_every_method_and_honour_included_and_excluded() {
-        let all = candidates(&[], &[], true, &[], false);
+        let all = candidates(&[], &[], true, NONE, false);
         assert_eq!(all.len(), PRECISIONS.len() * 2 * SHARDINGS.len() * 2);
-        assert_eq!(candidates(&[], &[], true, &[2, 4], false).len(), 3 * all.len());
-        let offloading = candidates(&[], &[], true, &[], true);
+        assert_eq!(candidates(&[], &[], true, (&[2, 4], &[]), false).len(), 3 * all.len());
+        assert_eq!(candidates(&[], &[], true, (&[2], &[2, 4]), false).len(), 6 * all.len());
+        let offloading = candidates(&[], &[], true, NONE, true);
         assert_eq!(offloading.len(), 2 * all.len(), "with and without offload under a budget");
-        for c in offloading.iter().filter(|c| c.offload) {
-            let s = c.strategy(&["GptBlock".into()]).unwrap();
-            assert!(s.offload().is_some(), "{}", c.label());
-            assert_eq!(s.offload_plan().is_some(), c.sharding == Sharding::None, "{}", c.label());
+        for l in offloading.iter().filter(|l| l.candidate.offload) {
+            let s = l.strategy(&["GptBlock".into()]).unwrap();
+            assert!(s.offload().is_some(), "{}", l.label());
+            assert_eq!(s.offload_plan().is_some(), l.candidate.sharding == Sharding::None, "{}", l.label());
         }
-        for c in &all {
-            let s = c.strategy(&["GptBlock".into()]).unwrap();
+        for l in &all {
+            let s = l.strategy(&["GptBlock".into()]).unwrap();
             let names: Vec<&str> = s.methods.iter().map(|m| m.name()).collect();
-            assert_eq!(names.len(), c.methods().len(), "{}", c.label());
+            assert_eq!(names.len(), l.methods().len(), "{}", l.label());
         }
-        let some = candidates(&["fsdp".into()], &["checkpoint".into(), "amp_native".into()], true, &[2], false);
+        let some = candidates(&["fsdp".into()], &["checkpoint".into(), "amp_native".into()], true, (&[2], &[]), false);
         assert!(!some.is_empty());
-        assert!(some
-            .iter()
-            .all(|c| c.checkpoint && c.sharding != Sharding::Fsdp && c.methods().contains(&"amp_native")));
+        assert!(some.iter().all(|l| l.candidate.checkpoint
+            && l.candidate.sharding != Sharding::Fsdp
+            && l.methods().contains(&"amp_native")));
         assert!(
-            candidates(&[], &["checkpoint".into()], false, &[], false).is_empty(),
+            candidates(&[], &["checkpoint".into()], false, NONE, false).is_empty(),
             "nothing to recompute without repeated units"
         );
         let cpu = Candidate {
@@ -290,20 +366,44 @@ mod tests {
             tensor: 1,
             offload: false,
         };
-        assert!(capability(&cpu, Device::Cpu, 1).is_some());
+        let at = |c: Candidate, world| capability(&Layout::new(c), Device::Cpu, world);
+        assert!(at(cpu, 1).is_some());
         let shard = Candidate { precision: Precision::Fp32, sharding: Sharding::Zero2, ..cpu };
-        assert_eq!(capability(&shard, Device::Cpu, 1).as_deref(), Some("nothing to shard on one rank"));
-        assert!(capability(&shard, Device::Cpu, 2).is_none());
+        assert_eq!(at(shard, 1).as_deref(), Some("nothing to shard on one rank"));
+        assert!(at(shard, 2).is_none());
         let split = Candidate { tensor: 2, ..shard };
-        assert_eq!(capability(&split, Device::Cpu, 2).as_deref(), Some("nothing to shard on one rank"));
-        assert!(capability(&split, Device::Cpu, 4).is_none());
+        assert_eq!(at(split, 2).as_deref(), Some("nothing to shard on one rank"));
+        assert!(at(split, 4).is_none());
         let offloaded = Candidate { offload: true, precision: Precision::Fp32, ..cpu };
-        assert!(capability(&offloaded, Device::Cpu, 1).is_none());
-        assert!(capability(&offloaded, Device::Cpu, 2).is_some_and(|why| why.contains("zero1, zero2 or fsdp")));
-        let tensor_only = candidates(&[], &["tensor_parallel".into()], true, &[2], false);
-        assert!(!tensor_only.is_empty() && tensor_only.iter().all(|c| c.tensor == 2));
+        assert!(at(offloaded, 1).is_none());
+        assert!(at(offloaded, 2).is_some_and(|why| why.contains("zero1, zero2 or fsdp")));
+        let tensor_only = candidates(&[], &["tensor_parallel".into()], true, (&[2], &[]), false);
+        assert!(!tensor_only.is_empty() && tensor_only.iter().all(|l| l.candidate.tensor == 2));
         let strategy = tensor_only[0].strategy(&[]).unwrap();
         assert_eq!(strategy.parallel_mode().size(crate::strategy::Dim::Tensor, 4).unwrap(), 2);
         assert!(strategy.tensor_parallel().is_some_and(|t| t.sequence_parallel));
+    }
+
+    /// Pipeline sizes are a dimension: they divide the ranks with the tensor size, leave
+    /// the rest to data parallelism and sharding, and write `pipeline_parallel`.
+    #[test]
+    fn pipelines_are_layouts_of_their_own() {
+        let piped = candidates(&[], &["pipeline_parallel".into()], true, (&[2], &[2, 4]), false);
+        assert!(!piped.is_empty() && piped.iter().all(|l| l.pipeline > 1));
+        let sharded = piped
+            .iter()
+            .find(|l| l.pipeline == 2 && l.candidate.tensor == 1 && l.candidate.sharding == Sharding::Fsdp)
+            .unwrap();
+        assert!(capability(sharded, Device::Cpu, 4).is_none(), "two replicas of two stages shard");
+        assert_eq!(capability(sharded, Device::Cpu, 2).as_deref(), Some("nothing to shard on one rank"));
+        let both = piped.iter().find(|l| l.pipeline == 4 && l.candidate.tensor == 2).unwrap();
+        assert!(capability(both, Device::Cpu, 4).is_some_and(|why| why.contains("do not divide")));
+        let s = sharded.strategy(&["GptBlock".into()]).unwrap();
+        assert_eq!(s.parallel_mode().size(crate::strategy::Dim::Pipeline, 4).unwrap(), 2);
+        assert!(s.pipeline_parallel().is_some());
+        assert!(sharded.label().ends_with("pipeline 2 (1f1b)"), "{}", sharded.label());
+        let offloaded = Layout::piped(Candidate { offload: true, ..sharded.candidate }, 2);
+        assert!(capability(&offloaded, Device::Cpu, 4).is_some_and(|why| why.contains("pipeline")));
+        assert!(candidates(&["pipeline_parallel".into()], &[], true, (&[], &[2]), false).iter().all(|l| l.pipeline == 1));
     }
 }

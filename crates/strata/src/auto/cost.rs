@@ -1,10 +1,18 @@
-//! The memory model: what the profiling pass learnt about a model, and the peak bytes per
-//! rank it predicts for a candidate (ZeRO's model-state formula plus the activations kept).
+//! Predictions for the search: what the profiling pass learnt about a model, turned into
+//! the inputs of the analytic models ([`super::estimate`] for bytes, [`super::step_time`]
+//! for seconds), and each layout's predicted peak and speed from them. The same models
+//! serve `strata estimate` and `strata plan`; here each unit's activations are the ones the
+//! profile measured instead of counted from a family's configuration, so that any model a
+//! builder makes can be predicted.
 //!
-//! Owns the formula. Must not run or measure anything: the [`Analysis`] comes from the
-//! profiling pass of [`super::bench`], and [`super::search`] decides what a prediction rules
-//! out.
-use super::candidate::{Candidate, Precision, Sharding};
+//! Owns the translation of a profile into predictions. Must not run or measure anything:
+//! the [`Analysis`] comes from the profiling pass of [`super::bench`], the machine from
+//! [`super::calibrate`], and [`super::search`] decides what a prediction rules out.
+use super::candidate::Layout;
+use super::estimate::{self, Kept, Machine, PipelineShapes, Workload};
+use super::step_time::{self, Cluster, Memo, UnitWork};
+use crate::model::ModelSpec;
+use crate::{Error, Result};
 use serde::Serialize;
 
 /// What the profiling pass learnt about the model.
@@ -19,6 +27,8 @@ pub struct Analysis {
     pub unit_activation_bytes: Vec<u64>,
     /// Bytes of each unit's output.
     pub unit_output_bytes: Vec<u64>,
+    /// Tokens of the micro-batch profiled.
+    pub profiled_tokens: u64,
     /// Seconds of one fp32 forward and backward of one micro-batch.
     pub step_seconds: f64,
     /// The most the profiling held at once on the device, as the ledger counts it: one unit's
@@ -28,57 +38,104 @@ pub struct Analysis {
     pub allocator_peak_bytes: u64,
     /// Unit kinds that repeat (the blocks): what `checkpoint` recomputes.
     pub blocks: Vec<String>,
-    /// Parameters tensor parallelism splits (the rest every tensor rank holds whole).
-    pub split_params: i64,
     /// Tensor sizes above 1 the model splits over at this world size.
     pub tensor_sizes: Vec<usize>,
+    /// Pipeline sizes above 1 that divide the world and leave every stage a unit.
+    pub pipeline_sizes: Vec<usize>,
 }
 
-/// The peak bytes per rank the memory model predicts for `c` (AdamW's two fp32 moments).
-pub fn predicted_peak(a: &Analysis, c: &Candidate, world: usize) -> u64 {
-    let t = c.tensor.max(1) as f64;
-    // Each tensor rank holds the whole parameters and its piece of the split ones; sharding
-    // spans the ranks that hold the same pieces.
-    let psi = (a.params - a.split_params) as f64 + a.split_params as f64 / t;
-    // What of it trains, in the same proportion: gradients, masters and optimizer state
-    // exist for that alone, sharded or not.
-    let share = a.trainable_params as f64 / a.params.max(1) as f64;
-    let trained = psi * share;
-    let n = if c.sharding == Sharding::None { 1.0 } else { world as f64 / t };
-    let (p, g, k) = match c.precision {
-        Precision::HalfBf16 | Precision::HalfFp16 => (2.0, 2.0, 8.0),
-        _ => (4.0, 4.0, 8.0),
-    };
-    let largest = a.unit_params.iter().copied().max().unwrap_or(0) as f64 / t;
-    // The whole gradients alive at once: two units' trained parts.
-    let whole_grads = 2.0 * largest * share * g;
-    let states = match (c.sharding, c.offload) {
-        (Sharding::None, false) => psi * p + trained * (g + k),
-        (Sharding::Zero1, false) => psi * p + trained * g + trained * k / n,
-        (Sharding::Zero2, false) => psi * p + trained * (g + k) / n + whole_grads,
-        (Sharding::Fsdp, false) => psi * p / n + trained * (g + k) / n + 2.0 * largest * p + whole_grads,
-        // Offloaded, the device needs at least the unit computing: its parameters and
-        // gradient (and, beside zero1/zero2, the whole parameters they keep there); the
-        // plan fills the rest of the budget with whatever fits.
-        (Sharding::None | Sharding::Fsdp, true) => 2.0 * largest * p + whole_grads,
-        (Sharding::Zero1 | Sharding::Zero2, true) => psi * p + whole_grads,
-    };
-    // Lower precision keeps lower-precision copies of most saved tensors; fused attention
-    // keeps no score matrices.
-    let scale = match c.precision {
-        Precision::Fp32 => 1.0,
-        Precision::HalfBf16 | Precision::HalfFp16 => 0.55,
-        _ => 0.8,
-    } * if c.module_replace { 0.85 } else { 1.0 };
-    // A tensor rank's micro-batch is `t` times a data rank's, and sequence parallel splits
-    // what it keeps `t` ways: about the same bytes (`strata bench parallel` measures it).
-    let acts: Vec<f64> = a.unit_activation_bytes.iter().map(|&b| b as f64 * scale).collect();
-    let activations = if c.checkpoint {
-        let blocks_kept: f64 = a.unit_output_bytes.iter().map(|&b| b as f64).sum();
-        let biggest = acts.iter().copied().fold(0.0, f64::max);
-        blocks_kept + biggest
-    } else {
-        acts.iter().sum()
-    };
-    (states + activations) as u64
+/// What each unit keeps per token, from the profile: its measured fp32 bytes over the
+/// profiled tokens. A repeated unit is a block (what recomputation drops); what any other
+/// unit keeps is counted as over the vocabulary (a head's logits and their gradients, which
+/// the loss's graph holds while the last block is recomputed). Attention probabilities are
+/// inside the measured values, at the profiled length.
+pub fn measured_kept(spec: &ModelSpec, a: &Analysis) -> Result<Vec<Kept>> {
+    if a.unit_activation_bytes.len() != spec.units.len() || a.unit_output_bytes.len() != spec.units.len() {
+        return Err(Error::Config(format!(
+            "the profile measured {} units, the model has {}",
+            a.unit_activation_bytes.len(),
+            spec.units.len()
+        )));
+    }
+    let per_token = 4.0 * a.profiled_tokens.max(1) as f64;
+    Ok(spec
+        .units
+        .iter()
+        .enumerate()
+        .map(|(u, unit)| {
+            let block = a.blocks.iter().any(|b| b == unit.kind());
+            let values = a.unit_activation_bytes[u] as f64 / per_token;
+            Kept {
+                values,
+                vocab_values: if block { 0.0 } else { values },
+                scores: 0.0,
+                output: a.unit_output_bytes[u] as f64 / per_token,
+                block,
+            }
+        })
+        .collect())
+}
+
+/// The job as the predictions see it: ranks, the rows of a step over all of them, the
+/// micro-batches each step is split into, their length, and the optimizer's state bytes
+/// per trained element.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct JobShape {
+    pub world: usize,
+    pub batch_size: usize,
+    pub accumulation: usize,
+    pub ctx: i64,
+    pub optimizer_state_bytes: u64,
+}
+
+/// A layout's predicted busiest-rank device peak and the job's tokens per second.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Prediction {
+    pub peak_bytes: u64,
+    pub tokens_per_s: f64,
+}
+
+/// Predicts layouts of one model and job on one machine.
+pub struct Predictor {
+    spec: ModelSpec,
+    units: UnitWork,
+    job: JobShape,
+    cluster: Cluster,
+    memo: Memo,
+}
+
+impl Predictor {
+    /// From `spec`, its profile `analysis`, the job and the machine (`cluster`, one node of
+    /// `job.world` devices).
+    pub fn new(spec: ModelSpec, analysis: &Analysis, job: JobShape, cluster: Cluster) -> Result<Predictor> {
+        let units = UnitWork::measured(&spec, measured_kept(&spec, analysis)?);
+        Ok(Predictor { spec, units, job, cluster, memo: Memo::default() })
+    }
+
+    /// The prediction for `layout`; an error where the job cannot take its shape (the
+    /// batch does not split into its replicas' micro-batches).
+    pub fn predict(&mut self, layout: &Layout) -> Result<Prediction> {
+        let j = self.job;
+        let groups = layout.data_ranks(j.world).max(1) * j.accumulation.max(1);
+        if j.batch_size == 0 || !j.batch_size.is_multiple_of(groups) {
+            return Err(Error::Config(format!(
+                "a batch of {} rows does not split into {} replicas × {} micro-batches",
+                j.batch_size,
+                layout.data_ranks(j.world),
+                j.accumulation
+            )));
+        }
+        let work = Workload {
+            ranks: j.world,
+            micro_batch: j.batch_size / groups,
+            ctx: j.ctx,
+            micro_batches: j.accumulation.max(1),
+            optimizer_state_bytes: j.optimizer_state_bytes,
+        };
+        let machine = Machine { device: self.cluster.device.clone(), device_bytes: u64::MAX, host_bytes: u64::MAX };
+        let shapes: &mut PipelineShapes = &mut self.memo.shapes;
+        let memory = estimate::estimate_with(&self.units.kept, &self.spec, layout, &work, &machine, shapes)?;
+        let time = step_time::step_time(&self.units, &self.spec, layout, &work, &self.cluster, &mut self.memo)?;
+        Ok(Prediction { peak_bytes: memory.device.total(), tokens_per_s: time.tokens_per_s })
+    }
 }

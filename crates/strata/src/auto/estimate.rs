@@ -13,7 +13,7 @@
 //! this implementation (libtorch's CPU kernels): a coefficient per model width, feed-forward
 //! width, vocabulary and attended position. `strata bench estimate` checks the whole
 //! against the allocator's peak over runs of every family and layout it can run here.
-use super::candidate::{Candidate, Precision, Sharding};
+use super::candidate::{Candidate, Layout, Precision, Sharding};
 use crate::engine::UnitLayout;
 use crate::model::{ModelConfig, ModelSpec};
 use crate::parallel::pipeline::partition::{self, Stages, UnitCost};
@@ -127,40 +127,6 @@ pub fn host_memory_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
-}
-
-/// Where and how a model runs: the search's candidate plus the pipeline's shape.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct Layout {
-    pub candidate: Candidate,
-    /// Pipeline stages (1: none).
-    pub pipeline: usize,
-    pub schedule: ScheduleKind,
-    /// Chunks per rank of the interleaved schedule (1 otherwise).
-    pub virtual_stages: usize,
-}
-
-impl Layout {
-    pub fn new(candidate: Candidate) -> Layout {
-        Layout { candidate, pipeline: 1, schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1 }
-    }
-
-    /// Ranks holding the same pieces of the model: what data parallelism and sharding span.
-    pub fn data_ranks(&self, ranks: usize) -> usize {
-        ranks / (self.candidate.tensor.max(1) * self.pipeline.max(1))
-    }
-
-    pub fn label(&self) -> String {
-        match self.pipeline {
-            1 => self.candidate.label(),
-            p => format!("{} + pipeline {p} ({})", self.candidate.label(), schedule_name(self.schedule)),
-        }
-    }
-}
-
-pub(crate) fn schedule_name(kind: ScheduleKind) -> String {
-    // The name strategies spell it by.
-    serde_json::to_value(kind).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
 }
 
 /// What runs: ranks, the rows of one micro-batch of one data-parallel group, their length,
@@ -401,7 +367,12 @@ pub fn estimate_spec(
     work: &Workload,
     machine: &Machine,
 ) -> Result<Estimate> {
-    estimate_with(config, spec, layout, work, machine, &mut PipelineShapes::default())
+    estimate_with(&counted(config, spec)?, spec, layout, work, machine, &mut PipelineShapes::default())
+}
+
+/// What each unit of `spec` (built from `config`) keeps, counted by [`kept`].
+pub fn counted(config: &ModelConfig, spec: &ModelSpec) -> Result<Vec<Kept>> {
+    spec.units.iter().map(|u| kept(config, u.kind())).collect()
 }
 
 /// Pipeline stage splits already balanced (by the units' buffer lengths and the stage
@@ -445,9 +416,10 @@ impl PipelineShapes {
     }
 }
 
-/// [`estimate_spec`] reusing the stage splits of `memo`.
+/// The estimate for `layout` of `spec`, whose units keep `kept` (counted from a
+/// configuration, or measured by the profiling pass), reusing the stage splits of `memo`.
 pub fn estimate_with(
-    config: &ModelConfig,
+    kept: &[Kept],
     spec: &ModelSpec,
     layout: &Layout,
     work: &Workload,
@@ -469,7 +441,9 @@ pub fn estimate_with(
         .zip(lent)
         .map(|(l, lent)| UnitStates { len: l.len as u64, grad_len: l.grad_len() as u64, lent })
         .collect();
-    let kept: Vec<Kept> = spec.units.iter().map(|u| kept(config, u.kind())).collect::<Result<_>>()?;
+    if kept.len() != spec.units.len() {
+        return Err(Error::Config(format!("{} units' activations for {} units", kept.len(), spec.units.len())));
+    }
     let tokens = (work.micro_batch as i64 * work.ctx) as f64;
     // One micro-batch's activation bytes per unit, off and over the vocabulary.
     let splits: Vec<(f64, f64)> =

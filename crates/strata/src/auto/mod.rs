@@ -20,11 +20,12 @@ use crate::engine::EngineConfig;
 use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
 use crate::parallel::{self, DataParallelOptions, RankLayout, DEFAULT_BUCKET_BYTES};
-use crate::strategy::{BackwardPrefetch, LoraConfig, Method, ShardMethod, Strategy, StrategySource};
+use crate::strategy::{BackwardPrefetch, Dim, LoraConfig, Method, ParallelMode, ShardMethod, Strategy, StrategySource};
 use crate::train::{token_input, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
 use bench::Bench;
-pub use candidate::Candidate;
+pub use candidate::{Candidate, Layout};
+use cost::{Analysis, JobShape, Predictor};
 pub use search::{Measure, SearchMode, SearchReport};
 use search::{Outcome, Search, SearchLimits};
 use std::path::PathBuf;
@@ -176,7 +177,8 @@ pub struct Choice {
 
 /// Prepares `job` with a loaded or searched strategy.
 pub fn auto_accelerate(job: AutoAccelerate<'_>) -> AutoResult {
-    let chosen = choose_strategy(&job);
+    // One engine's trainer comes back: pipelines, which need one per stage, are not searched.
+    let chosen = choose(&job, false);
     let outcome = chosen.and_then(|choice| {
         let prepared = prepare(&job, &choice.strategy, choice.bucket_bytes)?;
         Ok((prepared, choice))
@@ -203,12 +205,11 @@ fn rank_and_world(comm: Option<&Comm>) -> (usize, usize) {
     comm.map_or((0, 1), |c| (c.rank(), c.size()))
 }
 
-/// The loader of this rank at tensor size `tensor` (the ranks of a tensor group read the
+/// The loader of this rank under `mode` (the ranks of a tensor group or a pipeline read the
 /// same batches).
-fn loader_config(job: &AutoAccelerate<'_>, tensor: usize) -> Result<LoaderConfig> {
+fn loader_config(job: &AutoAccelerate<'_>, mode: &ParallelMode) -> Result<LoaderConfig> {
     let (rank, world) = rank_and_world(job.comm);
-    let mode = crate::strategy::ParallelMode(vec![(crate::strategy::Dim::Tensor, tensor)], None);
-    let (rank, world) = parallel::batch_shard(&mode, rank, world)?;
+    let (rank, world) = parallel::batch_shard(mode, rank, world)?;
     let a = &job.dataloader_args;
     Ok(LoaderConfig {
         accumulation: a.accumulation,
@@ -233,8 +234,17 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> RankLayout<'a
     }
 }
 
-/// Builds the engine, optimizer, trainer and loader for `strategy`.
+/// Builds the engine, optimizer, trainer and loader for `strategy`. A pipeline runs one
+/// engine per stage through [`crate::run`], not one trainer: it is refused here.
 pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usize) -> Result<Prepared> {
+    let mode = strategy.parallel_mode();
+    if mode.size(Dim::Pipeline, rank_and_world(job.comm).1)? > 1 {
+        return Err(Error::Config(
+            "a pipeline strategy trains through strata::run (or strata train), which builds each stage's engine; \
+             auto_accelerate prepares one engine"
+                .into(),
+        ));
+    }
     let bench = bench(job, bucket_bytes, 0, strategy.lora())?;
     let mut engine = parallel::build_engine(bench.spec()?, job.engine.clone(), strategy, &bench.placement)?;
     let optimizer = Optimizer::new(&mut engine, job.optim.clone(), &job.optim_param_func)?;
@@ -244,8 +254,7 @@ pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usiz
     if let Some(loss) = &job.loss_func {
         trainer.loss_func = loss.clone();
     }
-    let tensor = strategy.parallel_mode().size(crate::strategy::Dim::Tensor, rank_and_world(job.comm).1)?;
-    let loader = DataLoader::new(job.dataset.clone(), loader_config(job, tensor)?, job.dataloader_args.order.clone())?;
+    let loader = DataLoader::new(job.dataset.clone(), loader_config(job, &mode)?, job.dataloader_args.order.clone())?;
     let args = PreparedArgs {
         use_optim_backward: false,
         requires_set_gradient_accumulation_boundary: job.dataloader_args.accumulation > 1,
@@ -261,17 +270,26 @@ fn bench<'a>(
     steps: usize,
     lora: Option<&'a LoraConfig>,
 ) -> Result<Bench<'a>> {
-    // Batches for every tensor size that divides the world: few steps each.
-    let world_size = rank_and_world(job.comm).1;
+    // Batches for every share of the batch a tensor and pipeline size dividing the world
+    // gives this rank: few steps each.
+    let (rank, world_size) = rank_and_world(job.comm);
+    let divisors: Vec<usize> = (1..=world_size).filter(|d| world_size.is_multiple_of(*d)).collect();
     let mut batches = std::collections::BTreeMap::new();
-    for tensor in (1..=world_size).filter(|t| world_size.is_multiple_of(*t)) {
-        let loader =
-            DataLoader::new(job.dataset.clone(), loader_config(job, tensor)?, job.dataloader_args.order.clone())?;
-        let steps_here = loader.take(steps).collect::<Result<Vec<_>>>()?;
-        if steps_here.len() < steps {
-            return Err(Error::Data(format!("the data gives {} steps, a dry run needs {steps}", steps_here.len())));
+    for &tensor in &divisors {
+        for &pipeline in divisors.iter().filter(|&&p| (world_size / tensor).is_multiple_of(p)) {
+            let mode = ParallelMode(vec![(Dim::Tensor, tensor), (Dim::Pipeline, pipeline)], None);
+            let shard = parallel::batch_shard(&mode, rank, world_size)?;
+            if batches.contains_key(&shard) {
+                continue;
+            }
+            let loader =
+                DataLoader::new(job.dataset.clone(), loader_config(job, &mode)?, job.dataloader_args.order.clone())?;
+            let steps_here = loader.take(steps).collect::<Result<Vec<_>>>()?;
+            if steps_here.len() < steps {
+                return Err(Error::Data(format!("the data gives {} steps, a dry run needs {steps}", steps_here.len())));
+            }
+            batches.insert(shard, steps_here);
         }
-        batches.insert(tensor, steps_here);
     }
     let world: Option<Arc<dyn ProcessGroup>> = match job.comm.filter(|c| c.size() > 1) {
         Some(c) => Some(Arc::from(c.world()?)),
@@ -298,6 +316,11 @@ fn bench<'a>(
 /// The strategy for `job`: loaded (checked by a dry run unless told not to, tuned with
 /// `finetune_strategy`) or searched. Saved to `save_strategy_to_file` when asked.
 pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
+    choose(job, true)
+}
+
+/// [`choose_strategy`], searching pipeline sizes where `pipelines` says so.
+fn choose(job: &AutoAccelerate<'_>, pipelines: bool) -> Result<Choice> {
     // Count every allocation from here on: dry runs measure activation memory.
     strata_ext::cpu_memory::track()?;
     let o = &job.options;
@@ -334,7 +357,7 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
                 }
             }
         }
-        None => search(job, steps)?,
+        None => search(job, steps, pipelines)?,
     };
     if let Some(path) = &o.save_strategy_to_file {
         choice.strategy.save(path)?;
@@ -344,7 +367,7 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
 
 /// Searches with every parameter trained; where nothing fits and the options give
 /// adapters, searches again training those alone.
-fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
+fn search(job: &AutoAccelerate<'_>, steps: usize, pipelines: bool) -> Result<Choice> {
     let o = &job.options;
     for name in o.included.iter().chain(&o.excluded) {
         if !crate::strategy::METHODS.contains(&name.as_str()) {
@@ -354,14 +377,14 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
             )));
         }
     }
-    let whole = match search_with(job, steps, None)? {
+    let whole = match search_with(job, steps, None, pipelines)? {
         Ok(choice) => return Ok(choice),
         Err(why) => why,
     };
     let Some(lora) = &o.lora else {
         return Err(Error::Config(format!("auto_accelerate found no strategy: {whole}")));
     };
-    match search_with(job, steps, Some(lora))? {
+    match search_with(job, steps, Some(lora), pipelines)? {
         Ok(mut choice) => {
             choice.strategy.methods.push(Method::Lora(lora.clone()));
             choice.report.mode = format!("{}, training LoRA adapters: full fine-tuning fits no candidate", choice.report.mode);
@@ -380,6 +403,7 @@ fn search_with(
     job: &AutoAccelerate<'_>,
     steps: usize,
     lora: Option<&LoraConfig>,
+    pipelines: bool,
 ) -> Result<std::result::Result<Choice, String>> {
     let o = &job.options;
     let b = bench(job, DEFAULT_BUCKET_BYTES, steps, lora)?;
@@ -394,8 +418,9 @@ fn search_with(
     })?;
     // Offload is worth trying only where a device budget can be short.
     let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
-    let cands =
-        candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty(), &analysis.tensor_sizes, offload);
+    let pipelines = if pipelines { analysis.pipeline_sizes.clone() } else { vec![] };
+    let sizes = (&analysis.tensor_sizes[..], &pipelines[..]);
+    let cands = candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty(), sizes, offload);
     if cands.is_empty() {
         return Err(Error::Config("no candidate strategy uses every included method and none excluded".into()));
     }
@@ -405,8 +430,9 @@ fn search_with(
         budget: job.engine.device_budget,
         time_limit: o.time_limit,
     };
+    let mut predictor = predictor(job, &b, &analysis)?;
     let mut measure = &b;
-    let mut s = Search::new(&mut measure, analysis, cands, limits)?;
+    let mut s = Search::new(&mut measure, analysis, cands, &mut |l| predictor.predict(l), limits)?;
     s.verbose = o.verbose && rank_and_world(job.comm).0 == 0;
     match o.search {
         SearchMode::Guided => s.guided()?,
@@ -425,6 +451,39 @@ fn search_with(
     let report = s.report(o.search, Some(best))?;
     let strategy = s.cands[best].strategy(&s.analysis.blocks)?;
     Ok(Ok(Choice { strategy, bucket_bytes: DEFAULT_BUCKET_BYTES, report }))
+}
+
+/// The analytic models for `job` on this machine, fed by the profile: this machine's
+/// throughput measured on every rank at once (as the dry runs share it) and agreed as the
+/// ranks' mean, so that every rank predicts the same.
+fn predictor(job: &AutoAccelerate<'_>, b: &Bench<'_>, analysis: &Analysis) -> Result<Predictor> {
+    let spec = b.spec()?;
+    let world = b.world_size();
+    let a = &job.dataloader_args;
+    let shape = JobShape {
+        world,
+        batch_size: a.batch_size,
+        accumulation: a.accumulation.max(1),
+        ctx: a.ctx as i64,
+        optimizer_state_bytes: job.optim.state_bytes_per_element(),
+    };
+    let device = match job.engine.device {
+        tch::Device::Cuda(i) => calibrate::cuda_kind(i)?,
+        _ => {
+            let tokens = analysis.profiled_tokens.max(1) as i64;
+            let width = spec.params.iter().map(|p| p.shape.last().copied().unwrap_or(1)).max().unwrap_or(1);
+            let mut cpu = calibrate::this_machine(tokens, width.min(4096))?;
+            let local = [cpu.fp32_flops, cpu.bf16_flops, cpu.memory_bandwidth, cpu.op_seconds];
+            let agreed = match &b.world {
+                Some(g) => crate::comm::all_reduce_values(g.as_ref(), &local, crate::comm::ReduceOp::Avg)?,
+                None => local.to_vec(),
+            };
+            (cpu.fp32_flops, cpu.bf16_flops, cpu.memory_bandwidth, cpu.op_seconds) =
+                (agreed[0], agreed[1], agreed[2], agreed[3]);
+            cpu
+        }
+    };
+    Predictor::new(spec, analysis, shape, calibrate::node_of(device, world))
 }
 
 /// One change of a sharding method's configuration.
@@ -453,7 +512,7 @@ fn finetune(job: &AutoAccelerate<'_>, strategy: Strategy, steps: usize) -> Resul
             _ => None,
         };
         let strategy = Some(s.to_value());
-        trials.push(search::Trial { label, candidate: None, strategy, predicted_peak_bytes: 0, outcome });
+        trials.push(search::Trial { label, candidate: None, strategy, predicted: None, outcome });
         Ok(speed)
     };
     let mut best = (strategy.clone(), DEFAULT_BUCKET_BYTES);

@@ -5,11 +5,11 @@
 //!
 //! Owns the search space and the ranking. Must not predict bytes or seconds itself
 //! ([`super::estimate`] and [`super::step_time`] do) nor run anything.
-use super::candidate::Precision;
-use super::estimate::{self, Estimate, Layout, Machine, Workload};
-use super::step_time::{self, Cluster, StepTime};
+use super::candidate::{Layout, Precision};
+use super::estimate::{self, Estimate, Machine, Workload};
+use super::step_time::{self, Cluster, StepTime, UnitWork};
 use crate::model::ModelConfig;
-use crate::strategy::{ScheduleKind, Strategy};
+use crate::strategy::ScheduleKind;
 use crate::{Error, Result};
 use serde::Serialize;
 
@@ -42,15 +42,6 @@ pub struct PlanRow {
     pub behind: Option<String>,
 }
 
-impl PlanRow {
-    /// The row's strategy, as `strata train` runs it.
-    pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
-        let l = &self.layout;
-        let pipeline = (l.pipeline > 1).then_some((l.pipeline, l.schedule, l.virtual_stages));
-        l.candidate.strategy_with_pipeline(blocks, pipeline)
-    }
-}
-
 /// What the search found.
 #[derive(Clone, Debug, Serialize)]
 pub struct PlanReport {
@@ -77,6 +68,7 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         return Err(Error::Config("a plan needs devices, a global batch and a sequence length".into()));
     }
     let blocks = spec.block_count();
+    let units = UnitWork::counted(&req.model, &spec, req.seq_len)?;
     let machine = Machine {
         device: req.cluster.device.clone(),
         device_bytes: req.cluster.device.memory_bytes,
@@ -117,7 +109,7 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
                             optimizer_state_bytes: req.optimizer_state_bytes,
                         };
                         let memory =
-                            estimate::estimate_with(&req.model, &spec, &layout, &work, &machine, &mut memo.shapes)?;
+                            estimate::estimate_with(&units.kept, &spec, &layout, &work, &machine, &mut memo.shapes)?;
                         if !memory.fits {
                             over_memory += 1;
                             let over = overfill(&memory);
@@ -126,7 +118,7 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
                             }
                             continue;
                         }
-                        let time = step_time::step_time(&req.model, &spec, &layout, &work, &req.cluster, &mut memo)?;
+                        let time = step_time::step_time(&units, &spec, &layout, &work, &req.cluster, &mut memo)?;
                         let label = layout_label(&layout, micro_batch, m);
                         rows.push(PlanRow {
                             layout,

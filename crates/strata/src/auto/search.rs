@@ -1,7 +1,9 @@
-//! The strategy search: candidates pruned by device capability, world-size divisibility and
-//! the memory model, then dry runs of the survivors — guided one dimension at a time
-//! (precision, module replacement, sharding, recomputation) from a starting point predicted
-//! to fit, or all of them (`SearchMode::Exhaustive`).
+//! The strategy search: layouts pruned by device capability, world-size divisibility and
+//! the memory estimate, then dry runs of the survivors — guided one dimension at a time
+//! (precision, module replacement, sharding, tensor and pipeline sizes, recomputation,
+//! offload) from a starting point predicted to fit, or all of them
+//! (`SearchMode::Exhaustive`). Every trial carries its prediction (peak bytes, tokens/s)
+//! beside what its dry run measured.
 //!
 //! The search asks a [`Measure`] for every dry run and for the time, so its logic runs the
 //! same against real dry runs ([`super::bench::Bench`]) and against a deterministic cost
@@ -10,8 +12,8 @@
 //!
 //! Owns the order of the trials and the choice. Must not build engines or train: every dry
 //! run and every reading of the clock goes through the [`Measure`].
-use super::candidate::{capability, Candidate, Precision, Sharding, PRECISIONS};
-use super::cost::{predicted_peak, Analysis};
+use super::candidate::{capability, Layout, Precision, Sharding, PRECISIONS};
+use super::cost::{Analysis, Prediction};
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::strategy::Strategy;
 use crate::{Error, Result};
@@ -86,8 +88,8 @@ pub fn agree_outcome(
 
 /// What the search asks of the world: dry runs and the time, both agreed across ranks.
 pub trait Measure {
-    /// Dry-runs `candidate` (as `strategy`) against `budget`.
-    fn trial(&mut self, candidate: &Candidate, strategy: &Strategy, budget: Option<u64>) -> Result<Outcome>;
+    /// Dry-runs `layout` (as `strategy`) against `budget`.
+    fn trial(&mut self, layout: &Layout, strategy: &Strategy, budget: Option<u64>) -> Result<Outcome>;
     /// Seconds since the search began (its analysis included), the largest over the ranks.
     fn elapsed(&mut self) -> Result<f64>;
 }
@@ -96,10 +98,11 @@ pub trait Measure {
 pub struct Trial {
     pub label: String,
     /// The search-space point (none for a fine-tuning variant).
-    pub candidate: Option<Candidate>,
+    pub candidate: Option<Layout>,
     /// Its strategy in list form.
     pub strategy: Option<serde_json::Value>,
-    pub predicted_peak_bytes: u64,
+    /// What the analytic models predicted (none for a fine-tuning variant).
+    pub predicted: Option<Prediction>,
     pub outcome: Outcome,
 }
 
@@ -122,11 +125,18 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / crate::profile::MIB
 }
 
-/// A measured peak against the memory model's prediction for the same trial.
-fn measured_over(t: &Trial, peak: u64) -> String {
-    match t.predicted_peak_bytes {
-        0 => String::new(),
-        predicted => format!(" ({:.2}× the prediction)", peak as f64 / predicted as f64),
+impl Trial {
+    /// The predicted peak (0 where nothing was predicted).
+    pub fn predicted_peak_bytes(&self) -> u64 {
+        self.predicted.map_or(0, |p| p.peak_bytes)
+    }
+}
+
+/// A measurement against its prediction (`predicted` 0: none).
+fn against(measured: f64, predicted: f64) -> String {
+    match predicted > 0.0 {
+        true => format!(" ({:.2}× predicted)", measured / predicted),
+        false => String::new(),
     }
 }
 
@@ -146,21 +156,27 @@ impl SearchReport {
                     continue;
                 }
                 Outcome::Fits { tokens_per_s, peak_bytes, .. } => {
+                    let speed = t.predicted.map_or(0.0, |p| p.tokens_per_s);
                     format!(
-                        "{tokens_per_s:.0} tokens/s, peak {:.1} MiB{}",
+                        "{tokens_per_s:.0} tokens/s{}, peak {:.1} MiB{}",
+                        against(*tokens_per_s, speed),
                         mib(*peak_bytes),
-                        measured_over(t, *peak_bytes)
+                        against(*peak_bytes as f64, t.predicted_peak_bytes() as f64)
                     )
                 }
                 Outcome::OverBudget { peak_bytes: Some(peak), .. } => {
-                    format!("peak {:.1} MiB{}, over the budget", mib(*peak), measured_over(t, *peak))
+                    let predicted = t.predicted_peak_bytes() as f64;
+                    format!("peak {:.1} MiB{}, over the budget", mib(*peak), against(*peak as f64, predicted))
                 }
                 Outcome::OverBudget { peak_bytes: None, .. } => "out of memory".into(),
                 Outcome::Failed { reason, .. } => format!("failed: {reason}"),
                 Outcome::NotTried => "not dry-run".into(),
             };
             let mark = if self.chosen.as_deref() == Some(t.label.as_str()) { "*" } else { " " };
-            out += &format!("{mark} {:<58} predicted {:>8.1} MiB  {what}\n", t.label, mib(t.predicted_peak_bytes));
+            let predicted = t.predicted.map_or(String::new(), |p| {
+                format!("predicted {:>8.1} MiB {:>8.0} tokens/s", mib(p.peak_bytes), p.tokens_per_s)
+            });
+            out += &format!("{mark} {:<70} {predicted}  {what}\n", t.label);
         }
         for (reason, n) in pruned {
             out += &format!("  {n} candidates pruned: {reason}\n");
@@ -197,17 +213,27 @@ const SHARDING: usize = 2;
 const TENSOR: usize = 3;
 const CHECKPOINT: usize = 4;
 const OFFLOAD: usize = 5;
+const PIPELINE: usize = 6;
 
-/// A candidate's value in each searched dimension.
-fn coordinates(c: &Candidate) -> [u8; 6] {
-    [c.precision as u8, c.module_replace as u8, c.sharding as u8, c.tensor as u8, c.checkpoint as u8, c.offload as u8]
+/// A layout's value in each searched dimension.
+fn coordinates(l: &Layout) -> [u8; 7] {
+    let c = &l.candidate;
+    [
+        c.precision as u8,
+        c.module_replace as u8,
+        c.sharding as u8,
+        c.tensor as u8,
+        c.checkpoint as u8,
+        c.offload as u8,
+        l.pipeline as u8,
+    ]
 }
 
 /// Search state shared by both modes.
 pub struct Search<'m> {
     measure: &'m mut dyn Measure,
     /// The candidates, in the order of `trials`.
-    pub cands: Vec<Candidate>,
+    pub cands: Vec<Layout>,
     pub analysis: Analysis,
     pub limits: SearchLimits,
     pub trials: Vec<Trial>,
@@ -219,23 +245,27 @@ pub struct Search<'m> {
 }
 
 impl<'m> Search<'m> {
-    /// A search over `cands`, predicted from `analysis`, measured by `measure`.
+    /// A search over `cands` (of the model `analysis` profiled), each predicted by
+    /// `predict` (a layout it cannot predict, the job cannot take) and measured by `measure`.
     pub fn new(
         measure: &'m mut dyn Measure,
         analysis: Analysis,
-        cands: Vec<Candidate>,
+        cands: Vec<Layout>,
+        predict: &mut dyn FnMut(&Layout) -> Result<Prediction>,
         limits: SearchLimits,
     ) -> Result<Search<'m>> {
         let trials = cands
             .iter()
-            .map(|&c| -> Result<Trial> {
-                let predicted = predicted_peak(&analysis, &c, limits.world);
-                let outcome = match capability(&c, limits.device, limits.world) {
-                    Some(reason) => Outcome::Pruned { reason },
-                    None => Outcome::NotTried,
+            .map(|&l| -> Result<Trial> {
+                let (predicted, outcome) = match capability(&l, limits.device, limits.world) {
+                    Some(reason) => (None, Outcome::Pruned { reason }),
+                    None => match predict(&l) {
+                        Ok(p) => (Some(p), Outcome::NotTried),
+                        Err(e) => (None, Outcome::Pruned { reason: e.to_string() }),
+                    },
                 };
-                let strategy = Some(c.strategy(&analysis.blocks)?.to_value());
-                Ok(Trial { label: c.label(), candidate: Some(c), strategy, predicted_peak_bytes: predicted, outcome })
+                let strategy = Some(l.strategy(&analysis.blocks)?.to_value());
+                Ok(Trial { label: l.label(), candidate: Some(l), strategy, predicted, outcome })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Search {
@@ -251,7 +281,7 @@ impl<'m> Search<'m> {
     }
 
     fn predicted_fit(&self, i: usize) -> bool {
-        self.limits.budget.is_none_or(|b| self.trials[i].predicted_peak_bytes <= b)
+        self.limits.budget.is_none_or(|b| self.trials[i].predicted_peak_bytes() <= b)
     }
 
     fn open(&self, i: usize) -> bool {
@@ -353,7 +383,7 @@ impl<'m> Search<'m> {
     fn precision_leaders(&self) -> Vec<usize> {
         let mut leaders: Vec<usize> = Vec::new();
         for i in self.fastest(self.trials.len()) {
-            if leaders.iter().all(|&l| self.cands[l].precision != self.cands[i].precision) {
+            if leaders.iter().all(|&l| self.cands[l].candidate.precision != self.cands[i].candidate.precision) {
                 leaders.push(i);
             }
         }
@@ -362,11 +392,17 @@ impl<'m> Search<'m> {
 
     /// Plain data parallel and plain fsdp (fp32, nothing else), where they may run.
     fn baselines(&self) -> Vec<usize> {
-        let plain = |c: &Candidate| {
-            c.precision == Precision::Fp32 && !c.module_replace && !c.checkpoint && c.tensor == 1 && !c.offload
+        let plain = |l: &Layout| {
+            let c = &l.candidate;
+            c.precision == Precision::Fp32
+                && !c.module_replace
+                && !c.checkpoint
+                && c.tensor == 1
+                && !c.offload
+                && l.pipeline == 1
+                && [Sharding::None, Sharding::Fsdp].contains(&c.sharding)
         };
-        let layouts = [Sharding::None, Sharding::Fsdp];
-        (0..self.cands.len()).filter(|&i| plain(&self.cands[i]) && layouts.contains(&self.cands[i].sharding)).collect()
+        (0..self.cands.len()).filter(|&i| plain(&self.cands[i])).collect()
     }
 
     /// The fastest measured candidate that fits.
@@ -384,31 +420,34 @@ impl<'m> Search<'m> {
     /// Coordinate search: from the candidate predicted to fit at the least cost, try the
     /// alternatives of one dimension at a time and keep the fastest that fits.
     pub fn guided(&mut self) -> Result<()> {
-        // The coordinate passes dry-run at most a third of the candidates that could run
-        // (re-measuring the finalists, or finding any fit at all, may take more).
-        let cap = (self.trials.iter().filter(|t| matches!(t.outcome, Outcome::NotTried)).count() / 3).max(1);
         if let Some(b) = self.limits.budget {
             for t in self.trials.iter_mut().filter(|t| matches!(t.outcome, Outcome::NotTried)) {
                 // A margin: only a clear miss is pruned unmeasured.
-                if t.predicted_peak_bytes as f64 > b as f64 * 1.25 {
+                let predicted = t.predicted_peak_bytes();
+                if predicted as f64 > b as f64 * 1.25 {
                     t.outcome = Outcome::Pruned {
                         reason: format!(
-                            "the memory model predicts {:.1} MiB, over the {:.1} MiB budget",
-                            mib(t.predicted_peak_bytes),
+                            "the memory estimate predicts {:.1} MiB, over the {:.1} MiB budget",
+                            mib(predicted),
                             mib(b)
                         ),
                     };
                 }
             }
         }
+        // The coordinate passes dry-run at most a third of the candidates the estimate left
+        // (re-measuring the finalists, or finding any fit at all, may take more).
+        let cap = (self.trials.iter().filter(|t| matches!(t.outcome, Outcome::NotTried)).count() / 3).max(1);
         // Cost order of the starting point: the least machinery (no recomputation, no
         // sharding, the reference modules) that is predicted to fit. Precision is decided
         // first, then replacement is tried on the chosen precision: fused kernels differ
         // most between precisions (bf16 attention can be slower fused on a CPU).
-        let cost = |c: &Candidate| {
+        let cost = |l: &Layout| {
+            let c = &l.candidate;
             (
                 c.offload,
                 c.checkpoint,
+                l.pipeline,
                 c.tensor,
                 c.sharding,
                 c.module_replace,
@@ -430,20 +469,23 @@ impl<'m> Search<'m> {
         // that is). Passes repeat while they change the choice, within a third of the
         // candidates in dry runs.
         // A dimension: its coordinate, and the coordinates its alternatives keep as they are.
-        let dimensions: [(usize, &[usize]); 6] = [
-            (PRECISION, &[MODULE_REPLACE, OFFLOAD]),
-            (MODULE_REPLACE, &[PRECISION, OFFLOAD]),
-            (SHARDING, &[PRECISION, MODULE_REPLACE, CHECKPOINT, TENSOR, OFFLOAD]),
+        let dimensions: [(usize, &[usize]); 7] = [
+            (PRECISION, &[MODULE_REPLACE, OFFLOAD, PIPELINE]),
+            (MODULE_REPLACE, &[PRECISION, OFFLOAD, PIPELINE]),
+            (SHARDING, &[PRECISION, MODULE_REPLACE, CHECKPOINT, TENSOR, OFFLOAD, PIPELINE]),
             // Splitting units over a tensor group: the other methods kept.
-            (TENSOR, &[PRECISION, MODULE_REPLACE, SHARDING, CHECKPOINT, OFFLOAD]),
+            (TENSOR, &[PRECISION, MODULE_REPLACE, SHARDING, CHECKPOINT, OFFLOAD, PIPELINE]),
+            // Stages leave fewer replicas to shard over: the sharding and tensor size closest
+            // to the current ones that the ranks allow.
+            (PIPELINE, &[PRECISION, MODULE_REPLACE, CHECKPOINT, OFFLOAD]),
             // Recomputation and offload only cost time: try dropping them, never adding them
             // (below); the start is offloaded only when nothing else is predicted to fit.
-            (CHECKPOINT, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, OFFLOAD]),
-            (OFFLOAD, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, CHECKPOINT]),
+            (CHECKPOINT, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, OFFLOAD, PIPELINE]),
+            (OFFLOAD, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, CHECKPOINT, PIPELINE]),
         ];
-        let value = |dimension: usize, c: &Candidate| coordinates(c)[dimension];
+        let value = |dimension: usize, l: &Layout| coordinates(l)[dimension];
         let keeps =
-            |kept: &[usize], a: &Candidate, b: &Candidate| kept.iter().all(|&k| coordinates(a)[k] == coordinates(b)[k]);
+            |kept: &[usize], a: &Layout, b: &Layout| kept.iter().all(|&k| coordinates(a)[k] == coordinates(b)[k]);
         for _pass in 0..2 {
             let before = current;
             for (dimension, kept) in dimensions {
@@ -455,13 +497,15 @@ impl<'m> Search<'m> {
                     let here = self.cands[seed];
                     // A seed over the budget also gets its own value's next option.
                     let here_fits = !self.over_budget(seed);
-                    let distance = |c: &Candidate| {
+                    let distance = |l: &Layout| {
+                        let (c, h) = (&l.candidate, &here.candidate);
                         (
-                            c.offload != here.offload,
-                            c.checkpoint != here.checkpoint,
-                            c.tensor != here.tensor,
-                            c.sharding != here.sharding,
-                            cost(c),
+                            c.offload != h.offload,
+                            c.checkpoint != h.checkpoint,
+                            l.pipeline != here.pipeline,
+                            c.tensor != h.tensor,
+                            c.sharding != h.sharding,
+                            cost(l),
                         )
                     };
                     let mut options: Vec<usize> = (0..self.trials.len())
@@ -470,8 +514,8 @@ impl<'m> Search<'m> {
                             let c = &self.cands[i];
                             i != seed
                                 && keeps(kept, &here, c)
-                                && !(dimension == CHECKPOINT && c.checkpoint)
-                                && !(dimension == OFFLOAD && c.offload)
+                                && !(dimension == CHECKPOINT && c.candidate.checkpoint)
+                                && !(dimension == OFFLOAD && c.candidate.offload)
                                 && (value(dimension, c) != value(dimension, &here) || !here_fits)
                         })
                         .collect();
@@ -501,7 +545,7 @@ impl<'m> Search<'m> {
         // Nothing measured fits: try the rest, least memory first, until one does.
         if self.best().is_none() {
             let mut rest: Vec<usize> = (0..self.trials.len()).filter(|&i| self.open(i)).collect();
-            rest.sort_by_key(|&i| self.trials[i].predicted_peak_bytes);
+            rest.sort_by_key(|&i| self.trials[i].predicted_peak_bytes());
             for i in rest {
                 if self.measure(i)?.is_some() || self.stopped_by_time_limit {
                     break;

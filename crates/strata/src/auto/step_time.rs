@@ -21,8 +21,8 @@
 //!   pipeline's sends are exposed; so is offload's traffic, and the host's update.
 //! - The pipeline: its schedule run by the schedule simulator with the slowest stage's
 //!   costs.
-use super::candidate::{Precision, Sharding};
-use super::estimate::{self, DeviceKind, Kept, Layout, PipelineShapes, Workload};
+use super::candidate::{Layout, Precision, Sharding};
+use super::estimate::{self, DeviceKind, Kept, PipelineShapes, Workload};
 use crate::model::{ModelConfig, ModelSpec};
 use crate::parallel::pipeline::schedule::{self, Costs, Pipeline};
 use crate::strategy::ScheduleKind;
@@ -195,28 +195,43 @@ fn attention_width(model: &ModelConfig) -> f64 {
     }) as f64
 }
 
-/// Forward FLOPs per token of each unit on one tensor rank: 2 per weight it multiplies by
-/// (its own and those it borrows, as a tied head does), and the attention's 4 · positions ·
-/// width per attention it runs.
-fn unit_flops(config: &ModelConfig, spec: &ModelSpec, kept: &[Kept], seq_len: i64, tensor: usize) -> Vec<f64> {
-    let attention_width = attention_width(config);
-    spec.units
-        .iter()
-        .zip(kept)
-        .map(|(u, k)| {
-            let weights: i64 = u
-                .params
-                .iter()
-                .chain(&u.borrowed)
-                .map(|id| &spec.params[id.0])
-                .filter(|p| p.shape.len() == 2 && !u.kind().ends_with("Embedding"))
-                .map(|p| p.numel())
-                .sum();
-            // Attentions per position: one per head group the unit's scores count.
-            let attentions = if k.scores > 0.0 { (k.scores / heads_of(config)).round() } else { 0.0 };
-            (2.0 * weights as f64 + attentions * 4.0 * seq_len as f64 * attention_width) / tensor as f64
-        })
-        .collect()
+/// A model's units as the step-time model reads them: what each keeps for its backward,
+/// its forward FLOPs per token (on one rank, unsplit), and the model's FLOPs per trained
+/// token (for MFU).
+#[derive(Clone, Debug)]
+pub struct UnitWork {
+    pub kept: Vec<Kept>,
+    pub flops: Vec<f64>,
+    pub model_flops_per_token: f64,
+}
+
+impl UnitWork {
+    /// Counted from `config` (its `spec`) at `seq_len` positions: 2 FLOPs per weight a
+    /// unit multiplies by (its own and those it borrows, as a tied head does), and the
+    /// attention's 4 · positions · width per attention it runs.
+    pub fn counted(config: &ModelConfig, spec: &ModelSpec, seq_len: i64) -> Result<UnitWork> {
+        let kept = estimate::counted(config, spec)?;
+        let (width, heads) = (attention_width(config), heads_of(config));
+        let flops = spec
+            .units
+            .iter()
+            .zip(&kept)
+            .map(|(u, k)| {
+                // Attentions per position: one per head group the unit's scores count.
+                let attentions = if k.scores > 0.0 { (k.scores / heads).round() } else { 0.0 };
+                2.0 * weights_multiplied(spec, u) + attentions * 4.0 * seq_len as f64 * width
+            })
+            .collect();
+        Ok(UnitWork { kept, flops, model_flops_per_token: model_flops_per_token(config, spec.num_params(), seq_len) })
+    }
+
+    /// For a model known only by its spec and what each unit was measured to keep: the
+    /// products' FLOPs from the weights alone (the attention's are not known), 6 per
+    /// parameter per trained token.
+    pub fn measured(spec: &ModelSpec, kept: Vec<Kept>) -> UnitWork {
+        let flops = spec.units.iter().map(|u| 2.0 * weights_multiplied(spec, u)).collect();
+        UnitWork { kept, flops, model_flops_per_token: 6.0 * spec.num_params() as f64 }
+    }
 }
 
 fn heads_of(config: &ModelConfig) -> f64 {
@@ -228,6 +243,18 @@ fn heads_of(config: &ModelConfig) -> f64 {
         ModelConfig::Mlp(_) => 1,
     }
     .max(1) as f64
+}
+
+/// The matrix elements a unit multiplies its inputs by: its own and borrowed 2-D weights,
+/// an embedding's excepted (a lookup).
+fn weights_multiplied(spec: &ModelSpec, u: &crate::model::UnitSpec) -> f64 {
+    u.params
+        .iter()
+        .chain(&u.borrowed)
+        .map(|id| &spec.params[id.0])
+        .filter(|p| p.shape.len() == 2 && !u.kind().ends_with("Embedding"))
+        .map(|p| p.numel())
+        .sum::<i64>() as f64
 }
 
 /// What a search computes once and asks for many times: stage splits, and makespans of
@@ -274,9 +301,10 @@ fn peak(device: &DeviceKind, precision: Precision) -> f64 {
     }
 }
 
-/// The predicted step of `layout` of `config` (its `spec`) running `work` on `cluster`.
+/// The predicted step of `layout` of `spec` (its units doing `units`' work) running `work`
+/// on `cluster`.
 pub fn step_time(
-    config: &ModelConfig,
+    units: &UnitWork,
     spec: &ModelSpec,
     layout: &Layout,
     work: &Workload,
@@ -287,15 +315,15 @@ pub fn step_time(
     let (t, p) = (c.tensor.max(1), layout.pipeline.max(1));
     let dp = layout.data_ranks(work.ranks).max(1);
     let device = &cluster.device;
-    let kept: Vec<Kept> = spec.units.iter().map(|u| estimate::kept(config, u.kind())).collect::<Result<_>>()?;
+    let kept = &units.kept;
     let tokens = (work.micro_batch as i64 * work.ctx) as f64;
     let width = kept.first().map_or(1.0, |k| k.output);
     let flops_peak = peak(device, c.precision) * product_efficiency(device, cluster.efficiency, tokens, width, t);
     if flops_peak <= 0.0 || device.memory_bandwidth <= 0.0 {
         return Err(Error::Config(format!("device {} has no throughput to predict from (calibrate it)", device.name)));
     }
-    let flops = unit_flops(config, spec, &kept, work.ctx, t);
-    let act_bytes = estimate::unit_activation_bytes(&kept, layout, work, device);
+    let flops: Vec<f64> = units.flops.iter().map(|f| f / t as f64).collect();
+    let act_bytes = estimate::unit_activation_bytes(kept, layout, work, device);
     let value_bytes = if matches!(c.precision, Precision::Fp32) { 4.0 } else { 2.0 };
     // Per unit, one micro-batch: forward, and backward (with recomputation where asked).
     let (mut forward, mut backward) = (vec![], vec![]);
@@ -404,7 +432,7 @@ pub fn step_time(
         + time.optimizer;
     let global_tokens = tokens * (m * dp) as f64;
     time.tokens_per_s = global_tokens / time.total;
-    let model_flops = model_flops_per_token(config, spec.num_params(), work.ctx) * time.tokens_per_s;
+    let model_flops = units.model_flops_per_token * time.tokens_per_s;
     time.mfu = model_flops / (peak(device, c.precision) * work.ranks as f64);
     Ok(time)
 }
@@ -469,7 +497,8 @@ mod tests {
         let spec = model.spec().unwrap();
         for m in [4usize, 16] {
             let work = Workload { ranks: 4, micro_batch: 1, ctx: 1024, micro_batches: m, optimizer_state_bytes: 8 };
-            let t = step_time(&model, &spec, &layout(Sharding::None, 1, 4), &work, &cluster(4), &mut Memo::default())
+            let units = UnitWork::counted(&model, &spec, 1024).unwrap();
+            let t = step_time(&units, &spec, &layout(Sharding::None, 1, 4), &work, &cluster(4), &mut Memo::default())
                 .unwrap();
             let busy = t.compute + t.memory;
             let share = t.bubble / (busy + t.bubble);
@@ -484,9 +513,10 @@ mod tests {
     fn each_method_pays_what_it_moves() {
         let model = ModelConfig::Gpt(GptConfig::new(50257, 1024, 12, 12, 768));
         let spec = model.spec().unwrap();
+        let units = UnitWork::counted(&model, &spec, 1024).unwrap();
         let run = |l: Layout, micro_batch| {
             let work = Workload { ranks: 8, micro_batch, ctx: 1024, micro_batches: 1, optimizer_state_bytes: 8 };
-            step_time(&model, &spec, &l, &work, &cluster(8), &mut Memo::default()).unwrap()
+            step_time(&units, &spec, &l, &work, &cluster(8), &mut Memo::default()).unwrap()
         };
         assert_eq!(run(layout(Sharding::None, 1, 1), 1).tensor_comm, 0.0);
         assert!(run(layout(Sharding::None, 2, 1), 1).tensor_comm > 0.0);
