@@ -113,14 +113,82 @@ fn a_budget_below_the_unsharded_model_states_gets_a_sharded_or_split_strategy_wi
     let profiled = analysis["ledger_peak_bytes"].as_u64().unwrap();
     assert!(profiled < 8 * params && profiled <= budget, "the profiling held {profiled} bytes");
     let chosen = report["chosen"].as_str().unwrap();
-    // Sharded or split over a tensor group: either divides the model states.
-    assert!(["zero1", "zero2", "fsdp", "tensor 2"].iter().any(|s| chosen.contains(s)), "{chosen}");
+    // Sharded, split over a tensor group or over stages: each divides the model states.
+    assert!(["zero1", "zero2", "fsdp", "tensor 2", "pipeline 2"].iter().any(|s| chosen.contains(s)), "{chosen}");
     for (label, o) in outcomes(&report).filter(|(_, o)| o["outcome"] == "fits") {
         assert!(o["peak_bytes"].as_u64().unwrap() <= budget, "{label}: {o}");
     }
     let text = std::fs::read_to_string(&metrics).unwrap();
     let step: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     assert!(step["allocator_peak_bytes"].as_u64().unwrap() <= budget, "the run itself: {step}");
+}
+
+/// Four ranks under a budget that only pipelines meet (20 MiB for a GPT of eight blocks that
+/// does not split over tensor ranks, offload left out): the search dry-runs stages, takes
+/// one, and the run trains with it. Every dry run carries the estimate's prediction, and
+/// the estimate ruled most layouts out before any ran.
+#[test]
+fn four_ranks_where_only_a_pipeline_fits_train_on_stages() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("pipeline.json");
+    let budget = 20u64 << 20;
+    let args = [
+        "train",
+        "--model",
+        "gpt",
+        "--layers",
+        "8",
+        "--heads",
+        "3",
+        "--dim",
+        "192",
+        "--ctx",
+        "32",
+        "--seed",
+        "1",
+        "--batch-size",
+        "16",
+        "--accumulation",
+        "2",
+        "--threads",
+        "1",
+        "--steps",
+        "1",
+        "--schedule",
+        "constant",
+        "--nproc",
+        "4",
+        "--device-memory",
+        &budget.to_string(),
+        "--strategy",
+        "auto",
+        "--excluded",
+        "module_replace,amp_native,offload",
+        "--search-report",
+        report.to_str().unwrap(),
+        // A dry run failing on some stages leaves the others waiting this long.
+        "--comm-timeout",
+        "30",
+    ];
+    let o = strata_env(&args, &[("STRATA_LOG", "warn")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: Value = serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap();
+    let chosen = report["chosen"].as_str().unwrap();
+    assert!(chosen.contains("pipeline"), "{chosen}");
+    let trials = report["trials"].as_array().unwrap();
+    let mut ran = 0;
+    for t in trials.iter().filter(|t| t["outcome"]["outcome"] == "fits") {
+        ran += 1;
+        let (measured, predicted) =
+            (t["outcome"]["peak_bytes"].as_f64().unwrap(), t["predicted"]["peak_bytes"].as_f64().unwrap());
+        assert!((0.75..1.35).contains(&(measured / predicted)), "{}: {measured} against {predicted}", t["label"]);
+        assert!(measured <= budget as f64, "{}", t["label"]);
+        assert!(t["predicted"]["tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+    let pruned =
+        trials.iter().filter(|t| t["outcome"]["reason"].as_str().is_some_and(|r| r.contains("memory estimate")));
+    assert!(ran >= 1 && 2 * pruned.count() > trials.len(), "{report}");
 }
 
 /// Where no candidate fits full fine-tuning within the budgets (8 MB of device, 2 MB of

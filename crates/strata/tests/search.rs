@@ -421,7 +421,9 @@ fn a_failure_on_one_rank_is_agreed_and_every_rank_chooses_the_same() {
 fn the_search_tries_tensor_sizes_and_takes_one_where_it_is_best() {
     let world = 4;
     let a = Analysis { tensor_sizes: vec![2, 4], ..analysis() };
-    let at = |tensor, sharding| peak(&Layout::new(Candidate { tensor, ..plain(Precision::Fp32, sharding, false).candidate }), world);
+    let at = |tensor, sharding| {
+        peak(&Layout::new(Candidate { tensor, ..plain(Precision::Fp32, sharding, false).candidate }), world)
+    };
     assert!(at(2, Sharding::None) < at(1, Sharding::None), "a tensor rank holds its pieces only");
     assert!(at(4, Sharding::None) < at(2, Sharding::None));
     assert!(at(2, Sharding::Zero2) < at(2, Sharding::None), "sharding spans the ranks with the same pieces");
@@ -478,7 +480,10 @@ fn where_only_a_pipeline_fits_the_search_finds_the_best_one_with_a_fifth_of_the_
         exhaustive.runs.len(),
         guided.runs
     );
-    let pruned = report.trials.iter().filter(|t| matches!(&t.outcome, Outcome::Pruned { reason } if reason.contains("memory estimate")));
+    let pruned = report
+        .trials
+        .iter()
+        .filter(|t| matches!(&t.outcome, Outcome::Pruned { reason } if reason.contains("memory estimate")));
     assert!(pruned.count() > all.len() / 2, "the estimate rules most layouts out unmeasured");
 }
 

@@ -95,7 +95,14 @@ impl Bench<'_> {
     pub fn trial(&self, strategy: &Strategy, budget: Option<u64>) -> Result<Outcome> {
         let started = Instant::now();
         let result = self.dry_run(strategy);
-        agree_outcome(self.world.as_deref(), &result, started.elapsed().as_secs_f64(), budget)
+        let outcome = agree_outcome(self.world.as_deref(), &result, started.elapsed().as_secs_f64(), budget)?;
+        // A dry run that failed on some rank (every rank agrees it did) may have left the
+        // ranks with different numbers of groups made.
+        let failed = matches!(outcome, Outcome::Failed { .. } | Outcome::OverBudget { peak_bytes: None, .. });
+        if let (Some(comm), Some(world), true) = (self.placement.comm, &self.world, failed) {
+            comm.align_groups(world.as_ref())?;
+        }
+        Ok(outcome)
     }
 
     /// Seconds since the bench was made (the search's start), the largest over the ranks.

@@ -404,6 +404,8 @@ mod tests {
         assert!(sharded.label().ends_with("pipeline 2 (1f1b)"), "{}", sharded.label());
         let offloaded = Layout::piped(Candidate { offload: true, ..sharded.candidate }, 2);
         assert!(capability(&offloaded, Device::Cpu, 4).is_some_and(|why| why.contains("pipeline")));
-        assert!(candidates(&["pipeline_parallel".into()], &[], true, (&[], &[2]), false).iter().all(|l| l.pipeline == 1));
+        assert!(candidates(&["pipeline_parallel".into()], &[], true, (&[], &[2]), false)
+            .iter()
+            .all(|l| l.pipeline == 1));
     }
 }

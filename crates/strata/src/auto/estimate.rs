@@ -508,16 +508,23 @@ pub fn estimate_with(
             boundary = boundary.max(output_bytes(&kept[end - 1]));
         }
         let dpu = dp as u64;
+        // Beside its shard of the step's gradient, each rank holds whole gradients while a
+        // backward adds to them: one unit's at a time (and the lent units') where each
+        // backward completes the step, every unit's where micro-batches accumulate.
+        let whole_grads = match work.micro_batches {
+            1 => (largest + lent_grads) * pb,
+            _ => device.grads,
+        };
         if sharded {
             match c.sharding {
                 Sharding::Zero1 => device.optimizer /= dpu,
                 Sharding::Zero2 => {
                     device.optimizer /= dpu;
-                    device.grads = device.grads / dpu + (largest + lent_grads) * pb;
+                    device.grads = device.grads / dpu + whole_grads;
                 }
                 Sharding::Fsdp => {
                     device.optimizer /= dpu;
-                    device.grads = device.grads / dpu + (largest + lent_grads) * pb;
+                    device.grads = device.grads / dpu + whole_grads;
                     // The unit running and the one gathered ahead of it.
                     device.params = device.params / dpu + 2 * largest * pb;
                 }
@@ -535,12 +542,23 @@ pub fn estimate_with(
             // The optimizer's states and masters move to the host; beside fsdp and alone,
             // the parameters and gradients too, the device keeping the units at work.
             host.optimizer = std::mem::take(&mut device.optimizer);
-            if c.sharding == Sharding::Fsdp || c.sharding == Sharding::None {
-                let working = 2 * largest * pb;
-                host.params = device.params.saturating_sub(working);
-                device.params = working.min(device.params);
-                host.grads = device.grads.saturating_sub(working);
-                device.grads = working.min(device.grads);
+            let working = 2 * largest * pb;
+            match c.sharding {
+                // Beside fsdp the shards move: the gathered units and the whole gradients a
+                // backward adds to stay.
+                Sharding::Fsdp if sharded => {
+                    host.params = device.params.saturating_sub(working);
+                    device.params = working.min(device.params);
+                    host.grads = device.grads.saturating_sub(whole_grads);
+                    device.grads = whole_grads.min(device.grads);
+                }
+                Sharding::Fsdp | Sharding::None => {
+                    host.params = device.params.saturating_sub(working);
+                    device.params = working.min(device.params);
+                    host.grads = device.grads.saturating_sub(working);
+                    device.grads = working.min(device.grads);
+                }
+                Sharding::Zero1 | Sharding::Zero2 => {}
             }
             if c.sharding == Sharding::None {
                 // The copies in flight to the device: two units ahead (offload's prefetch).
@@ -653,8 +671,8 @@ mod tests {
     /// The engine's ledger holds 474,112 bytes of parameters for this GPT, as many of
     /// gradients and twice as many of AdamW's moments; zero1 halves the moments over two
     /// ranks, zero2 the gradients too (beside a block's and the tied embedding's whole
-    /// gradients), fsdp the parameters too (beside two gathered blocks), `half` the
-    /// parameters.
+    /// gradients, or every unit's while micro-batches accumulate), fsdp the parameters too
+    /// (beside two gathered blocks), `half` the parameters.
     #[test]
     fn model_states_are_the_engine_s() {
         let plain = run(layout(Precision::Fp32, Sharding::None, false), 1, 1).device;
@@ -671,6 +689,16 @@ mod tests {
         assert_eq!(fsdp.params, 237_056 + 2 * block);
         assert_eq!(fsdp.grads, 237_056 + block + embedding);
         assert_eq!(run(layout(Precision::HalfBf16, Sharding::None, false), 1, 1).device.params, 237_056);
+        // Accumulating micro-batches keep every unit's whole gradient beside the shard.
+        let accumulating = run(layout(Precision::Fp32, Sharding::Zero2, false), 2, 2).device;
+        assert_eq!(accumulating.grads, 237_056 + 474_112);
+        // Offloaded beside fsdp, the shards go to the host; the gathered blocks and the
+        // whole gradients stay.
+        let offloaded =
+            Layout::new(Candidate { offload: true, ..layout(Precision::Fp32, Sharding::Fsdp, false).candidate });
+        let e = run(offloaded, 2, 2);
+        assert_eq!((e.host.params, e.host.grads), (237_056, 237_056));
+        assert_eq!((e.device.params, e.device.grads), (2 * block, 474_112));
     }
 
     /// Recomputation keeps less; GPipe's first stage holds all four micro-batches, 1F1B's

@@ -291,8 +291,11 @@ fn bench<'a>(
             batches.insert(shard, steps_here);
         }
     }
+    // A dry run that fails on some pipeline stages leaves the others waiting for it until
+    // their collectives time out: the agreement that follows waits three timeouts, so that
+    // the rank that failed first is still there when the others arrive.
     let world: Option<Arc<dyn ProcessGroup>> = match job.comm.filter(|c| c.size() > 1) {
-        Some(c) => Some(Arc::from(c.world()?)),
+        Some(c) => Some(Arc::from(c.world_waiting(3 * c.timeout())?)),
         None => None,
     };
     Ok(Bench {

@@ -572,16 +572,39 @@ impl Comm {
         &self.store
     }
 
+    /// How long a collective of this job's groups waits for the other ranks.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Reports every collective of this job's groups (those made already included) and
     /// every wait that blocks on one to `observer`, or to none.
     pub fn observe(&self, observer: Option<Arc<dyn CommObserver>>) {
         *self.observer.write().unwrap_or_else(|e| e.into_inner()) = observer;
     }
 
+    /// Brings every rank's count of groups made to the largest over `group` (all ranks of
+    /// the job). Groups are named by that count, so every rank must have made the same
+    /// number: after work that failed on some ranks part-way through making its groups,
+    /// this puts the next group made under one name everywhere again.
+    pub fn align_groups(&self, group: &dyn ProcessGroup) -> Result<()> {
+        let made = *self.groups_made.lock().unwrap_or_else(|e| e.into_inner());
+        let most = all_reduce_values(group, &[made as f64], ReduceOp::Max)?[0] as usize;
+        let mut made = self.groups_made.lock().unwrap_or_else(|e| e.into_inner());
+        *made = (*made).max(most);
+        Ok(())
+    }
+
     /// The group of all ranks.
     pub fn world(&self) -> Result<Box<dyn ProcessGroup>> {
+        self.world_waiting(self.timeout)
+    }
+
+    /// The group of all ranks, its collectives waiting up to `timeout` (a group that must
+    /// outlast the timeouts of the others, as an agreement after they failed does).
+    pub fn world_waiting(&self, timeout: Duration) -> Result<Box<dyn ProcessGroup>> {
         let all: Vec<usize> = (0..self.size).collect();
-        self.new_group(&all)?.ok_or_else(|| Error::Comm("this rank is not in the world".into()))
+        self.make_group(&all, &self.spec, timeout)?.ok_or_else(|| Error::Comm("this rank is not in the world".into()))
     }
 
     /// A group of the given global ranks (in that order). Every rank of the job must call
@@ -593,6 +616,10 @@ impl Comm {
 
     /// As [`Comm::new_group`], with backends chosen by `spec` instead of the job's.
     pub fn new_group_with(&self, ranks: &[usize], spec: &str) -> Result<Option<Box<dyn ProcessGroup>>> {
+        self.make_group(ranks, spec, self.timeout)
+    }
+
+    fn make_group(&self, ranks: &[usize], spec: &str, timeout: Duration) -> Result<Option<Box<dyn ProcessGroup>>> {
         let mut made = self.groups_made.lock().unwrap_or_else(|e| e.into_inner());
         *made += 1;
         let id = *made;
@@ -615,12 +642,12 @@ impl Comm {
                 size: ranks.len(),
                 ranks: ranks.to_vec(),
                 world_size: self.size,
-                timeout: self.timeout,
+                timeout,
             };
             let mut group = factory(&backend)?(&setup)?;
             // The built-in ring backends move host memory: GPU tensors go through it.
             if device == "cuda" && matches!(backend.as_str(), "shm" | "tcp" | "mpi") {
-                group = Box::new(staged::HostStaged::new(group, self.timeout));
+                group = Box::new(staged::HostStaged::new(group, timeout));
             }
             by_device.push((device, group));
         }

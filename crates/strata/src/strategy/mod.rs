@@ -659,6 +659,29 @@ impl Strategy {
     /// This strategy with the units named `units` kept whole by its sharding method (added
     /// to `atorch_ignored_cls`, FSDP's `ignored_modules`): replicated, their gradients
     /// all-reduced whole.
+    /// The strategy for one pipeline stage (`stage`, a part of `whole`): the units
+    /// `checkpoint` recomputes and the sharding method ignores are checked against the
+    /// whole model, and keep only the kinds and names the stage has (an empty list selects
+    /// none of its units).
+    pub fn for_stage(&self, whole: &ModelSpec, stage: &ModelSpec) -> Result<Strategy> {
+        let mut out = self.clone();
+        let keep = |list: &mut Vec<String>, field: &str| -> Result<()> {
+            select_units(whole, list, field)?;
+            list.retain(|name| stage.units.iter().any(|u| u.kind() == name || u.name == *name));
+            Ok(())
+        };
+        for m in &mut out.methods {
+            match m {
+                Method::Checkpoint(c) => keep(&mut c.wrap_class, "checkpoint")?,
+                Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => {
+                    keep(&mut c.atorch_ignored_cls, "atorch_ignored_cls")?
+                }
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
     pub fn with_ignored_units(&self, units: &[String]) -> Strategy {
         let mut out = self.clone();
         for m in &mut out.methods {
@@ -677,6 +700,25 @@ impl Strategy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stage keeps the units of the lists it has; names are checked against the whole
+    /// model, so a stage without blocks is not refused for recomputing them.
+    #[test]
+    fn a_stage_s_strategy_keeps_its_own_units_of_the_lists() {
+        let model = crate::model::ModelConfig::Gpt(crate::model::GptConfig::new(64, 16, 2, 2, 16));
+        let whole = model.spec().unwrap();
+        let text = r#"[["checkpoint", ["GptBlock"]], ["fsdp", {"atorch_ignored_cls": ["GptHead"]}]]"#;
+        let strategy = Strategy::from_value(&serde_json::from_str(text).unwrap()).unwrap();
+        let first = model.spec().unwrap().stage(0, 1).unwrap();
+        let staged = strategy.for_stage(&whole, &first).unwrap();
+        assert!(staged.checkpoint().unwrap().wrap_class.is_empty());
+        let (_, fsdp) = staged.sharding().unwrap();
+        assert!(fsdp.atorch_ignored_cls.is_empty());
+        let blocks = model.spec().unwrap().stage(1, 3).unwrap();
+        assert_eq!(strategy.for_stage(&whole, &blocks).unwrap().checkpoint().unwrap().wrap_class, ["GptBlock"]);
+        let unknown = Strategy::from_value(&serde_json::json!([["checkpoint", ["Nope"]]])).unwrap();
+        assert!(unknown.for_stage(&whole, &first).is_err(), "a name no unit of the model has");
+    }
 
     #[test]
     fn list_forms_parse_and_round_trip() {

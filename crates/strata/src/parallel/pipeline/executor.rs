@@ -331,10 +331,10 @@ impl PipelineTrainer {
                 .filter(|u| u.params.iter().chain(&u.borrowed).any(|id| tied_across_ranks.contains(id)))
                 .map(|u| u.name.clone())
                 .collect();
-            let strategy = if frees_whole_grads && !holding_ties.is_empty() {
-                setup.strategy.with_ignored_units(&holding_ties)
-            } else {
-                setup.strategy.clone()
+            let strategy = setup.strategy.for_stage(&whole, &spec)?;
+            let strategy = match frees_whole_grads && !holding_ties.is_empty() {
+                true => strategy.with_ignored_units(&holding_ties),
+                false => strategy,
             };
             let placement = crate::parallel::RankLayout {
                 comm: setup.comm,
