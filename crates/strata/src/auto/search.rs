@@ -486,61 +486,66 @@ impl<'m> Search<'m> {
         let value = |dimension: usize, l: &Layout| coordinates(l)[dimension];
         let keeps =
             |kept: &[usize], a: &Layout, b: &Layout| kept.iter().all(|&k| coordinates(a)[k] == coordinates(b)[k]);
-        for _pass in 0..2 {
-            let before = current;
-            for (dimension, kept) in dimensions {
-                let mut seeds = self.precision_leaders();
-                if seeds.is_empty() {
-                    seeds.push(current);
-                }
-                for seed in seeds {
-                    let here = self.cands[seed];
-                    // A seed over the budget also gets its own value's next option.
-                    let here_fits = !self.over_budget(seed);
-                    let distance = |l: &Layout| {
-                        let (c, h) = (&l.candidate, &here.candidate);
-                        (
-                            c.offload != h.offload,
-                            c.checkpoint != h.checkpoint,
-                            l.pipeline != here.pipeline,
-                            c.tensor != h.tensor,
-                            c.sharding != h.sharding,
-                            cost(l),
-                        )
-                    };
-                    let mut options: Vec<usize> = (0..self.trials.len())
-                        // Within the estimate's margin (the rest is pruned): a layout
-                        // predicted a little over the budget may well fit.
-                        .filter(|&i| !matches!(self.trials[i].outcome, Outcome::Pruned { .. }))
-                        .filter(|&i| {
-                            let c = &self.cands[i];
-                            i != seed
-                                && keeps(kept, &here, c)
-                                && !(dimension == CHECKPOINT && c.candidate.checkpoint)
-                                && !(dimension == OFFLOAD && c.candidate.offload)
-                                && (value(dimension, c) != value(dimension, &here) || !here_fits)
-                        })
-                        .collect();
-                    options.sort_by_key(|&i| distance(&self.cands[i]));
-                    // Per value, the closest option; when it turns out not to fit, the next.
-                    let mut settled: Vec<u8> = Vec::new();
-                    for i in options {
-                        let v = value(dimension, &self.cands[i]);
-                        if settled.contains(&v) {
-                            continue;
-                        }
-                        if self.dry_runs >= cap || self.stopped_by_time_limit {
-                            break;
-                        }
-                        if self.measure(i)?.is_some() || !self.over_budget(i) {
-                            settled.push(v);
+        // First the options predicted to fit; then, under a budget and with dry runs to
+        // spare, those predicted within the estimate's margin over it (the rest is pruned),
+        // which may fit.
+        let tiers = if self.limits.budget.is_some() { &[false, true][..] } else { &[false][..] };
+        for &within_margin in tiers {
+            for _pass in 0..2 {
+                let before = current;
+                for (dimension, kept) in dimensions {
+                    let mut seeds = self.precision_leaders();
+                    if seeds.is_empty() {
+                        seeds.push(current);
+                    }
+                    for seed in seeds {
+                        let here = self.cands[seed];
+                        // A seed over the budget also gets its own value's next option.
+                        let here_fits = !self.over_budget(seed);
+                        let distance = |l: &Layout| {
+                            let (c, h) = (&l.candidate, &here.candidate);
+                            (
+                                c.offload != h.offload,
+                                c.checkpoint != h.checkpoint,
+                                l.pipeline != here.pipeline,
+                                c.tensor != h.tensor,
+                                c.sharding != h.sharding,
+                                cost(l),
+                            )
+                        };
+                        let mut options: Vec<usize> = (0..self.trials.len())
+                            .filter(|&i| !matches!(self.trials[i].outcome, Outcome::Pruned { .. }))
+                            .filter(|&i| within_margin || self.predicted_fit(i))
+                            .filter(|&i| {
+                                let c = &self.cands[i];
+                                i != seed
+                                    && keeps(kept, &here, c)
+                                    && !(dimension == CHECKPOINT && c.candidate.checkpoint)
+                                    && !(dimension == OFFLOAD && c.candidate.offload)
+                                    && (value(dimension, c) != value(dimension, &here) || !here_fits)
+                            })
+                            .collect();
+                        options.sort_by_key(|&i| distance(&self.cands[i]));
+                        // Per value, the closest option; when it turns out not to fit, the next.
+                        let mut settled: Vec<u8> = Vec::new();
+                        for i in options {
+                            let v = value(dimension, &self.cands[i]);
+                            if settled.contains(&v) {
+                                continue;
+                            }
+                            if self.dry_runs >= cap || self.stopped_by_time_limit {
+                                break;
+                            }
+                            if self.measure(i)?.is_some() || !self.over_budget(i) {
+                                settled.push(v);
+                            }
                         }
                     }
+                    current = self.best().unwrap_or(current);
                 }
-                current = self.best().unwrap_or(current);
-            }
-            if current == before || self.dry_runs >= cap || self.stopped_by_time_limit {
-                break;
+                if current == before || self.dry_runs >= cap || self.stopped_by_time_limit {
+                    break;
+                }
             }
         }
         self.confirm_finalists()?;
