@@ -526,29 +526,17 @@ fn a_registered_backend_serves_the_groups_of_specs_that_name_it() {
 /// (without the alignment each rank would wait under its own name until the timeout).
 #[test]
 fn aligned_group_counts_let_ranks_that_made_different_numbers_of_groups_meet_again() {
-    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "align").unwrap();
-    let addr = server.addr();
-    let mut server = Some(server);
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let hosted = if rank == 0 { server.take() } else { None };
-            std::thread::spawn(move || {
-                let store = Store::connect(addr, "align", Duration::from_secs(10)).unwrap();
-                let comm = Comm::new(store, hosted, rank, 2, "cpu:tcp", Duration::from_secs(5)).unwrap();
-                let world = comm.world().unwrap();
-                if rank == 0 {
-                    // A group the other rank never got to make.
-                    assert!(comm.new_group(&[0]).unwrap().is_some());
-                }
-                comm.align_groups(world.as_ref()).unwrap();
-                let pair = comm.new_group(&[0, 1]).unwrap().unwrap();
-                let t = Tensor::ones([3], (Kind::Float, Device::Cpu));
-                pair.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
-                Vec::<f32>::try_from(&t).unwrap()
-            })
-        })
-        .collect();
-    for h in handles {
-        assert_eq!(h.join().unwrap(), [2.0; 3]);
-    }
+    let sums = common::ranks::threads(2, Duration::from_secs(5), |rank, comm| {
+        let world = comm.world().unwrap();
+        if rank == 0 {
+            // A group the other rank never got to make.
+            assert!(comm.new_group(&[0]).unwrap().is_some());
+        }
+        comm.align_groups(world.as_ref()).unwrap();
+        let pair = comm.new_group(&[0, 1]).unwrap().unwrap();
+        let t = Tensor::ones([3], (Kind::Float, Device::Cpu));
+        pair.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
+        Vec::<f32>::try_from(&t).unwrap()
+    });
+    assert_eq!(sums, [[2.0; 3], [2.0; 3]]);
 }

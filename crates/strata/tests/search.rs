@@ -2,6 +2,8 @@
 //! count, the time limit, the memory rules and agreement across ranks. Nothing here is timed:
 //! a table gives each candidate's speed, peak and seconds, and the clock is the sum of the
 //! seconds of the dry runs so far. Real measurements belong to `strata bench search`.
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +12,7 @@ use strata::auto::candidate::{candidates, capability, Candidate, Layout, Precisi
 use strata::auto::cost::{Analysis, JobShape, Predictor};
 use strata::auto::estimate;
 use strata::auto::search::{agree_outcome, Measure, Outcome, Search, SearchLimits, SearchMode, SearchReport};
-use strata::comm::{Comm, ProcessGroup, Store, StoreServer};
+use strata::comm::ProcessGroup;
 use strata::model::{GptConfig, ModelConfig, ModelSpec};
 use strata::strategy::Strategy;
 use strata::Error;
@@ -364,25 +366,13 @@ fn the_time_limit_is_checked_before_every_dry_run_re_measurements_included() {
 /// Two ranks (threads with a TCP mesh of their own) search the same table; rank 1 fails on
 /// its own at its `fail_at`-th dry run.
 fn two_ranks(fail_at: usize) -> Vec<(SearchReport, Vec<String>)> {
-    let token = "search-test";
-    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
-    let addr = server.addr();
-    let mut server = Some(server);
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let hosted = if rank == 0 { server.take() } else { None };
-            std::thread::spawn(move || {
-                let store = Store::connect(addr, token, Duration::from_secs(30)).unwrap();
-                let comm = Comm::new(store, hosted, rank, 2, "cpu:tcp", Duration::from_secs(30)).unwrap();
-                let mut table = Table::new(&trap);
-                table.group = Some(Arc::from(comm.world().unwrap()));
-                table.fail_at = (rank == 1).then_some(fail_at);
-                let report = run(&mut table, limits(2, None, None), SearchMode::Guided);
-                (report, table.runs)
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    common::ranks::threads(2, Duration::from_secs(30), move |rank, comm| {
+        let mut table = Table::new(&trap);
+        table.group = Some(Arc::from(comm.world().unwrap()));
+        table.fail_at = (rank == 1).then_some(fail_at);
+        let report = run(&mut table, limits(2, None, None), SearchMode::Guided);
+        (report, table.runs)
+    })
 }
 
 #[test]

@@ -82,3 +82,29 @@ pub fn connect() -> Comm {
     let spec = if backend.contains(':') { backend } else { format!("cpu:{backend}") };
     Comm::new(store, None, rank, size, &spec, Duration::from_secs(20)).unwrap()
 }
+
+/// Runs `work` on `n` ranks as threads of this process, each with a communicator over TCP
+/// (a store of their own on loopback, collectives waiting up to `timeout`); its results, in
+/// rank order.
+pub fn threads<T: Send + 'static>(
+    n: usize,
+    timeout: Duration,
+    work: impl Fn(usize, Comm) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let token = "threads";
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
+    let addr = server.addr();
+    let mut server = Some(server);
+    let work = std::sync::Arc::new(work);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let hosted = if rank == 0 { server.take() } else { None };
+            let work = work.clone();
+            std::thread::spawn(move || {
+                let store = Store::connect(addr, token, Duration::from_secs(30)).unwrap();
+                work(rank, Comm::new(store, hosted, rank, n, "cpu:tcp", timeout).unwrap())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
