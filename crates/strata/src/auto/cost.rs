@@ -27,7 +27,7 @@ pub struct Analysis {
     pub unit_activation_bytes: Vec<u64>,
     /// Bytes of each unit's output.
     pub unit_output_bytes: Vec<u64>,
-    /// Tokens of the micro-batch profiled.
+    /// Tokens of the micro-batch profiled (its input's positions: rows × length).
     pub profiled_tokens: u64,
     /// Seconds of one fp32 forward and backward of one micro-batch.
     pub step_seconds: f64,
