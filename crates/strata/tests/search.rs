@@ -90,6 +90,7 @@ fn analysis() -> Analysis {
         unit_params: spec.units.iter().map(|u| u.params.iter().map(|id| spec.params[id.0].numel()).sum()).collect(),
         unit_activation_bytes: kept.iter().map(|k| (4.0 * tokens * (k.values + 32.0 * k.scores)) as u64).collect(),
         unit_output_bytes: kept.iter().map(|k| (4.0 * tokens * k.output) as u64).collect(),
+        profiled_rows: 4,
         profiled_tokens: tokens as u64,
         step_seconds: 0.1,
         ledger_peak_bytes: 0,

@@ -393,6 +393,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         unit_params,
         unit_activation_bytes: pairs.chunks(2).map(|k| k[0] as u64).collect(),
         unit_output_bytes: pairs.chunks(2).map(|k| k[1] as u64).collect(),
+        profiled_rows: batch.inputs.size().first().copied().unwrap_or(1).max(1) as u64,
         profiled_tokens: batch.inputs.numel() as u64,
         step_seconds: totals[0],
         ledger_peak_bytes: totals[1] as u64,

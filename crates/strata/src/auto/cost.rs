@@ -27,7 +27,9 @@ pub struct Analysis {
     pub unit_activation_bytes: Vec<u64>,
     /// Bytes of each unit's output.
     pub unit_output_bytes: Vec<u64>,
-    /// Tokens of the micro-batch profiled (its input's positions: rows × length).
+    /// Rows of the micro-batch profiled, and its tokens (its input's positions: rows ×
+    /// their padded length, which may be shorter than the run's context).
+    pub profiled_rows: u64,
     pub profiled_tokens: u64,
     /// Seconds of one fp32 forward and backward of one micro-batch.
     pub step_seconds: f64,
@@ -77,8 +79,8 @@ pub fn measured_kept(spec: &ModelSpec, a: &Analysis) -> Result<Vec<Kept>> {
 }
 
 /// The job as the predictions see it: ranks, the rows of a step over all of them, the
-/// micro-batches each step is split into, their length, and the optimizer's state bytes
-/// per trained element.
+/// micro-batches each step is split into, the positions of a row, and the optimizer's state
+/// bytes per trained element.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct JobShape {
     pub world: usize,

@@ -467,7 +467,9 @@ fn predictor(job: &AutoAccelerate<'_>, b: &Bench<'_>, analysis: &Analysis) -> Re
         world,
         batch_size: a.batch_size,
         accumulation: a.accumulation.max(1),
-        ctx: a.ctx as i64,
+        // Rows as long as the profiled ones (a run's rows may be padded short of its
+        // context).
+        ctx: (analysis.profiled_tokens / analysis.profiled_rows.max(1)).max(1) as i64,
         optimizer_state_bytes: job.optim.state_bytes_per_element(),
     };
     let device = match job.engine.device {

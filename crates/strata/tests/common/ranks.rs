@@ -86,6 +86,7 @@ pub fn connect() -> Comm {
 /// Runs `work` on `n` ranks as threads of this process, each with a communicator over TCP
 /// (a store of their own on loopback, collectives waiting up to `timeout`); its results, in
 /// rank order.
+#[allow(dead_code)] // test binaries that include this file alone may not use it
 pub fn threads<T: Send + 'static>(
     n: usize,
     timeout: Duration,
