@@ -472,7 +472,9 @@ fn training_steps_reuse_freed_heap_memory_unless_the_user_tunes_malloc() {
     let kept = per_step(&[]);
     let tuned = per_step(&[("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")]);
     eprintln!("page faults per step: {kept} with the binary's malloc setting, {tuned} under the user's tunables");
-    assert!(kept < 100.0, "steps reuse freed memory: {kept} page faults a step");
+    // The difference of two runs' faults varies by a hundred or so a step on a busy machine
+    // (-60 to 134 seen); a malloc that returns activations to the system faults 12,000.
+    assert!(kept < 1000.0, "steps reuse freed memory: {kept} page faults a step");
     assert!(tuned > 1000.0, "the user's malloc tunables win: {tuned} page faults a step");
 }
 
