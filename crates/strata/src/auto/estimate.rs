@@ -542,23 +542,16 @@ pub fn estimate_with(
             // The optimizer's states and masters move to the host; beside fsdp and alone,
             // the parameters and gradients too, the device keeping the units at work.
             host.optimizer = std::mem::take(&mut device.optimizer);
-            let working = 2 * largest * pb;
-            match c.sharding {
-                // Beside fsdp the shards move: the gathered units and the whole gradients a
-                // backward adds to stay.
-                Sharding::Fsdp if sharded => {
-                    host.params = device.params.saturating_sub(working);
-                    device.params = working.min(device.params);
-                    host.grads = device.grads.saturating_sub(whole_grads);
-                    device.grads = whole_grads.min(device.grads);
-                }
-                Sharding::Fsdp | Sharding::None => {
-                    host.params = device.params.saturating_sub(working);
-                    device.params = working.min(device.params);
-                    host.grads = device.grads.saturating_sub(working);
-                    device.grads = working.min(device.grads);
-                }
-                Sharding::Zero1 | Sharding::Zero2 => {}
+            if c.sharding == Sharding::Fsdp || c.sharding == Sharding::None {
+                // The device keeps the units at work: two units' parameters, and the
+                // gradients a backward adds to (beside sharded fsdp, the whole ones; else two
+                // units').
+                let working = 2 * largest * pb;
+                let grads_kept = if sharded { whole_grads } else { working };
+                host.params = device.params.saturating_sub(working);
+                device.params = working.min(device.params);
+                host.grads = device.grads.saturating_sub(grads_kept);
+                device.grads = grads_kept.min(device.grads);
             }
             if c.sharding == Sharding::None {
                 // The copies in flight to the device: two units ahead (offload's prefetch).
