@@ -372,7 +372,10 @@ extern "C" __global__ void add_norm_backward(const TY* gy, const TS* gs, const T
 // 64 × 64 tiles of 256 threads, each thread taking 4 consecutive elements of 4 rows, written
 // row-major and, where `qt` is given, transposed through shared memory (4 bytes per access
 // in whole tiles), with |x|'s maximum taken into `amax` (NaN ignored) in the same pass. The
-// scale is read from `scale_at` where given (computed on the device, current scaling).
+// scale is read from `scale_at` where given (computed on the device, current scaling), or
+// per row from `row_scale` for the row-major copy and per column from `col_scale` for the
+// transpose (rowwise scaling: each copy scaled along the dimension its product sums over).
+// `row_col_amax` takes each row's and each column's maximum in one read, for those scales.
 const char* kFp8Cast = R"(
 __device__ __forceinline__ unsigned int to_fp8(float v, int e5m2) {
   unsigned short pair;
@@ -381,41 +384,58 @@ __device__ __forceinline__ unsigned int to_fp8(float v, int e5m2) {
   return pair & 0xffu;
 }
 
+// Non-negative floats order as their bit patterns do.
+__device__ __forceinline__ void atomic_max_of_magnitudes(float* at, float v) { atomicMax((int*)at, __float_as_int(v)); }
+
+// The tile's element (r0 + ty + 16k, c0 + 4tx + e) of a thread, or `whole` tiles' 4 at once.
+#define TILE_SETUP                                                                                  \
+  const i64 r0 = (i64)blockIdx.y * 64, c0 = (i64)blockIdx.x * 64;                                   \
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;                                           \
+  const bool whole = r0 + 64 <= rows && c0 + 64 <= cols && (cols & 3) == 0 && (rows & 3) == 0;
+
+// Four elements of row `r` from column `c`, zero where outside the tensor.
+__device__ __forceinline__ void load4(const TX* x, i64 r, i64 c, i64 rows, i64 cols, bool whole, float* v) {
+  if (whole) {
+    const Pack<TX, 4> a = *(const Pack<TX, 4>*)(x + r * cols + c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = to_f(a.v[e]);
+  } else {
+    for (int e = 0; e < 4; ++e) v[e] = r < rows && c + e < cols ? to_f(x[r * cols + c + e]) : 0.f;
+  }
+}
+
 extern "C" __global__ void fp8_cast_transpose(const TX* x, float given_scale, const float* scale_at,
-                                              unsigned char* q, unsigned char* qt, float* amax, i64 rows,
-                                              i64 cols, int e5m2) {
+                                              const float* row_scale, const float* col_scale, unsigned char* q,
+                                              unsigned char* qt, float* amax, i64 rows, i64 cols, int e5m2) {
   __shared__ unsigned int tile[64][17];
   const float scale = scale_at ? *scale_at : given_scale;
-  const i64 r0 = (i64)blockIdx.y * 64, c0 = (i64)blockIdx.x * 64;
-  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-  // A whole tile with 4-aligned rows and columns takes the packed accesses.
-  const bool whole = r0 + 64 <= rows && c0 + 64 <= cols && (cols & 3) == 0 && (rows & 3) == 0;
+  TILE_SETUP
+  float column[4] = {scale, scale, scale, scale};
+  if (col_scale) {
+    for (int e = 0; e < 4; ++e) column[e] = c0 + 4 * tx + e < cols ? col_scale[c0 + 4 * tx + e] : 0.f;
+  }
   float m = 0.f;
   for (int k = 0; k < 4; ++k) {
     const int lr = ty + 16 * k;
     const i64 r = r0 + lr, c = c0 + 4 * tx;
-    unsigned int packed = 0;
-    if (whole) {
-      const Pack<TX, 4> a = *(const Pack<TX, 4>*)(x + r * cols + c);
+    const float s = row_scale && r < rows ? row_scale[r] : scale;
+    float v[4];
+    load4(x, r, c, rows, cols, whole, v);
+    unsigned int packed = 0, packed_t = 0;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float v = to_f(a.v[e]);
-        m = fmaxf(m, fabsf(v));
-        packed |= to_fp8(v * scale, e5m2) << (8 * e);
-      }
+    for (int e = 0; e < 4; ++e) {
+      m = fmaxf(m, fabsf(v[e]));
+      packed |= to_fp8(v[e] * s, e5m2) << (8 * e);
+      if (col_scale) packed_t |= to_fp8(v[e] * column[e], e5m2) << (8 * e);
+    }
+    if (whole) {
       *(unsigned int*)(q + r * cols + c) = packed;
     } else {
       for (int e = 0; e < 4; ++e) {
-        if (r < rows && c + e < cols) {
-          const float v = to_f(x[r * cols + c + e]);
-          m = fmaxf(m, fabsf(v));
-          const unsigned int b = to_fp8(v * scale, e5m2);
-          packed |= b << (8 * e);
-          q[r * cols + c + e] = (unsigned char)b;
-        }
+        if (r < rows && c + e < cols) q[r * cols + c + e] = (unsigned char)(packed >> (8 * e));
       }
     }
-    tile[lr][tx] = packed;
+    tile[lr][tx] = col_scale ? packed_t : packed;
   }
   if (qt) {
     __syncthreads();
@@ -435,8 +455,39 @@ extern "C" __global__ void fp8_cast_transpose(const TX* x, float given_scale, co
     }
   }
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  // Non-negative floats order as their bit patterns do.
-  if ((threadIdx.x & 31) == 0) atomicMax((int*)amax, __float_as_int(m));
+  if ((threadIdx.x & 31) == 0) atomic_max_of_magnitudes(amax, m);
+}
+
+// Each row's and each column's largest magnitude (NaN ignored) into `row_amax` and
+// `col_amax`, which start at zero, over the same tiles.
+extern "C" __global__ void row_col_amax(const TX* x, float* row_amax, float* col_amax, i64 rows, i64 cols) {
+  __shared__ float tile_columns[64];
+  TILE_SETUP
+  if (threadIdx.x < 64) tile_columns[threadIdx.x] = 0.f;
+  __syncthreads();
+  float column[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int k = 0; k < 4; ++k) {
+    const i64 r = r0 + ty + 16 * k;
+    float v[4];
+    load4(x, r, c0 + 4 * tx, rows, cols, whole, v);
+    float row = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      row = fmaxf(row, fabsf(v[e]));
+      column[e] = fmaxf(column[e], fabsf(v[e]));
+    }
+    // A row's 16 threads are one half of a warp.
+    for (int o = 8; o > 0; o >>= 1) row = fmaxf(row, __shfl_xor_sync(0xffffffffu, row, o));
+    if (tx == 0 && r < rows) atomic_max_of_magnitudes(row_amax + r, row);
+  }
+  // The warp's two halves hold the same columns.
+#pragma unroll
+  for (int e = 0; e < 4; ++e) column[e] = fmaxf(column[e], __shfl_xor_sync(0xffffffffu, column[e], 16));
+  if ((threadIdx.x & 31) < 16) {
+    for (int e = 0; e < 4; ++e) atomic_max_of_magnitudes(&tile_columns[4 * tx + e], column[e]);
+  }
+  __syncthreads();
+  if (threadIdx.x < 64 && c0 + threadIdx.x < cols) atomic_max_of_magnitudes(col_amax + c0 + threadIdx.x, tile_columns[threadIdx.x]);
 }
 )";
 
@@ -820,30 +871,62 @@ bool on_gpu(const Tensor& t) { return t.defined() && t.is_cuda() && served_dtype
 
 }  // namespace
 
-std::optional<Fp8Cast> fp8_cast(const Tensor& x, double scale, const Tensor* scale_at, bool e5m2,
-                                bool transposed) {
+namespace {
+
+// A grid of 64 × 64 tiles over `x`, for the fp8 kernels.
+dim3 fp8_tiles(const Tensor& x) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK((rows + 63) / 64 <= 65535, "fp8 cast: too many rows for one grid (", rows, ")");
+  return dim3(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
+}
+
+// Whether `v` is one float per element of `n` on `x`'s GPU.
+bool floats_for(const Tensor& v, const Tensor& x, int64_t n) {
+  return v.device() == x.device() && v.scalar_type() == at::kFloat && v.is_contiguous() && v.numel() == n;
+}
+
+}  // namespace
+
+std::optional<Fp8Cast> fp8_cast(const Tensor& x, const Fp8Scales& scales, bool e5m2, bool transposed) {
   if (!on_gpu(x) || x.dim() != 2 || !x.is_contiguous()) return std::nullopt;
-  if (scale_at != nullptr) {
-    TORCH_CHECK(scale_at->device() == x.device() && scale_at->scalar_type() == at::kFloat && scale_at->numel() == 1,
-                "fp8 cast: a device scale must be one float on the tensor's GPU");
+  int64_t rows = x.size(0), cols = x.size(1);
+  if (scales.at != nullptr) {
+    TORCH_CHECK(floats_for(*scales.at, x, 1), "fp8 cast: a device scale must be one float on the tensor's GPU");
+  }
+  TORCH_CHECK((scales.rows == nullptr) == (scales.cols == nullptr), "fp8 cast: row scales come with column scales");
+  if (scales.rows != nullptr) {
+    TORCH_CHECK(floats_for(*scales.rows, x, rows) && floats_for(*scales.cols, x, cols),
+                "fp8 cast: rowwise scales must be one float per row and per column on the tensor's GPU");
   }
   c10::cuda::CUDAGuard guard(x.device());
-  int64_t rows = x.size(0), cols = x.size(1);
   auto kind = x.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
   Tensor q = at::empty({rows, cols}, kind);
   Tensor qt = transposed ? at::empty({cols, rows}, kind) : Tensor();
   Tensor amax = at::zeros({}, x.options().dtype(at::kFloat));
   if (x.numel() > 0) {
-    TORCH_CHECK((rows + 63) / 64 <= 65535, "fp8 cast: too many rows for one grid (", rows, ")");
-    float scalef = static_cast<float>(scale);
+    float scalef = static_cast<float>(scales.given);
     int e5m2_flag = e5m2;
     void *xp = x.data_ptr(), *qp = q.data_ptr(), *qtp = transposed ? qt.data_ptr() : nullptr, *ap = amax.data_ptr();
-    void* sp = scale_at != nullptr ? scale_at->data_ptr() : nullptr;
-    launch(kernel(kFp8Cast, {{"TX", x.scalar_type()}}, "fp8_cast_transpose"),
-           dim3(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64)), dim3(256),
-           {&xp, &scalef, &sp, &qp, &qtp, &ap, &rows, &cols, &e5m2_flag});
+    auto pointer = [](const Tensor* t) { return t != nullptr ? t->data_ptr() : nullptr; };
+    void *sp = pointer(scales.at), *rp = pointer(scales.rows), *cp = pointer(scales.cols);
+    launch(kernel(kFp8Cast, {{"TX", x.scalar_type()}}, "fp8_cast_transpose"), fp8_tiles(x), dim3(256),
+           {&xp, &scalef, &sp, &rp, &cp, &qp, &qtp, &ap, &rows, &cols, &e5m2_flag});
   }
   return Fp8Cast{q, qt, amax};
+}
+
+std::optional<std::pair<Tensor, Tensor>> row_col_amax(const Tensor& x) {
+  if (!on_gpu(x) || x.dim() != 2 || !x.is_contiguous()) return std::nullopt;
+  c10::cuda::CUDAGuard guard(x.device());
+  int64_t rows = x.size(0), cols = x.size(1);
+  auto floats = x.options().dtype(at::kFloat);
+  Tensor row_amax = at::zeros({rows}, floats), col_amax = at::zeros({cols}, floats);
+  if (x.numel() > 0) {
+    void *xp = x.data_ptr(), *rp = row_amax.data_ptr(), *cp = col_amax.data_ptr();
+    launch(kernel(kFp8Cast, {{"TX", x.scalar_type()}}, "row_col_amax"), fp8_tiles(x), dim3(256),
+           {&xp, &rp, &cp, &rows, &cols});
+  }
+  return std::make_pair(row_amax, col_amax);
 }
 
 std::optional<Tensor> gelu_tanh(const Tensor& x) {

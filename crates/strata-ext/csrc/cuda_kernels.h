@@ -50,10 +50,23 @@ struct Fp8Cast {
   at::Tensor q, qt, amax;
 };
 
+// The scales of an fp8 cast: `given`, or the one float `at` points to on the device where
+// given (current scaling), or per row (`rows`, for the row-major copy) and per column
+// (`cols`, for the transpose) where both are given (rowwise scaling).
+struct Fp8Scales {
+  double given = 1.0;
+  const at::Tensor* at = nullptr;
+  const at::Tensor* rows = nullptr;
+  const at::Tensor* cols = nullptr;
+};
+
 // `x · scale` saturated and cast to E4M3 (E5M2 where `e5m2`), for a contiguous 2-D `x`,
 // in one pass that also writes the transpose where `transposed` and takes the amax.
-std::optional<Fp8Cast> fp8_cast(const at::Tensor& x, double scale, const at::Tensor* scale_at, bool e5m2,
-                                bool transposed);
+std::optional<Fp8Cast> fp8_cast(const at::Tensor& x, const Fp8Scales& scales, bool e5m2, bool transposed);
+
+// Each row's and each column's largest magnitude of a contiguous 2-D `x` (NaN ignored), as
+// floats on the device, in one pass.
+std::optional<std::pair<at::Tensor, at::Tensor>> row_col_amax(const at::Tensor& x);
 
 // The weight and bias gradients of a linear layer `y = x·wᵀ + b` from the output's gradient:
 // `dw (+)= gᵀ·x` for 2-D `g` `[rows, out]` and `x` `[rows, in]` of one dtype, written into

@@ -1575,17 +1575,33 @@ int strata_add_norm(const Tensor* x, const Tensor* r, const Tensor* weight, cons
   });
 }
 
-// An fp8 cast of `x` (see cuda_kernels.h); all three outputs null where not served, `*qt`
-// null where not asked for.
-int strata_fp8_cast(const Tensor* x, double scale, const Tensor* scale_at, int e5m2, int transposed,
-                    Tensor** q, Tensor** qt, Tensor** amax) {
+// An fp8 cast of `x` (see cuda_kernels.h), scaled by `scale`, or by `scale_at` where not
+// null, or by `row_scale` and `col_scale` where not null; all three outputs null where not
+// served, `*qt` null where not asked for.
+int strata_fp8_cast(const Tensor* x, double scale, const Tensor* scale_at, const Tensor* row_scale,
+                    const Tensor* col_scale, int e5m2, int transposed, Tensor** q, Tensor** qt, Tensor** amax) {
   return guarded([&] {
     *q = *qt = *amax = nullptr;
 #ifdef STRATA_CUDA
-    if (auto cast = strata_cuda::fp8_cast(*x, scale, scale_at, e5m2 != 0, transposed != 0)) {
+    const strata_cuda::Fp8Scales scales{scale, scale_at, row_scale, col_scale};
+    if (auto cast = strata_cuda::fp8_cast(*x, scales, e5m2 != 0, transposed != 0)) {
       *q = new Tensor(std::move(cast->q));
       *qt = cast->qt.defined() ? new Tensor(std::move(cast->qt)) : nullptr;
       *amax = new Tensor(std::move(cast->amax));
+    }
+#endif
+  });
+}
+
+// Each row's and column's largest magnitude of `x` (see cuda_kernels.h); both null where
+// not served.
+int strata_row_col_amax(const Tensor* x, Tensor** rows, Tensor** cols) {
+  return guarded([&] {
+    *rows = *cols = nullptr;
+#ifdef STRATA_CUDA
+    if (auto amax = strata_cuda::row_col_amax(*x)) {
+      *rows = new Tensor(std::move(amax->first));
+      *cols = new Tensor(std::move(amax->second));
     }
 #endif
   });

@@ -99,12 +99,15 @@ extern "C" {
         x: *const C_tensor,
         scale: f64,
         scale_at: *const C_tensor,
+        row_scale: *const C_tensor,
+        col_scale: *const C_tensor,
         e5m2: c_int,
         transposed: c_int,
         q: *mut TensorPtr,
         qt: *mut TensorPtr,
         amax: *mut TensorPtr,
     ) -> c_int;
+    fn strata_row_col_amax(x: *const C_tensor, rows: *mut TensorPtr, cols: *mut TensorPtr) -> c_int;
     fn strata_linear_weight_grad(
         g: *const C_tensor,
         x: *const C_tensor,
@@ -604,7 +607,8 @@ extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
 pub mod kernels {
     use super::{
         check, optional_ptr, scalar_type, strata_add_norm, strata_cross_entropy, strata_fp8_cast, strata_gelu_tanh,
-        strata_linear_weight_grad, strata_rms_norm, strata_rotary, strata_swiglu, Result, TensorPtr,
+        strata_linear_weight_grad, strata_rms_norm, strata_rotary, strata_row_col_amax, strata_swiglu, Result,
+        TensorPtr,
     };
     use tch::Tensor;
 
@@ -659,24 +663,43 @@ pub mod kernels {
         served(|out| unsafe { strata_cross_entropy(logits.as_ptr(), targets.as_ptr(), ignore, out) })
     }
 
+    /// The scale an fp8 cast multiplies by.
+    #[derive(Clone, Copy)]
+    pub enum Fp8Scale<'a> {
+        /// One scale for the tensor, known on the host.
+        Given(f64),
+        /// One scale for the tensor, the one float this tensor holds on `x`'s GPU (computed
+        /// there: nothing is read on the host).
+        At(&'a Tensor),
+        /// One scale per row for the row-major copy and one per column for the transpose
+        /// (floats on `x`'s GPU, `[rows]` and `[cols]`): each copy scaled along the
+        /// dimension its product sums over.
+        Rowwise { rows: &'a Tensor, cols: &'a Tensor },
+    }
+
     /// `x · scale` saturated to the fp8 format's largest finite value and cast to it (E4M3,
     /// or E5M2 where `e5m2`), for a contiguous 2-D `x` on a GPU with fp8 conversions
     /// (sm_89 and later): one pass that writes the cast row-major and, where `transposed`,
     /// its contiguous transpose (the column-major operand a scaled product wants), and takes
-    /// the largest magnitude of `x` (NaN left out) into a float scalar on the device. The
-    /// scale is `scale_at`'s value where given (one float on `x`'s GPU, computed there).
+    /// the largest magnitude of `x` (NaN left out) into a float scalar on the device.
     pub fn fp8_cast(
         x: &Tensor,
-        scale: f64,
-        scale_at: Option<&Tensor>,
+        scale: Fp8Scale<'_>,
         e5m2: bool,
         transposed: bool,
     ) -> Result<Option<(Tensor, Option<Tensor>, Tensor)>> {
+        let (given, at, rows, cols) = match scale {
+            Fp8Scale::Given(v) => (v, None, None, None),
+            Fp8Scale::At(t) => (1.0, Some(t), None, None),
+            Fp8Scale::Rowwise { rows, cols } => (1.0, None, Some(rows), Some(cols)),
+        };
         let mut out: [TensorPtr; 3] = [std::ptr::null_mut(); 3];
         let [q, qt, amax] = &mut out;
-        let at = optional_ptr(scale_at);
-        // SAFETY: `x` (and `scale_at`) are live for the call; the three outputs are written.
-        check(unsafe { strata_fp8_cast(x.as_ptr(), scale, at, e5m2.into(), transposed.into(), q, qt, amax) })?;
+        let (at, rows, cols) = (optional_ptr(at), optional_ptr(rows), optional_ptr(cols));
+        // SAFETY: `x` and the scales are live for the call; the three outputs are written.
+        check(unsafe {
+            strata_fp8_cast(x.as_ptr(), given, at, rows, cols, e5m2.into(), transposed.into(), q, qt, amax)
+        })?;
         if out[0].is_null() || out[2].is_null() {
             return Ok(None);
         }
@@ -685,6 +708,21 @@ pub mod kernels {
             let qt = (!out[1].is_null()).then(|| Tensor::from_ptr(out[1]));
             (Tensor::from_ptr(out[0]), qt, Tensor::from_ptr(out[2]))
         }))
+    }
+
+    /// Each row's and each column's largest magnitude of a contiguous 2-D `x` on a GPU (NaN
+    /// left out), as fp32 `[rows]` and `[cols]` there, in one read of `x`: what rowwise fp8
+    /// scales come from.
+    pub fn row_col_amax(x: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        let mut out: [TensorPtr; 2] = [std::ptr::null_mut(); 2];
+        let [rows, cols] = &mut out;
+        // SAFETY: `x` is live for the call; both outputs are written.
+        check(unsafe { strata_row_col_amax(x.as_ptr(), rows, cols) })?;
+        if out.iter().any(|p| p.is_null()) {
+            return Ok(None);
+        }
+        // SAFETY: fresh `new at::Tensor`s owned by nobody else.
+        Ok(Some(unsafe { (Tensor::from_ptr(out[0]), Tensor::from_ptr(out[1])) }))
     }
 
     /// The residual sum `s = x + r` and its norm over the last dimension, in one pass per

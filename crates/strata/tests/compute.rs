@@ -257,6 +257,45 @@ fn fp8_pads_rows_that_are_not_a_multiple_of_16() {
     assert_eq!(recorded, [0, 4, 4, 0], "fp8 linears per unit");
 }
 
+/// Zeros scale by a floor, not by infinity: a row or column of the input that is zero
+/// everywhere (a masked token, a dead feature), an output feature whose gradient is zero,
+/// and a gradient that is zero throughout (a micro-batch whose targets are all ignored)
+/// leave current and rowwise fp8 linears finite, and equal to their exact values there.
+#[test]
+fn zero_rows_columns_and_gradients_stay_finite_under_current_and_rowwise_scaling() {
+    let _serial = serial();
+    tch::manual_seed(2);
+    let x = Tensor::randn([32, 64], (Kind::Float, Device::Cpu));
+    let _ = x.get(3).zero_();
+    let _ = x.narrow(1, 5, 1).zero_();
+    let w = Tensor::randn([48, 64], (Kind::Float, Device::Cpu)) * 0.1;
+    // Output feature 7 takes no gradient; the second pass takes none at all.
+    let mask = Tensor::ones([32, 48], (Kind::Float, Device::Cpu));
+    let _ = mask.narrow(1, 7, 1).zero_();
+    for scaling in [fp8::Fp8Scaling::Current, fp8::Fp8Scaling::Rowwise] {
+        for weight in [mask.shallow_clone(), mask.zeros_like()] {
+            let (xg, wg) = (x.copy().set_requires_grad(true), w.copy().set_requires_grad(true));
+            let state = Fp8Unit::new(Fp8Config { scaling, ..Default::default() });
+            let out = fp8::linear(&state, 0, true, &xg, &wg, None, Kind::Float).unwrap();
+            let grads = Tensor::run_backward(&[&(&out * &weight).sum(Kind::Float)], &[&xg, &wg], false, false);
+            for (name, t) in [("output", &out), ("input gradient", &grads[0]), ("weight gradient", &grads[1])] {
+                let finite = t.isfinite().all().int64_value(&[]) == 1;
+                assert!(finite, "{scaling:?}: the {name} is not finite");
+            }
+            assert_eq!(out.get(3).abs().max().double_value(&[]), 0.0, "{scaling:?}: the zero row's output");
+            assert_eq!(grads[1].narrow(1, 5, 1).abs().max().double_value(&[]), 0.0, "{scaling:?}: the zero column's");
+            assert_eq!(grads[1].get(7).abs().max().double_value(&[]), 0.0, "{scaling:?}: no gradient, none given");
+            if weight.sum(Kind::Float).double_value(&[]) == 0.0 {
+                assert_eq!(grads[0].abs().max().double_value(&[]), 0.0, "{scaling:?}: a zero gradient stays zero");
+            } else {
+                // The other values still quantised, and near their exact ones.
+                let exact = x.linear::<Tensor>(&w, None);
+                let error = rel(&out, &exact);
+                assert!(error > 1e-4 && error < 0.05, "{scaling:?}: {error:e}");
+            }
+        }
+    }
+}
 fn grads_and_peak(recompute: bool) -> (Vec<Tensor>, i64) {
     strata_ext::cpu_memory::track().unwrap();
     let mut e = Engine::new(spec(), EngineConfig::default()).unwrap();

@@ -19,6 +19,7 @@ use strata::parallel::{build_engine, RankLayout};
 use strata::strategy::Strategy;
 use strata::train::Trainer;
 use strata_ext::cuda;
+use strata_ext::kernels::{fp8_cast, row_col_amax, Fp8Scale};
 use tch::{Device, Kind, Tensor};
 
 /// One test at a time: allocator figures and synchronisation counts are per process.
@@ -282,8 +283,7 @@ fn fp8_casts_on_a_gpu_equal_the_composite_ops_in_one_pass() {
     for (kind, max, e5m2) in [(Kind::Float8e4m3fn, 448.0, false), (Kind::Float8e5m2, 57344.0, true)] {
         // The largest inputs land at several times the format's largest value.
         let scale = max / 300.0;
-        let (q, qt, amax) =
-            strata_ext::kernels::fp8_cast(&x, scale, None, e5m2, true).unwrap().expect("served on a GPU");
+        let (q, qt, amax) = fp8_cast(&x, Fp8Scale::Given(scale), e5m2, true).unwrap().expect("served on a GPU");
         let composite = (&x * scale).clamp(-max, max).to_kind(kind);
         let as_float = |t: &Tensor| t.to_kind(Kind::Float);
         assert_eq!(q.kind(), kind);
@@ -294,8 +294,35 @@ fn fp8_casts_on_a_gpu_equal_the_composite_ops_in_one_pass() {
         assert!(as_float(&q).abs().max().double_value(&[]) == max, "{kind:?}: saturated, not infinite");
         // The same scale read on the device (current scaling) casts the same.
         let at = Tensor::full([], scale, (Kind::Float, gpu));
-        let (q_at, _, _) = strata_ext::kernels::fp8_cast(&x, 1.0, Some(&at), e5m2, true).unwrap().expect("served");
+        let (q_at, _, _) = fp8_cast(&x, Fp8Scale::At(&at), e5m2, true).unwrap().expect("served");
         assert!(as_float(&q_at).equal(&as_float(&q)), "{kind:?}: a scale read on the device");
+    }
+    // Rowwise: every row's and column's maximum in one pass (a zero row and column among
+    // them), then each copy scaled along its own dimension, in fp32 and bf16, whole tiles
+    // and ragged ones.
+    for (rows, cols) in [(50, 70), (128, 192)] {
+        for dtype in [Kind::Float, Kind::BFloat16] {
+            let x = with_seed(6, || Tensor::randn([rows, cols], (Kind::Float, Device::Cpu)) * 300.0);
+            let _ = x.get(1).zero_();
+            let _ = x.narrow(1, 2, 1).zero_();
+            let x = x.to_kind(dtype).to_device(gpu);
+            let (row_amax, col_amax) = row_col_amax(&x).unwrap().expect("served on a GPU");
+            let along = |d: i64| x.abs().amax([d], false).to_kind(Kind::Float);
+            assert!(row_amax.equal(&along(1)) && col_amax.equal(&along(0)), "{dtype:?} {rows}×{cols}: the maxima");
+            // Scales with a row and a column past E4M3's largest once applied.
+            let (row_scale, col_scale) =
+                (row_amax.clamp_min(1.0).reciprocal() * 600.0, col_amax.clamp_min(1.0).reciprocal() * 500.0);
+            let scales = Fp8Scale::Rowwise { rows: &row_scale, cols: &col_scale };
+            let (q, qt, _) = fp8_cast(&x, scales, false, true).unwrap().expect("served on a GPU");
+            let wide = x.to_kind(Kind::Float);
+            let e4m3 = |t: Tensor| t.clamp(-448.0, 448.0).to_kind(Kind::Float8e4m3fn).to_kind(Kind::Float);
+            let (want_q, want_qt) =
+                (e4m3(&wide * row_scale.reshape([-1, 1])), e4m3(&wide * &col_scale).tr().contiguous());
+            let (got_q, got_qt) = (q.to_kind(Kind::Float), qt.unwrap().to_kind(Kind::Float));
+            assert!(got_q.equal(&want_q), "{dtype:?} {rows}×{cols}: the row-scaled copy");
+            assert!(got_qt.equal(&want_qt), "{dtype:?} {rows}×{cols}: the column-scaled transpose");
+            assert!(!got_q.equal(&got_qt.tr()), "{dtype:?} {rows}×{cols}: the two copies take different scales");
+        }
     }
     // Current and rowwise fp8 linears on the GPU: the same products as on the CPU's
     // emulation, forward and backward, from the same operands.

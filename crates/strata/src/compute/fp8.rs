@@ -393,45 +393,61 @@ impl Cast {
     }
 }
 
-/// `t · scale`, saturated to ±`max`, in fp8 `kind`, with its transpose. A given or current
-/// scale casts in one pass of Strata's CUDA kernel on a GPU; elsewhere, and for rowwise
-/// scales, composite ops, scaling in `t`'s own dtype (bf16 keeps more mantissa than either
-/// fp8 format) or, per row, in fp32.
+/// The smallest maximum a scale is taken from (torchao's floor): an all-zero tensor, row or
+/// column (a padding row, a gradient that is zero everywhere) would otherwise scale by
+/// infinity, and 0 · ∞ casts to NaN.
+const AMAX_FLOOR: f64 = 1e-12;
+
+/// `t · scale`, saturated to ±`max`, in fp8 `kind`, with its transpose. On a GPU one pass of
+/// Strata's CUDA kernel casts both copies (rowwise scales come from one more pass that
+/// takes every row's and column's maximum); elsewhere composite ops, scaling in `t`'s own
+/// dtype (bf16 keeps more mantissa than either fp8 format) or, per row, in fp32.
 fn cast(t: &Tensor, scale: Scale, kind: Kind, max: f64) -> Result<Cast> {
+    use strata_ext::kernels::{self, Fp8Scale};
     let t = t.f_contiguous()?;
-    // The largest magnitude over `dims` (all: the infinity norm, one pass) in fp32; a zero
-    // maximum scales by one.
-    let amax = |dims: Option<i64>| -> Result<Tensor> {
-        let m = match dims {
-            None => t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?,
-            Some(d) => t.f_abs()?.f_amax([d], true)?.f_to_kind(Kind::Float)?,
-        };
-        Ok(m.f_clamp_min(f64::from(f32::MIN_POSITIVE))?)
-    };
+    let e5m2 = kind == Kind::Float8e5m2;
+    // What brings a maximum (fp32, on the device) to the format's largest value.
+    let scale_of =
+        |amax: &Tensor| -> Result<Tensor> { Ok(amax.f_clamp_min(AMAX_FLOOR)?.f_reciprocal()?.f_mul_scalar(max)?) };
     let saturate = |scaled: Tensor| -> Result<Tensor> { Ok(scaled.f_clamp(-max, max)?.f_to_kind(kind)?) };
     match scale {
         Scale::Rowwise => {
-            let (rows, cols) = (amax(Some(1))?, amax(Some(0))?);
-            let (row_scale, col_scale) =
-                (rows.f_reciprocal()?.f_mul_scalar(max)?, cols.f_reciprocal()?.f_mul_scalar(max)?);
-            let wide = t.f_to_kind(Kind::Float)?;
-            let q = saturate(wide.f_mul(&row_scale)?)?;
-            let qt = saturate(wide.f_mul(&col_scale)?)?.f_tr()?.f_contiguous()?;
-            let (q_factor, qt_factor) = (rows.f_div_scalar(max)?, cols.f_div_scalar(max)?.f_reshape([-1, 1])?);
-            Ok(Cast { q, q_factor, qt, qt_factor, amax: None })
+            let (rows, cols) = match kernels::row_col_amax(&t)? {
+                Some(found) => found,
+                None => {
+                    let along =
+                        |d: i64| -> Result<Tensor> { Ok(t.f_abs()?.f_amax([d], false)?.f_to_kind(Kind::Float)?) };
+                    (along(1)?, along(0)?)
+                }
+            };
+            let (row_scale, col_scale) = (scale_of(&rows)?, scale_of(&cols)?);
+            let (q, qt) =
+                match kernels::fp8_cast(&t, Fp8Scale::Rowwise { rows: &row_scale, cols: &col_scale }, e5m2, true)? {
+                    Some((q, Some(qt), _)) => (q, qt),
+                    _ => {
+                        let wide = t.f_to_kind(Kind::Float)?;
+                        let q = saturate(wide.f_mul(&row_scale.f_reshape([-1, 1])?)?)?;
+                        (q, saturate(wide.f_mul(&col_scale)?)?.f_tr()?.f_contiguous()?)
+                    }
+                };
+            let factor = |s: &Tensor| -> Result<Tensor> { Ok(s.f_reciprocal()?.f_reshape([-1, 1])?) };
+            Ok(Cast { q, q_factor: factor(&row_scale)?, qt, qt_factor: factor(&col_scale)?, amax: None })
         }
         Scale::Given(_) | Scale::Current => {
             let (value, at, recorded) = match scale {
                 Scale::Given(v) => (v, None, true),
-                _ => (1.0, Some(amax(None)?.f_reciprocal()?.f_mul_scalar(max)?), false),
+                _ => (1.0, Some(scale_of(&t.f_norm_scalaropt_dtype(f64::INFINITY, Kind::Float)?)?), false),
             };
             let factor = match &at {
                 Some(at) => at.f_reciprocal()?,
                 // Filled on the device: a copy from the host would wait for the device.
                 None => Tensor::f_full([], 1.0 / value, (Kind::Float, t.device()))?,
             };
-            let kernel = strata_ext::kernels::fp8_cast(&t, value, at.as_ref(), kind == Kind::Float8e5m2, true)?;
-            let (q, qt, kernel_amax) = match kernel {
+            let on_device = match &at {
+                Some(at) => Fp8Scale::At(at),
+                None => Fp8Scale::Given(value),
+            };
+            let (q, qt, kernel_amax) = match kernels::fp8_cast(&t, on_device, e5m2, true)? {
                 Some((q, Some(qt), amax)) => (q, qt, Some(amax)),
                 _ => {
                     let scaled = match &at {
