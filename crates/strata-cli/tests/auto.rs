@@ -198,6 +198,38 @@ fn four_ranks_where_only_a_pipeline_fits_train_on_stages() {
 /// host memory for a model whose fp32 parameters alone are 3.4 MB), the search tries again
 /// training LoRA adapters given by `--auto-lora`, picks a plan that fits, and the run trains
 /// with it; without `--auto-lora` the same search fails in one line.
+/// A dry run that fails on one rank alone (an error injected into rank 1's backward, as an
+/// out-of-memory stage would raise) fails on the other at once with rank 1's reason, not at
+/// the communication timeout (ten minutes here); the search goes on and the run trains.
+#[test]
+fn a_dry_run_failing_on_one_rank_fails_on_the_others_with_its_reason() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (fired, report) = (dir.path().join("fired"), dir.path().join("report.json"));
+    let (fired_path, report_path) = (fired.to_str().unwrap(), report.to_str().unwrap());
+    let search = ["--nproc", "2", "--strategy", "auto", "--search-report", report_path, "--comm-timeout", "600"];
+    let args = [&["train"][..], &MODEL, &RUN, &search].concat();
+    let fault = [
+        ("STRATA_LOG", "warn"),
+        ("STRATA_FAULT", "backward@2"),
+        ("STRATA_FAULT_RANK", "1"),
+        ("STRATA_FAULT_ONCE", fired_path),
+        ("STRATA_FAULT_ERROR", "1"),
+    ];
+    let o = strata_env(&args, &fault);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(fired.exists(), "the fault fired");
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let failed: Vec<&str> = outcomes(&report)
+        .filter(|(_, o)| o["outcome"] == "failed")
+        .map(|(_, o)| o["reason"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    let reason = failed[0];
+    assert!(reason.contains("gave up on this group: rank 1:"), "{reason}");
+    assert!(reason.contains("injected failure at backward of step 2"), "{reason}");
+}
+
 #[test]
 fn lora_is_chosen_where_full_fine_tuning_fits_no_candidate() {
     let _serial = serial();

@@ -278,7 +278,7 @@ pub fn save_parts(
         (Ok(_), false) => Ok(()),
         (Err(e), _) => Err(e),
     };
-    fault::point("save-written", run.step);
+    fault::point("save-written", run.step)?;
     agree(written)?;
     let mut published = None;
     agree(if rank == 0 {
@@ -334,14 +334,14 @@ fn publish(root: &Path, staging: &Path, meta: Meta, run: &RunInfo, keep: usize) 
     let meta = Meta { files, ..meta };
     let text = serde_json::to_vec_pretty(&meta).map_err(|e| Error::Model(e.to_string()))?;
     io::write_atomic(&staging.join("meta.json"), &text)?;
-    fault::point("save-described", run.step);
+    fault::point("save-described", run.step)?;
     let target = free_step_dir(root, run.step);
     std::fs::rename(staging, &target).map_err(|e| Error::io(&target, e))?;
     io::sync_dir(root)?;
-    fault::point("save-published", run.step);
+    fault::point("save-published", run.step)?;
     let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     io::write_atomic(&root.join("latest"), name.as_bytes())?;
-    fault::point("save-pointed", run.step);
+    fault::point("save-pointed", run.step)?;
     prune(root, keep, &target)?;
     Ok(target)
 }

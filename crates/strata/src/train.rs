@@ -341,7 +341,7 @@ impl Trainer {
             }
             self.engine.set_layout(batch.layout.as_ref());
             let output = self.engine.forward(&(self.prepare_input)(batch)?)?;
-            crate::fault::point("backward", self.step + 1);
+            crate::fault::point("backward", self.step + 1)?;
             let loss = self.engine.compute_loss(|| (self.loss_func)(&output, batch))?;
             let weighted = match weights {
                 LossWeights::Host(step) => loss.f_mul_scalar(scale * step.loss_weight(i))?,

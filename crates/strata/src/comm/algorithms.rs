@@ -14,7 +14,9 @@ use super::elementwise::{check_reducible, divide, reduce_into, split};
 use super::transport::{Block, ShmTransport, TcpTransport, Transport};
 use super::{check_list, check_rank, comm_text, GroupSetup, ProcessGroup, ReduceOp, Store, Work};
 use crate::{Error, Result};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
@@ -34,6 +36,8 @@ pub struct RingGroup {
     shares_memory: bool,
     jobs: Option<Sender<(Job, Work)>>,
     worker: Option<JoinHandle<()>>,
+    /// Jobs submitted and not yet finished.
+    in_flight: Arc<AtomicUsize>,
 }
 
 impl RingGroup {
@@ -55,6 +59,8 @@ impl RingGroup {
         let shares_memory = transport.shares_memory();
         let (store, failure_key) = (setup.store.clone(), format!("{}failure", setup.prefix));
         let (tx, rx) = channel::<(Job, Work)>();
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let finished = in_flight.clone();
         let worker = std::thread::Builder::new()
             .name(format!("strata-{backend}-{rank}"))
             .spawn(move || {
@@ -68,26 +74,36 @@ impl RingGroup {
                     if let Err(e) = &result {
                         broken.get_or_insert_with(|| e.to_string());
                     }
+                    finished.fetch_sub(1, Ordering::AcqRel);
                     work.finish(result);
                 }
             })
             .map_err(|e| Error::Comm(format!("cannot start the {backend} thread: {e}")))?;
-        Ok(RingGroup { rank, size, backend, timeout, shares_memory, jobs: Some(tx), worker: Some(worker) })
+        Ok(RingGroup { rank, size, backend, timeout, shares_memory, jobs: Some(tx), worker: Some(worker), in_flight })
     }
 
     fn submit(&self, job: impl FnOnce(&mut dyn Transport) -> Result<()> + Send + 'static) -> Result<Work> {
         let work = Work::pending(self.timeout);
         let jobs = self.jobs.as_ref().ok_or_else(|| Error::Comm("group is shut down".into()))?;
-        jobs.send((Box::new(job), work.clone())).map_err(|_| Error::Comm("group worker has stopped".into()))?;
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        if jobs.send((Box::new(job), work.clone())).is_err() {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::Comm("group worker has stopped".into()));
+        }
         Ok(work)
     }
 }
 
 impl Drop for RingGroup {
+    /// Waits for the worker where it is idle. A job still running (a peer that failed or
+    /// went away, and the job gave up on the group) is left to end at its timeout on its
+    /// own: the worker then finds no more jobs and stops, and nobody waits for it here.
     fn drop(&mut self) {
         self.jobs.take();
         if let Some(w) = self.worker.take() {
-            let _ = w.join();
+            if self.in_flight.load(Ordering::Acquire) == 0 {
+                let _ = w.join();
+            }
         }
     }
 }

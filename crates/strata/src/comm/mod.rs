@@ -126,11 +126,33 @@ pub struct Work {
     pending: Pending,
     timeout: Duration,
     watch: Option<Arc<Watch>>,
+    given_up: Option<Arc<GivenUp>>,
+}
+
+/// Where the job records that it gave up on a group ([`Comm::give_up_groups_since`]): a
+/// wait on the group's work that has lasted [`GIVEN_UP_POLL`] looks there, so the ranks a
+/// failed rank leaves waiting fail at once instead of at the group's timeout.
+struct GivenUp {
+    store: Arc<Store>,
+    key: String,
+}
+
+/// How often a blocked wait looks whether the job gave up on its group.
+const GIVEN_UP_POLL: Duration = Duration::from_secs(1);
+
+impl GivenUp {
+    /// The reason the job gave up on the group, if it did.
+    fn reason(&self) -> Result<Option<String>> {
+        if !self.store.check(&[&self.key])? {
+            return Ok(None);
+        }
+        Ok(Some(String::from_utf8_lossy(&self.store.get(&self.key)?).into_owned()))
+    }
 }
 
 impl Work {
     fn pending(timeout: Duration) -> Work {
-        Work { pending: Pending::Host(Arc::default()), timeout, watch: None }
+        Work { pending: Pending::Host(Arc::default()), timeout, watch: None, given_up: None }
     }
 
     /// A handle of work already done (an operation that needed no communication).
@@ -142,7 +164,7 @@ impl Work {
 
     /// Completes when the device reaches `event`.
     fn on_device(event: strata_ext::cuda::Event, timeout: Duration) -> Work {
-        Work { pending: Pending::Device(Arc::new(event)), timeout, watch: None }
+        Work { pending: Pending::Device(Arc::new(event)), timeout, watch: None, given_up: None }
     }
 
     fn finish(&self, result: Result<()>) {
@@ -208,13 +230,26 @@ impl Work {
 
     fn block_until_done(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
+        let mut next_look = Instant::now() + GIVEN_UP_POLL;
+        // Past a poll's worth of waiting, whether the job gave up on the group.
+        let mut look = |now: Instant| -> Result<()> {
+            if let (Some(given_up), true) = (&self.given_up, now >= next_look) {
+                next_look = now + GIVEN_UP_POLL;
+                if let Some(why) = given_up.reason()? {
+                    return Err(Error::Comm(format!("the job gave up on this group: {why}")));
+                }
+            }
+            Ok(())
+        };
         let completion = match &self.pending {
             Pending::Host(c) => c,
             Pending::Device(event) => {
                 while !event.query()? {
-                    if Instant::now() >= deadline {
+                    let now = Instant::now();
+                    if now >= deadline {
                         return Err(Error::Comm(format!("device collective did not complete within {timeout:?}")));
                     }
+                    look(now)?;
                     std::thread::sleep(Duration::from_micros(50));
                 }
                 return Ok(());
@@ -225,10 +260,13 @@ impl Work {
             if let Some((r, _)) = slot.as_ref() {
                 return r.clone().map_err(Error::Comm);
             }
-            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+            let now = Instant::now();
+            let Some(left) = deadline.checked_duration_since(now) else {
                 return Err(Error::Comm(format!("collective did not complete within {timeout:?}")));
             };
-            slot = completion.done.wait_timeout(slot, left).unwrap_or_else(|e| e.into_inner()).0;
+            look(now)?;
+            let slice = if self.given_up.is_some() { left.min(GIVEN_UP_POLL) } else { left };
+            slot = completion.done.wait_timeout(slot, slice).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
 }
@@ -425,6 +463,7 @@ struct DeviceDispatch {
     /// How observed collectives name this group.
     label: Arc<str>,
     observer: ObserverSlot,
+    given_up: Arc<GivenUp>,
 }
 
 impl DeviceDispatch {
@@ -449,7 +488,8 @@ impl DeviceDispatch {
     fn observed(&self, op: &'static str, bytes: u64, call: impl FnOnce() -> Result<Work>) -> Result<Work> {
         let observer = self.observer.read().unwrap_or_else(|e| e.into_inner()).clone();
         let issued = Instant::now();
-        let work = call()?;
+        let mut work = call()?;
+        work.given_up = Some(self.given_up.clone());
         Ok(match observer {
             Some(observer) => work.watched(Watch {
                 observer,
@@ -519,6 +559,11 @@ impl ProcessGroup for DeviceDispatch {
             None => Ok(None),
         }
     }
+}
+
+/// The store key that says the job gave up on group `id`.
+fn given_up_key(id: usize) -> String {
+    format!("group{id}/given-up")
 }
 
 /// This process's membership in a job: the store, its rank, and how to make groups.
@@ -595,6 +640,25 @@ impl Comm {
         Ok(())
     }
 
+    /// How many groups this rank has made (or counted, see [`Comm::align_groups`]): the
+    /// number the next group made follows.
+    pub fn groups_made(&self) -> usize {
+        *self.groups_made.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records, for every rank, that the job gave up on the groups numbered after `made`
+    /// (a [`Comm::groups_made`] taken before the work that made them) because of `why`: the
+    /// work failed here, and ranks still waiting in those groups' collectives for this one
+    /// fail within a second with `why` instead of at the timeout. The first reason given
+    /// for a group stays. Those groups are not to be used again.
+    pub fn give_up_groups_since(&self, made: usize, why: &str) -> Result<()> {
+        let reason = format!("rank {}: {why}", self.rank);
+        for id in made + 1..=self.groups_made() {
+            self.store.compare_set(&given_up_key(id), b"", reason.as_bytes())?;
+        }
+        Ok(())
+    }
+
     /// The group of all ranks.
     pub fn world(&self) -> Result<Box<dyn ProcessGroup>> {
         self.world_waiting(self.timeout)
@@ -652,7 +716,14 @@ impl Comm {
             by_device.push((device, group));
         }
         let label = format!("group {id} {ranks:?} {spec}").into();
-        Ok(Some(Box::new(DeviceDispatch { name: spec.to_string(), by_device, label, observer: self.observer.clone() })))
+        let given_up = Arc::new(GivenUp { store: self.store.clone(), key: given_up_key(id) });
+        Ok(Some(Box::new(DeviceDispatch {
+            name: spec.to_string(),
+            by_device,
+            label,
+            observer: self.observer.clone(),
+            given_up,
+        })))
     }
 }
 
