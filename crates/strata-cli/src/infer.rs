@@ -194,6 +194,7 @@ fn eval_records(args: &EvalArgs, loaded: &mut Loaded) -> Result<bool> {
         ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, padding, .. }) => {
             let pad = padding.unwrap_or(0) as u32;
             let set = ClassifySet::encode(&read_labeled(path, labels)?, tokenizer, args.ctx, pad, source)?;
+            set.check_token_types(loaded.config.token_types().unwrap_or(1))?;
             let r = strata::tasks::classify(&mut loaded.engine, &set, scoring, labels.len())?;
             let line = format!(
                 "validation loss {:.6}, accuracy {:.4}, macro-F1 {:.4} ({} texts)",

@@ -1,7 +1,7 @@
 //! A BERT classifier trained by the library's run (`strata::run::train`) on labeled texts:
 //! records read and encoded, batched by the data loader with each row's padding and token
 //! types, the loss falling and the held-out accuracy above chance.
-use strata::data::{predictions, read_labeled, scores, ClassifySet, RowSet, Tokenizer};
+use strata::data::{predictions, read_labeled, scores, ClassifySet, LabeledText, RowSet, Tokenizer};
 use strata::engine::{Engine, EngineConfig};
 use strata::model::{BertConfig, BertHead, ModelConfig};
 use strata::run::{self, Data, Model, RunConfig};
@@ -143,4 +143,34 @@ fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
         ..RunConfig::default()
     };
     assert!(run::train(&model, &Data::new(set.clone()), &config, &mut []).is_err(), "the input went unread");
+}
+
+/// Texts in pairs carry token type 1 for their second part: a run of a model with one
+/// token type refuses them before it trains (on the host, where a GPU's forward would only
+/// meet the embedding's bound), naming the data.
+#[test]
+fn text_pairs_are_refused_before_training_by_a_model_of_one_token_type() {
+    let labels = vec!["negative".to_string(), "positive".to_string()];
+    let records = vec![
+        LabeledText { text: "good film".into(), pair: Some("good cast".into()), label: 1 },
+        LabeledText { text: "bad plot".into(), pair: None, label: 0 },
+    ];
+    let set = ClassifySet::encode(&records, &Tokenizer::Bytes, 32, 0, "pairs.jsonl").unwrap();
+    let config = BertConfig {
+        vocab: 256,
+        max_positions: 32,
+        type_vocab: 1,
+        layers: 1,
+        heads: 2,
+        dim: 16,
+        ffn_dim: 32,
+        norm_eps: 1e-12,
+        padding: Some(0),
+        head: BertHead::Classify { labels },
+    };
+    let run_config = RunConfig { steps: 1, batch_size: 2, ctx: 32, ..RunConfig::default() };
+    let model = Model::from(ModelConfig::Bert(config));
+    let err = run::train(&model, &Data::new(set), &run_config, &mut []).unwrap_err().to_string();
+    assert!(err.contains("pairs.jsonl holds token type 1"), "{err}");
+    assert!(err.contains("the model has 1 token type"), "{err}");
 }

@@ -11,9 +11,9 @@ use std::time::Duration;
 use strata::comm::{Comm, ProcessGroup, ReduceOp, Store, StoreServer};
 use strata::compute::fp8::{self, Fp8Config, Fp8Unit};
 use strata::compute::{self, UnitCompute};
-use strata::data::{Batch, Step};
-use strata::engine::{memory, with_seed, EngineConfig};
-use strata::model::{layers, GptConfig, LlamaConfig, ModelConfig};
+use strata::data::{Batch, ClassifySet, LabeledText, RowSet, Step, Tokenizer};
+use strata::engine::{memory, with_seed, Engine, EngineConfig};
+use strata::model::{layers, BertConfig, BertHead, GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use strata::parallel::{build_engine, RankLayout};
 use strata::strategy::Strategy;
@@ -124,6 +124,43 @@ fn the_engine_on_a_gpu_matches_the_cpu_in_fp32() {
         cuda::count_syncs(false).unwrap();
         assert_eq!(syncs, 1, "{strategy}: host-device synchronisations in a step");
     }
+}
+
+/// A BERT forward on a GPU reads nothing back on the host: its token types (checked against
+/// the model on the host before the data reaches the device) are not read mid-forward.
+#[test]
+fn a_bert_forward_on_a_gpu_waits_for_nothing() {
+    let Some((gpu, _serial)) = gpu("a_bert_forward_on_a_gpu_waits_for_nothing") else { return };
+    let config = BertConfig {
+        vocab: 256,
+        max_positions: 32,
+        type_vocab: 2,
+        layers: 1,
+        heads: 2,
+        dim: 16,
+        ffn_dim: 32,
+        norm_eps: 1e-12,
+        padding: Some(0),
+        head: BertHead::Classify { labels: vec!["no".into(), "yes".into()] },
+    };
+    let records = [
+        LabeledText { text: "good film".into(), pair: Some("good cast".into()), label: 1 },
+        LabeledText { text: "bad".into(), pair: None, label: 0 },
+    ];
+    let set = ClassifySet::encode(&records, &Tokenizer::Bytes, 32, 0, "pairs").unwrap();
+    let batch = set.batch(&[0, 1]).unwrap().to_device(gpu).unwrap();
+    let spec = ModelConfig::Bert(config).spec().unwrap();
+    let mut engine = Engine::new(spec, EngineConfig { device: gpu, ..EngineConfig::default() }).unwrap();
+    engine.set_layout(batch.layout.as_ref());
+    // The first forward compiles kernels and allocates; the second is counted.
+    let _ = engine.evaluate(&batch.inputs).unwrap();
+    cuda::count_syncs(true).unwrap();
+    let before = cuda::syncs_counted();
+    let logits = engine.evaluate(&batch.inputs).unwrap();
+    let syncs = cuda::syncs_counted() - before;
+    cuda::count_syncs(false).unwrap();
+    assert_eq!(logits.size(), [2, 2]);
+    assert_eq!(syncs, 0, "host-device synchronisations in a BERT forward");
 }
 
 /// `t`'s losses and gradient norms over `steps`, and its CUDA graph's replays.

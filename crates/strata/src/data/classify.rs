@@ -126,6 +126,21 @@ impl ClassifySet {
     pub fn labels(&self) -> &[i64] {
         &self.labels
     }
+
+    /// Refuses texts whose token types (the parts of a pair, as the tokenizer numbers them)
+    /// reach past the `types` a model embeds: checked here on the host once, where the
+    /// model's forward on a GPU would only stop at the embedding's bound.
+    pub fn check_token_types(&self, types: i64) -> Result<()> {
+        let Some(largest) = self.types.iter().flatten().copied().max() else { return Ok(()) };
+        if i64::from(largest) >= types {
+            return Err(Error::Data(format!(
+                "{} holds token type {largest} (a text pair's second part) but the model has {types} token type{}",
+                self.source,
+                if types == 1 { "" } else { "s" }
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl RowSet for ClassifySet {
@@ -294,6 +309,10 @@ mod tests {
         assert_eq!(batch.supervised, 2);
         assert!(set.batch(&[2]).is_err());
         assert_eq!((set.tokens(), set.longest(), set.vocab_needed()), (6, 4, 122));
+        // A pair's second part is type 1: a model of one token type cannot take it.
+        assert!(set.check_token_types(2).is_ok());
+        let err = set.check_token_types(1).unwrap_err().to_string();
+        assert!(err.contains("two texts holds token type 1") && err.contains("the model has 1 token type"), "{err}");
     }
 
     #[test]

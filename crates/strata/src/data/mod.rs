@@ -297,6 +297,15 @@ impl Dataset {
         }
     }
 
+    /// Checks that every text's token types are below `types` (labeled texts carry them;
+    /// other data has none).
+    pub fn check_token_types(&self, types: i64) -> Result<()> {
+        match self {
+            Dataset::Labeled(l) => l.check_token_types(types),
+            _ => Ok(()),
+        }
+    }
+
     /// Checks that rows of `ctx` positions can be cut (windows, or the longest example fits
     /// in one) and that every id is below `vocab`.
     pub fn check_fits(&self, ctx: usize, vocab: usize) -> Result<()> {

@@ -18,7 +18,7 @@ use super::layers::{
 use super::{positive, Builder, Init, ParamId, Params, TpRole, Unit, UnitBuilder, INIT_STD as STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// What BERT's last unit computes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -106,13 +106,18 @@ impl Unit for BertEmbedding {
             None => Tensor::f_arange(t, (Kind::Int64, tokens.device()))?,
         };
         let types = match layout.and_then(|l| l.segments.as_ref()) {
+            // Checked here where the types live on the host; on a GPU the read would make the
+            // host wait for the device mid-forward, so data is checked before it gets there
+            // (`Dataset::check_token_types`) and the embedding itself bounds its index.
             Some(segments) if segments.numel() > 0 => {
-                let (low, high) = (segments.f_min()?.f_int64_value(&[])?, segments.f_max()?.f_int64_value(&[])?);
-                if low < 0 || high >= self.type_vocab {
-                    return Err(Error::Model(format!(
-                        "token types {low}..={high} outside the {} the model has",
-                        self.type_vocab
-                    )));
+                if segments.device() == Device::Cpu {
+                    let (low, high) = (segments.f_min()?.f_int64_value(&[])?, segments.f_max()?.f_int64_value(&[])?);
+                    if low < 0 || high >= self.type_vocab {
+                        return Err(Error::Model(format!(
+                            "token types {low}..={high} outside the {} the model has",
+                            self.type_vocab
+                        )));
+                    }
                 }
                 segments.shallow_clone()
             }

@@ -65,6 +65,14 @@ impl ModelConfig {
         b.build()
     }
 
+    /// How many token types (parts of a text pair) the model embeds, where it takes them.
+    pub fn token_types(&self) -> Option<i64> {
+        match self {
+            ModelConfig::Bert(c) => Some(c.type_vocab),
+            ModelConfig::Gpt(_) | ModelConfig::Llama(_) | ModelConfig::Mlp(_) | ModelConfig::T5(_) => None,
+        }
+    }
+
     /// The longest sequence the model takes, where it has a limit.
     pub fn context(&self) -> Option<i64> {
         match self {

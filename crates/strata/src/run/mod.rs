@@ -714,10 +714,12 @@ fn check_data(model: &Model, data: &Data, config: &RunConfig) -> Result<()> {
     if config.pack && !matches!(data.train.as_ref(), Dataset::Examples(_)) {
         return Err(Error::Config("packing joins examples into rows: train on example data".into()));
     }
-    if let Some(vocab) = model.config.as_ref().map(|c| c.vocab() as usize) {
-        data.train.check_fits(config.ctx, vocab)?;
-        if let Some(v) = &data.validation {
-            v.check_fits(config.ctx, vocab)?;
+    if let Some(model) = &model.config {
+        for set in std::iter::once(&data.train).chain(&data.validation) {
+            set.check_fits(config.ctx, model.vocab() as usize)?;
+            if let Some(types) = model.token_types() {
+                set.check_token_types(types)?;
+            }
         }
     }
     if let Order::Offsets(offsets) = &config.order {
