@@ -14,7 +14,7 @@ use crate::model::ModelSpec;
 use crate::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use crate::parallel::{build_engine, RankLayout};
 use crate::strategy::{AmpConfig, Method, OffloadConfig, ShardConfig, Strategy};
-use crate::train::{next_token_loss_of, GradScaling, HostUpdating, LossFn};
+use crate::train::{next_token_loss_of, Feed, GradScaling, HostUpdating, LossFn};
 use crate::{Error, Result};
 use serde::Deserialize;
 use std::cell::RefCell;
@@ -297,7 +297,7 @@ fn initialize(
         ..RankLayout::single()
     };
     if let Some(b) = &budgets {
-        at = at.with_room_measured(model_func()?, &engine_config, &strategy, b.sample)?;
+        at = at.with_room_measured(model_func()?, &engine_config, &strategy, b.sample, &Feed::default())?;
     }
     let mut engine = build_engine(spec, engine_config, &strategy, &at)?;
     let optimizer = Optimizer::new(&mut engine, optimizer_config, &[])?;

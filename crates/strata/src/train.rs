@@ -154,6 +154,30 @@ pub fn next_token_loss_of(engine: &Engine) -> LossFn {
     }
 }
 
+/// What a step feeds the model and scores it by: the input function, and the loss where
+/// one is given (`None`: [`next_token_loss_of`] the engine the step runs on). Measurements
+/// taken before training (the room a step needs beside model states, a pipeline's unit
+/// costs) take the run's own, so a model that reads other inputs is measured as it trains.
+#[derive(Clone)]
+pub struct Feed {
+    pub input: InputFn,
+    pub loss: Option<LossFn>,
+}
+
+impl Default for Feed {
+    /// Token ids in, the next-token loss out.
+    fn default() -> Self {
+        Feed { input: token_input(), loss: None }
+    }
+}
+
+impl Feed {
+    /// The loss for `engine`'s output.
+    pub fn loss_of(&self, engine: &Engine) -> LossFn {
+        self.loss.clone().unwrap_or_else(|| next_token_loss_of(engine))
+    }
+}
+
 pub struct Trainer {
     pub engine: Engine,
     pub optimizer: Optimizer,
@@ -310,6 +334,13 @@ impl Trainer {
             step: 0,
             graphs: None,
         }
+    }
+
+    /// Feeds the model and scores it as `feed` says (a loss left out keeps the next-token
+    /// loss).
+    pub fn set_feed(&mut self, feed: &Feed) {
+        self.prepare_input = feed.input.clone();
+        self.loss_func = feed.loss_of(&self.engine);
     }
 
     /// Waits for host updates still running from the last step (a delayed update) and puts

@@ -84,8 +84,8 @@ fn a_bert_classifier_learns_labeled_texts_through_the_library_run() {
 }
 
 /// The library run feeds the model through the `prepare_input` it is given and takes the
-/// loss from its `loss`, in the run itself and in the search's dry runs; what the input
-/// function returns is what the model reads.
+/// loss from its `loss`, in the run itself, in the measurements before it and in the
+/// search's dry runs; what the input function returns is what the model reads.
 #[test]
 fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -131,6 +131,11 @@ fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
     };
     let given = strata::strategy::Strategy::parse("[]").unwrap();
     assert_eq!(calls(run::StrategySource::Given(given)), (4, 4), "a micro-batch a step, each read and scored once");
+    // Offload measures the room a step needs beside model states before it trains: on a
+    // micro-batch fed and scored as the run's own.
+    let offload = r#"[["offload", {"params": "none", "optimizer": "cpu", "policy": "static"}]]"#;
+    let offload = strata::strategy::Strategy::parse(offload).unwrap();
+    assert_eq!(calls(run::StrategySource::Given(offload)), (5, 5), "the measurement's micro-batch, then the run's");
     let auto = run::StrategySource::Auto(strata::auto::AutoOptions { dry_run_steps: 1, ..Default::default() });
     let (inputs, losses) = calls(auto);
     assert!(inputs > 4 && losses > 4, "the search's dry runs call them too: {inputs}, {losses}");

@@ -11,7 +11,7 @@ use strata::model::{self, Builder, LlamaConfig, ModelSpec};
 use strata::parallel::{build_engine, measure_non_model, RankLayout};
 use strata::profile::{Profiler, Record, SpanKind};
 use strata::strategy::{Method, Strategy};
-use strata::train::{StepReport, Trainer};
+use strata::train::{Feed, StepReport, Trainer};
 use tch::Tensor;
 
 /// `steps` steps of `strategy` under `budget` bytes of device, with the room beside model
@@ -28,7 +28,8 @@ fn trainer_within(spec: fn() -> ModelSpec, strategy: &str, budget: Option<u64>) 
     let mut at = RankLayout::single();
     let strategy = Strategy::parse(strategy).unwrap();
     if strategy.offload().is_some() {
-        at.non_model = Some(measure_non_model(spec(), config.clone(), &strategy, &at, &step(0)).unwrap());
+        at.non_model =
+            Some(measure_non_model(spec(), config.clone(), &strategy, &at, &step(0), &Feed::default()).unwrap());
     }
     trainer_of(spec(), &strategy, &config, &at).unwrap()
 }
@@ -124,7 +125,7 @@ fn auto_beside_a_zero_stage_under_a_budget_is_refused_without_the_measured_floor
     let config = EngineConfig { device_budget: Some(model_state_bytes()), ..EngineConfig::default() };
     let err = build_engine(spec(), config.clone(), &strategy, &RankLayout::single()).err().expect("refused");
     assert!(err.to_string().contains("needs the step's floor"), "{err}");
-    let at = RankLayout::single().with_room_measured(spec(), &config, &strategy, &step(0)).unwrap();
+    let at = RankLayout::single().with_room_measured(spec(), &config, &strategy, &step(0), &Feed::default()).unwrap();
     assert!(at.shard_floor.is_some_and(|f| f > 0), "measured: {:?}", at.shard_floor);
     build_engine(spec(), config, &strategy, &at).unwrap();
 }
@@ -166,11 +167,13 @@ fn the_device_stays_within_its_budget_and_a_run_without_offload_is_refused_when_
     // Where the states fit but not beside what a step holds, the room measured on one step
     // refuses the run too.
     let plain = Strategy::default();
-    let room = measure_non_model(spec(), EngineConfig::default(), &plain, &RankLayout::single(), &step(0)).unwrap();
+    let room =
+        measure_non_model(spec(), EngineConfig::default(), &plain, &RankLayout::single(), &step(0), &Feed::default())
+            .unwrap();
     let budget = model_state_bytes() + room.iter().max().unwrap() / 2;
     let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
     assert!(trainer(&plain, &config, &RankLayout::single()).is_ok(), "the states alone fit");
-    let at = RankLayout::single().with_room_measured(spec(), &config, &plain, &step(0)).unwrap();
+    let at = RankLayout::single().with_room_measured(spec(), &config, &plain, &step(0), &Feed::default()).unwrap();
     assert_eq!(at.non_model, Some(room));
     let err = trainer(&plain, &config, &at).err().expect("refused").to_string();
     assert!(err.contains("do not fit") && err.contains("offload"), "{err}");
@@ -219,7 +222,7 @@ fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_b
             }
         }
         let mut at = RankLayout::single();
-        let non_model = measure_non_model(spec(), config.clone(), &parsed, &at, &single(0)).unwrap();
+        let non_model = measure_non_model(spec(), config.clone(), &parsed, &at, &single(0), &Feed::default()).unwrap();
         at.non_model = Some(non_model.clone());
         let options = OffloadOptions {
             policy: parsed.offload().unwrap().home_policy().unwrap(),
@@ -297,7 +300,8 @@ fn host_updates_start_during_backward_where_nothing_can_stop_them_and_change_not
         let strategy = Strategy::parse(strategy).unwrap();
         let mut at = RankLayout::single();
         if strategy.offload().is_some() {
-            at.non_model = Some(measure_non_model(spec(), config.clone(), &strategy, &at, &step(0)).unwrap());
+            at.non_model =
+                Some(measure_non_model(spec(), config.clone(), &strategy, &at, &step(0), &Feed::default()).unwrap());
         }
         let mut trainer = trainer(&strategy, &config, &at).unwrap();
         // No clipping and no loss scaling: an update cannot be called off once it is due.
@@ -394,7 +398,10 @@ fn a_profile_of_an_offloaded_run_records_every_copy_the_ledger_counts() {
     let config = EngineConfig { device_budget: Some(budget), ..EngineConfig::default() };
     let strategy = Strategy::parse(FULL).unwrap();
     let at = RankLayout {
-        non_model: Some(measure_non_model(spec(), config.clone(), &strategy, &RankLayout::single(), &step(0)).unwrap()),
+        non_model: Some(
+            measure_non_model(spec(), config.clone(), &strategy, &RankLayout::single(), &step(0), &Feed::default())
+                .unwrap(),
+        ),
         ..RankLayout::single()
     };
     let mut trainer = trainer(&strategy, &config, &at).unwrap();

@@ -10,13 +10,16 @@ use strata::engine::offload::{NonModelTrace, Offload, OffloadOptions};
 use strata::engine::EngineConfig;
 use strata::parallel::{measure_non_model, RankLayout};
 use strata::strategy::Strategy;
+use strata::train::Feed;
 
 #[test]
 fn the_room_predicted_from_one_step_is_what_200_steps_hold_and_a_tight_budget_lasts() {
     strata_ext::cpu_memory::track().unwrap();
     let strategy = Strategy::parse(r#"["offload"]"#).unwrap();
     let unlimited = EngineConfig::default();
-    let predicted = measure_non_model(spec(), unlimited.clone(), &strategy, &RankLayout::single(), &step(0)).unwrap();
+    let predicted =
+        measure_non_model(spec(), unlimited.clone(), &strategy, &RankLayout::single(), &step(0), &Feed::default())
+            .unwrap();
     // Activations and temporaries, far beyond what the ledger alone counts.
     let largest = predicted.iter().copied().max().unwrap();
     assert!(largest > model_state_bytes() / 4, "the allocator's figure: {predicted:?}");

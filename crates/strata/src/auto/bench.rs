@@ -17,7 +17,7 @@ use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
 use crate::parallel::pipeline::{PipelineSetup, PipelineTrainer};
 use crate::parallel::{self, RankLayout};
 use crate::strategy::{Dim, LoraConfig, ParallelMode, Strategy};
-use crate::train::{InputFn, LossFn, StepReport, Trainer};
+use crate::train::{Feed, StepReport, Trainer};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -37,10 +37,8 @@ pub struct Bench<'a> {
     pub schedule: LrSchedule,
     pub grad_clip: Option<f64>,
     pub placement: RankLayout<'a>,
-    pub prepare_input: InputFn,
-    /// The loss; `None`: the next-token loss of the engine's output
-    /// ([`crate::train::next_token_loss_of`]).
-    pub loss_func: Option<LossFn>,
+    /// What the dry runs (and the measurements before them) feed the model and score it by.
+    pub feed: Feed,
     /// This rank's steps per share of the batch (its index among the data replicas, and
     /// their count: the ranks of a tensor group or a pipeline read the same batches): the
     /// first is warm-up, the rest are timed.
@@ -165,15 +163,12 @@ impl Bench<'_> {
     fn trainer(&self, strategy: &Strategy, first: &Step) -> Result<Trainer> {
         // An offload plan keeps room for what a step holds beside model states, measured on
         // the first step.
-        let placement = self.placement.with_room_measured(self.spec()?, &self.engine, strategy, first)?;
+        let placement = self.placement.with_room_measured(self.spec()?, &self.engine, strategy, first, &self.feed)?;
         let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, &placement)?;
         let optimizer = Optimizer::new(&mut engine, self.optimizer.clone(), self.rules)?;
         let mut trainer = Trainer::new(engine, optimizer, self.schedule.clone(), self.grad_clip);
         trainer.scaling = strategy.grad_scaling()?;
-        trainer.prepare_input = self.prepare_input.clone();
-        if let Some(loss) = &self.loss_func {
-            trainer.loss_func = loss.clone();
-        }
+        trainer.set_feed(&self.feed);
         Ok(trainer)
     }
 
@@ -196,10 +191,7 @@ impl Bench<'_> {
             micro_batches,
             split: None,
         })?;
-        trainer.prepare_input = self.prepare_input.clone();
-        if let Some(loss) = &self.loss_func {
-            trainer.loss_func = loss.clone();
-        }
+        trainer.set_feed(&self.feed);
         Ok(trainer)
     }
 }
@@ -378,8 +370,8 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         .ok_or_else(|| Error::Data("no batch to profile".into()))?;
     let start = Instant::now();
     engine.set_layout(batch.layout.as_ref());
-    let out = engine.forward(&(bench.prepare_input)(batch)?)?;
-    let loss = bench.loss_func.clone().unwrap_or_else(crate::train::next_token_loss);
+    let out = engine.forward(&(bench.feed.input)(batch)?)?;
+    let loss = bench.feed.loss_of(&engine);
     engine.backward(&engine.compute_loss(|| loss(&out, batch))?)?;
     let step_seconds = start.elapsed().as_secs_f64();
     let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).clone();

@@ -21,7 +21,7 @@ use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
 use crate::parallel::{self, DataParallelOptions, RankLayout, DEFAULT_BUCKET_BYTES};
 use crate::strategy::{BackwardPrefetch, Dim, LoraConfig, Method, ParallelMode, ShardMethod, Strategy, StrategySource};
-use crate::train::{token_input, InputFn, LossFn, Trainer};
+use crate::train::{token_input, Feed, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
 use bench::Bench;
 pub use candidate::{Candidate, Layout};
@@ -250,10 +250,7 @@ pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usiz
     let optimizer = Optimizer::new(&mut engine, job.optim.clone(), &job.optim_param_func)?;
     let mut trainer = Trainer::new(engine, optimizer, job.lr_scheduler.clone(), job.grad_clip);
     trainer.scaling = strategy.grad_scaling()?;
-    trainer.prepare_input = job.prepare_input.clone();
-    if let Some(loss) = &job.loss_func {
-        trainer.loss_func = loss.clone();
-    }
+    trainer.set_feed(&bench.feed);
     let loader = DataLoader::new(job.dataset.clone(), loader_config(job, &mode)?, job.dataloader_args.order.clone())?;
     let args = PreparedArgs {
         use_optim_backward: false,
@@ -308,8 +305,7 @@ fn bench<'a>(
         schedule: job.lr_scheduler.clone(),
         grad_clip: job.grad_clip,
         placement: placement(job, bucket_bytes),
-        prepare_input: job.prepare_input.clone(),
-        loss_func: job.loss_func.clone(),
+        feed: Feed { input: job.prepare_input.clone(), loss: job.loss_func.clone() },
         steps: batches,
         world,
         started: std::time::Instant::now(),

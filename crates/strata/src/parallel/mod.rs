@@ -27,6 +27,7 @@ use crate::strategy::{
     select_units, AmpConfig, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ParallelMode, ShardMethod,
     ShardingStrategy, Stage, Strategy,
 };
+use crate::train::Feed;
 use crate::{Error, Result};
 use std::sync::Arc;
 use zero::{ShardGroups, ShardHomes, ShardOffload, Zero, ZeroOptions};
@@ -80,6 +81,7 @@ impl<'a> RankLayout<'a> {
         config: &EngineConfig,
         strategy: &Strategy,
         step: &crate::data::Step,
+        feed: &Feed,
     ) -> Result<RankLayout<'a>> {
         let mut at = self.clone();
         let resident_under_budget = strategy.offload().is_none()
@@ -88,10 +90,10 @@ impl<'a> RankLayout<'a> {
             && self.world_size() == 1
             && !self.stage;
         if strategy.offload_plan().is_some() || resident_under_budget {
-            at.non_model = Some(measure_non_model(spec, config.clone(), strategy, self, step)?);
+            at.non_model = Some(measure_non_model(spec, config.clone(), strategy, self, step, feed)?);
         } else if strategy.offload().is_some_and(|o| o.policy == OffloadPolicy::Auto) && config.device_budget.is_some()
         {
-            at.shard_floor = Some(measure_shard_floor(spec, config.clone(), strategy, self, step)?);
+            at.shard_floor = Some(measure_shard_floor(spec, config.clone(), strategy, self, step, feed)?);
         }
         Ok(at)
     }
@@ -424,6 +426,7 @@ pub fn measure_shard_floor(
     strategy: &Strategy,
     at: &RankLayout,
     step: &crate::data::Step,
+    feed: &Feed,
 ) -> Result<u64> {
     let (Some((name, shard)), Some(offload)) = (strategy.sharding(), strategy.offload()) else {
         return Err(Error::Config("measuring a step's floor needs a ZeRO stage beside offload".into()));
@@ -437,6 +440,8 @@ pub fn measure_shard_floor(
     let (mut engine, trace) = traced_engine(spec, config, strategy, at, &on_host)?;
     let optimizer = crate::optim::Optimizer::new(&mut engine, crate::optim::OptimizerConfig::default(), &[])?;
     let mut trainer = crate::train::Trainer::new(engine, optimizer, crate::optim::LrSchedule::Constant, None);
+    trainer.prepare_input = feed.input.clone();
+    trainer.loss_func = feed.loss_of(&trainer.engine);
     for _ in 0..2 {
         trainer.train_step(step)?;
     }
@@ -470,7 +475,7 @@ fn traced_engine(
 }
 
 /// Per moment of a step, the device bytes beside model states that `step`'s forwards and
-/// backwards (next-token loss on the token ids) need under `strategy`'s compute methods:
+/// backwards (fed and scored by `feed`) need under `strategy`'s compute methods:
 /// measured once on an engine built as `strategy` says but with every state on the host
 /// and no budgets, the least the device can hold. Offload's plan leaves room for them
 /// ([`RankLayout::non_model`]), so a run within the budget never runs out mid-step.
@@ -480,16 +485,17 @@ pub fn measure_non_model(
     strategy: &Strategy,
     at: &RankLayout,
     step: &crate::data::Step,
+    feed: &Feed,
 ) -> Result<Vec<u64>> {
     if strategy.sharding().is_some() {
         return Err(Error::Config("measuring room beside model states needs a strategy without a ZeRO stage".into()));
     }
     let offload = strategy.offload_plan().cloned().unwrap_or_default();
     let (mut engine, trace) = traced_engine(spec, config, strategy, at, &offload.everything_on_host())?;
-    let loss = crate::train::next_token_loss_of(&engine);
+    let loss = feed.loss_of(&engine);
     for (i, batch) in step.micro_batches.iter().enumerate() {
         engine.set_layout(batch.layout.as_ref());
-        let output = engine.forward(&batch.inputs)?;
+        let output = engine.forward(&(feed.input)(batch)?)?;
         let weighted = engine.compute_loss(|| loss(&output, batch))?.f_mul_scalar(step.loss_weight(i))?;
         engine.backward(&weighted)?;
     }

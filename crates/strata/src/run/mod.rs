@@ -37,7 +37,7 @@ use crate::parallel::{self, DataParallelOptions};
 use crate::patrickstar::PatrickStarConfig;
 use crate::profile::Profiler;
 use crate::strategy::{Dim, LoraConfig, Strategy};
-use crate::train::{InputFn, LossFn, StepReport};
+use crate::train::{token_input, Feed, InputFn, LossFn, StepReport};
 use crate::{Error, Result};
 use runner::Runner;
 use std::path::{Path, PathBuf};
@@ -237,6 +237,13 @@ pub struct RunConfig {
     pub log_every: u64,
     /// A progress bar on standard error (rank 0).
     pub progress: bool,
+}
+
+impl RunConfig {
+    /// What the run feeds its model and scores it by.
+    pub(crate) fn feed(&self) -> Feed {
+        Feed { input: self.prepare_input.clone().unwrap_or_else(token_input), loss: self.loss.clone() }
+    }
 }
 
 impl Default for RunConfig {

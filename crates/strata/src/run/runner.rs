@@ -80,18 +80,14 @@ impl Runner {
                 &s.engine,
                 s.strategy,
                 &first,
+                &c.feed(),
             )?;
         }
         let mut engine = parallel::build_engine(spec, s.engine.clone(), s.strategy, &placement)?;
         load_initial_weights(&c.init, &mut engine)?;
         let optimizer = Optimizer::new(&mut engine, c.optimizer.clone(), &[])?;
         let mut trainer = Trainer::new(engine, optimizer, c.schedule.clone(), c.grad_clip);
-        if let Some(loss) = &c.loss {
-            trainer.loss_func = loss.clone();
-        }
-        if let Some(input) = &c.prepare_input {
-            trainer.prepare_input = input.clone();
-        }
+        trainer.set_feed(&c.feed());
         trainer.scaling = s.strategy.grad_scaling()?;
         if c.cuda_graph {
             trainer.capture_cuda_graph(super::CUDA_GRAPH_WARMUP)?;
@@ -117,7 +113,9 @@ impl Runner {
             micro_batches: c.accumulation,
             split,
         };
+        // The unit costs are measured as the run feeds and scores its model.
         let mut trainer = PipelineTrainer::new(setup(None))?;
+        trainer.set_feed(&c.feed());
         let pipeline = s.strategy.pipeline_parallel().unwrap_or_default();
         if pipeline.stages.is_none() && pipeline.balance == Balance::Measured {
             // The run's first step times the units.
@@ -139,12 +137,7 @@ impl Runner {
                 );
             }
             trainer = PipelineTrainer::new(setup(Some(split)))?;
-        }
-        if let Some(loss) = &c.loss {
-            trainer.loss_func = loss.clone();
-        }
-        if let Some(input) = &c.prepare_input {
-            trainer.prepare_input = input.clone();
+            trainer.set_feed(&c.feed());
         }
         for engine in trainer.engines() {
             load_initial_weights(&c.init, engine)?;

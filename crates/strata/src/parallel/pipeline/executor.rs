@@ -12,8 +12,8 @@ use crate::model::{ModelSpec, ParamId};
 use crate::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use crate::strategy::{Dim, ShardMethod, Strategy};
 use crate::train::{
-    next_token_loss, next_token_loss_of, token_input, GradScaling, HostUpdating, InputFn, LossFn, PipelineFigures,
-    StepReport,
+    next_token_loss, next_token_loss_of, token_input, Feed, GradScaling, HostUpdating, InputFn, LossFn,
+    PipelineFigures, StepReport,
 };
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -249,6 +249,15 @@ fn complete_from(units: &[usize]) -> Vec<usize> {
 }
 
 impl PipelineTrainer {
+    /// Feeds the first stage and scores the last as `feed` says (a loss left out keeps the
+    /// next-token loss).
+    pub fn set_feed(&mut self, feed: &Feed) {
+        self.prepare_input = feed.input.clone();
+        if let Some(loss) = &feed.loss {
+            self.loss_func = loss.clone();
+        }
+    }
+
     pub fn new(setup: PipelineSetup<'_>) -> Result<PipelineTrainer> {
         let config = setup.strategy.pipeline_parallel().unwrap_or_default();
         let world = setup.comm.map_or(1, Comm::size);
