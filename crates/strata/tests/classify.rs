@@ -1,6 +1,8 @@
 //! A BERT classifier trained by the library's run (`strata::run::train`) on labeled texts:
 //! records read and encoded, batched by the data loader with each row's padding and token
 //! types, the loss falling and the held-out accuracy above chance.
+mod common;
+
 use strata::data::{predictions, read_labeled, scores, ClassifySet, LabeledText, RowSet, Tokenizer};
 use strata::engine::{Engine, EngineConfig};
 use strata::model::{BertConfig, BertHead, ModelConfig};
@@ -95,18 +97,7 @@ fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
     let path = dir.path().join("train.jsonl");
     std::fs::write(&path, reviews(64, 1)).unwrap();
     let set = ClassifySet::encode(&read_labeled(&path, &labels).unwrap(), &Tokenizer::Bytes, 64, 0, "train").unwrap();
-    let model = Model::from(ModelConfig::Bert(BertConfig {
-        vocab: 256,
-        max_positions: 64,
-        type_vocab: 2,
-        layers: 1,
-        heads: 2,
-        dim: 16,
-        ffn_dim: 32,
-        norm_eps: 1e-12,
-        padding: Some(0),
-        head: BertHead::Classify { labels },
-    }));
+    let model = Model::from(ModelConfig::Bert(common::tiny_bert_classifier(64, 2, &["negative", "positive"])));
     // Calls of prepare_input and of the loss in a run under `strategy`.
     let calls = |strategy: run::StrategySource| {
         let (inputs, losses) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -155,26 +146,13 @@ fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
 /// meet the embedding's bound), naming the data.
 #[test]
 fn text_pairs_are_refused_before_training_by_a_model_of_one_token_type() {
-    let labels = vec!["negative".to_string(), "positive".to_string()];
     let records = vec![
         LabeledText { text: "good film".into(), pair: Some("good cast".into()), label: 1 },
         LabeledText { text: "bad plot".into(), pair: None, label: 0 },
     ];
     let set = ClassifySet::encode(&records, &Tokenizer::Bytes, 32, 0, "pairs.jsonl").unwrap();
-    let config = BertConfig {
-        vocab: 256,
-        max_positions: 32,
-        type_vocab: 1,
-        layers: 1,
-        heads: 2,
-        dim: 16,
-        ffn_dim: 32,
-        norm_eps: 1e-12,
-        padding: Some(0),
-        head: BertHead::Classify { labels },
-    };
     let run_config = RunConfig { steps: 1, batch_size: 2, ctx: 32, ..RunConfig::default() };
-    let model = Model::from(ModelConfig::Bert(config));
+    let model = Model::from(ModelConfig::Bert(common::tiny_bert_classifier(32, 1, &["negative", "positive"])));
     let err = run::train(&model, &Data::new(set), &run_config, &mut []).unwrap_err().to_string();
     assert!(err.contains("pairs.jsonl holds token type 1"), "{err}");
     assert!(err.contains("the model has 1 token type"), "{err}");

@@ -13,7 +13,7 @@ use strata::compute::fp8::{self, Fp8Config, Fp8Unit};
 use strata::compute::{self, UnitCompute};
 use strata::data::{Batch, ClassifySet, LabeledText, RowSet, Step, Tokenizer};
 use strata::engine::{memory, with_seed, Engine, EngineConfig};
-use strata::model::{layers, BertConfig, BertHead, GptConfig, LlamaConfig, ModelConfig};
+use strata::model::{layers, GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use strata::parallel::{build_engine, RankLayout};
 use strata::strategy::Strategy;
@@ -131,18 +131,7 @@ fn the_engine_on_a_gpu_matches_the_cpu_in_fp32() {
 #[test]
 fn a_bert_forward_on_a_gpu_waits_for_nothing() {
     let Some((gpu, _serial)) = gpu("a_bert_forward_on_a_gpu_waits_for_nothing") else { return };
-    let config = BertConfig {
-        vocab: 256,
-        max_positions: 32,
-        type_vocab: 2,
-        layers: 1,
-        heads: 2,
-        dim: 16,
-        ffn_dim: 32,
-        norm_eps: 1e-12,
-        padding: Some(0),
-        head: BertHead::Classify { labels: vec!["no".into(), "yes".into()] },
-    };
+    let config = common::tiny_bert_classifier(32, 2, &["no", "yes"]);
     let records = [
         LabeledText { text: "good film".into(), pair: Some("good cast".into()), label: 1 },
         LabeledText { text: "bad".into(), pair: None, label: 0 },

@@ -9,6 +9,23 @@ use strata::engine::with_seed;
 use strata::model::layers;
 use tch::{Device, Kind, Tensor};
 
+/// A BERT classifier of one block, 16 wide, over byte ids, labelling `labels`, for texts
+/// of up to `max_positions` tokens in `type_vocab` token types.
+pub fn tiny_bert_classifier(max_positions: i64, type_vocab: i64, labels: &[&str]) -> strata::model::BertConfig {
+    strata::model::BertConfig {
+        vocab: 256,
+        max_positions,
+        type_vocab,
+        layers: 1,
+        heads: 2,
+        dim: 16,
+        ffn_dim: 32,
+        norm_eps: 1e-12,
+        padding: Some(0),
+        head: strata::model::BertHead::Classify { labels: labels.iter().map(|l| l.to_string()).collect() },
+    }
+}
+
 /// ‖a − b‖ / ‖b‖, in f64 on the CPU.
 pub fn rel(a: &Tensor, b: &Tensor) -> f64 {
     let (a, b) = (a.to_device(Device::Cpu).to_kind(Kind::Double), b.to_device(Device::Cpu).to_kind(Kind::Double));
