@@ -129,8 +129,9 @@ pub fn run(args: BenchSearchArgs) -> Result<()> {
             base.extend(["--device-memory".to_string(), b.to_string()]);
         }
         let mut searched = base.clone();
-        // A dry run that fails on some pipeline stages leaves the others waiting for their
-        // peers until the communication timeout: a short one keeps the exhaustive search short.
+        // A dry run that fails on some ranks while the others still make its groups leaves
+        // them waiting until the communication timeout (a failure later on gives up on the
+        // groups at once): a short one keeps the exhaustive search short.
         searched.extend(["--comm-timeout".to_string(), "30".into()]);
         if let Some(methods) = &args.excluded {
             searched.extend(["--excluded".to_string(), methods.clone()]);

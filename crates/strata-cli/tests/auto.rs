@@ -167,7 +167,8 @@ fn four_ranks_where_only_a_pipeline_fits_train_on_stages() {
         "module_replace,amp_native,offload",
         "--search-report",
         report.to_str().unwrap(),
-        // A dry run failing on some stages leaves the others waiting this long.
+        // A dry run failing on some stages while others still make its groups leaves them
+        // waiting this long.
         "--comm-timeout",
         "30",
     ];
