@@ -674,7 +674,16 @@ impl Strategy {
             match m {
                 Method::Checkpoint(c) => keep(&mut c.wrap_class, "checkpoint")?,
                 Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => {
-                    keep(&mut c.atorch_ignored_cls, "atorch_ignored_cls")?
+                    keep(&mut c.atorch_ignored_cls, "atorch_ignored_cls")?;
+                    if !c.atorch_wrap_cls.is_empty() {
+                        keep(&mut c.atorch_wrap_cls, "atorch_wrap_cls")?;
+                        // A stage holding none of the named units wraps none of its own on
+                        // its own, as the whole model would; an empty list would wrap every
+                        // unit, so the stage says it as a size no unit reaches.
+                        if c.atorch_wrap_cls.is_empty() {
+                            c.atorch_size_based_min_num_params = Some(u64::MAX);
+                        }
+                    }
                 }
                 _ => {}
             }
@@ -702,7 +711,8 @@ mod tests {
     use super::*;
 
     /// A stage keeps the units of the lists it has; names are checked against the whole
-    /// model, so a stage without blocks is not refused for recomputing them.
+    /// model, so a stage without blocks is not refused for recomputing or wrapping them, and
+    /// each stage wraps its units as the whole model does.
     #[test]
     fn a_stage_s_strategy_keeps_its_own_units_of_the_lists() {
         let model = crate::model::ModelConfig::Gpt(crate::model::GptConfig::new(64, 16, 2, 2, 16));
@@ -718,6 +728,15 @@ mod tests {
         assert_eq!(strategy.for_stage(&whole, &blocks).unwrap().checkpoint().unwrap().wrap_class, ["GptBlock"]);
         let unknown = Strategy::from_value(&serde_json::json!([["checkpoint", ["Nope"]]])).unwrap();
         assert!(unknown.for_stage(&whole, &first).is_err(), "a name no unit of the model has");
+        let wrapped = Strategy::parse(r#"[["fsdp", {"atorch_wrap_cls": ["GptBlock"]}]]"#).unwrap();
+        let roles = |strategy: &Strategy, spec: &ModelSpec| strategy.sharding().unwrap().1.wrap(spec).unwrap();
+        let mut staged = vec![];
+        for (start, end) in [(0, 1), (1, 3), (3, 4)] {
+            let stage = model.spec().unwrap().stage(start, end).unwrap();
+            staged.extend(roles(&wrapped.for_stage(&whole, &stage).unwrap(), &stage));
+        }
+        assert_eq!(staged, roles(&wrapped, &whole), "embedding and head at the root, blocks on their own");
+        assert_eq!(staged, [Wrap::Root, Wrap::Own, Wrap::Own, Wrap::Root]);
     }
 
     #[test]
