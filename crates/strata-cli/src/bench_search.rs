@@ -129,9 +129,8 @@ pub fn run(args: BenchSearchArgs) -> Result<()> {
             base.extend(["--device-memory".to_string(), b.to_string()]);
         }
         let mut searched = base.clone();
-        // A dry run that fails on some ranks while the others still make its groups leaves
-        // them waiting until the communication timeout (a failure later on gives up on the
-        // groups at once): a short one keeps the exhaustive search short.
+        // A dry run failing on some ranks gives up at once; the timeout still bounds a rank
+        // that stalls without failing: a short one keeps the exhaustive search short.
         searched.extend(["--comm-timeout".to_string(), "30".into()]);
         if let Some(methods) = &args.excluded {
             searched.extend(["--excluded".to_string(), methods.clone()]);

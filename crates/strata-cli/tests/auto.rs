@@ -167,8 +167,7 @@ fn four_ranks_where_only_a_pipeline_fits_train_on_stages() {
         "module_replace,amp_native,offload",
         "--search-report",
         report.to_str().unwrap(),
-        // A dry run failing on some stages while others still make its groups leaves them
-        // waiting this long.
+        // A rank that stalls in a dry run without failing holds the others this long.
         "--comm-timeout",
         "30",
     ];

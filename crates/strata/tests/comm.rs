@@ -541,30 +541,38 @@ fn aligned_group_counts_let_ranks_that_made_different_numbers_of_groups_meet_aga
     assert_eq!(sums, [[2.0; 3], [2.0; 3]]);
 }
 
-/// A rank whose work failed gives up on that work's groups: a peer waiting there for it
-/// fails within a poll, naming the reason, long before the group's timeout (two minutes
-/// here), even while the group itself stays open on the rank that gave up, and the job goes
-/// on in the groups made after.
+/// A rank whose attempt failed gives up on it: a peer waiting for it in a collective of
+/// the attempt's groups, or for it to make one of them, fails within a poll, naming the
+/// reason, long before the group's timeout (two minutes here), even while the rank that gave
+/// up keeps its groups open; and the job goes on in the groups made after the attempt.
 #[test]
 fn ranks_waiting_on_a_rank_that_gave_up_fail_with_its_reason_and_the_job_goes_on() {
     let outcomes = common::ranks::threads(2, Duration::from_secs(120), |rank, comm| {
-        let made = comm.groups_made();
+        // Made before the attempt, the world outlives it.
+        let world = comm.world().unwrap();
+        let attempt = comm.attempt();
         let pair = comm.new_group(&[0, 1]).unwrap().unwrap();
         let waited = if rank == 1 {
-            // Rank 0 never sends.
+            // Rank 0 never sends, and never makes the second group.
             let t = Tensor::zeros([4], (Kind::Float, Device::Cpu));
-            Some(pair.recv(&t, 0).unwrap().wait().unwrap_err().to_string())
+            let in_collective = pair.recv(&t, 0).unwrap().wait().unwrap_err().to_string();
+            let making_a_group = comm.new_group(&[0, 1]).err().expect("rank 0 never makes it").to_string();
+            Some([in_collective, making_a_group])
         } else {
-            comm.give_up_groups_since(made, "stage 0 ran out of memory").unwrap();
+            attempt.give_up("stage 0 ran out of memory").unwrap();
             None
         };
+        drop(attempt);
+        // Rank 1 counted the group it tried to make.
+        comm.align_groups(world.as_ref()).unwrap();
         let after = comm.new_group(&[0, 1]).unwrap().unwrap();
         let t = Tensor::ones([3], (Kind::Float, Device::Cpu));
         after.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap();
         drop(pair);
         (waited, Vec::<f32>::try_from(&t).unwrap())
     });
-    let message = outcomes[1].0.as_deref().unwrap();
-    assert!(message.contains("gave up on this group: rank 0: stage 0 ran out of memory"), "{message}");
+    for message in outcomes[1].0.as_ref().unwrap() {
+        assert!(message.contains("gave up on this group: rank 0: stage 0 ran out of memory"), "{message}");
+    }
     assert!(outcomes.iter().all(|(_, sums)| sums == &[2.0; 3]), "{outcomes:?}");
 }

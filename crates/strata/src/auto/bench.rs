@@ -92,13 +92,15 @@ impl Bench<'_> {
     /// Dry-runs `strategy`; the outcome every rank agrees on ([`agree_outcome`]).
     pub fn trial(&self, strategy: &Strategy, budget: Option<u64>) -> Result<Outcome> {
         let started = Instant::now();
-        let made = self.placement.comm.map(Comm::groups_made);
+        let attempt = self.placement.comm.map(Comm::attempt);
         let result = self.dry_run(strategy);
         // Peers still waiting on this rank in the dry run's groups (a pipeline's later
-        // stages, a collective this rank never joined) stop waiting now, not at the timeout.
-        if let (Err(e), Some(comm), Some(made)) = (&result, self.placement.comm, made) {
-            comm.give_up_groups_since(made, &e.to_string())?;
+        // stages, a collective this rank never joined, a group it never made) stop waiting
+        // now, not at the timeout.
+        if let (Err(e), Some(attempt)) = (&result, &attempt) {
+            attempt.give_up(&e.to_string())?;
         }
+        drop(attempt);
         let outcome = agree_outcome(self.world.as_deref(), &result, started.elapsed().as_secs_f64(), budget)?;
         // A dry run that failed on some rank (every rank agrees it did) may have left the
         // ranks with different numbers of groups made.

@@ -129,19 +129,29 @@ pub struct Work {
     given_up: Option<Arc<GivenUp>>,
 }
 
-/// Where the job records that it gave up on a group ([`Comm::give_up_groups_since`]): a
-/// wait on the group's work that has lasted [`GIVEN_UP_POLL`] looks there, so the ranks a
-/// failed rank leaves waiting fail at once instead of at the group's timeout.
-struct GivenUp {
+/// Where the job records that it gave up on an attempt ([`Attempt::give_up`]): a wait on
+/// the work of a group the attempt made, or for a peer making one, looks there once it has
+/// lasted [`GIVEN_UP_POLL`], so the ranks a failed rank leaves waiting fail at once instead
+/// of at the group's timeout.
+#[derive(Clone)]
+pub struct GivenUp {
     store: Arc<Store>,
     key: String,
 }
 
 /// How often a blocked wait looks whether the job gave up on its group.
-const GIVEN_UP_POLL: Duration = Duration::from_secs(1);
+pub(crate) const GIVEN_UP_POLL: Duration = Duration::from_secs(1);
 
 impl GivenUp {
-    /// The reason the job gave up on the group, if it did.
+    /// An error naming why, where the job gave up.
+    fn check(&self) -> Result<()> {
+        match self.reason()? {
+            Some(why) => Err(Error::Comm(format!("the job gave up on this group: {why}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// The reason the job gave up, if it did.
     fn reason(&self) -> Result<Option<String>> {
         if !self.store.check(&[&self.key])? {
             return Ok(None);
@@ -235,9 +245,7 @@ impl Work {
         let mut look = |now: Instant| -> Result<()> {
             if let (Some(given_up), true) = (&self.given_up, now >= next_look) {
                 next_look = now + GIVEN_UP_POLL;
-                if let Some(why) = given_up.reason()? {
-                    return Err(Error::Comm(format!("the job gave up on this group: {why}")));
-                }
+                given_up.check()?;
             }
             Ok(())
         };
@@ -390,6 +398,32 @@ pub struct GroupSetup {
     pub world_size: usize,
     /// Timeout of every wait.
     pub timeout: Duration,
+    /// Where the job says it gave up on the work making this group (`None`: work it
+    /// never gives up on).
+    pub given_up: Option<GivenUp>,
+}
+
+impl GroupSetup {
+    /// The value of `key`, waiting for a peer to set it as [`Store::get`] does; an error
+    /// within [`GIVEN_UP_POLL`] where the job gives up on the work making this group.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let Some(given_up) = &self.given_up else { return self.store.get(key) };
+        let deadline = Instant::now() + self.store.timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || self.store.check(&[key])? {
+                return self.store.get_timeout(key, left);
+            }
+            given_up.check()?;
+            // A timeout here is the poll's; the next round tells.
+            let _ = self.store.wait(&[key], left.min(GIVEN_UP_POLL));
+        }
+    }
+
+    /// Fails where the job gave up on the work making this group.
+    pub fn check_given_up(&self) -> Result<()> {
+        self.given_up.as_ref().map_or(Ok(()), GivenUp::check)
+    }
 }
 
 /// Builds a backend's group.
@@ -463,7 +497,7 @@ struct DeviceDispatch {
     /// How observed collectives name this group.
     label: Arc<str>,
     observer: ObserverSlot,
-    given_up: Arc<GivenUp>,
+    given_up: Option<Arc<GivenUp>>,
 }
 
 impl DeviceDispatch {
@@ -489,7 +523,7 @@ impl DeviceDispatch {
         let observer = self.observer.read().unwrap_or_else(|e| e.into_inner()).clone();
         let issued = Instant::now();
         let mut work = call()?;
-        work.given_up = Some(self.given_up.clone());
+        work.given_up = self.given_up.clone();
         Ok(match observer {
             Some(observer) => work.watched(Watch {
                 observer,
@@ -561,9 +595,29 @@ impl ProcessGroup for DeviceDispatch {
     }
 }
 
-/// The store key that says the job gave up on group `id`.
-fn given_up_key(id: usize) -> String {
-    format!("group{id}/given-up")
+/// Work whose groups the job gives up on together where it fails on a rank
+/// ([`Comm::attempt`]): a dry run of a search.
+pub struct Attempt<'a> {
+    comm: &'a Comm,
+    given_up: GivenUp,
+}
+
+impl Attempt<'_> {
+    /// Records, for every rank, that the job gave up on this attempt because of `why` (it
+    /// failed here): ranks waiting in its groups' collectives, or for a peer making one of
+    /// them, fail within a second with `why` instead of at the timeout. The first reason
+    /// given stays. The attempt's groups are not to be used again.
+    pub fn give_up(&self, why: &str) -> Result<()> {
+        let reason = format!("rank {}: {why}", self.comm.rank);
+        self.given_up.store.compare_set(&self.given_up.key, b"", reason.as_bytes()).map(drop)
+    }
+}
+
+impl Drop for Attempt<'_> {
+    /// Groups made from here on belong to no attempt.
+    fn drop(&mut self) {
+        *self.comm.attempt.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
 }
 
 /// This process's membership in a job: the store, its rank, and how to make groups.
@@ -574,6 +628,10 @@ pub struct Comm {
     spec: String,
     timeout: Duration,
     groups_made: Mutex<usize>,
+    /// Attempts begun (every rank begins the same ones, in the same order), and where the
+    /// one under way keeps its word on giving up.
+    attempts: Mutex<usize>,
+    attempt: Mutex<Option<GivenUp>>,
     observer: ObserverSlot,
     /// Kept alive on the rank that hosts the store.
     _server: Option<StoreServer>,
@@ -600,6 +658,8 @@ impl Comm {
             spec: spec.to_string(),
             timeout,
             groups_made: Mutex::new(0),
+            attempts: Mutex::new(0),
+            attempt: Mutex::new(None),
             observer: ObserverSlot::default(),
             _server: server,
         })
@@ -640,23 +700,15 @@ impl Comm {
         Ok(())
     }
 
-    /// How many groups this rank has made (or counted, see [`Comm::align_groups`]): the
-    /// number the next group made follows.
-    pub fn groups_made(&self) -> usize {
-        *self.groups_made.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Records, for every rank, that the job gave up on the groups numbered after `made`
-    /// (a [`Comm::groups_made`] taken before the work that made them) because of `why`: the
-    /// work failed here, and ranks still waiting in those groups' collectives for this one
-    /// fail within a second with `why` instead of at the timeout. The first reason given
-    /// for a group stays. Those groups are not to be used again.
-    pub fn give_up_groups_since(&self, made: usize, why: &str) -> Result<()> {
-        let reason = format!("rank {}: {why}", self.rank);
-        for id in made + 1..=self.groups_made() {
-            self.store.compare_set(&given_up_key(id), b"", reason.as_bytes())?;
-        }
-        Ok(())
+    /// Begins work whose groups the job gives up on together where it fails on some rank
+    /// ([`Attempt::give_up`]); it ends when the attempt is dropped. Every rank begins the
+    /// same attempts in the same order (an attempt is named by their count).
+    pub fn attempt(&self) -> Attempt<'_> {
+        let mut count = self.attempts.lock().unwrap_or_else(|e| e.into_inner());
+        *count += 1;
+        let given_up = GivenUp { store: self.store.clone(), key: format!("attempt{count}/given-up") };
+        *self.attempt.lock().unwrap_or_else(|e| e.into_inner()) = Some(given_up.clone());
+        Attempt { comm: self, given_up }
     }
 
     /// The group of all ranks.
@@ -697,6 +749,7 @@ impl Comm {
             return Err(Error::Comm(format!("group ranks {ranks:?} must be distinct and non-empty")));
         }
         let Some(local) = ranks.iter().position(|&r| r == self.rank) else { return Ok(None) };
+        let given_up = self.attempt.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut by_device = Vec::new();
         for (device, backend) in parse_backend_spec(spec)? {
             let setup = GroupSetup {
@@ -707,6 +760,7 @@ impl Comm {
                 ranks: ranks.to_vec(),
                 world_size: self.size,
                 timeout,
+                given_up: given_up.clone(),
             };
             let mut group = factory(&backend)?(&setup)?;
             // The built-in ring backends move host memory: GPU tensors go through it.
@@ -716,13 +770,12 @@ impl Comm {
             by_device.push((device, group));
         }
         let label = format!("group {id} {ranks:?} {spec}").into();
-        let given_up = Arc::new(GivenUp { store: self.store.clone(), key: given_up_key(id) });
         Ok(Some(Box::new(DeviceDispatch {
             name: spec.to_string(),
             by_device,
             label,
             observer: self.observer.clone(),
-            given_up,
+            given_up: given_up.map(Arc::new),
         })))
     }
 }

@@ -38,7 +38,7 @@ impl NcclGroup {
             setup.store.set(&key, &id)?;
             id
         } else {
-            let bytes = setup.store.get(&key)?;
+            let bytes = setup.get(&key)?;
             bytes.try_into().map_err(|_| Error::Comm("malformed NCCL id in the store".into()))?
         };
         let comm = Communicator::init(&id, setup.size, setup.rank, device)?;

@@ -140,7 +140,7 @@ impl ShmTransport {
             setup.store.set(&key("path"), path.as_bytes())?;
             path
         } else {
-            String::from_utf8_lossy(&setup.store.get(&key("path"))?).into_owned()
+            String::from_utf8_lossy(&setup.get(&key("path"))?).into_owned()
         };
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -158,7 +158,7 @@ impl ShmTransport {
         setup.store.set(&key(&format!("pid/{rank}")), std::process::id().to_string().as_bytes())?;
         let mut pids = Vec::with_capacity(size);
         for peer in 0..size {
-            let text = String::from_utf8_lossy(&setup.store.get(&key(&format!("pid/{peer}")))?).into_owned();
+            let text = String::from_utf8_lossy(&setup.get(&key(&format!("pid/{peer}")))?).into_owned();
             pids.push(text.parse().map_err(|_| peer_error(peer, "published no process id"))?);
         }
         // Every rank has mapped the segment once all pids are in; then it can go.
@@ -195,7 +195,7 @@ impl ShmTransport {
         setup.store.set(&key(format!("probe/{}", self.rank)), format!("{} {}", here.id, here.fd).as_bytes())?;
         let mut ok = true;
         for peer in (0..self.size).filter(|&p| p != self.rank) {
-            let text = String::from_utf8_lossy(&setup.store.get(&key(format!("probe/{peer}")))?).into_owned();
+            let text = String::from_utf8_lossy(&setup.get(&key(format!("probe/{peer}")))?).into_owned();
             let mut parts = text.split(' ').map(str::parse::<u64>);
             let (Some(Ok(id)), Some(Ok(fd))) = (parts.next(), parts.next()) else {
                 return Err(peer_error(peer, format!("published a bad probe {text:?}")));
@@ -208,7 +208,7 @@ impl ShmTransport {
         }
         setup.store.set(&key(format!("probe-ok/{}", self.rank)), if ok { b"1" } else { b"0" })?;
         for peer in 0..self.size {
-            ok &= setup.store.get(&key(format!("probe-ok/{peer}")))? == b"1";
+            ok &= setup.get(&key(format!("probe-ok/{peer}")))? == b"1";
         }
         Ok(ok)
     }
@@ -536,6 +536,7 @@ mod tests {
                     ranks: vec![0, 1],
                     world_size: 2,
                     timeout: Duration::from_secs(30),
+                    given_up: None,
                 };
                 body(rank, ShmTransport::connect(&setup).unwrap())
             })

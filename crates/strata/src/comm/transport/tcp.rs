@@ -1,7 +1,7 @@
 //! The TCP transport: a full mesh of authenticated connections between the ranks, for
 //! groups that span hosts.
 use super::{peer_error, Transport};
-use crate::comm::{auth, GroupSetup};
+use crate::comm::{auth, GroupSetup, GIVEN_UP_POLL};
 use crate::{Error, Result};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -37,7 +37,7 @@ impl TcpTransport {
         let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         let io = |peer: usize| move |e: std::io::Error| peer_error(peer, format!("connection failed: {e}"));
         for (peer, slot) in streams.iter_mut().enumerate().take(rank) {
-            let text = String::from_utf8_lossy(&setup.store.get(&format!("{}tcp/{peer}", setup.prefix))?).into_owned();
+            let text = String::from_utf8_lossy(&setup.get(&format!("{}tcp/{peer}", setup.prefix))?).into_owned();
             let peer_addr: SocketAddr = text.parse().map_err(|_| peer_error(peer, format!("bad address {text:?}")))?;
             let mut s = TcpStream::connect_timeout(&peer_addr, setup.timeout).map_err(io(peer))?;
             auth::connect(&mut s, token, &context(rank), &format!("rank {peer}"))?;
@@ -51,6 +51,7 @@ impl TcpTransport {
         let expected: Vec<(usize, Vec<u8>)> = (rank + 1..size).map(|p| (p, context(p))).collect();
         let (joined, arrivals) = std::sync::mpsc::channel();
         let mut in_flight = 0usize;
+        let mut next_look = Instant::now() + GIVEN_UP_POLL;
         while streams.iter().skip(rank + 1).any(Option::is_none) {
             while let Ok(arrival) = arrivals.try_recv() {
                 in_flight -= 1;
@@ -61,11 +62,17 @@ impl TcpTransport {
             if streams.iter().skip(rank + 1).all(Option::is_some) {
                 break;
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 return Err(Error::Comm(format!(
                     "rank {rank}: higher ranks did not connect within {:?}",
                     setup.timeout
                 )));
+            }
+            // A peer that never comes because the job gave up on this group's work.
+            if now >= next_look {
+                next_look = now + GIVEN_UP_POLL;
+                setup.check_given_up()?;
             }
             if in_flight >= MAX_HANDSHAKES {
                 std::thread::sleep(Duration::from_millis(2));
@@ -168,6 +175,7 @@ mod tests {
             ranks: vec![0, 1],
             world_size: 2,
             timeout: Duration::from_secs(30),
+            given_up: None,
         }
     }
 
