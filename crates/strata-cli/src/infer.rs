@@ -191,10 +191,10 @@ fn eval_records(args: &EvalArgs, loaded: &mut Loaded) -> Result<bool> {
             let line = format!("validation loss {:.6} on {} masked tokens", r.loss, r.masked_tokens);
             (serde_json::to_value(r)?, line)
         }
-        ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, padding, .. }) => {
+        ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, padding, type_vocab, .. }) => {
             let pad = padding.unwrap_or(0) as u32;
             let set = ClassifySet::encode(&read_labeled(path, labels)?, tokenizer, args.ctx, pad, source)?;
-            set.check_token_types(loaded.config.token_types().unwrap_or(1))?;
+            set.check_token_types(*type_vocab)?;
             let r = strata::tasks::classify(&mut loaded.engine, &set, scoring, labels.len())?;
             let line = format!(
                 "validation loss {:.6}, accuracy {:.4}, macro-F1 {:.4} ({} texts)",

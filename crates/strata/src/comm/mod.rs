@@ -140,7 +140,40 @@ pub struct GivenUp {
 }
 
 /// How often a blocked wait looks whether the job gave up on its group.
-pub(crate) const GIVEN_UP_POLL: Duration = Duration::from_secs(1);
+const GIVEN_UP_POLL: Duration = Duration::from_secs(1);
+
+/// A wait's looks at whether the job gave up: at most one a [`GIVEN_UP_POLL`], the first
+/// once the wait has lasted that long, none where nothing can be given up.
+pub(crate) struct GivenUpLooks<'a> {
+    given_up: Option<&'a GivenUp>,
+    next: Instant,
+}
+
+impl<'a> GivenUpLooks<'a> {
+    pub(crate) fn new(given_up: Option<&'a GivenUp>) -> Self {
+        GivenUpLooks { given_up, next: Instant::now() + GIVEN_UP_POLL }
+    }
+
+    /// Fails, naming why, where a look is due and finds that the job gave up.
+    pub(crate) fn look(&mut self, now: Instant) -> Result<()> {
+        match self.given_up {
+            Some(given_up) if now >= self.next => {
+                self.next = now + GIVEN_UP_POLL;
+                given_up.check()
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// How long to block before the next look, at most `left`.
+    fn slice(&self, left: Duration) -> Duration {
+        if self.given_up.is_some() {
+            left.min(GIVEN_UP_POLL)
+        } else {
+            left
+        }
+    }
+}
 
 impl GivenUp {
     /// An error naming why, where the job gave up.
@@ -240,15 +273,7 @@ impl Work {
 
     fn block_until_done(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let mut next_look = Instant::now() + GIVEN_UP_POLL;
-        // Past a poll's worth of waiting, whether the job gave up on the group.
-        let mut look = |now: Instant| -> Result<()> {
-            if let (Some(given_up), true) = (&self.given_up, now >= next_look) {
-                next_look = now + GIVEN_UP_POLL;
-                given_up.check()?;
-            }
-            Ok(())
-        };
+        let mut looks = GivenUpLooks::new(self.given_up.as_deref());
         let completion = match &self.pending {
             Pending::Host(c) => c,
             Pending::Device(event) => {
@@ -257,7 +282,7 @@ impl Work {
                     if now >= deadline {
                         return Err(Error::Comm(format!("device collective did not complete within {timeout:?}")));
                     }
-                    look(now)?;
+                    looks.look(now)?;
                     std::thread::sleep(Duration::from_micros(50));
                 }
                 return Ok(());
@@ -272,9 +297,8 @@ impl Work {
             let Some(left) = deadline.checked_duration_since(now) else {
                 return Err(Error::Comm(format!("collective did not complete within {timeout:?}")));
             };
-            look(now)?;
-            let slice = if self.given_up.is_some() { left.min(GIVEN_UP_POLL) } else { left };
-            slot = completion.done.wait_timeout(slot, slice).unwrap_or_else(|e| e.into_inner()).0;
+            looks.look(now)?;
+            slot = completion.done.wait_timeout(slot, looks.slice(left)).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
 }
@@ -420,9 +444,10 @@ impl GroupSetup {
         }
     }
 
-    /// Fails where the job gave up on the work making this group.
-    pub fn check_given_up(&self) -> Result<()> {
-        self.given_up.as_ref().map_or(Ok(()), GivenUp::check)
+    /// Looks at whether the job gave up on the work making this group, for a wait of the
+    /// backend's own (at most once a poll).
+    pub(crate) fn given_up_looks(&self) -> GivenUpLooks<'_> {
+        GivenUpLooks::new(self.given_up.as_ref())
     }
 }
 

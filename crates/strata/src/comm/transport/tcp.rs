@@ -1,7 +1,7 @@
 //! The TCP transport: a full mesh of authenticated connections between the ranks, for
 //! groups that span hosts.
 use super::{peer_error, Transport};
-use crate::comm::{auth, GroupSetup, GIVEN_UP_POLL};
+use crate::comm::{auth, GroupSetup};
 use crate::{Error, Result};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -51,7 +51,7 @@ impl TcpTransport {
         let expected: Vec<(usize, Vec<u8>)> = (rank + 1..size).map(|p| (p, context(p))).collect();
         let (joined, arrivals) = std::sync::mpsc::channel();
         let mut in_flight = 0usize;
-        let mut next_look = Instant::now() + GIVEN_UP_POLL;
+        let mut looks = setup.given_up_looks();
         while streams.iter().skip(rank + 1).any(Option::is_none) {
             while let Ok(arrival) = arrivals.try_recv() {
                 in_flight -= 1;
@@ -70,10 +70,7 @@ impl TcpTransport {
                 )));
             }
             // A peer that never comes because the job gave up on this group's work.
-            if now >= next_look {
-                next_look = now + GIVEN_UP_POLL;
-                setup.check_given_up()?;
-            }
+            looks.look(now)?;
             if in_flight >= MAX_HANDSHAKES {
                 std::thread::sleep(Duration::from_millis(2));
                 continue;
