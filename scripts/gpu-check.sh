@@ -22,8 +22,8 @@ build() {
   cd "$repo"
   cargo build --release --features cuda -p strata-cli
   cp target/release/strata "$into/strata"
-  # Each test binary cargo builds, found in its JSON messages.
-  for target in "strata-ext ext" "strata cuda" "strata-cli gpu"; do
+  # Each test binary cargo builds, found in its JSON messages: (crate, test binary, label).
+  for target in "strata-ext ext ext" "strata compute cuda" "strata-cli launch gpu"; do
     set -- $target
     local exe
     exe=$(cargo test --release --features cuda -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
@@ -33,7 +33,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$2" | tail -1)
     [ -n "$exe" ] || { echo "no test binary $1/$2" >&2; exit 1; }
-    cp "$exe" "$into/test-$2"
+    cp "$exe" "$into/test-$3"
   done
   strip "$into"/*
 }
@@ -65,10 +65,12 @@ gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,nohea
 torch=$("$python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
 commit=${STRATA_COMMIT:-$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
-# Every test binary, one test at a time; its log kept, its results parsed below.
+# The CUDA tests (the whole ext binary, the cuda and gpu modules of theirs), one test at a
+# time; each log kept, its results parsed below.
 status=0
-for t in ext cuda gpu; do
-  (cd "$repo" && "$bin/test-$t" --test-threads 1 --nocapture) >"$out/test-$t.log" 2>&1 || status=1
+for t in "ext" "cuda cuda::" "gpu gpu::"; do
+  set -- $t
+  (cd "$repo" && "$bin/test-$1" ${2:-} --test-threads 1 --nocapture) >"$out/test-$1.log" 2>&1 || status=1
 done
 # shellcheck disable=SC2086 # the extra arguments split on spaces
 "$bin/strata" bench gpu --python "$python" ${BENCH_GPU_ARGS:-} --json-out "$out/bench-gpu.json" --kernel-trace "$out/traces" >"$out/bench-gpu.txt" 2>&1 || status=1
@@ -84,13 +86,14 @@ for name in ("ext", "cuda", "gpu"):
     failed = set(re.findall(r"^    (\S+)$", log.split("\nfailures:\n")[-1], re.M)) if "\nfailures:\n" in log else set()
     for test in re.findall(r"^test (\S+) \.\.\. ", log, re.M):
         result = "FAILED" if test in failed else "ok" if finished else "did not finish"
-        if result == "ok" and f"{test}: skipped" in log:
+        # A test names itself without its module when it skips.
+        if result == "ok" and f"{test.rsplit('::', 1)[-1]}: skipped" in log:
             result = "skipped"
         tests.append({"binary": name, "test": test, "result": result})
 bench_path = os.path.join(out, "bench-gpu.json")
 bench = json.load(open(bench_path)) if os.path.exists(bench_path) else None
 report = {"gpu": gpu, "torch": torch, "commit": commit, "seconds": int(time.time()) - int(start),
-          "passed": status == "0" and all(t["result"] == "ok" for t in tests if t["test"] != "rank_entry"),
+          "passed": status == "0" and all(t["result"] == "ok" for t in tests if not t["test"].endswith("rank_entry")),
           "tests": tests, "bench": bench}
 json.dump(report, open(os.path.join(out, "report.json"), "w"), indent=2)
 lines = [f"# Strata on {gpu}", "",

@@ -5,7 +5,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$repo/scripts/setup.sh"
 cd "$repo"
-# The examples as runnable programs: crates/strata-cli/tests/library.rs runs them
+# The examples as runnable programs: crates/strata-cli/tests/launch/library.rs runs them
 # (`cargo test` alone builds them only as test harnesses).
 cargo build --workspace --examples
 cargo test --workspace --all-targets "$@"

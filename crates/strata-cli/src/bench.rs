@@ -541,8 +541,9 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         }
         release(sides)?;
     }
-    let params = model.spec()?.num_params();
-    let flops_per_token = strata::auto::step_time::model_flops_per_token(&model, params, model.context().unwrap_or(0));
+    let spec = model.spec()?;
+    let params = spec.num_params();
+    let flops_per_token = strata::auto::step_time::model_flops_per_token(&spec, model.context().unwrap_or(0))?;
     let peak_tflops = a.peak_tflops.or_else(|| gpu.as_ref().and_then(|(_, name)| known_peak_tflops(name)));
     let steps = a.rounds * a.block;
     let ctx = model.context().unwrap_or(0);

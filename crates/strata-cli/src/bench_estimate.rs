@@ -263,7 +263,7 @@ pub fn run(args: BenchEstimateArgs) -> Result<()> {
         let estimated = rank0.device.total() + rank0.host.total();
         let cluster = this_machine(case.ranks, work.micro_batch as i64 * work.ctx, width_of(&case.model), op_seconds)?;
         let spec = case.model.spec()?;
-        let units = UnitWork::counted(&case.model, &spec, work.ctx)?;
+        let units = UnitWork::counted(&spec, work.ctx)?;
         let time = step_time::step_time(&units, &spec, &case.layout, &work, &cluster, &mut step_time::Memo::default())?;
         let run = bench_runs::train(&train_args(&case, args.steps)?, 2)?;
         let measured = run.last["allocator_peak_bytes"].as_u64().context("no allocator peak in the metrics")?;

@@ -222,7 +222,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     }
     let mut rows = vec![];
     for layout in &layouts {
-        let e = estimate::estimate_spec(&config, &spec, layout, &work, &machine)?;
+        let e = estimate::estimate_spec(&spec, layout, &work, &machine)?;
         rows.push(Row { lora: false, estimate: e });
     }
     if let Some(r) = a.lora_rank {
@@ -235,7 +235,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         let mut adapted = config.spec()?;
         lora.apply(&mut adapted)?;
         for layout in &layouts {
-            let e = estimate::estimate_spec(&config, &adapted, layout, &work, &machine)?;
+            let e = estimate::estimate_spec(&adapted, layout, &work, &machine)?;
             rows.push(Row { lora: true, estimate: e });
         }
     }

@@ -81,14 +81,48 @@ enum Command {
 
 #[derive(Subcommand)]
 enum StrategyCommand {
-    /// Print a strategy (a file or JSON text) in list form with every default.
-    Show { strategy: String },
-    /// Check a strategy (a file or JSON text); with --world-size, its rank layout too.
+    /// Print a strategy (a file or JSON text) in list form with every default; with
+    /// --world-size, the device mesh it makes of that many ranks too.
+    Show {
+        strategy: String,
+        #[command(flatten)]
+        world: MeshWorld,
+    },
+    /// Check a strategy (a file or JSON text); with --world-size, its device mesh too.
     Validate {
         strategy: String,
-        #[arg(long)]
-        world_size: Option<usize>,
+        #[command(flatten)]
+        world: MeshWorld,
     },
+}
+
+/// The ranks a strategy's mesh is shown for.
+#[derive(clap::Args)]
+struct MeshWorld {
+    /// Ranks in the job.
+    #[arg(long)]
+    world_size: Option<usize>,
+    /// Ranks per host (HYBRID_SHARD's default shard group); default: every rank on one host.
+    #[arg(long, requires = "world_size")]
+    local_world_size: Option<usize>,
+}
+
+impl MeshWorld {
+    fn mesh(&self, strategy: &strata::strategy::Strategy) -> anyhow::Result<Option<strata::parallel::Mesh>> {
+        let Some(world) = self.world_size else { return Ok(None) };
+        Ok(Some(strata::parallel::Mesh::new(strategy, world, 0, self.local_world_size.unwrap_or(world))?))
+    }
+
+    /// The mesh's sizes and, for each dimension above 1, its groups.
+    fn describe(&self, strategy: &strata::strategy::Strategy) -> anyhow::Result<Option<String>> {
+        let Some(mesh) = self.mesh(strategy)? else { return Ok(None) };
+        let mut lines = vec![format!("mesh at {} ranks: {mesh}", mesh.world())];
+        for &(dim, size) in mesh.dims().iter().filter(|(_, s)| *s > 1) {
+            let groups: Vec<String> = mesh.groups(&[dim]).iter().map(|g| format!("{g:?}")).collect();
+            lines.push(format!("  {dim} ({size}): {}", groups.join(" ")));
+        }
+        Ok(Some(lines.join("\n")))
+    }
 }
 
 #[derive(Subcommand)]
@@ -142,15 +176,27 @@ enum BenchCommand {
     Estimate(bench_estimate::BenchEstimateArgs),
 }
 
-fn validate(text: &str, world_size: Option<usize>) -> anyhow::Result<()> {
+fn show(text: &str, world: &MeshWorld) -> anyhow::Result<()> {
+    let strategy = options::parse_strategy(text)?;
+    println!("{}", strategy.to_json());
+    if let Some(mesh) = world.describe(&strategy)? {
+        println!("{mesh}");
+    }
+    Ok(())
+}
+
+fn validate(text: &str, world: &MeshWorld) -> anyhow::Result<()> {
     let strategy = options::parse_strategy(text)?;
     let methods: Vec<&str> = strategy.methods.iter().map(|m| m.name()).collect();
-    match world_size {
-        Some(world) => {
-            let groups = strategy.parallel_mode().groups(world)?;
-            let layout: Vec<String> =
-                groups.iter().map(|(n, g)| format!("{n}: {} groups of {}", g.len(), g[0].len())).collect();
-            println!("valid: {} (at {world} ranks: {})", methods.join(", "), layout.join("; "));
+    match world.mesh(&strategy)? {
+        Some(mesh) => {
+            let layout: Vec<String> = mesh
+                .dims()
+                .iter()
+                .filter(|(_, size)| *size > 1)
+                .map(|&(dim, size)| format!("{dim}: {} groups of {size}", mesh.world() / size))
+                .collect();
+            println!("valid: {} (at {} ranks: {})", methods.join(", "), mesh.world(), layout.join("; "));
         }
         None => println!("valid: {}", methods.join(", ")),
     }
@@ -237,12 +283,8 @@ fn main() -> ExitCode {
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
         Command::Profile { which } => profile_cmd::run(which),
         Command::Plot(a) => profile_cmd::plot_metrics(a),
-        Command::Strategy { which: StrategyCommand::Show { strategy } } => {
-            options::parse_strategy(&strategy).map(|s| println!("{}", s.to_json()))
-        }
-        Command::Strategy { which: StrategyCommand::Validate { strategy, world_size } } => {
-            validate(&strategy, world_size)
-        }
+        Command::Strategy { which: StrategyCommand::Show { strategy, world } } => show(&strategy, &world),
+        Command::Strategy { which: StrategyCommand::Validate { strategy, world } } => validate(&strategy, &world),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

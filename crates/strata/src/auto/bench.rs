@@ -15,8 +15,8 @@ use crate::engine::{
 use crate::model::{Builder, ModelSpec};
 use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
 use crate::parallel::pipeline::{PipelineSetup, PipelineTrainer};
-use crate::parallel::{self, RankLayout};
-use crate::strategy::{Dim, LoraConfig, ParallelMode, Strategy};
+use crate::parallel::{self, Mesh, RankLayout};
+use crate::strategy::{Dim, LoraConfig, Strategy};
 use crate::train::{Feed, StepReport, Trainer};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -120,10 +120,9 @@ impl Bench<'_> {
         self.placement.comm.map_or(1, |c| c.size())
     }
 
-    /// This rank's steps under `mode`, and the data replicas reading others.
-    fn steps_for(&self, mode: &ParallelMode) -> Result<(&[Step], usize)> {
-        let rank = self.placement.comm.map_or(0, |c| c.rank());
-        let shard = parallel::batch_shard(mode, rank, self.world_size())?;
+    /// This rank's steps on `mesh`, and the data replicas reading others.
+    fn steps_for(&self, mesh: &Mesh) -> Result<(&[Step], usize)> {
+        let shard = mesh.batch_shard();
         let steps = self.steps.get(&shard).map(Vec::as_slice).ok_or_else(|| {
             Error::Config(format!("no batches for replica {} of {} at {} ranks", shard.0, shard.1, self.world_size()))
         })?;
@@ -133,9 +132,10 @@ impl Bench<'_> {
     /// Trains the warm-up and timed steps with `strategy`; (tokens/s of the job, peak bytes).
     pub fn dry_run(&self, strategy: &Strategy) -> Result<(f64, u64)> {
         let strategy = &self.with_adapters(strategy);
-        let (steps, replicas) = self.steps_for(&strategy.parallel_mode())?;
+        let mesh = self.placement.mesh(strategy)?;
+        let (steps, replicas) = self.steps_for(&mesh)?;
         let device = self.engine.device;
-        let mut trainer = match strategy.parallel_mode().size(Dim::Pipeline, self.world_size())? {
+        let mut trainer = match mesh.size(Dim::Pipeline) {
             1 => DryRun::Plain(Box::new(self.trainer(strategy, &steps[0])?)),
             _ => DryRun::Pipeline(Box::new(self.pipeline_trainer(strategy, steps[0].micro_batches.len())?)),
         };
@@ -365,7 +365,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     let kept = Arc::new(Mutex::new(Vec::new()));
     engine.set_schedule(Box::new(Probe { device: bench.engine.device, needs, at_start: vec![], kept: kept.clone() }));
     let batch = bench
-        .steps_for(&ParallelMode::default())?
+        .steps_for(&bench.placement.mesh(&Strategy::default())?)?
         .0
         .first()
         .and_then(|s| s.micro_batches.first())

@@ -5,7 +5,7 @@
 //!
 //! Owns the memory formulas. Must not allocate a tensor or run a unit: the model's spec is
 //! a list of shapes (the builder allocates nothing), and what each unit keeps for its
-//! backward is counted from its configuration by [`kept`].
+//! backward is what its family declared ([`crate::model::UnitCost`]).
 //!
 //! Model states follow the engine's own layout exactly ([`UnitLayout::of`], the optimizer's
 //! bytes per element, the gathers of fsdp and zero2). Activations are what each unit's
@@ -15,6 +15,7 @@
 //! against the allocator's peak over runs of every family and layout it can run here.
 use super::candidate::{Candidate, Layout, Precision, Sharding};
 use crate::engine::UnitLayout;
+pub use crate::model::Kept;
 use crate::model::{ModelConfig, ModelSpec};
 use crate::parallel::pipeline::partition::{self, Stages, UnitCost};
 use crate::parallel::pipeline::schedule::{self, Pipeline};
@@ -68,7 +69,7 @@ const GIB: u64 = 1 << 30;
 /// 40GB: 1 TB), an eighth per device. Small products reach less of the peak: half of the
 /// efficiency's ceiling at 512 tokens, and at 1.6 million weights per rank of a width ×
 /// width product. These two constants and the ceiling `strata plan` assumes (0.87) are
-/// set from published runs (`crates/strata/tests/data/published_layouts.json`: one law for
+/// set from published runs (`crates/strata/tests/engine/published_layouts.json`: one law for
 /// Megatron-LM's ten weak-scaling rows on A100s, 137 to 163 teraFLOP/s per GPU, and
 /// torchtitan's Llama 3 8B and 70B). The CPU's figures are measured
 /// ([`super::calibrate::this_machine`]).
@@ -186,94 +187,6 @@ pub struct Machine {
     pub host_bytes: u64,
 }
 
-/// What one unit keeps for its backward per token of a micro-batch, in fp32 values:
-/// `values` whatever the sequence's length plus `scores` per position attended (attention
-/// probabilities, one per head, where attention is not fused); `output` is the width of
-/// the unit's output, which a recomputed block keeps alone.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Kept {
-    pub values: f64,
-    /// The part of `values` over the vocabulary (logits, their softmax and gradients).
-    pub vocab_values: f64,
-    pub scores: f64,
-    pub output: f64,
-    /// A repeated block: what `checkpoint` recomputes.
-    pub block: bool,
-}
-
-/// What a unit of kind `kind` of `config` keeps, counted from the tensors its layers save.
-///
-/// A transformer block keeps its norms' inputs and statistics, the inputs of its linear
-/// layers, the attention's queries, keys, values, output and (unfused) probabilities, and
-/// the activation function's input and output; the head keeps its norm's and product's
-/// inputs and, over the vocabulary, the logits, their log-softmax, and the gradient pair
-/// the loss's backward writes (four values per vocabulary entry). The token ids and targets
-/// of the batch are four fp32-sized values per token.
-pub fn kept(config: &ModelConfig, kind: &str) -> Result<Kept> {
-    let block = |values: f64, heads: i64, output: i64| Kept {
-        values,
-        vocab_values: 0.0,
-        scores: heads as f64,
-        output: output as f64,
-        block: true,
-    };
-    let head = |values: f64, vocab: i64| Kept {
-        values: values + 4.0 * vocab as f64,
-        vocab_values: 4.0 * vocab as f64,
-        scores: 0.0,
-        output: vocab as f64,
-        block: false,
-    };
-    let ids = |dim: i64| Kept { values: 4.0, vocab_values: 0.0, scores: 0.0, output: dim as f64, block: false };
-    let f = |x: i64| x as f64;
-    let unknown = || Error::Config(format!("no activation count for {kind} units"));
-    Ok(match config {
-        // Attention: the block's input (norm), q, k, v, attention output, projection input,
-        // residual, second norm input, MLP input; the GELU's input and output are 4·D each.
-        ModelConfig::Gpt(c) => match kind {
-            "GptEmbedding" => ids(c.dim),
-            "GptBlock" => block(19.0 * f(c.dim) + 3.0, c.heads, c.dim),
-            "GptHead" => head(4.0 * f(c.dim) + 13.0, c.vocab),
-            _ => return Err(unknown()),
-        },
-        // RMS norms keep their input and one statistic; SwiGLU keeps gate, up, the gate's
-        // activation and their product (4·F); rotary embedding keeps nothing extra.
-        ModelConfig::Llama(c) => match kind {
-            "LlamaEmbedding" => ids(c.dim),
-            "LlamaBlock" => block(10.0 * f(c.dim) + 4.0 * f(c.hidden()) + 7.0, c.heads, c.dim),
-            "LlamaHead" => head(3.0 * f(c.dim) + 13.0, c.vocab),
-            _ => return Err(unknown()),
-        },
-        // Post-norm blocks: as GPT's with the feed-forward width given.
-        ModelConfig::Bert(c) => match kind {
-            "BertEmbedding" => Kept { values: 4.0 + 3.0 * f(c.dim), ..ids(c.dim) },
-            "BertBlock" => block(11.0 * f(c.dim) + 2.0 * f(c.ffn_dim) + 3.0, c.heads, c.dim),
-            "BertClassifierHead" => Kept { values: 2.0, ..ids(c.dim) },
-            "BertMaskedLmHead" => head(4.0 * f(c.dim) + 13.0, c.vocab),
-            _ => return Err(unknown()),
-        },
-        // A decoder block adds cross-attention (its norm, queries, output: 4 widths of the
-        // inner width) and carries the encoder's output within its own.
-        ModelConfig::T5(c) => {
-            let inner = f(c.heads * c.head_dim);
-            let ffn = if c.gated { 4.0 } else { 2.0 } * f(c.ffn_dim);
-            match kind {
-                "T5Embedding" => ids(c.dim),
-                "T5EncoderBlock" => block(4.0 * f(c.dim) + 4.0 * inner + ffn + 4.0, c.heads, c.dim),
-                "T5DecoderBlock" => block(6.0 * f(c.dim) + 8.0 * inner + ffn + 6.0, 2 * c.heads, c.dim),
-                "T5Head" => head(3.0 * f(c.dim) + 13.0, c.vocab),
-                _ => return Err(unknown()),
-            }
-        }
-        ModelConfig::Mlp(c) => match kind {
-            "MlpEmbedding" => ids(c.dim),
-            "MlpLayer" => block(2.0 * f(c.dim), 0, c.dim),
-            "MlpHead" => head(2.0 * f(c.dim) + 13.0, c.vocab),
-            _ => return Err(unknown()),
-        },
-    })
-}
-
 /// The share of the head's values over the vocabulary still held while the last block is
 /// recomputed: the logits and their log-softmax, which the loss's graph keeps until the
 /// step's backward ends (2.5 of the 4 values per entry at the peak, measured on the CPU).
@@ -355,24 +268,17 @@ struct UnitStates {
 
 /// The estimate for `layout` of `config` running `work` on `machine`.
 pub fn estimate(config: &ModelConfig, layout: &Layout, work: &Workload, machine: &Machine) -> Result<Estimate> {
-    let spec = config.spec()?;
-    estimate_spec(config, &spec, layout, work, machine)
+    estimate_spec(&config.spec()?, layout, work, machine)
 }
 
-/// [`estimate`] for a spec already built from `config` (with what it froze).
-pub fn estimate_spec(
-    config: &ModelConfig,
-    spec: &ModelSpec,
-    layout: &Layout,
-    work: &Workload,
-    machine: &Machine,
-) -> Result<Estimate> {
-    estimate_with(&counted(config, spec)?, spec, layout, work, machine, &mut PipelineShapes::default())
+/// [`estimate`] for a spec already built (with what it froze).
+pub fn estimate_spec(spec: &ModelSpec, layout: &Layout, work: &Workload, machine: &Machine) -> Result<Estimate> {
+    estimate_with(&counted(spec)?, spec, layout, work, machine, &mut PipelineShapes::default())
 }
 
-/// What each unit of `spec` (built from `config`) keeps, counted by [`kept`].
-pub fn counted(config: &ModelConfig, spec: &ModelSpec) -> Result<Vec<Kept>> {
-    spec.units.iter().map(|u| kept(config, u.kind())).collect()
+/// What each unit of `spec` keeps, as its family declared it.
+pub fn counted(spec: &ModelSpec) -> Result<Vec<Kept>> {
+    spec.units.iter().map(|u| Ok(u.declared_cost()?.kept)).collect()
 }
 
 /// Pipeline stage splits already balanced (by the units' buffer lengths and the stage

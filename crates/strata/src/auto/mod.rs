@@ -19,7 +19,7 @@ use crate::data::{DataLoader, Dataset, LoaderConfig, Order};
 use crate::engine::EngineConfig;
 use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
-use crate::parallel::{self, DataParallelOptions, RankLayout, DEFAULT_BUCKET_BYTES};
+use crate::parallel::{self, DataParallelOptions, Mesh, RankLayout, DEFAULT_BUCKET_BYTES};
 use crate::strategy::{BackwardPrefetch, Dim, LoraConfig, Method, ParallelMode, ShardMethod, Strategy, StrategySource};
 use crate::train::{token_input, Feed, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
@@ -205,11 +205,16 @@ fn rank_and_world(comm: Option<&Comm>) -> (usize, usize) {
     comm.map_or((0, 1), |c| (c.rank(), c.size()))
 }
 
-/// The loader of this rank under `mode` (the ranks of a tensor group or a pipeline read the
-/// same batches).
-fn loader_config(job: &AutoAccelerate<'_>, mode: &ParallelMode) -> Result<LoaderConfig> {
+/// The mesh `strategy` makes of the job's ranks.
+fn mesh_of(job: &AutoAccelerate<'_>, strategy: &Strategy) -> Result<Mesh> {
     let (rank, world) = rank_and_world(job.comm);
-    let (rank, world) = parallel::batch_shard(mode, rank, world)?;
+    Mesh::new(strategy, world, rank, job.local_world_size)
+}
+
+/// The loader of this rank on `mesh` (the ranks of a tensor group or a pipeline read the
+/// same batches).
+fn loader_config(job: &AutoAccelerate<'_>, mesh: &Mesh) -> Result<LoaderConfig> {
+    let (rank, world) = mesh.batch_shard();
     let a = &job.dataloader_args;
     Ok(LoaderConfig {
         accumulation: a.accumulation,
@@ -237,8 +242,8 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> RankLayout<'a
 /// Builds the engine, optimizer, trainer and loader for `strategy`. A pipeline runs one
 /// engine per stage through [`crate::run`], not one trainer: it is refused here.
 pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usize) -> Result<Prepared> {
-    let mode = strategy.parallel_mode();
-    if mode.size(Dim::Pipeline, rank_and_world(job.comm).1)? > 1 {
+    let mesh = mesh_of(job, strategy)?;
+    if mesh.size(Dim::Pipeline) > 1 {
         return Err(Error::Config(
             "a pipeline strategy trains through strata::run (or strata train), which builds each stage's engine; \
              auto_accelerate prepares one engine"
@@ -251,7 +256,7 @@ pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usiz
     let mut trainer = Trainer::new(engine, optimizer, job.lr_scheduler.clone(), job.grad_clip);
     trainer.scaling = strategy.grad_scaling()?;
     trainer.set_feed(&bench.feed);
-    let loader = DataLoader::new(job.dataset.clone(), loader_config(job, &mode)?, job.dataloader_args.order.clone())?;
+    let loader = DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?, job.dataloader_args.order.clone())?;
     let args = PreparedArgs {
         use_optim_backward: false,
         requires_set_gradient_accumulation_boundary: job.dataloader_args.accumulation > 1,
@@ -269,18 +274,19 @@ fn bench<'a>(
 ) -> Result<Bench<'a>> {
     // Batches for every share of the batch a tensor and pipeline size dividing the world
     // gives this rank: few steps each.
-    let (rank, world_size) = rank_and_world(job.comm);
+    let world_size = rank_and_world(job.comm).1;
     let divisors: Vec<usize> = (1..=world_size).filter(|d| world_size.is_multiple_of(*d)).collect();
     let mut batches = std::collections::BTreeMap::new();
     for &tensor in &divisors {
         for &pipeline in divisors.iter().filter(|&&p| (world_size / tensor).is_multiple_of(p)) {
             let mode = ParallelMode(vec![(Dim::Tensor, tensor), (Dim::Pipeline, pipeline)], None);
-            let shard = parallel::batch_shard(&mode, rank, world_size)?;
+            let mesh = mesh_of(job, &Strategy { methods: vec![Method::ParallelMode(mode)] })?;
+            let shard = mesh.batch_shard();
             if batches.contains_key(&shard) {
                 continue;
             }
             let loader =
-                DataLoader::new(job.dataset.clone(), loader_config(job, &mode)?, job.dataloader_args.order.clone())?;
+                DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?, job.dataloader_args.order.clone())?;
             let steps_here = loader.take(steps).collect::<Result<Vec<_>>>()?;
             if steps_here.len() < steps {
                 return Err(Error::Data(format!("the data gives {} steps, a dry run needs {steps}", steps_here.len())));

@@ -68,7 +68,7 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         return Err(Error::Config("a plan needs devices, a global batch and a sequence length".into()));
     }
     let blocks = spec.block_count();
-    let units = UnitWork::counted(&req.model, &spec, req.seq_len)?;
+    let units = UnitWork::counted(&spec, req.seq_len)?;
     let machine = Machine {
         device: req.cluster.device.clone(),
         device_bytes: req.cluster.device.memory_bytes,

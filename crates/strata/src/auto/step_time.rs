@@ -23,7 +23,7 @@
 //!   costs.
 use super::candidate::{Layout, Precision, Sharding};
 use super::estimate::{self, DeviceKind, Kept, PipelineShapes, Workload};
-use crate::model::{ModelConfig, ModelSpec};
+use crate::model::ModelSpec;
 use crate::parallel::pipeline::schedule::{self, Costs, Pipeline};
 use crate::strategy::ScheduleKind;
 use crate::{Error, Result};
@@ -171,28 +171,14 @@ pub struct StepTime {
 }
 
 /// Model FLOPs of one trained token (forward and backward) at `seq_len` positions: 6 per
-/// parameter, plus the attention's scores and weighted sums, 12 · layers · positions ·
-/// width (as if not causal).
-pub fn model_flops_per_token(model: &ModelConfig, params: i64, seq_len: i64) -> f64 {
-    let layers = match model {
-        ModelConfig::Gpt(c) => c.layers,
-        ModelConfig::Llama(c) => c.layers,
-        ModelConfig::Bert(c) => c.layers,
-        ModelConfig::T5(c) => c.encoder_layers + c.decoder_layers,
-        ModelConfig::Mlp(_) => 0,
-    };
-    6.0 * params as f64 + 12.0 * (layers * seq_len) as f64 * attention_width(model)
-}
-
-/// The width of a model's attention: its heads times their width (0 without attention).
-fn attention_width(model: &ModelConfig) -> f64 {
-    (match model {
-        ModelConfig::Gpt(c) => c.dim,
-        ModelConfig::Llama(c) => c.heads * c.head_width(),
-        ModelConfig::Bert(c) => c.dim,
-        ModelConfig::T5(c) => c.heads * c.head_dim,
-        ModelConfig::Mlp(_) => 0,
-    }) as f64
+/// parameter, plus three times the forward's attention FLOPs, 4 · positions · width per
+/// attention each unit declares (as if not causal).
+pub fn model_flops_per_token(spec: &ModelSpec, seq_len: i64) -> Result<f64> {
+    let mut attention_width = 0.0;
+    for u in &spec.units {
+        attention_width += u.declared_cost()?.attention_width;
+    }
+    Ok(6.0 * spec.num_params() as f64 + 12.0 * seq_len as f64 * attention_width)
 }
 
 /// A model's units as the step-time model reads them: what each keeps for its backward,
@@ -206,23 +192,18 @@ pub struct UnitWork {
 }
 
 impl UnitWork {
-    /// Counted from `config` (its `spec`) at `seq_len` positions: 2 FLOPs per weight a
-    /// unit multiplies by (its own and those it borrows, as a tied head does), and the
-    /// attention's 4 · positions · width per attention it runs.
-    pub fn counted(config: &ModelConfig, spec: &ModelSpec, seq_len: i64) -> Result<UnitWork> {
-        let kept = estimate::counted(config, spec)?;
-        let (width, heads) = (attention_width(config), heads_of(config));
-        let flops = spec
-            .units
-            .iter()
-            .zip(&kept)
-            .map(|(u, k)| {
-                // Attentions per position: one per head group the unit's scores count.
-                let attentions = if k.scores > 0.0 { (k.scores / heads).round() } else { 0.0 };
-                2.0 * weights_multiplied(spec, u) + attentions * 4.0 * seq_len as f64 * width
-            })
-            .collect();
-        Ok(UnitWork { kept, flops, model_flops_per_token: model_flops_per_token(config, spec.num_params(), seq_len) })
+    /// Counted from what `spec`'s units declare at `seq_len` positions: 2 FLOPs per weight
+    /// a unit multiplies by (its own and those it borrows, as a tied head does), and the
+    /// attention's 4 · positions · width.
+    pub fn counted(spec: &ModelSpec, seq_len: i64) -> Result<UnitWork> {
+        let mut kept = Vec::with_capacity(spec.units.len());
+        let mut flops = Vec::with_capacity(spec.units.len());
+        for u in &spec.units {
+            let cost = u.declared_cost()?;
+            kept.push(cost.kept);
+            flops.push(2.0 * weights_multiplied(spec, u) + 4.0 * seq_len as f64 * cost.attention_width);
+        }
+        Ok(UnitWork { kept, flops, model_flops_per_token: model_flops_per_token(spec, seq_len)? })
     }
 
     /// For a model known only by its spec and what each unit was measured to keep: the
@@ -234,25 +215,17 @@ impl UnitWork {
     }
 }
 
-fn heads_of(config: &ModelConfig) -> f64 {
-    match config {
-        ModelConfig::Gpt(c) => c.heads,
-        ModelConfig::Llama(c) => c.heads,
-        ModelConfig::Bert(c) => c.heads,
-        ModelConfig::T5(c) => c.heads,
-        ModelConfig::Mlp(_) => 1,
-    }
-    .max(1) as f64
-}
-
 /// The matrix elements a unit multiplies its inputs by: its own and borrowed 2-D weights,
-/// an embedding's excepted (a lookup).
+/// none for a unit that declares it looks them up (an embedding).
 fn weights_multiplied(spec: &ModelSpec, u: &crate::model::UnitSpec) -> f64 {
+    if u.cost.is_some_and(|c| c.looks_up) {
+        return 0.0;
+    }
     u.params
         .iter()
         .chain(&u.borrowed)
         .map(|id| &spec.params[id.0])
-        .filter(|p| p.shape.len() == 2 && !u.kind().ends_with("Embedding"))
+        .filter(|p| p.shape.len() == 2)
         .map(|p| p.numel())
         .sum::<i64>() as f64
 }
@@ -441,7 +414,7 @@ pub fn step_time(
 mod tests {
     use super::*;
     use crate::auto::candidate::Candidate;
-    use crate::model::GptConfig;
+    use crate::model::{GptConfig, ModelConfig};
 
     fn cluster(gpus: usize) -> Cluster {
         Cluster {
@@ -497,7 +470,7 @@ mod tests {
         let spec = model.spec().unwrap();
         for m in [4usize, 16] {
             let work = Workload { ranks: 4, micro_batch: 1, ctx: 1024, micro_batches: m, optimizer_state_bytes: 8 };
-            let units = UnitWork::counted(&model, &spec, 1024).unwrap();
+            let units = UnitWork::counted(&spec, 1024).unwrap();
             let t = step_time(&units, &spec, &layout(Sharding::None, 1, 4), &work, &cluster(4), &mut Memo::default())
                 .unwrap();
             let busy = t.compute + t.memory;
@@ -513,7 +486,7 @@ mod tests {
     fn each_method_pays_what_it_moves() {
         let model = ModelConfig::Gpt(GptConfig::new(50257, 1024, 12, 12, 768));
         let spec = model.spec().unwrap();
-        let units = UnitWork::counted(&model, &spec, 1024).unwrap();
+        let units = UnitWork::counted(&spec, 1024).unwrap();
         let run = |l: Layout, micro_batch| {
             let work = Workload { ranks: 8, micro_batch, ctx: 1024, micro_batches: 1, optimizer_state_bytes: 8 };
             step_time(&units, &spec, &l, &work, &cluster(8), &mut Memo::default()).unwrap()

@@ -15,7 +15,7 @@ use super::layers::{
     attention, gelu, layer_norm, merge_heads, other_examples, split_heads, vocab_embedding, vocab_logits,
     AttentionOptions,
 };
-use super::{positive, Builder, Init, ParamId, Params, TpRole, Unit, UnitBuilder, INIT_STD as STD};
+use super::{Kept, UnitCost, positive, Builder, Init, ParamId, Params, TpRole, Unit, UnitBuilder, INIT_STD as STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
@@ -218,6 +218,8 @@ pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
     let types =
         u.param(format!("{prefix}.token_type_embeddings.weight"), &[cfg.type_vocab, d], normal, TpRole::Replicated);
     let embedding_norm = norm(&mut u, &format!("{prefix}.LayerNorm"), d);
+    // The ids and the three looked-up vectors' sum (the norm's input).
+    u.declare_cost(UnitCost::looking_up(Kept { values: 4.0 + 3.0 * d as f64, ..Kept::ids(d) }));
     u.finish(BertEmbedding {
         words,
         positions,
@@ -244,6 +246,9 @@ pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
         let intermediate = linear(&mut u, "intermediate.dense", cfg.ffn_dim, d, TpRole::COLUMN);
         let output = linear(&mut u, "output.dense", d, cfg.ffn_dim, TpRole::Row);
         let output_norm = norm(&mut u, &format!("{name}.output.LayerNorm"), d);
+        // Post-norm: as GPT's block with the feed-forward width given.
+        let kept = Kept::block(11.0 * d as f64 + 2.0 * cfg.ffn_dim as f64 + 3.0, cfg.heads, d);
+        u.declare_cost(UnitCost::attending(kept, d));
         let block = BertBlock {
             query,
             key,
@@ -263,6 +268,7 @@ pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
         BertHead::Classify { labels } => {
             let pooler = dense(&mut u, "bert.pooler.dense", d, d, STD, TpRole::Replicated);
             let classifier = dense(&mut u, "classifier", labels.len() as i64, d, STD, TpRole::Replicated);
+            u.declare_cost(UnitCost::keeping(Kept { values: 2.0, ..Kept::ids(d) }));
             u.finish(BertClassifierHead { pooler, classifier });
         }
         BertHead::MaskedLm => {
@@ -270,6 +276,7 @@ pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
             let transform_norm = norm(&mut u, "cls.predictions.transform.LayerNorm", d);
             let bias = u.param("cls.predictions.bias", &[cfg.vocab], Init::Zeros, TpRole::Vocab);
             let tied = u.borrow(&format!("{prefix}.word_embeddings.weight"));
+            u.declare_cost(UnitCost::keeping(Kept::head(4.0 * d as f64 + 13.0, cfg.vocab)));
             u.finish(BertMaskedLmHead {
                 transform,
                 norm: transform_norm,

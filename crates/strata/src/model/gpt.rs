@@ -9,7 +9,7 @@ use super::layers::{
     add_layer_norm, attention, gelu_tanh, layer_norm_into_product, merge_heads, other_examples, split_heads,
     vocab_embedding, vocab_logits, AttentionOptions,
 };
-use super::{
+use super::{Kept, UnitCost, 
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS,
     INIT_STD as STD,
 };
@@ -224,6 +224,7 @@ pub fn gpt(cfg: &GptConfig, b: &mut Builder) -> Result<()> {
     let wte = u.param("transformer.wte.weight", &[cfg.vocab, d], Init::Normal { std: STD }, TpRole::Vocab);
     // Added to this rank's piece of the sequence under sequence parallel.
     let wpe = u.param("transformer.wpe.weight", &[cfg.ctx, d], Init::Normal { std: STD }, TpRole::SequenceReplicated);
+    u.declare_cost(UnitCost::looking_up(Kept::ids(cfg.dim)));
     u.finish(GptEmbedding { wte, wpe, ctx: cfg.ctx, vocab: cfg.vocab });
     // Residual projections are scaled down so the residual stream's variance stays bounded.
     let proj_std = STD / (2.0 * cfg.layers as f64).sqrt();
@@ -241,11 +242,15 @@ pub fn gpt(cfg: &GptConfig, b: &mut Builder) -> Result<()> {
             dim: d,
             eps: cfg.norm_eps,
         };
+        // The block's input (norm), q, k, v, attention output, projection input, residual,
+        // second norm input, MLP input; the GELU's input and output are 4·D each.
+        u.declare_cost(UnitCost::attending(Kept::block(19.0 * d as f64 + 3.0, cfg.heads, d), d));
         u.finish(block);
     }
     let mut u = b.unit("head");
     let ln_f = norm(&mut u, "transformer.ln_f", d);
     let tied = u.borrow("transformer.wte.weight");
+    u.declare_cost(UnitCost::keeping(Kept::head(4.0 * cfg.dim as f64 + 13.0, cfg.vocab)));
     u.finish(GptHead { eps: cfg.norm_eps, vocab: cfg.vocab, ln_f, wte: tied });
     b.alias("lm_head.weight", wte);
     Ok(())

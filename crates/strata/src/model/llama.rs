@@ -23,7 +23,7 @@ use super::layers::{
     split_heads, swiglu, vocab_logits, AttentionOptions,
 };
 use super::rope::{Rope, RopeScaling, Rotation};
-use super::{
+use super::{Kept, UnitCost, 
     default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TokenEmbedding, TpRole, Unit,
     DEFAULT_NORM_EPS, INIT_STD as STD,
 };
@@ -482,6 +482,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     let mut u = b.unit("embedding");
     let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
     let scale = cfg.scale_embeddings.then(|| (d as f64).sqrt());
+    u.declare_cost(UnitCost::looking_up(Kept::ids(d)));
     u.finish(TokenEmbedding {
         table: embed,
         vocab: cfg.vocab,
@@ -554,6 +555,10 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             (Some(local), Some(_)) => local.clone(),
             _ => cfg.rope(),
         };
+        // RMS norms keep their input and one statistic; SwiGLU keeps gate, up, the gate's
+        // activation and their product (4·F); rotary embedding keeps nothing extra.
+        let kept = Kept::block(10.0 * d as f64 + 4.0 * cfg.hidden() as f64 + 7.0, cfg.heads, d);
+        u.declare_cost(UnitCost::attending(kept, cfg.heads * cfg.head_width()));
         u.finish(LlamaBlock {
             input_norm,
             qkv,
@@ -579,6 +584,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     }
     let mut u = b.unit("head");
     let norm = u.param("model.norm.weight", &[d], norm_init, TpRole::SequenceReplicated);
+    u.declare_cost(UnitCost::keeping(Kept::head(3.0 * d as f64 + 13.0, cfg.vocab)));
     let head = |lm_head| LlamaHead { norm, lm_head, kinds, vocab: cfg.vocab, softcap: cfg.logit_softcap };
     if cfg.tie_embeddings {
         let lm_head = u.borrow("model.embed_tokens.weight");

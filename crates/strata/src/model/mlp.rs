@@ -5,7 +5,7 @@
 //! [`mlp`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::layers::{gelu_tanh, vocab_logits};
-use super::{positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
+use super::{Kept, UnitCost, positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
 use crate::Result;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
@@ -70,16 +70,19 @@ pub fn mlp(cfg: &MlpConfig, b: &mut Builder) -> Result<()> {
     let normal = Init::Normal { std: STD };
     let mut u = b.unit("embedding");
     let embed = u.param("embed.weight", &[cfg.vocab, cfg.dim], normal, TpRole::Vocab);
+    u.declare_cost(UnitCost::looking_up(Kept::ids(cfg.dim)));
     u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, scale: None, padding: None, kind: "MlpEmbedding" });
     for i in 0..cfg.layers {
         let mut u = b.unit(format!("layers.{i}"));
         let weight = u.linear(format!("layers.{i}.fc.weight"), &[cfg.dim, cfg.dim], normal, TpRole::Row);
         let bias = u.param(format!("layers.{i}.fc.bias"), &[cfg.dim], Init::Zeros, TpRole::SequenceReplicated);
+        u.declare_cost(UnitCost::keeping(Kept::block(2.0 * cfg.dim as f64, 0, cfg.dim)));
         u.finish(MlpLayer { weight, bias, dim: cfg.dim });
     }
     let mut u = b.unit("head");
     let weight = u.param("head.weight", &[cfg.vocab, cfg.dim], normal, TpRole::Vocab);
     let bias = u.param("head.bias", &[cfg.vocab], Init::Zeros, TpRole::Vocab);
+    u.declare_cost(UnitCost::keeping(Kept::head(2.0 * cfg.dim as f64 + 13.0, cfg.vocab)));
     u.finish(MlpHead { weight, bias, vocab: cfg.vocab });
     Ok(())
 }

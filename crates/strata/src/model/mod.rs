@@ -6,6 +6,7 @@
 //! Must not own storage, placement or execution order: that is the engine's.
 
 mod bert;
+mod cost;
 mod gpt;
 pub mod hf;
 pub mod layers;
@@ -17,6 +18,7 @@ mod t5;
 pub mod tensor;
 
 pub use bert::{bert, BertConfig, BertHead};
+pub use cost::{Kept, UnitCost};
 pub use gpt::{gpt, GptConfig};
 pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use layers::NoTensorParallel;
@@ -461,11 +463,25 @@ pub struct UnitSpec {
     /// Parameters of other units this one reads (tied weights); they must be present too.
     pub borrowed: Vec<ParamId>,
     pub body: Box<dyn Unit>,
+    /// What the unit costs per token, as its family declared it (`None`: not declared).
+    pub cost: Option<UnitCost>,
 }
 
 impl UnitSpec {
     pub fn kind(&self) -> &'static str {
         self.body.kind()
+    }
+
+    /// The unit's declared cost; refused by name where its family declared none.
+    pub fn declared_cost(&self) -> Result<UnitCost> {
+        self.cost.ok_or_else(|| {
+            Error::Config(format!(
+                "unit {} ({}) declares no cost per token (UnitBuilder::declare_cost): the estimate and the \
+                 search cannot count it",
+                self.name,
+                self.kind()
+            ))
+        })
     }
 }
 
@@ -627,7 +643,14 @@ impl Builder {
 
     /// Starts the next unit; declare its parameters, then [`UnitBuilder::finish`] it.
     pub fn unit(&mut self, name: impl Into<String>) -> UnitBuilder<'_> {
-        UnitBuilder { index: self.units.len(), name: name.into(), builder: self, owned: vec![], borrowed: vec![] }
+        UnitBuilder {
+            index: self.units.len(),
+            name: name.into(),
+            builder: self,
+            owned: vec![],
+            borrowed: vec![],
+            cost: None,
+        }
     }
 
     /// Makes `alias` another name of `id` (for tied weights saved under both names).
@@ -664,6 +687,7 @@ pub struct UnitBuilder<'a> {
     name: String,
     owned: Vec<ParamId>,
     borrowed: Vec<ParamId>,
+    cost: Option<UnitCost>,
 }
 
 impl UnitBuilder<'_> {
@@ -715,12 +739,19 @@ impl UnitBuilder<'_> {
         }
     }
 
+    /// Declares what the unit costs per token: what it keeps for its backward and the
+    /// attention it runs, counted from the family's configuration beside its forward.
+    pub fn declare_cost(&mut self, cost: UnitCost) {
+        self.cost = Some(cost);
+    }
+
     pub fn finish(self, body: impl Unit + 'static) {
         self.builder.units.push(UnitSpec {
             name: self.name,
             params: self.owned,
             borrowed: self.borrowed,
             body: Box::new(body),
+            cost: self.cost,
         });
     }
 }

@@ -17,7 +17,7 @@
 //! records specifications in the [`Builder`], and the units compute with the parameters the
 //! engine lends them.
 use super::layers::{attention, examples_differ, merge_heads, rms_norm, split_heads, vocab_logits, AttentionOptions};
-use super::{
+use super::{Kept, UnitCost, 
     positive, Builder, DecodeCache, EncodedMemory, Init, ParamId, Params, RowLayout, TokenEmbedding, TpRole, Unit,
     UnitBuilder,
 };
@@ -457,6 +457,7 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
     let (d, inner) = (cfg.dim, cfg.heads * cfg.head_dim);
     let mut u = b.unit("embedding");
     let shared = u.param("shared.weight", &[cfg.vocab, d], Init::Normal { std: 1.0 }, TpRole::Vocab);
+    u.declare_cost(UnitCost::looking_up(Kept::ids(cfg.dim)));
     u.finish(TokenEmbedding { table: shared, vocab: cfg.vocab, scale: None, padding: None, kind: "T5Embedding" });
     b.alias("encoder.embed_tokens.weight", shared);
     b.alias("decoder.embed_tokens.weight", shared);
@@ -498,6 +499,15 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
             let ff_norm = ones(&mut u, if decoder { "layer.2" } else { "layer.1" });
             let final_norm = (!decoder && i + 1 == layers)
                 .then(|| u.param("encoder.final_layer_norm.weight", &[d], Init::Ones, TpRole::Replicated));
+            // A decoder block adds cross-attention (its norm, queries, output: 4 widths of the
+            // inner width) and carries the encoder's output within its own.
+            let ffn = if cfg.gated { 4.0 } else { 2.0 } * cfg.ffn_dim as f64;
+            let (d, inner) = (d as f64, inner as f64);
+            let (kept, attentions) = match decoder {
+                false => (Kept::block(4.0 * d + 4.0 * inner + ffn + 4.0, cfg.heads, cfg.dim), 1),
+                true => (Kept::block(6.0 * d + 8.0 * inner + ffn + 6.0, 2 * cfg.heads, cfg.dim), 2),
+            };
+            u.declare_cost(UnitCost::attending(kept, attentions * cfg.heads * cfg.head_dim));
             u.finish(T5Block {
                 self_norm,
                 self_attention,
@@ -519,6 +529,7 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
         u.linear("lm_head.weight", &[cfg.vocab, d], Init::Normal { std: 1.0 }, TpRole::Vocab)
     };
     let scale = cfg.scale_output.then(|| (d as f64).powf(-0.5));
+    u.declare_cost(UnitCost::keeping(Kept::head(3.0 * cfg.dim as f64 + 13.0, cfg.vocab)));
     u.finish(T5Head { norm, table, vocab: cfg.vocab, scale, eps: cfg.norm_eps });
     if cfg.tied_head {
         b.alias("lm_head.weight", shared);

@@ -9,11 +9,13 @@
 //! ([`measure_non_model`], [`measure_shard_floor`]). Must not touch model definitions or
 //! optimizer policy.
 mod ddp;
+mod mesh;
 pub mod pipeline;
 pub mod tensor;
 pub mod zero;
 
 pub use ddp::{DataParallel, DataParallelOptions, DEFAULT_BUCKET_BYTES};
+pub use mesh::Mesh;
 
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp};
 use crate::compute::fp8::Fp8Unit;
@@ -24,8 +26,7 @@ use crate::engine::placement::HomePolicy;
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
 use crate::strategy::{
-    select_units, AmpConfig, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ParallelMode, ShardMethod,
-    ShardingStrategy, Stage, Strategy,
+    select_units, AmpConfig, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ShardMethod, Stage, Strategy,
 };
 use crate::train::Feed;
 use crate::{Error, Result};
@@ -101,6 +102,11 @@ impl<'a> RankLayout<'a> {
     fn world_size(&self) -> usize {
         self.comm.map_or(1, Comm::size)
     }
+
+    /// The mesh `strategy` makes of this layout's ranks, seen from this rank.
+    pub fn mesh(&self, strategy: &Strategy) -> Result<Mesh> {
+        Mesh::new(strategy, self.world_size(), self.comm.map_or(0, Comm::rank), self.local_world_size)
+    }
 }
 
 /// Builds the engine for `spec` as `strategy` says: sharded by zero1/zero2/fsdp, data
@@ -161,44 +167,9 @@ fn collectives_obstacle(ranks: usize) -> String {
     format!("collectives between {ranks} ranks: each is started and waited for by the host")
 }
 
-/// Which of the data-parallel replicas this rank's batches belong to, and how many there
-/// are: ranks that differ only in their tensor or pipeline coordinate read the same batches.
-/// (index, count) at `rank` of `world`.
-pub fn batch_shard(mode: &ParallelMode, rank: usize, world: usize) -> Result<(usize, usize)> {
-    let groups = mode.groups(world)?;
-    let (mut index, mut count) = (0, 1);
-    for (name, size) in mode.resolve(world)?.iter().filter(|(n, _)| matches!(n, Dim::Data | Dim::Zero)) {
-        let coordinate = groups[name].iter().find_map(|g| g.iter().position(|&r| r == rank)).ok_or_else(|| {
-            Error::Config(format!("parallel_mode: rank {rank} is in no {name} group of a world of {world}"))
-        })?;
-        index += coordinate * count;
-        count *= size;
-    }
-    Ok((index, count))
-}
-
-/// The ranks that hold the same units and pieces (equal tensor and pipeline coordinates):
-/// the replicas data parallelism and ZeRO work across, each list in rank order.
-fn replica_lists(mode: &ParallelMode, world: usize) -> Result<Vec<Vec<usize>>> {
-    let groups = mode.groups(world)?;
-    let coordinate = |dim: Dim, rank: usize| {
-        groups.get(&dim).and_then(|g| g.iter().find_map(|g| g.iter().position(|&r| r == rank))).unwrap_or(0)
-    };
-    let mut lists: Vec<((usize, usize), Vec<usize>)> = Vec::new();
-    for rank in 0..world {
-        let key = (coordinate(Dim::Tensor, rank), coordinate(Dim::Pipeline, rank));
-        match lists.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, ranks)) => ranks.push(rank),
-            None => lists.push((key, vec![rank])),
-        }
-    }
-    Ok(lists.into_iter().map(|(_, ranks)| ranks).collect())
-}
-
 fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at: &RankLayout) -> Result<Engine> {
-    let world = at.world_size();
-    let mode = strategy.parallel_mode();
-    let stages = mode.size(Dim::Pipeline, world)?;
+    let mesh = at.mesh(strategy)?;
+    let stages = mesh.size(Dim::Pipeline);
     if stages > 1 && !at.stage {
         return Err(Error::Config(
             "parallel_mode: a pipeline runs through parallel::pipeline::PipelineTrainer, one engine per stage".into(),
@@ -207,31 +178,35 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     if let Some(offload) = strategy.offload_plan() {
         return build_offload(spec, config, offload, at);
     }
-    if world == 1 {
+    if mesh.world() == 1 {
         fits_on_the_device(&spec, &config, at)?;
     }
-    let tensor = mode.size(Dim::Tensor, world)?;
-    let replicas = world / (tensor * stages);
+    let tensor = mesh.size(Dim::Tensor);
+    // The ranks that hold the same units and pieces, each list in rank order.
+    let replica_lists: Vec<Vec<usize>> = mesh
+        .groups(&[Dim::Zero, Dim::Data])
+        .into_iter()
+        .map(|mut ranks| {
+            ranks.sort_unstable();
+            ranks
+        })
+        .collect();
     // Every rank creates every group in one order: tensor groups, then the replicas'.
-    let (tensor_group, replica_group) = match at.comm.filter(|_| world > 1) {
+    let (tensor_group, replica_group) = match at.comm.filter(|_| mesh.world() > 1) {
         None => (None, None),
         Some(comm) if tensor == 1 && stages == 1 => (None, Some(Arc::<dyn ProcessGroup>::from(comm.world()?))),
         Some(comm) => {
             let sequence_parallel = strategy.tensor_parallel().is_some_and(|c| c.sequence_parallel);
             let group = match tensor {
                 1 => None,
-                _ => my_group(comm, &mode.groups(world)?[&Dim::Tensor])?
+                _ => my_group(comm, &mesh.groups(&[Dim::Tensor]))?
                     .map(|g| Arc::new(tensor::TensorGroup::new(g, sequence_parallel))),
             };
-            (group, my_group(comm, &replica_lists(&mode, world)?)?)
+            (group, my_group(comm, &replica_lists)?)
         }
     };
     let config = EngineConfig { tensor: tensor_group.map(|g| g as Arc<dyn crate::model::TensorParallel>), ..config };
-    let zero_size = mode.size(Dim::Zero, world)?;
     let Some((name, shard)) = strategy.sharding() else {
-        if zero_size > 1 {
-            return Err(Error::Config("parallel_mode: a zero dimension needs zero1, zero2 or fsdp".into()));
-        }
         let mut engine = Engine::new(spec, config)?;
         if let Some(group) = replica_group {
             DataParallel::install(&mut engine, group, at.data_parallel)?;
@@ -255,42 +230,12 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         reduce_dtype,
         offload: strategy.offload().map(|o| zero_offload(name, stage, o, &spec, &config, at)).transpose()?,
     };
-    // Shard groups are parallel_mode's zero groups, replicas its data groups; without a
-    // zero dimension the sharding strategy says how many ranks share a shard group.
-    let explicit = mode.0.iter().any(|(n, _)| *n == Dim::Zero);
-    let shard_size = match shard.sharding_strategy {
-        _ if explicit => {
-            if shard.sharding_strategy == Some(ShardingStrategy::HybridShard) || shard.hybrid_shard_size.is_some() {
-                return Err(Error::Config(format!(
-                    "{name}: give the shard group size once, as parallel_mode's zero size or as hybrid_shard_size"
-                )));
-            }
-            zero_size
-        }
-        Some(ShardingStrategy::NoShard) => 1,
-        Some(ShardingStrategy::HybridShard) => shard.hybrid_shard_size.unwrap_or((at.local_world_size / tensor).max(1)),
-        _ => replicas,
-    };
-    if shard_size == 0 || !replicas.is_multiple_of(shard_size) {
-        let whole = match tensor * stages {
-            1 => format!("the world size {world}"),
-            _ => format!("the {replicas} ranks that hold the same units and pieces"),
-        };
-        return Err(Error::Config(format!("{name}: a shard group of {shard_size} ranks does not divide {whole}")));
-    }
-    // The user's layout with the shard group as its zero dimension and data taking the rest.
-    let mut dims: Vec<(Dim, usize)> = mode.0.iter().filter(|(n, _)| *n != Dim::Zero).cloned().collect();
-    let data = dims.iter().position(|(n, _)| *n == Dim::Data).unwrap_or(dims.len());
-    dims.insert(data, (Dim::Zero, shard_size));
-    for (_, size) in dims.iter_mut().filter(|(n, _)| *n == Dim::Data) {
-        *size = 0;
-    }
-    let layout = ParallelMode(dims, mode.1.clone()).groups(world)?;
-    let groups = match at.comm.filter(|_| world > 1) {
+    // Shard groups are the mesh's zero groups, replicas its data groups.
+    let groups = match at.comm.filter(|_| mesh.world() > 1) {
         None => ShardGroups { shard: None, replicate: None, world: None },
         Some(comm) => ShardGroups {
-            shard: my_group(comm, &layout[&Dim::Zero])?,
-            replicate: my_group(comm, &layout[&Dim::Data])?,
+            shard: my_group(comm, &mesh.groups(&[Dim::Zero]))?,
+            replicate: my_group(comm, &mesh.groups(&[Dim::Data]))?,
             world: replica_group,
         },
     };

@@ -511,7 +511,8 @@ pub fn train(
     if let Some(path) = config.outputs.strategy.as_ref().filter(|_| ranks.leader()) {
         strategy.save(path)?;
     }
-    let (data_rank, data_world) = parallel::batch_shard(&strategy.parallel_mode(), ranks.rank(), ranks.world())?;
+    let mesh = parallel::Mesh::new(&strategy, ranks.world(), ranks.rank(), ranks.local_world_size)?;
+    let (data_rank, data_world) = mesh.batch_shard();
     let loader_config = LoaderConfig {
         accumulation: config.accumulation,
         rank: data_rank,
@@ -531,7 +532,7 @@ pub fn train(
         data_parallel,
         loader: &loader_config,
     };
-    let pipelined = strategy.parallel_mode().size(Dim::Pipeline, ranks.world())? > 1;
+    let pipelined = mesh.size(Dim::Pipeline) > 1;
     if config.cuda_graph && pipelined {
         return Err(Error::Config(
             "cuda_graph: a pipeline schedules its stages' sends and receives from the host".into(),
@@ -552,6 +553,7 @@ pub fn train(
         tokens = data.train.tokens(),
         source = data.train.source(),
         strategy = %strategy.to_value(),
+        %mesh,
         "training"
     );
     let clock = config.unit_times.then(|| Arc::new(UnitClock::default()));

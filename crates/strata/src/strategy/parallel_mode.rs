@@ -6,10 +6,10 @@
 //! the others must divide it, and data takes the rest.
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 
-/// A dimension of the rank layout: data parallel, ZeRO data parallel (the shard groups),
-/// tensor and pipeline parallel. Written in strategies by its lower-case name.
+/// A dimension of the rank layout ([`crate::parallel::Mesh`]): data parallel (replicas),
+/// ZeRO data parallel (the shard groups), tensor and pipeline parallel, and the dimensions
+/// reserved for context and expert parallelism. Written in strategies by its lower-case name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dim {
@@ -17,11 +17,13 @@ pub enum Dim {
     Zero,
     Tensor,
     Pipeline,
+    Context,
+    Expert,
 }
 
 impl Dim {
     /// Every dimension, in the order strategies list them by default.
-    pub const ALL: [Dim; 4] = [Dim::Data, Dim::Zero, Dim::Tensor, Dim::Pipeline];
+    pub const ALL: [Dim; 6] = [Dim::Data, Dim::Zero, Dim::Tensor, Dim::Pipeline, Dim::Context, Dim::Expert];
 
     /// The dimension's name in a strategy.
     pub fn name(self) -> &'static str {
@@ -30,6 +32,17 @@ impl Dim {
             Dim::Zero => "zero",
             Dim::Tensor => "tensor",
             Dim::Pipeline => "pipeline",
+            Dim::Context => "context",
+            Dim::Expert => "expert",
+        }
+    }
+
+    /// Why a strategy may not name this dimension yet: no method splits work along it.
+    fn reserved(self) -> Option<&'static str> {
+        match self {
+            Dim::Context => Some("context parallelism (a sequence split over ranks)"),
+            Dim::Expert => Some("expert parallelism (a mixture of experts' experts split over ranks)"),
+            _ => None,
         }
     }
 }
@@ -59,6 +72,9 @@ impl ParallelMode {
         for (i, (name, size)) in self.0.iter().enumerate() {
             if self.0[..i].iter().any(|(n, _)| n == name) {
                 return Err(bad(format!("dimension {name} appears twice")));
+            }
+            if let Some(method) = name.reserved() {
+                return Err(bad(format!("the {name} dimension is reserved for {method}, which Strata does not run yet")));
             }
             if *size == 0 && *name != Dim::Data {
                 return Err(bad(format!("{name} needs a positive size")));
@@ -102,27 +118,6 @@ impl ParallelMode {
     pub fn size(&self, dim: Dim, world: usize) -> Result<usize> {
         Ok(self.resolve(world)?.iter().find(|(n, _)| *n == dim).map_or(1, |(_, s)| *s))
     }
-
-    /// The process groups of every dimension at `world` ranks, each group in position order,
-    /// groups ordered by their first position.
-    pub fn groups(&self, world: usize) -> Result<BTreeMap<Dim, Vec<Vec<usize>>>> {
-        let dims = self.resolve(world)?;
-        let rank_at = |p: usize| self.1.as_ref().map_or(p, |o| o[p]);
-        let mut out = BTreeMap::new();
-        let mut stride = 1;
-        for (name, size) in &dims {
-            let mut groups = Vec::new();
-            for p in 0..world {
-                // The first position of each group has coordinate 0 in this dimension.
-                if (p / stride) % size == 0 {
-                    groups.push((0..*size).map(|c| rank_at(p + c * stride)).collect());
-                }
-            }
-            out.insert(*name, groups);
-            stride *= size;
-        }
-        Ok(out)
-    }
 }
 
 #[cfg(test)]
@@ -136,17 +131,6 @@ mod tests {
     }
 
     #[test]
-    fn the_seed_example_gives_its_groups() {
-        let g = mode(&[(Tensor, 4), (Pipeline, 2), (Data, 2)]).groups(16).unwrap();
-        let tensor: Vec<Vec<usize>> = (0..4).map(|i| (4 * i..4 * i + 4).collect()).collect();
-        assert_eq!(g[&Tensor], tensor);
-        let pipeline = [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]];
-        assert_eq!(g[&Pipeline], pipeline.map(|p| p.to_vec()).to_vec());
-        let data: Vec<Vec<usize>> = (0..8).map(|i| vec![i, i + 8]).collect();
-        assert_eq!(g[&Data], data);
-    }
-
-    #[test]
     fn data_follows_the_world_size_and_the_rest_must_divide_it() {
         assert_eq!(mode(&[(Data, 8)]).resolve(16).unwrap(), [(Data, 16)]);
         let adjusted = mode(&[(Tensor, 2), (Pipeline, 2), (Data, 2)]).resolve(16).unwrap();
@@ -156,13 +140,18 @@ mod tests {
         assert!(err.contains("tensor 4 × pipeline 2 = 8 ranks do not divide the world size 12"), "{err}");
         let huge = mode(&[(Tensor, usize::MAX / 2 + 1), (Pipeline, 2)]).resolve(16).unwrap_err().to_string();
         assert!(huge.contains("= more ranks do not divide the world size 16"), "{huge}");
-        let unknown = serde_json::from_str::<ParallelMode>(r#"[[["expert", 2]], null]"#).unwrap_err().to_string();
-        assert!(unknown.contains("expert") && unknown.contains("`data`, `zero`, `tensor`, `pipeline`"), "{unknown}");
+        let unknown = serde_json::from_str::<ParallelMode>(r#"[[["sequence", 2]], null]"#).unwrap_err().to_string();
+        assert!(unknown.contains("sequence") && unknown.contains("`data`, `zero`, `tensor`, `pipeline`"), "{unknown}");
+        for (name, method) in [("expert", "expert parallelism"), ("context", "context parallelism")] {
+            let named: ParallelMode = serde_json::from_str(&format!(r#"[[["{name}", 2]], null]"#)).unwrap();
+            let err = named.validate().unwrap_err().to_string();
+            assert!(err.contains(&format!("the {name} dimension is reserved for {method}")), "{err}");
+        }
         assert_eq!(serde_json::to_string(&mode(&[(Tensor, 2)])).unwrap(), r#"[[["tensor",2]],null]"#);
         let twice = mode(&[(Tensor, 2), (Tensor, 2)]).validate().unwrap_err().to_string();
         assert!(twice.contains("dimension tensor appears twice"), "{twice}");
         let reordered = ParallelMode(vec![(Zero, 2)], Some(vec![3, 2, 1, 0]));
-        assert_eq!(reordered.groups(4).unwrap()[&Zero], [vec![3, 2], vec![1, 0]]);
+        assert!(reordered.resolve(4).is_ok());
         assert!(reordered.resolve(8).is_err(), "a rank order is for one world size");
     }
 }

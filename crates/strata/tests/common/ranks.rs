@@ -1,27 +1,33 @@
 //! Multi-process tests: a driver test hosts a store and starts several copies of its own
-//! test binary, each running the binary's `rank_entry` test as one rank of a scenario.
+//! test binary, each running the `rank_entry` test of the driver's module as one rank of a
+//! scenario.
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use strata::comm::{Comm, Store, StoreServer};
 
 /// Starts `n` ranks of `scenario` on `backend` and returns their outputs, in rank order.
+#[track_caller]
 pub fn run_ranks(n: usize, backend: &str, scenario: &str) -> Vec<Output> {
     run_ranks_with(n, backend, scenario, |_| vec![])
 }
 
 /// As [`run_ranks`], with `vars(rank)` set in each rank's environment.
+#[track_caller]
 pub fn run_ranks_with(
     n: usize,
     backend: &str,
     scenario: &str,
     vars: impl Fn(usize) -> Vec<(&'static str, &'static str)>,
 ) -> Vec<Output> {
+    // The caller's module (its file's name in the binary's folder) holds the entry.
+    let module = std::path::Path::new(std::panic::Location::caller().file()).file_stem().unwrap().to_string_lossy();
+    let entry = format!("{module}::rank_entry");
     let token = "test-token";
     let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), token).unwrap();
     let children: Vec<Child> = (0..n)
         .map(|rank| {
             Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "rank_entry", "--nocapture", "--test-threads", "1"])
+                .args(["--exact", &entry, "--nocapture", "--test-threads", "1"])
                 .env("STRATA_TEST_SCENARIO", scenario)
                 .env("STRATA_TEST_BACKEND", backend)
                 .env("STRATA_TEST_STORE", server.addr().to_string())

@@ -261,15 +261,18 @@ impl PipelineTrainer {
     pub fn new(setup: PipelineSetup<'_>) -> Result<PipelineTrainer> {
         let config = setup.strategy.pipeline_parallel().unwrap_or_default();
         let world = setup.comm.map_or(1, Comm::size);
-        let mode = setup.strategy.parallel_mode();
-        let p = mode.size(Dim::Pipeline, world)?;
+        let mesh = crate::parallel::Mesh::new(
+            setup.strategy,
+            world,
+            setup.comm.map_or(0, Comm::rank),
+            setup.local_world_size,
+        )?;
+        let p = mesh.size(Dim::Pipeline);
         let zero_bubble = config.schedule.splits_backward();
         let v = config.virtual_stages;
         let pipeline = Pipeline { stages: p, micro_batches: setup.micro_batches, virtual_stages: v };
         // The ranks of every pipeline, each in stage order; this rank's stage is its place.
-        let pipelines = mode.groups(world)?.remove(&Dim::Pipeline).unwrap_or_else(|| vec![(0..world).collect()]);
-        let global_rank = setup.comm.map_or(0, Comm::rank);
-        let rank = pipelines.iter().find_map(|g| g.iter().position(|&r| r == global_rank)).unwrap_or(0);
+        let (rank, pipelines) = mesh.pipelines();
         // The schedule refuses bad shapes before anything is built; it is the same every step.
         let ops: Arc<[Op]> = schedule(config.schedule, pipeline, rank)?.into();
         // Each chunk's last backward completes its gradients (data parallelism reduces then);
@@ -317,7 +320,7 @@ impl PipelineTrainer {
                 unit_in_stage: k - ranges[stage_of(k)].0,
             })
             .collect();
-        let tensor_size = mode.size(Dim::Tensor, world)?;
+        let tensor_size = mesh.size(Dim::Tensor);
         let layout = crate::checkpoint::Layout::of_spec(&whole, tensor_size);
         let mut tied: Vec<(ParamId, Vec<usize>)> = readers.into_iter().filter(|(_, s)| s.len() > 1).collect();
         tied.sort();

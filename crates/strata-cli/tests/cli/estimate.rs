@@ -1,0 +1,256 @@
+//! `strata estimate` and the memory estimate under it, against runs of `strata train`.
+use crate::common::*;
+use strata::auto::candidate::{Candidate, Layout, Precision, Sharding};
+use strata::auto::estimate::{self, Machine, Workload};
+use strata::model::{GptConfig, LlamaConfig, ModelConfig};
+use strata::strategy::ScheduleKind;
+
+/// Estimates a layout of a small model, then trains it for three steps and reads rank 0's
+/// last step: the optimizer states equal the estimate's to the byte (the engine's layout,
+/// sharding and pipeline split followed exactly), and the allocator's peak lies within 5%
+/// of the estimate's total.
+#[test]
+fn the_estimate_follows_the_allocator_over_families_and_layouts() {
+    let gpt = ModelConfig::Gpt(GptConfig::new(512, 32, 4, 4, 64));
+    let llama = ModelConfig::Llama(LlamaConfig {
+        kv_heads: Some(2),
+        ffn_dim: Some(160),
+        ..LlamaConfig::new(512, 32, 4, 4, 64)
+    });
+    let plain = |sharding, checkpoint, tensor| {
+        Layout::new(Candidate {
+            precision: Precision::Fp32,
+            module_replace: false,
+            sharding,
+            checkpoint,
+            tensor,
+            offload: false,
+        })
+    };
+    let piped =
+        Layout { pipeline: 2, schedule: ScheduleKind::OneForwardOneBackward, ..plain(Sharding::None, false, 1) };
+    // (label, model, layout, ranks, global rows, micro-batches)
+    let cases = [
+        ("gpt", &gpt, plain(Sharding::None, false, 1), 1, 8, 1),
+        ("llama checkpoint", &llama, plain(Sharding::None, true, 1), 1, 8, 1),
+        ("gpt fsdp ×2", &gpt, plain(Sharding::Fsdp, false, 1), 2, 16, 1),
+        ("llama zero1 ×2", &llama, plain(Sharding::Zero1, false, 1), 2, 16, 1),
+        ("llama pipeline 2", &llama, piped, 2, 16, 4),
+        ("gpt tensor 2", &gpt, plain(Sharding::None, false, 2), 2, 8, 1),
+    ];
+    let cpu = estimate::device_kind("cpu").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (label, model, layout, ranks, rows, micro) in cases {
+        let work = Workload {
+            ranks,
+            micro_batch: rows / (layout.data_ranks(ranks) * micro),
+            ctx: 32,
+            micro_batches: micro,
+            optimizer_state_bytes: 8,
+        };
+        let machine = Machine { device: cpu.clone(), device_bytes: u64::MAX, host_bytes: u64::MAX };
+        let e = estimate::estimate(model, &layout, &work, &machine).unwrap();
+        let (name, block, extra): (&str, &str, Vec<String>) = match model {
+            ModelConfig::Gpt(_) => ("gpt", "GptBlock", vec![]),
+            _ => ("llama", "LlamaBlock", vec!["--ffn-dim".into(), "160".into(), "--kv-heads".into(), "2".into()]),
+        };
+        let strategy = layout.strategy(&[block.into()]).unwrap().to_value().to_string();
+        let metrics = dir.path().join(format!("{}.jsonl", label.replace(' ', "_")));
+        let mut args: Vec<String> =
+            format!("train --model {name} --layers 4 --heads 4 --dim 64 --ctx 32 --vocab 512 --steps 3 --threads 1")
+                .split_whitespace()
+                .map(String::from)
+                .collect();
+        args.extend(extra);
+        for (flag, value) in [
+            ("--nproc", ranks.to_string()),
+            ("--batch-size", rows.to_string()),
+            ("--accumulation", micro.to_string()),
+            ("--strategy", strategy),
+            ("--metrics", metrics.display().to_string()),
+        ] {
+            args.extend([flag.to_string(), value]);
+        }
+        let out = strata(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(out.status.success(), "{label}: {}", stderr(&out));
+        let last = reports(&metrics).pop().unwrap();
+        let held = &last["memory"]["device"]["by_category"];
+        let rank0 = e.pipeline_ranks[0];
+        assert_eq!(held["optimizer_state"].as_u64().unwrap(), rank0.device.optimizer, "{label}: optimizer states");
+        let measured = last["allocator_peak_bytes"].as_u64().unwrap() as f64;
+        let estimated = (rank0.device.total() + rank0.host.total()) as f64;
+        let error = estimated / measured - 1.0;
+        eprintln!("{label}: estimated {estimated} measured {measured} ({:+.1}%)", 100.0 * error);
+        assert!(error.abs() <= 0.05, "{label}: estimated {estimated} bytes against {measured} measured");
+    }
+}
+
+/// A 70B model on 64 GPUs: instant, some layouts fit and some do not, sharding and
+/// recomputation shrink the device's share, and the busiest pipeline rank is reported.
+#[test]
+fn strata_estimate_says_what_fits_a_70b_model_on_64_gpus() {
+    let out = strata(&[
+        "estimate",
+        "--preset",
+        "llama-3-70b",
+        "--nproc",
+        "64",
+        "--device",
+        "h100-80gb",
+        "--ctx",
+        "4096",
+        "--tensor",
+        "1,8",
+        "--pipeline",
+        "1,4",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let device = |label: &str| {
+        let row = rows.iter().find(|r| r["layout"] == label).unwrap_or_else(|| panic!("no row {label}"));
+        (row["device"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum::<u64>(), row["fits"] == true)
+    };
+    let (plain, plain_fits) = device("amp bf16 + data parallel");
+    let (sharded, sharded_fits) = device("amp bf16 + checkpoint + fsdp");
+    assert!(!plain_fits && sharded_fits, "plain {plain} bytes, fsdp + checkpoint {sharded}");
+    assert!(sharded * 4 < plain);
+    assert!(rows.iter().any(|r| r["layout"].as_str().unwrap().contains("pipeline 4")));
+    assert!(report["params"].as_i64().unwrap() > 70_000_000_000);
+}
+
+#[test]
+fn strata_estimate_refuses_two_models_and_unknown_names_in_one_line() {
+    assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--model", "gpt"]), "exactly one of");
+    assert_fails_with(&strata(&["estimate", "--preset", "gpt5"]), "no model preset \"gpt5\"");
+    assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--device", "tpu"]), "unknown device \"tpu\"");
+    assert_fails_with(&strata(&["estimate", "--model-dir", "no/such/folder"]), "no such folder or file");
+    assert_fails_with(
+        &strata(&["plan", "--preset", "llama-3-70b", "--nodes", "1", "--gpus-per-node", "2", "--global-batch", "2"]),
+        "no layout of",
+    );
+}
+
+/// A folder's config.json is read without weights: GPT-2's sizes give GPT-2's parameters.
+#[test]
+fn strata_estimate_reads_a_folder_s_config_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = r#"{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257,
+        "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}"#;
+    std::fs::write(dir.path().join("config.json"), config).unwrap();
+    let out = strata(&["estimate", "--model-dir", dir.path().to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let params = report["params"].as_i64().unwrap();
+    assert!((124_000_000..=125_000_000).contains(&params), "{params}");
+}
+
+/// A 70B LLaMA on 64 H100s: the plan's best layout is one `strata estimate` says fits,
+/// and its strategy file validates for 64 ranks.
+#[test]
+fn strata_plan_for_a_70b_llama_on_64_h100s_picks_a_layout_that_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plan.json");
+    let out = strata(&[
+        "plan",
+        "--preset",
+        "llama-3-70b",
+        "--nodes",
+        "8",
+        "--gpus-per-node",
+        "8",
+        "--device",
+        "h100-80gb",
+        "--global-batch",
+        "64",
+        "--ctx",
+        "8192",
+        "--out",
+        file.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let best = &report["rows"][0];
+    assert_eq!(best["memory"]["fits"], true);
+    assert!(report["over_memory"].as_u64().unwrap() > 0, "some layouts must not fit a 70B model");
+    let times: Vec<f64> =
+        report["rows"].as_array().unwrap().iter().map(|r| r["time"]["total"].as_f64().unwrap()).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "fastest first: {times:?}");
+    assert!(best["time"]["mfu"].as_f64().unwrap() > 0.1 && best["time"]["mfu"].as_f64().unwrap() < 0.9);
+    // The same layout through `strata estimate`.
+    let layout = &best["layout"];
+    let candidate = &layout["candidate"];
+    let (t, p) = (candidate["tensor"].as_u64().unwrap(), layout["pipeline"].as_u64().unwrap());
+    let (mb, m) = (best["micro_batch"].as_u64().unwrap(), best["micro_batches"].as_u64().unwrap());
+    let schedule = layout["schedule"].as_str().unwrap();
+    let chunks = layout["virtual_stages"].as_u64().unwrap();
+    let estimate = strata(&[
+        "estimate",
+        "--preset",
+        "llama-3-70b",
+        "--nproc",
+        "64",
+        "--gpus-per-node",
+        "8",
+        "--ctx",
+        "8192",
+        "--micro-batch",
+        &mb.to_string(),
+        "--accumulation",
+        &m.to_string(),
+        "--tensor",
+        &t.to_string(),
+        "--pipeline",
+        &p.to_string(),
+        "--schedule",
+        schedule,
+        "--virtual-stages",
+        &chunks.to_string(),
+        "--json",
+    ]);
+    assert!(estimate.status.success(), "{}", stderr(&estimate));
+    let rows: serde_json::Value = serde_json::from_slice(&estimate.stdout).unwrap();
+    let label = best["memory"]["layout"].as_str().unwrap();
+    let same = rows["rows"].as_array().unwrap().iter().find(|r| r["layout"] == label && r["lora"] == false);
+    let same = same.unwrap_or_else(|| panic!("strata estimate shows no {label}"));
+    assert_eq!(same["fits"], true, "{label}");
+    assert_eq!(same["device"], best["memory"]["device"], "{label}: the same bytes");
+    let valid = strata(&["strategy", "validate", file.to_str().unwrap(), "--world-size", "64"]);
+    assert!(valid.status.success(), "{}", stderr(&valid));
+}
+
+/// The strategy file of a plan for a small GPT on two devices trains unchanged.
+#[test]
+fn a_plan_s_strategy_file_trains_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plan.json");
+    let shape = ["--model", "gpt", "--layers", "4", "--heads", "4", "--dim", "64", "--vocab", "512", "--ctx", "32"];
+    let mut plan =
+        vec!["plan", "--nodes", "1", "--gpus-per-node", "2", "--global-batch", "8", "--out", file.to_str().unwrap()];
+    plan.extend(shape);
+    let out = strata(&plan);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let accumulation =
+        text.split("--accumulation ").nth(1).and_then(|t| t.split_whitespace().next()).unwrap().to_string();
+    let mut train = vec![
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+        "--batch-size",
+        "8",
+        "--accumulation",
+        &accumulation,
+        "--strategy",
+        file.to_str().unwrap(),
+    ];
+    train.extend(shape);
+    let run = strata(&train);
+    assert!(run.status.success(), "{}", stderr(&run));
+}

@@ -1,0 +1,701 @@
+//! Fine-tuning Hugging Face model folders end to end, against `transformers` itself
+//! (scripts/hf_reference.py, the project's `.venv`): a folder trains under a strategy
+//! (one process, fsdp, tensor parallel, a pipeline), its validation loss equals `transformers`' on the folder
+//! Strata writes back, `strata eval` agrees, `strata generate` stops at the end token, and
+//! bad folders are refused in one line.
+use crate::common;
+
+
+use crate::common::{assert_fails_with, stderr, strata};
+use crate::hf_reference::{python, reference};
+use std::path::{Path, PathBuf};
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// A random model folder of `family` and token files (ids below the tokenizer's 90 words)
+/// to train and validate on.
+fn setup(py: &Path, dir: &Path, family: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let folder = dir.join(family);
+    reference(py, &["make", "--family", family, "--out", s(&folder)]);
+    let mut x: u64 = 99;
+    let mut tokens = |n: usize| {
+        let ids: Vec<u32> = (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 33) % 90) as u32
+            })
+            .collect();
+        strata::data::TokenData::new(ids, "random")
+    };
+    let (train, val) = (dir.join("train.bin"), dir.join("val.bin"));
+    tokens(4000).write_u16_file(&train).unwrap();
+    tokens(1200).write_u16_file(&val).unwrap();
+    (folder, train, val)
+}
+
+/// The windows of training and validation: 3 batches of 4 rows of 16 positions.
+const WINDOWS: [&str; 6] = ["--ctx", "16", "--batch-size", "4", "--eval-batches", "3"];
+
+const RUN: [&str; 10] =
+    ["--steps", "4", "--eval-every", "2", "--lr", "0.01", "--threads", "1", "--schedule", "constant"];
+
+/// The validation losses of a metrics file, by step.
+fn val_losses(metrics: &Path) -> Vec<(u64, f64)> {
+    let validated = common::reports(metrics).into_iter().filter(|r| r.get("val_loss").is_some());
+    validated.map(|r| (r["step"].as_u64().unwrap(), r["val_loss"].as_f64().unwrap())).collect()
+}
+
+fn transformers_val_loss(py: &Path, folder: &Path, val: &Path) -> f64 {
+    let out = reference(
+        py,
+        &["val-loss", "--dir", s(folder), "--token-file", s(val), "--ctx", "16", "--batch-size", "4", "--batches", "3"],
+    );
+    serde_json::from_str::<serde_json::Value>(&out).unwrap()["val_loss"].as_f64().unwrap()
+}
+
+/// Fine-tunes `family`'s folder under each strategy: the last validation loss is
+/// `transformers`' on the written folder, and `strata eval` of that folder says the same.
+fn fine_tune(family: &str, runs: &[(&str, &[&str])]) {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, val) = setup(&py, dir.path(), family);
+    let untrained = transformers_val_loss(&py, &folder, &val);
+    for (name, extra) in runs {
+        let (saved, metrics) = (dir.path().join(format!("{name}-out")), dir.path().join(format!("{name}.jsonl")));
+        let files = [
+            "--model-dir",
+            s(&folder),
+            "--token-file",
+            s(&train),
+            "--val-token-file",
+            s(&val),
+            "--save-model-dir",
+            s(&saved),
+            "--metrics",
+            s(&metrics),
+        ];
+        let o = strata(&[&["train"][..], &RUN, &WINDOWS, &files, extra].concat());
+        assert!(o.status.success(), "{family} {name}:\n{}", stderr(&o));
+        let vals = val_losses(&metrics);
+        assert_eq!(vals.iter().map(|v| v.0).collect::<Vec<_>>(), vec![2, 4], "{family} {name}: validation steps");
+        let last = vals[1].1;
+        let theirs = transformers_val_loss(&py, &saved, &val);
+        eprintln!("{family} {name}: validation loss {last:.7}, transformers {theirs:.7}");
+        assert!((last - theirs).abs() < 1e-5, "{family} {name}: validation loss {last}, transformers {theirs}");
+        assert!((last - untrained).abs() > 1e-3, "{family} {name}: training changed nothing ({last})");
+        let source = ["eval", "--model-dir", s(&saved), "--val-token-file", s(&val), "--json"];
+        let o = strata(&[&source[..], &WINDOWS].concat());
+        assert!(o.status.success(), "eval:\n{}", stderr(&o));
+        let eval: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let evaluated = eval["val_loss"].as_f64().unwrap();
+        assert!((evaluated - theirs).abs() < 1e-5, "{family} {name}: strata eval {evaluated}, transformers {theirs}");
+        assert_eq!(eval["tokens"].as_i64(), Some(3 * 4 * 16));
+    }
+}
+
+#[test]
+fn gpt2_fine_tunes_alone_sharded_and_split() {
+    fine_tune(
+        "gpt2",
+        &[
+            ("one", &[]),
+            ("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]),
+            ("tensor", &["--nproc", "2", "--strategy", TENSOR]),
+        ],
+    );
+}
+
+#[test]
+fn qwen2_fine_tunes_in_a_pipeline() {
+    fine_tune("qwen2", &[("pp", &["--nproc", "2", "--accumulation", "2", "--strategy", PIPELINE])]);
+}
+
+const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
+const SEQUENCE: &str =
+    r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
+const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
+
+/// A family trained alone, over two ranks with fsdp, split by tensor parallel with and
+/// without sequence parallel (where its heads allow) and in two pipeline stages: every run
+/// ends at `transformers`' validation loss of the folder it writes.
+fn fine_tunes_under_every_layout(family: &str, tensor: bool) {
+    let mut runs: Vec<(&str, &[&str])> = vec![
+        ("one", &[]),
+        ("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]),
+        ("pp", &["--nproc", "2", "--accumulation", "2", "--strategy", PIPELINE]),
+    ];
+    if tensor {
+        runs.push(("tensor", &["--nproc", "2", "--strategy", TENSOR]));
+        runs.push(("sequence", &["--nproc", "2", "--strategy", SEQUENCE]));
+    }
+    fine_tune(family, &runs);
+}
+
+#[test]
+fn llama3_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("llama3", true);
+}
+
+#[test]
+fn qwen3_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("qwen3", true);
+}
+
+#[test]
+fn mistral_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("mistral", true);
+}
+
+#[test]
+fn gemma2_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("gemma2", true);
+}
+
+#[test]
+fn phi3_fine_tunes_under_every_layout() {
+    fine_tunes_under_every_layout("phi3", true);
+}
+
+/// Gemma 3's single key/value head cannot split over two tensor ranks: refused in one line
+/// that says so, before any step.
+#[test]
+fn gemma3_fine_tunes_and_refuses_a_split_of_its_one_key_value_head() {
+    fine_tunes_under_every_layout("gemma3", false);
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, _) = setup(&py, dir.path(), "gemma3");
+    let o = strata(&[
+        "train",
+        "--model-dir",
+        s(&folder),
+        "--token-file",
+        s(&train),
+        "--ctx",
+        "16",
+        "--steps",
+        "1",
+        "--nproc",
+        "2",
+        "--strategy",
+        TENSOR,
+    ]);
+    assert_fails_with(&o, "key/value heads");
+}
+
+/// Generation from the command line: text in, text out, and it ends at the folder's end
+/// token.
+#[test]
+fn generate_stops_at_the_end_token() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, ..) = setup(&py, dir.path(), "llama");
+    let run = |extra: &[&str]| {
+        let args =
+            [&["generate", "--model-dir", s(&folder), "--prompt", "w7 w31 w3", "--max-new-tokens", "12"][..], extra];
+        let o = strata(&args.concat());
+        assert!(o.status.success(), "generate {extra:?}:\n{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    let ids: serde_json::Value = serde_json::from_str(&run(&["--ids"])).unwrap();
+    assert_eq!(ids["prompt"], serde_json::json!([7, 31, 3]));
+    let new: Vec<i64> = ids["new"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+    // The folder's end token is 2; make the fourth token produced the end instead.
+    assert!(!new[..4].contains(&2), "the random model ends early: {new:?}");
+    let text = run(&[]);
+    assert!(text.starts_with("w7 w31 w3 "), "{text}");
+    assert_eq!(text.split_whitespace().count(), 3 + new.len(), "{text}");
+    let config_path = folder.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let end = new[3];
+    config["eos_token_id"] = serde_json::json!([end]);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let stopped: serde_json::Value = serde_json::from_str(&run(&["--ids"])).unwrap();
+    let first = new.iter().position(|&t| t == end).unwrap();
+    assert_eq!(stopped["new"], serde_json::json!(new[..=first]), "generation ends at the end token, which it keeps");
+}
+
+#[test]
+fn bad_folders_are_refused_in_one_line() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, _) = setup(&py, dir.path(), "llama");
+    let edit = |name: &str, change: &dyn Fn(&Path)| {
+        let copy = dir.path().join(name);
+        std::fs::create_dir_all(&copy).unwrap();
+        for entry in std::fs::read_dir(&folder).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+        }
+        change(&copy);
+        copy
+    };
+    let set_config = |key: &'static str, value: serde_json::Value| {
+        move |dir: &Path| {
+            let path = dir.join("config.json");
+            let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            c[key] = value.clone();
+            std::fs::write(&path, c.to_string()).unwrap();
+        }
+    };
+    let sharded = dir.path().join("sharded");
+    reference(&py, &["make", "--family", "qwen2", "--out", s(&sharded), "--shard-bytes", "20000"]);
+    std::fs::remove_file(sharded.join("model-00002-of-00005.safetensors")).unwrap();
+    let cases: Vec<(PathBuf, &str)> = vec![
+        (sharded, "missing shard model-00002-of-00005.safetensors"),
+        (
+            edit(
+                "scaled",
+                &set_config("rope_parameters", serde_json::json!({"rope_type": "longrope", "rope_theta": 1e4})),
+            ),
+            "rope_parameters type \"longrope\" is not supported",
+        ),
+        (edit("mlp-bias", &set_config("mlp_bias", serde_json::json!(true))), "mlp_bias = true is not supported"),
+        (
+            edit("bert", &set_config("model_type", serde_json::json!("bert"))),
+            "architecture LlamaForCausalLM has no task Strata runs (BertForSequenceClassification, BertForMaskedLM)",
+        ),
+        (
+            edit("t5", &set_config("model_type", serde_json::json!("t5"))),
+            "architecture LlamaForCausalLM has no task Strata runs (T5ForConditionalGeneration)",
+        ),
+        (edit("gemma", &set_config("model_type", serde_json::json!("gemma"))), "model_type \"gemma\" is not a family"),
+        (
+            edit(
+                "llama3-incomplete",
+                &set_config("rope_parameters", serde_json::json!({"rope_type": "llama3", "factor": 8.0})),
+            ),
+            "rope_parameters.low_freq_factor is missing",
+        ),
+        (edit("small-vocab", &set_config("vocab_size", serde_json::json!(64))), "the tokenizer has 90 tokens"),
+        (
+            edit("truncated", &|d: &Path| {
+                let path = d.join("model.safetensors");
+                let bytes = std::fs::read(&path).unwrap();
+                std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+            }),
+            "not a valid safetensors file",
+        ),
+    ];
+    for (bad, expected) in cases {
+        // The tokenizer only matters with text: validation text makes it load.
+        let text = dir.path().join("val.txt");
+        std::fs::write(&text, "w1 w2 w3 ".repeat(200)).unwrap();
+        let o = strata(&[
+            "train",
+            "--model-dir",
+            s(&bad),
+            "--token-file",
+            s(&train),
+            "--val-data",
+            s(&text),
+            "--ctx",
+            "16",
+            "--steps",
+            "1",
+        ]);
+        assert_fails_with(&o, expected);
+        assert_eq!(stderr(&o).trim().lines().count(), 1, "{expected}: {}", stderr(&o));
+    }
+    let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--layers", "3"]);
+    assert_fails_with(&o, "--layers is set by the model folder's config.json");
+    let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--ctx", "65"]);
+    assert_fails_with(&o, "--ctx 65 is longer than the model folder's context of 64");
+}
+
+/// A checkpoint of a built-in model records the model: `strata eval --resume` gives the
+/// run's last validation loss and `strata generate --resume` continues a prompt, no flags.
+#[test]
+fn checkpoints_evaluate_and_generate_without_model_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let val = dir.path().join("val.txt");
+    std::fs::write(&val, "to be or not to be, that is the question. ".repeat(40)).unwrap();
+    let (ckpt, metrics) = (dir.path().join("ckpt"), dir.path().join("m.jsonl"));
+    let model = ["--model", "llama", "--layers", "1", "--dim", "32", "--kv-heads", "2", "--ctx", "16"];
+    let files = ["--val-data", s(&val), "--save-checkpoint", s(&ckpt), "--metrics", s(&metrics), "--steps", "3"];
+    let o = strata(&[&["train"][..], &model, &files, &["--batch-size", "4", "--eval-batches", "2"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let trained = val_losses(&metrics);
+    assert_eq!(trained.len(), 1, "one validation, after the last step");
+    let o = strata(&["eval", "--resume", s(&ckpt), "--val-data", s(&val), "--ctx", "16", "--batch-size", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = String::from_utf8_lossy(&o.stdout).to_string();
+    // Without --eval-batches every whole batch: 1720 bytes hold 107 windows of 16 + 1, 26
+    // batches of 4; the run read the first 2.
+    assert!(line.contains("(1664 tokens in 26 batches)"), "{line}");
+    let o = strata(&[
+        "eval",
+        "--resume",
+        s(&ckpt),
+        "--val-data",
+        s(&val),
+        "--ctx",
+        "16",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "2",
+        "--json",
+    ]);
+    let eval: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let evaluated = eval["val_loss"].as_f64().unwrap();
+    assert!((evaluated - trained[0].1).abs() < 1e-6, "eval {evaluated}, the run's validation {}", trained[0].1);
+    let o = strata(&["generate", "--resume", s(&ckpt), "--prompt", "to be", "--max-new-tokens", "8", "--ids"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ids: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(ids["new"].as_array().unwrap().len(), 8);
+    let o = strata(&["generate", "--resume", s(&ckpt), "--prompt", "x", "--top-k", "5"]);
+    assert_fails_with(&o, "--top-k and --top-p shape sampling");
+}
+
+/// A model of a vocabulary smaller than the byte tokenizer's (trained on a token file) is
+/// refused text without its own tokenizer, in one line; its token files evaluate as before.
+#[test]
+fn text_needs_a_tokenizer_the_vocabulary_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.bin");
+    strata::data::TokenData::new((0..2000).map(|i| (i * 7 % 60) as u32).collect(), "counting")
+        .write_u16_file(&tokens)
+        .unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let model = ["--model", "gpt", "--layers", "1", "--dim", "16", "--ctx", "16", "--batch-size", "4"];
+    let o = strata(
+        &[&["train"][..], &model, &["--token-file", s(&tokens), "--steps", "1", "--save-checkpoint", s(&ckpt)]]
+            .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = strata(&["generate", "--resume", s(&ckpt), "--prompt", "to be", "--max-new-tokens", "2"]);
+    assert_fails_with(&o, "the tokenizer has 256 tokens, the model's vocabulary 60");
+    let o = strata(&["eval", "--resume", s(&ckpt), "--val-token-file", s(&tokens), "--ctx", "16", "--batch-size", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+const LORA: &str =
+    r#"["lora", {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}]"#;
+
+/// A LoRA run of a folder over two ranks with fsdp, split by tensor parallel, with its
+/// states offloaded to the host and in two pipeline stages follows the one-process run:
+/// every step's loss and the adapters it writes; the merged folder it writes has
+/// `transformers`' validation loss; and a run started from its adapter folder (the lora
+/// method read from the folder, the learning rate 0) validates where it ended.
+#[test]
+fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, val) = setup(&py, dir.path(), "llama3");
+    let runs: [(&str, String, &[&str]); 5] = [
+        ("one", format!("[{LORA}]"), &[]),
+        ("fsdp", format!(r#"["fsdp", {LORA}]"#), &["--nproc", "2"]),
+        (
+            "tensor",
+            format!(r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel", {LORA}]"#),
+            &["--nproc", "2"],
+        ),
+        (
+            "offload",
+            format!(r#"[["offload", {{"params": "cpu", "optimizer": "cpu", "policy": "static"}}], {LORA}]"#),
+            &[],
+        ),
+        (
+            "pp",
+            format!(r#"[["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel", {LORA}]"#),
+            &["--nproc", "2"],
+        ),
+    ];
+    let out = |name: &str, what: &str| dir.path().join(format!("{name}-{what}"));
+    let data = ["--model-dir", s(&folder), "--token-file", s(&train), "--val-token-file", s(&val)];
+    for (name, strategy, extra) in &runs {
+        let (adapter, merged, metrics) = (out(name, "adapter"), out(name, "merged"), out(name, "metrics.jsonl"));
+        let files = [
+            "--accumulation",
+            "2",
+            "--strategy",
+            strategy,
+            "--save-adapter-dir",
+            s(&adapter),
+            "--save-model-dir",
+            s(&merged),
+            "--metrics",
+            s(&metrics),
+        ];
+        let o = strata(&[&["train"][..], &RUN, &WINDOWS, &data, &files, extra].concat());
+        assert!(o.status.success(), "lora {name}:\n{}", stderr(&o));
+        let last = val_losses(&metrics)[1].1;
+        let theirs = transformers_val_loss(&py, &merged, &val);
+        assert!((last - theirs).abs() < 1e-5, "lora {name}: validation loss {last}, transformers {theirs}");
+        if *name == "one" {
+            continue;
+        }
+        let (one, this) = (common::losses(&out("one", "metrics.jsonl")), common::losses(&metrics));
+        for ((step, a), (_, b)) in one.iter().zip(&this) {
+            assert!(((a - b) / a).abs() < 1e-5, "lora {name}: step {step} loss {b} against {a}");
+        }
+        let file = |name: &str| out(name, "adapter").join("adapter_model.safetensors");
+        let gap = common::global_gap(&file("one"), &file(name));
+        eprintln!("lora {name}: adapters differ from one process's by {gap:.2e}");
+        assert!(gap < 1e-5, "lora {name}: adapters differ by {gap:e}");
+    }
+    let (metrics, adapter) = (out("again", "metrics.jsonl"), out("one", "adapter"));
+    let again =
+        ["--init-adapter", s(&adapter), "--steps", "1", "--eval-every", "1", "--lr", "0", "--metrics", s(&metrics)];
+    let o = strata(&[&["train"][..], &WINDOWS, &data, &again].concat());
+    assert!(o.status.success(), "lora from the adapter folder:\n{}", stderr(&o));
+    let (resumed, ended) = (val_losses(&metrics)[0].1, val_losses(&out("one", "metrics.jsonl"))[1].1);
+    assert!(
+        (resumed - ended).abs() < 1e-6,
+        "from the adapter folder: validation loss {resumed}, the run ended at {ended}"
+    );
+
+    // Stopped after two steps and resumed from its checkpoint, the run ends with the
+    // adapters of the run that went straight through.
+    let (ckpt, adapter) = (out("halves", "ckpt"), out("halves", "adapter"));
+    let strategy = format!("[{LORA}]");
+    for steps in ["2", "4"] {
+        let halves = [
+            "--accumulation",
+            "2",
+            "--strategy",
+            &strategy,
+            "--steps",
+            steps,
+            "--lr",
+            "0.01",
+            "--threads",
+            "1",
+            "--schedule",
+            "constant",
+            "--save-checkpoint",
+            s(&ckpt),
+            "--resume",
+            "auto",
+            "--save-adapter-dir",
+            s(&adapter),
+        ];
+        let o = strata(&[&["train"][..], &WINDOWS, &data, &halves].concat());
+        assert!(o.status.success(), "lora to step {steps}:\n{}", stderr(&o));
+    }
+    let file = |dir: &Path| dir.join("adapter_model.safetensors");
+    let gap = common::global_gap(&file(&out("one", "adapter")), &file(&adapter));
+    assert_eq!(gap, 0.0, "the resumed LoRA run's adapters differ by {gap:e}");
+
+    // Its checkpoint holds the adapters and their optimizer state, not the base the folder
+    // gives: merged, it is the adapters alone; generating from it needs the folder beside it.
+    let merged = out("halves", "merged.safetensors");
+    let o = strata(&["ckpt", "merge", s(&ckpt), s(&merged)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let names: Vec<String> = strata::io::read_safetensors(&merged).unwrap().into_keys().collect();
+    assert!(!names.is_empty() && names.iter().all(|n| n.contains(".lora_")), "the merged checkpoint holds {names:?}");
+    let ask = ["generate", "--prompt", "to be", "--max-new-tokens", "6", "--ids"];
+    let o = strata(&[&ask[..], &["--resume", s(&ckpt)]].concat());
+    assert_fails_with(&o, "not the frozen base: give the base with --model-dir DIR");
+    let from_checkpoint = strata(&[&ask[..], &["--resume", s(&ckpt), "--model-dir", s(&folder)]].concat());
+    let from_merged = strata(&[&ask[..], &["--model-dir", s(&out("one", "merged"))]].concat());
+    assert!(from_checkpoint.status.success(), "{}", stderr(&from_checkpoint));
+    assert_eq!(
+        from_checkpoint.stdout, from_merged.stdout,
+        "the checkpoint beside its base answers as the merged model"
+    );
+    let o = strata(&["train", "--token-file", s(&train), "--ctx", "16", "--batch-size", "4", "--resume", s(&ckpt)]);
+    assert_fails_with(&o, "not the frozen base it started from");
+
+    // Saved by fsdp over two ranks (each rank its shard of the adapters) and resumed by one
+    // process, the run ends where the one-process run does.
+    let (ckpt, adapter) = (out("fsdp-then-one", "ckpt"), out("fsdp-then-one", "adapter"));
+    let fsdp = format!(r#"["fsdp", {LORA}]"#);
+    for (steps, strategy, ranks) in [("2", &fsdp, "2"), ("4", &strategy, "1")] {
+        let halves = [
+            ["--accumulation", "2", "--strategy", strategy, "--steps", steps, "--nproc", ranks].as_slice(),
+            &["--lr", "0.01", "--threads", "1", "--schedule", "constant", "--resume", "auto"],
+            &["--save-checkpoint", s(&ckpt), "--save-adapter-dir", s(&adapter)],
+        ]
+        .concat();
+        let o = strata(&[&["train"][..], &WINDOWS, &data, &halves].concat());
+        assert!(o.status.success(), "lora to step {steps} on {ranks} ranks:\n{}", stderr(&o));
+    }
+    let gap = common::global_gap(&file(&out("one", "adapter")), &file(&adapter));
+    assert!(gap < 1e-5, "the LoRA run resumed from fsdp's checkpoint: adapters differ by {gap:e}");
+
+    let bad = r#"[["lora", {"target_modules": ["q_proj", "qkv"]}]]"#;
+    let o = strata(&["train", "--model-dir", s(&folder), "--token-file", s(&train), "--strategy", bad]);
+    assert_fails_with(&o, "target_modules \"qkv\" names no linear layer of this model");
+}
+
+/// Labeled reviews over the BERT folder's words, positive where "good" outnumbers "bad";
+/// as JSON Lines, or CSV where `csv`.
+fn reviews(count: usize, seed: u64, csv: bool) -> String {
+    let mut state = seed;
+    let mut draw = |n: u64| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) % n
+    };
+    let words = ["good", "bad", "movie", "plot", "story", "the", "was"];
+    let rows = (0..count).map(|_| {
+        let picked: Vec<&str> = (0..3 + draw(5)).map(|_| words[draw(words.len() as u64) as usize]).collect();
+        let count = |w: &str| picked.iter().filter(|p| **p == w).count();
+        (picked.join(" "), if count("good") > count("bad") { "positive" } else { "negative" })
+    });
+    if csv {
+        std::iter::once("text,label\n".to_string()).chain(rows.map(|(t, l)| format!("{t},{l}\n"))).collect()
+    } else {
+        rows.map(|(t, l)| format!("{}\n", serde_json::json!({"text": t, "label": l}))).collect()
+    }
+}
+
+/// `strata train` on a BERT classifier's folder reads labeled records (JSON Lines or CSV)
+/// through the folder's tokenizer and label names, and its validation loss falls; a label
+/// the folder does not name, or data that is not records, is refused in one line.
+#[test]
+fn a_bert_classifier_folder_trains_on_labeled_records() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("bert");
+    reference(&py, &["make", "--family", "bert-classifier", "--out", s(&folder)]);
+    // The folder's labels are negative, neutral and positive.
+    let (train, val) = (dir.path().join("train.csv"), dir.path().join("val.jsonl"));
+    std::fs::write(&train, reviews(400, 1, true)).unwrap();
+    std::fs::write(&val, reviews(48, 2, false)).unwrap();
+    let (metrics, trained) = (dir.path().join("metrics.jsonl"), dir.path().join("trained"));
+    let base = ["train", "--model-dir", s(&folder), "--ctx", "16", "--batch-size", "16", "--threads", "1"];
+    let run = [
+        &base[..],
+        &["--data", s(&train), "--val-data", s(&val), "--eval-batches", "3", "--steps", "60", "--eval-every", "30"],
+        &["--lr", "0.001", "--metrics", s(&metrics), "--save-model-dir", s(&trained)],
+    ]
+    .concat();
+    let o = strata(&run);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let losses = val_losses(&metrics);
+    eprintln!("validation losses {losses:?}");
+    assert_eq!(losses.len(), 2);
+    assert!(losses[1].1 < losses[0].1 * 0.8, "the validation loss falls: {losses:?}");
+    // `strata eval` of the written folder: the same loss on the same texts, and the
+    // classifier's accuracy and F1, well above chance (a third) after training.
+    let o = strata(&["eval", "--model-dir", s(&trained), "--val-data", s(&val), "--ctx", "16", "--json"]);
+    assert!(o.status.success(), "eval:\n{}", stderr(&o));
+    let eval: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    eprintln!("eval {eval}");
+    assert!((eval["loss"].as_f64().unwrap() - losses[1].1).abs() < 1e-5, "{eval} against {losses:?}");
+    assert_eq!(eval["texts"].as_u64(), Some(48));
+    assert!(eval["accuracy"].as_f64().unwrap() > 0.6 && eval["macro_f1"].as_f64().unwrap() > 0.5, "{eval}");
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"good movie\", \"label\": \"great\"}\n").unwrap();
+    assert_fails_with(
+        &strata(&[&base[..], &["--data", s(&bad), "--steps", "1"]].concat()),
+        "bad.jsonl:1: label \"great\" is not one of the model's labels (negative, neutral, positive)",
+    );
+    assert_fails_with(&strata(&[&base[..], &["--steps", "1"]].concat()), "a classifier trains on labeled records");
+}
+
+/// PatrickStar's BERT example in small: a BERT classifier trained under a PatrickStar
+/// configuration (hybrid Adam, the embedding on the host) takes the same steps as plain
+/// AdamW, with the embedding unit's parameters, gradients and Adam states — and only
+/// them — on the host.
+#[test]
+fn a_bert_classifier_trains_under_patrickstars_configuration_with_its_embedding_on_the_host() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("bert");
+    reference(&py, &["make", "--family", "bert-classifier", "--out", s(&folder)]);
+    let (data, config) = (dir.path().join("train.jsonl"), dir.path().join("patrickstar.json"));
+    std::fs::write(&data, reviews(64, 3, false)).unwrap();
+    std::fs::write(
+        &config,
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.01, "use_hybrid_adam": true}},
+            "default_chunk_size": 1048576, "use_cpu_embedding": true}"#,
+    )
+    .unwrap();
+    let run = |name: &str, flags: &[&str]| {
+        let metrics = dir.path().join(format!("{name}.jsonl"));
+        let base = ["train", "--model-dir", s(&folder), "--data", s(&data), "--ctx", "16", "--batch-size", "8"];
+        let o = strata(
+            &[
+                &base[..],
+                &["--steps", "4", "--schedule", "constant", "--threads", "1"],
+                flags,
+                &["--metrics", s(&metrics)],
+            ]
+            .concat(),
+        );
+        assert!(o.status.success(), "{name}:\n{}", stderr(&o));
+        common::reports(&metrics)
+    };
+    let plain = run("plain", &["--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01", "--eps", "1e-8"]);
+    let patrickstar = run("patrickstar", &["--patrickstar-config", s(&config)]);
+    let losses = |r: &[serde_json::Value]| r.iter().map(|r| r["loss"].as_f64().unwrap()).collect::<Vec<_>>();
+    assert_eq!(losses(&patrickstar), losses(&plain));
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap()).unwrap();
+    let size = |k: &str| c[k].as_u64().unwrap();
+    let embedding =
+        4 * size("hidden_size") * (size("vocab_size") + size("max_position_embeddings") + size("type_vocab_size") + 2);
+    let host = &patrickstar.last().unwrap()["memory"]["host"]["by_category"];
+    assert_eq!(host["params"].as_u64(), Some(embedding), "{host}");
+    assert_eq!(host["optimizer_state"].as_u64(), Some(2 * embedding), "{host}");
+}
+
+/// Masked-language pretraining from the command line: a BERT masked language model's folder
+/// trains on text (a line a text, joined and cut into rows, 15% of the words masked), its
+/// validation loss on the masked words falls, and `strata eval` of the written folder
+/// reports the run's last validation loss on the same masked words (the first two batches).
+#[test]
+fn a_bert_masked_language_model_pretrains_on_text() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("bert-mlm");
+    reference(&py, &["make", "--family", "bert-mlm", "--out", s(&folder)]);
+    let (train, val) = (dir.path().join("train.txt"), dir.path().join("val.txt"));
+    // Each line's words are reviews; the model learns which words follow which.
+    let text = |seed: u64, lines: usize| -> String {
+        let records = reviews(lines, seed, false);
+        records
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["text"].as_str().unwrap().to_string() + "\n")
+            .collect()
+    };
+    std::fs::write(&train, text(5, 600)).unwrap();
+    std::fs::write(&val, text(6, 160)).unwrap();
+    let evaluate = |model: &Path| -> f64 {
+        let eval = ["eval", "--model-dir", s(model), "--val-data", s(&val), "--ctx", "32", "--json"];
+        let o = strata(&[&eval[..], &["--batch-size", "16", "--eval-batches", "2"]].concat());
+        assert!(o.status.success(), "eval:\n{}", stderr(&o));
+        let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(out["masked_tokens"].as_u64().unwrap() > 20, "{out}");
+        out["loss"].as_f64().unwrap()
+    };
+    let untrained = evaluate(&folder);
+    let (trained, metrics) = (dir.path().join("trained"), dir.path().join("metrics.jsonl"));
+    let o = strata(&[
+        "train",
+        "--model-dir",
+        s(&folder),
+        "--data",
+        s(&train),
+        "--val-data",
+        s(&val),
+        "--ctx",
+        "32",
+        "--batch-size",
+        "16",
+        "--steps",
+        "80",
+        "--eval-every",
+        "80",
+        "--eval-batches",
+        "2",
+        "--lr",
+        "0.003",
+        "--threads",
+        "1",
+        "--metrics",
+        s(&metrics),
+        "--save-model-dir",
+        s(&trained),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let last = val_losses(&metrics)[0].1;
+    let evaluated = evaluate(&trained);
+    eprintln!("masked-word loss {untrained:.4} -> {last:.4} (strata eval {evaluated:.4})");
+    assert!(last < 0.8 * untrained, "the loss on masked words falls: {untrained} -> {last}");
+    assert!((evaluated - last).abs() < 1e-5, "strata eval {evaluated}, the run's last validation {last}");
+}

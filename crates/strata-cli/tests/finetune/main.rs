@@ -1,0 +1,10 @@
+//! Fine-tuning end to end: data formats, Hugging Face folders against `transformers`,
+//! encoder-decoders.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "../../../strata/tests/common/hf_reference.rs"]
+mod hf_reference;
+mod finetune;
+mod hf;
+mod seq2seq;

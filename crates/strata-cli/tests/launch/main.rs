@@ -1,0 +1,8 @@
+//! Jobs started by `strata launch`, other launchers and the library, and on a GPU.
+
+#[path = "../common/mod.rs"]
+mod common;
+mod launch;
+mod launchers;
+mod library;
+mod gpu;

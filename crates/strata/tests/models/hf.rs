@@ -1,0 +1,940 @@
+//! Hugging Face model folders against `transformers` itself (scripts/hf_reference.py, the
+//! project's `.venv`): tiny random GPT-2, LLaMA (grouped-query attention, tied embeddings)
+//! and Qwen2 (attention biases) models give the same logits in Strata, sharded folders
+//! load, folders written back load in `transformers`, and cached decoding equals uncached.
+
+use crate::hf_reference::{python, reference};
+use std::collections::BTreeMap;
+use std::path::Path;
+use strata::engine::{Engine, EngineConfig};
+use strata::generate::{generate, GenerateConfig};
+use strata::io::{load_model_dir, save_weights, write_weights, FolderOut, WeightsTarget};
+use strata::model::{from_pretrained_dir, BertConfig, BertHead, Builder, GptConfig, ModelConfig};
+use tch::{Kind, Tensor};
+
+fn make(py: &Path, family: &str, dir: &Path, shard_bytes: Option<&str>) {
+    let mut args = vec!["make", "--family", family, "--out", dir.to_str().unwrap()];
+    if let Some(b) = shard_bytes {
+        args.extend(["--shard-bytes", b]);
+    }
+    reference(py, &args);
+}
+
+const ROWS: [[i64; 12]; 2] =
+    [[5, 17, 3, 88, 40, 41, 9, 0, 63, 12, 77, 2], [94, 1, 1, 30, 58, 6, 19, 71, 4, 95, 50, 33]];
+
+fn transformers_logits(py: &Path, dir: &Path, work: &Path) -> Tensor {
+    let out = work.join("logits.safetensors");
+    let rows = serde_json::to_string(&ROWS).unwrap();
+    reference(py, &["logits", "--dir", dir.to_str().unwrap(), "--tokens", &rows, "--out", out.to_str().unwrap()]);
+    strata::io::read_safetensors(&out).unwrap().remove("logits").unwrap()
+}
+
+fn strata_engine(dir: &Path) -> Engine {
+    let folder = from_pretrained_dir(dir).unwrap();
+    let mut engine = Engine::new(folder.spec().unwrap(), EngineConfig::default()).unwrap();
+    load_model_dir(&mut engine, &folder).unwrap();
+    engine
+}
+
+fn strata_logits(engine: &mut Engine) -> Tensor {
+    let rows: Vec<i64> = ROWS.iter().flatten().copied().collect();
+    engine.evaluate(&Tensor::from_slice(&rows).view([2, 12])).unwrap()
+}
+
+/// Small random moves for the values of unit `k`, drawn from a seed under the process's
+/// lock on seeded draws, so a test sampling on another thread draws what its seed says.
+fn nudge(values: &Tensor, k: usize) -> Tensor {
+    strata::engine::with_seed(1000 + k as i64, || Tensor::randn_like(values) * 0.02)
+}
+
+/// The largest difference of two logit tensors, after checking that they are not trivial
+/// (a spread well above the tolerance, so agreement is not agreement of near-constants).
+fn gap(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    assert!(a.std(true).double_value(&[]) > 0.05, "logits this flat compare nothing");
+    (a - b).abs().max().to_kind(Kind::Double).double_value(&[])
+}
+
+fn logits_match(family: &str, shard_bytes: Option<&str>) {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join(family);
+    make(&py, family, &dir, shard_bytes);
+    let folder = from_pretrained_dir(&dir).unwrap();
+    assert_eq!(folder.weights.len() > 1, shard_bytes.is_some(), "{:?}", folder.weights);
+    let theirs = transformers_logits(&py, &dir, work.path());
+    let ours = strata_logits(&mut strata_engine(&dir));
+    let g = gap(&theirs, &ours);
+    eprintln!("{family}: largest logit difference from transformers {g:.2e}");
+    assert!(g < 1e-5, "{family}: logits differ from transformers' by {g}");
+}
+
+#[test]
+fn gpt2_logits_equal_transformers() {
+    logits_match("gpt2", None);
+}
+
+#[test]
+fn llama_with_grouped_query_attention_and_tied_head_equals_transformers() {
+    logits_match("llama", None);
+}
+
+#[test]
+fn sharded_qwen2_with_attention_biases_equals_transformers() {
+    logits_match("qwen2", Some("20000"));
+}
+
+/// A changed model written back (sharded, in the family's names and layouts) loads in
+/// `transformers` with the logits Strata computes.
+#[test]
+fn folders_written_back_load_in_transformers() {
+    let Some(py) = python() else { return };
+    for family in ["gpt2", "qwen2"] {
+        let work = tempfile::tempdir().unwrap();
+        let (source, saved) = (work.path().join("source"), work.path().join("saved"));
+        make(&py, family, &source, None);
+        let mut engine = strata_engine(&source);
+        let before = strata_logits(&mut engine);
+        // Every parameter moves, so a name or layout lost on the way changes the logits.
+        for k in 0..engine.spec().units.len() {
+            let values = engine.full_unit(k).unwrap();
+            let moved = &values + nudge(&values, k);
+            engine.set_full_unit(k, &moved).unwrap();
+        }
+        let ours = strata_logits(&mut engine);
+        assert!(gap(&before, &ours) > 1e-3, "{family}: the weights did not change");
+        let mut out = FolderOut::like(&saved, &from_pretrained_dir(&source).unwrap());
+        out.shard_bytes = 30_000;
+        save_weights(&mut engine, WeightsTarget::Folder(&out), true).unwrap();
+        let written = from_pretrained_dir(&saved).unwrap();
+        assert!(written.weights.len() > 1, "{family}: expected shards, got {:?}", written.weights);
+        assert!(written.tokenizer.is_some(), "the tokenizer is copied along");
+        let theirs = transformers_logits(&py, &saved, work.path());
+        let g = gap(&theirs, &ours);
+        eprintln!("{family} written back: largest logit difference from transformers {g:.2e}");
+        assert!(g < 1e-5, "{family}: the written folder's logits differ by {g}");
+        // Written again unsharded, the stale shards and index go.
+        out.shard_bytes = u64::MAX;
+        save_weights(&mut engine, WeightsTarget::Folder(&out), true).unwrap();
+        assert_eq!(from_pretrained_dir(&saved).unwrap().weights, vec![saved.join("model.safetensors")]);
+        assert!(!saved.join("model.safetensors.index.json").exists());
+    }
+}
+
+/// Greedy decoding of `new_tokens` after a fixed prompt equals `transformers`'
+/// generate(do_sample=False) token for token (which is told to run past the end token),
+/// with and without the key/value cache.
+fn greedy_generation_matches(py: &Path, family: &str, dir: &Path, engine: &mut Engine, new_tokens: usize) {
+    let prompt = [7i64, 31, 3, 58, 12];
+    let args = [
+        "generate",
+        "--dir",
+        dir.to_str().unwrap(),
+        "--prompt",
+        &serde_json::to_string(&prompt).unwrap(),
+        "--max-new-tokens",
+        &new_tokens.to_string(),
+    ];
+    let theirs: Vec<i64> = serde_json::from_str(&reference(py, &args)).unwrap();
+    let context = from_pretrained_dir(dir).unwrap().config.context();
+    let config = GenerateConfig { max_new_tokens: new_tokens, ..Default::default() };
+    let cached = generate(engine, &prompt, &config, context).unwrap();
+    let uncached = generate(engine, &prompt, &GenerateConfig { cache: false, ..config }, context).unwrap();
+    assert_eq!(cached, theirs, "{family}: greedy tokens differ from transformers'");
+    assert_eq!(uncached, cached, "{family}: the cached path differs from the uncached one");
+}
+
+#[test]
+fn greedy_generation_equals_transformers() {
+    let Some(py) = python() else { return };
+    for family in ["gpt2", "llama"] {
+        let work = tempfile::tempdir().unwrap();
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        greedy_generation_matches(&py, family, &dir, &mut strata_engine(&dir), 20);
+    }
+}
+
+/// Sampling is reproducible from its seed; the cache agrees with recomputation past the
+/// context too (the window slides).
+#[test]
+fn sampling_repeats_with_its_seed_and_windows_slide() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("gpt2");
+    make(&py, "gpt2", &dir, None);
+    let mut engine = strata_engine(&dir);
+    let sampling = GenerateConfig {
+        max_new_tokens: 24,
+        temperature: 0.9,
+        top_k: Some(40),
+        top_p: Some(0.95),
+        seed: 11,
+        ..Default::default()
+    };
+    let a = generate(&mut engine, &[4, 9, 16], &sampling, Some(64)).unwrap();
+    let b = generate(&mut engine, &[4, 9, 16], &sampling, Some(64)).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.len(), 24);
+    // A context of 8 positions: past it both paths recompute the last 8.
+    let greedy = GenerateConfig { max_new_tokens: 12, ..Default::default() };
+    let cached = generate(&mut engine, &[4, 9, 16], &greedy, Some(8)).unwrap();
+    let uncached = generate(&mut engine, &[4, 9, 16], &GenerateConfig { cache: false, ..greedy }, Some(8)).unwrap();
+    assert_eq!(cached, uncached);
+}
+
+/// Every file of a folder and its bytes.
+fn folder_contents(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+        .collect()
+}
+
+/// A model folder written over an earlier one replaces it whole: a write that fails midway
+/// (here, the fifth parameter cannot be produced) leaves the earlier folder byte for byte,
+/// with no staging folder beside it; a write that succeeds leaves the new weights and the
+/// earlier folder's other files, and no weights of the earlier layout.
+#[test]
+fn a_folder_write_that_fails_midway_leaves_the_earlier_folder_whole() {
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("model");
+    let config = ModelConfig::Gpt(GptConfig::new(64, 16, 2, 2, 32));
+    let mut b = Builder::new();
+    config.build(&mut b).unwrap();
+    let mut engine = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
+    let mut out = FolderOut::new(&dir, config).unwrap();
+    out.shard_bytes = 20_000;
+    save_weights(&mut engine, WeightsTarget::Folder(&out), true).unwrap();
+    std::fs::write(dir.join("README.md"), "a model card").unwrap();
+    let earlier = folder_contents(&dir);
+    assert!(earlier.keys().filter(|n| n.ends_with(".safetensors")).count() > 1, "{:?}", earlier.keys());
+    let layout: Vec<(String, Kind, Vec<i64>)> =
+        engine.spec().params.iter().map(|p| (p.name.clone(), Kind::Float, p.shape.clone())).collect();
+    let zeros = |i: usize| Ok(Tensor::zeros(layout[i].2.as_slice(), (Kind::Float, tch::Device::Cpu)));
+    out.shard_bytes = u64::MAX;
+    let failing = |i: usize| match i {
+        4 => Err(strata::Error::Engine("the fifth parameter is lost".into())),
+        _ => zeros(i),
+    };
+    let err = write_weights(WeightsTarget::Folder(&out), &layout, failing).unwrap_err();
+    assert!(err.to_string().contains("fifth parameter"), "{err}");
+    assert_eq!(folder_contents(&dir), earlier, "the earlier folder is untouched");
+    let beside: Vec<_> = std::fs::read_dir(work.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(beside, vec![std::ffi::OsString::from("model")], "no staging folder is left");
+    write_weights(WeightsTarget::Folder(&out), &layout, zeros).unwrap();
+    let now = folder_contents(&dir);
+    let names: Vec<&str> = now.keys().map(String::as_str).collect();
+    assert_eq!(names, ["README.md", "config.json", "model.safetensors"]);
+    assert_eq!(now["README.md"], b"a model card");
+    let written = strata::io::read_safetensors(&dir.join("model.safetensors")).unwrap();
+    assert!(written.values().all(|t| t.abs().sum(Kind::Double).double_value(&[]) == 0.0), "the new weights");
+}
+
+/// Token rows of a batch.
+type Rows = Vec<Vec<i64>>;
+
+/// Rows of 12 tokens for training: `count` batches of two rows, inputs and next-token
+/// targets, drawn by a fixed generator below the tokenizer's 90 words.
+fn training_batches(count: usize) -> Vec<(Rows, Rows)> {
+    let mut x: u64 = 7;
+    let mut draw = move || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((x >> 33) % 90) as i64
+    };
+    (0..count)
+        .map(|_| {
+            let rows: Vec<Vec<i64>> = (0..2).map(|_| (0..13).map(|_| draw()).collect()).collect();
+            (rows.iter().map(|r| r[..12].to_vec()).collect(), rows.iter().map(|r| r[1..].to_vec()).collect())
+        })
+        .collect()
+}
+
+fn rows_tensor(rows: &[Vec<i64>]) -> Tensor {
+    let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+    Tensor::from_slice(&flat).view([rows.len() as i64, -1])
+}
+
+/// Ten AdamW steps on the same batches in Strata and in `transformers` (torch.optim's
+/// AdamW): each step's loss agrees within 1e-5 relative, and training lowers the loss of
+/// the first batch.
+fn training_tracks_transformers(py: &Path, dir: &Path, work: &Path) {
+    use strata::data::{Batch, Step};
+    use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+    let batches = training_batches(10);
+    let file = work.join("batches.json");
+    std::fs::write(&file, serde_json::to_string(&batches).unwrap()).unwrap();
+    let lr = 5e-3;
+    let theirs: Vec<f64> = serde_json::from_str(&reference(
+        py,
+        &["train", "--dir", dir.to_str().unwrap(), "--batches", file.to_str().unwrap(), "--lr", &lr.to_string()],
+    ))
+    .unwrap();
+    let mut engine = strata_engine(dir);
+    let config = OptimizerConfig { lr, ..Default::default() };
+    let optimizer = Optimizer::new(&mut engine, config, &[]).unwrap();
+    let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+    for (i, ((inputs, targets), theirs)) in batches.iter().zip(&theirs).enumerate() {
+        let batch = Batch::new(rows_tensor(inputs), rows_tensor(targets)).unwrap();
+        let ours = trainer.train_step(&Step::new(i, vec![batch])).unwrap().loss;
+        let relative = (ours - theirs).abs() / theirs.abs();
+        assert!(relative <= 1e-5, "{}: step {i}: loss {ours}, transformers {theirs}", dir.display());
+    }
+    let (inputs, targets) = &batches[0];
+    let logits = trainer.engine.evaluate(&rows_tensor(inputs)).unwrap();
+    let after = strata::model::layers::cross_entropy(&logits, &rows_tensor(targets)).unwrap().double_value(&[]);
+    assert!(after < theirs[0] - 0.05, "training did not lower the first batch's loss: {} then {after}", theirs[0]);
+}
+
+/// One of today's decoder families end to end against `transformers`: a random folder (every
+/// weight moved off its initial value) gives transformers' logits; ten AdamW steps track
+/// transformers' own; the model written back (every weight moved again) loads in
+/// transformers with Strata's logits; greedy generation, cached and not, equals
+/// transformers' generate for `new_tokens` tokens (past every sliding window).
+fn family_matches_transformers(family: &str, new_tokens: usize) {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let (dir, saved) = (work.path().join(family), work.path().join("saved"));
+    make(&py, family, &dir, None);
+    let theirs = transformers_logits(&py, &dir, work.path());
+    let mut engine = strata_engine(&dir);
+    let g = gap(&theirs, &strata_logits(&mut engine));
+    eprintln!("{family}: largest logit difference from transformers {g:.2e}");
+    assert!(g <= 1e-5, "{family}: logits differ from transformers' by {g}");
+
+    training_tracks_transformers(&py, &dir, work.path());
+
+    for k in 0..engine.spec().units.len() {
+        let values = engine.full_unit(k).unwrap();
+        engine.set_full_unit(k, &(&values + nudge(&values, k))).unwrap();
+    }
+    let ours = strata_logits(&mut engine);
+    save_weights(
+        &mut engine,
+        WeightsTarget::Folder(&FolderOut::like(&saved, &from_pretrained_dir(&dir).unwrap())),
+        true,
+    )
+    .unwrap();
+    let g = gap(&transformers_logits(&py, &saved, work.path()), &ours);
+    eprintln!("{family} written back: largest logit difference from transformers {g:.2e}");
+    assert!(g <= 1e-5, "{family}: the written folder's logits differ by {g}");
+
+    greedy_generation_matches(&py, family, &saved, &mut engine, new_tokens);
+}
+
+#[test]
+fn llama3_rope_scaling_matches_transformers() {
+    family_matches_transformers("llama3", 48);
+}
+
+#[test]
+fn linear_rope_scaling_with_an_untied_head_matches_transformers() {
+    family_matches_transformers("llama-linear", 48);
+}
+
+/// Dynamic scaling recomputes its frequencies as the sequence passes 8 positions, at every
+/// generated token; its context is four times that.
+#[test]
+fn dynamic_rope_scaling_matches_transformers() {
+    family_matches_transformers("llama-dynamic", 24);
+}
+
+#[test]
+fn yarn_rope_scaling_matches_transformers() {
+    family_matches_transformers("llama-yarn", 48);
+}
+
+/// Qwen3: query/key norms, heads twice as wide as hidden / heads, the second layer sliding.
+#[test]
+fn qwen3_with_wide_heads_and_a_sliding_layer_matches_transformers() {
+    family_matches_transformers("qwen3", 48);
+}
+
+#[test]
+fn qwen3_with_a_tied_head_matches_transformers() {
+    family_matches_transformers("qwen3-tied", 48);
+}
+
+/// Qwen2's `use_sliding_window` from `max_window_layers` on.
+#[test]
+fn qwen2_sliding_layers_match_transformers() {
+    family_matches_transformers("qwen2-sliding", 48);
+}
+
+#[test]
+fn mistral_with_a_window_shorter_than_its_sequences_matches_transformers() {
+    family_matches_transformers("mistral", 48);
+}
+
+/// Gemma 2: (1 + w) norms around attention and feed-forward, GeGLU, √d embeddings, a score
+/// scale from query_pre_attn_scalar, both soft-caps, local and global layers alternating.
+#[test]
+fn gemma2_matches_transformers() {
+    family_matches_transformers("gemma2", 48);
+}
+
+/// Gemma 3: query/key norms, two local layers with their own base and a global layer with
+/// linear scaling, one key/value head.
+#[test]
+fn gemma3_matches_transformers() {
+    family_matches_transformers("gemma3", 48);
+}
+
+/// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
+#[test]
+fn phi3_matches_transformers() {
+    family_matches_transformers("phi3", 48);
+}
+
+/// Examples packed two rows of 12: each row's examples one after another, then padding.
+const PACKED: [&[&[i64]]; 2] =
+    [&[&[5, 17, 3, 88, 40], &[41, 9, 0, 63], &[12, 77]], &[&[94, 1, 1, 30, 58, 6, 19], &[71, 4, 95, 50, 33]]];
+
+/// The packed rows' ids and layout (positions restart per example; the padding is one more
+/// example of its own).
+fn packed_rows(rows: &[&[&[i64]]]) -> (Tensor, strata::model::RowLayout) {
+    let (mut ids, mut positions, mut examples) = (vec![], vec![], vec![]);
+    for row in rows {
+        let used: usize = row.iter().map(|e| e.len()).sum();
+        for (n, example) in row.iter().chain(std::iter::once(&&[0i64; 12][..12 - used])).enumerate() {
+            ids.extend_from_slice(example);
+            positions.extend(0..example.len() as i64);
+            examples.extend(std::iter::repeat_n(n as i64, example.len()));
+        }
+    }
+    let shape = [rows.len() as i64, 12];
+    let t = |v: &[i64]| Tensor::from_slice(v).view(shape);
+    (
+        t(&ids),
+        strata::model::RowLayout { positions: t(&positions), examples: t(&examples), segments: None, source_len: None },
+    )
+}
+
+/// Each packed example's logits, in order.
+fn packed_logits(engine: &mut Engine, rows: &[&[&[i64]]]) -> Vec<Tensor> {
+    let (ids, layout) = packed_rows(rows);
+    engine.set_layout(Some(&layout));
+    let logits = engine.evaluate(&ids).unwrap();
+    engine.set_layout(None);
+    let mut out = vec![];
+    for (r, row) in rows.iter().enumerate() {
+        let mut start = 0;
+        for example in row.iter() {
+            out.push(logits.get(r as i64).narrow(0, start, example.len() as i64));
+            start += example.len() as i64;
+        }
+    }
+    out
+}
+
+/// A packed row gives each example the logits it has alone in `transformers` (so the same
+/// loss under any labels), and changing one example changes no other's logits at all.
+fn packing_matches(family: &str) {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join(family);
+    make(&py, family, &dir, None);
+    let mut engine = strata_engine(&dir);
+    let ours = packed_logits(&mut engine, &PACKED);
+    let examples: Vec<&[i64]> = PACKED.iter().flat_map(|r| r.iter().copied()).collect();
+    for (example, ours) in examples.iter().zip(&ours) {
+        let out = work.path().join("alone.safetensors");
+        let rows = serde_json::to_string(&[example]).unwrap();
+        reference(&py, &["logits", "--dir", dir.to_str().unwrap(), "--tokens", &rows, "--out", out.to_str().unwrap()]);
+        let theirs = strata::io::read_safetensors(&out).unwrap().remove("logits").unwrap().get(0);
+        let g = gap(&theirs, ours);
+        // The loss with the first token's prediction ignored where more follow (a prompt), as
+        // labels of -100 say; the last token predicts nothing.
+        let next = |j: usize| if j == 0 && example.len() > 2 { -100 } else { example[j + 1] };
+        let labels: Vec<i64> = (0..example.len() - 1).map(next).chain([-100]).collect();
+        let labels = Tensor::from_slice(&labels);
+        let loss = |l: &Tensor| {
+            l.cross_entropy_loss::<&Tensor>(&labels, None, tch::Reduction::Mean, -100, 0.0).double_value(&[])
+        };
+        let loss_gap = (loss(&theirs) - loss(ours)).abs();
+        eprintln!(
+            "{family}: example of {} tokens packed: logits within {g:.2e}, loss within {loss_gap:.2e}",
+            example.len()
+        );
+        assert!(
+            g < 1e-5 && loss_gap < 1e-5,
+            "{family}: a packed example's logits differ by {g}, its loss by {loss_gap}"
+        );
+    }
+    // The second example of the first row changed: the first and third read nothing of it.
+    let mut changed: Vec<Vec<Vec<i64>>> = PACKED.iter().map(|r| r.iter().map(|e| e.to_vec()).collect()).collect();
+    changed[0][1] = vec![2, 2, 2, 2];
+    let changed: Vec<Vec<&[i64]>> = changed.iter().map(|r| r.iter().map(Vec::as_slice).collect()).collect();
+    let changed: Vec<&[&[i64]]> = changed.iter().map(Vec::as_slice).collect();
+    let after = packed_logits(&mut engine, &changed);
+    for k in [0, 2, 3, 4] {
+        assert!(after[k].equal(&ours[k]), "{family}: example {k} changed with another example of its row");
+    }
+    assert!(!after[1].equal(&ours[1]));
+}
+
+#[test]
+fn packed_gpt2_examples_equal_each_alone_in_transformers() {
+    packing_matches("gpt2");
+}
+
+#[test]
+fn packed_llama_examples_equal_each_alone_in_transformers() {
+    packing_matches("llama");
+}
+
+/// Two rows of a BERT batch: the first a full text pair (types 0 then 1), the second a
+/// shorter pair padded with token 0 after its eighth token.
+const ENCODER_ROWS: [[i64; 12]; 2] =
+    [[2, 17, 3, 88, 40, 41, 9, 5, 63, 12, 77, 3], [2, 1, 30, 58, 3, 19, 71, 3, 0, 0, 0, 0]];
+const ENCODER_TYPES: [[i64; 12]; 2] = [[0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0]];
+const ENCODER_LENGTHS: [i64; 2] = [12, 8];
+
+/// BERT's logits and loss in `transformers` for the encoder rows and `labels`.
+fn transformers_encoder(py: &Path, dir: &Path, work: &Path, labels: &str) -> (Tensor, f64) {
+    let out = work.join("encoder.safetensors");
+    let mask: Vec<Vec<i64>> = ENCODER_LENGTHS.iter().map(|&n| (0..12).map(|i| i64::from(i < n)).collect()).collect();
+    let tokens = serde_json::to_string(&ENCODER_ROWS).unwrap();
+    let (types, mask) = (serde_json::to_string(&ENCODER_TYPES).unwrap(), serde_json::to_string(&mask).unwrap());
+    let dir = dir.to_str().unwrap();
+    let args = ["encoder", "--dir", dir, "--tokens", &tokens, "--types", &types, "--mask", &mask, "--labels", labels];
+    reference(py, &[&args[..], &["--out", out.to_str().unwrap()]].concat());
+    let mut read = strata::io::read_safetensors(&out).unwrap();
+    (read.remove("logits").unwrap(), read.remove("loss").unwrap().double_value(&[0]))
+}
+
+/// The rows' layout: positions counted from 0, each row's padding an example of its own
+/// (so no token attends to it), and the token types as segments.
+fn encoder_layout() -> strata::model::RowLayout {
+    let rows = |f: &dyn Fn(usize, i64) -> i64| {
+        let v: Vec<i64> = (0..2).flat_map(|r| (0..12).map(move |i| (r, i))).map(|(r, i)| f(r, i)).collect();
+        Tensor::from_slice(&v).view([2, 12])
+    };
+    strata::model::RowLayout {
+        positions: rows(&|_, i| i),
+        examples: rows(&|r, i| i64::from(i >= ENCODER_LENGTHS[r])),
+        segments: Some(rows(&|r, i| ENCODER_TYPES[r][i as usize])),
+        source_len: None,
+    }
+}
+
+/// Per-position logits at the positions of tokens only (a padding position's output
+/// differs, and is nobody's); per-row logits as they are.
+fn of_tokens(logits: &Tensor) -> Tensor {
+    if logits.dim() < 3 {
+        return logits.shallow_clone();
+    }
+    Tensor::cat(&[logits.get(0), logits.get(1).narrow(0, 0, ENCODER_LENGTHS[1])], 0)
+}
+
+/// Tiny random BERT folders — a sequence classifier over three named labels and a masked
+/// language model, every weight moved off its initial value — give `transformers`' logits
+/// (every position of a token; padding positions are nobody's output) and losses, for a
+/// text pair beside a padded shorter one.
+#[test]
+fn bert_classifier_and_masked_lm_equal_transformers() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    for family in ["bert-classifier", "bert-mlm"] {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let folder = from_pretrained_dir(&dir).unwrap();
+        let mut engine = strata_engine(&dir);
+        engine.set_layout(Some(&encoder_layout()));
+        let tokens = Tensor::from_slice(&ENCODER_ROWS.concat()).view([2, 12]);
+        let ours = engine.evaluate(&tokens).unwrap();
+        let (labels, targets) = match &folder.config {
+            ModelConfig::Bert(BertConfig { head: BertHead::Classify { labels }, .. }) => {
+                assert_eq!(labels, &["negative", "neutral", "positive"], "id2label is read in id order");
+                ("[2, 0]".to_string(), Tensor::from_slice(&[2i64, 0]))
+            }
+            _ => {
+                // Three masked positions carry labels; the rest (and the padding) none.
+                let mut rows = [[-100i64; 12]; 2];
+                (rows[0][3], rows[0][9], rows[1][5]) = (88, 12, 19);
+                (serde_json::to_string(&rows).unwrap(), Tensor::from_slice(&rows.concat()).view([2, 12]))
+            }
+        };
+        let (theirs, their_loss) = transformers_encoder(&py, &dir, work.path(), &labels);
+        assert_eq!(ours.size(), theirs.size(), "{family}");
+        let g = gap(&of_tokens(&theirs), &of_tokens(&ours));
+        let our_loss = strata::model::layers::cross_entropy(&ours, &targets).unwrap().double_value(&[]);
+        eprintln!("{family}: largest logit difference {g:.2e}; loss {our_loss} against {their_loss}");
+        assert!(g < 1e-5, "{family}: logits differ from transformers' by {g}");
+        assert!((our_loss - their_loss).abs() < 1e-5, "{family}: loss {our_loss} against {their_loss}");
+        // Without the layout every position attends to the padding too, and the second
+        // row's logits move: the mask is what makes them agree.
+        engine.set_layout(None);
+        let unmasked = engine.evaluate(&tokens).unwrap();
+        assert!(gap(&ours.get(1), &unmasked.get(1)) > 1e-3, "{family}: the padding changes nothing");
+        // Moved and written back, the folder loads in transformers (head, labels and tied
+        // decoder included) and gives the moved model's logits.
+        for k in 0..engine.spec().units.len() {
+            let values = engine.full_unit(k).unwrap();
+            engine.set_full_unit(k, &(&values + nudge(&values, k))).unwrap();
+        }
+        engine.set_layout(Some(&encoder_layout()));
+        let moved = engine.evaluate(&tokens).unwrap();
+        let saved = work.path().join(format!("{family}-saved"));
+        save_weights(&mut engine, WeightsTarget::Folder(&FolderOut::like(&saved, &folder)), true).unwrap();
+        assert_eq!(from_pretrained_dir(&saved).unwrap().config, folder.config, "{family}: config.json round trip");
+        let (written, _) = transformers_encoder(&py, &saved, work.path(), &labels);
+        let g = gap(&of_tokens(&written), &of_tokens(&moved));
+        assert!(g < 1e-5, "{family}: the written folder's logits differ by {g}");
+    }
+}
+
+/// Ten training losses of `family` in Strata, each within 1e-5 relative of `transformers`'
+/// at the same step, and falling.
+fn assert_tracks(family: &str, ours: &[f64], theirs: &[f64]) {
+    eprintln!("{family}: Strata {ours:?}\ntransformers {theirs:?}");
+    for (i, (ours, theirs)) in ours.iter().zip(theirs).enumerate() {
+        let relative = (ours - theirs).abs() / theirs.abs();
+        assert!(relative <= 1e-5, "{family}: step {i}: loss {ours}, transformers {theirs}");
+    }
+    let (first, last) = (ours[..3].iter().sum::<f64>(), ours[7..].iter().sum::<f64>());
+    assert!(last < first, "{family}: the losses did not fall: {ours:?}");
+}
+
+/// One BERT batch as both sides read it: two rows of 12 token ids (a `[CLS]`-like 2, then
+/// words, then padding 0 after each row's length), their token types (the second half of
+/// each text 1), attention mask, and labels (a class per row, or three masked positions'
+/// words).
+#[derive(serde::Serialize)]
+struct EncoderBatch {
+    tokens: Vec<Vec<i64>>,
+    types: Vec<Vec<i64>>,
+    mask: Vec<Vec<i64>>,
+    labels: serde_json::Value,
+}
+
+fn encoder_batches(count: usize, classifier: bool) -> Vec<EncoderBatch> {
+    let mut x: u64 = 11;
+    let mut draw = move |n: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((x >> 33) % n) as i64
+    };
+    (0..count)
+        .map(|_| {
+            let lengths: Vec<i64> = (0..2).map(|_| 6 + draw(7)).collect();
+            let row = |f: &mut dyn FnMut(i64, i64) -> i64| -> Vec<Vec<i64>> {
+                lengths.iter().map(|&n| (0..12).map(|i| f(i, n)).collect()).collect()
+            };
+            let tokens = row(&mut |i, n| match i {
+                0 => 2,
+                i if i < n => 4 + draw(86),
+                _ => 0,
+            });
+            let types = row(&mut |i, n| i64::from(i >= n / 2 && i < n));
+            let mask = row(&mut |i, n| i64::from(i < n));
+            let labels = if classifier {
+                serde_json::json!([draw(3), draw(3)])
+            } else {
+                let mut labels = vec![vec![-100i64; 12]; 2];
+                for (r, &n) in lengths.iter().enumerate() {
+                    for _ in 0..3 {
+                        let at = 1 + draw(n as u64 - 1) as usize;
+                        labels[r][at] = tokens[r][at];
+                    }
+                }
+                serde_json::json!(labels)
+            };
+            EncoderBatch { tokens, types, mask, labels }
+        })
+        .collect()
+}
+
+/// Ten AdamW steps of a BERT classifier and a masked language model on padded text pairs,
+/// in Strata (each batch's layout from its mask and token types) and in `transformers`: each
+/// step's loss agrees within 1e-5 relative, and the losses fall.
+#[test]
+fn bert_training_tracks_transformers() {
+    use strata::data::{Batch, Step};
+    use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    for (family, classifier) in [("bert-classifier", true), ("bert-mlm", false)] {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let batches = encoder_batches(10, classifier);
+        let file = work.path().join(format!("{family}.json"));
+        std::fs::write(&file, serde_json::to_string(&batches).unwrap()).unwrap();
+        let lr = 5e-3;
+        let args = ["encoder-train", "--dir", dir.to_str().unwrap(), "--batches", file.to_str().unwrap()];
+        let theirs: Vec<f64> =
+            serde_json::from_str(&reference(&py, &[&args[..], &["--lr", &lr.to_string()]].concat())).unwrap();
+        let mut engine = strata_engine(&dir);
+        let optimizer = Optimizer::new(&mut engine, OptimizerConfig { lr, ..Default::default() }, &[]).unwrap();
+        let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+        let mut ours = vec![];
+        for (i, b) in batches.iter().enumerate() {
+            let labels: Vec<i64> = match &b.labels {
+                serde_json::Value::Array(rows) => rows
+                    .iter()
+                    .flat_map(|r| match r {
+                        serde_json::Value::Array(v) => v.iter().map(|x| x.as_i64().unwrap()).collect(),
+                        x => vec![x.as_i64().unwrap()],
+                    })
+                    .collect(),
+                other => panic!("labels {other}"),
+            };
+            let targets = Tensor::from_slice(&labels);
+            let targets = if classifier { targets } else { targets.view([2, 12]) };
+            let mut batch = Batch::new(rows_tensor(&b.tokens), targets).unwrap();
+            let examples: Vec<Vec<i64>> = b.mask.iter().map(|r| r.iter().map(|m| 1 - m).collect()).collect();
+            batch.layout = Some(strata::model::RowLayout {
+                positions: Tensor::arange(12, (Kind::Int64, tch::Device::Cpu)).repeat([2, 1]),
+                examples: rows_tensor(&examples),
+                segments: Some(rows_tensor(&b.types)),
+                source_len: None,
+            });
+            ours.push(trainer.train_step(&Step::new(i, vec![batch])).unwrap().loss);
+        }
+        assert_tracks(family, &ours, &theirs);
+    }
+}
+
+/// `texts` (single or paired) encoded by the folder's tokenizer and cut to `max_length`,
+/// checked equal to what `transformers`' tokenizer of `dir` gives (ids and token types).
+fn encode_pairs_as_transformers(
+    py: &Path,
+    dir: &Path,
+    tokenizer: &strata::data::Tokenizer,
+    texts: &[(&str, Option<&str>)],
+    max_length: usize,
+) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let json = serde_json::to_string(texts).unwrap();
+    let args = ["encode-pairs", "--dir", dir.to_str().unwrap(), "--texts", &json, "--max-length"];
+    let theirs: Vec<(Vec<u32>, Vec<u32>)> =
+        serde_json::from_str(&reference(py, &[&args[..], &[&max_length.to_string()]].concat())).unwrap();
+    let ours = tokenizer.encode_pairs(texts, max_length).unwrap();
+    assert_eq!(ours, theirs, "max length {max_length}");
+    ours
+}
+
+/// A BERT folder's WordPiece tokenizer pairs texts as `transformers`' does: the same ids
+/// (`[CLS] a [SEP] b [SEP]`, words split into pieces, unknown words `[UNK]`) and token
+/// types, cut to a most length from the longer text first.
+#[test]
+fn bert_text_pairs_encode_as_transformers_encodes_them() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("bert");
+    make(&py, "bert-classifier", &dir, None);
+    let tokenizer = strata::data::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+    let texts: Vec<(&str, Option<&str>)> = vec![
+        ("The movie was good!", None),
+        ("The plot is dull, but the acting...", Some("Not very fun, and the story drags.")),
+        ("Playing", Some("played playfully quizzically")),
+        ("a b c d e f g h i j k l m n o p", Some("q r s")),
+    ];
+    for max_length in [64, 9] {
+        let ours = encode_pairs_as_transformers(&py, &dir, &tokenizer, &texts, max_length);
+        assert!(ours.iter().all(|(ids, _)| ids.len() <= max_length && ids[0] == 2 && *ids.last().unwrap() == 3));
+        assert!(ours[1].1.contains(&1), "the second text's types are 1");
+    }
+}
+
+/// Two T5 records: a source closed by `</s>` (1) beside a shorter one padded after it, and
+/// targets of unequal lengths.
+fn t5_records() -> strata::data::Seq2SeqSet {
+    let sources = vec![vec![15, 53, 57, 3, 17, 19, 4, 21, 16, 58, 1], vec![3, 40, 22, 1]];
+    let targets = vec![vec![17, 19, 21, 1], vec![30, 44, 12, 61, 70, 1]];
+    strata::data::Seq2SeqSet::from_ids(sources, targets, (0, 0), "records").unwrap()
+}
+
+/// The batch of `rows` as `transformers` takes it: padded sources, their attention mask,
+/// and the labels (the decoder's input is the labels shifted right, in the model).
+fn t5_reference_batch(set: &strata::data::Seq2SeqSet, rows: &[usize]) -> serde_json::Value {
+    use strata::data::RowSet;
+    let batch = set.batch(rows).unwrap();
+    let width = batch.layout.as_ref().unwrap().source_len.unwrap() as usize;
+    let sources: Vec<Vec<i64>> = rows
+        .iter()
+        .map(|&r| {
+            let ids = set.source_ids(r);
+            ids.iter().map(|&t| i64::from(t)).chain(std::iter::repeat_n(0, width - ids.len())).collect()
+        })
+        .collect();
+    let mask: Vec<Vec<i64>> = sources
+        .iter()
+        .zip(rows)
+        .map(|(row, &r)| (0..row.len()).map(|i| i64::from(i < set.source_ids(r).len())).collect())
+        .collect();
+    let labels: Vec<Vec<i64>> = (0..rows.len()).map(|i| Vec::try_from(batch.targets.get(i as i64)).unwrap()).collect();
+    serde_json::json!({"sources": sources, "mask": mask, "labels": labels})
+}
+
+fn transformers_seq2seq(py: &Path, dir: &Path, work: &Path, batch: &serde_json::Value) -> (Tensor, f64) {
+    let out = work.join("seq2seq.safetensors");
+    let (dir, batch) = (dir.to_str().unwrap(), batch.to_string());
+    reference(py, &["seq2seq", "--dir", dir, "--batch", &batch, "--out", out.to_str().unwrap()]);
+    let mut read = strata::io::read_safetensors(&out).unwrap();
+    (read.remove("logits").unwrap(), read.remove("loss").unwrap().double_value(&[0]))
+}
+
+/// The logits `[N, V]` of the batch's supervised positions: after a target's end the
+/// decoder reads padding, where `transformers` shifts the end token in (nobody's output).
+fn supervised(logits: &Tensor, batch: &strata::data::Batch) -> Tensor {
+    logits.index(&[Some(batch.targets.ne(strata::data::IGNORE))])
+}
+
+/// Strata's logits and loss for a T5 batch.
+fn strata_seq2seq(engine: &mut Engine, batch: &strata::data::Batch) -> (Tensor, f64) {
+    engine.set_layout(batch.layout.as_ref());
+    let logits = engine.evaluate(&batch.inputs).unwrap();
+    let loss = strata::model::layers::cross_entropy(&logits, &batch.targets).unwrap().double_value(&[]);
+    (logits, loss)
+}
+
+/// Tiny random T5 folders — v1.0 (ReLU, a tied head scaled by 1/√d) and v1.1 (gated GELU, a
+/// head of its own), every weight moved off its initial value, an attention width unlike
+/// the model's, distances past the exact buckets — give `transformers`' logits and loss for
+/// a padded source beside a longer one; the source's padding must be hidden to agree; and
+/// a folder written back loads in `transformers` with the moved model's logits.
+#[test]
+fn t5_v10_and_v11_equal_transformers() {
+    use strata::data::RowSet;
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let set = t5_records();
+    let batch = set.batch(&[0, 1]).unwrap();
+    let reference_batch = t5_reference_batch(&set, &[0, 1]);
+    for family in ["t5", "t5-v11"] {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let folder = from_pretrained_dir(&dir).unwrap();
+        let ModelConfig::T5(config) = &folder.config else { panic!("{family}: {:?}", folder.config) };
+        assert_eq!(
+            (config.tied_head, config.scale_output, config.gated),
+            (family == "t5", family == "t5", family != "t5")
+        );
+        let mut engine = strata_engine(&dir);
+        let (ours, our_loss) = strata_seq2seq(&mut engine, &batch);
+        let (theirs, their_loss) = transformers_seq2seq(&py, &dir, work.path(), &reference_batch);
+        let g = gap(&supervised(&theirs, &batch), &supervised(&ours, &batch));
+        eprintln!("{family}: largest logit difference {g:.2e}; loss {our_loss} against {their_loss}");
+        assert!(g < 1e-5, "{family}: logits differ from transformers' by {g}");
+        assert!((our_loss - their_loss).abs() < 1e-5, "{family}: loss {our_loss} against {their_loss}");
+        // With the source's padding visible the padded row's logits move.
+        let mut seen = strata::data::Batch::new(batch.inputs.shallow_clone(), batch.targets.shallow_clone()).unwrap();
+        let mut layout = batch.layout.as_ref().unwrap().shallow_clone();
+        layout.examples = layout.examples.zeros_like();
+        seen.layout = Some(layout);
+        let (unmasked, _) = strata_seq2seq(&mut engine, &seen);
+        assert!(gap(&ours.get(1), &unmasked.get(1)) > 1e-3, "{family}: the padding changes nothing");
+        for k in 0..engine.spec().units.len() {
+            let values = engine.full_unit(k).unwrap();
+            engine.set_full_unit(k, &(&values + nudge(&values, k))).unwrap();
+        }
+        let (moved, _) = strata_seq2seq(&mut engine, &batch);
+        let saved = work.path().join(format!("{family}-saved"));
+        save_weights(&mut engine, WeightsTarget::Folder(&FolderOut::like(&saved, &folder)), true).unwrap();
+        assert_eq!(from_pretrained_dir(&saved).unwrap().config, folder.config, "{family}: config.json round trip");
+        let (written, _) = transformers_seq2seq(&py, &saved, work.path(), &reference_batch);
+        let g = gap(&supervised(&written, &batch), &supervised(&moved, &batch));
+        assert!(g < 1e-5, "{family}: the written folder's logits differ by {g}");
+    }
+}
+
+/// Ten AdamW steps of both T5 versions on batches of two records each, in Strata and in
+/// `transformers`: each step's loss agrees within 1e-5 relative, and the losses fall.
+#[test]
+fn t5_training_tracks_transformers() {
+    use strata::data::{RowSet, Step};
+    use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let mut x: u64 = 5;
+    let mut draw = move |n: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) % n
+    };
+    let mut text = |len: u64| -> Vec<u32> {
+        let n = 2 + draw(len);
+        (0..n).map(|_| 3 + draw(90) as u32).chain([1]).collect()
+    };
+    let (sources, targets): (Vec<_>, Vec<_>) = (0..20).map(|_| (text(9), text(6))).unzip();
+    let set = strata::data::Seq2SeqSet::from_ids(sources, targets, (0, 0), "records").unwrap();
+    let pairs: Vec<[usize; 2]> = (0..10).map(|i| [2 * i, 2 * i + 1]).collect();
+    let reference_batches: Vec<serde_json::Value> = pairs.iter().map(|p| t5_reference_batch(&set, p)).collect();
+    let file = work.path().join("t5-batches.json");
+    std::fs::write(&file, serde_json::to_string(&reference_batches).unwrap()).unwrap();
+    for family in ["t5", "t5-v11"] {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let lr = 5e-3;
+        let args = ["seq2seq-train", "--dir", dir.to_str().unwrap(), "--batches", file.to_str().unwrap()];
+        let theirs: Vec<f64> =
+            serde_json::from_str(&reference(&py, &[&args[..], &["--lr", &lr.to_string()]].concat())).unwrap();
+        let mut engine = strata_engine(&dir);
+        let optimizer = Optimizer::new(&mut engine, OptimizerConfig { lr, ..Default::default() }, &[]).unwrap();
+        let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+        let ours: Vec<f64> = pairs
+            .iter()
+            .enumerate()
+            .map(|(i, p)| trainer.train_step(&Step::new(i, vec![set.batch(p).unwrap()])).unwrap().loss)
+            .collect();
+        assert_tracks(family, &ours, &theirs);
+    }
+}
+
+/// Greedy T5 generation — the encoder once, the decoder a position a step with its cache,
+/// and again recomputing the whole target each step — writes `transformers`' `generate`.
+/// The weights are moved further first (and the folder written back for `transformers`),
+/// so that greedy decoding does not settle on one token.
+#[test]
+fn t5_greedy_generation_equals_transformers() {
+    use strata::generate::generate_from_source;
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let source: Vec<i64> = t5_records().source_ids(0).iter().map(|&t| i64::from(t)).collect();
+    for family in ["t5", "t5-v11"] {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let mut engine = strata_engine(&dir);
+        for k in 0..engine.spec().units.len() {
+            let values = engine.full_unit(k).unwrap();
+            engine.set_full_unit(k, &(&values + nudge(&values, k) * 30.0)).unwrap();
+        }
+        let moved = work.path().join(format!("{family}-moved"));
+        let folder = from_pretrained_dir(&dir).unwrap();
+        save_weights(&mut engine, WeightsTarget::Folder(&FolderOut::like(&moved, &folder)), true).unwrap();
+        let args = ["seq2seq-generate", "--dir", moved.to_str().unwrap(), "--max-new-tokens", "12", "--source"];
+        let theirs: Vec<i64> =
+            serde_json::from_str(&reference(&py, &[&args[..], &[&serde_json::to_string(&source).unwrap()]].concat()))
+                .unwrap();
+        for cache in [true, false] {
+            let config = GenerateConfig { max_new_tokens: 12, cache, ..Default::default() };
+            let ours = generate_from_source(&mut engine, &source, 0, &config).unwrap();
+            assert_eq!(ours, theirs, "{family}: cache {cache}");
+        }
+        let distinct = theirs.iter().collect::<std::collections::BTreeSet<_>>().len();
+        assert!(distinct > 3, "{family}: a generation this repetitive compares little: {theirs:?}");
+    }
+}
+
+/// A T5 folder's Unigram tokenizer encodes as `transformers`' does: pieces chosen by their
+/// scores (whole words before their letters), the metaspace before each word, unknown
+/// characters as `<unk>`, `</s>` closing each text, cut to a most length with `</s>` kept.
+#[test]
+fn t5_unigram_tokenizer_encodes_as_transformers_does() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("t5");
+    make(&py, "t5", &dir, None);
+    let tokenizer = strata::data::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+    let texts: Vec<(&str, Option<&str>)> = vec![
+        ("summarize: it was the best of times, it was the worst of times.", None),
+        ("The Queens said: playing is fun!", None),
+        ("kings summarized stories", Some("it was the age of wisdom")),
+        ("zebra quartz 123", None),
+    ];
+    for max_length in [64, 6] {
+        let ours = encode_pairs_as_transformers(&py, &dir, &tokenizer, &texts, max_length);
+        assert!(ours.iter().all(|(ids, _)| ids.len() <= max_length && ids.last() == Some(&1)));
+    }
+    assert!(tokenizer.encode_pairs(&texts[3..], 64).unwrap()[0].0.contains(&2), "unknown characters are <unk>");
+}

@@ -1,0 +1,144 @@
+//! Pipelines in the library: the unit measurement, in one process (one stage), where every
+//! unit is timed and weighed by the model-state bytes its buffers hold and the activation
+//! bytes its forward keeps; and fsdp beside a
+//! pipeline, on 4 ranks, gathering each unit once per step however many micro-batches run.
+
+use crate::common::ranks::{assert_all_ok, connect, run_ranks};
+use std::sync::Arc;
+use strata::data::{validation_steps, LoaderConfig, TokenData};
+use strata::engine::EngineConfig;
+use strata::engine::{Event, EventLog};
+use strata::model::{GptConfig, LlamaConfig, ModelConfig};
+use strata::optim::{LrSchedule, OptimizerConfig};
+use strata::parallel::pipeline::schedule::{self, Pipeline, ScheduleKind};
+use strata::parallel::pipeline::{partition, PipelineSetup, PipelineTrainer};
+use strata::parallel::DataParallelOptions;
+use strata::strategy::Strategy;
+
+#[test]
+fn measured_units_are_timed_and_weighed_by_their_buffers() {
+    let model = ModelConfig::Gpt(GptConfig::new(300, 16, 3, 2, 32));
+    let spec = || model.spec();
+    let strategy = Strategy::default();
+    let setup = PipelineSetup {
+        spec: &spec,
+        engine: EngineConfig::default(),
+        strategy: &strategy,
+        comm: None,
+        local_world_size: 1,
+        data_parallel: DataParallelOptions::default(),
+        optimizer: OptimizerConfig::default(),
+        schedule: LrSchedule::Constant,
+        grad_clip: None,
+        micro_batches: 2,
+        split: None,
+    };
+    let trainer = PipelineTrainer::new(setup).unwrap();
+    let data = TokenData::new((0..2000).map(|i| (i * 7 % 300) as u32).collect(), "tokens").into();
+    let config = LoaderConfig { accumulation: 2, ..LoaderConfig::new(16, 4) };
+    let step = validation_steps(&data, &config, Some(1), 1).unwrap().remove(0);
+    let held = trainer.most_held().unwrap();
+    assert_eq!(held, [1], "one stage under 1F1B runs each micro-batch's backward before the next forward");
+    strata_ext::cpu_memory::track().unwrap();
+    let costs = trainer.measure_units(&step).unwrap();
+    let whole = model.spec().unwrap();
+    assert_eq!(costs.len(), whole.units.len());
+    for (k, (cost, unit)) in costs.iter().zip(&whole.units).enumerate() {
+        let numel: i64 = unit.params.iter().map(|id| whole.params[id.0].numel()).sum();
+        // fp32 parameters, gradients and AdamW's two moments.
+        assert_eq!(cost.bytes, numel as u64 * 4 * 4, "unit {k}");
+        assert!(cost.seconds > 0.0, "unit {k} was not timed");
+        // A unit's forward keeps at least its output: a micro-batch of 2 rows × 16 positions
+        // × width 32 in fp32.
+        assert!(cost.activation_bytes >= 2 * 16 * 32 * 4, "unit {k} keeps {} bytes", cost.activation_bytes);
+    }
+    // A budget below the embedding's states alone leaves no split; at the whole model's,
+    // any split fits.
+    let total: u64 = costs.iter().map(|c| c.bytes).sum();
+    // Split in two under 1F1B with 2 micro-batches, the first stage holds both.
+    let two = Pipeline { stages: 2, micro_batches: 2, virtual_stages: 1 };
+    let held = schedule::most_held(ScheduleKind::OneForwardOneBackward, two).unwrap();
+    assert_eq!(held, [2, 1]);
+    assert!(partition::balance(&costs, 2, 2, Some(costs[0].bytes - 1), &held).is_err());
+    let activations: u64 = costs.iter().map(|c| c.activation_bytes).sum();
+    assert_eq!(partition::balance(&costs, 2, 2, Some(total + 2 * activations), &held).unwrap().len(), 2);
+    // The least budget any split fits in grows by the activations the stages hold.
+    let least_budget = |held: &[u64]| {
+        let (mut low, mut high) = (0, total + 2 * activations);
+        while low < high {
+            let mid = (low + high) / 2;
+            if partition::balance(&costs, 2, 2, Some(mid), held).is_ok() {
+                high = mid;
+            } else {
+                low = mid + 1;
+            }
+        }
+        low
+    };
+    assert!(least_budget(&held) > least_budget(&[0, 0]), "activations count against the budget");
+}
+
+/// 2 stages × 2 fsdp shards; 4 micro-batches per step under 1F1B.
+#[test]
+fn fsdp_in_a_pipeline_gathers_each_unit_once_per_step() {
+    assert_all_ok(&run_ranks(4, "shm", "pipeline-fsdp"));
+}
+
+#[test]
+fn rank_entry() {
+    let Ok(scenario) = std::env::var("STRATA_TEST_SCENARIO") else { return };
+    assert_eq!(scenario, "pipeline-fsdp");
+    let comm = connect();
+    let model = ModelConfig::Llama(LlamaConfig::new(64, 16, 4, 2, 32));
+    let spec = || model.spec();
+    let strategy =
+        Strategy::parse(r#"[["parallel_mode", [[["pipeline", 2], ["data", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}], "fsdp"]"#)
+            .unwrap();
+    let micro_batches = 4;
+    let setup = PipelineSetup {
+        spec: &spec,
+        engine: EngineConfig::default(),
+        strategy: &strategy,
+        comm: Some(&comm),
+        local_world_size: 4,
+        data_parallel: DataParallelOptions::default(),
+        optimizer: OptimizerConfig::default(),
+        schedule: LrSchedule::Constant,
+        grad_clip: None,
+        micro_batches,
+        split: None,
+    };
+    let mut trainer = PipelineTrainer::new(setup).unwrap();
+    let logs: Vec<Arc<EventLog>> = trainer
+        .engines()
+        .map(|e| {
+            let log = Arc::new(EventLog::default());
+            e.set_event_sink(log.clone());
+            log
+        })
+        .collect();
+    let data = TokenData::new((0..4000).map(|i| (i * 13 % 64) as u32).collect(), "tokens").into();
+    // The replica group's rank: the data dimension is the second.
+    let config =
+        LoaderConfig { accumulation: micro_batches, rank: comm.rank() / 2, world: 2, ..LoaderConfig::new(16, 8) };
+    let steps = validation_steps(&data, &config, Some(2), 2).unwrap();
+    for step in &steps {
+        trainer.train_step(step).unwrap();
+        for log in &logs {
+            let events = log.take();
+            let units: std::collections::BTreeSet<usize> = events
+                .iter()
+                .filter_map(|e| if let Event::Phase { unit, .. } = e { Some(*unit) } else { None })
+                .collect();
+            assert!(!units.is_empty(), "every stage's engine ran its units");
+            for &u in &units {
+                let gathers = events.iter().filter(|e| **e == Event::GatherStarted { unit: u }).count();
+                let freed = events.iter().filter(|e| **e == Event::ParamsFreed { unit: u }).count();
+                // Gathered for the first forward, freed after the backward that completes
+                // the step's gradients: not once per micro-batch.
+                assert_eq!((gathers, freed), (1, 1), "unit {u} of this stage over {micro_batches} micro-batches");
+            }
+        }
+    }
+    println!("RANK-OK");
+}
