@@ -103,11 +103,15 @@ pub fn losses(path: &Path) -> Vec<(u64, f64)> {
     reports(path).iter().map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap())).collect()
 }
 
-/// A folder of runs shared by the cases of one test binary — the one-process baseline many
+/// A folder of runs shared by the cases of one test module — the one-process baseline many
 /// cases compare with — made by `make` once, on first use, under cargo's temporary folder for
 /// tests. Each case is then its own test, named by its configuration, yet the baseline trains
-/// once.
+/// once. `key` names the folder within the calling module (its file): modules of one binary
+/// may use the same keys for baselines of their own.
+#[track_caller]
 pub fn shared_dir(key: &str, make: impl FnOnce(&Path)) -> PathBuf {
+    let module = Path::new(std::panic::Location::caller().file()).file_stem().unwrap().to_string_lossy();
+    let key = &format!("{module}-{key}");
     use std::sync::Mutex;
     static MADE: Mutex<Option<(PathBuf, Vec<String>)>> = Mutex::new(None);
     let mut made = MADE.lock().unwrap_or_else(|e| e.into_inner());

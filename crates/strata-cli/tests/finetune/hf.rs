@@ -5,7 +5,6 @@
 //! bad folders are refused in one line.
 use crate::common;
 
-
 use crate::common::{assert_fails_with, stderr, strata};
 use crate::hf_reference::{python, reference};
 use std::path::{Path, PathBuf};

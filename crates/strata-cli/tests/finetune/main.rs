@@ -3,8 +3,8 @@
 
 #[path = "../common/mod.rs"]
 mod common;
-#[path = "../../../strata/tests/common/hf_reference.rs"]
-mod hf_reference;
 mod finetune;
 mod hf;
+#[path = "../../../strata/tests/common/hf_reference.rs"]
+mod hf_reference;
 mod seq2seq;

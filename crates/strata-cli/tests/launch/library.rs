@@ -345,7 +345,8 @@ fn rank_of_a_stopped_job() {
 #[test]
 fn one_rank_stopping_stops_every_rank() {
     let exe = std::env::current_exe().unwrap();
-    let args = ["launch", "--nproc-per-node", "2", "--", s(&exe), "--exact", "library::rank_of_a_stopped_job", "--nocapture"];
+    let args =
+        ["launch", "--nproc-per-node", "2", "--", s(&exe), "--exact", "library::rank_of_a_stopped_job", "--nocapture"];
     let o = common::strata_env(&args, &[("STRATA_TEST_STOPPED_JOB", "1")]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}\n{}", stderr(&o));

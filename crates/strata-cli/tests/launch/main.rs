@@ -2,7 +2,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod gpu;
 mod launch;
 mod launchers;
 mod library;
-mod gpu;

@@ -15,7 +15,7 @@ use super::layers::{
     attention, gelu, layer_norm, merge_heads, other_examples, split_heads, vocab_embedding, vocab_logits,
     AttentionOptions,
 };
-use super::{Kept, UnitCost, positive, Builder, Init, ParamId, Params, TpRole, Unit, UnitBuilder, INIT_STD as STD};
+use super::{positive, Builder, Init, Kept, ParamId, Params, TpRole, Unit, UnitBuilder, UnitCost, INIT_STD as STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};

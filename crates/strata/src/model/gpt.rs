@@ -9,9 +9,9 @@ use super::layers::{
     add_layer_norm, attention, gelu_tanh, layer_norm_into_product, merge_heads, other_examples, split_heads,
     vocab_embedding, vocab_logits, AttentionOptions,
 };
-use super::{Kept, UnitCost, 
-    default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TpRole, Unit, DEFAULT_NORM_EPS,
-    INIT_STD as STD,
+use super::{
+    default_norm_eps, positive, Builder, DecodeCache, Init, Kept, ParamId, Params, TpRole, Unit, UnitCost,
+    DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};

@@ -23,9 +23,9 @@ use super::layers::{
     split_heads, swiglu, vocab_logits, AttentionOptions,
 };
 use super::rope::{Rope, RopeScaling, Rotation};
-use super::{Kept, UnitCost, 
-    default_norm_eps, positive, Builder, DecodeCache, Init, ParamId, Params, TokenEmbedding, TpRole, Unit,
-    DEFAULT_NORM_EPS, INIT_STD as STD,
+use super::{
+    default_norm_eps, positive, Builder, DecodeCache, Init, Kept, ParamId, Params, TokenEmbedding, TpRole, Unit,
+    UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};

@@ -5,7 +5,7 @@
 //! [`mlp`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::layers::{gelu_tanh, vocab_logits};
-use super::{Kept, UnitCost, positive, Builder, Init, ParamId, Params, TokenEmbedding, TpRole, Unit, INIT_STD as STD};
+use super::{positive, Builder, Init, Kept, ParamId, Params, TokenEmbedding, TpRole, Unit, UnitCost, INIT_STD as STD};
 use crate::Result;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;

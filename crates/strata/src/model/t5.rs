@@ -17,9 +17,9 @@
 //! records specifications in the [`Builder`], and the units compute with the parameters the
 //! engine lends them.
 use super::layers::{attention, examples_differ, merge_heads, rms_norm, split_heads, vocab_logits, AttentionOptions};
-use super::{Kept, UnitCost, 
-    positive, Builder, DecodeCache, EncodedMemory, Init, ParamId, Params, RowLayout, TokenEmbedding, TpRole, Unit,
-    UnitBuilder,
+use super::{
+    positive, Builder, DecodeCache, EncodedMemory, Init, Kept, ParamId, Params, RowLayout, TokenEmbedding, TpRole,
+    Unit, UnitBuilder, UnitCost,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};

@@ -199,8 +199,7 @@ impl Mesh {
 /// The sizes in layout order, those above 1 (`data 1` for one process).
 impl std::fmt::Display for Mesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let used: Vec<String> =
-            self.dims.iter().filter(|(_, s)| *s > 1).map(|(n, s)| format!("{n} {s}")).collect();
+        let used: Vec<String> = self.dims.iter().filter(|(_, s)| *s > 1).map(|(n, s)| format!("{n} {s}")).collect();
         match used.is_empty() {
             true => write!(f, "data 1"),
             false => write!(f, "{}", used.join(" × ")),
@@ -225,7 +224,9 @@ mod tests {
 
     #[test]
     fn fsdp_splits_the_replicas_into_shard_groups_in_place_of_data() {
-        let s = strategy(json!([mode(&[("tensor", 2)]), "tensor_parallel", ["fsdp", {"sharding_strategy": "HYBRID_SHARD"}]]));
+        let s = strategy(
+            json!([mode(&[("tensor", 2)]), "tensor_parallel", ["fsdp", {"sharding_strategy": "HYBRID_SHARD"}]]),
+        );
         let mesh = Mesh::new(&s, 8, 5, 4).unwrap();
         assert_eq!(mesh.size(Dim::Tensor), 2);
         assert_eq!(mesh.size(Dim::Zero), 2, "a host of 4 over a tensor size of 2");
@@ -255,7 +256,8 @@ mod tests {
 
     #[test]
     fn the_seed_example_and_the_peers_layouts_give_their_groups() {
-        let mesh = Mesh::new(&strategy(json!([mode(&[("tensor", 4), ("pipeline", 2), ("data", 2)])])), 16, 0, 16).unwrap();
+        let mesh =
+            Mesh::new(&strategy(json!([mode(&[("tensor", 4), ("pipeline", 2), ("data", 2)])])), 16, 0, 16).unwrap();
         let tensor: Vec<Vec<usize>> = (0..4).map(|i| (4 * i..4 * i + 4).collect()).collect();
         assert_eq!(mesh.groups(&[Dim::Tensor]), tensor);
         let pipeline = [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]];
@@ -271,15 +273,20 @@ mod tests {
         assert_eq!(ds.groups(&[Dim::Tensor])[0], [0, 1]);
         assert_eq!(ds.groups(&[Dim::Data])[0], [0, 2]);
         assert_eq!(ds.groups(&[Dim::Pipeline])[0], [0, 4]);
-        let reordered = Mesh::new(&strategy(json!([["parallel_mode", [[["zero", 2]], [3, 2, 1, 0]]], "zero1"])), 4, 1, 4);
+        let reordered =
+            Mesh::new(&strategy(json!([["parallel_mode", [[["zero", 2]], [3, 2, 1, 0]]], "zero1"])), 4, 1, 4);
         assert_eq!(reordered.unwrap().groups(&[Dim::Zero]), [vec![3, 2], vec![1, 0]]);
     }
 
     #[test]
     fn refusals_name_the_cause() {
-        let err = |s: serde_json::Value, world: usize| Mesh::new(&strategy(s), world, 0, world).unwrap_err().to_string();
+        let err =
+            |s: serde_json::Value, world: usize| Mesh::new(&strategy(s), world, 0, world).unwrap_err().to_string();
         assert!(err(json!([mode(&[("zero", 2)])]), 4).contains("a zero dimension needs zero1, zero2 or fsdp"));
-        let hybrid = err(json!([mode(&[("zero", 2)]), ["fsdp", {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}]]), 4);
+        let hybrid = err(
+            json!([mode(&[("zero", 2)]), ["fsdp", {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}]]),
+            4,
+        );
         assert!(hybrid.contains("give the shard group size once"), "{hybrid}");
         let three = err(json!([["fsdp", {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 3}]]), 4);
         assert!(three.contains("a shard group of 3 ranks does not divide the world size 4"), "{three}");

@@ -827,8 +827,12 @@ mod tests {
             (r#"["zero1", "zero1"]"#, "twice"),
             (r#"[["fsdp", {"mixed_precision": {"param_dtype": "int8"}}]]"#, "allowed: bf16, fp16, fp32"),
             (
+                r#"[["parallel_mode", [[["sequence", 2]], null]]]"#,
+                "unknown variant `sequence`, expected one of `data`, `zero`, `tensor`, `pipeline`",
+            ),
+            (
                 r#"[["parallel_mode", [[["expert", 2]], null]]]"#,
-                "unknown variant `expert`, expected one of `data`, `zero`, `tensor`, `pipeline`",
+                "the expert dimension is reserved for expert parallelism",
             ),
             (r#"[["fsdp", {"atorch_wrap_cls": ["X"], "atorch_size_based_min_num_params": 5}]]"#, "exclude each other"),
             (r#"["checkpoint"]"#, "give the units to recompute"),

@@ -74,7 +74,9 @@ impl ParallelMode {
                 return Err(bad(format!("dimension {name} appears twice")));
             }
             if let Some(method) = name.reserved() {
-                return Err(bad(format!("the {name} dimension is reserved for {method}, which Strata does not run yet")));
+                return Err(bad(format!(
+                    "the {name} dimension is reserved for {method}, which Strata does not run yet"
+                )));
             }
             if *size == 0 && *name != Dim::Data {
                 return Err(bad(format!("{name} needs a positive size")));

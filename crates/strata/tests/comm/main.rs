@@ -1,6 +1,6 @@
 //! Collectives, their backends and the memory groups hand out, across processes.
 
+mod comm;
 #[path = "../common/mod.rs"]
 mod common;
-mod comm;
 mod shared_memory;

@@ -19,12 +19,7 @@ use strata::strategy::Strategy;
 use strata::train::Trainer;
 use tch::{Device, Kind, Tensor};
 
-/// The tests of this file run one at a time: the CPU allocator's counts are per process.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::serial;
 
 const GPT: GptConfig = GptConfig::new(32, 16, 2, 2, 32);
 

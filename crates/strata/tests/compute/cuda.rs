@@ -22,9 +22,6 @@ use strata_ext::cuda;
 use strata_ext::kernels::{fp8_cast, row_col_amax, Fp8Scale};
 use tch::{Device, Kind, Tensor};
 
-/// One test at a time: allocator figures and synchronisation counts are per process.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// The GPU to test on, holding the lock that runs these tests one at a time; `None` (with
 /// a message) where there is none.
 fn gpu(test: &str) -> Option<(Device, std::sync::MutexGuard<'static, ()>)> {
@@ -32,7 +29,7 @@ fn gpu(test: &str) -> Option<(Device, std::sync::MutexGuard<'static, ()>)> {
         eprintln!("{test}: skipped, no GPU visible to a build with the cuda feature");
         return None;
     }
-    Some((Device::Cuda(0), SERIAL.lock().unwrap_or_else(|e| e.into_inner())))
+    Some((Device::Cuda(0), crate::serial()))
 }
 
 const GPT: GptConfig = GptConfig::new(64, 32, 2, 4, 64);

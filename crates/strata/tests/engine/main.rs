@@ -1,7 +1,5 @@
-//! The engine, its memory ledger against the allocator, the optimizers and the planner's time
-//! model.
+//! The engine, its memory ledger against its storages, and the planner's time model.
 
 mod engine;
 mod memory;
-mod optim;
 mod plan;

@@ -4,6 +4,6 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod parallel;
-mod tensor;
 mod pipeline;
 mod search;
+mod tensor;

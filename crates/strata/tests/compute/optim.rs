@@ -15,6 +15,7 @@ fn snapshot(e: &Engine) -> Vec<(String, tch::Tensor)> {
 
 #[test]
 fn parameter_groups_get_their_own_weight_decay_and_segments_stay_contiguous() {
+    let _serial = crate::serial();
     let mut e = mlp_engine();
     let rules = [GroupRule { name_contains: vec!["bias".into()], weight_decay: Some(0.0), lr: None }];
     // Each layer unit holds weight then bias: two segments of different groups.
@@ -33,6 +34,7 @@ fn parameter_groups_get_their_own_weight_decay_and_segments_stay_contiguous() {
 
 #[test]
 fn sgd_and_adam_follow_their_update_rules_on_engine_storage() {
+    let _serial = crate::serial();
     for kind in [OptimizerKind::Sgd, OptimizerKind::Adam] {
         let mut e = mlp_engine();
         let config = OptimizerConfig { kind, lr: 0.1, weight_decay: 0.0, ..Default::default() };
@@ -56,6 +58,7 @@ fn sgd_and_adam_follow_their_update_rules_on_engine_storage() {
 /// relative here).
 #[test]
 fn the_gradient_norm_reads_the_gradients_without_copying_them() {
+    let _serial = crate::serial();
     let mut b = Builder::new();
     model::mlp(&MlpConfig { vocab: 64, layers: 2, dim: 512 }, &mut b).unwrap();
     let mut e = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
@@ -83,6 +86,7 @@ fn the_gradient_norm_reads_the_gradients_without_copying_them() {
 
 #[test]
 fn clipping_scales_the_global_norm_down_to_the_limit() {
+    let _serial = crate::serial();
     let mut e = mlp_engine();
     let mut opt = Optimizer::new(&mut e, OptimizerConfig::default(), &[]).unwrap();
     let numel: i64 = e.spec().num_params();

@@ -13,6 +13,7 @@ use strata::train::Feed;
 
 #[test]
 fn the_room_predicted_from_one_step_is_what_200_steps_hold_and_a_tight_budget_lasts() {
+    let _serial = crate::serial();
     strata_ext::cpu_memory::track().unwrap();
     let strategy = Strategy::parse(r#"["offload"]"#).unwrap();
     let unlimited = EngineConfig::default();
