@@ -59,13 +59,17 @@ impl Mesh {
                 return Err(bad("a zero dimension needs zero1, zero2 or fsdp".into()));
             }
             None => {}
-            Some((name, shard)) if named_zero => {
-                if shard.sharding_strategy == Some(ShardingStrategy::HybridShard) || shard.hybrid_shard_size.is_some() {
-                    return Err(Error::Config(format!(
-                        "{name}: give the shard group size once, as parallel_mode's zero size or as hybrid_shard_size"
-                    )));
-                }
+            Some((name, shard))
+                if named_zero
+                    && (shard.sharding_strategy == Some(ShardingStrategy::HybridShard)
+                        || shard.hybrid_shard_size.is_some()) =>
+            {
+                return Err(Error::Config(format!(
+                    "{name}: give the shard group size once, as parallel_mode's zero size or as hybrid_shard_size"
+                )));
             }
+            // The zero size parallel_mode names is the shard group's.
+            Some(_) if named_zero => {}
             Some((name, shard)) => {
                 let replicas = size(&dims, Dim::Data);
                 let tensor = size(&dims, Dim::Tensor);
@@ -303,7 +307,7 @@ mod tests {
             rotate in 0usize..4, reversed in any::<bool>(),
         ) {
             let world = tensor * pipeline * zero * data;
-            let mut dims = vec![("tensor", tensor), ("pipeline", pipeline), ("zero", zero), ("data", data)];
+            let mut dims = [("tensor", tensor), ("pipeline", pipeline), ("zero", zero), ("data", data)];
             dims.rotate_left(rotate);
             let order: Option<Vec<usize>> = reversed.then(|| (0..world).rev().collect());
             let s = strategy(json!([
