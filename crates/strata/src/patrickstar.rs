@@ -198,7 +198,7 @@ impl PatrickStarConfig {
             methods.push(Method::AmpNative(AmpConfig { loss_scaler: Some(scaler), ..AmpConfig::default() }));
         }
         // The units that declare they look their weights up.
-        let embeddings = spec.units.iter().filter(|u| u.cost.is_some_and(|c| c.looks_up)).map(|u| u.name.clone());
+        let embeddings = spec.units.iter().filter(|u| u.looks_up()).map(|u| u.name.clone());
         let host_units = if self.use_cpu_embedding { embeddings.collect() } else { vec![] };
         let hybrid = OffloadConfig { host_units, ..OffloadConfig::default() };
         if world > 1 {

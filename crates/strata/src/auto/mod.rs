@@ -207,8 +207,7 @@ fn rank_and_world(comm: Option<&Comm>) -> (usize, usize) {
 
 /// The mesh `strategy` makes of the job's ranks.
 fn mesh_of(job: &AutoAccelerate<'_>, strategy: &Strategy) -> Result<Mesh> {
-    let (rank, world) = rank_and_world(job.comm);
-    Mesh::new(strategy, world, rank, job.local_world_size)
+    parallel::mesh_of(strategy, job.comm, job.local_world_size)
 }
 
 /// The loader of this rank on `mesh` (the ranks of a tensor group or a pipeline read the

@@ -218,7 +218,7 @@ impl UnitWork {
 /// The matrix elements a unit multiplies its inputs by: its own and borrowed 2-D weights,
 /// none for a unit that declares it looks them up (an embedding).
 fn weights_multiplied(spec: &ModelSpec, u: &crate::model::UnitSpec) -> f64 {
-    if u.cost.is_some_and(|c| c.looks_up) {
+    if u.looks_up() {
         return 0.0;
     }
     u.params
@@ -482,6 +482,22 @@ mod tests {
 
     /// Tensor parallelism pays its collectives; sharding pays more traffic than plain data
     /// parallelism; a larger micro-batch reaches more of the peak.
+    /// The FLOPs come from what the units declare: a looked-up embedding multiplies by
+    /// nothing, a block by its weights plus its attention, the tied head by the table.
+    #[test]
+    fn unit_flops_follow_the_declared_costs() {
+        let (vocab, layers, dim, seq) = (100, 2, 16, 8);
+        let spec = ModelConfig::Gpt(GptConfig::new(vocab, seq, layers, 2, dim)).spec().unwrap();
+        let work = UnitWork::counted(&spec, seq).unwrap();
+        let f = |x: i64| x as f64;
+        assert_eq!(work.flops[0], 0.0, "the embedding looks its tables up");
+        let block_weights = f(3 * dim * dim + dim * dim + 4 * dim * dim + 4 * dim * dim);
+        assert_eq!(work.flops[1], 2.0 * block_weights + 4.0 * f(seq * dim));
+        assert_eq!(work.flops[3], 2.0 * f(vocab * dim), "the head multiplies by the embedding's table");
+        let model = 6.0 * f(spec.num_params()) + 12.0 * f(layers * seq * dim);
+        assert_eq!(work.model_flops_per_token, model);
+    }
+
     #[test]
     fn each_method_pays_what_it_moves() {
         let model = ModelConfig::Gpt(GptConfig::new(50257, 1024, 12, 12, 768));

@@ -472,6 +472,12 @@ impl UnitSpec {
         self.body.kind()
     }
 
+    /// Whether the unit declares that it looks its weights up (an embedding) rather than
+    /// multiplying by them.
+    pub fn looks_up(&self) -> bool {
+        self.cost.is_some_and(|c| c.looks_up)
+    }
+
     /// The unit's declared cost; refused by name where its family declared none.
     pub fn declared_cost(&self) -> Result<UnitCost> {
         self.cost.ok_or_else(|| {

@@ -32,11 +32,6 @@ fn bad(message: String) -> Error {
 }
 
 impl Mesh {
-    /// One process: every dimension of size 1.
-    pub fn single() -> Mesh {
-        Mesh { world: 1, rank: 0, dims: Dim::ALL.iter().map(|&d| (d, 1)).collect(), order: None }
-    }
-
     /// The mesh `strategy` makes of `world` ranks, seen from `rank`; `local_world_size` ranks
     /// share a host (HYBRID_SHARD's default shard group).
     ///
@@ -120,12 +115,6 @@ impl Mesh {
         self.dims.iter().find(|(n, _)| *n == dim).map_or(1, |(_, s)| *s)
     }
 
-    /// The ranks that hold the same units and pieces (equal tensor and pipeline
-    /// coordinates): data parallelism and ZeRO work across them.
-    pub fn replicas(&self) -> usize {
-        self.size(Dim::Zero) * self.size(Dim::Data)
-    }
-
     fn rank_at(&self, position: usize) -> usize {
         self.order.as_ref().map_or(position, |o| o[position])
     }
@@ -150,10 +139,7 @@ impl Mesh {
     /// This rank's coordinate on `dim`.
     pub fn coordinate(&self, dim: Dim) -> usize {
         let at = self.dims.iter().position(|(n, _)| *n == dim).unwrap_or(0);
-        match self.size(dim) {
-            1 => 0,
-            _ => self.coordinates(self.position_of(self.rank))[at],
-        }
+        self.coordinates(self.position_of(self.rank))[at]
     }
 
     /// The groups spanning `dims` together (the ranks whose coordinates differ on those
@@ -194,9 +180,7 @@ impl Mesh {
     /// This rank's place in its pipeline (its stage), and the pipelines' rank lists, each in
     /// stage order.
     pub fn pipelines(&self) -> (usize, Vec<Vec<usize>>) {
-        let pipelines = self.groups(&[Dim::Pipeline]);
-        let stage = pipelines.iter().find_map(|g| g.iter().position(|&r| r == self.rank)).unwrap_or(0);
-        (stage, pipelines)
+        (self.coordinate(Dim::Pipeline), self.groups(&[Dim::Pipeline]))
     }
 }
 

@@ -105,8 +105,14 @@ impl<'a> RankLayout<'a> {
 
     /// The mesh `strategy` makes of this layout's ranks, seen from this rank.
     pub fn mesh(&self, strategy: &Strategy) -> Result<Mesh> {
-        Mesh::new(strategy, self.world_size(), self.comm.map_or(0, Comm::rank), self.local_world_size)
+        mesh_of(strategy, self.comm, self.local_world_size)
     }
+}
+
+/// The mesh `strategy` makes of `comm`'s ranks (one process without), seen from this rank;
+/// `local_world_size` ranks share a host.
+pub fn mesh_of(strategy: &Strategy, comm: Option<&Comm>, local_world_size: usize) -> Result<Mesh> {
+    Mesh::new(strategy, comm.map_or(1, Comm::size), comm.map_or(0, Comm::rank), local_world_size)
 }
 
 /// Builds the engine for `spec` as `strategy` says: sharded by zero1/zero2/fsdp, data

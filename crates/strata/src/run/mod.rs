@@ -511,7 +511,7 @@ pub fn train(
     if let Some(path) = config.outputs.strategy.as_ref().filter(|_| ranks.leader()) {
         strategy.save(path)?;
     }
-    let mesh = parallel::Mesh::new(&strategy, ranks.world(), ranks.rank(), ranks.local_world_size)?;
+    let mesh = parallel::mesh_of(&strategy, ranks.comm.as_ref(), ranks.local_world_size)?;
     let (data_rank, data_world) = mesh.batch_shard();
     let loader_config = LoaderConfig {
         accumulation: config.accumulation,

@@ -261,12 +261,7 @@ impl PipelineTrainer {
     pub fn new(setup: PipelineSetup<'_>) -> Result<PipelineTrainer> {
         let config = setup.strategy.pipeline_parallel().unwrap_or_default();
         let world = setup.comm.map_or(1, Comm::size);
-        let mesh = crate::parallel::Mesh::new(
-            setup.strategy,
-            world,
-            setup.comm.map_or(0, Comm::rank),
-            setup.local_world_size,
-        )?;
+        let mesh = crate::parallel::mesh_of(setup.strategy, setup.comm, setup.local_world_size)?;
         let p = mesh.size(Dim::Pipeline);
         let zero_bubble = config.schedule.splits_backward();
         let v = config.virtual_stages;
