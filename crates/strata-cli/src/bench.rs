@@ -273,7 +273,7 @@ impl Side for StrataSide {
     fn run(&mut self, steps: u64) -> Result<Block> {
         self.synchronize();
         // What the process's other sides hold on the device stays out of this side's peak.
-        let own = self.trainer.engine.ledger().report().get(&memory::Placement::Device).map_or(0, |r| r.current);
+        let own = self.trainer.engine().ledger().report().get(&memory::Placement::Device).map_or(0, |r| r.current);
         let others = memory::allocator_current(self.device).unwrap_or(0).saturating_sub(own);
         let start = Instant::now();
         self.steps(steps)?;
@@ -306,7 +306,7 @@ impl Side for StrataSide {
         }
         let sites = Arc::new(SyncSites::default());
         let phases = Arc::new(GpuPhases::new(index));
-        self.trainer.engine.set_event_sink(Arc::new(EventSinks(vec![sites.clone(), phases.clone()])));
+        self.trainer.engine_mut().set_event_sink(Arc::new(EventSinks(vec![sites.clone(), phases.clone()])));
         strata_ext::cuda::count_syncs(true)?;
         let before = strata_ext::cuda::syncs_counted();
         sites.start(before, "step start (before unit 0)");

@@ -13,11 +13,10 @@ use crate::engine::{
     memory, Category, EngineConfig, GradLayout, MemoryLedger, Phase, ScheduleContext, UnitSchedule, UnitStorage,
 };
 use crate::model::{Builder, ModelSpec};
-use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
-use crate::parallel::pipeline::{PipelineSetup, PipelineTrainer};
-use crate::parallel::{self, Mesh, RankLayout};
-use crate::strategy::{Dim, LoraConfig, Strategy};
-use crate::train::{Feed, StepReport, Trainer};
+use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
+use crate::parallel::{self, Mesh, RankLayout, TrainerSetup};
+use crate::strategy::{LoraConfig, Strategy};
+use crate::train::{Feed, Trainer};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -135,10 +134,7 @@ impl Bench<'_> {
         let mesh = self.placement.mesh(strategy)?;
         let (steps, replicas) = self.steps_for(&mesh)?;
         let device = self.engine.device;
-        let mut trainer = match mesh.size(Dim::Pipeline) {
-            1 => DryRun::Plain(Box::new(self.trainer(strategy, &steps[0])?)),
-            _ => DryRun::Pipeline(Box::new(self.pipeline_trainer(strategy, steps[0].micro_batches.len())?)),
-        };
+        let mut trainer = self.trainer(strategy, &steps[0], None)?;
         memory::reset_allocator_peak(device);
         // The median timed step: one slow step of a shared machine does not decide.
         let mut rates = Vec::new();
@@ -161,26 +157,19 @@ impl Bench<'_> {
         Ok((rates.get(rates.len() / 2).copied().unwrap_or(0.0), peak))
     }
 
-    /// A trainer over one engine built for `strategy`.
-    fn trainer(&self, strategy: &Strategy, first: &Step) -> Result<Trainer> {
-        // An offload plan keeps room for what a step holds beside model states, measured on
-        // the first step.
-        let placement = self.placement.with_room_measured(self.spec()?, &self.engine, strategy, first, &self.feed)?;
-        let mut engine = parallel::build_engine(self.spec()?, self.engine.clone(), strategy, &placement)?;
-        let optimizer = Optimizer::new(&mut engine, self.optimizer.clone(), self.rules)?;
-        let mut trainer = Trainer::new(engine, optimizer, self.schedule.clone(), self.grad_clip);
-        trainer.scaling = strategy.grad_scaling()?;
-        trainer.set_feed(&self.feed);
-        Ok(trainer)
-    }
-
-    /// This rank's pipeline trainer for `strategy`, its stages balanced by parameters.
-    fn pipeline_trainer(&self, strategy: &Strategy, micro_batches: usize) -> Result<PipelineTrainer> {
-        if !self.rules.is_empty() {
-            return Err(Error::Config("a pipeline's optimizer takes no parameter groups".into()));
-        }
+    /// This rank's trainer for `strategy`, built as a run builds it: an offload plan keeps
+    /// room for what a step holds beside model states, and a pipeline balances its stages
+    /// by the unit costs the strategy asks for, measured on `first`. A one-engine trainer
+    /// averages its losses over `report_over`.
+    pub fn trainer(
+        &self,
+        strategy: &Strategy,
+        first: &Step,
+        report_over: Option<Arc<dyn ProcessGroup>>,
+    ) -> Result<Trainer> {
         let spec = || self.spec();
-        let mut trainer = PipelineTrainer::new(PipelineSetup {
+        let first_step = || Ok(first);
+        parallel::build_trainer(&TrainerSetup {
             spec: &spec,
             engine: self.engine.clone(),
             strategy,
@@ -188,35 +177,14 @@ impl Bench<'_> {
             local_world_size: self.placement.local_world_size,
             data_parallel: self.placement.data_parallel,
             optimizer: self.optimizer.clone(),
+            rules: self.rules,
             schedule: self.schedule.clone(),
             grad_clip: self.grad_clip,
-            micro_batches,
-            split: None,
-        })?;
-        trainer.set_feed(&self.feed);
-        Ok(trainer)
-    }
-}
-
-/// What a dry run trains: one engine, or this rank's stages of a pipeline.
-enum DryRun {
-    Plain(Box<Trainer>),
-    Pipeline(Box<PipelineTrainer>),
-}
-
-impl DryRun {
-    fn train_step(&mut self, step: &Step) -> Result<StepReport> {
-        match self {
-            DryRun::Plain(t) => t.train_step(step),
-            DryRun::Pipeline(t) => t.train_step(step),
-        }
-    }
-
-    fn ledgers(&self) -> Vec<Arc<MemoryLedger>> {
-        match self {
-            DryRun::Plain(t) => vec![t.engine.ledger().clone()],
-            DryRun::Pipeline(t) => t.ledgers(),
-        }
+            micro_batches: first.micro_batches.len(),
+            feed: self.feed.clone(),
+            first_step: Some(&first_step),
+            report_over,
+        })
     }
 }
 

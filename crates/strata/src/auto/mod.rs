@@ -18,7 +18,7 @@ use crate::comm::{Comm, ProcessGroup};
 use crate::data::{DataLoader, Dataset, LoaderConfig, Order};
 use crate::engine::EngineConfig;
 use crate::model::Builder;
-use crate::optim::{GroupRule, LrSchedule, Optimizer, OptimizerConfig};
+use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
 use crate::parallel::{self, DataParallelOptions, Mesh, RankLayout, DEFAULT_BUCKET_BYTES};
 use crate::strategy::{BackwardPrefetch, Dim, LoraConfig, Method, ParallelMode, ShardMethod, Strategy, StrategySource};
 use crate::train::{token_input, Feed, InputFn, LossFn, Trainer};
@@ -177,8 +177,7 @@ pub struct Choice {
 
 /// Prepares `job` with a loaded or searched strategy.
 pub fn auto_accelerate(job: AutoAccelerate<'_>) -> AutoResult {
-    // One engine's trainer comes back: pipelines, which need one per stage, are not searched.
-    let chosen = choose(&job, false);
+    let chosen = choose_strategy(&job);
     let outcome = chosen.and_then(|choice| {
         let prepared = prepare(&job, &choice.strategy, choice.bucket_bytes)?;
         Ok((prepared, choice))
@@ -238,29 +237,20 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> RankLayout<'a
     }
 }
 
-/// Builds the engine, optimizer, trainer and loader for `strategy`. A pipeline runs one
-/// engine per stage through [`crate::run`], not one trainer: it is refused here.
+/// Builds the trainer (one engine, or this rank's pipeline stages, as a run builds them)
+/// and loader for `strategy`.
 pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usize) -> Result<Prepared> {
     let mesh = mesh_of(job, strategy)?;
-    if mesh.size(Dim::Pipeline) > 1 {
-        return Err(Error::Config(
-            "a pipeline strategy trains through strata::run (or strata train), which builds each stage's engine; \
-             auto_accelerate prepares one engine"
-                .into(),
-        ));
-    }
     let bench = bench(job, bucket_bytes, 0, strategy.lora())?;
-    let mut engine = parallel::build_engine(bench.spec()?, job.engine.clone(), strategy, &bench.placement)?;
-    let optimizer = Optimizer::new(&mut engine, job.optim.clone(), &job.optim_param_func)?;
-    let mut trainer = Trainer::new(engine, optimizer, job.lr_scheduler.clone(), job.grad_clip);
-    trainer.scaling = strategy.grad_scaling()?;
-    trainer.set_feed(&bench.feed);
-    let loader = DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?, job.dataloader_args.order.clone())?;
+    let loader = || DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?, job.dataloader_args.order.clone());
+    let first = loader()?.next().ok_or_else(|| Error::Data("the data holds no step to measure on".into()))??;
+    // The prepared trainer reports the job's loss, as a run's does.
+    let trainer = bench.trainer(strategy, &first, bench.world.clone())?;
     let args = PreparedArgs {
         use_optim_backward: false,
         requires_set_gradient_accumulation_boundary: job.dataloader_args.accumulation > 1,
     };
-    Ok(Prepared { trainer, loader, args, bucket_bytes })
+    Ok(Prepared { trainer, loader: loader()?, args, bucket_bytes })
 }
 
 /// What a dry run of `job` needs, with `steps` steps of real batches (training `lora`'s
@@ -318,13 +308,9 @@ fn bench<'a>(
 }
 
 /// The strategy for `job`: loaded (checked by a dry run unless told not to, tuned with
-/// `finetune_strategy`) or searched. Saved to `save_strategy_to_file` when asked.
+/// `finetune_strategy`) or searched, pipeline sizes among the candidates. Saved to
+/// `save_strategy_to_file` when asked.
 pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
-    choose(job, true)
-}
-
-/// [`choose_strategy`], searching pipeline sizes where `pipelines` says so.
-fn choose(job: &AutoAccelerate<'_>, pipelines: bool) -> Result<Choice> {
     // Count every allocation from here on: dry runs measure activation memory.
     strata_ext::cpu_memory::track()?;
     let o = &job.options;
@@ -361,7 +347,7 @@ fn choose(job: &AutoAccelerate<'_>, pipelines: bool) -> Result<Choice> {
                 }
             }
         }
-        None => search(job, steps, pipelines)?,
+        None => search(job, steps)?,
     };
     if let Some(path) = &o.save_strategy_to_file {
         choice.strategy.save(path)?;
@@ -371,7 +357,7 @@ fn choose(job: &AutoAccelerate<'_>, pipelines: bool) -> Result<Choice> {
 
 /// Searches with every parameter trained; where nothing fits and the options give
 /// adapters, searches again training those alone.
-fn search(job: &AutoAccelerate<'_>, steps: usize, pipelines: bool) -> Result<Choice> {
+fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     let o = &job.options;
     for name in o.included.iter().chain(&o.excluded) {
         if !crate::strategy::METHODS.contains(&name.as_str()) {
@@ -381,14 +367,14 @@ fn search(job: &AutoAccelerate<'_>, steps: usize, pipelines: bool) -> Result<Cho
             )));
         }
     }
-    let whole = match search_with(job, steps, None, pipelines)? {
+    let whole = match search_with(job, steps, None)? {
         Ok(choice) => return Ok(choice),
         Err(why) => why,
     };
     let Some(lora) = &o.lora else {
         return Err(Error::Config(format!("auto_accelerate found no strategy: {whole}")));
     };
-    match search_with(job, steps, Some(lora), pipelines)? {
+    match search_with(job, steps, Some(lora))? {
         Ok(mut choice) => {
             choice.strategy.methods.push(Method::Lora(lora.clone()));
             choice.report.mode = format!("{}, training LoRA adapters: full fine-tuning fits no candidate", choice.report.mode);
@@ -407,7 +393,6 @@ fn search_with(
     job: &AutoAccelerate<'_>,
     steps: usize,
     lora: Option<&LoraConfig>,
-    pipelines: bool,
 ) -> Result<std::result::Result<Choice, String>> {
     let o = &job.options;
     let b = bench(job, DEFAULT_BUCKET_BYTES, steps, lora)?;
@@ -422,8 +407,7 @@ fn search_with(
     })?;
     // Offload is worth trying only where a device budget can be short.
     let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
-    let pipelines = if pipelines { analysis.pipeline_sizes.clone() } else { vec![] };
-    let sizes = (&analysis.tensor_sizes[..], &pipelines[..]);
+    let sizes = (&analysis.tensor_sizes[..], &analysis.pipeline_sizes[..]);
     let cands = candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty(), sizes, offload);
     if cands.is_empty() {
         return Err(Error::Config("no candidate strategy uses every included method and none excluded".into()));

@@ -4,18 +4,21 @@
 //! coordinate.
 //!
 //! Owns: turning a validated [`Strategy`] and a communicator into an engine with the right
-//! schedule and process groups, pipeline parallelism ([`pipeline`]: schedules, stage split,
-//! executor), and the measurements of the device room a step needs beside model states
+//! schedule and process groups, and a rank's trainer over its engines ([`build_trainer`]);
+//! pipeline parallelism ([`pipeline`]: schedules, stage split, step executor), and the
+//! measurements of the device room a step needs beside model states
 //! ([`measure_non_model`], [`measure_shard_floor`]). Must not touch model definitions or
 //! optimizer policy.
 mod ddp;
 mod mesh;
 pub mod pipeline;
 pub mod tensor;
+mod trainer;
 pub mod zero;
 
 pub use ddp::{DataParallel, DataParallelOptions, DEFAULT_BUCKET_BYTES};
 pub use mesh::Mesh;
+pub use trainer::{build_trainer, TrainerSetup};
 
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp};
 use crate::compute::fp8::Fp8Unit;
@@ -178,7 +181,8 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     let stages = mesh.size(Dim::Pipeline);
     if stages > 1 && !at.stage {
         return Err(Error::Config(
-            "parallel_mode: a pipeline runs through parallel::pipeline::PipelineTrainer, one engine per stage".into(),
+            "parallel_mode: a pipeline trains one engine per stage: build its trainer with parallel::build_trainer"
+                .into(),
         ));
     }
     if let Some(offload) = strategy.offload_plan() {
@@ -391,8 +395,7 @@ pub fn measure_shard_floor(
     let (mut engine, trace) = traced_engine(spec, config, strategy, at, &on_host)?;
     let optimizer = crate::optim::Optimizer::new(&mut engine, crate::optim::OptimizerConfig::default(), &[])?;
     let mut trainer = crate::train::Trainer::new(engine, optimizer, crate::optim::LrSchedule::Constant, None);
-    trainer.prepare_input = feed.input.clone();
-    trainer.loss_func = feed.loss_of(&trainer.engine);
+    trainer.set_feed(feed);
     for _ in 0..2 {
         trainer.train_step(step)?;
     }

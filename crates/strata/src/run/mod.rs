@@ -1,11 +1,11 @@
 //! A whole training run, as `strata train` does it: launch-aware rank set-up, the strategy
-//! (given, searched by `auto_accelerate` or decided by PatrickStar), the engine or pipeline,
-//! initial weights, resume, the steps with validation, periodic and final checkpoints,
-//! metrics (JSON lines, TensorBoard), progress, profiles and saved weights — one loop for the
-//! plain and the pipelined engine.
+//! (given, searched by `auto_accelerate` or decided by PatrickStar), the rank's trainer
+//! ([`parallel::build_trainer`]: one engine, or a pipeline's stages), initial weights,
+//! resume, the steps with validation, periodic and final checkpoints, metrics (JSON lines,
+//! TensorBoard), progress, profiles and saved weights.
 //!
 //! Owns the order of a run and what it writes beside its steps. Must not own a step itself
-//! ([`crate::train`] and [`crate::parallel::pipeline`] do), parse command lines or read
+//! ([`crate::train`] does, with its step executors), parse command lines or read
 //! files named by users into data (the caller hands over [`TokenData`]).
 //!
 //! ```no_run
@@ -22,24 +22,22 @@
 //! # Ok(()) }
 //! ```
 mod observe;
-mod runner;
 pub mod tensorboard;
 
 use crate::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
 use crate::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
-use crate::comm::{init_from_env, launched_world_size, Comm, RankInfo};
-use crate::data::{validation_steps, DataLoader, Dataset, LoaderConfig, Order};
-use crate::engine::{EngineConfig, EventSink, EventSinks, UnitClock};
+use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankInfo};
+use crate::data::{validation_steps, DataLoader, Dataset, LoaderConfig, Order, Step};
+use crate::engine::{Engine, EngineConfig, EventSink, EventSinks, UnitClock};
 use crate::io::{AdapterOut, FolderOut, WeightsTarget};
 use crate::model::{Builder, ModelConfig, ModelDir, ModelSpec};
 use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
-use crate::parallel::{self, DataParallelOptions};
+use crate::parallel::{self, DataParallelOptions, TrainerSetup};
 use crate::patrickstar::PatrickStarConfig;
 use crate::profile::Profiler;
-use crate::strategy::{Dim, LoraConfig, Strategy};
-use crate::train::{token_input, Feed, InputFn, LossFn, StepReport};
+use crate::strategy::{LoraConfig, Strategy};
+use crate::train::{token_input, Feed, InputFn, LossFn, StepReport, Trainer};
 use crate::{Error, Result};
-use runner::Runner;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -228,7 +226,8 @@ pub struct RunConfig {
     pub checkpoints: Option<Checkpoints>,
     pub resume: Option<Resume>,
     pub outputs: Outputs,
-    /// Time each unit's forward and backward into the metrics (not under a pipeline).
+    /// Time each unit's forward and backward into the metrics (under a pipeline, each on
+    /// the rank of its stage).
     pub unit_times: bool,
     /// Capture the training step as a CUDA graph after [`CUDA_GRAPH_WARMUP`] eager steps
     /// and replay it ([`crate::train::Trainer::capture_cuda_graph`]).
@@ -522,32 +521,44 @@ pub fn train(
         pack: config.pack,
         ..LoaderConfig::new(config.ctx, config.batch_size)
     };
-    let setup = runner::Setup {
-        model,
-        data: &data.train,
-        config: &config,
+    // Every rank: checkpoints are written, losses agreed and callbacks' stops shared over it.
+    let world_group: Option<Arc<dyn ProcessGroup>> = ranks.comm.as_ref().map(|c| c.world()).transpose()?.map(Arc::from);
+    let spec = || model.spec(&config.freeze, strategy.lora());
+    // What is measured before training (offload's room, a pipeline's unit costs) is
+    // measured on the run's first step, loaded where it is needed.
+    let first = std::cell::OnceCell::new();
+    let first_step = || -> Result<&Step> {
+        if let Some(step) = first.get() {
+            return Ok(step);
+        }
+        let step = DataLoader::new(data.train.clone(), loader_config.clone(), config.order.clone())?
+            .next()
+            .ok_or_else(|| Error::Data("the data holds no step to measure on".into()))??;
+        Ok(first.get_or_init(|| step))
+    };
+    let mut trainer = parallel::build_trainer(&TrainerSetup {
+        spec: &spec,
         engine: engine_config.clone(),
         strategy: &strategy,
-        ranks: &ranks,
+        comm: ranks.comm.as_ref(),
+        local_world_size: ranks.local_world_size,
         data_parallel,
-        loader: &loader_config,
-    };
-    let pipelined = mesh.size(Dim::Pipeline) > 1;
-    if config.cuda_graph && pipelined {
-        return Err(Error::Config(
-            "cuda_graph: a pipeline schedules its stages' sends and receives from the host".into(),
-        ));
+        optimizer: config.optimizer.clone(),
+        rules: &[],
+        schedule: config.schedule.clone(),
+        grad_clip: config.grad_clip,
+        micro_batches: config.accumulation,
+        feed: config.feed(),
+        first_step: Some(&first_step),
+        report_over: world_group.clone(),
+    })?;
+    drop(first);
+    for part in trainer.parts_mut() {
+        load_initial_weights(&config.init, &mut part.engine)?;
     }
-    let mut runner = if pipelined {
-        if config.unit_times {
-            return Err(Error::Config(
-                "unit times (--unit-times) are measured by one engine's clock; under a pipeline each rank holds only its stages: profile the run instead (--profile)".into(),
-            ));
-        }
-        Runner::pipeline(&setup)?
-    } else {
-        Runner::plain(&setup, model.spec(&config.freeze, strategy.lora())?)?
-    };
+    if config.cuda_graph {
+        trainer.capture_cuda_graph(CUDA_GRAPH_WARMUP)?;
+    }
     info!(
         params,
         tokens = data.train.tokens(),
@@ -557,10 +568,7 @@ pub fn train(
         "training"
     );
     let clock = config.unit_times.then(|| Arc::new(UnitClock::default()));
-    let profiler = match &config.outputs.profile {
-        Some(_) => Some(runner.profiler(model, &config, &strategy, &engine_config, ranks.rank(), ranks.world())?),
-        None => None,
-    };
+    let profiler = config.outputs.profile.as_ref().map(|_| trainer.profiler(ranks.rank(), ranks.world()));
     if let (Some(c), Some(p)) = (&ranks.comm, &profiler) {
         c.observe(Some(p.clone()));
     }
@@ -570,17 +578,17 @@ pub fn train(
         .chain(profiler.iter().map(|p| p.clone() as Arc<dyn EventSink>))
         .collect();
     if !sinks.is_empty() {
-        runner.set_event_sink(Arc::new(EventSinks(sinks)));
+        trainer.set_event_sink(Arc::new(EventSinks(sinks)));
     }
     if let Some(c) = &clock {
         c.take(); // the first step's clock starts here
     }
     let optimizer_name = config.optimizer_name();
     if let Some(ckpt) = &resume {
-        runner.restore(ckpt, &optimizer_name)?;
+        trainer.restore(ckpt, &optimizer_name)?;
         info!(step = ckpt.meta.step, from = %ckpt.location.display(), saved_world_size = ckpt.meta.world_size, "resumed");
     }
-    let start = runner.step();
+    let start = trainer.step();
     if start > config.steps {
         return Err(Error::Checkpoint(format!(
             "the checkpoint is at step {start}, past the run's {} steps",
@@ -591,20 +599,19 @@ pub fn train(
     let val_steps =
         data.validation.as_ref().map(|v| validation_steps(v, &loader_config, config.eval_batches, 8)).transpose()?;
     let loader = DataLoader::new(data.train.clone(), loader_config, config.order.clone())?;
-    let world_group = ranks.comm.as_ref().map(|c| c.world()).transpose()?;
-    let save_checkpoint = |runner: &mut Runner| -> Result<()> {
+    let save_checkpoint = |trainer: &mut Trainer| -> Result<()> {
         let Some(c) = &config.checkpoints else { return Ok(()) };
         let run = RunInfo {
-            step: runner.step(),
+            step: trainer.step(),
             world_size: ranks.world(),
             strategy: strategy.to_value(),
             optimizer: optimizer_name.clone(),
-            data: config.data_position(runner.step()),
-            loss_scaler: runner.scaler(),
+            data: config.data_position(trainer.step()),
+            loss_scaler: trainer.scaling.scaler.clone(),
             model: model.config.clone(),
             saves_frozen: !base_in_init,
         };
-        let dir = runner.save_checkpoint(&c.dir, &run, world_group.as_deref(), c.keep).map_err(|e| {
+        let dir = trainer.save_checkpoint(&c.dir, &run, world_group.as_deref(), c.keep).map_err(|e| {
             Error::Checkpoint(format!("saving a checkpoint in {}: {e}{}", c.dir.display(), config.last_checkpoint()))
         })?;
         if ranks.leader() {
@@ -615,12 +622,15 @@ pub fn train(
     let mut observers = observe::Observers::open(&config, ranks.leader(), start)?;
     let mut last: Option<StepReport> = None;
     for step in loader.take((config.steps - start) as usize) {
-        let mut report = runner.train_step(&step?, world_group.as_deref(), data_world)?;
+        // The trainer reports the job's loss; every data rank's tokens count.
+        let mut report = trainer.train_step(&step?)?;
+        report.tokens *= data_world as u64;
+        report.tokens_per_s *= data_world as f64;
         if let Some(steps) = val_steps.as_ref().filter(|_| config.validation_due(report.step)) {
-            report.set_validation(runner.evaluate(steps, world_group.as_deref())?);
+            report.set_validation(trainer.evaluate(steps)?);
         }
         // After the loss's all-reduce, so the next step's units wait for nothing of this one.
-        report.unit_times = clock.as_ref().map(|c| c.take());
+        report.unit_times = clock.as_ref().map(|c| trainer.unit_times(c.take())).transpose()?;
         if !report.loss.is_finite() {
             return Err(Error::Engine(format!("loss became {} at step {}", report.loss, report.step)));
         }
@@ -634,7 +644,7 @@ pub fn train(
             stop = crate::comm::all_reduce_values(g, &[stop as u8 as f64], crate::comm::ReduceOp::Max)?[0] > 0.0;
         }
         if config.checkpoint_due(report.step) && !stop {
-            observers.suspend(|| save_checkpoint(&mut runner))?;
+            observers.suspend(|| save_checkpoint(&mut trainer))?;
         }
         last = Some(report);
         if stop {
@@ -643,7 +653,7 @@ pub fn train(
     }
     observers.finish()?;
     // What is saved below reads the model after the last step's update.
-    runner.settle()?;
+    trainer.settle_updates()?;
     if let (Some(dir), Some(profiler)) = (&config.outputs.profile, &profiler) {
         save_profile(profiler, dir, ranks.rank())?;
         if let Some(g) = world_group.as_deref() {
@@ -652,11 +662,11 @@ pub fn train(
         }
         observers.attach_profile(dir)?;
     }
-    save_checkpoint(&mut runner)?;
+    save_checkpoint(&mut trainer)?;
     let leader = ranks.leader();
     if let Some(path) = &config.outputs.weights {
         // Every rank takes part in gathering the units; rank 0 writes them.
-        runner.save_weights(WeightsTarget::File(path), leader).map_err(|e| {
+        trainer.save_weights(WeightsTarget::File(path), leader).map_err(|e| {
             Error::Checkpoint(format!("saving the weights to {}: {e}{}", path.display(), config.last_checkpoint()))
         })?;
         if leader {
@@ -673,7 +683,7 @@ pub fn train(
             }),
             fan_in_fan_out: matches!(model.config, Some(ModelConfig::Gpt(_))),
         };
-        runner
+        trainer
             .save_weights(WeightsTarget::Adapter(&out), leader)
             .map_err(|e| Error::Checkpoint(format!("saving the adapter folder {}: {e}", dir.display())))?;
         if leader {
@@ -681,7 +691,7 @@ pub fn train(
         }
     }
     if let Some(out) = &config.outputs.model_folder {
-        runner
+        trainer
             .save_weights(WeightsTarget::Folder(out), leader)
             .map_err(|e| Error::Checkpoint(format!("saving the model folder {}: {e}", out.dir.display())))?;
         if leader {
@@ -689,6 +699,19 @@ pub fn train(
         }
     }
     Ok(RunSummary { last, strategy, rank: ranks.rank(), world_size: ranks.world() })
+}
+
+/// Loads the run's initial weights into `engine` (one part of the model: each takes the
+/// parameters it holds), in order.
+fn load_initial_weights(init: &[InitialWeights], engine: &mut Engine) -> Result<()> {
+    for weights in init {
+        match weights {
+            InitialWeights::File(path) => crate::io::load_weights(engine, path)?,
+            InitialWeights::Folder(dir) => crate::io::load_model_dir(engine, dir)?,
+            InitialWeights::Adapter(dir) => crate::io::load_adapter(engine, dir)?,
+        }
+    }
+    Ok(())
 }
 
 /// Each rank's engine: device, seed and memory budgets.

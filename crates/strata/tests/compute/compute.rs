@@ -49,7 +49,7 @@ fn the_loss_scaler_skips_non_finite_steps_lowers_the_scale_and_recovers() {
     // Injection: while set, one weight's gradient is replaced by infinities.
     let poison = Arc::new(AtomicBool::new(false));
     let flag = poison.clone();
-    let weight = t.engine.param_by_name("transformer.h.0.mlp.c_fc.weight").unwrap().shallow_clone();
+    let weight = t.engine().param_by_name("transformer.h.0.mlp.c_fc.weight").unwrap().shallow_clone();
     let _hook =
         strata_ext::register_hook(&weight, move |g| flag.load(Ordering::Relaxed).then(|| g.full_like(f64::INFINITY)))
             .unwrap();
@@ -79,12 +79,12 @@ fn a_skipped_step_still_ends_the_fp8_step() {
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
     let mut t = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
     t.scaling = strategy.grad_scaling().unwrap();
-    let weight = t.engine.param_by_name("transformer.h.0.mlp.c_fc.weight").unwrap().shallow_clone();
+    let weight = t.engine().param_by_name("transformer.h.0.mlp.c_fc.weight").unwrap().shallow_clone();
     let _hook = strata_ext::register_hook(&weight, |g| Some(g.full_like(f64::INFINITY))).unwrap();
     assert!(t.train_step(&step(1)).unwrap().skipped);
     // The step's amaxes entered the histories (the overflowing gradients' left out) and
     // nothing is pending for the next step.
-    let states: Vec<_> = t.engine.fp8_states().into_iter().flatten().collect();
+    let states: Vec<_> = t.engine().fp8_states().into_iter().flatten().collect();
     assert!(!states.is_empty());
     for state in states {
         for l in &state.lock().unwrap().layers {
@@ -361,7 +361,7 @@ fn the_loss_runs_under_the_output_unit_s_replacements() {
         for s in &steps {
             trainer.train_step(s).unwrap();
         }
-        strata::train::evaluate(&mut trainer.engine, &steps).unwrap();
+        strata::train::evaluate(trainer.engine_mut(), &steps).unwrap();
         calls.push(CALLS.load(Ordering::SeqCst) - before);
     }
     assert_eq!(calls, vec![4, 0], "two training and two evaluation losses replaced, none without module_replace");

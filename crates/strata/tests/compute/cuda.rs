@@ -64,8 +64,8 @@ fn trainer_of(model: ModelConfig, device: Device, strategy: &str) -> Trainer {
 /// `to`'s parameters set to `from`'s (the devices' random generators differ).
 fn copy_weights(from: &Trainer, to: &Trainer) {
     tch::no_grad(|| {
-        for (name, value) in from.engine.named_params() {
-            to.engine.param_by_name(name).unwrap().shallow_clone().copy_(value);
+        for (name, value) in from.engine().named_params() {
+            to.engine().param_by_name(name).unwrap().shallow_clone().copy_(value);
         }
     });
 }
@@ -82,9 +82,9 @@ fn loss_gap(a: &[f64], b: &[f64]) -> f64 {
 /// ‖θa − θb‖ / ‖θb‖ over all parameters as one vector.
 fn weight_gap(a: &Trainer, b: &Trainer) -> f64 {
     let (mut diff, mut norm) = (0.0, 0.0);
-    for (name, x) in a.engine.named_params() {
+    for (name, x) in a.engine().named_params() {
         let x = x.to_device(Device::Cpu).to_kind(Kind::Double);
-        let y = b.engine.param_by_name(name).unwrap().to_device(Device::Cpu).to_kind(Kind::Double);
+        let y = b.engine().param_by_name(name).unwrap().to_device(Device::Cpu).to_kind(Kind::Double);
         diff += (&x - &y).square().sum(Kind::Double).double_value(&[]);
         norm += y.square().sum(Kind::Double).double_value(&[]);
     }
@@ -97,7 +97,7 @@ fn the_engine_on_a_gpu_matches_the_cpu_in_fp32() {
     for strategy in ["[]", r#"[["checkpoint", ["GptBlock"]]]"#] {
         let (mut cpu, mut cuda) = (trainer(Device::Cpu, strategy), trainer(gpu, strategy));
         copy_weights(&cpu, &cuda);
-        assert!(cuda.engine.named_params().all(|(_, p)| p.device() == gpu), "every parameter on the GPU");
+        assert!(cuda.engine().named_params().all(|(_, p)| p.device() == gpu), "every parameter on the GPU");
         // Clipping that engages: the GPU clips where the gradients are, the CPU on the host.
         (cpu.grad_clip, cuda.grad_clip) = (Some(0.05), Some(0.05));
         let (on_cpu, on_gpu) = (steps(4, Device::Cpu), steps(4, gpu));
@@ -182,7 +182,7 @@ fn a_step_replayed_from_a_cuda_graph_trains_as_the_eager_step() {
         let repeat = curve(&mut again, &order);
         let replayed = curve(&mut graphed, &order);
         assert_eq!(graphed.graph_replays(), 4, "{strategy}: steps 3, 4, 6 and 7 replay the graph");
-        assert_eq!(graphed.optimizer.steps_taken(), 7, "{strategy}: a replay's update is counted");
+        assert_eq!(graphed.optimizer().steps_taken(), 7, "{strategy}: a replay's update is counted");
         // Kernels that repeat exactly repeat under replay too; others stay within their own
         // run-to-run spread.
         let spread = loss_gap(&repeat.0, &losses).max(weight_gap(&again, &eager));
@@ -508,7 +508,7 @@ fn the_caching_allocator_holds_what_the_ledger_counts() {
     let before = cuda::memory_stats(index).unwrap().allocated as u64;
     let mut t = trainer(gpu, "[]");
     let states = memory::allocator_current(gpu).unwrap() - before;
-    let counted = t.engine.ledger().report().get(&strata::engine::Placement::Device).map_or(0, |r| r.current);
+    let counted = t.engine().ledger().report().get(&strata::engine::Placement::Device).map_or(0, |r| r.current);
     eprintln!("model states: allocator {states} bytes, ledger {counted} bytes");
     // Every byte the ledger counts is allocated; the allocator's rounding (512-byte blocks)
     // adds little.
@@ -516,7 +516,7 @@ fn the_caching_allocator_holds_what_the_ledger_counts() {
     // A step's peak: model states plus activations, all counted by the allocator.
     let report = t.train_step(&steps(1, gpu)[0]).unwrap();
     let peak = report.allocator_peak_bytes.unwrap();
-    assert!(peak > t.engine.ledger().model_state_peak(), "{peak}");
+    assert!(peak > t.engine().ledger().model_state_peak(), "{peak}");
 }
 
 /// Clipping on the GPU reads each gradient where it is: its norm allocates no copy of the
@@ -528,7 +528,7 @@ fn clipping_on_a_gpu_reduces_the_gradients_without_copying_them() {
     let mut t = trainer(gpu, "[]");
     // A step leaves its gradients in the flat buffers (the next backward overwrites them).
     losses(&mut t, &steps(1, gpu));
-    let grads: Vec<Tensor> = t.engine.named_params().map(|(_, p)| p.grad()).filter(Tensor::defined).collect();
+    let grads: Vec<Tensor> = t.engine().named_params().map(|(_, p)| p.grad()).filter(Tensor::defined).collect();
     let grad_bytes: u64 = grads.iter().map(memory::tensor_bytes).sum();
     let expected = grads
         .iter()
@@ -537,7 +537,7 @@ fn clipping_on_a_gpu_reduces_the_gradients_without_copying_them() {
         .sqrt();
     let before = memory::allocator_current(gpu).unwrap();
     memory::reset_allocator_peak(gpu);
-    let norm = t.optimizer.clip_grad_norm_on_device(1.0).unwrap().unwrap().double_value(&[]);
+    let norm = t.optimizer_mut().clip_grad_norm_on_device(1.0).unwrap().unwrap().double_value(&[]);
     let extra = memory::allocator_peak(gpu).unwrap() - before;
     eprintln!(
         "gradient norm {norm} (f64 on the host {expected}); {extra} bytes allocated beside {grad_bytes} of gradients"
@@ -603,7 +603,7 @@ fn offloads_host_buffers_are_page_locked_and_counted() {
         );
         let mut t = trainer(gpu, &strategy);
         losses(&mut t, &steps(2, gpu));
-        let report = t.engine.ledger().report();
+        let report = t.engine().ledger().report();
         let host = &report[&Where::Host];
         let buffers = host.by_category[&Category::Params] + host.by_category[&Category::Grads];
         assert_eq!(host.pinned, if pin { buffers } else { 0 }, "{strategy}: {host:?}");
@@ -621,20 +621,20 @@ fn an_embedding_kept_on_the_host_computes_there_beside_a_gpu() {
     // No device budget: the rest stays on the GPU.
     let host_embedding = r#"[["offload", {"host_units": ["embedding"]}]]"#;
     let (mut plain, mut offloaded) = (trainer_of(llama(), gpu, "[]"), trainer_of(llama(), gpu, host_embedding));
-    let storage = offloaded.engine.storage();
+    let storage = offloaded.engine().storage();
     assert_eq!(storage[0].flat.device(), Device::Cpu, "the embedding's parameters");
     assert_eq!(storage[0].grad.device(), Device::Cpu, "the embedding's gradient");
     assert!(storage[1..].iter().all(|s| s.flat.device() == gpu), "the other units compute on the GPU");
     let on_gpu = steps(4, gpu);
     // A copy: the parameter itself lives on the host, where `to_device` would alias it.
-    let embedding = |t: &Trainer| t.engine.param_by_name("model.embed_tokens.weight").unwrap().copy();
+    let embedding = |t: &Trainer| t.engine().param_by_name("model.embed_tokens.weight").unwrap().copy();
     let before = embedding(&offloaded);
     let (want, got) = (losses(&mut plain, &on_gpu), losses(&mut offloaded, &on_gpu));
     let (gap, weights) = (loss_gap(&got, &want), weight_gap(&offloaded, &plain));
     eprintln!("losses {got:?} against {want:?}: {gap:.2e}; weights differ by {weights:.2e}");
     assert!(gap < 1e-5 && weights < 1e-5, "{gap:e} {weights:e}");
     assert!(!embedding(&offloaded).equal(&before), "the embedding on the host was updated");
-    let transfers = offloaded.engine.ledger().transfers();
+    let transfers = offloaded.engine().ledger().transfers();
     assert_eq!((transfers.to_device, transfers.to_host), (0, 0), "no state moves between host and GPU");
 }
 

@@ -41,8 +41,8 @@ fn the_room_predicted_from_one_step_is_what_200_steps_hold_and_a_tight_budget_la
     let config = EngineConfig { device_budget: Some(budget), ..tight };
     let at = RankLayout { non_model: Some(predicted.clone()), ..RankLayout::single() };
     let mut trainer = trainer(&strategy, &config, &at).unwrap();
-    let trace = Arc::new(NonModelTrace::new(&trainer.engine));
-    trainer.engine.set_event_sink(trace.clone());
+    let trace = Arc::new(NonModelTrace::new(trainer.engine()));
+    trainer.engine_mut().set_event_sink(trace.clone());
     for i in 0..200 {
         trainer.train_step(&step(i % 20)).unwrap();
     }

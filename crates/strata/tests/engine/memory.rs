@@ -86,8 +86,8 @@ fn trained_on(model: fn() -> ModelSpec, strategy: &str) -> (Vec<Event>, u64, u64
             trainer.train_step(&step(rank)).unwrap();
         }
         let held: u64 =
-            trainer.optimizer.state().iter().map(|(_, _, _, t)| strata_ext::storage_nbytes(t).unwrap() as u64).sum();
-        let report = trainer.engine.ledger().report();
+            trainer.optimizer().state().iter().map(|(_, _, _, t)| strata_ext::storage_nbytes(t).unwrap() as u64).sum();
+        let report = trainer.engine().ledger().report();
         let ledger = report.values().filter_map(|r| r.by_category.get(&Category::OptimizerState)).sum();
         (log.take(), held, ledger)
     })
@@ -214,7 +214,7 @@ fn model_state_peak(strategy: &str) -> (u64, Vec<u64>) {
         for _ in 0..2 {
             trainer.train_step(&step(rank)).unwrap();
         }
-        (trainer.engine.ledger().model_state_peak(), lens)
+        (trainer.engine().ledger().model_state_peak(), lens)
     })
 }
 
@@ -266,7 +266,7 @@ fn sharded_whole_gradients_live_where_shm_reads_them_in_place() {
                 let losses: Vec<f64> = (0..3).map(|_| trainer.train_step(&step).unwrap().loss).collect();
                 // The first unit's gradient is the last reduced: in flight when backward ends.
                 // Twice, in the same memory: each unit gives its slot back for the next.
-                let engine = &mut trainer.engine;
+                let engine = trainer.engine_mut();
                 let mut lent = Vec::new();
                 for _ in 0..2 {
                     let out = engine.forward(&inputs).unwrap();
@@ -306,8 +306,8 @@ fn data_parallel_gradients_live_where_shm_reads_them_in_place() {
             let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
             let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
             trainer.train_step(&step(rank)).unwrap();
-            let grads = trainer.engine.grads().unwrap();
-            let grad_of_first = trainer.engine.named_params().next().unwrap().1.grad();
+            let grads = trainer.engine().grads().unwrap();
+            let grad_of_first = trainer.engine().named_params().next().unwrap().1.grad();
             (strata::comm::in_shared_memory(grads), strata::comm::in_shared_memory(&grad_of_first))
         });
         assert_eq!(placed, (shared, shared), "{backend}");

@@ -90,8 +90,8 @@ fn train(strategy: &str, at: &RankLayout<'_>, rank: Option<usize>) -> (Vec<f64>,
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig { lr: 1e-2, ..Default::default() }, &[]).unwrap();
     let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
     let losses = steps(rank).iter().map(|s| trainer.train_step(s).unwrap().loss).collect();
-    let units = trainer.engine.spec().units.len();
-    let weights = Tensor::cat(&(0..units).map(|k| trainer.engine.full_unit(k).unwrap()).collect::<Vec<_>>(), 0);
+    let units = trainer.engine().spec().units.len();
+    let weights = Tensor::cat(&(0..units).map(|k| trainer.engine_mut().full_unit(k).unwrap()).collect::<Vec<_>>(), 0);
     (losses, weights.to_kind(Kind::Float))
 }
 

@@ -283,7 +283,7 @@ fn training_tracks_transformers(py: &Path, dir: &Path, work: &Path) {
         assert!(relative <= 1e-5, "{}: step {i}: loss {ours}, transformers {theirs}", dir.display());
     }
     let (inputs, targets) = &batches[0];
-    let logits = trainer.engine.evaluate(&rows_tensor(inputs)).unwrap();
+    let logits = trainer.engine_mut().evaluate(&rows_tensor(inputs)).unwrap();
     let after = strata::model::layers::cross_entropy(&logits, &rows_tensor(targets)).unwrap().double_value(&[]);
     assert!(after < theirs[0] - 0.05, "training did not lower the first batch's loss: {} then {after}", theirs[0]);
 }

@@ -118,7 +118,7 @@ fn lora_matches_peft(family: &str, peft_config: Value) {
         assert!(relative <= 1e-5, "{family}: step {i}: loss {loss}, peft {theirs}");
     }
     assert!(peft_losses[9] < peft_losses[1] - 0.02, "{family}: training went nowhere: {peft_losses:?}");
-    let mut engine = trainer.engine;
+    let mut engine = trainer.into_parts().remove(0).engine;
 
     let out =
         AdapterOut { dir: ours.clone(), config: lora.clone(), base_model: None, fan_in_fan_out: family == "gpt2" };
@@ -232,7 +232,7 @@ fn a_lora_engine_holds_the_base_and_the_adapters_states_alone() {
         let batch = Batch::new(tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)).unwrap();
         trainer.train_step(&Step::new(step, vec![batch])).unwrap();
     }
-    let engine = &mut trainer.engine;
+    let engine = trainer.engine_mut();
     let factors: Vec<_> = engine.spec().adapters.values().flat_map(|a| [a.a, a.b]).collect();
     let mut moved = 0;
     for (k, unit_before) in before.iter().enumerate() {
@@ -332,7 +332,7 @@ fn rank_entry() {
         let batch = Batch::new(tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)).unwrap();
         losses.push(trainer.train_step(&Step::new(step, vec![batch])).unwrap().loss);
     }
-    let engine = &mut trainer.engine;
+    let engine = trainer.engine_mut();
     let factors: Vec<_> = engine.spec().adapters.values().flat_map(|a| [a.a, a.b]).collect();
     for (k, unit_before) in before.iter().enumerate() {
         let after = engine.full_unit(k).unwrap();
@@ -376,7 +376,8 @@ fn trained_lora_engine(seed: i64) -> (Engine, Optimizer) {
         let batch = Batch::new(tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)).unwrap();
         trainer.train_step(&Step::new(step, vec![batch])).unwrap();
     }
-    (trainer.engine, trainer.optimizer)
+    let part = trainer.into_parts().remove(0);
+    (part.engine, part.optimizer)
 }
 
 fn units(engine: &mut Engine) -> Vec<Tensor> {

@@ -83,7 +83,7 @@ fn an_embedding_kept_on_the_host_computes_there_and_its_states_never_move() {
     for strategy in [full, auto] {
         let mut trainer = trainer_within(llama, strategy, Some(budget));
         let log = Arc::new(EventLog::default());
-        trainer.engine.set_event_sink(log.clone());
+        trainer.engine_mut().set_event_sink(log.clone());
         for (i, want) in reference.iter().enumerate() {
             let r = trainer.train_step(&step(i)).unwrap();
             assert!((r.loss - want).abs() <= 1e-6, "{strategy} step {i}: {} against {want}", r.loss);
@@ -236,11 +236,11 @@ fn bytes_moved_per_step_are_those_the_plan_computed_and_the_ledger_counts_what_b
         let plan = Offload::plan_for(&spec(), &config, &options).unwrap();
         let mut trainer = trainer(&parsed, &config, &at).unwrap();
         let log = Arc::new(EventLog::default());
-        trainer.engine.set_event_sink(log.clone());
+        trainer.engine_mut().set_event_sink(log.clone());
         for i in 0..3 {
-            let before = trainer.engine.ledger().transfers();
+            let before = trainer.engine().ledger().transfers();
             trainer.train_step(&single(i)).unwrap();
-            let after = trainer.engine.ledger().transfers();
+            let after = trainer.engine().ledger().transfers();
             assert_eq!(after.to_host - before.to_host, plan.traffic.to_host, "{strategy} prefetch {prefetch} step {i}");
             assert_eq!(
                 after.to_device - before.to_device,
@@ -330,7 +330,7 @@ fn one_step_stale_losses(steps: usize, grad_clip: f64) -> (Vec<f64>, Trainer) {
     let plain = Strategy::default();
     let mut master = trainer(&plain, &config, &RankLayout::single()).unwrap();
     let mut stale_engine = build_engine(spec(), config, &plain, &RankLayout::single()).unwrap();
-    let flats = |t: &Trainer| -> Vec<Tensor> { t.engine.storage().iter().map(|s| s.flat.copy()).collect() };
+    let flats = |t: &Trainer| -> Vec<Tensor> { t.engine().storage().iter().map(|s| s.flat.copy()).collect() };
     let mut stale = flats(&master);
     let loss_of = strata::train::next_token_loss();
     let mut losses = vec![];
@@ -352,12 +352,12 @@ fn one_step_stale_losses(steps: usize, grad_clip: f64) -> (Vec<f64>, Trainer) {
         losses.push(total / s.micro_batches.len() as f64);
         let before = flats(&master);
         tch::no_grad(|| {
-            for (to, from) in master.engine.storage().iter().zip(stale_engine.storage()) {
+            for (to, from) in master.engine().storage().iter().zip(stale_engine.storage()) {
                 to.grad.shallow_clone().copy_(&from.grad);
             }
         });
-        master.optimizer.clip_grad_norm(grad_clip).unwrap();
-        master.optimizer.step().unwrap();
+        master.optimizer_mut().clip_grad_norm(grad_clip).unwrap();
+        master.optimizer_mut().step().unwrap();
         stale = before;
     }
     (losses, master)
@@ -404,7 +404,7 @@ fn a_profile_of_an_offloaded_run_records_every_copy_the_ledger_counts() {
         ..RankLayout::single()
     };
     let mut trainer = trainer(&strategy, &config, &at).unwrap();
-    let profiler = Profiler::start(&mut trainer.engine, 0, 1);
+    let profiler = Profiler::start(trainer.engine_mut(), 0, 1);
     for i in 0..3 {
         trainer.train_step(&step(i)).unwrap();
     }
@@ -423,7 +423,7 @@ fn a_profile_of_an_offloaded_run_records_every_copy_the_ledger_counts() {
             })
             .sum()
     };
-    let moved = trainer.engine.ledger().transfers();
+    let moved = trainer.engine().ledger().transfers();
     assert_eq!((copied(Where::Device), copied(Where::Host)), (moved.to_device, moved.to_host));
     assert!(profile.records.iter().any(|r| matches!(r, Record::Evict { .. })));
     // A gradient's copy to the host is made on the engine's thread, which waits for it: each

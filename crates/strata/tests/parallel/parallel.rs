@@ -53,11 +53,11 @@ fn a_parameter_without_gradient_is_named_unless_expected() {
     assert!(text.contains("spare.weight") && !text.contains("lookup.weight"), "{text}");
     assert!(text.contains("find_unused_parameters"), "{text}");
     let mut allowed = trainer(true);
-    let before = allowed.engine.param_by_name("lookup.weight").unwrap().copy();
+    let before = allowed.engine().param_by_name("lookup.weight").unwrap().copy();
     let losses: Vec<f64> = (0..3).map(|_| allowed.train_step(&step()).unwrap().loss).collect();
     // The used table trains (its loss falls); the spare parameter, with no gradient, keeps
     // its zeros.
     assert!(losses[2] < losses[0], "{losses:?}");
-    assert!(!allowed.engine.param_by_name("lookup.weight").unwrap().equal(&before));
-    assert_eq!(allowed.engine.param_by_name("spare.weight").unwrap().abs().sum(Kind::Double).double_value(&[]), 0.0);
+    assert!(!allowed.engine().param_by_name("lookup.weight").unwrap().equal(&before));
+    assert_eq!(allowed.engine().param_by_name("spare.weight").unwrap().abs().sum(Kind::Double).double_value(&[]), 0.0);
 }

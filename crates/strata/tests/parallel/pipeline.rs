@@ -8,39 +8,54 @@ use std::sync::Arc;
 use strata::data::{validation_steps, LoaderConfig, TokenData};
 use strata::engine::EngineConfig;
 use strata::engine::{Event, EventLog};
+use strata::model::ModelSpec;
 use strata::model::{GptConfig, LlamaConfig, ModelConfig};
 use strata::optim::{LrSchedule, OptimizerConfig};
 use strata::parallel::pipeline::schedule::{self, Pipeline, ScheduleKind};
-use strata::parallel::pipeline::{partition, PipelineSetup, PipelineTrainer};
-use strata::parallel::DataParallelOptions;
+use strata::parallel::pipeline::{partition, PipelineExecutor};
+use strata::parallel::{build_trainer, DataParallelOptions, TrainerSetup};
 use strata::strategy::Strategy;
+use strata::Result;
+
+/// A pipeline's setup, with nothing measured before training (stages balanced by the
+/// strategy or by parameters).
+fn setup<'a>(
+    spec: &'a dyn Fn() -> Result<ModelSpec>,
+    strategy: &'a Strategy,
+    comm: Option<&'a strata::comm::Comm>,
+    micro_batches: usize,
+) -> TrainerSetup<'a> {
+    TrainerSetup {
+        spec,
+        engine: EngineConfig::default(),
+        strategy,
+        comm,
+        local_world_size: comm.map_or(1, |c| c.size()),
+        data_parallel: DataParallelOptions::default(),
+        optimizer: OptimizerConfig::default(),
+        rules: &[],
+        schedule: LrSchedule::Constant,
+        grad_clip: None,
+        micro_batches,
+        feed: Default::default(),
+        first_step: None,
+        report_over: None,
+    }
+}
 
 #[test]
 fn measured_units_are_timed_and_weighed_by_their_buffers() {
     let model = ModelConfig::Gpt(GptConfig::new(300, 16, 3, 2, 32));
     let spec = || model.spec();
     let strategy = Strategy::default();
-    let setup = PipelineSetup {
-        spec: &spec,
-        engine: EngineConfig::default(),
-        strategy: &strategy,
-        comm: None,
-        local_world_size: 1,
-        data_parallel: DataParallelOptions::default(),
-        optimizer: OptimizerConfig::default(),
-        schedule: LrSchedule::Constant,
-        grad_clip: None,
-        micro_batches: 2,
-        split: None,
-    };
-    let trainer = PipelineTrainer::new(setup).unwrap();
+    let (executor, parts) = PipelineExecutor::build(&setup(&spec, &strategy, None, 2), None).unwrap();
     let data = TokenData::new((0..2000).map(|i| (i * 7 % 300) as u32).collect(), "tokens").into();
     let config = LoaderConfig { accumulation: 2, ..LoaderConfig::new(16, 4) };
     let step = validation_steps(&data, &config, Some(1), 1).unwrap().remove(0);
-    let held = trainer.most_held().unwrap();
+    let held = executor.most_held().unwrap();
     assert_eq!(held, [1], "one stage under 1F1B runs each micro-batch's backward before the next forward");
     strata_ext::cpu_memory::track().unwrap();
-    let costs = trainer.measure_units(&step).unwrap();
+    let costs = executor.measure_units(parts, &step, &Default::default()).unwrap();
     let whole = model.spec().unwrap();
     assert_eq!(costs.len(), whole.units.len());
     for (k, (cost, unit)) in costs.iter().zip(&whole.units).enumerate() {
@@ -95,25 +110,13 @@ fn rank_entry() {
         Strategy::parse(r#"[["parallel_mode", [[["pipeline", 2], ["data", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}], "fsdp"]"#)
             .unwrap();
     let micro_batches = 4;
-    let setup = PipelineSetup {
-        spec: &spec,
-        engine: EngineConfig::default(),
-        strategy: &strategy,
-        comm: Some(&comm),
-        local_world_size: 4,
-        data_parallel: DataParallelOptions::default(),
-        optimizer: OptimizerConfig::default(),
-        schedule: LrSchedule::Constant,
-        grad_clip: None,
-        micro_batches,
-        split: None,
-    };
-    let mut trainer = PipelineTrainer::new(setup).unwrap();
+    let mut trainer = build_trainer(&setup(&spec, &strategy, Some(&comm), micro_batches)).unwrap();
     let logs: Vec<Arc<EventLog>> = trainer
-        .engines()
-        .map(|e| {
+        .parts_mut()
+        .iter_mut()
+        .map(|part| {
             let log = Arc::new(EventLog::default());
-            e.set_event_sink(log.clone());
+            part.engine.set_event_sink(log.clone());
             log
         })
         .collect();

@@ -1,19 +1,21 @@
-//! Runs a rank's schedule: one engine per chunk (virtual stage) it holds, activations and
-//! gradients between neighbouring stages over one ordered group per direction, tied weights
-//! summed across the stages that hold them, then one update with the global gradient norm.
+//! Runs a rank's schedule as the [`StepExecutor`] of its [`Trainer`]: one model part per
+//! chunk (virtual stage) it holds, activations and gradients between neighbouring stages
+//! over one ordered group per direction, tied weights summed across the stages that hold
+//! them, the gradient norm and the loss over every stage.
 use super::partition::{self, UnitCost};
 use super::schedule::{schedule, Op, Pipeline, ScheduleKind};
+use crate::checkpoint::Layout;
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp, Work};
 use crate::compute::deferred::{self, WeightGrads};
-use crate::compute::scaler::GradDecision;
 use crate::data::Step;
-use crate::engine::{Engine, EngineConfig, Event, EventSink, UnitClock, Upstream};
+use crate::engine::{Engine, Event, EventSink, UnitClock, UnitTime, Upstream};
+use crate::io::WeightsTarget;
 use crate::model::{ModelSpec, ParamId};
-use crate::optim::{LrSchedule, Optimizer, OptimizerConfig};
-use crate::strategy::{Dim, ShardMethod, Strategy};
+use crate::optim::Optimizer;
+use crate::parallel::TrainerSetup;
+use crate::strategy::{Balance, Dim, ShardMethod};
 use crate::train::{
-    next_token_loss, next_token_loss_of, token_input, Feed, GradScaling, HostUpdating, InputFn, LossFn,
-    PipelineFigures, StepReport,
+    Feed, InputFn, LossFn, LossWeights, ModelPart, PipelineFigures, StepExecutor, StepInput, StepReport, Trainer,
 };
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -73,12 +75,10 @@ impl Link {
     }
 }
 
-/// One chunk this rank holds: its global stage, engine and optimizer, and the weight
-/// gradients its zero-bubble backward defers.
+/// What the executor keeps of each chunk (virtual stage) this rank holds, beside its
+/// model part: its global stage, and the weight gradients its zero-bubble backward defers.
 struct Chunk {
     stage: usize,
-    engine: Engine,
-    optimizer: Optimizer,
     weight_grads: Arc<WeightGrads>,
 }
 
@@ -98,8 +98,8 @@ struct WholeParam {
     unit_in_stage: usize,
 }
 
-/// A pipeline rank's trainer: [`crate::train::Trainer`]'s step for a stage.
-pub struct PipelineTrainer {
+/// A pipeline rank's step executor: its chunks' schedule, links, ties and groups.
+pub struct PipelineExecutor {
     chunks: Vec<Chunk>,
     kind: ScheduleKind,
     pipeline: Pipeline,
@@ -120,75 +120,26 @@ pub struct PipelineTrainer {
     ties: Vec<Tie>,
     /// Every parameter of the whole model in unit order: name, shape and the stage that owns it.
     params: Vec<WholeParam>,
-    /// The whole model's layout, as checkpoints describe it, and each stage's unit range.
-    layout: crate::checkpoint::Layout,
+    /// The whole model's description and layout, as checkpoints describe it, and each
+    /// stage's unit range.
+    whole: ModelSpec,
+    layout: Layout,
     ranges: Vec<(usize, usize)>,
     /// Every stage of this pipeline: losses and norms are summed over it.
     stages_group: Option<Arc<dyn ProcessGroup>>,
     /// Every rank, where several pipelines run (data replicas, tensor ranks): losses are
     /// averaged over it, measurements agreed.
     world_group: Option<Arc<dyn ProcessGroup>>,
-    pub schedule: LrSchedule,
-    pub grad_clip: Option<f64>,
-    /// The loss scale and the check of gradients before the update (`amp_native`,
-    /// `loss_scaler`), decided from the gradients of every stage together.
-    pub scaling: GradScaling,
-    pub prepare_input: InputFn,
-    pub loss_func: LossFn,
-    step: u64,
-    /// Told each operation as it ends, and (through each chunk's engine) its units' events.
+    /// What the last step's operations measured, for its report.
+    last_outcome: Option<OpsOutcome>,
+    /// Told each operation as it ends.
     events: Option<Arc<dyn EventSink>>,
-}
-
-/// Hands a chunk engine's events on with its units numbered as in the whole model.
-struct WholeModelUnits {
-    first_unit: usize,
-    sink: Arc<dyn EventSink>,
-}
-
-impl EventSink for WholeModelUnits {
-    fn record(&self, event: Event) {
-        let shift = |unit: usize| unit + self.first_unit;
-        self.sink.record(match event {
-            Event::Phase { phase, unit, ledger_bytes, storage_bytes } => {
-                Event::Phase { phase, unit: shift(unit), ledger_bytes, storage_bytes }
-            }
-            Event::GatherStarted { unit } => Event::GatherStarted { unit: shift(unit) },
-            Event::ParamsFreed { unit } => Event::ParamsFreed { unit: shift(unit) },
-            Event::Copied { unit, to, bytes } => Event::Copied { unit: shift(unit), to, bytes },
-            Event::Evicted { unit } => Event::Evicted { unit: shift(unit) },
-            Event::Recomputed { unit, began } => Event::Recomputed { unit: shift(unit), began },
-            Event::CopyWaited { unit, began } => Event::CopyWaited { unit: shift(unit), began },
-            other @ (Event::Update { .. } | Event::Operation { .. }) => other,
-        });
-    }
-}
-
-/// What [`PipelineTrainer::new`] builds from.
-pub struct PipelineSetup<'a> {
-    /// Makes the whole model's spec (called once per chunk this rank holds).
-    pub spec: &'a dyn Fn() -> Result<ModelSpec>,
-    pub engine: EngineConfig,
-    pub strategy: &'a Strategy,
-    pub comm: Option<&'a Comm>,
-    /// Ranks on this host, and data parallelism's buckets (for the stages' replicas).
-    pub local_world_size: usize,
-    pub data_parallel: crate::parallel::DataParallelOptions,
-    pub optimizer: OptimizerConfig,
-    pub schedule: LrSchedule,
-    pub grad_clip: Option<f64>,
-    /// Micro-batches per step.
-    pub micro_batches: usize,
-    /// The stages' unit ranges where the caller decided them (a balance of
-    /// [`PipelineTrainer::measure_units`]' costs by [`partition::balance`]); `None`: the
-    /// strategy's hand split, or a balance by parameter count.
-    pub split: Option<Vec<(usize, usize)>>,
 }
 
 /// What running a step's operations measured.
 struct OpsOutcome {
-    /// The last stage's micro-batch losses, each times its [`Step::loss_weight`].
-    weighted_loss: f64,
+    /// The last stage's micro-batch losses, detached (none on other stages).
+    losses: Vec<Tensor>,
     /// Seconds in compute operations, and the schedule's whole span.
     busy: f64,
     span: f64,
@@ -248,17 +199,48 @@ fn complete_from(units: &[usize]) -> Vec<usize> {
     out
 }
 
-impl PipelineTrainer {
-    /// Feeds the first stage and scores the last as `feed` says (a loss left out keeps the
-    /// next-token loss).
-    pub fn set_feed(&mut self, feed: &Feed) {
-        self.prepare_input = feed.input.clone();
-        if let Some(loss) = &feed.loss {
-            self.loss_func = loss.clone();
-        }
+/// This rank's pipeline trainer: its chunks' parts under the schedule's executor, the
+/// stages balanced by measured unit costs where the strategy asks for that and a first
+/// step is given (the units are timed on a first build, then the parts are built again).
+pub fn trainer(setup: &TrainerSetup<'_>) -> Result<Trainer> {
+    if !setup.rules.is_empty() {
+        return Err(Error::Config("a pipeline's optimizer takes no parameter groups".into()));
     }
+    let config = setup.strategy.pipeline_parallel().unwrap_or_default();
+    let mut built = PipelineExecutor::build(setup, None)?;
+    if let (None, Balance::Measured, Some(first_step)) = (&config.stages, config.balance, setup.first_step) {
+        let (executor, parts) = built;
+        let (before, stages, ranks) = (executor.ranges.clone(), executor.ranges.len(), executor.pipeline.stages);
+        let held = executor.most_held()?;
+        let costs = executor.measure_units(parts, first_step()?, &setup.feed)?;
+        let split = partition::balance(&costs, stages, ranks, setup.engine.device_budget, &held)?;
+        if setup.comm.is_none_or(|c| c.rank() == 0) {
+            let ms: Vec<String> = costs.iter().map(|c| format!("{:.1}", c.seconds * 1e3)).collect();
+            let kept: Vec<String> = costs.iter().map(|c| crate::profile::human_bytes(c.activation_bytes)).collect();
+            tracing::info!(
+                by_parameters = ?before,
+                measured = ?split,
+                unit_ms = ms.join(" "),
+                unit_activations = kept.join(", "),
+                "balanced the stages"
+            );
+        }
+        built = PipelineExecutor::build(setup, Some(split))?;
+    }
+    let (executor, parts) = built;
+    let mut trainer = Trainer::over_parts(parts, Box::new(executor), setup.schedule.clone(), setup.grad_clip)?;
+    trainer.scaling = setup.strategy.grad_scaling()?;
+    trainer.set_feed(&setup.feed);
+    Ok(trainer)
+}
 
-    pub fn new(setup: PipelineSetup<'_>) -> Result<PipelineTrainer> {
+impl PipelineExecutor {
+    /// The executor and this rank's parts for `setup`, its stages split as `split` says
+    /// (a balance of measured costs), or else as the strategy says or by parameter count.
+    pub fn build(
+        setup: &TrainerSetup<'_>,
+        split: Option<Vec<(usize, usize)>>,
+    ) -> Result<(PipelineExecutor, Vec<ModelPart>)> {
         let config = setup.strategy.pipeline_parallel().unwrap_or_default();
         let world = setup.comm.map_or(1, Comm::size);
         let mesh = crate::parallel::mesh_of(setup.strategy, setup.comm, setup.local_world_size)?;
@@ -287,7 +269,7 @@ impl PipelineTrainer {
         }
         let whole = (setup.spec)()?;
         let total = p * v;
-        let ranges = match &setup.split {
+        let ranges = match &split {
             Some(split) => partition::check(split, whole.units.len(), total)?,
             None => stage_ranges(&whole, total, p, config.stages.as_deref())?,
         };
@@ -328,7 +310,7 @@ impl PipelineTrainer {
             .map(|(id, _)| *id)
             .collect();
         let frees_whole_grads = matches!(setup.strategy.sharding(), Some((ShardMethod::Zero2 | ShardMethod::Fsdp, _)));
-        let mut chunks = Vec::with_capacity(v);
+        let (mut chunks, mut parts) = (Vec::with_capacity(v), Vec::with_capacity(v));
         for chunk in 0..v {
             let stage = pipeline.stage(rank, chunk);
             let (start, end) = ranges[stage];
@@ -343,23 +325,14 @@ impl PipelineTrainer {
                 true => strategy.with_ignored_units(&holding_ties),
                 false => strategy,
             };
-            let placement = crate::parallel::RankLayout {
-                comm: setup.comm,
-                local_world_size: setup.local_world_size,
-                // Deferred weight gradients arrive outside autograd, where the unused-parameter
-                // check's hooks would not see them.
-                data_parallel: crate::parallel::DataParallelOptions {
-                    find_unused_parameters: setup.data_parallel.find_unused_parameters || zero_bubble,
-                    ..setup.data_parallel
-                },
-                stage: true,
-                optimizer_bytes_per_element: setup.optimizer.state_bytes_per_element(),
-                non_model: None,
-                shard_floor: None,
-            };
+            let mut placement = setup.rank_layout(true);
+            // Deferred weight gradients arrive outside autograd, where the unused-parameter
+            // check's hooks would not see them.
+            placement.data_parallel.find_unused_parameters |= zero_bubble;
             let mut engine = crate::parallel::build_engine(spec, setup.engine.clone(), &strategy, &placement)?;
             let optimizer = Optimizer::new(&mut engine, setup.optimizer.clone(), &[])?;
-            chunks.push(Chunk { stage, engine, optimizer, weight_grads: WeightGrads::new() });
+            parts.push(ModelPart { engine, optimizer, first_unit: start });
+            chunks.push(Chunk { stage, weight_grads: WeightGrads::new() });
         }
         // Groups: every rank creates every one, in one order.
         let link = |comm: &Comm, from: usize, to: usize| -> Result<Option<Link>> {
@@ -415,12 +388,7 @@ impl PipelineTrainer {
             activations_out.push(if s + 1 < total { links.remove(&(s, false)) } else { None });
             grads_in.push(if s + 1 < total { links.remove(&(s, true)) } else { None });
         }
-        // The last stage's loss: vocabulary-parallel where its units are split.
-        let loss_func = match chunks.iter().find(|c| c.stage == total - 1) {
-            Some(c) => next_token_loss_of(&c.engine),
-            None => next_token_loss(),
-        };
-        Ok(PipelineTrainer {
+        let executor = PipelineExecutor {
             chunks,
             kind: config.schedule,
             defer_weight_grads: config.schedule.splits_backward(),
@@ -434,42 +402,19 @@ impl PipelineTrainer {
             grads_out,
             ties,
             params,
+            whole,
             layout,
             ranges,
             stages_group,
             world_group,
-            schedule: setup.schedule,
-            grad_clip: setup.grad_clip,
-            scaling: setup.strategy.grad_scaling()?,
-            prepare_input: token_input(),
-            loss_func,
-            step: 0,
+            last_outcome: None,
             events: None,
-        })
-    }
-
-    /// The engines of the chunks this rank holds, in chunk order.
-    pub fn engines(&mut self) -> impl Iterator<Item = &mut Engine> {
-        self.chunks.iter_mut().map(|c| &mut c.engine)
+        };
+        Ok((executor, parts))
     }
 
     fn last_stage(&self) -> usize {
         self.pipeline.total_stages() - 1
-    }
-
-    /// Reports every operation and every unit's events to `sink`, units numbered as in the
-    /// whole model.
-    pub fn set_event_sink(&mut self, sink: Arc<dyn EventSink>) {
-        for c in &mut self.chunks {
-            let first_unit = self.ranges[c.stage].0;
-            c.engine.set_event_sink(Arc::new(WholeModelUnits { first_unit, sink: sink.clone() }));
-        }
-        self.events = Some(sink);
-    }
-
-    /// The memory ledgers of this rank's chunks.
-    pub fn ledgers(&self) -> Vec<Arc<crate::engine::MemoryLedger>> {
-        self.chunks.iter().map(|c| c.engine.ledger().clone()).collect()
     }
 
     /// The stages' unit ranges `[start, end)`, in stage order.
@@ -477,31 +422,11 @@ impl PipelineTrainer {
         &self.ranges
     }
 
-    /// The pipeline's shape: ranks, micro-batches, chunks per rank.
-    pub fn pipeline(&self) -> Pipeline {
-        self.pipeline
-    }
-
-    /// One optimizer step over `step`'s micro-batches, as the schedule orders them.
-    pub fn train_step(&mut self, step: &Step) -> Result<StepReport> {
+    /// Runs this rank's operations on `input`'s micro-batches over `parts`: forwards and
+    /// backwards, their sends and receives; gradients accumulate, nothing is updated.
+    fn run_ops(&mut self, parts: &mut [ModelPart], input: &StepInput<'_>) -> Result<OpsOutcome> {
         let start = Instant::now();
-        let factor = self.schedule.factor(self.step);
-        for c in &mut self.chunks {
-            c.optimizer.set_lr_factor(factor)?;
-        }
-        crate::engine::memory::reset_allocator_peak(self.chunks[0].engine.config().device);
-        let outcome = self.run_ops(step)?;
-        for c in &mut self.chunks {
-            c.engine.finish_grads()?;
-        }
-        self.update(step, outcome, start)
-    }
-
-    /// Runs this rank's operations on `step`'s micro-batches: forwards and backwards, their
-    /// sends and receives; gradients accumulate, nothing is updated.
-    fn run_ops(&mut self, step: &Step) -> Result<OpsOutcome> {
-        let start = Instant::now();
-        let m = step.micro_batches.len();
+        let m = input.batches.len();
         if m != self.pipeline.micro_batches {
             return Err(Error::Config(format!(
                 "pipeline: a step of {m} micro-batches, the schedule runs {}",
@@ -509,7 +434,7 @@ impl PipelineTrainer {
             )));
         }
         let ops = self.ops.clone();
-        let device = self.chunks[0].engine.config().device;
+        let device = parts[0].engine.config().device;
         let last = self.last_stage();
         let mut received: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
@@ -517,8 +442,7 @@ impl PipelineTrainer {
         let mut sending: Vec<Work> = Vec::new();
         let mut sent: Vec<SentOutput> = Vec::new();
         let mut outputs_freed = 0;
-        let mut weighted_loss = 0.0;
-        let scale = self.scaling.scale();
+        let mut losses: Vec<Option<Tensor>> = (0..m).map(|_| None).collect();
         // Busy seconds in compute operations, and forward records held (now and at most).
         let (mut busy, mut held, mut most_held) = (0.0, 0u64, 0u64);
         // Seconds and counts of forwards, backwards and weight gradients.
@@ -542,7 +466,7 @@ impl PipelineTrainer {
                 for work in &s.works {
                     work.wait()?;
                 }
-                outputs_freed += self.chunks[s.chunk].engine.free_output_values(s.micro)? as u64;
+                outputs_freed += parts[s.chunk].engine.free_output_values(s.micro)? as u64;
             }
             let began = Instant::now();
             let compute_kind = match op {
@@ -558,25 +482,22 @@ impl PipelineTrainer {
                     received.insert((micro, chunk), link.recv(device)?.f_set_requires_grad(true)?);
                 }
                 Op::Forward { micro, chunk } => {
-                    let batch = &step.micro_batches[micro];
+                    let batch = &input.batches[micro];
                     let stage = self.chunks[chunk].stage;
-                    let input = match stage {
-                        0 => (self.prepare_input)(batch)?,
+                    let values = match stage {
+                        0 => (input.input)(batch)?,
                         _ => received.remove(&(micro, chunk)).ok_or_else(|| missing("activation", micro, chunk))?,
                     };
-                    let out = self.in_chunk(chunk, micro, |engine| {
+                    let out = self.in_chunk(&mut parts[chunk], chunk, micro, |engine| {
                         engine.set_layout(batch.layout.as_ref());
-                        engine.forward_micro(micro, &input)
+                        engine.forward_micro(micro, &values)
                     })?;
                     let kept = if stage == last {
                         // Weighted by the micro-batch's share of the global batch's
                         // supervised tokens, as one process weighs it, times the loss scale.
-                        let loss = self.chunks[chunk].engine.compute_loss(|| (self.loss_func)(&out, batch))?;
-                        let weight = step.loss_weight(micro);
-                        if weight > 0.0 {
-                            weighted_loss += loss.f_double_value(&[])? * weight;
-                        }
-                        loss.f_mul_scalar(scale * weight)?
+                        let loss = parts[chunk].engine.compute_loss(|| (input.loss)(&out, batch))?;
+                        losses[micro] = Some(loss.f_detach()?);
+                        input.weights.weigh(micro, &loss, input.scale)?
                     } else {
                         out
                     };
@@ -598,12 +519,13 @@ impl PipelineTrainer {
                     let kept = outputs.remove(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
                     // Under the zero-bubble schedule the weight gradients complete later.
                     let completes = !self.kind.splits_backward() && self.last_backward.contains(&(micro, chunk));
-                    self.chunks[chunk].engine.set_grad_sync(completes);
+                    parts[chunk].engine.set_grad_sync(completes);
+                    let part = &mut parts[chunk];
                     let grad = if self.chunks[chunk].stage == last {
-                        self.in_chunk(chunk, micro, |engine| engine.backward_micro(micro, Upstream::Loss(&kept)))?
+                        self.in_chunk(part, chunk, micro, |engine| engine.backward_micro(micro, Upstream::Loss(&kept)))?
                     } else {
                         let g = received.remove(&(micro, chunk)).ok_or_else(|| missing("gradient", micro, chunk))?;
-                        self.in_chunk(chunk, micro, |engine| engine.backward_micro(micro, Upstream::Grad(&g)))?
+                        self.in_chunk(part, chunk, micro, |engine| engine.backward_micro(micro, Upstream::Grad(&g)))?
                     };
                     if let Some(g) = grad {
                         input_grads.insert((micro, chunk), g);
@@ -621,7 +543,7 @@ impl PipelineTrainer {
                 Op::BackwardWeight { micro, chunk } => {
                     // The chunk's gradients complete here: each unit's reduction starts as
                     // soon as no weight gradient left adds to it, beside those still to come.
-                    let Chunk { engine, weight_grads, .. } = &mut self.chunks[chunk];
+                    let (engine, weight_grads) = (&mut parts[chunk].engine, &self.chunks[chunk].weight_grads);
                     let weights = weight_grads.weights(micro)?;
                     let units = weights.iter().map(|w| engine.unit_holding(w)).collect::<Result<Vec<_>>>()?;
                     let complete = complete_from(&units);
@@ -662,7 +584,7 @@ impl PipelineTrainer {
         }
         let mean_op_seconds = std::array::from_fn(|k| op_seconds[k] / f64::from(op_counts[k].max(1)));
         Ok(OpsOutcome {
-            weighted_loss,
+            losses: losses.into_iter().flatten().collect(),
             busy,
             span: start.elapsed().as_secs_f64(),
             mean_op_seconds,
@@ -674,14 +596,18 @@ impl PipelineTrainer {
     /// Each unit's forward and backward seconds over `step`'s micro-batches, timed after a
     /// warm-up pass (the same on every rank: the slowest replica's) and the bytes of its model states as one rank of
     /// its tensor group holds them unsharded. The step's gradients are discarded and nothing
-    /// is updated; the trainer is used up, as its engines now report to a clock.
-    pub fn measure_units(mut self, step: &Step) -> Result<Vec<UnitCost>> {
-        let device = self.chunks[0].engine.config().device;
-        let clocks: Vec<Arc<UnitClock>> =
-            self.chunks.iter().map(|_| Arc::new(UnitClock::measuring_memory(device))).collect();
-        for (c, clock) in self.chunks.iter_mut().zip(&clocks) {
-            c.engine.set_event_sink(clock.clone());
+    /// is updated; the executor and its `parts` are used up, as their engines now report to
+    /// a clock. `feed` feeds and scores the model as the run will.
+    pub fn measure_units(mut self, mut parts: Vec<ModelPart>, step: &Step, feed: &Feed) -> Result<Vec<UnitCost>> {
+        let device = parts[0].engine.config().device;
+        let clocks: Vec<Arc<UnitClock>> = parts.iter().map(|_| Arc::new(UnitClock::measuring_memory(device))).collect();
+        for (part, clock) in parts.iter_mut().zip(&clocks) {
+            part.engine.set_event_sink(clock.clone());
         }
+        let loss = match self.scoring_part() {
+            Some(k) => feed.loss_of(&parts[k].engine),
+            None => crate::train::next_token_loss(),
+        };
         // A unit's clock times its forward and backward: deferred weight gradients would run
         // outside both, so the measuring passes compute them in the backward.
         self.defer_weight_grads = false;
@@ -691,26 +617,36 @@ impl PipelineTrainer {
             for clock in &clocks {
                 clock.take();
             }
-            self.run_ops(step)?;
-            for c in &mut self.chunks {
-                c.engine.finish_grads()?;
-                c.engine.end_step()?;
-                c.engine.zero_grad()?;
+            let input = StepInput {
+                batches: &step.micro_batches,
+                weights: LossWeights::Host(step),
+                scale: 1.0,
+                input: &feed.input,
+                loss: &loss,
+                number: 0,
+                grad_ready: None,
+            };
+            self.run_ops(&mut parts, &input)?;
+            for part in &mut parts {
+                part.engine.finish_grads()?;
+                part.engine.end_step()?;
+                part.engine.zero_grad()?;
             }
         }
         let units = self.layout.unit_numel.len();
         let mut seconds = vec![0.0; units];
         let mut bytes = vec![0.0; units];
         let mut activations = vec![0.0; units];
-        for (c, clock) in self.chunks.iter_mut().zip(&clocks) {
-            let first = self.ranges[c.stage].0;
+        for (part, clock) in parts.iter().zip(&clocks) {
+            let first = part.first_unit;
             for t in clock.take() {
                 seconds[first + t.unit] += t.forward_s + t.backward_s;
                 activations[first + t.unit] = t.kept_bytes.unwrap_or(0) as f64;
             }
             // Parameters and gradients, and each optimizer state, in the master dtype.
-            let per_element = c.engine.master_kind().elt_size_in_bytes() * (2 + c.optimizer.state_names().len());
-            for (k, s) in c.engine.storage().iter().enumerate() {
+            let (engine, optimizer) = (&part.engine, &part.optimizer);
+            let per_element = engine.master_kind().elt_size_in_bytes() * (2 + optimizer.state_names().len());
+            for (k, s) in engine.storage().iter().enumerate() {
                 bytes[first + k] = (s.numel as usize * per_element) as f64;
             }
         }
@@ -734,134 +670,19 @@ impl PipelineTrainer {
         super::schedule::most_held(self.kind, self.pipeline)
     }
 
-    /// The optimizer step after a step's operations: ties, clipping, update, report.
-    fn update(&mut self, step: &Step, outcome: OpsOutcome, start: Instant) -> Result<StepReport> {
-        let OpsOutcome { weighted_loss, busy, span: schedule_seconds, mean_op_seconds, most_held, outputs_freed } =
-            outcome;
-        let device = self.chunks[0].engine.config().device;
-        self.sum_ties()?;
-        let scale = self.scaling.scale();
-        let (chunks, stages_group) = (&self.chunks, &self.stages_group);
-        // The norm spans every stage: each rank's chunks, summed over the pipeline.
-        let sq_norm = || -> Result<f64> {
-            let mut local = 0.0;
-            for c in chunks {
-                local += c.engine.grad_sq_sum(&c.optimizer.grad_sq_per_unit()?)?;
-            }
-            Ok(match stages_group {
-                Some(g) => all_reduce_values(g.as_ref(), &[local], ReduceOp::Sum)?[0],
-                None => local,
-            })
-        };
-        let decision = self.scaling.decide(self.grad_clip, scale, sq_norm)?;
-        for c in &mut self.chunks {
-            decision.apply(&mut c.engine, &mut c.optimizer, HostUpdating::Done(&Default::default()))?;
-        }
-        let GradDecision { grad_norm, skipped, .. } = decision;
-        let ledger = self.chunks[0].engine.ledger().clone();
-        let activations =
-            crate::engine::memory::allocator_peak(device).unwrap_or(0).saturating_sub(ledger.model_state_peak());
-        // The last stage computed the losses: every stage reports them, and its figures.
-        let p = self.pipeline.stages;
-        let mut mine = vec![0.0; 1 + 8 * p];
-        mine[0] = weighted_loss;
-        mine[1 + self.rank] = busy;
-        mine[1 + p + self.rank] = most_held as f64;
-        mine[1 + 2 * p + self.rank] = activations as f64;
-        mine[1 + 3 * p + self.rank] = outputs_freed as f64;
-        mine[1 + 4 * p + self.rank] = schedule_seconds;
-        mine[1 + 5 * p + 3 * self.rank..][..3].copy_from_slice(&mean_op_seconds);
-        let all = self.sum(&mine)?;
-        // Each pipeline's loss, averaged over the data replicas.
-        let loss = match &self.world_group {
-            Some(g) => all_reduce_values(g.as_ref(), &[all[0]], ReduceOp::Avg)?[0],
-            None => all[0],
-        };
-        let figures = PipelineFigures {
-            // The ranks begin a step together: they leave the last step's reductions at once.
-            bubble: super::schedule::idle_shares(&all[1..1 + p], &all[1 + 4 * p..1 + 5 * p]),
-            micro_batches_held: all[1 + p..1 + 2 * p].iter().map(|&x| x as u64).collect(),
-            activation_peak_bytes: all[1 + 2 * p..1 + 3 * p].iter().map(|&x| x as u64).collect(),
-            outputs_freed: all[1 + 3 * p..1 + 4 * p].iter().map(|&x| x as u64).collect(),
-            mean_op_seconds: all[1 + 5 * p..].chunks(3).map(|c| [c[0], c[1], c[2]]).collect(),
-        };
-        self.step += 1;
-        let seconds = start.elapsed().as_secs_f64();
-        let tokens: u64 = step.micro_batches.iter().map(|b| b.targets.numel() as u64).sum();
-        Ok(StepReport {
-            step: self.step,
-            loss,
-            supervised_tokens: step.global_supervised,
-            lr: self.chunks[0].optimizer.lr(),
-            grad_norm,
-            tokens,
-            seconds,
-            tokens_per_s: tokens as f64 / seconds.max(1e-12),
-            peak_bytes: ledger.peak_total(),
-            loss_scale: self.scaling.scaler.as_ref().map(|_| scale),
-            skipped,
-            allocator_peak_bytes: crate::engine::memory::allocator_peak(device),
-            model_state_peak_bytes: ledger.model_state_peak(),
-            memory: ledger.report(),
-            rss_peak_bytes: crate::engine::memory::process_peak_rss(),
-            comm_wait_s: 0.0,
-            transfers: Default::default(),
-            unit_times: None,
-            pipeline: Some(figures),
-            val_loss: None,
-            val_perplexity: None,
-        })
-    }
-
-    /// The loss per learned token over `steps`, forward only (validation), the same on
-    /// every rank: each micro-batch passes the stages in order, this rank's chunks in stage
-    /// order, and the last stage's losses are shared and averaged over the data replicas.
-    pub fn evaluate(&mut self, steps: &[Step]) -> Result<f64> {
-        if steps.iter().all(|s| s.micro_batches.is_empty()) {
-            return crate::train::token_mean(steps, &[]);
-        }
-        let device = self.chunks[0].engine.config().device;
-        let last = self.last_stage();
-        let mut losses = vec![];
-        let mut sending: Vec<Work> = Vec::new();
-        for batch in steps.iter().flat_map(|s| &s.micro_batches) {
-            for chunk in 0..self.chunks.len() {
-                let input = match &self.activations_in[chunk] {
-                    Some(link) => link.recv(device)?,
-                    None => (self.prepare_input)(batch)?,
-                };
-                self.chunks[chunk].engine.set_layout(batch.layout.as_ref());
-                let out = self.chunks[chunk].engine.evaluate(&input)?;
-                match &self.activations_out[chunk] {
-                    Some(link) => sending.extend(link.send(&out)?),
-                    None if self.chunks[chunk].stage == last => {
-                        let engine = &self.chunks[chunk].engine;
-                        losses.push(engine.compute_loss(|| (self.loss_func)(&out, batch))?.f_double_value(&[])?)
-                    }
-                    None => {}
-                }
-            }
-        }
-        for w in sending {
-            w.wait()?;
-        }
-        // Only the last stage holds losses: the others add nothing to the sum.
-        let mine = if losses.is_empty() { 0.0 } else { crate::train::token_mean(steps, &losses)? };
-        let loss = self.sum(&[mine])?[0];
-        match &self.world_group {
-            Some(g) => Ok(all_reduce_values(g.as_ref(), &[loss], ReduceOp::Avg)?[0]),
-            None => Ok(loss),
-        }
-    }
-
     /// Runs `f` on chunk `chunk`'s engine; under the zero-bubble schedule with micro-batch
     /// `micro`'s linear weight gradients deferred to its [`Op::BackwardWeight`].
-    fn in_chunk<R>(&mut self, chunk: usize, micro: usize, f: impl FnOnce(&mut Engine) -> Result<R>) -> Result<R> {
-        let c = &mut self.chunks[chunk];
+    fn in_chunk<R>(
+        &self,
+        part: &mut ModelPart,
+        chunk: usize,
+        micro: usize,
+        f: impl FnOnce(&mut Engine) -> Result<R>,
+    ) -> Result<R> {
         if self.defer_weight_grads {
-            deferred::deferring(&c.weight_grads, micro, || f(&mut c.engine))
+            deferred::deferring(&self.chunks[chunk].weight_grads, micro, || f(&mut part.engine))
         } else {
-            f(&mut c.engine)
+            f(&mut part.engine)
         }
     }
 
@@ -873,13 +694,21 @@ impl PipelineTrainer {
         }
     }
 
+    /// The loss of every pipeline, averaged over the data replicas.
+    fn averaged(&self, loss: f64) -> Result<f64> {
+        match &self.world_group {
+            Some(g) => Ok(all_reduce_values(g.as_ref(), &[loss], ReduceOp::Avg)?[0]),
+            None => Ok(loss),
+        }
+    }
+
     /// Tied weights: every stage holding one adds the others' gradients to its own, so all
     /// copies take the same step.
-    fn sum_ties(&mut self) -> Result<()> {
+    fn sum_ties(&self, parts: &[ModelPart]) -> Result<()> {
         for tie in &self.ties {
             let Some(group) = &tie.group else { continue };
-            for c in &self.chunks {
-                let p = c.engine.param(tie.param);
+            for part in parts {
+                let p = part.engine.param(tie.param);
                 if p.defined() && p.grad().defined() {
                     group.all_reduce(&p.grad(), ReduceOp::Sum)?.wait()?;
                 }
@@ -887,69 +716,134 @@ impl PipelineTrainer {
         }
         Ok(())
     }
+}
 
-    /// Steps completed so far.
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// This rank's chunks as checkpoint parts: each engine, optimizer and first unit.
-    fn parts(&mut self) -> Vec<crate::checkpoint::Part<'_>> {
-        let ranges = &self.ranges;
-        self.chunks
-            .iter_mut()
-            .map(|c| crate::checkpoint::Part {
-                engine: &mut c.engine,
-                optimizer: &mut c.optimizer,
-                first_unit: ranges[c.stage].0,
-            })
-            .collect()
-    }
-
-    /// Saves a checkpoint of the whole model (every rank calls this; `world` is the group of
-    /// all ranks): each stage writes its units, so any pipeline size can load it.
-    pub fn save_checkpoint(
-        &mut self,
-        root: &std::path::Path,
-        run: &crate::checkpoint::RunInfo,
-        world: Option<&dyn ProcessGroup>,
-        keep: usize,
-    ) -> Result<std::path::PathBuf> {
-        let layout = self.layout.clone();
-        crate::checkpoint::save_parts(root, &layout, &mut self.parts(), run, world, keep)
-    }
-
-    /// Loads `checkpoint` (saved at any pipeline, tensor or data size) into this rank's stages.
-    pub fn restore(&mut self, checkpoint: &crate::checkpoint::Checkpoint, optimizer_name: &str) -> Result<()> {
-        let layout = self.layout.clone();
-        checkpoint.restore_parts(&layout, &mut self.parts(), optimizer_name)?;
-        self.step = checkpoint.meta.step;
-        if let (Some(saved), Some(scaler)) = (&checkpoint.meta.loss_scaler, &mut self.scaling.scaler) {
-            scaler.resume_from(saved)?;
+impl StepExecutor for PipelineExecutor {
+    fn forward_backward(&mut self, parts: &mut [ModelPart], input: StepInput<'_>) -> Result<Vec<Tensor>> {
+        let mut outcome = self.run_ops(parts, &input)?;
+        for part in parts.iter_mut() {
+            part.engine.finish_grads()?;
         }
+        self.sum_ties(parts)?;
+        let losses = std::mem::take(&mut outcome.losses);
+        self.last_outcome = Some(outcome);
+        Ok(losses)
+    }
+
+    /// The norm spans every stage: each rank's chunks, summed over the pipeline.
+    fn grad_sq_sum(&self, parts: &[ModelPart]) -> Result<f64> {
+        let mut local = 0.0;
+        for part in parts {
+            local += part.engine.grad_sq_sum(&part.optimizer.grad_sq_per_unit()?)?;
+        }
+        Ok(self.sum(&[local])?[0])
+    }
+
+    fn grad_norm_is_local(&self, _: &[ModelPart]) -> bool {
+        false
+    }
+
+    fn updates_in_backward(&self) -> bool {
+        false
+    }
+
+    /// The last stage computed the losses: every stage reports them, averaged over the data
+    /// replicas, and every rank's figures.
+    fn complete_report(&mut self, parts: &[ModelPart], local_loss: Option<f64>, report: &mut StepReport) -> Result<()> {
+        let OpsOutcome { busy, span, mean_op_seconds, most_held, outputs_freed, .. } =
+            self.last_outcome.take().ok_or_else(|| Error::Engine("pipeline: a report of no step".into()))?;
+        let device = parts[0].engine.config().device;
+        let activations = crate::engine::memory::allocator_peak(device)
+            .unwrap_or(0)
+            .saturating_sub(parts[0].engine.ledger().model_state_peak());
+        let p = self.pipeline.stages;
+        let mut mine = vec![0.0; 1 + 8 * p];
+        mine[0] = local_loss.unwrap_or(0.0);
+        mine[1 + self.rank] = busy;
+        mine[1 + p + self.rank] = most_held as f64;
+        mine[1 + 2 * p + self.rank] = activations as f64;
+        mine[1 + 3 * p + self.rank] = outputs_freed as f64;
+        mine[1 + 4 * p + self.rank] = span;
+        mine[1 + 5 * p + 3 * self.rank..][..3].copy_from_slice(&mean_op_seconds);
+        let all = self.sum(&mine)?;
+        report.loss = self.averaged(all[0])?;
+        report.pipeline = Some(PipelineFigures {
+            // The ranks begin a step together: they leave the last step's reductions at once.
+            bubble: super::schedule::idle_shares(&all[1..1 + p], &all[1 + 4 * p..1 + 5 * p]),
+            micro_batches_held: all[1 + p..1 + 2 * p].iter().map(|&x| x as u64).collect(),
+            activation_peak_bytes: all[1 + 2 * p..1 + 3 * p].iter().map(|&x| x as u64).collect(),
+            outputs_freed: all[1 + 3 * p..1 + 4 * p].iter().map(|&x| x as u64).collect(),
+            mean_op_seconds: all[1 + 5 * p..].chunks(3).map(|c| [c[0], c[1], c[2]]).collect(),
+        });
         Ok(())
     }
 
-    /// Saves the whole model's parameters (fp32) under their names, unit by unit: the ranks
-    /// of the stage that owns a unit gather it whole (from tensor pieces and shards), and its
-    /// first rank in each pipeline hands it on. Every rank calls this; only `write` ones write.
-    pub fn save_weights(&mut self, target: crate::io::WeightsTarget<'_>, write: bool) -> Result<()> {
+    /// The same on every rank: each micro-batch passes the stages in order, this rank's
+    /// chunks in stage order, and the last stage's losses are shared and averaged over the
+    /// data replicas.
+    fn evaluate(&mut self, parts: &mut [ModelPart], steps: &[Step], input: &InputFn, loss: &LossFn) -> Result<f64> {
+        if steps.iter().all(|s| s.micro_batches.is_empty()) {
+            return crate::train::token_mean(steps, &[]);
+        }
+        let device = parts[0].engine.config().device;
+        let last = self.last_stage();
+        let mut losses = vec![];
+        let mut sending: Vec<Work> = Vec::new();
+        for batch in steps.iter().flat_map(|s| &s.micro_batches) {
+            for (chunk, part) in parts.iter_mut().enumerate() {
+                let values = match &self.activations_in[chunk] {
+                    Some(link) => link.recv(device)?,
+                    None => input(batch)?,
+                };
+                part.engine.set_layout(batch.layout.as_ref());
+                let out = part.engine.evaluate(&values)?;
+                match &self.activations_out[chunk] {
+                    Some(link) => sending.extend(link.send(&out)?),
+                    None if self.chunks[chunk].stage == last => {
+                        losses.push(part.engine.compute_loss(|| loss(&out, batch))?.f_double_value(&[])?)
+                    }
+                    None => {}
+                }
+            }
+        }
+        for w in sending {
+            w.wait()?;
+        }
+        // Only the last stage holds losses: the others add nothing to the sum.
+        let mine = if losses.is_empty() { 0.0 } else { crate::train::token_mean(steps, &losses)? };
+        let loss = self.sum(&[mine])?[0];
+        self.averaged(loss)
+    }
+
+    fn model_spec<'a>(&'a self, _: &'a [ModelPart]) -> &'a ModelSpec {
+        &self.whole
+    }
+
+    fn layout(&self, _: &[ModelPart]) -> Layout {
+        self.layout.clone()
+    }
+
+    /// Unit by unit: the ranks of the stage that owns a unit gather it whole (from tensor
+    /// pieces and shards), and its first rank in each pipeline hands it on.
+    fn save_weights(&mut self, parts: &mut [ModelPart], target: WeightsTarget<'_>, write: bool) -> Result<()> {
         // Every stage's spec declares the whole model's adapters.
-        let adapters = self.chunks.first().map(|c| c.engine.spec().adapters.clone()).unwrap_or_default();
+        let adapters = parts[0].engine.spec().adapters.clone();
         // The unit gathered last: (stage, unit in stage) and its whole flat values.
         let mut current: Option<((usize, usize), Tensor)> = None;
+        let chunks = &self.chunks;
         let mut fetch = |i: usize| -> Result<Tensor> {
             let WholeParam { id, shape, stage, unit_in_stage, .. } = &self.params[i];
             let key = (*stage, *unit_in_stage);
-            let chunk = self.chunks.iter_mut().find(|c| c.stage == *stage);
-            let t = match chunk {
-                Some(c) => {
+            let held = chunks.iter().position(|c| c.stage == *stage);
+            let t = match held {
+                Some(k) => {
+                    let engine = &mut parts[k].engine;
                     if current.as_ref().map(|(k, _)| *k) != Some(key) {
-                        current = Some((key, c.engine.full_unit(*unit_in_stage)?));
+                        current = Some((key, engine.full_unit(*unit_in_stage)?));
                     }
                     let (_, flat) = current.as_ref().expect("set above");
                     let numel = shape.iter().product::<i64>();
-                    flat.f_narrow(0, c.engine.full_offset(*id), numel)?
+                    flat.f_narrow(0, engine.full_offset(*id), numel)?
                         .f_reshape(shape.as_slice())?
                         .f_to_kind(Kind::Float)?
                         .f_contiguous()?
@@ -970,6 +864,47 @@ impl PipelineTrainer {
         let layout: Vec<(ParamId, String, Kind, Vec<i64>)> =
             self.params.iter().map(|p| (p.id, p.name.clone(), Kind::Float, p.shape.clone())).collect();
         crate::io::write_model_weights(target, &adapters, &layout, fetch)
+    }
+
+    fn capture_obstacle(&self) -> Option<String> {
+        Some("a pipeline schedules its stages' sends and receives from the host".into())
+    }
+
+    fn scoring_part(&self) -> Option<usize> {
+        let last = self.last_stage();
+        self.chunks.iter().position(|c| c.stage == last)
+    }
+
+    /// Each unit is timed on the rank of its stage: summed over the pipeline, every unit's.
+    fn unit_times(&self, mine: Vec<UnitTime>) -> Result<Vec<UnitTime>> {
+        let units = self.layout.unit_numel.len();
+        let mut values = vec![0.0; 5 * units];
+        for t in mine.iter().filter(|t| t.unit < units) {
+            let k = 5 * t.unit;
+            values[k..k + 5].copy_from_slice(&[
+                t.forward_s,
+                t.backward_s,
+                t.comm_wait_s,
+                t.kept_bytes.unwrap_or(0) as f64,
+                t.kept_bytes.is_some() as u8 as f64,
+            ]);
+        }
+        let all = self.sum(&values)?;
+        Ok(all
+            .chunks(5)
+            .enumerate()
+            .map(|(unit, v)| UnitTime {
+                unit,
+                forward_s: v[0],
+                backward_s: v[1],
+                comm_wait_s: v[2],
+                kept_bytes: (v[4] > 0.0).then_some(v[3] as u64),
+            })
+            .collect())
+    }
+
+    fn set_event_sink(&mut self, sink: Arc<dyn EventSink>) {
+        self.events = Some(sink);
     }
 }
 

@@ -9,4 +9,4 @@ pub mod executor;
 pub mod partition;
 pub mod schedule;
 
-pub use executor::{stage_ranges, PipelineSetup, PipelineTrainer};
+pub use executor::{stage_ranges, trainer, PipelineExecutor};
