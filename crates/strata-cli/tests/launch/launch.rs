@@ -132,23 +132,50 @@ fn ranks_share_the_cores_unless_told_otherwise() {
 }
 
 /// `--unit-times` writes each unit's forward and backward seconds and the communication
-/// waited for around them; the units' waits are part of the step's.
+/// waited for around them; the units' waits are part of the step's. Under a pipeline every
+/// unit is timed on the rank of its stage, and the metrics hold them all.
 #[test]
 fn unit_times_cover_every_unit_within_the_step() {
+    let pipeline = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}]]"#;
+    for strategy in [r#"["fsdp"]"#, pipeline] {
+        let step_units = unit_times_of(strategy);
+        assert_eq!(step_units.len(), 3, "{strategy}: one line per step");
+        if strategy != pipeline {
+            continue;
+        }
+        // The stages run side by side: each stage's units fit in the step, not their sum.
+        for (step, units) in step_units {
+            let computed: Vec<f64> =
+                units.iter().map(|u| u["forward_s"].as_f64().unwrap() + u["backward_s"].as_f64().unwrap()).collect();
+            let seconds = step["seconds"].as_f64().unwrap();
+            assert!(computed.iter().all(|&c| c <= seconds), "{computed:?} in {seconds} s");
+        }
+    }
+}
+
+/// Each step's metrics line and its unit times, from a 2-rank run of `strategy` with
+/// `--unit-times`, after checking that every unit of the 4 was timed (and, outside a
+/// pipeline, within the step's time and waits).
+fn unit_times_of(strategy: &str) -> Vec<(serde_json::Value, Vec<serde_json::Value>)> {
     let dir = tempfile::tempdir().unwrap();
     let metrics = dir.path().join("m.jsonl");
     let args = ["train", "--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32"];
-    let rest = ["--steps", "3", "--batch-size", "4", "--threads", "1", "--nproc", "2", "--strategy", r#"["fsdp"]"#];
+    let rest = ["--steps", "3", "--batch-size", "4", "--threads", "1", "--nproc", "2", "--strategy", strategy];
     let out = strata(&[&args[..], &rest, &["--unit-times", "true", "--metrics", metrics.to_str().unwrap()]].concat());
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{strategy}: {}", String::from_utf8_lossy(&out.stderr));
     let text = std::fs::read_to_string(&metrics).unwrap();
+    let mut steps = vec![];
     for line in text.lines() {
         let step: serde_json::Value = serde_json::from_str(line).unwrap();
-        let units = step["unit_times"].as_array().unwrap();
+        let units = step["unit_times"].as_array().unwrap().clone();
         // Embedding, two blocks, head.
         assert_eq!(units.iter().map(|u| u["unit"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3]);
-        for u in units {
+        for u in &units {
             assert!(u["forward_s"].as_f64().unwrap() > 0.0 && u["backward_s"].as_f64().unwrap() > 0.0, "{u}");
+        }
+        if step.get("pipeline").is_some() {
+            steps.push((step, units));
+            continue;
         }
         let waited: f64 = units.iter().map(|u| u["comm_wait_s"].as_f64().unwrap()).sum();
         assert!(waited <= step["comm_wait_s"].as_f64().unwrap() + 1e-6, "{step}");
@@ -156,7 +183,9 @@ fn unit_times_cover_every_unit_within_the_step() {
         let computed: f64 =
             units.iter().map(|u| u["forward_s"].as_f64().unwrap() + u["backward_s"].as_f64().unwrap()).sum();
         assert!(computed <= step["seconds"].as_f64().unwrap(), "{step}");
+        steps.push((step, units));
     }
+    steps
 }
 
 /// Ranks started by `--nproc` that all fail alike (an input none can read, a freeze that

@@ -134,6 +134,12 @@ fn bad_pipelines_are_refused_in_one_line() {
         (vec![], hand("[[0, 4], [5, 9]]"), "skips unit 4"),
         (vec![], hand("[[0, 5], [4, 9]]"), "repeats unit 4"),
         (vec!["--accumulation", "3"], pipeline(2, "interleaved", 2), "groups of the 2 stages"),
+        // Refused by the trainer, whatever the device, before any step.
+        (
+            vec!["--cuda-graph", "true"],
+            pipeline(2, "1f1b", 1),
+            "cuda_graph: a pipeline schedules its stages' sends and receives from the host",
+        ),
     ];
     for (extra, strategy, expected) in cases {
         let args =
