@@ -273,7 +273,7 @@ pub fn save_parts(
         true => frozen_heads(parts),
         false => Ok(vec![]),
     };
-    let written = match (heads, parts[0].engine.checkpoint_writer()) {
+    let written = match (heads, parts[0].engine.held_states().checkpoint_writer()) {
         (Ok(heads), true) => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), layout, parts, &heads),
         (Ok(_), false) => Ok(()),
         (Err(e), _) => Err(e),
@@ -385,7 +385,7 @@ fn frozen_heads(parts: &mut [Part<'_>]) -> Result<Vec<Vec<Option<Tensor>>>> {
     let mut heads = Vec::with_capacity(parts.len());
     for part in parts.iter_mut() {
         let engine = &mut *part.engine;
-        let writes = engine.writes_frozen_heads();
+        let writes = engine.held_states().writes_frozen_heads();
         let mut of_part = Vec::new();
         for k in 0..engine.spec().units.len() {
             let head = engine.storage()[k].grad_start;

@@ -136,7 +136,8 @@ fn ranks_share_the_cores_unless_told_otherwise() {
 /// unit is timed on the rank of its stage, and the metrics hold them all.
 #[test]
 fn unit_times_cover_every_unit_within_the_step() {
-    let pipeline = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}]]"#;
+    let pipeline =
+        r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}]]"#;
     for strategy in [r#"["fsdp"]"#, pipeline] {
         let step_units = unit_times_of(strategy);
         assert_eq!(step_units.len(), 3, "{strategy}: one line per step");

@@ -10,7 +10,8 @@ use super::search::{agree_outcome, Measure, Outcome};
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp};
 use crate::data::Step;
 use crate::engine::{
-    memory, Category, EngineConfig, GradLayout, MemoryLedger, Phase, ScheduleContext, UnitSchedule, UnitStorage,
+    memory, Category, EngineConfig, GradLayout, HeldStates, MemoryLedger, Phase, ScheduleContext, UnitSchedule,
+    UnitStorage,
 };
 use crate::model::{Builder, ModelSpec};
 use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
@@ -296,6 +297,9 @@ impl UnitSchedule for Probe {
         Ok(())
     }
 }
+
+/// Keeps nothing beside the engine's buffers.
+impl HeldStates for Probe {}
 
 /// One fp32 forward and backward on a micro-batch, unit by unit: parameters per unit,
 /// what each unit keeps for backward, the time, the repeated unit kinds.

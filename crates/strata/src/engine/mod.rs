@@ -23,7 +23,7 @@ use crate::model::{DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, Row
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
 pub use memory::{Category, MemoryLedger, Placement};
-pub use schedule::{GradReady, OptimizerView, Phase, Resident, ScheduleContext, UnitSchedule};
+pub use schedule::{GradReady, HeldStates, OptimizerView, Phase, Resident, ScheduleContext, UnitSchedule};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
@@ -259,7 +259,7 @@ impl Engine {
     /// each unit is initialised, before the next is allocated: a sharded strategy keeps its
     /// shard and frees the rest there, so the whole model never exists at once. `initial`
     /// holds the initial values in at least fp32 precision, laid out as `storage.flat`.
-    pub fn new_with(spec: ModelSpec, config: EngineConfig, on_unit: &mut UnitInitHook<'_>) -> Result<Engine> {
+    pub(crate) fn new_with(spec: ModelSpec, config: EngineConfig, on_unit: &mut UnitInitHook<'_>) -> Result<Engine> {
         let ledger = Arc::new(MemoryLedger::new());
         if let Some(budget) = config.device_budget {
             ledger.set_budget(Placement::Device, budget);
@@ -445,14 +445,14 @@ impl Engine {
 
     /// All gradients in one buffer (with [`GradLayout::Contiguous`]); unit `k`'s `grad` is
     /// the slice after units `0..k`'s.
-    pub fn grads(&self) -> Option<&Tensor> {
+    pub(crate) fn grads(&self) -> Option<&Tensor> {
         self.grads.as_ref()
     }
 
     /// Moves the contiguous gradient buffer into `buffer` (same length, dtype and device;
     /// memory a backend's collectives read in place, say): its values are copied, and every
     /// unit's gradient slice and every parameter's `.grad` become views of the new buffer.
-    pub fn place_grads(&mut self, buffer: Tensor) -> Result<()> {
+    pub(crate) fn place_grads(&mut self, buffer: Tensor) -> Result<()> {
         let Some(old) = &self.grads else {
             return Err(Error::Engine("only the contiguous gradient layout has one buffer to move".into()));
         };
@@ -484,18 +484,13 @@ impl Engine {
         Ok(())
     }
 
-    /// Position of parameter `id` in its unit's flat layout (this rank's pieces).
-    pub fn offset(&self, id: ParamId) -> i64 {
-        self.offsets[id.0]
-    }
-
     /// Position of parameter `id` in its unit's whole layout ([`Engine::full_unit`]'s).
     pub fn full_offset(&self, id: ParamId) -> i64 {
         self.full_offsets[id.0]
     }
 
     /// The tensor group the units are split over, if they are.
-    pub fn tensor_parallel(&self) -> Option<&Arc<dyn TensorParallel>> {
+    pub(crate) fn tensor_parallel(&self) -> Option<&Arc<dyn TensorParallel>> {
         self.config.tensor.as_ref().filter(|t| t.size() > 1)
     }
 
@@ -548,7 +543,7 @@ impl Engine {
     }
 
     /// After the optimizer's update: the schedule publishes it (e.g. gathers updated shards).
-    pub fn after_update(&mut self) -> Result<()> {
+    pub(crate) fn after_update(&mut self) -> Result<()> {
         let (schedule, ctx) = self.schedule_for(0);
         schedule.after_update(ctx)
     }
@@ -556,7 +551,7 @@ impl Engine {
     /// Why a training step of this engine cannot be captured as a CUDA graph, if it cannot:
     /// a step captured runs no host code when replayed, so nothing in it may wait for the
     /// device or decide on the host from what the device computed.
-    pub fn capture_obstacle(&self) -> Option<String> {
+    pub(crate) fn capture_obstacle(&self) -> Option<String> {
         if !self.config.device.is_cuda() || !strata_ext::cuda::is_built() {
             return Some(format!(
                 "it needs a CUDA device and a build with the `cuda` feature; this engine runs on {:?}",
@@ -582,15 +577,9 @@ impl Engine {
         self.schedule.capture_obstacle()
     }
 
-    /// Whether the host's updates of a step run during the next one
-    /// ([`UnitSchedule::delays_host_updates`]).
-    pub fn delays_host_updates(&self) -> bool {
-        self.schedule.delays_host_updates()
-    }
-
     /// Ends a step, whether it updated or was skipped: fp8 scaling takes in the step's
     /// statistics, so none leak into the next step.
-    pub fn end_step(&mut self) -> Result<()> {
+    pub(crate) fn end_step(&mut self) -> Result<()> {
         // Each unit has an fp8 state of its own; they end the step together.
         let mut states = Vec::new();
         for state in self.compute.iter().filter_map(|p| p.fp8.as_ref()) {
@@ -606,12 +595,12 @@ impl Engine {
 
     /// Whether the global gradient norm is this rank's own (nothing sharded or split over
     /// other ranks).
-    pub fn grad_norm_is_local(&self) -> bool {
+    pub(crate) fn grad_norm_is_local(&self) -> bool {
         self.tensor_parallel().is_none() && self.schedule.grad_norm_is_local()
     }
 
     /// The global sum of squared gradients from this rank's per-unit sums (unit, sum).
-    pub fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
+    pub(crate) fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
         let sum = self.schedule.grad_sq_sum(per_unit)?;
         // Each tensor rank holds its pieces (and a 1/tp share of what they all hold whole).
         match self.tensor_parallel() {
@@ -621,23 +610,19 @@ impl Engine {
     }
 
     /// dtype of the values the optimizer updates and checkpoints hold.
-    pub fn master_kind(&self) -> Kind {
+    pub(crate) fn master_kind(&self) -> Kind {
         self.schedule.master_kind().unwrap_or(self.config.kind)
     }
 
-    /// Whether this rank writes its part of the model states into checkpoints.
-    pub fn checkpoint_writer(&self) -> bool {
-        self.schedule.checkpoint_writer()
-    }
-
-    /// Whether this rank writes the units' frozen heads into checkpoints.
-    pub fn writes_frozen_heads(&self) -> bool {
-        self.schedule.writes_frozen_heads()
+    /// What the schedule keeps of the model states (shards, masters, host copies), to be
+    /// asked of them directly.
+    pub fn held_states(&self) -> &dyn HeldStates {
+        self.schedule.as_ref()
     }
 
     /// Per unit, the range (start, length) of its flat layout whose master values and
     /// optimizer state this rank keeps (all of it without sharding; padding excluded).
-    pub fn shard_ranges(&mut self) -> Result<Vec<(i64, i64)>> {
+    pub(crate) fn shard_ranges(&mut self) -> Result<Vec<(i64, i64)>> {
         (0..self.spec.units.len())
             .map(|unit| {
                 let numel = self.storage[unit].numel;
@@ -651,7 +636,7 @@ impl Engine {
 
     /// The master values of this rank's range of unit `unit` (see [`Engine::shard_ranges`]),
     /// padding included at the end.
-    pub fn local_params(&mut self, unit: usize) -> Result<Tensor> {
+    pub(crate) fn local_params(&mut self, unit: usize) -> Result<Tensor> {
         let (schedule, ctx) = self.schedule_for(unit);
         Ok(schedule.optimizer_view(ctx)?.param)
     }
@@ -704,7 +689,7 @@ impl Engine {
 
     /// This rank's pieces of unit `unit`'s whole flat layout `values`, in its own layout
     /// ([`Engine::offset`]s; unpadded); `values` itself without tensor parallelism.
-    pub fn split_unit(&self, unit: usize, values: &Tensor) -> Result<Tensor> {
+    pub(crate) fn split_unit(&self, unit: usize, values: &Tensor) -> Result<Tensor> {
         let Some(tp) = self.tensor_parallel() else { return Ok(values.shallow_clone()) };
         let mut pieces = Vec::new();
         for &id in &self.spec.units[unit].params {
@@ -717,7 +702,7 @@ impl Engine {
 
     /// Calls `ready` with each unit whose gradient the step's completing backward has made
     /// final where the optimizer updates it on the host (`None`: nobody is told).
-    pub fn set_grad_ready(&mut self, ready: Option<Arc<GradReady>>) {
+    pub(crate) fn set_grad_ready(&mut self, ready: Option<Arc<GradReady>>) {
         self.grad_ready = ready;
     }
 
@@ -731,7 +716,7 @@ impl Engine {
     /// that completes a step's gradients would; for gradients completed after their
     /// backward (the zero-bubble schedules' deferred weight gradients). Call it for every
     /// unit, last first, each once nothing left to compute adds to its gradients.
-    pub fn sync_unit_grads_now(&mut self, k: usize) -> Result<()> {
+    pub(crate) fn sync_unit_grads_now(&mut self, k: usize) -> Result<()> {
         let previous = std::mem::replace(&mut self.sync_grads, true);
         // No unit's backward ends here, so no phase event is recorded.
         let result = self.schedule_on(Phase::AfterBackward, k);
@@ -740,7 +725,7 @@ impl Engine {
     }
 
     /// The unit whose parameter buffer holds `t` (a parameter, or a view of one).
-    pub fn unit_holding(&self, t: &Tensor) -> Result<usize> {
+    pub(crate) fn unit_holding(&self, t: &Tensor) -> Result<usize> {
         let id = strata_ext::storage_id(t)?;
         for (k, s) in self.storage.iter().enumerate() {
             if strata_ext::storage_id(&s.flat)? == id {
@@ -818,7 +803,7 @@ impl Engine {
     /// not the values, where the node that made it never reads them and no other tensor
     /// shares their storage. Returns whether they were freed; the caller must not read the
     /// output again.
-    pub fn free_output_values(&mut self, micro: usize) -> Result<bool> {
+    pub(crate) fn free_output_values(&mut self, micro: usize) -> Result<bool> {
         let Some(record) = self.records.get_mut(&micro) else { return Ok(false) };
         let Some(last) = record.boundaries.last() else { return Ok(false) };
         let y = &last.output;
@@ -1167,7 +1152,7 @@ impl Engine {
     }
 
     /// The group over which fp8 amaxes are reduced (the data-parallel ranks).
-    pub fn set_amax_group(&mut self, group: Option<Arc<dyn ProcessGroup>>) {
+    pub(crate) fn set_amax_group(&mut self, group: Option<Arc<dyn ProcessGroup>>) {
         self.amax_group = group;
     }
 
@@ -1250,7 +1235,7 @@ impl Engine {
 
     /// Writes `value` as parameter `id` into `full`, its unit's whole layout (as
     /// [`Engine::full_unit`] returns it), after checking its shape.
-    pub fn write_param(&self, full: &Tensor, id: ParamId, value: &Tensor) -> Result<()> {
+    pub(crate) fn write_param(&self, full: &Tensor, id: ParamId, value: &Tensor) -> Result<()> {
         let p = &self.spec.params[id.0];
         if value.size() != p.shape {
             return Err(Error::Model(format!(

@@ -11,8 +11,8 @@
 use super::placement::{self, moment_index, Home, HomePolicy, Moment, Plan, PlanInput, UnitStates};
 use super::slots::{self, SlotPool, SlottedBuffer};
 use super::{
-    memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, MemoryLedger, OptimizerView, Phase,
-    Placement, ScheduleContext, UnitLayout, UnitSchedule, UnitStorage,
+    memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, HeldStates, MemoryLedger, OptimizerView,
+    Phase, Placement, ScheduleContext, UnitLayout, UnitSchedule, UnitStorage,
 };
 use crate::model::ModelSpec;
 use crate::{Error, Result};
@@ -633,21 +633,6 @@ impl UnitSchedule for Offload {
         }
     }
 
-    fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
-        let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
-        let placement = if unit.home == Home::Device { Placement::Device } else { Placement::Host };
-        // The master where there is one apart; a unit that computes on the host has its
-        // engine buffers there.
-        let param = unit.host_params.as_ref().unwrap_or(&s.flat);
-        let grad = unit.host_grad.as_ref().unwrap_or(&s.grad);
-        Ok(OptimizerView {
-            param: param.f_narrow(0, s.grad_start, grad.numel() as i64)?,
-            grad: grad.shallow_clone(),
-            offset: s.grad_start,
-            placement,
-        })
-    }
-
     fn finish_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         // No copy may read a master while the optimizer writes it.
         self.finish_fetches(ctx.ledger)
@@ -676,6 +661,35 @@ impl UnitSchedule for Offload {
         self.events = Some(sink);
     }
 
+    fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        for (unit, s) in self.units.iter().zip(ctx.storage.iter()) {
+            if unit.grads_on_device() {
+                let _ = s.grad.shallow_clone().f_zero_()?;
+            }
+            if let Some(g) = &unit.host_grad {
+                let _ = g.shallow_clone().f_zero_()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl HeldStates for Offload {
+    fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
+        let (unit, s) = (&self.units[ctx.unit], &ctx.storage[ctx.unit]);
+        let placement = if unit.home == Home::Device { Placement::Device } else { Placement::Host };
+        // The master where there is one apart; a unit that computes on the host has its
+        // engine buffers there.
+        let param = unit.host_params.as_ref().unwrap_or(&s.flat);
+        let grad = unit.host_grad.as_ref().unwrap_or(&s.grad);
+        Ok(OptimizerView {
+            param: param.f_narrow(0, s.grad_start, grad.numel() as i64)?,
+            grad: grad.shallow_clone(),
+            offset: s.grad_start,
+            placement,
+        })
+    }
+
     fn delays_host_updates(&self) -> bool {
         self.delayed_update
     }
@@ -687,18 +701,6 @@ impl UnitSchedule for Offload {
     fn held_tensors(&self) -> Vec<Tensor> {
         let host = self.units.iter().flat_map(|u| [u.host_params.as_ref(), u.host_grad.as_ref()]);
         host.flatten().map(Tensor::shallow_clone).collect()
-    }
-
-    fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
-        for (unit, s) in self.units.iter().zip(ctx.storage.iter()) {
-            if unit.grads_on_device() {
-                let _ = s.grad.shallow_clone().f_zero_()?;
-            }
-            if let Some(g) = &unit.host_grad {
-                let _ = g.shallow_clone().f_zero_()?;
-            }
-        }
-        Ok(())
     }
 
     fn full_unit(&mut self, ctx: ScheduleContext<'_>) -> Result<Tensor> {

@@ -47,9 +47,11 @@ pub struct ScheduleContext<'a> {
 /// What [`ScheduleContext::grad_ready`] calls.
 pub type GradReady = dyn Fn(usize) + Send + Sync;
 
-/// Per-unit policy run by the engine around every forward and backward of a unit, and the
-/// owner of whatever a strategy keeps instead of the engine's buffers (shards, masters).
-pub trait UnitSchedule: Send {
+/// The phase protocol a strategy runs around every unit: before and after each forward
+/// and backward ([`UnitSchedule::on`]), when a step's gradients are complete, after the
+/// update and when gradients are cleared. What it keeps of the model states, and what can
+/// be asked of them, is its [`HeldStates`].
+pub trait UnitSchedule: HeldStates + Send {
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()>;
 
     /// Completes whatever the schedule started on the gradients (communication in flight)
@@ -58,6 +60,27 @@ pub trait UnitSchedule: Send {
         Ok(())
     }
 
+    /// Runs after the optimizer updated what [`HeldStates::optimizer_view`] handed it.
+    fn after_update(&mut self, _ctx: ScheduleContext<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Where the schedule reports its gathers and frees.
+    fn attach_events(&mut self, _sink: Arc<dyn EventSink>) {}
+
+    /// Sets every gradient the schedule or engine holds to zero.
+    fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
+        for s in ctx.storage.iter() {
+            let _ = s.grad.shallow_clone().f_zero_()?;
+        }
+        Ok(())
+    }
+}
+
+/// What a strategy keeps instead of (or beside) the engine's buffers — shards, fp32 masters,
+/// copies on the host — and what the engine, the optimizer and checkpoints ask of it.
+/// Every answer has a default for a strategy that keeps nothing of its own.
+pub trait HeldStates {
     /// What the optimizer updates for `ctx.unit`.
     fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
         let s = &ctx.storage[ctx.unit];
@@ -67,11 +90,6 @@ pub trait UnitSchedule: Send {
             offset: s.grad_start,
             placement: Placement::Device,
         })
-    }
-
-    /// Runs after the optimizer updated what [`UnitSchedule::optimizer_view`] handed it.
-    fn after_update(&mut self, _ctx: ScheduleContext<'_>) -> Result<()> {
-        Ok(())
     }
 
     /// Whether the host's updates of a step run during the next step (ZeRO-Offload's
@@ -93,17 +111,6 @@ pub trait UnitSchedule: Send {
         None
     }
 
-    /// Where the schedule reports its gathers and frees.
-    fn attach_events(&mut self, _sink: Arc<dyn EventSink>) {}
-
-    /// Sets every gradient the schedule or engine holds to zero.
-    fn zero_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
-        for s in ctx.storage.iter() {
-            let _ = s.grad.shallow_clone().f_zero_()?;
-        }
-        Ok(())
-    }
-
     /// Whether this schedule reads each unit's gradients only from the engine's contiguous
     /// buffer, once that unit's backward is over: the engine may then let a step's first
     /// backward produce them freely and copy them in, rather than add them to zeros.
@@ -111,7 +118,7 @@ pub trait UnitSchedule: Send {
         false
     }
 
-    /// Whether [`UnitSchedule::grad_sq_sum`] is this rank's own sum (no shards elsewhere),
+    /// Whether [`HeldStates::grad_sq_sum`] is this rank's own sum (no shards elsewhere),
     /// so the norm can be computed where the gradients are, without reading it back.
     fn grad_norm_is_local(&self) -> bool {
         true
@@ -161,7 +168,9 @@ impl UnitSchedule for Resident {
     fn on(&mut self, _: Phase, _: ScheduleContext<'_>) -> Result<()> {
         Ok(())
     }
+}
 
+impl HeldStates for Resident {
     fn accepts_copied_grads(&self) -> bool {
         true
     }

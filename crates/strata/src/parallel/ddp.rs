@@ -9,7 +9,7 @@
 //! gradient is an error naming them (as PyTorch DDP refuses them). Must not touch model
 //! definitions or the optimizer: it acts on the engine's buffers only.
 use crate::comm::{ProcessGroup, ReduceOp, Work};
-use crate::engine::{Engine, Phase, ScheduleContext, UnitSchedule};
+use crate::engine::{Engine, HeldStates, Phase, ScheduleContext, UnitSchedule};
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -118,18 +118,6 @@ impl UnitSchedule for DataParallel {
         Ok(())
     }
 
-    fn checkpoint_writer(&self) -> bool {
-        self.group.rank() == 0
-    }
-
-    fn capture_obstacle(&self) -> Option<String> {
-        (self.group.size() > 1).then(|| super::collectives_obstacle(self.group.size()))
-    }
-
-    fn accepts_copied_grads(&self) -> bool {
-        true
-    }
-
     fn finish_grads(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
         for work in self.in_flight.drain(..) {
             work.wait().map_err(|e| Error::Comm(format!("gradient all-reduce failed: {e}")))?;
@@ -146,6 +134,20 @@ impl UnitSchedule for DataParallel {
             )));
         }
         Ok(())
+    }
+}
+
+impl HeldStates for DataParallel {
+    fn checkpoint_writer(&self) -> bool {
+        self.group.rank() == 0
+    }
+
+    fn capture_obstacle(&self) -> Option<String> {
+        (self.group.size() > 1).then(|| super::collectives_obstacle(self.group.size()))
+    }
+
+    fn accepts_copied_grads(&self) -> bool {
+        true
     }
 }
 

@@ -26,8 +26,8 @@
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp, Work};
 use crate::engine::offload::HostMemory;
 use crate::engine::{
-    memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, MemoryLedger, OptimizerView, Phase,
-    Placement, ScheduleContext, UnitLayout, UnitSchedule, UnitStorage,
+    memory, Category, Engine, EngineConfig, Event, EventSink, GradLayout, HeldStates, MemoryLedger, OptimizerView,
+    Phase, Placement, ScheduleContext, UnitLayout, UnitSchedule, UnitStorage,
 };
 use crate::model::ModelSpec;
 use crate::strategy::{BackwardPrefetch, Stage, Wrap};
@@ -867,12 +867,6 @@ impl Zero {
 }
 
 impl UnitSchedule for Zero {
-    fn capture_obstacle(&self) -> Option<String> {
-        let groups = [&self.groups.shard, &self.groups.replicate, &self.groups.world];
-        let ranks = groups.iter().filter_map(|g| g.as_ref().map(|g| g.size())).max().unwrap_or(1);
-        (ranks > 1).then(|| super::collectives_obstacle(ranks))
-    }
-
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()> {
         let (k, storage, ledger) = (ctx.unit, &*ctx.storage, ctx.ledger);
         let last = self.units.len() - 1;
@@ -954,37 +948,8 @@ impl UnitSchedule for Zero {
         self.drain_reductions(ctx.storage, ctx.ledger)
     }
 
-    fn held_tensors(&self) -> Vec<Tensor> {
-        let per_unit = self.units.iter().flat_map(|u| [u.frozen.as_ref(), u.master.as_ref(), u.grad_shard.as_ref()]);
-        let gathers = self.units.iter().filter_map(|u| u.gathering.as_ref()).flat_map(|g| {
-            let copies = g.parts.iter().filter_map(|p| p.copy.as_ref());
-            copies.chain(g.tails.iter().map(|(scratch, _, _)| scratch))
-        });
-        let reductions = self.reducing.iter().flat_map(|(_, r, landing)| [r.copy.as_ref(), landing.as_ref()]);
-        per_unit.flatten().chain(gathers).chain(reductions.flatten()).map(Tensor::shallow_clone).collect()
-    }
-
     fn attach_events(&mut self, sink: Arc<dyn EventSink>) {
         self.events = Some(sink);
-    }
-
-    fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
-        let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
-        let unit = &self.units[u];
-        let (offset, count) = self.master_range(u);
-        let param = match &unit.master {
-            Some(m) => m.shallow_clone(),
-            None => s.flat.f_narrow(0, offset, count)?,
-        };
-        if unit.wrap == Wrap::Ignored {
-            return Ok(OptimizerView { param, grad: s.grad.shallow_clone(), offset, placement: Placement::Device });
-        }
-        let grad = match &unit.grad_shard {
-            Some(g) => g.shallow_clone(),
-            None => s.grad.f_narrow(0, offset - unit.grad_start, unit.shard_len)?,
-        };
-        let placement = if unit.host { Placement::Host } else { Placement::Device };
-        Ok(OptimizerView { param, grad, offset, placement })
     }
 
     fn after_update(&mut self, ctx: ScheduleContext<'_>) -> Result<()> {
@@ -1028,6 +993,43 @@ impl UnitSchedule for Zero {
             }
         }
         Ok(())
+    }
+}
+
+impl HeldStates for Zero {
+    fn capture_obstacle(&self) -> Option<String> {
+        let groups = [&self.groups.shard, &self.groups.replicate, &self.groups.world];
+        let ranks = groups.iter().filter_map(|g| g.as_ref().map(|g| g.size())).max().unwrap_or(1);
+        (ranks > 1).then(|| super::collectives_obstacle(ranks))
+    }
+
+    fn held_tensors(&self) -> Vec<Tensor> {
+        let per_unit = self.units.iter().flat_map(|u| [u.frozen.as_ref(), u.master.as_ref(), u.grad_shard.as_ref()]);
+        let gathers = self.units.iter().filter_map(|u| u.gathering.as_ref()).flat_map(|g| {
+            let copies = g.parts.iter().filter_map(|p| p.copy.as_ref());
+            copies.chain(g.tails.iter().map(|(scratch, _, _)| scratch))
+        });
+        let reductions = self.reducing.iter().flat_map(|(_, r, landing)| [r.copy.as_ref(), landing.as_ref()]);
+        per_unit.flatten().chain(gathers).chain(reductions.flatten()).map(Tensor::shallow_clone).collect()
+    }
+
+    fn optimizer_view(&self, ctx: ScheduleContext<'_>) -> Result<OptimizerView> {
+        let (u, s) = (ctx.unit, &ctx.storage[ctx.unit]);
+        let unit = &self.units[u];
+        let (offset, count) = self.master_range(u);
+        let param = match &unit.master {
+            Some(m) => m.shallow_clone(),
+            None => s.flat.f_narrow(0, offset, count)?,
+        };
+        if unit.wrap == Wrap::Ignored {
+            return Ok(OptimizerView { param, grad: s.grad.shallow_clone(), offset, placement: Placement::Device });
+        }
+        let grad = match &unit.grad_shard {
+            Some(g) => g.shallow_clone(),
+            None => s.grad.f_narrow(0, offset - unit.grad_start, unit.shard_len)?,
+        };
+        let placement = if unit.host { Placement::Host } else { Placement::Device };
+        Ok(OptimizerView { param, grad, offset, placement })
     }
 
     fn grad_norm_is_local(&self) -> bool {

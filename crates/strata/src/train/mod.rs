@@ -239,8 +239,9 @@ pub trait StepExecutor {
     /// model's output; none where it does not (a pipeline's earlier stages).
     fn forward_backward(&mut self, parts: &mut [ModelPart], input: StepInput<'_>) -> Result<Vec<Tensor>>;
 
-    /// The squared global gradient norm, over every rank holding a piece of the model.
-    fn grad_sq_sum(&self, parts: &[ModelPart]) -> Result<f64>;
+    /// A sum over this rank's parts (the squared gradient norm) made the sum over the whole
+    /// model: over every rank holding other pieces of it.
+    fn whole_model_sum(&self, local: f64) -> Result<f64>;
 
     /// Whether this rank's parts alone give the global gradient norm (it may then be
     /// measured and clipped on the device, with no collective).
@@ -537,7 +538,7 @@ impl Trainer {
         let single = self.parts.len() == 1;
         // Units updated on the host start as soon as their gradient is complete, while the
         // device computes the rest of backward, where nothing decided later can stop them.
-        let delayed = single && self.parts[0].engine.delays_host_updates();
+        let delayed = single && self.parts[0].engine.held_states().delays_host_updates();
         let host_updates = (single
             && !delayed
             && self.executor.updates_in_backward()
@@ -576,7 +577,14 @@ impl Trainer {
             Some(_) => GradDecision { factor: 1.0, grad_norm: None, skipped: false },
             None => {
                 let (executor, parts) = (&self.executor, &self.parts);
-                self.scaling.decide(self.grad_clip, scale, || executor.grad_sq_sum(parts))?
+                let sq_norm = || {
+                    let mut local = 0.0;
+                    for part in parts {
+                        local += part.engine.grad_sq_sum(&part.optimizer.grad_sq_per_unit()?)?;
+                    }
+                    executor.whole_model_sum(local)
+                };
+                self.scaling.decide(self.grad_clip, scale, sq_norm)?
             }
         };
         let norm_on_device = device_norm.is_some();

@@ -71,9 +71,8 @@ impl StepExecutor for SinglePart {
         Ok(losses)
     }
 
-    fn grad_sq_sum(&self, parts: &[ModelPart]) -> Result<f64> {
-        let part = only(parts)?;
-        part.engine.grad_sq_sum(&part.optimizer.grad_sq_per_unit()?)
+    fn whole_model_sum(&self, local: f64) -> Result<f64> {
+        Ok(local)
     }
 
     fn grad_norm_is_local(&self, parts: &[ModelPart]) -> bool {

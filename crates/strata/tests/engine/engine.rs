@@ -1,5 +1,5 @@
 use std::sync::{Arc, Mutex};
-use strata::engine::{BackwardMode, Engine, EngineConfig, Phase, ScheduleContext, UnitSchedule};
+use strata::engine::{BackwardMode, Engine, EngineConfig, HeldStates, Phase, ScheduleContext, UnitSchedule};
 use strata::model::{self, layers::cross_entropy, Builder, DecodeCache, GptConfig, LlamaConfig, MlpConfig};
 use strata::Error;
 use tch::{Kind, Tensor};
@@ -269,6 +269,9 @@ impl UnitSchedule for Recorder {
         Ok(())
     }
 }
+
+/// Keeps nothing beside the engine's buffers.
+impl HeldStates for Recorder {}
 
 #[test]
 fn schedule_is_called_around_every_unit_in_forward_then_reverse_order() {

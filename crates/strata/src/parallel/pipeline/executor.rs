@@ -730,12 +730,8 @@ impl StepExecutor for PipelineExecutor {
         Ok(losses)
     }
 
-    /// The norm spans every stage: each rank's chunks, summed over the pipeline.
-    fn grad_sq_sum(&self, parts: &[ModelPart]) -> Result<f64> {
-        let mut local = 0.0;
-        for part in parts {
-            local += part.engine.grad_sq_sum(&part.optimizer.grad_sq_per_unit()?)?;
-        }
+    /// Each rank's chunks, summed over the pipeline's stages.
+    fn whole_model_sum(&self, local: f64) -> Result<f64> {
         Ok(self.sum(&[local])?[0])
     }
 
