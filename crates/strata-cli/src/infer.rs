@@ -11,6 +11,7 @@ use clap::Args;
 use std::path::PathBuf;
 use strata::checkpoint::Checkpoint;
 use strata::data::chat::ChatTemplate;
+use strata::data::Batching;
 use strata::data::{
     read_labeled, read_source_target, validation_steps, ClassifySet, LoaderConfig, MaskOptions, MaskedSet, Seq2SeqSet,
     TokenData, TokenWidth, Tokenizer,
@@ -227,7 +228,7 @@ pub fn eval(args: EvalArgs) -> Result<()> {
     }
     data.check_fits(args.ctx, loaded.config.vocab() as usize)?;
     let device = loaded.engine.config().device;
-    let loader = LoaderConfig { device, ..LoaderConfig::new(args.ctx, args.batch_size) };
+    let loader = LoaderConfig { device, ..LoaderConfig::new(Batching::new(args.ctx, args.batch_size)) };
     let steps = validation_steps(&data.into(), &loader, args.eval_batches, usize::MAX)?;
     let tokens: i64 = steps.iter().flat_map(|s| &s.micro_batches).map(|b| b.targets.numel() as i64).sum();
     let mut engine = loaded.engine;

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use strata::auto::AutoOptions;
 use strata::data::chat::{self, ChatTemplate};
+use strata::data::Batching;
 use strata::data::{
     read_labeled, read_source_target, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleSet, MaskOptions,
     MaskedSet, Order, Seq2SeqSet, SyntheticCorpus, TokenData, Tokenizer,
@@ -214,12 +215,6 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
     init.extend(s.init_adapter.iter().cloned().map(InitialWeights::Adapter));
     Ok(RunConfig {
         steps: s.steps,
-        batch_size: s.batch_size,
-        ctx: s.ctx as usize,
-        accumulation: s.accumulation,
-        seed: s.seed,
-        order,
-        pack: s.pack,
         device: s.device,
         threads: s.threads,
         optimizer: s.optimizer.clone(),
@@ -260,6 +255,14 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
         cuda_graph: s.cuda_graph,
         log_every: s.log_every,
         progress: true,
+        batching: Batching {
+            batch_size: s.batch_size,
+            ctx: s.ctx as usize,
+            accumulation: s.accumulation,
+            seed: s.seed,
+            order,
+            pack: s.pack,
+        },
     })
 }
 

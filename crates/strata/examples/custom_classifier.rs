@@ -12,6 +12,7 @@
 //! cargo run --release -p strata --example custom_classifier
 use std::sync::Arc;
 use strata::auto::AutoOptions;
+use strata::data::Batching;
 use strata::data::{Batch, ClassifySet, LabeledText, Tokenizer};
 use strata::model::layers::{
     attention, gelu, layer_norm, merge_heads, other_examples, split_heads, vocab_embedding, AttentionOptions,
@@ -169,15 +170,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let data = Data::with_validation(encode(&texts(2000, 1), "letters")?, encode(&texts(128, 2), "letters, held out")?);
     let config = RunConfig {
         steps: 80,
-        batch_size: 32,
-        ctx: LONGEST as usize,
         eval_every: Some(40),
         loss: Some(smoothed_cross_entropy(0.05)),
-        prepare_input: Some(lower_case()),
-        // Less device memory than the plain run takes (activations of attention, mostly):
+        prepare_input: Some(lower_case()), // Less device memory than the plain run takes (activations of attention, mostly):
         // the search keeps what fits.
         device_memory: Some(7 << 19),
         strategy: StrategySource::Auto(AutoOptions { dry_run_steps: 2, ..AutoOptions::default() }),
+        batching: Batching { batch_size: 32, ctx: LONGEST as usize, ..Batching::default() },
         ..RunConfig::default()
     };
     let mut validation = vec![];

@@ -7,6 +7,7 @@
 //!
 //! cargo run --release -p strata --example custom_data_loss
 use std::sync::Arc;
+use strata::data::Batching;
 use strata::data::{Batch, TokenData};
 use strata::model::{GptConfig, ModelConfig};
 use strata::run::{self, Data, Flow, Model, RunConfig};
@@ -58,10 +59,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = Model::from(ModelConfig::Gpt(GptConfig::new(VOCAB, 32, 2, 4, 64)));
     let config = RunConfig {
         steps: 60,
-        batch_size: 16,
-        ctx: 32,
         eval_every: Some(20),
         loss: Some(smoothed_cross_entropy(0.1)),
+        batching: Batching { batch_size: 16, ctx: 32, ..Batching::default() },
         ..RunConfig::default()
     };
     let mut first_loss = None;

@@ -8,6 +8,7 @@
 //! cargo run --release -p strata --example custom_units
 //! strata launch --nproc-per-node 2 -- target/release/examples/custom_units
 use strata::auto::AutoOptions;
+use strata::data::Batching;
 use strata::data::SyntheticCorpus;
 use strata::model::layers::{gelu_tanh, vocab_embedding, vocab_logits};
 use strata::model::{Builder, Init, ParamId, Params, TpRole, Unit};
@@ -106,9 +107,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let data = Data::new(SyntheticCorpus::default().generate());
     let config = RunConfig {
         steps: 30,
-        batch_size: 16,
-        ctx: 32,
         strategy: StrategySource::Auto(AutoOptions { dry_run_steps: 2, ..AutoOptions::default() }),
+        batching: Batching { batch_size: 16, ctx: 32, ..Batching::default() },
         ..RunConfig::default()
     };
     let summary = run::train(&Model::from_units(feed_forward_lm), &data, &config, &mut [])?;

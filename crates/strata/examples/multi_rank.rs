@@ -8,6 +8,7 @@
 //! STRATEGY is a strategy's JSON (e.g. `[["parallel_mode", [[["pipeline", 2]], null]]]` or
 //! `["fsdp"]`); FOLDER receives `weights.safetensors` and `metrics.jsonl`.
 use std::path::PathBuf;
+use strata::data::Batching;
 use strata::data::SyntheticCorpus;
 use strata::model::{GptConfig, ModelConfig};
 use strata::optim::{LrSchedule, OptimizerConfig};
@@ -23,9 +24,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let data = Data::new(SyntheticCorpus::default().generate());
     let config = RunConfig {
         steps: 6,
-        batch_size: 8,
-        ctx: 32,
-        accumulation: 2,
         optimizer: OptimizerConfig { lr: 3e-3, ..OptimizerConfig::default() },
         schedule: LrSchedule::Constant,
         strategy: StrategySource::Given(Strategy::parse(&strategy)?),
@@ -34,6 +32,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             metrics: Some(dir.join("metrics.jsonl")),
             ..Outputs::default()
         },
+        batching: Batching { batch_size: 8, ctx: 32, accumulation: 2, ..Batching::default() },
         ..RunConfig::default()
     };
     let summary = run::train(&model, &data, &config, &mut [])?;

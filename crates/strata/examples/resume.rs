@@ -4,6 +4,7 @@
 //!
 //! cargo run --release -p strata --example resume [FOLDER]
 use std::path::Path;
+use strata::data::Batching;
 use strata::data::SyntheticCorpus;
 use strata::model::{GptConfig, ModelConfig};
 use strata::run::{self, Checkpoints, Data, Flow, Model, Outputs, Resume, RunConfig};
@@ -16,11 +17,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let data = Data::new(SyntheticCorpus::default().generate());
     let config = |name: &str| RunConfig {
         steps: 12,
-        batch_size: 8,
-        ctx: 32,
         threads: Some(1),
         checkpoints: Some(Checkpoints { dir: dir.join(name), every: Some(4), keep: 2 }),
         outputs: Outputs { weights: Some(dir.join(format!("{name}.safetensors"))), ..Outputs::default() },
+        batching: Batching { batch_size: 8, ctx: 32, ..Batching::default() },
         ..RunConfig::default()
     };
 

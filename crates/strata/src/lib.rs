@@ -38,7 +38,7 @@
 //! let optimizer = optim::Optimizer::new(&mut engine, optim::OptimizerConfig::default(), &[])?;
 //! let mut trainer = train::Trainer::new(engine, optimizer, optim::LrSchedule::Constant, Some(1.0));
 //! let corpus = std::sync::Arc::new(data::SyntheticCorpus::default().generate().into());
-//! let loader = data::DataLoader::new(corpus, data::LoaderConfig::new(64, 16), data::Order::Shuffled)?;
+//! let loader = data::DataLoader::new(corpus, data::LoaderConfig::new(data::Batching::new(64, 16)))?;
 //! for step in loader.take(100) {
 //!     let report = trainer.train_step(&step?)?;
 //!     println!("step {} loss {:.4}", report.step, report.loss);

@@ -4,6 +4,7 @@ use crate::common;
 use crate::common::{global_gap, losses, reports, stderr, strata};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use strata::data::Batching;
 use strata::data::SyntheticCorpus;
 use strata::model::{GptConfig, ModelConfig};
 use strata::optim::{LrSchedule, OptimizerConfig};
@@ -22,9 +23,6 @@ fn words(flags: &str) -> Vec<&str> {
 fn library_config(dir: &Path) -> RunConfig {
     RunConfig {
         steps: 6,
-        batch_size: 8,
-        ctx: 32,
-        accumulation: 2,
         threads: Some(1),
         optimizer: OptimizerConfig { lr: 3e-3, ..OptimizerConfig::default() },
         schedule: LrSchedule::Constant,
@@ -35,6 +33,7 @@ fn library_config(dir: &Path) -> RunConfig {
             metrics: Some(dir.join("metrics.jsonl")),
             ..Outputs::default()
         },
+        batching: Batching { batch_size: 8, ctx: 32, accumulation: 2, ..Batching::default() },
         ..RunConfig::default()
     }
 }
@@ -284,7 +283,11 @@ fn run_errors_have_kinds_a_caller_can_match() {
     let dir = tempfile::tempdir().unwrap();
     let model = Model::from(ModelConfig::Gpt(GptConfig::new(256, 32, 1, 4, 64)));
     let data = Data::new(SyntheticCorpus::default().generate());
-    let config = RunConfig { steps: 2, batch_size: 4, ctx: 32, ..RunConfig::default() };
+    let config = RunConfig {
+        steps: 2,
+        batching: Batching { batch_size: 4, ctx: 32, ..Batching::default() },
+        ..RunConfig::default()
+    };
 
     let damaged = dir.path().join("damaged");
     std::fs::create_dir_all(&damaged).unwrap();
@@ -310,7 +313,7 @@ fn run_errors_have_kinds_a_caller_can_match() {
     let graphed = RunConfig { cuda_graph: true, ..config.clone() };
     let e = run::train(&model, &data, &graphed, &mut []).unwrap_err();
     assert!(matches!(e, Error::Config(ref m) if m.contains("cuda_graph") && m.contains("CUDA device")), "{e}");
-    let packed = RunConfig { pack: true, ..graphed };
+    let packed = RunConfig { batching: Batching { pack: true, ..graphed.batching.clone() }, ..graphed };
     let e = run::train(&model, &data, &packed, &mut []).unwrap_err();
     assert!(matches!(e, Error::Config(ref m) if m.contains("cuda_graph") && m.contains("--pack")), "{e}");
 }
@@ -327,9 +330,8 @@ fn rank_of_a_stopped_job() {
     let data = Data::new(SyntheticCorpus::default().generate());
     let config = RunConfig {
         steps: 8,
-        batch_size: 4,
-        ctx: 32,
         comm_timeout: std::time::Duration::from_secs(60),
+        batching: Batching { batch_size: 4, ctx: 32, ..Batching::default() },
         ..RunConfig::default()
     };
     let rank0 = std::env::var("RANK").as_deref() == Ok("0");

@@ -15,7 +15,7 @@ pub mod search;
 pub mod step_time;
 
 use crate::comm::{Comm, ProcessGroup};
-use crate::data::{DataLoader, Dataset, LoaderConfig, Order};
+use crate::data::{Batching, DataLoader, Dataset, LoaderConfig};
 use crate::engine::EngineConfig;
 use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
@@ -78,19 +78,6 @@ impl Default for AutoOptions {
     }
 }
 
-/// The data loader's arguments; `batch_size` is the global batch (strong scaling).
-#[derive(Clone, Debug)]
-pub struct DataloaderArgs {
-    pub ctx: usize,
-    pub batch_size: usize,
-    pub accumulation: usize,
-    pub seed: u64,
-    /// How the global batch's windows are chosen (the distributed sampler).
-    pub order: Order,
-    /// Pack several examples into each row (example data).
-    pub pack: bool,
-}
-
 /// One training job to accelerate.
 pub struct AutoAccelerate<'a> {
     pub model: &'a (dyn Fn(&mut Builder) -> Result<()> + Sync),
@@ -104,7 +91,7 @@ pub struct AutoAccelerate<'a> {
     /// the strategy splits the vocabulary.
     pub loss_func: Option<LossFn>,
     pub prepare_input: InputFn,
-    pub dataloader_args: DataloaderArgs,
+    pub dataloader_args: Batching,
     pub lr_scheduler: LrSchedule,
     pub grad_clip: Option<f64>,
     /// Device, seed and memory budget of each rank.
@@ -119,7 +106,7 @@ impl<'a> AutoAccelerate<'a> {
     pub fn new(
         model: &'a (dyn Fn(&mut Builder) -> Result<()> + Sync),
         dataset: Arc<Dataset>,
-        dataloader_args: DataloaderArgs,
+        dataloader_args: Batching,
     ) -> AutoAccelerate<'a> {
         AutoAccelerate {
             model,
@@ -213,16 +200,7 @@ fn mesh_of(job: &AutoAccelerate<'_>, strategy: &Strategy) -> Result<Mesh> {
 /// same batches).
 fn loader_config(job: &AutoAccelerate<'_>, mesh: &Mesh) -> Result<LoaderConfig> {
     let (rank, world) = mesh.batch_shard();
-    let a = &job.dataloader_args;
-    Ok(LoaderConfig {
-        accumulation: a.accumulation,
-        rank,
-        world,
-        seed: a.seed,
-        device: job.engine.device,
-        pack: a.pack,
-        ..LoaderConfig::new(a.ctx, a.batch_size)
-    })
+    Ok(LoaderConfig { rank, world, device: job.engine.device, ..LoaderConfig::new(job.dataloader_args.clone()) })
 }
 
 fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> RankLayout<'a> {
@@ -242,7 +220,7 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> RankLayout<'a
 pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usize) -> Result<Prepared> {
     let mesh = mesh_of(job, strategy)?;
     let bench = bench(job, bucket_bytes, 0, strategy.lora())?;
-    let loader = || DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?, job.dataloader_args.order.clone());
+    let loader = || DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?);
     let first = loader()?.next().ok_or_else(|| Error::Data("the data holds no step to measure on".into()))??;
     // The prepared trainer reports the job's loss, as a run's does.
     let trainer = bench.trainer(strategy, &first, bench.world.clone())?;
@@ -274,8 +252,7 @@ fn bench<'a>(
             if batches.contains_key(&shard) {
                 continue;
             }
-            let loader =
-                DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?, job.dataloader_args.order.clone())?;
+            let loader = DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?)?;
             let steps_here = loader.take(steps).collect::<Result<Vec<_>>>()?;
             if steps_here.len() < steps {
                 return Err(Error::Data(format!("the data gives {} steps, a dry run needs {steps}", steps_here.len())));

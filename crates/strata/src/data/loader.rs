@@ -54,57 +54,78 @@ pub enum Order {
     Offsets(BatchOffsets),
 }
 
+/// How a job cuts its data into optimizer steps, the same on every rank: a run's
+/// configuration holds it, `auto_accelerate` takes it as its `dataloader_args`, and each
+/// rank's [`LoaderConfig`] adds the rank's place to it.
 #[derive(Clone, Debug)]
-pub struct LoaderConfig {
+pub struct Batching {
+    /// Positions per row.
     pub ctx: usize,
-    /// Rows per optimizer step over all ranks.
+    /// Rows per optimizer step over all ranks (the global batch).
     pub batch_size: usize,
     /// Micro-batches per step on each rank (gradient accumulation).
     pub accumulation: usize,
+    /// Seeds the order of the rows (and a run's parameter initialisation).
+    pub seed: u64,
+    /// Which windows each step takes.
+    pub order: Order,
+    /// Pack several examples into each row (examples only), each seeing only itself.
+    pub pack: bool,
+}
+
+impl Batching {
+    /// Global batches of `batch_size` rows of `ctx` positions, one micro-batch per step,
+    /// shuffled with seed 0.
+    pub fn new(ctx: usize, batch_size: usize) -> Batching {
+        Batching { ctx, batch_size, accumulation: 1, seed: 0, order: Order::Shuffled, pack: false }
+    }
+}
+
+impl Default for Batching {
+    /// 16 rows of 64 positions per step.
+    fn default() -> Self {
+        Batching::new(64, 16)
+    }
+}
+
+/// One rank's loader: the job's [`Batching`] and the rank's place.
+#[derive(Clone, Debug)]
+pub struct LoaderConfig {
+    pub batching: Batching,
+    /// This rank's share of the batch among `world` data replicas.
     pub rank: usize,
     pub world: usize,
-    pub seed: u64,
     /// Steps built ahead on the background thread.
     pub prefetch: usize,
     pub device: Device,
     /// Index of the first step to produce: a resumed run continues where it stopped.
     pub start_step: usize,
-    /// Pack several examples into each row (examples only), each seeing only itself.
-    pub pack: bool,
 }
 
 impl LoaderConfig {
-    pub fn new(ctx: usize, batch_size: usize) -> Self {
-        LoaderConfig {
-            ctx,
-            batch_size,
-            accumulation: 1,
-            rank: 0,
-            world: 1,
-            seed: 0,
-            prefetch: 2,
-            device: Device::Cpu,
-            start_step: 0,
-            pack: false,
-        }
+    /// The loader of one process (the whole batch) on the CPU.
+    pub fn new(batching: Batching) -> Self {
+        LoaderConfig { batching, rank: 0, world: 1, prefetch: 2, device: Device::Cpu, start_step: 0 }
     }
 
     /// Rows of one micro-batch on this rank.
     pub fn micro_batch_rows(&self) -> Result<usize> {
-        if self.ctx == 0 || self.batch_size == 0 || self.accumulation == 0 || self.world == 0 {
+        if self.batching.ctx == 0 || self.batching.batch_size == 0 || self.batching.accumulation == 0 || self.world == 0
+        {
             return Err(Error::Config("ctx, batch size, accumulation and world size must be positive".into()));
         }
         if self.rank >= self.world {
             return Err(Error::Config(format!("rank {} is outside a world of {}", self.rank, self.world)));
         }
-        let per_rank = self.batch_size / self.world;
-        if !self.batch_size.is_multiple_of(self.world) || !per_rank.is_multiple_of(self.accumulation) {
+        let per_rank = self.batching.batch_size / self.world;
+        if !self.batching.batch_size.is_multiple_of(self.world) || !per_rank.is_multiple_of(self.batching.accumulation)
+        {
             return Err(Error::Config(format!(
                 "batch size {} does not split into {} ranks × {} micro-batches",
-                self.batch_size, self.world, self.accumulation
+                self.batching.batch_size, self.world, self.batching.accumulation
             )));
         }
-        Ok(per_rank / self.accumulation)
+        Ok(per_rank / self.batching.accumulation)
     }
 }
 
@@ -176,27 +197,31 @@ pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usi
     let rows = config.micro_batch_rows()?;
     // Packed rows are filled from the first example on, in order.
     let packed = match data {
-        Dataset::Examples(e) if config.pack => Some(pack(&mut (0..e.len()).peekable(), &lengths(e), config.ctx)),
+        Dataset::Examples(e) if config.batching.pack => {
+            Some(pack(&mut (0..e.len()).peekable(), &lengths(e), config.batching.ctx))
+        }
         _ => None,
     };
     let (held, what, stride) = match (data, &packed) {
-        (_, Some(packed)) => (packed.len(), format!("packed rows of {} tokens", config.ctx), 0),
-        (Dataset::Tokens(t), None) => {
-            (t.len().saturating_sub(1) / config.ctx, format!("windows of {} tokens", config.ctx + 1), config.ctx)
-        }
+        (_, Some(packed)) => (packed.len(), format!("packed rows of {} tokens", config.batching.ctx), 0),
+        (Dataset::Tokens(t), None) => (
+            t.len().saturating_sub(1) / config.batching.ctx,
+            format!("windows of {} tokens", config.batching.ctx + 1),
+            config.batching.ctx,
+        ),
         (Dataset::Examples(e), None) => (e.len(), "examples".to_string(), 1),
         (Dataset::Labeled(l), None) => (l.len(), "labeled texts".to_string(), 1),
         (Dataset::SourceTarget(s), None) => (s.len(), "sources with targets".to_string(), 1),
         (Dataset::Masked(m), None) => (m.len(), format!("masked rows of {} tokens", m.longest()), 1),
     };
-    let fit = held / config.batch_size;
+    let fit = held / config.batching.batch_size;
     let count = match count {
         Some(c) if c > fit => {
             return Err(Error::Data(format!(
                 "{} holds {held} {what}: {c} validation batches of {} need {}",
                 data.source(),
-                config.batch_size,
-                c * config.batch_size
+                config.batching.batch_size,
+                c * config.batching.batch_size
             )))
         }
         Some(c) => c,
@@ -206,12 +231,12 @@ pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usi
         return Err(Error::Data(format!(
             "{} ({held} {what}) holds no whole validation batch of {}",
             data.source(),
-            config.batch_size,
+            config.batching.batch_size,
         )));
     }
     (0..count)
         .map(|i| {
-            let batch = i * config.batch_size..(i + 1) * config.batch_size;
+            let batch = i * config.batching.batch_size..(i + 1) * config.batching.batch_size;
             let global: Vec<Vec<usize>> = match &packed {
                 Some(packed) => packed[batch].to_vec(),
                 None => batch.map(|r| vec![r * stride]).collect(),
@@ -228,10 +253,10 @@ pub struct DataLoader {
 }
 
 impl DataLoader {
-    pub fn new(data: Arc<Dataset>, config: LoaderConfig, order: Order) -> Result<DataLoader> {
+    pub fn new(data: Arc<Dataset>, config: LoaderConfig) -> Result<DataLoader> {
         let rows = config.micro_batch_rows()?;
         match data.as_ref() {
-            Dataset::Tokens(t) => t.check_length(config.ctx)?,
+            Dataset::Tokens(t) => t.check_length(config.batching.ctx)?,
             Dataset::Examples(e) if e.is_empty() => return Err(Error::Data(format!("{} holds no example", e.source))),
             Dataset::Examples(_) => {}
             Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => match data.row_set() {
@@ -239,7 +264,7 @@ impl DataLoader {
                 _ => {}
             },
         }
-        let mut offsets = OffsetStream::new(&data, &config, order)?;
+        let mut offsets = OffsetStream::new(&data, &config)?;
         // Skipped steps only advance the order: no batch is built for them.
         for _ in 0..config.start_step {
             offsets.next_step();
@@ -351,24 +376,27 @@ impl Permutation {
 }
 
 impl OffsetStream {
-    fn new(data: &Dataset, config: &LoaderConfig, order: Order) -> Result<OffsetStream> {
+    fn new(data: &Dataset, config: &LoaderConfig) -> Result<OffsetStream> {
+        let order = config.batching.order.clone();
         let items = match data {
             Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
-            Dataset::Examples(e) if config.pack => Items::Packed { lengths: lengths(e).into() },
+            Dataset::Examples(e) if config.batching.pack => Items::Packed { lengths: lengths(e).into() },
             Dataset::Examples(e) => Items::Examples { count: e.len() },
             Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
                 Items::Examples { count: data.row_set().map_or(0, |r| r.len()) }
             }
         };
         if let Order::Offsets(o) = &order {
-            if o.ctx != config.ctx || o.batch != config.batch_size {
+            if o.ctx != config.batching.ctx || o.batch != config.batching.batch_size {
                 return Err(Error::Data(format!(
                     "batch offsets are for ctx {} and batch {}, but the run uses ctx {} and batch {}",
-                    o.ctx, o.batch, config.ctx, config.batch_size
+                    o.ctx, o.batch, config.batching.ctx, config.batching.batch_size
                 )));
             }
             let (limit, held) = match &items {
-                Items::Windows { tokens } => (tokens - config.ctx - 1, format!("{tokens} tokens, ctx {}", config.ctx)),
+                Items::Windows { tokens } => {
+                    (tokens - config.batching.ctx - 1, format!("{tokens} tokens, ctx {}", config.batching.ctx))
+                }
                 Items::Examples { count } => (count - 1, format!("{count} examples")),
                 Items::Packed { .. } => {
                     return Err(Error::Data("batch offsets replay windows or single examples, not packed rows".into()))
@@ -380,10 +408,10 @@ impl OffsetStream {
         }
         Ok(OffsetStream {
             order,
-            ctx: config.ctx,
-            batch: config.batch_size,
+            ctx: config.batching.ctx,
+            batch: config.batching.batch_size,
             items,
-            rng: SplitMix64::new(config.seed),
+            rng: SplitMix64::new(config.batching.seed),
             epoch: Epoch { shift: 0, order: Permutation { count: 0, half_bits: 1, keys: [0; 4] } },
             cursor: 0,
             waiting: None,
@@ -445,9 +473,9 @@ impl OffsetStream {
 }
 
 fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, global: &[Vec<usize>]) -> Result<Step> {
-    let per_rank = rows * config.accumulation;
+    let per_rank = rows * config.batching.accumulation;
     let mine = &global[config.rank * per_rank..(config.rank + 1) * per_rank];
-    let ctx = config.ctx;
+    let ctx = config.batching.ctx;
     let micro_batches = mine
         .chunks(rows)
         .map(|rows| {
@@ -456,8 +484,10 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
             }
             let (mut inputs, mut targets) =
                 (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx));
-            let mut layout =
-                config.pack.then(|| (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx)));
+            let mut layout = config
+                .batching
+                .pack
+                .then(|| (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx)));
             for row in rows {
                 match data {
                     Dataset::Tokens(t) => {
@@ -618,21 +648,21 @@ mod tests {
 
     #[test]
     fn shuffled_epochs_cover_every_window_once_and_depend_on_the_seed() {
-        let cfg = LoaderConfig { seed: 7, ..LoaderConfig::new(4, 5) };
+        let cfg = LoaderConfig::new(Batching { seed: 7, ..Batching::new(4, 5) });
         // 41 tokens, ctx 4: epoch 0 of shift s has (40 - s) / 4 windows.
-        let steps: Vec<Step> =
-            DataLoader::new(data(41), cfg.clone(), Order::Shuffled).unwrap().take(2).map(|s| s.unwrap()).collect();
+        let steps: Vec<Step> = DataLoader::new(data(41), cfg.clone()).unwrap().take(2).map(|s| s.unwrap()).collect();
         let starts: Vec<i64> = steps.iter().flat_map(|s| rows(&s.micro_batches[0])).map(|r| r[0]).collect();
         let first_epoch: std::collections::HashSet<i64> = starts.iter().take(9).copied().collect();
         assert!(first_epoch.len() >= 9, "no window repeats within an epoch: {starts:?}");
         let t = &steps[0].micro_batches[0];
         let (i, g) = (rows(t), Vec::<Vec<i64>>::try_from(&t.targets).unwrap());
         assert_eq!(g[0][0], i[0][1], "targets are inputs shifted by one");
-        let other = DataLoader::new(data(41), LoaderConfig { seed: 8, ..cfg }, Order::Shuffled)
-            .unwrap()
-            .next()
-            .unwrap()
-            .unwrap();
+        let other =
+            DataLoader::new(data(41), LoaderConfig { batching: Batching { seed: 8, ..cfg.batching.clone() }, ..cfg })
+                .unwrap()
+                .next()
+                .unwrap()
+                .unwrap();
         assert_ne!(rows(&other.micro_batches[0]), rows(t));
     }
 
@@ -641,9 +671,22 @@ mod tests {
         let offsets = BatchOffsets { ctx: 2, batch: 8, offsets: vec![(0..8).map(|i| i * 3).collect()] };
         let mut seen = vec![];
         for rank in 0..2 {
-            let cfg = LoaderConfig { rank, world: 2, accumulation: 2, ..LoaderConfig::new(2, 8) };
-            let step =
-                DataLoader::new(data(100), cfg, Order::Offsets(offsets.clone())).unwrap().next().unwrap().unwrap();
+            let cfg = LoaderConfig {
+                rank,
+                world: 2,
+                ..LoaderConfig::new(Batching { accumulation: 2, ..Batching::new(2, 8) })
+            };
+            let step = DataLoader::new(
+                data(100),
+                LoaderConfig {
+                    batching: Batching { order: Order::Offsets(offsets.clone()), ..cfg.batching.clone() },
+                    ..cfg
+                },
+            )
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap();
             assert_eq!(step.micro_batches.len(), 2);
             for b in &step.micro_batches {
                 assert_eq!(b.inputs.size(), vec![2, 2]);
@@ -655,10 +698,9 @@ mod tests {
 
     #[test]
     fn a_loader_started_at_step_k_continues_the_same_sequence() {
-        let cfg = LoaderConfig { seed: 5, ..LoaderConfig::new(4, 3) };
-        let all: Vec<Step> =
-            DataLoader::new(data(200), cfg.clone(), Order::Shuffled).unwrap().take(6).map(|s| s.unwrap()).collect();
-        let resumed: Vec<Step> = DataLoader::new(data(200), LoaderConfig { start_step: 4, ..cfg }, Order::Shuffled)
+        let cfg = LoaderConfig::new(Batching { seed: 5, ..Batching::new(4, 3) });
+        let all: Vec<Step> = DataLoader::new(data(200), cfg.clone()).unwrap().take(6).map(|s| s.unwrap()).collect();
+        let resumed: Vec<Step> = DataLoader::new(data(200), LoaderConfig { start_step: 4, ..cfg })
             .unwrap()
             .take(2)
             .map(|s| s.unwrap())
@@ -672,11 +714,20 @@ mod tests {
     #[test]
     fn offsets_replay_ends_and_out_of_range_offsets_are_refused() {
         let offsets = BatchOffsets { ctx: 4, batch: 1, offsets: vec![vec![0], vec![5]] };
-        let steps: Vec<_> =
-            DataLoader::new(data(20), LoaderConfig::new(4, 1), Order::Offsets(offsets)).unwrap().collect();
+        let steps: Vec<_> = DataLoader::new(
+            data(20),
+            LoaderConfig::new(Batching { order: Order::Offsets(offsets), ..Batching::new(4, 1) }),
+        )
+        .unwrap()
+        .collect();
         assert_eq!(steps.len(), 2);
         let bad = BatchOffsets { ctx: 4, batch: 1, offsets: vec![vec![16]] };
-        let err = DataLoader::new(data(20), LoaderConfig::new(4, 1), Order::Offsets(bad)).err().unwrap();
+        let err = DataLoader::new(
+            data(20),
+            LoaderConfig::new(Batching { order: Order::Offsets(bad), ..Batching::new(4, 1) }),
+        )
+        .err()
+        .unwrap();
         assert!(err.to_string().contains("runs past the end"), "{err}");
     }
 
@@ -698,10 +749,9 @@ mod tests {
 
     #[test]
     fn packed_rows_hold_whole_examples_that_restart_positions_and_targets() {
-        let cfg = LoaderConfig { pack: true, seed: 3, ..LoaderConfig::new(16, 4) };
+        let cfg = LoaderConfig::new(Batching { pack: true, seed: 3, ..Batching::new(16, 4) });
         // 20 examples of 3, 5, 7 and 9 tokens: 120 tokens, an epoch in about 2 steps.
-        let steps: Vec<Step> =
-            DataLoader::new(examples(20), cfg, Order::Shuffled).unwrap().take(6).map(|s| s.unwrap()).collect();
+        let steps: Vec<Step> = DataLoader::new(examples(20), cfg).unwrap().take(6).map(|s| s.unwrap()).collect();
         let mut seen = 0;
         for step in &steps {
             let b = &step.micro_batches[0];
@@ -733,10 +783,10 @@ mod tests {
 
     #[test]
     fn packed_epochs_take_every_example_once() {
-        let cfg = LoaderConfig { pack: true, seed: 5, ..LoaderConfig::new(16, 1) };
+        let cfg = LoaderConfig::new(Batching { pack: true, seed: 5, ..Batching::new(16, 1) });
         let data = examples(20);
         let Dataset::Examples(set) = data.as_ref() else { unreachable!() };
-        let mut stream = OffsetStream::new(&data, &cfg, Order::Shuffled).unwrap();
+        let mut stream = OffsetStream::new(&data, &cfg).unwrap();
         let mut taken = vec![];
         while taken.len() < 20 {
             let row = stream.next_step().unwrap().remove(0);
@@ -750,9 +800,9 @@ mod tests {
 
     #[test]
     fn indivisible_batches_and_short_data_are_errors() {
-        let cfg = LoaderConfig { world: 3, ..LoaderConfig::new(4, 8) };
-        assert!(DataLoader::new(data(100), cfg, Order::Shuffled).is_err());
-        let err = DataLoader::new(data(4), LoaderConfig::new(4, 1), Order::Shuffled).err().unwrap();
+        let cfg = LoaderConfig { world: 3, ..LoaderConfig::new(Batching::new(4, 8)) };
+        assert!(DataLoader::new(data(100), cfg).is_err());
+        let err = DataLoader::new(data(4), LoaderConfig::new(Batching::new(4, 1))).err().unwrap();
         assert!(err.to_string().contains("fewer than"), "{err}");
     }
 }

@@ -21,7 +21,7 @@ mod tokenize;
 
 pub use crate::model::layers::IGNORE;
 pub use classify::{predictions, read_labeled, scores, ClassifySet, LabeledText, Scores};
-pub use loader::{validation_steps, Batch, BatchOffsets, DataLoader, LoaderConfig, Order, Step};
+pub use loader::{validation_steps, Batch, BatchOffsets, Batching, DataLoader, LoaderConfig, Order, Step};
 pub use masked::{MaskOptions, MaskedSet};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
 pub use seq2seq::{read_source_target, rouge_l, Seq2SeqSet, SourceTarget};

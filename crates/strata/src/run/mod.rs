@@ -24,10 +24,10 @@
 mod observe;
 pub mod tensorboard;
 
-use crate::auto::{self, AutoAccelerate, AutoOptions, DataloaderArgs};
+use crate::auto::{self, AutoAccelerate, AutoOptions};
 use crate::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankInfo};
-use crate::data::{validation_steps, DataLoader, Dataset, LoaderConfig, Order, Step};
+use crate::data::{validation_steps, Batching, DataLoader, Dataset, LoaderConfig, Order, Step};
 use crate::engine::{Engine, EngineConfig, EventSink, EventSinks, UnitClock};
 use crate::io::{AdapterOut, FolderOut, WeightsTarget};
 use crate::model::{Builder, ModelConfig, ModelDir, ModelSpec};
@@ -185,16 +185,10 @@ pub const CUDA_GRAPH_WARMUP: u64 = 2;
 pub struct RunConfig {
     /// Optimizer steps in all (a resumed run continues up to this count).
     pub steps: u64,
-    /// Windows per global batch, tokens per window, micro-batches per step.
-    pub batch_size: usize,
-    pub ctx: usize,
-    pub accumulation: usize,
-    /// Seeds parameter initialisation and the data order.
-    pub seed: u64,
-    /// How each step's windows are chosen.
-    pub order: Order,
-    /// Pack several examples into each row, each attending only to itself (example data).
-    pub pack: bool,
+    /// How the data is cut into steps: rows per global batch, positions per row,
+    /// micro-batches per step, the order and its seed (which also seeds the parameters),
+    /// packing.
+    pub batching: Batching,
     /// This process's device; launched ranks move to their local GPU.
     pub device: tch::Device,
     /// Compute threads; `None`: the ranks of a host share its cores.
@@ -249,12 +243,7 @@ impl Default for RunConfig {
     fn default() -> Self {
         RunConfig {
             steps: 100,
-            batch_size: 16,
-            ctx: 64,
-            accumulation: 1,
-            seed: 0,
-            order: Order::Shuffled,
-            pack: false,
+            batching: Batching::default(),
             device: tch::Device::Cpu,
             threads: None,
             optimizer: OptimizerConfig::default(),
@@ -291,7 +280,12 @@ impl RunConfig {
 
     /// Where this run's data stands before step `next_step`, as checkpoints record it.
     fn data_position(&self, next_step: u64) -> DataPosition {
-        DataPosition { seed: self.seed, batch_size: self.batch_size, ctx: self.ctx, next_step }
+        DataPosition {
+            seed: self.batching.seed,
+            batch_size: self.batching.batch_size,
+            ctx: self.batching.ctx,
+            next_step,
+        }
     }
 
     /// Whether a checkpoint is saved after step `step` on the way (the last step's always is).
@@ -513,13 +507,10 @@ pub fn train(
     let mesh = parallel::mesh_of(&strategy, ranks.comm.as_ref(), ranks.local_world_size)?;
     let (data_rank, data_world) = mesh.batch_shard();
     let loader_config = LoaderConfig {
-        accumulation: config.accumulation,
         rank: data_rank,
         world: data_world,
-        seed: config.seed,
         device: config.device,
-        pack: config.pack,
-        ..LoaderConfig::new(config.ctx, config.batch_size)
+        ..LoaderConfig::new(config.batching.clone())
     };
     // Every rank: checkpoints are written, losses agreed and callbacks' stops shared over it.
     let world_group: Option<Arc<dyn ProcessGroup>> = ranks.comm.as_ref().map(|c| c.world()).transpose()?.map(Arc::from);
@@ -531,7 +522,7 @@ pub fn train(
         if let Some(step) = first.get() {
             return Ok(step);
         }
-        let step = DataLoader::new(data.train.clone(), loader_config.clone(), config.order.clone())?
+        let step = DataLoader::new(data.train.clone(), loader_config.clone())?
             .next()
             .ok_or_else(|| Error::Data("the data holds no step to measure on".into()))??;
         Ok(first.get_or_init(|| step))
@@ -547,7 +538,7 @@ pub fn train(
         rules: &[],
         schedule: config.schedule.clone(),
         grad_clip: config.grad_clip,
-        micro_batches: config.accumulation,
+        micro_batches: config.batching.accumulation,
         feed: config.feed(),
         first_step: Some(&first_step),
         report_over: world_group.clone(),
@@ -598,7 +589,7 @@ pub fn train(
     let loader_config = LoaderConfig { start_step: start as usize, ..loader_config };
     let val_steps =
         data.validation.as_ref().map(|v| validation_steps(v, &loader_config, config.eval_batches, 8)).transpose()?;
-    let loader = DataLoader::new(data.train.clone(), loader_config, config.order.clone())?;
+    let loader = DataLoader::new(data.train.clone(), loader_config)?;
     let save_checkpoint = |trainer: &mut Trainer| -> Result<()> {
         let Some(c) = &config.checkpoints else { return Ok(()) };
         let run = RunInfo {
@@ -718,7 +709,7 @@ fn load_initial_weights(init: &[InitialWeights], engine: &mut Engine) -> Result<
 fn engine_config_of(config: &RunConfig) -> EngineConfig {
     EngineConfig {
         device: config.device,
-        seed: config.seed as i64,
+        seed: config.batching.seed as i64,
         device_budget: config.device_memory,
         host_budget: config.host_memory,
         ..Default::default()
@@ -729,7 +720,7 @@ fn engine_config_of(config: &RunConfig) -> EngineConfig {
 fn check_data(model: &Model, data: &Data, config: &RunConfig) -> Result<()> {
     if config.cuda_graph {
         let host_side = [
-            (config.pack, "packed rows (--pack) are laid out on the host for each step"),
+            (config.batching.pack, "packed rows (--pack) are laid out on the host for each step"),
             (
                 config.unit_times,
                 "unit times (--unit-times) are host clocks around each unit, which a replay runs none of",
@@ -743,18 +734,18 @@ fn check_data(model: &Model, data: &Data, config: &RunConfig) -> Result<()> {
             return Err(Error::Config(format!("cuda_graph: {why}")));
         }
     }
-    if config.pack && !matches!(data.train.as_ref(), Dataset::Examples(_)) {
+    if config.batching.pack && !matches!(data.train.as_ref(), Dataset::Examples(_)) {
         return Err(Error::Config("packing joins examples into rows: train on example data".into()));
     }
     if let Some(model) = &model.config {
         for set in std::iter::once(&data.train).chain(&data.validation) {
-            set.check_fits(config.ctx, model.vocab() as usize)?;
+            set.check_fits(config.batching.ctx, model.vocab() as usize)?;
             if let Some(types) = model.token_types() {
                 set.check_token_types(types)?;
             }
         }
     }
-    if let Order::Offsets(offsets) = &config.order {
+    if let Order::Offsets(offsets) = &config.batching.order {
         if (offsets.offsets.len() as u64) < config.steps {
             return Err(Error::Data(format!(
                 "the batch offsets hold {} steps, fewer than the run's {}",
@@ -815,15 +806,7 @@ fn choose_strategy(
         StrategySource::Auto(options) => options,
     };
     let build = |b: &mut Builder| (model.build)(b);
-    let args = DataloaderArgs {
-        ctx: config.ctx,
-        batch_size: config.batch_size,
-        accumulation: config.accumulation,
-        seed: config.seed,
-        order: config.order.clone(),
-        pack: config.pack,
-    };
-    let mut job = AutoAccelerate::new(&build, data.train.clone(), args);
+    let mut job = AutoAccelerate::new(&build, data.train.clone(), config.batching.clone());
     job.freeze = config.freeze.clone();
     job.optim = config.optimizer.clone();
     job.lr_scheduler = config.schedule.clone();

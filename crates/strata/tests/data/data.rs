@@ -1,7 +1,8 @@
 use proptest::prelude::*;
 use std::sync::Arc;
 use strata::data::{
-    tokenize_files, BatchOffsets, DataLoader, LoaderConfig, Order, TokenData, TokenWidth, TokenizeOptions, Tokenizer,
+    tokenize_files, BatchOffsets, Batching, DataLoader, LoaderConfig, Order, TokenData, TokenWidth, TokenizeOptions,
+    Tokenizer,
 };
 
 /// A small word-level tokenizer.json, written as the Hugging Face format describes it.
@@ -116,7 +117,7 @@ proptest! {
         let plan = BatchOffsets::from_file(&path).unwrap();
         let data = TokenData::new((0..100).map(|i| i * 7 % 251).collect(), "p");
         let steps: Vec<_> =
-            DataLoader::new(Arc::new(data.clone().into()), LoaderConfig::new(8, 3), Order::Offsets(plan)).unwrap().collect();
+            DataLoader::new(Arc::new(data.clone().into()), LoaderConfig::new(Batching { order: Order::Offsets(plan), ..Batching::new(8, 3) })).unwrap().collect();
         prop_assert_eq!(steps.len(), rows.len());
         for (step, offsets) in steps.iter().zip(&rows) {
             let b = &step.as_ref().unwrap().micro_batches[0];

@@ -3,6 +3,7 @@
 //! types, the loss falling and the held-out accuracy above chance.
 use crate::common;
 
+use strata::data::Batching;
 use strata::data::{predictions, read_labeled, scores, ClassifySet, LabeledText, RowSet, Tokenizer};
 use strata::engine::{Engine, EngineConfig};
 use strata::model::{BertConfig, BertHead, ModelConfig};
@@ -57,10 +58,9 @@ fn a_bert_classifier_learns_labeled_texts_through_the_library_run() {
     let run_config = RunConfig {
         outputs: run::Outputs { weights: Some(saved.clone()), ..Default::default() },
         steps: 120,
-        batch_size: 16,
-        ctx: 64,
         eval_every: Some(60),
         optimizer: strata::optim::OptimizerConfig { lr: 1e-3, ..Default::default() },
+        batching: Batching { batch_size: 16, ctx: 64, ..Batching::default() },
         ..RunConfig::default()
     };
     let mut losses = vec![];
@@ -104,8 +104,6 @@ fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
         let (counted_inputs, counted_losses) = (inputs.clone(), losses.clone());
         let config = RunConfig {
             steps: 4,
-            batch_size: 16,
-            ctx: 64,
             prepare_input: Some(Arc::new(move |b: &strata::data::Batch| {
                 counted_inputs.fetch_add(1, Ordering::Relaxed);
                 Ok(b.inputs.shallow_clone())
@@ -115,6 +113,7 @@ fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
                 strata::model::layers::cross_entropy(logits, &b.targets)
             })),
             strategy,
+            batching: Batching { batch_size: 16, ctx: 64, ..Batching::default() },
             ..RunConfig::default()
         };
         run::train(&model, &Data::new(set.clone()), &config, &mut []).unwrap();
@@ -133,9 +132,8 @@ fn a_run_reads_its_input_and_loss_from_the_functions_it_is_given() {
     // What prepare_input returns is what the model reads: ids past the vocabulary fail.
     let config = RunConfig {
         steps: 1,
-        batch_size: 16,
-        ctx: 64,
         prepare_input: Some(Arc::new(|b: &strata::data::Batch| Ok(b.inputs.f_add_scalar(10_000)?))),
+        batching: Batching { batch_size: 16, ctx: 64, ..Batching::default() },
         ..RunConfig::default()
     };
     assert!(run::train(&model, &Data::new(set.clone()), &config, &mut []).is_err(), "the input went unread");
@@ -151,7 +149,11 @@ fn text_pairs_are_refused_before_training_by_a_model_of_one_token_type() {
         LabeledText { text: "bad plot".into(), pair: None, label: 0 },
     ];
     let set = ClassifySet::encode(&records, &Tokenizer::Bytes, 32, 0, "pairs.jsonl").unwrap();
-    let run_config = RunConfig { steps: 1, batch_size: 2, ctx: 32, ..RunConfig::default() };
+    let run_config = RunConfig {
+        steps: 1,
+        batching: Batching { batch_size: 2, ctx: 32, ..Batching::default() },
+        ..RunConfig::default()
+    };
     let model = Model::from(ModelConfig::Bert(common::tiny_bert_classifier(32, 1, &["negative", "positive"])));
     let err = run::train(&model, &Data::new(set), &run_config, &mut []).unwrap_err().to_string();
     assert!(err.contains("pairs.jsonl holds token type 1"), "{err}");

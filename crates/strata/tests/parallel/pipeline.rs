@@ -5,6 +5,7 @@
 
 use crate::common::ranks::{assert_all_ok, connect, run_ranks};
 use std::sync::Arc;
+use strata::data::Batching;
 use strata::data::{validation_steps, LoaderConfig, TokenData};
 use strata::engine::EngineConfig;
 use strata::engine::{Event, EventLog};
@@ -50,7 +51,7 @@ fn measured_units_are_timed_and_weighed_by_their_buffers() {
     let strategy = Strategy::default();
     let (executor, parts) = PipelineExecutor::build(&setup(&spec, &strategy, None, 2), None).unwrap();
     let data = TokenData::new((0..2000).map(|i| (i * 7 % 300) as u32).collect(), "tokens").into();
-    let config = LoaderConfig { accumulation: 2, ..LoaderConfig::new(16, 4) };
+    let config = LoaderConfig::new(Batching { accumulation: 2, ..Batching::new(16, 4) });
     let step = validation_steps(&data, &config, Some(1), 1).unwrap().remove(0);
     let held = executor.most_held().unwrap();
     assert_eq!(held, [1], "one stage under 1F1B runs each micro-batch's backward before the next forward");
@@ -122,8 +123,11 @@ fn rank_entry() {
         .collect();
     let data = TokenData::new((0..4000).map(|i| (i * 13 % 64) as u32).collect(), "tokens").into();
     // The replica group's rank: the data dimension is the second.
-    let config =
-        LoaderConfig { accumulation: micro_batches, rank: comm.rank() / 2, world: 2, ..LoaderConfig::new(16, 8) };
+    let config = LoaderConfig {
+        rank: comm.rank() / 2,
+        world: 2,
+        ..LoaderConfig::new(Batching { accumulation: micro_batches, ..Batching::new(16, 8) })
+    };
     let steps = validation_steps(&data, &config, Some(2), 2).unwrap();
     for step in &steps {
         trainer.train_step(step).unwrap();
