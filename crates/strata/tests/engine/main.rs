@@ -1,5 +1,7 @@
-//! The engine, its memory ledger against its storages, and the planner's time model.
+//! The engine, its memory ledger against its storages, the planner's time model, and the
+//! library's modules standing on floors.
 
+mod architecture;
 mod engine;
 mod memory;
 mod plan;
