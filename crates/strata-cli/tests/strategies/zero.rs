@@ -31,20 +31,38 @@ fn assert_same(one: &Path, other: &Path, what: &str, bound: f64) {
     assert!(global < bound, "{what}: parameters differ by {global:e} (worst tensor {worst:e})");
 }
 
-/// The one-process run every layout below is compared with, trained once per test binary.
+/// The one-process run every layout below is compared with, trained once per test binary:
+/// its weights and its metrics.
 fn one_process() -> PathBuf {
     common::shared_dir("one", |dir| {
-        train(dir, "one.st", &[]);
+        let metrics = dir.join("one.jsonl");
+        train(dir, "one.st", &["--metrics", metrics.to_str().unwrap()]);
     })
-    .join("one.st")
 }
 
-/// `strategy` on `nproc` ranks with `accumulation` micro-batches reaches one process's weights.
+/// `strategy` on `nproc` ranks with `accumulation` micro-batches reaches one process's weights,
+/// and reports every step the loss of the whole global batch, as one process does.
 fn matches_one_process(strategy: &str, nproc: &str, accumulation: &str) {
     let dir = tempfile::tempdir().unwrap();
     let what = format!("{strategy} on {nproc} ranks, accumulation {accumulation}");
-    let args = ["--strategy", strategy, "--nproc", nproc, "--accumulation", accumulation];
-    assert_same(&one_process(), &train(dir.path(), "w.st", &args), &what, 1e-5);
+    let metrics = dir.path().join("w.jsonl");
+    let args = [
+        "--strategy",
+        strategy,
+        "--nproc",
+        nproc,
+        "--accumulation",
+        accumulation,
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ];
+    let one = one_process();
+    assert_same(&one.join("one.st"), &train(dir.path(), "w.st", &args), &what, 1e-5);
+    let (expected, got) = (losses(&one.join("one.jsonl")), losses(&metrics));
+    assert_eq!(expected.len(), got.len(), "{what}: steps recorded");
+    for ((step, a), (_, b)) in expected.iter().zip(&got) {
+        assert!(((a - b) / a).abs() < 1e-5, "{what}: step {step} loss {b} against one process's {a}");
+    }
 }
 
 /// One test per configuration, so a failure names its case and the others still run.
@@ -94,7 +112,7 @@ matches_one_process! {
 fn one_rank_on_half_the_batch_differs() {
     let dir = tempfile::tempdir().unwrap();
     let half = train(dir.path(), "half.st", &["--batch-size", "4"]);
-    assert!(global_gap(&one_process(), &half) > 1e-3);
+    assert!(global_gap(&one_process().join("one.st"), &half) > 1e-3);
 }
 
 #[test]
