@@ -20,10 +20,10 @@ fn rust_files(path: &Path) -> Vec<PathBuf> {
     }
     let mut files: Vec<PathBuf> = std::fs::read_dir(path).unwrap().map(|e| e.unwrap().path()).collect();
     files.sort();
-    files.into_iter().flat_map(|p| if p.is_dir() { rust_files(&p) } else { vec![p] }).filter(is_rust).collect()
+    files.into_iter().flat_map(|p| if p.is_dir() { rust_files(&p) } else { vec![p] }).filter(|p| is_rust(p)).collect()
 }
 
-fn is_rust(p: &PathBuf) -> bool {
+fn is_rust(p: &Path) -> bool {
     p.extension().is_some_and(|e| e == "rs")
 }
 
