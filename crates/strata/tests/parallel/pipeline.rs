@@ -1,7 +1,8 @@
 //! Pipelines in the library: the unit measurement, in one process (one stage), where every
 //! unit is timed and weighed by the model-state bytes its buffers hold and the activation
 //! bytes its forward keeps; and fsdp beside a
-//! pipeline, on 4 ranks, gathering each unit once per step however many micro-batches run.
+//! pipeline, on 4 ranks, gathering each unit once per step however many micro-batches run;
+//! and `auto::prepare`'s trainer under a pipeline on 2 ranks, following one process.
 
 use crate::common::ranks::{assert_all_ok, connect, run_ranks};
 use std::sync::Arc;
@@ -100,11 +101,53 @@ fn fsdp_in_a_pipeline_gathers_each_unit_once_per_step() {
     assert_all_ok(&run_ranks(4, "shm", "pipeline-fsdp"));
 }
 
+/// `auto_accelerate`'s prepared trainer (the ATorch-shaped call) under a pipeline strategy
+/// holds this rank's stage and trains as the prepared trainer of one process does.
+#[test]
+fn a_prepared_trainer_runs_a_pipeline_as_one_process_runs_the_model() {
+    assert_all_ok(&run_ranks(2, "shm", "prepared-pipeline"));
+}
+
+/// Losses of 3 steps of `auto::prepare`'s trainer for `strategy` over `comm`'s ranks (none:
+/// one process), with the first unit of this rank's part.
+fn prepared_losses(strategy: &str, comm: Option<&strata::comm::Comm>) -> (Vec<f64>, usize) {
+    let model = ModelConfig::Gpt(GptConfig::new(64, 16, 3, 2, 32));
+    let build = |b: &mut strata::model::Builder| model.build(b);
+    let data = Arc::new(TokenData::new((0..4000).map(|i| (i * 13 % 64) as u32).collect(), "tokens").into());
+    let batching = Batching { accumulation: 2, seed: 5, ..Batching::new(16, 8) };
+    let mut job = strata::auto::AutoAccelerate::new(&build, data, batching);
+    job.comm = comm;
+    job.local_world_size = comm.map_or(1, |c| c.size());
+    job.grad_clip = Some(0.5);
+    let strategy = Strategy::parse(strategy).unwrap();
+    let mut prepared = strata::auto::prepare(&job, &strategy, strata::parallel::DEFAULT_BUCKET_BYTES).unwrap();
+    let losses = (0..3)
+        .map(|_| {
+            let step = prepared.loader.next().unwrap().unwrap();
+            prepared.trainer.train_step(&step).unwrap().loss
+        })
+        .collect();
+    (losses, prepared.trainer.parts()[0].first_unit)
+}
+
 #[test]
 fn rank_entry() {
     let Ok(scenario) = std::env::var("STRATA_TEST_SCENARIO") else { return };
-    assert_eq!(scenario, "pipeline-fsdp");
     let comm = connect();
+    if scenario == "prepared-pipeline" {
+        let pipeline =
+            r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"balance": "parameters"}]]"#;
+        let (staged, first_unit) = prepared_losses(pipeline, Some(&comm));
+        // Stage 1 starts past the embedding and the first blocks.
+        assert_eq!(first_unit > 0, comm.rank() == 1, "rank {} holds units from {first_unit}", comm.rank());
+        let (one, _) = prepared_losses("[]", None);
+        for (step, (a, b)) in one.iter().zip(&staged).enumerate() {
+            assert!(((a - b) / a).abs() < 1e-5, "step {step}: the pipeline's loss {b}, one process's {a}");
+        }
+        println!("RANK-OK");
+        return;
+    }
+    assert_eq!(scenario, "pipeline-fsdp");
     let model = ModelConfig::Llama(LlamaConfig::new(64, 16, 4, 2, 32));
     let spec = || model.spec();
     let strategy =
