@@ -7,6 +7,12 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 # The examples as runnable programs: crates/strata-cli/tests/launch/library.rs runs them
 # (`cargo test` alone builds them only as test harnesses).
-cargo build --workspace --examples
-cargo test --workspace --all-targets "$@"
-cargo test --workspace --doc
+# STRATA_TEST_FEATURES (e.g. `strata/mpi`) builds and tests everything with those cargo
+# features, once.
+features=()
+if [ -n "${STRATA_TEST_FEATURES:-}" ]; then
+  features=(--features "$STRATA_TEST_FEATURES")
+fi
+cargo build --workspace --examples ${features[@]+"${features[@]}"}
+cargo test --workspace --all-targets ${features[@]+"${features[@]}"} "$@"
+cargo test --workspace --doc ${features[@]+"${features[@]}"}
