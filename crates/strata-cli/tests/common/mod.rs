@@ -83,14 +83,20 @@ pub fn train_run(dir: &Path, name: &str, steps: usize, args: &[&[&str]]) -> Run 
 /// `other` follows `one` step for step: every loss within a relative `loss` of one's, and
 /// the final weights within a global gap of `weights`.
 pub fn assert_follows(one: &Run, other: &Run, what: &str, loss: f64, weights: f64) {
-    let (expected, got) = (losses(&one.1), losses(&other.1));
-    assert_eq!(expected.len(), got.len(), "{what}: steps recorded");
-    for ((step, a), (_, b)) in expected.iter().zip(&got) {
-        assert!(((a - b) / a).abs() < loss, "{what}: step {step} loss {b} against {a}");
-    }
+    assert_losses_follow(&one.1, &other.1, what, loss);
     let gap = global_gap(&one.0, &other.0);
     eprintln!("{what}: weights differ by {gap:.2e}");
     assert!(gap < weights, "{what}: weights differ by {gap:e}");
+}
+
+/// Every step's loss in the metrics file `other` is within `bound` (relative) of the same
+/// step's in `one`, and both hold the same steps.
+pub fn assert_losses_follow(one: &Path, other: &Path, what: &str, bound: f64) {
+    let (expected, got) = (losses(one), losses(other));
+    assert_eq!(expected.len(), got.len(), "{what}: steps recorded");
+    for ((step, a), (_, b)) in expected.iter().zip(&got) {
+        assert!(((a - b) / a).abs() < bound, "{what}: step {step} loss {b} against {a}");
+    }
 }
 
 /// The step reports of a metrics file, one per line.

@@ -58,11 +58,7 @@ fn matches_one_process(strategy: &str, nproc: &str, accumulation: &str) {
     ];
     let one = one_process();
     assert_same(&one.join("one.st"), &train(dir.path(), "w.st", &args), &what, 1e-5);
-    let (expected, got) = (losses(&one.join("one.jsonl")), losses(&metrics));
-    assert_eq!(expected.len(), got.len(), "{what}: steps recorded");
-    for ((step, a), (_, b)) in expected.iter().zip(&got) {
-        assert!(((a - b) / a).abs() < 1e-5, "{what}: step {step} loss {b} against one process's {a}");
-    }
+    common::assert_losses_follow(&one.join("one.jsonl"), &metrics, &what, 1e-5);
 }
 
 /// One test per configuration, so a failure names its case and the others still run.
