@@ -20,13 +20,13 @@ build() {
   mkdir -p "$into"
   "$repo/scripts/setup.sh"
   cd "$repo"
-  cargo build --release --features cuda -p strata-cli
+  cargo build --release -p strata-cli
   cp target/release/strata "$into/strata"
   # Each test binary cargo builds, found in its JSON messages: (crate, test binary, label).
   for target in "strata-ext ext ext" "strata compute cuda" "strata-cli launch gpu"; do
     set -- $target
     local exe
-    exe=$(cargo test --release --features cuda -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
+    exe=$(cargo test --release -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
       python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)

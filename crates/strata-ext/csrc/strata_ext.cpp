@@ -467,7 +467,7 @@ int strata_kineto_save(const char* path) {
   at::globalContext().lazyInitDevice(at::kCUDA)
 #else
 #define STRATA_REQUIRE_CUDA() \
-  TORCH_CHECK(false, "Strata was built without CUDA support (cargo feature `cuda`)")
+  TORCH_CHECK(false, "Strata was built against a libtorch without CUDA: scripts/setup.sh installs PyPI's CUDA torch and its nvidia headers, then rebuild")
 #endif
 
 #ifdef STRATA_CUDA
@@ -1481,7 +1481,7 @@ extern "C" {
 
 // The kernels below leave `*out` null where they do not serve the inputs, for the caller's
 // own composite: the vectorised kernels serve fp32 CPU tensors, and, in a build with the
-// cuda feature, the CUDA kernels (cuda_kernels.h) serve fp32, bf16 and fp16 GPU tensors.
+// CUDA build, the CUDA kernels (cuda_kernels.h) serve fp32, bf16 and fp16 GPU tensors.
 // Each records a backward without a second derivative.
 
 // GELU, tanh form, of any shape.
@@ -1619,13 +1619,13 @@ int strata_linear_weight_grad(const Tensor* g, const Tensor* x, const Tensor* dw
   });
 }
 
-// Compiles every CUDA kernel for `arch` without a device (an error without the cuda feature).
+// Compiles every CUDA kernel for `arch` without a device (an error in a build without CUDA).
 int strata_cuda_compile_kernels(const char* arch) {
   return guarded([&] {
 #ifdef STRATA_CUDA
     strata_cuda::compile_all(arch);
 #else
-    TORCH_CHECK(false, "built without the cuda feature");
+    TORCH_CHECK(false, "Strata was built against a libtorch without CUDA: scripts/setup.sh installs PyPI's CUDA torch and its nvidia headers, then rebuild");
 #endif
   });
 }

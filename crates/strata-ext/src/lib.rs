@@ -600,7 +600,7 @@ extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
 
 /// Strata's kernels, each recorded for autograd as one node whose backward is not itself
 /// differentiable (asking for a second derivative through it is an error): vectorised CPU
-/// kernels for fp32 CPU tensors and, in a build with the `cuda` feature, CUDA kernels for
+/// kernels for fp32 CPU tensors and, where the build carries CUDA, CUDA kernels for
 /// fp32, bf16 and fp16 GPU tensors, compiled at run time by NVRTC for the device at hand
 /// (once per process for each dtype). Each returns `None` for inputs it does not serve, for
 /// the caller's own composite.
@@ -1015,11 +1015,11 @@ pub fn cuda_autocast(enabled: bool, kind: tch::Kind) -> Result<()> {
 }
 
 /// CUDA streams, events and caching-allocator statistics. Every call returns an error
-/// (never panics) when the crate was built without the `cuda` feature or no GPU is visible.
+/// (never panics) when the crate was built against a libtorch without CUDA or no GPU is visible.
 pub mod cuda {
     use super::*;
 
-    /// Whether this build carries the CUDA code paths (the `cuda` cargo feature).
+    /// Whether this build carries the CUDA code paths (its libtorch carried CUDA).
     pub fn is_built() -> bool {
         // SAFETY: a pure query.
         unsafe { strata_cuda_is_built() != 0 }
@@ -1239,7 +1239,7 @@ pub mod cuda {
 }
 
 /// NCCL communicators and collectives, enqueued on torch's current stream of the tensors'
-/// device. Without the `cuda` feature every call returns an error.
+/// device. In a build without CUDA every call returns an error.
 pub mod nccl {
     use super::*;
 

@@ -3,7 +3,7 @@
 //! reaches, for data parallelism and the ZeRO family; and the GPU's run reports the
 //! allocator's peak. Skipped, with a message, where no GPU is visible.
 
-use crate::common::{global_gap, reports, stderr, strata};
+use crate::common::{assert_fails_with, global_gap, reports, stderr, strata};
 use std::path::{Path, PathBuf};
 
 const MODEL: [&str; 12] =
@@ -68,4 +68,17 @@ fn two_ranks_sharing_a_gpu_match_one_process() {
     // Half the batch on one rank really differs: the two ranks learned together.
     let half = train(dir.path(), "half.st", &["--batch-size", "4"]);
     assert!(global_gap(&one, &half) > 1e-3);
+}
+
+/// The one build serves machines without a GPU: there it starts, and a GPU run stops in one
+/// line saying none is present (not that the build lacks something). With a GPU it trains.
+#[test]
+fn a_gpu_run_without_a_gpu_says_none_is_present() {
+    if tch::Cuda::is_available() {
+        eprintln!("a_gpu_run_without_a_gpu_says_none_is_present: skipped, a GPU is visible");
+        return;
+    }
+    assert!(strata_ext::cuda::is_built(), "the set-up's libtorch carries CUDA, so the build does too");
+    let o = strata(&[&["train"][..], &MODEL, &RUN, &["--steps", "1"]].concat());
+    assert_fails_with(&o, "--device cuda: no GPU is present on this machine");
 }

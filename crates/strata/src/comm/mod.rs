@@ -5,7 +5,7 @@
 //! hosts, and `mpi` with the cargo feature of that name, each a byte [`transport`] under the
 //! shared ring algorithms, which a transport may replace with its own collectives: shm
 //! all-reduces, reduce-scatters, all-gathers and broadcasts (from 4 MiB) its own way, MPI
-//! all-reduces; and `nccl` for CUDA tensors, built with the `cuda` feature), the backend
+//! all-reduces; and `nccl` for CUDA tensors), the backend
 //! registry and per-device dispatch (`"cpu:shm,cuda:nccl"`; a ring backend named for `cuda`
 //! stages GPU tensors through pinned host memory), the rendezvous [`store`], and reading a
 //! rank's identity from the environment (`strata launch`, torchrun, Slurm, Open MPI). Must

@@ -1,7 +1,7 @@
 //! The `nccl` backend for CUDA tensors: NCCL collectives enqueued on torch's current stream
 //! of the tensors' device (so they are ordered with the kernels around them), each
 //! returning a [`Work`] that completes when the device passes an event recorded after it.
-//! Built with the `cuda` feature; otherwise making the group reports that.
+//! Without CUDA in the build or a visible GPU, making the group reports which is missing.
 //!
 //! Owns [`NcclGroup`]: sharing the NCCL id through the store, the choice of device and the
 //! checks of the tensors it is given. Must not call NCCL or CUDA directly: `strata_ext`'s
@@ -27,8 +27,13 @@ impl NcclGroup {
     /// `LOCAL_RANK` (modulo the visible devices), as torchrun-launched programs do.
     pub fn connect(setup: &GroupSetup) -> Result<NcclGroup> {
         let devices = tch::Cuda::device_count().max(0) as usize;
-        if !strata_ext::cuda::is_built() || devices == 0 {
-            return Err(Error::Comm("the nccl backend needs a CUDA build (feature `cuda`) and a visible GPU".into()));
+        if !strata_ext::cuda::is_built() {
+            return Err(Error::Comm(
+                "the nccl backend needs CUDA, and this build's libtorch has none (scripts/setup.sh installs one that has)".into(),
+            ));
+        }
+        if devices == 0 {
+            return Err(Error::Comm("the nccl backend needs a GPU, and none is visible".into()));
         }
         let local: usize = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(setup.rank);
         let device = local % devices;

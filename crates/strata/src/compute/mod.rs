@@ -23,7 +23,7 @@ use tch::{Kind, Tensor};
 /// behind the work queued so far: the host queues more (a step's update) and waits for the
 /// copy alone, so the device still has work when the host starts the next step, where a
 /// plain read would let it drain (as fp8's read of its amaxes after the update still does).
-/// Elsewhere (the CPU, several devices, a build without the `cuda` feature) the values are
+/// Elsewhere (the CPU, several devices, a build without CUDA) the values are
 /// read when the read starts.
 pub enum ScalarRead {
     Ready(Vec<f64>),

@@ -554,7 +554,7 @@ impl Engine {
     pub(crate) fn capture_obstacle(&self) -> Option<String> {
         if !self.config.device.is_cuda() || !strata_ext::cuda::is_built() {
             return Some(format!(
-                "it needs a CUDA device and a build with the `cuda` feature; this engine runs on {:?}",
+                "it needs a CUDA device and a build with CUDA; this engine runs on {:?}",
                 self.config.device
             ));
         }

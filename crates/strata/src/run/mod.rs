@@ -432,6 +432,22 @@ impl Ranks {
     }
 }
 
+/// Refuses a GPU the machine does not have, in words, before libtorch's first tensor there
+/// would (with a message about drivers).
+fn check_device(device: tch::Device) -> Result<()> {
+    let tch::Device::Cuda(index) = device else { return Ok(()) };
+    let visible = tch::Cuda::device_count().max(0) as usize;
+    if visible == 0 {
+        return Err(Error::Config("--device cuda: no GPU is present on this machine (torch sees none)".into()));
+    }
+    if index >= visible {
+        return Err(Error::Config(format!(
+            "--device cuda:{index}: this machine has {visible} GPU(s), numbered from 0"
+        )));
+    }
+    Ok(())
+}
+
 /// Trains `model` on `data` as `config` says, calling `callbacks` after every step.
 ///
 /// Started by a launcher (`strata launch`, `torchrun`: `WORLD_SIZE` > 1), the process joins
@@ -460,6 +476,7 @@ pub fn train(
     if let Some(t) = config.threads {
         tch::set_num_threads(t);
     }
+    check_device(config.device)?;
     check_data(model, data, &config)?;
     // The base model: initial weights hold no adapters.
     let spec = model.spec(&config.freeze, None)?;

@@ -1,8 +1,8 @@
 //! The CUDA paths on a GPU: the engine against the CPU, amp (autocast) and half, fp8 scaled
 //! products, fused attention, streams and events, the caching allocator against the
 //! ledger, NCCL on a one-rank group, and ranks sharing one GPU through the host-staged
-//! backend. Every test says it is skipped, and passes, where no GPU is visible or the build
-//! lacks the `cuda` feature (`cargo test --features cuda` on a machine with a GPU runs them).
+//! backend. Every test says it is skipped, and passes, where no GPU is visible or the build's
+//! libtorch has no CUDA (the same build on a machine with a GPU runs them).
 use crate::common;
 
 use crate::common::ranks::{assert_all_ok, run_ranks};
@@ -26,7 +26,7 @@ use tch::{Device, Kind, Tensor};
 /// a message) where there is none.
 fn gpu(test: &str) -> Option<(Device, std::sync::MutexGuard<'static, ()>)> {
     if !(cuda::is_built() && tch::Cuda::is_available()) {
-        eprintln!("{test}: skipped, no GPU visible to a build with the cuda feature");
+        eprintln!("{test}: skipped, no GPU visible to a build with CUDA");
         return None;
     }
     Some((Device::Cuda(0), crate::serial()))
