@@ -6,7 +6,8 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
             saves it with save_pretrained (sharded when --shard-bytes is given); every
             weight of the decoder families is moved off its initial value;
   logits    writes the logits of a folder's model (with a peft adapter folder, if given) for
-            given token rows to a safetensors file;
+            given token rows to a safetensors file (with a mixture of experts' folder, its
+            load-balancing loss too, as `aux_loss`);
   encoder   writes the logits of a BERT folder's model (classifier or masked language
             model) for token rows with their token types and attention mask, and its loss
             against given labels, to a safetensors file;
@@ -21,7 +22,8 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
   seq2seq-train  prints the losses of AdamW steps on a T5 folder's model for batches of
             {sources, mask, labels};
   seq2seq-generate  prints the ids T5's generate(do_sample=False) writes for a source;
-  train     prints the losses of AdamW steps (torch.optim's) on given batches: of the whole
+  train     prints the losses of AdamW steps (torch.optim's) on given batches (a mixture of
+            experts' with its router_aux_loss_coef times its load-balancing loss): of the whole
             model, or with --adapter of that peft adapter's parameters alone (the adapter
             trained is saved to --save-adapter);
   lora-init saves a peft LoRA adapter of a folder's model, for a JSON LoraConfig, with both
@@ -156,6 +158,22 @@ def decoder_families():
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
             tie_word_embeddings=True)),
+        # Mixtures of experts: every expert's weights apart, routing that differs per token,
+        # dense layers among sparse ones, and a load-balancing loss that trains the router.
+        "mixtral": lambda: (tf.MixtralForCausalLM, tf.MixtralConfig(
+            **dict(common, intermediate_size=24), num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=None, tie_word_embeddings=False, router_aux_loss_coef=0.02)),
+        "qwen2-moe": lambda: (tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
+            **common, num_hidden_layers=3, moe_intermediate_size=16, shared_expert_intermediate_size=40,
+            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+            tie_word_embeddings=False, router_aux_loss_coef=0.02)),
+        "qwen3-moe": lambda: (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            **common, num_hidden_layers=3, head_dim=16, moe_intermediate_size=12, num_experts=16,
+            num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[],
+            tie_word_embeddings=False, router_aux_loss_coef=0.02)),
+        "olmoe": lambda: (tf.OlmoeForCausalLM, tf.OlmoeConfig(
+            **dict(common, intermediate_size=16), num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=False, clip_qkv=3.0, tie_word_embeddings=False, router_aux_loss_coef=0.02)),
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
@@ -377,9 +395,13 @@ def main(argv=None):
     elif args.command == "logits":
         model = with_adapter(load(args.dir), args.adapter)
         tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
+        experts = hasattr(model.config, "router_aux_loss_coef")
         with torch.no_grad():
-            out = model(tokens).logits
-        save_file({"logits": out.contiguous()}, args.out)
+            out = model(tokens, output_router_logits=True) if experts else model(tokens)
+        tensors = {"logits": out.logits.contiguous()}
+        if experts:
+            tensors["aux_loss"] = out.aux_loss.reshape(1).float()
+        save_file(tensors, args.out)
     elif args.command == "encoder":
         model = load_encoder(args.dir)
         model.eval()
@@ -455,8 +477,13 @@ def main(argv=None):
         losses = []
         for inputs, targets in batches:
             x, y = torch.tensor(inputs), torch.tensor(targets)
-            logits = model(x).logits
+            # A mixture of experts trains its routers through the load-balancing loss too.
+            experts = hasattr(model.config, "router_aux_loss_coef")
+            out = model(x, output_router_logits=True) if experts else model(x)
+            logits = out.logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            if experts:
+                loss = loss + model.config.router_aux_loss_coef * out.aux_loss
             opt.zero_grad()
             loss.backward()
             opt.step()

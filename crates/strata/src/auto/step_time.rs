@@ -171,14 +171,16 @@ pub struct StepTime {
 }
 
 /// Model FLOPs of one trained token (forward and backward) at `seq_len` positions: 6 per
-/// parameter, plus three times the forward's attention FLOPs, 4 · positions · width per
+/// parameter it is multiplied by (not the experts a router passed over), plus three times the forward's attention FLOPs, 4 · positions · width per
 /// attention each unit declares (as if not causal).
 pub fn model_flops_per_token(spec: &ModelSpec, seq_len: i64) -> Result<f64> {
-    let mut attention_width = 0.0;
+    let (mut attention_width, mut idle) = (0.0, 0.0);
     for u in &spec.units {
-        attention_width += u.declared_cost()?.attention_width;
+        let cost = u.declared_cost()?;
+        attention_width += cost.attention_width;
+        idle += cost.idle_weights;
     }
-    Ok(6.0 * spec.num_params() as f64 + 12.0 * seq_len as f64 * attention_width)
+    Ok(6.0 * (spec.num_params() as f64 - idle) + 12.0 * seq_len as f64 * attention_width)
 }
 
 /// A model's units as the step-time model reads them: what each keeps for its backward,
@@ -201,7 +203,9 @@ impl UnitWork {
         for u in &spec.units {
             let cost = u.declared_cost()?;
             kept.push(cost.kept);
-            flops.push(2.0 * weights_multiplied(spec, u) + 4.0 * seq_len as f64 * cost.attention_width);
+            flops.push(
+                2.0 * (weights_multiplied(spec, u) - cost.idle_weights) + 4.0 * seq_len as f64 * cost.attention_width,
+            );
         }
         Ok(UnitWork { kept, flops, model_flops_per_token: model_flops_per_token(spec, seq_len)? })
     }

@@ -19,7 +19,9 @@ pub mod slots;
 use crate::comm::ProcessGroup;
 use crate::compute::fp8::Fp8Scaling;
 use crate::compute::{self, UnitCompute};
-use crate::model::{DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, RowLayout, TensorParallel, TpRole};
+use crate::model::{
+    DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, Routed, RowLayout, TensorParallel, TpRole,
+};
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
 pub use memory::{Category, MemoryLedger, Placement};
@@ -228,6 +230,8 @@ pub struct Engine {
     amax_group: Option<Arc<dyn ProcessGroup>>,
     events: Option<Arc<dyn EventSink>>,
     grad_ready: Option<Arc<GradReady>>,
+    /// What the latest forward's sparse layers routed (a mixture of experts).
+    routed: Option<Routed>,
 }
 
 /// Held while libtorch's one random generator is seeded and drawn from.
@@ -266,6 +270,11 @@ impl Engine {
         }
         if let Some(budget) = config.host_budget {
             ledger.set_budget(Placement::Host, budget);
+        }
+        if spec.load_balance.as_ref().is_some_and(|b| b.coef() > 0.0) && config.backward == BackwardMode::WholeGraph {
+            return Err(Error::Config(
+                "a mixture of experts' load-balancing loss reaches its layers through the unit-by-unit backward".into(),
+            ));
         }
         if spec.params.iter().any(|p| p.kind.is_some_and(|k| k != config.kind)) {
             return Err(Error::Model("parameters with their own dtype are not supported yet".into()));
@@ -395,6 +404,7 @@ impl Engine {
             amax_group: None,
             events: None,
             grad_ready: None,
+            routed: None,
         })
     }
 
@@ -770,6 +780,9 @@ impl Engine {
         let unit_by_unit = self.config.backward == BackwardMode::UnitByUnit;
         let input_grad = input.requires_grad();
         let mut x = input.shallow_clone();
+        if let Some(balance) = &self.spec.load_balance {
+            balance.open();
+        }
         let mut boundaries = Vec::with_capacity(self.spec.units.len());
         let mut activation_bytes = 0;
         for k in 0..self.spec.units.len() {
@@ -793,6 +806,10 @@ impl Engine {
             x = y;
         }
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
+        self.routed = match &self.spec.load_balance {
+            Some(balance) => balance.close(true)?,
+            None => None,
+        };
         let layout = self.layout.as_ref().map(RowLayout::shallow_clone);
         self.records.insert(micro, ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes, layout });
         Ok(out)
@@ -826,6 +843,7 @@ impl Engine {
     /// Forward without recording anything for backward (evaluation).
     pub fn evaluate(&mut self, input: &Tensor) -> Result<Tensor> {
         self.release_records();
+        self.routed = None;
         let mut x = input.shallow_clone();
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
@@ -1142,6 +1160,13 @@ impl Engine {
     /// Runs `loss` (computed from this engine's output) with the `module_replace` selection
     /// of the unit that made the output, and nothing else of its policy: a fused
     /// cross-entropy where one is selected, the loss's own precision otherwise.
+    /// What the latest training forward's sparse layers routed (a mixture of experts): the
+    /// load-balancing loss and the experts' loads, and the term the training loss must
+    /// include for the routers to learn from it (their backward fails without it).
+    pub fn routed(&self) -> Option<&Routed> {
+        self.routed.as_ref()
+    }
+
     pub fn compute_loss<R>(&self, loss: impl FnOnce() -> Result<R>) -> Result<R> {
         compute::run(&self.loss_compute, Default::default(), false, loss)
     }

@@ -49,21 +49,24 @@ pub struct UnitCost {
     pub attention_width: f64,
     /// The unit looks its weights up (an embedding table): they cost no products.
     pub looks_up: bool,
+    /// Weights of the unit a token is not multiplied by (the experts a router did not
+    /// choose for it): held and trained, but no FLOPs of that token.
+    pub idle_weights: f64,
 }
 
 impl UnitCost {
     /// A unit without attention, multiplying by its weights.
     pub fn keeping(kept: Kept) -> UnitCost {
-        UnitCost { kept, attention_width: 0.0, looks_up: false }
+        UnitCost { kept, attention_width: 0.0, looks_up: false, idle_weights: 0.0 }
     }
 
     /// A unit keeping `kept` and running attentions of `width` in all.
     pub fn attending(kept: Kept, width: i64) -> UnitCost {
-        UnitCost { kept, attention_width: width as f64, looks_up: false }
+        UnitCost { kept, attention_width: width as f64, looks_up: false, idle_weights: 0.0 }
     }
 
     /// An embedding: rows of its tables looked up for the batch's ids, `dim` wide.
     pub fn looking_up(kept: Kept) -> UnitCost {
-        UnitCost { kept, attention_width: 0.0, looks_up: true }
+        UnitCost { kept, attention_width: 0.0, looks_up: true, idle_weights: 0.0 }
     }
 }

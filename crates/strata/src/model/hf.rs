@@ -1,6 +1,7 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`; [`super::bert`] for `bert`, as a
+//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`, and with experts
+//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe` and `olmoe`; [`super::bert`] for `bert`, as a
 //! sequence classifier or a masked language model by its architecture; [`super::t5`] for
 //! `t5`) and written back from one, and each family's parameter names and layouts.
 //!
@@ -9,6 +10,7 @@
 //! names, the tokenizer) and the mapping of names. Must not read tensors or touch an
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::llama::{Activation, LayerAttention, NormKind};
+use super::moe::{ExpertNames, MoeConfig};
 use super::rope::{Rope, RopeScaling};
 use super::{BertConfig, BertHead, FeedForwardActivation, GptConfig, LlamaConfig, ModelConfig, ModelSpec, T5Config};
 use crate::{Error, Result};
@@ -42,6 +44,10 @@ pub enum Family {
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
     Phi3,
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
+    Olmoe,
     Bert,
     T5,
 }
@@ -49,7 +55,7 @@ pub enum Family {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 10] = [
+const FAMILIES: [Family; 14] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -58,6 +64,10 @@ const FAMILIES: [Family; 10] = [
     Family::Gemma2,
     Family::Gemma3,
     Family::Phi3,
+    Family::Mixtral,
+    Family::Qwen2Moe,
+    Family::Qwen3Moe,
+    Family::Olmoe,
     Family::Bert,
     Family::T5,
 ];
@@ -73,6 +83,10 @@ impl Family {
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
             Family::Phi3 => "phi3",
+            Family::Mixtral => "mixtral",
+            Family::Qwen2Moe => "qwen2_moe",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Olmoe => "olmoe",
             Family::Bert => "bert",
             Family::T5 => "t5",
         }
@@ -95,6 +109,10 @@ impl Family {
             Family::Gemma2 => "Gemma2ForCausalLM",
             Family::Gemma3 => "Gemma3ForCausalLM",
             Family::Phi3 => "Phi3ForCausalLM",
+            Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Family::Olmoe => "OlmoeForCausalLM",
             Family::T5 => "T5ForConditionalGeneration",
         }
     }
@@ -107,8 +125,26 @@ impl Family {
         matches!(self, Family::Gemma2 | Family::Gemma3)
     }
 
+    /// The dense family whose attention, windows and keys a mixture of experts shares
+    /// (Mixtral is Mistral's, Qwen2/3-MoE Qwen2/3's, OLMoE LLaMA's but for its norms); a
+    /// dense family is its own.
+    fn dense(self) -> Family {
+        match self {
+            Family::Mixtral => Family::Mistral,
+            Family::Qwen2Moe => Family::Qwen2,
+            Family::Qwen3Moe => Family::Qwen3,
+            Family::Olmoe => Family::Llama,
+            dense => dense,
+        }
+    }
+
+    fn has_experts(self) -> bool {
+        self.dense() != self
+    }
+
     /// The family a built-in model is written as: GPT as GPT-2; the decoder by the options
-    /// it uses (fused projections: Phi-3; Gemma's norms: Gemma 3 with query/key norms, else
+    /// it uses (experts: Mixtral by its names, OLMoE by its norms over whole projections,
+    /// Qwen3-MoE by per-head norms, else Qwen2-MoE; fused projections: Phi-3; Gemma's norms: Gemma 3 with query/key norms, else
     /// Gemma 2; query/key norms: Qwen3; biases on the query, key and value projections
     /// alone: Qwen2; a window on every layer: Mistral; else LLaMA).
     pub fn of(config: &ModelConfig) -> Result<Family> {
@@ -121,6 +157,14 @@ impl Family {
             }
             ModelConfig::Llama(c) => c,
         };
+        if let Some(moe) = &c.moe {
+            return Ok(match c {
+                _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
+                c if c.qk_norm_whole => Family::Olmoe,
+                c if c.qk_norm => Family::Qwen3Moe,
+                _ => Family::Qwen2Moe,
+            });
+        }
         Ok(match c {
             c if c.fused_projections => Family::Phi3,
             c if c.norm == NormKind::PlusOne && c.qk_norm => Family::Gemma3,
@@ -140,31 +184,58 @@ impl Family {
     /// What of `config` this family's files cannot say, if anything.
     fn cannot_write(self, c: &LlamaConfig) -> Option<String> {
         let gemma = self.is_gemma();
+        let olmoe = self == Family::Olmoe;
+        let moe = c.moe.as_ref();
+        let experts = [
+            (moe.is_some() != self.has_experts(), "experts"),
+            (moe.is_some_and(|m| m.shared_expert_dim.is_some()) && self != Family::Qwen2Moe, "a shared expert"),
+            (
+                moe.is_some_and(|m| (m.names == ExpertNames::BlockSparse) != (self == Family::Mixtral)),
+                "Mixtral's names",
+            ),
+            (moe.is_some_and(|m| !m.norm_topk) && self == Family::Mixtral, "routing weights that are not renormalised"),
+            (
+                moe.is_some_and(|m| m.sparse_step != 1 || !m.dense_layers.is_empty())
+                    && matches!(self, Family::Mixtral | Family::Olmoe),
+                "dense layers among sparse ones",
+            ),
+            (c.qk_norm_whole != olmoe || c.clip_qkv.is_some() && !olmoe, "OLMoE's norms and clipping"),
+        ];
+        // The attention's options as the dense family it is built like allows them.
+        let dense = self.dense();
+        let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3) || olmoe;
         let needs = [
-            (c.fused_projections != (self == Family::Phi3), "fused projections"),
+            (c.fused_projections != (dense == Family::Phi3), "fused projections"),
             ((c.norm == NormKind::PlusOne) != gemma, "Gemma's norms"),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
             (c.sandwich_norms != gemma || c.scale_embeddings != gemma, "sandwich norms and scaled embeddings"),
-            (c.qk_norm != matches!(self, Family::Qwen3 | Family::Gemma3), "query/key norms"),
-            (c.local_rope.is_some() && self != Family::Gemma3, "a local rotation"),
+            (c.qk_norm != qk_norm_family, "query/key norms"),
+            (c.local_rope.is_some() && dense != Family::Gemma3, "a local rotation"),
             (
                 (c.attn_softcap.is_some() || c.logit_softcap.is_some() || c.query_pre_attn_scalar.is_some()) && !gemma,
                 "soft-capping or query_pre_attn_scalar",
             ),
             (
                 c.qkv_bias
-                    && !matches!(self, Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Gemma2 | Family::Gemma3),
+                    && !matches!(
+                        dense,
+                        Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Gemma2 | Family::Gemma3
+                    ),
                 "attention biases",
             ),
-            (c.partial_rotary != 1.0 && self != Family::Phi3, "a partial rotation"),
-            (c.sliding_window.is_some() && self == Family::Llama, "a sliding window"),
+            (c.partial_rotary != 1.0 && dense != Family::Phi3, "a partial rotation"),
+            (c.sliding_window.is_some() && dense == Family::Llama, "a sliding window"),
             (
                 c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
-                    && matches!(self, Family::Mistral | Family::Phi3),
+                    && matches!(dense, Family::Mistral | Family::Phi3),
                 "layers of different attention",
             ),
         ];
-        needs.iter().find(|(bad, _)| *bad).map(|(_, what)| format!("a {} model cannot hold {what}", self.model_type()))
+        experts
+            .iter()
+            .chain(&needs)
+            .find(|(bad, _)| *bad)
+            .map(|(_, what)| format!("a {} model cannot hold {what}", self.model_type()))
     }
 
     /// The name a family's files give a Strata parameter, and whether they hold its matrix
@@ -364,7 +435,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         .collect();
     let sliding = layer_types.contains(&"sliding_attention");
     let window = if sliding { json!(c.sliding_window) } else { Value::Null };
-    match family {
+    match family.dense() {
         Family::Qwen2 | Family::Qwen3 => {
             // Qwen slides the layers from max_window_layers on.
             let first = layer_types.iter().position(|t| *t == "sliding_attention").unwrap_or(layer_types.len());
@@ -372,7 +443,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["sliding_window"] = window;
             v["max_window_layers"] = json!(first);
             v["layer_types"] = json!(layer_types);
-            if family == Family::Qwen3 {
+            if family.dense() == Family::Qwen3 {
                 v["attention_bias"] = json!(c.qkv_bias);
             }
         }
@@ -388,11 +459,15 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["attention_bias"] = json!(c.qkv_bias);
         }
         Family::Mistral | Family::Phi3 => v["sliding_window"] = window,
-        // GPT-2, BERT and T5 never reach here (`Family::config_json`).
-        Family::Llama | Family::Gpt2 | Family::Bert | Family::T5 => {
+        // GPT-2, BERT and T5 never reach here (`Family::config_json`); the mixtures of
+        // experts are their dense families here.
+        _ => {
             v["attention_bias"] = json!(c.o_bias);
             v["mlp_bias"] = json!(false);
         }
+    }
+    if let Some(moe) = &c.moe {
+        experts_json(family, c, moe, &mut v);
     }
     if !family.is_gemma() {
         v["hidden_act"] = json!("silu");
@@ -401,6 +476,38 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["pad_token_id"] = json!(t);
     }
     v
+}
+
+/// The `config.json` keys of a mixture of experts written as `family`.
+fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value) {
+    v["num_experts_per_tok"] = json!(moe.top_k);
+    v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
+    match family {
+        // Mixtral's and OLMoE's experts are intermediate_size wide, and every layer is sparse.
+        Family::Mixtral => {
+            v["num_local_experts"] = json!(moe.experts);
+            v["intermediate_size"] = json!(moe.expert_ffn_dim);
+            v["router_jitter_noise"] = json!(0.0);
+        }
+        Family::Olmoe => {
+            v["num_experts"] = json!(moe.experts);
+            v["intermediate_size"] = json!(moe.expert_ffn_dim);
+            v["norm_topk_prob"] = json!(moe.norm_topk);
+            v["clip_qkv"] = json!(c.clip_qkv);
+            v["attention_bias"] = json!(c.qkv_bias);
+        }
+        _ => {
+            v["num_experts"] = json!(moe.experts);
+            v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
+            v["norm_topk_prob"] = json!(moe.norm_topk);
+            v["decoder_sparse_step"] = json!(moe.sparse_step);
+            v["mlp_only_layers"] = json!(moe.dense_layers);
+            if family == Family::Qwen2Moe {
+                v["shared_expert_intermediate_size"] = json!(moe.shared_expert_dim.unwrap_or(0));
+                v["qkv_bias"] = json!(c.qkv_bias);
+            }
+        }
+    }
 }
 
 /// A Hugging Face model folder, read: the model it describes and where its files are.
@@ -746,6 +853,10 @@ impl Keys<'_> {
     /// The decoder of `family` ([`super::llama`]); keys that change the computation and
     /// that it cannot honour are refused by name.
     fn decoder(&self, family: Family) -> KeyResult<LlamaConfig> {
+        let moe = self.experts(family)?;
+        let olmoe = family == Family::Olmoe;
+        // A mixture of experts' attention and windows are those of the family it grew from.
+        let family = family.dense();
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
         let layers = self.required("num_hidden_layers")?;
         let gemma = family.is_gemma();
@@ -805,12 +916,14 @@ impl Keys<'_> {
             kv_heads: self.int("num_key_value_heads")?,
             norm_eps: self.float("rms_norm_eps")?.unwrap_or(1e-6),
             tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma),
-            qkv_bias: family == Family::Qwen2 || attention_bias,
+            qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: family != Family::Qwen2 && attention_bias,
             head_dim,
             norm: if gemma { NormKind::PlusOne } else { NormKind::Weighted },
             activation,
-            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3) || olmoe,
+            qk_norm_whole: olmoe,
+            clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
             sandwich_norms: gemma,
             scale_embeddings: gemma,
             query_pre_attn_scalar: if gemma {
@@ -824,8 +937,54 @@ impl Keys<'_> {
             layer_types,
             fused_projections: family == Family::Phi3,
             padding_token: self.int("pad_token_id")?,
+            moe,
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
         })
+    }
+
+    /// The experts of a mixture-of-experts family, as its keys name them; `None` for a
+    /// dense family.
+    fn experts(&self, family: Family) -> KeyResult<Option<MoeConfig>> {
+        if !family.has_experts() {
+            return Ok(None);
+        }
+        // Noise on the router's input in training: a regulariser Strata does not apply.
+        self.only("router_jitter_noise", &[json!(0), json!(0.0)], "routing takes no noise")?;
+        let experts = match self.int("num_experts")? {
+            Some(n) => n,
+            None => self.required("num_local_experts")?,
+        };
+        let (expert_ffn_dim, norm_topk) = match family {
+            Family::Mixtral => (self.required("intermediate_size")?, true),
+            Family::Olmoe => (self.required("intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
+            _ => (self.required("moe_intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
+        };
+        let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe);
+        let dense_layers = match self.get("mlp_only_layers").filter(|_| qwen) {
+            Some(Value::Array(layers)) => layers
+                .iter()
+                .map(|l| {
+                    l.as_i64().ok_or_else(|| format!("config.json: mlp_only_layers holds {l}, not a layer number"))
+                })
+                .collect::<KeyResult<Vec<i64>>>()?,
+            Some(other) => return Err(format!("config.json: mlp_only_layers is not a list ({other})")),
+            None => vec![],
+        };
+        let shared_expert_dim = match family {
+            Family::Qwen2Moe => self.int("shared_expert_intermediate_size")?.filter(|&d| d > 0),
+            _ => None,
+        };
+        Ok(Some(MoeConfig {
+            experts,
+            top_k: self.required("num_experts_per_tok")?,
+            expert_ffn_dim,
+            norm_topk,
+            shared_expert_dim,
+            sparse_step: if qwen { self.int("decoder_sparse_step")?.unwrap_or(1) } else { 1 },
+            dense_layers,
+            aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.001),
+            names: if family == Family::Mixtral { ExpertNames::BlockSparse } else { ExpertNames::Mlp },
+        }))
     }
 
     /// The sliding window and which layers it applies to: Mistral's and Phi-3's
@@ -1098,6 +1257,17 @@ mod tests {
             (Family::Gemma2, json!({})),
             (Family::Gemma3, json!({})),
             (Family::Phi3, json!({})),
+            (Family::Mixtral, json!({"num_local_experts": 4, "num_experts_per_tok": 2})),
+            (
+                Family::Qwen2Moe,
+                json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                       "shared_expert_intermediate_size": 16, "mlp_only_layers": [1]}),
+            ),
+            (
+                Family::Qwen3Moe,
+                json!({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "decoder_sparse_step": 2}),
+            ),
+            (Family::Olmoe, json!({"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0})),
         ];
         for (family, keys) in families {
             let c = read(family, keys).unwrap();
@@ -1111,5 +1281,39 @@ mod tests {
         assert!(why.contains("a llama model cannot hold a sliding window"), "{why}");
         let gemma = read(Family::Gemma2, json!({})).unwrap();
         assert!(Family::Qwen3.cannot_write(&gemma).is_some());
+        let dense = read(Family::Qwen3, json!({})).unwrap();
+        assert!(Family::Qwen3Moe.cannot_write(&dense).unwrap().contains("cannot hold experts"));
+    }
+
+    #[test]
+    fn experts_are_read_as_each_family_names_them() {
+        let qwen2 = read(
+            Family::Qwen2Moe,
+            json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                   "shared_expert_intermediate_size": 16, "mlp_only_layers": [1], "router_aux_loss_coef": 0.02}),
+        )
+        .unwrap();
+        let moe = qwen2.moe.as_ref().unwrap();
+        assert_eq!((moe.experts, moe.top_k, moe.expert_ffn_dim, moe.shared_expert_dim), (4, 2, 8, Some(16)));
+        assert_eq!((0..3).map(|i| moe.is_sparse(i)).collect::<Vec<_>>(), [true, false, true]);
+        assert!(qwen2.qkv_bias && !moe.norm_topk && moe.aux_loss_coef == 0.02);
+        // Mixtral's experts are intermediate_size wide and always renormalised.
+        let mixtral = read(Family::Mixtral, json!({"num_local_experts": 4, "num_experts_per_tok": 2})).unwrap();
+        let moe = mixtral.moe.unwrap();
+        assert_eq!((moe.expert_ffn_dim, moe.norm_topk, moe.names), (48, true, ExpertNames::BlockSparse));
+        assert_eq!(moe.aux_loss_coef, 0.001, "transformers' default coefficient");
+        let olmoe = read(Family::Olmoe, json!({"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0})).unwrap();
+        assert!(olmoe.qk_norm && olmoe.qk_norm_whole && olmoe.clip_qkv == Some(8.0));
+        let jitter = read(
+            Family::Mixtral,
+            json!({"num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.1}),
+        );
+        assert!(jitter.unwrap_err().contains("router_jitter_noise = 0.1 is not supported"));
+        let too_many = read(Family::Olmoe, json!({"num_experts": 2, "num_experts_per_tok": 3})).unwrap();
+        assert!(too_many
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("num_experts_per_tok 3 is more than the 2 experts"));
     }
 }

@@ -14,7 +14,10 @@
 //!   marks (Qwen2/3, Gemma 2/3);
 //! - Gemma's RMSNorm scaled by `1 + w`, GELU (tanh) gating, embeddings scaled by √dim and
 //!   norms after attention and the feed-forward as well as before;
-//! - Phi-3's fused `qkv_proj` and `gate_up_proj`.
+//! - Phi-3's fused `qkv_proj` and `gate_up_proj`;
+//! - a mixture of experts in place of the feed-forward on some or all layers
+//!   ([`super::moe`]: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), OLMoE's query and key norms
+//!   over whole projections and its clipped projections.
 //!
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::divides_heads;
@@ -22,6 +25,7 @@ use super::layers::{
     add_rms_norm, attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product, rms_norm_plus_one,
     split_heads, swiglu, vocab_logits, AttentionOptions,
 };
+use super::moe::{Expert, LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, Init, Kept, ParamId, Params, TokenEmbedding, TpRole, Unit,
@@ -29,6 +33,7 @@ use super::{
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use tch::Tensor;
 
 /// How the decoder's RMSNorms apply their weight.
@@ -108,6 +113,12 @@ pub struct LlamaConfig {
     /// Per-head RMSNorm of queries and keys before the rotation.
     #[serde(default)]
     pub qk_norm: bool,
+    /// The query and key norms span each projection whole rather than each head (OLMoE).
+    #[serde(default)]
+    pub qk_norm_whole: bool,
+    /// Query, key and value projections clamped to ± this (OLMoE's `clip_qkv`).
+    #[serde(default)]
+    pub clip_qkv: Option<f64>,
     /// Norms after attention and after the feed-forward too (before the residual add).
     #[serde(default)]
     pub sandwich_norms: bool,
@@ -136,6 +147,9 @@ pub struct LlamaConfig {
     /// `transformers`' embeddings treat it).
     #[serde(default)]
     pub padding_token: Option<i64>,
+    /// Experts in place of the feed-forward on the layers it makes sparse.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
 }
 
 fn whole_rotation() -> f64 {
@@ -164,6 +178,8 @@ impl LlamaConfig {
             norm: NormKind::Weighted,
             activation: Activation::Silu,
             qk_norm: false,
+            qk_norm_whole: false,
+            clip_qkv: None,
             sandwich_norms: false,
             scale_embeddings: false,
             query_pre_attn_scalar: None,
@@ -173,6 +189,7 @@ impl LlamaConfig {
             layer_types: None,
             fused_projections: false,
             padding_token: None,
+            moe: None,
         }
     }
 
@@ -257,6 +274,18 @@ impl LlamaConfig {
         if self.fused_projections && (self.qkv_bias || self.o_bias) {
             return Err(Error::Config("fused projections carry no attention biases".into()));
         }
+        if let Some(moe) = &self.moe {
+            moe.validate()?;
+            if self.fused_projections {
+                return Err(Error::Config("a mixture of experts has no fused gate_up_proj".into()));
+            }
+        }
+        if self.qk_norm_whole && !self.qk_norm {
+            return Err(Error::Config("qk_norm_whole says how query/key norms apply, and qk_norm is off".into()));
+        }
+        if let Some(c) = self.clip_qkv.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(Error::Config(format!("clip_qkv must be positive, got {c}")));
+        }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
             return Err(Error::Config(format!("norm_eps must be positive, got {}", self.norm_eps)));
         }
@@ -277,6 +306,12 @@ enum QkvProjection {
 enum GateUpProjection {
     Apart { gate: ParamId, up: ParamId },
     Fused(ParamId),
+}
+
+/// A block's feed-forward: one gated network, or experts a router chooses among.
+enum FeedForward {
+    Dense { gate_up: GateUpProjection, down: ParamId },
+    Sparse(SparseFeedForward),
 }
 
 /// How the decoder's norms and gate compute (shared by its blocks and head).
@@ -326,14 +361,15 @@ impl Kinds {
 struct LlamaBlock {
     input_norm: ParamId,
     qkv: QkvProjection,
-    /// Per-head norms of the queries and of the keys.
+    /// Norms of the queries and of the keys: per head, or over whole projections.
     qk_norms: Option<(ParamId, ParamId)>,
+    qk_norm_whole: bool,
+    clip_qkv: Option<f64>,
     o: Dense,
     /// Norm of the attention's output before the residual add (sandwich norms).
     post_attention_norm: Option<ParamId>,
     feed_forward_norm: ParamId,
-    gate_up: GateUpProjection,
-    down: ParamId,
+    feed_forward: FeedForward,
     post_feed_forward_norm: Option<ParamId>,
     heads: i64,
     kv_heads: i64,
@@ -354,6 +390,12 @@ impl Unit for LlamaBlock {
         self.run(p, x, Some(cache))
     }
     fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
+        if matches!(self.feed_forward, FeedForward::Sparse(_)) && tp > 1 {
+            return Err(Error::Config("a layer of experts does not run split over tensor ranks".into()));
+        }
+        if self.qk_norm_whole && tp > 1 {
+            return Err(Error::Config("query/key norms over whole projections do not split over tensor ranks".into()));
+        }
         divides_heads(tp, "heads", self.heads)?;
         divides_heads(tp, "key/value heads", self.kv_heads)
     }
@@ -372,10 +414,23 @@ impl LlamaBlock {
                 (q, k, v)
             }
         };
-        let (q, k, v) = (split_heads(&q, heads)?, split_heads(&k, kv_heads)?, split_heads(&v, kv_heads)?);
+        let (q, k) = match self.qk_norms {
+            Some((qn, kn)) if self.qk_norm_whole => (self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?),
+            _ => (q, k),
+        };
+        let clip = |t: Tensor| -> Result<Tensor> {
+            match self.clip_qkv {
+                Some(c) => Ok(t.f_clamp(-c, c)?),
+                None => Ok(t),
+            }
+        };
+        let (q, k, v) =
+            (split_heads(&clip(q)?, heads)?, split_heads(&clip(k)?, kv_heads)?, split_heads(&clip(v)?, kv_heads)?);
         match self.qk_norms {
-            Some((qn, kn)) => Ok((self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?, v)),
-            None => Ok((q, k, v)),
+            Some((qn, kn)) if !self.qk_norm_whole => {
+                Ok((self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?, v))
+            }
+            _ => Ok((q, k, v)),
         }
     }
 
@@ -420,17 +475,22 @@ impl LlamaBlock {
             &self.post_norm(p, self.post_attention_norm, attended)?,
             &p[self.feed_forward_norm],
         )?;
-        let h = tp.enter(&h)?;
-        let gated = match self.gate_up {
-            GateUpProjection::Apart { gate, up } => {
-                self.kinds.gate(&p.linear(&h, gate, None)?, &p.linear(&h, up, None)?)?
+        let fed = match &self.feed_forward {
+            FeedForward::Dense { gate_up, down } => {
+                let h = tp.enter(&h)?;
+                let gated = match *gate_up {
+                    GateUpProjection::Apart { gate, up } => {
+                        self.kinds.gate(&p.linear(&h, gate, None)?, &p.linear(&h, up, None)?)?
+                    }
+                    GateUpProjection::Fused(w) => {
+                        let halves = p.linear(&h, w, None)?.f_chunk(2, -1)?;
+                        self.kinds.gate(&halves[0], &halves[1])?
+                    }
+                };
+                p.row_linear(&gated, *down, None)?
             }
-            GateUpProjection::Fused(w) => {
-                let halves = p.linear(&h, w, None)?.f_chunk(2, -1)?;
-                self.kinds.gate(&halves[0], &halves[1])?
-            }
+            FeedForward::Sparse(experts) => experts.forward(p, &h)?,
         };
-        let fed = p.row_linear(&gated, self.down, None)?;
         Ok(x.f_add(&self.post_norm(p, self.post_feed_forward_norm, fed)?)?)
     }
 
@@ -490,6 +550,14 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         padding: cfg.padding_token,
         kind: "LlamaEmbedding",
     });
+    // One balance over every sparse layer: its loss couples them.
+    let sparse_layers = cfg.moe.as_ref().map_or(0, |m| (0..cfg.layers).filter(|&i| m.is_sparse(i)).count());
+    let balance = cfg.moe.as_ref().filter(|_| sparse_layers > 0).map(|m| {
+        let balance = Arc::new(LoadBalance::new(m.experts, m.top_k, sparse_layers, m.aux_loss_coef));
+        b.load_balance(Arc::clone(&balance));
+        balance
+    });
+    let mut sparse_seen = 0;
     for i in 0..cfg.layers {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());
@@ -506,14 +574,46 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             QkvProjection::Apart { q: (q, None), k: (k, None), v: (v, None) }
         };
         let o = w("self_attn.o_proj.weight", &[d, q_out], TpRole::Row);
-        let gate_up = if cfg.fused_projections {
-            GateUpProjection::Fused(w("mlp.gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
-        } else {
-            let (gate, up) =
-                (w("mlp.gate_proj.weight", &[f, d], TpRole::COLUMN), w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN));
-            GateUpProjection::Apart { gate, up }
+        let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
+        let feed_forward = match sparse {
+            Some((moe, balance)) => {
+                let router = u.param(moe.router_name(&name), &[moe.experts, d], normal, TpRole::Replicated);
+                let experts = (0..moe.experts)
+                    .map(|e| Expert::declare(&mut u, moe.expert_names(&name, e), moe.expert_ffn_dim, d))
+                    .collect();
+                let shared = moe.shared_expert_dim.map(|width| {
+                    let names =
+                        ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{name}.mlp.shared_expert.{w}.weight"));
+                    let shared = Expert::declare(&mut u, names, width, d);
+                    (
+                        shared,
+                        u.linear(format!("{name}.mlp.shared_expert_gate.weight"), &[1, d], normal, TpRole::Replicated),
+                    )
+                });
+                sparse_seen += 1;
+                FeedForward::Sparse(SparseFeedForward {
+                    router,
+                    experts,
+                    shared,
+                    top_k: moe.top_k,
+                    norm_topk: moe.norm_topk,
+                    layer: sparse_seen - 1,
+                    balance: Arc::clone(balance),
+                })
+            }
+            None => {
+                let gate_up = if cfg.fused_projections {
+                    GateUpProjection::Fused(w("mlp.gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
+                } else {
+                    let (gate, up) = (
+                        w("mlp.gate_proj.weight", &[f, d], TpRole::COLUMN),
+                        w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN),
+                    );
+                    GateUpProjection::Apart { gate, up }
+                };
+                FeedForward::Dense { gate_up, down: w("mlp.down_proj.weight", &[d, f], TpRole::Row) }
+            }
         };
-        let down = w("mlp.down_proj.weight", &[d, f], TpRole::Row);
         // A column projection's bias splits with its outputs; the output projection's is
         // added once after the row-parallel sum.
         let mut bias = |proj: &str, out: i64, tp, given: bool| {
@@ -530,10 +630,12 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let o_bias = bias("o_proj", d, TpRole::SequenceReplicated, cfg.o_bias);
         let mut norm = |suffix: &str, width: i64, tp| u.param(format!("{name}.{suffix}"), &[width], norm_init, tp);
         let input_norm = norm("input_layernorm.weight", d, TpRole::SequenceReplicated);
+        // Per head, or (OLMoE) over each projection whole.
+        let (q_width, k_width) = if cfg.qk_norm_whole { (q_out, kv_out) } else { (hd, hd) };
         let qk_norms = cfg.qk_norm.then(|| {
             (
-                norm("self_attn.q_norm.weight", hd, TpRole::PartialGradient),
-                norm("self_attn.k_norm.weight", hd, TpRole::PartialGradient),
+                norm("self_attn.q_norm.weight", q_width, TpRole::PartialGradient),
+                norm("self_attn.k_norm.weight", k_width, TpRole::PartialGradient),
             )
         });
         // With sandwich norms `post_attention_layernorm` norms the attention's output and
@@ -556,18 +658,30 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             _ => cfg.rope(),
         };
         // RMS norms keep their input and one statistic; SwiGLU keeps gate, up, the gate's
-        // activation and their product (4·F); rotary embedding keeps nothing extra.
-        let kept = Kept::block(10.0 * d as f64 + 4.0 * cfg.hidden() as f64 + 7.0, cfg.heads, d);
-        u.declare_cost(UnitCost::attending(kept, cfg.heads * cfg.head_width()));
+        // activation and their product (4·F); rotary embedding keeps nothing extra. A token
+        // of a sparse layer keeps that for each of its k experts (and the shared one), its
+        // routing probabilities, and its input again per slot (the grouped copy); it
+        // multiplies by the router and its experts' weights alone.
+        let (feed_forward_kept, idle_weights) = match cfg.moe.as_ref().filter(|m| m.is_sparse(i)) {
+            Some(m) => {
+                let routed = (m.top_k * (4 * m.expert_ffn_dim + 2 * d)) as f64 + 2.0 * m.experts as f64;
+                let shared = m.shared_expert_dim.map_or(0.0, |s| 4.0 * s as f64 + 1.0);
+                (routed + shared, ((m.experts - m.top_k) * 3 * d * m.expert_ffn_dim) as f64)
+            }
+            None => (4.0 * cfg.hidden() as f64, 0.0),
+        };
+        let kept = Kept::block(10.0 * d as f64 + feed_forward_kept + 7.0, cfg.heads, d);
+        u.declare_cost(UnitCost { idle_weights, ..UnitCost::attending(kept, cfg.heads * cfg.head_width()) });
         u.finish(LlamaBlock {
             input_norm,
             qkv,
             qk_norms,
+            qk_norm_whole: cfg.qk_norm_whole,
+            clip_qkv: cfg.clip_qkv,
             o: (o, o_bias),
             post_attention_norm,
             feed_forward_norm,
-            gate_up,
-            down,
+            feed_forward,
             post_feed_forward_norm,
             heads,
             kv_heads,

@@ -12,6 +12,7 @@ pub mod hf;
 pub mod layers;
 mod llama;
 mod mlp;
+pub mod moe;
 pub mod presets;
 pub mod rope;
 mod t5;
@@ -24,6 +25,7 @@ pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use layers::NoTensorParallel;
 pub use llama::{llama, Activation, LayerAttention, LlamaConfig, NormKind};
 pub use mlp::{mlp, MlpConfig};
+pub use moe::{BalanceReport, ExpertNames, LoadBalance, MoeConfig, Routed};
 pub use presets::{preset, preset_names};
 pub use rope::{Rope, RopeScaling, Rotation};
 pub use t5::{t5, FeedForwardActivation, T5Config};
@@ -503,6 +505,9 @@ pub struct ModelSpec {
     pub copies: Vec<ParamId>,
     /// Low-rank adapters joined to linear layers (a LoRA strategy adds them).
     pub adapters: Adapters,
+    /// The routing of a mixture of experts' sparse layers, gathered for its load-balancing
+    /// loss; `None` for a model without experts.
+    pub load_balance: Option<std::sync::Arc<LoadBalance>>,
 }
 
 impl ModelSpec {
@@ -639,6 +644,7 @@ pub struct Builder {
     params: Vec<ParamSpec>,
     aliases: Vec<(String, ParamId)>,
     names: HashMap<String, ParamId>,
+    load_balance: Option<std::sync::Arc<LoadBalance>>,
     error: Option<Error>,
 }
 
@@ -678,7 +684,13 @@ impl Builder {
             aliases: self.aliases,
             copies: vec![],
             adapters: Adapters::new(),
+            load_balance: self.load_balance,
         })
+    }
+
+    /// The balance the model's sparse layers record their routing in.
+    pub fn load_balance(&mut self, balance: std::sync::Arc<LoadBalance>) {
+        self.load_balance = Some(balance);
     }
 
     fn fail(&mut self, message: String) {

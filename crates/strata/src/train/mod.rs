@@ -77,6 +77,11 @@ pub struct StepReport {
     /// Per pipeline stage (rank), where a pipeline ran the step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineFigures>,
+    /// A mixture of experts' routing in the step's last micro-batch, this rank: the
+    /// load-balancing loss (before its coefficient; the loss above includes it times the
+    /// coefficient) and the token slots of the least and most loaded expert.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<crate::model::BalanceReport>,
     /// Loss per learned token of the validation batches, after steps where a validation ran (filled in
     /// by the training loop's owner).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -660,6 +665,7 @@ impl Trainer {
             transfers: ledger.transfers().since(&moved_before),
             unit_times: None,
             pipeline: None,
+            experts: self.parts[0].engine.routed().map(|r| r.report),
             val_loss: None,
             val_perplexity: None,
         };

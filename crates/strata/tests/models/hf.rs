@@ -388,6 +388,58 @@ fn phi3_matches_transformers() {
     family_matches_transformers("phi3", 48);
 }
 
+/// A mixture of experts' load-balancing loss over the test rows, Strata's against
+/// `transformers`' (within 1e-6 relative), with the experts' loads it reports; then the
+/// family end to end (logits, training with the loss, the folder written back, generation).
+fn experts_match_transformers(family: &str, experts: i64) {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join(family);
+    make(&py, family, &dir, None);
+    let out = work.path().join("logits.safetensors");
+    let rows = serde_json::to_string(&ROWS).unwrap();
+    reference(&py, &["logits", "--dir", dir.to_str().unwrap(), "--tokens", &rows, "--out", out.to_str().unwrap()]);
+    let theirs = strata::io::read_safetensors(&out).unwrap().remove("aux_loss").unwrap().double_value(&[0]);
+    let mut engine = strata_engine(&dir);
+    let flat: Vec<i64> = ROWS.iter().flatten().copied().collect();
+    let _logits = engine.forward(&Tensor::from_slice(&flat).view([2, 12])).unwrap();
+    let report = engine.routed().expect("a mixture of experts reports its routing").report;
+    let relative = (report.aux_loss - theirs).abs() / theirs.abs();
+    eprintln!("{family}: load-balancing loss {} (transformers {theirs}), relative gap {relative:.1e}", report.aux_loss);
+    assert!(relative <= 1e-6, "{family}: load-balancing loss {} against transformers' {theirs}", report.aux_loss);
+    // Balanced routing gives 1 (per layer, k slots spread evenly); the tiny random routers
+    // send some experts more than others.
+    assert!(report.aux_loss > 0.5 && report.aux_loss < experts as f64, "{family}: {report:?}");
+    assert!(report.max_expert_tokens > report.min_expert_tokens, "{family}: {report:?}");
+    family_matches_transformers(family, 24);
+}
+
+/// Mixtral: every layer's 4 experts under Mixtral's names, top 2 renormalised.
+#[test]
+fn mixtral_matches_transformers() {
+    experts_match_transformers("mixtral", 4);
+}
+
+/// Qwen2-MoE: a gated shared expert beside the routed ones, unnormalised top-k weights,
+/// attention biases, a dense layer among the sparse ones (`mlp_only_layers`).
+#[test]
+fn qwen2_moe_matches_transformers() {
+    experts_match_transformers("qwen2-moe", 4);
+}
+
+/// Qwen3-MoE: 16 experts, top 4 renormalised, per-head query/key norms, every other layer
+/// sparse (`decoder_sparse_step`).
+#[test]
+fn qwen3_moe_matches_transformers() {
+    experts_match_transformers("qwen3-moe", 16);
+}
+
+/// OLMoE: query and key norms over whole projections, clipped projections, 8 experts.
+#[test]
+fn olmoe_matches_transformers() {
+    experts_match_transformers("olmoe", 8);
+}
+
 /// Examples packed two rows of 12: each row's examples one after another, then padding.
 const PACKED: [&[&[i64]]; 2] =
     [&[&[5, 17, 3, 88, 40], &[41, 9, 0, 63], &[12, 77]], &[&[94, 1, 1, 30, 58, 6, 19], &[71, 4, 95, 50, 33]]];

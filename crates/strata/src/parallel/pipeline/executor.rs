@@ -206,6 +206,13 @@ pub fn trainer(setup: &TrainerSetup<'_>) -> Result<Trainer> {
     if !setup.rules.is_empty() {
         return Err(Error::Config("a pipeline's optimizer takes no parameter groups".into()));
     }
+    if (setup.spec)()?.load_balance.as_ref().is_some_and(|b| b.coef() > 0.0) {
+        return Err(Error::Config(
+            "pipeline_parallel: a mixture of experts' load-balancing loss needs every stage's routing before \
+             any stage's backward, which the schedule does not exchange"
+                .into(),
+        ));
+    }
     let config = setup.strategy.pipeline_parallel().unwrap_or_default();
     let mut built = PipelineExecutor::build(setup, None)?;
     if let (None, Balance::Measured, Some(first_step)) = (&config.stages, config.balance, setup.first_step) {

@@ -1,0 +1,399 @@
+//! Mixtures of experts: the sparse feed-forward of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
+//! as part of a decoder block, and the load-balancing loss that trains their routers.
+//!
+//! Owns: the routing (scores in fp32, top-k, optional renormalisation), the experts'
+//! computation over tokens grouped by expert, Qwen2-MoE's gated shared expert, and
+//! [`LoadBalance`], which gathers each sparse layer's routing over a forward and injects the
+//! loss's gradient into each layer's backward. Must not own parameters or execution: the
+//! decoder's model function declares the weights, the engine runs the units.
+//!
+//! The load-balancing loss (Switch Transformer's, as `transformers`' `load_balancing_loss_func`
+//! computes it) couples every sparse layer: with `f_e` the share of all layers' token slots
+//! routed to expert `e` and `P_e` the mean of its routing probability over all layers'
+//! tokens, it is `E · Σ_e f_e · P_e`. `f` is not differentiable, so the loss is linear in
+//! each layer's summed probabilities with one coefficient vector for all layers, known once
+//! the forward has seen them all. A unit's graph ends at its own output (the engine runs
+//! backward unit by unit), so each sparse layer passes its output through an identity node
+//! whose backward adds that coefficient's gradient to the layer's probabilities: recomputed,
+//! sharded or offloaded units take it in their own backward like any other gradient.
+use super::layers::swiglu;
+use super::{Init, ParamId, Params, TpRole, UnitBuilder, INIT_STD};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::sync::{Arc, Mutex, MutexGuard};
+use tch::{Kind, Tensor};
+
+/// How a family names its experts' weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertNames {
+    /// `mlp.gate.weight` and `mlp.experts.{e}.{gate,up,down}_proj.weight` (Qwen2/3-MoE, OLMoE).
+    #[default]
+    Mlp,
+    /// `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.{e}.w{1,3,2}.weight`
+    /// (Mixtral: `w1` the gate, `w3` the up and `w2` the down projection).
+    BlockSparse,
+}
+
+/// A decoder's mixture of experts, as its `config.json` describes it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Routed experts in each sparse layer.
+    pub experts: i64,
+    /// Experts each token is sent to.
+    pub top_k: i64,
+    /// Hidden width of each expert's gated feed-forward.
+    pub expert_ffn_dim: i64,
+    /// The top-k routing weights renormalised to sum to one (`norm_topk_prob`).
+    pub norm_topk: bool,
+    /// Hidden width of a shared expert every token passes through, scaled by a sigmoid
+    /// gate of its own (Qwen2-MoE); `None`: no shared expert.
+    #[serde(default)]
+    pub shared_expert_dim: Option<i64>,
+    /// Which layers are sparse: layer `i` is when `(i + 1) % sparse_step == 0` and `i` is
+    /// not in `dense_layers` (`decoder_sparse_step`, `mlp_only_layers`).
+    #[serde(default = "every_layer")]
+    pub sparse_step: i64,
+    #[serde(default)]
+    pub dense_layers: Vec<i64>,
+    /// The load-balancing loss's weight in the training loss (`router_aux_loss_coef`); 0
+    /// trains without it.
+    #[serde(default)]
+    pub aux_loss_coef: f64,
+    #[serde(default)]
+    pub names: ExpertNames,
+}
+
+fn every_layer() -> i64 {
+    1
+}
+
+impl MoeConfig {
+    /// Whether decoder layer `layer` has experts rather than a dense feed-forward.
+    pub fn is_sparse(&self, layer: i64) -> bool {
+        (layer + 1) % self.sparse_step == 0 && !self.dense_layers.contains(&layer)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        super::positive(&[
+            ("num_experts", self.experts),
+            ("num_experts_per_tok", self.top_k),
+            ("moe_intermediate_size", self.expert_ffn_dim),
+            ("decoder_sparse_step", self.sparse_step),
+        ])?;
+        if self.top_k > self.experts {
+            return Err(Error::Config(format!(
+                "num_experts_per_tok {} is more than the {} experts",
+                self.top_k, self.experts
+            )));
+        }
+        if let Some(d) = self.shared_expert_dim.filter(|&d| d <= 0) {
+            return Err(Error::Config(format!("shared_expert_intermediate_size must be positive, got {d}")));
+        }
+        if !(self.aux_loss_coef.is_finite() && self.aux_loss_coef >= 0.0) {
+            return Err(Error::Config(format!("router_aux_loss_coef must be 0 or more, got {}", self.aux_loss_coef)));
+        }
+        Ok(())
+    }
+
+    /// The names of a sparse layer's router and of expert `e`'s gate, up and down weights.
+    pub fn router_name(&self, layer: &str) -> String {
+        match self.names {
+            ExpertNames::Mlp => format!("{layer}.mlp.gate.weight"),
+            ExpertNames::BlockSparse => format!("{layer}.block_sparse_moe.gate.weight"),
+        }
+    }
+
+    pub fn expert_names(&self, layer: &str, e: i64) -> [String; 3] {
+        match self.names {
+            ExpertNames::Mlp => {
+                ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.mlp.experts.{e}.{w}.weight"))
+            }
+            ExpertNames::BlockSparse => {
+                ["w1", "w3", "w2"].map(|w| format!("{layer}.block_sparse_moe.experts.{e}.{w}.weight"))
+            }
+        }
+    }
+}
+
+/// One expert's gated feed-forward: `down(silu(gate(x)) · up(x))`.
+#[derive(Clone, Copy)]
+pub(crate) struct Expert {
+    pub(crate) gate: ParamId,
+    pub(crate) up: ParamId,
+    pub(crate) down: ParamId,
+}
+
+impl Expert {
+    /// Declares an expert's gate, up and down weights (named `names`, `width` wide, over
+    /// hidden states `dim` wide) as linear layers a LoRA strategy may adapt.
+    pub(crate) fn declare(u: &mut UnitBuilder<'_>, names: [String; 3], width: i64, dim: i64) -> Expert {
+        let [gate, up, down] = names;
+        let normal = Init::Normal { std: INIT_STD };
+        Expert {
+            gate: u.linear(gate, &[width, dim], normal, TpRole::Replicated),
+            up: u.linear(up, &[width, dim], normal, TpRole::Replicated),
+            down: u.linear(down, &[dim, width], normal, TpRole::Replicated),
+        }
+    }
+
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let gated = swiglu(&p.linear(x, self.gate, None)?, &p.linear(x, self.up, None)?)?;
+        p.linear(&gated, self.down, None)
+    }
+}
+
+/// A sparse layer's feed-forward: the router, the routed experts and an optional shared
+/// expert with its gate.
+pub(crate) struct SparseFeedForward {
+    pub(crate) router: ParamId,
+    pub(crate) experts: Vec<Expert>,
+    pub(crate) shared: Option<(Expert, ParamId)>,
+    pub(crate) top_k: i64,
+    pub(crate) norm_topk: bool,
+    /// This layer's place among the model's sparse layers, and the model's balance.
+    pub(crate) layer: usize,
+    pub(crate) balance: Arc<LoadBalance>,
+}
+
+/// Where each token went: its experts `[N, k]` and their weights `[N, k]` (fp32).
+struct Routing {
+    experts: Tensor,
+    weights: Tensor,
+}
+
+impl SparseFeedForward {
+    /// The feed-forward of the normed hidden states `h` `[B, T, D]`.
+    pub(crate) fn forward(&self, p: &Params<'_>, h: &Tensor) -> Result<Tensor> {
+        let size = h.size();
+        let dim = *size.last().ok_or_else(|| Error::Model("a sparse feed-forward of a scalar".into()))?;
+        let x = h.f_reshape([-1, dim])?;
+        let (routing, probs) = self.route(p, &x)?;
+        let mut y = self.experts_of(p, &x, &routing)?;
+        if let Some((expert, gate)) = &self.shared {
+            let share = p.linear(&x, *gate, None)?.f_sigmoid()?;
+            y = y.f_add(&expert.forward(p, &x)?.f_mul(&share)?)?;
+        }
+        let y = self.balance.attach(self.layer, &y, &routing.experts, &probs)?;
+        Ok(y.f_reshape(size.as_slice())?)
+    }
+
+    /// Scores in fp32, the top `k` experts of each token and their weights; with the
+    /// routing probabilities `[N, E]` the load-balancing loss reads.
+    fn route(&self, p: &Params<'_>, x: &Tensor) -> Result<(Routing, Tensor)> {
+        let logits = x.f_to_kind(Kind::Float)?.f_matmul(&p[self.router].f_to_kind(Kind::Float)?.f_tr()?)?;
+        let probs = logits.f_softmax(-1, Kind::Float)?;
+        let (mut weights, experts) = probs.f_topk(self.top_k, -1, true, true)?;
+        if self.norm_topk {
+            weights = weights.f_div(&weights.f_sum_dim_intlist(-1, true, Kind::Float)?)?;
+        }
+        Ok((Routing { experts, weights }, probs))
+    }
+
+    /// The routed experts' weighted sum for every token: token slots grouped by expert, each
+    /// group through its expert in one product, then summed per token in fp32 in the order
+    /// of its top-k slots, so the result does not depend on how tokens were grouped.
+    fn experts_of(&self, p: &Params<'_>, x: &Tensor, routing: &Routing) -> Result<Tensor> {
+        let k = self.top_k;
+        let slots = routing.experts.f_reshape([-1])?;
+        let order = slots.f_argsort_stable(true, 0, false)?;
+        let token_of = order.f_floor_divide_scalar(k)?;
+        let counts = slots.f_bincount::<Tensor>(None, self.experts.len() as i64)?.f_to_device(tch::Device::Cpu)?;
+        let counts = Vec::<i64>::try_from(&counts).map_err(|e| Error::Model(format!("expert counts: {e}")))?;
+        let grouped = x.f_index_select(0, &token_of)?;
+        let mut outputs = Vec::with_capacity(self.experts.len());
+        let mut start = 0;
+        for (expert, &count) in self.experts.iter().zip(&counts) {
+            if count > 0 {
+                outputs.push(expert.forward(p, &grouped.f_narrow(0, start, count)?)?);
+            }
+            start += count;
+        }
+        let computed = Tensor::f_cat(&outputs, 0)?.f_to_kind(Kind::Float)?;
+        // Back to slot order: slot `order[i]` holds row `i`.
+        let by_slot = computed.f_index_select(0, &order.f_argsort_stable(false, 0, false)?)?;
+        let weighted = by_slot.f_mul(&routing.weights.f_reshape([-1, 1])?)?;
+        let summed = weighted.f_reshape([-1, k, x.size()[1]])?.f_sum_dim_intlist(1, false, Kind::Float)?;
+        Ok(summed.f_to_kind(x.kind())?)
+    }
+}
+
+/// What the sparse layers routed over the latest forward, gathered for the load-balancing
+/// loss and the run's metrics. One per model instance, shared by its sparse layers.
+pub struct LoadBalance {
+    experts: i64,
+    top_k: i64,
+    layers: usize,
+    coef: f64,
+    state: Mutex<BalanceState>,
+}
+
+#[derive(Default)]
+struct BalanceState {
+    /// Per sparse layer: token slots per expert `[E]` and summed probabilities `[E]`
+    /// (fp32, detached), and the tokens routed.
+    routed: Vec<Option<LayerRouting>>,
+    /// After a forward that records for backward: the gradient of the loss with respect to
+    /// each layer's summed probabilities, per unit of the anchor's gradient.
+    coefficient: Option<Tensor>,
+    /// A scalar leaf of value 0 added to the training loss: its gradient is the factor
+    /// (micro-batch weight, loss scale) the loss was multiplied by before backward.
+    anchor: Option<Tensor>,
+}
+
+struct LayerRouting {
+    slots: Tensor,
+    prob_sums: Tensor,
+    tokens: i64,
+}
+
+/// What a forward's sparse layers routed: the report, and where the forward records for
+/// backward, the term to add to the training loss (its value `coef · aux_loss`; backward
+/// through it hands the layers the factor the loss is weighted by).
+pub struct Routed {
+    pub report: BalanceReport,
+    pub loss_term: Option<Tensor>,
+}
+
+/// The load-balancing loss of a forward and the token counts behind it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct BalanceReport {
+    /// `E · Σ_e f_e · P_e` over every sparse layer (before `router_aux_loss_coef`).
+    pub aux_loss: f64,
+    /// Token slots the least and the most loaded expert received, over all sparse layers.
+    pub min_expert_tokens: i64,
+    pub max_expert_tokens: i64,
+}
+
+impl LoadBalance {
+    pub(crate) fn new(experts: i64, top_k: i64, layers: usize, coef: f64) -> LoadBalance {
+        let state = BalanceState { routed: (0..layers).map(|_| None).collect(), ..Default::default() };
+        LoadBalance { experts, top_k, layers, coef, state: Mutex::new(state) }
+    }
+
+    fn state(&self) -> MutexGuard<'_, BalanceState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The weight of the load-balancing loss in the training loss.
+    pub fn coef(&self) -> f64 {
+        self.coef
+    }
+
+    /// Forgets the previous forward's routing: called before a forward.
+    pub fn open(&self) {
+        let mut state = self.state();
+        state.routed.iter_mut().for_each(|r| *r = None);
+        state.coefficient = None;
+        state.anchor = None;
+    }
+
+    /// Records sparse layer `layer`'s routing and passes its output `y` through the node
+    /// that adds the loss's gradient to `probs` in backward. A recomputed forward records
+    /// the same routing again.
+    fn attach(self: &Arc<Self>, layer: usize, y: &Tensor, experts: &Tensor, probs: &Tensor) -> Result<Tensor> {
+        let routed = tch::no_grad(|| -> Result<LayerRouting> {
+            Ok(LayerRouting {
+                slots: experts.f_reshape([-1])?.f_bincount::<Tensor>(None, self.experts)?.f_to_kind(Kind::Float)?,
+                prob_sums: probs.f_sum_dim_intlist(0, false, Kind::Float)?,
+                tokens: probs.size()[0],
+            })
+        })?;
+        self.state().routed[layer] = Some(routed);
+        if self.coef == 0.0 || !probs.requires_grad() {
+            return Ok(y.shallow_clone());
+        }
+        let prob_sums = probs.f_sum_dim_intlist(0, false, Kind::Float)?;
+        let node = BalanceGradient { balance: Arc::clone(self), prob_sums: prob_sums.size() };
+        Ok(strata_ext::apply_function(node, &[y, &prob_sums])?.remove(0))
+    }
+
+    /// Every layer's routing of the latest forward, or `None` before every layer has routed.
+    fn totals(&self, state: &BalanceState) -> Result<Option<(Tensor, Tensor, i64)>> {
+        let mut slots = Tensor::f_zeros([self.experts], (Kind::Float, tch::Device::Cpu))?;
+        let mut prob_sums = slots.f_zeros_like()?;
+        let mut rows = 0;
+        for routed in &state.routed {
+            let Some(r) = routed else { return Ok(None) };
+            slots = slots.f_add(&r.slots.f_to_device(tch::Device::Cpu)?)?;
+            prob_sums = prob_sums.f_add(&r.prob_sums.f_to_device(tch::Device::Cpu)?)?;
+            rows += r.tokens;
+        }
+        Ok(Some((slots, prob_sums, rows)))
+    }
+
+    /// After a forward that every sparse layer took part in: the load-balancing loss and the
+    /// experts' loads; with `for_backward`, also the coefficient each layer's backward adds
+    /// and the training loss's term.
+    pub fn close(&self, for_backward: bool) -> Result<Option<Routed>> {
+        let mut state = self.state();
+        let Some((slots, prob_sums, rows)) = self.totals(&state)? else { return Ok(None) };
+        let rows = rows.max(1) as f64;
+        let shares = slots.f_div_scalar(rows)?;
+        let aux =
+            shares.f_mul(&prob_sums.f_div_scalar(rows)?)?.f_sum(Kind::Double)?.double_value(&[]) * self.experts as f64;
+        let counts: Vec<f64> = Vec::try_from(&slots).map_err(|e| Error::Model(format!("expert loads: {e}")))?;
+        let report = BalanceReport {
+            aux_loss: aux,
+            min_expert_tokens: counts.iter().copied().fold(f64::INFINITY, f64::min) as i64,
+            max_expert_tokens: counts.iter().copied().fold(0.0, f64::max) as i64,
+        };
+        let loss_term = if for_backward && self.coef > 0.0 {
+            // d(coef · E · Σ f_e P_e) / d(layer's summed probability of e) = coef · E · f_e / rows.
+            state.coefficient = Some(shares.f_mul_scalar(self.coef * self.experts as f64 / rows)?);
+            let anchor = Tensor::f_zeros([], (Kind::Float, tch::Device::Cpu))?.set_requires_grad(true);
+            state.anchor = Some(anchor.shallow_clone());
+            Some(anchor.f_add_scalar(self.coef * aux)?)
+        } else {
+            None
+        };
+        Ok(Some(Routed { report, loss_term }))
+    }
+
+    /// The gradient one layer's summed probabilities receive: the coefficient times the
+    /// factor the training loss was weighted by (the anchor's gradient).
+    fn gradient(&self) -> std::result::Result<Tensor, String> {
+        let state = self.state();
+        let (Some(coefficient), Some(anchor)) = (&state.coefficient, &state.anchor) else {
+            return Err("a sparse layer's backward ran without the load-balancing loss: add the term \
+                        Engine::routed gives to the training loss"
+                .into());
+        };
+        let factor = anchor.grad();
+        if !factor.defined() {
+            return Err("the training loss does not include the load-balancing loss's term".into());
+        }
+        coefficient.f_mul(&factor).map_err(|e| e.to_string())
+    }
+
+    /// Sparse layers of the model.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    /// Experts each token is sent to.
+    pub fn top_k(&self) -> i64 {
+        self.top_k
+    }
+}
+
+/// The identity on a sparse layer's output whose backward also hands the layer's summed
+/// routing probabilities their share of the load-balancing loss's gradient.
+struct BalanceGradient {
+    balance: Arc<LoadBalance>,
+    prob_sums: Vec<i64>,
+}
+
+impl strata_ext::Function for BalanceGradient {
+    fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        Ok(vec![inputs[0].shallow_clone()])
+    }
+
+    fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let g = self.balance.gradient()?;
+        let device = grads[0].device();
+        let g =
+            g.f_to_device(device).and_then(|g| g.f_reshape(self.prob_sums.as_slice())).map_err(|e| e.to_string())?;
+        Ok(vec![grads[0].shallow_clone(), g])
+    }
+}
