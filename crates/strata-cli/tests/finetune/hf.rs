@@ -111,6 +111,46 @@ fn qwen2_fine_tunes_in_a_pipeline() {
     fine_tune("qwen2", &[("pp", &["--nproc", "2", "--accumulation", "2", "--strategy", PIPELINE])]);
 }
 
+/// A mixture of experts (Qwen3-MoE: 16 experts, top 4, every other layer sparse) trains over
+/// two ranks as one process does with the same micro-batches (the load-balancing loss is
+/// each micro-batch's own): with fsdp, and with zero2 and recomputed blocks (the loss's
+/// gradient reaches a recomputed layer). Its metrics carry the routing; the folder the fsdp
+/// run writes gives `transformers`' validation loss; a pipeline and tensor parallel are
+/// refused in one line naming why.
+#[test]
+fn a_mixture_of_experts_trains_sharded_as_one_process() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, val) = setup(&py, dir.path(), "qwen3-moe");
+    let files = ["--model-dir", s(&folder), "--token-file", s(&train)];
+    let flags = ["--ctx", "16", "--batch-size", "4", "--lr", "0.01", "--threads", "1", "--schedule", "constant"];
+    let one = common::train_run(dir.path(), "one", 6, &[&files, &flags, &["--accumulation", "2"]]);
+    let routed = common::reports(&one.1).pop().unwrap()["experts"].clone();
+    assert!(routed["aux_loss"].as_f64().unwrap() > 0.5, "{routed}");
+    assert!(routed["max_expert_tokens"].as_i64() > routed["min_expert_tokens"].as_i64(), "{routed}");
+    let saved = dir.path().join("fsdp-out");
+    for (name, strategy) in [("fsdp", r#"["fsdp"]"#), ("zero2", r#"["zero2", ["checkpoint", ["LlamaBlock"]]]"#)] {
+        let extra = ["--nproc", "2", "--strategy", strategy, "--save-model-dir", s(&saved)];
+        let run = common::train_run(dir.path(), name, 6, &[&files, &flags, &extra]);
+        common::assert_follows(&one, &run, name, 1e-5, 1e-5);
+    }
+    let ours =
+        strata(&[&["eval", "--model-dir", s(&saved), "--val-token-file", s(&val), "--json"][..], &WINDOWS].concat());
+    assert!(ours.status.success(), "eval:\n{}", stderr(&ours));
+    let evaluated = serde_json::from_slice::<serde_json::Value>(&ours.stdout).unwrap()["val_loss"].as_f64().unwrap();
+    let theirs = transformers_val_loss(&py, &saved, &val);
+    assert!((evaluated - theirs).abs() < 1e-5, "strata eval {evaluated}, transformers {theirs}");
+    for (strategy, why) in [
+        (PIPELINE, "a mixture of experts' load-balancing loss needs every stage's routing"),
+        (TENSOR, "a layer of experts does not run split over tensor ranks"),
+    ] {
+        let o = strata(
+            &[&["train"][..], &files, &flags, &["--steps", "1", "--nproc", "2", "--strategy", strategy]].concat(),
+        );
+        assert_fails_with(&o, why);
+    }
+}
+
 const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
 const SEQUENCE: &str =
     r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
