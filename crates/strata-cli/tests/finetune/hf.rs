@@ -129,10 +129,28 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
     assert!(routed["aux_loss"].as_f64().unwrap() > 0.5, "{routed}");
     assert!(routed["max_expert_tokens"].as_i64() > routed["min_expert_tokens"].as_i64(), "{routed}");
     let saved = dir.path().join("fsdp-out");
-    for (name, strategy) in [("fsdp", r#"["fsdp"]"#), ("zero2", r#"["zero2", ["checkpoint", ["LlamaBlock"]]]"#)] {
+    for (name, strategy) in [
+        ("fsdp", r#"["fsdp"]"#),
+        ("zero2", r#"["zero2", ["checkpoint", ["LlamaBlock"]]]"#),
+        ("experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("experts 2 with fsdp", r#"[["expert_parallel", {"size": 2}], "fsdp"]"#),
+        ("experts 2 with zero2", r#"[["expert_parallel", {"size": 2}], "zero2", ["checkpoint", ["LlamaBlock"]]]"#),
+    ] {
         let extra = ["--nproc", "2", "--strategy", strategy, "--save-model-dir", s(&saved)];
         let run = common::train_run(dir.path(), name, 6, &[&files, &flags, &extra]);
         common::assert_follows(&one, &run, name, 1e-5, 1e-5);
+        let remote = common::reports(&run.1).pop().unwrap()["experts"]["remote_expert_tokens"].as_i64();
+        assert_eq!(remote.is_some_and(|r| r > 0), name.starts_with("experts"), "{name}: tokens sent to other ranks");
+    }
+    // Four expert groups of 4 experts each, one row per rank.
+    let four = common::train_run(dir.path(), "one-4", 6, &[&files, &flags, &["--accumulation", "4"]]);
+    for (name, strategy) in [
+        ("experts 4", r#"[["expert_parallel", {"size": 4}]]"#),
+        ("experts 2 × data 2 with fsdp", r#"[["expert_parallel", {"size": 2}], "fsdp"]"#),
+    ] {
+        let run = common::train_run(dir.path(), name, 6, &[&files, &flags, &["--nproc", "4", "--strategy", strategy]]);
+        common::assert_follows(&four, &run, name, 1e-5, 1e-5);
+        assert!(common::reports(&run.1).pop().unwrap()["experts"]["remote_expert_tokens"].as_i64() > Some(0));
     }
     let ours =
         strata(&[&["eval", "--model-dir", s(&saved), "--val-token-file", s(&val), "--json"][..], &WINDOWS].concat());

@@ -20,7 +20,7 @@ use crate::comm::ProcessGroup;
 use crate::compute::fp8::Fp8Scaling;
 use crate::compute::{self, UnitCompute};
 use crate::model::{
-    DecodeCache, Init, ModelSpec, ParamId, ParamSpec, Params, Routed, RowLayout, TensorParallel, TpRole,
+    DecodeCache, ExpertExchange, Init, ModelSpec, ParamId, ParamSpec, Params, Routed, RowLayout, TensorParallel, TpRole,
 };
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
@@ -66,6 +66,9 @@ pub struct EngineConfig {
     /// The tensor group this rank's units are split over (`None`: whole units). Each
     /// parameter then holds this rank's piece, as its [`TpRole`] says.
     pub tensor: Option<Arc<dyn TensorParallel>>,
+    /// The expert group this rank's sparse layers exchange tokens over (`None`: each rank
+    /// computes every expert for its own tokens).
+    pub experts: Option<Arc<dyn ExpertExchange>>,
     /// Per unit, whether it computes on the host (empty: none): its buffers live there, its
     /// input comes to the host and its output goes to `device`. Needs per-unit gradients.
     pub host_compute: Vec<bool>,
@@ -100,6 +103,7 @@ impl Default for EngineConfig {
             pad_to: 1,
             grad_layout: GradLayout::Contiguous,
             tensor: None,
+            experts: None,
             host_compute: vec![],
         }
     }
@@ -1018,7 +1022,8 @@ impl Engine {
             None => Params::new(&self.params),
         }
         .with_layout(layout)
-        .with_adapters(&self.spec.adapters);
+        .with_adapters(&self.spec.adapters)
+        .with_experts(self.config.experts.as_ref());
         let input = self.where_unit_computes(k, input)?;
         let output = if policy.is_plain() {
             unit.body.forward(&params, &input)?

@@ -25,7 +25,7 @@ pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use layers::NoTensorParallel;
 pub use llama::{llama, Activation, LayerAttention, LlamaConfig, NormKind};
 pub use mlp::{mlp, MlpConfig};
-pub use moe::{BalanceReport, ExpertNames, LoadBalance, MoeConfig, Routed};
+pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed};
 pub use presets::{preset, preset_names};
 pub use rope::{Rope, RopeScaling, Rotation};
 pub use t5::{t5, FeedForwardActivation, T5Config};
@@ -310,6 +310,7 @@ pub struct Params<'a> {
     tp: &'a dyn TensorParallel,
     layout: Option<&'a RowLayout>,
     adapters: Option<&'a Adapters>,
+    experts: Option<&'a std::sync::Arc<dyn ExpertExchange>>,
 }
 
 /// A low-rank adapter (LoRA) joined to a linear layer: the layer computes
@@ -328,12 +329,12 @@ pub type Adapters = std::collections::BTreeMap<ParamId, Adapter>;
 impl<'a> Params<'a> {
     /// Parameters of a unit that runs whole on one rank.
     pub fn new(tensors: &'a [Tensor]) -> Self {
-        Params { tensors, tp: &NoTensorParallel, layout: None, adapters: None }
+        Params { tensors, tp: &NoTensorParallel, layout: None, adapters: None, experts: None }
     }
 
     /// Parameters holding this rank's pieces, for a unit split over `tp`.
     pub fn split(tensors: &'a [Tensor], tp: &'a dyn TensorParallel) -> Self {
-        Params { tensors, tp, layout: None, adapters: None }
+        Params { tensors, tp, layout: None, adapters: None, experts: None }
     }
 
     /// The tensor group the unit runs in (one rank unless the strategy splits it).
@@ -344,6 +345,17 @@ impl<'a> Params<'a> {
     /// The same parameters for rows laid out as `layout` says.
     pub fn with_layout(self, layout: Option<&'a RowLayout>) -> Self {
         Params { layout, ..self }
+    }
+
+    /// The same parameters for a rank of an expert group: sparse layers compute their share
+    /// of the experts for the whole group's tokens.
+    pub fn with_experts(self, experts: Option<&'a std::sync::Arc<dyn ExpertExchange>>) -> Self {
+        Params { experts: experts.filter(|e| e.size() > 1), ..self }
+    }
+
+    /// The expert group, where experts are split over ranks.
+    pub fn experts(&self) -> Option<&std::sync::Arc<dyn ExpertExchange>> {
+        self.experts
     }
 
     /// The same parameters with the model's low-rank adapters joined to their layers.

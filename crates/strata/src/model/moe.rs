@@ -23,6 +23,25 @@ use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::{Kind, Tensor};
 
+/// The expert group a sparse layer exchanges tokens over (expert parallelism): `size`
+/// ranks, each computing the experts `[rank · E/size, (rank + 1) · E/size)` for the tokens
+/// of every rank of the group. Implemented over a process group by `parallel`, so this layer
+/// knows nothing of communication.
+pub trait ExpertExchange: Send + Sync {
+    fn size(&self) -> usize;
+    fn rank(&self) -> usize;
+    /// Sends `inputs[r]` to rank `r` and returns what each rank sent this one, rank by rank
+    /// (`received[r]` has `lengths[r]` rows of `inputs`' width). Every rank of the group
+    /// calls it in the same order, with empty pieces where it has nothing to send.
+    fn all_to_all(&self, inputs: &[Tensor], lengths: &[i64]) -> Result<Vec<Tensor>>;
+}
+
+impl std::fmt::Debug for dyn ExpertExchange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "expert group rank {} of {}", self.rank(), self.size())
+    }
+}
+
 /// How a family names its experts' weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -169,12 +188,12 @@ impl SparseFeedForward {
         let dim = *size.last().ok_or_else(|| Error::Model("a sparse feed-forward of a scalar".into()))?;
         let x = h.f_reshape([-1, dim])?;
         let (routing, probs) = self.route(p, &x)?;
-        let mut y = self.experts_of(p, &x, &routing)?;
+        let (mut y, remote) = self.experts_of(p, &x, &routing)?;
         if let Some((expert, gate)) = &self.shared {
             let share = p.linear(&x, *gate, None)?.f_sigmoid()?;
             y = y.f_add(&expert.forward(p, &x)?.f_mul(&share)?)?;
         }
-        let y = self.balance.attach(self.layer, &y, &routing.experts, &probs)?;
+        let y = self.balance.attach(self.layer, &y, &routing.experts, &probs, remote)?;
         Ok(y.f_reshape(size.as_slice())?)
     }
 
@@ -191,30 +210,150 @@ impl SparseFeedForward {
     }
 
     /// The routed experts' weighted sum for every token: token slots grouped by expert, each
-    /// group through its expert in one product, then summed per token in fp32 in the order
+    /// group through its expert in one product (on the rank computing that expert, where
+    /// experts are split over an expert group), then summed per token in fp32 in the order
     /// of its top-k slots, so the result does not depend on how tokens were grouped.
-    fn experts_of(&self, p: &Params<'_>, x: &Tensor, routing: &Routing) -> Result<Tensor> {
+    /// Also returns how many token slots went to experts on other ranks.
+    fn experts_of(&self, p: &Params<'_>, x: &Tensor, routing: &Routing) -> Result<(Tensor, i64)> {
         let k = self.top_k;
         let slots = routing.experts.f_reshape([-1])?;
         let order = slots.f_argsort_stable(true, 0, false)?;
         let token_of = order.f_floor_divide_scalar(k)?;
-        let counts = slots.f_bincount::<Tensor>(None, self.experts.len() as i64)?.f_to_device(tch::Device::Cpu)?;
-        let counts = Vec::<i64>::try_from(&counts).map_err(|e| Error::Model(format!("expert counts: {e}")))?;
+        let counts = slots.f_bincount::<Tensor>(None, self.experts.len() as i64)?;
         let grouped = x.f_index_select(0, &token_of)?;
-        let mut outputs = Vec::with_capacity(self.experts.len());
-        let mut start = 0;
-        for (expert, &count) in self.experts.iter().zip(&counts) {
-            if count > 0 {
-                outputs.push(expert.forward(p, &grouped.f_narrow(0, start, count)?)?);
-            }
-            start += count;
-        }
-        let computed = Tensor::f_cat(&outputs, 0)?.f_to_kind(Kind::Float)?;
+        let (computed, remote) = match p.experts() {
+            Some(group) => self.exchanged(p, group, &grouped, &counts)?,
+            None => (self.computed(p, &grouped, &host_counts(&counts)?, 0)?, 0),
+        };
+        let computed = computed.f_to_kind(Kind::Float)?;
         // Back to slot order: slot `order[i]` holds row `i`.
         let by_slot = computed.f_index_select(0, &order.f_argsort_stable(false, 0, false)?)?;
         let weighted = by_slot.f_mul(&routing.weights.f_reshape([-1, 1])?)?;
         let summed = weighted.f_reshape([-1, k, x.size()[1]])?.f_sum_dim_intlist(1, false, Kind::Float)?;
-        Ok(summed.f_to_kind(x.kind())?)
+        Ok((summed.f_to_kind(x.kind())?, remote))
+    }
+}
+
+impl SparseFeedForward {
+    /// `rows`, grouped by expert (`counts[j]` rows for expert `first + j`, in order), through
+    /// their experts; an expert without rows is skipped. Rows with no expert at all stay
+    /// connected to `rows`, so a backward through them still reaches whatever made them.
+    fn computed(&self, p: &Params<'_>, rows: &Tensor, counts: &[i64], first: usize) -> Result<Tensor> {
+        let mut outputs = Vec::with_capacity(counts.len());
+        let mut start = 0;
+        for (j, &count) in counts.iter().enumerate() {
+            if count > 0 {
+                outputs.push(self.experts[first + j].forward(p, &rows.f_narrow(0, start, count)?)?);
+            }
+            start += count;
+        }
+        match outputs.is_empty() {
+            true => Ok(rows.f_mul_scalar(0.0)?),
+            false => Ok(Tensor::f_cat(&outputs, 0)?),
+        }
+    }
+
+    /// Expert parallelism: the rows grouped by expert (`counts` per expert, all `E`) go to
+    /// the ranks computing their experts, which compute them for every rank of the group,
+    /// and come back in the order they left. Every rank takes part in each all-to-all,
+    /// forward and backward, whatever it sends or receives (empty pieces included), so a
+    /// rank whose experts receive no tokens never leaves the others waiting.
+    fn exchanged(
+        &self,
+        p: &Params<'_>,
+        group: &Arc<dyn ExpertExchange>,
+        rows: &Tensor,
+        counts: &Tensor,
+    ) -> Result<(Tensor, i64)> {
+        let (size, rank) = (group.size(), group.rank());
+        let experts = self.experts.len();
+        if experts % size != 0 {
+            return Err(Error::Config(format!("expert_parallel: {experts} experts do not split over {size} ranks")));
+        }
+        let local = experts / size;
+        // Each rank learns how many rows of each of its experts every rank sends.
+        let sent_counts = counts.f_reshape([size as i64, local as i64])?;
+        let pieces: Vec<Tensor> = (0..size as i64).map(|d| sent_counts.get(d)).collect();
+        let received_counts = group.all_to_all(&pieces, &vec![local as i64; size])?;
+        let received_counts: Vec<Vec<i64>> = received_counts.iter().map(host_counts).collect::<Result<_>>()?;
+        let send = host_counts(&sent_counts.f_sum_dim_intlist(1, false, Kind::Int64)?)?;
+        let receive: Vec<i64> = received_counts.iter().map(|c| c.iter().sum()).collect();
+        let received = Exchange::apply(group, rows, &send, &receive)?;
+        // Received rows come rank by rank, each rank's grouped by expert: regroup them by
+        // expert across ranks, compute, and put them back in the order they came.
+        let mut by_expert = Vec::with_capacity(receive.iter().sum::<i64>() as usize);
+        let mut starts: Vec<i64> = receive.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+        for j in 0..local {
+            for (s, counts) in received_counts.iter().enumerate() {
+                by_expert.extend(starts[s]..starts[s] + counts[j]);
+                starts[s] += counts[j];
+            }
+        }
+        let per_expert: Vec<i64> = (0..local).map(|j| received_counts.iter().map(|c| c[j]).sum()).collect();
+        let order = Tensor::f_from_slice(&by_expert)?.f_to_device(rows.device())?;
+        let regrouped = received.f_index_select(0, &order)?;
+        let computed = self.computed(p, &regrouped, &per_expert, rank * local)?;
+        let arrived = computed.f_index_select(0, &order.f_argsort_stable(false, 0, false)?)?;
+        let remote = send.iter().sum::<i64>() - send[rank];
+        Ok((Exchange::apply(group, &arrived, &receive, &send)?, remote))
+    }
+}
+
+/// A tensor of counts, on the host.
+fn host_counts(counts: &Tensor) -> Result<Vec<i64>> {
+    let counts = counts.f_to_device(tch::Device::Cpu)?.f_to_kind(Kind::Int64)?;
+    Vec::<i64>::try_from(&counts).map_err(|e| Error::Model(format!("expert counts: {e}")))
+}
+
+/// The all-to-all of an expert group as one autograd node: rows `send[r]` at a time go to
+/// rank `r`, `receive[r]` come from it; backward sends the gradients back the same way.
+struct Exchange {
+    group: Arc<dyn ExpertExchange>,
+    send: Vec<i64>,
+    receive: Vec<i64>,
+    /// The rows' shape past their count, and their dtype and device.
+    width: Vec<i64>,
+    options: (Kind, tch::Device),
+}
+
+impl Exchange {
+    fn apply(group: &Arc<dyn ExpertExchange>, rows: &Tensor, send: &[i64], receive: &[i64]) -> Result<Tensor> {
+        let node = Exchange {
+            group: Arc::clone(group),
+            send: send.to_vec(),
+            receive: receive.to_vec(),
+            width: rows.size()[1..].to_vec(),
+            options: (rows.kind(), rows.device()),
+        };
+        Ok(strata_ext::apply_function(node, &[rows])?.remove(0))
+    }
+
+    /// `x` cut into pieces of `send` rows, exchanged, the `receive`-row pieces joined.
+    fn run(&self, x: &Tensor, send: &[i64], receive: &[i64]) -> std::result::Result<Tensor, String> {
+        let go = || -> Result<Tensor> {
+            let pieces = x.f_split_with_sizes(send, 0)?;
+            let received = self.group.all_to_all(&pieces, receive)?;
+            Ok(Tensor::f_cat(&received, 0)?)
+        };
+        go().map_err(|e| e.to_string())
+    }
+}
+
+impl strata_ext::Function for Exchange {
+    fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        Ok(vec![self.run(&inputs[0], &self.send, &self.receive)?])
+    }
+
+    fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        // A gradient that did not reach the output is zeros: the exchange still runs.
+        let grad = match grads[0].defined() {
+            true => grads[0].shallow_clone(),
+            false => {
+                let rows: i64 = self.receive.iter().sum();
+                Tensor::f_zeros([&[rows][..], &self.width].concat(), self.options).map_err(|e| e.to_string())?
+            }
+        };
+        Ok(vec![self.run(&grad, &self.receive, &self.send)?])
     }
 }
 
@@ -245,6 +384,8 @@ struct LayerRouting {
     slots: Tensor,
     prob_sums: Tensor,
     tokens: i64,
+    /// Token slots sent to experts on other ranks (expert parallelism).
+    remote: i64,
 }
 
 /// What a forward's sparse layers routed: the report, and where the forward records for
@@ -263,6 +404,9 @@ pub struct BalanceReport {
     /// Token slots the least and the most loaded expert received, over all sparse layers.
     pub min_expert_tokens: i64,
     pub max_expert_tokens: i64,
+    /// Token slots this rank sent to experts computed on other ranks of its expert group
+    /// (expert parallelism; 0 without), over all sparse layers.
+    pub remote_expert_tokens: i64,
 }
 
 impl LoadBalance {
@@ -291,12 +435,20 @@ impl LoadBalance {
     /// Records sparse layer `layer`'s routing and passes its output `y` through the node
     /// that adds the loss's gradient to `probs` in backward. A recomputed forward records
     /// the same routing again.
-    fn attach(self: &Arc<Self>, layer: usize, y: &Tensor, experts: &Tensor, probs: &Tensor) -> Result<Tensor> {
+    fn attach(
+        self: &Arc<Self>,
+        layer: usize,
+        y: &Tensor,
+        experts: &Tensor,
+        probs: &Tensor,
+        remote: i64,
+    ) -> Result<Tensor> {
         let routed = tch::no_grad(|| -> Result<LayerRouting> {
             Ok(LayerRouting {
                 slots: experts.f_reshape([-1])?.f_bincount::<Tensor>(None, self.experts)?.f_to_kind(Kind::Float)?,
                 prob_sums: probs.f_sum_dim_intlist(0, false, Kind::Float)?,
                 tokens: probs.size()[0],
+                remote,
             })
         })?;
         self.state().routed[layer] = Some(routed);
@@ -309,17 +461,18 @@ impl LoadBalance {
     }
 
     /// Every layer's routing of the latest forward, or `None` before every layer has routed.
-    fn totals(&self, state: &BalanceState) -> Result<Option<(Tensor, Tensor, i64)>> {
+    fn totals(&self, state: &BalanceState) -> Result<Option<(Tensor, Tensor, i64, i64)>> {
         let mut slots = Tensor::f_zeros([self.experts], (Kind::Float, tch::Device::Cpu))?;
         let mut prob_sums = slots.f_zeros_like()?;
-        let mut rows = 0;
+        let (mut rows, mut remote) = (0, 0);
         for routed in &state.routed {
             let Some(r) = routed else { return Ok(None) };
             slots = slots.f_add(&r.slots.f_to_device(tch::Device::Cpu)?)?;
             prob_sums = prob_sums.f_add(&r.prob_sums.f_to_device(tch::Device::Cpu)?)?;
             rows += r.tokens;
+            remote += r.remote;
         }
-        Ok(Some((slots, prob_sums, rows)))
+        Ok(Some((slots, prob_sums, rows, remote)))
     }
 
     /// After a forward that every sparse layer took part in: the load-balancing loss and the
@@ -327,7 +480,7 @@ impl LoadBalance {
     /// and the training loss's term.
     pub fn close(&self, for_backward: bool) -> Result<Option<Routed>> {
         let mut state = self.state();
-        let Some((slots, prob_sums, rows)) = self.totals(&state)? else { return Ok(None) };
+        let Some((slots, prob_sums, rows, remote)) = self.totals(&state)? else { return Ok(None) };
         let rows = rows.max(1) as f64;
         let shares = slots.f_div_scalar(rows)?;
         let aux =
@@ -337,6 +490,7 @@ impl LoadBalance {
             aux_loss: aux,
             min_expert_tokens: counts.iter().copied().fold(f64::INFINITY, f64::min) as i64,
             max_expert_tokens: counts.iter().copied().fold(0.0, f64::max) as i64,
+            remote_expert_tokens: remote,
         };
         let loss_term = if for_backward && self.coef > 0.0 {
             // d(coef · E · Σ f_e P_e) / d(layer's summed probability of e) = coef · E · f_e / rows.

@@ -10,8 +10,11 @@
 //! The dimensions, in the layout's order (the first varies fastest unless `parallel_mode`
 //! lists them otherwise): `tensor` (units split), `zero` (data parallel, sharded: the shard
 //! groups of zero1/zero2/fsdp), `data` (data parallel, replicated: the shard groups'
-//! replicas), `pipeline` (consecutive stages); `context` and `expert` are named, and refused
-//! by [`crate::strategy::ParallelMode::validate`] until a method uses them.
+//! replicas), `pipeline` (consecutive stages), `expert` (data-parallel ranks whose sparse
+//! layers send each token to the rank computing its expert: every rank of an expert group
+//! reads batches of its own, so the data-parallel ranks are those of zero × data × expert);
+//! `context` is named, and refused by [`crate::strategy::ParallelMode::validate`] until a
+//! method uses it.
 use crate::strategy::{Dim, ShardingStrategy, Strategy};
 use crate::{Error, Result};
 
@@ -169,11 +172,14 @@ impl Mesh {
         self.groups(dims).into_iter().find(|g| g.contains(&self.rank)).unwrap_or_else(|| vec![self.rank])
     }
 
+    /// The dimensions whose ranks read different batches and average their gradients.
+    pub const DATA_PARALLEL: [Dim; 3] = [Dim::Zero, Dim::Data, Dim::Expert];
+
     /// Which of the data-parallel replicas this rank's batches belong to, and how many there
     /// are: ranks that differ only in their tensor or pipeline coordinate read the same
     /// batches. (index, count).
     pub fn batch_shard(&self) -> (usize, usize) {
-        let peers = self.peers(&[Dim::Zero, Dim::Data]);
+        let peers = self.peers(&Self::DATA_PARALLEL);
         (peers.iter().position(|&r| r == self.rank).unwrap_or(0), peers.len())
     }
 

@@ -1,7 +1,7 @@
 //! Execution across ranks, as engine schedules: data parallelism ([`DataParallel`]), the
 //! ZeRO family ([`zero::Zero`]: zero1, zero2, fsdp) and, beside either, tensor parallelism
 //! ([`tensor::TensorGroup`]): data and ZeRO groups then join the ranks of one tensor
-//! coordinate.
+//! coordinate; and expert parallelism's token exchange (`experts::ExpertGroup`).
 //!
 //! Owns: turning a validated [`Strategy`] and a communicator into an engine with the right
 //! schedule and process groups, and a rank's trainer over its engines ([`build_trainer`]);
@@ -10,6 +10,7 @@
 //! ([`measure_non_model`], [`measure_shard_floor`]). Must not touch model definitions or
 //! optimizer policy.
 mod ddp;
+mod experts;
 mod mesh;
 pub mod pipeline;
 pub mod tensor;
@@ -194,7 +195,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     let tensor = mesh.size(Dim::Tensor);
     // The ranks that hold the same units and pieces, each list in rank order.
     let replica_lists: Vec<Vec<usize>> = mesh
-        .groups(&[Dim::Zero, Dim::Data])
+        .groups(&Mesh::DATA_PARALLEL)
         .into_iter()
         .map(|mut ranks| {
             ranks.sort_unstable();
@@ -215,11 +216,27 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
             (group, my_group(comm, &replica_lists)?)
         }
     };
-    let config = EngineConfig { tensor: tensor_group.map(|g| g as Arc<dyn crate::model::TensorParallel>), ..config };
+    // Then the expert groups: each sparse layer's all-to-all runs over its rank's.
+    let expert_group = match at.comm.filter(|_| mesh.size(Dim::Expert) > 1) {
+        Some(comm) => my_group(comm, &mesh.groups(&[Dim::Expert]))?
+            .map(|g| Arc::new(experts::ExpertGroup::new(g)) as Arc<dyn crate::model::ExpertExchange>),
+        None => None,
+    };
+    let experts_split = expert_group.is_some();
+    let config = EngineConfig {
+        tensor: tensor_group.map(|g| g as Arc<dyn crate::model::TensorParallel>),
+        experts: expert_group,
+        ..config
+    };
     let Some((name, shard)) = strategy.sharding() else {
         let mut engine = Engine::new(spec, config)?;
         if let Some(group) = replica_group {
-            DataParallel::install(&mut engine, group, at.data_parallel)?;
+            // A rank's own step never reaches the experts other ranks of its group compute.
+            let options = DataParallelOptions {
+                find_unused_parameters: at.data_parallel.find_unused_parameters || experts_split,
+                ..at.data_parallel
+            };
+            DataParallel::install(&mut engine, group, options)?;
         }
         return Ok(engine);
     };
@@ -240,12 +257,13 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         reduce_dtype,
         offload: strategy.offload().map(|o| zero_offload(name, stage, o, &spec, &config, at)).transpose()?,
     };
-    // Shard groups are the mesh's zero groups, replicas its data groups.
+    // Shard groups are the mesh's zero groups, replicas its data and expert groups (every
+    // rank holds every expert; each computes its own).
     let groups = match at.comm.filter(|_| mesh.world() > 1) {
         None => ShardGroups { shard: None, replicate: None, world: None },
         Some(comm) => ShardGroups {
             shard: my_group(comm, &mesh.groups(&[Dim::Zero]))?,
-            replicate: my_group(comm, &mesh.groups(&[Dim::Data]))?,
+            replicate: my_group(comm, &mesh.groups(&[Dim::Data, Dim::Expert]))?,
             world: replica_group,
         },
     };

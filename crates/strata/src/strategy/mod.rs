@@ -27,7 +27,7 @@ use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 15] = [
+pub const METHODS: [&str; 16] = [
     "parallel_mode",
     "amp_native",
     "half",
@@ -41,6 +41,7 @@ pub const METHODS: [&str; 15] = [
     "pipeline_parallel",
     "mixed_parallel",
     "ds_3d_parallel",
+    "expert_parallel",
     "offload",
     "lora",
 ];
@@ -73,6 +74,9 @@ pub enum Method {
     PipelineParallel(PipelineConfig),
     /// Tensor, pipeline and data parallelism together, at parallel_mode's sizes.
     MixedParallel(MixedConfig),
+    /// A mixture of experts' experts split over groups of data-parallel ranks, tokens sent
+    /// to their experts' ranks by all-to-all.
+    ExpertParallel(ExpertParallelConfig),
     /// As `mixed_parallel`, with ranks laid out in DeepSpeed's order: tensor fastest, then
     /// data, then pipeline, whatever order parallel_mode lists them in.
     Ds3dParallel(MixedConfig),
@@ -173,6 +177,14 @@ impl Default for PipelineConfig {
             balance: Balance::Measured,
         }
     }
+}
+
+/// `expert_parallel`'s configuration: the size of the expert groups, here or as
+/// parallel_mode's `("expert", k)`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ExpertParallelConfig {
+    pub size: Option<usize>,
 }
 
 /// `tensor_parallel`'s configuration; the tensor size is parallel_mode's `("tensor", k)`.
@@ -289,6 +301,7 @@ impl Method {
             Method::PipelineParallel(_) => "pipeline_parallel",
             Method::MixedParallel(_) => "mixed_parallel",
             Method::Ds3dParallel(_) => "ds_3d_parallel",
+            Method::ExpertParallel(_) => "expert_parallel",
             Method::Offload(_) => "offload",
             Method::Lora(_) => "lora",
         }
@@ -366,6 +379,13 @@ impl Method {
             "pipeline_parallel" => Method::PipelineParallel(parse_config(name, config)?),
             "mixed_parallel" => Method::MixedParallel(parse_config(name, config)?),
             "ds_3d_parallel" => Method::Ds3dParallel(parse_config(name, config)?),
+            "expert_parallel" => {
+                let c: ExpertParallelConfig = parse_config(name, config)?;
+                if c.size == Some(0) {
+                    return Err(Error::Config("expert_parallel: size must be positive".into()));
+                }
+                Method::ExpertParallel(c)
+            }
             "offload" => {
                 let c: OffloadConfig = parse_config(name, config)?;
                 c.home_policy()?;
@@ -399,6 +419,7 @@ impl Method {
             Method::TensorParallel(c) => serde_json::to_value(c),
             Method::PipelineParallel(c) => serde_json::to_value(c),
             Method::MixedParallel(c) | Method::Ds3dParallel(c) => serde_json::to_value(c),
+            Method::ExpertParallel(c) => serde_json::to_value(c),
             Method::Offload(c) => serde_json::to_value(c),
             Method::Lora(c) => serde_json::to_value(c),
         };
@@ -531,6 +552,29 @@ impl Strategy {
                     .into(),
             ));
         }
+        let given = strategy.methods.iter().find_map(|m| match m {
+            Method::ParallelMode(p) => p.0.iter().find(|(n, _)| *n == Dim::Expert).map(|(_, s)| *s),
+            _ => None,
+        });
+        match (strategy.expert_parallel(), given) {
+            (None, Some(_)) => {
+                return Err(Error::Config(
+                    "parallel_mode: the expert dimension needs the expert_parallel method".into(),
+                ))
+            }
+            (Some(ExpertParallelConfig { size: None }), None) => {
+                return Err(Error::Config(
+                    "expert_parallel: give the expert group size, as its size or as parallel_mode's (\"expert\", k)"
+                        .into(),
+                ))
+            }
+            (Some(ExpertParallelConfig { size: Some(a) }), Some(b)) if a != b => {
+                return Err(Error::Config(format!(
+                    "expert_parallel: size {a} differs from parallel_mode's expert size {b}; give it once"
+                )))
+            }
+            _ => {}
+        }
         if layouts.contains(&"tensor_parallel") && !named(Dim::Tensor) {
             return Err(Error::Config(
                 "tensor_parallel: give the tensor size in parallel_mode, e.g. [\"parallel_mode\", [[[\"tensor\", 2]], null]]"
@@ -599,7 +643,22 @@ impl Strategy {
             let order = |n: Dim| [Dim::Tensor, Dim::Zero, Dim::Data, Dim::Pipeline].iter().position(|d| *d == n);
             mode.0.sort_by_key(|(n, _)| order(*n));
         }
+        // expert_parallel's size, where parallel_mode does not give it: expert groups of
+        // adjacent ranks, carved out of the data-parallel ones.
+        if let Some(size) = self.expert_parallel().and_then(|c| c.size) {
+            if !mode.0.iter().any(|(n, _)| *n == Dim::Expert) {
+                mode.0.insert(0, (Dim::Expert, size));
+            }
+        }
         mode
+    }
+
+    /// `expert_parallel`'s configuration, if experts are split over ranks.
+    pub fn expert_parallel(&self) -> Option<ExpertParallelConfig> {
+        self.methods.iter().find_map(|m| match m {
+            Method::ExpertParallel(c) => Some(c.clone()),
+            _ => None,
+        })
     }
 
     /// The pipeline's configuration: `pipeline_parallel`'s, or that of `mixed_parallel` or
@@ -832,8 +891,10 @@ mod tests {
             ),
             (
                 r#"[["parallel_mode", [[["expert", 2]], null]]]"#,
-                "the expert dimension is reserved for expert parallelism",
+                "the expert dimension needs the expert_parallel method",
             ),
+            (r#"["expert_parallel"]"#, "give the expert group size"),
+            (r#"[["parallel_mode", [[["expert", 2]], null]], ["expert_parallel", {"size": 4}]]"#, "give it once"),
             (r#"[["fsdp", {"atorch_wrap_cls": ["X"], "atorch_size_based_min_num_params": 5}]]"#, "exclude each other"),
             (r#"["checkpoint"]"#, "give the units to recompute"),
             (r#"[["checkpoint", []]]"#, "list of units is empty"),

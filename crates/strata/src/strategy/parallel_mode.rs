@@ -41,7 +41,6 @@ impl Dim {
     fn reserved(self) -> Option<&'static str> {
         match self {
             Dim::Context => Some("context parallelism (a sequence split over ranks)"),
-            Dim::Expert => Some("expert parallelism (a mixture of experts' experts split over ranks)"),
             _ => None,
         }
     }

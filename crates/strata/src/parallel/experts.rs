@@ -1,0 +1,40 @@
+//! Expert parallelism's exchange of tokens: a sparse layer's [`ExpertExchange`] over the
+//! process group of its rank's expert group. Owns the all-to-all of pieces whose lengths
+//! the ranks agreed on beforehand; must not route or compute (the model's sparse layers do).
+use crate::comm::ProcessGroup;
+use crate::model::ExpertExchange;
+use crate::{Error, Result};
+use std::sync::Arc;
+use tch::Tensor;
+
+pub struct ExpertGroup {
+    group: Arc<dyn ProcessGroup>,
+}
+
+impl ExpertGroup {
+    pub fn new(group: Arc<dyn ProcessGroup>) -> ExpertGroup {
+        ExpertGroup { group }
+    }
+}
+
+impl ExpertExchange for ExpertGroup {
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    fn all_to_all(&self, inputs: &[Tensor], lengths: &[i64]) -> Result<Vec<Tensor>> {
+        let first = inputs.first().ok_or_else(|| Error::Comm("an all-to-all of no pieces".into()))?;
+        let width: Vec<i64> = first.size().into_iter().skip(1).collect();
+        let outputs = lengths
+            .iter()
+            .map(|&n| Tensor::f_empty([&[n][..], &width].concat(), (first.kind(), first.device())))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let inputs = inputs.iter().map(Tensor::f_contiguous).collect::<std::result::Result<Vec<_>, _>>()?;
+        self.group.all_to_all(&outputs, &inputs)?.wait()?;
+        Ok(outputs)
+    }
+}
