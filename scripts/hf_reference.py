@@ -171,6 +171,13 @@ def decoder_families():
             **common, num_hidden_layers=3, head_dim=16, moe_intermediate_size=12, num_experts=16,
             num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[],
             tie_word_embeddings=False, router_aux_loss_coef=0.02)),
+        # Routing that never reaches experts 2 and 3: one expert per token, weight 1 (so the
+        # router takes no gradient), router rows [w, -w, 0, 0] (see build); the last layer
+        # alone is sparse, so every rank routes what one process routes.
+        "qwen3-moe-idle": lambda: (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            **common, num_hidden_layers=2, head_dim=16, moe_intermediate_size=12, num_experts=4,
+            num_experts_per_tok=1, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[],
+            tie_word_embeddings=False, router_aux_loss_coef=0.0)),
         "olmoe": lambda: (tf.OlmoeForCausalLM, tf.OlmoeConfig(
             **dict(common, intermediate_size=16), num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=False, clip_qkv=3.0, tie_word_embeddings=False, router_aux_loss_coef=0.02)),
@@ -252,6 +259,11 @@ def build(family, seed):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
+            if family == "qwen3-moe-idle":
+                for layer in model.model.layers[1::2]:
+                    w = layer.mlp.gate.weight
+                    w[1] = -w[0]
+                    w[2:] = 0.0
         return model
     raise SystemExit(f"unknown family {family}")
 

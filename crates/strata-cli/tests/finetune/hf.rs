@@ -169,6 +169,45 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
     }
 }
 
+/// Routing that never reaches the experts of one rank (a folder whose routers send every
+/// token to expert 0 or 1 of 4, frozen; rank 1 computes experts 2 and 3): 1,000 steps of
+/// expert parallel 2 under fsdp finish — the idle rank joins every exchange — step for step
+/// with one process, to its weights.
+#[test]
+fn expert_parallel_never_waits_on_a_rank_whose_experts_get_no_tokens() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, _) = setup(&py, dir.path(), "qwen3-moe-idle");
+    let files = ["--model-dir", s(&folder), "--token-file", s(&train)];
+    // The routers frozen: they take no gradient but rounding's, which AdamW would blow up.
+    let flags = [
+        "--ctx",
+        "8",
+        "--batch-size",
+        "2",
+        "--lr",
+        "0.001",
+        "--threads",
+        "1",
+        "--schedule",
+        "constant",
+        "--freeze",
+        "mlp.gate",
+    ];
+    let strategy = r#"[["expert_parallel", {"size": 2}], "fsdp"]"#;
+    let split = ["--nproc", "2", "--strategy", strategy];
+    let steps = 1000;
+    let one = common::train_run(dir.path(), "one", steps, &[&files, &flags, &["--accumulation", "2"]]);
+    let long = common::train_run(dir.path(), "long", steps, &[&files, &flags, &split]);
+    common::assert_follows(&one, &long, "an idle expert rank", 1e-5, 1e-5);
+    let reports = common::reports(&long.1);
+    assert_eq!(reports.len(), steps);
+    // Rank 0 (whose report this is) sends nothing away: its tokens all go to experts 0 and 1.
+    let routed = &reports[steps - 1]["experts"];
+    assert_eq!(routed["min_expert_tokens"].as_i64(), Some(0), "{routed}");
+    assert_eq!(routed["remote_expert_tokens"].as_i64(), Some(0), "{routed}");
+}
+
 const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
 const SEQUENCE: &str =
     r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
