@@ -168,6 +168,9 @@ struct Row {
 #[derive(Serialize)]
 struct Report {
     params: i64,
+    /// The parameters a token is multiplied by (a mixture of experts: the experts it is
+    /// routed to).
+    active_params: i64,
     device: DeviceKind,
     device_bytes: u64,
     host_bytes: u64,
@@ -241,6 +244,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     }
     let report = Report {
         params: spec.num_params(),
+        active_params: spec.active_params()?,
         device: kind,
         device_bytes: machine.device_bytes,
         host_bytes: machine.host_bytes,
@@ -251,8 +255,12 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
+    let active = match report.active_params < report.params {
+        true => format!(" ({:.3}B active per token)", report.active_params as f64 / 1e9),
+        false => String::new(),
+    };
     println!(
-        "{:.3}B parameters; {} rank(s) of {} ({} each, {} of host per rank); {} × {} tokens per micro-batch, {} micro-batch(es)",
+        "{:.3}B parameters{active}; {} rank(s) of {} ({} each, {} of host per rank); {} × {} tokens per micro-batch, {} micro-batch(es)",
         report.params as f64 / 1e9,
         a.nproc,
         report.device.name,

@@ -547,6 +547,16 @@ impl ModelSpec {
         self.params.iter().map(ParamSpec::numel).sum()
     }
 
+    /// The parameters a token is multiplied by (or looks up): all of them but the experts
+    /// its routers pass over, as the units declare ([`UnitCost::idle_weights`]).
+    pub fn active_params(&self) -> Result<i64> {
+        let mut idle = 0.0;
+        for u in &self.units {
+            idle += u.declared_cost()?.idle_weights;
+        }
+        Ok(self.num_params() - idle as i64)
+    }
+
     /// For each unit, the units whose parameters it reads: itself, then the owners of the
     /// parameters it borrows (tied weights).
     pub fn units_read(&self) -> Vec<Vec<usize>> {
