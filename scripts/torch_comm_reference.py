@@ -28,6 +28,7 @@ def time_op(op, nbytes, n, warmup):
     else:
         per = numel // n
         main, whole = torch.ones(per), torch.ones(per * n)
+    output = torch.ones(whole.numel()) if whole is not None else None
 
     def run():
         if op == "all_reduce":
@@ -38,6 +39,9 @@ def time_op(op, nbytes, n, warmup):
             dist.all_gather_into_tensor(whole, main)
         elif op == "reduce_scatter":
             dist.reduce_scatter_tensor(main, whole)
+        elif op == "all_to_all":
+            # Every rank's whole buffer in blocks, one to each rank.
+            dist.all_to_all_single(output, whole)
         else:
             raise SystemExit(f"unknown operation {op!r}")
 

@@ -20,7 +20,8 @@ pub struct BenchCommArgs {
     /// Backends to measure, comma-separated.
     #[arg(long, default_value = "shm,tcp")]
     backends: String,
-    /// Operations: all_reduce, all_gather, reduce_scatter, broadcast.
+    /// Operations: all_reduce, all_gather, reduce_scatter, broadcast, all_to_all (each rank
+    /// sends a block of its buffer to every rank).
     #[arg(long, default_value = "all_reduce,all_gather,reduce_scatter,broadcast")]
     ops: String,
     #[arg(long, default_value_t = 4 << 10)]
@@ -156,7 +157,7 @@ fn bus_factor(op: &str, n: usize) -> f64 {
     let n = n as f64;
     match op {
         "all_reduce" => 2.0 * (n - 1.0) / n,
-        "all_gather" | "reduce_scatter" => (n - 1.0) / n,
+        "all_gather" | "reduce_scatter" | "all_to_all" => (n - 1.0) / n,
         _ => 1.0,
     }
 }
@@ -239,13 +240,15 @@ fn time_op(
     let read = match op {
         "all_reduce" | "broadcast" => numel,
         "all_gather" if !in_place => per,
-        "all_gather" | "reduce_scatter" => per * n as i64,
+        "all_gather" | "reduce_scatter" | "all_to_all" => per * n as i64,
         other => bail!("unknown operation {other:?}"),
     };
     let Some(read) = read_by_peers(read)? else { return Ok(None) };
     let (main, parts): (Tensor, Vec<Tensor>) = match op {
         "all_reduce" | "broadcast" => (read, vec![]),
         "all_gather" if !in_place => (read, (0..n).map(|_| private(per)).collect()),
+        // The blocks sent, and a private block to receive each into.
+        "all_to_all" => (read, (0..n).map(|_| private(per)).collect()),
         // Blocks of one buffer: all-gather's outputs, or reduce-scatter's inputs.
         _ => {
             let parts = read.chunk(n as i64, 0);
@@ -258,6 +261,7 @@ fn time_op(
             "all_reduce" => g.all_reduce(&main, ReduceOp::Sum)?,
             "broadcast" => g.broadcast(&main, 0)?,
             "all_gather" => g.all_gather(&parts, &main)?,
+            "all_to_all" => g.all_to_all(&parts, &main.chunk(n as i64, 0))?,
             _ => g.reduce_scatter(&main, &parts, ReduceOp::Sum)?,
         };
         Ok(work.wait()?)

@@ -9,6 +9,7 @@ mod bench_dist;
 mod bench_estimate;
 mod bench_gpu;
 mod bench_methods;
+mod bench_moe;
 mod bench_offload;
 mod bench_parallel;
 mod bench_pipeline;
@@ -153,6 +154,9 @@ enum BenchCommand {
     /// amp_native, half, fp8, checkpoint and module_replace each against none: tokens/s,
     /// peak allocated bytes and model-state bytes.
     Methods(bench_methods::BenchMethodsArgs),
+    /// A mixture of experts: the experts' products grouped by expert against one product of
+    /// equal FLOPs, the all-to-all against memcpy, and tokens/s at expert parallel 1, 2, 4.
+    Moe(bench_moe::BenchMoeArgs),
     /// Data parallelism and fsdp against PyTorch DDP and FSDP2 over gloo at several world
     /// sizes: tokens/s, the ratio, and memory peaks.
     Dist(bench_dist::BenchDistArgs),
@@ -275,6 +279,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Parallel(a) } => bench_parallel::run(a),
         Command::Bench { which: BenchCommand::Pipeline(a) } => bench_pipeline::run(a),
         Command::Bench { which: BenchCommand::Methods(a) } => bench_methods::run(a),
+        Command::Bench { which: BenchCommand::Moe(a) } => bench_moe::run(a),
         Command::Bench { which: BenchCommand::Search(a) } => bench_search::run(a),
         Command::Bench { which: BenchCommand::Dist(a) } => bench_dist::run(a),
         Command::Bench { which: BenchCommand::Offload(a) } => bench_offload::run(a),

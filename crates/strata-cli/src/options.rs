@@ -6,7 +6,9 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
 use strata::data::{ExampleOptions, TokenWidth, Tokenizer};
-use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, DEFAULT_NORM_EPS};
+use strata::model::{
+    ExpertNames, GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, MoeConfig, DEFAULT_NORM_EPS,
+};
 use strata::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use strata::patrickstar::PatrickStarConfig;
 use strata::run::Resume;
@@ -66,6 +68,11 @@ train_options! {
     rope_theta: f64,
     /// LLaMA: key/value heads of grouped-query attention (default: one per query head).
     kv_heads: i64,
+    /// LLaMA: a mixture of this many experts in place of every layer's feed-forward, each as
+    /// wide as --ffn-dim says (routing as Qwen3-MoE's, with its load-balancing loss).
+    experts: i64,
+    /// LLaMA with --experts: experts each token is sent to (default 2).
+    experts_per_token: i64,
     /// GPT and LLaMA: the norms' epsilon (default 1e-5).
     norm_eps: f64,
     /// LLaMA: the output head reads the token embedding's weight (GPT's always does).
@@ -312,6 +319,8 @@ pub struct TrainSettings {
     pub ffn_dim: Option<i64>,
     pub rope_theta: Option<f64>,
     pub kv_heads: Option<i64>,
+    /// Experts and experts per token of a mixture of experts.
+    pub experts: Option<(i64, i64)>,
     pub norm_eps: Option<f64>,
     pub tie_embeddings: Option<bool>,
     pub heads: i64,
@@ -432,6 +441,7 @@ impl TrainSettings {
             ("--rope-theta", self.rope_theta.is_some()),
             ("--kv-heads", self.kv_heads.is_some()),
             ("--tie-embeddings", self.tie_embeddings.is_some()),
+            ("--experts", self.experts.is_some()),
         ];
         if let Some(flag) = first_given(&llama_only).filter(|_| self.model_name != "llama") {
             bail!("{flag} belongs to --model llama: the {} model has no such part", self.model_name);
@@ -453,6 +463,17 @@ impl TrainSettings {
                     kv_heads: self.kv_heads,
                     norm_eps: self.norm_eps.unwrap_or(DEFAULT_NORM_EPS),
                     tie_embeddings: self.tie_embeddings.unwrap_or(false),
+                    moe: self.experts.map(|(experts, top_k)| MoeConfig {
+                        experts,
+                        top_k,
+                        expert_ffn_dim: self.ffn_dim.unwrap_or_else(|| defaults.hidden()),
+                        norm_topk: true,
+                        shared_expert_dim: None,
+                        sparse_step: 1,
+                        dense_layers: vec![],
+                        aux_loss_coef: 0.001,
+                        names: ExpertNames::Mlp,
+                    }),
                     ..defaults
                 })
             }
@@ -648,6 +669,8 @@ impl TrainOptions {
             ("--ffn-dim", o.ffn_dim.is_some()),
             ("--rope-theta", o.rope_theta.is_some()),
             ("--kv-heads", o.kv_heads.is_some()),
+            ("--experts", o.experts.is_some()),
+            ("--experts-per-token", o.experts_per_token.is_some()),
             ("--norm-eps", o.norm_eps.is_some()),
             ("--tie-embeddings", o.tie_embeddings.is_some()),
         ]
@@ -711,6 +734,11 @@ impl TrainOptions {
             ffn_dim: o.ffn_dim,
             rope_theta: o.rope_theta,
             kv_heads: o.kv_heads,
+            experts: match (o.experts, o.experts_per_token) {
+                (Some(e), k) => Some((e, k.unwrap_or(2))),
+                (None, Some(_)) => bail!("--experts-per-token needs --experts"),
+                (None, None) => None,
+            },
             norm_eps: o.norm_eps,
             tie_embeddings: o.tie_embeddings,
             heads: o.heads.unwrap_or(4),
