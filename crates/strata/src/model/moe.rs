@@ -267,7 +267,7 @@ impl SparseFeedForward {
     ) -> Result<(Tensor, i64)> {
         let (size, rank) = (group.size(), group.rank());
         let experts = self.experts.len();
-        if experts % size != 0 {
+        if !experts.is_multiple_of(size) {
             return Err(Error::Config(format!("expert_parallel: {experts} experts do not split over {size} ranks")));
         }
         let local = experts / size;
