@@ -361,8 +361,16 @@ fn strategy_show_prints_the_mesh_a_strategy_makes_of_a_world() {
     let shown = ok(&strata(&["strategy", "show", hybrid, "--world-size", "8", "--local-world-size", "4"]));
     assert!(shown.contains("mesh at 8 ranks: tensor 2 × zero 2 × data 2"), "{shown}");
     assert!(shown.contains("  data (2): [0, 4] [1, 5] [2, 6] [3, 7]"), "{shown}");
-    let reserved = one_line_error(&strata(&["strategy", "show", r#"[["parallel_mode", [[["expert", 2]], null]]]"#]));
-    assert!(reserved.contains("the expert dimension is reserved for expert parallelism"), "{reserved}");
+    // Expert groups: adjacent data-parallel ranks; fsdp's shard groups across them.
+    let experts =
+        ok(&strata(&["strategy", "show", r#"[["expert_parallel", {"size": 2}], "fsdp"]"#, "--world-size", "8"]));
+    assert!(experts.contains("mesh at 8 ranks: expert 2 × zero 4"), "{experts}");
+    assert!(experts.contains("  expert (2): [0, 1] [2, 3] [4, 5] [6, 7]"), "{experts}");
+    assert!(experts.contains("  zero (4): [0, 2, 4, 6] [1, 3, 5, 7]"), "{experts}");
+    let bare = one_line_error(&strata(&["strategy", "show", r#"[["parallel_mode", [[["expert", 2]], null]]]"#]));
+    assert!(bare.contains("the expert dimension needs the expert_parallel method"), "{bare}");
+    let reserved = one_line_error(&strata(&["strategy", "show", r#"[["parallel_mode", [[["context", 2]], null]]]"#]));
+    assert!(reserved.contains("the context dimension is reserved for context parallelism"), "{reserved}");
 }
 
 #[test]
