@@ -232,9 +232,7 @@ impl SparseFeedForward {
         let summed = weighted.f_reshape([-1, k, x.size()[1]])?.f_sum_dim_intlist(1, false, Kind::Float)?;
         Ok((summed.f_to_kind(x.kind())?, remote))
     }
-}
 
-impl SparseFeedForward {
     /// `rows`, grouped by expert (`counts[j]` rows for expert `first + j`, in order), through
     /// their experts; an expert without rows is skipped. Rows with no expert at all stay
     /// connected to `rows`, so a backward through them still reaches whatever made them.
@@ -361,8 +359,6 @@ impl strata_ext::Function for Exchange {
 /// loss and the run's metrics. One per model instance, shared by its sparse layers.
 pub struct LoadBalance {
     experts: i64,
-    top_k: i64,
-    layers: usize,
     coef: f64,
     state: Mutex<BalanceState>,
 }
@@ -410,9 +406,9 @@ pub struct BalanceReport {
 }
 
 impl LoadBalance {
-    pub(crate) fn new(experts: i64, top_k: i64, layers: usize, coef: f64) -> LoadBalance {
+    pub(crate) fn new(experts: i64, layers: usize, coef: f64) -> LoadBalance {
         let state = BalanceState { routed: (0..layers).map(|_| None).collect(), ..Default::default() };
-        LoadBalance { experts, top_k, layers, coef, state: Mutex::new(state) }
+        LoadBalance { experts, coef, state: Mutex::new(state) }
     }
 
     fn state(&self) -> MutexGuard<'_, BalanceState> {
@@ -443,36 +439,35 @@ impl LoadBalance {
         probs: &Tensor,
         remote: i64,
     ) -> Result<Tensor> {
-        let routed = tch::no_grad(|| -> Result<LayerRouting> {
-            Ok(LayerRouting {
-                slots: experts.f_reshape([-1])?.f_bincount::<Tensor>(None, self.experts)?.f_to_kind(Kind::Float)?,
-                prob_sums: probs.f_sum_dim_intlist(0, false, Kind::Float)?,
-                tokens: probs.size()[0],
-                remote,
-            })
-        })?;
+        let prob_sums = probs.f_sum_dim_intlist(0, false, Kind::Float)?;
+        let slots =
+            tch::no_grad(|| experts.f_reshape([-1])?.f_bincount::<Tensor>(None, self.experts)?.f_to_kind(Kind::Float))?;
+        let routed = LayerRouting { slots, prob_sums: prob_sums.detach(), tokens: probs.size()[0], remote };
         self.state().routed[layer] = Some(routed);
-        if self.coef == 0.0 || !probs.requires_grad() {
+        if self.coef == 0.0 || !prob_sums.requires_grad() {
             return Ok(y.shallow_clone());
         }
-        let prob_sums = probs.f_sum_dim_intlist(0, false, Kind::Float)?;
-        let node = BalanceGradient { balance: Arc::clone(self), prob_sums: prob_sums.size() };
+        let node = BalanceGradient { balance: Arc::clone(self) };
         Ok(strata_ext::apply_function(node, &[y, &prob_sums])?.remove(0))
     }
 
     /// Every layer's routing of the latest forward, or `None` before every layer has routed.
     fn totals(&self, state: &BalanceState) -> Result<Option<(Tensor, Tensor, i64, i64)>> {
-        let mut slots = Tensor::f_zeros([self.experts], (Kind::Float, tch::Device::Cpu))?;
-        let mut prob_sums = slots.f_zeros_like()?;
-        let (mut rows, mut remote) = (0, 0);
-        for routed in &state.routed {
-            let Some(r) = routed else { return Ok(None) };
-            slots = slots.f_add(&r.slots.f_to_device(tch::Device::Cpu)?)?;
-            prob_sums = prob_sums.f_add(&r.prob_sums.f_to_device(tch::Device::Cpu)?)?;
-            rows += r.tokens;
-            remote += r.remote;
-        }
-        Ok(Some((slots, prob_sums, rows, remote)))
+        let Some(layers) = state.routed.iter().map(Option::as_ref).collect::<Option<Vec<&LayerRouting>>>() else {
+            return Ok(None);
+        };
+        // Summed where the layers computed, then brought to the host in one copy.
+        let stack = |pick: fn(&LayerRouting) -> &Tensor| -> Result<Tensor> {
+            Ok(Tensor::f_stack(&layers.iter().map(|r| pick(r)).collect::<Vec<_>>(), 0)?.f_sum_dim_intlist(
+                0,
+                false,
+                Kind::Float,
+            )?)
+        };
+        let both =
+            Tensor::f_stack(&[stack(|r| &r.slots)?, stack(|r| &r.prob_sums)?], 0)?.f_to_device(tch::Device::Cpu)?;
+        let (rows, remote) = layers.iter().fold((0, 0), |(t, s), r| (t + r.tokens, s + r.remote));
+        Ok(Some((both.get(0), both.get(1), rows, remote)))
     }
 
     /// After a forward that every sparse layer took part in: the load-balancing loss and the
@@ -519,23 +514,12 @@ impl LoadBalance {
         }
         coefficient.f_mul(&factor).map_err(|e| e.to_string())
     }
-
-    /// Sparse layers of the model.
-    pub fn layers(&self) -> usize {
-        self.layers
-    }
-
-    /// Experts each token is sent to.
-    pub fn top_k(&self) -> i64 {
-        self.top_k
-    }
 }
 
 /// The identity on a sparse layer's output whose backward also hands the layer's summed
 /// routing probabilities their share of the load-balancing loss's gradient.
 struct BalanceGradient {
     balance: Arc<LoadBalance>,
-    prob_sums: Vec<i64>,
 }
 
 impl strata_ext::Function for BalanceGradient {
@@ -544,10 +528,7 @@ impl strata_ext::Function for BalanceGradient {
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
-        let g = self.balance.gradient()?;
-        let device = grads[0].device();
-        let g =
-            g.f_to_device(device).and_then(|g| g.f_reshape(self.prob_sums.as_slice())).map_err(|e| e.to_string())?;
+        let g = self.balance.gradient()?.f_to_device(grads[0].device()).map_err(|e| e.to_string())?;
         Ok(vec![grads[0].shallow_clone(), g])
     }
 }
