@@ -4,7 +4,7 @@
 //! `modules_to_save`). Written from a LoRA run's adapters, read back into one.
 use super::{load_named, read_safetensors, write_atomic, write_weights, WeightsTarget};
 use crate::engine::Engine;
-use crate::model::{Adapters, ParamId};
+use crate::model::{Adapter, Adapters, ParamId};
 use crate::strategy::{LoraConfig, Targets};
 use crate::{Error, Result};
 use serde_json::{json, Value};
@@ -46,6 +46,7 @@ impl AdapterOut {
             "lora_alpha": c.alpha,
             "lora_dropout": c.dropout,
             "target_modules": targets,
+            "target_parameters": if c.target_parameters.is_empty() { Value::Null } else { json!(c.target_parameters) },
             "modules_to_save": if c.modules_to_save.is_empty() { Value::Null } else { json!(c.modules_to_save) },
             "use_rslora": c.use_rslora,
             "fan_in_fan_out": self.fan_in_fan_out,
@@ -101,8 +102,10 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
         tracing::warn!(dropout = p, "the adapter folder asks for dropout; Strata trains without dropout");
         fields.insert("lora_dropout".into(), json!(0.0));
     }
-    let known = ["r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_rslora"];
+    let known =
+        ["r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters", "modules_to_save", "use_rslora"];
     fields.retain(|k, v| known.contains(&k.as_str()) && !v.is_null());
+    crate::strategy::parameters_alone(&mut value);
     let config: LoraConfig = serde_json::from_value(value).map_err(|e| err(e.to_string()))?;
     config.validate().map_err(|e| err(e.to_string()))?;
     Ok(config)
@@ -133,9 +136,10 @@ pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
     load_named(engine, &path, named.into_iter(), &|id| !factors.contains(&id))
 }
 
-/// The parameters that are adapters' factors.
+/// The parameters that are adapters' factors (once each, where experts share them).
 pub(crate) fn factor_ids(adapters: &Adapters) -> Vec<ParamId> {
-    adapters.values().flat_map(|a| [a.a, a.b]).collect()
+    let ids: std::collections::BTreeSet<ParamId> = adapters.values().flat_map(|a| [a.a, a.b]).collect();
+    ids.into_iter().collect()
 }
 
 /// A tensor as written: its name there, dtype and shape.
@@ -145,7 +149,7 @@ type Written = (String, Kind, Vec<i64>);
 /// with its adapter.
 enum Source {
     Plain(usize),
-    Merged { weight: usize, a: usize, b: usize, scale: f64 },
+    Merged { weight: usize, a: usize, b: usize, adapter: Adapter },
 }
 
 /// The entries of `layout` (parameter, name, dtype, shape) as `target` receives them: a
@@ -181,7 +185,7 @@ fn selection(
                         weight: i,
                         a: position(&adapter.a)?,
                         b: position(&adapter.b)?,
-                        scale: adapter.scale,
+                        adapter: *adapter,
                     },
                     None => Source::Plain(i),
                 };
@@ -192,7 +196,8 @@ fn selection(
     Ok(out.into_iter().unzip())
 }
 
-/// Fetches entries in order, holding those fetched ahead of their turn.
+/// Fetches entries in order, holding those fetched ahead of their turn (and factors, which
+/// experts' weights may share, until the end).
 struct Ahead<F> {
     fetch: F,
     next: usize,
@@ -200,21 +205,32 @@ struct Ahead<F> {
 }
 
 impl<F: FnMut(usize) -> Result<Tensor>> Ahead<F> {
-    fn take(&mut self, i: usize) -> Result<Tensor> {
+    fn fetch_to(&mut self, i: usize) -> Result<()> {
         while self.next <= i {
             self.held.insert(self.next, (self.fetch)(self.next)?);
             self.next += 1;
         }
+        Ok(())
+    }
+
+    fn take(&mut self, i: usize) -> Result<Tensor> {
+        self.fetch_to(i)?;
         self.held.remove(&i).ok_or_else(|| Error::Model(format!("entry {i} of the weights was read twice")))
+    }
+
+    fn factor(&mut self, i: usize) -> Result<Tensor> {
+        self.fetch_to(i)?;
+        let t = self.held.get(&i).ok_or_else(|| Error::Model(format!("factor {i} of the weights is gone")))?;
+        Ok(t.f_to_kind(Kind::Float)?)
     }
 
     fn produce(&mut self, source: &Source) -> Result<Tensor> {
         match *source {
             Source::Plain(i) => self.take(i),
-            Source::Merged { weight, a, b, scale } => {
+            Source::Merged { weight, a, b, adapter } => {
                 let w = self.take(weight)?;
-                let (a, b) = (self.take(a)?.f_to_kind(Kind::Float)?, self.take(b)?.f_to_kind(Kind::Float)?);
-                let merged = w.f_to_kind(Kind::Float)?.f_add(&b.f_matmul(&a)?.f_mul_scalar(scale)?)?;
+                let (a, b) = adapter.factors(&self.factor(a)?, &self.factor(b)?)?;
+                let merged = w.f_to_kind(Kind::Float)?.f_add(&b.f_matmul(&a)?.f_mul_scalar(adapter.scale)?)?;
                 Ok(merged.f_to_kind(w.kind())?)
             }
         }

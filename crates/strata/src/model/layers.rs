@@ -57,17 +57,17 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 
 /// A low-rank adapter's factors as a layer reads them: `A` `[r, in]`, `B` `[out, r]` and
 /// the scale of their product.
-pub struct LowRank<'a> {
-    pub a: &'a Tensor,
-    pub b: &'a Tensor,
+pub struct LowRank {
+    pub a: Tensor,
+    pub b: Tensor,
     pub scale: f64,
 }
 
-impl LowRank<'_> {
+impl LowRank {
     /// What the adapter adds to its layer's output for input `x`: `scale·(x·Aᵀ)·Bᵀ`, each
     /// product a linear layer of its own (so autocast and fp8 treat it as one).
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(linear(&linear(x, self.a, None)?, self.b, None)?.f_mul_scalar(self.scale)?)
+        Ok(linear(&linear(x, &self.a, None)?, &self.b, None)?.f_mul_scalar(self.scale)?)
     }
 }
 
@@ -79,7 +79,7 @@ pub fn row_linear(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
-    adapter: Option<LowRank<'_>>,
+    adapter: Option<LowRank>,
     tp: &dyn TensorParallel,
 ) -> Result<Tensor> {
     let unreduced = |bias: Option<&Tensor>| -> Result<Tensor> {

@@ -28,7 +28,7 @@ use super::layers::{
 use super::moe::{Expert, LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
-    default_norm_eps, positive, Builder, DecodeCache, Init, Kept, ParamId, Params, TokenEmbedding, TpRole, Unit,
+    default_norm_eps, positive, Builder, DecodeCache, ExpertSet, Init, Kept, ParamId, Params, TokenEmbedding, TpRole, Unit,
     UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
@@ -578,13 +578,19 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let feed_forward = match sparse {
             Some((moe, balance)) => {
                 let router = u.param(moe.router_name(&name), &[moe.experts, d], normal, TpRole::Replicated);
-                let experts = (0..moe.experts)
-                    .map(|e| Expert::declare(&mut u, moe.expert_names(&name, e), moe.expert_ffn_dim, d))
+                let experts: Vec<Expert> = (0..moe.experts)
+                    .map(|e| Expert::declare(&mut u, moe.expert_names(&name, e), moe.expert_ffn_dim, d, true))
                     .collect();
+                u.expert_set(ExpertSet {
+                    module: format!("{name}.mlp.experts"),
+                    gate: experts.iter().map(|e| e.gate).collect(),
+                    up: experts.iter().map(|e| e.up).collect(),
+                    down: experts.iter().map(|e| e.down).collect(),
+                });
                 let shared = moe.shared_expert_dim.map(|width| {
                     let names =
                         ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{name}.mlp.shared_expert.{w}.weight"));
-                    let shared = Expert::declare(&mut u, names, width, d);
+                    let shared = Expert::declare(&mut u, names, width, d, false);
                     (
                         shared,
                         u.linear(format!("{name}.mlp.shared_expert_gate.weight"), &[1, d], normal, TpRole::Replicated),

@@ -321,6 +321,34 @@ pub struct Adapter {
     pub a: ParamId,
     pub b: ParamId,
     pub scale: f64,
+    /// Where the factors are shared by a sparse layer's experts (peft's adapters of
+    /// `target_parameters`): which expert's part of them this weight takes.
+    pub expert: Option<ExpertSlice>,
+}
+
+/// One expert's part of factors shared by `count` experts, as peft lays out an adapter of
+/// stacked expert weights: `A` `[r·count, in]` holds expert `index`'s `[r, in]` in rows
+/// `index·r ..`, `B` `[out, r·count]` its `[out, r]` in columns `index, index + count, ...`;
+/// this weight's rows are `B`'s `rows` (a gate and an up projection stacked share one `B`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExpertSlice {
+    pub index: i64,
+    pub count: i64,
+    pub rows: (i64, i64),
+}
+
+impl Adapter {
+    /// The `[r, in]` and `[out, r]` factors this adapter's weight uses, from its
+    /// parameters' tensors `a` and `b` (views of them, where they are shared).
+    pub fn factors(&self, a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+        let Some(ExpertSlice { index, count, rows: (first, len) }) = self.expert else {
+            return Ok((a.shallow_clone(), b.shallow_clone()));
+        };
+        let r = a.size()[0] / count;
+        let a = a.f_narrow(0, index * r, r)?;
+        let b = b.f_view([b.size()[0], r, count])?.f_select(2, index)?.f_narrow(0, first, len)?;
+        Ok((a, b))
+    }
 }
 
 /// The adapters of a model, by the weight of the linear layer each joins.
@@ -363,16 +391,17 @@ impl<'a> Params<'a> {
         Params { adapters: Some(adapters).filter(|a| !a.is_empty()), ..self }
     }
 
-    fn adapter(&self, w: ParamId) -> Option<layers::LowRank<'_>> {
-        let adapter = self.adapters?.get(&w)?;
-        Some(layers::LowRank { a: &self[adapter.a], b: &self[adapter.b], scale: adapter.scale })
+    fn adapter(&self, w: ParamId) -> Result<Option<layers::LowRank>> {
+        let Some(adapter) = self.adapters.and_then(|all| all.get(&w)) else { return Ok(None) };
+        let (a, b) = adapter.factors(&self[adapter.a], &self[adapter.b])?;
+        Ok(Some(layers::LowRank { a, b, scale: adapter.scale }))
     }
 
     /// The linear layer of weight `w` and bias `b` ([`layers::linear`]), with its adapter
     /// where one is joined to it.
     pub fn linear(&self, x: &Tensor, w: ParamId, b: Option<ParamId>) -> Result<Tensor> {
         let y = layers::linear(x, &self[w], b.map(|b| &self[b]))?;
-        match self.adapter(w) {
+        match self.adapter(w)? {
             Some(adapter) => Ok(y.f_add(&adapter.delta(x)?)?),
             None => Ok(y),
         }
@@ -381,7 +410,7 @@ impl<'a> Params<'a> {
     /// The row-parallel linear layer of weight `w` and bias `b` ([`layers::row_linear`]),
     /// with its adapter where one is joined to it.
     pub fn row_linear(&self, x: &Tensor, w: ParamId, b: Option<ParamId>) -> Result<Tensor> {
-        layers::row_linear(x, &self[w], b.map(|b| &self[b]), self.adapter(w), self.tp)
+        layers::row_linear(x, &self[w], b.map(|b| &self[b]), self.adapter(w)?, self.tp)
     }
 
     /// Where the rows hold packed examples: each position's place in its example and the
@@ -520,6 +549,21 @@ pub struct ModelSpec {
     /// The routing of a mixture of experts' sparse layers, gathered for its load-balancing
     /// loss; `None` for a model without experts.
     pub load_balance: Option<std::sync::Arc<LoadBalance>>,
+    /// The routed experts of each sparse layer, in layer order.
+    pub expert_sets: Vec<ExpertSet>,
+}
+
+/// A sparse layer's routed experts as `transformers` stacks them in one module
+/// (`{module}.gate_up_proj` `[E, 2F, D]`, each expert's gate rows then its up rows, and
+/// `{module}.down_proj` `[E, D, F]`), which is what peft's `target_parameters` name: each
+/// expert's gate, up and down weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertSet {
+    /// `model.layers.{i}.mlp.experts`, whatever the family calls the weights on disk.
+    pub module: String,
+    pub gate: Vec<ParamId>,
+    pub up: Vec<ParamId>,
+    pub down: Vec<ParamId>,
 }
 
 impl ModelSpec {
@@ -667,6 +711,7 @@ pub struct Builder {
     aliases: Vec<(String, ParamId)>,
     names: HashMap<String, ParamId>,
     load_balance: Option<std::sync::Arc<LoadBalance>>,
+    expert_sets: Vec<ExpertSet>,
     error: Option<Error>,
 }
 
@@ -707,6 +752,7 @@ impl Builder {
             copies: vec![],
             adapters: Adapters::new(),
             load_balance: self.load_balance,
+            expert_sets: self.expert_sets,
         })
     }
 
@@ -763,6 +809,11 @@ impl UnitBuilder<'_> {
         let id = self.param(name, shape, init, tp);
         self.builder.params[id.0].linear = true;
         id
+    }
+
+    /// Records the routed experts of a sparse layer this unit declares.
+    pub fn expert_set(&mut self, set: ExpertSet) {
+        self.builder.expert_sets.push(set);
     }
 
     /// Reads a parameter declared by an earlier unit (a tied weight).

@@ -145,15 +145,17 @@ pub(crate) struct Expert {
 
 impl Expert {
     /// Declares an expert's gate, up and down weights (named `names`, `width` wide, over
-    /// hidden states `dim` wide) as linear layers a LoRA strategy may adapt.
-    pub(crate) fn declare(u: &mut UnitBuilder<'_>, names: [String; 3], width: i64, dim: i64) -> Expert {
+    /// hidden states `dim` wide). A shared expert's are linear layers a LoRA strategy's
+    /// `target_modules` may name; routed experts' are not (`transformers` stacks them into
+    /// one module's parameters, which `target_parameters` names: [`super::ExpertSet`]).
+    pub(crate) fn declare(u: &mut UnitBuilder<'_>, names: [String; 3], width: i64, dim: i64, routed: bool) -> Expert {
         let [gate, up, down] = names;
         let normal = Init::Normal { std: INIT_STD };
-        Expert {
-            gate: u.linear(gate, &[width, dim], normal, TpRole::Replicated),
-            up: u.linear(up, &[width, dim], normal, TpRole::Replicated),
-            down: u.linear(down, &[dim, width], normal, TpRole::Replicated),
-        }
+        let mut weight = |name: String, shape: &[i64]| match routed {
+            true => u.param(name, shape, normal, TpRole::Replicated),
+            false => u.linear(name, shape, normal, TpRole::Replicated),
+        };
+        Expert { gate: weight(gate, &[width, dim]), up: weight(up, &[width, dim]), down: weight(down, &[dim, width]) }
     }
 
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {

@@ -2,8 +2,13 @@
 //! `[r, in]` and `B` `[out, r]` factors beside their weight, every other parameter is frozen
 //! (no gradient, master or optimizer state) except those of `modules_to_save`, and a layer
 //! computes `x·Wᵀ + (alpha / r)·(x·Aᵀ)·Bᵀ` (`alpha / √r` with `use_rslora`).
+//!
+//! A mixture of experts' routed experts are not linear layers in peft's eyes but the
+//! stacked parameters of one module (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`),
+//! which `target_parameters` names: each gets one pair of factors for all its experts,
+//! laid out as peft lays them out ([`crate::model::ExpertSlice`]).
 
-use crate::model::{Adapter, Init, ModelSpec, ParamId, ParamSpec, TpRole};
+use crate::model::{Adapter, ExpertSet, ExpertSlice, Init, ModelSpec, ParamId, ParamSpec, TpRole};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -30,9 +35,28 @@ pub struct LoraConfig {
     #[serde(alias = "lora_dropout")]
     pub dropout: f64,
     pub target_modules: Targets,
+    /// Stacked expert parameters, as `transformers` names them
+    /// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`): a parameter is adapted where
+    /// its name is one of them or ends with `.` and one of them. Given without
+    /// `target_modules`, no linear layer is adapted.
+    pub target_parameters: Vec<String>,
     /// Modules trained whole beside the adapters (a new classifier head, say).
     pub modules_to_save: Vec<String>,
     pub use_rslora: bool,
+}
+
+/// The two stacked parameters of a sparse layer's experts, in the order `transformers`
+/// declares them (which is the order peft nests its adapters of both in).
+const EXPERT_PARAMETERS: [&str; 2] = ["gate_up_proj", "down_proj"];
+
+/// Where a configuration names `target_parameters` and no `target_modules`, it adapts no
+/// linear layer (peft's reading), not the default ones: the targets are made explicit.
+pub(crate) fn parameters_alone(config: &mut serde_json::Value) {
+    let Some(fields) = config.as_object_mut() else { return };
+    let parameters = fields.get("target_parameters").and_then(serde_json::Value::as_array).is_some_and(|p| !p.is_empty());
+    if parameters && fields.get("target_modules").is_none_or(serde_json::Value::is_null) {
+        fields.insert("target_modules".into(), serde_json::json!([]));
+    }
 }
 
 impl Default for LoraConfig {
@@ -42,6 +66,7 @@ impl Default for LoraConfig {
             alpha: 8.0,
             dropout: 0.0,
             target_modules: Targets::Names(vec!["q_proj".into(), "v_proj".into()]),
+            target_parameters: vec![],
             modules_to_save: vec![],
             use_rslora: false,
         }
@@ -62,7 +87,11 @@ impl LoraConfig {
     /// The configuration a strategy's `["lora", config]` gives (the defaults where `config`
     /// is absent), validated.
     pub fn from_value(config: Option<&serde_json::Value>) -> Result<LoraConfig> {
-        let c: LoraConfig = super::parse_config("lora", config)?;
+        let mut config = config.cloned();
+        if let Some(c) = config.as_mut() {
+            parameters_alone(c);
+        }
+        let c: LoraConfig = super::parse_config("lora", config.as_ref())?;
         c.validate()?;
         Ok(c)
     }
@@ -83,7 +112,9 @@ impl LoraConfig {
             ));
         }
         match &self.target_modules {
-            Targets::Names(list) if list.is_empty() => bad("target_modules is empty".into()),
+            Targets::Names(list) if list.is_empty() && self.target_parameters.is_empty() => {
+                bad("target_modules is empty".into())
+            }
             Targets::Pattern(p) if p != "all-linear" => {
                 regex::Regex::new(p).map(|_| ()).map_err(|e| Error::Config(format!("lora: target_modules: {e}")))
             }
@@ -125,6 +156,7 @@ impl LoraConfig {
             ))
         };
         let chosen: Vec<ParamId> = match &self.target_modules {
+            Targets::Names(list) if list.is_empty() => return Ok(vec![]),
             Targets::Names(list) => {
                 if let Some(t) = list.iter().find(|t| !linear.iter().any(|(_, m)| names(m, t))) {
                     return Err(unmatched(format!("{t:?}")));
@@ -158,15 +190,39 @@ impl LoraConfig {
         self.r == other.r
             && self.scale() == other.scale()
             && same_targets
+            && set(&self.target_parameters) == set(&other.target_parameters)
             && set(&self.modules_to_save) == set(&other.modules_to_save)
     }
 
     /// The targets as one line.
     pub fn targets_text(&self) -> String {
-        match &self.target_modules {
+        let modules = match &self.target_modules {
             Targets::Names(list) => list.join(", "),
             Targets::Pattern(p) => p.clone(),
+        };
+        [modules, self.target_parameters.join(", ")].into_iter().filter(|t| !t.is_empty()).collect::<Vec<_>>().join(", ")
+    }
+
+    /// For each sparse layer of `spec`, which of its stacked parameters
+    /// ([`EXPERT_PARAMETERS`]) `target_parameters` names; a name that names none of the
+    /// model's is an error listing them.
+    fn expert_targets(&self, spec: &ModelSpec) -> Result<Vec<[bool; 2]>> {
+        let named = |set: &ExpertSet, part: &str| {
+            let key = format!("{}.{part}", set.module);
+            self.target_parameters.iter().any(|t| names(&key, t))
+        };
+        if let Some(t) = self.target_parameters.iter().find(|t| {
+            !spec.expert_sets.iter().any(|set| EXPERT_PARAMETERS.iter().any(|part| names(&format!("{}.{part}", set.module), t)))
+        }) {
+            let known = match spec.expert_sets.is_empty() {
+                true => "none: it has no experts".to_string(),
+                false => EXPERT_PARAMETERS.map(|p| format!("mlp.experts.{p}")).join(", "),
+            };
+            return Err(Error::Config(format!(
+                "lora: target_parameters {t:?} names no parameter of this model; its expert parameters are {known}"
+            )));
         }
+        Ok(spec.expert_sets.iter().map(|set| EXPERT_PARAMETERS.map(|part| named(set, part))).collect())
     }
 
     /// Joins an adapter to every targeted linear layer of `spec` and freezes every other
@@ -184,9 +240,46 @@ impl LoraConfig {
         for p in spec.params.iter_mut() {
             p.requires_grad = self.saves(&p.name);
         }
+        let expert_targets = self.expert_targets(spec)?;
         for w in targets {
             let adapter = self.join(spec, w)?;
             spec.adapters.insert(w, adapter);
+        }
+        for (set, parts) in spec.expert_sets.clone().iter().zip(expert_targets) {
+            for (part, _) in EXPERT_PARAMETERS.iter().zip(parts).filter(|(_, named)| *named) {
+                // peft nests its adapters of both parameters, the first declared inside.
+                let module = match (*part, parts) {
+                    ("gate_up_proj", [true, true]) => format!("{}.base_layer", set.module),
+                    _ => set.module.clone(),
+                };
+                self.join_experts(spec, set, part, &module)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Declares one pair of factors for a stacked parameter of `set`'s experts (`A`
+    /// `[r·E, in]`, `B` `[out, r·E]`, named under `module` as peft names them) and joins each
+    /// expert's weights of it to its part.
+    fn join_experts(&self, spec: &mut ModelSpec, set: &ExpertSet, part: &str, module: &str) -> Result<()> {
+        let count = set.gate.len() as i64;
+        let weights: Vec<Vec<ParamId>> = match part {
+            "gate_up_proj" => vec![set.gate.clone(), set.up.clone()],
+            _ => vec![set.down.clone()],
+        };
+        let first = spec.params[weights[0][0].0].clone();
+        let [rows, inp] = first.shape[..] else {
+            return Err(Error::Config(format!("lora: {} is not a matrix", first.name)));
+        };
+        let out = rows * weights.len() as i64;
+        let bound = 1.0 / (inp as f64).sqrt();
+        let a = declare(spec, &first, module, "A", vec![self.r * count, inp], Init::Uniform { bound }, TpRole::Replicated)?;
+        let b = declare(spec, &first, module, "B", vec![out, self.r * count], Init::Zeros, TpRole::Replicated)?;
+        for (stacked, ids) in weights.iter().enumerate() {
+            for (index, &w) in ids.iter().enumerate() {
+                let expert = Some(ExpertSlice { index: index as i64, count, rows: (stacked as i64 * rows, rows) });
+                spec.adapters.insert(w, Adapter { a, b, scale: self.scale(), expert });
+            }
         }
         Ok(())
     }
@@ -208,29 +301,40 @@ impl LoraConfig {
         };
         let module = module_of(&weight.name);
         let bound = 1.0 / (inp as f64).sqrt();
-        let factor = |part: &str, shape: Vec<i64>, init, tp| ParamSpec {
-            name: format!("{module}.lora_{part}.weight"),
-            shape,
-            init,
-            kind: weight.kind,
-            tp,
-            unit: weight.unit,
-            requires_grad: true,
-            linear: false,
-        };
-        let mut declare = |p: ParamSpec| {
-            let id = ParamId(spec.params.len());
-            if spec.find(&p.name).is_some() {
-                return Err(Error::Config(format!("lora: the model already has a parameter {}", p.name)));
-            }
-            if let Some(unit) = spec.units.get_mut(p.unit) {
-                unit.params.push(id);
-            }
-            spec.params.push(p);
-            Ok(id)
-        };
-        let a = declare(factor("A", vec![self.r, inp], Init::Uniform { bound }, a_role))?;
-        let b = declare(factor("B", vec![out, self.r], Init::Zeros, b_role))?;
-        Ok(Adapter { a, b, scale: self.scale() })
+        let a = declare(spec, &weight, module, "A", vec![self.r, inp], Init::Uniform { bound }, a_role)?;
+        let b = declare(spec, &weight, module, "B", vec![out, self.r], Init::Zeros, b_role)?;
+        Ok(Adapter { a, b, scale: self.scale(), expert: None })
     }
+}
+
+/// Declares factor `part` (`A` or `B`) of an adapter of `weight`, named
+/// `{module}.lora_{part}.weight`, in `weight`'s unit and dtype.
+fn declare(
+    spec: &mut ModelSpec,
+    weight: &ParamSpec,
+    module: &str,
+    part: &str,
+    shape: Vec<i64>,
+    init: Init,
+    tp: TpRole,
+) -> Result<ParamId> {
+    let p = ParamSpec {
+        name: format!("{module}.lora_{part}.weight"),
+        shape,
+        init,
+        kind: weight.kind,
+        tp,
+        unit: weight.unit,
+        requires_grad: true,
+        linear: false,
+    };
+    if spec.find(&p.name).is_some() {
+        return Err(Error::Config(format!("lora: the model already has a parameter {}", p.name)));
+    }
+    let id = ParamId(spec.params.len());
+    if let Some(unit) = spec.units.get_mut(p.unit) {
+        unit.params.push(id);
+    }
+    spec.params.push(p);
+    Ok(id)
 }

@@ -188,6 +188,17 @@ fn gpt2_lora_with_a_module_saved_whole_matches_peft() {
     );
 }
 
+/// A mixture of experts' attention and routed experts (peft's `target_parameters`: one pair
+/// of factors for each layer's stacked gate and up weights, one for its down weights).
+#[test]
+fn qwen3_moe_lora_of_attention_and_experts_matches_peft() {
+    lora_matches_peft(
+        "qwen3-moe",
+        json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "o_proj"],
+               "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
+    );
+}
+
 /// The feed-forward width of [`tiny_llama_spec`].
 const FFN: i64 = 64;
 
