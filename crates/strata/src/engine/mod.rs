@@ -811,7 +811,10 @@ impl Engine {
         }
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
         self.routed = match &self.spec.load_balance {
-            Some(balance) => balance.close(true)?,
+            Some(balance) => {
+                let sequence = self.config.tensor.as_deref().filter(|t| t.sequence_parallel());
+                balance.close(true, sequence)?
+            }
             None => None,
         };
         let layout = self.layout.as_ref().map(RowLayout::shallow_clone);

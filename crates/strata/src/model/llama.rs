@@ -28,8 +28,8 @@ use super::layers::{
 use super::moe::{Expert, LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
-    default_norm_eps, positive, Builder, DecodeCache, ExpertSet, Init, Kept, ParamId, Params, TokenEmbedding, TpRole, Unit,
-    UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
+    default_norm_eps, positive, Builder, DecodeCache, ExpertSet, Init, Kept, ParamId, Params, TokenEmbedding, TpRole,
+    Unit, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -390,9 +390,6 @@ impl Unit for LlamaBlock {
         self.run(p, x, Some(cache))
     }
     fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
-        if matches!(self.feed_forward, FeedForward::Sparse(_)) && tp > 1 {
-            return Err(Error::Config("a layer of experts does not run split over tensor ranks".into()));
-        }
         if self.qk_norm_whole && tp > 1 {
             return Err(Error::Config("query/key norms over whole projections do not split over tensor ranks".into()));
         }
@@ -577,7 +574,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
         let feed_forward = match sparse {
             Some((moe, balance)) => {
-                let router = u.param(moe.router_name(&name), &[moe.experts, d], normal, TpRole::Replicated);
+                let router = u.param(moe.router_name(&name), &[moe.experts, d], normal, TpRole::SequenceReplicated);
                 let experts: Vec<Expert> = (0..moe.experts)
                     .map(|e| Expert::declare(&mut u, moe.expert_names(&name, e), moe.expert_ffn_dim, d, true))
                     .collect();
@@ -593,7 +590,12 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     let shared = Expert::declare(&mut u, names, width, d, false);
                     (
                         shared,
-                        u.linear(format!("{name}.mlp.shared_expert_gate.weight"), &[1, d], normal, TpRole::Replicated),
+                        u.linear(
+                            format!("{name}.mlp.shared_expert_gate.weight"),
+                            &[1, d],
+                            normal,
+                            TpRole::SequenceReplicated,
+                        ),
                     )
                 });
                 sparse_seen += 1;

@@ -17,7 +17,7 @@
 //! whose backward adds that coefficient's gradient to the layer's probabilities: recomputed,
 //! sharded or offloaded units take it in their own backward like any other gradient.
 use super::layers::swiglu;
-use super::{Init, ParamId, Params, TpRole, UnitBuilder, INIT_STD};
+use super::{Init, ParamId, Params, TensorParallel, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -152,8 +152,8 @@ impl Expert {
         let [gate, up, down] = names;
         let normal = Init::Normal { std: INIT_STD };
         let mut weight = |name: String, shape: &[i64]| match routed {
-            true => u.param(name, shape, normal, TpRole::Replicated),
-            false => u.linear(name, shape, normal, TpRole::Replicated),
+            true => u.param(name, shape, normal, TpRole::SequenceReplicated),
+            false => u.linear(name, shape, normal, TpRole::SequenceReplicated),
         };
         Expert { gate: weight(gate, &[width, dim]), up: weight(up, &[width, dim]), down: weight(down, &[dim, width]) }
     }
@@ -236,21 +236,17 @@ impl SparseFeedForward {
     }
 
     /// `rows`, grouped by expert (`counts[j]` rows for expert `first + j`, in order), through
-    /// their experts; an expert without rows is skipped. Rows with no expert at all stay
-    /// connected to `rows`, so a backward through them still reaches whatever made them.
+    /// their experts. An expert without rows still runs, over none: its backward gives its
+    /// weights a zero gradient rather than none, so whatever reduces their gradients (the
+    /// tensor group under sequence parallel, data parallel) sees the same on every rank.
     fn computed(&self, p: &Params<'_>, rows: &Tensor, counts: &[i64], first: usize) -> Result<Tensor> {
         let mut outputs = Vec::with_capacity(counts.len());
         let mut start = 0;
         for (j, &count) in counts.iter().enumerate() {
-            if count > 0 {
-                outputs.push(self.experts[first + j].forward(p, &rows.f_narrow(0, start, count)?)?);
-            }
+            outputs.push(self.experts[first + j].forward(p, &rows.f_narrow(0, start, count)?)?);
             start += count;
         }
-        match outputs.is_empty() {
-            true => Ok(rows.f_mul_scalar(0.0)?),
-            false => Ok(Tensor::f_cat(&outputs, 0)?),
-        }
+        Ok(Tensor::f_cat(&outputs, 0)?)
     }
 
     /// Expert parallelism: the rows grouped by expert (`counts` per expert, all `E`) go to
@@ -453,8 +449,14 @@ impl LoadBalance {
         Ok(strata_ext::apply_function(node, &[y, &prob_sums])?.remove(0))
     }
 
-    /// Every layer's routing of the latest forward, or `None` before every layer has routed.
-    fn totals(&self, state: &BalanceState) -> Result<Option<(Tensor, Tensor, i64, i64)>> {
+    /// Every layer's routing of the latest forward, or `None` before every layer has routed;
+    /// where sequence parallel gave each rank of `sequence` part of the tokens, summed over
+    /// them.
+    fn totals(
+        &self,
+        state: &BalanceState,
+        sequence: Option<&dyn TensorParallel>,
+    ) -> Result<Option<(Tensor, Tensor, i64, i64)>> {
         let Some(layers) = state.routed.iter().map(Option::as_ref).collect::<Option<Vec<&LayerRouting>>>() else {
             return Ok(None);
         };
@@ -469,15 +471,26 @@ impl LoadBalance {
         let both =
             Tensor::f_stack(&[stack(|r| &r.slots)?, stack(|r| &r.prob_sums)?], 0)?.f_to_device(tch::Device::Cpu)?;
         let (rows, remote) = layers.iter().fold((0, 0), |(t, s), r| (t + r.tokens, s + r.remote));
-        Ok(Some((both.get(0), both.get(1), rows, remote)))
+        let Some(group) = sequence.filter(|g| g.size() > 1) else {
+            return Ok(Some((both.get(0), both.get(1), rows, remote)));
+        };
+        let mut values: Vec<f64> = Vec::<f64>::try_from(&both.f_reshape([-1])?.f_to_kind(Kind::Double)?)
+            .map_err(|e| Error::Model(e.to_string()))?;
+        values.extend([rows as f64, remote as f64]);
+        let summed = group.sum_values(&values)?;
+        let e = self.experts as usize;
+        let row = |from: usize| Tensor::f_from_slice(&summed[from..from + e])?.f_to_kind(Kind::Float);
+        Ok(Some((row(0)?, row(e)?, summed[2 * e] as i64, summed[2 * e + 1] as i64)))
     }
 
     /// After a forward that every sparse layer took part in: the load-balancing loss and the
     /// experts' loads; with `for_backward`, also the coefficient each layer's backward adds
     /// and the training loss's term.
-    pub fn close(&self, for_backward: bool) -> Result<Option<Routed>> {
+    /// Under sequence parallel, `sequence` is the tensor group whose ranks routed the
+    /// sequence's parts.
+    pub fn close(&self, for_backward: bool, sequence: Option<&dyn TensorParallel>) -> Result<Option<Routed>> {
         let mut state = self.state();
-        let Some((slots, prob_sums, rows, remote)) = self.totals(&state)? else { return Ok(None) };
+        let Some((slots, prob_sums, rows, remote)) = self.totals(&state, sequence)? else { return Ok(None) };
         let rows = rows.max(1) as f64;
         let shares = slots.f_div_scalar(rows)?;
         let aux =

@@ -53,7 +53,8 @@ const EXPERT_PARAMETERS: [&str; 2] = ["gate_up_proj", "down_proj"];
 /// linear layer (peft's reading), not the default ones: the targets are made explicit.
 pub(crate) fn parameters_alone(config: &mut serde_json::Value) {
     let Some(fields) = config.as_object_mut() else { return };
-    let parameters = fields.get("target_parameters").and_then(serde_json::Value::as_array).is_some_and(|p| !p.is_empty());
+    let parameters =
+        fields.get("target_parameters").and_then(serde_json::Value::as_array).is_some_and(|p| !p.is_empty());
     if parameters && fields.get("target_modules").is_none_or(serde_json::Value::is_null) {
         fields.insert("target_modules".into(), serde_json::json!([]));
     }
@@ -200,7 +201,11 @@ impl LoraConfig {
             Targets::Names(list) => list.join(", "),
             Targets::Pattern(p) => p.clone(),
         };
-        [modules, self.target_parameters.join(", ")].into_iter().filter(|t| !t.is_empty()).collect::<Vec<_>>().join(", ")
+        [modules, self.target_parameters.join(", ")]
+            .into_iter()
+            .filter(|t| !t.is_empty())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// For each sparse layer of `spec`, which of its stacked parameters
@@ -212,7 +217,10 @@ impl LoraConfig {
             self.target_parameters.iter().any(|t| names(&key, t))
         };
         if let Some(t) = self.target_parameters.iter().find(|t| {
-            !spec.expert_sets.iter().any(|set| EXPERT_PARAMETERS.iter().any(|part| names(&format!("{}.{part}", set.module), t)))
+            !spec
+                .expert_sets
+                .iter()
+                .any(|set| EXPERT_PARAMETERS.iter().any(|part| names(&format!("{}.{part}", set.module), t)))
         }) {
             let known = match spec.expert_sets.is_empty() {
                 true => "none: it has no experts".to_string(),
@@ -273,8 +281,10 @@ impl LoraConfig {
         };
         let out = rows * weights.len() as i64;
         let bound = 1.0 / (inp as f64).sqrt();
-        let a = declare(spec, &first, module, "A", vec![self.r * count, inp], Init::Uniform { bound }, TpRole::Replicated)?;
-        let b = declare(spec, &first, module, "B", vec![out, self.r * count], Init::Zeros, TpRole::Replicated)?;
+        // Whole on every tensor rank, as the experts are (their gradients summed where
+        // sequence parallel splits the tokens).
+        let a = declare(spec, &first, module, "A", vec![self.r * count, inp], Init::Uniform { bound }, first.tp)?;
+        let b = declare(spec, &first, module, "B", vec![out, self.r * count], Init::Zeros, first.tp)?;
         for (stacked, ids) in weights.iter().enumerate() {
             for (index, &w) in ids.iter().enumerate() {
                 let expert = Some(ExpertSlice { index: index as i64, count, rows: (stacked as i64 * rows, rows) });
@@ -288,7 +298,7 @@ impl LoraConfig {
     /// group as the weight is: beside a column split, `B` splits its rows and `A` is whole
     /// (each rank's gradient covering its outputs only, so it is summed over the group);
     /// beside a row split, `A` splits its columns and `B` is whole (its gradient likewise
-    /// summed).
+    /// summed); beside a whole weight, both are held as it is.
     fn join(&self, spec: &mut ModelSpec, w: ParamId) -> Result<Adapter> {
         let weight = spec.params[w.0].clone();
         let [out, inp] = weight.shape[..] else {
@@ -297,7 +307,7 @@ impl LoraConfig {
         let (a_role, b_role) = match weight.tp {
             TpRole::Row => (TpRole::Row, TpRole::PartialGradient),
             role if role.is_split() => (TpRole::PartialGradient, role),
-            _ => (TpRole::Replicated, TpRole::Replicated),
+            role => (role, role),
         };
         let module = module_of(&weight.name);
         let bound = 1.0 / (inp as f64).sqrt();

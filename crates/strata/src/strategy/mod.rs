@@ -11,8 +11,8 @@ mod offload;
 mod parallel_mode;
 mod shard;
 
-pub use lora::{LoraConfig, Targets};
 pub(crate) use lora::parameters_alone;
+pub use lora::{LoraConfig, Targets};
 pub use offload::{OffloadConfig, OffloadPolicy, OffloadTarget};
 pub use parallel_mode::{Dim, ParallelMode};
 pub use shard::{BackwardPrefetch, MixedPrecision, ShardConfig, ShardMethod, ShardingStrategy, Stage, Wrap};
