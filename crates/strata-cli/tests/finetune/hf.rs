@@ -171,6 +171,17 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
         common::assert_follows(&four, &run, name, 1e-5, 1e-5);
         assert!(common::reports(&run.1).pop().unwrap()["experts"]["remote_expert_tokens"].as_i64() > Some(0));
     }
+    // Adapters on the attention and the stacked experts: a rank trains the factors' parts of
+    // its own experts.
+    let lora = r#"["lora", {"r": 2, "alpha": 4, "target_modules": ["q_proj"],
+                 "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}]"#;
+    let adapted = format!("[{lora}]");
+    let alone =
+        common::train_run(dir.path(), "lora", 6, &[&files, &flags, &["--accumulation", "2", "--strategy", &adapted]]);
+    let split = format!(r#"[["expert_parallel", {{"size": 2}}], {lora}]"#);
+    let run =
+        common::train_run(dir.path(), "lora experts 2", 6, &[&files, &flags, &["--nproc", "2", "--strategy", &split]]);
+    common::assert_follows(&alone, &run, "lora with expert parallel 2", 1e-5, 1e-5);
     let ours =
         strata(&[&["eval", "--model-dir", s(&saved), "--val-token-file", s(&val), "--json"][..], &WINDOWS].concat());
     assert!(ours.status.success(), "eval:\n{}", stderr(&ours));
