@@ -785,7 +785,7 @@ impl Engine {
         let input_grad = input.requires_grad();
         let mut x = input.shallow_clone();
         if let Some(balance) = &self.spec.load_balance {
-            balance.open();
+            balance.open(micro);
         }
         let mut boundaries = Vec::with_capacity(self.spec.units.len());
         let mut activation_bytes = 0;
@@ -810,13 +810,7 @@ impl Engine {
             x = y;
         }
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
-        self.routed = match &self.spec.load_balance {
-            Some(balance) => {
-                let sequence = self.config.tensor.as_deref().filter(|t| t.sequence_parallel());
-                balance.close(true, sequence)?
-            }
-            None => None,
-        };
+        self.close_routing(micro, None)?;
         let layout = self.layout.as_ref().map(RowLayout::shallow_clone);
         self.records.insert(micro, ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes, layout });
         Ok(out)
@@ -900,6 +894,9 @@ impl Engine {
     pub fn backward_micro(&mut self, micro: usize, upstream: Upstream<'_>) -> Result<Option<Tensor>> {
         let record =
             self.records.remove(&micro).ok_or_else(|| Error::Engine("backward called without a forward".into()))?;
+        if let Some(balance) = &self.spec.load_balance {
+            balance.select(micro);
+        }
         let result = self.backward_from(upstream, &record);
         self.ledger.free(Placement::Device, Category::Activations, record.activation_bytes);
         result
@@ -1168,6 +1165,20 @@ impl Engine {
     /// Runs `loss` (computed from this engine's output) with the `module_replace` selection
     /// of the unit that made the output, and nothing else of its policy: a fused
     /// cross-entropy where one is selected, the loss's own precision otherwise.
+    /// Closes micro-batch `micro`'s load-balancing loss (a mixture of experts) over this
+    /// part's sparse layers and, in a pipeline, the `earlier` stages' routing sums: what
+    /// [`Engine::routed`] then gives, `None` while some sparse layer has not routed.
+    pub(crate) fn close_routing(&mut self, micro: usize, earlier: Option<Vec<f64>>) -> Result<()> {
+        let Some(balance) = &self.spec.load_balance else { return Ok(()) };
+        if let Some(earlier) = earlier {
+            balance.receive_sums(micro, earlier)?;
+        }
+        // Under sequence parallel each tensor rank routed its part of the sequence.
+        let sequence = self.config.tensor.as_deref().filter(|t| t.sequence_parallel());
+        self.routed = balance.close(micro, true, sequence)?;
+        Ok(())
+    }
+
     /// What the latest training forward's sparse layers routed (a mixture of experts): the
     /// load-balancing loss and the experts' loads, and the term the training loss must
     /// include for the routers to learn from it (their backward fails without it).

@@ -20,6 +20,7 @@ use super::layers::swiglu;
 use super::{Init, ParamId, Params, TensorParallel, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::{Kind, Tensor};
 
@@ -353,25 +354,44 @@ impl strata_ext::Function for Exchange {
     }
 }
 
-/// What the sparse layers routed over the latest forward, gathered for the load-balancing
-/// loss and the run's metrics. One per model instance, shared by its sparse layers.
+/// What the sparse layers routed in each micro-batch's forward, gathered for the
+/// load-balancing loss and the run's metrics. One per model instance, shared by its sparse
+/// layers.
+///
+/// A pipeline stage holds some of the sparse layers: its routing sums ([`LoadBalance::sums`])
+/// travel forward with the activations, the stage holding the last layers closes the loss,
+/// and the gradient of each layer's summed probabilities travels back with the activations'
+/// gradients ([`LoadBalance::receive_gradient`]).
 pub struct LoadBalance {
     experts: i64,
+    layers: usize,
     coef: f64,
     state: Mutex<BalanceState>,
 }
 
 #[derive(Default)]
 struct BalanceState {
-    /// Per sparse layer: token slots per expert `[E]` and summed probabilities `[E]`
-    /// (fp32, detached), and the tokens routed.
+    /// The micro-batch the layers now record into and whose gradient their backward reads
+    /// (a recomputed forward records its micro-batch's routing again).
+    current: usize,
+    micros: HashMap<usize, MicroRouting>,
+}
+
+#[derive(Default)]
+struct MicroRouting {
+    /// Per sparse layer of this model part: token slots per expert `[E]` and summed
+    /// probabilities `[E]` (fp32, detached), and the tokens routed.
     routed: Vec<Option<LayerRouting>>,
+    /// The sums of the sparse layers of earlier pipeline stages ([`LoadBalance::sums`]).
+    earlier: Option<Vec<f64>>,
     /// After a forward that records for backward: the gradient of the loss with respect to
     /// each layer's summed probabilities, per unit of the anchor's gradient.
     coefficient: Option<Tensor>,
     /// A scalar leaf of value 0 added to the training loss: its gradient is the factor
     /// (micro-batch weight, loss scale) the loss was multiplied by before backward.
     anchor: Option<Tensor>,
+    /// The gradient handed back by a later pipeline stage, which closed the loss.
+    gradient: Option<Tensor>,
 }
 
 struct LayerRouting {
@@ -405,8 +425,7 @@ pub struct BalanceReport {
 
 impl LoadBalance {
     pub(crate) fn new(experts: i64, layers: usize, coef: f64) -> LoadBalance {
-        let state = BalanceState { routed: (0..layers).map(|_| None).collect(), ..Default::default() };
-        LoadBalance { experts, coef, state: Mutex::new(state) }
+        LoadBalance { experts, layers, coef, state: Mutex::new(BalanceState::default()) }
     }
 
     fn state(&self) -> MutexGuard<'_, BalanceState> {
@@ -418,17 +437,23 @@ impl LoadBalance {
         self.coef
     }
 
-    /// Forgets the previous forward's routing: called before a forward.
-    pub fn open(&self) {
+    /// Forgets micro-batch `micro`'s earlier routing and records its forward's: called
+    /// before a forward.
+    pub fn open(&self, micro: usize) {
         let mut state = self.state();
-        state.routed.iter_mut().for_each(|r| *r = None);
-        state.coefficient = None;
-        state.anchor = None;
+        state.current = micro;
+        let routed = (0..self.layers).map(|_| None).collect();
+        state.micros.insert(micro, MicroRouting { routed, ..Default::default() });
+    }
+
+    /// Makes `micro` the micro-batch whose gradient the layers' backward reads (and whose
+    /// routing a recomputed forward records): called before its backward.
+    pub fn select(&self, micro: usize) {
+        self.state().current = micro;
     }
 
     /// Records sparse layer `layer`'s routing and passes its output `y` through the node
-    /// that adds the loss's gradient to `probs` in backward. A recomputed forward records
-    /// the same routing again.
+    /// that adds the loss's gradient to `probs` in backward.
     fn attach(
         self: &Arc<Self>,
         layer: usize,
@@ -441,72 +466,101 @@ impl LoadBalance {
         let slots =
             tch::no_grad(|| experts.f_reshape([-1])?.f_bincount::<Tensor>(None, self.experts)?.f_to_kind(Kind::Float))?;
         let routed = LayerRouting { slots, prob_sums: prob_sums.detach(), tokens: probs.size()[0], remote };
-        self.state().routed[layer] = Some(routed);
+        let micro = {
+            let mut state = self.state();
+            let micro = state.current;
+            let entry = state.micros.entry(micro).or_default();
+            entry.routed.resize_with(self.layers, || None);
+            entry.routed[layer] = Some(routed);
+            micro
+        };
         if self.coef == 0.0 || !prob_sums.requires_grad() {
             return Ok(y.shallow_clone());
         }
-        let node = BalanceGradient { balance: Arc::clone(self) };
+        let node = BalanceGradient { balance: Arc::clone(self), micro };
         Ok(strata_ext::apply_function(node, &[y, &prob_sums])?.remove(0))
     }
 
-    /// Every layer's routing of the latest forward, or `None` before every layer has routed;
-    /// where sequence parallel gave each rank of `sequence` part of the tokens, summed over
-    /// them.
-    fn totals(
-        &self,
-        state: &BalanceState,
-        sequence: Option<&dyn TensorParallel>,
-    ) -> Result<Option<(Tensor, Tensor, i64, i64)>> {
-        let Some(layers) = state.routed.iter().map(Option::as_ref).collect::<Option<Vec<&LayerRouting>>>() else {
-            return Ok(None);
-        };
-        // Summed where the layers computed, then brought to the host in one copy.
-        let stack = |pick: fn(&LayerRouting) -> &Tensor| -> Result<Tensor> {
-            Ok(Tensor::f_stack(&layers.iter().map(|r| pick(r)).collect::<Vec<_>>(), 0)?.f_sum_dim_intlist(
-                0,
-                false,
-                Kind::Float,
-            )?)
-        };
-        let both =
-            Tensor::f_stack(&[stack(|r| &r.slots)?, stack(|r| &r.prob_sums)?], 0)?.f_to_device(tch::Device::Cpu)?;
-        let (rows, remote) = layers.iter().fold((0, 0), |(t, s), r| (t + r.tokens, s + r.remote));
-        let Some(group) = sequence.filter(|g| g.size() > 1) else {
-            return Ok(Some((both.get(0), both.get(1), rows, remote)));
-        };
-        let mut values: Vec<f64> = Vec::<f64>::try_from(&both.f_reshape([-1])?.f_to_kind(Kind::Double)?)
-            .map_err(|e| Error::Model(e.to_string()))?;
-        values.extend([rows as f64, remote as f64]);
-        let summed = group.sum_values(&values)?;
+    /// Micro-batch `micro`'s routing so far, this part's sparse layers' and the earlier
+    /// stages' together: token slots per expert `[E]`, summed probabilities `[E]`, then the
+    /// tokens routed, the slots sent to other ranks and the layers that routed. What a
+    /// pipeline stage sends on with its activations.
+    pub fn sums(&self, micro: usize) -> Result<Vec<f64>> {
+        let state = self.state();
         let e = self.experts as usize;
-        let row = |from: usize| Tensor::f_from_slice(&summed[from..from + e])?.f_to_kind(Kind::Float);
-        Ok(Some((row(0)?, row(e)?, summed[2 * e] as i64, summed[2 * e + 1] as i64)))
+        let mut sums = vec![0.0; 2 * e + 3];
+        let Some(m) = state.micros.get(&micro) else { return Ok(sums) };
+        let layers: Vec<&LayerRouting> = m.routed.iter().flatten().collect();
+        if !layers.is_empty() {
+            // Summed where the layers computed, then brought to the host in one copy.
+            let stack = |pick: fn(&LayerRouting) -> &Tensor| -> Result<Tensor> {
+                let all: Vec<&Tensor> = layers.iter().map(|r| pick(r)).collect();
+                Ok(Tensor::f_stack(&all, 0)?.f_sum_dim_intlist(0, false, Kind::Float)?)
+            };
+            let both = Tensor::f_cat(&[stack(|r| &r.slots)?, stack(|r| &r.prob_sums)?], 0)?
+                .f_to_device(tch::Device::Cpu)?
+                .f_to_kind(Kind::Double)?;
+            let values = Vec::<f64>::try_from(&both).map_err(|e| Error::Model(format!("expert loads: {e}")))?;
+            sums[..2 * e].copy_from_slice(&values);
+        }
+        sums[2 * e] = layers.iter().map(|r| r.tokens as f64).sum();
+        sums[2 * e + 1] = layers.iter().map(|r| r.remote as f64).sum();
+        sums[2 * e + 2] = layers.len() as f64;
+        if let Some(earlier) = &m.earlier {
+            sums.iter_mut().zip(earlier).for_each(|(s, e)| *s += e);
+        }
+        Ok(sums)
     }
 
-    /// After a forward that every sparse layer took part in: the load-balancing loss and the
+    /// The earlier pipeline stages' [`LoadBalance::sums`] of micro-batch `micro`, received
+    /// with its activations (after this part's forward opened it).
+    pub fn receive_sums(&self, micro: usize, earlier: Vec<f64>) -> Result<()> {
+        if earlier.len() != 2 * self.experts as usize + 3 {
+            return Err(Error::Model(format!("routing sums of {} values for {} experts", earlier.len(), self.experts)));
+        }
+        self.state().micros.entry(micro).or_default().earlier = Some(earlier);
+        Ok(())
+    }
+
+    /// After a forward of micro-batch `micro` that every sparse layer took part in (here
+    /// or, in a pipeline, here and in the earlier stages): the load-balancing loss and the
     /// experts' loads; with `for_backward`, also the coefficient each layer's backward adds
-    /// and the training loss's term.
-    /// Under sequence parallel, `sequence` is the tensor group whose ranks routed the
-    /// sequence's parts.
-    pub fn close(&self, for_backward: bool, sequence: Option<&dyn TensorParallel>) -> Result<Option<Routed>> {
-        let mut state = self.state();
-        let Some((slots, prob_sums, rows, remote)) = self.totals(&state, sequence)? else { return Ok(None) };
-        let rows = rows.max(1) as f64;
-        let shares = slots.f_div_scalar(rows)?;
-        let aux =
-            shares.f_mul(&prob_sums.f_div_scalar(rows)?)?.f_sum(Kind::Double)?.double_value(&[]) * self.experts as f64;
-        let counts: Vec<f64> = Vec::try_from(&slots).map_err(|e| Error::Model(format!("expert loads: {e}")))?;
+    /// and the training loss's term. `None` while some layer has not routed. Under sequence
+    /// parallel, `sequence` is the tensor group whose ranks routed the sequence's parts.
+    pub fn close(
+        &self,
+        micro: usize,
+        for_backward: bool,
+        sequence: Option<&dyn TensorParallel>,
+    ) -> Result<Option<Routed>> {
+        let mut sums = self.sums(micro)?;
+        let e = self.experts as usize;
+        if sums[2 * e + 2] as usize != self.layers {
+            return Ok(None);
+        }
+        if let Some(group) = sequence.filter(|g| g.size() > 1) {
+            let summed = group.sum_values(&sums[..2 * e + 2])?;
+            sums[..2 * e + 2].copy_from_slice(&summed);
+        }
+        let rows = sums[2 * e].max(1.0);
+        let shares: Vec<f64> = sums[..e].iter().map(|slots| slots / rows).collect();
+        let aux = shares.iter().zip(&sums[e..2 * e]).map(|(f, p)| f * p / rows).sum::<f64>() * self.experts as f64;
+        let slots = &sums[..e];
         let report = BalanceReport {
             aux_loss: aux,
-            min_expert_tokens: counts.iter().copied().fold(f64::INFINITY, f64::min) as i64,
-            max_expert_tokens: counts.iter().copied().fold(0.0, f64::max) as i64,
-            remote_expert_tokens: remote,
+            min_expert_tokens: slots.iter().copied().fold(f64::INFINITY, f64::min) as i64,
+            max_expert_tokens: slots.iter().copied().fold(0.0, f64::max) as i64,
+            remote_expert_tokens: sums[2 * e + 1] as i64,
         };
+        let mut state = self.state();
+        let m = state.micros.entry(micro).or_default();
         let loss_term = if for_backward && self.coef > 0.0 {
             // d(coef · E · Σ f_e P_e) / d(layer's summed probability of e) = coef · E · f_e / rows.
-            state.coefficient = Some(shares.f_mul_scalar(self.coef * self.experts as f64 / rows)?);
+            let scale = self.coef * self.experts as f64 / rows;
+            let coefficient: Vec<f32> = shares.iter().map(|f| (f * scale) as f32).collect();
+            m.coefficient = Some(Tensor::f_from_slice(&coefficient)?);
             let anchor = Tensor::f_zeros([], (Kind::Float, tch::Device::Cpu))?.set_requires_grad(true);
-            state.anchor = Some(anchor.shallow_clone());
+            m.anchor = Some(anchor.shallow_clone());
             Some(anchor.f_add_scalar(self.coef * aux)?)
         } else {
             None
@@ -514,20 +568,36 @@ impl LoadBalance {
         Ok(Some(Routed { report, loss_term }))
     }
 
-    /// The gradient one layer's summed probabilities receive: the coefficient times the
-    /// factor the training loss was weighted by (the anchor's gradient).
-    fn gradient(&self) -> std::result::Result<Tensor, String> {
+    /// The gradient each sparse layer's summed probabilities receive in micro-batch
+    /// `micro`'s backward: the one a later pipeline stage handed back, or else the
+    /// coefficient times the factor the training loss was weighted by (the anchor's
+    /// gradient, known once the loss's backward began). What a pipeline stage sends back.
+    pub fn gradient(&self, micro: usize) -> Result<Tensor> {
         let state = self.state();
-        let (Some(coefficient), Some(anchor)) = (&state.coefficient, &state.anchor) else {
-            return Err("a sparse layer's backward ran without the load-balancing loss: add the term \
-                        Engine::routed gives to the training loss"
-                .into());
+        let m = state.micros.get(&micro);
+        if let Some(g) = m.and_then(|m| m.gradient.as_ref()) {
+            return Ok(g.shallow_clone());
+        }
+        let (Some(coefficient), Some(anchor)) =
+            (m.and_then(|m| m.coefficient.as_ref()), m.and_then(|m| m.anchor.as_ref()))
+        else {
+            return Err(Error::Model(
+                "a sparse layer's backward ran without the load-balancing loss: add the term \
+                 Engine::routed gives to the training loss"
+                    .into(),
+            ));
         };
         let factor = anchor.grad();
         if !factor.defined() {
-            return Err("the training loss does not include the load-balancing loss's term".into());
+            return Err(Error::Model("the training loss does not include the load-balancing loss's term".into()));
         }
-        coefficient.f_mul(&factor).map_err(|e| e.to_string())
+        Ok(coefficient.f_mul(&factor)?)
+    }
+
+    /// The gradient of micro-batch `micro`'s summed probabilities, from the later pipeline
+    /// stage that closed the loss: called before this part's backward of it.
+    pub fn receive_gradient(&self, micro: usize, gradient: Tensor) {
+        self.state().micros.entry(micro).or_default().gradient = Some(gradient);
     }
 }
 
@@ -535,6 +605,7 @@ impl LoadBalance {
 /// routing probabilities their share of the load-balancing loss's gradient.
 struct BalanceGradient {
     balance: Arc<LoadBalance>,
+    micro: usize,
 }
 
 impl strata_ext::Function for BalanceGradient {
@@ -543,7 +614,7 @@ impl strata_ext::Function for BalanceGradient {
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
-        let g = self.balance.gradient()?.f_to_device(grads[0].device()).map_err(|e| e.to_string())?;
-        Ok(vec![grads[0].shallow_clone(), g])
+        let g = self.balance.gradient(self.micro).and_then(|g| Ok(g.f_to_device(grads[0].device())?));
+        Ok(vec![grads[0].shallow_clone(), g.map_err(|e| e.to_string())?])
     }
 }

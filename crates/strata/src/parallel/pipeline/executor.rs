@@ -10,7 +10,7 @@ use crate::compute::deferred::{self, WeightGrads};
 use crate::data::Step;
 use crate::engine::{Engine, Event, EventSink, UnitClock, UnitTime, Upstream};
 use crate::io::WeightsTarget;
-use crate::model::{ModelSpec, ParamId};
+use crate::model::{BalanceReport, LoadBalance, ModelSpec, ParamId};
 use crate::optim::Optimizer;
 use crate::parallel::TrainerSetup;
 use crate::strategy::{Balance, Dim, ShardMethod};
@@ -73,6 +73,11 @@ impl Link {
         self.group.recv(&t, self.peer)?.wait()?;
         Ok(t)
     }
+}
+
+/// The routing a mixture of experts' part gathers for its load-balancing loss.
+fn balance_of(part: &ModelPart) -> Option<Arc<LoadBalance>> {
+    part.engine.spec().load_balance.clone()
 }
 
 /// What the executor keeps of each chunk (virtual stage) this rank holds, beside its
@@ -150,6 +155,8 @@ struct OpsOutcome {
     most_held: u64,
     /// Outputs whose values were freed once sent, before their backward.
     outputs_freed: u64,
+    /// The last micro-batch's routing (a mixture of experts), on the last stage.
+    routed: Option<BalanceReport>,
 }
 
 /// A stage's output sent to the next stage: the backward keeps the tensor (its autograd
@@ -205,13 +212,6 @@ fn complete_from(units: &[usize]) -> Vec<usize> {
 pub fn trainer(setup: &TrainerSetup<'_>) -> Result<Trainer> {
     if !setup.rules.is_empty() {
         return Err(Error::Config("a pipeline's optimizer takes no parameter groups".into()));
-    }
-    if (setup.spec)()?.load_balance.as_ref().is_some_and(|b| b.coef() > 0.0) {
-        return Err(Error::Config(
-            "pipeline_parallel: a mixture of experts' load-balancing loss needs every stage's routing before \
-             any stage's backward, which the schedule does not exchange"
-                .into(),
-        ));
     }
     let config = setup.strategy.pipeline_parallel().unwrap_or_default();
     let mut built = PipelineExecutor::build(setup, None)?;
@@ -450,6 +450,11 @@ impl PipelineExecutor {
         let mut sent: Vec<SentOutput> = Vec::new();
         let mut outputs_freed = 0;
         let mut losses: Vec<Option<Tensor>> = (0..m).map(|_| None).collect();
+        // A mixture of experts' routing sums travel with the activations, the gradient of
+        // the load-balancing loss with the activations' gradients (LoadBalance).
+        let mut sums_in: HashMap<(usize, usize), Vec<f64>> = HashMap::new();
+        let mut sums_out: HashMap<(usize, usize), Vec<f64>> = HashMap::new();
+        let mut routed = None;
         // Busy seconds in compute operations, and forward records held (now and at most).
         let (mut busy, mut held, mut most_held) = (0.0, 0u64, 0u64);
         // Seconds and counts of forwards, backwards and weight gradients.
@@ -487,6 +492,9 @@ impl PipelineExecutor {
                     let link =
                         self.activations_in[chunk].as_ref().ok_or_else(|| missing("input link", micro, chunk))?;
                     received.insert((micro, chunk), link.recv(device)?.f_set_requires_grad(true)?);
+                    if balance_of(&parts[chunk]).is_some() {
+                        sums_in.insert((micro, chunk), Vec::<f64>::try_from(&link.recv(tch::Device::Cpu)?)?);
+                    }
                 }
                 Op::Forward { micro, chunk } => {
                     let batch = &input.batches[micro];
@@ -499,11 +507,34 @@ impl PipelineExecutor {
                         engine.set_layout(batch.layout.as_ref());
                         engine.forward_micro(micro, &values)
                     })?;
+                    let balance = balance_of(&parts[chunk]);
+                    if let (Some(balance), false) = (&balance, stage == last) {
+                        if let Some(earlier) = sums_in.remove(&(micro, chunk)) {
+                            balance.receive_sums(micro, earlier)?;
+                        }
+                        sums_out.insert((micro, chunk), balance.sums(micro)?);
+                    }
                     let kept = if stage == last {
+                        let engine = &mut parts[chunk].engine;
+                        let loss = engine.compute_loss(|| (input.loss)(&out, batch))?;
+                        // A mixture of experts trains its routers through the load-balancing
+                        // loss too, closed here over every stage's routing.
+                        if balance.is_some() {
+                            engine.close_routing(micro, sums_in.remove(&(micro, chunk)))?;
+                        }
+                        let loss = match engine.routed() {
+                            Some(r) => {
+                                routed = Some(r.report);
+                                match &r.loss_term {
+                                    Some(term) => loss.f_add(&term.f_to_device(loss.device())?)?,
+                                    None => loss,
+                                }
+                            }
+                            None => loss,
+                        };
+                        losses[micro] = Some(loss.f_detach()?);
                         // Weighted by the micro-batch's share of the global batch's
                         // supervised tokens, as one process weighs it, times the loss scale.
-                        let loss = parts[chunk].engine.compute_loss(|| (input.loss)(&out, batch))?;
-                        losses[micro] = Some(loss.f_detach()?);
                         input.weights.weigh(micro, &loss, input.scale)?
                     } else {
                         out
@@ -517,10 +548,16 @@ impl PipelineExecutor {
                     let works = link.send(out)?;
                     sent.push(SentOutput { works: works.clone(), micro, chunk });
                     sending.extend(works);
+                    if let Some(sums) = sums_out.remove(&(micro, chunk)) {
+                        sending.extend(link.send(&Tensor::f_from_slice(&sums)?)?);
+                    }
                 }
                 Op::RecvGrad { micro, chunk } => {
                     let link = self.grads_in[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
                     received.insert((micro, chunk), link.recv(device)?);
+                    if let Some(balance) = balance_of(&parts[chunk]).filter(|b| b.coef() > 0.0) {
+                        balance.receive_gradient(micro, link.recv(tch::Device::Cpu)?);
+                    }
                 }
                 Op::Backward { micro, chunk } | Op::BackwardInput { micro, chunk } => {
                     let kept = outputs.remove(&(micro, chunk)).ok_or_else(|| missing("output", micro, chunk))?;
@@ -543,6 +580,9 @@ impl PipelineExecutor {
                         input_grads.remove(&(micro, chunk)).ok_or_else(|| missing("input gradient", micro, chunk))?;
                     let link = self.grads_out[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
                     sending.extend(link.send(&g)?);
+                    if let Some(balance) = balance_of(&parts[chunk]).filter(|b| b.coef() > 0.0) {
+                        sending.extend(link.send(&balance.gradient(micro)?)?);
+                    }
                 }
                 Op::BackwardWeight { micro, chunk } if !self.last_backward.contains(&(micro, chunk)) => {
                     self.chunks[chunk].weight_grads.run(micro)?;
@@ -597,6 +637,7 @@ impl PipelineExecutor {
             mean_op_seconds,
             most_held,
             outputs_freed,
+            routed,
         })
     }
 
@@ -753,15 +794,20 @@ impl StepExecutor for PipelineExecutor {
     /// The last stage computed the losses: every stage reports them, averaged over the data
     /// replicas, and every rank's figures.
     fn complete_report(&mut self, parts: &[ModelPart], local_loss: Option<f64>, report: &mut StepReport) -> Result<()> {
-        let OpsOutcome { busy, span, mean_op_seconds, most_held, outputs_freed, .. } =
+        let OpsOutcome { busy, span, mean_op_seconds, most_held, outputs_freed, routed, .. } =
             self.last_outcome.take().ok_or_else(|| Error::Engine("pipeline: a report of no step".into()))?;
         let device = parts[0].engine.config().device;
         let activations = crate::engine::memory::allocator_peak(device)
             .unwrap_or(0)
             .saturating_sub(parts[0].engine.ledger().model_state_peak());
         let p = self.pipeline.stages;
-        let mut mine = vec![0.0; 1 + 8 * p];
+        // Past the figures of every stage: the last stage's routing, where there is one.
+        let mut mine = vec![0.0; 1 + 8 * p + 5];
         mine[0] = local_loss.unwrap_or(0.0);
+        if let Some(r) = routed {
+            let counts = [r.min_expert_tokens, r.max_expert_tokens, r.remote_expert_tokens].map(|c| c as f64);
+            mine[1 + 8 * p..].copy_from_slice(&[1.0, r.aux_loss, counts[0], counts[1], counts[2]]);
+        }
         mine[1 + self.rank] = busy;
         mine[1 + p + self.rank] = most_held as f64;
         mine[1 + 2 * p + self.rank] = activations as f64;
@@ -776,8 +822,18 @@ impl StepExecutor for PipelineExecutor {
             micro_batches_held: all[1 + p..1 + 2 * p].iter().map(|&x| x as u64).collect(),
             activation_peak_bytes: all[1 + 2 * p..1 + 3 * p].iter().map(|&x| x as u64).collect(),
             outputs_freed: all[1 + 3 * p..1 + 4 * p].iter().map(|&x| x as u64).collect(),
-            mean_op_seconds: all[1 + 5 * p..].chunks(3).map(|c| [c[0], c[1], c[2]]).collect(),
+            mean_op_seconds: all[1 + 5 * p..1 + 8 * p].chunks(3).map(|c| [c[0], c[1], c[2]]).collect(),
         });
+        // Summed over the stages, of which the last alone reported it.
+        let routing = &all[1 + 8 * p..];
+        if routing[0] > 0.0 {
+            report.experts = Some(BalanceReport {
+                aux_loss: routing[1] / routing[0],
+                min_expert_tokens: (routing[2] / routing[0]) as i64,
+                max_expert_tokens: (routing[3] / routing[0]) as i64,
+                remote_expert_tokens: (routing[4] / routing[0]) as i64,
+            });
+        }
         Ok(())
     }
 
