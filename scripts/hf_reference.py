@@ -171,6 +171,12 @@ def decoder_families():
             **common, num_hidden_layers=3, head_dim=16, moe_intermediate_size=12, num_experts=16,
             num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[],
             tie_word_embeddings=False, router_aux_loss_coef=0.02)),
+        # The router z-loss beside the load-balancing loss (a key Strata reads, which
+        # transformers keeps in the config and `train` below adds as Strata computes it).
+        "qwen3-moe-z": lambda: (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            **common, num_hidden_layers=3, head_dim=16, moe_intermediate_size=12, num_experts=16,
+            num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[],
+            tie_word_embeddings=False, router_aux_loss_coef=0.02, router_z_loss_coef=0.05)),
         # Routing that never reaches experts 2 and 3: one expert per token, weight 1 (so the
         # router takes no gradient), router rows [w, -w, 0, 0] (see build); the last layer
         # alone is sparse, so every rank routes what one process routes.
@@ -496,6 +502,11 @@ def main(argv=None):
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             if experts:
                 loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+                # ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)², summed
+                # over the sparse layers.
+                z = getattr(model.config, "router_z_loss_coef", 0.0)
+                if z:
+                    loss = loss + z * sum(torch.logsumexp(l.float(), -1).square().mean() for l in out.router_logits)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -73,6 +73,14 @@ train_options! {
     experts: i64,
     /// LLaMA with --experts: experts each token is sent to (default 2).
     experts_per_token: i64,
+    /// A mixture of experts: each expert takes at most ⌈F · tokens · experts per token /
+    /// experts⌉ of a layer's token slots, those of highest routing weight; the others are
+    /// dropped (default: none is).
+    expert_capacity: f64,
+    /// A mixture of experts: the weight of the router z-loss, the mean over tokens of
+    /// logsumexp(router logits)² summed over sparse layers (default: the folder's
+    /// router_z_loss_coef, else 0).
+    router_z_loss: f64,
     /// GPT and LLaMA: the norms' epsilon (default 1e-5).
     norm_eps: f64,
     /// LLaMA: the output head reads the token embedding's weight (GPT's always does).
@@ -321,6 +329,9 @@ pub struct TrainSettings {
     pub kv_heads: Option<i64>,
     /// Experts and experts per token of a mixture of experts.
     pub experts: Option<(i64, i64)>,
+    /// A mixture of experts' capacity factor and router z-loss weight.
+    pub expert_capacity: Option<f64>,
+    pub router_z_loss: Option<f64>,
     pub norm_eps: Option<f64>,
     pub tie_embeddings: Option<bool>,
     pub heads: i64,
@@ -422,6 +433,19 @@ pub fn tokenizer_folder<'a>(tokenizer: Option<&'a Path>, model_dir: Option<&'a P
 
 impl TrainSettings {
     pub fn model(&self, vocab: i64) -> Result<ModelConfig> {
+        let mut config = self.shaped_model(vocab)?;
+        let routing = [("--expert-capacity", self.expert_capacity.is_some()), ("--router-z-loss", self.router_z_loss.is_some())];
+        if let Some(flag) = first_given(&routing) {
+            let Some(moe) = config.moe_mut() else { bail!("{flag} routes a mixture of experts: the model has no experts") };
+            moe.capacity_factor = self.expert_capacity.or(moe.capacity_factor);
+            moe.z_loss_coef = self.router_z_loss.unwrap_or(moe.z_loss_coef);
+            moe.validate()?;
+        }
+        Ok(config)
+    }
+
+    /// The model the shape flags or the model folder describe.
+    fn shaped_model(&self, vocab: i64) -> Result<ModelConfig> {
         if let Some(dir) = &self.model_dir {
             if let Some(flag) = self.shape_flags.first() {
                 bail!("{flag} is set by the model folder's config.json; --model-dir takes no model-shape flags");
@@ -472,6 +496,8 @@ impl TrainSettings {
                         sparse_step: 1,
                         dense_layers: vec![],
                         aux_loss_coef: 0.001,
+                        z_loss_coef: 0.0,
+                        capacity_factor: None,
                         names: ExpertNames::Mlp,
                     }),
                     ..defaults
@@ -739,6 +765,8 @@ impl TrainOptions {
                 (None, Some(_)) => bail!("--experts-per-token needs --experts"),
                 (None, None) => None,
             },
+            expert_capacity: o.expert_capacity,
+            router_z_loss: o.router_z_loss,
             norm_eps: o.norm_eps,
             tie_embeddings: o.tie_embeddings,
             heads: o.heads.unwrap_or(4),

@@ -275,7 +275,7 @@ impl Engine {
         if let Some(budget) = config.host_budget {
             ledger.set_budget(Placement::Host, budget);
         }
-        if spec.load_balance.as_ref().is_some_and(|b| b.coef() > 0.0) && config.backward == BackwardMode::WholeGraph {
+        if spec.load_balance.as_ref().is_some_and(|b| b.adds_loss()) && config.backward == BackwardMode::WholeGraph {
             return Err(Error::Config(
                 "a mixture of experts' load-balancing loss reaches its layers through the unit-by-unit backward".into(),
             ));

@@ -983,6 +983,8 @@ impl Keys<'_> {
             sparse_step: if qwen { self.int("decoder_sparse_step")?.unwrap_or(1) } else { 1 },
             dense_layers,
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.001),
+            z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
+            capacity_factor: None,
             names: if family == Family::Mixtral { ExpertNames::BlockSparse } else { ExpertNames::Mlp },
         }))
     }

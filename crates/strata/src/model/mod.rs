@@ -51,6 +51,14 @@ pub enum ModelConfig {
 }
 
 impl ModelConfig {
+    /// The mixture of experts of a decoder that has one.
+    pub fn moe_mut(&mut self) -> Option<&mut MoeConfig> {
+        match self {
+            ModelConfig::Llama(c) => c.moe.as_mut(),
+            _ => None,
+        }
+    }
+
     /// The model function of the configuration.
     pub fn build(&self, b: &mut Builder) -> Result<()> {
         match self {

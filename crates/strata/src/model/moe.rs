@@ -80,6 +80,15 @@ pub struct MoeConfig {
     /// trains without it.
     #[serde(default)]
     pub aux_loss_coef: f64,
+    /// The router z-loss's weight (ST-MoE's): `coef ·` the mean over tokens of
+    /// `logsumexp(router logits)²`, summed over sparse layers; 0 trains without it.
+    #[serde(default)]
+    pub z_loss_coef: f64,
+    /// Each expert takes at most `⌈factor · tokens · top_k / E⌉` of a layer's token slots
+    /// (of the tokens this rank routes), those with the highest routing weights; the others
+    /// are dropped (they add nothing to their token's output). `None`: none is dropped.
+    #[serde(default)]
+    pub capacity_factor: Option<f64>,
     #[serde(default)]
     pub names: ExpertNames,
 }
@@ -112,6 +121,12 @@ impl MoeConfig {
         }
         if !(self.aux_loss_coef.is_finite() && self.aux_loss_coef >= 0.0) {
             return Err(Error::Config(format!("router_aux_loss_coef must be 0 or more, got {}", self.aux_loss_coef)));
+        }
+        if !(self.z_loss_coef.is_finite() && self.z_loss_coef >= 0.0) {
+            return Err(Error::Config(format!("the router z-loss's weight must be 0 or more, got {}", self.z_loss_coef)));
+        }
+        if let Some(f) = self.capacity_factor.filter(|f| !(f.is_finite() && *f > 0.0)) {
+            return Err(Error::Config(format!("the experts' capacity factor must be positive, got {f}")));
         }
         Ok(())
     }
@@ -173,15 +188,27 @@ pub(crate) struct SparseFeedForward {
     pub(crate) shared: Option<(Expert, ParamId)>,
     pub(crate) top_k: i64,
     pub(crate) norm_topk: bool,
+    pub(crate) capacity_factor: Option<f64>,
     /// This layer's place among the model's sparse layers, and the model's balance.
     pub(crate) layer: usize,
     pub(crate) balance: Arc<LoadBalance>,
 }
 
-/// Where each token went: its experts `[N, k]` and their weights `[N, k]` (fp32).
+/// Where each token went: its experts `[N, k]` and their weights `[N, k]` (fp32), with the
+/// routing probabilities `[N, E]` the load-balancing loss reads and, where the router z-loss
+/// is trained, the sum over tokens of `logsumexp(logits)²`.
 struct Routing {
     experts: Tensor,
     weights: Tensor,
+    probs: Tensor,
+    z_sum: Option<Tensor>,
+}
+
+/// What the experts did with a layer's token slots: the slots sent to experts on other
+/// ranks and those dropped past an expert's capacity.
+struct Dispatch {
+    remote: i64,
+    dropped: i64,
 }
 
 impl SparseFeedForward {
@@ -190,50 +217,72 @@ impl SparseFeedForward {
         let size = h.size();
         let dim = *size.last().ok_or_else(|| Error::Model("a sparse feed-forward of a scalar".into()))?;
         let x = h.f_reshape([-1, dim])?;
-        let (routing, probs) = self.route(p, &x)?;
-        let (mut y, remote) = self.experts_of(p, &x, &routing)?;
+        let routing = self.route(p, &x)?;
+        let (mut y, dispatch) = self.experts_of(p, &x, &routing)?;
         if let Some((expert, gate)) = &self.shared {
             let share = p.linear(&x, *gate, None)?.f_sigmoid()?;
             y = y.f_add(&expert.forward(p, &x)?.f_mul(&share)?)?;
         }
-        let y = self.balance.attach(self.layer, &y, &routing.experts, &probs, remote)?;
+        let y = self.balance.attach(self.layer, &y, &routing, dispatch)?;
         Ok(y.f_reshape(size.as_slice())?)
     }
 
-    /// Scores in fp32, the top `k` experts of each token and their weights; with the
-    /// routing probabilities `[N, E]` the load-balancing loss reads.
-    fn route(&self, p: &Params<'_>, x: &Tensor) -> Result<(Routing, Tensor)> {
+    /// Scores in fp32, the top `k` experts of each token and their weights.
+    fn route(&self, p: &Params<'_>, x: &Tensor) -> Result<Routing> {
         let logits = x.f_to_kind(Kind::Float)?.f_matmul(&p[self.router].f_to_kind(Kind::Float)?.f_tr()?)?;
         let probs = logits.f_softmax(-1, Kind::Float)?;
         let (mut weights, experts) = probs.f_topk(self.top_k, -1, true, true)?;
         if self.norm_topk {
             weights = weights.f_div(&weights.f_sum_dim_intlist(-1, true, Kind::Float)?)?;
         }
-        Ok((Routing { experts, weights }, probs))
+        let z_sum = match self.balance.z_coef > 0.0 {
+            true => Some(logits.f_logsumexp([-1], false)?.f_square()?.f_sum(Kind::Float)?),
+            false => None,
+        };
+        Ok(Routing { experts, weights, probs, z_sum })
     }
 
     /// The routed experts' weighted sum for every token: token slots grouped by expert, each
     /// group through its expert in one product (on the rank computing that expert, where
     /// experts are split over an expert group), then summed per token in fp32 in the order
-    /// of its top-k slots, so the result does not depend on how tokens were grouped.
-    /// Also returns how many token slots went to experts on other ranks.
-    fn experts_of(&self, p: &Params<'_>, x: &Tensor, routing: &Routing) -> Result<(Tensor, i64)> {
-        let k = self.top_k;
+    /// of its top-k slots, so the result does not depend on how tokens were grouped. Past
+    /// an expert's capacity (where there is one), its slots of lowest weight are dropped.
+    fn experts_of(&self, p: &Params<'_>, x: &Tensor, routing: &Routing) -> Result<(Tensor, Dispatch)> {
+        let (k, experts) = (self.top_k, self.experts.len() as i64);
         let slots = routing.experts.f_reshape([-1])?;
-        let order = slots.f_argsort_stable(true, 0, false)?;
+        let counts = slots.f_bincount::<Tensor>(None, experts)?;
+        let (order, counts, dropped) = match self.capacity_factor {
+            None => (slots.f_argsort_stable(true, 0, false)?, counts, 0),
+            Some(factor) => {
+                let capacity = (factor * (x.size()[0] * k) as f64 / experts as f64).ceil() as i64;
+                // By expert, and within an expert by weight, heaviest first; the first
+                // `capacity` of each expert's slots are kept.
+                let by_weight = routing.weights.f_reshape([-1])?.f_argsort_stable(true, 0, true)?;
+                let order = by_weight.f_index_select(0, &slots.f_index_select(0, &by_weight)?.f_argsort_stable(
+                    true,
+                    0,
+                    false,
+                )?)?;
+                let starts = counts.f_cumsum(0, Kind::Int64)?.f_sub(&counts)?;
+                let place = Tensor::f_arange(order.size()[0], (Kind::Int64, order.device()))?
+                    .f_sub(&starts.f_index_select(0, &slots.f_index_select(0, &order)?)?)?;
+                let kept = order.f_masked_select(&place.f_lt(capacity)?)?;
+                let dropped = order.size()[0] - kept.size()[0];
+                (kept, counts.f_clamp_max(capacity)?, dropped)
+            }
+        };
         let token_of = order.f_floor_divide_scalar(k)?;
-        let counts = slots.f_bincount::<Tensor>(None, self.experts.len() as i64)?;
         let grouped = x.f_index_select(0, &token_of)?;
         let (computed, remote) = match p.experts() {
             Some(group) => self.exchanged(p, group, &grouped, &counts)?,
             None => (self.computed(p, &grouped, &host_counts(&counts)?, 0)?, 0),
         };
-        let computed = computed.f_to_kind(Kind::Float)?;
-        // Back to slot order: slot `order[i]` holds row `i`.
-        let by_slot = computed.f_index_select(0, &order.f_argsort_stable(false, 0, false)?)?;
+        // Back to slot order: row `i` is slot `order[i]`'s; a dropped slot's stays zero.
+        let by_slot = Tensor::f_zeros([slots.size()[0], x.size()[1]], (Kind::Float, x.device()))?
+            .f_index_copy(0, &order, &computed.f_to_kind(Kind::Float)?)?;
         let weighted = by_slot.f_mul(&routing.weights.f_reshape([-1, 1])?)?;
         let summed = weighted.f_reshape([-1, k, x.size()[1]])?.f_sum_dim_intlist(1, false, Kind::Float)?;
-        Ok((summed.f_to_kind(x.kind())?, remote))
+        Ok((summed.f_to_kind(x.kind())?, Dispatch { remote, dropped }))
     }
 
     /// `rows`, grouped by expert (`counts[j]` rows for expert `first + j`, in order), through
@@ -366,6 +415,7 @@ pub struct LoadBalance {
     experts: i64,
     layers: usize,
     coef: f64,
+    z_coef: f64,
     state: Mutex<BalanceState>,
 }
 
@@ -385,7 +435,8 @@ struct MicroRouting {
     /// The sums of the sparse layers of earlier pipeline stages ([`LoadBalance::sums`]).
     earlier: Option<Vec<f64>>,
     /// After a forward that records for backward: the gradient of the loss with respect to
-    /// each layer's summed probabilities, per unit of the anchor's gradient.
+    /// each layer's summed probabilities `[E]` and its summed squared log-partitions (the
+    /// z-loss's), `[E + 1]` in all, per unit of the anchor's gradient.
     coefficient: Option<Tensor>,
     /// A scalar leaf of value 0 added to the training loss: its gradient is the factor
     /// (micro-batch weight, loss scale) the loss was multiplied by before backward.
@@ -397,9 +448,10 @@ struct MicroRouting {
 struct LayerRouting {
     slots: Tensor,
     prob_sums: Tensor,
+    /// `Σ logsumexp(logits)²` over the tokens (detached), where the z-loss is trained.
+    z_sum: Option<Tensor>,
     tokens: i64,
-    /// Token slots sent to experts on other ranks (expert parallelism).
-    remote: i64,
+    dispatch: Dispatch,
 }
 
 /// What a forward's sparse layers routed: the report, and where the forward records for
@@ -421,20 +473,26 @@ pub struct BalanceReport {
     /// Token slots this rank sent to experts computed on other ranks of its expert group
     /// (expert parallelism; 0 without), over all sparse layers.
     pub remote_expert_tokens: i64,
+    /// Token slots dropped past an expert's capacity, over all sparse layers.
+    pub dropped_expert_tokens: i64,
+    /// The router z-loss (before its weight): the mean over tokens of
+    /// `logsumexp(logits)²`, summed over sparse layers; 0 where it is not trained.
+    pub z_loss: f64,
 }
 
 impl LoadBalance {
-    pub(crate) fn new(experts: i64, layers: usize, coef: f64) -> LoadBalance {
-        LoadBalance { experts, layers, coef, state: Mutex::new(BalanceState::default()) }
+    pub(crate) fn new(experts: i64, layers: usize, coef: f64, z_coef: f64) -> LoadBalance {
+        LoadBalance { experts, layers, coef, z_coef, state: Mutex::new(BalanceState::default()) }
     }
 
     fn state(&self) -> MutexGuard<'_, BalanceState> {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// The weight of the load-balancing loss in the training loss.
-    pub fn coef(&self) -> f64 {
-        self.coef
+    /// Whether the training loss gains a term from the routing (the load-balancing loss,
+    /// the router z-loss), whose gradient reaches every sparse layer's router.
+    pub fn adds_loss(&self) -> bool {
+        self.coef > 0.0 || self.z_coef > 0.0
     }
 
     /// Forgets micro-batch `micro`'s earlier routing and records its forward's: called
@@ -454,18 +512,18 @@ impl LoadBalance {
 
     /// Records sparse layer `layer`'s routing and passes its output `y` through the node
     /// that adds the loss's gradient to `probs` in backward.
-    fn attach(
-        self: &Arc<Self>,
-        layer: usize,
-        y: &Tensor,
-        experts: &Tensor,
-        probs: &Tensor,
-        remote: i64,
-    ) -> Result<Tensor> {
-        let prob_sums = probs.f_sum_dim_intlist(0, false, Kind::Float)?;
-        let slots =
-            tch::no_grad(|| experts.f_reshape([-1])?.f_bincount::<Tensor>(None, self.experts)?.f_to_kind(Kind::Float))?;
-        let routed = LayerRouting { slots, prob_sums: prob_sums.detach(), tokens: probs.size()[0], remote };
+    fn attach(self: &Arc<Self>, layer: usize, y: &Tensor, routing: &Routing, dispatch: Dispatch) -> Result<Tensor> {
+        let prob_sums = routing.probs.f_sum_dim_intlist(0, false, Kind::Float)?;
+        let slots = tch::no_grad(|| {
+            routing.experts.f_reshape([-1])?.f_bincount::<Tensor>(None, self.experts)?.f_to_kind(Kind::Float)
+        })?;
+        let routed = LayerRouting {
+            slots,
+            prob_sums: prob_sums.detach(),
+            z_sum: routing.z_sum.as_ref().map(Tensor::detach),
+            tokens: routing.probs.size()[0],
+            dispatch,
+        };
         let micro = {
             let mut state = self.state();
             let micro = state.current;
@@ -474,21 +532,23 @@ impl LoadBalance {
             entry.routed[layer] = Some(routed);
             micro
         };
-        if self.coef == 0.0 || !prob_sums.requires_grad() {
+        if !self.adds_loss() || !prob_sums.requires_grad() {
             return Ok(y.shallow_clone());
         }
         let node = BalanceGradient { balance: Arc::clone(self), micro };
-        Ok(strata_ext::apply_function(node, &[y, &prob_sums])?.remove(0))
+        let inputs: Vec<&Tensor> = [y, &prob_sums].into_iter().chain(routing.z_sum.as_ref()).collect();
+        Ok(strata_ext::apply_function(node, &inputs)?.remove(0))
     }
 
     /// Micro-batch `micro`'s routing so far, this part's sparse layers' and the earlier
     /// stages' together: token slots per expert `[E]`, summed probabilities `[E]`, then the
-    /// tokens routed, the slots sent to other ranks and the layers that routed. What a
+    /// tokens routed, the slots sent to other ranks, the slots dropped, the summed squared
+    /// log-partitions and the layers that routed ([`SUMS_PAST_EXPERTS`] values). What a
     /// pipeline stage sends on with its activations.
     pub fn sums(&self, micro: usize) -> Result<Vec<f64>> {
         let state = self.state();
         let e = self.experts as usize;
-        let mut sums = vec![0.0; 2 * e + 3];
+        let mut sums = vec![0.0; 2 * e + SUMS_PAST_EXPERTS];
         let Some(m) = state.micros.get(&micro) else { return Ok(sums) };
         let layers: Vec<&LayerRouting> = m.routed.iter().flatten().collect();
         if !layers.is_empty() {
@@ -503,9 +563,14 @@ impl LoadBalance {
             let values = Vec::<f64>::try_from(&both).map_err(|e| Error::Model(format!("expert loads: {e}")))?;
             sums[..2 * e].copy_from_slice(&values);
         }
+        let z_sums: Vec<&Tensor> = layers.iter().filter_map(|r| r.z_sum.as_ref()).collect();
+        if !z_sums.is_empty() {
+            sums[2 * e + 3] = Tensor::f_stack(&z_sums, 0)?.f_sum(Kind::Double)?.f_double_value(&[])?;
+        }
         sums[2 * e] = layers.iter().map(|r| r.tokens as f64).sum();
-        sums[2 * e + 1] = layers.iter().map(|r| r.remote as f64).sum();
-        sums[2 * e + 2] = layers.len() as f64;
+        sums[2 * e + 1] = layers.iter().map(|r| r.dispatch.remote as f64).sum();
+        sums[2 * e + 2] = layers.iter().map(|r| r.dispatch.dropped as f64).sum();
+        sums[2 * e + 4] = layers.len() as f64;
         if let Some(earlier) = &m.earlier {
             sums.iter_mut().zip(earlier).for_each(|(s, e)| *s += e);
         }
@@ -515,7 +580,7 @@ impl LoadBalance {
     /// The earlier pipeline stages' [`LoadBalance::sums`] of micro-batch `micro`, received
     /// with its activations (after this part's forward opened it).
     pub fn receive_sums(&self, micro: usize, earlier: Vec<f64>) -> Result<()> {
-        if earlier.len() != 2 * self.experts as usize + 3 {
+        if earlier.len() != 2 * self.experts as usize + SUMS_PAST_EXPERTS {
             return Err(Error::Model(format!("routing sums of {} values for {} experts", earlier.len(), self.experts)));
         }
         self.state().micros.entry(micro).or_default().earlier = Some(earlier);
@@ -535,33 +600,41 @@ impl LoadBalance {
     ) -> Result<Option<Routed>> {
         let mut sums = self.sums(micro)?;
         let e = self.experts as usize;
-        if sums[2 * e + 2] as usize != self.layers {
+        let layers = sums[2 * e + 4];
+        if layers as usize != self.layers {
             return Ok(None);
         }
         if let Some(group) = sequence.filter(|g| g.size() > 1) {
-            let summed = group.sum_values(&sums[..2 * e + 2])?;
-            sums[..2 * e + 2].copy_from_slice(&summed);
+            let summed = group.sum_values(&sums[..2 * e + 4])?;
+            sums[..2 * e + 4].copy_from_slice(&summed);
         }
         let rows = sums[2 * e].max(1.0);
         let shares: Vec<f64> = sums[..e].iter().map(|slots| slots / rows).collect();
         let aux = shares.iter().zip(&sums[e..2 * e]).map(|(f, p)| f * p / rows).sum::<f64>() * self.experts as f64;
+        // Every layer routes the same tokens: `rows / layers` of them.
+        let tokens = rows / layers.max(1.0);
+        let z = sums[2 * e + 3] / tokens;
         let slots = &sums[..e];
         let report = BalanceReport {
             aux_loss: aux,
             min_expert_tokens: slots.iter().copied().fold(f64::INFINITY, f64::min) as i64,
             max_expert_tokens: slots.iter().copied().fold(0.0, f64::max) as i64,
             remote_expert_tokens: sums[2 * e + 1] as i64,
+            dropped_expert_tokens: sums[2 * e + 2] as i64,
+            z_loss: z,
         };
         let mut state = self.state();
         let m = state.micros.entry(micro).or_default();
-        let loss_term = if for_backward && self.coef > 0.0 {
-            // d(coef · E · Σ f_e P_e) / d(layer's summed probability of e) = coef · E · f_e / rows.
+        let loss_term = if for_backward && self.adds_loss() {
+            // d(coef · E · Σ f_e P_e) / d(layer's summed probability of e) = coef · E · f_e / rows,
+            // and d(z_coef · Σ_layers z_sum / tokens) / d(layer's z_sum) = z_coef / tokens.
             let scale = self.coef * self.experts as f64 / rows;
-            let coefficient: Vec<f32> = shares.iter().map(|f| (f * scale) as f32).collect();
+            let mut coefficient: Vec<f32> = shares.iter().map(|f| (f * scale) as f32).collect();
+            coefficient.push((self.z_coef / tokens) as f32);
             m.coefficient = Some(Tensor::f_from_slice(&coefficient)?);
             let anchor = Tensor::f_zeros([], (Kind::Float, tch::Device::Cpu))?.set_requires_grad(true);
             m.anchor = Some(anchor.shallow_clone());
-            Some(anchor.f_add_scalar(self.coef * aux)?)
+            Some(anchor.f_add_scalar(self.coef * aux + self.z_coef * z)?)
         } else {
             None
         };
@@ -601,6 +674,9 @@ impl LoadBalance {
     }
 }
 
+/// The values [`LoadBalance::sums`] holds past the two per expert.
+const SUMS_PAST_EXPERTS: usize = 5;
+
 /// The identity on a sparse layer's output whose backward also hands the layer's summed
 /// routing probabilities their share of the load-balancing loss's gradient.
 struct BalanceGradient {
@@ -613,8 +689,18 @@ impl strata_ext::Function for BalanceGradient {
         Ok(vec![inputs[0].shallow_clone()])
     }
 
+    /// Inputs: the output, the summed probabilities `[E]` and, where the z-loss is
+    /// trained, the summed squared log-partitions (a scalar).
     fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
-        let g = self.balance.gradient(self.micro).and_then(|g| Ok(g.f_to_device(grads[0].device())?));
-        Ok(vec![grads[0].shallow_clone(), g.map_err(|e| e.to_string())?])
+        let go = || -> Result<Vec<Tensor>> {
+            let g = self.balance.gradient(self.micro)?.f_to_device(grads[0].device())?;
+            let e = self.balance.experts;
+            let mut out = vec![grads[0].shallow_clone(), g.f_narrow(0, 0, e)?];
+            if self.balance.z_coef > 0.0 {
+                out.push(g.f_select(0, e)?);
+            }
+            Ok(out)
+        };
+        go().map_err(|e| e.to_string())
     }
 }

@@ -79,6 +79,8 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
                 sparse_step: 1,
                 dense_layers: vec![],
                 aux_loss_coef: 0.001,
+                z_loss_coef: 0.0,
+                capacity_factor: None,
                 names: if qk_norm.is_none() { ExpertNames::BlockSparse } else { ExpertNames::Mlp },
             }),
             ..LlamaConfig::new(vocab, ctx, layers, heads, dim)

@@ -434,6 +434,24 @@ fn qwen3_moe_matches_transformers() {
     experts_match_transformers("qwen3-moe", 16);
 }
 
+/// The router z-loss (a folder's `router_z_loss_coef`) trains the routers beside the
+/// load-balancing loss: ten AdamW steps track the reference's autograd through both, and
+/// the forward reports it.
+#[test]
+fn the_router_z_loss_trains_as_autograd_computes_it() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("qwen3-moe-z");
+    make(&py, "qwen3-moe-z", &dir, None);
+    training_tracks_transformers(&py, &dir, work.path());
+    let mut engine = strata_engine(&dir);
+    let flat: Vec<i64> = ROWS.iter().flatten().copied().collect();
+    let _logits = engine.forward(&Tensor::from_slice(&flat).view([2, 12])).unwrap();
+    let report = engine.routed().unwrap().report;
+    // Two sparse layers of 16 experts: each mean of logsumexp² lies near (ln 16)² ≈ 7.7.
+    assert!(report.z_loss > 2.0 && report.z_loss < 40.0, "{report:?}");
+}
+
 /// OLMoE: query and key norms over whole projections, clipped projections, 8 experts.
 #[test]
 fn olmoe_matches_transformers() {

@@ -555,7 +555,7 @@ impl PipelineExecutor {
                 Op::RecvGrad { micro, chunk } => {
                     let link = self.grads_in[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
                     received.insert((micro, chunk), link.recv(device)?);
-                    if let Some(balance) = balance_of(&parts[chunk]).filter(|b| b.coef() > 0.0) {
+                    if let Some(balance) = balance_of(&parts[chunk]).filter(|b| b.adds_loss()) {
                         balance.receive_gradient(micro, link.recv(tch::Device::Cpu)?);
                     }
                 }
@@ -580,7 +580,7 @@ impl PipelineExecutor {
                         input_grads.remove(&(micro, chunk)).ok_or_else(|| missing("input gradient", micro, chunk))?;
                     let link = self.grads_out[chunk].as_ref().ok_or_else(|| missing("gradient link", micro, chunk))?;
                     sending.extend(link.send(&g)?);
-                    if let Some(balance) = balance_of(&parts[chunk]).filter(|b| b.coef() > 0.0) {
+                    if let Some(balance) = balance_of(&parts[chunk]).filter(|b| b.adds_loss()) {
                         sending.extend(link.send(&balance.gradient(micro)?)?);
                     }
                 }
@@ -802,11 +802,13 @@ impl StepExecutor for PipelineExecutor {
             .saturating_sub(parts[0].engine.ledger().model_state_peak());
         let p = self.pipeline.stages;
         // Past the figures of every stage: the last stage's routing, where there is one.
-        let mut mine = vec![0.0; 1 + 8 * p + 5];
+        let mut mine = vec![0.0; 1 + 8 * p + 7];
         mine[0] = local_loss.unwrap_or(0.0);
         if let Some(r) = routed {
-            let counts = [r.min_expert_tokens, r.max_expert_tokens, r.remote_expert_tokens].map(|c| c as f64);
-            mine[1 + 8 * p..].copy_from_slice(&[1.0, r.aux_loss, counts[0], counts[1], counts[2]]);
+            let counts = [r.min_expert_tokens, r.max_expert_tokens, r.remote_expert_tokens, r.dropped_expert_tokens]
+                .map(|c| c as f64);
+            let figures = [1.0, r.aux_loss, r.z_loss, counts[0], counts[1], counts[2], counts[3]];
+            mine[1 + 8 * p..].copy_from_slice(&figures);
         }
         mine[1 + self.rank] = busy;
         mine[1 + p + self.rank] = most_held as f64;
@@ -827,11 +829,14 @@ impl StepExecutor for PipelineExecutor {
         // Summed over the stages, of which the last alone reported it.
         let routing = &all[1 + 8 * p..];
         if routing[0] > 0.0 {
+            let count = |i: usize| (routing[i] / routing[0]) as i64;
             report.experts = Some(BalanceReport {
                 aux_loss: routing[1] / routing[0],
-                min_expert_tokens: (routing[2] / routing[0]) as i64,
-                max_expert_tokens: (routing[3] / routing[0]) as i64,
-                remote_expert_tokens: (routing[4] / routing[0]) as i64,
+                z_loss: routing[2] / routing[0],
+                min_expert_tokens: count(3),
+                max_expert_tokens: count(4),
+                remote_expert_tokens: count(5),
+                dropped_expert_tokens: count(6),
             });
         }
         Ok(())
