@@ -704,3 +704,85 @@ impl strata_ext::Function for BalanceGradient {
         go().map_err(|e| e.to_string())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DIM: i64 = 6;
+    const WIDTH: i64 = 5;
+    const EXPERTS: usize = 4;
+
+    /// A sparse layer of 4 experts, top 2 renormalised, over random weights (router first,
+    /// then each expert's gate, up and down).
+    fn layer(capacity_factor: Option<f64>) -> (SparseFeedForward, Vec<Tensor>) {
+        tch::manual_seed(7);
+        let mut tensors = vec![Tensor::randn([EXPERTS as i64, DIM], (Kind::Float, tch::Device::Cpu))];
+        let experts = (0..EXPERTS)
+            .map(|e| {
+                for shape in [[WIDTH, DIM], [WIDTH, DIM], [DIM, WIDTH]] {
+                    tensors.push(Tensor::randn(shape, (Kind::Float, tch::Device::Cpu)) * 0.3);
+                }
+                let id = |j: usize| ParamId(1 + 3 * e + j);
+                Expert { gate: id(0), up: id(1), down: id(2) }
+            })
+            .collect();
+        let balance = Arc::new(LoadBalance::new(EXPERTS as i64, 1, 0.0, 0.0));
+        let ff = SparseFeedForward {
+            router: ParamId(0),
+            experts,
+            shared: None,
+            top_k: 2,
+            norm_topk: true,
+            capacity_factor,
+            layer: 0,
+            balance,
+        };
+        (ff, tensors)
+    }
+
+    /// Token by token: each expert keeps at most `capacity` of its slots, those of highest
+    /// weight (the earlier slot first among equals), and a token sums its kept slots' outputs.
+    fn by_hand(ff: &SparseFeedForward, tensors: &[Tensor], x: &Tensor, capacity: usize) -> (Tensor, usize) {
+        let p = Params::new(tensors);
+        let probs = x.matmul(&tensors[0].tr()).softmax(-1, Kind::Float);
+        let (weights, chosen) = probs.topk(2, -1, true, true);
+        let weights = &weights / weights.sum_dim_intlist(-1, true, Kind::Float);
+        let tokens = x.size()[0];
+        let mut slots: Vec<Vec<(f64, i64, i64)>> = vec![vec![]; EXPERTS];
+        for t in 0..tokens {
+            for j in 0..2 {
+                let e = chosen.int64_value(&[t, j]) as usize;
+                slots[e].push((weights.double_value(&[t, j]), t, j));
+            }
+        }
+        let mut y = Tensor::zeros([tokens, DIM], (Kind::Float, tch::Device::Cpu));
+        let mut dropped = 0;
+        for (e, mut mine) in slots.into_iter().enumerate() {
+            mine.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+            dropped += mine.len().saturating_sub(capacity);
+            for &(w, t, _) in mine.iter().take(capacity) {
+                let out = ff.experts[e].forward(&p, &x.get(t).unsqueeze(0)).unwrap().squeeze_dim(0);
+                y = y.index_add(0, &Tensor::from_slice(&[t]), &(out * w).unsqueeze(0));
+            }
+        }
+        (y, dropped)
+    }
+
+    #[test]
+    fn past_its_capacity_an_expert_keeps_its_heaviest_slots_and_drops_the_rest() {
+        let x = Tensor::randn([12, DIM], (Kind::Float, tch::Device::Cpu));
+        // 24 slots over 4 experts: 6 each when balanced; a factor of 0.5 keeps 3.
+        for (factor, capacity) in [(None, usize::MAX), (Some(0.5), 3), (Some(4.0), 24)] {
+            let (ff, tensors) = layer(factor);
+            ff.balance.open(0);
+            let y = ff.forward(&Params::new(&tensors), &x.unsqueeze(0)).unwrap().squeeze_dim(0);
+            let report = ff.balance.close(0, false, None).unwrap().unwrap().report;
+            let (expected, dropped) = by_hand(&ff, &tensors, &x, capacity);
+            let gap = (&y - &expected).abs().max().double_value(&[]);
+            assert!(gap < 1e-5, "capacity factor {factor:?}: off by {gap}");
+            assert_eq!(report.dropped_expert_tokens as usize, dropped, "capacity factor {factor:?}");
+            assert_eq!(dropped > 0, factor == Some(0.5), "capacity factor {factor:?}: {dropped} dropped");
+        }
+    }
+}
