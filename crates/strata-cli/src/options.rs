@@ -434,9 +434,12 @@ pub fn tokenizer_folder<'a>(tokenizer: Option<&'a Path>, model_dir: Option<&'a P
 impl TrainSettings {
     pub fn model(&self, vocab: i64) -> Result<ModelConfig> {
         let mut config = self.shaped_model(vocab)?;
-        let routing = [("--expert-capacity", self.expert_capacity.is_some()), ("--router-z-loss", self.router_z_loss.is_some())];
+        let routing =
+            [("--expert-capacity", self.expert_capacity.is_some()), ("--router-z-loss", self.router_z_loss.is_some())];
         if let Some(flag) = first_given(&routing) {
-            let Some(moe) = config.moe_mut() else { bail!("{flag} routes a mixture of experts: the model has no experts") };
+            let Some(moe) = config.moe_mut() else {
+                bail!("{flag} routes a mixture of experts: the model has no experts")
+            };
             moe.capacity_factor = self.expert_capacity.or(moe.capacity_factor);
             moe.z_loss_coef = self.router_z_loss.unwrap_or(moe.z_loss_coef);
             moe.validate()?;

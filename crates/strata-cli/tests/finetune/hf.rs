@@ -190,6 +190,14 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
     let run =
         common::train_run(dir.path(), "lora experts 2", 6, &[&files, &flags, &["--nproc", "2", "--strategy", &split]]);
     common::assert_follows(&alone, &run, "lora with expert parallel 2", 1e-5, 1e-5);
+    // Capacity is each rank's (of the tokens it routes), as one process's is per micro-batch.
+    let routing = ["--expert-capacity", "0.75", "--router-z-loss", "0.01"];
+    let capped = common::train_run(dir.path(), "capped", 6, &[&files, &flags, &routing, &["--accumulation", "2"]]);
+    let split = ["--nproc", "2", "--strategy", r#"[["expert_parallel", {"size": 2}]]"#];
+    let run = common::train_run(dir.path(), "capped experts 2", 6, &[&files, &flags, &routing, &split]);
+    common::assert_follows(&capped, &run, "capacity with expert parallel 2", 1e-5, 1e-5);
+    let routed = common::reports(&run.1).pop().unwrap()["experts"].clone();
+    assert!(routed["dropped_expert_tokens"].as_i64() > Some(0) && routed["z_loss"].as_f64() > Some(1.0), "{routed}");
     let ours =
         strata(&[&["eval", "--model-dir", s(&saved), "--val-token-file", s(&val), "--json"][..], &WINDOWS].concat());
     assert!(ours.status.success(), "eval:\n{}", stderr(&ours));

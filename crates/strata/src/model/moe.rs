@@ -123,7 +123,10 @@ impl MoeConfig {
             return Err(Error::Config(format!("router_aux_loss_coef must be 0 or more, got {}", self.aux_loss_coef)));
         }
         if !(self.z_loss_coef.is_finite() && self.z_loss_coef >= 0.0) {
-            return Err(Error::Config(format!("the router z-loss's weight must be 0 or more, got {}", self.z_loss_coef)));
+            return Err(Error::Config(format!(
+                "the router z-loss's weight must be 0 or more, got {}",
+                self.z_loss_coef
+            )));
         }
         if let Some(f) = self.capacity_factor.filter(|f| !(f.is_finite() && *f > 0.0)) {
             return Err(Error::Config(format!("the experts' capacity factor must be positive, got {f}")));
@@ -258,11 +261,8 @@ impl SparseFeedForward {
                 // By expert, and within an expert by weight, heaviest first; the first
                 // `capacity` of each expert's slots are kept.
                 let by_weight = routing.weights.f_reshape([-1])?.f_argsort_stable(true, 0, true)?;
-                let order = by_weight.f_index_select(0, &slots.f_index_select(0, &by_weight)?.f_argsort_stable(
-                    true,
-                    0,
-                    false,
-                )?)?;
+                let order = by_weight
+                    .f_index_select(0, &slots.f_index_select(0, &by_weight)?.f_argsort_stable(true, 0, false)?)?;
                 let starts = counts.f_cumsum(0, Kind::Int64)?.f_sub(&counts)?;
                 let place = Tensor::f_arange(order.size()[0], (Kind::Int64, order.device()))?
                     .f_sub(&starts.f_index_select(0, &slots.f_index_select(0, &order)?)?)?;
@@ -278,8 +278,11 @@ impl SparseFeedForward {
             None => (self.computed(p, &grouped, &host_counts(&counts)?, 0)?, 0),
         };
         // Back to slot order: row `i` is slot `order[i]`'s; a dropped slot's stays zero.
-        let by_slot = Tensor::f_zeros([slots.size()[0], x.size()[1]], (Kind::Float, x.device()))?
-            .f_index_copy(0, &order, &computed.f_to_kind(Kind::Float)?)?;
+        let by_slot = Tensor::f_zeros([slots.size()[0], x.size()[1]], (Kind::Float, x.device()))?.f_index_copy(
+            0,
+            &order,
+            &computed.f_to_kind(Kind::Float)?,
+        )?;
         let weighted = by_slot.f_mul(&routing.weights.f_reshape([-1, 1])?)?;
         let summed = weighted.f_reshape([-1, k, x.size()[1]])?.f_sum_dim_intlist(1, false, Kind::Float)?;
         Ok((summed.f_to_kind(x.kind())?, Dispatch { remote, dropped }))
