@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::path::PathBuf;
 use strata::auto::candidate::Precision;
-use strata::auto::estimate::{self, DeviceKind, Estimate, Machine, Workload};
+use strata::auto::estimate::{self, DeviceKind, Estimate, ExpertPlacement, Machine, Workload};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig};
 use strata::profile::human_bytes;
 use strata::strategy::{LoraConfig, ScheduleKind, Targets};
@@ -147,6 +147,10 @@ pub struct EstimateArgs {
     /// Chunks per rank of the interleaved schedule.
     #[arg(long, default_value_t = 1)]
     virtual_stages: usize,
+    /// A mixture of experts: expert-parallel sizes to show the placement and all-to-all
+    /// bytes of, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    expert_parallel: Vec<usize>,
     /// Also show each layout training LoRA adapters of this rank on every linear layer.
     #[arg(long)]
     lora_rank: Option<i64>,
@@ -176,6 +180,9 @@ struct Report {
     host_bytes: u64,
     workload: Workload,
     rows: Vec<Row>,
+    /// A mixture of experts at each expert-parallel size asked for.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    experts: Vec<ExpertPlacement>,
 }
 
 /// The bytes of optimizer state per trained element of `name`.
@@ -242,7 +249,16 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             rows.push(Row { lora: true, estimate: e });
         }
     }
+    let mut experts = vec![];
+    if let Some(moe) = config.moe() {
+        for &size in &a.expert_parallel {
+            experts.extend(estimate::expert_placement(&spec, moe.top_k, &work, precision, size)?);
+        }
+    } else if a.expert_parallel.iter().any(|&s| s > 1) {
+        bail!("--expert-parallel places a mixture of experts: the model has no experts");
+    }
     let report = Report {
+        experts,
         params: spec.num_params(),
         active_params: spec.active_params()?,
         device: kind,
@@ -291,6 +307,12 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             human_bytes(r.estimate.host.total()),
             if r.estimate.fits { "yes" } else { "no" }
         );
+    }
+    if !report.experts.is_empty() {
+        println!("\n{:<16} {:>17} {:>28}", "expert parallel", "experts per rank", "all-to-all per step and rank");
+        for e in &report.experts {
+            println!("{:<16} {:>17} {:>28}", e.size, e.experts_per_rank, human_bytes(e.all_to_all_bytes));
+        }
     }
     Ok(())
 }

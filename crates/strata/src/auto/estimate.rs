@@ -205,6 +205,50 @@ fn precision_share(precision: Precision) -> (f64, f64, f64) {
     }
 }
 
+/// A mixture of experts over expert groups of `size` ranks: where its experts run and what
+/// one rank exchanges for them in a step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExpertPlacement {
+    pub size: usize,
+    /// Routed experts each rank of a group computes (rank `r` those from `r · experts_per_rank`)
+    /// in each sparse layer; every rank holds every expert's weights.
+    pub experts_per_rank: i64,
+    /// Bytes one rank sends (and as many it receives) in a step's all-to-alls: each sparse
+    /// layer sends its token slots' hidden states to the ranks of their experts and takes
+    /// their outputs back, and backward does the same with their gradients; the slots of its
+    /// own experts stay, routing assumed balanced. The counts sent first are not counted.
+    pub all_to_all_bytes: u64,
+}
+
+/// [`ExpertPlacement`] of `spec`'s sparse layers (routing `top_k` slots per token) over
+/// expert groups of `size` ranks, for `work`'s micro-batches in `precision`; `None` for a
+/// model without experts.
+pub fn expert_placement(
+    spec: &ModelSpec,
+    top_k: i64,
+    work: &Workload,
+    precision: Precision,
+    size: usize,
+) -> Result<Option<ExpertPlacement>> {
+    let Some(first) = spec.expert_sets.first() else { return Ok(None) };
+    let experts = first.gate.len() as i64;
+    if size == 0 || experts % size as i64 != 0 {
+        return Err(Error::Config(format!("expert_parallel: {experts} experts do not split over {size} ranks")));
+    }
+    let width = spec.params[first.gate[0].0].shape[1] as u64;
+    let slots = (work.micro_batch as u64) * work.ctx as u64 * work.micro_batches as u64 * top_k as u64;
+    let element = match precision {
+        Precision::Fp32 => 4,
+        _ => 2,
+    };
+    let remote = slots * width * element * (size as u64 - 1) / size as u64;
+    Ok(Some(ExpertPlacement {
+        size,
+        experts_per_rank: experts / size as i64,
+        all_to_all_bytes: 4 * remote * spec.expert_sets.len() as u64,
+    }))
+}
+
 /// The bytes of a parameter element under `precision` (`half` keeps bf16 or fp16 weights).
 fn param_bytes(precision: Precision) -> u64 {
     match precision {

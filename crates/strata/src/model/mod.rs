@@ -52,6 +52,14 @@ pub enum ModelConfig {
 
 impl ModelConfig {
     /// The mixture of experts of a decoder that has one.
+    pub fn moe(&self) -> Option<&MoeConfig> {
+        match self {
+            ModelConfig::Llama(c) => c.moe.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// The mixture of experts of a decoder that has one, to change.
     pub fn moe_mut(&mut self) -> Option<&mut MoeConfig> {
         match self {
             ModelConfig::Llama(c) => c.moe.as_mut(),
