@@ -6,6 +6,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 #[derive(Args, Debug, Clone)]
@@ -74,12 +75,18 @@ fn free_port(addr: &str) -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
+/// Lines of the ranks' standard error that are errors (`[rank R] error: ...`), kept apart
+/// instead of shown, where the caller says them its own way.
+type Errors = Arc<Mutex<Vec<String>>>;
+
 /// Where a rank's stream goes.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone)]
 enum Relay {
     Prefixed {
         to_stderr: bool,
     },
+    /// Prefixed to our standard error, but errors into the list.
+    ErrorsApart(Errors),
     /// Unprefixed to our standard output.
     Raw,
     /// Read and dropped, so the rank never blocks on a full pipe.
@@ -96,8 +103,12 @@ fn relay(source: impl Read + Send + 'static, rank: usize, how: Relay) -> std::th
             let text = String::from_utf8_lossy(&line);
             let text = text.trim_end_matches('\n');
             // One write per line keeps lines of different ranks whole.
-            let _ = match how {
-                Relay::Prefixed { to_stderr: true } => {
+            let _ = match &how {
+                Relay::ErrorsApart(errors) if text.starts_with("error: ") => {
+                    errors.lock().unwrap_or_else(|p| p.into_inner()).push(format!("[rank {rank}] {text}"));
+                    Ok(())
+                }
+                Relay::Prefixed { to_stderr: true } | Relay::ErrorsApart(_) => {
                     std::io::stderr().write_all(format!("[rank {rank}] {text}\n").as_bytes())
                 }
                 Relay::Prefixed { to_stderr: false } => {
@@ -126,6 +137,12 @@ extern "C" fn remember(sig: i32) {
 }
 
 pub fn run(a: LaunchArgs) -> Result<()> {
+    launch(a, None)
+}
+
+/// Starts the ranks `a` describes and waits for them; with `errors`, the ranks' error lines
+/// go there instead of to our standard error.
+fn launch(a: LaunchArgs, errors: Option<Errors>) -> Result<()> {
     if a.nproc_per_node == 0 || a.nnodes == 0 {
         bail!("--nproc-per-node and --nnodes must be positive");
     }
@@ -185,7 +202,11 @@ pub fn run(a: LaunchArgs) -> Result<()> {
             relays.push(relay(out, rank, how));
         }
         if let Some(err) = child.stderr.take() {
-            relays.push(relay(err, rank, Relay::Prefixed { to_stderr: true }));
+            let how = match &errors {
+                Some(list) => Relay::ErrorsApart(Arc::clone(list)),
+                None => Relay::Prefixed { to_stderr: true },
+            };
+            relays.push(relay(err, rank, how));
         }
         children.push((rank, child));
     }
@@ -241,12 +262,13 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs this same command again under `strata launch` with `n` local ranks, leaving out
-/// the option `flag` (and its value) that asked for it; with `stdout_of`, only that rank's
-/// standard output is shown, as it printed it.
+/// Runs this same command again as `n` local ranks started from this process (as
+/// `strata launch` starts them), leaving out the option `flag` (and its value) that asked
+/// for it; with `stdout_of`, only that rank's standard output is shown, as it printed it.
+/// Ranks that all fail alike (a file none can read) give one error, said once.
 pub fn relaunch_self(n: usize, flag: &str, stdout_of: Option<usize>) -> Result<()> {
     let exe = std::env::current_exe().context("cannot find the strata binary")?;
-    let mut args: Vec<String> = Vec::new();
+    let mut command = vec![exe.to_string_lossy().into_owned()];
     let mut skip = false;
     for arg in std::env::args().skip(1) {
         if std::mem::take(&mut skip) {
@@ -255,51 +277,34 @@ pub fn relaunch_self(n: usize, flag: &str, stdout_of: Option<usize>) -> Result<(
         if arg == flag {
             skip = true;
         } else if !arg.starts_with(&format!("{flag}=")) {
-            args.push(arg);
+            command.push(arg);
         }
     }
-    let mut launch = vec!["launch".to_string(), "--nproc-per-node".into(), n.to_string()];
-    if let Some(rank) = stdout_of {
-        launch.extend(["--stdout-of".into(), rank.to_string()]);
-    }
-    let mut child = Command::new(&exe)
-        .args(launch)
-        .arg("--")
-        .arg(&exe)
-        .args(&args)
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("cannot start strata launch")?;
-    // Everything the ranks say goes through as it comes, but their errors: ranks that all
-    // fail alike (a file none can read) are one error, said once.
-    let mut errors: Vec<String> = Vec::new();
-    if let Some(stderr) = child.stderr.take() {
-        for line in BufReader::new(stderr).lines() {
-            let line = line.context("reading the ranks' output")?;
-            let failure = line.strip_prefix("[rank ").and_then(|l| l.split_once("] ")).map(|(_, t)| t);
-            match failure {
-                Some(text) if text.starts_with("error: ") => errors.push(line),
-                _ if line.starts_with("error: rank ") => errors.push(line),
-                _ => eprintln!("{line}"),
-            }
-        }
-    }
-    let status = child.wait().context("waiting for strata launch")?;
+    let args = LaunchArgs {
+        nproc_per_node: n,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: None,
+        stdout_of,
+        grace: 5.0,
+        command,
+    };
+    let errors: Errors = Arc::default();
+    let result = launch(args, Some(Arc::clone(&errors)));
+    let errors = std::mem::take(&mut *errors.lock().unwrap_or_else(|p| p.into_inner()));
     let said: Vec<&str> = errors
         .iter()
         .filter_map(|l| l.strip_prefix("[rank ").and_then(|l| l.split_once("] error: ")).map(|(_, t)| t))
         .collect();
     // Every rank said it, and the same: one error. A rank that died without a word (killed)
-    // leaves the launcher's line about it and every rank's in place.
+    // leaves the launcher's word about it and every rank's in place.
     let shared = !said.is_empty() && said.len() == n && said.iter().all(|t| *t == said[0]);
-    match (status.success(), shared) {
-        (false, true) => bail!("{}", said[0]),
-        (ok, _) => {
+    match (result, shared) {
+        (Err(_), true) => bail!("{}", said[0]),
+        (result, _) => {
             errors.iter().for_each(|l| eprintln!("{l}"));
-            if !ok {
-                bail!("the ranks failed (see their output above)");
-            }
-            Ok(())
+            result.map_err(|e| anyhow::anyhow!("{e:#}\nerror: the ranks failed (see their output above)"))
         }
     }
 }
