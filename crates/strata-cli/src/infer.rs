@@ -6,6 +6,7 @@
 //!
 //! Owns loading the model and turning flags into the library's settings. Must not decode or
 //! evaluate itself: `strata::generate`, `strata::train::evaluate` and `strata::tasks` do.
+use crate::options::DataChoice;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -13,8 +14,8 @@ use strata::checkpoint::Checkpoint;
 use strata::data::chat::ChatTemplate;
 use strata::data::Batching;
 use strata::data::{
-    read_labeled, read_source_target, validation_steps, ClassifySet, LoaderConfig, MaskOptions, MaskedSet, Seq2SeqSet,
-    TokenData, TokenWidth, Tokenizer,
+    read_labeled, read_source_target, validation_steps, ClassifySet, Dataset, ExampleOptions, LoaderConfig,
+    MaskOptions, MaskedSet, Seq2SeqSet, TokenData, TokenWidth, Tokenizer,
 };
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, generate_from_source, GenerateConfig};
@@ -126,9 +127,21 @@ impl ModelSource {
 pub struct EvalArgs {
     #[command(flatten)]
     source: ModelSource,
-    /// Validation text, tokenised with the model's tokenizer.
+    /// Validation data, read as `strata train` reads it: text tokenised with the model's
+    /// tokenizer, or examples when it ends in .jsonl or .parquet (records of "text",
+    /// "prompt" and "completion", or "messages" rendered with the chat template, prompts
+    /// masked out of the loss); records for T5 and BERT.
     #[arg(long)]
     val_data: Option<PathBuf>,
+    /// Examples: the Jinja chat template (default: the model folder's).
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
+    /// Examples: longest example in tokens, longer ones cut (default: --ctx).
+    #[arg(long)]
+    max_length: Option<usize>,
+    /// Examples: score the prompts' tokens too, as a run with --train-on-prompt learned them.
+    #[arg(long)]
+    train_on_prompt: bool,
     /// Validation tokens: a token file (`strata tokenize`'s, or raw little-endian ids).
     #[arg(long)]
     val_token_file: Option<PathBuf>,
@@ -214,23 +227,41 @@ pub fn eval(args: EvalArgs) -> Result<()> {
     if eval_records(&args, &mut loaded)? {
         return Ok(());
     }
-    let data = match (&args.val_data, &args.val_token_file) {
-        (Some(path), None) => TokenData::from_text_file(path, loaded.text_tokenizer()?)?,
-        (None, Some(path)) => TokenData::open(path, args.token_width)?,
-        (Some(_), Some(_)) => bail!("give either --val-data or --val-token-file, not both"),
-        (None, None) => bail!("name the validation data: --val-data or --val-token-file"),
-    };
     if args.ctx == 0 || args.batch_size == 0 || args.eval_batches == Some(0) {
         bail!("--ctx, --batch-size and --eval-batches must be positive");
     }
+    let examples =
+        args.val_data.as_ref().filter(|p| matches!(DataChoice::of_file(p.to_path_buf()), DataChoice::Examples(_)));
+    if examples.is_none() && (args.chat_template.is_some() || args.max_length.is_some() || args.train_on_prompt) {
+        bail!("--chat-template, --max-length and --train-on-prompt shape examples: give --val-data FILE.jsonl or FILE.parquet");
+    }
+    let data: Dataset = match (&args.val_data, &args.val_token_file) {
+        (Some(path), None) if examples.is_some() => {
+            let max_length = args.max_length.unwrap_or(args.ctx);
+            if max_length == 0 || max_length > args.ctx {
+                bail!("--max-length {max_length} must be positive and within --ctx {}", args.ctx);
+            }
+            let options = ExampleOptions { max_length, drop_long: false, train_on_prompt: args.train_on_prompt };
+            let sources = crate::train::ExampleSources {
+                tokenizer_file: args.source.tokenizer.as_deref(),
+                model_dir: args.source.model_dir.as_deref(),
+                chat_template: args.chat_template.as_deref(),
+            };
+            crate::train::read_examples(path, loaded.text_tokenizer()?, sources, &options)?.into()
+        }
+        (Some(path), None) => TokenData::from_text_file(path, loaded.text_tokenizer()?)?.into(),
+        (None, Some(path)) => TokenData::open(path, args.token_width)?.into(),
+        (Some(_), Some(_)) => bail!("give either --val-data or --val-token-file, not both"),
+        (None, None) => bail!("name the validation data: --val-data or --val-token-file"),
+    };
     if let Some(context) = loaded.config.context().filter(|&c| args.ctx as i64 > c) {
         bail!("--ctx {} is longer than the model's context of {context} positions", args.ctx);
     }
     data.check_fits(args.ctx, loaded.config.vocab() as usize)?;
     let device = loaded.engine.config().device;
     let loader = LoaderConfig { device, ..LoaderConfig::new(Batching::new(args.ctx, args.batch_size)) };
-    let steps = validation_steps(&data.into(), &loader, args.eval_batches, usize::MAX)?;
-    let tokens: i64 = steps.iter().flat_map(|s| &s.micro_batches).map(|b| b.targets.numel() as i64).sum();
+    let steps = validation_steps(&data, &loader, args.eval_batches, usize::MAX)?;
+    let tokens: i64 = steps.iter().flat_map(|s| &s.micro_batches).map(|b| b.supervised as i64).sum();
     let mut engine = loaded.engine;
     let loss = strata::train::evaluate(&mut engine, &steps)?;
     if args.json {

@@ -257,7 +257,7 @@ pub enum DataChoice {
 
 impl DataChoice {
     /// A file named by --data or --val-data: examples by their extension, else text.
-    fn of_file(path: PathBuf) -> DataChoice {
+    pub fn of_file(path: PathBuf) -> DataChoice {
         match path.extension().and_then(|e| e.to_str()) {
             Some("jsonl" | "parquet") => DataChoice::Examples(path),
             _ => DataChoice::Text(path),

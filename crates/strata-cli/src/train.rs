@@ -8,8 +8,8 @@ use strata::auto::AutoOptions;
 use strata::data::chat::{self, ChatTemplate};
 use strata::data::Batching;
 use strata::data::{
-    read_labeled, read_source_target, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleSet, MaskOptions,
-    MaskedSet, Order, Seq2SeqSet, SyntheticCorpus, TokenData, Tokenizer,
+    read_labeled, read_source_target, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleOptions, ExampleSet,
+    MaskOptions, MaskedSet, Order, Seq2SeqSet, SyntheticCorpus, TokenData, Tokenizer,
 };
 use strata::io::FolderOut;
 use strata::model::{BertConfig, BertHead, ModelConfig};
@@ -135,18 +135,42 @@ fn record_task(settings: &TrainSettings) -> Option<(&Path, RecordTask<'_>)> {
 /// The examples of `path`, rendered with the chat template of --chat-template or the model
 /// folder, ended with the folder's end-of-sequence token, cached for the next run.
 fn load_examples(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> Result<ExampleSet> {
-    let folder = crate::options::tokenizer_folder(
-        settings.tokenizer.as_deref(),
-        settings.model_dir.as_ref().map(|m| m.dir.as_path()),
-    );
-    let template = ChatTemplate::choose(settings.chat_template.as_deref(), folder)?;
+    let options = settings.examples.clone().context("example options are set for example data")?;
+    let sources = ExampleSources {
+        tokenizer_file: settings.tokenizer.as_deref(),
+        model_dir: settings.model_dir.as_ref().map(|m| m.dir.as_path()),
+        chat_template: settings.chat_template.as_deref(),
+    };
+    read_examples(path, tokenizer, sources, &options)
+}
+
+/// Where examples' rendering comes from: the tokenizer file and model folder given (the
+/// folder holding `tokenizer_config.json` gives the chat template and end token) and a
+/// chat template file that replaces the folder's.
+#[derive(Clone, Copy)]
+pub struct ExampleSources<'a> {
+    pub tokenizer_file: Option<&'a Path>,
+    pub model_dir: Option<&'a Path>,
+    pub chat_template: Option<&'a Path>,
+}
+
+/// The examples of `path` (JSONL or Parquet records) as training reads them: rendered with
+/// the chat template, ended with the folder's end-of-sequence token, cut and masked as
+/// `options` say, cached for the next run.
+pub fn read_examples(
+    path: &Path,
+    tokenizer: &Tokenizer,
+    sources: ExampleSources<'_>,
+    options: &ExampleOptions,
+) -> Result<ExampleSet> {
+    let folder = crate::options::tokenizer_folder(sources.tokenizer_file, sources.model_dir);
+    let template = ChatTemplate::choose(sources.chat_template, folder)?;
     let end_of_text = match folder {
         Some(dir) => chat::special_token(&chat::tokenizer_config(dir)?, "eos_token"),
         None => None,
     };
     let format = ExampleFormat { tokenizer, template: template.as_ref(), end_of_text };
-    let options = settings.examples.clone().context("example options are set for example data")?;
-    let set = ExampleSet::load(path, &format, &options, strata::data::records::default_cache_dir().as_deref())?;
+    let set = ExampleSet::load(path, &format, options, strata::data::records::default_cache_dir().as_deref())?;
     let r = &set.report;
     tracing::info!(
         source = %path.display(),

@@ -224,8 +224,9 @@ fn chat_templates_render_and_tokenize_as_transformers_does() {
 
 /// Instruction-tunes a 2-layer LLaMA on 256 sum conversations (ChatML, a byte-level BPE)
 /// with `extra` flags for 80 steps, then asks it as a user of the template from its last
-/// checkpoint: the validation losses on answers, the answer, the run's arguments and the
-/// tokenized cache's folder.
+/// checkpoint, and evaluates that checkpoint on the validation conversations (the run's own
+/// last validation loss): the validation losses on answers, the answer, the run's
+/// arguments and the tokenized cache's folder.
 fn instruction_tune(dir: &Path, extra: &[&str]) -> (Vec<f64>, String, Vec<String>, PathBuf) {
     let python = common::venv_python().expect("checked by the caller");
     let folder = tokenizer_folder(&python, dir, "chatml");
@@ -262,6 +263,12 @@ fn instruction_tune(dir: &Path, extra: &[&str]) -> (Vec<f64>, String, Vec<String
     assert!(o.status.success(), "{}", stderr(&o));
     let answer = String::from_utf8_lossy(&o.stdout).trim().to_string();
     eprintln!("{extra:?}: answer: {answer:?}");
+    // `strata eval` reads the chat file as training did: the run's last validation loss.
+    let eval = ["eval", "--val-data", val.to_str().unwrap(), "--ctx", "64", "--batch-size", "16", "--json"];
+    let o = strata(&[&eval[..], &ask].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let evaluated = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["val_loss"].as_f64().unwrap();
+    assert!((evaluated - val_losses[3]).abs() < 1e-5, "strata eval {evaluated}, the run's {}", val_losses[3]);
     (val_losses, answer, args, cache)
 }
 
