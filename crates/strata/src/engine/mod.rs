@@ -630,7 +630,7 @@ impl Engine {
 
     /// What the schedule keeps of the model states (shards, masters, host copies), to be
     /// asked of them directly.
-    pub fn held_states(&self) -> &dyn HeldStates {
+    pub(crate) fn held_states(&self) -> &dyn HeldStates {
         self.schedule.as_ref()
     }
 
