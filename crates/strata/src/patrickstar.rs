@@ -313,6 +313,7 @@ impl PatrickStarEngine {
     pub fn forward(&mut self, batch: &Batch) -> Result<Tensor> {
         let mut s = self.session.borrow_mut();
         s.engine.set_layout(batch.layout.as_ref());
+        s.engine.set_padding(batch.padding.as_ref());
         let output = s.engine.forward(&batch.inputs)?;
         s.engine.compute_loss(|| (s.loss)(&output, batch))
     }

@@ -140,13 +140,17 @@ pub struct Batch {
     /// Where rows hold several examples (packing) or padding: which example each position
     /// belongs to (and, for an encoder, the token types).
     pub layout: Option<RowLayout>,
+    /// `[rows, ctx]` bool, true at the padding after a row's examples (what `transformers`
+    /// hides with `attention_mask`): a mixture of experts' routing statistics leave it out.
+    /// `None` where no row is padded.
+    pub padding: Option<Tensor>,
 }
 
 impl Batch {
     /// A batch whose supervised targets are counted from `targets` (a read of the tensor).
     pub fn new(inputs: Tensor, targets: Tensor) -> Result<Batch> {
         let supervised = targets.f_ne(IGNORE)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as u64;
-        Ok(Batch { inputs, targets, supervised, layout: None })
+        Ok(Batch { inputs, targets, supervised, layout: None, padding: None })
     }
 
     /// The same batch on `device`.
@@ -156,6 +160,7 @@ impl Batch {
             targets: self.targets.f_to_device(device)?,
             supervised: self.supervised,
             layout: self.layout.as_ref().map(|l| l.to_device(device)).transpose()?,
+            padding: self.padding.as_ref().map(|p| p.f_to_device(device)).transpose()?,
         })
     }
 }
@@ -488,19 +493,29 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
                 .batching
                 .pack
                 .then(|| (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx)));
+            // Each row's positions before its padding.
+            let mut filled = Vec::with_capacity(rows.len());
             for row in rows {
                 match data {
                     Dataset::Tokens(t) => {
                         t.extend_window(&mut inputs, row[0], ctx);
                         t.extend_window(&mut targets, row[0] + 1, ctx);
+                        filled.push(ctx);
                     }
-                    Dataset::Examples(e) => examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()),
+                    Dataset::Examples(e) => {
+                        filled.push(examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()))
+                    }
                     Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
                         unreachable!("records are batched whole above")
                     }
                 }
             }
             let mut batch = batch_of(inputs, targets, rows.len(), ctx, config.device)?;
+            if filled.iter().any(|&f| f < ctx) {
+                let pads: Vec<bool> = filled.iter().flat_map(|&f| (0..ctx).map(move |j| j >= f)).collect();
+                let shape = [rows.len() as i64, ctx as i64];
+                batch.padding = Some(Tensor::f_from_slice(&pads)?.f_view(shape)?.f_to_device(config.device)?);
+            }
             if let Some((positions, examples)) = layout {
                 let tensor = |ids: &[i64]| -> Result<Tensor> {
                     Ok(Tensor::f_from_slice(ids)?
@@ -539,7 +554,7 @@ pub(super) fn batch_of(inputs: Vec<i64>, targets: Vec<i64>, rows: usize, ctx: us
     let supervised = targets.iter().filter(|&&t| t != IGNORE).count() as u64;
     let shape = [rows as i64, ctx as i64];
     let tensor = |ids: &[i64]| -> Result<Tensor> { Ok(Tensor::f_from_slice(ids)?.f_view(shape)?.f_to_device(device)?) };
-    Ok(Batch { inputs: tensor(&inputs)?, targets: tensor(&targets)?, supervised, layout: None })
+    Ok(Batch { inputs: tensor(&inputs)?, targets: tensor(&targets)?, supervised, layout: None, padding: None })
 }
 
 /// A row of `ctx` positions holding `examples` one after another, as `transformers` lays out
@@ -547,14 +562,15 @@ pub(super) fn batch_of(inputs: Vec<i64>, targets: Vec<i64>, rows: usize, ctx: us
 /// attends to under the causal mask); position `j`'s target is the next token of the same
 /// example where the loss learns it, else [`IGNORE`] (an example's last token predicts
 /// nothing, not the next example's first). Where `layout` is given, each position's place in
-/// its example and the example's number in the row are appended to it.
+/// its example and the example's number in the row are appended to it. Returns the
+/// positions the examples fill (the padding begins there).
 fn examples_row(
     set: &ExampleSet,
     examples: &[usize],
     ctx: usize,
     (inputs, targets): (&mut Vec<i64>, &mut Vec<i64>),
     mut layout: Option<&mut (Vec<i64>, Vec<i64>)>,
-) {
+) -> usize {
     let mut used = 0;
     for (n, &i) in examples.iter().enumerate() {
         let (ids, learned) = set.example(i);
@@ -574,6 +590,7 @@ fn examples_row(
         positions.extend(0..pad as i64);
         numbers.extend(std::iter::repeat_n(examples.len() as i64, pad));
     }
+    used
 }
 
 /// The targets example `i` gives the loss.

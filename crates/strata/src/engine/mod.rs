@@ -192,8 +192,9 @@ struct ForwardRecord {
     boundaries: Vec<Boundary>,
     out: Tensor,
     activation_bytes: u64,
-    /// The rows' layout the forward ran with, for units recomputed in backward.
+    /// The rows' layout and padding the forward ran with, for units recomputed in backward.
     layout: Option<RowLayout>,
+    padding: Option<Tensor>,
 }
 
 /// Called by [`Engine::new_with`] for each unit once it is initialised.
@@ -224,6 +225,8 @@ pub struct Engine {
     records: std::collections::BTreeMap<usize, ForwardRecord>,
     /// The layout of the coming forward's rows where they hold packed examples.
     layout: Option<RowLayout>,
+    /// Which positions of the coming forward's rows are padding, where some are.
+    padding: Option<Tensor>,
     sync_grads: bool,
     /// Each unit's compute policy.
     compute: Vec<Arc<UnitCompute>>,
@@ -401,6 +404,7 @@ impl Engine {
             schedule: Box::new(Resident),
             records: Default::default(),
             layout: None,
+            padding: None,
             sync_grads: true,
             compute: (0..units).map(|_| Arc::new(UnitCompute::default())).collect(),
             loss_compute: Arc::new(UnitCompute::default()),
@@ -766,6 +770,13 @@ impl Engine {
         self.layout = layout.map(RowLayout::shallow_clone);
     }
 
+    /// Sets which positions of the rows the next training forwards run on are padding
+    /// (`[rows, ctx]` bool; `None`: none is), which a mixture of experts' routing statistics
+    /// leave out.
+    pub(crate) fn set_padding(&mut self, padding: Option<&Tensor>) {
+        self.padding = padding.map(Tensor::shallow_clone);
+    }
+
     /// Runs every unit in order and returns the last unit's output. In unit-by-unit mode the
     /// output is a leaf: compute the loss from it, then call [`Engine::backward`].
     pub fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
@@ -795,11 +806,11 @@ impl Engine {
             let unit_input = cut.as_ref().unwrap_or(&x).shallow_clone();
             // A recomputed unit keeps nothing of its forward but its input.
             let recompute = self.compute[k].recompute;
-            let layout = self.layout.as_ref();
+            let rows = (self.layout.as_ref(), self.padding.as_ref());
             let y = if recompute {
-                tch::no_grad(|| self.unit_forward(k, &unit_input, false, layout))?
+                tch::no_grad(|| self.unit_forward(k, &unit_input, false, rows))?
             } else {
-                self.unit_forward(k, &unit_input, false, layout)?
+                self.unit_forward(k, &unit_input, false, rows)?
             };
             let bytes = memory::tensor_bytes(&y);
             self.ledger.alloc(Placement::Device, Category::Activations, bytes)?;
@@ -812,7 +823,9 @@ impl Engine {
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
         self.close_routing(micro, None)?;
         let layout = self.layout.as_ref().map(RowLayout::shallow_clone);
-        self.records.insert(micro, ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes, layout });
+        let padding = self.padding.as_ref().map(Tensor::shallow_clone);
+        let record = ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes, layout, padding };
+        self.records.insert(micro, record);
         Ok(out)
     }
 
@@ -848,7 +861,7 @@ impl Engine {
         let mut x = input.shallow_clone();
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
-            x = tch::no_grad(|| self.unit_forward(k, &x, false, self.layout.as_ref()))?;
+            x = tch::no_grad(|| self.unit_forward(k, &x, false, (self.layout.as_ref(), self.padding.as_ref())))?;
             self.run_schedule(Phase::AfterForward, k)?;
         }
         Ok(x)
@@ -947,7 +960,7 @@ impl Engine {
             let recomputed = b
                 .recompute_from
                 .as_ref()
-                .map(|input| self.unit_forward(k, input, true, record.layout.as_ref()))
+                .map(|input| self.unit_forward(k, input, true, (record.layout.as_ref(), record.padding.as_ref())))
                 .transpose()?;
             if let (Some(sink), Some(began), Some(_)) = (&self.events, began, &recomputed) {
                 sink.record(Event::Recomputed { unit: k, began });
@@ -1010,18 +1023,27 @@ impl Engine {
 
     /// Unit `k`'s forward under its compute policy, where the unit computes: a unit that
     /// computes on the host takes its input there and hands its output to the device (both
-    /// moves are recorded, so backward moves the gradients back).
-    fn unit_forward(&self, k: usize, input: &Tensor, recomputing: bool, layout: Option<&RowLayout>) -> Result<Tensor> {
+    /// moves are recorded, so backward moves the gradients back). `rows`: the rows' layout
+    /// and padding.
+    fn unit_forward(
+        &self,
+        k: usize,
+        input: &Tensor,
+        recomputing: bool,
+        (layout, padding): (Option<&RowLayout>, Option<&Tensor>),
+    ) -> Result<Tensor> {
         let unit = &self.spec.units[k];
         let policy = &self.compute[k];
         let wrapped = self.unit_params(k)?;
         let moved = self.layout_on_host(k, layout)?;
         let layout = moved.as_ref().or(layout);
+        let padding = padding.map(|p| self.where_unit_computes(k, p)).transpose()?;
         let params = match &self.config.tensor {
             Some(tp) => Params::split(wrapped.as_deref().unwrap_or(&self.params), tp.as_ref()),
             None => Params::new(&self.params),
         }
         .with_layout(layout)
+        .with_padding(padding.as_ref())
         .with_adapters(&self.spec.adapters)
         .with_experts(self.config.experts.as_ref());
         let input = self.where_unit_computes(k, input)?;

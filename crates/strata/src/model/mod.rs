@@ -327,6 +327,7 @@ pub struct Params<'a> {
     layout: Option<&'a RowLayout>,
     adapters: Option<&'a Adapters>,
     experts: Option<&'a std::sync::Arc<dyn ExpertExchange>>,
+    padding: Option<&'a Tensor>,
 }
 
 /// A low-rank adapter (LoRA) joined to a linear layer: the layer computes
@@ -373,12 +374,12 @@ pub type Adapters = std::collections::BTreeMap<ParamId, Adapter>;
 impl<'a> Params<'a> {
     /// Parameters of a unit that runs whole on one rank.
     pub fn new(tensors: &'a [Tensor]) -> Self {
-        Params { tensors, tp: &NoTensorParallel, layout: None, adapters: None, experts: None }
+        Params { tensors, tp: &NoTensorParallel, layout: None, adapters: None, experts: None, padding: None }
     }
 
     /// Parameters holding this rank's pieces, for a unit split over `tp`.
     pub fn split(tensors: &'a [Tensor], tp: &'a dyn TensorParallel) -> Self {
-        Params { tensors, tp, layout: None, adapters: None, experts: None }
+        Params { tensors, tp, layout: None, adapters: None, experts: None, padding: None }
     }
 
     /// The tensor group the unit runs in (one rank unless the strategy splits it).
@@ -395,6 +396,17 @@ impl<'a> Params<'a> {
     /// of the experts for the whole group's tokens.
     pub fn with_experts(self, experts: Option<&'a std::sync::Arc<dyn ExpertExchange>>) -> Self {
         Params { experts: experts.filter(|e| e.size() > 1), ..self }
+    }
+
+    /// The same parameters for rows whose positions `padding` (`[rows, ctx]` bool) marks as
+    /// padding after their examples.
+    pub fn with_padding(self, padding: Option<&'a Tensor>) -> Self {
+        Params { padding, ..self }
+    }
+
+    /// Which positions of the rows are padding (`[rows, ctx]` bool), where some are.
+    pub fn padding(&self) -> Option<&Tensor> {
+        self.padding
     }
 
     /// The expert group, where experts are split over ranks.

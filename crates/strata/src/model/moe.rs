@@ -199,12 +199,15 @@ pub(crate) struct SparseFeedForward {
 
 /// Where each token went: its experts `[N, k]` and their weights `[N, k]` (fp32), with the
 /// routing probabilities `[N, E]` the load-balancing loss reads and, where the router z-loss
-/// is trained, the sum over tokens of `logsumexp(logits)²`.
+/// is trained, the sum over tokens of `logsumexp(logits)²`; both, and the token counts,
+/// leave out padding (`real`: 1 for a token, 0 for padding, `[N]` fp32, where rows are
+/// padded).
 struct Routing {
     experts: Tensor,
     weights: Tensor,
     probs: Tensor,
     z_sum: Option<Tensor>,
+    real: Option<Tensor>,
 }
 
 /// What the experts did with a layer's token slots: the slots sent to experts on other
@@ -220,7 +223,7 @@ impl SparseFeedForward {
         let size = h.size();
         let dim = *size.last().ok_or_else(|| Error::Model("a sparse feed-forward of a scalar".into()))?;
         let x = h.f_reshape([-1, dim])?;
-        let routing = self.route(p, &x)?;
+        let routing = self.route(p, &x, real_tokens(p, &size)?)?;
         let (mut y, dispatch) = self.experts_of(p, &x, &routing)?;
         if let Some((expert, gate)) = &self.shared {
             let share = p.linear(&x, *gate, None)?.f_sigmoid()?;
@@ -231,7 +234,7 @@ impl SparseFeedForward {
     }
 
     /// Scores in fp32, the top `k` experts of each token and their weights.
-    fn route(&self, p: &Params<'_>, x: &Tensor) -> Result<Routing> {
+    fn route(&self, p: &Params<'_>, x: &Tensor, real: Option<Tensor>) -> Result<Routing> {
         let logits = x.f_to_kind(Kind::Float)?.f_matmul(&p[self.router].f_to_kind(Kind::Float)?.f_tr()?)?;
         let probs = logits.f_softmax(-1, Kind::Float)?;
         let (mut weights, experts) = probs.f_topk(self.top_k, -1, true, true)?;
@@ -239,10 +242,17 @@ impl SparseFeedForward {
             weights = weights.f_div(&weights.f_sum_dim_intlist(-1, true, Kind::Float)?)?;
         }
         let z_sum = match self.balance.z_coef > 0.0 {
-            true => Some(logits.f_logsumexp([-1], false)?.f_square()?.f_sum(Kind::Float)?),
+            true => {
+                let squares = logits.f_logsumexp([-1], false)?.f_square()?;
+                let squares = match &real {
+                    Some(real) => squares.f_mul(real)?,
+                    None => squares,
+                };
+                Some(squares.f_sum(Kind::Float)?)
+            }
             false => None,
         };
-        Ok(Routing { experts, weights, probs, z_sum })
+        Ok(Routing { experts, weights, probs, z_sum, real })
     }
 
     /// The routed experts' weighted sum for every token: token slots grouped by expert, each
@@ -346,6 +356,22 @@ impl SparseFeedForward {
         let remote = send.iter().sum::<i64>() - send[rank];
         Ok((Exchange::apply(group, &arrived, &receive, &send)?, remote))
     }
+}
+
+/// 1 for each token of hidden states `[B, T, D]` (of `size`) and 0 for padding, `[B·T]`
+/// fp32, where the rows are padded; under sequence parallel this rank's part of the
+/// sequence.
+fn real_tokens(p: &Params<'_>, size: &[i64]) -> Result<Option<Tensor>> {
+    let Some(padding) = p.padding() else { return Ok(None) };
+    let tp = p.tp();
+    let mine = match tp.sequence_parallel() && tp.size() > 1 {
+        true => padding.f_chunk(tp.size(), 1)?.swap_remove(tp.rank() as usize),
+        false => padding.shallow_clone(),
+    };
+    if mine.numel() as i64 != size[..size.len() - 1].iter().product::<i64>() {
+        return Err(Error::Model(format!("padding of {:?} positions for hidden states {size:?}", mine.size())));
+    }
+    Ok(Some(mine.f_logical_not()?.f_to_kind(Kind::Float)?.f_reshape([-1])?))
 }
 
 /// A tensor of counts, on the host.
@@ -516,15 +542,23 @@ impl LoadBalance {
     /// Records sparse layer `layer`'s routing and passes its output `y` through the node
     /// that adds the loss's gradient to `probs` in backward.
     fn attach(self: &Arc<Self>, layer: usize, y: &Tensor, routing: &Routing, dispatch: Dispatch) -> Result<Tensor> {
-        let prob_sums = routing.probs.f_sum_dim_intlist(0, false, Kind::Float)?;
+        let (prob_sums, slot_weights, tokens) = match &routing.real {
+            Some(real) => {
+                let prob_sums = routing.probs.f_mul(&real.f_unsqueeze(1)?)?.f_sum_dim_intlist(0, false, Kind::Float)?;
+                let k = routing.experts.size()[1];
+                let slot_weights = real.f_repeat_interleave_self_int(k, Some(0), None)?;
+                (prob_sums, Some(slot_weights), real.f_sum(Kind::Float)?.f_double_value(&[])?.round() as i64)
+            }
+            None => (routing.probs.f_sum_dim_intlist(0, false, Kind::Float)?, None, routing.probs.size()[0]),
+        };
         let slots = tch::no_grad(|| {
-            routing.experts.f_reshape([-1])?.f_bincount::<Tensor>(None, self.experts)?.f_to_kind(Kind::Float)
+            routing.experts.f_reshape([-1])?.f_bincount(slot_weights.as_ref(), self.experts)?.f_to_kind(Kind::Float)
         })?;
         let routed = LayerRouting {
             slots,
             prob_sums: prob_sums.detach(),
             z_sum: routing.z_sum.as_ref().map(Tensor::detach),
-            tokens: routing.probs.size()[0],
+            tokens,
             dispatch,
         };
         let micro = {
@@ -770,6 +804,28 @@ mod tests {
             }
         }
         (y, dropped)
+    }
+
+    /// `transformers`' `attention_mask` in the load-balancing loss: padded rows route as
+    /// their real tokens alone do.
+    #[test]
+    fn padding_is_left_out_of_the_routing_statistics() {
+        let x = Tensor::randn([2, 6, DIM], (Kind::Float, tch::Device::Cpu));
+        let padding = Tensor::from_slice(&[0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1]).view([2, 6]).to_kind(Kind::Bool);
+        let real = Tensor::cat(&[x.get(0).narrow(0, 0, 4), x.get(1).narrow(0, 0, 3)], 0).unsqueeze(0);
+        let (ff, tensors) = layer(None);
+        let report = |x: &Tensor, padding: Option<&Tensor>| {
+            ff.balance.open(0);
+            ff.forward(&Params::new(&tensors).with_padding(padding), x).unwrap();
+            ff.balance.close(0, false, None).unwrap().unwrap().report
+        };
+        let (padded, alone, unmasked) = (report(&x, Some(&padding)), report(&real, None), report(&x, None));
+        assert!((padded.aux_loss - alone.aux_loss).abs() < 1e-6, "{padded:?} against {alone:?}");
+        assert_eq!(
+            (padded.min_expert_tokens, padded.max_expert_tokens),
+            (alone.min_expert_tokens, alone.max_expert_tokens)
+        );
+        assert!((unmasked.aux_loss - alone.aux_loss).abs() > 1e-4, "the padding changes nothing here: {unmasked:?}");
     }
 
     #[test]

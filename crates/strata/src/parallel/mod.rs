@@ -467,6 +467,7 @@ pub fn measure_non_model(
     let loss = feed.loss_of(&engine);
     for (i, batch) in step.micro_batches.iter().enumerate() {
         engine.set_layout(batch.layout.as_ref());
+        engine.set_padding(batch.padding.as_ref());
         let output = engine.forward(&(feed.input)(batch)?)?;
         let weighted = engine.compute_loss(|| loss(&output, batch))?.f_mul_scalar(step.loss_weight(i))?;
         engine.backward(&weighted)?;

@@ -67,6 +67,7 @@ impl CapturedStep {
             targets: own(&batch.targets)?,
             supervised: batch.supervised,
             layout: None,
+            padding: batch.padding.as_ref().map(own).transpose()?,
         })
     }
 
@@ -74,11 +75,13 @@ impl CapturedStep {
     fn fits(&self, step: &Step) -> bool {
         let same = |a: &Tensor, b: &Tensor| a.size() == b.size() && a.kind() == b.kind() && a.device() == b.device();
         self.batches.len() == step.micro_batches.len()
-            && self
-                .batches
-                .iter()
-                .zip(&step.micro_batches)
-                .all(|(a, b)| same(&a.inputs, &b.inputs) && same(&a.targets, &b.targets))
+            && self.batches.iter().zip(&step.micro_batches).all(|(a, b)| {
+                let same_padding = match (&a.padding, &b.padding) {
+                    (Some(a), Some(b)) => same(a, b),
+                    (a, b) => a.is_none() && b.is_none(),
+                };
+                same(&a.inputs, &b.inputs) && same(&a.targets, &b.targets) && same_padding
+            })
     }
 
     /// Refills the captured inputs from `step` and replays the graph.
@@ -86,6 +89,9 @@ impl CapturedStep {
         for (i, (own, batch)) in self.batches.iter().zip(&step.micro_batches).enumerate() {
             own.inputs.shallow_clone().f_copy_(&batch.inputs)?;
             own.targets.shallow_clone().f_copy_(&batch.targets)?;
+            if let (Some(own), Some(padding)) = (&own.padding, &batch.padding) {
+                own.shallow_clone().f_copy_(padding)?;
+            }
             let _ = self.weights[i].shallow_clone().f_fill_(step.loss_weight(i))?;
         }
         Ok(self.graph.replay()?)

@@ -505,6 +505,7 @@ impl PipelineExecutor {
                     };
                     let out = self.in_chunk(&mut parts[chunk], chunk, micro, |engine| {
                         engine.set_layout(batch.layout.as_ref());
+                        engine.set_padding(batch.padding.as_ref());
                         engine.forward_micro(micro, &values)
                     })?;
                     let balance = balance_of(&parts[chunk]);
