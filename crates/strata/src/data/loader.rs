@@ -822,4 +822,27 @@ mod tests {
         let err = DataLoader::new(data(4), LoaderConfig::new(Batching::new(4, 1))).err().unwrap();
         assert!(err.to_string().contains("fewer than"), "{err}");
     }
+
+    /// Rows of examples mark the padding after their examples; token windows have none.
+    #[test]
+    fn rows_of_examples_mark_their_padding() {
+        use crate::data::{ExampleFormat, ExampleOptions, ExampleSet, Tokenizer};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.jsonl");
+        std::fs::write(&path, "{\"text\": \"abcdef\"}\n{\"text\": \"xyz\"}").unwrap();
+        let format = ExampleFormat { tokenizer: &Tokenizer::Bytes, template: None, end_of_text: None };
+        let options = ExampleOptions { max_length: 8, drop_long: false, train_on_prompt: false };
+        let set = ExampleSet::prepare(&path, &format, &options).unwrap();
+        let cfg = LoaderConfig::new(Batching::new(8, 2));
+        let step = DataLoader::new(Arc::new(set.into()), cfg).unwrap().next().unwrap().unwrap();
+        let batch = &step.micro_batches[0];
+        let padding = Vec::<Vec<bool>>::try_from(batch.padding.as_ref().expect("rows of examples are padded")).unwrap();
+        let mut filled: Vec<usize> = padding.iter().map(|row| row.iter().take_while(|&&p| !p).count()).collect();
+        filled.sort_unstable();
+        assert_eq!(filled, [3, 6]);
+        assert!(padding.iter().all(|row| row.iter().skip_while(|&&p| !p).all(|&p| p)));
+        let windows =
+            DataLoader::new(data(41), LoaderConfig::new(Batching::new(4, 2))).unwrap().next().unwrap().unwrap();
+        assert!(windows.micro_batches[0].padding.is_none());
+    }
 }

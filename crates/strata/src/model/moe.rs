@@ -816,7 +816,7 @@ mod tests {
         let (ff, tensors) = layer(None);
         let report = |x: &Tensor, padding: Option<&Tensor>| {
             ff.balance.open(0);
-            ff.forward(&Params::new(&tensors).with_padding(padding), x).unwrap();
+            let _ = ff.forward(&Params::new(&tensors).with_padding(padding), x).unwrap();
             ff.balance.close(0, false, None).unwrap().unwrap().report
         };
         let (padded, alone, unmasked) = (report(&x, Some(&padding)), report(&real, None), report(&x, None));
