@@ -614,6 +614,15 @@ impl LoadBalance {
         Ok(sums)
     }
 
+    /// The sparse layers that routed micro-batch `micro`: this part's and the earlier
+    /// stages'.
+    fn layers_routed(&self, micro: usize) -> usize {
+        let state = self.state();
+        let Some(m) = state.micros.get(&micro) else { return 0 };
+        let earlier = m.earlier.as_ref().map_or(0.0, |s| s[s.len() - 1]) as usize;
+        m.routed.iter().flatten().count() + earlier
+    }
+
     /// The earlier pipeline stages' [`LoadBalance::sums`] of micro-batch `micro`, received
     /// with its activations (after this part's forward opened it).
     pub fn receive_sums(&self, micro: usize, earlier: Vec<f64>) -> Result<()> {
@@ -635,12 +644,14 @@ impl LoadBalance {
         for_backward: bool,
         sequence: Option<&dyn TensorParallel>,
     ) -> Result<Option<Routed>> {
+        // Counted before anything is read from the device: a pipeline stage's part alone
+        // never closes the loss.
+        if self.layers_routed(micro) != self.layers {
+            return Ok(None);
+        }
         let mut sums = self.sums(micro)?;
         let e = self.experts as usize;
         let layers = sums[2 * e + 4];
-        if layers as usize != self.layers {
-            return Ok(None);
-        }
         if let Some(group) = sequence.filter(|g| g.size() > 1) {
             let summed = group.sum_values(&sums[..2 * e + 4])?;
             sums[..2 * e + 4].copy_from_slice(&summed);
