@@ -15,6 +15,7 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
             text pairs (transformers' truncation to a most length, longest first);
   encoder-train  prints the losses of AdamW steps on a BERT folder's model for batches of
             token rows with their token types, attention mask and labels;
+            every training command drops out with Strata's masks (see strata_dropout);
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
   seq2seq   writes the logits of a T5 folder's model for padded source rows with their
             attention mask and target labels (-100: none; the decoder's input is the labels
@@ -221,8 +222,7 @@ def build(family, seed):
         return model
     if family in ("bert-classifier", "bert-mlm"):
         common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-                      vocab_size=VOCAB, max_position_embeddings=64, type_vocab_size=2, pad_token_id=0,
-                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                      vocab_size=VOCAB, max_position_embeddings=64, type_vocab_size=2, pad_token_id=0)
         if family == "bert-classifier":
             labels = ["negative", "neutral", "positive"]
             cfg = tf.BertConfig(**common, id2label=dict(enumerate(labels)),
@@ -245,7 +245,7 @@ def build(family, seed):
         cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=12, d_ff=48, num_layers=2, num_decoder_layers=3,
                           num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
                           feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11,
-                          dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+                          pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
         model = tf.T5ForConditionalGeneration(cfg)
         with torch.no_grad():
             if v11:
@@ -303,24 +303,148 @@ def seq2seq_rows(batch):
     return {k: torch.tensor(batch[k], dtype=torch.long) for k in ("sources", "mask", "labels")}
 
 
-def adamw_losses(model, batches_file, lr, loss_of):
-    """The losses of AdamW steps (torch.optim's, Strata's defaults) on the model, one for
-    each batch of the JSON file, the loss of a batch given by loss_of(model, batch); dropout
-    off, as Strata trains."""
-    model.train()
+MASK32 = 0xFFFFFFFF
+MULTIPLIER = 0x045D9F3B
+
+
+def mix(x):
+    """Strata's 32-bit hash step, on an int or an int64 tensor of 32-bit values."""
+    x = ((x ^ (x >> 16)) * MULTIPLIER) & MASK32
+    x = ((x ^ (x >> 16)) * MULTIPLIER) & MASK32
+    return x ^ (x >> 16)
+
+
+def fold(h, v):
+    return mix((h + v) & MASK32)
+
+
+def unit_key(seed, step, unit):
+    """The key of a unit's masks in a step: the seed's and step's halves, then the unit's
+    name (FNV-1a), folded in that order."""
+    name = 0x811C9DC5
+    for b in unit.encode():
+        name = ((name ^ b) * 0x01000193) & MASK32
+    key = 0
+    for v in (seed & MASK32, seed >> 32, step & MASK32, step >> 32):
+        key = fold(key, v)
+    return fold(key, name)
+
+
+def strata_mask(shape, rate, key, site, first_row=0):
+    """Which elements Strata drops: each coordinate folded into the site's key, dimension by
+    dimension (rows counted from first_row); dropped where the hash is below rate * 2^32."""
+    h = torch.tensor(fold(key, site), dtype=torch.int64)
+    for d, n in enumerate(shape):
+        start = first_row if d == 0 else 0
+        view = [n if i == d else 1 for i in range(len(shape))]
+        h = mix((h + torch.arange(start, start + n, dtype=torch.int64).view(view)) & MASK32)
+    return h < int(rate * 2**32)
+
+
+def dropout_sites(model):
+    """For each module that drops out in training (an nn.Dropout, or an attention module whose
+    attention function drops its probabilities), Strata's (unit, site) of each of its calls
+    in one forward, in order."""
+    sites = {}
+    # A peft model's modules are its base model's.
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def at(module, *calls):
+        sites[id(module)] = list(calls)
+
+    kind = model.config.model_type
+    if kind == "gpt2":
+        at(model.transformer.drop, ("embedding", 0))
+        for i, block in enumerate(model.transformer.h):
+            unit = f"transformer.h.{i}"
+            at(block.attn, (unit, 0))
+            at(block.attn.attn_dropout, (unit, 0))
+            at(block.attn.resid_dropout, (unit, 1))
+            at(block.mlp.dropout, (unit, 2))
+    elif kind == "bert":
+        at(model.bert.embeddings.dropout, ("embedding", 0))
+        for i, layer in enumerate(model.bert.encoder.layer):
+            unit = f"bert.encoder.layer.{i}"
+            at(layer.attention.self, (unit, 0))
+            at(layer.attention.output.dropout, (unit, 1))
+            at(layer.output.dropout, (unit, 2))
+        if hasattr(model, "classifier"):
+            at(model.dropout, ("head", 0))
+    elif kind == "t5":
+        for name, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
+            last = f"{name}.block.{len(stack.block) - 1}" if name == "encoder" else "head"
+            # The stack's dropout runs twice: on the embedded input, then on the final norm's output.
+            at(stack.dropout, (f"{name}.block.0", 0), (last, 7 if name == "encoder" else 0))
+            for i, block in enumerate(stack.block):
+                unit = f"{name}.block.{i}"
+                at(block.layer[0].SelfAttention, (unit, 1))
+                at(block.layer[0].dropout, (unit, 2))
+                if name == "decoder":
+                    at(block.layer[1].EncDecAttention, (unit, 3))
+                    at(block.layer[1].dropout, (unit, 4))
+                at(block.layer[-1].DenseReluDense.dropout, (unit, 5))
+                at(block.layer[-1].dropout, (unit, 6))
+    return sites
+
+
+@contextlib.contextmanager
+def strata_dropout(model, seed):
+    """Within it, the model's dropout draws Strata's masks: torch.nn.functional.dropout is
+    replaced by one that asks which module called it (hooks keep a stack of the modules
+    running) and drops what Strata's unit and site drop in the same step. Set `.step`
+    (counted from 1) before each step's forward."""
+    sites = dropout_sites(model)
+    running, calls = [], {}
+    state = type("DropoutState", (), {"step": 0})()
+
+    def dropped(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0:
+            return x
+        module = running[-1]
+        n = calls.get(id(module), 0)
+        calls[id(module)] = n + 1
+        unit, site = sites[id(module)][n]
+        mask = strata_mask(x.shape, p, unit_key(seed, state.step, unit), site)
+        return x.masked_fill(mask, 0.0) * (1.0 / (1.0 - p))
+
+    def entered(module, args):
+        running.append(module)
+
+    def left(module, args, output):
+        running.pop()
+
+    hooks = [model.register_forward_pre_hook(lambda m, a: calls.clear())]
     for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+        hooks.append(m.register_forward_pre_hook(entered))
+        hooks.append(m.register_forward_hook(left))
+    original = torch.nn.functional.dropout
+    torch.nn.functional.dropout = dropped
+    try:
+        yield state
+    finally:
+        torch.nn.functional.dropout = original
+        for h in hooks:
+            h.remove()
+
+
+def adamw_losses(model, batches_file, lr, loss_of, seed=0):
+    """The losses of AdamW steps (torch.optim's, Strata's defaults) on the model's trainable
+    parameters, one for each batch of the JSON file, the loss of a batch given by
+    loss_of(model, batch); dropout draws Strata's masks from `seed`."""
+    model.train()
     with open(batches_file) as f:
         batches = json.load(f)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     losses = []
-    for b in batches:
-        loss = loss_of(model, b)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    with strata_dropout(model, seed) as dropout:
+        for step, b in enumerate(batches, start=1):
+            dropout.step = step
+            loss = loss_of(model, b)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
     return losses
 
 
@@ -483,18 +607,9 @@ def main(argv=None):
         peft.get_peft_model(load(args.dir), config).save_pretrained(args.out)
     elif args.command == "train":
         model = with_adapter(load(args.dir), args.adapter, trainable=True)
-        model.train()
-        # Strata trains without dropout (GPT-2's folders ask for some).
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-        with open(args.batches) as f:
-            batches = json.load(f)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-        losses = []
-        for inputs, targets in batches:
-            x, y = torch.tensor(inputs), torch.tensor(targets)
+
+        def loss(model, batch):
+            x, y = (torch.tensor(rows) for rows in batch)
             # A mixture of experts trains its routers through the load-balancing loss too.
             experts = hasattr(model.config, "router_aux_loss_coef")
             out = model(x, output_router_logits=True) if experts else model(x)
@@ -507,10 +622,9 @@ def main(argv=None):
                 z = getattr(model.config, "router_z_loss_coef", 0.0)
                 if z:
                     loss = loss + z * sum(torch.logsumexp(l.float(), -1).square().mean() for l in out.router_logits)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            return loss
+
+        losses = adamw_losses(model, args.batches, args.lr, loss)
         if args.save_adapter:
             model.save_pretrained(args.save_adapter)
         print(json.dumps(losses))

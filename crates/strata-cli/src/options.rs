@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
 use strata::data::{ExampleOptions, TokenWidth, Tokenizer};
 use strata::model::{
-    ExpertNames, GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, MoeConfig, DEFAULT_NORM_EPS,
+    DropoutRates, ExpertNames, GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, MoeConfig, DEFAULT_NORM_EPS,
 };
 use strata::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use strata::patrickstar::PatrickStarConfig;
@@ -81,6 +81,10 @@ train_options! {
     /// logsumexp(router logits)² summed over sparse layers (default: the folder's
     /// router_z_loss_coef, else 0).
     router_z_loss: f64,
+    /// GPT-2, BERT and T5: dropout at every site the model has (default: the model folder's
+    /// rates, none for a model from shape flags); 0 turns it off. Masks follow the seed, the
+    /// step and each element's place in the global batch, so any layout draws the same.
+    dropout: f64,
     /// GPT and LLaMA: the norms' epsilon (default 1e-5).
     norm_eps: f64,
     /// LLaMA: the output head reads the token embedding's weight (GPT's always does).
@@ -332,6 +336,8 @@ pub struct TrainSettings {
     /// A mixture of experts' capacity factor and router z-loss weight.
     pub expert_capacity: Option<f64>,
     pub router_z_loss: Option<f64>,
+    /// Dropout at every site, in place of the model's rates.
+    pub dropout: Option<f64>,
     pub norm_eps: Option<f64>,
     pub tie_embeddings: Option<bool>,
     pub heads: i64,
@@ -443,6 +449,13 @@ impl TrainSettings {
             moe.capacity_factor = self.expert_capacity.or(moe.capacity_factor);
             moe.z_loss_coef = self.router_z_loss.unwrap_or(moe.z_loss_coef);
             moe.validate()?;
+        }
+        if let Some(rate) = self.dropout {
+            let Some(rates) = config.dropout_mut() else {
+                bail!("--dropout: this model has no dropout sites (GPT-2, BERT and T5 have)")
+            };
+            *rates = DropoutRates::all(rate);
+            rates.validate().context("--dropout")?;
         }
         Ok(config)
     }
@@ -770,6 +783,7 @@ impl TrainOptions {
             },
             expert_capacity: o.expert_capacity,
             router_z_loss: o.router_z_loss,
+            dropout: o.dropout,
             norm_eps: o.norm_eps,
             tie_embeddings: o.tie_embeddings,
             heads: o.heads.unwrap_or(4),

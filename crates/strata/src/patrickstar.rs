@@ -10,7 +10,7 @@ use crate::comm::Comm;
 use crate::compute::scaler::LossScalerConfig;
 use crate::data::{Batch, Step};
 use crate::engine::{Engine, EngineConfig};
-use crate::model::ModelSpec;
+use crate::model::{DropoutDraw, ModelSpec};
 use crate::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use crate::parallel::{build_engine, RankLayout};
 use crate::strategy::{AmpConfig, Method, OffloadConfig, ShardConfig, Strategy};
@@ -222,6 +222,9 @@ struct Session {
     loss: LossFn,
     /// The job's ranks, when there are several (joined from the launcher's environment).
     comm: Option<Comm>,
+    /// Optimizer steps taken: the next forward's dropout masks are drawn for the one after
+    /// (from seed 0).
+    steps: u64,
 }
 
 /// The model: `forward` gives the loss of a batch, `backward` runs backward from it.
@@ -302,8 +305,14 @@ fn initialize(
     }
     let mut engine = build_engine(spec, engine_config, &strategy, &at)?;
     let optimizer = Optimizer::new(&mut engine, optimizer_config, &[])?;
-    let session =
-        Session { loss: next_token_loss_of(&engine), scaling: strategy.grad_scaling()?, engine, optimizer, comm };
+    let session = Session {
+        loss: next_token_loss_of(&engine),
+        scaling: strategy.grad_scaling()?,
+        engine,
+        optimizer,
+        comm,
+        steps: 0,
+    };
     let session = Rc::new(RefCell::new(session));
     Ok((PatrickStarEngine { session: session.clone() }, PatrickStarOptimizer { session }))
 }
@@ -312,8 +321,8 @@ impl PatrickStarEngine {
     /// The mean next-token loss of `batch`.
     pub fn forward(&mut self, batch: &Batch) -> Result<Tensor> {
         let mut s = self.session.borrow_mut();
-        s.engine.set_layout(batch.layout.as_ref());
-        s.engine.set_padding(batch.padding.as_ref());
+        let dropout = DropoutDraw { seed: 0, step: s.steps + 1, first_row: batch.first_row as i64 };
+        crate::train::set_rows(&mut s.engine, batch, Some(dropout));
         let output = s.engine.forward(&batch.inputs)?;
         s.engine.compute_loss(|| (s.loss)(&output, batch))
     }
@@ -399,6 +408,7 @@ impl PatrickStarOptimizer {
         let scale = s.scaling.scale();
         let (engine, optimizer) = (&s.engine, &s.optimizer);
         let decision = s.scaling.decide(None, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
+        s.steps += 1;
         decision.apply(&mut s.engine, &mut s.optimizer, HostUpdating::Done(&Default::default()))
     }
 

@@ -144,13 +144,17 @@ pub struct Batch {
     /// hides with `attention_mask`): a mixture of experts' routing statistics leave it out.
     /// `None` where no row is padded.
     pub padding: Option<Tensor>,
+    /// The number of this batch's first row among its step's global batch (the rows of
+    /// every rank and micro-batch, in order): dropout masks are drawn by it, so however the
+    /// batch is split, each row draws the same masks.
+    pub first_row: usize,
 }
 
 impl Batch {
     /// A batch whose supervised targets are counted from `targets` (a read of the tensor).
     pub fn new(inputs: Tensor, targets: Tensor) -> Result<Batch> {
         let supervised = targets.f_ne(IGNORE)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as u64;
-        Ok(Batch { inputs, targets, supervised, layout: None, padding: None })
+        Ok(Batch { inputs, targets, supervised, layout: None, padding: None, first_row: 0 })
     }
 
     /// The same batch on `device`.
@@ -161,6 +165,7 @@ impl Batch {
             supervised: self.supervised,
             layout: self.layout.as_ref().map(|l| l.to_device(device)).transpose()?,
             padding: self.padding.as_ref().map(|p| p.f_to_device(device)).transpose()?,
+            first_row: self.first_row,
         })
     }
 }
@@ -483,52 +488,10 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
     let ctx = config.batching.ctx;
     let micro_batches = mine
         .chunks(rows)
-        .map(|rows| {
-            if let Some(set) = data.row_set() {
-                return record_batch(set, rows, config.device);
-            }
-            let (mut inputs, mut targets) =
-                (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx));
-            let mut layout = config
-                .batching
-                .pack
-                .then(|| (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx)));
-            // Each row's positions before its padding.
-            let mut filled = Vec::with_capacity(rows.len());
-            for row in rows {
-                match data {
-                    Dataset::Tokens(t) => {
-                        t.extend_window(&mut inputs, row[0], ctx);
-                        t.extend_window(&mut targets, row[0] + 1, ctx);
-                        filled.push(ctx);
-                    }
-                    Dataset::Examples(e) => {
-                        filled.push(examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()))
-                    }
-                    Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
-                        unreachable!("records are batched whole above")
-                    }
-                }
-            }
-            let mut batch = batch_of(inputs, targets, rows.len(), ctx, config.device)?;
-            if filled.iter().any(|&f| f < ctx) {
-                let pads: Vec<bool> = filled.iter().flat_map(|&f| (0..ctx).map(move |j| j >= f)).collect();
-                let shape = [rows.len() as i64, ctx as i64];
-                batch.padding = Some(Tensor::f_from_slice(&pads)?.f_view(shape)?.f_to_device(config.device)?);
-            }
-            if let Some((positions, examples)) = layout {
-                let tensor = |ids: &[i64]| -> Result<Tensor> {
-                    Ok(Tensor::f_from_slice(ids)?
-                        .f_view([rows.len() as i64, ctx as i64])?
-                        .f_to_device(config.device)?)
-                };
-                batch.layout = Some(RowLayout {
-                    positions: tensor(&positions)?,
-                    examples: tensor(&examples)?,
-                    segments: None,
-                    source_len: None,
-                });
-            }
+        .enumerate()
+        .map(|(micro, chunk)| {
+            let mut batch = micro_batch(data, config, chunk)?;
+            batch.first_row = config.rank * per_rank + micro * rows;
             Ok(batch)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -543,6 +506,53 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
     Ok(Step { index, micro_batches, global_supervised, data_ranks: config.world })
 }
 
+/// The micro-batch of the global batch's `rows` (window offsets or example numbers, one
+/// list a row) on `config`'s device.
+fn micro_batch(data: &Dataset, config: &LoaderConfig, rows: &[Vec<usize>]) -> Result<Batch> {
+    if let Some(set) = data.row_set() {
+        return record_batch(set, rows, config.device);
+    }
+    let ctx = config.batching.ctx;
+    let (mut inputs, mut targets) = (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx));
+    let mut layout =
+        config.batching.pack.then(|| (Vec::with_capacity(rows.len() * ctx), Vec::with_capacity(rows.len() * ctx)));
+    // Each row's positions before its padding.
+    let mut filled = Vec::with_capacity(rows.len());
+    for row in rows {
+        match data {
+            Dataset::Tokens(t) => {
+                t.extend_window(&mut inputs, row[0], ctx);
+                t.extend_window(&mut targets, row[0] + 1, ctx);
+                filled.push(ctx);
+            }
+            Dataset::Examples(e) => {
+                filled.push(examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()))
+            }
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
+                unreachable!("records are batched whole above")
+            }
+        }
+    }
+    let mut batch = batch_of(inputs, targets, rows.len(), ctx, config.device)?;
+    if filled.iter().any(|&f| f < ctx) {
+        let pads: Vec<bool> = filled.iter().flat_map(|&f| (0..ctx).map(move |j| j >= f)).collect();
+        let shape = [rows.len() as i64, ctx as i64];
+        batch.padding = Some(Tensor::f_from_slice(&pads)?.f_view(shape)?.f_to_device(config.device)?);
+    }
+    if let Some((positions, examples)) = layout {
+        let tensor = |ids: &[i64]| -> Result<Tensor> {
+            Ok(Tensor::f_from_slice(ids)?.f_view([rows.len() as i64, ctx as i64])?.f_to_device(config.device)?)
+        };
+        batch.layout = Some(RowLayout {
+            positions: tensor(&positions)?,
+            examples: tensor(&examples)?,
+            segments: None,
+            source_len: None,
+        });
+    }
+    Ok(batch)
+}
+
 /// The records of `rows` (one index each) as a micro-batch on `device`.
 fn record_batch(set: &dyn super::RowSet, rows: &[Vec<usize>], device: Device) -> Result<Batch> {
     let indices: Vec<usize> = rows.iter().map(|r| r[0]).collect();
@@ -554,7 +564,14 @@ pub(super) fn batch_of(inputs: Vec<i64>, targets: Vec<i64>, rows: usize, ctx: us
     let supervised = targets.iter().filter(|&&t| t != IGNORE).count() as u64;
     let shape = [rows as i64, ctx as i64];
     let tensor = |ids: &[i64]| -> Result<Tensor> { Ok(Tensor::f_from_slice(ids)?.f_view(shape)?.f_to_device(device)?) };
-    Ok(Batch { inputs: tensor(&inputs)?, targets: tensor(&targets)?, supervised, layout: None, padding: None })
+    Ok(Batch {
+        inputs: tensor(&inputs)?,
+        targets: tensor(&targets)?,
+        supervised,
+        layout: None,
+        padding: None,
+        first_row: 0,
+    })
 }
 
 /// A row of `ctx` positions holding `examples` one after another, as `transformers` lays out

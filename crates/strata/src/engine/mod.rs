@@ -20,7 +20,8 @@ use crate::comm::ProcessGroup;
 use crate::compute::fp8::Fp8Scaling;
 use crate::compute::{self, UnitCompute};
 use crate::model::{
-    DecodeCache, ExpertExchange, Init, ModelSpec, ParamId, ParamSpec, Params, Routed, RowLayout, TensorParallel, TpRole,
+    DecodeCache, DropoutDraw, ExpertExchange, Init, ModelSpec, ParamId, ParamSpec, Params, Routed, RowLayout,
+    TensorParallel, TpRole,
 };
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
@@ -192,9 +193,33 @@ struct ForwardRecord {
     boundaries: Vec<Boundary>,
     out: Tensor,
     activation_bytes: u64,
-    /// The rows' layout and padding the forward ran with, for units recomputed in backward.
+    /// What the forward's rows carried, for units recomputed in backward.
+    rows: RowContext,
+}
+
+/// What a forward's rows carry beside their tokens: their layout where they hold packed
+/// examples, which positions are padding, and in training the draw of their dropout masks.
+#[derive(Default)]
+struct RowContext {
     layout: Option<RowLayout>,
     padding: Option<Tensor>,
+    dropout: Option<DropoutDraw>,
+}
+
+impl RowContext {
+    /// The same tensors, shared.
+    fn shallow_clone(&self) -> RowContext {
+        RowContext {
+            layout: self.layout.as_ref().map(RowLayout::shallow_clone),
+            padding: self.padding.as_ref().map(Tensor::shallow_clone),
+            dropout: self.dropout,
+        }
+    }
+
+    /// The same rows in a forward that does not train: nothing is dropped.
+    fn evaluated(&self) -> RowContext {
+        RowContext { dropout: None, ..self.shallow_clone() }
+    }
 }
 
 /// Called by [`Engine::new_with`] for each unit once it is initialised.
@@ -223,10 +248,8 @@ pub struct Engine {
     schedule: Box<dyn UnitSchedule>,
     /// What each micro-batch's forward kept for its backward, by micro-batch.
     records: std::collections::BTreeMap<usize, ForwardRecord>,
-    /// The layout of the coming forward's rows where they hold packed examples.
-    layout: Option<RowLayout>,
-    /// Which positions of the coming forward's rows are padding, where some are.
-    padding: Option<Tensor>,
+    /// What the coming forward's rows carry.
+    rows: RowContext,
     sync_grads: bool,
     /// Each unit's compute policy.
     compute: Vec<Arc<UnitCompute>>,
@@ -403,8 +426,7 @@ impl Engine {
             ledger,
             schedule: Box::new(Resident),
             records: Default::default(),
-            layout: None,
-            padding: None,
+            rows: RowContext::default(),
             sync_grads: true,
             compute: (0..units).map(|_| Arc::new(UnitCompute::default())).collect(),
             loss_compute: Arc::new(UnitCompute::default()),
@@ -584,6 +606,11 @@ impl Engine {
         }
         if self.config.host_compute.iter().any(|&h| h) {
             return Some("units computed on the host".into());
+        }
+        if self.spec.dropout {
+            return Some(
+                "dropout draws each step's masks from the step's number, which a replay would not change".into(),
+            );
         }
         let delayed = |s: &compute::fp8::SharedFp8| s.lock().map_or(true, |s| s.config.scaling == Fp8Scaling::Delayed);
         if self.compute.iter().filter_map(|c| c.fp8.as_ref()).any(delayed) {
@@ -767,14 +794,20 @@ impl Engine {
     /// where rows hold packed examples, units read positions from it and attend within an
     /// example; `None` for plain rows.
     pub fn set_layout(&mut self, layout: Option<&RowLayout>) {
-        self.layout = layout.map(RowLayout::shallow_clone);
+        self.rows.layout = layout.map(RowLayout::shallow_clone);
     }
 
     /// Sets which positions of the rows the next training forwards run on are padding
     /// (`[rows, ctx]` bool; `None`: none is), which a mixture of experts' routing statistics
     /// leave out.
     pub(crate) fn set_padding(&mut self, padding: Option<&Tensor>) {
-        self.padding = padding.map(Tensor::shallow_clone);
+        self.rows.padding = padding.map(Tensor::shallow_clone);
+    }
+
+    /// Sets the draw of the dropout masks of the next training forwards (`None`: nothing is
+    /// dropped). Evaluation never drops.
+    pub(crate) fn set_dropout(&mut self, dropout: Option<DropoutDraw>) {
+        self.rows.dropout = dropout;
     }
 
     /// Runs every unit in order and returns the last unit's output. In unit-by-unit mode the
@@ -806,7 +839,7 @@ impl Engine {
             let unit_input = cut.as_ref().unwrap_or(&x).shallow_clone();
             // A recomputed unit keeps nothing of its forward but its input.
             let recompute = self.compute[k].recompute;
-            let rows = (self.layout.as_ref(), self.padding.as_ref());
+            let rows = &self.rows;
             let y = if recompute {
                 tch::no_grad(|| self.unit_forward(k, &unit_input, false, rows))?
             } else {
@@ -822,9 +855,8 @@ impl Engine {
         }
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
         self.close_routing(micro, None)?;
-        let layout = self.layout.as_ref().map(RowLayout::shallow_clone);
-        let padding = self.padding.as_ref().map(Tensor::shallow_clone);
-        let record = ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes, layout, padding };
+        let record =
+            ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes, rows: self.rows.shallow_clone() };
         self.records.insert(micro, record);
         Ok(out)
     }
@@ -859,9 +891,10 @@ impl Engine {
         self.release_records();
         self.routed = None;
         let mut x = input.shallow_clone();
+        let rows = self.rows.evaluated();
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
-            x = tch::no_grad(|| self.unit_forward(k, &x, false, (self.layout.as_ref(), self.padding.as_ref())))?;
+            x = tch::no_grad(|| self.unit_forward(k, &x, false, &rows))?;
             self.run_schedule(Phase::AfterForward, k)?;
         }
         Ok(x)
@@ -885,8 +918,8 @@ impl Engine {
         for (k, cache) in caches.iter_mut().enumerate() {
             self.run_schedule(Phase::BeforeForward, k)?;
             let input = self.where_unit_computes(k, &x)?;
-            let moved = self.layout_on_host(k, self.layout.as_ref())?;
-            let layout = moved.as_ref().or(self.layout.as_ref());
+            let moved = self.layout_on_host(k, self.rows.layout.as_ref())?;
+            let layout = moved.as_ref().or(self.rows.layout.as_ref());
             let params = Params::new(&self.params).with_adapters(&self.spec.adapters).with_layout(layout);
             let y = tch::no_grad(|| self.spec.units[k].body.decode(&params, &input, cache))?;
             x = self.on_the_device(k, y)?;
@@ -957,11 +990,8 @@ impl Engine {
             self.run_schedule(Phase::BeforeBackward, k)?;
             let b = &record.boundaries[k];
             let began = self.events.as_ref().map(|_| std::time::Instant::now());
-            let recomputed = b
-                .recompute_from
-                .as_ref()
-                .map(|input| self.unit_forward(k, input, true, (record.layout.as_ref(), record.padding.as_ref())))
-                .transpose()?;
+            let recomputed =
+                b.recompute_from.as_ref().map(|input| self.unit_forward(k, input, true, &record.rows)).transpose()?;
             if let (Some(sink), Some(began), Some(_)) = (&self.events, began, &recomputed) {
                 sink.record(Event::Recomputed { unit: k, began });
             }
@@ -1023,27 +1053,23 @@ impl Engine {
 
     /// Unit `k`'s forward under its compute policy, where the unit computes: a unit that
     /// computes on the host takes its input there and hands its output to the device (both
-    /// moves are recorded, so backward moves the gradients back). `rows`: the rows' layout
-    /// and padding.
-    fn unit_forward(
-        &self,
-        k: usize,
-        input: &Tensor,
-        recomputing: bool,
-        (layout, padding): (Option<&RowLayout>, Option<&Tensor>),
-    ) -> Result<Tensor> {
+    /// moves are recorded, so backward moves the gradients back). `rows`: what the rows
+    /// carry beside their tokens.
+    fn unit_forward(&self, k: usize, input: &Tensor, recomputing: bool, rows: &RowContext) -> Result<Tensor> {
         let unit = &self.spec.units[k];
         let policy = &self.compute[k];
         let wrapped = self.unit_params(k)?;
-        let moved = self.layout_on_host(k, layout)?;
-        let layout = moved.as_ref().or(layout);
-        let padding = padding.map(|p| self.where_unit_computes(k, p)).transpose()?;
+        let moved = self.layout_on_host(k, rows.layout.as_ref())?;
+        let layout = moved.as_ref().or(rows.layout.as_ref());
+        let padding = rows.padding.as_ref().map(|p| self.where_unit_computes(k, p)).transpose()?;
+        let dropout = rows.dropout.map(|draw| draw.unit(&unit.name));
         let params = match &self.config.tensor {
             Some(tp) => Params::split(wrapped.as_deref().unwrap_or(&self.params), tp.as_ref()),
             None => Params::new(&self.params),
         }
         .with_layout(layout)
         .with_padding(padding.as_ref())
+        .with_dropout(dropout.as_ref())
         .with_adapters(&self.spec.adapters)
         .with_experts(self.config.experts.as_ref());
         let input = self.where_unit_computes(k, input)?;

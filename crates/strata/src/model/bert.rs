@@ -7,15 +7,23 @@
 //! (each position attends to its own example's), and token types through its `segments`.
 //! Parameter names are `transformers`' own, so its folders load as they are.
 //!
+//! Dropout, where the configuration asks for it, falls where `transformers` puts it; its
+//! sites ([`super::dropout`]): the embedding's 0 (after the norm); a block's 0 (attention
+//! probabilities), 1 (attention output) and 2 (feed-forward output); the classifier
+//! head's 0 (the pooled vector).
+//!
 //! Owns the BERT units and their declarations. Must not allocate or place weights: [`bert`]
 //! records specifications in the [`Builder`], and the units compute with the parameters
 //! the engine lends them.
+use super::dropout::masked;
 use super::gpt::{dense, norm};
 use super::layers::{
     attention, gelu, layer_norm, merge_heads, other_examples, split_heads, vocab_embedding, vocab_logits,
     AttentionOptions,
 };
-use super::{positive, Builder, Init, Kept, ParamId, Params, TpRole, Unit, UnitBuilder, UnitCost, INIT_STD as STD};
+use super::{
+    positive, Builder, DropoutRates, Init, Kept, ParamId, Params, TpRole, Unit, UnitBuilder, UnitCost, INIT_STD as STD,
+};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
@@ -47,6 +55,11 @@ pub struct BertConfig {
     /// The word whose look-ups get no gradient (`pad_token_id`).
     pub padding: Option<i64>,
     pub head: BertHead,
+    /// Dropout after the embeddings (`embedding`), on attention probabilities
+    /// (`attention`), on each sub-layer's output (`residual`) and before the classifier
+    /// (`classifier`).
+    #[serde(default)]
+    pub dropout: DropoutRates,
 }
 
 impl BertConfig {
@@ -69,6 +82,7 @@ impl BertConfig {
         if let BertHead::Classify { labels } = &self.head {
             positive(&[("labels", labels.len() as i64)])?;
         }
+        self.dropout.validate()?;
         if let Some(pad) = self.padding.filter(|p| !(0..self.vocab).contains(p)) {
             return Err(Error::Config(format!("pad token {pad} is outside the vocabulary of {}", self.vocab)));
         }
@@ -86,6 +100,7 @@ struct BertEmbedding {
     type_vocab: i64,
     padding: Option<i64>,
     eps: f64,
+    dropout: f64,
 }
 
 impl Unit for BertEmbedding {
@@ -127,7 +142,7 @@ impl Unit for BertEmbedding {
         let summed = words
             .f_add(&Tensor::f_embedding(&p[self.types], &types, -1, false, false)?)?
             .f_add(&Tensor::f_embedding(&p[self.positions], &positions, -1, false, false)?)?;
-        layer_norm(&summed, &p[self.norm.0], &p[self.norm.1], self.eps)
+        p.dropout(&layer_norm(&summed, &p[self.norm.0], &p[self.norm.1], self.eps)?, self.dropout, 0, &[])
     }
 }
 
@@ -142,6 +157,7 @@ struct BertBlock {
     output_norm: (ParamId, ParamId),
     heads: i64,
     eps: f64,
+    dropout: DropoutRates,
 }
 
 impl Unit for BertBlock {
@@ -153,13 +169,16 @@ impl Unit for BertBlock {
             |(w, b): (ParamId, ParamId)| -> Result<Tensor> { split_heads(&p.linear(x, w, Some(b))?, self.heads) };
         let (q, k, v) = (project(self.query)?, project(self.key)?, project(self.value)?);
         let options = AttentionOptions { bidirectional: true, ..AttentionOptions::default() };
-        let attended = merge_heads(&attention(&q, &k, &v, &options, other_examples(p.layout())?.as_ref(), None)?)?;
+        let hidden = other_examples(p.layout())?;
+        let probs = p.dropping(self.dropout.attention, 0, &[]);
+        let attended = merge_heads(&attention(&q, &k, &v, &options, hidden.as_ref(), None, probs.as_ref())?)?;
         let attended = p.linear(&attended, self.attention_out.0, Some(self.attention_out.1))?;
+        let attended = p.dropout(&attended, self.dropout.residual, 1, &[])?;
         // Post-norm: the normed sum is the residual stream itself.
         let (w, b) = self.attention_norm;
         let x = layer_norm(&x.f_add(&attended)?, &p[w], &p[b], self.eps)?;
         let h = gelu(&p.linear(&x, self.intermediate.0, Some(self.intermediate.1))?)?;
-        let h = p.linear(&h, self.output.0, Some(self.output.1))?;
+        let h = p.dropout(&p.linear(&h, self.output.0, Some(self.output.1))?, self.dropout.residual, 2, &[])?;
         let (w, b) = self.output_norm;
         layer_norm(&x.f_add(&h)?, &p[w], &p[b], self.eps)
     }
@@ -168,6 +187,7 @@ impl Unit for BertBlock {
 struct BertClassifierHead {
     pooler: (ParamId, ParamId),
     classifier: (ParamId, ParamId),
+    dropout: f64,
 }
 
 impl Unit for BertClassifierHead {
@@ -178,7 +198,7 @@ impl Unit for BertClassifierHead {
         // The first token of each row (`[CLS]`) stands for the whole text.
         let first = x.f_select(1, 0)?;
         let pooled = p.linear(&first, self.pooler.0, Some(self.pooler.1))?.f_tanh()?;
-        p.linear(&pooled, self.classifier.0, Some(self.classifier.1))
+        p.linear(&p.dropout(&pooled, self.dropout, 0, &[])?, self.classifier.0, Some(self.classifier.1))
     }
 }
 
@@ -208,6 +228,7 @@ impl Unit for BertMaskedLmHead {
 /// The BERT model function: units `embedding`, `bert.encoder.layer.{i}`, `head`.
 pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
+    b.dropout(&cfg.dropout);
     let d = cfg.dim;
     let mut u = b.unit("embedding");
     let prefix = "bert.embeddings";
@@ -219,7 +240,8 @@ pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
         u.param(format!("{prefix}.token_type_embeddings.weight"), &[cfg.type_vocab, d], normal, TpRole::Replicated);
     let embedding_norm = norm(&mut u, &format!("{prefix}.LayerNorm"), d);
     // The ids and the three looked-up vectors' sum (the norm's input).
-    u.declare_cost(UnitCost::looking_up(Kept { values: 4.0 + 3.0 * d as f64, ..Kept::ids(d) }));
+    let kept = Kept { values: 4.0 + 3.0 * d as f64, ..Kept::ids(d) };
+    u.declare_cost(UnitCost::looking_up(kept.with_dropout(masked(cfg.dropout.embedding, d), false)));
     u.finish(BertEmbedding {
         words,
         positions,
@@ -230,6 +252,7 @@ pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
         type_vocab: cfg.type_vocab,
         padding: cfg.padding,
         eps: cfg.norm_eps,
+        dropout: cfg.dropout.embedding,
     });
     for i in 0..cfg.layers {
         let name = format!("bert.encoder.layer.{i}");
@@ -247,7 +270,8 @@ pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
         let output = linear(&mut u, "output.dense", d, cfg.ffn_dim, TpRole::Row);
         let output_norm = norm(&mut u, &format!("{name}.output.LayerNorm"), d);
         // Post-norm: as GPT's block with the feed-forward width given.
-        let kept = Kept::block(11.0 * d as f64 + 2.0 * cfg.ffn_dim as f64 + 3.0, cfg.heads, d);
+        let kept = Kept::block(11.0 * d as f64 + 2.0 * cfg.ffn_dim as f64 + 3.0, cfg.heads, d)
+            .with_dropout(masked(cfg.dropout.residual, 2 * d), cfg.dropout.attention > 0.0);
         u.declare_cost(UnitCost::attending(kept, d));
         let block = BertBlock {
             query,
@@ -260,6 +284,7 @@ pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
             output_norm,
             heads: cfg.heads,
             eps: cfg.norm_eps,
+            dropout: cfg.dropout,
         };
         u.finish(block);
     }
@@ -269,7 +294,7 @@ pub fn bert(cfg: &BertConfig, b: &mut Builder) -> Result<()> {
             let pooler = dense(&mut u, "bert.pooler.dense", d, d, STD, TpRole::Replicated);
             let classifier = dense(&mut u, "classifier", labels.len() as i64, d, STD, TpRole::Replicated);
             u.declare_cost(UnitCost::keeping(Kept { values: 2.0, ..Kept::ids(d) }));
-            u.finish(BertClassifierHead { pooler, classifier });
+            u.finish(BertClassifierHead { pooler, classifier, dropout: cfg.dropout.classifier });
         }
         BertHead::MaskedLm => {
             let transform = dense(&mut u, "cls.predictions.transform.dense", d, d, STD, TpRole::Replicated);

@@ -32,6 +32,14 @@ impl Kept {
         Kept { values: values + over_vocab, vocab_values: over_vocab, scores: 0.0, output: vocab as f64, block: false }
     }
 
+    /// The same, keeping dropout's masks as well: `masked` elements per token dropped at
+    /// one byte of mask each; where `probabilities` are dropped too, their dropped copy
+    /// (which the weighted sum keeps) and its mask beside the probabilities.
+    pub fn with_dropout(self, masked: f64, probabilities: bool) -> Kept {
+        let dropped = if probabilities { 1.25 * self.scores } else { 0.0 };
+        Kept { values: self.values + masked / 4.0, scores: self.scores + dropped, ..self }
+    }
+
     /// A unit reading the batch: its token ids and targets (four fp32-sized values per
     /// token), with an output `dim` wide.
     pub fn ids(dim: i64) -> Kept {

@@ -2,16 +2,21 @@
 //! output head tied to the token embedding. Parameter names and `[out, in]` layouts are
 //! nanoGPT's, so its safetensors files load as they are.
 //!
+//! Dropout, where the configuration asks for it, falls where GPT-2 puts it; its sites
+//! ([`super::dropout`]): the embedding's 0 (the summed embeddings); a block's 0 (attention
+//! probabilities), 1 (attention output) and 2 (MLP output).
+//!
 //! Owns the GPT units and their parameter declarations. Must not allocate or place weights:
 //! [`gpt`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
+use super::dropout::masked;
 use super::layers::{
     add_layer_norm, attention, gelu_tanh, layer_norm_into_product, merge_heads, other_examples, split_heads,
     vocab_embedding, vocab_logits, AttentionOptions,
 };
 use super::{
-    default_norm_eps, positive, Builder, DecodeCache, Init, Kept, ParamId, Params, TpRole, Unit, UnitCost,
-    DEFAULT_NORM_EPS, INIT_STD as STD,
+    default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TpRole, Unit,
+    UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -27,11 +32,16 @@ pub struct GptConfig {
     /// The LayerNorms' epsilon.
     #[serde(default = "default_norm_eps")]
     pub norm_eps: f64,
+    /// Dropout after the embeddings (`embedding`), on attention probabilities
+    /// (`attention`) and on each sub-layer's output (`residual`): GPT-2's `embd_pdrop`,
+    /// `attn_pdrop` and `resid_pdrop`.
+    #[serde(default)]
+    pub dropout: DropoutRates,
 }
 
 impl GptConfig {
     pub const fn new(vocab: i64, ctx: i64, layers: i64, heads: i64, dim: i64) -> Self {
-        GptConfig { vocab, ctx, layers, heads, dim, norm_eps: DEFAULT_NORM_EPS }
+        GptConfig { vocab, ctx, layers, heads, dim, norm_eps: DEFAULT_NORM_EPS, dropout: DropoutRates::NONE }
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -48,7 +58,7 @@ impl GptConfig {
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
             return Err(Error::Config(format!("norm_eps must be positive, got {}", self.norm_eps)));
         }
-        Ok(())
+        self.dropout.validate()
     }
 }
 
@@ -57,6 +67,7 @@ struct GptEmbedding {
     wpe: ParamId,
     ctx: i64,
     vocab: i64,
+    dropout: f64,
 }
 
 impl Unit for GptEmbedding {
@@ -81,7 +92,8 @@ impl Unit for GptEmbedding {
             None => Tensor::f_arange_start(start, start + len, (tch::Kind::Int64, tokens.device()))?,
         };
         let tok = vocab_embedding(&p[self.wte], tokens, self.vocab, None, tp)?;
-        Ok(tok.f_add(&Tensor::f_embedding(&p[self.wpe], &pos, -1, false, false)?)?)
+        let embedded = tok.f_add(&Tensor::f_embedding(&p[self.wpe], &pos, -1, false, false)?)?;
+        p.dropout(&embedded, self.dropout, 0, &[start])
     }
     fn decode(&self, p: &Params<'_>, tokens: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
         let t = tokens.size().last().copied().unwrap_or(0);
@@ -116,6 +128,7 @@ struct GptBlock {
     heads: i64,
     dim: i64,
     eps: f64,
+    dropout: DropoutRates,
 }
 
 impl Unit for GptBlock {
@@ -152,12 +165,18 @@ impl GptBlock {
             }
             None => (k, v, other_examples(p.layout())?),
         };
-        let y = merge_heads(&attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref(), None)?)?;
+        let probs = p.dropping(self.dropout.attention, 0, &[tp.rank() * heads]);
+        let y =
+            merge_heads(&attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref(), None, probs.as_ref())?)?;
         let attended = p.row_linear(&y, self.attn_proj.0, Some(self.attn_proj.1))?;
+        // Where the residual stream holds this rank's piece of the sequence (sequence parallel).
+        let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];
+        let attended = p.dropout(&attended, self.dropout.residual, 1, &piece)?;
         let (x, h) = add_layer_norm(x, &attended, &p[self.ln_2.0], &p[self.ln_2.1], self.eps)?;
         let h = tp.enter(&h)?;
         let h = gelu_tanh(&p.linear(&h, self.c_fc.0, Some(self.c_fc.1))?)?;
-        Ok(x.f_add(&p.row_linear(&h, self.mlp_proj.0, Some(self.mlp_proj.1))?)?)
+        let out = p.row_linear(&h, self.mlp_proj.0, Some(self.mlp_proj.1))?;
+        Ok(x.f_add(&p.dropout(&out, self.dropout.residual, 2, &piece)?)?)
     }
 }
 
@@ -219,13 +238,14 @@ pub(crate) fn norm(u: &mut super::UnitBuilder<'_>, prefix: &str, dim: i64) -> (P
 /// The GPT model function: units `embedding`, `transformer.h.{i}`, `head`.
 pub fn gpt(cfg: &GptConfig, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
+    b.dropout(&cfg.dropout);
     let d = cfg.dim;
     let mut u = b.unit("embedding");
     let wte = u.param("transformer.wte.weight", &[cfg.vocab, d], Init::Normal { std: STD }, TpRole::Vocab);
     // Added to this rank's piece of the sequence under sequence parallel.
     let wpe = u.param("transformer.wpe.weight", &[cfg.ctx, d], Init::Normal { std: STD }, TpRole::SequenceReplicated);
-    u.declare_cost(UnitCost::looking_up(Kept::ids(cfg.dim)));
-    u.finish(GptEmbedding { wte, wpe, ctx: cfg.ctx, vocab: cfg.vocab });
+    u.declare_cost(UnitCost::looking_up(Kept::ids(cfg.dim).with_dropout(masked(cfg.dropout.embedding, d), false)));
+    u.finish(GptEmbedding { wte, wpe, ctx: cfg.ctx, vocab: cfg.vocab, dropout: cfg.dropout.embedding });
     // Residual projections are scaled down so the residual stream's variance stays bounded.
     let proj_std = STD / (2.0 * cfg.layers as f64).sqrt();
     for i in 0..cfg.layers {
@@ -241,10 +261,13 @@ pub fn gpt(cfg: &GptConfig, b: &mut Builder) -> Result<()> {
             heads: cfg.heads,
             dim: d,
             eps: cfg.norm_eps,
+            dropout: cfg.dropout,
         };
         // The block's input (norm), q, k, v, attention output, projection input, residual,
         // second norm input, MLP input; the GELU's input and output are 4·D each.
-        u.declare_cost(UnitCost::attending(Kept::block(19.0 * d as f64 + 3.0, cfg.heads, d), d));
+        let kept = Kept::block(19.0 * d as f64 + 3.0, cfg.heads, d)
+            .with_dropout(masked(cfg.dropout.residual, 2 * d), cfg.dropout.attention > 0.0);
+        u.declare_cost(UnitCost::attending(kept, d));
         u.finish(block);
     }
     let mut u = b.unit("head");

@@ -12,7 +12,9 @@
 use super::llama::{Activation, LayerAttention, NormKind};
 use super::moe::{ExpertNames, MoeConfig};
 use super::rope::{Rope, RopeScaling};
-use super::{BertConfig, BertHead, FeedForwardActivation, GptConfig, LlamaConfig, ModelConfig, ModelSpec, T5Config};
+use super::{
+    BertConfig, BertHead, DropoutRates, FeedForwardActivation, GptConfig, LlamaConfig, ModelConfig, ModelSpec, T5Config,
+};
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
@@ -285,10 +287,9 @@ impl Family {
                 "activation_function": "gelu_new",
                 "n_inner": null,
                 "tie_word_embeddings": true,
-                // Strata trains without dropout.
-                "attn_pdrop": 0.0,
-                "embd_pdrop": 0.0,
-                "resid_pdrop": 0.0,
+                "attn_pdrop": c.dropout.attention,
+                "embd_pdrop": c.dropout.embedding,
+                "resid_pdrop": c.dropout.residual,
             }),
             (Family::Bert, ModelConfig::Bert(c)) => bert_json(c),
             (Family::T5, ModelConfig::T5(c)) => t5_json(c)?,
@@ -326,9 +327,9 @@ fn bert_json(c: &BertConfig) -> Value {
         "layer_norm_eps": c.norm_eps,
         "position_embedding_type": "absolute",
         "pad_token_id": c.padding,
-        // Strata trains without dropout.
-        "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0,
+        "hidden_dropout_prob": c.dropout.residual,
+        "attention_probs_dropout_prob": c.dropout.attention,
+        "classifier_dropout": c.dropout.classifier,
     });
     if let BertHead::Classify { labels } = &c.head {
         let ids: Map<String, Value> = labels.iter().enumerate().map(|(i, l)| (i.to_string(), json!(l))).collect();
@@ -378,8 +379,7 @@ fn t5_json(c: &T5Config) -> Result<Value> {
         "pad_token_id": c.padding,
         "decoder_start_token_id": c.decoder_start,
         "is_encoder_decoder": true,
-        // Strata trains without dropout.
-        "dropout_rate": 0.0,
+        "dropout_rate": c.dropout.residual,
     }))
 }
 
@@ -695,14 +695,21 @@ impl Keys<'_> {
         }
     }
 
-    /// Dropout changes only training, and Strata trains without it: said, not refused.
+    /// Dropout changes only training, and Strata's decoder families train without it:
+    /// said, not refused.
     fn note_dropout(&self, keys: &[&str]) -> KeyResult<()> {
         for key in keys {
             if let Some(p) = self.float(key)?.filter(|&p| p > 0.0) {
-                tracing::warn!(key, p, "the model folder asks for dropout; Strata trains without dropout");
+                tracing::warn!(key, p, "the model folder asks for dropout; this family trains without dropout");
             }
         }
         Ok(())
+    }
+
+    /// A dropout probability, `transformers`' class default where the key is absent (its
+    /// folders leave out what equals the default).
+    fn rate(&self, key: &str, default: f64) -> KeyResult<f64> {
+        Ok(self.float(key)?.unwrap_or(default))
     }
 
     fn gpt2(&self) -> KeyResult<GptConfig> {
@@ -716,13 +723,19 @@ impl Keys<'_> {
         self.only("reorder_and_upcast_attn", &[json!(false)], "attention computes in the model's dtype")?;
         self.only("add_cross_attention", &[json!(false)], "Strata's GPT-2 is a decoder only")?;
         self.only("tie_word_embeddings", &[json!(true)], "GPT-2's output head is its token embedding")?;
-        self.note_dropout(&["attn_pdrop", "embd_pdrop", "resid_pdrop"])?;
+        let dropout = DropoutRates {
+            embedding: self.rate("embd_pdrop", 0.1)?,
+            attention: self.rate("attn_pdrop", 0.1)?,
+            residual: self.rate("resid_pdrop", 0.1)?,
+            ..DropoutRates::NONE
+        };
         let ctx = match self.int("n_positions")? {
             Some(n) => n,
             None => self.required("n_ctx")?,
         };
         Ok(GptConfig {
             norm_eps: self.float("layer_norm_epsilon")?.unwrap_or(1e-5),
+            dropout,
             ..GptConfig::new(
                 self.required("vocab_size")?,
                 ctx,
@@ -755,7 +768,14 @@ impl Keys<'_> {
         self.only("add_cross_attention", &[json!(false)], "Strata's BERT is an encoder")?;
         let single = "a classifier's loss is the cross-entropy over its labels";
         self.only("problem_type", &[json!("single_label_classification")], single)?;
-        self.note_dropout(&["hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"])?;
+        let hidden = self.rate("hidden_dropout_prob", 0.1)?;
+        let dropout = DropoutRates {
+            embedding: hidden,
+            attention: self.rate("attention_probs_dropout_prob", 0.1)?,
+            residual: hidden,
+            classifier: self.rate("classifier_dropout", hidden)?,
+            ..DropoutRates::NONE
+        };
         Ok(BertConfig {
             vocab: self.required("vocab_size")?,
             max_positions: self.required("max_position_embeddings")?,
@@ -768,6 +788,7 @@ impl Keys<'_> {
             // transformers' BertConfig pads with 0 unless told otherwise.
             padding: Some(self.int("pad_token_id")?.unwrap_or(0)),
             head,
+            dropout,
         })
     }
 
@@ -803,7 +824,7 @@ impl Keys<'_> {
                 ))
             }
         };
-        self.note_dropout(&["dropout_rate"])?;
+        let dropout = DropoutRates { classifier: 0.0, ..DropoutRates::all(self.rate("dropout_rate", 0.1)?) };
         let layers = self.required("num_layers")?;
         let tied_head = self.flag("tie_word_embeddings")?.unwrap_or(true);
         let padding = self.int("pad_token_id")?.unwrap_or(0);
@@ -825,6 +846,7 @@ impl Keys<'_> {
             scale_output: self.flag("scale_decoder_outputs")?.unwrap_or(tied_head),
             padding,
             decoder_start: self.int("decoder_start_token_id")?.unwrap_or(padding),
+            dropout,
         })
     }
 

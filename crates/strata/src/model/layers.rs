@@ -9,6 +9,7 @@
 //! Owns the layer functions. Must not hold parameters or call a process group: tensors come
 //! in as arguments, and a split layer communicates only through the [`TensorParallel`]
 //! context it is handed.
+use super::dropout::Dropping;
 use super::tensor::{vocab_rows, TensorParallel};
 use crate::compute::{self, cast};
 use crate::Result;
@@ -329,7 +330,8 @@ pub fn examples_differ(queries: &Tensor, keys: &Tensor) -> Result<Tensor> {
 /// key/value cache), each attending to itself and the positions before it (within its
 /// window, where `options` sets one; every position where `options.bidirectional`), and
 /// never to keys `hidden` masks ([`other_examples`]). `bias`, where given, is added to the
-/// scaled scores (T5's relative position bias, `[1, H, Tq, Tk]`).
+/// scaled scores (T5's relative position bias, `[1, H, Tq, Tk]`). `dropout`, where given,
+/// drops attention probabilities (the composite then runs: a fused kernel would draw its own).
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -337,6 +339,7 @@ pub fn attention(
     options: &AttentionOptions,
     hidden: Option<&Tensor>,
     bias: Option<&Tensor>,
+    dropout: Option<&Dropping<'_>>,
 ) -> Result<Tensor> {
     let kind = compute::autocast_kind();
     let (q, k, v) = (cast(q, kind)?, cast(k, kind)?, cast(v, kind)?);
@@ -347,7 +350,7 @@ pub fn attention(
     // and they know no window or cap; another scale is folded into the queries.
     if let Some(fused) = compute::replaced(|r| r.attention(q.kind()))
         .filter(|_| keys == t && window.is_none() && options.softcap.is_none() && hidden.is_none() && bias.is_none())
-        .filter(|_| !options.bidirectional)
+        .filter(|_| !options.bidirectional && dropout.is_none())
     {
         let q = match options.scale {
             Some(scale) => q.f_mul_scalar(scale / default_scale)?,
@@ -380,6 +383,10 @@ pub fn attention(
         scores.f_softmax(-1, Kind::Float)?.f_to_kind(q.kind())?
     } else {
         scores.f_softmax(-1, q.kind())?
+    };
+    let probs = match dropout {
+        Some(dropout) => dropout.apply(&probs)?,
+        None => probs,
     };
     Ok(probs.f_matmul(&v)?)
 }

@@ -465,7 +465,7 @@ impl LlamaBlock {
         } else {
             (k, v)
         };
-        let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref(), None)?)?;
+        let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref(), None, None)?)?;
         let attended = p.row_linear(&y, self.o.0, self.o.1)?;
         let (x, h) = self.kinds.add_norm(
             x,

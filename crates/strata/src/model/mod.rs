@@ -7,6 +7,7 @@
 
 mod bert;
 mod cost;
+pub mod dropout;
 mod gpt;
 pub mod hf;
 pub mod layers;
@@ -20,6 +21,7 @@ pub mod tensor;
 
 pub use bert::{bert, BertConfig, BertHead};
 pub use cost::{Kept, UnitCost};
+pub use dropout::{DropoutDraw, DropoutRates, UnitDraw};
 pub use gpt::{gpt, GptConfig};
 pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use layers::NoTensorParallel;
@@ -64,6 +66,16 @@ impl ModelConfig {
         match self {
             ModelConfig::Llama(c) => c.moe.as_mut(),
             _ => None,
+        }
+    }
+
+    /// The dropout rates of a model that has dropout sites (GPT, BERT, T5), to change.
+    pub fn dropout_mut(&mut self) -> Option<&mut DropoutRates> {
+        match self {
+            ModelConfig::Gpt(c) => Some(&mut c.dropout),
+            ModelConfig::Bert(c) => Some(&mut c.dropout),
+            ModelConfig::T5(c) => Some(&mut c.dropout),
+            ModelConfig::Llama(_) | ModelConfig::Mlp(_) => None,
         }
     }
 
@@ -328,6 +340,7 @@ pub struct Params<'a> {
     adapters: Option<&'a Adapters>,
     experts: Option<&'a std::sync::Arc<dyn ExpertExchange>>,
     padding: Option<&'a Tensor>,
+    dropout: Option<&'a UnitDraw>,
 }
 
 /// A low-rank adapter (LoRA) joined to a linear layer: the layer computes
@@ -374,12 +387,20 @@ pub type Adapters = std::collections::BTreeMap<ParamId, Adapter>;
 impl<'a> Params<'a> {
     /// Parameters of a unit that runs whole on one rank.
     pub fn new(tensors: &'a [Tensor]) -> Self {
-        Params { tensors, tp: &NoTensorParallel, layout: None, adapters: None, experts: None, padding: None }
+        Params {
+            tensors,
+            tp: &NoTensorParallel,
+            layout: None,
+            adapters: None,
+            experts: None,
+            padding: None,
+            dropout: None,
+        }
     }
 
     /// Parameters holding this rank's pieces, for a unit split over `tp`.
     pub fn split(tensors: &'a [Tensor], tp: &'a dyn TensorParallel) -> Self {
-        Params { tensors, tp, layout: None, adapters: None, experts: None, padding: None }
+        Params { tensors, tp, layout: None, adapters: None, experts: None, padding: None, dropout: None }
     }
 
     /// The tensor group the unit runs in (one rank unless the strategy splits it).
@@ -407,6 +428,29 @@ impl<'a> Params<'a> {
     /// Which positions of the rows are padding (`[rows, ctx]` bool), where some are.
     pub fn padding(&self) -> Option<&Tensor> {
         self.padding
+    }
+
+    /// The same parameters for a training forward that draws its dropout masks from `draw`
+    /// (`None`: the forward does not train, and no site drops anything).
+    pub fn with_dropout(self, dropout: Option<&'a UnitDraw>) -> Self {
+        Params { dropout, ..self }
+    }
+
+    /// Site `site`'s dropout at `rate`, for a layer to apply inside its computation; `None`
+    /// where nothing is dropped. `offsets`: where this rank's piece of each dimension after
+    /// the rows starts ([`UnitDraw::dropped`]).
+    pub fn dropping(&self, rate: f64, site: u32, offsets: &[i64]) -> Option<dropout::Dropping<'_>> {
+        let draw = self.dropout.filter(|_| rate > 0.0)?;
+        Some(dropout::Dropping { draw, rate, site, offsets: offsets.to_vec() })
+    }
+
+    /// `x` through site `site`'s dropout at `rate` ([`Params::dropping`]); `x` itself where
+    /// nothing is dropped.
+    pub fn dropout(&self, x: &Tensor, rate: f64, site: u32, offsets: &[i64]) -> Result<Tensor> {
+        match self.dropping(rate, site, offsets) {
+            Some(d) => d.apply(x),
+            None => Ok(x.shallow_clone()),
+        }
     }
 
     /// The expert group, where experts are split over ranks.
@@ -579,6 +623,9 @@ pub struct ModelSpec {
     pub load_balance: Option<std::sync::Arc<LoadBalance>>,
     /// The routed experts of each sparse layer, in layer order.
     pub expert_sets: Vec<ExpertSet>,
+    /// Some unit drops activations when it trains (its configuration's dropout rates are
+    /// not all zero).
+    pub dropout: bool,
 }
 
 /// A sparse layer's routed experts as `transformers` stacks them in one module
@@ -740,6 +787,7 @@ pub struct Builder {
     names: HashMap<String, ParamId>,
     load_balance: Option<std::sync::Arc<LoadBalance>>,
     expert_sets: Vec<ExpertSet>,
+    dropout: bool,
     error: Option<Error>,
 }
 
@@ -781,7 +829,13 @@ impl Builder {
             adapters: Adapters::new(),
             load_balance: self.load_balance,
             expert_sets: self.expert_sets,
+            dropout: self.dropout,
         })
+    }
+
+    /// Records that the model's units drop activations at `rates` when they train.
+    pub fn dropout(&mut self, rates: &DropoutRates) {
+        self.dropout |= rates.any();
     }
 
     /// The balance the model's sparse layers record their routing in.

@@ -13,13 +13,18 @@
 //! sharding, offload and pipeline stages need nothing of their own: the gradient of the
 //! encoder's output is the sum of every decoder block's, as autograd adds it along the chain.
 //!
+//! Dropout, where the configuration asks for it, falls where `transformers` puts it; a
+//! block's sites are `site`'s, the head's 0 is the decoder's final norm's output.
+//!
 //! Owns the T5 units and their declarations. Must not allocate or place weights: [`t5`]
 //! records specifications in the [`Builder`], and the units compute with the parameters the
 //! engine lends them.
+use super::dropout::masked;
+use super::dropout::Dropping;
 use super::layers::{attention, examples_differ, merge_heads, rms_norm, split_heads, vocab_logits, AttentionOptions};
 use super::{
-    positive, Builder, DecodeCache, EncodedMemory, Init, Kept, ParamId, Params, RowLayout, TokenEmbedding, TpRole,
-    Unit, UnitBuilder, UnitCost,
+    positive, Builder, DecodeCache, DropoutRates, EncodedMemory, Init, Kept, ParamId, Params, RowLayout,
+    TokenEmbedding, TpRole, Unit, UnitBuilder, UnitCost,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -78,6 +83,11 @@ pub struct T5Config {
     pub padding: i64,
     /// The token every target starts from (`decoder_start_token_id`).
     pub decoder_start: i64,
+    /// Dropout on each stack's embedded input (`embedding`), on attention probabilities
+    /// (`attention`), on each sub-layer's output and the final norms' (`residual`) and after
+    /// the feed-forward activation (`inner`): `dropout_rate` at every site in T5's folders.
+    #[serde(default)]
+    pub dropout: DropoutRates,
 }
 
 impl T5Config {
@@ -104,6 +114,7 @@ impl T5Config {
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
             return Err(Error::Config(format!("norm_eps must be positive, got {}", self.norm_eps)));
         }
+        self.dropout.validate()?;
         for (name, token) in [("pad token", self.padding), ("decoder start token", self.decoder_start)] {
             if !(0..self.vocab).contains(&token) {
                 return Err(Error::Config(format!("{name} {token} is outside the vocabulary of {}", self.vocab)));
@@ -258,8 +269,23 @@ struct T5Block {
     buckets: Buckets,
     /// The encoder's final norm, applied by its last block.
     final_norm: Option<ParamId>,
+    /// The first block of its stack drops the stack's embedded input.
+    first: bool,
     heads: i64,
     eps: f64,
+    dropout: DropoutRates,
+}
+
+/// A T5 block's dropout sites ([`super::dropout`]).
+mod site {
+    pub const INPUT: u32 = 0;
+    pub const SELF_PROBABILITIES: u32 = 1;
+    pub const SELF_OUTPUT: u32 = 2;
+    pub const CROSS_PROBABILITIES: u32 = 3;
+    pub const CROSS_OUTPUT: u32 = 4;
+    pub const INNER: u32 = 5;
+    pub const FEED_FORWARD_OUTPUT: u32 = 6;
+    pub const FINAL_NORM: u32 = 7;
 }
 
 impl Unit for T5Block {
@@ -318,12 +344,26 @@ impl Unit for T5Block {
 impl T5Block {
     /// The encoder block over the source `[B, S, dim]`; the last one also norms its output.
     fn encode(&self, p: &Params<'_>, x: &Tensor, hidden: Option<&Tensor>) -> Result<Tensor> {
-        let x = self.self_attend(p, x, hidden, None)?;
+        let x = self.stack_input(p, x)?;
+        let x = self.self_attend(p, &x, hidden, None)?;
         let x = self.feed_forward(p, &x)?;
         match self.final_norm {
-            Some(w) => rms_norm(&x, &p[w], self.eps),
+            Some(w) => p.dropout(&rms_norm(&x, &p[w], self.eps)?, self.dropout.residual, site::FINAL_NORM, &[]),
             None => Ok(x),
         }
+    }
+
+    /// The stack's embedded input, dropped where this block is the stack's first.
+    fn stack_input(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        match self.first {
+            true => p.dropout(x, self.dropout.embedding, site::INPUT, &[]),
+            false => Ok(x.shallow_clone()),
+        }
+    }
+
+    /// The dropout of attention probabilities at `site` over this rank's `heads` heads.
+    fn probabilities<'a>(&self, p: &'a Params<'_>, site: u32, heads: i64) -> Option<Dropping<'a>> {
+        p.dropping(self.dropout.attention, site, &[p.tp().rank() * heads])
     }
 
     /// The decoder block over target positions, attending causally to the target (through
@@ -335,14 +375,18 @@ impl T5Block {
         memory: &EncodedMemory,
         cache: Option<&mut DecodeCache>,
     ) -> Result<Tensor> {
-        let x = self.self_attend(p, x, None, cache)?;
+        let x = self.stack_input(p, x)?;
+        let x = self.self_attend(p, &x, None, cache)?;
         let Some((norm, cross)) = &self.cross else { return Err(Error::Engine("an encoder block decodes".into())) };
         let heads = self.heads / p.tp().size();
         let h = p.tp().enter(&rms_norm(&x, &p[*norm], self.eps)?)?;
         let q = cross.heads(p, &h, cross.q, heads)?;
         let options = AttentionOptions { scale: Some(1.0), bidirectional: true, ..AttentionOptions::default() };
-        let attended = attention(&q, &memory.keys, &memory.values, &options, memory.hidden.as_ref(), None)?;
-        let x = x.f_add(&p.row_linear(&merge_heads(&attended)?, cross.o, None)?)?;
+        let probs = self.probabilities(p, site::CROSS_PROBABILITIES, heads);
+        let attended =
+            attention(&q, &memory.keys, &memory.values, &options, memory.hidden.as_ref(), None, probs.as_ref())?;
+        let attended = p.row_linear(&merge_heads(&attended)?, cross.o, None)?;
+        let x = x.f_add(&p.dropout(&attended, self.dropout.residual, site::CROSS_OUTPUT, &[])?)?;
         self.feed_forward(p, &x)
     }
 
@@ -371,8 +415,10 @@ impl T5Block {
             bidirectional: self.buckets.bidirectional,
             ..AttentionOptions::default()
         };
-        let attended = attention(&q, &k, &v, &options, hidden, Some(&bias))?;
-        Ok(x.f_add(&p.row_linear(&merge_heads(&attended)?, a.o, None)?)?)
+        let probs = self.probabilities(p, site::SELF_PROBABILITIES, heads);
+        let attended = attention(&q, &k, &v, &options, hidden, Some(&bias), probs.as_ref())?;
+        let attended = p.row_linear(&merge_heads(&attended)?, a.o, None)?;
+        Ok(x.f_add(&p.dropout(&attended, self.dropout.residual, site::SELF_OUTPUT, &[])?)?)
     }
 
     fn feed_forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
@@ -383,7 +429,10 @@ impl T5Block {
             Some(gate) => activated.f_mul(&p.linear(&h, gate, None)?)?,
             None => activated,
         };
-        Ok(x.f_add(&p.row_linear(&h, f.wo, None)?)?)
+        // This rank's piece of the inner width, under tensor parallel.
+        let h = p.dropout(&h, self.dropout.inner, site::INNER, &[0, p.tp().rank() * h.size()[2]])?;
+        let out = p.row_linear(&h, f.wo, None)?;
+        Ok(x.f_add(&p.dropout(&out, self.dropout.residual, site::FEED_FORWARD_OUTPUT, &[])?)?)
     }
 
     /// The cross-attention's keys and values of the encoder's output `[B, S, dim]`.
@@ -414,6 +463,8 @@ struct T5Head {
     /// 1/√dim where the outputs are scaled (v1.0).
     scale: Option<f64>,
     eps: f64,
+    /// Dropout of the final norm's output (site 0).
+    dropout: f64,
 }
 
 impl Unit for T5Head {
@@ -441,7 +492,7 @@ impl Unit for T5Head {
 
 impl T5Head {
     fn logits(&self, p: &Params<'_>, target: &Tensor) -> Result<Tensor> {
-        let h = rms_norm(target, &p[self.norm], self.eps)?;
+        let h = p.dropout(&rms_norm(target, &p[self.norm], self.eps)?, self.dropout, 0, &[])?;
         let h = match self.scale {
             Some(scale) => h.f_mul_scalar(scale)?,
             None => h,
@@ -454,6 +505,7 @@ impl T5Head {
 /// `head`. A unit's input and output are whole rows, source then target.
 pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
+    b.dropout(&cfg.dropout);
     let (d, inner) = (cfg.dim, cfg.heads * cfg.head_dim);
     let mut u = b.unit("embedding");
     let shared = u.param("shared.weight", &[cfg.vocab, d], Init::Normal { std: 1.0 }, TpRole::Vocab);
@@ -507,6 +559,11 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
                 false => (Kept::block(4.0 * d + 4.0 * inner + ffn + 4.0, cfg.heads, cfg.dim), 1),
                 true => (Kept::block(6.0 * d + 8.0 * inner + ffn + 6.0, 2 * cfg.heads, cfg.dim), 2),
             };
+            let rates = &cfg.dropout;
+            let masks = masked(rates.residual, (1 + attentions) * cfg.dim)
+                + masked(rates.inner, cfg.ffn_dim)
+                + masked(if i == 0 { rates.embedding } else { 0.0 }, cfg.dim);
+            let kept = kept.with_dropout(masks, rates.attention > 0.0);
             u.declare_cost(UnitCost::attending(kept, attentions * cfg.heads * cfg.head_dim));
             u.finish(T5Block {
                 self_norm,
@@ -516,8 +573,10 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
                 bias_table,
                 buckets: Buckets { count: cfg.buckets, max_distance: cfg.max_distance, bidirectional: !decoder },
                 final_norm,
+                first: i == 0,
                 heads: cfg.heads,
                 eps: cfg.norm_eps,
+                dropout: cfg.dropout,
             });
         }
     }
@@ -529,8 +588,10 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
         u.linear("lm_head.weight", &[cfg.vocab, d], Init::Normal { std: 1.0 }, TpRole::Vocab)
     };
     let scale = cfg.scale_output.then(|| (d as f64).powf(-0.5));
-    u.declare_cost(UnitCost::keeping(Kept::head(3.0 * cfg.dim as f64 + 13.0, cfg.vocab)));
-    u.finish(T5Head { norm, table, vocab: cfg.vocab, scale, eps: cfg.norm_eps });
+    let kept = Kept::head(3.0 * cfg.dim as f64 + 13.0, cfg.vocab).with_dropout(masked(cfg.dropout.residual, d), false);
+    u.declare_cost(UnitCost::keeping(kept));
+    let dropout = cfg.dropout.residual;
+    u.finish(T5Head { norm, table, vocab: cfg.vocab, scale, eps: cfg.norm_eps, dropout });
     if cfg.tied_head {
         b.alias("lm_head.weight", shared);
     }
@@ -561,6 +622,7 @@ mod tests {
             scale_output: true,
             padding: 0,
             decoder_start: 0,
+            dropout: DropoutRates::default(),
         }
     }
 

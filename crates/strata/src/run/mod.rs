@@ -561,6 +561,7 @@ pub fn train(
         report_over: world_group.clone(),
     })?;
     drop(first);
+    trainer.set_dropout_seed(config.batching.seed);
     for part in trainer.parts_mut() {
         load_initial_weights(&config.init, &mut part.engine)?;
     }

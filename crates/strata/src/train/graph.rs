@@ -68,6 +68,7 @@ impl CapturedStep {
             supervised: batch.supervised,
             layout: None,
             padding: batch.padding.as_ref().map(own).transpose()?,
+            first_row: batch.first_row,
         })
     }
 

@@ -20,7 +20,7 @@ use crate::engine::memory::PlacementReport;
 use crate::engine::{memory, Engine, Event, EventSink, GradReady, MemoryLedger, Placement, UnitTime};
 use crate::io::WeightsTarget;
 use crate::model::layers::cross_entropy;
-use crate::model::ModelSpec;
+use crate::model::{DropoutDraw, ModelSpec};
 use crate::optim::{LrSchedule, Optimizer};
 use crate::profile::Profiler;
 use crate::{Error, Result};
@@ -125,7 +125,7 @@ pub fn evaluate(engine: &mut Engine, steps: &[Step]) -> Result<f64> {
 fn evaluate_with(engine: &mut Engine, steps: &[Step], input: &InputFn, loss: &LossFn) -> Result<f64> {
     let mut losses = vec![];
     for batch in steps.iter().flat_map(|s| &s.micro_batches) {
-        engine.set_layout(batch.layout.as_ref());
+        set_rows(engine, batch, None);
         let output = engine.evaluate(&input(batch)?)?;
         losses.push(engine.compute_loss(|| loss(&output, batch))?.f_double_value(&[])?);
     }
@@ -232,6 +232,23 @@ pub struct StepInput<'a> {
     /// Told of each unit whose gradient the step's last backward completes, where the
     /// executor runs host updates beside backward ([`StepExecutor::updates_in_backward`]).
     pub grad_ready: Option<Arc<GradReady>>,
+    /// The seed dropout masks are drawn from ([`Trainer::set_dropout_seed`]).
+    pub dropout_seed: u64,
+}
+
+impl StepInput<'_> {
+    /// The draw of `batch`'s dropout masks in this step.
+    pub fn dropout(&self, batch: &Batch) -> DropoutDraw {
+        DropoutDraw { seed: self.dropout_seed, step: self.number, first_row: batch.first_row as i64 }
+    }
+}
+
+/// Readies `engine`'s next forwards for `batch`'s rows: their layout, their padding, and the
+/// draw of their dropout masks where they train (`None`: they do not).
+pub(crate) fn set_rows(engine: &mut Engine, batch: &Batch, dropout: Option<DropoutDraw>) {
+    engine.set_layout(batch.layout.as_ref());
+    engine.set_padding(batch.padding.as_ref());
+    engine.set_dropout(dropout);
 }
 
 /// How a trainer's parts run a step, and what only the executor knows of the whole model.
@@ -298,6 +315,7 @@ pub struct Trainer {
     pub loss_func: LossFn,
     step: u64,
     graphs: Option<GraphedSteps>,
+    dropout_seed: u64,
 }
 
 /// A step queued on the device, with what the host decided about it.
@@ -396,6 +414,7 @@ impl Trainer {
             prepare_input: token_input(),
             step: 0,
             graphs: None,
+            dropout_seed: 0,
         };
         trainer.set_feed(&Feed::default());
         Ok(trainer)
@@ -410,6 +429,13 @@ impl Trainer {
             (None, Some(k)) => next_token_loss_of(&self.parts[k].engine),
             (None, None) => next_token_loss(),
         };
+    }
+
+    /// Draws dropout masks from `seed` (0 until set; a run sets its own seed): a step's masks
+    /// are a function of the seed, the step's number and where each element falls in the
+    /// global batch ([`crate::model::dropout`]).
+    pub fn set_dropout_seed(&mut self, seed: u64) {
+        self.dropout_seed = seed;
     }
 
     /// The engine of this rank's first part (its only one outside a pipeline).
@@ -561,6 +587,7 @@ impl Trainer {
             loss: &self.loss_func,
             number: self.step + 1,
             grad_ready,
+            dropout_seed: self.dropout_seed,
         };
         let mut losses = self.executor.forward_backward(&mut self.parts, input)?;
         let updated = match host_updates.map(Arc::try_unwrap) {

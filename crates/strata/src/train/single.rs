@@ -59,8 +59,7 @@ impl StepExecutor for SinglePart {
             if i == last {
                 engine.set_grad_ready(input.grad_ready.clone());
             }
-            engine.set_layout(batch.layout.as_ref());
-            engine.set_padding(batch.padding.as_ref());
+            super::set_rows(engine, batch, Some(input.dropout(batch)));
             let output = engine.forward(&(input.input)(batch)?)?;
             crate::fault::point("backward", input.number)?;
             let loss = engine.compute_loss(|| (input.loss)(&output, batch))?;

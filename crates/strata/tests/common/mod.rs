@@ -23,6 +23,7 @@ pub fn tiny_bert_classifier(max_positions: i64, type_vocab: i64, labels: &[&str]
         norm_eps: 1e-12,
         padding: Some(0),
         head: strata::model::BertHead::Classify { labels: labels.iter().map(|l| l.to_string()).collect() },
+        dropout: strata::model::DropoutRates::NONE,
     }
 }
 
@@ -105,7 +106,7 @@ pub fn replaced_modules(device: Device) -> Vec<ReplacedModule> {
                 "attention",
                 true,
                 vec![draw(1, &[2, 4, 64, 32]), draw(2, &[2, 4, 64, 32]), draw(3, &[2, 4, 64, 32])],
-                Box::new(|t| Ok(vec![layers::attention(&t[0], &t[1], &t[2], &Default::default(), None, None)?])),
+                Box::new(|t| Ok(vec![layers::attention(&t[0], &t[1], &t[2], &Default::default(), None, None, None)?])),
             ),
             (
                 "layer norm",

@@ -52,6 +52,7 @@ fn a_bert_classifier_learns_labeled_texts_through_the_library_run() {
         norm_eps: 1e-12,
         padding: Some(0),
         head: BertHead::Classify { labels: labels.clone() },
+        dropout: strata::model::DropoutRates::NONE,
     };
     let model = Model::from(ModelConfig::Bert(config.clone()));
     let saved = dir.path().join("trained.safetensors");

@@ -7,7 +7,7 @@ use crate::common::ranks;
 use serde_json::json;
 use strata::data::{Batch, Step};
 use strata::engine::EngineConfig;
-use strata::model::{BertConfig, BertHead, ModelConfig, RowLayout};
+use strata::model::{BertConfig, BertHead, DropoutRates, ModelConfig, RowLayout};
 use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use strata::parallel::{build_engine, RankLayout};
 use strata::strategy::Strategy;
@@ -17,7 +17,8 @@ use tch::{Kind, Tensor};
 const ROWS: i64 = 4;
 const CTX: i64 = 10;
 
-fn config() -> ModelConfig {
+/// The classifier, with dropout at `dropout` at every site.
+fn config(dropout: f64) -> ModelConfig {
     ModelConfig::Bert(BertConfig {
         vocab: 64,
         max_positions: 16,
@@ -29,6 +30,7 @@ fn config() -> ModelConfig {
         norm_eps: 1e-12,
         padding: Some(0),
         head: BertHead::Classify { labels: vec!["a".into(), "b".into(), "c".into()] },
+        dropout: DropoutRates::all(dropout),
     })
 }
 
@@ -60,6 +62,8 @@ fn steps(rank: Option<usize>) -> Vec<Step> {
             };
             let pick = |t: &Tensor| t.narrow(0, take.0, take.1);
             let mut batch = Batch::new(pick(&tokens), pick(&labels)).unwrap();
+            // Its rows' place in the global batch: they draw their dropout masks by it.
+            batch.first_row = take.0 as usize;
             batch.layout = Some(RowLayout {
                 positions: pick(&layout.positions),
                 examples: pick(&layout.examples),
@@ -82,11 +86,12 @@ fn digest(weights: &Tensor) -> Vec<f64> {
     out
 }
 
-/// Losses of the steps and the whole weights after them, under `strategy` at `at`.
-fn train(strategy: &str, at: &RankLayout<'_>, rank: Option<usize>) -> (Vec<f64>, Tensor) {
+/// Losses of the steps and the whole weights after them, under `strategy` at `at`, with
+/// dropout at `dropout`.
+fn train(strategy: &str, at: &RankLayout<'_>, rank: Option<usize>, dropout: f64) -> (Vec<f64>, Tensor) {
     let strategy = Strategy::parse(strategy).unwrap();
     let config_of = EngineConfig { seed: 3, ..EngineConfig::default() };
-    let mut engine = build_engine(config().spec().unwrap(), config_of, &strategy, at).unwrap();
+    let mut engine = build_engine(config(dropout).spec().unwrap(), config_of, &strategy, at).unwrap();
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig { lr: 1e-2, ..Default::default() }, &[]).unwrap();
     let mut trainer = Trainer::new(engine, optimizer, LrSchedule::Constant, Some(1.0));
     let losses = steps(rank).iter().map(|s| trainer.train_step(s).unwrap().loss).collect();
@@ -111,19 +116,25 @@ fn rank_entry() {
     let strategy = STRATEGIES[scenario.parse::<usize>().unwrap()].0;
     let comm = ranks::connect();
     let at = RankLayout { comm: Some(&comm), local_world_size: 2, ..RankLayout::single() };
-    let (losses, weights) = train(strategy, &at, Some(comm.rank()));
+    let (losses, weights) = train(strategy, &at, Some(comm.rank()), DROPOUT);
     println!("RESULT {}", json!({"losses": losses, "weights": digest(&weights)}));
     println!("RANK-OK");
 }
 
-/// Two ranks under each strategy train the classifier as one process does on the whole
-/// batch: the ranks' mean loss per step and the final weights (their digest) within the
-/// strategy's bound (fp32: 1e-5; bf16 parameters: 2e-2, and at least 1e-4 off), and the
-/// model learns.
+/// Dropout at every site of the classifier: each rank must draw its rows' masks, the
+/// recomputed blocks the masks of their first forward.
+const DROPOUT: f64 = 0.1;
+
+/// Two ranks under each strategy train the classifier, with dropout, as one process does
+/// on the whole batch: the ranks' mean loss per step and the final weights (their digest)
+/// within the strategy's bound (fp32: 1e-5; bf16 parameters: 2e-2, and at least 1e-4 off),
+/// and the model learns. Dropout changes the losses (its masks are drawn at all).
 #[test]
 fn a_bert_classifier_at_two_ranks_trains_as_one_process() {
-    let (single, weights) = train("[]", &RankLayout::single(), None);
+    let (single, weights) = train("[]", &RankLayout::single(), None, DROPOUT);
     assert!(single[2] < single[0], "the loss falls: {single:?}");
+    let (undropped, _) = train("[]", &RankLayout::single(), None, 0.0);
+    assert!((single[0] - undropped[0]).abs() > 1e-4, "dropout changes the loss: {single:?} {undropped:?}");
     for (i, (strategy, bound, lower)) in STRATEGIES.iter().enumerate() {
         let outputs = ranks::run_ranks(2, "tcp", &i.to_string());
         ranks::assert_all_ok(&outputs);

@@ -503,9 +503,9 @@ impl PipelineExecutor {
                         0 => (input.input)(batch)?,
                         _ => received.remove(&(micro, chunk)).ok_or_else(|| missing("activation", micro, chunk))?,
                     };
+                    let dropout = input.dropout(batch);
                     let out = self.in_chunk(&mut parts[chunk], chunk, micro, |engine| {
-                        engine.set_layout(batch.layout.as_ref());
-                        engine.set_padding(batch.padding.as_ref());
+                        crate::train::set_rows(engine, batch, Some(dropout));
                         engine.forward_micro(micro, &values)
                     })?;
                     let balance = balance_of(&parts[chunk]);
@@ -674,6 +674,7 @@ impl PipelineExecutor {
                 loss: &loss,
                 number: 0,
                 grad_ready: None,
+                dropout_seed: 0,
             };
             self.run_ops(&mut parts, &input)?;
             for part in &mut parts {
@@ -860,7 +861,7 @@ impl StepExecutor for PipelineExecutor {
                     Some(link) => link.recv(device)?,
                     None => input(batch)?,
                 };
-                part.engine.set_layout(batch.layout.as_ref());
+                crate::train::set_rows(&mut part.engine, batch, None);
                 let out = part.engine.evaluate(&values)?;
                 match &self.activations_out[chunk] {
                     Some(link) => sending.extend(link.send(&out)?),
