@@ -1,7 +1,7 @@
 //! Tensor parallelism end to end: GPT (tied embedding, fused q/k/v, padded vocabulary) and LLaMA (untied head,
 //! fewer key/value heads than query heads) at tensor sizes 2 and 4, with and without
 //! sequence parallel and beside zero2 and fsdp, reach what one process reaches on the same
-//! global batches; whole weights and checkpoints split into any tensor size and gather
+//! global batches (GPT with dropout); whole weights and checkpoints split into any tensor size and gather
 //! back; bad layouts are refused in one line.
 use crate::common;
 
@@ -26,8 +26,9 @@ const RUN: [&str; 16] = [
     "--lr",
     "0.003",
 ];
-/// A vocabulary of 97 (prime): every tensor size pads it.
-const GPT: [&str; 6] = ["--model", "gpt", "--heads", "4", "--vocab", "97"];
+/// A vocabulary of 97 (prime): every tensor size pads it. Dropout everywhere: each rank
+/// must draw the masks of its heads, features and piece of the sequence.
+const GPT: [&str; 8] = ["--model", "gpt", "--heads", "4", "--vocab", "97", "--dropout", "0.1"];
 const LLAMA: [&str; 6] = ["--model", "llama", "--heads", "8", "--kv-heads", "4"];
 
 /// A strategy of tensor size `size`, with `more` methods (JSON list items) after it.
