@@ -67,7 +67,7 @@ impl Unit for EncoderBlock {
         let options = AttentionOptions { bidirectional: true, ..AttentionOptions::default() };
         let hidden = other_examples(p.layout())?;
         let attended =
-            attention(&heads(&qkv[0])?, &heads(&qkv[1])?, &heads(&qkv[2])?, &options, hidden.as_ref(), None)?;
+            attention(&heads(&qkv[0])?, &heads(&qkv[1])?, &heads(&qkv[2])?, &options, hidden.as_ref(), None, None)?;
         let x = x.f_add(&p.linear(&merge_heads(&attended)?, self.out, None)?)?;
         let h = gelu(&p.linear(&x, self.up, None)?)?;
         Ok(x.f_add(&p.linear(&h, self.down, None)?)?)

@@ -693,7 +693,7 @@ fn a_bert_classifier_folder_trains_on_labeled_records() {
     let run = [
         &base[..],
         &["--data", s(&train), "--val-data", s(&val), "--eval-batches", "3", "--steps", "60", "--eval-every", "30"],
-        &["--lr", "0.001", "--metrics", s(&metrics), "--save-model-dir", s(&trained)],
+        &["--lr", "0.002", "--metrics", s(&metrics), "--save-model-dir", s(&trained)],
     ]
     .concat();
     let o = strata(&run);

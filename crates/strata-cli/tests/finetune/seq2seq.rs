@@ -167,7 +167,7 @@ fn t5_trains_alike_alone_sharded_split_staged_recomputed_and_offloaded() {
     let shape = ["--accumulation", "2", "--eval-every", "2", "--schedule", "constant"];
     let ckpt = dir.path().join("ckpt");
     let checkpoint = ["--save-checkpoint", s(&ckpt)];
-    let stopped = [&shape[..], &checkpoint, &["--steps", "2", "--checkpoint-every", "2"], &runs[2].1].concat();
+    let stopped = [&shape[..], &checkpoint, &["--steps", "2", "--checkpoint-every", "2"], runs[2].1].concat();
     let o = train_t5(&folder, &train, &val, &stopped);
     assert!(o.status.success(), "stopped:\n{}", stderr(&o));
     let resumed: (&str, &[&str]) = ("resumed", &[&checkpoint[..], &["--resume", "auto"]].concat());

@@ -99,7 +99,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
         return Err(err("use_dora: Strata computes plain LoRA".into()));
     }
     if let Some(p) = fields.get("lora_dropout").and_then(Value::as_f64).filter(|p| *p != 0.0) {
-        tracing::warn!(dropout = p, "the adapter folder asks for dropout; Strata trains without dropout");
+        tracing::warn!(dropout = p, "the adapter folder asks for dropout; adapters train without dropout");
         fields.insert("lora_dropout".into(), json!(0.0));
     }
     let known =

@@ -108,7 +108,7 @@ impl LoraConfig {
         }
         if self.dropout != 0.0 {
             return bad(format!(
-                "dropout {} is not supported: Strata trains without dropout (set it to 0.0)",
+                "dropout {} is not supported: adapters train without dropout (set it to 0.0)",
                 self.dropout
             ));
         }

@@ -292,7 +292,7 @@ fn lora_refuses_what_it_cannot_adapt() {
     refuse(json!({"target_modules": ["embed_tokens"]}), "names no linear layer");
     refuse(json!({"modules_to_save": ["score"]}), "modules_to_save \"score\" names no module");
     refuse(json!({"r": 0}), "r must be positive");
-    refuse(json!({"dropout": 0.1}), "Strata trains without dropout");
+    refuse(json!({"dropout": 0.1}), "adapters train without dropout");
     refuse(json!({"rank": 8}), "unknown field `rank`");
     // A folder's configuration matches the strategy's whatever order it lists names in.
     let given = lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"]}));
