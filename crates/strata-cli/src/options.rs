@@ -237,6 +237,10 @@ train_options! {
     /// auto: from --save-checkpoint's newest checkpoint if it has one (a restarted job),
     /// else from the start.
     resume: PathBuf,
+    /// With --resume: read the data from its start in this run's order, so --seed,
+    /// --batch-size and --ctx may differ from the checkpoint's; the weights, optimizer state,
+    /// schedule and step count continue.
+    restart_data: bool,
     /// Seconds to wait for the other ranks and the store (joining, every collective).
     comm_timeout: f64,
     /// Backends of the ranks' collectives, per device type ("cpu:shm,cuda:nccl"). Default:
@@ -386,6 +390,7 @@ pub struct TrainSettings {
     pub checkpoint_every: Option<u64>,
     pub keep_checkpoints: usize,
     pub resume: Option<Resume>,
+    pub restart_data: bool,
     pub comm_timeout: std::time::Duration,
     pub comm_backend: Option<String>,
 }
@@ -856,6 +861,10 @@ impl TrainOptions {
             keep_checkpoints: match o.keep_checkpoints {
                 Some(0) => bail!("--keep-checkpoints must be at least 1 (the checkpoint just saved)"),
                 k => k.unwrap_or(2),
+            },
+            restart_data: match (o.restart_data.unwrap_or(false), &resume) {
+                (true, None) => bail!("--restart-data restarts a resumed run's data: give --resume"),
+                (restart, _) => restart,
             },
             resume,
             comm_backend: o.comm_backend,

@@ -265,6 +265,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
             keep: s.keep_checkpoints,
         }),
         resume: s.resume.clone(),
+        restart_data: s.restart_data,
         outputs: Outputs {
             weights: s.save_weights.clone(),
             model_folder: model_folder(s, model)?,

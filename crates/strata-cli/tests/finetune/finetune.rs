@@ -404,3 +404,41 @@ fn a_resumed_run_continues_the_epoch_where_it_stopped() {
     let gap = common::global_gap(&whole.0, &resumed.0);
     assert_eq!(gap, 0.0, "the resumed run's weights differ by {gap:e}");
 }
+
+/// A resume whose seed and batch size differ from the checkpoint's is refused in one line
+/// naming each and what it changes. Asked to restart the data, the run reads the data from
+/// its start in its own order while the step count continues; stopped on the way and
+/// resumed plainly, it continues that order exactly (the same weights as not stopping).
+#[test]
+fn a_resume_names_what_differs_and_restarts_the_data_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let path = |name: &str| d.join(name).to_str().unwrap().to_string();
+    let (first, restarted) = (path("first"), path("restarted"));
+    train(d, "first", &["--steps", "4", "--save-checkpoint", &first]);
+    let data = example_file(d);
+    let (model, run) = (MODEL.replace("--seed 3", "--seed 5"), RUN.replace("--batch-size 32", "--batch-size 16"));
+    let other = |name: &str, extra: &[&str]| {
+        let files = ["--data", data.to_str().unwrap(), "--save-weights", &path(&format!("{name}.st"))];
+        let args = [&["train"][..], &files, &words(&model), &words(&run), extra].concat();
+        strata_env(&args, &[("STRATA_CACHE", &path("cache"))])
+    };
+    let o = other("refused", &["--steps", "6", "--resume", &first]);
+    assert_fails_with(
+        &o,
+        "seed 5 (saved: 3) draws another order of the rows and other dropout masks; batch size 16 (saved: 32) puts \
+         other rows into step 4",
+    );
+    assert_eq!(stderr(&o).lines().filter(|l| l.starts_with("error")).count(), 1, "{}", stderr(&o));
+    let runs: [(&str, &[&str]); 3] = [
+        ("whole", &["--steps", "8", "--resume", &first, "--restart-data", "true"]),
+        ("part", &["--steps", "6", "--resume", &first, "--restart-data", "true", "--save-checkpoint", &restarted]),
+        ("rest", &["--steps", "8", "--resume", "auto", "--save-checkpoint", &restarted]),
+    ];
+    for (name, extra) in runs {
+        let o = other(name, extra);
+        assert!(o.status.success(), "{name}:\n{}", stderr(&o));
+    }
+    let gap = common::global_gap(Path::new(&path("whole.st")), Path::new(&path("rest.st")));
+    assert_eq!(gap, 0.0, "the run restarted, stopped and resumed differs by {gap:e}");
+}

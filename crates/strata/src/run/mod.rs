@@ -219,6 +219,12 @@ pub struct RunConfig {
     pub eval_batches: Option<usize>,
     pub checkpoints: Option<Checkpoints>,
     pub resume: Option<Resume>,
+    /// Resuming, read the data from its first step in this run's order (its seed, batch
+    /// size and context, which may then differ from the checkpoint's), the weights,
+    /// optimizer state, schedule and step count continuing — `transformers`' Trainer's
+    /// `ignore_data_skip`. Otherwise a resume continues the saved run's data exactly and
+    /// refuses settings that would change it.
+    pub restart_data: bool,
     pub outputs: Outputs,
     /// Time each unit's forward and backward into the metrics (under a pipeline, each on
     /// the rank of its stage).
@@ -263,6 +269,7 @@ impl Default for RunConfig {
             eval_batches: None,
             checkpoints: None,
             resume: None,
+            restart_data: false,
             outputs: Outputs::default(),
             unit_times: false,
             cuda_graph: false,
@@ -314,15 +321,25 @@ impl RunConfig {
             },
         };
         let ckpt = Checkpoint::open(&path)?;
-        let saved = &ckpt.meta.data;
-        let here = self.data_position(saved.next_step);
-        if *saved != here {
+        let differences = data_differences(&ckpt.meta.data, &self.data_position(ckpt.meta.data.next_step));
+        if !differences.is_empty() && !self.restart_data {
             return Err(Error::Checkpoint(format!(
-                "{}: saved with seed {}, batch size {}, ctx {}; this run has seed {}, batch size {}, ctx {}: it would not continue the same run",
-                ckpt.location.display(), saved.seed, saved.batch_size, saved.ctx, here.seed, here.batch_size, here.ctx
+                "{}: this run's {} — it would not continue the saved run's data (--restart-data true reads the data from \
+                 its start in this run's order, the weights, optimizer and step count continuing)",
+                ckpt.location.display(),
+                differences.join("; ")
             )));
         }
         Ok(Some(ckpt))
+    }
+
+    /// The step of the data at which a run resumed from `resumed` (or starting fresh)
+    /// begins: the saved run's next step, or its first where the data restarts.
+    fn first_data_step(&self, resumed: Option<&Checkpoint>) -> u64 {
+        match resumed {
+            Some(ckpt) if !self.restart_data => ckpt.meta.data.next_step,
+            _ => 0,
+        }
     }
 
     /// Every output location is checked before the first step (and before any search), so
@@ -598,13 +615,15 @@ pub fn train(
         info!(step = ckpt.meta.step, from = %ckpt.location.display(), saved_world_size = ckpt.meta.world_size, "resumed");
     }
     let start = trainer.step();
+    // Where the data stands at `start`: each step reads the data's next step.
+    let data_start = config.first_data_step(resume.as_ref());
     if start > config.steps {
         return Err(Error::Checkpoint(format!(
             "the checkpoint is at step {start}, past the run's {} steps",
             config.steps
         )));
     }
-    let loader_config = LoaderConfig { start_step: start as usize, ..loader_config };
+    let loader_config = LoaderConfig { start_step: data_start as usize, ..loader_config };
     let val_steps =
         data.validation.as_ref().map(|v| validation_steps(v, &loader_config, config.eval_batches, 8)).transpose()?;
     let loader = DataLoader::new(data.train.clone(), loader_config)?;
@@ -615,7 +634,7 @@ pub fn train(
             world_size: ranks.world(),
             strategy: strategy.to_value(),
             optimizer: optimizer_name.clone(),
-            data: config.data_position(trainer.step()),
+            data: config.data_position(data_start + trainer.step() - start),
             loss_scaler: trainer.scaling.scaler.clone(),
             model: model.config.clone(),
             saves_frozen: !base_in_init,
@@ -721,6 +740,27 @@ fn load_initial_weights(init: &[InitialWeights], engine: &mut Engine) -> Result<
         }
     }
     Ok(())
+}
+
+/// What of this run's data settings differ from the saved run's, each with what it changes.
+fn data_differences(saved: &DataPosition, here: &DataPosition) -> Vec<String> {
+    let mut differences = vec![];
+    if saved.seed != here.seed {
+        differences.push(format!(
+            "seed {} (saved: {}) draws another order of the rows and other dropout masks",
+            here.seed, saved.seed
+        ));
+    }
+    if saved.batch_size != here.batch_size {
+        differences.push(format!(
+            "batch size {} (saved: {}) puts other rows into step {}",
+            here.batch_size, saved.batch_size, saved.next_step
+        ));
+    }
+    if saved.ctx != here.ctx {
+        differences.push(format!("ctx {} (saved: {}) cuts other rows", here.ctx, saved.ctx));
+    }
+    differences
 }
 
 /// Each rank's engine: device, seed and memory budgets.
