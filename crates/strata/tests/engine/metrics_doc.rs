@@ -1,0 +1,101 @@
+//! docs/metrics.md names every field a step's metrics object holds, and nothing else: the
+//! page's table against a report with every optional part present, flattened into paths.
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use strata::engine::memory::{PlacementReport, Transfers};
+use strata::engine::{Category, Placement, UnitTime};
+use strata::model::BalanceReport;
+use strata::train::{PipelineFigures, StepReport};
+
+/// A report whose every optional field is filled (a new field must be given here, so it
+/// reaches the comparison).
+fn full_report() -> StepReport {
+    let categories = [Category::Params, Category::Grads, Category::OptimizerState, Category::Activations];
+    let placement = PlacementReport { current: 1, peak: 2, by_category: categories.map(|c| (c, 1)).into(), pinned: 0 };
+    StepReport {
+        step: 1,
+        loss: 1.0,
+        supervised_tokens: 1,
+        lr: 1.0,
+        grad_norm: Some(1.0),
+        tokens: 1,
+        seconds: 1.0,
+        tokens_per_s: 1.0,
+        peak_bytes: 1,
+        loss_scale: Some(1.0),
+        skipped: false,
+        allocator_peak_bytes: Some(1),
+        model_state_peak_bytes: 1,
+        memory: BTreeMap::from([(Placement::Device, placement.clone()), (Placement::Host, placement)]),
+        rss_peak_bytes: Some(1),
+        comm_wait_s: 0.0,
+        transfers: Transfers::default(),
+        unit_times: Some(vec![UnitTime { kept_bytes: Some(1), ..UnitTime::default() }]),
+        pipeline: Some(PipelineFigures {
+            bubble: vec![0.0],
+            micro_batches_held: vec![1],
+            activation_peak_bytes: vec![1],
+            outputs_freed: vec![0],
+            mean_op_seconds: vec![[0.0; 3]],
+        }),
+        experts: Some(BalanceReport {
+            aux_loss: 1.0,
+            min_expert_tokens: 1,
+            max_expert_tokens: 1,
+            remote_expert_tokens: 0,
+            dropped_expert_tokens: 0,
+            z_loss: 0.0,
+        }),
+        val_loss: Some(1.0),
+        val_perplexity: Some(1.0),
+    }
+}
+
+/// The paths of `value`'s leaves under `prefix`: the placements' and categories' map keys
+/// as `<placement>` and `<category>`, a list of objects as `[]`.
+fn paths(value: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    match value {
+        Value::Object(fields) => {
+            for (key, v) in fields {
+                let key = match prefix {
+                    "memory" => "<placement>",
+                    p if p.ends_with(".by_category") => "<category>",
+                    _ => key,
+                };
+                let path = if prefix.is_empty() { key.to_string() } else { format!("{prefix}.{key}") };
+                paths(v, &path, out);
+            }
+        }
+        Value::Array(items) if items.first().is_some_and(Value::is_object) => {
+            paths(&items[0], &format!("{prefix}[]"), out)
+        }
+        _ => {
+            out.insert(prefix.to_string());
+        }
+    }
+}
+
+#[test]
+fn the_metrics_page_names_every_field_and_only_those() {
+    let mut written = BTreeSet::new();
+    paths(&serde_json::to_value(full_report()).unwrap(), "", &mut written);
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/metrics.md")).unwrap();
+    let documented: BTreeSet<String> = page
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split_once('`').map(|(name, _)| name.to_string()))
+        .collect();
+    let missing: Vec<_> = written.difference(&documented).collect();
+    let gone: Vec<_> = documented.difference(&written).collect();
+    assert!(missing.is_empty(), "metrics fields docs/metrics.md lacks: {missing:?}");
+    assert!(gone.is_empty(), "docs/metrics.md names fields the code no longer writes: {gone:?}");
+    // The map keys the placeholders stand for, each named on the page.
+    for key in [serde_json::to_value(Placement::Device), serde_json::to_value(Placement::Host)] {
+        let key = key.unwrap();
+        assert!(page.contains(&format!("`{}`", key.as_str().unwrap())), "docs/metrics.md: placement {key}");
+    }
+    for c in [Category::Params, Category::Grads, Category::OptimizerState, Category::Activations] {
+        let key = serde_json::to_value(c).unwrap();
+        assert!(page.contains(&format!("`{}`", key.as_str().unwrap())), "docs/metrics.md: category {key}");
+    }
+}
