@@ -4,5 +4,5 @@
 mod architecture;
 mod engine;
 mod memory;
-mod metrics_doc;
 mod plan;
+mod reference_docs;

@@ -1,5 +1,7 @@
-//! docs/metrics.md names every field a step's metrics object holds, and nothing else: the
-//! page's table against a report with every optional part present, flattened into paths.
+//! The reference pages against the code, both ways: docs/metrics.md names every field a
+//! step's metrics object holds (a report with every optional part present, flattened into
+//! paths), docs/strategies.md every method and every option of each method's
+//! configuration, and neither names one the code lacks.
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use strata::engine::memory::{PlacementReport, Transfers};
@@ -51,6 +53,14 @@ fn full_report() -> StepReport {
     }
 }
 
+/// The names in backticks that open the rows of `page`'s tables.
+fn table_names(page: &str) -> BTreeSet<String> {
+    page.lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split_once('`').map(|(name, _)| name.to_string()))
+        .collect()
+}
+
 /// The paths of `value`'s leaves under `prefix`: the placements' and categories' map keys
 /// as `<placement>` and `<category>`, a list of objects as `[]`.
 fn paths(value: &Value, prefix: &str, out: &mut BTreeSet<String>) {
@@ -80,11 +90,7 @@ fn the_metrics_page_names_every_field_and_only_those() {
     let mut written = BTreeSet::new();
     paths(&serde_json::to_value(full_report()).unwrap(), "", &mut written);
     let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/metrics.md")).unwrap();
-    let documented: BTreeSet<String> = page
-        .lines()
-        .filter_map(|l| l.strip_prefix("| `"))
-        .filter_map(|l| l.split_once('`').map(|(name, _)| name.to_string()))
-        .collect();
+    let documented = table_names(&page);
     let missing: Vec<_> = written.difference(&documented).collect();
     let gone: Vec<_> = documented.difference(&written).collect();
     assert!(missing.is_empty(), "metrics fields docs/metrics.md lacks: {missing:?}");
@@ -98,4 +104,44 @@ fn the_metrics_page_names_every_field_and_only_those() {
         let key = serde_json::to_value(c).unwrap();
         assert!(page.contains(&format!("`{}`", key.as_str().unwrap())), "docs/metrics.md: category {key}");
     }
+}
+
+/// The option names of `config` (a method's configuration as JSON), nested objects' too.
+fn option_names(config: &Value, out: &mut BTreeSet<String>) {
+    if let Value::Object(fields) = config {
+        for (key, v) in fields {
+            out.insert(key.clone());
+            option_names(v, out);
+        }
+    }
+}
+
+#[test]
+fn the_strategies_page_names_every_method_and_option_and_only_those() {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/strategies.md")).unwrap();
+    let mut options = BTreeSet::new();
+    for method in strata::strategy::METHODS {
+        // A method with no defaults is given the least it takes, a split its dimension.
+        let mode = |dims: &str| format!(r#"["parallel_mode", [[{dims}], null]], "#);
+        let text = match method {
+            "checkpoint" => r#"[["checkpoint", ["GptBlock"]]]"#.to_string(),
+            "expert_parallel" => r#"[["expert_parallel", {"size": 2}]]"#.to_string(),
+            "tensor_parallel" => format!(r#"[{}"{method}"]"#, mode(r#"["tensor", 2]"#)),
+            "pipeline_parallel" => format!(r#"[{}"{method}"]"#, mode(r#"["pipeline", 2]"#)),
+            "mixed_parallel" | "ds_3d_parallel" => {
+                format!(r#"[{}"{method}"]"#, mode(r#"["tensor", 2], ["pipeline", 2]"#))
+            }
+            _ => format!(r#"["{method}"]"#),
+        };
+        let strategy = strata::strategy::Strategy::parse(&text).unwrap_or_else(|e| panic!("{method}: {e}"));
+        let value = strategy.to_value();
+        let entry = value.as_array().unwrap().iter().find(|m| m[0] == method).unwrap();
+        option_names(&entry[1], &mut options);
+        assert!(page.contains(&format!("| `{method}` |")), "docs/strategies.md has no row for method {method}");
+    }
+    let missing: Vec<_> = options.iter().filter(|o| !page.contains(&format!("`{o}`"))).collect();
+    assert!(missing.is_empty(), "strategy options docs/strategies.md does not name: {missing:?}");
+    let known: BTreeSet<String> = strata::strategy::METHODS.iter().map(|m| m.to_string()).chain(options).collect();
+    let gone: Vec<_> = table_names(&page).into_iter().filter(|n| !known.contains(n)).collect();
+    assert!(gone.is_empty(), "docs/strategies.md names methods or options the code lacks: {gone:?}");
 }
