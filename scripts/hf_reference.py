@@ -207,7 +207,7 @@ def build(family, seed):
         cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB,
                              rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                             rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+                             rope_parameters={"rope_type": "default", "rope_theta": 500.0}, attention_dropout=0.1)
         return tf.LlamaForCausalLM(cfg)
     if family == "qwen2":
         cfg = tf.Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -370,6 +370,10 @@ def dropout_sites(model):
             at(layer.output.dropout, (unit, 2))
         if hasattr(model, "classifier"):
             at(model.dropout, ("head", 0))
+    elif hasattr(model, "model") and hasattr(model.model, "layers"):
+        # The decoder families drop their attention probabilities alone.
+        for i, layer in enumerate(model.model.layers):
+            at(layer.self_attn, (f"model.layers.{i}", 0))
     elif kind == "t5":
         for name, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
             last = f"{name}.block.{len(stack.block) - 1}" if name == "encoder" else "head"

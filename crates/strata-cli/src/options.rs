@@ -81,9 +81,10 @@ train_options! {
     /// logsumexp(router logits)² summed over sparse layers (default: the folder's
     /// router_z_loss_coef, else 0).
     router_z_loss: f64,
-    /// GPT-2, BERT and T5: dropout at every site the model has (default: the model folder's
-    /// rates, none for a model from shape flags); 0 turns it off. Masks follow the seed, the
-    /// step and each element's place in the global batch, so any layout draws the same.
+    /// Dropout at every site the model has (the decoder's: its attention probabilities;
+    /// default: the model folder's rates, none for a model from shape flags); 0 turns it
+    /// off. Masks follow the seed, the step and each element's place in the global batch,
+    /// so any layout draws the same.
     dropout: f64,
     /// GPT and LLaMA: the norms' epsilon (default 1e-5).
     norm_eps: f64,
@@ -456,9 +457,7 @@ impl TrainSettings {
             moe.validate()?;
         }
         if let Some(rate) = self.dropout {
-            let Some(rates) = config.dropout_mut() else {
-                bail!("--dropout: this model has no dropout sites (GPT-2, BERT and T5 have)")
-            };
+            let Some(rates) = config.dropout_mut() else { bail!("--dropout: the MLP model has no dropout sites") };
             *rates = DropoutRates::all(rate);
             rates.validate().context("--dropout")?;
         }

@@ -1,6 +1,8 @@
 //! The command-line page documents every command and flag exactly: every flag `strata train`
 //! takes has a row in docs/cli.md's options table, every other command has a synopsis line
-//! naming each of its flags, and every flag the page names exists.
+//! naming each of its flags, and every flag the page names exists. The environment page names
+//! every variable the code reads, and the troubleshooting page quotes only messages the code
+//! still says.
 use crate::common;
 use std::collections::BTreeSet;
 
@@ -192,4 +194,35 @@ fn every_environment_variable_is_documented() {
     let gone: Vec<_> = documented.difference(&read).collect();
     assert!(undocumented.is_empty(), "variables the code reads missing from docs/environment.md: {undocumented:?}");
     assert!(gone.is_empty(), "docs/environment.md documents variables the code no longer names: {gone:?}");
+}
+
+/// The error lines of `page`'s ```text blocks, without their `error: `.
+fn quoted_errors(page: &str) -> Vec<String> {
+    let mut inside = false;
+    let mut out = vec![];
+    for line in page.lines() {
+        if line.starts_with("```") {
+            inside = line == "```text";
+        } else if let Some(message) = line.strip_prefix("error: ").filter(|_| inside) {
+            out.push(message.to_string());
+        }
+    }
+    out
+}
+
+/// Each error message the troubleshooting page quotes is still the code's: split where
+/// figures and names vary (`…`) and where messages nest (`: `), every piece long enough to
+/// mean something stands in some source file.
+#[test]
+fn every_message_the_troubleshooting_page_quotes_is_in_the_code() {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/troubleshooting.md")).unwrap();
+    let code: String = sources().iter().map(|f| std::fs::read_to_string(f).unwrap()).collect();
+    let messages = quoted_errors(&page);
+    assert!(messages.len() >= 6, "the page quotes its messages in ```text blocks: {messages:?}");
+    for message in messages {
+        let pieces = message.split('…').flat_map(|p| p.split(": ")).map(str::trim);
+        for piece in pieces.filter(|p| p.chars().count() >= 12) {
+            assert!(code.contains(piece), "docs/troubleshooting.md quotes {piece:?} ({message}), which no source says");
+        }
+    }
 }

@@ -22,7 +22,7 @@ fn words(flags: &str) -> Vec<&str> {
 /// 96 prompt-and-completion records of different lengths: sums written out, with prompts of
 /// 10 to 40 bytes and completions of 2 to 12, so micro-batches hold very different numbers
 /// of learned tokens.
-fn example_file(dir: &Path) -> PathBuf {
+pub(crate) fn example_file(dir: &Path) -> PathBuf {
     let path = dir.join("sums.jsonl");
     let mut state = 12345u64;
     let mut next = |n: u64| {

@@ -656,7 +656,7 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
 
 /// Labeled reviews over the BERT folder's words, positive where "good" outnumbers "bad";
 /// as JSON Lines, or CSV where `csv`.
-fn reviews(count: usize, seed: u64, csv: bool) -> String {
+pub(crate) fn reviews(count: usize, seed: u64, csv: bool) -> String {
     let mut state = seed;
     let mut draw = |n: u64| {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

@@ -8,3 +8,4 @@ mod hf;
 #[path = "../../../strata/tests/common/hf_reference.rs"]
 mod hf_reference;
 mod seq2seq;
+mod walkthroughs;

@@ -30,7 +30,7 @@ const CLAUSES: [(&str, &str); 10] = [
 
 /// `count` records, each a source of two or three of the clauses in a drawn order and its
 /// summary, the first of them; records of `seed` draw other orders.
-fn summaries(count: usize, seed: u64) -> String {
+pub(crate) fn summaries(count: usize, seed: u64) -> String {
     let mut x = seed;
     let mut draw = move |n: u64| {
         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

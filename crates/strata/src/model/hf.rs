@@ -401,7 +401,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         "vocab_size": c.vocab,
         "rms_norm_eps": c.norm_eps,
         "tie_word_embeddings": c.tie_embeddings,
-        "attention_dropout": 0.0,
+        "attention_dropout": c.dropout.attention,
     });
     let rope = |r: &Rope| {
         let mut p = json!({"rope_theta": r.theta});
@@ -924,7 +924,7 @@ impl Keys<'_> {
             _ => max_positions,
         };
         let (sliding_window, layer_types) = self.windows(family, layers)?;
-        self.note_dropout(&["attention_dropout", "resid_pdrop", "embd_pdrop"])?;
+        self.note_dropout(&["resid_pdrop", "embd_pdrop"])?;
         let softcap = |key: &str, default: Option<f64>| -> KeyResult<Option<f64>> {
             Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
         };
@@ -960,6 +960,8 @@ impl Keys<'_> {
             fused_projections: family == Family::Phi3,
             padding_token: self.int("pad_token_id")?,
             moe,
+            // The decoder families' own default is no dropout.
+            dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, ..DropoutRates::NONE },
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
         })
     }

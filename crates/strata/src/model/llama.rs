@@ -28,8 +28,8 @@ use super::layers::{
 use super::moe::{Expert, LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
-    default_norm_eps, positive, Builder, DecodeCache, ExpertSet, Init, Kept, ParamId, Params, TokenEmbedding, TpRole,
-    Unit, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
+    default_norm_eps, positive, Builder, DecodeCache, DropoutRates, ExpertSet, Init, Kept, ParamId, Params,
+    TokenEmbedding, TpRole, Unit, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -150,6 +150,10 @@ pub struct LlamaConfig {
     /// Experts in place of the feed-forward on the layers it makes sparse.
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// Dropout in training: the decoder drops attention probabilities alone (its folders'
+    /// `attention_dropout`), at `attention`'s rate; the other sites are not the decoder's.
+    #[serde(default)]
+    pub dropout: DropoutRates,
 }
 
 fn whole_rotation() -> f64 {
@@ -190,6 +194,7 @@ impl LlamaConfig {
             fused_projections: false,
             padding_token: None,
             moe: None,
+            dropout: DropoutRates::NONE,
         }
     }
 
@@ -230,6 +235,7 @@ impl LlamaConfig {
             ("ffn_dim", self.hidden()),
             ("kv_heads", self.key_value_heads()),
         ])?;
+        self.dropout.validate()?;
         if self.heads % self.key_value_heads() != 0 {
             return Err(Error::Config(format!(
                 "kv_heads {} must divide the {} query heads (each key/value head serves a whole group)",
@@ -376,6 +382,8 @@ struct LlamaBlock {
     head_dim: i64,
     rotation: Rotation,
     attention: AttentionOptions,
+    /// Dropout of the attention probabilities (site 0).
+    attention_dropout: f64,
     kinds: Kinds,
 }
 
@@ -465,7 +473,8 @@ impl LlamaBlock {
         } else {
             (k, v)
         };
-        let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref(), None, None)?)?;
+        let probs = p.dropping(self.attention_dropout, 0, &[tp.rank() * heads]);
+        let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref(), None, probs.as_ref())?)?;
         let attended = p.row_linear(&y, self.o.0, self.o.1)?;
         let (x, h) = self.kinds.add_norm(
             x,
@@ -526,6 +535,7 @@ impl Unit for LlamaHead {
 /// The decoder's model function: units `embedding`, `model.layers.{i}`, `head`.
 pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
+    b.dropout(&DropoutRates { attention: cfg.dropout.attention, ..DropoutRates::NONE });
     let (d, f, hd) = (cfg.dim, cfg.hidden(), cfg.head_width());
     let (heads, kv_heads) = (cfg.heads, cfg.key_value_heads());
     let (q_out, kv_out) = (heads * hd, kv_heads * hd);
@@ -679,7 +689,8 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
             None => (4.0 * cfg.hidden() as f64, 0.0),
         };
-        let kept = Kept::block(10.0 * d as f64 + feed_forward_kept + 7.0, cfg.heads, d);
+        let kept = Kept::block(10.0 * d as f64 + feed_forward_kept + 7.0, cfg.heads, d)
+            .with_dropout(0.0, cfg.dropout.attention > 0.0);
         u.declare_cost(UnitCost { idle_weights, ..UnitCost::attending(kept, cfg.heads * cfg.head_width()) });
         u.finish(LlamaBlock {
             input_norm,
@@ -702,6 +713,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 softcap: cfg.attn_softcap,
                 bidirectional: false,
             },
+            attention_dropout: cfg.dropout.attention,
             kinds,
         });
     }

@@ -69,13 +69,15 @@ impl ModelConfig {
         }
     }
 
-    /// The dropout rates of a model that has dropout sites (GPT, BERT, T5), to change.
+    /// The dropout rates of a model that has dropout sites (all but the MLP; the decoder
+    /// reads only `attention`), to change.
     pub fn dropout_mut(&mut self) -> Option<&mut DropoutRates> {
         match self {
             ModelConfig::Gpt(c) => Some(&mut c.dropout),
             ModelConfig::Bert(c) => Some(&mut c.dropout),
             ModelConfig::T5(c) => Some(&mut c.dropout),
-            ModelConfig::Llama(_) | ModelConfig::Mlp(_) => None,
+            ModelConfig::Llama(c) => Some(&mut c.dropout),
+            ModelConfig::Mlp(_) => None,
         }
     }
 

@@ -1,0 +1,88 @@
+//! docs/walkthroughs.md's scripts run as they are, each with tiny folders and files, a few
+//! steps and the CPU in place of its defaults: every command works, and each evaluation
+//! prints its figures.
+use crate::common;
+use crate::hf_reference::{python, reference};
+use std::path::Path;
+use std::process::Command;
+
+/// The script under the walkthrough's heading.
+fn script(title: &str) -> String {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/walkthroughs.md")).unwrap();
+    let section =
+        page.split("\n## ").find(|s| s.starts_with(title)).unwrap_or_else(|| panic!("no walkthrough {title:?}"));
+    let block = section.split("```sh\n").nth(1).unwrap_or_else(|| panic!("{title}: no script"));
+    block.split("\n```").next().unwrap().to_string()
+}
+
+/// Runs walkthrough `title` in `dir` with `env` in place of its defaults, `strata` the
+/// binary under test; returns its standard output.
+fn run(title: &str, dir: &Path, env: &[(&str, &str)]) -> String {
+    let bin = Path::new(&common::binary()).parent().unwrap().to_path_buf();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let mut c = Command::new("bash");
+    c.args(["-euo", "pipefail", "-c", &script(title)]).current_dir(dir).env("PATH", path).env("DEVICE", "cpu");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{title}:\n{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn every_walkthrough_runs_as_written() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let folder = |family: &str| {
+        let out = d.join(family);
+        reference(&py, &["make", "--family", family, "--out", s(&out)]);
+        out
+    };
+    let write = |name: &str, text: String| {
+        std::fs::write(d.join(name), text).unwrap();
+        d.join(name)
+    };
+    let (llama, t5, bert) = (folder("llama"), folder("t5"), folder("bert-classifier"));
+
+    let sums = crate::finetune::example_file(d);
+    let tiny = [("NPROC", "2"), ("STEPS", "2"), ("PROMPT", "3+4=")];
+    let env = [&tiny[..], &[("MODEL", s(&llama)), ("DATA", s(&sums)), ("VAL", s(&sums)), ("LENGTH", "48")]].concat();
+    let out = run("Instruction-tune", d, &env);
+    assert!(out.contains("\"val_loss\""), "the evaluation's figures: {out}");
+    assert!(d.join("adapter/adapter_config.json").is_file() && d.join("merged/config.json").is_file());
+
+    let (train, val) =
+        (write("s.jsonl", crate::seq2seq::summaries(32, 3)), write("v.jsonl", crate::seq2seq::summaries(8, 4)));
+    let env = [&tiny[..], &[("MODEL", s(&t5)), ("DATA", s(&train)), ("VAL", s(&val)), ("CTX", "40")]].concat();
+    let out = run("Summarize", d, &env);
+    assert!(out.contains("\"rouge_l\""), "the evaluation's figures: {out}");
+
+    let (train, val) =
+        (write("r.csv", crate::hf::reviews(64, 1, true)), write("r.jsonl", crate::hf::reviews(32, 2, false)));
+    let env = [&tiny[..], &[("MODEL", s(&bert)), ("DATA", s(&train)), ("VAL", s(&val)), ("CTX", "16")]].concat();
+    let out = run("Classify", d, &env);
+    assert!(out.contains("\"accuracy\"") && out.contains("\"macro_f1\""), "the evaluation's figures: {out}");
+
+    let words = ["the", "was", "it", "of", "and", "a"];
+    let text = (0..3000).map(|i| words[(i * 7 + i / 5) % words.len()]).collect::<Vec<_>>().join(" ");
+    let (corpus, tokenizer) = (write("corpus.txt", text), llama.join("tokenizer.json"));
+    let env = [
+        &tiny[..],
+        &[("TEXT", s(&corpus)), ("TOKENIZER", s(&tokenizer)), ("STEPS", "4"), ("EVERY", "1")],
+        &[("SHAPE", "--layers 1 --heads 2 --dim 16 --ctx 16")],
+    ]
+    .concat();
+    run("Pretrain", d, &env);
+    let metrics = std::fs::read_to_string(d.join("pretrain.jsonl")).unwrap();
+    let steps: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4], "stopped after two steps, resumed to four: {steps:?}");
+}
