@@ -37,10 +37,14 @@ const FORMAT: &str = "strata-checkpoint-1";
 /// Metadata key of a merged file that carries the checkpoint's description.
 const MERGED_KEY: &str = "strata_checkpoint";
 
+/// One parameter as a checkpoint records it: its name, shape, unit and place in the unit's layout.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ParamEntry {
+    /// The parameter's name in the model.
     pub name: String,
+    /// The whole (unsplit) parameter's shape.
     pub shape: Vec<i64>,
+    /// Index of the unit that owns it.
     pub unit: usize,
     /// Position in the unit's whole (unsplit) flat layout.
     pub offset: i64,
@@ -68,27 +72,39 @@ fn one() -> usize {
 /// Where the data loader stands and how it was configured (all must match to resume exactly).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DataPosition {
+    /// The loader's shuffling seed.
     pub seed: u64,
+    /// Rows per optimizer step over all ranks.
     pub batch_size: usize,
+    /// Positions per row.
     pub ctx: usize,
     /// Index of the next step the loader produces.
     pub next_step: u64,
 }
 
+/// A checkpoint's description: `meta.json` of a folder, or a merged file's metadata.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Meta {
+    /// The format's name and version (`strata-checkpoint-1`).
     pub format: String,
+    /// Training steps completed when it was saved.
     pub step: u64,
+    /// Ranks that saved it.
     pub world_size: usize,
+    /// The run's strategy in list form.
     pub strategy: serde_json::Value,
+    /// Every parameter of the whole model, in `ParamId` order.
     pub params: Vec<ParamEntry>,
     /// Elements of each unit's whole flat layout (without padding).
     pub unit_numel: Vec<i64>,
     /// Ranks each unit was split over (tensor parallelism); the rank files hold pieces.
     #[serde(default = "one")]
     pub tensor_size: usize,
+    /// The optimizer's name (e.g. `adamw`); a resume must use the same.
     pub optimizer: String,
+    /// Names of the optimizer's states (e.g. `exp_avg`), each stored per unit beside `param`.
     pub state_names: Vec<String>,
+    /// Where the data loader stands, for an exact resume.
     pub data: DataPosition,
     /// The loss scaler's state, when the run scales its loss.
     #[serde(default)]
@@ -110,12 +126,19 @@ pub struct Meta {
 
 /// What a training run puts in a checkpoint besides the model states.
 pub struct RunInfo {
+    /// Training steps completed.
     pub step: u64,
+    /// Ranks taking part.
     pub world_size: usize,
+    /// The run's strategy in list form.
     pub strategy: serde_json::Value,
+    /// The optimizer's name (e.g. `adamw`).
     pub optimizer: String,
+    /// Where the data loader stands.
     pub data: DataPosition,
+    /// The loss scaler's state, when the run scales its loss.
     pub loss_scaler: Option<LossScaler>,
+    /// The built-in model trained, where the run used one.
     pub model: Option<ModelConfig>,
     /// Store the units' frozen heads: false where they come from the run's initial weights
     /// (a model folder or weights file), which a resumed run loads again.
@@ -130,8 +153,11 @@ fn state_names(optimizer: &Optimizer) -> Vec<String> {
 /// units' sizes, and the tensor size its units are split over.
 #[derive(Clone, Debug)]
 pub struct Layout {
+    /// Every parameter, in `ParamId` order.
     pub params: Vec<ParamEntry>,
+    /// Elements of each unit's whole flat layout (without padding).
     pub unit_numel: Vec<i64>,
+    /// Ranks each unit is split over (tensor parallelism).
     pub tensor_size: usize,
 }
 
@@ -177,8 +203,11 @@ impl Layout {
 /// An engine and its optimizer that hold units `first_unit..` of the whole model (all of
 /// it, or a pipeline stage's).
 pub struct Part<'a> {
+    /// The engine holding the part's units.
     pub engine: &'a mut Engine,
+    /// The optimizer over the engine's parameters.
     pub optimizer: &'a mut Optimizer,
+    /// Index in the whole model of the engine's first unit.
     pub first_unit: usize,
 }
 
@@ -498,7 +527,9 @@ struct Piece {
 
 /// A checkpoint opened for reading: its description and where every range lives.
 pub struct Checkpoint {
+    /// The checkpoint's description.
     pub meta: Meta,
+    /// The checkpoint's folder, or the merged file.
     pub location: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
     /// By (what, tensor rank, unit): "param" or a state name.

@@ -11,6 +11,7 @@ use tch::{Kind, Tensor};
 /// How tokens are chosen and when generation stops.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GenerateConfig {
+    /// The most tokens generated after the prompt.
     pub max_new_tokens: usize,
     /// Divides the logits before sampling; 0 chooses the most likely token (greedy).
     pub temperature: f64,
@@ -41,6 +42,7 @@ impl Default for GenerateConfig {
 }
 
 impl GenerateConfig {
+    /// Refuses a negative or non-finite temperature, a `top_k` of 0 and a `top_p` outside (0, 1].
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return Err(Error::Config(format!("temperature must be 0 (greedy) or positive, got {}", self.temperature)));

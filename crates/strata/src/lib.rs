@@ -45,6 +45,8 @@
 //! }
 //! # Ok(()) }
 //! ```
+// Every public item says what it is: the crate is read as a guide.
+#![warn(missing_docs)]
 
 pub mod auto;
 pub mod checkpoint;

@@ -26,6 +26,7 @@ use tch::{Device, Tensor};
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PatrickStarConfig {
+    /// The `optimizer` section (Adam with PatrickStar's defaults where absent).
     pub optimizer: OptimizerSection,
     /// Loss scaling; absent: none.
     pub fp16: Option<Fp16Section>,
@@ -53,12 +54,14 @@ impl Default for PatrickStarConfig {
     }
 }
 
+/// The `optimizer` section: Adam's kind and hyper-parameters.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OptimizerSection {
     /// `Adam` or `AdamW`.
     #[serde(rename = "type")]
     pub kind: String,
+    /// The optimizer's hyper-parameters.
     pub params: AdamParams,
 }
 
@@ -68,12 +71,17 @@ impl Default for OptimizerSection {
     }
 }
 
+/// The optimizer's `params`, with PatrickStar's defaults.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdamParams {
+    /// Learning rate; 1e-3 by default.
     pub lr: f64,
+    /// Decay rates of the running averages of the gradient and of its square; (0.9, 0.999) by default.
     pub betas: (f64, f64),
+    /// Term added to the denominator for stability; 1e-8 by default.
     pub eps: f64,
+    /// Weight decay; 0 by default.
     pub weight_decay: f64,
     /// Update each unit's states where they live (device or host); false: every update on
     /// the host.
@@ -90,15 +98,21 @@ impl Default for AdamParams {
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Fp16Section {
+    /// Must be true; a configuration without fp16 leaves the section out.
     pub enabled: bool,
+    /// 0 for a dynamic scale; any other value is a static scale (no overflow check).
     #[serde(default)]
     pub loss_scale: f64,
+    /// A dynamic scale starts at 2^this.
     #[serde(default = "initial_scale_power")]
     pub initial_scale_power: u32,
+    /// Steps without overflow before the scale doubles.
     #[serde(default = "loss_scale_window")]
     pub loss_scale_window: u64,
+    /// Overflows tolerated before the scale halves.
     #[serde(default = "hysteresis")]
     pub hysteresis: u32,
+    /// The floor a dynamic scale never halves below.
     #[serde(default = "min_loss_scale")]
     pub min_loss_scale: f64,
 }
@@ -127,6 +141,7 @@ impl PatrickStarConfig {
         Ok(config)
     }
 
+    /// Reads and parses the configuration file at `path`.
     pub fn from_file(path: &std::path::Path) -> Result<PatrickStarConfig> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::Config(format!("cannot read PatrickStar config {}: {e}", path.display())))?;
@@ -239,7 +254,9 @@ pub struct PatrickStarOptimizer {
 
 /// Budgets and a sample step for [`initialize_engine_within`].
 pub struct Budgets<'a> {
+    /// Bytes the device may hold; `None` for no limit.
     pub device: Option<u64>,
+    /// Bytes the host may hold; `None` for no limit.
     pub host: Option<u64>,
     /// A step of the run's shape, to measure what a step holds beside model states.
     pub sample: &'a Step,
@@ -426,6 +443,8 @@ impl PatrickStarOptimizer {
         Ok(out)
     }
 
+    /// Restores the state [`PatrickStarOptimizer::state_dict`] gave; entries that do not match
+    /// this optimizer's (another model, strategy or world size) are refused.
     pub fn load_state_dict(&mut self, values: &BTreeMap<String, Tensor>) -> Result<()> {
         let mut s = self.session.borrow_mut();
         let step = values

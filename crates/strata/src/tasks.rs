@@ -17,8 +17,11 @@ use crate::{Error, Result};
 pub struct ClassifyReport {
     /// Mean cross-entropy per text.
     pub loss: f64,
+    /// The fraction of texts whose predicted label is the true one.
     pub accuracy: f64,
+    /// The mean of each class's F1 over the classes that occur or are predicted.
     pub macro_f1: f64,
+    /// Texts scored.
     pub texts: usize,
 }
 
@@ -29,6 +32,7 @@ pub struct Seq2SeqReport {
     pub loss: f64,
     /// Mean ROUGE-L (F-measure) of the generated targets against the references.
     pub rouge_l: f64,
+    /// Records scored.
     pub records: usize,
 }
 
@@ -37,6 +41,7 @@ pub struct Seq2SeqReport {
 pub struct MaskedLmReport {
     /// Mean cross-entropy per masked token.
     pub loss: f64,
+    /// Masked tokens scored (those that take a loss).
     pub masked_tokens: u64,
 }
 
@@ -44,7 +49,9 @@ pub struct MaskedLmReport {
 /// the last one partial, where `None`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scoring {
+    /// Records per batch.
     pub rows: usize,
+    /// Batches scored from the start of the set (`None`: all).
     pub batches: Option<usize>,
 }
 

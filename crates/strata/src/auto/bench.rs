@@ -26,16 +26,24 @@ use tch::{Device, Tensor};
 
 /// Everything a dry run needs; shared by all candidates.
 pub struct Bench<'a> {
+    /// Adds the model's layers to a builder; called anew for each dry run and for [`Self::spec`].
     pub model: &'a (dyn Fn(&mut Builder) -> Result<()> + Sync),
+    /// Patterns of parameter names to keep frozen ([`ModelSpec::freeze`]).
     pub freeze: &'a [String],
     /// Adapters every dry run trains (the model's description has them, and each strategy
     /// tried gains the `lora` method).
     pub lora: Option<&'a LoraConfig>,
+    /// Engine settings each dry run's trainer is built with.
     pub engine: EngineConfig,
+    /// Optimizer each dry run trains with.
     pub optimizer: OptimizerConfig,
+    /// Parameter groups with their own learning rate or weight decay.
     pub rules: &'a [GroupRule],
+    /// Learning-rate schedule of the dry runs.
     pub schedule: LrSchedule,
+    /// Global gradient-norm clip, if any.
     pub grad_clip: Option<f64>,
+    /// The communicator and ranks each strategy's mesh is made from.
     pub placement: RankLayout<'a>,
     /// What the dry runs (and the measurements before them) feed the model and score it by.
     pub feed: Feed,
@@ -61,6 +69,7 @@ impl Measure for &Bench<'_> {
 }
 
 impl Bench<'_> {
+    /// The model's description as the dry runs train it: with the bench's adapters, and `freeze` applied.
     pub fn spec(&self) -> Result<ModelSpec> {
         let mut b = Builder::new();
         (self.model)(&mut b)?;
@@ -116,6 +125,7 @@ impl Bench<'_> {
         Ok(self.agree(&[self.started.elapsed().as_secs_f64()])?[0])
     }
 
+    /// Ranks taking part: the communicator's size, or 1 without one.
     pub fn world_size(&self) -> usize {
         self.placement.comm.map_or(1, |c| c.size())
     }

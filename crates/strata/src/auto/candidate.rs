@@ -15,10 +15,15 @@ use tch::Device;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Precision {
+    /// Everything in fp32.
     Fp32,
+    /// fp32 parameters, matrix products in bf16 (`amp_native`).
     AmpBf16,
+    /// fp32 parameters, matrix products in fp16 (`amp_native`).
     AmpFp16,
+    /// The whole model in bf16 (`half`).
     HalfBf16,
+    /// The whole model in fp16 (`half`).
     HalfFp16,
     /// fp8 linear layers (head excluded, and those narrower than [`FP8_MIN_FEATURES`]) over
     /// bf16 autocast.
@@ -35,12 +40,17 @@ pub const FP8_MIN_FEATURES: i64 = 2048;
 pub(crate) const PRECISIONS: [Precision; 6] =
     [Precision::Fp32, Precision::AmpBf16, Precision::HalfBf16, Precision::AmpFp16, Precision::HalfFp16, Precision::Fp8];
 
+/// Which model states are split over the ranks that hold the same pieces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Sharding {
+    /// Nothing split: plain data parallelism.
     None,
+    /// Optimizer states split (`zero1`).
     Zero1,
+    /// Optimizer states and gradients split (`zero2`).
     Zero2,
+    /// Parameters, gradients and optimizer states split (`fsdp`).
     Fsdp,
 }
 
@@ -49,9 +59,13 @@ const SHARDINGS: [Sharding; 4] = [Sharding::None, Sharding::Zero1, Sharding::Zer
 /// One point of the search space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Candidate {
+    /// How the numbers are computed.
     pub precision: Precision,
+    /// Applies every registered replacement pair (`module_replace`).
     pub module_replace: bool,
+    /// Which model states are split over the data ranks.
     pub sharding: Sharding,
+    /// Recomputes the blocks' activations in backward (`checkpoint`).
     pub checkpoint: bool,
     /// Ranks each unit is split over (with sequence parallel above 1); sharding and data
     /// parallelism span the ranks that hold the same pieces.
@@ -156,6 +170,7 @@ impl Candidate {
         Strategy::from_value(&serde_json::Value::Array(items))
     }
 
+    /// Short readable name: the methods joined by ` + `.
     pub fn label(&self) -> String {
         let mut parts = vec![match self.precision {
             Precision::Fp32 => "fp32",
@@ -191,15 +206,18 @@ impl Candidate {
 /// Where and how a model runs: the methods of a [`Candidate`] plus the pipeline's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Layout {
+    /// The methods besides the pipeline.
     pub candidate: Candidate,
     /// Pipeline stages (1: none).
     pub pipeline: usize,
+    /// The pipeline's schedule (unused at 1 stage).
     pub schedule: ScheduleKind,
     /// Chunks per rank of the interleaved schedule (1 otherwise).
     pub virtual_stages: usize,
 }
 
 impl Layout {
+    /// `candidate` without a pipeline.
     pub fn new(candidate: Candidate) -> Layout {
         Layout { candidate, pipeline: 1, schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1 }
     }
@@ -230,6 +248,7 @@ impl Layout {
         self.candidate.strategy_with_pipeline(blocks, pipeline)
     }
 
+    /// [`Candidate::label`], plus the stages and schedule where there is a pipeline.
     pub fn label(&self) -> String {
         match self.pipeline {
             1 => self.candidate.label(),

@@ -18,10 +18,12 @@ use serde::Serialize;
 /// What the profiling pass learnt about the model.
 #[derive(Clone, Debug, Serialize)]
 pub struct Analysis {
+    /// Parameter elements of the whole model, frozen ones included.
     pub params: i64,
     /// Parameters that train (the rest are frozen: LoRA's base, `freeze`): only they have
     /// gradients and optimizer states.
     pub trainable_params: i64,
+    /// Parameter elements each unit owns, in unit order.
     pub unit_params: Vec<i64>,
     /// Bytes each unit's forward keeps for backward (fp32, one micro-batch of this rank).
     pub unit_activation_bytes: Vec<u64>,
@@ -30,6 +32,7 @@ pub struct Analysis {
     /// Rows of the micro-batch profiled, and its tokens (its input's positions: rows ×
     /// their padded length, which may be shorter than the run's context).
     pub profiled_rows: u64,
+    /// Tokens of the micro-batch profiled (its input's elements).
     pub profiled_tokens: u64,
     /// Seconds of one fp32 forward and backward of one micro-batch.
     pub step_seconds: f64,
@@ -83,17 +86,24 @@ pub fn measured_kept(spec: &ModelSpec, a: &Analysis) -> Result<Vec<Kept>> {
 /// bytes per trained element.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct JobShape {
+    /// Ranks the job runs on.
     pub world: usize,
+    /// Rows of one step over all ranks.
     pub batch_size: usize,
+    /// Micro-batches each replica's share of a step is split into.
     pub accumulation: usize,
+    /// Positions of a row (the profiled rows' length).
     pub ctx: i64,
+    /// Optimizer state bytes per trained parameter element.
     pub optimizer_state_bytes: u64,
 }
 
 /// A layout's predicted busiest-rank device peak and the job's tokens per second.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Prediction {
+    /// Predicted device bytes at the busiest rank's peak.
     pub peak_bytes: u64,
+    /// Predicted tokens per second of the whole job.
     pub tokens_per_s: f64,
 }
 

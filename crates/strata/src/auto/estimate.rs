@@ -28,7 +28,9 @@ use std::collections::HashMap;
 /// throughput, and what its kernels keep.
 #[derive(Clone, Debug, Serialize)]
 pub struct DeviceKind {
+    /// Name `strata estimate` and `strata plan` know the kind by (e.g. `h100-80gb`).
     pub name: &'static str,
+    /// Device memory, bytes.
     pub memory_bytes: u64,
     /// Peak dense bf16 tensor throughput, FLOP/s (without sparsity).
     pub bf16_flops: f64,
@@ -51,6 +53,8 @@ pub struct DeviceKind {
     /// half of the efficiency's ceiling (0: every size reaches it, as where the peak was
     /// measured at the sizes that run).
     pub half_efficiency_tokens: f64,
+    /// Weights per rank of a width × width product at which it reaches half of the
+    /// efficiency's ceiling (0: every size reaches it).
     pub half_efficiency_weights: f64,
     /// Seconds the host spends issuing one operator that the device does not hide (0 on a
     /// GPU, whose queue runs ahead of the host; measured on the CPU).
@@ -134,9 +138,13 @@ pub fn host_memory_bytes() -> Option<u64> {
 /// the micro-batches per step, and the optimizer's state per trained element.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Workload {
+    /// Ranks the job runs on.
     pub ranks: usize,
+    /// Rows of one micro-batch of one data-parallel group.
     pub micro_batch: usize,
+    /// Positions of a row.
     pub ctx: i64,
+    /// Micro-batches per step (gradient accumulation).
     pub micro_batches: usize,
     /// Bytes of optimizer state per trained element (AdamW: 8).
     pub optimizer_state_bytes: u64,
@@ -145,15 +153,23 @@ pub struct Workload {
 /// Bytes of one placement by what holds them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Breakdown {
+    /// Parameter bytes.
     pub params: u64,
+    /// Gradient bytes.
     pub grads: u64,
+    /// Optimizer states, with the fp32 masters of low-precision parameters.
     pub optimizer: u64,
+    /// Activations kept for backward.
     pub activations: u64,
+    /// Transfer buffers: sequence parallel's gathered input, the pipeline's boundary
+    /// activations, offload's copies in flight.
     pub comm: u64,
+    /// Outside the tensors: the device's reserve and the allocator's fragmentation.
     pub overhead: u64,
 }
 
 impl Breakdown {
+    /// Bytes of every part together.
     pub fn total(&self) -> u64 {
         self.params + self.grads + self.optimizer + self.activations + self.comm + self.overhead
     }
@@ -162,7 +178,9 @@ impl Breakdown {
 /// One rank's device and host bytes at its peak.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct RankBytes {
+    /// Bytes on the device.
     pub device: Breakdown,
+    /// Bytes on the host.
     pub host: Breakdown,
 }
 
@@ -170,20 +188,28 @@ pub struct RankBytes {
 /// pipeline rank's (one entry without a pipeline).
 #[derive(Clone, Debug, Serialize)]
 pub struct Estimate {
+    /// The layout's readable name ([`Layout::label`]).
     pub layout: String,
+    /// The busiest rank's device bytes.
     pub device: Breakdown,
+    /// The busiest rank's host bytes.
     pub host: Breakdown,
     /// The pipeline rank (or 0) that holds the most on its device.
     pub busiest: usize,
+    /// Every pipeline rank fits the machine's device and host bytes.
     pub fits: bool,
+    /// Each pipeline rank's bytes, in stage order.
     pub pipeline_ranks: Vec<RankBytes>,
 }
 
 /// The machine an estimate is for: its device kind and, per rank, the device and host bytes.
 #[derive(Clone, Debug)]
 pub struct Machine {
+    /// The device kind (its reserve and fragmentation allowance).
     pub device: DeviceKind,
+    /// Device bytes each rank may use.
     pub device_bytes: u64,
+    /// Host bytes each rank may use.
     pub host_bytes: u64,
 }
 
@@ -209,6 +235,7 @@ fn precision_share(precision: Precision) -> (f64, f64, f64) {
 /// one rank exchanges for them in a step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ExpertPlacement {
+    /// Ranks in one expert group.
     pub size: usize,
     /// Routed experts each rank of a group computes (rank `r` those from `r · experts_per_rank`)
     /// in each sparse layer; every rank holds every expert's weights.

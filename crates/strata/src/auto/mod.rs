@@ -45,11 +45,15 @@ pub struct AutoOptions {
     pub ignore_dryrun_on_load_strategy: bool,
     /// With `load_strategy`, tune its knobs (prefetch, bucket size) with short dry runs.
     pub finetune_strategy: bool,
+    /// Where to save the chosen strategy, if anywhere.
     pub save_strategy_to_file: Option<PathBuf>,
+    /// Logs each dry run's outcome (on rank 0).
     pub verbose: bool,
     /// Time for the search; when it is up the best candidate so far is taken.
     pub time_limit: Option<Duration>,
+    /// Parameters that get no gradient in a step are expected (otherwise an error).
     pub find_unused_parameters: bool,
+    /// How the search walks the candidates (default: guided).
     pub search: SearchMode,
     /// Timed steps per dry run (after one warm-up step).
     pub dry_run_steps: usize,
@@ -80,24 +84,34 @@ impl Default for AutoOptions {
 
 /// One training job to accelerate.
 pub struct AutoAccelerate<'a> {
+    /// Adds the model's layers to a builder; called for every build of the model.
     pub model: &'a (dyn Fn(&mut Builder) -> Result<()> + Sync),
     /// Parameters left out of training (name substrings).
     pub freeze: Vec<String>,
+    /// The optimizer and its hyperparameters.
     pub optim: OptimizerConfig,
     /// Parameter groups (`optim_param_func`).
     pub optim_param_func: Vec<GroupRule>,
+    /// The training data.
     pub dataset: Arc<Dataset>,
     /// The loss; `None` (the default): next-token cross-entropy, vocabulary-parallel where
     /// the strategy splits the vocabulary.
     pub loss_func: Option<LossFn>,
+    /// Turns a micro-batch into the model's input (default: its token ids).
     pub prepare_input: InputFn,
+    /// Positions per row, rows per step and micro-batches per step.
     pub dataloader_args: Batching,
+    /// Learning-rate schedule (default: constant).
     pub lr_scheduler: LrSchedule,
+    /// Global gradient-norm clip (default: 1).
     pub grad_clip: Option<f64>,
     /// Device, seed and memory budget of each rank.
     pub engine: EngineConfig,
+    /// The communicator across ranks (`None`: one process).
     pub comm: Option<&'a Comm>,
+    /// Ranks on one node, the shard group of HYBRID_SHARD by default (1 unless set).
     pub local_world_size: usize,
+    /// How the strategy is loaded or searched.
     pub options: AutoOptions,
 }
 
@@ -138,8 +152,11 @@ pub struct PreparedArgs {
 
 /// The prepared run: trainer (engine, optimizer, loss, input preparation), data loader.
 pub struct Prepared {
+    /// Engine, optimizer, loss and input preparation under the chosen strategy.
     pub trainer: Trainer,
+    /// This rank's data loader.
     pub loader: DataLoader,
+    /// How to drive the run.
     pub args: PreparedArgs,
     /// Data-parallel buckets chosen (tuned with `finetune_strategy`).
     pub bucket_bytes: usize,
@@ -147,18 +164,25 @@ pub struct Prepared {
 
 /// The outcome of `auto_accelerate`.
 pub struct AutoResult {
+    /// Whether a run was prepared.
     pub status: bool,
     /// Why it failed, when it did.
     pub reason: Option<String>,
+    /// The prepared run, when there is one.
     pub result: Option<Prepared>,
+    /// The strategy chosen, when one was.
     pub best_strategy: Option<Strategy>,
+    /// How the strategy was chosen (empty on failure).
     pub report: SearchReport,
 }
 
 /// A strategy chosen for a job, with the report of how.
 pub struct Choice {
+    /// The strategy to run.
     pub strategy: Strategy,
+    /// Data-parallel bucket size, bytes (tuned with `finetune_strategy`).
     pub bucket_bytes: usize,
+    /// How it was chosen: the search's trials, or how it was loaded.
     pub report: SearchReport,
 }
 

@@ -16,12 +16,17 @@ use serde::Serialize;
 /// What to plan for.
 #[derive(Clone, Debug)]
 pub struct PlanRequest {
+    /// The model's family and configuration.
     pub model: ModelConfig,
+    /// The devices, their links and hosts.
     pub cluster: Cluster,
     /// Sequences per step over all ranks.
     pub global_batch: usize,
+    /// Positions per sequence.
     pub seq_len: i64,
+    /// Precisions to try.
     pub precisions: Vec<Precision>,
+    /// Bytes of optimizer state per trained element (AdamW: 8).
     pub optimizer_state_bytes: u64,
     /// Host bytes per device.
     pub host_bytes: u64,
@@ -30,13 +35,19 @@ pub struct PlanRequest {
 /// One layout the search kept: its shape, bytes and predicted step.
 #[derive(Clone, Debug, Serialize)]
 pub struct PlanRow {
+    /// Tensor and pipeline sizes, methods and schedule.
     pub layout: Layout,
+    /// Readable name: the layout's, its chunks per rank, and the micro-batches.
     pub label: String,
     /// Rows per micro-batch of a data-parallel group, and micro-batches per step.
     pub micro_batch: usize,
+    /// Micro-batches per step.
     pub micro_batches: usize,
+    /// Data-parallel groups (ranks over tensor × pipeline size).
     pub data: usize,
+    /// The estimated bytes of the busiest rank and each pipeline rank.
     pub memory: Estimate,
+    /// The predicted step, split into its parts.
     pub time: StepTime,
     /// Why it lost to the best: the part of the step that grew the most.
     pub behind: Option<String>,
@@ -49,6 +60,7 @@ pub struct PlanReport {
     pub rows: Vec<PlanRow>,
     /// Layouts considered in all, and those whose estimate overfilled a device or host.
     pub considered: usize,
+    /// Layouts whose estimate overfilled a device or host.
     pub over_memory: usize,
     /// Of the layouts that did not fit, the one that overfilled least (its device and host
     /// bytes against the device's and host's), for the message when none fits.

@@ -25,25 +25,36 @@ use tch::Device;
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Outcome {
+    /// Ruled out without a dry run: the device cannot run it, the job cannot take its shape,
+    /// or its memory estimate is clearly over the budget.
     Pruned {
+        /// Why it was ruled out.
         reason: String,
     },
     /// Ran on every rank within the budget: the slowest rank's speed, the largest peak.
     Fits {
+        /// Tokens per second of the whole job, at the slowest rank.
         tokens_per_s: f64,
+        /// The largest device peak over the ranks, bytes.
         peak_bytes: u64,
+        /// Seconds the dry run took.
         seconds: f64,
     },
     /// Ran out of memory on some rank (`peak_bytes` unknown), or peaked over the budget.
     OverBudget {
+        /// The largest peak over the ranks; `None` where a rank ran out of memory.
         peak_bytes: Option<u64>,
+        /// Seconds the dry run took.
         seconds: f64,
     },
     /// Failed on some rank for another reason (this rank's error, or that another failed).
     Failed {
+        /// This rank's error, or that another rank failed.
         reason: String,
+        /// Seconds the dry run took.
         seconds: f64,
     },
+    /// Not dry-run: the search chose or stopped without it.
     NotTried,
 }
 
@@ -94,8 +105,10 @@ pub trait Measure {
     fn elapsed(&mut self) -> Result<f64>;
 }
 
+/// One candidate of a search (or variant of a fine-tuning): its prediction and outcome.
 #[derive(Clone, Debug, Serialize)]
 pub struct Trial {
+    /// Readable name: the layout's label, or the fine-tuning change tried.
     pub label: String,
     /// The search-space point (none for a fine-tuning variant).
     pub candidate: Option<Layout>,
@@ -103,21 +116,30 @@ pub struct Trial {
     pub strategy: Option<serde_json::Value>,
     /// What the analytic models predicted (none for a fine-tuning variant).
     pub predicted: Option<Prediction>,
+    /// What its dry run gave, or why there was none.
     pub outcome: Outcome,
 }
 
 /// The readable account of a search.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct SearchReport {
+    /// How the strategy was found: `guided`, `exhaustive`, `finetune`, or loaded.
     pub mode: String,
+    /// What the profiling pass learnt (none without a search).
     pub analysis: Option<Analysis>,
+    /// Bytes each rank's device may hold, if limited.
     pub budget_bytes: Option<u64>,
+    /// Every candidate tried or ruled out, in order.
     pub trials: Vec<Trial>,
     /// Every dry run executed, re-measurements included.
     pub dry_runs: usize,
+    /// Label of the chosen trial, if any.
     pub chosen: Option<String>,
+    /// The chosen candidate's strategy in list form.
     pub chosen_strategy: Option<serde_json::Value>,
+    /// Seconds the search took, its analysis included (the largest over the ranks).
     pub seconds: f64,
+    /// The time limit ended the search early.
     pub stopped_by_time_limit: bool,
 }
 
@@ -186,6 +208,7 @@ impl SearchReport {
     }
 }
 
+/// How the search walks the candidates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SearchMode {
@@ -198,7 +221,9 @@ pub enum SearchMode {
 /// Where the candidates would run and within what.
 #[derive(Clone, Copy, Debug)]
 pub struct SearchLimits {
+    /// The device each rank runs on: what rules candidates out by capability.
     pub device: Device,
+    /// Ranks in all.
     pub world: usize,
     /// Bytes each rank's device may hold.
     pub budget: Option<u64>,
@@ -234,9 +259,13 @@ pub struct Search<'m> {
     measure: &'m mut dyn Measure,
     /// The candidates, in the order of `trials`.
     pub cands: Vec<Layout>,
+    /// What the profiling pass learnt about the model.
     pub analysis: Analysis,
+    /// Device, ranks, memory budget and time limit.
     pub limits: SearchLimits,
+    /// Each candidate's prediction and outcome, in the order of `cands`.
     pub trials: Vec<Trial>,
+    /// The time limit ended the search early.
     pub stopped_by_time_limit: bool,
     /// Dry runs executed, re-measurements included.
     pub dry_runs: usize,
@@ -410,6 +439,7 @@ impl<'m> Search<'m> {
         self.fastest(1).first().copied()
     }
 
+    /// Dry-runs every candidate neither pruned nor tried yet.
     pub fn exhaustive(&mut self) -> Result<()> {
         for i in 0..self.trials.len() {
             self.measure(i)?;
@@ -562,6 +592,7 @@ impl<'m> Search<'m> {
         Ok(())
     }
 
+    /// The readable account of the search so far, with trial `chosen` as the choice.
     pub fn report(&mut self, mode: SearchMode, chosen: Option<usize>) -> Result<SearchReport> {
         Ok(SearchReport {
             mode: format!("{mode:?}").to_lowercase(),

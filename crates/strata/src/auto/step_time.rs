@@ -34,8 +34,11 @@ use std::collections::HashMap;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LinkKind {
+    /// NVIDIA's NVLink between the GPUs of a node.
     Nvlink,
+    /// InfiniBand between nodes.
     Infiniband,
+    /// Ethernet (RoCE included).
     Ethernet,
     /// Shared memory between processes of one machine.
     Shm,
@@ -44,8 +47,11 @@ pub enum LinkKind {
 /// A link class: its bandwidth per device (bytes/s each way) and its latency per message.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Link {
+    /// What kind of link it is (sets the latency).
     pub kind: LinkKind,
+    /// Bytes/s each way per device, after sharing.
     pub bandwidth: f64,
+    /// Seconds per message.
     pub latency: f64,
 }
 
@@ -96,10 +102,15 @@ pub fn parse_rate(text: &str) -> std::result::Result<f64, String> {
 /// each device's link to its host (offload's copies).
 #[derive(Clone, Debug, Serialize)]
 pub struct Cluster {
+    /// Nodes in the cluster.
     pub nodes: usize,
+    /// Devices per node.
     pub gpus_per_node: usize,
+    /// The kind of every device.
     pub device: DeviceKind,
+    /// The link between devices of one node.
     pub intra: Link,
+    /// The link between nodes, as each device's share of its node's network.
     pub inter: Link,
     /// Bytes/s each way between a device and its host.
     pub host_link: f64,
@@ -111,6 +122,7 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// Devices in all: nodes × devices per node.
     pub fn devices(&self) -> usize {
         self.nodes * self.gpus_per_node
     }
@@ -164,7 +176,9 @@ pub struct StepTime {
     pub offload: f64,
     /// The optimizer's update on the device.
     pub optimizer: f64,
+    /// Seconds of the whole step: every part above together.
     pub total: f64,
+    /// Tokens per second of the whole job.
     pub tokens_per_s: f64,
     /// Model FLOPs per second over the devices' peak in the precision's format.
     pub mfu: f64,
@@ -188,8 +202,11 @@ pub fn model_flops_per_token(spec: &ModelSpec, seq_len: i64) -> Result<f64> {
 /// token (for MFU).
 #[derive(Clone, Debug)]
 pub struct UnitWork {
+    /// What each unit keeps for its backward, per token.
     pub kept: Vec<Kept>,
+    /// Each unit's forward FLOPs per token, on one rank, unsplit.
     pub flops: Vec<f64>,
+    /// Model FLOPs per trained token, forward and backward (for MFU).
     pub model_flops_per_token: f64,
 }
 
@@ -239,6 +256,7 @@ fn weights_multiplied(spec: &ModelSpec, u: &crate::model::UnitSpec) -> f64 {
 /// forward's (a schedule's makespan scales with its costs).
 #[derive(Default)]
 pub struct Memo {
+    /// Stage splits and held micro-batches already worked out.
     pub shapes: PipelineShapes,
     makespans: HashMap<(ScheduleKind, usize, usize, usize, u64), f64>,
 }

@@ -6,14 +6,22 @@ use crate::{Error, Result};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
+/// This rank's place in the job, and where the job's ranks meet.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankInfo {
+    /// This rank's index among all ranks.
     pub rank: usize,
+    /// Ranks in the job.
     pub world_size: usize,
+    /// This rank's index among the ranks of its host (`rank` when unset).
     pub local_rank: usize,
+    /// Ranks on this rank's host.
     pub local_world_size: usize,
+    /// Host of the store the ranks meet at (`MASTER_ADDR`; under Slurm the step's first node).
     pub master_addr: String,
+    /// Port of the store (`MASTER_PORT`, default 29500).
     pub master_port: u16,
+    /// Whose store the job meets at, and how it is trusted.
     pub rendezvous: Rendezvous,
 }
 
@@ -21,12 +29,22 @@ pub struct RankInfo {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Rendezvous {
     /// Strata's store, hosted by rank 0, admitting only holders of `token`.
-    Strata { token: String },
+    Strata {
+        /// The job's secret: `STRATA_STORE_TOKEN`, or derived from a Slurm or Open MPI job id.
+        token: String,
+    },
     /// torchrun's c10d store (torchrun's trust model: no token): hosted by its agent, or by
     /// rank 0 when the agent says it keeps none (`TORCHELASTIC_USE_AGENT_STORE`). Keys live
     /// under the run id and the restart round, so a restarted round never reads the keys of
     /// the round before it.
-    Torchrun { run_id: String, restart: u64, agent_store: bool },
+    Torchrun {
+        /// torchrun's run id (`TORCHELASTIC_RUN_ID`).
+        run_id: String,
+        /// The restart round (`TORCHELASTIC_RESTART_COUNT`).
+        restart: u64,
+        /// The agent hosts the store (`TORCHELASTIC_USE_AGENT_STORE`, true when unset).
+        agent_store: bool,
+    },
 }
 
 /// Each launcher's names for (rank, world size, local rank, local world size).
@@ -176,6 +194,7 @@ impl RankInfo {
         })
     }
 
+    /// Reads this rank's identity from the process environment ([`RankInfo::from_vars`]).
     pub fn from_env() -> Result<RankInfo> {
         Self::from_vars(|k| std::env::var(k).ok())
     }

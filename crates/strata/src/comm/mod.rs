@@ -35,10 +35,13 @@ use tch::{Device, Kind, Tensor};
 /// How `all_reduce`, `reduce` and `reduce_scatter` combine values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
+    /// Elementwise sum.
     Sum,
     /// Sum divided by the group size (floating-point tensors only).
     Avg,
+    /// Elementwise maximum.
     Max,
+    /// Elementwise minimum.
     Min,
 }
 
@@ -57,26 +60,37 @@ pub fn time_waited() -> Duration {
 /// when it finished (for a CUDA collective: when a wait first saw it done).
 #[derive(Clone, Debug)]
 pub struct Collective {
+    /// The operation's name (e.g. `all_reduce`).
     pub op: &'static str,
+    /// The group's name in observations.
     pub group: Arc<str>,
+    /// Bytes moved or reduced, the larger side.
     pub bytes: u64,
+    /// When the collective was issued.
     pub issued: Instant,
+    /// When it finished (for a CUDA collective: when a wait first saw it done).
     pub finished: Instant,
 }
 
 /// A thread blocked on a collective from `began` to `ended`.
 #[derive(Clone, Debug)]
 pub struct Waited {
+    /// The operation's name (e.g. `all_reduce`).
     pub op: &'static str,
+    /// The group's name in observations.
     pub group: Arc<str>,
+    /// When the wait began.
     pub began: Instant,
+    /// When the wait ended.
     pub ended: Instant,
 }
 
 /// Receives every collective of a [`Comm`]'s groups as it finishes, and every wait that
 /// blocked on one ([`Comm::observe`]); from whichever thread finished or waited.
 pub trait CommObserver: Send + Sync {
+    /// Called once per collective, when it finishes.
     fn collective(&self, collective: &Collective);
+    /// Called for every wait that blocked on a collective.
     fn waited(&self, waited: &Waited);
 }
 
@@ -131,7 +145,7 @@ pub struct Work {
 
 /// Where the job records that it gave up on an attempt ([`Attempt::give_up`]): a wait on
 /// the work of a group the attempt made, or for a peer making one, looks there once it has
-/// lasted [`GIVEN_UP_POLL`], so the ranks a failed rank leaves waiting fail at once instead
+/// lasted `GIVEN_UP_POLL`, so the ranks a failed rank leaves waiting fail at once instead
 /// of at the group's timeout.
 #[derive(Clone)]
 pub struct GivenUp {
@@ -240,6 +254,7 @@ impl Work {
         self
     }
 
+    /// Whether the work has finished, without waiting.
     pub fn is_completed(&self) -> bool {
         match &self.pending {
             Pending::Host(c) => c.result.lock().unwrap_or_else(|e| e.into_inner()).is_some(),
@@ -252,6 +267,7 @@ impl Work {
         self.wait_timeout(self.timeout)
     }
 
+    /// Waits for completion up to `timeout`.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         // Only an observed wait needs to know whether it blocked.
@@ -360,7 +376,9 @@ fn unsupported(backend: &str, op: &str) -> Error {
 /// operations in the same order. A backend implements what it supports; the rest report
 /// that clearly.
 pub trait ProcessGroup: Send + Sync {
+    /// This process's rank within the group.
     fn rank(&self) -> usize;
+    /// Ranks in the group.
     fn size(&self) -> usize;
     /// The backend's registered name.
     fn backend(&self) -> &str;
@@ -385,9 +403,11 @@ pub trait ProcessGroup: Send + Sync {
     fn reduce(&self, _tensor: &Tensor, _root: usize, _op: ReduceOp) -> Result<Work> {
         Err(unsupported(self.backend(), "reduce"))
     }
+    /// Sends `tensor` to rank `peer` of the group.
     fn send(&self, _tensor: &Tensor, _peer: usize) -> Result<Work> {
         Err(unsupported(self.backend(), "send"))
     }
+    /// Receives rank `peer`'s tensor into `tensor`.
     fn recv(&self, _tensor: &Tensor, _peer: usize) -> Result<Work> {
         Err(unsupported(self.backend(), "recv"))
     }
@@ -395,6 +415,7 @@ pub trait ProcessGroup: Send + Sync {
     fn all_to_all(&self, _outputs: &[Tensor], _inputs: &[Tensor]) -> Result<Work> {
         Err(unsupported(self.backend(), "all_to_all"))
     }
+    /// Completes once every rank of the group has reached it.
     fn barrier(&self) -> Result<Work> {
         Err(unsupported(self.backend(), "barrier"))
     }
@@ -411,14 +432,17 @@ pub trait ProcessGroup: Send + Sync {
 
 /// What a backend factory receives to build a group.
 pub struct GroupSetup {
+    /// The job's rendezvous store.
     pub store: Arc<Store>,
     /// Store keys of this group start with it; unique per group.
     pub prefix: String,
     /// This process's rank within the group.
     pub rank: usize,
+    /// Ranks in the group.
     pub size: usize,
     /// The group's members as ranks of the whole job, in group order.
     pub ranks: Vec<usize>,
+    /// Ranks in the whole job.
     pub world_size: usize,
     /// Timeout of every wait.
     pub timeout: Duration,
@@ -429,7 +453,7 @@ pub struct GroupSetup {
 
 impl GroupSetup {
     /// The value of `key`, waiting for a peer to set it as [`Store::get`] does; an error
-    /// within [`GIVEN_UP_POLL`] where the job gives up on the work making this group.
+    /// within `GIVEN_UP_POLL` where the job gives up on the work making this group.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let Some(given_up) = &self.given_up else { return self.store.get(key) };
         let deadline = Instant::now() + self.store.timeout;
@@ -690,14 +714,17 @@ impl Comm {
         })
     }
 
+    /// This process's rank in the job.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// Ranks in the job.
     pub fn size(&self) -> usize {
         self.size
     }
 
+    /// The job's rendezvous store, shared by every group made.
     pub fn store(&self) -> &Arc<Store> {
         &self.store
     }

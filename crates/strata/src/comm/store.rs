@@ -6,8 +6,8 @@
 //! keys.
 //!
 //! The server binds to the address it is given (loopback unless told otherwise) and serves
-//! only clients that prove they hold the job's token ([`super::auth`]); others are told so
-//! and dropped, as are clients that stall in the handshake; beyond [`MAX_PENDING`]
+//! only clients that prove they hold the job's token (`super::auth`); others are told so
+//! and dropped, as are clients that stall in the handshake; beyond `MAX_PENDING`
 //! handshakes at once, new connections wait in the listen backlog. A request that is not one
 //! ends its connection; missing arguments read as empty. Nothing a client sends ends the
 //! server.
@@ -117,6 +117,7 @@ impl StoreServer {
         Ok(StoreServer { addr, stop, accept: Some(accept) })
     }
 
+    /// The address it listens on (the port chosen where `start` was given 0).
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -343,6 +344,7 @@ impl Store {
         Error::Comm(format!("store at {}: timed out after {timeout:?} waiting for {what}", self.addr))
     }
 
+    /// Sets `key` to `value`, replacing any value it had, and wakes those waiting for it.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         if let Some(r) = self.c10d(&[key], |s, k| s.set(k[0], value)) {
             return r;
@@ -355,6 +357,7 @@ impl Store {
         self.get_timeout(key, self.timeout)
     }
 
+    /// The value of `key`, waiting up to `timeout` for it to be set.
     pub fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         if let Some(r) = self.c10d(&[key], |s, k| s.get(k[0], timeout)) {
             return r.map_err(|_| self.timed_out(&format!("key {key:?}"), timeout));

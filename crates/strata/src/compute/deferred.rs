@@ -35,6 +35,7 @@ pub struct WeightGrads {
 }
 
 impl WeightGrads {
+    /// An empty queue, shareable between the pipeline executor and the layers.
     pub fn new() -> Arc<WeightGrads> {
         Arc::new(WeightGrads::default())
     }

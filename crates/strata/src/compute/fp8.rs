@@ -19,11 +19,13 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
 
+/// The fp8 formats of a linear layer's operands (Transformer Engine's `fp8_format`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Fp8Format {
     /// E4M3 forward, E5M2 gradients.
     #[serde(rename = "HYBRID")]
     Hybrid,
+    /// E4M3 for every operand, gradients included.
     #[serde(rename = "E4M3")]
     E4m3,
 }
@@ -45,10 +47,13 @@ pub enum Fp8Scaling {
     Rowwise,
 }
 
+/// Which amax of a history sets a delayed scale.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AmaxAlgo {
+    /// The history's largest.
     Max,
+    /// The history's most recent entry.
     MostRecent,
 }
 
@@ -57,11 +62,17 @@ pub enum AmaxAlgo {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Fp8Config {
+    /// How the scales are chosen (default: delayed).
     pub scaling: Fp8Scaling,
+    /// Delayed scales are divided by `2^margin` (default 0).
     pub margin: i32,
+    /// Steps between refreshes of the delayed scales (default 1).
     pub interval: u64,
+    /// The operands' formats (default: `HYBRID`).
     pub fp8_format: Fp8Format,
+    /// Steps of amaxes each delayed scale's history keeps (default 1024).
     pub amax_history_len: usize,
+    /// Which amax of the history sets a delayed scale (default: the largest).
     pub amax_compute_algo: AmaxAlgo,
     /// Take the maximum of each amax over the data-parallel ranks.
     pub reduce_amax: bool,
@@ -92,6 +103,7 @@ impl Default for Fp8Config {
 }
 
 impl Fp8Config {
+    /// Checks that `interval` and `amax_history_len` are positive and `min_features` not negative.
     pub fn validate(&self) -> Result<()> {
         if self.interval == 0 || self.amax_history_len == 0 {
             return Err(Error::Config("fp8: interval and amax_history_len must be positive".into()));
@@ -161,9 +173,11 @@ const E5M2_MAX: f64 = 57344.0;
 /// Amax history and scale of one tensor role of one linear layer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Meter {
+    /// Amaxes of past steps, oldest first (at most `amax_history_len`, non-finite ones left out).
     pub history: VecDeque<f64>,
     /// Largest amax seen in the current step.
     pub pending: f64,
+    /// Delayed scaling's factor applied before the cast (`fp8_max / amax / 2^margin`; 1 until set).
     pub scale: f64,
 }
 
@@ -176,8 +190,11 @@ impl Meter {
 /// The three meters of one fp8 linear layer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LinearMeters {
+    /// The layer input's meter.
     pub input: Meter,
+    /// The weight's meter.
     pub weight: Meter,
+    /// The output gradient's meter.
     pub grad: Meter,
 }
 
@@ -197,7 +214,9 @@ enum Role {
 
 /// The fp8 state of one unit: its linear layers in call order.
 pub struct Fp8Unit {
+    /// The `fp8` configuration the unit runs under.
     pub config: Fp8Config,
+    /// Each fp8 linear layer's meters, in call order.
     pub layers: Vec<LinearMeters>,
     /// The step's running amaxes per layer and role, still where the tensors live: read
     /// back once, when the step ends, so recording never waits for the device.
@@ -208,13 +227,16 @@ pub struct Fp8Unit {
     steps: u64,
 }
 
+/// A unit's fp8 state, shared by its layers' products and the engine that ends its steps.
 pub type SharedFp8 = Arc<Mutex<Fp8Unit>>;
 
 /// What a checkpoint keeps of a unit's fp8 state: histories and scales, and the step count
 /// that times the scale refreshes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Fp8Snapshot {
+    /// Each fp8 linear layer's meters, in call order.
     pub layers: Vec<LinearMeters>,
+    /// Steps ended so far; every `interval` of them refreshes the scales.
     pub steps: u64,
 }
 
@@ -237,6 +259,7 @@ impl Fp8Snapshot {
 }
 
 impl Fp8Unit {
+    /// A state under `config` with no layers yet: each joins when it first runs.
     pub fn new(config: Fp8Config) -> SharedFp8 {
         Arc::new(Mutex::new(Fp8Unit {
             config,
@@ -247,10 +270,13 @@ impl Fp8Unit {
         }))
     }
 
+    /// The histories, scales and step count, for a checkpoint.
     pub fn snapshot(&self) -> Fp8Snapshot {
         Fp8Snapshot { layers: self.layers.clone(), steps: self.steps }
     }
 
+    /// Takes back a checkpoint's histories, scales and step count; the step's running
+    /// maxima and weight casts start afresh.
     pub fn restore(&mut self, snapshot: &Fp8Snapshot) {
         self.layers = snapshot.layers.clone();
         self.observed = self.layers.iter().map(|_| Default::default()).collect();

@@ -26,11 +26,20 @@ use tch::{Kind, Tensor};
 /// Elsewhere (the CPU, several devices, a build without CUDA) the values are
 /// read when the read starts.
 pub enum ScalarRead {
+    /// The values, already read.
     Ready(Vec<f64>),
-    Queued { host: Tensor, copied: strata_ext::cuda::Event },
+    /// A copy queued on the GPU's current stream.
+    Queued {
+        /// The f64 values in page-locked host memory, valid once `copied` has completed.
+        host: Tensor,
+        /// Recorded after the copy, to wait for it alone.
+        copied: strata_ext::cuda::Event,
+    },
 }
 
 impl ScalarRead {
+    /// Starts reading `values`: queued behind the device's work when they all lie on one
+    /// GPU of a CUDA build, read at once otherwise.
     pub fn start(values: &[Tensor]) -> Result<ScalarRead> {
         let device = values.first().map(Tensor::device);
         let (Some(tch::Device::Cuda(index)), true) =
@@ -136,7 +145,9 @@ thread_local! {
 /// ([`weight_for_product`]), each by its weight's storage address.
 #[derive(Default)]
 pub struct UnitWeights {
+    /// Storage addresses of the weights computed in fp8.
     pub fp8: Vec<usize>,
+    /// Each weight's slot in the flat gradient buffer, by the weight's storage address.
     pub grad_slots: Vec<(usize, Tensor)>,
 }
 

@@ -25,14 +25,20 @@ use crate::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
 use tch::{Kind, Tensor};
 
+/// Causal attention: queries, keys, values.
 pub type AttentionFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
+/// Layer norm: input, weight, bias, eps.
 pub type LayerNormFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
+/// RMS norm: input, weight, eps.
 pub type RmsNormFn = Arc<dyn Fn(&Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
+/// A linear layer: input, `[out, in]` weight, optional bias.
 pub type LinearFn = Arc<dyn Fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> + Send + Sync>;
 /// The activations and rotary positions may decline inputs they do not serve (`None`): the
 /// reference composite runs instead.
 pub type GeluFn = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+/// SwiGLU's gating: gate and up.
 pub type SwiGluFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+/// Rotary positions: `x`, then the cos and sin tables.
 pub type RotaryFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 /// Logits, targets and the target that takes no loss.
 pub type CrossEntropyFn = Arc<dyn Fn(&Tensor, &Tensor, i64) -> Result<Option<Tensor>> + Send + Sync>;
@@ -76,10 +82,14 @@ pub enum Replacement {
     LinearGrad,
 }
 
+/// A registered replacement: an op, a faster implementation of it, and the dtypes it serves.
 #[derive(Clone)]
 pub struct ReplacePair {
+    /// The name `module_replace` selects the pair by.
     pub name: String,
+    /// The dtypes the op may run in for this implementation to be used.
     pub supported_dtypes: Vec<Kind>,
+    /// The op it replaces, with its implementation.
     pub with: Replacement,
 }
 
@@ -260,6 +270,7 @@ impl Replacements {
         Ok(Replacements { pairs })
     }
 
+    /// Whether no pair is selected.
     pub fn is_empty(&self) -> bool {
         self.pairs.is_empty()
     }
@@ -268,42 +279,52 @@ impl Replacements {
         self.pairs.iter().filter(|p| p.supported_dtypes.contains(&kind)).find_map(|p| pick(&p.with))
     }
 
+    /// The first selected attention implementation that serves `kind`.
     pub fn attention(&self, kind: Kind) -> Option<AttentionFn> {
         self.find(kind, |r| if let Replacement::Attention(f) = r { Some(f.clone()) } else { None })
     }
 
+    /// The first selected layer norm implementation that serves `kind`.
     pub fn layer_norm(&self, kind: Kind) -> Option<LayerNormFn> {
         self.find(kind, |r| if let Replacement::LayerNorm(f) = r { Some(f.clone()) } else { None })
     }
 
+    /// The first selected RMS norm implementation that serves `kind`.
     pub fn rms_norm(&self, kind: Kind) -> Option<RmsNormFn> {
         self.find(kind, |r| if let Replacement::RmsNorm(f) = r { Some(f.clone()) } else { None })
     }
 
+    /// The first selected linear-layer implementation that serves `kind`.
     pub fn linear(&self, kind: Kind) -> Option<LinearFn> {
         self.find(kind, |r| if let Replacement::Linear(f) = r { Some(f.clone()) } else { None })
     }
 
+    /// The first selected GELU implementation that serves `kind`.
     pub fn gelu(&self, kind: Kind) -> Option<GeluFn> {
         self.find(kind, |r| if let Replacement::Gelu(f) = r { Some(f.clone()) } else { None })
     }
 
+    /// The first selected SwiGLU implementation that serves `kind`.
     pub fn swiglu(&self, kind: Kind) -> Option<SwiGluFn> {
         self.find(kind, |r| if let Replacement::SwiGlu(f) = r { Some(f.clone()) } else { None })
     }
 
+    /// The first selected rotary-position implementation that serves `kind`.
     pub fn rotary(&self, kind: Kind) -> Option<RotaryFn> {
         self.find(kind, |r| if let Replacement::Rotary(f) = r { Some(f.clone()) } else { None })
     }
 
+    /// The first selected cross-entropy implementation that serves `kind`.
     pub fn cross_entropy(&self, kind: Kind) -> Option<CrossEntropyFn> {
         self.find(kind, |r| if let Replacement::CrossEntropy(f) = r { Some(f.clone()) } else { None })
     }
 
+    /// The first selected residual-sum-and-layer-norm implementation that serves `kind`.
     pub fn add_layer_norm(&self, kind: Kind) -> Option<AddNormFn> {
         self.find(kind, |r| if let Replacement::AddLayerNorm(f) = r { Some(f.clone()) } else { None })
     }
 
+    /// The first selected residual-sum-and-RMS-norm implementation that serves `kind`.
     pub fn add_rms_norm(&self, kind: Kind) -> Option<AddNormFn> {
         self.find(kind, |r| if let Replacement::AddRmsNorm(f) = r { Some(f.clone()) } else { None })
     }

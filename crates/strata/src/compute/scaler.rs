@@ -3,11 +3,12 @@
 //! doubles after `loss_scale_window` steps without one.
 //!
 //! Owns the scale and its rule, and what a step's gradients get from their global norm
-//! ([`GradScaling::decide`]: unscaling, the overflow check, the clipping factor). Must not
+//! (`GradScaling::decide`: unscaling, the overflow check, the clipping factor). Must not
 //! scale losses or read gradients: the training step does both, handing over the norm.
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
+/// The loss scaler's settings (PatrickStar's `fp16` section); the default is a dynamic scale.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LossScalerConfig {
@@ -19,6 +20,7 @@ pub struct LossScalerConfig {
     pub loss_scale_window: u64,
     /// Overflows tolerated before the scale halves.
     pub hysteresis: u32,
+    /// The floor a dynamic scale never halves below.
     pub min_loss_scale: f64,
 }
 
@@ -35,6 +37,8 @@ impl Default for LossScalerConfig {
 }
 
 impl LossScalerConfig {
+    /// Checks the settings: `loss_scale` finite and not negative, a positive window,
+    /// hysteresis and `min_loss_scale`, and `initial_scale_power` at most 126.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(format!("loss scaler: {m}")));
         if !(self.loss_scale.is_finite() && self.loss_scale >= 0.0) {
@@ -53,16 +57,20 @@ impl LossScalerConfig {
 /// The scaler's state, saved in checkpoints.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LossScaler {
+    /// The rule the scale follows.
     pub config: LossScalerConfig,
+    /// The factor the loss is multiplied by now.
     pub scale: f64,
     /// Overflows still tolerated before the next halving.
     pub hysteresis_left: u32,
     /// Steps since the last overflow (or since the last doubling).
     pub good_steps: u64,
+    /// Overflowed steps so far (each skipped).
     pub overflows: u64,
 }
 
 impl LossScaler {
+    /// A scaler at its starting scale: the static one, or 2^`initial_scale_power`.
     pub fn new(config: LossScalerConfig) -> Result<LossScaler> {
         config.validate()?;
         let scale =

@@ -17,7 +17,9 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     /// The template's source, for cache keys.
     pub source: String,
+    /// The beginning-of-sequence token's text, passed to the template as `bos_token`.
     pub bos_token: Option<String>,
+    /// The end-of-sequence token's text, passed to the template as `eos_token`.
     pub eos_token: Option<String>,
 }
 

@@ -17,8 +17,11 @@ use tch::{Kind, Tensor};
 /// A record: the text (and the second text of a pair) and its label's id.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LabeledText {
+    /// The text to classify.
     pub text: String,
+    /// The second text of a sentence pair (`text_pair`).
     pub pair: Option<String>,
+    /// The label's id, its index among the model's label names.
     pub label: i64,
 }
 
@@ -123,6 +126,7 @@ impl ClassifySet {
         Ok(ClassifySet { ids, types, labels, pad, source: source.into() })
     }
 
+    /// Each record's label id, in record order.
     pub fn labels(&self) -> &[i64] {
         &self.labels
     }
@@ -199,6 +203,7 @@ impl RowSet for ClassifySet {
 /// How well predicted labels match the true ones.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct Scores {
+    /// The fraction of predictions that equal the true label.
     pub accuracy: f64,
     /// The mean over the classes that occur or are predicted of each one's F1, the harmonic
     /// mean of its precision and recall.

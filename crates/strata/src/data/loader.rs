@@ -21,12 +21,16 @@ use tch::{Device, Kind, Tensor};
 /// example number `offsets[s][b]`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BatchOffsets {
+    /// Positions per row; must equal the run's `ctx`.
     pub ctx: usize,
+    /// Rows per step over all ranks; must equal the run's batch size.
     pub batch: usize,
+    /// Each step's rows: a token offset per row (an example number for examples).
     pub offsets: Vec<Vec<usize>>,
 }
 
 impl BatchOffsets {
+    /// Reads a batch-offsets JSON file, refusing one with a step of other than `batch` offsets.
     pub fn from_file(path: &Path) -> Result<BatchOffsets> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let parsed: BatchOffsets = serde_json::from_str(&text)
@@ -91,12 +95,15 @@ impl Default for Batching {
 /// One rank's loader: the job's [`Batching`] and the rank's place.
 #[derive(Clone, Debug)]
 pub struct LoaderConfig {
+    /// The job's batching, the same on every rank.
     pub batching: Batching,
     /// This rank's share of the batch among `world` data replicas.
     pub rank: usize,
+    /// Data replicas the batch is split among.
     pub world: usize,
     /// Steps built ahead on the background thread.
     pub prefetch: usize,
+    /// Where the batches' tensors are placed.
     pub device: Device,
     /// Index of the first step to produce: a resumed run continues where it stopped.
     pub start_step: usize,
@@ -131,6 +138,7 @@ impl LoaderConfig {
 
 /// Inputs and next-token targets, both `[rows, ctx]` int64.
 pub struct Batch {
+    /// `[rows, ctx]` token ids the model reads.
     pub inputs: Tensor,
     /// What the loss compares the model's output with: the next token at each position
     /// (or [`IGNORE`] where no loss is taken), or, for a classifier, a label per row.
@@ -172,7 +180,9 @@ impl Batch {
 
 /// One optimizer step's data on this rank.
 pub struct Step {
+    /// The step's number, counting from 0.
     pub index: usize,
+    /// The rank's micro-batches, run one after another before the update.
     pub micro_batches: Vec<Batch>,
     /// Supervised targets in the whole global batch: every micro-batch of every rank.
     pub global_supervised: u64,
@@ -263,6 +273,8 @@ pub struct DataLoader {
 }
 
 impl DataLoader {
+    /// Starts the background thread that builds the steps from `config.start_step` on; refuses
+    /// data that holds no row.
     pub fn new(data: Arc<Dataset>, config: LoaderConfig) -> Result<DataLoader> {
         let rows = config.micro_batch_rows()?;
         match data.as_ref() {

@@ -36,6 +36,7 @@ use std::sync::{Arc, OnceLock};
 pub enum Tokenizer {
     /// One token per byte (vocabulary 256).
     Bytes,
+    /// A Hugging Face tokenizer, loaded from a `tokenizer.json`.
     HuggingFace(Box<tokenizers::Tokenizer>),
 }
 
@@ -64,6 +65,7 @@ impl Tokenizer {
         }
     }
 
+    /// Ids in the vocabulary, added tokens included.
     pub fn vocab_size(&self) -> usize {
         match self {
             Tokenizer::Bytes => 256,
@@ -71,6 +73,7 @@ impl Tokenizer {
         }
     }
 
+    /// Encodes `text` without adding the tokenizer's special tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
@@ -164,6 +167,7 @@ impl Tokenizer {
         }
     }
 
+    /// `ids` as text, special tokens included; the byte tokenizer refuses an id above 255.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {
             Tokenizer::Bytes => {
@@ -185,7 +189,9 @@ impl Tokenizer {
 /// each in a row of its own with only their learned tokens as targets (fine-tuning).
 #[derive(Clone, Debug)]
 pub enum Dataset {
+    /// A stream of tokens cut into windows (pretraining).
     Tokens(TokenData),
+    /// Examples each in a row of their own, only their learned tokens as targets (fine-tuning).
     Examples(ExampleSet),
     /// Texts (or text pairs) each with a label, a row each (classification).
     Labeled(ClassifySet),
@@ -200,6 +206,7 @@ pub enum Dataset {
 pub trait RowSet {
     /// Records held.
     fn len(&self) -> usize;
+    /// Whether no record is held.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -354,6 +361,7 @@ pub enum TokenWidth {
 }
 
 impl TokenWidth {
+    /// Bytes per id.
     pub fn bytes(self) -> usize {
         match self {
             TokenWidth::U16 => 2,
@@ -378,6 +386,7 @@ impl TokenWidth {
         }
     }
 
+    /// The width's name as written in configurations and messages (`u16`, `u32`).
     pub fn name(self) -> &'static str {
         match self {
             TokenWidth::U16 => "u16",
@@ -429,6 +438,7 @@ pub struct TokenData {
 }
 
 impl TokenData {
+    /// A stream of `tokens` held in memory, `source` naming it in messages.
     pub fn new(tokens: Vec<u32>, source: impl Into<String>) -> TokenData {
         TokenData { ids: Ids::Owned(tokens), vocab_needed: OnceLock::new(), source: source.into() }
     }
@@ -512,6 +522,7 @@ impl TokenData {
         Ok(bytes)
     }
 
+    /// Ids in the stream.
     pub fn len(&self) -> usize {
         match &self.ids {
             Ids::Owned(ids) => ids.len(),
@@ -520,6 +531,7 @@ impl TokenData {
         }
     }
 
+    /// Whether the stream holds no id.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

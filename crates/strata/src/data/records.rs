@@ -29,8 +29,11 @@ pub struct ExampleOptions {
 /// What turns text into examples: the tokenizer, the chat template for conversations, and
 /// the text that ends a plain text or a completion (the folder's end-of-sequence token).
 pub struct ExampleFormat<'a> {
+    /// Encodes the rendered texts.
     pub tokenizer: &'a Tokenizer,
+    /// The chat template conversations are rendered through; `None` refuses conversations.
     pub template: Option<&'a ChatTemplate>,
+    /// Appended to a plain text or a completion (the folder's end-of-sequence token).
     pub end_of_text: Option<String>,
 }
 
@@ -49,6 +52,7 @@ pub struct ExampleReport {
     pub dropped_unlearned: usize,
     /// Tokens of the kept examples, and how many of them the loss learns.
     pub tokens: u64,
+    /// How many of those tokens the loss learns.
     pub learned_tokens: u64,
 }
 
@@ -59,7 +63,9 @@ pub struct ExampleSet {
     learned: Vec<bool>,
     /// Example `i` is `starts[i] .. starts[i + 1]`.
     starts: Vec<usize>,
+    /// Where the examples came from, for messages.
     pub source: String,
+    /// What preparing the examples kept, cut and left out.
     pub report: ExampleReport,
     /// Whether the examples came from the cache.
     pub cached: bool,
@@ -302,6 +308,7 @@ impl ExampleSet {
         self.starts.len() - 1
     }
 
+    /// Whether no example is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

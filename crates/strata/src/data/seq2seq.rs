@@ -17,7 +17,9 @@ use tch::Tensor;
 /// A record: the text to read and the text to write.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SourceTarget {
+    /// The text to read.
     pub source: String,
+    /// The text to write.
     pub target: String,
 }
 
@@ -119,6 +121,7 @@ impl Seq2SeqSet {
         self.sources.iter().chain(&self.targets).map(Vec::len).max().unwrap_or(0)
     }
 
+    /// The token that leads every decoder input, ahead of the target shifted right.
     pub fn decoder_start(&self) -> i64 {
         self.decoder_start
     }

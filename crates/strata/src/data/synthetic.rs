@@ -47,10 +47,13 @@ const BRANCH_LOG2: [u32; 4] = [1, 2, 3, 3];
 /// Parameters of the synthetic corpus.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SyntheticCorpus {
+    /// Seeds the chain's successors and every draw.
     pub seed: u64,
+    /// Tokens generated.
     pub tokens: usize,
     /// Symbols used: byte values `first..first + alphabet` (printable ASCII by default).
     pub first: u32,
+    /// Symbols in the chain (at least 4 are used).
     pub alphabet: u32,
 }
 

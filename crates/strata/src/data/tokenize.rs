@@ -33,9 +33,13 @@ impl Default for TokenizeOptions {
 /// What a tokenization did.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TokenizeReport {
+    /// Text read from the inputs, in bytes.
     pub bytes: u64,
+    /// Ids written.
     pub tokens: u64,
+    /// The width the ids were written at.
     pub width: TokenWidth,
+    /// Wall-clock time the tokenization took, in seconds.
     pub seconds: f64,
 }
 

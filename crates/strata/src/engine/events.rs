@@ -12,31 +12,79 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// Something the engine or its schedule did, as a sink receives it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     /// The schedule has run for `phase` of `unit`. `ledger_bytes`: parameters and gradients
     /// the ledger counts; `storage_bytes`: what the storages of every buffer holding them
     /// (the engine's and the schedule's, each storage once) have from the allocator.
-    Phase { phase: Phase, unit: usize, ledger_bytes: u64, storage_bytes: u64 },
+    Phase {
+        /// The phase the schedule has run for.
+        phase: Phase,
+        /// The unit's index.
+        unit: usize,
+        /// Parameter and gradient bytes the ledger counts.
+        ledger_bytes: u64,
+        /// Bytes the storages holding them have from the allocator.
+        storage_bytes: u64,
+    },
     /// A gather of `unit`'s parameters was started.
-    GatherStarted { unit: usize },
+    GatherStarted {
+        /// The unit whose parameters are gathered.
+        unit: usize,
+    },
     /// `unit`'s gathered parameters were freed.
-    ParamsFreed { unit: usize },
+    ParamsFreed {
+        /// The unit whose gathered parameters were freed.
+        unit: usize,
+    },
     /// `bytes` of `unit`'s states were copied to `to` (offload).
-    Copied { unit: usize, to: super::Placement, bytes: u64 },
+    Copied {
+        /// The unit whose states were copied.
+        unit: usize,
+        /// Where the states were copied to.
+        to: super::Placement,
+        /// Bytes copied.
+        bytes: u64,
+    },
     /// The device copy of `unit`'s parameters was released (offload).
-    Evicted { unit: usize },
+    Evicted {
+        /// The unit whose device copy was released.
+        unit: usize,
+    },
     /// The step's gradients are complete and the update begins (`done: false`), or the
     /// step has ended, updated or skipped (`done: true`).
-    Update { done: bool },
+    Update {
+        /// Whether the step has ended, rather than its update beginning.
+        done: bool,
+    },
     /// The engine's thread waited from `began` to now for a copy of `unit`'s states between
     /// device and host (offload: a prefetch still running, or a copy made in place).
-    CopyWaited { unit: usize, began: Instant },
+    CopyWaited {
+        /// The unit whose states were waited for.
+        unit: usize,
+        /// When the wait began.
+        began: Instant,
+    },
     /// `unit`'s forward was run again in its backward (recomputation), from `began` to now.
-    Recomputed { unit: usize, began: Instant },
+    Recomputed {
+        /// The unit whose forward was run again.
+        unit: usize,
+        /// When the recomputation began.
+        began: Instant,
+    },
     /// An operation of a schedule running above the engine (a pipeline's forward, backward,
     /// send or receive of micro-batch `micro` on its chunk `chunk`) ran from `began` to now.
-    Operation { name: &'static str, micro: usize, chunk: usize, began: Instant },
+    Operation {
+        /// What the operation did (a forward, a backward, a send, a receive).
+        name: &'static str,
+        /// The micro-batch it worked on.
+        micro: usize,
+        /// The chunk of the model it ran for.
+        chunk: usize,
+        /// When it began.
+        began: Instant,
+    },
 }
 
 /// Hands every event to each of several sinks, in order.
@@ -52,6 +100,7 @@ impl EventSink for EventSinks {
 
 /// Receives events as they happen, from the thread running the engine.
 pub trait EventSink: Send + Sync {
+    /// Takes one event, as it happens.
     fn record(&self, event: Event);
 }
 
@@ -82,10 +131,17 @@ impl EventSink for EventLog {
 /// gives the most bytes one forward of the unit left allocated (what it keeps for backward).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct UnitTime {
+    /// The unit's index.
     pub unit: usize,
+    /// Seconds of the unit's forward.
     pub forward_s: f64,
+    /// Seconds of the unit's backward.
     pub backward_s: f64,
+    /// Seconds this rank waited for collectives since the phase event before each of the
+    /// unit's phases.
     pub comm_wait_s: f64,
+    /// The most bytes one forward of the unit left allocated; `None` where the clock
+    /// measures no memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kept_bytes: Option<u64>,
 }

@@ -14,7 +14,9 @@ use std::sync::Mutex;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Placement {
+    /// The compute device (a GPU, or the CPU acting as one).
     Device,
+    /// Host memory.
     Host,
 }
 
@@ -28,11 +30,15 @@ impl Placement {
     }
 }
 
+/// What the bytes hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Category {
+    /// Parameters.
     Params,
+    /// Gradients.
     Grads,
+    /// Optimizer state, such as Adam's moments.
     OptimizerState,
     /// Activations kept between a unit's forward and its backward.
     Activations,
@@ -61,10 +67,15 @@ struct State {
 /// (during backward, or delayed during the next step) and the time those updates took.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Transfers {
+    /// Bytes copied to the device.
     pub to_device: u64,
+    /// Bytes copied to the host.
     pub to_host: u64,
+    /// Seconds spent waiting for copies.
     pub wait_s: f64,
+    /// Units whose host update ran beside the device's work.
     pub updated_during_backward: u64,
+    /// Seconds those host updates took.
     pub host_update_s: f64,
 }
 
@@ -96,8 +107,11 @@ pub struct MemoryLedger {
 /// Bytes held on one placement.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct PlacementReport {
+    /// Bytes held now.
     pub current: u64,
+    /// The most bytes held at once since the ledger was made or its peak last reset.
     pub peak: u64,
+    /// Of `current`, the bytes of each category.
     pub by_category: BTreeMap<Category, u64>,
     /// Of `current`, the bytes in page-locked memory (the host's, where the device is a GPU
     /// and `pin_memory` is on).
@@ -105,6 +119,7 @@ pub struct PlacementReport {
 }
 
 impl MemoryLedger {
+    /// An empty ledger without budgets.
     pub fn new() -> Self {
         Self::default()
     }
@@ -142,6 +157,7 @@ impl MemoryLedger {
         Ok(())
     }
 
+    /// Records `bytes` as no longer held (the count stops at zero).
     pub fn free(&self, placement: Placement, category: Category, bytes: u64) {
         let mut s = self.lock();
         let held = s.current.entry((placement, category)).or_default();
@@ -203,6 +219,7 @@ impl MemoryLedger {
         self.lock().model_state_peak
     }
 
+    /// Bytes held on each placement now, with their peaks and categories.
     pub fn report(&self) -> BTreeMap<Placement, PlacementReport> {
         let s = self.lock();
         let mut out: BTreeMap<Placement, PlacementReport> = BTreeMap::new();

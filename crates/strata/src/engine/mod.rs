@@ -48,13 +48,16 @@ pub enum BackwardMode {
     WholeGraph,
 }
 
+/// How an engine stores and runs a model.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
+    /// The compute device: where units compute and their buffers live (save those of `host_compute`).
     pub device: Device,
     /// dtype of parameters whose spec does not fix one.
     pub kind: Kind,
     /// Seed of parameter initialisation.
     pub seed: i64,
+    /// How backward walks the model.
     pub backward: BackwardMode,
     /// Bytes the compute device may hold; `None` for no limit.
     pub device_budget: Option<u64>,
@@ -63,6 +66,7 @@ pub struct EngineConfig {
     /// Each unit's gradient span ([`UnitLayout`]) is padded to a multiple of this many
     /// elements, so that a sharded strategy cuts it into equal shards.
     pub pad_to: i64,
+    /// Where gradients live: one buffer for all units, or one per unit.
     pub grad_layout: GradLayout,
     /// The tensor group this rank's units are split over (`None`: whole units). Each
     /// parameter then holds this rank's piece, as its [`TpRole`] says.
@@ -118,8 +122,11 @@ impl Default for EngineConfig {
 /// under any strategy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UnitLayout {
+    /// Elements of the unit's parameters.
     pub numel: i64,
+    /// Where the gradient span begins.
     pub grad_start: i64,
+    /// Elements in all: the parameters, then the gradient span's padding.
     pub len: i64,
 }
 
@@ -164,9 +171,13 @@ pub struct UnitStorage {
 /// A contiguous slice of one unit's buffers in which every parameter belongs to the same
 /// optimizer group: the optimizer updates it as one tensor.
 pub struct Segment {
+    /// The parameters' elements, a view of the buffer the optimizer updates.
     pub param: Tensor,
+    /// Their gradients, laid out as `param`.
     pub grad: Tensor,
+    /// The optimizer group of its parameters.
     pub group: usize,
+    /// The unit whose buffers the slice is of.
     pub unit: usize,
     /// Position of the first element in the unit's flat layout.
     pub offset: i64,
@@ -222,9 +233,11 @@ impl RowContext {
     }
 }
 
-/// Called by [`Engine::new_with`] for each unit once it is initialised.
+/// Called by `Engine::new_with` for each unit once it is initialised.
 pub type UnitInitHook<'a> = dyn FnMut(usize, &mut UnitStorage, &Tensor, &MemoryLedger) -> Result<()> + 'a;
 
+/// Holds a model's parameters as each unit's flat buffers and runs its forward and backward
+/// unit by unit, calling the schedule around each.
 pub struct Engine {
     spec: ModelSpec,
     config: EngineConfig,
@@ -467,18 +480,22 @@ impl Engine {
         Ok(total)
     }
 
+    /// The model the engine runs.
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
     }
 
+    /// The configuration the engine was built with.
     pub fn config(&self) -> &EngineConfig {
         &self.config
     }
 
+    /// The ledger of the bytes the engine and its optimizer hold.
     pub fn ledger(&self) -> &Arc<MemoryLedger> {
         &self.ledger
     }
 
+    /// Each unit's flat buffers, in unit order.
     pub fn storage(&self) -> &[UnitStorage] {
         &self.storage
     }
@@ -686,7 +703,7 @@ impl Engine {
         Ok(schedule.optimizer_view(ctx)?.param)
     }
 
-    /// Unit `unit`'s parameters, whole and unpadded, in [`Engine::master_kind`], laid out
+    /// Unit `unit`'s parameters, whole and unpadded, in `Engine::master_kind`, laid out
     /// at [`Engine::full_offset`]s; with a sharded strategy every rank of the shard group
     /// (and of the tensor group) must call this together.
     pub fn full_unit(&mut self, unit: usize) -> Result<Tensor> {
@@ -1234,6 +1251,7 @@ impl Engine {
         self.routed.as_ref()
     }
 
+    /// Runs `loss` (what follows the last unit) with the last unit's module replacements.
     pub fn compute_loss<R>(&self, loss: impl FnOnce() -> Result<R>) -> Result<R> {
         compute::run(&self.loss_compute, Default::default(), false, loss)
     }

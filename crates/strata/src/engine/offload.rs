@@ -24,6 +24,7 @@ use tch::{Device, Kind, Tensor};
 /// How an offloading engine is built.
 #[derive(Clone, Debug)]
 pub struct OffloadOptions {
+    /// How each unit's home is chosen.
     pub policy: HomePolicy,
     /// Bytes of optimizer state per parameter element (8 for Adam's two fp32 moments).
     pub optimizer_bytes_per_element: u64,
@@ -102,6 +103,8 @@ impl InFlight {
     }
 }
 
+/// The schedule that keeps host-homed units' states on the host and brings their copies to
+/// the device and back as its [`Plan`] says.
 pub struct Offload {
     plan: Plan,
     delayed_update: bool,
@@ -500,6 +503,7 @@ struct TraceState {
 }
 
 impl NonModelTrace {
+    /// A trace for `engine`'s units, with nothing measured yet.
     pub fn new(engine: &Engine) -> NonModelTrace {
         let units = engine.spec().units.len();
         NonModelTrace {
@@ -572,7 +576,9 @@ impl EventSink for NonModelTrace {
 /// Where host buffers are made: the CPU, page-locked when the device is a GPU.
 #[derive(Clone, Debug)]
 pub struct HostMemory {
+    /// The compute device the host buffers serve.
     pub device: Device,
+    /// Whether host buffers are page-locked where the device is a GPU.
     pub pin: bool,
 }
 
@@ -595,6 +601,7 @@ impl HostMemory {
         self.place(t.f_to_device(Device::Cpu)?.f_detach_copy()?, ledger)
     }
 
+    /// Host zeros of `t`'s shape and dtype.
     pub fn zeros_like(&self, t: &Tensor, ledger: &MemoryLedger) -> Result<Tensor> {
         self.place(Tensor::f_zeros(t.size().as_slice(), (t.kind(), Device::Cpu))?, ledger)
     }

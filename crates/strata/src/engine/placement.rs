@@ -47,8 +47,11 @@ impl Home {
 /// gradient (zero for a frozen unit) and the optimizer's state (masters and moments).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct UnitStates {
+    /// The parameters, as the unit computes with them.
     pub params: u64,
+    /// The gradient (zero for a frozen unit).
     pub grads: u64,
+    /// The optimizer's state (masters and moments).
     pub optimizer: u64,
     /// Bytes the update of this unit borrows for its duration where it runs (fp32 copies
     /// of low-precision parameters and gradients).
@@ -56,6 +59,7 @@ pub struct UnitStates {
 }
 
 impl UnitStates {
+    /// Parameters, gradient and optimizer state together.
     pub fn total(&self) -> u64 {
         self.params + self.grads + self.optimizer
     }
@@ -82,8 +86,11 @@ impl UnitStates {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Moment {
+    /// Unit `k`'s forward.
     Forward(usize),
+    /// Unit `k`'s backward.
     Backward(usize),
+    /// The optimizer's update, after every backward.
     Update,
 }
 
@@ -109,24 +116,35 @@ pub fn moment_index(units: usize, moment: Moment) -> usize {
 pub enum HomePolicy {
     /// The first units, in order, covering `params` of the model states' bytes live on the
     /// host, and those covering `optimizer` (at least as many) keep their optimizer there.
-    Static { params: f64, optimizer: f64 },
+    Static {
+        /// Fraction of the bytes, from the first unit on, whose units live on the host.
+        params: f64,
+        /// Fraction of the bytes, likewise, whose units keep their optimizer on the host.
+        optimizer: f64,
+    },
     /// States stay on the device where that moves fewer bytes: units leave it whole for the
     /// host, one at a time, largest first, until every moment fits the budget, and further
     /// where that lowers the bytes moved per step. `params_may_leave:
     /// false` keeps every unit's parameters on the device (only the optimizer leaves).
-    Auto { params_may_leave: bool },
+    Auto {
+        /// Whether units' parameters may leave the device, or only their optimizer.
+        params_may_leave: bool,
+    },
 }
 
 /// What a plan is computed from.
 #[derive(Clone, Debug)]
 pub struct PlanInput {
+    /// Each unit's state bytes, in unit order.
     pub units: Vec<UnitStates>,
     /// Per unit, the units whose parameters it reads (itself first).
     pub needs: Vec<Vec<usize>>,
     /// Per moment of [`step_moments`], bytes on the device that are not model states
     /// (activations, temporaries); zeros where unknown.
     pub non_model: Vec<u64>,
+    /// Bytes the device may hold; `None` for no limit.
     pub device_budget: Option<u64>,
+    /// Bytes of host memory the model states may take; `None` for no limit.
     pub host_budget: Option<u64>,
     /// How many moments ahead parameter copies are started, where they fit.
     pub prefetch: usize,
@@ -144,11 +162,14 @@ pub struct PlanInput {
 /// Bytes moved per step between device and host.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Traffic {
+    /// Bytes of parameters copied to the device.
     pub to_device: u64,
+    /// Bytes of gradients copied to the host.
     pub to_host: u64,
 }
 
 impl Traffic {
+    /// Bytes moved both ways.
     pub fn total(&self) -> u64 {
         self.to_device + self.to_host
     }
@@ -157,6 +178,7 @@ impl Traffic {
 /// Homes and the residency of parameter copies for one step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Plan {
+    /// Each unit's home.
     pub homes: Vec<Home>,
     /// Per moment, the host-homed units whose parameters are on the device during it
     /// (those it reads, those kept for later, those being prefetched).
@@ -168,12 +190,16 @@ pub struct Plan {
     /// The most bytes of slots the copies of host-homed states take at any moment: the
     /// size of the slot pool.
     pub slot_peak: u64,
+    /// Bytes of one slot of the pool (1: copies take their own bytes).
     pub slot_bytes: u64,
+    /// Bytes held on the host: host-homed states, with a delayed update's gradient twins.
     pub host_bytes: u64,
+    /// Bytes moved per step between device and host.
     pub traffic: Traffic,
 }
 
 impl Plan {
+    /// The most bytes the plan places on the device at any moment.
     pub fn device_peak(&self) -> u64 {
         self.device_bytes.iter().copied().max().unwrap_or(0)
     }

@@ -12,7 +12,9 @@ use tch::{Kind, Tensor};
 /// `offset..offset + len` of the unit's flat layout (its whole gradient span unless a
 /// strategy shards it; the frozen head before it is never updated).
 pub struct OptimizerView {
+    /// The parameters the optimizer updates.
     pub param: Tensor,
+    /// Their gradients, element for element.
     pub grad: Tensor,
     /// Where `param` begins in the unit's flat layout.
     pub offset: i64,
@@ -24,17 +26,25 @@ pub struct OptimizerView {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
+    /// Before the unit's forward.
     BeforeForward,
+    /// After the unit's forward.
     AfterForward,
+    /// Before the unit's backward.
     BeforeBackward,
+    /// After the unit's backward.
     AfterBackward,
 }
 
 /// What a schedule may act on when it is called for one unit.
 pub struct ScheduleContext<'a> {
+    /// The unit being run.
     pub unit: usize,
+    /// The model being run.
     pub spec: &'a ModelSpec,
+    /// Every unit's storage, the engine's buffers.
     pub storage: &'a mut [UnitStorage],
+    /// The ledger the schedule records what it holds and frees in.
     pub ledger: &'a MemoryLedger,
     /// Whether this backward completes the step's gradients (false on the earlier
     /// micro-batches of gradient accumulation, when nothing needs communicating).
@@ -52,10 +62,11 @@ pub type GradReady = dyn Fn(usize) + Send + Sync;
 /// update and when gradients are cleared. What it keeps of the model states, and what can
 /// be asked of them, is its [`HeldStates`].
 pub trait UnitSchedule: HeldStates + Send {
+    /// Acts on `ctx.unit` at `phase` of its execution.
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()>;
 
     /// Completes whatever the schedule started on the gradients (communication in flight)
-    /// before the optimizer reads them; see [`Engine::finish_grads`].
+    /// before the optimizer reads them; see `Engine::finish_grads`.
     fn finish_grads(&mut self, _ctx: ScheduleContext<'_>) -> Result<()> {
         Ok(())
     }

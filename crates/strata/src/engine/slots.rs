@@ -25,7 +25,7 @@ const SIZES_TRIED: u64 = 4096;
 
 /// The size of a slot, a multiple of `granularity` (the smallest mappable piece), for
 /// buffers of `sizes` bytes: of the sizes that split the largest buffer into at most
-/// [`MOST_PIECES`] pieces, the one that wastes the fewest bytes in the last slot of each
+/// `MOST_PIECES` pieces, the one that wastes the fewest bytes in the last slot of each
 /// buffer (the larger slot where two waste alike). Computed from sizes alone.
 pub fn choose_slot_bytes(sizes: &[u64], granularity: u64) -> u64 {
     let granularity = granularity.max(1);
@@ -108,6 +108,7 @@ pub struct SlottedBuffer {
 }
 
 impl SlottedBuffer {
+    /// Whether the buffer's range is mapped, so that it holds data.
     pub fn is_mapped(&self) -> bool {
         self.mapped
     }
@@ -164,6 +165,7 @@ impl SlotPool {
         })
     }
 
+    /// Slots no buffer holds now (none where the device's allocator serves the copies).
     pub fn free_slots(&self) -> usize {
         self.free.len()
     }

@@ -33,8 +33,11 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
 /// A model folder to write: where, as which family, and what goes along with the weights.
 #[derive(Clone, Debug)]
 pub struct FolderOut {
+    /// The folder to write: filled beside it, then put in its place, keeping its other files.
     pub dir: PathBuf,
+    /// The family whose parameter names and configuration the folder takes.
     pub family: Family,
+    /// The model's configuration, written as the family's `config.json`.
     pub config: ModelConfig,
     /// `bos_token_id`, `eos_token_id`, `pad_token_id` for the config.
     pub special_tokens: Map<String, Value>,

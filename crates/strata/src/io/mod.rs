@@ -1,7 +1,7 @@
 //! Weights in safetensors, and atomic file writes.
 //!
 //! Owns: reading and writing a model's parameters by their PyTorch names, as one file or as
-//! a Hugging Face model folder ([`folder`]), with every mismatch (unknown or missing names,
+//! a Hugging Face model folder (`folder`), with every mismatch (unknown or missing names,
 //! shapes, dtypes, damaged files) a clear error naming the file. Must not hold training
 //! state: checkpoints of optimizer state build on this.
 

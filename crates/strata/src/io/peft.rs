@@ -22,7 +22,9 @@ const PREFIX: &str = "base_model.model.";
 /// An adapter folder to write.
 #[derive(Clone, Debug)]
 pub struct AdapterOut {
+    /// The folder to write, made where missing.
     pub dir: PathBuf,
+    /// The adapters' configuration, written as peft's `adapter_config.json`.
     pub config: LoraConfig,
     /// `base_model_name_or_path` (the model folder trained from, where there is one).
     pub base_model: Option<String>,
@@ -237,7 +239,7 @@ impl<F: FnMut(usize) -> Result<Tensor>> Ahead<F> {
     }
 }
 
-/// Writes a model's parameters to `target` as [`selection`] chooses them. `fetch(i)`
+/// Writes a model's parameters to `target` as `selection` chooses them. `fetch(i)`
 /// produces entry `i` of `layout` and is called once for every entry, in order, whatever
 /// is written (so ranks that gather together stay in step); only the entries still needed
 /// are held.

@@ -33,20 +33,28 @@ use tch::{Device, Kind, Tensor};
 pub enum BertHead {
     /// Logits over the classes `labels` names, in id order (`id2label`), from the pooled
     /// first token (`[B, classes]`).
-    Classify { labels: Vec<String> },
+    Classify {
+        /// The class names, in id order.
+        labels: Vec<String>,
+    },
     /// Logits over the vocabulary at every position (`[B, T, vocab]`).
     MaskedLm,
 }
 
+/// The shape of a BERT model, in `transformers`' terms where it has them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BertConfig {
+    /// Words of the vocabulary (`vocab_size`).
     pub vocab: i64,
     /// Positions the learned position table holds (`max_position_embeddings`).
     pub max_positions: i64,
     /// Token types the type table holds (`type_vocab_size`).
     pub type_vocab: i64,
+    /// Encoder blocks (`num_hidden_layers`).
     pub layers: i64,
+    /// Attention heads per block (`num_attention_heads`).
     pub heads: i64,
+    /// The hidden width (`hidden_size`).
     pub dim: i64,
     /// The feed-forward layer's width (`intermediate_size`).
     pub ffn_dim: i64,
@@ -54,6 +62,7 @@ pub struct BertConfig {
     pub norm_eps: f64,
     /// The word whose look-ups get no gradient (`pad_token_id`).
     pub padding: Option<i64>,
+    /// What the last unit computes.
     pub head: BertHead,
     /// Dropout after the embeddings (`embedding`), on attention probabilities
     /// (`attention`), on each sub-layer's output (`residual`) and before the classifier
@@ -63,6 +72,8 @@ pub struct BertConfig {
 }
 
 impl BertConfig {
+    /// Refuses sizes that are not positive, a `dim` that `heads` does not divide, a bad epsilon,
+    /// a classifier without labels, bad dropout rates and a pad token outside the vocabulary.
     pub fn validate(&self) -> Result<()> {
         positive(&[
             ("vocab", self.vocab),

@@ -9,10 +9,13 @@
 /// the unit's output, which a recomputed block keeps alone.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Kept {
+    /// Values kept per token whatever the sequence's length.
     pub values: f64,
     /// The part of `values` over the vocabulary (logits, their softmax and gradients).
     pub vocab_values: f64,
+    /// Values kept per attended position (attention probabilities, one per head).
     pub scores: f64,
+    /// The width of the unit's output: what a recomputed block keeps alone.
     pub output: f64,
     /// A repeated block: what `checkpoint` recomputes.
     pub block: bool,
@@ -50,6 +53,7 @@ impl Kept {
 /// A unit's cost per token.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct UnitCost {
+    /// What the unit keeps for its backward per token.
     pub kept: Kept,
     /// The summed width (heads × head width) of the attentions the unit runs: each unit of
     /// width costs 4 FLOPs per attended position in the forward (scores and weighted sums),

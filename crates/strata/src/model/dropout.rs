@@ -119,8 +119,11 @@ fn name_hash(name: &str) -> u32 {
 /// step's rows of every rank and micro-batch, in order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DropoutDraw {
+    /// The run's seed.
     pub seed: u64,
+    /// The step's number.
     pub step: u64,
+    /// The global number of the micro-batch's first row.
     pub first_row: i64,
 }
 
@@ -172,13 +175,18 @@ impl UnitDraw {
 /// One site's dropout as a layer applies it inside its computation (attention's
 /// probabilities): the unit's draw, the rate, the site and the offsets of this rank's piece.
 pub struct Dropping<'a> {
+    /// The unit's draw.
     pub draw: &'a UnitDraw,
+    /// The fraction of elements dropped.
     pub rate: f64,
+    /// The site's number within the unit.
     pub site: u32,
+    /// Where this rank's piece starts in each dimension after the first.
     pub offsets: Vec<i64>,
 }
 
 impl Dropping<'_> {
+    /// `x` through this site's dropout ([`UnitDraw::apply`]).
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         self.draw.apply(x, self.rate, self.site, &self.offsets)
     }

@@ -22,12 +22,18 @@ use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
+/// The shape of a GPT-2 model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GptConfig {
+    /// Tokens of the vocabulary.
     pub vocab: i64,
+    /// The most positions of a sequence: the learned position table's length.
     pub ctx: i64,
+    /// Transformer blocks.
     pub layers: i64,
+    /// Attention heads per block.
     pub heads: i64,
+    /// The hidden width.
     pub dim: i64,
     /// The LayerNorms' epsilon.
     #[serde(default = "default_norm_eps")]
@@ -40,10 +46,13 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
+    /// A configuration of these sizes with the default epsilon and no dropout.
     pub const fn new(vocab: i64, ctx: i64, layers: i64, heads: i64, dim: i64) -> Self {
         GptConfig { vocab, ctx, layers, heads, dim, norm_eps: DEFAULT_NORM_EPS, dropout: DropoutRates::NONE }
     }
 
+    /// Refuses sizes that are not positive, a `dim` that `heads` does not divide, a bad epsilon
+    /// and bad dropout rates.
     pub fn validate(&self) -> Result<()> {
         positive(&[
             ("vocab", self.vocab),

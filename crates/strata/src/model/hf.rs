@@ -37,20 +37,33 @@ const TOKEN_KEYS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
 /// A model family as Hugging Face `transformers` names it (`model_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
+    /// GPT-2 (`gpt2`).
     Gpt2,
+    /// LLaMA (`llama`).
     Llama,
+    /// Mistral (`mistral`): the decoder, optionally with a sliding window.
     Mistral,
+    /// Qwen2 (`qwen2`): the decoder with biases on the query, key and value projections.
     Qwen2,
+    /// Qwen3 (`qwen3`): the decoder with query/key norms.
     Qwen3,
+    /// Gemma 2 (`gemma2`): the decoder with Gemma's norms.
     Gemma2,
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
+    /// Phi-3 (`phi3`): the decoder with fused projections.
     Phi3,
+    /// Mixtral (`mixtral`): Mistral's decoder with experts under their block-sparse names.
     Mixtral,
+    /// Qwen2-MoE (`qwen2_moe`): Qwen2's decoder with experts and, optionally, a shared expert.
     Qwen2Moe,
+    /// Qwen3-MoE (`qwen3_moe`): Qwen3's decoder with experts.
     Qwen3Moe,
+    /// OLMoE (`olmoe`): LLaMA's decoder with experts and norms over whole projections.
     Olmoe,
+    /// BERT (`bert`), as a sequence classifier or a masked language model.
     Bert,
+    /// T5 (`t5`): the encoder–decoder of [`super::t5`].
     T5,
 }
 
@@ -75,6 +88,7 @@ const FAMILIES: [Family; 14] = [
 ];
 
 impl Family {
+    /// The `model_type` that names this family in `config.json`.
     pub fn model_type(self) -> &'static str {
         match self {
             Family::Gpt2 => "gpt2",
@@ -513,8 +527,11 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
 /// A Hugging Face model folder, read: the model it describes and where its files are.
 #[derive(Clone, Debug)]
 pub struct ModelDir {
+    /// The folder's path.
     pub dir: PathBuf,
+    /// The family the folder's `model_type` names.
     pub family: Family,
+    /// The model `config.json` describes, as a built-in model's configuration.
     pub config: ModelConfig,
     /// The safetensors files holding the weights, in the index's order of first use.
     pub weights: Vec<PathBuf>,
@@ -530,6 +547,7 @@ impl ModelDir {
         self.config.build(b)
     }
 
+    /// The whole description of the folder's model (units and parameters), without weights.
     pub fn spec(&self) -> Result<ModelSpec> {
         self.config.spec()
     }

@@ -59,8 +59,11 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 /// A low-rank adapter's factors as a layer reads them: `A` `[r, in]`, `B` `[out, r]` and
 /// the scale of their product.
 pub struct LowRank {
+    /// `A`, `[r, in]`.
     pub a: Tensor,
+    /// `B`, `[out, r]`.
     pub b: Tensor,
+    /// The factor of the product (`alpha / r`, or `alpha / √r` with `use_rslora`).
     pub scale: f64,
 }
 
@@ -151,6 +154,9 @@ pub fn vocab_logits(
     Ok(logits.f_masked_fill(&padding, f64::NEG_INFINITY)?)
 }
 
+/// Layer norm over the last dimension, `(x − mean) / √(var + eps) · w + b`, computed in at
+/// least fp32 and returned in x's dtype; the unit's `module_replace` implementation where
+/// one serves it.
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
     let x = norm_input(x)?;
     if let Some(fused) = compute::replaced(|r| r.layer_norm(x.kind())) {
@@ -165,6 +171,8 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     Ok(normed.f_mul(w)?.f_add(b)?)
 }
 
+/// RMS norm over the last dimension, `x / rms(x) · w`, computed in at least fp32 and
+/// returned in x's dtype; the unit's `module_replace` implementation where one serves it.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let x = norm_input(x)?;
     if let Some(fused) = compute::replaced(|r| r.rms_norm(x.kind())) {

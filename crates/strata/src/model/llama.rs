@@ -68,15 +68,23 @@ pub enum LayerAttention {
     Sliding,
 }
 
+/// The decoder's configuration: LLaMA's layout and the options its descendants add
+/// (see the module's documentation).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
+    /// Vocabulary size: rows of the token embedding and of the output head.
     pub vocab: i64,
+    /// The longest sequence the model takes (`max_position_embeddings`).
     pub ctx: i64,
+    /// Number of decoder layers.
     pub layers: i64,
+    /// Query heads of each layer's attention.
     pub heads: i64,
+    /// Width of the residual stream (`hidden_size`).
     pub dim: i64,
     /// Hidden size of the SwiGLU feed-forward; `None` means 8/3 · dim rounded up to 32.
     pub ffn_dim: Option<i64>,
+    /// Base of the rotary frequencies.
     pub rope_theta: f64,
     /// Key/value heads (grouped-query attention); `None` means one per query head.
     #[serde(default)]
@@ -106,8 +114,10 @@ pub struct LlamaConfig {
     /// local base).
     #[serde(default)]
     pub local_rope: Option<Rope>,
+    /// How the RMSNorms apply their weight.
     #[serde(default)]
     pub norm: NormKind,
+    /// The gate's activation in the feed-forward.
     #[serde(default)]
     pub activation: Activation,
     /// Per-head RMSNorm of queries and keys before the rotation.
@@ -161,6 +171,8 @@ fn whole_rotation() -> f64 {
 }
 
 impl LlamaConfig {
+    /// A LLaMA decoder of these sizes with every option off: rotary base 10 000, the default
+    /// feed-forward width, one key/value head per query head and an untied output head.
     pub fn new(vocab: i64, ctx: i64, layers: i64, heads: i64, dim: i64) -> Self {
         LlamaConfig {
             vocab,
@@ -217,14 +229,19 @@ impl LlamaConfig {
         self.sliding_window.filter(|_| sliding)
     }
 
+    /// Key/value heads: `kv_heads`, else one per query head.
     pub fn key_value_heads(&self) -> i64 {
         self.kv_heads.unwrap_or(self.heads)
     }
 
+    /// Hidden size of the feed-forward: `ffn_dim`, else 8/3 · dim rounded up to 32.
     pub fn hidden(&self) -> i64 {
         self.ffn_dim.unwrap_or_else(|| (self.dim.saturating_mul(8) / 3 + 31) / 32 * 32)
     }
 
+    /// Fails with the first size or option that does not fit: a size that is not positive,
+    /// key/value heads that do not divide the query heads, an odd head width, layer types
+    /// that do not match the layers, options that exclude each other, ...
     pub fn validate(&self) -> Result<()> {
         positive(&[
             ("vocab", self.vocab),

@@ -10,10 +10,14 @@ use crate::Result;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
+/// The MLP model's configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MlpConfig {
+    /// Vocabulary size: rows of the embedding and of the output head.
     pub vocab: i64,
+    /// Number of residual layers between the embedding and the head.
     pub layers: i64,
+    /// Width of the token vectors and of each layer's square weight.
     pub dim: i64,
 }
 

@@ -45,10 +45,15 @@ use tch::{Kind, Tensor};
 // wider one would buy nothing and cost every match a dereference.
 #[allow(clippy::large_enum_variant)]
 pub enum ModelConfig {
+    /// GPT-2's decoder ([`gpt`]).
     Gpt(GptConfig),
+    /// BERT's encoder ([`bert`]).
     Bert(BertConfig),
+    /// The decoder of LLaMA and its descendants ([`llama`]).
     Llama(LlamaConfig),
+    /// The small residual MLP language model ([`mlp`]).
     Mlp(MlpConfig),
+    /// T5's encoder–decoder ([`t5`]).
     T5(T5Config),
 }
 
@@ -117,6 +122,7 @@ impl ModelConfig {
         }
     }
 
+    /// Vocabulary size: how many token ids the model embeds.
     pub fn vocab(&self) -> i64 {
         match self {
             ModelConfig::Gpt(c) => c.vocab,
@@ -141,8 +147,11 @@ pub struct DecodeCache {
 /// first decoding step and kept for the others: its keys and values (`[B, H, S, D]`) and the
 /// source positions hidden from every target (`[B, 1, 1, S]`, padding), where any are.
 pub struct EncodedMemory {
+    /// The keys of the encoder's output, `[B, H, S, D]`.
     pub keys: Tensor,
+    /// The values of the encoder's output, `[B, H, S, D]`.
     pub values: Tensor,
+    /// Source positions hidden from every target (`[B, 1, 1, S]`, padding), where any are.
     pub hidden: Option<Tensor>,
 }
 
@@ -226,13 +235,18 @@ pub(crate) fn positive(values: &[(&str, i64)]) -> Result<()> {
 /// How a parameter is initialised.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
+    /// Normal with mean zero.
     Normal {
+        /// Standard deviation.
         std: f64,
     },
+    /// All zeros.
     Zeros,
+    /// All ones.
     Ones,
     /// Uniform on `[-bound, bound]` (`nn.Linear`'s own draw, and LoRA's `A`).
     Uniform {
+        /// Half the interval's width.
         bound: f64,
     },
 }
@@ -246,7 +260,9 @@ pub struct ParamId(pub usize);
 pub struct ParamSpec {
     /// Hierarchical name as in PyTorch state dicts, e.g. `transformer.h.0.attn.c_attn.weight`.
     pub name: String,
+    /// The whole tensor's shape.
     pub shape: Vec<i64>,
+    /// How the parameter is initialised.
     pub init: Init,
     /// A fixed dtype, or `None` to follow the model's dtype.
     pub kind: Option<Kind>,
@@ -254,6 +270,7 @@ pub struct ParamSpec {
     pub tp: TpRole,
     /// Index of the unit that owns (stores) this parameter.
     pub unit: usize,
+    /// Whether the parameter trains (off once frozen, [`ModelSpec::freeze`]).
     pub requires_grad: bool,
     /// Whether it is the `[out, in]` weight of a linear layer its unit applies through
     /// [`Params::linear`] or [`Params::row_linear`]: what a low-rank adapter may join.
@@ -261,6 +278,7 @@ pub struct ParamSpec {
 }
 
 impl ParamSpec {
+    /// Elements of the whole tensor.
     pub fn numel(&self) -> i64 {
         self.shape.iter().product()
     }
@@ -282,9 +300,13 @@ impl ParamSpec {
 /// first `source_len` positions are the encoder's, the rest the decoder's.
 #[derive(Debug)]
 pub struct RowLayout {
+    /// Each position's place within its example.
     pub positions: Tensor,
+    /// The example each position belongs to, numbered within its row.
     pub examples: Tensor,
+    /// The part of a text pair each position belongs to (BERT's token types), where given.
     pub segments: Option<Tensor>,
+    /// Where every row holds a source and then its target: how many positions the source takes.
     pub source_len: Option<i64>,
 }
 
@@ -350,8 +372,11 @@ pub struct Params<'a> {
 /// weight's unit.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Adapter {
+    /// The `[r, in]` factor `A`.
     pub a: ParamId,
+    /// The `[out, r]` factor `B`.
     pub b: ParamId,
+    /// The factor of the adapter's product (`alpha / r`, or `alpha / √r` with `use_rslora`).
     pub scale: f64,
     /// Where the factors are shared by a sparse layer's experts (peft's adapters of
     /// `target_parameters`): which expert's part of them this weight takes.
@@ -364,8 +389,11 @@ pub struct Adapter {
 /// this weight's rows are `B`'s `rows` (a gate and an up projection stacked share one `B`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ExpertSlice {
+    /// This weight's expert.
     pub index: i64,
+    /// How many experts share the factors.
     pub count: i64,
+    /// The rows of `B` this weight takes: the first and how many.
     pub rows: (i64, i64),
 }
 
@@ -505,6 +533,7 @@ impl std::ops::Index<ParamId> for Params<'_> {
 pub trait Unit: Send + Sync {
     /// Stable public kind name (`GptBlock`, `LlamaBlock`, ...) by which strategies select units.
     fn kind(&self) -> &'static str;
+    /// The unit's output for `input`, reading its weights from `params`.
     fn forward(&self, params: &Params<'_>, input: &Tensor) -> Result<Tensor>;
 
     /// Whether each position's output depends on that position's input alone (norms,
@@ -574,17 +603,20 @@ impl Unit for TokenEmbedding {
 
 /// A unit with its name and the parameters it owns or borrows from another unit.
 pub struct UnitSpec {
+    /// The name the model function gave the unit ([`Builder::unit`]).
     pub name: String,
     /// Parameters stored with this unit, in creation order.
     pub params: Vec<ParamId>,
     /// Parameters of other units this one reads (tied weights); they must be present too.
     pub borrowed: Vec<ParamId>,
+    /// The unit's forward.
     pub body: Box<dyn Unit>,
     /// What the unit costs per token, as its family declared it (`None`: not declared).
     pub cost: Option<UnitCost>,
 }
 
 impl UnitSpec {
+    /// The kind name of the unit's body ([`Unit::kind`]).
     pub fn kind(&self) -> &'static str {
         self.body.kind()
     }
@@ -610,7 +642,9 @@ impl UnitSpec {
 
 /// Everything the model function declared: units in execution order and their parameters.
 pub struct ModelSpec {
+    /// The units in execution order.
     pub units: Vec<UnitSpec>,
+    /// Every parameter, indexed by [`ParamId`].
     pub params: Vec<ParamSpec>,
     /// Extra names under which a parameter is known (`lm_head.weight` for a tied embedding).
     pub aliases: Vec<(String, ParamId)>,
@@ -638,8 +672,11 @@ pub struct ModelSpec {
 pub struct ExpertSet {
     /// `model.layers.{i}.mlp.experts`, whatever the family calls the weights on disk.
     pub module: String,
+    /// Each expert's gate weight, in expert order.
     pub gate: Vec<ParamId>,
+    /// Each expert's up weight, in expert order.
     pub up: Vec<ParamId>,
+    /// Each expert's down weight, in expert order.
     pub down: Vec<ParamId>,
 }
 
@@ -664,6 +701,7 @@ impl ModelSpec {
         self.units.iter().filter(|u| kinds.iter().any(|k| k == u.kind())).count()
     }
 
+    /// How many elements the parameters hold together.
     pub fn num_params(&self) -> i64 {
         self.params.iter().map(ParamSpec::numel).sum()
     }
@@ -771,6 +809,7 @@ impl ModelSpec {
         self.units.iter().any(|u| u.params.contains(&id))
     }
 
+    /// The parameter named `name`, or known by it as an alias.
     pub fn find(&self, name: &str) -> Option<ParamId> {
         self.params
             .iter()
@@ -794,6 +833,7 @@ pub struct Builder {
 }
 
 impl Builder {
+    /// A builder with nothing recorded.
     pub fn new() -> Self {
         Self::default()
     }
@@ -920,6 +960,7 @@ impl UnitBuilder<'_> {
         self.cost = Some(cost);
     }
 
+    /// Ends the unit: records it with `body` as its forward and the parameters declared for it.
     pub fn finish(self, body: impl Unit + 'static) {
         self.builder.units.push(UnitSpec {
             name: self.name,

@@ -29,7 +29,9 @@ use tch::{Kind, Tensor};
 /// of every rank of the group. Implemented over a process group by `parallel`, so this layer
 /// knows nothing of communication.
 pub trait ExpertExchange: Send + Sync {
+    /// Ranks in the group.
     fn size(&self) -> usize;
+    /// This rank's index in the group.
     fn rank(&self) -> usize;
     /// Sends `inputs[r]` to rank `r` and returns what each rank sent this one, rank by rank
     /// (`received[r]` has `lengths[r]` rows of `inputs`' width). Every rank of the group
@@ -74,6 +76,7 @@ pub struct MoeConfig {
     /// not in `dense_layers` (`decoder_sparse_step`, `mlp_only_layers`).
     #[serde(default = "every_layer")]
     pub sparse_step: i64,
+    /// Layers kept dense whatever `sparse_step` says (`mlp_only_layers`).
     #[serde(default)]
     pub dense_layers: Vec<i64>,
     /// The load-balancing loss's weight in the training loss (`router_aux_loss_coef`); 0
@@ -89,6 +92,7 @@ pub struct MoeConfig {
     /// are dropped (they add nothing to their token's output). `None`: none is dropped.
     #[serde(default)]
     pub capacity_factor: Option<f64>,
+    /// How the family names the experts' weights.
     #[serde(default)]
     pub names: ExpertNames,
 }
@@ -103,6 +107,8 @@ impl MoeConfig {
         (layer + 1) % self.sparse_step == 0 && !self.dense_layers.contains(&layer)
     }
 
+    /// Fails with the first value out of range: a size that is not positive, `top_k` above
+    /// `experts`, a negative loss weight, a capacity factor that is not positive.
     pub fn validate(&self) -> Result<()> {
         super::positive(&[
             ("num_experts", self.experts),
@@ -142,6 +148,7 @@ impl MoeConfig {
         }
     }
 
+    /// The names of expert `e`'s gate, up and down weights in sparse layer `layer`.
     pub fn expert_names(&self, layer: &str, e: i64) -> [String; 3] {
         match self.names {
             ExpertNames::Mlp => {
@@ -487,7 +494,10 @@ struct LayerRouting {
 /// backward, the term to add to the training loss (its value `coef · aux_loss`; backward
 /// through it hands the layers the factor the loss is weighted by).
 pub struct Routed {
+    /// The load-balancing loss and token counts of the forward.
     pub report: BalanceReport,
+    /// The term to add to the training loss (the weighted load-balancing and z-losses), where
+    /// the forward records for backward and either loss is trained.
     pub loss_term: Option<Tensor>,
 }
 
@@ -498,6 +508,7 @@ pub struct BalanceReport {
     pub aux_loss: f64,
     /// Token slots the least and the most loaded expert received, over all sparse layers.
     pub min_expert_tokens: i64,
+    /// Token slots the most loaded expert received, over all sparse layers.
     pub max_expert_tokens: i64,
     /// Token slots this rank sent to experts computed on other ranks of its expert group
     /// (expert parallelism; 0 without), over all sparse layers.
@@ -580,7 +591,7 @@ impl LoadBalance {
     /// Micro-batch `micro`'s routing so far, this part's sparse layers' and the earlier
     /// stages' together: token slots per expert `[E]`, summed probabilities `[E]`, then the
     /// tokens routed, the slots sent to other ranks, the slots dropped, the summed squared
-    /// log-partitions and the layers that routed ([`SUMS_PAST_EXPERTS`] values). What a
+    /// log-partitions and the layers that routed (`SUMS_PAST_EXPERTS` values). What a
     /// pipeline stage sends on with its activations.
     pub fn sums(&self, micro: usize) -> Result<Vec<f64>> {
         let state = self.state();

@@ -20,27 +20,61 @@ pub enum RopeScaling {
     #[default]
     None,
     /// Every frequency divided by `factor` (position interpolation).
-    Linear { factor: f64 },
+    Linear {
+        /// The divisor of every frequency.
+        factor: f64,
+    },
     /// Past `original_context` positions the base grows with the sequence's length (NTK-aware
     /// scaling recomputed as the sequence grows).
-    Dynamic { factor: f64, original_context: i64 },
+    Dynamic {
+        /// The scaling factor: for `len` positions the base is
+        /// `theta · (factor · len / original_context − (factor − 1))^(d/(d−2))`.
+        factor: f64,
+        /// The context the model was trained at, in positions; shorter sequences are not scaled.
+        original_context: i64,
+    },
     /// YaRN: high frequencies kept, low ones interpolated by `factor`, a linear ramp between
     /// the dimensions that turn `beta_fast` and `beta_slow` times over `original_context`;
     /// cosines and sines multiplied by `attention_factor`.
-    Yarn { factor: f64, original_context: i64, beta_fast: f64, beta_slow: f64, attention_factor: f64, truncate: bool },
+    Yarn {
+        /// The divisor of the interpolated (low) frequencies.
+        factor: f64,
+        /// The context the model was trained at, in positions.
+        original_context: i64,
+        /// Turns over `original_context` of the dimension where the ramp starts (frequencies kept).
+        beta_fast: f64,
+        /// Turns over `original_context` of the dimension where the ramp ends (frequencies interpolated).
+        beta_slow: f64,
+        /// The factor cosines and sines are multiplied by.
+        attention_factor: f64,
+        /// Whether the ramp's ends are rounded outwards to whole dimensions.
+        truncate: bool,
+    },
     /// Llama 3: wavelengths longer than `original_context / low_freq_factor` divided by
     /// `factor`, shorter than `original_context / high_freq_factor` kept, a smooth blend
     /// between.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_context: i64 },
+    Llama3 {
+        /// The divisor of the long wavelengths' frequencies.
+        factor: f64,
+        /// Wavelengths longer than `original_context / low_freq_factor` are scaled.
+        low_freq_factor: f64,
+        /// Wavelengths shorter than `original_context / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// The context the model was trained at, in positions.
+        original_context: i64,
+    },
 }
 
 /// A rotary embedding: its base, scaling, and the share of each head's dimensions it turns
 /// (the rest pass through, as in Phi-3's `partial_rotary_factor`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Rope {
+    /// Base of the unscaled inverse frequencies `theta^(-2i/d)` (`rope_theta`).
     pub theta: f64,
+    /// How the frequencies are scaled; none by default.
     #[serde(default)]
     pub scaling: RopeScaling,
+    /// The share of each head's dimensions the rotation turns; 1 (all) by default.
     #[serde(default = "whole")]
     pub partial: f64,
 }
@@ -50,6 +84,7 @@ fn whole() -> f64 {
 }
 
 impl Rope {
+    /// An unscaled rotation of base `theta` that turns whole heads.
     pub fn new(theta: f64) -> Rope {
         Rope { theta, scaling: RopeScaling::None, partial: 1.0 }
     }
@@ -173,6 +208,7 @@ pub struct Rotation {
 }
 
 impl Rotation {
+    /// The rotation `rope` describes, its tables made at first use.
     pub fn new(rope: Rope) -> Rotation {
         Rotation { rope, frequencies: Mutex::new(None) }
     }

@@ -35,11 +35,13 @@ use tch::{Kind, Tensor};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FeedForwardActivation {
+    /// ReLU (`relu`, T5 v1.0's).
     Relu,
     /// GELU in its exact form (`gelu`).
     Gelu,
     /// GELU in its tanh form (`gelu_new`, and `gated-gelu`, T5 v1.1's).
     GeluTanh,
+    /// SiLU (`silu`).
     Silu,
 }
 
@@ -54,8 +56,10 @@ impl FeedForwardActivation {
     }
 }
 
+/// T5's configuration, as its `config.json` gives it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct T5Config {
+    /// Vocabulary size: rows of the shared embedding table (`vocab_size`).
     pub vocab: i64,
     /// The residual stream's width (`d_model`).
     pub dim: i64,
@@ -63,14 +67,19 @@ pub struct T5Config {
     pub head_dim: i64,
     /// The feed-forward layer's width (`d_ff`).
     pub ffn_dim: i64,
+    /// Blocks of the encoder stack (`num_layers`).
     pub encoder_layers: i64,
+    /// Blocks of the decoder stack (`num_decoder_layers`).
     pub decoder_layers: i64,
+    /// Attention heads of each layer (`num_heads`).
     pub heads: i64,
     /// Buckets of the relative position bias (`relative_attention_num_buckets`).
     pub buckets: i64,
     /// Distances at and past which keys share the last bucket (`relative_attention_max_distance`).
     pub max_distance: i64,
+    /// The RMS norms' epsilon (`layer_norm_epsilon`).
     pub norm_eps: f64,
+    /// The feed-forward layer's activation.
     pub activation: FeedForwardActivation,
     /// The feed-forward layer gates its activation with a second projection (`wi_0`, `wi_1`).
     pub gated: bool,
@@ -91,6 +100,8 @@ pub struct T5Config {
 }
 
 impl T5Config {
+    /// Fails with the first value out of range: a size that is not positive, too few buckets
+    /// for their distance, an epsilon that is not positive, a token outside the vocabulary.
     pub fn validate(&self) -> Result<()> {
         positive(&[
             ("vocab", self.vocab),

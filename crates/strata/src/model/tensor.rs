@@ -25,12 +25,20 @@ pub enum TpRole {
     /// Split along the output dimension (rows of a `[out, in]` weight, and its bias). The
     /// output holds `parts` equal blocks fused into one tensor (GPT's `c_attn` holds q, k
     /// and v: `parts: 3`); each rank holds its piece of every block.
-    Column { parts: i64 },
+    Column {
+        /// Equal blocks fused into the output; 1 for an unfused one.
+        parts: i64,
+    },
     /// Split along the output dimension of a fused query/key/value projection holding
     /// `heads` query heads, then `kv_heads` key heads and `kv_heads` value heads, all of
     /// one width (Phi-3's `qkv_proj` under grouped-query attention): each rank holds its
     /// heads of each of the three blocks.
-    QueryKeyValue { heads: i64, kv_heads: i64 },
+    QueryKeyValue {
+        /// Query heads of the projection.
+        heads: i64,
+        /// Key heads of the projection, and as many value heads.
+        kv_heads: i64,
+    },
     /// Every rank holds the whole tensor, but each rank's gradient covers only its share of
     /// the work, so it is all-reduced over the tensor group: per-head query and key norms
     /// applied to the rank's own heads, a LoRA factor beside a split weight.

@@ -15,11 +15,15 @@ use std::sync::{Arc, Mutex};
 use strata_ext::{AdamStep, AdamTensors, DeviceInputs, SgdStep};
 use tch::{Kind, Tensor};
 
+/// The optimizer's update rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
+    /// Adam with decoupled weight decay (the default).
     AdamW,
+    /// Adam, the weight decay added to the gradient (L2).
     Adam,
+    /// Stochastic gradient descent, with momentum where `momentum` is set.
     Sgd,
 }
 
@@ -39,14 +43,21 @@ impl std::str::FromStr for OptimizerKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OptimizerConfig {
+    /// The update rule; AdamW by default.
     pub kind: OptimizerKind,
+    /// Base learning rate; 1e-3 by default.
     pub lr: f64,
+    /// Adam's decay rates of the running averages of the gradient and of its square; (0.9, 0.999) by default.
     pub betas: (f64, f64),
+    /// Adam's term added to the denominator for stability; 1e-8 by default.
     pub eps: f64,
     /// Applies to every parameter unless a group says otherwise.
     pub weight_decay: f64,
+    /// SGD's momentum factor; 0 (none) by default.
     pub momentum: f64,
+    /// SGD's dampening of the gradient added to the momentum; 0 by default.
     pub dampening: f64,
+    /// SGD with Nesterov momentum (it needs a momentum and no dampening).
     pub nesterov: bool,
 }
 
@@ -76,6 +87,9 @@ impl OptimizerConfig {
         }
     }
 
+    /// Fails with the first hyper-parameter out of range: a negative learning rate, betas
+    /// outside [0, 1), an eps that is not positive, negative decay or momentum, Nesterov
+    /// momentum without a momentum or with dampening.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(Error::Config(what));
         if !(self.lr.is_finite() && self.lr >= 0.0) {
@@ -103,8 +117,11 @@ impl OptimizerConfig {
 /// group's learning rate and weight decay (where set) instead of the optimizer's.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct GroupRule {
+    /// Substrings of parameter names that put a parameter in this group.
     pub name_contains: Vec<String>,
+    /// The group's base learning rate; `None`: the optimizer's.
     pub lr: Option<f64>,
+    /// The group's weight decay; `None`: the optimizer's.
     pub weight_decay: Option<f64>,
 }
 
@@ -245,6 +262,7 @@ impl Optimizer {
         self.config.lr * self.lr_factor
     }
 
+    /// Updates made so far, counting from a restored checkpoint's count.
     pub fn steps_taken(&self) -> u64 {
         self.steps_taken
     }
@@ -427,7 +445,7 @@ impl Optimizer {
     }
 
     /// Waits for a delayed host update still running and has `engine` publish it
-    /// ([`Engine::after_update`]: the masters reach the device); nothing without one.
+    /// (`Engine::after_update`: the masters reach the device); nothing without one.
     pub fn settle(&mut self, engine: &mut Engine) -> Result<()> {
         let Some(running) = self.delayed.running.take() else { return Ok(()) };
         running.finish()?;
@@ -739,32 +757,46 @@ impl Drop for Optimizer {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum LrSchedule {
+    /// The base rate at every step.
     Constant,
     /// Linear warm-up from 1/warmup to 1, then cosine decay to `min_factor` at `total`.
     WarmupCosine {
+        /// Steps of warm-up (0: none).
         warmup: u64,
+        /// The step at which the factor reaches `min_factor`.
         total: u64,
+        /// The factor at `total` and after.
         min_factor: f64,
     },
     /// Multiply by `gamma` every `every` steps.
     Step {
+        /// Steps between multiplications.
         every: u64,
+        /// The factor applied every `every` steps.
         gamma: f64,
     },
     /// Linear warm-up from 1/warmup to 1, then a straight line down to `min_factor` at `total`.
     Linear {
+        /// Steps of warm-up (0: none).
         warmup: u64,
+        /// The step at which the factor reaches `min_factor`.
         total: u64,
+        /// The factor at `total` and after.
         min_factor: f64,
     },
     /// Warm-up, stable, decay: linear warm-up to 1, 1 until `decay_start`, then down to
     /// `min_factor` over `decay_steps` steps along `shape`. A run kept stable can be cooled
     /// down from any of its checkpoints by resuming with the decay started there.
     WarmupStableDecay {
+        /// Steps of warm-up (0: none).
         warmup: u64,
+        /// The step the decay starts at.
         decay_start: u64,
+        /// Steps the decay takes.
         decay_steps: u64,
+        /// The factor the decay ends at.
         min_factor: f64,
+        /// How the decay falls.
         shape: DecayShape,
     },
 }
@@ -813,6 +845,7 @@ impl LrSchedule {
         }
     }
 
+    /// The factor of the base learning rate at step `step` (0-based).
     pub fn factor(&self, step: u64) -> f64 {
         // Linear warm-up from 1/warmup to 1, shared by the schedules that have one.
         let warming = |warmup: u64| (step < warmup).then(|| (step + 1) as f64 / warmup as f64);

@@ -24,6 +24,8 @@ pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 /// one would start only once it is nearly over.
 pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
 
+/// Data parallelism as an engine's schedule: each bucket of gradients averaged over the
+/// group once backward completes it ([`DataParallel::install`]).
 pub struct DataParallel {
     group: Arc<dyn ProcessGroup>,
     /// For each unit that completes a bucket, the bucket (a slice of the gradient buffer).
@@ -35,8 +37,11 @@ pub struct DataParallel {
     _hooks: Vec<Hook>,
 }
 
+/// How data parallelism buckets gradients and treats parameters that get none.
 #[derive(Clone, Copy, Debug)]
 pub struct DataParallelOptions {
+    /// Least bytes of gradients in a bucket ([`DEFAULT_BUCKET_BYTES`] by default); the first
+    /// bucket's least is at most `FIRST_BUCKET_BYTES`.
     pub bucket_bytes: usize,
     /// Parameters that get no gradient in a step are expected (otherwise an error).
     pub find_unused_parameters: bool,

@@ -100,10 +100,12 @@ impl Mesh {
         Ok(Mesh { world, rank, dims, order: mode.1 })
     }
 
+    /// Ranks in the job.
     pub fn world(&self) -> usize {
         self.world
     }
 
+    /// This rank's index among the job's ranks.
     pub fn rank(&self) -> usize {
         self.rank
     }

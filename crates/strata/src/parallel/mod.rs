@@ -41,7 +41,9 @@ use zero::{ShardGroups, ShardHomes, ShardOffload, Zero, ZeroOptions};
 /// ranks of one node (the shard group of HYBRID_SHARD by default).
 #[derive(Clone)]
 pub struct RankLayout<'a> {
+    /// The communicator over the job's ranks; `None` for one process.
     pub comm: Option<&'a Comm>,
+    /// Ranks on one node (HYBRID_SHARD's shard group by default).
     pub local_world_size: usize,
     /// Data parallelism's buckets and unused-parameter policy.
     pub data_parallel: DataParallelOptions,

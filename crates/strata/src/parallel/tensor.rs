@@ -19,6 +19,8 @@ pub struct TensorGroup {
 }
 
 impl TensorGroup {
+    /// This rank's tensor group `group`, with activations split along the sequence outside
+    /// the split regions where `sequence_parallel` is set.
     pub fn new(group: Arc<dyn ProcessGroup>, sequence_parallel: bool) -> TensorGroup {
         TensorGroup { group, sequence_parallel }
     }

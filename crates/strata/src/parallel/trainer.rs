@@ -16,16 +16,24 @@ use std::sync::Arc;
 pub struct TrainerSetup<'a> {
     /// Makes the whole model's spec (with its adapters and frozen parameters).
     pub spec: &'a dyn Fn() -> Result<ModelSpec>,
+    /// How each engine stores and runs the model.
     pub engine: EngineConfig,
+    /// The parallel strategy the trainer follows.
     pub strategy: &'a Strategy,
+    /// The communicator over the job's ranks; `None` for one process.
     pub comm: Option<&'a Comm>,
     /// Ranks on this host (HYBRID_SHARD's default shard group, pipelines' stages).
     pub local_world_size: usize,
+    /// Data parallelism's buckets and unused-parameter policy.
     pub data_parallel: DataParallelOptions,
+    /// The optimizer's hyper-parameters.
     pub optimizer: OptimizerConfig,
     /// The optimizer's parameter groups (not under a pipeline).
     pub rules: &'a [GroupRule],
+    /// The learning-rate schedule.
     pub schedule: LrSchedule,
+    /// The largest total gradient norm a step keeps; larger gradients are scaled down to it
+    /// (`None`: no clipping).
     pub grad_clip: Option<f64>,
     /// Micro-batches per step (a pipeline's schedule is laid out for them).
     pub micro_batches: usize,

@@ -36,8 +36,10 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
 
+/// How a ZeRO stage shards a model and schedules its communication ([`Zero::build`]).
 #[derive(Clone, Debug)]
 pub struct ZeroOptions {
+    /// What is sharded: optimizer states; and gradients; and parameters.
     pub stage: Stage,
     /// Free a unit's gathered parameters after its forward (stage 3).
     pub reshard_after_forward: bool,
@@ -46,7 +48,11 @@ pub struct ZeroOptions {
     /// micro-batches' forwards and backwards interleave: one gather per unit and step, not
     /// one per micro-batch).
     pub keep_gathered_in_step: bool,
+    /// When stage 3's backward starts gathering the next unit's parameters; `None`: only as
+    /// each unit's backward needs them.
     pub backward_prefetch: Option<BackwardPrefetch>,
+    /// Stage 3 starts gathering the next unit's parameters before a unit's forward (FSDP's
+    /// `forward_prefetch`).
     pub forward_prefetch: bool,
     /// At most one gather runs ahead of the unit being computed; without it, two.
     pub limit_all_gathers: bool,
@@ -61,7 +67,10 @@ pub struct ZeroOptions {
     pub release_after_init: bool,
     /// Per unit, from the wrap policy.
     pub wrap: Vec<Wrap>,
+    /// The dtype the flat buffers hold parameters in, the optimizer updating masters in the
+    /// engine's dtype; `None`: the engine's dtype.
     pub param_dtype: Option<Kind>,
+    /// The dtype gradients are reduced in; `None`: the parameters' (`param_dtype`).
     pub reduce_dtype: Option<Kind>,
     /// Master shards, reduced gradient shards and optimizer state of the sharded units it
     /// places on the host live in host memory and are updated there (ZeRO-Offload; with
@@ -74,7 +83,9 @@ pub struct ZeroOptions {
 /// shard, gradient shard, optimizer state) in host memory.
 #[derive(Clone, Debug)]
 pub struct ShardOffload {
+    /// Where the host buffers are made.
     pub memory: HostMemory,
+    /// How [`shard_homes`] places the shard states.
     pub homes: ShardHomes,
     /// Per unit, whether its shard states always live on the host (`host_units`).
     pub forced: Vec<bool>,
@@ -87,11 +98,17 @@ pub struct ShardOffload {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ShardHomes {
     /// The first units covering `ratio` of the shard states' bytes go to the host.
-    Static { ratio: f64 },
+    Static {
+        /// Share of the shard states' bytes that goes to the host.
+        ratio: f64,
+    },
     /// Units stay on the device while their shard states fit in `room`: the device budget
     /// less what a step needs with every shard on the host (no limit when `None`); the
     /// others go to the host, largest first.
-    Auto { room: Option<u64> },
+    Auto {
+        /// Device bytes the shard states may hold; `None`: no limit.
+        room: Option<u64>,
+    },
 }
 
 /// Per unit, whether its shard states go to the host, from the device bytes they hold where
@@ -171,8 +188,11 @@ impl ZeroOptions {
 /// rank's tensor-parallel piece (every rank without tensor parallelism).
 #[derive(Clone)]
 pub struct ShardGroups {
+    /// The ranks that split each unit's states; `None` where every rank holds them whole.
     pub shard: Option<Arc<dyn ProcessGroup>>,
+    /// This shard's replicas in the other shard groups; `None` unless shard groups are replicated.
     pub replicate: Option<Arc<dyn ProcessGroup>>,
+    /// Every rank that holds this rank's tensor-parallel piece; `None` where no other does.
     pub world: Option<Arc<dyn ProcessGroup>>,
 }
 
@@ -414,6 +434,8 @@ fn padded_slice(values: &Tensor, start: i64, count: i64) -> Result<Tensor> {
     Ok(out)
 }
 
+/// ZeRO as an engine's schedule: this rank's shards of each unit, and the gathers,
+/// reductions and updates around their forward and backward ([`Zero::build`]).
 pub struct Zero {
     options: ZeroOptions,
     groups: ShardGroups,

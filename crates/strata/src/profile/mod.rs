@@ -50,21 +50,28 @@ pub fn human_bytes(bytes: u64) -> String {
     format!("{value:.1} {}", UNITS[unit])
 }
 
+/// The `format` a profile's header names.
 pub const FORMAT: &str = "strata-profile";
+/// The version of the format written, and the only one read.
 pub const VERSION: u32 = 2;
 
 /// The first line of a rank's profile.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Header {
+    /// The format's name: [`FORMAT`].
     pub format: String,
+    /// The format's version: [`VERSION`].
     pub version: u32,
+    /// The rank that recorded the profile.
     pub rank: usize,
+    /// Ranks in the job.
     pub world: usize,
     /// The units' names, in order.
     pub units: Vec<String>,
     /// Bytes of each unit's parameters, whole (not sharded), in the engine's dtype.
     pub unit_param_bytes: Vec<u64>,
+    /// The engine's device, as `Debug` prints it (`Cpu`, `Cuda(0)`).
     pub device: String,
     /// When recording started, in seconds since the Unix epoch: the ranks' records line up
     /// on it (exactly on one host, as well as the hosts' clocks agree across hosts).
@@ -83,34 +90,130 @@ pub enum Record {
     /// hold from the allocator then (the ledger's `params` and `grads` say the same);
     /// `allocated`: every byte libtorch's allocator holds for this process on the engine's
     /// device then (on the CPU: host memory, offloaded states included), where tracked.
-    Phase { t: f64, phase: Phase, unit: usize, memory: Memory, storage_bytes: u64, allocated: Option<u64> },
+    Phase {
+        /// When the record was made, seconds since recording started.
+        t: f64,
+        /// The phase the schedule has run for.
+        phase: Phase,
+        /// The unit's index.
+        unit: usize,
+        /// Bytes the ledger counts then, per placement and category.
+        memory: Memory,
+        /// Bytes the buffers of parameters and gradients hold from the allocator then.
+        storage_bytes: u64,
+        /// Bytes libtorch's allocator holds for this process on the engine's device then, where
+        /// tracked.
+        allocated: Option<u64>,
+    },
     /// A gather of `unit`'s parameters started.
-    Gather { t: f64, unit: usize },
+    Gather {
+        /// When the record was made, seconds since recording started.
+        t: f64,
+        /// The unit's index.
+        unit: usize,
+    },
     /// `unit`'s gathered parameters were freed.
-    Freed { t: f64, unit: usize },
+    Freed {
+        /// When the record was made, seconds since recording started.
+        t: f64,
+        /// The unit's index.
+        unit: usize,
+    },
     /// `bytes` of `unit`'s states were copied to `to`.
-    Copy { t: f64, unit: usize, to: Placement, bytes: u64 },
+    Copy {
+        /// When the record was made, seconds since recording started.
+        t: f64,
+        /// The unit's index.
+        unit: usize,
+        /// Where the states went.
+        to: Placement,
+        /// Bytes copied.
+        bytes: u64,
+    },
     /// The device copy of `unit`'s parameters was released.
-    Evict { t: f64, unit: usize },
+    Evict {
+        /// When the record was made, seconds since recording started.
+        t: f64,
+        /// The unit's index.
+        unit: usize,
+    },
     /// The engine's thread waited for a copy of `unit`'s states from `start` to `t`.
-    CopyWait { t: f64, start: f64, unit: usize },
+    CopyWait {
+        /// When the wait ended, seconds since recording started.
+        t: f64,
+        /// When the wait began, seconds since recording started.
+        start: f64,
+        /// The unit's index.
+        unit: usize,
+    },
     /// `unit`'s forward ran again in its backward (recomputation), from `start` to `t`.
-    Recompute { t: f64, start: f64, unit: usize },
+    Recompute {
+        /// When the recomputation ended, seconds since recording started.
+        t: f64,
+        /// When it began, seconds since recording started.
+        start: f64,
+        /// The unit's index.
+        unit: usize,
+    },
     /// The update began (`done: false`) or the step ended (`done: true`).
-    Update { t: f64, done: bool, memory: Memory, allocated: Option<u64> },
+    Update {
+        /// When the record was made, seconds since recording started.
+        t: f64,
+        /// `false` where the update began, `true` where the step ended.
+        done: bool,
+        /// Bytes the ledger counts then, per placement and category.
+        memory: Memory,
+        /// Bytes libtorch's allocator holds for this process on the engine's device then, where
+        /// tracked.
+        allocated: Option<u64>,
+    },
     /// A pipeline operation (`forward`, `backward`, `backward_input`, `backward_weight`,
     /// `send_*`, `recv_*`) of micro-batch `micro` on this rank's chunk `chunk`, from `start`
     /// to `t`.
-    Op { t: f64, start: f64, op: String, micro: usize, chunk: usize },
+    Op {
+        /// When the operation ended, seconds since recording started.
+        t: f64,
+        /// When it began, seconds since recording started.
+        start: f64,
+        /// The operation's name (`forward`, `send_activation`, ...).
+        op: String,
+        /// The micro-batch it ran on.
+        micro: usize,
+        /// The chunk of this rank it ran on.
+        chunk: usize,
+    },
     /// A collective `op` over `group`, moving or reducing `bytes`, issued at `start` and
     /// finished at `t` (it ran on the group's own thread or stream, one at a time).
-    Collective { t: f64, start: f64, op: String, group: String, bytes: u64 },
+    Collective {
+        /// When it finished, seconds since recording started.
+        t: f64,
+        /// When it was issued, seconds since recording started.
+        start: f64,
+        /// The operation's name (e.g. `all_reduce`).
+        op: String,
+        /// The group's name.
+        group: String,
+        /// Bytes moved or reduced, the larger side.
+        bytes: u64,
+    },
     /// A thread blocked on a collective from `start` to `t`; `compute`: the thread that
     /// runs the engine (its wait is communication the computation did not hide).
-    Wait { t: f64, start: f64, op: String, group: String, compute: bool },
+    Wait {
+        /// When the wait ended, seconds since recording started.
+        t: f64,
+        /// When it began, seconds since recording started.
+        start: f64,
+        /// The operation's name (e.g. `all_reduce`).
+        op: String,
+        /// The group's name.
+        group: String,
+        /// Whether the thread that waited is the one running the engine.
+        compute: bool,
+    },
 }
 
 impl Record {
+    /// When the record was made, in seconds since recording started (for a stretch: when it ended).
     pub fn t(&self) -> f64 {
         match *self {
             Record::Phase { t, .. }
@@ -325,10 +428,13 @@ impl CommObserver for Profiler {
 /// What a [`Span`] covers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SpanKind {
+    /// The forward of the unit of this index.
     Forward(usize),
+    /// The backward of the unit of this index.
     Backward(usize),
     /// A forward run again inside its unit's backward.
     Recompute(usize),
+    /// The update, from its start to the step's end.
     Update,
 }
 
@@ -336,18 +442,26 @@ pub enum SpanKind {
 /// its `after_*`), or the update (from its start to the step's end).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Span {
+    /// What the span covers.
     pub kind: SpanKind,
+    /// When it began, seconds since recording started.
     pub start: f64,
+    /// When it ended, seconds since recording started.
     pub end: f64,
 }
 
 /// A pipeline operation as it ran.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Operation {
+    /// The operation's name (`forward`, `send_activation`, ...).
     pub op: String,
+    /// The micro-batch it ran on.
     pub micro: usize,
+    /// The chunk of this rank it ran on.
     pub chunk: usize,
+    /// When it began, seconds since recording started.
     pub start: f64,
+    /// When it ended, seconds since recording started.
     pub end: f64,
 }
 
@@ -368,11 +482,18 @@ impl Operation {
 /// A collective as it ran on its group's thread or stream.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CollectiveRun {
+    /// The operation's name (e.g. `all_reduce`).
     pub op: String,
+    /// The group's name.
     pub group: String,
+    /// Bytes moved or reduced, the larger side.
     pub bytes: u64,
+    /// When it was issued, seconds since recording started.
     pub issued: f64,
+    /// When it began running: when it was issued or when the group's previous collective
+    /// finished, if later.
     pub start: f64,
+    /// When it finished, seconds since recording started.
     pub end: f64,
 }
 
@@ -403,7 +524,9 @@ pub fn covered_seconds(mut intervals: Vec<(f64, f64)>) -> f64 {
 /// One rank's profile as read back.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Profile {
+    /// The profile's first line.
     pub header: Header,
+    /// The records of every other line, in order.
     pub records: Vec<Record>,
 }
 

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 /// The memory of one moment of a profile.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryPoint {
+    /// Seconds since recording started.
     pub t: f64,
     /// Every byte the ledger counts, per placement.
     pub by_placement: BTreeMap<Placement, u64>,
@@ -46,11 +47,16 @@ pub enum Residency {
     OnDevice,
 }
 
+/// A stretch of time over which a unit's parameters are away from their home.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UnitStretch {
+    /// The unit's index in the model.
     pub unit: usize,
+    /// Where the parameters are over the stretch.
     pub residency: Residency,
+    /// When the stretch began, in seconds since recording started.
     pub start: f64,
+    /// When the stretch ended, in seconds since recording started.
     pub end: f64,
 }
 
@@ -93,9 +99,13 @@ pub(crate) fn host_homed(p: &Profile, unit: usize) -> bool {
 /// One unit's cost, averaged over the ranks that ran it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct UnitCost {
+    /// The unit's name.
     pub name: String,
+    /// Seconds in the unit's forwards, summed over the profile.
     pub forward_s: f64,
+    /// Seconds in the unit's backwards, summed over the profile.
     pub backward_s: f64,
+    /// Bytes of the unit's parameters, whole (not sharded), in the engine's dtype.
     pub param_bytes: u64,
     /// Activations the ledger gained over the unit's forward (what it keeps for backward),
     /// the largest over its forwards.

@@ -11,28 +11,40 @@ use crate::engine::Placement;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
+/// One unit's figures on one rank.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct UnitSummary {
+    /// The unit's index in the model.
     pub unit: usize,
+    /// The unit's name.
     pub name: String,
+    /// Forward spans recorded.
     pub forwards: u64,
+    /// Backward spans recorded.
     pub backwards: u64,
+    /// Seconds in the unit's forwards, summed.
     pub forward_s: f64,
+    /// Seconds in the unit's backwards, summed.
     pub backward_s: f64,
     /// Bytes of the unit's parameters (whole) and of the activations its forward kept for
     /// backward (the most over its forwards).
     pub param_bytes: u64,
+    /// Bytes of the activations its forward kept for backward.
     pub activation_bytes: u64,
     /// Forwards run again in backward, and their seconds (part of `backward_s`).
     pub recomputes: u64,
+    /// Seconds of those recomputes (part of `backward_s`).
     pub recompute_s: f64,
 }
 
 /// Collectives of one operation.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct OpSummary {
+    /// The operation's name.
     pub op: String,
+    /// Collectives of this operation recorded.
     pub calls: u64,
+    /// Bytes they moved or reduced, summed.
     pub bytes: u64,
     /// Seconds they ran (each from its start on its group to its end), summed.
     pub seconds: f64,
@@ -48,6 +60,7 @@ pub struct CriticalPath {
     pub exposed_comm_s: f64,
     /// Waiting for copies between device and host (offload), outside collectives.
     pub copy_wait_s: f64,
+    /// In the update, outside unit spans and waits.
     pub update_s: f64,
     /// Neither: data, loss, the schedule's own work.
     pub other_s: f64,
@@ -56,16 +69,23 @@ pub struct CriticalPath {
 /// One rank's figures.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct RankSummary {
+    /// The rank whose profile this is.
     pub rank: usize,
     /// Seconds from the first record to the last.
     pub seconds: f64,
     /// Units by forward + backward time, slowest first.
     pub units: Vec<UnitSummary>,
+    /// The ledger's largest total at any recorded moment, per placement.
     pub peak_bytes: BTreeMap<Placement, u64>,
+    /// Bytes of states copied from the host to the device.
     pub copied_to_device: u64,
+    /// Bytes of states copied from the device to the host.
     pub copied_to_host: u64,
+    /// Gathers of parameters started.
     pub gathers: u64,
+    /// Seconds in updates, summed.
     pub update_s: f64,
+    /// Updates recorded.
     pub updates: u64,
     /// Collectives by operation, most time first.
     pub collectives: Vec<OpSummary>,
@@ -74,6 +94,7 @@ pub struct RankSummary {
     /// Of those, seconds the engine's thread was not waiting: communication hidden behind
     /// computation.
     pub comm_overlapped_s: f64,
+    /// How the engine's thread spent the recorded time.
     pub critical_path: CriticalPath,
     /// Where a pipeline ran: the fraction of its time this rank computed nothing.
     pub pipeline_bubble: Option<f64>,

@@ -6,7 +6,7 @@
 //!
 //! Owns the order of a run and what it writes beside its steps. Must not own a step itself
 //! ([`crate::train`] does, with its step executors), parse command lines or read
-//! files named by users into data (the caller hands over [`TokenData`]).
+//! files named by users into data (the caller hands over `TokenData`).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -84,7 +84,9 @@ impl From<ModelConfig> for Model {
 /// The data a run trains on (a token stream or examples), and the data it validates on.
 #[derive(Clone)]
 pub struct Data {
+    /// The data the run trains on.
     pub train: Arc<Dataset>,
+    /// The data the run validates on, if any.
     pub validation: Option<Arc<Dataset>>,
 }
 
@@ -193,8 +195,11 @@ pub struct RunConfig {
     pub device: tch::Device,
     /// Compute threads; `None`: the ranks of a host share its cores.
     pub threads: Option<i32>,
+    /// The optimizer's kind and hyper-parameters.
     pub optimizer: OptimizerConfig,
+    /// The learning rate's factor at each step (default: constant).
     pub schedule: LrSchedule,
+    /// Clip the global gradient norm to this value (default 1.0; `None`: no clipping).
     pub grad_clip: Option<f64>,
     /// Parameters left out of training (name substrings).
     pub freeze: Vec<String>,
@@ -203,21 +208,29 @@ pub struct RunConfig {
     /// What the model's first unit reads of each micro-batch (`prepare_input`); `None`: its
     /// token ids.
     pub prepare_input: Option<InputFn>,
+    /// Where the run's strategy comes from (default: [`Strategy::default`]).
     pub strategy: StrategySource,
+    /// How data-parallel ranks reduce gradients: bucket size, unused parameters.
     pub data_parallel: DataParallelOptions,
     /// Memory budgets of each rank's device and host.
     pub device_memory: Option<u64>,
+    /// Bytes of host memory each rank may hold for model states; `None`: no limit.
     pub host_memory: Option<u64>,
     /// The communication backends of a launched job (default: chosen by placement), and
     /// how long a collective may wait.
     pub comm_backend: Option<String>,
+    /// How long a collective may wait (default 300 s).
     pub comm_timeout: Duration,
+    /// Weights the run starts from, loaded in order after the engine is built.
     pub init: Vec<InitialWeights>,
     /// Validate after every this many steps (and after the last, when validation data is
     /// given), on this many batches (`None`: as many as fit, at most 8).
     pub eval_every: Option<u64>,
+    /// Validation batches each validation runs on (`None`: as many as fit, at most 8).
     pub eval_batches: Option<usize>,
+    /// Where and how often the run saves checkpoints (`None`: it saves none).
     pub checkpoints: Option<Checkpoints>,
+    /// The checkpoint the run continues from (`None`: a fresh start).
     pub resume: Option<Resume>,
     /// Resuming, read the data from its first step in this run's order (its seed, batch
     /// size and context, which may then differ from the checkpoint's), the weights,
@@ -225,6 +238,7 @@ pub struct RunConfig {
     /// `ignore_data_skip`. Otherwise a resume continues the saved run's data exactly and
     /// refuses settings that would change it.
     pub restart_data: bool,
+    /// What the run writes beside its checkpoints.
     pub outputs: Outputs,
     /// Time each unit's forward and backward into the metrics (under a pipeline, each on
     /// the rank of its stage).
@@ -392,6 +406,7 @@ impl RunConfig {
 /// Whether a run goes on after a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flow {
+    /// Go on to the next step.
     Continue,
     /// End the run after this step: validation, checkpoint and weights are saved as after
     /// the last step. Every rank stops when any rank's callback says so.
@@ -401,6 +416,7 @@ pub enum Flow {
 /// A user's hook into the loop: called on every rank after each step (with its validation,
 /// where one ran), with the job's figures.
 pub trait Callback {
+    /// Called after each step with its report; [`Flow::Stop`] ends the run after it.
     fn on_step(&mut self, report: &StepReport) -> Result<Flow>;
 }
 
@@ -419,6 +435,7 @@ pub struct RunSummary {
     pub strategy: Strategy,
     /// This process's rank and the job's size.
     pub rank: usize,
+    /// Ranks in the whole job.
     pub world_size: usize,
 }
 

@@ -29,11 +29,15 @@ pub enum Targets {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LoraConfig {
+    /// The adapters' rank: the inner size of the `A` and `B` factors (default 8).
     pub r: i64,
+    /// Scales the adapters' output by `alpha / r` (default 8).
     #[serde(alias = "lora_alpha")]
     pub alpha: f64,
+    /// Dropout on the adapters' input; only 0 is supported.
     #[serde(alias = "lora_dropout")]
     pub dropout: f64,
+    /// The linear layers adapted (default `q_proj` and `v_proj`).
     pub target_modules: Targets,
     /// Stacked expert parameters, as `transformers` names them
     /// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`): a parameter is adapted where
@@ -42,6 +46,7 @@ pub struct LoraConfig {
     pub target_parameters: Vec<String>,
     /// Modules trained whole beside the adapters (a new classifier head, say).
     pub modules_to_save: Vec<String>,
+    /// Scale by `alpha / √r` instead of `alpha / r` (rank-stabilized LoRA).
     pub use_rslora: bool,
 }
 

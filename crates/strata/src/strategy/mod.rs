@@ -50,9 +50,11 @@ pub const METHODS: [&str; 16] = [
 /// A validated strategy: its methods in the order given.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Strategy {
+    /// The methods, in the order given.
     pub methods: Vec<Method>,
 }
 
+/// One optimization method with its configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Method {
     /// Data parallelism over every rank (the default when nothing else is chosen).
@@ -61,13 +63,17 @@ pub enum Method {
     AmpNative(AmpConfig),
     /// The whole model in a lower precision.
     Half(HalfConfig),
+    /// FP8 matrix products in linear layers, with their scaling.
     Fp8(Fp8Config),
     /// Activation recomputation of the units named (kinds or names).
     Checkpoint(CheckpointConfig),
     /// Replacement pairs to apply (all registered ones when `None`).
     ModuleReplace(Option<Vec<String>>),
+    /// ZeRO-1: optimizer states sharded.
     Zero1(ShardConfig),
+    /// ZeRO-2: optimizer states and gradients sharded.
     Zero2(ShardConfig),
+    /// FSDP: parameters sharded too, as its `sharding_strategy` says.
     Fsdp(ShardConfig),
     /// Units split Megatron-style over parallel_mode's tensor groups.
     TensorParallel(TensorParallelConfig),
@@ -92,10 +98,16 @@ pub enum Method {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MixedConfig {
+    /// The pipeline's schedule (default 1F1B).
     pub schedule: ScheduleKind,
+    /// Chunks per rank (the interleaved schedule's; 1 otherwise).
     pub virtual_stages: usize,
+    /// The stages' unit ranges `[start, end)` by hand; `None`: balanced as `balance` says.
     pub stages: Option<Vec<(usize, usize)>>,
+    /// How stages are balanced where no split is given (default: measured).
     pub balance: Balance,
+    /// Split the activations between split regions along the sequence as well (Megatron's
+    /// sequence parallel).
     pub sequence_parallel: bool,
 }
 
@@ -161,11 +173,13 @@ impl ScheduleKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PipelineConfig {
+    /// The schedule that runs the micro-batches (default 1F1B).
     pub schedule: ScheduleKind,
     /// Chunks per rank (the interleaved schedule's; 1 otherwise).
     pub virtual_stages: usize,
     /// The stages' unit ranges `[start, end)` by hand; `None`: balanced as `balance` says.
     pub stages: Option<Vec<(usize, usize)>>,
+    /// How stages are balanced where no split is given (default: measured).
     pub balance: Balance,
 }
 
@@ -185,6 +199,7 @@ impl Default for PipelineConfig {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ExpertParallelConfig {
+    /// Ranks per expert group (`None`: parallel_mode's `("expert", k)`).
     pub size: Option<usize>,
 }
 
@@ -202,9 +217,11 @@ pub struct TensorParallelConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AmpConfig {
+    /// The compute dtype: `"fp16"` (default) or `"bf16"`.
     pub dtype: String,
     /// Default: true with a dynamic loss scale, false otherwise.
     pub skip_if_nonfinite: Option<bool>,
+    /// The loss scaler (`None`: a dynamic one for fp16, none for bf16).
     pub loss_scaler: Option<LossScalerConfig>,
 }
 
@@ -215,6 +232,7 @@ impl Default for AmpConfig {
 }
 
 impl AmpConfig {
+    /// The compute dtype; fp32 is an error.
     pub fn kind(&self) -> Result<Kind> {
         match parse_dtype(&self.dtype)? {
             Kind::Float => Err(Error::Config("amp_native: dtype must be fp16 or bf16".into())),
@@ -238,6 +256,7 @@ impl AmpConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HalfConfig {
+    /// `"fp16"` (default) or `"bf16"`.
     pub dtype: String,
 }
 
@@ -251,6 +270,7 @@ impl Default for HalfConfig {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointConfig {
+    /// Unit kinds or names whose forwards are recomputed in backward.
     pub wrap_class: Vec<String>,
 }
 
@@ -287,6 +307,7 @@ fn parse_config<T: serde::de::DeserializeOwned + Default>(name: &str, config: Op
 }
 
 impl Method {
+    /// The method's name in a strategy.
     pub fn name(&self) -> &'static str {
         match self {
             Method::ParallelMode(_) => "parallel_mode",
@@ -397,7 +418,6 @@ impl Method {
         })
     }
 
-    /// The sharding method's configuration, if this is one.
     /// The sharding method and its configuration, if this is one.
     pub fn shard_config(&self) -> Option<(ShardMethod, &ShardConfig)> {
         match self {
@@ -432,14 +452,20 @@ impl Method {
 /// the list form as a JSON value, or a strategy already made.
 #[derive(Clone, Debug)]
 pub enum StrategySource {
+    /// JSON text in list form.
     Text(String),
+    /// UTF-8 JSON bytes.
     Bytes(Vec<u8>),
+    /// A JSON file in list form.
     File(std::path::PathBuf),
+    /// The list form as a JSON value.
     List(Value),
+    /// A strategy already made (validated again on loading).
     Strategy(Strategy),
 }
 
 impl StrategySource {
+    /// The strategy, parsed and validated.
     pub fn load(&self) -> Result<Strategy> {
         match self {
             StrategySource::Text(t) => Strategy::parse(t),
@@ -602,6 +628,7 @@ impl Strategy {
         Value::Array(self.methods.iter().map(Method::to_value).collect())
     }
 
+    /// `amp_native`'s configuration, if the strategy has it.
     pub fn amp(&self) -> Option<&AmpConfig> {
         self.methods.iter().find_map(|m| if let Method::AmpNative(c) = m { Some(c) } else { None })
     }
@@ -611,10 +638,12 @@ impl Strategy {
         self.methods.iter().find_map(|m| if let Method::Half(c) = m { parse_dtype(&c.dtype).ok() } else { None })
     }
 
+    /// `fp8`'s configuration, if the strategy has it.
     pub fn fp8(&self) -> Option<&Fp8Config> {
         self.methods.iter().find_map(|m| if let Method::Fp8(c) = m { Some(c) } else { None })
     }
 
+    /// `checkpoint`'s configuration, if the strategy has it.
     pub fn checkpoint(&self) -> Option<&CheckpointConfig> {
         self.methods.iter().find_map(|m| if let Method::Checkpoint(c) = m { Some(c) } else { None })
     }
@@ -716,9 +745,6 @@ impl Strategy {
         self.methods.iter().find_map(Method::shard_config)
     }
 
-    /// This strategy with the units named `units` kept whole by its sharding method (added
-    /// to `atorch_ignored_cls`, FSDP's `ignored_modules`): replicated, their gradients
-    /// all-reduced whole.
     /// The strategy for one pipeline stage (`stage`, a part of `whole`): the units
     /// `checkpoint` recomputes and the sharding method ignores are checked against the
     /// whole model, and keep only the kinds and names the stage has (an empty list selects
@@ -751,6 +777,8 @@ impl Strategy {
         Ok(out)
     }
 
+    /// This strategy with the units named `units` kept whole by its sharding method (added to
+    /// `atorch_ignored_cls`): replicated, their gradients all-reduced whole.
     pub fn with_ignored_units(&self, units: &[String]) -> Strategy {
         let mut out = self.clone();
         for m in &mut out.methods {

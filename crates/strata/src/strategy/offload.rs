@@ -33,8 +33,11 @@ pub enum OffloadPolicy {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OffloadConfig {
+    /// Where units' parameters may go (default `auto`).
     pub params: OffloadTarget,
+    /// Where units' optimizer states may go (default `auto`).
     pub optimizer: OffloadTarget,
+    /// How places are chosen (default `auto`).
     pub policy: OffloadPolicy,
     /// With `policy: static`, the share of the model states (the first units, in bytes)
     /// whose `cpu` targets go to the host.

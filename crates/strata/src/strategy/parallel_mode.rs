@@ -13,11 +13,17 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dim {
+    /// Data parallelism: replicas of the model.
     Data,
+    /// ZeRO data parallelism: the shard groups of `zero1`, `zero2` and `fsdp`.
     Zero,
+    /// Tensor parallelism: units split over the group's ranks.
     Tensor,
+    /// Pipeline parallelism: the model's units split into stages.
     Pipeline,
+    /// Context parallelism, reserved: no method splits work along it yet.
     Context,
+    /// Expert parallelism: the groups a mixture of experts' experts are split over.
     Expert,
 }
 
@@ -52,6 +58,8 @@ impl std::fmt::Display for Dim {
     }
 }
 
+/// `parallel_mode`'s value: the dimensions with their sizes, fastest first (data's follows
+/// the world size), and the rank at each position (`None`: position = rank).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ParallelMode(pub Vec<(Dim, usize)>, pub Option<Vec<usize>>);
 

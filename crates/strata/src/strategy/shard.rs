@@ -12,9 +12,14 @@ use tch::Kind;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ShardingStrategy {
+    /// Parameters, gradients and optimizer states sharded; parameters freed after forward.
     FullShard,
+    /// Parameters, gradients and optimizer states sharded; parameters kept gathered from
+    /// forward to backward.
     ShardGradOp,
+    /// Nothing sharded (shard groups of one rank): plain data parallelism.
     NoShard,
+    /// As `FullShard` inside groups of `hybrid_shard_size` ranks, replicated across the groups.
     HybridShard,
 }
 
@@ -34,7 +39,9 @@ pub enum BackwardPrefetch {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MixedPrecision {
+    /// The dtype the flat parameter buffers hold.
     pub param_dtype: Option<String>,
+    /// The dtype gradients are reduce-scattered in (default: `param_dtype`).
     pub reduce_dtype: Option<String>,
     /// Accepted by name so that it can be refused with a reason: Strata's models hold no
     /// buffers, so it would change nothing.
@@ -48,14 +55,21 @@ pub struct MixedPrecision {
 pub struct ShardConfig {
     /// fsdp only (default FULL_SHARD).
     pub sharding_strategy: Option<ShardingStrategy>,
+    /// fsdp only: when backward starts gathering the next unit's parameters (default
+    /// `BACKWARD_PRE`).
     pub backward_prefetch: Option<BackwardPrefetch>,
+    /// fsdp only: start gathering the next unit's parameters before a unit's forward.
     pub forward_prefetch: bool,
+    /// fsdp only (default on): at most one gather runs ahead of the unit being computed;
+    /// off, two.
     pub limit_all_gathers: bool,
     /// zero2 and fsdp (DeepSpeed's name): a unit's gradient reduce-scatter runs during the
     /// next unit's backward, which then holds a second whole gradient. Off, the reduction
     /// completes first and model states stay at the ZeRO formula plus the units in use.
     pub overlap_comm: bool,
+    /// Broadcast rank 0's initial parameters to every rank.
     pub sync_module_states: bool,
+    /// Dtypes of parameters and gradient reductions (`None`: the model's).
     pub mixed_precision: Option<MixedPrecision>,
     /// Unit kinds or names wrapped on their own; other units join the outermost wrap.
     pub atorch_wrap_cls: Vec<String>,
@@ -100,8 +114,11 @@ impl Default for ShardConfig {
 /// The sharding method a strategy resolves to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ShardMethod {
+    /// `zero1`: optimizer states sharded.
     Zero1,
+    /// `zero2`: optimizer states and gradients sharded.
     Zero2,
+    /// `fsdp`: as its `sharding_strategy` says (default FULL_SHARD).
     Fsdp,
 }
 

@@ -11,7 +11,9 @@ use tch::Tensor;
 /// at each replay.
 #[derive(Clone, Copy)]
 pub enum LossWeights<'a> {
+    /// Weights taken from the step's micro-batches ([`Step::loss_weight`]), times the loss scale.
     Host(&'a Step),
+    /// One scalar per micro-batch on the device, refilled before each replay of a captured step.
     Device(&'a [Tensor]),
 }
 
@@ -182,7 +184,7 @@ impl Trainer {
     /// launch instead of the host queueing every kernel. A step of other shapes (a shorter
     /// last batch) runs eagerly. Refused, with the reason, where a step needs the host
     /// between its kernels: the executor's (a pipeline's sends and receives), the engine's
-    /// ([`crate::engine::Engine::capture_obstacle`]), a loss scaler's or
+    /// (`crate::engine::Engine::capture_obstacle`), a loss scaler's or
     /// `skip_if_nonfinite`'s, which decide on the host whether a step updates.
     pub fn capture_cuda_graph(&mut self, warmup: u64) -> Result<()> {
         let refuse = |why: &str| Err(Error::Config(format!("cuda_graph: {why}")));

@@ -37,17 +37,23 @@ use tch::Tensor;
 /// What one step did, as written to `--metrics`.
 #[derive(Clone, Debug, Serialize)]
 pub struct StepReport {
+    /// The step's number, counted from 1.
     pub step: u64,
     /// Loss per supervised token of the step's global batch (this rank's share until the
     /// run averages it over the data ranks).
     pub loss: f64,
     /// Supervised tokens (targets that take a loss) in the step's global batch.
     pub supervised_tokens: u64,
+    /// The learning rate of the step, after the schedule's factor.
     pub lr: f64,
     /// Global gradient norm before clipping (when clipping is on).
     pub grad_norm: Option<f64>,
+    /// Tokens (targets, supervised or not) in this rank's micro-batches of the step (the
+    /// run counts them over the data ranks).
     pub tokens: u64,
+    /// Wall-clock seconds the step took on this rank.
     pub seconds: f64,
+    /// `tokens` over `seconds`.
     pub tokens_per_s: f64,
     /// Peak bytes held by the engine and optimizer (all placements).
     pub peak_bytes: u64,
@@ -182,7 +188,9 @@ pub fn next_token_loss_of(engine: &Engine) -> LossFn {
 /// costs) take the run's own, so a model that reads other inputs is measured as it trains.
 #[derive(Clone)]
 pub struct Feed {
+    /// Turns each micro-batch into the model's input.
     pub input: InputFn,
+    /// Scores the model's output against the micro-batch (`None`: the next-token loss).
     pub loss: Option<LossFn>,
 }
 
@@ -203,8 +211,11 @@ impl Feed {
 /// A piece of the model that a rank trains: an engine over some of the model's units (all
 /// of them outside a pipeline), its optimizer, and the place of its first unit in the model.
 pub struct ModelPart {
+    /// Runs the part's units forward and backward.
     pub engine: Engine,
+    /// Updates the part's parameters.
     pub optimizer: Optimizer,
+    /// Index in the whole model of the part's first unit.
     pub first_unit: usize,
 }
 
@@ -221,11 +232,15 @@ impl ModelPart {
 
 /// What a step's forwards and backwards run on.
 pub struct StepInput<'a> {
+    /// The step's micro-batches, in order.
     pub batches: &'a [Batch],
+    /// What each micro-batch's loss is multiplied by before backward.
     pub weights: LossWeights<'a>,
     /// The loss scale.
     pub scale: f64,
+    /// Turns a micro-batch into the model's input.
     pub input: &'a InputFn,
+    /// Scores the model's output against a micro-batch.
     pub loss: &'a LossFn,
     /// The step's number, counted from 1 (failure injection names it).
     pub number: u64,
@@ -307,11 +322,15 @@ pub trait StepExecutor {
 pub struct Trainer {
     parts: Vec<ModelPart>,
     executor: Box<dyn StepExecutor>,
+    /// The learning rate's factor at each step.
     pub schedule: LrSchedule,
     /// Clip the global gradient norm to this value.
     pub grad_clip: Option<f64>,
+    /// Loss scaling and the check for non-finite gradients.
     pub scaling: GradScaling,
+    /// Turns a micro-batch into the model's input (set by [`Trainer::set_feed`]).
     pub prepare_input: InputFn,
+    /// Scores the model's output against a micro-batch (set by [`Trainer::set_feed`]).
     pub loss_func: LossFn,
     step: u64,
     graphs: Option<GraphedSteps>,
@@ -443,6 +462,7 @@ impl Trainer {
         &self.parts[0].engine
     }
 
+    /// The engine of this rank's first part, mutable.
     pub fn engine_mut(&mut self) -> &mut Engine {
         &mut self.parts[0].engine
     }
@@ -452,6 +472,7 @@ impl Trainer {
         &self.parts[0].optimizer
     }
 
+    /// The optimizer of this rank's first part, mutable.
     pub fn optimizer_mut(&mut self) -> &mut Optimizer {
         &mut self.parts[0].optimizer
     }
@@ -461,6 +482,7 @@ impl Trainer {
         &self.parts
     }
 
+    /// This rank's model parts, mutable.
     pub fn parts_mut(&mut self) -> &mut [ModelPart] {
         &mut self.parts
     }

@@ -68,17 +68,20 @@ impl Block {
 
 /// Point-to-point byte movement between the ranks of one group.
 pub trait Transport: Send {
+    /// This process's rank within the group.
     fn rank(&self) -> usize;
+    /// Ranks in the group.
     fn size(&self) -> usize;
     /// Sends `out` to rank `to` while receiving exactly `inp.len()` bytes from rank `from`
     /// (`to` and `from` may be the same rank). Either side may be empty.
     fn exchange(&mut self, to: usize, out: &[u8], from: usize, inp: &mut [u8]) -> Result<()>;
 
+    /// Sends `out` to rank `to`.
     fn send(&mut self, to: usize, out: &[u8]) -> Result<()> {
         self.exchange(to, out, to, &mut [])
     }
 
-    /// Whether peers can read this process's [`Heap`] allocations in place.
+    /// Whether peers can read this process's `Heap` allocations in place.
     fn shares_memory(&self) -> bool {
         false
     }
@@ -108,6 +111,7 @@ pub trait Transport: Send {
     fn native_broadcast(&mut self, _buf: &mut [u8], _root: usize) -> Option<Result<()>> {
         None
     }
+    /// Receives exactly `inp.len()` bytes from rank `from`.
     fn recv(&mut self, from: usize, inp: &mut [u8]) -> Result<()> {
         self.exchange(from, &[], from, inp)
     }

@@ -10,6 +10,7 @@ use crate::{Error, Result};
 /// What one unit costs its stage: time of its forward and backward, and bytes it holds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UnitCost {
+    /// Time of its forward and backward, in seconds.
     pub seconds: f64,
     /// Model states.
     pub bytes: u64,

@@ -14,38 +14,60 @@ pub use crate::strategy::ScheduleKind;
 /// One operation of a rank's schedule, on micro-batch `micro` of its chunk `chunk`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
+    /// Receives the chunk's input activation from the previous stage.
     RecvActivation {
+        /// The micro-batch, counted from 0 within the step.
         micro: usize,
+        /// The chunk, counted from 0 among the rank's chunks.
         chunk: usize,
     },
+    /// Runs the chunk's forward.
     Forward {
+        /// The micro-batch, counted from 0 within the step.
         micro: usize,
+        /// The chunk, counted from 0 among the rank's chunks.
         chunk: usize,
     },
+    /// Sends the chunk's output activation to the next stage.
     SendActivation {
+        /// The micro-batch, counted from 0 within the step.
         micro: usize,
+        /// The chunk, counted from 0 among the rank's chunks.
         chunk: usize,
     },
+    /// Receives the gradient of the chunk's output from the next stage.
     RecvGrad {
+        /// The micro-batch, counted from 0 within the step.
         micro: usize,
+        /// The chunk, counted from 0 among the rank's chunks.
         chunk: usize,
     },
     /// Input and weight gradients together.
     Backward {
+        /// The micro-batch, counted from 0 within the step.
         micro: usize,
+        /// The chunk, counted from 0 among the rank's chunks.
         chunk: usize,
     },
     /// The input gradient only; the weight gradient waits for [`Op::BackwardWeight`].
     BackwardInput {
+        /// The micro-batch, counted from 0 within the step.
         micro: usize,
+        /// The chunk, counted from 0 among the rank's chunks.
         chunk: usize,
     },
+    /// The weight gradient that [`Op::BackwardInput`] left for later.
     BackwardWeight {
+        /// The micro-batch, counted from 0 within the step.
         micro: usize,
+        /// The chunk, counted from 0 among the rank's chunks.
         chunk: usize,
     },
+    /// Sends the gradient of the chunk's input to the previous stage.
     SendGrad {
+        /// The micro-batch, counted from 0 within the step.
         micro: usize,
+        /// The chunk, counted from 0 among the rank's chunks.
         chunk: usize,
     },
 }
@@ -70,8 +92,11 @@ impl Op {
 /// chunks per rank (1 except for the interleaved schedule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pipeline {
+    /// Ranks in the pipeline, one stage of each chunk per rank.
     pub stages: usize,
+    /// Micro-batches per step.
     pub micro_batches: usize,
+    /// Chunks per rank (1 except for the interleaved schedule).
     pub virtual_stages: usize,
 }
 
@@ -344,8 +369,11 @@ fn with_communication(p: Pipeline, rank: usize, steps: &[Step]) -> Vec<Op> {
 /// Costs of the compute operations in a simulation.
 #[derive(Clone, Copy, Debug)]
 pub struct Costs {
+    /// Time of one chunk's forward of one micro-batch, in the same unit as the others.
     pub forward: f64,
+    /// Time of the input gradient's part of a backward.
     pub input_grad: f64,
+    /// Time of the weight gradient's part of a backward.
     pub weight_grad: f64,
 }
 
@@ -357,7 +385,9 @@ impl Costs {
 /// What a simulation found: when each rank finished, and each rank's busy time.
 #[derive(Clone, Debug)]
 pub struct Simulation {
+    /// When each rank finished its last operation.
     pub ends: Vec<f64>,
+    /// Each rank's time spent computing.
     pub busy: Vec<f64>,
 }
 

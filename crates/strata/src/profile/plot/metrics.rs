@@ -13,14 +13,20 @@ use std::path::Path;
 /// The figures of one step drawn here; a metrics line carries more, which is ignored.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 pub struct StepPoint {
+    /// The step's number, counted from 1.
     pub step: u64,
+    /// Loss per supervised token of the step's global batch.
     pub loss: f64,
+    /// The learning rate of the step.
     pub lr: f64,
+    /// Tokens per second over all data ranks.
     pub tokens_per_s: f64,
     /// The ledger's peak over all placements.
     pub peak_bytes: u64,
+    /// Peak bytes libtorch's allocator held during the step, where tracked.
     #[serde(default)]
     pub allocator_peak_bytes: Option<u64>,
+    /// Validation loss, after steps where a validation ran.
     #[serde(default)]
     pub val_loss: Option<f64>,
 }

@@ -61,11 +61,14 @@ fn ensure_font() -> Result<()> {
 /// PNG or SVG, by the file's extension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ImageFormat {
+    /// A PNG bitmap (`.png`).
     Png,
+    /// An SVG drawing (`.svg`).
     Svg,
 }
 
 impl ImageFormat {
+    /// The format `path`'s extension names, in either case; any other extension is an error.
     pub fn of(path: &Path) -> Result<ImageFormat> {
         match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
             Some("png") => Ok(ImageFormat::Png),
@@ -74,6 +77,7 @@ impl ImageFormat {
         }
     }
 
+    /// The file extension of the format, without the dot.
     pub fn extension(self) -> &'static str {
         match self {
             ImageFormat::Png => "png",
@@ -86,6 +90,7 @@ impl ImageFormat {
 pub trait Picture {
     /// Width and height in pixels.
     fn size(&self) -> (u32, u32);
+    /// Draws the whole picture onto `root`, filling its background first.
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult;
 }
 
