@@ -15,9 +15,9 @@ fn script(title: &str) -> String {
     block.split("\n```").next().unwrap().to_string()
 }
 
-/// Runs walkthrough `title` in `dir` with `env` in place of its defaults, `strata` the
-/// binary under test; returns its standard output.
-fn run(title: &str, dir: &Path, env: &[(&str, &str)]) -> String {
+/// Walkthrough `title`'s script in `dir` with `env` in place of its defaults, `strata` the
+/// binary under test.
+fn command(title: &str, dir: &Path, env: &[(&str, &str)]) -> Command {
     let bin = Path::new(&common::binary()).parent().unwrap().to_path_buf();
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     let mut c = Command::new("bash");
@@ -25,9 +25,18 @@ fn run(title: &str, dir: &Path, env: &[(&str, &str)]) -> String {
     for (k, v) in env {
         c.env(k, v);
     }
-    let o = c.output().unwrap();
+    c
+}
+
+/// Checks that walkthrough `title` succeeded; returns its standard output.
+fn succeeded(title: &str, o: std::process::Output) -> String {
     assert!(o.status.success(), "{title}:\n{}", String::from_utf8_lossy(&o.stderr));
     String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Runs walkthrough `title` ([`command`]); returns its standard output.
+fn run(title: &str, dir: &Path, env: &[(&str, &str)]) -> String {
+    succeeded(title, command(title, dir, env).output().unwrap())
 }
 
 fn s(p: &Path) -> &str {
@@ -85,4 +94,28 @@ fn every_walkthrough_runs_as_written() {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, [1, 2, 3, 4], "stopped after two steps, resumed to four: {steps:?}");
+
+    // Both nodes on this machine, one rank each, the checkpoint folder shared.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let node = |rank: &str| {
+        let env = [
+            ("NODE_RANK", rank),
+            ("HOST0", "127.0.0.1"),
+            ("PORT", &port),
+            ("GPUS", "1"),
+            ("STEPS", "2"),
+            ("SHAPE", "--layers 1 --heads 2 --dim 16 --ctx 16"),
+            ("STRATA_STORE_TOKEN", "walkthrough"),
+        ];
+        command("Train on two nodes", d, &env)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (first, second) = (node("0"), node("1"));
+    for (rank, child) in [first, second].into_iter().enumerate() {
+        succeeded(&format!("Train on two nodes, node {rank}"), child.wait_with_output().unwrap());
+    }
+    assert!(d.join("shared/ckpt/latest").is_file(), "the nodes' checkpoint");
 }
