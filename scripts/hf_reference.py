@@ -7,7 +7,7 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
             weight of the decoder families is moved off its initial value;
   logits    writes the logits of a folder's model (with a peft adapter folder, if given) for
             given token rows to a safetensors file (with a mixture of experts' folder, its
-            load-balancing loss too, as `aux_loss`);
+            load-balancing loss too, as `aux_loss`, padding left out where --mask marks it);
   encoder   writes the logits of a BERT folder's model (classifier or masked language
             model) for token rows with their token types and attention mask, and its loss
             against given labels, to a safetensors file;
@@ -473,6 +473,7 @@ def main(argv=None):
     logits.add_argument("--tokens", required=True, help="JSON rows of token ids")
     logits.add_argument("--out", required=True)
     logits.add_argument("--adapter")
+    logits.add_argument("--mask", help="JSON rows of 1 (token) and 0 (padding), for the load-balancing loss")
     enc = sub.add_parser("encoder")
     enc.add_argument("--dir", required=True)
     enc.add_argument("--tokens", required=True, help="JSON rows of token ids")
@@ -542,8 +543,9 @@ def main(argv=None):
         model = with_adapter(load(args.dir), args.adapter)
         tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
         experts = hasattr(model.config, "router_aux_loss_coef")
+        mask = torch.tensor(json.loads(args.mask), dtype=torch.long) if args.mask else None
         with torch.no_grad():
-            out = model(tokens, output_router_logits=True) if experts else model(tokens)
+            out = model(tokens, attention_mask=mask, output_router_logits=True) if experts else model(tokens)
         tensors = {"logits": out.logits.contiguous()}
         if experts:
             tensors["aux_loss"] = out.aux_loss.reshape(1).float()

@@ -411,7 +411,37 @@ fn experts_match_transformers(family: &str, experts: i64) {
     // send some experts more than others.
     assert!(report.aux_loss > 0.5 && report.aux_loss < experts as f64, "{family}: {report:?}");
     assert!(report.max_expert_tokens > report.min_expert_tokens, "{family}: {report:?}");
+    padding_is_left_out_as_transformers_leaves_it_out(&py, family, &dir, work.path(), report.aux_loss);
     family_matches_transformers(family, 24);
+}
+
+/// With the second row's last five positions padding (`transformers`' `attention_mask`, a
+/// batch's `padding` here), a training step's load-balancing loss equals `transformers`'
+/// (1e-6 relative), which leaves padding out of the routing statistics, and differs from
+/// the unpadded rows' `unpadded`.
+fn padding_is_left_out_as_transformers_leaves_it_out(py: &Path, family: &str, dir: &Path, work: &Path, unpadded: f64) {
+    let mask: Vec<Vec<i64>> = (0..2).map(|r| (0..12).map(|t| i64::from(r == 0 || t < 7)).collect()).collect();
+    let out = work.join("padded.safetensors");
+    let (rows, masks) = (serde_json::to_string(&ROWS).unwrap(), serde_json::to_string(&mask).unwrap());
+    let args = ["logits", "--dir", dir.to_str().unwrap(), "--tokens", &rows, "--mask", &masks];
+    reference(py, &[&args[..], &["--out", out.to_str().unwrap()]].concat());
+    let theirs = strata::io::read_safetensors(&out).unwrap().remove("aux_loss").unwrap().double_value(&[0]);
+    use strata::data::{Batch, Step};
+    use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+    let mut engine = strata_engine(dir);
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+    let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+    let flat: Vec<i64> = ROWS.iter().flatten().copied().collect();
+    let tokens = Tensor::from_slice(&flat).view([2, 12]);
+    let mut batch = Batch::new(tokens.shallow_clone(), tokens.roll([-1], [1])).unwrap();
+    let padding: Vec<bool> = mask.iter().flatten().map(|&m| m == 0).collect();
+    batch.padding = Some(Tensor::from_slice(&padding).view([2, 12]));
+    let report = trainer.train_step(&Step::new(0, vec![batch])).unwrap();
+    let ours = report.experts.expect("a mixture of experts reports its routing").aux_loss;
+    let relative = (ours - theirs).abs() / theirs.abs();
+    eprintln!("{family}: padded rows' load-balancing loss {ours} (transformers {theirs}), relative gap {relative:.1e}");
+    assert!(relative <= 1e-6, "{family}: padded load-balancing loss {ours} against transformers' {theirs}");
+    assert!((ours - unpadded).abs() > 1e-4, "{family}: padding changed nothing ({ours} and {unpadded})");
 }
 
 /// Mixtral: every layer's 4 experts under Mixtral's names, top 2 renormalised.
