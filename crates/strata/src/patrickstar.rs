@@ -237,9 +237,6 @@ struct Session {
     loss: LossFn,
     /// The job's ranks, when there are several (joined from the launcher's environment).
     comm: Option<Comm>,
-    /// Optimizer steps taken: the next forward's dropout masks are drawn for the one after
-    /// (from seed 0).
-    steps: u64,
 }
 
 /// The model: `forward` gives the loss of a batch, `backward` runs backward from it.
@@ -322,14 +319,8 @@ fn initialize(
     }
     let mut engine = build_engine(spec, engine_config, &strategy, &at)?;
     let optimizer = Optimizer::new(&mut engine, optimizer_config, &[])?;
-    let session = Session {
-        loss: next_token_loss_of(&engine),
-        scaling: strategy.grad_scaling()?,
-        engine,
-        optimizer,
-        comm,
-        steps: 0,
-    };
+    let session =
+        Session { loss: next_token_loss_of(&engine), scaling: strategy.grad_scaling()?, engine, optimizer, comm };
     let session = Rc::new(RefCell::new(session));
     Ok((PatrickStarEngine { session: session.clone() }, PatrickStarOptimizer { session }))
 }
@@ -338,7 +329,10 @@ impl PatrickStarEngine {
     /// The mean next-token loss of `batch`.
     pub fn forward(&mut self, batch: &Batch) -> Result<Tensor> {
         let mut s = self.session.borrow_mut();
-        let dropout = DropoutDraw { seed: 0, step: s.steps + 1, first_row: batch.first_row as i64 };
+        // Drawn (from seed 0) for the optimizer's next update, which its state dict restores;
+        // a skipped update's masks are drawn again.
+        let step = s.optimizer.steps_taken() + 1;
+        let dropout = DropoutDraw { seed: 0, step, first_row: batch.first_row as i64 };
         crate::train::set_rows(&mut s.engine, batch, Some(dropout));
         let output = s.engine.forward(&batch.inputs)?;
         s.engine.compute_loss(|| (s.loss)(&output, batch))
@@ -425,7 +419,6 @@ impl PatrickStarOptimizer {
         let scale = s.scaling.scale();
         let (engine, optimizer) = (&s.engine, &s.optimizer);
         let decision = s.scaling.decide(None, scale, || engine.grad_sq_sum(&optimizer.grad_sq_per_unit()?))?;
-        s.steps += 1;
         decision.apply(&mut s.engine, &mut s.optimizer, HostUpdating::Done(&Default::default()))
     }
 

@@ -809,9 +809,10 @@ impl Engine {
 
     /// Sets the layout of the rows the next forwards run on (each until it is set again):
     /// where rows hold packed examples, units read positions from it and attend within an
-    /// example; `None` for plain rows.
+    /// example; `None` for plain rows. Other rows than the last ones: their padding and
+    /// dropout draw are forgotten too.
     pub fn set_layout(&mut self, layout: Option<&RowLayout>) {
-        self.rows.layout = layout.map(RowLayout::shallow_clone);
+        self.rows = RowContext { layout: layout.map(RowLayout::shallow_clone), ..RowContext::default() };
     }
 
     /// Sets which positions of the rows the next training forwards run on are padding
@@ -821,9 +822,10 @@ impl Engine {
         self.rows.padding = padding.map(Tensor::shallow_clone);
     }
 
-    /// Sets the draw of the dropout masks of the next training forwards (`None`: nothing is
-    /// dropped). Evaluation never drops.
-    pub(crate) fn set_dropout(&mut self, dropout: Option<DropoutDraw>) {
+    /// Sets the draw of the dropout masks of the next forwards, until the rows change
+    /// ([`Engine::set_layout`]; `None`: nothing is dropped): a loop of your own calls it
+    /// before each training forward, as the trainer does. [`Engine::evaluate`] never drops.
+    pub fn set_dropout(&mut self, dropout: Option<DropoutDraw>) {
         self.rows.dropout = dropout;
     }
 

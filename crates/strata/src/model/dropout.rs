@@ -100,13 +100,60 @@ fn fold(h: u32, v: u32) -> u32 {
     mix(h.wrapping_add(v))
 }
 
-/// [`mix`] of each element of an int64 tensor of 32-bit values.
-fn mix_tensor(x: &Tensor) -> Result<Tensor> {
-    let shift_xor =
-        |x: &Tensor| -> Result<Tensor> { Ok(x.f_bitwise_xor_tensor(&x.f_bitwise_right_shift_tensor_scalar(16)?)?) };
-    let x = shift_xor(x)?.f_mul_scalar(MULTIPLIER)?.f_bitwise_and(MASK)?;
-    let x = shift_xor(&x)?.f_mul_scalar(MULTIPLIER)?.f_bitwise_and(MASK)?;
-    shift_xor(&x)
+/// [`mix`] of each element of an int64 tensor of 32-bit values, in place (one temporary of
+/// its size at a time).
+fn mix_in_place(x: &mut Tensor) -> Result<()> {
+    let shift_xor = |x: &mut Tensor| -> Result<()> {
+        let shifted = x.f_bitwise_right_shift_tensor_scalar(16)?;
+        // In-place operations hand back the tensor they changed: nothing to keep.
+        let _ = x.f_bitwise_xor_tensor_(&shifted)?;
+        Ok(())
+    };
+    for _ in 0..2 {
+        shift_xor(x)?;
+        let _ = x.f_mul_scalar_(MULTIPLIER)?;
+        let _ = x.f_bitwise_and_(MASK)?;
+    }
+    shift_xor(x)
+}
+
+/// Elements whose hashes are computed at once: a mask of any size takes at most two int64
+/// temporaries of this many elements beside itself.
+const CHUNK: i64 = 1 << 22;
+
+/// Which elements of a `shape` tensor on `device`, dimension `d` counted from `starts[d]`,
+/// hash below `threshold` when their coordinates are folded into `prefix` in order, at most
+/// `chunk` elements hashed at once: a block of leading indices with whole trailing
+/// dimensions, or, where one leading index alone holds more, each index on its own (its
+/// fold taken on the host).
+fn below(prefix: u32, shape: &[i64], starts: &[i64], device: Device, threshold: i64, chunk: i64) -> Result<Tensor> {
+    let inner: i64 = shape.iter().skip(1).product();
+    let leading = shape.first().copied().unwrap_or(1);
+    if shape.len() > 1 && inner > chunk {
+        let pieces = (0..leading)
+            .map(|i| below(fold(prefix, (starts[0] + i) as u32), &shape[1..], &starts[1..], device, threshold, chunk))
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(Tensor::f_stack(&pieces, 0)?);
+    }
+    let rows = (chunk / inner.max(1)).clamp(1, leading.max(1));
+    let mut pieces = Vec::new();
+    for first in (0..leading).step_by(rows as usize) {
+        let mut hash = Tensor::f_scalar_tensor(f64::from(prefix), (Kind::Int64, device))?;
+        for (d, &len) in shape.iter().enumerate() {
+            let (start, len) = if d == 0 { (starts[0] + first, rows.min(leading - first)) } else { (starts[d], len) };
+            let mut view = vec![1; shape.len()];
+            view[d] = len;
+            let index = Tensor::f_arange_start(start, start + len, (Kind::Int64, device))?.f_view(view.as_slice())?;
+            hash = hash.f_add(&index)?;
+            let _ = hash.f_bitwise_and_(MASK)?;
+            mix_in_place(&mut hash)?;
+        }
+        pieces.push(hash.f_lt(threshold)?);
+    }
+    match pieces.len() {
+        1 => Ok(pieces.remove(0)),
+        _ => Ok(Tensor::f_cat(&pieces, 0)?),
+    }
 }
 
 /// FNV-1a of a unit's name: which unit draws.
@@ -149,16 +196,11 @@ impl UnitDraw {
     /// dropped). Dimension 0 counts rows from the draw's first row; dimension `d + 1` counts
     /// from `offsets[d]` (where this rank holds a piece of a wider dimension), or from 0.
     pub fn dropped(&self, shape: &[i64], device: Device, rate: f64, site: u32, offsets: &[i64]) -> Result<Tensor> {
-        let mut hash = Tensor::f_scalar_tensor(i64::from(fold(self.key, site)) as f64, (Kind::Int64, device))?;
-        for (d, &len) in shape.iter().enumerate() {
-            let start = if d == 0 { self.first_row } else { offsets.get(d - 1).copied().unwrap_or(0) };
-            let mut view = vec![1; shape.len()];
-            view[d] = len;
-            let index = Tensor::f_arange_start(start, start + len, (Kind::Int64, device))?.f_view(view.as_slice())?;
-            hash = mix_tensor(&hash.f_add(&index)?.f_bitwise_and(MASK)?)?;
-        }
+        let start = |d: usize| if d == 0 { self.first_row } else { offsets.get(d - 1).copied().unwrap_or(0) };
+        let starts: Vec<i64> = (0..shape.len()).map(start).collect();
         // Below the threshold: dropped, with probability `rate`.
-        Ok(hash.f_lt((rate * (1u64 << 32) as f64) as i64)?)
+        let threshold = (rate * (1u64 << 32) as f64) as i64;
+        below(fold(self.key, site), shape, &starts, device, threshold, CHUNK)
     }
 
     /// `x` through dropout at `rate` at site `site` ([`UnitDraw::dropped`]): dropped elements
@@ -203,7 +245,8 @@ mod tests {
     #[test]
     fn the_tensor_hash_is_the_scalar_one() {
         let values: Vec<i64> = vec![0, 1, 2, 0xffff, 0x1234_5678, MASK];
-        let mixed = mix_tensor(&Tensor::from_slice(&values)).unwrap();
+        let mut mixed = Tensor::from_slice(&values);
+        mix_in_place(&mut mixed).unwrap();
         let expected: Vec<i64> = values.iter().map(|&v| i64::from(mix(v as u32))).collect();
         assert_eq!(Vec::<i64>::try_from(&mixed).unwrap(), expected);
     }
@@ -231,6 +274,22 @@ mod tests {
         assert!(rows.equal(&whole.narrow(0, 2, 3)));
         let columns = draw(0).dropped(&[6, 5, 4], Device::Cpu, 0.5, 0, &[5, 4]).unwrap();
         assert!(columns.equal(&whole.narrow(1, 5, 5).narrow(2, 4, 4)));
+    }
+
+    /// Hashed a few elements at a time (blocks of rows, or one leading index at a time), a
+    /// mask is the one hashed whole.
+    #[test]
+    fn a_mask_hashed_in_chunks_is_the_mask_hashed_whole() {
+        for shape in [[6i64, 5, 4].as_slice(), &[3, 4, 2, 5]] {
+            let starts: Vec<i64> = (0..shape.len() as i64).map(|d| 3 * d + 1).collect();
+            let whole = below(99, shape, &starts, Device::Cpu, 1 << 31, i64::MAX).unwrap();
+            for chunk in [1, 7, 20, 64] {
+                let chunked = below(99, shape, &starts, Device::Cpu, 1 << 31, chunk).unwrap();
+                assert!(chunked.equal(&whole), "shape {shape:?} in chunks of {chunk}");
+            }
+            let dropped = whole.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+            assert!((0.3..0.7).contains(&dropped), "half of {shape:?} dropped: {dropped}");
+        }
     }
 
     #[test]

@@ -72,6 +72,8 @@ impl StepExecutor for SinglePart {
             losses.push(loss.f_detach()?);
         }
         engine.set_grad_ready(None);
+        // Later forwards of the engine (a caller's own) are not this step's.
+        engine.set_dropout(None);
         engine.finish_grads()?;
         Ok(losses)
     }

@@ -772,6 +772,8 @@ impl StepExecutor for PipelineExecutor {
     fn forward_backward(&mut self, parts: &mut [ModelPart], input: StepInput<'_>) -> Result<Vec<Tensor>> {
         let mut outcome = self.run_ops(parts, &input)?;
         for part in parts.iter_mut() {
+            // Later forwards of the engine (a caller's own) are not this step's.
+            part.engine.set_dropout(None);
             part.engine.finish_grads()?;
         }
         self.sum_ties(parts)?;
