@@ -10,7 +10,7 @@ use crate::comm::Comm;
 use crate::compute::scaler::LossScalerConfig;
 use crate::data::{Batch, Step};
 use crate::engine::{Engine, EngineConfig};
-use crate::model::{DropoutDraw, ModelSpec};
+use crate::model::ModelSpec;
 use crate::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use crate::parallel::{build_engine, RankLayout};
 use crate::strategy::{AmpConfig, Method, OffloadConfig, ShardConfig, Strategy};
@@ -331,8 +331,7 @@ impl PatrickStarEngine {
         let mut s = self.session.borrow_mut();
         // Drawn (from seed 0) for the optimizer's next update, which its state dict restores;
         // a skipped update's masks are drawn again.
-        let step = s.optimizer.steps_taken() + 1;
-        let dropout = DropoutDraw { seed: 0, step, first_row: batch.first_row as i64 };
+        let dropout = crate::train::batch_draw(0, s.optimizer.steps_taken() + 1, batch);
         crate::train::set_rows(&mut s.engine, batch, Some(dropout));
         let output = s.engine.forward(&batch.inputs)?;
         s.engine.compute_loss(|| (s.loss)(&output, batch))

@@ -353,9 +353,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         .and_then(|s| s.micro_batches.first())
         .ok_or_else(|| Error::Data("no batch to profile".into()))?;
     let start = Instant::now();
-    // Drawn as a training step draws: its masks take room and time too.
-    let dropout = crate::model::DropoutDraw { seed: 0, step: 1, first_row: batch.first_row as i64 };
-    crate::train::set_rows(&mut engine, batch, Some(dropout));
+    crate::train::set_rows(&mut engine, batch, Some(crate::train::first_step_draw(batch)));
     let out = engine.forward(&(bench.feed.input)(batch)?)?;
     let loss = bench.feed.loss_of(&engine);
     engine.backward(&engine.compute_loss(|| loss(&out, batch))?)?;

@@ -181,7 +181,7 @@ impl Unit for BertBlock {
         let (q, k, v) = (project(self.query)?, project(self.key)?, project(self.value)?);
         let options = AttentionOptions { bidirectional: true, ..AttentionOptions::default() };
         let hidden = other_examples(p.layout())?;
-        let probs = p.dropping(self.dropout.attention, 0, &[]);
+        let probs = p.dropping_heads(self.dropout.attention, 0, self.heads);
         let attended = merge_heads(&attention(&q, &k, &v, &options, hidden.as_ref(), None, probs.as_ref())?)?;
         let attended = p.linear(&attended, self.attention_out.0, Some(self.attention_out.1))?;
         let attended = p.dropout(&attended, self.dropout.residual, 1, &[])?;

@@ -174,7 +174,7 @@ impl GptBlock {
             }
             None => (k, v, other_examples(p.layout())?),
         };
-        let probs = p.dropping(self.dropout.attention, 0, &[tp.rank() * heads]);
+        let probs = p.dropping_heads(self.dropout.attention, 0, heads);
         let y =
             merge_heads(&attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref(), None, probs.as_ref())?)?;
         let attended = p.row_linear(&y, self.attn_proj.0, Some(self.attn_proj.1))?;

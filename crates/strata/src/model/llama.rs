@@ -490,7 +490,7 @@ impl LlamaBlock {
         } else {
             (k, v)
         };
-        let probs = p.dropping(self.attention_dropout, 0, &[tp.rank() * heads]);
+        let probs = p.dropping_heads(self.attention_dropout, 0, heads);
         let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref(), None, probs.as_ref())?)?;
         let attended = p.row_linear(&y, self.o.0, self.o.1)?;
         let (x, h) = self.kinds.add_norm(

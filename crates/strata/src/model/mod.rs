@@ -474,6 +474,12 @@ impl<'a> Params<'a> {
         Some(dropout::Dropping { draw, rate, site, offsets: offsets.to_vec() })
     }
 
+    /// Site `site`'s dropout of attention probabilities `[B, H, Tq, Tk]` over this rank's
+    /// `heads` heads (its piece of the model's, under tensor parallel).
+    pub fn dropping_heads(&self, rate: f64, site: u32, heads: i64) -> Option<dropout::Dropping<'_>> {
+        self.dropping(rate, site, &[self.tp.rank() * heads])
+    }
+
     /// `x` through site `site`'s dropout at `rate` ([`Params::dropping`]); `x` itself where
     /// nothing is dropped.
     pub fn dropout(&self, x: &Tensor, rate: f64, site: u32, offsets: &[i64]) -> Result<Tensor> {

@@ -20,7 +20,6 @@
 //! records specifications in the [`Builder`], and the units compute with the parameters the
 //! engine lends them.
 use super::dropout::masked;
-use super::dropout::Dropping;
 use super::layers::{attention, examples_differ, merge_heads, rms_norm, split_heads, vocab_logits, AttentionOptions};
 use super::{
     positive, Builder, DecodeCache, DropoutRates, EncodedMemory, Init, Kept, ParamId, Params, RowLayout,
@@ -372,11 +371,6 @@ impl T5Block {
         }
     }
 
-    /// The dropout of attention probabilities at `site` over this rank's `heads` heads.
-    fn probabilities<'a>(&self, p: &'a Params<'_>, site: u32, heads: i64) -> Option<Dropping<'a>> {
-        p.dropping(self.dropout.attention, site, &[p.tp().rank() * heads])
-    }
-
     /// The decoder block over target positions, attending causally to the target (through
     /// `cache` where decoding) and to the encoder's output through `memory`.
     fn decode_target(
@@ -393,7 +387,7 @@ impl T5Block {
         let h = p.tp().enter(&rms_norm(&x, &p[*norm], self.eps)?)?;
         let q = cross.heads(p, &h, cross.q, heads)?;
         let options = AttentionOptions { scale: Some(1.0), bidirectional: true, ..AttentionOptions::default() };
-        let probs = self.probabilities(p, site::CROSS_PROBABILITIES, heads);
+        let probs = p.dropping_heads(self.dropout.attention, site::CROSS_PROBABILITIES, heads);
         let attended =
             attention(&q, &memory.keys, &memory.values, &options, memory.hidden.as_ref(), None, probs.as_ref())?;
         let attended = p.row_linear(&merge_heads(&attended)?, cross.o, None)?;
@@ -426,7 +420,7 @@ impl T5Block {
             bidirectional: self.buckets.bidirectional,
             ..AttentionOptions::default()
         };
-        let probs = self.probabilities(p, site::SELF_PROBABILITIES, heads);
+        let probs = p.dropping_heads(self.dropout.attention, site::SELF_PROBABILITIES, heads);
         let attended = attention(&q, &k, &v, &options, hidden, Some(&bias), probs.as_ref())?;
         let attended = p.row_linear(&merge_heads(&attended)?, a.o, None)?;
         Ok(x.f_add(&p.dropout(&attended, self.dropout.residual, site::SELF_OUTPUT, &[])?)?)

@@ -28,7 +28,7 @@ use crate::compute::UnitCompute;
 use crate::engine::offload::{HostMemory, NonModelTrace, Offload, OffloadOptions};
 use crate::engine::placement::HomePolicy;
 use crate::engine::{Engine, EngineConfig};
-use crate::model::{DropoutDraw, ModelSpec};
+use crate::model::ModelSpec;
 use crate::strategy::{
     select_units, AmpConfig, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ShardMethod, Stage, Strategy,
 };
@@ -468,9 +468,7 @@ pub fn measure_non_model(
     let (mut engine, trace) = traced_engine(spec, config, strategy, at, &offload.everything_on_host())?;
     let loss = feed.loss_of(&engine);
     for (i, batch) in step.micro_batches.iter().enumerate() {
-        // Drawn as the run's first step draws: its masks take room too.
-        let dropout = DropoutDraw { seed: 0, step: 1, first_row: batch.first_row as i64 };
-        crate::train::set_rows(&mut engine, batch, Some(dropout));
+        crate::train::set_rows(&mut engine, batch, Some(crate::train::first_step_draw(batch)));
         let output = engine.forward(&(feed.input)(batch)?)?;
         let weighted = engine.compute_loss(|| loss(&output, batch))?.f_mul_scalar(step.loss_weight(i))?;
         engine.backward(&weighted)?;

@@ -254,8 +254,19 @@ pub struct StepInput<'a> {
 impl StepInput<'_> {
     /// The draw of `batch`'s dropout masks in this step.
     pub fn dropout(&self, batch: &Batch) -> DropoutDraw {
-        DropoutDraw { seed: self.dropout_seed, step: self.number, first_row: batch.first_row as i64 }
+        batch_draw(self.dropout_seed, self.number, batch)
     }
+}
+
+/// The draw of `batch`'s dropout masks at step `step` from `seed`.
+pub(crate) fn batch_draw(seed: u64, step: u64, batch: &Batch) -> DropoutDraw {
+    DropoutDraw { seed, step, first_row: batch.first_row as i64 }
+}
+
+/// The draw of a run's first step, for forwards that measure before training (dropout's
+/// masks take room and time too).
+pub(crate) fn first_step_draw(batch: &Batch) -> DropoutDraw {
+    batch_draw(0, 1, batch)
 }
 
 /// Readies `engine`'s next forwards for `batch`'s rows: their layout, their padding, and the
