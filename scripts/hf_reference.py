@@ -188,6 +188,31 @@ def decoder_families():
         "olmoe": lambda: (tf.OlmoeForCausalLM, tf.OlmoeConfig(
             **dict(common, intermediate_size=16), num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=False, clip_qkv=3.0, tie_word_embeddings=False, router_aux_loss_coef=0.02)),
+        # DeepSeek-V3: latent attention with low-rank queries, interleaved rotated pairs and
+        # YaRN's mscale (cos/sin and scores scaled apart); sigmoid routing with a choice
+        # bias (drawn in build) among groups, two shared experts, the first layer dense.
+        "deepseek-v3": lambda: (tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(
+            **dict(common, num_key_value_heads=4), num_hidden_layers=3, moe_intermediate_size=12,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=16,
+            kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True,
+            tie_word_embeddings=False, rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                             "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 500.0})),
+        # The same with one query projection, rotated halves and no scaling.
+        "deepseek-v3-plain": lambda: (tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(
+            **dict(common, num_key_value_heads=4), num_hidden_layers=2, moe_intermediate_size=12,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+            routed_scaling_factor=1.0, first_k_dense_replace=0, norm_topk_prob=False, q_lora_rank=None,
+            kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=False,
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # GLM-4.5: DeepSeek's routing under grouped-query attention with half-turned heads,
+        # query/key norms and biases on the query, key and value projections.
+        "glm4-moe": lambda: (tf.Glm4MoeForCausalLM, tf.Glm4MoeConfig(
+            **common, num_hidden_layers=3, head_dim=16, moe_intermediate_size=12, n_routed_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+            first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+            tie_word_embeddings=False)),
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
@@ -265,6 +290,10 @@ def build(family, seed):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
+            # The choice bias is a buffer: draw it so that it changes which experts are chosen.
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(torch.randn_like(buf) * 0.3)
             if family == "qwen3-moe-idle":
                 for layer in model.model.layers[1::2]:
                     w = layer.mlp.gate.weight

@@ -508,17 +508,9 @@ impl TrainSettings {
                     norm_eps: self.norm_eps.unwrap_or(DEFAULT_NORM_EPS),
                     tie_embeddings: self.tie_embeddings.unwrap_or(false),
                     moe: self.experts.map(|(experts, top_k)| MoeConfig {
-                        experts,
-                        top_k,
-                        expert_ffn_dim: self.ffn_dim.unwrap_or_else(|| defaults.hidden()),
                         norm_topk: true,
-                        shared_expert_dim: None,
-                        sparse_step: 1,
-                        dense_layers: vec![],
                         aux_loss_coef: 0.001,
-                        z_loss_coef: 0.0,
-                        capacity_factor: None,
-                        names: ExpertNames::Mlp,
+                        ..MoeConfig::new(experts, top_k, self.ffn_dim.unwrap_or_else(|| defaults.hidden()))
                     }),
                     ..defaults
                 })

@@ -1,7 +1,8 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
 //! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`, and with experts
-//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe` and `olmoe`; [`super::bert`] for `bert`, as a
+//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe` and `glm4_moe`, and with latent
+//! attention ([`super::latent`]) too for `deepseek_v3`; [`super::bert`] for `bert`, as a
 //! sequence classifier or a masked language model by its architecture; [`super::t5`] for
 //! `t5`) and written back from one, and each family's parameter names and layouts.
 //!
@@ -9,8 +10,9 @@
 //! or refused by name), a folder's file list (one safetensors file or the shards an index
 //! names, the tokenizer) and the mapping of names. Must not read tensors or touch an
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
+use super::latent::LatentConfig;
 use super::llama::{Activation, LayerAttention, NormKind};
-use super::moe::{ExpertNames, MoeConfig};
+use super::moe::{ExpertNames, MoeConfig, Scoring};
 use super::rope::{Rope, RopeScaling};
 use super::{
     BertConfig, BertHead, DropoutRates, FeedForwardActivation, GptConfig, LlamaConfig, ModelConfig, ModelSpec, T5Config,
@@ -61,6 +63,13 @@ pub enum Family {
     Qwen3Moe,
     /// OLMoE (`olmoe`): LLaMA's decoder with experts and norms over whole projections.
     Olmoe,
+    /// DeepSeek-V3 (`deepseek_v3`): latent attention, sigmoid routing with a choice bias
+    /// among groups of experts, shared experts, the first layers dense.
+    DeepseekV3,
+    /// GLM-4.5 (`glm4_moe`): DeepSeek-V3's routing and shared experts under grouped-query
+    /// attention with a partial rotation, biases on the query, key and value projections
+    /// and optional query/key norms.
+    Glm4Moe,
     /// BERT (`bert`), as a sequence classifier or a masked language model.
     Bert,
     /// T5 (`t5`): the encoder–decoder of [`super::t5`].
@@ -70,7 +79,7 @@ pub enum Family {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 14] = [
+const FAMILIES: [Family; 16] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -83,6 +92,8 @@ const FAMILIES: [Family; 14] = [
     Family::Qwen2Moe,
     Family::Qwen3Moe,
     Family::Olmoe,
+    Family::DeepseekV3,
+    Family::Glm4Moe,
     Family::Bert,
     Family::T5,
 ];
@@ -103,6 +114,8 @@ impl Family {
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Olmoe => "olmoe",
+            Family::DeepseekV3 => "deepseek_v3",
+            Family::Glm4Moe => "glm4_moe",
             Family::Bert => "bert",
             Family::T5 => "t5",
         }
@@ -129,6 +142,8 @@ impl Family {
             Family::Qwen2Moe => "Qwen2MoeForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
             Family::Olmoe => "OlmoeForCausalLM",
+            Family::DeepseekV3 => "DeepseekV3ForCausalLM",
+            Family::Glm4Moe => "Glm4MoeForCausalLM",
             Family::T5 => "T5ForConditionalGeneration",
         }
     }
@@ -142,16 +157,22 @@ impl Family {
     }
 
     /// The dense family whose attention, windows and keys a mixture of experts shares
-    /// (Mixtral is Mistral's, Qwen2/3-MoE Qwen2/3's, OLMoE LLaMA's but for its norms); a
-    /// dense family is its own.
+    /// (Mixtral is Mistral's, Qwen2/3-MoE Qwen2/3's, OLMoE, DeepSeek-V3 and GLM-4.5
+    /// LLaMA's but for their own options); a dense family is its own.
     fn dense(self) -> Family {
         match self {
             Family::Mixtral => Family::Mistral,
             Family::Qwen2Moe => Family::Qwen2,
             Family::Qwen3Moe => Family::Qwen3,
-            Family::Olmoe => Family::Llama,
+            Family::Olmoe | Family::DeepseekV3 | Family::Glm4Moe => Family::Llama,
             dense => dense,
         }
+    }
+
+    /// Whether the family routes as DeepSeek-V3 does (sigmoid scores, a choice bias,
+    /// groups, a routed scale, shared experts without a gate, the first layers dense).
+    fn routes_like_deepseek(self) -> bool {
+        matches!(self, Family::DeepseekV3 | Family::Glm4Moe)
     }
 
     fn has_experts(self) -> bool {
@@ -173,8 +194,13 @@ impl Family {
             }
             ModelConfig::Llama(c) => c,
         };
+        if c.latent.is_some() && c.moe.is_none() {
+            return Err(Error::Config("latent attention without experts has no family to be written as".into()));
+        }
         if let Some(moe) = &c.moe {
             return Ok(match c {
+                c if c.latent.is_some() => Family::DeepseekV3,
+                _ if deepseek_routing(moe) => Family::Glm4Moe,
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
                 c if c.qk_norm_whole => Family::Olmoe,
                 c if c.qk_norm => Family::Qwen3Moe,
@@ -204,7 +230,11 @@ impl Family {
         let moe = c.moe.as_ref();
         let experts = [
             (moe.is_some() != self.has_experts(), "experts"),
-            (moe.is_some_and(|m| m.shared_expert_dim.is_some()) && self != Family::Qwen2Moe, "a shared expert"),
+            (
+                moe.is_some_and(|m| m.shared_expert_dim.is_some())
+                    && !(self == Family::Qwen2Moe || self.routes_like_deepseek()),
+                "a shared expert",
+            ),
             (
                 moe.is_some_and(|m| (m.names == ExpertNames::BlockSparse) != (self == Family::Mixtral)),
                 "Mixtral's names",
@@ -216,16 +246,30 @@ impl Family {
                 "dense layers among sparse ones",
             ),
             (c.qk_norm_whole != olmoe || c.clip_qkv.is_some() && !olmoe, "OLMoE's norms and clipping"),
+            (c.latent.is_some() != (self == Family::DeepseekV3), "latent attention"),
+            (moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek()), "DeepSeek's routing"),
+            (
+                moe.is_some_and(|m| {
+                    self.routes_like_deepseek()
+                        && (m.sparse_step != 1
+                            || m.dense_layers.iter().enumerate().any(|(i, &l)| l != i as i64)
+                            || m.shared_expert_dim.is_some_and(|w| w % m.expert_ffn_dim != 0))
+                }),
+                "dense layers other than the first ones, or shared experts of another width",
+            ),
+            (self == Family::DeepseekV3 && c.qkv_bias != c.o_bias, "a bias on some attention projections alone"),
+            (self == Family::Glm4Moe && c.o_bias, "a bias on the attention output"),
         ];
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
         let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3) || olmoe;
+        let glm = self == Family::Glm4Moe;
         let needs = [
             (c.fused_projections != (dense == Family::Phi3), "fused projections"),
             ((c.norm == NormKind::PlusOne) != gemma, "Gemma's norms"),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
             (c.sandwich_norms != gemma || c.scale_embeddings != gemma, "sandwich norms and scaled embeddings"),
-            (c.qk_norm != qk_norm_family, "query/key norms"),
+            (c.qk_norm != qk_norm_family && !glm, "query/key norms"),
             (c.local_rope.is_some() && dense != Family::Gemma3, "a local rotation"),
             (
                 (c.attn_softcap.is_some() || c.logit_softcap.is_some() || c.query_pre_attn_scalar.is_some()) && !gemma,
@@ -239,7 +283,7 @@ impl Family {
                     ),
                 "attention biases",
             ),
-            (c.partial_rotary != 1.0 && dense != Family::Phi3, "a partial rotation"),
+            (c.partial_rotary != 1.0 && dense != Family::Phi3 && !glm, "a partial rotation"),
             (c.sliding_window.is_some() && dense == Family::Llama, "a sliding window"),
             (
                 c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
@@ -397,6 +441,16 @@ fn t5_json(c: &T5Config) -> Result<Value> {
     }))
 }
 
+/// Whether `moe` routes as only DeepSeek-V3 and GLM-4.5 can say: sigmoid scores, a choice
+/// bias, groups, a routed scale or shared experts without a gate.
+fn deepseek_routing(m: &MoeConfig) -> bool {
+    m.scoring == Scoring::Sigmoid
+        || m.choice_bias
+        || m.groups > 1
+        || m.routed_scale != 1.0
+        || (m.shared_expert_dim.is_some() && !m.shared_gate)
+}
+
 /// `config.json` keys of a decoder written as `family` (checked by [`Family::cannot_write`]).
 fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     // Dynamic scaling reads the context it was trained at from max_position_embeddings.
@@ -435,8 +489,12 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         for (key, value) in extra.as_object().into_iter().flatten() {
             p[key] = value.clone();
         }
-        if r.partial != 1.0 {
+        // GLM-4.5 turns half of each head where its keys say nothing.
+        if r.partial != 1.0 || family == Family::Glm4Moe {
             p["partial_rotary_factor"] = json!(r.partial);
+        }
+        if let Some(latent) = c.latent.as_ref().filter(|l| l.mscale_all_dim > 0.0) {
+            p["mscale_all_dim"] = json!(latent.mscale_all_dim);
         }
         p
     };
@@ -476,9 +534,23 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         // GPT-2, BERT and T5 never reach here (`Family::config_json`); the mixtures of
         // experts are their dense families here.
         _ => {
-            v["attention_bias"] = json!(c.o_bias);
+            v["attention_bias"] = json!(c.o_bias || c.qkv_bias);
             v["mlp_bias"] = json!(false);
         }
+    }
+    if family == Family::Glm4Moe {
+        v["use_qk_norm"] = json!(c.qk_norm);
+    }
+    if let Some(l) = &c.latent {
+        v["q_lora_rank"] = json!(l.q_rank);
+        v["kv_lora_rank"] = json!(l.kv_rank);
+        v["qk_nope_head_dim"] = json!(l.nope_dim);
+        v["qk_rope_head_dim"] = json!(l.rope_dim);
+        v["v_head_dim"] = json!(l.value_dim);
+        v["rope_interleave"] = json!(l.interleaved);
+        // transformers gives DeepSeek's heads the rotated width as head_dim.
+        v["head_dim"] = json!(l.rope_dim);
+        v["num_key_value_heads"] = json!(c.heads);
     }
     if let Some(moe) = &c.moe {
         experts_json(family, c, moe, &mut v);
@@ -495,8 +567,22 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
 /// The `config.json` keys of a mixture of experts written as `family`.
 fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value) {
     v["num_experts_per_tok"] = json!(moe.top_k);
-    v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
+    // DeepSeek-V3's and GLM-4.5's classes train with no load-balancing loss: the key is
+    // theirs only where one is set.
+    if moe.aux_loss_coef != 0.0 || !family.routes_like_deepseek() {
+        v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
+    }
     match family {
+        Family::DeepseekV3 | Family::Glm4Moe => {
+            v["n_routed_experts"] = json!(moe.experts);
+            v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
+            v["n_shared_experts"] = json!(moe.shared_expert_dim.map_or(0, |w| w / moe.expert_ffn_dim));
+            v["routed_scaling_factor"] = json!(moe.routed_scale);
+            v["n_group"] = json!(moe.groups);
+            v["topk_group"] = json!(moe.top_groups);
+            v["norm_topk_prob"] = json!(moe.norm_topk);
+            v["first_k_dense_replace"] = json!(moe.dense_layers.len());
+        }
         // Mixtral's and OLMoE's experts are intermediate_size wide, and every layer is sparse.
         Family::Mixtral => {
             v["num_local_experts"] = json!(moe.experts);
@@ -895,6 +981,8 @@ impl Keys<'_> {
     fn decoder(&self, family: Family) -> KeyResult<LlamaConfig> {
         let moe = self.experts(family)?;
         let olmoe = family == Family::Olmoe;
+        let glm = family == Family::Glm4Moe;
+        let latent = if family == Family::DeepseekV3 { Some(self.latent()?) } else { None };
         // A mixture of experts' attention and windows are those of the family it grew from.
         let family = family.dense();
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
@@ -922,6 +1010,8 @@ impl Keys<'_> {
             );
         }
         let head_dim = match self.int("head_dim")? {
+            // DeepSeek's head_dim names its rotated width alone.
+            _ if latent.is_some() => None,
             Some(h) => Some(h),
             None if gemma => Some(256),
             None => None,
@@ -936,6 +1026,10 @@ impl Keys<'_> {
             }
             (_, params) => (self.rope(params, "rope_theta", 10_000.0, max_positions)?, None),
         };
+        // GLM-4.5 turns half of each head where its keys say nothing.
+        let partial_given = self.cfg.contains_key("partial_rotary_factor")
+            || self.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor")).is_some();
+        let rope = Rope { partial: if glm && !partial_given { 0.5 } else { rope.partial }, ..rope };
         // Dynamic scaling stretches the context it was trained at by its factor.
         let ctx = match rope.scaling {
             RopeScaling::Dynamic { factor, .. } if factor > 1.0 => (max_positions as f64 * factor) as i64,
@@ -953,15 +1047,17 @@ impl Keys<'_> {
             rope_scaling: rope.scaling,
             partial_rotary: rope.partial,
             local_rope,
-            kv_heads: self.int("num_key_value_heads")?,
+            kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
             norm_eps: self.float("rms_norm_eps")?.unwrap_or(1e-6),
             tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
-            o_bias: family != Family::Qwen2 && attention_bias,
+            o_bias: family != Family::Qwen2 && !glm && attention_bias,
             head_dim,
             norm: if gemma { NormKind::PlusOne } else { NormKind::Weighted },
             activation,
-            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3) || olmoe,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3)
+                || olmoe
+                || (glm && self.flag("use_qk_norm")?.unwrap_or(false)),
             qk_norm_whole: olmoe,
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
             sandwich_norms: gemma,
@@ -978,9 +1074,28 @@ impl Keys<'_> {
             fused_projections: family == Family::Phi3,
             padding_token: self.int("pad_token_id")?,
             moe,
+            latent,
             // The decoder families' own default is no dropout.
             dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, ..DropoutRates::NONE },
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
+        })
+    }
+
+    /// DeepSeek-V3's latent attention, as its keys name it (and `transformers` defaults them).
+    fn latent(&self) -> KeyResult<LatentConfig> {
+        let rope_params = self.get("rope_parameters").or(self.get("rope_scaling"));
+        let mscale_all_dim = match rope_params.and_then(|p| p.get("mscale_all_dim")) {
+            None | Some(Value::Null) => 0.0,
+            Some(v) => v.as_f64().ok_or_else(|| format!("config.json: mscale_all_dim is not a number ({v})"))?,
+        };
+        Ok(LatentConfig {
+            q_rank: if self.cfg.contains_key("q_lora_rank") { self.int("q_lora_rank")? } else { Some(1536) },
+            kv_rank: self.int("kv_lora_rank")?.unwrap_or(512),
+            nope_dim: self.int("qk_nope_head_dim")?.unwrap_or(128),
+            rope_dim: self.int("qk_rope_head_dim")?.unwrap_or(64),
+            value_dim: self.int("v_head_dim")?.unwrap_or(128),
+            interleaved: self.flag("rope_interleave")?.unwrap_or(true),
+            mscale_all_dim,
         })
     }
 
@@ -989,6 +1104,9 @@ impl Keys<'_> {
     fn experts(&self, family: Family) -> KeyResult<Option<MoeConfig>> {
         if !family.has_experts() {
             return Ok(None);
+        }
+        if family.routes_like_deepseek() {
+            return self.deepseek_experts(family).map(Some);
         }
         // Noise on the router's input in training: a regulariser Strata does not apply.
         self.only("router_jitter_noise", &[json!(0), json!(0.0)], "routing takes no noise")?;
@@ -1017,18 +1135,51 @@ impl Keys<'_> {
             _ => None,
         };
         Ok(Some(MoeConfig {
-            experts,
-            top_k: self.required("num_experts_per_tok")?,
-            expert_ffn_dim,
             norm_topk,
             shared_expert_dim,
             sparse_step: if qwen { self.int("decoder_sparse_step")?.unwrap_or(1) } else { 1 },
             dense_layers,
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.001),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
-            capacity_factor: None,
             names: if family == Family::Mixtral { ExpertNames::BlockSparse } else { ExpertNames::Mlp },
+            ..MoeConfig::new(experts, self.required("num_experts_per_tok")?, expert_ffn_dim)
         }))
+    }
+
+    /// DeepSeek-V3's and GLM-4.5's experts: sigmoid scores with a choice bias, groups, a
+    /// routed scale, plain shared experts, the first layers dense (with `transformers`'
+    /// defaults for each family where a key is absent).
+    fn deepseek_experts(&self, family: Family) -> KeyResult<MoeConfig> {
+        let deepseek = family == Family::DeepseekV3;
+        self.only("scoring_func", &[json!("sigmoid")], "the router scores by sigmoid")?;
+        self.only("topk_method", &[json!("noaux_tc")], "experts are chosen by their biased scores within groups")?;
+        self.only("moe_layer_freq", &[json!(1)], "every layer past the first dense ones is sparse")?;
+        let width = self.required("moe_intermediate_size")?;
+        let shared = self.int("n_shared_experts")?.unwrap_or(1);
+        let first_dense = self.int("first_k_dense_replace")?.unwrap_or(if deepseek { 3 } else { 1 });
+        let (groups, top_groups) = match deepseek {
+            true => (self.int("n_group")?.unwrap_or(8), self.int("topk_group")?.unwrap_or(4)),
+            false => (self.int("n_group")?.unwrap_or(1), self.int("topk_group")?.unwrap_or(1)),
+        };
+        let routed_scale = self.float("routed_scaling_factor")?.unwrap_or(if deepseek { 2.5 } else { 1.0 });
+        Ok(MoeConfig {
+            norm_topk: self.flag("norm_topk_prob")?.unwrap_or(true),
+            shared_expert_dim: (shared > 0).then_some(shared * width),
+            shared_gate: false,
+            scoring: Scoring::Sigmoid,
+            choice_bias: true,
+            groups,
+            top_groups,
+            routed_scale,
+            dense_layers: (0..first_dense.max(0)).collect(),
+            aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
+            z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
+            ..MoeConfig::new(
+                self.int("n_routed_experts")?.unwrap_or(if deepseek { 256 } else { 128 }),
+                self.int("num_experts_per_tok")?.unwrap_or(8),
+                width,
+            )
+        })
     }
 
     /// The sliding window and which layers it applies to: Mistral's and Phi-3's

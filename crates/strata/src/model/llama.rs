@@ -21,15 +21,16 @@
 //!
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::divides_heads;
+use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
     add_rms_norm, attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product, rms_norm_plus_one,
     split_heads, swiglu, vocab_logits, AttentionOptions,
 };
-use super::moe::{Expert, LoadBalance, MoeConfig, SparseFeedForward};
+use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{Rope, RopeScaling, Rotation};
 use super::{
-    default_norm_eps, positive, Builder, DecodeCache, DropoutRates, ExpertSet, Init, Kept, ParamId, Params,
-    TokenEmbedding, TpRole, Unit, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
+    default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TokenEmbedding,
+    TpRole, Unit, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -160,6 +161,11 @@ pub struct LlamaConfig {
     /// Experts in place of the feed-forward on the layers it makes sparse.
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// DeepSeek's latent attention in place of query, key and value heads ([`super::latent`]):
+    /// `head_dim`, `kv_heads`, fused projections and query/key norms then do not apply,
+    /// and `qkv_bias` puts biases on its down projections.
+    #[serde(default)]
+    pub latent: Option<LatentConfig>,
     /// Dropout in training: the decoder drops attention probabilities alone (its folders'
     /// `attention_dropout`), at `attention`'s rate; the other sites are not the decoder's.
     #[serde(default)]
@@ -206,6 +212,7 @@ impl LlamaConfig {
             fused_projections: false,
             padding_token: None,
             moe: None,
+            latent: None,
             dropout: DropoutRates::NONE,
         }
     }
@@ -272,7 +279,19 @@ impl LlamaConfig {
             }
             _ => {}
         }
-        self.rope().validate(self.head_width())?;
+        match &self.latent {
+            Some(latent) => {
+                latent.validate()?;
+                self.rope().validate(latent.rope_dim)?;
+                if self.fused_projections || self.qk_norm || self.clip_qkv.is_some() || self.partial_rotary != 1.0 {
+                    return Err(Error::Config(
+                        "latent attention takes no fused projections, query/key norms, clipping or partial rotation"
+                            .into(),
+                    ));
+                }
+            }
+            None => self.rope().validate(self.head_width())?,
+        }
         if let Some(local) = &self.local_rope {
             local.validate(self.head_width())?;
         }
@@ -381,13 +400,31 @@ impl Kinds {
     }
 }
 
-struct LlamaBlock {
-    input_norm: ParamId,
+/// How a block's attention makes its queries, keys and values.
+enum HeadInputs {
+    /// Query heads and grouped key/value heads, each projected from the hidden states.
+    Grouped(GroupedHeads),
+    /// DeepSeek's latent attention ([`super::latent`]).
+    Latent(LatentAttention),
+}
+
+/// Query heads sharing key/value heads in groups: projections, optional query/key norms
+/// and clipping, and the rotation.
+struct GroupedHeads {
     qkv: QkvProjection,
     /// Norms of the queries and of the keys: per head, or over whole projections.
     qk_norms: Option<(ParamId, ParamId)>,
     qk_norm_whole: bool,
     clip_qkv: Option<f64>,
+    kv_heads: i64,
+    head_dim: i64,
+    rotation: Rotation,
+    kinds: Kinds,
+}
+
+struct LlamaBlock {
+    input_norm: ParamId,
+    inputs: HeadInputs,
     o: Dense,
     /// Norm of the attention's output before the residual add (sandwich norms).
     post_attention_norm: Option<ParamId>,
@@ -395,9 +432,6 @@ struct LlamaBlock {
     feed_forward: FeedForward,
     post_feed_forward_norm: Option<ParamId>,
     heads: i64,
-    kv_heads: i64,
-    head_dim: i64,
-    rotation: Rotation,
     attention: AttentionOptions,
     /// Dropout of the attention probabilities (site 0).
     attention_dropout: f64,
@@ -415,15 +449,18 @@ impl Unit for LlamaBlock {
         self.run(p, x, Some(cache))
     }
     fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
-        if self.qk_norm_whole && tp > 1 {
-            return Err(Error::Config("query/key norms over whole projections do not split over tensor ranks".into()));
-        }
         divides_heads(tp, "heads", self.heads)?;
-        divides_heads(tp, "key/value heads", self.kv_heads)
+        match &self.inputs {
+            HeadInputs::Grouped(g) if g.qk_norm_whole && tp > 1 => {
+                Err(Error::Config("query/key norms over whole projections do not split over tensor ranks".into()))
+            }
+            HeadInputs::Grouped(g) => divides_heads(tp, "key/value heads", g.kv_heads),
+            HeadInputs::Latent(_) => Ok(()),
+        }
     }
 }
 
-impl LlamaBlock {
+impl GroupedHeads {
     /// This rank's queries, keys and values `[B, H, T, D]` of the normed input `h`.
     fn project(&self, p: &Params<'_>, h: &Tensor, heads: i64, kv_heads: i64) -> Result<(Tensor, Tensor, Tensor)> {
         let dense = |(w, b): Dense| p.linear(h, w, b);
@@ -456,27 +493,30 @@ impl LlamaBlock {
         }
     }
 
-    /// The block over new positions; with a cache, they follow the positions it holds and
-    /// their attention also reads those positions' keys and values.
-    fn run(&self, p: &Params<'_>, x: &Tensor, cache: Option<&mut DecodeCache>) -> Result<Tensor> {
-        // Split over the tensor group, this rank holds whole query heads and the key/value
-        // heads they read, and its piece of the feed-forward.
-        let tp = p.tp();
-        let (heads, kv_heads) = (self.heads / tp.size(), self.kv_heads / tp.size());
-        let start = cache.as_ref().map_or(0, |c| c.position());
-        let h = tp.enter(&self.kinds.norm_into_product(x, &p[self.input_norm])?)?;
-        let (q, k, v) = self.project(p, &h, heads, kv_heads)?;
-        let packed = p.layout().filter(|_| cache.is_none());
-        let (q, k) = match packed {
-            Some(layout) => self.rotation.rotate_at(&q, &k, &layout.positions)?,
+    /// This rank's queries (`heads` of them) and its keys and values repeated for each
+    /// query head they serve, rotated from `start` (or at `positions`, packed); with a
+    /// cache, the keys and values of every position it holds (no further back than a
+    /// sliding `window` reads again).
+    fn queries_keys_values(
+        &self,
+        p: &Params<'_>,
+        h: &Tensor,
+        heads: i64,
+        start: i64,
+        positions: Option<&Tensor>,
+        cache: Option<&mut DecodeCache>,
+        window: Option<i64>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let kv_heads = self.kv_heads / p.tp().size();
+        let (q, k, v) = self.project(p, h, heads, kv_heads)?;
+        let (q, k) = match positions {
+            Some(positions) => self.rotation.rotate_at(&q, &k, positions)?,
             None => self.rotation.rotate(&q, &k, start)?,
         };
-        let hidden = other_examples(packed)?;
         let (k, v) = match cache {
             Some(c) => {
                 let all = c.extend(&k, &v)?;
-                // A sliding window never reads further back than its width again.
-                if let Some(w) = self.attention.window {
+                if let Some(w) = window {
                     c.keep_last(w - 1)?;
                 }
                 all
@@ -484,12 +524,34 @@ impl LlamaBlock {
             None => (k, v),
         };
         // Each key/value head serves `heads / kv_heads` adjacent query heads.
-        let group = self.heads / self.kv_heads;
-        let (k, v) = if group > 1 {
-            (k.f_repeat_interleave_self_int(group, 1, None)?, v.f_repeat_interleave_self_int(group, 1, None)?)
+        let group = heads / kv_heads;
+        Ok(if group > 1 {
+            (q, k.f_repeat_interleave_self_int(group, 1, None)?, v.f_repeat_interleave_self_int(group, 1, None)?)
         } else {
-            (k, v)
+            (q, k, v)
+        })
+    }
+}
+
+impl LlamaBlock {
+    /// The block over new positions; with a cache, they follow the positions it holds and
+    /// their attention also reads those positions' keys and values.
+    fn run(&self, p: &Params<'_>, x: &Tensor, cache: Option<&mut DecodeCache>) -> Result<Tensor> {
+        // Split over the tensor group, this rank holds whole query heads and the key/value
+        // heads they read, and its piece of the feed-forward.
+        let tp = p.tp();
+        let heads = self.heads / tp.size();
+        let start = cache.as_ref().map_or(0, |c| c.position());
+        let h = tp.enter(&self.kinds.norm_into_product(x, &p[self.input_norm])?)?;
+        let packed = p.layout().filter(|_| cache.is_none());
+        let positions = packed.map(|layout| &layout.positions);
+        let (q, k, v) = match &self.inputs {
+            HeadInputs::Grouped(g) => {
+                g.queries_keys_values(p, &h, heads, start, positions, cache, self.attention.window)?
+            }
+            HeadInputs::Latent(l) => l.queries_keys_values(p, &h, heads, start, positions, cache)?,
         };
+        let hidden = other_examples(packed)?;
         let probs = p.dropping_heads(self.attention_dropout, 0, heads);
         let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref(), None, probs.as_ref())?)?;
         let attended = p.row_linear(&y, self.o.0, self.o.1)?;
@@ -585,57 +647,34 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     for i in 0..cfg.layers {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());
-        let mut w = |suffix: &str, shape: &[i64], tp| u.linear(format!("{name}.{suffix}"), shape, normal, tp);
-        let qkv = if cfg.fused_projections {
-            let role = TpRole::QueryKeyValue { heads, kv_heads };
-            QkvProjection::Fused(w("self_attn.qkv_proj.weight", &[q_out + 2 * kv_out, d], role))
-        } else {
-            let (q, k, v) = (
-                w("self_attn.q_proj.weight", &[q_out, d], TpRole::COLUMN),
-                w("self_attn.k_proj.weight", &[kv_out, d], TpRole::COLUMN),
-                w("self_attn.v_proj.weight", &[kv_out, d], TpRole::COLUMN),
-            );
-            QkvProjection::Apart { q: (q, None), k: (k, None), v: (v, None) }
+        // Latent attention declares its own projections; the others project whole heads.
+        let (latent, qkv, attended_width) = match &cfg.latent {
+            Some(l) => {
+                let attention = LatentAttention::declare(&mut u, &name, l, d, heads, cfg.qkv_bias, cfg.rope());
+                (Some(attention), None, heads * l.value_dim)
+            }
+            None => (None, Some(()), q_out),
         };
-        let o = w("self_attn.o_proj.weight", &[d, q_out], TpRole::Row);
+        let mut w = |suffix: &str, shape: &[i64], tp| u.linear(format!("{name}.{suffix}"), shape, normal, tp);
+        let qkv = qkv.map(|()| {
+            if cfg.fused_projections {
+                let role = TpRole::QueryKeyValue { heads, kv_heads };
+                QkvProjection::Fused(w("self_attn.qkv_proj.weight", &[q_out + 2 * kv_out, d], role))
+            } else {
+                let (q, k, v) = (
+                    w("self_attn.q_proj.weight", &[q_out, d], TpRole::COLUMN),
+                    w("self_attn.k_proj.weight", &[kv_out, d], TpRole::COLUMN),
+                    w("self_attn.v_proj.weight", &[kv_out, d], TpRole::COLUMN),
+                );
+                QkvProjection::Apart { q: (q, None), k: (k, None), v: (v, None) }
+            }
+        });
+        let o = w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row);
         let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
         let feed_forward = match sparse {
             Some((moe, balance)) => {
-                let router = u.param(moe.router_name(&name), &[moe.experts, d], normal, TpRole::SequenceReplicated);
-                let experts: Vec<Expert> = (0..moe.experts)
-                    .map(|e| Expert::declare(&mut u, moe.expert_names(&name, e), moe.expert_ffn_dim, d, true))
-                    .collect();
-                u.expert_set(ExpertSet {
-                    module: format!("{name}.mlp.experts"),
-                    gate: experts.iter().map(|e| e.gate).collect(),
-                    up: experts.iter().map(|e| e.up).collect(),
-                    down: experts.iter().map(|e| e.down).collect(),
-                });
-                let shared = moe.shared_expert_dim.map(|width| {
-                    let names =
-                        ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{name}.mlp.shared_expert.{w}.weight"));
-                    let shared = Expert::declare(&mut u, names, width, d, false);
-                    (
-                        shared,
-                        u.linear(
-                            format!("{name}.mlp.shared_expert_gate.weight"),
-                            &[1, d],
-                            normal,
-                            TpRole::SequenceReplicated,
-                        ),
-                    )
-                });
                 sparse_seen += 1;
-                FeedForward::Sparse(SparseFeedForward {
-                    router,
-                    experts,
-                    shared,
-                    top_k: moe.top_k,
-                    norm_topk: moe.norm_topk,
-                    capacity_factor: moe.capacity_factor,
-                    layer: sparse_seen - 1,
-                    balance: Arc::clone(balance),
-                })
+                FeedForward::Sparse(SparseFeedForward::declare(&mut u, moe, &name, d, sparse_seen - 1, balance))
             }
             None => {
                 let gate_up = if cfg.fused_projections {
@@ -655,14 +694,14 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let mut bias = |proj: &str, out: i64, tp, given: bool| {
             given.then(|| u.param(format!("{name}.self_attn.{proj}.bias"), &[out], Init::Zeros, tp))
         };
-        let qkv = match qkv {
+        let qkv = qkv.map(|qkv| match qkv {
             QkvProjection::Apart { q, k, v } => QkvProjection::Apart {
                 q: (q.0, bias("q_proj", q_out, TpRole::COLUMN, cfg.qkv_bias)),
                 k: (k.0, bias("k_proj", kv_out, TpRole::COLUMN, cfg.qkv_bias)),
                 v: (v.0, bias("v_proj", kv_out, TpRole::COLUMN, cfg.qkv_bias)),
             },
             fused => fused,
-        };
+        });
         let o_bias = bias("o_proj", d, TpRole::SequenceReplicated, cfg.o_bias);
         let mut norm = |suffix: &str, width: i64, tp| u.param(format!("{name}.{suffix}"), &[width], norm_init, tp);
         let input_norm = norm("input_layernorm.weight", d, TpRole::SequenceReplicated);
@@ -706,30 +745,49 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
             None => (4.0 * cfg.hidden() as f64, 0.0),
         };
-        let kept = Kept::block(10.0 * d as f64 + feed_forward_kept + 7.0, cfg.heads, d)
+        // Latent attention keeps, beyond the residual stream's norms and sums, its low-rank
+        // queries and their norm, the latent and its norm, the expanded keys and values and
+        // the whole queries; its scores read the queries' width, its weighted sum the
+        // values'.
+        let (attention_kept, attention_width, scale) = match &cfg.latent {
+            Some(l) => {
+                let low = 2 * l.q_rank.unwrap_or(0) + 2 * l.kv_rank + 2 * l.rope_dim;
+                let heads_kept = cfg.heads * (3 * l.query_dim() + l.nope_dim + 2 * l.value_dim);
+                (
+                    (4 * d + low + heads_kept) as f64,
+                    cfg.heads * (l.query_dim() + l.value_dim) / 2,
+                    Some(l.score_scale(&rope)),
+                )
+            }
+            None => (10.0 * d as f64, cfg.heads * cfg.head_width(), cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5))),
+        };
+        let kept = Kept::block(attention_kept + feed_forward_kept + 7.0, cfg.heads, d)
             .with_dropout(0.0, cfg.dropout.attention > 0.0);
-        u.declare_cost(UnitCost { idle_weights, ..UnitCost::attending(kept, cfg.heads * cfg.head_width()) });
+        u.declare_cost(UnitCost { idle_weights, ..UnitCost::attending(kept, attention_width) });
+        let inputs = match (latent, qkv) {
+            (Some(latent), _) => HeadInputs::Latent(latent),
+            (None, Some(qkv)) => HeadInputs::Grouped(GroupedHeads {
+                qkv,
+                qk_norms,
+                qk_norm_whole: cfg.qk_norm_whole,
+                clip_qkv: cfg.clip_qkv,
+                kv_heads,
+                head_dim: hd,
+                rotation: Rotation::new(rope),
+                kinds,
+            }),
+            (None, None) => return Err(Error::Model(format!("{name}: neither latent nor grouped heads"))),
+        };
         u.finish(LlamaBlock {
             input_norm,
-            qkv,
-            qk_norms,
-            qk_norm_whole: cfg.qk_norm_whole,
-            clip_qkv: cfg.clip_qkv,
+            inputs,
             o: (o, o_bias),
             post_attention_norm,
             feed_forward_norm,
             feed_forward,
             post_feed_forward_norm,
             heads,
-            kv_heads,
-            head_dim: hd,
-            rotation: Rotation::new(rope),
-            attention: AttentionOptions {
-                scale: cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5)),
-                window,
-                softcap: cfg.attn_softcap,
-                bidirectional: false,
-            },
+            attention: AttentionOptions { scale, window, softcap: cfg.attn_softcap, bidirectional: false },
             attention_dropout: cfg.dropout.attention,
             kinds,
         });

@@ -10,6 +10,7 @@ mod cost;
 pub mod dropout;
 mod gpt;
 pub mod hf;
+pub mod latent;
 pub mod layers;
 mod llama;
 mod mlp;
@@ -24,10 +25,11 @@ pub use cost::{Kept, UnitCost};
 pub use dropout::{DropoutDraw, DropoutRates, UnitDraw};
 pub use gpt::{gpt, GptConfig};
 pub use hf::{from_pretrained_dir, Family, ModelDir};
+pub use latent::LatentConfig;
 pub use layers::NoTensorParallel;
 pub use llama::{llama, Activation, LayerAttention, LlamaConfig, NormKind};
 pub use mlp::{mlp, MlpConfig};
-pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed};
+pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, Scoring};
 pub use presets::{preset, preset_names};
 pub use rope::{Rope, RopeScaling, Rotation};
 pub use t5::{t5, FeedForwardActivation, T5Config};
@@ -930,6 +932,14 @@ impl UnitBuilder<'_> {
             linear: false,
         });
         self.owned.push(id);
+        id
+    }
+
+    /// Declares a tensor stored with this unit that trains by no gradient (a buffer
+    /// `transformers` saves beside the parameters, such as a router's choice bias).
+    pub fn frozen_param(&mut self, name: impl Into<String>, shape: &[i64], init: Init, tp: TpRole) -> ParamId {
+        let id = self.param(name, shape, init, tp);
+        self.builder.params[id.0].requires_grad = false;
         id
     }
 

@@ -1,8 +1,10 @@
 //! Mixtures of experts: the sparse feed-forward of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
 //! as part of a decoder block, and the load-balancing loss that trains their routers.
 //!
-//! Owns: the routing (scores in fp32, top-k, optional renormalisation), the experts'
-//! computation over tokens grouped by expert, Qwen2-MoE's gated shared expert, and
+//! Owns: the routing (softmax or sigmoid scores in fp32, DeepSeek-V3's choice bias and
+//! group-limited choice, top-k, optional renormalisation and scaling), the experts'
+//! computation over tokens grouped by expert, the shared expert (Qwen2-MoE's gated one,
+//! DeepSeek's plain ones), and
 //! [`LoadBalance`], which gathers each sparse layer's routing over a forward and injects the
 //! loss's gradient into each layer's backward. Must not own parameters or execution: the
 //! decoder's model function declares the weights, the engine runs the units.
@@ -57,6 +59,17 @@ pub enum ExpertNames {
     BlockSparse,
 }
 
+/// How a router turns its logits into the scores it chooses and weights experts by.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scoring {
+    /// A softmax over the experts (Mixtral, Qwen-MoE, OLMoE).
+    #[default]
+    Softmax,
+    /// Each expert's own sigmoid (DeepSeek-V3, GLM-4.5).
+    Sigmoid,
+}
+
 /// A decoder's mixture of experts, as its `config.json` describes it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MoeConfig {
@@ -68,10 +81,32 @@ pub struct MoeConfig {
     pub expert_ffn_dim: i64,
     /// The top-k routing weights renormalised to sum to one (`norm_topk_prob`).
     pub norm_topk: bool,
-    /// Hidden width of a shared expert every token passes through, scaled by a sigmoid
-    /// gate of its own (Qwen2-MoE); `None`: no shared expert.
+    /// Hidden width of a shared expert every token passes through; `None`: no shared expert.
     #[serde(default)]
     pub shared_expert_dim: Option<i64>,
+    /// The shared expert's output is scaled by a sigmoid gate of its own (Qwen2-MoE's
+    /// `shared_expert` and `shared_expert_gate`) rather than added as it is (DeepSeek's
+    /// `shared_experts`, their widths joined into one).
+    #[serde(default = "gated")]
+    pub shared_gate: bool,
+    /// How the router scores the experts.
+    #[serde(default)]
+    pub scoring: Scoring,
+    /// A bias per expert added to the scores to choose experts, but not to weight them
+    /// (DeepSeek-V3's `e_score_correction_bias`): it takes no gradient and is held as loaded.
+    #[serde(default)]
+    pub choice_bias: bool,
+    /// The experts fall into this many equal groups and each token chooses among the
+    /// `top_groups` groups whose two best scores sum highest (`n_group`, `topk_group`);
+    /// 1: no grouping.
+    #[serde(default = "one")]
+    pub groups: i64,
+    /// Groups each token chooses its experts from (`topk_group`).
+    #[serde(default = "one")]
+    pub top_groups: i64,
+    /// The routing weights are multiplied by this (`routed_scaling_factor`).
+    #[serde(default = "unit_scale")]
+    pub routed_scale: f64,
     /// Which layers are sparse: layer `i` is when `(i + 1) % sparse_step == 0` and `i` is
     /// not in `dense_layers` (`decoder_sparse_step`, `mlp_only_layers`).
     #[serde(default = "every_layer")]
@@ -101,7 +136,43 @@ fn every_layer() -> i64 {
     1
 }
 
+fn one() -> i64 {
+    1
+}
+
+fn unit_scale() -> f64 {
+    1.0
+}
+
+fn gated() -> bool {
+    true
+}
+
 impl MoeConfig {
+    /// `experts` experts `expert_ffn_dim` wide, `top_k` of them per token, softmax scores
+    /// not renormalised, every layer sparse, no shared expert, no auxiliary loss.
+    pub fn new(experts: i64, top_k: i64, expert_ffn_dim: i64) -> MoeConfig {
+        MoeConfig {
+            experts,
+            top_k,
+            expert_ffn_dim,
+            norm_topk: false,
+            shared_expert_dim: None,
+            shared_gate: true,
+            scoring: Scoring::Softmax,
+            choice_bias: false,
+            groups: 1,
+            top_groups: 1,
+            routed_scale: 1.0,
+            sparse_step: 1,
+            dense_layers: vec![],
+            aux_loss_coef: 0.0,
+            z_loss_coef: 0.0,
+            capacity_factor: None,
+            names: ExpertNames::Mlp,
+        }
+    }
+
     /// Whether decoder layer `layer` has experts rather than a dense feed-forward.
     pub fn is_sparse(&self, layer: i64) -> bool {
         (layer + 1) % self.sparse_step == 0 && !self.dense_layers.contains(&layer)
@@ -137,7 +208,45 @@ impl MoeConfig {
         if let Some(f) = self.capacity_factor.filter(|f| !(f.is_finite() && *f > 0.0)) {
             return Err(Error::Config(format!("the experts' capacity factor must be positive, got {f}")));
         }
+        if !(self.routed_scale.is_finite() && self.routed_scale > 0.0) {
+            return Err(Error::Config(format!("routed_scaling_factor must be positive, got {}", self.routed_scale)));
+        }
+        self.check_groups()
+    }
+
+    /// Group-limited routing fits: groups divide the experts, each holds two (its score is
+    /// its two best), no more groups are chosen than exist and they hold `top_k` experts.
+    fn check_groups(&self) -> Result<()> {
+        let (groups, top) = (self.groups, self.top_groups);
+        if groups <= 0 || top <= 0 || top > groups {
+            return Err(Error::Config(format!(
+                "topk_group {top} must lie between 1 and n_group {groups} (which must be positive)"
+            )));
+        }
+        if groups > 1 {
+            if self.experts % groups != 0 || self.experts / groups < 2 {
+                return Err(Error::Config(format!(
+                    "n_group {groups} must split the {} experts into groups of two or more",
+                    self.experts
+                )));
+            }
+            if top * (self.experts / groups) < self.top_k {
+                return Err(Error::Config(format!(
+                    "topk_group {top} groups of {} experts hold fewer than num_experts_per_tok {}",
+                    self.experts / groups,
+                    self.top_k
+                )));
+            }
+        }
         Ok(())
+    }
+
+    /// The names of the shared expert's gate, up and down weights in sparse layer `layer`,
+    /// and of its gate's weight where it has one.
+    pub fn shared_names(&self, layer: &str) -> ([String; 3], Option<String>) {
+        let module = if self.shared_gate { "shared_expert" } else { "shared_experts" };
+        let names = ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.mlp.{module}.{w}.weight"));
+        (names, self.shared_gate.then(|| format!("{layer}.mlp.shared_expert_gate.weight")))
     }
 
     /// The names of a sparse layer's router and of expert `e`'s gate, up and down weights.
@@ -190,18 +299,81 @@ impl Expert {
     }
 }
 
+/// A sparse layer's router: its weight, how it scores and chooses, and how it weights the
+/// experts it chose.
+pub(crate) struct Router {
+    weight: ParamId,
+    choice_bias: Option<ParamId>,
+    scoring: Scoring,
+    top_k: i64,
+    norm_topk: bool,
+    groups: i64,
+    top_groups: i64,
+    scale: f64,
+}
+
 /// A sparse layer's feed-forward: the router, the routed experts and an optional shared
-/// expert with its gate.
+/// expert with its optional gate.
 pub(crate) struct SparseFeedForward {
-    pub(crate) router: ParamId,
-    pub(crate) experts: Vec<Expert>,
-    pub(crate) shared: Option<(Expert, ParamId)>,
-    pub(crate) top_k: i64,
-    pub(crate) norm_topk: bool,
-    pub(crate) capacity_factor: Option<f64>,
+    router: Router,
+    experts: Vec<Expert>,
+    shared: Option<(Expert, Option<ParamId>)>,
+    capacity_factor: Option<f64>,
     /// This layer's place among the model's sparse layers, and the model's balance.
-    pub(crate) layer: usize,
-    pub(crate) balance: Arc<LoadBalance>,
+    layer: usize,
+    balance: Arc<LoadBalance>,
+}
+
+impl SparseFeedForward {
+    /// Declares sparse layer `name`'s router, experts and shared expert over hidden states
+    /// `dim` wide, as `moe` names them; `layer` is its place among the sparse layers.
+    pub(crate) fn declare(
+        u: &mut UnitBuilder<'_>,
+        moe: &MoeConfig,
+        name: &str,
+        dim: i64,
+        layer: usize,
+        balance: &Arc<LoadBalance>,
+    ) -> SparseFeedForward {
+        let normal = Init::Normal { std: INIT_STD };
+        let weight = u.param(moe.router_name(name), &[moe.experts, dim], normal, TpRole::SequenceReplicated);
+        // Beside the router's weight, under the family's name for the router module.
+        let choice_bias = moe.choice_bias.then(|| {
+            let bias_name = moe.router_name(name).replace(".weight", ".e_score_correction_bias");
+            u.frozen_param(bias_name, &[moe.experts], Init::Zeros, TpRole::Replicated)
+        });
+        let experts: Vec<Expert> = (0..moe.experts)
+            .map(|e| Expert::declare(u, moe.expert_names(name, e), moe.expert_ffn_dim, dim, true))
+            .collect();
+        u.expert_set(super::ExpertSet {
+            module: format!("{name}.mlp.experts"),
+            gate: experts.iter().map(|e| e.gate).collect(),
+            up: experts.iter().map(|e| e.up).collect(),
+            down: experts.iter().map(|e| e.down).collect(),
+        });
+        let shared = moe.shared_expert_dim.map(|width| {
+            let (names, gate) = moe.shared_names(name);
+            let expert = Expert::declare(u, names, width, dim, false);
+            (expert, gate.map(|gate| u.linear(gate, &[1, dim], normal, TpRole::SequenceReplicated)))
+        });
+        SparseFeedForward {
+            router: Router {
+                weight,
+                choice_bias,
+                scoring: moe.scoring,
+                top_k: moe.top_k,
+                norm_topk: moe.norm_topk,
+                groups: moe.groups,
+                top_groups: moe.top_groups,
+                scale: moe.routed_scale,
+            },
+            experts,
+            shared,
+            capacity_factor: moe.capacity_factor,
+            layer,
+            balance: Arc::clone(balance),
+        }
+    }
 }
 
 /// Where each token went: its experts `[N, k]` and their weights `[N, k]` (fp32), with the
@@ -224,6 +396,20 @@ struct Dispatch {
     dropped: i64,
 }
 
+impl Router {
+    /// `choice` `[N, E]` with the experts outside each token's `top_groups` best groups
+    /// set to -inf; a group's score is the sum of its two best choice scores.
+    fn within_chosen_groups(&self, choice: &Tensor) -> Result<Tensor> {
+        let (n, experts) = (choice.size()[0], choice.size()[1]);
+        let grouped = choice.f_reshape([n, self.groups, experts / self.groups])?;
+        let group_scores = grouped.f_topk(2, -1, true, true)?.0.f_sum_dim_intlist(-1, false, Kind::Float)?;
+        let chosen = group_scores.f_topk(self.top_groups, -1, true, false)?.1;
+        let kept = Tensor::f_zeros([n, self.groups], (Kind::Bool, choice.device()))?.f_scatter_value(1, &chosen, 1)?;
+        let kept = kept.f_unsqueeze(-1)?.f_expand_as(&grouped)?.f_reshape([n, experts])?;
+        Ok(choice.f_masked_fill(&kept.f_logical_not()?, f64::NEG_INFINITY)?)
+    }
+}
+
 impl SparseFeedForward {
     /// The feed-forward of the normed hidden states `h` `[B, T, D]`.
     pub(crate) fn forward(&self, p: &Params<'_>, h: &Tensor) -> Result<Tensor> {
@@ -233,20 +419,39 @@ impl SparseFeedForward {
         let routing = self.route(p, &x, real_tokens(p, &size)?)?;
         let (mut y, dispatch) = self.experts_of(p, &x, &routing)?;
         if let Some((expert, gate)) = &self.shared {
-            let share = p.linear(&x, *gate, None)?.f_sigmoid()?;
-            y = y.f_add(&expert.forward(p, &x)?.f_mul(&share)?)?;
+            let shared = expert.forward(p, &x)?;
+            y = match gate {
+                Some(gate) => y.f_add(&shared.f_mul(&p.linear(&x, *gate, None)?.f_sigmoid()?)?)?,
+                None => y.f_add(&shared)?,
+            };
         }
         let y = self.balance.attach(self.layer, &y, &routing, dispatch)?;
         Ok(y.f_reshape(size.as_slice())?)
     }
 
-    /// Scores in fp32, the top `k` experts of each token and their weights.
+    /// Scores in fp32, the top `k` experts of each token and their weights: the experts
+    /// are chosen by their scores plus the choice bias (where there is one) within the
+    /// chosen groups (where they are grouped), and weighted by their scores alone,
+    /// renormalised where asked, times the routed scale.
     fn route(&self, p: &Params<'_>, x: &Tensor, real: Option<Tensor>) -> Result<Routing> {
-        let logits = x.f_to_kind(Kind::Float)?.f_matmul(&p[self.router].f_to_kind(Kind::Float)?.f_tr()?)?;
-        let probs = logits.f_softmax(-1, Kind::Float)?;
-        let (mut weights, experts) = probs.f_topk(self.top_k, -1, true, true)?;
-        if self.norm_topk {
-            weights = weights.f_div(&weights.f_sum_dim_intlist(-1, true, Kind::Float)?)?;
+        let r = &self.router;
+        let logits = x.f_to_kind(Kind::Float)?.f_matmul(&p[r.weight].f_to_kind(Kind::Float)?.f_tr()?)?;
+        let probs = match r.scoring {
+            Scoring::Softmax => logits.f_softmax(-1, Kind::Float)?,
+            Scoring::Sigmoid => logits.f_sigmoid()?,
+        };
+        let choice = match r.choice_bias {
+            Some(bias) => probs.f_add(&p[bias].f_to_kind(Kind::Float)?)?,
+            None => probs.shallow_clone(),
+        };
+        let choice = if r.groups > 1 { r.within_chosen_groups(&choice)? } else { choice };
+        let experts = choice.f_topk(r.top_k, -1, true, true)?.1;
+        let mut weights = probs.f_gather(-1, &experts, false)?;
+        if r.norm_topk {
+            weights = weights.f_div(&weights.f_sum_dim_intlist(-1, true, Kind::Float)?.f_add_scalar(1e-20)?)?;
+        }
+        if r.scale != 1.0 {
+            weights = weights.f_mul_scalar(r.scale)?;
         }
         let z_sum = match self.balance.z_coef > 0.0 {
             true => {
@@ -268,7 +473,7 @@ impl SparseFeedForward {
     /// of its top-k slots, so the result does not depend on how tokens were grouped. Past
     /// an expert's capacity (where there is one), its slots of lowest weight are dropped.
     fn experts_of(&self, p: &Params<'_>, x: &Tensor, routing: &Routing) -> Result<(Tensor, Dispatch)> {
-        let (k, experts) = (self.top_k, self.experts.len() as i64);
+        let (k, experts) = (self.router.top_k, self.experts.len() as i64);
         let slots = routing.experts.f_reshape([-1])?;
         let counts = slots.f_bincount::<Tensor>(None, experts)?;
         let (order, counts, dropped) = match self.capacity_factor {

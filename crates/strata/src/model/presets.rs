@@ -71,17 +71,10 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             qk_norm: qk_norm.is_some(),
             qk_norm_whole: qk_norm == Some(true),
             moe: Some(MoeConfig {
-                experts,
-                top_k,
-                expert_ffn_dim: width,
                 norm_topk,
-                shared_expert_dim: None,
-                sparse_step: 1,
-                dense_layers: vec![],
                 aux_loss_coef: 0.001,
-                z_loss_coef: 0.0,
-                capacity_factor: None,
                 names: if qk_norm.is_none() { ExpertNames::BlockSparse } else { ExpertNames::Mlp },
+                ..MoeConfig::new(experts, top_k, width)
             }),
             ..LlamaConfig::new(vocab, ctx, layers, heads, dim)
         }));

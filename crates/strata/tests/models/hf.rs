@@ -488,6 +488,29 @@ fn olmoe_matches_transformers() {
     experts_match_transformers("olmoe", 8);
 }
 
+/// DeepSeek-V3: latent attention (low-rank queries, interleaved rotated pairs, YaRN's
+/// mscale on the rotation and on the scores) and sigmoid routing with a choice bias among
+/// groups, two shared experts and a dense first layer: logits, ten training steps, the
+/// folder written back, and greedy generation from a cache of latents.
+#[test]
+fn deepseek_v3_matches_transformers() {
+    family_matches_transformers("deepseek-v3", 24);
+}
+
+/// DeepSeek-V3 with one query projection, rotated halves, unscaled rotation, a tied head,
+/// every layer sparse and unnormalised routing weights.
+#[test]
+fn deepseek_v3_with_one_query_projection_matches_transformers() {
+    logits_match("deepseek-v3-plain", None);
+}
+
+/// GLM-4.5: DeepSeek's routing (groups, routed scale, a shared expert) under grouped-query
+/// attention with half-turned heads, query/key norms and query/key/value biases.
+#[test]
+fn glm4_moe_matches_transformers() {
+    family_matches_transformers("glm4-moe", 24);
+}
+
 /// Examples packed two rows of 12: each row's examples one after another, then padding.
 const PACKED: [&[&[i64]]; 2] =
     [&[&[5, 17, 3, 88, 40], &[41, 9, 0, 63], &[12, 77]], &[&[94, 1, 1, 30, 58, 6, 19], &[71, 4, 95, 50, 33]]];
