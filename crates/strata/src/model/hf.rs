@@ -1481,6 +1481,56 @@ mod tests {
     }
 
     #[test]
+    fn deepseek_and_glm_read_their_routing_with_their_own_defaults() {
+        let experts = json!({"moe_intermediate_size": 8, "n_routed_experts": 8, "num_experts_per_tok": 2});
+        // DeepSeek-V3's defaults: groups 8 and 4 (too many for 8 experts, refused by name),
+        // a routed scale of 2.5, one shared expert, the first three layers dense.
+        let ds = read(Family::DeepseekV3, experts.clone()).unwrap();
+        let moe = ds.moe.as_ref().unwrap();
+        assert_eq!((moe.groups, moe.top_groups, moe.routed_scale), (8, 4, 2.5));
+        assert_eq!((moe.shared_expert_dim, moe.shared_gate, moe.dense_layers.clone()), (Some(8), false, vec![0, 1, 2]));
+        assert!(moe.scoring == Scoring::Sigmoid && moe.choice_bias && moe.norm_topk && moe.aux_loss_coef == 0.0);
+        assert!(ds.validate().unwrap_err().to_string().contains("n_group 8 must split the 8 experts"));
+        let latent = ds.latent.as_ref().unwrap();
+        assert_eq!((latent.q_rank, latent.kv_rank, latent.rope_dim, latent.interleaved), (Some(1536), 512, 64, true));
+        assert_eq!((ds.head_dim, ds.kv_heads), (None, None), "head_dim and kv heads are not DeepSeek's");
+        let plain = read(
+            Family::DeepseekV3,
+            json!({"q_lora_rank": null, "n_group": 2, "topk_group": 1,
+                                                      "moe_intermediate_size": 8, "n_routed_experts": 8}),
+        )
+        .unwrap();
+        assert_eq!(plain.latent.unwrap().q_rank, None);
+        let softmax = read(Family::DeepseekV3, json!({"moe_intermediate_size": 8, "scoring_func": "softmax"}));
+        assert!(softmax.unwrap_err().contains("scoring_func"));
+        // GLM-4.5's: no groups, no scaling, one dense layer, half of each head turned, biases
+        // on the query/key/value projections alone.
+        let glm = read(
+            Family::Glm4Moe,
+            json!({"moe_intermediate_size": 8, "n_routed_experts": 8,
+                                                "attention_bias": true, "use_qk_norm": true}),
+        )
+        .unwrap();
+        let moe = glm.moe.as_ref().unwrap();
+        assert_eq!((moe.groups, moe.routed_scale, moe.dense_layers.clone()), (1, 1.0, vec![0]));
+        assert!(glm.partial_rotary == 0.5 && glm.qkv_bias && !glm.o_bias && glm.qk_norm && glm.latent.is_none());
+        // Each is written back as itself, and read again as it was written.
+        let ds = read(
+            Family::DeepseekV3,
+            json!({"n_group": 2, "topk_group": 1, "moe_intermediate_size": 8,
+                                                 "n_routed_experts": 8, "attention_bias": true}),
+        )
+        .unwrap();
+        for (c, family) in [(glm, Family::Glm4Moe), (ds, Family::DeepseekV3)] {
+            let c = ModelConfig::Llama(c);
+            assert_eq!(Family::of(&c).unwrap(), family);
+            let written = family.config_json(&c, &Map::new()).unwrap();
+            let again = ModelConfig::Llama(read(family, written.clone()).unwrap());
+            assert_eq!(family.config_json(&again, &Map::new()).unwrap(), written);
+        }
+    }
+
+    #[test]
     fn experts_are_read_as_each_family_names_them() {
         let qwen2 = read(
             Family::Qwen2Moe,

@@ -993,11 +993,18 @@ mod tests {
             .collect();
         let balance = Arc::new(LoadBalance::new(EXPERTS as i64, 1, 0.0, 0.0));
         let ff = SparseFeedForward {
-            router: ParamId(0),
+            router: Router {
+                weight: ParamId(0),
+                choice_bias: None,
+                scoring: Scoring::Softmax,
+                top_k: 2,
+                norm_topk: true,
+                groups: 1,
+                top_groups: 1,
+                scale: 1.0,
+            },
             experts,
             shared: None,
-            top_k: 2,
-            norm_topk: true,
             capacity_factor,
             layer: 0,
             balance,
