@@ -10,7 +10,7 @@
 //! layout). Generation caches the latent and the rotated key part, not whole keys and
 //! values: a position costs `kv_rank + rope_dim` values per layer.
 use super::layers::{rms_norm, rms_norm_into_product, split_heads};
-use super::rope::{Rope, RopeScaling, Rotation};
+use super::rope::{Placed, Rope, RopeScaling, Rotation};
 use super::{DecodeCache, Init, ParamId, Params, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -141,16 +141,14 @@ impl LatentAttention {
     }
 
     /// This rank's queries and keys `[B, H, T, nope + rope]` and values `[B, H, T', value]`
-    /// (`heads` of them) for the normed input `h`: with a cache, the new positions follow
-    /// `start` and the keys and values cover every position it holds; `positions`, where
-    /// given, are each token's place in its packed example.
+    /// (`heads` of them) for the normed input `h`, rotated where `placed` says; with a
+    /// cache, the keys and values cover every position it holds.
     pub(crate) fn queries_keys_values(
         &self,
         p: &Params<'_>,
         h: &Tensor,
         heads: i64,
-        start: i64,
-        positions: Option<&Tensor>,
+        placed: Placed<'_>,
         cache: Option<&mut DecodeCache>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.config;
@@ -182,10 +180,7 @@ impl LatentAttention {
             }
             false => (q_turned, k_turned),
         };
-        let (q_turned, k_turned) = match positions {
-            Some(positions) => self.rotation.rotate_at(&q_turned, &k_turned, positions)?,
-            None => self.rotation.rotate(&q_turned, &k_turned, start)?,
-        };
+        let (q_turned, k_turned) = self.rotation.rotate_placed(&q_turned, &k_turned, placed)?;
         let (latent, k_turned) = match cache {
             Some(cache) => cache.extend(&latent.f_unsqueeze(1)?, &k_turned)?,
             None => (latent.f_unsqueeze(1)?, k_turned),

@@ -27,7 +27,7 @@ use super::layers::{
     split_heads, swiglu, vocab_logits, AttentionOptions,
 };
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
-use super::rope::{Rope, RopeScaling, Rotation};
+use super::rope::{Placed, Rope, RopeScaling, Rotation};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TokenEmbedding,
     TpRole, Unit, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
@@ -494,25 +494,20 @@ impl GroupedHeads {
     }
 
     /// This rank's queries (`heads` of them) and its keys and values repeated for each
-    /// query head they serve, rotated from `start` (or at `positions`, packed); with a
-    /// cache, the keys and values of every position it holds (no further back than a
-    /// sliding `window` reads again).
+    /// query head they serve, rotated where `placed` says; with a cache, the keys and values
+    /// of every position it holds (no further back than a sliding `window` reads again).
     fn queries_keys_values(
         &self,
         p: &Params<'_>,
         h: &Tensor,
         heads: i64,
-        start: i64,
-        positions: Option<&Tensor>,
+        placed: Placed<'_>,
         cache: Option<&mut DecodeCache>,
         window: Option<i64>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let kv_heads = self.kv_heads / p.tp().size();
         let (q, k, v) = self.project(p, h, heads, kv_heads)?;
-        let (q, k) = match positions {
-            Some(positions) => self.rotation.rotate_at(&q, &k, positions)?,
-            None => self.rotation.rotate(&q, &k, start)?,
-        };
+        let (q, k) = self.rotation.rotate_placed(&q, &k, placed)?;
         let (k, v) = match cache {
             Some(c) => {
                 let all = c.extend(&k, &v)?;
@@ -544,12 +539,13 @@ impl LlamaBlock {
         let start = cache.as_ref().map_or(0, |c| c.position());
         let h = tp.enter(&self.kinds.norm_into_product(x, &p[self.input_norm])?)?;
         let packed = p.layout().filter(|_| cache.is_none());
-        let positions = packed.map(|layout| &layout.positions);
+        let placed = match packed {
+            Some(layout) => Placed::Packed(&layout.positions),
+            None => Placed::After(start),
+        };
         let (q, k, v) = match &self.inputs {
-            HeadInputs::Grouped(g) => {
-                g.queries_keys_values(p, &h, heads, start, positions, cache, self.attention.window)?
-            }
-            HeadInputs::Latent(l) => l.queries_keys_values(p, &h, heads, start, positions, cache)?,
+            HeadInputs::Grouped(g) => g.queries_keys_values(p, &h, heads, placed, cache, self.attention.window)?,
+            HeadInputs::Latent(l) => l.queries_keys_values(p, &h, heads, placed, cache)?,
         };
         let hidden = other_examples(packed)?;
         let probs = p.dropping_heads(self.attention_dropout, 0, heads);

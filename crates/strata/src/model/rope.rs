@@ -196,6 +196,14 @@ impl Rope {
     }
 }
 
+/// Where a forward's new positions sit: after `start` earlier ones (those a decoding cache
+/// holds), or at each row's positions `[B, T]` in its packed examples.
+#[derive(Clone, Copy)]
+pub(crate) enum Placed<'a> {
+    After(i64),
+    Packed(&'a Tensor),
+}
+
 /// A [`Rope`] at work in a unit: queries and keys rotated with one pair of cosine and sine
 /// tables, from inverse frequencies kept on the device they were last used on. They are
 /// made again only where they change: on another device, or, under dynamic scaling, for
@@ -233,6 +241,14 @@ impl Rotation {
         let t = q.size()[2];
         let positions = Tensor::f_arange_start(start, start + t, (Kind::Float, q.device()))?;
         self.rotate_by(q, k, &positions, start + t)
+    }
+
+    /// Rotates queries and keys `[B, H, T, D]` at the positions `placed` says.
+    pub(crate) fn rotate_placed(&self, q: &Tensor, k: &Tensor, placed: Placed<'_>) -> Result<(Tensor, Tensor)> {
+        match placed {
+            Placed::After(start) => self.rotate(q, k, start),
+            Placed::Packed(positions) => self.rotate_at(q, k, positions),
+        }
     }
 
     /// Rotates queries and keys `[B, H, T, D]` by each row's own positions `[B, T]` (packed
