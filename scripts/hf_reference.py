@@ -213,6 +213,14 @@ def decoder_families():
             num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
             first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
             tie_word_embeddings=False)),
+        # gpt-oss: attention sinks and biases, sliding and full layers alternating, YaRN
+        # without truncation, experts with biases and a SwiGLU clamped low enough to bite,
+        # stacked on disk.
+        "gpt-oss": lambda: (tf.GptOssForCausalLM, tf.GptOssConfig(
+            **dict(common, intermediate_size=12), num_hidden_layers=2, head_dim=8, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.3, tie_word_embeddings=False,
+            router_aux_loss_coef=0.02, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 500.0})),
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},

@@ -66,8 +66,15 @@ impl Unit for EncoderBlock {
         let heads = |t: &Tensor| split_heads(t, HEADS);
         let options = AttentionOptions { bidirectional: true, ..AttentionOptions::default() };
         let hidden = other_examples(p.layout())?;
-        let attended =
-            attention(&heads(&qkv[0])?, &heads(&qkv[1])?, &heads(&qkv[2])?, &options, hidden.as_ref(), None, None)?;
+        let attended = attention(
+            &heads(&qkv[0])?,
+            &heads(&qkv[1])?,
+            &heads(&qkv[2])?,
+            &options,
+            hidden.as_ref(),
+            Default::default(),
+            None,
+        )?;
         let x = x.f_add(&p.linear(&merge_heads(&attended)?, self.out, None)?)?;
         let h = gelu(&p.linear(&x, self.up, None)?)?;
         Ok(x.f_add(&p.linear(&h, self.down, None)?)?)

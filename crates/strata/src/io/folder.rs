@@ -1,6 +1,7 @@
 //! Hugging Face model folders: weights read from a folder's file or shards under its
 //! family's names and layouts, and a trained model written back as such a folder
 //! (`config.json`, safetensors sharded above a size with their index, tokenizer files).
+use super::stacked::{self, Source};
 use super::{load_named, read_safetensors, tensor_bytes_le, write_atomic, write_safetensors_streamed};
 use crate::engine::Engine;
 use crate::model::hf::{INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
@@ -21,6 +22,12 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
     let mut named = vec![];
     for file in &model.weights {
         for (name, t) in read_safetensors(file)? {
+            if model.family.stacks_experts() {
+                if let Some(pieces) = stacked::unstack(&name, &t)? {
+                    named.extend(pieces.into_iter().map(|(param, piece)| (param, name.clone(), piece)));
+                    continue;
+                }
+            }
             let Some((param, transposed)) = model.family.strata_name(&name) else { continue };
             let t = if transposed { t.f_transpose(0, 1)?.f_contiguous()? } else { t };
             named.push((param, name, t));
@@ -111,15 +118,19 @@ impl FolderOut {
         layout: &[(String, Kind, Vec<i64>)],
         mut fetch: impl FnMut(usize) -> Result<Tensor>,
     ) -> Result<()> {
-        let stored: Vec<(String, Kind, Vec<i64>, bool)> = layout
-            .iter()
-            .map(|(name, kind, shape)| {
-                let (hf, transposed) = self.family.hf_name(name);
-                let shape = if transposed { shape.iter().rev().copied().collect() } else { shape.clone() };
-                (hf, *kind, shape, transposed)
-            })
-            .collect();
-        let bytes = |(_, kind, shape, _): &(String, Kind, Vec<i64>, bool)| {
+        let stored = self.stored(layout)?;
+        // Parameters are fetched once each in order (a caller gathers one unit at a time);
+        // a stack of experts reads some ahead of the tensors written before them, held here.
+        let mut next = 0;
+        let mut held: std::collections::HashMap<usize, Tensor> = Default::default();
+        let mut fetch = |index: usize| -> Result<Tensor> {
+            while next <= index {
+                held.insert(next, fetch(next)?);
+                next += 1;
+            }
+            held.remove(&index).ok_or_else(|| crate::Error::Model(format!("parameter {index} written twice")))
+        };
+        let bytes = |(_, kind, shape, _): &(String, Kind, Vec<i64>, Source)| {
             shape.iter().product::<i64>() as u64 * kind.elt_size_in_bytes() as u64
         };
         let shards = shard_ranges(&stored.iter().map(bytes).collect::<Vec<_>>(), self.shard_bytes);
@@ -133,8 +144,24 @@ impl FolderOut {
             let part: Vec<(String, Kind, Vec<i64>)> =
                 stored[range.clone()].iter().map(|(n, k, s, _)| (n.clone(), *k, s.clone())).collect();
             write_safetensors_streamed(&dir.join(file_name(i)), &part, &metadata, |j| {
-                let t = fetch(range.start + j)?;
-                tensor_bytes_le(&if stored[range.start + j].3 { t.f_transpose(0, 1)? } else { t })
+                let t = match &stored[range.start + j].3 {
+                    Source::One { index, transposed } => {
+                        let t = fetch(*index)?;
+                        if *transposed {
+                            t.f_transpose(0, 1)?
+                        } else {
+                            t
+                        }
+                    }
+                    Source::Stacked { experts, interleave, transpose } => {
+                        let fetched = experts
+                            .iter()
+                            .map(|parts| parts.iter().map(|&k| fetch(k)).collect::<Result<Vec<_>>>())
+                            .collect::<Result<Vec<_>>>()?;
+                        stacked::stack(fetched, *interleave, *transpose)?
+                    }
+                };
+                tensor_bytes_le(&t)
             })?;
             for (name, ..) in &part {
                 weight_map.insert(name.clone(), json!(file_name(i)));
@@ -151,6 +178,49 @@ impl FolderOut {
             write_atomic(&dir.join(name), &bytes)?;
         }
         Ok(())
+    }
+}
+
+impl FolderOut {
+    /// The tensors the folder's files hold for parameters `layout` (name, dtype, shape): each
+    /// under the family's name and layout, the experts stacked where the family stacks them.
+    fn stored(&self, layout: &[(String, Kind, Vec<i64>)]) -> Result<Vec<(String, Kind, Vec<i64>, Source)>> {
+        let names: Vec<String> = layout.iter().map(|(n, ..)| n.clone()).collect();
+        let sources = match self.family.stacks_experts() {
+            true => stacked::stack_layout(&names)?,
+            false => names
+                .iter()
+                .enumerate()
+                .map(|(index, n)| (n.clone(), Source::One { index, transposed: false }))
+                .collect(),
+        };
+        sources
+            .into_iter()
+            .map(|(name, source)| match source {
+                Source::One { index, .. } => {
+                    let (hf, transposed) = self.family.hf_name(&name);
+                    let (_, kind, shape) = &layout[index];
+                    let shape = if transposed { shape.iter().rev().copied().collect() } else { shape.clone() };
+                    Ok((hf, *kind, shape, Source::One { index, transposed }))
+                }
+                Source::Stacked { ref experts, interleave, transpose } => {
+                    let first = experts
+                        .first()
+                        .and_then(|parts| parts.first())
+                        .ok_or_else(|| crate::Error::Model(format!("{name}: no experts to stack")))?;
+                    let (_, kind, member) = &layout[*first];
+                    let mut shape: Vec<i64> =
+                        if transpose { member.iter().rev().copied().collect() } else { member.clone() };
+                    if interleave {
+                        if let Some(last) = shape.last_mut() {
+                            *last *= experts[0].len() as i64;
+                        }
+                    }
+                    shape.insert(0, experts.len() as i64);
+                    Ok((name, *kind, shape, source))
+                }
+            })
+            .collect()
     }
 }
 

@@ -7,6 +7,7 @@
 
 mod folder;
 mod peft;
+mod stacked;
 
 pub use crate::files::{sync_dir, write_atomic, write_atomic_with};
 pub use folder::{load_model_dir, FolderOut, DEFAULT_SHARD_BYTES};

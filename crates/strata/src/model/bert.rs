@@ -19,7 +19,7 @@ use super::dropout::masked;
 use super::gpt::{dense, norm};
 use super::layers::{
     attention, gelu, layer_norm, merge_heads, other_examples, split_heads, vocab_embedding, vocab_logits,
-    AttentionOptions,
+    AttentionOptions, ScoreTerms,
 };
 use super::{
     positive, Builder, DropoutRates, Init, Kept, ParamId, Params, TpRole, Unit, UnitBuilder, UnitCost, INIT_STD as STD,
@@ -182,7 +182,8 @@ impl Unit for BertBlock {
         let options = AttentionOptions { bidirectional: true, ..AttentionOptions::default() };
         let hidden = other_examples(p.layout())?;
         let probs = p.dropping_heads(self.dropout.attention, 0, self.heads);
-        let attended = merge_heads(&attention(&q, &k, &v, &options, hidden.as_ref(), None, probs.as_ref())?)?;
+        let attended =
+            merge_heads(&attention(&q, &k, &v, &options, hidden.as_ref(), ScoreTerms::default(), probs.as_ref())?)?;
         let attended = p.linear(&attended, self.attention_out.0, Some(self.attention_out.1))?;
         let attended = p.dropout(&attended, self.dropout.residual, 1, &[])?;
         // Post-norm: the normed sum is the residual stream itself.

@@ -12,7 +12,7 @@
 use super::dropout::masked;
 use super::layers::{
     add_layer_norm, attention, gelu_tanh, layer_norm_into_product, merge_heads, other_examples, split_heads,
-    vocab_embedding, vocab_logits, AttentionOptions,
+    vocab_embedding, vocab_logits, AttentionOptions, ScoreTerms,
 };
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TpRole, Unit,
@@ -175,8 +175,15 @@ impl GptBlock {
             None => (k, v, other_examples(p.layout())?),
         };
         let probs = p.dropping_heads(self.dropout.attention, 0, heads);
-        let y =
-            merge_heads(&attention(&q, &k, &v, &AttentionOptions::default(), hidden.as_ref(), None, probs.as_ref())?)?;
+        let y = merge_heads(&attention(
+            &q,
+            &k,
+            &v,
+            &AttentionOptions::default(),
+            hidden.as_ref(),
+            ScoreTerms::default(),
+            probs.as_ref(),
+        )?)?;
         let attended = p.row_linear(&y, self.attn_proj.0, Some(self.attn_proj.1))?;
         // Where the residual stream holds this rank's piece of the sequence (sequence parallel).
         let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];

@@ -1,7 +1,8 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
 //! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`, and with experts
-//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe` and `glm4_moe`, and with latent
+//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
+//! attention sinks), and with latent
 //! attention ([`super::latent`]) too for `deepseek_v3`; [`super::bert`] for `bert`, as a
 //! sequence classifier or a masked language model by its architecture; [`super::t5`] for
 //! `t5`) and written back from one, and each family's parameter names and layouts.
@@ -12,7 +13,7 @@
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::latent::LatentConfig;
 use super::llama::{Activation, LayerAttention, NormKind};
-use super::moe::{ExpertNames, MoeConfig, Scoring};
+use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{Rope, RopeScaling};
 use super::{
     BertConfig, BertHead, DropoutRates, FeedForwardActivation, GptConfig, LlamaConfig, ModelConfig, ModelSpec, T5Config,
@@ -70,6 +71,9 @@ pub enum Family {
     /// attention with a partial rotation, biases on the query, key and value projections
     /// and optional query/key norms.
     Glm4Moe,
+    /// gpt-oss (`gpt_oss`): attention sinks and biases, alternating sliding and full
+    /// layers, YaRN, experts with biases and a clamped SwiGLU, stacked on disk.
+    GptOss,
     /// BERT (`bert`), as a sequence classifier or a masked language model.
     Bert,
     /// T5 (`t5`): the encoder–decoder of [`super::t5`].
@@ -79,7 +83,7 @@ pub enum Family {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 16] = [
+const FAMILIES: [Family; 17] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -94,6 +98,7 @@ const FAMILIES: [Family; 16] = [
     Family::Olmoe,
     Family::DeepseekV3,
     Family::Glm4Moe,
+    Family::GptOss,
     Family::Bert,
     Family::T5,
 ];
@@ -116,6 +121,7 @@ impl Family {
             Family::Olmoe => "olmoe",
             Family::DeepseekV3 => "deepseek_v3",
             Family::Glm4Moe => "glm4_moe",
+            Family::GptOss => "gpt_oss",
             Family::Bert => "bert",
             Family::T5 => "t5",
         }
@@ -144,6 +150,7 @@ impl Family {
             Family::Olmoe => "OlmoeForCausalLM",
             Family::DeepseekV3 => "DeepseekV3ForCausalLM",
             Family::Glm4Moe => "Glm4MoeForCausalLM",
+            Family::GptOss => "GptOssForCausalLM",
             Family::T5 => "T5ForConditionalGeneration",
         }
     }
@@ -164,9 +171,15 @@ impl Family {
             Family::Mixtral => Family::Mistral,
             Family::Qwen2Moe => Family::Qwen2,
             Family::Qwen3Moe => Family::Qwen3,
-            Family::Olmoe | Family::DeepseekV3 | Family::Glm4Moe => Family::Llama,
+            Family::Olmoe | Family::DeepseekV3 | Family::Glm4Moe | Family::GptOss => Family::Llama,
             dense => dense,
         }
+    }
+
+    /// Whether the family's files stack each sparse layer's experts into one tensor per
+    /// projection (gpt-oss), which `io` takes apart on load and stacks again on save.
+    pub fn stacks_experts(self) -> bool {
+        self == Family::GptOss
     }
 
     /// Whether the family routes as DeepSeek-V3 does (sigmoid scores, a choice bias,
@@ -200,6 +213,7 @@ impl Family {
         if let Some(moe) = &c.moe {
             return Ok(match c {
                 c if c.latent.is_some() => Family::DeepseekV3,
+                _ if moe.names == ExpertNames::Stacked => Family::GptOss,
                 _ if deepseek_routing(moe) => Family::Glm4Moe,
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
                 c if c.qk_norm_whole => Family::Olmoe,
@@ -259,6 +273,18 @@ impl Family {
             ),
             (self == Family::DeepseekV3 && c.qkv_bias != c.o_bias, "a bias on some attention projections alone"),
             (self == Family::Glm4Moe && c.o_bias, "a bias on the attention output"),
+            (c.attention_sinks != (self == Family::GptOss), "attention sinks"),
+            (
+                moe.is_some_and(|m| {
+                    (m.names == ExpertNames::Stacked
+                        || m.router_bias
+                        || m.expert_bias
+                        || m.activation != ExpertActivation::Silu)
+                        != (self == Family::GptOss)
+                }),
+                "gpt-oss's experts",
+            ),
+            (self == Family::GptOss && c.qkv_bias != c.o_bias, "a bias on some attention projections alone"),
         ];
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
@@ -284,7 +310,7 @@ impl Family {
                 "attention biases",
             ),
             (c.partial_rotary != 1.0 && dense != Family::Phi3 && !glm, "a partial rotation"),
-            (c.sliding_window.is_some() && dense == Family::Llama, "a sliding window"),
+            (c.sliding_window.is_some() && dense == Family::Llama && self != Family::GptOss, "a sliding window"),
             (
                 c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
                     && matches!(dense, Family::Mistral | Family::Phi3),
@@ -541,6 +567,10 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     if family == Family::Glm4Moe {
         v["use_qk_norm"] = json!(c.qk_norm);
     }
+    if family == Family::GptOss {
+        v["sliding_window"] = json!(c.sliding_window.filter(|_| sliding));
+        v["layer_types"] = json!(layer_types);
+    }
     if let Some(l) = &c.latent {
         v["q_lora_rank"] = json!(l.q_rank);
         v["kv_lora_rank"] = json!(l.kv_rank);
@@ -588,6 +618,14 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
             v["num_local_experts"] = json!(moe.experts);
             v["intermediate_size"] = json!(moe.expert_ffn_dim);
             v["router_jitter_noise"] = json!(0.0);
+        }
+        Family::GptOss => {
+            v["num_local_experts"] = json!(moe.experts);
+            v["intermediate_size"] = json!(moe.expert_ffn_dim);
+            if let ExpertActivation::ClampedSwiglu { alpha, limit } = moe.activation {
+                v["swiglu_alpha"] = json!(alpha);
+                v["swiglu_limit"] = json!(limit);
+            }
         }
         Family::Olmoe => {
             v["num_experts"] = json!(moe.experts);
@@ -982,6 +1020,7 @@ impl Keys<'_> {
         let moe = self.experts(family)?;
         let olmoe = family == Family::Olmoe;
         let glm = family == Family::Glm4Moe;
+        let gpt_oss = family == Family::GptOss;
         let latent = if family == Family::DeepseekV3 { Some(self.latent()?) } else { None };
         // A mixture of experts' attention and windows are those of the family it grew from.
         let family = family.dense();
@@ -1035,7 +1074,7 @@ impl Keys<'_> {
             RopeScaling::Dynamic { factor, .. } if factor > 1.0 => (max_positions as f64 * factor) as i64,
             _ => max_positions,
         };
-        let (sliding_window, layer_types) = self.windows(family, layers)?;
+        let (sliding_window, layer_types) = self.windows(if gpt_oss { Family::GptOss } else { family }, layers)?;
         self.note_dropout(&["resid_pdrop", "embd_pdrop"])?;
         let softcap = |key: &str, default: Option<f64>| -> KeyResult<Option<f64>> {
             Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
@@ -1048,7 +1087,7 @@ impl Keys<'_> {
             partial_rotary: rope.partial,
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
-            norm_eps: self.float("rms_norm_eps")?.unwrap_or(1e-6),
+            norm_eps: self.float("rms_norm_eps")?.unwrap_or(if gpt_oss { 1e-5 } else { 1e-6 }),
             tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: family != Family::Qwen2 && !glm && attention_bias,
@@ -1074,6 +1113,7 @@ impl Keys<'_> {
             fused_projections: family == Family::Phi3,
             padding_token: self.int("pad_token_id")?,
             moe,
+            attention_sinks: gpt_oss,
             latent,
             // The decoder families' own default is no dropout.
             dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, ..DropoutRates::NONE },
@@ -1115,7 +1155,8 @@ impl Keys<'_> {
             None => self.required("num_local_experts")?,
         };
         let (expert_ffn_dim, norm_topk) = match family {
-            Family::Mixtral => (self.required("intermediate_size")?, true),
+            // gpt-oss's softmax over the top-k logits is the renormalised top-k softmax.
+            Family::Mixtral | Family::GptOss => (self.required("intermediate_size")?, true),
             Family::Olmoe => (self.required("intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
             _ => (self.required("moe_intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
         };
@@ -1141,7 +1182,20 @@ impl Keys<'_> {
             dense_layers,
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.001),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
-            names: if family == Family::Mixtral { ExpertNames::BlockSparse } else { ExpertNames::Mlp },
+            names: match family {
+                Family::Mixtral => ExpertNames::BlockSparse,
+                Family::GptOss => ExpertNames::Stacked,
+                _ => ExpertNames::Mlp,
+            },
+            router_bias: family == Family::GptOss,
+            expert_bias: family == Family::GptOss,
+            activation: match family {
+                Family::GptOss => ExpertActivation::ClampedSwiglu {
+                    alpha: self.float("swiglu_alpha")?.unwrap_or(1.702),
+                    limit: self.float("swiglu_limit")?.unwrap_or(7.0),
+                },
+                _ => ExpertActivation::Silu,
+            },
             ..MoeConfig::new(experts, self.required("num_experts_per_tok")?, expert_ffn_dim)
         }))
     }
@@ -1220,7 +1274,7 @@ impl Keys<'_> {
                 let first = self.int("max_window_layers")?.unwrap_or(28);
                 Some(derived(&|i| window.is_some() && i >= first))
             }
-            (None, Family::Gemma2) => Some(derived(&|i| (i + 1) % 2 != 0)),
+            (None, Family::Gemma2 | Family::GptOss) => Some(derived(&|i| (i + 1) % 2 != 0)),
             (None, Family::Gemma3) => {
                 let pattern = self.int("sliding_window_pattern")?.unwrap_or(6).max(1);
                 Some(derived(&|i| (i + 1) % pattern != 0))

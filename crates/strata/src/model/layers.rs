@@ -320,6 +320,17 @@ pub struct AttentionOptions {
     pub bidirectional: bool,
 }
 
+/// What joins the attention scores beside the queries and keys.
+#[derive(Clone, Copy, Default)]
+pub struct ScoreTerms<'a> {
+    /// Added to the scores before the mask (T5's relative position bias), `[.., Tq, Tk]`.
+    pub bias: Option<&'a Tensor>,
+    /// One learned logit per head `[H]` that joins each query's softmax as one more key
+    /// with no value (gpt-oss's attention sinks): its share of the softmax is attended to
+    /// nothing.
+    pub sinks: Option<&'a Tensor>,
+}
+
 /// Where rows hold packed examples (`layout`), the `[B, 1, T, T]` mask of the key positions
 /// each query may not see because they belong to another example; `None` for plain rows.
 pub fn other_examples(layout: Option<&super::RowLayout>) -> Result<Option<Tensor>> {
@@ -346,7 +357,7 @@ pub fn attention(
     v: &Tensor,
     options: &AttentionOptions,
     hidden: Option<&Tensor>,
-    bias: Option<&Tensor>,
+    terms: ScoreTerms<'_>,
     dropout: Option<&Dropping<'_>>,
 ) -> Result<Tensor> {
     let kind = compute::autocast_kind();
@@ -357,7 +368,8 @@ pub fn attention(
     // Fused kernels align a causal mask to the first key, so they serve equal lengths only,
     // and they know no window or cap; another scale is folded into the queries.
     if let Some(fused) = compute::replaced(|r| r.attention(q.kind()))
-        .filter(|_| keys == t && window.is_none() && options.softcap.is_none() && hidden.is_none() && bias.is_none())
+        .filter(|_| keys == t && window.is_none() && options.softcap.is_none() && hidden.is_none())
+        .filter(|_| terms.bias.is_none() && terms.sinks.is_none())
         .filter(|_| !options.bidirectional && dropout.is_none())
     {
         let q = match options.scale {
@@ -371,7 +383,7 @@ pub fn attention(
         Some(cap) => soft_cap(&scores, cap)?,
         None => scores,
     };
-    let scores = match bias {
+    let scores = match terms.bias {
         Some(bias) => scores.f_add(bias)?,
         None => scores,
     };
@@ -386,12 +398,18 @@ pub fn attention(
         masked = masked.f_logical_or(other)?;
     }
     let scores = scores.f_masked_fill(&masked, f64::NEG_INFINITY)?;
-    // Softmax in fp32 for low-precision inputs, as torch.amp does.
-    let probs = if is_low(q.kind()) {
-        scores.f_softmax(-1, Kind::Float)?.f_to_kind(q.kind())?
-    } else {
-        scores.f_softmax(-1, q.kind())?
+    // Softmax in fp32 for low-precision inputs, as torch.amp does; a sink is one more
+    // column of the softmax, dropped after it.
+    let softmax_kind = if is_low(q.kind()) { Kind::Float } else { q.kind() };
+    let probs = match terms.sinks {
+        Some(sinks) => {
+            let (b, h) = (scores.size()[0], scores.size()[1]);
+            let column = sinks.f_to_kind(scores.kind())?.f_reshape([1, h, 1, 1])?.f_expand([b, h, t, 1], false)?;
+            Tensor::f_cat(&[scores, column], -1)?.f_softmax(-1, softmax_kind)?.f_narrow(-1, 0, keys)?
+        }
+        None => scores.f_softmax(-1, softmax_kind)?,
     };
+    let probs = probs.f_to_kind(q.kind())?;
     let probs = match dropout {
         Some(dropout) => dropout.apply(&probs)?,
         None => probs,

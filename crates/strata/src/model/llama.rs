@@ -24,7 +24,7 @@ use super::gpt::divides_heads;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
     add_rms_norm, attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product, rms_norm_plus_one,
-    split_heads, swiglu, vocab_logits, AttentionOptions,
+    split_heads, swiglu, vocab_logits, AttentionOptions, ScoreTerms,
 };
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{Placed, Rope, RopeScaling, Rotation};
@@ -161,6 +161,10 @@ pub struct LlamaConfig {
     /// Experts in place of the feed-forward on the layers it makes sparse.
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// A learned logit per head that joins each softmax as a key attended to nothing
+    /// (gpt-oss's attention sinks, `self_attn.sinks`).
+    #[serde(default)]
+    pub attention_sinks: bool,
     /// DeepSeek's latent attention in place of query, key and value heads ([`super::latent`]):
     /// `head_dim`, `kv_heads`, fused projections and query/key norms then do not apply,
     /// and `qkv_bias` puts biases on its down projections.
@@ -212,6 +216,7 @@ impl LlamaConfig {
             fused_projections: false,
             padding_token: None,
             moe: None,
+            attention_sinks: false,
             latent: None,
             dropout: DropoutRates::NONE,
         }
@@ -433,6 +438,8 @@ struct LlamaBlock {
     post_feed_forward_norm: Option<ParamId>,
     heads: i64,
     attention: AttentionOptions,
+    /// Each head's sink logit, where the family has them.
+    sinks: Option<ParamId>,
     /// Dropout of the attention probabilities (site 0).
     attention_dropout: f64,
     kinds: Kinds,
@@ -549,7 +556,8 @@ impl LlamaBlock {
         };
         let hidden = other_examples(packed)?;
         let probs = p.dropping_heads(self.attention_dropout, 0, heads);
-        let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref(), None, probs.as_ref())?)?;
+        let terms = ScoreTerms { bias: None, sinks: self.sinks.map(|s| &p[s]) };
+        let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref(), terms, probs.as_ref())?)?;
         let attended = p.row_linear(&y, self.o.0, self.o.1)?;
         let (x, h) = self.kinds.add_norm(
             x,
@@ -699,6 +707,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             fused => fused,
         });
         let o_bias = bias("o_proj", d, TpRole::SequenceReplicated, cfg.o_bias);
+        // One per head: split with the heads.
+        let sinks =
+            cfg.attention_sinks.then(|| u.param(format!("{name}.self_attn.sinks"), &[heads], normal, TpRole::COLUMN));
         let mut norm = |suffix: &str, width: i64, tp| u.param(format!("{name}.{suffix}"), &[width], norm_init, tp);
         let input_norm = norm("input_layernorm.weight", d, TpRole::SequenceReplicated);
         // Per head, or (OLMoE) over each projection whole.
@@ -784,6 +795,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             post_feed_forward_norm,
             heads,
             attention: AttentionOptions { scale, window, softcap: cfg.attn_softcap, bidirectional: false },
+            sinks,
             attention_dropout: cfg.dropout.attention,
             kinds,
         });

@@ -686,6 +686,9 @@ pub struct ExpertSet {
     pub up: Vec<ParamId>,
     /// Each expert's down weight, in expert order.
     pub down: Vec<ParamId>,
+    /// The family's files stack the experts as described here, so peft's
+    /// `target_parameters` adapt them; `false` for another stacking (gpt-oss's).
+    pub peft_layout: bool,
 }
 
 impl ModelSpec {

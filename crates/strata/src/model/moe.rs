@@ -47,6 +47,24 @@ impl std::fmt::Debug for dyn ExpertExchange {
     }
 }
 
+/// How an expert's gated feed-forward turns its gate and up projections into the down
+/// projection's input.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertActivation {
+    /// SwiGLU, `silu(gate) · up`.
+    #[default]
+    Silu,
+    /// gpt-oss's: the gate clamped above at `limit`, the up projection within ± `limit`,
+    /// then `(up + 1) · gate · sigmoid(alpha · gate)` (`swiglu_alpha`, `swiglu_limit`).
+    ClampedSwiglu {
+        /// The sigmoid's slope.
+        alpha: f64,
+        /// The clamp.
+        limit: f64,
+    },
+}
+
 /// How a family names its experts' weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -57,6 +75,11 @@ pub enum ExpertNames {
     /// `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.{e}.w{1,3,2}.weight`
     /// (Mixtral: `w1` the gate, `w3` the up and `w2` the down projection).
     BlockSparse,
+    /// `mlp.router.weight` and the experts stacked in one tensor per projection on disk
+    /// (gpt-oss: `mlp.experts.gate_up_proj` `[E, D, 2F]` with gate and up columns
+    /// interleaved, `mlp.experts.down_proj` `[E, F, D]`, and their biases); each expert's
+    /// weights are `mlp.experts.{e}.{gate,up,down}_proj.weight` here.
+    Stacked,
 }
 
 /// How a router turns its logits into the scores it chooses and weights experts by.
@@ -92,6 +115,15 @@ pub struct MoeConfig {
     /// How the router scores the experts.
     #[serde(default)]
     pub scoring: Scoring,
+    /// A bias on the router's logits (gpt-oss).
+    #[serde(default)]
+    pub router_bias: bool,
+    /// Biases on each expert's projections (gpt-oss).
+    #[serde(default)]
+    pub expert_bias: bool,
+    /// How each expert gates.
+    #[serde(default)]
+    pub activation: ExpertActivation,
     /// A bias per expert added to the scores to choose experts, but not to weight them
     /// (DeepSeek-V3's `e_score_correction_bias`): it takes no gradient and is held as loaded.
     #[serde(default)]
@@ -160,6 +192,9 @@ impl MoeConfig {
             shared_expert_dim: None,
             shared_gate: true,
             scoring: Scoring::Softmax,
+            router_bias: false,
+            expert_bias: false,
+            activation: ExpertActivation::Silu,
             choice_bias: false,
             groups: 1,
             top_groups: 1,
@@ -253,6 +288,7 @@ impl MoeConfig {
     pub fn router_name(&self, layer: &str) -> String {
         match self.names {
             ExpertNames::Mlp => format!("{layer}.mlp.gate.weight"),
+            ExpertNames::Stacked => format!("{layer}.mlp.router.weight"),
             ExpertNames::BlockSparse => format!("{layer}.block_sparse_moe.gate.weight"),
         }
     }
@@ -260,7 +296,7 @@ impl MoeConfig {
     /// The names of expert `e`'s gate, up and down weights in sparse layer `layer`.
     pub fn expert_names(&self, layer: &str, e: i64) -> [String; 3] {
         match self.names {
-            ExpertNames::Mlp => {
+            ExpertNames::Mlp | ExpertNames::Stacked => {
                 ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.mlp.experts.{e}.{w}.weight"))
             }
             ExpertNames::BlockSparse => {
@@ -270,12 +306,15 @@ impl MoeConfig {
     }
 }
 
-/// One expert's gated feed-forward: `down(silu(gate(x)) · up(x))`.
+/// One expert's gated feed-forward: `down(act(gate(x), up(x)))`, with optional biases.
 #[derive(Clone, Copy)]
 pub(crate) struct Expert {
     pub(crate) gate: ParamId,
     pub(crate) up: ParamId,
     pub(crate) down: ParamId,
+    /// The gate's, up's and down's biases, where the family has them.
+    biases: Option<[ParamId; 3]>,
+    activation: ExpertActivation,
 }
 
 impl Expert {
@@ -283,19 +322,44 @@ impl Expert {
     /// hidden states `dim` wide). A shared expert's are linear layers a LoRA strategy's
     /// `target_modules` may name; routed experts' are not (`transformers` stacks them into
     /// one module's parameters, which `target_parameters` names: [`super::ExpertSet`]).
-    pub(crate) fn declare(u: &mut UnitBuilder<'_>, names: [String; 3], width: i64, dim: i64, routed: bool) -> Expert {
-        let [gate, up, down] = names;
+    pub(crate) fn declare(
+        u: &mut UnitBuilder<'_>,
+        names: [String; 3],
+        width: i64,
+        dim: i64,
+        routed: bool,
+        moe: &MoeConfig,
+    ) -> Expert {
         let normal = Init::Normal { std: INIT_STD };
-        let mut weight = |name: String, shape: &[i64]| match routed {
+        let mut weight = |name: &str, shape: &[i64]| match routed {
             true => u.param(name, shape, normal, TpRole::SequenceReplicated),
             false => u.linear(name, shape, normal, TpRole::SequenceReplicated),
         };
-        Expert { gate: weight(gate, &[width, dim]), up: weight(up, &[width, dim]), down: weight(down, &[dim, width]) }
+        let [gate, up, down] = [(&names[0], [width, dim]), (&names[1], [width, dim]), (&names[2], [dim, width])]
+            .map(|(name, shape)| weight(name, &shape));
+        // Each bias beside its weight, named as the weight is but `.bias`.
+        let biases = (routed && moe.expert_bias).then(|| {
+            [(&names[0], width), (&names[1], width), (&names[2], dim)].map(|(name, out)| {
+                let name = name.strip_suffix(".weight").unwrap_or(name);
+                u.param(format!("{name}.bias"), &[out], Init::Zeros, TpRole::SequenceReplicated)
+            })
+        });
+        let activation = if routed { moe.activation } else { ExpertActivation::Silu };
+        Expert { gate, up, down, biases, activation }
     }
 
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let gated = swiglu(&p.linear(x, self.gate, None)?, &p.linear(x, self.up, None)?)?;
-        p.linear(&gated, self.down, None)
+        let [gate_bias, up_bias, down_bias] = self.biases.map_or([None; 3], |b| b.map(Some));
+        let (gate, up) = (p.linear(x, self.gate, gate_bias)?, p.linear(x, self.up, up_bias)?);
+        let gated = match self.activation {
+            ExpertActivation::Silu => swiglu(&gate, &up)?,
+            ExpertActivation::ClampedSwiglu { alpha, limit } => {
+                let gate = gate.f_clamp_max(limit)?;
+                let up = up.f_clamp(-limit, limit)?;
+                up.f_add_scalar(1.0)?.f_mul(&gate.f_mul(&gate.f_mul_scalar(alpha)?.f_sigmoid()?)?)?
+            }
+        };
+        p.linear(&gated, self.down, down_bias)
     }
 }
 
@@ -303,6 +367,7 @@ impl Expert {
 /// experts it chose.
 pub(crate) struct Router {
     weight: ParamId,
+    bias: Option<ParamId>,
     choice_bias: Option<ParamId>,
     scoring: Scoring,
     top_k: i64,
@@ -337,28 +402,34 @@ impl SparseFeedForward {
     ) -> SparseFeedForward {
         let normal = Init::Normal { std: INIT_STD };
         let weight = u.param(moe.router_name(name), &[moe.experts, dim], normal, TpRole::SequenceReplicated);
+        let bias = moe.router_bias.then(|| {
+            let bias_name = moe.router_name(name).replace(".weight", ".bias");
+            u.param(bias_name, &[moe.experts], Init::Zeros, TpRole::SequenceReplicated)
+        });
         // Beside the router's weight, under the family's name for the router module.
         let choice_bias = moe.choice_bias.then(|| {
             let bias_name = moe.router_name(name).replace(".weight", ".e_score_correction_bias");
             u.frozen_param(bias_name, &[moe.experts], Init::Zeros, TpRole::Replicated)
         });
         let experts: Vec<Expert> = (0..moe.experts)
-            .map(|e| Expert::declare(u, moe.expert_names(name, e), moe.expert_ffn_dim, dim, true))
+            .map(|e| Expert::declare(u, moe.expert_names(name, e), moe.expert_ffn_dim, dim, true, moe))
             .collect();
         u.expert_set(super::ExpertSet {
             module: format!("{name}.mlp.experts"),
             gate: experts.iter().map(|e| e.gate).collect(),
             up: experts.iter().map(|e| e.up).collect(),
             down: experts.iter().map(|e| e.down).collect(),
+            peft_layout: moe.names != ExpertNames::Stacked,
         });
         let shared = moe.shared_expert_dim.map(|width| {
             let (names, gate) = moe.shared_names(name);
-            let expert = Expert::declare(u, names, width, dim, false);
+            let expert = Expert::declare(u, names, width, dim, false, moe);
             (expert, gate.map(|gate| u.linear(gate, &[1, dim], normal, TpRole::SequenceReplicated)))
         });
         SparseFeedForward {
             router: Router {
                 weight,
+                bias,
                 choice_bias,
                 scoring: moe.scoring,
                 top_k: moe.top_k,
@@ -436,6 +507,10 @@ impl SparseFeedForward {
     fn route(&self, p: &Params<'_>, x: &Tensor, real: Option<Tensor>) -> Result<Routing> {
         let r = &self.router;
         let logits = x.f_to_kind(Kind::Float)?.f_matmul(&p[r.weight].f_to_kind(Kind::Float)?.f_tr()?)?;
+        let logits = match r.bias {
+            Some(bias) => logits.f_add(&p[bias].f_to_kind(Kind::Float)?)?,
+            None => logits,
+        };
         let probs = match r.scoring {
             Scoring::Softmax => logits.f_softmax(-1, Kind::Float)?,
             Scoring::Sigmoid => logits.f_sigmoid()?,
@@ -988,13 +1063,14 @@ mod tests {
                     tensors.push(Tensor::randn(shape, (Kind::Float, tch::Device::Cpu)) * 0.3);
                 }
                 let id = |j: usize| ParamId(1 + 3 * e + j);
-                Expert { gate: id(0), up: id(1), down: id(2) }
+                Expert { gate: id(0), up: id(1), down: id(2), biases: None, activation: ExpertActivation::Silu }
             })
             .collect();
         let balance = Arc::new(LoadBalance::new(EXPERTS as i64, 1, 0.0, 0.0));
         let ff = SparseFeedForward {
             router: Router {
                 weight: ParamId(0),
+                bias: None,
                 choice_bias: None,
                 scoring: Scoring::Softmax,
                 top_k: 2,

@@ -20,7 +20,9 @@
 //! records specifications in the [`Builder`], and the units compute with the parameters the
 //! engine lends them.
 use super::dropout::masked;
-use super::layers::{attention, examples_differ, merge_heads, rms_norm, split_heads, vocab_logits, AttentionOptions};
+use super::layers::{
+    attention, examples_differ, merge_heads, rms_norm, split_heads, vocab_logits, AttentionOptions, ScoreTerms,
+};
 use super::{
     positive, Builder, DecodeCache, DropoutRates, EncodedMemory, Init, Kept, ParamId, Params, RowLayout,
     TokenEmbedding, TpRole, Unit, UnitBuilder, UnitCost,
@@ -388,8 +390,15 @@ impl T5Block {
         let q = cross.heads(p, &h, cross.q, heads)?;
         let options = AttentionOptions { scale: Some(1.0), bidirectional: true, ..AttentionOptions::default() };
         let probs = p.dropping_heads(self.dropout.attention, site::CROSS_PROBABILITIES, heads);
-        let attended =
-            attention(&q, &memory.keys, &memory.values, &options, memory.hidden.as_ref(), None, probs.as_ref())?;
+        let attended = attention(
+            &q,
+            &memory.keys,
+            &memory.values,
+            &options,
+            memory.hidden.as_ref(),
+            ScoreTerms::default(),
+            probs.as_ref(),
+        )?;
         let attended = p.row_linear(&merge_heads(&attended)?, cross.o, None)?;
         let x = x.f_add(&p.dropout(&attended, self.dropout.residual, site::CROSS_OUTPUT, &[])?)?;
         self.feed_forward(p, &x)
@@ -421,7 +430,8 @@ impl T5Block {
             ..AttentionOptions::default()
         };
         let probs = p.dropping_heads(self.dropout.attention, site::SELF_PROBABILITIES, heads);
-        let attended = attention(&q, &k, &v, &options, hidden, Some(&bias), probs.as_ref())?;
+        let attended =
+            attention(&q, &k, &v, &options, hidden, ScoreTerms { bias: Some(&bias), sinks: None }, probs.as_ref())?;
         let attended = p.row_linear(&merge_heads(&attended)?, a.o, None)?;
         Ok(x.f_add(&p.dropout(&attended, self.dropout.residual, site::SELF_OUTPUT, &[])?)?)
     }

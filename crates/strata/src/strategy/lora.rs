@@ -235,6 +235,14 @@ impl LoraConfig {
                 "lora: target_parameters {t:?} names no parameter of this model; its expert parameters are {known}"
             )));
         }
+        if let Some(set) =
+            spec.expert_sets.iter().find(|set| !set.peft_layout && EXPERT_PARAMETERS.iter().any(|p| named(set, p)))
+        {
+            return Err(Error::Config(format!(
+                "lora: target_parameters cannot adapt {}: its family stacks the experts in another layout than peft's",
+                set.module
+            )));
+        }
         Ok(spec.expert_sets.iter().map(|set| EXPERT_PARAMETERS.map(|part| named(set, part))).collect())
     }
 

@@ -106,7 +106,17 @@ pub fn replaced_modules(device: Device) -> Vec<ReplacedModule> {
                 "attention",
                 true,
                 vec![draw(1, &[2, 4, 64, 32]), draw(2, &[2, 4, 64, 32]), draw(3, &[2, 4, 64, 32])],
-                Box::new(|t| Ok(vec![layers::attention(&t[0], &t[1], &t[2], &Default::default(), None, None, None)?])),
+                Box::new(|t| {
+                    Ok(vec![layers::attention(
+                        &t[0],
+                        &t[1],
+                        &t[2],
+                        &Default::default(),
+                        None,
+                        Default::default(),
+                        None,
+                    )?])
+                }),
             ),
             (
                 "layer norm",

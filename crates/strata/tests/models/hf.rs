@@ -511,6 +511,14 @@ fn glm4_moe_matches_transformers() {
     family_matches_transformers("glm4-moe", 24);
 }
 
+/// gpt-oss: attention sinks, biases everywhere, sliding and full layers alternating, YaRN,
+/// experts with biases and a clamped SwiGLU, stacked on disk (taken apart on load and
+/// stacked again on save).
+#[test]
+fn gpt_oss_matches_transformers() {
+    experts_match_transformers("gpt-oss", 4);
+}
+
 /// Examples packed two rows of 12: each row's examples one after another, then padding.
 const PACKED: [&[&[i64]]; 2] =
     [&[&[5, 17, 3, 88, 40], &[41, 9, 0, 63], &[12, 77]], &[&[94, 1, 1, 30, 58, 6, 19], &[71, 4, 95, 50, 33]]];

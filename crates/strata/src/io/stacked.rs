@@ -1,0 +1,224 @@
+//! Experts that a family's files stack into one tensor per projection (gpt-oss), taken
+//! apart into each expert's weights on load and stacked again on save.
+//!
+//! On disk, sparse layer `L` holds `L.mlp.experts.gate_up_proj` `[E, D, 2F]` (each
+//! expert's input-major matrix, gate and up columns interleaved: gate, up, gate, ...),
+//! `L.mlp.experts.gate_up_proj_bias` `[E, 2F]` (interleaved alike), `L.mlp.experts.down_proj`
+//! `[E, F, D]` and `L.mlp.experts.down_proj_bias` `[E, D]`. Here each expert `e` has
+//! `L.mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}`, weights `[out, in]`.
+use crate::{Error, Result};
+use tch::Tensor;
+
+/// The four stacked tensors, by their names' endings on disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stack {
+    GateUp,
+    GateUpBias,
+    Down,
+    DownBias,
+}
+
+impl Stack {
+    const ALL: [Stack; 4] = [Stack::GateUp, Stack::GateUpBias, Stack::Down, Stack::DownBias];
+
+    fn disk_suffix(self) -> &'static str {
+        match self {
+            Stack::GateUp => "gate_up_proj",
+            Stack::GateUpBias => "gate_up_proj_bias",
+            Stack::Down => "down_proj",
+            Stack::DownBias => "down_proj_bias",
+        }
+    }
+
+    /// The per-expert parameters one expert's slice holds, by their names' endings.
+    fn parts(self) -> &'static [&'static str] {
+        match self {
+            Stack::GateUp => &["gate_proj.weight", "up_proj.weight"],
+            Stack::GateUpBias => &["gate_proj.bias", "up_proj.bias"],
+            Stack::Down => &["down_proj.weight"],
+            Stack::DownBias => &["down_proj.bias"],
+        }
+    }
+}
+
+/// `name` on disk as (module `L.mlp.experts`, which stack), where it is one.
+fn stacked_name(name: &str) -> Option<(&str, Stack)> {
+    Stack::ALL.into_iter().find_map(|stack| {
+        let module = name.strip_suffix(stack.disk_suffix())?.strip_suffix('.')?;
+        module.ends_with(".mlp.experts").then_some((module, stack))
+    })
+}
+
+/// A tensor of the files taken apart into each expert's parameters `(name, tensor)`;
+/// `None` where `name` is not a stacked tensor.
+pub(super) fn unstack(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>> {
+    let Some((module, stack)) = stacked_name(name) else { return Ok(None) };
+    let bad = || Error::Model(format!("{name}: shape {:?} is not a stack of experts", t.size()));
+    let size = t.size();
+    let experts = *size.first().ok_or_else(bad)?;
+    let mut out = vec![];
+    for e in 0..experts {
+        let slice = t.f_get(e)?;
+        let pieces = match stack {
+            // [D, 2F] with gate and up columns interleaved: each [F, D].
+            Stack::GateUp if size.len() == 3 && size[2] % 2 == 0 => {
+                vec![slice.f_slice(1, 0, None, 2)?.f_tr()?, slice.f_slice(1, 1, None, 2)?.f_tr()?]
+            }
+            Stack::GateUpBias if size.len() == 2 && size[1] % 2 == 0 => {
+                vec![slice.f_slice(0, 0, None, 2)?, slice.f_slice(0, 1, None, 2)?]
+            }
+            Stack::Down if size.len() == 3 => vec![slice.f_tr()?],
+            Stack::DownBias if size.len() == 2 => vec![slice],
+            _ => return Err(bad()),
+        };
+        for (part, piece) in stack.parts().iter().zip(pieces) {
+            out.push((format!("{module}.{e}.{part}"), piece.f_contiguous()?));
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Where a tensor written to the files comes from: one parameter of the model, or the
+/// parameters of every expert of a sparse layer stacked.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Source {
+    /// Parameter `index` of the layout as it is (transposed where the family says).
+    One { index: usize, transposed: bool },
+    /// For each expert in order, the layout indices of its parameters ([`Stack::parts`]).
+    Stacked { experts: Vec<Vec<usize>>, interleave: bool, transpose: bool },
+}
+
+/// The tensors to write for a layout of parameter names, in order: each parameter as
+/// itself, except the experts' parameters, which become their layers' stacked tensors
+/// (at the place of each stack's first expert). Returns `(name on disk, source)`.
+pub(super) fn stack_layout(names: &[String]) -> Result<Vec<(String, Source)>> {
+    use std::collections::BTreeMap;
+    // (module, stack) -> expert -> part -> index
+    let mut found: BTreeMap<(String, usize), BTreeMap<i64, Vec<Option<usize>>>> = BTreeMap::new();
+    let mut first_seen: Vec<(usize, (String, usize))> = vec![];
+    let mut out_one = vec![];
+    for (index, name) in names.iter().enumerate() {
+        let split = name.split_once(".mlp.experts.").and_then(|(layer, rest)| {
+            let (expert, part) = rest.split_once('.')?;
+            let expert: i64 = expert.parse().ok()?;
+            let (s, p) = Stack::ALL
+                .iter()
+                .enumerate()
+                .find_map(|(s, stack)| stack.parts().iter().position(|p| *p == part).map(|p| (s, p)))?;
+            Some((format!("{layer}.mlp.experts"), expert, s, p))
+        });
+        match split {
+            Some((module, expert, s, p)) => {
+                let key = (module, s);
+                if !found.contains_key(&key) {
+                    first_seen.push((index, key.clone()));
+                }
+                let parts = found.entry(key).or_default().entry(expert).or_insert_with(|| vec![None; 2]);
+                parts[p] = Some(index);
+            }
+            None => out_one.push((index, name.clone())),
+        }
+    }
+    let mut entries: Vec<(usize, String, Source)> =
+        out_one.into_iter().map(|(index, name)| (index, name, Source::One { index, transposed: false })).collect();
+    for (at, key) in first_seen {
+        let stack = Stack::ALL[key.1];
+        let by_expert = &found[&key];
+        let mut experts = vec![];
+        for (i, (e, parts)) in by_expert.iter().enumerate() {
+            let wanted = stack.parts().len();
+            let indices: Vec<usize> = parts[..wanted].iter().flatten().copied().collect();
+            if *e != i as i64 || indices.len() != wanted {
+                return Err(Error::Model(format!("{}: experts' parameters are not all there to stack", key.0)));
+            }
+            experts.push(indices);
+        }
+        let (interleave, transpose) = match stack {
+            Stack::GateUp => (true, true),
+            Stack::GateUpBias => (true, false),
+            Stack::Down => (false, true),
+            Stack::DownBias => (false, false),
+        };
+        entries.push((
+            at,
+            format!("{}.{}", key.0, stack.disk_suffix()),
+            Source::Stacked { experts, interleave, transpose },
+        ));
+    }
+    entries.sort_by_key(|(at, ..)| *at);
+    Ok(entries.into_iter().map(|(_, name, source)| (name, source)).collect())
+}
+
+/// The stacked tensor of `experts` (each expert's parameters, fetched): each expert's
+/// matrices transposed to input-major where `transpose`, its parts' last dimensions
+/// interleaved where `interleave`, the experts stacked along a new first dimension.
+pub(super) fn stack(experts: Vec<Vec<Tensor>>, interleave: bool, transpose: bool) -> Result<Tensor> {
+    let mut slices = Vec::with_capacity(experts.len());
+    for parts in experts {
+        let parts: Vec<Tensor> = parts
+            .iter()
+            .map(|p| if transpose { p.f_tr() } else { Ok(p.shallow_clone()) })
+            .collect::<std::result::Result<_, _>>()?;
+        let slice = match interleave {
+            true => {
+                let last = parts[0].dim() as i64;
+                let mut shape = parts[0].size();
+                *shape.last_mut().ok_or_else(|| Error::Model("stacking a scalar".into()))? *= parts.len() as i64;
+                Tensor::f_stack(&parts, last)?.f_reshape(shape)?
+            }
+            false => parts[0].shallow_clone(),
+        };
+        slices.push(slice);
+    }
+    Ok(Tensor::f_stack(&slices, 0)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn experts_stacked_on_disk_come_apart_and_stack_again_exactly() {
+        let (experts, dim, width) = (3, 4, 5);
+        let gate_up = Tensor::randn([experts, dim, 2 * width], (tch::Kind::Float, tch::Device::Cpu));
+        let bias = Tensor::randn([experts, 2 * width], (tch::Kind::Float, tch::Device::Cpu));
+        let down = Tensor::randn([experts, width, dim], (tch::Kind::Float, tch::Device::Cpu));
+        let mut params = vec![];
+        for (name, t) in [
+            ("model.layers.0.mlp.experts.gate_up_proj", &gate_up),
+            ("model.layers.0.mlp.experts.gate_up_proj_bias", &bias),
+            ("model.layers.0.mlp.experts.down_proj", &down),
+        ] {
+            params.extend(unstack(name, t).unwrap().unwrap());
+        }
+        // Expert 1's gate is column 2j of its slice, its up column 2j + 1.
+        let gate1 = &params.iter().find(|(n, _)| n == "model.layers.0.mlp.experts.1.gate_proj.weight").unwrap().1;
+        assert_eq!(gate1.size(), [width, dim]);
+        assert!(gate1.equal(&gate_up.get(1).slice(1, 0, None, 2).tr()));
+        let up_bias = &params.iter().find(|(n, _)| n == "model.layers.0.mlp.experts.2.up_proj.bias").unwrap().1;
+        assert!(up_bias.equal(&bias.get(2).slice(0, 1, None, 2)));
+        assert!(unstack("model.layers.0.mlp.router.weight", &bias).unwrap().is_none());
+        // Back: a name before and after, the experts' parameters in the model's order.
+        let mut names = vec!["model.layers.0.input_layernorm.weight".to_string()];
+        names.extend(params.iter().map(|(n, _)| n.clone()));
+        names.push("model.norm.weight".into());
+        let layout = stack_layout(&names).unwrap();
+        let disk: Vec<&str> = layout.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            disk,
+            [
+                "model.layers.0.input_layernorm.weight",
+                "model.layers.0.mlp.experts.gate_up_proj",
+                "model.layers.0.mlp.experts.gate_up_proj_bias",
+                "model.layers.0.mlp.experts.down_proj",
+                "model.norm.weight"
+            ]
+        );
+        for ((_, source), original) in layout[1..4].iter().zip([&gate_up, &bias, &down]) {
+            let Source::Stacked { experts, interleave, transpose } = source else { panic!("{source:?}") };
+            let fetched =
+                experts.iter().map(|parts| parts.iter().map(|&i| params[i - 1].1.shallow_clone()).collect()).collect();
+            assert!(stack(fetched, *interleave, *transpose).unwrap().equal(original));
+        }
+    }
+}
