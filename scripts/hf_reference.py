@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 
 import numpy as np
@@ -217,7 +218,7 @@ def decoder_families():
         # without truncation, experts with biases and a SwiGLU clamped low enough to bite,
         # stacked on disk.
         "gpt-oss": lambda: (tf.GptOssForCausalLM, tf.GptOssConfig(
-            **dict(common, intermediate_size=12), num_hidden_layers=2, head_dim=8, num_local_experts=4,
+            **dict(common, intermediate_size=32), num_hidden_layers=2, head_dim=8, num_local_experts=4,
             num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.3, tie_word_embeddings=False,
             router_aux_loss_coef=0.02, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 500.0})),
@@ -497,6 +498,43 @@ def with_adapter(model, adapter, trainable=False):
     return peft.PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
 
 
+def write_mxfp4(source, quantized, dequantized):
+    """Quantizes each expert stack of a gpt-oss folder to MXFP4 as released checkpoints hold
+    them (blocks of 32 values, output-major: two E2M1 codes a byte, low nibble first, and an
+    E8M0 exponent biased by 127), and writes the folder with them and the folder with
+    transformers' own dequantization in their place."""
+    import shutil
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
+
+    lut = torch.tensor(FP4_VALUES)
+    tensors = load_file(f"{source}/model.safetensors")
+    plain, packed, unpacked = {}, {}, dict(tensors)
+    for name, t in tensors.items():
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            plain[name] = t
+            continue
+        rows = t.transpose(1, 2).float()  # [E, R, C], output-major
+        e, r, c = rows.shape
+        groups = rows.reshape(e, r, c // 32, 32)
+        amax = groups.abs().amax(-1).clamp_min(1e-30)
+        exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+        codes = (groups / torch.exp2(exponent)[..., None])[..., None].sub(lut).abs().argmin(-1).to(torch.uint8)
+        blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+        scales = (exponent + 127).to(torch.uint8).contiguous()
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        unpacked[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    config = json.load(open(f"{source}/config.json"))
+    for out, weights, quantization in ((quantized, {**plain, **packed}, {"quant_method": "mxfp4"}),
+                                       (dequantized, unpacked, None)):
+        os.makedirs(out, exist_ok=True)
+        save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
+        cfg = dict(config, quantization_config=quantization) if quantization else config
+        with open(f"{out}/config.json", "w") as f:
+            json.dump(cfg, f)
+        shutil.copy(f"{source}/tokenizer.json", f"{out}/tokenizer.json")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="command", required=True)
@@ -559,6 +597,11 @@ def main(argv=None):
     val.add_argument("--ctx", type=int, required=True)
     val.add_argument("--batch-size", type=int, required=True)
     val.add_argument("--batches", type=int, required=True)
+    quant = sub.add_parser("mxfp4", help="a gpt-oss folder's expert stacks quantized to MXFP4 blocks and "
+                           "scales, and the folder of transformers' dequantization of them")
+    quant.add_argument("--dir", required=True)
+    quant.add_argument("--quantized", required=True)
+    quant.add_argument("--dequantized", required=True)
     sub.add_parser("serve")
     args = ap.parse_args(argv)
 
@@ -671,6 +714,8 @@ def main(argv=None):
         if args.save_adapter:
             model.save_pretrained(args.save_adapter)
         print(json.dumps(losses))
+    elif args.command == "mxfp4":
+        write_mxfp4(args.dir, args.quantized, args.dequantized)
     elif args.command == "val-loss":
         model = load(args.dir)
         tokens = torch.from_numpy(np.fromfile(args.token_file, dtype="<u2").astype(np.int64))

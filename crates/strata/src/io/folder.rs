@@ -20,10 +20,16 @@ pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
 /// family stores (GPT-2's `Conv1D` matrices transposed back).
 pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
     let mut named = vec![];
+    let mut mxfp4 = stacked::Mxfp4Pairs::default();
     for file in &model.weights {
         for (name, t) in read_safetensors(file)? {
             if model.family.stacks_experts() {
-                if let Some(pieces) = stacked::unstack(&name, &t)? {
+                let pieces = match mxfp4.take(&name, &t)? {
+                    Some(None) => continue,
+                    Some(Some((stack_name, dequantized))) => stacked::unstack(&stack_name, &dequantized)?,
+                    None => stacked::unstack(&name, &t)?,
+                };
+                if let Some(pieces) = pieces {
                     named.extend(pieces.into_iter().map(|(param, piece)| (param, name.clone(), piece)));
                     continue;
                 }
@@ -33,6 +39,7 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
             named.push((param, name, t));
         }
     }
+    mxfp4.finish().map_err(|e| Error::Weights { path: model.dir.clone(), message: e.to_string() })?;
     let factors = super::peft::factor_ids(&engine.spec().adapters);
     load_named(engine, &model.dir, named.into_iter(), &|id| factors.contains(&id))
 }

@@ -93,6 +93,7 @@ fn dtype_of(kind: Kind) -> Result<Dtype> {
         Kind::BFloat16 => Dtype::BF16,
         Kind::Int64 => Dtype::I64,
         Kind::Int => Dtype::I32,
+        Kind::Uint8 => Dtype::U8,
         other => return Err(Error::Model(format!("cannot store {other:?} tensors in safetensors"))),
     })
 }
@@ -105,6 +106,7 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
         Dtype::BF16 => Kind::BFloat16,
         Dtype::I64 => Kind::Int64,
         Dtype::I32 => Kind::Int,
+        Dtype::U8 => Kind::Uint8,
         _ => return None,
     })
 }

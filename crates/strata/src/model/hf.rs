@@ -722,6 +722,15 @@ fn read_config(config_path: &Path) -> Result<(Family, ModelConfig, Map<String, V
         let known: Vec<&str> = FAMILIES.iter().map(|f| f.model_type()).collect();
         fail(format!("config.json: model_type {model_type:?} is not a family Strata has ({})", known.join(", ")))
     })?;
+    // Quantized weights: gpt-oss's MXFP4 experts are dequantized on load; no other scheme is read.
+    if let Some(quantization) = cfg.get("quantization_config") {
+        let method = quantization.get("quant_method").and_then(Value::as_str).unwrap_or("unnamed");
+        if !(family == Family::GptOss && method == "mxfp4") {
+            return Err(fail(format!(
+                "config.json: quantized weights ({method}) are not read; give a folder of floating-point weights"
+            )));
+        }
+    }
     let config = match family {
         Family::Gpt2 => ModelConfig::Gpt(keys.gpt2().map_err(fail)?),
         Family::Bert => ModelConfig::Bert(keys.bert().map_err(fail)?),

@@ -519,6 +519,32 @@ fn gpt_oss_matches_transformers() {
     experts_match_transformers("gpt-oss", 4);
 }
 
+/// gpt-oss's released MXFP4 experts: a folder whose expert stacks are MXFP4 blocks and
+/// scales loads as the folder holding `transformers`' own dequantization of them, and its
+/// logits are `transformers`' on that folder; quantizing moved them off the original
+/// folder's. A folder quantized another way is refused in one line.
+#[test]
+fn gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let (source, quantized, dequantized) = (work.path().join("gpt-oss"), work.path().join("q"), work.path().join("d"));
+    make(&py, "gpt-oss", &source, None);
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    reference(&py, &["mxfp4", "--dir", &s(&source), "--quantized", &s(&quantized), "--dequantized", &s(&dequantized)]);
+    let ours = strata_logits(&mut strata_engine(&quantized));
+    let g = gap(&ours, &strata_logits(&mut strata_engine(&dequantized)));
+    assert_eq!(g, 0.0, "MXFP4 dequantized unlike transformers (largest logit difference {g})");
+    let g = gap(&ours, &transformers_logits(&py, &dequantized, work.path()));
+    assert!(g < 1e-5, "logits differ from transformers' by {g}");
+    let moved = gap(&ours, &strata_logits(&mut strata_engine(&source)));
+    assert!(moved > 1e-3, "quantizing changed no logit ({moved})");
+    let config = quantized.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap().replace("\"mxfp4\"", "\"fp8\"");
+    std::fs::write(&config, text).unwrap();
+    let refused = from_pretrained_dir(&quantized).unwrap_err().to_string();
+    assert!(refused.contains("quantized weights (fp8) are not read"), "{refused}");
+}
+
 /// Examples packed two rows of 12: each row's examples one after another, then padding.
 const PACKED: [&[&[i64]]; 2] =
     [&[&[5, 17, 3, 88, 40], &[41, 9, 0, 63], &[12, 77]], &[&[94, 1, 1, 30, 58, 6, 19], &[71, 4, 95, 50, 33]]];
