@@ -137,7 +137,7 @@ impl FolderOut {
             }
             held.remove(&index).ok_or_else(|| crate::Error::Model(format!("parameter {index} written twice")))
         };
-        let bytes = |(_, kind, shape, _): &(String, Kind, Vec<i64>, Source)| {
+        let bytes = |(_, kind, shape, _): &Stored| {
             shape.iter().product::<i64>() as u64 * kind.elt_size_in_bytes() as u64
         };
         let shards = shard_ranges(&stored.iter().map(bytes).collect::<Vec<_>>(), self.shard_bytes);
@@ -188,10 +188,13 @@ impl FolderOut {
     }
 }
 
+/// A tensor the folder's files hold: its name there, dtype, shape and where it comes from.
+type Stored = (String, Kind, Vec<i64>, Source);
+
 impl FolderOut {
     /// The tensors the folder's files hold for parameters `layout` (name, dtype, shape): each
     /// under the family's name and layout, the experts stacked where the family stacks them.
-    fn stored(&self, layout: &[(String, Kind, Vec<i64>)]) -> Result<Vec<(String, Kind, Vec<i64>, Source)>> {
+    fn stored(&self, layout: &[(String, Kind, Vec<i64>)]) -> Result<Vec<Stored>> {
         let names: Vec<String> = layout.iter().map(|(n, ..)| n.clone()).collect();
         let sources = match self.family.stacks_experts() {
             true => stacked::stack_layout(&names)?,

@@ -19,8 +19,7 @@ use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
 /// The values of the 16 E2M1 codes.
-const FP4_VALUES: [f32; 16] =
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+const FP4_VALUES: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// MXFP4 blocks `[E, R, G, 16]` (bytes) and scales `[E, R, G]` as the `[E, G·32, R]` fp32
 /// tensor they encode.
@@ -33,7 +32,9 @@ pub(super) fn dequantize_mxfp4(name: &str, blocks: &Tensor, scales: &Tensor) -> 
     }
     let lut = Tensor::f_from_slice(&FP4_VALUES)?.f_to_device(blocks.device())?;
     let bytes = blocks.f_to_kind(Kind::Int64)?;
-    let value = |codes: Tensor| -> Result<Tensor> { Ok(lut.f_index_select(0, &codes.f_reshape([-1])?)?.f_reshape(b.as_slice())?) };
+    let value = |codes: Tensor| -> Result<Tensor> {
+        Ok(lut.f_index_select(0, &codes.f_reshape([-1])?)?.f_reshape(b.as_slice())?)
+    };
     let low = value(bytes.f_remainder(16)?)?;
     let high = value(bytes.f_floor_divide_scalar(16)?)?;
     // Low nibble first: values 2j and 2j + 1 of each block.
@@ -61,7 +62,8 @@ impl Mxfp4Pairs {
         if stacked_name(stacked).is_none() {
             return Ok(None);
         }
-        let (mine, other) = if is_blocks { (&mut self.blocks, &mut self.scales) } else { (&mut self.scales, &mut self.blocks) };
+        let (mine, other) =
+            if is_blocks { (&mut self.blocks, &mut self.scales) } else { (&mut self.scales, &mut self.blocks) };
         let Some(partner) = other.remove(stacked) else {
             mine.insert(stacked.to_string(), t.shallow_clone());
             return Ok(Some(None));
@@ -73,7 +75,9 @@ impl Mxfp4Pairs {
     /// Fails naming a pair whose other half never came.
     pub(super) fn finish(self) -> Result<()> {
         match self.blocks.keys().chain(self.scales.keys()).next() {
-            Some(name) => Err(Error::Model(format!("{name}: MXFP4 blocks without their scales, or scales without blocks"))),
+            Some(name) => {
+                Err(Error::Model(format!("{name}: MXFP4 blocks without their scales, or scales without blocks")))
+            }
             None => Ok(()),
         }
     }
@@ -163,8 +167,9 @@ pub(super) enum Source {
 /// (at the place of each stack's first expert). Returns `(name on disk, source)`.
 pub(super) fn stack_layout(names: &[String]) -> Result<Vec<(String, Source)>> {
     use std::collections::BTreeMap;
-    // (module, stack) -> expert -> part -> index
-    let mut found: BTreeMap<(String, usize), BTreeMap<i64, Vec<Option<usize>>>> = BTreeMap::new();
+    // (module, stack) -> expert -> each part's layout index.
+    type Parts = BTreeMap<i64, Vec<Option<usize>>>;
+    let mut found: BTreeMap<(String, usize), Parts> = BTreeMap::new();
     let mut first_seen: Vec<(usize, (String, usize))> = vec![];
     let mut out_one = vec![];
     for (index, name) in names.iter().enumerate() {

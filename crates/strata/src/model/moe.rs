@@ -243,6 +243,13 @@ impl MoeConfig {
         if let Some(f) = self.capacity_factor.filter(|f| !(f.is_finite() && *f > 0.0)) {
             return Err(Error::Config(format!("the experts' capacity factor must be positive, got {f}")));
         }
+        if let ExpertActivation::ClampedSwiglu { alpha, limit } = self.activation {
+            if !(alpha.is_finite() && limit.is_finite() && alpha > 0.0 && limit > 0.0) {
+                return Err(Error::Config(format!(
+                    "swiglu_alpha and swiglu_limit must be positive, got {alpha} and {limit}"
+                )));
+            }
+        }
         if !(self.routed_scale.is_finite() && self.routed_scale > 0.0) {
             return Err(Error::Config(format!("routed_scaling_factor must be positive, got {}", self.routed_scale)));
         }
