@@ -137,9 +137,8 @@ impl FolderOut {
             }
             held.remove(&index).ok_or_else(|| crate::Error::Model(format!("parameter {index} written twice")))
         };
-        let bytes = |(_, kind, shape, _): &Stored| {
-            shape.iter().product::<i64>() as u64 * kind.elt_size_in_bytes() as u64
-        };
+        let bytes =
+            |(_, kind, shape, _): &Stored| shape.iter().product::<i64>() as u64 * kind.elt_size_in_bytes() as u64;
         let shards = shard_ranges(&stored.iter().map(bytes).collect::<Vec<_>>(), self.shard_bytes);
         let file_name = |i: usize| match shards.len() {
             1 => WEIGHTS_FILE.to_string(),

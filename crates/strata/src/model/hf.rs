@@ -716,26 +716,33 @@ fn read_config(config_path: &Path) -> Result<(Family, ModelConfig, Map<String, V
     let text = std::fs::read_to_string(config_path).map_err(|e| Error::io(config_path, e))?;
     let raw: Value = serde_json::from_str(&text).map_err(|e| fail(format!("config.json is not valid JSON ({e})")))?;
     let cfg = raw.as_object().ok_or_else(|| fail("config.json is not a JSON object".into()))?;
+    let (family, config) = config_from_keys(cfg).map_err(fail)?;
+    Ok((family, config, cfg.clone()))
+}
+
+/// The family and model a `config.json`'s keys describe, checked; the error is the line to
+/// report.
+pub(crate) fn config_from_keys(cfg: &Map<String, Value>) -> KeyResult<(Family, ModelConfig)> {
     let keys = Keys { cfg, prefix: String::new() };
-    let model_type = keys.text("model_type").map_err(fail)?.unwrap_or_default();
+    let model_type = keys.text("model_type")?.unwrap_or_default();
     let family = Family::from_model_type(&model_type).ok_or_else(|| {
         let known: Vec<&str> = FAMILIES.iter().map(|f| f.model_type()).collect();
-        fail(format!("config.json: model_type {model_type:?} is not a family Strata has ({})", known.join(", ")))
+        format!("config.json: model_type {model_type:?} is not a family Strata has ({})", known.join(", "))
     })?;
     // Quantized weights: gpt-oss's MXFP4 experts are dequantized on load; no other scheme is read.
     if let Some(quantization) = cfg.get("quantization_config") {
         let method = quantization.get("quant_method").and_then(Value::as_str).unwrap_or("unnamed");
         if !(family == Family::GptOss && method == "mxfp4") {
-            return Err(fail(format!(
+            return Err(format!(
                 "config.json: quantized weights ({method}) are not read; give a folder of floating-point weights"
-            )));
+            ));
         }
     }
     let config = match family {
-        Family::Gpt2 => ModelConfig::Gpt(keys.gpt2().map_err(fail)?),
-        Family::Bert => ModelConfig::Bert(keys.bert().map_err(fail)?),
-        Family::T5 => ModelConfig::T5(keys.t5().map_err(fail)?),
-        _ => ModelConfig::Llama(keys.decoder(family).map_err(fail)?),
+        Family::Gpt2 => ModelConfig::Gpt(keys.gpt2()?),
+        Family::Bert => ModelConfig::Bert(keys.bert()?),
+        Family::T5 => ModelConfig::T5(keys.t5()?),
+        _ => ModelConfig::Llama(keys.decoder(family)?),
     };
     match &config {
         ModelConfig::Gpt(c) => c.validate(),
@@ -745,10 +752,10 @@ fn read_config(config_path: &Path) -> Result<(Family, ModelConfig, Map<String, V
         ModelConfig::Mlp(_) => Ok(()),
     }
     .map_err(|e| match e {
-        Error::Config(why) => fail(format!("config.json: {why}")),
-        other => other,
+        Error::Config(why) => format!("config.json: {why}"),
+        other => other.to_string(),
     })?;
-    Ok((family, config, cfg.clone()))
+    Ok((family, config))
 }
 
 /// The safetensors files of a folder: the shards its index names, or its single file.

@@ -1,7 +1,9 @@
 //! Well-known model sizes by name, for estimates and plans of models one does not have at
 //! hand: the published shapes of GPT-2, of the LLaMA families (vocabulary, context,
-//! layers, heads, width, key/value heads, feed-forward width, rotary base) and of three
-//! mixtures of experts (Mixtral 8×7B, Qwen3-30B-A3B, OLMoE-1B-7B).
+//! layers, heads, width, key/value heads, feed-forward width, rotary base), of three
+//! mixtures of experts (Mixtral 8×7B, Qwen3-30B-A3B, OLMoE-1B-7B), and of the frontier
+//! families as their published `config.json` keys say (DeepSeek-V3, GLM-4.5 and its Air,
+//! gpt-oss 20B and 120B), read as a folder's would be.
 //!
 //! Owns the table. Must not read files or allocate: a preset is a configuration only.
 use super::{ExpertNames, GptConfig, LlamaConfig, ModelConfig, MoeConfig};
@@ -38,9 +40,63 @@ const MOE: [Experts; 3] = [
     (("olmoe-1b-7b", 50304, 4096, 16, 16, 2048, None, Some(1024), 10_000.0), 64, 8, 1024, false, Some(true)),
 ];
 
+/// Models whose shapes take more than a table row: the keys of their published
+/// `config.json` that shape them (the rest keep `transformers`' defaults).
+const FOLDERS: [(&str, &str); 5] = [
+    (
+        "deepseek-v3",
+        r#"{"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+            "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+            "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+            "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+            "norm_topk_prob": true, "max_position_embeddings": 163840,
+            "rope_parameters": {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "rope_theta": 10000}}"#,
+    ),
+    (
+        "glm-4.5",
+        r#"{"model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 5120, "intermediate_size": 12288,
+            "moe_intermediate_size": 1536, "num_hidden_layers": 92, "num_attention_heads": 96,
+            "num_key_value_heads": 8, "head_dim": 128, "n_shared_experts": 1, "n_routed_experts": 160,
+            "num_experts_per_tok": 8, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+            "attention_bias": true, "use_qk_norm": true, "max_position_embeddings": 131072,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000, "partial_rotary_factor": 0.5}}"#,
+    ),
+    (
+        "glm-4.5-air",
+        r#"{"model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
+            "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96,
+            "num_key_value_heads": 8, "head_dim": 128, "n_shared_experts": 1, "n_routed_experts": 128,
+            "num_experts_per_tok": 8, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+            "attention_bias": true, "max_position_embeddings": 131072,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000, "partial_rotary_factor": 0.5}}"#,
+    ),
+    (
+        "gpt-oss-20b",
+        r#"{"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+            "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+            "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+            "max_position_embeddings": 131072,
+            "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": false, "original_max_position_embeddings": 4096, "rope_theta": 150000}}"#,
+    ),
+    (
+        "gpt-oss-120b",
+        r#"{"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+            "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+            "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
+            "max_position_embeddings": 131072,
+            "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": false, "original_max_position_embeddings": 4096, "rope_theta": 150000}}"#,
+    ),
+];
+
 /// The names [`preset`] knows.
 pub fn preset_names() -> Vec<&'static str> {
-    GPT2.iter().chain(LLAMA.iter()).chain(MOE.iter().map(|m| &m.0)).map(|s| s.0).collect()
+    let tables = GPT2.iter().chain(LLAMA.iter()).chain(MOE.iter().map(|m| &m.0)).map(|s| s.0);
+    tables.chain(FOLDERS.iter().map(|f| f.0)).collect()
 }
 
 /// The configuration of the model called `name` (`gpt2`, `llama-3-8b`, …).
@@ -79,6 +135,11 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             ..LlamaConfig::new(vocab, ctx, layers, heads, dim)
         }));
     }
+    if let Some((_, keys)) = FOLDERS.iter().find(|f| f.0.eq_ignore_ascii_case(name)) {
+        let keys: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(keys).map_err(|e| Error::Model(format!("preset {name}: {e}")))?;
+        return super::hf::config_from_keys(&keys).map(|(_, config)| config).map_err(Error::Config);
+    }
     Err(Error::Config(format!("no model preset {name:?}; known: {}", preset_names().join(", "))))
 }
 
@@ -105,9 +166,19 @@ mod tests {
     /// A mixture of experts' presets hold their published total and active sizes.
     #[test]
     fn mixtures_of_experts_count_total_and_active_parameters() {
-        for (name, total, active) in
-            [("mixtral-8x7b", 46.7, 12.9), ("qwen3-30b-a3b", 30.5, 3.3), ("olmoe-1b-7b", 6.9, 1.3)]
-        {
+        for (name, total, active) in [
+            ("mixtral-8x7b", 46.7, 12.9),
+            ("qwen3-30b-a3b", 30.5, 3.3),
+            ("olmoe-1b-7b", 6.9, 1.3),
+            ("deepseek-v3", 671.0, 37.0),
+            // GLM's published active sizes (32B, 12B) leave out the embedding and the
+            // head (1.6B, 1.2B).
+            ("glm-4.5", 355.0, 33.6),
+            ("glm-4.5-air", 106.0, 13.4),
+            // OpenAI's active sizes (3.6B, 5.1B) leave out the embedding (0.6B).
+            ("gpt-oss-20b", 20.9, 4.2),
+            ("gpt-oss-120b", 116.8, 5.7),
+        ] {
             let spec = preset(name).unwrap().spec().unwrap();
             let (all, used) = (spec.num_params() as f64 / 1e9, spec.active_params().unwrap() as f64 / 1e9);
             assert!((all / total - 1.0).abs() < 0.02, "{name}: {all:.2}B against {total}B");
