@@ -390,8 +390,9 @@ fn phi3_matches_transformers() {
 
 /// A mixture of experts' load-balancing loss over the test rows, Strata's against
 /// `transformers`' (within 1e-6 relative), with the experts' loads it reports; then the
-/// family end to end (logits, training with the loss, the folder written back, generation).
-fn experts_match_transformers(family: &str, experts: i64) {
+/// family end to end (logits, training with the loss, the folder written back, `new_tokens`
+/// of greedy generation).
+fn experts_match_transformers(family: &str, experts: i64, new_tokens: usize) {
     let Some(py) = python() else { return };
     let work = tempfile::tempdir().unwrap();
     let dir = work.path().join(family);
@@ -412,7 +413,7 @@ fn experts_match_transformers(family: &str, experts: i64) {
     assert!(report.aux_loss > 0.5 && report.aux_loss < experts as f64, "{family}: {report:?}");
     assert!(report.max_expert_tokens > report.min_expert_tokens, "{family}: {report:?}");
     padding_is_left_out_as_transformers_leaves_it_out(&py, family, &dir, work.path(), report.aux_loss);
-    family_matches_transformers(family, 24);
+    family_matches_transformers(family, new_tokens);
 }
 
 /// With the second row's last five positions padding (`transformers`' `attention_mask`, a
@@ -447,21 +448,21 @@ fn padding_is_left_out_as_transformers_leaves_it_out(py: &Path, family: &str, di
 /// Mixtral: every layer's 4 experts under Mixtral's names, top 2 renormalised.
 #[test]
 fn mixtral_matches_transformers() {
-    experts_match_transformers("mixtral", 4);
+    experts_match_transformers("mixtral", 4, 24);
 }
 
 /// Qwen2-MoE: a gated shared expert beside the routed ones, unnormalised top-k weights,
 /// attention biases, a dense layer among the sparse ones (`mlp_only_layers`).
 #[test]
 fn qwen2_moe_matches_transformers() {
-    experts_match_transformers("qwen2-moe", 4);
+    experts_match_transformers("qwen2-moe", 4, 24);
 }
 
 /// Qwen3-MoE: 16 experts, top 4 renormalised, per-head query/key norms, every other layer
 /// sparse (`decoder_sparse_step`).
 #[test]
 fn qwen3_moe_matches_transformers() {
-    experts_match_transformers("qwen3-moe", 16);
+    experts_match_transformers("qwen3-moe", 16, 24);
 }
 
 /// The router z-loss (a folder's `router_z_loss_coef`) trains the routers beside the
@@ -485,7 +486,7 @@ fn the_router_z_loss_trains_as_autograd_computes_it() {
 /// OLMoE: query and key norms over whole projections, clipped projections, 8 experts.
 #[test]
 fn olmoe_matches_transformers() {
-    experts_match_transformers("olmoe", 8);
+    experts_match_transformers("olmoe", 8, 24);
 }
 
 /// DeepSeek-V3: latent attention (low-rank queries, interleaved rotated pairs, YaRN's
@@ -494,7 +495,7 @@ fn olmoe_matches_transformers() {
 /// folder written back, and greedy generation from a cache of latents.
 #[test]
 fn deepseek_v3_matches_transformers() {
-    family_matches_transformers("deepseek-v3", 24);
+    family_matches_transformers("deepseek-v3", 32);
 }
 
 /// DeepSeek-V3 with one query projection, rotated halves, unscaled rotation, a tied head,
@@ -508,7 +509,7 @@ fn deepseek_v3_with_one_query_projection_matches_transformers() {
 /// attention with half-turned heads, query/key norms and query/key/value biases.
 #[test]
 fn glm4_moe_matches_transformers() {
-    family_matches_transformers("glm4-moe", 24);
+    family_matches_transformers("glm4-moe", 32);
 }
 
 /// gpt-oss: attention sinks, biases everywhere, sliding and full layers alternating, YaRN,
@@ -516,7 +517,7 @@ fn glm4_moe_matches_transformers() {
 /// stacked again on save).
 #[test]
 fn gpt_oss_matches_transformers() {
-    experts_match_transformers("gpt-oss", 4);
+    experts_match_transformers("gpt-oss", 4, 32);
 }
 
 /// gpt-oss's released MXFP4 experts: a folder whose expert stacks are MXFP4 blocks and
