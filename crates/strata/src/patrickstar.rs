@@ -334,7 +334,7 @@ impl PatrickStarEngine {
         let dropout = crate::train::batch_draw(0, s.optimizer.steps_taken() + 1, batch);
         crate::train::set_rows(&mut s.engine, batch, Some(dropout));
         let output = s.engine.forward(&batch.inputs)?;
-        s.engine.compute_loss(|| (s.loss)(&output, batch))
+        crate::train::training_loss(&s.engine, &s.loss, &output, batch)
     }
 
     /// Backward from `loss` (multiplied by the loss scale where `fp16` scales it); gradients

@@ -211,24 +211,28 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
 /// choice bias among groups, shared experts) also split by tensor and sequence parallel
 /// (each rank expands its heads from the latent; the down projections' gradients are
 /// summed over the tensor group), GLM-4.5, and gpt-oss (sinks and biased experts) also by
-/// tensor parallel (the sinks split with their heads).
+/// tensor parallel (the sinks split with their heads) and, alone, with its states offloaded
+/// by the automatic policy (whose measuring pass trains through the load-balancing loss).
 #[test]
 fn frontier_families_train_sharded_split_and_staged_as_one_process() {
     let Some(py) = python() else { return };
     let experts = r#"[["expert_parallel", {"size": 2}]]"#;
-    let common_layouts = [("fsdp", "1", r#"["fsdp"]"#), ("experts 2", "1", experts), ("pipeline 2", "2", PIPELINE)];
+    let offload = r#"[["offload", {"policy": "auto"}]]"#;
+    // (name, ranks, micro-batches each, strategy): every run takes 8 rows a step.
+    let common_layouts =
+        [("fsdp", "2", "1", r#"["fsdp"]"#), ("experts 2", "2", "1", experts), ("pipeline 2", "2", "2", PIPELINE)];
     for (family, own) in [
-        ("deepseek-v3", Some(("sequence 2", "2", SEQUENCE))),
-        ("glm4-moe", None),
-        ("gpt-oss", Some(("tensor 2", "2", TENSOR))),
+        ("deepseek-v3", &[("sequence 2", "2", "2", SEQUENCE)][..]),
+        ("glm4-moe", &[][..]),
+        ("gpt-oss", &[("tensor 2", "2", "2", TENSOR), ("offload auto", "1", "2", offload)][..]),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let (folder, train, _) = setup(&py, dir.path(), family);
         let files = ["--model-dir", s(&folder), "--token-file", s(&train)];
         let flags = ["--ctx", "16", "--batch-size", "4", "--lr", "0.01", "--threads", "1", "--schedule", "constant"];
         let one = common::train_run(dir.path(), "one", 4, &[&files, &flags, &["--accumulation", "2"]]);
-        for (name, micro, strategy) in common_layouts.iter().copied().chain(own) {
-            let extra = ["--nproc", "2", "--accumulation", micro, "--strategy", strategy];
+        for &(name, ranks, micro, strategy) in common_layouts.iter().chain(own) {
+            let extra = ["--nproc", ranks, "--accumulation", micro, "--strategy", strategy];
             let run = common::train_run(dir.path(), name, 4, &[&files, &flags, &extra]);
             // Experts that take a token or two get gradients near AdamW's epsilon, whose
             // normalised steps carry the split sums' rounding up to ~1e-5 of the weights (a

@@ -356,7 +356,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     crate::train::set_rows(&mut engine, batch, Some(crate::train::first_step_draw(batch)));
     let out = engine.forward(&(bench.feed.input)(batch)?)?;
     let loss = bench.feed.loss_of(&engine);
-    engine.backward(&engine.compute_loss(|| loss(&out, batch))?)?;
+    engine.backward(&crate::train::training_loss(&engine, &loss, &out, batch)?)?;
     let step_seconds = start.elapsed().as_secs_f64();
     let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let ledger_peak = engine.ledger().report().get(&crate::engine::Placement::Device).map_or(0, |r| r.peak);

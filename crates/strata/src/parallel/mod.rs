@@ -470,7 +470,8 @@ pub fn measure_non_model(
     for (i, batch) in step.micro_batches.iter().enumerate() {
         crate::train::set_rows(&mut engine, batch, Some(crate::train::first_step_draw(batch)));
         let output = engine.forward(&(feed.input)(batch)?)?;
-        let weighted = engine.compute_loss(|| loss(&output, batch))?.f_mul_scalar(step.loss_weight(i))?;
+        let weighted =
+            crate::train::training_loss(&engine, &loss, &output, batch)?.f_mul_scalar(step.loss_weight(i))?;
         engine.backward(&weighted)?;
     }
     Ok(trace.peaks())

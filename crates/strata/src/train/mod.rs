@@ -269,6 +269,18 @@ pub(crate) fn first_step_draw(batch: &Batch) -> DropoutDraw {
     batch_draw(0, 1, batch)
 }
 
+/// The loss a training step's backward starts from: `loss` of `engine`'s `output` for
+/// `batch`, with the last unit's module replacements, plus the load-balancing and z-loss
+/// term where a mixture of experts routed the forward (its routers train through it; a
+/// backward without it is refused).
+pub(crate) fn training_loss(engine: &Engine, loss: &LossFn, output: &Tensor, batch: &Batch) -> Result<Tensor> {
+    let scored = engine.compute_loss(|| loss(output, batch))?;
+    Ok(match engine.routed().and_then(|r| r.loss_term.as_ref()) {
+        Some(term) => scored.f_add(&term.f_to_device(scored.device())?)?,
+        None => scored,
+    })
+}
+
 /// Readies `engine`'s next forwards for `batch`'s rows: their layout, their padding, and the
 /// draw of their dropout masks where they train (`None`: they do not).
 pub(crate) fn set_rows(engine: &mut Engine, batch: &Batch, dropout: Option<DropoutDraw>) {

@@ -62,12 +62,7 @@ impl StepExecutor for SinglePart {
             super::set_rows(engine, batch, Some(input.dropout(batch)));
             let output = engine.forward(&(input.input)(batch)?)?;
             crate::fault::point("backward", input.number)?;
-            let loss = engine.compute_loss(|| (input.loss)(&output, batch))?;
-            // A mixture of experts trains its routers through the load-balancing loss too.
-            let loss = match engine.routed().and_then(|r| r.loss_term.as_ref()) {
-                Some(term) => loss.f_add(&term.f_to_device(loss.device())?)?,
-                None => loss,
-            };
+            let loss = super::training_loss(engine, input.loss, &output, batch)?;
             engine.backward(&input.weights.weigh(i, &loss, input.scale)?)?;
             losses.push(loss.f_detach()?);
         }

@@ -517,22 +517,15 @@ impl PipelineExecutor {
                     }
                     let kept = if stage == last {
                         let engine = &mut parts[chunk].engine;
-                        let loss = engine.compute_loss(|| (input.loss)(&out, batch))?;
                         // A mixture of experts trains its routers through the load-balancing
                         // loss too, closed here over every stage's routing.
                         if balance.is_some() {
                             engine.close_routing(micro, sums_in.remove(&(micro, chunk)))?;
                         }
-                        let loss = match engine.routed() {
-                            Some(r) => {
-                                routed = Some(r.report);
-                                match &r.loss_term {
-                                    Some(term) => loss.f_add(&term.f_to_device(loss.device())?)?,
-                                    None => loss,
-                                }
-                            }
-                            None => loss,
-                        };
+                        let loss = crate::train::training_loss(engine, input.loss, &out, batch)?;
+                        if let Some(r) = engine.routed() {
+                            routed = Some(r.report);
+                        }
                         losses[micro] = Some(loss.f_detach()?);
                         // Weighted by the micro-batch's share of the global batch's
                         // supervised tokens, as one process weighs it, times the loss scale.
