@@ -222,6 +222,15 @@ def decoder_families():
             num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.3, tie_word_embeddings=False,
             router_aux_loss_coef=0.02, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 500.0})),
+        # Qwen3-Next: Gated DeltaNet linear attention (two key heads serving four value
+        # heads) on half the layers, gated full attention with a quarter-turned head on the
+        # others, zero-centred norms, experts with a gated shared expert, one layer dense.
+        "qwen3-next": lambda: (tf.Qwen3NextForCausalLM, tf.Qwen3NextConfig(
+            **common, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, moe_intermediate_size=12,
+            shared_expert_intermediate_size=20, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+            mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False, router_aux_loss_coef=0.02,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
@@ -410,8 +419,10 @@ def dropout_sites(model):
             at(model.dropout, ("head", 0))
     elif hasattr(model, "model") and hasattr(model.model, "layers"):
         # The decoder families drop their attention probabilities alone.
+        # (Qwen3-Next's linear attention layers drop nothing.)
         for i, layer in enumerate(model.model.layers):
-            at(layer.self_attn, (f"model.layers.{i}", 0))
+            if hasattr(layer, "self_attn"):
+                at(layer.self_attn, (f"model.layers.{i}", 0))
     elif kind == "t5":
         for name, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
             last = f"{name}.block.{len(stack.block) - 1}" if name == "encoder" else "head"

@@ -2,7 +2,7 @@
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
 //! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`, and with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
-//! attention sinks), and with latent
+//! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention), and with latent
 //! attention ([`super::latent`]) too for `deepseek_v3`; [`super::bert`] for `bert`, as a
 //! sequence classifier or a masked language model by its architecture; [`super::t5`] for
 //! `t5`) and written back from one, and each family's parameter names and layouts.
@@ -12,6 +12,7 @@
 //! names, the tokenizer) and the mapping of names. Must not read tensors or touch an
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::latent::LatentConfig;
+use super::linear::LinearAttentionConfig;
 use super::llama::{Activation, LayerAttention, NormKind};
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{Rope, RopeScaling};
@@ -74,6 +75,9 @@ pub enum Family {
     /// gpt-oss (`gpt_oss`): attention sinks and biases, alternating sliding and full
     /// layers, YaRN, experts with biases and a clamped SwiGLU, stacked on disk.
     GptOss,
+    /// Qwen3-Next (`qwen3_next`): Gated DeltaNet linear attention on most layers, gated
+    /// full attention on the others, zero-centred norms, Qwen2-MoE's experts.
+    Qwen3Next,
     /// BERT (`bert`), as a sequence classifier or a masked language model.
     Bert,
     /// T5 (`t5`): the encoder–decoder of [`super::t5`].
@@ -83,7 +87,7 @@ pub enum Family {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 17] = [
+const FAMILIES: [Family; 18] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -99,6 +103,7 @@ const FAMILIES: [Family; 17] = [
     Family::DeepseekV3,
     Family::Glm4Moe,
     Family::GptOss,
+    Family::Qwen3Next,
     Family::Bert,
     Family::T5,
 ];
@@ -122,6 +127,7 @@ impl Family {
             Family::DeepseekV3 => "deepseek_v3",
             Family::Glm4Moe => "glm4_moe",
             Family::GptOss => "gpt_oss",
+            Family::Qwen3Next => "qwen3_next",
             Family::Bert => "bert",
             Family::T5 => "t5",
         }
@@ -151,6 +157,7 @@ impl Family {
             Family::DeepseekV3 => "DeepseekV3ForCausalLM",
             Family::Glm4Moe => "Glm4MoeForCausalLM",
             Family::GptOss => "GptOssForCausalLM",
+            Family::Qwen3Next => "Qwen3NextForCausalLM",
             Family::T5 => "T5ForConditionalGeneration",
         }
     }
@@ -171,7 +178,7 @@ impl Family {
             Family::Mixtral => Family::Mistral,
             Family::Qwen2Moe => Family::Qwen2,
             Family::Qwen3Moe => Family::Qwen3,
-            Family::Olmoe | Family::DeepseekV3 | Family::Glm4Moe | Family::GptOss => Family::Llama,
+            Family::Olmoe | Family::DeepseekV3 | Family::Glm4Moe | Family::GptOss | Family::Qwen3Next => Family::Llama,
             dense => dense,
         }
     }
@@ -213,6 +220,7 @@ impl Family {
         if let Some(moe) = &c.moe {
             return Ok(match c {
                 c if c.latent.is_some() => Family::DeepseekV3,
+                c if c.linear_attention.is_some() => Family::Qwen3Next,
                 _ if moe.names == ExpertNames::Stacked => Family::GptOss,
                 _ if deepseek_routing(moe) => Family::Glm4Moe,
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
@@ -246,7 +254,7 @@ impl Family {
             (moe.is_some() != self.has_experts(), "experts"),
             (
                 moe.is_some_and(|m| m.shared_expert_dim.is_some())
-                    && !(self == Family::Qwen2Moe || self.routes_like_deepseek()),
+                    && !(matches!(self, Family::Qwen2Moe | Family::Qwen3Next) || self.routes_like_deepseek()),
                 "a shared expert",
             ),
             (
@@ -285,14 +293,19 @@ impl Family {
                 "gpt-oss's experts",
             ),
             (self == Family::GptOss && c.qkv_bias != c.o_bias, "a bias on some attention projections alone"),
+            (
+                (c.linear_attention.is_some() || c.attention_output_gate) != (self == Family::Qwen3Next),
+                "linear attention and gated attention outputs",
+            ),
         ];
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
-        let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3) || olmoe;
+        let next = self == Family::Qwen3Next;
+        let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3) || olmoe || next;
         let glm = self == Family::Glm4Moe;
         let needs = [
             (c.fused_projections != (dense == Family::Phi3), "fused projections"),
-            ((c.norm == NormKind::PlusOne) != gemma, "Gemma's norms"),
+            ((c.norm == NormKind::PlusOne) != (gemma || next), "zero-centred norms"),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
             (c.sandwich_norms != gemma || c.scale_embeddings != gemma, "sandwich norms and scaled embeddings"),
             (c.qk_norm != qk_norm_family && !glm, "query/key norms"),
@@ -309,7 +322,7 @@ impl Family {
                     ),
                 "attention biases",
             ),
-            (c.partial_rotary != 1.0 && dense != Family::Phi3 && !glm, "a partial rotation"),
+            (c.partial_rotary != 1.0 && dense != Family::Phi3 && !glm && !next, "a partial rotation"),
             (c.sliding_window.is_some() && dense == Family::Llama && self != Family::GptOss, "a sliding window"),
             (
                 c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
@@ -516,7 +529,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             p[key] = value.clone();
         }
         // GLM-4.5 turns half of each head where its keys say nothing.
-        if r.partial != 1.0 || family == Family::Glm4Moe {
+        if r.partial != 1.0 || matches!(family, Family::Glm4Moe | Family::Qwen3Next) {
             p["partial_rotary_factor"] = json!(r.partial);
         }
         if let Some(latent) = c.latent.as_ref().filter(|l| l.mscale_all_dim > 0.0) {
@@ -570,6 +583,17 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     if family == Family::GptOss {
         v["sliding_window"] = json!(c.sliding_window.filter(|_| sliding));
         v["layer_types"] = json!(layer_types);
+    }
+    if let Some(l) = &c.linear_attention {
+        let types: Vec<&str> = (0..c.layers as usize)
+            .map(|i| if c.is_linear(i) { "linear_attention" } else { "full_attention" })
+            .collect();
+        v["layer_types"] = json!(types);
+        v["linear_num_key_heads"] = json!(l.key_heads);
+        v["linear_num_value_heads"] = json!(l.value_heads);
+        v["linear_key_head_dim"] = json!(l.key_dim);
+        v["linear_value_head_dim"] = json!(l.value_dim);
+        v["linear_conv_kernel_dim"] = json!(l.conv_kernel);
     }
     if let Some(l) = &c.latent {
         v["q_lora_rank"] = json!(l.q_rank);
@@ -641,8 +665,10 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
             v["decoder_sparse_step"] = json!(moe.sparse_step);
             v["mlp_only_layers"] = json!(moe.dense_layers);
             if family == Family::Qwen2Moe {
-                v["shared_expert_intermediate_size"] = json!(moe.shared_expert_dim.unwrap_or(0));
                 v["qkv_bias"] = json!(c.qkv_bias);
+            }
+            if matches!(family, Family::Qwen2Moe | Family::Qwen3Next) {
+                v["shared_expert_intermediate_size"] = json!(moe.shared_expert_dim.unwrap_or(0));
             }
         }
     }
@@ -1037,6 +1063,7 @@ impl Keys<'_> {
         let olmoe = family == Family::Olmoe;
         let glm = family == Family::Glm4Moe;
         let gpt_oss = family == Family::GptOss;
+        let next = family == Family::Qwen3Next;
         let latent = if family == Family::DeepseekV3 { Some(self.latent()?) } else { None };
         // A mixture of experts' attention and windows are those of the family it grew from.
         let family = family.dense();
@@ -1084,13 +1111,23 @@ impl Keys<'_> {
         // GLM-4.5 turns half of each head where its keys say nothing.
         let partial_given = self.cfg.contains_key("partial_rotary_factor")
             || self.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor")).is_some();
-        let rope = Rope { partial: if glm && !partial_given { 0.5 } else { rope.partial }, ..rope };
+        let partial = match (glm, next) {
+            _ if partial_given => rope.partial,
+            (true, _) => 0.5,
+            (_, true) => 0.25,
+            _ => rope.partial,
+        };
+        let rope = Rope { partial, ..rope };
         // Dynamic scaling stretches the context it was trained at by its factor.
         let ctx = match rope.scaling {
             RopeScaling::Dynamic { factor, .. } if factor > 1.0 => (max_positions as f64 * factor) as i64,
             _ => max_positions,
         };
-        let (sliding_window, layer_types) = self.windows(if gpt_oss { Family::GptOss } else { family }, layers)?;
+        let (sliding_window, layer_types) = match (gpt_oss, next) {
+            (true, _) => self.windows(Family::GptOss, layers)?,
+            (_, true) => (None, Some(self.linear_layers(layers)?)),
+            _ => self.windows(family, layers)?,
+        };
         self.note_dropout(&["resid_pdrop", "embd_pdrop"])?;
         let softcap = |key: &str, default: Option<f64>| -> KeyResult<Option<f64>> {
             Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
@@ -1108,10 +1145,11 @@ impl Keys<'_> {
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: family != Family::Qwen2 && !glm && attention_bias,
             head_dim,
-            norm: if gemma { NormKind::PlusOne } else { NormKind::Weighted },
+            norm: if gemma || next { NormKind::PlusOne } else { NormKind::Weighted },
             activation,
             qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3)
                 || olmoe
+                || next
                 || (glm && self.flag("use_qk_norm")?.unwrap_or(false)),
             qk_norm_whole: olmoe,
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
@@ -1130,11 +1168,48 @@ impl Keys<'_> {
             padding_token: self.int("pad_token_id")?,
             moe,
             attention_sinks: gpt_oss,
+            attention_output_gate: next,
+            linear_attention: if next { Some(self.linear_attention()?) } else { None },
             latent,
             // The decoder families' own default is no dropout.
             dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, ..DropoutRates::NONE },
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
         })
+    }
+
+    /// Qwen3-Next's Gated DeltaNet sizes (with `transformers`' defaults).
+    fn linear_attention(&self) -> KeyResult<LinearAttentionConfig> {
+        Ok(LinearAttentionConfig {
+            key_heads: self.int("linear_num_key_heads")?.unwrap_or(16),
+            value_heads: self.int("linear_num_value_heads")?.unwrap_or(32),
+            key_dim: self.int("linear_key_head_dim")?.unwrap_or(128),
+            value_dim: self.int("linear_value_head_dim")?.unwrap_or(128),
+            conv_kernel: self.int("linear_conv_kernel_dim")?.unwrap_or(4),
+        })
+    }
+
+    /// Qwen3-Next's layer types: `linear_attention` or `full_attention` each, as listed or,
+    /// where absent, every `full_attention_interval`-th layer full (4 by default).
+    fn linear_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
+        match self.get("layer_types") {
+            Some(Value::Array(types)) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("linear_attention") => Ok(LayerAttention::Linear),
+                    Some("full_attention") => Ok(LayerAttention::Full),
+                    _ => Err(format!(
+                        "config.json: layer_types holds {t}, not supported (linear_attention or full_attention)"
+                    )),
+                })
+                .collect(),
+            Some(other) => Err(format!("config.json: layer_types is not a list ({other})")),
+            None => {
+                let every = self.int("full_attention_interval")?.unwrap_or(4).max(1);
+                Ok((0..layers)
+                    .map(|i| if (i + 1) % every == 0 { LayerAttention::Full } else { LayerAttention::Linear })
+                    .collect())
+            }
+        }
     }
 
     /// DeepSeek-V3's latent attention, as its keys name it (and `transformers` defaults them).
@@ -1176,7 +1251,7 @@ impl Keys<'_> {
             Family::Olmoe => (self.required("intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
             _ => (self.required("moe_intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
         };
-        let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe);
+        let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe | Family::Qwen3Next);
         let dense_layers = match self.get("mlp_only_layers").filter(|_| qwen) {
             Some(Value::Array(layers)) => layers
                 .iter()
@@ -1188,7 +1263,7 @@ impl Keys<'_> {
             None => vec![],
         };
         let shared_expert_dim = match family {
-            Family::Qwen2Moe => self.int("shared_expert_intermediate_size")?.filter(|&d| d > 0),
+            Family::Qwen2Moe | Family::Qwen3Next => self.int("shared_expert_intermediate_size")?.filter(|&d| d > 0),
             _ => None,
         };
         Ok(Some(MoeConfig {

@@ -249,7 +249,7 @@ fn fused_add_norm(
 }
 
 /// `x / rms(x)` over the last dimension, in x's dtype.
-fn rms_normalized(x: &Tensor, eps: f64) -> Result<Tensor> {
+pub(crate) fn rms_normalized(x: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.f_square()?.f_mean_dim(-1, true, None)?;
     Ok(x.f_mul(&ms.f_add_scalar(eps)?.f_rsqrt()?)?)
 }

@@ -26,6 +26,7 @@ use super::layers::{
     add_rms_norm, attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product, rms_norm_plus_one,
     split_heads, swiglu, vocab_logits, AttentionOptions, ScoreTerms,
 };
+use super::linear::{GatedDeltaNet, LinearAttentionConfig};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{Placed, Rope, RopeScaling, Rotation};
 use super::{
@@ -67,6 +68,8 @@ pub enum LayerAttention {
     Full,
     /// The `sliding_window` positions ending at the query.
     Sliding,
+    /// Gated DeltaNet linear attention in place of softmax attention ([`super::linear`]).
+    Linear,
 }
 
 /// The decoder's configuration: LLaMA's layout and the options its descendants add
@@ -165,6 +168,15 @@ pub struct LlamaConfig {
     /// (gpt-oss's attention sinks, `self_attn.sinks`).
     #[serde(default)]
     pub attention_sinks: bool,
+    /// The sizes of the linear attention of the layers `layer_types` marks `linear`
+    /// (Qwen3-Next's Gated DeltaNet).
+    #[serde(default)]
+    pub linear_attention: Option<LinearAttentionConfig>,
+    /// Each head's attention output is scaled by the sigmoid of a gate the query projection
+    /// gives beside the query (`q_proj` twice as wide: per head its query, then its gate;
+    /// Qwen3-Next's full attention).
+    #[serde(default)]
+    pub attention_output_gate: bool,
     /// DeepSeek's latent attention in place of query, key and value heads ([`super::latent`]):
     /// `head_dim`, `kv_heads`, fused projections and query/key norms then do not apply,
     /// and `qkv_bias` puts biases on its down projections.
@@ -217,6 +229,8 @@ impl LlamaConfig {
             padding_token: None,
             moe: None,
             attention_sinks: false,
+            linear_attention: None,
+            attention_output_gate: false,
             latent: None,
             dropout: DropoutRates::NONE,
         }
@@ -230,6 +244,12 @@ impl LlamaConfig {
     /// The rotation of global layers.
     pub fn rope(&self) -> Rope {
         Rope { theta: self.rope_theta, scaling: self.rope_scaling.clone(), partial: self.partial_rotary }
+    }
+
+    /// Whether layer `layer` runs linear attention in place of softmax attention.
+    pub fn is_linear(&self, layer: usize) -> bool {
+        self.linear_attention.is_some()
+            && self.layer_types.as_ref().is_some_and(|t| t.get(layer) == Some(&LayerAttention::Linear))
     }
 
     /// Layer `layer`'s sliding window, if it has one.
@@ -327,6 +347,18 @@ impl LlamaConfig {
                 return Err(Error::Config("a mixture of experts has no fused gate_up_proj".into()));
             }
         }
+        if let Some(linear) = &self.linear_attention {
+            linear.validate()?;
+        }
+        let linear_layers = self.layer_types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Linear));
+        if linear_layers != self.linear_attention.is_some() {
+            return Err(Error::Config(
+                "linear attention needs both its sizes and the layers layer_types marks linear_attention".into(),
+            ));
+        }
+        if self.attention_output_gate && (self.fused_projections || self.latent.is_some()) {
+            return Err(Error::Config("an attention output gate takes separate query projections".into()));
+        }
         if self.qk_norm_whole && !self.qk_norm {
             return Err(Error::Config("qk_norm_whole says how query/key norms apply, and qk_norm is off".into()));
         }
@@ -405,6 +437,10 @@ impl Kinds {
     }
 }
 
+/// Queries, keys and values `[B, H, T, D]`, and the heads' output gates `[B, T, H·D]` where
+/// there are some.
+type Projected = (Tensor, Tensor, Tensor, Option<Tensor>);
+
 /// How a block's attention makes its queries, keys and values.
 enum HeadInputs {
     /// Query heads and grouped key/value heads, each projected from the hidden states.
@@ -425,23 +461,37 @@ struct GroupedHeads {
     head_dim: i64,
     rotation: Rotation,
     kinds: Kinds,
+    /// The query projection gives each head's output gate after its query.
+    output_gate: bool,
+}
+
+/// A block's softmax attention: how it makes queries, keys and values, its output
+/// projection, sinks and options.
+struct AttentionMixer {
+    inputs: HeadInputs,
+    o: Dense,
+    /// Each head's sink logit, where the family has them.
+    sinks: Option<ParamId>,
+    options: AttentionOptions,
+    /// Dropout of the attention probabilities (site 0).
+    dropout: f64,
+}
+
+/// What mixes a block's positions: softmax attention or linear attention.
+enum Mixer {
+    Attention(Box<AttentionMixer>),
+    Linear(GatedDeltaNet),
 }
 
 struct LlamaBlock {
     input_norm: ParamId,
-    inputs: HeadInputs,
-    o: Dense,
+    mixer: Mixer,
     /// Norm of the attention's output before the residual add (sandwich norms).
     post_attention_norm: Option<ParamId>,
     feed_forward_norm: ParamId,
     feed_forward: FeedForward,
     post_feed_forward_norm: Option<ParamId>,
     heads: i64,
-    attention: AttentionOptions,
-    /// Each head's sink logit, where the family has them.
-    sinks: Option<ParamId>,
-    /// Dropout of the attention probabilities (site 0).
-    attention_dropout: f64,
     kinds: Kinds,
 }
 
@@ -457,21 +507,36 @@ impl Unit for LlamaBlock {
     }
     fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
         divides_heads(tp, "heads", self.heads)?;
-        match &self.inputs {
-            HeadInputs::Grouped(g) if g.qk_norm_whole && tp > 1 => {
-                Err(Error::Config("query/key norms over whole projections do not split over tensor ranks".into()))
+        match &self.mixer {
+            Mixer::Linear(_) if tp > 1 => {
+                Err(Error::Config("linear attention does not split over tensor ranks".into()))
             }
-            HeadInputs::Grouped(g) => divides_heads(tp, "key/value heads", g.kv_heads),
-            HeadInputs::Latent(_) => Ok(()),
+            Mixer::Linear(_) => Ok(()),
+            Mixer::Attention(a) => match &a.inputs {
+                HeadInputs::Grouped(g) if g.qk_norm_whole && tp > 1 => {
+                    Err(Error::Config("query/key norms over whole projections do not split over tensor ranks".into()))
+                }
+                HeadInputs::Grouped(g) => divides_heads(tp, "key/value heads", g.kv_heads),
+                HeadInputs::Latent(_) => Ok(()),
+            },
         }
     }
 }
 
 impl GroupedHeads {
-    /// This rank's queries, keys and values `[B, H, T, D]` of the normed input `h`.
-    fn project(&self, p: &Params<'_>, h: &Tensor, heads: i64, kv_heads: i64) -> Result<(Tensor, Tensor, Tensor)> {
+    /// This rank's queries, keys and values `[B, H, T, D]` of the normed input `h`, and the
+    /// heads' output gates `[B, T, H·D]` where the queries' projection gives them.
+    fn project(&self, p: &Params<'_>, h: &Tensor, heads: i64, kv_heads: i64) -> Result<Projected> {
         let dense = |(w, b): Dense| p.linear(h, w, b);
+        let mut gate = None;
         let (q, k, v) = match self.qkv {
+            QkvProjection::Apart { q, k, v } if self.output_gate => {
+                let both = dense(q)?;
+                let (b, t) = (both.size()[0], both.size()[1]);
+                let both = both.f_view([b, t, heads, 2 * self.head_dim])?;
+                gate = Some(both.f_narrow(-1, self.head_dim, self.head_dim)?.f_reshape([b, t, -1])?);
+                (both.f_narrow(-1, 0, self.head_dim)?.f_reshape([b, t, -1])?, dense(k)?, dense(v)?)
+            }
             QkvProjection::Apart { q, k, v } => (dense(q)?, dense(k)?, dense(v)?),
             QkvProjection::Fused(w) => {
                 let (q, kv) = (heads * self.head_dim, kv_heads * self.head_dim);
@@ -494,9 +559,9 @@ impl GroupedHeads {
             (split_heads(&clip(q)?, heads)?, split_heads(&clip(k)?, kv_heads)?, split_heads(&clip(v)?, kv_heads)?);
         match self.qk_norms {
             Some((qn, kn)) if !self.qk_norm_whole => {
-                Ok((self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?, v))
+                Ok((self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?, v, gate))
             }
-            _ => Ok((q, k, v)),
+            _ => Ok((q, k, v, gate)),
         }
     }
 
@@ -511,9 +576,9 @@ impl GroupedHeads {
         placed: Placed<'_>,
         cache: Option<&mut DecodeCache>,
         window: Option<i64>,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<Projected> {
         let kv_heads = self.kv_heads / p.tp().size();
-        let (q, k, v) = self.project(p, h, heads, kv_heads)?;
+        let (q, k, v, gate) = self.project(p, h, heads, kv_heads)?;
         let (q, k) = self.rotation.rotate_placed(&q, &k, placed)?;
         let (k, v) = match cache {
             Some(c) => {
@@ -528,9 +593,9 @@ impl GroupedHeads {
         // Each key/value head serves `heads / kv_heads` adjacent query heads.
         let group = heads / kv_heads;
         Ok(if group > 1 {
-            (q, k.f_repeat_interleave_self_int(group, 1, None)?, v.f_repeat_interleave_self_int(group, 1, None)?)
+            (q, k.f_repeat_interleave_self_int(group, 1, None)?, v.f_repeat_interleave_self_int(group, 1, None)?, gate)
         } else {
-            (q, k, v)
+            (q, k, v, gate)
         })
     }
 }
@@ -545,20 +610,40 @@ impl LlamaBlock {
         let heads = self.heads / tp.size();
         let start = cache.as_ref().map_or(0, |c| c.position());
         let h = tp.enter(&self.kinds.norm_into_product(x, &p[self.input_norm])?)?;
-        let packed = p.layout().filter(|_| cache.is_none());
-        let placed = match packed {
-            Some(layout) => Placed::Packed(&layout.positions),
-            None => Placed::After(start),
+        let attended = match &self.mixer {
+            Mixer::Linear(linear) => {
+                if p.layout().is_some() && cache.is_none() {
+                    return Err(Error::Config(
+                        "linear attention takes no packed rows: its state would carry from one example to the next"
+                            .into(),
+                    ));
+                }
+                linear.forward(p, &h, cache)?
+            }
+            Mixer::Attention(a) => {
+                let packed = p.layout().filter(|_| cache.is_none());
+                let placed = match packed {
+                    Some(layout) => Placed::Packed(&layout.positions),
+                    None => Placed::After(start),
+                };
+                let (q, k, v, gate) = match &a.inputs {
+                    HeadInputs::Grouped(g) => g.queries_keys_values(p, &h, heads, placed, cache, a.options.window)?,
+                    HeadInputs::Latent(l) => {
+                        let (q, k, v) = l.queries_keys_values(p, &h, heads, placed, cache)?;
+                        (q, k, v, None)
+                    }
+                };
+                let hidden = other_examples(packed)?;
+                let probs = p.dropping_heads(a.dropout, 0, heads);
+                let terms = ScoreTerms { bias: None, sinks: a.sinks.map(|s| &p[s]) };
+                let y = merge_heads(&attention(&q, &k, &v, &a.options, hidden.as_ref(), terms, probs.as_ref())?)?;
+                let y = match gate {
+                    Some(gate) => y.f_mul(&gate.f_sigmoid()?)?,
+                    None => y,
+                };
+                p.row_linear(&y, a.o.0, a.o.1)?
+            }
         };
-        let (q, k, v) = match &self.inputs {
-            HeadInputs::Grouped(g) => g.queries_keys_values(p, &h, heads, placed, cache, self.attention.window)?,
-            HeadInputs::Latent(l) => l.queries_keys_values(p, &h, heads, placed, cache)?,
-        };
-        let hidden = other_examples(packed)?;
-        let probs = p.dropping_heads(self.attention_dropout, 0, heads);
-        let terms = ScoreTerms { bias: None, sinks: self.sinks.map(|s| &p[s]) };
-        let y = merge_heads(&attention(&q, &k, &v, &self.attention, hidden.as_ref(), terms, probs.as_ref())?)?;
-        let attended = p.row_linear(&y, self.o.0, self.o.1)?;
         let (x, h) = self.kinds.add_norm(
             x,
             &self.post_norm(p, self.post_attention_norm, attended)?,
@@ -651,14 +736,20 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     for i in 0..cfg.layers {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());
-        // Latent attention declares its own projections; the others project whole heads.
-        let (latent, qkv, attended_width) = match &cfg.latent {
-            Some(l) => {
-                let attention = LatentAttention::declare(&mut u, &name, l, d, heads, cfg.qkv_bias, cfg.rope());
-                (Some(attention), None, heads * l.value_dim)
+        let layer = i as usize;
+        // Linear and latent attention declare their own projections; the others project
+        // whole heads (with each head's output gate beside its query where there is one).
+        let (linear, latent, qkv, attended_width) = match (&cfg.linear_attention, &cfg.latent) {
+            (Some(l), _) if cfg.is_linear(layer) => {
+                (Some(GatedDeltaNet::declare(&mut u, &name, l, d, cfg.norm_eps)), None, None, 0)
             }
-            None => (None, Some(()), q_out),
+            (_, Some(l)) => {
+                let attention = LatentAttention::declare(&mut u, &name, l, d, heads, cfg.qkv_bias, cfg.rope());
+                (None, Some(attention), None, heads * l.value_dim)
+            }
+            _ => (None, None, Some(()), q_out),
         };
+        let q_rows = if cfg.attention_output_gate { 2 * q_out } else { q_out };
         let mut w = |suffix: &str, shape: &[i64], tp| u.linear(format!("{name}.{suffix}"), shape, normal, tp);
         let qkv = qkv.map(|()| {
             if cfg.fused_projections {
@@ -666,14 +757,14 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 QkvProjection::Fused(w("self_attn.qkv_proj.weight", &[q_out + 2 * kv_out, d], role))
             } else {
                 let (q, k, v) = (
-                    w("self_attn.q_proj.weight", &[q_out, d], TpRole::COLUMN),
+                    w("self_attn.q_proj.weight", &[q_rows, d], TpRole::COLUMN),
                     w("self_attn.k_proj.weight", &[kv_out, d], TpRole::COLUMN),
                     w("self_attn.v_proj.weight", &[kv_out, d], TpRole::COLUMN),
                 );
                 QkvProjection::Apart { q: (q, None), k: (k, None), v: (v, None) }
             }
         });
-        let o = w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row);
+        let o = linear.is_none().then(|| w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row));
         let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
         let feed_forward = match sparse {
             Some((moe, balance)) => {
@@ -700,21 +791,21 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         };
         let qkv = qkv.map(|qkv| match qkv {
             QkvProjection::Apart { q, k, v } => QkvProjection::Apart {
-                q: (q.0, bias("q_proj", q_out, TpRole::COLUMN, cfg.qkv_bias)),
+                q: (q.0, bias("q_proj", q_rows, TpRole::COLUMN, cfg.qkv_bias)),
                 k: (k.0, bias("k_proj", kv_out, TpRole::COLUMN, cfg.qkv_bias)),
                 v: (v.0, bias("v_proj", kv_out, TpRole::COLUMN, cfg.qkv_bias)),
             },
             fused => fused,
         });
-        let o_bias = bias("o_proj", d, TpRole::SequenceReplicated, cfg.o_bias);
+        let o_bias = bias("o_proj", d, TpRole::SequenceReplicated, cfg.o_bias && o.is_some());
         // One per head: split with the heads.
-        let sinks =
-            cfg.attention_sinks.then(|| u.param(format!("{name}.self_attn.sinks"), &[heads], normal, TpRole::COLUMN));
+        let sinks = (cfg.attention_sinks && o.is_some())
+            .then(|| u.param(format!("{name}.self_attn.sinks"), &[heads], normal, TpRole::COLUMN));
         let mut norm = |suffix: &str, width: i64, tp| u.param(format!("{name}.{suffix}"), &[width], norm_init, tp);
         let input_norm = norm("input_layernorm.weight", d, TpRole::SequenceReplicated);
         // Per head, or (OLMoE) over each projection whole.
         let (q_width, k_width) = if cfg.qk_norm_whole { (q_out, kv_out) } else { (hd, hd) };
-        let qk_norms = cfg.qk_norm.then(|| {
+        let qk_norms = (cfg.qk_norm && qkv.is_some()).then(|| {
             (
                 norm("self_attn.q_norm.weight", q_width, TpRole::PartialGradient),
                 norm("self_attn.k_norm.weight", k_width, TpRole::PartialGradient),
@@ -733,7 +824,6 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         } else {
             (None, norm("post_attention_layernorm.weight", d, residual), None)
         };
-        let layer = i as usize;
         let window = cfg.window(layer);
         let rope = match (&cfg.local_rope, window) {
             (Some(local), Some(_)) => local.clone(),
@@ -756,8 +846,17 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         // queries and their norm, the latent and its norm, the expanded keys and values and
         // the whole queries; its scores read the queries' width, its weighted sum the
         // values'.
-        let (attention_kept, attention_width, scale) = match &cfg.latent {
-            Some(l) => {
+        // Linear attention keeps its projections, the convolution's input and output, the
+        // normalised queries and keys, the chunk's values and corrections and its square
+        // matrices (64 entries a position per head), and attends over no sequence.
+        let (attention_kept, attention_width, scale) = match (&cfg.latent, &cfg.linear_attention) {
+            (_, Some(l)) if linear.is_some() => {
+                let qk = 2 * l.key_heads * l.key_dim;
+                let values = l.value_heads * l.value_dim;
+                let kept = 4 * d + 2 * (qk + 2 * values) + 3 * (qk + values) + 4 * values + 2 * 64 * l.value_heads;
+                (kept as f64, 0, None)
+            }
+            (Some(l), _) => {
                 let low = 2 * l.q_rank.unwrap_or(0) + 2 * l.kv_rank + 2 * l.rope_dim;
                 let heads_kept = cfg.heads * (3 * l.query_dim() + l.nope_dim + 2 * l.value_dim);
                 (
@@ -766,37 +865,51 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     Some(l.score_scale(&rope)),
                 )
             }
-            None => (10.0 * d as f64, cfg.heads * cfg.head_width(), cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5))),
+            _ => {
+                let gate = if cfg.attention_output_gate { 2.0 * q_out as f64 } else { 0.0 };
+                (10.0 * d as f64 + gate, cfg.heads * cfg.head_width(), cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5)))
+            }
         };
-        let kept = Kept::block(attention_kept + feed_forward_kept + 7.0, cfg.heads, d)
-            .with_dropout(0.0, cfg.dropout.attention > 0.0);
+        let kept =
+            Kept::block(attention_kept + feed_forward_kept + 7.0, if linear.is_some() { 0 } else { cfg.heads }, d)
+                .with_dropout(0.0, cfg.dropout.attention > 0.0 && linear.is_none());
         u.declare_cost(UnitCost { idle_weights, ..UnitCost::attending(kept, attention_width) });
-        let inputs = match (latent, qkv) {
-            (Some(latent), _) => HeadInputs::Latent(latent),
-            (None, Some(qkv)) => HeadInputs::Grouped(GroupedHeads {
-                qkv,
-                qk_norms,
-                qk_norm_whole: cfg.qk_norm_whole,
-                clip_qkv: cfg.clip_qkv,
-                kv_heads,
-                head_dim: hd,
-                rotation: Rotation::new(rope),
-                kinds,
-            }),
-            (None, None) => return Err(Error::Model(format!("{name}: neither latent nor grouped heads"))),
+        let attention = |inputs, o| {
+            Mixer::Attention(Box::new(AttentionMixer {
+                inputs,
+                o: (o, o_bias),
+                sinks,
+                options: AttentionOptions { scale, window, softcap: cfg.attn_softcap, bidirectional: false },
+                dropout: cfg.dropout.attention,
+            }))
+        };
+        let mixer = match (linear, latent, qkv, o) {
+            (Some(linear), ..) => Mixer::Linear(linear),
+            (None, Some(latent), _, Some(o)) => attention(HeadInputs::Latent(latent), o),
+            (None, None, Some(qkv), Some(o)) => attention(
+                HeadInputs::Grouped(GroupedHeads {
+                    qkv,
+                    qk_norms,
+                    qk_norm_whole: cfg.qk_norm_whole,
+                    clip_qkv: cfg.clip_qkv,
+                    kv_heads,
+                    head_dim: hd,
+                    rotation: Rotation::new(rope),
+                    kinds,
+                    output_gate: cfg.attention_output_gate,
+                }),
+                o,
+            ),
+            _ => return Err(Error::Model(format!("{name}: a block without a token mixer"))),
         };
         u.finish(LlamaBlock {
             input_norm,
-            inputs,
-            o: (o, o_bias),
+            mixer,
             post_attention_norm,
             feed_forward_norm,
             feed_forward,
             post_feed_forward_norm,
             heads,
-            attention: AttentionOptions { scale, window, softcap: cfg.attn_softcap, bidirectional: false },
-            sinks,
-            attention_dropout: cfg.dropout.attention,
             kinds,
         });
     }

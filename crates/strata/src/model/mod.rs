@@ -12,6 +12,7 @@ mod gpt;
 pub mod hf;
 pub mod latent;
 pub mod layers;
+pub mod linear;
 mod llama;
 mod mlp;
 pub mod moe;
@@ -27,6 +28,7 @@ pub use gpt::{gpt, GptConfig};
 pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use latent::LatentConfig;
 pub use layers::NoTensorParallel;
+pub use linear::LinearAttentionConfig;
 pub use llama::{llama, Activation, LayerAttention, LlamaConfig, NormKind};
 pub use mlp::{mlp, MlpConfig};
 pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, Scoring};
@@ -143,6 +145,7 @@ pub struct DecodeCache {
     position: i64,
     keys_values: Option<(Tensor, Tensor)>,
     encoded: Option<EncodedMemory>,
+    recurrent: Option<linear::RecurrentState>,
 }
 
 /// What a decoder layer's cross-attention reads of the encoder's output, computed at the
@@ -202,6 +205,16 @@ impl DecodeCache {
     /// The cross-attention's memory kept at the first step, where one was.
     pub fn encoded(&self) -> Option<&EncodedMemory> {
         self.encoded.as_ref()
+    }
+
+    /// Keeps a linear attention's convolution inputs and recurrent state for the next steps.
+    pub fn keep_recurrent(&mut self, state: linear::RecurrentState) {
+        self.recurrent = Some(state);
+    }
+
+    /// A linear attention's state after the positions seen so far, where one is kept.
+    pub fn recurrent(&self) -> Option<&linear::RecurrentState> {
+        self.recurrent.as_ref()
     }
 
     /// Positions whose keys and values are held.

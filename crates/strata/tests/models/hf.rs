@@ -520,6 +520,15 @@ fn gpt_oss_matches_transformers() {
     experts_match_transformers("gpt-oss", 4, 32);
 }
 
+/// Qwen3-Next: Gated DeltaNet linear attention on half the layers (a short causal
+/// convolution, the gated delta rule in chunks, a gated norm), gated full attention with a
+/// quarter of each head turned on the others, zero-centred norms, experts beside a gated
+/// shared expert; generation carries the convolution's inputs and the recurrent state.
+#[test]
+fn qwen3_next_matches_transformers() {
+    experts_match_transformers("qwen3-next", 4, 32);
+}
+
 /// gpt-oss's released MXFP4 experts: a folder whose expert stacks are MXFP4 blocks and
 /// scales loads as the folder holding `transformers`' own dequantization of them, and its
 /// logits are `transformers`' on that folder; quantizing moved them off the original

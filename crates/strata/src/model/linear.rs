@@ -1,0 +1,242 @@
+//! Gated DeltaNet linear attention (Qwen3-Next's `linear_attn`): a recurrent state per
+//! value head, `[key_dim, value_dim]`, that each position decays by its gate, corrects by
+//! the delta rule (the state's prediction for the position's key moved towards its value by
+//! `beta`) and reads with its query. Training computes it in chunks of 64 positions, as
+//! `transformers`' own torch path does: within a chunk by a triangular solve, between chunks
+//! through the state. Before it, a short causal depthwise convolution over the queries, keys
+//! and values; after it, an RMS norm gated by `silu(z)` per head.
+//!
+//! Owns: the layer's configuration, the declaration of its parameters and its forward,
+//! with and without a decoding cache (which carries the convolution's last inputs and the
+//! recurrent state instead of keys and values). Must not own the block around it
+//! ([`super::llama`] runs the norms, residual sums and feed-forward).
+use super::layers::rms_normalized;
+use super::{DecodeCache, Init, ParamId, Params, TpRole, UnitBuilder, INIT_STD};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+/// Positions computed together by the chunked delta rule.
+const CHUNK: i64 = 64;
+
+/// A Gated DeltaNet's sizes, as `config.json` names them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinearAttentionConfig {
+    /// Query and key heads (`linear_num_key_heads`).
+    pub key_heads: i64,
+    /// Value heads (`linear_num_value_heads`), a multiple of the key heads.
+    pub value_heads: i64,
+    /// Width of a query or key head (`linear_key_head_dim`).
+    pub key_dim: i64,
+    /// Width of a value head (`linear_value_head_dim`).
+    pub value_dim: i64,
+    /// Width of the causal convolution (`linear_conv_kernel_dim`).
+    pub conv_kernel: i64,
+}
+
+impl LinearAttentionConfig {
+    /// Fails with the first size that is not positive or value heads that the key heads do
+    /// not divide.
+    pub fn validate(&self) -> Result<()> {
+        super::positive(&[
+            ("linear_num_key_heads", self.key_heads),
+            ("linear_num_value_heads", self.value_heads),
+            ("linear_key_head_dim", self.key_dim),
+            ("linear_value_head_dim", self.value_dim),
+            ("linear_conv_kernel_dim", self.conv_kernel),
+        ])?;
+        if self.value_heads % self.key_heads != 0 {
+            return Err(Error::Config(format!(
+                "linear_num_key_heads {} must divide linear_num_value_heads {}",
+                self.key_heads, self.value_heads
+            )));
+        }
+        Ok(())
+    }
+
+    /// Channels of the convolution: every query, key and value head.
+    fn conv_channels(&self) -> i64 {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+}
+
+/// A decoding cache's state of a linear attention layer: the convolution's last
+/// `kernel - 1` inputs `[B, C, K - 1]` and the recurrent state `[B, Hv, Dk, Dv]` (fp32).
+pub struct RecurrentState {
+    /// The convolution's last inputs.
+    pub conv: Tensor,
+    /// The delta rule's state.
+    pub state: Tensor,
+}
+
+/// A block's Gated DeltaNet: its parameters and sizes.
+pub(crate) struct GatedDeltaNet {
+    in_qkvz: ParamId,
+    in_ba: ParamId,
+    conv: ParamId,
+    dt_bias: ParamId,
+    a_log: ParamId,
+    norm: ParamId,
+    out: ParamId,
+    config: LinearAttentionConfig,
+    norm_eps: f64,
+}
+
+impl GatedDeltaNet {
+    /// Declares layer `name`'s linear attention over hidden states `dim` wide, named as
+    /// Qwen3-Next's folders name it.
+    pub(crate) fn declare(
+        u: &mut UnitBuilder<'_>,
+        name: &str,
+        config: &LinearAttentionConfig,
+        dim: i64,
+        norm_eps: f64,
+    ) -> GatedDeltaNet {
+        let normal = Init::Normal { std: INIT_STD };
+        let at = |what: &str| format!("{name}.linear_attn.{what}");
+        let c = config;
+        let ratio = c.value_heads / c.key_heads;
+        // Tensor parallelism is refused for this layer (`check_tensor_parallel`): its
+        // parameters are whole on every rank.
+        let whole = TpRole::SequenceReplicated;
+        let qkvz = c.key_heads * (2 * c.key_dim + 2 * ratio * c.value_dim);
+        GatedDeltaNet {
+            in_qkvz: u.linear(at("in_proj_qkvz.weight"), &[qkvz, dim], normal, whole),
+            in_ba: u.linear(at("in_proj_ba.weight"), &[2 * c.value_heads, dim], normal, whole),
+            conv: u.param(at("conv1d.weight"), &[c.conv_channels(), 1, c.conv_kernel], normal, whole),
+            dt_bias: u.param(at("dt_bias"), &[c.value_heads], Init::Ones, whole),
+            a_log: u.param(at("A_log"), &[c.value_heads], Init::Zeros, whole),
+            norm: u.param(at("norm.weight"), &[c.value_dim], Init::Ones, whole),
+            out: u.linear(at("out_proj.weight"), &[dim, c.value_heads * c.value_dim], normal, whole),
+            config: config.clone(),
+            norm_eps,
+        }
+    }
+
+    /// The layer over the normed hidden states `h` `[B, T, D]`; with a cache, continuing
+    /// from (and leaving) its convolution inputs and recurrent state.
+    pub(crate) fn forward(&self, p: &Params<'_>, h: &Tensor, cache: Option<&mut DecodeCache>) -> Result<Tensor> {
+        let c = &self.config;
+        let (b, t) = (h.size()[0], h.size()[1]);
+        let ratio = c.value_heads / c.key_heads;
+        // Per key head: its query, key, then its value heads' values and gates (z).
+        let qkvz = p.linear(h, self.in_qkvz, None)?.f_view([b, t, c.key_heads, -1])?;
+        let parts = qkvz.f_split_with_sizes([c.key_dim, c.key_dim, ratio * c.value_dim, ratio * c.value_dim], 3)?;
+        let [q, k, v, z] = <[Tensor; 4]>::try_from(parts).map_err(|_| Error::Model("in_proj_qkvz split".into()))?;
+        let ba = p.linear(h, self.in_ba, None)?.f_view([b, t, c.key_heads, 2 * ratio])?;
+        let (beta_logit, a) = (ba.f_narrow(3, 0, ratio)?, ba.f_narrow(3, ratio, ratio)?);
+        let flat = |x: &Tensor| x.f_reshape([b, t, -1]);
+        let mixed = Tensor::f_cat(&[flat(&q)?, flat(&k)?, flat(&v)?], -1)?.f_transpose(1, 2)?;
+        let (previous, state) = match cache.as_ref().and_then(|c| c.recurrent()) {
+            Some(r) => (r.conv.shallow_clone(), Some(r.state.shallow_clone())),
+            None => (Tensor::f_zeros([b, c.conv_channels(), c.conv_kernel - 1], (mixed.kind(), mixed.device()))?, None),
+        };
+        // Causal: each position sees the kernel's width of inputs ending at it, the first
+        // ones after the cache's (or zeros).
+        let inputs = Tensor::f_cat(&[previous, mixed], -1)?;
+        let kept = inputs.f_narrow(-1, inputs.size()[2] - (c.conv_kernel - 1), c.conv_kernel - 1)?;
+        let weight = p[self.conv].f_to_kind(inputs.kind())?;
+        let convolved =
+            inputs.f_conv1d::<&Tensor>(&weight, None, [1], [0], [1], c.conv_channels())?.f_silu()?.f_transpose(1, 2)?;
+        let key_width = c.key_heads * c.key_dim;
+        let q = convolved.f_narrow(-1, 0, key_width)?.f_view([b, t, c.key_heads, c.key_dim])?;
+        let k = convolved.f_narrow(-1, key_width, key_width)?.f_view([b, t, c.key_heads, c.key_dim])?;
+        let v = convolved.f_narrow(-1, 2 * key_width, c.value_heads * c.value_dim)?;
+        let v = v.f_view([b, t, c.value_heads, c.value_dim])?;
+        let beta = beta_logit.f_reshape([b, t, c.value_heads])?.f_sigmoid()?;
+        let a = a.f_reshape([b, t, c.value_heads])?.f_to_kind(Kind::Float)?;
+        let decay = p[self.a_log]
+            .f_to_kind(Kind::Float)?
+            .f_exp()?
+            .f_neg()?
+            .f_mul(&a.f_add(&p[self.dt_bias].f_to_kind(Kind::Float)?)?.f_softplus()?)?;
+        let (out, state) = chunked_delta_rule(&q, &k, &v, &decay, &beta, state.as_ref(), ratio)?;
+        if let Some(cache) = cache {
+            cache.advance(t);
+            cache.keep_recurrent(RecurrentState { conv: kept.f_detach()?, state: state.f_detach()? });
+        }
+        // RMS norm per value head, then gated by silu(z) in fp32.
+        let z = z.f_reshape([b, t, c.value_heads, c.value_dim])?;
+        let normed =
+            rms_normalized(&out.f_to_kind(Kind::Float)?, self.norm_eps)?.f_to_kind(out.kind())?.f_mul(&p[self.norm])?;
+        let gated = normed.f_mul(&z.f_to_kind(Kind::Float)?.f_silu()?)?.f_to_kind(h.kind())?;
+        p.linear(&gated.f_reshape([b, t, -1])?, self.out, None)
+    }
+}
+
+/// `x / sqrt(Σ x² + 1e-6)` over the last dimension.
+fn l2_normalized(x: &Tensor) -> Result<Tensor> {
+    Ok(x.f_mul(&x.f_square()?.f_sum_dim_intlist(-1, true, Kind::Float)?.f_add_scalar(1e-6)?.f_rsqrt()?)?)
+}
+
+/// The gated delta rule over queries and keys `[B, T, Hk, Dk]`, values `[B, T, Hv, Dv]`,
+/// log decays and betas `[B, T, Hv]` (each key head serving `ratio` value heads), from
+/// `initial` (`[B, Hv, Dk, Dv]`, else zeros), in chunks: the outputs `[B, T, Hv, Dv]` (in
+/// the values' dtype) and the final state (fp32).
+fn chunked_delta_rule(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    decay: &Tensor,
+    beta: &Tensor,
+    initial: Option<&Tensor>,
+    ratio: i64,
+) -> Result<(Tensor, Tensor)> {
+    let (b, t, kind) = (q.size()[0], q.size()[1], q.kind());
+    let (heads, dk, dv) = (v.size()[2], q.size()[3], v.size()[3]);
+    let widen = |x: &Tensor| -> Result<Tensor> {
+        let x = if ratio > 1 { x.f_repeat_interleave_self_int(ratio, 2, None)? } else { x.shallow_clone() };
+        Ok(x.f_transpose(1, 2)?.f_to_kind(Kind::Float)?.f_contiguous()?)
+    };
+    // [B, H, T, D] in fp32, queries and keys of unit length, queries scaled.
+    let q = l2_normalized(&widen(q)?)?.f_mul_scalar((dk as f64).powf(-0.5))?;
+    let k = l2_normalized(&widen(k)?)?;
+    let v = v.f_transpose(1, 2)?.f_to_kind(Kind::Float)?;
+    let (beta, decay) =
+        (beta.f_transpose(1, 2)?.f_to_kind(Kind::Float)?, decay.f_transpose(1, 2)?.f_to_kind(Kind::Float)?);
+    let pad = (CHUNK - t % CHUNK) % CHUNK;
+    let padded = |x: &Tensor, dims: usize| -> Result<Tensor> {
+        let spec: Vec<i64> = if dims == 4 { vec![0, 0, 0, pad] } else { vec![0, pad] };
+        Ok(x.f_constant_pad_nd(spec)?)
+    };
+    let (q, k, v) = (padded(&q, 4)?, padded(&k, 4)?, padded(&v, 4)?);
+    let (beta, decay) = (padded(&beta, 3)?, padded(&decay, 3)?);
+    let chunks = (t + pad) / CHUNK;
+    let by_chunk = |x: &Tensor| x.f_reshape([b, heads, chunks, CHUNK, -1]);
+    let v_beta = by_chunk(&v.f_mul(&beta.f_unsqueeze(-1)?)?)?;
+    let k_beta = by_chunk(&k.f_mul(&beta.f_unsqueeze(-1)?)?)?;
+    let (q, k) = (by_chunk(&q)?, by_chunk(&k)?);
+    let decay = decay.f_reshape([b, heads, chunks, CHUNK])?;
+    let later = Tensor::f_ones([CHUNK, CHUNK], (Kind::Bool, q.device()))?.f_triu(1)?;
+    let cumulative = decay.f_cumsum(3, Kind::Float)?;
+    // exp(c_i - c_j) for j <= i, 0 above the diagonal.
+    let pairwise = cumulative
+        .f_unsqueeze(4)?
+        .f_sub(&cumulative.f_unsqueeze(3)?)?
+        .f_masked_fill(&later, f64::NEG_INFINITY)?
+        .f_exp()?;
+    let system = k_beta.f_matmul(&k.f_transpose(-1, -2)?)?.f_mul(&pairwise)?;
+    let within = q.f_matmul(&k.f_transpose(-1, -2)?)?.f_mul(&pairwise)?;
+    let decayed_k_beta = k_beta.f_mul(&cumulative.f_exp()?.f_unsqueeze(-1)?)?;
+    // (I + strictly lower part of `system`)⁻¹ applied to the betas' values and keys.
+    let new_values = system.f_linalg_solve_triangular(&v_beta, false, true, true)?;
+    let k_cumdecay = system.f_linalg_solve_triangular(&decayed_k_beta, false, true, true)?;
+    let mut state = match initial {
+        Some(s) => s.f_to_kind(Kind::Float)?,
+        None => Tensor::f_zeros([b, heads, dk, dv], (Kind::Float, q.device()))?,
+    };
+    let q = q.f_mul(&cumulative.f_exp()?.f_unsqueeze(-1)?)?;
+    let last = cumulative.f_narrow(3, CHUNK - 1, 1)?;
+    let k = k.f_mul(&last.f_sub(&cumulative)?.f_exp()?.f_unsqueeze(-1)?)?;
+    let chunk_decay = last.f_exp()?.f_unsqueeze(-1)?;
+    let mut outputs = Vec::with_capacity(chunks as usize);
+    for i in 0..chunks {
+        let pick = |x: &Tensor| x.f_select(2, i);
+        let v_new = pick(&new_values)?.f_sub(&pick(&k_cumdecay)?.f_matmul(&state)?)?;
+        let across = pick(&q)?.f_matmul(&state)?;
+        outputs.push(across.f_add(&pick(&within)?.f_matmul(&v_new)?)?);
+        state = state.f_mul(&pick(&chunk_decay)?)?.f_add(&pick(&k)?.f_transpose(-1, -2)?.f_matmul(&v_new)?)?;
+    }
+    let out = Tensor::f_stack(&outputs, 2)?.f_reshape([b, heads, -1, dv])?.f_narrow(2, 0, t)?;
+    Ok((out.f_transpose(1, 2)?.f_to_kind(kind)?.f_contiguous()?, state))
+}
