@@ -240,3 +240,58 @@ fn chunked_delta_rule(
     let out = Tensor::f_stack(&outputs, 2)?.f_reshape([b, heads, -1, dv])?.f_narrow(2, 0, t)?;
     Ok((out.f_transpose(1, 2)?.f_to_kind(kind)?.f_contiguous()?, state))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The gated delta rule position by position: decay the state, move its prediction
+    /// for the key towards the value by beta, read it with the query.
+    fn recurrent(q: &Tensor, k: &Tensor, v: &Tensor, decay: &Tensor, beta: &Tensor, ratio: i64) -> Tensor {
+        let widen = |x: &Tensor| x.repeat_interleave_self_int(ratio, 2, None);
+        let (q, k) = (l2_normalized(&widen(q)).unwrap(), l2_normalized(&widen(k)).unwrap());
+        let (b, t, heads, dk, dv) = (q.size()[0], q.size()[1], v.size()[2], q.size()[3], v.size()[3]);
+        let q = q * (dk as f64).powf(-0.5);
+        let mut state = Tensor::zeros([b, heads, dk, dv], (Kind::Float, tch::Device::Cpu));
+        let mut outputs = vec![];
+        for i in 0..t {
+            let (qi, ki, vi) = (q.select(1, i), k.select(1, i), v.select(1, i));
+            state = &state * decay.select(1, i).exp().unsqueeze(-1).unsqueeze(-1);
+            let predicted = (&state * ki.unsqueeze(-1)).sum_dim_intlist(-2, false, Kind::Float);
+            let delta = (vi - predicted) * beta.select(1, i).unsqueeze(-1);
+            state = &state + ki.unsqueeze(-1) * delta.unsqueeze(-2);
+            outputs.push((&state * qi.unsqueeze(-1)).sum_dim_intlist(-2, false, Kind::Float));
+        }
+        Tensor::stack(&outputs, 1)
+    }
+
+    /// Over 150 positions (three chunks, the last partial) with two value heads per key
+    /// head, the chunked rule gives the per-position recurrence's outputs and final state;
+    /// continuing from a split point's state gives the whole run's outputs.
+    #[test]
+    fn the_chunked_delta_rule_is_the_recurrence_and_continues_from_its_state() {
+        tch::manual_seed(3);
+        let (b, t, key_heads, value_heads, dk, dv) = (2, 150, 2, 4, 8, 6);
+        let opts = (Kind::Float, tch::Device::Cpu);
+        let q = Tensor::randn([b, t, key_heads, dk], opts);
+        let k = Tensor::randn([b, t, key_heads, dk], opts);
+        let v = Tensor::randn([b, t, value_heads, dv], opts);
+        let decay = -Tensor::rand([b, t, value_heads], opts) * 0.3;
+        let beta = Tensor::rand([b, t, value_heads], opts);
+        let ratio = value_heads / key_heads;
+        let (chunked, state) = chunked_delta_rule(&q, &k, &v, &decay, &beta, None, ratio).unwrap();
+        let expected = recurrent(&q, &k, &v, &decay, &beta, ratio);
+        let gap = (&chunked - &expected).abs().max().double_value(&[]);
+        assert!(gap < 1e-4, "chunked against recurrent: {gap}");
+        assert!(expected.abs().max().double_value(&[]) > 0.1, "outputs this small compare nothing");
+        // The first 70 positions, then the other 80 from their state.
+        let first = |x: &Tensor| x.narrow(1, 0, 70);
+        let rest = |x: &Tensor| x.narrow(1, 70, t - 70);
+        let (head, middle) = chunked_delta_rule(&first(&q), &first(&k), &first(&v), &first(&decay), &first(&beta), None, ratio).unwrap();
+        let (tail, last) =
+            chunked_delta_rule(&rest(&q), &rest(&k), &rest(&v), &rest(&decay), &rest(&beta), Some(&middle), ratio).unwrap();
+        let gap = (Tensor::cat(&[head, tail], 1) - &chunked).abs().max().double_value(&[]);
+        assert!(gap < 1e-4, "continued from the state: {gap}");
+        assert!((last - state).abs().max().double_value(&[]) < 1e-4);
+    }
+}
