@@ -287,9 +287,11 @@ mod tests {
         // The first 70 positions, then the other 80 from their state.
         let first = |x: &Tensor| x.narrow(1, 0, 70);
         let rest = |x: &Tensor| x.narrow(1, 70, t - 70);
-        let (head, middle) = chunked_delta_rule(&first(&q), &first(&k), &first(&v), &first(&decay), &first(&beta), None, ratio).unwrap();
+        let (head, middle) =
+            chunked_delta_rule(&first(&q), &first(&k), &first(&v), &first(&decay), &first(&beta), None, ratio).unwrap();
         let (tail, last) =
-            chunked_delta_rule(&rest(&q), &rest(&k), &rest(&v), &rest(&decay), &rest(&beta), Some(&middle), ratio).unwrap();
+            chunked_delta_rule(&rest(&q), &rest(&k), &rest(&v), &rest(&decay), &rest(&beta), Some(&middle), ratio)
+                .unwrap();
         let gap = (Tensor::cat(&[head, tail], 1) - &chunked).abs().max().double_value(&[]);
         assert!(gap < 1e-4, "continued from the state: {gap}");
         assert!((last - state).abs().max().double_value(&[]) < 1e-4);
