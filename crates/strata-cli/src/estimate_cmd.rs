@@ -24,8 +24,8 @@ pub struct ModelArgs {
     pub model_dir: Option<PathBuf>,
     /// A known model: gpt2, gpt2-medium, gpt2-large, gpt2-xl, tinyllama-1.1b, llama-2-7b,
     /// llama-2-13b, llama-2-70b, llama-3-8b, llama-3-70b, llama-3.1-405b, mixtral-8x7b,
-    /// qwen3-30b-a3b, olmoe-1b-7b, deepseek-v3, glm-4.5, glm-4.5-air, gpt-oss-20b,
-    /// gpt-oss-120b.
+    /// qwen3-30b-a3b, olmoe-1b-7b, deepseek-v3, glm-4.5, glm-4.5-air, qwen3-next-80b-a3b,
+    /// gpt-oss-20b, gpt-oss-120b.
     #[arg(long)]
     pub preset: Option<String>,
     /// A built-in family sized by the flags below: gpt, llama or mlp.

@@ -3,7 +3,7 @@
 //! layers, heads, width, key/value heads, feed-forward width, rotary base), of three
 //! mixtures of experts (Mixtral 8×7B, Qwen3-30B-A3B, OLMoE-1B-7B), and of the frontier
 //! families as their published `config.json` keys say (DeepSeek-V3, GLM-4.5 and its Air,
-//! gpt-oss 20B and 120B), read as a folder's would be.
+//! Qwen3-Next-80B-A3B, gpt-oss 20B and 120B), read as a folder's would be.
 //!
 //! Owns the table. Must not read files or allocate: a preset is a configuration only.
 use super::{ExpertNames, GptConfig, LlamaConfig, ModelConfig, MoeConfig};
@@ -42,7 +42,7 @@ const MOE: [Experts; 3] = [
 
 /// Models whose shapes take more than a table row: the keys of their published
 /// `config.json` that shape them (the rest keep `transformers`' defaults).
-const FOLDERS: [(&str, &str); 5] = [
+const FOLDERS: [(&str, &str); 6] = [
     (
         "deepseek-v3",
         r#"{"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
@@ -72,6 +72,16 @@ const FOLDERS: [(&str, &str); 5] = [
             "num_experts_per_tok": 8, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
             "attention_bias": true, "max_position_embeddings": 131072,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000, "partial_rotary_factor": 0.5}}"#,
+    ),
+    (
+        "qwen3-next-80b-a3b",
+        r#"{"model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120,
+            "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10,
+            "norm_topk_prob": true, "max_position_embeddings": 262144,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25}}"#,
     ),
     (
         "gpt-oss-20b",
