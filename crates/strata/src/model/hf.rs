@@ -279,7 +279,10 @@ impl Family {
                 }),
                 "dense layers other than the first ones, or shared experts of another width",
             ),
-            (self == Family::DeepseekV3 && c.qkv_bias != c.o_bias, "a bias on some attention projections alone"),
+            (
+                matches!(self, Family::DeepseekV3 | Family::GptOss) && c.qkv_bias != c.o_bias,
+                "a bias on some attention projections alone",
+            ),
             (self == Family::Glm4Moe && c.o_bias, "a bias on the attention output"),
             (c.attention_sinks != (self == Family::GptOss), "attention sinks"),
             (
@@ -292,7 +295,6 @@ impl Family {
                 }),
                 "gpt-oss's experts",
             ),
-            (self == Family::GptOss && c.qkv_bias != c.o_bias, "a bias on some attention projections alone"),
             (
                 (c.linear_attention.is_some() || c.attention_output_gate) != (self == Family::Qwen3Next),
                 "linear attention and gated attention outputs",
@@ -1191,33 +1193,41 @@ impl Keys<'_> {
     /// Qwen3-Next's layer types: `linear_attention` or `full_attention` each, as listed or,
     /// where absent, every `full_attention_interval`-th layer full (4 by default).
     fn linear_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
-        match self.get("layer_types") {
-            Some(Value::Array(types)) => types
-                .iter()
-                .map(|t| match t.as_str() {
-                    Some("linear_attention") => Ok(LayerAttention::Linear),
-                    Some("full_attention") => Ok(LayerAttention::Full),
-                    _ => Err(format!(
-                        "config.json: layer_types holds {t}, not supported (linear_attention or full_attention)"
-                    )),
-                })
-                .collect(),
-            Some(other) => Err(format!("config.json: layer_types is not a list ({other})")),
-            None => {
-                let every = self.int("full_attention_interval")?.unwrap_or(4).max(1);
-                Ok((0..layers)
-                    .map(|i| if (i + 1) % every == 0 { LayerAttention::Full } else { LayerAttention::Linear })
-                    .collect())
-            }
+        if let Some(types) = self.layer_types(&["linear_attention", "full_attention"])? {
+            return Ok(types);
         }
+        let every = self.int("full_attention_interval")?.unwrap_or(4).max(1);
+        Ok((0..layers)
+            .map(|i| if (i + 1) % every == 0 { LayerAttention::Full } else { LayerAttention::Linear })
+            .collect())
+    }
+
+    /// `layer_types` as listed, each one of `allowed` (`full_attention`,
+    /// `sliding_attention`, `linear_attention`); `None` where the key is absent.
+    fn layer_types(&self, allowed: &[&str]) -> KeyResult<Option<Vec<LayerAttention>>> {
+        let types = match self.get("layer_types") {
+            Some(Value::Array(types)) => types,
+            Some(other) => return Err(format!("config.json: layer_types is not a list ({other})")),
+            None => return Ok(None),
+        };
+        let read = |t: &Value| match t.as_str().filter(|name| allowed.contains(name)) {
+            Some("full_attention") => Ok(LayerAttention::Full),
+            Some("sliding_attention") => Ok(LayerAttention::Sliding),
+            Some("linear_attention") => Ok(LayerAttention::Linear),
+            _ => Err(format!("config.json: layer_types holds {t}, not supported ({})", allowed.join(" or "))),
+        };
+        types.iter().map(read).collect::<KeyResult<Vec<_>>>().map(Some)
     }
 
     /// DeepSeek-V3's latent attention, as its keys name it (and `transformers` defaults them).
     fn latent(&self) -> KeyResult<LatentConfig> {
-        let rope_params = self.get("rope_parameters").or(self.get("rope_scaling"));
-        let mscale_all_dim = match rope_params.and_then(|p| p.get("mscale_all_dim")) {
-            None | Some(Value::Null) => 0.0,
-            Some(v) => v.as_f64().ok_or_else(|| format!("config.json: mscale_all_dim is not a number ({v})"))?,
+        let (key, params) = match self.get("rope_parameters") {
+            Some(p) => ("rope_parameters", Some(p)),
+            None => ("rope_scaling", self.get("rope_scaling")),
+        };
+        let mscale_all_dim = match params.and_then(Value::as_object) {
+            Some(map) => Keys { cfg: map, prefix: format!("{key}.") }.float("mscale_all_dim")?.unwrap_or(0.0),
+            None => 0.0,
         };
         Ok(LatentConfig {
             q_rank: if self.cfg.contains_key("q_lora_rank") { self.int("q_lora_rank")? } else { Some(1536) },
@@ -1340,22 +1350,7 @@ impl Keys<'_> {
             Family::Gemma2 | Family::Gemma3 if !self.cfg.contains_key("sliding_window") => Some(4096),
             _ => self.int("sliding_window")?,
         };
-        let given = match self.get("layer_types") {
-            Some(Value::Array(types)) => Some(
-                types
-                    .iter()
-                    .map(|t| match t.as_str() {
-                        Some("full_attention") => Ok(LayerAttention::Full),
-                        Some("sliding_attention") => Ok(LayerAttention::Sliding),
-                        _ => Err(format!(
-                            "config.json: layer_types holds {t}, not supported (full_attention or sliding_attention)"
-                        )),
-                    })
-                    .collect::<KeyResult<Vec<_>>>()?,
-            ),
-            Some(other) => return Err(format!("config.json: layer_types is not a list ({other})")),
-            None => None,
-        };
+        let given = self.layer_types(&["full_attention", "sliding_attention"])?;
         let derived = |sliding: &dyn Fn(i64) -> bool| {
             (0..layers).map(|i| if sliding(i) { LayerAttention::Sliding } else { LayerAttention::Full }).collect()
         };

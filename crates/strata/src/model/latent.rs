@@ -142,7 +142,7 @@ impl LatentAttention {
 
     /// This rank's queries and keys `[B, H, T, nope + rope]` and values `[B, H, T', value]`
     /// (`heads` of them) for the normed input `h`, rotated where `placed` says; with a
-    /// cache, the keys and values cover every position it holds.
+    /// cache, the keys and values cover every position it holds. No output gates.
     pub(crate) fn queries_keys_values(
         &self,
         p: &Params<'_>,
@@ -150,7 +150,7 @@ impl LatentAttention {
         heads: i64,
         placed: Placed<'_>,
         cache: Option<&mut DecodeCache>,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<super::llama::Projected> {
         let c = &self.config;
         let q = match self.queries {
             QueryProjection::Direct(w) => p.linear(h, w, None)?,
@@ -190,6 +190,6 @@ impl LatentAttention {
         let k_turned = k_turned.f_expand([-1, heads, -1, -1], false)?;
         let q = Tensor::f_cat(&[q_plain, q_turned], -1)?;
         let k = Tensor::f_cat(&[k_plain, k_turned], -1)?;
-        Ok((q, k, v))
+        Ok((q, k, v, None))
     }
 }

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 /// Positions computed together by the chunked delta rule.
-const CHUNK: i64 = 64;
+pub(crate) const CHUNK: i64 = 64;
 
 /// A Gated DeltaNet's sizes, as `config.json` names them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -26,7 +26,7 @@ use super::layers::{
     add_rms_norm, attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product, rms_norm_plus_one,
     split_heads, swiglu, vocab_logits, AttentionOptions, ScoreTerms,
 };
-use super::linear::{GatedDeltaNet, LinearAttentionConfig};
+use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{Placed, Rope, RopeScaling, Rotation};
 use super::{
@@ -439,7 +439,7 @@ impl Kinds {
 
 /// Queries, keys and values `[B, H, T, D]`, and the heads' output gates `[B, T, H·D]` where
 /// there are some.
-type Projected = (Tensor, Tensor, Tensor, Option<Tensor>);
+pub(crate) type Projected = (Tensor, Tensor, Tensor, Option<Tensor>);
 
 /// How a block's attention makes its queries, keys and values.
 enum HeadInputs {
@@ -628,10 +628,7 @@ impl LlamaBlock {
                 };
                 let (q, k, v, gate) = match &a.inputs {
                     HeadInputs::Grouped(g) => g.queries_keys_values(p, &h, heads, placed, cache, a.options.window)?,
-                    HeadInputs::Latent(l) => {
-                        let (q, k, v) = l.queries_keys_values(p, &h, heads, placed, cache)?;
-                        (q, k, v, None)
-                    }
+                    HeadInputs::Latent(l) => l.queries_keys_values(p, &h, heads, placed, cache)?,
                 };
                 let hidden = other_examples(packed)?;
                 let probs = p.dropping_heads(a.dropout, 0, heads);
@@ -739,19 +736,20 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let layer = i as usize;
         // Linear and latent attention declare their own projections; the others project
         // whole heads (with each head's output gate beside its query where there is one).
-        let (linear, latent, qkv, attended_width) = match (&cfg.linear_attention, &cfg.latent) {
+        let (linear, latent, attended_width) = match (&cfg.linear_attention, &cfg.latent) {
             (Some(l), _) if cfg.is_linear(layer) => {
-                (Some(GatedDeltaNet::declare(&mut u, &name, l, d, cfg.norm_eps)), None, None, 0)
+                (Some(GatedDeltaNet::declare(&mut u, &name, l, d, cfg.norm_eps)), None, 0)
             }
             (_, Some(l)) => {
                 let attention = LatentAttention::declare(&mut u, &name, l, d, heads, cfg.qkv_bias, cfg.rope());
-                (None, Some(attention), None, heads * l.value_dim)
+                (None, Some(attention), heads * l.value_dim)
             }
-            _ => (None, None, Some(()), q_out),
+            _ => (None, None, q_out),
         };
+        let grouped = linear.is_none() && latent.is_none();
         let q_rows = if cfg.attention_output_gate { 2 * q_out } else { q_out };
         let mut w = |suffix: &str, shape: &[i64], tp| u.linear(format!("{name}.{suffix}"), shape, normal, tp);
-        let qkv = qkv.map(|()| {
+        let qkv = grouped.then(|| {
             if cfg.fused_projections {
                 let role = TpRole::QueryKeyValue { heads, kv_heads };
                 QkvProjection::Fused(w("self_attn.qkv_proj.weight", &[q_out + 2 * kv_out, d], role))
@@ -842,20 +840,21 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
             None => (4.0 * cfg.hidden() as f64, 0.0),
         };
-        // Latent attention keeps, beyond the residual stream's norms and sums, its low-rank
-        // queries and their norm, the latent and its norm, the expanded keys and values and
-        // the whole queries; its scores read the queries' width, its weighted sum the
-        // values'.
-        // Linear attention keeps its projections, the convolution's input and output, the
-        // normalised queries and keys, the chunk's values and corrections and its square
-        // matrices (64 entries a position per head), and attends over no sequence.
         let (attention_kept, attention_width, scale) = match (&cfg.latent, &cfg.linear_attention) {
+            // Linear attention keeps its projections, the convolution's input and output, the
+            // normalised queries and keys, the chunk's values and corrections and its square
+            // matrices (a chunk's entries a position per head), and attends over no sequence.
             (_, Some(l)) if linear.is_some() => {
                 let qk = 2 * l.key_heads * l.key_dim;
                 let values = l.value_heads * l.value_dim;
-                let kept = 4 * d + 2 * (qk + 2 * values) + 3 * (qk + values) + 4 * values + 2 * 64 * l.value_heads;
+                let squares = 2 * CHUNK * l.value_heads;
+                let kept = 4 * d + 2 * (qk + 2 * values) + 3 * (qk + values) + 4 * values + squares;
                 (kept as f64, 0, None)
             }
+            // Latent attention keeps, beyond the residual stream's norms and sums, its
+            // low-rank queries and their norm, the latent and its norm, the expanded keys and
+            // values and the whole queries; its scores read the queries' width, its weighted
+            // sum the values'.
             (Some(l), _) => {
                 let low = 2 * l.q_rank.unwrap_or(0) + 2 * l.kv_rank + 2 * l.rope_dim;
                 let heads_kept = cfg.heads * (3 * l.query_dim() + l.nope_dim + 2 * l.value_dim);

@@ -408,15 +408,15 @@ impl SparseFeedForward {
         balance: &Arc<LoadBalance>,
     ) -> SparseFeedForward {
         let normal = Init::Normal { std: INIT_STD };
-        let weight = u.param(moe.router_name(name), &[moe.experts, dim], normal, TpRole::SequenceReplicated);
-        let bias = moe.router_bias.then(|| {
-            let bias_name = moe.router_name(name).replace(".weight", ".bias");
-            u.param(bias_name, &[moe.experts], Init::Zeros, TpRole::SequenceReplicated)
-        });
-        // Beside the router's weight, under the family's name for the router module.
+        let router = moe.router_name(name);
+        let weight = u.param(router.clone(), &[moe.experts, dim], normal, TpRole::SequenceReplicated);
+        // The router's other tensors, beside its weight under the family's module name.
+        let module = router.strip_suffix(".weight").unwrap_or(&router);
+        let bias = moe
+            .router_bias
+            .then(|| u.param(format!("{module}.bias"), &[moe.experts], Init::Zeros, TpRole::SequenceReplicated));
         let choice_bias = moe.choice_bias.then(|| {
-            let bias_name = moe.router_name(name).replace(".weight", ".e_score_correction_bias");
-            u.frozen_param(bias_name, &[moe.experts], Init::Zeros, TpRole::Replicated)
+            u.frozen_param(format!("{module}.e_score_correction_bias"), &[moe.experts], Init::Zeros, TpRole::Replicated)
         });
         let experts: Vec<Expert> = (0..moe.experts)
             .map(|e| Expert::declare(u, moe.expert_names(name, e), moe.expert_ffn_dim, dim, true, moe))
