@@ -81,6 +81,10 @@ train_options! {
     /// logsumexp(router logits)² summed over sparse layers (default: the folder's
     /// router_z_loss_coef, else 0).
     router_z_loss: f64,
+    /// DeepSeek-style routing: after each step, each layer's choice bias
+    /// (e_score_correction_bias) moves by this rate towards its underloaded experts,
+    /// auxiliary-loss-free balancing (default 0: the bias stays as loaded).
+    router_bias_rate: f64,
     /// Dropout at every site the model has (the decoder's: its attention probabilities;
     /// default: the model folder's rates, none for a model from shape flags); 0 turns it
     /// off. Masks follow the seed, the step and each element's place in the global batch,
@@ -341,6 +345,8 @@ pub struct TrainSettings {
     /// A mixture of experts' capacity factor and router z-loss weight.
     pub expert_capacity: Option<f64>,
     pub router_z_loss: Option<f64>,
+    /// The choice biases' update rate.
+    pub router_bias_rate: Option<f64>,
     /// Dropout at every site, in place of the model's rates.
     pub dropout: Option<f64>,
     pub norm_eps: Option<f64>,
@@ -446,14 +452,18 @@ pub fn tokenizer_folder<'a>(tokenizer: Option<&'a Path>, model_dir: Option<&'a P
 impl TrainSettings {
     pub fn model(&self, vocab: i64) -> Result<ModelConfig> {
         let mut config = self.shaped_model(vocab)?;
-        let routing =
-            [("--expert-capacity", self.expert_capacity.is_some()), ("--router-z-loss", self.router_z_loss.is_some())];
+        let routing = [
+            ("--expert-capacity", self.expert_capacity.is_some()),
+            ("--router-z-loss", self.router_z_loss.is_some()),
+            ("--router-bias-rate", self.router_bias_rate.is_some()),
+        ];
         if let Some(flag) = first_given(&routing) {
             let Some(moe) = config.moe_mut() else {
                 bail!("{flag} routes a mixture of experts: the model has no experts")
             };
             moe.capacity_factor = self.expert_capacity.or(moe.capacity_factor);
             moe.z_loss_coef = self.router_z_loss.unwrap_or(moe.z_loss_coef);
+            moe.bias_update_rate = self.router_bias_rate.unwrap_or(moe.bias_update_rate);
             moe.validate()?;
         }
         if let Some(rate) = self.dropout {
@@ -779,6 +789,7 @@ impl TrainOptions {
             },
             expert_capacity: o.expert_capacity,
             router_z_loss: o.router_z_loss,
+            router_bias_rate: o.router_bias_rate,
             dropout: o.dropout,
             norm_eps: o.norm_eps,
             tie_embeddings: o.tie_embeddings,

@@ -250,10 +250,18 @@ fn frontier_families_train_sharded_split_and_staged_as_one_process() {
             "--schedule",
             "constant",
         ];
-        let one = common::train_run(dir.path(), "one", 4, &[&files, &flags, &["--accumulation", "2"]]);
+        // DeepSeek's choice biases move after each step by the loads of every rank's tokens.
+        let moving: &[&str] = if family == "deepseek-v3" { &["--router-bias-rate", "0.01"] } else { &[] };
+        let one = common::train_run(dir.path(), "one", 4, &[&files, &flags, moving, &["--accumulation", "2"]]);
+        if family == "deepseek-v3" {
+            let (before, after) = (choice_biases(&folder), choice_biases(&one.0));
+            let steps: Vec<f64> = before.iter().zip(&after).map(|(b, a)| ((a - b) / 0.01).abs()).collect();
+            assert!(steps.iter().all(|s| (s - s.round()).abs() < 1e-3 && *s < 4.5), "bias steps {steps:?}");
+            assert!(steps.iter().any(|s| s.round() >= 1.0), "no choice bias moved");
+        }
         for &(name, ranks, micro, strategy) in common_layouts.iter().chain(own) {
             let extra = ["--nproc", ranks, "--accumulation", micro, "--strategy", strategy];
-            let run = common::train_run(dir.path(), name, 4, &[&files, &flags, &extra]);
+            let run = common::train_run(dir.path(), name, 4, &[&files, &flags, moving, &extra]);
             // Experts computed for other ranks' rows group them otherwise: their gradients
             // differ by up to ~5e-5 of an SGD step (Qwen3-MoE's as well), which four AdamW
             // steps carry to ~1e-4 of Qwen3-Next's weights.
@@ -268,6 +276,25 @@ fn frontier_families_train_sharded_split_and_staged_as_one_process() {
             assert!(stderr(&o).contains("linear attention does not split over tensor ranks"), "{}", stderr(&o));
         }
     }
+}
+
+/// Every choice bias's values, layer after layer, from a folder's or a run's weights.
+fn choice_biases(weights: &Path) -> Vec<f64> {
+    let files: Vec<std::path::PathBuf> = match weights.is_dir() {
+        true => std::fs::read_dir(weights)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect(),
+        false => vec![weights.to_path_buf()],
+    };
+    let mut biases = std::collections::BTreeMap::new();
+    for file in files {
+        let tensors = strata::io::read_safetensors(&file).unwrap();
+        biases.extend(tensors.into_iter().filter(|(name, _)| name.ends_with("e_score_correction_bias")));
+    }
+    assert!(!biases.is_empty(), "no choice bias in {}", weights.display());
+    biases.values().flat_map(|t| Vec::<f64>::try_from(&t.to_kind(tch::Kind::Double)).unwrap()).collect()
 }
 
 /// Routing that never reaches the experts of one rank (a folder whose routers send every

@@ -270,7 +270,9 @@ pub struct Engine {
     loss_compute: Arc<UnitCompute>,
     /// Per unit, the weights it computes in fp8.
     fp8_weights: Vec<Vec<ParamId>>,
-    amax_group: Option<Arc<dyn ProcessGroup>>,
+    /// Every rank of the job, where something of a step must agree over all of them: fp8's
+    /// maxima, the experts' loads that move the choice biases.
+    job_group: Option<Arc<dyn ProcessGroup>>,
     events: Option<Arc<dyn EventSink>>,
     grad_ready: Option<Arc<GradReady>>,
     /// What the latest forward's sparse layers routed (a mixture of experts).
@@ -421,6 +423,18 @@ impl Engine {
             on_unit(k, &mut unit_storage, &initial, &ledger)?;
             storage.push(unit_storage);
         }
+        // A moving choice bias is written where the optimizer writes: it must lie in its
+        // unit's gradient span, not in a frozen head (LoRA's base, frozen layers).
+        let moving = spec.load_balance.as_ref().map(|b| b.moving_biases()).unwrap_or_default();
+        if let Some(&(_, id)) =
+            moving.iter().find(|(_, id)| spec.holds(*id) && offsets[id.0] < storage[spec.params[id.0].unit].grad_start)
+        {
+            return Err(Error::Config(format!(
+                "{} cannot move: it is frozen with the weights before it (a LoRA run's base, --freeze); \
+                 train without the choice bias's update",
+                spec.params[id.0].name
+            )));
+        }
         // Parameters of units another pipeline stage holds stay undefined here.
         let params = params.into_iter().map(|p| p.unwrap_or_else(Tensor::new)).collect();
         let units = spec.units.len();
@@ -444,7 +458,7 @@ impl Engine {
             compute: (0..units).map(|_| Arc::new(UnitCompute::default())).collect(),
             loss_compute: Arc::new(UnitCompute::default()),
             fp8_weights: vec![vec![]; units],
-            amax_group: None,
+            job_group: None,
             events: None,
             grad_ready: None,
             routed: None,
@@ -615,6 +629,11 @@ impl Engine {
                 self.config.device
             ));
         }
+        if self.spec.load_balance.is_some() {
+            return Some(
+                "a mixture of experts sends each expert as many tokens as it routes there, step by step".into(),
+            );
+        }
         if let Some(tp) = self.tensor_parallel() {
             return Some(format!(
                 "tensor parallelism over {} ranks: its collectives are waited for by the host",
@@ -648,7 +667,7 @@ impl Engine {
             states.push(state.lock().map_err(|e| Error::Engine(e.to_string()))?);
         }
         let mut units: Vec<&mut compute::fp8::Fp8Unit> = states.iter_mut().map(|s| &mut **s).collect();
-        compute::fp8::end_steps(&mut units, self.amax_group.as_deref())?;
+        compute::fp8::end_steps(&mut units, self.job_group.as_deref())?;
         if let Some(sink) = &self.events {
             sink.record(Event::Update { done: true });
         }
@@ -874,6 +893,10 @@ impl Engine {
         }
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
         self.close_routing(micro, None)?;
+        if let Some(balance) = &self.spec.load_balance {
+            let spec = &self.spec;
+            balance.count_step(micro, |id| spec.holds(id))?;
+        }
         let record =
             ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes, rows: self.rows.shallow_clone() };
         self.records.insert(micro, record);
@@ -1263,9 +1286,45 @@ impl Engine {
         self.compute.iter().map(|p| p.fp8.clone()).collect()
     }
 
-    /// The group over which fp8 amaxes are reduced (the data-parallel ranks).
-    pub(crate) fn set_amax_group(&mut self, group: Option<Arc<dyn ProcessGroup>>) {
-        self.amax_group = group;
+    /// Every rank of the job (fp8's maxima and the choice biases' loads agree over it).
+    pub(crate) fn set_job_group(&mut self, group: Option<Arc<dyn ProcessGroup>>) {
+        self.job_group = group;
+    }
+
+    /// Moves the choice biases of this engine's sparse layers by the step's expert loads,
+    /// summed over every rank ([`crate::model::MoeConfig::bias_update_rate`]); with `skipped`,
+    /// only forgets the loads. Runs after the optimizer's update and before the schedule
+    /// publishes it: the step is written where the optimizer writes (the fp32 master, this
+    /// rank's shard, the host copy), so every strategy carries it as it carries an update.
+    /// Every rank calls it, with the same `skipped`.
+    pub(crate) fn move_choice_biases(&mut self, skipped: bool) -> Result<()> {
+        let Some(balance) = self.spec.load_balance.clone().filter(|b| !b.moving_biases().is_empty()) else {
+            return Ok(());
+        };
+        let spec = &self.spec;
+        let mut loads = balance.take_step_loads(|id| spec.holds(id))?;
+        if skipped {
+            return Ok(());
+        }
+        if let Some(group) = &self.job_group {
+            loads = crate::comm::all_reduce_values(group.as_ref(), &loads, crate::comm::ReduceOp::Sum)?;
+        }
+        for (id, steps) in balance.bias_steps(&loads, |id| spec.holds(id)) {
+            let (unit, start) = (self.spec.params[id.0].unit, self.offsets[id.0]);
+            let (schedule, ctx) = self.schedule_for(unit);
+            let view = schedule.optimizer_view(ctx)?;
+            // This rank's share of the bias: where its elements meet what the optimizer updates.
+            let end = start + steps.len() as i64;
+            let (from, to) = (start.max(view.offset), end.min(view.offset + view.param.numel() as i64));
+            if from >= to {
+                continue;
+            }
+            let step = Tensor::f_from_slice(&steps[(from - start) as usize..(to - start) as usize])?
+                .f_to_device(view.param.device())?
+                .f_to_kind(view.param.kind())?;
+            let _ = tch::no_grad(|| view.param.f_narrow(0, from - view.offset, to - from)?.f_add_(&step))?;
+        }
+        Ok(())
     }
 
     fn release_records(&mut self) {

@@ -725,7 +725,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     // One balance over every sparse layer: its loss couples them.
     let sparse_layers = cfg.moe.as_ref().map_or(0, |m| (0..cfg.layers).filter(|&i| m.is_sparse(i)).count());
     let balance = cfg.moe.as_ref().filter(|_| sparse_layers > 0).map(|m| {
-        let balance = Arc::new(LoadBalance::new(m.experts, sparse_layers, m.aux_loss_coef, m.z_loss_coef));
+        let balance = Arc::new(LoadBalance::new(m, sparse_layers));
         b.load_balance(Arc::clone(&balance));
         balance
     });

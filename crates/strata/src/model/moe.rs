@@ -22,7 +22,7 @@ use super::layers::swiglu;
 use super::{Init, ParamId, Params, TensorParallel, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::{Kind, Tensor};
 
@@ -125,9 +125,17 @@ pub struct MoeConfig {
     #[serde(default)]
     pub activation: ExpertActivation,
     /// A bias per expert added to the scores to choose experts, but not to weight them
-    /// (DeepSeek-V3's `e_score_correction_bias`): it takes no gradient and is held as loaded.
+    /// (DeepSeek-V3's `e_score_correction_bias`): it takes no gradient, and moves only by
+    /// `bias_update_rate`.
     #[serde(default)]
     pub choice_bias: bool,
+    /// Auxiliary-loss-free balancing (DeepSeek-V3's): after each optimizer step, each
+    /// layer's choice bias moves by this rate towards its underloaded experts,
+    /// `b_e += rate · sign(mean load − load_e)`, the loads counted over the step's tokens on
+    /// every rank. 0 (the default, and what fine-tuning usually wants): the bias stays as
+    /// loaded. Needs `choice_bias`.
+    #[serde(default)]
+    pub bias_update_rate: f64,
     /// The experts fall into this many equal groups and each token chooses among the
     /// `top_groups` groups whose two best scores sum highest (`n_group`, `topk_group`);
     /// 1: no grouping.
@@ -196,6 +204,7 @@ impl MoeConfig {
             expert_bias: false,
             activation: ExpertActivation::Silu,
             choice_bias: false,
+            bias_update_rate: 0.0,
             groups: 1,
             top_groups: 1,
             routed_scale: 1.0,
@@ -239,6 +248,19 @@ impl MoeConfig {
                 "the router z-loss's weight must be 0 or more, got {}",
                 self.z_loss_coef
             )));
+        }
+        if !(self.bias_update_rate.is_finite() && self.bias_update_rate >= 0.0) {
+            return Err(Error::Config(format!(
+                "the choice bias's update rate must be 0 or more, got {}",
+                self.bias_update_rate
+            )));
+        }
+        if self.bias_update_rate > 0.0 && !self.choice_bias {
+            return Err(Error::Config(
+                "the choice bias's update moves DeepSeek-style routing's e_score_correction_bias: \
+                 this model's router has none"
+                    .into(),
+            ));
         }
         if let Some(f) = self.capacity_factor.filter(|f| !(f.is_finite() && *f > 0.0)) {
             return Err(Error::Config(format!("the experts' capacity factor must be positive, got {f}")));
@@ -416,7 +438,14 @@ impl SparseFeedForward {
             .router_bias
             .then(|| u.param(format!("{module}.bias"), &[moe.experts], Init::Zeros, TpRole::SequenceReplicated));
         let choice_bias = moe.choice_bias.then(|| {
-            u.frozen_param(format!("{module}.e_score_correction_bias"), &[moe.experts], Init::Zeros, TpRole::Replicated)
+            let id = u.frozen_param(
+                format!("{module}.e_score_correction_bias"),
+                &[moe.experts],
+                Init::Zeros,
+                TpRole::Replicated,
+            );
+            balance.hold_choice_bias(layer, id);
+            id
         });
         let experts: Vec<Expert> = (0..moe.experts)
             .map(|e| Expert::declare(u, moe.expert_names(name, e), moe.expert_ffn_dim, dim, true, moe))
@@ -734,11 +763,16 @@ impl strata_ext::Function for Exchange {
 /// travel forward with the activations, the stage holding the last layers closes the loss,
 /// and the gradient of each layer's summed probabilities travels back with the activations'
 /// gradients ([`LoadBalance::receive_gradient`]).
+///
+/// Where the choice biases move ([`MoeConfig::bias_update_rate`]), it also counts each
+/// sparse layer's expert loads over a step's training forwards ([`LoadBalance::count_step`])
+/// and turns the loads of every rank into the biases' steps ([`LoadBalance::bias_steps`]).
 pub struct LoadBalance {
     experts: i64,
     layers: usize,
     coef: f64,
     z_coef: f64,
+    bias_rate: f64,
     state: Mutex<BalanceState>,
 }
 
@@ -748,6 +782,11 @@ struct BalanceState {
     /// (a recomputed forward records its micro-batch's routing again).
     current: usize,
     micros: HashMap<usize, MicroRouting>,
+    /// Each sparse layer's choice bias, by the layer's place among the sparse layers.
+    choice_biases: BTreeMap<usize, ParamId>,
+    /// Token slots per expert `[E]` each sparse layer received in this step's training
+    /// forwards so far (counted only where the choice biases move).
+    step_slots: BTreeMap<usize, Tensor>,
 }
 
 #[derive(Default)]
@@ -808,8 +847,83 @@ pub struct BalanceReport {
 }
 
 impl LoadBalance {
-    pub(crate) fn new(experts: i64, layers: usize, coef: f64, z_coef: f64) -> LoadBalance {
-        LoadBalance { experts, layers, coef, z_coef, state: Mutex::new(BalanceState::default()) }
+    /// The balance of `moe`'s `layers` sparse layers.
+    pub(crate) fn new(moe: &MoeConfig, layers: usize) -> LoadBalance {
+        LoadBalance {
+            experts: moe.experts,
+            layers,
+            coef: moe.aux_loss_coef,
+            z_coef: moe.z_loss_coef,
+            bias_rate: moe.bias_update_rate,
+            state: Mutex::new(BalanceState::default()),
+        }
+    }
+
+    /// Records that sparse layer `layer` chooses its experts with the choice bias `id`.
+    fn hold_choice_bias(&self, layer: usize, id: ParamId) {
+        self.state().choice_biases.insert(layer, id);
+    }
+
+    /// The choice biases that move after each step, where they do: (sparse layer, bias).
+    pub fn moving_biases(&self) -> Vec<(usize, ParamId)> {
+        match self.bias_rate > 0.0 {
+            true => self.state().choice_biases.iter().map(|(&l, &id)| (l, id)).collect(),
+            false => vec![],
+        }
+    }
+
+    /// Adds micro-batch `micro`'s routing in the layers whose bias `holds` (this model
+    /// part's) to the step's loads: called once after each training forward, so that a
+    /// recomputed forward and evaluation count nothing.
+    pub fn count_step(&self, micro: usize, holds: impl Fn(ParamId) -> bool) -> Result<()> {
+        if self.bias_rate == 0.0 {
+            return Ok(());
+        }
+        let mut guard = self.state();
+        let state = &mut *guard;
+        let Some(m) = state.micros.get(&micro) else { return Ok(()) };
+        for (&layer, _) in state.choice_biases.iter().filter(|(_, &id)| holds(id)) {
+            let Some(routed) = m.routed.get(layer).and_then(Option::as_ref) else { continue };
+            let slots = match state.step_slots.remove(&layer) {
+                Some(sum) => sum.f_add(&routed.slots)?,
+                None => routed.slots.copy(),
+            };
+            state.step_slots.insert(layer, slots);
+        }
+        Ok(())
+    }
+
+    /// The step's loads `[sparse layers × E]` of the layers whose bias `holds` (zeros in the
+    /// others' rows, so that ranks holding different layers add up), forgotten here: what the
+    /// ranks sum before [`LoadBalance::bias_steps`].
+    pub fn take_step_loads(&self, holds: impl Fn(ParamId) -> bool) -> Result<Vec<f64>> {
+        let e = self.experts as usize;
+        let mut loads = vec![0.0; self.layers * e];
+        let mut guard = self.state();
+        let state = &mut *guard;
+        for (&layer, _) in state.choice_biases.iter().filter(|(_, &id)| holds(id)) {
+            if let Some(slots) = state.step_slots.remove(&layer) {
+                let slots = Vec::<f64>::try_from(&slots.f_to_device(tch::Device::Cpu)?.f_to_kind(Kind::Double)?)
+                    .map_err(|err| Error::Model(format!("expert loads: {err}")))?;
+                loads[layer * e..(layer + 1) * e].copy_from_slice(&slots);
+            }
+        }
+        Ok(loads)
+    }
+
+    /// Each moving bias `holds` and its step from the loads of every rank (as
+    /// [`LoadBalance::take_step_loads`] lays them out): `rate · sign(mean − load)` per
+    /// expert, so underloaded experts are chosen more and overloaded ones less.
+    pub fn bias_steps(&self, loads: &[f64], holds: impl Fn(ParamId) -> bool) -> Vec<(ParamId, Vec<f64>)> {
+        let e = self.experts as usize;
+        self.moving_biases()
+            .into_iter()
+            .filter(|&(_, id)| holds(id))
+            .filter_map(|(layer, id)| {
+                let row = loads.get(layer * e..(layer + 1) * e)?;
+                Some((id, sign_steps(row, self.bias_rate)))
+            })
+            .collect()
     }
 
     fn state(&self) -> MutexGuard<'_, BalanceState> {
@@ -1020,6 +1134,20 @@ impl LoadBalance {
     }
 }
 
+/// DeepSeek-V3's update of one layer's choice bias from its experts' `loads`:
+/// `rate · sign(mean − load)` per expert (0 for an expert loaded exactly at the mean).
+fn sign_steps(loads: &[f64], rate: f64) -> Vec<f64> {
+    let mean = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+    loads
+        .iter()
+        .map(|&load| match mean.partial_cmp(&load) {
+            Some(std::cmp::Ordering::Greater) => rate,
+            Some(std::cmp::Ordering::Less) => -rate,
+            _ => 0.0,
+        })
+        .collect()
+}
+
 /// The values [`LoadBalance::sums`] holds past the two per expert.
 const SUMS_PAST_EXPERTS: usize = 5;
 
@@ -1073,7 +1201,7 @@ mod tests {
                 Expert { gate: id(0), up: id(1), down: id(2), biases: None, activation: ExpertActivation::Silu }
             })
             .collect();
-        let balance = Arc::new(LoadBalance::new(EXPERTS as i64, 1, 0.0, 0.0));
+        let balance = Arc::new(LoadBalance::new(&MoeConfig::new(EXPERTS as i64, 2, WIDTH), 1));
         let ff = SparseFeedForward {
             router: Router {
                 weight: ParamId(0),
@@ -1121,6 +1249,13 @@ mod tests {
             }
         }
         (y, dropped)
+    }
+
+    #[test]
+    fn a_choice_bias_steps_towards_its_underloaded_experts() {
+        assert_eq!(sign_steps(&[9.0, 1.0, 3.0, 3.0], 0.5), [-0.5, 0.5, 0.5, 0.5]);
+        assert_eq!(sign_steps(&[3.0, 3.0, 6.0, 0.0], 0.1), [0.0, 0.0, -0.1, 0.1], "mean 3");
+        assert_eq!(sign_steps(&[5.0; 4], 0.1), [0.0; 4], "balanced");
     }
 
     /// `transformers`' `attention_mask` in the load-balancing loss: padded rows route as

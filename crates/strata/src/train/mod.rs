@@ -415,13 +415,18 @@ impl GradDecision {
             match host {
                 HostUpdating::Done(updated) => {
                     optimizer.step_except(updated)?;
+                    engine.move_choice_biases(false)?;
                     engine.after_update()?;
                 }
                 HostUpdating::Delayed => {
                     let started = optimizer.start_delayed_host_updates()?;
                     optimizer.step_except(&started)?;
+                    // Published with the update, when the next step settles it.
+                    engine.move_choice_biases(false)?;
                 }
             }
+        } else {
+            engine.move_choice_biases(true)?;
         }
         engine.end_step()?;
         engine.zero_grad()

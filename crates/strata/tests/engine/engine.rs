@@ -517,3 +517,67 @@ fn a_first_backward_overwrites_own_gradients_and_accumulates_tied_ones() {
         }
     }
 }
+
+/// DeepSeek-V3's auxiliary-loss-free balancing on forced imbalance: one sparse layer of 4
+/// experts, one per token, whose choice bias starts at [2, 0, 0, 0] so that expert 0 takes
+/// every token. With an update rate the first step moves the bias by exactly one rate step
+/// towards the idle experts, every later step by one step or none per expert, and the
+/// loads spread; without, expert 0 keeps every token.
+#[test]
+fn choice_biases_move_towards_underloaded_experts() {
+    use std::collections::BTreeMap;
+    use strata::data::{Batch, Step};
+    use strata::model::{MoeConfig, Scoring};
+    use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+    let (rate_given, steps, tokens) = (0.05, 30, 18);
+    let run = |rate: f64| {
+        let moe = MoeConfig {
+            scoring: Scoring::Sigmoid,
+            choice_bias: true,
+            norm_topk: true,
+            bias_update_rate: rate,
+            ..MoeConfig::new(4, 1, 8)
+        };
+        let mut b = Builder::new();
+        model::llama(&LlamaConfig { moe: Some(moe), ..LlamaConfig::new(11, 6, 1, 2, 8) }, &mut b).unwrap();
+        let mut engine = Engine::new(b.build().unwrap(), EngineConfig { seed: 3, ..Default::default() }).unwrap();
+        let find = |suffix: &str| engine.named_params().position(|(n, _)| n.ends_with(suffix)).unwrap();
+        let (bias, router) = (find("e_score_correction_bias"), find("mlp.gate.weight"));
+        // A router whose scores spread over (0, 1), so that balanced biases spread the tokens.
+        let spread = strata::engine::with_seed(1, || Tensor::randn([4, 8], (Kind::Float, tch::Device::Cpu)));
+        let values = BTreeMap::from([
+            (model::ParamId(bias), Tensor::from_slice(&[2.0f32, 0.0, 0.0, 0.0])),
+            (model::ParamId(router), spread),
+        ]);
+        engine.set_params(&values).unwrap();
+        let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+        let mut trainer = strata::train::Trainer::new(engine, optimizer, LrSchedule::Constant, None);
+        let mut history = vec![];
+        for step in 0..steps {
+            let micro = |k: i64| {
+                let (x, y) = batch(100 * step + k);
+                Batch::new(x, y).unwrap()
+            };
+            let report = trainer.train_step(&Step::new(step as usize, vec![micro(0), micro(1)])).unwrap();
+            let value = trainer.engine().param(model::ParamId(bias)).detach().copy();
+            history.push((Vec::<f64>::try_from(&value.to_kind(Kind::Double)).unwrap(), report.experts.unwrap()));
+        }
+        history
+    };
+    let moved = run(rate_given);
+    let first: Vec<f64> = moved[0].0.iter().zip([2.0, 0.0, 0.0, 0.0]).map(|(b, was)| b - was).collect();
+    let expected = [-rate_given, rate_given, rate_given, rate_given];
+    assert!(first.iter().zip(expected).all(|(d, e)| (d - e).abs() < 1e-6), "first step moved the bias by {first:?}");
+    for pair in moved.windows(2) {
+        for (after, before) in pair[1].0.iter().zip(&pair[0].0) {
+            let d = (after - before).abs();
+            assert!(d < 1e-6 || (d - rate_given).abs() < 1e-6, "a step of {d}: {:?} to {:?}", pair[0].0, pair[1].0);
+        }
+    }
+    // The last micro-batch's loads, late in the run: no expert takes every token any more.
+    let late: Vec<i64> = moved[steps as usize - 5..].iter().map(|(_, r)| r.max_expert_tokens).collect();
+    assert_eq!(moved[0].1.max_expert_tokens, tokens, "the imbalance is not forced");
+    assert!(late.iter().all(|&m| m < tokens * 3 / 4), "still imbalanced: {late:?}");
+    let kept = run(0.0);
+    assert!(kept.iter().all(|(b, r)| b == &[2.0, 0.0, 0.0, 0.0] && r.max_expert_tokens == tokens));
+}
