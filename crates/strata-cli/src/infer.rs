@@ -10,7 +10,7 @@ use crate::options::DataChoice;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
-use strata::checkpoint::Checkpoint;
+use strata::checkpoint::{BaseRecord, Checkpoint};
 use strata::data::chat::ChatTemplate;
 use strata::data::Batching;
 use strata::data::{
@@ -109,6 +109,13 @@ impl ModelSource {
                     "{}: the checkpoint holds what its run trained, not the frozen base: give the base with --model-dir DIR",
                     ckpt.location.display()
                 );
+            }
+            // The base beside it must be the one it was trained on.
+            if let (Some(folder), Some(saved)) = (&folder, &ckpt.meta.base) {
+                if !ckpt.holds_every_parameter() {
+                    let given = BaseRecord::of(vec![folder.dir.display().to_string()], &folder.weights)?;
+                    saved.check(&given, &ckpt.location)?;
+                }
             }
         }
         let mut engine = Engine::new(spec, config)?;

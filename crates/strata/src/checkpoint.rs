@@ -53,7 +53,7 @@ pub struct ParamEntry {
     pub tp: Option<TpRole>,
     /// In its unit's frozen head (ahead of the first trainable parameter: a LoRA run's
     /// base), which has no optimizer state and is stored only where the run's base did not
-    /// come from its initial weights ([`RunInfo::saves_frozen`]).
+    /// come from its initial weights ([`RunInfo::base`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub frozen: bool,
 }
@@ -122,6 +122,45 @@ pub struct Meta {
     /// The built-in model trained, where the run used one (a model folder's, or the flags').
     #[serde(default)]
     pub model: Option<ModelConfig>,
+    /// The frozen base the run loaded from its initial weights and this checkpoint leaves
+    /// out; `None` where it holds every parameter (or predates the record).
+    #[serde(default)]
+    pub base: Option<BaseRecord>,
+}
+
+/// The base weights a run started from: where they were read and a digest of them
+/// ([`crate::io::weights_digest`]). A checkpoint that leaves its frozen base out records
+/// it, so that it is never completed with another base.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BaseRecord {
+    /// The files or folders the base was read from, as given.
+    pub sources: Vec<String>,
+    /// The digest of their weights.
+    pub digest: String,
+}
+
+impl BaseRecord {
+    /// The record of the weights in `files`, read from `sources`.
+    pub fn of(sources: Vec<String>, files: &[PathBuf]) -> Result<BaseRecord> {
+        Ok(BaseRecord { sources, digest: io::weights_digest(files)? })
+    }
+
+    /// Fails, in one line, where `given` is another base than this one, which the checkpoint
+    /// at `location` was trained on.
+    pub fn check(&self, given: &BaseRecord, location: &Path) -> Result<()> {
+        if self.digest == given.digest {
+            return Ok(());
+        }
+        Err(Error::Checkpoint(format!(
+            "{}: trained on the base in {} (weights digest {}), not the one given in {} (digest {}): give the base \
+             it was trained on",
+            location.display(),
+            self.sources.join(", "),
+            &self.digest[..12.min(self.digest.len())],
+            given.sources.join(", "),
+            &given.digest[..12.min(given.digest.len())],
+        )))
+    }
 }
 
 /// What a training run puts in a checkpoint besides the model states.
@@ -140,9 +179,10 @@ pub struct RunInfo {
     pub loss_scaler: Option<LossScaler>,
     /// The built-in model trained, where the run used one.
     pub model: Option<ModelConfig>,
-    /// Store the units' frozen heads: false where they come from the run's initial weights
-    /// (a model folder or weights file), which a resumed run loads again.
-    pub saves_frozen: bool,
+    /// The base the run loaded from its initial weights (a model folder or weights file):
+    /// checkpoints record it and leave out the units' frozen heads, which a resumed run
+    /// loads again. `None`: the frozen heads are stored.
+    pub base: Option<BaseRecord>,
 }
 
 fn state_names(optimizer: &Optimizer) -> Vec<String> {
@@ -235,6 +275,7 @@ fn describe(layout: &Layout, parts: &[Part<'_>], run: &RunInfo) -> Meta {
         optimizer_steps: Some(optimizer.steps_taken()),
         files: vec![],
         model: run.model.clone(),
+        base: run.base.clone(),
     }
 }
 
@@ -298,9 +339,9 @@ pub fn save_parts(
     } else {
         Ok(())
     })?;
-    let heads = match run.saves_frozen {
-        true => frozen_heads(parts),
-        false => Ok(vec![]),
+    let heads = match run.base {
+        None => frozen_heads(parts),
+        Some(_) => Ok(vec![]),
     };
     let written = match (heads, parts[0].engine.held_states().checkpoint_writer()) {
         (Ok(heads), true) => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), layout, parts, &heads),

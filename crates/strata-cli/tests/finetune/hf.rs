@@ -722,6 +722,18 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
     );
     let o = strata(&["train", "--token-file", s(&train), "--ctx", "16", "--batch-size", "4", "--resume", s(&ckpt)]);
     assert_fails_with(&o, "not the frozen base it started from");
+    // Beside another base of the same shape (the merged folder), it is refused as well: by
+    // generate, eval and a resumed run.
+    let other = out("one", "merged");
+    let another = ["--resume", s(&ckpt), "--model-dir", s(&other)];
+    let o = strata(&[&ask[..], &another].concat());
+    assert_fails_with(&o, "trained on the base in");
+    let o =
+        strata(&[&["eval", "--val-token-file", s(&val), "--ctx", "16", "--batch-size", "4"][..], &another].concat());
+    assert_fails_with(&o, "trained on the base in");
+    let resumed = ["train", "--token-file", s(&train), "--strategy", &strategy, "--steps", "5", "--accumulation", "2"];
+    let o = strata(&[&resumed[..], &WINDOWS[..4], &another].concat());
+    assert_fails_with(&o, "trained on the base in");
 
     // Saved by fsdp over two ranks (each rank its shard of the adapters) and resumed by one
     // process, the run ends where the one-process run does.

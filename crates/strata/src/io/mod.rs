@@ -144,6 +144,30 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     Ok(out)
 }
 
+/// A digest of the tensors in the safetensors `files`: SHA-256 over each tensor's name,
+/// dtype, shape and the CRC-32C of its bytes, in name order. The same weights give the same
+/// digest however they are split into files; the CRC reads gigabytes a second, where
+/// hashing every byte with SHA-256 would hold up a resume of a large base.
+pub fn weights_digest(files: &[std::path::PathBuf]) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let mut entries = BTreeMap::new();
+    for path in files {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let err = |message: String| Error::Weights { path: path.to_path_buf(), message };
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| err(format!("not a valid safetensors file ({e})")))?;
+        for (name, view) in st.tensors() {
+            let entry =
+                format!("{name}\0{:?}\0{:?}\0{:08x}\n", view.dtype(), view.shape(), crc32c::crc32c(view.data()));
+            if entries.insert(name.clone(), entry).is_some() {
+                return Err(err(format!("tensor {name:?} is stored twice")));
+            }
+        }
+    }
+    let mut hash = Sha256::new();
+    entries.values().for_each(|entry| hash.update(entry.as_bytes()));
+    Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// A tensor's bytes as stored (little-endian, contiguous, on the CPU).
 pub fn tensor_bytes_le(t: &Tensor) -> Result<Vec<u8>> {
     let t = t.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
@@ -373,4 +397,30 @@ fn load_named(
     }
     let values = assigned.into_iter().map(|(id, (_, t))| (id, t)).collect();
     engine.set_params(&values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The digest names the weights, not the files: the same tensors split otherwise give
+    /// the same digest, one changed element or another name another.
+    #[test]
+    fn the_weights_digest_follows_the_tensors_not_the_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (Tensor::from_slice(&[1.0f32, 2.0, 3.0]), Tensor::from_slice(&[4i64, 5]));
+        let write = |name: &str, tensors: &[(&str, &Tensor)]| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, to_safetensors(tensors.iter().copied()).unwrap()).unwrap();
+            path
+        };
+        let whole = weights_digest(&[write("whole", &[("a", &a), ("b", &b)])]).unwrap();
+        let split = weights_digest(&[write("b", &[("b", &b)]), write("a", &[("a", &a)])]).unwrap();
+        assert_eq!(whole, split);
+        let changed = Tensor::from_slice(&[1.0f32, 2.0, 3.5]);
+        assert_ne!(whole, weights_digest(&[write("changed", &[("a", &changed), ("b", &b)])]).unwrap());
+        assert_ne!(whole, weights_digest(&[write("renamed", &[("c", &a), ("b", &b)])]).unwrap());
+        let twice = weights_digest(&[write("one", &[("a", &a)]), write("two", &[("a", &a)])]);
+        assert!(twice.unwrap_err().to_string().contains("stored twice"));
+    }
 }

@@ -25,7 +25,7 @@ mod observe;
 pub mod tensorboard;
 
 use crate::auto::{self, AutoAccelerate, AutoOptions};
-use crate::checkpoint::{self, Checkpoint, DataPosition, RunInfo};
+use crate::checkpoint::{self, BaseRecord, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankInfo};
 use crate::data::{validation_steps, Batching, DataLoader, Dataset, LoaderConfig, Order, Step};
 use crate::engine::{Engine, EngineConfig, EventSink, EventSinks, UnitClock};
@@ -536,6 +536,16 @@ pub fn train(
             ckpt.location.display()
         )));
     }
+    // Recorded in the checkpoints that leave it out, and checked against the one resumed.
+    let base = match base_in_init && (config.checkpoints.is_some() || resume.is_some()) {
+        true => Some(base_record(&config.init)?),
+        false => None,
+    };
+    if let (Some(ckpt), Some(given)) = (resume.as_ref().filter(|c| !c.holds_every_parameter()), &base) {
+        if let Some(saved) = &ckpt.meta.base {
+            saved.check(given, &ckpt.location)?;
+        }
+    }
     let ranks = match &launched {
         Some(info) => Ranks {
             comm: Some(init_from_env(&backends, config.comm_timeout)?),
@@ -654,7 +664,7 @@ pub fn train(
             data: config.data_position(data_start + trainer.step() - start),
             loss_scaler: trainer.scaling.scaler.clone(),
             model: model.config.clone(),
-            saves_frozen: !base_in_init,
+            base: base.clone(),
         };
         let dir = trainer.save_checkpoint(&c.dir, &run, world_group.as_deref(), c.keep).map_err(|e| {
             Error::Checkpoint(format!("saving a checkpoint in {}: {e}{}", c.dir.display(), config.last_checkpoint()))
@@ -744,6 +754,25 @@ pub fn train(
         }
     }
     Ok(RunSummary { last, strategy, rank: ranks.rank(), world_size: ranks.world() })
+}
+
+/// The record of the base weights among `init` (weights files and model folders), in order.
+fn base_record(init: &[InitialWeights]) -> Result<BaseRecord> {
+    let (mut sources, mut files) = (vec![], vec![]);
+    for weights in init {
+        match weights {
+            InitialWeights::File(path) => {
+                sources.push(path.display().to_string());
+                files.push(path.clone());
+            }
+            InitialWeights::Folder(dir) => {
+                sources.push(dir.dir.display().to_string());
+                files.extend(dir.weights.iter().cloned());
+            }
+            InitialWeights::Adapter(_) => {}
+        }
+    }
+    BaseRecord::of(sources, &files)
 }
 
 /// Loads the run's initial weights into `engine` (one part of the model: each takes the

@@ -109,7 +109,7 @@ fn saved_checkpoint(root: &Path) -> (std::path::PathBuf, Vec<Tensor>) {
         data: DataPosition { seed: 0, batch_size: 2, ctx: 4, next_step: 3 },
         loss_scaler: None,
         model: None,
-        saves_frozen: true,
+        base: None,
     };
     (checkpoint::save(root, &mut engine, &mut optimizer, &run, None, 2).unwrap(), saved)
 }

@@ -426,7 +426,7 @@ fn lora_checkpoints_hold_the_base_only_where_asked() {
             data: DataPosition { seed: 0, batch_size: 2, ctx: 16, next_step: 2 },
             loss_scaler: None,
             model: None,
-            saves_frozen,
+            base: (!saves_frozen).then(|| checkpoint::BaseRecord { sources: vec!["base".into()], digest: "0".into() }),
         };
         let path = checkpoint::save(dir.path(), &mut engine, &mut optimizer, &run, None, 1).unwrap();
         let ckpt = Checkpoint::open(&path).unwrap();
