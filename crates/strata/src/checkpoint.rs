@@ -152,8 +152,8 @@ impl BaseRecord {
             return Ok(());
         }
         Err(Error::Checkpoint(format!(
-            "{}: trained on the base in {} (weights digest {}), not the one given in {} (digest {}): give the base \
-             it was trained on",
+            "{}: trained on the base in {} (weights digest {}), not the one given in {} (digest {}): \
+             give the base it was trained on",
             location.display(),
             self.sources.join(", "),
             &self.digest[..12.min(self.digest.len())],
