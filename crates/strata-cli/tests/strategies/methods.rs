@@ -148,3 +148,52 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
         })
         .collect()
 }
+
+/// The chunked loss gives the plain head's run: GPT (its head tied to the embedding) and
+/// LLaMA, chunks of 7 positions over rows of 32, validation included, alone to within
+/// rounding, and with checkpointed blocks under fsdp on two ranks and in two pipeline
+/// stages as the one-process chunked run does. Its head's output is a scalar: the ledger's
+/// activation peak falls by the logits it never holds.
+#[test]
+fn the_chunked_loss_trains_as_the_whole_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let text: String = (0..400).map(|i| format!("line {i} of the chunked loss's text, {} ", i * 7 % 13)).collect();
+    let (data, val) = (dir.path().join("train.txt"), dir.path().join("val.txt"));
+    std::fs::write(&data, &text).unwrap();
+    std::fs::write(&val, &text[..3000]).unwrap();
+    let (data, val) = (data.to_str().unwrap(), val.to_str().unwrap());
+    let files = ["--data", data, "--val-data", val, "--eval-every", "3", "--eval-batches", "2"];
+    let chunked = r#"["chunked_loss", {"positions": 7}]"#;
+    for model in ["gpt", "llama"] {
+        let shape = ["--model", model, "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32", "--seed", "3"];
+        let run = |name: &str, strategy: &str, extra: &[&str]| {
+            let args: [&[&str]; 5] = [&shape, &RUN, &files, &["--strategy", strategy], extra];
+            train_run(dir.path(), &format!("{model}-{name}"), 6, &args)
+        };
+        let plain = run("plain", "[]", &[]);
+        let alone = run("chunked", &format!("[{chunked}]"), &[]);
+        crate::common::assert_follows(&plain, &alone, &format!("{model} chunked"), 1e-6, 1e-6);
+        let val_losses = |run: &Run| -> Vec<f64> {
+            crate::common::reports(&run.1).iter().filter_map(|r| r["val_loss"].as_f64()).collect()
+        };
+        let (a, b) = (val_losses(&plain), val_losses(&alone));
+        assert!(a.len() == 2 && a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-6), "{model}: {a:?} against {b:?}");
+        let peak = |run: &Run| crate::common::reports(&run.1)[0]["memory"]["device"]["peak"].as_u64();
+        let (whole, scored) = (peak(&plain).unwrap(), peak(&alone).unwrap());
+        // The logits of a micro-batch (8 rows × 32 positions × 256 tokens of fp32) in place
+        // of the loss's one value.
+        assert_eq!(
+            whole - scored,
+            8 * 32 * 256 * 4 - 4,
+            "{model}: {whole} bytes at the peak with logits, {scored} without"
+        );
+        let block = if model == "gpt" { "GptBlock" } else { "LlamaBlock" };
+        let recomputed = format!(r#"[{chunked}, ["checkpoint", ["{block}"]]"#);
+        let one = run("one", &format!("{recomputed}]"), &["--accumulation", "2"]);
+        let fsdp = run("fsdp", &format!(r#"{recomputed}, "fsdp"]"#), &["--nproc", "2"]);
+        crate::common::assert_follows(&one, &fsdp, &format!("{model} chunked fsdp"), 1e-5, 1e-5);
+        let pipeline = format!(r#"{recomputed}, ["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel"]"#);
+        let staged = run("pipeline", &pipeline, &["--nproc", "2", "--accumulation", "2"]);
+        crate::common::assert_follows(&one, &staged, &format!("{model} chunked pipeline"), 1e-5, 1e-5);
+    }
+}

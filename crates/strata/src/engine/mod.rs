@@ -20,8 +20,8 @@ use crate::comm::ProcessGroup;
 use crate::compute::fp8::Fp8Scaling;
 use crate::compute::{self, UnitCompute};
 use crate::model::{
-    DecodeCache, DropoutDraw, ExpertExchange, Init, ModelSpec, ParamId, ParamSpec, Params, Routed, RowLayout,
-    TensorParallel, TpRole,
+    DecodeCache, DropoutDraw, ExpertExchange, HeadScoring, Init, ModelSpec, ParamId, ParamSpec, Params, Routed,
+    RowLayout, TensorParallel, TpRole,
 };
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
@@ -215,6 +215,8 @@ struct RowContext {
     layout: Option<RowLayout>,
     padding: Option<Tensor>,
     dropout: Option<DropoutDraw>,
+    /// The next token at each position, which a head that scores in chunks reads.
+    targets: Option<Tensor>,
 }
 
 impl RowContext {
@@ -224,6 +226,7 @@ impl RowContext {
             layout: self.layout.as_ref().map(RowLayout::shallow_clone),
             padding: self.padding.as_ref().map(Tensor::shallow_clone),
             dropout: self.dropout,
+            targets: self.targets.as_ref().map(Tensor::shallow_clone),
         }
     }
 
@@ -270,6 +273,9 @@ pub struct Engine {
     loss_compute: Arc<UnitCompute>,
     /// Per unit, the weights it computes in fp8.
     fp8_weights: Vec<Vec<ParamId>>,
+    /// Positions whose logits the output head computes at once where it scores the rows
+    /// itself ([`Engine::set_chunked_loss`]).
+    loss_chunk: Option<i64>,
     /// Every rank of the job, where something of a step must agree over all of them: fp8's
     /// maxima, the experts' loads that move the choice biases.
     job_group: Option<Arc<dyn ProcessGroup>>,
@@ -459,6 +465,7 @@ impl Engine {
             loss_compute: Arc::new(UnitCompute::default()),
             fp8_weights: vec![vec![]; units],
             job_group: None,
+            loss_chunk: None,
             events: None,
             grad_ready: None,
             routed: None,
@@ -841,6 +848,37 @@ impl Engine {
         self.rows.padding = padding.map(Tensor::shallow_clone);
     }
 
+    /// Sets the next tokens of the rows the next forwards run on (`[rows, ctx]`; `None`:
+    /// unknown): under [`Engine::set_chunked_loss`] the output head returns the mean loss
+    /// against them instead of logits.
+    pub fn set_targets(&mut self, targets: Option<&Tensor>) {
+        self.rows.targets = targets.map(Tensor::shallow_clone);
+    }
+
+    /// Has the output head compute the next-token loss itself, `positions` at a time, in
+    /// every forward whose rows carry targets ([`Engine::set_targets`]): its output is then
+    /// that loss, a scalar, and the `[tokens, vocabulary]` logits never exist at once. `None`:
+    /// the head returns logits. Refused where the head is split over tensor ranks (a
+    /// pipeline stage without the head takes it and does nothing).
+    pub fn set_chunked_loss(&mut self, positions: Option<i64>) -> Result<()> {
+        if let Some(n) = positions {
+            if n < 1 {
+                return Err(Error::Config(format!("chunked_loss: positions must be positive, got {n}")));
+            }
+            if let Some(tp) = self.tensor_parallel() {
+                crate::model::head_loss::check_tensor_parallel(tp.as_ref())?;
+            }
+        }
+        self.loss_chunk = positions;
+        Ok(())
+    }
+
+    /// Whether the output head returns the loss when the rows carry targets
+    /// ([`Engine::set_chunked_loss`]).
+    pub fn scores_in_head(&self) -> bool {
+        self.loss_chunk.is_some()
+    }
+
     /// Sets the draw of the dropout masks of the next forwards, until the rows change
     /// ([`Engine::set_layout`]; `None`: nothing is dropped): a loop of your own calls it
     /// before each training forward, as the trainer does. [`Engine::evaluate`] never drops.
@@ -1105,6 +1143,12 @@ impl Engine {
         let layout = moved.as_ref().or(rows.layout.as_ref());
         let padding = rows.padding.as_ref().map(|p| self.where_unit_computes(k, p)).transpose()?;
         let dropout = rows.dropout.map(|draw| draw.unit(&unit.name));
+        let scoring = match (self.loss_chunk, &rows.targets) {
+            (Some(positions), Some(targets)) if unit.body.scores_in_chunks() => {
+                Some(HeadScoring { targets: targets.shallow_clone(), positions })
+            }
+            _ => None,
+        };
         let params = match &self.config.tensor {
             Some(tp) => Params::split(wrapped.as_deref().unwrap_or(&self.params), tp.as_ref()),
             None => Params::new(&self.params),
@@ -1112,6 +1156,7 @@ impl Engine {
         .with_layout(layout)
         .with_padding(padding.as_ref())
         .with_dropout(dropout.as_ref())
+        .with_scoring(scoring.as_ref())
         .with_adapters(&self.spec.adapters)
         .with_experts(self.config.experts.as_ref());
         let input = self.where_unit_computes(k, input)?;

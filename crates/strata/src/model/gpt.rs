@@ -10,9 +10,10 @@
 //! [`gpt`] records specifications in the [`Builder`], and the units compute with the
 //! parameters the engine lends them.
 use super::dropout::masked;
+use super::head_loss::head_output;
 use super::layers::{
     add_layer_norm, attention, gelu_tanh, layer_norm_into_product, merge_heads, other_examples, split_heads,
-    vocab_embedding, vocab_logits, AttentionOptions, ScoreTerms,
+    vocab_embedding, AttentionOptions, ScoreTerms,
 };
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TpRole, Unit,
@@ -217,9 +218,12 @@ impl Unit for GptHead {
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         let h = layer_norm_into_product(x, &p[self.ln_f.0], &p[self.ln_f.1], self.eps)?;
-        vocab_logits(&h, &p[self.wte], None, self.vocab, None, p.tp())
+        head_output(&h, &p[self.wte], self.vocab, None, p)
     }
     fn position_wise(&self) -> bool {
+        true
+    }
+    fn scores_in_chunks(&self) -> bool {
         true
     }
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {

@@ -15,7 +15,7 @@ use crate::compute::{self, cast};
 use crate::Result;
 use tch::{Kind, Tensor};
 
-fn is_low(kind: Kind) -> bool {
+pub(crate) fn is_low(kind: Kind) -> bool {
     matches!(kind, Kind::Half | Kind::BFloat16)
 }
 

@@ -21,10 +21,11 @@
 //!
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
 use super::gpt::divides_heads;
+use super::head_loss::head_output;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
     add_rms_norm, attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product, rms_norm_plus_one,
-    split_heads, swiglu, vocab_logits, AttentionOptions, ScoreTerms,
+    split_heads, swiglu, AttentionOptions, ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -687,9 +688,12 @@ impl Unit for LlamaHead {
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         let h = self.kinds.norm_into_product(x, &p[self.norm])?;
-        vocab_logits(&h, &p[self.lm_head], None, self.vocab, self.softcap, p.tp())
+        head_output(&h, &p[self.lm_head], self.vocab, self.softcap, p)
     }
     fn position_wise(&self) -> bool {
+        true
+    }
+    fn scores_in_chunks(&self) -> bool {
         true
     }
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {

@@ -9,6 +9,7 @@ mod bert;
 mod cost;
 pub mod dropout;
 mod gpt;
+pub mod head_loss;
 pub mod hf;
 pub mod latent;
 pub mod layers;
@@ -25,6 +26,7 @@ pub use bert::{bert, BertConfig, BertHead};
 pub use cost::{Kept, UnitCost};
 pub use dropout::{DropoutDraw, DropoutRates, UnitDraw};
 pub use gpt::{gpt, GptConfig};
+pub use head_loss::HeadScoring;
 pub use hf::{from_pretrained_dir, Family, ModelDir};
 pub use latent::LatentConfig;
 pub use layers::NoTensorParallel;
@@ -380,6 +382,7 @@ pub struct Params<'a> {
     experts: Option<&'a std::sync::Arc<dyn ExpertExchange>>,
     padding: Option<&'a Tensor>,
     dropout: Option<&'a UnitDraw>,
+    scoring: Option<&'a HeadScoring>,
 }
 
 /// A low-rank adapter (LoRA) joined to a linear layer: the layer computes
@@ -440,12 +443,13 @@ impl<'a> Params<'a> {
             experts: None,
             padding: None,
             dropout: None,
+            scoring: None,
         }
     }
 
     /// Parameters holding this rank's pieces, for a unit split over `tp`.
     pub fn split(tensors: &'a [Tensor], tp: &'a dyn TensorParallel) -> Self {
-        Params { tensors, tp, layout: None, adapters: None, experts: None, padding: None, dropout: None }
+        Params { tp, ..Params::new(tensors) }
     }
 
     /// The tensor group the unit runs in (one rank unless the strategy splits it).
@@ -468,6 +472,18 @@ impl<'a> Params<'a> {
     /// padding after their examples.
     pub fn with_padding(self, padding: Option<&'a Tensor>) -> Self {
         Params { padding, ..self }
+    }
+
+    /// The same parameters for a forward whose output head scores its rows against
+    /// `scoring`'s targets rather than return logits (the `chunked_loss` method; heads that
+    /// cannot, [`Unit::scores_in_chunks`], are never given it).
+    pub fn with_scoring(self, scoring: Option<&'a HeadScoring>) -> Self {
+        Params { scoring, ..self }
+    }
+
+    /// What the output head scores against, where it returns the loss.
+    pub fn scoring(&self) -> Option<&HeadScoring> {
+        self.scoring
     }
 
     /// Which positions of the rows are padding (`[rows, ctx]` bool), where some are.
@@ -574,6 +590,13 @@ pub trait Unit: Send + Sync {
         }
         let _ = cache;
         Err(Error::Model(format!("{} units cannot decode with a key/value cache (Unit::decode)", self.kind())))
+    }
+
+    /// Whether the unit is a vocabulary head that returns the mean next-token loss when its
+    /// parameters carry [`Params::scoring`] (the `chunked_loss` method), computing the logits
+    /// a chunk of positions at a time.
+    fn scores_in_chunks(&self) -> bool {
+        false
     }
 
     /// Checks that the unit's forward can run split over `tp` ranks (heads divisible by

@@ -136,6 +136,7 @@ pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, 
     let policies = compute_policies(&spec, strategy, config.device)?;
     let mut engine = build_sharding(spec, config, strategy, at)?;
     engine.set_compute(policies)?;
+    engine.set_chunked_loss(strategy.chunked_loss().map(|c| c.positions))?;
     let moves_biases = engine.spec().load_balance.as_ref().is_some_and(|b| !b.moving_biases().is_empty());
     if let Some(comm) = at.comm.filter(|c| c.size() > 1 && (strategy.fp8().is_some() || moves_biases)) {
         engine.set_job_group(Some(Arc::from(comm.world()?)));

@@ -67,6 +67,9 @@ impl TrainerSetup<'_> {
 /// a pipeline dimension, over one engine otherwise.
 pub fn build_trainer(setup: &TrainerSetup<'_>) -> Result<Trainer> {
     let mesh = mesh_of(setup.strategy, setup.comm, setup.local_world_size)?;
+    if setup.strategy.chunked_loss().is_some() {
+        check_chunked_loss(&(setup.spec)()?, &setup.feed)?;
+    }
     if mesh.size(Dim::Pipeline) > 1 {
         return super::pipeline::trainer(setup);
     }
@@ -87,4 +90,22 @@ pub fn build_trainer(setup: &TrainerSetup<'_>) -> Result<Trainer> {
     trainer.scaling = setup.strategy.grad_scaling()?;
     trainer.set_feed(&setup.feed);
     Ok(trainer)
+}
+
+/// `chunked_loss` scores with the next-token loss in a head that can: a model without such
+/// a head, or a loss of the caller's own (which reads logits), is refused.
+fn check_chunked_loss(spec: &crate::model::ModelSpec, feed: &crate::train::Feed) -> Result<()> {
+    if !spec.units.iter().any(|u| u.body.scores_in_chunks()) {
+        return Err(crate::Error::Config(
+            "chunked_loss: the model has no output head that computes the next-token loss in chunks (GPT's and the \
+             decoder families' do)"
+                .into(),
+        ));
+    }
+    if feed.loss.is_some() {
+        return Err(crate::Error::Config(
+            "chunked_loss: the head computes the next-token loss, and this run scores with a loss of its own".into(),
+        ));
+    }
+    Ok(())
 }

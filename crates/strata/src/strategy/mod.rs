@@ -28,13 +28,14 @@ use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 16] = [
+pub const METHODS: [&str; 17] = [
     "parallel_mode",
     "amp_native",
     "half",
     "fp8",
     "checkpoint",
     "module_replace",
+    "chunked_loss",
     "zero1",
     "zero2",
     "fsdp",
@@ -69,6 +70,8 @@ pub enum Method {
     Checkpoint(CheckpointConfig),
     /// Replacement pairs to apply (all registered ones when `None`).
     ModuleReplace(Option<Vec<String>>),
+    /// The next-token loss computed in the output head, a chunk of positions at a time.
+    ChunkedLoss(ChunkedLossConfig),
     /// ZeRO-1: optimizer states sharded.
     Zero1(ShardConfig),
     /// ZeRO-2: optimizer states and gradients sharded.
@@ -274,6 +277,22 @@ pub struct CheckpointConfig {
     pub wrap_class: Vec<String>,
 }
 
+/// `chunked_loss`: the output head computes the next-token loss itself, `positions`
+/// positions' logits at a time, so that the `[tokens, vocabulary]` logits and their
+/// gradient never exist at once.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ChunkedLossConfig {
+    /// Positions whose logits exist at once (default 1024).
+    pub positions: i64,
+}
+
+impl Default for ChunkedLossConfig {
+    fn default() -> Self {
+        ChunkedLossConfig { positions: 1024 }
+    }
+}
+
 /// Marks the units named by `list` (kind or name); a name matching no unit is an error
 /// naming `field` and listing the model's unit kinds.
 pub fn select_units(spec: &ModelSpec, list: &[String], field: &str) -> Result<Vec<bool>> {
@@ -316,6 +335,7 @@ impl Method {
             Method::Fp8(_) => "fp8",
             Method::Checkpoint(_) => "checkpoint",
             Method::ModuleReplace(_) => "module_replace",
+            Method::ChunkedLoss(_) => "chunked_loss",
             Method::Zero1(_) => "zero1",
             Method::Zero2(_) => "zero2",
             Method::Fsdp(_) => "fsdp",
@@ -394,6 +414,16 @@ impl Method {
                 Replacements::select(names.as_deref())?;
                 Method::ModuleReplace(names)
             }
+            "chunked_loss" => {
+                let c: ChunkedLossConfig = parse_config(name, config)?;
+                if c.positions < 1 {
+                    return Err(Error::Config(format!(
+                        "chunked_loss: positions must be positive, got {}",
+                        c.positions
+                    )));
+                }
+                Method::ChunkedLoss(c)
+            }
             "zero1" => Method::Zero1(shard()?),
             "zero2" => Method::Zero2(shard()?),
             "fsdp" => Method::Fsdp(shard()?),
@@ -436,6 +466,7 @@ impl Method {
             Method::Fp8(c) => serde_json::to_value(c),
             Method::Checkpoint(c) => serde_json::to_value(c),
             Method::ModuleReplace(c) => serde_json::to_value(c),
+            Method::ChunkedLoss(c) => serde_json::to_value(c),
             Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => serde_json::to_value(c),
             Method::TensorParallel(c) => serde_json::to_value(c),
             Method::PipelineParallel(c) => serde_json::to_value(c),
@@ -646,6 +677,11 @@ impl Strategy {
     /// `checkpoint`'s configuration, if the strategy has it.
     pub fn checkpoint(&self) -> Option<&CheckpointConfig> {
         self.methods.iter().find_map(|m| if let Method::Checkpoint(c) = m { Some(c) } else { None })
+    }
+
+    /// `chunked_loss`'s configuration, if the strategy has it.
+    pub fn chunked_loss(&self) -> Option<&ChunkedLossConfig> {
+        self.methods.iter().find_map(|m| if let Method::ChunkedLoss(c) = m { Some(c) } else { None })
     }
 
     /// `module_replace`'s pair names: `Some(None)` for every registered pair.

@@ -165,9 +165,13 @@ pub fn token_input() -> InputFn {
     Arc::new(|b: &Batch| Ok(b.inputs.shallow_clone()))
 }
 
-/// The default `loss_func`: mean cross-entropy against the next tokens.
+/// The default `loss_func`: mean cross-entropy against the next tokens; a scalar output is
+/// that loss already, from a head that scored its rows itself (`chunked_loss`).
 pub fn next_token_loss() -> LossFn {
-    Arc::new(|logits: &Tensor, b: &Batch| cross_entropy(logits, &b.targets))
+    Arc::new(|out: &Tensor, b: &Batch| match out.dim() {
+        0 => Ok(out.shallow_clone()),
+        _ => cross_entropy(out, &b.targets),
+    })
 }
 
 /// [`next_token_loss`] for `engine`'s output: over a vocabulary split across a tensor
@@ -286,6 +290,7 @@ pub(crate) fn training_loss(engine: &Engine, loss: &LossFn, output: &Tensor, bat
 pub(crate) fn set_rows(engine: &mut Engine, batch: &Batch, dropout: Option<DropoutDraw>) {
     engine.set_layout(batch.layout.as_ref());
     engine.set_padding(batch.padding.as_ref());
+    engine.set_targets(Some(&batch.targets));
     engine.set_dropout(dropout);
 }
 
