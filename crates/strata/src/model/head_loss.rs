@@ -66,7 +66,7 @@ impl ChunkedHeadLoss {
             Some(cap) => soft_cap(&logits, cap)?,
             None => logits,
         };
-        Ok(cast(&logits, is_low(logits.kind()).then_some(Kind::Float))?)
+        cast(&logits, is_low(logits.kind()).then_some(Kind::Float))
     }
 
     /// The precision the loss and the weight's gradient are summed in: fp32, or fp64 for a
