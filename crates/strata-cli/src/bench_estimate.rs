@@ -79,7 +79,15 @@ struct Report {
 const VOCAB: i64 = 512;
 
 fn base(precision: Precision, sharding: Sharding, checkpoint: bool, tensor: usize, offload: bool) -> Layout {
-    Layout::new(Candidate { precision, module_replace: false, sharding, checkpoint, tensor, offload })
+    Layout::new(Candidate {
+        precision,
+        module_replace: false,
+        sharding,
+        checkpoint,
+        tensor,
+        offload,
+        chunked_loss: None,
+    })
 }
 
 fn gpt(layers: i64, dim: i64, ctx: i64) -> ModelConfig {

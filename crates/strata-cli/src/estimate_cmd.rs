@@ -156,6 +156,11 @@ pub struct EstimateArgs {
     /// Also show each layout training LoRA adapters of this rank on every linear layer.
     #[arg(long)]
     lora_rank: Option<i64>,
+    /// Every layout with the next-token loss computed in the output head, this many
+    /// positions' logits at a time (the chunked_loss method; 1024 where no value is given):
+    /// the micro-batch's logits never exist.
+    #[arg(long, num_args = 0..=1, default_missing_value = "1024")]
+    chunked_loss: Option<i64>,
     /// Optimizer: adamw (8 bytes of state per trained element) or sgd (4, with momentum).
     #[arg(long, default_value = "adamw")]
     optimizer: String,
@@ -228,7 +233,20 @@ pub fn run(a: EstimateArgs) -> Result<()> {
                 a.schedule
             )
         })?;
-    let layouts = estimate::layouts(&spec, a.nproc, precision, &a.tensor, &a.pipeline, (schedule, a.virtual_stages));
+    let mut layouts =
+        estimate::layouts(&spec, a.nproc, precision, &a.tensor, &a.pipeline, (schedule, a.virtual_stages));
+    if let Some(positions) = a.chunked_loss {
+        if positions < 1 {
+            bail!("--chunked-loss: positions must be positive, got {positions}");
+        }
+        if !spec.units.iter().any(|u| u.body.scores_in_chunks()) {
+            bail!("--chunked-loss: the model has no output head that computes the next-token loss in chunks");
+        }
+        if a.tensor.iter().any(|&t| t > 1) {
+            bail!("--chunked-loss runs on an unsplit head: the vocabulary does not split over --tensor ranks");
+        }
+        layouts.iter_mut().for_each(|l| l.candidate.chunked_loss = Some(positions));
+    }
     if layouts.is_empty() {
         bail!("no layout: the tensor and pipeline sizes given do not divide {} ranks or the model", a.nproc);
     }

@@ -25,10 +25,13 @@ fn the_estimate_follows_the_allocator_over_families_and_layouts() {
             checkpoint,
             tensor,
             offload: false,
+            chunked_loss: None,
         })
     };
     let piped =
         Layout { pipeline: 2, schedule: ScheduleKind::OneForwardOneBackward, ..plain(Sharding::None, false, 1) };
+    // The head's loss in chunks of 32 of the micro-batch's 256 positions.
+    let chunked = Layout::new(Candidate { chunked_loss: Some(32), ..plain(Sharding::None, false, 1).candidate });
     // (label, model, layout, ranks, global rows, micro-batches)
     let cases = [
         ("gpt", &gpt, plain(Sharding::None, false, 1), 1, 8, 1),
@@ -37,7 +40,10 @@ fn the_estimate_follows_the_allocator_over_families_and_layouts() {
         ("llama zero1 ×2", &llama, plain(Sharding::Zero1, false, 1), 2, 16, 1),
         ("llama pipeline 2", &llama, piped, 2, 16, 4),
         ("gpt tensor 2", &gpt, plain(Sharding::None, false, 2), 2, 8, 1),
+        ("llama", &llama, plain(Sharding::None, false, 1), 1, 8, 1),
+        ("llama chunked loss", &llama, chunked, 1, 8, 1),
     ];
+    let mut peaks = std::collections::BTreeMap::new();
     let cpu = estimate::device_kind("cpu").unwrap();
     let dir = tempfile::tempdir().unwrap();
     for (label, model, layout, ranks, rows, micro) in cases {
@@ -82,7 +88,13 @@ fn the_estimate_follows_the_allocator_over_families_and_layouts() {
         let error = estimated / measured - 1.0;
         eprintln!("{label}: estimated {estimated} measured {measured} ({:+.1}%)", 100.0 * error);
         assert!(error.abs() <= 0.05, "{label}: estimated {estimated} bytes against {measured} measured");
+        peaks.insert(label, (estimated, measured));
     }
+    // The chunked loss lowers the peak by what the estimate says it saves.
+    let ((whole_e, whole_m), (chunk_e, chunk_m)) = (peaks["llama"], peaks["llama chunked loss"]);
+    let (saved_e, saved_m) = (whole_e - chunk_e, whole_m - chunk_m);
+    eprintln!("chunked loss: estimated {saved_e} bytes saved, measured {saved_m}");
+    assert!(saved_m > 0.0 && (saved_e / saved_m - 1.0).abs() <= 0.10, "saved {saved_e} estimated, {saved_m} measured");
 }
 
 /// A 70B model on 64 GPUs: instant, some layouts fit and some do not, sharding and

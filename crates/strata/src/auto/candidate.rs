@@ -73,6 +73,9 @@ pub struct Candidate {
     /// Model states between device and host, placed against the device budget: `offload`'s
     /// plan in one process, the shard states of whole units beside zero1/zero2/fsdp.
     pub offload: bool,
+    /// The output head computes the next-token loss this many positions at a time
+    /// (`chunked_loss`): the logits of a micro-batch never exist. `None`: it returns logits.
+    pub chunked_loss: Option<i64>,
 }
 
 impl Candidate {
@@ -90,6 +93,9 @@ impl Candidate {
         }
         if self.checkpoint {
             m.push("checkpoint");
+        }
+        if self.chunked_loss.is_some() {
+            m.push("chunked_loss");
         }
         if self.tensor > 1 {
             m.push("tensor_parallel");
@@ -154,6 +160,9 @@ impl Candidate {
         if self.checkpoint {
             items.push(serde_json::json!(["checkpoint", blocks]));
         }
+        if let Some(positions) = self.chunked_loss {
+            items.push(serde_json::json!(["chunked_loss", {"positions": positions}]));
+        }
         if let Some(name) = self.methods().iter().find(|m| ["zero1", "zero2", "fsdp"].contains(m)) {
             items.push(serde_json::json!(name));
         }
@@ -185,6 +194,9 @@ impl Candidate {
         }
         if self.checkpoint {
             parts.push("checkpoint");
+        }
+        if self.chunked_loss.is_some() {
+            parts.push("chunked loss");
         }
         let tensor = format!("tensor {} + sequence parallel", self.tensor);
         if self.tensor > 1 {
@@ -290,7 +302,15 @@ pub fn candidates(
                             if checkpoint && !has_blocks {
                                 continue;
                             }
-                            let c = Candidate { precision, module_replace, sharding, checkpoint, tensor, offload };
+                            let c = Candidate {
+                                precision,
+                                module_replace,
+                                sharding,
+                                checkpoint,
+                                tensor,
+                                offload,
+                                chunked_loss: None,
+                            };
                             let layout = Layout::piped(c, pipeline);
                             let methods = layout.methods();
                             if methods.iter().any(|m| excluded.iter().any(|e| e == m)) {
@@ -338,6 +358,9 @@ pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<Strin
     if c.offload && c.tensor > 1 {
         return Some("offload does not combine with tensor parallelism".into());
     }
+    if c.chunked_loss.is_some() && c.tensor > 1 {
+        return Some("the chunked loss runs on an unsplit head, not one over tensor ranks".into());
+    }
     if c.offload && c.sharding == Sharding::None && world > 1 {
         return Some("offload over several ranks goes with zero1, zero2 or fsdp".into());
     }
@@ -384,6 +407,7 @@ mod tests {
             checkpoint: false,
             tensor: 1,
             offload: false,
+            chunked_loss: None,
         };
         let at = |c: Candidate, world| capability(&Layout::new(c), Device::Cpu, world);
         assert!(at(cpu, 1).is_some());
@@ -392,6 +416,10 @@ mod tests {
         assert!(at(shard, 2).is_none());
         let split = Candidate { tensor: 2, ..shard };
         assert_eq!(at(split, 2).as_deref(), Some("nothing to shard on one rank"));
+        let scored = Candidate { chunked_loss: Some(64), precision: Precision::Fp32, ..cpu };
+        assert!(at(scored, 1).is_none() && at(Candidate { tensor: 2, ..scored }, 2).is_some());
+        let names: Vec<&str> = Layout::new(scored).strategy(&[]).unwrap().methods.iter().map(|m| m.name()).collect();
+        assert_eq!(names, ["parallel_mode", "chunked_loss"]);
         assert!(at(split, 4).is_none());
         let offloaded = Candidate { offload: true, precision: Precision::Fp32, ..cpu };
         assert!(at(offloaded, 1).is_none());

@@ -303,9 +303,28 @@ fn split_activation_bytes(k: &Kept, layout: &Layout, work: &Workload, device: &D
     }
 }
 
+/// What the units keep under `layout` where its head scores in chunks (`chunked_loss`): a
+/// vocabulary head holds one chunk's values over the vocabulary rather than those of every
+/// token of the micro-batch, and hands on a scalar; `kept` as it is otherwise.
+fn scored_in_chunks(kept: &[Kept], layout: &Layout, work: &Workload) -> Vec<Kept> {
+    let Some(positions) = layout.candidate.chunked_loss else { return kept.to_vec() };
+    let tokens = (work.micro_batch as i64 * work.ctx) as f64;
+    let share = (positions as f64 / tokens.max(1.0)).min(1.0);
+    kept.iter()
+        .map(|k| match k.block || k.vocab_values == 0.0 {
+            true => *k,
+            false => {
+                let vocab_values = k.vocab_values * share;
+                Kept { values: k.values - k.vocab_values + vocab_values, vocab_values, output: 0.0, ..*k }
+            }
+        })
+        .collect()
+}
+
 /// Bytes one micro-batch leaves in each unit (of `kept`) on one rank of `layout`.
 pub fn unit_activation_bytes(kept: &[Kept], layout: &Layout, work: &Workload, device: &DeviceKind) -> Vec<f64> {
-    kept.iter()
+    scored_in_chunks(kept, layout, work)
+        .iter()
         .map(|k| {
             let (off, over) = split_activation_bytes(k, layout, work, device);
             off + over
@@ -404,6 +423,7 @@ pub fn estimate_with(
     memo: &mut PipelineShapes,
 ) -> Result<Estimate> {
     let c = &layout.candidate;
+    let kept = &scored_in_chunks(kept, layout, work);
     let (t, p) = (c.tensor.max(1), layout.pipeline.max(1));
     if work.ranks == 0 || !work.ranks.is_multiple_of(t * p) {
         return Err(Error::Config(format!("tensor {t} × pipeline {p} ranks do not divide the {} ranks", work.ranks)));
@@ -581,7 +601,15 @@ pub fn variants(
                 continue;
             }
             for offload in [false, true] {
-                let candidate = Candidate { precision, module_replace: false, sharding, checkpoint, tensor, offload };
+                let candidate = Candidate {
+                    precision,
+                    module_replace: false,
+                    sharding,
+                    checkpoint,
+                    tensor,
+                    offload,
+                    chunked_loss: None,
+                };
                 out.push(match pipeline {
                     1 => Layout::new(candidate),
                     _ => Layout { pipeline, schedule, virtual_stages, ..Layout::new(candidate) },
@@ -635,7 +663,15 @@ mod tests {
     }
 
     fn layout(precision: Precision, sharding: Sharding, checkpoint: bool) -> Layout {
-        Layout::new(Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1, offload: false })
+        Layout::new(Candidate {
+            precision,
+            module_replace: false,
+            sharding,
+            checkpoint,
+            tensor: 1,
+            offload: false,
+            chunked_loss: None,
+        })
     }
 
     /// The engine's ledger holds 474,112 bytes of parameters for this GPT, as many of

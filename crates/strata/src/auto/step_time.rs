@@ -459,6 +459,7 @@ mod tests {
             checkpoint: false,
             tensor,
             offload: false,
+            chunked_loss: None,
         };
         Layout { pipeline, ..Layout::new(candidate) }
     }

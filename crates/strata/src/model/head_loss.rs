@@ -125,19 +125,26 @@ impl ChunkedHeadLoss {
         let mut grad_w = Tensor::f_zeros(w.size(), (self.loss_kind(), w.device()))?;
         let w_product = cast(w, Some(self.product))?;
         for (start, len) in self.chunks(n) {
+            // In place where it can be: a chunk holds its logits and one more such tensor.
             let z = self.logits(h, w, start, len)?;
-            let mut grad = z.f_sub(&log_partition.f_narrow(0, start, len)?.f_unsqueeze(1)?)?.f_exp()?;
+            let mut grad = z.f_sub(&log_partition.f_narrow(0, start, len)?.f_unsqueeze(1)?)?;
+            let _ = grad.f_exp_()?;
             let kept = valid.f_narrow(0, start, len)?.f_to_kind(self.loss_kind())?.f_neg()?.f_unsqueeze(1)?;
-            grad = grad.f_scatter_add(1, &safe.f_narrow(0, start, len)?.f_unsqueeze(1)?, &kept)?;
-            grad = grad.f_mul(&weight.f_narrow(0, start, len)?.f_unsqueeze(1)?)?;
+            let _ = grad.f_scatter_add_(1, &safe.f_narrow(0, start, len)?.f_unsqueeze(1)?, &kept)?;
+            let _ = grad.f_mul_(&weight.f_narrow(0, start, len)?.f_unsqueeze(1)?)?;
             if let Some(cap) = self.softcap {
                 // d(cap·tanh(x / cap))/dx = 1 − tanh², and tanh = z / cap.
-                grad = grad.f_mul(&z.f_div_scalar(cap)?.f_square()?.f_neg()?.f_add_scalar(1.0)?)?;
+                let mut z = z;
+                let _ = z.f_div_scalar_(cap)?.f_square_()?.f_neg_()?.f_add_scalar_(1.0)?;
+                let _ = grad.f_mul_(&z)?;
             }
             let grad = grad.f_to_kind(self.product)?;
             let x = cast(&h.f_narrow(0, start, len)?, Some(self.product))?;
             grad_h.f_narrow(0, start, len)?.f_copy_(&grad.f_matmul(&w_product)?)?;
-            grad_w = grad_w.f_add(&grad.f_tr()?.f_matmul(&x)?.f_to_kind(self.loss_kind())?)?;
+            match self.product == self.loss_kind() {
+                true => drop(grad_w.f_addmm_(&grad.f_tr()?, &x)?),
+                false => drop(grad_w.f_add_(&grad.f_tr()?.f_matmul(&x)?)?),
+            }
         }
         Ok((grad_h, grad_w.f_to_kind(w.kind())?))
     }

@@ -38,6 +38,7 @@ fn layout(tensor: usize, pipeline: usize, sharding: Sharding, checkpoint: bool) 
         checkpoint,
         tensor,
         offload: false,
+        chunked_loss: None,
     };
     Layout { candidate, pipeline, schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1 }
 }

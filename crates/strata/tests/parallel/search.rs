@@ -116,7 +116,15 @@ fn peak(layout: &Layout, world: usize) -> u64 {
 }
 
 fn plain(precision: Precision, sharding: Sharding, checkpoint: bool) -> Layout {
-    Layout::new(Candidate { precision, module_replace: false, sharding, checkpoint, tensor: 1, offload: false })
+    Layout::new(Candidate {
+        precision,
+        module_replace: false,
+        sharding,
+        checkpoint,
+        tensor: 1,
+        offload: false,
+        chunked_loss: None,
+    })
 }
 
 #[test]
