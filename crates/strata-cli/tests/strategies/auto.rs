@@ -288,3 +288,41 @@ fn a_budget_below_the_profiling_pass_is_refused_with_its_reason() {
     );
     assert_eq!(stderr(&o).trim().lines().filter(|l| !l.contains(" INFO ")).count(), 1, "{}", stderr(&o));
 }
+
+/// A budget the logits of a micro-batch (8 rows × 256 positions × 4,096 tokens) do not fit
+/// beside the rest, whatever the layout: the search tries the layouts again with the loss
+/// computed in chunks in the head, picks one, and the run trains within the budget.
+#[test]
+fn the_chunked_loss_is_chosen_where_the_logits_fit_no_candidate() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (report, metrics) = (dir.path().join("report.json"), dir.path().join("m.jsonl"));
+    let shape = ["--model", "gpt", "--layers", "1", "--heads", "2", "--dim", "32", "--ctx", "256", "--vocab", "4096"];
+    let budget = "80000000";
+    let flags = [
+        "--batch-size",
+        "8",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--strategy",
+        "auto",
+        "--device-memory",
+        budget,
+        "--search-report",
+        report.to_str().unwrap(),
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ];
+    let o = strata_env(&[&["train"][..], &shape, &flags].concat(), &[("STRATA_LOG", "warn")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert!(report["mode"].as_str().unwrap().contains("the loss computed in chunks"), "{}", report["mode"]);
+    let chosen = report["chosen_strategy"].as_array().unwrap();
+    assert!(chosen.iter().any(|m| m[0] == "chunked_loss"), "{chosen:?}");
+    // The report is the chunked pass's: every layout it tried computes the loss in chunks.
+    assert!(outcomes(&report).all(|(label, _)| label.contains("chunked loss")));
+    let step: Value = serde_json::from_str(std::fs::read_to_string(&metrics).unwrap().lines().last().unwrap()).unwrap();
+    assert!(step["allocator_peak_bytes"].as_u64().unwrap() <= budget.parse().unwrap(), "the run itself: {step}");
+}

@@ -33,6 +33,9 @@ pub struct Bench<'a> {
     /// Adapters every dry run trains (the model's description has them, and each strategy
     /// tried gains the `lora` method).
     pub lora: Option<&'a LoraConfig>,
+    /// The profiling pass computes the loss in the head, this many positions at a time
+    /// (the search's pass over layouts with `chunked_loss`).
+    pub chunk: Option<i64>,
     /// Engine settings each dry run's trainer is built with.
     pub engine: EngineConfig,
     /// Optimizer each dry run trains with.
@@ -344,6 +347,7 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     };
     memory::reset_allocator_peak(bench.engine.device);
     let mut engine = crate::engine::Engine::new_with(spec, config, &mut release_after_init)?;
+    engine.set_chunked_loss(bench.chunk)?;
     let kept = Arc::new(Mutex::new(Vec::new()));
     engine.set_schedule(Box::new(Probe { device: bench.engine.device, needs, at_start: vec![], kept: kept.clone() }));
     let batch = bench

@@ -304,14 +304,16 @@ fn split_activation_bytes(k: &Kept, layout: &Layout, work: &Workload, device: &D
 }
 
 /// What the units keep under `layout` where its head scores in chunks (`chunked_loss`): a
-/// vocabulary head holds one chunk's values over the vocabulary rather than those of every
-/// token of the micro-batch, and hands on a scalar; `kept` as it is otherwise.
+/// vocabulary head that hands on logits (as declared, or as a plain profile measured it)
+/// holds one chunk's values over the vocabulary rather than those of every token of the
+/// micro-batch, and hands on a scalar; `kept` as it is otherwise (a profile of the chunked
+/// head measured it so already).
 fn scored_in_chunks(kept: &[Kept], layout: &Layout, work: &Workload) -> Vec<Kept> {
     let Some(positions) = layout.candidate.chunked_loss else { return kept.to_vec() };
     let tokens = (work.micro_batch as i64 * work.ctx) as f64;
     let share = (positions as f64 / tokens.max(1.0)).min(1.0);
     kept.iter()
-        .map(|k| match k.block || k.vocab_values == 0.0 {
+        .map(|k| match k.block || k.vocab_values == 0.0 || k.output < 1.0 {
             true => *k,
             false => {
                 let vocab_values = k.vocab_values * share;

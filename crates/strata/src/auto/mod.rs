@@ -20,7 +20,9 @@ use crate::engine::EngineConfig;
 use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
 use crate::parallel::{self, DataParallelOptions, Mesh, RankLayout, DEFAULT_BUCKET_BYTES};
-use crate::strategy::{BackwardPrefetch, Dim, LoraConfig, Method, ParallelMode, ShardMethod, Strategy, StrategySource};
+use crate::strategy::{
+    BackwardPrefetch, ChunkedLossConfig, Dim, LoraConfig, Method, ParallelMode, ShardMethod, Strategy, StrategySource,
+};
 use crate::train::{token_input, Feed, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
 use bench::Bench;
@@ -295,6 +297,7 @@ fn bench<'a>(
         model: job.model,
         freeze: &job.freeze,
         lora,
+        chunk: None,
         engine: job.engine.clone(),
         optimizer: job.optim.clone(),
         rules: &job.optim_param_func,
@@ -356,8 +359,10 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
     Ok(choice)
 }
 
-/// Searches with every parameter trained; where nothing fits and the options give
-/// adapters, searches again training those alone.
+/// Searches with every parameter trained; where nothing fits, again with the loss computed
+/// in chunks in the head (where the model's head can and the job scores with the
+/// next-token loss), then, where the options give adapters, training those alone, plain and
+/// chunked. Each pass that fits nothing says why in the final refusal.
 fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     let o = &job.options;
     for name in o.included.iter().chain(&o.excluded) {
@@ -368,24 +373,58 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
             )));
         }
     }
-    let whole = match search_with(job, steps, None)? {
-        Ok(choice) => return Ok(choice),
-        Err(why) => why,
+    let has = |list: &[String]| list.iter().any(|m| m == "chunked_loss");
+    let head_scores = || -> Result<bool> {
+        let mut b = Builder::new();
+        (job.model)(&mut b)?;
+        Ok(b.build()?.units.iter().any(|u| u.body.scores_in_chunks()))
     };
-    let Some(lora) = &o.lora else {
-        return Err(Error::Config(format!("auto_accelerate found no strategy: {whole}")));
-    };
-    match search_with(job, steps, Some(lora))? {
-        Ok(mut choice) => {
-            choice.strategy.methods.push(Method::Lora(lora.clone()));
-            choice.report.mode = format!("{}, training LoRA adapters: full fine-tuning fits no candidate", choice.report.mode);
-            choice.report.chosen_strategy = Some(choice.strategy.to_value());
-            Ok(choice)
+    // Chunks change something only where a micro-batch (at most the step's rows over its
+    // micro-batches, on one rank) holds more positions than a chunk.
+    let chunk = ChunkedLossConfig::default().positions;
+    let a = &job.dataloader_args;
+    let most_positions = (a.batch_size / a.accumulation.max(1) * a.ctx) as i64;
+    let chunked = job.loss_func.is_none() && !has(&o.excluded) && most_positions > chunk && head_scores()?;
+    // (adapters, loss chunk): the plain passes unless every candidate must chunk its loss.
+    let mut passes: Vec<(Option<&LoraConfig>, Option<i64>)> = vec![];
+    for lora in std::iter::once(None).chain(o.lora.as_ref().map(Some)) {
+        if !has(&o.included) {
+            passes.push((lora, None));
         }
-        Err(adapted) => Err(Error::Config(format!(
-            "auto_accelerate found no strategy, training every parameter: {whole}\nnor training LoRA adapters: {adapted}"
-        ))),
+        if chunked {
+            passes.push((lora, Some(chunk)));
+        }
     }
+    let mut refusals = vec![];
+    for (lora, chunk) in passes {
+        match search_with(job, steps, lora, chunk)? {
+            Ok(mut choice) => {
+                let mut why = vec![];
+                if let Some(lora) = lora {
+                    choice.strategy.methods.push(Method::Lora(lora.clone()));
+                    why.push("training LoRA adapters: full fine-tuning fits no candidate");
+                }
+                if chunk.is_some() && !has(&o.included) {
+                    why.push("the loss computed in chunks: the plain loss fits no candidate");
+                }
+                if !why.is_empty() {
+                    choice.report.mode = format!("{}, {}", choice.report.mode, why.join(", "));
+                    choice.report.chosen_strategy = Some(choice.strategy.to_value());
+                }
+                return Ok(choice);
+            }
+            Err(reason) => {
+                let what = match (lora.is_some(), chunk.is_some()) {
+                    (false, false) => "training every parameter",
+                    (false, true) => "training every parameter with the loss in chunks",
+                    (true, false) => "training LoRA adapters",
+                    (true, true) => "training LoRA adapters with the loss in chunks",
+                };
+                refusals.push(format!("{what}: {reason}"));
+            }
+        }
+    }
+    Err(Error::Config(format!("auto_accelerate found no strategy, {}", refusals.join("\nnor "))))
 }
 
 /// The best candidate for `job` (training `lora`'s adapters alone, where given), or why
@@ -394,22 +433,32 @@ fn search_with(
     job: &AutoAccelerate<'_>,
     steps: usize,
     lora: Option<&LoraConfig>,
+    chunk: Option<i64>,
 ) -> Result<std::result::Result<Choice, String>> {
     let o = &job.options;
-    let b = bench(job, DEFAULT_BUCKET_BYTES, steps, lora)?;
+    let mut b = bench(job, DEFAULT_BUCKET_BYTES, steps, lora)?;
+    b.chunk = chunk;
     // The profiling pass holds one unit and one micro-batch's fp32 activations: where even
     // that exceeds the budget, no candidate can fit.
-    let analysis = bench::analyse(&b).map_err(|e| match e {
-        Error::OutOfMemory { placement, budget, .. } => Error::Config(format!(
-            "auto_accelerate found no strategy: profiling one micro-batch unit by unit in fp32 already needs more \
-             than the {placement} budget of {budget} bytes; give more memory or a smaller micro-batch"
-        )),
-        other => other,
-    })?;
+    let analysis = match bench::analyse(&b) {
+        Ok(analysis) => analysis,
+        Err(Error::OutOfMemory { placement, budget, .. }) => {
+            return Ok(Err(format!(
+                "profiling one micro-batch unit by unit in fp32 already needs more than the {placement} budget of \
+                 {budget} bytes; give more memory or a smaller micro-batch"
+            )))
+        }
+        Err(other) => return Err(other),
+    };
     // Offload is worth trying only where a device budget can be short.
     let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
     let sizes = (&analysis.tensor_sizes[..], &analysis.pipeline_sizes[..]);
-    let cands = candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty(), sizes, offload);
+    let mut cands = candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty(), sizes, offload);
+    if chunk.is_some() {
+        // The vocabulary of a split head does not chunk.
+        cands.retain(|l| l.candidate.tensor == 1);
+        cands.iter_mut().for_each(|l| l.candidate.chunked_loss = chunk);
+    }
     if cands.is_empty() {
         return Err(Error::Config("no candidate strategy uses every included method and none excluded".into()));
     }
