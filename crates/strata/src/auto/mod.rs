@@ -453,7 +453,10 @@ fn search_with(
     // Offload is worth trying only where a device budget can be short.
     let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
     let sizes = (&analysis.tensor_sizes[..], &analysis.pipeline_sizes[..]);
-    let mut cands = candidate::candidates(&o.excluded, &o.included, !analysis.blocks.is_empty(), sizes, offload);
+    // The chunked loss is set on the candidates below, not among their methods yet.
+    let included: Vec<String> =
+        o.included.iter().filter(|m| chunk.is_none() || *m != "chunked_loss").cloned().collect();
+    let mut cands = candidate::candidates(&o.excluded, &included, !analysis.blocks.is_empty(), sizes, offload);
     if chunk.is_some() {
         // The vocabulary of a split head does not chunk.
         cands.retain(|l| l.candidate.tensor == 1);
