@@ -79,15 +79,7 @@ struct Report {
 const VOCAB: i64 = 512;
 
 fn base(precision: Precision, sharding: Sharding, checkpoint: bool, tensor: usize, offload: bool) -> Layout {
-    Layout::new(Candidate {
-        precision,
-        module_replace: false,
-        sharding,
-        checkpoint,
-        tensor,
-        offload,
-        chunked_loss: None,
-    })
+    Layout::new(Candidate { tensor, offload, ..Candidate::plain(precision, sharding, checkpoint) })
 }
 
 fn gpt(layers: i64, dim: i64, ctx: i64) -> ModelConfig {

@@ -18,15 +18,7 @@ fn the_estimate_follows_the_allocator_over_families_and_layouts() {
         ..LlamaConfig::new(512, 32, 4, 4, 64)
     });
     let plain = |sharding, checkpoint, tensor| {
-        Layout::new(Candidate {
-            precision: Precision::Fp32,
-            module_replace: false,
-            sharding,
-            checkpoint,
-            tensor,
-            offload: false,
-            chunked_loss: None,
-        })
+        Layout::new(Candidate { tensor, ..Candidate::plain(Precision::Fp32, sharding, checkpoint) })
     };
     let piped =
         Layout { pipeline: 2, schedule: ScheduleKind::OneForwardOneBackward, ..plain(Sharding::None, false, 1) };

@@ -79,6 +79,20 @@ pub struct Candidate {
 }
 
 impl Candidate {
+    /// `precision` with `sharding` and (or not) `checkpoint`, on one tensor rank, with no
+    /// replacements, offload or chunked loss: what the other fields are set beside.
+    pub fn plain(precision: Precision, sharding: Sharding, checkpoint: bool) -> Candidate {
+        Candidate {
+            precision,
+            module_replace: false,
+            sharding,
+            checkpoint,
+            tensor: 1,
+            offload: false,
+            chunked_loss: None,
+        }
+    }
+
     /// The method names the candidate uses.
     pub fn methods(&self) -> Vec<&'static str> {
         let mut m = vec!["parallel_mode"];
@@ -400,15 +414,7 @@ mod tests {
             candidates(&[], &["checkpoint".into()], false, NONE, false).is_empty(),
             "nothing to recompute without repeated units"
         );
-        let cpu = Candidate {
-            precision: Precision::HalfFp16,
-            module_replace: false,
-            sharding: Sharding::None,
-            checkpoint: false,
-            tensor: 1,
-            offload: false,
-            chunked_loss: None,
-        };
+        let cpu = Candidate::plain(Precision::HalfFp16, Sharding::None, false);
         let at = |c: Candidate, world| capability(&Layout::new(c), Device::Cpu, world);
         assert!(at(cpu, 1).is_some());
         let shard = Candidate { precision: Precision::Fp32, sharding: Sharding::Zero2, ..cpu };

@@ -603,15 +603,7 @@ pub fn variants(
                 continue;
             }
             for offload in [false, true] {
-                let candidate = Candidate {
-                    precision,
-                    module_replace: false,
-                    sharding,
-                    checkpoint,
-                    tensor,
-                    offload,
-                    chunked_loss: None,
-                };
+                let candidate = Candidate { tensor, offload, ..Candidate::plain(precision, sharding, checkpoint) };
                 out.push(match pipeline {
                     1 => Layout::new(candidate),
                     _ => Layout { pipeline, schedule, virtual_stages, ..Layout::new(candidate) },
@@ -665,15 +657,7 @@ mod tests {
     }
 
     fn layout(precision: Precision, sharding: Sharding, checkpoint: bool) -> Layout {
-        Layout::new(Candidate {
-            precision,
-            module_replace: false,
-            sharding,
-            checkpoint,
-            tensor: 1,
-            offload: false,
-            chunked_loss: None,
-        })
+        Layout::new(Candidate::plain(precision, sharding, checkpoint))
     }
 
     /// The engine's ledger holds 474,112 bytes of parameters for this GPT, as many of

@@ -452,15 +452,7 @@ mod tests {
     }
 
     fn layout(sharding: Sharding, tensor: usize, pipeline: usize) -> Layout {
-        let candidate = Candidate {
-            precision: Precision::AmpBf16,
-            module_replace: false,
-            sharding,
-            checkpoint: false,
-            tensor,
-            offload: false,
-            chunked_loss: None,
-        };
+        let candidate = Candidate { tensor, ..Candidate::plain(Precision::AmpBf16, sharding, false) };
         Layout { pipeline, ..Layout::new(candidate) }
     }
 

@@ -31,15 +31,7 @@ fn a100_cluster(gpus: usize) -> Cluster {
 }
 
 fn layout(tensor: usize, pipeline: usize, sharding: Sharding, checkpoint: bool) -> Layout {
-    let candidate = Candidate {
-        precision: Precision::AmpBf16,
-        module_replace: false,
-        sharding,
-        checkpoint,
-        tensor,
-        offload: false,
-        chunked_loss: None,
-    };
+    let candidate = Candidate { tensor, ..Candidate::plain(Precision::AmpBf16, sharding, checkpoint) };
     Layout { candidate, pipeline, schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1 }
 }
 

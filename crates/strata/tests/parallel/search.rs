@@ -116,15 +116,7 @@ fn peak(layout: &Layout, world: usize) -> u64 {
 }
 
 fn plain(precision: Precision, sharding: Sharding, checkpoint: bool) -> Layout {
-    Layout::new(Candidate {
-        precision,
-        module_replace: false,
-        sharding,
-        checkpoint,
-        tensor: 1,
-        offload: false,
-        chunked_loss: None,
-    })
+    Layout::new(Candidate::plain(precision, sharding, checkpoint))
 }
 
 #[test]
