@@ -943,7 +943,9 @@ mod tests {
         for (text, expected) in [
             ("zero2", "must be JSON"),
             (r#"{"zero2": {}}"#, "JSON list"),
-            (r#"["zero4"]"#, "allowed: parallel_mode, amp_native, half, fp8, checkpoint, module_replace, zero1"),
+            (r#"["zero4"]"#, "allowed: parallel_mode, amp_native, half, fp8, checkpoint, module_replace, chunked_loss"),
+            (r#"[["chunked_loss", {"positions": 0}]]"#, "positions must be positive"),
+            (r#"[["chunked_loss", {"chunk": 8}]]"#, "unknown field `chunk`"),
             (r#"[["fsdp", {"sharding": 1}]]"#, "unknown field `sharding`"),
             (r#"[["fsdp", {"sharding_strategy": "HALF_SHARD"}]]"#, "FULL_SHARD"),
             (r#"[["zero2", {"sharding_strategy": "FULL_SHARD"}]]"#, "belongs to fsdp"),
