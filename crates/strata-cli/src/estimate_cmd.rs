@@ -239,7 +239,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         if positions < 1 {
             bail!("--chunked-loss: positions must be positive, got {positions}");
         }
-        if !spec.units.iter().any(|u| u.body.scores_in_chunks()) {
+        if !spec.scores_in_chunks() {
             bail!("--chunked-loss: the model has no output head that computes the next-token loss in chunks");
         }
         if a.tensor.iter().any(|&t| t > 1) {

@@ -377,7 +377,7 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     let head_scores = || -> Result<bool> {
         let mut b = Builder::new();
         (job.model)(&mut b)?;
-        Ok(b.build()?.units.iter().any(|u| u.body.scores_in_chunks()))
+        Ok(b.build()?.scores_in_chunks())
     };
     // Chunks change something only where a micro-batch (at most the step's rows over its
     // micro-batches, on one rank) holds more positions than a chunk.

@@ -873,12 +873,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Whether the output head returns the loss when the rows carry targets
-    /// ([`Engine::set_chunked_loss`]).
-    pub fn scores_in_head(&self) -> bool {
-        self.loss_chunk.is_some()
-    }
-
     /// Sets the draw of the dropout masks of the next forwards, until the rows change
     /// ([`Engine::set_layout`]; `None`: nothing is dropped): a loop of your own calls it
     /// before each training forward, as the trainer does. [`Engine::evaluate`] never drops.

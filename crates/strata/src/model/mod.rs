@@ -851,6 +851,12 @@ impl ModelSpec {
         Ok(self)
     }
 
+    /// Whether some unit is an output head that computes the next-token loss in chunks
+    /// ([`Unit::scores_in_chunks`]).
+    pub fn scores_in_chunks(&self) -> bool {
+        self.units.iter().any(|u| u.body.scores_in_chunks())
+    }
+
     /// Whether a unit of this spec stores parameter `id` (a stage holds only its units').
     pub fn holds(&self, id: ParamId) -> bool {
         self.units.iter().any(|u| u.params.contains(&id))

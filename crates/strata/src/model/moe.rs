@@ -884,11 +884,11 @@ impl LoadBalance {
         let Some(m) = state.micros.get(&micro) else { return Ok(()) };
         for (&layer, _) in state.choice_biases.iter().filter(|(_, &id)| holds(id)) {
             let Some(routed) = m.routed.get(layer).and_then(Option::as_ref) else { continue };
-            let slots = match state.step_slots.remove(&layer) {
+            let sum = match state.step_slots.get(&layer) {
                 Some(sum) => sum.f_add(&routed.slots)?,
                 None => routed.slots.copy(),
             };
-            state.step_slots.insert(layer, slots);
+            state.step_slots.insert(layer, sum);
         }
         Ok(())
     }
@@ -901,12 +901,21 @@ impl LoadBalance {
         let mut loads = vec![0.0; self.layers * e];
         let mut guard = self.state();
         let state = &mut *guard;
-        for (&layer, _) in state.choice_biases.iter().filter(|(_, &id)| holds(id)) {
-            if let Some(slots) = state.step_slots.remove(&layer) {
-                let slots = Vec::<f64>::try_from(&slots.f_to_device(tch::Device::Cpu)?.f_to_kind(Kind::Double)?)
-                    .map_err(|err| Error::Model(format!("expert loads: {err}")))?;
-                loads[layer * e..(layer + 1) * e].copy_from_slice(&slots);
-            }
+        let counted: Vec<(usize, Tensor)> = state
+            .choice_biases
+            .iter()
+            .filter(|(_, &id)| holds(id))
+            .filter_map(|(layer, _)| state.step_slots.remove(layer).map(|slots| (*layer, slots)))
+            .collect();
+        if counted.is_empty() {
+            return Ok(loads);
+        }
+        // Every layer's counts brought to the host in one copy.
+        let all: Vec<&Tensor> = counted.iter().map(|(_, slots)| slots).collect();
+        let host = Tensor::f_cat(&all, 0)?.f_to_device(tch::Device::Cpu)?.f_to_kind(Kind::Double)?;
+        let values = Vec::<f64>::try_from(&host).map_err(|err| Error::Model(format!("expert loads: {err}")))?;
+        for ((layer, _), row) in counted.iter().zip(values.chunks(e)) {
+            loads[layer * e..(layer + 1) * e].copy_from_slice(row);
         }
         Ok(loads)
     }

@@ -95,7 +95,7 @@ pub fn build_trainer(setup: &TrainerSetup<'_>) -> Result<Trainer> {
 /// `chunked_loss` scores with the next-token loss in a head that can: a model without such
 /// a head, or a loss of the caller's own (which reads logits), is refused.
 fn check_chunked_loss(spec: &crate::model::ModelSpec, feed: &crate::train::Feed) -> Result<()> {
-    if !spec.units.iter().any(|u| u.body.scores_in_chunks()) {
+    if !spec.scores_in_chunks() {
         return Err(crate::Error::Config(
             "chunked_loss: the model has no output head that computes the next-token loss in chunks (GPT's and the \
              decoder families' do)"
