@@ -7,7 +7,7 @@
 use super::synthetic::SplitMix64;
 use super::{Dataset, ExampleSet, RowSet};
 use crate::model::layers::IGNORE;
-use crate::model::RowLayout;
+use crate::model::{RowLayout, SequencePiece};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -107,12 +107,15 @@ pub struct LoaderConfig {
     pub device: Device,
     /// Index of the first step to produce: a resumed run continues where it stopped.
     pub start_step: usize,
+    /// Under context parallelism, this rank's piece of every row's positions: each
+    /// micro-batch keeps those alone (`None`: whole rows).
+    pub context: Option<SequencePiece>,
 }
 
 impl LoaderConfig {
     /// The loader of one process (the whole batch) on the CPU.
     pub fn new(batching: Batching) -> Self {
-        LoaderConfig { batching, rank: 0, world: 1, prefetch: 2, device: Device::Cpu, start_step: 0 }
+        LoaderConfig { batching, rank: 0, world: 1, prefetch: 2, device: Device::Cpu, start_step: 0, context: None }
     }
 
     /// Rows of one micro-batch on this rank.
@@ -163,6 +166,44 @@ impl Batch {
     pub fn new(inputs: Tensor, targets: Tensor) -> Result<Batch> {
         let supervised = targets.f_ne(IGNORE)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as u64;
         Ok(Batch { inputs, targets, supervised, layout: None, padding: None, first_row: 0 })
+    }
+
+    /// This batch's `piece` of every row's positions (context parallelism): its inputs,
+    /// targets and padding there, and a layout that places each position in its row (its
+    /// place, or its place within its example where rows are packed) and its example.
+    pub fn piece(&self, piece: &SequencePiece) -> Result<Batch> {
+        if self.targets.size() != self.inputs.size() {
+            return Err(Error::Config(
+                "context_parallel: the rows' targets are not one per position (a classifier's), so the rows do not \
+                 split"
+                    .into(),
+            ));
+        }
+        let take = |t: &Tensor| piece.take(t, 1);
+        let layout = match &self.layout {
+            Some(RowLayout { source_len: Some(_), .. }) => {
+                return Err(Error::Config(
+                    "context_parallel: rows of a source and its target (an encoder–decoder's) do not split".into(),
+                ))
+            }
+            Some(l) => RowLayout {
+                positions: take(&l.positions)?,
+                examples: take(&l.examples)?,
+                segments: l.segments.as_ref().map(take).transpose()?,
+                source_len: None,
+            },
+            None => {
+                let (rows, len) = (self.inputs.size()[0], self.inputs.size()[1]);
+                let places = Tensor::f_from_slice(&piece.positions(len)?)?.f_to_device(self.inputs.device())?;
+                let positions = places.f_unsqueeze(0)?.f_expand([rows, -1], false)?.f_contiguous()?;
+                RowLayout { examples: positions.f_zeros_like()?, positions, segments: None, source_len: None }
+            }
+        };
+        let mut batch = Batch::new(take(&self.inputs)?, take(&self.targets)?)?;
+        batch.layout = Some(layout);
+        batch.padding = self.padding.as_ref().map(take).transpose()?;
+        batch.first_row = self.first_row;
+        Ok(batch)
     }
 
     /// The same batch on `device`.
@@ -504,7 +545,10 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
         .map(|(micro, chunk)| {
             let mut batch = micro_batch(data, config, chunk)?;
             batch.first_row = config.rank * per_rank + micro * rows;
-            Ok(batch)
+            match &config.context {
+                Some(piece) => batch.piece(piece),
+                None => Ok(batch),
+            }
         })
         .collect::<Result<Vec<_>>>()?;
     let global_supervised = match data {
@@ -515,7 +559,9 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
             global.iter().flatten().map(|&i| set.map_or(0, |s| s.supervised(i))).sum()
         }
     };
-    Ok(Step { index, micro_batches, global_supervised, data_ranks: config.world })
+    // Context ranks share rows: each averages its piece's loss as a data rank its rows'.
+    let data_ranks = config.world * config.context.map_or(1, |c| c.count);
+    Ok(Step { index, micro_batches, global_supervised, data_ranks })
 }
 
 /// The micro-batch of the global batch's `rows` (window offsets or example numbers, one

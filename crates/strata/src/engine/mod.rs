@@ -20,8 +20,8 @@ use crate::comm::ProcessGroup;
 use crate::compute::fp8::Fp8Scaling;
 use crate::compute::{self, UnitCompute};
 use crate::model::{
-    DecodeCache, DropoutDraw, ExpertExchange, HeadScoring, Init, ModelSpec, ParamId, ParamSpec, Params, Routed,
-    RowLayout, TensorParallel, TpRole,
+    ContextParallel, DecodeCache, DropoutDraw, ExpertExchange, HeadScoring, Init, ModelSpec, ParamId, ParamSpec,
+    Params, Routed, RowLayout, RowSharers, TensorParallel, TpRole,
 };
 use crate::{Error, Result};
 pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
@@ -74,6 +74,9 @@ pub struct EngineConfig {
     /// The expert group this rank's sparse layers exchange tokens over (`None`: each rank
     /// computes every expert for its own tokens).
     pub experts: Option<Arc<dyn ExpertExchange>>,
+    /// The context group this rank's attention reaches the rest of its rows' positions
+    /// through (`None`: the rows are whole).
+    pub context: Option<Arc<dyn ContextParallel>>,
     /// Per unit, whether it computes on the host (empty: none): its buffers live there, its
     /// input comes to the host and its output goes to `device`. Needs per-unit gradients.
     pub host_compute: Vec<bool>,
@@ -109,6 +112,7 @@ impl Default for EngineConfig {
             grad_layout: GradLayout::Contiguous,
             tensor: None,
             experts: None,
+            context: None,
             host_compute: vec![],
         }
     }
@@ -1152,7 +1156,8 @@ impl Engine {
         .with_dropout(dropout.as_ref())
         .with_scoring(scoring.as_ref())
         .with_adapters(&self.spec.adapters)
-        .with_experts(self.config.experts.as_ref());
+        .with_experts(self.config.experts.as_ref())
+        .with_context(self.config.context.as_ref());
         let input = self.where_unit_computes(k, input)?;
         let output = if policy.is_plain() {
             unit.body.forward(&params, &input)?
@@ -1302,9 +1307,13 @@ impl Engine {
         if let Some(earlier) = earlier {
             balance.receive_sums(micro, earlier)?;
         }
-        // Under sequence parallel each tensor rank routed its part of the sequence.
-        let sequence = self.config.tensor.as_deref().filter(|t| t.sequence_parallel());
-        self.routed = balance.close(micro, true, sequence)?;
+        // Under sequence parallel each tensor rank routed its part of the sequence, under
+        // context parallelism each context rank its piece of the rows.
+        let sharers = RowSharers {
+            sequence: self.config.tensor.as_deref().filter(|t| t.sequence_parallel()),
+            context: self.config.context.as_deref(),
+        };
+        self.routed = balance.close(micro, true, sharers)?;
         Ok(())
     }
 

@@ -12,8 +12,8 @@
 use super::dropout::masked;
 use super::head_loss::head_output;
 use super::layers::{
-    add_layer_norm, attention, gelu_tanh, layer_norm_into_product, merge_heads, other_examples, split_heads,
-    vocab_embedding, AttentionOptions, ScoreTerms,
+    add_layer_norm, attend, gelu_tanh, layer_norm_into_product, merge_heads, split_heads, vocab_embedding,
+    AttentionOptions, ScoreTerms,
 };
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TpRole, Unit,
@@ -116,6 +116,9 @@ impl Unit for GptEmbedding {
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
         Ok(())
     }
+    fn check_context_parallel(&self, _split_heads: Option<i64>) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl GptEmbedding {
@@ -154,6 +157,9 @@ impl Unit for GptBlock {
     fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
         divides_heads(tp, "heads", self.heads)
     }
+    fn check_context_parallel(&self, split_heads: Option<i64>) -> Result<()> {
+        split_heads.map_or(Ok(()), |ways| divides_heads(ways, "heads", self.heads))
+    }
 }
 
 impl GptBlock {
@@ -168,23 +174,16 @@ impl GptBlock {
         let parts = qkv.f_split(dim, 2)?;
         let (q, k, v) =
             (split_heads(&parts[0], heads)?, split_heads(&parts[1], heads)?, split_heads(&parts[2], heads)?);
-        let (k, v, hidden) = match cache {
+        let (k, v, layout) = match cache {
             Some(c) => {
                 let (k, v) = c.extend(&k, &v)?;
                 (k, v, None)
             }
-            None => (k, v, other_examples(p.layout())?),
+            None => (k, v, p.layout()),
         };
         let probs = p.dropping_heads(self.dropout.attention, 0, heads);
-        let y = merge_heads(&attention(
-            &q,
-            &k,
-            &v,
-            &AttentionOptions::default(),
-            hidden.as_ref(),
-            ScoreTerms::default(),
-            probs.as_ref(),
-        )?)?;
+        let options = AttentionOptions::default();
+        let y = merge_heads(&attend(p, &q, &k, &v, &options, layout, ScoreTerms::default(), probs.as_ref())?)?;
         let attended = p.row_linear(&y, self.attn_proj.0, Some(self.attn_proj.1))?;
         // Where the residual stream holds this rank's piece of the sequence (sequence parallel).
         let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];

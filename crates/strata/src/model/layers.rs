@@ -417,6 +417,35 @@ pub fn attention(
     Ok(probs.f_matmul(&v)?)
 }
 
+/// [`attention`] over the rows `p` runs on (their `layout`, where they hold packed examples
+/// or pieces of rows): under context parallelism, through the context group over the whole
+/// rows, whose pieces its ranks hold; otherwise over this rank's rows.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    p: &super::Params<'_>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    options: &AttentionOptions,
+    layout: Option<&super::RowLayout>,
+    terms: ScoreTerms<'_>,
+    dropout: Option<&Dropping<'_>>,
+) -> Result<Tensor> {
+    let Some(context) = p.context() else {
+        return attention(q, k, v, options, other_examples(layout)?.as_ref(), terms, dropout);
+    };
+    let refused =
+        |what: &str| crate::Error::Config(format!("context_parallel: {what} is not split over the context group"));
+    if terms.bias.is_some() {
+        return Err(refused("a position bias over whole rows (T5's)"));
+    }
+    if dropout.is_some() {
+        return Err(refused("attention dropout"));
+    }
+    let layout = layout.ok_or_else(|| refused("a row without the layout that places its piece"))?;
+    context.attention(q, k, v, options, &layout.examples, terms.sinks)
+}
+
 /// `cap · tanh(x / cap)`: values kept within ±cap, smoothly.
 pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
     Ok(x.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?)

@@ -24,8 +24,8 @@ use super::gpt::divides_heads;
 use super::head_loss::head_output;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
-    add_rms_norm, attention, geglu, merge_heads, other_examples, rms_norm, rms_norm_into_product, rms_norm_plus_one,
-    split_heads, swiglu, AttentionOptions, ScoreTerms,
+    add_rms_norm, attend, geglu, merge_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one, split_heads, swiglu,
+    AttentionOptions, ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -506,6 +506,14 @@ impl Unit for LlamaBlock {
     fn decode(&self, p: &Params<'_>, x: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
         self.run(p, x, Some(cache))
     }
+    fn check_context_parallel(&self, split_heads: Option<i64>) -> Result<()> {
+        if let Mixer::Linear(_) = self.mixer {
+            return Err(Error::Config(
+                "linear attention's state runs along the whole row: it does not split over context ranks".into(),
+            ));
+        }
+        split_heads.map_or(Ok(()), |ways| divides_heads(ways, "heads", self.heads))
+    }
     fn check_tensor_parallel(&self, tp: i64) -> Result<()> {
         divides_heads(tp, "heads", self.heads)?;
         match &self.mixer {
@@ -631,10 +639,9 @@ impl LlamaBlock {
                     HeadInputs::Grouped(g) => g.queries_keys_values(p, &h, heads, placed, cache, a.options.window)?,
                     HeadInputs::Latent(l) => l.queries_keys_values(p, &h, heads, placed, cache)?,
                 };
-                let hidden = other_examples(packed)?;
                 let probs = p.dropping_heads(a.dropout, 0, heads);
                 let terms = ScoreTerms { bias: None, sinks: a.sinks.map(|s| &p[s]) };
-                let y = merge_heads(&attention(&q, &k, &v, &a.options, hidden.as_ref(), terms, probs.as_ref())?)?;
+                let y = merge_heads(&attend(p, &q, &k, &v, &a.options, packed, terms, probs.as_ref())?)?;
                 let y = match gate {
                     Some(gate) => y.f_mul(&gate.f_sigmoid()?)?,
                     None => y,

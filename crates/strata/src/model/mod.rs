@@ -6,6 +6,7 @@
 //! Must not own storage, placement or execution order: that is the engine's.
 
 mod bert;
+pub mod context;
 mod cost;
 pub mod dropout;
 mod gpt;
@@ -23,6 +24,7 @@ mod t5;
 pub mod tensor;
 
 pub use bert::{bert, BertConfig, BertHead};
+pub use context::{ContextParallel, SequencePiece};
 pub use cost::{Kept, UnitCost};
 pub use dropout::{DropoutDraw, DropoutRates, UnitDraw};
 pub use gpt::{gpt, GptConfig};
@@ -33,7 +35,7 @@ pub use layers::NoTensorParallel;
 pub use linear::LinearAttentionConfig;
 pub use llama::{llama, Activation, LayerAttention, LlamaConfig, NormKind};
 pub use mlp::{mlp, MlpConfig};
-pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, Scoring};
+pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, RowSharers, Scoring};
 pub use presets::{preset, preset_names};
 pub use rope::{Rope, RopeScaling, Rotation};
 pub use t5::{t5, FeedForwardActivation, T5Config};
@@ -380,6 +382,7 @@ pub struct Params<'a> {
     layout: Option<&'a RowLayout>,
     adapters: Option<&'a Adapters>,
     experts: Option<&'a std::sync::Arc<dyn ExpertExchange>>,
+    context: Option<&'a std::sync::Arc<dyn ContextParallel>>,
     padding: Option<&'a Tensor>,
     dropout: Option<&'a UnitDraw>,
     scoring: Option<&'a HeadScoring>,
@@ -441,6 +444,7 @@ impl<'a> Params<'a> {
             layout: None,
             adapters: None,
             experts: None,
+            context: None,
             padding: None,
             dropout: None,
             scoring: None,
@@ -466,6 +470,17 @@ impl<'a> Params<'a> {
     /// of the experts for the whole group's tokens.
     pub fn with_experts(self, experts: Option<&'a std::sync::Arc<dyn ExpertExchange>>) -> Self {
         Params { experts: experts.filter(|e| e.size() > 1), ..self }
+    }
+
+    /// The same parameters for a rank of a context group: the rows hold its piece of each
+    /// row's positions, and attention reaches the others' through the group.
+    pub fn with_context(self, context: Option<&'a std::sync::Arc<dyn ContextParallel>>) -> Self {
+        Params { context: context.filter(|c| c.size() > 1), ..self }
+    }
+
+    /// The context group, where rows' positions are split over ranks.
+    pub fn context(&self) -> Option<&dyn ContextParallel> {
+        self.context.map(|c| c.as_ref())
     }
 
     /// The same parameters for rows whose positions `padding` (`[rows, ctx]` bool) marks as
@@ -599,6 +614,19 @@ pub trait Unit: Send + Sync {
         false
     }
 
+    /// Checks that the unit's forward can run on a piece of each row's positions (context
+    /// parallelism), its attention reaching the rest through [`Params::context`];
+    /// `split_heads`: the ways its heads are split where the group exchanges heads (tensor
+    /// ranks × context ranks under all-to-all). Position-wise units can; others refuse
+    /// unless they say how.
+    fn check_context_parallel(&self, split_heads: Option<i64>) -> Result<()> {
+        let _ = split_heads;
+        match self.position_wise() {
+            true => Ok(()),
+            false => Err(Error::Config(format!("{} units do not run on pieces of rows", self.kind()))),
+        }
+    }
+
     /// Checks that the unit's forward can run split over `tp` ranks (heads divisible by
     /// `tp`, say). A unit runs under tensor parallelism only where it says how: the default
     /// refuses.
@@ -641,6 +669,9 @@ impl Unit for TokenEmbedding {
         self.forward(p, tokens)
     }
     fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
+    }
+    fn check_context_parallel(&self, _split_heads: Option<i64>) -> Result<()> {
         Ok(())
     }
 }
@@ -815,6 +846,17 @@ impl ModelSpec {
         for u in &self.units {
             u.body.check_tensor_parallel(tp).map_err(|e| match e {
                 Error::Config(why) => Error::Config(format!("unit {}: {why}", u.name)),
+                other => other,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Checks that every unit runs on pieces of rows ([`Unit::check_context_parallel`]).
+    pub fn check_context_parallel(&self, split_heads: Option<i64>) -> Result<()> {
+        for u in &self.units {
+            u.body.check_context_parallel(split_heads).map_err(|e| match e {
+                Error::Config(why) => Error::Config(format!("context_parallel: unit {}: {why}", u.name)),
                 other => other,
             })?;
         }

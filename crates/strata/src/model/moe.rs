@@ -19,12 +19,22 @@
 //! whose backward adds that coefficient's gradient to the layer's probabilities: recomputed,
 //! sharded or offloaded units take it in their own backward like any other gradient.
 use super::layers::swiglu;
-use super::{Init, ParamId, Params, TensorParallel, TpRole, UnitBuilder, INIT_STD};
+use super::{ContextParallel, Init, ParamId, Params, TensorParallel, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::{Kind, Tensor};
+
+/// The ranks that routed other parts of the same rows, whose routing sums join a rank's in
+/// the load-balancing loss: a sequence-parallel tensor group, a context group.
+#[derive(Clone, Copy, Default)]
+pub struct RowSharers<'a> {
+    /// The tensor group, under sequence parallel.
+    pub sequence: Option<&'a dyn TensorParallel>,
+    /// The context group, under context parallelism.
+    pub context: Option<&'a dyn ContextParallel>,
+}
 
 /// The expert group a sparse layer exchanges tokens over (expert parallelism): `size`
 /// ranks, each computing the experts `[rank · E/size, (rank + 1) · E/size)` for the tokens
@@ -1057,14 +1067,9 @@ impl LoadBalance {
     /// After a forward of micro-batch `micro` that every sparse layer took part in (here
     /// or, in a pipeline, here and in the earlier stages): the load-balancing loss and the
     /// experts' loads; with `for_backward`, also the coefficient each layer's backward adds
-    /// and the training loss's term. `None` while some layer has not routed. Under sequence
-    /// parallel, `sequence` is the tensor group whose ranks routed the sequence's parts.
-    pub fn close(
-        &self,
-        micro: usize,
-        for_backward: bool,
-        sequence: Option<&dyn TensorParallel>,
-    ) -> Result<Option<Routed>> {
+    /// and the training loss's term. `None` while some layer has not routed. `sharers`: the
+    /// ranks that routed other parts of the same rows.
+    pub fn close(&self, micro: usize, for_backward: bool, sharers: RowSharers<'_>) -> Result<Option<Routed>> {
         // Counted before anything is read from the device: a pipeline stage's part alone
         // never closes the loss.
         if self.layers_routed(micro) != self.layers {
@@ -1073,10 +1078,19 @@ impl LoadBalance {
         let mut sums = self.sums(micro)?;
         let e = self.experts as usize;
         let layers = sums[2 * e + 4];
-        if let Some(group) = sequence.filter(|g| g.size() > 1) {
+        if let Some(group) = sharers.sequence.filter(|g| g.size() > 1) {
             let summed = group.sum_values(&sums[..2 * e + 4])?;
             sums[..2 * e + 4].copy_from_slice(&summed);
         }
+        if let Some(group) = sharers.context {
+            let summed = group.sum_values(&sums[..2 * e + 4])?;
+            sums[..2 * e + 4].copy_from_slice(&summed);
+        }
+        // Context ranks average their gradients as data ranks do, each having weighed its
+        // loss by its piece's tokens: the loss of whole rows reaches each piece's routing
+        // as often as there are pieces (exactly where the pieces hold as many supervised
+        // tokens each).
+        let pieces = sharers.context.map_or(1.0, |c| c.size() as f64);
         let rows = sums[2 * e].max(1.0);
         let shares: Vec<f64> = sums[..e].iter().map(|slots| slots / rows).collect();
         let aux = shares.iter().zip(&sums[e..2 * e]).map(|(f, p)| f * p / rows).sum::<f64>() * self.experts as f64;
@@ -1097,9 +1111,9 @@ impl LoadBalance {
         let loss_term = if for_backward && self.adds_loss() {
             // d(coef · E · Σ f_e P_e) / d(layer's summed probability of e) = coef · E · f_e / rows,
             // and d(z_coef · Σ_layers z_sum / tokens) / d(layer's z_sum) = z_coef / tokens.
-            let scale = self.coef * self.experts as f64 / rows;
+            let scale = self.coef * self.experts as f64 / rows * pieces;
             let mut coefficient: Vec<f32> = shares.iter().map(|f| (f * scale) as f32).collect();
-            coefficient.push((self.z_coef / tokens) as f32);
+            coefficient.push((self.z_coef / tokens * pieces) as f32);
             m.coefficient = Some(Tensor::f_from_slice(&coefficient)?);
             let anchor = Tensor::f_zeros([], (Kind::Float, tch::Device::Cpu))?.set_requires_grad(true);
             m.anchor = Some(anchor.shallow_clone());
@@ -1278,7 +1292,7 @@ mod tests {
         let report = |x: &Tensor, padding: Option<&Tensor>| {
             ff.balance.open(0);
             let _ = ff.forward(&Params::new(&tensors).with_padding(padding), x).unwrap();
-            ff.balance.close(0, false, None).unwrap().unwrap().report
+            ff.balance.close(0, false, RowSharers::default()).unwrap().unwrap().report
         };
         let (padded, alone, unmasked) = (report(&x, Some(&padding)), report(&real, None), report(&x, None));
         assert!((padded.aux_loss - alone.aux_loss).abs() < 1e-6, "{padded:?} against {alone:?}");
@@ -1297,7 +1311,7 @@ mod tests {
             let (ff, tensors) = layer(factor);
             ff.balance.open(0);
             let y = ff.forward(&Params::new(&tensors), &x.unsqueeze(0)).unwrap().squeeze_dim(0);
-            let report = ff.balance.close(0, false, None).unwrap().unwrap().report;
+            let report = ff.balance.close(0, false, RowSharers::default()).unwrap().unwrap().report;
             let (expected, dropped) = by_hand(&ff, &tensors, &x, capacity);
             let gap = (&y - &expected).abs().max().double_value(&[]);
             assert!(gap < 1e-5, "capacity factor {factor:?}: off by {gap}");

@@ -13,8 +13,8 @@
 //! replicas), `pipeline` (consecutive stages), `expert` (data-parallel ranks whose sparse
 //! layers send each token to the rank computing its expert: every rank of an expert group
 //! reads batches of its own, so the data-parallel ranks are those of zero × data × expert);
-//! `context` is named, and refused by [`crate::strategy::ParallelMode::validate`] until a
-//! method uses it.
+//! `context` (ranks holding pieces of the same rows: they read the same batches and average
+//! their gradients as replicas do).
 use crate::strategy::{Dim, ShardingStrategy, Strategy};
 use crate::{Error, Result};
 
@@ -176,6 +176,10 @@ impl Mesh {
 
     /// The dimensions whose ranks read different batches and average their gradients.
     pub const DATA_PARALLEL: [Dim; 3] = [Dim::Zero, Dim::Data, Dim::Expert];
+
+    /// The dimensions whose ranks hold the same units and pieces and average their
+    /// gradients: the data-parallel ones, and context ranks (pieces of the same rows).
+    pub const REPLICAS: [Dim; 4] = [Dim::Zero, Dim::Data, Dim::Expert, Dim::Context];
 
     /// Which of the data-parallel replicas this rank's batches belong to, and how many there
     /// are: ranks that differ only in their tensor or pipeline coordinate read the same

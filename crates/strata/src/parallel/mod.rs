@@ -1,7 +1,8 @@
 //! Execution across ranks, as engine schedules: data parallelism ([`DataParallel`]), the
 //! ZeRO family ([`zero::Zero`]: zero1, zero2, fsdp) and, beside either, tensor parallelism
 //! ([`tensor::TensorGroup`]): data and ZeRO groups then join the ranks of one tensor
-//! coordinate; and expert parallelism's token exchange (`experts::ExpertGroup`).
+//! coordinate; expert parallelism's token exchange (`experts::ExpertGroup`) and context
+//! parallelism's attention (`context::ContextGroup`).
 //!
 //! Owns: turning a validated [`Strategy`] and a communicator into an engine with the right
 //! schedule and process groups, and a rank's trainer over its engines ([`build_trainer`]);
@@ -9,6 +10,7 @@
 //! measurements of the device room a step needs beside model states
 //! ([`measure_non_model`], [`measure_shard_floor`]). Must not touch model definitions or
 //! optimizer policy.
+mod context;
 mod ddp;
 mod experts;
 mod mesh;
@@ -17,6 +19,7 @@ pub mod tensor;
 mod trainer;
 pub mod zero;
 
+pub use context::piece_of;
 pub use ddp::{DataParallel, DataParallelOptions, DEFAULT_BUCKET_BYTES};
 pub use mesh::Mesh;
 pub use trainer::{build_trainer, TrainerSetup};
@@ -30,7 +33,8 @@ use crate::engine::placement::HomePolicy;
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
 use crate::strategy::{
-    select_units, AmpConfig, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ShardMethod, Stage, Strategy,
+    select_units, AmpConfig, ContextKind, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ShardMethod, Stage,
+    Strategy,
 };
 use crate::train::Feed;
 use crate::{Error, Result};
@@ -199,7 +203,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     let tensor = mesh.size(Dim::Tensor);
     // The ranks that hold the same units and pieces, each list in rank order.
     let replica_lists: Vec<Vec<usize>> = mesh
-        .groups(&Mesh::DATA_PARALLEL)
+        .groups(&Mesh::REPLICAS)
         .into_iter()
         .map(|mut ranks| {
             ranks.sort_unstable();
@@ -226,10 +230,21 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
             .map(|g| Arc::new(experts::ExpertGroup::new(g)) as Arc<dyn crate::model::ExpertExchange>),
         None => None,
     };
+    // Then the context groups: attention reaches the rest of each row over its rank's.
+    let context_group = match (strategy.context_parallel(), at.comm.filter(|_| mesh.size(Dim::Context) > 1)) {
+        (Some(c), Some(comm)) => {
+            let split_heads = (c.kind == ContextKind::AllToAll).then_some((tensor * mesh.size(Dim::Context)) as i64);
+            spec.check_context_parallel(split_heads)?;
+            my_group(comm, &mesh.groups(&[Dim::Context]))?
+                .map(|g| Arc::new(context::ContextGroup::new(g, c.kind)) as Arc<dyn crate::model::ContextParallel>)
+        }
+        _ => None,
+    };
     let experts_split = expert_group.is_some();
     let config = EngineConfig {
         tensor: tensor_group.map(|g| g as Arc<dyn crate::model::TensorParallel>),
         experts: expert_group,
+        context: context_group,
         ..config
     };
     let Some((name, shard)) = strategy.sharding() else {
@@ -261,13 +276,14 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         reduce_dtype,
         offload: strategy.offload().map(|o| zero_offload(name, stage, o, &spec, &config, at)).transpose()?,
     };
-    // Shard groups are the mesh's zero groups, replicas its data and expert groups (every
-    // rank holds every expert; each computes its own).
+    // Shard groups are the mesh's zero groups, replicas its data, expert and context groups
+    // (every rank holds every expert; each computes its own; context ranks hold the same
+    // shards of pieces of the same rows).
     let groups = match at.comm.filter(|_| mesh.world() > 1) {
         None => ShardGroups { shard: None, replicate: None, world: None },
         Some(comm) => ShardGroups {
             shard: my_group(comm, &mesh.groups(&[Dim::Zero]))?,
-            replicate: my_group(comm, &mesh.groups(&[Dim::Data, Dim::Expert]))?,
+            replicate: my_group(comm, &mesh.groups(&[Dim::Data, Dim::Expert, Dim::Context]))?,
             world: replica_group,
         },
     };

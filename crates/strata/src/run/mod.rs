@@ -35,7 +35,7 @@ use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use crate::parallel::{self, DataParallelOptions, TrainerSetup};
 use crate::patrickstar::PatrickStarConfig;
 use crate::profile::Profiler;
-use crate::strategy::{LoraConfig, Strategy};
+use crate::strategy::{Dim, LoraConfig, Strategy};
 use crate::train::{token_input, Feed, InputFn, LossFn, StepReport, Trainer};
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};
@@ -567,9 +567,13 @@ pub fn train(
     }
     let mesh = parallel::mesh_of(&strategy, ranks.comm.as_ref(), ranks.local_world_size)?;
     let (data_rank, data_world) = mesh.batch_shard();
+    let context = strategy
+        .context_parallel()
+        .map(|c| parallel::piece_of(c.kind, mesh.coordinate(Dim::Context), mesh.size(Dim::Context)));
     let loader_config = LoaderConfig {
         rank: data_rank,
         world: data_world,
+        context,
         device: config.device,
         ..LoaderConfig::new(config.batching.clone())
     };
@@ -677,10 +681,12 @@ pub fn train(
     let mut observers = observe::Observers::open(&config, ranks.leader(), start)?;
     let mut last: Option<StepReport> = None;
     for step in loader.take((config.steps - start) as usize) {
-        // The trainer reports the job's loss; every data rank's tokens count.
+        // The trainer reports the job's loss; every data rank's tokens count, and each
+        // context rank's piece of them.
         let mut report = trainer.train_step(&step?)?;
-        report.tokens *= data_world as u64;
-        report.tokens_per_s *= data_world as f64;
+        let readers = data_world * mesh.size(Dim::Context);
+        report.tokens *= readers as u64;
+        report.tokens_per_s *= readers as f64;
         if let Some(steps) = val_steps.as_ref().filter(|_| config.validation_due(report.step)) {
             report.set_validation(trainer.evaluate(steps)?);
         }

@@ -28,7 +28,7 @@ use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 17] = [
+pub const METHODS: [&str; 18] = [
     "parallel_mode",
     "amp_native",
     "half",
@@ -44,6 +44,7 @@ pub const METHODS: [&str; 17] = [
     "mixed_parallel",
     "ds_3d_parallel",
     "expert_parallel",
+    "context_parallel",
     "offload",
     "lora",
 ];
@@ -87,6 +88,9 @@ pub enum Method {
     /// A mixture of experts' experts split over groups of data-parallel ranks, tokens sent
     /// to their experts' ranks by all-to-all.
     ExpertParallel(ExpertParallelConfig),
+    /// Each row's positions split over groups of ranks, attention exchanging keys and
+    /// values (ring) or heads (all-to-all) between them.
+    ContextParallel(ContextParallelConfig),
     /// As `mixed_parallel`, with ranks laid out in DeepSpeed's order: tensor fastest, then
     /// data, then pipeline, whatever order parallel_mode lists them in.
     Ds3dParallel(MixedConfig),
@@ -206,6 +210,32 @@ pub struct ExpertParallelConfig {
     pub size: Option<usize>,
 }
 
+/// `context_parallel`'s configuration: the size of the context groups, here or as
+/// parallel_mode's `("context", k)`, and how their attention exchanges its inputs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ContextParallelConfig {
+    /// Ranks per context group (`None`: parallel_mode's `("context", k)`).
+    pub size: Option<usize>,
+    /// How attention reaches the positions other ranks hold.
+    pub kind: ContextKind,
+}
+
+/// How context parallelism's attention reaches the positions other ranks hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContextKind {
+    /// Keys and values pass around the ring of ranks, each block's partial attention merged
+    /// through its log-sum-exp; each rank holds an early and a late piece of every row, so
+    /// that causal attention costs every rank the same.
+    #[default]
+    Ring,
+    /// An all-to-all turns each rank's positions of every head into every position of its
+    /// share of the heads, and back after attention (DeepSpeed-Ulysses); the heads (after
+    /// tensor parallelism's split) must divide over the group.
+    AllToAll,
+}
+
 /// `tensor_parallel`'s configuration; the tensor size is parallel_mode's `("tensor", k)`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -317,6 +347,14 @@ pub fn parse_dtype(name: &str) -> Result<Kind> {
     }
 }
 
+/// A group size a method gives must be positive.
+fn positive_size(name: &str, size: Option<usize>) -> Result<()> {
+    match size {
+        Some(0) => Err(Error::Config(format!("{name}: size must be positive"))),
+        _ => Ok(()),
+    }
+}
+
 /// A method's configuration from JSON (its defaults when absent).
 fn parse_config<T: serde::de::DeserializeOwned + Default>(name: &str, config: Option<&Value>) -> Result<T> {
     match config {
@@ -344,6 +382,7 @@ impl Method {
             Method::MixedParallel(_) => "mixed_parallel",
             Method::Ds3dParallel(_) => "ds_3d_parallel",
             Method::ExpertParallel(_) => "expert_parallel",
+            Method::ContextParallel(_) => "context_parallel",
             Method::Offload(_) => "offload",
             Method::Lora(_) => "lora",
         }
@@ -433,10 +472,13 @@ impl Method {
             "ds_3d_parallel" => Method::Ds3dParallel(parse_config(name, config)?),
             "expert_parallel" => {
                 let c: ExpertParallelConfig = parse_config(name, config)?;
-                if c.size == Some(0) {
-                    return Err(Error::Config("expert_parallel: size must be positive".into()));
-                }
+                positive_size(name, c.size)?;
                 Method::ExpertParallel(c)
+            }
+            "context_parallel" => {
+                let c: ContextParallelConfig = parse_config(name, config)?;
+                positive_size(name, c.size)?;
+                Method::ContextParallel(c)
             }
             "offload" => {
                 let c: OffloadConfig = parse_config(name, config)?;
@@ -472,6 +514,7 @@ impl Method {
             Method::PipelineParallel(c) => serde_json::to_value(c),
             Method::MixedParallel(c) | Method::Ds3dParallel(c) => serde_json::to_value(c),
             Method::ExpertParallel(c) => serde_json::to_value(c),
+            Method::ContextParallel(c) => serde_json::to_value(c),
             Method::Offload(c) => serde_json::to_value(c),
             Method::Lora(c) => serde_json::to_value(c),
         };
@@ -610,29 +653,10 @@ impl Strategy {
                     .into(),
             ));
         }
-        let given = strategy.methods.iter().find_map(|m| match m {
-            Method::ParallelMode(p) => p.0.iter().find(|(n, _)| *n == Dim::Expert).map(|(_, s)| *s),
-            _ => None,
-        });
-        match (strategy.expert_parallel(), given) {
-            (None, Some(_)) => {
-                return Err(Error::Config(
-                    "parallel_mode: the expert dimension needs the expert_parallel method".into(),
-                ))
-            }
-            (Some(ExpertParallelConfig { size: None }), None) => {
-                return Err(Error::Config(
-                    "expert_parallel: give the expert group size, as its size or as parallel_mode's (\"expert\", k)"
-                        .into(),
-                ))
-            }
-            (Some(ExpertParallelConfig { size: Some(a) }), Some(b)) if a != b => {
-                return Err(Error::Config(format!(
-                    "expert_parallel: size {a} differs from parallel_mode's expert size {b}; give it once"
-                )))
-            }
-            _ => {}
-        }
+        let expert = strategy.expert_parallel().map(|c| c.size);
+        strategy.check_sized_dimension("expert_parallel", Dim::Expert, expert, "expert group")?;
+        let context = strategy.context_parallel().map(|c| c.size);
+        strategy.check_sized_dimension("context_parallel", Dim::Context, context, "context group")?;
         if layouts.contains(&"tensor_parallel") && !named(Dim::Tensor) {
             return Err(Error::Config(
                 "tensor_parallel: give the tensor size in parallel_mode, e.g. [\"parallel_mode\", [[[\"tensor\", 2]], null]]"
@@ -709,14 +733,47 @@ impl Strategy {
             let order = |n: Dim| [Dim::Tensor, Dim::Zero, Dim::Data, Dim::Pipeline].iter().position(|d| *d == n);
             mode.0.sort_by_key(|(n, _)| order(*n));
         }
-        // expert_parallel's size, where parallel_mode does not give it: expert groups of
-        // adjacent ranks, carved out of the data-parallel ones.
-        if let Some(size) = self.expert_parallel().and_then(|c| c.size) {
-            if !mode.0.iter().any(|(n, _)| *n == Dim::Expert) {
-                mode.0.insert(0, (Dim::Expert, size));
+        // expert_parallel's and context_parallel's sizes, where parallel_mode does not give
+        // them: groups of adjacent ranks (context innermost), carved out of the data ranks.
+        let sized = [
+            (Dim::Expert, self.expert_parallel().and_then(|c| c.size)),
+            (Dim::Context, self.context_parallel().and_then(|c| c.size)),
+        ];
+        for (dim, size) in sized {
+            if let Some(size) = size.filter(|_| !mode.0.iter().any(|(n, _)| *n == dim)) {
+                mode.0.insert(0, (dim, size));
             }
         }
         mode
+    }
+
+    /// A method's dimension `dim` is sized once, by the method (`method`'s size, `None`
+    /// where the strategy lacks the method) or by parallel_mode, and named only with it.
+    fn check_sized_dimension(&self, name: &str, dim: Dim, method: Option<Option<usize>>, group: &str) -> Result<()> {
+        let given = self.methods.iter().find_map(|m| match m {
+            Method::ParallelMode(p) => p.0.iter().find(|(n, _)| *n == dim).map(|(_, s)| *s),
+            _ => None,
+        });
+        match (method, given) {
+            (None, Some(_)) => {
+                Err(Error::Config(format!("parallel_mode: the {dim} dimension needs the {name} method")))
+            }
+            (Some(None), None) => Err(Error::Config(format!(
+                "{name}: give the {group} size, as its size or as parallel_mode's (\"{dim}\", k)"
+            ))),
+            (Some(Some(a)), Some(b)) if a != b => Err(Error::Config(format!(
+                "{name}: size {a} differs from parallel_mode's {dim} size {b}; give it once"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// `context_parallel`'s configuration, if rows' positions are split over ranks.
+    pub fn context_parallel(&self) -> Option<ContextParallelConfig> {
+        self.methods.iter().find_map(|m| match m {
+            Method::ContextParallel(c) => Some(c.clone()),
+            _ => None,
+        })
     }
 
     /// `expert_parallel`'s configuration, if experts are split over ranks.
@@ -961,6 +1018,12 @@ mod tests {
                 "the expert dimension needs the expert_parallel method",
             ),
             (r#"["expert_parallel"]"#, "give the expert group size"),
+            (r#"["context_parallel"]"#, "give the context group size"),
+            (r#"[["context_parallel", {"size": 2, "kind": "tree"}]]"#, "expected `ring` or `all_to_all`"),
+            (
+                r#"[["parallel_mode", [[["context", 2]], null]]]"#,
+                "the context dimension needs the context_parallel method",
+            ),
             (r#"[["parallel_mode", [[["expert", 2]], null]], ["expert_parallel", {"size": 4}]]"#, "give it once"),
             (r#"[["fsdp", {"atorch_wrap_cls": ["X"], "atorch_size_based_min_num_params": 5}]]"#, "exclude each other"),
             (r#"["checkpoint"]"#, "give the units to recompute"),

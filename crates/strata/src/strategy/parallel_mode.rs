@@ -8,8 +8,8 @@ use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// A dimension of the rank layout ([`crate::parallel::Mesh`]): data parallel (replicas),
-/// ZeRO data parallel (the shard groups), tensor and pipeline parallel, and the dimensions
-/// reserved for context and expert parallelism. Written in strategies by its lower-case name.
+/// ZeRO data parallel (the shard groups), tensor, pipeline, context and expert parallel.
+/// Written in strategies by its lower-case name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dim {
@@ -21,7 +21,7 @@ pub enum Dim {
     Tensor,
     /// Pipeline parallelism: the model's units split into stages.
     Pipeline,
-    /// Context parallelism, reserved: no method splits work along it yet.
+    /// Context parallelism: each row's positions split over the group's ranks.
     Context,
     /// Expert parallelism: the groups a mixture of experts' experts are split over.
     Expert,
@@ -40,14 +40,6 @@ impl Dim {
             Dim::Pipeline => "pipeline",
             Dim::Context => "context",
             Dim::Expert => "expert",
-        }
-    }
-
-    /// Why a strategy may not name this dimension yet: no method splits work along it.
-    fn reserved(self) -> Option<&'static str> {
-        match self {
-            Dim::Context => Some("context parallelism (a sequence split over ranks)"),
-            _ => None,
         }
     }
 }
@@ -79,11 +71,6 @@ impl ParallelMode {
         for (i, (name, size)) in self.0.iter().enumerate() {
             if self.0[..i].iter().any(|(n, _)| n == name) {
                 return Err(bad(format!("dimension {name} appears twice")));
-            }
-            if let Some(method) = name.reserved() {
-                return Err(bad(format!(
-                    "the {name} dimension is reserved for {method}, which Strata does not run yet"
-                )));
             }
             if *size == 0 && *name != Dim::Data {
                 return Err(bad(format!("{name} needs a positive size")));
@@ -133,7 +120,7 @@ impl ParallelMode {
 mod tests {
     use super::*;
 
-    use Dim::{Data, Expert, Pipeline, Tensor, Zero};
+    use Dim::{Context, Data, Expert, Pipeline, Tensor, Zero};
 
     fn mode(dims: &[(Dim, usize)]) -> ParallelMode {
         ParallelMode(dims.to_vec(), None)
@@ -151,12 +138,12 @@ mod tests {
         assert!(huge.contains("= more ranks do not divide the world size 16"), "{huge}");
         let unknown = serde_json::from_str::<ParallelMode>(r#"[[["sequence", 2]], null]"#).unwrap_err().to_string();
         assert!(unknown.contains("sequence") && unknown.contains("`data`, `zero`, `tensor`, `pipeline`"), "{unknown}");
-        let context: ParallelMode = serde_json::from_str(r#"[[["context", 2]], null]"#).unwrap();
-        let err = context.validate().unwrap_err().to_string();
-        assert!(err.contains("the context dimension is reserved for context parallelism"), "{err}");
-        // The expert dimension is expert_parallel's (the strategy checks that it is given).
+        // The expert and context dimensions are their methods' (the strategy checks that
+        // the method is given).
         let expert: ParallelMode = serde_json::from_str(r#"[[["expert", 2]], null]"#).unwrap();
         assert_eq!(expert.resolve(4).unwrap(), [(Expert, 2), (Data, 2)]);
+        let context: ParallelMode = serde_json::from_str(r#"[[["context", 2]], null]"#).unwrap();
+        assert_eq!(context.resolve(4).unwrap(), [(Context, 2), (Data, 2)]);
         assert_eq!(serde_json::to_string(&mode(&[(Tensor, 2)])).unwrap(), r#"[[["tensor",2]],null]"#);
         let twice = mode(&[(Tensor, 2), (Tensor, 2)]).validate().unwrap_err().to_string();
         assert!(twice.contains("dimension tensor appears twice"), "{twice}");

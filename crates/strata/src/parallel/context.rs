@@ -1,0 +1,391 @@
+//! Context parallelism's attention over a process group ([`ContextGroup`]): each rank holds a
+//! piece of every row's positions ([`SequencePiece`]) and attends over the whole rows.
+//!
+//! - *ring*: keys and values pass from rank to rank around the group while each rank merges
+//!   its queries' attention over each block through the running maximum and sum of the
+//!   softmax (the log-sum-exp); the backward recomputes each block's probabilities from the
+//!   saved log-sum-exp and sends the keys' and values' gradients around with them, so a rank
+//!   holds one block's scores at a time, forward and backward.
+//! - *all-to-all* (DeepSpeed-Ulysses): an all-to-all turns each rank's positions of every
+//!   head into every position of its share of the heads; attention then runs over whole rows
+//!   as without the split, and a second all-to-all turns the result back.
+//!
+//! Owns: the exchanges and the ring's blockwise attention. Must not know which model calls
+//! it, nor split rows (the data loader does, by the same [`SequencePiece`]).
+use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
+use crate::error::text;
+use crate::model::context::{places_tensor, unseen};
+use crate::model::layers::{attention, soft_cap, AttentionOptions, ScoreTerms};
+use crate::model::{ContextParallel, SequencePiece};
+use crate::strategy::ContextKind;
+use crate::{Error, Result};
+use std::sync::Arc;
+use tch::{Kind, Tensor};
+
+type Text<T> = std::result::Result<T, String>;
+
+/// One rank's context group: its process group, its piece of every row, and how attention
+/// reaches the other pieces.
+pub struct ContextGroup {
+    group: Arc<dyn ProcessGroup>,
+    piece: SequencePiece,
+    kind: ContextKind,
+}
+
+impl std::fmt::Debug for ContextGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "context group rank {} of {} ({:?})", self.group.rank(), self.group.size(), self.kind)
+    }
+}
+
+impl ContextGroup {
+    /// This rank's context group `group`, exchanging by `kind`; its piece of every row is
+    /// the one `kind` lays out for its place in the group.
+    pub fn new(group: Arc<dyn ProcessGroup>, kind: ContextKind) -> ContextGroup {
+        let piece = piece_of(kind, group.rank(), group.size());
+        ContextGroup { group, piece, kind }
+    }
+}
+
+/// Rank `index`'s piece of every row in a context group of `count` ranks exchanging by
+/// `kind`: the ring balances causal attention's work with two runs per rank.
+pub fn piece_of(kind: ContextKind, index: usize, count: usize) -> SequencePiece {
+    SequencePiece { index, count, balanced: kind == ContextKind::Ring }
+}
+
+/// The group's collectives, as the autograd functions below call them: errors are strings.
+#[derive(Clone)]
+struct Exchange(Arc<dyn ProcessGroup>);
+
+impl Exchange {
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    /// Sends `inputs[r]` to rank `r`; returns what each rank sent this one, each shaped as
+    /// `shapes[r]`.
+    fn all_to_all(&self, inputs: &[Tensor], shapes: &[Vec<i64>]) -> Text<Vec<Tensor>> {
+        let first = &inputs[0];
+        let outputs = shapes
+            .iter()
+            .map(|s| Tensor::f_empty(s.as_slice(), (first.kind(), first.device())))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(text)?;
+        let inputs =
+            inputs.iter().map(Tensor::f_contiguous).collect::<std::result::Result<Vec<_>, _>>().map_err(text)?;
+        self.0.all_to_all(&outputs, &inputs).and_then(|w| w.wait()).map_err(|e| format!("context all-to-all: {e}"))?;
+        Ok(outputs)
+    }
+
+    /// Every rank's `x`, in rank order.
+    fn all_gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let x = x.f_contiguous()?;
+        let outputs = (0..self.size()).map(|_| x.f_empty_like()).collect::<std::result::Result<Vec<_>, _>>()?;
+        self.0.all_gather(&outputs, &x)?.wait()?;
+        Ok(outputs)
+    }
+
+    /// `tensors` sent to the next rank of the ring; returns those of the rank before, of the
+    /// same shapes (one message: the tensors flattened into one fp32 buffer).
+    fn pass_on(&self, tensors: &[&Tensor]) -> Text<Vec<Tensor>> {
+        let (n, me) = (self.size(), self.rank());
+        let (next, previous) = ((me + 1) % n, (me + n - 1) % n);
+        let flat = tensors
+            .iter()
+            .map(|t| t.f_to_kind(Kind::Float).and_then(|t| t.f_reshape([-1])))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(text)?;
+        let message = Tensor::f_cat(&flat, 0).map_err(text)?;
+        let none = message.f_narrow(0, 0, 0).map_err(text)?;
+        let inputs: Vec<Tensor> =
+            (0..n).map(|r| if r == next { message.shallow_clone() } else { none.shallow_clone() }).collect();
+        let shapes: Vec<Vec<i64>> =
+            (0..n).map(|r| vec![if r == previous { message.numel() as i64 } else { 0 }]).collect();
+        let received = self.all_to_all(&inputs, &shapes)?.swap_remove(previous);
+        let mut at = 0;
+        tensors
+            .iter()
+            .map(|t| {
+                let len = t.numel() as i64;
+                let piece = received.f_narrow(0, at, len)?.f_view(t.size().as_slice())?;
+                at += len;
+                piece.f_to_kind(t.kind())
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(text)
+    }
+}
+
+/// The all-to-all between a rank's positions of every head `[B, H, Tl, D]` and every
+/// position of its share of the heads `[B, H/n, n·Tl, D]` (positions in rank order); each
+/// direction's backward is the other.
+struct HeadSwap {
+    exchange: Exchange,
+    to_heads: bool,
+}
+
+impl HeadSwap {
+    fn swap(&self, x: &Tensor, to_heads: bool) -> Text<Tensor> {
+        let n = self.exchange.size() as i64;
+        // Pieces leave along one dimension and the received ones join along the other.
+        let (split, join) = if to_heads { (1, 2) } else { (2, 1) };
+        let inputs = x.f_chunk(n, split).map_err(text)?;
+        let shapes = vec![inputs[0].size(); n as usize];
+        let received = self.exchange.all_to_all(&inputs, &shapes)?;
+        Tensor::f_cat(&received, join).map_err(text)
+    }
+}
+
+impl strata_ext::Function for HeadSwap {
+    fn forward(&mut self, inputs: &[Tensor]) -> Text<Vec<Tensor>> {
+        Ok(vec![self.swap(&inputs[0], self.to_heads)?])
+    }
+
+    fn backward(&mut self, grads: &[Tensor]) -> Text<Vec<Tensor>> {
+        match grads[0].defined() {
+            true => Ok(vec![self.swap(&grads[0], !self.to_heads)?]),
+            false => Ok(vec![Tensor::new()]),
+        }
+    }
+}
+
+/// What a block of the ring's attention needs beside the queries and keys: the places and
+/// examples of the queries and of each rank's keys, the scale and the options.
+struct Blocks {
+    exchange: Exchange,
+    options: AttentionOptions,
+    scale: f64,
+    query_places: Tensor,
+    query_examples: Tensor,
+    /// Per rank of the group: the places of its positions and their examples.
+    keys: Vec<(Tensor, Tensor)>,
+}
+
+impl Blocks {
+    /// Scores `[B, H, Tq, Tk]` (fp32) of the queries over rank `owner`'s keys, soft-capped
+    /// and masked, and the cap's `tanh` where there is one (its derivative's factor).
+    fn scores(&self, q: &Tensor, k: &Tensor, owner: usize) -> Result<(Tensor, Option<Tensor>)> {
+        let raw = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(self.scale)?;
+        let (scores, tanh) = match self.options.softcap {
+            Some(cap) => {
+                let capped = soft_cap(&raw, cap)?;
+                let tanh = capped.f_div_scalar(cap)?;
+                (capped, Some(tanh))
+            }
+            None => (raw, None),
+        };
+        let (places, examples) = &self.keys[owner];
+        let hidden = unseen(&self.query_places, places, &self.query_examples, examples, &self.options)?;
+        Ok((scores.f_masked_fill(&hidden, f64::NEG_INFINITY)?, tanh))
+    }
+}
+
+/// The ring's attention as one autograd function of the queries, keys, values and, where
+/// given, the sink logits.
+struct RingAttention {
+    blocks: Blocks,
+    /// The inputs (as given) and the output and log-sum-exp (fp32), for the backward.
+    saved: Option<(Vec<Tensor>, Tensor, Tensor)>,
+}
+
+fn float(t: &Tensor) -> Result<Tensor> {
+    Ok(t.f_to_kind(Kind::Float)?)
+}
+
+impl RingAttention {
+    fn forward(&mut self, inputs: &[Tensor]) -> Result<Tensor> {
+        let (q, mut k, mut v) = (float(&inputs[0])?, float(&inputs[1])?, float(&inputs[2])?);
+        let (n, me) = (self.blocks.exchange.size(), self.blocks.exchange.rank());
+        let rows = q.size()[..3].to_vec();
+        // The running maximum, sum and weighted values of each query's softmax.
+        let mut max = Tensor::f_full(rows.as_slice(), f64::NEG_INFINITY, (Kind::Float, q.device()))?;
+        let mut sum = Tensor::f_zeros(rows.as_slice(), (Kind::Float, q.device()))?;
+        let mut acc = Tensor::f_zeros([&rows[..], &[v.size()[3]]].concat(), (Kind::Float, q.device()))?;
+        for step in 0..n {
+            let owner = (me + n - step) % n;
+            let (scores, _) = self.blocks.scores(&q, &k, owner)?;
+            let (probs, scale) = merge_step(&mut max, &scores)?;
+            sum = sum.f_mul(&scale)?.f_add(&probs.f_sum_dim_intlist(-1, false, Kind::Float)?)?;
+            acc = acc.f_mul(&scale.f_unsqueeze(-1)?)?.f_add(&probs.f_matmul(&v)?)?;
+            if step + 1 < n {
+                let next = self.blocks.exchange.pass_on(&[&k, &v]).map_err(Error::Comm)?;
+                (k, v) = (next[0].shallow_clone(), next[1].shallow_clone());
+            }
+        }
+        if let Some(sinks) = inputs.get(3) {
+            // A sink is one more key whose value is nothing.
+            let sink = float(sinks)?.f_view([1, -1, 1])?.f_expand(rows.as_slice(), false)?;
+            let (probs, scale) = merge_step(&mut max, &sink.f_unsqueeze(-1)?)?;
+            sum = sum.f_mul(&scale)?.f_add(&probs.f_squeeze_dim(-1)?)?;
+            acc = acc.f_mul(&scale.f_unsqueeze(-1)?)?;
+        }
+        let out = acc.f_div(&sum.f_unsqueeze(-1)?)?;
+        let lse = max.f_add(&sum.f_log()?)?;
+        self.saved = Some((inputs.iter().map(Tensor::shallow_clone).collect(), out.shallow_clone(), lse));
+        Ok(out.f_to_kind(inputs[0].kind())?)
+    }
+
+    fn backward(&mut self, grad: &Tensor) -> Result<Vec<Tensor>> {
+        let (inputs, out, lse) =
+            self.saved.take().ok_or_else(|| Error::Model("ring attention: backward twice".into()))?;
+        let (q, mut k, mut v) = (float(&inputs[0])?, float(&inputs[1])?, float(&inputs[2])?);
+        let (n, me) = (self.blocks.exchange.size(), self.blocks.exchange.rank());
+        let grad = float(grad)?;
+        // d(loss)/d(score) = p · (dO·v − Σ p dO·v): the second term per query is dO·out.
+        let delta = grad.f_mul(&out)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_unsqueeze(-1)?;
+        let lse_column = lse.f_unsqueeze(-1)?;
+        let mut dq = q.f_zeros_like()?;
+        let (mut dk, mut dv) = (k.f_zeros_like()?, v.f_zeros_like()?);
+        for step in 0..n {
+            let owner = (me + n - step) % n;
+            let (scores, tanh) = self.blocks.scores(&q, &k, owner)?;
+            let probs = scores.f_sub(&lse_column)?.f_exp()?;
+            dv = dv.f_add(&probs.f_transpose(-2, -1)?.f_matmul(&grad)?)?;
+            let mut dscores = probs.f_mul(&grad.f_matmul(&v.f_transpose(-2, -1)?)?.f_sub(&delta)?)?;
+            if let Some(tanh) = tanh {
+                dscores = dscores.f_mul(&tanh.f_square()?.f_neg()?.f_add_scalar(1.0)?)?;
+            }
+            let dscores = dscores.f_mul_scalar(self.blocks.scale)?;
+            dq = dq.f_add(&dscores.f_matmul(&k)?)?;
+            dk = dk.f_add(&dscores.f_transpose(-2, -1)?.f_matmul(&q)?)?;
+            // The keys' and values' gradients travel with them; after the last block one
+            // more pass brings each home.
+            let exchange = &self.blocks.exchange;
+            if step + 1 < n {
+                let next = exchange.pass_on(&[&k, &v, &dk, &dv]).map_err(Error::Comm)?;
+                let [nk, nv, ndk, ndv] = <[Tensor; 4]>::try_from(next).map_err(|_| Error::Comm("ring pass".into()))?;
+                (k, v, dk, dv) = (nk, nv, ndk, ndv);
+            } else {
+                let home = exchange.pass_on(&[&dk, &dv]).map_err(Error::Comm)?;
+                let [hdk, hdv] = <[Tensor; 2]>::try_from(home).map_err(|_| Error::Comm("ring pass".into()))?;
+                (dk, dv) = (hdk, hdv);
+            }
+        }
+        let mut grads =
+            vec![dq.f_to_kind(inputs[0].kind())?, dk.f_to_kind(inputs[1].kind())?, dv.f_to_kind(inputs[2].kind())?];
+        if let Some(sinks) = inputs.get(3) {
+            // A sink's share of each softmax, times that query's −dO·out.
+            let sink = float(sinks)?.f_view([1, -1, 1])?;
+            let share = sink.f_sub(&lse)?.f_exp()?;
+            let dsink = share.f_mul(&delta.f_squeeze_dim(-1)?)?.f_neg()?.f_sum_dim_intlist(
+                [0i64, 2].as_slice(),
+                false,
+                Kind::Float,
+            )?;
+            grads.push(dsink.f_to_kind(sinks.kind())?);
+        }
+        Ok(grads)
+    }
+}
+
+/// One block's step of an online softmax: the running maximum `max` raised to cover
+/// `scores`, and the block's probabilities against it and the factor the earlier sums take.
+/// A query that has seen nothing yet keeps a maximum of −∞ without producing NaN.
+fn merge_step(max: &mut Tensor, scores: &Tensor) -> Result<(Tensor, Tensor)> {
+    let raised = max.f_maximum(&scores.f_amax([-1], false)?)?;
+    let finite = raised.f_isfinite()?;
+    let base = raised.f_where_scalarother(&finite, 0.0)?;
+    let scale = max.f_sub(&base)?.f_exp()?;
+    let probs = scores.f_sub(&base.f_unsqueeze(-1)?)?.f_exp()?;
+    *max = raised;
+    Ok((probs, scale))
+}
+
+impl strata_ext::Function for RingAttention {
+    fn forward(&mut self, inputs: &[Tensor]) -> Text<Vec<Tensor>> {
+        Ok(vec![RingAttention::forward(self, inputs).map_err(text)?])
+    }
+
+    fn backward(&mut self, grads: &[Tensor]) -> Text<Vec<Tensor>> {
+        let count = self.saved.as_ref().map_or(3, |(inputs, _, _)| inputs.len());
+        match grads[0].defined() {
+            true => RingAttention::backward(self, &grads[0]).map_err(text),
+            false => Ok((0..count).map(|_| Tensor::new()).collect()),
+        }
+    }
+}
+
+impl ContextGroup {
+    fn exchange(&self) -> Exchange {
+        Exchange(self.group.clone())
+    }
+
+    fn swap(&self, x: &Tensor, to_heads: bool) -> Result<Tensor> {
+        let f = HeadSwap { exchange: self.exchange(), to_heads };
+        Ok(strata_ext::apply_function(f, &[x])?.remove(0))
+    }
+
+    /// Each rank's places and examples `[B, Tl]`, in rank order.
+    fn keys(&self, len: i64, examples: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        let all = self.exchange().all_gather(examples)?;
+        all.into_iter()
+            .enumerate()
+            .map(|(r, ex)| Ok((places_tensor(&self.piece.of_rank(r).positions(len)?, ex.device())?, ex)))
+            .collect()
+    }
+}
+
+impl ContextParallel for ContextGroup {
+    fn size(&self) -> i64 {
+        self.group.size() as i64
+    }
+
+    fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>> {
+        all_reduce_values(self.group.as_ref(), values, ReduceOp::Sum)
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        options: &AttentionOptions,
+        examples: &Tensor,
+        sinks: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let n = self.group.size() as i64;
+        let len = q.size()[2] * n;
+        let keys = self.keys(len, examples)?;
+        match self.kind {
+            ContextKind::AllToAll => {
+                let heads = q.size()[1];
+                if heads % n != 0 {
+                    return Err(Error::Config(format!(
+                        "context_parallel all_to_all: {n} ranks do not divide this rank's {heads} heads"
+                    )));
+                }
+                let (q, k, v) = (self.swap(q, true)?, self.swap(k, true)?, self.swap(v, true)?);
+                let places = Tensor::f_cat(&keys.iter().map(|(p, _)| p).collect::<Vec<_>>(), 0)?;
+                let examples = Tensor::f_cat(&keys.iter().map(|(_, e)| e).collect::<Vec<_>>(), 1)?;
+                let hidden = unseen(&places, &places, &examples, &examples, options)?;
+                // This rank's heads' sinks; the mask above carries causality and the window.
+                let mine = heads / n;
+                let sinks = sinks.map(|s| s.f_narrow(0, self.group.rank() as i64 * mine, mine)).transpose()?;
+                let whole = AttentionOptions { window: None, bidirectional: true, ..*options };
+                let terms = ScoreTerms { bias: None, sinks: sinks.as_ref() };
+                let y = attention(&q, &k, &v, &whole, Some(&hidden), terms, None)?;
+                self.swap(&y, false)
+            }
+            ContextKind::Ring => {
+                let query_places = places_tensor(&self.piece.positions(len)?, q.device())?;
+                let scale = options.scale.unwrap_or(1.0 / (q.size()[3] as f64).sqrt());
+                let blocks = Blocks {
+                    exchange: self.exchange(),
+                    options: *options,
+                    scale,
+                    query_places,
+                    query_examples: examples.shallow_clone(),
+                    keys,
+                };
+                let f = RingAttention { blocks, saved: None };
+                let mut inputs = vec![q, k, v];
+                inputs.extend(sinks);
+                Ok(strata_ext::apply_function(f, &inputs)?.remove(0))
+            }
+        }
+    }
+}
