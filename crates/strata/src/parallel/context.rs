@@ -90,13 +90,13 @@ impl Exchange {
     }
 
     /// `tensors` sent to the next rank of the ring; returns those of the rank before, of the
-    /// same shapes (one message: the tensors flattened into one fp32 buffer).
+    /// same shapes (one message: the tensors flattened into one buffer of the first's dtype).
     fn pass_on(&self, tensors: &[&Tensor]) -> Text<Vec<Tensor>> {
         let (n, me) = (self.size(), self.rank());
         let (next, previous) = ((me + 1) % n, (me + n - 1) % n);
         let flat = tensors
             .iter()
-            .map(|t| t.f_to_kind(Kind::Float).and_then(|t| t.f_reshape([-1])))
+            .map(|t| t.f_to_kind(tensors[0].kind()).and_then(|t| t.f_reshape([-1])))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(text)?;
         let message = Tensor::f_cat(&flat, 0).map_err(text)?;
@@ -166,7 +166,7 @@ struct Blocks {
 }
 
 impl Blocks {
-    /// Scores `[B, H, Tq, Tk]` (fp32) of the queries over rank `owner`'s keys, soft-capped
+    /// Scores `[B, H, Tq, Tk]` (fp32 or fp64) of the queries over rank `owner`'s keys, soft-capped
     /// and masked, and the cap's `tanh` where there is one (its derivative's factor).
     fn scores(&self, q: &Tensor, k: &Tensor, owner: usize) -> Result<(Tensor, Option<Tensor>)> {
         let raw = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(self.scale)?;
@@ -188,12 +188,16 @@ impl Blocks {
 /// given, the sink logits.
 struct RingAttention {
     blocks: Blocks,
-    /// The inputs (as given) and the output and log-sum-exp (fp32), for the backward.
+    /// The inputs (as given) and the output and log-sum-exp (fp32 or fp64), for the backward.
     saved: Option<(Vec<Tensor>, Tensor, Tensor)>,
 }
 
+/// `t` in the ring's precision: fp32, or fp64 where it is.
 fn float(t: &Tensor) -> Result<Tensor> {
-    Ok(t.f_to_kind(Kind::Float)?)
+    match t.kind() {
+        Kind::Double => Ok(t.shallow_clone()),
+        _ => Ok(t.f_to_kind(Kind::Float)?),
+    }
 }
 
 impl RingAttention {
@@ -202,14 +206,15 @@ impl RingAttention {
         let (n, me) = (self.blocks.exchange.size(), self.blocks.exchange.rank());
         let rows = q.size()[..3].to_vec();
         // The running maximum, sum and weighted values of each query's softmax.
-        let mut max = Tensor::f_full(rows.as_slice(), f64::NEG_INFINITY, (Kind::Float, q.device()))?;
-        let mut sum = Tensor::f_zeros(rows.as_slice(), (Kind::Float, q.device()))?;
-        let mut acc = Tensor::f_zeros([&rows[..], &[v.size()[3]]].concat(), (Kind::Float, q.device()))?;
+        let options = (q.kind(), q.device());
+        let mut max = Tensor::f_full(rows.as_slice(), f64::NEG_INFINITY, options)?;
+        let mut sum = Tensor::f_zeros(rows.as_slice(), options)?;
+        let mut acc = Tensor::f_zeros([&rows[..], &[v.size()[3]]].concat(), options)?;
         for step in 0..n {
             let owner = (me + n - step) % n;
             let (scores, _) = self.blocks.scores(&q, &k, owner)?;
             let (probs, scale) = merge_step(&mut max, &scores)?;
-            sum = sum.f_mul(&scale)?.f_add(&probs.f_sum_dim_intlist(-1, false, Kind::Float)?)?;
+            sum = sum.f_mul(&scale)?.f_add(&probs.f_sum_dim_intlist(-1, false, probs.kind())?)?;
             acc = acc.f_mul(&scale.f_unsqueeze(-1)?)?.f_add(&probs.f_matmul(&v)?)?;
             if step + 1 < n {
                 let next = self.blocks.exchange.pass_on(&[&k, &v]).map_err(Error::Comm)?;
@@ -236,7 +241,7 @@ impl RingAttention {
         let (n, me) = (self.blocks.exchange.size(), self.blocks.exchange.rank());
         let grad = float(grad)?;
         // d(loss)/d(score) = p · (dO·v − Σ p dO·v): the second term per query is dO·out.
-        let delta = grad.f_mul(&out)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_unsqueeze(-1)?;
+        let delta = grad.f_mul(&out)?.f_sum_dim_intlist(-1, false, out.kind())?.f_unsqueeze(-1)?;
         let lse_column = lse.f_unsqueeze(-1)?;
         let mut dq = q.f_zeros_like()?;
         let (mut dk, mut dv) = (k.f_zeros_like()?, v.f_zeros_like()?);
@@ -274,7 +279,7 @@ impl RingAttention {
             let dsink = share.f_mul(&delta.f_squeeze_dim(-1)?)?.f_neg()?.f_sum_dim_intlist(
                 [0i64, 2].as_slice(),
                 false,
-                Kind::Float,
+                share.kind(),
             )?;
             grads.push(dsink.f_to_kind(sinks.kind())?);
         }

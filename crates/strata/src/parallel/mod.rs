@@ -10,7 +10,7 @@
 //! measurements of the device room a step needs beside model states
 //! ([`measure_non_model`], [`measure_shard_floor`]). Must not touch model definitions or
 //! optimizer policy.
-mod context;
+pub mod context;
 mod ddp;
 mod experts;
 mod mesh;

@@ -1,8 +1,9 @@
-//! Data, tensor and pipeline parallelism in the library, and the strategy search against cost
+//! Data, tensor, context and pipeline parallelism in the library, and the strategy search against cost
 //! tables.
 
 #[path = "../common/mod.rs"]
 mod common;
+mod context;
 mod parallel;
 mod pipeline;
 mod search;

@@ -1,0 +1,126 @@
+//! Context parallelism's attention on real ranks (processes over shared memory): each rank's
+//! piece of the output and of the queries', keys', values' and sinks' gradients against
+//! attention over whole rows in one process, for the ring and the all-to-all, plain causal
+//! and with a window, soft-capping, sinks, packed examples and values narrower than keys.
+
+use crate::common::ranks::{assert_all_ok, connect, run_ranks};
+use std::sync::Arc;
+use strata::model::layers::{attention, examples_differ, AttentionOptions, ScoreTerms};
+use strata::model::ContextParallel;
+use strata::parallel::context::{piece_of, ContextGroup};
+use strata::strategy::ContextKind;
+use tch::{Device, Kind, Tensor};
+
+#[test]
+fn context_attention_on_2_ranks() {
+    assert_all_ok(&run_ranks(2, "shm", "context"));
+}
+
+#[test]
+fn context_attention_on_4_ranks() {
+    assert_all_ok(&run_ranks(4, "shm", "context"));
+}
+
+#[test]
+fn rank_entry() {
+    let Ok(scenario) = std::env::var("STRATA_TEST_SCENARIO") else { return };
+    assert_eq!(scenario, "context");
+    let comm = connect();
+    let mut failures = vec![];
+    for kind in [ContextKind::Ring, ContextKind::AllToAll] {
+        let group = ContextGroup::new(Arc::from(comm.world().unwrap()), kind);
+        let (rank, n) = (comm.rank(), comm.size());
+        let plain = Case { options: AttentionOptions::default(), packed: false, sinks: false, value_width: 8 };
+        let everything = Case {
+            options: AttentionOptions { window: Some(5), softcap: Some(2.0), scale: Some(0.3), bidirectional: false },
+            packed: true,
+            sinks: true,
+            value_width: 6,
+        };
+        for (name, case) in [("plain", plain), ("window, cap, sinks, packed", everything)] {
+            // The same sums in other orders (blocks merged through the log-sum-exp): in
+            // fp64 to 1e-12 (the algorithm is exact), in fp32 to 1e-6 of the largest value
+            // compared (fp32's rounding, ~6e-8 a sum, over a few dozen terms).
+            for (values, bound) in [(Kind::Double, 1e-12), (Kind::Float, 1e-6)] {
+                let worst = case.check(&group, kind, rank, n, values);
+                let line = format!("{kind:?} {values:?} {name}: largest difference {worst:.2e} of the largest value");
+                println!("{line}");
+                if worst > bound {
+                    failures.push(line);
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:?}");
+    println!("RANK-OK");
+}
+
+#[derive(Debug)]
+struct Case {
+    options: AttentionOptions,
+    packed: bool,
+    sinks: bool,
+    value_width: i64,
+}
+
+/// A tensor every rank draws alike.
+fn drawn(shape: &[i64], seed: i64, kind: Kind) -> Tensor {
+    tch::manual_seed(seed);
+    Tensor::randn(shape, (Kind::Double, Device::Cpu)).to_kind(kind)
+}
+
+impl Case {
+    /// The largest absolute difference between this rank's piece of the whole rows'
+    /// attention (output and gradients) and what the context group computes, relative to
+    /// the largest absolute value of what is compared.
+    fn check(&self, group: &ContextGroup, kind: ContextKind, rank: usize, n: usize, values: Kind) -> f64 {
+        let (b, h, t, d) = (2, 4, 32, 8);
+        let q = drawn(&[b, h, t, d], 1, values);
+        let k = drawn(&[b, h, t, d], 2, values);
+        let v = drawn(&[b, h, t, self.value_width], 3, values);
+        let sinks = drawn(&[h], 4, values);
+        let upstream = drawn(&[b, h, t, self.value_width], 5, values);
+        // Packed: row 0 holds examples of 7, 12 and 13 positions, row 1 one of 20 and then
+        // padding, so examples cross the pieces' borders.
+        let examples = match self.packed {
+            true => {
+                let row = |lengths: &[i64]| -> Vec<i64> {
+                    lengths.iter().enumerate().flat_map(|(e, &len)| std::iter::repeat_n(e as i64, len as usize)).collect()
+                };
+                Tensor::from_slice(&[row(&[7, 12, 13]), row(&[20, 12])].concat()).view([b, t])
+            }
+            false => Tensor::zeros([b, t], (Kind::Int64, Device::Cpu)),
+        };
+        let leaves: Vec<Tensor> = [&q, &k, &v, &sinks].iter().map(|x| x.copy().set_requires_grad(true)).collect();
+        let hidden = examples_differ(&examples, &examples).unwrap();
+        let terms = ScoreTerms { bias: None, sinks: self.sinks.then_some(&leaves[3]) };
+        let whole = attention(&leaves[0], &leaves[1], &leaves[2], &self.options, Some(&hidden), terms, None).unwrap();
+        (&whole * &upstream).sum(Kind::Float).backward();
+        assert!(whole.abs().sum(Kind::Float).double_value(&[]) > 1.0, "attention computed nothing");
+
+        let piece = piece_of(kind, rank, n);
+        let take = |x: &Tensor, dim: i64| piece.take(x, dim).unwrap();
+        let mine: Vec<Tensor> =
+            [&q, &k, &v].iter().map(|x| take(x, 2).set_requires_grad(true)).chain([sinks.copy().set_requires_grad(true)]).collect();
+        let out = group
+            .attention(&mine[0], &mine[1], &mine[2], &self.options, &take(&examples, 1), self.sinks.then_some(&mine[3]))
+            .unwrap();
+        (&out * take(&upstream, 2)).sum(Kind::Float).backward();
+        let gap = |a: &Tensor, b: &Tensor| {
+            let scale = b.abs().max().double_value(&[]).max(1e-30);
+            (a - b).abs().max().double_value(&[]) / scale
+        };
+        let mut worst = gap(&out, &take(&whole, 2));
+        for i in 0..3 {
+            worst = worst.max(gap(&mine[i].grad(), &take(&leaves[i].grad(), 2)));
+        }
+        if self.sinks {
+            // Each rank's sinks gradient comes from its own queries (ring) or heads
+            // (all-to-all): the whole one is their sum.
+            let local: Vec<f64> = Vec::try_from(mine[3].grad().to_kind(Kind::Double)).unwrap();
+            let summed = group.sum_values(&local).unwrap();
+            worst = worst.max(gap(&Tensor::from_slice(&summed).to_kind(values), &leaves[3].grad()));
+        }
+        worst
+    }
+}
