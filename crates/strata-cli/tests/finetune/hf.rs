@@ -336,20 +336,46 @@ fn expert_parallel_never_waits_on_a_rank_whose_experts_get_no_tokens() {
     assert_eq!(routed["remote_expert_tokens"].as_i64(), Some(0), "{routed}");
 }
 
-/// Context parallelism over two ranks trains as one process does on the attention kinds
-/// the families bring: Mistral (grouped-query heads, a window of 4 in rows of 16, so that
-/// the ring's far blocks are all hidden), Gemma 2 (soft-capped scores and windows),
-/// DeepSeek-V3 (latent attention: keys wider than values) and gpt-oss (a sink per head,
-/// windows, experts): the ring (each rank an early and a late quarter of every row) and the
-/// all-to-all (each rank half the heads of whole rows), each step's loss and the weights
-/// within 1e-5. Qwen3-Next's linear attention is refused in one line.
+/// 64 prompt-and-completion records in the folders' words (`w0` to `w89`): prompts of 2 to
+/// 7 words, completions of 1 to 4, so that packed rows of 16 hold examples across the
+/// pieces' borders.
+fn word_examples(dir: &Path) -> PathBuf {
+    let mut x: u64 = 7;
+    let mut next = |n: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) % n
+    };
+    let mut words = |count: u64| (0..count).map(|_| format!("w{}", next(90))).collect::<Vec<_>>().join(" ");
+    let lines: Vec<String> = (0..64)
+        .map(|i| {
+            let (prompt, completion) = (words(2 + i % 6), words(1 + i % 4));
+            serde_json::json!({"prompt": prompt, "completion": format!(" {completion}")}).to_string()
+        })
+        .collect();
+    let path = dir.join("words.jsonl");
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    path
+}
+
+/// Context parallelism trains as one process does, ten AdamW steps, each loss within 1e-5
+/// and the weights within 1e-5, on the attention kinds the families bring: Llama 3
+/// (grouped-query heads; also the ring beside fsdp and the all-to-all beside tensor
+/// parallel 2 on four ranks, and packed prompt-and-completion rows), Mistral (a window of 4
+/// in rows of 16, so that the ring's far blocks are all hidden), Gemma 2 (soft-capped scores
+/// and windows), DeepSeek-V3 (latent attention: keys wider than values) and gpt-oss (a sink
+/// per head, windows, experts): the ring (each rank an early and a late quarter of every
+/// row) and the all-to-all (each rank half the heads of whole rows). Qwen3-Next's linear
+/// attention is refused in one line.
 #[test]
 fn context_parallel_trains_the_attention_kinds_as_one_process() {
     let Some(py) = python() else { return };
     let ring = r#"[["context_parallel", {"size": 2}]]"#;
     let all_to_all = r#"[["context_parallel", {"size": 2, "kind": "all_to_all"}]]"#;
+    let ring_fsdp = r#"[["context_parallel", {"size": 2}], "fsdp"]"#;
+    let all_to_all_tensor = r#"[["parallel_mode", [[["tensor", 2], ["context", 2]], null]], "tensor_parallel",
+        ["context_parallel", {"kind": "all_to_all"}]]"#;
     let flags = ["--ctx", "16", "--batch-size", "4", "--lr", "0.01", "--threads", "1", "--schedule", "constant"];
-    for family in ["mistral", "gemma2", "deepseek-v3", "gpt-oss", "qwen3-next"] {
+    for family in ["llama3", "mistral", "gemma2", "deepseek-v3", "gpt-oss", "qwen3-next"] {
         let dir = tempfile::tempdir().unwrap();
         let (folder, train, _) = setup(&py, dir.path(), family);
         let files = ["--model-dir", s(&folder), "--token-file", s(&train)];
@@ -359,11 +385,23 @@ fn context_parallel_trains_the_attention_kinds_as_one_process() {
             assert_fails_with(&o, "linear attention's state runs along the whole row");
             continue;
         }
-        let one = common::train_run(dir.path(), "one", 3, &[&files, &flags]);
-        for (name, strategy) in [("ring", ring), ("all-to-all", all_to_all)] {
+        let one = common::train_run(dir.path(), "one", 10, &[&files, &flags]);
+        let mut layouts = vec![("ring", "2", ring), ("all-to-all", "2", all_to_all)];
+        if family == "llama3" {
+            layouts.extend([("ring fsdp", "4", ring_fsdp), ("all-to-all tensor", "4", all_to_all_tensor)]);
+        }
+        for (name, ranks, strategy) in layouts {
             let run =
-                common::train_run(dir.path(), name, 3, &[&files, &flags, &["--nproc", "2", "--strategy", strategy]]);
+                common::train_run(dir.path(), name, 10, &[&files, &flags, &["--nproc", ranks, "--strategy", strategy]]);
             common::assert_follows(&one, &run, &format!("{family} {name}"), 1e-5, 1e-5);
+        }
+        if family == "llama3" {
+            let examples = word_examples(dir.path());
+            let packed = ["--model-dir", s(&folder), "--data", s(&examples), "--pack", "true", "--max-length", "16"];
+            let one = common::train_run(dir.path(), "packed-one", 10, &[&packed, &flags[2..]]);
+            let split = ["--nproc", "2", "--strategy", ring];
+            let run = common::train_run(dir.path(), "packed-ring", 10, &[&packed, &flags[2..], &split]);
+            common::assert_follows(&one, &run, "llama3 packed ring", 1e-5, 1e-5);
         }
     }
 }

@@ -85,7 +85,11 @@ impl Case {
         let examples = match self.packed {
             true => {
                 let row = |lengths: &[i64]| -> Vec<i64> {
-                    lengths.iter().enumerate().flat_map(|(e, &len)| std::iter::repeat_n(e as i64, len as usize)).collect()
+                    lengths
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(e, &len)| std::iter::repeat_n(e as i64, len as usize))
+                        .collect()
                 };
                 Tensor::from_slice(&[row(&[7, 12, 13]), row(&[20, 12])].concat()).view([b, t])
             }
@@ -100,8 +104,11 @@ impl Case {
 
         let piece = piece_of(kind, rank, n);
         let take = |x: &Tensor, dim: i64| piece.take(x, dim).unwrap();
-        let mine: Vec<Tensor> =
-            [&q, &k, &v].iter().map(|x| take(x, 2).set_requires_grad(true)).chain([sinks.copy().set_requires_grad(true)]).collect();
+        let mine: Vec<Tensor> = [&q, &k, &v]
+            .iter()
+            .map(|x| take(x, 2).set_requires_grad(true))
+            .chain([sinks.copy().set_requires_grad(true)])
+            .collect();
         let out = group
             .attention(&mine[0], &mine[1], &mine[2], &self.options, &take(&examples, 1), self.sinks.then_some(&mine[3]))
             .unwrap();
