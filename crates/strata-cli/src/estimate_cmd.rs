@@ -9,11 +9,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::path::PathBuf;
-use strata::auto::candidate::Precision;
+use strata::auto::candidate::{Layout, Precision, Sharding};
 use strata::auto::estimate::{self, DeviceKind, Estimate, ExpertPlacement, Machine, Workload};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig};
 use strata::profile::human_bytes;
-use strata::strategy::{LoraConfig, ScheduleKind, Targets};
+use strata::strategy::{ContextKind, LoraConfig, ScheduleKind, Targets};
 
 /// The model an estimate or a plan is for: a folder's `config.json`, a preset, or a
 /// built-in family with its sizes.
@@ -153,6 +153,14 @@ pub struct EstimateArgs {
     /// bytes of, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     expert_parallel: Vec<usize>,
+    /// Context-parallel sizes to show each layout at, comma-separated: each row's positions
+    /// split over that many ranks (which must divide what tensor and pipeline leave).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    context_parallel: Vec<usize>,
+    /// How context parallelism's attention reaches the other ranks' positions: ring or
+    /// all_to_all.
+    #[arg(long, default_value = "ring")]
+    context_kind: String,
     /// Also show each layout training LoRA adapters of this rank on every linear layer.
     #[arg(long)]
     lora_rank: Option<i64>,
@@ -247,8 +255,21 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         }
         layouts.iter_mut().for_each(|l| l.candidate.chunked_loss = Some(positions));
     }
+    let context_kind: ContextKind = serde_json::from_value(serde_json::Value::String(a.context_kind.clone()))
+        .map_err(|_| anyhow::anyhow!("unknown context kind {:?}; expected ring or all_to_all", a.context_kind))?;
+    if a.context_parallel.contains(&0) {
+        bail!("--context-parallel: sizes must be positive");
+    }
+    // Each layout at each context size that divides the ranks its tensor and pipeline
+    // leave, sharded only where data ranks remain to shard over.
+    let layouts: Vec<Layout> = layouts
+        .iter()
+        .flat_map(|l| a.context_parallel.iter().map(move |&c| l.with_context(c, context_kind)))
+        .filter(|l| l.data_ranks(a.nproc) * l.context * l.pipeline * l.candidate.tensor.max(1) == a.nproc)
+        .filter(|l| l.candidate.sharding == Sharding::None || l.shard_ranks(a.nproc) > 1)
+        .collect();
     if layouts.is_empty() {
-        bail!("no layout: the tensor and pipeline sizes given do not divide {} ranks or the model", a.nproc);
+        bail!("no layout: the tensor, pipeline and context sizes given do not divide {} ranks or the model", a.nproc);
     }
     let mut rows = vec![];
     for layout in &layouts {

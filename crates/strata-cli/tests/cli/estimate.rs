@@ -3,12 +3,13 @@ use crate::common::*;
 use strata::auto::candidate::{Candidate, Layout, Precision, Sharding};
 use strata::auto::estimate::{self, Machine, Workload};
 use strata::model::{GptConfig, LlamaConfig, ModelConfig};
-use strata::strategy::ScheduleKind;
+use strata::strategy::{ContextKind, ScheduleKind};
 
 /// Estimates a layout of a small model, then trains it for three steps and reads rank 0's
 /// last step: the optimizer states equal the estimate's to the byte (the engine's layout,
-/// sharding and pipeline split followed exactly), and the allocator's peak lies within 5%
-/// of the estimate's total.
+/// sharding and pipeline split followed exactly), the allocator's peak lies within 5% of
+/// the estimate's total, and what the chunked loss and a context split save within 10% of
+/// what the estimate says.
 #[test]
 fn the_estimate_follows_the_allocator_over_families_and_layouts() {
     let gpt = ModelConfig::Gpt(GptConfig::new(512, 32, 4, 4, 64));
@@ -24,6 +25,7 @@ fn the_estimate_follows_the_allocator_over_families_and_layouts() {
         Layout { pipeline: 2, schedule: ScheduleKind::OneForwardOneBackward, ..plain(Sharding::None, false, 1) };
     // The head's loss in chunks of 32 of the micro-batch's 256 positions.
     let chunked = Layout::new(Candidate { chunked_loss: Some(32), ..plain(Sharding::None, false, 1).candidate });
+    let context = |kind| plain(Sharding::None, false, 1).with_context(2, kind);
     // (label, model, layout, ranks, global rows, micro-batches)
     let cases = [
         ("gpt", &gpt, plain(Sharding::None, false, 1), 1, 8, 1),
@@ -34,6 +36,8 @@ fn the_estimate_follows_the_allocator_over_families_and_layouts() {
         ("gpt tensor 2", &gpt, plain(Sharding::None, false, 2), 2, 8, 1),
         ("llama", &llama, plain(Sharding::None, false, 1), 1, 8, 1),
         ("llama chunked loss", &llama, chunked, 1, 8, 1),
+        ("llama context 2 ring", &llama, context(ContextKind::Ring), 2, 8, 1),
+        ("llama context 2 all-to-all", &llama, context(ContextKind::AllToAll), 2, 8, 1),
     ];
     let mut peaks = std::collections::BTreeMap::new();
     let cpu = estimate::device_kind("cpu").unwrap();
@@ -82,11 +86,15 @@ fn the_estimate_follows_the_allocator_over_families_and_layouts() {
         assert!(error.abs() <= 0.05, "{label}: estimated {estimated} bytes against {measured} measured");
         peaks.insert(label, (estimated, measured));
     }
-    // The chunked loss lowers the peak by what the estimate says it saves.
-    let ((whole_e, whole_m), (chunk_e, chunk_m)) = (peaks["llama"], peaks["llama chunked loss"]);
-    let (saved_e, saved_m) = (whole_e - chunk_e, whole_m - chunk_m);
-    eprintln!("chunked loss: estimated {saved_e} bytes saved, measured {saved_m}");
-    assert!(saved_m > 0.0 && (saved_e / saved_m - 1.0).abs() <= 0.10, "saved {saved_e} estimated, {saved_m} measured");
+    // The chunked loss and each context split lower the peak by what the estimate says
+    // they save.
+    for method in ["llama chunked loss", "llama context 2 ring", "llama context 2 all-to-all"] {
+        let ((whole_e, whole_m), (less_e, less_m)) = (peaks["llama"], peaks[method]);
+        let (saved_e, saved_m) = (whole_e - less_e, whole_m - less_m);
+        eprintln!("{method}: estimated {saved_e} bytes saved, measured {saved_m}");
+        let close = saved_m > 0.0 && (saved_e / saved_m - 1.0).abs() <= 0.10;
+        assert!(close, "{method}: saved {saved_e} estimated, {saved_m} measured");
+    }
 }
 
 /// A 70B model on 64 GPUs: instant, some layouts fit and some do not, sharding and
@@ -150,6 +158,30 @@ fn strata_estimate_places_experts_and_counts_their_all_to_all() {
     assert_eq!(placed, [(1, 128, 0), (2, 64, step(2)), (8, 16, step(8))]);
     assert_fails_with(&strata(&[&args[..], &["--expert-parallel", "3"]].concat()), "128 experts do not split over 3");
     assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--expert-parallel", "2"]), "the model has no experts");
+}
+
+/// Llama 3 8B at 8,192 positions on 8 H100s: split over 8 context ranks, a rank keeps an
+/// eighth of the activations (the ring's blocks of keys and values beside them), and fsdp
+/// shards over the context ranks as over data ranks; the all-to-all needs heads that
+/// divide, and linear attention does not split at all.
+#[test]
+fn strata_estimate_splits_rows_over_context_ranks() {
+    let args = ["estimate", "--preset", "llama-3-8b", "--ctx", "8192", "--nproc", "8", "--json"];
+    let out = strata(&[&args[..], &["--context-parallel", "1,8"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let row = |label: &str| rows.iter().find(|r| r["layout"] == label).unwrap_or_else(|| panic!("no {label}"));
+    let device = |r: &serde_json::Value, part: &str| r["device"][part].as_u64().unwrap();
+    let (whole, split) = (row("amp bf16 + checkpoint + fsdp"), row("amp bf16 + checkpoint + fsdp + context 8 (ring)"));
+    assert_eq!(device(split, "activations"), device(whole, "activations") / 8);
+    assert_eq!(device(split, "optimizer"), device(whole, "optimizer"), "fsdp shards over all 8 ranks either way");
+    assert!(device(split, "comm") > 0, "the ring's blocks");
+    let odd =
+        ["estimate", "--preset", "gpt2", "--nproc", "5", "--context-parallel", "5", "--context-kind", "all_to_all"];
+    assert_fails_with(&strata(&odd), "does not divide the 12 heads");
+    let linear = ["estimate", "--preset", "qwen3-next-80b-a3b", "--nproc", "2", "--context-parallel", "2"];
+    assert_fails_with(&strata(&linear), "linear attention's state runs along the whole row");
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //! Owns the candidates, the layouts around them and their translation into strategies.
 //! Must not predict memory or run anything: [`super::estimate`] predicts, [`super::search`]
 //! tries.
-use crate::strategy::{ScheduleKind, Strategy};
+use crate::strategy::{ContextKind, ScheduleKind, Strategy};
 use crate::Result;
 use serde::Serialize;
 use tch::Device;
@@ -240,12 +240,29 @@ pub struct Layout {
     pub schedule: ScheduleKind,
     /// Chunks per rank of the interleaved schedule (1 otherwise).
     pub virtual_stages: usize,
+    /// Ranks each row's positions are split over (context parallelism; 1: none).
+    pub context: usize,
+    /// How context parallelism's attention reaches the other ranks' positions.
+    pub context_kind: ContextKind,
 }
 
 impl Layout {
     /// `candidate` without a pipeline.
     pub fn new(candidate: Candidate) -> Layout {
-        Layout { candidate, pipeline: 1, schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1 }
+        Layout {
+            candidate,
+            pipeline: 1,
+            schedule: ScheduleKind::OneForwardOneBackward,
+            virtual_stages: 1,
+            context: 1,
+            context_kind: ContextKind::Ring,
+        }
+    }
+
+    /// The same layout with each row's positions split over `size` ranks, exchanged by
+    /// `kind` (no split at 1).
+    pub fn with_context(self, size: usize, kind: ContextKind) -> Layout {
+        Layout { context: size.max(1), context_kind: kind, ..self }
     }
 
     /// `candidate` over `pipeline` stages run by 1F1B (no pipeline at 1).
@@ -253,9 +270,16 @@ impl Layout {
         Layout { pipeline: pipeline.max(1), ..Layout::new(candidate) }
     }
 
-    /// Ranks holding the same pieces of the model: what data parallelism and sharding span.
+    /// Ranks holding the same pieces of the model and reading different rows: what data
+    /// parallelism and sharding span (context ranks read the same rows).
     pub fn data_ranks(&self, ranks: usize) -> usize {
-        ranks / (self.candidate.tensor.max(1) * self.pipeline.max(1))
+        ranks / (self.candidate.tensor.max(1) * self.pipeline.max(1) * self.context.max(1))
+    }
+
+    /// Ranks a ZeRO stage shards the same pieces over: the data ranks and the context ranks
+    /// beside them (which hold the same units).
+    pub fn shard_ranks(&self, ranks: usize) -> usize {
+        self.data_ranks(ranks) * self.context.max(1)
     }
 
     /// The method names the layout uses.
@@ -264,6 +288,9 @@ impl Layout {
         if self.pipeline > 1 {
             m.push("pipeline_parallel");
         }
+        if self.context > 1 {
+            m.push("context_parallel");
+        }
         m
     }
 
@@ -271,15 +298,29 @@ impl Layout {
     /// kinds recomputed by `checkpoint`.
     pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
         let pipeline = (self.pipeline > 1).then_some((self.pipeline, self.schedule, self.virtual_stages));
-        self.candidate.strategy_with_pipeline(blocks, pipeline)
+        let strategy = self.candidate.strategy_with_pipeline(blocks, pipeline)?;
+        match self.context {
+            1 => Ok(strategy),
+            size => {
+                let mut items = strategy.to_value().as_array().cloned().unwrap_or_default();
+                items.push(serde_json::json!(["context_parallel", {"size": size, "kind": self.context_kind}]));
+                Strategy::from_value(&serde_json::Value::Array(items))
+            }
+        }
     }
 
-    /// [`Candidate::label`], plus the stages and schedule where there is a pipeline.
+    /// [`Candidate::label`], plus the stages and schedule where there is a pipeline and
+    /// the context split where there is one.
     pub fn label(&self) -> String {
-        match self.pipeline {
+        let mut label = match self.pipeline {
             1 => self.candidate.label(),
             p => format!("{} + pipeline {p} ({})", self.candidate.label(), schedule_name(self.schedule)),
+        };
+        if self.context > 1 {
+            let kind = serde_json::to_value(self.context_kind).ok().and_then(|v| v.as_str().map(String::from));
+            label += &format!(" + context {} ({})", self.context, kind.unwrap_or_default());
         }
+        label
     }
 }
 

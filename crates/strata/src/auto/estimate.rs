@@ -19,7 +19,7 @@ pub use crate::model::Kept;
 use crate::model::{ModelConfig, ModelSpec};
 use crate::parallel::pipeline::partition::{self, Stages, UnitCost};
 use crate::parallel::pipeline::schedule::{self, Pipeline};
-use crate::strategy::ScheduleKind;
+use crate::strategy::{ContextKind, ScheduleKind};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -289,8 +289,13 @@ fn param_bytes(precision: Precision) -> u64 {
 /// keep, heads and vocabulary what the rest keep).
 fn split_activation_bytes(k: &Kept, layout: &Layout, work: &Workload, device: &DeviceKind) -> (f64, f64) {
     let t = layout.candidate.tensor.max(1) as f64;
-    let tokens = (work.micro_batch as i64 * work.ctx) as f64;
-    let attended = if device.fused_attention { 0.0 } else { work.ctx as f64 };
+    let tokens = rank_tokens(layout, work);
+    // The composite keeps each query's probabilities over every position it attends (the
+    // all-to-all's queries attend whole rows); the ring recomputes them block by block.
+    let attended = match device.fused_attention || (layout.context > 1 && layout.context_kind == ContextKind::Ring) {
+        true => 0.0,
+        false => work.ctx as f64,
+    };
     let (block_share, head_share, vocab_share) = precision_share(layout.candidate.precision);
     // Under sequence parallel a block's column-parallel products keep the gathered whole
     // sequence as their input: two widths that tensor ranks do not split.
@@ -303,6 +308,12 @@ fn split_activation_bytes(k: &Kept, layout: &Layout, work: &Workload, device: &D
     }
 }
 
+/// Positions of one micro-batch a rank computes: its rows' whole length, or its piece of
+/// them under context parallelism.
+fn rank_tokens(layout: &Layout, work: &Workload) -> f64 {
+    (work.micro_batch as i64 * work.ctx) as f64 / layout.context.max(1) as f64
+}
+
 /// What the units keep under `layout` where its head scores in chunks (`chunked_loss`): a
 /// vocabulary head that hands on logits (as declared, or as a plain profile measured it)
 /// holds one chunk's values over the vocabulary rather than those of every token of the
@@ -310,7 +321,7 @@ fn split_activation_bytes(k: &Kept, layout: &Layout, work: &Workload, device: &D
 /// head measured it so already).
 fn scored_in_chunks(kept: &[Kept], layout: &Layout, work: &Workload) -> Vec<Kept> {
     let Some(positions) = layout.candidate.chunked_loss else { return kept.to_vec() };
-    let tokens = (work.micro_batch as i64 * work.ctx) as f64;
+    let tokens = rank_tokens(layout, work);
     let share = (positions as f64 / tokens.max(1.0)).min(1.0);
     kept.iter()
         .map(|k| match k.block || k.vocab_values == 0.0 || k.output < 1.0 {
@@ -341,8 +352,8 @@ pub(crate) fn unit_layouts<'a>(
     layout: &Layout,
     ranks: usize,
 ) -> impl Iterator<Item = UnitLayout> + 'a {
-    let dp = layout.data_ranks(ranks);
-    let pad = if layout.candidate.sharding != Sharding::None && dp > 1 { dp as i64 } else { 1 };
+    let shards = layout.shard_ranks(ranks);
+    let pad = if layout.candidate.sharding != Sharding::None && shards > 1 { shards as i64 } else { 1 };
     let tensor = layout.candidate.tensor.max(1) as i64;
     (0..spec.units.len()).map(move |u| UnitLayout::of(spec, u, tensor, pad))
 }
@@ -433,7 +444,18 @@ pub fn estimate_with(
     if t > 1 {
         spec.check_tensor_parallel(t as i64)?;
     }
-    let dp = layout.data_ranks(work.ranks);
+    let cp = layout.context.max(1);
+    if cp > 1 {
+        if !work.ranks.is_multiple_of(t * p * cp) {
+            return Err(Error::Config(format!(
+                "tensor {t} × pipeline {p} × context {cp} ranks do not divide the {} ranks",
+                work.ranks
+            )));
+        }
+        let split_heads = (layout.context_kind == ContextKind::AllToAll).then_some((t * cp) as i64);
+        spec.check_context_parallel(split_heads)?;
+    }
+    let dp = layout.shard_ranks(work.ranks);
     let sharded = c.sharding != Sharding::None && dp > 1;
     let lent = spec.lent_units();
     let units: Vec<UnitStates> = unit_layouts(spec, layout, work.ranks)
@@ -443,7 +465,7 @@ pub fn estimate_with(
     if kept.len() != spec.units.len() {
         return Err(Error::Config(format!("{} units' activations for {} units", kept.len(), spec.units.len())));
     }
-    let tokens = (work.micro_batch as i64 * work.ctx) as f64;
+    let tokens = rank_tokens(layout, work);
     // One micro-batch's activation bytes per unit, off and over the vocabulary.
     let splits: Vec<(f64, f64)> =
         kept.iter().map(|k| split_activation_bytes(k, layout, work, &machine.device)).collect();
@@ -565,6 +587,12 @@ pub fn estimate_with(
         }
         if p > 1 {
             device.comm += (2.0 * boundary) as u64;
+        }
+        // The ring's backward holds its block's keys and values and their gradients, and
+        // the next block's arriving, in fp32 (the keys and values repeated to every query
+        // head: a model width each).
+        if cp > 1 && layout.context_kind == ContextKind::Ring {
+            device.comm += (8.0 * tokens * kept[0].output * 4.0 / t as f64) as u64;
         }
         if step_work > device.activations + device.comm {
             device.grads += step_work;

@@ -33,8 +33,8 @@ use crate::engine::placement::HomePolicy;
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelSpec;
 use crate::strategy::{
-    select_units, AmpConfig, ContextKind, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ShardMethod, Stage,
-    Strategy,
+    select_units, AmpConfig, ContextKind, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ShardMethod,
+    ShardingStrategy, Stage, Strategy,
 };
 use crate::train::Feed;
 use crate::{Error, Result};
@@ -276,14 +276,20 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         reduce_dtype,
         offload: strategy.offload().map(|o| zero_offload(name, stage, o, &spec, &config, at)).transpose()?,
     };
-    // Shard groups are the mesh's zero groups, replicas its data, expert and context groups
-    // (every rank holds every expert; each computes its own; context ranks hold the same
-    // shards of pieces of the same rows).
+    // Shard groups are the mesh's zero groups, with the context ranks beside them unless
+    // nothing is to be sharded (context ranks hold the same units and average their
+    // gradients, so they shard them as zero ranks do); replicas its data and expert groups
+    // (every rank holds every expert; each computes its own), and context under NO_SHARD.
+    let no_shard = shard.sharding_strategy == Some(ShardingStrategy::NoShard);
+    let (shard_dims, replica_dims): (&[Dim], &[Dim]) = match no_shard {
+        true => (&[Dim::Zero], &[Dim::Data, Dim::Expert, Dim::Context]),
+        false => (&[Dim::Zero, Dim::Context], &[Dim::Data, Dim::Expert]),
+    };
     let groups = match at.comm.filter(|_| mesh.world() > 1) {
         None => ShardGroups { shard: None, replicate: None, world: None },
         Some(comm) => ShardGroups {
-            shard: my_group(comm, &mesh.groups(&[Dim::Zero]))?,
-            replicate: my_group(comm, &mesh.groups(&[Dim::Data, Dim::Expert, Dim::Context]))?,
+            shard: my_group(comm, &mesh.groups(shard_dims))?,
+            replicate: my_group(comm, &mesh.groups(replica_dims))?,
             world: replica_group,
         },
     };
