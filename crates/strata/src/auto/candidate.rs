@@ -128,19 +128,25 @@ impl Candidate {
 
     /// The candidate as a strategy; `blocks` are the unit kinds recomputed by `checkpoint`.
     pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
-        self.strategy_with_pipeline(blocks, None)
+        self.strategy_with_pipeline(blocks, None, None)
     }
 
     /// [`Candidate::strategy`] over `pipeline` stages (with their schedule and chunks per
-    /// rank) where given, the stages balanced by parameters.
+    /// rank) where given, the stages balanced by parameters, and over `context` ranks (with
+    /// their exchange) where given.
     fn strategy_with_pipeline(
         &self,
         blocks: &[String],
         pipeline: Option<(usize, ScheduleKind, usize)>,
+        context: Option<(usize, ContextKind)>,
     ) -> Result<Strategy> {
+        // Tensor groups innermost (their collectives are the busiest), then context groups.
         let mut dims = vec![];
         if self.tensor > 1 {
             dims.push(serde_json::json!(["tensor", self.tensor]));
+        }
+        if let Some((size, _)) = context {
+            dims.push(serde_json::json!(["context", size]));
         }
         if let Some((stages, _, _)) = pipeline {
             dims.push(serde_json::json!(["pipeline", stages]));
@@ -151,6 +157,9 @@ impl Candidate {
         };
         if self.tensor > 1 {
             items.push(serde_json::json!(["tensor_parallel", {"sequence_parallel": true}]));
+        }
+        if let Some((_, kind)) = context {
+            items.push(serde_json::json!(["context_parallel", {"kind": kind}]));
         }
         if let Some((_, schedule, virtual_stages)) = pipeline {
             items.push(serde_json::json!(["pipeline_parallel", {
@@ -298,15 +307,8 @@ impl Layout {
     /// kinds recomputed by `checkpoint`.
     pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
         let pipeline = (self.pipeline > 1).then_some((self.pipeline, self.schedule, self.virtual_stages));
-        let strategy = self.candidate.strategy_with_pipeline(blocks, pipeline)?;
-        match self.context {
-            1 => Ok(strategy),
-            size => {
-                let mut items = strategy.to_value().as_array().cloned().unwrap_or_default();
-                items.push(serde_json::json!(["context_parallel", {"size": size, "kind": self.context_kind}]));
-                Strategy::from_value(&serde_json::Value::Array(items))
-            }
-        }
+        let context = (self.context > 1).then_some((self.context, self.context_kind));
+        self.candidate.strategy_with_pipeline(blocks, pipeline, context)
     }
 
     /// [`Candidate::label`], plus the stages and schedule where there is a pipeline and

@@ -1,7 +1,8 @@
 //! `strata plan`: the fastest layouts of a model for a described cluster, a global batch and
 //! a sequence length, found by searching data parallelism and its sharding stages × tensor
-//! size × pipeline size (schedule, micro-batches, chunks per rank) × recomputation ×
-//! offload × precision, pruned by the memory estimate and ranked by the predicted step.
+//! size × context size and exchange × pipeline size (schedule, micro-batches, chunks per
+//! rank) × recomputation × offload × precision, pruned by the memory estimate and ranked by
+//! the predicted step.
 //!
 //! Owns the search space and the ranking. Must not predict bytes or seconds itself
 //! ([`super::estimate`] and [`super::step_time`] do) nor run anything.
@@ -9,7 +10,7 @@ use super::candidate::{Layout, Precision};
 use super::estimate::{self, Estimate, Machine, Workload};
 use super::step_time::{self, Cluster, StepTime, UnitWork};
 use crate::model::ModelConfig;
-use crate::strategy::ScheduleKind;
+use crate::strategy::{ContextKind, ScheduleKind};
 use crate::{Error, Result};
 use serde::Serialize;
 
@@ -98,54 +99,75 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         (e.device.total() as f64 / machine.device_bytes.max(1) as f64)
             .max(e.host.total() as f64 / machine.host_bytes.max(1) as f64)
     };
-    for &t in &tensors {
-        for p in divisors(ranks / t).into_iter().filter(|&p| p <= blocks.max(1)) {
-            let dp = ranks / (t * p);
-            if !req.global_batch.is_multiple_of(dp) {
-                continue;
-            }
-            let rows_per_group = req.global_batch / dp;
-            for micro_batch in divisors(rows_per_group).into_iter().filter(|&b| b <= 64) {
-                let m = rows_per_group / micro_batch;
-                for (schedule, virtual_stages) in schedules(p, m, blocks) {
-                    let layouts = req.precisions.iter().flat_map(|&precision| {
-                        estimate::variants(precision, t, (p, schedule, virtual_stages), dp, blocks > 0)
-                    });
-                    for layout in layouts {
-                        considered += 1;
-                        let work = Workload {
-                            ranks,
-                            micro_batch,
-                            ctx: req.seq_len,
-                            micro_batches: m,
-                            optimizer_state_bytes: req.optimizer_state_bytes,
-                        };
-                        let memory =
-                            estimate::estimate_with(&units.kept, &spec, &layout, &work, &machine, &mut memo.shapes)?;
-                        if !memory.fits {
-                            over_memory += 1;
-                            let over = overfill(&memory);
-                            if least_over.as_ref().is_none_or(|(least, _)| over < *least) {
-                                least_over = Some((over, memory));
+    // Rows are split over context ranks where they are long, or, in a second pass, where
+    // nothing fits them whole.
+    let (mut whole, mut split_rows) = (true, req.seq_len >= LONG_ROWS);
+    loop {
+        for &t in &tensors {
+            for (c, kind) in context_splits(&spec, req, t, whole, split_rows) {
+                for p in divisors(ranks / (t * c)).into_iter().filter(|&p| p <= blocks.max(1)) {
+                    let dp = ranks / (t * c * p);
+                    if !req.global_batch.is_multiple_of(dp) {
+                        continue;
+                    }
+                    let rows_per_group = req.global_batch / dp;
+                    for micro_batch in divisors(rows_per_group).into_iter().filter(|&b| b <= 64) {
+                        let m = rows_per_group / micro_batch;
+                        for (schedule, virtual_stages) in schedules(p, m, blocks) {
+                            // ZeRO stages shard over the context ranks beside the data ranks.
+                            let layouts = req.precisions.iter().flat_map(|&precision| {
+                                estimate::variants(precision, t, (p, schedule, virtual_stages), dp * c, blocks > 0)
+                                    .into_iter()
+                                    .map(|l| l.with_context(c, kind))
+                            });
+                            for layout in layouts {
+                                considered += 1;
+                                let work = Workload {
+                                    ranks,
+                                    micro_batch,
+                                    ctx: req.seq_len,
+                                    micro_batches: m,
+                                    optimizer_state_bytes: req.optimizer_state_bytes,
+                                };
+                                let memory = estimate::estimate_with(
+                                    &units.kept,
+                                    &spec,
+                                    &layout,
+                                    &work,
+                                    &machine,
+                                    &mut memo.shapes,
+                                )?;
+                                if !memory.fits {
+                                    over_memory += 1;
+                                    let over = overfill(&memory);
+                                    if least_over.as_ref().is_none_or(|(least, _)| over < *least) {
+                                        least_over = Some((over, memory));
+                                    }
+                                    continue;
+                                }
+                                let time =
+                                    step_time::step_time(&units, &spec, &layout, &work, &req.cluster, &mut memo)?;
+                                let label = layout_label(&layout, micro_batch, m);
+                                rows.push(PlanRow {
+                                    layout,
+                                    label,
+                                    micro_batch,
+                                    micro_batches: m,
+                                    data: dp,
+                                    memory,
+                                    time,
+                                    behind: None,
+                                });
                             }
-                            continue;
                         }
-                        let time = step_time::step_time(&units, &spec, &layout, &work, &req.cluster, &mut memo)?;
-                        let label = layout_label(&layout, micro_batch, m);
-                        rows.push(PlanRow {
-                            layout,
-                            label,
-                            micro_batch,
-                            micro_batches: m,
-                            data: dp,
-                            memory,
-                            time,
-                            behind: None,
-                        });
                     }
                 }
             }
         }
+        if split_rows || !rows.is_empty() {
+            break;
+        }
+        (whole, split_rows) = (false, true);
     }
     rows.sort_by(|a, b| a.time.total.total_cmp(&b.time.total));
     if let Some(best) = rows.first().map(|r| r.time) {
@@ -154,6 +176,37 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         }
     }
     Ok(PlanReport { rows, considered, over_memory, least_over: least_over.map(|(_, e)| e) })
+}
+
+/// Rows at least this long are tried split over context ranks (shorter ones only where no
+/// layout fits them whole): below it attention is a small share of a step and the split's
+/// exchanges rarely pay.
+const LONG_ROWS: i64 = 16_384;
+
+/// The context splits worth trying beside tensor size `t`: none where `whole`, and where `split_rows`,
+/// each size that keeps tensor × context within a node and splits the rows, by the ring
+/// (rows in `2c` runs) and, where the heads divide, by the all-to-all.
+fn context_splits(
+    spec: &crate::model::ModelSpec,
+    req: &PlanRequest,
+    t: usize,
+    whole: bool,
+    split_rows: bool,
+) -> Vec<(usize, ContextKind)> {
+    let mut out = if whole { vec![(1, ContextKind::Ring)] } else { vec![] };
+    let sizes = if split_rows { divisors(req.cluster.gpus_per_node / t) } else { vec![] };
+    for c in sizes.into_iter().filter(|&c| c > 1) {
+        if req.cluster.devices() % (t * c) != 0 {
+            continue;
+        }
+        if req.seq_len % (2 * c as i64) == 0 && spec.check_context_parallel(None).is_ok() {
+            out.push((c, ContextKind::Ring));
+        }
+        if req.seq_len % c as i64 == 0 && spec.check_context_parallel(Some((t * c) as i64)).is_ok() {
+            out.push((c, ContextKind::AllToAll));
+        }
+    }
+    out
 }
 
 /// The schedules worth trying at `p` stages and `m` micro-batches: none without a
@@ -187,6 +240,7 @@ fn behind(slower: &StepTime, best: &StepTime) -> String {
         ("data-parallel communication", slower.data_comm - best.data_comm),
         ("tensor-parallel communication", slower.tensor_comm - best.tensor_comm),
         ("pipeline communication", slower.pipeline_comm - best.pipeline_comm),
+        ("context-parallel communication", slower.context_comm - best.context_comm),
         ("offload traffic", slower.offload - best.offload),
         ("optimizer update", slower.optimizer - best.optimizer),
     ];

@@ -25,7 +25,7 @@ use super::candidate::{Layout, Precision, Sharding};
 use super::estimate::{self, DeviceKind, Kept, PipelineShapes, Workload};
 use crate::model::ModelSpec;
 use crate::parallel::pipeline::schedule::{self, Costs, Pipeline};
-use crate::strategy::ScheduleKind;
+use crate::strategy::{ContextKind, ScheduleKind};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -172,6 +172,9 @@ pub struct StepTime {
     pub tensor_comm: f64,
     /// The pipeline's sends and receives.
     pub pipeline_comm: f64,
+    /// Context parallelism's exchanges in attention (the ring's passes of keys and values,
+    /// the all-to-all's of heads), not hidden.
+    pub context_comm: f64,
     /// Copies between device and host, and the host's update.
     pub offload: f64,
     /// The optimizer's update on the device.
@@ -307,11 +310,14 @@ pub fn step_time(
     memo: &mut Memo,
 ) -> Result<StepTime> {
     let c = &layout.candidate;
-    let (t, p) = (c.tensor.max(1), layout.pipeline.max(1));
-    let dp = layout.data_ranks(work.ranks).max(1);
+    let (t, p, cp) = (c.tensor.max(1), layout.pipeline.max(1), layout.context.max(1));
+    // Ranks that average gradients (and shard them under a ZeRO stage): data × context.
+    let dp = layout.shard_ranks(work.ranks).max(1);
     let device = &cluster.device;
     let kept = &units.kept;
-    let tokens = (work.micro_batch as i64 * work.ctx) as f64;
+    // A rank computes its piece of each row's positions (each attending the whole row:
+    // the units' FLOPs per token are counted at the whole length).
+    let tokens = (work.micro_batch as i64 * work.ctx) as f64 / cp as f64;
     let width = kept.first().map_or(1.0, |k| k.output);
     let flops_peak = peak(device, c.precision) * product_efficiency(device, cluster.efficiency, tokens, width, t);
     if flops_peak <= 0.0 || device.memory_bandwidth <= 0.0 {
@@ -381,6 +387,29 @@ pub fn step_time(
         let passes = 4.0 * (2.0 + if c.checkpoint { 1.0 } else { 0.0 });
         time.tensor_comm = blocks * passes * cluster.gather(whole, t, 1) * m as f64 * per_rank_chunks;
     }
+    if cp > 1 {
+        // Per attention block and micro-batch, exposed (each exchange waits before its
+        // compute): the ring passes keys and values (fp32, a width each) cp − 1 times
+        // forward, and keys, values and their gradients cp times backward; the all-to-all
+        // sends (cp − 1)/cp of queries, keys, values and the output each way, forward and
+        // backward. Context groups sit next to the tensor groups (stride t).
+        let blocks = kept[a..b].iter().filter(|k| k.block).count() as f64;
+        let width_bytes = tokens * kept[0].output / t as f64;
+        let link = cluster.link(cp, t);
+        let again = if c.checkpoint { 1.0 } else { 0.0 };
+        let per_block = match layout.context_kind {
+            ContextKind::Ring => {
+                let pass = |bytes: f64| bytes / link.bandwidth + link.latency;
+                (cp as f64 - 1.0) * (1.0 + again) * pass(2.0 * 4.0 * width_bytes)
+                    + cp as f64 * pass(4.0 * 4.0 * width_bytes)
+            }
+            ContextKind::AllToAll => {
+                let exchange = width_bytes * value_bytes * (cp as f64 - 1.0) / cp as f64;
+                (4.0 * (1.0 + again) + 4.0) * (exchange / link.bandwidth + link.latency)
+            }
+        };
+        time.context_comm = blocks * per_block * m as f64 * per_rank_chunks;
+    }
     // Data parallelism over the stage's parameters: gradients reduced, sharded parameters
     // gathered; the reduction hides behind the backward, fsdp's gathers behind all compute.
     let stage_params: f64 = stages
@@ -391,7 +420,7 @@ pub fn step_time(
     let grad_bytes =
         stage_params * if matches!(c.precision, Precision::HalfBf16 | Precision::HalfFp16) { 2.0 } else { 4.0 };
     let param_bytes = stage_params * value_bytes;
-    let stride = t * p;
+    let stride = t * cp * p;
     let (comm, hidden_behind) = match c.sharding {
         Sharding::None => (cluster.all_reduce(grad_bytes, dp, stride), bw * m as f64),
         Sharding::Zero1 | Sharding::Zero2 => {
@@ -423,6 +452,7 @@ pub fn step_time(
         + time.data_comm
         + time.tensor_comm
         + time.pipeline_comm
+        + time.context_comm
         + time.offload
         + time.optimizer;
     let global_tokens = tokens * (m * dp) as f64;

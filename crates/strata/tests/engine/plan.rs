@@ -32,7 +32,7 @@ fn a100_cluster(gpus: usize) -> Cluster {
 
 fn layout(tensor: usize, pipeline: usize, sharding: Sharding, checkpoint: bool) -> Layout {
     let candidate = Candidate { tensor, ..Candidate::plain(Precision::AmpBf16, sharding, checkpoint) };
-    Layout { candidate, pipeline, schedule: ScheduleKind::OneForwardOneBackward, virtual_stages: 1 }
+    Layout { pipeline, ..Layout::new(candidate) }
 }
 
 /// Megatron's FLOPs of one step as the paper counts them (with recomputation).
