@@ -184,6 +184,31 @@ fn strata_estimate_splits_rows_over_context_ranks() {
     assert_fails_with(&strata(&linear), "linear attention's state runs along the whole row");
 }
 
+/// Long rows: an 8B Llama shape at 65,536 positions on eight H100s is best split over
+/// context ranks, and the strategy written trains that split; at 8,192 positions no
+/// layout splits rows.
+#[test]
+fn strata_plan_splits_long_rows_over_context_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let shape = "plan --model llama --layers 32 --heads 32 --dim 4096 --vocab 128256 --ffn-dim 14336 --kv-heads 8 \
+                 --nodes 1 --gpus-per-node 8 --global-batch 8 --json";
+    let plan = |ctx: &str, extra: &[&str]| -> serde_json::Value {
+        let args: Vec<&str> = shape.split_whitespace().chain(["--ctx", ctx]).chain(extra.iter().copied()).collect();
+        let o = strata(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let long = plan("65536", &["--out", out.to_str().unwrap()]);
+    let best = &long["rows"][0]["layout"];
+    assert!(best["context"].as_u64().unwrap() > 1, "{best}");
+    let written = std::fs::read_to_string(&out).unwrap();
+    assert!(written.contains("context_parallel"), "{written}");
+    let short = plan("8192", &[]);
+    let rows = short["rows"].as_array().unwrap();
+    assert!(!rows.is_empty() && rows.iter().all(|r| r["layout"]["context"] == 1));
+}
+
 #[test]
 fn strata_estimate_refuses_two_models_and_unknown_names_in_one_line() {
     assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--model", "gpt"]), "exactly one of");

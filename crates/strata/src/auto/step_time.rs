@@ -388,21 +388,18 @@ pub fn step_time(
         time.tensor_comm = blocks * passes * cluster.gather(whole, t, 1) * m as f64 * per_rank_chunks;
     }
     if cp > 1 {
-        // Per attention block and micro-batch, exposed (each exchange waits before its
-        // compute): the ring passes keys and values (fp32, a width each) cp − 1 times
-        // forward, and keys, values and their gradients cp times backward; the all-to-all
-        // sends (cp − 1)/cp of queries, keys, values and the output each way, forward and
-        // backward. Context groups sit next to the tensor groups (stride t).
+        // Per attention block and micro-batch: the ring's passes of keys and values travel
+        // while the block before is computed (taken as hidden); the gradients of keys and
+        // values (fp32, a width each) follow each block of the backward, cp times, exposed.
+        // The all-to-all sends (cp − 1)/cp of queries, keys, values and the output each way,
+        // forward and backward, exposed. Context groups sit next to the tensor groups
+        // (stride t).
         let blocks = kept[a..b].iter().filter(|k| k.block).count() as f64;
         let width_bytes = tokens * kept[0].output / t as f64;
         let link = cluster.link(cp, t);
         let again = if c.checkpoint { 1.0 } else { 0.0 };
         let per_block = match layout.context_kind {
-            ContextKind::Ring => {
-                let pass = |bytes: f64| bytes / link.bandwidth + link.latency;
-                (cp as f64 - 1.0) * (1.0 + again) * pass(2.0 * 4.0 * width_bytes)
-                    + cp as f64 * pass(4.0 * 4.0 * width_bytes)
-            }
+            ContextKind::Ring => cp as f64 * (2.0 * 4.0 * width_bytes / link.bandwidth + link.latency),
             ContextKind::AllToAll => {
                 let exchange = width_bytes * value_bytes * (cp as f64 - 1.0) / cp as f64;
                 (4.0 * (1.0 + again) + 4.0) * (exchange / link.bandwidth + link.latency)

@@ -89,9 +89,10 @@ impl Exchange {
         Ok(outputs)
     }
 
-    /// `tensors` sent to the next rank of the ring; returns those of the rank before, of the
-    /// same shapes (one message: the tensors flattened into one buffer of the first's dtype).
-    fn pass_on(&self, tensors: &[&Tensor]) -> Text<Vec<Tensor>> {
+    /// Starts sending `tensors` to the next rank of the ring and receiving those of the rank
+    /// before, of the same shapes (one message: the tensors flattened into one buffer of
+    /// the first's dtype); [`Passing::arrived`] waits for them.
+    fn pass_on(&self, tensors: &[&Tensor]) -> Text<Passing> {
         let (n, me) = (self.size(), self.rank());
         let (next, previous) = ((me + 1) % n, (me + n - 1) % n);
         let flat = tensors
@@ -103,17 +104,38 @@ impl Exchange {
         let none = message.f_narrow(0, 0, 0).map_err(text)?;
         let inputs: Vec<Tensor> =
             (0..n).map(|r| if r == next { message.shallow_clone() } else { none.shallow_clone() }).collect();
-        let shapes: Vec<Vec<i64>> =
-            (0..n).map(|r| vec![if r == previous { message.numel() as i64 } else { 0 }]).collect();
-        let received = self.all_to_all(&inputs, &shapes)?.swap_remove(previous);
+        let outputs: Vec<Tensor> = (0..n)
+            .map(|r| if r == previous { message.f_empty_like() } else { Ok(none.shallow_clone()) })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(text)?;
+        let work = self.0.all_to_all(&outputs, &inputs).map_err(|e| format!("ring pass: {e}"))?;
+        let shapes = tensors.iter().map(|t| (t.size(), t.kind())).collect();
+        Ok(Passing { work, message, received: outputs[previous].shallow_clone(), shapes })
+    }
+}
+
+/// A ring pass under way: the message sent (kept alive until it is delivered) and the
+/// buffer receiving the previous rank's.
+struct Passing {
+    work: crate::comm::Work,
+    message: Tensor,
+    received: Tensor,
+    shapes: Vec<(Vec<i64>, Kind)>,
+}
+
+impl Passing {
+    /// Waits for the pass; the previous rank's tensors, in the order sent.
+    fn arrived(self) -> Text<Vec<Tensor>> {
+        self.work.wait().map_err(|e| format!("ring pass: {e}"))?;
+        drop(self.message);
         let mut at = 0;
-        tensors
+        self.shapes
             .iter()
-            .map(|t| {
-                let len = t.numel() as i64;
-                let piece = received.f_narrow(0, at, len)?.f_view(t.size().as_slice())?;
+            .map(|(shape, kind)| {
+                let len: i64 = shape.iter().product();
+                let piece = self.received.f_narrow(0, at, len)?.f_view(shape.as_slice())?;
                 at += len;
-                piece.f_to_kind(t.kind())
+                piece.f_to_kind(*kind)
             })
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(text)
@@ -212,12 +234,15 @@ impl RingAttention {
         let mut acc = Tensor::f_zeros([&rows[..], &[v.size()[3]]].concat(), options)?;
         for step in 0..n {
             let owner = (me + n - step) % n;
+            // The next block travels while this one is computed.
+            let passing = (step + 1 < n).then(|| self.blocks.exchange.pass_on(&[&k, &v])).transpose();
+            let passing = passing.map_err(Error::Comm)?;
             let (scores, _) = self.blocks.scores(&q, &k, owner)?;
             let (probs, scale) = merge_step(&mut max, &scores)?;
             sum = sum.f_mul(&scale)?.f_add(&probs.f_sum_dim_intlist(-1, false, probs.kind())?)?;
             acc = acc.f_mul(&scale.f_unsqueeze(-1)?)?.f_add(&probs.f_matmul(&v)?)?;
-            if step + 1 < n {
-                let next = self.blocks.exchange.pass_on(&[&k, &v]).map_err(Error::Comm)?;
+            if let Some(passing) = passing {
+                let next = passing.arrived().map_err(Error::Comm)?;
                 (k, v) = (next[0].shallow_clone(), next[1].shallow_clone());
             }
         }
@@ -247,6 +272,11 @@ impl RingAttention {
         let (mut dk, mut dv) = (k.f_zeros_like()?, v.f_zeros_like()?);
         for step in 0..n {
             let owner = (me + n - step) % n;
+            let exchange = &self.blocks.exchange;
+            // The next block's keys and values travel while this one's gradients are
+            // computed; the gradients follow them once complete (after the last block, one
+            // more pass brings each home).
+            let passing = (step + 1 < n).then(|| exchange.pass_on(&[&k, &v])).transpose().map_err(Error::Comm)?;
             let (scores, tanh) = self.blocks.scores(&q, &k, owner)?;
             let probs = scores.f_sub(&lse_column)?.f_exp()?;
             dv = dv.f_add(&probs.f_transpose(-2, -1)?.f_matmul(&grad)?)?;
@@ -257,17 +287,13 @@ impl RingAttention {
             let dscores = dscores.f_mul_scalar(self.blocks.scale)?;
             dq = dq.f_add(&dscores.f_matmul(&k)?)?;
             dk = dk.f_add(&dscores.f_transpose(-2, -1)?.f_matmul(&q)?)?;
-            // The keys' and values' gradients travel with them; after the last block one
-            // more pass brings each home.
-            let exchange = &self.blocks.exchange;
-            if step + 1 < n {
-                let next = exchange.pass_on(&[&k, &v, &dk, &dv]).map_err(Error::Comm)?;
-                let [nk, nv, ndk, ndv] = <[Tensor; 4]>::try_from(next).map_err(|_| Error::Comm("ring pass".into()))?;
-                (k, v, dk, dv) = (nk, nv, ndk, ndv);
-            } else {
-                let home = exchange.pass_on(&[&dk, &dv]).map_err(Error::Comm)?;
-                let [hdk, hdv] = <[Tensor; 2]>::try_from(home).map_err(|_| Error::Comm("ring pass".into()))?;
-                (dk, dv) = (hdk, hdv);
+            let home = exchange.pass_on(&[&dk, &dv]).and_then(Passing::arrived).map_err(Error::Comm)?;
+            let [hdk, hdv] = <[Tensor; 2]>::try_from(home).map_err(|_| Error::Comm("ring pass".into()))?;
+            (dk, dv) = (hdk, hdv);
+            if let Some(passing) = passing {
+                let next = passing.arrived().map_err(Error::Comm)?;
+                let [nk, nv] = <[Tensor; 2]>::try_from(next).map_err(|_| Error::Comm("ring pass".into()))?;
+                (k, v) = (nk, nv);
             }
         }
         let mut grads =
