@@ -196,7 +196,7 @@ fn context_splits(
     let mut out = if whole { vec![(1, ContextKind::Ring)] } else { vec![] };
     let sizes = if split_rows { divisors(req.cluster.gpus_per_node / t) } else { vec![] };
     for c in sizes.into_iter().filter(|&c| c > 1) {
-        if req.cluster.devices() % (t * c) != 0 {
+        if !req.cluster.devices().is_multiple_of(t * c) {
             continue;
         }
         if req.seq_len % (2 * c as i64) == 0 && spec.check_context_parallel(None).is_ok() {
