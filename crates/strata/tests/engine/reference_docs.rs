@@ -125,7 +125,7 @@ fn the_strategies_page_names_every_method_and_option_and_only_those() {
         let mode = |dims: &str| format!(r#"["parallel_mode", [[{dims}], null]], "#);
         let text = match method {
             "checkpoint" => r#"[["checkpoint", ["GptBlock"]]]"#.to_string(),
-            "expert_parallel" => r#"[["expert_parallel", {"size": 2}]]"#.to_string(),
+            "expert_parallel" | "context_parallel" => format!(r#"[["{method}", {{"size": 2}}]]"#),
             "tensor_parallel" => format!(r#"[{}"{method}"]"#, mode(r#"["tensor", 2]"#)),
             "pipeline_parallel" => format!(r#"[{}"{method}"]"#, mode(r#"["pipeline", 2]"#)),
             "mixed_parallel" | "ds_3d_parallel" => {
