@@ -369,8 +369,13 @@ fn strategy_show_prints_the_mesh_a_strategy_makes_of_a_world() {
     assert!(experts.contains("  zero (4): [0, 2, 4, 6] [1, 3, 5, 7]"), "{experts}");
     let bare = one_line_error(&strata(&["strategy", "show", r#"[["parallel_mode", [[["expert", 2]], null]]]"#]));
     assert!(bare.contains("the expert dimension needs the expert_parallel method"), "{bare}");
-    let reserved = one_line_error(&strata(&["strategy", "show", r#"[["parallel_mode", [[["context", 2]], null]]]"#]));
-    assert!(reserved.contains("the context dimension is reserved for context parallelism"), "{reserved}");
+    let bare = one_line_error(&strata(&["strategy", "show", r#"[["parallel_mode", [[["context", 2]], null]]]"#]));
+    assert!(bare.contains("the context dimension needs the context_parallel method"), "{bare}");
+    // Context groups: adjacent ranks reading the same rows.
+    let context =
+        ok(&strata(&["strategy", "show", r#"[["context_parallel", {"size": 2}], "fsdp"]"#, "--world-size", "8"]));
+    assert!(context.contains("mesh at 8 ranks: context 2 × zero 4"), "{context}");
+    assert!(context.contains("  context (2): [0, 1] [2, 3] [4, 5] [6, 7]"), "{context}");
 }
 
 #[test]
