@@ -843,20 +843,19 @@ impl ModelSpec {
         for p in &self.params {
             p.tp.check(&p.name, &p.shape, tp)?;
         }
-        for u in &self.units {
-            u.body.check_tensor_parallel(tp).map_err(|e| match e {
-                Error::Config(why) => Error::Config(format!("unit {}: {why}", u.name)),
-                other => other,
-            })?;
-        }
-        Ok(())
+        self.check_units("", |u| u.check_tensor_parallel(tp))
     }
 
     /// Checks that every unit runs on pieces of rows ([`Unit::check_context_parallel`]).
     pub fn check_context_parallel(&self, split_heads: Option<i64>) -> Result<()> {
+        self.check_units("context_parallel: ", |u| u.check_context_parallel(split_heads))
+    }
+
+    /// `check` of every unit, a refusal naming the unit after `prefix`.
+    fn check_units(&self, prefix: &str, check: impl Fn(&dyn Unit) -> Result<()>) -> Result<()> {
         for u in &self.units {
-            u.body.check_context_parallel(split_heads).map_err(|e| match e {
-                Error::Config(why) => Error::Config(format!("context_parallel: unit {}: {why}", u.name)),
+            check(u.body.as_ref()).map_err(|e| match e {
+                Error::Config(why) => Error::Config(format!("{prefix}unit {}: {why}", u.name)),
                 other => other,
             })?;
         }
