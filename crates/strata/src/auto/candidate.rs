@@ -316,19 +316,18 @@ impl Layout {
     pub fn label(&self) -> String {
         let mut label = match self.pipeline {
             1 => self.candidate.label(),
-            p => format!("{} + pipeline {p} ({})", self.candidate.label(), schedule_name(self.schedule)),
+            p => format!("{} + pipeline {p} ({})", self.candidate.label(), strategy_name(self.schedule)),
         };
         if self.context > 1 {
-            let kind = serde_json::to_value(self.context_kind).ok().and_then(|v| v.as_str().map(String::from));
-            label += &format!(" + context {} ({})", self.context, kind.unwrap_or_default());
+            label += &format!(" + context {} ({})", self.context, strategy_name(self.context_kind));
         }
         label
     }
 }
 
-fn schedule_name(kind: ScheduleKind) -> String {
-    // The name strategies spell it by.
-    serde_json::to_value(kind).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+/// The name strategies spell `value` by (a schedule, a context kind).
+fn strategy_name(value: impl Serialize) -> String {
+    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
 }
 
 /// The candidates: every combination of the methods that exist, at tensor size 1 and each

@@ -310,7 +310,7 @@ fn split_activation_bytes(k: &Kept, layout: &Layout, work: &Workload, device: &D
 
 /// Positions of one micro-batch a rank computes: its rows' whole length, or its piece of
 /// them under context parallelism.
-fn rank_tokens(layout: &Layout, work: &Workload) -> f64 {
+pub(crate) fn rank_tokens(layout: &Layout, work: &Workload) -> f64 {
     (work.micro_batch as i64 * work.ctx) as f64 / layout.context.max(1) as f64
 }
 

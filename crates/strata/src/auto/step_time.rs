@@ -317,7 +317,7 @@ pub fn step_time(
     let kept = &units.kept;
     // A rank computes its piece of each row's positions (each attending the whole row:
     // the units' FLOPs per token are counted at the whole length).
-    let tokens = (work.micro_batch as i64 * work.ctx) as f64 / cp as f64;
+    let tokens = estimate::rank_tokens(layout, work);
     let width = kept.first().map_or(1.0, |k| k.output);
     let flops_peak = peak(device, c.precision) * product_efficiency(device, cluster.efficiency, tokens, width, t);
     if flops_peak <= 0.0 || device.memory_bandwidth <= 0.0 {

@@ -194,7 +194,7 @@ impl Batch {
             },
             None => {
                 let (rows, len) = (self.inputs.size()[0], self.inputs.size()[1]);
-                let places = Tensor::f_from_slice(&piece.positions(len)?)?.f_to_device(self.inputs.device())?;
+                let places = piece.places(len, self.inputs.device())?;
                 let positions = places.f_unsqueeze(0)?.f_expand([rows, -1], false)?.f_contiguous()?;
                 RowLayout { examples: positions.f_zeros_like()?, positions, segments: None, source_len: None }
             }

@@ -7,7 +7,7 @@
 //! communicate: the exchanges are the implementation's.
 use super::layers::{examples_differ, AttentionOptions};
 use crate::{Error, Result};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 /// Which positions of every row rank `index` of a context group of `count` ranks holds:
 /// the `index`-th of `count` equal runs, or, `balanced`, runs `index` and
@@ -45,6 +45,11 @@ impl SequencePiece {
     pub fn positions(&self, len: i64) -> Result<Vec<i64>> {
         let (run, mine) = self.runs(len)?;
         Ok(mine.into_iter().flat_map(|r| r * run..(r + 1) * run).collect())
+    }
+
+    /// [`SequencePiece::positions`] as an int64 tensor on `device`.
+    pub fn places(&self, len: i64, device: tch::Device) -> Result<Tensor> {
+        Ok(Tensor::f_from_slice(&self.positions(len)?)?.f_to_device(device)?)
     }
 
     /// This piece of `x` along dimension `dim` (of `len` positions).
@@ -106,15 +111,11 @@ pub fn unseen(
     Ok(mask)
 }
 
-/// `places` as an int64 tensor on `device`.
-pub fn places_tensor(places: &[i64], device: tch::Device) -> Result<Tensor> {
-    Ok(Tensor::f_from_slice(places)?.f_to_device(device)?.f_to_kind(Kind::Int64)?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use tch::Kind;
 
     proptest! {
         /// A group's pieces cover every place of a row exactly once, each piece in order.

@@ -36,6 +36,21 @@ pub struct RowSharers<'a> {
     pub context: Option<&'a dyn ContextParallel>,
 }
 
+impl RowSharers<'_> {
+    /// `values` summed over every rank that routed a part of the same rows (this rank's
+    /// alone where none did).
+    fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let mut values = values.to_vec();
+        if let Some(group) = self.sequence.filter(|g| g.size() > 1) {
+            values = group.sum_values(&values)?;
+        }
+        if let Some(group) = self.context {
+            values = group.sum_values(&values)?;
+        }
+        Ok(values)
+    }
+}
+
 /// The expert group a sparse layer exchanges tokens over (expert parallelism): `size`
 /// ranks, each computing the experts `[rank · E/size, (rank + 1) · E/size)` for the tokens
 /// of every rank of the group. Implemented over a process group by `parallel`, so this layer
@@ -1078,14 +1093,8 @@ impl LoadBalance {
         let mut sums = self.sums(micro)?;
         let e = self.experts as usize;
         let layers = sums[2 * e + 4];
-        if let Some(group) = sharers.sequence.filter(|g| g.size() > 1) {
-            let summed = group.sum_values(&sums[..2 * e + 4])?;
-            sums[..2 * e + 4].copy_from_slice(&summed);
-        }
-        if let Some(group) = sharers.context {
-            let summed = group.sum_values(&sums[..2 * e + 4])?;
-            sums[..2 * e + 4].copy_from_slice(&summed);
-        }
+        let summed = sharers.sum_values(&sums[..2 * e + 4])?;
+        sums[..2 * e + 4].copy_from_slice(&summed);
         // Context ranks average their gradients as data ranks do, each having weighed its
         // loss by its piece's tokens: the loss of whole rows reaches each piece's routing
         // as often as there are pieces (exactly where the pieces hold as many supervised

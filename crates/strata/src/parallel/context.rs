@@ -14,7 +14,7 @@
 //! it, nor split rows (the data loader does, by the same [`SequencePiece`]).
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::error::text;
-use crate::model::context::{places_tensor, unseen};
+use crate::model::context::unseen;
 use crate::model::layers::{attention, soft_cap, AttentionOptions, ScoreTerms};
 use crate::model::{ContextParallel, SequencePiece};
 use crate::strategy::ContextKind;
@@ -69,6 +69,13 @@ impl Exchange {
     /// Sends `inputs[r]` to rank `r`; returns what each rank sent this one, each shaped as
     /// `shapes[r]`.
     fn all_to_all(&self, inputs: &[Tensor], shapes: &[Vec<i64>]) -> Text<Vec<Tensor>> {
+        let (work, outputs) = self.start_all_to_all(inputs, shapes)?;
+        work.wait().map_err(|e| format!("context all-to-all: {e}"))?;
+        Ok(outputs)
+    }
+
+    /// Starts [`Exchange::all_to_all`]: its work and the buffers it fills.
+    fn start_all_to_all(&self, inputs: &[Tensor], shapes: &[Vec<i64>]) -> Text<(crate::comm::Work, Vec<Tensor>)> {
         let first = &inputs[0];
         let outputs = shapes
             .iter()
@@ -77,8 +84,8 @@ impl Exchange {
             .map_err(text)?;
         let inputs =
             inputs.iter().map(Tensor::f_contiguous).collect::<std::result::Result<Vec<_>, _>>().map_err(text)?;
-        self.0.all_to_all(&outputs, &inputs).and_then(|w| w.wait()).map_err(|e| format!("context all-to-all: {e}"))?;
-        Ok(outputs)
+        let work = self.0.all_to_all(&outputs, &inputs).map_err(|e| format!("context all-to-all: {e}"))?;
+        Ok((work, outputs))
     }
 
     /// Every rank's `x`, in rank order.
@@ -104,13 +111,11 @@ impl Exchange {
         let none = message.f_narrow(0, 0, 0).map_err(text)?;
         let inputs: Vec<Tensor> =
             (0..n).map(|r| if r == next { message.shallow_clone() } else { none.shallow_clone() }).collect();
-        let outputs: Vec<Tensor> = (0..n)
-            .map(|r| if r == previous { message.f_empty_like() } else { Ok(none.shallow_clone()) })
-            .collect::<std::result::Result<_, _>>()
-            .map_err(text)?;
-        let work = self.0.all_to_all(&outputs, &inputs).map_err(|e| format!("ring pass: {e}"))?;
+        let lengths: Vec<Vec<i64>> =
+            (0..n).map(|r| vec![if r == previous { message.numel() as i64 } else { 0 }]).collect();
+        let (work, mut outputs) = self.start_all_to_all(&inputs, &lengths)?;
         let shapes = tensors.iter().map(|t| (t.size(), t.kind())).collect();
-        Ok(Passing { work, message, received: outputs[previous].shallow_clone(), shapes })
+        Ok(Passing { work, message, received: outputs.swap_remove(previous), shapes })
     }
 }
 
@@ -353,10 +358,7 @@ impl ContextGroup {
     /// Each rank's places and examples `[B, Tl]`, in rank order.
     fn keys(&self, len: i64, examples: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
         let all = self.exchange().all_gather(examples)?;
-        all.into_iter()
-            .enumerate()
-            .map(|(r, ex)| Ok((places_tensor(&self.piece.of_rank(r).positions(len)?, ex.device())?, ex)))
-            .collect()
+        all.into_iter().enumerate().map(|(r, ex)| Ok((self.piece.of_rank(r).places(len, ex.device())?, ex))).collect()
     }
 }
 
@@ -402,7 +404,7 @@ impl ContextParallel for ContextGroup {
                 self.swap(&y, false)
             }
             ContextKind::Ring => {
-                let query_places = places_tensor(&self.piece.positions(len)?, q.device())?;
+                let query_places = self.piece.places(len, q.device())?;
                 let scale = options.scale.unwrap_or(1.0 / (q.size()[3] as f64).sqrt());
                 let blocks = Blocks {
                     exchange: self.exchange(),
