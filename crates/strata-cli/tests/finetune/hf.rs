@@ -360,7 +360,8 @@ fn word_examples(dir: &Path) -> PathBuf {
 /// Context parallelism trains as one process does, ten AdamW steps, each loss within 1e-5
 /// and the weights within 1e-5, on the attention kinds the families bring: Llama 3
 /// (grouped-query heads; also the ring beside fsdp and the all-to-all beside tensor
-/// parallel 2 on four ranks, and packed prompt-and-completion rows), Mistral (a window of 4
+/// parallel 2 on four ranks, the former holding the model states fsdp holds over four data
+/// ranks, and packed prompt-and-completion rows), Mistral (a window of 4
 /// in rows of 16, so that the ring's far blocks are all hidden), Gemma 2 (soft-capped scores
 /// and windows), DeepSeek-V3 (latent attention: keys wider than values) and gpt-oss (a sink
 /// per head, windows, experts): the ring (each rank an early and a late quarter of every
@@ -388,12 +389,23 @@ fn context_parallel_trains_the_attention_kinds_as_one_process() {
         let one = common::train_run(dir.path(), "one", 10, &[&files, &flags]);
         let mut layouts = vec![("ring", "2", ring), ("all-to-all", "2", all_to_all)];
         if family == "llama3" {
-            layouts.extend([("ring fsdp", "4", ring_fsdp), ("all-to-all tensor", "4", all_to_all_tensor)]);
+            layouts.extend([
+                ("fsdp", "4", r#"["fsdp"]"#),
+                ("ring fsdp", "4", ring_fsdp),
+                ("all-to-all tensor", "4", all_to_all_tensor),
+            ]);
         }
+        let mut state_bytes = std::collections::BTreeMap::new();
         for (name, ranks, strategy) in layouts {
             let run =
                 common::train_run(dir.path(), name, 10, &[&files, &flags, &["--nproc", ranks, "--strategy", strategy]]);
             common::assert_follows(&one, &run, &format!("{family} {name}"), 1e-5, 1e-5);
+            state_bytes.insert(name, common::reports(&run.1)[9]["model_state_peak_bytes"].as_u64().unwrap());
+        }
+        if family == "llama3" {
+            // fsdp shards over the context ranks as over data ranks: 2 data × 2 context
+            // ranks each hold what 4 data ranks each hold.
+            assert_eq!(state_bytes["ring fsdp"], state_bytes["fsdp"], "{state_bytes:?}");
         }
         if family == "llama3" {
             let examples = word_examples(dir.path());
