@@ -13,6 +13,8 @@
 #include <ATen/ops/_fused_sgd.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -189,6 +191,71 @@ struct RustFunction : public torch::autograd::Function<RustFunction> {
   }
 };
 
+// ---- saved-tensor hooks ---------------------------------------------------------------
+//
+// libtorch asks its default autograd engine for the hooks of every tensor a node saves for
+// backward; the base engine has none. `StrataEngine` answers with the innermost sink the
+// calling thread pushed (none outside a push), so a Rust owner decides where each saved
+// value lives between forward and backward (`torch.autograd.graph.saved_tensors_hooks`).
+
+// Given a saved tensor, writes a ticket the sink will redeem it by, or 0 to have the tensor
+// kept as it is.
+using PackCallback = int (*)(void* data, const Tensor* t, uint64_t* ticket);
+// Pushes the value of `ticket` into `out` (a `std::vector<Tensor>`, through
+// `strata_tensor_list_push`).
+using UnpackCallback = int (*)(void* data, uint64_t ticket, void* out);
+
+struct SavedSink {
+  PackCallback pack;
+  UnpackCallback unpack;
+  void* data;
+  void (*drop)(void*);
+  SavedSink(PackCallback p, UnpackCallback u, void* d, void (*dr)(void*)) : pack(p), unpack(u), data(d), drop(dr) {}
+  ~SavedSink() { drop(data); }
+};
+
+thread_local std::vector<std::shared_ptr<SavedSink>> saved_sinks;
+// Set while a sink's pack runs: what it computes is saved as usual.
+thread_local bool packing = false;
+
+struct RustSavedHooks final : torch::autograd::SavedVariableHooks {
+  std::shared_ptr<SavedSink> sink;
+  uint64_t ticket = 0;
+  Tensor kept;
+  explicit RustSavedHooks(std::shared_ptr<SavedSink> s) : sink(std::move(s)) {}
+
+  void call_pack_hook(const Tensor& t) override {
+    packing = true;
+    int code = sink->pack(sink->data, &t, &ticket);
+    packing = false;
+    if (code != 0) throw std::runtime_error(last_error.empty() ? "saved-tensor pack failed" : last_error);
+    // Detached: a node's own output kept with its graph would make a reference cycle.
+    if (ticket == 0) kept = t.detach();
+  }
+
+  Tensor call_unpack_hook() override {
+    if (ticket == 0) return kept;
+    std::vector<Tensor> out;
+    if (sink->unpack(sink->data, ticket, &out) != 0 || out.size() != 1) {
+      throw std::runtime_error(last_error.empty() ? "saved-tensor unpack failed" : last_error);
+    }
+    return out[0];
+  }
+};
+
+struct StrataEngine final : torch::autograd::Engine {
+  ~StrataEngine() override { stop(); }
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    if (saved_sinks.empty() || packing) return nullptr;
+    return std::make_unique<RustSavedHooks>(saved_sinks.back());
+  }
+};
+
+torch::autograd::Engine& strata_engine() {
+  static StrataEngine engine;
+  return engine;
+}
+
 }  // namespace
 
 extern "C" {
@@ -275,6 +342,24 @@ int strata_custom_function(Tensor* const* inputs, size_t n, TensorCallback fwd,
   });
 }
 
+// Makes the calling thread's saved tensors go through `pack` and `unpack` until the
+// matching `strata_saved_hooks_pop`; `drop(data)` runs once no saved tensor needs it.
+int strata_saved_hooks_push(PackCallback pack, UnpackCallback unpack, void* data, void (*drop)(void*)) {
+  auto sink = std::make_shared<SavedSink>(pack, unpack, data, drop);
+  return guarded([&] {
+    static std::once_flag installed;
+    std::call_once(installed, [] { torch::autograd::set_default_engine_stub(strata_engine); });
+    saved_sinks.push_back(std::move(sink));
+  });
+}
+
+int strata_saved_hooks_pop() {
+  return guarded([&] {
+    TORCH_CHECK(!saved_sinks.empty(), "no saved-tensor hooks to pop");
+    saved_sinks.pop_back();
+  });
+}
+
 // ---- storage --------------------------------------------------------------------------
 
 // Releases the memory behind `t` (and every view sharing its storage) while keeping the
@@ -331,6 +416,16 @@ int strata_from_blob(void* data, int64_t numel, int dtype, void (*release)(void*
 
 int strata_storage_nbytes(const Tensor* t, size_t* nbytes) {
   return guarded([&] { *nbytes = t->storage().nbytes(); });
+}
+
+// How many tensors (and other holders) share the storage behind `t`.
+int strata_storage_use_count(const Tensor* t, size_t* count) {
+  return guarded([&] { *count = t->storage().use_count(); });
+}
+
+// How many handles (and autograd nodes) hold the tensor `t` is a handle of.
+int strata_tensor_use_count(const Tensor* t, size_t* count) {
+  return guarded([&] { *count = t->use_count(); });
 }
 
 // Identity of the storage behind `t`: views of one buffer share it.

@@ -1,6 +1,7 @@
 //! Safe Rust over `csrc/strata_ext.cpp`: the libtorch features `tch` does not expose.
 //!
 //! Owns: backward and `grad` with given upstream gradients, setting `.grad`, tensor hooks,
+//! saved-tensor hooks ([`saved_tensors`]),
 //! autograd functions whose forward and backward are Rust closures, resizing (freeing and
 //! re-filling) a tensor's storage, the fused Adam/AdamW/SGD kernels, CPU kernels for GELU,
 //! RMSNorm, SwiGLU and rotary positions, oneDNN's inner product ([`onednn`]), libtorch's
@@ -126,6 +127,15 @@ extern "C" {
         out: *mut TensorPtr,
     ) -> c_int;
     fn strata_storage_id(t: *const C_tensor, id: *mut usize) -> c_int;
+    fn strata_storage_use_count(t: *const C_tensor, count: *mut usize) -> c_int;
+    fn strata_tensor_use_count(t: *const C_tensor, count: *mut usize) -> c_int;
+    fn strata_saved_hooks_push(
+        pack: extern "C" fn(*mut c_void, *const C_tensor, *mut u64) -> c_int,
+        unpack: extern "C" fn(*mut c_void, u64, *mut c_void) -> c_int,
+        data: *mut c_void,
+        drop: extern "C" fn(*mut c_void),
+    ) -> c_int;
+    fn strata_saved_hooks_pop() -> c_int;
     fn strata_c10d_store_new(
         host: *const c_char,
         port: c_int,
@@ -470,6 +480,113 @@ pub fn storage_nbytes(tensor: &Tensor) -> Result<usize> {
     // SAFETY: the tensor is live for the call.
     check(unsafe { strata_storage_nbytes(tensor.as_ptr(), &mut n) })?;
     Ok(n)
+}
+
+/// How many tensors (and other holders, such as autograd's saved values) share the storage
+/// behind `tensor`, this one included.
+pub fn storage_use_count(tensor: &Tensor) -> Result<usize> {
+    let mut n = 0usize;
+    // SAFETY: the tensor is live for the call.
+    check(unsafe { strata_storage_use_count(tensor.as_ptr(), &mut n) })?;
+    Ok(n)
+}
+
+/// How many handles (this one included) and autograd nodes hold the tensor `tensor` is a
+/// handle of; views and detached tensors are other tensors ([`storage_use_count`]).
+pub fn tensor_use_count(tensor: &Tensor) -> Result<usize> {
+    let mut n = 0usize;
+    // SAFETY: the tensor is live for the call.
+    check(unsafe { strata_tensor_use_count(tensor.as_ptr(), &mut n) })?;
+    Ok(n)
+}
+
+/// Saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`): where the values autograd
+/// saves for backward live between a forward and its backward.
+pub mod saved_tensors {
+    use super::*;
+    use std::marker::PhantomData;
+    use std::num::NonZeroU64;
+    use std::sync::Arc;
+
+    /// What [`SavedTensorHooks::pack`] did with a saved tensor.
+    pub enum Packed {
+        /// Keep the tensor itself (detached from its graph).
+        Keep,
+        /// The hooks hold its value; [`SavedTensorHooks::unpack`] gives it back for this ticket.
+        Ticket(NonZeroU64),
+    }
+
+    /// Where saved values go. `pack` runs on the thread that pushed the hooks, during
+    /// forward, with gradients off; `unpack` runs wherever backward runs (libtorch's device
+    /// threads for a GPU), possibly more than once per ticket.
+    pub trait SavedTensorHooks: Send + Sync + 'static {
+        fn pack(&self, tensor: &Tensor) -> std::result::Result<Packed, String>;
+        fn unpack(&self, ticket: NonZeroU64) -> std::result::Result<Tensor, String>;
+    }
+
+    type Shared = Arc<dyn SavedTensorHooks>;
+
+    /// Saved tensors of this thread go through the hooks until this is dropped.
+    pub struct Scope {
+        /// Popped on the thread that pushed.
+        _thread_bound: PhantomData<*const ()>,
+    }
+
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            // SAFETY: pops the entry this scope pushed on this thread (scopes nest).
+            let _ = unsafe { strata_saved_hooks_pop() };
+        }
+    }
+
+    /// Routes this thread's saved tensors through `hooks` while the returned scope lives.
+    pub fn push(hooks: Shared) -> Result<Scope> {
+        let data = Box::into_raw(Box::new(hooks)) as *mut c_void;
+        // SAFETY: ownership of `data` passes to the C++ sink, which calls `drop_boxed` once.
+        check(unsafe { strata_saved_hooks_push(pack, unpack, data, drop_boxed::<Shared>) })?;
+        Ok(Scope { _thread_bound: PhantomData })
+    }
+
+    fn report(message: String) -> c_int {
+        let c = CString::new(message.replace('\0', " ")).unwrap_or_default();
+        // SAFETY: a valid C string, copied by the callee.
+        unsafe { strata_set_error(c.as_ptr()) };
+        1
+    }
+
+    extern "C" fn pack(data: *mut c_void, tensor: *const C_tensor, ticket: *mut u64) -> c_int {
+        // SAFETY: `data` is the live `Shared` of `push`; `tensor` is valid for the call and
+        // the clone takes its own reference; `ticket` is writable.
+        let hooks = unsafe { &*(data as *const Shared) };
+        let t = unsafe { Tensor::clone_from_ptr(tensor as TensorPtr) };
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hooks.pack(&t))) {
+            Ok(Ok(packed)) => {
+                let code = match packed {
+                    Packed::Keep => 0,
+                    Packed::Ticket(n) => n.get(),
+                };
+                unsafe { *ticket = code };
+                0
+            }
+            Ok(Err(message)) => report(message),
+            Err(_) => report("saved-tensor pack hook panicked".into()),
+        }
+    }
+
+    extern "C" fn unpack(data: *mut c_void, ticket: u64, out: *mut c_void) -> c_int {
+        // SAFETY: as in `pack`; `out` is the C++ vector the value is pushed into.
+        let hooks = unsafe { &*(data as *const Shared) };
+        let Some(ticket) = NonZeroU64::new(ticket) else { return report("saved-tensor ticket 0".into()) };
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hooks.unpack(ticket))) {
+            Ok(Ok(t)) => {
+                // SAFETY: `out` is the caller's vector; the push copies the handle.
+                unsafe { strata_tensor_list_push(out, t.as_ptr()) };
+                0
+            }
+            Ok(Err(message)) => report(message),
+            Err(_) => report("saved-tensor unpack hook panicked".into()),
+        }
+    }
 }
 
 // ---- Rust closures called from libtorch ------------------------------------------------

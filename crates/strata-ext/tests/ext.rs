@@ -436,3 +436,57 @@ fn pytorch_s_tcp_store_serves_and_answers_a_client() {
     assert!(err.0.to_lowercase().contains("timeout") || err.0.contains("timed out"), "{err}");
     client.wait(&["a", "c"], timeout).unwrap();
 }
+
+/// Saved values held as copies by ticket: backward must read the copies (scaled by 2 here,
+/// so a backward that read the originals gives other gradients).
+struct DoublingStore {
+    values: std::sync::Mutex<Vec<Tensor>>,
+    unpacked: std::sync::atomic::AtomicUsize,
+}
+
+impl strata_ext::saved_tensors::SavedTensorHooks for DoublingStore {
+    fn pack(&self, t: &Tensor) -> std::result::Result<strata_ext::saved_tensors::Packed, String> {
+        use strata_ext::saved_tensors::Packed;
+        if t.numel() < 4 {
+            return Ok(Packed::Keep);
+        }
+        let mut values = self.values.lock().unwrap();
+        values.push(t.detach() * 2.0);
+        Ok(Packed::Ticket(std::num::NonZeroU64::new(values.len() as u64).unwrap()))
+    }
+
+    fn unpack(&self, ticket: std::num::NonZeroU64) -> std::result::Result<Tensor, String> {
+        self.unpacked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(self.values.lock().unwrap()[ticket.get() as usize - 1].shallow_clone())
+    }
+}
+
+#[test]
+fn saved_tensor_hooks_hold_what_backward_reads_only_inside_their_scope() {
+    let x = Tensor::from_slice(&[1.0f64, 2.0, 3.0, 4.0]).set_requires_grad(true);
+    let store = std::sync::Arc::new(DoublingStore { values: Default::default(), unpacked: Default::default() });
+    let y = {
+        let _scope = strata_ext::saved_tensors::push(store.clone()).unwrap();
+        // `mul` saves both factors: x twice, each through the store.
+        (&x * &x).sum(Kind::Double)
+    };
+    // Outside the scope nothing goes to the store.
+    let z = (&x * &x).sum(Kind::Double);
+    assert_eq!(store.values.lock().unwrap().len(), 2);
+    strata_ext::backward(&[&y], &[&y.ones_like()], false).unwrap();
+    // d(x·x)/dx read from copies holding 2x: 2x + 2x = 4x.
+    assert!(close(&x.grad(), &(&x * 4.0), 0.0));
+    assert_eq!(store.unpacked.load(std::sync::atomic::Ordering::SeqCst), 2);
+    let _ = x.grad().zero_();
+    strata_ext::backward(&[&z], &[&z.ones_like()], false).unwrap();
+    assert!(close(&x.grad(), &(&x * 2.0), 0.0));
+    // Kept values (under four elements) are the tensors themselves.
+    let w = Tensor::from_slice(&[3.0f64]).set_requires_grad(true);
+    let v = {
+        let _scope = strata_ext::saved_tensors::push(store.clone()).unwrap();
+        (&w * &w).sum(Kind::Double)
+    };
+    strata_ext::backward(&[&v], &[&v.ones_like()], false).unwrap();
+    assert!(close(&w.grad(), &Tensor::from_slice(&[6.0f64]), 0.0));
+    assert_eq!(store.values.lock().unwrap().len(), 2);
+}

@@ -9,6 +9,7 @@
 //! engine calls around every unit's forward and backward — the seam where sharding
 //! (gather before, free after), prefetch, recompute and offload go.
 
+pub mod activations;
 pub mod events;
 pub mod memory;
 pub mod offload;
@@ -24,6 +25,8 @@ use crate::model::{
     Params, Routed, RowLayout, RowSharers, TensorParallel, TpRole,
 };
 use crate::{Error, Result};
+pub use activations::ActivationOffload;
+use activations::{Shelf, ShelfContext};
 pub use events::{Event, EventLog, EventSink, EventSinks, UnitClock, UnitTime};
 pub use memory::{Category, MemoryLedger, Placement};
 pub use schedule::{GradReady, HeldStates, OptimizerView, Phase, Resident, ScheduleContext, UnitSchedule};
@@ -198,7 +201,17 @@ struct Boundary {
     input: Option<Tensor>,
     output: Tensor,
     /// For a recomputed unit, the input to run its forward again from in backward.
-    recompute_from: Option<Tensor>,
+    recompute_from: Option<RecomputeFrom>,
+    /// Where the values the unit keeps for its backward wait, where they are offloaded.
+    shelf: Option<Shelf>,
+}
+
+/// Where a recomputed unit's input waits for its backward.
+enum RecomputeFrom {
+    /// On the device: the cut leaf itself.
+    Device(Tensor),
+    /// On the unit's shelf, by ticket.
+    Shelved(std::num::NonZeroU64),
 }
 
 /// Autograd nodes whose backward never reads the values of the tensor they made.
@@ -208,6 +221,8 @@ struct ForwardRecord {
     boundaries: Vec<Boundary>,
     out: Tensor,
     activation_bytes: u64,
+    /// Bytes its units' shelves hold on the host.
+    shelved_bytes: u64,
     /// What the forward's rows carried, for units recomputed in backward.
     rows: RowContext,
 }
@@ -287,6 +302,10 @@ pub struct Engine {
     grad_ready: Option<Arc<GradReady>>,
     /// What the latest forward's sparse layers routed (a mixture of experts).
     routed: Option<Routed>,
+    /// Per unit, how the values it keeps for backward are offloaded (`None`: they stay).
+    activation_offload: Vec<Option<ActivationOffload>>,
+    /// What the shelves of offloaded units share.
+    shelves: Option<Arc<ShelfContext>>,
 }
 
 /// Held while libtorch's one random generator is seeded and drawn from.
@@ -473,6 +492,8 @@ impl Engine {
             events: None,
             grad_ready: None,
             routed: None,
+            activation_offload: vec![None; units],
+            shelves: None,
         })
     }
 
@@ -897,7 +918,7 @@ impl Engine {
     /// one: backward returns it.
     pub fn forward_micro(&mut self, micro: usize, input: &Tensor) -> Result<Tensor> {
         if let Some(old) = self.records.remove(&micro) {
-            self.ledger.free(Placement::Device, Category::Activations, old.activation_bytes);
+            self.forget(&old);
         }
         let unit_by_unit = self.config.backward == BackwardMode::UnitByUnit;
         let input_grad = input.requires_grad();
@@ -906,26 +927,44 @@ impl Engine {
             balance.open(micro);
         }
         let mut boundaries = Vec::with_capacity(self.spec.units.len());
-        let mut activation_bytes = 0;
+        let (mut activation_bytes, mut shelved_bytes) = (0, 0);
         for k in 0..self.spec.units.len() {
             self.run_schedule(Phase::BeforeForward, k)?;
             let cut = (unit_by_unit && (k > 0 || input_grad)).then(|| x.detach().set_requires_grad(true));
             let unit_input = cut.as_ref().unwrap_or(&x).shallow_clone();
             // A recomputed unit keeps nothing of its forward but its input.
             let recompute = self.compute[k].recompute;
+            let shelf = self.new_shelf(k);
             let rows = &self.rows;
             let y = if recompute {
                 tch::no_grad(|| self.unit_forward(k, &unit_input, false, rows))?
             } else {
+                let _offloading = shelf.as_ref().map(Shelf::hooks).transpose()?;
                 self.unit_forward(k, &unit_input, false, rows)?
             };
             let bytes = memory::tensor_bytes(&y);
             self.ledger.alloc(Placement::Device, Category::Activations, bytes)?;
             activation_bytes += bytes;
-            let recompute_from = recompute.then_some(unit_input);
-            boundaries.push(Boundary { input: cut, output: y.shallow_clone(), recompute_from });
+            let recompute_from = match (recompute, &shelf) {
+                (false, _) => None,
+                (true, Some(shelf)) => Some(RecomputeFrom::Shelved(shelf.store(&unit_input)?)),
+                (true, None) => Some(RecomputeFrom::Device(unit_input)),
+            };
+            if let Some(shelf) = &shelf {
+                let bytes = shelf.host_bytes()?;
+                self.ledger.alloc(Placement::Host, Category::Activations, bytes)?;
+                shelved_bytes += bytes;
+            }
+            boundaries.push(Boundary { input: cut, output: y.shallow_clone(), recompute_from, shelf });
             self.run_schedule(Phase::AfterForward, k)?;
             x = y;
+            // The unit before this one has had a unit's compute to copy its values out.
+            if k > 0 {
+                activation_bytes -= self.settle_shelf(&boundaries, k - 1)?;
+            }
+        }
+        if let Some(last) = boundaries.len().checked_sub(1) {
+            activation_bytes -= self.settle_shelf(&boundaries, last)?;
         }
         let out = if unit_by_unit { x.detach().set_requires_grad(true) } else { x };
         self.close_routing(micro, None)?;
@@ -933,8 +972,13 @@ impl Engine {
             let spec = &self.spec;
             balance.count_step(micro, |id| spec.holds(id))?;
         }
-        let record =
-            ForwardRecord { boundaries, out: out.shallow_clone(), activation_bytes, rows: self.rows.shallow_clone() };
+        let record = ForwardRecord {
+            boundaries,
+            out: out.shallow_clone(),
+            activation_bytes,
+            shelved_bytes,
+            rows: self.rows.shallow_clone(),
+        };
         self.records.insert(micro, record);
         Ok(out)
     }
@@ -1022,7 +1066,7 @@ impl Engine {
             balance.select(micro);
         }
         let result = self.backward_from(upstream, &record);
-        self.ledger.free(Placement::Device, Category::Activations, record.activation_bytes);
+        self.forget(&record);
         result
     }
 
@@ -1067,9 +1111,25 @@ impl Engine {
         for k in (0..self.spec.units.len()).rev() {
             self.run_schedule(Phase::BeforeBackward, k)?;
             let b = &record.boundaries[k];
+            // This unit's values come back now if they have not yet; the next unit's start
+            // coming while this one computes.
+            for shelf in [Some(b), k.checked_sub(1).map(|j| &record.boundaries[j])].into_iter().flatten() {
+                shelf.shelf.as_ref().map(Shelf::fetch).transpose()?;
+            }
             let began = self.events.as_ref().map(|_| std::time::Instant::now());
+            // A shelved input comes back as a leaf of its own, which takes the input's gradient.
+            let shelved_input = match (&b.recompute_from, &b.shelf) {
+                (Some(RecomputeFrom::Shelved(ticket)), Some(shelf)) => {
+                    Some(shelf.take(*ticket)?.set_requires_grad(b.input.is_some()))
+                }
+                _ => None,
+            };
+            let recompute_input = match &b.recompute_from {
+                Some(RecomputeFrom::Device(input)) => Some(input),
+                _ => shelved_input.as_ref(),
+            };
             let recomputed =
-                b.recompute_from.as_ref().map(|input| self.unit_forward(k, input, true, &record.rows)).transpose()?;
+                recompute_input.map(|input| self.unit_forward(k, input, true, &record.rows)).transpose()?;
             if let (Some(sink), Some(began), Some(_)) = (&self.events, began, &recomputed) {
                 sink.record(Event::Recomputed { unit: k, began });
             }
@@ -1079,8 +1139,9 @@ impl Engine {
                 strata_ext::backward(&[output], &[&upstream], false)?;
             }
             self.land_grads(k, &released)?;
+            b.shelf.as_ref().map(Shelf::clear).transpose()?;
             self.run_schedule(Phase::AfterBackward, k)?;
-            match &b.input {
+            match shelved_input.as_ref().or(b.input.as_ref()) {
                 Some(input) if input.grad().defined() => upstream = input.grad(),
                 _ => return Ok(None),
             }
@@ -1377,8 +1438,88 @@ impl Engine {
 
     fn release_records(&mut self) {
         for r in std::mem::take(&mut self.records).into_values() {
-            self.ledger.free(Placement::Device, Category::Activations, r.activation_bytes);
+            self.forget(&r);
         }
+    }
+
+    /// Takes a forward record's bytes off the ledger.
+    fn forget(&self, record: &ForwardRecord) {
+        self.ledger.free(Placement::Device, Category::Activations, record.activation_bytes);
+        self.ledger.free(Placement::Host, Category::Activations, record.shelved_bytes);
+    }
+
+    /// Offloads the values units keep for their backward to host memory, for the units
+    /// given a setting (one entry per unit). A unit's values are copied out as its forward
+    /// saves them and fetched back one unit ahead of its backward; its input's values go
+    /// too where nothing on the device reads them any more. A recomputed unit offloads the
+    /// input it recomputes from. Needs the unit-by-unit backward.
+    pub fn set_activation_offload(&mut self, per_unit: Vec<Option<ActivationOffload>>) -> Result<()> {
+        if per_unit.len() != self.spec.units.len() {
+            return Err(Error::Config(format!(
+                "{} activation offload settings for {} units",
+                per_unit.len(),
+                self.spec.units.len()
+            )));
+        }
+        let any = per_unit.iter().any(Option::is_some);
+        if any && self.config.backward == BackwardMode::WholeGraph {
+            return Err(Error::Config("activation_offload needs the unit-by-unit backward".into()));
+        }
+        self.shelves = if any {
+            let device = self.config.device;
+            if device == Device::Cpu {
+                tracing::warn!(
+                    "activation_offload on the CPU moves kept values out of libtorch's allocator, not out of memory"
+                );
+            }
+            let mut parameters = std::collections::HashSet::new();
+            for t in self.params.iter().filter(|p| p.defined()).chain(self.storage.iter().map(|s| &s.flat)) {
+                parameters.insert(strata_ext::storage_id(t)?);
+            }
+            let stream = match device {
+                Device::Cuda(d) => Some(strata_ext::cuda::Stream::from_pool(d, false)?),
+                _ => None,
+            };
+            Some(Arc::new(ShelfContext { device, stream, parameters }))
+        } else {
+            None
+        };
+        self.activation_offload = per_unit;
+        Ok(())
+    }
+
+    /// A new shelf for unit `k`'s values, where they are offloaded.
+    fn new_shelf(&self, k: usize) -> Option<Shelf> {
+        let context = self.shelves.as_ref()?;
+        self.activation_offload[k].map(|settings| Shelf::new(settings, context.clone()))
+    }
+
+    /// Once unit `j`'s copies to the host have landed, frees the values of its input where
+    /// nothing reads them any more: the shelf holds what its backward reads, the node that
+    /// made them reads them through its own unit's shelf or not at all, and no tensor,
+    /// view or autograd function but the cut and the output holds their storage. Returns
+    /// the device bytes freed.
+    fn settle_shelf(&self, boundaries: &[Boundary], j: usize) -> Result<u64> {
+        let Some(shelf) = &boundaries[j].shelf else { return Ok(0) };
+        shelf.settle()?;
+        let (Some(leaf), Some(before)) = (&boundaries[j].input, j.checked_sub(1).map(|i| &boundaries[i].output)) else {
+            return Ok(0);
+        };
+        let bytes = memory::tensor_bytes(before);
+        let unheld = bytes > 0
+            && strata_ext::storage_nbytes(before)? as u64 == bytes
+            && strata_ext::storage_use_count(before)? == 2
+            && strata_ext::tensor_use_count(before)? == 1
+            // The cut's own handle and the node accumulating its gradient.
+            && strata_ext::tensor_use_count(leaf)? <= 2
+            && (boundaries[j - 1].shelf.is_some() || boundaries[j - 1].recompute_from.is_some());
+        if !unheld {
+            return Ok(0);
+        }
+        // SAFETY: no reader is left (above); the copies that read them have landed (settle).
+        unsafe { memory::release_buffer(before) }?;
+        self.ledger.free(Placement::Device, Category::Activations, bytes);
+        Ok(bytes)
     }
 
     /// Sets every gradient to zero (where the schedule lets a unit's first backward copy its

@@ -136,10 +136,16 @@ impl Drop for Offload {
     }
 }
 
-/// Copies `source` (host memory) into `destination` (on GPU `device`) on `stream`, after
-/// the work queued so far on the device's current stream (which may still use the
-/// destination's memory), without the host waiting. The event completes with the copy.
-fn copy_on_stream(stream: &cuda::Stream, device: usize, destination: &Tensor, source: &Tensor) -> Result<cuda::Event> {
+/// Copies `source` into `destination` (one of them on GPU `device`, the other in host
+/// memory) on `stream`, after the work queued so far on the device's current stream (which
+/// may still write the source or use the destination's memory), without the host waiting.
+/// The event completes with the copy.
+pub(super) fn copy_on_stream(
+    stream: &cuda::Stream,
+    device: usize,
+    destination: &Tensor,
+    source: &Tensor,
+) -> Result<cuda::Event> {
     let compute = cuda::Stream::current(device)?;
     let queued = cuda::Event::new(false)?;
     queued.record(&compute)?;

@@ -30,7 +30,7 @@ use crate::compute::replace::Replacements;
 use crate::compute::UnitCompute;
 use crate::engine::offload::{HostMemory, NonModelTrace, Offload, OffloadOptions};
 use crate::engine::placement::HomePolicy;
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::{ActivationOffload, Engine, EngineConfig};
 use crate::model::ModelSpec;
 use crate::strategy::{
     select_units, AmpConfig, ContextKind, Dim, Method, OffloadConfig, OffloadPolicy, OffloadTarget, ShardMethod,
@@ -138,8 +138,10 @@ pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, 
     }
     let config = EngineConfig { kind: strategy.half().unwrap_or(config.kind), ..config };
     let policies = compute_policies(&spec, strategy, config.device)?;
+    let offloaded = activation_offload(&spec, strategy)?;
     let mut engine = build_sharding(spec, config, strategy, at)?;
     engine.set_compute(policies)?;
+    engine.set_activation_offload(offloaded)?;
     engine.set_chunked_loss(strategy.chunked_loss().map(|c| c.positions))?;
     let moves_biases = engine.spec().load_balance.as_ref().is_some_and(|b| !b.moving_biases().is_empty());
     if let Some(comm) = at.comm.filter(|c| c.size() > 1 && (strategy.fp8().is_some() || moves_biases)) {
@@ -167,6 +169,18 @@ fn compute_policies(spec: &ModelSpec, strategy: &Strategy, device: tch::Device) 
             recompute,
         })
         .collect())
+}
+
+/// Per unit, how `activation_offload` offloads the values it keeps: the units named, or
+/// every unit but the last, whose backward follows its forward at once.
+fn activation_offload(spec: &ModelSpec, strategy: &Strategy) -> Result<Vec<Option<ActivationOffload>>> {
+    let Some(c) = strategy.activation_offload() else { return Ok(vec![None; spec.units.len()]) };
+    let chosen = match c.wrap_class.as_slice() {
+        [] => (0..spec.units.len()).map(|k| k + 1 < spec.units.len()).collect(),
+        named => select_units(spec, named, "activation_offload")?,
+    };
+    let settings = ActivationOffload { min_bytes: c.min_bytes, pin_memory: c.pin_memory };
+    Ok(chosen.into_iter().map(|on| on.then_some(settings)).collect())
 }
 
 /// fp8 matrix products need sm 8.9 or newer on a GPU; on the CPU libtorch emulates them.

@@ -28,7 +28,7 @@ use serde_json::Value;
 use tch::Kind;
 
 /// Method names this version understands.
-pub const METHODS: [&str; 18] = [
+pub const METHODS: [&str; 19] = [
     "parallel_mode",
     "amp_native",
     "half",
@@ -46,6 +46,7 @@ pub const METHODS: [&str; 18] = [
     "expert_parallel",
     "context_parallel",
     "offload",
+    "activation_offload",
     "lora",
 ];
 
@@ -96,6 +97,9 @@ pub enum Method {
     Ds3dParallel(MixedConfig),
     /// Model states in host memory besides the device, placed by a plan.
     Offload(OffloadConfig),
+    /// The values units keep for their backward in host memory between their forward and
+    /// their backward.
+    ActivationOffload(ActivationOffloadConfig),
     /// Low-rank adapters on the named linear layers; everything else frozen.
     Lora(LoraConfig),
 }
@@ -307,6 +311,25 @@ pub struct CheckpointConfig {
     pub wrap_class: Vec<String>,
 }
 
+/// `activation_offload`: `{"wrap_class": [...], "min_bytes": 1024, "pin_memory": true}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActivationOffloadConfig {
+    /// Unit kinds or names whose kept values go to the host (empty: every unit).
+    pub wrap_class: Vec<String>,
+    /// Values whose storage is smaller than this many bytes stay where they are: their
+    /// copies would cost more than they free.
+    pub min_bytes: u64,
+    /// Host copies in page-locked memory where the device is a GPU (copies overlap compute).
+    pub pin_memory: bool,
+}
+
+impl Default for ActivationOffloadConfig {
+    fn default() -> Self {
+        ActivationOffloadConfig { wrap_class: vec![], min_bytes: 1024, pin_memory: true }
+    }
+}
+
 /// `chunked_loss`: the output head computes the next-token loss itself, `positions`
 /// positions' logits at a time, so that the `[tokens, vocabulary]` logits and their
 /// gradient never exist at once.
@@ -384,6 +407,7 @@ impl Method {
             Method::ExpertParallel(_) => "expert_parallel",
             Method::ContextParallel(_) => "context_parallel",
             Method::Offload(_) => "offload",
+            Method::ActivationOffload(_) => "activation_offload",
             Method::Lora(_) => "lora",
         }
     }
@@ -485,6 +509,7 @@ impl Method {
                 c.home_policy()?;
                 Method::Offload(c)
             }
+            "activation_offload" => Method::ActivationOffload(parse_config(name, config)?),
             "lora" => Method::Lora(LoraConfig::from_value(config)?),
             other => return Err(Error::Config(format!("unknown method {other:?}; allowed: {}", METHODS.join(", ")))),
         })
@@ -516,6 +541,7 @@ impl Method {
             Method::ExpertParallel(c) => serde_json::to_value(c),
             Method::ContextParallel(c) => serde_json::to_value(c),
             Method::Offload(c) => serde_json::to_value(c),
+            Method::ActivationOffload(c) => serde_json::to_value(c),
             Method::Lora(c) => serde_json::to_value(c),
         };
         Value::Array(vec![Value::String(self.name().into()), config.unwrap_or(Value::Null)])
@@ -698,6 +724,11 @@ impl Strategy {
         self.methods.iter().find_map(|m| if let Method::Fp8(c) = m { Some(c) } else { None })
     }
 
+    /// `activation_offload`'s configuration, if the strategy has it.
+    pub fn activation_offload(&self) -> Option<&ActivationOffloadConfig> {
+        self.methods.iter().find_map(|m| if let Method::ActivationOffload(c) = m { Some(c) } else { None })
+    }
+
     /// `checkpoint`'s configuration, if the strategy has it.
     pub fn checkpoint(&self) -> Option<&CheckpointConfig> {
         self.methods.iter().find_map(|m| if let Method::Checkpoint(c) = m { Some(c) } else { None })
@@ -852,6 +883,9 @@ impl Strategy {
         for m in &mut out.methods {
             match m {
                 Method::Checkpoint(c) => keep(&mut c.wrap_class, "checkpoint")?,
+                Method::ActivationOffload(c) if !c.wrap_class.is_empty() => {
+                    keep(&mut c.wrap_class, "activation_offload")?
+                }
                 Method::Zero1(c) | Method::Zero2(c) | Method::Fsdp(c) => {
                     keep(&mut c.atorch_ignored_cls, "atorch_ignored_cls")?;
                     if !c.atorch_wrap_cls.is_empty() {
