@@ -169,6 +169,10 @@ pub struct EstimateArgs {
     /// the micro-batch's logits never exist.
     #[arg(long, num_args = 0..=1, default_missing_value = "1024")]
     chunked_loss: Option<i64>,
+    /// Every layout with the values units keep for backward in host memory (the
+    /// activation_offload method), recomputed blocks' inputs with them.
+    #[arg(long)]
+    activation_offload: bool,
     /// Optimizer: adamw (8 bytes of state per trained element) or sgd (4, with momentum).
     #[arg(long, default_value = "adamw")]
     optimizer: String,
@@ -254,6 +258,9 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             bail!("--chunked-loss runs on an unsplit head: the vocabulary does not split over --tensor ranks");
         }
         layouts.iter_mut().for_each(|l| l.candidate.chunked_loss = Some(positions));
+    }
+    if a.activation_offload {
+        layouts.iter_mut().for_each(|l| l.candidate.activation_offload = true);
     }
     let context_kind: ContextKind = serde_json::from_value(serde_json::Value::String(a.context_kind.clone()))
         .map_err(|_| anyhow::anyhow!("unknown context kind {:?}; expected ring or all_to_all", a.context_kind))?;

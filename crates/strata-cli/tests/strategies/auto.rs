@@ -326,3 +326,43 @@ fn the_chunked_loss_is_chosen_where_the_logits_fit_no_candidate() {
     let step: Value = serde_json::from_str(std::fs::read_to_string(&metrics).unwrap().lines().last().unwrap()).unwrap();
     assert!(step["allocator_peak_bytes"].as_u64().unwrap() <= budget.parse().unwrap(), "the run itself: {step}");
 }
+
+/// Sixteen LLaMA blocks at 256 positions under a budget that recomputation and the chunked
+/// loss do not meet (precision and model-state offload left out): `auto` searches again
+/// with the blocks' inputs offloaded to the host, says why, and the run keeps its
+/// allocator within the budget.
+#[test]
+fn activation_offload_is_chosen_where_nothing_fits_keeping_the_activations() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (report, metrics) = (dir.path().join("report.json"), dir.path().join("m.jsonl"));
+    let shape = ["--model", "llama", "--layers", "16", "--heads", "2", "--dim", "64", "--ctx", "256", "--vocab", "256"];
+    let budget = "38797312";
+    let flags = [
+        "--batch-size",
+        "8",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--strategy",
+        "auto",
+        "--excluded",
+        "amp_native,half,fp8,offload,module_replace",
+        "--device-memory",
+        budget,
+        "--search-report",
+        report.to_str().unwrap(),
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ];
+    let o = strata_env(&[&["train"][..], &shape, &flags].concat(), &[("STRATA_LOG", "warn")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert!(report["mode"].as_str().unwrap().contains("activations offloaded"), "{}", report["mode"]);
+    let chosen = report["chosen_strategy"].as_array().unwrap();
+    assert!(chosen.iter().any(|m| m[0] == "activation_offload"), "{chosen:?}");
+    assert!(outcomes(&report).all(|(label, _)| label.contains("activation offload")));
+    let step: Value = serde_json::from_str(std::fs::read_to_string(&metrics).unwrap().lines().last().unwrap()).unwrap();
+    assert!(step["allocator_peak_bytes"].as_u64().unwrap() <= budget.parse().unwrap(), "the run itself: {step}");
+}

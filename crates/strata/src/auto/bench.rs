@@ -10,8 +10,8 @@ use super::search::{agree_outcome, Measure, Outcome};
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp};
 use crate::data::Step;
 use crate::engine::{
-    memory, Category, EngineConfig, GradLayout, HeldStates, MemoryLedger, Phase, ScheduleContext, UnitSchedule,
-    UnitStorage,
+    memory, ActivationOffload, Category, EngineConfig, GradLayout, HeldStates, MemoryLedger, Phase, ScheduleContext,
+    UnitSchedule, UnitStorage,
 };
 use crate::model::{Builder, ModelSpec};
 use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
@@ -346,8 +346,13 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
         Ok(())
     };
     memory::reset_allocator_peak(bench.engine.device);
+    let units = spec.units.len();
     let mut engine = crate::engine::Engine::new_with(spec, config, &mut release_after_init)?;
     engine.set_chunked_loss(bench.chunk)?;
+    // Each unit's values wait on the host once measured, so that rows too long for the
+    // device to keep every unit's values can still be profiled.
+    let shelved = ActivationOffload { min_bytes: 1024, pin_memory: true };
+    engine.set_activation_offload((0..units).map(|k| (k + 1 < units).then_some(shelved)).collect())?;
     let kept = Arc::new(Mutex::new(Vec::new()));
     engine.set_schedule(Box::new(Probe { device: bench.engine.device, needs, at_start: vec![], kept: kept.clone() }));
     let batch = bench

@@ -76,6 +76,9 @@ pub struct Candidate {
     /// The output head computes the next-token loss this many positions at a time
     /// (`chunked_loss`): the logits of a micro-batch never exist. `None`: it returns logits.
     pub chunked_loss: Option<i64>,
+    /// The values units keep for backward wait in host memory (`activation_offload`), and
+    /// recomputed blocks' inputs with them.
+    pub activation_offload: bool,
 }
 
 impl Candidate {
@@ -90,6 +93,7 @@ impl Candidate {
             tensor: 1,
             offload: false,
             chunked_loss: None,
+            activation_offload: false,
         }
     }
 
@@ -122,6 +126,9 @@ impl Candidate {
         });
         if self.offload {
             m.push("offload");
+        }
+        if self.activation_offload {
+            m.push("activation_offload");
         }
         m
     }
@@ -199,6 +206,9 @@ impl Candidate {
                 _ => serde_json::json!(["offload", {"params": "none", "optimizer": "auto", "policy": "auto"}]),
             });
         }
+        if self.activation_offload {
+            items.push(serde_json::json!("activation_offload"));
+        }
         Strategy::from_value(&serde_json::Value::Array(items))
     }
 
@@ -233,6 +243,9 @@ impl Candidate {
         });
         if self.offload {
             parts.push("offload");
+        }
+        if self.activation_offload {
+            parts.push("activation offload");
         }
         parts.join(" + ")
     }
@@ -366,6 +379,7 @@ pub fn candidates(
                                 tensor,
                                 offload,
                                 chunked_loss: None,
+                                activation_offload: false,
                             };
                             let layout = Layout::piped(c, pipeline);
                             let methods = layout.methods();

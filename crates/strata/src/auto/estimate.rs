@@ -491,8 +491,8 @@ pub fn estimate_with(
         let mut largest = 0u64;
         let mut lent_grads = 0u64;
         let mut trained = 0u64;
-        // Kept through the whole backward (under recomputation a block's input and its
-        // output, everything otherwise); kept by the units after the blocks (the head) until
+        // Kept through the whole backward (under recomputation a block's output, the next
+        // one's input; everything otherwise); kept by the units after the blocks (the head) until
         // their backward, and the part of it that lives on while the last block is
         // recomputed; the most one recomputed block holds.
         let mut activations = 0.0f64;
@@ -501,6 +501,10 @@ pub fn estimate_with(
         let mut recompute = 0.0f64;
         let mut seen_block = false;
         let mut boundary = 0.0f64;
+        // The most one offloaded unit keeps; what units that keep their values still hold
+        // while the offloaded ones run their backward.
+        let mut working = 0.0f64;
+        let mut held_by_loss = 0.0f64;
         for &(stage, (start, end)) in &ranges {
             let n = held[stage.min(held.len() - 1)] as f64;
             for u in start..end {
@@ -512,14 +516,25 @@ pub fn estimate_with(
                 let (off, over) = splits[u];
                 let full = off + over;
                 seen_block |= kept[u].block;
-                if c.checkpoint && kept[u].block {
-                    activations += n * 2.0 * output_bytes(&kept[u]);
+                let recomputed = c.checkpoint && kept[u].block;
+                // Every unit of the stage but its last offloads what it keeps (a recomputed
+                // block, its input).
+                if c.activation_offload && u + 1 < end {
+                    let shelved = if recomputed { output_bytes(&kept[u]) } else { full };
+                    host.activations += (n * shelved) as u64;
+                    working = working.max(shelved);
+                    if recomputed {
+                        recompute = recompute.max(full);
+                    }
+                } else if recomputed {
+                    activations += n * output_bytes(&kept[u]);
                     recompute = recompute.max(full);
                 } else if c.checkpoint && seen_block {
                     after_blocks += n * full;
                     during_recompute += n * (off + LOSS_GRAPH_SHARE * over);
                 } else {
                     activations += n * full;
+                    held_by_loss += n * (off + LOSS_GRAPH_SHARE * over);
                 }
                 device.params += s.len * pb;
                 device.grads += s.grad_len * pb;
@@ -579,7 +594,14 @@ pub fn estimate_with(
                 device.comm += 2 * largest * pb;
             }
         }
-        device.activations = (activations + after_blocks.max(during_recompute + recompute)) as u64;
+        // Offloaded units hold their values two at a time (the unit at work and the one
+        // fetched ahead) beside what the loss's graph keeps, and one beside the stage's last
+        // unit, whose values stay.
+        let kept_at_once = match working > 0.0 {
+            true => (activations + working).max(2.0 * working + held_by_loss),
+            false => activations,
+        };
+        device.activations = (kept_at_once + after_blocks.max(during_recompute + recompute)) as u64;
         // Sequence parallel gathers a block's whole input; pipeline stages send and receive
         // one micro-batch's boundary activation each way.
         if t > 1 {

@@ -361,8 +361,9 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
 
 /// Searches with every parameter trained; where nothing fits, again with the loss computed
 /// in chunks in the head (where the model's head can and the job scores with the
-/// next-token loss), then, where the options give adapters, training those alone, plain and
-/// chunked. Each pass that fits nothing says why in the final refusal.
+/// next-token loss), then with the units' kept values offloaded to the host as well; then,
+/// where the options give adapters, training those alone, in the same passes. Each pass
+/// that fits nothing says why in the final refusal.
 fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     let o = &job.options;
     for name in o.included.iter().chain(&o.excluded) {
@@ -373,7 +374,7 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
             )));
         }
     }
-    let has = |list: &[String]| list.iter().any(|m| m == "chunked_loss");
+    let has = |list: &[String], method: &str| list.iter().any(|m| m == method);
     let head_scores = || -> Result<bool> {
         let mut b = Builder::new();
         (job.model)(&mut b)?;
@@ -384,28 +385,39 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     let chunk = ChunkedLossConfig::default().positions;
     let a = &job.dataloader_args;
     let most_positions = (a.batch_size / a.accumulation.max(1) * a.ctx) as i64;
-    let chunked = job.loss_func.is_none() && !has(&o.excluded) && most_positions > chunk && head_scores()?;
-    // (adapters, loss chunk): the plain passes unless every candidate must chunk its loss.
-    let mut passes: Vec<(Option<&LoraConfig>, Option<i64>)> = vec![];
+    let chunked =
+        job.loss_func.is_none() && !has(&o.excluded, "chunked_loss") && most_positions > chunk && head_scores()?;
+    let shelving = !has(&o.excluded, "activation_offload");
+    // (adapters, loss chunk, activation offload): the plain passes unless every candidate
+    // must chunk its loss or offload its activations.
+    let mut passes: Vec<Pass<'_>> = vec![];
     for lora in std::iter::once(None).chain(o.lora.as_ref().map(Some)) {
-        if !has(&o.included) {
-            passes.push((lora, None));
+        let must_shelve = has(&o.included, "activation_offload");
+        if !has(&o.included, "chunked_loss") && !must_shelve {
+            passes.push(Pass { lora, chunk: None, shelved: false });
         }
-        if chunked {
-            passes.push((lora, Some(chunk)));
+        if chunked && !must_shelve {
+            passes.push(Pass { lora, chunk: Some(chunk), shelved: false });
+        }
+        if shelving {
+            let chunk = (chunked || has(&o.included, "chunked_loss")).then_some(chunk);
+            passes.push(Pass { lora, chunk, shelved: true });
         }
     }
     let mut refusals = vec![];
-    for (lora, chunk) in passes {
-        match search_with(job, steps, lora, chunk)? {
+    for pass in passes {
+        match search_with(job, steps, &pass)? {
             Ok(mut choice) => {
                 let mut why = vec![];
-                if let Some(lora) = lora {
+                if let Some(lora) = pass.lora {
                     choice.strategy.methods.push(Method::Lora(lora.clone()));
                     why.push("training LoRA adapters: full fine-tuning fits no candidate");
                 }
-                if chunk.is_some() && !has(&o.included) {
+                if pass.chunk.is_some() && !has(&o.included, "chunked_loss") {
                     why.push("the loss computed in chunks: the plain loss fits no candidate");
+                }
+                if pass.shelved && !has(&o.included, "activation_offload") {
+                    why.push("activations offloaded to the host: no candidate fits keeping them");
                 }
                 if !why.is_empty() {
                     choice.report.mode = format!("{}, {}", choice.report.mode, why.join(", "));
@@ -414,12 +426,18 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
                 return Ok(choice);
             }
             Err(reason) => {
-                let what = match (lora.is_some(), chunk.is_some()) {
-                    (false, false) => "training every parameter",
-                    (false, true) => "training every parameter with the loss in chunks",
-                    (true, false) => "training LoRA adapters",
-                    (true, true) => "training LoRA adapters with the loss in chunks",
-                };
+                let mut what = String::from(match pass.lora {
+                    None => "training every parameter",
+                    Some(_) => "training LoRA adapters",
+                });
+                let with: Vec<&str> =
+                    [(pass.chunk.is_some(), "the loss in chunks"), (pass.shelved, "activations offloaded")]
+                        .into_iter()
+                        .filter_map(|(on, name)| on.then_some(name))
+                        .collect();
+                if !with.is_empty() {
+                    what = format!("{what} with {}", with.join(" and "));
+                }
                 refusals.push(format!("{what}: {reason}"));
             }
         }
@@ -427,14 +445,18 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     Err(Error::Config(format!("auto_accelerate found no strategy, {}", refusals.join("\nnor "))))
 }
 
+/// One pass of the search: the adapters trained alone (where given), the head's loss chunk
+/// and whether the units' kept values wait on the host, set on every candidate.
+struct Pass<'a> {
+    lora: Option<&'a LoraConfig>,
+    chunk: Option<i64>,
+    shelved: bool,
+}
+
 /// The best candidate for `job` (training `lora`'s adapters alone, where given), or why
 /// there is none, with the search's table.
-fn search_with(
-    job: &AutoAccelerate<'_>,
-    steps: usize,
-    lora: Option<&LoraConfig>,
-    chunk: Option<i64>,
-) -> Result<std::result::Result<Choice, String>> {
+fn search_with(job: &AutoAccelerate<'_>, steps: usize, pass: &Pass<'_>) -> Result<std::result::Result<Choice, String>> {
+    let (lora, chunk) = (pass.lora, pass.chunk);
     let o = &job.options;
     let mut b = bench(job, DEFAULT_BUCKET_BYTES, steps, lora)?;
     b.chunk = chunk;
@@ -453,15 +475,17 @@ fn search_with(
     // Offload is worth trying only where a device budget can be short.
     let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
     let sizes = (&analysis.tensor_sizes[..], &analysis.pipeline_sizes[..]);
-    // The chunked loss is set on the candidates below, not among their methods yet.
+    // The chunked loss and activation offload are set on the candidates below, not among
+    // their methods yet.
     let included: Vec<String> =
-        o.included.iter().filter(|m| chunk.is_none() || *m != "chunked_loss").cloned().collect();
+        o.included.iter().filter(|m| !["chunked_loss", "activation_offload"].contains(&m.as_str())).cloned().collect();
     let mut cands = candidate::candidates(&o.excluded, &included, !analysis.blocks.is_empty(), sizes, offload);
     if chunk.is_some() {
         // The vocabulary of a split head does not chunk.
         cands.retain(|l| l.candidate.tensor == 1);
         cands.iter_mut().for_each(|l| l.candidate.chunked_loss = chunk);
     }
+    cands.iter_mut().for_each(|l| l.candidate.activation_offload = pass.shelved);
     if cands.is_empty() {
         return Err(Error::Config("no candidate strategy uses every included method and none excluded".into()));
     }

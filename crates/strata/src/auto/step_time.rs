@@ -441,6 +441,22 @@ pub fn step_time(
     } else {
         time.optimizer = update_bytes / device.memory_bandwidth;
     }
+    if c.activation_offload {
+        // Each offloaded unit's values (a recomputed block's input) go to the host and back
+        // once a micro-batch, on a copy stream behind the compute; all units of a stage but
+        // its last.
+        let per_stage = spec.units.len().div_ceil(p);
+        let shelved: f64 = kept
+            .iter()
+            .zip(&act_bytes)
+            .take(spec.units.len().saturating_sub(1))
+            .map(|(k, &bytes)| if c.checkpoint && k.block { k.output * tokens * value_bytes / t as f64 } else { bytes })
+            .sum::<f64>()
+            * per_stage as f64
+            / spec.units.len().max(1) as f64;
+        let copies = 2.0 * shelved * m as f64 / cluster.host_link;
+        time.offload += (copies - 0.9 * time.compute).max(0.0);
+    }
     time.dispatch = ops * m as f64 * device.op_seconds;
     time.total = time.compute
         + time.memory

@@ -1142,7 +1142,11 @@ impl Engine {
             b.shelf.as_ref().map(Shelf::clear).transpose()?;
             self.run_schedule(Phase::AfterBackward, k)?;
             match shelved_input.as_ref().or(b.input.as_ref()) {
-                Some(input) if input.grad().defined() => upstream = input.grad(),
+                Some(input) if input.grad().defined() => {
+                    upstream = input.grad();
+                    // The next unit's backward is its only reader: the cut leaf lets go.
+                    strata_ext::set_grad(input, None)?;
+                }
                 _ => return Ok(None),
             }
         }
@@ -1467,10 +1471,13 @@ impl Engine {
         }
         self.shelves = if any {
             let device = self.config.device;
+            static ON_THE_CPU: std::sync::Once = std::sync::Once::new();
             if device == Device::Cpu {
-                tracing::warn!(
-                    "activation_offload on the CPU moves kept values out of libtorch's allocator, not out of memory"
-                );
+                ON_THE_CPU.call_once(|| {
+                    tracing::warn!(
+                        "activation_offload on the CPU moves kept values out of libtorch's allocator, not out of memory"
+                    )
+                });
             }
             let mut parameters = std::collections::HashSet::new();
             for t in self.params.iter().filter(|p| p.defined()).chain(self.storage.iter().map(|s| &s.flat)) {
