@@ -222,6 +222,26 @@ fn strata_plan_splits_long_rows_over_context_ranks() {
     assert!(!rows.is_empty() && rows.iter().all(|r| r["layout"]["context"] == 1));
 }
 
+/// TinyLlama's shape at 131,072 positions on one H100: no layout keeps its activations on
+/// the device, so the plan's last pass offloads them, and its strategy says so; at 32,768
+/// positions they stay.
+#[test]
+fn strata_plan_offloads_activations_where_nothing_else_fits() {
+    let shape = "plan --model llama --layers 22 --heads 32 --dim 2048 --vocab 32000 --ffn-dim 5632 --kv-heads 4 \
+                 --nodes 1 --gpus-per-node 1 --global-batch 1 --json";
+    let plan = |ctx: &str| -> serde_json::Value {
+        let o = strata(&shape.split_whitespace().chain(["--ctx", ctx]).collect::<Vec<_>>());
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let long = plan("131072");
+    let rows = long["rows"].as_array().unwrap();
+    assert!(!rows.is_empty() && rows.iter().all(|r| r["layout"]["candidate"]["activation_offload"] == true), "{long}");
+    let short = plan("32768");
+    let rows = short["rows"].as_array().unwrap();
+    assert!(!rows.is_empty() && rows.iter().all(|r| r["layout"]["candidate"]["activation_offload"] == false));
+}
+
 #[test]
 fn strata_estimate_refuses_two_models_and_unknown_names_in_one_line() {
     assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--model", "gpt"]), "exactly one of");

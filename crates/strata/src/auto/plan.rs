@@ -100,8 +100,9 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
             .max(e.host.total() as f64 / machine.host_bytes.max(1) as f64)
     };
     // Rows are split over context ranks where they are long, or, in a second pass, where
-    // nothing fits them whole.
-    let (mut whole, mut split_rows) = (true, req.seq_len >= LONG_ROWS);
+    // nothing fits them whole; where nothing fits still, a last pass offloads the units'
+    // kept values to the host.
+    let (mut whole, mut split_rows, mut shelved) = (true, req.seq_len >= LONG_ROWS, false);
     loop {
         for &t in &tensors {
             for (c, kind) in context_splits(&spec, req, t, whole, split_rows) {
@@ -119,6 +120,10 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
                                 estimate::variants(precision, t, (p, schedule, virtual_stages), dp * c, blocks > 0)
                                     .into_iter()
                                     .map(|l| l.with_context(c, kind))
+                                    .map(|mut l| {
+                                        l.candidate.activation_offload = shelved;
+                                        l
+                                    })
                             });
                             for layout in layouts {
                                 considered += 1;
@@ -164,10 +169,14 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
                 }
             }
         }
-        if split_rows || !rows.is_empty() {
+        if !rows.is_empty() || shelved {
             break;
         }
-        (whole, split_rows) = (false, true);
+        if split_rows {
+            (whole, shelved) = (true, true);
+        } else {
+            (whole, split_rows) = (false, true);
+        }
     }
     rows.sort_by(|a, b| a.time.total.total_cmp(&b.time.total));
     if let Some(best) = rows.first().map(|r| r.time) {
