@@ -1525,8 +1525,10 @@ impl Engine {
         }
         // SAFETY: no reader is left (above); the copies that read them have landed (settle).
         unsafe { memory::release_buffer(before) }?;
-        self.ledger.free(Placement::Device, Category::Activations, bytes);
-        Ok(bytes)
+        // What the storage gave back, not what was asked of it.
+        let freed = bytes.saturating_sub(strata_ext::storage_nbytes(before)? as u64);
+        self.ledger.free(Placement::Device, Category::Activations, freed);
+        Ok(freed)
     }
 
     /// Sets every gradient to zero (where the schedule lets a unit's first backward copy its
