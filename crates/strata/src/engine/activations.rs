@@ -1,13 +1,13 @@
 //! Activation offload: the values a unit's forward keeps for its backward wait in host
 //! memory between the two.
 //!
-//! Owns: a unit's [`Shelf`] for one micro-batch — the pack and unpack of autograd's saved
+//! Owns: a unit's shelf for one micro-batch — the pack and unpack of autograd's saved
 //! tensors (through [`strata_ext::saved_tensors`]) and of a recomputed unit's input, their
 //! host copies, the copies' stream, the wait for a unit's copies to land and the fetch of
 //! its values back before its backward; and which values stay on the device (parameters,
 //! values too small to pay for their copies, values on another device). Must not decide
 //! which units offload (the strategy's) or when (the engine's loop calls
-//! [`Shelf::settle`], [`Shelf::fetch`] and [`Shelf::clear`] at its moments).
+//! the shelf's `settle`, `fetch` and `clear` at its moments).
 use super::offload::copy_on_stream;
 use crate::{Error, Result};
 use std::collections::{HashMap, HashSet};
