@@ -289,16 +289,13 @@ fn a_budget_below_the_profiling_pass_is_refused_with_its_reason() {
     assert_eq!(stderr(&o).trim().lines().filter(|l| !l.contains(" INFO ")).count(), 1, "{}", stderr(&o));
 }
 
-/// A budget the logits of a micro-batch (8 rows × 256 positions × 4,096 tokens) do not fit
-/// beside the rest, whatever the layout: the search tries the layouts again with the loss
-/// computed in chunks in the head, picks one, and the run trains within the budget.
-#[test]
-fn the_chunked_loss_is_chosen_where_the_logits_fit_no_candidate() {
-    let _serial = serial();
+/// One step of `auto` on `shape` with `extra` flags within `budget` bytes of device memory,
+/// run as the CLI runs it; the search report, the method the mode must name and the step
+/// must use, and that the run kept its allocator within the budget.
+fn auto_within(shape: &[&str], extra: &[&str], budget: u64, reason: &str, method: &str, label: &str) {
     let dir = tempfile::tempdir().unwrap();
     let (report, metrics) = (dir.path().join("report.json"), dir.path().join("m.jsonl"));
-    let shape = ["--model", "gpt", "--layers", "1", "--heads", "2", "--dim", "32", "--ctx", "256", "--vocab", "4096"];
-    let budget = "80000000";
+    let budget_flag = budget.to_string();
     let flags = [
         "--batch-size",
         "8",
@@ -309,22 +306,32 @@ fn the_chunked_loss_is_chosen_where_the_logits_fit_no_candidate() {
         "--strategy",
         "auto",
         "--device-memory",
-        budget,
+        &budget_flag,
         "--search-report",
         report.to_str().unwrap(),
         "--metrics",
         metrics.to_str().unwrap(),
     ];
-    let o = strata_env(&[&["train"][..], &shape, &flags].concat(), &[("STRATA_LOG", "warn")]);
+    let o = strata_env(&[&["train"][..], shape, &flags, extra].concat(), &[("STRATA_LOG", "warn")]);
     assert!(o.status.success(), "{}", stderr(&o));
     let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    assert!(report["mode"].as_str().unwrap().contains("the loss computed in chunks"), "{}", report["mode"]);
+    assert!(report["mode"].as_str().unwrap().contains(reason), "{}", report["mode"]);
     let chosen = report["chosen_strategy"].as_array().unwrap();
-    assert!(chosen.iter().any(|m| m[0] == "chunked_loss"), "{chosen:?}");
-    // The report is the chunked pass's: every layout it tried computes the loss in chunks.
-    assert!(outcomes(&report).all(|(label, _)| label.contains("chunked loss")));
+    assert!(chosen.iter().any(|m| m[0] == method), "{chosen:?}");
+    // The report is the last pass's: every layout it tried uses the method.
+    assert!(outcomes(&report).all(|(l, _)| l.contains(label)));
     let step: Value = serde_json::from_str(std::fs::read_to_string(&metrics).unwrap().lines().last().unwrap()).unwrap();
-    assert!(step["allocator_peak_bytes"].as_u64().unwrap() <= budget.parse().unwrap(), "the run itself: {step}");
+    assert!(step["allocator_peak_bytes"].as_u64().unwrap() <= budget, "the run itself: {step}");
+}
+
+/// A budget the logits of a micro-batch (8 rows × 256 positions × 4,096 tokens) do not fit
+/// beside the rest, whatever the layout: the search tries the layouts again with the loss
+/// computed in chunks in the head, picks one, and the run trains within the budget.
+#[test]
+fn the_chunked_loss_is_chosen_where_the_logits_fit_no_candidate() {
+    let _serial = serial();
+    let shape = ["--model", "gpt", "--layers", "1", "--heads", "2", "--dim", "32", "--ctx", "256", "--vocab", "4096"];
+    auto_within(&shape, &[], 80_000_000, "the loss computed in chunks", "chunked_loss", "chunked loss");
 }
 
 /// Sixteen LLaMA blocks at 256 positions under a budget that recomputation and the chunked
@@ -334,35 +341,7 @@ fn the_chunked_loss_is_chosen_where_the_logits_fit_no_candidate() {
 #[test]
 fn activation_offload_is_chosen_where_nothing_fits_keeping_the_activations() {
     let _serial = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let (report, metrics) = (dir.path().join("report.json"), dir.path().join("m.jsonl"));
     let shape = ["--model", "llama", "--layers", "16", "--heads", "2", "--dim", "64", "--ctx", "256", "--vocab", "256"];
-    let budget = "38797312";
-    let flags = [
-        "--batch-size",
-        "8",
-        "--steps",
-        "1",
-        "--threads",
-        "1",
-        "--strategy",
-        "auto",
-        "--excluded",
-        "amp_native,half,fp8,offload,module_replace",
-        "--device-memory",
-        budget,
-        "--search-report",
-        report.to_str().unwrap(),
-        "--metrics",
-        metrics.to_str().unwrap(),
-    ];
-    let o = strata_env(&[&["train"][..], &shape, &flags].concat(), &[("STRATA_LOG", "warn")]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    assert!(report["mode"].as_str().unwrap().contains("activations offloaded"), "{}", report["mode"]);
-    let chosen = report["chosen_strategy"].as_array().unwrap();
-    assert!(chosen.iter().any(|m| m[0] == "activation_offload"), "{chosen:?}");
-    assert!(outcomes(&report).all(|(label, _)| label.contains("activation offload")));
-    let step: Value = serde_json::from_str(std::fs::read_to_string(&metrics).unwrap().lines().last().unwrap()).unwrap();
-    assert!(step["allocator_peak_bytes"].as_u64().unwrap() <= budget.parse().unwrap(), "the run itself: {step}");
+    let excluded = ["--excluded", "amp_native,half,fp8,offload,module_replace"];
+    auto_within(&shape, &excluded, 38_797_312, "activations offloaded", "activation_offload", "activation offload");
 }

@@ -315,8 +315,19 @@ impl UnitSchedule for Probe {
 impl HeldStates for Probe {}
 
 /// One fp32 forward and backward on a micro-batch, unit by unit: parameters per unit,
-/// what each unit keeps for backward, the time, the repeated unit kinds.
+/// what each unit keeps for backward, the time, the repeated unit kinds. Where the device
+/// cannot keep every unit's values, again with each unit's values waiting on the host once
+/// measured, so that long rows can still be profiled.
 pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
+    match analyse_with(bench, false) {
+        Err(Error::OutOfMemory { placement, .. }) if placement == crate::engine::Placement::Device.name() => {
+            analyse_with(bench, true)
+        }
+        other => other,
+    }
+}
+
+fn analyse_with(bench: &Bench<'_>, shelve: bool) -> Result<Analysis> {
     let spec = bench.spec()?;
     let unit_params: Vec<i64> =
         spec.units.iter().map(|u| u.params.iter().map(|id| spec.params[id.0].numel()).sum()).collect();
@@ -349,10 +360,10 @@ pub fn analyse(bench: &Bench<'_>) -> Result<Analysis> {
     let units = spec.units.len();
     let mut engine = crate::engine::Engine::new_with(spec, config, &mut release_after_init)?;
     engine.set_chunked_loss(bench.chunk)?;
-    // Each unit's values wait on the host once measured, so that rows too long for the
-    // device to keep every unit's values can still be profiled.
-    let shelved = ActivationOffload { min_bytes: 1024, pin_memory: true };
-    engine.set_activation_offload((0..units).map(|k| (k + 1 < units).then_some(shelved)).collect())?;
+    if shelve {
+        let shelved = ActivationOffload { min_bytes: 1024, pin_memory: true };
+        engine.set_activation_offload((0..units).map(|k| (k + 1 < units).then_some(shelved)).collect())?;
+    }
     let kept = Arc::new(Mutex::new(Vec::new()));
     engine.set_schedule(Box::new(Probe { device: bench.engine.device, needs, at_start: vec![], kept: kept.clone() }));
     let batch = bench
