@@ -404,7 +404,7 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
             passes.push(Pass { lora, chunk, shelved: true });
         }
     }
-    let mut refusals = vec![];
+    let mut refusals: Vec<(Vec<String>, String)> = vec![];
     for pass in passes {
         match search_with(job, steps, &pass)? {
             Ok(mut choice) => {
@@ -438,10 +438,16 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
                 if !with.is_empty() {
                     what = format!("{what} with {}", with.join(" and "));
                 }
-                refusals.push(format!("{what}: {reason}"));
+                // Passes refused for one reason (the profile they share) say it once.
+                match refusals.iter_mut().find(|(_, earlier)| *earlier == reason) {
+                    Some((whats, _)) => whats.push(what),
+                    None => refusals.push((vec![what], reason)),
+                }
             }
         }
     }
+    let refusals: Vec<String> =
+        refusals.into_iter().map(|(whats, reason)| format!("{}: {reason}", whats.join(", nor "))).collect();
     Err(Error::Config(format!("auto_accelerate found no strategy, {}", refusals.join("\nnor "))))
 }
 

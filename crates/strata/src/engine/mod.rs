@@ -1471,14 +1471,6 @@ impl Engine {
         }
         self.shelves = if any {
             let device = self.config.device;
-            static ON_THE_CPU: std::sync::Once = std::sync::Once::new();
-            if device == Device::Cpu {
-                ON_THE_CPU.call_once(|| {
-                    tracing::warn!(
-                        "activation_offload on the CPU moves kept values out of libtorch's allocator, not out of memory"
-                    )
-                });
-            }
             let mut parameters = std::collections::HashSet::new();
             for t in self.params.iter().filter(|p| p.defined()).chain(self.storage.iter().map(|s| &s.flat)) {
                 parameters.insert(strata_ext::storage_id(t)?);

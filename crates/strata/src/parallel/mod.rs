@@ -139,6 +139,14 @@ pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, 
     let config = EngineConfig { kind: strategy.half().unwrap_or(config.kind), ..config };
     let policies = compute_policies(&spec, strategy, config.device)?;
     let offloaded = activation_offload(&spec, strategy)?;
+    static ON_THE_CPU: std::sync::Once = std::sync::Once::new();
+    if config.device == tch::Device::Cpu && offloaded.iter().any(Option::is_some) {
+        ON_THE_CPU.call_once(|| {
+            tracing::warn!(
+                "activation_offload on the CPU moves kept values out of libtorch's allocator, not out of memory"
+            )
+        });
+    }
     let mut engine = build_sharding(spec, config, strategy, at)?;
     engine.set_compute(policies)?;
     engine.set_activation_offload(offloaded)?;
