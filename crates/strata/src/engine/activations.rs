@@ -168,10 +168,11 @@ impl Shelf {
             .cloned()
             .ok_or_else(|| Error::Engine(format!("activation ticket {ticket} names nothing stored")))?;
         let copy = &mut state.copies[at];
-        if copy.fetched.is_none() {
-            copy.fetched = Some(self.copy_in(copy, ticket)?);
-        }
-        let Some((values, copied)) = &copy.fetched else { unreachable!("fetched above") };
+        let fetched = match copy.fetched.take() {
+            Some(fetched) => fetched,
+            None => self.copy_in(copy)?,
+        };
+        let (values, copied) = copy.fetched.insert(fetched);
         if let (Some(copied), Device::Cuda(d)) = (copied, device) {
             copied.wait(&cuda::Stream::current(d)?)?;
         }
@@ -184,12 +185,12 @@ impl Shelf {
     }
 
     /// Starts bringing `copy`'s values back to the device (on the copy stream, a GPU).
-    fn copy_in(&self, copy: &Copy, ticket: NonZeroU64) -> Result<(Tensor, Option<cuda::Event>)> {
+    fn copy_in(&self, copy: &Copy) -> Result<(Tensor, Option<cuda::Event>)> {
         let context = &self.0.context;
         let host = copy
             .host
             .as_ref()
-            .ok_or_else(|| Error::Engine(format!("activation ticket {ticket} read after its unit's backward")))?;
+            .ok_or_else(|| Error::Engine("an offloaded value read after its unit's backward".into()))?;
         Ok(match (context.device, context.stream) {
             (Device::Cuda(device), Some(stream)) => {
                 let values = Tensor::f_empty(host.size(), (host.kind(), context.device))?;
@@ -220,7 +221,7 @@ impl Shelf {
     pub fn fetch(&self) -> Result<()> {
         let mut state = self.state()?;
         for copy in state.copies.iter_mut().filter(|c| c.fetched.is_none() && c.host.is_some()) {
-            copy.fetched = Some(self.copy_in(copy, NonZeroU64::MIN)?);
+            copy.fetched = Some(self.copy_in(copy)?);
         }
         Ok(())
     }

@@ -1117,19 +1117,20 @@ impl Engine {
                 shelf.shelf.as_ref().map(Shelf::fetch).transpose()?;
             }
             let began = self.events.as_ref().map(|_| std::time::Instant::now());
-            // A shelved input comes back as a leaf of its own, which takes the input's gradient.
-            let shelved_input = match (&b.recompute_from, &b.shelf) {
+            // The cut leaf itself, or a shelved input back as a leaf of its own, which then
+            // takes the input's gradient.
+            let recompute_input = match (&b.recompute_from, &b.shelf) {
+                (Some(RecomputeFrom::Device(input)), _) => Some(input.shallow_clone()),
                 (Some(RecomputeFrom::Shelved(ticket)), Some(shelf)) => {
                     Some(shelf.take(*ticket)?.set_requires_grad(b.input.is_some()))
                 }
-                _ => None,
-            };
-            let recompute_input = match &b.recompute_from {
-                Some(RecomputeFrom::Device(input)) => Some(input),
-                _ => shelved_input.as_ref(),
+                (Some(RecomputeFrom::Shelved(_)), None) => {
+                    return Err(Error::Engine(format!("unit {k}'s input is shelved without a shelf")))
+                }
+                (None, _) => None,
             };
             let recomputed =
-                recompute_input.map(|input| self.unit_forward(k, input, true, &record.rows)).transpose()?;
+                recompute_input.as_ref().map(|input| self.unit_forward(k, input, true, &record.rows)).transpose()?;
             if let (Some(sink), Some(began), Some(_)) = (&self.events, began, &recomputed) {
                 sink.record(Event::Recomputed { unit: k, began });
             }
@@ -1141,7 +1142,7 @@ impl Engine {
             self.land_grads(k, &released)?;
             b.shelf.as_ref().map(Shelf::clear).transpose()?;
             self.run_schedule(Phase::AfterBackward, k)?;
-            match shelved_input.as_ref().or(b.input.as_ref()) {
+            match recompute_input.as_ref().or(b.input.as_ref()) {
                 Some(input) if input.grad().defined() => {
                     upstream = input.grad();
                     // The next unit's backward is its only reader: the cut leaf lets go.
@@ -1471,10 +1472,9 @@ impl Engine {
         }
         self.shelves = if any {
             let device = self.config.device;
-            let mut parameters = std::collections::HashSet::new();
-            for t in self.params.iter().filter(|p| p.defined()).chain(self.storage.iter().map(|s| &s.flat)) {
-                parameters.insert(strata_ext::storage_id(t)?);
-            }
+            // Every parameter is a view of its unit's flat buffer.
+            let parameters =
+                self.storage.iter().map(|s| strata_ext::storage_id(&s.flat)).collect::<std::result::Result<_, _>>()?;
             let stream = match device {
                 Device::Cuda(d) => Some(strata_ext::cuda::Stream::from_pool(d, false)?),
                 _ => None,
