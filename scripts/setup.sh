@@ -16,9 +16,9 @@ venv="$cache/venv-torch-$TORCH_VERSION-py$pyver"
 
 # Python packages of the environment: libtorch itself, what the PyTorch reference scripts use
 # (transformers: the reference for model folders and generation; peft: for LoRA adapters;
-# tensorboard: the reader of event files), and the CUDA headers torch's wheel leaves out (headers only: with them
+# trl: the reference for preference optimisation; tensorboard: the reader of event files), and the CUDA headers torch's wheel leaves out (headers only: with them
 # strata-ext's build compiles the CUDA code paths, so one build serves a GPU machine and a CPU one).
-packages=("torch==$TORCH_VERSION" "numpy" "safetensors" "transformers==5.23.0" "peft==0.21.2" "tensorboard==2.21.0" "nvidia-cuda-cccl==13.0.*" "nvidia-cuda-crt==13.0.*")
+packages=("torch==$TORCH_VERSION" "numpy" "safetensors" "transformers==5.23.0" "peft==0.21.2" "trl==1.16.0" "tensorboard==2.21.0" "nvidia-cuda-cccl==13.0.*" "nvidia-cuda-crt==13.0.*")
 stamp="$venv/.strata-complete"
 
 # The stamp is written last, so an interrupted install is finished on the next run, not trusted.

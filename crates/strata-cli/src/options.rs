@@ -11,6 +11,7 @@ use strata::model::{
 };
 use strata::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use strata::patrickstar::PatrickStarConfig;
+use strata::preference::{FDivergence, PreferenceConfig, PreferenceLoss};
 use strata::run::Resume;
 use strata::strategy::Strategy;
 
@@ -106,6 +107,24 @@ train_options! {
     drop_long: bool,
     /// Examples: learn the prompts (system and user turns, a completion's prompt) too.
     train_on_prompt: bool,
+    /// Preference pairs (--data records of "prompt", "chosen" and "rejected"): the loss types,
+    /// comma-separated, by TRL's DPO names — sigmoid (the default), hinge, ipo, exo_pair,
+    /// nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down,
+    /// discopop, sft, sigmoid_norm.
+    preference_loss: String,
+    /// Preference pairs: each loss type's weight, comma-separated (default 1 each).
+    preference_loss_weights: String,
+    /// Preference pairs: how far the policy may move from the reference (default 0.1; IPO's τ).
+    beta: f64,
+    /// Preference pairs: robust's label-flip rate, exo_pair's ε, aot's smoothing (default 0).
+    label_smoothing: f64,
+    /// Preference pairs: discopop's temperature (default 0.05).
+    discopop_tau: f64,
+    /// Preference pairs: the f-divergence of the scores — reverse_kl (the default),
+    /// forward_kl, js_divergence or alpha_divergence (with --f-alpha, default 0.5).
+    f_divergence: String,
+    /// Preference pairs: the α of --f-divergence alpha_divergence.
+    f_alpha: f64,
     /// Examples: pack several into each row of --ctx tokens, each attending only to itself
     /// and with positions starting again at 0.
     pack: bool,
@@ -314,6 +333,44 @@ fn example_options(
     Ok((Some(ExampleOptions { max_length, drop_long, train_on_prompt }), ctx))
 }
 
+/// How preference pairs are scored, from the preference flags (TRL's defaults where none is
+/// given), and which of them were given.
+fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'static str>)> {
+    let given = [
+        ("--preference-loss", o.preference_loss.is_some()),
+        ("--preference-loss-weights", o.preference_loss_weights.is_some()),
+        ("--beta", o.beta.is_some()),
+        ("--label-smoothing", o.label_smoothing.is_some()),
+        ("--discopop-tau", o.discopop_tau.is_some()),
+        ("--f-divergence", o.f_divergence.is_some()),
+        ("--f-alpha", o.f_alpha.is_some()),
+    ];
+    let flags = given.iter().filter(|(_, g)| *g).map(|(f, _)| *f).collect();
+    let defaults = PreferenceConfig::default();
+    let kinds: Vec<PreferenceLoss> = match &o.preference_loss {
+        Some(names) => names.split(',').map(|n| n.trim().parse()).collect::<strata::Result<_>>()?,
+        None => defaults.losses.iter().map(|(k, _)| *k).collect(),
+    };
+    let weights: Vec<f64> = match &o.preference_loss_weights {
+        Some(w) => {
+            w.split(',').map(|x| x.trim().parse().context("--preference-loss-weights")).collect::<Result<_>>()?
+        }
+        None => vec![1.0; kinds.len()],
+    };
+    if weights.len() != kinds.len() {
+        bail!("--preference-loss-weights gives {} weights for {} loss types", weights.len(), kinds.len());
+    }
+    let config = PreferenceConfig {
+        losses: kinds.into_iter().zip(weights).collect(),
+        beta: o.beta.unwrap_or(defaults.beta),
+        label_smoothing: o.label_smoothing.unwrap_or(defaults.label_smoothing),
+        discopop_tau: o.discopop_tau.unwrap_or(defaults.discopop_tau),
+        f_divergence: FDivergence::parse(o.f_divergence.as_deref().unwrap_or("reverse_kl"), o.f_alpha.unwrap_or(0.5))?,
+    };
+    config.validate()?;
+    Ok((config, flags))
+}
+
 /// Everything `strata train` needs, resolved and validated (except the vocabulary, which
 /// may depend on the data: `vocab` is `None` when it is to be taken from there).
 #[derive(Clone, Debug)]
@@ -329,6 +386,10 @@ pub struct TrainSettings {
     pub val: Option<DataChoice>,
     /// How example data is cut and learned (set when the data is examples).
     pub examples: Option<ExampleOptions>,
+    /// How preference pairs are scored, where the data holds them.
+    pub preference: PreferenceConfig,
+    /// The preference flags given (refused where the data holds no pairs).
+    pub preference_flags: Vec<&'static str>,
     /// Pack several examples into each row.
     pub pack: bool,
     pub chat_template: Option<PathBuf>,
@@ -746,6 +807,7 @@ impl TrainOptions {
             bail!("--ctx must be positive, got {ctx}");
         }
         let (examples, ctx) = example_options(&o, &data, val.as_ref())?;
+        let (preference, preference_flags) = preference_options(&o)?;
         // A restarted job (torchrun --max-restarts) continues from its newest checkpoint.
         let resume = match o.resume {
             Some(path) if path.as_os_str() == "auto" => match &o.save_checkpoint {
@@ -797,6 +859,8 @@ impl TrainOptions {
             dim: o.dim.unwrap_or(128),
             ctx,
             examples,
+            preference,
+            preference_flags,
             pack: o.pack.unwrap_or(false),
             chat_template: o.chat_template,
             vocab: o.vocab,

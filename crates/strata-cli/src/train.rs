@@ -9,7 +9,7 @@ use strata::data::chat::{self, ChatTemplate};
 use strata::data::Batching;
 use strata::data::{
     read_labeled, read_source_target, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleOptions, ExampleSet,
-    MaskOptions, MaskedSet, Order, Seq2SeqSet, SyntheticCorpus, TokenData, Tokenizer,
+    MaskOptions, MaskedSet, Order, PreferenceFormat, PreferenceSet, Seq2SeqSet, SyntheticCorpus, TokenData, Tokenizer,
 };
 use strata::io::FolderOut;
 use strata::model::{BertConfig, BertHead, ModelConfig};
@@ -69,8 +69,11 @@ fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, 
         }
         DataChoice::Examples(path) => {
             let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
-            let examples = load_examples(settings, path, &tokenizer)?;
-            (examples.into(), None, tokenizer.vocab_size())
+            let set: Dataset = match PreferenceSet::holds_pairs(path)? {
+                true => load_pairs(settings, path, &tokenizer)?.into(),
+                false => load_examples(settings, path, &tokenizer)?.into(),
+            };
+            (set, None, tokenizer.vocab_size())
         }
         DataChoice::TokenFile(path, width) => {
             let data = TokenData::open(path, *width)?;
@@ -142,6 +145,37 @@ fn load_examples(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -
         chat_template: settings.chat_template.as_deref(),
     };
     read_examples(path, tokenizer, sources, &options)
+}
+
+/// The preference pairs of `path`, rendered and ended as examples are, each row cut to
+/// --max-length.
+fn load_pairs(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> Result<PreferenceSet> {
+    let options = settings.examples.clone().context("example options are set for example data")?;
+    if options.drop_long || options.train_on_prompt || settings.pack {
+        bail!("{}: --drop-long, --train-on-prompt and --pack shape examples, not preference pairs", path.display());
+    }
+    let folder = crate::options::tokenizer_folder(
+        settings.tokenizer.as_deref(),
+        settings.model_dir.as_ref().map(|m| m.dir.as_path()),
+    );
+    let template = ChatTemplate::choose(settings.chat_template.as_deref(), folder)?;
+    let end_of_text = match folder {
+        Some(dir) => chat::special_token(&chat::tokenizer_config(dir)?, "eos_token"),
+        None => None,
+    };
+    let format =
+        PreferenceFormat { tokenizer, template: template.as_ref(), end_of_text, max_length: options.max_length };
+    let set = PreferenceSet::read(path, &format)?;
+    let r = &set.report;
+    tracing::info!(
+        source = %path.display(),
+        records = r.records,
+        pairs = r.pairs,
+        dropped_long_prompt = r.dropped_long_prompt,
+        truncated_rows = r.truncated_rows,
+        "preference pairs"
+    );
+    Ok(set)
 }
 
 /// Where examples' rendering comes from: the tokenizer file and model folder given (the
@@ -266,6 +300,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
         }),
         resume: s.resume.clone(),
         restart_data: s.restart_data,
+        preference: s.preference.clone(),
         outputs: Outputs {
             weights: s.save_weights.clone(),
             model_folder: model_folder(s, model)?,
@@ -293,6 +328,9 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
 
 pub fn run(settings: TrainSettings) -> Result<()> {
     let (train, best_loss, data_vocab) = load_data(&settings, &settings.data)?;
+    if let Some(flag) = settings.preference_flags.first().filter(|_| !matches!(train, Dataset::Preference(_))) {
+        bail!("{flag} scores preference pairs: give --data records of \"prompt\", \"chosen\" and \"rejected\"");
+    }
     let validation = match &settings.val {
         Some(v) => Some(Arc::new(load_data(&settings, v)?.0)),
         None => None,

@@ -22,6 +22,7 @@
 //! - [`parallel`]: data, ZeRO, tensor and pipeline parallelism as engine schedules;
 //! - [`auto`]: `auto_accelerate` and the strategy search;
 //! - [`patrickstar`]: PatrickStar's `initialize_engine` face;
+//! - [`preference`]: DPO and its family of losses over preference pairs, with TRL's metrics;
 //! - [`profile`]: recorded profiles, Chrome traces, summaries and plots;
 //! - [`run`]: a whole training run as `strata train` does it, with its outputs.
 //!
@@ -63,6 +64,7 @@ pub mod model;
 pub mod optim;
 pub mod parallel;
 pub mod patrickstar;
+pub mod preference;
 pub mod profile;
 pub mod run;
 pub mod strategy;

@@ -1,5 +1,5 @@
 //! Fine-tuning end to end: data formats, Hugging Face folders against `transformers`,
-//! encoder-decoders.
+//! encoder-decoders, preference optimisation against TRL.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -7,5 +7,6 @@ mod finetune;
 mod hf;
 #[path = "../../../strata/tests/common/hf_reference.rs"]
 mod hf_reference;
+mod preference;
 mod seq2seq;
 mod walkthroughs;

@@ -159,13 +159,16 @@ pub struct Batch {
     /// every rank and micro-batch, in order): dropout masks are drawn by it, so however the
     /// batch is split, each row draws the same masks.
     pub first_row: usize,
+    /// Preference pairs' reference log-probabilities, one per row (`[rows]`, fp64), where
+    /// they were computed: what the preference loss measures the policy's against.
+    pub reference: Option<Tensor>,
 }
 
 impl Batch {
     /// A batch whose supervised targets are counted from `targets` (a read of the tensor).
     pub fn new(inputs: Tensor, targets: Tensor) -> Result<Batch> {
         let supervised = targets.f_ne(IGNORE)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as u64;
-        Ok(Batch { inputs, targets, supervised, layout: None, padding: None, first_row: 0 })
+        Ok(Batch { inputs, targets, supervised, layout: None, padding: None, first_row: 0, reference: None })
     }
 
     /// This batch's `piece` of every row's positions (context parallelism): its inputs,
@@ -215,6 +218,7 @@ impl Batch {
             layout: self.layout.as_ref().map(|l| l.to_device(device)).transpose()?,
             padding: self.padding.as_ref().map(|p| p.f_to_device(device)).transpose()?,
             first_row: self.first_row,
+            reference: self.reference.as_ref().map(|r| r.f_to_device(device)).transpose()?,
         })
     }
 }
@@ -274,6 +278,7 @@ pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usi
         (Dataset::Labeled(l), None) => (l.len(), "labeled texts".to_string(), 1),
         (Dataset::SourceTarget(s), None) => (s.len(), "sources with targets".to_string(), 1),
         (Dataset::Masked(m), None) => (m.len(), format!("masked rows of {} tokens", m.longest()), 1),
+        (Dataset::Preference(p), None) => (p.len(), "preference pairs".to_string(), 1),
     };
     let fit = held / config.batching.batch_size;
     let count = match count {
@@ -322,7 +327,9 @@ impl DataLoader {
             Dataset::Tokens(t) => t.check_length(config.batching.ctx)?,
             Dataset::Examples(e) if e.is_empty() => return Err(Error::Data(format!("{} holds no example", e.source))),
             Dataset::Examples(_) => {}
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => match data.row_set() {
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => match data
+                .row_set()
+            {
                 Some(rows) if rows.is_empty() => return Err(Error::Data(format!("{} holds no record", rows.source()))),
                 _ => {}
             },
@@ -445,7 +452,7 @@ impl OffsetStream {
             Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
             Dataset::Examples(e) if config.batching.pack => Items::Packed { lengths: lengths(e).into() },
             Dataset::Examples(e) => Items::Examples { count: e.len() },
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => {
                 Items::Examples { count: data.row_set().map_or(0, |r| r.len()) }
             }
         };
@@ -554,7 +561,7 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
     let global_supervised = match data {
         Dataset::Tokens(_) => (global.len() * ctx) as u64,
         Dataset::Examples(e) => global.iter().flatten().map(|&i| learned_targets(e, i)).sum(),
-        Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
+        Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => {
             let set = data.row_set();
             global.iter().flatten().map(|&i| set.map_or(0, |s| s.supervised(i))).sum()
         }
@@ -586,7 +593,7 @@ fn micro_batch(data: &Dataset, config: &LoaderConfig, rows: &[Vec<usize>]) -> Re
             Dataset::Examples(e) => {
                 filled.push(examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()))
             }
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => {
                 unreachable!("records are batched whole above")
             }
         }
@@ -629,6 +636,7 @@ pub(super) fn batch_of(inputs: Vec<i64>, targets: Vec<i64>, rows: usize, ctx: us
         layout: None,
         padding: None,
         first_row: 0,
+        reference: None,
     })
 }
 

@@ -14,6 +14,7 @@ pub mod chat;
 mod classify;
 mod loader;
 mod masked;
+mod preference;
 pub mod records;
 mod seq2seq;
 mod synthetic;
@@ -23,6 +24,7 @@ pub use crate::model::layers::IGNORE;
 pub use classify::{predictions, read_labeled, scores, ClassifySet, LabeledText, Scores};
 pub use loader::{validation_steps, Batch, BatchOffsets, Batching, DataLoader, LoaderConfig, Order, Step};
 pub use masked::{MaskOptions, MaskedSet};
+pub use preference::{PreferenceFormat, PreferencePair, PreferenceReport, PreferenceSet};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
 pub use seq2seq::{read_source_target, rouge_l, Seq2SeqSet, SourceTarget};
 pub use synthetic::SyntheticCorpus;
@@ -199,6 +201,9 @@ pub enum Dataset {
     SourceTarget(Seq2SeqSet),
     /// Rows of text with tokens masked for prediction (masked-language pretraining).
     Masked(MaskedSet),
+    /// Prompts each with a chosen and a rejected completion, two rows a pair (preference
+    /// optimisation).
+    Preference(PreferenceSet),
 }
 
 /// Records batched a record a row, each batch padded to its longest record (labeled texts,
@@ -250,6 +255,12 @@ impl From<Seq2SeqSet> for Dataset {
     }
 }
 
+impl From<PreferenceSet> for Dataset {
+    fn from(data: PreferenceSet) -> Dataset {
+        Dataset::Preference(data)
+    }
+}
+
 impl From<TokenData> for Dataset {
     fn from(data: TokenData) -> Dataset {
         Dataset::Tokens(data)
@@ -269,6 +280,7 @@ impl Dataset {
             Dataset::Labeled(l) => Some(l),
             Dataset::SourceTarget(s) => Some(s),
             Dataset::Masked(m) => Some(m),
+            Dataset::Preference(p) => Some(p),
             Dataset::Tokens(_) | Dataset::Examples(_) => None,
         }
     }
@@ -278,7 +290,7 @@ impl Dataset {
         match self {
             Dataset::Tokens(t) => &t.source,
             Dataset::Examples(e) => &e.source,
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) => {
+            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => {
                 self.row_set().map_or("", |r| r.source())
             }
         }
@@ -335,6 +347,10 @@ impl Dataset {
             Dataset::Masked(m) => {
                 check_rows(&m.source, ("a row", m.longest()), ctx, "")?;
                 check_vocab(&m.source, m.vocab_needed(), vocab)
+            }
+            Dataset::Preference(p) => {
+                check_rows(&p.source, ("a prompt with a completion", p.longest()), ctx, "")?;
+                check_vocab(&p.source, p.vocab_needed(), vocab)
             }
         }
     }

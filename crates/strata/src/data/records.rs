@@ -149,7 +149,7 @@ impl Record {
 
 /// Messages: a list of objects, each with a string `role` and a string `content` (a tool's
 /// turn is text like any other; the template decides how it reads).
-fn messages_of(value: Value, field: &str) -> std::result::Result<Vec<Value>, String> {
+pub(super) fn messages_of(value: Value, field: &str) -> std::result::Result<Vec<Value>, String> {
     let Value::Array(messages) = value else { return Err(format!("\"{field}\" must be a list of messages")) };
     if messages.is_empty() {
         return Err(format!("\"{field}\" holds no message"));
@@ -166,7 +166,7 @@ fn messages_of(value: Value, field: &str) -> std::result::Result<Vec<Value>, Str
 
 /// Reads `path`'s records with where each came from (`:LINE`, or `: row N`): JSON Lines, or
 /// Parquet when the name ends in `.parquet`.
-fn read_records(path: &Path) -> Result<Vec<(String, std::result::Result<Value, String>)>> {
+pub(super) fn read_records(path: &Path) -> Result<Vec<(String, std::result::Result<Value, String>)>> {
     if path.extension().is_some_and(|e| e == "parquet") {
         use parquet::file::reader::{FileReader, SerializedFileReader};
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;

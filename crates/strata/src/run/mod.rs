@@ -27,13 +27,14 @@ pub mod tensorboard;
 use crate::auto::{self, AutoAccelerate, AutoOptions};
 use crate::checkpoint::{self, BaseRecord, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankInfo};
-use crate::data::{validation_steps, Batching, DataLoader, Dataset, LoaderConfig, Order, Step};
+use crate::data::{validation_steps, Batching, DataLoader, Dataset, LoaderConfig, Order, RowSet, Step};
 use crate::engine::{Engine, EngineConfig, EventSink, EventSinks, UnitClock};
 use crate::io::{AdapterOut, FolderOut, WeightsTarget};
 use crate::model::{Builder, ModelConfig, ModelDir, ModelSpec};
 use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use crate::parallel::{self, DataParallelOptions, TrainerSetup};
 use crate::patrickstar::PatrickStarConfig;
+use crate::preference::{PreferenceConfig, PreferenceObjective};
 use crate::profile::Profiler;
 use crate::strategy::{Dim, LoraConfig, Strategy};
 use crate::train::{token_input, Feed, InputFn, LossFn, StepReport, Trainer};
@@ -250,6 +251,9 @@ pub struct RunConfig {
     pub log_every: u64,
     /// A progress bar on standard error (rank 0).
     pub progress: bool,
+    /// How preference pairs are scored, where the training data holds them (DPO's sigmoid
+    /// loss at β = 0.1 by default).
+    pub preference: PreferenceConfig,
 }
 
 impl RunConfig {
@@ -289,6 +293,7 @@ impl Default for RunConfig {
             cuda_graph: false,
             log_every: 10,
             progress: false,
+            preference: PreferenceConfig::default(),
         }
     }
 }
@@ -554,8 +559,12 @@ pub fn train(
         None => Ranks { comm: None, local_world_size: 1 },
     };
     share_cores(config.threads, ranks.local_world_size);
+    let preference = preference_objective(data, &mut config)?;
     let engine_config = engine_config_of(&config);
     let (strategy, data_parallel) = choose_strategy(model, data, &config, &ranks, &engine_config)?;
+    if preference.is_some() {
+        check_preference_strategy(&strategy, &config)?;
+    }
     let strategy = with_adapter_config(strategy, &config.init)?;
     if config.outputs.adapter_folder.is_some() && strategy.lora().is_none() {
         return Err(Error::Config(
@@ -613,6 +622,18 @@ pub fn train(
     for part in trainer.parts_mut() {
         load_initial_weights(&config.init, &mut part.engine)?;
     }
+    // The reference scores are the model's as it starts, before any resume moves it.
+    let rows = LoaderConfig::new(config.batching.clone()).micro_batch_rows()?;
+    let with_reference = |set: &Arc<Dataset>, trainer: &mut Trainer| -> Result<Arc<Dataset>> {
+        match preference.as_ref() {
+            Some(_) => attach_reference(trainer, set, &config, rows),
+            None => Ok(set.clone()),
+        }
+    };
+    let data = &Data {
+        train: with_reference(&data.train, &mut trainer)?,
+        validation: data.validation.as_ref().map(|v| with_reference(v, &mut trainer)).transpose()?,
+    };
     if config.cuda_graph {
         trainer.capture_cuda_graph(CUDA_GRAPH_WARMUP)?;
     }
@@ -683,7 +704,13 @@ pub fn train(
     for step in loader.take((config.steps - start) as usize) {
         // The trainer reports the job's loss; every data rank's tokens count, and each
         // context rank's piece of them.
+        if let Some(p) = &preference {
+            p.reset();
+        }
         let mut report = trainer.train_step(&step?)?;
+        if let Some(p) = &preference {
+            report.preference = p.take_metrics(world_group.as_deref())?;
+        }
         let readers = data_world * mesh.size(Dim::Context);
         report.tokens *= readers as u64;
         report.tokens_per_s *= readers as f64;
@@ -760,6 +787,88 @@ pub fn train(
         }
     }
     Ok(RunSummary { last, strategy, rank: ranks.rank(), world_size: ranks.world() })
+}
+
+/// The scoring of preference pairs where the training data holds them, its loss made the
+/// run's; refused beside a loss of the caller's own.
+fn preference_objective(data: &Data, config: &mut RunConfig) -> Result<Option<Arc<PreferenceObjective>>> {
+    let pairs = |d: &Dataset| matches!(d, Dataset::Preference(_));
+    if !pairs(&data.train) {
+        if data.validation.as_deref().is_some_and(pairs) {
+            return Err(Error::Config("the validation data holds preference pairs, the training data does not".into()));
+        }
+        return Ok(None);
+    }
+    if config.loss.is_some() {
+        return Err(Error::Config("preference pairs are scored by the preference loss, not by a loss_func".into()));
+    }
+    if data.validation.as_deref().is_some_and(|v| !pairs(v)) {
+        return Err(Error::Config("the training data holds preference pairs, the validation data does not".into()));
+    }
+    let objective = PreferenceObjective::new(config.preference.clone())?;
+    config.loss = Some(objective.loss_fn());
+    Ok(Some(objective))
+}
+
+/// Refuses what a preference run cannot take, in one line naming why: the loss scores a
+/// whole row's logits over the whole vocabulary.
+fn check_preference_strategy(strategy: &Strategy, config: &RunConfig) -> Result<()> {
+    let why = if strategy.tensor_parallel().is_some() {
+        Some("tensor parallelism splits the vocabulary's logits")
+    } else if strategy.context_parallel().is_some() {
+        Some("context parallelism splits a completion's tokens over ranks")
+    } else if strategy.chunked_loss().is_some() {
+        Some("chunked_loss gives a next-token loss, not the logits a pair's score sums")
+    } else if config.cuda_graph {
+        Some("a captured step cannot read the pairs' metrics")
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(Error::Config(format!("preference pairs: {why}"))),
+        None => Ok(()),
+    }
+}
+
+/// `set` with its pairs' reference scores attached: the trainer's model scores every pair
+/// (each rank all of them, so every rank runs the same forwards) in batches of `rows`.
+/// Ranks that score nothing (a pipeline's earlier stages) keep the set as it is.
+fn attach_reference(
+    trainer: &mut Trainer,
+    set: &Arc<Dataset>,
+    config: &RunConfig,
+    rows: usize,
+) -> Result<Arc<Dataset>> {
+    let Dataset::Preference(pairs) = set.as_ref() else { return Ok(set.clone()) };
+    let all: Vec<usize> = (0..pairs.len()).collect();
+    let steps = all
+        .chunks(rows.max(1))
+        .enumerate()
+        .map(|(i, chunk)| Ok(Step::new(i, vec![pairs.batch(chunk)?.to_device(config.device)?])))
+        .collect::<Result<Vec<_>>>()?;
+    let recorded = Arc::new(std::sync::Mutex::new(vec![]));
+    trainer.set_feed(&Feed { loss: Some(crate::preference::reference_recorder(recorded.clone())), ..config.feed() });
+    let scored = trainer.evaluate(&steps);
+    trainer.set_feed(&config.feed());
+    scored?;
+    let recorded = std::mem::take(&mut *recorded.lock().unwrap_or_else(|e| e.into_inner()));
+    if recorded.is_empty() {
+        return Ok(set.clone());
+    }
+    // Each batch's rows are its pairs' chosen rows, then their rejected ones.
+    let mut reference = Vec::with_capacity(pairs.len());
+    let mut at = 0;
+    for chunk in all.chunks(rows.max(1)) {
+        let n = chunk.len();
+        let batch = recorded
+            .get(at..at + 2 * n)
+            .ok_or_else(|| Error::Engine(format!("{} reference scores for {} pairs", recorded.len(), pairs.len())))?;
+        reference.extend((0..n).map(|i| [batch[i], batch[n + i]]));
+        at += 2 * n;
+    }
+    let mut pairs = pairs.clone();
+    pairs.set_reference(reference)?;
+    Ok(Arc::new(Dataset::Preference(pairs)))
 }
 
 /// The record of the base weights among `init` (weights files and model folders), in order.

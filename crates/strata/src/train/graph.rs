@@ -71,6 +71,7 @@ impl CapturedStep {
             layout: None,
             padding: batch.padding.as_ref().map(own).transpose()?,
             first_row: batch.first_row,
+            reference: batch.reference.as_ref().map(own).transpose()?,
         })
     }
 

@@ -88,6 +88,10 @@ pub struct StepReport {
     /// coefficient) and the token slots of the least and most loaded expert.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub experts: Option<crate::model::BalanceReport>,
+    /// Preference pairs' metrics over the step's global batch, under TRL's names (filled in
+    /// by the training loop's owner where the run optimises preferences).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub preference: Option<crate::preference::PreferenceMetrics>,
     /// Loss per learned token of the validation batches, after steps where a validation ran (filled in
     /// by the training loop's owner).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -748,6 +752,7 @@ impl Trainer {
             unit_times: None,
             pipeline: None,
             experts: self.parts[0].engine.routed().map(|r| r.report),
+            preference: None,
             val_loss: None,
             val_perplexity: None,
         };

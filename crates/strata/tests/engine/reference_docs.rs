@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use strata::engine::memory::{PlacementReport, Transfers};
 use strata::engine::{Category, Placement, UnitTime};
 use strata::model::BalanceReport;
+use strata::preference::PreferenceMetrics;
 use strata::train::{PipelineFigures, StepReport};
 
 /// A report whose every optional field is filled (a new field must be given here, so it
@@ -47,6 +48,18 @@ fn full_report() -> StepReport {
             remote_expert_tokens: 0,
             dropped_expert_tokens: 0,
             z_loss: 0.0,
+        }),
+        preference: Some(PreferenceMetrics {
+            rewards_chosen: 1.0,
+            rewards_rejected: 1.0,
+            rewards_accuracies: 1.0,
+            rewards_margins: 1.0,
+            logps_chosen: 1.0,
+            logps_rejected: 1.0,
+            logits_chosen: 1.0,
+            logits_rejected: 1.0,
+            entropy: 1.0,
+            mean_token_accuracy: 1.0,
         }),
         val_loss: Some(1.0),
         val_perplexity: Some(1.0),

@@ -1,0 +1,344 @@
+//! Preference optimisation against TRL's `DPOTrainer` (scripts/trl_reference.py, the pinned
+//! TRL of the project's environment) on a tiny LLaMA folder and the same batches: for every
+//! DPO loss type, several summed, f-divergences, conversations through the chat template
+//! with their prompt left implicit, LoRA (the reference being the base with its fresh
+//! adapter), and fsdp over two ranks, each of 10 steps' loss, gradient norm and TRL's
+//! metrics, and the weights the steps end with.
+use crate::common::{self, reports, stderr, strata};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const STEPS: usize = 10;
+const BATCH: usize = 4;
+
+/// One run, on Strata and on TRL.
+struct Case {
+    name: &'static str,
+    /// TRL's `loss_type` names, comma-separated.
+    loss: &'static str,
+    weights: Option<&'static str>,
+    beta: f64,
+    smoothing: f64,
+    f_divergence: &'static str,
+    /// Conversations with their prompts left implicit, in place of text records.
+    conversational: bool,
+    /// Train a LoRA adapter (made here, peft's fresh draw) alone.
+    adapter: bool,
+    /// Strata's flags beyond the shared ones; the TRL run of `trl_name` is the reference.
+    strata_flags: &'static [&'static str],
+    trl_name: &'static str,
+}
+
+const fn case(name: &'static str, loss: &'static str) -> Case {
+    Case {
+        name,
+        loss,
+        weights: None,
+        beta: 0.1,
+        smoothing: 0.0,
+        f_divergence: "reverse_kl",
+        conversational: false,
+        adapter: false,
+        strata_flags: &[],
+        trl_name: name,
+    }
+}
+
+const CASES: &[Case] = &[
+    case("sigmoid", "sigmoid"),
+    case("hinge", "hinge"),
+    Case { beta: 0.5, ..case("ipo", "ipo") },
+    Case { smoothing: 1e-3, ..case("exo_pair", "exo_pair") },
+    case("nca_pair", "nca_pair"),
+    Case { smoothing: 0.1, ..case("robust", "robust") },
+    case("bco_pair", "bco_pair"),
+    case("sppo_hard", "sppo_hard"),
+    Case { smoothing: 0.1, ..case("aot", "aot") },
+    case("aot_unpaired", "aot_unpaired"),
+    case("apo_zero", "apo_zero"),
+    case("apo_down", "apo_down"),
+    case("discopop", "discopop"),
+    case("sft", "sft"),
+    case("sigmoid_norm", "sigmoid_norm"),
+    Case { weights: Some("0.8,0.2,1.0"), ..case("mpo", "sigmoid,bco_pair,sft") },
+    Case { f_divergence: "js_divergence", ..case("js", "sigmoid") },
+    Case { f_divergence: "forward_kl", ..case("forward_kl", "hinge") },
+    Case { conversational: true, ..case("conversations", "sigmoid") },
+    Case { adapter: true, ..case("lora", "sigmoid") },
+    Case {
+        strata_flags: &["--nproc", "2", "--strategy", r#"["fsdp"]"#],
+        trl_name: "sigmoid",
+        ..case("fsdp", "sigmoid")
+    },
+];
+
+const WORDS: [&str; 10] = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
+
+/// 24 sums asked, each answered right (sometimes at more length) and wrong.
+fn sums() -> Vec<(String, String, String)> {
+    let mut state = 7u64;
+    let mut next = |n: u64| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((state >> 33) % n) as usize
+    };
+    (0..24)
+        .map(|i| {
+            let (a, b) = (next(10), next(10));
+            let wrong = a + b + 1 + next(4);
+            let more = if i % 3 == 0 { " That is all." } else { "" };
+            (
+                format!("What is {} plus {}?", WORDS[a], WORDS[b]),
+                format!(" It is {}.{more}", a + b),
+                format!(" It is {wrong}."),
+            )
+        })
+        .collect()
+}
+
+fn said(role: &str, content: &str) -> Value {
+    json!({"role": role, "content": content})
+}
+
+fn write_lines(path: &Path, records: impl Iterator<Item = Value>) {
+    let lines: Vec<String> = records.map(|r| r.to_string()).collect();
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn script() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/trl_reference.py").display().to_string()
+}
+
+fn python(py: &Path, args: &[&str]) {
+    let o = Command::new(py).arg(script()).args(args).output().unwrap();
+    assert!(o.status.success(), "trl_reference.py {args:?}:\n{}", stderr(&o));
+}
+
+/// The model folder, pair files, adapter and TRL's runs of every case, made once.
+fn reference(py: &Path) -> PathBuf {
+    common::shared_dir("trl", |dir| {
+        python(py, &["make", "--out", s(&dir.join("model")), "--seed", "3"]);
+        let lora = r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}"#;
+        python(py, &["lora", "--model", s(&dir.join("model")), "--out", s(&dir.join("adapter")), "--config", lora]);
+        let pairs = sums();
+        write_lines(
+            &dir.join("text.jsonl"),
+            pairs.iter().map(|(p, c, r)| json!({"prompt": p, "chosen": c, "rejected": r})),
+        );
+        let conversation = |p: &str, answer: &str| json!([said("user", p), said("assistant", answer.trim())]);
+        write_lines(
+            &dir.join("conversations.jsonl"),
+            pairs.iter().map(|(p, c, r)| json!({"chosen": conversation(p, c), "rejected": conversation(p, r)})),
+        );
+        let offsets: Vec<Vec<usize>> = (0..STEPS).map(|k| (0..BATCH).map(|i| (k * BATCH + i) % 24).collect()).collect();
+        let offsets = json!({"ctx": 64, "batch": BATCH, "offsets": offsets});
+        std::fs::write(dir.join("offsets.json"), offsets.to_string()).unwrap();
+        let runs: Vec<Value> = CASES
+            .iter()
+            .filter(|c| c.trl_name == c.name)
+            .map(|c| {
+                let pairs = if c.conversational { "conversations.jsonl" } else { "text.jsonl" };
+                json!({
+                    "name": c.name,
+                    "pairs": dir.join(pairs),
+                    "loss_type": c.loss.split(',').collect::<Vec<_>>(),
+                    "loss_weights": c.weights.map(|w| w.split(',').map(|x| x.parse::<f64>().unwrap()).collect::<Vec<_>>()),
+                    "beta": c.beta,
+                    "label_smoothing": c.smoothing,
+                    "f_divergence": c.f_divergence,
+                    "adapter": c.adapter.then(|| dir.join("adapter")),
+                })
+            })
+            .collect();
+        std::fs::write(dir.join("runs.json"), Value::from(runs).to_string()).unwrap();
+        let (out, batch, steps) = (dir.join("trl"), BATCH.to_string(), STEPS.to_string());
+        std::fs::create_dir_all(&out).unwrap();
+        let runs = dir.join("runs.json");
+        python(
+            py,
+            &[
+                "dpo",
+                "--model",
+                s(&dir.join("model")),
+                "--runs",
+                s(&runs),
+                "--out",
+                s(&out),
+                "--max-length",
+                "64",
+                "--batch",
+                &batch,
+                "--steps",
+                &steps,
+            ],
+        );
+    })
+}
+
+/// The case on Strata: its metrics file and its saved weights (the adapter's, for LoRA).
+fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
+    let out = dir.join("strata").join(c.name);
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    let (metrics, saved) = (out.join("metrics.jsonl"), out.join("saved"));
+    let pairs = dir.join(if c.conversational { "conversations.jsonl" } else { "text.jsonl" });
+    let (beta, smoothing) = (c.beta.to_string(), c.smoothing.to_string());
+    let (model, offsets) = (dir.join("model"), dir.join("offsets.json"));
+    let mut args = vec![
+        "train",
+        "--model-dir",
+        s(&model),
+        "--data",
+        s(&pairs),
+        "--ctx",
+        "64",
+        "--batch-size",
+        "4",
+        "--steps",
+        "10",
+        "--lr",
+        "1e-3",
+        "--weight-decay",
+        "0",
+        "--grad-clip",
+        "1e9",
+        "--schedule",
+        "constant",
+        "--threads",
+        "1",
+        "--batch-offsets",
+        s(&offsets),
+        "--metrics",
+        s(&metrics),
+        "--preference-loss",
+        c.loss,
+        "--beta",
+        &beta,
+        "--label-smoothing",
+        &smoothing,
+        "--f-divergence",
+        c.f_divergence,
+    ];
+    if let Some(w) = c.weights {
+        args.extend(["--preference-loss-weights", w]);
+    }
+    let adapter = dir.join("adapter");
+    match c.adapter {
+        true => args.extend(["--init-adapter", s(&adapter), "--save-adapter-dir", s(&saved)]),
+        false => args.extend(["--save-model-dir", s(&saved)]),
+    }
+    args.extend(c.strata_flags);
+    let o = strata(&args);
+    assert!(o.status.success(), "{}:\n{}", c.name, stderr(&o));
+    let weights = match c.adapter {
+        true => saved.join("adapter_model.safetensors"),
+        false => saved.join("model.safetensors"),
+    };
+    (metrics, weights)
+}
+
+/// How far Strata's `key` at `step` (from 1) may be from TRL's `want`, in TRL's report `b`.
+/// Everything within 1e-5 relative (of 0.1 for smaller values) except: the rewards, β times
+/// a difference of two sums of fp32 log-probabilities of tens each, whose rounding alone is
+/// about 1e-7 of them (so within 1e-6 of β·|logps|, beside 1e-5 relative); and the gradient
+/// norm after the first step, which the trajectory's rounding moves (within 1e-4; the first
+/// step's, from the same weights, within 1e-5, and the final weights within 1e-5 below).
+fn tolerance(key: &str, step: usize, want: f64, b: &Value, beta: f64) -> f64 {
+    let relative = 1e-5 * want.abs().max(0.1);
+    match key {
+        k if k.starts_with("rewards/") && k != "rewards/accuracies" => {
+            let logps = b["logps/chosen"].as_f64().unwrap().abs() + b["logps/rejected"].as_f64().unwrap().abs();
+            relative + 1e-6 * beta * logps
+        }
+        "grad_norm" if step > 1 => 1e-4 * want.abs(),
+        _ => relative,
+    }
+}
+
+fn follows_trl(c: &Case) {
+    let Some(py) = common::venv_python() else { return };
+    let dir = reference(&py);
+    let (metrics, weights) = strata_run(&dir, c);
+    let trl = dir.join("trl").join(c.trl_name);
+    let theirs = reports(&trl.with_extension("jsonl"));
+    let ours = reports(&metrics);
+    assert_eq!(ours.len(), STEPS, "{}: steps recorded", c.name);
+    for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        let Value::Object(fields) = b else { panic!("TRL's line is an object") };
+        for (key, want) in fields {
+            let want = want.as_f64().unwrap();
+            // A tie of rewards is broken by rounding: the share of pairs it decides is not compared.
+            if key == "rewards/accuracies" && b["rewards/margins"].as_f64().unwrap().abs() < 1e-4 {
+                continue;
+            }
+            let got = a[key].as_f64().unwrap_or_else(|| panic!("{}: Strata's metrics lack {key}", c.name));
+            let bound = tolerance(key, step + 1, want, b, c.beta);
+            assert!((got - want).abs() <= bound, "{}: step {} {key}: Strata {got}, TRL {want}", c.name, step + 1);
+        }
+    }
+    let theirs = match c.adapter {
+        true => trl.join("adapter_model.safetensors"),
+        false => trl.with_extension("safetensors"),
+    };
+    let gap = common::global_gap(&theirs, &weights);
+    eprintln!("{}: weights after {STEPS} steps differ from TRL's by {gap:.2e}", c.name);
+    assert!(gap < 1e-5, "{}: weights differ from TRL's by {gap:e}", c.name);
+}
+
+fn follow(names: &[&str]) {
+    for name in names {
+        follows_trl(CASES.iter().find(|c| c.name == *name).expect("a case of that name"));
+    }
+}
+
+#[test]
+fn dpo_sigmoid_hinge_ipo_exo_and_nca_follow_trl() {
+    follow(&["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair"]);
+}
+
+#[test]
+fn robust_bco_sppo_and_aot_follow_trl() {
+    follow(&["robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired"]);
+}
+
+#[test]
+fn apo_discopop_sft_and_normalised_dpo_follow_trl() {
+    follow(&["apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]);
+}
+
+#[test]
+fn summed_losses_and_f_divergences_follow_trl() {
+    follow(&["mpo", "js", "forward_kl"]);
+}
+
+#[test]
+fn conversations_lora_and_fsdp_follow_trl() {
+    follow(&["conversations", "lora", "fsdp"]);
+}
+
+#[test]
+fn preference_flags_without_pairs_and_impossible_parameters_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("t.txt");
+    std::fs::write(&text, "to be or not to be ".repeat(40)).unwrap();
+    let o = strata(&["train", "--data", s(&text), "--steps", "1", "--beta", "0.2"]);
+    common::assert_fails_with(&o, "--beta scores preference pairs");
+    let o = strata(&[
+        "train",
+        "--data",
+        s(&text),
+        "--steps",
+        "1",
+        "--preference-loss",
+        "robust",
+        "--label-smoothing",
+        "0.5",
+    ]);
+    common::assert_fails_with(&o, "robust takes a label smoothing in [0, 0.5)");
+    let o = strata(&["train", "--data", s(&text), "--steps", "1", "--preference-loss", "dpo"]);
+    common::assert_fails_with(&o, "preference loss \"dpo\": not one of sigmoid");
+}

@@ -1,0 +1,365 @@
+//! Preference pairs: records of JSON Lines or Parquet files holding a prompt with a chosen
+//! and a rejected completion — as text (`{"prompt", "chosen", "rejected"}`, TRL's standard
+//! format) or as lists of messages rendered through the chat template (its conversational
+//! format); a record without `"prompt"` has the longest start its two completions share as
+//! its prompt. Tokenized as TRL's `DPOTrainer` does: the prompt alone, then the prompt with
+//! each completion (a text completion ended with the end-of-sequence token), the completion
+//! starting where the two tokenizations part; a record whose prompt fills the most length is
+//! left out, and each row is cut to the most length when batched.
+//!
+//! Owns reading the records, their tokens, the reference log-probabilities attached to them,
+//! and a batch's layout: a record's chosen row in the first half of the rows, its rejected
+//! row at the same place in the second. Must not score rows (the preference loss does).
+use super::chat::ChatTemplate;
+use super::records::{messages_of, read_records};
+use super::{check_indices, Batch, RowSet, Tokenizer, IGNORE};
+use crate::{Error, Result};
+use serde_json::Value;
+use std::path::Path;
+use tch::{Kind, Tensor};
+
+/// A record's tokens: its prompt, and the completions that follow it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreferencePair {
+    /// The prompt's tokens (those the two tokenized texts share).
+    pub prompt: Vec<u32>,
+    /// The preferred completion's tokens.
+    pub chosen: Vec<u32>,
+    /// The other completion's tokens.
+    pub rejected: Vec<u32>,
+}
+
+/// What reading a file's pairs kept and left out.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PreferenceReport {
+    /// Records read.
+    pub records: usize,
+    /// Pairs kept.
+    pub pairs: usize,
+    /// Records whose prompt alone fills the most length, left out.
+    pub dropped_long_prompt: usize,
+    /// Kept rows (a chosen or a rejected one) cut to the most length.
+    pub truncated_rows: usize,
+}
+
+/// Preference pairs, batched a pair a record: `n` records give `2n` rows, the chosen ones
+/// first.
+#[derive(Clone, Debug)]
+pub struct PreferenceSet {
+    pairs: Vec<PreferencePair>,
+    max_length: usize,
+    /// Each pair's reference log-probabilities `[chosen, rejected]`, once computed.
+    reference: Option<Vec<[f64; 2]>>,
+    /// Where the pairs came from, for messages.
+    pub source: String,
+    /// What reading kept and left out.
+    pub report: PreferenceReport,
+}
+
+/// One record, checked: text or messages, the prompt given or not.
+enum Record {
+    Text { prompt: String, chosen: String, rejected: String },
+    Conversation { prompt: Vec<Value>, chosen: Vec<Value>, rejected: Vec<Value> },
+}
+
+impl Record {
+    fn parse(value: Value) -> std::result::Result<Record, String> {
+        let Value::Object(mut fields) = value else { return Err("a record is a JSON object".into()) };
+        let (chosen, rejected) = match (fields.remove("chosen"), fields.remove("rejected")) {
+            (Some(c), Some(r)) => (c, r),
+            _ => return Err("a preference record needs \"chosen\" and \"rejected\"".into()),
+        };
+        match (fields.remove("prompt"), chosen, rejected) {
+            (Some(Value::String(prompt)), Value::String(chosen), Value::String(rejected)) => {
+                Ok(Record::Text { prompt, chosen, rejected })
+            }
+            (None, Value::String(chosen), Value::String(rejected)) => {
+                let (prompt, chosen, rejected) = split_text_prompt(&chosen, &rejected);
+                Ok(Record::Text { prompt, chosen, rejected })
+            }
+            (Some(p @ Value::Array(_)), c @ Value::Array(_), r @ Value::Array(_)) => Ok(Record::Conversation {
+                prompt: messages_of(p, "prompt")?,
+                chosen: messages_of(c, "chosen")?,
+                rejected: messages_of(r, "rejected")?,
+            }),
+            // A text prompt beside conversations: the prompt is within them (TRL's reading).
+            (None | Some(Value::String(_)), c @ Value::Array(_), r @ Value::Array(_)) => {
+                let (chosen, rejected) = (messages_of(c, "chosen")?, messages_of(r, "rejected")?);
+                let shared = chosen.iter().zip(&rejected).take_while(|(a, b)| a == b).count();
+                if shared == 0 {
+                    return Err("\"chosen\" and \"rejected\" share no first message to take as the prompt".into());
+                }
+                Ok(Record::Conversation {
+                    prompt: chosen[..shared].to_vec(),
+                    chosen: chosen[shared..].to_vec(),
+                    rejected: rejected[shared..].to_vec(),
+                })
+            }
+            _ => Err("\"prompt\", \"chosen\" and \"rejected\" must all be strings or all lists of messages".into()),
+        }
+    }
+
+    /// The prompt's tokens and those of the prompt followed by each completion.
+    fn tokenize(
+        self,
+        tokenizer: &Tokenizer,
+        template: Option<&ChatTemplate>,
+        end_of_text: &str,
+    ) -> std::result::Result<[Vec<u32>; 3], String> {
+        let special = matches!(self, Record::Text { .. });
+        let texts = match self {
+            Record::Text { prompt, chosen, rejected } => {
+                // A completion ends with the end-of-sequence token once.
+                let ended = |c: String| if c.ends_with(end_of_text) { c } else { c + end_of_text };
+                let (chosen, rejected) = (ended(chosen), ended(rejected));
+                [prompt.clone(), format!("{prompt}{chosen}"), format!("{prompt}{rejected}")]
+            }
+            Record::Conversation { prompt, chosen, rejected } => {
+                let template = template.ok_or(
+                    "conversations need a chat template: the model folder has none (give --chat-template FILE)",
+                )?;
+                let whole = |c: &[Value]| -> std::result::Result<String, String> {
+                    template.render(&[prompt.as_slice(), c].concat(), false).map_err(|e| e.to_string())
+                };
+                [template.render(&prompt, true).map_err(|e| e.to_string())?, whole(&chosen)?, whole(&rejected)?]
+            }
+        };
+        // Text records take the tokenizer's own special tokens, as `tokenizer(text)` does; a
+        // chat template writes its own.
+        let mut encoded = tokenizer.encode_with_starts(texts.to_vec(), special).map_err(|e| e.to_string())?;
+        let take = |e: &mut Vec<(Vec<u32>, Vec<usize>)>| std::mem::take(&mut e.remove(0).0);
+        Ok([take(&mut encoded), take(&mut encoded), take(&mut encoded)])
+    }
+}
+
+/// A text record's implicit prompt, as TRL's `extract_prompt` finds it: the characters the
+/// two completions share, less a space that ends them.
+fn split_text_prompt(chosen: &str, rejected: &str) -> (String, String, String) {
+    let mut cut = chosen
+        .char_indices()
+        .zip(rejected.chars())
+        .find(|((_, a), b)| a != b)
+        .map_or(chosen.len().min(rejected.len()), |((i, _), _)| i);
+    if cut > 0 && chosen[..cut].ends_with(' ') {
+        cut -= 1;
+    }
+    (chosen[..cut].to_string(), chosen[cut..].to_string(), rejected[cut..].to_string())
+}
+
+/// How many first tokens `a` and `b` share.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// What turns preference records into pairs.
+pub struct PreferenceFormat<'a> {
+    /// Encodes the texts.
+    pub tokenizer: &'a Tokenizer,
+    /// The chat template conversations are rendered through; `None` refuses conversations.
+    pub template: Option<&'a ChatTemplate>,
+    /// Ends each text completion (the folder's end-of-sequence token).
+    pub end_of_text: Option<String>,
+    /// The most tokens of a row (a prompt with one completion).
+    pub max_length: usize,
+}
+
+impl PreferenceSet {
+    /// Whether `path`'s first record is a preference pair (it has `"chosen"` and
+    /// `"rejected"`): how a records file says which kind of training it is for.
+    pub fn holds_pairs(path: &Path) -> Result<bool> {
+        let first = read_records(path)?.into_iter().next();
+        Ok(first.and_then(|(_, r)| r.ok()).is_some_and(|v| v.get("chosen").is_some() && v.get("rejected").is_some()))
+    }
+
+    /// Reads and tokenizes every record of `path`; a bad record is an error naming the file
+    /// and its line (or row).
+    pub fn read(path: &Path, format: &PreferenceFormat) -> Result<PreferenceSet> {
+        let records = read_records(path)?;
+        let end = format.end_of_text.as_deref().unwrap_or("");
+        let mut pairs = Vec::with_capacity(records.len());
+        let mut report = PreferenceReport { records: records.len(), ..Default::default() };
+        for (at, value) in records {
+            let bad = |why: String| Error::Data(format!("{}{at}: {why}", path.display()));
+            let [prompt, chosen, rejected] = Record::parse(value.map_err(bad)?)
+                .map_err(bad)?
+                .tokenize(format.tokenizer, format.template, end)
+                .map_err(bad)?;
+            let shared = common_prefix(&prompt, &chosen).min(common_prefix(&prompt, &rejected));
+            if shared >= format.max_length {
+                report.dropped_long_prompt += 1;
+                continue;
+            }
+            report.truncated_rows += [&chosen, &rejected].iter().filter(|c| c.len() > format.max_length).count();
+            pairs.push(PreferencePair {
+                prompt: prompt[..shared].to_vec(),
+                chosen: chosen[shared..].to_vec(),
+                rejected: rejected[shared..].to_vec(),
+            });
+        }
+        report.pairs = pairs.len();
+        if pairs.is_empty() {
+            return Err(Error::Data(format!(
+                "{}: no pair is left to train on ({} records, {} whose prompt fills {} tokens)",
+                path.display(),
+                report.records,
+                report.dropped_long_prompt,
+                format.max_length
+            )));
+        }
+        Ok(PreferenceSet {
+            pairs,
+            max_length: format.max_length,
+            reference: None,
+            source: path.display().to_string(),
+            report,
+        })
+    }
+
+    /// Pairs already tokenized, rows cut to `max_length`.
+    pub fn from_pairs(
+        pairs: Vec<PreferencePair>,
+        max_length: usize,
+        source: impl Into<String>,
+    ) -> Result<PreferenceSet> {
+        if let Some(i) = pairs.iter().position(|p| p.prompt.len() >= max_length) {
+            return Err(Error::Data(format!("pair {i}: its prompt fills the most length of {max_length} tokens")));
+        }
+        let report = PreferenceReport { records: pairs.len(), pairs: pairs.len(), ..Default::default() };
+        Ok(PreferenceSet { pairs, max_length, reference: None, source: source.into(), report })
+    }
+
+    /// Pair `i`.
+    pub fn pair(&self, i: usize) -> &PreferencePair {
+        &self.pairs[i]
+    }
+
+    /// The rows of pair `i` as batched: the prompt with each completion, cut to the most
+    /// length, and where its completion starts.
+    fn rows(&self, i: usize) -> [(Vec<u32>, usize); 2] {
+        let p = &self.pairs[i];
+        let row = |c: &[u32]| {
+            let mut ids = [p.prompt.as_slice(), c].concat();
+            ids.truncate(self.max_length);
+            (ids, p.prompt.len())
+        };
+        [row(&p.chosen), row(&p.rejected)]
+    }
+
+    /// Attaches each pair's reference log-probabilities `[chosen, rejected]`, which batches
+    /// then carry.
+    pub fn set_reference(&mut self, reference: Vec<[f64; 2]>) -> Result<()> {
+        if reference.len() != self.pairs.len() {
+            return Err(Error::Data(format!(
+                "{}: {} reference log-probabilities for {} pairs",
+                self.source,
+                reference.len(),
+                self.pairs.len()
+            )));
+        }
+        self.reference = Some(reference);
+        Ok(())
+    }
+
+    /// The attached reference log-probabilities.
+    pub fn reference(&self) -> Option<&[[f64; 2]]> {
+        self.reference.as_deref()
+    }
+}
+
+impl RowSet for PreferenceSet {
+    fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Tokens of both rows of every pair, as batched.
+    fn tokens(&self) -> usize {
+        (0..self.len()).flat_map(|i| self.rows(i)).map(|(ids, _)| ids.len()).sum()
+    }
+
+    fn longest(&self) -> usize {
+        (0..self.len()).flat_map(|i| self.rows(i)).map(|(ids, _)| ids.len()).max().unwrap_or(0)
+    }
+
+    fn vocab_needed(&self) -> u32 {
+        let p = self.pairs.iter().flat_map(|p| p.prompt.iter().chain(&p.chosen).chain(&p.rejected));
+        p.copied().max().map_or(0, |m| m + 1)
+    }
+
+    /// A pair: the preference loss is a mean over pairs.
+    fn supervised(&self, _row: usize) -> u64 {
+        1
+    }
+
+    /// Pairs `rows` as `2 × rows` rows padded (id 0) to the longest: the chosen rows, then
+    /// the rejected ones in the same order. A position's target is the next token where
+    /// that token belongs to the completion, else [`IGNORE`]; `supervised` counts pairs.
+    fn batch(&self, rows: &[usize]) -> Result<Batch> {
+        check_indices(rows, self.len())?;
+        let all: Vec<(Vec<u32>, usize)> = [0, 1]
+            .iter()
+            .flat_map(|&side| rows.iter().map(move |&r| (r, side)))
+            .map(|(r, side)| self.rows(r)[side].clone())
+            .collect();
+        let width = all.iter().map(|(ids, _)| ids.len()).max().unwrap_or(0).max(1);
+        let (mut inputs, mut targets, mut padding) = (vec![], vec![], vec![]);
+        for (ids, start) in &all {
+            for t in 0..width {
+                inputs.push(ids.get(t).map_or(0, |&id| i64::from(id)));
+                targets.push(match ids.get(t + 1) {
+                    Some(&next) if t + 1 >= *start => i64::from(next),
+                    _ => IGNORE,
+                });
+                padding.push(t >= ids.len());
+            }
+        }
+        let shape = [all.len() as i64, width as i64];
+        let mut batch =
+            Batch::new(Tensor::f_from_slice(&inputs)?.f_view(shape)?, Tensor::f_from_slice(&targets)?.f_view(shape)?)?;
+        batch.supervised = rows.len() as u64;
+        if padding.iter().any(|&p| p) {
+            batch.padding = Some(Tensor::f_from_slice(&padding)?.f_view(shape)?);
+        }
+        if let Some(reference) = &self.reference {
+            let values: Vec<f64> =
+                [0, 1].iter().flat_map(|&side| rows.iter().map(move |&r| reference[r][side])).collect();
+            batch.reference = Some(Tensor::f_from_slice(&values)?.f_to_kind(Kind::Double)?);
+        }
+        Ok(batch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_implicit_text_prompt_is_what_both_completions_start_with_less_a_space() {
+        let (p, c, r) = split_text_prompt("Q: sky? A: blue", "Q: sky? A: green");
+        assert_eq!((p.as_str(), c.as_str(), r.as_str()), ("Q: sky? A:", " blue", " green"));
+    }
+
+    #[test]
+    fn a_batch_holds_chosen_rows_then_rejected_with_targets_on_completions_only() {
+        let pair =
+            |p: &[u32], c: &[u32], r: &[u32]| PreferencePair { prompt: p.into(), chosen: c.into(), rejected: r.into() };
+        let mut set =
+            PreferenceSet::from_pairs(vec![pair(&[1, 2, 3], &[4, 5], &[6]), pair(&[7, 8], &[9], &[10, 11])], 4, "t")
+                .expect("prompts fit");
+        set.set_reference(vec![[-1.0, -2.0], [-3.0, -4.0]]).expect("one per pair");
+        let b = set.batch(&[0, 1]).expect("a batch");
+        let rows = |t: &Tensor| Vec::<Vec<i64>>::try_from(t).expect("2-d");
+        assert_eq!(rows(&b.inputs), [[1, 2, 3, 4], [7, 8, 9, 0], [1, 2, 3, 6], [7, 8, 10, 11]]);
+        let i = IGNORE;
+        // The chosen row of pair 0 is cut at 4 tokens: its last completion token is gone.
+        assert_eq!(rows(&b.targets), [[i, i, 4, i], [i, 9, i, i], [i, i, 6, i], [i, 10, 11, i]]);
+        assert_eq!(b.supervised, 2);
+        assert_eq!(
+            Vec::<f64>::try_from(b.reference.as_ref().expect("attached")).expect("1-d"),
+            [-1.0, -3.0, -2.0, -4.0]
+        );
+    }
+}

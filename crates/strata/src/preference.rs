@@ -1,0 +1,603 @@
+//! Preference optimisation: DPO and its family of losses over pairs of a chosen and a
+//! rejected completion, scored as TRL's `DPOTrainer` scores them — the same loss types and
+//! parameters, the same metrics under the same names.
+//!
+//! A pair's score is the sum of its completion tokens' log-probabilities; the loss compares
+//! the policy's scores with a reference's. The reference is the model as training starts
+//! (for LoRA, the base with its fresh adapters, which change nothing yet): its scores are
+//! computed once before the first step ([`reference_recorder`]) and ride with the batches,
+//! so no second copy of the model is held.
+//!
+//! Owns: the loss types, their parameters and validation, the per-pair arithmetic, and the
+//! step's metrics. Must not read records (`data::PreferenceSet` does) nor run the model: it
+//! scores the logits the engine's last unit returns.
+use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
+use crate::data::{Batch, IGNORE};
+use crate::train::LossFn;
+use crate::{Error, Result};
+use serde::Serialize;
+use std::sync::{Arc, Mutex};
+use tch::{Kind, Tensor};
+
+/// A loss of the DPO family, by TRL's `loss_type` name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreferenceLoss {
+    /// DPO's `-log σ(β Δ)`.
+    Sigmoid,
+    /// SLiC's `max(0, 1 - β Δ)`.
+    Hinge,
+    /// IPO's squared distance of the per-token Δ from `1 / 2β`.
+    Ipo,
+    /// EXO's reverse KL to the smoothed preference (needs `label_smoothing > 0`).
+    ExoPair,
+    /// NCA's absolute-likelihood loss.
+    NcaPair,
+    /// Robust DPO under a label-flip rate of `label_smoothing`.
+    Robust,
+    /// BCO on the two rewards.
+    BcoPair,
+    /// SPPO with hard probabilities.
+    SppoHard,
+    /// AOT: sorted log-ratio differences, paired.
+    Aot,
+    /// AOT: chosen and rejected log-ratios sorted apart.
+    AotUnpaired,
+    /// APO-zero: chosen up, rejected down.
+    ApoZero,
+    /// APO-down: both down, rejected more.
+    ApoDown,
+    /// DiscoPOP's log-ratio modulated loss.
+    Discopop,
+    /// The chosen completions' next-token loss.
+    Sft,
+    /// DPO on per-token averaged scores.
+    SigmoidNorm,
+}
+
+const LOSSES: [(&str, PreferenceLoss); 15] = [
+    ("sigmoid", PreferenceLoss::Sigmoid),
+    ("hinge", PreferenceLoss::Hinge),
+    ("ipo", PreferenceLoss::Ipo),
+    ("exo_pair", PreferenceLoss::ExoPair),
+    ("nca_pair", PreferenceLoss::NcaPair),
+    ("robust", PreferenceLoss::Robust),
+    ("bco_pair", PreferenceLoss::BcoPair),
+    ("sppo_hard", PreferenceLoss::SppoHard),
+    ("aot", PreferenceLoss::Aot),
+    ("aot_unpaired", PreferenceLoss::AotUnpaired),
+    ("apo_zero", PreferenceLoss::ApoZero),
+    ("apo_down", PreferenceLoss::ApoDown),
+    ("discopop", PreferenceLoss::Discopop),
+    ("sft", PreferenceLoss::Sft),
+    ("sigmoid_norm", PreferenceLoss::SigmoidNorm),
+];
+
+impl PreferenceLoss {
+    /// Every loss type, in TRL's order.
+    pub fn all() -> impl Iterator<Item = PreferenceLoss> {
+        LOSSES.iter().map(|(_, l)| *l)
+    }
+
+    /// TRL's name of the loss type.
+    pub fn name(self) -> &'static str {
+        LOSSES.iter().find(|(_, l)| *l == self).map_or("", |(n, _)| n)
+    }
+
+    /// Whether the loss is built on the chosen-minus-rejected score, the only kind an
+    /// f-divergence other than the reverse KL applies to.
+    fn on_score_difference(self) -> bool {
+        use PreferenceLoss::*;
+        matches!(self, Sigmoid | SigmoidNorm | Hinge | Ipo | ExoPair | Robust | Discopop | Sft)
+    }
+}
+
+impl std::str::FromStr for PreferenceLoss {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        LOSSES.iter().find(|(n, _)| *n == s).map(|(_, l)| *l).ok_or_else(|| {
+            let names: Vec<&str> = LOSSES.iter().map(|(n, _)| *n).collect();
+            Error::Config(format!("preference loss {s:?}: not one of {}", names.join(", ")))
+        })
+    }
+}
+
+/// The divergence from the reference that the score of a completion measures (f-DPO).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FDivergence {
+    /// The log-ratio itself (DPO's own).
+    ReverseKl,
+    /// `1 - exp(-log-ratio)`.
+    ForwardKl,
+    /// `log 2 + log σ(log-ratio)`.
+    JsDivergence,
+    /// `(exp((α-1)·log-ratio) - 1) / (α-1)`, the log-ratio at α = 1.
+    AlphaDivergence(f64),
+}
+
+impl FDivergence {
+    /// The divergence of TRL's `f_divergence_type` name, α for the α-divergence.
+    pub fn parse(name: &str, alpha: f64) -> Result<FDivergence> {
+        Ok(match name {
+            "reverse_kl" => FDivergence::ReverseKl,
+            "forward_kl" => FDivergence::ForwardKl,
+            "js_divergence" => FDivergence::JsDivergence,
+            "alpha_divergence" => FDivergence::AlphaDivergence(alpha),
+            other => {
+                return Err(Error::Config(format!(
+                    "f-divergence {other:?}: not one of reverse_kl, forward_kl, js_divergence, alpha_divergence"
+                )))
+            }
+        })
+    }
+
+    fn score(self, log_ratio: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            FDivergence::ReverseKl => log_ratio.shallow_clone(),
+            FDivergence::ForwardKl => log_ratio.f_neg()?.f_exp()?.f_neg()?.f_add_scalar(1.0)?,
+            FDivergence::JsDivergence => log_ratio.f_log_sigmoid()?.f_add_scalar(std::f64::consts::LN_2)?,
+            FDivergence::AlphaDivergence(a) if (a - 1.0).abs() < 1e-6 => log_ratio.shallow_clone(),
+            // Clamped so that the exponential stays finite (TRL's bound for fp32).
+            FDivergence::AlphaDivergence(a) => {
+                log_ratio.f_mul_scalar(a - 1.0)?.f_clamp_max(80.0)?.f_exp()?.f_sub_scalar(1.0)?.f_div_scalar(a - 1.0)?
+            }
+        })
+    }
+}
+
+/// How pairs are scored: TRL's `DPOConfig` fields of the same names.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PreferenceConfig {
+    /// The loss types, each with its weight; several are summed (MPO).
+    pub losses: Vec<(PreferenceLoss, f64)>,
+    /// How far the policy may move from the reference (IPO's τ).
+    pub beta: f64,
+    /// Robust DPO's flip rate, EXO's ε, AOT's smoothing.
+    pub label_smoothing: f64,
+    /// DiscoPOP's temperature.
+    pub discopop_tau: f64,
+    /// The divergence each completion's score measures.
+    pub f_divergence: FDivergence,
+}
+
+impl Default for PreferenceConfig {
+    /// DPO's sigmoid loss at β = 0.1, TRL's defaults.
+    fn default() -> Self {
+        PreferenceConfig {
+            losses: vec![(PreferenceLoss::Sigmoid, 1.0)],
+            beta: 0.1,
+            label_smoothing: 0.0,
+            discopop_tau: 0.05,
+            f_divergence: FDivergence::ReverseKl,
+        }
+    }
+}
+
+impl PreferenceConfig {
+    /// Refuses parameters the losses cannot take, in one line naming why.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |why: String| Err(Error::Config(format!("preference loss: {why}")));
+        if self.losses.is_empty() {
+            return bad("no loss type given".into());
+        }
+        if !(self.beta > 0.0 && self.beta.is_finite()) {
+            return bad(format!("beta {} must be positive", self.beta));
+        }
+        for (loss, _) in &self.losses {
+            match loss {
+                PreferenceLoss::Robust if !(0.0..0.5).contains(&self.label_smoothing) => {
+                    return bad(format!("robust takes a label smoothing in [0, 0.5), not {}", self.label_smoothing))
+                }
+                PreferenceLoss::ExoPair if !(self.label_smoothing > 0.0 && self.label_smoothing < 1.0) => {
+                    return bad(format!("exo_pair takes a label smoothing in (0, 1), not {}", self.label_smoothing))
+                }
+                l if self.f_divergence != FDivergence::ReverseKl && !l.on_score_difference() => {
+                    return bad(format!("{} has no f-divergence form: it takes reverse_kl only", l.name()))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sums over a step's pairs from which its metrics are the means; added over ranks.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    pairs: f64,
+    rewards_chosen: f64,
+    rewards_rejected: f64,
+    accurate: f64,
+    logps_chosen: f64,
+    logps_rejected: f64,
+    logits_chosen: f64,
+    chosen_tokens: f64,
+    logits_rejected: f64,
+    rejected_tokens: f64,
+    entropy: f64,
+    top1: f64,
+}
+
+impl Tally {
+    fn to_vec(self) -> Vec<f64> {
+        vec![
+            self.pairs,
+            self.rewards_chosen,
+            self.rewards_rejected,
+            self.accurate,
+            self.logps_chosen,
+            self.logps_rejected,
+            self.logits_chosen,
+            self.chosen_tokens,
+            self.logits_rejected,
+            self.rejected_tokens,
+            self.entropy,
+            self.top1,
+        ]
+    }
+
+    fn from_slice(v: &[f64]) -> Tally {
+        Tally {
+            pairs: v[0],
+            rewards_chosen: v[1],
+            rewards_rejected: v[2],
+            accurate: v[3],
+            logps_chosen: v[4],
+            logps_rejected: v[5],
+            logits_chosen: v[6],
+            chosen_tokens: v[7],
+            logits_rejected: v[8],
+            rejected_tokens: v[9],
+            entropy: v[10],
+            top1: v[11],
+        }
+    }
+
+    fn add(&mut self, other: &Tally) {
+        let sum: Vec<f64> = self.to_vec().iter().zip(other.to_vec()).map(|(a, b)| a + b).collect();
+        *self = Tally::from_slice(&sum);
+    }
+}
+
+/// A step's preference metrics, named as TRL logs them.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PreferenceMetrics {
+    /// Mean `β · (log π(chosen) - log π_ref(chosen))`.
+    #[serde(rename = "rewards/chosen")]
+    pub rewards_chosen: f64,
+    /// Mean `β · (log π(rejected) - log π_ref(rejected))`.
+    #[serde(rename = "rewards/rejected")]
+    pub rewards_rejected: f64,
+    /// The share of pairs whose chosen reward exceeds the rejected one.
+    #[serde(rename = "rewards/accuracies")]
+    pub rewards_accuracies: f64,
+    /// Mean chosen minus rejected reward.
+    #[serde(rename = "rewards/margins")]
+    pub rewards_margins: f64,
+    /// Mean summed log-probability of the chosen completions.
+    #[serde(rename = "logps/chosen")]
+    pub logps_chosen: f64,
+    /// Mean summed log-probability of the rejected completions.
+    #[serde(rename = "logps/rejected")]
+    pub logps_rejected: f64,
+    /// Mean over the chosen completions' tokens of the mean logit over the vocabulary.
+    #[serde(rename = "logits/chosen")]
+    pub logits_chosen: f64,
+    /// The same over the rejected completions' tokens.
+    #[serde(rename = "logits/rejected")]
+    pub logits_rejected: f64,
+    /// Mean entropy of the next-token distribution over every completion token.
+    pub entropy: f64,
+    /// The share of chosen completion tokens that are the model's most likely next token.
+    pub mean_token_accuracy: f64,
+}
+
+impl Tally {
+    fn metrics(&self) -> PreferenceMetrics {
+        let over = |a: f64, n: f64| if n > 0.0 { a / n } else { 0.0 };
+        let tokens = self.chosen_tokens + self.rejected_tokens;
+        PreferenceMetrics {
+            rewards_chosen: over(self.rewards_chosen, self.pairs),
+            rewards_rejected: over(self.rewards_rejected, self.pairs),
+            rewards_accuracies: over(self.accurate, self.pairs),
+            rewards_margins: over(self.rewards_chosen - self.rewards_rejected, self.pairs),
+            logps_chosen: over(self.logps_chosen, self.pairs),
+            logps_rejected: over(self.logps_rejected, self.pairs),
+            logits_chosen: over(self.logits_chosen, self.chosen_tokens),
+            logits_rejected: over(self.logits_rejected, self.rejected_tokens),
+            entropy: over(self.entropy, tokens),
+            mean_token_accuracy: over(self.top1, self.chosen_tokens),
+        }
+    }
+}
+
+/// Each row's next-token log-probabilities where its target is learned (0 elsewhere), in
+/// fp32 or wider, and the learned positions as a float mask, for logits `[rows, ctx, V]`.
+fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let logits = match logits.kind() {
+        Kind::Double => logits.shallow_clone(),
+        _ => logits.f_to_kind(Kind::Float)?,
+    };
+    let mask = targets.f_ne(IGNORE)?;
+    let index = targets.f_masked_fill(&mask.f_logical_not()?, 0)?.f_unsqueeze(-1)?;
+    let picked = logits.f_log_softmax(-1, None::<Kind>)?.f_gather(-1, &index, false)?.f_squeeze_dim(-1)?;
+    let mask = mask.f_to_kind(picked.kind())?;
+    Ok((picked.f_mul(&mask)?, mask))
+}
+
+/// Preference scoring for a run: the loss function the trainer calls on each micro-batch,
+/// and the tally of the metrics of the micro-batches it scored since the last reading.
+pub struct PreferenceObjective {
+    config: PreferenceConfig,
+    tally: Mutex<Tally>,
+}
+
+impl PreferenceObjective {
+    /// Scoring by `config`, refused where its parameters cannot be taken.
+    pub fn new(config: PreferenceConfig) -> Result<Arc<PreferenceObjective>> {
+        config.validate()?;
+        Ok(Arc::new(PreferenceObjective { config, tally: Mutex::new(Tally::default()) }))
+    }
+
+    /// The parameters.
+    pub fn config(&self) -> &PreferenceConfig {
+        &self.config
+    }
+
+    /// The loss of a micro-batch of pairs from the model's logits: the mean over its pairs
+    /// of the configured losses. A batch without reference log-probabilities is measured
+    /// against the policy itself, which is the reference before the first update (what a
+    /// measurement before training reads); a run attaches them before its first step.
+    pub fn loss_fn(self: &Arc<Self>) -> LossFn {
+        let this = self.clone();
+        Arc::new(move |logits: &Tensor, batch: &Batch| this.loss(logits, batch))
+    }
+
+    /// Forgets what was tallied (before a step whose metrics are read after it).
+    pub fn reset(&self) {
+        *self.tally.lock().unwrap_or_else(|e| e.into_inner()) = Tally::default();
+    }
+
+    /// The metrics of the micro-batches scored since the last reset, over every rank of
+    /// `group` (ranks that scored nothing add nothing; ranks that scored the same rows, as
+    /// tensor-parallel ones do, weigh each mean the same); `None` where nothing was scored.
+    pub fn take_metrics(&self, group: Option<&dyn ProcessGroup>) -> Result<Option<PreferenceMetrics>> {
+        let mine = std::mem::take(&mut *self.tally.lock().unwrap_or_else(|e| e.into_inner()));
+        let all = match group {
+            Some(g) => Tally::from_slice(&all_reduce_values(g, &mine.to_vec(), ReduceOp::Sum)?),
+            None => mine,
+        };
+        Ok((all.pairs > 0.0).then(|| all.metrics()))
+    }
+
+    fn loss(&self, logits: &Tensor, batch: &Batch) -> Result<Tensor> {
+        if logits.dim() != 3 {
+            return Err(Error::Config(format!(
+                "a preference loss scores logits [rows, positions, vocabulary], not a tensor of shape {:?} (the \
+                 chunked loss and classifier heads give no logits)",
+                logits.size()
+            )));
+        }
+        let rows = logits.size()[0];
+        if rows % 2 != 0 {
+            return Err(Error::Data(format!("a batch of preference pairs has an even number of rows, not {rows}")));
+        }
+        let targets = batch.targets.f_to_device(logits.device())?;
+        let (per_token, mask) = token_log_probs(logits, &targets)?;
+        let logps = per_token.f_sum_dim_intlist(1, false, per_token.kind())?;
+        let reference = match &batch.reference {
+            Some(r) => r.f_to_device(logps.device())?.f_to_kind(logps.kind())?,
+            None => logps.f_detach()?,
+        };
+        let (chosen, rejected) = halves(&logps)?;
+        let (ref_chosen, ref_rejected) = halves(&reference)?;
+        let chosen_ratio = chosen.f_sub(&ref_chosen)?;
+        let rejected_ratio = rejected.f_sub(&ref_rejected)?;
+        let lengths = mask.f_sum_dim_intlist(1, false, mask.kind())?;
+        let pair = PairScores {
+            chosen: &chosen,
+            rejected: &rejected,
+            ref_chosen: &ref_chosen,
+            ref_rejected: &ref_rejected,
+            chosen_ratio: &chosen_ratio,
+            rejected_ratio: &rejected_ratio,
+            lengths: &lengths,
+            per_token: &per_token,
+            mask: &mask,
+        };
+        let mut total: Option<Tensor> = None;
+        for (kind, weight) in &self.config.losses {
+            let term = self.per_pair(*kind, &pair)?.f_mean(per_token.kind())?.f_mul_scalar(*weight)?;
+            total = Some(match total {
+                Some(t) => t.f_add(&term)?,
+                None => term,
+            });
+        }
+        self.record(logits, &targets, &pair)?;
+        total.ok_or_else(|| Error::Config("preference loss: no loss type given".into()))
+    }
+
+    /// Each pair's loss of one type.
+    fn per_pair(&self, kind: PreferenceLoss, s: &PairScores) -> Result<Tensor> {
+        let PreferenceConfig { beta, label_smoothing: eps, discopop_tau, f_divergence, .. } = self.config;
+        let chosen_score = f_divergence.score(s.chosen_ratio)?;
+        let rejected_score = f_divergence.score(s.rejected_ratio)?;
+        let delta = chosen_score.f_sub(&rejected_score)?;
+        let logsig = |t: &Tensor| -> Result<Tensor> { Ok(t.f_log_sigmoid()?) };
+        let smoothed = |d: &Tensor| -> Result<Tensor> {
+            let bd = d.f_mul_scalar(beta)?;
+            Ok(logsig(&bd)?.f_mul_scalar(-(1.0 - eps))?.f_sub(&logsig(&bd.f_neg()?)?.f_mul_scalar(eps)?)?)
+        };
+        let (chosen_len, rejected_len) = halves(s.lengths)?;
+        let per_token_delta = || -> Result<Tensor> {
+            let c = chosen_score.f_div(&chosen_len.f_clamp_min(1.0)?)?;
+            Ok(c.f_sub(&rejected_score.f_div(&rejected_len.f_clamp_min(1.0)?)?)?)
+        };
+        let bd = delta.f_mul_scalar(beta)?;
+        use PreferenceLoss::*;
+        Ok(match kind {
+            Sigmoid => logsig(&bd)?.f_neg()?,
+            Hinge => bd.f_neg()?.f_add_scalar(1.0)?.f_relu()?,
+            Ipo => per_token_delta()?.f_sub_scalar(1.0 / (2.0 * beta))?.f_square()?,
+            ExoPair => {
+                let (qw, log_qw) = (bd.f_sigmoid()?, logsig(&bd)?);
+                let (ql, log_ql) = (bd.f_neg()?.f_sigmoid()?, logsig(&bd.f_neg()?)?);
+                let w = qw.f_mul(&log_qw.f_sub_scalar((-eps).ln_1p())?)?;
+                w.f_add(&ql.f_mul(&log_ql.f_sub_scalar(eps.ln())?)?)?
+            }
+            NcaPair => {
+                let (cr, rr) = (s.chosen_ratio.f_mul_scalar(beta)?, s.rejected_ratio.f_mul_scalar(beta)?);
+                let a = logsig(&cr)?.f_neg()?;
+                a.f_sub(&logsig(&cr.f_neg()?)?.f_mul_scalar(0.5)?)?.f_sub(&logsig(&rr.f_neg()?)?.f_mul_scalar(0.5)?)?
+            }
+            Robust => {
+                let clean = logsig(&bd)?.f_mul_scalar(-(1.0 - eps))?;
+                let flipped = logsig(&bd.f_neg()?)?.f_mul_scalar(-eps)?;
+                clean.f_sub(&flipped)?.f_div_scalar(1.0 - 2.0 * eps)?
+            }
+            BcoPair => {
+                let (cr, rr) = (s.chosen_ratio.f_mul_scalar(beta)?, s.rejected_ratio.f_mul_scalar(beta)?);
+                logsig(&cr)?.f_neg()?.f_sub(&logsig(&rr.f_neg()?)?)?
+            }
+            SppoHard => {
+                let w = s.chosen_ratio.f_sub_scalar(0.5 / beta)?.f_square()?;
+                w.f_add(&s.rejected_ratio.f_add_scalar(0.5 / beta)?.f_square()?)?
+            }
+            Aot => {
+                let sorted = |t: Tensor| -> Result<Tensor> { Ok(t.f_sort(0, false)?.0) };
+                let policy = sorted(s.chosen.f_sub(s.rejected)?)?;
+                let reference = sorted(s.ref_chosen.f_sub(s.ref_rejected)?)?;
+                smoothed(&policy.f_sub(&reference)?)?
+            }
+            AotUnpaired => {
+                let sorted = |t: &Tensor| -> Result<Tensor> { Ok(t.f_sort(0, false)?.0) };
+                smoothed(&sorted(s.chosen_ratio)?.f_sub(&sorted(s.rejected_ratio)?)?)?
+            }
+            ApoZero => {
+                let chosen = s.chosen_ratio.f_mul_scalar(beta)?.f_sigmoid()?.f_neg()?.f_add_scalar(1.0)?;
+                chosen.f_add(&s.rejected_ratio.f_mul_scalar(beta)?.f_sigmoid()?)?
+            }
+            ApoDown => {
+                let chosen = s.chosen_ratio.f_mul_scalar(beta)?.f_sigmoid()?;
+                let gap = s.chosen_ratio.f_sub(s.rejected_ratio)?.f_mul_scalar(beta)?.f_sigmoid()?;
+                chosen.f_add(&gap.f_neg()?.f_add_scalar(1.0)?)?
+            }
+            Discopop => {
+                let modulation = bd.f_div_scalar(discopop_tau)?.f_sigmoid()?;
+                let logistic = logsig(&bd)?.f_neg()?;
+                let exponential = bd.f_neg()?.f_exp()?;
+                let keep = modulation.f_neg()?.f_add_scalar(1.0)?;
+                logistic.f_mul(&keep)?.f_add(&exponential.f_mul(&modulation)?)?
+            }
+            Sft => {
+                // The chosen rows' mean token loss, the same for every pair.
+                let (chosen_tokens, _) = halves(s.per_token)?;
+                let (chosen_mask, _) = halves(s.mask)?;
+                let loss = chosen_tokens
+                    .f_sum(chosen_tokens.kind())?
+                    .f_neg()?
+                    .f_div(&chosen_mask.f_sum(chosen_mask.kind())?)?;
+                loss.f_expand([s.chosen.size()[0]], false)?
+            }
+            SigmoidNorm => logsig(&per_token_delta()?.f_mul_scalar(beta)?)?.f_neg()?,
+        })
+    }
+
+    /// Adds the micro-batch's sums to the tally (nothing here takes a gradient).
+    fn record(&self, logits: &Tensor, targets: &Tensor, s: &PairScores) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        let beta = self.config.beta;
+        let value = |t: &Tensor| -> Result<f64> {
+            Ok(t.f_detach()?.f_to_kind(Kind::Double)?.f_sum(Kind::Double)?.f_double_value(&[])?)
+        };
+        let logits = logits.f_detach()?.f_to_kind(Kind::Float)?;
+        let mask = s.mask;
+        let mean_logits = logits.f_mean_dim(-1, false, Kind::Float)?.f_mul(mask)?;
+        let log_p = logits.f_log_softmax(-1, None::<Kind>)?;
+        let entropy = log_p.f_exp()?.f_mul(&log_p)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_neg()?.f_mul(mask)?;
+        let top1 = logits.f_argmax(-1, false)?.f_eq_tensor(targets)?.f_to_kind(Kind::Float)?.f_mul(mask)?;
+        let (mean_chosen, mean_rejected) = halves(&mean_logits)?;
+        let (mask_chosen, mask_rejected) = halves(mask)?;
+        let (top1_chosen, _) = halves(&top1)?;
+        let chosen_rewards = s.chosen_ratio.f_mul_scalar(beta)?;
+        let rejected_rewards = s.rejected_ratio.f_mul_scalar(beta)?;
+        let tally = Tally {
+            pairs: s.chosen.size()[0] as f64,
+            rewards_chosen: value(&chosen_rewards)?,
+            rewards_rejected: value(&rejected_rewards)?,
+            accurate: value(&chosen_rewards.f_gt_tensor(&rejected_rewards)?)?,
+            logps_chosen: value(s.chosen)?,
+            logps_rejected: value(s.rejected)?,
+            logits_chosen: value(&mean_chosen)?,
+            chosen_tokens: value(&mask_chosen)?,
+            logits_rejected: value(&mean_rejected)?,
+            rejected_tokens: value(&mask_rejected)?,
+            entropy: value(&entropy)?,
+            top1: value(&top1_chosen)?,
+        };
+        self.tally.lock().unwrap_or_else(|e| e.into_inner()).add(&tally);
+        Ok(())
+    }
+}
+
+/// What the losses of a micro-batch's pairs read.
+struct PairScores<'a> {
+    chosen: &'a Tensor,
+    rejected: &'a Tensor,
+    ref_chosen: &'a Tensor,
+    ref_rejected: &'a Tensor,
+    chosen_ratio: &'a Tensor,
+    rejected_ratio: &'a Tensor,
+    /// Each row's learned positions.
+    lengths: &'a Tensor,
+    per_token: &'a Tensor,
+    mask: &'a Tensor,
+}
+
+/// The chosen rows (the first half) and the rejected ones.
+fn halves(t: &Tensor) -> Result<(Tensor, Tensor)> {
+    let n = t.size()[0] / 2;
+    Ok((t.f_narrow(0, 0, n)?, t.f_narrow(0, n, n)?))
+}
+
+/// A loss function that scores nothing but records each row's summed completion
+/// log-probability, in order, into `into` (its value is 0): run over every pair before
+/// training, it gives the reference's scores.
+pub fn reference_recorder(into: Arc<Mutex<Vec<f64>>>) -> LossFn {
+    Arc::new(move |logits: &Tensor, batch: &Batch| {
+        let _guard = tch::no_grad_guard();
+        let (per_token, _) = token_log_probs(logits, &batch.targets.f_to_device(logits.device())?)?;
+        // Summed as the policy's scores are, so that the two agree to the bit at the start.
+        let sums = per_token.f_sum_dim_intlist(1, false, per_token.kind())?.f_to_kind(Kind::Double)?;
+        let sums = sums.f_to_device(tch::Device::Cpu)?;
+        into.lock().unwrap_or_else(|e| e.into_inner()).extend(Vec::<f64>::try_from(&sums)?);
+        Ok(Tensor::f_zeros([], (Kind::Float, logits.device()))?)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_trl_loss_name_parses_back_to_itself() {
+        for loss in PreferenceLoss::all() {
+            assert_eq!(loss.name().parse::<PreferenceLoss>().expect("a known name"), loss);
+        }
+        assert!("dpo".parse::<PreferenceLoss>().is_err());
+    }
+
+    #[test]
+    fn parameters_a_loss_cannot_take_are_refused() {
+        let config =
+            |loss, eps| PreferenceConfig { losses: vec![(loss, 1.0)], label_smoothing: eps, ..Default::default() };
+        assert!(config(PreferenceLoss::Robust, 0.5).validate().is_err());
+        assert!(config(PreferenceLoss::Robust, 0.1).validate().is_ok());
+        assert!(config(PreferenceLoss::ExoPair, 0.0).validate().is_err());
+        let forward = PreferenceConfig {
+            losses: vec![(PreferenceLoss::BcoPair, 1.0)],
+            f_divergence: FDivergence::ForwardKl,
+            ..Default::default()
+        };
+        assert!(forward.validate().is_err());
+    }
+}

@@ -1,0 +1,138 @@
+"""TRL reference for Strata's preference-optimisation tests.
+
+  make  saves a model folder: a byte-level BPE tokenizer with a chat template (from
+        chat_reference.py's styles) and a tiny random LLaMA over its vocabulary, every weight
+        moved off its initial value, drawn from a seed;
+  lora  saves a peft LoRA adapter of a folder's model as peft draws a new one (B = 0), for a
+        JSON LoraConfig and a seed;
+  dpo   runs each run of a JSON list (name, pairs file, DPOConfig's loss_type, loss_weights,
+        beta, label_smoothing, f_divergence_type, and an adapter folder whose parameters alone
+        train) on a folder's model with TRL's DPOTrainer scoring: the dataset tokenized by
+        the trainer, batches by its collator in record order, each step's loss from its
+        compute_loss (which logs TRL's metrics), torch.optim.AdamW for the update; writes
+        --out/NAME.jsonl, one line a step (loss, the metrics TRL logged, the gradient norm),
+        and the trained weights as --out/NAME.safetensors (or the adapter as --out/NAME/).
+
+Nothing is downloaded. Run it with the project's virtual environment:
+.venv/bin/python scripts/trl_reference.py
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def make(style, out, seed):
+    import transformers as tf
+    from chat_reference import make_tokenizer
+
+    make_tokenizer(style, out)
+    tok = tf.AutoTokenizer.from_pretrained(out)
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128,
+                            rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                            bos_token_id=tok.bos_token_id)
+    model = tf.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(out)
+
+
+def lora(model_dir, out, config, seed):
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(model, LoraConfig(**json.loads(config))).save_pretrained(out)
+
+
+def dpo_run(args, run):
+    import transformers as tf
+    from datasets import Dataset
+    from peft import PeftModel
+    from trl import DPOConfig, DPOTrainer
+
+    tok = tf.AutoTokenizer.from_pretrained(args.model)
+    model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    if run.get("adapter"):
+        model = PeftModel.from_pretrained(model, run["adapter"], is_trainable=True)
+    with open(run["pairs"]) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    with tempfile.TemporaryDirectory() as out:
+        config = DPOConfig(output_dir=out, loss_type=run.get("loss_type", ["sigmoid"]),
+                           loss_weights=run.get("loss_weights"), beta=run.get("beta", 0.1),
+                           label_smoothing=run.get("label_smoothing", 0.0),
+                           f_divergence_type=run.get("f_divergence", "reverse_kl"), max_length=args.max_length,
+                           per_device_train_batch_size=args.batch, bf16=False, gradient_checkpointing=False,
+                           report_to=[], use_cpu=True)
+        trainer = DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(records),
+                             processing_class=tok)
+    policy = trainer.model
+    policy.train()
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    data = trainer.train_dataset
+    lines = []
+    for step in range(args.steps):
+        rows = [(step * args.batch + i) % len(data) for i in range(args.batch)]
+        batch = trainer.data_collator([data[r] for r in rows])
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(policy, batch)
+        loss.backward()
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item()
+        opt.step()
+        opt.zero_grad()
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k != "num_tokens"}
+        lines.append(json.dumps({"step": step + 1, "loss": loss.item(), "grad_norm": norm, **metrics}))
+    name = os.path.join(args.out, run["name"])
+    if run.get("adapter"):
+        policy.save_pretrained(name)
+    else:
+        from safetensors.torch import save_file
+        save_file({k: v.detach().contiguous() for k, v in policy.state_dict().items()}, name + ".safetensors")
+    with open(name + ".jsonl", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("--style", default="chatml")
+    m.add_argument("--out", required=True)
+    m.add_argument("--seed", type=int, default=0)
+    lo = sub.add_parser("lora")
+    lo.add_argument("--model", required=True)
+    lo.add_argument("--out", required=True)
+    lo.add_argument("--config", required=True)
+    lo.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("dpo")
+    d.add_argument("--model", required=True)
+    d.add_argument("--runs", required=True)
+    d.add_argument("--out", required=True)
+    d.add_argument("--max-length", type=int, default=1024)
+    d.add_argument("--batch", type=int, default=2)
+    d.add_argument("--steps", type=int, default=10)
+    d.add_argument("--lr", type=float, default=1e-3)
+    args = ap.parse_args()
+    if args.command == "make":
+        make(args.style, args.out, args.seed)
+    elif args.command == "lora":
+        lora(args.model, args.out, args.config, args.seed)
+    else:
+        with open(args.runs) as f:
+            for run in json.load(f):
+                dpo_run(args, run)
+
+
+if __name__ == "__main__":
+    main()
