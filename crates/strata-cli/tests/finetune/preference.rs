@@ -2,8 +2,8 @@
 //! TRL of the project's environment) on a tiny LLaMA folder and the same batches: for every
 //! DPO loss type, several summed, f-divergences, conversations through the chat template
 //! with their prompt left implicit, LoRA (the reference being the base with its fresh
-//! adapter), and fsdp over two ranks, each of 10 steps' loss, gradient norm and TRL's
-//! metrics, and the weights the steps end with.
+//! adapter), fsdp and two pipeline stages over two ranks and offloaded model states, each
+//! of 10 steps' loss, gradient norm and TRL's metrics, and the weights the steps end with.
 use crate::common::{self, reports, stderr, strata};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -70,6 +70,21 @@ const CASES: &[Case] = &[
         strata_flags: &["--nproc", "2", "--strategy", r#"["fsdp"]"#],
         trl_name: "sigmoid",
         ..case("fsdp", "sigmoid")
+    },
+    Case {
+        strata_flags: &[
+            "--nproc",
+            "2",
+            "--strategy",
+            r#"[["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel"]"#,
+        ],
+        trl_name: "sigmoid",
+        ..case("pipeline", "sigmoid")
+    },
+    Case {
+        strata_flags: &["--strategy", r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#],
+        trl_name: "sigmoid",
+        ..case("offload", "sigmoid")
     },
 ];
 
@@ -316,8 +331,13 @@ fn summed_losses_and_f_divergences_follow_trl() {
 }
 
 #[test]
-fn conversations_lora_and_fsdp_follow_trl() {
-    follow(&["conversations", "lora", "fsdp"]);
+fn conversations_and_lora_follow_trl() {
+    follow(&["conversations", "lora"]);
+}
+
+#[test]
+fn pairs_over_two_ranks_sharded_or_pipelined_and_offloaded_follow_trl() {
+    follow(&["fsdp", "pipeline", "offload"]);
 }
 
 #[test]

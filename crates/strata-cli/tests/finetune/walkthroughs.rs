@@ -66,6 +66,17 @@ fn every_walkthrough_runs_as_written() {
     assert!(out.contains("\"val_loss\""), "the evaluation's figures: {out}");
     assert!(d.join("adapter/adapter_config.json").is_file() && d.join("merged/config.json").is_file());
 
+    let pairs = (0..16).map(|i| {
+        let p = format!("w{} w{}", 3 + i % 7, 11 + i % 5);
+        serde_json::json!({"prompt": p, "chosen": format!(" w{}", 20 + i % 9), "rejected": format!(" w{} w40", 50 + i % 6)})
+    });
+    let pairs = write("pairs.jsonl", pairs.map(|r| r.to_string() + "\n").collect());
+    let merged = d.join("merged");
+    let env = [&tiny[..], &[("MODEL", s(&merged)), ("PAIRS", s(&pairs)), ("LENGTH", "48")]].concat();
+    let out = run("Then prefer", d, &env);
+    assert!(out.contains("\"rewards/margins\":"), "the last step's margin: {out}");
+    assert!(d.join("aligned/config.json").is_file());
+
     let (train, val) =
         (write("s.jsonl", crate::seq2seq::summaries(32, 3)), write("v.jsonl", crate::seq2seq::summaries(8, 4)));
     let env = [&tiny[..], &[("MODEL", s(&t5)), ("DATA", s(&train)), ("VAL", s(&val)), ("CTX", "40")]].concat();
