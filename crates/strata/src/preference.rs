@@ -13,6 +13,7 @@
 //! scores the logits the engine's last unit returns.
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::data::{Batch, IGNORE};
+use crate::model::TensorParallel;
 use crate::train::LossFn;
 use crate::{Error, Result};
 use serde::Serialize;
@@ -329,13 +330,30 @@ fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)
 pub struct PreferenceObjective {
     config: PreferenceConfig,
     tally: Mutex<Tally>,
+    /// Where the logits' vocabulary is split over a tensor-parallel group, once the engine is built.
+    tensor: Mutex<Option<VocabularySplit>>,
 }
 
 impl PreferenceObjective {
     /// Scoring by `config`, refused where its parameters cannot be taken.
     pub fn new(config: PreferenceConfig) -> Result<Arc<PreferenceObjective>> {
         config.validate()?;
-        Ok(Arc::new(PreferenceObjective { config, tally: Mutex::new(Tally::default()) }))
+        Ok(Arc::new(PreferenceObjective { config, tally: Mutex::new(Tally::default()), tensor: Mutex::new(None) }))
+    }
+
+    /// Scores logits whose vocabulary a tensor-parallel group splits: each rank's columns
+    /// are gathered into the whole logits first (the pairs' scores need every column).
+    pub fn set_vocabulary_split(&self, split: Option<VocabularySplit>) {
+        *self.tensor.lock().unwrap_or_else(|e| e.into_inner()) = split;
+    }
+
+    /// The split set by [`PreferenceObjective::set_vocabulary_split`].
+    pub fn vocabulary_split(&self) -> Option<VocabularySplit> {
+        self.tensor.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn whole(&self, logits: &Tensor) -> Result<Tensor> {
+        whole_logits(self.tensor.lock().unwrap_or_else(|e| e.into_inner()).as_ref(), logits)
     }
 
     /// The parameters.
@@ -370,6 +388,7 @@ impl PreferenceObjective {
     }
 
     fn loss(&self, logits: &Tensor, batch: &Batch) -> Result<Tensor> {
+        let logits = &self.whole(logits)?;
         if logits.dim() != 3 {
             return Err(Error::Config(format!(
                 "a preference loss scores logits [rows, positions, vocabulary], not a tensor of shape {:?} (the \
@@ -559,12 +578,32 @@ fn halves(t: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((t.f_narrow(0, 0, n)?, t.f_narrow(0, n, n)?))
 }
 
+/// A tensor-parallel group that splits the logits' columns, and the model's vocabulary
+/// (the last rank's columns past it are padding).
+#[derive(Clone)]
+pub struct VocabularySplit {
+    /// The group.
+    pub group: Arc<dyn TensorParallel>,
+    /// The model's vocabulary.
+    pub vocab: i64,
+}
+
+/// `logits` with the vocabulary whole: gathered where `split` says.
+fn whole_logits(split: Option<&VocabularySplit>, logits: &Tensor) -> Result<Tensor> {
+    match split {
+        Some(s) if logits.dim() == 3 => s.group.whole_vocabulary(logits, s.vocab),
+        _ => Ok(logits.shallow_clone()),
+    }
+}
+
 /// A loss function that scores nothing but records each row's summed completion
 /// log-probability, in order, into `into` (its value is 0): run over every pair before
-/// training, it gives the reference's scores.
-pub fn reference_recorder(into: Arc<Mutex<Vec<f64>>>) -> LossFn {
+/// training, it gives the reference's scores. `split`: where a tensor-parallel group splits
+/// the vocabulary.
+pub fn reference_recorder(into: Arc<Mutex<Vec<f64>>>, split: Option<VocabularySplit>) -> LossFn {
     Arc::new(move |logits: &Tensor, batch: &Batch| {
         let _guard = tch::no_grad_guard();
+        let logits = &whole_logits(split.as_ref(), logits)?;
         let (per_token, _) = token_log_probs(logits, &batch.targets.f_to_device(logits.device())?)?;
         // Summed as the policy's scores are, so that the two agree to the bit at the start.
         let sums = per_token.f_sum_dim_intlist(1, false, per_token.kind())?.f_to_kind(Kind::Double)?;

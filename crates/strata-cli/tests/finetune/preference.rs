@@ -2,7 +2,8 @@
 //! TRL of the project's environment) on a tiny LLaMA folder and the same batches: for every
 //! DPO loss type, several summed, f-divergences, conversations through the chat template
 //! with their prompt left implicit, LoRA (the reference being the base with its fresh
-//! adapter), fsdp and two pipeline stages over two ranks and offloaded model states, each
+//! adapter), fsdp, tensor parallelism and two pipeline stages over two ranks and offloaded
+//! model states, each
 //! of 10 steps' loss, gradient norm and TRL's metrics, and the weights the steps end with.
 use crate::common::{self, reports, stderr, strata};
 use serde_json::{json, Value};
@@ -80,6 +81,16 @@ const CASES: &[Case] = &[
         ],
         trl_name: "sigmoid",
         ..case("pipeline", "sigmoid")
+    },
+    Case {
+        strata_flags: &[
+            "--nproc",
+            "2",
+            "--strategy",
+            r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#,
+        ],
+        trl_name: "sigmoid",
+        ..case("tensor", "sigmoid")
     },
     Case {
         strata_flags: &["--strategy", r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#],
@@ -336,8 +347,8 @@ fn conversations_and_lora_follow_trl() {
 }
 
 #[test]
-fn pairs_over_two_ranks_sharded_or_pipelined_and_offloaded_follow_trl() {
-    follow(&["fsdp", "pipeline", "offload"]);
+fn pairs_over_two_ranks_sharded_split_or_pipelined_and_offloaded_follow_trl() {
+    follow(&["fsdp", "tensor", "pipeline", "offload"]);
 }
 
 #[test]

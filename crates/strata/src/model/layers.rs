@@ -522,6 +522,9 @@ impl TensorParallel for NoTensorParallel {
     fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         cross_entropy(logits, targets)
     }
+    fn whole_vocabulary(&self, logits: &Tensor, _vocab: i64) -> Result<Tensor> {
+        Ok(logits.shallow_clone())
+    }
     fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         Ok(vec![x.shallow_clone()])
     }

@@ -227,6 +227,10 @@ pub trait TensorParallel: Send + Sync {
     /// reducing the maximum, the target logit and the sum of exponentials over the group
     /// (whole logits never exist on one rank).
     fn cross_entropy(&self, local_logits: &Tensor, targets: &Tensor) -> Result<Tensor>;
+    /// The whole logits `[..., vocab]` from each rank's columns (the last rank's padding
+    /// left out), for a loss that reads every column and is the same on every rank: the
+    /// backward hands each rank its own columns of the gradient, nothing to reduce.
+    fn whole_vocabulary(&self, local_logits: &Tensor, vocab: i64) -> Result<Tensor>;
     /// Every rank's `x` (same shape everywhere), in rank order, outside autograd.
     fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>>;
     /// The sums over the group of `values`.

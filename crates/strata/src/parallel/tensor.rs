@@ -180,6 +180,29 @@ impl strata_ext::Function for VocabCrossEntropy {
     }
 }
 
+/// The vocabulary's columns of every rank side by side; backward, this rank's columns of
+/// the gradient (every rank computed the same loss from the same whole logits).
+struct WholeVocabulary {
+    comm: Collectives,
+    rank: i64,
+    columns: i64,
+}
+
+impl strata_ext::Function for WholeVocabulary {
+    fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let shards = self.comm.all_gather(&inputs[0])?;
+        Ok(vec![Tensor::f_cat(&shards, -1).map_err(text)?])
+    }
+
+    fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let g = &grads[0];
+        if !g.defined() {
+            return Ok(vec![Tensor::new()]);
+        }
+        Ok(vec![g.f_narrow(-1, self.rank * self.columns, self.columns).map_err(text)?.f_contiguous().map_err(text)?])
+    }
+}
+
 impl TensorGroup {
     fn edge(&self, edge: Edge, x: &Tensor) -> Result<Tensor> {
         let f = EdgeFunction { edge, comm: Collectives(self.group.clone()) };
@@ -214,6 +237,11 @@ impl TensorParallel for TensorGroup {
         let logits = local_logits.f_reshape([-1, columns])?.f_to_kind(Kind::Float)?;
         let f = VocabCrossEntropy { comm: Collectives(self.group.clone()), rank: self.rank(), saved: None };
         Ok(strata_ext::apply_function(f, &[&logits, &targets.f_reshape([-1])?])?.remove(0))
+    }
+    fn whole_vocabulary(&self, local_logits: &Tensor, vocab: i64) -> Result<Tensor> {
+        let columns = *local_logits.size().last().unwrap_or(&1);
+        let f = WholeVocabulary { comm: Collectives(self.group.clone()), rank: self.rank(), columns };
+        Ok(strata_ext::apply_function(f, &[local_logits])?.remove(0).f_narrow(-1, 0, vocab)?)
     }
     fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         Collectives(self.group.clone()).all_gather(x).map_err(Error::Comm)

@@ -34,7 +34,7 @@ use crate::model::{Builder, ModelConfig, ModelDir, ModelSpec};
 use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use crate::parallel::{self, DataParallelOptions, TrainerSetup};
 use crate::patrickstar::PatrickStarConfig;
-use crate::preference::{PreferenceConfig, PreferenceObjective};
+use crate::preference::{PreferenceConfig, PreferenceObjective, VocabularySplit};
 use crate::profile::Profiler;
 use crate::strategy::{Dim, LoraConfig, Strategy};
 use crate::train::{token_input, Feed, InputFn, LossFn, StepReport, Trainer};
@@ -623,10 +623,25 @@ pub fn train(
         load_initial_weights(&config.init, &mut part.engine)?;
     }
     // The reference scores are the model's as it starts, before any resume moves it.
+    if let Some(p) = &preference {
+        let group = trainer.parts().iter().find_map(|part| part.engine.tensor_parallel().cloned());
+        let split = match (group, model.config.as_ref()) {
+            (Some(group), Some(c)) => Some(VocabularySplit { group, vocab: c.vocab() }),
+            (Some(_), None) => {
+                return Err(Error::Config(
+                    "preference pairs under tensor parallelism need the model's vocabulary: a model from a \
+                     configuration or folder"
+                        .into(),
+                ))
+            }
+            (None, _) => None,
+        };
+        p.set_vocabulary_split(split);
+    }
     let rows = LoaderConfig::new(config.batching.clone()).micro_batch_rows()?;
     let with_reference = |set: &Arc<Dataset>, trainer: &mut Trainer| -> Result<Arc<Dataset>> {
         match preference.as_ref() {
-            Some(_) => attach_reference(trainer, set, &config, rows),
+            Some(p) => attach_reference(trainer, set, &config, rows, p.vocabulary_split()),
             None => Ok(set.clone()),
         }
     };
@@ -813,9 +828,7 @@ fn preference_objective(data: &Data, config: &mut RunConfig) -> Result<Option<Ar
 /// Refuses what a preference run cannot take, in one line naming why: the loss scores a
 /// whole row's logits over the whole vocabulary.
 fn check_preference_strategy(strategy: &Strategy, config: &RunConfig) -> Result<()> {
-    let why = if strategy.tensor_parallel().is_some() {
-        Some("tensor parallelism splits the vocabulary's logits")
-    } else if strategy.context_parallel().is_some() {
+    let why = if strategy.context_parallel().is_some() {
         Some("context parallelism splits a completion's tokens over ranks")
     } else if strategy.chunked_loss().is_some() {
         Some("chunked_loss gives a next-token loss, not the logits a pair's score sums")
@@ -832,12 +845,14 @@ fn check_preference_strategy(strategy: &Strategy, config: &RunConfig) -> Result<
 
 /// `set` with its pairs' reference scores attached: the trainer's model scores every pair
 /// (each rank all of them, so every rank runs the same forwards) in batches of `rows`.
-/// Ranks that score nothing (a pipeline's earlier stages) keep the set as it is.
+/// Ranks that score nothing (a pipeline's earlier stages) keep the set as it is. `split`:
+/// where a tensor-parallel group splits the logits' vocabulary.
 fn attach_reference(
     trainer: &mut Trainer,
     set: &Arc<Dataset>,
     config: &RunConfig,
     rows: usize,
+    split: Option<VocabularySplit>,
 ) -> Result<Arc<Dataset>> {
     let Dataset::Preference(pairs) = set.as_ref() else { return Ok(set.clone()) };
     let all: Vec<usize> = (0..pairs.len()).collect();
@@ -847,7 +862,10 @@ fn attach_reference(
         .map(|(i, chunk)| Ok(Step::new(i, vec![pairs.batch(chunk)?.to_device(config.device)?])))
         .collect::<Result<Vec<_>>>()?;
     let recorded = Arc::new(std::sync::Mutex::new(vec![]));
-    trainer.set_feed(&Feed { loss: Some(crate::preference::reference_recorder(recorded.clone())), ..config.feed() });
+    trainer.set_feed(&Feed {
+        loss: Some(crate::preference::reference_recorder(recorded.clone(), split)),
+        ..config.feed()
+    });
     let scored = trainer.evaluate(&steps);
     trainer.set_feed(&config.feed());
     scored?;
