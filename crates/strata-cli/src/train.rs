@@ -342,8 +342,10 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     let leader = summary.is_leader();
     if let Some(r) = summary.last.filter(|_| leader) {
         let mut line = format!("step {}: loss {:.4}", r.step, r.loss);
-        if let Some(v) = r.val_loss {
-            line += &format!(", validation loss {v:.4} (perplexity {:.2})", v.exp());
+        match (r.val_loss, r.val_perplexity) {
+            (Some(v), Some(p)) => line += &format!(", validation loss {v:.4} (perplexity {p:.2})"),
+            (Some(v), None) => line += &format!(", validation loss {v:.4}"),
+            _ => {}
         }
         if let Some(best) = best_loss {
             line += &format!(" (best possible on this corpus: {best:.4})");

@@ -373,3 +373,45 @@ fn preference_flags_without_pairs_and_impossible_parameters_are_refused() {
     let o = strata(&["train", "--data", s(&text), "--steps", "1", "--preference-loss", "dpo"]);
     common::assert_fails_with(&o, "preference loss \"dpo\": not one of sigmoid");
 }
+
+/// Validation on pairs scores them with the preference loss against their own reference
+/// scores: after updates on the same pairs it falls below ln 2 (a reference missing would
+/// read the policy itself, ln 2 exactly), and it has no perplexity.
+#[test]
+fn validation_pairs_are_scored_against_their_reference() {
+    let Some(py) = common::venv_python() else { return };
+    let dir = reference(&py);
+    let (model, pairs) = (dir.join("model"), dir.join("text.jsonl"));
+    let out = tempfile::tempdir().unwrap();
+    let metrics = out.path().join("m.jsonl");
+    let o = strata(&[
+        "train",
+        "--model-dir",
+        s(&model),
+        "--data",
+        s(&pairs),
+        "--val-data",
+        s(&pairs),
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "2",
+        "--ctx",
+        "64",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--threads",
+        "1",
+        "--metrics",
+        s(&metrics),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let last = reports(&metrics).pop().unwrap();
+    let val = last["val_loss"].as_f64().unwrap();
+    assert!(val < std::f64::consts::LN_2 - 1e-3, "validation loss {val}");
+    assert!(last.get("val_perplexity").is_none_or(Value::is_null), "{last}");
+}

@@ -731,6 +731,10 @@ pub fn train(
         report.tokens_per_s *= readers as f64;
         if let Some(steps) = val_steps.as_ref().filter(|_| config.validation_due(report.step)) {
             report.set_validation(trainer.evaluate(steps)?);
+            if preference.is_some() {
+                // A mean over pairs of a preference loss has no perplexity.
+                report.val_perplexity = None;
+            }
         }
         // After the loss's all-reduce, so the next step's units wait for nothing of this one.
         report.unit_times = clock.as_ref().map(|c| trainer.unit_times(c.take())).transpose()?;
