@@ -139,12 +139,7 @@ fn record_task(settings: &TrainSettings) -> Option<(&Path, RecordTask<'_>)> {
 /// folder, ended with the folder's end-of-sequence token, cached for the next run.
 fn load_examples(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> Result<ExampleSet> {
     let options = settings.examples.clone().context("example options are set for example data")?;
-    let sources = ExampleSources {
-        tokenizer_file: settings.tokenizer.as_deref(),
-        model_dir: settings.model_dir.as_ref().map(|m| m.dir.as_path()),
-        chat_template: settings.chat_template.as_deref(),
-    };
-    read_examples(path, tokenizer, sources, &options)
+    read_examples(path, tokenizer, ExampleSources::of(settings), &options)
 }
 
 /// The preference pairs of `path`, rendered and ended as examples are, each row cut to
@@ -154,15 +149,7 @@ fn load_pairs(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> R
     if options.drop_long || options.train_on_prompt || settings.pack {
         bail!("{}: --drop-long, --train-on-prompt and --pack shape examples, not preference pairs", path.display());
     }
-    let folder = crate::options::tokenizer_folder(
-        settings.tokenizer.as_deref(),
-        settings.model_dir.as_ref().map(|m| m.dir.as_path()),
-    );
-    let template = ChatTemplate::choose(settings.chat_template.as_deref(), folder)?;
-    let end_of_text = match folder {
-        Some(dir) => chat::special_token(&chat::tokenizer_config(dir)?, "eos_token"),
-        None => None,
-    };
+    let (template, end_of_text) = ExampleSources::of(settings).rendering()?;
     let format =
         PreferenceFormat { tokenizer, template: template.as_ref(), end_of_text, max_length: options.max_length };
     let set = PreferenceSet::read(path, &format)?;
@@ -188,6 +175,29 @@ pub struct ExampleSources<'a> {
     pub chat_template: Option<&'a Path>,
 }
 
+impl<'a> ExampleSources<'a> {
+    /// The sources `strata train`'s flags name.
+    fn of(settings: &'a TrainSettings) -> ExampleSources<'a> {
+        ExampleSources {
+            tokenizer_file: settings.tokenizer.as_deref(),
+            model_dir: settings.model_dir.as_ref().map(|m| m.dir.as_path()),
+            chat_template: settings.chat_template.as_deref(),
+        }
+    }
+
+    /// The chat template conversations are rendered through, and the end-of-sequence text
+    /// that ends a plain text or a completion.
+    fn rendering(self) -> Result<(Option<ChatTemplate>, Option<String>)> {
+        let folder = crate::options::tokenizer_folder(self.tokenizer_file, self.model_dir);
+        let template = ChatTemplate::choose(self.chat_template, folder)?;
+        let end_of_text = match folder {
+            Some(dir) => chat::special_token(&chat::tokenizer_config(dir)?, "eos_token"),
+            None => None,
+        };
+        Ok((template, end_of_text))
+    }
+}
+
 /// The examples of `path` (JSONL or Parquet records) as training reads them: rendered with
 /// the chat template, ended with the folder's end-of-sequence token, cut and masked as
 /// `options` say, cached for the next run.
@@ -197,12 +207,7 @@ pub fn read_examples(
     sources: ExampleSources<'_>,
     options: &ExampleOptions,
 ) -> Result<ExampleSet> {
-    let folder = crate::options::tokenizer_folder(sources.tokenizer_file, sources.model_dir);
-    let template = ChatTemplate::choose(sources.chat_template, folder)?;
-    let end_of_text = match folder {
-        Some(dir) => chat::special_token(&chat::tokenizer_config(dir)?, "eos_token"),
-        None => None,
-    };
+    let (template, end_of_text) = sources.rendering()?;
     let format = ExampleFormat { tokenizer, template: template.as_ref(), end_of_text };
     let set = ExampleSet::load(path, &format, options, strata::data::records::default_cache_dir().as_deref())?;
     let r = &set.report;

@@ -46,6 +46,15 @@ const fn case(name: &'static str, loss: &'static str) -> Case {
     }
 }
 
+/// The sigmoid run laid out by Strata's `strata_flags`, compared with TRL's one process.
+const fn laid_out(name: &'static str, strata_flags: &'static [&'static str]) -> Case {
+    Case { strata_flags, trl_name: "sigmoid", ..case(name, "sigmoid") }
+}
+
+const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel"]"#;
+const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
+const OFFLOAD: &str = r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#;
+
 const CASES: &[Case] = &[
     case("sigmoid", "sigmoid"),
     case("hinge", "hinge"),
@@ -67,36 +76,10 @@ const CASES: &[Case] = &[
     Case { f_divergence: "forward_kl", ..case("forward_kl", "hinge") },
     Case { conversational: true, ..case("conversations", "sigmoid") },
     Case { adapter: true, ..case("lora", "sigmoid") },
-    Case {
-        strata_flags: &["--nproc", "2", "--strategy", r#"["fsdp"]"#],
-        trl_name: "sigmoid",
-        ..case("fsdp", "sigmoid")
-    },
-    Case {
-        strata_flags: &[
-            "--nproc",
-            "2",
-            "--strategy",
-            r#"[["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel"]"#,
-        ],
-        trl_name: "sigmoid",
-        ..case("pipeline", "sigmoid")
-    },
-    Case {
-        strata_flags: &[
-            "--nproc",
-            "2",
-            "--strategy",
-            r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#,
-        ],
-        trl_name: "sigmoid",
-        ..case("tensor", "sigmoid")
-    },
-    Case {
-        strata_flags: &["--strategy", r#"[["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#],
-        trl_name: "sigmoid",
-        ..case("offload", "sigmoid")
-    },
+    laid_out("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]),
+    laid_out("pipeline", &["--nproc", "2", "--strategy", PIPELINE]),
+    laid_out("tensor", &["--nproc", "2", "--strategy", TENSOR]),
+    laid_out("offload", &["--strategy", OFFLOAD]),
 ];
 
 const WORDS: [&str; 10] = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
