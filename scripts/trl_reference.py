@@ -5,13 +5,15 @@
         moved off its initial value, drawn from a seed;
   lora  saves a peft LoRA adapter of a folder's model as peft draws a new one (B = 0), for a
         JSON LoraConfig and a seed;
-  dpo   runs each run of a JSON list (name, pairs file, DPOConfig's loss_type, loss_weights,
-        beta, label_smoothing, f_divergence_type, and an adapter folder whose parameters alone
-        train) on a folder's model with TRL's DPOTrainer scoring: the dataset tokenized by
-        the trainer, batches by its collator in record order, each step's loss from its
-        compute_loss (which logs TRL's metrics), torch.optim.AdamW for the update; writes
-        --out/NAME.jsonl, one line a step (loss, the metrics TRL logged, the gradient norm),
-        and the trained weights as --out/NAME.safetensors (or the adapter as --out/NAME/).
+  runs  runs each run of a JSON list (name, records file, its trainer — "dpo" or "kto" —
+        and its config's fields: loss_type, loss_weights, beta, label_smoothing,
+        f_divergence_type, desirable_weight, undesirable_weight; and an adapter folder whose
+        parameters alone train) on a folder's model with TRL's DPOTrainer or KTOTrainer
+        scoring: the dataset tokenized by the trainer, batches by its collator in record
+        order, each step's loss from its compute_loss (which logs TRL's metrics),
+        torch.optim.AdamW for the update; writes --out/NAME.jsonl, one line a step (loss, the
+        metrics TRL logged, the gradient norm), and the trained weights as
+        --out/NAME.safetensors (or the adapter as --out/NAME/).
 
 Nothing is downloaded. Run it with the project's virtual environment:
 .venv/bin/python scripts/trl_reference.py
@@ -55,11 +57,11 @@ def lora(model_dir, out, config, seed):
     get_peft_model(model, LoraConfig(**json.loads(config))).save_pretrained(out)
 
 
-def dpo_run(args, run):
+def trainer_run(args, run):
     import transformers as tf
     from datasets import Dataset
     from peft import PeftModel
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     tok = tf.AutoTokenizer.from_pretrained(args.model)
     model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -67,15 +69,20 @@ def dpo_run(args, run):
         model = PeftModel.from_pretrained(model, run["adapter"], is_trainable=True)
     with open(run["pairs"]) as f:
         records = [json.loads(line) for line in f if line.strip()]
+    common = dict(max_length=args.max_length, per_device_train_batch_size=args.batch, bf16=False,
+                  gradient_checkpointing=False, report_to=[], use_cpu=True, beta=run.get("beta", 0.1))
     with tempfile.TemporaryDirectory() as out:
-        config = DPOConfig(output_dir=out, loss_type=run.get("loss_type", ["sigmoid"]),
-                           loss_weights=run.get("loss_weights"), beta=run.get("beta", 0.1),
-                           label_smoothing=run.get("label_smoothing", 0.0),
-                           f_divergence_type=run.get("f_divergence", "reverse_kl"), max_length=args.max_length,
-                           per_device_train_batch_size=args.batch, bf16=False, gradient_checkpointing=False,
-                           report_to=[], use_cpu=True)
-        trainer = DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(records),
-                             processing_class=tok)
+        if run.get("trainer", "dpo") == "kto":
+            config = KTOConfig(output_dir=out, loss_type=run.get("loss_type", "kto"),
+                               desirable_weight=run.get("desirable_weight", 1.0),
+                               undesirable_weight=run.get("undesirable_weight", 1.0), **common)
+            make = KTOTrainer
+        else:
+            config = DPOConfig(output_dir=out, loss_type=run.get("loss_type", ["sigmoid"]),
+                               loss_weights=run.get("loss_weights"), label_smoothing=run.get("label_smoothing", 0.0),
+                               f_divergence_type=run.get("f_divergence", "reverse_kl"), **common)
+            make = DPOTrainer
+        trainer = make(model=model, args=config, train_dataset=Dataset.from_list(records), processing_class=tok)
     policy = trainer.model
     policy.train()
     trained = [p for p in policy.parameters() if p.requires_grad]
@@ -115,7 +122,7 @@ def main():
     lo.add_argument("--out", required=True)
     lo.add_argument("--config", required=True)
     lo.add_argument("--seed", type=int, default=0)
-    d = sub.add_parser("dpo")
+    d = sub.add_parser("runs")
     d.add_argument("--model", required=True)
     d.add_argument("--runs", required=True)
     d.add_argument("--out", required=True)
@@ -131,7 +138,7 @@ def main():
     else:
         with open(args.runs) as f:
             for run in json.load(f):
-                dpo_run(args, run)
+                trainer_run(args, run)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,8 @@ train_options! {
     /// Preference pairs (--data records of "prompt", "chosen" and "rejected"): the loss types,
     /// comma-separated, by TRL's DPO names — sigmoid (the default), hinge, ipo, exo_pair,
     /// nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down,
-    /// discopop, sft, sigmoid_norm.
+    /// discopop, sft, sigmoid_norm; for unpaired records ("completion" and "label"), kto or
+    /// apo_zero_unpaired.
     preference_loss: String,
     /// Preference pairs: each loss type's weight, comma-separated (default 1 each).
     preference_loss_weights: String,
@@ -125,6 +126,12 @@ train_options! {
     f_divergence: String,
     /// Preference pairs: the α of --f-divergence alpha_divergence.
     f_alpha: f64,
+    /// Unpaired preferences (records of "prompt", "completion" and "label", scored by
+    /// --preference-loss kto or apo_zero_unpaired): the weight of desirable completions'
+    /// losses (default 1).
+    desirable_weight: f64,
+    /// Unpaired preferences: the weight of undesirable completions' losses (default 1).
+    undesirable_weight: f64,
     /// Examples: pack several into each row of --ctx tokens, each attending only to itself
     /// and with positions starting again at 0.
     pack: bool,
@@ -344,6 +351,8 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         ("--discopop-tau", o.discopop_tau.is_some()),
         ("--f-divergence", o.f_divergence.is_some()),
         ("--f-alpha", o.f_alpha.is_some()),
+        ("--desirable-weight", o.desirable_weight.is_some()),
+        ("--undesirable-weight", o.undesirable_weight.is_some()),
     ];
     let flags = given.iter().filter(|(_, g)| *g).map(|(f, _)| *f).collect();
     let defaults = PreferenceConfig::default();
@@ -366,6 +375,8 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         label_smoothing: o.label_smoothing.unwrap_or(defaults.label_smoothing),
         discopop_tau: o.discopop_tau.unwrap_or(defaults.discopop_tau),
         f_divergence: FDivergence::parse(o.f_divergence.as_deref().unwrap_or("reverse_kl"), o.f_alpha.unwrap_or(0.5))?,
+        desirable_weight: o.desirable_weight.unwrap_or(defaults.desirable_weight),
+        undesirable_weight: o.undesirable_weight.unwrap_or(defaults.undesirable_weight),
     };
     config.validate()?;
     Ok((config, flags))

@@ -69,7 +69,7 @@ fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, 
         }
         DataChoice::Examples(path) => {
             let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
-            let set: Dataset = match PreferenceSet::holds_pairs(path)? {
+            let set: Dataset = match PreferenceSet::holds_preferences(path)? {
                 true => load_pairs(settings, path, &tokenizer)?.into(),
                 false => load_examples(settings, path, &tokenizer)?.into(),
             };
@@ -150,8 +150,16 @@ fn load_pairs(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> R
         bail!("{}: --drop-long, --train-on-prompt and --pack shape examples, not preference pairs", path.display());
     }
     let (template, end_of_text) = ExampleSources::of(settings).rendering()?;
-    let format =
-        PreferenceFormat { tokenizer, template: template.as_ref(), end_of_text, max_length: options.max_length };
+    // Each record's mismatched completion comes from its micro-batch's records, as TRL's
+    // come from a device's batch.
+    let kl_batch = settings.batch_size / (settings.nproc.max(1) * settings.accumulation.max(1));
+    let format = PreferenceFormat {
+        tokenizer,
+        template: template.as_ref(),
+        end_of_text,
+        max_length: options.max_length,
+        kl_batch: kl_batch.max(1),
+    };
     let set = PreferenceSet::read(path, &format)?;
     let r = &set.report;
     tracing::info!(

@@ -53,9 +53,13 @@ pub enum PreferenceLoss {
     Sft,
     /// DPO on per-token averaged scores.
     SigmoidNorm,
+    /// KTO, on unpaired completions: each against the KL estimate of mismatched ones.
+    Kto,
+    /// APO-zero on unpaired completions: desirable ones up, the others down.
+    ApoZeroUnpaired,
 }
 
-const LOSSES: [(&str, PreferenceLoss); 15] = [
+const LOSSES: [(&str, PreferenceLoss); 17] = [
     ("sigmoid", PreferenceLoss::Sigmoid),
     ("hinge", PreferenceLoss::Hinge),
     ("ipo", PreferenceLoss::Ipo),
@@ -71,12 +75,19 @@ const LOSSES: [(&str, PreferenceLoss); 15] = [
     ("discopop", PreferenceLoss::Discopop),
     ("sft", PreferenceLoss::Sft),
     ("sigmoid_norm", PreferenceLoss::SigmoidNorm),
+    ("kto", PreferenceLoss::Kto),
+    ("apo_zero_unpaired", PreferenceLoss::ApoZeroUnpaired),
 ];
 
 impl PreferenceLoss {
-    /// Every loss type, in TRL's order.
+    /// Every loss type, in TRL's order (DPO's, then KTO's).
     pub fn all() -> impl Iterator<Item = PreferenceLoss> {
         LOSSES.iter().map(|(_, l)| *l)
+    }
+
+    /// Whether the loss scores unpaired completions (KTO's trainer) rather than pairs.
+    pub fn unpaired(self) -> bool {
+        matches!(self, PreferenceLoss::Kto | PreferenceLoss::ApoZeroUnpaired)
     }
 
     /// TRL's name of the loss type.
@@ -158,6 +169,10 @@ pub struct PreferenceConfig {
     pub discopop_tau: f64,
     /// The divergence each completion's score measures.
     pub f_divergence: FDivergence,
+    /// Unpaired losses: the weights of desirable and of undesirable completions' losses.
+    pub desirable_weight: f64,
+    /// See `desirable_weight`.
+    pub undesirable_weight: f64,
 }
 
 impl Default for PreferenceConfig {
@@ -169,6 +184,8 @@ impl Default for PreferenceConfig {
             label_smoothing: 0.0,
             discopop_tau: 0.05,
             f_divergence: FDivergence::ReverseKl,
+            desirable_weight: 1.0,
+            undesirable_weight: 1.0,
         }
     }
 }
@@ -182,6 +199,13 @@ impl PreferenceConfig {
         }
         if !(self.beta > 0.0 && self.beta.is_finite()) {
             return bad(format!("beta {} must be positive", self.beta));
+        }
+        let unpaired = self.losses.iter().filter(|(l, _)| l.unpaired()).count();
+        if unpaired > 0 && self.losses.len() > 1 {
+            return bad("kto and apo_zero_unpaired score unpaired completions: give one alone".into());
+        }
+        if self.desirable_weight < 0.0 || self.undesirable_weight < 0.0 {
+            return bad("the desirable and undesirable weights must not be negative".into());
         }
         for (loss, _) in &self.losses {
             match loss {
@@ -201,61 +225,67 @@ impl PreferenceConfig {
     }
 }
 
-/// Sums over a step's pairs from which its metrics are the means; added over ranks.
+/// Sums over a step's micro-batches from which its metrics are the means; added over ranks.
 #[derive(Clone, Copy, Debug, Default)]
-struct Tally {
-    pairs: f64,
-    rewards_chosen: f64,
-    rewards_rejected: f64,
-    accurate: f64,
-    logps_chosen: f64,
-    logps_rejected: f64,
-    logits_chosen: f64,
-    chosen_tokens: f64,
-    logits_rejected: f64,
-    rejected_tokens: f64,
-    entropy: f64,
-    top1: f64,
+struct Tally([f64; Tally::LEN]);
+
+/// The sums a [`Tally`] holds, by place.
+#[derive(Clone, Copy)]
+enum Sum {
+    /// Chosen completions scored (pairs, or desirable unpaired completions).
+    Chosen,
+    /// Rejected completions scored (pairs, or undesirable unpaired completions).
+    Rejected,
+    RewardsChosen,
+    RewardsRejected,
+    /// Pairs whose chosen reward exceeds the rejected one.
+    Accurate,
+    LogpsChosen,
+    LogpsRejected,
+    LogitsChosen,
+    ChosenTokens,
+    LogitsRejected,
+    RejectedTokens,
+    Entropy,
+    EntropyTokens,
+    /// Chosen tokens that are the model's most likely next token.
+    Top1,
+    /// The KL estimates of unpaired micro-batches, and how many there were.
+    Kl,
+    KlBatches,
 }
 
 impl Tally {
-    fn to_vec(self) -> Vec<f64> {
-        vec![
-            self.pairs,
-            self.rewards_chosen,
-            self.rewards_rejected,
-            self.accurate,
-            self.logps_chosen,
-            self.logps_rejected,
-            self.logits_chosen,
-            self.chosen_tokens,
-            self.logits_rejected,
-            self.rejected_tokens,
-            self.entropy,
-            self.top1,
-        ]
-    }
+    const LEN: usize = Sum::KlBatches as usize + 1;
 
-    fn from_slice(v: &[f64]) -> Tally {
-        Tally {
-            pairs: v[0],
-            rewards_chosen: v[1],
-            rewards_rejected: v[2],
-            accurate: v[3],
-            logps_chosen: v[4],
-            logps_rejected: v[5],
-            logits_chosen: v[6],
-            chosen_tokens: v[7],
-            logits_rejected: v[8],
-            rejected_tokens: v[9],
-            entropy: v[10],
-            top1: v[11],
-        }
+    fn get(&self, s: Sum) -> f64 {
+        self.0[s as usize]
     }
 
     fn add(&mut self, other: &Tally) {
-        let sum: Vec<f64> = self.to_vec().iter().zip(other.to_vec()).map(|(a, b)| a + b).collect();
-        *self = Tally::from_slice(&sum);
+        for (a, b) in self.0.iter_mut().zip(other.0) {
+            *a += b;
+        }
+    }
+
+    fn metrics(&self) -> PreferenceMetrics {
+        let over = |a: Sum, n: Sum| if self.get(n) > 0.0 { self.get(a) / self.get(n) } else { 0.0 };
+        let unpaired = self.get(Sum::KlBatches) > 0.0;
+        let rewards_chosen = over(Sum::RewardsChosen, Sum::Chosen);
+        let rewards_rejected = over(Sum::RewardsRejected, Sum::Rejected);
+        PreferenceMetrics {
+            rewards_chosen,
+            rewards_rejected,
+            rewards_accuracies: (!unpaired).then(|| over(Sum::Accurate, Sum::Chosen)),
+            rewards_margins: rewards_chosen - rewards_rejected,
+            logps_chosen: over(Sum::LogpsChosen, Sum::Chosen),
+            logps_rejected: over(Sum::LogpsRejected, Sum::Rejected),
+            logits_chosen: over(Sum::LogitsChosen, Sum::ChosenTokens),
+            logits_rejected: over(Sum::LogitsRejected, Sum::RejectedTokens),
+            entropy: over(Sum::Entropy, Sum::EntropyTokens),
+            mean_token_accuracy: (!unpaired).then(|| over(Sum::Top1, Sum::ChosenTokens)),
+            kl: unpaired.then(|| over(Sum::Kl, Sum::KlBatches)),
+        }
     }
 }
 
@@ -268,10 +298,10 @@ pub struct PreferenceMetrics {
     /// Mean `β · (log π(rejected) - log π_ref(rejected))`.
     #[serde(rename = "rewards/rejected")]
     pub rewards_rejected: f64,
-    /// The share of pairs whose chosen reward exceeds the rejected one.
-    #[serde(rename = "rewards/accuracies")]
-    pub rewards_accuracies: f64,
-    /// Mean chosen minus rejected reward.
+    /// The share of pairs whose chosen reward exceeds the rejected one (pairs only).
+    #[serde(rename = "rewards/accuracies", skip_serializing_if = "Option::is_none")]
+    pub rewards_accuracies: Option<f64>,
+    /// Mean chosen reward minus mean rejected reward.
     #[serde(rename = "rewards/margins")]
     pub rewards_margins: f64,
     /// Mean summed log-probability of the chosen completions.
@@ -288,27 +318,14 @@ pub struct PreferenceMetrics {
     pub logits_rejected: f64,
     /// Mean entropy of the next-token distribution over every completion token.
     pub entropy: f64,
-    /// The share of chosen completion tokens that are the model's most likely next token.
-    pub mean_token_accuracy: f64,
-}
-
-impl Tally {
-    fn metrics(&self) -> PreferenceMetrics {
-        let over = |a: f64, n: f64| if n > 0.0 { a / n } else { 0.0 };
-        let tokens = self.chosen_tokens + self.rejected_tokens;
-        PreferenceMetrics {
-            rewards_chosen: over(self.rewards_chosen, self.pairs),
-            rewards_rejected: over(self.rewards_rejected, self.pairs),
-            rewards_accuracies: over(self.accurate, self.pairs),
-            rewards_margins: over(self.rewards_chosen - self.rewards_rejected, self.pairs),
-            logps_chosen: over(self.logps_chosen, self.pairs),
-            logps_rejected: over(self.logps_rejected, self.pairs),
-            logits_chosen: over(self.logits_chosen, self.chosen_tokens),
-            logits_rejected: over(self.logits_rejected, self.rejected_tokens),
-            entropy: over(self.entropy, tokens),
-            mean_token_accuracy: over(self.top1, self.chosen_tokens),
-        }
-    }
+    /// The share of chosen completion tokens that are the model's most likely next token
+    /// (pairs only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mean_token_accuracy: Option<f64>,
+    /// Unpaired completions: the mean over micro-batches of the KL estimate, the mean
+    /// log-ratio of the mismatched completions, clamped at 0.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl: Option<f64>,
 }
 
 /// Each row's next-token log-probabilities where its target is learned (0 elsewhere), in
@@ -381,10 +398,13 @@ impl PreferenceObjective {
     pub fn take_metrics(&self, group: Option<&dyn ProcessGroup>) -> Result<Option<PreferenceMetrics>> {
         let mine = std::mem::take(&mut *self.tally.lock().unwrap_or_else(|e| e.into_inner()));
         let all = match group {
-            Some(g) => Tally::from_slice(&all_reduce_values(g, &mine.to_vec(), ReduceOp::Sum)?),
+            Some(g) => {
+                let summed = all_reduce_values(g, &mine.0, ReduceOp::Sum)?;
+                Tally(summed.try_into().map_err(|_| Error::Comm("the metrics' all-reduce lost values".into()))?)
+            }
             None => mine,
         };
-        Ok((all.pairs > 0.0).then(|| all.metrics()))
+        Ok((all.get(Sum::Chosen) + all.get(Sum::Rejected) > 0.0).then(|| all.metrics()))
     }
 
     fn loss(&self, logits: &Tensor, batch: &Batch) -> Result<Tensor> {
@@ -423,6 +443,13 @@ impl PreferenceObjective {
             per_token: &per_token,
             mask: &mask,
         };
+        let ratios = logps.f_sub(&reference)?;
+        if let Some(desirable) = &batch.desirable {
+            let desirable = desirable.f_to_device(logps.device())?;
+            let (loss, kl) = self.unpaired(&pair, &desirable)?;
+            self.record(logits, &targets, &pair, &Sides::unpaired(&desirable)?, (&logps, &ratios), Some(kl))?;
+            return Ok(loss);
+        }
         let mut total: Option<Tensor> = None;
         for (kind, weight) in &self.config.losses {
             let term = self.per_pair(*kind, &pair)?.f_mean(per_token.kind())?.f_mul_scalar(*weight)?;
@@ -431,8 +458,36 @@ impl PreferenceObjective {
                 None => term,
             });
         }
-        self.record(logits, &targets, &pair)?;
+        self.record(logits, &targets, &pair, &Sides::paired(rows, logits.device())?, (&logps, &ratios), None)?;
         total.ok_or_else(|| Error::Config("preference loss: no loss type given".into()))
+    }
+
+    /// Unpaired completions' loss (the first half of the rows; the second half holds the
+    /// mismatched completions whose log-ratio estimates the KL term), and that estimate.
+    fn unpaired(&self, s: &PairScores, desirable: &Tensor) -> Result<(Tensor, f64)> {
+        let PreferenceConfig { beta, desirable_weight, undesirable_weight, .. } = self.config;
+        let kind = self.config.losses.first().map(|(k, _)| *k);
+        let ratio = s.chosen_ratio;
+        let (kl, good, bad) = match kind {
+            Some(PreferenceLoss::Kto) => {
+                let kl = s.rejected_ratio.f_mean(ratio.kind())?.f_detach()?.f_clamp_min(0.0)?;
+                let good = ratio.f_sub(&kl)?.f_mul_scalar(beta)?.f_sigmoid()?.f_neg()?.f_add_scalar(1.0)?;
+                let bad = kl.f_sub(ratio)?.f_mul_scalar(beta)?.f_sigmoid()?.f_neg()?.f_add_scalar(1.0)?;
+                (kl.f_double_value(&[])?, good, bad)
+            }
+            Some(PreferenceLoss::ApoZeroUnpaired) => {
+                let scaled = ratio.f_mul_scalar(beta)?.f_sigmoid()?;
+                (0.0, scaled.f_neg()?.f_add_scalar(1.0)?, scaled)
+            }
+            _ => {
+                return Err(Error::Config(
+                    "unpaired completions (records with a \"label\") are scored by kto or apo_zero_unpaired".into(),
+                ))
+            }
+        };
+        let losses =
+            good.f_mul_scalar(desirable_weight)?.f_where_self(desirable, &bad.f_mul_scalar(undesirable_weight)?)?;
+        Ok((losses.f_mean(ratio.kind())?, kl))
     }
 
     /// Each pair's loss of one type.
@@ -518,43 +573,97 @@ impl PreferenceObjective {
                 loss.f_expand([s.chosen.size()[0]], false)?
             }
             SigmoidNorm => logsig(&per_token_delta()?.f_mul_scalar(beta)?)?.f_neg()?,
+            Kto | ApoZeroUnpaired => {
+                return Err(Error::Config(format!(
+                    "{} scores unpaired completions (records of \"completion\" and \"label\"), not pairs",
+                    kind.name()
+                )))
+            }
         })
     }
 
-    /// Adds the micro-batch's sums to the tally (nothing here takes a gradient).
-    fn record(&self, logits: &Tensor, targets: &Tensor, s: &PairScores) -> Result<()> {
+    /// Adds the micro-batch's sums to the tally (nothing here takes a gradient): the rows
+    /// `sides` names, each row's score and log-ratio in `scores`, the KL estimate of an
+    /// unpaired micro-batch.
+    fn record(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        s: &PairScores,
+        sides: &Sides,
+        (logps, ratios): (&Tensor, &Tensor),
+        kl: Option<f64>,
+    ) -> Result<()> {
         let _guard = tch::no_grad_guard();
-        let beta = self.config.beta;
         let value = |t: &Tensor| -> Result<f64> {
             Ok(t.f_detach()?.f_to_kind(Kind::Double)?.f_sum(Kind::Double)?.f_double_value(&[])?)
         };
+        let picked = |t: &Tensor, rows: &Tensor| -> Result<f64> { value(&t.f_index_select(0, rows)?) };
         let logits = logits.f_detach()?.f_to_kind(Kind::Float)?;
         let mask = s.mask;
-        let mean_logits = logits.f_mean_dim(-1, false, Kind::Float)?.f_mul(mask)?;
+        let per_row = |t: Tensor| -> Result<Tensor> { Ok(t.f_mul(mask)?.f_sum_dim_intlist(1, false, Kind::Float)?) };
+        let mean_logits = per_row(logits.f_mean_dim(-1, false, Kind::Float)?)?;
         let log_p = logits.f_log_softmax(-1, None::<Kind>)?;
-        let entropy = log_p.f_exp()?.f_mul(&log_p)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_neg()?.f_mul(mask)?;
-        let top1 = logits.f_argmax(-1, false)?.f_eq_tensor(targets)?.f_to_kind(Kind::Float)?.f_mul(mask)?;
-        let (mean_chosen, mean_rejected) = halves(&mean_logits)?;
-        let (mask_chosen, mask_rejected) = halves(mask)?;
-        let (top1_chosen, _) = halves(&top1)?;
-        let chosen_rewards = s.chosen_ratio.f_mul_scalar(beta)?;
-        let rejected_rewards = s.rejected_ratio.f_mul_scalar(beta)?;
-        let tally = Tally {
-            pairs: s.chosen.size()[0] as f64,
-            rewards_chosen: value(&chosen_rewards)?,
-            rewards_rejected: value(&rejected_rewards)?,
-            accurate: value(&chosen_rewards.f_gt_tensor(&rejected_rewards)?)?,
-            logps_chosen: value(s.chosen)?,
-            logps_rejected: value(s.rejected)?,
-            logits_chosen: value(&mean_chosen)?,
-            chosen_tokens: value(&mask_chosen)?,
-            logits_rejected: value(&mean_rejected)?,
-            rejected_tokens: value(&mask_rejected)?,
-            entropy: value(&entropy)?,
-            top1: value(&top1_chosen)?,
-        };
+        let entropy = per_row(log_p.f_exp()?.f_mul(&log_p)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_neg()?)?;
+        let top1 = per_row(logits.f_argmax(-1, false)?.f_eq_tensor(targets)?.f_to_kind(Kind::Float)?)?;
+        let tokens = mask.f_sum_dim_intlist(1, false, Kind::Float)?;
+        let rewards = ratios.f_mul_scalar(self.config.beta)?;
+        let mut tally = Tally::default();
+        let mut set = |sum: Sum, v: f64| tally.0[sum as usize] = v;
+        set(Sum::Chosen, sides.chosen.size()[0] as f64);
+        set(Sum::Rejected, sides.rejected.size()[0] as f64);
+        set(Sum::RewardsChosen, picked(&rewards, &sides.chosen)?);
+        set(Sum::RewardsRejected, picked(&rewards, &sides.rejected)?);
+        set(Sum::LogpsChosen, picked(logps, &sides.chosen)?);
+        set(Sum::LogpsRejected, picked(logps, &sides.rejected)?);
+        set(Sum::LogitsChosen, picked(&mean_logits, &sides.chosen)?);
+        set(Sum::ChosenTokens, picked(&tokens, &sides.chosen)?);
+        set(Sum::LogitsRejected, picked(&mean_logits, &sides.rejected)?);
+        set(Sum::RejectedTokens, picked(&tokens, &sides.rejected)?);
+        set(Sum::Entropy, picked(&entropy, &sides.scored)?);
+        set(Sum::EntropyTokens, picked(&tokens, &sides.scored)?);
+        set(Sum::Top1, picked(&top1, &sides.chosen)?);
+        match kl {
+            Some(kl) => {
+                set(Sum::Kl, kl);
+                set(Sum::KlBatches, 1.0);
+            }
+            None => {
+                let (chosen, rejected) =
+                    (rewards.f_index_select(0, &sides.chosen)?, rewards.f_index_select(0, &sides.rejected)?);
+                set(Sum::Accurate, value(&chosen.f_gt_tensor(&rejected)?)?);
+            }
+        }
         self.tally.lock().unwrap_or_else(|e| e.into_inner()).add(&tally);
         Ok(())
+    }
+}
+
+/// The rows a micro-batch's metrics read as chosen and as rejected, and the rows whose
+/// tokens their entropy averages over (row indices).
+struct Sides {
+    chosen: Tensor,
+    rejected: Tensor,
+    scored: Tensor,
+}
+
+impl Sides {
+    /// Pairs: the first half of the `rows` chosen, the second rejected, every row scored.
+    fn paired(rows: i64, device: tch::Device) -> Result<Sides> {
+        let all = Tensor::f_arange(rows, (Kind::Int64, device))?;
+        Ok(Sides { chosen: all.f_narrow(0, 0, rows / 2)?, rejected: all.f_narrow(0, rows / 2, rows / 2)?, scored: all })
+    }
+
+    /// Unpaired completions (the first half of the rows, as many as `desirable` has):
+    /// desirable ones chosen, the others rejected; the mismatched second half not scored.
+    fn unpaired(desirable: &Tensor) -> Result<Sides> {
+        let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.f_nonzero()?.f_reshape([-1])?) };
+        let n = desirable.size()[0];
+        Ok(Sides {
+            chosen: rows(desirable)?,
+            rejected: rows(&desirable.f_logical_not()?)?,
+            scored: Tensor::f_arange(n, (Kind::Int64, desirable.device()))?,
+        })
     }
 }
 

@@ -1,6 +1,7 @@
-//! Preference optimisation against TRL's `DPOTrainer` (scripts/trl_reference.py, the pinned
-//! TRL of the project's environment) on a tiny LLaMA folder and the same batches: for every
-//! DPO loss type, several summed, f-divergences, conversations through the chat template
+//! Preference optimisation against TRL's `DPOTrainer` and `KTOTrainer`
+//! (scripts/trl_reference.py, the pinned TRL of the project's environment) on a tiny LLaMA
+//! folder and the same batches: for every DPO loss type, several summed, f-divergences, KTO
+//! and unpaired APO on labelled completions, conversations through the chat template
 //! with their prompt left implicit, LoRA (the reference being the base with its fresh
 //! adapter), fsdp, tensor parallelism and two pipeline stages over two ranks and offloaded
 //! model states, each
@@ -24,6 +25,10 @@ struct Case {
     f_divergence: &'static str,
     /// Conversations with their prompts left implicit, in place of text records.
     conversational: bool,
+    /// Unpaired completions with their labels (KTO's records), in place of pairs.
+    unpaired: bool,
+    /// KTO's weight of the undesirable completions' losses.
+    undesirable_weight: f64,
     /// Train a LoRA adapter (made here, peft's fresh draw) alone.
     adapter: bool,
     /// Strata's flags beyond the shared ones; the TRL run of `trl_name` is the reference.
@@ -40,6 +45,8 @@ const fn case(name: &'static str, loss: &'static str) -> Case {
         smoothing: 0.0,
         f_divergence: "reverse_kl",
         conversational: false,
+        unpaired: false,
+        undesirable_weight: 1.0,
         adapter: false,
         strata_flags: &[],
         trl_name: name,
@@ -76,6 +83,10 @@ const CASES: &[Case] = &[
     Case { f_divergence: "forward_kl", ..case("forward_kl", "hinge") },
     Case { conversational: true, ..case("conversations", "sigmoid") },
     Case { adapter: true, ..case("lora", "sigmoid") },
+    Case { unpaired: true, ..case("kto", "kto") },
+    Case { unpaired: true, undesirable_weight: 1.5, beta: 0.3, ..case("kto_weighted", "kto") },
+    Case { unpaired: true, ..case("apo_zero_unpaired", "apo_zero_unpaired") },
+    Case { unpaired: true, adapter: true, ..case("kto_lora", "kto") },
     laid_out("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]),
     laid_out("pipeline", &["--nproc", "2", "--strategy", PIPELINE]),
     laid_out("tensor", &["--nproc", "2", "--strategy", TENSOR]),
@@ -127,6 +138,15 @@ fn python(py: &Path, args: &[&str]) {
     assert!(o.status.success(), "trl_reference.py {args:?}:\n{}", stderr(&o));
 }
 
+/// The records file of case `c`.
+fn records(c: &Case) -> &'static str {
+    match (c.unpaired, c.conversational) {
+        (true, _) => "unpaired.jsonl",
+        (false, true) => "conversations.jsonl",
+        (false, false) => "text.jsonl",
+    }
+}
+
 /// The model folder, pair files, adapter and TRL's runs of every case, made once.
 fn reference(py: &Path) -> PathBuf {
     common::shared_dir("trl", |dir| {
@@ -143,6 +163,14 @@ fn reference(py: &Path) -> PathBuf {
             &dir.join("conversations.jsonl"),
             pairs.iter().map(|(p, c, r)| json!({"chosen": conversation(p, c), "rejected": conversation(p, r)})),
         );
+        // Right answers are desirable, wrong ones not: three in four records, mixed in every batch.
+        write_lines(
+            &dir.join("unpaired.jsonl"),
+            pairs.iter().enumerate().map(|(i, (p, c, r))| match i % 4 {
+                1 => json!({"prompt": p, "completion": r, "label": false}),
+                _ => json!({"prompt": p, "completion": c, "label": true}),
+            }),
+        );
         let offsets: Vec<Vec<usize>> = (0..STEPS).map(|k| (0..BATCH).map(|i| (k * BATCH + i) % 24).collect()).collect();
         let offsets = json!({"ctx": 64, "batch": BATCH, "offsets": offsets});
         std::fs::write(dir.join("offsets.json"), offsets.to_string()).unwrap();
@@ -150,11 +178,13 @@ fn reference(py: &Path) -> PathBuf {
             .iter()
             .filter(|c| c.trl_name == c.name)
             .map(|c| {
-                let pairs = if c.conversational { "conversations.jsonl" } else { "text.jsonl" };
+                let losses: Vec<&str> = c.loss.split(',').collect();
                 json!({
                     "name": c.name,
-                    "pairs": dir.join(pairs),
-                    "loss_type": c.loss.split(',').collect::<Vec<_>>(),
+                    "pairs": dir.join(records(c)),
+                    "trainer": if c.unpaired { "kto" } else { "dpo" },
+                    "loss_type": if c.unpaired { json!(c.loss) } else { json!(losses) },
+                    "undesirable_weight": c.undesirable_weight,
                     "loss_weights": c.weights.map(|w| w.split(',').map(|x| x.parse::<f64>().unwrap()).collect::<Vec<_>>()),
                     "beta": c.beta,
                     "label_smoothing": c.smoothing,
@@ -170,7 +200,7 @@ fn reference(py: &Path) -> PathBuf {
         python(
             py,
             &[
-                "dpo",
+                "runs",
                 "--model",
                 s(&dir.join("model")),
                 "--runs",
@@ -194,7 +224,8 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
     let (metrics, saved) = (out.join("metrics.jsonl"), out.join("saved"));
-    let pairs = dir.join(if c.conversational { "conversations.jsonl" } else { "text.jsonl" });
+    let pairs = dir.join(records(c));
+    let undesirable = c.undesirable_weight.to_string();
     let (beta, smoothing) = (c.beta.to_string(), c.smoothing.to_string());
     let (model, offsets) = (dir.join("model"), dir.join("offsets.json"));
     let mut args = vec![
@@ -235,6 +266,9 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
     if let Some(w) = c.weights {
         args.extend(["--preference-loss-weights", w]);
     }
+    if c.unpaired {
+        args.extend(["--undesirable-weight", &undesirable]);
+    }
     let adapter = dir.join("adapter");
     match c.adapter {
         true => args.extend(["--init-adapter", s(&adapter), "--save-adapter-dir", s(&saved)]),
@@ -253,15 +287,17 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
 /// How far Strata's `key` at `step` (from 1) may be from TRL's `want`, in TRL's report `b`.
 /// Everything within 1e-5 relative (of 0.1 for smaller values) except: the rewards, β times
 /// a difference of two sums of fp32 log-probabilities of tens each, whose rounding alone is
-/// about 1e-7 of them (so within 1e-6 of β·|logps|, beside 1e-5 relative); and the gradient
+/// about 1e-7 of them (so within 1e-6 of β·|logps|, beside 1e-5 relative), and KTO's KL
+/// estimate, a mean of such differences (within 1e-6 of |logps|); and the gradient
 /// norm after the first step, which the trajectory's rounding moves (within 1e-4; the first
 /// step's, from the same weights, within 1e-5, and the final weights within 1e-5 below).
 fn tolerance(key: &str, step: usize, want: f64, b: &Value, beta: f64) -> f64 {
     let relative = 1e-5 * want.abs().max(0.1);
     match key {
-        k if k.starts_with("rewards/") && k != "rewards/accuracies" => {
-            let logps = b["logps/chosen"].as_f64().unwrap().abs() + b["logps/rejected"].as_f64().unwrap().abs();
-            relative + 1e-6 * beta * logps
+        k if k.starts_with("rewards/") && k != "rewards/accuracies" || k == "kl" => {
+            let logps =
+                b["logps/chosen"].as_f64().unwrap_or(0.0).abs() + b["logps/rejected"].as_f64().unwrap_or(0.0).abs();
+            relative + 1e-6 * if k == "kl" { 1.0 } else { beta } * logps
         }
         "grad_norm" if step > 1 => 1e-4 * want.abs(),
         _ => relative,
@@ -325,6 +361,11 @@ fn summed_losses_and_f_divergences_follow_trl() {
 }
 
 #[test]
+fn kto_and_unpaired_apo_follow_trl() {
+    follow(&["kto", "kto_weighted", "apo_zero_unpaired", "kto_lora"]);
+}
+
+#[test]
 fn conversations_and_lora_follow_trl() {
     follow(&["conversations", "lora"]);
 }
@@ -353,6 +394,16 @@ fn preference_flags_without_pairs_and_impossible_parameters_are_refused() {
         "0.5",
     ]);
     common::assert_fails_with(&o, "robust takes a label smoothing in [0, 0.5)");
+    let Some(py) = common::venv_python() else { return };
+    let dir = reference(&py);
+    let (model, pairs, unpaired) = (dir.join("model"), dir.join("text.jsonl"), dir.join("unpaired.jsonl"));
+    let base = ["train", "--model-dir", s(&model), "--steps", "1", "--batch-size", "4", "--ctx", "64"];
+    let o = strata(&[&base[..], &["--data", s(&pairs), "--preference-loss", "kto"]].concat());
+    common::assert_fails_with(&o, "kto and apo_zero_unpaired score unpaired completions");
+    let o = strata(&[&base[..], &["--data", s(&unpaired)]].concat());
+    common::assert_fails_with(&o, "are scored by kto or apo_zero_unpaired");
+    let o = strata(&[&base[..], &["--data", s(&unpaired), "--preference-loss", "kto", "--nproc", "2"]].concat());
+    common::assert_fails_with(&o, "kto: its KL estimate is the mean over one rank's");
     let o = strata(&["train", "--data", s(&text), "--steps", "1", "--preference-loss", "dpo"]);
     common::assert_fails_with(&o, "preference loss \"dpo\": not one of sigmoid");
 }

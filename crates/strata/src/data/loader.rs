@@ -162,13 +162,25 @@ pub struct Batch {
     /// Preference pairs' reference log-probabilities, one per row (`[rows]`, fp64), where
     /// they were computed: what the preference loss measures the policy's against.
     pub reference: Option<Tensor>,
+    /// Unpaired preferences (KTO's): whether each record's completion is desirable
+    /// (`[rows / 2]`, bool).
+    pub desirable: Option<Tensor>,
 }
 
 impl Batch {
     /// A batch whose supervised targets are counted from `targets` (a read of the tensor).
     pub fn new(inputs: Tensor, targets: Tensor) -> Result<Batch> {
         let supervised = targets.f_ne(IGNORE)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as u64;
-        Ok(Batch { inputs, targets, supervised, layout: None, padding: None, first_row: 0, reference: None })
+        Ok(Batch {
+            inputs,
+            targets,
+            supervised,
+            layout: None,
+            padding: None,
+            first_row: 0,
+            reference: None,
+            desirable: None,
+        })
     }
 
     /// This batch's `piece` of every row's positions (context parallelism): its inputs,
@@ -219,6 +231,7 @@ impl Batch {
             padding: self.padding.as_ref().map(|p| p.f_to_device(device)).transpose()?,
             first_row: self.first_row,
             reference: self.reference.as_ref().map(|r| r.f_to_device(device)).transpose()?,
+            desirable: self.desirable.as_ref().map(|r| r.f_to_device(device)).transpose()?,
         })
     }
 }
@@ -637,6 +650,7 @@ pub(super) fn batch_of(inputs: Vec<i64>, targets: Vec<i64>, rows: usize, ctx: us
         padding: None,
         first_row: 0,
         reference: None,
+        desirable: None,
     })
 }
 

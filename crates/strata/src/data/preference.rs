@@ -2,7 +2,9 @@
 //! and a rejected completion — as text (`{"prompt", "chosen", "rejected"}`, TRL's standard
 //! format) or as lists of messages rendered through the chat template (its conversational
 //! format); a record without `"prompt"` has the longest start its two completions share as
-//! its prompt. Tokenized as TRL's `DPOTrainer` does: the prompt alone, then the prompt with
+//! its prompt. Or unpaired preferences (KTO's `{"prompt", "completion", "label"}`): each
+//! completion, desirable or not, beside a mismatched one for the KL estimate — the
+//! completion of the record before it within its batch, as TRL pairs them. Tokenized as TRL's `DPOTrainer` does: the prompt alone, then the prompt with
 //! each completion (a text completion ended with the end-of-sequence token), the completion
 //! starting where the two tokenizations part; a record whose prompt fills the most length is
 //! left out, and each row is cut to the most length when batched.
@@ -43,10 +45,14 @@ pub struct PreferenceReport {
 }
 
 /// Preference pairs, batched a pair a record: `n` records give `2n` rows, the chosen ones
-/// first.
+/// first (unpaired: each record's completion, then its mismatched one).
 #[derive(Clone, Debug)]
 pub struct PreferenceSet {
+    /// Each record's prompt with its two completions: chosen and rejected, or (unpaired)
+    /// the record's own and the mismatched one of the KL estimate.
     pairs: Vec<PreferencePair>,
+    /// Unpaired records: whether each completion is desirable.
+    desirable: Option<Vec<bool>>,
     max_length: usize,
     /// Each pair's reference log-probabilities `[chosen, rejected]`, once computed.
     reference: Option<Vec<[f64; 2]>>,
@@ -58,16 +64,52 @@ pub struct PreferenceSet {
 
 /// One record, checked: text or messages, the prompt given or not.
 enum Record {
-    Text { prompt: String, chosen: String, rejected: String },
-    Conversation { prompt: Vec<Value>, chosen: Vec<Value>, rejected: Vec<Value> },
+    Text {
+        prompt: String,
+        chosen: String,
+        rejected: String,
+    },
+    Conversation {
+        prompt: Vec<Value>,
+        chosen: Vec<Value>,
+        rejected: Vec<Value>,
+    },
+    /// A completion alone, desirable or not: its rows are the prompt with the completion.
+    Unpaired {
+        record: Box<Record>,
+        desirable: bool,
+    },
 }
 
 impl Record {
     fn parse(value: Value) -> std::result::Result<Record, String> {
         let Value::Object(mut fields) = value else { return Err("a record is a JSON object".into()) };
+        if let Some(label) = fields.remove("label") {
+            let Value::Bool(desirable) = label else { return Err("\"label\" must be true or false".into()) };
+            let record = match (fields.remove("prompt"), fields.remove("completion")) {
+                (Some(Value::String(prompt)), Some(Value::String(completion))) => {
+                    Record::Text { prompt, chosen: completion, rejected: String::new() }
+                }
+                (Some(p @ Value::Array(_)), Some(c @ Value::Array(_))) => Record::Conversation {
+                    prompt: messages_of(p, "prompt")?,
+                    chosen: messages_of(c, "completion")?,
+                    rejected: vec![],
+                },
+                _ => {
+                    return Err("an unpaired record needs \"prompt\" and \"completion\", both strings or both lists \
+                                of messages"
+                        .into())
+                }
+            };
+            return Ok(Record::Unpaired { record: Box::new(record), desirable });
+        }
         let (chosen, rejected) = match (fields.remove("chosen"), fields.remove("rejected")) {
             (Some(c), Some(r)) => (c, r),
-            _ => return Err("a preference record needs \"chosen\" and \"rejected\"".into()),
+            _ => {
+                return Err(
+                    "a preference record needs \"chosen\" and \"rejected\" (or \"completion\" and \"label\")".into()
+                )
+            }
         };
         match (fields.remove("prompt"), chosen, rejected) {
             (Some(Value::String(prompt)), Value::String(chosen), Value::String(rejected)) => {
@@ -99,18 +141,26 @@ impl Record {
         }
     }
 
-    /// The prompt's tokens and those of the prompt followed by each completion.
+    /// The prompt's tokens and those of the prompt followed by each completion (an unpaired
+    /// record's second is empty), and whether the record is unpaired and desirable.
     fn tokenize(
         self,
         tokenizer: &Tokenizer,
         template: Option<&ChatTemplate>,
         end_of_text: &str,
-    ) -> std::result::Result<[Vec<u32>; 3], String> {
+    ) -> std::result::Result<([Vec<u32>; 3], Option<bool>), String> {
+        if let Record::Unpaired { record, desirable } = self {
+            let ([prompt, completion, _], _) = record.tokenize(tokenizer, template, end_of_text)?;
+            return Ok(([prompt, completion, vec![]], Some(desirable)));
+        }
         let special = matches!(self, Record::Text { .. });
         let texts = match self {
             Record::Text { prompt, chosen, rejected } => {
                 // A completion ends with the end-of-sequence token once.
-                let ended = |c: String| if c.ends_with(end_of_text) { c } else { c + end_of_text };
+                let ended = |c: String| match c.is_empty() || c.ends_with(end_of_text) {
+                    true => c,
+                    false => c + end_of_text,
+                };
                 let (chosen, rejected) = (ended(chosen), ended(rejected));
                 [prompt.clone(), format!("{prompt}{chosen}"), format!("{prompt}{rejected}")]
             }
@@ -121,14 +171,19 @@ impl Record {
                 let whole = |c: &[Value]| -> std::result::Result<String, String> {
                     template.render(&[prompt.as_slice(), c].concat(), false).map_err(|e| e.to_string())
                 };
-                [template.render(&prompt, true).map_err(|e| e.to_string())?, whole(&chosen)?, whole(&rejected)?]
+                let rejected = match rejected.is_empty() {
+                    true => String::new(),
+                    false => whole(&rejected)?,
+                };
+                [template.render(&prompt, true).map_err(|e| e.to_string())?, whole(&chosen)?, rejected]
             }
+            Record::Unpaired { .. } => unreachable!("tokenized above"),
         };
         // Text records take the tokenizer's own special tokens, as `tokenizer(text)` does; a
         // chat template writes its own.
         let mut encoded = tokenizer.encode_with_starts(texts.to_vec(), special).map_err(|e| e.to_string())?;
         let take = |e: &mut Vec<(Vec<u32>, Vec<usize>)>| std::mem::take(&mut e.remove(0).0);
-        Ok([take(&mut encoded), take(&mut encoded), take(&mut encoded)])
+        Ok(([take(&mut encoded), take(&mut encoded), take(&mut encoded)], None))
     }
 }
 
@@ -161,14 +216,36 @@ pub struct PreferenceFormat<'a> {
     pub end_of_text: Option<String>,
     /// The most tokens of a row (a prompt with one completion).
     pub max_length: usize,
+    /// Unpaired records: the records of one batch, within which each record's KL completion
+    /// is the one before it (TRL's `per_device_train_batch_size`).
+    pub kl_batch: usize,
+}
+
+/// Gives each unpaired record, as its second completion, the completion of the record before
+/// it within consecutive runs of `batch` records (the first takes the run's last): TRL's
+/// mismatched pairs for the KL estimate.
+fn mismatch_completions(pairs: &mut [PreferencePair], batch: usize) {
+    for run in pairs.chunks_mut(batch) {
+        let completions: Vec<Vec<u32>> = run.iter().map(|p| p.chosen.clone()).collect();
+        for (i, pair) in run.iter_mut().enumerate() {
+            pair.rejected = completions[(i + completions.len() - 1) % completions.len()].clone();
+        }
+    }
 }
 
 impl PreferenceSet {
-    /// Whether `path`'s first record is a preference pair (it has `"chosen"` and
-    /// `"rejected"`): how a records file says which kind of training it is for.
-    pub fn holds_pairs(path: &Path) -> Result<bool> {
-        let first = read_records(path)?.into_iter().next();
-        Ok(first.and_then(|(_, r)| r.ok()).is_some_and(|v| v.get("chosen").is_some() && v.get("rejected").is_some()))
+    /// Whether `path`'s first record is a preference: a pair (it has `"chosen"` and
+    /// `"rejected"`) or an unpaired completion with its `"label"`; how a records file says
+    /// which kind of training it is for.
+    pub fn holds_preferences(path: &Path) -> Result<bool> {
+        let first = read_records(path)?.into_iter().next().and_then(|(_, r)| r.ok());
+        let has = |v: &Value, key: &str| v.get(key).is_some();
+        Ok(first.is_some_and(|v| has(&v, "chosen") && has(&v, "rejected") || has(&v, "completion") && has(&v, "label")))
+    }
+
+    /// Whether the records are unpaired completions (KTO's), each with its label.
+    pub fn is_unpaired(&self) -> bool {
+        self.desirable.is_some()
     }
 
     /// Reads and tokenizes every record of `path`; a bad record is an error naming the file
@@ -177,23 +254,31 @@ impl PreferenceSet {
         let records = read_records(path)?;
         let end = format.end_of_text.as_deref().unwrap_or("");
         let mut pairs = Vec::with_capacity(records.len());
+        let (mut labels, mut unpaired) = (vec![], None);
         let mut report = PreferenceReport { records: records.len(), ..Default::default() };
         for (at, value) in records {
             let bad = |why: String| Error::Data(format!("{}{at}: {why}", path.display()));
-            let [prompt, chosen, rejected] = Record::parse(value.map_err(bad)?)
+            let ([prompt, chosen, rejected], desirable) = Record::parse(value.map_err(bad)?)
                 .map_err(bad)?
                 .tokenize(format.tokenizer, format.template, end)
                 .map_err(bad)?;
-            let shared = common_prefix(&prompt, &chosen).min(common_prefix(&prompt, &rejected));
+            if *unpaired.get_or_insert(desirable.is_some()) != desirable.is_some() {
+                return Err(bad("a file holds pairs or unpaired completions, not both".into()));
+            }
+            let shared = match desirable {
+                Some(_) => common_prefix(&prompt, &chosen),
+                None => common_prefix(&prompt, &chosen).min(common_prefix(&prompt, &rejected)),
+            };
             if shared >= format.max_length {
                 report.dropped_long_prompt += 1;
                 continue;
             }
+            labels.extend(desirable);
             report.truncated_rows += [&chosen, &rejected].iter().filter(|c| c.len() > format.max_length).count();
             pairs.push(PreferencePair {
                 prompt: prompt[..shared].to_vec(),
                 chosen: chosen[shared..].to_vec(),
-                rejected: rejected[shared..].to_vec(),
+                rejected: rejected.get(shared..).unwrap_or_default().to_vec(),
             });
         }
         report.pairs = pairs.len();
@@ -206,8 +291,13 @@ impl PreferenceSet {
                 format.max_length
             )));
         }
+        let desirable = (!labels.is_empty()).then(|| {
+            mismatch_completions(&mut pairs, format.kl_batch.max(1));
+            labels
+        });
         Ok(PreferenceSet {
             pairs,
+            desirable,
             max_length: format.max_length,
             reference: None,
             source: path.display().to_string(),
@@ -225,7 +315,7 @@ impl PreferenceSet {
             return Err(Error::Data(format!("pair {i}: its prompt fills the most length of {max_length} tokens")));
         }
         let report = PreferenceReport { records: pairs.len(), pairs: pairs.len(), ..Default::default() };
-        Ok(PreferenceSet { pairs, max_length, reference: None, source: source.into(), report })
+        Ok(PreferenceSet { pairs, desirable: None, max_length, reference: None, source: source.into(), report })
     }
 
     /// Pair `i`.
@@ -322,6 +412,10 @@ impl RowSet for PreferenceSet {
         batch.supervised = rows.len() as u64;
         if padding.iter().any(|&p| p) {
             batch.padding = Some(Tensor::f_from_slice(&padding)?.f_view(shape)?);
+        }
+        if let Some(desirable) = &self.desirable {
+            let labels: Vec<bool> = rows.iter().map(|&r| desirable[r]).collect();
+            batch.desirable = Some(Tensor::f_from_slice(&labels)?);
         }
         if let Some(reference) = &self.reference {
             let values: Vec<f64> =

@@ -576,6 +576,16 @@ pub fn train(
     }
     let mesh = parallel::mesh_of(&strategy, ranks.comm.as_ref(), ranks.local_world_size)?;
     let (data_rank, data_world) = mesh.batch_shard();
+    if data_world > 1
+        && config.preference.losses.iter().any(|(l, _)| *l == crate::preference::PreferenceLoss::Kto)
+        && preference.is_some()
+    {
+        return Err(Error::Config(
+            "kto: its KL estimate is the mean over one rank's mismatched completions; run it on one data-parallel \
+             rank (tensor, pipeline, offload and LoRA apply)"
+                .into(),
+        ));
+    }
     let context = strategy
         .context_parallel()
         .map(|c| parallel::piece_of(c.kind, mesh.coordinate(Dim::Context), mesh.size(Dim::Context)));
@@ -823,6 +833,25 @@ fn preference_objective(data: &Data, config: &mut RunConfig) -> Result<Option<Ar
     }
     if data.validation.as_deref().is_some_and(|v| !pairs(v)) {
         return Err(Error::Config("the training data holds preference pairs, the validation data does not".into()));
+    }
+    if let Dataset::Preference(set) = data.train.as_ref() {
+        let unpaired_loss = config.preference.losses.iter().any(|(l, _)| l.unpaired());
+        match (set.is_unpaired(), unpaired_loss) {
+            (true, false) => {
+                return Err(Error::Config(format!(
+                    "{}: unpaired completions (records with a \"label\") are scored by kto or apo_zero_unpaired",
+                    set.source
+                )))
+            }
+            (false, true) => {
+                return Err(Error::Config(format!(
+                    "{}: kto and apo_zero_unpaired score unpaired completions (records of \"completion\" and \
+                     \"label\"), not pairs",
+                    set.source
+                )))
+            }
+            _ => {}
+        }
     }
     let objective = PreferenceObjective::new(config.preference.clone())?;
     config.loss = Some(objective.loss_fn());

@@ -72,6 +72,7 @@ impl CapturedStep {
             padding: batch.padding.as_ref().map(own).transpose()?,
             first_row: batch.first_row,
             reference: batch.reference.as_ref().map(own).transpose()?,
+            desirable: batch.desirable.as_ref().map(own).transpose()?,
         })
     }
 
