@@ -14,11 +14,14 @@
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::data::{Batch, IGNORE};
 use crate::model::TensorParallel;
-use crate::train::LossFn;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
+
+/// A loss of the model's output for a micro-batch: the trainer's loss function, whose type
+/// it is (the trainer reads this module's metrics, so this module names it itself).
+pub type ScoreFn = Arc<dyn Fn(&Tensor, &Batch) -> Result<Tensor> + Send + Sync>;
 
 /// A loss of the DPO family, by TRL's `loss_type` name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -382,7 +385,7 @@ impl PreferenceObjective {
     /// of the configured losses. A batch without reference log-probabilities is measured
     /// against the policy itself, which is the reference before the first update (what a
     /// measurement before training reads); a run attaches them before its first step.
-    pub fn loss_fn(self: &Arc<Self>) -> LossFn {
+    pub fn loss_fn(self: &Arc<Self>) -> ScoreFn {
         let this = self.clone();
         Arc::new(move |logits: &Tensor, batch: &Batch| this.loss(logits, batch))
     }
@@ -709,7 +712,7 @@ fn whole_logits(split: Option<&VocabularySplit>, logits: &Tensor) -> Result<Tens
 /// log-probability, in order, into `into` (its value is 0): run over every pair before
 /// training, it gives the reference's scores. `split`: where a tensor-parallel group splits
 /// the vocabulary.
-pub fn reference_recorder(into: Arc<Mutex<Vec<f64>>>, split: Option<VocabularySplit>) -> LossFn {
+pub fn reference_recorder(into: Arc<Mutex<Vec<f64>>>, split: Option<VocabularySplit>) -> ScoreFn {
     Arc::new(move |logits: &Tensor, batch: &Batch| {
         let _guard = tch::no_grad_guard();
         let logits = &whole_logits(split.as_ref(), logits)?;
