@@ -332,17 +332,19 @@ pub struct PreferenceMetrics {
 }
 
 /// Each row's next-token log-probabilities where its target is learned (0 elsewhere), in
-/// fp32 or wider, and the learned positions as a float mask, for logits `[rows, ctx, V]`.
-fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+/// fp32 or wider, the learned positions as a float mask, and the whole log-softmax they
+/// were picked from (the metrics' entropy reads it), for logits `[rows, ctx, V]`.
+fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let logits = match logits.kind() {
         Kind::Double => logits.shallow_clone(),
         _ => logits.f_to_kind(Kind::Float)?,
     };
     let mask = targets.f_ne(IGNORE)?;
     let index = targets.f_masked_fill(&mask.f_logical_not()?, 0)?.f_unsqueeze(-1)?;
-    let picked = logits.f_log_softmax(-1, None::<Kind>)?.f_gather(-1, &index, false)?.f_squeeze_dim(-1)?;
+    let log_softmax = logits.f_log_softmax(-1, None::<Kind>)?;
+    let picked = log_softmax.f_gather(-1, &index, false)?.f_squeeze_dim(-1)?;
     let mask = mask.f_to_kind(picked.kind())?;
-    Ok((picked.f_mul(&mask)?, mask))
+    Ok((picked.f_mul(&mask)?, mask, log_softmax))
 }
 
 /// Preference scoring for a run: the loss function the trainer calls on each micro-batch,
@@ -424,7 +426,7 @@ impl PreferenceObjective {
             return Err(Error::Data(format!("a batch of preference pairs has an even number of rows, not {rows}")));
         }
         let targets = batch.targets.f_to_device(logits.device())?;
-        let (per_token, mask) = token_log_probs(logits, &targets)?;
+        let (per_token, mask, log_softmax) = token_log_probs(logits, &targets)?;
         let logps = per_token.f_sum_dim_intlist(1, false, per_token.kind())?;
         let reference = match &batch.reference {
             Some(r) => r.f_to_device(logps.device())?.f_to_kind(logps.kind())?,
@@ -445,6 +447,7 @@ impl PreferenceObjective {
             lengths: &lengths,
             per_token: &per_token,
             mask: &mask,
+            log_softmax: &log_softmax,
         };
         let ratios = logps.f_sub(&reference)?;
         if let Some(desirable) = &batch.desirable {
@@ -606,7 +609,7 @@ impl PreferenceObjective {
         let mask = s.mask;
         let per_row = |t: Tensor| -> Result<Tensor> { Ok(t.f_mul(mask)?.f_sum_dim_intlist(1, false, Kind::Float)?) };
         let mean_logits = per_row(logits.f_mean_dim(-1, false, Kind::Float)?)?;
-        let log_p = logits.f_log_softmax(-1, None::<Kind>)?;
+        let log_p = s.log_softmax.f_detach()?.f_to_kind(Kind::Float)?;
         let entropy = per_row(log_p.f_exp()?.f_mul(&log_p)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_neg()?)?;
         let top1 = per_row(logits.f_argmax(-1, false)?.f_eq_tensor(targets)?.f_to_kind(Kind::Float)?)?;
         let tokens = mask.f_sum_dim_intlist(1, false, Kind::Float)?;
@@ -682,6 +685,8 @@ struct PairScores<'a> {
     lengths: &'a Tensor,
     per_token: &'a Tensor,
     mask: &'a Tensor,
+    /// The log-softmax the per-token values were picked from.
+    log_softmax: &'a Tensor,
 }
 
 /// The chosen rows (the first half) and the rejected ones.
@@ -716,7 +721,7 @@ pub fn reference_recorder(into: Arc<Mutex<Vec<f64>>>, split: Option<VocabularySp
     Arc::new(move |logits: &Tensor, batch: &Batch| {
         let _guard = tch::no_grad_guard();
         let logits = &whole_logits(split.as_ref(), logits)?;
-        let (per_token, _) = token_log_probs(logits, &batch.targets.f_to_device(logits.device())?)?;
+        let (per_token, _, _) = token_log_probs(logits, &batch.targets.f_to_device(logits.device())?)?;
         // Summed as the policy's scores are, so that the two agree to the bit at the start.
         let sums = per_token.f_sum_dim_intlist(1, false, per_token.kind())?.f_to_kind(Kind::Double)?;
         let sums = sums.f_to_device(tch::Device::Cpu)?;
