@@ -2,13 +2,16 @@
 
   make  saves a model folder: a byte-level BPE tokenizer with a chat template (from
         chat_reference.py's styles) and a tiny random LLaMA over its vocabulary, every weight
-        moved off its initial value, drawn from a seed;
+        moved off its initial value, drawn from a seed; with --reward, the LLaMA as a
+        sequence classifier of one label (a reward model, padded with the end token as TRL
+        pads it);
   lora  saves a peft LoRA adapter of a folder's model as peft draws a new one (B = 0), for a
         JSON LoraConfig and a seed;
-  runs  runs each run of a JSON list (name, records file, its trainer — "dpo" or "kto" —
-        and its config's fields: loss_type, loss_weights, beta, label_smoothing,
-        f_divergence_type, desirable_weight, undesirable_weight; and an adapter folder whose
-        parameters alone train) on a folder's model with TRL's DPOTrainer or KTOTrainer
+  runs  runs each run of a JSON list (name, records file, its trainer — "dpo", "kto" or
+        "reward" — and its config's fields: loss_type, loss_weights, beta, label_smoothing,
+        f_divergence_type, desirable_weight, undesirable_weight, center_rewards_coefficient;
+        a model folder in place of --model; and an adapter folder whose parameters alone
+        train) on a folder's model with TRL's DPOTrainer, KTOTrainer or RewardTrainer
         scoring: the dataset tokenized by the trainer, batches by its collator in record
         order, each step's loss from its compute_loss (which logs TRL's metrics),
         torch.optim.AdamW for the update; writes --out/NAME.jsonl, one line a step (loss, the
@@ -30,18 +33,19 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def make(style, out, seed):
+def make(style, out, seed, reward):
     import transformers as tf
     from chat_reference import make_tokenizer
 
     make_tokenizer(style, out)
     tok = tf.AutoTokenizer.from_pretrained(out)
     torch.manual_seed(seed)
+    extra = dict(num_labels=1, pad_token_id=tok.pad_token_id or tok.eos_token_id) if reward else {}
     config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_attention_heads=4,
                             num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128,
                             rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                            bos_token_id=tok.bos_token_id)
-    model = tf.LlamaForCausalLM(config)
+                            bos_token_id=tok.bos_token_id, **extra)
+    model = tf.LlamaForSequenceClassification(config) if reward else tf.LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -61,18 +65,27 @@ def trainer_run(args, run):
     import transformers as tf
     from datasets import Dataset
     from peft import PeftModel
-    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
 
-    tok = tf.AutoTokenizer.from_pretrained(args.model)
-    model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    folder = run.get("model", args.model)
+    tok = tf.AutoTokenizer.from_pretrained(folder)
+    kind = run.get("trainer", "dpo")
+    load = tf.AutoModelForSequenceClassification if kind == "reward" else tf.AutoModelForCausalLM
+    model = load.from_pretrained(folder, dtype=torch.float32)
     if run.get("adapter"):
         model = PeftModel.from_pretrained(model, run["adapter"], is_trainable=True)
     with open(run["pairs"]) as f:
         records = [json.loads(line) for line in f if line.strip()]
     common = dict(max_length=args.max_length, per_device_train_batch_size=args.batch, bf16=False,
-                  gradient_checkpointing=False, report_to=[], use_cpu=True, beta=run.get("beta", 0.1))
+                  gradient_checkpointing=False, report_to=[], use_cpu=True)
+    if kind != "reward":
+        common["beta"] = run.get("beta", 0.1)
     with tempfile.TemporaryDirectory() as out:
-        if run.get("trainer", "dpo") == "kto":
+        if kind == "reward":
+            config = RewardConfig(output_dir=out, center_rewards_coefficient=run.get("center_rewards_coefficient"),
+                                  **common)
+            make = RewardTrainer
+        elif kind == "kto":
             config = KTOConfig(output_dir=out, loss_type=run.get("loss_type", "kto"),
                                desirable_weight=run.get("desirable_weight", 1.0),
                                undesirable_weight=run.get("undesirable_weight", 1.0), **common)
@@ -117,6 +130,7 @@ def main():
     m.add_argument("--style", default="chatml")
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--reward", action="store_true")
     lo = sub.add_parser("lora")
     lo.add_argument("--model", required=True)
     lo.add_argument("--out", required=True)
@@ -132,7 +146,7 @@ def main():
     d.add_argument("--lr", type=float, default=1e-3)
     args = ap.parse_args()
     if args.command == "make":
-        make(args.style, args.out, args.seed)
+        make(args.style, args.out, args.seed, args.reward)
     elif args.command == "lora":
         lora(args.model, args.out, args.config, args.seed)
     else:

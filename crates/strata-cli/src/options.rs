@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
 use strata::data::{ExampleOptions, TokenWidth, Tokenizer};
 use strata::model::{
-    DropoutRates, GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, MoeConfig, DEFAULT_NORM_EPS,
+    DecoderHead, DropoutRates, GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, MoeConfig, DEFAULT_NORM_EPS,
 };
 use strata::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use strata::patrickstar::PatrickStarConfig;
 use strata::preference::{FDivergence, PreferenceConfig, PreferenceLoss};
+use strata::reward::RewardConfig;
 use strata::run::Resume;
 use strata::strategy::Strategy;
 
@@ -132,6 +133,14 @@ train_options! {
     desirable_weight: f64,
     /// Unpaired preferences: the weight of undesirable completions' losses (default 1).
     undesirable_weight: f64,
+    /// Train the --model-dir decoder as a reward model on preference pairs, as TRL's
+    /// RewardTrainer does: its language head gives way to a fresh score head of one output
+    /// (a folder that is already a sequence classifier of one label is a reward model
+    /// without this flag).
+    reward_model: bool,
+    /// Reward models: add this times the mean squared sum of each pair's rewards, which
+    /// keeps the rewards centred on zero (default: nothing added).
+    center_rewards_coefficient: f64,
     /// Examples: pack several into each row of --ctx tokens, each attending only to itself
     /// and with positions starting again at 0.
     pack: bool,
@@ -382,6 +391,48 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
     Ok((config, flags))
 }
 
+/// A reward model's scoring where the run trains one (the folder a reward model, or turned
+/// into one by --reward-model), its padding token taken as TRL takes it: the tokenizer's
+/// padding token, else its end token, else the folder's `pad_token_id`.
+fn reward_options(o: &TrainOptions, mut model_dir: Option<&mut ModelDir>) -> Result<Option<RewardConfig>> {
+    let turn = o.reward_model.unwrap_or(false);
+    if let Some(ModelConfig::Llama(c)) = model_dir.as_deref_mut().map(|d| &mut d.config) {
+        if turn {
+            c.head = DecoderHead::Reward;
+        }
+    }
+    let decoder_head = |d: &ModelDir| match &d.config {
+        ModelConfig::Llama(c) => Some(c.head),
+        _ => None,
+    };
+    let folder = model_dir.as_deref();
+    let Some(dir) = folder.filter(|d| decoder_head(d) == Some(DecoderHead::Reward)) else {
+        if turn {
+            bail!("--reward-model turns a decoder's model folder into a reward model: give --model-dir of one");
+        }
+        if o.center_rewards_coefficient.is_some() {
+            bail!("--center-rewards-coefficient scores a reward model's pairs: give --reward-model true");
+        }
+        return Ok(None);
+    };
+    let tokenizer = tokenizer(o.tokenizer.as_deref(), Some(dir))?;
+    let folder = tokenizer_folder(o.tokenizer.as_deref(), Some(dir.dir.as_path()));
+    let special = match folder {
+        Some(f) => strata::data::chat::tokenizer_config(f)?,
+        None => serde_json::Value::Null,
+    };
+    let token = |key: &str| {
+        let text = strata::data::chat::special_token(&special, key)?;
+        tokenizer.token_id(&text).map(i64::from)
+    };
+    let folder_pad = match &dir.config {
+        ModelConfig::Llama(c) => c.padding_token,
+        _ => None,
+    };
+    let pad_token = token("pad_token").or_else(|| token("eos_token")).or(folder_pad);
+    Ok(Some(RewardConfig { center_rewards_coefficient: o.center_rewards_coefficient, pad_token }))
+}
+
 /// Everything `strata train` needs, resolved and validated (except the vocabulary, which
 /// may depend on the data: `vocab` is `None` when it is to be taken from there).
 #[derive(Clone, Debug)]
@@ -401,6 +452,8 @@ pub struct TrainSettings {
     pub preference: PreferenceConfig,
     /// The preference flags given (refused where the data holds no pairs).
     pub preference_flags: Vec<&'static str>,
+    /// How a reward model's pairs are scored, where the model is a reward model.
+    pub reward: Option<RewardConfig>,
     /// Pack several examples into each row.
     pub pack: bool,
     pub chat_template: Option<PathBuf>,
@@ -803,7 +856,8 @@ impl TrainOptions {
         if o.max_shard_size.is_some() && o.save_model_dir.is_none() {
             bail!("--max-shard-size sizes the files of --save-model-dir: give --save-model-dir");
         }
-        let model_dir = o.model_dir.as_deref().map(strata::model::from_pretrained_dir).transpose()?;
+        let mut model_dir = o.model_dir.as_deref().map(strata::model::from_pretrained_dir).transpose()?;
+        let reward = reward_options(&o, model_dir.as_mut())?;
         let grad_clip = match o.grad_clip.unwrap_or(1.0) {
             0.0 => None,
             c if c > 0.0 => Some(c),
@@ -872,6 +926,7 @@ impl TrainOptions {
             examples,
             preference,
             preference_flags,
+            reward,
             pack: o.pack.unwrap_or(false),
             chat_template: o.chat_template,
             vocab: o.vocab,

@@ -153,12 +153,17 @@ fn load_pairs(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> R
     // Each record's mismatched completion comes from its micro-batch's records, as TRL's
     // come from a device's batch.
     let kl_batch = settings.batch_size / (settings.nproc.max(1) * settings.accumulation.max(1));
+    // A reward model's rows stay whole, as TRL's RewardTrainer keeps them, and are padded
+    // with the token its rewards are found by.
+    let reward_pad = settings.reward.as_ref().map(|r| r.pad_token.unwrap_or(0));
     let format = PreferenceFormat {
         tokenizer,
         template: template.as_ref(),
         end_of_text,
         max_length: options.max_length,
         kl_batch: kl_batch.max(1),
+        drop_long: reward_pad.is_some(),
+        pad: u32::try_from(reward_pad.unwrap_or(0)).context("the padding token")?,
     };
     let set = PreferenceSet::read(path, &format)?;
     let r = &set.report;
@@ -168,6 +173,7 @@ fn load_pairs(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> R
         pairs = r.pairs,
         dropped_long_prompt = r.dropped_long_prompt,
         truncated_rows = r.truncated_rows,
+        dropped_long = r.dropped_long,
         "preference pairs"
     );
     Ok(set)
@@ -247,6 +253,10 @@ fn model_folder(settings: &TrainSettings, model: &ModelConfig) -> Result<Option<
         out.tokenizer_files.push(("tokenizer.json".into(), t.clone()));
     }
     out.shard_bytes = settings.max_shard_size;
+    // transformers finds a reward model's last token by its pad_token_id.
+    if let Some(pad) = settings.reward.as_ref().and_then(|r| r.pad_token) {
+        out.special_tokens.insert("pad_token_id".into(), pad.into());
+    }
     Ok(Some(out))
 }
 
@@ -314,6 +324,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
         resume: s.resume.clone(),
         restart_data: s.restart_data,
         preference: s.preference.clone(),
+        reward: s.reward.clone().unwrap_or_default(),
         outputs: Outputs {
             weights: s.save_weights.clone(),
             model_folder: model_folder(s, model)?,
@@ -343,6 +354,12 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     let (train, best_loss, data_vocab) = load_data(&settings, &settings.data)?;
     if let Some(flag) = settings.preference_flags.first().filter(|_| !matches!(train, Dataset::Preference(_))) {
         bail!("{flag} scores preference pairs: give --data records of \"prompt\", \"chosen\" and \"rejected\"");
+    }
+    if let Some(flag) = settings.preference_flags.first().filter(|_| settings.reward.is_some()) {
+        bail!("{flag} scores a language model's preferences: a reward model takes --center-rewards-coefficient");
+    }
+    if settings.reward.is_some() && !matches!(train, Dataset::Preference(_)) {
+        bail!("a reward model trains on preference pairs: give --data records of \"chosen\" and \"rejected\"");
     }
     let validation = match &settings.val {
         Some(v) => Some(Arc::new(load_data(&settings, v)?.0)),

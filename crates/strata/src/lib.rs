@@ -23,6 +23,7 @@
 //! - [`auto`]: `auto_accelerate` and the strategy search;
 //! - [`patrickstar`]: PatrickStar's `initialize_engine` face;
 //! - [`preference`]: DPO and its family of losses over preference pairs, with TRL's metrics;
+//! - [`reward`]: reward models' Bradley–Terry loss over preference pairs, with TRL's metrics;
 //! - [`profile`]: recorded profiles, Chrome traces, summaries and plots;
 //! - [`run`]: a whole training run as `strata train` does it, with its outputs.
 //!
@@ -66,6 +67,7 @@ pub mod parallel;
 pub mod patrickstar;
 pub mod preference;
 pub mod profile;
+pub mod reward;
 pub mod run;
 pub mod strategy;
 pub mod tasks;

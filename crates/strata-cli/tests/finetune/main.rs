@@ -8,5 +8,6 @@ mod hf;
 #[path = "../../../strata/tests/common/hf_reference.rs"]
 mod hf_reference;
 mod preference;
+mod reward;
 mod seq2seq;
 mod walkthroughs;

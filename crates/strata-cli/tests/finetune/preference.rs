@@ -96,7 +96,7 @@ const CASES: &[Case] = &[
 const WORDS: [&str; 10] = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
 
 /// 24 sums asked, each answered right (sometimes at more length) and wrong.
-fn sums() -> Vec<(String, String, String)> {
+pub(super) fn sums() -> Vec<(String, String, String)> {
     let mut state = 7u64;
     let mut next = |n: u64| {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -116,16 +116,16 @@ fn sums() -> Vec<(String, String, String)> {
         .collect()
 }
 
-fn said(role: &str, content: &str) -> Value {
+pub(super) fn said(role: &str, content: &str) -> Value {
     json!({"role": role, "content": content})
 }
 
-fn write_lines(path: &Path, records: impl Iterator<Item = Value>) {
+pub(super) fn write_lines(path: &Path, records: impl Iterator<Item = Value>) {
     let lines: Vec<String> = records.map(|r| r.to_string()).collect();
     std::fs::write(path, lines.join("\n") + "\n").unwrap();
 }
 
-fn s(p: &Path) -> &str {
+pub(super) fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
@@ -133,7 +133,7 @@ fn script() -> String {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/trl_reference.py").display().to_string()
 }
 
-fn python(py: &Path, args: &[&str]) {
+pub(super) fn python(py: &Path, args: &[&str]) {
     let o = Command::new(py).arg(script()).args(args).output().unwrap();
     assert!(o.status.success(), "trl_reference.py {args:?}:\n{}", stderr(&o));
 }

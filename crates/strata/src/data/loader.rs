@@ -165,6 +165,9 @@ pub struct Batch {
     /// Unpaired preferences (KTO's): whether each record's completion is desirable
     /// (`[rows / 2]`, bool).
     pub desirable: Option<Tensor>,
+    /// Reward pairs: how far each pair's chosen reward should exceed its rejected one
+    /// (`[rows / 2]`, fp32), where the records give a `"margin"`.
+    pub margin: Option<Tensor>,
 }
 
 impl Batch {
@@ -180,6 +183,7 @@ impl Batch {
             first_row: 0,
             reference: None,
             desirable: None,
+            margin: None,
         })
     }
 
@@ -232,6 +236,7 @@ impl Batch {
             first_row: self.first_row,
             reference: self.reference.as_ref().map(|r| r.f_to_device(device)).transpose()?,
             desirable: self.desirable.as_ref().map(|r| r.f_to_device(device)).transpose()?,
+            margin: self.margin.as_ref().map(|r| r.f_to_device(device)).transpose()?,
         })
     }
 }
@@ -651,6 +656,7 @@ pub(super) fn batch_of(inputs: Vec<i64>, targets: Vec<i64>, rows: usize, ctx: us
         first_row: 0,
         reference: None,
         desirable: None,
+        margin: None,
     })
 }
 

@@ -42,6 +42,8 @@ pub struct PreferenceReport {
     pub dropped_long_prompt: usize,
     /// Kept rows (a chosen or a rejected one) cut to the most length.
     pub truncated_rows: usize,
+    /// Records with a row longer than the most length, left out (where rows are not cut).
+    pub dropped_long: usize,
 }
 
 /// Preference pairs, batched a pair a record: `n` records give `2n` rows, the chosen ones
@@ -56,6 +58,10 @@ pub struct PreferenceSet {
     max_length: usize,
     /// Each pair's reference log-probabilities `[chosen, rejected]`, once computed.
     reference: Option<Vec<[f64; 2]>>,
+    /// Each pair's margin, where the records give one (reward models).
+    margins: Option<Vec<f64>>,
+    /// The id rows are padded with.
+    pad: u32,
     /// Where the pairs came from, for messages.
     pub source: String,
     /// What reading kept and left out.
@@ -219,6 +225,11 @@ pub struct PreferenceFormat<'a> {
     /// Unpaired records: the records of one batch, within which each record's KL completion
     /// is the one before it (TRL's `per_device_train_batch_size`).
     pub kl_batch: usize,
+    /// Leave out a record with a row longer than `max_length` rather than cut the row (how
+    /// TRL's `RewardTrainer` keeps rows whole).
+    pub drop_long: bool,
+    /// The id rows are padded with (a reward model finds each row's last token by it).
+    pub pad: u32,
 }
 
 /// Gives each unpaired record, as its second completion, the completion of the record before
@@ -254,14 +265,21 @@ impl PreferenceSet {
         let records = read_records(path)?;
         let end = format.end_of_text.as_deref().unwrap_or("");
         let mut pairs = Vec::with_capacity(records.len());
-        let (mut labels, mut unpaired) = (vec![], None);
+        let (mut labels, mut unpaired, mut margins) = (vec![], None, vec![]);
+        let mut margined = None;
         let mut report = PreferenceReport { records: records.len(), ..Default::default() };
         for (at, value) in records {
             let bad = |why: String| Error::Data(format!("{}{at}: {why}", path.display()));
-            let ([prompt, chosen, rejected], desirable) = Record::parse(value.map_err(bad)?)
-                .map_err(bad)?
-                .tokenize(format.tokenizer, format.template, end)
-                .map_err(bad)?;
+            let mut value = value.map_err(bad)?;
+            let margin = match value.as_object_mut().and_then(|v| v.remove("margin")) {
+                Some(m) => Some(m.as_f64().ok_or_else(|| bad(format!("\"margin\" must be a number, not {m}")))?),
+                None => None,
+            };
+            if *margined.get_or_insert(margin.is_some()) != margin.is_some() {
+                return Err(bad("either every record gives a \"margin\" or none does".into()));
+            }
+            let ([prompt, chosen, rejected], desirable) =
+                Record::parse(value).map_err(bad)?.tokenize(format.tokenizer, format.template, end).map_err(bad)?;
             if *unpaired.get_or_insert(desirable.is_some()) != desirable.is_some() {
                 return Err(bad("a file holds pairs or unpaired completions, not both".into()));
             }
@@ -273,7 +291,12 @@ impl PreferenceSet {
                 report.dropped_long_prompt += 1;
                 continue;
             }
+            if format.drop_long && (chosen.len() > format.max_length || rejected.len() > format.max_length) {
+                report.dropped_long += 1;
+                continue;
+            }
             labels.extend(desirable);
+            margins.extend(margin);
             report.truncated_rows += [&chosen, &rejected].iter().filter(|c| c.len() > format.max_length).count();
             pairs.push(PreferencePair {
                 prompt: prompt[..shared].to_vec(),
@@ -300,6 +323,8 @@ impl PreferenceSet {
             desirable,
             max_length: format.max_length,
             reference: None,
+            margins: margined.unwrap_or(false).then_some(margins),
+            pad: format.pad,
             source: path.display().to_string(),
             report,
         })
@@ -315,7 +340,16 @@ impl PreferenceSet {
             return Err(Error::Data(format!("pair {i}: its prompt fills the most length of {max_length} tokens")));
         }
         let report = PreferenceReport { records: pairs.len(), pairs: pairs.len(), ..Default::default() };
-        Ok(PreferenceSet { pairs, desirable: None, max_length, reference: None, source: source.into(), report })
+        Ok(PreferenceSet {
+            pairs,
+            desirable: None,
+            max_length,
+            reference: None,
+            margins: None,
+            pad: 0,
+            source: source.into(),
+            report,
+        })
     }
 
     /// Pair `i`.
@@ -384,7 +418,7 @@ impl RowSet for PreferenceSet {
         1
     }
 
-    /// Pairs `rows` as `2 × rows` rows padded (id 0) to the longest: the chosen rows, then
+    /// Pairs `rows` as `2 × rows` rows padded to the longest: the chosen rows, then
     /// the rejected ones in the same order. A position's target is the next token where
     /// that token belongs to the completion, else [`IGNORE`]; `supervised` counts pairs.
     fn batch(&self, rows: &[usize]) -> Result<Batch> {
@@ -398,7 +432,7 @@ impl RowSet for PreferenceSet {
         let (mut inputs, mut targets, mut padding) = (vec![], vec![], vec![]);
         for (ids, start) in &all {
             for t in 0..width {
-                inputs.push(ids.get(t).map_or(0, |&id| i64::from(id)));
+                inputs.push(i64::from(*ids.get(t).unwrap_or(&self.pad)));
                 targets.push(match ids.get(t + 1) {
                     Some(&next) if t + 1 >= *start => i64::from(next),
                     _ => IGNORE,
@@ -416,6 +450,10 @@ impl RowSet for PreferenceSet {
         if let Some(desirable) = &self.desirable {
             let labels: Vec<bool> = rows.iter().map(|&r| desirable[r]).collect();
             batch.desirable = Some(Tensor::f_from_slice(&labels)?);
+        }
+        if let Some(margins) = &self.margins {
+            let values: Vec<f32> = rows.iter().map(|&r| margins[r] as f32).collect();
+            batch.margin = Some(Tensor::f_from_slice(&values)?);
         }
         if let Some(reference) = &self.reference {
             let values: Vec<f64> =

@@ -40,9 +40,25 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
         }
     }
     mxfp4.finish().map_err(|e| Error::Weights { path: model.dir.clone(), message: e.to_string() })?;
-    let factors = super::peft::factor_ids(&engine.spec().adapters);
-    load_named(engine, &model.dir, named.into_iter(), &|id| factors.contains(&id))
+    let spec = engine.spec();
+    let factors = super::peft::factor_ids(&spec.adapters);
+    // A causal folder read as a reward model: its language head goes unused and the score
+    // starts from the model's initialisation, as `transformers` builds a sequence
+    // classifier from a causal checkpoint.
+    let score = spec.find(SCORE).filter(|_| spec.find(LM_HEAD).is_none());
+    if score.is_some() {
+        named.retain(|(param, _, _)| param != LM_HEAD);
+    }
+    let fresh_score = score.filter(|_| !named.iter().any(|(param, _, _)| param == SCORE));
+    if fresh_score.is_some() {
+        tracing::info!(folder = %model.dir.display(), "the reward model's score head starts fresh");
+    }
+    load_named(engine, &model.dir, named.into_iter(), &|id| factors.contains(&id) || Some(id) == fresh_score)
 }
+
+/// A decoder's language head and a reward model's score head, by their names in its folder.
+const LM_HEAD: &str = "lm_head.weight";
+const SCORE: &str = "score.weight";
 
 /// A model folder to write: where, as which family, and what goes along with the weights.
 #[derive(Clone, Debug)]

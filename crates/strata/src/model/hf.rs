@@ -13,7 +13,7 @@
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::latent::LatentConfig;
 use super::linear::LinearAttentionConfig;
-use super::llama::{Activation, LayerAttention, NormKind};
+use super::llama::{Activation, DecoderHead, LayerAttention, NormKind};
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{Rope, RopeScaling};
 use super::{
@@ -133,33 +133,50 @@ impl Family {
         }
     }
 
-    /// The `transformers` class of `config` in this family.
-    fn architecture(self, config: &ModelConfig) -> &'static str {
-        match self {
-            Family::Bert => match config {
-                ModelConfig::Bert(BertConfig { head: BertHead::Classify { .. }, .. }) => {
-                    "BertForSequenceClassification"
+    /// The `transformers` class of `config` in this family: a decoder's causal language
+    /// model, or its sequence classifier where the head is a reward model's.
+    fn architecture(self, config: &ModelConfig) -> String {
+        let causal = match self {
+            Family::Bert => {
+                return match config {
+                    ModelConfig::Bert(BertConfig { head: BertHead::Classify { .. }, .. }) => {
+                        "BertForSequenceClassification"
+                    }
+                    _ => "BertForMaskedLM",
                 }
-                _ => "BertForMaskedLM",
-            },
-            Family::Gpt2 => "GPT2LMHeadModel",
-            Family::Llama => "LlamaForCausalLM",
-            Family::Mistral => "MistralForCausalLM",
-            Family::Qwen2 => "Qwen2ForCausalLM",
-            Family::Qwen3 => "Qwen3ForCausalLM",
-            Family::Gemma2 => "Gemma2ForCausalLM",
-            Family::Gemma3 => "Gemma3ForCausalLM",
-            Family::Phi3 => "Phi3ForCausalLM",
-            Family::Mixtral => "MixtralForCausalLM",
-            Family::Qwen2Moe => "Qwen2MoeForCausalLM",
-            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
-            Family::Olmoe => "OlmoeForCausalLM",
-            Family::DeepseekV3 => "DeepseekV3ForCausalLM",
-            Family::Glm4Moe => "Glm4MoeForCausalLM",
-            Family::GptOss => "GptOssForCausalLM",
-            Family::Qwen3Next => "Qwen3NextForCausalLM",
-            Family::T5 => "T5ForConditionalGeneration",
+                .into()
+            }
+            Family::Gpt2 => return "GPT2LMHeadModel".into(),
+            Family::T5 => return "T5ForConditionalGeneration".into(),
+            Family::Llama => "Llama",
+            Family::Mistral => "Mistral",
+            Family::Qwen2 => "Qwen2",
+            Family::Qwen3 => "Qwen3",
+            Family::Gemma2 => "Gemma2",
+            Family::Gemma3 => "Gemma3",
+            Family::Phi3 => "Phi3",
+            Family::Mixtral => "Mixtral",
+            Family::Qwen2Moe => "Qwen2Moe",
+            Family::Qwen3Moe => "Qwen3Moe",
+            Family::Olmoe => "Olmoe",
+            Family::DeepseekV3 => "DeepseekV3",
+            Family::Glm4Moe => "Glm4Moe",
+            Family::GptOss => "GptOss",
+            Family::Qwen3Next => "Qwen3Next",
+        };
+        match config {
+            ModelConfig::Llama(LlamaConfig { head: DecoderHead::Reward, .. }) => {
+                // Gemma 3's text-only classifier is its own class.
+                let text = if self == Family::Gemma3 { "Text" } else { "" };
+                format!("{causal}{text}ForSequenceClassification")
+            }
+            _ => format!("{causal}ForCausalLM"),
         }
+    }
+
+    /// Whether `transformers` has a sequence classifier (a reward model's class) of the family.
+    fn classifies_sequences(self) -> bool {
+        !matches!(self, Family::Gpt2 | Family::T5 | Family::Olmoe | Family::Glm4Moe)
     }
 
     fn from_model_type(name: &str) -> Option<Family> {
@@ -396,6 +413,12 @@ impl Family {
                 if let Some(why) = family.cannot_write(c) {
                     return Err(Error::Config(why));
                 }
+                if c.head == DecoderHead::Reward && !family.classifies_sequences() {
+                    return Err(Error::Config(format!(
+                        "a reward model cannot be written as {}: it has no sequence classifier",
+                        family.model_type()
+                    )));
+                }
                 decoder_json(family, c)
             }
             (family, _) => {
@@ -404,6 +427,10 @@ impl Family {
         };
         out["model_type"] = json!(self.model_type());
         out["architectures"] = json!([self.architecture(config)]);
+        if let ModelConfig::Llama(LlamaConfig { head: DecoderHead::Reward, .. }) = config {
+            out["id2label"] = json!({"0": "LABEL_0"});
+            out["label2id"] = json!({"LABEL_0": 0});
+        }
         out["dtype"] = json!("float32");
         for (key, value) in special_tokens {
             out[key] = value.clone();
@@ -1061,6 +1088,7 @@ impl Keys<'_> {
     /// The decoder of `family` ([`super::llama`]); keys that change the computation and
     /// that it cannot honour are refused by name.
     fn decoder(&self, family: Family) -> KeyResult<LlamaConfig> {
+        let head = self.decoder_head(family)?;
         let moe = self.experts(family)?;
         let olmoe = family == Family::Olmoe;
         let glm = family == Family::Glm4Moe;
@@ -1175,8 +1203,37 @@ impl Keys<'_> {
             latent,
             // The decoder families' own default is no dropout.
             dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, ..DropoutRates::NONE },
+            head,
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
         })
+    }
+
+    /// A decoder's head by its `architectures`: a sequence classifier of one label
+    /// (`num_labels = 1`, what TRL's reward models are) is a reward model; others are refused.
+    fn decoder_head(&self, family: Family) -> KeyResult<DecoderHead> {
+        let architectures = self.get("architectures").and_then(Value::as_array);
+        let Some(class) = architectures.and_then(|a| a.first()).and_then(Value::as_str) else {
+            return Ok(DecoderHead::LanguageModel);
+        };
+        if !class.ends_with("ForSequenceClassification") {
+            return Ok(DecoderHead::LanguageModel);
+        }
+        if !family.classifies_sequences() {
+            return Err(format!("config.json: {class}: {} has no sequence classifier", family.model_type()));
+        }
+        let labels = match (self.int("num_labels")?, self.get("id2label").and_then(Value::as_object)) {
+            (Some(n), _) => n as usize,
+            (None, Some(map)) => map.len(),
+            // transformers' default.
+            (None, None) => 2,
+        };
+        if labels != 1 {
+            return Err(format!(
+                "config.json: {class} with {labels} labels: a decoder's sequence classifier trains as a reward \
+                 model, with one label (num_labels = 1)"
+            ));
+        }
+        Ok(DecoderHead::Reward)
     }
 
     /// Qwen3-Next's Gated DeltaNet sizes (with `transformers`' defaults).

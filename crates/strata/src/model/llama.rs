@@ -24,8 +24,8 @@ use super::gpt::divides_heads;
 use super::head_loss::head_output;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
-    add_rms_norm, attend, geglu, merge_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one, split_heads, swiglu,
-    AttentionOptions, ScoreTerms,
+    add_rms_norm, attend, geglu, linear, merge_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one, split_heads,
+    swiglu, AttentionOptions, ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -187,6 +187,22 @@ pub struct LlamaConfig {
     /// `attention_dropout`), at `attention`'s rate; the other sites are not the decoder's.
     #[serde(default)]
     pub dropout: DropoutRates,
+    /// What the last unit gives: next-token logits, or a reward model's score per position.
+    #[serde(default)]
+    pub head: DecoderHead,
+}
+
+/// The decoder's output head.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecoderHead {
+    /// Next-token logits from `lm_head` (or the tied embedding): `[rows, ctx, vocab]`.
+    #[default]
+    LanguageModel,
+    /// A reward model (`transformers`' `ForSequenceClassification` with one label): a scalar
+    /// per position from `score.weight`, `[rows, ctx, 1]`; the reward loss reads each row's
+    /// at its last token.
+    Reward,
 }
 
 fn whole_rotation() -> f64 {
@@ -234,6 +250,7 @@ impl LlamaConfig {
             attention_output_gate: false,
             latent: None,
             dropout: DropoutRates::NONE,
+            head: DecoderHead::LanguageModel,
         }
     }
 
@@ -708,6 +725,42 @@ impl Unit for LlamaHead {
     }
 }
 
+/// A reward model's head: the final norm, then one score per position. Under tensor
+/// parallelism every rank computes the same scores from the whole sequence, and only the
+/// first rank's product carries a nonzero gradient, so that the group's sums of the input's
+/// and the weight's gradients (`PartialGradient`) count it once.
+struct RewardHead {
+    norm: ParamId,
+    score: ParamId,
+    kinds: Kinds,
+}
+
+impl Unit for RewardHead {
+    fn kind(&self) -> &'static str {
+        "LlamaRewardHead"
+    }
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let h = self.kinds.norm(x, &p[self.norm])?;
+        let tp = p.tp();
+        if tp.size() == 1 {
+            return linear(&h, &p[self.score], None);
+        }
+        let scores = linear(&tp.enter(&h)?, &p[self.score], None)?;
+        match tp.rank() {
+            0 => Ok(scores),
+            // The same values with a zero gradient, which still passes back through the
+            // group's collectives as every rank's does.
+            _ => Ok(scores.f_detach()?.f_add(&scores.f_mul_scalar(0.0)?)?),
+        }
+    }
+    fn position_wise(&self) -> bool {
+        true
+    }
+    fn check_tensor_parallel(&self, _tp: i64) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// The decoder's model function: units `embedding`, `model.layers.{i}`, `head`.
 pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
@@ -925,6 +978,12 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     }
     let mut u = b.unit("head");
     let norm = u.param("model.norm.weight", &[d], norm_init, TpRole::SequenceReplicated);
+    if cfg.head == DecoderHead::Reward {
+        u.declare_cost(UnitCost::keeping(Kept::head(3.0 * d as f64 + 2.0, 1)));
+        let score = u.param("score.weight", &[1, d], normal, TpRole::PartialGradient);
+        u.finish(RewardHead { norm, score, kinds });
+        return Ok(());
+    }
     u.declare_cost(UnitCost::keeping(Kept::head(3.0 * d as f64 + 13.0, cfg.vocab)));
     let head = |lm_head| LlamaHead { norm, lm_head, kinds, vocab: cfg.vocab, softcap: cfg.logit_softcap };
     if cfg.tie_embeddings {

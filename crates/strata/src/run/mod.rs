@@ -30,12 +30,13 @@ use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankIn
 use crate::data::{validation_steps, Batching, DataLoader, Dataset, LoaderConfig, Order, RowSet, Step};
 use crate::engine::{Engine, EngineConfig, EventSink, EventSinks, UnitClock};
 use crate::io::{AdapterOut, FolderOut, WeightsTarget};
-use crate::model::{Builder, ModelConfig, ModelDir, ModelSpec};
+use crate::model::{Builder, DecoderHead, ModelConfig, ModelDir, ModelSpec};
 use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use crate::parallel::{self, DataParallelOptions, TrainerSetup};
 use crate::patrickstar::PatrickStarConfig;
-use crate::preference::{PreferenceConfig, PreferenceObjective, VocabularySplit};
+use crate::preference::{PreferenceConfig, PreferenceObjective, ScoreFn, VocabularySplit};
 use crate::profile::Profiler;
+use crate::reward::{RewardConfig, RewardObjective};
 use crate::strategy::{Dim, LoraConfig, Strategy};
 use crate::train::{token_input, Feed, InputFn, LossFn, StepReport, Trainer};
 use crate::{Error, Result};
@@ -254,6 +255,8 @@ pub struct RunConfig {
     /// How preference pairs are scored, where the training data holds them (DPO's sigmoid
     /// loss at β = 0.1 by default).
     pub preference: PreferenceConfig,
+    /// How a reward model's pairs are scored, where the model is a reward model.
+    pub reward: RewardConfig,
 }
 
 impl RunConfig {
@@ -294,6 +297,7 @@ impl Default for RunConfig {
             log_every: 10,
             progress: false,
             preference: PreferenceConfig::default(),
+            reward: RewardConfig::default(),
         }
     }
 }
@@ -559,13 +563,17 @@ pub fn train(
         None => Ranks { comm: None, local_world_size: 1 },
     };
     share_cores(config.threads, ranks.local_world_size);
-    let preference = preference_objective(data, &mut config)?;
+    let objective = pair_objective(data, &mut config, model)?;
+    let preference = objective.as_ref().and_then(PairObjective::preference);
     let engine_config = engine_config_of(&config);
     let (strategy, data_parallel) = choose_strategy(model, data, &config, &ranks, &engine_config)?;
-    if preference.is_some() {
+    if objective.is_some() {
         check_preference_strategy(&strategy, &config)?;
     }
-    let strategy = with_adapter_config(strategy, &config.init)?;
+    let mut strategy = with_adapter_config(strategy, &config.init)?;
+    if let Some(PairObjective::Reward(_)) = &objective {
+        train_score_head(&mut strategy);
+    }
     if config.outputs.adapter_folder.is_some() && strategy.lora().is_none() {
         return Err(Error::Config(
             "--save-adapter-dir saves a LoRA run's adapters: the strategy has no lora method".into(),
@@ -729,20 +737,22 @@ pub fn train(
     for step in loader.take((config.steps - start) as usize) {
         // The trainer reports the job's loss; every data rank's tokens count, and each
         // context rank's piece of them.
-        if let Some(p) = &preference {
-            p.reset();
+        if let Some(o) = &objective {
+            o.reset();
         }
         let mut report = trainer.train_step(&step?)?;
-        if let Some(p) = &preference {
-            report.preference = p.take_metrics(world_group.as_deref())?;
+        match &objective {
+            Some(PairObjective::Preference(p)) => report.preference = p.take_metrics(world_group.as_deref())?,
+            Some(PairObjective::Reward(r)) => report.reward = r.take_metrics(world_group.as_deref())?,
+            None => {}
         }
         let readers = data_world * mesh.size(Dim::Context);
         report.tokens *= readers as u64;
         report.tokens_per_s *= readers as f64;
         if let Some(steps) = val_steps.as_ref().filter(|_| config.validation_due(report.step)) {
             report.set_validation(trainer.evaluate(steps)?);
-            if preference.is_some() {
-                // A mean over pairs of a preference loss has no perplexity.
+            if objective.is_some() {
+                // A mean over pairs of a preference or reward loss has no perplexity.
                 report.val_perplexity = None;
             }
         }
@@ -818,9 +828,40 @@ pub fn train(
     Ok(RunSummary { last, strategy, rank: ranks.rank(), world_size: ranks.world() })
 }
 
-/// The scoring of preference pairs where the training data holds them, its loss made the
-/// run's; refused beside a loss of the caller's own.
-fn preference_objective(data: &Data, config: &mut RunConfig) -> Result<Option<Arc<PreferenceObjective>>> {
+/// What a run on preference pairs trains: a language model's preferences (DPO and its
+/// family, KTO), or a reward model.
+enum PairObjective {
+    Preference(Arc<PreferenceObjective>),
+    Reward(Arc<RewardObjective>),
+}
+
+impl PairObjective {
+    fn preference(&self) -> Option<Arc<PreferenceObjective>> {
+        match self {
+            PairObjective::Preference(p) => Some(p.clone()),
+            PairObjective::Reward(_) => None,
+        }
+    }
+
+    fn loss_fn(&self) -> ScoreFn {
+        match self {
+            PairObjective::Preference(p) => p.loss_fn(),
+            PairObjective::Reward(r) => r.loss_fn(),
+        }
+    }
+
+    fn reset(&self) {
+        match self {
+            PairObjective::Preference(p) => p.reset(),
+            PairObjective::Reward(r) => r.reset(),
+        }
+    }
+}
+
+/// The scoring of preference pairs where the training data holds them — a reward model's
+/// where the model is one, else the preference loss — its loss made the run's; refused
+/// beside a loss of the caller's own.
+fn pair_objective(data: &Data, config: &mut RunConfig, model: &Model) -> Result<Option<PairObjective>> {
     let pairs = |d: &Dataset| matches!(d, Dataset::Preference(_));
     if !pairs(&data.train) {
         if data.validation.as_deref().is_some_and(pairs) {
@@ -834,26 +875,50 @@ fn preference_objective(data: &Data, config: &mut RunConfig) -> Result<Option<Ar
     if data.validation.as_deref().is_some_and(|v| !pairs(v)) {
         return Err(Error::Config("the training data holds preference pairs, the validation data does not".into()));
     }
-    if let Dataset::Preference(set) = data.train.as_ref() {
-        let unpaired_loss = config.preference.losses.iter().any(|(l, _)| l.unpaired());
-        match (set.is_unpaired(), unpaired_loss) {
-            (true, false) => {
+    let Dataset::Preference(set) = data.train.as_ref() else { return Ok(None) };
+    let reward_model = match model.config.as_ref() {
+        Some(ModelConfig::Llama(c)) if c.head == DecoderHead::Reward => Some(c),
+        _ => None,
+    };
+    let objective = match reward_model {
+        Some(c) => {
+            if set.is_unpaired() {
                 return Err(Error::Config(format!(
-                    "{}: unpaired completions (records with a \"label\") are scored by kto or apo_zero_unpaired",
+                    "{}: a reward model trains on pairs of a chosen and a rejected completion, not on labelled \
+                     completions",
                     set.source
-                )))
+                )));
             }
-            (false, true) => {
-                return Err(Error::Config(format!(
-                    "{}: kto and apo_zero_unpaired score unpaired completions (records of \"completion\" and \
-                     \"label\"), not pairs",
-                    set.source
-                )))
-            }
-            _ => {}
+            let pad = config.reward.pad_token.or(c.padding_token).ok_or_else(|| {
+                Error::Config(
+                    "a reward model reads each row's reward at its last token before the padding: give the \
+                     padding token (the folder's pad_token_id, or the reward configuration's pad_token)"
+                        .into(),
+                )
+            })?;
+            PairObjective::Reward(RewardObjective::new(config.reward.clone(), pad)?)
         }
-    }
-    let objective = PreferenceObjective::new(config.preference.clone())?;
+        None => {
+            let unpaired_loss = config.preference.losses.iter().any(|(l, _)| l.unpaired());
+            match (set.is_unpaired(), unpaired_loss) {
+                (true, false) => {
+                    return Err(Error::Config(format!(
+                        "{}: unpaired completions (records with a \"label\") are scored by kto or apo_zero_unpaired",
+                        set.source
+                    )))
+                }
+                (false, true) => {
+                    return Err(Error::Config(format!(
+                        "{}: kto and apo_zero_unpaired score unpaired completions (records of \"completion\" and \
+                         \"label\"), not pairs",
+                        set.source
+                    )))
+                }
+                _ => {}
+            }
+            PairObjective::Preference(PreferenceObjective::new(config.preference.clone())?)
+        }
+    };
     config.loss = Some(objective.loss_fn());
     Ok(Some(objective))
 }
@@ -1050,6 +1115,18 @@ fn with_adapter_config(mut strategy: Strategy, init: &[InitialWeights]) -> Resul
         }
     }
     Ok(strategy)
+}
+
+/// Under LoRA, a reward model's score head trains whole beside the adapters (it starts
+/// untrained), as peft's sequence-classification task keeps `score` among `modules_to_save`.
+fn train_score_head(strategy: &mut Strategy) {
+    for method in &mut strategy.methods {
+        if let crate::strategy::Method::Lora(lora) = method {
+            if !lora.modules_to_save.iter().any(|m| m == "score") {
+                lora.modules_to_save.push("score".into());
+            }
+        }
+    }
 }
 
 fn adapter_folders(init: &[InitialWeights]) -> impl Iterator<Item = &PathBuf> {

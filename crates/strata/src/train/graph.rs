@@ -73,6 +73,7 @@ impl CapturedStep {
             first_row: batch.first_row,
             reference: batch.reference.as_ref().map(own).transpose()?,
             desirable: batch.desirable.as_ref().map(own).transpose()?,
+            margin: batch.margin.as_ref().map(own).transpose()?,
         })
     }
 

@@ -92,6 +92,10 @@ pub struct StepReport {
     /// by the training loop's owner where the run optimises preferences).
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub preference: Option<crate::preference::PreferenceMetrics>,
+    /// A reward model's metrics over the step's global batch, under TRL's names (filled in
+    /// by the training loop's owner where the run trains a reward model).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub reward: Option<crate::reward::RewardMetrics>,
     /// Loss per learned token of the validation batches, after steps where a validation ran (filled in
     /// by the training loop's owner).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -753,6 +757,7 @@ impl Trainer {
             pipeline: None,
             experts: self.parts[0].engine.routed().map(|r| r.report),
             preference: None,
+            reward: None,
             val_loss: None,
             val_perplexity: None,
         };

@@ -8,6 +8,7 @@ use strata::engine::memory::{PlacementReport, Transfers};
 use strata::engine::{Category, Placement, UnitTime};
 use strata::model::BalanceReport;
 use strata::preference::PreferenceMetrics;
+use strata::reward::RewardMetrics;
 use strata::train::{PipelineFigures, StepReport};
 
 /// A report whose every optional field is filled (a new field must be given here, so it
@@ -62,6 +63,7 @@ fn full_report() -> StepReport {
             mean_token_accuracy: Some(1.0),
             kl: Some(1.0),
         }),
+        reward: Some(RewardMetrics { accuracy: 1.0, margin: 1.0, min_reward: 1.0, mean_reward: 1.0, max_reward: 1.0 }),
         val_loss: Some(1.0),
         val_perplexity: Some(1.0),
     }
