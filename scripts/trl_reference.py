@@ -6,7 +6,8 @@
         sequence classifier of one label (a reward model, padded with the end token as TRL
         pads it);
   lora  saves a peft LoRA adapter of a folder's model as peft draws a new one (B = 0), for a
-        JSON LoraConfig and a seed;
+        JSON LoraConfig (task_type SEQ_CLS: of a sequence classifier, its score head among
+        the modules saved whole) and a seed;
   runs  runs each run of a JSON list (name, records file, its trainer — "dpo", "kto" or
         "reward" — and its config's fields: loss_type, loss_weights, beta, label_smoothing,
         f_divergence_type, desirable_weight, undesirable_weight, center_rewards_coefficient;
@@ -56,9 +57,10 @@ def lora(model_dir, out, config, seed):
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
+    config = LoraConfig(**json.loads(config))
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    get_peft_model(model, LoraConfig(**json.loads(config))).save_pretrained(out)
+    load = tf.AutoModelForSequenceClassification if config.task_type == "SEQ_CLS" else tf.AutoModelForCausalLM
+    get_peft_model(load.from_pretrained(model_dir, dtype=torch.float32), config).save_pretrained(out)
 
 
 def trainer_run(args, run):

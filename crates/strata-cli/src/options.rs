@@ -393,7 +393,8 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
 
 /// A reward model's scoring where the run trains one (the folder a reward model, or turned
 /// into one by --reward-model), its padding token taken as TRL takes it: the tokenizer's
-/// padding token, else its end token, else the folder's `pad_token_id`.
+/// padding token, else its end token; else the folder's `pad_token_id`, else its
+/// `eos_token_id`.
 fn reward_options(o: &TrainOptions, mut model_dir: Option<&mut ModelDir>) -> Result<Option<RewardConfig>> {
     let turn = o.reward_model.unwrap_or(false);
     if let Some(ModelConfig::Llama(c)) = model_dir.as_deref_mut().map(|d| &mut d.config) {
@@ -429,7 +430,8 @@ fn reward_options(o: &TrainOptions, mut model_dir: Option<&mut ModelDir>) -> Res
         ModelConfig::Llama(c) => c.padding_token,
         _ => None,
     };
-    let pad_token = token("pad_token").or_else(|| token("eos_token")).or(folder_pad);
+    let pad_token =
+        token("pad_token").or_else(|| token("eos_token")).or(folder_pad).or_else(|| dir.eos_tokens().first().copied());
     Ok(Some(RewardConfig { center_rewards_coefficient: o.center_rewards_coefficient, pad_token }))
 }
 

@@ -1,7 +1,8 @@
 //! Reward models against TRL's `RewardTrainer` (scripts/trl_reference.py, the pinned TRL of
 //! the project's environment) on a tiny LLaMA sequence classifier and the same batches: text
 //! pairs, pairs with margins under the centring term, conversations through the chat
-//! template, fsdp, tensor parallelism and two pipeline stages over two ranks — each of 10
+//! template, LoRA (the score head trained whole), fsdp, tensor parallelism and two pipeline
+//! stages over two ranks — each of 10
 //! steps' loss, gradient norm and TRL's metrics, and the weights the steps end with; and a
 //! causal folder turned into a reward model, saved as a folder `transformers` reads back.
 use super::preference::{python, s, said, sums, write_lines};
@@ -18,13 +19,16 @@ struct Case {
     /// The records file.
     records: &'static str,
     center: Option<f64>,
+    /// Train a LoRA adapter (made here, peft's fresh draw of a sequence classifier's, the
+    /// score head saved whole) and the score head.
+    adapter: bool,
     /// Strata's flags beyond the shared ones; the TRL run of `trl_name` is the reference.
     strata_flags: &'static [&'static str],
     trl_name: &'static str,
 }
 
 const fn case(name: &'static str, records: &'static str) -> Case {
-    Case { name, records, center: None, strata_flags: &[], trl_name: name }
+    Case { name, records, center: None, adapter: false, strata_flags: &[], trl_name: name }
 }
 
 const fn laid_out(name: &'static str, strata_flags: &'static [&'static str]) -> Case {
@@ -38,6 +42,7 @@ const CASES: &[Case] = &[
     case("text", "text.jsonl"),
     Case { center: Some(0.01), ..case("centred_margins", "margins.jsonl") },
     case("conversations", "conversations.jsonl"),
+    Case { adapter: true, ..case("lora", "text.jsonl") },
     laid_out("fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]),
     laid_out("tensor", &["--nproc", "2", "--strategy", TENSOR]),
     laid_out("pipeline", &["--nproc", "2", "--strategy", PIPELINE]),
@@ -48,6 +53,9 @@ fn reference(py: &Path) -> PathBuf {
     common::shared_dir("trl-reward", |dir| {
         python(py, &["make", "--out", s(&dir.join("reward")), "--seed", "5", "--reward"]);
         python(py, &["make", "--out", s(&dir.join("causal")), "--seed", "6"]);
+        let lora =
+            r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"], "task_type": "SEQ_CLS"}"#;
+        python(py, &["lora", "--model", s(&dir.join("reward")), "--out", s(&dir.join("adapter")), "--config", lora]);
         let pairs = sums();
         write_lines(
             &dir.join("text.jsonl"),
@@ -73,7 +81,7 @@ fn reference(py: &Path) -> PathBuf {
             .filter(|c| c.trl_name == c.name)
             .map(|c| {
                 json!({"name": c.name, "pairs": dir.join(c.records), "trainer": "reward",
-                       "center_rewards_coefficient": c.center})
+                       "center_rewards_coefficient": c.center, "adapter": c.adapter.then(|| dir.join("adapter"))})
             })
             .collect();
         std::fs::write(dir.join("runs.json"), Value::from(runs).to_string()).unwrap();
@@ -103,7 +111,8 @@ fn reference(py: &Path) -> PathBuf {
 }
 
 /// `strata train` on pairs with the flags every case shares: `steps` steps at learning rate
-/// `lr`, the batches of offsets.json, the metrics and the saved folder in `out`.
+/// `lr`, the batches of offsets.json, the metrics in `out` and the model folder saved there
+/// (where `flags` name no adapter folder to save).
 fn train(dir: &Path, model: &Path, records: &str, out: &Path, steps: usize, lr: &str, flags: &[&str]) -> PathBuf {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out).unwrap();
@@ -135,9 +144,10 @@ fn train(dir: &Path, model: &Path, records: &str, out: &Path, steps: usize, lr: 
         s(&offsets),
         "--metrics",
         s(&metrics),
-        "--save-model-dir",
-        s(&saved),
     ];
+    if !flags.contains(&"--save-adapter-dir") {
+        args.extend(["--save-model-dir", s(&saved)]);
+    }
     args.extend(flags);
     let o = strata(&args);
     assert!(o.status.success(), "{flags:?}:\n{}", stderr(&o));
@@ -171,11 +181,20 @@ fn follows_trl(c: &Case) {
     if let Some(center) = c.center {
         flags.extend(["--center-rewards-coefficient".into(), center.to_string()]);
     }
+    let out = dir.join("strata").join(c.name);
+    if c.adapter {
+        let (adapter, saved) = (dir.join("adapter"), out.join("saved"));
+        flags.extend(["--init-adapter".into(), s(&adapter).into(), "--save-adapter-dir".into(), s(&saved).into()]);
+    }
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let out = train(&dir, &dir.join("reward"), c.records, &dir.join("strata").join(c.name), STEPS, "1e-3", &flags);
+    let out = train(&dir, &dir.join("reward"), c.records, &out, STEPS, "1e-3", &flags);
     let trl = dir.join("trl").join(c.trl_name);
     assert_metrics_follow(c.name, &out.join("metrics.jsonl"), &trl.with_extension("jsonl"), STEPS);
-    let gap = common::global_gap(&trl.with_extension("safetensors"), &out.join("saved/model.safetensors"));
+    let (theirs, ours) = match c.adapter {
+        true => (trl.join("adapter_model.safetensors"), out.join("saved/adapter_model.safetensors")),
+        false => (trl.with_extension("safetensors"), out.join("saved/model.safetensors")),
+    };
+    let gap = common::global_gap(&theirs, &ours);
     eprintln!("{}: weights after {STEPS} steps differ from TRL's by {gap:.2e}", c.name);
     assert!(gap < 1e-5, "{}: weights differ from TRL's by {gap:e}", c.name);
 }
@@ -187,8 +206,8 @@ fn follow(names: &[&str]) {
 }
 
 #[test]
-fn reward_models_follow_trl_on_text_margins_and_conversations() {
-    follow(&["text", "centred_margins", "conversations"]);
+fn reward_models_follow_trl_on_text_margins_conversations_and_lora() {
+    follow(&["text", "centred_margins", "conversations", "lora"]);
 }
 
 #[test]

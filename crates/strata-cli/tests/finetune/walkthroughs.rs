@@ -76,6 +76,10 @@ fn every_walkthrough_runs_as_written() {
     let out = run("Then prefer", d, &env);
     assert!(out.contains("\"rewards/margins\":"), "the last step's margin: {out}");
     assert!(d.join("aligned/config.json").is_file());
+    let out = run("Or train a reward model", d, &env);
+    assert!(out.contains("\"accuracy\":"), "the last step's accuracy: {out}");
+    let config = std::fs::read_to_string(d.join("reward-model/config.json")).unwrap();
+    assert!(config.contains("LlamaForSequenceClassification"), "{config}");
 
     let (train, val) =
         (write("s.jsonl", crate::seq2seq::summaries(32, 3)), write("v.jsonl", crate::seq2seq::summaries(8, 4)));

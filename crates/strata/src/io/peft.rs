@@ -31,6 +31,9 @@ pub struct AdapterOut {
     /// Whether the adapted layers store their weights `[in, out]` (GPT-2's `Conv1D`), which
     /// peft records as `fan_in_fan_out`.
     pub fan_in_fan_out: bool,
+    /// Whether the model is a sequence classifier (a reward model): peft's `SEQ_CLS` task,
+    /// else `CAUSAL_LM`.
+    pub classifier: bool,
 }
 
 impl AdapterOut {
@@ -42,7 +45,7 @@ impl AdapterOut {
         };
         json!({
             "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
+            "task_type": if self.classifier { "SEQ_CLS" } else { "CAUSAL_LM" },
             "base_model_name_or_path": self.base_model,
             "r": c.r,
             "lora_alpha": c.alpha,

@@ -809,6 +809,7 @@ pub fn train(
                 _ => None,
             }),
             fan_in_fan_out: matches!(model.config, Some(ModelConfig::Gpt(_))),
+            classifier: matches!(&model.config, Some(ModelConfig::Llama(c)) if c.head == DecoderHead::Reward),
         };
         trainer
             .save_weights(WeightsTarget::Adapter(&out), leader)

@@ -89,6 +89,10 @@ fn names(module: &str, target: &str) -> bool {
     module == target || module.strip_suffix(target).is_some_and(|head| head.ends_with('.'))
 }
 
+/// The heads peft keeps whole in every sequence classifier's adapter (`modules_to_save`),
+/// whichever of them the model has: a name of these that matches nothing is not an error.
+const CLASSIFIER_HEADS: [&str; 2] = ["classifier", "score"];
+
 impl LoraConfig {
     /// The configuration a strategy's `["lora", config]` gives (the defaults where `config`
     /// is absent), validated.
@@ -247,14 +251,16 @@ impl LoraConfig {
     }
 
     /// Joins an adapter to every targeted linear layer of `spec` and freezes every other
-    /// parameter but those of `modules_to_save` (a name matching no module is an error).
+    /// parameter but those of `modules_to_save` (a name matching no module is an error, but
+    /// for [`CLASSIFIER_HEADS`]).
     /// `A` draws as `nn.Linear` would for its input width and `B` starts at zero, so the
     /// model computes what it did before training.
     pub fn apply(&self, spec: &mut ModelSpec) -> Result<()> {
         self.validate()?;
         let targets = self.targets(spec)?;
         for name in &self.modules_to_save {
-            if !spec.params.iter().any(|p| names(module_of(&p.name), name)) {
+            let head = CLASSIFIER_HEADS.contains(&name.as_str());
+            if !head && !spec.params.iter().any(|p| names(module_of(&p.name), name)) {
                 return Err(Error::Config(format!("lora: modules_to_save {name:?} names no module of this model")));
             }
         }

@@ -132,8 +132,13 @@ fn lora_matches_peft(family: &str, peft_config: Value) {
     let trained = evaluated_loss(&mut engine, &data);
     assert!(trained < untrained - 0.02, "{family}: training went nowhere: {untrained} -> {trained}");
 
-    let out =
-        AdapterOut { dir: ours.clone(), config: lora.clone(), base_model: None, fan_in_fan_out: family == "gpt2" };
+    let out = AdapterOut {
+        dir: ours.clone(),
+        config: lora.clone(),
+        base_model: None,
+        fan_in_fan_out: family == "gpt2",
+        classifier: false,
+    };
     save_weights(&mut engine, WeightsTarget::Adapter(&out), true).unwrap();
     let (mine, peft_trained, first) =
         [&ours, &theirs, &initial].map(|d| read_safetensors(&d.join("adapter_model.safetensors")).unwrap()).into();
