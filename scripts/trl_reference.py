@@ -8,9 +8,10 @@
   lora  saves a peft LoRA adapter of a folder's model as peft draws a new one (B = 0), for a
         JSON LoraConfig (task_type SEQ_CLS: of a sequence classifier, its score head among
         the modules saved whole) and a seed;
-  runs  runs each run of a JSON list (name, records file, its trainer — "dpo", "kto" or
-        "reward" — and its config's fields: loss_type, loss_weights, beta, label_smoothing,
-        f_divergence_type, desirable_weight, undesirable_weight, center_rewards_coefficient;
+  runs  runs each run of a JSON list (name, records file, its trainer — "dpo", "kto",
+        "cpo", "orpo" or "reward" — and its config's fields: loss_type, loss_weights, beta,
+        label_smoothing, f_divergence_type, desirable_weight, undesirable_weight, cpo_alpha,
+        simpo_gamma, center_rewards_coefficient;
         a model folder in place of --model; and an adapter folder whose parameters alone
         train) on a folder's model with TRL's DPOTrainer, KTOTrainer or RewardTrainer
         scoring: the dataset tokenized by the trainer, batches by its collator in record
@@ -68,10 +69,14 @@ def trainer_run(args, run):
     from datasets import Dataset
     from peft import PeftModel
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     folder = run.get("model", args.model)
     tok = tf.AutoTokenizer.from_pretrained(folder)
     kind = run.get("trainer", "dpo")
+    if kind in ("cpo", "orpo") and tok.pad_token is None:
+        tok.pad_token = tok.eos_token  # what these trainers ask of a tokenizer without one
     load = tf.AutoModelForSequenceClassification if kind == "reward" else tf.AutoModelForCausalLM
     model = load.from_pretrained(folder, dtype=torch.float32)
     if run.get("adapter"):
@@ -87,6 +92,14 @@ def trainer_run(args, run):
             config = RewardConfig(output_dir=out, center_rewards_coefficient=run.get("center_rewards_coefficient"),
                                   **common)
             make = RewardTrainer
+        elif kind == "cpo":
+            config = CPOConfig(output_dir=out, loss_type=run.get("loss_type", "sigmoid"),
+                               cpo_alpha=run.get("cpo_alpha", 1.0), simpo_gamma=run.get("simpo_gamma", 0.5),
+                               label_smoothing=run.get("label_smoothing", 0.0), **common)
+            make = CPOTrainer
+        elif kind == "orpo":
+            config = ORPOConfig(output_dir=out, **common)
+            make = ORPOTrainer
         elif kind == "kto":
             config = KTOConfig(output_dir=out, loss_type=run.get("loss_type", "kto"),
                                desirable_weight=run.get("desirable_weight", 1.0),
@@ -107,13 +120,15 @@ def trainer_run(args, run):
     for step in range(args.steps):
         rows = [(step * args.batch + i) % len(data) for i in range(args.batch)]
         batch = trainer.data_collator([data[r] for r in rows])
-        trainer._metrics["train"].clear()
+        # CPO and ORPO keep their metrics apart from the others' and as tensors or numbers.
+        logged = trainer._stored_metrics["train"] if kind in ("cpo", "orpo") else trainer._metrics["train"]
+        logged.clear()
         loss = trainer.compute_loss(policy, batch)
         loss.backward()
         norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item()
         opt.step()
         opt.zero_grad()
-        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k != "num_tokens"}
+        metrics = {k: float(v[-1]) for k, v in logged.items() if k != "num_tokens"}
         lines.append(json.dumps({"step": step + 1, "loss": loss.item(), "grad_norm": norm, **metrics}))
     name = os.path.join(args.out, run["name"])
     if run.get("adapter"):

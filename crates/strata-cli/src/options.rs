@@ -111,7 +111,8 @@ train_options! {
     /// Preference pairs (--data records of "prompt", "chosen" and "rejected"): the loss types,
     /// comma-separated, by TRL's DPO names — sigmoid (the default), hinge, ipo, exo_pair,
     /// nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down,
-    /// discopop, sft, sigmoid_norm; for unpaired records ("completion" and "label"), kto or
+    /// discopop, sft, sigmoid_norm; the reference-free cpo, simpo and orpo (TRL's CPOTrainer
+    /// and ORPOTrainer); for unpaired records ("completion" and "label"), kto or
     /// apo_zero_unpaired.
     preference_loss: String,
     /// Preference pairs: each loss type's weight, comma-separated (default 1 each).
@@ -133,6 +134,12 @@ train_options! {
     desirable_weight: f64,
     /// Unpaired preferences: the weight of undesirable completions' losses (default 1).
     undesirable_weight: f64,
+    /// Preference pairs under --preference-loss simpo: the target margin of the averaged
+    /// scores, over --beta (default 0.5).
+    simpo_gamma: f64,
+    /// Preference pairs under --preference-loss cpo or simpo: the weight of the chosen
+    /// completions' token loss (default 1 for cpo, 0 for simpo).
+    cpo_alpha: f64,
     /// Train the --model-dir decoder as a reward model on preference pairs, as TRL's
     /// RewardTrainer does: its language head gives way to a fresh score head of one output
     /// (a folder that is already a sequence classifier of one label is a reward model
@@ -362,6 +369,8 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         ("--f-alpha", o.f_alpha.is_some()),
         ("--desirable-weight", o.desirable_weight.is_some()),
         ("--undesirable-weight", o.undesirable_weight.is_some()),
+        ("--simpo-gamma", o.simpo_gamma.is_some()),
+        ("--cpo-alpha", o.cpo_alpha.is_some()),
     ];
     let flags = given.iter().filter(|(_, g)| *g).map(|(f, _)| *f).collect();
     let defaults = PreferenceConfig::default();
@@ -386,6 +395,8 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         f_divergence: FDivergence::parse(o.f_divergence.as_deref().unwrap_or("reverse_kl"), o.f_alpha.unwrap_or(0.5))?,
         desirable_weight: o.desirable_weight.unwrap_or(defaults.desirable_weight),
         undesirable_weight: o.undesirable_weight.unwrap_or(defaults.undesirable_weight),
+        simpo_gamma: o.simpo_gamma.unwrap_or(defaults.simpo_gamma),
+        cpo_alpha: o.cpo_alpha,
     };
     config.validate()?;
     Ok((config, flags))

@@ -60,9 +60,18 @@ pub enum PreferenceLoss {
     Kto,
     /// APO-zero on unpaired completions: desirable ones up, the others down.
     ApoZeroUnpaired,
+    /// CPO (TRL's `CPOTrainer`, `loss_type="sigmoid"`): DPO's sigmoid on the policy's own
+    /// summed scores, with no reference, plus `cpo_alpha` times the chosen rows' token loss.
+    Cpo,
+    /// SimPO (`CPOTrainer`, `loss_type="simpo"`): the sigmoid of the per-token averaged
+    /// scores' difference less the margin `simpo_gamma`, reference-free.
+    Simpo,
+    /// ORPO (TRL's `ORPOTrainer`): the chosen rows' token loss less β times the log-sigmoid
+    /// of the log odds ratio of the per-token averaged scores, reference-free.
+    Orpo,
 }
 
-const LOSSES: [(&str, PreferenceLoss); 17] = [
+const LOSSES: [(&str, PreferenceLoss); 20] = [
     ("sigmoid", PreferenceLoss::Sigmoid),
     ("hinge", PreferenceLoss::Hinge),
     ("ipo", PreferenceLoss::Ipo),
@@ -80,10 +89,13 @@ const LOSSES: [(&str, PreferenceLoss); 17] = [
     ("sigmoid_norm", PreferenceLoss::SigmoidNorm),
     ("kto", PreferenceLoss::Kto),
     ("apo_zero_unpaired", PreferenceLoss::ApoZeroUnpaired),
+    ("cpo", PreferenceLoss::Cpo),
+    ("simpo", PreferenceLoss::Simpo),
+    ("orpo", PreferenceLoss::Orpo),
 ];
 
 impl PreferenceLoss {
-    /// Every loss type, in TRL's order (DPO's, then KTO's).
+    /// Every loss type, in TRL's order (DPO's, then KTO's, then the reference-free ones).
     pub fn all() -> impl Iterator<Item = PreferenceLoss> {
         LOSSES.iter().map(|(_, l)| *l)
     }
@@ -91,6 +103,11 @@ impl PreferenceLoss {
     /// Whether the loss scores unpaired completions (KTO's trainer) rather than pairs.
     pub fn unpaired(self) -> bool {
         matches!(self, PreferenceLoss::Kto | PreferenceLoss::ApoZeroUnpaired)
+    }
+
+    /// Whether the loss scores the policy alone, with no reference (CPO, SimPO, ORPO).
+    pub fn reference_free(self) -> bool {
+        matches!(self, PreferenceLoss::Cpo | PreferenceLoss::Simpo | PreferenceLoss::Orpo)
     }
 
     /// TRL's name of the loss type.
@@ -176,6 +193,11 @@ pub struct PreferenceConfig {
     pub desirable_weight: f64,
     /// See `desirable_weight`.
     pub undesirable_weight: f64,
+    /// SimPO's target margin between the averaged scores, over β (TRL's `simpo_gamma`).
+    pub simpo_gamma: f64,
+    /// CPO and SimPO: the weight of the chosen rows' token loss (`None`: TRL's 1 for CPO,
+    /// 0 for SimPO, what its `cpo_alpha` is set to for SimPO proper).
+    pub cpo_alpha: Option<f64>,
 }
 
 impl Default for PreferenceConfig {
@@ -189,11 +211,18 @@ impl Default for PreferenceConfig {
             f_divergence: FDivergence::ReverseKl,
             desirable_weight: 1.0,
             undesirable_weight: 1.0,
+            simpo_gamma: 0.5,
+            cpo_alpha: None,
         }
     }
 }
 
 impl PreferenceConfig {
+    /// Whether the loss is reference-free (CPO, SimPO, ORPO): no reference is scored.
+    pub fn reference_free(&self) -> bool {
+        self.losses.iter().any(|(l, _)| l.reference_free())
+    }
+
     /// Refuses parameters the losses cannot take, in one line naming why.
     pub fn validate(&self) -> Result<()> {
         let bad = |why: String| Err(Error::Config(format!("preference loss: {why}")));
@@ -206,6 +235,14 @@ impl PreferenceConfig {
         let unpaired = self.losses.iter().filter(|(l, _)| l.unpaired()).count();
         if unpaired > 0 && self.losses.len() > 1 {
             return bad("kto and apo_zero_unpaired score unpaired completions: give one alone".into());
+        }
+        if self.reference_free() && self.losses.len() > 1 {
+            return bad("cpo, simpo and orpo score the policy with no reference: give one alone".into());
+        }
+        let weighs_token_loss =
+            self.losses.iter().any(|(l, _)| matches!(l, PreferenceLoss::Cpo | PreferenceLoss::Simpo));
+        if self.cpo_alpha.is_some() && !weighs_token_loss {
+            return bad("cpo_alpha weighs cpo's and simpo's token loss: the loss is neither".into());
         }
         if self.desirable_weight < 0.0 || self.undesirable_weight < 0.0 {
             return bad("the desirable and undesirable weights must not be negative".into());
@@ -245,9 +282,15 @@ enum Sum {
     Accurate,
     LogpsChosen,
     LogpsRejected,
+    /// The chosen rows' mean logits summed over the positions the metric reads, and how
+    /// many positions: the completions' (DPO's), or every position but the padding (CPO's
+    /// and ORPO's).
     LogitsChosen,
-    ChosenTokens,
+    LogitPositionsChosen,
     LogitsRejected,
+    LogitPositionsRejected,
+    /// Chosen and rejected completion tokens.
+    ChosenTokens,
     RejectedTokens,
     Entropy,
     EntropyTokens,
@@ -256,10 +299,17 @@ enum Sum {
     /// The KL estimates of unpaired micro-batches, and how many there were.
     Kl,
     KlBatches,
+    /// Reference-free micro-batches: the chosen rows' token losses, ORPO's mean
+    /// log-sigmoid of the log odds ratio and mean log odds ratio, and how many there were.
+    Nll,
+    LogOddsRatio,
+    LogOddsChosen,
+    FreeBatches,
+    OddsBatches,
 }
 
 impl Tally {
-    const LEN: usize = Sum::KlBatches as usize + 1;
+    const LEN: usize = Sum::OddsBatches as usize + 1;
 
     fn get(&self, s: Sum) -> f64 {
         self.0[s as usize]
@@ -283,11 +333,14 @@ impl Tally {
             rewards_margins: rewards_chosen - rewards_rejected,
             logps_chosen: over(Sum::LogpsChosen, Sum::Chosen),
             logps_rejected: over(Sum::LogpsRejected, Sum::Rejected),
-            logits_chosen: over(Sum::LogitsChosen, Sum::ChosenTokens),
-            logits_rejected: over(Sum::LogitsRejected, Sum::RejectedTokens),
+            logits_chosen: over(Sum::LogitsChosen, Sum::LogitPositionsChosen),
+            logits_rejected: over(Sum::LogitsRejected, Sum::LogitPositionsRejected),
             entropy: over(Sum::Entropy, Sum::EntropyTokens),
             mean_token_accuracy: (!unpaired).then(|| over(Sum::Top1, Sum::ChosenTokens)),
             kl: unpaired.then(|| over(Sum::Kl, Sum::KlBatches)),
+            nll_loss: (self.get(Sum::FreeBatches) > 0.0).then(|| over(Sum::Nll, Sum::FreeBatches)),
+            log_odds_ratio: (self.get(Sum::OddsBatches) > 0.0).then(|| over(Sum::LogOddsRatio, Sum::OddsBatches)),
+            log_odds_chosen: (self.get(Sum::OddsBatches) > 0.0).then(|| over(Sum::LogOddsChosen, Sum::OddsBatches)),
         }
     }
 }
@@ -329,6 +382,16 @@ pub struct PreferenceMetrics {
     /// log-ratio of the mismatched completions, clamped at 0.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl: Option<f64>,
+    /// Reference-free losses (CPO, SimPO, ORPO): the mean over micro-batches of the chosen
+    /// completions' mean token loss.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nll_loss: Option<f64>,
+    /// ORPO: the mean log-sigmoid of the log odds ratio of chosen over rejected.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_odds_ratio: Option<f64>,
+    /// ORPO: the mean log odds ratio of chosen over rejected.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_odds_chosen: Option<f64>,
 }
 
 /// Each row's next-token log-probabilities where its target is learned (0 elsewhere), in
@@ -427,6 +490,22 @@ impl PreferenceObjective {
         }
         let targets = batch.targets.f_to_device(logits.device())?;
         let (per_token, mask, log_softmax) = token_log_probs(logits, &targets)?;
+        if self.config.reference_free() {
+            // ORPO's token loss reads the chosen rows whole, prompt and completion (TRL's).
+            let nll = match self.config.losses.first() {
+                Some((PreferenceLoss::Orpo, _)) => chosen_row_loss(&log_softmax, batch)?,
+                _ => chosen_token_loss(&per_token, &mask)?,
+            };
+            let (loss, scores, mut extras) = self.reference_free(&per_token, &mask, &nll)?;
+            let positions = match &batch.padding {
+                Some(p) => p.f_to_device(mask.device())?.f_logical_not()?.f_to_kind(mask.kind())?,
+                None => mask.f_ones_like()?,
+            };
+            extras.logit_positions = Some(positions);
+            let sides = Sides::paired(rows, logits.device())?;
+            self.record(logits, &targets, (&mask, &log_softmax), &sides, (&scores, &scores), extras)?;
+            return Ok(loss);
+        }
         let logps = per_token.f_sum_dim_intlist(1, false, per_token.kind())?;
         let reference = match &batch.reference {
             Some(r) => r.f_to_device(logps.device())?.f_to_kind(logps.kind())?,
@@ -447,13 +526,14 @@ impl PreferenceObjective {
             lengths: &lengths,
             per_token: &per_token,
             mask: &mask,
-            log_softmax: &log_softmax,
         };
         let ratios = logps.f_sub(&reference)?;
         if let Some(desirable) = &batch.desirable {
             let desirable = desirable.f_to_device(logps.device())?;
             let (loss, kl) = self.unpaired(&pair, &desirable)?;
-            self.record(logits, &targets, &pair, &Sides::unpaired(&desirable)?, (&logps, &ratios), Some(kl))?;
+            let extras = Extras { kl: Some(kl), ..Extras::default() };
+            let sides = Sides::unpaired(&desirable)?;
+            self.record(logits, &targets, (&mask, &log_softmax), &sides, (&logps, &ratios), extras)?;
             return Ok(loss);
         }
         let mut total: Option<Tensor> = None;
@@ -464,7 +544,8 @@ impl PreferenceObjective {
                 None => term,
             });
         }
-        self.record(logits, &targets, &pair, &Sides::paired(rows, logits.device())?, (&logps, &ratios), None)?;
+        let sides = Sides::paired(rows, logits.device())?;
+        self.record(logits, &targets, (&mask, &log_softmax), &sides, (&logps, &ratios), Extras::default())?;
         total.ok_or_else(|| Error::Config("preference loss: no loss type given".into()))
     }
 
@@ -568,17 +649,12 @@ impl PreferenceObjective {
                 let keep = modulation.f_neg()?.f_add_scalar(1.0)?;
                 logistic.f_mul(&keep)?.f_add(&exponential.f_mul(&modulation)?)?
             }
-            Sft => {
-                // The chosen rows' mean token loss, the same for every pair.
-                let (chosen_tokens, _) = halves(s.per_token)?;
-                let (chosen_mask, _) = halves(s.mask)?;
-                let loss = chosen_tokens
-                    .f_sum(chosen_tokens.kind())?
-                    .f_neg()?
-                    .f_div(&chosen_mask.f_sum(chosen_mask.kind())?)?;
-                loss.f_expand([s.chosen.size()[0]], false)?
-            }
+            // The chosen rows' mean token loss, the same for every pair.
+            Sft => chosen_token_loss(s.per_token, s.mask)?.f_expand([s.chosen.size()[0]], false)?,
             SigmoidNorm => logsig(&per_token_delta()?.f_mul_scalar(beta)?)?.f_neg()?,
+            Cpo | Simpo | Orpo => {
+                return Err(Error::Config(format!("{} scores the policy with no reference", kind.name())))
+            }
             Kto | ApoZeroUnpaired => {
                 return Err(Error::Config(format!(
                     "{} scores unpaired completions (records of \"completion\" and \"label\"), not pairs",
@@ -588,17 +664,64 @@ impl PreferenceObjective {
         })
     }
 
+    /// A reference-free loss (CPO, SimPO, ORPO) of a micro-batch of pairs from its
+    /// per-token log-probabilities and learned positions and the chosen rows' token loss
+    /// `nll`; the scores its rewards are β times (each row's summed log-probability for
+    /// CPO, else the per-token average); and the metrics it adds.
+    fn reference_free(&self, per_token: &Tensor, mask: &Tensor, nll: &Tensor) -> Result<(Tensor, Tensor, Extras)> {
+        let PreferenceConfig { beta, label_smoothing: eps, simpo_gamma, cpo_alpha, .. } = self.config;
+        let kind = self.config.losses.first().map_or(PreferenceLoss::Cpo, |(k, _)| *k);
+        let sums = per_token.f_sum_dim_intlist(1, false, per_token.kind())?;
+        let lengths = mask.f_sum_dim_intlist(1, false, mask.kind())?.f_clamp_min(1.0)?;
+        let scores = match kind {
+            PreferenceLoss::Cpo => sums,
+            _ => sums.f_div(&lengths)?,
+        };
+        let (chosen, rejected) = halves(&scores)?;
+        let smoothed = |d: &Tensor| -> Result<Tensor> {
+            let bd = d.f_mul_scalar(beta)?;
+            let clean = bd.f_log_sigmoid()?.f_mul_scalar(-(1.0 - eps))?;
+            Ok(clean.f_sub(&bd.f_neg()?.f_log_sigmoid()?.f_mul_scalar(eps)?)?.f_mean(d.kind())?)
+        };
+        let value = |t: &Tensor| -> Result<f64> { Ok(t.f_detach()?.f_double_value(&[])?) };
+        let gap = chosen.f_sub(&rejected)?;
+        let with_nll = |loss: Tensor, default_alpha: f64| -> Result<(Tensor, f64)> {
+            // TRL reports a token loss of 0 where its weight is 0.
+            match cpo_alpha.unwrap_or(default_alpha) {
+                0.0 => Ok((loss, 0.0)),
+                alpha => Ok((loss.f_add(&nll.f_mul_scalar(alpha)?)?, value(nll)?)),
+            }
+        };
+        let (loss, nll_value, log_odds) = match kind {
+            PreferenceLoss::Simpo => {
+                let (loss, nll) = with_nll(smoothed(&gap.f_sub_scalar(simpo_gamma / beta)?)?, 0.0)?;
+                (loss, nll, None)
+            }
+            PreferenceLoss::Orpo => {
+                let odds = gap.f_sub(&log1mexp(&chosen)?.f_sub(&log1mexp(&rejected)?)?)?;
+                let ratio = odds.f_log_sigmoid()?.f_mean(odds.kind())?;
+                let loss = nll.f_sub(&ratio.f_mul_scalar(beta)?)?;
+                (loss, value(nll)?, Some((value(&ratio)?, value(&odds.f_mean(odds.kind())?)?)))
+            }
+            _ => {
+                let (loss, nll) = with_nll(smoothed(&gap)?, 1.0)?;
+                (loss, nll, None)
+            }
+        };
+        Ok((loss, scores, Extras { nll: Some(nll_value), log_odds, ..Extras::default() }))
+    }
+
     /// Adds the micro-batch's sums to the tally (nothing here takes a gradient): the rows
-    /// `sides` names, each row's score and log-ratio in `scores`, the KL estimate of an
-    /// unpaired micro-batch.
+    /// `sides` names, their learned positions and log-softmax, each row's score and reward
+    /// (over β) in `scores`, and what `extras` adds.
     fn record(
         &self,
         logits: &Tensor,
         targets: &Tensor,
-        s: &PairScores,
+        (mask, log_softmax): (&Tensor, &Tensor),
         sides: &Sides,
         (logps, ratios): (&Tensor, &Tensor),
-        kl: Option<f64>,
+        extras: Extras,
     ) -> Result<()> {
         let _guard = tch::no_grad_guard();
         let value = |t: &Tensor| -> Result<f64> {
@@ -606,10 +729,14 @@ impl PreferenceObjective {
         };
         let picked = |t: &Tensor, rows: &Tensor| -> Result<f64> { value(&t.f_index_select(0, rows)?) };
         let logits = logits.f_detach()?.f_to_kind(Kind::Float)?;
-        let mask = s.mask;
-        let per_row = |t: Tensor| -> Result<Tensor> { Ok(t.f_mul(mask)?.f_sum_dim_intlist(1, false, Kind::Float)?) };
-        let mean_logits = per_row(logits.f_mean_dim(-1, false, Kind::Float)?)?;
-        let log_p = s.log_softmax.f_detach()?.f_to_kind(Kind::Float)?;
+        let over = |t: &Tensor, mask: &Tensor| -> Result<Tensor> {
+            Ok(t.f_mul(mask)?.f_sum_dim_intlist(1, false, Kind::Float)?)
+        };
+        let per_row = |t: Tensor| over(&t, mask);
+        let logit_mask = extras.logit_positions.as_ref().unwrap_or(mask);
+        let mean_logits = over(&logits.f_mean_dim(-1, false, Kind::Float)?, logit_mask)?;
+        let logit_positions = logit_mask.f_sum_dim_intlist(1, false, Kind::Float)?;
+        let log_p = log_softmax.f_detach()?.f_to_kind(Kind::Float)?;
         let entropy = per_row(log_p.f_exp()?.f_mul(&log_p)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_neg()?)?;
         let top1 = per_row(logits.f_argmax(-1, false)?.f_eq_tensor(targets)?.f_to_kind(Kind::Float)?)?;
         let tokens = mask.f_sum_dim_intlist(1, false, Kind::Float)?;
@@ -623,13 +750,24 @@ impl PreferenceObjective {
         set(Sum::LogpsChosen, picked(logps, &sides.chosen)?);
         set(Sum::LogpsRejected, picked(logps, &sides.rejected)?);
         set(Sum::LogitsChosen, picked(&mean_logits, &sides.chosen)?);
-        set(Sum::ChosenTokens, picked(&tokens, &sides.chosen)?);
+        set(Sum::LogitPositionsChosen, picked(&logit_positions, &sides.chosen)?);
         set(Sum::LogitsRejected, picked(&mean_logits, &sides.rejected)?);
+        set(Sum::LogitPositionsRejected, picked(&logit_positions, &sides.rejected)?);
+        set(Sum::ChosenTokens, picked(&tokens, &sides.chosen)?);
         set(Sum::RejectedTokens, picked(&tokens, &sides.rejected)?);
         set(Sum::Entropy, picked(&entropy, &sides.scored)?);
         set(Sum::EntropyTokens, picked(&tokens, &sides.scored)?);
         set(Sum::Top1, picked(&top1, &sides.chosen)?);
-        match kl {
+        if let Some(nll) = extras.nll {
+            set(Sum::Nll, nll);
+            set(Sum::FreeBatches, 1.0);
+        }
+        if let Some((ratio, odds)) = extras.log_odds {
+            set(Sum::LogOddsRatio, ratio);
+            set(Sum::LogOddsChosen, odds);
+            set(Sum::OddsBatches, 1.0);
+        }
+        match extras.kl {
             Some(kl) => {
                 set(Sum::Kl, kl);
                 set(Sum::KlBatches, 1.0);
@@ -643,6 +781,48 @@ impl PreferenceObjective {
         self.tally.lock().unwrap_or_else(|e| e.into_inner()).add(&tally);
         Ok(())
     }
+}
+
+/// What a micro-batch adds to its metrics beyond its rows' scores.
+#[derive(Default)]
+struct Extras {
+    /// Unpaired completions: the KL estimate.
+    kl: Option<f64>,
+    /// Reference-free losses: the chosen rows' token loss (0 where it is not weighed in).
+    nll: Option<f64>,
+    /// ORPO: the mean log-sigmoid of the log odds ratio, and the mean log odds ratio.
+    log_odds: Option<(f64, f64)>,
+    /// The positions the mean logits read where not the completions' (CPO's and ORPO's:
+    /// every position of a row but its padding), as a float mask.
+    logit_positions: Option<Tensor>,
+}
+
+/// The chosen rows' (the first half's) mean next-token loss over their learned positions.
+fn chosen_token_loss(per_token: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let (tokens, _) = halves(per_token)?;
+    let (learned, _) = halves(mask)?;
+    Ok(tokens.f_sum(tokens.kind())?.f_neg()?.f_div(&learned.f_sum(learned.kind())?)?)
+}
+
+/// The chosen rows' mean next-token loss over every position whose next token is not
+/// padding, prompt included, from the rows' log-softmax `[rows, ctx, V]`.
+fn chosen_row_loss(log_softmax: &Tensor, batch: &Batch) -> Result<Tensor> {
+    let (rows, ctx) = (log_softmax.size()[0], log_softmax.size()[1]);
+    let device = log_softmax.device();
+    let next = batch.inputs.f_to_device(device)?.f_narrow(1, 1, ctx - 1)?;
+    let picked = log_softmax.f_narrow(1, 0, ctx - 1)?.f_gather(-1, &next.f_unsqueeze(-1)?, false)?.f_squeeze_dim(-1)?;
+    let real = match &batch.padding {
+        Some(p) => p.f_to_device(device)?.f_narrow(1, 1, ctx - 1)?.f_logical_not()?,
+        None => Tensor::f_ones([rows, ctx - 1], (Kind::Bool, device))?,
+    };
+    chosen_token_loss(&picked.f_mul(&real.f_to_kind(picked.kind())?)?, &real.f_to_kind(picked.kind())?)
+}
+
+/// `log(1 - exp(x))` for `x < 0`, computed on whichever side of `-ln 2` keeps its precision.
+fn log1mexp(x: &Tensor) -> Result<Tensor> {
+    let far = x.f_exp()?.f_neg()?.f_log1p()?;
+    let near = x.f_expm1()?.f_neg()?.f_log()?;
+    Ok(far.f_where_self(&x.f_lt(-std::f64::consts::LN_2)?, &near)?)
 }
 
 /// The rows a micro-batch's metrics read as chosen and as rejected, and the rows whose
@@ -685,8 +865,6 @@ struct PairScores<'a> {
     lengths: &'a Tensor,
     per_token: &'a Tensor,
     mask: &'a Tensor,
-    /// The log-softmax the per-token values were picked from.
-    log_softmax: &'a Tensor,
 }
 
 /// The chosen rows (the first half) and the rejected ones.

@@ -659,8 +659,11 @@ pub fn train(
     let rows = LoaderConfig::new(config.batching.clone()).micro_batch_rows()?;
     let with_reference = |set: &Arc<Dataset>, trainer: &mut Trainer| -> Result<Arc<Dataset>> {
         match preference.as_ref() {
-            Some(p) => attach_reference(trainer, set, &config, rows, p.vocabulary_split()),
-            None => Ok(set.clone()),
+            // Reference-free losses (CPO, SimPO, ORPO) read no reference scores.
+            Some(p) if !p.config().reference_free() => {
+                attach_reference(trainer, set, &config, rows, p.vocabulary_split())
+            }
+            _ => Ok(set.clone()),
         }
     };
     let data = &Data {
