@@ -89,8 +89,8 @@ fn names(module: &str, target: &str) -> bool {
     module == target || module.strip_suffix(target).is_some_and(|head| head.ends_with('.'))
 }
 
-/// The heads peft keeps whole in every sequence classifier's adapter (`modules_to_save`),
-/// whichever of them the model has: a name of these that matches nothing is not an error.
+/// The heads peft names together among every sequence classifier's `modules_to_save`,
+/// whichever of them the model has: named together, one of them may match nothing.
 const CLASSIFIER_HEADS: [&str; 2] = ["classifier", "score"];
 
 impl LoraConfig {
@@ -252,15 +252,19 @@ impl LoraConfig {
 
     /// Joins an adapter to every targeted linear layer of `spec` and freezes every other
     /// parameter but those of `modules_to_save` (a name matching no module is an error, but
-    /// for [`CLASSIFIER_HEADS`]).
+    /// for one of [`CLASSIFIER_HEADS`] named together).
     /// `A` draws as `nn.Linear` would for its input width and `B` starts at zero, so the
     /// model computes what it did before training.
     pub fn apply(&self, spec: &mut ModelSpec) -> Result<()> {
         self.validate()?;
         let targets = self.targets(spec)?;
+        let present = |name: &str| spec.params.iter().any(|p| names(module_of(&p.name), name));
+        // peft names both classifier heads; one of them is the model's.
+        let both_heads = CLASSIFIER_HEADS.iter().all(|h| self.modules_to_save.iter().any(|m| m == h));
+        let a_head_present = CLASSIFIER_HEADS.iter().any(|h| present(h));
         for name in &self.modules_to_save {
-            let head = CLASSIFIER_HEADS.contains(&name.as_str());
-            if !head && !spec.params.iter().any(|p| names(module_of(&p.name), name)) {
+            let head = both_heads && a_head_present && CLASSIFIER_HEADS.contains(&name.as_str());
+            if !head && !present(name) {
                 return Err(Error::Config(format!("lora: modules_to_save {name:?} names no module of this model")));
             }
         }
