@@ -6,7 +6,8 @@
 //! the policy's scores with a reference's. The reference is the model as training starts
 //! (for LoRA, the base with its fresh adapters, which change nothing yet): its scores are
 //! computed once before the first step ([`reference_recorder`]) and ride with the batches,
-//! so no second copy of the model is held.
+//! so no second copy of the model is held. The reference-free CPO, SimPO and ORPO (TRL's
+//! `CPOTrainer` and `ORPOTrainer`) score the policy alone.
 //!
 //! Owns: the loss types, their parameters and validation, the per-pair arithmetic, and the
 //! step's metrics. Must not read records (`data::PreferenceSet` does) nor run the model: it
