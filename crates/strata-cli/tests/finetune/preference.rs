@@ -306,14 +306,15 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
 /// How far Strata's `key` at `step` (from 1) may be from TRL's `want`, in TRL's report `b`.
 /// Everything within 1e-5 relative (of 0.1 for smaller values) except: the rewards, β times
 /// a difference of two sums of fp32 log-probabilities of tens each, whose rounding alone is
-/// about 1e-7 of them (so within 1e-6 of β·|logps|, beside 1e-5 relative), and KTO's KL
+/// about 1e-7 of them (so within 1e-6 of β·|logps|, beside 1e-5 relative), the loss, a
+/// function of that difference (hinge's `1 − βΔ` keeps its rounding whole near 0), and KTO's KL
 /// estimate, a mean of such differences (within 1e-6 of |logps|); and the gradient
 /// norm after the first step, which the trajectory's rounding moves (within 1e-4; the first
 /// step's, from the same weights, within 1e-5, and the final weights within 1e-5 below).
 fn tolerance(key: &str, step: usize, want: f64, b: &Value, beta: f64) -> f64 {
     let relative = 1e-5 * want.abs().max(0.1);
     match key {
-        k if k.starts_with("rewards/") && k != "rewards/accuracies" || k == "kl" => {
+        k if k.starts_with("rewards/") && k != "rewards/accuracies" || k == "kl" || k == "loss" => {
             let logps =
                 b["logps/chosen"].as_f64().unwrap_or(0.0).abs() + b["logps/rejected"].as_f64().unwrap_or(0.0).abs();
             relative + 1e-6 * if k == "kl" { 1.0 } else { beta } * logps
