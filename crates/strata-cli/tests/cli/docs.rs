@@ -141,10 +141,11 @@ fn sources() -> Vec<std::path::PathBuf> {
 }
 
 /// Upper-case names in the code that are not environment variables.
-const NOT_VARIABLES: [&str; 10] = [
+const NOT_VARIABLES: [&str; 11] = [
     "BACKWARD_POST",
     "BACKWARD_PRE",
     "CAUSAL_LM",
+    "SEQ_CLS",
     "FULL_SHARD",
     "HALF_SHARD",
     "HYBRID_SHARD",

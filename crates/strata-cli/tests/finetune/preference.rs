@@ -237,6 +237,34 @@ fn reference(py: &Path) -> PathBuf {
     })
 }
 
+/// The flags of a `strata train` run that steps as the TRL reference does: `steps` steps at
+/// learning rate `lr` on the batches of `offsets` (4 records each, rows of at most 64
+/// tokens), AdamW with neither decay nor clipping, one thread, the metrics to `metrics`.
+pub(super) fn steps_as_trl<'a>(steps: &'a str, lr: &'a str, offsets: &'a Path, metrics: &'a Path) -> [&'a str; 20] {
+    [
+        "--ctx",
+        "64",
+        "--batch-size",
+        "4",
+        "--steps",
+        steps,
+        "--lr",
+        lr,
+        "--weight-decay",
+        "0",
+        "--grad-clip",
+        "1e9",
+        "--schedule",
+        "constant",
+        "--threads",
+        "1",
+        "--batch-offsets",
+        s(offsets),
+        "--metrics",
+        s(metrics),
+    ]
+}
+
 /// The case on Strata: its metrics file and its saved weights (the adapter's, for LoRA).
 fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
     let out = dir.join("strata").join(c.name);
@@ -247,32 +275,9 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
     let undesirable = c.undesirable_weight.to_string();
     let (beta, smoothing) = (c.beta.to_string(), c.smoothing.to_string());
     let (model, offsets) = (dir.join("model"), dir.join("offsets.json"));
-    let mut args = vec![
-        "train",
-        "--model-dir",
-        s(&model),
-        "--data",
-        s(&pairs),
-        "--ctx",
-        "64",
-        "--batch-size",
-        "4",
-        "--steps",
-        "10",
-        "--lr",
-        "1e-3",
-        "--weight-decay",
-        "0",
-        "--grad-clip",
-        "1e9",
-        "--schedule",
-        "constant",
-        "--threads",
-        "1",
-        "--batch-offsets",
-        s(&offsets),
-        "--metrics",
-        s(&metrics),
+    let mut args = vec!["train", "--model-dir", s(&model), "--data", s(&pairs)];
+    args.extend(steps_as_trl("10", "1e-3", &offsets, &metrics));
+    args.extend([
         "--preference-loss",
         c.loss,
         "--beta",
@@ -281,7 +286,7 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
         &smoothing,
         "--f-divergence",
         c.f_divergence,
-    ];
+    ]);
     if let Some(w) = c.weights {
         args.extend(["--preference-loss-weights", w]);
     }

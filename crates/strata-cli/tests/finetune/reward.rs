@@ -5,7 +5,7 @@
 //! stages over two ranks — each of 10
 //! steps' loss, gradient norm and TRL's metrics, and the weights the steps end with; and a
 //! causal folder turned into a reward model, saved as a folder `transformers` reads back.
-use super::preference::{python, s, said, sums, write_lines};
+use super::preference::{python, s, said, steps_as_trl, sums, write_lines};
 use crate::common::{self, reports, stderr, strata};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -118,33 +118,8 @@ fn train(dir: &Path, model: &Path, records: &str, out: &Path, steps: usize, lr: 
     std::fs::create_dir_all(out).unwrap();
     let (metrics, saved) = (out.join("metrics.jsonl"), out.join("saved"));
     let (pairs, offsets, steps) = (dir.join(records), dir.join("offsets.json"), steps.to_string());
-    let mut args = vec![
-        "train",
-        "--model-dir",
-        s(model),
-        "--data",
-        s(&pairs),
-        "--ctx",
-        "64",
-        "--batch-size",
-        "4",
-        "--steps",
-        &steps,
-        "--lr",
-        lr,
-        "--weight-decay",
-        "0",
-        "--grad-clip",
-        "1e9",
-        "--schedule",
-        "constant",
-        "--threads",
-        "1",
-        "--batch-offsets",
-        s(&offsets),
-        "--metrics",
-        s(&metrics),
-    ];
+    let mut args = vec!["train", "--model-dir", s(model), "--data", s(&pairs)];
+    args.extend(steps_as_trl(&steps, lr, &offsets, &metrics));
     if !flags.contains(&"--save-adapter-dir") {
         args.extend(["--save-model-dir", s(&saved)]);
     }
