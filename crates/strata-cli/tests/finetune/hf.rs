@@ -399,7 +399,11 @@ fn context_parallel_trains_the_attention_kinds_as_one_process() {
         for (name, ranks, strategy) in layouts {
             let run =
                 common::train_run(dir.path(), name, 10, &[&files, &flags, &["--nproc", ranks, "--strategy", strategy]]);
-            common::assert_follows(&one, &run, &format!("{family} {name}"), 1e-5, 1e-5);
+            // DeepSeek's routing picks groups and experts by thresholds a summation order can
+            // move across near a tie; its weights get five times the others' room (measured
+            // 2.3e-5 under the ring on some CPUs, the others within 2.2e-6).
+            let weights = if family == "deepseek-v3" { 5e-5 } else { 1e-5 };
+            common::assert_follows(&one, &run, &format!("{family} {name}"), 1e-5, weights);
             state_bytes.insert(name, common::reports(&run.1)[9]["model_state_peak_bytes"].as_u64().unwrap());
         }
         if family == "llama3" {
