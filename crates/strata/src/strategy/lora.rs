@@ -252,7 +252,7 @@ impl LoraConfig {
 
     /// Joins an adapter to every targeted linear layer of `spec` and freezes every other
     /// parameter but those of `modules_to_save` (a name matching no module is an error, but
-    /// for one of [`CLASSIFIER_HEADS`] named together).
+    /// for one of peft's classifier heads, `classifier` and `score`, named together).
     /// `A` draws as `nn.Linear` would for its input width and `B` starts at zero, so the
     /// model computes what it did before training.
     pub fn apply(&self, spec: &mut ModelSpec) -> Result<()> {
