@@ -347,6 +347,9 @@ fn chat_prompt(args: &GenerateArgs, loaded: &Loaded) -> Result<(Vec<u32>, Option
 
 pub fn run_generate(args: GenerateArgs) -> Result<()> {
     let mut loaded = args.source.load()?;
+    if matches!(&loaded.config, ModelConfig::Llama(c) if c.head == strata::model::DecoderHead::Reward) {
+        bail!("the model is a reward model (a sequence classifier): it scores texts, it does not write them");
+    }
     if args.chat && matches!(loaded.config, ModelConfig::T5(_)) {
         bail!("--chat renders a conversation for a decoder; an encoder-decoder reads the prompt as its source");
     }

@@ -233,4 +233,6 @@ fn reward_flags_that_cannot_apply_are_refused() {
     common::assert_fails_with(&o, "--center-rewards-coefficient scores a reward model's pairs");
     let o = strata(&[&base[..], &["--model-dir", s(&reward), "--data", s(&text)]].concat());
     common::assert_fails_with(&o, "a reward model trains on preference pairs");
+    let o = strata(&["generate", "--model-dir", s(&reward), "--prompt", "What is", "--max-new-tokens", "4"]);
+    common::assert_fails_with(&o, "it scores texts, it does not write them");
 }
