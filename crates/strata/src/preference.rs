@@ -585,10 +585,7 @@ impl PreferenceObjective {
         let rejected_score = f_divergence.score(s.rejected_ratio)?;
         let delta = chosen_score.f_sub(&rejected_score)?;
         let logsig = |t: &Tensor| -> Result<Tensor> { Ok(t.f_log_sigmoid()?) };
-        let smoothed = |d: &Tensor| -> Result<Tensor> {
-            let bd = d.f_mul_scalar(beta)?;
-            Ok(logsig(&bd)?.f_mul_scalar(-(1.0 - eps))?.f_sub(&logsig(&bd.f_neg()?)?.f_mul_scalar(eps)?)?)
-        };
+        let smoothed = |d: &Tensor| smoothed_sigmoid(d, beta, eps);
         let (chosen_len, rejected_len) = halves(s.lengths)?;
         let per_token_delta = || -> Result<Tensor> {
             let c = chosen_score.f_div(&chosen_len.f_clamp_min(1.0)?)?;
@@ -679,11 +676,7 @@ impl PreferenceObjective {
             _ => sums.f_div(&lengths)?,
         };
         let (chosen, rejected) = halves(&scores)?;
-        let smoothed = |d: &Tensor| -> Result<Tensor> {
-            let bd = d.f_mul_scalar(beta)?;
-            let clean = bd.f_log_sigmoid()?.f_mul_scalar(-(1.0 - eps))?;
-            Ok(clean.f_sub(&bd.f_neg()?.f_log_sigmoid()?.f_mul_scalar(eps)?)?.f_mean(d.kind())?)
-        };
+        let smoothed = |d: &Tensor| -> Result<Tensor> { Ok(smoothed_sigmoid(d, beta, eps)?.f_mean(d.kind())?) };
         let value = |t: &Tensor| -> Result<f64> { Ok(t.f_detach()?.f_double_value(&[])?) };
         let gap = chosen.f_sub(&rejected)?;
         let with_nll = |loss: Tensor, default_alpha: f64| -> Result<(Tensor, f64)> {
@@ -796,6 +789,14 @@ struct Extras {
     /// The positions the mean logits read where not the completions' (CPO's and ORPO's:
     /// every position of a row but its padding), as a float mask.
     logit_positions: Option<Tensor>,
+}
+
+/// DPO's sigmoid loss of `β·d` under a label-flip rate `eps`, elementwise:
+/// `-(1 - eps)·log σ(β·d) - eps·log σ(-β·d)` (AOT's, CPO's and SimPO's too).
+fn smoothed_sigmoid(d: &Tensor, beta: f64, eps: f64) -> Result<Tensor> {
+    let bd = d.f_mul_scalar(beta)?;
+    let clean = bd.f_log_sigmoid()?.f_mul_scalar(-(1.0 - eps))?;
+    Ok(clean.f_sub(&bd.f_neg()?.f_log_sigmoid()?.f_mul_scalar(eps)?)?)
 }
 
 /// The chosen rows' (the first half's) mean next-token loss over their learned positions.
