@@ -17,6 +17,8 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
             token rows with their token types, attention mask and labels;
             every training command drops out with Strata's masks (see strata_dropout);
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
+  generate-bench  times generate(do_sample=False) on a batch of prompts of one length, the
+            best of some rounds, and prints its seconds and the ids it appended;
   seq2seq   writes the logits of a T5 folder's model for padded source rows with their
             attention mask and target labels (-100: none; the decoder's input is the labels
             shifted right), and its loss, to a safetensors file;
@@ -45,6 +47,7 @@ import io
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -246,6 +249,12 @@ def build(family, seed):
         cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB,
                             bos_token_id=1, eos_token_id=2)
         return tf.GPT2LMHeadModel(cfg)
+    if family == "llama-bench":
+        # Large enough that decoding is the models' work rather than the loop's.
+        cfg = tf.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                             num_key_value_heads=4, max_position_embeddings=512, vocab_size=VOCAB,
+                             rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+        return tf.LlamaForCausalLM(cfg)
     if family == "llama":
         cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB,
@@ -579,6 +588,12 @@ def main(argv=None):
     gen.add_argument("--dir", required=True)
     gen.add_argument("--prompt", required=True, help="JSON list of token ids")
     gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen_bench = sub.add_parser("generate-bench")
+    gen_bench.add_argument("--dir", required=True)
+    gen_bench.add_argument("--prompts", required=True, help="JSON rows of token ids, all of one length")
+    gen_bench.add_argument("--max-new-tokens", type=int, required=True)
+    gen_bench.add_argument("--rounds", type=int, default=3)
+    gen_bench.add_argument("--threads", type=int)
     s2s = sub.add_parser("seq2seq")
     s2s.add_argument("--dir", required=True)
     s2s.add_argument("--batch", required=True, help="JSON {sources, mask, labels}")
@@ -630,6 +645,7 @@ def main(argv=None):
             unigram_tokenizer_json(f"{args.out}/tokenizer.json")
         else:
             tokenizer_json(f"{args.out}/tokenizer.json")
+        print(json.dumps({"folder": args.out}))
     elif args.command == "logits":
         model = with_adapter(load(args.dir), args.adapter)
         tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
@@ -672,6 +688,23 @@ def main(argv=None):
             out = model.generate(prompt, do_sample=False, max_new_tokens=args.max_new_tokens,
                                  attention_mask=torch.ones_like(prompt), pad_token_id=0)
         print(json.dumps(out[0, prompt.shape[1]:].tolist()))
+    elif args.command == "generate-bench":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        import transformers as tf
+        # transformers' default attention (SDPA), as its users decode.
+        model = tf.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32)
+        model.eval()
+        model.generation_config.eos_token_id = None
+        prompts = torch.tensor(json.loads(args.prompts), dtype=torch.long)
+        best = float("inf")
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(prompts, do_sample=False, max_new_tokens=args.max_new_tokens,
+                                     attention_mask=torch.ones_like(prompts), pad_token_id=0)
+            best = min(best, time.perf_counter() - start)
+        print(json.dumps({"seconds": best, "tokens": out[:, prompts.shape[1]:].tolist()}))
     elif args.command == "seq2seq":
         model = load_seq2seq(args.dir)
         model.eval()

@@ -7,6 +7,7 @@ mod bench;
 mod bench_comm;
 mod bench_dist;
 mod bench_estimate;
+mod bench_generate;
 mod bench_gpu;
 mod bench_methods;
 mod bench_moe;
@@ -175,6 +176,9 @@ enum BenchCommand {
     /// strata tokenize against tokenizers' batch encoding in Python on the same text, pieces
     /// and tokenizer: MB/s, tokens/s, the ratio, and a check of equal ids.
     Tokenize(bench_tokenize::BenchTokenizeArgs),
+    /// Batched greedy decoding against transformers' generate on the same LLaMA folder and
+    /// prompts: tokens/s, the ratio, one prompt at a time beside them.
+    Generate(bench_generate::BenchGenerateArgs),
     /// The memory estimate of `strata estimate` against the allocator's peak of real runs
     /// over families, sizes, layouts and 1–4 ranks: each error, their median, the worst.
     Estimate(bench_estimate::BenchEstimateArgs),
@@ -285,6 +289,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Offload(a) } => bench_offload::run(a),
         Command::Bench { which: BenchCommand::Tokenize(a) } => bench_tokenize::run(a),
         Command::Bench { which: BenchCommand::Estimate(a) } => bench_estimate::run(a),
+        Command::Bench { which: BenchCommand::Generate(a) } => bench_generate::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
         Command::Profile { which } => profile_cmd::run(which),
         Command::Plot(a) => profile_cmd::plot_metrics(a),

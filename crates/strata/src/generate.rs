@@ -6,6 +6,7 @@
 use crate::engine::{with_seed, Engine};
 use crate::model::{DecodeCache, RowLayout};
 use crate::{Error, Result};
+use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
 /// How tokens are chosen and when generation stops.
@@ -69,50 +70,95 @@ pub fn generate(
     config: &GenerateConfig,
     context: Option<i64>,
 ) -> Result<Vec<i64>> {
+    let mut all = generate_batch(engine, std::slice::from_ref(&prompt.to_vec()), config, context)?;
+    Ok(all.pop().unwrap_or_default())
+}
+
+/// The continuations of several prompts, in their order, decoded together: prompts of the
+/// same length share one batch (their rows of the key/value cache then line up, so no row
+/// is padded and each row's tokens are those it would get alone), and a batch decodes until
+/// every row has met a stop token or the count. A row that stopped early keeps its stop
+/// token last. Sampling draws from one stream seeded by `config.seed` for the whole call.
+pub fn generate_batch(
+    engine: &mut Engine,
+    prompts: &[Vec<i64>],
+    config: &GenerateConfig,
+    context: Option<i64>,
+) -> Result<Vec<Vec<i64>>> {
     config.validate()?;
-    if prompt.is_empty() {
-        return Err(Error::Config("the prompt holds no tokens".into()));
+    if let Some(i) = prompts.iter().position(Vec::is_empty) {
+        return Err(Error::Config(format!("prompt {i} holds no tokens")));
+    }
+    let mut by_length: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, p) in prompts.iter().enumerate() {
+        by_length.entry(p.len()).or_default().push(i);
     }
     let device = engine.config().device;
     let units = engine.spec().units.len();
     let window = context.unwrap_or(i64::MAX) as usize;
-    // One plain row: no layout from a training batch applies.
+    // One plain row per prompt: no layout from a training batch applies.
     engine.set_layout(None);
-    let mut tokens = prompt.to_vec();
-    // The cache holds the positions decoded so far; `None` once the window slides.
-    let mut caches: Option<Vec<DecodeCache>> =
-        config.cache.then(|| (0..units).map(|_| DecodeCache::default()).collect());
-    produce(config, |produced| {
-        tokens.extend(produced.last());
-        if caches.is_some() && tokens.len() > window {
-            caches = None;
-        }
-        match caches.as_mut() {
-            Some(c) => {
-                let seen = c[0].position() as usize;
-                engine.decode(&row(&tokens[seen..], device)?, c)
+    let mut out = vec![vec![]; prompts.len()];
+    with_seed(config.seed as i64, || {
+        for rows in by_length.values() {
+            let mut tokens: Vec<Vec<i64>> = rows.iter().map(|&i| prompts[i].clone()).collect();
+            // The cache holds the positions decoded so far; `None` once the window slides.
+            let mut caches: Option<Vec<DecodeCache>> =
+                config.cache.then(|| (0..units).map(|_| DecodeCache::default()).collect());
+            let produced = produce(config, rows.len(), |chosen| {
+                for (row, token) in tokens.iter_mut().zip(chosen) {
+                    row.push(*token);
+                }
+                let len = tokens[0].len();
+                if caches.is_some() && len > window {
+                    caches = None;
+                }
+                match caches.as_mut() {
+                    Some(c) => {
+                        let seen = c[0].position() as usize;
+                        engine.decode(&rows_of(&tokens, seen..len, device)?, c)
+                    }
+                    None => engine.evaluate(&rows_of(&tokens, len.saturating_sub(window)..len, device)?),
+                }
+            })?;
+            for (&i, completion) in rows.iter().zip(produced) {
+                out[i] = completion;
             }
-            None => engine.evaluate(&row(&tokens[tokens.len().saturating_sub(window)..], device)?),
         }
+        Ok(out)
     })
 }
 
-/// The tokens chosen one after another from the logits `next_logits` gives for the tokens
-/// chosen so far (its output's last position), under `config`'s seed, until its count or a
-/// stop token.
-fn produce(config: &GenerateConfig, mut next_logits: impl FnMut(&[i64]) -> Result<Tensor>) -> Result<Vec<i64>> {
-    with_seed(config.seed as i64, || {
-        let mut produced = Vec::with_capacity(config.max_new_tokens);
-        while produced.len() < config.max_new_tokens {
-            let logits = next_logits(&produced)?;
-            let next = choose(&logits.f_select(1, -1)?.f_select(0, 0)?, config)?;
-            produced.push(next);
-            if config.stop_tokens.contains(&next) {
-                break;
+/// Each of `rows` rows' tokens, chosen one position after another from the logits
+/// `next_logits` gives (its output's last position, `[rows, positions, V]`) for the tokens
+/// chosen at the previous position (none at the first), until a row meets a stop token or
+/// the count; decoding ends when every row has. Rows that stopped still feed a token (their
+/// last) so the batch stays whole; what they are given after is not kept.
+fn produce(
+    config: &GenerateConfig,
+    rows: usize,
+    mut next_logits: impl FnMut(&[i64]) -> Result<Tensor>,
+) -> Result<Vec<Vec<i64>>> {
+    let mut produced: Vec<Vec<i64>> = vec![Vec::with_capacity(config.max_new_tokens); rows];
+    let mut stopped = vec![false; rows];
+    let mut chosen: Vec<i64> = vec![];
+    for _ in 0..config.max_new_tokens {
+        let logits = next_logits(&chosen)?;
+        chosen = choose(&logits.f_select(1, -1)?, config)?;
+        for ((row, done), token) in produced.iter_mut().zip(&mut stopped).zip(&mut chosen) {
+            match *done {
+                true => *token = row.last().copied().unwrap_or(*token),
+                false => {
+                    row.push(*token);
+                    *done = config.stop_tokens.contains(token);
+                }
             }
         }
-        Ok(produced)
-    })
+        if stopped.iter().all(|&d| d) {
+            break;
+        }
+    }
+    Ok(produced)
 }
 
 /// The target an encoder–decoder (T5) writes for `source`, starting from `decoder_start`
@@ -136,25 +182,27 @@ pub fn generate_from_source(
     };
     let mut caches: Option<Vec<DecodeCache>> =
         config.cache.then(|| (0..engine.spec().units.len()).map(|_| DecodeCache::default()).collect());
-    let result = produce(config, |produced| {
-        target.extend(produced.last());
-        match caches.as_mut() {
-            Some(c) if produced.is_empty() => {
-                engine.set_layout(Some(&layout(1)?));
-                engine.decode(&row(&[source, &target[..]].concat(), device)?, c)
+    let result = with_seed(config.seed as i64, || {
+        produce(config, 1, |chosen| {
+            target.extend(chosen.first());
+            match caches.as_mut() {
+                Some(c) if chosen.is_empty() => {
+                    engine.set_layout(Some(&layout(1)?));
+                    engine.decode(&row(&[source, &target[..]].concat(), device)?, c)
+                }
+                Some(c) => {
+                    engine.set_layout(None);
+                    engine.decode(&row(&target[target.len() - 1..], device)?, c)
+                }
+                None => {
+                    engine.set_layout(Some(&layout(target.len())?));
+                    engine.evaluate(&row(&[source, &target[..]].concat(), device)?)
+                }
             }
-            Some(c) => {
-                engine.set_layout(None);
-                engine.decode(&row(&target[target.len() - 1..], device)?, c)
-            }
-            None => {
-                engine.set_layout(Some(&layout(target.len())?));
-                engine.evaluate(&row(&[source, &target[..]].concat(), device)?)
-            }
-        }
+        })
     });
     engine.set_layout(None);
-    result
+    Ok(result?.pop().unwrap_or_default())
 }
 
 /// A batch of one sequence.
@@ -162,29 +210,37 @@ fn row(tokens: &[i64], device: tch::Device) -> Result<Tensor> {
     Ok(Tensor::f_from_slice(tokens)?.f_unsqueeze(0)?.f_to_device(device)?)
 }
 
-/// The next token from one position's logits `[V]`.
-fn choose(logits: &Tensor, config: &GenerateConfig) -> Result<i64> {
+/// A batch of the positions `span` of each of `rows` (all of one length).
+fn rows_of(rows: &[Vec<i64>], span: std::ops::Range<usize>, device: tch::Device) -> Result<Tensor> {
+    let flat: Vec<i64> = rows.iter().flat_map(|r| r[span.clone()].iter().copied()).collect();
+    Ok(Tensor::f_from_slice(&flat)?.f_view([rows.len() as i64, span.len() as i64])?.f_to_device(device)?)
+}
+
+/// The next token of each row from one position's logits `[rows, V]`.
+fn choose(logits: &Tensor, config: &GenerateConfig) -> Result<Vec<i64>> {
     let logits = logits.f_to_kind(Kind::Float)?;
+    let tokens = |t: Tensor| -> Result<Vec<i64>> {
+        Ok(Vec::<i64>::try_from(t.f_reshape([-1])?.f_to_device(tch::Device::Cpu)?)?)
+    };
     if config.greedy() {
-        return Ok(logits.f_argmax(0, false)?.f_int64_value(&[])?);
+        return tokens(logits.f_argmax(-1, false)?);
     }
     let mut scores = logits.f_div_scalar(config.temperature)?;
-    let vocab = scores.size()[0];
+    let vocab = scores.size()[1];
     if let Some(k) = config.top_k.filter(|&k| (k as i64) < vocab) {
-        let kth = scores.f_topk(k as i64, 0, true, true)?.0.f_select(0, k as i64 - 1)?;
+        let kth = scores.f_topk(k as i64, -1, true, true)?.0.f_narrow(-1, k as i64 - 1, 1)?;
         scores = scores.f_masked_fill(&scores.f_lt_tensor(&kth)?, f64::NEG_INFINITY)?;
     }
     if let Some(p) = config.top_p.filter(|&p| p < 1.0) {
-        let (sorted, order) = scores.f_sort(0, true)?;
-        let probs = sorted.f_softmax(0, Kind::Float)?;
+        let (sorted, order) = scores.f_sort(-1, true)?;
+        let probs = sorted.f_softmax(-1, Kind::Float)?;
         // A token is dropped when the more likely ones already reach `p`; the first never is.
-        let before = probs.f_cumsum(0, Kind::Float)?.f_sub(&probs)?;
+        let before = probs.f_cumsum(-1, Kind::Float)?.f_sub(&probs)?;
         let dropped_sorted = before.f_gt(p)?;
-        let dropped = dropped_sorted.f_scatter(0, &order, &dropped_sorted)?;
+        let dropped = dropped_sorted.f_scatter(-1, &order, &dropped_sorted)?;
         scores = scores.f_masked_fill(&dropped, f64::NEG_INFINITY)?;
     }
-    let probs = scores.f_softmax(0, Kind::Float)?;
-    Ok(probs.f_multinomial(1, false)?.f_int64_value(&[0])?)
+    tokens(scores.f_softmax(-1, Kind::Float)?.f_multinomial(1, false)?)
 }
 
 #[cfg(test)]
@@ -192,14 +248,14 @@ mod tests {
     use super::*;
 
     fn sample_many(logits: &[f32], config: &GenerateConfig, draws: usize) -> std::collections::BTreeSet<i64> {
-        let t = Tensor::from_slice(logits);
-        with_seed(7, || (0..draws).map(|_| choose(&t, config).unwrap()).collect())
+        let t = Tensor::from_slice(logits).unsqueeze(0);
+        with_seed(7, || (0..draws).map(|_| choose(&t, config).unwrap()[0]).collect())
     }
 
     #[test]
     fn greedy_takes_the_largest_logit() {
-        let t = Tensor::from_slice(&[0.1f32, 2.0, -1.0, 1.9]);
-        assert_eq!(choose(&t, &GenerateConfig::default()).unwrap(), 1);
+        let t = Tensor::from_slice(&[0.1f32, 2.0, -1.0, 1.9, 0.0, 3.0, 0.5, 0.2]).view([2, 4]);
+        assert_eq!(choose(&t, &GenerateConfig::default()).unwrap(), vec![1, 1]);
     }
 
     #[test]

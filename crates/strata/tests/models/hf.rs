@@ -7,7 +7,7 @@ use crate::hf_reference::{python, reference};
 use std::collections::BTreeMap;
 use std::path::Path;
 use strata::engine::{Engine, EngineConfig};
-use strata::generate::{generate, GenerateConfig};
+use strata::generate::{generate, generate_batch, GenerateConfig};
 use strata::io::{load_model_dir, save_weights, write_weights, FolderOut, WeightsTarget};
 use strata::model::{from_pretrained_dir, BertConfig, BertHead, Builder, GptConfig, ModelConfig};
 use tch::{Kind, Tensor};
@@ -153,6 +153,43 @@ fn greedy_generation_equals_transformers() {
         let dir = work.path().join(family);
         make(&py, family, &dir, None);
         greedy_generation_matches(&py, family, &dir, &mut strata_engine(&dir), 20);
+    }
+}
+
+/// Prompts decoded together give each the tokens it gets alone, greedy, with and without
+/// the cache: rows of one length share a batch, and a row that meets a stop token ends there
+/// while the others go on.
+#[test]
+fn batched_generation_equals_one_at_a_time() {
+    let Some(py) = python() else { return };
+    for family in ["gpt2", "llama"] {
+        let work = tempfile::tempdir().unwrap();
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let mut engine = strata_engine(&dir);
+        let context = from_pretrained_dir(&dir).unwrap().config.context();
+        let prompts: Vec<Vec<i64>> =
+            vec![vec![7, 31, 3], vec![5, 9, 40, 2], vec![11, 12, 13], vec![60, 1, 8], vec![3], vec![21, 22, 23, 24]];
+        let greedy = GenerateConfig { max_new_tokens: 12, ..Default::default() };
+        let alone: Vec<Vec<i64>> =
+            prompts.iter().map(|p| generate(&mut engine, p, &greedy, context).unwrap()).collect();
+        // The stop token is one row's fourth, so that row ends early and the others need not.
+        let stop = alone[1][3];
+        let stopping = GenerateConfig { stop_tokens: vec![stop], ..greedy.clone() };
+        let alone_stopping: Vec<Vec<i64>> =
+            prompts.iter().map(|p| generate(&mut engine, p, &stopping, context).unwrap()).collect();
+        assert!(alone_stopping[1].len() <= 4 && alone_stopping.iter().any(|r| r.len() == 12), "{alone_stopping:?}");
+        for config in [greedy.clone(), GenerateConfig { cache: false, ..greedy.clone() }, stopping] {
+            let together = generate_batch(&mut engine, &prompts, &config, context).unwrap();
+            let expected = if config.stop_tokens.is_empty() { &alone } else { &alone_stopping };
+            assert_eq!(&together, expected, "{family}: batched decoding differs ({config:?})");
+        }
+        // Sampling repeats with its seed, rows of one prompt drawing differently.
+        let sampling = GenerateConfig { temperature: 1.0, seed: 5, ..greedy };
+        let copies = vec![prompts[0].clone(); 8];
+        let a = generate_batch(&mut engine, &copies, &sampling, context).unwrap();
+        assert_eq!(a, generate_batch(&mut engine, &copies, &sampling, context).unwrap());
+        assert!(a.iter().any(|r| r != &a[0]), "{family}: every sampled row is the same: {a:?}");
     }
 }
 
