@@ -19,6 +19,15 @@
         torch.optim.AdamW for the update; writes --out/NAME.jsonl, one line a step (loss, the
         metrics TRL logged, the gradient norm), and the trained weights as
         --out/NAME.safetensors (or the adapter as --out/NAME/).
+  grpo  runs each run of a JSON list (name and GRPOConfig fields: loss_type, beta, epsilon,
+        epsilon_high, delta, importance_sampling_level, scale_rewards, num_iterations,
+        mask_truncated_completions) with TRL's GRPOTrainer on given generation batches
+        (--rollouts: a JSON list of {prompts, completions, rewards}, token ids, one prompt per
+        completion, groups of --generations consecutive): its generation is replaced by the
+        given completions, so the trainer's own scoring, advantages, old and reference
+        log-probabilities and loss run on them; each batch trains num_iterations AdamW
+        steps; writes --out/NAME.jsonl (loss, gradient norm and the metrics TRL logged, one
+        line a step) and the weights as --out/NAME.safetensors.
 
 Nothing is downloaded. Run it with the project's virtual environment:
 .venv/bin/python scripts/trl_reference.py
@@ -140,6 +149,64 @@ def trainer_run(args, run):
         f.write("\n".join(lines) + "\n")
 
 
+def grpo_run(args, run, batches):
+    import transformers as tf
+    from datasets import Dataset
+    from safetensors.torch import save_file
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = tf.AutoTokenizer.from_pretrained(args.model)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    rows = len(batches[0]["completions"])
+    given = {}
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        return [None if r is None else float(r) for r in given["batch"]["rewards"]]
+
+    def generate(prompts):
+        b = given["batch"]
+        texts = [tok.decode(c) for c in b["completions"]]
+        return b["prompts"], b["completions"], None, texts, None, None, None, None
+
+    fields = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "scale_rewards",
+              "num_iterations", "mask_truncated_completions")
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(output_dir=out, per_device_train_batch_size=rows, num_generations=args.generations,
+                            max_completion_length=args.max_completion_length, steps_per_generation=1,
+                            gradient_accumulation_steps=1, bf16=False, report_to=[], use_cpu=True,
+                            gradient_checkpointing=False, **{k: run[k] for k in fields if k in run})
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, processing_class=tok,
+                              train_dataset=Dataset.from_list([{"prompt": "p"}] * rows))
+    trainer._generate = generate
+    trainer.current_gradient_accumulation_steps = 1
+    policy = trainer.model
+    policy.train()
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    logged = trainer._metrics["train"]
+    lines = []
+    for b in batches:
+        given["batch"] = b
+        logged.clear()
+        inputs = trainer._generate_and_score_completions([{"prompt": "p"}] * rows)
+        generation = {k: float(v[-1]) for k, v in logged.items()}
+        for _ in range(config.num_iterations):
+            logged.clear()
+            loss = trainer._compute_loss(policy, inputs)
+            loss.backward()
+            norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item()
+            opt.step()
+            opt.zero_grad()
+            metrics = {k: float(v[-1]) for k, v in logged.items()}
+            lines.append(json.dumps({"loss": loss.item(), "grad_norm": norm, **generation, **metrics}))
+    name = os.path.join(args.out, run["name"])
+    save_file({k: v.detach().contiguous() for k, v in policy.state_dict().items()}, name + ".safetensors")
+    with open(name + ".jsonl", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="command", required=True)
@@ -161,7 +228,22 @@ def main():
     d.add_argument("--batch", type=int, default=2)
     d.add_argument("--steps", type=int, default=10)
     d.add_argument("--lr", type=float, default=1e-3)
+    g = sub.add_parser("grpo")
+    g.add_argument("--model", required=True)
+    g.add_argument("--runs", required=True)
+    g.add_argument("--rollouts", required=True)
+    g.add_argument("--out", required=True)
+    g.add_argument("--generations", type=int, required=True)
+    g.add_argument("--max-completion-length", type=int, required=True)
+    g.add_argument("--lr", type=float, default=1e-3)
     args = ap.parse_args()
+    if args.command == "grpo":
+        with open(args.rollouts) as f:
+            batches = json.load(f)
+        with open(args.runs) as f:
+            for run in json.load(f):
+                grpo_run(args, run, batches)
+        return
     if args.command == "make":
         make(args.style, args.out, args.seed, args.reward)
     elif args.command == "lora":

@@ -60,6 +60,7 @@ mod error;
 mod fault;
 pub mod files;
 pub mod generate;
+pub mod grpo;
 pub mod io;
 pub mod model;
 pub mod optim;

@@ -398,7 +398,7 @@ pub struct PreferenceMetrics {
 /// Each row's next-token log-probabilities where its target is learned (0 elsewhere), in
 /// fp32 or wider, the learned positions as a float mask, and the whole log-softmax they
 /// were picked from (the metrics' entropy reads it), for logits `[rows, ctx, V]`.
-fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+pub(crate) fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let logits = match logits.kind() {
         Kind::Double => logits.shallow_clone(),
         _ => logits.f_to_kind(Kind::Float)?,
@@ -886,7 +886,7 @@ pub struct VocabularySplit {
 }
 
 /// `logits` with the vocabulary whole: gathered where `split` says.
-fn whole_logits(split: Option<&VocabularySplit>, logits: &Tensor) -> Result<Tensor> {
+pub(crate) fn whole_logits(split: Option<&VocabularySplit>, logits: &Tensor) -> Result<Tensor> {
     match split {
         Some(s) if logits.dim() == 3 => s.group.whole_vocabulary(logits, s.vocab),
         _ => Ok(logits.shallow_clone()),

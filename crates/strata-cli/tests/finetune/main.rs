@@ -4,6 +4,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod finetune;
+mod grpo;
 mod hf;
 #[path = "../../../strata/tests/common/hf_reference.rs"]
 mod hf_reference;

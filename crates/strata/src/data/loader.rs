@@ -168,6 +168,37 @@ pub struct Batch {
     /// Reward pairs: how far each pair's chosen reward should exceed its rejected one
     /// (`[rows / 2]`, fp32), where the records give a `"margin"`.
     pub margin: Option<Tensor>,
+    /// GRPO's completions: their advantages and the log-probabilities their loss measures
+    /// the policy's against.
+    pub rollout: Option<RolloutScores>,
+}
+
+/// What a GRPO micro-batch's loss reads beside its rows ([`crate::grpo`]).
+pub struct RolloutScores {
+    /// Each row's advantage (`[rows]`, fp32).
+    pub advantages: Tensor,
+    /// Each position's log-probability of its target under the policy that generated the
+    /// completions (`[rows, ctx]`, fp32), where an update reuses an older generation batch;
+    /// `None`: the policy's own, detached (a ratio of 1).
+    pub old: Option<Tensor>,
+    /// The same under the reference model, where the KL term is on.
+    pub reference: Option<Tensor>,
+    /// What the token sum is divided by where the loss is normalised over the step's
+    /// completion tokens (dapo, cispo, vespo): every rank's generation batch's tokens, over
+    /// the ranks, times the accumulation over the micro-batches per generation.
+    pub token_normalizer: f64,
+}
+
+impl RolloutScores {
+    fn to_device(&self, device: Device) -> Result<RolloutScores> {
+        let moved = |t: &Option<Tensor>| t.as_ref().map(|t| t.f_to_device(device)).transpose();
+        Ok(RolloutScores {
+            advantages: self.advantages.f_to_device(device)?,
+            old: moved(&self.old)?,
+            reference: moved(&self.reference)?,
+            token_normalizer: self.token_normalizer,
+        })
+    }
 }
 
 impl Batch {
@@ -184,6 +215,7 @@ impl Batch {
             reference: None,
             desirable: None,
             margin: None,
+            rollout: None,
         })
     }
 
@@ -237,6 +269,7 @@ impl Batch {
             reference: self.reference.as_ref().map(|r| r.f_to_device(device)).transpose()?,
             desirable: self.desirable.as_ref().map(|r| r.f_to_device(device)).transpose()?,
             margin: self.margin.as_ref().map(|r| r.f_to_device(device)).transpose()?,
+            rollout: self.rollout.as_ref().map(|r| r.to_device(device)).transpose()?,
         })
     }
 }
@@ -657,6 +690,7 @@ pub(super) fn batch_of(inputs: Vec<i64>, targets: Vec<i64>, rows: usize, ctx: us
         reference: None,
         desirable: None,
         margin: None,
+        rollout: None,
     })
 }
 

@@ -22,7 +22,9 @@ mod tokenize;
 
 pub use crate::model::layers::IGNORE;
 pub use classify::{predictions, read_labeled, scores, ClassifySet, LabeledText, Scores};
-pub use loader::{validation_steps, Batch, BatchOffsets, Batching, DataLoader, LoaderConfig, Order, Step};
+pub use loader::{
+    validation_steps, Batch, BatchOffsets, Batching, DataLoader, LoaderConfig, Order, RolloutScores, Step,
+};
 pub use masked::{MaskOptions, MaskedSet};
 pub use preference::{PreferenceFormat, PreferencePair, PreferenceReport, PreferenceSet};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};

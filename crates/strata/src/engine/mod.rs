@@ -263,6 +263,8 @@ pub type UnitInitHook<'a> = dyn FnMut(usize, &mut UnitStorage, &Tensor, &MemoryL
 pub struct Engine {
     spec: ModelSpec,
     config: EngineConfig,
+    /// Whether the model's low-rank adapters join their layers ([`Engine::set_adapters_enabled`]).
+    adapters_on: bool,
     /// Every unit's gradient buffer, concatenated in unit order ([`GradLayout::Contiguous`]).
     grads: Option<Tensor>,
     /// Per unit: its gradients were zeroed and its first backward since then has not run,
@@ -472,6 +474,7 @@ impl Engine {
         Ok(Engine {
             spec,
             config,
+            adapters_on: true,
             grads,
             fresh_grads: vec![false; units],
             borrowed,
@@ -866,6 +869,22 @@ impl Engine {
         self.rows = RowContext { layout: layout.map(RowLayout::shallow_clone), ..RowContext::default() };
     }
 
+    /// Switches the model's low-rank adapters out of (or back into) every later forward: off,
+    /// a LoRA model computes as its frozen base does, which is the reference model of
+    /// preference and GRPO training without a second copy. On by default.
+    pub fn set_adapters_enabled(&mut self, on: bool) {
+        self.adapters_on = on;
+    }
+
+    /// The adapters forwards join to their layers: none while they are switched off.
+    fn joined_adapters(&self) -> &crate::model::Adapters {
+        static NONE: crate::model::Adapters = crate::model::Adapters::new();
+        match self.adapters_on {
+            true => &self.spec.adapters,
+            false => &NONE,
+        }
+    }
+
     /// Sets which positions of the rows the next training forwards run on are padding
     /// (`[rows, ctx]` bool; `None`: none is), which a mixture of experts' routing statistics
     /// leave out.
@@ -1042,7 +1061,7 @@ impl Engine {
             let input = self.where_unit_computes(k, &x)?;
             let moved = self.layout_on_host(k, self.rows.layout.as_ref())?;
             let layout = moved.as_ref().or(self.rows.layout.as_ref());
-            let params = Params::new(&self.params).with_adapters(&self.spec.adapters).with_layout(layout);
+            let params = Params::new(&self.params).with_adapters(self.joined_adapters()).with_layout(layout);
             let y = tch::no_grad(|| self.spec.units[k].body.decode(&params, &input, cache))?;
             x = self.on_the_device(k, y)?;
             self.run_schedule(Phase::AfterForward, k)?;
@@ -1221,7 +1240,7 @@ impl Engine {
         .with_padding(padding.as_ref())
         .with_dropout(dropout.as_ref())
         .with_scoring(scoring.as_ref())
-        .with_adapters(&self.spec.adapters)
+        .with_adapters(self.joined_adapters())
         .with_experts(self.config.experts.as_ref())
         .with_context(self.config.context.as_ref());
         let input = self.where_unit_computes(k, input)?;

@@ -21,6 +21,7 @@
 //! println!("final loss {:.3}", summary.last.map_or(f64::NAN, |r| r.loss));
 //! # Ok(()) }
 //! ```
+pub mod grpo;
 mod observe;
 pub mod tensorboard;
 

@@ -64,6 +64,9 @@ impl CapturedStep {
             copy.f_copy_(t)?;
             Ok(copy)
         };
+        if batch.rollout.is_some() {
+            return Err(Error::Config("a captured step cannot take GRPO's completions".into()));
+        }
         Ok(Batch {
             inputs: own(&batch.inputs)?,
             targets: own(&batch.targets)?,
@@ -74,6 +77,7 @@ impl CapturedStep {
             reference: batch.reference.as_ref().map(own).transpose()?,
             desirable: batch.desirable.as_ref().map(own).transpose()?,
             margin: batch.margin.as_ref().map(own).transpose()?,
+            rollout: None,
         })
     }
 

@@ -96,6 +96,10 @@ pub struct StepReport {
     /// by the training loop's owner where the run trains a reward model).
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub reward: Option<crate::reward::RewardMetrics>,
+    /// GRPO's metrics of the step and the generation batch it trained on, under TRL's names
+    /// (filled in by the training loop's owner where the run trains by GRPO).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub grpo: Option<crate::grpo::GrpoMetrics>,
     /// Loss per learned token of the validation batches, after steps where a validation ran (filled in
     /// by the training loop's owner).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -758,6 +762,7 @@ impl Trainer {
             experts: self.parts[0].engine.routed().map(|r| r.report),
             preference: None,
             reward: None,
+            grpo: None,
             val_loss: None,
             val_perplexity: None,
         };

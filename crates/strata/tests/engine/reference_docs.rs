@@ -6,6 +6,7 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use strata::engine::memory::{PlacementReport, Transfers};
 use strata::engine::{Category, Placement, UnitTime};
+use strata::grpo::GrpoMetrics;
 use strata::model::BalanceReport;
 use strata::preference::PreferenceMetrics;
 use strata::reward::RewardMetrics;
@@ -67,6 +68,13 @@ fn full_report() -> StepReport {
             log_odds_chosen: Some(1.0),
         }),
         reward: Some(RewardMetrics { accuracy: 1.0, margin: 1.0, min_reward: 1.0, mean_reward: 1.0, max_reward: 1.0 }),
+        grpo: Some(GrpoMetrics {
+            kl: Some(1.0),
+            clip_low: Some(1.0),
+            clip_high: Some(1.0),
+            clip_region: Some(1.0),
+            ..GrpoMetrics::default()
+        }),
         val_loss: Some(1.0),
         val_perplexity: Some(1.0),
     }

@@ -1,0 +1,229 @@
+//! GRPO against TRL's `GRPOTrainer` (scripts/trl_reference.py, the pinned TRL) on a tiny
+//! LLaMA folder and the same generation batches — prompts, completions and rewards given to
+//! both, TRL's generation replaced by them — for every loss type, GSPO's sequence-level
+//! ratio, the KL term, two-sided clipping, batch and no reward scaling and masked truncated
+//! completions: each step's loss, gradient norm and TRL's metrics, and the final weights.
+//! Then batched sampling and the loop together: a toy reward raises its mean over 50 steps.
+use crate::common::{self, reports};
+use crate::preference::{python, s};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use strata::engine::{Engine, EngineConfig};
+use strata::grpo::{GrpoConfig, GrpoObjective, Rollouts};
+use strata::io::{load_model_dir, FolderOut, WeightsTarget};
+use strata::model::from_pretrained_dir;
+use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use strata::run::grpo::{generate_rollouts, train_rollouts, Reference};
+use strata::train::{StepReport, Trainer};
+
+const GENERATIONS: usize = 4;
+const MAX_COMPLETION: usize = 6;
+const EOS: i64 = 1;
+
+/// One run: its name and the GRPOConfig fields it sets, on both sides.
+struct Case {
+    name: &'static str,
+    fields: fn() -> Value,
+}
+
+const CASES: &[Case] = &[
+    Case { name: "grpo", fields: || json!({"loss_type": "grpo", "num_iterations": 2}) },
+    Case { name: "bnpo", fields: || json!({"loss_type": "bnpo", "num_iterations": 2, "epsilon_high": 0.28}) },
+    Case { name: "dr_grpo", fields: || json!({"loss_type": "dr_grpo", "scale_rewards": "none"}) },
+    Case { name: "dapo", fields: || json!({"loss_type": "dapo", "num_iterations": 2, "delta": 1.1}) },
+    Case { name: "cispo", fields: || json!({"loss_type": "cispo", "num_iterations": 2, "epsilon_high": 1.0}) },
+    Case { name: "sapo", fields: || json!({"loss_type": "sapo", "num_iterations": 2}) },
+    Case {
+        name: "luspo",
+        fields: || json!({"loss_type": "luspo", "num_iterations": 2, "importance_sampling_level": "sequence"}),
+    },
+    Case { name: "vespo", fields: || json!({"loss_type": "vespo", "num_iterations": 2}) },
+    Case {
+        name: "gspo",
+        fields: || json!({"loss_type": "grpo", "num_iterations": 2, "importance_sampling_level": "sequence"}),
+    },
+    Case {
+        name: "kl",
+        fields: || json!({"loss_type": "dapo", "beta": 0.05, "num_iterations": 2, "scale_rewards": "batch"}),
+    },
+    Case { name: "masked", fields: || json!({"loss_type": "grpo", "mask_truncated_completions": true}) },
+];
+
+/// A small deterministic draw.
+struct Draw(u64);
+
+impl Draw {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) % below
+    }
+}
+
+/// Two generation batches of three prompts with four completions each: lengths from one
+/// token to the most, some ended by the end token; one group's rewards all equal.
+fn generation_batches() -> Vec<Rollouts> {
+    let mut draw = Draw(11);
+    (0..2)
+        .map(|b| {
+            let mut r = Rollouts::default();
+            for p in 0..3 {
+                let prompt: Vec<i64> = (0..2 + draw.next(4)).map(|_| 3 + draw.next(300) as i64).collect();
+                for _ in 0..GENERATIONS {
+                    let len = 1 + draw.next(MAX_COMPLETION as u64) as usize;
+                    let mut completion: Vec<i64> = (0..len).map(|_| 3 + draw.next(300) as i64).collect();
+                    let ended = len < MAX_COMPLETION || draw.next(2) == 0;
+                    if ended {
+                        *completion.last_mut().unwrap() = EOS;
+                    }
+                    r.prompts.push(prompt.clone());
+                    r.completions.push(completion);
+                    r.truncated.push(!ended);
+                    r.rewards.push(if b == 1 && p == 2 { 0.5 } else { draw.next(7) as f64 / 2.0 });
+                }
+            }
+            r
+        })
+        .collect()
+}
+
+fn config_of(fields: &Value) -> GrpoConfig {
+    let f = |k: &str| fields.get(k);
+    GrpoConfig {
+        num_generations: GENERATIONS,
+        max_completion_length: MAX_COMPLETION,
+        loss: f("loss_type").and_then(Value::as_str).unwrap().parse().unwrap(),
+        beta: f("beta").and_then(Value::as_f64).unwrap_or(0.0),
+        epsilon_high: f("epsilon_high").and_then(Value::as_f64),
+        delta: f("delta").and_then(Value::as_f64),
+        importance_sampling: f("importance_sampling_level").and_then(Value::as_str).unwrap_or("token").parse().unwrap(),
+        scale_rewards: f("scale_rewards").and_then(Value::as_str).unwrap_or("group").parse().unwrap(),
+        num_iterations: f("num_iterations").and_then(Value::as_u64).unwrap_or(1) as usize,
+        mask_truncated_completions: f("mask_truncated_completions").and_then(Value::as_bool).unwrap_or(false),
+        ..GrpoConfig::default()
+    }
+}
+
+/// The model folder and TRL's runs of every case, made once.
+fn reference(py: &Path) -> PathBuf {
+    common::shared_dir("trl-grpo", |dir| {
+        python(py, &["make", "--out", s(&dir.join("model")), "--seed", "4"]);
+        let batches: Vec<Value> = generation_batches()
+            .iter()
+            .map(|r| json!({"prompts": r.prompts, "completions": r.completions, "rewards": r.rewards}))
+            .collect();
+        std::fs::write(dir.join("rollouts.json"), Value::from(batches).to_string()).unwrap();
+        let runs: Vec<Value> = CASES
+            .iter()
+            .map(|c| {
+                let mut run = (c.fields)();
+                run["name"] = json!(c.name);
+                run
+            })
+            .collect();
+        std::fs::write(dir.join("runs.json"), Value::from(runs).to_string()).unwrap();
+        let trl = dir.join("trl");
+        std::fs::create_dir_all(&trl).unwrap();
+        python(
+            py,
+            &[
+                "grpo",
+                "--model",
+                s(&dir.join("model")),
+                "--runs",
+                s(&dir.join("runs.json")),
+                "--rollouts",
+                s(&dir.join("rollouts.json")),
+                "--out",
+                s(&trl),
+                "--generations",
+                &GENERATIONS.to_string(),
+                "--max-completion-length",
+                &MAX_COMPLETION.to_string(),
+            ],
+        );
+    })
+}
+
+/// The folder's model as a trainer with AdamW at `lr` (the gradient norm measured, never
+/// clipped), and a frozen copy.
+fn trainer(folder: &Path, lr: f64) -> (Trainer, Engine) {
+    let dir = from_pretrained_dir(folder).unwrap();
+    let load = || {
+        let mut engine = Engine::new(dir.spec().unwrap(), EngineConfig::default()).unwrap();
+        load_model_dir(&mut engine, &dir).unwrap();
+        engine
+    };
+    let mut engine = load();
+    let optimizer = Optimizer::new(&mut engine, OptimizerConfig { lr, weight_decay: 0.0, ..Default::default() }, &[]);
+    (Trainer::new(engine, optimizer.unwrap(), LrSchedule::Constant, Some(1e9)), load())
+}
+
+fn follows_trl(dir: &Path, c: &Case) {
+    let objective = GrpoObjective::new(config_of(&(c.fields)())).unwrap();
+    let (mut trainer, mut reference) = trainer(&dir.join("model"), 1e-3);
+    let mut ours: Vec<StepReport> = vec![];
+    for rollouts in generation_batches() {
+        let kl = Reference::Copy(&mut reference);
+        ours.extend(train_rollouts(&mut trainer, &objective, &rollouts, EOS, kl, 1, None).unwrap());
+    }
+    let theirs = reports(&dir.join("trl").join(format!("{}.jsonl", c.name)));
+    assert_eq!(ours.len(), theirs.len(), "{}: steps", c.name);
+    let mut clipped = 0.0;
+    for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        let a = serde_json::to_value(a).unwrap();
+        let keys = ["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "entropy"];
+        let optional = ["kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"];
+        for key in keys.iter().chain(optional.iter().filter(|k| b.get(**k).is_some())) {
+            let want = b[*key].as_f64().unwrap();
+            let got = a[*key].as_f64().unwrap_or_else(|| panic!("{}: Strata's report lacks {key}", c.name));
+            // The gradient norm after the first update follows a trajectory whose rounding differs.
+            let bound = 1e-5 * want.abs().max(0.1) * if *key == "grad_norm" && step > 0 { 10.0 } else { 1.0 };
+            assert!((got - want).abs() <= bound, "{}: step {} {key}: Strata {got}, TRL {want}", c.name, step + 1);
+        }
+        clipped += b.get("clip_ratio/region_mean").and_then(Value::as_f64).unwrap_or(0.0);
+    }
+    if ["grpo", "dapo", "gspo"].contains(&c.name) {
+        assert!(clipped > 0.0, "{}: no update was clipped, so the clip is not tested", c.name);
+    }
+    let saved = dir.join(format!("strata-{}", c.name));
+    let out = FolderOut::like(&saved, &from_pretrained_dir(&dir.join("model")).unwrap());
+    trainer.save_weights(WeightsTarget::Folder(&out), true).unwrap();
+    let gap =
+        common::global_gap(&dir.join("trl").join(format!("{}.safetensors", c.name)), &saved.join("model.safetensors"));
+    eprintln!("{}: weights after {} steps differ from TRL's by {gap:.2e}", c.name, ours.len());
+    assert!(gap < 1e-5, "{}: weights differ from TRL's by {gap:e}", c.name);
+}
+
+#[test]
+fn every_grpo_loss_type_follows_trl() {
+    let Some(py) = common::venv_python() else { return };
+    let dir = reference(&py);
+    for c in CASES {
+        follows_trl(&dir, c);
+    }
+}
+
+/// Sampling, rewards and updates together: rewarded for each token it writes of a tenth of
+/// the vocabulary (ids 3 to 35), a random model writes more of them within 50 steps.
+#[test]
+fn a_toy_reward_rises_over_fifty_steps() {
+    let Some(py) = common::venv_python() else { return };
+    let dir = reference(&py);
+    let config = GrpoConfig { num_generations: 8, max_completion_length: 8, ..GrpoConfig::default() };
+    let objective = GrpoObjective::new(config).unwrap();
+    let (mut trainer, _) = trainer(&dir.join("model"), 1e-2);
+    let prompts: Vec<(usize, Vec<i64>)> = vec![(0, vec![40, 41, 42]), (1, vec![50, 9])];
+    let reward = Arc::new(|c: &[i64]| c.iter().filter(|&&t| (3..=35).contains(&t)).count() as f64);
+    let mut means = vec![];
+    for step in 0..50 {
+        let (mut rollouts, _) = generate_rollouts(&mut trainer, &objective, &prompts, &[EOS], step).unwrap();
+        rollouts.rewards = rollouts.completions.iter().map(|c| reward(c)).collect();
+        let reports = train_rollouts(&mut trainer, &objective, &rollouts, EOS, Reference::None, 1, None).unwrap();
+        means.push(reports[0].grpo.unwrap().reward);
+    }
+    let early: f64 = means[..10].iter().sum::<f64>() / 10.0;
+    let late: f64 = means[40..].iter().sum::<f64>() / 10.0;
+    eprintln!("mean reward over the first ten steps {early:.3}, over the last ten {late:.3}");
+    assert!(late > early + 0.5, "the reward did not rise: {means:?}");
+}
