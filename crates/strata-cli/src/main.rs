@@ -25,6 +25,7 @@ mod launch;
 mod options;
 mod plan_cmd;
 mod profile_cmd;
+mod reward_command;
 mod tokenize_cmd;
 mod train;
 

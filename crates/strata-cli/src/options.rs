@@ -6,6 +6,7 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
 use strata::data::{ExampleOptions, TokenWidth, Tokenizer};
+use strata::grpo::GrpoConfig;
 use strata::model::{
     DecoderHead, DropoutRates, GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, MoeConfig, DEFAULT_NORM_EPS,
 };
@@ -148,6 +149,41 @@ train_options! {
     /// Reward models: add this times the mean squared sum of each pair's rewards, which
     /// keeps the rewards centred on zero (default: nothing added).
     center_rewards_coefficient: f64,
+    /// GRPO (--data records of "prompt" alone): the shell command that rewards each
+    /// generation batch — it reads one JSON line per completion on its standard input (the
+    /// record's fields, with "completion": the text generated) and writes one reward per
+    /// line (a number, or null where none can be given).
+    reward_command: String,
+    /// GRPO: completions generated for each prompt, one group (default 8).
+    num_generations: usize,
+    /// GRPO: the most tokens of a completion (default 256).
+    max_completion_length: usize,
+    /// GRPO: how the per-token losses become one, by TRL's names — dapo (the default), grpo,
+    /// bnpo, dr_grpo, cispo, sapo, luspo or vespo.
+    grpo_loss: String,
+    /// GRPO: the ratio's lower clip, 1 − ε (default 0.2).
+    epsilon: f64,
+    /// GRPO: the ratio's upper clip, 1 + ε_high (default --epsilon; cispo: its clip of the weight).
+    epsilon_high: f64,
+    /// GRPO: clip the unclipped ratio from above at this value too (two-sided GRPO).
+    delta: f64,
+    /// GRPO: token (the default) or sequence (GSPO): one ratio per token or per completion.
+    importance_sampling_level: String,
+    /// GRPO: what rewards are scaled by after their group's mean is taken away — group (its
+    /// standard deviation, the default), batch or none.
+    scale_rewards: String,
+    /// GRPO: updates on each generation batch (default 1).
+    num_iterations: usize,
+    /// GRPO: micro-batches one generation batch is cut into (default --accumulation).
+    steps_per_generation: usize,
+    /// GRPO: leave completions cut at --max-completion-length out of the loss.
+    mask_truncated_completions: bool,
+    /// GRPO: sampling temperature; the log-probabilities are of the logits divided by it (default 1).
+    temperature: f64,
+    /// GRPO: sample among the k most likely tokens only.
+    top_k: usize,
+    /// GRPO: sample among the most likely tokens whose probabilities first reach p together.
+    top_p: f64,
     /// Examples: pack several into each row of --ctx tokens, each attending only to itself
     /// and with positions starting again at 0.
     pack: bool,
@@ -427,23 +463,109 @@ fn reward_options(o: &TrainOptions, mut model_dir: Option<&mut ModelDir>) -> Res
         }
         return Ok(None);
     };
+    Ok(Some(RewardConfig {
+        center_rewards_coefficient: o.center_rewards_coefficient,
+        pad_token: padding_token(o, dir)?,
+    }))
+}
+
+/// The token rows are padded with, as TRL takes it: the tokenizer's padding token, else its
+/// end token; else the folder's `pad_token_id`, else its `eos_token_id`.
+fn padding_token(o: &TrainOptions, dir: &ModelDir) -> Result<Option<i64>> {
+    let token = tokenizer_special(o, dir)?;
+    let folder_pad = match &dir.config {
+        ModelConfig::Llama(c) => c.padding_token,
+        _ => None,
+    };
+    Ok(token("pad_token").or_else(|| token("eos_token")).or(folder_pad).or_else(|| dir.eos_tokens().first().copied()))
+}
+
+/// The id of a special token the tokenizer's configuration names (`pad_token`,
+/// `eos_token`), where it names one the tokenizer has.
+fn tokenizer_special(o: &TrainOptions, dir: &ModelDir) -> Result<impl Fn(&str) -> Option<i64>> {
     let tokenizer = tokenizer(o.tokenizer.as_deref(), Some(dir))?;
     let folder = tokenizer_folder(o.tokenizer.as_deref(), Some(dir.dir.as_path()));
     let special = match folder {
         Some(f) => strata::data::chat::tokenizer_config(f)?,
         None => serde_json::Value::Null,
     };
-    let token = |key: &str| {
+    Ok(move |key: &str| {
         let text = strata::data::chat::special_token(&special, key)?;
         tokenizer.token_id(&text).map(i64::from)
+    })
+}
+
+/// GRPO's settings where --reward-command is given: TRL's defaults where no flag says
+/// otherwise, completions ended by the folder's and the tokenizer's end tokens.
+fn grpo_options(o: &TrainOptions, model_dir: Option<&ModelDir>) -> Result<Option<GrpoSettings>> {
+    let given = [
+        ("--num-generations", o.num_generations.is_some()),
+        ("--max-completion-length", o.max_completion_length.is_some()),
+        ("--grpo-loss", o.grpo_loss.is_some()),
+        ("--epsilon", o.epsilon.is_some()),
+        ("--epsilon-high", o.epsilon_high.is_some()),
+        ("--delta", o.delta.is_some()),
+        ("--importance-sampling-level", o.importance_sampling_level.is_some()),
+        ("--scale-rewards", o.scale_rewards.is_some()),
+        ("--num-iterations", o.num_iterations.is_some()),
+        ("--steps-per-generation", o.steps_per_generation.is_some()),
+        ("--mask-truncated-completions", o.mask_truncated_completions.is_some()),
+        ("--temperature", o.temperature.is_some()),
+        ("--top-k", o.top_k.is_some()),
+        ("--top-p", o.top_p.is_some()),
+    ];
+    let Some(command) = &o.reward_command else {
+        if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+            bail!("{flag} shapes GRPO: give --reward-command and --data records of \"prompt\" alone");
+        }
+        return Ok(None);
     };
-    let folder_pad = match &dir.config {
-        ModelConfig::Llama(c) => c.padding_token,
-        _ => None,
+    let Some(dir) = model_dir else {
+        bail!("GRPO generates with a tokenizer and ends completions at its end token: give --model-dir");
     };
-    let pad_token =
-        token("pad_token").or_else(|| token("eos_token")).or(folder_pad).or_else(|| dir.eos_tokens().first().copied());
-    Ok(Some(RewardConfig { center_rewards_coefficient: o.center_rewards_coefficient, pad_token }))
+    let d = GrpoConfig::default();
+    let config = GrpoConfig {
+        num_generations: o.num_generations.unwrap_or(d.num_generations),
+        max_completion_length: o.max_completion_length.unwrap_or(d.max_completion_length),
+        temperature: o.temperature.unwrap_or(d.temperature),
+        top_k: o.top_k,
+        top_p: o.top_p,
+        loss: o.grpo_loss.as_deref().map(str::parse).transpose()?.unwrap_or(d.loss),
+        beta: o.beta.unwrap_or(d.beta),
+        epsilon: o.epsilon.unwrap_or(d.epsilon),
+        epsilon_high: o.epsilon_high,
+        delta: o.delta,
+        importance_sampling: o
+            .importance_sampling_level
+            .as_deref()
+            .map(str::parse)
+            .transpose()?
+            .unwrap_or(d.importance_sampling),
+        scale_rewards: o.scale_rewards.as_deref().map(str::parse).transpose()?.unwrap_or(d.scale_rewards),
+        num_iterations: o.num_iterations.unwrap_or(d.num_iterations),
+        steps_per_generation: o.steps_per_generation,
+        mask_truncated_completions: o.mask_truncated_completions.unwrap_or(false),
+        ..d
+    };
+    config.validate()?;
+    let eos = tokenizer_special(o, dir)?("eos_token");
+    let mut stop_tokens = dir.eos_tokens();
+    stop_tokens.extend(eos.filter(|e| !stop_tokens.contains(e)));
+    let pad = padding_token(o, dir)?
+        .context("GRPO pads rows with the tokenizer's padding or end token: the folder names neither")?;
+    Ok(Some(GrpoSettings { config, reward_command: command.clone(), stop_tokens, pad }))
+}
+
+/// GRPO's settings: TRL's configuration, the reward command and the tokenizer's tokens.
+#[derive(Clone, Debug)]
+pub struct GrpoSettings {
+    pub config: GrpoConfig,
+    /// The shell command that rewards a generation batch's completions.
+    pub reward_command: String,
+    /// Tokens that end a completion.
+    pub stop_tokens: Vec<i64>,
+    /// The token rows are padded with.
+    pub pad: i64,
 }
 
 /// Everything `strata train` needs, resolved and validated (except the vocabulary, which
@@ -467,6 +589,8 @@ pub struct TrainSettings {
     pub preference_flags: Vec<&'static str>,
     /// How a reward model's pairs are scored, where the model is a reward model.
     pub reward: Option<RewardConfig>,
+    /// GRPO's settings, where a reward command is given.
+    pub grpo: Option<GrpoSettings>,
     /// Pack several examples into each row.
     pub pack: bool,
     pub chat_template: Option<PathBuf>,
@@ -871,6 +995,7 @@ impl TrainOptions {
         }
         let mut model_dir = o.model_dir.as_deref().map(strata::model::from_pretrained_dir).transpose()?;
         let reward = reward_options(&o, model_dir.as_mut())?;
+        let grpo = grpo_options(&o, model_dir.as_ref())?;
         let grad_clip = match o.grad_clip.unwrap_or(1.0) {
             0.0 => None,
             c if c > 0.0 => Some(c),
@@ -940,6 +1065,7 @@ impl TrainOptions {
             preference,
             preference_flags,
             reward,
+            grpo,
             pack: o.pack.unwrap_or(false),
             chat_template: o.chat_template,
             vocab: o.vocab,

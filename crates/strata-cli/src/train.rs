@@ -1,6 +1,7 @@
 //! `strata train`: the flags' settings translated into the library's run
 //! ([`strata::run::train`]), its data read from the files they name, its outcome printed.
 use crate::options::{DataChoice, StrategyChoice, TrainSettings};
+use crate::reward_command::command_reward;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::sync::Arc;
@@ -9,12 +10,14 @@ use strata::data::chat::{self, ChatTemplate};
 use strata::data::Batching;
 use strata::data::{
     read_labeled, read_source_target, BatchOffsets, ClassifySet, Dataset, ExampleFormat, ExampleOptions, ExampleSet,
-    MaskOptions, MaskedSet, Order, PreferenceFormat, PreferenceSet, Seq2SeqSet, SyntheticCorpus, TokenData, Tokenizer,
+    MaskOptions, MaskedSet, Order, PreferenceFormat, PreferenceSet, PromptFormat, PromptSet, Seq2SeqSet,
+    SyntheticCorpus, TokenData, Tokenizer,
 };
 use strata::io::FolderOut;
 use strata::model::{BertConfig, BertHead, ModelConfig};
 use strata::parallel::DataParallelOptions;
 use strata::profile::human_bytes;
+use strata::run::grpo::GrpoRun;
 use strata::run::{self, Checkpoints, Data, InitialWeights, Outputs, RunConfig, StrategySource};
 
 /// Data to train on, the best loss when it is known (the synthetic corpus), and the
@@ -69,9 +72,12 @@ fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, 
         }
         DataChoice::Examples(path) => {
             let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
-            let set: Dataset = match PreferenceSet::holds_preferences(path)? {
-                true => load_pairs(settings, path, &tokenizer)?.into(),
-                false => load_examples(settings, path, &tokenizer)?.into(),
+            let set: Dataset = if PreferenceSet::holds_preferences(path)? {
+                load_pairs(settings, path, &tokenizer)?.into()
+            } else if PromptSet::holds_prompts(path)? {
+                load_prompts(settings, path, &tokenizer)?.into()
+            } else {
+                load_examples(settings, path, &tokenizer)?.into()
             };
             (set, None, tokenizer.vocab_size())
         }
@@ -176,6 +182,26 @@ fn load_pairs(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> R
         dropped_long = r.dropped_long,
         "preference pairs"
     );
+    Ok(set)
+}
+
+/// GRPO's prompts of `path`, conversations rendered with the assistant's turn opened, a
+/// prompt leaving room for the most completion tokens within --ctx.
+fn load_prompts(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> Result<PromptSet> {
+    let Some(grpo) = &settings.grpo else {
+        bail!(
+            "{}: records of a \"prompt\" alone are trained on by GRPO: give --reward-command (and --model-dir)",
+            path.display()
+        );
+    };
+    let completion = grpo.config.max_completion_length;
+    let Some(max_prompt_length) = (settings.ctx as usize).checked_sub(completion).filter(|&m| m > 0) else {
+        bail!("--ctx {} leaves no room for a prompt beside --max-completion-length {completion}", settings.ctx);
+    };
+    let (template, _) = ExampleSources::of(settings).rendering()?;
+    let format = PromptFormat { tokenizer, template: template.as_ref(), max_prompt_length };
+    let set = PromptSet::read(path, &format)?;
+    tracing::info!(source = %path.display(), records = set.report.records, dropped_long = set.report.dropped_long, "prompts");
     Ok(set)
 }
 
@@ -325,6 +351,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
         restart_data: s.restart_data,
         preference: s.preference.clone(),
         reward: s.reward.clone().unwrap_or_default(),
+        grpo: None,
         outputs: Outputs {
             weights: s.save_weights.clone(),
             model_folder: model_folder(s, model)?,
@@ -352,7 +379,9 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
 
 pub fn run(settings: TrainSettings) -> Result<()> {
     let (train, best_loss, data_vocab) = load_data(&settings, &settings.data)?;
-    if let Some(flag) = settings.preference_flags.first().filter(|_| !matches!(train, Dataset::Preference(_))) {
+    // GRPO takes --beta too, as the coefficient of its KL term.
+    let preference_flag = settings.preference_flags.iter().find(|f| !(settings.grpo.is_some() && **f == "--beta"));
+    if let Some(flag) = preference_flag.filter(|_| !matches!(train, Dataset::Preference(_))) {
         bail!("{flag} scores preference pairs: give --data records of \"prompt\", \"chosen\" and \"rejected\"");
     }
     if let Some(flag) = settings.preference_flags.first().filter(|_| settings.reward.is_some()) {
@@ -361,12 +390,24 @@ pub fn run(settings: TrainSettings) -> Result<()> {
     if settings.reward.is_some() && !matches!(train, Dataset::Preference(_)) {
         bail!("a reward model trains on preference pairs: give --data records of \"chosen\" and \"rejected\"");
     }
+    if settings.grpo.is_some() && !matches!(train, Dataset::Prompts(_)) {
+        bail!("--reward-command rewards GRPO's completions: give --data records of \"prompt\" alone");
+    }
     let validation = match &settings.val {
         Some(v) => Some(Arc::new(load_data(&settings, v)?.0)),
         None => None,
     };
     let model = settings.model(settings.vocab.unwrap_or(data_vocab as i64))?;
-    let config = run_config(&settings, &model)?;
+    let mut config = run_config(&settings, &model)?;
+    if let (Dataset::Prompts(prompts), Some(g)) = (&train, &settings.grpo) {
+        let tokenizer = crate::options::tokenizer(settings.tokenizer.as_deref(), settings.model_dir.as_ref())?;
+        config.grpo = Some(GrpoRun {
+            config: g.config.clone(),
+            reward: command_reward(g.reward_command.clone(), Arc::new(prompts.clone()), Arc::new(tokenizer)),
+            stop_tokens: g.stop_tokens.clone(),
+            pad: g.pad,
+        });
+    }
     let data = Data { train: Arc::new(train), validation };
     let summary = run::train(&model.into(), &data, &config, &mut [])?;
     let leader = summary.is_leader();

@@ -343,22 +343,48 @@ pub struct GrpoMetrics {
 }
 
 impl GrpoMetrics {
-    /// The generation batch's part of the metrics: its rewards and completion lengths.
-    pub fn of_rollouts(rollouts: &Rollouts, group: usize, scaling: RewardScaling) -> GrpoMetrics {
-        let (mean, std) = nan_mean_std(&rollouts.rewards);
+    /// The generation batch's part of the metrics: its rewards and completion lengths, over
+    /// every rank of `ranks` (each with its own generation batch).
+    pub fn of_rollouts(
+        rollouts: &Rollouts,
+        group: usize,
+        scaling: RewardScaling,
+        ranks: Option<&dyn ProcessGroup>,
+    ) -> Result<GrpoMetrics> {
         let zero = advantages(&rollouts.rewards, group, scaling).1;
+        let scored: Vec<f64> = rollouts.rewards.iter().copied().filter(|r| !r.is_nan()).collect();
         let lengths: Vec<f64> = rollouts.completions.iter().map(|c| c.len() as f64).collect();
-        let n = lengths.len().max(1) as f64;
-        GrpoMetrics {
-            reward: mean,
-            reward_std: std,
-            frac_reward_zero_std: zero.iter().filter(|&&z| z).count() as f64 / n,
-            mean_length: lengths.iter().sum::<f64>() / n,
-            min_length: lengths.iter().copied().fold(f64::INFINITY, f64::min),
-            max_length: lengths.iter().copied().fold(0.0, f64::max),
-            clipped_ratio: rollouts.truncated.iter().filter(|&&t| t).count() as f64 / n,
-            ..GrpoMetrics::default()
+        let count = |flags: &[bool]| flags.iter().filter(|&&f| f).count() as f64;
+        let mut sums = [
+            scored.len() as f64,
+            scored.iter().sum(),
+            scored.iter().map(|r| r * r).sum(),
+            count(&zero),
+            lengths.len() as f64,
+            lengths.iter().sum(),
+            count(&rollouts.truncated),
+        ];
+        let mut extremes =
+            [lengths.iter().copied().fold(0.0, f64::max), -lengths.iter().copied().fold(f64::INFINITY, f64::min)];
+        if let Some(g) = ranks {
+            let lost = || Error::Comm("the metrics' all-reduce lost values".into());
+            sums = all_reduce_values(g, &sums, ReduceOp::Sum)?.try_into().map_err(|_| lost())?;
+            extremes = all_reduce_values(g, &extremes, ReduceOp::Max)?.try_into().map_err(|_| lost())?;
         }
+        let [scored, sum, squares, zero, n, length, truncated] = sums;
+        let mean = sum / scored;
+        // With Bessel's correction, as TRL's nanstd.
+        let variance = (squares - scored * mean * mean).max(0.0) / (scored - 1.0);
+        Ok(GrpoMetrics {
+            reward: mean,
+            reward_std: if scored > 1.0 { variance.sqrt() } else { f64::NAN },
+            frac_reward_zero_std: zero / n,
+            mean_length: length / n,
+            min_length: -extremes[1],
+            max_length: extremes[0],
+            clipped_ratio: truncated / n,
+            ..GrpoMetrics::default()
+        })
     }
 }
 
@@ -456,15 +482,20 @@ impl GrpoObjective {
 
     fn loss(&self, logits: &Tensor, batch: &Batch) -> Result<Tensor> {
         let c = &self.config;
-        let rollout = batch
-            .rollout
-            .as_ref()
-            .ok_or_else(|| Error::Data("a GRPO micro-batch carries its completions' advantages".into()))?;
         let logits = self.scaled(logits)?;
         let device = logits.device();
         let targets = batch.targets.f_to_device(device)?;
         let (logps, mask, log_softmax) = token_log_probs(&logits, &targets)?;
         let kind = logps.kind();
+        // Rows without rollout scores (what is measured before training reads) have no
+        // advantage: their loss is 0, its graph the same.
+        let blank = RolloutScores {
+            advantages: Tensor::f_zeros([logps.size()[0]], (kind, device))?,
+            old: None,
+            reference: None,
+            token_normalizer: 1.0,
+        };
+        let rollout = batch.rollout.as_ref().unwrap_or(&blank);
         let on = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_device(device)?.f_to_kind(kind)?) };
         let advantages = on(&rollout.advantages)?.f_unsqueeze(1)?;
         let old = match &rollout.old {
@@ -487,7 +518,7 @@ impl GrpoObjective {
                 // Weighted by the ratio, its gradient is the unbiased reverse-KL one.
                 Some(if c.use_bias_correction_kl { kl.f_mul(&coef)? } else { kl })
             }
-            None if c.beta != 0.0 => {
+            None if c.beta != 0.0 && batch.rollout.is_some() => {
                 return Err(Error::Data("GRPO at beta > 0 reads the reference model's log-probabilities".into()))
             }
             _ => None,

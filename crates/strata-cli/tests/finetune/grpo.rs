@@ -14,12 +14,15 @@ use strata::grpo::{GrpoConfig, GrpoObjective, Rollouts};
 use strata::io::{load_model_dir, FolderOut, WeightsTarget};
 use strata::model::from_pretrained_dir;
 use strata::optim::{LrSchedule, Optimizer, OptimizerConfig};
-use strata::run::grpo::{generate_rollouts, train_rollouts, Reference};
+use strata::run::grpo::{generate_rollouts, train_rollouts, Reference, StepShape};
+use strata::run::Flow;
 use strata::train::{StepReport, Trainer};
 
 const GENERATIONS: usize = 4;
 const MAX_COMPLETION: usize = 6;
 const EOS: i64 = 1;
+/// One process, one micro-batch a step, rows padded with the end token.
+const ONE_PROCESS: StepShape = StepShape { pad: EOS, accumulation: 1, group: None };
 
 /// One run: its name and the GRPOConfig fields it sets, on both sides.
 struct Case {
@@ -159,13 +162,21 @@ fn trainer(folder: &Path, lr: f64) -> (Trainer, Engine) {
     (Trainer::new(engine, optimizer.unwrap(), LrSchedule::Constant, Some(1e9)), load())
 }
 
+/// A step callback that keeps every report and goes on.
+fn keep(into: &mut Vec<StepReport>) -> impl FnMut(&mut Trainer, StepReport) -> strata::Result<Flow> + '_ {
+    |_, report| {
+        into.push(report);
+        Ok(Flow::Continue)
+    }
+}
+
 fn follows_trl(dir: &Path, c: &Case) {
     let objective = GrpoObjective::new(config_of(&(c.fields)())).unwrap();
     let (mut trainer, mut reference) = trainer(&dir.join("model"), 1e-3);
     let mut ours: Vec<StepReport> = vec![];
     for rollouts in generation_batches() {
         let kl = Reference::Copy(&mut reference);
-        ours.extend(train_rollouts(&mut trainer, &objective, &rollouts, EOS, kl, 1, None).unwrap());
+        train_rollouts(&mut trainer, &objective, &rollouts, kl, &ONE_PROCESS, &mut keep(&mut ours)).unwrap();
     }
     let theirs = reports(&dir.join("trl").join(format!("{}.jsonl", c.name)));
     assert_eq!(ours.len(), theirs.len(), "{}: steps", c.name);
@@ -219,11 +230,95 @@ fn a_toy_reward_rises_over_fifty_steps() {
     for step in 0..50 {
         let (mut rollouts, _) = generate_rollouts(&mut trainer, &objective, &prompts, &[EOS], step).unwrap();
         rollouts.rewards = rollouts.completions.iter().map(|c| reward(c)).collect();
-        let reports = train_rollouts(&mut trainer, &objective, &rollouts, EOS, Reference::None, 1, None).unwrap();
+        let mut reports = vec![];
+        train_rollouts(&mut trainer, &objective, &rollouts, Reference::None, &ONE_PROCESS, &mut keep(&mut reports))
+            .unwrap();
         means.push(reports[0].grpo.unwrap().reward);
     }
     let early: f64 = means[..10].iter().sum::<f64>() / 10.0;
     let late: f64 = means[40..].iter().sum::<f64>() / 10.0;
     eprintln!("mean reward over the first ten steps {early:.3}, over the last ten {late:.3}");
     assert!(late > early + 0.5, "the reward did not rise: {means:?}");
+}
+
+/// A reward command: one reward per completion, the count of "e" in its text.
+fn reward_script(dir: &Path) -> String {
+    let script = dir.join("reward.py");
+    let body = "import json, sys\nfor line in sys.stdin:\n    print(json.loads(line)[\"completion\"].count(\"e\"))\n";
+    std::fs::write(&script, body).unwrap();
+    let py = common::venv_python().unwrap();
+    format!("{} {}", py.display(), script.display())
+}
+
+/// `strata train` on prompts with a reward command: over two fsdp ranks it follows one
+/// process step for step (each prompt's group sampled from its own seed, the KL term read
+/// from a frozen copy) and ends with its weights; under LoRA the base is the reference;
+/// what GRPO cannot take is refused in one line.
+#[test]
+fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
+    let Some(py) = common::venv_python() else { return };
+    let dir = reference(&py);
+    let work = tempfile::tempdir().unwrap();
+    let prompts = work.path().join("prompts.jsonl");
+    let lines: Vec<String> =
+        (0..6).map(|i| json!({"prompt": format!("Question {i}: say more"), "id": i}).to_string()).collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let command = reward_script(work.path());
+    let model = dir.join("model");
+    let shared = [
+        "--model-dir",
+        s(&model),
+        "--data",
+        s(&prompts),
+        "--reward-command",
+        &command,
+        "--num-generations",
+        "4",
+        "--max-completion-length",
+        "8",
+        "--batch-size",
+        "8",
+        "--ctx",
+        "64",
+        "--lr",
+        "1e-2",
+        "--num-iterations",
+        "2",
+        "--beta",
+        "0.04",
+        "--grad-clip",
+        "0",
+    ];
+    let one = common::train_run(work.path(), "one", 6, &[&shared]);
+    let two = common::train_run(work.path(), "two", 6, &[&shared, &["--nproc", "2", "--strategy", r#"["fsdp"]"#]]);
+    let (a, b) = (reports(&one.1), reports(&two.1));
+    assert_eq!(a.len(), 6);
+    for (x, y) in a.iter().zip(&b) {
+        for key in ["loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "supervised_tokens"] {
+            let (want, got) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+            assert!((want - got).abs() <= 1e-6 + 1e-5 * want.abs(), "step {}: {key} {got} against {want}", x["step"]);
+        }
+    }
+    assert!(a[5]["kl"].as_f64().unwrap() > 0.0, "the policy moved from its reference");
+    let gap = common::global_gap(&one.0, &two.0);
+    eprintln!("GRPO over two fsdp ranks: weights differ from one process's by {gap:.2e}");
+    assert!(gap < 1e-5, "weights differ by {gap:e}");
+    // LoRA: the base without its adapters is the reference.
+    let lora = [r#"[["lora", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}]]"#];
+    let adapted = common::train_run(work.path(), "lora", 4, &[&shared, &["--strategy", lora[0]]]);
+    let kl = reports(&adapted.1)[3]["kl"].as_f64().unwrap();
+    assert!(kl > 0.0 && kl < 1.0, "LoRA's KL to its base: {kl}");
+    for (flags, expected) in [
+        (
+            vec!["--nproc", "2", "--strategy", r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#],
+            "tensor parallelism splits",
+        ),
+        (vec!["--num-generations", "3"], "not whole groups of num_generations 3"),
+        (vec!["--grpo-loss", "ppo"], "unknown GRPO loss type"),
+    ] {
+        let o = common::strata(&[&["train", "--steps", "1"][..], &shared, &flags].concat());
+        common::assert_fails_with(&o, expected);
+    }
+    let o = common::strata(&["train", "--model-dir", s(&model), "--data", s(&prompts), "--steps", "1"]);
+    common::assert_fails_with(&o, "trained on by GRPO: give --reward-command");
 }

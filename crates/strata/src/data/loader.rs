@@ -330,6 +330,7 @@ pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usi
         (Dataset::SourceTarget(s), None) => (s.len(), "sources with targets".to_string(), 1),
         (Dataset::Masked(m), None) => (m.len(), format!("masked rows of {} tokens", m.longest()), 1),
         (Dataset::Preference(p), None) => (p.len(), "preference pairs".to_string(), 1),
+        (Dataset::Prompts(p), None) => (p.len(), "prompts".to_string(), 1),
     };
     let fit = held / config.batching.batch_size;
     let count = match count {
@@ -378,9 +379,11 @@ impl DataLoader {
             Dataset::Tokens(t) => t.check_length(config.batching.ctx)?,
             Dataset::Examples(e) if e.is_empty() => return Err(Error::Data(format!("{} holds no example", e.source))),
             Dataset::Examples(_) => {}
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => match data
-                .row_set()
-            {
+            Dataset::Labeled(_)
+            | Dataset::SourceTarget(_)
+            | Dataset::Masked(_)
+            | Dataset::Preference(_)
+            | Dataset::Prompts(_) => match data.row_set() {
                 Some(rows) if rows.is_empty() => return Err(Error::Data(format!("{} holds no record", rows.source()))),
                 _ => {}
             },
@@ -503,9 +506,11 @@ impl OffsetStream {
             Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
             Dataset::Examples(e) if config.batching.pack => Items::Packed { lengths: lengths(e).into() },
             Dataset::Examples(e) => Items::Examples { count: e.len() },
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => {
-                Items::Examples { count: data.row_set().map_or(0, |r| r.len()) }
-            }
+            Dataset::Labeled(_)
+            | Dataset::SourceTarget(_)
+            | Dataset::Masked(_)
+            | Dataset::Preference(_)
+            | Dataset::Prompts(_) => Items::Examples { count: data.row_set().map_or(0, |r| r.len()) },
         };
         if let Order::Offsets(o) = &order {
             if o.ctx != config.batching.ctx || o.batch != config.batching.batch_size {
@@ -612,7 +617,11 @@ fn build_step(data: &Dataset, config: &LoaderConfig, rows: usize, index: usize, 
     let global_supervised = match data {
         Dataset::Tokens(_) => (global.len() * ctx) as u64,
         Dataset::Examples(e) => global.iter().flatten().map(|&i| learned_targets(e, i)).sum(),
-        Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => {
+        Dataset::Labeled(_)
+        | Dataset::SourceTarget(_)
+        | Dataset::Masked(_)
+        | Dataset::Preference(_)
+        | Dataset::Prompts(_) => {
             let set = data.row_set();
             global.iter().flatten().map(|&i| set.map_or(0, |s| s.supervised(i))).sum()
         }
@@ -644,7 +653,11 @@ fn micro_batch(data: &Dataset, config: &LoaderConfig, rows: &[Vec<usize>]) -> Re
             Dataset::Examples(e) => {
                 filled.push(examples_row(e, row, ctx, (&mut inputs, &mut targets), layout.as_mut()))
             }
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => {
+            Dataset::Labeled(_)
+            | Dataset::SourceTarget(_)
+            | Dataset::Masked(_)
+            | Dataset::Preference(_)
+            | Dataset::Prompts(_) => {
                 unreachable!("records are batched whole above")
             }
         }

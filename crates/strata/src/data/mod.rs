@@ -15,6 +15,7 @@ mod classify;
 mod loader;
 mod masked;
 mod preference;
+mod prompts;
 pub mod records;
 mod seq2seq;
 mod synthetic;
@@ -27,6 +28,7 @@ pub use loader::{
 };
 pub use masked::{MaskOptions, MaskedSet};
 pub use preference::{PreferenceFormat, PreferencePair, PreferenceReport, PreferenceSet};
+pub use prompts::{PromptFormat, PromptReport, PromptSet};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
 pub use seq2seq::{read_source_target, rouge_l, Seq2SeqSet, SourceTarget};
 pub use synthetic::SyntheticCorpus;
@@ -206,6 +208,8 @@ pub enum Dataset {
     /// Prompts each with a chosen and a rejected completion, two rows a pair (preference
     /// optimisation).
     Preference(PreferenceSet),
+    /// Prompts alone, each completed by the model as it trains (GRPO).
+    Prompts(PromptSet),
 }
 
 /// Records batched a record a row, each batch padded to its longest record (labeled texts,
@@ -263,6 +267,12 @@ impl From<PreferenceSet> for Dataset {
     }
 }
 
+impl From<PromptSet> for Dataset {
+    fn from(data: PromptSet) -> Dataset {
+        Dataset::Prompts(data)
+    }
+}
+
 impl From<TokenData> for Dataset {
     fn from(data: TokenData) -> Dataset {
         Dataset::Tokens(data)
@@ -283,6 +293,7 @@ impl Dataset {
             Dataset::SourceTarget(s) => Some(s),
             Dataset::Masked(m) => Some(m),
             Dataset::Preference(p) => Some(p),
+            Dataset::Prompts(p) => Some(p),
             Dataset::Tokens(_) | Dataset::Examples(_) => None,
         }
     }
@@ -292,9 +303,11 @@ impl Dataset {
         match self {
             Dataset::Tokens(t) => &t.source,
             Dataset::Examples(e) => &e.source,
-            Dataset::Labeled(_) | Dataset::SourceTarget(_) | Dataset::Masked(_) | Dataset::Preference(_) => {
-                self.row_set().map_or("", |r| r.source())
-            }
+            Dataset::Labeled(_)
+            | Dataset::SourceTarget(_)
+            | Dataset::Masked(_)
+            | Dataset::Preference(_)
+            | Dataset::Prompts(_) => self.row_set().map_or("", |r| r.source()),
         }
     }
 
@@ -352,6 +365,10 @@ impl Dataset {
             }
             Dataset::Preference(p) => {
                 check_rows(&p.source, ("a prompt with a completion", p.longest()), ctx, "")?;
+                check_vocab(&p.source, p.vocab_needed(), vocab)
+            }
+            Dataset::Prompts(p) => {
+                check_rows(&p.source, ("a prompt", p.longest()), ctx, "")?;
                 check_vocab(&p.source, p.vocab_needed(), vocab)
             }
         }

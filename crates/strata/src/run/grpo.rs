@@ -5,13 +5,16 @@
 //!
 //! Owns the order of generation, scoring and updates. Must not own the loss
 //! ([`crate::grpo`]) nor a step ([`crate::train`]).
+use super::Flow;
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
-use crate::data::{Batch, Step};
+use crate::data::{Batch, PromptSet, RowSet, Step};
+use crate::engine::with_seed;
 use crate::engine::Engine;
 use crate::generate::{generate_batch, GenerateConfig};
-use crate::grpo::{advantages, GrpoMetrics, GrpoObjective, Rollouts};
+use crate::grpo::{advantages, GrpoConfig, GrpoMetrics, GrpoObjective, Rollouts};
 use crate::train::{set_rows, token_input, Feed, StepReport, Trainer};
 use crate::{Error, Result};
+use std::collections::btree_map::{BTreeMap, Entry};
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -29,9 +32,136 @@ pub struct Sample<'a> {
 /// could be given; such a completion's advantage is 0).
 pub type RewardFn = Arc<dyn Fn(&[Sample<'_>]) -> Result<Vec<f64>> + Send + Sync>;
 
+/// A GRPO run's parameters beside the run's: TRL's configuration, the reward, and the
+/// tokens that end a completion and pad a row (the tokenizer's).
+#[derive(Clone)]
+pub struct GrpoRun {
+    /// TRL's `GRPOConfig` fields.
+    pub config: GrpoConfig,
+    /// The completions' rewards.
+    pub reward: RewardFn,
+    /// Tokens that end a completion (the end-of-sequence tokens).
+    pub stop_tokens: Vec<i64>,
+    /// The token rows are padded with.
+    pub pad: i64,
+}
+
+/// Where a run's GRPO stands: its prompts, this rank's share of each generation batch and
+/// the group its ranks average over.
+pub(super) struct Setup<'a> {
+    pub prompts: &'a PromptSet,
+    pub run: &'a GrpoRun,
+    /// Micro-batches per optimizer step.
+    pub accumulation: usize,
+    /// Completions per micro-batch on each rank.
+    pub micro_rows: usize,
+    pub data_rank: usize,
+    pub data_world: usize,
+    /// Every data rank, where there are several.
+    pub group: Option<&'a dyn ProcessGroup>,
+    /// Seeds the prompts' order and the sampling.
+    pub seed: u64,
+}
+
+impl Setup<'_> {
+    /// Micro-batches per generation batch.
+    fn per_generation(&self) -> usize {
+        self.run.config.steps_per_generation.unwrap_or(self.accumulation)
+    }
+
+    /// Prompts per generation batch on each rank, refused where the completions do not make
+    /// whole groups.
+    fn prompts_per_rank(&self) -> Result<usize> {
+        let completions = self.micro_rows * self.per_generation();
+        let group = self.run.config.num_generations;
+        if !completions.is_multiple_of(group) {
+            return Err(Error::Config(format!(
+                "grpo: a rank's generation batch of {completions} completions ({} a micro-batch, {} micro-batches) is                  not whole groups of num_generations {group}",
+                self.micro_rows,
+                self.per_generation()
+            )));
+        }
+        Ok(completions / group)
+    }
+
+    /// This rank's prompts of generation batch `g` (record numbers): the prompts in an order
+    /// shuffled anew each epoch by the seed, each generation batch the next of them over
+    /// every rank, each rank its consecutive share.
+    fn prompts_of(&self, g: usize) -> Result<Vec<usize>> {
+        let n = self.prompts.len();
+        let mine = self.prompts_per_rank()?;
+        let first = (g * self.data_world + self.data_rank) * mine;
+        let mut orders: BTreeMap<usize, Vec<i64>> = BTreeMap::new();
+        let mut out = Vec::with_capacity(mine);
+        for k in first..first + mine {
+            let epoch = k / n;
+            let order = match orders.entry(epoch) {
+                Entry::Occupied(o) => o.into_mut(),
+                Entry::Vacant(v) => {
+                    let order = with_seed(self.seed.wrapping_add(epoch as u64) as i64, || {
+                        Tensor::f_randperm(n as i64, (tch::Kind::Int64, tch::Device::Cpu))
+                    })?;
+                    v.insert(Vec::<i64>::try_from(order)?)
+                }
+            };
+            out.push(order[k % n] as usize);
+        }
+        Ok(out)
+    }
+}
+
+/// GRPO until `after` says stop: each generation batch's prompts completed by the model,
+/// rewarded, and trained on, every step's report handed to `after`. `reference`: where
+/// `beta > 0`, a frozen copy of the model (`Some(None)`: LoRA's base).
+pub(super) fn train(
+    trainer: &mut Trainer,
+    objective: &Arc<GrpoObjective>,
+    setup: &Setup<'_>,
+    mut reference: Option<Option<Engine>>,
+    after: &mut dyn FnMut(&mut Trainer, StepReport) -> Result<Flow>,
+) -> Result<()> {
+    let c = objective.config();
+    let micro_per_generation = setup.per_generation() * c.num_iterations;
+    loop {
+        // A resumed run starts at the next whole generation batch.
+        let done = trainer.step() as usize * setup.accumulation;
+        let g = done.div_ceil(micro_per_generation);
+        let records = setup.prompts_of(g)?;
+        let prompts: Vec<(usize, Vec<i64>)> = records.iter().map(|&r| (r, setup.prompts.prompt(r))).collect();
+        // Each prompt's group draws from its own seed: the completions do not depend on
+        // how prompts fall to ranks.
+        let seed = setup.seed.wrapping_mul(0x9e37_79b9).wrapping_add(g as u64);
+        let (mut rollouts, records) = generate_rollouts(trainer, objective, &prompts, &setup.run.stop_tokens, seed)?;
+        let samples: Vec<Sample> = (0..rollouts.len())
+            .map(|i| Sample { prompt: &rollouts.prompts[i], completion: &rollouts.completions[i], record: records[i] })
+            .collect();
+        let rewards = (setup.run.reward)(&samples)?;
+        if rewards.len() != rollouts.len() {
+            return Err(Error::Data(format!(
+                "the reward gave {} rewards for {} completions",
+                rewards.len(),
+                rollouts.len()
+            )));
+        }
+        rollouts.rewards = rewards;
+        let kl = match reference.as_mut() {
+            None => Reference::None,
+            Some(None) => Reference::Base,
+            Some(Some(engine)) => Reference::Copy(engine),
+        };
+        let steps = StepShape { pad: setup.run.pad, accumulation: setup.accumulation, group: setup.group };
+        let flow = train_rollouts(trainer, objective, &rollouts, kl, &steps, after)?;
+        if flow == Flow::Stop {
+            return Ok(());
+        }
+    }
+}
+
 /// Each of `prompts` (its record and tokens) completed `num_generations` times by the
-/// trainer's model, sampling as `objective`'s configuration says from `seed`, ending at a
-/// stop token or the most completion tokens; rewards left NaN for the caller to give.
+/// trainer's model, the group decoded together with the key/value cache and sampled as
+/// `objective`'s configuration says from a seed of `seed` and its record, ending at a stop
+/// token or the most completion tokens; rewards left NaN for the caller to give. Returns
+/// each completion's record too.
 pub fn generate_rollouts(
     trainer: &mut Trainer,
     objective: &GrpoObjective,
@@ -40,25 +170,30 @@ pub fn generate_rollouts(
     seed: u64,
 ) -> Result<(Rollouts, Vec<usize>)> {
     let c = objective.config();
-    let repeated: Vec<Vec<i64>> =
-        prompts.iter().flat_map(|(_, p)| std::iter::repeat_n(p.clone(), c.num_generations)).collect();
-    let records: Vec<usize> = prompts.iter().flat_map(|(r, _)| std::iter::repeat_n(*r, c.num_generations)).collect();
-    let sampling = GenerateConfig {
-        max_new_tokens: c.max_completion_length,
-        temperature: c.temperature,
-        top_k: c.top_k,
-        top_p: c.top_p,
-        seed,
-        stop_tokens: stop_tokens.to_vec(),
-        cache: true,
-    };
     trainer.settle_updates()?;
     let engine = trainer.engine_mut();
-    let completions = generate_batch(engine, &repeated, &sampling, None)?;
-    let truncated =
-        completions.iter().map(|c| c.last().is_none_or(|t| !stop_tokens.contains(t))).collect::<Vec<bool>>();
-    let rewards = vec![f64::NAN; completions.len()];
-    Ok((Rollouts { prompts: repeated, completions, truncated, rewards }, records))
+    let mut rollouts = Rollouts::default();
+    let mut records = vec![];
+    for (record, prompt) in prompts {
+        let sampling = GenerateConfig {
+            max_new_tokens: c.max_completion_length,
+            temperature: c.temperature,
+            top_k: c.top_k,
+            top_p: c.top_p,
+            seed: seed.wrapping_mul(1_000_003).wrapping_add(*record as u64),
+            stop_tokens: stop_tokens.to_vec(),
+            cache: true,
+        };
+        let group = vec![prompt.clone(); c.num_generations];
+        for completion in generate_batch(engine, &group, &sampling, None)? {
+            rollouts.truncated.push(completion.last().is_none_or(|t| !stop_tokens.contains(t)));
+            rollouts.completions.push(completion);
+            rollouts.prompts.push(prompt.clone());
+            rollouts.rewards.push(f64::NAN);
+            records.push(*record);
+        }
+    }
+    Ok((rollouts, records))
 }
 
 /// Where the KL term's reference log-probabilities come from.
@@ -71,20 +206,32 @@ pub enum Reference<'a> {
     Copy(&'a mut Engine),
 }
 
+/// How a generation batch's rows become optimizer steps.
+#[derive(Clone, Copy)]
+pub struct StepShape<'a> {
+    /// The token rows are padded with.
+    pub pad: i64,
+    /// Micro-batches per optimizer step.
+    pub accumulation: usize,
+    /// The data-parallel ranks, each with its own generation batch of the same size.
+    pub group: Option<&'a dyn ProcessGroup>,
+}
+
 /// Trains on one generation batch whose rewards are given: its advantages, the old and
 /// reference log-probabilities where the loss reads them, then `num_iterations` passes over
-/// its micro-batches (`steps_per_generation` of them, `accumulation` to an optimizer step).
-/// `group`: the data-parallel ranks, each with its own generation batch of the same size.
-/// The trainer's loss becomes `objective`'s. Returns each step's report with GRPO's metrics.
+/// its micro-batches (`steps_per_generation` of them, `steps.accumulation` to an optimizer
+/// step).
+/// The trainer's loss becomes `objective`'s. Each step's report, with GRPO's metrics, goes
+/// to `after`, which may stop the passes (what it said last is returned).
 pub fn train_rollouts(
     trainer: &mut Trainer,
     objective: &Arc<GrpoObjective>,
     rollouts: &Rollouts,
-    pad: i64,
     mut reference: Reference<'_>,
-    accumulation: usize,
-    group: Option<&dyn ProcessGroup>,
-) -> Result<Vec<StepReport>> {
+    steps: &StepShape<'_>,
+    after: &mut dyn FnMut(&mut Trainer, StepReport) -> Result<Flow>,
+) -> Result<Flow> {
+    let StepShape { pad, accumulation, group } = *steps;
     let c = objective.config();
     let per_generation = c.steps_per_generation.unwrap_or(accumulation);
     let micro_batches = per_generation * c.num_iterations;
@@ -148,9 +295,8 @@ pub fn train_rollouts(
     }
     trainer.set_feed(&Feed { input: token_input(), loss: Some(objective.loss_fn()) });
     let data_ranks = group.map_or(1, |g| g.size());
-    let generation = GrpoMetrics::of_rollouts(rollouts, c.num_generations, c.scale_rewards);
+    let generation = GrpoMetrics::of_rollouts(rollouts, c.num_generations, c.scale_rewards, group)?;
     let order: Vec<usize> = (0..micro_batches).map(|m| m % per_generation).collect();
-    let mut reports = vec![];
     for chunk in order.chunks(accumulation) {
         let micro = chunk.iter().map(|&m| batches[m].to_device(device)).collect::<Result<Vec<Batch>>>()?;
         let step = Step {
@@ -159,14 +305,28 @@ pub fn train_rollouts(
             global_supervised: (accumulation * data_ranks) as u64,
             data_ranks,
         };
+        // The step's learned completion tokens, every rank's.
+        let mine = step.micro_batches.iter().map(learned_tokens).sum::<Result<f64>>()?;
+        let supervised = match group {
+            Some(g) => all_reduce_values(g, &[mine], ReduceOp::Sum)?[0],
+            None => mine,
+        };
         objective.reset();
         let mut report = trainer.train_step(&step)?;
+        report.supervised_tokens = supervised as u64;
         let mut metrics = generation;
         objective.take_metrics(group, &mut metrics)?;
         report.grpo = Some(metrics);
-        reports.push(report);
+        if after(trainer, report)? == Flow::Stop {
+            return Ok(Flow::Stop);
+        }
     }
-    Ok(reports)
+    Ok(Flow::Continue)
+}
+
+/// The completion tokens `batch` learns.
+fn learned_tokens(batch: &Batch) -> Result<f64> {
+    Ok(batch.targets.f_ne(crate::data::IGNORE)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])? as f64)
 }
 
 /// `engine`'s per-position log-probabilities of `batch`'s targets (`[rows, positions]`).

@@ -30,6 +30,7 @@ use crate::checkpoint::{self, BaseRecord, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankInfo};
 use crate::data::{validation_steps, Batching, DataLoader, Dataset, LoaderConfig, Order, RowSet, Step};
 use crate::engine::{Engine, EngineConfig, EventSink, EventSinks, UnitClock};
+use crate::grpo::GrpoObjective;
 use crate::io::{AdapterOut, FolderOut, WeightsTarget};
 use crate::model::{Builder, DecoderHead, ModelConfig, ModelDir, ModelSpec};
 use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
@@ -258,6 +259,8 @@ pub struct RunConfig {
     pub preference: PreferenceConfig,
     /// How a reward model's pairs are scored, where the model is a reward model.
     pub reward: RewardConfig,
+    /// GRPO's parameters and reward, where the training data holds prompts alone.
+    pub grpo: Option<grpo::GrpoRun>,
 }
 
 impl RunConfig {
@@ -299,6 +302,7 @@ impl Default for RunConfig {
             progress: false,
             preference: PreferenceConfig::default(),
             reward: RewardConfig::default(),
+            grpo: None,
         }
     }
 }
@@ -564,15 +568,15 @@ pub fn train(
         None => Ranks { comm: None, local_world_size: 1 },
     };
     share_cores(config.threads, ranks.local_world_size);
-    let objective = pair_objective(data, &mut config, model)?;
-    let preference = objective.as_ref().and_then(PairObjective::preference);
+    let objective = objective_of(data, &mut config, model)?;
+    let preference = objective.as_ref().and_then(Objective::preference);
     let engine_config = engine_config_of(&config);
     let (strategy, data_parallel) = choose_strategy(model, data, &config, &ranks, &engine_config)?;
-    if objective.is_some() {
-        check_preference_strategy(&strategy, &config)?;
+    if let Some(o) = &objective {
+        check_objective_strategy(o, &strategy, &config)?;
     }
     let mut strategy = with_adapter_config(strategy, &config.init)?;
-    if let Some(PairObjective::Reward(_)) = &objective {
+    if let Some(Objective::Reward(_)) = &objective {
         train_score_head(&mut strategy);
     }
     if config.outputs.adapter_folder.is_some() && strategy.lora().is_none() {
@@ -715,6 +719,8 @@ pub fn train(
     let loader_config = LoaderConfig { start_step: data_start as usize, ..loader_config };
     let val_steps =
         data.validation.as_ref().map(|v| validation_steps(v, &loader_config, config.eval_batches, 8)).transpose()?;
+    // Rows of one micro-batch on this rank (GRPO's completions).
+    let rank_rows = loader_config.micro_batch_rows()?;
     let loader = DataLoader::new(data.train.clone(), loader_config)?;
     let save_checkpoint = |trainer: &mut Trainer| -> Result<()> {
         let Some(c) = &config.checkpoints else { return Ok(()) };
@@ -738,19 +744,12 @@ pub fn train(
     };
     let mut observers = observe::Observers::open(&config, ranks.leader(), start)?;
     let mut last: Option<StepReport> = None;
-    for step in loader.take((config.steps - start) as usize) {
+    let readers = data_world * mesh.size(Dim::Context);
+    // What every step's report goes through, whichever loop took the step: validation,
+    // unit times, metrics, callbacks and periodic checkpoints.
+    let mut after_step = |trainer: &mut Trainer, mut report: StepReport| -> Result<Flow> {
         // The trainer reports the job's loss; every data rank's tokens count, and each
         // context rank's piece of them.
-        if let Some(o) = &objective {
-            o.reset();
-        }
-        let mut report = trainer.train_step(&step?)?;
-        match &objective {
-            Some(PairObjective::Preference(p)) => report.preference = p.take_metrics(world_group.as_deref())?,
-            Some(PairObjective::Reward(r)) => report.reward = r.take_metrics(world_group.as_deref())?,
-            None => {}
-        }
-        let readers = data_world * mesh.size(Dim::Context);
         report.tokens *= readers as u64;
         report.tokens_per_s *= readers as f64;
         if let Some(steps) = val_steps.as_ref().filter(|_| config.validation_due(report.step)) {
@@ -775,11 +774,47 @@ pub fn train(
             stop = crate::comm::all_reduce_values(g, &[stop as u8 as f64], crate::comm::ReduceOp::Max)?[0] > 0.0;
         }
         if config.checkpoint_due(report.step) && !stop {
-            observers.suspend(|| save_checkpoint(&mut trainer))?;
+            observers.suspend(|| save_checkpoint(trainer))?;
         }
+        let done = stop || report.step >= config.steps;
         last = Some(report);
-        if stop {
-            break;
+        Ok(if done { Flow::Stop } else { Flow::Continue })
+    };
+    match (&objective, data.train.as_ref(), &config.grpo) {
+        (Some(Objective::Grpo(g)), Dataset::Prompts(prompts), Some(run)) if start < config.steps => {
+            // Tensor, pipeline and context parallelism are refused: every rank is a data rank.
+            let setup = grpo::Setup {
+                prompts,
+                run,
+                accumulation: config.batching.accumulation,
+                micro_rows: rank_rows,
+                data_rank,
+                data_world,
+                group: world_group.as_deref(),
+                seed: config.batching.seed,
+            };
+            let reference = match (g.config().beta != 0.0, strategy.lora().is_some()) {
+                (false, _) => None,
+                (true, true) => Some(None),
+                (true, false) => Some(Some(reference_copy(spec()?, &engine_config, &config.init)?)),
+            };
+            grpo::train(&mut trainer, g, &setup, reference, &mut after_step)?;
+        }
+        _ => {
+            for step in loader.take((config.steps - start) as usize) {
+                if let Some(o) = &objective {
+                    o.reset();
+                }
+                let mut report = trainer.train_step(&step?)?;
+                match &objective {
+                    Some(Objective::Preference(p)) => report.preference = p.take_metrics(world_group.as_deref())?,
+                    Some(Objective::Reward(r)) => report.reward = r.take_metrics(world_group.as_deref())?,
+                    _ => {}
+                }
+                if after_step(&mut trainer, report)? == Flow::Stop {
+                    break;
+                }
+            }
         }
     }
     observers.finish()?;
@@ -833,40 +868,84 @@ pub fn train(
     Ok(RunSummary { last, strategy, rank: ranks.rank(), world_size: ranks.world() })
 }
 
-/// What a run on preference pairs trains: a language model's preferences (DPO and its
-/// family, KTO), or a reward model.
-enum PairObjective {
+/// What a run scores its model by beyond next-token prediction: a language model's
+/// preferences (DPO and its family, KTO), a reward model's pairs, or GRPO's completions.
+enum Objective {
     Preference(Arc<PreferenceObjective>),
     Reward(Arc<RewardObjective>),
+    Grpo(Arc<GrpoObjective>),
 }
 
-impl PairObjective {
+impl Objective {
     fn preference(&self) -> Option<Arc<PreferenceObjective>> {
         match self {
-            PairObjective::Preference(p) => Some(p.clone()),
-            PairObjective::Reward(_) => None,
+            Objective::Preference(p) => Some(p.clone()),
+            _ => None,
         }
     }
 
     fn loss_fn(&self) -> ScoreFn {
         match self {
-            PairObjective::Preference(p) => p.loss_fn(),
-            PairObjective::Reward(r) => r.loss_fn(),
+            Objective::Preference(p) => p.loss_fn(),
+            Objective::Reward(r) => r.loss_fn(),
+            Objective::Grpo(g) => g.loss_fn(),
         }
     }
 
     fn reset(&self) {
         match self {
-            PairObjective::Preference(p) => p.reset(),
-            PairObjective::Reward(r) => r.reset(),
+            Objective::Preference(p) => p.reset(),
+            Objective::Reward(r) => r.reset(),
+            Objective::Grpo(g) => g.reset(),
         }
     }
+
+    /// What the data is called in messages.
+    fn data(&self) -> &'static str {
+        match self {
+            Objective::Grpo(_) => "GRPO",
+            Objective::Preference(_) | Objective::Reward(_) => "preference pairs",
+        }
+    }
+}
+
+/// The objective the training data asks for, its loss made the run's: GRPO where the data
+/// holds prompts alone, a reward model's scoring where it holds pairs and the model is one,
+/// else the preference loss; refused beside a loss of the caller's own.
+fn objective_of(data: &Data, config: &mut RunConfig, model: &Model) -> Result<Option<Objective>> {
+    let prompts = |d: &Dataset| matches!(d, Dataset::Prompts(_));
+    if prompts(&data.train) {
+        let Some(run) = &config.grpo else {
+            return Err(Error::Config(format!(
+                "{}: prompts alone are trained on by GRPO, which needs a reward (a function, or --reward-command)",
+                data.train.source()
+            )));
+        };
+        if config.loss.is_some() {
+            return Err(Error::Config("GRPO's completions are scored by its loss, not by a loss_func".into()));
+        }
+        if data.validation.is_some() {
+            return Err(Error::Config(
+                "GRPO trains on prompts and has no validation loss: give no validation data".into(),
+            ));
+        }
+        let objective = Objective::Grpo(GrpoObjective::new(run.config.clone())?);
+        config.loss = Some(objective.loss_fn());
+        return Ok(Some(objective));
+    }
+    if config.grpo.is_some() {
+        return Err(Error::Config(format!(
+            "{}: GRPO trains on records of a \"prompt\" alone (no completion)",
+            data.train.source()
+        )));
+    }
+    pair_objective(data, config, model)
 }
 
 /// The scoring of preference pairs where the training data holds them — a reward model's
 /// where the model is one, else the preference loss — its loss made the run's; refused
 /// beside a loss of the caller's own.
-fn pair_objective(data: &Data, config: &mut RunConfig, model: &Model) -> Result<Option<PairObjective>> {
+fn pair_objective(data: &Data, config: &mut RunConfig, model: &Model) -> Result<Option<Objective>> {
     let pairs = |d: &Dataset| matches!(d, Dataset::Preference(_));
     if !pairs(&data.train) {
         if data.validation.as_deref().is_some_and(pairs) {
@@ -901,7 +980,7 @@ fn pair_objective(data: &Data, config: &mut RunConfig, model: &Model) -> Result<
                         .into(),
                 )
             })?;
-            PairObjective::Reward(RewardObjective::new(config.reward.clone(), pad)?)
+            Objective::Reward(RewardObjective::new(config.reward.clone(), pad)?)
         }
         None => {
             let unpaired_loss = config.preference.losses.iter().any(|(l, _)| l.unpaired());
@@ -921,27 +1000,33 @@ fn pair_objective(data: &Data, config: &mut RunConfig, model: &Model) -> Result<
                 }
                 _ => {}
             }
-            PairObjective::Preference(PreferenceObjective::new(config.preference.clone())?)
+            Objective::Preference(PreferenceObjective::new(config.preference.clone())?)
         }
     };
     config.loss = Some(objective.loss_fn());
     Ok(Some(objective))
 }
 
-/// Refuses what a preference run cannot take, in one line naming why: the loss scores a
-/// whole row's logits over the whole vocabulary.
-fn check_preference_strategy(strategy: &Strategy, config: &RunConfig) -> Result<()> {
+/// Refuses what a preference or GRPO run cannot take, in one line naming why: the loss
+/// scores a whole row's logits over the whole vocabulary, and GRPO decodes with whole units
+/// on every rank.
+fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: &RunConfig) -> Result<()> {
+    let grpo = matches!(objective, Objective::Grpo(_));
     let why = if strategy.context_parallel().is_some() {
         Some("context parallelism splits a completion's tokens over ranks")
     } else if strategy.chunked_loss().is_some() {
-        Some("chunked_loss gives a next-token loss, not the logits a pair's score sums")
+        Some("chunked_loss gives a next-token loss, not the logits a completion's score sums")
     } else if config.cuda_graph {
-        Some("a captured step cannot read the pairs' metrics")
+        Some("a captured step cannot read the completions' metrics")
+    } else if grpo && strategy.tensor_parallel().is_some() {
+        Some("generation runs whole units, which tensor parallelism splits")
+    } else if grpo && strategy.pipeline_parallel().is_some() {
+        Some("generation runs the whole model on each rank, which pipeline stages split")
     } else {
         None
     };
     match why {
-        Some(why) => Err(Error::Config(format!("preference pairs: {why}"))),
+        Some(why) => Err(Error::Config(format!("{}: {why}", objective.data()))),
         None => Ok(()),
     }
 }
@@ -990,6 +1075,14 @@ fn attach_reference(
     let mut pairs = pairs.clone();
     pairs.set_reference(reference)?;
     Ok(Arc::new(Dataset::Preference(pairs)))
+}
+
+/// A frozen whole copy of the model as `init` starts it: GRPO's reference at `beta > 0`
+/// where no LoRA base serves.
+fn reference_copy(spec: ModelSpec, config: &EngineConfig, init: &[InitialWeights]) -> Result<Engine> {
+    let mut engine = Engine::new(spec, config.clone())?;
+    load_initial_weights(init, &mut engine)?;
+    Ok(engine)
 }
 
 /// The record of the base weights among `init` (weights files and model folders), in order.
