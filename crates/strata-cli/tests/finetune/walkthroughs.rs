@@ -80,6 +80,14 @@ fn every_walkthrough_runs_as_written() {
     assert!(out.contains("\"accuracy\":"), "the last step's accuracy: {out}");
     let config = std::fs::read_to_string(d.join("reward-model/config.json")).unwrap();
     assert!(config.contains("LlamaForSequenceClassification"), "{config}");
+    let prompts = (0..8).map(|i| serde_json::json!({"prompt": format!("w{} w{}", 3 + i, 11 + i), "answer": "w20"}));
+    let prompts = write("prompts.jsonl", prompts.map(|r| r.to_string() + "\n").collect());
+    let python = common::venv_python().unwrap();
+    let aligned = d.join("aligned");
+    let grpo = [("MODEL", s(&aligned)), ("PROMPTS", s(&prompts)), ("CTX", "48"), ("COMPLETION", "8")];
+    let out = run("Then reinforce", d, &[&tiny[..], &grpo, &[("PYTHON", s(&python))]].concat());
+    assert!(out.contains("\"reward\":"), "the last generation batch's reward: {out}");
+    assert!(d.join("grpo-adapter/adapter_config.json").is_file());
 
     let (train, val) =
         (write("s.jsonl", crate::seq2seq::summaries(32, 3)), write("v.jsonl", crate::seq2seq::summaries(8, 4)));
