@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::path::PathBuf;
 use strata::auto::candidate::{Layout, Precision, Sharding};
-use strata::auto::estimate::{self, DeviceKind, Estimate, ExpertPlacement, Machine, Workload};
+use strata::auto::estimate::{self, DeviceKind, Estimate, ExpertPlacement, Generation, Machine, Workload};
 use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig};
 use strata::profile::human_bytes;
 use strata::strategy::{ContextKind, LoraConfig, ScheduleKind, Targets};
@@ -173,6 +173,14 @@ pub struct EstimateArgs {
     /// activation_offload method), recomputed blocks' inputs with them.
     #[arg(long)]
     activation_offload: bool,
+    /// GRPO: every layout also decoding a group of this many completions of --ctx positions
+    /// before its step (the key/value cache counted beside the step's activations).
+    #[arg(long)]
+    num_generations: Option<usize>,
+    /// GRPO at --beta above 0 without LoRA: a frozen whole copy of the model is the KL
+    /// term's reference (LoRA rows read their base instead).
+    #[arg(long)]
+    reference_copy: bool,
     /// Optimizer: adamw (8 bytes of state per trained element) or sgd (4, with momentum).
     #[arg(long, default_value = "adamw")]
     optimizer: String,
@@ -202,6 +210,9 @@ struct Report {
     /// A mixture of experts at each expert-parallel size asked for.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     experts: Vec<ExpertPlacement>,
+    /// GRPO's generation, where it is counted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    generation: Option<Generation>,
 }
 
 /// The bytes of optimizer state per trained element of `name`.
@@ -278,9 +289,24 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     if layouts.is_empty() {
         bail!("no layout: the tensor, pipeline and context sizes given do not divide {} ranks or the model", a.nproc);
     }
+    if a.reference_copy && a.num_generations.is_none() {
+        bail!("--reference-copy counts GRPO's reference model: give --num-generations");
+    }
+    let generation =
+        a.num_generations.map(|rows| Generation { rows, positions: ctx, reference_copy: a.reference_copy });
+    // GRPO's generation where it is asked for; under LoRA the base is the reference.
+    let generating = |e: Estimate, layout: &Layout, lora: bool| -> Result<Estimate> {
+        Ok(match generation {
+            Some(g) => {
+                let g = Generation { reference_copy: g.reference_copy && !lora, ..g };
+                estimate::with_generation(e, &config, layout, &g, &machine)?
+            }
+            None => e,
+        })
+    };
     let mut rows = vec![];
     for layout in &layouts {
-        let e = estimate::estimate_spec(&spec, layout, &work, &machine)?;
+        let e = generating(estimate::estimate_spec(&spec, layout, &work, &machine)?, layout, false)?;
         rows.push(Row { lora: false, estimate: e });
     }
     if let Some(r) = a.lora_rank {
@@ -293,7 +319,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         let mut adapted = config.spec()?;
         lora.apply(&mut adapted)?;
         for layout in &layouts {
-            let e = estimate::estimate_spec(&adapted, layout, &work, &machine)?;
+            let e = generating(estimate::estimate_spec(&adapted, layout, &work, &machine)?, layout, true)?;
             rows.push(Row { lora: true, estimate: e });
         }
     }
@@ -314,6 +340,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         host_bytes: machine.host_bytes,
         workload: work,
         rows,
+        generation,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -334,6 +361,10 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         ctx,
         a.accumulation
     );
+    if let Some(g) = &report.generation {
+        let copy = if g.reference_copy { ", a frozen copy of the model as the reference" } else { "" };
+        println!("GRPO: decoding {} completions of {} positions before each step{copy}", g.rows, g.positions);
+    }
     let label = |r: &Row| if r.lora { format!("{} + lora", r.estimate.layout) } else { r.estimate.layout.clone() };
     let w = report.rows.iter().map(|r| label(r).chars().count()).max().unwrap_or(6);
     println!(

@@ -632,6 +632,59 @@ pub fn estimate_with(
     Ok(Estimate { layout: layout.label(), device, host, busiest, fits, pipeline_ranks })
 }
 
+/// What GRPO's generation adds to a rank beside its training step.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Generation {
+    /// Completions decoded together (one prompt's group).
+    pub rows: usize,
+    /// Positions of a row at most: its prompt and its completion.
+    pub positions: i64,
+    /// A whole frozen copy of the model is the KL term's reference (`beta > 0` without LoRA,
+    /// whose base serves with no copy).
+    pub reference_copy: bool,
+}
+
+/// `estimate` with GRPO's generation counted: decoding keeps the key/value cache of
+/// `generation.rows` rows of its positions (in the parameters' precision: decoding runs the
+/// units as declared; one layer's twice, while its next position is joined to it) and two
+/// fp32 rows of logits per row, before the step's activations
+/// exist, so the device holds the larger of the two; a reference copy holds every parameter
+/// in fp32 on every rank, unsharded.
+pub fn with_generation(
+    mut estimate: Estimate,
+    config: &ModelConfig,
+    layout: &Layout,
+    generation: &Generation,
+    machine: &Machine,
+) -> Result<Estimate> {
+    let layers = config
+        .cached_values(generation.positions)
+        .ok_or_else(|| Error::Config("GRPO generates with a decoder: the model is not one".into()))?;
+    // Each step's cache grows by a copy: one layer's old and new cache are held at once.
+    let per_row = layers.iter().sum::<i64>() + layers.iter().copied().max().unwrap_or(0);
+    let element = param_bytes(layout.candidate.precision);
+    let rows = generation.rows as u64;
+    let decoding = rows * per_row as u64 * element + 2 * rows * config.vocab() as u64 * 4;
+    let reference = match generation.reference_copy {
+        true => config.spec()?.num_params() as u64 * 4,
+        false => 0,
+    };
+    for rank in &mut estimate.pipeline_ranks {
+        let device = &mut rank.device;
+        device.activations = device.activations.max(decoding);
+        device.params += reference;
+        let allocated = device.total() - device.overhead;
+        device.overhead = machine.device.reserved_bytes + (allocated as f64 * machine.device.fragmentation) as u64;
+    }
+    let ranks = &estimate.pipeline_ranks;
+    estimate.busiest = (0..ranks.len()).max_by_key(|&r| ranks[r].device.total()).unwrap_or(0);
+    estimate.device = ranks[estimate.busiest].device;
+    estimate.host = ranks[estimate.busiest].host;
+    estimate.fits =
+        ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
+    Ok(estimate)
+}
+
 /// Every layout of one shape (tensor size, pipeline with its schedule and chunks, `data`
 /// ranks holding the same pieces) in `precision`: plain data parallelism and, where more
 /// than one rank holds the same pieces, zero1, zero2 and fsdp; each with and without
@@ -708,6 +761,28 @@ mod tests {
 
     fn layout(precision: Precision, sharding: Sharding, checkpoint: bool) -> Layout {
         Layout::new(Candidate::plain(precision, sharding, checkpoint))
+    }
+
+    #[test]
+    fn generation_counts_its_cache_and_the_reference_copy() {
+        let model = ModelConfig::Gpt(GptConfig::new(256, 32, 2, 4, 64));
+        let plain = layout(Precision::Fp32, Sharding::None, false);
+        let base = run(plain, 1, 1);
+        let machine = Machine { device: device_kind("cpu").unwrap(), device_bytes: u64::MAX, host_bytes: u64::MAX };
+        // 512 rows of 32 positions: 2 layers' keys and values of width 64 in fp32 (and one
+        // layer's again, while it grows), beside two fp32 rows of 256 logits each.
+        let g = Generation { rows: 512, positions: 32, reference_copy: false };
+        let e = with_generation(base.clone(), &model, &plain, &g, &machine).unwrap();
+        let cache = 512 * 32 * 3 * 2 * 64 * 4 + 2 * 512 * 256 * 4;
+        assert!(cache > base.device.activations, "the cache is the larger here");
+        assert_eq!(e.device.activations, cache);
+        assert_eq!(e.device.params, base.device.params);
+        // A few rows keep less than the step's activations, which then stand.
+        let few = with_generation(base.clone(), &model, &plain, &Generation { rows: 1, ..g }, &machine).unwrap();
+        assert_eq!(few.device.activations, base.device.activations);
+        let copy = Generation { reference_copy: true, ..g };
+        let e = with_generation(base.clone(), &model, &plain, &copy, &machine).unwrap();
+        assert_eq!(e.device.params, base.device.params + model.spec().unwrap().num_params() as u64 * 4);
     }
 
     /// The engine's ledger holds 474,112 bytes of parameters for this GPT, as many of

@@ -120,6 +120,29 @@ impl ModelConfig {
         }
     }
 
+    /// Values the decoding cache holds for one row of `positions` tokens, layer by layer
+    /// (keys and values; a latent attention's latent and rotated key part; a sliding
+    /// window's layers at most the window; a linear attention's state, which does not grow,
+    /// not counted); `None` for a model that is not a decoder.
+    pub fn cached_values(&self, positions: i64) -> Option<Vec<i64>> {
+        match self {
+            ModelConfig::Gpt(c) => Some(vec![2 * c.dim * positions; c.layers as usize]),
+            ModelConfig::Llama(c) => Some(
+                (0..c.layers as usize)
+                    .filter(|&l| !c.is_linear(l))
+                    .map(|l| match &c.latent {
+                        Some(latent) => (latent.kv_rank + latent.rope_dim) * positions,
+                        None => {
+                            let kept = c.window(l).map_or(positions, |w| w.min(positions));
+                            2 * c.key_value_heads() * c.head_width() * kept
+                        }
+                    })
+                    .collect(),
+            ),
+            ModelConfig::Bert(_) | ModelConfig::Mlp(_) | ModelConfig::T5(_) => None,
+        }
+    }
+
     /// The longest sequence the model takes, where it has a limit.
     pub fn context(&self) -> Option<i64> {
         match self {
