@@ -1,5 +1,6 @@
 //! Text generation from a trained model: greedy decoding or sampling (temperature, top-k,
-//! top-p) from a seed, with a key/value cache so each new token costs one position.
+//! top-p) from a seed, with a key/value cache so each new token costs one position; one
+//! prompt, or several decoded together (those of one length share a batch).
 //!
 //! Owns: the decoding loop and the choice of each next token. Must not own weights or
 //! tokenisation: it takes an engine holding a whole model and token ids.
