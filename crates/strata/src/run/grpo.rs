@@ -76,7 +76,8 @@ impl Setup<'_> {
         let group = self.run.config.num_generations;
         if !completions.is_multiple_of(group) {
             return Err(Error::Config(format!(
-                "grpo: a rank's generation batch of {completions} completions ({} a micro-batch, {} micro-batches) is                  not whole groups of num_generations {group}",
+                "grpo: a rank's generation batch of {completions} completions ({} a micro-batch, {} micro-batches) is \
+                 not whole groups of num_generations {group}",
                 self.micro_rows,
                 self.per_generation()
             )));
@@ -110,14 +111,33 @@ impl Setup<'_> {
     }
 }
 
+/// The KL term's reference model a run holds.
+pub(super) enum ReferenceModel {
+    /// None (`beta` = 0).
+    None,
+    /// LoRA's base: the trainer's model with its adapters switched off.
+    Base,
+    /// A frozen copy of the model as it started.
+    Copy(Box<Engine>),
+}
+
+impl ReferenceModel {
+    fn as_reference(&mut self) -> Reference<'_> {
+        match self {
+            ReferenceModel::None => Reference::None,
+            ReferenceModel::Base => Reference::Base,
+            ReferenceModel::Copy(engine) => Reference::Copy(engine),
+        }
+    }
+}
+
 /// GRPO until `after` says stop: each generation batch's prompts completed by the model,
-/// rewarded, and trained on, every step's report handed to `after`. `reference`: where
-/// `beta > 0`, a frozen copy of the model (`Some(None)`: LoRA's base).
+/// rewarded, and trained on, every step's report handed to `after`.
 pub(super) fn train(
     trainer: &mut Trainer,
     objective: &Arc<GrpoObjective>,
     setup: &Setup<'_>,
-    mut reference: Option<Option<Engine>>,
+    mut reference: ReferenceModel,
     after: &mut dyn FnMut(&mut Trainer, StepReport) -> Result<Flow>,
 ) -> Result<()> {
     let c = objective.config();
@@ -144,11 +164,7 @@ pub(super) fn train(
             )));
         }
         rollouts.rewards = rewards;
-        let kl = match reference.as_mut() {
-            None => Reference::None,
-            Some(None) => Reference::Base,
-            Some(Some(engine)) => Reference::Copy(engine),
-        };
+        let kl = reference.as_reference();
         let steps = StepShape { pad: setup.run.pad, accumulation: setup.accumulation, group: setup.group };
         let flow = train_rollouts(trainer, objective, &rollouts, kl, &steps, after)?;
         if flow == Flow::Stop {

@@ -794,9 +794,11 @@ pub fn train(
                 seed: config.batching.seed,
             };
             let reference = match (g.config().beta != 0.0, strategy.lora().is_some()) {
-                (false, _) => None,
-                (true, true) => Some(None),
-                (true, false) => Some(Some(reference_copy(spec()?, &engine_config, &config.init)?)),
+                (false, _) => grpo::ReferenceModel::None,
+                (true, true) => grpo::ReferenceModel::Base,
+                (true, false) => {
+                    grpo::ReferenceModel::Copy(Box::new(reference_copy(spec()?, &engine_config, &config.init)?))
+                }
             };
             grpo::train(&mut trainer, g, &setup, reference, &mut after_step)?;
         }
