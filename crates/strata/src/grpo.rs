@@ -13,7 +13,7 @@
 //! trainer and [`crate::generate`].
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::data::{Batch, RolloutScores, IGNORE};
-use crate::preference::{token_log_probs, whole_logits, ScoreFn, VocabularySplit};
+use crate::preference::{token_entropy, token_log_probs, whole_logits, ScoreFn, VocabularySplit};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::sync::{Arc, Mutex};
@@ -344,14 +344,9 @@ pub struct GrpoMetrics {
 
 impl GrpoMetrics {
     /// The generation batch's part of the metrics: its rewards and completion lengths, over
-    /// every rank of `ranks` (each with its own generation batch).
-    pub fn of_rollouts(
-        rollouts: &Rollouts,
-        group: usize,
-        scaling: RewardScaling,
-        ranks: Option<&dyn ProcessGroup>,
-    ) -> Result<GrpoMetrics> {
-        let zero = advantages(&rollouts.rewards, group, scaling).1;
+    /// every rank of `ranks` (each with its own generation batch); `zero` marks the
+    /// completions whose group's spread is zero ([`advantages`]).
+    pub fn of_rollouts(rollouts: &Rollouts, zero: &[bool], ranks: Option<&dyn ProcessGroup>) -> Result<GrpoMetrics> {
         let scored: Vec<f64> = rollouts.rewards.iter().copied().filter(|r| !r.is_nan()).collect();
         let lengths: Vec<f64> = rollouts.completions.iter().map(|c| c.len() as f64).collect();
         let count = |flags: &[bool]| flags.iter().filter(|&&f| f).count() as f64;
@@ -359,7 +354,7 @@ impl GrpoMetrics {
             scored.len() as f64,
             scored.iter().sum(),
             scored.iter().map(|r| r * r).sum(),
-            count(&zero),
+            count(zero),
             lengths.len() as f64,
             lengths.iter().sum(),
             count(&rollouts.truncated),
@@ -584,9 +579,7 @@ impl GrpoObjective {
         high: f64,
     ) -> Result<()> {
         let sum = |t: &Tensor| -> Result<f64> { Ok(t.f_sum(Kind::Double)?.f_double_value(&[])?) };
-        let entropy = tch::no_grad(|| -> Result<Tensor> {
-            Ok(log_softmax.f_exp()?.f_mul(log_softmax)?.f_sum_dim_intlist(-1, false, log_softmax.kind())?.f_neg()?)
-        })?;
+        let entropy = token_entropy(log_softmax)?;
         let tokens = sum(mask)?;
         let kl_sum = match kl {
             Some(k) => sum(&k.f_detach()?.f_mul(mask)?)?,

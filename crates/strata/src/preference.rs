@@ -411,6 +411,13 @@ pub(crate) fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<(Tens
     Ok((picked.f_mul(&mask)?, mask, log_softmax))
 }
 
+/// Each position's entropy of the next-token distribution (`[rows, ctx]`, fp32, detached)
+/// from its log-softmax `[rows, ctx, V]`.
+pub(crate) fn token_entropy(log_softmax: &Tensor) -> Result<Tensor> {
+    let log_p = log_softmax.f_detach()?.f_to_kind(Kind::Float)?;
+    Ok(log_p.f_exp()?.f_mul(&log_p)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_neg()?)
+}
+
 /// Preference scoring for a run: the loss function the trainer calls on each micro-batch,
 /// and the tally of the metrics of the micro-batches it scored since the last reading.
 pub struct PreferenceObjective {
@@ -730,8 +737,7 @@ impl PreferenceObjective {
         let logit_mask = extras.logit_positions.as_ref().unwrap_or(mask);
         let mean_logits = over(&logits.f_mean_dim(-1, false, Kind::Float)?, logit_mask)?;
         let logit_positions = logit_mask.f_sum_dim_intlist(1, false, Kind::Float)?;
-        let log_p = log_softmax.f_detach()?.f_to_kind(Kind::Float)?;
-        let entropy = per_row(log_p.f_exp()?.f_mul(&log_p)?.f_sum_dim_intlist(-1, false, Kind::Float)?.f_neg()?)?;
+        let entropy = per_row(token_entropy(log_softmax)?)?;
         let top1 = per_row(logits.f_argmax(-1, false)?.f_eq_tensor(targets)?.f_to_kind(Kind::Float)?)?;
         let tokens = mask.f_sum_dim_intlist(1, false, Kind::Float)?;
         let rewards = ratios.f_mul_scalar(self.config.beta)?;

@@ -265,10 +265,16 @@ pub fn train_rollouts(
         )));
     }
     let rows = rollouts.len() / per_generation;
-    let (advantages, _) = advantages(&rollouts.rewards, c.num_generations, c.scale_rewards);
+    let (advantages, zero_spread) = advantages(&rollouts.rewards, c.num_generations, c.scale_rewards);
     // The tokens the dapo-normalised losses divide by: every rank's, per rank, per micro-batch window.
-    let learned = |i: usize| !(c.mask_truncated_completions && rollouts.truncated[i]);
-    let mine = (0..rollouts.len()).filter(|&i| learned(i)).map(|i| rollouts.completions[i].len()).sum::<usize>();
+    // Completion tokens each micro-batch learns (a truncated one's none where those are masked).
+    let learned: Vec<usize> = (0..per_generation)
+        .map(|m| {
+            let learns = |i: &usize| !(c.mask_truncated_completions && rollouts.truncated[*i]);
+            (m * rows..(m + 1) * rows).filter(learns).map(|i| rollouts.completions[i].len()).sum()
+        })
+        .collect();
+    let mine: usize = learned.iter().sum();
     let (tokens, ranks) = match group {
         Some(g) => (all_reduce_values(g, &[mine as f64], ReduceOp::Sum)?[0], g.size()),
         None => (mine as f64, 1),
@@ -311,7 +317,7 @@ pub fn train_rollouts(
     }
     trainer.set_feed(&Feed { input: token_input(), loss: Some(objective.loss_fn()) });
     let data_ranks = group.map_or(1, |g| g.size());
-    let generation = GrpoMetrics::of_rollouts(rollouts, c.num_generations, c.scale_rewards, group)?;
+    let generation = GrpoMetrics::of_rollouts(rollouts, &zero_spread, group)?;
     let order: Vec<usize> = (0..micro_batches).map(|m| m % per_generation).collect();
     for chunk in order.chunks(accumulation) {
         let micro = chunk.iter().map(|&m| batches[m].to_device(device)).collect::<Result<Vec<Batch>>>()?;
@@ -322,7 +328,7 @@ pub fn train_rollouts(
             data_ranks,
         };
         // The step's learned completion tokens, every rank's.
-        let mine = step.micro_batches.iter().map(learned_tokens).sum::<Result<f64>>()?;
+        let mine = chunk.iter().map(|&m| learned[m]).sum::<usize>() as f64;
         let supervised = match group {
             Some(g) => all_reduce_values(g, &[mine], ReduceOp::Sum)?[0],
             None => mine,
@@ -338,11 +344,6 @@ pub fn train_rollouts(
         }
     }
     Ok(Flow::Continue)
-}
-
-/// The completion tokens `batch` learns.
-fn learned_tokens(batch: &Batch) -> Result<f64> {
-    Ok(batch.targets.f_ne(crate::data::IGNORE)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])? as f64)
 }
 
 /// `engine`'s per-position log-probabilities of `batch`'s targets (`[rows, positions]`).

@@ -915,48 +915,45 @@ impl Objective {
 /// holds prompts alone, a reward model's scoring where it holds pairs and the model is one,
 /// else the preference loss; refused beside a loss of the caller's own.
 fn objective_of(data: &Data, config: &mut RunConfig, model: &Model) -> Result<Option<Objective>> {
-    let prompts = |d: &Dataset| matches!(d, Dataset::Prompts(_));
-    if prompts(&data.train) {
+    let objective = if matches!(data.train.as_ref(), Dataset::Prompts(_)) {
         let Some(run) = &config.grpo else {
             return Err(Error::Config(format!(
                 "{}: prompts alone are trained on by GRPO, which needs a reward (a function, or --reward-command)",
                 data.train.source()
             )));
         };
-        if config.loss.is_some() {
-            return Err(Error::Config("GRPO's completions are scored by its loss, not by a loss_func".into()));
-        }
         if data.validation.is_some() {
             return Err(Error::Config(
                 "GRPO trains on prompts and has no validation loss: give no validation data".into(),
             ));
         }
-        let objective = Objective::Grpo(GrpoObjective::new(run.config.clone())?);
-        config.loss = Some(objective.loss_fn());
-        return Ok(Some(objective));
-    }
-    if config.grpo.is_some() {
+        Some(Objective::Grpo(GrpoObjective::new(run.config.clone())?))
+    } else if config.grpo.is_some() {
         return Err(Error::Config(format!(
             "{}: GRPO trains on records of a \"prompt\" alone (no completion)",
             data.train.source()
         )));
+    } else {
+        pair_objective(data, config, model)?
+    };
+    if let Some(o) = &objective {
+        if config.loss.is_some() {
+            return Err(Error::Config(format!("{}: scored by its own loss, not by a loss_func", o.data())));
+        }
+        config.loss = Some(o.loss_fn());
     }
-    pair_objective(data, config, model)
+    Ok(objective)
 }
 
-/// The scoring of preference pairs where the training data holds them — a reward model's
-/// where the model is one, else the preference loss — its loss made the run's; refused
-/// beside a loss of the caller's own.
-fn pair_objective(data: &Data, config: &mut RunConfig, model: &Model) -> Result<Option<Objective>> {
+/// The scoring of preference pairs where the training data holds them: a reward model's
+/// where the model is one, else the preference loss.
+fn pair_objective(data: &Data, config: &RunConfig, model: &Model) -> Result<Option<Objective>> {
     let pairs = |d: &Dataset| matches!(d, Dataset::Preference(_));
     if !pairs(&data.train) {
         if data.validation.as_deref().is_some_and(pairs) {
             return Err(Error::Config("the validation data holds preference pairs, the training data does not".into()));
         }
         return Ok(None);
-    }
-    if config.loss.is_some() {
-        return Err(Error::Config("preference pairs are scored by the preference loss, not by a loss_func".into()));
     }
     if data.validation.as_deref().is_some_and(|v| !pairs(v)) {
         return Err(Error::Config("the training data holds preference pairs, the validation data does not".into()));
@@ -1005,7 +1002,6 @@ fn pair_objective(data: &Data, config: &mut RunConfig, model: &Model) -> Result<
             Objective::Preference(PreferenceObjective::new(config.preference.clone())?)
         }
     };
-    config.loss = Some(objective.loss_fn());
     Ok(Some(objective))
 }
 
