@@ -1,9 +1,14 @@
 //! `strata launch`: starts the ranks of one node as torchrun does, prefixes their output
-//! with the rank, and when one fails stops the others and names it.
+//! with the rank, and when one fails stops the others and names it, then starts them all
+//! again while restarts remain (`--max-restarts`). It owns the node's folder of checkpoint
+//! snapshots in host memory (`STRATA_SNAPSHOT_DIR`): it outlives every round of ranks, so
+//! restarted ranks resume from memory, and goes when the launcher ends.
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,6 +38,9 @@ pub struct LaunchArgs {
     /// Seconds the other ranks get to exit after a failure before they are killed.
     #[arg(long, default_value_t = 5.0)]
     pub grace: f64,
+    /// Times the ranks are all started again after one fails (one node).
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: usize,
     /// The command each rank runs, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -140,8 +148,43 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     launch(a, None)
 }
 
-/// Starts the ranks `a` describes and waits for them; with `errors`, the ranks' error lines
-/// go there instead of to our standard error.
+/// The node's folder of checkpoint snapshots in host memory, private to the user, removed
+/// when the launcher ends however it ends (short of being killed).
+struct SnapshotDir(PathBuf);
+
+impl SnapshotDir {
+    fn create() -> Result<SnapshotDir> {
+        let base = match std::env::var_os("STRATA_SNAPSHOT_DIR") {
+            Some(dir) => PathBuf::from(dir),
+            None if Path::new("/dev/shm").is_dir() => PathBuf::from("/dev/shm"),
+            None => std::env::temp_dir(),
+        };
+        // SAFETY: getuid has no preconditions.
+        let dir = base.join(format!("strata-launch-{}-{}", unsafe { libc::getuid() }, std::process::id()));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("cannot create the snapshot folder {}", dir.display()))?;
+        Ok(SnapshotDir(dir))
+    }
+}
+
+impl Drop for SnapshotDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// How a round of ranks ended.
+enum Round {
+    Done,
+    Failed(usize, ExitStatus),
+    Interrupted(i32),
+}
+
+/// Starts the ranks `a` describes and waits for them, starting them all again after a
+/// failure while restarts remain; with `errors`, the ranks' error lines go there instead
+/// of to our standard error.
 fn launch(a: LaunchArgs, errors: Option<Errors>) -> Result<()> {
     if a.nproc_per_node == 0 || a.nnodes == 0 {
         bail!("--nproc-per-node and --nnodes must be positive");
@@ -149,25 +192,59 @@ fn launch(a: LaunchArgs, errors: Option<Errors>) -> Result<()> {
     if a.node_rank >= a.nnodes {
         bail!("--node-rank {} is outside {} nodes", a.node_rank, a.nnodes);
     }
-    let world = a.nproc_per_node.checked_mul(a.nnodes).context("--nproc-per-node × --nnodes is too many ranks")?;
+    if a.max_restarts > 0 && a.nnodes > 1 {
+        bail!("--max-restarts restarts one node's ranks; the nodes of a larger job restart together under torchrun");
+    }
+    a.nproc_per_node.checked_mul(a.nnodes).context("--nproc-per-node × --nnodes is too many ranks")?;
     let grace = crate::options::seconds("--grace", a.grace, false)?;
-    let port = match a.master_port {
-        Some(p) => p,
-        None if a.nnodes == 1 => free_port(&a.master_addr)?,
-        None => 29500,
-    };
     let token = match std::env::var("STRATA_STORE_TOKEN") {
         Ok(t) => t,
         Err(_) if a.nnodes == 1 => strata::comm::store::random_token()?,
         Err(_) => bail!("with several nodes, set STRATA_STORE_TOKEN to the same secret on every node"),
     };
-    let (program, args) = a.command.split_first().context("no command to launch")?;
+    let snapshots = SnapshotDir::create()?;
     // The ranks have process groups of their own, so a Ctrl-C reaches only us: pass it on.
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, remember as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, remember as *const () as libc::sighandler_t);
     }
+    let mut restarts = 0;
+    loop {
+        // A fresh port each round: the last round's store may still hold its own.
+        let port = match a.master_port {
+            Some(p) => p,
+            None if a.nnodes == 1 => free_port(&a.master_addr)?,
+            None => 29500,
+        };
+        match round(&a, port, &token, &snapshots.0, grace, errors.clone())? {
+            Round::Done => return Ok(()),
+            Round::Failed(rank, status) if restarts < a.max_restarts => {
+                restarts += 1;
+                eprintln!(
+                    "strata launch: rank {rank} {}; starting the ranks again (restart {restarts} of {})",
+                    describe(status),
+                    a.max_restarts
+                );
+            }
+            Round::Failed(rank, status) => bail!("rank {rank} {}; the other ranks were stopped", describe(status)),
+            Round::Interrupted(sig) => bail!("stopped by signal {sig}; the ranks were stopped"),
+        }
+    }
+}
+
+/// Starts one round of the ranks and waits until all end, one fails (the others are then
+/// stopped) or the launcher is interrupted.
+fn round(
+    a: &LaunchArgs,
+    port: u16,
+    token: &str,
+    snapshots: &Path,
+    grace: Duration,
+    errors: Option<Errors>,
+) -> Result<Round> {
+    let world = a.nproc_per_node * a.nnodes;
+    let (program, args) = a.command.split_first().context("no command to launch")?;
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut relays = Vec::new();
     for local in 0..a.nproc_per_node {
@@ -181,7 +258,8 @@ fn launch(a: LaunchArgs, errors: Option<Errors>) -> Result<()> {
             .env("GROUP_RANK", a.node_rank.to_string())
             .env("MASTER_ADDR", &a.master_addr)
             .env("MASTER_PORT", port.to_string())
-            .env("STRATA_STORE_TOKEN", &token)
+            .env("STRATA_STORE_TOKEN", token)
+            .env("STRATA_SNAPSHOT_DIR", snapshots)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
@@ -248,18 +326,15 @@ fn launch(a: LaunchArgs, errors: Option<Errors>) -> Result<()> {
         children.iter_mut().for_each(|(_, c)| {
             let _ = c.wait();
         });
-        relays.into_iter().for_each(|r| {
-            let _ = r.join();
-        });
-        match failure {
-            Some((rank, status)) => bail!("rank {rank} {}; the other ranks were stopped", describe(status)),
-            None => bail!("stopped by signal {interrupted}; the ranks were stopped"),
-        }
     }
     relays.into_iter().for_each(|r| {
         let _ = r.join();
     });
-    Ok(())
+    Ok(match (interrupted, failure) {
+        (0, Some((rank, status))) => Round::Failed(rank, status),
+        (0, None) => Round::Done,
+        (sig, _) => Round::Interrupted(sig),
+    })
 }
 
 /// Runs this same command again as `n` local ranks started from this process (as
@@ -288,6 +363,7 @@ pub fn relaunch_self(n: usize, flag: &str, stdout_of: Option<usize>) -> Result<(
         master_port: None,
         stdout_of,
         grace: 5.0,
+        max_restarts: 0,
         command,
     };
     let errors: Errors = Arc::default();

@@ -4,6 +4,7 @@
 //! Owns the command tree and the dispatch. Must not do the commands' work: each calls the
 //! library (the larger ones from files of their own), which trains, measures and reads.
 mod bench;
+mod bench_checkpoint;
 mod bench_comm;
 mod bench_dist;
 mod bench_estimate;
@@ -183,6 +184,9 @@ enum BenchCommand {
     /// The memory estimate of `strata estimate` against the allocator's peak of real runs
     /// over families, sizes, layouts and 1–4 ranks: each error, their median, the worst.
     Estimate(bench_estimate::BenchEstimateArgs),
+    /// A checkpoint after every step, synchronous against asynchronous, beside no
+    /// checkpoints: the time each save stops training, the writer's, and tokens/s.
+    Checkpoint(bench_checkpoint::BenchCheckpointArgs),
 }
 
 fn show(text: &str, world: &MeshWorld) -> anyhow::Result<()> {
@@ -291,6 +295,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Tokenize(a) } => bench_tokenize::run(a),
         Command::Bench { which: BenchCommand::Estimate(a) } => bench_estimate::run(a),
         Command::Bench { which: BenchCommand::Generate(a) } => bench_generate::run(a),
+        Command::Bench { which: BenchCommand::Checkpoint(a) } => bench_checkpoint::run(a),
         Command::Ckpt { which: CkptCommand::Merge { checkpoint, output } } => merge(&checkpoint, &output),
         Command::Profile { which } => profile_cmd::run(which),
         Command::Plot(a) => profile_cmd::plot_metrics(a),

@@ -316,6 +316,9 @@ train_options! {
     checkpoint_every: u64,
     /// Checkpoints kept in --save-checkpoint's folder (default 2).
     keep_checkpoints: usize,
+    /// Save checkpoints asynchronously: a snapshot in host memory, persisted by a writer
+    /// thread while training goes on; a restarted job resumes from the snapshot.
+    checkpoint_async: bool,
     /// Resume from a checkpoint: a checkpoint folder, one step's folder or a merged file; or
     /// auto: from --save-checkpoint's newest checkpoint if it has one (a restarted job),
     /// else from the start.
@@ -658,6 +661,7 @@ pub struct TrainSettings {
     pub save_checkpoint: Option<PathBuf>,
     pub checkpoint_every: Option<u64>,
     pub keep_checkpoints: usize,
+    pub checkpoint_async: bool,
     pub resume: Option<Resume>,
     pub restart_data: bool,
     pub comm_timeout: std::time::Duration,
@@ -1124,6 +1128,10 @@ impl TrainOptions {
                 m => m,
             },
             freeze: list(o.freeze),
+            checkpoint_async: match (o.checkpoint_async.unwrap_or(false), &o.save_checkpoint) {
+                (true, None) => bail!("--checkpoint-async saves checkpoints asynchronously: give --save-checkpoint"),
+                (asynchronous, _) => asynchronous,
+            },
             save_checkpoint: o.save_checkpoint,
             checkpoint_every: match o.checkpoint_every {
                 Some(0) => bail!("--checkpoint-every must be positive"),

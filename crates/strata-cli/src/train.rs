@@ -346,6 +346,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
             dir,
             every: s.checkpoint_every,
             keep: s.keep_checkpoints,
+            asynchronous: s.checkpoint_async,
         }),
         resume: s.resume.clone(),
         restart_data: s.restart_data,

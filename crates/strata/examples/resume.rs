@@ -18,7 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let config = |name: &str| RunConfig {
         steps: 12,
         threads: Some(1),
-        checkpoints: Some(Checkpoints { dir: dir.join(name), every: Some(4), keep: 2 }),
+        checkpoints: Some(Checkpoints { dir: dir.join(name), every: Some(4), keep: 2, asynchronous: false }),
         outputs: Outputs { weights: Some(dir.join(format!("{name}.safetensors"))), ..Outputs::default() },
         batching: Batching { batch_size: 8, ctx: 32, ..Batching::default() },
         ..RunConfig::default()

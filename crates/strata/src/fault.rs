@@ -8,7 +8,10 @@
 //! step that failed on this rank alone would (out of memory on one pipeline stage), and the
 //! process lives on. Places: `backward` (mid-step, between a
 //! micro-batch's forward and its backward), and the stages of a checkpoint save:
-//! `save-written`, `save-described`, `save-published`, `save-pointed`.
+//! `save-written`, `save-described`, `save-published`, `save-pointed`; and of an
+//! asynchronous save: `snapshot-taken` (in host memory, before the writer starts), then in
+//! the writer thread `persist-begun` and `persist-written` (this rank's file on disk, before
+//! rank 0 publishes).
 //!
 //! Reading two variables at a handful of points costs nothing measurable; without them set
 //! nothing happens.

@@ -27,7 +27,7 @@ fn library_config(dir: &Path) -> RunConfig {
         optimizer: OptimizerConfig { lr: 3e-3, ..OptimizerConfig::default() },
         schedule: LrSchedule::Constant,
         eval_every: Some(3),
-        checkpoints: Some(Checkpoints { dir: dir.join("checkpoints"), every: Some(3), keep: 2 }),
+        checkpoints: Some(Checkpoints { dir: dir.join("checkpoints"), every: Some(3), keep: 2, asynchronous: false }),
         outputs: Outputs {
             weights: Some(dir.join("weights.safetensors")),
             metrics: Some(dir.join("metrics.jsonl")),

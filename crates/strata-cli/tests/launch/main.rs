@@ -6,3 +6,4 @@ mod gpu;
 mod launch;
 mod launchers;
 mod library;
+mod snapshots;

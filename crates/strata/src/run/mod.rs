@@ -156,6 +156,10 @@ pub struct Checkpoints {
     pub every: Option<u64>,
     /// Keep this many newest checkpoints (0: all).
     pub keep: usize,
+    /// Save asynchronously (`--checkpoint-async`): a snapshot in host memory, which a
+    /// writer thread persists while training goes on, and from which a run restarted on the
+    /// same node resumes ([`checkpoint::snapshot`]).
+    pub asynchronous: bool,
 }
 
 /// What a run writes beside its checkpoints; every location is checked before the first
@@ -334,11 +338,18 @@ impl RunConfig {
     }
 
     /// The checkpoint to continue from, refused if it would not continue this run's data.
-    fn checkpoint_to_resume(&self) -> Result<Option<Checkpoint>> {
+    /// `one_node`: every rank runs on this node, so a snapshot in its memory (of an
+    /// asynchronous run) holds every rank's part.
+    fn checkpoint_to_resume(&self, one_node: bool) -> Result<Option<Checkpoint>> {
         let path = match &self.resume {
             None => return Ok(None),
             Some(Resume::From(path)) => path.clone(),
             Some(Resume::Latest) => match &self.checkpoints {
+                Some(c) if c.asynchronous && one_node => match checkpoint::snapshot::newer_in_memory(&c.dir) {
+                    Some(snapshot) => return self.continuing(snapshot).map(Some),
+                    None if c.dir.join("latest").is_file() => c.dir.clone(),
+                    None => return Ok(None),
+                },
                 Some(c) if c.dir.join("latest").is_file() => c.dir.clone(),
                 Some(_) => return Ok(None),
                 None => {
@@ -348,7 +359,11 @@ impl RunConfig {
                 }
             },
         };
-        let ckpt = Checkpoint::open(&path)?;
+        self.continuing(Checkpoint::open(&path)?).map(Some)
+    }
+
+    /// `ckpt`, refused if it would not continue this run's data.
+    fn continuing(&self, ckpt: Checkpoint) -> Result<Checkpoint> {
         let differences = data_differences(&ckpt.meta.data, &self.data_position(ckpt.meta.data.next_step));
         if !differences.is_empty() && !self.restart_data {
             return Err(Error::Checkpoint(format!(
@@ -358,7 +373,7 @@ impl RunConfig {
                 differences.join("; ")
             )));
         }
-        Ok(Some(ckpt))
+        Ok(ckpt)
     }
 
     /// The step of the data at which a run resumed from `resumed` (or starting fresh)
@@ -463,6 +478,7 @@ impl RunSummary {
 /// The ranks of a job this process joined, or one process alone.
 struct Ranks {
     comm: Option<Comm>,
+    local_rank: usize,
     local_world_size: usize,
 }
 
@@ -539,7 +555,8 @@ pub fn train(
             InitialWeights::Folder(_) => {}
         }
     }
-    let resume = config.checkpoint_to_resume()?;
+    let one_node = launched.as_ref().is_none_or(|info| info.local_world_size == info.world_size);
+    let resume = config.checkpoint_to_resume(one_node)?;
     // A frozen base loaded from a model folder or weights file is left out of checkpoints
     // and loaded again on resume.
     let base_in_init = config.init.iter().any(|i| matches!(i, InitialWeights::File(_) | InitialWeights::Folder(_)));
@@ -563,9 +580,10 @@ pub fn train(
     let ranks = match &launched {
         Some(info) => Ranks {
             comm: Some(init_from_env(&backends, config.comm_timeout)?),
+            local_rank: info.local_rank,
             local_world_size: info.local_world_size,
         },
-        None => Ranks { comm: None, local_world_size: 1 },
+        None => Ranks { comm: None, local_rank: 0, local_world_size: 1 },
     };
     share_cores(config.threads, ranks.local_world_size);
     let objective = objective_of(data, &mut config, model)?;
@@ -704,8 +722,32 @@ pub fn train(
     }
     let optimizer_name = config.optimizer_name();
     if let Some(ckpt) = &resume {
+        if let Some(g) = world_group.as_deref() {
+            // Each rank chose its checkpoint alone (memory or disk): they must be of one step.
+            let step = ckpt.meta.step as f64;
+            let most = crate::comm::all_reduce_values(g, &[step, -step], crate::comm::ReduceOp::Max)?;
+            if most[0] != -most[1] {
+                return Err(Error::Checkpoint(format!(
+                    "the ranks found checkpoints of different steps ({} to {}) to resume from",
+                    -most[1], most[0]
+                )));
+            }
+        }
+        let began = std::time::Instant::now();
         trainer.restore(ckpt, &optimizer_name)?;
-        info!(step = ckpt.meta.step, from = %ckpt.location.display(), saved_world_size = ckpt.meta.world_size, "resumed");
+        let restore_s = began.elapsed().as_secs_f64();
+        let in_memory = config.checkpoints.as_ref().is_some_and(|c| {
+            checkpoint::snapshot::memory_root(&c.dir).is_ok_and(|memory| ckpt.location.starts_with(memory))
+        });
+        let source = if in_memory { "host memory" } else { "disk" };
+        info!(
+            step = ckpt.meta.step,
+            from = %ckpt.location.display(),
+            source,
+            restore_s,
+            saved_world_size = ckpt.meta.world_size,
+            "resumed"
+        );
     }
     let start = trainer.step();
     // Where the data stands at `start`: each step reads the data's next step.
@@ -722,6 +764,13 @@ pub fn train(
     // Rows of one micro-batch on this rank (GRPO's completions).
     let rank_rows = loader_config.micro_batch_rows()?;
     let loader = DataLoader::new(data.train.clone(), loader_config)?;
+    let saver = match &config.checkpoints {
+        Some(c) if c.asynchronous => Some(checkpoint::snapshot::AsyncSaver::new(&c.dir, ranks.local_rank == 0)?),
+        _ => None,
+    };
+    let saver = std::cell::RefCell::new(saver);
+    // The save after a step, reported with the next step.
+    let saved = std::cell::Cell::new(None);
     let save_checkpoint = |trainer: &mut Trainer| -> Result<()> {
         let Some(c) = &config.checkpoints else { return Ok(()) };
         let run = RunInfo {
@@ -734,12 +783,24 @@ pub fn train(
             model: model.config.clone(),
             base: base.clone(),
         };
-        let dir = trainer.save_checkpoint(&c.dir, &run, world_group.as_deref(), c.keep).map_err(|e| {
+        let failed = |e: Error| {
             Error::Checkpoint(format!("saving a checkpoint in {}: {e}{}", c.dir.display(), config.last_checkpoint()))
-        })?;
+        };
+        if let Some(saver) = saver.borrow_mut().as_mut() {
+            let times = trainer.save_checkpoint_async(saver, &run, world_group.as_deref(), c.keep).map_err(failed)?;
+            if ranks.leader() {
+                info!(step = run.step, blocked_s = times.blocked_s, "snapshot taken; persisting in the background");
+            }
+            saved.set(Some(times));
+            return Ok(());
+        }
+        let began = std::time::Instant::now();
+        let dir = trainer.save_checkpoint(&c.dir, &run, world_group.as_deref(), c.keep).map_err(failed)?;
         if ranks.leader() {
             info!(path = %dir.display(), "saved checkpoint");
         }
+        let blocked_s = began.elapsed().as_secs_f64();
+        saved.set(Some(checkpoint::snapshot::SaveTimes { blocked_s, ..Default::default() }));
         Ok(())
     };
     let mut observers = observe::Observers::open(&config, ranks.leader(), start)?;
@@ -752,6 +813,7 @@ pub fn train(
         // context rank's piece of them.
         report.tokens *= readers as u64;
         report.tokens_per_s *= readers as f64;
+        report.checkpoint = saved.take();
         if let Some(steps) = val_steps.as_ref().filter(|_| config.validation_due(report.step)) {
             report.set_validation(trainer.evaluate(steps)?);
             if objective.is_some() {
@@ -831,6 +893,14 @@ pub fn train(
         observers.attach_profile(dir)?;
     }
     save_checkpoint(&mut trainer)?;
+    if let Some(saver) = saver.into_inner() {
+        let persisted_s = saver
+            .close(world_group.as_deref())
+            .map_err(|e| Error::Checkpoint(format!("saving the last checkpoint: {e}{}", config.last_checkpoint())))?;
+        if ranks.leader() {
+            info!(persisted_s, "checkpoints persisted");
+        }
+    }
     let leader = ranks.leader();
     if let Some(path) = &config.outputs.weights {
         // Every rank takes part in gathering the units; rank 0 writes them.

@@ -100,6 +100,11 @@ pub struct StepReport {
     /// (filled in by the training loop's owner where the run trains by GRPO).
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub grpo: Option<crate::grpo::GrpoMetrics>,
+    /// The checkpoint saved after the previous step: how long training stood still for it
+    /// and, where saves are asynchronous, how long the writer took to persist the save
+    /// before it (filled in by the training loop's owner).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<crate::checkpoint::snapshot::SaveTimes>,
     /// Loss per learned token of the validation batches, after steps where a validation ran (filled in
     /// by the training loop's owner).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -607,6 +612,20 @@ impl Trainer {
         crate::checkpoint::save_parts(root, &layout, &mut parts, run, world, keep)
     }
 
+    /// [`Trainer::save_checkpoint`] through `saver`: a snapshot in host memory that its
+    /// writer persists to disk while training goes on.
+    pub fn save_checkpoint_async(
+        &mut self,
+        saver: &mut crate::checkpoint::snapshot::AsyncSaver,
+        run: &RunInfo,
+        world: Option<&dyn ProcessGroup>,
+        keep: usize,
+    ) -> Result<crate::checkpoint::snapshot::SaveTimes> {
+        let layout = self.executor.layout(&self.parts);
+        let mut parts: Vec<_> = self.parts.iter_mut().map(ModelPart::as_checkpoint).collect();
+        saver.save(&layout, &mut parts, run, world, keep)
+    }
+
     /// Loads `checkpoint` (saved at any pipeline, tensor or data size) into this rank's
     /// parts, and continues its step count and loss scale.
     pub fn restore(&mut self, checkpoint: &Checkpoint, optimizer_name: &str) -> Result<()> {
@@ -763,6 +782,7 @@ impl Trainer {
             preference: None,
             reward: None,
             grpo: None,
+            checkpoint: None,
             val_loss: None,
             val_perplexity: None,
         };

@@ -4,6 +4,7 @@
 //! configuration, and neither names one the code lacks.
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
+use strata::checkpoint::snapshot::SaveTimes;
 use strata::engine::memory::{PlacementReport, Transfers};
 use strata::engine::{Category, Placement, UnitTime};
 use strata::grpo::GrpoMetrics;
@@ -75,6 +76,7 @@ fn full_report() -> StepReport {
             clip_region: Some(1.0),
             ..GrpoMetrics::default()
         }),
+        checkpoint: Some(SaveTimes { blocked_s: 1.0, waited_s: 1.0, persisted_s: Some(1.0) }),
         val_loss: Some(1.0),
         val_perplexity: Some(1.0),
     }

@@ -18,6 +18,8 @@
 //!
 //! Owns: the format, its validation, and merging into one file. Must not decide when to
 //! save (the training loop does) or how states are sharded (the engine's schedule does).
+pub mod snapshot;
+
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
@@ -308,6 +310,64 @@ pub fn save_parts(
     world: Option<&dyn ProcessGroup>,
     keep: usize,
 ) -> Result<PathBuf> {
+    let publisher = world.is_none_or(|g| g.rank() == 0);
+    save_into(root, layout, parts, run, world, keep, publisher).map(|(dir, _)| dir)
+}
+
+/// Runs `local` on every rank and has them agree that it went well, so that a failure on
+/// one rank stops all of them with an error instead of leaving them waiting. `flags`, one
+/// per rank of `world`, come back as the maximum over ranks.
+fn agree(world: Option<&dyn ProcessGroup>, local: Result<()>, flags: &[f64]) -> Result<Vec<f64>> {
+    let Some(g) = world else { return local.map(|()| flags.to_vec()) };
+    let mut values = vec![f64::from(u8::from(local.is_err()))];
+    values.extend_from_slice(flags);
+    let agreed = all_reduce_values(g, &values, ReduceOp::Max)?;
+    local?;
+    if agreed[0] > 0.0 {
+        return Err(Error::Comm("writing the checkpoint failed on another rank".into()));
+    }
+    Ok(agreed[1..].to_vec())
+}
+
+/// The hidden folder a save of `step` is staged in under `root`.
+fn staging_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!(".step-{step:08}.partial"))
+}
+
+/// Has `publisher` start step `step`'s staging folder under `root` empty (a crashed
+/// attempt may have left files), every rank agreeing before any writes into it.
+fn prepare_staging(root: &Path, step: u64, publisher: bool, world: Option<&dyn ProcessGroup>) -> Result<PathBuf> {
+    let staging = staging_dir(root, step);
+    let local = match publisher {
+        true => (|| {
+            if staging.exists() {
+                std::fs::remove_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
+            }
+            std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))
+        })(),
+        false => Ok(()),
+    };
+    agree(world, local, &[])?;
+    Ok(staging)
+}
+
+/// The name of rank `rank`'s file in a checkpoint folder.
+fn rank_file(rank: usize) -> String {
+    format!("rank{rank}.safetensors")
+}
+
+/// Writes this rank's file of a checkpoint under `root`; `publisher` (one rank of those
+/// sharing `root`'s file system) describes it and moves it into place once every rank's
+/// file is written. Returns the checkpoint's folder and its description.
+fn save_into(
+    root: &Path,
+    layout: &Layout,
+    parts: &mut [Part<'_>],
+    run: &RunInfo,
+    world: Option<&dyn ProcessGroup>,
+    keep: usize,
+    publisher: bool,
+) -> Result<(PathBuf, Meta)> {
     if parts.is_empty() {
         return Err(Error::Engine("a checkpoint of no engine".into()));
     }
@@ -315,49 +375,37 @@ pub fn save_parts(
     for part in parts.iter_mut() {
         part.optimizer.settle(part.engine)?;
     }
-    let rank = world.map_or(0, |g| g.rank());
-    let staging = root.join(format!(".step-{:08}.partial", run.step));
-    // Every phase ends with all ranks agreeing that it went well, so a failure on one rank
-    // stops all of them with an error instead of leaving them waiting.
-    let agree = |local: Result<()>| -> Result<()> {
-        let Some(g) = world else { return local };
-        let failed = all_reduce_values(g, &[f64::from(u8::from(local.is_err()))], ReduceOp::Max)?;
-        local?;
-        if failed[0] > 0.0 {
-            return Err(Error::Comm("writing the checkpoint failed on another rank".into()));
-        }
-        Ok(())
-    };
-    // Rank 0 starts from an empty staging folder: a crashed attempt may have left files.
-    agree(if rank == 0 {
-        (|| {
-            if staging.exists() {
-                std::fs::remove_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
-            }
-            std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))
-        })()
-    } else {
-        Ok(())
-    })?;
+    let (rank, ranks) = world.map_or((0, 1), |g| (g.rank(), g.size()));
+    let staging = prepare_staging(root, run.step, publisher, world)?;
     let heads = match run.base {
         None => frozen_heads(parts),
         Some(_) => Ok(vec![]),
     };
-    let written = match (heads, parts[0].engine.held_states().checkpoint_writer()) {
-        (Ok(heads), true) => write_rank_file(&staging.join(format!("rank{rank}.safetensors")), layout, parts, &heads),
-        (Ok(_), false) => Ok(()),
-        (Err(e), _) => Err(e),
+    let writes = parts[0].engine.held_states().checkpoint_writer();
+    let written = match heads {
+        Ok(heads) if writes => write_rank_file(&staging.join(rank_file(rank)), layout, parts, &heads),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e),
     };
     fault::point("save-written", run.step)?;
-    agree(written)?;
+    // Which ranks wrote a file: the description lists them, whichever file system each
+    // rank's file went to.
+    let mut wrote = vec![0.0; ranks];
+    wrote[rank] = f64::from(u8::from(writes));
+    let wrote = agree(world, written, &wrote)?;
+    let files = (0..ranks).filter(|&r| wrote[r] > 0.0).map(rank_file).collect();
+    let meta = Meta { files, ..describe(layout, parts, run) };
     let mut published = None;
-    agree(if rank == 0 {
-        publish(root, &staging, describe(layout, parts, run), run, keep).map(|d| published = Some(d))
-    } else {
-        Ok(())
-    })?;
+    agree(
+        world,
+        match publisher {
+            true => publish(root, &staging, &meta, keep).map(|d| published = Some(d)),
+            false => Ok(()),
+        },
+        &[],
+    )?;
     // The other ranks learn the folder's name from `latest`, written before the agreement.
-    published.map_or_else(|| latest(root), Ok)
+    Ok((published.map_or_else(|| latest(root), Ok)?, meta))
 }
 
 /// Whether `name` is a plain name inside a checkpoint folder (no separators, not `..`):
@@ -390,28 +438,21 @@ fn free_step_dir(root: &Path, step: u64) -> PathBuf {
     dir
 }
 
-/// Rank 0's part once every rank file is written: the description, the move into place
-/// under a free name, `latest`, then removal of an earlier save of the same step and
-/// pruning. `latest` names a complete folder at every instant: it moves only once the new
-/// folder is in place, and the old one goes only after it moved.
-fn publish(root: &Path, staging: &Path, meta: Meta, run: &RunInfo, keep: usize) -> Result<PathBuf> {
-    let mut files: Vec<String> = std::fs::read_dir(staging)
-        .map_err(|e| Error::io(staging, e))?
-        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-        .filter(|n| n.starts_with("rank") && n.ends_with(".safetensors"))
-        .collect();
-    files.sort();
-    let meta = Meta { files, ..meta };
-    let text = serde_json::to_vec_pretty(&meta).map_err(|e| Error::Model(e.to_string()))?;
+/// The publisher's part once every rank file is in `staging`: the description, the move
+/// into place under a free name, `latest`, then removal of an earlier save of the same step
+/// and pruning. `latest` names a complete folder at every instant: it moves only once the
+/// new folder is in place, and the old one goes only after it moved.
+fn publish(root: &Path, staging: &Path, meta: &Meta, keep: usize) -> Result<PathBuf> {
+    let text = serde_json::to_vec_pretty(meta).map_err(|e| Error::Model(e.to_string()))?;
     io::write_atomic(&staging.join("meta.json"), &text)?;
-    fault::point("save-described", run.step)?;
-    let target = free_step_dir(root, run.step);
+    fault::point("save-described", meta.step)?;
+    let target = free_step_dir(root, meta.step);
     std::fs::rename(staging, &target).map_err(|e| Error::io(&target, e))?;
     io::sync_dir(root)?;
-    fault::point("save-published", run.step)?;
+    fault::point("save-published", meta.step)?;
     let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     io::write_atomic(&root.join("latest"), name.as_bytes())?;
-    fault::point("save-pointed", run.step)?;
+    fault::point("save-pointed", meta.step)?;
     prune(root, keep, &target)?;
     Ok(target)
 }

@@ -1,0 +1,222 @@
+//! Asynchronous checkpoints (`--checkpoint-async`): saving every step changes no weight and
+//! leaves complete checkpoints; a rank killed while a snapshot is persisted resumes from host
+//! memory under `strata launch --max-restarts` and torchrun; a crash between snapshot and
+//! persist, or mid-write, leaves the last complete checkpoint to `--resume auto`. Every
+//! resumed run ends with the weights of the uninterrupted one, bit for bit.
+
+use crate::common::{losses, reports, shared_dir, stderr, strata, strata_env, weights};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const MODEL: [&str; 12] =
+    ["--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32", "--seed", "5"];
+const RUN: [&str; 12] = [
+    "--batch-size",
+    "8",
+    "--schedule",
+    "constant",
+    "--threads",
+    "1",
+    "--lr",
+    "0.003",
+    "--log-every",
+    "1000",
+    "--steps",
+    "6",
+];
+const ASYNC: [&str; 4] = ["--checkpoint-every", "1", "--checkpoint-async", "true"];
+const FSDP: &str = r#"["fsdp"]"#;
+const OFFLOAD: &str = r#"["fsdp", ["offload", {"params": "cpu", "optimizer": "cpu", "policy": "static"}]]"#;
+
+/// The uninterrupted run of `strategy` at two ranks, without checkpoints: its weights and
+/// metrics, shared by the tests.
+fn uninterrupted(strategy: &str) -> PathBuf {
+    let key = if strategy == FSDP { "snapshots-fsdp" } else { "snapshots-offload" };
+    shared_dir(key, |dir| {
+        let (w, m) = (dir.join("full.st"), dir.join("full.jsonl"));
+        let flags = ["--nproc", "2", "--strategy", strategy, "--save-weights", w.to_str().unwrap()];
+        let o = strata(&[&["train"][..], &MODEL, &RUN, &flags, &["--metrics", m.to_str().unwrap()]].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+    })
+}
+
+/// The two weight files hold the same tensors, bit for bit.
+fn assert_identical(a: &Path, b: &Path, what: &str) {
+    let (a, b) = (weights(a), weights(b));
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (name, t) in &a {
+        assert!(t.equal(&b[name]), "{what}: {name} differs");
+    }
+}
+
+/// The step and source (`host memory` or `disk`) of the resume the output's log reports.
+fn resumed_from(err: &str) -> (u64, String) {
+    let line = err.lines().find(|l| l.contains("resumed")).unwrap_or_else(|| panic!("no resume in:\n{err}"));
+    let field = |name: &str| -> String {
+        let at = line.find(&format!("{name}=")).unwrap_or_else(|| panic!("no {name} in {line}")) + name.len() + 1;
+        let rest = &line[at..];
+        match rest.strip_prefix('"') {
+            Some(quoted) => quoted.split('"').next().unwrap().to_string(),
+            None => rest.split_whitespace().next().unwrap().to_string(),
+        }
+    };
+    (field("step").parse().unwrap(), field("source"))
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[test]
+fn saving_every_step_asynchronously_changes_no_weight_and_leaves_complete_checkpoints() {
+    for strategy in [FSDP, OFFLOAD] {
+        let full = uninterrupted(strategy);
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+        let shm = p("shm");
+        std::fs::create_dir(&shm).unwrap();
+        let flags = ["--nproc", "2", "--strategy", strategy, "--save-checkpoint", &p("ckpt")];
+        let outputs = ["--save-weights", &p("async.st"), "--metrics", &p("async.jsonl")];
+        let o = strata_env(
+            &[&["train"][..], &MODEL, &RUN, &flags, &ASYNC, &outputs].concat(),
+            &[("STRATA_SNAPSHOT_DIR", &shm)],
+        );
+        assert!(o.status.success(), "{strategy}: {}", stderr(&o));
+        assert_identical(&full.join("full.st"), Path::new(&p("async.st")), strategy);
+        // The two newest saves are on disk, the last named by latest; the snapshots in host
+        // memory are gone with the job.
+        assert_eq!(entries(Path::new(&p("ckpt"))), ["latest", "step-00000005", "step-00000006"], "{strategy}");
+        assert!(entries(Path::new(&shm)).is_empty(), "{strategy}: left in memory: {:?}", entries(Path::new(&shm)));
+        // Every save after a step is reported with the next: its blocking time, and from the
+        // second on the writer's time for the one before.
+        let rows = reports(Path::new(&p("async.jsonl")));
+        for row in &rows[1..] {
+            let c = &row["checkpoint"];
+            assert!(c["blocked_s"].as_f64().unwrap() > 0.0, "{strategy}: {row}");
+        }
+        assert!(rows[2..].iter().all(|r| r["checkpoint"]["persisted_s"].as_f64().unwrap() > 0.0), "{strategy}");
+        // Step 5's checkpoint as persisted continues to step 6's weights exactly.
+        let resume = ["--resume", &p("ckpt/step-00000005"), "--save-weights", &p("resumed.st")];
+        let o = strata(&[&["train"][..], &MODEL, &RUN, &["--nproc", "2", "--strategy", strategy], &resume].concat());
+        assert!(o.status.success(), "{strategy}: {}", stderr(&o));
+        assert_identical(&full.join("full.st"), Path::new(&p("resumed.st")), strategy);
+    }
+}
+
+/// Runs `command` to its end and checks that the job was killed once, then resumed from
+/// host memory at step 3 and ended with the uninterrupted run's weights and losses.
+fn assert_resumed_from_memory(mut command: Command, dir: &Path, what: &str) {
+    let o = command.output().expect("the launcher runs");
+    let err = stderr(&o);
+    assert!(o.status.success(), "{what}: {err}");
+    assert!(dir.join("fired").exists(), "{what}: the first round was killed");
+    // Disk held step 2 when rank 1 died before persisting step 3; memory held step 3.
+    assert_eq!(resumed_from(&err), (3, "host memory".to_string()), "{what}");
+    let full = uninterrupted(FSDP);
+    assert_identical(&full.join("full.st"), &dir.join("restarted.st"), what);
+    let (a, b) = (losses(&full.join("full.jsonl")), losses(&dir.join("restarted.jsonl")));
+    assert_eq!(a, b, "{what}: the losses of every step");
+}
+
+/// A fault that kills rank 1 as its writer begins to persist step 3, once.
+fn persist_fault(dir: &Path) -> [(&'static str, String); 3] {
+    [
+        ("STRATA_FAULT", "persist-begun@3".into()),
+        ("STRATA_FAULT_RANK", "1".into()),
+        ("STRATA_FAULT_ONCE", dir.join("fired").to_str().unwrap().into()),
+    ]
+}
+
+/// `strata train` flags of the restarted job: async saves every step, resumed by `auto`.
+fn restarted_job(dir: &Path) -> Vec<String> {
+    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let flags = [
+        "--strategy",
+        FSDP,
+        "--save-checkpoint",
+        &p("ckpt"),
+        "--resume",
+        "auto",
+        "--save-weights",
+        &p("restarted.st"),
+        "--metrics",
+        &p("restarted.jsonl"),
+    ];
+    [&["train"][..], &MODEL, &RUN, &ASYNC, &flags].concat().into_iter().map(String::from).collect()
+}
+
+#[test]
+fn a_rank_killed_while_persisting_is_restarted_by_strata_launch_and_resumes_from_host_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = dir.path().join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    let mut c = Command::new(crate::common::binary());
+    c.args(["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--"]).arg(crate::common::binary());
+    c.args(restarted_job(dir.path())).env("STRATA_SNAPSHOT_DIR", &shm);
+    c.envs(persist_fault(dir.path()).map(|(k, v)| (k, v)));
+    assert_resumed_from_memory(c, dir.path(), "strata launch");
+    assert!(entries(&shm).is_empty(), "the launcher removes its snapshots: {:?}", entries(&shm));
+}
+
+#[test]
+fn a_rank_killed_while_persisting_is_restarted_by_torchrun_and_resumes_from_host_memory() {
+    let torchrun = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/torchrun");
+    if !torchrun.exists() {
+        eprintln!("skipped: no torchrun in the project's .venv (scripts/setup.sh installs it)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let shm = dir.path().join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    let mut c = Command::new(torchrun);
+    c.args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--no-python"]);
+    c.arg(crate::common::binary()).args(restarted_job(dir.path())).env("STRATA_SNAPSHOT_DIR", &shm);
+    c.envs(persist_fault(dir.path()).map(|(k, v)| (k, v)));
+    assert_resumed_from_memory(c, dir.path(), "torchrun");
+    // The run that ended cleanly removed its snapshots.
+    assert!(entries(&shm).is_empty(), "left in memory: {:?}", entries(&shm));
+}
+
+#[test]
+fn a_crash_between_snapshot_and_persist_or_mid_write_resumes_from_the_last_complete_checkpoint() {
+    let full = uninterrupted(FSDP);
+    // Two ranks under a launcher that does not restart: its snapshots go with it, so the
+    // resume reads the disk, whose latest complete checkpoint is step 2's.
+    for (fault, rank) in [("snapshot-taken@3", "1"), ("persist-written@3", "0")] {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+        let job = restarted_job(dir.path());
+        let job: Vec<&str> = job.iter().map(String::as_str).chain(["--nproc", "2"]).collect();
+        let o = strata_env(&job, &[("STRATA_FAULT", fault), ("STRATA_FAULT_RANK", rank)]);
+        assert!(!o.status.success(), "{fault}: the job fails");
+        assert_eq!(std::fs::read_to_string(p("ckpt/latest")).unwrap(), "step-00000002", "{fault}");
+        let o = strata(&job);
+        assert!(o.status.success(), "{fault}: {}", stderr(&o));
+        assert_eq!(resumed_from(&stderr(&o)), (2, "disk".to_string()), "{fault}");
+        assert_identical(&full.join("full.st"), Path::new(&p("restarted.st")), fault);
+    }
+    // One process, its snapshot in the memory it leaves behind: the rerun resumes from it.
+    let one = shared_dir("snapshots-one-process", |dir| {
+        let w = dir.join("full.st");
+        let o = strata(&[&["train"][..], &MODEL, &RUN, &["--save-weights", w.to_str().unwrap()]].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let shm = p("shm");
+    std::fs::create_dir(&shm).unwrap();
+    let flags = ["--save-checkpoint", &p("ckpt"), "--resume", "auto", "--save-weights", &p("restarted.st")];
+    let job = [&["train"][..], &MODEL, &RUN, &ASYNC, &flags].concat();
+    let o = strata_env(&job, &[("STRATA_FAULT", "snapshot-taken@3"), ("STRATA_SNAPSHOT_DIR", &shm)]);
+    assert!(!o.status.success(), "the process is killed");
+    assert_eq!(std::fs::read_to_string(p("ckpt/latest")).unwrap(), "step-00000002");
+    let o = strata_env(&job, &[("STRATA_SNAPSHOT_DIR", &shm)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(resumed_from(&stderr(&o)), (3, "host memory".to_string()));
+    assert_identical(&one.join("full.st"), Path::new(&p("restarted.st")), "one process");
+    assert!(entries(Path::new(&shm)).is_empty(), "left in memory: {:?}", entries(Path::new(&shm)));
+}

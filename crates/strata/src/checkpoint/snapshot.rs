@@ -1,0 +1,234 @@
+//! Checkpoints that do not stop training: each save is first a snapshot in host memory (a
+//! checkpoint folder of the usual format in shared memory, `/dev/shm`), which every rank
+//! writes at memory speed while training waits; a writer thread then persists it to the
+//! checkpoint folder on disk while training goes on, with the same staging, atomic renames
+//! and `latest` as a synchronous save.
+//!
+//! At most one save is in flight: the next waits for the writer (and says how long). The
+//! snapshot outlives the process that wrote it, so a rank restarted on the same node after
+//! a crash resumes from memory ([`newer_in_memory`]) where the snapshot is complete and no
+//! older than the disk's newest checkpoint. The memory folder is private to the user (a
+//! 0700 folder of 0600 files) and removed when the run ends cleanly ([`AsyncSaver::close`]).
+//!
+//! The disk copy is published by rank 0's writer once every rank's file is in the staging
+//! folder (the checkpoint folder is one file system all ranks see, as for synchronous
+//! saves); a writer that fails leaves a marker there, so rank 0's stops waiting. A crash at
+//! any point leaves `latest` naming the previous complete checkpoint.
+//!
+//! Owns the memory folder's place and lifetime, the writer thread and the choice between
+//! memory and disk at a resume. Must not change the checkpoint format (the parent module
+//! writes and reads it) or decide when to save (the training loop does).
+use super::{latest, prepare_staging, publish, rank_file, save_into, Checkpoint, Layout, Meta, Part, RunInfo};
+use crate::comm::ProcessGroup;
+use crate::{fault, io, Error, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long rank 0's writer waits for the other ranks' files before it gives up (a rank
+/// that died stops the whole job long before).
+const OTHERS_DEADLINE: Duration = Duration::from_secs(30 * 60);
+
+/// What one save cost (a synchronous save's is all blocking).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SaveTimes {
+    /// Seconds training stood still for the save: waiting for the previous save's writer,
+    /// the snapshot into host memory and the ranks' agreements.
+    pub blocked_s: f64,
+    /// Of `blocked_s`, seconds spent waiting for the previous save's writer.
+    pub waited_s: f64,
+    /// Seconds the previous save's writer took to persist it, where one ran.
+    pub persisted_s: Option<f64>,
+}
+
+/// Where the host-memory snapshots of the run checkpointing to `disk` live: a folder named
+/// by the user and the checkpoint folder's path, in `STRATA_SNAPSHOT_DIR` (set by `strata
+/// launch`, which removes it when it ends), else `/dev/shm`, else the temporary folder.
+pub fn memory_root(disk: &Path) -> Result<PathBuf> {
+    let base = match std::env::var_os("STRATA_SNAPSHOT_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None if Path::new("/dev/shm").is_dir() => PathBuf::from("/dev/shm"),
+        None => std::env::temp_dir(),
+    };
+    std::fs::create_dir_all(disk).map_err(|e| Error::io(disk, e))?;
+    let canonical = std::fs::canonicalize(disk).map_err(|e| Error::io(disk, e))?;
+    let digest = Sha256::digest(canonical.as_os_str().as_encoded_bytes());
+    let key: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    Ok(base.join(format!("strata-{uid}-{key}")))
+}
+
+/// The newest snapshot in host memory of the run checkpointing to `disk`, where it is
+/// complete (every rank's file written and described) and of a step no older than the
+/// disk's newest checkpoint; `None` otherwise.
+pub fn newer_in_memory(disk: &Path) -> Option<Checkpoint> {
+    let memory = memory_root(disk).ok()?;
+    let snapshot = Checkpoint::open(&latest(&memory).ok()?).ok()?;
+    let on_disk = latest(disk).ok().and_then(|d| Checkpoint::open(&d).ok()).map(|c| c.meta.step);
+    on_disk.is_none_or(|step| snapshot.meta.step >= step).then_some(snapshot)
+}
+
+/// A save being persisted by the writer thread.
+struct InFlight {
+    step: u64,
+    writer: JoinHandle<Result<f64>>,
+}
+
+/// Saves checkpoints asynchronously: a snapshot in host memory, persisted to disk by a
+/// writer thread. Every rank holds one and calls it at the same steps.
+pub struct AsyncSaver {
+    disk: PathBuf,
+    memory: PathBuf,
+    /// Whether this rank publishes the snapshots of its node (its first local rank).
+    node_publisher: bool,
+    in_flight: Option<InFlight>,
+}
+
+impl AsyncSaver {
+    /// A saver persisting to the checkpoint folder `disk`; `node_publisher` for exactly one
+    /// rank of each node.
+    pub fn new(disk: &Path, node_publisher: bool) -> Result<AsyncSaver> {
+        let memory = memory_root(disk)?;
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&memory).map_err(|e| Error::io(&memory, e))?;
+        Ok(AsyncSaver { disk: disk.to_path_buf(), memory, node_publisher, in_flight: None })
+    }
+
+    /// The folder the snapshots are taken in.
+    pub fn memory(&self) -> &Path {
+        &self.memory
+    }
+
+    /// Snapshots `parts` into host memory, then starts persisting the snapshot to disk and
+    /// returns; waits first for the previous save's writer. Every rank calls it.
+    pub fn save(
+        &mut self,
+        layout: &Layout,
+        parts: &mut [Part<'_>],
+        run: &RunInfo,
+        world: Option<&dyn ProcessGroup>,
+        keep: usize,
+    ) -> Result<SaveTimes> {
+        let start = Instant::now();
+        let persisted_s = self.wait(world)?;
+        let waited_s = start.elapsed().as_secs_f64();
+        // The memory keeps one snapshot: the previous one is on disk now.
+        let (snapshot, meta) = save_into(&self.memory, layout, parts, run, world, 1, self.node_publisher)?;
+        let rank = world.map_or(0, |g| g.rank());
+        let own = Some(rank_file(rank)).filter(|f| meta.files.contains(f));
+        let mut private: Vec<PathBuf> = own.iter().map(|f| snapshot.join(f)).collect();
+        if self.node_publisher {
+            private.extend([snapshot.join("meta.json"), self.memory.join("latest")]);
+        }
+        for path in private {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(|e| Error::io(&path, e))?;
+        }
+        fault::point("snapshot-taken", run.step)?;
+        let staging = prepare_staging(&self.disk, run.step, rank == 0, world)?;
+        let job = Persist { snapshot, disk: self.disk.clone(), staging, rank, own, meta, keep };
+        let began = Instant::now();
+        let writer = std::thread::Builder::new()
+            .name("strata-checkpoint-writer".into())
+            .spawn(move || job.run().map(|()| began.elapsed().as_secs_f64()))
+            .map_err(|e| Error::Checkpoint(format!("cannot start the checkpoint writer: {e}")))?;
+        self.in_flight = Some(InFlight { step: run.step, writer });
+        Ok(SaveTimes { blocked_s: start.elapsed().as_secs_f64(), waited_s, persisted_s })
+    }
+
+    /// Waits for the save in flight to be on disk on every rank; returns its writer's
+    /// seconds (`None`: none was in flight). Every rank calls it.
+    pub fn wait(&mut self, world: Option<&dyn ProcessGroup>) -> Result<Option<f64>> {
+        let Some(InFlight { step, writer }) = self.in_flight.take() else { return Ok(None) };
+        let done = writer
+            .join()
+            .unwrap_or_else(|_| Err(Error::Checkpoint("the checkpoint writer stopped".into())))
+            .map_err(|e| Error::Checkpoint(format!("persisting the checkpoint of step {step}: {e}")));
+        let seconds = done.as_ref().map_or(0.0, |s| *s);
+        super::agree(world, done.map(|_| ()), &[])?;
+        Ok(Some(seconds))
+    }
+
+    /// Waits for the save in flight, then removes the memory folder (this node's first
+    /// rank, once every rank is done with it): the run ended cleanly, its checkpoints are
+    /// on disk. Returns the last writer's seconds.
+    pub fn close(mut self, world: Option<&dyn ProcessGroup>) -> Result<Option<f64>> {
+        let persisted = self.wait(world)?;
+        if self.node_publisher && self.memory.exists() {
+            std::fs::remove_dir_all(&self.memory).map_err(|e| Error::io(&self.memory, e))?;
+        }
+        Ok(persisted)
+    }
+}
+
+/// What the writer thread persists: this rank's file of the snapshot, and on rank 0 the
+/// publication once every rank's file is on disk.
+struct Persist {
+    snapshot: PathBuf,
+    disk: PathBuf,
+    staging: PathBuf,
+    rank: usize,
+    /// This rank's file in the snapshot, where it wrote one.
+    own: Option<String>,
+    meta: Meta,
+    keep: usize,
+}
+
+impl Persist {
+    fn run(self) -> Result<()> {
+        let result = self.copy_and_publish();
+        if let Err(e) = &result {
+            // Rank 0's writer stops waiting for this rank's file when it sees the marker.
+            let _ = std::fs::write(self.staging.join(failure_marker(self.rank)), e.to_string());
+        }
+        result
+    }
+
+    fn copy_and_publish(&self) -> Result<()> {
+        fault::point("persist-begun", self.meta.step)?;
+        if let Some(name) = &self.own {
+            let source = self.snapshot.join(name);
+            io::write_atomic_with(&self.staging.join(name), |out| {
+                let mut from = std::fs::File::open(&source).map_err(|e| Error::io(&source, e))?;
+                std::io::copy(&mut from, out).map(drop).map_err(|e| Error::io(&source, e))
+            })?;
+        }
+        fault::point("persist-written", self.meta.step)?;
+        if self.rank == 0 {
+            self.wait_for_others()?;
+            publish(&self.disk, &self.staging, &self.meta, self.keep)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every file the description lists is in the staging folder, or a rank's
+    /// writer says it failed.
+    fn wait_for_others(&self) -> Result<()> {
+        let deadline = Instant::now() + OTHERS_DEADLINE;
+        loop {
+            if self.meta.files.iter().all(|f| self.staging.join(f).is_file()) {
+                return Ok(());
+            }
+            for rank in 0..self.meta.world_size {
+                let marker = self.staging.join(failure_marker(rank));
+                if let Ok(why) = std::fs::read_to_string(&marker) {
+                    return Err(Error::Checkpoint(format!("rank {rank} could not persist its part: {why}")));
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Checkpoint(format!(
+                    "the other ranks' files did not reach {} within {} s",
+                    self.staging.display(),
+                    OTHERS_DEADLINE.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+fn failure_marker(rank: usize) -> String {
+    format!("rank{rank}.failed")
+}
