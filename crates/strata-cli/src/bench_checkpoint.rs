@@ -53,6 +53,8 @@ struct Row {
     step_s: f64,
     /// Median seconds a save stopped training (0 without checkpoints).
     blocked_s: f64,
+    /// Of those, median seconds waiting for the previous save's writer (asynchronous saves).
+    waited_s: f64,
     /// Median seconds the writer took to persist a save (asynchronous saves).
     persisted_s: Option<f64>,
     /// Tokens over the seconds of the timed steps and their saves.
@@ -68,6 +70,7 @@ struct Row {
 struct Samples {
     step_s: Vec<f64>,
     blocked_s: Vec<f64>,
+    waited_s: Vec<f64>,
     persisted_s: Vec<f64>,
     tokens: f64,
     seconds: f64,
@@ -114,6 +117,7 @@ pub fn run(args: BenchCheckpointArgs) -> Result<()> {
                 }
                 let blocked = r["checkpoint"]["blocked_s"].as_f64().unwrap_or(0.0);
                 sample.blocked_s.push(blocked);
+                sample.waited_s.push(r["checkpoint"]["waited_s"].as_f64().unwrap_or(0.0));
                 sample.seconds += blocked;
                 if let Some(p) = r["checkpoint"]["persisted_s"].as_f64() {
                     sample.persisted_s.push(p);
@@ -129,6 +133,7 @@ pub fn run(args: BenchCheckpointArgs) -> Result<()> {
             mode,
             step_s: bench_runs::median(s.step_s),
             blocked_s: bench_runs::median(s.blocked_s),
+            waited_s: bench_runs::median(s.waited_s),
             persisted_s: (!s.persisted_s.is_empty()).then(|| bench_runs::median(s.persisted_s)),
             tokens_per_s: s.tokens / s.seconds.max(1e-9),
             vs_none: 0.0,
@@ -152,16 +157,17 @@ pub fn run(args: BenchCheckpointArgs) -> Result<()> {
         s.layers, s.dim, args.nproc, args.steps, args.rounds
     );
     println!(
-        "{:<44} {:>6} {:>8} {:>10} {:>11} {:>10} {:>8} {:>8}",
-        "strategy", "saves", "step s", "blocked s", "persisted s", "tokens/s", "/none", "/sync"
+        "{:<44} {:>6} {:>8} {:>10} {:>9} {:>11} {:>10} {:>8} {:>8}",
+        "strategy", "saves", "step s", "blocked s", "waited s", "persisted s", "tokens/s", "/none", "/sync"
     );
     for r in &rows {
         println!(
-            "{:<44} {:>6} {:>8.3} {:>10.3} {:>11} {:>10.0} {:>8.3} {:>8}",
+            "{:<44} {:>6} {:>8.3} {:>10.3} {:>9.3} {:>11} {:>10.0} {:>8.3} {:>8}",
             r.strategy,
             r.mode,
             r.step_s,
             r.blocked_s,
+            r.waited_s,
             r.persisted_s.map_or(String::new(), |p| format!("{p:.3}")),
             r.tokens_per_s,
             r.vs_none,

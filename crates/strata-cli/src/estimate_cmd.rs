@@ -181,6 +181,9 @@ pub struct EstimateArgs {
     /// term's reference (LoRA rows read their base instead).
     #[arg(long)]
     reference_copy: bool,
+    /// Count asynchronous checkpoints' snapshot in host memory: each rank's checkpoint file.
+    #[arg(long)]
+    checkpoint_async: bool,
     /// Optimizer: adamw (8 bytes of state per trained element) or sgd (4, with momentum).
     #[arg(long, default_value = "adamw")]
     optimizer: String,
@@ -294,8 +297,13 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     }
     let generation =
         a.num_generations.map(|rows| Generation { rows, positions: ctx, reference_copy: a.reference_copy });
-    // GRPO's generation where it is asked for; under LoRA the base is the reference.
+    // GRPO's generation where it is asked for (under LoRA the base is the reference), and
+    // asynchronous checkpoints' snapshot.
     let generating = |e: Estimate, layout: &Layout, lora: bool| -> Result<Estimate> {
+        let e = match a.checkpoint_async {
+            true => estimate::with_snapshot(e, &work, &machine),
+            false => e,
+        };
         Ok(match generation {
             Some(g) => {
                 let g = Generation { reference_copy: g.reference_copy && !lora, ..g };

@@ -376,3 +376,37 @@ fn a_plan_s_strategy_file_trains_unchanged() {
     let run = strata(&train);
     assert!(run.status.success(), "{}", stderr(&run));
 }
+
+/// `--checkpoint-async` adds each rank's snapshot to its host bytes: its checkpoint file,
+/// which a two-rank fsdp run writes at the size the estimate says (the file's tensors, to
+/// the per-unit rounding of the shards), half of what plain data parallelism's one writer
+/// holds.
+#[test]
+fn strata_estimate_counts_an_asynchronous_checkpoint_s_snapshot_as_the_file_it_writes() {
+    let model = ["--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32", "--vocab", "256"];
+    let host = |extra: &[&str]| -> Vec<(String, u64)> {
+        let args = ["estimate", "--device", "cpu", "--precision", "fp32", "--nproc", "2", "--json"];
+        let out = strata(&[&args[..], &model, extra].concat());
+        assert!(out.status.success(), "{}", stderr(&out));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let rows = report["rows"].as_array().unwrap().iter();
+        rows.map(|r| (r["layout"].as_str().unwrap().to_string(), r["host"]["comm"].as_u64().unwrap())).collect()
+    };
+    let (without, with) = (host(&[]), host(&["--checkpoint-async"]));
+    let snapshot = |name: &str| {
+        let at = with.iter().position(|(l, _)| l == name).unwrap_or_else(|| panic!("no {name} in {with:?}"));
+        with[at].1 - without[at].1
+    };
+    let (plain, fsdp) = (snapshot("fp32 + data parallel"), snapshot("fp32 + fsdp"));
+    assert!(fsdp > 0 && fsdp.abs_diff(plain / 2) <= 64, "fsdp {fsdp}, data parallel {plain}");
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let run = ["--steps", "1", "--batch-size", "4", "--nproc", "2", "--strategy", r#"["fsdp"]"#, "--threads", "1"];
+    let o = strata(&[&["train"][..], &model, &run, &["--save-checkpoint", ckpt.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let file = std::fs::read(ckpt.join("step-00000001/rank0.safetensors")).unwrap();
+    let header = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let data = (file.len() - 8 - header) as u64;
+    let gap = data.abs_diff(fsdp) as f64 / data as f64;
+    assert!(gap <= 0.01, "estimated {fsdp} bytes, the file holds {data}");
+}

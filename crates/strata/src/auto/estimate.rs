@@ -162,7 +162,8 @@ pub struct Breakdown {
     /// Activations kept for backward.
     pub activations: u64,
     /// Transfer buffers: sequence parallel's gathered input, the pipeline's boundary
-    /// activations, offload's copies in flight.
+    /// activations, offload's copies in flight; on the host, an asynchronous checkpoint's
+    /// snapshot.
     pub comm: u64,
     /// Outside the tensors: the device's reserve and the allocator's fragmentation.
     pub overhead: u64,
@@ -182,6 +183,9 @@ pub struct RankBytes {
     pub device: Breakdown,
     /// Bytes on the host.
     pub host: Breakdown,
+    /// Elements of parameters whose values and optimizer states this rank's checkpoint file
+    /// holds: its shard of its units (all of them where states are not sharded).
+    pub saved: u64,
 }
 
 /// The estimate for one layout: the busiest rank's device and host bytes, and each
@@ -491,6 +495,7 @@ pub fn estimate_with(
         let mut largest = 0u64;
         let mut lent_grads = 0u64;
         let mut trained = 0u64;
+        let mut saved = 0u64;
         // Kept through the whole backward (under recomputation a block's output, the next
         // one's input; everything otherwise); kept by the units after the blocks (the head) until
         // their backward, and the part of it that lives on while the last block is
@@ -540,6 +545,7 @@ pub fn estimate_with(
                 device.grads += s.grad_len * pb;
                 device.optimizer += s.grad_len * work.optimizer_state_bytes;
                 trained += s.grad_len;
+                saved += s.len;
             }
             boundary = boundary.max(output_bytes(&kept[end - 1]));
         }
@@ -623,10 +629,11 @@ pub fn estimate_with(
         }
         let allocated = device.total();
         device.overhead = machine.device.reserved_bytes + (allocated as f64 * machine.device.fragmentation) as u64;
-        pipeline_ranks.push(RankBytes { device, host });
+        let saved = if sharded { saved.div_ceil(dpu) } else { saved };
+        pipeline_ranks.push(RankBytes { device, host, saved });
     }
     let busiest = (0..p).max_by_key(|&r| pipeline_ranks[r].device.total()).unwrap_or(0);
-    let RankBytes { device, host } = pipeline_ranks[busiest];
+    let RankBytes { device, host, .. } = pipeline_ranks[busiest];
     let fits =
         pipeline_ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
     Ok(Estimate { layout: layout.label(), device, host, busiest, fits, pipeline_ranks })
@@ -683,6 +690,21 @@ pub fn with_generation(
     estimate.fits =
         ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
     Ok(estimate)
+}
+
+/// `estimate` with asynchronous checkpoints counted: each rank's snapshot in host memory
+/// holds its checkpoint file, the fp32 values of its saved parameters and of each of their
+/// optimizer states (`work.optimizer_state_bytes` per element), as transfer buffers on the
+/// host.
+pub fn with_snapshot(mut estimate: Estimate, work: &Workload, machine: &Machine) -> Estimate {
+    for rank in &mut estimate.pipeline_ranks {
+        rank.host.comm += rank.saved * (4 + work.optimizer_state_bytes);
+    }
+    let ranks = &estimate.pipeline_ranks;
+    estimate.host = ranks[estimate.busiest].host;
+    estimate.fits =
+        ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
+    estimate
 }
 
 /// Every layout of one shape (tensor size, pipeline with its schedule and chunks, `data`
