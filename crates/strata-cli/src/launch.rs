@@ -154,11 +154,7 @@ struct SnapshotDir(PathBuf);
 
 impl SnapshotDir {
     fn create() -> Result<SnapshotDir> {
-        let base = match std::env::var_os("STRATA_SNAPSHOT_DIR") {
-            Some(dir) => PathBuf::from(dir),
-            None if Path::new("/dev/shm").is_dir() => PathBuf::from("/dev/shm"),
-            None => std::env::temp_dir(),
-        };
+        let base = strata::checkpoint::snapshot::snapshot_base();
         // SAFETY: getuid has no preconditions.
         let dir = base.join(format!("strata-launch-{}-{}", unsafe { libc::getuid() }, std::process::id()));
         std::fs::DirBuilder::new()

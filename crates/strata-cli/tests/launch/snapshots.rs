@@ -185,13 +185,17 @@ fn a_rank_killed_while_persisting_is_restarted_by_torchrun_and_resumes_from_host
 fn a_crash_between_snapshot_and_persist_or_mid_write_resumes_from_the_last_complete_checkpoint() {
     let full = uninterrupted(FSDP);
     // Two ranks under a launcher that does not restart: its snapshots go with it, so the
-    // resume reads the disk, whose latest complete checkpoint is step 2's.
-    for (fault, rank) in [("snapshot-taken@3", "1"), ("persist-written@3", "0")] {
+    // resume reads the disk, whose latest complete checkpoint is step 2's. Rank 1's writer
+    // failing (an error, the process living on) keeps rank 0's from publishing step 3.
+    for (fault, rank, error) in
+        [("snapshot-taken@3", "1", "0"), ("persist-written@3", "0", "0"), ("persist-begun@3", "1", "1")]
+    {
         let dir = tempfile::tempdir().unwrap();
         let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
         let job = restarted_job(dir.path());
         let job: Vec<&str> = job.iter().map(String::as_str).chain(["--nproc", "2"]).collect();
-        let o = strata_env(&job, &[("STRATA_FAULT", fault), ("STRATA_FAULT_RANK", rank)]);
+        let o =
+            strata_env(&job, &[("STRATA_FAULT", fault), ("STRATA_FAULT_RANK", rank), ("STRATA_FAULT_ERROR", error)]);
         assert!(!o.status.success(), "{fault}: the job fails");
         assert_eq!(std::fs::read_to_string(p("ckpt/latest")).unwrap(), "step-00000002", "{fault}");
         let o = strata(&job);

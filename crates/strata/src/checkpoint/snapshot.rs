@@ -21,7 +21,7 @@
 use super::{latest, prepare_staging, publish, rank_file, save_into, Checkpoint, Layout, Meta, Part, RunInfo};
 use crate::comm::ProcessGroup;
 use crate::{fault, io, Error, Result};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use sha2::{Digest, Sha256};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 const OTHERS_DEADLINE: Duration = Duration::from_secs(30 * 60);
 
 /// What one save cost (a synchronous save's is all blocking).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct SaveTimes {
     /// Seconds training stood still for the save: waiting for the previous save's writer,
     /// the snapshot into host memory and the ranks' agreements.
@@ -44,15 +44,20 @@ pub struct SaveTimes {
     pub persisted_s: Option<f64>,
 }
 
-/// Where the host-memory snapshots of the run checkpointing to `disk` live: a folder named
-/// by the user and the checkpoint folder's path, in `STRATA_SNAPSHOT_DIR` (set by `strata
-/// launch`, which removes it when it ends), else `/dev/shm`, else the temporary folder.
-pub fn memory_root(disk: &Path) -> Result<PathBuf> {
-    let base = match std::env::var_os("STRATA_SNAPSHOT_DIR") {
+/// The folder snapshots in host memory are taken in: `STRATA_SNAPSHOT_DIR` (set by `strata
+/// launch` to a folder it removes when it ends), else `/dev/shm`, else the temporary folder.
+pub fn snapshot_base() -> PathBuf {
+    match std::env::var_os("STRATA_SNAPSHOT_DIR") {
         Some(dir) => PathBuf::from(dir),
         None if Path::new("/dev/shm").is_dir() => PathBuf::from("/dev/shm"),
         None => std::env::temp_dir(),
-    };
+    }
+}
+
+/// Where the host-memory snapshots of the run checkpointing to `disk` live: a folder in
+/// [`snapshot_base`] named by the user and the checkpoint folder's path.
+pub fn memory_root(disk: &Path) -> Result<PathBuf> {
+    let base = snapshot_base();
     std::fs::create_dir_all(disk).map_err(|e| Error::io(disk, e))?;
     let canonical = std::fs::canonicalize(disk).map_err(|e| Error::io(disk, e))?;
     let digest = Sha256::digest(canonical.as_os_str().as_encoded_bytes());
