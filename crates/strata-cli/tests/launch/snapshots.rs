@@ -7,6 +7,7 @@
 use crate::common::{losses, reports, shared_dir, stderr, strata, strata_env, weights};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use strata::profile::Record;
 
 const MODEL: [&str; 12] =
     ["--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32", "--seed", "5"];
@@ -80,7 +81,7 @@ fn saving_every_step_asynchronously_changes_no_weight_and_leaves_complete_checkp
         let shm = p("shm");
         std::fs::create_dir(&shm).unwrap();
         let flags = ["--nproc", "2", "--strategy", strategy, "--save-checkpoint", &p("ckpt")];
-        let outputs = ["--save-weights", &p("async.st"), "--metrics", &p("async.jsonl")];
+        let outputs = ["--save-weights", &p("async.st"), "--metrics", &p("async.jsonl"), "--profile", &p("profile")];
         let o = strata_env(
             &[&["train"][..], &MODEL, &RUN, &flags, &ASYNC, &outputs].concat(),
             &[("STRATA_SNAPSHOT_DIR", &shm)],
@@ -99,6 +100,35 @@ fn saving_every_step_asynchronously_changes_no_weight_and_leaves_complete_checkp
             assert!(c["blocked_s"].as_f64().unwrap() > 0.0, "{strategy}: {row}");
         }
         assert!(rows[2..].iter().all(|r| r["checkpoint"]["persisted_s"].as_f64().unwrap() > 0.0), "{strategy}");
+        // The profile (written before the last step's save) holds the same saves: each pause
+        // on the training thread, and the writer's stretch from the end of that pause (known
+        // at the next save).
+        let profiles = strata::profile::read_dir(Path::new(&p("profile"))).unwrap();
+        let (mut saves, mut persists) = (vec![], vec![]);
+        for r in &profiles[0].records {
+            match *r {
+                Record::Save { t, start, step, .. } => saves.push((step, start, t)),
+                Record::Persist { t, start, step } => persists.push((step, start, t)),
+                _ => {}
+            }
+        }
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-6;
+        assert_eq!(saves.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5], "{strategy}");
+        for &(step, start, t) in &saves {
+            let reported = rows[step as usize]["checkpoint"]["blocked_s"].as_f64().unwrap();
+            assert!(close(t - start, reported), "{strategy}: step {step} {} against {reported}", t - start);
+        }
+        assert_eq!(persists.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2, 3, 4], "{strategy}");
+        for (&(step, start, t), save) in persists.iter().zip(&saves) {
+            let reported = rows[step as usize + 1]["checkpoint"]["persisted_s"].as_f64().unwrap();
+            assert!(close(start, save.2) && close(t - start, reported), "{strategy}: step {step}");
+        }
+        let summary = &strata::profile::summary::summarize(&profiles)[0];
+        let blocked: f64 = saves.iter().map(|(_, start, t)| t - start).sum();
+        assert!(summary.checkpoints == 5 && close(summary.checkpoint_blocked_s, blocked), "{strategy}: {summary:?}");
+        let trace = strata::profile::trace::chrome_trace(&profiles[..1]);
+        let drawn = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "checkpoint").count();
+        assert_eq!(drawn, saves.len() + persists.len(), "{strategy}");
         // Step 5's checkpoint as persisted continues to step 6's weights exactly.
         let resume = ["--resume", &p("ckpt/step-00000005"), "--save-weights", &p("resumed.st")];
         let o = strata(&[&["train"][..], &MODEL, &RUN, &["--nproc", "2", "--strategy", strategy], &resume].concat());
@@ -204,23 +234,27 @@ fn a_crash_between_snapshot_and_persist_or_mid_write_resumes_from_the_last_compl
         assert_identical(&full.join("full.st"), Path::new(&p("restarted.st")), fault);
     }
     // One process, its snapshot in the memory it leaves behind: the rerun resumes from it.
+    // Killed while writing step 3's snapshot over step 2's file, it leaves no snapshot, and
+    // the rerun resumes from the disk.
     let one = shared_dir("snapshots-one-process", |dir| {
         let w = dir.join("full.st");
         let o = strata(&[&["train"][..], &MODEL, &RUN, &["--save-weights", w.to_str().unwrap()]].concat());
         assert!(o.status.success(), "{}", stderr(&o));
     });
-    let dir = tempfile::tempdir().unwrap();
-    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
-    let shm = p("shm");
-    std::fs::create_dir(&shm).unwrap();
-    let flags = ["--save-checkpoint", &p("ckpt"), "--resume", "auto", "--save-weights", &p("restarted.st")];
-    let job = [&["train"][..], &MODEL, &RUN, &ASYNC, &flags].concat();
-    let o = strata_env(&job, &[("STRATA_FAULT", "snapshot-taken@3"), ("STRATA_SNAPSHOT_DIR", &shm)]);
-    assert!(!o.status.success(), "the process is killed");
-    assert_eq!(std::fs::read_to_string(p("ckpt/latest")).unwrap(), "step-00000002");
-    let o = strata_env(&job, &[("STRATA_SNAPSHOT_DIR", &shm)]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(resumed_from(&stderr(&o)), (3, "host memory".to_string()));
-    assert_identical(&one.join("full.st"), Path::new(&p("restarted.st")), "one process");
-    assert!(entries(Path::new(&shm)).is_empty(), "left in memory: {:?}", entries(Path::new(&shm)));
+    for (fault, resumed) in [("snapshot-taken@3", (3, "host memory")), ("save-written@3", (2, "disk"))] {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+        let shm = p("shm");
+        std::fs::create_dir(&shm).unwrap();
+        let flags = ["--save-checkpoint", &p("ckpt"), "--resume", "auto", "--save-weights", &p("restarted.st")];
+        let job = [&["train"][..], &MODEL, &RUN, &ASYNC, &flags].concat();
+        let o = strata_env(&job, &[("STRATA_FAULT", fault), ("STRATA_SNAPSHOT_DIR", &shm)]);
+        assert!(!o.status.success(), "{fault}: the process is killed");
+        assert_eq!(std::fs::read_to_string(p("ckpt/latest")).unwrap(), "step-00000002", "{fault}");
+        let o = strata_env(&job, &[("STRATA_SNAPSHOT_DIR", &shm)]);
+        assert!(o.status.success(), "{fault}: {}", stderr(&o));
+        assert_eq!(resumed_from(&stderr(&o)), (resumed.0, resumed.1.to_string()), "{fault}");
+        assert_identical(&one.join("full.st"), Path::new(&p("restarted.st")), fault);
+        assert!(entries(Path::new(&shm)).is_empty(), "{fault}: left in memory: {:?}", entries(Path::new(&shm)));
+    }
 }

@@ -16,15 +16,24 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 const MODEL: [&str; 12] =
     ["--model", "gpt", "--layers", "4", "--heads", "4", "--dim", "128", "--ctx", "64", "--seed", "1"];
+/// One warm-up and one timed step per dry run: these tests check what the search decides
+/// from memory and failures, not which close speeds win.
+const DRY_RUN: [&str; 2] = ["--dry-run-steps", "1"];
 const RUN: [&str; 10] =
     ["--batch-size", "8", "--threads", "1", "--steps", "1", "--schedule", "constant", "--log-every", "1000"];
 
 /// Runs one step after an automatic search; returns the search report.
 fn search(dir: &Path, name: &str, extra: &[&str]) -> Value {
     let report = dir.join(format!("{name}.json"));
-    let args =
-        [&["train"][..], &MODEL, &RUN, &["--strategy", "auto", "--search-report", report.to_str().unwrap()], extra]
-            .concat();
+    let args = [
+        &["train"][..],
+        &MODEL,
+        &RUN,
+        &DRY_RUN,
+        &["--strategy", "auto", "--search-report", report.to_str().unwrap()],
+        extra,
+    ]
+    .concat();
     let o = strata_env(&args, &[("STRATA_LOG", "warn")]);
     assert!(o.status.success(), "{extra:?}:\n{}", stderr(&o));
     serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap()
@@ -43,7 +52,7 @@ fn included_and_excluded_methods_shape_every_candidate() {
         assert!(label.contains("checkpoint") && !label.contains("module_replace"), "{label}");
     }
     assert!(report["chosen"].as_str().unwrap().contains("checkpoint"));
-    let args = [&["train"][..], &MODEL, &RUN, &["--strategy", "auto", "--included", "fp8"]].concat();
+    let args = [&["train"][..], &MODEL, &RUN, &DRY_RUN, &["--strategy", "auto", "--included", "fp8"]].concat();
     let o = strata_env(&args, &[("STRATA_LOG", "error")]);
     assert!(!o.status.success() && stderr(&o).contains("every candidate was pruned"), "{}", stderr(&o));
     let o = strata_env(&[&args[..], &["--included", "zero7"]].concat(), &[("STRATA_LOG", "error")]);
@@ -167,6 +176,8 @@ fn four_ranks_where_only_a_pipeline_fits_train_on_stages() {
         "module_replace,amp_native,offload",
         "--search-report",
         report.to_str().unwrap(),
+        "--dry-run-steps",
+        "1",
         // A rank that stalls in a dry run without failing holds the others this long.
         "--comm-timeout",
         "30",
@@ -209,7 +220,7 @@ fn a_dry_run_failing_on_one_rank_fails_on_the_others_with_its_reason() {
     let (fired, report) = (dir.path().join("fired"), dir.path().join("report.json"));
     let (fired_path, report_path) = (fired.to_str().unwrap(), report.to_str().unwrap());
     let search = ["--nproc", "2", "--strategy", "auto", "--search-report", report_path, "--comm-timeout", "600"];
-    let args = [&["train"][..], &MODEL, &RUN, &search].concat();
+    let args = [&["train"][..], &MODEL, &RUN, &DRY_RUN, &search].concat();
     let fault = [
         ("STRATA_LOG", "warn"),
         ("STRATA_FAULT", "backward@2"),
@@ -252,7 +263,7 @@ fn lora_is_chosen_where_full_fine_tuning_fits_no_candidate() {
     let step: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     assert!(step["peak_bytes"].as_u64().unwrap() <= budget.parse().unwrap(), "the run itself: {step}");
 
-    let args = [&["train"][..], &MODEL, &RUN, &["--strategy", "auto"], &flags].concat();
+    let args = [&["train"][..], &MODEL, &RUN, &DRY_RUN, &["--strategy", "auto"], &flags].concat();
     let o = strata_env(&args, &[("STRATA_LOG", "warn")]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("error: invalid configuration: auto_accelerate found no strategy"), "{}", stderr(&o));
@@ -312,7 +323,7 @@ fn auto_within(shape: &[&str], extra: &[&str], budget: u64, reason: &str, method
         "--metrics",
         metrics.to_str().unwrap(),
     ];
-    let o = strata_env(&[&["train"][..], shape, &flags, extra].concat(), &[("STRATA_LOG", "warn")]);
+    let o = strata_env(&[&["train"][..], shape, &flags, &DRY_RUN, extra].concat(), &[("STRATA_LOG", "warn")]);
     assert!(o.status.success(), "{}", stderr(&o));
     let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert!(report["mode"].as_str().unwrap().contains(reason), "{}", report["mode"]);

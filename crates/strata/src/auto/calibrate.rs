@@ -14,8 +14,14 @@ use tch::{Device, Kind, Tensor};
 const SPAN: Duration = Duration::from_millis(200);
 
 /// Repeats `work` for about [`SPAN`] after one warm-up, and returns its seconds per call.
+/// A warm-up longer than the span is the measurement itself (a bf16 product on a CPU
+/// without bf16 units takes seconds; warming up matters at microseconds).
 fn seconds_per_call(mut work: impl FnMut() -> Result<()>) -> Result<f64> {
+    let warm_up = Instant::now();
     work()?;
+    if warm_up.elapsed() >= SPAN {
+        return Ok(warm_up.elapsed().as_secs_f64());
+    }
     let start = Instant::now();
     let mut calls = 0u32;
     while start.elapsed() < SPAN || calls < 3 {
@@ -39,7 +45,20 @@ fn product_flops(tokens: i64, width: i64, kind: Kind) -> Result<f64> {
 /// The CPU as a device, its products measured at `tokens` rows of `width` features (the
 /// sizes a run multiplies), its memory bandwidth by a 64 MiB copy, and the cost of issuing
 /// one operator by a tiny product's forward and backward.
+/// Measured once per process and size: a search's passes ask again for the same sizes.
 pub fn this_machine(tokens: i64, width: i64) -> Result<DeviceKind> {
+    static MEASURED: std::sync::Mutex<Vec<((i64, i64), DeviceKind)>> = std::sync::Mutex::new(Vec::new());
+    if let Some((_, known)) =
+        MEASURED.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|(k, _)| *k == (tokens, width))
+    {
+        return Ok(known.clone());
+    }
+    let measured = measure(tokens, width)?;
+    MEASURED.lock().unwrap_or_else(|e| e.into_inner()).push(((tokens, width), measured.clone()));
+    Ok(measured)
+}
+
+fn measure(tokens: i64, width: i64) -> Result<DeviceKind> {
     let src = Tensor::f_zeros([16 << 20], (Kind::Float, Device::Cpu))?;
     let dst = src.f_empty_like()?;
     let copy = seconds_per_call(|| {

@@ -24,7 +24,7 @@ use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
 use crate::engine::Engine;
-use crate::io::{self, tensor_bytes_le, write_safetensors_streamed};
+use crate::io::{self, write_safetensors_streamed, Placing};
 use crate::model::{ModelConfig, ModelSpec, TpRole};
 use crate::optim::Optimizer;
 use crate::{fault, Error, Result};
@@ -311,7 +311,7 @@ pub fn save_parts(
     keep: usize,
 ) -> Result<PathBuf> {
     let publisher = world.is_none_or(|g| g.rank() == 0);
-    save_into(root, layout, parts, run, world, keep, publisher).map(|(dir, _)| dir)
+    save_into(root, layout, parts, run, world, keep, publisher, RankWrite::Atomic).map(|(dir, _)| dir)
 }
 
 /// Runs `local` on every rank and has them agree that it went well, so that a failure on
@@ -356,9 +356,21 @@ fn rank_file(rank: usize) -> String {
     format!("rank{rank}.safetensors")
 }
 
+/// How a rank writes its file of a checkpoint.
+#[derive(Clone, Copy)]
+enum RankWrite<'a> {
+    /// A new file, flushed to disk and renamed into place.
+    Atomic,
+    /// Into this rank's file of the checkpoint folder given, moved into the new checkpoint
+    /// and overwritten where it lies (a new file where there is none): snapshots in host
+    /// memory, whose previous one nothing may read any more.
+    Reusing(Option<&'a Path>),
+}
+
 /// Writes this rank's file of a checkpoint under `root`; `publisher` (one rank of those
 /// sharing `root`'s file system) describes it and moves it into place once every rank's
 /// file is written. Returns the checkpoint's folder and its description.
+#[allow(clippy::too_many_arguments)]
 fn save_into(
     root: &Path,
     layout: &Layout,
@@ -367,6 +379,7 @@ fn save_into(
     world: Option<&dyn ProcessGroup>,
     keep: usize,
     publisher: bool,
+    write: RankWrite<'_>,
 ) -> Result<(PathBuf, Meta)> {
     if parts.is_empty() {
         return Err(Error::Engine("a checkpoint of no engine".into()));
@@ -382,10 +395,15 @@ fn save_into(
         Some(_) => Ok(vec![]),
     };
     let writes = parts[0].engine.held_states().checkpoint_writer();
-    let written = match heads {
-        Ok(heads) if writes => write_rank_file(&staging.join(rank_file(rank)), layout, parts, &heads),
-        Ok(_) => Ok(()),
-        Err(e) => Err(e),
+    let target = staging.join(rank_file(rank));
+    let placed = match write {
+        RankWrite::Atomic => Ok(Placing::Atomic),
+        RankWrite::Reusing(previous) => reuse(previous.map(|d| d.join(rank_file(rank))), &target),
+    };
+    let written = match (heads, placed) {
+        (Ok(heads), Ok(placing)) if writes => write_rank_file(&target, layout, parts, &heads, placing),
+        (Ok(_), Ok(_)) => Ok(()),
+        (Err(e), _) | (_, Err(e)) => Err(e),
     };
     fault::point("save-written", run.step)?;
     // Which ranks wrote a file: the description lists them, whichever file system each
@@ -521,7 +539,24 @@ enum Stored<'a> {
     State(&'a str),
 }
 
-fn write_rank_file(path: &Path, whole: &Layout, parts: &mut [Part<'_>], heads: &[Vec<Option<Tensor>>]) -> Result<()> {
+/// Moves the file `previous`, where there is one, to `target` to be written in place.
+fn reuse(previous: Option<PathBuf>, target: &Path) -> Result<Placing> {
+    if let Some(previous) = previous {
+        match std::fs::rename(&previous, target) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&previous, e)),
+            _ => {}
+        }
+    }
+    Ok(Placing::InPlace)
+}
+
+fn write_rank_file(
+    path: &Path,
+    whole: &Layout,
+    parts: &mut [Part<'_>],
+    heads: &[Vec<Option<Tensor>>],
+    placing: Placing,
+) -> Result<()> {
     let units = whole.unit_numel.len();
     let mut ranges = vec![(0i64, 0i64); units];
     // Which part, and which of its units, holds each unit of the model.
@@ -571,30 +606,39 @@ fn write_rank_file(path: &Path, whole: &Layout, parts: &mut [Part<'_>], heads: &
         ("tensor_rank".to_string(), tensor_rank.to_string()),
         ("heads".to_string(), serde_json::to_string(&head_lens).map_err(|e| Error::Model(e.to_string()))?),
     ]);
-    write_safetensors_streamed(path, &layout, &metadata, |i| {
+    write_safetensors_streamed(path, &layout, &metadata, placing, |i| {
         let (unit, what) = jobs[i];
         let (start, len) = ranges[unit];
         let (part, local) = holder[unit];
-        let out = match what {
-            Stored::Param => parts[part].engine.local_params(local)?.f_narrow(0, 0, len)?.f_to_kind(kind)?,
+        match what {
+            Stored::Param => Ok(parts[part].engine.local_params(local)?.f_narrow(0, 0, len)?.f_to_kind(kind)?),
             Stored::FrozenHead => {
-                head_of(unit).ok_or_else(|| Error::Engine("a frozen head not gathered".into()))?.f_to_kind(kind)?
+                Ok(head_of(unit).ok_or_else(|| Error::Engine("a frozen head not gathered".into()))?.f_to_kind(kind)?)
             }
             Stored::State(name) => {
-                // Frozen parameters and padding have no state: zeros.
-                let out = Tensor::f_zeros([len], (kind, tch::Device::Cpu))?;
-                for (u, offset, n, t) in &states[part] {
-                    if *u == local && n == name {
-                        let (lo, hi) = (*offset.max(&start), (*offset + t.numel() as i64).min(start + len));
-                        if lo < hi {
-                            out.f_narrow(0, lo - start, hi - lo)?.f_copy_(&t.f_narrow(0, lo - offset, hi - lo)?)?;
-                        }
+                let pieces: Vec<(i64, &Tensor)> = states[part]
+                    .iter()
+                    .filter(|(u, _, n, _)| *u == local && n == name)
+                    .map(|(_, offset, _, t)| (*offset, t))
+                    .collect();
+                // The common case, one state tensor over the whole range, is written from
+                // where it lies.
+                if let [(offset, t)] = pieces[..] {
+                    if offset <= start && offset + t.numel() as i64 >= start + len {
+                        return Ok(t.f_narrow(0, start - offset, len)?.f_to_kind(kind)?);
                     }
                 }
-                out
+                // Frozen parameters and padding have no state: zeros.
+                let out = Tensor::f_zeros([len], (kind, tch::Device::Cpu))?;
+                for (offset, t) in pieces {
+                    let (lo, hi) = (offset.max(start), (offset + t.numel() as i64).min(start + len));
+                    if lo < hi {
+                        out.f_narrow(0, lo - start, hi - lo)?.f_copy_(&t.f_narrow(0, lo - offset, hi - lo)?)?;
+                    }
+                }
+                Ok(out)
             }
-        };
-        tensor_bytes_le(&out)
+        }
     })
 }
 
@@ -1138,9 +1182,9 @@ impl Checkpoint {
             ("format".to_string(), "pt".to_string()),
             (MERGED_KEY.to_string(), serde_json::to_string(&meta).map_err(|e| Error::Model(e.to_string()))?),
         ]);
-        write_safetensors_streamed(out, &layout, &metadata, |i| {
+        write_safetensors_streamed(out, &layout, &metadata, Placing::Atomic, |i| {
             let (what, p) = &jobs[i];
-            tensor_bytes_le(&self.read_range(what, p.unit, p.offset, p.shape.iter().product(), Kind::Float)?)
+            self.read_range(what, p.unit, p.offset, p.shape.iter().product(), Kind::Float)
         })
     }
 }

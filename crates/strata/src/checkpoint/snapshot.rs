@@ -18,7 +18,9 @@
 //! Owns the memory folder's place and lifetime, the writer thread and the choice between
 //! memory and disk at a resume. Must not change the checkpoint format (the parent module
 //! writes and reads it) or decide when to save (the training loop does).
-use super::{latest, prepare_staging, publish, rank_file, save_into, Checkpoint, Layout, Meta, Part, RunInfo};
+use super::{
+    latest, prepare_staging, publish, rank_file, save_into, Checkpoint, Layout, Meta, Part, RankWrite, RunInfo,
+};
 use crate::comm::ProcessGroup;
 use crate::{fault, io, Error, Result};
 use serde::Serialize;
@@ -90,6 +92,8 @@ pub struct AsyncSaver {
     memory: PathBuf,
     /// Whether this rank publishes the snapshots of its node (its first local rank).
     node_publisher: bool,
+    /// The folder of this process's last snapshot, whose files the next one overwrites.
+    taken: Option<PathBuf>,
     in_flight: Option<InFlight>,
 }
 
@@ -99,7 +103,7 @@ impl AsyncSaver {
     pub fn new(disk: &Path, node_publisher: bool) -> Result<AsyncSaver> {
         let memory = memory_root(disk)?;
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&memory).map_err(|e| Error::io(&memory, e))?;
-        Ok(AsyncSaver { disk: disk.to_path_buf(), memory, node_publisher, in_flight: None })
+        Ok(AsyncSaver { disk: disk.to_path_buf(), memory, node_publisher, taken: None, in_flight: None })
     }
 
     /// The folder the snapshots are taken in.
@@ -120,16 +124,28 @@ impl AsyncSaver {
         let start = Instant::now();
         let persisted_s = self.wait(world)?;
         let waited_s = start.elapsed().as_secs_f64();
-        // The memory keeps one snapshot: the previous one is on disk now.
-        let (snapshot, meta) = save_into(&self.memory, layout, parts, run, world, 1, self.node_publisher)?;
+        // The memory keeps one snapshot, the previous one being on disk now: its files are
+        // overwritten in place (their pages are already there), so it stops being a
+        // checkpoint before any rank touches them.
+        let memory_latest = self.memory.join("latest");
+        let invalidated = match self.node_publisher {
+            true => std::fs::remove_file(&memory_latest)
+                .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
+                .map_err(|e| Error::io(&memory_latest, e)),
+            false => Ok(()),
+        };
+        super::agree(world, invalidated, &[])?;
+        let reusing = RankWrite::Reusing(self.taken.as_deref());
+        let (snapshot, meta) = save_into(&self.memory, layout, parts, run, world, 1, self.node_publisher, reusing)?;
+        self.taken = Some(snapshot.clone());
         let rank = world.map_or(0, |g| g.rank());
         let own = Some(rank_file(rank)).filter(|f| meta.files.contains(f));
-        let mut private: Vec<PathBuf> = own.iter().map(|f| snapshot.join(f)).collect();
+        // Rank files are made 0600; the description and `latest` are written as any file.
         if self.node_publisher {
-            private.extend([snapshot.join("meta.json"), self.memory.join("latest")]);
-        }
-        for path in private {
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(|e| Error::io(&path, e))?;
+            for path in [snapshot.join("meta.json"), memory_latest] {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                    .map_err(|e| Error::io(&path, e))?;
+            }
         }
         fault::point("snapshot-taken", run.step)?;
         let staging = prepare_staging(&self.disk, run.step, rank == 0, world)?;
@@ -236,4 +252,77 @@ impl Persist {
 
 fn failure_marker(rank: usize) -> String {
     format!("rank{rank}.failed")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{save, DataPosition};
+    use super::*;
+    use crate::engine::{Engine, EngineConfig};
+    use crate::model::{self, Builder, MlpConfig, ParamId};
+    use crate::optim::{Optimizer, OptimizerConfig};
+    use std::collections::BTreeMap;
+    use std::os::unix::fs::MetadataExt;
+    use tch::{Kind, Tensor};
+
+    fn run_info(step: u64) -> RunInfo {
+        RunInfo {
+            step,
+            world_size: 1,
+            strategy: serde_json::json!([]),
+            optimizer: "adamw".into(),
+            data: DataPosition { seed: 0, batch_size: 1, ctx: 1, next_step: step },
+            loss_scaler: None,
+            model: None,
+            base: None,
+        }
+    }
+
+    fn mlp() -> (Engine, Optimizer) {
+        let mut b = Builder::new();
+        model::mlp(&MlpConfig { vocab: 11, layers: 2, dim: 8 }, &mut b).unwrap();
+        let mut engine = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
+        let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+        (engine, optimizer)
+    }
+
+    /// Each snapshot after the first is written into the previous one's file (the same
+    /// inode: its pages are reused, not allocated again), holds its own step's values, and
+    /// is private; memory older than the disk's newest checkpoint is never chosen.
+    #[test]
+    fn snapshots_overwrite_the_previous_file_in_place_and_memory_older_than_disk_is_not_chosen() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("ckpt");
+        let (mut engine, mut optimizer) = mlp();
+        let layout = Layout::of(&engine);
+        let mut saver = AsyncSaver::new(&disk, true).unwrap();
+        let first = ParamId(0);
+        let mut inodes = Vec::new();
+        for step in 1..=3u64 {
+            let values = BTreeMap::from([(first, engine.param(first).ones_like() * step as f64)]);
+            engine.set_params(&values).unwrap();
+            let mut parts = [Part { engine: &mut engine, optimizer: &mut optimizer, first_unit: 0 }];
+            saver.save(&layout, &mut parts, &run_info(step), None, 2).unwrap();
+            let snapshot = latest(saver.memory()).unwrap();
+            let file = std::fs::metadata(snapshot.join(rank_file(0))).unwrap();
+            assert_eq!(file.mode() & 0o777, 0o600);
+            inodes.push(file.ino());
+            let chosen = newer_in_memory(&disk).expect("the snapshot is complete and newest");
+            assert_eq!(chosen.meta.step, step);
+            let (mut restored, mut restored_optimizer) = mlp();
+            chosen.restore(&mut restored, &mut restored_optimizer, "adamw").unwrap();
+            let held = restored.param(first).to_kind(Kind::Double);
+            assert_eq!(held, Tensor::full_like(&held, step as f64), "step {step}");
+        }
+        assert!(inodes.windows(2).all(|w| w[0] == w[1]), "a new file per snapshot: {inodes:?}");
+        saver.wait(None).unwrap();
+        let kept: Vec<_> = std::fs::read_dir(saver.memory()).unwrap().filter_map(|e| e.ok()).collect();
+        assert_eq!(kept.len(), 2, "one snapshot folder and latest: {kept:?}");
+        // A synchronous save of a later step: the memory's step 3 is older.
+        save(&disk, &mut engine, &mut optimizer, &run_info(4), None, 2).unwrap();
+        assert!(newer_in_memory(&disk).is_none(), "memory older than the disk was chosen");
+        let memory = saver.memory().to_path_buf();
+        saver.close(None).unwrap();
+        assert!(!memory.exists());
+    }
 }

@@ -169,23 +169,32 @@ pub fn weights_digest(files: &[std::path::PathBuf]) -> Result<String> {
 }
 
 /// A tensor's bytes as stored (little-endian, contiguous, on the CPU).
-pub fn tensor_bytes_le(t: &Tensor) -> Result<Vec<u8>> {
+fn tensor_bytes_le(t: &Tensor) -> Result<Vec<u8>> {
     let t = t.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
     let mut data = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
     t.f_copy_data_u8(&mut data, t.numel())?;
     Ok(data)
 }
 
-/// Writes a safetensors file whose layout is known before its data: the header first,
-/// then each tensor's bytes as `next` produces them, in the header's order. Whole-model
-/// saves use it so that only one unit's tensors are in memory at a time (the safetensors
-/// crate serialises from a complete set of views).
-pub fn write_safetensors_streamed(
-    path: &Path,
+/// Where [`write_safetensors_streamed`] puts its file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placing {
+    /// Written beside its name, flushed to disk and renamed over it: a crash leaves the old
+    /// file or the new one.
+    Atomic,
+    /// Written into the file at its name through a memory map: created (0600) where absent,
+    /// else resized and overwritten where it lies, so that a file kept in shared memory
+    /// between saves costs one copy of each tensor into pages already there. For a file
+    /// nothing reads while it is written.
+    InPlace,
+}
+
+/// A safetensors header for `layout`, its length prefix included, and each tensor's size
+/// in bytes. The header is padded with spaces so that the data starts 8-byte aligned.
+fn safetensors_header(
     layout: &[(String, Kind, Vec<i64>)],
     metadata: &BTreeMap<String, String>,
-    mut next: impl FnMut(usize) -> Result<Vec<u8>>,
-) -> Result<()> {
+) -> Result<(Vec<u8>, Vec<usize>)> {
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), serde_json::to_value(metadata).map_err(|e| Error::Model(e.to_string()))?);
     let mut at = 0usize;
@@ -199,26 +208,74 @@ pub fn write_safetensors_streamed(
         at += len;
     }
     let mut text = serde_json::to_vec(&header).map_err(|e| Error::Model(e.to_string()))?;
-    // Pad the header with spaces so that the data starts 8-byte aligned.
     text.resize(text.len().div_ceil(8) * 8, b' ');
-    write_atomic_with(path, |f| {
-        let mut w = std::io::BufWriter::new(f);
-        let io = |e| Error::io(path, e);
-        w.write_all(&(text.len() as u64).to_le_bytes()).map_err(io)?;
-        w.write_all(&text).map_err(io)?;
-        for (i, size) in sizes.iter().enumerate() {
-            let bytes = next(i)?;
-            if bytes.len() != *size {
-                return Err(Error::Model(format!(
-                    "tensor {} produced {} bytes, expected {size}",
-                    layout[i].0,
-                    bytes.len()
-                )));
-            }
-            w.write_all(&bytes).map_err(io)?;
+    let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&text);
+    Ok((bytes, sizes))
+}
+
+/// Writes a safetensors file whose layout is known before its data: the header first,
+/// then each tensor's values as `next` produces them (of the layout's kind and size), in
+/// the header's order, copied straight into the file's bytes. Whole-model saves use it so
+/// that only one unit's tensors are in memory at a time (the safetensors crate serialises
+/// from a complete set of views).
+pub fn write_safetensors_streamed(
+    path: &Path,
+    layout: &[(String, Kind, Vec<i64>)],
+    metadata: &BTreeMap<String, String>,
+    placing: Placing,
+    mut next: impl FnMut(usize) -> Result<Tensor>,
+) -> Result<()> {
+    let (header, sizes) = safetensors_header(layout, metadata)?;
+    let mut fill = |i: usize, into: &mut [u8]| -> Result<()> {
+        let t = next(i)?.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
+        let bytes = t.numel() * t.kind().elt_size_in_bytes();
+        if bytes != into.len() {
+            return Err(Error::Model(format!(
+                "tensor {} produced {bytes} bytes, expected {}",
+                layout[i].0,
+                into.len()
+            )));
         }
-        w.flush().map_err(io)
-    })
+        Ok(t.f_copy_data_u8(into, t.numel())?)
+    };
+    let io = |e| Error::io(path, e);
+    match placing {
+        Placing::Atomic => write_atomic_with(path, |f| {
+            let mut w = std::io::BufWriter::new(f);
+            w.write_all(&header).map_err(io)?;
+            let mut scratch = Vec::new();
+            for (i, &size) in sizes.iter().enumerate() {
+                scratch.resize(size, 0);
+                fill(i, &mut scratch)?;
+                w.write_all(&scratch).map_err(io)?;
+            }
+            w.flush().map_err(io)
+        }),
+        Placing::InPlace => {
+            use std::os::unix::fs::OpenOptionsExt;
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(path)
+                .map_err(io)?;
+            let total = header.len() + sizes.iter().sum::<usize>();
+            file.set_len(total as u64).map_err(io)?;
+            // SAFETY: the caller's file, which nothing else maps or resizes while it is
+            // written (see `Placing::InPlace`); the map ends before this returns.
+            let mut map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
+            map[..header.len()].copy_from_slice(&header);
+            let mut at = header.len();
+            for (i, &size) in sizes.iter().enumerate() {
+                fill(i, &mut map[at..at + size])?;
+                at += size;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// Where whole weights are written.
@@ -238,12 +295,12 @@ pub enum WeightsTarget<'a> {
 pub fn write_weights(
     target: WeightsTarget<'_>,
     layout: &[(String, Kind, Vec<i64>)],
-    mut fetch: impl FnMut(usize) -> Result<Tensor>,
+    fetch: impl FnMut(usize) -> Result<Tensor>,
 ) -> Result<()> {
     match target {
         WeightsTarget::File(path) => {
             let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-            write_safetensors_streamed(path, layout, &metadata, |i| tensor_bytes_le(&fetch(i)?))
+            write_safetensors_streamed(path, layout, &metadata, Placing::Atomic, fetch)
         }
         WeightsTarget::Folder(out) => out.write(layout, fetch),
         WeightsTarget::Adapter(out) => out.write(layout, fetch),

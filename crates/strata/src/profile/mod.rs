@@ -196,6 +196,28 @@ pub enum Record {
         /// Bytes moved or reduced, the larger side.
         bytes: u64,
     },
+    /// A checkpoint save of `step` stopped training from `start` to `t`; `waited_s` of it
+    /// went to waiting for the previous save's writer (asynchronous saves).
+    Save {
+        /// When training went on, seconds since recording started.
+        t: f64,
+        /// When the save began, seconds since recording started.
+        start: f64,
+        /// The step saved.
+        step: u64,
+        /// Seconds of it spent waiting for the previous save's writer.
+        waited_s: f64,
+    },
+    /// The writer thread persisted the asynchronous save of `step` to disk from `start` to
+    /// `t`, while training went on.
+    Persist {
+        /// When the save was on disk, seconds since recording started.
+        t: f64,
+        /// When the writer began, seconds since recording started.
+        start: f64,
+        /// The step persisted.
+        step: u64,
+    },
     /// A thread blocked on a collective from `start` to `t`; `compute`: the thread that
     /// runs the engine (its wait is communication the computation did not hide).
     Wait {
@@ -226,6 +248,8 @@ impl Record {
             | Record::Update { t, .. }
             | Record::Op { t, .. }
             | Record::Collective { t, .. }
+            | Record::Save { t, .. }
+            | Record::Persist { t, .. }
             | Record::Wait { t, .. } => t,
         }
     }
@@ -236,6 +260,8 @@ impl Record {
             Record::Collective { start, .. }
             | Record::Wait { start, .. }
             | Record::Op { start, .. }
+            | Record::Save { start, .. }
+            | Record::Persist { start, .. }
             | Record::Recompute { start, .. }
             | Record::CopyWait { start, .. } => start,
             _ => self.t(),
@@ -252,7 +278,12 @@ impl Record {
             | Record::Evict { unit, .. }
             | Record::Recompute { unit, .. }
             | Record::CopyWait { unit, .. } => Some(unit),
-            Record::Update { .. } | Record::Op { .. } | Record::Collective { .. } | Record::Wait { .. } => None,
+            Record::Update { .. }
+            | Record::Op { .. }
+            | Record::Collective { .. }
+            | Record::Save { .. }
+            | Record::Persist { .. }
+            | Record::Wait { .. } => None,
         }
     }
 }
@@ -269,6 +300,8 @@ pub struct Profiler {
     started: Instant,
     recording: AtomicBool,
     records: Mutex<Vec<Record>>,
+    /// The step and end (seconds since recording started) of the last checkpoint save.
+    last_save: Mutex<Option<(u64, f64)>>,
 }
 
 impl Profiler {
@@ -314,6 +347,7 @@ impl Profiler {
             started: Instant::now(),
             recording: AtomicBool::new(true),
             records: Mutex::new(vec![]),
+            last_save: Mutex::new(None),
         })
     }
 
@@ -346,6 +380,19 @@ impl Profiler {
             text.push('\n');
         }
         crate::files::write_atomic(path, text.as_bytes())
+    }
+
+    /// A checkpoint save of `step` that stopped training from `began` for `blocked_s`
+    /// seconds (`waited_s` of them for the previous save's writer); `persisted_s`: that
+    /// writer's seconds, where one ran. The writer began as the previous save's pause ended.
+    pub fn checkpoint_saved(&self, step: u64, began: Instant, blocked_s: f64, waited_s: f64, persisted_s: Option<f64>) {
+        let start = self.seconds(began);
+        let mut last = self.last_save.lock().unwrap_or_else(|e| e.into_inner());
+        if let (Some((step, ended)), Some(seconds)) = (*last, persisted_s) {
+            self.push(Record::Persist { t: ended + seconds, start: ended, step });
+        }
+        self.push(Record::Save { t: start + blocked_s, start, step, waited_s });
+        *last = Some((step, start + blocked_s));
     }
 
     /// The file a rank's profile goes to in `dir`.

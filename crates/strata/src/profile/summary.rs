@@ -87,6 +87,12 @@ pub struct RankSummary {
     pub update_s: f64,
     /// Updates recorded.
     pub updates: u64,
+    /// Checkpoint saves recorded.
+    pub checkpoints: u64,
+    /// Seconds checkpoint saves stopped training, summed.
+    pub checkpoint_blocked_s: f64,
+    /// Seconds the asynchronous saves' writer ran beside training, summed.
+    pub checkpoint_persist_s: f64,
     /// Collectives by operation, most time first.
     pub collectives: Vec<OpSummary>,
     /// Seconds some collective of this rank was running.
@@ -150,6 +156,11 @@ fn rank_summary(p: &Profile) -> RankSummary {
             Record::Gather { .. } => s.gathers += 1,
             Record::Copy { to: Placement::Device, bytes, .. } => s.copied_to_device += bytes,
             Record::Copy { to: Placement::Host, bytes, .. } => s.copied_to_host += bytes,
+            Record::Save { t, start, .. } => {
+                s.checkpoints += 1;
+                s.checkpoint_blocked_s += t - start;
+            }
+            Record::Persist { t, start, .. } => s.checkpoint_persist_s += t - start,
             Record::Freed { .. }
             | Record::Evict { .. }
             | Record::Recompute { .. }
@@ -214,6 +225,12 @@ pub fn table(summaries: &[RankSummary], top: usize) -> String {
         ));
         for (placement, peak) in &s.peak_bytes {
             out.push_str(&format!("  peak on the {}: {:.2} MB (ledger)\n", placement.name(), *peak as f64 / 1e6));
+        }
+        if s.checkpoints > 0 {
+            out.push_str(&format!(
+                "  checkpoints: {} saves stopped training for {:.3} s; their writer ran {:.3} s beside it\n",
+                s.checkpoints, s.checkpoint_blocked_s, s.checkpoint_persist_s
+            ));
         }
         if let Some(bubble) = s.pipeline_bubble {
             out.push_str(&format!("  pipeline bubble: {:.1}% of the schedule's time\n", bubble * 100.0));

@@ -2,7 +2,8 @@
 //! a compute track, the engine thread's waits on collectives on a track of their own,
 //! gathers and frees on a communication track, each group's collectives on that group's
 //! track, copies and evictions on a copy track (so overlap, or its absence, is visible),
-//! and the ledger's bytes per placement and the allocator's as counters.
+//! checkpoint saves on the compute track and their writer on a track of its own, and the
+//! ledger's bytes per placement and the allocator's as counters.
 //!
 //! Owns the mapping of records to trace events. Must not read or write files: it takes read
 //! [`Profile`]s and returns JSON, which the CLI writes.
@@ -14,6 +15,7 @@ const COMMUNICATION: usize = 1;
 const COPIES: usize = 2;
 const WAITS: usize = 3;
 const PIPELINE: usize = 4;
+const CHECKPOINT_WRITER: usize = 5;
 /// Groups' tracks are numbered from here, in the order their first collective finished.
 const FIRST_GROUP: usize = 10;
 
@@ -43,6 +45,7 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
             (COMMUNICATION, "gathers and frees"),
             (COPIES, "copies"),
             (PIPELINE, "pipeline operations"),
+            (CHECKPOINT_WRITER, "checkpoint writer"),
         ] {
             events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
         }
@@ -98,6 +101,15 @@ pub fn chrome_trace(profiles: &[Profile]) -> Value {
                     "ph": "X", "pid": pid, "tid": WAITS, "cat": "copy_wait",
                     "name": format!("wait for the copy of {}", p.unit_name(*unit)),
                     "ts": at(*start), "dur": micros(t - start),
+                })),
+                Record::Save { t, start, step, waited_s } => events.push(json!({
+                    "ph": "X", "pid": pid, "tid": COMPUTE, "cat": "checkpoint",
+                    "name": format!("checkpoint of step {step}"), "ts": at(*start), "dur": micros(t - start),
+                    "args": {"waited_for_writer_us": micros(*waited_s)},
+                })),
+                Record::Persist { t, start, step } => events.push(json!({
+                    "ph": "X", "pid": pid, "tid": CHECKPOINT_WRITER, "cat": "checkpoint",
+                    "name": format!("persist step {step}"), "ts": at(*start), "dur": micros(t - start),
                 })),
                 Record::Wait { .. } | Record::Collective { .. } | Record::Recompute { .. } => {}
                 Record::Gather { t, unit } | Record::Freed { t, unit } => {

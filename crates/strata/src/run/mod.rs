@@ -786,21 +786,28 @@ pub fn train(
         let failed = |e: Error| {
             Error::Checkpoint(format!("saving a checkpoint in {}: {e}{}", c.dir.display(), config.last_checkpoint()))
         };
-        if let Some(saver) = saver.borrow_mut().as_mut() {
-            let times = trainer.save_checkpoint_async(saver, &run, world_group.as_deref(), c.keep).map_err(failed)?;
-            if ranks.leader() {
-                info!(step = run.step, blocked_s = times.blocked_s, "snapshot taken; persisting in the background");
-            }
-            saved.set(Some(times));
-            return Ok(());
-        }
         let began = std::time::Instant::now();
-        let dir = trainer.save_checkpoint(&c.dir, &run, world_group.as_deref(), c.keep).map_err(failed)?;
-        if ranks.leader() {
-            info!(path = %dir.display(), "saved checkpoint");
+        let times = match saver.borrow_mut().as_mut() {
+            Some(saver) => {
+                let times =
+                    trainer.save_checkpoint_async(saver, &run, world_group.as_deref(), c.keep).map_err(failed)?;
+                if ranks.leader() {
+                    info!(step = run.step, blocked_s = times.blocked_s, "snapshot taken; persisting in the background");
+                }
+                times
+            }
+            None => {
+                let dir = trainer.save_checkpoint(&c.dir, &run, world_group.as_deref(), c.keep).map_err(failed)?;
+                if ranks.leader() {
+                    info!(path = %dir.display(), "saved checkpoint");
+                }
+                checkpoint::snapshot::SaveTimes { blocked_s: began.elapsed().as_secs_f64(), ..Default::default() }
+            }
+        };
+        if let Some(p) = &profiler {
+            p.checkpoint_saved(run.step, began, times.blocked_s, times.waited_s, times.persisted_s);
         }
-        let blocked_s = began.elapsed().as_secs_f64();
-        saved.set(Some(checkpoint::snapshot::SaveTimes { blocked_s, ..Default::default() }));
+        saved.set(Some(times));
         Ok(())
     };
     let mut observers = observe::Observers::open(&config, ranks.leader(), start)?;
