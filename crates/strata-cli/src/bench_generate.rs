@@ -84,7 +84,7 @@ pub fn run(args: BenchGenerateArgs) -> Result<()> {
         .map(|r| (0..args.prompt_tokens).map(|i| 3 + ((r * 31 + i * 17 + r * i) as i64 % vocab)).collect())
         .collect();
     let config = GenerateConfig { max_new_tokens: args.new_tokens, ..Default::default() };
-    let (batched, ours) = best_of(args.rounds, || Ok(generate_batch(&mut engine, &prompts, &config, context)?))?;
+    let (batched, ours) = best_of(args.rounds, || Ok(generate_batch(&mut engine, None, &prompts, &config, context)?))?;
     let (alone, _) = best_of(args.rounds, || {
         prompts.iter().map(|p| Ok(generate(&mut engine, p, &config, context)?)).collect::<Result<Vec<_>>>()
     })?;

@@ -156,9 +156,10 @@ fn load_pairs(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> R
         bail!("{}: --drop-long, --train-on-prompt and --pack shape examples, not preference pairs", path.display());
     }
     let (template, end_of_text) = ExampleSources::of(settings).rendering()?;
-    // Each record's mismatched completion comes from its micro-batch's records, as TRL's
-    // come from a device's batch.
-    let kl_batch = settings.batch_size / (settings.nproc.max(1) * settings.accumulation.max(1));
+    // Each record's mismatched completion comes from its micro-batch's records over every
+    // data-parallel rank (whose KL estimate the ranks share), as TRL's come from one
+    // process's batch: the number of ranks changes nothing.
+    let kl_batch = settings.batch_size / settings.accumulation.max(1);
     // A reward model's rows stay whole, as TRL's RewardTrainer keeps them, and are padded
     // with the token its rewards are found by.
     let reward_pad = settings.reward.as_ref().map(|r| r.pad_token.unwrap_or(0));

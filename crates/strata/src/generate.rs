@@ -3,9 +3,11 @@
 //! prompt, or several decoded together (those of one length share a batch).
 //!
 //! Owns: the decoding loop and the choice of each next token. Must not own weights or
-//! tokenisation: it takes an engine holding a whole model and token ids.
+//! tokenisation: it takes an engine holding a whole model (or its tensor-parallel pieces,
+//! with where the vocabulary is split) and token ids.
 use crate::engine::{with_seed, Engine};
 use crate::model::{DecodeCache, RowLayout};
+use crate::preference::{whole_logits, VocabularySplit};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
@@ -71,7 +73,7 @@ pub fn generate(
     config: &GenerateConfig,
     context: Option<i64>,
 ) -> Result<Vec<i64>> {
-    let mut all = generate_batch(engine, std::slice::from_ref(&prompt.to_vec()), config, context)?;
+    let mut all = generate_batch(engine, None, std::slice::from_ref(&prompt.to_vec()), config, context)?;
     Ok(all.pop().unwrap_or_default())
 }
 
@@ -80,8 +82,11 @@ pub fn generate(
 /// is padded and each row's tokens are those it would get alone), and a batch decodes until
 /// every row has met a stop token or the count. A row that stopped early keeps its stop
 /// token last. Sampling draws from one stream seeded by `config.seed` for the whole call.
+/// `vocabulary`: where a tensor group splits the head's columns (each rank of the group
+/// then gathers the whole logits and makes the same choices).
 pub fn generate_batch(
     engine: &mut Engine,
+    vocabulary: Option<&VocabularySplit>,
     prompts: &[Vec<i64>],
     config: &GenerateConfig,
     context: Option<i64>,
@@ -114,13 +119,14 @@ pub fn generate_batch(
                 if caches.is_some() && len > window {
                     caches = None;
                 }
-                match caches.as_mut() {
+                let logits = match caches.as_mut() {
                     Some(c) => {
                         let seen = c[0].position() as usize;
-                        engine.decode(&rows_of(&tokens, seen..len, device)?, c)
+                        engine.decode(&rows_of(&tokens, seen..len, device)?, c)?
                     }
-                    None => engine.evaluate(&rows_of(&tokens, len.saturating_sub(window)..len, device)?),
-                }
+                    None => engine.evaluate(&rows_of(&tokens, len.saturating_sub(window)..len, device)?)?,
+                };
+                whole_logits(vocabulary, &logits)
             })?;
             for (&i, completion) in rows.iter().zip(produced) {
                 out[i] = completion;

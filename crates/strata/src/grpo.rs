@@ -417,6 +417,11 @@ impl GrpoObjective {
         *self.tensor.lock().unwrap_or_else(|e| e.into_inner()) = split;
     }
 
+    /// The split set by [`GrpoObjective::set_vocabulary_split`].
+    pub fn vocabulary_split(&self) -> Option<VocabularySplit> {
+        self.tensor.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     /// The loss of a micro-batch of completions from the model's logits, as TRL's
     /// `GRPOTrainer` computes it before dividing by the accumulation (the trainer weighs
     /// each micro-batch by one over it).

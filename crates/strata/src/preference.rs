@@ -425,13 +425,20 @@ pub struct PreferenceObjective {
     tally: Mutex<Tally>,
     /// Where the logits' vocabulary is split over a tensor-parallel group, once the engine is built.
     tensor: Mutex<Option<VocabularySplit>>,
+    /// The data-parallel ranks scoring the other rows of each micro-batch, once the engine is built.
+    batch: Mutex<Option<Arc<dyn ProcessGroup>>>,
 }
 
 impl PreferenceObjective {
     /// Scoring by `config`, refused where its parameters cannot be taken.
     pub fn new(config: PreferenceConfig) -> Result<Arc<PreferenceObjective>> {
         config.validate()?;
-        Ok(Arc::new(PreferenceObjective { config, tally: Mutex::new(Tally::default()), tensor: Mutex::new(None) }))
+        Ok(Arc::new(PreferenceObjective {
+            config,
+            tally: Mutex::new(Tally::default()),
+            tensor: Mutex::new(None),
+            batch: Mutex::new(None),
+        }))
     }
 
     /// Scores logits whose vocabulary a tensor-parallel group splits: each rank's columns
@@ -443,6 +450,24 @@ impl PreferenceObjective {
     /// The split set by [`PreferenceObjective::set_vocabulary_split`].
     pub fn vocabulary_split(&self) -> Option<VocabularySplit> {
         self.tensor.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Scores micro-batches whose rows are shared out over `group`'s data-parallel ranks (a
+    /// dedicated group: every rank of it scores the same number of micro-batches, in step).
+    /// KTO's KL estimate is then the mean over every rank's mismatched completions, which
+    /// TRL gathers over its processes, so that the ranks' losses add up to one process's.
+    pub fn set_batch_group(&self, group: Option<Arc<dyn ProcessGroup>>) {
+        *self.batch.lock().unwrap_or_else(|e| e.into_inner()) = group;
+    }
+
+    /// The mean of `values` over every rank of the batch group (this rank's alone without one).
+    fn mean_over_batch(&self, values: &Tensor) -> Result<f64> {
+        let mine = [values.f_sum(Kind::Double)?.f_double_value(&[])?, values.numel() as f64];
+        let summed = match self.batch.lock().unwrap_or_else(|e| e.into_inner()).as_deref() {
+            Some(group) => all_reduce_values(group, &mine, ReduceOp::Sum)?,
+            None => mine.to_vec(),
+        };
+        Ok(summed[0] / summed[1].max(1.0))
     }
 
     fn whole(&self, logits: &Tensor) -> Result<Tensor> {
@@ -565,10 +590,11 @@ impl PreferenceObjective {
         let ratio = s.chosen_ratio;
         let (kl, good, bad) = match kind {
             Some(PreferenceLoss::Kto) => {
-                let kl = s.rejected_ratio.f_mean(ratio.kind())?.f_detach()?.f_clamp_min(0.0)?;
+                let estimate = self.mean_over_batch(&s.rejected_ratio.f_detach()?)?.max(0.0);
+                let kl = Tensor::from(estimate).f_to_kind(ratio.kind())?.f_to_device(ratio.device())?;
                 let good = ratio.f_sub(&kl)?.f_mul_scalar(beta)?.f_sigmoid()?.f_neg()?.f_add_scalar(1.0)?;
                 let bad = kl.f_sub(ratio)?.f_mul_scalar(beta)?.f_sigmoid()?.f_neg()?.f_add_scalar(1.0)?;
-                (kl.f_double_value(&[])?, good, bad)
+                (estimate, good, bad)
             }
             Some(PreferenceLoss::ApoZeroUnpaired) => {
                 let scaled = ratio.f_mul_scalar(beta)?.f_sigmoid()?;

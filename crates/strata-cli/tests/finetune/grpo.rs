@@ -6,6 +6,7 @@
 //! Then batched sampling and the loop together: a toy reward raises its mean over 50 steps.
 use crate::common::{self, reports};
 use crate::preference::{python, s};
+use crate::TENSOR;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -250,8 +251,8 @@ fn reward_script(dir: &Path) -> String {
     format!("{} {}", py.display(), script.display())
 }
 
-/// `strata train` on prompts with a reward command: over two fsdp ranks it follows one
-/// process step for step (each prompt's group sampled from its own seed, the KL term read
+/// `strata train` on prompts with a reward command: over two fsdp ranks and over two
+/// tensor ranks it follows one process step for step (each prompt's group sampled from its own seed, the KL term read
 /// from a frozen copy) and ends with its weights; under LoRA the base is the reference;
 /// what GRPO cannot take is refused in one line.
 #[test]
@@ -289,20 +290,28 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
     ];
     let twice = ["--num-iterations", "2"];
     let one = common::train_run(work.path(), "one", 6, &[&shared, &twice]);
-    let two =
-        common::train_run(work.path(), "two", 6, &[&shared, &twice, &["--nproc", "2", "--strategy", r#"["fsdp"]"#]]);
-    let (a, b) = (reports(&one.1), reports(&two.1));
+    let a = reports(&one.1);
     assert_eq!(a.len(), 6);
-    for (x, y) in a.iter().zip(&b) {
-        for key in ["loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "supervised_tokens"] {
-            let (want, got) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
-            assert!((want - got).abs() <= 1e-6 + 1e-5 * want.abs(), "step {}: {key} {got} against {want}", x["step"]);
-        }
-    }
     assert!(a[5]["kl"].as_f64().unwrap() > 0.0, "the policy moved from its reference");
-    let gap = common::global_gap(&one.0, &two.0);
-    eprintln!("GRPO over two fsdp ranks: weights differ from one process's by {gap:.2e}");
-    assert!(gap < 1e-5, "weights differ by {gap:e}");
+    // Two data ranks, each generating for its own prompts; two tensor ranks, generating
+    // together for the same prompts (each decoding its heads, the whole logits gathered).
+    for (name, strategy) in [("fsdp", r#"["fsdp"]"#), ("tensor", TENSOR)] {
+        let two =
+            common::train_run(work.path(), name, 6, &[&shared, &twice, &["--nproc", "2", "--strategy", strategy]]);
+        for (x, y) in a.iter().zip(&reports(&two.1)) {
+            for key in ["loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "supervised_tokens"] {
+                let (want, got) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+                let step = &x["step"];
+                assert!(
+                    (want - got).abs() <= 1e-6 + 1e-5 * want.abs(),
+                    "{name} step {step}: {key} {got} against {want}"
+                );
+            }
+        }
+        let gap = common::global_gap(&one.0, &two.0);
+        eprintln!("GRPO over two {name} ranks: weights differ from one process's by {gap:.2e}");
+        assert!(gap < 1e-5, "{name}: weights differ by {gap:e}");
+    }
     // LoRA: the base without its adapters is the reference. One update per generation
     // batch, so a reference that were the policy itself would read no KL at all.
     let lora = r#"[["lora", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}]]"#;
@@ -311,8 +320,13 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
     assert!(kl[0] == 0.0 && kl[1..].iter().all(|&k| k > 0.0 && k < 1.0), "LoRA's KL to its base: {kl:?}");
     for (flags, expected) in [
         (
-            vec!["--nproc", "2", "--strategy", r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#],
-            "tensor parallelism splits",
+            vec![
+                "--nproc",
+                "2",
+                "--strategy",
+                r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#,
+            ],
+            "sequence parallel splits",
         ),
         (vec!["--num-generations", "3"], "not whole groups of num_generations 3"),
         (vec!["--grpo-loss", "ppo"], "unknown GRPO loss type"),

@@ -4,6 +4,7 @@
 //! Strata writes back, `strata eval` agrees, `strata generate` stops at the end token, and
 //! bad folders are refused in one line.
 use crate::common;
+use crate::TENSOR;
 
 use crate::common::{assert_fails_with, stderr, strata};
 use crate::hf_reference::{python, reference};
@@ -422,7 +423,6 @@ fn context_parallel_trains_the_attention_kinds_as_one_process() {
     }
 }
 
-const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
 const SEQUENCE: &str =
     r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
 const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;

@@ -12,3 +12,6 @@ mod preference;
 mod reward;
 mod seq2seq;
 mod walkthroughs;
+
+/// Two ranks splitting each unit Megatron-style.
+const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;

@@ -7,6 +7,7 @@
 //! causal folder turned into a reward model, saved as a folder `transformers` reads back.
 use super::preference::{python, s, said, steps_as_trl, sums, write_lines};
 use crate::common::{self, reports, stderr, strata};
+use crate::TENSOR;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -35,7 +36,6 @@ const fn laid_out(name: &'static str, strata_flags: &'static [&'static str]) -> 
     Case { strata_flags, trl_name: "text", ..case(name, "text.jsonl") }
 }
 
-const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
 const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel"]"#;
 
 const CASES: &[Case] = &[

@@ -151,8 +151,9 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
 
 /// The chunked loss gives the plain head's run: GPT (its head tied to the embedding) and
 /// LLaMA, chunks of 7 positions over rows of 32, validation included, alone to within
-/// rounding, and with checkpointed blocks under fsdp on two ranks and in two pipeline
-/// stages as the one-process chunked run does. Its head's output is a scalar: the ledger's
+/// rounding, over two tensor ranks (each scoring its columns), and with checkpointed
+/// blocks under fsdp on two ranks and in two pipeline stages as the one-process chunked run
+/// does. Its head's output is a scalar: the ledger's
 /// activation peak falls by the logits it never holds.
 #[test]
 fn the_chunked_loss_trains_as_the_whole_logits() {
@@ -173,6 +174,10 @@ fn the_chunked_loss_trains_as_the_whole_logits() {
         let plain = run("plain", "[]", &[]);
         let alone = run("chunked", &format!("[{chunked}]"), &[]);
         crate::common::assert_follows(&plain, &alone, &format!("{model} chunked"), 1e-6, 1e-6);
+        // Each tensor rank scores its half of the vocabulary.
+        let tensor = format!(r#"[{chunked}, ["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#);
+        let split = run("tensor", &tensor, &["--nproc", "2"]);
+        crate::common::assert_follows(&alone, &split, &format!("{model} chunked tensor"), 1e-5, 1e-5);
         let val_losses = |run: &Run| -> Vec<f64> {
             crate::common::reports(&run.1).iter().filter_map(|r| r["val_loss"].as_f64()).collect()
         };

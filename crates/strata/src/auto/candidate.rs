@@ -428,9 +428,6 @@ pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<Strin
     if c.offload && c.tensor > 1 {
         return Some("offload does not combine with tensor parallelism".into());
     }
-    if c.chunked_loss.is_some() && c.tensor > 1 {
-        return Some("the chunked loss runs on an unsplit head, not one over tensor ranks".into());
-    }
     if c.offload && c.sharding == Sharding::None && world > 1 {
         return Some("offload over several ranks goes with zero1, zero2 or fsdp".into());
     }
@@ -479,7 +476,7 @@ mod tests {
         let split = Candidate { tensor: 2, ..shard };
         assert_eq!(at(split, 2).as_deref(), Some("nothing to shard on one rank"));
         let scored = Candidate { chunked_loss: Some(64), precision: Precision::Fp32, ..cpu };
-        assert!(at(scored, 1).is_none() && at(Candidate { tensor: 2, ..scored }, 2).is_some());
+        assert!(at(scored, 1).is_none() && at(Candidate { tensor: 2, ..scored }, 2).is_none());
         let names: Vec<&str> = Layout::new(scored).strategy(&[]).unwrap().methods.iter().map(|m| m.name()).collect();
         assert_eq!(names, ["parallel_mode", "chunked_loss"]);
         assert!(at(split, 4).is_none());

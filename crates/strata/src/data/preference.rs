@@ -222,8 +222,9 @@ pub struct PreferenceFormat<'a> {
     pub end_of_text: Option<String>,
     /// The most tokens of a row (a prompt with one completion).
     pub max_length: usize,
-    /// Unpaired records: the records of one batch, within which each record's KL completion
-    /// is the one before it (TRL's `per_device_train_batch_size`).
+    /// Unpaired records: the records of one micro-batch (over every data-parallel rank),
+    /// within which each record's KL completion is the one before it (TRL's
+    /// `per_device_train_batch_size` on one process).
     pub kl_batch: usize,
     /// Leave out a record with a row longer than `max_length` rather than cut the row (how
     /// TRL's `RewardTrainer` keeps rows whole).

@@ -902,16 +902,11 @@ impl Engine {
     /// Has the output head compute the next-token loss itself, `positions` at a time, in
     /// every forward whose rows carry targets ([`Engine::set_targets`]): its output is then
     /// that loss, a scalar, and the `[tokens, vocabulary]` logits never exist at once. `None`:
-    /// the head returns logits. Refused where the head is split over tensor ranks (a
+    /// the head returns logits. A head split over tensor ranks scores its columns (a
     /// pipeline stage without the head takes it and does nothing).
     pub fn set_chunked_loss(&mut self, positions: Option<i64>) -> Result<()> {
-        if let Some(n) = positions {
-            if n < 1 {
-                return Err(Error::Config(format!("chunked_loss: positions must be positive, got {n}")));
-            }
-            if let Some(tp) = self.tensor_parallel() {
-                crate::model::head_loss::check_tensor_parallel(tp.as_ref())?;
-            }
+        if let Some(n) = positions.filter(|&n| n < 1) {
+            return Err(Error::Config(format!("chunked_loss: positions must be positive, got {n}")));
         }
         self.loss_chunk = positions;
         Ok(())
@@ -1045,11 +1040,15 @@ impl Engine {
     /// same `caches` (one per unit, each [`DecodeCache::default`] at the start): decoding with
     /// a key/value cache, recording nothing for backward. Units read the layout set by
     /// [`Engine::set_layout`] (an encoder–decoder's first step names its source there). Each
-    /// unit runs as declared, without the strategy's compute policy; units split over a
-    /// tensor group are refused.
+    /// unit runs as declared, without the strategy's compute policy. Units split over a
+    /// tensor group decode their pieces as their forward does (the output then holds this
+    /// rank's columns of a split head); sequence parallel, which splits the positions, is
+    /// refused.
     pub fn decode(&mut self, input: &Tensor, caches: &mut [DecodeCache]) -> Result<Tensor> {
-        if self.config.tensor.is_some() {
-            return Err(Error::Config("decoding runs whole units: the model is split over a tensor group".into()));
+        if self.config.tensor.as_ref().is_some_and(|tp| tp.sequence_parallel()) {
+            return Err(Error::Config(
+                "decoding takes a position at a time: sequence parallel splits positions over the tensor group".into(),
+            ));
         }
         if caches.len() != self.spec.units.len() {
             return Err(Error::Engine(format!("{} decode caches for {} units", caches.len(), self.spec.units.len())));
@@ -1061,7 +1060,12 @@ impl Engine {
             let input = self.where_unit_computes(k, &x)?;
             let moved = self.layout_on_host(k, self.rows.layout.as_ref())?;
             let layout = moved.as_ref().or(self.rows.layout.as_ref());
-            let params = Params::new(&self.params).with_adapters(self.joined_adapters()).with_layout(layout);
+            let params = match &self.config.tensor {
+                Some(tp) => Params::split(&self.params, tp.as_ref()),
+                None => Params::new(&self.params),
+            }
+            .with_adapters(self.joined_adapters())
+            .with_layout(layout);
             let y = tch::no_grad(|| self.spec.units[k].body.decode(&params, &input, cache))?;
             x = self.on_the_device(k, y)?;
             self.run_schedule(Phase::AfterForward, k)?;

@@ -8,7 +8,8 @@
 //! linear cross-entropy does). Must not know where its targets come from: the engine hands
 //! them to head units through [`crate::model::Params::scoring`].
 use super::layers::{is_low, soft_cap, supervised_count, vocab_logits, IGNORE};
-use super::{Params, TensorParallel};
+use super::tensor::vocab_rows;
+use super::Params;
 use crate::compute::{self, cast};
 use crate::{Error, Result};
 use tch::{Kind, Tensor};
@@ -26,23 +27,59 @@ pub struct HeadScoring {
 /// A decoder head's output for hidden states `h` (normed, `[rows, ctx, D]`) and the
 /// vocabulary weight `w` (`[V, D]`, logits soft-capped at `softcap` where the family says):
 /// the logits, or, where `p` carries [`HeadScoring`], the mean next-token loss over the
-/// supervised positions, a scalar, computed chunk by chunk.
+/// supervised positions, a scalar, computed chunk by chunk. Split over a tensor group, each
+/// rank scores its columns of the vocabulary and the ranks exchange each position's
+/// log-partition and target logit (two numbers a position, once).
 pub(crate) fn head_output(h: &Tensor, w: &Tensor, vocab: i64, softcap: Option<f64>, p: &Params<'_>) -> Result<Tensor> {
     let Some(scoring) = p.scoring() else { return vocab_logits(h, w, None, vocab, softcap, p.tp()) };
+    let tp = p.tp();
+    let h = match tp.size() {
+        1 => h.shallow_clone(),
+        _ => tp.enter(h)?,
+    };
     let d = *h.size().last().unwrap_or(&1);
     // The product's dtype as the plain head's product would take it (autocast's, else the
     // input's): the backward, which runs outside the unit's policy, casts to it again.
     let product = compute::product_kind().or(compute::autocast_kind()).unwrap_or(h.kind());
-    let f = ChunkedHeadLoss { positions: scoring.positions.max(1), softcap, product, saved: None };
+    let columns = match tp.size() {
+        1 => Columns { first: 0, real: w.size()[0] },
+        n => {
+            let rows = vocab_rows(vocab, n);
+            Columns { first: tp.rank() * rows, real: (vocab - tp.rank() * rows).clamp(0, rows) }
+        }
+    };
+    let f = ChunkedHeadLoss { positions: scoring.positions.max(1), softcap, product, columns, saved: None };
+    let h = h.f_reshape([-1, d])?;
     let targets = scoring.targets.f_reshape([-1])?.f_to_device(h.device())?;
-    Ok(strata_ext::apply_function(f, &[&h.f_reshape([-1, d])?, w, &targets])?.remove(0))
+    let (log_partition, target_logit) = tch::no_grad(|| f.partials(&h, w, &targets))?;
+    let (log_partition, target_logit) = match tp.size() {
+        1 => (log_partition, target_logit),
+        _ => {
+            let every = Tensor::f_stack(&tp.gather(&Tensor::f_stack(&[log_partition, target_logit], 0)?)?, 0)?;
+            (
+                every.f_select(1, 0)?.f_logsumexp([0], false)?,
+                every.f_select(1, 1)?.f_sum_dim_intlist(0, false, None::<Kind>)?,
+            )
+        }
+    };
+    Ok(strata_ext::apply_function(f, &[&h, w, &targets, &log_partition, &target_logit])?.remove(0))
 }
 
-/// Cross-entropy of `h · wᵀ` (optionally soft-capped) against targets, chunk by chunk.
+/// The vocabulary's columns a rank's head weight holds: from `first`, its first `real` rows
+/// (a split head's last ranks pad theirs past the vocabulary).
+#[derive(Clone, Copy)]
+struct Columns {
+    first: i64,
+    real: i64,
+}
+
+/// Cross-entropy of `h · wᵀ` (optionally soft-capped) against targets, chunk by chunk, from
+/// each position's log-partition and target logit over the whole vocabulary.
 struct ChunkedHeadLoss {
     positions: i64,
     softcap: Option<f64>,
     product: Kind,
+    columns: Columns,
     saved: Option<Saved>,
 }
 
@@ -57,16 +94,21 @@ struct Saved {
 }
 
 impl ChunkedHeadLoss {
-    /// The logits of positions `start..start + n` in at least fp32 (as the plain loss takes
-    /// them), capped where the family caps them.
+    /// The logits over this rank's columns of positions `start..start + n` in at least fp32
+    /// (as the plain loss takes them), capped where the family caps them.
     fn logits(&self, h: &Tensor, w: &Tensor, start: i64, n: i64) -> Result<Tensor> {
         let x = cast(&h.f_narrow(0, start, n)?, Some(self.product))?;
-        let logits = x.f_matmul(&cast(w, Some(self.product))?.f_tr()?)?;
+        let logits = x.f_matmul(&cast(&self.held(w)?, Some(self.product))?.f_tr()?)?;
         let logits = match self.softcap {
             Some(cap) => soft_cap(&logits, cap)?,
             None => logits,
         };
         cast(&logits, is_low(logits.kind()).then_some(Kind::Float))
+    }
+
+    /// The rows of `w` that are vocabulary columns.
+    fn held(&self, w: &Tensor) -> Result<Tensor> {
+        Ok(w.f_narrow(0, 0, self.columns.real)?)
     }
 
     /// The precision the loss and the weight's gradient are summed in: fp32, or fp64 for a
@@ -83,54 +125,76 @@ impl ChunkedHeadLoss {
         (0..n).step_by(self.positions as usize).map(move |start| (start, self.positions.min(n - start)))
     }
 
-    fn loss(&mut self, h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    /// Each target's column among this rank's (0 where it is not one of them), and whether
+    /// it is one of them and supervised, as a float mask.
+    fn own_targets(&self, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+        let local = targets.f_sub_scalar(self.columns.first)?;
+        let owned =
+            targets.f_ne(IGNORE)?.f_logical_and(&local.f_ge(0)?)?.f_logical_and(&local.f_lt(self.columns.real)?)?;
+        Ok((local.f_where_scalarother(&owned, 0)?, owned.f_to_kind(self.loss_kind())?))
+    }
+
+    /// Each position's log-partition over this rank's columns and its target's logit where
+    /// this rank holds the target (0 elsewhere), `[n]` each, chunk by chunk.
+    fn partials(&self, h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
         let n = h.size()[0];
         if targets.size() != [n] {
             return Err(Error::Model(format!("{n} positions scored against {:?} targets", targets.size())));
         }
-        let valid = targets.f_ne(IGNORE)?;
-        let safe = targets.f_where_scalarother(&valid, 0)?;
-        let mut total = Tensor::f_zeros([], (self.loss_kind(), h.device()))?;
-        let mut log_partitions = Vec::new();
+        let (local, owned) = self.own_targets(targets)?;
+        let (mut log_partitions, mut picked) = (Vec::new(), Vec::new());
         for (start, len) in self.chunks(n) {
-            let z = self.logits(h, w, start, len)?;
-            let log_partition = z.f_logsumexp([-1], false)?;
-            let target = z.f_gather(1, &safe.f_narrow(0, start, len)?.f_unsqueeze(1)?, false)?.f_squeeze_dim(1)?;
-            let kept = valid.f_narrow(0, start, len)?;
-            total = total.f_add(&log_partition.f_sub(&target)?.f_mul(&kept)?.f_sum(self.loss_kind())?)?;
-            log_partitions.push(log_partition);
+            let z = self.logits(h, w, start, len)?.f_to_kind(self.loss_kind())?;
+            log_partitions.push(z.f_logsumexp([-1], false)?);
+            let index = local.f_narrow(0, start, len)?.f_unsqueeze(1)?;
+            let target = match self.columns.real {
+                0 => Tensor::f_zeros([len], (self.loss_kind(), h.device()))?,
+                _ => z.f_gather(1, &index, false)?.f_squeeze_dim(1)?,
+            };
+            picked.push(target.f_mul(&owned.f_narrow(0, start, len)?)?);
         }
+        Ok((Tensor::f_cat(&log_partitions, 0)?, Tensor::f_cat(&picked, 0)?))
+    }
+
+    /// The mean over supervised positions of the log-partition less the target's logit.
+    fn loss(&mut self, inputs: &[Tensor]) -> Result<Tensor> {
+        let [h, w, targets, log_partition, target_logit] = inputs else {
+            return Err(Error::Model(format!("the chunked head loss takes 5 inputs, not {}", inputs.len())));
+        };
+        let kept = targets.f_ne(IGNORE)?.f_to_kind(self.loss_kind())?;
         let count = supervised_count(targets)?;
-        let loss = total.f_div(&count)?;
+        let total = log_partition.f_sub(target_logit)?.f_mul(&kept)?.f_sum(self.loss_kind())?;
         self.saved = Some(Saved {
             h: h.shallow_clone(),
             w: w.shallow_clone(),
             targets: targets.shallow_clone(),
-            log_partition: Tensor::f_cat(&log_partitions, 0)?,
-            count,
+            log_partition: log_partition.shallow_clone(),
+            count: count.shallow_clone(),
         });
-        Ok(loss)
+        Ok(total.f_div(&count)?)
     }
 
-    /// Gradients of the loss times `g` for `h` and `w`: per chunk, softmax minus the target's
-    /// one-hot over the supervised count (times the cap's derivative), then the two products.
+    /// Gradients of the loss times `g` for `h` (this rank's columns' part of it) and `w`: per
+    /// chunk, softmax minus the target's one-hot over the supervised count (times the cap's
+    /// derivative), then the two products.
     fn grads(&self, saved: &Saved, g: &Tensor) -> Result<(Tensor, Tensor)> {
         let Saved { h, w, targets, log_partition, count } = saved;
         let n = h.size()[0];
         let valid = targets.f_ne(IGNORE)?;
-        let safe = targets.f_where_scalarother(&valid, 0)?;
+        let (local, owned) = self.own_targets(targets)?;
         let weight = valid.f_to_kind(self.loss_kind())?.f_div(count)?.f_mul(&g.f_to_kind(self.loss_kind())?)?;
         let grad_h = Tensor::f_empty(h.size(), (h.kind(), h.device()))?;
-        // Summed over chunks in at least fp32, whatever the weight's dtype.
-        let mut grad_w = Tensor::f_zeros(w.size(), (self.loss_kind(), w.device()))?;
-        let w_product = cast(w, Some(self.product))?;
+        // Summed over chunks in at least fp32, whatever the weight's dtype; padding rows keep 0.
+        let grad_w_whole = Tensor::f_zeros(w.size(), (self.loss_kind(), w.device()))?;
+        let mut grad_w = self.held(&grad_w_whole)?;
+        let w_product = cast(&self.held(w)?, Some(self.product))?;
         for (start, len) in self.chunks(n) {
             // In place where it can be: a chunk holds its logits and one more such tensor.
             let z = self.logits(h, w, start, len)?;
             let mut grad = z.f_sub(&log_partition.f_narrow(0, start, len)?.f_unsqueeze(1)?)?;
             let _ = grad.f_exp_()?;
-            let kept = valid.f_narrow(0, start, len)?.f_to_kind(self.loss_kind())?.f_neg()?.f_unsqueeze(1)?;
-            let _ = grad.f_scatter_add_(1, &safe.f_narrow(0, start, len)?.f_unsqueeze(1)?, &kept)?;
+            let one_hot = owned.f_narrow(0, start, len)?.f_neg()?.f_unsqueeze(1)?.f_to_kind(grad.kind())?;
+            let _ = grad.f_scatter_add_(1, &local.f_narrow(0, start, len)?.f_unsqueeze(1)?, &one_hot)?;
             let _ = grad.f_mul_(&weight.f_narrow(0, start, len)?.f_unsqueeze(1)?)?;
             if let Some(cap) = self.softcap {
                 // d(cap·tanh(x / cap))/dx = 1 − tanh², and tanh = z / cap.
@@ -146,7 +210,7 @@ impl ChunkedHeadLoss {
                 false => drop(grad_w.f_add_(&grad.f_tr()?.f_matmul(&x)?)?),
             }
         }
-        Ok((grad_h, grad_w.f_to_kind(w.kind())?))
+        Ok((grad_h, grad_w_whole.f_to_kind(w.kind())?))
     }
 }
 
@@ -156,24 +220,13 @@ fn text(e: Error) -> String {
 
 impl strata_ext::Function for ChunkedHeadLoss {
     fn forward(&mut self, inputs: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
-        Ok(vec![self.loss(&inputs[0], &inputs[1], &inputs[2]).map_err(text)?])
+        Ok(vec![self.loss(inputs).map_err(text)?])
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> std::result::Result<Vec<Tensor>, String> {
         let saved = self.saved.take().ok_or("chunked head loss: backward twice")?;
         let (grad_h, grad_w) = self.grads(&saved, &grads[0]).map_err(text)?;
-        Ok(vec![grad_h, grad_w, Tensor::new()])
-    }
-}
-
-/// Whether a head scores in chunks under `tp` tensor ranks: only unsplit, as the
-/// vocabulary-split head's cross-entropy needs its ranks' sums at every chunk.
-pub(crate) fn check_tensor_parallel(tp: &dyn TensorParallel) -> Result<()> {
-    match tp.size() {
-        1 => Ok(()),
-        n => Err(Error::Config(format!(
-            "chunked_loss: the head's vocabulary is split over {n} tensor ranks; the chunked loss runs on an unsplit head"
-        ))),
+        Ok(vec![grad_h, grad_w, Tensor::new(), Tensor::new(), Tensor::new()])
     }
 }
 
@@ -183,7 +236,7 @@ mod tests {
 
     /// Chunks of 3 over 10 positions (the last one short), padding targets among them,
     /// with and without a soft cap: the loss and both gradients are autograd's of the
-    /// whole logits' cross-entropy.
+    /// whole logits' cross-entropy, over all the columns and split over two ranks.
     #[test]
     fn the_chunked_loss_is_the_whole_logits_cross_entropy() {
         tch::manual_seed(3);
@@ -202,13 +255,44 @@ mod tests {
                 let g = Tensor::run_backward(&[&expected], &[&h, &w], false, false);
                 (g[0].shallow_clone(), g[1].shallow_clone())
             };
-            let f = ChunkedHeadLoss { positions: 3, softcap, product: Kind::Double, saved: None };
-            let got = strata_ext::apply_function(f, &[&h, &w, &targets]).unwrap().remove(0);
-            let g = Tensor::run_backward(&[&got], &[&h, &w], false, false);
             let gap = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+            let f = chunked(softcap, Columns { first: 0, real: 13 });
+            let (log_partition, target) = tch::no_grad(|| f.partials(&h, &w, &targets)).unwrap();
+            let got = strata_ext::apply_function(f, &[&h, &w, &targets, &log_partition, &target]).unwrap().remove(0);
+            let g = Tensor::run_backward(&[&got], &[&h, &w], false, false);
             assert!(gap(&got, &expected) < 1e-12, "{softcap:?}: loss off by {}", gap(&got, &expected));
             assert!(gap(&g[0], &eh) < 1e-12 && gap(&g[1], &ew) < 1e-12, "{softcap:?}: gradients differ");
             assert!(ew.abs().max().double_value(&[]) > 1e-3, "the check would pass on zeros");
+            // Two ranks' columns, 7 each, the second padded with a row past the vocabulary:
+            // their partials combined give the whole loss, their input gradients add up to
+            // the whole one and their weight gradients are its rows (the padding's zero).
+            let pieces: Vec<(ChunkedHeadLoss, Tensor)> = (0..2)
+                .map(|r| {
+                    let held = w.narrow(0, 7 * r, 7 - r).detach();
+                    let piece = Tensor::cat(&[held, Tensor::zeros([r, 6], (Kind::Double, tch::Device::Cpu))], 0);
+                    (chunked(softcap, Columns { first: 7 * r, real: 7 - r }), piece.set_requires_grad(true))
+                })
+                .collect();
+            let partials: Vec<(Tensor, Tensor)> =
+                pieces.iter().map(|(f, piece)| tch::no_grad(|| f.partials(&h, piece, &targets)).unwrap()).collect();
+            let log_partition = Tensor::stack(&[&partials[0].0, &partials[1].0], 0).logsumexp([0], false);
+            let target = &partials[0].1 + &partials[1].1;
+            let (mut grad_h, mut grad_w) = (h.zeros_like(), vec![]);
+            for (f, piece) in pieces {
+                let inputs = [&h, &piece, &targets, &log_partition, &target];
+                let loss = strata_ext::apply_function(f, &inputs).unwrap().remove(0);
+                assert!(gap(&loss, &expected) < 1e-12, "{softcap:?}: a rank's loss off by {}", gap(&loss, &expected));
+                let g = Tensor::run_backward(&[&loss], &[&h, &piece], false, false);
+                grad_h += &g[0];
+                grad_w.push(g[1].shallow_clone());
+            }
+            assert!(gap(&grad_h, &eh) < 1e-12, "{softcap:?}: the ranks' input gradients do not add up");
+            assert!(gap(&Tensor::cat(&grad_w, 0).narrow(0, 0, 13), &ew) < 1e-12, "{softcap:?}: weight gradients");
+            assert_eq!(grad_w[1].get(6).abs().max().double_value(&[]), 0.0, "the padding row took a gradient");
         }
+    }
+
+    fn chunked(softcap: Option<f64>, columns: Columns) -> ChunkedHeadLoss {
+        ChunkedHeadLoss { positions: 3, softcap, product: Kind::Double, columns, saved: None }
     }
 }

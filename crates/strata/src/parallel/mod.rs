@@ -525,7 +525,7 @@ pub fn measure_non_model(
 
 /// Creates every group of `lists` (every rank creates every group, in the same order) and
 /// returns the one holding this rank, unless it is a group of one.
-fn my_group(comm: &Comm, lists: &[Vec<usize>]) -> Result<Option<Arc<dyn ProcessGroup>>> {
+pub(crate) fn my_group(comm: &Comm, lists: &[Vec<usize>]) -> Result<Option<Arc<dyn ProcessGroup>>> {
     let mut mine = None;
     for ranks in lists.iter().filter(|r| r.len() > 1) {
         mine = mine.or(comm.new_group(ranks)?);

@@ -188,6 +188,7 @@ pub fn generate_rollouts(
     let c = objective.config();
     trainer.settle_updates()?;
     let engine = trainer.engine_mut();
+    let vocabulary = objective.vocabulary_split();
     let mut rollouts = Rollouts::default();
     let mut records = vec![];
     for (record, prompt) in prompts {
@@ -201,7 +202,7 @@ pub fn generate_rollouts(
             cache: true,
         };
         let group = vec![prompt.clone(); c.num_generations];
-        for completion in generate_batch(engine, &group, &sampling, None)? {
+        for completion in generate_batch(engine, vocabulary.as_ref(), &group, &sampling, None)? {
             rollouts.truncated.push(completion.last().is_none_or(|t| !stop_tokens.contains(t)));
             rollouts.completions.push(completion);
             rollouts.prompts.push(prompt.clone());

@@ -34,7 +34,7 @@ use crate::grpo::GrpoObjective;
 use crate::io::{AdapterOut, FolderOut, WeightsTarget};
 use crate::model::{Builder, DecoderHead, ModelConfig, ModelDir, ModelSpec};
 use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
-use crate::parallel::{self, DataParallelOptions, TrainerSetup};
+use crate::parallel::{self, DataParallelOptions, Mesh, TrainerSetup};
 use crate::patrickstar::PatrickStarConfig;
 use crate::preference::{PreferenceConfig, PreferenceObjective, ScoreFn, VocabularySplit};
 use crate::profile::Profiler;
@@ -607,16 +607,6 @@ pub fn train(
     }
     let mesh = parallel::mesh_of(&strategy, ranks.comm.as_ref(), ranks.local_world_size)?;
     let (data_rank, data_world) = mesh.batch_shard();
-    if data_world > 1
-        && config.preference.losses.iter().any(|(l, _)| *l == crate::preference::PreferenceLoss::Kto)
-        && preference.is_some()
-    {
-        return Err(Error::Config(
-            "kto: its KL estimate is the mean over one rank's mismatched completions; run it on one data-parallel \
-             rank (tensor, pipeline, offload and LoRA apply)"
-                .into(),
-        ));
-    }
     let context = strategy
         .context_parallel()
         .map(|c| parallel::piece_of(c.kind, mesh.coordinate(Dim::Context), mesh.size(Dim::Context)));
@@ -663,21 +653,36 @@ pub fn train(
     for part in trainer.parts_mut() {
         load_initial_weights(&config.init, &mut part.engine)?;
     }
-    // The reference scores are the model's as it starts, before any resume moves it.
-    if let Some(p) = &preference {
-        let group = trainer.parts().iter().find_map(|part| part.engine.tensor_parallel().cloned());
-        let split = match (group, model.config.as_ref()) {
-            (Some(group), Some(c)) => Some(VocabularySplit { group, vocab: c.vocab() }),
-            (Some(_), None) => {
-                return Err(Error::Config(
-                    "preference pairs under tensor parallelism need the model's vocabulary: a model from a \
-                     configuration or folder"
-                        .into(),
-                ))
+    // Preference pairs and GRPO score whole logits: where a tensor group splits the head's
+    // columns, each rank of it gathers the others'.
+    let vocabulary = match (trainer.parts().iter().find_map(|part| part.engine.tensor_parallel().cloned()), &objective)
+    {
+        (Some(group), Some(o @ (Objective::Preference(_) | Objective::Grpo(_)))) => match model.config.as_ref() {
+            Some(c) => Some(VocabularySplit { group, vocab: c.vocab() }),
+            None => {
+                return Err(Error::Config(format!(
+                    "{} under tensor parallelism need the model's vocabulary: a model from a configuration or folder",
+                    o.data()
+                )))
             }
-            (None, _) => None,
-        };
-        p.set_vocabulary_split(split);
+        },
+        _ => None,
+    };
+    // What spans every data-parallel rank's rows, on a group of its own: KTO's KL estimate,
+    // GRPO's generation batches (whose ranks read different prompts).
+    let kto = config.preference.losses.iter().any(|(l, _)| *l == crate::preference::PreferenceLoss::Kto);
+    let spans_ranks = matches!(objective, Some(Objective::Grpo(_))) || (preference.is_some() && kto);
+    let batch_group = match ranks.comm.as_ref().filter(|_| spans_ranks && data_world > 1) {
+        Some(comm) => parallel::my_group(comm, &mesh.groups(&Mesh::DATA_PARALLEL))?,
+        None => None,
+    };
+    match &objective {
+        Some(Objective::Preference(p)) => {
+            p.set_vocabulary_split(vocabulary);
+            p.set_batch_group(batch_group.clone());
+        }
+        Some(Objective::Grpo(g)) => g.set_vocabulary_split(vocabulary),
+        _ => {}
     }
     let rows = LoaderConfig::new(config.batching.clone()).micro_batch_rows()?;
     let with_reference = |set: &Arc<Dataset>, trainer: &mut Trainer| -> Result<Arc<Dataset>> {
@@ -851,7 +856,8 @@ pub fn train(
     };
     match (&objective, data.train.as_ref(), &config.grpo) {
         (Some(Objective::Grpo(g)), Dataset::Prompts(prompts), Some(run)) if start < config.steps => {
-            // Tensor, pipeline and context parallelism are refused: every rank is a data rank.
+            // Pipeline and context parallelism are refused; the ranks of a tensor group
+            // generate and train on the same prompts.
             let setup = grpo::Setup {
                 prompts,
                 run,
@@ -859,14 +865,17 @@ pub fn train(
                 micro_rows: rank_rows,
                 data_rank,
                 data_world,
-                group: world_group.as_deref(),
+                group: batch_group.as_deref(),
                 seed: config.batching.seed,
             };
             let reference = match (g.config().beta != 0.0, strategy.lora().is_some()) {
                 (false, _) => grpo::ReferenceModel::None,
                 (true, true) => grpo::ReferenceModel::Base,
                 (true, false) => {
-                    grpo::ReferenceModel::Copy(Box::new(reference_copy(spec()?, &engine_config, &config.init)?))
+                    // Split as the trainer's model is, over the same tensor group.
+                    let tensor = trainer.engine().tensor_parallel().cloned();
+                    let config_of_copy = EngineConfig { tensor, ..engine_config.clone() };
+                    grpo::ReferenceModel::Copy(Box::new(reference_copy(spec()?, &config_of_copy, &config.init)?))
                 }
             };
             grpo::train(&mut trainer, g, &setup, reference, &mut after_step)?;
@@ -1093,8 +1102,8 @@ fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: 
         Some("chunked_loss gives a next-token loss, not the logits a completion's score sums")
     } else if config.cuda_graph {
         Some("a captured step cannot read the completions' metrics")
-    } else if grpo && strategy.tensor_parallel().is_some() {
-        Some("generation runs whole units, which tensor parallelism splits")
+    } else if grpo && strategy.tensor_parallel().is_some_and(|t| t.sequence_parallel) {
+        Some("generation decodes a position at a time, which sequence parallel splits over the tensor group")
     } else if grpo && strategy.pipeline_parallel().is_some() {
         Some("generation runs the whole model on each rank, which pipeline stages split")
     } else {

@@ -192,12 +192,15 @@ pub fn next_token_loss() -> LossFn {
 }
 
 /// [`next_token_loss`] for `engine`'s output: over a vocabulary split across a tensor
-/// group, the vocabulary-parallel cross-entropy.
+/// group, the vocabulary-parallel cross-entropy (a scalar output being the loss already).
 pub fn next_token_loss_of(engine: &Engine) -> LossFn {
     match engine.tensor_parallel() {
         Some(tp) => {
             let tp = tp.clone();
-            Arc::new(move |logits: &Tensor, b: &Batch| tp.cross_entropy(logits, &b.targets))
+            Arc::new(move |out: &Tensor, b: &Batch| match out.dim() {
+                0 => Ok(out.shallow_clone()),
+                _ => tp.cross_entropy(out, &b.targets),
+            })
         }
         None => next_token_loss(),
     }

@@ -180,15 +180,15 @@ fn batched_generation_equals_one_at_a_time() {
             prompts.iter().map(|p| generate(&mut engine, p, &stopping, context).unwrap()).collect();
         assert!(alone_stopping[1].len() <= 4 && alone_stopping.iter().any(|r| r.len() == 12), "{alone_stopping:?}");
         for config in [greedy.clone(), GenerateConfig { cache: false, ..greedy.clone() }, stopping] {
-            let together = generate_batch(&mut engine, &prompts, &config, context).unwrap();
+            let together = generate_batch(&mut engine, None, &prompts, &config, context).unwrap();
             let expected = if config.stop_tokens.is_empty() { &alone } else { &alone_stopping };
             assert_eq!(&together, expected, "{family}: batched decoding differs ({config:?})");
         }
         // Sampling repeats with its seed, rows of one prompt drawing differently.
         let sampling = GenerateConfig { temperature: 1.0, seed: 5, ..greedy };
         let copies = vec![prompts[0].clone(); 8];
-        let a = generate_batch(&mut engine, &copies, &sampling, context).unwrap();
-        assert_eq!(a, generate_batch(&mut engine, &copies, &sampling, context).unwrap());
+        let a = generate_batch(&mut engine, None, &copies, &sampling, context).unwrap();
+        assert_eq!(a, generate_batch(&mut engine, None, &copies, &sampling, context).unwrap());
         assert!(a.iter().any(|r| r != &a[0]), "{family}: every sampled row is the same: {a:?}");
     }
 }
@@ -1166,7 +1166,7 @@ fn the_generation_estimate_meets_the_allocator() {
     let before = strata_ext::cpu_memory::stats().unwrap().0;
     strata_ext::cpu_memory::reset_peak().unwrap();
     let config = GenerateConfig { max_new_tokens: 56, ..Default::default() };
-    generate_batch(&mut engine, &prompts, &config, Some(64)).unwrap();
+    generate_batch(&mut engine, None, &prompts, &config, Some(64)).unwrap();
     let peak = (strata_ext::cpu_memory::stats().unwrap().1 - before) as f64;
     eprintln!("decoding peaked at {peak} bytes; the estimate counts {counted}");
     assert!((peak / counted as f64 - 1.0).abs() < 0.1, "peak {peak} against {counted}");
