@@ -222,24 +222,33 @@ fn strata_plan_splits_long_rows_over_context_ranks() {
     assert!(!rows.is_empty() && rows.iter().all(|r| r["layout"]["context"] == 1));
 }
 
-/// TinyLlama's shape at 131,072 positions on one H100: no layout keeps its activations on
-/// the device, so the plan's last pass offloads them, and its strategy says so; at 32,768
-/// positions they stay.
+/// TinyLlama's shape on one H100, rows ever longer: at 32,768 positions recomputation
+/// fits; at 131,072 the logits fit no layout whole, so the plan's pass with the loss in
+/// chunks does; at 262,144 that fits nothing either, so the last pass offloads the
+/// activations too, and its strategy says so.
 #[test]
-fn strata_plan_offloads_activations_where_nothing_else_fits() {
+fn strata_plan_chunks_the_loss_then_offloads_activations_where_nothing_else_fits() {
     let shape = "plan --model llama --layers 22 --heads 32 --dim 2048 --vocab 32000 --ffn-dim 5632 --kv-heads 4 \
                  --nodes 1 --gpus-per-node 1 --global-batch 1 --json";
-    let plan = |ctx: &str| -> serde_json::Value {
+    let plan = |ctx: &str| -> Vec<serde_json::Value> {
         let o = strata(&shape.split_whitespace().chain(["--ctx", ctx]).collect::<Vec<_>>());
         assert!(o.status.success(), "{}", stderr(&o));
-        serde_json::from_slice(&o.stdout).unwrap()
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let rows = report["rows"].as_array().unwrap().clone();
+        assert!(!rows.is_empty(), "{ctx}: {report}");
+        rows
     };
-    let long = plan("131072");
-    let rows = long["rows"].as_array().unwrap();
-    assert!(!rows.is_empty() && rows.iter().all(|r| r["layout"]["candidate"]["activation_offload"] == true), "{long}");
-    let short = plan("32768");
-    let rows = short["rows"].as_array().unwrap();
-    assert!(!rows.is_empty() && rows.iter().all(|r| r["layout"]["candidate"]["activation_offload"] == false));
+    let methods = |rows: &[serde_json::Value]| -> Vec<(bool, bool)> {
+        let of = |r: &serde_json::Value| {
+            let c = &r["layout"]["candidate"];
+            (!c["chunked_loss"].is_null(), c["activation_offload"] == true)
+        };
+        rows.iter().map(of).collect()
+    };
+    for (ctx, chunked, shelved) in [("32768", false, false), ("131072", true, false), ("262144", true, true)] {
+        let rows = plan(ctx);
+        assert!(methods(&rows).iter().all(|&m| m == (chunked, shelved)), "{ctx}: {:?}", methods(&rows));
+    }
 }
 
 #[test]

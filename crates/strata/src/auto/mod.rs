@@ -487,8 +487,6 @@ fn search_with(job: &AutoAccelerate<'_>, steps: usize, pass: &Pass<'_>) -> Resul
         o.included.iter().filter(|m| !["chunked_loss", "activation_offload"].contains(&m.as_str())).cloned().collect();
     let mut cands = candidate::candidates(&o.excluded, &included, !analysis.blocks.is_empty(), sizes, offload);
     if chunk.is_some() {
-        // The vocabulary of a split head does not chunk.
-        cands.retain(|l| l.candidate.tensor == 1);
         cands.iter_mut().for_each(|l| l.candidate.chunked_loss = chunk);
     }
     cands.iter_mut().for_each(|l| l.candidate.activation_offload = pass.shelved);

@@ -1,8 +1,9 @@
 //! `strata plan`: the fastest layouts of a model for a described cluster, a global batch and
 //! a sequence length, found by searching data parallelism and its sharding stages × tensor
 //! size × context size and exchange × pipeline size (schedule, micro-batches, chunks per
-//! rank) × recomputation × offload × precision, pruned by the memory estimate and ranked by
-//! the predicted step.
+//! rank) × recomputation × offload × precision (and, where rows fit no layout otherwise, the
+//! chunked loss and activation offload), pruned by the memory estimate and ranked by the
+//! predicted step.
 //!
 //! Owns the search space and the ranking. Must not predict bytes or seconds itself
 //! ([`super::estimate`] and [`super::step_time`] do) nor run anything.
@@ -10,7 +11,7 @@ use super::candidate::{Layout, Precision};
 use super::estimate::{self, Estimate, Machine, Workload};
 use super::step_time::{self, Cluster, StepTime, UnitWork};
 use crate::model::ModelConfig;
-use crate::strategy::{ContextKind, ScheduleKind};
+use crate::strategy::{ChunkedLossConfig, ContextKind, ScheduleKind};
 use crate::{Error, Result};
 use serde::Serialize;
 
@@ -99,11 +100,21 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         (e.device.total() as f64 / machine.device_bytes.max(1) as f64)
             .max(e.host.total() as f64 / machine.host_bytes.max(1) as f64)
     };
-    // Rows are split over context ranks where they are long, or, in a second pass, where
-    // nothing fits them whole; where nothing fits still, a last pass offloads the units'
-    // kept values to the host.
-    let (mut whole, mut split_rows, mut shelved) = (true, req.seq_len >= LONG_ROWS, false);
-    loop {
+    // Each pass tries every layout with more of the long-row methods, until one fits: rows
+    // whole (and split over context ranks where they are long); the loss computed in chunks
+    // in the head (where the model's head can); rows split where they were not; the units'
+    // kept values offloaded to the host.
+    let chunk = spec.scores_in_chunks().then_some(ChunkedLossConfig::default().positions);
+    let long = req.seq_len >= LONG_ROWS;
+    let mut passes = vec![RowPass { whole: true, split_rows: long, chunk: None, shelved: false }];
+    if chunk.is_some() {
+        passes.push(RowPass { whole: true, split_rows: long, chunk, shelved: false });
+    }
+    if !long {
+        passes.push(RowPass { whole: false, split_rows: true, chunk, shelved: false });
+    }
+    passes.push(RowPass { whole: true, split_rows: true, chunk, shelved: true });
+    for RowPass { whole, split_rows, chunk, shelved } in passes {
         for &t in &tensors {
             for (c, kind) in context_splits(&spec, req, t, whole, split_rows) {
                 for p in divisors(ranks / (t * c)).into_iter().filter(|&p| p <= blocks.max(1)) {
@@ -122,6 +133,7 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
                                     .map(|l| l.with_context(c, kind))
                                     .map(|mut l| {
                                         l.candidate.activation_offload = shelved;
+                                        l.candidate.chunked_loss = chunk;
                                         l
                                     })
                             });
@@ -169,13 +181,8 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
                 }
             }
         }
-        if !rows.is_empty() || shelved {
+        if !rows.is_empty() {
             break;
-        }
-        if split_rows {
-            (whole, shelved) = (true, true);
-        } else {
-            (whole, split_rows) = (false, true);
         }
     }
     rows.sort_by(|a, b| a.time.total.total_cmp(&b.time.total));
@@ -185,6 +192,15 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         }
     }
     Ok(PlanReport { rows, considered, over_memory, least_over: least_over.map(|(_, e)| e) })
+}
+
+/// Which layouts a pass of the search tries: rows whole, split over context ranks, the loss
+/// in chunks of this many positions, the units' kept values on the host.
+struct RowPass {
+    whole: bool,
+    split_rows: bool,
+    chunk: Option<i64>,
+    shelved: bool,
 }
 
 /// Rows at least this long are tried split over context ranks (shorter ones only where no

@@ -8,8 +8,8 @@
 //!
 //! - Compute: each unit's matrix products (2 FLOPs per weight per token, and the
 //!   attention's scores and sums, 4 · positions · width) three times (forward, input and
-//!   weight gradients), four for a recomputed block, at the device's peak for the
-//!   precision times an efficiency.
+//!   weight gradients), four for a recomputed block and a head scoring its loss in chunks,
+//!   at the device's peak for the precision times an efficiency.
 //! - Memory-bound work: the activations each unit keeps (the memory estimate's bytes) are
 //!   written, read, and their gradients written and read: four passes at the memory's
 //!   bandwidth, five for a recomputed block.
@@ -21,7 +21,7 @@
 //!   pipeline's sends are exposed; so is offload's traffic, and the host's update.
 //! - The pipeline: its schedule run by the schedule simulator with the slowest stage's
 //!   costs.
-use super::candidate::{Layout, Precision, Sharding};
+use super::candidate::{Candidate, Layout, Precision, Sharding};
 use super::estimate::{self, DeviceKind, Kept, PipelineShapes, Workload};
 use crate::model::ModelSpec;
 use crate::parallel::pipeline::schedule::{self, Costs, Pipeline};
@@ -299,6 +299,18 @@ fn peak(device: &DeviceKind, precision: Precision) -> f64 {
     }
 }
 
+/// The share of a unit's forward products its backward computes again: a recomputed
+/// block's whole forward, and a head scoring in chunks its logits (each chunk's again from
+/// the head's input and weight).
+fn computed_again(c: &Candidate, k: &Kept) -> f64 {
+    let chunked_head = c.chunked_loss.is_some() && !k.block && k.vocab_values > 0.0;
+    if (c.checkpoint && k.block) || chunked_head {
+        1.0
+    } else {
+        0.0
+    }
+}
+
 /// The predicted step of `layout` of `spec` (its units doing `units`' work) running `work`
 /// on `cluster`.
 pub fn step_time(
@@ -329,7 +341,7 @@ pub fn step_time(
     // Per unit, one micro-batch: forward, and backward (with recomputation where asked).
     let (mut forward, mut backward) = (vec![], vec![]);
     for (u, k) in kept.iter().enumerate() {
-        let again = if c.checkpoint && k.block { 1.0 } else { 0.0 };
+        let again = computed_again(c, k);
         let f = flops[u] * tokens / flops_peak + act_bytes[u] / device.memory_bandwidth;
         let b = (2.0 + again) * flops[u] * tokens / flops_peak + (3.0 + again) * act_bytes[u] / device.memory_bandwidth;
         forward.push(f);
@@ -349,8 +361,7 @@ pub fn step_time(
     let (f, bw) = (stage_sum(&forward, (a, b)), stage_sum(&backward, (a, b)));
     // The products alone of one micro-batch through a range of units.
     let compute_share = |(a, b): (usize, usize)| {
-        (a..b).map(|u| flops[u] * (3.0 + if c.checkpoint && kept[u].block { 1.0 } else { 0.0 })).sum::<f64>() * tokens
-            / flops_peak
+        (a..b).map(|u| flops[u] * (3.0 + computed_again(c, &kept[u]))).sum::<f64>() * tokens / flops_peak
     };
     let mut time = StepTime::default();
     // Operators per micro-batch and unit: about eight per parameter tensor forward and
@@ -359,7 +370,7 @@ pub fn step_time(
     let ops: f64 = (a..b)
         .map(|u| {
             let tensors = spec.units[u].params.len() as f64;
-            let again = if c.checkpoint && kept[u].block { 1.33 } else { 1.0 };
+            let again = 1.0 + 0.33 * computed_again(c, &kept[u]);
             (8.0 * tensors * again + 10.0) * layout.virtual_stages.max(1) as f64
         })
         .sum();
