@@ -356,3 +356,39 @@ fn activation_offload_is_chosen_where_nothing_fits_keeping_the_activations() {
     let excluded = ["--excluded", "amp_native,half,fp8,offload,module_replace"];
     auto_within(&shape, &excluded, 38_797_312, "activations offloaded", "activation_offload", "activation offload");
 }
+
+/// One row of 256 positions a step over two ranks, tensor and pipeline splits left out: no
+/// layout reads whole rows (one row does not split over two data ranks), so `auto` searches
+/// again with the rows split over context ranks, dry-runs only such layouts, says why, and
+/// the run trains with the one it chose.
+#[test]
+fn one_row_over_two_ranks_is_split_over_context_ranks() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (report, metrics) = (dir.path().join("r.json"), dir.path().join("m.jsonl"));
+    let shape = ["--model", "gpt", "--layers", "2", "--heads", "4", "--dim", "64", "--ctx", "256", "--vocab", "256"];
+    let run = ["--batch-size", "1", "--threads", "1", "--steps", "2", "--schedule", "constant", "--seed", "1"];
+    let search = [
+        "--nproc",
+        "2",
+        "--strategy",
+        "auto",
+        "--excluded",
+        "tensor_parallel,pipeline_parallel",
+        "--search-report",
+        report.to_str().unwrap(),
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ];
+    let o = strata_env(&[&["train"][..], &shape, &run, &DRY_RUN, &search].concat(), &[("STRATA_LOG", "warn")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert!(report["mode"].as_str().unwrap().contains("rows split over context ranks"), "{}", report["mode"]);
+    let chosen = report["chosen_strategy"].as_array().unwrap();
+    assert!(chosen.iter().any(|m| m[0] == "context_parallel"), "{chosen:?}");
+    for (label, outcome) in outcomes(&report).filter(|(_, o)| o["outcome"] != "pruned" && o["outcome"] != "not_tried") {
+        assert!(label.contains("context 2"), "{label}: {outcome}");
+    }
+    let losses: Vec<f64> = common::reports(&metrics).iter().map(|r| r["loss"].as_f64().unwrap()).collect();
+    assert!(losses.len() == 2 && losses.iter().all(|l| l.is_finite() && *l > 0.0), "{losses:?}");
+}

@@ -13,7 +13,7 @@ use crate::engine::{
     memory, ActivationOffload, Category, EngineConfig, GradLayout, HeldStates, MemoryLedger, Phase, ScheduleContext,
     UnitSchedule, UnitStorage,
 };
-use crate::model::{Builder, ModelSpec};
+use crate::model::{Builder, ModelSpec, SequencePiece};
 use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
 use crate::parallel::{self, Mesh, RankLayout, TrainerSetup};
 use crate::strategy::{LoraConfig, Strategy};
@@ -50,14 +50,24 @@ pub struct Bench<'a> {
     pub placement: RankLayout<'a>,
     /// What the dry runs (and the measurements before them) feed the model and score it by.
     pub feed: Feed,
-    /// This rank's steps per share of the batch (its index among the data replicas, and
-    /// their count: the ranks of a tensor group or a pipeline read the same batches): the
-    /// first is warm-up, the rest are timed.
-    pub steps: BTreeMap<(usize, usize), Vec<Step>>,
+    /// This rank's steps per share of the batch and piece of the rows ([`batch_key`]): the
+    /// first is warm-up, the rest are timed; or why the batch does not split that way.
+    pub steps: BTreeMap<BatchKey, std::result::Result<Vec<Step>, String>>,
     /// The group every rank belongs to, to agree on measurements.
     pub world: Option<Arc<dyn ProcessGroup>>,
     /// When the search (or check) that uses this bench began.
     pub started: Instant,
+}
+
+/// Which batches a rank reads: its index among the data replicas and their count (the
+/// ranks of a tensor group or a pipeline read the same batches), and its piece of every
+/// row under context parallelism.
+pub type BatchKey = (usize, usize, Option<SequencePiece>);
+
+/// The batches this rank of `mesh` reads under `strategy`.
+pub fn batch_key(mesh: &Mesh, strategy: &Strategy) -> BatchKey {
+    let (index, count) = mesh.batch_shard();
+    (index, count, parallel::rows_piece(mesh, strategy))
 }
 
 /// The search measures by real dry runs.
@@ -133,20 +143,30 @@ impl Bench<'_> {
         self.placement.comm.map_or(1, |c| c.size())
     }
 
-    /// This rank's steps on `mesh`, and the data replicas reading others.
-    fn steps_for(&self, mesh: &Mesh) -> Result<(&[Step], usize)> {
-        let shard = mesh.batch_shard();
-        let steps = self.steps.get(&shard).map(Vec::as_slice).ok_or_else(|| {
-            Error::Config(format!("no batches for replica {} of {} at {} ranks", shard.0, shard.1, self.world_size()))
-        })?;
-        Ok((steps, shard.1))
+    /// This rank's steps on `mesh` under `strategy`, and the ranks reading other tokens of
+    /// them (the data replicas, times the context ranks reading other pieces of the rows).
+    fn steps_for(&self, mesh: &Mesh, strategy: &Strategy) -> Result<(&[Step], usize)> {
+        let key = batch_key(mesh, strategy);
+        let steps = match self.steps.get(&key) {
+            Some(Ok(steps)) => steps.as_slice(),
+            Some(Err(why)) => return Err(Error::Config(why.clone())),
+            None => {
+                return Err(Error::Config(format!(
+                    "no batches for replica {} of {} at {} ranks",
+                    key.0,
+                    key.1,
+                    self.world_size()
+                )))
+            }
+        };
+        Ok((steps, key.1 * key.2.map_or(1, |piece| piece.count)))
     }
 
     /// Trains the warm-up and timed steps with `strategy`; (tokens/s of the job, peak bytes).
     pub fn dry_run(&self, strategy: &Strategy) -> Result<(f64, u64)> {
         let strategy = &self.with_adapters(strategy);
         let mesh = self.placement.mesh(strategy)?;
-        let (steps, replicas) = self.steps_for(&mesh)?;
+        let (steps, readers) = self.steps_for(&mesh, strategy)?;
         let device = self.engine.device;
         let mut trainer = self.trainer(strategy, &steps[0], None)?;
         memory::reset_allocator_peak(device);
@@ -155,7 +175,7 @@ impl Bench<'_> {
         for (i, step) in steps.iter().enumerate() {
             let report = trainer.train_step(step)?;
             if i > 0 {
-                rates.push(report.tokens as f64 * replicas as f64 / report.seconds.max(1e-9));
+                rates.push(report.tokens as f64 * readers as f64 / report.seconds.max(1e-9));
             }
         }
         rates.sort_by(f64::total_cmp);
@@ -366,12 +386,18 @@ fn analyse_with(bench: &Bench<'_>, shelve: bool) -> Result<Analysis> {
     }
     let kept = Arc::new(Mutex::new(Vec::new()));
     engine.set_schedule(Box::new(Probe { device: bench.engine.device, needs, at_start: vec![], kept: kept.clone() }));
-    let batch = bench
-        .steps_for(&bench.placement.mesh(&Strategy::default())?)?
-        .0
-        .first()
-        .and_then(|s| s.micro_batches.first())
-        .ok_or_else(|| Error::Data("no batch to profile".into()))?;
+    // A micro-batch of whole rows: plain data parallelism's, or, where the batch does not
+    // split over every rank, that of a layout with fewer replicas.
+    let default = Strategy::default();
+    let batch = match bench.steps_for(&bench.placement.mesh(&default)?, &default) {
+        Ok((steps, _)) => steps.first(),
+        Err(_) => bench.steps.iter().find_map(|((_, _, piece), steps)| match (piece, steps) {
+            (None, Ok(steps)) => steps.first(),
+            _ => None,
+        }),
+    }
+    .and_then(|s| s.micro_batches.first())
+    .ok_or_else(|| Error::Data("no batch to profile".into()))?;
     let start = Instant::now();
     crate::train::set_rows(&mut engine, batch, Some(crate::train::first_step_draw(batch)));
     let out = engine.forward(&(bench.feed.input)(batch)?)?;

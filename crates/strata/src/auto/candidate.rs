@@ -1,11 +1,12 @@
 //! The search space: precision, module replacement, sharding, recomputation, the tensor
-//! size and the pipeline's shape, as layouts built from every method minus `excluded` and
+//! size, the pipeline's shape and the context split, as layouts built from every method minus `excluded` and
 //! with every `included` one, and what the device and the world size rule out before
 //! anything runs.
 //!
 //! Owns the candidates, the layouts around them and their translation into strategies.
 //! Must not predict memory or run anything: [`super::estimate`] predicts, [`super::search`]
 //! tries.
+use crate::model::ModelSpec;
 use crate::strategy::{ContextKind, ScheduleKind, Strategy};
 use crate::Result;
 use serde::Serialize;
@@ -398,6 +399,20 @@ pub fn candidates(
     out
 }
 
+/// The ways rows of `seq_len` positions split over `c` context ranks beside tensor size `t`
+/// that `spec` takes: the ring (rows in `2c` runs) and, where the heads divide over
+/// `t · c`, the all-to-all.
+pub(crate) fn context_kinds(spec: &ModelSpec, seq_len: i64, t: usize, c: usize) -> Vec<ContextKind> {
+    let mut kinds = vec![];
+    if seq_len % (2 * c as i64) == 0 && spec.check_context_parallel(None).is_ok() {
+        kinds.push(ContextKind::Ring);
+    }
+    if seq_len % c as i64 == 0 && spec.check_context_parallel(Some((t * c) as i64)).is_ok() {
+        kinds.push(ContextKind::AllToAll);
+    }
+    kinds
+}
+
 /// Why `c` cannot run here, if it cannot: the device lacks fast kernels for it, or there is
 /// nothing to shard.
 pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<String> {
@@ -416,10 +431,12 @@ pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<Strin
     if c.tensor > 1 && !world.is_multiple_of(c.tensor) {
         return Some(format!("tensor size {} does not divide the {world} ranks", c.tensor));
     }
-    if !world.is_multiple_of(c.tensor * layout.pipeline) {
+    if !world.is_multiple_of(c.tensor * layout.pipeline * layout.context.max(1)) {
         return Some(format!(
-            "tensor {} × pipeline {} ranks do not divide the {world} ranks",
-            c.tensor, layout.pipeline
+            "tensor {} × pipeline {} × context {} ranks do not divide the {world} ranks",
+            c.tensor,
+            layout.pipeline,
+            layout.context.max(1)
         ));
     }
     if c.offload && layout.pipeline > 1 {
@@ -431,7 +448,8 @@ pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<Strin
     if c.offload && c.sharding == Sharding::None && world > 1 {
         return Some("offload over several ranks goes with zero1, zero2 or fsdp".into());
     }
-    (layout.data_ranks(world) == 1 && c.sharding != Sharding::None).then(|| "nothing to shard on one rank".into())
+    // ZeRO stages shard over the context ranks beside the data ranks.
+    (layout.shard_ranks(world) == 1 && c.sharding != Sharding::None).then(|| "nothing to shard on one rank".into())
 }
 
 #[cfg(test)]

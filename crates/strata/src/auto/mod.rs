@@ -21,7 +21,8 @@ use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
 use crate::parallel::{self, DataParallelOptions, Mesh, RankLayout, DEFAULT_BUCKET_BYTES};
 use crate::strategy::{
-    BackwardPrefetch, ChunkedLossConfig, Dim, LoraConfig, Method, ParallelMode, ShardMethod, Strategy, StrategySource,
+    BackwardPrefetch, ChunkedLossConfig, ContextKind, ContextParallelConfig, Dim, LoraConfig, Method, ParallelMode,
+    ShardMethod, Strategy, StrategySource,
 };
 use crate::train::{token_input, Feed, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
@@ -224,9 +225,17 @@ fn mesh_of(job: &AutoAccelerate<'_>, strategy: &Strategy) -> Result<Mesh> {
 
 /// The loader of this rank on `mesh` (the ranks of a tensor group or a pipeline read the
 /// same batches).
-fn loader_config(job: &AutoAccelerate<'_>, mesh: &Mesh) -> Result<LoaderConfig> {
+/// What this rank of `mesh` reads under `strategy`: its data replica's batches and, under
+/// context parallelism, its piece of every row.
+fn loader_config(job: &AutoAccelerate<'_>, mesh: &Mesh, strategy: &Strategy) -> LoaderConfig {
     let (rank, world) = mesh.batch_shard();
-    Ok(LoaderConfig { rank, world, device: job.engine.device, ..LoaderConfig::new(job.dataloader_args.clone()) })
+    LoaderConfig {
+        rank,
+        world,
+        context: parallel::rows_piece(mesh, strategy),
+        device: job.engine.device,
+        ..LoaderConfig::new(job.dataloader_args.clone())
+    }
 }
 
 fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> RankLayout<'a> {
@@ -246,7 +255,7 @@ fn placement<'a>(job: &AutoAccelerate<'a>, bucket_bytes: usize) -> RankLayout<'a
 pub fn prepare(job: &AutoAccelerate<'_>, strategy: &Strategy, bucket_bytes: usize) -> Result<Prepared> {
     let mesh = mesh_of(job, strategy)?;
     let bench = bench(job, bucket_bytes, 0, strategy.lora())?;
-    let loader = || DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?);
+    let loader = || DataLoader::new(job.dataset.clone(), loader_config(job, &mesh, strategy));
     let first = loader()?.next().ok_or_else(|| Error::Data("the data holds no step to measure on".into()))??;
     // The prepared trainer reports the job's loss, as a run's does.
     let trainer = bench.trainer(strategy, &first, bench.world.clone())?;
@@ -265,25 +274,51 @@ fn bench<'a>(
     steps: usize,
     lora: Option<&'a LoraConfig>,
 ) -> Result<Bench<'a>> {
-    // Batches for every share of the batch a tensor and pipeline size dividing the world
-    // gives this rank: few steps each.
+    // Batches for every share of the batch (and piece of the rows) a tensor, pipeline and
+    // context size dividing the world gives this rank: few steps each.
     let world_size = rank_and_world(job.comm).1;
-    let divisors: Vec<usize> = (1..=world_size).filter(|d| world_size.is_multiple_of(*d)).collect();
+    let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut batches = std::collections::BTreeMap::new();
-    for &tensor in &divisors {
-        for &pipeline in divisors.iter().filter(|&&p| (world_size / tensor).is_multiple_of(p)) {
-            let mode = ParallelMode(vec![(Dim::Tensor, tensor), (Dim::Pipeline, pipeline)], None);
-            let mesh = mesh_of(job, &Strategy { methods: vec![Method::ParallelMode(mode)] })?;
-            let shard = mesh.batch_shard();
-            if batches.contains_key(&shard) {
-                continue;
+    for tensor in divisors(world_size) {
+        for pipeline in divisors(world_size / tensor) {
+            for context in divisors(world_size / (tensor * pipeline)) {
+                let ctx = job.dataloader_args.ctx;
+                let kinds = match context {
+                    1 => vec![None],
+                    c => [(ContextKind::Ring, 2 * c), (ContextKind::AllToAll, c)]
+                        .into_iter()
+                        .filter(|(_, runs)| ctx.is_multiple_of(*runs))
+                        .map(|(kind, _)| Some(kind))
+                        .collect(),
+                };
+                for kind in kinds {
+                    let dims = vec![(Dim::Tensor, tensor), (Dim::Pipeline, pipeline), (Dim::Context, context)];
+                    let mut methods = vec![Method::ParallelMode(ParallelMode(dims, None))];
+                    methods
+                        .extend(kind.map(|kind| Method::ContextParallel(ContextParallelConfig { size: None, kind })));
+                    let strategy = Strategy { methods };
+                    let mesh = mesh_of(job, &strategy)?;
+                    let key = bench::batch_key(&mesh, &strategy);
+                    if batches.contains_key(&key) {
+                        continue;
+                    }
+                    // A batch that does not split over these replicas rules out their layouts alone.
+                    let config = loader_config(job, &mesh, &strategy);
+                    if let Err(Error::Config(why)) = config.micro_batch_rows() {
+                        batches.insert(key, Err(why));
+                        continue;
+                    }
+                    let steps_here =
+                        DataLoader::new(job.dataset.clone(), config)?.take(steps).collect::<Result<Vec<_>>>()?;
+                    if steps_here.len() < steps {
+                        return Err(Error::Data(format!(
+                            "the data gives {} steps, a dry run needs {steps}",
+                            steps_here.len()
+                        )));
+                    }
+                    batches.insert(key, Ok(steps_here));
+                }
             }
-            let loader = DataLoader::new(job.dataset.clone(), loader_config(job, &mesh)?)?;
-            let steps_here = loader.take(steps).collect::<Result<Vec<_>>>()?;
-            if steps_here.len() < steps {
-                return Err(Error::Data(format!("the data gives {} steps, a dry run needs {steps}", steps_here.len())));
-            }
-            batches.insert(shard, steps_here);
         }
     }
     // A dry run that fails on some pipeline stages leaves the others waiting for it until
@@ -361,7 +396,9 @@ pub fn choose_strategy(job: &AutoAccelerate<'_>) -> Result<Choice> {
 
 /// Searches with every parameter trained; where nothing fits, again with the loss computed
 /// in chunks in the head (where the model's head can and the job scores with the
-/// next-token loss), then with the units' kept values offloaded to the host as well; then,
+/// next-token loss), then with the rows split over context ranks (where there are several
+/// ranks and the model's units take pieces of rows), then with the units' kept values
+/// offloaded to the host as well; then,
 /// where the options give adapters, training those alone, in the same passes. Each pass
 /// that fits nothing says why in the final refusal.
 fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
@@ -375,33 +412,43 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
         }
     }
     let has = |list: &[String], method: &str| list.iter().any(|m| m == method);
-    let head_scores = || -> Result<bool> {
+    let spec = || -> Result<crate::model::ModelSpec> {
         let mut b = Builder::new();
         (job.model)(&mut b)?;
-        Ok(b.build()?.scores_in_chunks())
+        b.build()
     };
     // Chunks change something only where a micro-batch (at most the step's rows over its
     // micro-batches, on one rank) holds more positions than a chunk.
     let chunk = ChunkedLossConfig::default().positions;
     let a = &job.dataloader_args;
     let most_positions = (a.batch_size / a.accumulation.max(1) * a.ctx) as i64;
-    let chunked =
-        job.loss_func.is_none() && !has(&o.excluded, "chunked_loss") && most_positions > chunk && head_scores()?;
+    let chunked = job.loss_func.is_none()
+        && !has(&o.excluded, "chunked_loss")
+        && most_positions > chunk
+        && spec()?.scores_in_chunks();
     let shelving = !has(&o.excluded, "activation_offload");
-    // (adapters, loss chunk, activation offload): the plain passes unless every candidate
-    // must chunk its loss or offload its activations.
+    // Rows split over context ranks: where there are several ranks and the model's units
+    // take pieces of rows.
+    let world = rank_and_world(job.comm).1;
+    let splitting = world > 1 && !has(&o.excluded, "context_parallel") && spec()?.check_context_parallel(None).is_ok();
+    // (adapters, loss chunk, rows split, activation offload): the plain passes unless every
+    // candidate must chunk its loss, split its rows or offload its activations.
     let mut passes: Vec<Pass<'_>> = vec![];
     for lora in std::iter::once(None).chain(o.lora.as_ref().map(Some)) {
         let must_shelve = has(&o.included, "activation_offload");
-        if !has(&o.included, "chunked_loss") && !must_shelve {
-            passes.push(Pass { lora, chunk: None, shelved: false });
+        let must_split = has(&o.included, "context_parallel");
+        let chunk = (chunked || has(&o.included, "chunked_loss")).then_some(chunk);
+        if !has(&o.included, "chunked_loss") && !must_shelve && !must_split {
+            passes.push(Pass { lora, chunk: None, split: false, shelved: false });
         }
-        if chunked && !must_shelve {
-            passes.push(Pass { lora, chunk: Some(chunk), shelved: false });
+        if chunked && !must_shelve && !must_split {
+            passes.push(Pass { lora, chunk, split: false, shelved: false });
+        }
+        if (splitting || must_split) && !must_shelve {
+            passes.push(Pass { lora, chunk, split: true, shelved: false });
         }
         if shelving {
-            let chunk = (chunked || has(&o.included, "chunked_loss")).then_some(chunk);
-            passes.push(Pass { lora, chunk, shelved: true });
+            passes.push(Pass { lora, chunk, split: must_split, shelved: true });
         }
     }
     let mut refusals: Vec<(Vec<String>, String)> = vec![];
@@ -415,6 +462,9 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
                 }
                 if pass.chunk.is_some() && !has(&o.included, "chunked_loss") {
                     why.push("the loss computed in chunks: the plain loss fits no candidate");
+                }
+                if pass.split && !has(&o.included, "context_parallel") {
+                    why.push("rows split over context ranks: no candidate fits them whole");
                 }
                 if pass.shelved && !has(&o.included, "activation_offload") {
                     why.push("activations offloaded to the host: no candidate fits keeping them");
@@ -430,11 +480,14 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
                     None => "training every parameter",
                     Some(_) => "training LoRA adapters",
                 });
-                let with: Vec<&str> =
-                    [(pass.chunk.is_some(), "the loss in chunks"), (pass.shelved, "activations offloaded")]
-                        .into_iter()
-                        .filter_map(|(on, name)| on.then_some(name))
-                        .collect();
+                let with: Vec<&str> = [
+                    (pass.chunk.is_some(), "the loss in chunks"),
+                    (pass.split, "rows split over context ranks"),
+                    (pass.shelved, "activations offloaded"),
+                ]
+                .into_iter()
+                .filter_map(|(on, name)| on.then_some(name))
+                .collect();
                 if !with.is_empty() {
                     what = format!("{what} with {}", with.join(" and "));
                 }
@@ -451,12 +504,31 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     Err(Error::Config(format!("auto_accelerate found no strategy, {}", refusals.join("\nnor "))))
 }
 
-/// One pass of the search: the adapters trained alone (where given), the head's loss chunk
-/// and whether the units' kept values wait on the host, set on every candidate.
+/// One pass of the search: the adapters trained alone (where given), the head's loss chunk,
+/// whether rows are split over context ranks and whether the units' kept values wait on
+/// the host, set on every candidate.
 struct Pass<'a> {
     lora: Option<&'a LoraConfig>,
     chunk: Option<i64>,
+    split: bool,
     shelved: bool,
+}
+
+/// Each of `layouts` with its rows of `ctx` positions split over every context size above
+/// one that divides the ranks its tensor and pipeline sizes leave, by each exchange `spec`
+/// takes there.
+fn split_rows(layouts: Vec<Layout>, spec: &crate::model::ModelSpec, ctx: i64, world: usize) -> Vec<Layout> {
+    let mut out = vec![];
+    for layout in layouts {
+        let t = layout.candidate.tensor.max(1);
+        let left = world / (t * layout.pipeline.max(1));
+        for c in (2..=left).filter(|c| left.is_multiple_of(*c)) {
+            for kind in candidate::context_kinds(spec, ctx, t, c) {
+                out.push(layout.with_context(c, kind));
+            }
+        }
+    }
+    out
 }
 
 /// The best candidate for `job` (training `lora`'s adapters alone, where given), or why
@@ -481,13 +553,16 @@ fn search_with(job: &AutoAccelerate<'_>, steps: usize, pass: &Pass<'_>) -> Resul
     // Offload is worth trying only where a device budget can be short.
     let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
     let sizes = (&analysis.tensor_sizes[..], &analysis.pipeline_sizes[..]);
-    // The chunked loss and activation offload are set on the candidates below, not among
-    // their methods yet.
-    let included: Vec<String> =
-        o.included.iter().filter(|m| !["chunked_loss", "activation_offload"].contains(&m.as_str())).cloned().collect();
+    // The chunked loss, the rows' split and activation offload are set on the candidates
+    // below, not among their methods yet.
+    let set_below = ["chunked_loss", "context_parallel", "activation_offload"];
+    let included: Vec<String> = o.included.iter().filter(|m| !set_below.contains(&m.as_str())).cloned().collect();
     let mut cands = candidate::candidates(&o.excluded, &included, !analysis.blocks.is_empty(), sizes, offload);
     if chunk.is_some() {
         cands.iter_mut().for_each(|l| l.candidate.chunked_loss = chunk);
+    }
+    if pass.split {
+        cands = split_rows(cands, &b.spec()?, job.dataloader_args.ctx as i64, b.world_size());
     }
     cands.iter_mut().for_each(|l| l.candidate.activation_offload = pass.shelved);
     if cands.is_empty() {

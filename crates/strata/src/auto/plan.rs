@@ -7,7 +7,7 @@
 //!
 //! Owns the search space and the ranking. Must not predict bytes or seconds itself
 //! ([`super::estimate`] and [`super::step_time`] do) nor run anything.
-use super::candidate::{Layout, Precision};
+use super::candidate::{context_kinds, Layout, Precision};
 use super::estimate::{self, Estimate, Machine, Workload};
 use super::step_time::{self, Cluster, StepTime, UnitWork};
 use crate::model::ModelConfig;
@@ -220,16 +220,8 @@ fn context_splits(
 ) -> Vec<(usize, ContextKind)> {
     let mut out = if whole { vec![(1, ContextKind::Ring)] } else { vec![] };
     let sizes = if split_rows { divisors(req.cluster.gpus_per_node / t) } else { vec![] };
-    for c in sizes.into_iter().filter(|&c| c > 1) {
-        if !req.cluster.devices().is_multiple_of(t * c) {
-            continue;
-        }
-        if req.seq_len % (2 * c as i64) == 0 && spec.check_context_parallel(None).is_ok() {
-            out.push((c, ContextKind::Ring));
-        }
-        if req.seq_len % c as i64 == 0 && spec.check_context_parallel(Some((t * c) as i64)).is_ok() {
-            out.push((c, ContextKind::AllToAll));
-        }
+    for c in sizes.into_iter().filter(|&c| c > 1 && req.cluster.devices().is_multiple_of(t * c)) {
+        out.extend(context_kinds(spec, req.seq_len, t, c).into_iter().map(|kind| (c, kind)));
     }
     out
 }

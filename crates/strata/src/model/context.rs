@@ -13,7 +13,7 @@ use tch::Tensor;
 /// the `index`-th of `count` equal runs, or, `balanced`, runs `index` and
 /// `2·count − 1 − index` of `2·count` (an early and a late run, so that causal attention
 /// costs every rank the same).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct SequencePiece {
     /// This rank's place in its context group.
     pub index: usize,

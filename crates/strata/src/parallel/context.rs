@@ -47,6 +47,13 @@ impl ContextGroup {
     }
 }
 
+/// This rank's piece of every row under `strategy`'s context parallelism on `mesh` (`None`
+/// without it: rows whole).
+pub fn rows_piece(mesh: &super::Mesh, strategy: &crate::strategy::Strategy) -> Option<SequencePiece> {
+    use crate::strategy::Dim;
+    strategy.context_parallel().map(|c| piece_of(c.kind, mesh.coordinate(Dim::Context), mesh.size(Dim::Context)))
+}
+
 /// Rank `index`'s piece of every row in a context group of `count` ranks exchanging by
 /// `kind`: the ring balances causal attention's work with two runs per rank.
 pub fn piece_of(kind: ContextKind, index: usize, count: usize) -> SequencePiece {

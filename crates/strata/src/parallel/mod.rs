@@ -19,7 +19,7 @@ pub mod tensor;
 mod trainer;
 pub mod zero;
 
-pub use context::piece_of;
+pub use context::{piece_of, rows_piece};
 pub use ddp::{DataParallel, DataParallelOptions, DEFAULT_BUCKET_BYTES};
 pub use mesh::Mesh;
 pub use trainer::{build_trainer, TrainerSetup};

@@ -607,9 +607,7 @@ pub fn train(
     }
     let mesh = parallel::mesh_of(&strategy, ranks.comm.as_ref(), ranks.local_world_size)?;
     let (data_rank, data_world) = mesh.batch_shard();
-    let context = strategy
-        .context_parallel()
-        .map(|c| parallel::piece_of(c.kind, mesh.coordinate(Dim::Context), mesh.size(Dim::Context)));
+    let context = parallel::rows_piece(&mesh, &strategy);
     let loader_config = LoaderConfig {
         rank: data_rank,
         world: data_world,
