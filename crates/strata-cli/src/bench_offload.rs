@@ -119,10 +119,11 @@ fn fits(args: &BenchOffloadArgs, layers: i64, strategy: &str) -> Result<bool> {
     }
 }
 
-/// The most layers (up to `most`) that fit: doubling, then bisecting.
-fn largest(args: &BenchOffloadArgs, strategy: &str, most: i64) -> Result<i64> {
+/// The most layers (up to `most`) that fit: doubling from `from` (the size the placement
+/// before this one reached, which each moves more off the device than), then bisecting.
+fn largest(args: &BenchOffloadArgs, strategy: &str, most: i64, from: i64) -> Result<i64> {
     let (mut good, mut bad) = (0, None);
-    let mut probe = 1.min(most);
+    let mut probe = from.clamp(1, most.max(1)).min(most);
     while bad.is_none() && good < most {
         if fits(args, probe, strategy)? {
             good = probe;
@@ -167,7 +168,7 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
         };
         let layers = match sized_like {
             Some(_) if most > 0 && fits(&args, most, &strategy)? => most,
-            _ => largest(&args, &strategy, most)?,
+            _ => largest(&args, &strategy, most, rows.last().map_or(1, |r| r.layers))?,
         };
         let params = params_of(layers)?;
         rows.push(Row {
