@@ -3,6 +3,7 @@
 //! token of the global batch alike, however the batch is split into micro-batches, ranks
 //! and pipeline stages.
 use crate::common;
+use crate::TENSOR_AND_SEQUENCE;
 
 use crate::common::{assert_fails_with, assert_follows, reports, stderr, strata, strata_env, Run};
 use std::path::{Path, PathBuf};
@@ -80,8 +81,6 @@ fn same_as_one_batch(packed: bool, extra: &[&str]) {
 }
 
 const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
-const TENSOR_AND_SEQUENCE: &str =
-    r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
 
 /// Context parallelism: the ring (each rank an early and a late quarter of every row), with
 /// recomputed blocks; the all-to-all beside fsdp, tensor and sequence parallel beside the

@@ -6,7 +6,7 @@
 //! Then batched sampling and the loop together: a toy reward raises its mean over 50 steps.
 use crate::common::{self, reports};
 use crate::preference::{python, s};
-use crate::TENSOR;
+use crate::{TENSOR, TENSOR_AND_SEQUENCE};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -252,7 +252,7 @@ fn reward_script(dir: &Path) -> String {
 }
 
 /// `strata train` on prompts with a reward command: over two fsdp ranks and over two
-/// tensor ranks it follows one process step for step (each prompt's group sampled from its own seed, the KL term read
+/// tensor ranks (with and without sequence parallel) it follows one process step for step (each prompt's group sampled from its own seed, the KL term read
 /// from a frozen copy) and ends with its weights; under LoRA the base is the reference;
 /// what GRPO cannot take is refused in one line.
 #[test]
@@ -294,8 +294,9 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
     assert_eq!(a.len(), 6);
     assert!(a[5]["kl"].as_f64().unwrap() > 0.0, "the policy moved from its reference");
     // Two data ranks, each generating for its own prompts; two tensor ranks, generating
-    // together for the same prompts (each decoding its heads, the whole logits gathered).
-    for (name, strategy) in [("fsdp", r#"["fsdp"]"#), ("tensor", TENSOR)] {
+    // together for the same prompts (each decoding its heads, the whole logits gathered),
+    // also with sequence parallel in training (decoding keeps the new positions whole).
+    for (name, strategy) in [("fsdp", r#"["fsdp"]"#), ("tensor", TENSOR), ("sequence", TENSOR_AND_SEQUENCE)] {
         let two =
             common::train_run(work.path(), name, 6, &[&shared, &twice, &["--nproc", "2", "--strategy", strategy]]);
         for (x, y) in a.iter().zip(&reports(&two.1)) {
@@ -319,15 +320,6 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
     let kl: Vec<f64> = reports(&adapted.1).iter().map(|r| r["kl"].as_f64().unwrap()).collect();
     assert!(kl[0] == 0.0 && kl[1..].iter().all(|&k| k > 0.0 && k < 1.0), "LoRA's KL to its base: {kl:?}");
     for (flags, expected) in [
-        (
-            vec![
-                "--nproc",
-                "2",
-                "--strategy",
-                r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#,
-            ],
-            "sequence parallel splits",
-        ),
         (vec!["--num-generations", "3"], "not whole groups of num_generations 3"),
         (vec!["--grpo-loss", "ppo"], "unknown GRPO loss type"),
     ] {

@@ -15,3 +15,6 @@ mod walkthroughs;
 
 /// Two ranks splitting each unit Megatron-style.
 const TENSOR: &str = r#"[["parallel_mode", [[["tensor", 2]], null]], "tensor_parallel"]"#;
+/// The same, the activations between split regions split along the sequence too.
+const TENSOR_AND_SEQUENCE: &str =
+    r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;

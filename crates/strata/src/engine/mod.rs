@@ -22,7 +22,7 @@ use crate::compute::fp8::Fp8Scaling;
 use crate::compute::{self, UnitCompute};
 use crate::model::{
     ContextParallel, DecodeCache, DropoutDraw, ExpertExchange, HeadScoring, Init, ModelSpec, ParamId, ParamSpec,
-    Params, Routed, RowLayout, RowSharers, TensorParallel, TpRole,
+    Params, Routed, RowLayout, RowSharers, TensorParallel, TpRole, WholeSequence,
 };
 use crate::{Error, Result};
 pub use activations::ActivationOffload;
@@ -1042,14 +1042,9 @@ impl Engine {
     /// [`Engine::set_layout`] (an encoder–decoder's first step names its source there). Each
     /// unit runs as declared, without the strategy's compute policy. Units split over a
     /// tensor group decode their pieces as their forward does (the output then holds this
-    /// rank's columns of a split head); sequence parallel, which splits the positions, is
-    /// refused.
+    /// rank's columns of a split head), with the new positions whole on every rank even
+    /// under sequence parallel.
     pub fn decode(&mut self, input: &Tensor, caches: &mut [DecodeCache]) -> Result<Tensor> {
-        if self.config.tensor.as_ref().is_some_and(|tp| tp.sequence_parallel()) {
-            return Err(Error::Config(
-                "decoding takes a position at a time: sequence parallel splits positions over the tensor group".into(),
-            ));
-        }
         if caches.len() != self.spec.units.len() {
             return Err(Error::Engine(format!("{} decode caches for {} units", caches.len(), self.spec.units.len())));
         }
@@ -1060,8 +1055,9 @@ impl Engine {
             let input = self.where_unit_computes(k, &x)?;
             let moved = self.layout_on_host(k, self.rows.layout.as_ref())?;
             let layout = moved.as_ref().or(self.rows.layout.as_ref());
-            let params = match &self.config.tensor {
-                Some(tp) => Params::split(&self.params, tp.as_ref()),
+            let whole = self.config.tensor.as_deref().map(WholeSequence);
+            let params = match &whole {
+                Some(tp) => Params::split(&self.params, tp),
                 None => Params::new(&self.params),
             }
             .with_adapters(self.joined_adapters())

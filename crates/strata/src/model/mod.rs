@@ -39,7 +39,7 @@ pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig
 pub use presets::{preset, preset_names};
 pub use rope::{Rope, RopeScaling, Rotation};
 pub use t5::{t5, FeedForwardActivation, T5Config};
-pub use tensor::{TensorParallel, TpRole};
+pub use tensor::{TensorParallel, TpRole, WholeSequence};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};

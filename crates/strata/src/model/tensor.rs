@@ -266,6 +266,46 @@ pub trait TensorParallel: Send + Sync {
     }
 }
 
+/// A tensor group seen without sequence parallel: activations outside split regions are
+/// whole on every rank. Decoding runs so, its few new positions not splitting over the group.
+pub struct WholeSequence<'a>(pub &'a dyn TensorParallel);
+
+impl TensorParallel for WholeSequence<'_> {
+    fn size(&self) -> i64 {
+        self.0.size()
+    }
+    fn rank(&self) -> i64 {
+        self.0.rank()
+    }
+    fn sequence_parallel(&self) -> bool {
+        false
+    }
+    fn copy_in(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.copy_in(x)
+    }
+    fn reduce_out(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.reduce_out(x)
+    }
+    fn gather_sequence(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.gather_sequence(x)
+    }
+    fn scatter_sequence(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.scatter_sequence(x)
+    }
+    fn cross_entropy(&self, local_logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        self.0.cross_entropy(local_logits, targets)
+    }
+    fn whole_vocabulary(&self, local_logits: &Tensor, vocab: i64) -> Result<Tensor> {
+        self.0.whole_vocabulary(local_logits, vocab)
+    }
+    fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        self.0.gather(x)
+    }
+    fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>> {
+        self.0.sum_values(values)
+    }
+}
+
 impl std::fmt::Debug for dyn TensorParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(

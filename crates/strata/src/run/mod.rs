@@ -1100,8 +1100,6 @@ fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: 
         Some("chunked_loss gives a next-token loss, not the logits a completion's score sums")
     } else if config.cuda_graph {
         Some("a captured step cannot read the completions' metrics")
-    } else if grpo && strategy.tensor_parallel().is_some_and(|t| t.sequence_parallel) {
-        Some("generation decodes a position at a time, which sequence parallel splits over the tensor group")
     } else if grpo && strategy.pipeline_parallel().is_some() {
         Some("generation runs the whole model on each rank, which pipeline stages split")
     } else {
