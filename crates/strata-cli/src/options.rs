@@ -141,6 +141,10 @@ train_options! {
     /// Preference pairs under --preference-loss cpo or simpo: the weight of the chosen
     /// completions' token loss (default 1 for cpo, 0 for simpo).
     cpo_alpha: f64,
+    /// Preference pairs: keep the reference's scores in this JSON file — read back where it
+    /// holds the same pairs scored by the same model, else computed before the first step
+    /// and written there.
+    reference_scores: PathBuf,
     /// Train the --model-dir decoder as a reward model on preference pairs, as TRL's
     /// RewardTrainer does: its language head gives way to a fresh score head of one output
     /// (a folder that is already a sequence classifier of one label is a reward model
@@ -410,6 +414,7 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         ("--undesirable-weight", o.undesirable_weight.is_some()),
         ("--simpo-gamma", o.simpo_gamma.is_some()),
         ("--cpo-alpha", o.cpo_alpha.is_some()),
+        ("--reference-scores", o.reference_scores.is_some()),
     ];
     let flags = given.iter().filter(|(_, g)| *g).map(|(f, _)| *f).collect();
     let defaults = PreferenceConfig::default();
@@ -436,6 +441,7 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         undesirable_weight: o.undesirable_weight.unwrap_or(defaults.undesirable_weight),
         simpo_gamma: o.simpo_gamma.unwrap_or(defaults.simpo_gamma),
         cpo_alpha: o.cpo_alpha,
+        reference_scores: o.reference_scores.clone(),
     };
     config.validate()?;
     Ok((config, flags))

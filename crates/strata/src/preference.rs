@@ -199,6 +199,10 @@ pub struct PreferenceConfig {
     /// CPO and SimPO: the weight of the chosen rows' token loss (`None`: TRL's 1 for CPO,
     /// 0 for SimPO, what its `cpo_alpha` is set to for SimPO proper).
     pub cpo_alpha: Option<f64>,
+    /// Where the reference's scores are kept between runs: read back where the file holds
+    /// the scores of the same pairs from the same model, else computed and written there
+    /// ([`crate::data::StoredReference`]). `None`: computed before every run's first step.
+    pub reference_scores: Option<std::path::PathBuf>,
 }
 
 impl Default for PreferenceConfig {
@@ -214,6 +218,7 @@ impl Default for PreferenceConfig {
             undesirable_weight: 1.0,
             simpo_gamma: 0.5,
             cpo_alpha: None,
+            reference_scores: None,
         }
     }
 }
@@ -239,6 +244,9 @@ impl PreferenceConfig {
         }
         if self.reference_free() && self.losses.len() > 1 {
             return bad("cpo, simpo and orpo score the policy with no reference: give one alone".into());
+        }
+        if self.reference_free() && self.reference_scores.is_some() {
+            return bad("cpo, simpo and orpo score no reference: there are no reference scores to keep".into());
         }
         let weighs_token_loss =
             self.losses.iter().any(|(l, _)| matches!(l, PreferenceLoss::Cpo | PreferenceLoss::Simpo));

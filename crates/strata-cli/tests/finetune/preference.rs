@@ -342,9 +342,20 @@ fn follows_trl(c: &Case) {
     let dir = reference(&py);
     let (metrics, weights) = strata_run(&dir, c);
     let trl = dir.join("trl").join(c.trl_name);
-    let theirs = reports(&trl.with_extension("jsonl"));
-    let ours = reports(&metrics);
-    assert_eq!(ours.len(), STEPS, "{}: steps recorded", c.name);
+    assert_eq!(reports(&metrics).len(), STEPS, "{}: steps recorded", c.name);
+    metrics_follow_trl(c, &metrics, &trl.with_extension("jsonl"));
+    let theirs = match c.adapter {
+        true => trl.join("adapter_model.safetensors"),
+        false => trl.with_extension("safetensors"),
+    };
+    let gap = common::global_gap(&theirs, &weights);
+    eprintln!("{}: weights after {STEPS} steps differ from TRL's by {gap:.2e}", c.name);
+    assert!(gap < 1e-5, "{}: weights differ from TRL's by {gap:e}", c.name);
+}
+
+/// Each step Strata's `metrics` recorded follows TRL's of case `c` (`trl`), metric by metric.
+fn metrics_follow_trl(c: &Case, metrics: &Path, trl: &Path) {
+    let (ours, theirs) = (reports(metrics), reports(trl));
     for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
         let Value::Object(fields) = b else { panic!("TRL's line is an object") };
         for (key, want) in fields {
@@ -363,13 +374,6 @@ fn follows_trl(c: &Case) {
             assert!((got - want).abs() <= bound, "{}: step {} {key}: Strata {got}, TRL {want}", c.name, step + 1);
         }
     }
-    let theirs = match c.adapter {
-        true => trl.join("adapter_model.safetensors"),
-        false => trl.with_extension("safetensors"),
-    };
-    let gap = common::global_gap(&theirs, &weights);
-    eprintln!("{}: weights after {STEPS} steps differ from TRL's by {gap:.2e}", c.name);
-    assert!(gap < 1e-5, "{}: weights differ from TRL's by {gap:e}", c.name);
 }
 
 fn follow(names: &[&str]) {
@@ -489,4 +493,97 @@ fn validation_pairs_are_scored_against_their_reference() {
     let val = last["val_loss"].as_f64().unwrap();
     assert!(val < std::f64::consts::LN_2 - 1e-3, "validation loss {val}");
     assert!(last.get("val_perplexity").is_none_or(Value::is_null), "{last}");
+}
+
+/// The reference's scores kept in a file (`--reference-scores`): the first run scores the
+/// pairs and writes them, the next reads them back and trains exactly as the first did (and
+/// as TRL does), as does a records file that gives them itself (TRL's `ref_chosen_logps`
+/// and `ref_rejected_logps`); a score changed in the file changes the step that reads it,
+/// and a file whose first pairs the model scores otherwise, or that holds other pairs'
+/// scores, is refused in one line.
+#[test]
+fn reference_scores_kept_in_a_file_or_given_by_the_records_train_as_scored_ones() {
+    let Some(py) = common::venv_python() else { return };
+    let dir = reference(&py);
+    let (model, pairs, offsets) = (dir.join("model"), dir.join("text.jsonl"), dir.join("offsets.json"));
+    let out = tempfile::tempdir().unwrap();
+    let store = out.path().join("reference.json");
+    let run = |name: &str, data: &Path, store: Option<&Path>| {
+        let metrics = out.path().join(format!("{name}.jsonl"));
+        let mut args = vec!["train", "--model-dir", s(&model), "--data", s(data)];
+        args.extend(steps_as_trl("3", "1e-3", &offsets, &metrics));
+        if let Some(store) = store {
+            args.extend(["--reference-scores", s(store)]);
+        }
+        (strata(&args), metrics)
+    };
+    let (o, written) = run("written", &pairs, Some(&store));
+    assert!(o.status.success() && stderr(&o).contains("reference scores written"), "{}", stderr(&o));
+    metrics_follow_trl(&CASES[0], &written, &dir.join("trl").join("sigmoid.jsonl"));
+    let (o, read) = run("read", &pairs, Some(&store));
+    assert!(o.status.success() && stderr(&o).contains("reference scores read"), "{}", stderr(&o));
+    assert_eq!(scored(&read), scored(&written), "a run reading the scores trains as the one that wrote them");
+    // The records give the scores the file holds.
+    let kept: Value = serde_json::from_slice(&std::fs::read(&store).unwrap()).unwrap();
+    let scores = kept["sets"]["train"]["scores"].as_array().unwrap().clone();
+    assert_eq!(scores.len(), 24);
+    let text = std::fs::read_to_string(&pairs).unwrap();
+    let given = out.path().join("given.jsonl");
+    write_lines(
+        &given,
+        text.lines().zip(&scores).map(|(line, score)| {
+            let mut record: Value = serde_json::from_str(line).unwrap();
+            record["ref_chosen_logps"] = score[0].clone();
+            record["ref_rejected_logps"] = score[1].clone();
+            record
+        }),
+    );
+    let (o, from_records) = run("given", &given, None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(scored(&from_records), scored(&written), "records giving the scores train as scoring them does");
+    // A stored score moved: pair 5 is read at the second step, past the pairs checked.
+    let moved = |pair: usize| {
+        let mut changed = kept.clone();
+        let chosen = &mut changed["sets"]["train"]["scores"][pair][0];
+        *chosen = Value::from(chosen.as_f64().unwrap() + 1.0);
+        let path = out.path().join(format!("moved{pair}.json"));
+        std::fs::write(&path, changed.to_string()).unwrap();
+        path
+    };
+    let (o, shifted) = run("moved", &pairs, Some(&moved(5)));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (shifted, written) = (reports(&shifted), reports(&written));
+    assert_eq!(scored_step(&shifted[0]), scored_step(&written[0]), "the first step reads no moved score");
+    let margin = |r: &Value| r["rewards/margins"].as_f64().unwrap();
+    // β times the moved score, over four pairs, less the margin: 0.1 · 1 / 4.
+    let drop = margin(&written[1]) - margin(&shifted[1]);
+    assert!((drop - 0.025).abs() < 1e-5, "the second step's margin moved by {drop}, not 0.025");
+    let (o, _) = run("not_the_model", &pairs, Some(&moved(0)));
+    common::assert_fails_with(&o, "reference scores are not this model's (pair 0's chosen completion");
+    let fewer = out.path().join("fewer.jsonl");
+    write_lines(&fewer, text.lines().take(20).map(|l| serde_json::from_str(l).unwrap()));
+    let (o, _) = run("other_pairs", &fewer, Some(&store));
+    common::assert_fails_with(&o, "holds reference scores of other train pairs than");
+    let half = out.path().join("half.jsonl");
+    write_lines(
+        &half,
+        text.lines().map(|l| {
+            let mut record: Value = serde_json::from_str(l).unwrap();
+            record["ref_chosen_logps"] = Value::from(-1.0);
+            record
+        }),
+    );
+    let (o, _) = run("half", &half, None);
+    common::assert_fails_with(&o, "gives both \"ref_chosen_logps\" and \"ref_rejected_logps\" or neither");
+}
+
+/// Each step's loss, gradient norm and TRL's metrics, as `metrics` recorded them.
+fn scored(metrics: &Path) -> Vec<Vec<(String, Option<f64>)>> {
+    reports(metrics).iter().map(scored_step).collect()
+}
+
+fn scored_step(report: &Value) -> Vec<(String, Option<f64>)> {
+    let Value::Object(fields) = report else { panic!("a report is an object") };
+    let trained = |k: &str| k == "loss" || k == "grad_norm" || k.contains('/');
+    fields.iter().filter(|(k, _)| trained(k)).map(|(k, v)| (k.clone(), v.as_f64())).collect()
 }

@@ -27,7 +27,7 @@ pub use loader::{
     validation_steps, Batch, BatchOffsets, Batching, DataLoader, LoaderConfig, Order, RolloutScores, Step,
 };
 pub use masked::{MaskOptions, MaskedSet};
-pub use preference::{PreferenceFormat, PreferencePair, PreferenceReport, PreferenceSet};
+pub use preference::{PreferenceFormat, PreferencePair, PreferenceReport, PreferenceSet, StoredReference, StoredSet};
 pub use prompts::{PromptFormat, PromptReport, PromptSet};
 pub use records::{ExampleFormat, ExampleOptions, ExampleReport, ExampleSet};
 pub use seq2seq::{read_source_target, rouge_l, Seq2SeqSet, SourceTarget};

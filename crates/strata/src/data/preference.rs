@@ -7,7 +7,9 @@
 //! completion of the record before it within its batch, as TRL pairs them. Tokenized as TRL's `DPOTrainer` does: the prompt alone, then the prompt with
 //! each completion (a text completion ended with the end-of-sequence token), the completion
 //! starting where the two tokenizations part; a record whose prompt fills the most length is
-//! left out, and each row is cut to the most length when batched.
+//! left out, and each row is cut to the most length when batched. A pair record may carry
+//! its reference's scores (TRL's `ref_chosen_logps` and `ref_rejected_logps`); a run may
+//! keep the scores it computed in a file ([`StoredReference`]) and read them back.
 //!
 //! Owns reading the records, their tokens, the reference log-probabilities attached to them,
 //! and a batch's layout: a record's chosen row in the first half of the rows, its rejected
@@ -16,7 +18,10 @@ use super::chat::ChatTemplate;
 use super::records::{messages_of, read_records};
 use super::{check_indices, Batch, RowSet, Tokenizer, IGNORE};
 use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 use std::path::Path;
 use tch::{Kind, Tensor};
 
@@ -267,7 +272,7 @@ impl PreferenceSet {
         let end = format.end_of_text.as_deref().unwrap_or("");
         let mut pairs = Vec::with_capacity(records.len());
         let (mut labels, mut unpaired, mut margins) = (vec![], None, vec![]);
-        let mut margined = None;
+        let (mut margined, mut scored, mut reference) = (None, None, vec![]);
         let mut report = PreferenceReport { records: records.len(), ..Default::default() };
         for (at, value) in records {
             let bad = |why: String| Error::Data(format!("{}{at}: {why}", path.display()));
@@ -279,10 +284,20 @@ impl PreferenceSet {
             if *margined.get_or_insert(margin.is_some()) != margin.is_some() {
                 return Err(bad("either every record gives a \"margin\" or none does".into()));
             }
+            let scores = given_reference(&mut value).map_err(bad)?;
+            if *scored.get_or_insert(scores.is_some()) != scores.is_some() {
+                return Err(bad(format!("either every record gives {} or none does", REFERENCE_FIELDS.join(" and "))));
+            }
             let ([prompt, chosen, rejected], desirable) =
                 Record::parse(value).map_err(bad)?.tokenize(format.tokenizer, format.template, end).map_err(bad)?;
             if *unpaired.get_or_insert(desirable.is_some()) != desirable.is_some() {
                 return Err(bad("a file holds pairs or unpaired completions, not both".into()));
+            }
+            if desirable.is_some() && scores.is_some() {
+                return Err(bad(format!(
+                    "{} are a pair's: an unpaired completion's mismatched one is chosen when batched",
+                    REFERENCE_FIELDS.join(" and ")
+                )));
             }
             let shared = match desirable {
                 Some(_) => common_prefix(&prompt, &chosen),
@@ -298,6 +313,7 @@ impl PreferenceSet {
             }
             labels.extend(desirable);
             margins.extend(margin);
+            reference.extend(scores);
             report.truncated_rows += [&chosen, &rejected].iter().filter(|c| c.len() > format.max_length).count();
             pairs.push(PreferencePair {
                 prompt: prompt[..shared].to_vec(),
@@ -323,7 +339,7 @@ impl PreferenceSet {
             pairs,
             desirable,
             max_length: format.max_length,
-            reference: None,
+            reference: scored.unwrap_or(false).then_some(reference),
             margins: margined.unwrap_or(false).then_some(margins),
             pad: format.pad,
             source: path.display().to_string(),
@@ -388,6 +404,104 @@ impl PreferenceSet {
     /// The attached reference log-probabilities.
     pub fn reference(&self) -> Option<&[[f64; 2]]> {
         self.reference.as_deref()
+    }
+
+    /// A digest of every row as batched (its tokens, where its completion starts, and the
+    /// padding id): two sets of one digest are scored alike by any model.
+    pub fn rows_digest(&self) -> String {
+        let mut hash = Sha256::new();
+        hash.update(self.pad.to_le_bytes());
+        for (ids, start) in (0..self.len()).flat_map(|i| self.rows(i)) {
+            hash.update((ids.len() as u64).to_le_bytes());
+            hash.update((start as u64).to_le_bytes());
+            ids.iter().for_each(|t| hash.update(t.to_le_bytes()));
+        }
+        format!("{:x}", hash.finalize())
+    }
+}
+
+/// The fields a pair record gives its reference's scores in, by TRL's names: the summed
+/// log-probabilities of its chosen and of its rejected completion.
+const REFERENCE_FIELDS: [&str; 2] = ["\"ref_chosen_logps\"", "\"ref_rejected_logps\""];
+
+/// The reference's scores a record gives, taken out of it.
+fn given_reference(value: &mut Value) -> std::result::Result<Option<[f64; 2]>, String> {
+    let Some(fields) = value.as_object_mut() else { return Ok(None) };
+    let [chosen, rejected] = ["ref_chosen_logps", "ref_rejected_logps"].map(|k| fields.remove(k));
+    match (chosen, rejected) {
+        (None, None) => Ok(None),
+        (Some(c), Some(r)) => match (c.as_f64(), r.as_f64()) {
+            (Some(c), Some(r)) if c.is_finite() && r.is_finite() => Ok(Some([c, r])),
+            _ => Err(format!("{} must be finite numbers, not {c} and {r}", REFERENCE_FIELDS.join(" and "))),
+        },
+        _ => Err(format!("a record gives both {} or neither", REFERENCE_FIELDS.join(" and "))),
+    }
+}
+
+/// The reference's scores of a run's pair sets (`"train"`, `"validation"`), kept in a JSON
+/// file between runs so that a run on the same pairs from the same model reads them instead
+/// of scoring every pair again; each set's scores stand beside the digest of the rows they
+/// score ([`PreferenceSet::rows_digest`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StoredReference {
+    sets: BTreeMap<String, StoredScores>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct StoredScores {
+    rows_sha256: String,
+    /// Each pair's `[chosen, rejected]` summed log-probabilities, in the set's order.
+    scores: Vec<[f64; 2]>,
+}
+
+/// What a stored file holds for one set.
+pub enum StoredSet<'a> {
+    /// No scores of a set of that name.
+    Absent,
+    /// The scores of these very rows.
+    Scores(&'a [[f64; 2]]),
+    /// The scores of other rows under that name.
+    OtherRows,
+}
+
+impl StoredReference {
+    /// Reads `path`; `None` where no file is there. A file that does not parse is an error.
+    pub fn read(path: &Path) -> Result<Option<StoredReference>> {
+        let bytes = match std::fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(path, e)),
+        };
+        let stored: StoredReference = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::Data(format!("{}: not a file of reference scores: {e}", path.display())))?;
+        Ok(Some(stored))
+    }
+
+    /// What the file holds for set `name`, checked against `set`'s rows.
+    pub fn set(&self, name: &str, set: &PreferenceSet) -> StoredSet<'_> {
+        match self.sets.get(name) {
+            None => StoredSet::Absent,
+            Some(s) if s.rows_sha256 == set.rows_digest() && s.scores.len() == set.len() => {
+                StoredSet::Scores(&s.scores)
+            }
+            Some(_) => StoredSet::OtherRows,
+        }
+    }
+
+    /// Keeps `set`'s reference scores under `name`.
+    pub fn insert(&mut self, name: &str, set: &PreferenceSet) -> Result<()> {
+        let scores = set
+            .reference()
+            .ok_or_else(|| Error::Data(format!("{}: no reference scores to keep", set.source)))?
+            .to_vec();
+        self.sets.insert(name.to_string(), StoredScores { rows_sha256: set.rows_digest(), scores });
+        Ok(())
+    }
+
+    /// Writes the file whole, replacing `path` atomically.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let bytes = serde_json::to_vec(self).map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
+        crate::files::write_atomic(path, &bytes)
     }
 }
 

@@ -28,7 +28,10 @@ pub mod tensorboard;
 use crate::auto::{self, AutoAccelerate, AutoOptions};
 use crate::checkpoint::{self, BaseRecord, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankInfo};
-use crate::data::{validation_steps, Batching, DataLoader, Dataset, LoaderConfig, Order, RowSet, Step};
+use crate::data::{
+    validation_steps, Batching, DataLoader, Dataset, LoaderConfig, Order, PreferenceSet, RowSet, Step, StoredReference,
+    StoredSet,
+};
 use crate::engine::{Engine, EngineConfig, EventSink, EventSinks, UnitClock};
 use crate::grpo::GrpoObjective;
 use crate::io::{AdapterOut, FolderOut, WeightsTarget};
@@ -683,18 +686,12 @@ pub fn train(
         _ => {}
     }
     let rows = LoaderConfig::new(config.batching.clone()).micro_batch_rows()?;
-    let with_reference = |set: &Arc<Dataset>, trainer: &mut Trainer| -> Result<Arc<Dataset>> {
-        match preference.as_ref() {
-            // Reference-free losses (CPO, SimPO, ORPO) read no reference scores.
-            Some(p) if !p.config().reference_free() => {
-                attach_reference(trainer, set, &config, rows, p.vocabulary_split())
-            }
-            _ => Ok(set.clone()),
+    let data = &match preference.as_ref() {
+        // Reference-free losses (CPO, SimPO, ORPO) read no reference scores.
+        Some(p) if !p.config().reference_free() => {
+            attach_references(&mut trainer, data, &config, rows, p.vocabulary_split(), world_group.as_deref())?
         }
-    };
-    let data = &Data {
-        train: with_reference(&data.train, &mut trainer)?,
-        validation: data.validation.as_ref().map(|v| with_reference(v, &mut trainer)).transpose()?,
+        _ => data.clone(),
     };
     if config.cuda_graph {
         trainer.capture_cuda_graph(CUDA_GRAPH_WARMUP)?;
@@ -1111,21 +1108,21 @@ fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: 
     }
 }
 
-/// `set` with its pairs' reference scores attached: the trainer's model scores every pair
-/// (each rank all of them, so every rank runs the same forwards) in batches of `rows`.
-/// Ranks that score nothing (a pipeline's earlier stages) keep the set as it is. `split`:
-/// where a tensor-parallel group splits the logits' vocabulary.
-fn attach_reference(
+/// Pairs `indices` of `pairs` scored by the trainer's model as it is (each rank all of them,
+/// so every rank runs the same forwards) in batches of `rows` pairs: each pair's summed
+/// log-probabilities `[chosen, rejected]`. `None` on ranks that score nothing (a pipeline's
+/// earlier stages). `split`: where a tensor-parallel group splits the logits' vocabulary.
+fn score_pairs(
     trainer: &mut Trainer,
-    set: &Arc<Dataset>,
+    pairs: &PreferenceSet,
+    indices: &[usize],
     config: &RunConfig,
     rows: usize,
     split: Option<VocabularySplit>,
-) -> Result<Arc<Dataset>> {
-    let Dataset::Preference(pairs) = set.as_ref() else { return Ok(set.clone()) };
-    let all: Vec<usize> = (0..pairs.len()).collect();
-    let steps = all
-        .chunks(rows.max(1))
+) -> Result<Option<Vec<[f64; 2]>>> {
+    let chunks: Vec<&[usize]> = indices.chunks(rows.max(1)).collect();
+    let steps = chunks
+        .iter()
         .enumerate()
         .map(|(i, chunk)| Ok(Step::new(i, vec![pairs.batch(chunk)?.to_device(config.device)?])))
         .collect::<Result<Vec<_>>>()?;
@@ -1139,22 +1136,146 @@ fn attach_reference(
     scored?;
     let recorded = std::mem::take(&mut *recorded.lock().unwrap_or_else(|e| e.into_inner()));
     if recorded.is_empty() {
-        return Ok(set.clone());
+        return Ok(None);
     }
     // Each batch's rows are its pairs' chosen rows, then their rejected ones.
-    let mut reference = Vec::with_capacity(pairs.len());
+    let mut scores = Vec::with_capacity(indices.len());
     let mut at = 0;
-    for chunk in all.chunks(rows.max(1)) {
+    for chunk in chunks {
         let n = chunk.len();
         let batch = recorded
             .get(at..at + 2 * n)
-            .ok_or_else(|| Error::Engine(format!("{} reference scores for {} pairs", recorded.len(), pairs.len())))?;
-        reference.extend((0..n).map(|i| [batch[i], batch[n + i]]));
+            .ok_or_else(|| Error::Engine(format!("{} reference scores for {} pairs", recorded.len(), indices.len())))?;
+        scores.extend((0..n).map(|i| [batch[i], batch[n + i]]));
         at += 2 * n;
     }
-    let mut pairs = pairs.clone();
-    pairs.set_reference(reference)?;
-    Ok(Arc::new(Dataset::Preference(pairs)))
+    Ok(Some(scores))
+}
+
+/// How far a stored score may be from the same pair's score now and still be taken for the
+/// same model's: a layout or thread count changes the sums' rounding, not their leading digits.
+fn same_score(stored: f64, now: f64) -> bool {
+    (stored - now).abs() <= 1e-4 * (1.0 + now.abs())
+}
+
+/// The run's pair sets with their reference scores attached, each set's taken from its
+/// records where they give them, else from the file `store` names where it holds the
+/// scores of the same rows, else scored by the trainer's model (and written to `store`).
+/// Every rank comes to the same choice over `world`, so all run the same forwards; a file
+/// holding other rows' scores under a set's name, or scores the model does not give its
+/// first pairs, is refused in one line.
+fn attach_references(
+    trainer: &mut Trainer,
+    data: &Data,
+    config: &RunConfig,
+    rows: usize,
+    split: Option<VocabularySplit>,
+    world: Option<&dyn ProcessGroup>,
+) -> Result<Data> {
+    let store = config.preference.reference_scores.as_deref();
+    let mut stored = match store {
+        Some(path) => StoredReference::read(path)?,
+        None => None,
+    };
+    let mut changed = false;
+    let mut attach = |name: &str, set: &Arc<Dataset>| -> Result<Arc<Dataset>> {
+        let Dataset::Preference(pairs) = set.as_ref() else { return Ok(set.clone()) };
+        if pairs.reference().is_some() {
+            if let Some(path) = store {
+                return Err(Error::Config(format!(
+                    "{}: the records give their own reference scores, which {} would not keep",
+                    pairs.source,
+                    path.display()
+                )));
+            }
+            return Ok(set.clone());
+        }
+        // 0: to score, 1: read from the file, 2: the file holds other rows' scores.
+        let (state, found) = match stored.as_ref().map(|s| s.set(name, pairs)) {
+            Some(StoredSet::Scores(scores)) => (1.0, Some(scores.to_vec())),
+            Some(StoredSet::OtherRows) => (2.0, None),
+            Some(StoredSet::Absent) | None => (0.0, None),
+        };
+        let [most, least] = match world {
+            Some(g) => {
+                let m = crate::comm::all_reduce_values(g, &[state, -state], crate::comm::ReduceOp::Max)?;
+                [m[0], -m[1]]
+            }
+            None => [state, state],
+        };
+        let path = store.map(|p| p.display().to_string()).unwrap_or_default();
+        if most == 2.0 {
+            return Err(Error::Data(format!(
+                "{path} holds reference scores of other {name} pairs than {}: remove it or name another file",
+                pairs.source
+            )));
+        }
+        let mut pairs = pairs.clone();
+        match (least == 1.0, found) {
+            (true, Some(scores)) => {
+                // The stored scores must be the model's own: its first pairs scored again.
+                let first: Vec<usize> = (0..rows.clamp(1, pairs.len())).collect();
+                let now = score_pairs(trainer, &pairs, &first, config, rows, split.clone())?;
+                let differ = now.as_ref().and_then(|now| {
+                    now.iter()
+                        .zip(&scores)
+                        .enumerate()
+                        .find(|(_, (a, b))| !(same_score(b[0], a[0]) && same_score(b[1], a[1])))
+                });
+                let mine = differ.map(|(i, (now, was))| (i, now[0], was[0]));
+                let any = match world {
+                    Some(g) => {
+                        let flag = mine.is_some() as u8 as f64;
+                        crate::comm::all_reduce_values(g, &[flag], crate::comm::ReduceOp::Max)?[0] > 0.0
+                    }
+                    None => mine.is_some(),
+                };
+                if any {
+                    let detail = mine.map_or(String::new(), |(i, now, was)| {
+                        format!(" (pair {i}'s chosen completion: {was} stored, {now} now)")
+                    });
+                    return Err(Error::Data(format!(
+                        "{path}: its {name} reference scores are not this model's{detail}: remove it or name another file"
+                    )));
+                }
+                info!(pairs = pairs.len(), from = %path, set = name, "reference scores read");
+                pairs.set_reference(scores)?;
+            }
+            _ => {
+                let all: Vec<usize> = (0..pairs.len()).collect();
+                // Ranks that score nothing keep the set as it is: they never read its scores.
+                let Some(scores) = score_pairs(trainer, &pairs, &all, config, rows, split.clone())? else {
+                    return Ok(set.clone());
+                };
+                pairs.set_reference(scores)?;
+                if store.is_some() {
+                    stored.get_or_insert_with(StoredReference::default).insert(name, &pairs)?;
+                    changed = true;
+                }
+            }
+        }
+        Ok(Arc::new(Dataset::Preference(pairs)))
+    };
+    let train = attach("train", &data.train)?;
+    let validation = data.validation.as_ref().map(|v| attach("validation", v)).transpose()?;
+    // The file is written by the first rank that holds every set's scores.
+    if let (Some(path), Some(stored)) = (store, stored.as_ref()) {
+        let holds = changed as u8 as f64;
+        let rank = world.map_or(0, |g| g.rank()) as f64;
+        let writer = match world {
+            Some(g) => -crate::comm::all_reduce_values(
+                g,
+                &[if holds > 0.0 { -rank } else { f64::MIN }],
+                crate::comm::ReduceOp::Max,
+            )?[0],
+            None => rank,
+        };
+        if changed && writer == rank {
+            stored.write(path)?;
+            info!(path = %path.display(), "reference scores written");
+        }
+    }
+    Ok(Data { train, validation })
 }
 
 /// A frozen whole copy of the model as `init` starts it: GRPO's reference at `beta > 0`
