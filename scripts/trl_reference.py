@@ -115,9 +115,11 @@ def trainer_run(args, run):
                                undesirable_weight=run.get("undesirable_weight", 1.0), **common)
             make = KTOTrainer
         else:
+            sync = run.get("sync_steps")
             config = DPOConfig(output_dir=out, loss_type=run.get("loss_type", ["sigmoid"]),
                                loss_weights=run.get("loss_weights"), label_smoothing=run.get("label_smoothing", 0.0),
-                               f_divergence_type=run.get("f_divergence", "reverse_kl"), **common)
+                               f_divergence_type=run.get("f_divergence", "reverse_kl"), sync_ref_model=bool(sync),
+                               ref_model_sync_steps=sync or 512, ref_model_mixup_alpha=run.get("mixup", 0.6), **common)
             make = DPOTrainer
         trainer = make(model=model, args=config, train_dataset=Dataset.from_list(records), processing_class=tok)
     policy = trainer.model
@@ -137,6 +139,10 @@ def trainer_run(args, run):
         norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item()
         opt.step()
         opt.zero_grad()
+        # TR-DPO: TRL's own sync, where its callback would run it (after the step's update).
+        if kind == "dpo" and config.sync_ref_model and (step + 1) % config.ref_model_sync_steps == 0:
+            from trl.trainer.callbacks import SyncRefModelCallback
+            SyncRefModelCallback.sync_target_model(policy, trainer.ref_model, config.ref_model_mixup_alpha)
         metrics = {k: float(v[-1]) for k, v in logged.items() if k != "num_tokens"}
         lines.append(json.dumps({"step": step + 1, "loss": loss.item(), "grad_norm": norm, **metrics}))
     name = os.path.join(args.out, run["name"])

@@ -177,8 +177,8 @@ pub struct EstimateArgs {
     /// before its step (the key/value cache counted beside the step's activations).
     #[arg(long)]
     num_generations: Option<usize>,
-    /// GRPO at --beta above 0 without LoRA: a frozen whole copy of the model is the KL
-    /// term's reference (LoRA rows read their base instead).
+    /// A frozen whole copy of the model as the reference: GRPO's at --beta above 0 without
+    /// LoRA (LoRA rows read their base instead), or TR-DPO's (--sync-reference-every).
     #[arg(long)]
     reference_copy: bool,
     /// Count asynchronous checkpoints' snapshot in host memory: each rank's checkpoint file.
@@ -289,11 +289,11 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     if layouts.is_empty() {
         bail!("no layout: the tensor, pipeline and context sizes given do not divide {} ranks or the model", a.nproc);
     }
-    if a.reference_copy && a.num_generations.is_none() {
-        bail!("--reference-copy counts GRPO's reference model: give --num-generations");
-    }
-    let generation =
-        a.num_generations.map(|rows| Generation { rows, positions: ctx, reference_copy: a.reference_copy });
+    // A reference copy alone (TR-DPO's) decodes nothing.
+    let generation = match (a.num_generations, a.reference_copy) {
+        (None, false) => None,
+        (rows, reference_copy) => Some(Generation { rows: rows.unwrap_or(0), positions: ctx, reference_copy }),
+    };
     // GRPO's generation where it is asked for (under LoRA the base is the reference), and
     // asynchronous checkpoints' snapshot.
     let generating = |e: Estimate, layout: &Layout, lora: bool| -> Result<Estimate> {
@@ -366,9 +366,13 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         ctx,
         a.accumulation
     );
-    if let Some(g) = &report.generation {
-        let copy = if g.reference_copy { ", a frozen copy of the model as the reference" } else { "" };
-        println!("GRPO: decoding {} completions of {} positions before each step{copy}", g.rows, g.positions);
+    match &report.generation {
+        Some(g) if g.rows > 0 => {
+            let copy = if g.reference_copy { ", a frozen copy of the model as the reference" } else { "" };
+            println!("GRPO: decoding {} completions of {} positions before each step{copy}", g.rows, g.positions);
+        }
+        Some(_) => println!("a frozen copy of the model as the reference"),
+        None => {}
     }
     let label = |r: &Row| if r.lora { format!("{} + lora", r.estimate.layout) } else { r.estimate.layout.clone() };
     let w = report.rows.iter().map(|r| label(r).chars().count()).max().unwrap_or(6);

@@ -12,7 +12,7 @@ use strata::model::{
 };
 use strata::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use strata::patrickstar::PatrickStarConfig;
-use strata::preference::{FDivergence, PreferenceConfig, PreferenceLoss};
+use strata::preference::{FDivergence, PreferenceConfig, PreferenceLoss, ReferenceSync};
 use strata::reward::RewardConfig;
 use strata::run::Resume;
 use strata::strategy::Strategy;
@@ -145,6 +145,13 @@ train_options! {
     /// holds the same pairs scored by the same model, else computed before the first step
     /// and written there.
     reference_scores: PathBuf,
+    /// Preference pairs: TR-DPO — the reference is a frozen copy of the model that scores
+    /// each step's pairs and moves towards the policy after every this many steps (TRL's
+    /// ref_model_sync_steps with sync_ref_model).
+    sync_reference_every: u64,
+    /// Preference pairs under --sync-reference-every: the policy's share of each synced
+    /// reference parameter (default 0.6, TRL's ref_model_mixup_alpha).
+    reference_mixup: f64,
     /// Train the --model-dir decoder as a reward model on preference pairs, as TRL's
     /// RewardTrainer does: its language head gives way to a fresh score head of one output
     /// (a folder that is already a sequence classifier of one label is a reward model
@@ -415,6 +422,8 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         ("--simpo-gamma", o.simpo_gamma.is_some()),
         ("--cpo-alpha", o.cpo_alpha.is_some()),
         ("--reference-scores", o.reference_scores.is_some()),
+        ("--sync-reference-every", o.sync_reference_every.is_some()),
+        ("--reference-mixup", o.reference_mixup.is_some()),
     ];
     let flags = given.iter().filter(|(_, g)| *g).map(|(f, _)| *f).collect();
     let defaults = PreferenceConfig::default();
@@ -431,6 +440,9 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
     if weights.len() != kinds.len() {
         bail!("--preference-loss-weights gives {} weights for {} loss types", weights.len(), kinds.len());
     }
+    if o.reference_mixup.is_some() && o.sync_reference_every.is_none() {
+        bail!("--reference-mixup weighs the policy in a synced reference: give --sync-reference-every too");
+    }
     let config = PreferenceConfig {
         losses: kinds.into_iter().zip(weights).collect(),
         beta: o.beta.unwrap_or(defaults.beta),
@@ -442,6 +454,9 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         simpo_gamma: o.simpo_gamma.unwrap_or(defaults.simpo_gamma),
         cpo_alpha: o.cpo_alpha,
         reference_scores: o.reference_scores.clone(),
+        reference_sync: o
+            .sync_reference_every
+            .map(|every| ReferenceSync { every, mixup: o.reference_mixup.unwrap_or(0.6) }),
     };
     config.validate()?;
     Ok((config, flags))

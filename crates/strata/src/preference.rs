@@ -203,6 +203,21 @@ pub struct PreferenceConfig {
     /// the scores of the same pairs from the same model, else computed and written there
     /// ([`crate::data::StoredReference`]). `None`: computed before every run's first step.
     pub reference_scores: Option<std::path::PathBuf>,
+    /// TR-DPO (TRL's `sync_ref_model`): the reference is a frozen copy of the model that
+    /// scores each step's pairs as they come and moves towards the policy every so many
+    /// steps. `None`: the reference is the model as training starts.
+    pub reference_sync: Option<ReferenceSync>,
+}
+
+/// How a TR-DPO reference follows the policy: after every `every`-th optimizer step each of
+/// its parameters becomes `mixup · policy + (1 − mixup) · reference` (TRL's
+/// `ref_model_sync_steps` and `ref_model_mixup_alpha`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReferenceSync {
+    /// Optimizer steps between two syncs.
+    pub every: u64,
+    /// The policy's share of the synced reference, in [0, 1].
+    pub mixup: f64,
 }
 
 impl Default for PreferenceConfig {
@@ -219,6 +234,7 @@ impl Default for PreferenceConfig {
             simpo_gamma: 0.5,
             cpo_alpha: None,
             reference_scores: None,
+            reference_sync: None,
         }
     }
 }
@@ -245,8 +261,26 @@ impl PreferenceConfig {
         if self.reference_free() && self.losses.len() > 1 {
             return bad("cpo, simpo and orpo score the policy with no reference: give one alone".into());
         }
-        if self.reference_free() && self.reference_scores.is_some() {
-            return bad("cpo, simpo and orpo score no reference: there are no reference scores to keep".into());
+        if self.reference_free() && (self.reference_scores.is_some() || self.reference_sync.is_some()) {
+            return bad("cpo, simpo and orpo score no reference: there is none to keep or sync".into());
+        }
+        if let Some(sync) = self.reference_sync {
+            if sync.every == 0 || !(0.0..=1.0).contains(&sync.mixup) {
+                return bad(format!(
+                    "a synced reference takes a positive step count and a mixup in [0, 1], not {} and {}",
+                    sync.every, sync.mixup
+                ));
+            }
+            if self.reference_scores.is_some() {
+                return bad(
+                    "a synced reference scores each step's pairs as they come: there are no scores to keep".into()
+                );
+            }
+            if self.losses.iter().any(|(l, _)| l.unpaired()) {
+                return bad(
+                    "a synced reference is DPO's: kto and apo_zero_unpaired keep the reference they start from".into(),
+                );
+            }
         }
         let weighs_token_loss =
             self.losses.iter().any(|(l, _)| matches!(l, PreferenceLoss::Cpo | PreferenceLoss::Simpo));
@@ -939,15 +973,22 @@ pub(crate) fn whole_logits(split: Option<&VocabularySplit>, logits: &Tensor) -> 
 /// the vocabulary.
 pub fn reference_recorder(into: Arc<Mutex<Vec<f64>>>, split: Option<VocabularySplit>) -> ScoreFn {
     Arc::new(move |logits: &Tensor, batch: &Batch| {
-        let _guard = tch::no_grad_guard();
-        let logits = &whole_logits(split.as_ref(), logits)?;
-        let (per_token, _, _) = token_log_probs(logits, &batch.targets.f_to_device(logits.device())?)?;
-        // Summed as the policy's scores are, so that the two agree to the bit at the start.
-        let sums = per_token.f_sum_dim_intlist(1, false, per_token.kind())?.f_to_kind(Kind::Double)?;
-        let sums = sums.f_to_device(tch::Device::Cpu)?;
+        let sums = row_scores(logits, batch, split.as_ref())?.f_to_device(tch::Device::Cpu)?;
         into.lock().unwrap_or_else(|e| e.into_inner()).extend(Vec::<f64>::try_from(&sums)?);
         Ok(Tensor::f_zeros([], (Kind::Float, logits.device()))?)
     })
+}
+
+/// Each of `batch`'s rows' summed log-probability of its completion under `logits`
+/// (`[rows]`, fp64, no gradient): a reference's scores, laid out as
+/// [`Batch::reference`] holds them. `split`: where a tensor-parallel group splits the
+/// vocabulary.
+pub fn row_scores(logits: &Tensor, batch: &Batch, split: Option<&VocabularySplit>) -> Result<Tensor> {
+    let _guard = tch::no_grad_guard();
+    let logits = &whole_logits(split, logits)?;
+    let (per_token, _, _) = token_log_probs(logits, &batch.targets.f_to_device(logits.device())?)?;
+    // Summed as the policy's scores are, so that the two agree to the bit at the start.
+    Ok(per_token.f_sum_dim_intlist(1, false, per_token.kind())?.f_to_kind(Kind::Double)?)
 }
 
 #[cfg(test)]

@@ -5,8 +5,9 @@
 //! `CPOTrainer` and `ORPOTrainer`), conversations through the chat template
 //! with their prompt left implicit, LoRA (the reference being the base with its fresh
 //! adapter), fsdp, tensor parallelism and two pipeline stages over two ranks and offloaded
-//! model states, each
-//! of 10 steps' loss, gradient norm and TRL's metrics, and the weights the steps end with.
+//! model states, and TR-DPO's synced reference alone, sharded and split, each of 10 steps'
+//! loss, gradient norm and TRL's metrics, and the weights the steps end with; reference
+//! scores kept in a file or given by the records.
 use crate::common::{self, reports, stderr, strata};
 use crate::TENSOR;
 use serde_json::{json, Value};
@@ -33,6 +34,8 @@ struct Case {
     undesirable_weight: f64,
     /// Train a LoRA adapter (made here, peft's fresh draw) alone.
     adapter: bool,
+    /// TR-DPO: steps between the reference's syncs towards the policy (mixup 0.5); 0: none.
+    sync: u64,
     /// Strata's flags beyond the shared ones; the TRL run of `trl_name` is the reference.
     strata_flags: &'static [&'static str],
     trl_name: &'static str,
@@ -50,6 +53,7 @@ const fn case(name: &'static str, loss: &'static str) -> Case {
         unpaired: false,
         undesirable_weight: 1.0,
         adapter: false,
+        sync: 0,
         strata_flags: &[],
         trl_name: name,
     }
@@ -103,6 +107,10 @@ const CASES: &[Case] = &[
     laid_out("pipeline", &["--nproc", "2", "--strategy", PIPELINE]),
     laid_out("tensor", &["--nproc", "2", "--strategy", TENSOR]),
     laid_out("offload", &["--strategy", OFFLOAD]),
+    // TR-DPO: the reference syncs after steps 3, 6 and 9, on one process and split as the policy is.
+    Case { sync: 3, ..case("tr_dpo", "sigmoid") },
+    Case { sync: 3, trl_name: "tr_dpo", ..laid_out("tr_dpo_fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]) },
+    Case { sync: 3, trl_name: "tr_dpo", ..laid_out("tr_dpo_tensor", &["--nproc", "2", "--strategy", TENSOR]) },
 ];
 
 const WORDS: [&str; 10] = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
@@ -217,6 +225,8 @@ fn reference(py: &Path) -> PathBuf {
                     "label_smoothing": c.smoothing,
                     "f_divergence": c.f_divergence,
                     "adapter": c.adapter.then(|| dir.join("adapter")),
+                    "sync_steps": (c.sync > 0).then_some(c.sync),
+                    "mixup": 0.5,
                 })
             })
             .collect();
@@ -300,6 +310,10 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
     }
     if c.unpaired {
         args.extend(["--undesirable-weight", &undesirable]);
+    }
+    let sync = c.sync.to_string();
+    if c.sync > 0 {
+        args.extend(["--sync-reference-every", &sync, "--reference-mixup", "0.5"]);
     }
     let adapter = dir.join("adapter");
     match c.adapter {
@@ -423,6 +437,11 @@ fn pairs_over_two_ranks_sharded_split_or_pipelined_and_offloaded_follow_trl() {
 }
 
 #[test]
+fn a_synced_reference_follows_trl_alone_sharded_and_split() {
+    follow(&["tr_dpo", "tr_dpo_fsdp", "tr_dpo_tensor"]);
+}
+
+#[test]
 fn preference_flags_without_pairs_and_impossible_parameters_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let text = dir.path().join("t.txt");
@@ -451,6 +470,13 @@ fn preference_flags_without_pairs_and_impossible_parameters_are_refused() {
     common::assert_fails_with(&o, "are scored by kto or apo_zero_unpaired");
     let o = strata(&["train", "--data", s(&text), "--steps", "1", "--preference-loss", "dpo"]);
     common::assert_fails_with(&o, "preference loss \"dpo\": not one of sigmoid");
+    let sync = ["--sync-reference-every", "2"];
+    let o = strata(&[&base[..], &["--data", s(&pairs), "--init-adapter", s(&dir.join("adapter"))], &sync].concat());
+    common::assert_fails_with(&o, "a synced reference is a copy of the whole model");
+    let o = strata(&[&base[..], &["--data", s(&pairs), "--nproc", "2", "--strategy", PIPELINE], &sync].concat());
+    common::assert_fails_with(&o, "the synced reference is a whole copy of the model on each rank");
+    let o = strata(&[&base[..], &["--data", s(&pairs), "--reference-mixup", "0.5"]].concat());
+    common::assert_fails_with(&o, "give --sync-reference-every too");
 }
 
 /// Validation on pairs scores them with the preference loss against their own reference

@@ -29,8 +29,8 @@ use crate::auto::{self, AutoAccelerate, AutoOptions};
 use crate::checkpoint::{self, BaseRecord, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankInfo};
 use crate::data::{
-    validation_steps, Batching, DataLoader, Dataset, LoaderConfig, Order, PreferenceSet, RowSet, Step, StoredReference,
-    StoredSet,
+    validation_steps, Batch, Batching, DataLoader, Dataset, LoaderConfig, Order, PreferenceSet, RowSet, Step,
+    StoredReference, StoredSet,
 };
 use crate::engine::{Engine, EngineConfig, EventSink, EventSinks, UnitClock};
 use crate::grpo::GrpoObjective;
@@ -593,10 +593,10 @@ pub fn train(
     let preference = objective.as_ref().and_then(Objective::preference);
     let engine_config = engine_config_of(&config);
     let (strategy, data_parallel) = choose_strategy(model, data, &config, &ranks, &engine_config)?;
+    let mut strategy = with_adapter_config(strategy, &config.init)?;
     if let Some(o) = &objective {
         check_objective_strategy(o, &strategy, &config)?;
     }
-    let mut strategy = with_adapter_config(strategy, &config.init)?;
     if let Some(Objective::Reward(_)) = &objective {
         train_score_head(&mut strategy);
     }
@@ -687,11 +687,22 @@ pub fn train(
     }
     let rows = LoaderConfig::new(config.batching.clone()).micro_batch_rows()?;
     let data = &match preference.as_ref() {
-        // Reference-free losses (CPO, SimPO, ORPO) read no reference scores.
-        Some(p) if !p.config().reference_free() => {
+        // Reference-free losses (CPO, SimPO, ORPO) read no reference scores, and a synced
+        // reference scores each step's pairs as they come.
+        Some(p) if !p.config().reference_free() && p.config().reference_sync.is_none() => {
             attach_references(&mut trainer, data, &config, rows, p.vocabulary_split(), world_group.as_deref())?
         }
         _ => data.clone(),
+    };
+    // TR-DPO's reference: a whole copy split as the trainer's model is, over the same tensor group.
+    let synced = match preference.as_ref().and_then(|p| p.config().reference_sync.map(|s| (p, s))) {
+        Some((p, sync)) => {
+            let tensor = trainer.engine().tensor_parallel().cloned();
+            let config_of_copy = EngineConfig { tensor, ..engine_config.clone() };
+            let copy = reference_copy(spec()?, &config_of_copy, &config.init)?;
+            Some(std::cell::RefCell::new(SyncedReference { copy, sync, split: p.vocabulary_split() }))
+        }
+        None => None,
     };
     if config.cuda_graph {
         trainer.capture_cuda_graph(CUDA_GRAPH_WARMUP)?;
@@ -759,7 +770,7 @@ pub fn train(
         )));
     }
     let loader_config = LoaderConfig { start_step: data_start as usize, ..loader_config };
-    let val_steps =
+    let mut val_steps =
         data.validation.as_ref().map(|v| validation_steps(v, &loader_config, config.eval_batches, 8)).transpose()?;
     // Rows of one micro-batch on this rank (GRPO's completions).
     let rank_rows = loader_config.micro_batch_rows()?;
@@ -821,7 +832,15 @@ pub fn train(
         report.tokens *= readers as u64;
         report.tokens_per_s *= readers as f64;
         report.checkpoint = saved.take();
-        if let Some(steps) = val_steps.as_ref().filter(|_| config.validation_due(report.step)) {
+        // TR-DPO's sync follows the update, before validation reads the reference.
+        if let Some(synced) = synced.as_ref().filter(|s| report.step.is_multiple_of(s.borrow().sync.every)) {
+            synced.borrow_mut().follow(trainer)?;
+        }
+        if let Some(steps) = val_steps.as_mut().filter(|_| config.validation_due(report.step)) {
+            if let Some(synced) = synced.as_ref() {
+                let mut synced = synced.borrow_mut();
+                steps.iter_mut().try_for_each(|step| synced.score(&mut step.micro_batches))?;
+            }
             report.set_validation(trainer.evaluate(steps)?);
             if objective.is_some() {
                 // A mean over pairs of a preference or reward loss has no perplexity.
@@ -880,7 +899,11 @@ pub fn train(
                 if let Some(o) = &objective {
                     o.reset();
                 }
-                let mut report = trainer.train_step(&step?)?;
+                let mut step = step?;
+                if let Some(synced) = synced.as_ref() {
+                    synced.borrow_mut().score(&mut step.micro_batches)?;
+                }
+                let mut report = trainer.train_step(&step)?;
                 match &objective {
                     Some(Objective::Preference(p)) => report.preference = p.take_metrics(world_group.as_deref())?,
                     Some(Objective::Reward(r)) => report.reward = r.take_metrics(world_group.as_deref())?,
@@ -1091,6 +1114,7 @@ fn pair_objective(data: &Data, config: &RunConfig, model: &Model) -> Result<Opti
 /// on every rank.
 fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: &RunConfig) -> Result<()> {
     let grpo = matches!(objective, Objective::Grpo(_));
+    let synced = objective.preference().is_some_and(|p| p.config().reference_sync.is_some());
     let why = if strategy.context_parallel().is_some() {
         Some("context parallelism splits a completion's tokens over ranks")
     } else if strategy.chunked_loss().is_some() {
@@ -1099,6 +1123,10 @@ fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: 
         Some("a captured step cannot read the completions' metrics")
     } else if grpo && strategy.pipeline_parallel().is_some() {
         Some("generation runs the whole model on each rank, which pipeline stages split")
+    } else if synced && strategy.pipeline_parallel().is_some() {
+        Some("the synced reference is a whole copy of the model on each rank, which pipeline stages split")
+    } else if synced && strategy.lora().is_some() {
+        Some("a synced reference is a copy of the whole model; LoRA's reference is its frozen base")
     } else {
         None
     };
@@ -1276,6 +1304,41 @@ fn attach_references(
         }
     }
     Ok(Data { train, validation })
+}
+
+/// TR-DPO's reference: a whole copy of the model that scores each micro-batch's pairs before
+/// the policy trains on them, and follows the policy every `sync.every` steps.
+struct SyncedReference {
+    copy: Engine,
+    sync: crate::preference::ReferenceSync,
+    /// Where a tensor-parallel group splits the logits' vocabulary.
+    split: Option<VocabularySplit>,
+}
+
+impl SyncedReference {
+    /// Gives each of `batches` its pairs' reference scores, the copy's.
+    fn score(&mut self, batches: &mut [Batch]) -> Result<()> {
+        for batch in batches {
+            crate::train::set_rows(&mut self.copy, batch, None);
+            let logits = self.copy.evaluate(&batch.inputs);
+            self.copy.set_targets(None);
+            batch.reference = Some(crate::preference::row_scores(&logits?, batch, self.split.as_ref())?);
+        }
+        Ok(())
+    }
+
+    /// Moves each of the copy's parameters to `mixup` of the trainer's and the rest of its own
+    /// (every rank together: the trainer's units are gathered whole).
+    fn follow(&mut self, trainer: &mut Trainer) -> Result<()> {
+        trainer.settle_updates()?;
+        let mixup = self.sync.mixup;
+        for unit in 0..self.copy.spec().units.len() {
+            let policy = trainer.engine_mut().full_unit(unit)?;
+            let mixed = self.copy.full_unit(unit)?.f_mul_scalar(1.0 - mixup)?.f_add(&policy.f_mul_scalar(mixup)?)?;
+            self.copy.set_full_unit(unit, &mixed)?;
+        }
+        Ok(())
+    }
 }
 
 /// A frozen whole copy of the model as `init` starts it: GRPO's reference at `beta > 0`
