@@ -2,9 +2,10 @@
 //! top-p) from a seed, with a key/value cache so each new token costs one position; one
 //! prompt, or several decoded together (those of one length share a batch).
 //!
-//! Owns: the decoding loop and the choice of each next token. Must not own weights or
-//! tokenisation: it takes an engine holding a whole model (or its tensor-parallel pieces,
-//! with where the vocabulary is split) and token ids.
+//! Owns: the decoding loop and the choice of each next token, and what a model must do to
+//! be decoded ([`Decoder`]). Must not own weights or tokenisation: it takes a decoder (an
+//! engine holding a whole model or its tensor-parallel pieces, with where the vocabulary is
+//! split, or a trainer whose pipeline stages each decode their units) and token ids.
 use crate::engine::{with_seed, Engine};
 use crate::model::{DecodeCache, RowLayout};
 use crate::preference::{whole_logits, VocabularySplit};
@@ -65,6 +66,56 @@ impl GenerateConfig {
     }
 }
 
+/// A model that continues rows a position at a time: an [`Engine`] holding every unit, or
+/// a trainer whose parts (a pipeline's stages) each hold some, in which case the logits
+/// exist on the last stage alone and the tokens chosen there reach every stage.
+pub trait Decoder {
+    /// Where the rows' token ids go.
+    fn device(&self) -> tch::Device;
+
+    /// Starts new rows (no training batch's layout applies to them): their empty key/value
+    /// cache, a list per part with a cache per unit.
+    fn start(&mut self) -> Vec<Vec<DecodeCache>>;
+
+    /// The logits of `tokens` (`[rows, positions]` ids) following the positions `cache`
+    /// holds, which it then holds too; `None` where this rank computes no logits.
+    fn decode(&mut self, tokens: &Tensor, cache: &mut [Vec<DecodeCache>]) -> Result<Option<Tensor>>;
+
+    /// The logits of `tokens` alone, with no cache.
+    fn evaluate(&mut self, tokens: &Tensor) -> Result<Option<Tensor>> {
+        let mut cache = self.start();
+        self.decode(tokens, &mut cache)
+    }
+
+    /// The tokens chosen where the logits are (`chosen`, one for each of `rows` rows), on
+    /// every rank decoding together.
+    fn share(&self, chosen: Option<Vec<i64>>, _rows: usize) -> Result<Vec<i64>> {
+        chosen.ok_or_else(|| Error::Engine("decoding computed no logits to choose tokens from".into()))
+    }
+}
+
+impl Decoder for Engine {
+    fn device(&self) -> tch::Device {
+        self.config().device
+    }
+
+    fn start(&mut self) -> Vec<Vec<DecodeCache>> {
+        self.set_layout(None);
+        vec![(0..self.spec().units.len()).map(|_| DecodeCache::default()).collect()]
+    }
+
+    fn decode(&mut self, tokens: &Tensor, cache: &mut [Vec<DecodeCache>]) -> Result<Option<Tensor>> {
+        match cache {
+            [units] => Engine::decode(self, tokens, units).map(Some),
+            _ => Err(Error::Engine(format!("one engine decodes with one cache, not {}", cache.len()))),
+        }
+    }
+
+    fn evaluate(&mut self, tokens: &Tensor) -> Result<Option<Tensor>> {
+        Engine::evaluate(self, tokens).map(Some)
+    }
+}
+
 /// The tokens `engine` continues `prompt` with (the prompt not included). `context` is the
 /// longest sequence the model takes: past it, the window slides and is recomputed whole.
 pub fn generate(
@@ -85,7 +136,7 @@ pub fn generate(
 /// `vocabulary`: where a tensor group splits the head's columns (each rank of the group
 /// then gathers the whole logits and makes the same choices).
 pub fn generate_batch(
-    engine: &mut Engine,
+    model: &mut dyn Decoder,
     vocabulary: Option<&VocabularySplit>,
     prompts: &[Vec<i64>],
     config: &GenerateConfig,
@@ -99,19 +150,17 @@ pub fn generate_batch(
     for (i, p) in prompts.iter().enumerate() {
         by_length.entry(p.len()).or_default().push(i);
     }
-    let device = engine.config().device;
-    let units = engine.spec().units.len();
+    let device = model.device();
     let window = context.unwrap_or(i64::MAX) as usize;
-    // One plain row per prompt: no layout from a training batch applies.
-    engine.set_layout(None);
     let mut out = vec![vec![]; prompts.len()];
     with_seed(config.seed as i64, || {
         for rows in by_length.values() {
             let mut tokens: Vec<Vec<i64>> = rows.iter().map(|&i| prompts[i].clone()).collect();
             // The cache holds the positions decoded so far; `None` once the window slides.
-            let mut caches: Option<Vec<DecodeCache>> =
-                config.cache.then(|| (0..units).map(|_| DecodeCache::default()).collect());
-            let produced = produce(config, rows.len(), |chosen| {
+            // One plain row per prompt: no layout from a training batch applies.
+            let mut caches = Some(model.start()).filter(|_| config.cache);
+            let mut seen = 0;
+            let step = |chosen: &[i64]| -> Result<Vec<i64>> {
                 for (row, token) in tokens.iter_mut().zip(chosen) {
                     row.push(*token);
                 }
@@ -120,14 +169,14 @@ pub fn generate_batch(
                     caches = None;
                 }
                 let logits = match caches.as_mut() {
-                    Some(c) => {
-                        let seen = c[0].position() as usize;
-                        engine.decode(&rows_of(&tokens, seen..len, device)?, c)?
-                    }
-                    None => engine.evaluate(&rows_of(&tokens, len.saturating_sub(window)..len, device)?)?,
+                    Some(c) => model.decode(&rows_of(&tokens, seen..len, device)?, c)?,
+                    None => model.evaluate(&rows_of(&tokens, len.saturating_sub(window)..len, device)?)?,
                 };
-                whole_logits(vocabulary, &logits)
-            })?;
+                seen = len;
+                let logits = logits.map(|l| whole_logits(vocabulary, &l)).transpose()?;
+                model.share(choose_last(logits.as_ref(), config)?, rows.len())
+            };
+            let produced = produce(config, rows.len(), step)?;
             for (&i, completion) in rows.iter().zip(produced) {
                 out[i] = completion;
             }
@@ -136,22 +185,23 @@ pub fn generate_batch(
     })
 }
 
-/// Each of `rows` rows' tokens, chosen one position after another from the logits
-/// `next_logits` gives (its output's last position, `[rows, positions, V]`) for the tokens
-/// chosen at the previous position (none at the first), until a row meets a stop token or
-/// the count; decoding ends when every row has. Rows that stopped still feed a token (their
+/// Each of `rows` rows' tokens, one position after another as `next_tokens` chooses them
+/// given the tokens chosen at the previous position (none at the first), until a row meets
+/// a stop token or the count; decoding ends when every row has. Rows that stopped still feed a token (their
 /// last) so the batch stays whole; what they are given after is not kept.
 fn produce(
     config: &GenerateConfig,
     rows: usize,
-    mut next_logits: impl FnMut(&[i64]) -> Result<Tensor>,
+    mut next_tokens: impl FnMut(&[i64]) -> Result<Vec<i64>>,
 ) -> Result<Vec<Vec<i64>>> {
     let mut produced: Vec<Vec<i64>> = vec![Vec::with_capacity(config.max_new_tokens); rows];
     let mut stopped = vec![false; rows];
     let mut chosen: Vec<i64> = vec![];
     for _ in 0..config.max_new_tokens {
-        let logits = next_logits(&chosen)?;
-        chosen = choose(&logits.f_select(1, -1)?, config)?;
+        chosen = next_tokens(&chosen)?;
+        if chosen.len() != rows {
+            return Err(Error::Engine(format!("{} tokens chosen for {rows} rows", chosen.len())));
+        }
         for ((row, done), token) in produced.iter_mut().zip(&mut stopped).zip(&mut chosen) {
             match *done {
                 true => *token = row.last().copied().unwrap_or(*token),
@@ -190,9 +240,9 @@ pub fn generate_from_source(
     let mut caches: Option<Vec<DecodeCache>> =
         config.cache.then(|| (0..engine.spec().units.len()).map(|_| DecodeCache::default()).collect());
     let result = with_seed(config.seed as i64, || {
-        produce(config, 1, |chosen| {
+        let next = |chosen: &[i64]| {
             target.extend(chosen.first());
-            match caches.as_mut() {
+            let logits = match caches.as_mut() {
                 Some(c) if chosen.is_empty() => {
                     engine.set_layout(Some(&layout(1)?));
                     engine.decode(&row(&[source, &target[..]].concat(), device)?, c)
@@ -205,8 +255,10 @@ pub fn generate_from_source(
                     engine.set_layout(Some(&layout(target.len())?));
                     engine.evaluate(&row(&[source, &target[..]].concat(), device)?)
                 }
-            }
-        })
+            }?;
+            Ok(choose_last(Some(&logits), config)?.unwrap_or_default())
+        };
+        produce(config, 1, next)
     });
     engine.set_layout(None);
     Ok(result?.pop().unwrap_or_default())
@@ -221,6 +273,12 @@ fn row(tokens: &[i64], device: tch::Device) -> Result<Tensor> {
 fn rows_of(rows: &[Vec<i64>], span: std::ops::Range<usize>, device: tch::Device) -> Result<Tensor> {
     let flat: Vec<i64> = rows.iter().flat_map(|r| r[span.clone()].iter().copied()).collect();
     Ok(Tensor::f_from_slice(&flat)?.f_view([rows.len() as i64, span.len() as i64])?.f_to_device(device)?)
+}
+
+/// Each row's next token from the last position of `logits` (`[rows, positions, V]`),
+/// where this rank holds them.
+fn choose_last(logits: Option<&Tensor>, config: &GenerateConfig) -> Result<Option<Vec<i64>>> {
+    logits.map(|l| choose(&l.f_select(1, -1)?, config)).transpose()
 }
 
 /// The next token of each row from one position's logits `[rows, V]`.

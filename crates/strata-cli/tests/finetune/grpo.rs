@@ -23,7 +23,7 @@ const GENERATIONS: usize = 4;
 const MAX_COMPLETION: usize = 6;
 const EOS: i64 = 1;
 /// One process, one micro-batch a step, rows padded with the end token.
-const ONE_PROCESS: StepShape = StepShape { pad: EOS, accumulation: 1, group: None };
+const ONE_PROCESS: StepShape = StepShape { pad: EOS, accumulation: 1, group: None, report_over: None };
 
 /// One run: its name and the GRPOConfig fields it sets, on both sides.
 struct Case {
@@ -251,8 +251,24 @@ fn reward_script(dir: &Path) -> String {
     format!("{} {}", py.display(), script.display())
 }
 
-/// `strata train` on prompts with a reward command: over two fsdp ranks and over two
-/// tensor ranks (with and without sequence parallel) it follows one process step for step (each prompt's group sampled from its own seed, the KL term read
+/// Each step's loss and GRPO's metrics of `two` within 1e-6 + 1e-5 relative of `one`'s, and
+/// its final weights within 1e-5.
+fn follows_one_process(name: &str, one: &common::Run, two: &common::Run) {
+    for (x, y) in reports(&one.1).iter().zip(&reports(&two.1)) {
+        for key in ["loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "supervised_tokens"] {
+            let (want, got) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+            let step = &x["step"];
+            assert!((want - got).abs() <= 1e-6 + 1e-5 * want.abs(), "{name} step {step}: {key} {got} against {want}");
+        }
+    }
+    let gap = common::global_gap(&one.0, &two.0);
+    eprintln!("GRPO over two {name} ranks: weights differ from one process's by {gap:.2e}");
+    assert!(gap < 1e-5, "{name}: weights differ by {gap:e}");
+}
+
+/// `strata train` on prompts with a reward command: over two fsdp ranks, two tensor ranks
+/// (with and without sequence parallel) and two pipeline stages (under LoRA) it follows one
+/// process step for step (each prompt's group sampled from its own seed, the KL term read
 /// from a frozen copy) and ends with its weights; under LoRA the base is the reference;
 /// what GRPO cannot take is refused in one line.
 #[test]
@@ -299,19 +315,7 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
     for (name, strategy) in [("fsdp", r#"["fsdp"]"#), ("tensor", TENSOR), ("sequence", TENSOR_AND_SEQUENCE)] {
         let two =
             common::train_run(work.path(), name, 6, &[&shared, &twice, &["--nproc", "2", "--strategy", strategy]]);
-        for (x, y) in a.iter().zip(&reports(&two.1)) {
-            for key in ["loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "supervised_tokens"] {
-                let (want, got) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
-                let step = &x["step"];
-                assert!(
-                    (want - got).abs() <= 1e-6 + 1e-5 * want.abs(),
-                    "{name} step {step}: {key} {got} against {want}"
-                );
-            }
-        }
-        let gap = common::global_gap(&one.0, &two.0);
-        eprintln!("GRPO over two {name} ranks: weights differ from one process's by {gap:.2e}");
-        assert!(gap < 1e-5, "{name}: weights differ by {gap:e}");
+        follows_one_process(name, &one, &two);
     }
     // LoRA: the base without its adapters is the reference. One update per generation
     // batch, so a reference that were the policy itself would read no KL at all.
@@ -319,9 +323,17 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
     let adapted = common::train_run(work.path(), "lora", 4, &[&shared, &["--strategy", lora]]);
     let kl: Vec<f64> = reports(&adapted.1).iter().map(|r| r["kl"].as_f64().unwrap()).collect();
     assert!(kl[0] == 0.0 && kl[1..].iter().all(|&k| k > 0.0 && k < 1.0), "LoRA's KL to its base: {kl:?}");
+    // Two pipeline stages decode together, each its own units, the tokens chosen on the
+    // last reaching the first; the base (adapters off on both stages) is the reference.
+    let staged = r#"[["lora", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}],
+        ["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel"]"#;
+    let two = common::train_run(work.path(), "pipeline", 4, &[&shared, &["--nproc", "2", "--strategy", staged]]);
+    follows_one_process("pipeline", &adapted, &two);
+    let whole_copy = r#"[["parallel_mode", [[["pipeline", 2]], null]], "pipeline_parallel"]"#;
     for (flags, expected) in [
         (vec!["--num-generations", "3"], "not whole groups of num_generations 3"),
         (vec!["--grpo-loss", "ppo"], "unknown GRPO loss type"),
+        (vec!["--nproc", "2", "--strategy", whole_copy], "the KL term's reference is a whole copy of the model"),
     ] {
         let o = common::strata(&[&["train", "--steps", "1"][..], &shared, &flags].concat());
         common::assert_fails_with(&o, expected);

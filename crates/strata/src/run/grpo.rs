@@ -59,6 +59,8 @@ pub(super) struct Setup<'a> {
     pub data_world: usize,
     /// Every data rank, where there are several.
     pub group: Option<&'a dyn ProcessGroup>,
+    /// Every rank of the run, where there are several.
+    pub world: Option<&'a dyn ProcessGroup>,
     /// Seeds the prompts' order and the sampling.
     pub seed: u64,
 }
@@ -165,7 +167,12 @@ pub(super) fn train(
         }
         rollouts.rewards = rewards;
         let kl = reference.as_reference();
-        let steps = StepShape { pad: setup.run.pad, accumulation: setup.accumulation, group: setup.group };
+        let steps = StepShape {
+            pad: setup.run.pad,
+            accumulation: setup.accumulation,
+            group: setup.group,
+            report_over: setup.world,
+        };
         let flow = train_rollouts(trainer, objective, &rollouts, kl, &steps, after)?;
         if flow == Flow::Stop {
             return Ok(());
@@ -187,7 +194,6 @@ pub fn generate_rollouts(
 ) -> Result<(Rollouts, Vec<usize>)> {
     let c = objective.config();
     trainer.settle_updates()?;
-    let engine = trainer.engine_mut();
     let vocabulary = objective.vocabulary_split();
     let mut rollouts = Rollouts::default();
     let mut records = vec![];
@@ -202,7 +208,7 @@ pub fn generate_rollouts(
             cache: true,
         };
         let group = vec![prompt.clone(); c.num_generations];
-        for completion in generate_batch(engine, vocabulary.as_ref(), &group, &sampling, None)? {
+        for completion in generate_batch(trainer, vocabulary.as_ref(), &group, &sampling, None)? {
             rollouts.truncated.push(completion.last().is_none_or(|t| !stop_tokens.contains(t)));
             rollouts.completions.push(completion);
             rollouts.prompts.push(prompt.clone());
@@ -232,6 +238,10 @@ pub struct StepShape<'a> {
     pub accumulation: usize,
     /// The data-parallel ranks, each with its own generation batch of the same size.
     pub group: Option<&'a dyn ProcessGroup>,
+    /// Every rank that may compute some of the loss (all of them): the loss's metrics are
+    /// ratios of sums over it, to which ranks that score nothing (a pipeline's earlier
+    /// stages) add nothing and the ranks of a tensor group add alike.
+    pub report_over: Option<&'a dyn ProcessGroup>,
 }
 
 /// Trains on one generation batch whose rewards are given: its advantages, the old and
@@ -248,7 +258,7 @@ pub fn train_rollouts(
     steps: &StepShape<'_>,
     after: &mut dyn FnMut(&mut Trainer, StepReport) -> Result<Flow>,
 ) -> Result<Flow> {
-    let StepShape { pad, accumulation, group } = *steps;
+    let StepShape { pad, accumulation, group, report_over } = *steps;
     let c = objective.config();
     let per_generation = c.steps_per_generation.unwrap_or(accumulation);
     let micro_batches = per_generation * c.num_iterations;
@@ -289,30 +299,34 @@ pub fn train_rollouts(
     // The completions came from the model as it is now: a later pass over them measures its
     // ratio against these (TRL computes them where generation and updates do not align).
     if !accumulation.is_multiple_of(micro_batches) {
-        for batch in &mut batches {
-            let old = token_log_probs(trainer.engine_mut(), objective, batch)?;
+        let old = token_log_probs(trainer, objective, &batches)?;
+        for (batch, old) in batches.iter_mut().zip(old) {
             if let Some(r) = batch.rollout.as_mut() {
-                r.old = Some(old);
+                r.old = old;
             }
         }
     }
     if c.beta != 0.0 {
-        for batch in &mut batches {
-            let scores = match &mut reference {
-                Reference::None => {
-                    return Err(Error::Config("grpo: beta > 0 needs a reference model (a copy, or LoRA's base)".into()))
-                }
-                Reference::Base => {
-                    let engine = trainer.engine_mut();
-                    engine.set_adapters_enabled(false);
-                    let scores = token_log_probs(engine, objective, batch);
-                    engine.set_adapters_enabled(true);
-                    scores?
-                }
-                Reference::Copy(engine) => token_log_probs(engine, objective, batch)?,
-            };
+        let scores = match &mut reference {
+            Reference::None => {
+                return Err(Error::Config("grpo: beta > 0 needs a reference model (a copy, or LoRA's base)".into()))
+            }
+            Reference::Base => {
+                let adapters = |trainer: &mut Trainer, on: bool| {
+                    trainer.parts_mut().iter_mut().for_each(|part| part.engine.set_adapters_enabled(on))
+                };
+                adapters(trainer, false);
+                let scores = token_log_probs(trainer, objective, &batches);
+                adapters(trainer, true);
+                scores?
+            }
+            Reference::Copy(engine) => {
+                batches.iter().map(|batch| copy_log_probs(engine, objective, batch).map(Some)).collect::<Result<_>>()?
+            }
+        };
+        for (batch, scores) in batches.iter_mut().zip(scores) {
             if let Some(r) = batch.rollout.as_mut() {
-                r.reference = Some(scores);
+                r.reference = scores;
             }
         }
     }
@@ -338,7 +352,7 @@ pub fn train_rollouts(
         let mut report = trainer.train_step(&step)?;
         report.supervised_tokens = supervised as u64;
         let mut metrics = generation;
-        objective.take_metrics(group, &mut metrics)?;
+        objective.take_metrics(report_over, &mut metrics)?;
         report.grpo = Some(metrics);
         if after(trainer, report)? == Flow::Stop {
             return Ok(Flow::Stop);
@@ -347,8 +361,40 @@ pub fn train_rollouts(
     Ok(Flow::Continue)
 }
 
-/// `engine`'s per-position log-probabilities of `batch`'s targets (`[rows, positions]`).
-fn token_log_probs(engine: &mut Engine, objective: &GrpoObjective, batch: &Batch) -> Result<Tensor> {
+/// The trainer's per-position log-probabilities of each of `batches`' targets (`[rows,
+/// positions]`), forward only, where this rank scores the model's output (`None` on a
+/// pipeline's earlier stages, which never read them).
+fn token_log_probs(
+    trainer: &mut Trainer,
+    objective: &Arc<GrpoObjective>,
+    batches: &[Batch],
+) -> Result<Vec<Option<Tensor>>> {
+    let device = trainer.engine().config().device;
+    let steps = batches
+        .iter()
+        .enumerate()
+        .map(|(i, batch)| Ok(Step::new(i, vec![batch.to_device(device)?])))
+        .collect::<Result<Vec<Step>>>()?;
+    let recorded = Arc::new(std::sync::Mutex::new(vec![]));
+    let record = recorded.clone();
+    let objective = Arc::clone(objective);
+    let loss: crate::train::LossFn = Arc::new(move |logits: &Tensor, batch: &Batch| {
+        let scores = objective.token_log_probs(logits, batch)?;
+        record.lock().unwrap_or_else(|e| e.into_inner()).push(scores);
+        Ok(Tensor::f_zeros([], (tch::Kind::Float, logits.device()))?)
+    });
+    trainer.set_feed(&Feed { input: token_input(), loss: Some(loss) });
+    trainer.evaluate(&steps)?;
+    let recorded = std::mem::take(&mut *recorded.lock().unwrap_or_else(|e| e.into_inner()));
+    match recorded.len() {
+        0 => Ok(batches.iter().map(|_| None).collect()),
+        n if n == batches.len() => Ok(recorded.into_iter().map(Some).collect()),
+        n => Err(Error::Engine(format!("{n} log-probabilities for {} micro-batches", batches.len()))),
+    }
+}
+
+/// A whole copy's per-position log-probabilities of `batch`'s targets (`[rows, positions]`).
+fn copy_log_probs(engine: &mut Engine, objective: &GrpoObjective, batch: &Batch) -> Result<Tensor> {
     set_rows(engine, batch, None);
     let logits = engine.evaluate(&batch.inputs);
     engine.set_targets(None);

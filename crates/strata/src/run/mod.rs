@@ -870,8 +870,8 @@ pub fn train(
     };
     match (&objective, data.train.as_ref(), &config.grpo) {
         (Some(Objective::Grpo(g)), Dataset::Prompts(prompts), Some(run)) if start < config.steps => {
-            // Pipeline and context parallelism are refused; the ranks of a tensor group
-            // generate and train on the same prompts.
+            // Context parallelism is refused; the ranks of a tensor group, and a pipeline's
+            // stages, generate and train on the same prompts.
             let setup = grpo::Setup {
                 prompts,
                 run,
@@ -880,6 +880,7 @@ pub fn train(
                 data_rank,
                 data_world,
                 group: batch_group.as_deref(),
+                world: world_group.as_deref(),
                 seed: config.batching.seed,
             };
             let reference = match (g.config().beta != 0.0, strategy.lora().is_some()) {
@@ -1110,10 +1111,14 @@ fn pair_objective(data: &Data, config: &RunConfig, model: &Model) -> Result<Opti
 }
 
 /// Refuses what a preference or GRPO run cannot take, in one line naming why: the loss
-/// scores a whole row's logits over the whole vocabulary, and GRPO decodes with whole units
-/// on every rank.
+/// scores a whole row's logits over the whole vocabulary, and a reference copy is whole on
+/// every rank.
 fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: &RunConfig) -> Result<()> {
-    let grpo = matches!(objective, Objective::Grpo(_));
+    // GRPO's KL term reads a frozen copy where no LoRA base serves.
+    let copied_reference = match objective {
+        Objective::Grpo(g) => g.config().beta != 0.0 && strategy.lora().is_none(),
+        _ => false,
+    };
     let synced = objective.preference().is_some_and(|p| p.config().reference_sync.is_some());
     let why = if strategy.context_parallel().is_some() {
         Some("context parallelism splits a completion's tokens over ranks")
@@ -1121,8 +1126,8 @@ fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: 
         Some("chunked_loss gives a next-token loss, not the logits a completion's score sums")
     } else if config.cuda_graph {
         Some("a captured step cannot read the completions' metrics")
-    } else if grpo && strategy.pipeline_parallel().is_some() {
-        Some("generation runs the whole model on each rank, which pipeline stages split")
+    } else if copied_reference && strategy.pipeline_parallel().is_some() {
+        Some("the KL term's reference is a whole copy of the model on each rank, which pipeline stages split")
     } else if synced && strategy.pipeline_parallel().is_some() {
         Some("the synced reference is a whole copy of the model on each rank, which pipeline stages split")
     } else if synced && strategy.lora().is_some() {

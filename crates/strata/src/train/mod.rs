@@ -18,9 +18,10 @@ pub use crate::compute::scaler::GradScaling;
 use crate::data::{Batch, Step};
 use crate::engine::memory::PlacementReport;
 use crate::engine::{memory, Engine, Event, EventSink, GradReady, MemoryLedger, Placement, UnitTime};
+use crate::generate::Decoder;
 use crate::io::WeightsTarget;
 use crate::model::layers::cross_entropy;
-use crate::model::{DropoutDraw, ModelSpec};
+use crate::model::{DecodeCache, DropoutDraw, ModelSpec};
 use crate::optim::{LrSchedule, Optimizer};
 use crate::profile::Profiler;
 use crate::{Error, Result};
@@ -363,6 +364,54 @@ pub trait StepExecutor {
 
     /// Told of every event the executor's own operations make (beside the engines').
     fn set_event_sink(&mut self, _sink: Arc<dyn EventSink>) {}
+
+    /// Decoding, forward only: the logits of `tokens` (`[rows, positions]` ids) following
+    /// the positions `cache` holds (a list per part), where this rank computes them.
+    fn decode(
+        &mut self,
+        parts: &mut [ModelPart],
+        tokens: &Tensor,
+        cache: &mut [Vec<DecodeCache>],
+    ) -> Result<Option<Tensor>> {
+        match (parts, cache) {
+            ([part], [units]) => part.engine.decode(tokens, units).map(Some),
+            (parts, cache) => {
+                Err(Error::Engine(format!("{} decode caches for {} model parts", cache.len(), parts.len())))
+            }
+        }
+    }
+
+    /// Tokens chosen where the logits are (`chosen`, one for each of `rows` rows), on every
+    /// rank that decodes together.
+    fn share_tokens(&self, chosen: Option<Vec<i64>>, _rows: usize) -> Result<Vec<i64>> {
+        chosen.ok_or_else(|| Error::Engine("decoding computed no logits to choose tokens from".into()))
+    }
+}
+
+/// A trainer decodes its parts as its executor runs them: a pipeline's stages each their
+/// own units, the tokens chosen on the last stage reaching the others.
+impl Decoder for Trainer {
+    fn device(&self) -> tch::Device {
+        self.parts[0].engine.config().device
+    }
+
+    fn start(&mut self) -> Vec<Vec<DecodeCache>> {
+        self.parts
+            .iter_mut()
+            .map(|part| {
+                part.engine.set_layout(None);
+                (0..part.engine.spec().units.len()).map(|_| DecodeCache::default()).collect()
+            })
+            .collect()
+    }
+
+    fn decode(&mut self, tokens: &Tensor, cache: &mut [Vec<DecodeCache>]) -> Result<Option<Tensor>> {
+        self.executor.decode(&mut self.parts, tokens, cache)
+    }
+
+    fn share(&self, chosen: Option<Vec<i64>>, rows: usize) -> Result<Vec<i64>> {
+        self.executor.share_tokens(chosen, rows)
+    }
 }
 
 /// The training loop's body over a rank's model parts ([`ModelPart`]) and the

@@ -10,7 +10,7 @@ use crate::compute::deferred::{self, WeightGrads};
 use crate::data::Step;
 use crate::engine::{Engine, Event, EventSink, UnitClock, UnitTime, Upstream};
 use crate::io::WeightsTarget;
-use crate::model::{BalanceReport, LoadBalance, ModelSpec, ParamId};
+use crate::model::{BalanceReport, DecodeCache, LoadBalance, ModelSpec, ParamId};
 use crate::optim::Optimizer;
 use crate::parallel::TrainerSetup;
 use crate::strategy::{Balance, Dim, ShardMethod};
@@ -874,6 +874,49 @@ impl StepExecutor for PipelineExecutor {
         let mine = if losses.is_empty() { 0.0 } else { crate::train::token_mean(steps, &losses)? };
         let loss = self.sum(&[mine])?[0];
         self.averaged(loss)
+    }
+
+    /// Each chunk decodes its units in turn, as [`StepExecutor::evaluate`] runs them: its
+    /// input from the previous stage (the token ids on the first), its output to the next;
+    /// the last stage's are the logits.
+    fn decode(
+        &mut self,
+        parts: &mut [ModelPart],
+        tokens: &Tensor,
+        cache: &mut [Vec<DecodeCache>],
+    ) -> Result<Option<Tensor>> {
+        if cache.len() != parts.len() {
+            return Err(Error::Engine(format!("{} decode caches for {} pipeline chunks", cache.len(), parts.len())));
+        }
+        let device = parts[0].engine.config().device;
+        let last = self.last_stage();
+        let mut logits = None;
+        let mut sending: Vec<Work> = Vec::new();
+        for (chunk, (part, units)) in parts.iter_mut().zip(cache.iter_mut()).enumerate() {
+            let values = match &self.activations_in[chunk] {
+                Some(link) => link.recv(device)?,
+                None => tokens.shallow_clone(),
+            };
+            let out = part.engine.decode(&values, units)?;
+            match &self.activations_out[chunk] {
+                Some(link) => sending.extend(link.send(&out)?),
+                None if self.chunks[chunk].stage == last => logits = Some(out),
+                None => {}
+            }
+        }
+        for w in sending {
+            w.wait()?;
+        }
+        Ok(logits)
+    }
+
+    /// The last stage's tokens, summed over the stages (the others give zeros).
+    fn share_tokens(&self, chosen: Option<Vec<i64>>, rows: usize) -> Result<Vec<i64>> {
+        let mine: Vec<f64> = match &chosen {
+            Some(c) => c.iter().map(|&t| t as f64).collect(),
+            None => vec![0.0; rows],
+        };
+        Ok(self.sum(&mine)?.into_iter().map(|t| t as i64).collect())
     }
 
     fn model_spec<'a>(&'a self, _: &'a [ModelPart]) -> &'a ModelSpec {
