@@ -145,6 +145,10 @@ train_options! {
     /// holds the same pairs scored by the same model, else computed before the first step
     /// and written there.
     reference_scores: PathBuf,
+    /// Preference pairs: score each step's pairs with the reference as they come (TRL's
+    /// default) instead of every pair before the first step — LoRA's base with the adapters
+    /// off, else a frozen copy of the model.
+    live_reference: bool,
     /// Preference pairs: TR-DPO — the reference is a frozen copy of the model that scores
     /// each step's pairs and moves towards the policy after every this many steps (TRL's
     /// ref_model_sync_steps with sync_ref_model).
@@ -422,6 +426,7 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         ("--simpo-gamma", o.simpo_gamma.is_some()),
         ("--cpo-alpha", o.cpo_alpha.is_some()),
         ("--reference-scores", o.reference_scores.is_some()),
+        ("--live-reference", o.live_reference.is_some()),
         ("--sync-reference-every", o.sync_reference_every.is_some()),
         ("--reference-mixup", o.reference_mixup.is_some()),
     ];
@@ -454,6 +459,7 @@ fn preference_options(o: &TrainOptions) -> Result<(PreferenceConfig, Vec<&'stati
         simpo_gamma: o.simpo_gamma.unwrap_or(defaults.simpo_gamma),
         cpo_alpha: o.cpo_alpha,
         reference_scores: o.reference_scores.clone(),
+        live_reference: o.live_reference.unwrap_or(false),
         reference_sync: o
             .sync_reference_every
             .map(|every| ReferenceSync { every, mixup: o.reference_mixup.unwrap_or(0.6) }),

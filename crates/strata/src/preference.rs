@@ -6,7 +6,9 @@
 //! the policy's scores with a reference's. The reference is the model as training starts
 //! (for LoRA, the base with its fresh adapters, which change nothing yet): its scores are
 //! computed once before the first step ([`reference_recorder`]) and ride with the batches,
-//! so no second copy of the model is held. The reference-free CPO, SimPO and ORPO (TRL's
+//! so no second copy of the model is held; or, live ([`PreferenceConfig::live_reference`]),
+//! each step's just before it, TR-DPO's from a copy that follows the policy
+//! ([`ReferenceSync`]). The reference-free CPO, SimPO and ORPO (TRL's
 //! `CPOTrainer` and `ORPOTrainer`) score the policy alone.
 //!
 //! Owns: the loss types, their parameters and validation, the per-pair arithmetic, and the
@@ -203,9 +205,13 @@ pub struct PreferenceConfig {
     /// the scores of the same pairs from the same model, else computed and written there
     /// ([`crate::data::StoredReference`]). `None`: computed before every run's first step.
     pub reference_scores: Option<std::path::PathBuf>,
-    /// TR-DPO (TRL's `sync_ref_model`): the reference is a frozen copy of the model that
-    /// scores each step's pairs as they come and moves towards the policy every so many
-    /// steps. `None`: the reference is the model as training starts.
+    /// Score each step's pairs with the reference as they come (TRL's default, without
+    /// `precompute_ref_log_probs`) rather than every pair before the first step: LoRA's
+    /// base with the adapters off, or a frozen copy of the model.
+    pub live_reference: bool,
+    /// TR-DPO (TRL's `sync_ref_model`): the reference is a live frozen copy of the model
+    /// that moves towards the policy every so many steps. `None`: the reference is the
+    /// model as training starts.
     pub reference_sync: Option<ReferenceSync>,
 }
 
@@ -234,6 +240,7 @@ impl Default for PreferenceConfig {
             simpo_gamma: 0.5,
             cpo_alpha: None,
             reference_scores: None,
+            live_reference: false,
             reference_sync: None,
         }
     }
@@ -243,6 +250,11 @@ impl PreferenceConfig {
     /// Whether the loss is reference-free (CPO, SimPO, ORPO): no reference is scored.
     pub fn reference_free(&self) -> bool {
         self.losses.iter().any(|(l, _)| l.reference_free())
+    }
+
+    /// Whether the reference scores each step's pairs as they come (live, or synced).
+    pub fn live(&self) -> bool {
+        self.live_reference || self.reference_sync.is_some()
     }
 
     /// Refuses parameters the losses cannot take, in one line naming why.
@@ -261,8 +273,11 @@ impl PreferenceConfig {
         if self.reference_free() && self.losses.len() > 1 {
             return bad("cpo, simpo and orpo score the policy with no reference: give one alone".into());
         }
-        if self.reference_free() && (self.reference_scores.is_some() || self.reference_sync.is_some()) {
-            return bad("cpo, simpo and orpo score no reference: there is none to keep or sync".into());
+        if self.reference_free() && (self.reference_scores.is_some() || self.live()) {
+            return bad("cpo, simpo and orpo score no reference: there is none to keep, sync or score live".into());
+        }
+        if self.live() && self.reference_scores.is_some() {
+            return bad("a live reference scores each step's pairs as they come: there are no scores to keep".into());
         }
         if let Some(sync) = self.reference_sync {
             if sync.every == 0 || !(0.0..=1.0).contains(&sync.mixup) {
@@ -270,11 +285,6 @@ impl PreferenceConfig {
                     "a synced reference takes a positive step count and a mixup in [0, 1], not {} and {}",
                     sync.every, sync.mixup
                 ));
-            }
-            if self.reference_scores.is_some() {
-                return bad(
-                    "a synced reference scores each step's pairs as they come: there are no scores to keep".into()
-                );
             }
             if self.losses.iter().any(|(l, _)| l.unpaired()) {
                 return bad(

@@ -5,7 +5,8 @@
 //! `CPOTrainer` and `ORPOTrainer`), conversations through the chat template
 //! with their prompt left implicit, LoRA (the reference being the base with its fresh
 //! adapter), fsdp, tensor parallelism and two pipeline stages over two ranks and offloaded
-//! model states, and TR-DPO's synced reference alone, sharded and split, each of 10 steps'
+//! model states, a live reference (a copy, LoRA's base, in two stages) and TR-DPO's synced
+//! reference alone, sharded and split, each of 10 steps'
 //! loss, gradient norm and TRL's metrics, and the weights the steps end with; reference
 //! scores kept in a file or given by the records.
 use crate::common::{self, reports, stderr, strata};
@@ -107,6 +108,15 @@ const CASES: &[Case] = &[
     laid_out("pipeline", &["--nproc", "2", "--strategy", PIPELINE]),
     laid_out("tensor", &["--nproc", "2", "--strategy", TENSOR]),
     laid_out("offload", &["--strategy", OFFLOAD]),
+    // A live reference, as TRL's: a frozen copy, LoRA's base with the adapters off, and
+    // that base in two pipeline stages.
+    laid_out("live", &["--live-reference", "true"]),
+    Case { adapter: true, trl_name: "lora", ..laid_out("lora_live", &["--live-reference", "true"]) },
+    Case {
+        adapter: true,
+        trl_name: "lora",
+        ..laid_out("lora_live_pipeline", &["--live-reference", "true", "--nproc", "2", "--strategy", PIPELINE])
+    },
     // TR-DPO: the reference syncs after steps 3, 6 and 9, on one process and split as the policy is.
     Case { sync: 3, ..case("tr_dpo", "sigmoid") },
     Case { sync: 3, trl_name: "tr_dpo", ..laid_out("tr_dpo_fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]) },
@@ -437,6 +447,11 @@ fn pairs_over_two_ranks_sharded_split_or_pipelined_and_offloaded_follow_trl() {
 }
 
 #[test]
+fn a_live_reference_follows_trl_as_a_copy_and_as_the_base_alone_and_staged() {
+    follow(&["live", "lora_live", "lora_live_pipeline"]);
+}
+
+#[test]
 fn a_synced_reference_follows_trl_alone_sharded_and_split() {
     follow(&["tr_dpo", "tr_dpo_fsdp", "tr_dpo_tensor"]);
 }
@@ -474,7 +489,7 @@ fn preference_flags_without_pairs_and_impossible_parameters_are_refused() {
     let o = strata(&[&base[..], &["--data", s(&pairs), "--init-adapter", s(&dir.join("adapter"))], &sync].concat());
     common::assert_fails_with(&o, "a synced reference is a copy of the whole model");
     let o = strata(&[&base[..], &["--data", s(&pairs), "--nproc", "2", "--strategy", PIPELINE], &sync].concat());
-    common::assert_fails_with(&o, "the synced reference is a whole copy of the model on each rank");
+    common::assert_fails_with(&o, "the live reference is a whole copy of the model on each rank");
     let o = strata(&[&base[..], &["--data", s(&pairs), "--reference-mixup", "0.5"]].concat());
     common::assert_fails_with(&o, "give --sync-reference-every too");
 }

@@ -687,23 +687,27 @@ pub fn train(
     }
     let rows = LoaderConfig::new(config.batching.clone()).micro_batch_rows()?;
     let data = &match preference.as_ref() {
-        // Reference-free losses (CPO, SimPO, ORPO) read no reference scores, and a synced
+        // Reference-free losses (CPO, SimPO, ORPO) read no reference scores, and a live
         // reference scores each step's pairs as they come.
-        Some(p) if !p.config().reference_free() && p.config().reference_sync.is_none() => {
+        Some(p) if !p.config().reference_free() && !p.config().live() => {
             attach_references(&mut trainer, data, &config, rows, p.vocabulary_split(), world_group.as_deref())?
         }
         _ => data.clone(),
     };
-    // TR-DPO's reference: a whole copy split as the trainer's model is, over the same tensor group.
-    let synced = match preference.as_ref().and_then(|p| p.config().reference_sync.map(|s| (p, s))) {
-        Some((p, sync)) => {
+    let live = match preference.as_ref().filter(|p| p.config().live()) {
+        Some(p) if strategy.lora().is_some() => {
+            Some(LiveReference::Base { feed: config.feed(), split: p.vocabulary_split() })
+        }
+        Some(p) => {
+            // A whole copy split as the trainer's model is, over the same tensor group.
             let tensor = trainer.engine().tensor_parallel().cloned();
             let config_of_copy = EngineConfig { tensor, ..engine_config.clone() };
-            let copy = reference_copy(spec()?, &config_of_copy, &config.init)?;
-            Some(std::cell::RefCell::new(SyncedReference { copy, sync, split: p.vocabulary_split() }))
+            let copy = Box::new(reference_copy(spec()?, &config_of_copy, &config.init)?);
+            Some(LiveReference::Copy { copy, sync: p.config().reference_sync, split: p.vocabulary_split() })
         }
         None => None,
     };
+    let live = live.map(std::cell::RefCell::new);
     if config.cuda_graph {
         trainer.capture_cuda_graph(CUDA_GRAPH_WARMUP)?;
     }
@@ -833,13 +837,13 @@ pub fn train(
         report.tokens_per_s *= readers as f64;
         report.checkpoint = saved.take();
         // TR-DPO's sync follows the update, before validation reads the reference.
-        if let Some(synced) = synced.as_ref().filter(|s| report.step.is_multiple_of(s.borrow().sync.every)) {
-            synced.borrow_mut().follow(trainer)?;
+        if let Some(live) = live.as_ref() {
+            live.borrow_mut().follow(trainer, report.step)?;
         }
         if let Some(steps) = val_steps.as_mut().filter(|_| config.validation_due(report.step)) {
-            if let Some(synced) = synced.as_ref() {
-                let mut synced = synced.borrow_mut();
-                steps.iter_mut().try_for_each(|step| synced.score(&mut step.micro_batches))?;
+            if let Some(live) = live.as_ref() {
+                let mut live = live.borrow_mut();
+                steps.iter_mut().try_for_each(|step| live.score(trainer, &mut step.micro_batches))?;
             }
             report.set_validation(trainer.evaluate(steps)?);
             if objective.is_some() {
@@ -901,8 +905,8 @@ pub fn train(
                     o.reset();
                 }
                 let mut step = step?;
-                if let Some(synced) = synced.as_ref() {
-                    synced.borrow_mut().score(&mut step.micro_batches)?;
+                if let Some(live) = live.as_ref() {
+                    live.borrow_mut().score(&mut trainer, &mut step.micro_batches)?;
                 }
                 let mut report = trainer.train_step(&step)?;
                 match &objective {
@@ -1119,6 +1123,8 @@ fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: 
         Objective::Grpo(g) => g.config().beta != 0.0 && strategy.lora().is_none(),
         _ => false,
     };
+    // A live or synced reference beside no LoRA base is a frozen whole copy.
+    let live = objective.preference().is_some_and(|p| p.config().live());
     let synced = objective.preference().is_some_and(|p| p.config().reference_sync.is_some());
     let why = if strategy.context_parallel().is_some() {
         Some("context parallelism splits a completion's tokens over ranks")
@@ -1128,8 +1134,8 @@ fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: 
         Some("a captured step cannot read the completions' metrics")
     } else if copied_reference && strategy.pipeline_parallel().is_some() {
         Some("the KL term's reference is a whole copy of the model on each rank, which pipeline stages split")
-    } else if synced && strategy.pipeline_parallel().is_some() {
-        Some("the synced reference is a whole copy of the model on each rank, which pipeline stages split")
+    } else if live && strategy.lora().is_none() && strategy.pipeline_parallel().is_some() {
+        Some("the live reference is a whole copy of the model on each rank, which pipeline stages split")
     } else if synced && strategy.lora().is_some() {
         Some("a synced reference is a copy of the whole model; LoRA's reference is its frozen base")
     } else {
@@ -1159,15 +1165,7 @@ fn score_pairs(
         .enumerate()
         .map(|(i, chunk)| Ok(Step::new(i, vec![pairs.batch(chunk)?.to_device(config.device)?])))
         .collect::<Result<Vec<_>>>()?;
-    let recorded = Arc::new(std::sync::Mutex::new(vec![]));
-    trainer.set_feed(&Feed {
-        loss: Some(crate::preference::reference_recorder(recorded.clone(), split)),
-        ..config.feed()
-    });
-    let scored = trainer.evaluate(&steps);
-    trainer.set_feed(&config.feed());
-    scored?;
-    let recorded = std::mem::take(&mut *recorded.lock().unwrap_or_else(|e| e.into_inner()));
+    let recorded = record_scores(trainer, &steps, &config.feed(), split)?;
     if recorded.is_empty() {
         return Ok(None);
     }
@@ -1183,6 +1181,27 @@ fn score_pairs(
         at += 2 * n;
     }
     Ok(Some(scores))
+}
+
+/// Each row's summed completion log-probability under the trainer's model as it is, over
+/// every micro-batch of `steps` in order (forward only); none on ranks that score nothing (a
+/// pipeline's earlier stages).
+fn record_scores(
+    trainer: &mut Trainer,
+    steps: &[Step],
+    feed: &Feed,
+    split: Option<VocabularySplit>,
+) -> Result<Vec<f64>> {
+    let recorded = Arc::new(std::sync::Mutex::new(vec![]));
+    trainer.set_feed(&Feed {
+        loss: Some(crate::preference::reference_recorder(recorded.clone(), split)),
+        input: feed.input.clone(),
+    });
+    let scored = trainer.evaluate(steps);
+    trainer.set_feed(feed);
+    scored?;
+    let recorded = std::mem::take(&mut *recorded.lock().unwrap_or_else(|e| e.into_inner()));
+    Ok(recorded)
 }
 
 /// How far a stored score may be from the same pair's score now and still be taken for the
@@ -1311,36 +1330,73 @@ fn attach_references(
     Ok(Data { train, validation })
 }
 
-/// TR-DPO's reference: a whole copy of the model that scores each micro-batch's pairs before
-/// the policy trains on them, and follows the policy every `sync.every` steps.
-struct SyncedReference {
-    copy: Engine,
-    sync: crate::preference::ReferenceSync,
-    /// Where a tensor-parallel group splits the logits' vocabulary.
-    split: Option<VocabularySplit>,
+/// A reference that scores each micro-batch's pairs just before the policy trains on them
+/// (or before validation reads them).
+enum LiveReference {
+    /// LoRA's frozen base: the trainer's model with its adapters off, laid out as it is.
+    Base { feed: Feed, split: Option<VocabularySplit> },
+    /// A whole copy of the model, split over the trainer's tensor group; TR-DPO's follows the
+    /// policy every `sync.every` steps.
+    Copy { copy: Box<Engine>, sync: Option<crate::preference::ReferenceSync>, split: Option<VocabularySplit> },
 }
 
-impl SyncedReference {
-    /// Gives each of `batches` its pairs' reference scores, the copy's.
-    fn score(&mut self, batches: &mut [Batch]) -> Result<()> {
-        for batch in batches {
-            crate::train::set_rows(&mut self.copy, batch, None);
-            let logits = self.copy.evaluate(&batch.inputs);
-            self.copy.set_targets(None);
-            batch.reference = Some(crate::preference::row_scores(&logits?, batch, self.split.as_ref())?);
+impl LiveReference {
+    /// Gives each of `batches` its rows' reference scores, where this rank scores them.
+    fn score(&mut self, trainer: &mut Trainer, batches: &mut [Batch]) -> Result<()> {
+        match self {
+            LiveReference::Base { feed, split } => {
+                let device = trainer.engine().config().device;
+                let steps = batches
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| Ok(Step::new(i, vec![b.to_device(device)?])))
+                    .collect::<Result<Vec<_>>>()?;
+                let adapters = |trainer: &mut Trainer, on: bool| {
+                    trainer.parts_mut().iter_mut().for_each(|part| part.engine.set_adapters_enabled(on))
+                };
+                adapters(trainer, false);
+                let recorded = record_scores(trainer, &steps, feed, split.clone());
+                adapters(trainer, true);
+                let recorded = recorded?;
+                if recorded.is_empty() {
+                    return Ok(());
+                }
+                let mut at = 0;
+                for batch in batches {
+                    let rows = batch.inputs.size()[0] as usize;
+                    let scores = recorded.get(at..at + rows).ok_or_else(|| {
+                        Error::Engine(format!("{} reference scores for a step's rows", recorded.len()))
+                    })?;
+                    batch.reference = Some(tch::Tensor::f_from_slice(scores)?);
+                    at += rows;
+                }
+            }
+            LiveReference::Copy { copy, split, .. } => {
+                for batch in batches {
+                    crate::train::set_rows(copy, batch, None);
+                    let logits = copy.evaluate(&batch.inputs);
+                    copy.set_targets(None);
+                    batch.reference = Some(crate::preference::row_scores(&logits?, batch, split.as_ref())?);
+                }
+            }
         }
         Ok(())
     }
 
-    /// Moves each of the copy's parameters to `mixup` of the trainer's and the rest of its own
-    /// (every rank together: the trainer's units are gathered whole).
-    fn follow(&mut self, trainer: &mut Trainer) -> Result<()> {
+    /// After optimizer step `step`: TR-DPO's copy, where its sync is due, moves each of its
+    /// parameters to `mixup` of the trainer's and the rest of its own (every rank together:
+    /// the trainer's units are gathered whole).
+    fn follow(&mut self, trainer: &mut Trainer, step: u64) -> Result<()> {
+        let LiveReference::Copy { copy, sync: Some(sync), .. } = self else { return Ok(()) };
+        if !step.is_multiple_of(sync.every) {
+            return Ok(());
+        }
         trainer.settle_updates()?;
-        let mixup = self.sync.mixup;
-        for unit in 0..self.copy.spec().units.len() {
+        let mixup = sync.mixup;
+        for unit in 0..copy.spec().units.len() {
             let policy = trainer.engine_mut().full_unit(unit)?;
-            let mixed = self.copy.full_unit(unit)?.f_mul_scalar(1.0 - mixup)?.f_add(&policy.f_mul_scalar(mixup)?)?;
-            self.copy.set_full_unit(unit, &mixed)?;
+            let mixed = copy.full_unit(unit)?.f_mul_scalar(1.0 - mixup)?.f_add(&policy.f_mul_scalar(mixup)?)?;
+            copy.set_full_unit(unit, &mixed)?;
         }
         Ok(())
     }
