@@ -312,12 +312,9 @@ pub fn train_rollouts(
                 return Err(Error::Config("grpo: beta > 0 needs a reference model (a copy, or LoRA's base)".into()))
             }
             Reference::Base => {
-                let adapters = |trainer: &mut Trainer, on: bool| {
-                    trainer.parts_mut().iter_mut().for_each(|part| part.engine.set_adapters_enabled(on))
-                };
-                adapters(trainer, false);
+                trainer.set_adapters_enabled(false);
                 let scores = token_log_probs(trainer, objective, &batches);
-                adapters(trainer, true);
+                trainer.set_adapters_enabled(true);
                 scores?
             }
             Reference::Copy(engine) => {
@@ -369,12 +366,7 @@ fn token_log_probs(
     objective: &Arc<GrpoObjective>,
     batches: &[Batch],
 ) -> Result<Vec<Option<Tensor>>> {
-    let device = trainer.engine().config().device;
-    let steps = batches
-        .iter()
-        .enumerate()
-        .map(|(i, batch)| Ok(Step::new(i, vec![batch.to_device(device)?])))
-        .collect::<Result<Vec<Step>>>()?;
+    let steps = super::steps_of(batches, trainer.engine().config().device)?;
     let recorded = Arc::new(std::sync::Mutex::new(vec![]));
     let record = recorded.clone();
     let objective = Arc::clone(objective);

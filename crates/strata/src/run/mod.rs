@@ -1183,6 +1183,11 @@ fn score_pairs(
     Ok(Some(scores))
 }
 
+/// A step of each of `batches`, on `device`: what a trainer evaluates them as, one by one.
+fn steps_of(batches: &[Batch], device: tch::Device) -> Result<Vec<Step>> {
+    batches.iter().enumerate().map(|(i, b)| Ok(Step::new(i, vec![b.to_device(device)?]))).collect()
+}
+
 /// Each row's summed completion log-probability under the trainer's model as it is, over
 /// every micro-batch of `steps` in order (forward only); none on ranks that score nothing (a
 /// pipeline's earlier stages).
@@ -1345,18 +1350,10 @@ impl LiveReference {
     fn score(&mut self, trainer: &mut Trainer, batches: &mut [Batch]) -> Result<()> {
         match self {
             LiveReference::Base { feed, split } => {
-                let device = trainer.engine().config().device;
-                let steps = batches
-                    .iter()
-                    .enumerate()
-                    .map(|(i, b)| Ok(Step::new(i, vec![b.to_device(device)?])))
-                    .collect::<Result<Vec<_>>>()?;
-                let adapters = |trainer: &mut Trainer, on: bool| {
-                    trainer.parts_mut().iter_mut().for_each(|part| part.engine.set_adapters_enabled(on))
-                };
-                adapters(trainer, false);
+                let steps = steps_of(batches, trainer.engine().config().device)?;
+                trainer.set_adapters_enabled(false);
                 let recorded = record_scores(trainer, &steps, feed, split.clone());
-                adapters(trainer, true);
+                trainer.set_adapters_enabled(true);
                 let recorded = recorded?;
                 if recorded.is_empty() {
                     return Ok(());

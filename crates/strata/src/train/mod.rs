@@ -589,6 +589,11 @@ impl Trainer {
         &mut self.parts
     }
 
+    /// Switches every part's LoRA adapters off (the frozen base computes) or on again.
+    pub fn set_adapters_enabled(&mut self, on: bool) {
+        self.parts.iter_mut().for_each(|part| part.engine.set_adapters_enabled(on));
+    }
+
     /// This rank's model parts, the trainer used up.
     pub fn into_parts(self) -> Vec<ModelPart> {
         self.parts
