@@ -569,7 +569,7 @@ fn reference_scores_kept_in_a_file_or_given_by_the_records_train_as_scored_ones(
     let scores = kept["sets"]["train"]["scores"].as_array().unwrap().clone();
     assert_eq!(scores.len(), 24);
     let text = std::fs::read_to_string(&pairs).unwrap();
-    let given = out.path().join("given.jsonl");
+    let given = out.path().join("records-with-scores.jsonl");
     write_lines(
         &given,
         text.lines().zip(&scores).map(|(line, score)| {
@@ -581,6 +581,9 @@ fn reference_scores_kept_in_a_file_or_given_by_the_records_train_as_scored_ones(
     );
     let (o, from_records) = run("given", &given, None);
     assert!(o.status.success(), "{}", stderr(&o));
+    let o =
+        strata(&["train", "--model-dir", s(&model), "--data", s(&given), "--steps", "1", "--live-reference", "true"]);
+    common::assert_fails_with(&o, "the records give their own reference scores, which a live reference would not read");
     assert_eq!(scored(&from_records), scored(&written), "records giving the scores train as scoring them does");
     // A stored score moved: pair 5 is read at the second step, past the pairs checked.
     let moved = |pair: usize| {

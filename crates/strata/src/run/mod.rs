@@ -694,7 +694,16 @@ pub fn train(
         }
         _ => data.clone(),
     };
-    let live = match preference.as_ref().filter(|p| p.config().live()) {
+    let live_preference = preference.as_ref().filter(|p| p.config().live());
+    if let (Some(_), Dataset::Preference(pairs)) = (live_preference, data.train.as_ref()) {
+        if pairs.reference().is_some() {
+            return Err(Error::Config(format!(
+                "{}: the records give their own reference scores, which a live reference would not read",
+                pairs.source
+            )));
+        }
+    }
+    let live = match live_preference {
         Some(p) if strategy.lora().is_some() => {
             Some(LiveReference::Base { feed: config.feed(), split: p.vocabulary_split() })
         }
