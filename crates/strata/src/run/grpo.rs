@@ -12,7 +12,7 @@ use crate::engine::with_seed;
 use crate::engine::Engine;
 use crate::generate::{generate_batch, GenerateConfig};
 use crate::grpo::{advantages, GrpoConfig, GrpoMetrics, GrpoObjective, Rollouts};
-use crate::train::{set_rows, token_input, Feed, StepReport, Trainer};
+use crate::train::{token_input, Feed, StepReport, Trainer};
 use crate::{Error, Result};
 use std::collections::btree_map::{BTreeMap, Entry};
 use std::sync::Arc;
@@ -387,8 +387,5 @@ fn token_log_probs(
 
 /// A whole copy's per-position log-probabilities of `batch`'s targets (`[rows, positions]`).
 fn copy_log_probs(engine: &mut Engine, objective: &GrpoObjective, batch: &Batch) -> Result<Tensor> {
-    set_rows(engine, batch, None);
-    let logits = engine.evaluate(&batch.inputs);
-    engine.set_targets(None);
-    objective.token_log_probs(&logits?, batch)
+    objective.token_log_probs(&super::copy_logits(engine, batch)?, batch)
 }

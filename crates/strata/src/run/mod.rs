@@ -1192,6 +1192,14 @@ fn score_pairs(
     Ok(Some(scores))
 }
 
+/// A frozen whole copy's logits of `batch`'s rows, forward only: a reference's.
+fn copy_logits(copy: &mut Engine, batch: &Batch) -> Result<tch::Tensor> {
+    crate::train::set_rows(copy, batch, None);
+    let logits = copy.evaluate(&batch.inputs);
+    copy.set_targets(None);
+    logits
+}
+
 /// A step of each of `batches`, on `device`: what a trainer evaluates them as, one by one.
 fn steps_of(batches: &[Batch], device: tch::Device) -> Result<Vec<Step>> {
     batches.iter().enumerate().map(|(i, b)| Ok(Step::new(i, vec![b.to_device(device)?]))).collect()
@@ -1379,10 +1387,8 @@ impl LiveReference {
             }
             LiveReference::Copy { copy, split, .. } => {
                 for batch in batches {
-                    crate::train::set_rows(copy, batch, None);
-                    let logits = copy.evaluate(&batch.inputs);
-                    copy.set_targets(None);
-                    batch.reference = Some(crate::preference::row_scores(&logits?, batch, split.as_ref())?);
+                    let logits = copy_logits(copy, batch)?;
+                    batch.reference = Some(crate::preference::row_scores(&logits, batch, split.as_ref())?);
                 }
             }
         }
