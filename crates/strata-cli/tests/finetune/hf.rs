@@ -117,8 +117,10 @@ fn qwen2_fine_tunes_in_a_pipeline() {
 /// each micro-batch's own): with fsdp, and with zero2 and recomputed blocks (the loss's
 /// gradient reaches a recomputed layer), with tensor parallel attention (the experts whole on
 /// each tensor rank; under sequence parallel each routes its part of the tokens and the loss
-/// sums their routing), expert groups beside tensor groups. Its metrics carry the
-/// routing; the folder the fsdp run writes gives `transformers`' validation loss. In two
+/// sums their routing), expert groups beside tensor groups. Without sharding each rank of an
+/// expert group stores only its own experts (and the folder saved from them is whole). Its
+/// metrics carry the routing; the folder the fsdp run writes gives `transformers`'
+/// validation loss. In two
 /// pipeline stages (alone and beside expert groups) the routing sums travel forward with the
 /// activations and the loss's gradient back with theirs.
 #[test]
@@ -133,6 +135,15 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
     assert!(routed["aux_loss"].as_f64().unwrap() > 0.5, "{routed}");
     assert!(routed["max_expert_tokens"].as_i64() > routed["min_expert_tokens"].as_i64(), "{routed}");
     let saved = dir.path().join("fsdp-out");
+    let experts: i64 = strata::io::read_safetensors(&folder.join("model.safetensors"))
+        .unwrap()
+        .iter()
+        .filter(|(name, _)| name.contains(".mlp.experts."))
+        .map(|(_, t)| t.numel() as i64)
+        .sum();
+    let whole = stored_param_bytes(&one);
+    // Each rank of an expert group of `size` stores `1/size` of the routed experts' weights.
+    let apart = |size: i64| whole - 4 * experts * (size - 1) / size;
     // (name, ranks, micro-batches each, strategy): every run takes 8 rows a step as `one` does.
     let runs = [
         ("fsdp", 2, 1, r#"["fsdp"]"#),
@@ -169,6 +180,12 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
         common::assert_follows(&one, &run, name, 1e-5, 1e-5);
         let remote = common::reports(&run.1).pop().unwrap()["experts"]["remote_expert_tokens"].as_i64();
         assert_eq!(remote.is_some_and(|r| r > 0), name.starts_with("experts"), "{name}: tokens sent to other ranks");
+        if name == "experts 2" {
+            assert_eq!(stored_param_bytes(&run), apart(2), "{name}: parameter bytes a rank stores");
+            let folder = strata::io::read_safetensors(&saved.join("model.safetensors")).unwrap();
+            let saved_experts = folder.iter().filter(|(n, _)| n.contains(".mlp.experts.")).map(|(_, t)| t.numel());
+            assert_eq!(saved_experts.sum::<usize>() as i64, experts, "{name}: every expert in the saved folder");
+        }
     }
     // Four expert groups of 4 experts each, one row per rank.
     let four = common::train_run(dir.path(), "one-4", 6, &[&files, &flags, &["--accumulation", "4"]]);
@@ -178,6 +195,9 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
     ] {
         let run = common::train_run(dir.path(), name, 6, &[&files, &flags, &["--nproc", "4", "--strategy", strategy]]);
         common::assert_follows(&four, &run, name, 1e-5, 1e-5);
+        if name == "experts 4" {
+            assert_eq!(stored_param_bytes(&run), apart(4), "{name}: parameter bytes a rank stores");
+        }
         assert!(common::reports(&run.1).pop().unwrap()["experts"]["remote_expert_tokens"].as_i64() > Some(0));
     }
     // Adapters on the attention and the stacked experts: a rank trains the factors' parts of
@@ -277,6 +297,12 @@ fn frontier_families_train_sharded_split_and_staged_as_one_process() {
             assert!(stderr(&o).contains("linear attention does not split over tensor ranks"), "{}", stderr(&o));
         }
     }
+}
+
+/// Bytes of parameters rank 0 of `run` stores, as its last report's ledger counts them.
+fn stored_param_bytes(run: &common::Run) -> i64 {
+    let report = common::reports(&run.1).pop().unwrap();
+    report["memory"]["device"]["by_category"]["params"].as_i64().unwrap()
 }
 
 /// Every choice bias's values, layer after layer, from a folder's or a run's weights.

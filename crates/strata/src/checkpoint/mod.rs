@@ -314,6 +314,19 @@ pub fn save_parts(
     save_into(root, layout, parts, run, world, keep, publisher, RankWrite::Atomic).map(|(dir, _)| dir)
 }
 
+/// Refuses engines whose ranks store their routed experts apart (expert parallelism
+/// without sharding): a checkpoint's files hold each tensor rank's layout, with every expert.
+pub fn check_holding<'a>(mut engines: impl Iterator<Item = &'a Engine>) -> Result<()> {
+    match engines.any(|e| e.holding().experts.is_some()) {
+        true => Err(Error::Config(
+            "checkpoints of expert_parallel need every expert on each rank's layout: add zero1, zero2 or fsdp, \
+             which keep them so"
+                .into(),
+        )),
+        false => Ok(()),
+    }
+}
+
 /// Runs `local` on every rank and has them agree that it went well, so that a failure on
 /// one rank stops all of them with an error instead of leaving them waiting. `flags`, one
 /// per rank of `world`, come back as the maximum over ranks.
@@ -384,6 +397,7 @@ fn save_into(
     if parts.is_empty() {
         return Err(Error::Engine("a checkpoint of no engine".into()));
     }
+    check_holding(parts.iter().map(|p| &*p.engine))?;
     // A delayed host update still running writes the masters and moments saved here.
     for part in parts.iter_mut() {
         part.optimizer.settle(part.engine)?;
@@ -1070,6 +1084,7 @@ impl Checkpoint {
             part.optimizer.settle(part.engine)?;
         }
         let Some(first) = parts.first() else { return Err(Error::Engine("a restore into no engine".into())) };
+        check_holding(parts.iter().map(|p| &*p.engine))?;
         self.check_layout(layout, first.optimizer, optimizer_name)?;
         for part in parts.iter_mut() {
             self.restore_part(part)?;

@@ -77,6 +77,10 @@ pub struct EngineConfig {
     /// The expert group this rank's sparse layers exchange tokens over (`None`: each rank
     /// computes every expert for its own tokens).
     pub experts: Option<Arc<dyn ExpertExchange>>,
+    /// With an expert group, whether this rank stores only the routed experts it computes
+    /// ([`Holding`]); otherwise every rank stores every expert (a sharded strategy then
+    /// shards them with the rest).
+    pub experts_apart: bool,
     /// The context group this rank's attention reaches the rest of its rows' positions
     /// through (`None`: the rows are whole).
     pub context: Option<Arc<dyn ContextParallel>>,
@@ -115,6 +119,7 @@ impl Default for EngineConfig {
             grad_layout: GradLayout::Contiguous,
             tensor: None,
             experts: None,
+            experts_apart: false,
             context: None,
             host_compute: vec![],
         }
@@ -137,16 +142,63 @@ pub struct UnitLayout {
     pub len: i64,
 }
 
+/// What of each parameter a rank stores: its tensor rank's piece ([`TpRole`]) and, where an
+/// expert group stores its routed experts apart, nothing of the experts the group's other
+/// ranks compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holding {
+    /// Ranks of the tensor group.
+    pub tensor: i64,
+    /// The expert group's (size, this rank) where each rank stores only its own experts.
+    pub experts: Option<(i64, i64)>,
+}
+
+impl Holding {
+    /// Tensor rank pieces over `tensor` ranks, every expert stored.
+    pub fn tensor(tensor: i64) -> Holding {
+        Holding { tensor, experts: None }
+    }
+
+    /// Whether this rank stores any of `p`.
+    pub fn holds(&self, p: &ParamSpec) -> bool {
+        match (p.expert, self.experts) {
+            (Some(slot), Some((size, rank))) => slot.owner(size) == rank,
+            _ => true,
+        }
+    }
+
+    /// The shape of what this rank stores of `p`: a first dimension of 0 where it stores none.
+    pub fn shape(&self, p: &ParamSpec) -> Vec<i64> {
+        let mut shape = p.local_shape(self.tensor);
+        if !self.holds(p) {
+            if let Some(rows) = shape.first_mut() {
+                *rows = 0;
+            }
+        }
+        shape
+    }
+
+    /// Elements this rank stores of `p`.
+    pub fn numel(&self, p: &ParamSpec) -> i64 {
+        self.shape(p).iter().product()
+    }
+}
+
 impl UnitLayout {
     /// The layout of unit `unit` of `spec` holding tensor rank pieces of `tp`.
     pub fn of(spec: &ModelSpec, unit: usize, tp: i64, pad_to: i64) -> UnitLayout {
+        UnitLayout::held(spec, unit, Holding::tensor(tp), pad_to)
+    }
+
+    /// The layout of unit `unit` of `spec` storing what `holding` says.
+    pub fn held(spec: &ModelSpec, unit: usize, holding: Holding, pad_to: i64) -> UnitLayout {
         let (mut numel, mut grad_start) = (0, None);
         for id in &spec.units[unit].params {
             let p = &spec.params[id.0];
             if p.requires_grad {
                 grad_start.get_or_insert(numel);
             }
-            numel += p.local_shape(tp).iter().product::<i64>();
+            numel += holding.numel(p);
         }
         let grad_start = grad_start.unwrap_or(numel);
         let pad_to = pad_to.max(1);
@@ -263,6 +315,8 @@ pub type UnitInitHook<'a> = dyn FnMut(usize, &mut UnitStorage, &Tensor, &MemoryL
 pub struct Engine {
     spec: ModelSpec,
     config: EngineConfig,
+    /// What this rank stores of each parameter.
+    holding: Holding,
     /// Whether the model's low-rank adapters join their layers ([`Engine::set_adapters_enabled`]).
     adapters_on: bool,
     /// Every unit's gradient buffer, concatenated in unit order ([`GradLayout::Contiguous`]).
@@ -362,13 +416,28 @@ impl Engine {
         if tp > 1 {
             spec.check_tensor_parallel(tp)?;
         }
-        let local_numel = |id: &ParamId| spec.params[id.0].local_shape(tp).iter().product::<i64>();
+        let holding = Holding {
+            tensor: tp,
+            experts: config
+                .experts
+                .as_ref()
+                .filter(|_| config.experts_apart)
+                .map(|g| (g.size() as i64, g.rank() as i64)),
+        };
+        if let Some((size, _)) = holding.experts {
+            if let Some(slot) = spec.params.iter().filter_map(|p| p.expert).find(|s| s.of % size != 0) {
+                return Err(Error::Config(format!(
+                    "expert_parallel: {} experts do not split over {size} ranks",
+                    slot.of
+                )));
+            }
+        }
         if config.host_compute.iter().any(|&h| h) && config.grad_layout == GradLayout::Contiguous {
             return Err(Error::Config("units that compute on the host need per-unit gradient buffers".into()));
         }
         let esize = config.kind.elt_size_in_bytes() as u64;
         let layouts: Vec<UnitLayout> =
-            (0..spec.units.len()).map(|k| UnitLayout::of(&spec, k, tp, config.pad_to)).collect();
+            (0..spec.units.len()).map(|k| UnitLayout::held(&spec, k, holding, config.pad_to)).collect();
         let mut offsets = vec![0; spec.params.len()];
         let mut full_offsets = vec![0; spec.params.len()];
         for unit in &spec.units {
@@ -421,13 +490,16 @@ impl Engine {
             let mut offset = 0;
             for &id in &unit.params {
                 let p = &spec.params[id.0];
-                let (shape, numel) = (p.local_shape(tp), local_numel(&id));
+                let (shape, numel) = (holding.shape(p), holding.numel(p));
                 let view = flat.f_narrow(0, offset, numel)?.f_view(shape.as_slice())?;
                 // Each parameter draws from its own seed, so a rank can initialise any unit
                 // alone and get the values every other rank gets; a split one draws the
                 // whole tensor and keeps its piece, as one process would have it.
                 let target = initial.f_narrow(0, offset, numel)?;
                 with_seed(config.seed.wrapping_add(7919 * id.0 as i64), || -> Result<()> {
+                    if numel == 0 {
+                        return Ok(());
+                    }
                     if tp > 1 && p.tp.is_split() {
                         let whole = Tensor::f_empty(p.shape.as_slice(), (initial.kind(), config.device))?;
                         tch::no_grad(|| init(&whole, p.init))?;
@@ -474,6 +546,7 @@ impl Engine {
         Ok(Engine {
             spec,
             config,
+            holding,
             adapters_on: true,
             grads,
             fresh_grads: vec![false; units],
@@ -712,17 +785,21 @@ impl Engine {
     /// Whether the global gradient norm is this rank's own (nothing sharded or split over
     /// other ranks).
     pub(crate) fn grad_norm_is_local(&self) -> bool {
-        self.tensor_parallel().is_none() && self.schedule.grad_norm_is_local()
+        self.tensor_parallel().is_none() && self.holding.experts.is_none() && self.schedule.grad_norm_is_local()
     }
 
     /// The global sum of squared gradients from this rank's per-unit sums (unit, sum).
     pub(crate) fn grad_sq_sum(&self, per_unit: &[(usize, f64)]) -> Result<f64> {
-        let sum = self.schedule.grad_sq_sum(per_unit)?;
-        // Each tensor rank holds its pieces (and a 1/tp share of what they all hold whole).
-        match self.tensor_parallel() {
-            Some(tp) => Ok(tp.sum_values(&[sum])?[0]),
-            None => Ok(sum),
+        let mut sum = self.schedule.grad_sq_sum(per_unit)?;
+        // Each tensor rank holds its pieces (and a 1/tp share of what they all hold whole),
+        // each expert rank its experts (and a share of the rest, [`Engine::segments`]).
+        if let Some(tp) = self.tensor_parallel() {
+            sum = tp.sum_values(&[sum])?[0];
         }
+        if let Some(group) = self.apart_experts() {
+            sum = group.sum_values(&[sum])?[0];
+        }
+        Ok(sum)
     }
 
     /// dtype of the values the optimizer updates and checkpoints hold.
@@ -759,16 +836,32 @@ impl Engine {
 
     /// Unit `unit`'s parameters, whole and unpadded, in `Engine::master_kind`, laid out
     /// at [`Engine::full_offset`]s; with a sharded strategy every rank of the shard group
-    /// (and of the tensor group) must call this together.
+    /// (and of the tensor group, and of an expert group storing its experts apart) must call
+    /// this together.
     pub fn full_unit(&mut self, unit: usize) -> Result<Tensor> {
         let (schedule, ctx) = self.schedule_for(unit);
         let local = schedule.full_unit(ctx)?;
-        let Some(tp) = self.tensor_parallel().cloned() else { return Ok(local) };
-        let pieces = tp.gather(&local)?;
+        let tensor_whole = match self.tensor_parallel().cloned() {
+            Some(tp) => self.join_tensor_pieces(unit, &local, tp.as_ref())?,
+            None => local,
+        };
+        match self.apart_experts() {
+            Some(group) => self.join_expert_pieces(unit, &tensor_whole, group.as_ref()),
+            None => Ok(tensor_whole),
+        }
+    }
+
+    /// Unit `unit`'s parameters this rank stores, each whole over the tensor group, from
+    /// this rank's pieces `local` (in its own layout).
+    fn join_tensor_pieces(&self, unit: usize, local: &Tensor, tp: &dyn TensorParallel) -> Result<Tensor> {
+        let pieces = tp.gather(local)?;
         let mut whole = Vec::new();
         for &id in &self.spec.units[unit].params {
             let p = &self.spec.params[id.0];
-            let shape = p.local_shape(tp.size());
+            if !self.holding.holds(p) {
+                continue;
+            }
+            let shape = self.holding.shape(p);
             let numel = shape.iter().product::<i64>();
             let of_param = pieces
                 .iter()
@@ -783,6 +876,32 @@ impl Engine {
                 )));
             }
             whole.push(p.tp.unshard(&of_param, &p.shape)?.f_reshape([-1])?);
+        }
+        Ok(Tensor::f_cat(&whole, 0)?)
+    }
+
+    /// Unit `unit`'s whole parameters from `mine`, those this rank stores (whole over the
+    /// tensor group): each routed expert from the rank of the expert group that stores it,
+    /// the rest from this rank. Every rank stores as many elements, so one gather serves.
+    fn join_expert_pieces(&self, unit: usize, mine: &Tensor, group: &dyn ExpertExchange) -> Result<Tensor> {
+        let (size, rank) = (group.size(), group.rank());
+        let pieces = group.gather(mine)?;
+        let mut read = vec![0; size];
+        let mut whole = Vec::new();
+        for &id in &self.spec.units[unit].params {
+            let p = &self.spec.params[id.0];
+            let numel = p.numel();
+            match p.expert {
+                Some(slot) => {
+                    let owner = slot.owner(size as i64) as usize;
+                    whole.push(pieces[owner].f_narrow(0, read[owner], numel)?);
+                    read[owner] += numel;
+                }
+                None => {
+                    whole.push(mine.f_narrow(0, read[rank], numel)?);
+                    read.iter_mut().for_each(|at| *at += numel);
+                }
+            }
         }
         Ok(Tensor::f_cat(&whole, 0)?)
     }
@@ -804,16 +923,58 @@ impl Engine {
     }
 
     /// This rank's pieces of unit `unit`'s whole flat layout `values`, in its own layout
-    /// ([`Engine::offset`]s; unpadded); `values` itself without tensor parallelism.
+    /// ([`Engine::offset`]s; unpadded); `values` itself where this rank stores everything whole.
     pub(crate) fn split_unit(&self, unit: usize, values: &Tensor) -> Result<Tensor> {
-        let Some(tp) = self.tensor_parallel() else { return Ok(values.shallow_clone()) };
+        let tp = self.tensor_parallel();
+        if tp.is_none() && self.holding.experts.is_none() {
+            return Ok(values.shallow_clone());
+        }
         let mut pieces = Vec::new();
         for &id in &self.spec.units[unit].params {
             let p = &self.spec.params[id.0];
+            if !self.holding.holds(p) {
+                continue;
+            }
             let whole = values.f_narrow(0, self.full_offsets[id.0], p.numel())?.f_view(p.shape.as_slice())?;
-            pieces.push(p.tp.shard(&whole, tp.size(), tp.rank())?.f_reshape([-1])?);
+            let piece = match tp {
+                Some(tp) => p.tp.shard(&whole, tp.size(), tp.rank())?,
+                None => whole,
+            };
+            pieces.push(piece.f_reshape([-1])?);
         }
         Ok(Tensor::f_cat(&pieces, 0)?)
+    }
+
+    /// What this rank stores of each parameter.
+    pub fn holding(&self) -> Holding {
+        self.holding
+    }
+
+    /// The expert group, where it stores its routed experts apart.
+    fn apart_experts(&self) -> Option<Arc<dyn ExpertExchange>> {
+        self.config.experts.clone().filter(|_| self.holding.experts.is_some())
+    }
+
+    /// Where the expert group stores its experts apart, the runs (start, length) of unit
+    /// `unit`'s flat layout that hold this rank's routed experts; empty otherwise.
+    pub(crate) fn expert_stretches(&self, unit: usize) -> Vec<(i64, i64)> {
+        let mut runs: Vec<(i64, i64)> = Vec::new();
+        if self.holding.experts.is_none() {
+            return runs;
+        }
+        for &id in &self.spec.units[unit].params {
+            let p = &self.spec.params[id.0];
+            let numel = self.holding.numel(p);
+            if p.expert.is_none() || numel == 0 {
+                continue;
+            }
+            let start = self.offsets[id.0];
+            match runs.last_mut() {
+                Some((s, len)) if *s + *len == start => *len += numel,
+                _ => runs.push((start, numel)),
+            }
+        }
+        runs
     }
 
     /// Calls `ready` with each unit whose gradient the step's completing backward has made
@@ -1047,6 +1208,13 @@ impl Engine {
     pub fn decode(&mut self, input: &Tensor, caches: &mut [DecodeCache]) -> Result<Tensor> {
         if caches.len() != self.spec.units.len() {
             return Err(Error::Engine(format!("{} decode caches for {} units", caches.len(), self.spec.units.len())));
+        }
+        if self.holding.experts.is_some() {
+            return Err(Error::Config(
+                "expert_parallel: decoding computes every expert on each rank, which stores only its own here; \
+                 add fsdp or zero2, which keep every expert"
+                    .into(),
+            ));
         }
         self.release_records();
         let mut x = input.shallow_clone();
@@ -1576,14 +1744,17 @@ impl Engine {
                     continue;
                 }
                 let (group, start) = (group_of(p), self.offsets[id.0]);
-                let share = if self.spec.copies.contains(&id) {
-                    0.0
-                } else if p.tp.is_split() {
-                    1.0
-                } else {
-                    1.0 / tp as f64
+                let tensor_share = if p.tp.is_split() { 1.0 } else { 1.0 / tp as f64 };
+                // What every rank of an expert group storing its experts apart holds alike.
+                let expert_share = match (p.expert, self.holding.experts) {
+                    (None, Some((size, _))) => 1.0 / size as f64,
+                    _ => 1.0,
                 };
-                let end = start + p.local_shape(tp).iter().product::<i64>();
+                let share = match self.spec.copies.contains(&id) {
+                    true => 0.0,
+                    false => tensor_share * expert_share,
+                };
+                let end = start + self.holding.numel(p);
                 match runs.last_mut() {
                     Some((g, s, _, e)) if *g == group && *s == share && *e == start => *e = end,
                     _ => runs.push((group, share, start, end)),

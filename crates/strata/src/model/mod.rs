@@ -317,6 +317,26 @@ pub struct ParamSpec {
     /// Whether it is the `[out, in]` weight of a linear layer its unit applies through
     /// [`Params::linear`] or [`Params::row_linear`]: what a low-rank adapter may join.
     pub linear: bool,
+    /// For a routed expert's weight or bias, which expert of its layer it belongs to: what
+    /// expert parallelism stores on the rank computing that expert alone.
+    pub expert: Option<ExpertSlot>,
+}
+
+/// A routed expert's place among its sparse layer's experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertSlot {
+    /// The expert's index in its layer.
+    pub index: i64,
+    /// Routed experts in the layer.
+    pub of: i64,
+}
+
+impl ExpertSlot {
+    /// The rank of an expert group of `size` ranks that computes this expert (each rank
+    /// computes an equal run of consecutive experts, [`ExpertExchange`]).
+    pub fn owner(self, size: i64) -> i64 {
+        self.index / (self.of / size).max(1)
+    }
 }
 
 impl ParamSpec {
@@ -1039,6 +1059,7 @@ impl UnitBuilder<'_> {
             unit: self.index,
             requires_grad: true,
             linear: false,
+            expert: None,
         });
         self.owned.push(id);
         id
@@ -1057,6 +1078,14 @@ impl UnitBuilder<'_> {
     pub fn linear(&mut self, name: impl Into<String>, shape: &[i64], init: Init, tp: TpRole) -> ParamId {
         let id = self.param(name, shape, init, tp);
         self.builder.params[id.0].linear = true;
+        id
+    }
+
+    /// Declares parameter `name` of routed expert `slot`: whole on every tensor rank, and
+    /// under expert parallelism stored by the rank computing the expert.
+    pub fn expert_param(&mut self, name: impl Into<String>, shape: &[i64], init: Init, slot: ExpertSlot) -> ParamId {
+        let id = self.param(name, shape, init, TpRole::SequenceReplicated);
+        self.builder.params[id.0].expert = Some(slot);
         id
     }
 

@@ -19,7 +19,7 @@
 //! whose backward adds that coefficient's gradient to the layer's probabilities: recomputed,
 //! sharded or offloaded units take it in their own backward like any other gradient.
 use super::layers::swiglu;
-use super::{ContextParallel, Init, ParamId, Params, TensorParallel, TpRole, UnitBuilder, INIT_STD};
+use super::{ContextParallel, ExpertSlot, Init, ParamId, Params, TensorParallel, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -64,6 +64,11 @@ pub trait ExpertExchange: Send + Sync {
     /// (`received[r]` has `lengths[r]` rows of `inputs`' width). Every rank of the group
     /// calls it in the same order, with empty pieces where it has nothing to send.
     fn all_to_all(&self, inputs: &[Tensor], lengths: &[i64]) -> Result<Vec<Tensor>>;
+    /// Every rank's `x` (of one shape on every rank), rank by rank: what the engine joins
+    /// whole units from where each rank stores only its own experts.
+    fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>>;
+    /// `values` summed over the group (squared gradient norms of experts stored apart).
+    fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>>;
 }
 
 impl std::fmt::Debug for dyn ExpertExchange {
@@ -373,31 +378,33 @@ pub(crate) struct Expert {
 
 impl Expert {
     /// Declares an expert's gate, up and down weights (named `names`, `width` wide, over
-    /// hidden states `dim` wide). A shared expert's are linear layers a LoRA strategy's
-    /// `target_modules` may name; routed experts' are not (`transformers` stacks them into
-    /// one module's parameters, which `target_parameters` names: [`super::ExpertSet`]).
+    /// hidden states `dim` wide): routed expert `slot`'s, or a shared expert's (`None`). A
+    /// shared expert's are linear layers a LoRA strategy's `target_modules` may name; routed
+    /// experts' are not (`transformers` stacks them into one module's parameters, which
+    /// `target_parameters` names: [`super::ExpertSet`]).
     pub(crate) fn declare(
         u: &mut UnitBuilder<'_>,
         names: [String; 3],
         width: i64,
         dim: i64,
-        routed: bool,
+        slot: Option<ExpertSlot>,
         moe: &MoeConfig,
     ) -> Expert {
         let normal = Init::Normal { std: INIT_STD };
-        let mut weight = |name: &str, shape: &[i64]| match routed {
-            true => u.param(name, shape, normal, TpRole::SequenceReplicated),
-            false => u.linear(name, shape, normal, TpRole::SequenceReplicated),
+        let mut param = |name: &str, shape: &[i64], init: Init| match slot {
+            Some(slot) => u.expert_param(name, shape, init, slot),
+            None => u.linear(name, shape, init, TpRole::SequenceReplicated),
         };
         let [gate, up, down] = [(&names[0], [width, dim]), (&names[1], [width, dim]), (&names[2], [dim, width])]
-            .map(|(name, shape)| weight(name, &shape));
+            .map(|(name, shape)| param(name, &shape, normal));
         // Each bias beside its weight, named as the weight is but `.bias`.
-        let biases = (routed && moe.expert_bias).then(|| {
+        let biases = (slot.is_some() && moe.expert_bias).then(|| {
             [(&names[0], width), (&names[1], width), (&names[2], dim)].map(|(name, out)| {
                 let name = name.strip_suffix(".weight").unwrap_or(name);
-                u.param(format!("{name}.bias"), &[out], Init::Zeros, TpRole::SequenceReplicated)
+                param(&format!("{name}.bias"), &[out], Init::Zeros)
             })
         });
+        let routed = slot.is_some();
         let activation = if routed { moe.activation } else { ExpertActivation::Silu };
         Expert { gate, up, down, biases, activation }
     }
@@ -473,7 +480,16 @@ impl SparseFeedForward {
             id
         });
         let experts: Vec<Expert> = (0..moe.experts)
-            .map(|e| Expert::declare(u, moe.expert_names(name, e), moe.expert_ffn_dim, dim, true, moe))
+            .map(|e| {
+                Expert::declare(
+                    u,
+                    moe.expert_names(name, e),
+                    moe.expert_ffn_dim,
+                    dim,
+                    Some(ExpertSlot { index: e, of: moe.experts }),
+                    moe,
+                )
+            })
             .collect();
         u.expert_set(super::ExpertSet {
             module: format!("{name}.mlp.experts"),
@@ -484,7 +500,7 @@ impl SparseFeedForward {
         });
         let shared = moe.shared_expert_dim.map(|width| {
             let (names, gate) = moe.shared_names(name);
-            let expert = Expert::declare(u, names, width, dim, false, moe);
+            let expert = Expert::declare(u, names, width, dim, None, moe);
             (expert, gate.map(|gate| u.linear(gate, &[1, dim], normal, TpRole::SequenceReplicated)))
         });
         SparseFeedForward {

@@ -6,8 +6,10 @@
 //! reverse), so communication overlaps the backward of the units before it. A parameter no batch reaches simply has a
 //! zero gradient, so unused parameters never stall the reduction; unless
 //! `find_unused_parameters` says they are expected, a step in which some parameter got no
-//! gradient is an error naming them (as PyTorch DDP refuses them). Must not touch model
-//! definitions or the optimizer: it acts on the engine's buffers only.
+//! gradient is an error naming them (as PyTorch DDP refuses them). Where an expert group
+//! stores its routed experts apart, the stretches of a bucket that hold this rank's experts
+//! are averaged over the ranks storing the same experts instead ([`ExpertReplicas`]). Must
+//! not touch model definitions or the optimizer: it acts on the engine's buffers only.
 use crate::comm::{ProcessGroup, ReduceOp, Work};
 use crate::engine::{Engine, HeldStates, Phase, ScheduleContext, UnitSchedule};
 use crate::{Error, Result};
@@ -28,8 +30,9 @@ pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
 /// group once backward completes it ([`DataParallel::install`]).
 pub struct DataParallel {
     group: Arc<dyn ProcessGroup>,
-    /// For each unit that completes a bucket, the bucket (a slice of the gradient buffer).
-    bucket_ending_at: Vec<Option<Tensor>>,
+    /// For each unit that completes a bucket, the bucket (slices of the gradient buffer).
+    bucket_ending_at: Vec<Option<Vec<Stretch>>>,
+    experts: Option<ExpertReplicas>,
     in_flight: Vec<Work>,
     /// Without `find_unused_parameters`: each trainable parameter's name and whether a
     /// gradient reached it since the last completed step (set by a gradient hook).
@@ -47,6 +50,43 @@ pub struct DataParallelOptions {
     pub find_unused_parameters: bool,
 }
 
+/// Where an expert group stores its routed experts apart: the ranks storing the same experts
+/// as this one, whose gradients of them are averaged, and the expert group's size.
+pub struct ExpertReplicas {
+    /// The data-parallel ranks outside this rank's expert group that store its experts
+    /// (`None`: no other rank does).
+    pub group: Option<Arc<dyn ProcessGroup>>,
+    /// Ranks of the expert group.
+    pub expert_size: usize,
+}
+
+/// A run of a bucket that one group reduces.
+struct Stretch {
+    grad: Tensor,
+    /// Whether it holds this rank's routed experts (stored apart).
+    experts: bool,
+}
+
+/// `(start, len)` cut into runs `(start, len, in_spans)` by `spans` (sorted, disjoint).
+fn cut(start: i64, len: i64, spans: &[(i64, i64)]) -> Vec<(i64, i64, bool)> {
+    let (end, mut at, mut runs) = (start + len, start, Vec::new());
+    for &(s, l) in spans {
+        let (s, e) = (s.max(at), (s + l).min(end));
+        if s >= e {
+            continue;
+        }
+        if at < s {
+            runs.push((at, s - at, false));
+        }
+        runs.push((s, e - s, true));
+        at = e;
+    }
+    if at < end {
+        runs.push((at, end - at, false));
+    }
+    runs
+}
+
 impl Default for DataParallelOptions {
     fn default() -> Self {
         DataParallelOptions { bucket_bytes: DEFAULT_BUCKET_BYTES, find_unused_parameters: false }
@@ -55,13 +95,34 @@ impl Default for DataParallelOptions {
 
 impl DataParallel {
     /// Installs data parallelism over `group` on `engine`, after making every rank start
-    /// from rank 0's parameters (`sync_module_states`).
-    pub fn install(engine: &mut Engine, group: Arc<dyn ProcessGroup>, options: DataParallelOptions) -> Result<()> {
+    /// from rank 0's parameters (`sync_module_states`; routed experts stored apart from the
+    /// first rank storing them). `experts` is needed exactly where the engine stores its
+    /// experts apart.
+    pub fn install(
+        engine: &mut Engine,
+        group: Arc<dyn ProcessGroup>,
+        experts: Option<ExpertReplicas>,
+        options: DataParallelOptions,
+    ) -> Result<()> {
         if options.bucket_bytes == 0 {
             return Err(Error::Config("the bucket size must be positive".into()));
         }
-        for s in engine.storage() {
-            group.broadcast(&s.flat, 0)?.wait()?;
+        if experts.is_some() != engine.holding().experts.is_some() {
+            return Err(Error::Config(
+                "data parallelism reduces experts stored apart over their replicas, and only those".into(),
+            ));
+        }
+        for (k, s) in engine.storage().iter().enumerate() {
+            for (start, len, apart) in cut(0, s.flat.numel() as i64, &engine.expert_stretches(k)) {
+                let run = s.flat.f_narrow(0, start, len)?;
+                match (apart, &experts) {
+                    (false, _) => group.broadcast(&run, 0)?.wait()?,
+                    (true, Some(ExpertReplicas { group: Some(replicas), .. })) => {
+                        replicas.broadcast(&run, 0)?.wait()?
+                    }
+                    (true, _) => {}
+                }
+            }
         }
         // Gradients where the group's all-reduces read them in place (shm's shared memory).
         if let Some(grads) = engine.grads() {
@@ -69,7 +130,8 @@ impl DataParallel {
                 engine.place_grads(shared)?;
             }
         }
-        let bucket_ending_at = buckets(engine, FIRST_BUCKET_BYTES.min(options.bucket_bytes), options.bucket_bytes)?;
+        let ranges = buckets(engine, FIRST_BUCKET_BYTES.min(options.bucket_bytes), options.bucket_bytes)?;
+        let bucket_ending_at = stretches(engine, ranges)?;
         let (mut reached, mut hooks) = (Vec::new(), Vec::new());
         if !options.find_unused_parameters {
             for (name, p) in engine.named_params().filter(|(_, p)| p.requires_grad()) {
@@ -83,29 +145,35 @@ impl DataParallel {
             }
         }
         let in_flight = Vec::new();
-        engine.set_schedule(Box::new(DataParallel { group, bucket_ending_at, in_flight, reached, _hooks: hooks }));
+        engine.set_schedule(Box::new(DataParallel {
+            group,
+            bucket_ending_at,
+            experts,
+            in_flight,
+            reached,
+            _hooks: hooks,
+        }));
         Ok(())
     }
 }
 
-/// Groups units from the last backwards into buckets of at least `bucket_bytes`; returns,
-/// per unit, the bucket whose all-reduce starts after that unit's backward.
-/// For each unit that closes a bucket, the bucket: from the last unit back, runs of units of
-/// at least `first_bytes` for the first bucket and `bucket_bytes` for the others.
-fn buckets(engine: &Engine, first_bytes: usize, bucket_bytes: usize) -> Result<Vec<Option<Tensor>>> {
+/// For each unit that closes a bucket, the bucket's (start, length) in the gradient
+/// buffer: from the last unit back, runs of units of at least `first_bytes` for the first
+/// bucket and `bucket_bytes` for the others.
+fn buckets(engine: &Engine, first_bytes: usize, bucket_bytes: usize) -> Result<Vec<Option<(i64, i64)>>> {
     let grads = engine
         .grads()
         .ok_or_else(|| Error::Config("data parallelism needs the engine's contiguous gradient layout".into()))?;
     let esize = grads.kind().elt_size_in_bytes();
     let sizes: Vec<i64> = engine.storage().iter().map(|s| s.grad.numel() as i64).collect();
-    let mut out: Vec<Option<Tensor>> = (0..sizes.len()).map(|_| None).collect();
+    let mut out: Vec<Option<(i64, i64)>> = vec![None; sizes.len()];
     let mut end: i64 = sizes.iter().sum();
     let mut start = end;
     let mut cap = first_bytes;
     for k in (0..sizes.len()).rev() {
         start -= sizes[k];
         if (end - start) as usize * esize >= cap || k == 0 {
-            out[k] = Some(grads.f_narrow(0, start, end - start)?);
+            out[k] = Some((start, end - start));
             end = start;
             cap = bucket_bytes;
         }
@@ -113,11 +181,54 @@ fn buckets(engine: &Engine, first_bytes: usize, bucket_bytes: usize) -> Result<V
     Ok(out)
 }
 
+/// Each bucket's slices of the gradient buffer, cut where the engine stores its experts apart.
+fn stretches(engine: &Engine, ranges: Vec<Option<(i64, i64)>>) -> Result<Vec<Option<Vec<Stretch>>>> {
+    let grads = engine.grads().ok_or_else(|| Error::Engine("no contiguous gradient buffer".into()))?;
+    // The experts' runs in the gradient buffer: each unit's span follows the one before.
+    let mut spans = Vec::new();
+    let mut base = 0;
+    for (k, s) in engine.storage().iter().enumerate() {
+        let len = s.grad.numel() as i64;
+        for (start, n) in engine.expert_stretches(k) {
+            let (from, to) = ((start - s.grad_start).max(0), (start + n - s.grad_start).min(len));
+            if from < to {
+                spans.push((base + from, to - from));
+            }
+        }
+        base += len;
+    }
+    ranges
+        .into_iter()
+        .map(|range| {
+            range
+                .map(|(start, len)| {
+                    cut(start, len, &spans)
+                        .into_iter()
+                        .map(|(at, n, experts)| Ok(Stretch { grad: grads.f_narrow(0, at, n)?, experts }))
+                        .collect()
+                })
+                .transpose()
+        })
+        .collect()
+}
+
 impl UnitSchedule for DataParallel {
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()> {
         if phase == Phase::AfterBackward && ctx.sync_grads {
-            if let Some(bucket) = &self.bucket_ending_at[ctx.unit] {
-                self.in_flight.push(self.group.all_reduce(bucket, ReduceOp::Avg)?);
+            for stretch in self.bucket_ending_at[ctx.unit].iter().flatten() {
+                match (stretch.experts, &self.experts) {
+                    (false, _) => self.in_flight.push(self.group.all_reduce(&stretch.grad, ReduceOp::Avg)?),
+                    // The experts' gradients sum every rank of the expert group's tokens; the
+                    // average over all data-parallel ranks is their average over the replicas
+                    // divided by the expert group's size.
+                    (true, Some(experts)) => {
+                        let _ = stretch.grad.shallow_clone().f_div_scalar_(experts.expert_size as f64)?;
+                        if let Some(replicas) = &experts.group {
+                            self.in_flight.push(replicas.all_reduce(&stretch.grad, ReduceOp::Avg)?);
+                        }
+                    }
+                    (true, None) => return Err(Error::Engine("experts stored apart without their replicas".into())),
+                }
             }
         }
         Ok(())
@@ -173,11 +284,11 @@ mod tests {
         assert!(per_unit.iter().all(Option::is_some), "a tiny bucket size gives one bucket per unit");
         let whole = buckets(&e, usize::MAX, usize::MAX).unwrap();
         assert!(whole[1..].iter().all(Option::is_none));
-        assert_eq!(whole[0].as_ref().unwrap().numel(), total, "a huge size gives one bucket of everything");
+        assert_eq!(whole[0], Some((0, total as i64)), "a huge size gives one bucket of everything");
         // 150 elements: the head (90) is too small alone, head + last layer (162) is not;
         // the rest (72 + 72 + 80) closes at the first unit.
         let mid = buckets(&e, 150 * 4, 150 * 4).unwrap();
-        let sizes = |b: Vec<Option<Tensor>>| b.iter().map(|b| b.as_ref().map_or(0, Tensor::numel)).collect::<Vec<_>>();
+        let sizes = |b: Vec<Option<(i64, i64)>>| b.iter().map(|b| b.map_or(0, |(_, n)| n)).collect::<Vec<_>>();
         assert_eq!(sizes(mid), [224, 0, 0, 162, 0]);
         // A first bucket of 80 elements closes at the head alone; the rest, under the
         // bucket size of everything, closes at the first unit.

@@ -1,7 +1,8 @@
 //! Expert parallelism's exchange of tokens: a sparse layer's [`ExpertExchange`] over the
 //! process group of its rank's expert group. Owns the all-to-all of pieces whose lengths
-//! the ranks agreed on beforehand; must not route or compute (the model's sparse layers do).
-use crate::comm::ProcessGroup;
+//! the ranks agreed on beforehand, and the gathers and sums the engine joins experts stored
+//! apart with; must not route or compute (the model's sparse layers do).
+use crate::comm::{ProcessGroup, ReduceOp};
 use crate::model::ExpertExchange;
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -36,5 +37,16 @@ impl ExpertExchange for ExpertGroup {
         let inputs = inputs.iter().map(Tensor::f_contiguous).collect::<std::result::Result<Vec<_>, _>>()?;
         self.group.all_to_all(&outputs, &inputs)?.wait()?;
         Ok(outputs)
+    }
+
+    fn gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let x = x.f_contiguous()?;
+        let outputs = (0..self.size()).map(|_| x.f_empty_like()).collect::<std::result::Result<Vec<_>, _>>()?;
+        self.group.all_gather(&outputs, &x)?.wait()?;
+        Ok(outputs)
+    }
+
+    fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>> {
+        crate::comm::all_reduce_values(self.group.as_ref(), values, ReduceOp::Sum)
     }
 }

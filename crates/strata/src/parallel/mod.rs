@@ -20,7 +20,7 @@ mod trainer;
 pub mod zero;
 
 pub use context::{piece_of, rows_piece};
-pub use ddp::{DataParallel, DataParallelOptions, DEFAULT_BUCKET_BYTES};
+pub use ddp::{DataParallel, DataParallelOptions, ExpertReplicas, DEFAULT_BUCKET_BYTES};
 pub use mesh::Mesh;
 pub use trainer::{build_trainer, TrainerSetup};
 
@@ -270,6 +270,17 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
         ..config
     };
     let Some((name, shard)) = strategy.sharding() else {
+        // Without sharding each rank of an expert group stores only the experts it computes,
+        // and averages their gradients with the ranks that store the same ones: the data
+        // replicas outside its expert group (created last, by every rank alike).
+        let experts = match (experts_split, at.comm) {
+            (true, Some(comm)) => Some(ExpertReplicas {
+                group: my_group(comm, &mesh.groups(&[Dim::Zero, Dim::Data, Dim::Context]))?,
+                expert_size: mesh.size(Dim::Expert),
+            }),
+            _ => None,
+        };
+        let config = EngineConfig { experts_apart: experts.is_some(), ..config };
         let mut engine = Engine::new(spec, config)?;
         if let Some(group) = replica_group {
             // A rank's own step never reaches the experts other ranks of its group compute.
@@ -277,7 +288,7 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
                 find_unused_parameters: at.data_parallel.find_unused_parameters || experts_split,
                 ..at.data_parallel
             };
-            DataParallel::install(&mut engine, group, options)?;
+            DataParallel::install(&mut engine, group, experts, options)?;
         }
         return Ok(engine);
     };

@@ -360,6 +360,7 @@ fn declare(
         unit: weight.unit,
         requires_grad: true,
         linear: false,
+        expert: None,
     };
     if spec.find(&p.name).is_some() {
         return Err(Error::Config(format!("lora: the model already has a parameter {}", p.name)));

@@ -35,7 +35,7 @@ fn trainer(find_unused_parameters: bool) -> Trainer {
     let store = Store::connect(server.addr(), "t", Duration::from_secs(10)).unwrap();
     let comm = Comm::new(store, Some(server), 0, 1, "cpu:tcp", Duration::from_secs(10)).unwrap();
     let options = DataParallelOptions { find_unused_parameters, ..Default::default() };
-    DataParallel::install(&mut engine, Arc::from(comm.world().unwrap()), options).unwrap();
+    DataParallel::install(&mut engine, Arc::from(comm.world().unwrap()), None, options).unwrap();
     let optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
     Trainer::new(engine, optimizer, LrSchedule::Constant, None)
 }
