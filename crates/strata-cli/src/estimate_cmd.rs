@@ -397,9 +397,18 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         );
     }
     if !report.experts.is_empty() {
-        println!("\n{:<16} {:>17} {:>28}", "expert parallel", "experts per rank", "all-to-all per step and rank");
+        println!(
+            "\n{:<16} {:>17} {:>22} {:>28}",
+            "expert parallel", "experts per rank", "their weights stored", "all-to-all per step and rank"
+        );
         for e in &report.experts {
-            println!("{:<16} {:>17} {:>28}", e.size, e.experts_per_rank, human_bytes(e.all_to_all_bytes));
+            println!(
+                "{:<16} {:>17} {:>22} {:>28}",
+                e.size,
+                e.experts_per_rank,
+                human_bytes(e.expert_bytes_per_rank),
+                human_bytes(e.all_to_all_bytes)
+            );
         }
     }
     Ok(())

@@ -145,16 +145,17 @@ fn strata_estimate_says_what_fits_a_70b_model_on_64_gpus() {
     assert!(report["params"].as_i64().unwrap() > 70_000_000_000);
 }
 
-/// Qwen3-30B-A3B (48 sparse layers of 128 experts, 8 per token, width 2048) over expert
-/// groups: each rank computes 128/k experts, and sends (k−1)/k of its token slots' hidden
-/// states out and back, forward and backward, in bf16.
+/// Qwen3-30B-A3B (48 sparse layers of 128 experts 768 wide, 8 per token, width 2048) over
+/// expert groups: each rank computes 128/k experts and stores their fp32 weights alone, and
+/// sends (k−1)/k of its token slots' hidden states out and back, forward and backward, in
+/// bf16.
 #[test]
 fn strata_estimate_places_experts_and_counts_their_all_to_all() {
     let args = ["estimate", "--preset", "qwen3-30b-a3b", "--nproc", "8", "--ctx", "4096", "--micro-batch", "2"];
     let out = strata(&[&args[..], &["--expert-parallel", "1,2,8", "--json"]].concat());
     assert!(out.status.success(), "{}", stderr(&out));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let placed: Vec<(u64, u64, u64)> = report["experts"]
+    let placed: Vec<(u64, u64, u64, u64)> = report["experts"]
         .as_array()
         .unwrap()
         .iter()
@@ -162,13 +163,15 @@ fn strata_estimate_places_experts_and_counts_their_all_to_all() {
             (
                 e["size"].as_u64().unwrap(),
                 e["experts_per_rank"].as_u64().unwrap(),
+                e["expert_bytes_per_rank"].as_u64().unwrap(),
                 e["all_to_all_bytes"].as_u64().unwrap(),
             )
         })
         .collect();
     let slots_bytes = 2 * 4096 * 8 * 2048 * 2;
     let step = |k: u64| 4 * 48 * slots_bytes * (k - 1) / k;
-    assert_eq!(placed, [(1, 128, 0), (2, 64, step(2)), (8, 16, step(8))]);
+    let weights = |k: u64| 48 * 128 / k * 3 * 2048 * 768 * 4;
+    assert_eq!(placed, [(1, 128, weights(1), 0), (2, 64, weights(2), step(2)), (8, 16, weights(8), step(8))]);
     assert_fails_with(&strata(&[&args[..], &["--expert-parallel", "3"]].concat()), "128 experts do not split over 3");
     assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--expert-parallel", "2"]), "the model has no experts");
 }

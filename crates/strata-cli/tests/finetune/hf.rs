@@ -182,6 +182,10 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
         assert_eq!(remote.is_some_and(|r| r > 0), name.starts_with("experts"), "{name}: tokens sent to other ranks");
         if name == "experts 2" {
             assert_eq!(stored_param_bytes(&run), apart(2), "{name}: parameter bytes a rank stores");
+            let ckpt_dir = dir.path().join("ckpt");
+            let ckpt = ["--save-checkpoint", s(&ckpt_dir), "--steps", "1"];
+            let o = strata(&[&["train"][..], &files, &flags, &extra, &ckpt].concat());
+            assert_fails_with(&o, "checkpoints of expert_parallel need every expert on each rank's layout");
             let folder = strata::io::read_safetensors(&saved.join("model.safetensors")).unwrap();
             let saved_experts = folder.iter().filter(|(n, _)| n.contains(".mlp.experts.")).map(|(_, t)| t.numel());
             assert_eq!(saved_experts.sum::<usize>() as i64, experts, "{name}: every expert in the saved folder");

@@ -16,7 +16,7 @@
 use super::candidate::{Candidate, Layout, Precision, Sharding};
 use crate::engine::UnitLayout;
 pub use crate::model::Kept;
-use crate::model::{ModelConfig, ModelSpec};
+use crate::model::{ModelConfig, ModelSpec, ParamSpec};
 use crate::parallel::pipeline::partition::{self, Stages, UnitCost};
 use crate::parallel::pipeline::schedule::{self, Pipeline};
 use crate::strategy::{ContextKind, ScheduleKind};
@@ -242,8 +242,12 @@ pub struct ExpertPlacement {
     /// Ranks in one expert group.
     pub size: usize,
     /// Routed experts each rank of a group computes (rank `r` those from `r · experts_per_rank`)
-    /// in each sparse layer; every rank holds every expert's weights.
+    /// in each sparse layer.
     pub experts_per_rank: i64,
+    /// Bytes of routed experts' weights one rank stores without sharding: those of the
+    /// experts it computes. (Under zero or fsdp every rank's layout holds every expert, and
+    /// the shards cut them as the rest.)
+    pub expert_bytes_per_rank: u64,
     /// Bytes one rank sends (and as many it receives) in a step's all-to-alls: each sparse
     /// layer sends its token slots' hidden states to the ranks of their experts and takes
     /// their outputs back, and backward does the same with their gradients; the slots of its
@@ -273,9 +277,11 @@ pub fn expert_placement(
         _ => 2,
     };
     let remote = slots * width * element * (size as u64 - 1) / size as u64;
+    let routed: i64 = spec.params.iter().filter(|p| p.expert.is_some()).map(ParamSpec::numel).sum();
     Ok(Some(ExpertPlacement {
         size,
         experts_per_rank: experts / size as i64,
+        expert_bytes_per_rank: routed as u64 / size as u64 * param_bytes(precision),
         all_to_all_bytes: 4 * remote * spec.expert_sets.len() as u64,
     }))
 }

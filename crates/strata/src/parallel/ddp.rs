@@ -274,6 +274,15 @@ mod tests {
     use crate::model::{mlp, Builder, MlpConfig};
 
     #[test]
+    fn a_range_is_cut_where_it_enters_and_leaves_each_span() {
+        assert_eq!(cut(0, 10, &[]), [(0, 10, false)]);
+        let spans = [(0, 4), (6, 2), (11, 5), (30, 1)];
+        let runs = [(2, 2, true), (4, 2, false), (6, 2, true), (8, 3, false), (11, 1, true)];
+        assert_eq!(cut(2, 10, &spans), runs);
+        assert_eq!(cut(6, 2, &spans), [(6, 2, true)]);
+    }
+
+    #[test]
     fn buckets_cover_the_gradients_once_from_the_last_unit_back() {
         let mut b = Builder::new();
         mlp(&MlpConfig { vocab: 10, layers: 3, dim: 8 }, &mut b).unwrap();
