@@ -182,10 +182,20 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
         assert_eq!(remote.is_some_and(|r| r > 0), name.starts_with("experts"), "{name}: tokens sent to other ranks");
         if name == "experts 2" {
             assert_eq!(stored_param_bytes(&run), apart(2), "{name}: parameter bytes a rank stores");
+            // Each rank checkpoints its own experts: resumed over the same expert group and
+            // in one process, the run carries on to the uninterrupted runs' weights.
             let ckpt_dir = dir.path().join("ckpt");
-            let ckpt = ["--save-checkpoint", s(&ckpt_dir), "--steps", "1"];
-            let o = strata(&[&["train"][..], &files, &flags, &extra, &ckpt].concat());
-            assert_fails_with(&o, "checkpoints of expert_parallel need every expert on each rank's layout");
+            let ckpt = ["--save-checkpoint", s(&ckpt_dir)];
+            common::train_run(dir.path(), "experts 2 to step 3", 3, &[&files, &flags, &extra, &ckpt]);
+            let resume = ["--resume", s(&ckpt_dir)];
+            let alone = ["--accumulation", "2"];
+            for (how, args, uninterrupted) in
+                [("expert parallel 2", &extra[..], &run), ("one process", &alone[..], &one)]
+            {
+                let resumed = common::train_run(dir.path(), how, 6, &[&files, &flags, args, &resume]);
+                let gap = common::global_gap(&uninterrupted.0, &resumed.0);
+                assert!(gap < 1e-5, "resumed in {how}: weights differ by {gap:e}");
+            }
             let folder = strata::io::read_safetensors(&saved.join("model.safetensors")).unwrap();
             let saved_experts = folder.iter().filter(|(n, _)| n.contains(".mlp.experts.")).map(|(_, t)| t.numel());
             assert_eq!(saved_experts.sum::<usize>() as i64, experts, "{name}: every expert in the saved folder");

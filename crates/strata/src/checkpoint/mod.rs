@@ -23,9 +23,9 @@ pub mod snapshot;
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
-use crate::engine::Engine;
+use crate::engine::{Engine, Holding};
 use crate::io::{self, write_safetensors_streamed, Placing};
-use crate::model::{ModelConfig, ModelSpec, TpRole};
+use crate::model::{ExpertSlot, ModelConfig, ModelSpec, TpRole};
 use crate::optim::Optimizer;
 use crate::{fault, Error, Result};
 use memmap2::Mmap;
@@ -58,11 +58,19 @@ pub struct ParamEntry {
     /// come from its initial weights ([`RunInfo::base`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub frozen: bool,
+    /// The routed expert it belongs to, if it is one's weight or bias.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert: Option<ExpertSlot>,
 }
 
 impl ParamEntry {
-    /// Elements of one tensor rank's piece at tensor size `tensor_size`.
-    fn local_numel(&self, tensor_size: i64) -> i64 {
+    /// Elements of the piece a rank stores at tensor size `tensor_size`, as rank
+    /// `expert_rank` of an expert group of `expert_size` storing its experts apart (none of
+    /// another rank's expert).
+    fn local_numel(&self, tensor_size: i64, (expert_size, expert_rank): (usize, usize)) -> i64 {
+        if self.expert.is_some_and(|slot| expert_size > 1 && slot.owner(expert_size as i64) != expert_rank as i64) {
+            return 0;
+        }
         self.tp.unwrap_or(TpRole::Replicated).local_shape(&self.shape, tensor_size).iter().product()
     }
 }
@@ -102,6 +110,10 @@ pub struct Meta {
     /// Ranks each unit was split over (tensor parallelism); the rank files hold pieces.
     #[serde(default = "one")]
     pub tensor_size: usize,
+    /// Ranks of the expert groups that stored their routed experts apart (1: every rank
+    /// file holds every expert); each rank file then holds its expert rank's.
+    #[serde(default = "one")]
+    pub expert_size: usize,
     /// The optimizer's name (e.g. `adamw`); a resume must use the same.
     pub optimizer: String,
     /// Names of the optimizer's states (e.g. `exp_avg`), each stored per unit beside `param`.
@@ -201,17 +213,20 @@ pub struct Layout {
     pub unit_numel: Vec<i64>,
     /// Ranks each unit is split over (tensor parallelism).
     pub tensor_size: usize,
+    /// Ranks of the expert groups storing their experts apart (1: each stores every expert).
+    pub expert_size: usize,
 }
 
 impl Layout {
     /// The layout of `engine`'s model, which it holds whole (no pipeline stage).
     pub fn of(engine: &Engine) -> Layout {
-        Layout::of_spec(engine.spec(), engine.tensor_parallel().map_or(1, |t| t.size() as usize))
+        Layout::of_spec(engine.spec(), engine.tensor_parallel().map_or(1, |t| t.size() as usize), engine.holding())
     }
 
-    /// The layout of the whole model `spec` describes, split over `tensor_size` ranks (for
-    /// pipeline stages, whose engines hold some of its units).
-    pub fn of_spec(spec: &ModelSpec, tensor_size: usize) -> Layout {
+    /// The layout of the whole model `spec` describes, split over `tensor_size` ranks and
+    /// stored as `holding` says of experts (for pipeline stages, whose engines hold some of
+    /// its units).
+    pub fn of_spec(spec: &ModelSpec, tensor_size: usize, holding: Holding) -> Layout {
         let mut offsets = vec![0; spec.params.len()];
         let mut frozen = vec![false; spec.params.len()];
         let mut unit_numel = Vec::with_capacity(spec.units.len());
@@ -236,9 +251,11 @@ impl Layout {
                 offset,
                 tp: Some(p.tp),
                 frozen,
+                expert: p.expert,
             })
             .collect();
-        Layout { params, unit_numel, tensor_size }
+        let expert_size = holding.experts.map_or(1, |(size, _)| size as usize);
+        Layout { params, unit_numel, tensor_size, expert_size }
     }
 }
 
@@ -269,6 +286,7 @@ fn describe(layout: &Layout, parts: &[Part<'_>], run: &RunInfo) -> Meta {
         params: layout.params.clone(),
         unit_numel: layout.unit_numel.clone(),
         tensor_size: layout.tensor_size,
+        expert_size: layout.expert_size,
         optimizer: run.optimizer.clone(),
         state_names: state_names(optimizer),
         data: run.data.clone(),
@@ -312,19 +330,6 @@ pub fn save_parts(
 ) -> Result<PathBuf> {
     let publisher = world.is_none_or(|g| g.rank() == 0);
     save_into(root, layout, parts, run, world, keep, publisher, RankWrite::Atomic).map(|(dir, _)| dir)
-}
-
-/// Refuses engines whose ranks store their routed experts apart (expert parallelism
-/// without sharding): a checkpoint's files hold each tensor rank's layout, with every expert.
-pub fn check_holding<'a>(mut engines: impl Iterator<Item = &'a Engine>) -> Result<()> {
-    match engines.any(|e| e.holding().experts.is_some()) {
-        true => Err(Error::Config(
-            "checkpoints of expert_parallel need every expert on each rank's layout: add zero1, zero2 or fsdp, \
-             which keep them so"
-                .into(),
-        )),
-        false => Ok(()),
-    }
 }
 
 /// Runs `local` on every rank and has them agree that it went well, so that a failure on
@@ -397,7 +402,6 @@ fn save_into(
     if parts.is_empty() {
         return Err(Error::Engine("a checkpoint of no engine".into()));
     }
-    check_holding(parts.iter().map(|p| &*p.engine))?;
     // A delayed host update still running writes the masters and moments saved here.
     for part in parts.iter_mut() {
         part.optimizer.settle(part.engine)?;
@@ -615,9 +619,11 @@ fn write_rank_file(
         }
     }
     let tensor_rank = parts[0].engine.tensor_parallel().map_or(0, |t| t.rank());
+    let expert_rank = parts[0].engine.holding().experts.map_or(0, |(_, rank)| rank);
     let metadata = BTreeMap::from([
         ("ranges".to_string(), serde_json::to_string(&ranges).map_err(|e| Error::Model(e.to_string()))?),
         ("tensor_rank".to_string(), tensor_rank.to_string()),
+        ("expert_rank".to_string(), expert_rank.to_string()),
         ("heads".to_string(), serde_json::to_string(&head_lens).map_err(|e| Error::Model(e.to_string()))?),
     ]);
     write_safetensors_streamed(path, &layout, &metadata, placing, |i| {
@@ -672,8 +678,8 @@ pub struct Checkpoint {
     /// The checkpoint's folder, or the merged file.
     pub location: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
-    /// By (what, tensor rank, unit): "param" or a state name.
-    pieces: BTreeMap<(String, usize, usize), Vec<Piece>>,
+    /// By (what, tensor rank, expert rank, unit): "param" or a state name.
+    pieces: BTreeMap<(String, usize, usize, usize), Vec<Piece>>,
     /// Whole units joined from tensor ranks' pieces, for the unit read last.
     joined: std::cell::RefCell<BTreeMap<(String, usize), Tensor>>,
     /// Units whose frozen head is stored.
@@ -695,6 +701,16 @@ impl Meta {
         }
         if self.tensor_size == 0 || i64::try_from(self.tensor_size).is_err() {
             return bad(format!("{} tensor ranks", self.tensor_size));
+        }
+        if self.expert_size == 0 || i64::try_from(self.expert_size).is_err() {
+            return bad(format!("{} expert ranks", self.expert_size));
+        }
+        if let Some(p) = self
+            .params
+            .iter()
+            .find(|p| p.expert.is_some_and(|s| s.index < 0 || s.index >= s.of || s.of % self.expert_size as i64 != 0))
+        {
+            return bad(format!("{} is expert {:?}, stored over {} expert ranks", p.name, p.expert, self.expert_size));
         }
         let mut ends = vec![0i64; self.unit_numel.len()];
         for p in &self.params {
@@ -745,12 +761,14 @@ impl Meta {
         Ok(())
     }
 
-    /// Elements of each unit's layout on one tensor rank. Saturating: overlapping parameters
-    /// of a damaged description may sum past any size, which no rank file then matches.
-    fn local_unit_numel(&self) -> Vec<i64> {
+    /// Elements of each unit's layout on one tensor rank of expert rank `expert_rank`.
+    /// Saturating: overlapping parameters of a damaged description may sum past any size,
+    /// which no rank file then matches.
+    fn local_unit_numel(&self, expert_rank: usize) -> Vec<i64> {
         let mut numel = vec![0i64; self.unit_numel.len()];
         for p in &self.params {
-            numel[p.unit] = numel[p.unit].saturating_add(p.local_numel(self.tensor_size as i64));
+            let n = p.local_numel(self.tensor_size as i64, (self.expert_size, expert_rank));
+            numel[p.unit] = numel[p.unit].saturating_add(n);
         }
         numel
     }
@@ -778,9 +796,8 @@ impl Checkpoint {
             return Err(fail(&meta_path, format!("format {:?}, expected {FORMAT:?}", meta.format)));
         }
         meta.validate(&meta_path)?;
-        let local_numel = meta.local_unit_numel();
         let mut files = Vec::new();
-        let mut pieces: BTreeMap<(String, usize, usize), Vec<Piece>> = BTreeMap::new();
+        let mut pieces: BTreeMap<(String, usize, usize, usize), Vec<Piece>> = BTreeMap::new();
         let mut heads = std::collections::BTreeSet::new();
         for name in &meta.files {
             let file_path = dir.join(name);
@@ -804,6 +821,13 @@ impl Checkpoint {
                     fail(&file_path, format!("tensor rank {r:?} of a tensor size {}", meta.tensor_size))
                 })?,
             };
+            let expert_rank = match header.metadata().as_ref().and_then(|m| m.get("expert_rank")) {
+                None => 0,
+                Some(r) => r.parse::<usize>().ok().filter(|&r| r < meta.expert_size).ok_or_else(|| {
+                    fail(&file_path, format!("expert rank {r:?} of an expert size {}", meta.expert_size))
+                })?,
+            };
+            let local_numel = meta.local_unit_numel(expert_rank);
             let outside = |(unit, &(start, len)): (usize, &(i64, i64))| {
                 start < 0 || len < 0 || local_numel.get(unit).is_none_or(|&n| start.saturating_add(len) > n)
             };
@@ -820,14 +844,14 @@ impl Checkpoint {
                     return Err(fail(&file_path, "a frozen head outside the units the checkpoint describes"));
                 }
                 let piece = Piece { file: index, tensor: format!("head.{unit}"), start: 0, len };
-                pieces.entry(("param".to_string(), tensor_rank, unit)).or_default().push(piece);
+                pieces.entry(("param".to_string(), tensor_rank, expert_rank, unit)).or_default().push(piece);
                 heads.insert(unit);
             }
             for (unit, &(start, len)) in ranges.iter().enumerate().filter(|(_, r)| r.1 > 0) {
                 for what in std::iter::once("param".to_string()).chain(meta.state_names.iter().cloned()) {
                     let tensor = format!("{what}.{unit}");
                     let piece = Piece { file: index, tensor, start, len };
-                    pieces.entry((what, tensor_rank, unit)).or_default().push(piece);
+                    pieces.entry((what, tensor_rank, expert_rank, unit)).or_default().push(piece);
                 }
             }
             files.push((file_path, mmap));
@@ -848,17 +872,17 @@ impl Checkpoint {
             .and_then(|t| {
                 serde_json::from_str(t).map_err(|e| fail(path, format!("bad checkpoint description ({e})")))
             })?;
-        if meta.tensor_size != 1 {
-            return Err(fail(path, "a merged checkpoint holds whole tensors: its tensor size must be 1"));
+        if meta.tensor_size != 1 || meta.expert_size != 1 {
+            return Err(fail(path, "a merged checkpoint holds whole tensors: its tensor and expert sizes must be 1"));
         }
         meta.validate(path)?;
-        let mut pieces: BTreeMap<(String, usize, usize), Vec<Piece>> = BTreeMap::new();
+        let mut pieces: BTreeMap<(String, usize, usize, usize), Vec<Piece>> = BTreeMap::new();
         let mut heads = std::collections::BTreeSet::new();
         let stored: std::collections::BTreeSet<String> = header.tensors().into_keys().collect();
         for p in &meta.params {
             let len = p.shape.iter().product();
             let mut add = |what: String, tensor: String| {
-                pieces.entry((what, 0, p.unit)).or_default().push(Piece { file: 0, tensor, start: p.offset, len });
+                pieces.entry((what, 0, 0, p.unit)).or_default().push(Piece { file: 0, tensor, start: p.offset, len });
             };
             match (p.frozen, stored.contains(&p.name)) {
                 (true, true) => heads.insert(p.unit),
@@ -877,10 +901,11 @@ impl Checkpoint {
     }
 
     /// Elements `start..start+len` of `what` ("param" or a state) of `unit`'s whole layout,
-    /// in `kind` on the CPU, joined from the tensor ranks' pieces where the units were split.
+    /// in `kind` on the CPU, joined from the tensor ranks' pieces where the units were split
+    /// and from the expert ranks' where they stored their experts apart.
     fn read_range(&self, what: &str, unit: usize, start: i64, len: i64, kind: Kind) -> Result<Tensor> {
-        if self.meta.tensor_size == 1 {
-            return self.read_pieces(what, 0, unit, start, len, kind);
+        if self.meta.tensor_size == 1 && self.meta.expert_size == 1 {
+            return self.read_pieces(what, (0, 0), unit, start, len, kind);
         }
         let key = (what.to_string(), unit);
         let mut joined = self.joined.borrow_mut();
@@ -917,44 +942,53 @@ impl Checkpoint {
     }
 
     /// `what` of unit `unit` from [`Checkpoint::held_start`] on, whole: each stored
-    /// parameter's pieces from every tensor rank joined.
+    /// parameter's pieces from every tensor rank joined, each routed expert's from the
+    /// expert rank that stored it.
     fn join_unit(&self, what: &str, unit: usize) -> Result<Tensor> {
-        let size = self.meta.tensor_size;
+        let (size, experts) = (self.meta.tensor_size, self.meta.expert_size);
         let mut params: Vec<&ParamEntry> = self.meta.params.iter().filter(|p| p.unit == unit).collect();
         params.sort_by_key(|p| p.offset);
-        let head: i64 = params.iter().filter(|p| !self.stores(what, p)).map(|p| p.local_numel(size as i64)).sum();
-        params.retain(|p| self.stores(what, p));
-        let pieces_of_rank = |rank: usize| -> Result<Vec<Tensor>> {
-            let numel: i64 = params.iter().map(|p| p.local_numel(size as i64)).sum();
-            let flat = self.read_pieces(what, rank, unit, head, numel, Kind::Float)?;
+        // Per (tensor rank, expert rank), each stored parameter's piece (empty where the
+        // expert rank stored none of it).
+        let pieces_of_rank = |rank: usize, expert_rank: usize| -> Result<Vec<Tensor>> {
+            let local = |p: &ParamEntry| p.local_numel(size as i64, (experts, expert_rank));
+            let head: i64 = params.iter().filter(|p| !self.stores(what, p)).map(|p| local(p)).sum();
+            let stored = params.iter().filter(|p| self.stores(what, p));
+            let numel: i64 = stored.clone().map(|p| local(p)).sum();
+            let flat = self.read_pieces(what, (rank, expert_rank), unit, head, numel, Kind::Float)?;
             let mut start = 0;
-            params
-                .iter()
+            stored
                 .map(|p| {
-                    let n = p.local_numel(size as i64);
+                    let n = local(p);
                     start += n;
                     Ok(flat.f_narrow(0, start - n, n)?)
                 })
                 .collect()
         };
-        let by_rank = (0..size).map(pieces_of_rank).collect::<Result<Vec<_>>>()?;
+        let by_rank = (0..experts)
+            .map(|e| (0..size).map(|t| pieces_of_rank(t, e)).collect::<Result<Vec<_>>>())
+            .collect::<Result<Vec<_>>>()?;
+        params.retain(|p| self.stores(what, p));
         let mut whole = Vec::with_capacity(params.len());
         for (i, p) in params.iter().enumerate() {
             let role = p.tp.unwrap_or(TpRole::Replicated);
             let local = role.local_shape(&p.shape, size as i64);
-            let pieces =
-                by_rank.iter().map(|r| r[i].f_view(local.as_slice())).collect::<std::result::Result<Vec<_>, _>>()?;
+            let owner = p.expert.map_or(0, |slot| slot.owner(experts as i64) as usize);
+            let pieces = by_rank[owner]
+                .iter()
+                .map(|r| r[i].f_view(local.as_slice()))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
             whole.push(role.unshard(&pieces, &p.shape)?.f_reshape([-1])?);
         }
         Ok(Tensor::f_cat(&whole, 0)?)
     }
 
-    /// Elements `start..start+len` of `what` of `unit` in tensor rank `tensor_rank`'s layout,
-    /// as `kind` on the CPU; fails if the checkpoint's files do not cover them.
+    /// Elements `start..start+len` of `what` of `unit` in the layout of (tensor rank, expert
+    /// rank) `ranks`, as `kind` on the CPU; fails if the checkpoint's files do not cover them.
     fn read_pieces(
         &self,
         what: &str,
-        tensor_rank: usize,
+        (tensor_rank, expert_rank): (usize, usize),
         unit: usize,
         start: i64,
         len: i64,
@@ -963,7 +997,7 @@ impl Checkpoint {
         let out = Tensor::f_zeros([len], (kind, tch::Device::Cpu))?;
         // Replicated units are stored by several ranks: coverage is the union of the pieces.
         let mut spans: Vec<(i64, i64)> = Vec::new();
-        for piece in self.pieces.get(&(what.to_string(), tensor_rank, unit)).into_iter().flatten() {
+        for piece in self.pieces.get(&(what.to_string(), tensor_rank, expert_rank, unit)).into_iter().flatten() {
             let (lo, hi) = (start.max(piece.start), (start + len).min(piece.start + piece.len));
             if lo >= hi {
                 continue;
@@ -1030,7 +1064,7 @@ impl Checkpoint {
             .enumerate()
             .map(|(i, p)| match self.meta.params.get(i) {
                 // What the checkpoint stores is its own: a run may train more or less of it.
-                Some(saved) => ParamEntry { tp: saved.tp, frozen: saved.frozen, ..p },
+                Some(saved) => ParamEntry { tp: saved.tp, frozen: saved.frozen, expert: saved.expert, ..p },
                 None => p,
             })
             .collect();
@@ -1084,7 +1118,6 @@ impl Checkpoint {
             part.optimizer.settle(part.engine)?;
         }
         let Some(first) = parts.first() else { return Err(Error::Engine("a restore into no engine".into())) };
-        check_holding(parts.iter().map(|p| &*p.engine))?;
         self.check_layout(layout, first.optimizer, optimizer_name)?;
         for part in parts.iter_mut() {
             self.restore_part(part)?;
@@ -1156,7 +1189,9 @@ impl Checkpoint {
         // model's (split units, a pipeline stage), whole units are read and split for it (one
         // unit's at a time).
         let split = engine.tensor_parallel().is_some()
+            || engine.holding().experts.is_some()
             || self.meta.tensor_size > 1
+            || self.meta.expert_size > 1
             || first > 0
             || engine.spec().units.len() != self.meta.unit_numel.len();
         let engine = &*engine;
@@ -1192,7 +1227,7 @@ impl Checkpoint {
                 jobs.push((s.clone(), p));
             }
         }
-        let meta = Meta { files: vec![], tensor_size: 1, ..self.meta.clone() };
+        let meta = Meta { files: vec![], tensor_size: 1, expert_size: 1, ..self.meta.clone() };
         let metadata = BTreeMap::from([
             ("format".to_string(), "pt".to_string()),
             (MERGED_KEY.to_string(), serde_json::to_string(&meta).map_err(|e| Error::Model(e.to_string()))?),

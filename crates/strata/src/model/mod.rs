@@ -323,7 +323,7 @@ pub struct ParamSpec {
 }
 
 /// A routed expert's place among its sparse layer's experts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ExpertSlot {
     /// The expert's index in its layer.
     pub index: i64,

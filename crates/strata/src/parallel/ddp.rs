@@ -254,8 +254,14 @@ impl UnitSchedule for DataParallel {
 }
 
 impl HeldStates for DataParallel {
+    /// The first rank of the group writes; where experts are stored apart, the first of each
+    /// set of ranks storing the same experts.
     fn checkpoint_writer(&self) -> bool {
-        self.group.rank() == 0
+        match &self.experts {
+            Some(ExpertReplicas { group: Some(replicas), .. }) => replicas.rank() == 0,
+            Some(ExpertReplicas { group: None, .. }) => true,
+            None => self.group.rank() == 0,
+        }
     }
 
     fn capture_obstacle(&self) -> Option<String> {

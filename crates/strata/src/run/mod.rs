@@ -650,9 +650,6 @@ pub fn train(
         report_over: world_group.clone(),
     })?;
     drop(first);
-    if config.checkpoints.is_some() || resume.is_some() {
-        checkpoint::check_holding(trainer.parts().iter().map(|p| &p.engine))?;
-    }
     trainer.set_dropout_seed(config.batching.seed);
     for part in trainer.parts_mut() {
         load_initial_weights(&config.init, &mut part.engine)?;

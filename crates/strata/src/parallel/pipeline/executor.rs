@@ -8,7 +8,7 @@ use crate::checkpoint::Layout;
 use crate::comm::{all_reduce_values, Comm, ProcessGroup, ReduceOp, Work};
 use crate::compute::deferred::{self, WeightGrads};
 use crate::data::Step;
-use crate::engine::{Engine, Event, EventSink, UnitClock, UnitTime, Upstream};
+use crate::engine::{Engine, Event, EventSink, Holding, UnitClock, UnitTime, Upstream};
 use crate::io::WeightsTarget;
 use crate::model::{BalanceReport, DecodeCache, LoadBalance, ModelSpec, ParamId};
 use crate::optim::Optimizer;
@@ -305,7 +305,7 @@ impl PipelineExecutor {
             })
             .collect();
         let tensor_size = mesh.size(Dim::Tensor);
-        let layout = crate::checkpoint::Layout::of_spec(&whole, tensor_size);
+        let layout = crate::checkpoint::Layout::of_spec(&whole, tensor_size, Holding::tensor(tensor_size as i64));
         let mut tied: Vec<(ParamId, Vec<usize>)> = readers.into_iter().filter(|(_, s)| s.len() > 1).collect();
         tied.sort();
         // zero2 and fsdp free a unit's whole gradient once reduced, before a weight tied
@@ -923,8 +923,10 @@ impl StepExecutor for PipelineExecutor {
         &self.whole
     }
 
-    fn layout(&self, _: &[ModelPart]) -> Layout {
-        self.layout.clone()
+    fn layout(&self, parts: &[ModelPart]) -> Layout {
+        // The stages' engines say whether their expert groups store experts apart.
+        let holding = parts.first().and_then(|p| p.engine.holding().experts);
+        Layout { expert_size: holding.map_or(1, |(size, _)| size as usize), ..self.layout.clone() }
     }
 
     /// Unit by unit: the ranks of the stage that owns a unit gather it whole (from tensor
