@@ -100,6 +100,15 @@ pub enum GradLayout {
 }
 
 impl EngineConfig {
+    /// What a rank of this configuration stores of each parameter.
+    pub fn holding(&self) -> Holding {
+        let experts = self.experts.as_ref().filter(|_| self.experts_apart);
+        Holding {
+            tensor: self.tensor.as_ref().map_or(1, |t| t.size()),
+            experts: experts.map(|g| (g.size() as i64, g.rank() as i64)),
+        }
+    }
+
     /// Whether unit `k` computes on the host ([`EngineConfig::host_compute`]).
     pub fn computes_on_host(&self, k: usize) -> bool {
         self.host_compute.get(k).copied().unwrap_or(false)
@@ -182,6 +191,49 @@ impl Holding {
     pub fn numel(&self, p: &ParamSpec) -> i64 {
         self.shape(p).iter().product()
     }
+
+    /// Where the expert group stores its experts apart, the runs (start, length) of unit
+    /// `unit`'s flat layout that hold this rank's routed experts; empty otherwise.
+    pub fn expert_stretches(&self, spec: &ModelSpec, unit: usize) -> Vec<(i64, i64)> {
+        let mut runs: Vec<(i64, i64)> = Vec::new();
+        if self.experts.is_none() {
+            return runs;
+        }
+        let mut offset = 0;
+        for &id in &spec.units[unit].params {
+            let p = &spec.params[id.0];
+            let numel = self.numel(p);
+            if p.expert.is_some() && numel > 0 {
+                match runs.last_mut() {
+                    Some((s, len)) if *s + *len == offset => *len += numel,
+                    _ => runs.push((offset, numel)),
+                }
+            }
+            offset += numel;
+        }
+        runs
+    }
+}
+
+/// `(start, len)` cut into runs `(start, len, in_spans)` by `spans` (sorted, disjoint): what
+/// one group reduces and what another.
+pub fn cut(start: i64, len: i64, spans: &[(i64, i64)]) -> Vec<(i64, i64, bool)> {
+    let (end, mut at, mut runs) = (start + len, start, Vec::new());
+    for &(s, l) in spans {
+        let (s, e) = (s.max(at), (s + l).min(end));
+        if s >= e {
+            continue;
+        }
+        if at < s {
+            runs.push((at, s - at, false));
+        }
+        runs.push((s, e - s, true));
+        at = e;
+    }
+    if at < end {
+        runs.push((at, end - at, false));
+    }
+    runs
 }
 
 impl UnitLayout {
@@ -416,14 +468,7 @@ impl Engine {
         if tp > 1 {
             spec.check_tensor_parallel(tp)?;
         }
-        let holding = Holding {
-            tensor: tp,
-            experts: config
-                .experts
-                .as_ref()
-                .filter(|_| config.experts_apart)
-                .map(|g| (g.size() as i64, g.rank() as i64)),
-        };
+        let holding = config.holding();
         if let Some((size, _)) = holding.experts {
             if let Some(slot) = spec.params.iter().filter_map(|p| p.expert).find(|s| s.of % size != 0) {
                 return Err(Error::Config(format!(
@@ -958,23 +1003,7 @@ impl Engine {
     /// Where the expert group stores its experts apart, the runs (start, length) of unit
     /// `unit`'s flat layout that hold this rank's routed experts; empty otherwise.
     pub(crate) fn expert_stretches(&self, unit: usize) -> Vec<(i64, i64)> {
-        let mut runs: Vec<(i64, i64)> = Vec::new();
-        if self.holding.experts.is_none() {
-            return runs;
-        }
-        for &id in &self.spec.units[unit].params {
-            let p = &self.spec.params[id.0];
-            let numel = self.holding.numel(p);
-            if p.expert.is_none() || numel == 0 {
-                continue;
-            }
-            let start = self.offsets[id.0];
-            match runs.last_mut() {
-                Some((s, len)) if *s + *len == start => *len += numel,
-                _ => runs.push((start, numel)),
-            }
-        }
-        runs
+        self.holding.expert_stretches(&self.spec, unit)
     }
 
     /// Calls `ready` with each unit whose gradient the step's completing backward has made
@@ -1211,8 +1240,8 @@ impl Engine {
         }
         if self.holding.experts.is_some() {
             return Err(Error::Config(
-                "expert_parallel: decoding computes every expert on each rank, which stores only its own here; \
-                 add fsdp or zero2, which keep every expert"
+                "expert_parallel: decoding computes every expert on each rank, which stores only its own; \
+                 generate from the saved folder, or train without expert_parallel"
                     .into(),
             ));
         }

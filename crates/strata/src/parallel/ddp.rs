@@ -11,7 +11,7 @@
 //! are averaged over the ranks storing the same experts instead ([`ExpertReplicas`]). Must
 //! not touch model definitions or the optimizer: it acts on the engine's buffers only.
 use crate::comm::{ProcessGroup, ReduceOp, Work};
-use crate::engine::{Engine, HeldStates, Phase, ScheduleContext, UnitSchedule};
+use crate::engine::{cut, Engine, HeldStates, Phase, ScheduleContext, UnitSchedule};
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -30,9 +30,12 @@ pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
 /// group once backward completes it ([`DataParallel::install`]).
 pub struct DataParallel {
     group: Arc<dyn ProcessGroup>,
-    /// For each unit that completes a bucket, the bucket (slices of the gradient buffer).
-    bucket_ending_at: Vec<Option<Vec<Stretch>>>,
+    /// For each unit that completes a bucket, the bucket (a slice of the gradient buffer)
+    /// and where it starts in the buffer.
+    bucket_ending_at: Vec<Option<(i64, Tensor)>>,
     experts: Option<ExpertReplicas>,
+    /// Where experts are stored apart, the runs of the gradient buffer holding this rank's.
+    expert_spans: Vec<(i64, i64)>,
     in_flight: Vec<Work>,
     /// Without `find_unused_parameters`: each trainable parameter's name and whether a
     /// gradient reached it since the last completed step (set by a gradient hook).
@@ -52,6 +55,7 @@ pub struct DataParallelOptions {
 
 /// Where an expert group stores its routed experts apart: the ranks storing the same experts
 /// as this one, whose gradients of them are averaged, and the expert group's size.
+#[derive(Clone)]
 pub struct ExpertReplicas {
     /// The data-parallel ranks outside this rank's expert group that store its experts
     /// (`None`: no other rank does).
@@ -60,31 +64,52 @@ pub struct ExpertReplicas {
     pub expert_size: usize,
 }
 
-/// A run of a bucket that one group reduces.
-struct Stretch {
-    grad: Tensor,
-    /// Whether it holds this rank's routed experts (stored apart).
-    experts: bool,
+/// Starts averaging `values`, positions `at..` of a buffer whose runs `spans` hold this
+/// rank's experts stored apart: the rest over `group`, the experts' runs over
+/// `experts.group` after dividing them by the expert group's size, since each expert's
+/// gradient sums the tokens of its whole expert group. `experts`: `None` where experts are
+/// not stored apart (`spans` then empty).
+pub(crate) fn start_average(
+    values: &Tensor,
+    at: i64,
+    spans: &[(i64, i64)],
+    group: Option<&Arc<dyn ProcessGroup>>,
+    experts: Option<&ExpertReplicas>,
+) -> Result<Vec<Work>> {
+    let mut started = Vec::new();
+    for (start, len, apart) in cut(at, values.numel() as i64, spans) {
+        let run = values.f_narrow(0, start - at, len)?;
+        let group = match (apart, experts) {
+            (false, _) => group,
+            (true, Some(experts)) => {
+                let _ = run.shallow_clone().f_div_scalar_(experts.expert_size as f64)?;
+                experts.group.as_ref()
+            }
+            (true, None) => return Err(Error::Engine("experts stored apart without their replicas".into())),
+        };
+        if let Some(g) = group {
+            started.push(g.all_reduce(&run, ReduceOp::Avg)?);
+        }
+    }
+    Ok(started)
 }
 
-/// `(start, len)` cut into runs `(start, len, in_spans)` by `spans` (sorted, disjoint).
-fn cut(start: i64, len: i64, spans: &[(i64, i64)]) -> Vec<(i64, i64, bool)> {
-    let (end, mut at, mut runs) = (start + len, start, Vec::new());
-    for &(s, l) in spans {
-        let (s, e) = (s.max(at), (s + l).min(end));
-        if s >= e {
-            continue;
+/// Copies `values` (a unit's flat layout, whose runs `spans` hold this rank's experts stored
+/// apart) from the first rank of `group`, the experts' runs from the first of
+/// `experts.group`: every rank starts from the same model.
+pub(crate) fn broadcast_from_first(
+    values: &Tensor,
+    spans: &[(i64, i64)],
+    group: Option<&Arc<dyn ProcessGroup>>,
+    experts: Option<&ExpertReplicas>,
+) -> Result<()> {
+    for (start, len, apart) in cut(0, values.numel() as i64, spans) {
+        let group = if apart { experts.and_then(|e| e.group.as_ref()) } else { group };
+        if let Some(g) = group {
+            g.broadcast(&values.f_narrow(0, start, len)?, 0)?.wait()?;
         }
-        if at < s {
-            runs.push((at, s - at, false));
-        }
-        runs.push((s, e - s, true));
-        at = e;
     }
-    if at < end {
-        runs.push((at, end - at, false));
-    }
-    runs
+    Ok(())
 }
 
 impl Default for DataParallelOptions {
@@ -113,16 +138,7 @@ impl DataParallel {
             ));
         }
         for (k, s) in engine.storage().iter().enumerate() {
-            for (start, len, apart) in cut(0, s.flat.numel() as i64, &engine.expert_stretches(k)) {
-                let run = s.flat.f_narrow(0, start, len)?;
-                match (apart, &experts) {
-                    (false, _) => group.broadcast(&run, 0)?.wait()?,
-                    (true, Some(ExpertReplicas { group: Some(replicas), .. })) => {
-                        replicas.broadcast(&run, 0)?.wait()?
-                    }
-                    (true, _) => {}
-                }
-            }
+            broadcast_from_first(&s.flat, &engine.expert_stretches(k), Some(&group), experts.as_ref())?;
         }
         // Gradients where the group's all-reduces read them in place (shm's shared memory).
         if let Some(grads) = engine.grads() {
@@ -130,8 +146,14 @@ impl DataParallel {
                 engine.place_grads(shared)?;
             }
         }
-        let ranges = buckets(engine, FIRST_BUCKET_BYTES.min(options.bucket_bytes), options.bucket_bytes)?;
-        let bucket_ending_at = stretches(engine, ranges)?;
+        let grads = engine
+            .grads()
+            .ok_or_else(|| Error::Config("data parallelism needs the engine's contiguous gradient layout".into()))?;
+        let bucket_ending_at = buckets(engine, FIRST_BUCKET_BYTES.min(options.bucket_bytes), options.bucket_bytes)?
+            .into_iter()
+            .map(|range| range.map(|(start, len)| Ok((start, grads.f_narrow(0, start, len)?))).transpose())
+            .collect::<Result<_>>()?;
+        let expert_spans = expert_spans(engine);
         let (mut reached, mut hooks) = (Vec::new(), Vec::new());
         if !options.find_unused_parameters {
             for (name, p) in engine.named_params().filter(|(_, p)| p.requires_grad()) {
@@ -149,6 +171,7 @@ impl DataParallel {
             group,
             bucket_ending_at,
             experts,
+            expert_spans,
             in_flight,
             reached,
             _hooks: hooks,
@@ -181,10 +204,9 @@ fn buckets(engine: &Engine, first_bytes: usize, bucket_bytes: usize) -> Result<V
     Ok(out)
 }
 
-/// Each bucket's slices of the gradient buffer, cut where the engine stores its experts apart.
-fn stretches(engine: &Engine, ranges: Vec<Option<(i64, i64)>>) -> Result<Vec<Option<Vec<Stretch>>>> {
-    let grads = engine.grads().ok_or_else(|| Error::Engine("no contiguous gradient buffer".into()))?;
-    // The experts' runs in the gradient buffer: each unit's span follows the one before.
+/// The runs of the engine's gradient buffer that hold this rank's experts stored apart
+/// (each unit's gradient span follows the one before).
+fn expert_spans(engine: &Engine) -> Vec<(i64, i64)> {
     let mut spans = Vec::new();
     let mut base = 0;
     for (k, s) in engine.storage().iter().enumerate() {
@@ -197,38 +219,16 @@ fn stretches(engine: &Engine, ranges: Vec<Option<(i64, i64)>>) -> Result<Vec<Opt
         }
         base += len;
     }
-    ranges
-        .into_iter()
-        .map(|range| {
-            range
-                .map(|(start, len)| {
-                    cut(start, len, &spans)
-                        .into_iter()
-                        .map(|(at, n, experts)| Ok(Stretch { grad: grads.f_narrow(0, at, n)?, experts }))
-                        .collect()
-                })
-                .transpose()
-        })
-        .collect()
+    spans
 }
 
 impl UnitSchedule for DataParallel {
     fn on(&mut self, phase: Phase, ctx: ScheduleContext<'_>) -> Result<()> {
         if phase == Phase::AfterBackward && ctx.sync_grads {
-            for stretch in self.bucket_ending_at[ctx.unit].iter().flatten() {
-                match (stretch.experts, &self.experts) {
-                    (false, _) => self.in_flight.push(self.group.all_reduce(&stretch.grad, ReduceOp::Avg)?),
-                    // The experts' gradients sum every rank of the expert group's tokens; the
-                    // average over all data-parallel ranks is their average over the replicas
-                    // divided by the expert group's size.
-                    (true, Some(experts)) => {
-                        let _ = stretch.grad.shallow_clone().f_div_scalar_(experts.expert_size as f64)?;
-                        if let Some(replicas) = &experts.group {
-                            self.in_flight.push(replicas.all_reduce(&stretch.grad, ReduceOp::Avg)?);
-                        }
-                    }
-                    (true, None) => return Err(Error::Engine("experts stored apart without their replicas".into())),
-                }
+            if let Some((start, bucket)) = &self.bucket_ending_at[ctx.unit] {
+                let experts = self.experts.as_ref();
+                let started = start_average(bucket, *start, &self.expert_spans, Some(&self.group), experts)?;
+                self.in_flight.extend(started);
             }
         }
         Ok(())

@@ -39,7 +39,7 @@ use crate::strategy::{
 use crate::train::Feed;
 use crate::{Error, Result};
 use std::sync::Arc;
-use zero::{ShardGroups, ShardHomes, ShardOffload, Zero, ZeroOptions};
+use zero::{ApartExperts, ShardGroups, ShardHomes, ShardOffload, Zero, ZeroOptions};
 
 /// How ranks are laid out for a strategy: the communicator (none for one process) and the
 /// ranks of one node (the shard group of HYBRID_SHARD by default).
@@ -311,21 +311,38 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
     };
     // Shard groups are the mesh's zero groups, with the context ranks beside them unless
     // nothing is to be sharded (context ranks hold the same units and average their
-    // gradients, so they shard them as zero ranks do); replicas its data and expert groups
-    // (every rank holds every expert; each computes its own), and context under NO_SHARD.
+    // gradients, so they shard them as zero ranks do); replicas its data and expert groups,
+    // and context under NO_SHARD. The runs of a rank's own experts are averaged over the
+    // replicas that store them, without the expert dimension.
     let no_shard = shard.sharding_strategy == Some(ShardingStrategy::NoShard);
     let (shard_dims, replica_dims): (&[Dim], &[Dim]) = match no_shard {
         true => (&[Dim::Zero], &[Dim::Data, Dim::Expert, Dim::Context]),
         false => (&[Dim::Zero, Dim::Context], &[Dim::Data, Dim::Expert]),
     };
     let groups = match at.comm.filter(|_| mesh.world() > 1) {
-        None => ShardGroups { shard: None, replicate: None, world: None },
+        None => ShardGroups { shard: None, replicate: None, world: None, experts: None },
         Some(comm) => ShardGroups {
             shard: my_group(comm, &mesh.groups(shard_dims))?,
             replicate: my_group(comm, &mesh.groups(replica_dims))?,
             world: replica_group,
+            // Each rank stores its own experts: the ranks storing the same ones are those
+            // groups' ranks of its expert rank (created last, by every rank alike).
+            experts: match experts_split {
+                true => {
+                    let without_experts = |dims: &[Dim]| -> Vec<Dim> {
+                        dims.iter().copied().filter(|&d| d != Dim::Expert).collect()
+                    };
+                    let expert_size = mesh.size(Dim::Expert);
+                    let replicas = |dims: &[Dim]| -> Result<ExpertReplicas> {
+                        Ok(ExpertReplicas { group: my_group(comm, &mesh.groups(&without_experts(dims)))?, expert_size })
+                    };
+                    Some(ApartExperts { replicate: replicas(replica_dims)?, world: replicas(&Mesh::REPLICAS)? })
+                }
+                false => None,
+            },
         },
     };
+    let config = EngineConfig { experts_apart: groups.experts.is_some(), ..config };
     Zero::build(spec, config, groups, options)
 }
 

@@ -23,6 +23,7 @@
 //! `offload`, [`shard_homes`] places each unit's shard states on the device or the host.
 //! Must not touch model definitions or optimizer policy: it manages buffers and
 //! communication for the engine.
+use super::ddp::{broadcast_from_first, start_average, ExpertReplicas};
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp, Work};
 use crate::engine::offload::HostMemory;
 use crate::engine::{
@@ -194,6 +195,20 @@ pub struct ShardGroups {
     pub replicate: Option<Arc<dyn ProcessGroup>>,
     /// Every rank that holds this rank's tensor-parallel piece; `None` where no other does.
     pub world: Option<Arc<dyn ProcessGroup>>,
+    /// Where expert groups store their experts apart, the ranks of `replicate` and of
+    /// `world` that store this rank's experts: they average and broadcast the experts'
+    /// runs of each unit in place of those groups.
+    pub experts: Option<ApartExperts>,
+}
+
+/// The groups that stand for [`ShardGroups::replicate`] and [`ShardGroups::world`] for the
+/// runs of a unit holding this rank's experts, where expert groups store them apart.
+#[derive(Clone)]
+pub struct ApartExperts {
+    /// Among `replicate`'s ranks, those storing this rank's experts.
+    pub replicate: ExpertReplicas,
+    /// Among `world`'s ranks, those storing this rank's experts.
+    pub world: ExpertReplicas,
 }
 
 impl ShardGroups {
@@ -439,6 +454,8 @@ fn padded_slice(values: &Tensor, start: i64, count: i64) -> Result<Tensor> {
 pub struct Zero {
     options: ZeroOptions,
     groups: ShardGroups,
+    /// Per unit, the runs of its flat layout holding this rank's experts stored apart.
+    expert_stretches: Vec<Vec<(i64, i64)>>,
     units: Vec<Sharded>,
     /// Units each unit reads: itself and the owners of parameters it borrows.
     needs: Vec<Vec<usize>>,
@@ -492,6 +509,11 @@ impl Zero {
         let rank = groups.shard_rank() as i64;
         let config = EngineConfig { kind: param_kind, pad_to: n, grad_layout: GradLayout::PerUnit, ..config };
         let needs = spec.units_read();
+        if groups.experts.is_some() != config.holding().experts.is_some() {
+            return Err(Error::Config("ZeRO reduces experts stored apart over their replicas, and only those".into()));
+        }
+        let expert_stretches: Vec<Vec<(i64, i64)>> =
+            (0..spec.units.len()).map(|k| config.holding().expert_stretches(&spec, k)).collect();
         let on_host = match &options.offload {
             Some(o) => {
                 let kinds = [master_kind, param_kind, reduce_kind];
@@ -512,8 +534,10 @@ impl Zero {
         };
         let mut units = Vec::with_capacity(spec.units.len());
         let mut on_unit = |k: usize, s: &mut UnitStorage, initial: &Tensor, ledger: &MemoryLedger| -> Result<()> {
-            if let (true, Some(world)) = (options.sync_module_states, &groups.world) {
-                world.broadcast(initial, 0)?.wait().map_err(comm_failed("sync_module_states broadcast"))?;
+            if options.sync_module_states && (groups.world.is_some() || groups.experts.is_some()) {
+                let experts = groups.experts.as_ref().map(|e| &e.world);
+                broadcast_from_first(initial, &expert_stretches[k], groups.world.as_ref(), experts)
+                    .map_err(comm_failed("sync_module_states broadcast"))?;
                 if initial.kind() != s.flat.kind() {
                     tch::no_grad(|| s.flat.shallow_clone().f_copy_(initial))?;
                 }
@@ -613,6 +637,7 @@ impl Zero {
         let zero = Zero {
             options,
             groups,
+            expert_stretches,
             units,
             needs,
             param_kind,
@@ -793,9 +818,10 @@ impl Zero {
         let grad = &storage[u].grad;
         let Some(shard) = unit.grad_shard.as_ref() else {
             // Stage 1 and ignored units keep whole gradients: all-reduce over every rank.
-            if let Some(world) = &self.groups.world {
-                self.all_reducing.push(world.all_reduce(grad, ReduceOp::Avg)?);
-            }
+            let experts = self.groups.experts.as_ref().map(|e| &e.world);
+            let stretches = &self.expert_stretches[u];
+            let started = start_average(grad, unit.grad_start, stretches, self.groups.world.as_ref(), experts)?;
+            self.all_reducing.extend(started);
             return Ok(());
         };
         // A shard in host memory is reduced on the device, then copied over.
@@ -845,8 +871,13 @@ impl Zero {
         unsafe { memory::release_buffer(&storage[u].grad) }?;
         ledger.free(Placement::Device, Category::Grads, bytes(unit.grad_len(), self.param_kind));
         unit.grads_resident = false;
-        if let (Some(replicas), Some(shard)) = (&self.groups.replicate, &unit.grad_shard) {
-            self.all_reducing.push(replicas.all_reduce(shard, ReduceOp::Avg)?);
+        let replicated = self.groups.replicate.is_some() || self.groups.experts.is_some();
+        if let (true, Some(shard)) = (replicated, &unit.grad_shard) {
+            let at = unit.grad_start + self.groups.shard_rank() as i64 * unit.shard_len;
+            let experts = self.groups.experts.as_ref().map(|e| &e.replicate);
+            let stretches = &self.expert_stretches[u];
+            let started = start_average(shard, at, stretches, self.groups.replicate.as_ref(), experts)?;
+            self.all_reducing.extend(started);
         }
         Ok(())
     }
@@ -1070,8 +1101,12 @@ impl HeldStates for Zero {
     }
 
     fn checkpoint_writer(&self) -> bool {
-        // Replica groups hold identical shards: the first replica writes them.
-        self.groups.replicate.as_ref().is_none_or(|g| g.rank() == 0)
+        // Replica groups hold identical shards: the first replica writes them (of each
+        // expert rank, where experts are stored apart).
+        match &self.groups.experts {
+            Some(experts) => experts.replicate.group.as_ref().is_none_or(|g| g.rank() == 0),
+            None => self.groups.replicate.as_ref().is_none_or(|g| g.rank() == 0),
+        }
     }
 
     fn writes_frozen_heads(&self) -> bool {
