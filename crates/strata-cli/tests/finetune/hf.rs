@@ -186,20 +186,9 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
         }
         if name == "experts 2" {
             assert_eq!(stored_param_bytes(&run), apart(2), "{name}: parameter bytes a rank stores");
-            // Each rank checkpoints its own experts: resumed over the same expert group and
-            // in one process, the run carries on to the uninterrupted runs' weights.
-            let ckpt_dir = dir.path().join("ckpt");
-            let ckpt = ["--save-checkpoint", s(&ckpt_dir)];
-            common::train_run(dir.path(), "experts 2 to step 3", 3, &[&files, &flags, &extra, &ckpt]);
-            let resume = ["--resume", s(&ckpt_dir)];
             let alone = ["--accumulation", "2"];
-            for (how, args, uninterrupted) in
-                [("expert parallel 2", &extra[..], &run), ("one process", &alone[..], &one)]
-            {
-                let resumed = common::train_run(dir.path(), how, 6, &[&files, &flags, args, &resume]);
-                let gap = common::global_gap(&uninterrupted.0, &resumed.0);
-                assert!(gap < 1e-5, "resumed in {how}: weights differ by {gap:e}");
-            }
+            let ways = [("expert parallel 2", &extra[..], &run), ("one process", &alone[..], &one)];
+            assert_resumes(dir.path(), &[&files, &flags, &extra], &ways);
             let folder = strata::io::read_safetensors(&saved.join("model.safetensors")).unwrap();
             let saved_experts = folder.iter().filter(|(n, _)| n.contains(".mlp.experts.")).map(|(_, t)| t.numel());
             assert_eq!(saved_experts.sum::<usize>() as i64, experts, "{name}: every expert in the saved folder");
@@ -211,11 +200,16 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
         ("experts 4", r#"[["expert_parallel", {"size": 4}]]"#),
         ("experts 2 × data 2 with fsdp", r#"[["expert_parallel", {"size": 2}], "fsdp"]"#),
     ] {
-        let run = common::train_run(dir.path(), name, 6, &[&files, &flags, &["--nproc", "4", "--strategy", strategy]]);
+        let split = ["--nproc", "4", "--strategy", strategy];
+        let run = common::train_run(dir.path(), name, 6, &[&files, &flags, &split]);
         common::assert_follows(&four, &run, name, 1e-5, 1e-5);
         // fsdp over the two ranks storing the same experts: half of them each.
         let stored = if name == "experts 4" { apart(4) } else { apart(2) / 2 };
         assert_eq!(stored_param_bytes(&run), stored, "{name}: parameter bytes a rank stores");
+        if name.ends_with("fsdp") {
+            let alone = ["--accumulation", "4"];
+            assert_resumes(dir.path(), &[&files, &flags, &split], &[("one process", &alone[..], &four)]);
+        }
         assert!(common::reports(&run.1).pop().unwrap()["experts"]["remote_expert_tokens"].as_i64() > Some(0));
     }
     // Adapters on the attention and the stacked experts: a rank trains the factors' parts of
@@ -314,6 +308,21 @@ fn frontier_families_train_sharded_split_and_staged_as_one_process() {
             assert!(!o.status.success());
             assert!(stderr(&o).contains("linear attention does not split over tensor ranks"), "{}", stderr(&o));
         }
+    }
+}
+
+/// A run of `args` checkpointed at step 3 (each rank writing the experts it stores) and
+/// resumed each of `ways` — (what, its flags, the uninterrupted run) — carries on to the
+/// uninterrupted run's weights at step 6.
+fn assert_resumes(dir: &Path, args: &[&[&str]], ways: &[(&str, &[&str], &common::Run)]) {
+    let ckpt_dir = tempfile::tempdir_in(dir).unwrap();
+    let ckpt = ["--save-checkpoint", s(ckpt_dir.path())];
+    common::train_run(dir, "to step 3", 3, &[args, &[&ckpt[..]]].concat());
+    let resume = ["--resume", s(ckpt_dir.path())];
+    for &(how, flags, uninterrupted) in ways {
+        let resumed = common::train_run(dir, how, 6, &[&args[..2], &[flags, &resume]].concat());
+        let gap = common::global_gap(&uninterrupted.0, &resumed.0);
+        assert!(gap < 1e-5, "resumed in {how}: weights differ by {gap:e}");
     }
 }
 

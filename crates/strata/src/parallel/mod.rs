@@ -329,9 +329,8 @@ fn build_sharding(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, at
             // groups' ranks of its expert rank (created last, by every rank alike).
             experts: match experts_split {
                 true => {
-                    let without_experts = |dims: &[Dim]| -> Vec<Dim> {
-                        dims.iter().copied().filter(|&d| d != Dim::Expert).collect()
-                    };
+                    let without_experts =
+                        |dims: &[Dim]| -> Vec<Dim> { dims.iter().copied().filter(|&d| d != Dim::Expert).collect() };
                     let expert_size = mesh.size(Dim::Expert);
                     let replicas = |dims: &[Dim]| -> Result<ExpertReplicas> {
                         Ok(ExpertReplicas { group: my_group(comm, &mesh.groups(&without_experts(dims)))?, expert_size })
