@@ -244,9 +244,8 @@ pub struct ExpertPlacement {
     /// Routed experts each rank of a group computes (rank `r` those from `r · experts_per_rank`)
     /// in each sparse layer.
     pub experts_per_rank: i64,
-    /// Bytes of routed experts' weights one rank stores without sharding: those of the
-    /// experts it computes. (Under zero or fsdp every rank's layout holds every expert, and
-    /// the shards cut them as the rest.)
+    /// Bytes of routed experts' weights one rank stores: those of the experts it computes
+    /// (before zero or fsdp shards them over the ranks storing the same ones).
     pub expert_bytes_per_rank: u64,
     /// Bytes one rank sends (and as many it receives) in a step's all-to-alls: each sparse
     /// layer sends its token slots' hidden states to the ranks of their experts and takes
