@@ -46,6 +46,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
 import time
 
@@ -446,7 +447,25 @@ def dropout_sites(model):
                     at(block.layer[1].dropout, (unit, 4))
                 at(block.layer[-1].DenseReluDense.dropout, (unit, 5))
                 at(block.layer[-1].dropout, (unit, 6))
+    # peft's adapters drop their inputs, each at the site Strata names by the adapted weight,
+    # in the unit (the block) that holds it.
+    for name, module in model.named_modules():
+        drops = getattr(module, "lora_dropout", None)
+        block = re.match(r"(.*\.(?:layers|h|block)\.\d+)\.", name)
+        if isinstance(drops, torch.nn.ModuleDict) and block:
+            for drop in drops.values():
+                if isinstance(drop, torch.nn.Dropout):
+                    at(drop, (block.group(1), adapter_site(name + ".weight")))
     return sites
+
+
+def adapter_site(weight):
+    """Strata's dropout site of the input of the adapter of the weight named `weight`: bit 30
+    beside the low 30 bits of the name's FNV-1a."""
+    h = 0x811C9DC5
+    for b in weight.encode():
+        h = ((h ^ b) * 0x01000193) & MASK32
+    return (1 << 30) | (h & ((1 << 30) - 1))
 
 
 @contextlib.contextmanager

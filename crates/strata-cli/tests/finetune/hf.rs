@@ -734,14 +734,17 @@ fn text_needs_a_tokenizer_the_vocabulary_holds() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
-const LORA: &str =
-    r#"["lora", {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}]"#;
+const LORA: &str = r#"["lora", {"r": 4, "alpha": 8, "lora_dropout": 0.1,
+    "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}]"#;
 
-/// A LoRA run of a folder over two ranks with fsdp, split by tensor parallel, with its
-/// states offloaded to the host and in two pipeline stages follows the one-process run:
-/// every step's loss and the adapters it writes; the merged folder it writes has
-/// `transformers`' validation loss; and a run started from its adapter folder (the lora
-/// method read from the folder, the learning rate 0) validates where it ended.
+/// A LoRA run of a folder (its adapters' inputs dropped at 0.1) over two ranks with fsdp,
+/// split by tensor parallel (row-split layers' adapters drop their pieces of the whole
+/// input's mask), with its states offloaded to the host and in two pipeline stages follows
+/// the one-process run: every step's loss and the adapters it writes; the merged folder it
+/// writes has `transformers`' validation loss (nothing is dropped in validation); and a run
+/// started from its adapter folder (the lora method read from the folder, the learning rate
+/// 0) validates where it ended. Without the dropout the adapters end elsewhere; beside
+/// sequence parallel it is refused.
 #[test]
 fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
     let Some(py) = python() else { return };
@@ -767,6 +770,7 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
         ),
     ];
     let out = |name: &str, what: &str| dir.path().join(format!("{name}-{what}"));
+    let file = |name: &str| out(name, "adapter").join("adapter_model.safetensors");
     let data = ["--model-dir", s(&folder), "--token-file", s(&train), "--val-token-file", s(&val)];
     for (name, strategy, extra) in &runs {
         let (adapter, merged, metrics) = (out(name, "adapter"), out(name, "merged"), out(name, "metrics.jsonl"));
@@ -794,11 +798,19 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
         for ((step, a), (_, b)) in one.iter().zip(&this) {
             assert!(((a - b) / a).abs() < 1e-5, "lora {name}: step {step} loss {b} against {a}");
         }
-        let file = |name: &str| out(name, "adapter").join("adapter_model.safetensors");
         let gap = common::global_gap(&file("one"), &file(name));
         eprintln!("lora {name}: adapters differ from one process's by {gap:.2e}");
         assert!(gap < 1e-5, "lora {name}: adapters differ by {gap:e}");
     }
+    let plain = LORA.replace(r#""lora_dropout": 0.1"#, r#""lora_dropout": 0.0"#);
+    let undropped = ["--accumulation", "2", "--strategy", &format!("[{plain}]"), "--save-adapter-dir"];
+    let o = strata(&[&["train"][..], &RUN, &WINDOWS, &data, &undropped, &[s(&out("undropped", "adapter"))]].concat());
+    assert!(o.status.success(), "lora without dropout:\n{}", stderr(&o));
+    let gap = common::global_gap(&file("one"), &file("undropped"));
+    assert!(gap > 1e-4, "adapters trained with and without dropout differ by {gap:e}");
+    let sequence = format!("{}, {LORA}]", SEQUENCE.strip_suffix(']').unwrap());
+    let o = strata(&[&["train"][..], &data, &["--steps", "1", "--nproc", "2", "--strategy", &sequence]].concat());
+    assert_fails_with(&o, "lora: dropout beside sequence_parallel or context_parallel is not supported");
     let (metrics, adapter) = (out("again", "metrics.jsonl"), out("one", "adapter"));
     let again =
         ["--init-adapter", s(&adapter), "--steps", "1", "--eval-every", "1", "--lr", "0", "--metrics", s(&metrics)];

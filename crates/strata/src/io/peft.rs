@@ -103,10 +103,6 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
     if fields.get("use_dora").and_then(Value::as_bool) == Some(true) {
         return Err(err("use_dora: Strata computes plain LoRA".into()));
     }
-    if let Some(p) = fields.get("lora_dropout").and_then(Value::as_f64).filter(|p| *p != 0.0) {
-        tracing::warn!(dropout = p, "the adapter folder asks for dropout; adapters train without dropout");
-        fields.insert("lora_dropout".into(), json!(0.0));
-    }
     let known =
         ["r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters", "modules_to_save", "use_rslora"];
     fields.retain(|k, v| known.contains(&k.as_str()) && !v.is_null());

@@ -161,6 +161,15 @@ fn name_hash(name: &str) -> u32 {
     name.bytes().fold(0x811c_9dc5, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
 }
 
+/// Marks the sites of adapters' inputs, apart from the units' own small site numbers.
+const ADAPTER_SITES: u32 = 1 << 30;
+
+/// The dropout site of the input of the adapter of the weight named `weight`: the bit of
+/// adapters' sites beside the name's hash, so that a reference can name it too.
+pub fn adapter_site(weight: &str) -> u32 {
+    ADAPTER_SITES | (name_hash(weight) & (ADAPTER_SITES - 1))
+}
+
 /// What a training forward over one micro-batch draws its masks from: the run's seed, the
 /// step's number and the global number of the micro-batch's first row (its row among the
 /// step's rows of every rank and micro-batch, in order).

@@ -57,21 +57,29 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 }
 
 /// A low-rank adapter's factors as a layer reads them: `A` `[r, in]`, `B` `[out, r]` and
-/// the scale of their product.
-pub struct LowRank {
+/// the scale of their product, and in a training forward the dropout of its input.
+pub struct LowRank<'a> {
     /// `A`, `[r, in]`.
     pub a: Tensor,
     /// `B`, `[out, r]`.
     pub b: Tensor,
     /// The factor of the product (`alpha / r`, or `alpha / √r` with `use_rslora`).
     pub scale: f64,
+    /// Dropout of the adapter's input, whose masks fall at the coordinates of the input's
+    /// place in the whole one (`None`: nothing dropped).
+    pub dropout: Option<super::dropout::Dropping<'a>>,
 }
 
-impl LowRank {
-    /// What the adapter adds to its layer's output for input `x`: `scale·(x·Aᵀ)·Bᵀ`, each
-    /// product a linear layer of its own (so autocast and fp8 treat it as one).
+impl LowRank<'_> {
+    /// What the adapter adds to its layer's output for input `x`: `scale·(dropout(x)·Aᵀ)·Bᵀ`
+    /// (peft's `lora_B(lora_A(dropout(x))) · scaling`), each product a linear layer of its
+    /// own (so autocast and fp8 treat it as one).
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(linear(&linear(x, &self.a, None)?, &self.b, None)?.f_mul_scalar(self.scale)?)
+        let x = match &self.dropout {
+            Some(d) => d.apply(x)?,
+            None => x.shallow_clone(),
+        };
+        Ok(linear(&linear(&x, &self.a, None)?, &self.b, None)?.f_mul_scalar(self.scale)?)
     }
 }
 
@@ -83,7 +91,7 @@ pub fn row_linear(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
-    adapter: Option<LowRank>,
+    adapter: Option<LowRank<'_>>,
     tp: &dyn TensorParallel,
 ) -> Result<Tensor> {
     let unreduced = |bias: Option<&Tensor>| -> Result<Tensor> {

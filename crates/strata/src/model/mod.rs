@@ -442,6 +442,11 @@ pub struct Adapter {
     pub b: ParamId,
     /// The factor of the adapter's product (`alpha / r`, or `alpha / √r` with `use_rslora`).
     pub scale: f64,
+    /// The share of the adapter's input dropped in training (peft's `lora_dropout`), at
+    /// site `dropout_site` of its unit ([`dropout::adapter_site`]).
+    pub dropout: f64,
+    /// Where its masks are drawn within its unit.
+    pub dropout_site: u32,
     /// Where the factors are shared by a sparse layer's experts (peft's adapters of
     /// `target_parameters`): which expert's part of them this weight takes.
     pub expert: Option<ExpertSlice>,
@@ -588,17 +593,24 @@ impl<'a> Params<'a> {
         Params { adapters: Some(adapters).filter(|a| !a.is_empty()), ..self }
     }
 
-    fn adapter(&self, w: ParamId) -> Result<Option<layers::LowRank>> {
+    /// Weight `w`'s adapter, where one is joined to it, for input `x` whose last dimension
+    /// starts at feature `features` of the layer's whole input (its piece under a row split;
+    /// the positions are whole: adapters' dropout is refused beside sequence and context
+    /// parallelism).
+    fn adapter(&self, w: ParamId, x: &Tensor, features: i64) -> Result<Option<layers::LowRank<'_>>> {
         let Some(adapter) = self.adapters.and_then(|all| all.get(&w)) else { return Ok(None) };
         let (a, b) = adapter.factors(&self[adapter.a], &self[adapter.b])?;
-        Ok(Some(layers::LowRank { a, b, scale: adapter.scale }))
+        let mut offsets = vec![0; x.dim().saturating_sub(2)];
+        offsets.push(features);
+        let dropout = self.dropping(adapter.dropout, adapter.dropout_site, &offsets);
+        Ok(Some(layers::LowRank { a, b, scale: adapter.scale, dropout }))
     }
 
     /// The linear layer of weight `w` and bias `b` ([`layers::linear`]), with its adapter
     /// where one is joined to it.
     pub fn linear(&self, x: &Tensor, w: ParamId, b: Option<ParamId>) -> Result<Tensor> {
         let y = layers::linear(x, &self[w], b.map(|b| &self[b]))?;
-        match self.adapter(w)? {
+        match self.adapter(w, x, 0)? {
             Some(adapter) => Ok(y.f_add(&adapter.delta(x)?)?),
             None => Ok(y),
         }
@@ -607,7 +619,8 @@ impl<'a> Params<'a> {
     /// The row-parallel linear layer of weight `w` and bias `b` ([`layers::row_linear`]),
     /// with its adapter where one is joined to it.
     pub fn row_linear(&self, x: &Tensor, w: ParamId, b: Option<ParamId>) -> Result<Tensor> {
-        layers::row_linear(x, &self[w], b.map(|b| &self[b]), self.adapter(w)?, self.tp)
+        let features = self.tp.rank() * x.size().last().copied().unwrap_or(0);
+        layers::row_linear(x, &self[w], b.map(|b| &self[b]), self.adapter(w, x, features)?, self.tp)
     }
 
     /// Where the rows hold packed examples: each position's place in its example and the

@@ -136,6 +136,15 @@ pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, 
             "lora: the model has no adapters; join them to its description first (LoraConfig::apply)".into(),
         ));
     }
+    // An adapter's dropout mask falls at its input's positions in the whole rows, which a
+    // rank holding a piece of the sequence does not know here.
+    let split_rows =
+        strategy.tensor_parallel().is_some_and(|c| c.sequence_parallel) || strategy.context_parallel().is_some();
+    if split_rows && spec.adapters.values().any(|a| a.dropout > 0.0) {
+        return Err(Error::Config(
+            "lora: dropout beside sequence_parallel or context_parallel is not supported: set dropout to 0".into(),
+        ));
+    }
     let config = EngineConfig { kind: strategy.half().unwrap_or(config.kind), ..config };
     let policies = compute_policies(&spec, strategy, config.device)?;
     let offloaded = activation_offload(&spec, strategy)?;

@@ -8,6 +8,7 @@
 //! which `target_parameters` names: each gets one pair of factors for all its experts,
 //! laid out as peft lays them out ([`crate::model::ExpertSlice`]).
 
+use crate::model::dropout::adapter_site;
 use crate::model::{Adapter, ExpertSet, ExpertSlice, Init, ModelSpec, ParamId, ParamSpec, TpRole};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -34,7 +35,8 @@ pub struct LoraConfig {
     /// Scales the adapters' output by `alpha / r` (default 8).
     #[serde(alias = "lora_alpha")]
     pub alpha: f64,
-    /// Dropout on the adapters' input; only 0 is supported.
+    /// The share of each adapter's input dropped in training (0 by default; not with
+    /// `target_parameters`, as peft).
     #[serde(alias = "lora_dropout")]
     pub dropout: f64,
     /// The linear layers adapted (default `q_proj` and `v_proj`).
@@ -115,9 +117,12 @@ impl LoraConfig {
         if !self.alpha.is_finite() || self.alpha <= 0.0 {
             return bad(format!("alpha must be positive, got {}", self.alpha));
         }
-        if self.dropout != 0.0 {
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(format!("dropout {} is outside [0, 1)", self.dropout));
+        }
+        if self.dropout > 0.0 && !self.target_parameters.is_empty() {
             return bad(format!(
-                "dropout {} is not supported: adapters train without dropout (set it to 0.0)",
+                "dropout {} does not apply to target_parameters' stacked experts (peft refuses it too)",
                 self.dropout
             ));
         }
@@ -271,6 +276,8 @@ impl LoraConfig {
         for p in spec.params.iter_mut() {
             p.requires_grad = self.saves(&p.name);
         }
+        // Adapters' dropout draws masks by step, as the model's own sites do.
+        spec.dropout |= self.dropout > 0.0;
         let expert_targets = self.expert_targets(spec)?;
         for w in targets {
             let adapter = self.join(spec, w)?;
@@ -311,7 +318,9 @@ impl LoraConfig {
         for (stacked, ids) in weights.iter().enumerate() {
             for (index, &w) in ids.iter().enumerate() {
                 let expert = Some(ExpertSlice { index: index as i64, count, rows: (stacked as i64 * rows, rows) });
-                spec.adapters.insert(w, Adapter { a, b, scale: self.scale(), expert });
+                let dropout_site = adapter_site(&spec.params[w.0].name);
+                let adapter = Adapter { a, b, scale: self.scale(), dropout: self.dropout, dropout_site, expert };
+                spec.adapters.insert(w, adapter);
             }
         }
         Ok(())
@@ -336,7 +345,8 @@ impl LoraConfig {
         let bound = 1.0 / (inp as f64).sqrt();
         let a = declare(spec, &weight, module, "A", vec![self.r, inp], Init::Uniform { bound }, a_role)?;
         let b = declare(spec, &weight, module, "B", vec![out, self.r], Init::Zeros, b_role)?;
-        Ok(Adapter { a, b, scale: self.scale(), expert: None })
+        let dropout_site = adapter_site(&weight.name);
+        Ok(Adapter { a, b, scale: self.scale(), dropout: self.dropout, dropout_site, expert: None })
     }
 }
 

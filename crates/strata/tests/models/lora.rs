@@ -188,11 +188,13 @@ fn lora_matches_peft(family: &str, peft_config: Value) {
     }
 }
 
+/// Each adapter's input dropped at 0.1 (peft's `lora_dropout`, with Strata's masks).
 #[test]
 fn llama_lora_matches_peft() {
     lora_matches_peft(
         "llama",
-        json!({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}),
+        json!({"r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
+               "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}),
     );
 }
 
@@ -297,7 +299,9 @@ fn lora_refuses_what_it_cannot_adapt() {
     refuse(json!({"target_modules": ["embed_tokens"]}), "names no linear layer");
     refuse(json!({"modules_to_save": ["score"]}), "modules_to_save \"score\" names no module");
     refuse(json!({"r": 0}), "r must be positive");
-    refuse(json!({"dropout": 0.1}), "adapters train without dropout");
+    refuse(json!({"dropout": 1.0}), "dropout 1 is outside [0, 1)");
+    let stacked = json!({"dropout": 0.1, "target_parameters": ["mlp.experts.down_proj"]});
+    refuse(stacked, "dropout 0.1 does not apply to target_parameters' stacked experts");
     refuse(json!({"rank": 8}), "unknown field `rank`");
     // A folder's configuration matches the strategy's whatever order it lists names in.
     let given = lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"]}));
