@@ -238,7 +238,7 @@ def decoder_families():
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
-            pad_token_id=0)),
+            pad_token_id=0, resid_pdrop=0.1)),
     }
 
 
@@ -428,11 +428,15 @@ def dropout_sites(model):
         if hasattr(model, "classifier"):
             at(model.dropout, ("head", 0))
     elif hasattr(model, "model") and hasattr(model.model, "layers"):
-        # The decoder families drop their attention probabilities alone.
-        # (Qwen3-Next's linear attention layers drop nothing.)
+        # The decoder families drop their attention probabilities, and Phi-3 each
+        # sub-layer's output. (Qwen3-Next's linear attention layers drop nothing.)
         for i, layer in enumerate(model.model.layers):
+            unit = f"model.layers.{i}"
             if hasattr(layer, "self_attn"):
-                at(layer.self_attn, (f"model.layers.{i}", 0))
+                at(layer.self_attn, (unit, 0))
+            if hasattr(layer, "resid_attn_dropout"):
+                at(layer.resid_attn_dropout, (unit, 1))
+                at(layer.resid_mlp_dropout, (unit, 2))
     elif kind == "t5":
         for name, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
             last = f"{name}.block.{len(stack.block) - 1}" if name == "encoder" else "head"

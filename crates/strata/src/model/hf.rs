@@ -598,7 +598,11 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["layer_types"] = json!(layer_types);
             v["attention_bias"] = json!(c.qkv_bias);
         }
-        Family::Mistral | Family::Phi3 => v["sliding_window"] = window,
+        Family::Mistral => v["sliding_window"] = window,
+        Family::Phi3 => {
+            v["sliding_window"] = window;
+            v["resid_pdrop"] = json!(c.dropout.residual);
+        }
         // GPT-2, BERT and T5 never reach here (`Family::config_json`); the mixtures of
         // experts are their dense families here.
         _ => {
@@ -1158,7 +1162,16 @@ impl Keys<'_> {
             (_, true) => (None, Some(self.linear_layers(layers)?)),
             _ => self.windows(family, layers)?,
         };
-        self.note_dropout(&["resid_pdrop", "embd_pdrop"])?;
+        // Phi-3 drops each sub-layer's output (`resid_pdrop`); `transformers` reads no
+        // `embd_pdrop`, nor the other families either key.
+        let residual = match family {
+            Family::Phi3 => self.rate("resid_pdrop", 0.0)?,
+            _ => {
+                self.note_dropout(&["resid_pdrop"])?;
+                0.0
+            }
+        };
+        self.note_dropout(&["embd_pdrop"])?;
         let softcap = |key: &str, default: Option<f64>| -> KeyResult<Option<f64>> {
             Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
         };
@@ -1202,7 +1215,7 @@ impl Keys<'_> {
             linear_attention: if next { Some(self.linear_attention()?) } else { None },
             latent,
             // The decoder families' own default is no dropout.
-            dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, ..DropoutRates::NONE },
+            dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, residual, ..DropoutRates::NONE },
             head,
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
         })

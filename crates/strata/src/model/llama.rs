@@ -183,8 +183,9 @@ pub struct LlamaConfig {
     /// and `qkv_bias` puts biases on its down projections.
     #[serde(default)]
     pub latent: Option<LatentConfig>,
-    /// Dropout in training: the decoder drops attention probabilities alone (its folders'
-    /// `attention_dropout`), at `attention`'s rate; the other sites are not the decoder's.
+    /// Dropout in training: attention probabilities at `attention`'s rate (the folders'
+    /// `attention_dropout`) and each sub-layer's output before its residual sum at
+    /// `residual`'s (Phi-3's `resid_pdrop`); the other sites are not the decoder's.
     #[serde(default)]
     pub dropout: DropoutRates,
     /// What the last unit gives: next-token logits, or a reward model's score per position.
@@ -511,6 +512,8 @@ struct LlamaBlock {
     post_feed_forward_norm: Option<ParamId>,
     heads: i64,
     kinds: Kinds,
+    /// Dropout of each sub-layer's output before its residual sum (Phi-3's `resid_pdrop`).
+    residual_dropout: f64,
 }
 
 impl Unit for LlamaBlock {
@@ -666,11 +669,11 @@ impl LlamaBlock {
                 p.row_linear(&y, a.o.0, a.o.1)?
             }
         };
-        let (x, h) = self.kinds.add_norm(
-            x,
-            &self.post_norm(p, self.post_attention_norm, attended)?,
-            &p[self.feed_forward_norm],
-        )?;
+        // Where the residual stream holds this rank's piece of the sequence (sequence parallel).
+        let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];
+        let attended = self.post_norm(p, self.post_attention_norm, attended)?;
+        let attended = p.dropout(&attended, self.residual_dropout, 1, &piece)?;
+        let (x, h) = self.kinds.add_norm(x, &attended, &p[self.feed_forward_norm])?;
         let fed = match &self.feed_forward {
             FeedForward::Dense { gate_up, down } => {
                 let h = tp.enter(&h)?;
@@ -687,7 +690,8 @@ impl LlamaBlock {
             }
             FeedForward::Sparse(experts) => experts.forward(p, &h)?,
         };
-        Ok(x.f_add(&self.post_norm(p, self.post_feed_forward_norm, fed)?)?)
+        let fed = self.post_norm(p, self.post_feed_forward_norm, fed)?;
+        Ok(x.f_add(&p.dropout(&fed, self.residual_dropout, 2, &piece)?)?)
     }
 
     fn post_norm(&self, p: &Params<'_>, norm: Option<ParamId>, y: Tensor) -> Result<Tensor> {
@@ -764,7 +768,7 @@ impl Unit for RewardHead {
 /// The decoder's model function: units `embedding`, `model.layers.{i}`, `head`.
 pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
-    b.dropout(&DropoutRates { attention: cfg.dropout.attention, ..DropoutRates::NONE });
+    b.dropout(&DropoutRates { attention: cfg.dropout.attention, residual: cfg.dropout.residual, ..DropoutRates::NONE });
     let (d, f, hd) = (cfg.dim, cfg.hidden(), cfg.head_width());
     let (heads, kv_heads) = (cfg.heads, cfg.key_value_heads());
     let (q_out, kv_out) = (heads * hd, kv_heads * hd);
@@ -935,7 +939,10 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         };
         let kept =
             Kept::block(attention_kept + feed_forward_kept + 7.0, if linear.is_some() { 0 } else { cfg.heads }, d)
-                .with_dropout(0.0, cfg.dropout.attention > 0.0 && linear.is_none());
+                .with_dropout(
+                    super::dropout::masked(cfg.dropout.residual, 2 * d),
+                    cfg.dropout.attention > 0.0 && linear.is_none(),
+                );
         u.declare_cost(UnitCost { idle_weights, ..UnitCost::attending(kept, attention_width) });
         let attention = |inputs, o| {
             Mixer::Attention(Box::new(AttentionMixer {
@@ -974,6 +981,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             post_feed_forward_norm,
             heads,
             kinds,
+            residual_dropout: cfg.dropout.residual,
         });
     }
     let mut u = b.unit("head");
