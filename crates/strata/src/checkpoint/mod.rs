@@ -220,13 +220,14 @@ pub struct Layout {
 impl Layout {
     /// The layout of `engine`'s model, which it holds whole (no pipeline stage).
     pub fn of(engine: &Engine) -> Layout {
-        Layout::of_spec(engine.spec(), engine.tensor_parallel().map_or(1, |t| t.size() as usize), engine.holding())
+        Layout::of_spec(engine.spec(), engine.holding())
     }
 
-    /// The layout of the whole model `spec` describes, split over `tensor_size` ranks and
-    /// stored as `holding` says of experts (for pipeline stages, whose engines hold some of
-    /// its units).
-    pub fn of_spec(spec: &ModelSpec, tensor_size: usize, holding: Holding) -> Layout {
+    /// The layout of the whole model `spec` describes, stored as `holding` says (split over
+    /// its tensor ranks; experts apart over its expert ranks), for pipeline stages, whose
+    /// engines hold some of its units.
+    pub fn of_spec(spec: &ModelSpec, holding: Holding) -> Layout {
+        let tensor_size = holding.tensor as usize;
         let mut offsets = vec![0; spec.params.len()];
         let mut frozen = vec![false; spec.params.len()];
         let mut unit_numel = Vec::with_capacity(spec.units.len());

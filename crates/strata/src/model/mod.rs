@@ -593,16 +593,21 @@ impl<'a> Params<'a> {
         Params { adapters: Some(adapters).filter(|a| !a.is_empty()), ..self }
     }
 
-    /// Weight `w`'s adapter, where one is joined to it, for input `x` whose last dimension
-    /// starts at feature `features` of the layer's whole input (its piece under a row split;
-    /// the positions are whole: adapters' dropout is refused beside sequence and context
-    /// parallelism).
-    fn adapter(&self, w: ParamId, x: &Tensor, features: i64) -> Result<Option<layers::LowRank<'_>>> {
+    /// Weight `w`'s adapter, where one is joined to it, for input `x`: under a row split
+    /// (`row_split`) this rank's piece of the layer's features, whose dropout mask is that
+    /// piece of the whole input's (the positions are whole: adapters' dropout is refused
+    /// beside sequence and context parallelism).
+    fn adapter(&self, w: ParamId, x: &Tensor, row_split: bool) -> Result<Option<layers::LowRank<'_>>> {
         let Some(adapter) = self.adapters.and_then(|all| all.get(&w)) else { return Ok(None) };
         let (a, b) = adapter.factors(&self[adapter.a], &self[adapter.b])?;
-        let mut offsets = vec![0; x.dim().saturating_sub(2)];
-        offsets.push(features);
-        let dropout = self.dropping(adapter.dropout, adapter.dropout_site, &offsets);
+        let dropout = match self.dropout.filter(|_| adapter.dropout > 0.0) {
+            Some(_) => {
+                let mut offsets = vec![0; x.dim().saturating_sub(2)];
+                offsets.push(if row_split { self.tp.rank() * x.size().last().copied().unwrap_or(0) } else { 0 });
+                self.dropping(adapter.dropout, adapter.dropout_site, &offsets)
+            }
+            None => None,
+        };
         Ok(Some(layers::LowRank { a, b, scale: adapter.scale, dropout }))
     }
 
@@ -610,7 +615,7 @@ impl<'a> Params<'a> {
     /// where one is joined to it.
     pub fn linear(&self, x: &Tensor, w: ParamId, b: Option<ParamId>) -> Result<Tensor> {
         let y = layers::linear(x, &self[w], b.map(|b| &self[b]))?;
-        match self.adapter(w, x, 0)? {
+        match self.adapter(w, x, false)? {
             Some(adapter) => Ok(y.f_add(&adapter.delta(x)?)?),
             None => Ok(y),
         }
@@ -619,8 +624,7 @@ impl<'a> Params<'a> {
     /// The row-parallel linear layer of weight `w` and bias `b` ([`layers::row_linear`]),
     /// with its adapter where one is joined to it.
     pub fn row_linear(&self, x: &Tensor, w: ParamId, b: Option<ParamId>) -> Result<Tensor> {
-        let features = self.tp.rank() * x.size().last().copied().unwrap_or(0);
-        layers::row_linear(x, &self[w], b.map(|b| &self[b]), self.adapter(w, x, features)?, self.tp)
+        layers::row_linear(x, &self[w], b.map(|b| &self[b]), self.adapter(w, x, true)?, self.tp)
     }
 
     /// Where the rows hold packed examples: each position's place in its example and the

@@ -871,8 +871,7 @@ impl Zero {
         unsafe { memory::release_buffer(&storage[u].grad) }?;
         ledger.free(Placement::Device, Category::Grads, bytes(unit.grad_len(), self.param_kind));
         unit.grads_resident = false;
-        let replicated = self.groups.replicate.is_some() || self.groups.experts.is_some();
-        if let (true, Some(shard)) = (replicated, &unit.grad_shard) {
+        if let Some(shard) = &unit.grad_shard {
             let at = unit.grad_start + self.groups.shard_rank() as i64 * unit.shard_len;
             let experts = self.groups.experts.as_ref().map(|e| &e.replicate);
             let stretches = &self.expert_stretches[u];

@@ -304,8 +304,7 @@ impl PipelineExecutor {
                 unit_in_stage: k - ranges[stage_of(k)].0,
             })
             .collect();
-        let tensor_size = mesh.size(Dim::Tensor);
-        let layout = crate::checkpoint::Layout::of_spec(&whole, tensor_size, Holding::tensor(tensor_size as i64));
+        let layout = crate::checkpoint::Layout::of_spec(&whole, Holding::tensor(mesh.size(Dim::Tensor) as i64));
         let mut tied: Vec<(ParamId, Vec<usize>)> = readers.into_iter().filter(|(_, s)| s.len() > 1).collect();
         tied.sort();
         // zero2 and fsdp free a unit's whole gradient once reduced, before a weight tied
