@@ -149,8 +149,9 @@ pub struct EstimateArgs {
     /// Chunks per rank of the interleaved schedule.
     #[arg(long, default_value_t = 1)]
     virtual_stages: usize,
-    /// A mixture of experts: expert-parallel sizes to show the placement and all-to-all
-    /// bytes of, comma-separated.
+    /// A mixture of experts: expert-parallel sizes to show each layout at (each rank of a
+    /// group storing its share of the experts), with their placement and all-to-all bytes,
+    /// comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     expert_parallel: Vec<usize>,
     /// Context-parallel sizes to show each layout at, comma-separated: each row's positions
@@ -278,16 +279,32 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     if a.context_parallel.contains(&0) {
         bail!("--context-parallel: sizes must be positive");
     }
+    if a.expert_parallel.contains(&0) {
+        bail!("--expert-parallel: sizes must be positive");
+    }
+    if spec.expert_sets.is_empty() && a.expert_parallel.iter().any(|&s| s > 1) {
+        bail!("--expert-parallel places a mixture of experts: the model has no experts");
+    }
+    let mut experts = vec![];
+    for &size in &a.expert_parallel {
+        experts.extend(estimate::expert_placement(&spec, &work, precision, size)?);
+    }
     // Each layout at each context size that divides the ranks its tensor and pipeline
-    // leave, sharded only where data ranks remain to shard over.
+    // leave and each expert group size that divides its data ranks, sharded only where
+    // ranks remain to shard over.
     let layouts: Vec<Layout> = layouts
         .iter()
         .flat_map(|l| a.context_parallel.iter().map(move |&c| l.with_context(c, context_kind)))
         .filter(|l| l.data_ranks(a.nproc) * l.context * l.pipeline * l.candidate.tensor.max(1) == a.nproc)
+        .flat_map(|l| a.expert_parallel.iter().map(move |&e| l.with_experts(e)))
+        .filter(|l| l.data_ranks(a.nproc).is_multiple_of(l.experts))
         .filter(|l| l.candidate.sharding == Sharding::None || l.shard_ranks(a.nproc) > 1)
         .collect();
     if layouts.is_empty() {
-        bail!("no layout: the tensor, pipeline and context sizes given do not divide {} ranks or the model", a.nproc);
+        bail!(
+            "no layout: the tensor, pipeline, context and expert sizes given do not divide {} ranks or the model",
+            a.nproc
+        );
     }
     // A reference copy alone (TR-DPO's) decodes nothing.
     let generation = match (a.num_generations, a.reference_copy) {
@@ -327,14 +344,6 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             let e = generating(estimate::estimate_spec(&adapted, layout, &work, &machine)?, layout, true)?;
             rows.push(Row { lora: true, estimate: e });
         }
-    }
-    let mut experts = vec![];
-    if let Some(moe) = config.moe() {
-        for &size in &a.expert_parallel {
-            experts.extend(estimate::expert_placement(&spec, moe.top_k, &work, precision, size)?);
-        }
-    } else if a.expert_parallel.iter().any(|&s| s > 1) {
-        bail!("--expert-parallel places a mixture of experts: the model has no experts");
     }
     let report = Report {
         experts,

@@ -170,7 +170,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
             100.0 * t.mfu,
             human_bytes(r.memory.device.total()),
             100.0 * t.bubble / t.total,
-            1e3 * (t.data_comm + t.tensor_comm + t.pipeline_comm + t.context_comm),
+            1e3 * (t.data_comm + t.tensor_comm + t.pipeline_comm + t.context_comm + t.expert_comm),
             1e3 * t.total,
             r.behind.as_deref().unwrap_or("—")
         );

@@ -172,6 +172,21 @@ fn strata_estimate_places_experts_and_counts_their_all_to_all() {
     let step = |k: u64| 4 * 48 * slots_bytes * (k - 1) / k;
     let weights = |k: u64| 48 * 128 / k * 3 * 2048 * 768 * 4;
     assert_eq!(placed, [(1, 128, weights(1), 0), (2, 64, weights(2), step(2)), (8, 16, weights(8), step(8))]);
+    // Every layout at each size: a rank's parameters lose the experts other ranks store,
+    // its all-to-all holds one layer's slots sent and received, and zero stages shard over
+    // the ranks outside the expert groups (none left at 8).
+    let rows = report["rows"].as_array().unwrap();
+    let row = |label: &str| rows.iter().find(|r| r["layout"] == label).unwrap_or_else(|| panic!("no {label}"));
+    let device = |label: &str, part: &str| row(label)["device"][part].as_u64().unwrap();
+    for k in [2, 8] {
+        let apart = format!("amp bf16 + data parallel + experts {k}");
+        assert_eq!(device(&apart, "params"), device("amp bf16 + data parallel", "params") - weights(1) + weights(k));
+        assert_eq!(device(&apart, "comm"), 2 * slots_bytes);
+    }
+    let zero = |label: &str| device(label, "optimizer");
+    let sharded = zero("amp bf16 + zero1 + experts 2") as f64 / zero("amp bf16 + data parallel + experts 2") as f64;
+    assert!((sharded - 0.25).abs() < 1e-3, "zero1 beside experts 2 shards over 4 ranks: {sharded}");
+    assert!(rows.iter().all(|r| r["layout"] != "amp bf16 + zero1 + experts 8"), "nothing left to shard");
     assert_fails_with(&strata(&[&args[..], &["--expert-parallel", "3"]].concat()), "128 experts do not split over 3");
     assert_fails_with(&strata(&["estimate", "--preset", "gpt2", "--expert-parallel", "2"]), "the model has no experts");
 }
@@ -353,6 +368,33 @@ fn strata_plan_for_a_70b_llama_on_64_h100s_picks_a_layout_that_fits() {
     assert_eq!(same["device"], best["memory"]["device"], "{label}: the same bytes");
     let valid = strata(&["strategy", "validate", file.to_str().unwrap(), "--world-size", "64"]);
     assert!(valid.status.success(), "{}", stderr(&valid));
+}
+
+/// Qwen3-30B-A3B on two nodes of eight H100s: the best layout splits the experts over
+/// expert groups within a node, more than 1.2× as fast as the best that does not, pays for
+/// their all-to-alls, and its strategy names the expert dimension.
+#[test]
+fn strata_plan_splits_a_mixture_of_experts_over_expert_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plan.json");
+    let args =
+        "plan --preset qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --global-batch 32 --ctx 4096 --top 10000 --json";
+    let out = strata(&[&args.split_whitespace().collect::<Vec<_>>()[..], &["--out", file.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let experts = |r: &serde_json::Value| r["layout"]["experts"].as_u64().unwrap();
+    let speed = |r: &serde_json::Value| r["time"]["tokens_per_s"].as_f64().unwrap();
+    let best = &rows[0];
+    assert!((2..=8).contains(&experts(best)), "{}", best["label"]);
+    assert!(best["time"]["expert_comm"].as_f64().unwrap() > 0.0);
+    let dense = rows.iter().find(|r| experts(r) == 1).expect("a layout without expert groups fits");
+    assert!(speed(best) > 1.2 * speed(dense), "{} against {}", best["label"], dense["label"]);
+    let strategy: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let methods = strategy.as_array().unwrap();
+    assert!(methods.iter().any(|m| m == "expert_parallel" || m[0] == "expert_parallel"), "{strategy}");
+    let dims = methods.iter().find(|m| m[0] == "parallel_mode").map(|m| m[1][0].clone()).unwrap();
+    assert!(dims.as_array().unwrap().iter().any(|d| d[0] == "expert" && d[1] == experts(best)), "{dims}");
 }
 
 /// The strategy file of a plan for a small GPT on two devices trains unchanged.

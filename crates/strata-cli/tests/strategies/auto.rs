@@ -392,3 +392,69 @@ fn one_row_over_two_ranks_is_split_over_context_ranks() {
     let losses: Vec<f64> = common::reports(&metrics).iter().map(|r| r["loss"].as_f64().unwrap()).collect();
     assert!(losses.len() == 2 && losses.iter().all(|l| l.is_finite() && *l > 0.0), "{losses:?}");
 }
+
+/// A mixture of experts on two ranks whose experts hold most of its parameters (2 blocks of
+/// 8 experts: 393,216 of 460,096), within a budget that replicated fp32 states do not meet
+/// and sharding is left out of: the search adds the expert dimension, dry-runs layouts
+/// whose ranks each store half of the experts, chooses one, and the run stores just that
+/// half on rank 0.
+#[test]
+fn a_mixture_of_experts_that_fits_only_over_expert_groups_trains_so() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (report, metrics) = (dir.path().join("r.json"), dir.path().join("m.jsonl"));
+    let shape = [
+        "--model",
+        "llama",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--dim",
+        "64",
+        "--ffn-dim",
+        "128",
+        "--experts",
+        "8",
+        "--experts-per-token",
+        "2",
+        "--vocab",
+        "256",
+        "--ctx",
+        "32",
+    ];
+    let budget = 8_000_000u64;
+    let search = [
+        "--nproc",
+        "2",
+        "--strategy",
+        "auto",
+        "--device-memory",
+        &budget.to_string(),
+        "--excluded",
+        "module_replace,amp_native,half,fp8,offload,zero1,zero2,fsdp,tensor_parallel,pipeline_parallel",
+        "--search-report",
+        report.to_str().unwrap(),
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ];
+    let o = strata_env(&[&["train"][..], &shape, &RUN, &DRY_RUN, &search].concat(), &[("STRATA_LOG", "warn")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(report["analysis"]["expert_sizes"], serde_json::json!([2]));
+    let chosen = report["chosen"].as_str().unwrap();
+    assert!(chosen.contains("experts 2"), "{chosen}");
+    let strategy = report["chosen_strategy"].as_array().unwrap();
+    assert!(strategy.iter().any(|m| m[0] == "expert_parallel"), "{strategy:?}");
+    let mut apart = 0;
+    for (label, o) in outcomes(&report).filter(|(_, o)| o["outcome"] == "fits") {
+        assert!(o["peak_bytes"].as_u64().unwrap() <= budget, "{label}: {o}");
+        apart += label.contains("experts 2") as usize;
+    }
+    assert!(apart >= 1, "{report}");
+    // Rank 0 stores the attention, norms, routers, embedding and head whole, and 4 of each
+    // layer's 8 experts.
+    let (whole, routed) = (460_096u64, 2 * 8 * 3 * 64 * 128);
+    let step = common::reports(&metrics).pop().unwrap();
+    assert_eq!(step["memory"]["device"]["by_category"]["params"], 4 * (whole - routed / 2), "{step}");
+}

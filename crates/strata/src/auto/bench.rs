@@ -355,11 +355,12 @@ fn analyse_with(bench: &Bench<'_>, shelve: bool) -> Result<Analysis> {
     let params = spec.num_params();
     let trainable_params = spec.params.iter().filter(|p| p.requires_grad).map(|p| p.numel()).sum();
     // Sizes dividing the world: tensor sizes the model splits over, pipeline sizes that
-    // leave each stage a unit.
+    // leave each stage a unit, expert group sizes its experts split over.
     let world = bench.world_size();
     let divisors = (2..=world).filter(|d| world.is_multiple_of(*d));
     let tensor_sizes: Vec<usize> = divisors.clone().filter(|&t| spec.check_tensor_parallel(t as i64).is_ok()).collect();
     let pipeline_sizes: Vec<usize> = divisors.filter(|&p| p <= spec.units.len()).collect();
+    let expert_sizes = spec.expert_group_sizes(world);
     let needs = spec.units_read();
     // Within the device budget: one unit at a time is ever resident.
     // Unit by unit both ways: backward must pass through the probe to find its units' memory.
@@ -429,5 +430,6 @@ fn analyse_with(bench: &Bench<'_>, shelve: bool) -> Result<Analysis> {
         blocks,
         tensor_sizes,
         pipeline_sizes,
+        expert_sizes,
     })
 }

@@ -1,5 +1,5 @@
 //! The search space: precision, module replacement, sharding, recomputation, the tensor
-//! size, the pipeline's shape and the context split, as layouts built from every method minus `excluded` and
+//! size, the pipeline's shape, the context split and the expert groups, as layouts built from every method minus `excluded` and
 //! with every `included` one, and what the device and the world size rule out before
 //! anything runs.
 //!
@@ -136,7 +136,7 @@ impl Candidate {
 
     /// The candidate as a strategy; `blocks` are the unit kinds recomputed by `checkpoint`.
     pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
-        self.strategy_with_pipeline(blocks, None, None)
+        self.strategy_with_pipeline(blocks, None, None, 1)
     }
 
     /// [`Candidate::strategy`] over `pipeline` stages (with their schedule and chunks per
@@ -147,14 +147,19 @@ impl Candidate {
         blocks: &[String],
         pipeline: Option<(usize, ScheduleKind, usize)>,
         context: Option<(usize, ContextKind)>,
+        experts: usize,
     ) -> Result<Strategy> {
-        // Tensor groups innermost (their collectives are the busiest), then context groups.
+        // Tensor groups innermost (their collectives are the busiest), then context groups,
+        // then expert groups (an all-to-all per sparse layer), all within a node where they fit.
         let mut dims = vec![];
         if self.tensor > 1 {
             dims.push(serde_json::json!(["tensor", self.tensor]));
         }
         if let Some((size, _)) = context {
             dims.push(serde_json::json!(["context", size]));
+        }
+        if experts > 1 {
+            dims.push(serde_json::json!(["expert", experts]));
         }
         if let Some((stages, _, _)) = pipeline {
             dims.push(serde_json::json!(["pipeline", stages]));
@@ -168,6 +173,9 @@ impl Candidate {
         }
         if let Some((_, kind)) = context {
             items.push(serde_json::json!(["context_parallel", {"kind": kind}]));
+        }
+        if experts > 1 {
+            items.push(serde_json::json!("expert_parallel"));
         }
         if let Some((_, schedule, virtual_stages)) = pipeline {
             items.push(serde_json::json!(["pipeline_parallel", {
@@ -267,6 +275,9 @@ pub struct Layout {
     pub context: usize,
     /// How context parallelism's attention reaches the other ranks' positions.
     pub context_kind: ContextKind,
+    /// Ranks of an expert group (expert parallelism; 1: none): carved out of the data
+    /// ranks, each storing and computing its share of every sparse layer's routed experts.
+    pub experts: usize,
 }
 
 impl Layout {
@@ -279,7 +290,14 @@ impl Layout {
             virtual_stages: 1,
             context: 1,
             context_kind: ContextKind::Ring,
+            experts: 1,
         }
+    }
+
+    /// The same layout with each sparse layer's experts split over expert groups of `size`
+    /// of its data ranks (no split at 1).
+    pub fn with_experts(self, size: usize) -> Layout {
+        Layout { experts: size.max(1), ..self }
     }
 
     /// The same layout with each row's positions split over `size` ranks, exchanged by
@@ -300,8 +318,15 @@ impl Layout {
     }
 
     /// Ranks a ZeRO stage shards the same pieces over: the data ranks and the context ranks
-    /// beside them (which hold the same units).
+    /// beside them (which hold the same units), outside the expert groups (whose ranks store
+    /// different experts).
     pub fn shard_ranks(&self, ranks: usize) -> usize {
+        self.data_ranks(ranks) * self.context.max(1) / self.experts.max(1)
+    }
+
+    /// Ranks that read different rows or pieces of them and average their gradients: the
+    /// data ranks (expert groups included) and the context ranks.
+    pub fn replicas(&self, ranks: usize) -> usize {
         self.data_ranks(ranks) * self.context.max(1)
     }
 
@@ -314,6 +339,9 @@ impl Layout {
         if self.context > 1 {
             m.push("context_parallel");
         }
+        if self.experts > 1 {
+            m.push("expert_parallel");
+        }
         m
     }
 
@@ -322,11 +350,11 @@ impl Layout {
     pub fn strategy(&self, blocks: &[String]) -> Result<Strategy> {
         let pipeline = (self.pipeline > 1).then_some((self.pipeline, self.schedule, self.virtual_stages));
         let context = (self.context > 1).then_some((self.context, self.context_kind));
-        self.candidate.strategy_with_pipeline(blocks, pipeline, context)
+        self.candidate.strategy_with_pipeline(blocks, pipeline, context, self.experts)
     }
 
-    /// [`Candidate::label`], plus the stages and schedule where there is a pipeline and
-    /// the context split where there is one.
+    /// [`Candidate::label`], plus the stages and schedule where there is a pipeline, the
+    /// context split and the expert groups where there are.
     pub fn label(&self) -> String {
         let mut label = match self.pipeline {
             1 => self.candidate.label(),
@@ -334,6 +362,9 @@ impl Layout {
         };
         if self.context > 1 {
             label += &format!(" + context {} ({})", self.context, strategy_name(self.context_kind));
+        }
+        if self.experts > 1 {
+            label += &format!(" + experts {}", self.experts);
         }
         label
     }
@@ -344,16 +375,30 @@ fn strategy_name(value: impl Serialize) -> String {
     serde_json::to_value(value).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
 }
 
+/// The sizes a search tries in each dimension beyond 1: tensor sizes the model splits
+/// over, pipeline sizes that leave every stage a unit, expert group sizes its experts split
+/// over (none for a dense model).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sizes<'a> {
+    /// Tensor sizes above 1.
+    pub tensor: &'a [usize],
+    /// Pipeline sizes above 1.
+    pub pipeline: &'a [usize],
+    /// Expert group sizes above 1.
+    pub experts: &'a [usize],
+}
+
 /// The candidates: every combination of the methods that exist, at tensor size 1 and each
-/// of `tensor_sizes` (those the model splits over at this world size), without a pipeline
-/// and over each of `pipeline_sizes` (1F1B), with and without offload where `offload` says
-/// it is worth trying (a device budget), minus those using an `excluded` method, keeping
-/// only those using every `included` one.
+/// of `sizes.tensor` (those the model splits over at this world size), without a pipeline
+/// and over each of `sizes.pipeline` (1F1B), without expert groups and over each of
+/// `sizes.experts`, with and without offload where `offload` says it is worth trying (a
+/// device budget), minus those using an `excluded` method, keeping only those using every
+/// `included` one.
 pub fn candidates(
     excluded: &[String],
     included: &[String],
     has_blocks: bool,
-    (tensor_sizes, pipeline_sizes): (&[usize], &[usize]),
+    sizes: Sizes<'_>,
     offload: bool,
 ) -> Vec<Layout> {
     let offloads: &[bool] = if offload { &[false, true] } else { &[false] };
@@ -361,35 +406,39 @@ pub fn candidates(
     let above_one = |sizes: &[usize]| -> Vec<usize> {
         std::iter::once(1).chain(sizes.iter().copied().filter(|&t| t > 1)).collect()
     };
-    for pipeline in above_one(pipeline_sizes) {
-        for tensor in above_one(tensor_sizes) {
-            for precision in PRECISIONS {
-                for module_replace in [true, false] {
-                    for sharding in SHARDINGS {
-                        for (checkpoint, &offload) in
-                            [false, true].into_iter().flat_map(|c| offloads.iter().map(move |o| (c, o)))
-                        {
-                            if checkpoint && !has_blocks {
-                                continue;
-                            }
-                            let c = Candidate {
-                                precision,
-                                module_replace,
-                                sharding,
-                                checkpoint,
-                                tensor,
-                                offload,
-                                chunked_loss: None,
-                                activation_offload: false,
-                            };
-                            let layout = Layout::piped(c, pipeline);
-                            let methods = layout.methods();
-                            if methods.iter().any(|m| excluded.iter().any(|e| e == m)) {
-                                continue;
-                            }
-                            if included.iter().all(|i| methods.contains(&i.as_str())) {
-                                out.push(layout);
-                            }
+    let mut shapes = vec![];
+    for experts in above_one(sizes.experts) {
+        for pipeline in above_one(sizes.pipeline) {
+            shapes.extend(above_one(sizes.tensor).into_iter().map(|tensor| (experts, pipeline, tensor)));
+        }
+    }
+    for (experts, pipeline, tensor) in shapes {
+        for precision in PRECISIONS {
+            for module_replace in [true, false] {
+                for sharding in SHARDINGS {
+                    for (checkpoint, &offload) in
+                        [false, true].into_iter().flat_map(|c| offloads.iter().map(move |o| (c, o)))
+                    {
+                        if checkpoint && !has_blocks {
+                            continue;
+                        }
+                        let c = Candidate {
+                            precision,
+                            module_replace,
+                            sharding,
+                            checkpoint,
+                            tensor,
+                            offload,
+                            chunked_loss: None,
+                            activation_offload: false,
+                        };
+                        let layout = Layout::piped(c, pipeline).with_experts(experts);
+                        let methods = layout.methods();
+                        if methods.iter().any(|m| excluded.iter().any(|e| e == m)) {
+                            continue;
+                        }
+                        if included.iter().all(|i| methods.contains(&i.as_str())) {
+                            out.push(layout);
                         }
                     }
                 }
@@ -413,8 +462,8 @@ pub(crate) fn context_kinds(spec: &ModelSpec, seq_len: i64, t: usize, c: usize) 
     kinds
 }
 
-/// Why `c` cannot run here, if it cannot: the device lacks fast kernels for it, or there is
-/// nothing to shard.
+/// Why `c` cannot run here, if it cannot: the device lacks fast kernels for it, or its
+/// shape cannot run on `world` ranks ([`shape_obstacle`]).
 pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<String> {
     let c = &layout.candidate;
     let fp16 = matches!(c.precision, Precision::AmpFp16 | Precision::HalfFp16);
@@ -428,6 +477,13 @@ pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<Strin
         }
         _ => {}
     }
+    shape_obstacle(layout, world)
+}
+
+/// Why `layout` cannot run on `world` ranks on any device, if it cannot: its sizes do not
+/// divide the ranks, its methods do not combine, or there is nothing to shard.
+pub fn shape_obstacle(layout: &Layout, world: usize) -> Option<String> {
+    let c = &layout.candidate;
     if c.tensor > 1 && !world.is_multiple_of(c.tensor) {
         return Some(format!("tensor size {} does not divide the {world} ranks", c.tensor));
     }
@@ -437,6 +493,13 @@ pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<Strin
             c.tensor,
             layout.pipeline,
             layout.context.max(1)
+        ));
+    }
+    if layout.experts > 1 && !layout.data_ranks(world).is_multiple_of(layout.experts) {
+        return Some(format!(
+            "expert groups of {} ranks do not divide the {} data ranks",
+            layout.experts,
+            layout.data_ranks(world)
         ));
     }
     if c.offload && layout.pipeline > 1 {
@@ -456,14 +519,17 @@ pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<Strin
 mod tests {
     use super::*;
 
-    const NONE: (&[usize], &[usize]) = (&[], &[]);
+    const NONE: Sizes<'static> = Sizes { tensor: &[], pipeline: &[], experts: &[] };
 
     #[test]
     fn candidates_cover_every_method_and_honour_included_and_excluded() {
         let all = candidates(&[], &[], true, NONE, false);
         assert_eq!(all.len(), PRECISIONS.len() * 2 * SHARDINGS.len() * 2);
-        assert_eq!(candidates(&[], &[], true, (&[2, 4], &[]), false).len(), 3 * all.len());
-        assert_eq!(candidates(&[], &[], true, (&[2], &[2, 4]), false).len(), 6 * all.len());
+        assert_eq!(candidates(&[], &[], true, Sizes { tensor: &[2, 4], ..NONE }, false).len(), 3 * all.len());
+        assert_eq!(
+            candidates(&[], &[], true, Sizes { tensor: &[2], pipeline: &[2, 4], ..NONE }, false).len(),
+            6 * all.len()
+        );
         let offloading = candidates(&[], &[], true, NONE, true);
         assert_eq!(offloading.len(), 2 * all.len(), "with and without offload under a budget");
         for l in offloading.iter().filter(|l| l.candidate.offload) {
@@ -476,7 +542,13 @@ mod tests {
             let names: Vec<&str> = s.methods.iter().map(|m| m.name()).collect();
             assert_eq!(names.len(), l.methods().len(), "{}", l.label());
         }
-        let some = candidates(&["fsdp".into()], &["checkpoint".into(), "amp_native".into()], true, (&[2], &[]), false);
+        let some = candidates(
+            &["fsdp".into()],
+            &["checkpoint".into(), "amp_native".into()],
+            true,
+            Sizes { tensor: &[2], ..NONE },
+            false,
+        );
         assert!(!some.is_empty());
         assert!(some.iter().all(|l| l.candidate.checkpoint
             && l.candidate.sharding != Sharding::Fsdp
@@ -501,7 +573,7 @@ mod tests {
         let offloaded = Candidate { offload: true, precision: Precision::Fp32, ..cpu };
         assert!(at(offloaded, 1).is_none());
         assert!(at(offloaded, 2).is_some_and(|why| why.contains("zero1, zero2 or fsdp")));
-        let tensor_only = candidates(&[], &["tensor_parallel".into()], true, (&[2], &[]), false);
+        let tensor_only = candidates(&[], &["tensor_parallel".into()], true, Sizes { tensor: &[2], ..NONE }, false);
         assert!(!tensor_only.is_empty() && tensor_only.iter().all(|l| l.candidate.tensor == 2));
         let strategy = tensor_only[0].strategy(&[]).unwrap();
         assert_eq!(strategy.parallel_mode().size(crate::strategy::Dim::Tensor, 4).unwrap(), 2);
@@ -512,7 +584,13 @@ mod tests {
     /// the rest to data parallelism and sharding, and write `pipeline_parallel`.
     #[test]
     fn pipelines_are_layouts_of_their_own() {
-        let piped = candidates(&[], &["pipeline_parallel".into()], true, (&[2], &[2, 4]), false);
+        let piped = candidates(
+            &[],
+            &["pipeline_parallel".into()],
+            true,
+            Sizes { tensor: &[2], pipeline: &[2, 4], ..NONE },
+            false,
+        );
         assert!(!piped.is_empty() && piped.iter().all(|l| l.pipeline > 1));
         let sharded = piped
             .iter()
@@ -528,7 +606,7 @@ mod tests {
         assert!(sharded.label().ends_with("pipeline 2 (1f1b)"), "{}", sharded.label());
         let offloaded = Layout::piped(Candidate { offload: true, ..sharded.candidate }, 2);
         assert!(capability(&offloaded, Device::Cpu, 4).is_some_and(|why| why.contains("pipeline")));
-        assert!(candidates(&["pipeline_parallel".into()], &[], true, (&[], &[2]), false)
+        assert!(candidates(&["pipeline_parallel".into()], &[], true, Sizes { pipeline: &[2], ..NONE }, false)
             .iter()
             .all(|l| l.pipeline == 1));
     }

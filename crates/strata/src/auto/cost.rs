@@ -47,6 +47,9 @@ pub struct Analysis {
     pub tensor_sizes: Vec<usize>,
     /// Pipeline sizes above 1 that divide the world and leave every stage a unit.
     pub pipeline_sizes: Vec<usize>,
+    /// Expert group sizes above 1 that divide the world and every sparse layer's experts
+    /// (none for a dense model).
+    pub expert_sizes: Vec<usize>,
 }
 
 /// What each unit keeps per token, from the profile: its measured fp32 bytes over the

@@ -14,7 +14,7 @@
 //! width, vocabulary and attended position. `strata bench estimate` checks the whole
 //! against the allocator's peak over runs of every family and layout it can run here.
 use super::candidate::{Candidate, Layout, Precision, Sharding};
-use crate::engine::UnitLayout;
+use crate::engine::{Holding, UnitLayout};
 pub use crate::model::Kept;
 use crate::model::{ModelConfig, ModelSpec, ParamSpec};
 use crate::parallel::pipeline::partition::{self, Stages, UnitCost};
@@ -254,35 +254,45 @@ pub struct ExpertPlacement {
     pub all_to_all_bytes: u64,
 }
 
-/// [`ExpertPlacement`] of `spec`'s sparse layers (routing `top_k` slots per token) over
-/// expert groups of `size` ranks, for `work`'s micro-batches in `precision`; `None` for a
-/// model without experts.
+/// [`ExpertPlacement`] of `spec`'s sparse layers over expert groups of `size` ranks, for
+/// `work`'s micro-batches in `precision`; `None` for a model without experts.
 pub fn expert_placement(
     spec: &ModelSpec,
-    top_k: i64,
     work: &Workload,
     precision: Precision,
     size: usize,
 ) -> Result<Option<ExpertPlacement>> {
     let Some(first) = spec.expert_sets.first() else { return Ok(None) };
     let experts = first.gate.len() as i64;
-    if size == 0 || experts % size as i64 != 0 {
+    if size == 0 || !spec.expert_sets.iter().all(|s| s.gate.len().is_multiple_of(size)) {
         return Err(Error::Config(format!("expert_parallel: {experts} experts do not split over {size} ranks")));
     }
-    let width = spec.params[first.gate[0].0].shape[1] as u64;
-    let slots = (work.micro_batch as u64) * work.ctx as u64 * work.micro_batches as u64 * top_k as u64;
-    let element = match precision {
-        Precision::Fp32 => 4,
-        _ => 2,
-    };
-    let remote = slots * width * element * (size as u64 - 1) / size as u64;
+    let tokens = (work.micro_batch as i64 * work.ctx) as f64 * work.micro_batches as f64;
+    let remote = expert_slot_bytes(spec, tokens, precision) * (size - 1) as f64 / size as f64;
     let routed: i64 = spec.params.iter().filter(|p| p.expert.is_some()).map(ParamSpec::numel).sum();
     Ok(Some(ExpertPlacement {
         size,
         experts_per_rank: experts / size as i64,
         expert_bytes_per_rank: routed as u64 / size as u64 * param_bytes(precision),
-        all_to_all_bytes: 4 * remote * spec.expert_sets.len() as u64,
+        all_to_all_bytes: 4 * remote as u64,
     }))
+}
+
+/// Bytes of the hidden states of `tokens` tokens' routed slots over every sparse layer of
+/// `spec` in `precision`: what one all-to-all pass of a step's layers carries where no slot
+/// stays home (each layer's width × its experts per token).
+pub(crate) fn expert_slot_bytes(spec: &ModelSpec, tokens: f64, precision: Precision) -> f64 {
+    let element = match precision {
+        Precision::Fp32 => 4.0,
+        _ => 2.0,
+    };
+    spec.expert_sets
+        .iter()
+        .map(|set| {
+            let width = set.gate.first().map_or(0, |g| spec.params[g.0].shape[1]);
+            tokens * (set.top_k * width) as f64 * element
+        })
+        .sum()
 }
 
 /// The bytes of a parameter element under `precision` (`half` keeps bf16 or fp16 weights).
@@ -355,7 +365,8 @@ pub fn unit_activation_bytes(kept: &[Kept], layout: &Layout, work: &Workload, de
 }
 
 /// Each unit's buffer as the engine lays it out under `layout` on `ranks` ranks: split over
-/// its tensor ranks, padded to the shard count where it is sharded.
+/// its tensor ranks, an expert group's first rank storing only its own experts (every rank
+/// of the group stores as many), padded to the shard count where it is sharded.
 pub(crate) fn unit_layouts<'a>(
     spec: &'a ModelSpec,
     layout: &Layout,
@@ -363,8 +374,11 @@ pub(crate) fn unit_layouts<'a>(
 ) -> impl Iterator<Item = UnitLayout> + 'a {
     let shards = layout.shard_ranks(ranks);
     let pad = if layout.candidate.sharding != Sharding::None && shards > 1 { shards as i64 } else { 1 };
-    let tensor = layout.candidate.tensor.max(1) as i64;
-    (0..spec.units.len()).map(move |u| UnitLayout::of(spec, u, tensor, pad))
+    let holding = Holding {
+        tensor: layout.candidate.tensor.max(1) as i64,
+        experts: (layout.experts > 1 && !spec.expert_sets.is_empty()).then_some((layout.experts as i64, 0)),
+    };
+    (0..spec.units.len()).map(move |u| UnitLayout::held(spec, u, holding, pad))
 }
 
 /// One unit's parameters as the engine lays them out.
@@ -626,6 +640,12 @@ pub fn estimate_with(
         // head: a model width each).
         if cp > 1 && layout.context_kind == ContextKind::Ring {
             device.comm += (8.0 * tokens * kept[0].output * 4.0 / t as f64) as u64;
+        }
+        // An expert group's all-to-all holds one sparse layer's token slots sent and those
+        // received (as many, routing balanced).
+        if layout.experts > 1 {
+            let layers = spec.expert_sets.len().max(1) as f64;
+            device.comm += (2.0 * expert_slot_bytes(spec, tokens, c.precision) / layers) as u64;
         }
         if step_work > device.activations + device.comm {
             device.grads += step_work;

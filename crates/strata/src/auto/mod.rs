@@ -21,8 +21,7 @@ use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
 use crate::parallel::{self, DataParallelOptions, Mesh, RankLayout, DEFAULT_BUCKET_BYTES};
 use crate::strategy::{
-    BackwardPrefetch, ChunkedLossConfig, ContextKind, ContextParallelConfig, Dim, LoraConfig, Method, ParallelMode,
-    ShardMethod, Strategy, StrategySource,
+    BackwardPrefetch, ChunkedLossConfig, ContextKind, LoraConfig, Method, ShardMethod, Strategy, StrategySource,
 };
 use crate::train::{token_input, Feed, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
@@ -274,29 +273,41 @@ fn bench<'a>(
     steps: usize,
     lora: Option<&'a LoraConfig>,
 ) -> Result<Bench<'a>> {
-    // Batches for every share of the batch (and piece of the rows) a tensor, pipeline and
-    // context size dividing the world gives this rank: few steps each.
+    // Batches for every share of the batch (and piece of the rows) a tensor, pipeline,
+    // context and expert group size dividing the world gives this rank, on the mesh the
+    // candidates' strategies lay out: few steps each.
     let world_size = rank_and_world(job.comm).1;
     let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    let expert_sizes = {
+        let mut b = Builder::new();
+        (job.model)(&mut b)?;
+        b.build()?.expert_group_sizes(world_size)
+    };
     let mut batches = std::collections::BTreeMap::new();
     for tensor in divisors(world_size) {
         for pipeline in divisors(world_size / tensor) {
             for context in divisors(world_size / (tensor * pipeline)) {
                 let ctx = job.dataloader_args.ctx;
                 let kinds = match context {
-                    1 => vec![None],
+                    1 => vec![ContextKind::Ring],
                     c => [(ContextKind::Ring, 2 * c), (ContextKind::AllToAll, c)]
                         .into_iter()
                         .filter(|(_, runs)| ctx.is_multiple_of(*runs))
-                        .map(|(kind, _)| Some(kind))
+                        .map(|(kind, _)| kind)
                         .collect(),
                 };
-                for kind in kinds {
-                    let dims = vec![(Dim::Tensor, tensor), (Dim::Pipeline, pipeline), (Dim::Context, context)];
-                    let mut methods = vec![Method::ParallelMode(ParallelMode(dims, None))];
-                    methods
-                        .extend(kind.map(|kind| Method::ContextParallel(ContextParallelConfig { size: None, kind })));
-                    let strategy = Strategy { methods };
+                let data = world_size / (tensor * pipeline * context);
+                let experts =
+                    std::iter::once(1).chain(expert_sizes.iter().copied().filter(|e| data.is_multiple_of(*e)));
+                for (kind, experts) in kinds.into_iter().flat_map(|k| experts.clone().map(move |e| (k, e))) {
+                    let shape = Candidate {
+                        tensor,
+                        ..Candidate::plain(candidate::Precision::Fp32, candidate::Sharding::None, false)
+                    };
+                    let strategy = Layout::piped(shape, pipeline)
+                        .with_context(context, kind)
+                        .with_experts(experts)
+                        .strategy(&[])?;
                     let mesh = mesh_of(job, &strategy)?;
                     let key = bench::batch_key(&mesh, &strategy);
                     if batches.contains_key(&key) {
@@ -552,7 +563,11 @@ fn search_with(job: &AutoAccelerate<'_>, steps: usize, pass: &Pass<'_>) -> Resul
     };
     // Offload is worth trying only where a device budget can be short.
     let offload = job.engine.device_budget.is_some() || o.included.iter().any(|m| m == "offload");
-    let sizes = (&analysis.tensor_sizes[..], &analysis.pipeline_sizes[..]);
+    let sizes = candidate::Sizes {
+        tensor: &analysis.tensor_sizes,
+        pipeline: &analysis.pipeline_sizes,
+        experts: &analysis.expert_sizes,
+    };
     // The chunked loss, the rows' split and activation offload are set on the candidates
     // below, not among their methods yet.
     let set_below = ["chunked_loss", "context_parallel", "activation_offload"];

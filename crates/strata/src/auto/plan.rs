@@ -1,13 +1,13 @@
 //! `strata plan`: the fastest layouts of a model for a described cluster, a global batch and
 //! a sequence length, found by searching data parallelism and its sharding stages × tensor
 //! size × context size and exchange × pipeline size (schedule, micro-batches, chunks per
-//! rank) × recomputation × offload × precision (and, where rows fit no layout otherwise, the
+//! rank) × expert group size (a mixture of experts) × recomputation × offload × precision (and, where rows fit no layout otherwise, the
 //! chunked loss and activation offload), pruned by the memory estimate and ranked by the
 //! predicted step.
 //!
 //! Owns the search space and the ranking. Must not predict bytes or seconds itself
 //! ([`super::estimate`] and [`super::step_time`] do) nor run anything.
-use super::candidate::{context_kinds, Layout, Precision};
+use super::candidate::{context_kinds, shape_obstacle, Layout, Precision};
 use super::estimate::{self, Estimate, Machine, Workload};
 use super::step_time::{self, Cluster, StepTime, UnitWork};
 use crate::model::ModelConfig;
@@ -92,6 +92,8 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         .into_iter()
         .filter(|&t| t == 1 || spec.check_tensor_parallel(t as i64).is_ok())
         .collect();
+    // A mixture of experts: no expert groups, and each size its experts split over.
+    let expert_sizes: Vec<usize> = std::iter::once(1).chain(spec.expert_group_sizes(ranks)).collect();
     let mut memo = step_time::Memo::default();
     let mut rows = vec![];
     let (mut considered, mut over_memory, mut least_over) = (0, 0, None::<(f64, Estimate)>);
@@ -125,19 +127,23 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
                     let rows_per_group = req.global_batch / dp;
                     for micro_batch in divisors(rows_per_group).into_iter().filter(|&b| b <= 64) {
                         let m = rows_per_group / micro_batch;
-                        for (schedule, virtual_stages) in schedules(p, m, blocks) {
-                            // ZeRO stages shard over the context ranks beside the data ranks.
+                        let shapes = schedules(p, m, blocks).into_iter().flat_map(|schedule| {
+                            expert_sizes.iter().filter(move |&&e| dp.is_multiple_of(e)).map(move |&e| (schedule, e))
+                        });
+                        for ((schedule, virtual_stages), e) in shapes {
+                            // ZeRO stages shard over the context ranks beside the data ranks,
+                            // outside the expert groups.
                             let layouts = req.precisions.iter().flat_map(|&precision| {
-                                estimate::variants(precision, t, (p, schedule, virtual_stages), dp * c, blocks > 0)
+                                estimate::variants(precision, t, (p, schedule, virtual_stages), dp * c / e, blocks > 0)
                                     .into_iter()
-                                    .map(|l| l.with_context(c, kind))
+                                    .map(|l| l.with_context(c, kind).with_experts(e))
                                     .map(|mut l| {
                                         l.candidate.activation_offload = shelved;
                                         l.candidate.chunked_loss = chunk;
                                         l
                                     })
                             });
-                            for layout in layouts {
+                            for layout in layouts.filter(|l| shape_obstacle(l, ranks).is_none()) {
                                 considered += 1;
                                 let work = Workload {
                                     ranks,
@@ -258,6 +264,7 @@ fn behind(slower: &StepTime, best: &StepTime) -> String {
         ("tensor-parallel communication", slower.tensor_comm - best.tensor_comm),
         ("pipeline communication", slower.pipeline_comm - best.pipeline_comm),
         ("context-parallel communication", slower.context_comm - best.context_comm),
+        ("expert all-to-all", slower.expert_comm - best.expert_comm),
         ("offload traffic", slower.offload - best.offload),
         ("optimizer update", slower.optimizer - best.optimizer),
     ];

@@ -1,7 +1,7 @@
 //! The strategy search: layouts pruned by device capability, world-size divisibility and
 //! the memory estimate, then dry runs of the survivors — guided one dimension at a time
-//! (precision, module replacement, sharding, tensor and pipeline sizes, recomputation,
-//! offload) from a starting point predicted to fit, or all of them
+//! (precision, module replacement, sharding, tensor, pipeline and expert group sizes,
+//! recomputation, offload) from a starting point predicted to fit, or all of them
 //! (`SearchMode::Exhaustive`). Every trial carries its prediction (peak bytes, tokens/s)
 //! beside what its dry run measured.
 //!
@@ -239,9 +239,10 @@ const TENSOR: usize = 3;
 const CHECKPOINT: usize = 4;
 const OFFLOAD: usize = 5;
 const PIPELINE: usize = 6;
+const EXPERTS: usize = 7;
 
 /// A layout's value in each searched dimension.
-fn coordinates(l: &Layout) -> [u8; 7] {
+fn coordinates(l: &Layout) -> [u8; 8] {
     let c = &l.candidate;
     [
         c.precision as u8,
@@ -251,6 +252,7 @@ fn coordinates(l: &Layout) -> [u8; 7] {
         c.checkpoint as u8,
         c.offload as u8,
         l.pipeline as u8,
+        l.experts as u8,
     ]
 }
 
@@ -429,6 +431,7 @@ impl<'m> Search<'m> {
                 && c.tensor == 1
                 && !c.offload
                 && l.pipeline == 1
+                && l.experts == 1
                 && [Sharding::None, Sharding::Fsdp].contains(&c.sharding)
         };
         (0..self.cands.len()).filter(|&i| plain(&self.cands[i])).collect()
@@ -479,6 +482,7 @@ impl<'m> Search<'m> {
                 c.checkpoint,
                 l.pipeline,
                 c.tensor,
+                l.experts,
                 c.sharding,
                 c.module_replace,
                 PRECISIONS.iter().position(|p| *p == c.precision),
@@ -499,19 +503,22 @@ impl<'m> Search<'m> {
         // that is). Passes repeat while they change the choice, within a third of the
         // candidates in dry runs.
         // A dimension: its coordinate, and the coordinates its alternatives keep as they are.
-        let dimensions: [(usize, &[usize]); 7] = [
-            (PRECISION, &[MODULE_REPLACE, OFFLOAD, PIPELINE]),
-            (MODULE_REPLACE, &[PRECISION, OFFLOAD, PIPELINE]),
-            (SHARDING, &[PRECISION, MODULE_REPLACE, CHECKPOINT, TENSOR, OFFLOAD, PIPELINE]),
+        let dimensions: [(usize, &[usize]); 8] = [
+            (PRECISION, &[MODULE_REPLACE, OFFLOAD, PIPELINE, EXPERTS]),
+            (MODULE_REPLACE, &[PRECISION, OFFLOAD, PIPELINE, EXPERTS]),
+            (SHARDING, &[PRECISION, MODULE_REPLACE, CHECKPOINT, TENSOR, OFFLOAD, PIPELINE, EXPERTS]),
             // Splitting units over a tensor group: the other methods kept.
             (TENSOR, &[PRECISION, MODULE_REPLACE, SHARDING, CHECKPOINT, OFFLOAD, PIPELINE]),
             // Stages leave fewer replicas to shard over: the sharding and tensor size closest
             // to the current ones that the ranks allow.
             (PIPELINE, &[PRECISION, MODULE_REPLACE, CHECKPOINT, OFFLOAD]),
+            // Expert groups store a share of the experts each and leave fewer ranks to shard
+            // the rest over: the sharding closest to the current one.
+            (EXPERTS, &[PRECISION, MODULE_REPLACE, CHECKPOINT, TENSOR, OFFLOAD, PIPELINE]),
             // Recomputation and offload only cost time: try dropping them, never adding them
             // (below); the start is offloaded only when nothing else is predicted to fit.
-            (CHECKPOINT, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, OFFLOAD, PIPELINE]),
-            (OFFLOAD, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, CHECKPOINT, PIPELINE]),
+            (CHECKPOINT, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, OFFLOAD, PIPELINE, EXPERTS]),
+            (OFFLOAD, &[PRECISION, MODULE_REPLACE, SHARDING, TENSOR, CHECKPOINT, PIPELINE, EXPERTS]),
         ];
         let value = |dimension: usize, l: &Layout| coordinates(l)[dimension];
         let keeps =
@@ -539,6 +546,7 @@ impl<'m> Search<'m> {
                                 c.checkpoint != h.checkpoint,
                                 l.pipeline != here.pipeline,
                                 c.tensor != h.tensor,
+                                l.experts != here.experts,
                                 c.sharding != h.sharding,
                                 cost(l),
                             )

@@ -18,7 +18,8 @@
 //!   each device's share of its node's network.
 //! - Overlap: data parallelism's reduction hides behind the backward, fsdp's gathers and
 //!   reductions behind the forward and backward; tensor parallelism's collectives and the
-//!   pipeline's sends are exposed; so is offload's traffic, and the host's update.
+//!   pipeline's sends and the expert groups' all-to-alls are exposed; so is offload's
+//!   traffic, and the host's update.
 //! - The pipeline: its schedule run by the schedule simulator with the slowest stage's
 //!   costs.
 use super::candidate::{Candidate, Layout, Precision, Sharding};
@@ -175,6 +176,9 @@ pub struct StepTime {
     /// Context parallelism's exchanges in attention (the ring's passes of keys and values,
     /// the all-to-all's of heads), not hidden.
     pub context_comm: f64,
+    /// Expert parallelism's all-to-alls: each sparse layer's token slots to their experts'
+    /// ranks and back, forward and backward, not hidden.
+    pub expert_comm: f64,
     /// Copies between device and host, and the host's update.
     pub offload: f64,
     /// The optimizer's update on the device.
@@ -323,8 +327,11 @@ pub fn step_time(
 ) -> Result<StepTime> {
     let c = &layout.candidate;
     let (t, p, cp) = (c.tensor.max(1), layout.pipeline.max(1), layout.context.max(1));
-    // Ranks that average gradients (and shard them under a ZeRO stage): data × context.
-    let dp = layout.shard_ranks(work.ranks).max(1);
+    // Ranks that average gradients: data × context; those a ZeRO stage shards over: the
+    // same outside the expert groups.
+    let dp = layout.replicas(work.ranks).max(1);
+    let e = if spec.expert_sets.is_empty() { 1 } else { layout.experts.max(1) };
+    let shards = dp / e;
     let device = &cluster.device;
     let kept = &units.kept;
     // A rank computes its piece of each row's positions (each attending the whole row:
@@ -420,29 +427,67 @@ pub fn step_time(
     }
     // Data parallelism over the stage's parameters: gradients reduced, sharded parameters
     // gathered; the reduction hides behind the backward, fsdp's gathers behind all compute.
-    let stage_params: f64 = stages
-        .iter()
-        .map(|&(s, e)| spec.units[s..e].iter().flat_map(|u| &u.params).map(|id| spec.params[id.0].numel()).sum::<i64>())
-        .fold(0i64, i64::max) as f64
-        / t as f64;
-    let grad_bytes =
-        stage_params * if matches!(c.precision, Precision::HalfBf16 | Precision::HalfFp16) { 2.0 } else { 4.0 };
+    // A rank stores 1/e of the routed experts, averaged over the dp/e ranks storing the same
+    // ones; the rest over all dp. ZeRO shards both over the dp/e ranks outside the expert
+    // groups, and the rest's shards are averaged over the e ranks of an expert group.
+    let stage_elements = |routed: bool| -> f64 {
+        stages
+            .iter()
+            .map(|&(s, end)| {
+                spec.units[s..end]
+                    .iter()
+                    .flat_map(|u| &u.params)
+                    .map(|id| &spec.params[id.0])
+                    .filter(|q| q.expert.is_some() == routed)
+                    .map(|q| q.numel())
+                    .sum::<i64>()
+            })
+            .fold(0i64, i64::max) as f64
+            / t as f64
+    };
+    let (rest, routed) = (stage_elements(false), stage_elements(true) / e as f64);
+    let stage_params = rest + routed;
+    let grad_width = if matches!(c.precision, Precision::HalfBf16 | Precision::HalfFp16) { 2.0 } else { 4.0 };
+    let grad_bytes = stage_params * grad_width;
     let param_bytes = stage_params * value_bytes;
+    // Expert groups sit next to the tensor and context groups; the data replicas beyond
+    // them and the pipeline.
     let stride = t * cp * p;
+    let apart = stride * e;
     let (comm, hidden_behind) = match c.sharding {
-        Sharding::None => (cluster.all_reduce(grad_bytes, dp, stride), bw * m as f64),
-        Sharding::Zero1 | Sharding::Zero2 => {
-            (cluster.gather(grad_bytes, dp, stride) + cluster.gather(param_bytes, dp, stride), bw * m as f64)
-        }
+        Sharding::None => (
+            cluster.all_reduce(rest * grad_width, dp, stride) + cluster.all_reduce(routed * grad_width, dp / e, apart),
+            bw * m as f64,
+        ),
+        Sharding::Zero1 | Sharding::Zero2 => (
+            cluster.gather(grad_bytes, shards, apart)
+                + cluster.gather(param_bytes, shards, apart)
+                + cluster.all_reduce(rest * grad_width / shards as f64, e, t * cp),
+            bw * m as f64,
+        ),
         // Gathered for the forward and again for the backward, gradients scattered, per
         // micro-batch.
-        Sharding::Fsdp => {
-            (m as f64 * (2.0 * cluster.gather(param_bytes, dp, stride) + cluster.gather(grad_bytes, dp, stride)), busy)
-        }
+        Sharding::Fsdp => (
+            m as f64 * (2.0 * cluster.gather(param_bytes, shards, apart) + cluster.gather(grad_bytes, shards, apart))
+                + cluster.all_reduce(rest * grad_width / shards as f64, e, t * cp),
+            busy,
+        ),
     };
     time.data_comm = (comm - 0.9 * hidden_behind).max(0.0) + comm / spec.units.len().max(1) as f64;
+    if e > 1 {
+        // Each sparse layer of the stage sends the slots routed to other ranks' experts and
+        // takes their outputs back, forward and backward (the forward's again when
+        // recomputed): all-to-alls within the expert group, exposed.
+        let layers = kept[a..b].iter().filter(|k| k.block).count() as f64
+            / kept.iter().filter(|k| k.block).count().max(1) as f64;
+        let remote = estimate::expert_slot_bytes(spec, tokens, c.precision) * layers * (e - 1) as f64 / e as f64;
+        let link = cluster.link(e, t * cp);
+        let passes = 4.0 + if c.checkpoint { 2.0 } else { 0.0 };
+        let per_layer = spec.expert_sets.len() as f64 * layers;
+        time.expert_comm = m as f64 * per_rank_chunks * passes * (remote / link.bandwidth + per_layer * link.latency);
+    }
     // The update: read and write parameters, gradients and two moments (fp32).
-    let shard = if c.sharding == Sharding::None { 1.0 } else { dp as f64 };
+    let shard = if c.sharding == Sharding::None { 1.0 } else { shards as f64 };
     let update_bytes = stage_params / shard * 28.0;
     if c.offload {
         let moved = grad_bytes / shard + param_bytes / shard;
@@ -477,6 +522,7 @@ pub fn step_time(
         + time.tensor_comm
         + time.pipeline_comm
         + time.context_comm
+        + time.expert_comm
         + time.offload
         + time.optimizer;
     let global_tokens = tokens * (m * dp) as f64;

@@ -813,6 +813,8 @@ pub struct ExpertSet {
     pub up: Vec<ParamId>,
     /// Each expert's down weight, in expert order.
     pub down: Vec<ParamId>,
+    /// Experts each token is routed to.
+    pub top_k: i64,
     /// The family's files stack the experts as described here, so peft's
     /// `target_parameters` adapt them; `false` for another stacking (gpt-oss's).
     pub peft_layout: bool,
@@ -909,6 +911,17 @@ impl ModelSpec {
     /// Checks that every unit runs on pieces of rows ([`Unit::check_context_parallel`]).
     pub fn check_context_parallel(&self, split_heads: Option<i64>) -> Result<()> {
         self.check_units("context_parallel: ", |u| u.check_context_parallel(split_heads))
+    }
+
+    /// The expert group sizes above 1 that divide `ranks` and every sparse layer's routed
+    /// experts, smallest first; none for a model without experts.
+    pub fn expert_group_sizes(&self, ranks: usize) -> Vec<usize> {
+        if self.expert_sets.is_empty() {
+            return vec![];
+        }
+        (2..=ranks)
+            .filter(|&e| ranks.is_multiple_of(e) && self.expert_sets.iter().all(|s| s.gate.len().is_multiple_of(e)))
+            .collect()
     }
 
     /// `check` of every unit, a refusal naming the unit after `prefix`.

@@ -496,6 +496,7 @@ impl SparseFeedForward {
             gate: experts.iter().map(|e| e.gate).collect(),
             up: experts.iter().map(|e| e.up).collect(),
             down: experts.iter().map(|e| e.down).collect(),
+            top_k: moe.top_k,
             peft_layout: moe.names != ExpertNames::Stacked,
         });
         let shared = moe.shared_expert_dim.map(|width| {

@@ -8,12 +8,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use strata::auto::calibrate;
-use strata::auto::candidate::{candidates, capability, Candidate, Layout, Precision, Sharding};
+use strata::auto::candidate::{candidates, capability, Candidate, Layout, Precision, Sharding, Sizes};
 use strata::auto::cost::{Analysis, JobShape, Predictor};
 use strata::auto::estimate;
 use strata::auto::search::{agree_outcome, Measure, Outcome, Search, SearchLimits, SearchMode, SearchReport};
 use strata::comm::ProcessGroup;
-use strata::model::{GptConfig, ModelConfig, ModelSpec};
+use strata::model::{GptConfig, LlamaConfig, ModelConfig, ModelSpec, MoeConfig};
 use strata::strategy::Strategy;
 use strata::Error;
 use tch::Device;
@@ -81,9 +81,14 @@ fn spec() -> ModelSpec {
 /// unit keeps what its layers save (in fp32, attention unfused) and outputs a width per
 /// token.
 fn analysis() -> Analysis {
-    let spec = spec();
+    analysis_of(&spec())
+}
+
+/// [`analysis`] of another model, with the expert group sizes its experts split over at 4
+/// ranks.
+fn analysis_of(spec: &ModelSpec) -> Analysis {
     let tokens = 128.0;
-    let kept = estimate::counted(&spec).unwrap();
+    let kept = estimate::counted(spec).unwrap();
     Analysis {
         params: spec.num_params(),
         trainable_params: spec.num_params(),
@@ -95,19 +100,25 @@ fn analysis() -> Analysis {
         step_seconds: 0.1,
         ledger_peak_bytes: 0,
         allocator_peak_bytes: 0,
-        blocks: vec!["GptBlock".into()],
+        blocks: spec.block_kinds(),
         tensor_sizes: vec![],
         pipeline_sizes: vec![],
+        expert_sizes: spec.expert_group_sizes(4),
     }
 }
 
 /// The analytic models over `analysis()` at `world` ranks, 4 rows per rank per step, on a
 /// machine of fixed figures (nothing measured).
 fn predictor(world: usize) -> Predictor {
+    predictor_of(spec(), &analysis(), world)
+}
+
+/// [`predictor`] of another model and its profile.
+fn predictor_of(spec: ModelSpec, analysis: &Analysis, world: usize) -> Predictor {
     let mut cpu = estimate::device_kind("cpu").unwrap();
     (cpu.fp32_flops, cpu.bf16_flops, cpu.memory_bandwidth, cpu.op_seconds) = (1e11, 5e10, 1e10, 1e-6);
     let job = JobShape { world, batch_size: 4 * world, accumulation: 1, ctx: 32, optimizer_state_bytes: 8 };
-    Predictor::new(spec(), &analysis(), job, calibrate::node_of(cpu, world)).unwrap()
+    Predictor::new(spec, analysis, job, calibrate::node_of(cpu, world)).unwrap()
 }
 
 /// The predicted peak of `layout` at `world` ranks.
@@ -142,7 +153,8 @@ fn run(table: &mut Table<'_>, limits: SearchLimits, mode: SearchMode) -> SearchR
 }
 
 fn run_on(table: &mut Table<'_>, analysis: Analysis, limits: SearchLimits, mode: SearchMode) -> SearchReport {
-    let sizes = (&analysis.tensor_sizes[..], &analysis.pipeline_sizes[..]);
+    let sizes =
+        Sizes { tensor: &analysis.tensor_sizes, pipeline: &analysis.pipeline_sizes, experts: &analysis.expert_sizes };
     let cands = candidates(&[], &[], true, sizes, false);
     let mut predictor = predictor(limits.world);
     let mut search = Search::new(table, analysis, cands, &mut |l| predictor.predict(l), limits).unwrap();
@@ -161,7 +173,7 @@ fn speed_of(report: &SearchReport, label: &str) -> Option<f64> {
     })
 }
 
-const NO_SIZES: (&[usize], &[usize]) = (&[], &[]);
+const NO_SIZES: Sizes<'static> = Sizes { tensor: &[], pipeline: &[], experts: &[] };
 
 /// Runs on a CPU (fp16 and fp8 do not).
 fn on_cpu(l: &Layout) -> bool {
@@ -426,7 +438,7 @@ fn the_search_tries_tensor_sizes_and_takes_one_where_it_is_best() {
     };
     let mut table = Table::new(&cost);
     let report = run_on(&mut table, a.clone(), limits(world, None, None), SearchMode::Guided);
-    let cands: Vec<Layout> = candidates(&[], &[], true, (&a.tensor_sizes, &[]), false)
+    let cands: Vec<Layout> = candidates(&[], &[], true, Sizes { tensor: &a.tensor_sizes, ..NO_SIZES }, false)
         .into_iter()
         .filter(|l| on_cpu(l) && !(l.candidate.tensor == 4 && l.candidate.sharding != Sharding::None))
         .collect();
@@ -445,7 +457,7 @@ fn the_search_tries_tensor_sizes_and_takes_one_where_it_is_best() {
 fn where_only_a_pipeline_fits_the_search_finds_the_best_one_with_a_fifth_of_the_dry_runs() {
     let world = 4;
     let a = Analysis { pipeline_sizes: vec![2, 4], ..analysis() };
-    let all: Vec<Layout> = candidates(&[], &[], true, (&[], &a.pipeline_sizes), false)
+    let all: Vec<Layout> = candidates(&[], &[], true, Sizes { pipeline: &a.pipeline_sizes, ..NO_SIZES }, false)
         .into_iter()
         .filter(|l| on_cpu(l) && capability(l, Device::Cpu, world).is_none())
         .collect();
@@ -545,4 +557,56 @@ fn plain_data_parallel_and_fsdp_are_always_measured_and_never_beaten_by_the_choi
     assert_eq!(report.chosen.as_deref(), Some(fsdp));
     let chosen = speed_of(&report, fsdp).unwrap();
     assert!(chosen >= speed_of(&report, ddp).unwrap());
+}
+
+/// A mixture of experts on four ranks (two LLaMA blocks of 8 experts, most of its weights):
+/// the estimate sees that an expert group stores a share of the experts each, so that
+/// below what any layout without expert groups needs, the layouts with them (fsdp over the
+/// ranks outside a group gathers only its share of a layer) still fit; the guided search
+/// takes the fastest of them with a third of the candidates' dry runs, and never pairs a
+/// group with more ranks than the data ranks hold.
+#[test]
+fn where_only_expert_groups_fit_a_mixture_of_experts_the_search_finds_the_best_of_them() {
+    let world = 4;
+    let moe = ModelConfig::Llama(LlamaConfig {
+        moe: Some(MoeConfig::new(8, 2, 512)),
+        ..LlamaConfig::new(256, 32, 2, 4, 128)
+    });
+    let spec = moe.spec().unwrap();
+    let a = analysis_of(&spec);
+    assert_eq!(a.expert_sizes, [2, 4]);
+    let sizes = Sizes { tensor: &[2], experts: &a.expert_sizes, ..NO_SIZES };
+    let cands = candidates(&[], &[], true, sizes, false);
+    let mut predictor = predictor_of(spec, &a, world);
+    let mut peak = |l: &Layout| predictor.predict(l).unwrap().peak_bytes;
+    let runnable: Vec<(Layout, u64)> = cands
+        .iter()
+        .filter(|l| on_cpu(l) && capability(l, Device::Cpu, world).is_none())
+        .map(|l| (*l, peak(l)))
+        .collect();
+    let split = Candidate { tensor: 2, ..Candidate::plain(Precision::Fp32, Sharding::None, false) };
+    let why = capability(&Layout::new(split).with_experts(4), Device::Cpu, world);
+    assert_eq!(why.as_deref(), Some("expert groups of 4 ranks do not divide the 2 data ranks"));
+    let whole = |l: &Layout| runnable.iter().find(|(r, _)| r == l).unwrap().1;
+    let data = plain(Precision::Fp32, Sharding::None, false);
+    assert!(whole(&data.with_experts(4)) < whole(&data.with_experts(2)) && whole(&data.with_experts(2)) < whole(&data));
+    let budget = runnable.iter().filter(|(l, _)| l.experts == 1).map(|(_, p)| *p).min().unwrap() - 1;
+    assert!(runnable.iter().any(|(l, p)| l.experts > 1 && *p <= budget), "no expert layout under {budget}");
+    let peaks: BTreeMap<String, u64> = runnable.iter().map(|(l, p)| (l.label(), *p)).collect();
+    // Larger groups exchange more: speed falls with the group's size, peaks as predicted.
+    let cost = |l: &Layout| {
+        let speed = trap_speed(&l.candidate) * [1.0, 1.0, 0.9, 0.0, 0.8][l.experts];
+        Cost::Runs { tokens_per_s: speed, peak_bytes: peaks.get(&l.label()).copied().unwrap_or(u64::MAX) }
+    };
+    let mut table = Table::new(&cost);
+    let limits = limits(world, Some(budget), None);
+    let mut search = Search::new(&mut table, a, cands, &mut |l| predictor.predict(l), limits).unwrap();
+    search.guided().unwrap();
+    let best = search.best();
+    let report = search.report(SearchMode::Guided, best).unwrap();
+    let fitting: Vec<Layout> = runnable.iter().map(|(l, _)| *l).collect();
+    let expected = table_best(&cost, &fitting, Some(budget));
+    assert!(expected.contains("experts"), "{expected}");
+    assert_eq!(report.chosen.as_deref(), Some(expected.as_str()));
+    assert!(3 * table.runs.len() <= runnable.len(), "{} dry runs of {}", table.runs.len(), runnable.len());
 }
