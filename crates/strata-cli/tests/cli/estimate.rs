@@ -395,6 +395,21 @@ fn strata_plan_splits_a_mixture_of_experts_over_expert_groups() {
     assert!(methods.iter().any(|m| m == "expert_parallel" || m[0] == "expert_parallel"), "{strategy}");
     let dims = methods.iter().find(|m| m[0] == "parallel_mode").map(|m| m[1][0].clone()).unwrap();
     assert!(dims.as_array().unwrap().iter().any(|d| d[0] == "expert" && d[1] == experts(best)), "{dims}");
+    // On one node only offloaded layouts fit: each is one a run can take (sharded, without
+    // tensor or pipeline stages), and the best still splits the experts.
+    let one_node = "plan --preset qwen3-30b-a3b --nodes 1 --gpus-per-node 8 --global-batch 16 --ctx 4096 --json";
+    let out = strata(&one_node.split_whitespace().collect::<Vec<_>>());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert!(experts(&rows[0]) > 1, "{}", rows[0]["label"]);
+    for label in rows.iter().map(|r| r["label"].as_str().unwrap()) {
+        let sharded = ["zero1", "zero2", "fsdp"].iter().any(|s| label.contains(s));
+        assert!(
+            label.contains("offload") && sharded && !label.contains("pipeline") && !label.contains("tensor"),
+            "{label}"
+        );
+    }
 }
 
 /// The strategy file of a plan for a small GPT on two devices trains unchanged.
