@@ -448,6 +448,39 @@ pub fn candidates(
     out
 }
 
+/// One layout of every rank shape a dry run on `world` ranks may take: each tensor, pipeline
+/// and context size (by each exchange rows of `ctx` positions allow) dividing the world,
+/// and each of `expert_sizes` dividing the data ranks they leave, laid out as the
+/// candidates' strategies lay them out. The batches a rank reads depend on its shape alone.
+pub(crate) fn batch_shapes(world: usize, ctx: usize, expert_sizes: &[usize]) -> Vec<Layout> {
+    let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    let mut out = vec![];
+    for tensor in divisors(world) {
+        for pipeline in divisors(world / tensor) {
+            for context in divisors(world / (tensor * pipeline)) {
+                let kinds: Vec<ContextKind> = match context {
+                    1 => vec![ContextKind::Ring],
+                    c => [(ContextKind::Ring, 2 * c), (ContextKind::AllToAll, c)]
+                        .into_iter()
+                        .filter(|(_, runs)| ctx.is_multiple_of(*runs))
+                        .map(|(kind, _)| kind)
+                        .collect(),
+                };
+                let data = world / (tensor * pipeline * context);
+                let shape = Candidate { tensor, ..Candidate::plain(Precision::Fp32, Sharding::None, false) };
+                for kind in kinds {
+                    for experts in std::iter::once(1).chain(expert_sizes.iter().copied()) {
+                        if data.is_multiple_of(experts) {
+                            out.push(Layout::piped(shape, pipeline).with_context(context, kind).with_experts(experts));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
 /// The ways rows of `seq_len` positions split over `c` context ranks beside tensor size `t`
 /// that `spec` takes: the ring (rows in `2c` runs) and, where the heads divide over
 /// `t · c`, the all-to-all.
@@ -578,6 +611,34 @@ mod tests {
         let strategy = tensor_only[0].strategy(&[]).unwrap();
         assert_eq!(strategy.parallel_mode().size(crate::strategy::Dim::Tensor, 4).unwrap(), 2);
         assert!(strategy.tensor_parallel().is_some_and(|t| t.sequence_parallel));
+    }
+
+    /// Every layout the search can try reads batches a rank's shape of
+    /// [`batch_shapes`] prepared: the same share of the batch and piece of the rows on every
+    /// rank, expert groups beside stages and tensor groups included.
+    #[test]
+    fn every_candidate_reads_the_batches_of_a_prepared_shape() {
+        use crate::parallel::Mesh;
+        let (world, ctx, experts) = (4, 8, [2, 4]);
+        let sizes = Sizes { tensor: &[2, 4], pipeline: &[2, 4], experts: &experts };
+        let shapes = batch_shapes(world, ctx, &experts);
+        let mut layouts: Vec<Layout> = candidates(&[], &[], true, sizes, false);
+        let split =
+            layouts.iter().flat_map(|l| [2, 4].map(|c| l.with_context(c, ContextKind::Ring))).collect::<Vec<_>>();
+        layouts.extend(split);
+        let key = |l: &Layout, rank: usize| {
+            let strategy = l.strategy(&["GptBlock".into()]).unwrap();
+            crate::auto::bench::batch_key(&Mesh::new(&strategy, world, rank, world).unwrap(), &strategy)
+        };
+        let mut checked = 0;
+        for l in layouts.iter().filter(|l| shape_obstacle(l, world).is_none()) {
+            for rank in 0..world {
+                let k = key(l, rank);
+                assert!(shapes.iter().any(|s| key(s, rank) == k), "{} on rank {rank}", l.label());
+            }
+            checked += (l.experts > 1 && l.pipeline > 1) as usize;
+        }
+        assert!(checked > 0);
     }
 
     /// Pipeline sizes are a dimension: they divide the ranks with the tensor size, leave

@@ -20,9 +20,7 @@ use crate::engine::EngineConfig;
 use crate::model::Builder;
 use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
 use crate::parallel::{self, DataParallelOptions, Mesh, RankLayout, DEFAULT_BUCKET_BYTES};
-use crate::strategy::{
-    BackwardPrefetch, ChunkedLossConfig, ContextKind, LoraConfig, Method, ShardMethod, Strategy, StrategySource,
-};
+use crate::strategy::{BackwardPrefetch, ChunkedLossConfig, LoraConfig, Method, ShardMethod, Strategy, StrategySource};
 use crate::train::{token_input, Feed, InputFn, LossFn, Trainer};
 use crate::{Error, Result};
 use bench::Bench;
@@ -277,60 +275,30 @@ fn bench<'a>(
     // context and expert group size dividing the world gives this rank, on the mesh the
     // candidates' strategies lay out: few steps each.
     let world_size = rank_and_world(job.comm).1;
-    let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let expert_sizes = {
         let mut b = Builder::new();
         (job.model)(&mut b)?;
         b.build()?.expert_group_sizes(world_size)
     };
     let mut batches = std::collections::BTreeMap::new();
-    for tensor in divisors(world_size) {
-        for pipeline in divisors(world_size / tensor) {
-            for context in divisors(world_size / (tensor * pipeline)) {
-                let ctx = job.dataloader_args.ctx;
-                let kinds = match context {
-                    1 => vec![ContextKind::Ring],
-                    c => [(ContextKind::Ring, 2 * c), (ContextKind::AllToAll, c)]
-                        .into_iter()
-                        .filter(|(_, runs)| ctx.is_multiple_of(*runs))
-                        .map(|(kind, _)| kind)
-                        .collect(),
-                };
-                let data = world_size / (tensor * pipeline * context);
-                let experts =
-                    std::iter::once(1).chain(expert_sizes.iter().copied().filter(|e| data.is_multiple_of(*e)));
-                for (kind, experts) in kinds.into_iter().flat_map(|k| experts.clone().map(move |e| (k, e))) {
-                    let shape = Candidate {
-                        tensor,
-                        ..Candidate::plain(candidate::Precision::Fp32, candidate::Sharding::None, false)
-                    };
-                    let strategy = Layout::piped(shape, pipeline)
-                        .with_context(context, kind)
-                        .with_experts(experts)
-                        .strategy(&[])?;
-                    let mesh = mesh_of(job, &strategy)?;
-                    let key = bench::batch_key(&mesh, &strategy);
-                    if batches.contains_key(&key) {
-                        continue;
-                    }
-                    // A batch that does not split over these replicas rules out their layouts alone.
-                    let config = loader_config(job, &mesh, &strategy);
-                    if let Err(Error::Config(why)) = config.micro_batch_rows() {
-                        batches.insert(key, Err(why));
-                        continue;
-                    }
-                    let steps_here =
-                        DataLoader::new(job.dataset.clone(), config)?.take(steps).collect::<Result<Vec<_>>>()?;
-                    if steps_here.len() < steps {
-                        return Err(Error::Data(format!(
-                            "the data gives {} steps, a dry run needs {steps}",
-                            steps_here.len()
-                        )));
-                    }
-                    batches.insert(key, Ok(steps_here));
-                }
-            }
+    for shape in candidate::batch_shapes(world_size, job.dataloader_args.ctx, &expert_sizes) {
+        let strategy = shape.strategy(&[])?;
+        let mesh = mesh_of(job, &strategy)?;
+        let key = bench::batch_key(&mesh, &strategy);
+        if batches.contains_key(&key) {
+            continue;
         }
+        // A batch that does not split over these replicas rules out their layouts alone.
+        let config = loader_config(job, &mesh, &strategy);
+        if let Err(Error::Config(why)) = config.micro_batch_rows() {
+            batches.insert(key, Err(why));
+            continue;
+        }
+        let steps_here = DataLoader::new(job.dataset.clone(), config)?.take(steps).collect::<Result<Vec<_>>>()?;
+        if steps_here.len() < steps {
+            return Err(Error::Data(format!("the data gives {} steps, a dry run needs {steps}", steps_here.len())));
+        }
+        batches.insert(key, Ok(steps_here));
     }
     // A dry run that fails on some pipeline stages leaves the others waiting for it until
     // their collectives time out: the agreement that follows waits three timeouts, so that
