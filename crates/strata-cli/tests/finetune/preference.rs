@@ -108,9 +108,10 @@ const CASES: &[Case] = &[
     laid_out("pipeline", &["--nproc", "2", "--strategy", PIPELINE]),
     laid_out("tensor", &["--nproc", "2", "--strategy", TENSOR]),
     laid_out("offload", &["--strategy", OFFLOAD]),
-    // A live reference, as TRL's: a frozen copy, LoRA's base with the adapters off, and
-    // that base in two pipeline stages.
+    // A live reference, as TRL's: a frozen copy, the starting weights two pipeline stages
+    // keep, LoRA's base with the adapters off, and that base in two pipeline stages.
     laid_out("live", &["--live-reference", "true"]),
+    laid_out("live_pipeline", &["--live-reference", "true", "--nproc", "2", "--strategy", PIPELINE]),
     Case { adapter: true, trl_name: "lora", ..laid_out("lora_live", &["--live-reference", "true"]) },
     Case {
         adapter: true,
@@ -121,6 +122,7 @@ const CASES: &[Case] = &[
     Case { sync: 3, ..case("tr_dpo", "sigmoid") },
     Case { sync: 3, trl_name: "tr_dpo", ..laid_out("tr_dpo_fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]) },
     Case { sync: 3, trl_name: "tr_dpo", ..laid_out("tr_dpo_tensor", &["--nproc", "2", "--strategy", TENSOR]) },
+    Case { sync: 3, trl_name: "tr_dpo", ..laid_out("tr_dpo_pipeline", &["--nproc", "2", "--strategy", PIPELINE]) },
 ];
 
 const WORDS: [&str; 10] = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
@@ -447,13 +449,13 @@ fn pairs_over_two_ranks_sharded_split_or_pipelined_and_offloaded_follow_trl() {
 }
 
 #[test]
-fn a_live_reference_follows_trl_as_a_copy_and_as_the_base_alone_and_staged() {
-    follow(&["live", "lora_live", "lora_live_pipeline"]);
+fn a_live_reference_follows_trl_as_a_copy_and_as_the_base_alone_and_staged_each() {
+    follow(&["live", "live_pipeline", "lora_live", "lora_live_pipeline"]);
 }
 
 #[test]
-fn a_synced_reference_follows_trl_alone_sharded_and_split() {
-    follow(&["tr_dpo", "tr_dpo_fsdp", "tr_dpo_tensor"]);
+fn a_synced_reference_follows_trl_alone_sharded_split_and_staged() {
+    follow(&["tr_dpo", "tr_dpo_fsdp", "tr_dpo_tensor", "tr_dpo_pipeline"]);
 }
 
 #[test]

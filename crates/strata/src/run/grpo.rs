@@ -12,7 +12,7 @@ use crate::engine::with_seed;
 use crate::engine::Engine;
 use crate::generate::{generate_batch, GenerateConfig};
 use crate::grpo::{advantages, GrpoConfig, GrpoMetrics, GrpoObjective, Rollouts};
-use crate::train::{token_input, Feed, StepReport, Trainer};
+use crate::train::{token_input, Feed, KeptWeights, StepReport, Trainer};
 use crate::{Error, Result};
 use std::collections::btree_map::{BTreeMap, Entry};
 use std::sync::Arc;
@@ -121,6 +121,9 @@ pub(super) enum ReferenceModel {
     Base,
     /// A frozen copy of the model as it started.
     Copy(Box<Engine>),
+    /// The weights this rank's parts started with, swapped in while they score: the frozen
+    /// model where pipeline stages split it.
+    Kept(KeptWeights),
 }
 
 impl ReferenceModel {
@@ -129,6 +132,7 @@ impl ReferenceModel {
             ReferenceModel::None => Reference::None,
             ReferenceModel::Base => Reference::Base,
             ReferenceModel::Copy(engine) => Reference::Copy(engine),
+            ReferenceModel::Kept(weights) => Reference::Kept(weights),
         }
     }
 }
@@ -227,6 +231,8 @@ pub enum Reference<'a> {
     Base,
     /// A frozen copy of the model as it started.
     Copy(&'a mut Engine),
+    /// The weights the trainer's parts started with, swapped in while they score.
+    Kept(&'a mut KeptWeights),
 }
 
 /// How a generation batch's rows become optimizer steps.
@@ -320,6 +326,7 @@ pub fn train_rollouts(
             Reference::Copy(engine) => {
                 batches.iter().map(|batch| copy_log_probs(engine, objective, batch).map(Some)).collect::<Result<_>>()?
             }
+            Reference::Kept(weights) => weights.scoring(trainer, |t| token_log_probs(t, objective, &batches))?,
         };
         for (batch, scores) in batches.iter_mut().zip(scores) {
             if let Some(r) = batch.rollout.as_mut() {

@@ -43,7 +43,7 @@ use crate::preference::{PreferenceConfig, PreferenceObjective, ScoreFn, Vocabula
 use crate::profile::Profiler;
 use crate::reward::{RewardConfig, RewardObjective};
 use crate::strategy::{Dim, LoraConfig, Strategy};
-use crate::train::{token_input, Feed, InputFn, LossFn, StepReport, Trainer};
+use crate::train::{token_input, Feed, InputFn, KeptWeights, LossFn, StepReport, Trainer};
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -707,6 +707,13 @@ pub fn train(
         Some(p) if strategy.lora().is_some() => {
             Some(LiveReference::Base { feed: config.feed(), split: p.vocabulary_split() })
         }
+        // Pipeline stages keep their units' starting weights (the trainer holds them now).
+        Some(p) if strategy.pipeline_parallel().is_some() => Some(LiveReference::Kept {
+            weights: KeptWeights::of(&mut trainer)?,
+            sync: p.config().reference_sync,
+            feed: config.feed(),
+            split: p.vocabulary_split(),
+        }),
         Some(p) => {
             // A whole copy split as the trainer's model is, over the same tensor group.
             let tensor = trainer.engine().tensor_parallel().cloned();
@@ -717,6 +724,16 @@ pub fn train(
         None => None,
     };
     let live = live.map(std::cell::RefCell::new);
+    // GRPO's KL term without LoRA beside pipeline stages reads the weights the stages start
+    // with, kept before a checkpoint replaces them.
+    let mut kept_reference = match &objective {
+        Some(Objective::Grpo(g))
+            if g.config().beta != 0.0 && strategy.lora().is_none() && strategy.pipeline_parallel().is_some() =>
+        {
+            Some(KeptWeights::of(&mut trainer)?)
+        }
+        _ => None,
+    };
     if config.cuda_graph {
         trainer.capture_cuda_graph(CUDA_GRAPH_WARMUP)?;
     }
@@ -896,10 +913,11 @@ pub fn train(
                 world: world_group.as_deref(),
                 seed: config.batching.seed,
             };
-            let reference = match (g.config().beta != 0.0, strategy.lora().is_some()) {
-                (false, _) => grpo::ReferenceModel::None,
-                (true, true) => grpo::ReferenceModel::Base,
-                (true, false) => {
+            let reference = match (g.config().beta != 0.0, strategy.lora().is_some(), kept_reference.take()) {
+                (false, _, _) => grpo::ReferenceModel::None,
+                (true, true, _) => grpo::ReferenceModel::Base,
+                (true, false, Some(weights)) => grpo::ReferenceModel::Kept(weights),
+                (true, false, None) => {
                     // Split as the trainer's model is, over the same tensor group.
                     let tensor = trainer.engine().tensor_parallel().cloned();
                     let config_of_copy = EngineConfig { tensor, ..engine_config.clone() };
@@ -1124,16 +1142,9 @@ fn pair_objective(data: &Data, config: &RunConfig, model: &Model) -> Result<Opti
 }
 
 /// Refuses what a preference or GRPO run cannot take, in one line naming why: the loss
-/// scores a whole row's logits over the whole vocabulary, and a reference copy is whole on
-/// every rank.
+/// scores a whole row's logits over the whole vocabulary, and a synced reference follows
+/// the whole model.
 fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: &RunConfig) -> Result<()> {
-    // GRPO's KL term reads a frozen copy where no LoRA base serves.
-    let copied_reference = match objective {
-        Objective::Grpo(g) => g.config().beta != 0.0 && strategy.lora().is_none(),
-        _ => false,
-    };
-    // A live or synced reference beside no LoRA base is a frozen whole copy.
-    let live = objective.preference().is_some_and(|p| p.config().live());
     let synced = objective.preference().is_some_and(|p| p.config().reference_sync.is_some());
     let why = if strategy.context_parallel().is_some() {
         Some("context parallelism splits a completion's tokens over ranks")
@@ -1141,10 +1152,6 @@ fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: 
         Some("chunked_loss gives a next-token loss, not the logits a completion's score sums")
     } else if config.cuda_graph {
         Some("a captured step cannot read the completions' metrics")
-    } else if copied_reference && strategy.pipeline_parallel().is_some() {
-        Some("the KL term's reference is a whole copy of the model on each rank, which pipeline stages split")
-    } else if live && strategy.lora().is_none() && strategy.pipeline_parallel().is_some() {
-        Some("the live reference is a whole copy of the model on each rank, which pipeline stages split")
     } else if synced && strategy.lora().is_some() {
         Some("a synced reference is a copy of the whole model; LoRA's reference is its frozen base")
     } else {
@@ -1357,6 +1364,15 @@ fn attach_references(
 enum LiveReference {
     /// LoRA's frozen base: the trainer's model with its adapters off, laid out as it is.
     Base { feed: Feed, split: Option<VocabularySplit> },
+    /// The weights the trainer's parts started with, swapped in while they score: the frozen
+    /// model where pipeline stages split it. TR-DPO's follows the policy every `sync.every`
+    /// steps.
+    Kept {
+        weights: KeptWeights,
+        sync: Option<crate::preference::ReferenceSync>,
+        feed: Feed,
+        split: Option<VocabularySplit>,
+    },
     /// A whole copy of the model, split over the trainer's tensor group; TR-DPO's follows the
     /// policy every `sync.every` steps.
     Copy { copy: Box<Engine>, sync: Option<crate::preference::ReferenceSync>, split: Option<VocabularySplit> },
@@ -1365,52 +1381,64 @@ enum LiveReference {
 impl LiveReference {
     /// Gives each of `batches` its rows' reference scores, where this rank scores them.
     fn score(&mut self, trainer: &mut Trainer, batches: &mut [Batch]) -> Result<()> {
-        match self {
+        let steps = || steps_of(batches, trainer.engine().config().device);
+        let recorded = match self {
             LiveReference::Base { feed, split } => {
-                let steps = steps_of(batches, trainer.engine().config().device)?;
+                let steps = steps()?;
                 trainer.set_adapters_enabled(false);
                 let recorded = record_scores(trainer, &steps, feed, split.clone());
                 trainer.set_adapters_enabled(true);
-                let recorded = recorded?;
-                if recorded.is_empty() {
-                    return Ok(());
-                }
-                let mut at = 0;
-                for batch in batches {
-                    let rows = batch.inputs.size()[0] as usize;
-                    let scores = recorded.get(at..at + rows).ok_or_else(|| {
-                        Error::Engine(format!("{} reference scores for a step's rows", recorded.len()))
-                    })?;
-                    batch.reference = Some(tch::Tensor::f_from_slice(scores)?);
-                    at += rows;
-                }
+                recorded?
+            }
+            LiveReference::Kept { weights, feed, split, .. } => {
+                let steps = steps()?;
+                weights.scoring(trainer, |t| record_scores(t, &steps, feed, split.clone()))?
             }
             LiveReference::Copy { copy, split, .. } => {
                 for batch in batches {
                     let logits = copy_logits(copy, batch)?;
                     batch.reference = Some(crate::preference::row_scores(&logits, batch, split.as_ref())?);
                 }
+                return Ok(());
             }
+        };
+        if recorded.is_empty() {
+            return Ok(());
+        }
+        let mut at = 0;
+        for batch in batches {
+            let rows = batch.inputs.size()[0] as usize;
+            let scores = recorded
+                .get(at..at + rows)
+                .ok_or_else(|| Error::Engine(format!("{} reference scores for a step's rows", recorded.len())))?;
+            batch.reference = Some(tch::Tensor::f_from_slice(scores)?);
+            at += rows;
         }
         Ok(())
     }
 
-    /// After optimizer step `step`: TR-DPO's copy, where its sync is due, moves each of its
-    /// parameters to `mixup` of the trainer's and the rest of its own (every rank together:
-    /// the trainer's units are gathered whole).
+    /// After optimizer step `step`: TR-DPO's reference, where its sync is due, moves each of
+    /// its parameters to `mixup` of the trainer's and the rest of its own (every rank
+    /// together: the trainer's units are gathered whole).
     fn follow(&mut self, trainer: &mut Trainer, step: u64) -> Result<()> {
-        let LiveReference::Copy { copy, sync: Some(sync), .. } = self else { return Ok(()) };
+        let (Self::Copy { sync: Some(sync), .. } | Self::Kept { sync: Some(sync), .. }) = self else { return Ok(()) };
         if !step.is_multiple_of(sync.every) {
             return Ok(());
         }
-        trainer.settle_updates()?;
         let mixup = sync.mixup;
-        for unit in 0..copy.spec().units.len() {
-            let policy = trainer.engine_mut().full_unit(unit)?;
-            let mixed = copy.full_unit(unit)?.f_mul_scalar(1.0 - mixup)?.f_add(&policy.f_mul_scalar(mixup)?)?;
-            copy.set_full_unit(unit, &mixed)?;
+        match self {
+            LiveReference::Kept { weights, .. } => weights.follow(trainer, mixup),
+            LiveReference::Copy { copy, .. } => {
+                trainer.settle_updates()?;
+                for unit in 0..copy.spec().units.len() {
+                    let policy = trainer.engine_mut().full_unit(unit)?;
+                    let mixed = copy.full_unit(unit)?.f_mul_scalar(1.0 - mixup)?.f_add(&policy.f_mul_scalar(mixup)?)?;
+                    copy.set_full_unit(unit, &mixed)?;
+                }
+                Ok(())
+            }
+            LiveReference::Base { .. } => Ok(()),
         }
-        Ok(())
     }
 }
 

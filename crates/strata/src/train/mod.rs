@@ -35,6 +35,69 @@ use std::sync::Arc;
 use std::time::Instant;
 use tch::Tensor;
 
+/// The weights of every unit of a trainer's parts as they were when kept, gathered whole
+/// (`Engine::full_unit`): a frozen reference model laid out as the trainer's is, pipeline
+/// stages included (each rank keeps its stages' units), scored by swapping it in.
+pub struct KeptWeights {
+    /// Per part, each unit's whole flat parameters.
+    units: Vec<Vec<Tensor>>,
+}
+
+impl KeptWeights {
+    /// The trainer's weights as they are now (every rank together: sharded and split units
+    /// are gathered).
+    pub fn of(trainer: &mut Trainer) -> Result<KeptWeights> {
+        trainer.settle_updates()?;
+        let units = trainer
+            .parts
+            .iter_mut()
+            .map(|part| (0..part.engine.spec().units.len()).map(|u| owned_unit(&mut part.engine, u)).collect())
+            .collect::<Result<_>>()?;
+        Ok(KeptWeights { units })
+    }
+
+    /// Runs `score` on the trainer with the kept weights in place of its own, which it gets
+    /// back afterwards, unchanged, whatever `score` returns (every rank together).
+    pub fn scoring<T>(&mut self, trainer: &mut Trainer, score: impl FnOnce(&mut Trainer) -> Result<T>) -> Result<T> {
+        trainer.settle_updates()?;
+        self.swap(trainer)?;
+        let scored = score(trainer);
+        self.swap(trainer)?;
+        scored
+    }
+
+    /// Exchanges the kept weights with the trainer's.
+    fn swap(&mut self, trainer: &mut Trainer) -> Result<()> {
+        for (part, kept) in trainer.parts.iter_mut().zip(&mut self.units) {
+            for (u, weights) in kept.iter_mut().enumerate() {
+                let current = owned_unit(&mut part.engine, u)?;
+                part.engine.set_full_unit(u, weights)?;
+                *weights = current;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves each kept weight to `mixup` of the trainer's and `1 − mixup` of its own
+    /// (TR-DPO's sync; every rank together).
+    pub fn follow(&mut self, trainer: &mut Trainer, mixup: f64) -> Result<()> {
+        trainer.settle_updates()?;
+        for (part, kept) in trainer.parts.iter_mut().zip(&mut self.units) {
+            for (u, weights) in kept.iter_mut().enumerate() {
+                let policy = part.engine.full_unit(u)?;
+                *weights = weights.f_mul_scalar(1.0 - mixup)?.f_add(&policy.f_mul_scalar(mixup)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Unit `u`'s whole parameters in storage of their own: where nothing is gathered,
+/// `full_unit` reads the unit's buffer itself, which the next update or swap overwrites.
+fn owned_unit(engine: &mut Engine, u: usize) -> Result<Tensor> {
+    Ok(engine.full_unit(u)?.f_detach_copy()?)
+}
+
 /// What one step did, as written to `--metrics`.
 #[derive(Clone, Debug, Serialize)]
 pub struct StepReport {
