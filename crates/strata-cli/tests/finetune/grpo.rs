@@ -345,3 +345,79 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
     let o = common::strata(&["train", "--model-dir", s(&model), "--data", s(&prompts), "--steps", "1"]);
     common::assert_fails_with(&o, "trained on by GRPO: give --reward-command");
 }
+
+/// `--strategy auto` searches GRPO's layouts on rows as long as its training rows at their
+/// longest, each dry run first decoding one prompt's group as generation does: at 512
+/// completions of 48 tokens (micro-batches of 4 rows, so that decoding holds the most) a
+/// dry run peaks higher than at 4 by about the key and value cache the 508 more rows
+/// hold. At `--beta` above 0 without LoRA the frozen
+/// copy's fp32 weights come off the budget the dry runs are held to; the runs then train.
+#[test]
+fn auto_counts_grpo_s_generation_and_its_reference_copy() {
+    let Some(py) = common::venv_python() else { return };
+    let dir = reference(&py);
+    let work = tempfile::tempdir().unwrap();
+    let prompts = work.path().join("prompts.jsonl");
+    let lines: Vec<String> = (0..4).map(|i| json!({"prompt": format!("Question {i}: say more")}).to_string()).collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let command = reward_script(work.path());
+    let model = dir.join("model");
+    let budget = 400_000_000u64;
+    let search = |name: &str, generations: &str, beta: &[&str]| -> Value {
+        let report = work.path().join(format!("{name}.json"));
+        let args = [
+            "train",
+            "--model-dir",
+            s(&model),
+            "--data",
+            s(&prompts),
+            "--reward-command",
+            &command,
+            "--num-generations",
+            generations,
+            "--max-completion-length",
+            "48",
+            "--batch-size",
+            "512",
+            "--accumulation",
+            "128",
+            "--ctx",
+            "128",
+            "--steps",
+            "1",
+            "--threads",
+            "1",
+            "--strategy",
+            "auto",
+            "--excluded",
+            "module_replace,amp_native,half,fp8,offload",
+            "--dry-run-steps",
+            "1",
+            "--device-memory",
+            &budget.to_string(),
+            "--search-report",
+            s(&report),
+        ];
+        let o = common::strata(&[&args[..], beta].concat());
+        assert!(o.status.success(), "{}", common::stderr(&o));
+        serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap()
+    };
+    let (few, many) = (search("few", "4", &[]), search("many", "512", &["--beta", "0.04"]));
+    let peak = |r: &Value, label: &str| {
+        let trial = r["trials"].as_array().unwrap().iter().find(|t| t["label"] == label).unwrap();
+        trial["outcome"]["peak_bytes"].as_u64().unwrap_or_else(|| panic!("{label}: {trial}"))
+    };
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let field = |k: &str| config[k].as_u64().unwrap();
+    let kv_width = field("num_key_value_heads") * field("hidden_size") / field("num_attention_heads");
+    // 508 more rows of the longest prompt and 48 decoded (within the 128 positions of a
+    // row), keys and values in fp32; decoding also holds a layer's cache twice while it
+    // grows, and the logits.
+    let cache = |positions: u64| 508 * positions * field("num_hidden_layers") * 2 * kv_width * 4;
+    let grown = peak(&many, "fp32 + data parallel") as f64 - peak(&few, "fp32 + data parallel") as f64;
+    let (least, most) = (cache(48) as f64, 2.0 * cache(128) as f64);
+    assert!((least..most).contains(&grown), "the peak grew by {grown} bytes, the cache by {least} to {most}");
+    let params = many["analysis"]["params"].as_u64().unwrap();
+    assert_eq!(few["budget_bytes"], json!(budget));
+    assert_eq!(many["budget_bytes"], json!(budget - 4 * params), "the frozen copy's weights");
+}

@@ -13,6 +13,7 @@ use crate::engine::{
     memory, ActivationOffload, Category, EngineConfig, GradLayout, HeldStates, MemoryLedger, Phase, ScheduleContext,
     UnitSchedule, UnitStorage,
 };
+use crate::generate::GenerateConfig;
 use crate::model::{Builder, ModelSpec, SequencePiece};
 use crate::optim::{GroupRule, LrSchedule, OptimizerConfig};
 use crate::parallel::{self, Mesh, RankLayout, TrainerSetup};
@@ -23,6 +24,22 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tch::{Device, Tensor};
+
+/// Decoding a dry run does before its steps, as a run does beside its own (GRPO's
+/// generation): `rows` continuations of `prompt`, `new_tokens` each, with the key/value
+/// cache.
+#[derive(Clone, Debug)]
+pub struct GenerationProbe {
+    /// The prompt every row continues.
+    pub prompt: Vec<i64>,
+    /// Rows decoded together.
+    pub rows: usize,
+    /// Tokens each row decodes.
+    pub new_tokens: usize,
+    /// The model's vocabulary, where a tensor group splits the head's columns (each rank
+    /// then gathers the whole logits).
+    pub vocab: Option<i64>,
+}
 
 /// Everything a dry run needs; shared by all candidates.
 pub struct Bench<'a> {
@@ -55,6 +72,8 @@ pub struct Bench<'a> {
     pub steps: BTreeMap<BatchKey, std::result::Result<Vec<Step>, String>>,
     /// The group every rank belongs to, to agree on measurements.
     pub world: Option<Arc<dyn ProcessGroup>>,
+    /// Decoding each dry run does before its steps.
+    pub generation: Option<GenerationProbe>,
     /// When the search (or check) that uses this bench began.
     pub started: Instant,
 }
@@ -170,6 +189,14 @@ impl Bench<'_> {
         let device = self.engine.device;
         let mut trainer = self.trainer(strategy, &steps[0], None)?;
         memory::reset_allocator_peak(device);
+        // Each step starts its own peak: the decoding's is read before the first.
+        let decoding_peak = match &self.generation {
+            Some(probe) => {
+                probe.decode(&mut trainer)?;
+                memory::allocator_peak(device).unwrap_or(0)
+            }
+            None => 0,
+        };
         // The median timed step: one slow step of a shared machine does not decide.
         let mut rates = Vec::new();
         for (i, step) in steps.iter().enumerate() {
@@ -187,7 +214,8 @@ impl Bench<'_> {
         }
         // On the CPU the allocator also holds what the ledger places on the host.
         let host = if device == Device::Cpu { host } else { 0 };
-        let peak = memory::allocator_peak(device).unwrap_or(0).saturating_sub(host).max(ledger_peak);
+        let allocated = memory::allocator_peak(device).unwrap_or(0).max(decoding_peak);
+        let peak = allocated.saturating_sub(host).max(ledger_peak);
         Ok((rates.get(rates.len() / 2).copied().unwrap_or(0.0), peak))
     }
 
@@ -432,4 +460,22 @@ fn analyse_with(bench: &Bench<'_>, shelve: bool) -> Result<Analysis> {
         pipeline_sizes,
         expert_sizes,
     })
+}
+
+impl GenerationProbe {
+    /// Decodes the probe's rows with `trainer`'s model (greedily: sampling holds the same).
+    fn decode(&self, trainer: &mut Trainer) -> Result<()> {
+        let group = trainer.parts().iter().find_map(|part| part.engine.tensor_parallel().cloned());
+        let vocabulary = match (group, self.vocab) {
+            (None, _) => None,
+            (Some(group), Some(vocab)) => Some(crate::preference::VocabularySplit { group, vocab }),
+            (Some(_), None) => {
+                return Err(Error::Config("decoding under tensor parallelism needs the model's vocabulary".into()))
+            }
+        };
+        let config = GenerateConfig { max_new_tokens: self.new_tokens, cache: true, ..GenerateConfig::default() };
+        let prompts = vec![self.prompt.clone(); self.rows];
+        crate::generate::generate_batch(trainer, vocabulary.as_ref(), &prompts, &config, None)?;
+        Ok(())
+    }
 }

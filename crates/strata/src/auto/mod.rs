@@ -113,6 +113,9 @@ pub struct AutoAccelerate<'a> {
     pub local_world_size: usize,
     /// How the strategy is loaded or searched.
     pub options: AutoOptions,
+    /// Decoding a run does beside its steps (GRPO's generation), which every dry run does
+    /// once before its steps, so that its peak counts the key/value cache.
+    pub generation: Option<bench::GenerationProbe>,
 }
 
 impl<'a> AutoAccelerate<'a> {
@@ -137,6 +140,7 @@ impl<'a> AutoAccelerate<'a> {
             comm: None,
             local_world_size: 1,
             options: AutoOptions::default(),
+            generation: None,
         }
     }
 }
@@ -322,6 +326,7 @@ fn bench<'a>(
         steps: batches,
         world,
         started: std::time::Instant::now(),
+        generation: job.generation.clone(),
     })
 }
 

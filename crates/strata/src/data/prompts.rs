@@ -6,7 +6,7 @@
 //!
 //! Owns reading the records and their prompts' tokens. Must not generate nor reward.
 use super::chat::ChatTemplate;
-use super::records::{messages_of, read_records};
+use super::records::{messages_of, read_records, ExampleSet};
 use super::{check_indices, Batch, RowSet, Tokenizer, IGNORE};
 use crate::{Error, Result};
 use serde_json::{Map, Value};
@@ -121,6 +121,18 @@ impl PromptSet {
     /// Record `i`'s fields as read (the prompt among them).
     pub fn record(&self, i: usize) -> &Map<String, Value> {
         &self.records[i]
+    }
+
+    /// Each prompt followed by a completion of `completion` tokens (the prompt's own,
+    /// repeated), the completion learned: rows as long as GRPO trains on at their longest,
+    /// for the dry runs of a strategy search.
+    pub fn at_completion_length(&self, completion: usize) -> ExampleSet {
+        let rows = self.prompts.iter().map(|p| {
+            let ids: Vec<u32> = p.iter().copied().chain(p.iter().copied().cycle().take(completion)).collect();
+            let learned = (0..ids.len()).map(|i| i >= p.len()).collect();
+            (ids, learned)
+        });
+        ExampleSet::from_rows(self.source.clone(), rows)
     }
 }
 

@@ -303,6 +303,24 @@ impl ExampleSet {
         Ok(set)
     }
 
+    /// Examples given as rows of ids, each id learned or not, from `source`.
+    pub fn from_rows(source: impl Into<String>, rows: impl IntoIterator<Item = (Vec<u32>, Vec<bool>)>) -> ExampleSet {
+        let (mut ids, mut learned, mut starts) = (vec![], vec![], vec![0]);
+        for (row_ids, row_learned) in rows {
+            ids.extend(row_ids);
+            learned.extend(row_learned);
+            starts.push(ids.len());
+        }
+        let report = ExampleReport {
+            records: starts.len() - 1,
+            examples: starts.len() - 1,
+            tokens: ids.len() as u64,
+            learned_tokens: learned.iter().filter(|&&l| l).count() as u64,
+            ..ExampleReport::default()
+        };
+        ExampleSet { ids, learned, starts, source: source.into(), report, cached: false }
+    }
+
     /// Examples held.
     pub fn len(&self) -> usize {
         self.starts.len() - 1

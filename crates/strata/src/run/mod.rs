@@ -25,12 +25,13 @@ pub mod grpo;
 mod observe;
 pub mod tensorboard;
 
+use crate::auto::bench::GenerationProbe;
 use crate::auto::{self, AutoAccelerate, AutoOptions};
 use crate::checkpoint::{self, BaseRecord, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankInfo};
 use crate::data::{
-    validation_steps, Batch, Batching, DataLoader, Dataset, LoaderConfig, Order, PreferenceSet, RowSet, Step,
-    StoredReference, StoredSet,
+    validation_steps, Batch, Batching, DataLoader, Dataset, LoaderConfig, Order, PreferenceSet, PromptSet, RowSet,
+    Step, StoredReference, StoredSet,
 };
 use crate::engine::{Engine, EngineConfig, EventSink, EventSinks, UnitClock};
 use crate::grpo::GrpoObjective;
@@ -1626,6 +1627,9 @@ fn choose_strategy(
         job.prepare_input = input.clone();
     }
     job.engine = engine.clone();
+    if let (Some(run), Dataset::Prompts(prompts)) = (&config.grpo, data.train.as_ref()) {
+        grpo_dry_runs(&mut job, run, prompts, model, config)?;
+    }
     job.comm = ranks.comm.as_ref();
     job.local_world_size = ranks.local_world_size;
     // A run that starts from an adapter folder trains adapters wherever full fine-tuning
@@ -1653,6 +1657,37 @@ fn choose_strategy(
         }
     }
     Ok((choice.strategy, DataParallelOptions { bucket_bytes: choice.bucket_bytes, ..config.data_parallel }))
+}
+
+/// GRPO's search: its dry runs train on rows as long as its training rows at their longest
+/// (each prompt and a whole completion, the next-token loss standing for GRPO's, which
+/// reads the same logits), each first decodes one prompt's group as generation does, and
+/// where the KL term reads a frozen copy of the model (no LoRA) its fp32 weights are taken
+/// from the device budget.
+fn grpo_dry_runs(
+    job: &mut AutoAccelerate<'_>,
+    run: &grpo::GrpoRun,
+    prompts: &PromptSet,
+    model: &Model,
+    config: &RunConfig,
+) -> Result<()> {
+    let c = &run.config;
+    let longest = (0..prompts.len()).max_by_key(|&i| prompts.prompt(i).len());
+    let prompt = longest.map(|i| prompts.prompt(i)).ok_or_else(|| Error::Data("no prompt to search with".into()))?;
+    job.dataset = Arc::new(Dataset::Examples(prompts.at_completion_length(c.max_completion_length)));
+    job.loss_func = None;
+    job.generation = Some(GenerationProbe {
+        prompt,
+        rows: c.num_generations,
+        new_tokens: c.max_completion_length,
+        vocab: model.config.as_ref().map(|m| m.vocab()),
+    });
+    let copied = c.beta != 0.0 && job.options.lora.is_none() && adapter_folders(&config.init).next().is_none();
+    if let (true, Some(budget)) = (copied, job.engine.device_budget) {
+        let copy = model.spec(&config.freeze, None)?.num_params() as u64 * 4;
+        job.engine.device_budget = Some(budget.saturating_sub(copy));
+    }
+    Ok(())
 }
 
 /// Without a thread count (or `OMP_NUM_THREADS`), the ranks of one host split its cores
