@@ -242,6 +242,16 @@ fn a_toy_reward_rises_over_fifty_steps() {
     assert!(late > early + 0.5, "the reward did not rise: {means:?}");
 }
 
+/// `count` prompts (`Question i: say more`, with their `id`) in `dir`'s `prompts.jsonl`, and
+/// the command of [`reward_script`].
+fn prompts_and_reward(dir: &Path, count: usize) -> (PathBuf, String) {
+    let prompts = dir.join("prompts.jsonl");
+    let lines: Vec<String> =
+        (0..count).map(|i| json!({"prompt": format!("Question {i}: say more"), "id": i}).to_string()).collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    (prompts, reward_script(dir))
+}
+
 /// A reward command: one reward per completion, the count of "e" in its text.
 fn reward_script(dir: &Path) -> String {
     let script = dir.join("reward.py");
@@ -276,11 +286,7 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
     let Some(py) = common::venv_python() else { return };
     let dir = reference(&py);
     let work = tempfile::tempdir().unwrap();
-    let prompts = work.path().join("prompts.jsonl");
-    let lines: Vec<String> =
-        (0..6).map(|i| json!({"prompt": format!("Question {i}: say more"), "id": i}).to_string()).collect();
-    std::fs::write(&prompts, lines.join("\n")).unwrap();
-    let command = reward_script(work.path());
+    let (prompts, command) = prompts_and_reward(work.path(), 6);
     let model = dir.join("model");
     let shared = [
         "--model-dir",
@@ -357,10 +363,7 @@ fn auto_counts_grpo_s_generation_and_its_reference_copy() {
     let Some(py) = common::venv_python() else { return };
     let dir = reference(&py);
     let work = tempfile::tempdir().unwrap();
-    let prompts = work.path().join("prompts.jsonl");
-    let lines: Vec<String> = (0..4).map(|i| json!({"prompt": format!("Question {i}: say more")}).to_string()).collect();
-    std::fs::write(&prompts, lines.join("\n")).unwrap();
-    let command = reward_script(work.path());
+    let (prompts, command) = prompts_and_reward(work.path(), 4);
     let model = dir.join("model");
     let budget = 400_000_000u64;
     let search = |name: &str, generations: &str, beta: &[&str]| -> Value {
