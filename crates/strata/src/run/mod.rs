@@ -1433,7 +1433,7 @@ impl LiveReference {
                 trainer.settle_updates()?;
                 for unit in 0..copy.spec().units.len() {
                     let policy = trainer.engine_mut().full_unit(unit)?;
-                    let mixed = copy.full_unit(unit)?.f_mul_scalar(1.0 - mixup)?.f_add(&policy.f_mul_scalar(mixup)?)?;
+                    let mixed = crate::train::synced(&copy.full_unit(unit)?, &policy, mixup)?;
                     copy.set_full_unit(unit, &mixed)?;
                 }
                 Ok(())

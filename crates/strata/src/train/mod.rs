@@ -84,12 +84,17 @@ impl KeptWeights {
         trainer.settle_updates()?;
         for (part, kept) in trainer.parts.iter_mut().zip(&mut self.units) {
             for (u, weights) in kept.iter_mut().enumerate() {
-                let policy = part.engine.full_unit(u)?;
-                *weights = weights.f_mul_scalar(1.0 - mixup)?.f_add(&policy.f_mul_scalar(mixup)?)?;
+                *weights = synced(weights, &part.engine.full_unit(u)?, mixup)?;
             }
         }
         Ok(())
     }
+}
+
+/// TR-DPO's sync of a reference's weights towards the policy's: `mixup · policy + (1 −
+/// mixup) · reference`.
+pub fn synced(reference: &Tensor, policy: &Tensor, mixup: f64) -> Result<Tensor> {
+    Ok(reference.f_mul_scalar(1.0 - mixup)?.f_add(&policy.f_mul_scalar(mixup)?)?)
 }
 
 /// Unit `u`'s whole parameters in storage of their own: where nothing is gathered,
