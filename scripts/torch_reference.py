@@ -7,8 +7,10 @@ SwiGLU), written in plain PyTorch eager, with two commands:
   train  replays given batches from given initial weights and prints the loss of every
          step as JSON, so Strata's losses can be compared with PyTorch's step by step;
   bench  trains a freshly initialised model on random tokens in blocks of steps asked for
-         on stdin, answering each with its time and the peak memory as a JSON line; on a
-         GPU (--device cuda) with autocast (--amp bf16) and the fused AdamW.
+         on stdin, answering each with its time, its last loss and the peak memory as a
+         JSON line; on a GPU (--device cuda) with autocast (--amp bf16) and the fused AdamW;
+         with --compile the model runs through torch.compile, with --checkpoint each block
+         is recomputed in backward.
 
 Run it with the project's virtual environment: .venv/bin/python scripts/torch_reference.py
 """
@@ -24,6 +26,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def run_block(model, block, *inputs):
+    """A block's forward; recomputed in backward where the model says so (`recompute`)."""
+    if getattr(model, "recompute", False) and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(block, *inputs, use_reentrant=False)
+    return block(*inputs)
 
 
 class Block(nn.Module):
@@ -74,7 +85,7 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
-            x = block(x)
+            x = run_block(self, block, x)
         return self.lm_head(self.transformer.ln_f(x))
 
 
@@ -149,7 +160,7 @@ class Llama(nn.Module):
         cos, sin = self.cos[:t], self.sin[:t]
         x = self.embed_tokens(idx)
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = run_block(self, block, x, cos, sin)
         return self.lm_head(self.norm(x))
 
 
@@ -183,12 +194,17 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def train_step(model, opt, x, y, grad_clip, amp=None, mark=lambda phase: None):
-    """One step; mark(phase) is called as each of PHASES begins."""
-    mark(PHASES[0])
+def forward_loss(model, x, y, amp):
+    """The mean next-token loss, the model under autocast, the loss in fp32."""
     with torch.autocast(x.device.type, dtype=amp, enabled=amp is not None):
         logits = model(x)
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def train_step(model, opt, x, y, grad_clip, amp=None, mark=lambda phase: None, loss_of=forward_loss):
+    """One step; mark(phase) is called as each of PHASES begins."""
+    mark(PHASES[0])
+    loss = loss_of(model, x, y, amp)
     mark(PHASES[1])
     loss.backward()
     mark(PHASES[2])
@@ -312,7 +328,11 @@ def cmd_bench(args):
         ffn_dim = args.ffn_dim or (8 * args.dim // 3 + 31) // 32 * 32
         model = Llama(args.vocab, args.ctx, args.layers, args.heads, args.dim, kv_heads, ffn_dim)
     model.to(device)
+    model.recompute = args.checkpoint
     opt = make_optimizer(model, args)
+    # torch.compile takes the forward and the loss together (as a model computing its own
+    # loss would be compiled), so the loss's upcast and softmax fuse too.
+    loss_of = torch.compile(forward_loss) if args.compile else forward_loss
     amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     gen = torch.Generator().manual_seed(args.seed)
     batches = [torch.randint(args.vocab, (args.batch, args.ctx + 1), generator=gen).to(device) for _ in range(4)]
@@ -320,13 +340,13 @@ def cmd_bench(args):
     step = 0
     for line in sys.stdin:
         if line.strip() == "inspect":
-            syncs = count_syncs(lambda: train_step(model, opt, *split(batches[0]), args.grad_clip, amp))
-            phases = phase_times(lambda mark: train_step(model, opt, *split(batches[0]), args.grad_clip, amp, mark))
+            syncs = count_syncs(lambda: train_step(model, opt, *split(batches[0]), args.grad_clip, amp, loss_of=loss_of))
+            phases = phase_times(lambda mark: train_step(model, opt, *split(batches[0]), args.grad_clip, amp, mark, loss_of))
             print(json.dumps({"syncs": syncs, "phases_ms": phases}), flush=True)
             continue
         if line.startswith("trace "):
             path = line[len("trace ") :].strip()
-            trace_step(lambda: train_step(model, opt, *split(batches[0]), args.grad_clip, amp), path)
+            trace_step(lambda: train_step(model, opt, *split(batches[0]), args.grad_clip, amp, loss_of=loss_of), path)
             print(json.dumps({"trace": path}), flush=True)
             continue
         k = int(line)
@@ -335,12 +355,12 @@ def cmd_bench(args):
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         for _ in range(k):
-            train_step(model, opt, *split(batches[step % len(batches)]), args.grad_clip, amp)
+            loss = train_step(model, opt, *split(batches[step % len(batches)]), args.grad_clip, amp, loss_of=loss_of)
             step += 1
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        answer = {"seconds": elapsed, "steps": k, "peak_rss_bytes": peak_rss_bytes()}
+        answer = {"seconds": elapsed, "steps": k, "loss": loss.item(), "peak_rss_bytes": peak_rss_bytes()}
         if cuda:
             answer["peak_device_bytes"] = torch.cuda.max_memory_allocated()
         print(json.dumps(answer), flush=True)
@@ -372,6 +392,8 @@ def main():
     b.add_argument("--kv-heads", type=int, default=None)
     b.add_argument("--device", default="cpu")
     b.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
+    b.add_argument("--compile", action="store_true")
+    b.add_argument("--checkpoint", action="store_true")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

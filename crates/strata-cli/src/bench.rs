@@ -1,6 +1,7 @@
 //! `strata bench train`: the same GPT or LLaMA trained by Strata and by PyTorch eager (the
 //! project's reference script, run with the project's virtual environment) in one run, side
-//! by side, on the CPU or a GPU; optionally Strata with fp8 linears as a third side.
+//! by side, on the CPU or a GPU; optionally PyTorch under `torch.compile`, Strata with fp8
+//! linears and Strata replaying a CUDA graph as further sides.
 use crate::bench_runs::GptShape;
 use crate::bench_step::{GpuPhases, Inspection, SyncSites, PHASES};
 use anyhow::{bail, Context, Result};
@@ -79,10 +80,14 @@ pub struct BenchTrainArgs {
     /// the fp8 side stays eager, its delayed scaling reading maxima on the host).
     #[arg(long)]
     pub cuda_graph: bool,
-    /// Strata's sides recompute each block's activations in backward (`checkpoint`), where
-    /// memory needs it; the PyTorch side keeps them.
+    /// Every side recomputes each block's activations in backward (Strata's `checkpoint`,
+    /// PyTorch's `torch.utils.checkpoint`), where memory needs it.
     #[arg(long)]
     pub checkpoint: bool,
+    /// A further side: PyTorch with its forward and loss through `torch.compile` (the same
+    /// model, batches and fused AdamW as its eager side).
+    #[arg(long)]
+    pub compile: bool,
     /// Each side started, warmed up, timed and looked into alone, and its device memory
     /// released before the next starts: for a GPU that cannot hold every side at once (the
     /// sides then do not share the machine's drifts as alternating blocks do).
@@ -134,6 +139,10 @@ pub struct Measurement {
     pub side: String,
     pub tokens_per_s: f64,
     pub step_ms: f64,
+    /// The loss of the side's last step: sides that start from the same weights and
+    /// batches (Strata's, seeded alike) are compared by it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_loss: Option<f64>,
     /// Model FLOPs utilisation, where the device's peak is known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
@@ -184,6 +193,15 @@ pub struct Report {
     /// Strata replaying a CUDA graph against Strata without, tokens/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub graph_ratio: Option<f64>,
+    /// Strata against PyTorch under `torch.compile`, tokens/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compile_ratio: Option<f64>,
+    /// Strata with fp8's last loss against Strata's without (the same weights, batches and
+    /// steps).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fp8_loss_ratio: Option<f64>,
+    /// Steps each side trained, warm-up included (the last loss is after these).
+    pub trained_steps: u64,
 }
 
 pub fn repo_root() -> PathBuf {
@@ -212,6 +230,8 @@ pub fn run_reference(python: Option<&PathBuf>, script: &str, args: &[String]) ->
 /// One timed block of steps.
 struct Block {
     seconds: f64,
+    /// The loss of the block's last step.
+    loss: f64,
     peak_rss_bytes: u64,
     peak_device_bytes: Option<u64>,
 }
@@ -254,12 +274,14 @@ impl StrataSide {
         Ok(StrataSide { trainer, batches, device, done: 0 })
     }
 
-    fn steps(&mut self, steps: u64) -> Result<()> {
+    /// Runs `steps` steps; the last one's loss (NaN for none).
+    fn steps(&mut self, steps: u64) -> Result<f64> {
+        let mut loss = f64::NAN;
         for _ in 0..steps {
-            self.trainer.train_step(&self.batches[self.done % self.batches.len()])?;
+            loss = self.trainer.train_step(&self.batches[self.done % self.batches.len()])?.loss;
             self.done += 1;
         }
-        Ok(())
+        Ok(loss)
     }
 
     fn synchronize(&self) {
@@ -276,11 +298,12 @@ impl Side for StrataSide {
         let own = self.trainer.engine().ledger().report().get(&memory::Placement::Device).map_or(0, |r| r.current);
         let others = memory::allocator_current(self.device).unwrap_or(0).saturating_sub(own);
         let start = Instant::now();
-        self.steps(steps)?;
+        let loss = self.steps(steps)?;
         self.synchronize();
         let seconds = start.elapsed().as_secs_f64();
         Ok(Block {
             seconds,
+            loss,
             peak_rss_bytes: memory::process_peak_rss().unwrap_or(0),
             // A replayed graph allocates nothing: its step's memory is its pool's.
             peak_device_bytes: match self.device {
@@ -328,7 +351,7 @@ impl Side for StrataSide {
         let result = self.steps(1);
         self.synchronize();
         profile::kernels::save(path)?;
-        result
+        result.map(|_| ())
     }
 }
 
@@ -340,7 +363,8 @@ struct PytorchSide {
 }
 
 impl PytorchSide {
-    fn start(a: &BenchTrainArgs) -> Result<PytorchSide> {
+    /// The reference started for `a`'s model; `compile`: under `torch.compile`.
+    fn start(a: &BenchTrainArgs, compile: bool) -> Result<PytorchSide> {
         let root = repo_root();
         let python = a.python.clone().unwrap_or_else(|| root.join(".venv/bin/python"));
         let n = |v: i64| v.to_string();
@@ -359,6 +383,11 @@ impl PytorchSide {
         for (flag, value) in [("--kv-heads", a.kv_heads), ("--ffn-dim", a.ffn_dim)] {
             if let Some(v) = value {
                 command.args([flag, &n(v)]);
+            }
+        }
+        for (flag, on) in [("--compile", compile), ("--checkpoint", a.checkpoint)] {
+            if on {
+                command.arg(flag);
             }
         }
         let mut child = command
@@ -389,11 +418,17 @@ impl Side for PytorchSide {
         #[derive(Deserialize)]
         struct Answer {
             seconds: f64,
+            loss: f64,
             peak_rss_bytes: u64,
             peak_device_bytes: Option<u64>,
         }
         let a: Answer = self.ask(&steps.to_string())?;
-        Ok(Block { seconds: a.seconds, peak_rss_bytes: a.peak_rss_bytes, peak_device_bytes: a.peak_device_bytes })
+        Ok(Block {
+            seconds: a.seconds,
+            loss: a.loss,
+            peak_rss_bytes: a.peak_rss_bytes,
+            peak_device_bytes: a.peak_device_bytes,
+        })
     }
 
     fn inspect_step(&mut self) -> Result<Inspection> {
@@ -472,15 +507,18 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
     tch::set_num_threads(a.threads);
-    tch::manual_seed(0);
+    // Every Strata side starts from the same weights and batches, whichever ran before it.
     let strata = |fp8, graph| -> Result<Box<dyn Side>> {
+        tch::manual_seed(0);
         Ok(Box::new(StrataSide::new(&model, a.batch_size, device, &strata_strategy(a, fp8), graph)?))
     };
+    let pytorch = |compile| -> Result<Box<dyn Side>> { Ok(Box::new(PytorchSide::start(a, compile)?)) };
     type Start<'a> = Box<dyn Fn() -> Result<Box<dyn Side>> + 'a>;
-    let mut starts: Vec<(&str, Start)> = vec![
-        ("pytorch eager", Box::new(|| Ok(Box::new(PytorchSide::start(a)?) as Box<dyn Side>))),
-        ("strata", Box::new(|| strata(false, false))),
-    ];
+    let mut starts: Vec<(&str, Start)> =
+        vec![("pytorch eager", Box::new(|| pytorch(false))), ("strata", Box::new(|| strata(false, false)))];
+    if a.compile {
+        starts.push((COMPILE_SIDE, Box::new(|| pytorch(true))));
+    }
     if a.fp8 {
         starts.push((FP8_SIDE, Box::new(|| strata(true, false))));
     }
@@ -563,6 +601,7 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
                 side,
                 tokens_per_s,
                 step_ms: 1000.0 * seconds / steps as f64,
+                final_loss: blocks.last().map(|b| b.loss),
                 mfu: peak_tflops.map(|peak| tokens_per_s * flops_per_token / (peak * 1e12)),
                 peak_rss_bytes: blocks.iter().map(|b| b.peak_rss_bytes).max().unwrap_or(0),
                 peak_device_bytes: blocks.iter().filter_map(|b| b.peak_device_bytes).max(),
@@ -577,6 +616,9 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
     let against_strata =
         |name: &str| measured.iter().find(|m| m.side == name).map(|m| m.tokens_per_s / measured[1].tokens_per_s);
     let (fp8_ratio, graph_ratio) = (against_strata(FP8_SIDE), against_strata(GRAPH_SIDE));
+    let compile_ratio = against_strata(COMPILE_SIDE).map(|r| 1.0 / r);
+    let final_loss = |name: &str| measured.iter().find(|m| m.side == name).and_then(|m| m.final_loss);
+    let fp8_loss_ratio = final_loss(FP8_SIDE).zip(final_loss("strata")).map(|(fp8, bf16)| fp8 / bf16);
     Ok(Report {
         model: a.model,
         config: serde_json::to_value(&model)?,
@@ -593,12 +635,16 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
         ratio,
         fp8_ratio,
         graph_ratio,
+        compile_ratio,
+        fp8_loss_ratio,
+        trained_steps: a.warmup + steps,
     })
 }
 
 /// The names of the sides beside PyTorch's and Strata's plain one.
 const FP8_SIDE: &str = "strata fp8";
 const GRAPH_SIDE: &str = "strata graph";
+const COMPILE_SIDE: &str = "pytorch compile";
 
 /// Prints `report` as a small table.
 pub fn print(report: &Report, block: u64) {
@@ -624,14 +670,14 @@ pub fn print(report: &Report, block: u64) {
         println!("MFU: {:.2} GFLOP per token over a dense peak of {peak:.0} TFLOP/s", report.flops_per_token / 1e9);
     }
     println!(
-        "{:<14} {:>11} {:>9} {:>6} {:>15} {:>13} {:>11}",
-        "", "tokens/s", "ms/step", "MFU %", "peak device MiB", "peak RSS MiB", "syncs/step"
+        "{:<15} {:>11} {:>9} {:>6} {:>15} {:>13} {:>11} {:>10}",
+        "", "tokens/s", "ms/step", "MFU %", "peak device MiB", "peak RSS MiB", "syncs/step", "last loss"
     );
     let mib = |b: u64| b as f64 / 1048576.0;
     for m in &report.sides {
         let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
         println!(
-            "{:<14} {:>11.0} {:>9.1} {:>6} {:>15} {:>13.1} {:>11}",
+            "{:<15} {:>11.0} {:>9.1} {:>6} {:>15} {:>13.1} {:>11} {:>10}",
             m.side,
             m.tokens_per_s,
             m.step_ms,
@@ -639,6 +685,7 @@ pub fn print(report: &Report, block: u64) {
             or_dash(m.peak_device_bytes.map(|b| format!("{:.0}", mib(b)))),
             mib(m.peak_rss_bytes),
             or_dash(m.syncs_per_step.map(|n| n.to_string())),
+            or_dash(m.final_loss.map(|l| format!("{l:.4}"))),
         );
         for (site, n) in &m.sync_sites {
             println!("{:<14}   {n} sync at {site}", "");
@@ -664,8 +711,14 @@ pub fn print(report: &Report, block: u64) {
     if let Some(r) = report.fp8_ratio {
         println!("{FP8_SIDE} / strata tokens/s: {r:.3}");
     }
+    if let Some(r) = report.fp8_loss_ratio {
+        println!("{FP8_SIDE} / strata loss after {} steps: {r:.4}", report.trained_steps);
+    }
     if let Some(r) = report.graph_ratio {
         println!("{GRAPH_SIDE} / strata tokens/s: {r:.3}");
+    }
+    if let Some(r) = report.compile_ratio {
+        println!("strata / {COMPILE_SIDE} tokens/s: {r:.3}");
     }
 }
 

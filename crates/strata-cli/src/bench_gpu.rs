@@ -1,8 +1,10 @@
 //! `strata bench gpu`: `strata bench train` on one GPU for the two models a user moving to a
 //! GPU would try first, in bf16 autocast with fused attention and Strata's kernels, at the
 //! shapes of the published anchors: GPT-2 small (124M) at 64 × 1024 tokens per step (llm.c's)
-//! and a LLaMA of 1.1B parameters at 8 × 2048 (TinyLlama's), the latter also with fp8
-//! linears; and matrix products in bf16 against fp8 at square and at layer shapes.
+//! and a LLaMA of 1.1B parameters at 8 × 2048 (TinyLlama's), each against PyTorch eager and
+//! under `torch.compile`; a slice of an 8B-shaped LLaMA (a few blocks at full width) in bf16
+//! against fp8 linears, their speed and their loss after the same steps; and matrix products
+//! in bf16 against fp8 at square and at layer shapes.
 use crate::bench::{self, Amp, BenchModel, BenchTrainArgs, Report};
 use crate::bench_runs::GptShape;
 use anyhow::{bail, Context, Result};
@@ -25,17 +27,26 @@ pub struct BenchGpuArgs {
     /// Sequences per step of the LLaMA (2048 tokens each).
     #[arg(long, default_value_t = 8)]
     llama_batch_size: i64,
-    /// Strata's LLaMA sides keep every activation instead of recomputing each block's: the
-    /// recomputation leaves room for the three sides (PyTorch, Strata bf16 and Strata fp8)
-    /// on one GPU at once.
+    /// Every side of the 1.1B LLaMA recomputes each block's activations (by default none
+    /// does): room for its sides on one GPU at once.
     #[arg(long)]
-    llama_without_checkpoint: bool,
+    llama_checkpoint: bool,
+    /// Blocks of the 8B-shaped LLaMA slice (width 4096, 32 heads, 8 key/value heads,
+    /// feed-forward 14336), trained at 16 × 2048 tokens per step.
+    #[arg(long, default_value_t = 4)]
+    slice_layers: i64,
+    /// Training steps of each side of the slice (its last loss compares fp8 with bf16).
+    #[arg(long, default_value_t = 50)]
+    slice_steps: u64,
+    /// Leave out the `torch.compile` sides.
+    #[arg(long)]
+    no_compile: bool,
     /// Each side of each model alone on the GPU (`bench train --one-side-at-a-time`): for
     /// a GPU that cannot hold PyTorch's side beside Strata's (an 80 GB H100 at GPT-2's
     /// 64 × 1024 tokens, where PyTorch's alone peaks near 67 GB).
     #[arg(long)]
     one_side_at_a_time: bool,
-    /// Leave out the fp8 side of the LLaMA and the fp8 products.
+    /// Leave out the 8B-shaped slice (bf16 against fp8) and the fp8 products.
     #[arg(long)]
     no_fp8: bool,
     /// A side of GPT-2 replaying Strata's step as a CUDA graph (the LLaMA's sides fill the
@@ -70,23 +81,71 @@ pub struct BenchGpuArgs {
     kernel_trace: Option<PathBuf>,
 }
 
+/// The models measured, each with its own sides.
+#[derive(Clone, Copy, PartialEq)]
+enum Workload {
+    /// GPT-2 small, its vocabulary padded to a multiple of 64.
+    Gpt2,
+    /// TinyLlama's shape (1.1B): 22 blocks of width 2048, head size 128, 4 key/value heads,
+    /// LLaMA-2's vocabulary.
+    Llama1b,
+    /// Llama 3 8B's blocks (width 4096, head size 128, 8 key/value heads, feed-forward
+    /// 14336), a few of them, under LLaMA-2's vocabulary: where fp8 products pay.
+    Llama8bSlice,
+}
+
+impl Workload {
+    fn all(a: &BenchGpuArgs) -> Vec<Workload> {
+        let mut all = vec![Workload::Gpt2, Workload::Llama1b];
+        if !a.no_fp8 {
+            all.push(Workload::Llama8bSlice);
+        }
+        all
+    }
+
+    /// The folder of its kernel traces.
+    fn name(self) -> &'static str {
+        match self {
+            Workload::Gpt2 => "gpt2",
+            Workload::Llama1b => "llama-1.1b",
+            Workload::Llama8bSlice => "llama-8b-slice",
+        }
+    }
+}
+
 impl BenchGpuArgs {
-    fn train_args(&self, model: BenchModel) -> BenchTrainArgs {
-        let (shape, vocab, batch_size, kv_heads, ffn_dim, fp8) = match model {
-            // GPT-2 small, its vocabulary padded to a multiple of 64.
-            BenchModel::Gpt => {
-                (GptShape { layers: 12, heads: 12, dim: 768, ctx: 1024 }, 50304, self.gpt_batch_size, None, None, false)
-            }
-            // TinyLlama's shape (1.1B): 22 blocks of width 2048, head size 128, 4 key/value
-            // heads, LLaMA-2's vocabulary.
-            BenchModel::Llama => (
+    fn train_args(&self, workload: Workload) -> BenchTrainArgs {
+        let (shape, model, vocab, batch_size, kv_heads, ffn_dim) = match workload {
+            Workload::Gpt2 => (
+                GptShape { layers: 12, heads: 12, dim: 768, ctx: 1024 },
+                BenchModel::Gpt,
+                50304,
+                self.gpt_batch_size,
+                None,
+                None,
+            ),
+            Workload::Llama1b => (
                 GptShape { layers: 22, heads: 16, dim: 2048, ctx: 2048 },
+                BenchModel::Llama,
                 32000,
                 self.llama_batch_size,
                 Some(4),
                 Some(5632),
-                !self.no_fp8,
             ),
+            Workload::Llama8bSlice => (
+                GptShape { layers: self.slice_layers, heads: 32, dim: 4096, ctx: 2048 },
+                BenchModel::Llama,
+                32000,
+                16,
+                Some(8),
+                Some(14336),
+            ),
+        };
+        let slice = workload == Workload::Llama8bSlice;
+        // The slice's sides train `slice_steps` steps in all, in blocks of 5.
+        let (warmup, block, rounds) = match slice {
+            true => (5, 5, self.slice_steps.saturating_sub(5).div_ceil(5).max(1)),
+            false => (self.warmup, self.block, self.rounds),
         };
         BenchTrainArgs {
             shape,
@@ -98,14 +157,15 @@ impl BenchGpuArgs {
             threads: 4,
             device: self.device.clone(),
             amp: Amp::Bf16,
-            fp8,
-            cuda_graph: self.cuda_graph && model == BenchModel::Gpt,
-            checkpoint: model == BenchModel::Llama && !self.llama_without_checkpoint,
+            fp8: slice,
+            cuda_graph: self.cuda_graph && workload == Workload::Gpt2,
+            checkpoint: workload == Workload::Llama1b && self.llama_checkpoint,
+            compile: !self.no_compile && !slice,
             one_side_at_a_time: self.one_side_at_a_time,
             peak_tflops: self.peak_tflops,
-            rounds: self.rounds,
-            block: self.block,
-            warmup: self.warmup,
+            rounds,
+            block,
+            warmup,
             python: self.python.clone(),
             json: self.json,
             kernel_trace: None,
@@ -133,10 +193,52 @@ struct GemmRow {
     fp8_rowwise: f64,
 }
 
+/// One forward and backward of a sparse layer's experts (SwiGLU: gate, up, down), every
+/// token slot through its expert, by a product per expert against one grouped product per
+/// weight.
+#[derive(Serialize)]
+struct ExpertRow {
+    experts: i64,
+    dim: i64,
+    hidden: i64,
+    /// Token slots (tokens × experts chosen per token).
+    slots: i64,
+    loop_ms: f64,
+    grouped_ms: f64,
+    /// TFLOP/s of the grouped products (6 products of slots × dim × hidden, each counted 3
+    /// times: forward, and both gradients).
+    grouped_tflops: f64,
+    /// The largest difference between the two sides' outputs and weight gradients, each
+    /// relative to its largest magnitude.
+    max_relative_difference: f64,
+}
+
+/// Causal attention of one shape, forward and backward, in bf16: libtorch's fused kernel
+/// and Strata's on plain causal attention, then Strata's kernel and the composite with the
+/// shape's window, cap or sinks.
+#[derive(Serialize)]
+struct AttentionRow {
+    shape: String,
+    batch: i64,
+    heads: i64,
+    kv_heads: i64,
+    ctx: i64,
+    head_dim: i64,
+    window: Option<i64>,
+    softcap: Option<f64>,
+    sinks: bool,
+    libtorch_fused_ms: f64,
+    strata_plain_ms: f64,
+    strata_ms: f64,
+    composite_ms: f64,
+}
+
 #[derive(Serialize)]
 struct GpuReport {
     models: Vec<Report>,
     gemm: Vec<GemmRow>,
+    experts: Vec<ExpertRow>,
+    attention: Vec<AttentionRow>,
 }
 
 /// TFLOP/s of `f`, an m×k×n product, over 20 calls after 3 warm-up calls.
@@ -191,25 +293,178 @@ fn gemm_table(device: Device) -> Result<Vec<GemmRow>> {
     Ok(rows)
 }
 
+/// Milliseconds per call of `f` over 10 calls after 2 warm-up calls.
+fn milliseconds(device: Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let Device::Cuda(index) = device else { bail!("the experts are measured on a GPU") };
+    for _ in 0..2 {
+        f()?;
+    }
+    tch::Cuda::synchronize(index as i64);
+    let start = Instant::now();
+    for _ in 0..10 {
+        f()?;
+    }
+    tch::Cuda::synchronize(index as i64);
+    Ok(start.elapsed().as_secs_f64() * 100.0)
+}
+
+/// A sparse layer's experts at Qwen3-30B-A3B's shapes (128 experts of hidden size 768 over
+/// width 2048, 8 chosen per token) and Mixtral 8×7B's (8 of 14336 over 4096, 2 chosen), at
+/// 8 × 2048 tokens routed at random: a product per expert against grouped products.
+fn expert_table(device: Device) -> Result<Vec<ExpertRow>> {
+    use strata::model::layers::{grouped_linear, linear, swiglu};
+    let mut rows = Vec::new();
+    for (experts, dim, hidden, top_k) in [(128, 2048, 768, 8), (8, 4096, 14336, 2)] {
+        let tokens = 8 * 2048;
+        let slots = tokens * top_k;
+        // Slots per expert from random choices, as a router spreads them.
+        let chosen = Tensor::f_randint(experts, [slots], (Kind::Int64, device))?;
+        let counts: Vec<i64> = Vec::try_from(chosen.f_bincount::<Tensor>(None, experts)?.f_to_device(Device::Cpu)?)?;
+        let x = Tensor::f_randn([slots, dim], (Kind::BFloat16, device))?.f_mul_scalar(0.5)?;
+        let weight = |out: i64, inp: i64| -> Result<Vec<Tensor>> {
+            (0..experts)
+                .map(|_| {
+                    Ok(Tensor::f_randn([out, inp], (Kind::BFloat16, device))?
+                        .f_mul_scalar(0.02)?
+                        .set_requires_grad(true))
+                })
+                .collect()
+        };
+        let (gate, up, down) = (weight(hidden, dim)?, weight(hidden, dim)?, weight(dim, hidden)?);
+        let looped = || -> Result<Tensor> {
+            let mut outs = Vec::new();
+            let mut start = 0;
+            for (j, &count) in counts.iter().enumerate() {
+                let rows = x.f_narrow(0, start, count)?;
+                let h = swiglu(&linear(&rows, &gate[j], None)?, &linear(&rows, &up[j], None)?)?;
+                outs.push(linear(&h, &down[j], None)?);
+                start += count;
+            }
+            Ok(Tensor::f_cat(&outs, 0)?)
+        };
+        let grouped = || -> Result<Tensor> {
+            let product = |x: &Tensor, w: &[Tensor]| {
+                let weights: Vec<&Tensor> = w.iter().collect();
+                grouped_linear(x, &weights, &counts)?.context("the grouped product does not serve bf16 on this GPU")
+            };
+            let h = swiglu(&product(&x, &gate)?, &product(&x, &up)?)?;
+            product(&h, &down)
+        };
+        let params: Vec<&Tensor> = gate.iter().chain(&up).chain(&down).collect();
+        let step = |f: &dyn Fn() -> Result<Tensor>| -> Result<(Tensor, Vec<Tensor>)> {
+            for w in &params {
+                let mut grad = w.grad();
+                if grad.defined() {
+                    let _ = grad.f_zero_()?;
+                }
+            }
+            let out = f()?;
+            out.f_sum(Kind::Float)?.f_backward()?;
+            Ok((out, params.iter().map(|w| w.grad().copy()).collect()))
+        };
+        let loop_ms = milliseconds(device, || step(&looped).map(|_| ()))?;
+        let grouped_ms = milliseconds(device, || step(&grouped).map(|_| ()))?;
+        let ((a, ga), (b, gb)) = (step(&looped)?, step(&grouped)?);
+        let relative = |a: &Tensor, b: &Tensor| -> Result<f64> {
+            let scale = a.f_abs()?.f_max()?.f_double_value(&[])?.max(1e-30);
+            Ok(a.f_sub(b)?.f_abs()?.f_max()?.f_double_value(&[])? / scale)
+        };
+        let mut max_relative_difference = relative(&a, &b)?;
+        for (a, b) in ga.iter().zip(&gb) {
+            // An expert without slots has a zero gradient on both sides.
+            if a.f_abs()?.f_max()?.f_double_value(&[])? > 0.0 {
+                max_relative_difference = max_relative_difference.max(relative(a, b)?);
+            }
+        }
+        let flops = 3.0 * 3.0 * 2.0 * (slots * dim * hidden) as f64;
+        rows.push(ExpertRow {
+            experts,
+            dim,
+            hidden,
+            slots,
+            loop_ms,
+            grouped_ms,
+            grouped_tflops: flops / (grouped_ms / 1e3) / 1e12,
+            max_relative_difference,
+        });
+    }
+    Ok(rows)
+}
+
+/// Attention at Mistral 7B's shape (its 4096-position window over 8192), gpt-oss's (a
+/// 128-position window and sinks, head width 64) and a soft-capped one (Gemma 2's cap of 50
+/// at head width 128).
+fn attention_table(device: Device) -> Result<Vec<AttentionRow>> {
+    use strata::model::layers::{attention, AttentionOptions, ScoreTerms};
+    type Shape = (&'static str, [i64; 5], Option<i64>, Option<f64>, bool);
+    let shapes: [Shape; 3] = [
+        ("Mistral 7B", [1, 32, 8, 8192, 128], Some(4096), None, false),
+        ("gpt-oss", [2, 64, 8, 4096, 64], Some(128), None, true),
+        ("soft-capped", [2, 16, 8, 4096, 128], None, Some(50.0), false),
+    ];
+    let mut rows = Vec::new();
+    for (shape, [batch, heads, kv_heads, ctx, head_dim], window, softcap, with_sinks) in shapes {
+        let draw = |h: i64| -> Result<Tensor> {
+            Ok(Tensor::f_randn([batch, h, ctx, head_dim], (Kind::BFloat16, device))?.set_requires_grad(true))
+        };
+        let (q, k, v) = (draw(heads)?, draw(kv_heads)?, draw(kv_heads)?);
+        let sinks = Tensor::f_randn([heads], (Kind::Float, device))?.set_requires_grad(true);
+        let sinks = with_sinks.then_some(&sinks);
+        let seed = Tensor::f_randn([batch, heads, ctx, head_dim], (Kind::BFloat16, device))?;
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        let both_ways = |out: Tensor| -> Result<()> { Ok(out.f_mul(&seed)?.f_sum(Kind::Float)?.f_backward()?) };
+        let own = |window, softcap, sinks| -> Result<Tensor> {
+            strata_ext::kernels::attention(&q, &k, &v, sinks, scale, softcap, window)?
+                .context("Strata's attention kernel does not serve this GPU")
+        };
+        let libtorch_fused_ms = milliseconds(device, || {
+            both_ways(Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, scale, true)?)
+        })?;
+        let strata_plain_ms = milliseconds(device, || both_ways(own(None, None, None)?))?;
+        let strata_ms = milliseconds(device, || both_ways(own(window, softcap, sinks)?))?;
+        let (kr, vr) = (
+            k.f_repeat_interleave_self_int(heads / kv_heads, 1, None)?,
+            v.f_repeat_interleave_self_int(heads / kv_heads, 1, None)?,
+        );
+        let options = AttentionOptions { scale: Some(scale), window, softcap, bidirectional: false };
+        let terms = ScoreTerms { bias: None, sinks };
+        let composite_ms = milliseconds(device, || both_ways(attention(&q, &kr, &vr, &options, None, terms, None)?))?;
+        rows.push(AttentionRow {
+            shape: shape.into(),
+            batch,
+            heads,
+            kv_heads,
+            ctx,
+            head_dim,
+            window,
+            softcap,
+            sinks: with_sinks,
+            libtorch_fused_ms,
+            strata_plain_ms,
+            strata_ms,
+            composite_ms,
+        });
+    }
+    Ok(rows)
+}
+
 /// The device time per kernel of one step of each of `model`'s sides, traced into
 /// `dir/<model>/` by sides started afresh and warmed up.
-fn trace_kernels(a: &BenchGpuArgs, model: BenchModel, dir: &std::path::Path) -> Result<Vec<BTreeMap<String, f64>>> {
+fn trace_kernels(a: &BenchGpuArgs, workload: Workload, dir: &std::path::Path) -> Result<Vec<BTreeMap<String, f64>>> {
     // One timed block of one step, its time left out.
-    let args = BenchTrainArgs {
-        rounds: 1,
-        block: 1,
-        kernel_trace: Some(dir.join(format!("{model:?}").to_lowercase())),
-        ..a.train_args(model)
-    };
+    let args =
+        BenchTrainArgs { rounds: 1, block: 1, kernel_trace: Some(dir.join(workload.name())), ..a.train_args(workload) };
     Ok(bench::measure(&args)?.sides.into_iter().map(|m| m.kernels_ms).collect())
 }
 
 pub fn run(a: BenchGpuArgs) -> Result<()> {
+    let workloads = Workload::all(&a);
     let mut reports: Vec<Report> = Vec::new();
-    for model in [BenchModel::Gpt, BenchModel::Llama] {
-        let report = bench::measure(&a.train_args(model))?;
+    for &workload in &workloads {
+        let args = a.train_args(workload);
+        let report = bench::measure(&args)?;
         if !a.json {
-            bench::print(&report, a.block);
+            bench::print(&report, args.block);
             println!();
         }
         reports.push(report);
@@ -230,19 +485,85 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
             );
         }
     }
+    let experts = expert_table(device)?;
+    if !a.json {
+        println!("\nExperts (SwiGLU), forward and backward, a product per expert against grouped products");
+        println!(
+            "{:>8} {:>6} {:>7} {:>8} {:>9} {:>11} {:>8} {:>15} {:>15}",
+            "experts",
+            "dim",
+            "hidden",
+            "slots",
+            "loop ms",
+            "grouped ms",
+            "speedup",
+            "grouped TFLOP/s",
+            "max rel. diff."
+        );
+        for r in &experts {
+            println!(
+                "{:>8} {:>6} {:>7} {:>8} {:>9.2} {:>11.2} {:>8.2} {:>15.0} {:>15.2e}",
+                r.experts,
+                r.dim,
+                r.hidden,
+                r.slots,
+                r.loop_ms,
+                r.grouped_ms,
+                r.loop_ms / r.grouped_ms,
+                r.grouped_tflops,
+                r.max_relative_difference
+            );
+        }
+    }
+    let attention = attention_table(device)?;
+    if !a.json {
+        println!(
+            "\nCausal attention in bf16, forward and backward, ms (the shape's window, cap or sinks in the last two)"
+        );
+        println!(
+            "{:<12} {:>22} {:>8} {:>7} {:>6} {:>15} {:>13} {:>12} {:>10} {:>15}",
+            "shape",
+            "B×H/KV×T×D",
+            "window",
+            "cap",
+            "sinks",
+            "libtorch fused",
+            "strata plain",
+            "strata own",
+            "composite",
+            "plain/libtorch"
+        );
+        for r in &attention {
+            let dims = format!("{}×{}/{}×{}×{}", r.batch, r.heads, r.kv_heads, r.ctx, r.head_dim);
+            let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+            println!(
+                "{:<12} {:>22} {:>8} {:>7} {:>6} {:>15.2} {:>13.2} {:>12.2} {:>10.2} {:>15.2}",
+                r.shape,
+                dims,
+                or_dash(r.window.map(|w| w.to_string())),
+                or_dash(r.softcap.map(|c| c.to_string())),
+                r.sinks,
+                r.libtorch_fused_ms,
+                r.strata_plain_ms,
+                r.strata_ms,
+                r.composite_ms,
+                r.strata_plain_ms / r.libtorch_fused_ms
+            );
+        }
+    }
     if let Some(dir) = &a.kernel_trace {
-        for report in &mut reports {
-            let traced = trace_kernels(&a, report.model, dir)?;
+        for (report, &workload) in reports.iter_mut().zip(&workloads) {
+            let traced = trace_kernels(&a, workload, dir)?;
             for (side, kernels) in report.sides.iter_mut().zip(traced) {
                 side.kernels_ms = kernels;
             }
             if !a.json {
-                println!("\n{:?}, one step traced", report.model);
+                println!("\n{}, one step traced", workload.name());
                 bench::print_kernels(&report.sides, bench::TracedTime::Device);
             }
         }
     }
-    let json = serde_json::to_string_pretty(&GpuReport { models: reports, gemm })?;
+    let json = serde_json::to_string_pretty(&GpuReport { models: reports, gemm, experts, attention })?;
     if a.json {
         println!("{json}");
     }

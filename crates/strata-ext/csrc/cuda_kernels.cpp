@@ -368,6 +368,382 @@ extern "C" __global__ void add_norm_backward(const TY* gy, const TS* gs, const T
 }
 )";
 
+const char* kAttention = R"(
+// Fused attention (sm_80 and later: bf16/fp16 tensor-core products through `mma.sync`,
+// m16n8k16, fp32 accumulation) for what libtorch's fused kernels decline: causal attention
+// within a sliding window, soft-capped scores and per-head sink logits, with grouped-query
+// heads. HD (the head width, 64 or 128) is bound at compile time. Queries, keys and values
+// are read through their `[B, H, T, D]` strides (unit stride along D, the rest multiples of
+// 8 elements); the output is written `[B, T, H, D]`. Each block of 128 threads (4 warps)
+// takes 64 queries of one head forward and 64 keys of one key/value head backward; scores
+// stay in fp32 registers, and the softmax is taken online, FlashAttention-2's way, its
+// log-sum-exp (the sink included) kept for backward and for merging partial attentions.
+#define BQ 64
+#define BK 64
+#define KSTEPS (HD / 16)
+#define DTILES (HD / 8)
+#define PAD 8
+
+// Two values of a row as the one 32-bit register an mma operand takes.
+__device__ __forceinline__ unsigned pair_at(const TX* p) { return *(const unsigned*)p; }
+__device__ __forceinline__ unsigned pack(float lo, float hi) {
+  Pack<TX, 2> v;
+  v.v[0] = from_f<TX>(lo);
+  v.v[1] = from_f<TX>(hi);
+  return *(unsigned*)&v;
+}
+
+template <class T> struct Mma;
+template <> struct Mma<bf16> {
+  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Mma<f16> {
+  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+// c (16 × 8, fp32) += a (16 × 16) · b (16 × 8). In each lane (g = lane / 4, t = lane % 4):
+// a holds rows g and g + 8 at columns 2t, 2t + 1 and 2t + 8, 2t + 9; b holds column g at
+// rows 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1); c holds rows g (c0, c1) and g + 8 (c2, c3)
+// at columns 2t, 2t + 1.
+__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) { Mma<TX>::run(c, a, b0, b1); }
+
+// The A operand of rows `row`, `row + 8` and columns `col`.. of a row-major tile (`stride`
+// elements per row), `col` = 16·step + 2t.
+__device__ __forceinline__ void a_from(unsigned* a, const TX* tile, int stride, int row, int col) {
+  a[0] = pair_at(tile + row * stride + col);
+  a[1] = pair_at(tile + (row + 8) * stride + col);
+  a[2] = pair_at(tile + row * stride + col + 8);
+  a[3] = pair_at(tile + (row + 8) * stride + col + 8);
+}
+
+// The A operand (16 rows × 16 columns) from two accumulators side by side (columns 16j..).
+__device__ __forceinline__ void a_from_acc(unsigned* a, const float* left, const float* right) {
+  a[0] = pack(left[0], left[1]);
+  a[1] = pack(left[2], left[3]);
+  a[2] = pack(right[0], right[1]);
+  a[3] = pack(right[2], right[3]);
+}
+
+struct Mask {
+  int t, window;
+  // Whether query `q` sees key `k`: both real positions, causal, within the window.
+  __device__ __forceinline__ bool sees(int q, int k) const {
+    return q < t && k < t && k <= q && (window <= 0 || q - k < window);
+  }
+};
+
+// The score of a raw product `x`: scaled, then soft-capped where `cap` > 0; `slope` gets the
+// cap's derivative (1 − tanh²).
+__device__ __forceinline__ float score(float x, float scale, float cap, float* slope) {
+  x *= scale;
+  if (cap > 0.f) {
+    float th = tanhf(x / cap);
+    *slope = 1.f - th * th;
+    return cap * th;
+  }
+  *slope = 1.f;
+  return x;
+}
+
+// Rows `first`.. (`rows` of them, HD wide) of `src` (row `r` at `src + r·stride`, rows at
+// or past `limit` read as zeros) into `dst` (row-major, HD + PAD per row) and `dst_t` (its
+// transpose, HD rows of `rows + PAD`: an operand along the rows reads two neighbouring rows
+// at once), each where given, 16 bytes per read.
+__device__ __forceinline__ void load_tile(TX* dst, TX* dst_t, const TX* src, i64 stride, int first, int limit,
+                                          int rows) {
+  typedef Pack<TX, 8> P8;
+  for (int i = threadIdx.x; i < rows * (HD / 8); i += blockDim.x) {
+    const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+    P8 v;
+    if (first + r < limit) {
+      v = *(const P8*)(src + (i64)(first + r) * stride + c);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v.v[j] = from_f<TX>(0.f);
+    }
+    if (dst) *(P8*)(dst + r * (HD + PAD) + c) = v;
+    if (dst_t) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dst_t[(c + j) * (rows + PAD) + r] = v.v[j];
+    }
+  }
+}
+
+// Forward: grid (query blocks, heads, batch). `lse` [B, H, T]; `sinks` [H] fp32 or null.
+extern "C" __global__ void __launch_bounds__(128) attention_forward(
+    const TX* q, const TX* k, const TX* v, TX* o, float* lse, const float* sinks, int t, int heads, int kv_heads,
+    i64 qb, i64 qh, i64 qt, i64 kb, i64 kh, i64 kt, i64 vb, i64 vh, i64 vt, float scale, float cap, int window) {
+  __shared__ __align__(16) TX ks[BK * (HD + PAD)];
+  __shared__ __align__(16) TX vs_t[HD * (BK + PAD)];
+  const int h = blockIdx.y, b = blockIdx.z, kvh = h / (heads / kv_heads);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int q0 = blockIdx.x * BQ, r0 = q0 + warp * 16 + g;
+  const Mask mask{t, window};
+  const TX* qp = q + b * qb + h * qh;
+  const TX* kp = k + b * kb + kvh * kh;
+  const TX* vp = v + b * vb + kvh * vh;
+  // This warp's 16 queries as A operands, one per step along D.
+  unsigned qa[KSTEPS][4];
+#pragma unroll
+  for (int s = 0; s < KSTEPS; ++s) {
+    const int c = s * 16 + tq * 2;
+    const bool in0 = r0 < t, in1 = r0 + 8 < t;
+    qa[s][0] = in0 ? pair_at(qp + r0 * qt + c) : 0u;
+    qa[s][1] = in1 ? pair_at(qp + (r0 + 8) * qt + c) : 0u;
+    qa[s][2] = in0 ? pair_at(qp + r0 * qt + c + 8) : 0u;
+    qa[s][3] = in1 ? pair_at(qp + (r0 + 8) * qt + c + 8) : 0u;
+  }
+  float acc[DTILES][4];
+#pragma unroll
+  for (int d = 0; d < DTILES; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
+  float m[2] = {-INF, -INF}, l[2] = {0.f, 0.f};
+  const int last = min(t, q0 + BQ);
+  const int first = window > 0 ? max(0, q0 - window + 1) / BK * BK : 0;
+  for (int k0 = first; k0 < last; k0 += BK) {
+    __syncthreads();
+    load_tile(ks, nullptr, kp, kt, k0, t, BK);
+    load_tile(nullptr, vs_t, vp, vt, k0, t, BK);
+    __syncthreads();
+    float s[BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+      for (int st = 0; st < KSTEPS; ++st) {
+        const TX* kr = ks + (n * 8 + g) * (HD + PAD) + st * 16 + tq * 2;
+        mma(s[n], qa[st], pair_at(kr), pair_at(kr + 8));
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = r0 + (e >> 1) * 8, key = k0 + n * 8 + tq * 2 + (e & 1);
+        float slope;
+        const float x = score(s[n][e], scale, cap, &slope);
+        s[n][e] = mask.sees(row, key) ? x : -INF;
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = -INF;
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][half * 2], s[n][half * 2 + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float top = fmaxf(m[half], mx);
+      // A row that has seen no key yet keeps zeros: no inf − inf.
+      const float base = top == -INF ? 0.f : top;
+      const float rescale = expf(m[half] - base);
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+        s[n][half * 2] = expf(s[n][half * 2] - base);
+        s[n][half * 2 + 1] = expf(s[n][half * 2 + 1] - base);
+        sum += s[n][half * 2] + s[n][half * 2 + 1];
+      }
+      l[half] = l[half] * rescale + sum;
+      m[half] = top;
+#pragma unroll
+      for (int d = 0; d < DTILES; ++d) {
+        acc[d][half * 2] *= rescale;
+        acc[d][half * 2 + 1] *= rescale;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < BK / 16; ++j) {
+      unsigned pa[4];
+      a_from_acc(pa, s[2 * j], s[2 * j + 1]);
+#pragma unroll
+      for (int d = 0; d < DTILES; ++d) {
+        const TX* vr = vs_t + (d * 8 + g) * (BK + PAD) + j * 16 + tq * 2;
+        mma(acc[d], pa, pair_at(vr), pair_at(vr + 8));
+      }
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = r0 + half * 8;
+    float total = l[half];
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    // The sink joins the softmax as one more logit attended to nothing.
+    const float sink = sinks ? sinks[h] : -INF;
+    const float top = fmaxf(m[half], sink);
+    const float kept = expf(m[half] - top);
+    const float denom = total * kept + (sinks ? expf(sink - top) : 0.f);
+    const float factor = kept / denom;
+    if (row < t) {
+      TX* out = o + (((i64)b * t + row) * heads + h) * HD;
+#pragma unroll
+      for (int d = 0; d < DTILES; ++d) {
+        *(unsigned*)(out + d * 8 + tq * 2) = pack(acc[d][half * 2] * factor, acc[d][half * 2 + 1] * factor);
+      }
+      if (tq == 0) lse[((i64)b * heads + h) * t + row] = top + logf(denom);
+    }
+  }
+}
+
+// Backward: grid (key blocks, key/value heads, batch), 128 threads, shared memory from the
+// launch. Each block takes 64 keys of one key/value head through every query head that
+// reads them and every block of 32 queries that sees them: dV and dK accumulate in
+// registers (each warp 16 keys), dQ is added in fp32 into `dq` ([B, T, H, D], zeroed).
+// `delta` [B, H, T]: each query's dO·O; `do_` [B, T, H, D] contiguous.
+#define BQB 32
+extern "C" __global__ void __launch_bounds__(128) attention_backward(
+    const TX* q, const TX* k, const TX* v, const TX* do_, const float* lse, const float* delta, float* dq, TX* dk,
+    TX* dv, int t, int heads, int kv_heads, i64 qb, i64 qh, i64 qt, i64 kb, i64 kh, i64 kt, i64 vb, i64 vh, i64 vt,
+    float scale, float cap, int window) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  TX* ks = (TX*)shared_bytes;                 // [BK][HD + PAD]
+  TX* vs = ks + BK * (HD + PAD);              // [BK][HD + PAD]
+  TX* ks_t = vs + BK * (HD + PAD);            // [HD][BK + PAD]
+  TX* qs = ks_t + HD * (BK + PAD);            // [BQB][HD + PAD]
+  TX* qs_t = qs + BQB * (HD + PAD);           // [HD][BQB + PAD]
+  TX* dos = qs_t + HD * (BQB + PAD);          // [BQB][HD + PAD]
+  TX* dos_t = dos + BQB * (HD + PAD);         // [HD][BQB + PAD]
+  TX* dss = dos_t + HD * (BQB + PAD);         // [BQB][BK + PAD]
+  float* lse_s = (float*)(dss + BQB * (BK + PAD));
+  float* delta_s = lse_s + BQB;
+  const int kvh = blockIdx.y, b = blockIdx.z, group = heads / kv_heads;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int k0 = blockIdx.x * BK, key_row = warp * 16 + g;
+  const Mask mask{t, window};
+  load_tile(ks, ks_t, k + b * kb + kvh * kh, kt, k0, t, BK);
+  load_tile(vs, nullptr, v + b * vb + kvh * vh, vt, k0, t, BK);
+  float dk_acc[DTILES][4], dv_acc[DTILES][4];
+#pragma unroll
+  for (int d = 0; d < DTILES; ++d) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
+  }
+  // Queries that see these keys: from the first key on, within the window of the last.
+  const int q_first = k0 / BQB * BQB;
+  const int q_end = window > 0 ? min(t, k0 + BK - 1 + window) : t;
+  for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+    const TX* qp = q + b * qb + h * qh;
+    const TX* dop = do_ + ((i64)b * t * heads + h) * HD;
+    for (int q0 = q_first; q0 < q_end; q0 += BQB) {
+      __syncthreads();
+      load_tile(qs, qs_t, qp, qt, q0, t, BQB);
+      load_tile(dos, dos_t, dop, (i64)heads * HD, q0, t, BQB);
+      for (int i = threadIdx.x; i < BQB; i += blockDim.x) {
+        const bool in = q0 + i < t;
+        lse_s[i] = in ? lse[((i64)b * heads + h) * t + q0 + i] : 0.f;
+        delta_s[i] = in ? delta[((i64)b * heads + h) * t + q0 + i] : 0.f;
+      }
+      __syncthreads();
+      // Sᵀ (this warp's 16 keys × 32 queries) = K Qᵀ, and dPᵀ = V dOᵀ.
+      float p[BQB / 8][4], dp[BQB / 8][4];
+#pragma unroll
+      for (int n = 0; n < BQB / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+        for (int st = 0; st < KSTEPS; ++st) {
+          unsigned a[4];
+          a_from(a, ks, HD + PAD, key_row, st * 16 + tq * 2);
+          const TX* qr = qs + (n * 8 + g) * (HD + PAD) + st * 16 + tq * 2;
+          mma(p[n], a, pair_at(qr), pair_at(qr + 8));
+          a_from(a, vs, HD + PAD, key_row, st * 16 + tq * 2);
+          const TX* dr = dos + (n * 8 + g) * (HD + PAD) + st * 16 + tq * 2;
+          mma(dp[n], a, pair_at(dr), pair_at(dr + 8));
+        }
+      }
+      // Pᵀ from the forward's log-sum-exp, and dSᵀ = Pᵀ ∘ (dPᵀ − δ) through the cap and the
+      // scale to the raw products.
+      float ds[BQB / 8][4];
+#pragma unroll
+      for (int n = 0; n < BQB / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + key_row + (e >> 1) * 8, ql = n * 8 + tq * 2 + (e & 1);
+          float slope;
+          const float x = score(p[n][e], scale, cap, &slope);
+          const float prob = mask.sees(q0 + ql, key) ? expf(x - lse_s[ql]) : 0.f;
+          p[n][e] = prob;
+          ds[n][e] = prob * (dp[n][e] - delta_s[ql]) * slope * scale;
+        }
+      }
+      // dV += Pᵀ dO and dK += dSᵀ Q, along the queries.
+#pragma unroll
+      for (int j = 0; j < BQB / 16; ++j) {
+        unsigned pa[4], sa[4];
+        a_from_acc(pa, p[2 * j], p[2 * j + 1]);
+        a_from_acc(sa, ds[2 * j], ds[2 * j + 1]);
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) {
+          const TX* dr = dos_t + (d * 8 + g) * (BQB + PAD) + j * 16 + tq * 2;
+          mma(dv_acc[d], pa, pair_at(dr), pair_at(dr + 8));
+          const TX* qr = qs_t + (d * 8 + g) * (BQB + PAD) + j * 16 + tq * 2;
+          mma(dk_acc[d], sa, pair_at(qr), pair_at(qr + 8));
+        }
+      }
+      // dS (queries × keys) to shared memory for dQ = dS K.
+#pragma unroll
+      for (int n = 0; n < BQB / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dss[(n * 8 + tq * 2 + (e & 1)) * (BK + PAD) + key_row + (e >> 1) * 8] = from_f<TX>(ds[n][e]);
+        }
+      }
+      __syncthreads();
+      // Each warp: 16 of the 32 queries, half of D.
+      {
+        const int qrow = (warp & 1) * 16 + g, d_first = (warp >> 1) * (DTILES / 2);
+        float dq_acc[DTILES / 2][4];
+#pragma unroll
+        for (int d = 0; d < DTILES / 2; ++d) dq_acc[d][0] = dq_acc[d][1] = dq_acc[d][2] = dq_acc[d][3] = 0.f;
+#pragma unroll
+        for (int j = 0; j < BK / 16; ++j) {
+          unsigned a[4];
+          a_from(a, dss, BK + PAD, qrow, j * 16 + tq * 2);
+#pragma unroll
+          for (int d = 0; d < DTILES / 2; ++d) {
+            const TX* kr = ks_t + ((d_first + d) * 8 + g) * (BK + PAD) + j * 16 + tq * 2;
+            mma(dq_acc[d], a, pair_at(kr), pair_at(kr + 8));
+          }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = q0 + qrow + half * 8;
+          if (row < t) {
+            float* out = dq + (((i64)b * t + row) * heads + h) * HD;
+#pragma unroll
+            for (int d = 0; d < DTILES / 2; ++d) {
+              atomicAdd(out + (d_first + d) * 8 + tq * 2, dq_acc[d][half * 2]);
+              atomicAdd(out + (d_first + d) * 8 + tq * 2 + 1, dq_acc[d][half * 2 + 1]);
+            }
+          }
+        }
+      }
+    }
+  }
+  // This block's keys' gradients, summed over every query head of the group.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = k0 + key_row + half * 8;
+    if (key < t) {
+      const i64 at = (((i64)b * t + key) * kv_heads + kvh) * HD;
+#pragma unroll
+      for (int d = 0; d < DTILES; ++d) {
+        *(unsigned*)(dk + at + d * 8 + tq * 2) = pack(dk_acc[d][half * 2], dk_acc[d][half * 2 + 1]);
+        *(unsigned*)(dv + at + d * 8 + tq * 2) = pack(dv_acc[d][half * 2], dv_acc[d][half * 2 + 1]);
+      }
+    }
+  }
+}
+)";
+
 // fp8 casts (sm_89 and later): x·scale saturated to the format's largest finite value, in
 // 64 × 64 tiles of 256 threads, each thread taking 4 consecutive elements of 4 rows, written
 // row-major and, where `qt` is given, transposed through shared memory (4 bytes per access
@@ -578,12 +954,12 @@ std::string device_arch(int device) {
 // The kernel `name` of `family` with `params` bound, for the current device: compiled and
 // loaded on first use, then cached for the process.
 cudaKernel_t kernel(const char* family, const std::vector<std::pair<const char*, at::ScalarType>>& params,
-                    const char* name) {
+                    const char* name, const std::string& defines = "") {
   static std::mutex lock;
   static std::unordered_map<std::string, cudaLibrary_t> libraries;
   static std::unordered_map<std::string, cudaKernel_t> kernels;
   const int device = c10::cuda::current_device();
-  const std::string types = bind(params);
+  const std::string types = bind(params) + defines;
   const std::string arch = device_arch(device);
   const std::string library_key = arch + "\n" + std::to_string(reinterpret_cast<uintptr_t>(family)) + "\n" + types;
   const std::string kernel_key = library_key + name;
@@ -606,6 +982,17 @@ cudaKernel_t kernel(const char* family, const std::vector<std::pair<const char*,
 void launch(cudaKernel_t k, dim3 grid, dim3 block, std::vector<void*> args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, block, args.data(), 0,
+                              at::cuda::getCurrentCUDAStream()));
+}
+
+// Launches `k` with `shared` bytes of dynamic shared memory, past the default 48 KiB where
+// the device allows.
+void launch(cudaKernel_t k, dim3 grid, dim3 block, size_t shared, std::vector<void*> args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  const int device = c10::cuda::current_device();
+  CUDA_CHECK(cudaKernelSetAttributeForDevice(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared),
+                                             device));
+  CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, block, args.data(), shared,
                               at::cuda::getCurrentCUDAStream()));
 }
 
@@ -1086,12 +1473,120 @@ bool linear_weight_grad(const Tensor& g, const Tensor& x, const Tensor& dw, cons
   return true;
 }
 
+// The head widths the attention kernels are compiled for, as the define that binds one.
+std::string head_width(int64_t d) { return "#define HD " + std::to_string(d) + "\n"; }
+
+// `x` (`[B, H, T, D]`) as the attention kernels read it in place: unit stride along D, the
+// other strides multiples of 8 elements, a 16-byte aligned start; a contiguous copy where not.
+Tensor readable(const Tensor& x) {
+  const bool in_place = x.stride(3) == 1 && x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 && x.stride(2) % 8 == 0 &&
+                        aligned({&x}, 16);
+  return in_place ? x : x.contiguous();
+}
+
+constexpr int kAttentionThreads = 128, kAttentionKeys = 64, kAttentionQueries = 64, kBackwardQueries = 32;
+constexpr int kPad = 8;
+
+// Shared memory of the backward for head width `d` (see attention_backward's layout).
+size_t backward_shared_bytes(int64_t d, size_t element) {
+  const int64_t k = kAttentionKeys, q = kBackwardQueries, row = d + kPad;
+  const int64_t elements = 2 * k * row + d * (k + kPad) + 2 * (q * row + d * (q + kPad)) + q * (k + kPad);
+  return static_cast<size_t>(elements) * element + 2 * q * sizeof(float);
+}
+
+struct Attention : public torch::autograd::Function<Attention> {
+  // `sinks`: `[H]`, or empty for none; `cap` ≤ 0: no soft-capping; `window` ≤ 0: none.
+  static Tensor forward(AutogradContext* ctx, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                        const Tensor& sinks, double scale, double cap, int64_t window) {
+    Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in);
+    const int64_t batch = q.size(0), d = q.size(3);
+    int t = static_cast<int>(q.size(2)), heads = static_cast<int>(q.size(1)), kv_heads = static_cast<int>(k.size(1));
+    Tensor o = at::empty({batch, t, heads, d}, q.options());
+    Tensor lse = at::empty({batch, heads, t}, q.options().dtype(at::kFloat));
+    Tensor sink = sinks.numel() ? sinks.to(at::kFloat).contiguous() : Tensor();
+    int64_t qb = q.stride(0), qh = q.stride(1), qt = q.stride(2), kb = k.stride(0), kh = k.stride(1),
+            kt = k.stride(2), vb = v.stride(0), vh = v.stride(1), vt = v.stride(2);
+    float scalef = static_cast<float>(scale), capf = static_cast<float>(cap);
+    int windowi = static_cast<int>(std::max<int64_t>(window, 0));
+    void *qp = q.data_ptr(), *kp = k.data_ptr(), *vp = v.data_ptr(), *op = o.data_ptr(), *lp = lse.data_ptr();
+    void* sp = sink.defined() ? sink.data_ptr() : nullptr;
+    launch(kernel(kAttention, {{"TX", q.scalar_type()}}, "attention_forward", head_width(d)),
+           dim3(static_cast<unsigned>((t + kAttentionQueries - 1) / kAttentionQueries), heads,
+                static_cast<unsigned>(batch)),
+           dim3(kAttentionThreads),
+           {&qp, &kp, &vp, &op, &lp, &sp, &t, &heads, &kv_heads, &qb, &qh, &qt, &kb, &kh, &kt, &vb, &vh, &vt, &scalef,
+            &capf, &windowi});
+    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["sinks"] = sinks.numel() ? sinks : Tensor();
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["cap"] = cap;
+    ctx->saved_data["window"] = window;
+    return o;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    first_order_only("CUDA attention");
+    auto saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
+    const int64_t batch = q.size(0), d = q.size(3);
+    int t = static_cast<int>(q.size(2)), heads = static_cast<int>(q.size(1)), kv_heads = static_cast<int>(k.size(1));
+    Tensor dout = grads[0].to(q.scalar_type()).contiguous();
+    // Each query's dO·O (the sink's share included in O): the softmax's backward term.
+    Tensor delta = dout.to(at::kFloat).mul(o.to(at::kFloat)).sum(-1).permute({0, 2, 1}).contiguous();
+    Tensor dq = at::zeros({batch, t, heads, d}, q.options().dtype(at::kFloat));
+    Tensor dk = at::empty({batch, t, kv_heads, d}, q.options()), dv = at::empty_like(dk);
+    int64_t qb = q.stride(0), qh = q.stride(1), qt = q.stride(2), kb = k.stride(0), kh = k.stride(1),
+            kt = k.stride(2), vb = v.stride(0), vh = v.stride(1), vt = v.stride(2);
+    float scalef = static_cast<float>(ctx->saved_data["scale"].toDouble());
+    float capf = static_cast<float>(ctx->saved_data["cap"].toDouble());
+    int windowi = static_cast<int>(std::max<int64_t>(ctx->saved_data["window"].toInt(), 0));
+    void *qp = q.data_ptr(), *kp = k.data_ptr(), *vp = v.data_ptr(), *dop = dout.data_ptr(), *lp = lse.data_ptr();
+    void *ep = delta.data_ptr(), *dqp = dq.data_ptr(), *dkp = dk.data_ptr(), *dvp = dv.data_ptr();
+    launch(kernel(kAttention, {{"TX", q.scalar_type()}}, "attention_backward", head_width(d)),
+           dim3(static_cast<unsigned>((t + kAttentionKeys - 1) / kAttentionKeys), kv_heads,
+                static_cast<unsigned>(batch)),
+           dim3(kAttentionThreads), backward_shared_bytes(d, q.element_size()),
+           {&qp, &kp, &vp, &dop, &lp, &ep, &dqp, &dkp, &dvp, &t, &heads, &kv_heads, &qb, &qh, &qt, &kb, &kh, &kt, &vb,
+            &vh, &vt, &scalef, &capf, &windowi});
+    // A sink's gradient: −Σ over queries of its probability times the query's dO·O.
+    Tensor dsinks;
+    const Tensor sinks = ctx->saved_data["sinks"].toTensor();
+    if (sinks.defined()) {
+      Tensor share = sinks.to(at::kFloat).view({1, heads, 1}).sub(lse).exp();
+      dsinks = share.mul(delta).sum(at::IntArrayRef{0, 2}).neg().to(sinks.scalar_type());
+    }
+    return {dq.to(q.scalar_type()).transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dsinks, Tensor(), Tensor(),
+            Tensor()};
+  }
+};
+
+std::optional<Tensor> attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& sinks,
+                                double scale, double cap, int64_t window) {
+  const auto kind = q.scalar_type();
+  const bool shapes = q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() &&
+                      q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3) && k.size(1) > 0 &&
+                      q.size(1) % k.size(1) == 0 && (q.size(3) == 64 || q.size(3) == 128) &&
+                      q.size(0) <= 65535 && q.size(1) <= 65535 && q.size(2) < (int64_t{1} << 30);
+  const bool types = q.is_cuda() && (kind == at::kBFloat16 || kind == at::kHalf) && k.scalar_type() == kind &&
+                     v.scalar_type() == kind && k.device() == q.device() && v.device() == q.device();
+  if (!shapes || !types) return std::nullopt;
+  if (sinks && (sinks->dim() != 1 || sinks->size(0) != q.size(1) || sinks->device() != q.device())) return std::nullopt;
+  c10::cuda::CUDAGuard guard(q.device());
+  // Tensor-core products of bf16 (mma.sync m16n8k16) need sm_80 or later.
+  if (at::cuda::getCurrentDeviceProperties()->major < 8) return std::nullopt;
+  const Tensor none = at::empty({0}, q.options().dtype(at::kFloat));
+  return Attention::apply(q, k, v, sinks ? *sinks : none, scale, cap, window).transpose(1, 2);
+}
+
 void compile_all(const std::string& arch) {
   const at::ScalarType types[] = {at::kFloat, at::kBFloat16, at::kHalf};
   for (auto t : types) {
     compile(kElementwise, bind({{"TX", t}}), arch);
     compile(kCrossEntropy, bind({{"TX", t}}), arch);
     compile(kFp8Cast, bind({{"TX", t}}), arch);
+    if (t != at::kFloat) {
+      for (int64_t d : {64, 128}) compile(kAttention, bind({{"TX", t}}) + head_width(d), arch);
+    }
     for (auto r : types) {
       for (auto y : types) compile(kAddNorm, bind({{"TX", t}, {"TR", r}, {"TS", at::promote_types(t, r)}, {"TY", y}}), arch);
     }

@@ -78,6 +78,15 @@ std::optional<std::pair<at::Tensor, at::Tensor>> row_col_amax(const at::Tensor& 
 bool linear_weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& dw, const at::Tensor* db,
                         bool accumulate);
 
+// Causal attention of `[B, H, T, D]` queries over `[B, H_kv, T, D]` keys and values (H a
+// multiple of H_kv: grouped-query heads), bf16 or fp16, D 64 or 128, on a GPU of sm_80 or
+// later: scores scaled by `scale`, soft-capped to ±`cap` where `cap` > 0, each query seeing
+// the `window` positions up to itself where `window` > 0, and `sinks` (`[H]`), where given,
+// joining each head's softmax as one more logit attended to nothing. The output is
+// `[B, H, T, D]` (a view of a `[B, T, H, D]` tensor).
+std::optional<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& sinks, double scale, double cap, int64_t window);
+
 // Compiles every kernel for every dtype they serve for `arch` (such as "sm_90"), without a
 // device: a check that the sources compile.
 void compile_all(const std::string& arch);

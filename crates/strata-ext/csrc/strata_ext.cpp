@@ -1651,6 +1651,19 @@ int strata_cross_entropy(const Tensor* logits, const Tensor* targets, int64_t ig
   });
 }
 
+// Causal attention within a window (`window` ≤ 0: none), its scores soft-capped (`cap` ≤ 0:
+// none), with per-head sinks (null: none); see cuda_kernels.h (GPU only).
+int strata_attention(const Tensor* q, const Tensor* k, const Tensor* v, const Tensor* sinks, double scale,
+                     double cap, int64_t window, Tensor** out) {
+  return guarded([&] {
+#ifdef STRATA_CUDA
+    *out = owned(strata_cuda::attention(*q, *k, *v, optional_tensor(sinks), scale, cap, window));
+#else
+    *out = nullptr;
+#endif
+  });
+}
+
 // `s = x + r` and the layer norm (with `bias`) or RMS norm (`bias` null) of s (GPU only),
 // the norm in scalar type `out_kind` (-1: the weight's); with `r` null the norm of `x`
 // alone, `*sum` then `x` itself; `*sum` and `*out` both null where not served.

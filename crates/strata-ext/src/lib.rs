@@ -95,6 +95,16 @@ extern "C" {
         sum: *mut TensorPtr,
         out: *mut TensorPtr,
     ) -> c_int;
+    fn strata_attention(
+        q: *const C_tensor,
+        k: *const C_tensor,
+        v: *const C_tensor,
+        sinks: *const C_tensor,
+        scale: f64,
+        cap: f64,
+        window: i64,
+        out: *mut TensorPtr,
+    ) -> c_int;
     fn strata_cuda_compile_kernels(arch: *const c_char) -> c_int;
     fn strata_fp8_cast(
         x: *const C_tensor,
@@ -723,9 +733,9 @@ extern "C" fn sink_into_vec(list: *mut c_void, owned: TensorPtr) {
 /// the caller's own composite.
 pub mod kernels {
     use super::{
-        check, optional_ptr, scalar_type, strata_add_norm, strata_cross_entropy, strata_fp8_cast, strata_gelu_tanh,
-        strata_linear_weight_grad, strata_rms_norm, strata_rotary, strata_row_col_amax, strata_swiglu, Result,
-        TensorPtr,
+        check, optional_ptr, scalar_type, strata_add_norm, strata_attention, strata_cross_entropy, strata_fp8_cast,
+        strata_gelu_tanh, strata_linear_weight_grad, strata_rms_norm, strata_rotary, strata_row_col_amax,
+        strata_swiglu, Result, TensorPtr,
     };
     use tch::Tensor;
 
@@ -778,6 +788,31 @@ pub mod kernels {
     pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore: i64) -> Result<Option<Tensor>> {
         // SAFETY: the tensors are live for the call.
         served(|out| unsafe { strata_cross_entropy(logits.as_ptr(), targets.as_ptr(), ignore, out) })
+    }
+
+    /// Causal attention on a GPU (sm_80 or later) for what libtorch's fused kernels decline:
+    /// `[B, H, T, D]` bf16 or fp16 queries over `[B, H_kv, T, D]` keys and values (H a
+    /// multiple of H_kv: grouped-query heads, read in place without repeating them; D 64 or
+    /// 128), scores scaled by `scale` and soft-capped to ±`softcap` where given, each query
+    /// seeing the `window` positions up to itself where given, and `sinks` (`[H]`) joining
+    /// each head's softmax as one more logit attended to nothing. One kernel each way, on
+    /// tensor cores, keeping no scores: backward recomputes them from each query's log-sum-exp.
+    /// The output is `[B, H, T, D]`, a view of a `[B, T, H, D]` tensor (heads merge without a
+    /// copy). `None` where the kernel does not serve the inputs.
+    pub fn attention(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        sinks: Option<&Tensor>,
+        scale: f64,
+        softcap: Option<f64>,
+        window: Option<i64>,
+    ) -> Result<Option<Tensor>> {
+        let (cap, window) = (softcap.unwrap_or(0.0), window.unwrap_or(0));
+        // SAFETY: the tensors are live for the call.
+        served(|out| unsafe {
+            strata_attention(q.as_ptr(), k.as_ptr(), v.as_ptr(), optional_ptr(sinks), scale, cap, window, out)
+        })
     }
 
     /// The scale an fp8 cast multiplies by.

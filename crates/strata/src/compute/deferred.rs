@@ -85,6 +85,11 @@ thread_local! {
     static ACTIVE: RefCell<Option<(Arc<WeightGrads>, usize)>> = const { RefCell::new(None) };
 }
 
+/// Whether linear layers' weight gradients are being queued ([`deferring`]).
+pub fn active() -> bool {
+    ACTIVE.with(|a| a.borrow().is_some())
+}
+
 /// Runs `f` (a micro-batch's forward or input-gradient backward) with linear layers'
 /// weight gradients queued on `queue` under micro-batch `micro`.
 pub fn deferring<R>(queue: &Arc<WeightGrads>, micro: usize, f: impl FnOnce() -> Result<R>) -> Result<R> {

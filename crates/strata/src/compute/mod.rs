@@ -257,6 +257,11 @@ pub fn replaced<T>(pick: impl FnOnce(&Replacements) -> Option<T>) -> Option<T> {
     with_active(|a| a.and_then(|a| pick(&a.policy.replacements)))
 }
 
+/// Whether the running unit computes products of weight `w` in fp8.
+pub fn computes_in_fp8(w: &Tensor) -> bool {
+    with_active(|a| a.is_some_and(|a| a.policy.fp8.is_some() && a.fp8_weights.contains(&(w.data_ptr() as usize))))
+}
+
 /// `x @ w.T + b` in fp8 when the running unit computes this weight in fp8; `None` when not.
 pub fn fp8_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Option<Result<Tensor>> {
     let (state, slot, record) = with_active(|a| {

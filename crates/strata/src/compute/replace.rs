@@ -10,7 +10,9 @@
 //! kernels (`strata_ext::kernels`: vectorised on fp32 CPU tensors, NVRTC-compiled on GPU
 //! tensors of fp32, bf16 and fp16) serve `VectorGelu` (GELU's tanh form), `FusedSwiGLU`
 //! (`silu(gate) * up` in one pass), `FusedRoPE` (rotary positions), and, on a GPU only,
-//! `FusedCrossEntropy` (the loss from the logits' own dtype, no fp32 logits or
+//! `StrataAttention` (causal attention within sliding windows, with soft-capped scores or
+//! sinks, which libtorch's fused kernels decline: one kernel each way on a GPU's tensor
+//! cores, bf16 and fp16), `FusedCrossEntropy` (the loss from the logits' own dtype, no fp32 logits or
 //! log-probabilities written), `FusedAddLayerNorm` and `FusedAddRMSNorm` (a residual sum and
 //! the norm that follows it in one pass), and `FusedLinearGrad` (a linear layer under a
 //! GPU's autocast whose backward writes the weight's fp32 gradient and the bias's in one
@@ -27,6 +29,22 @@ use tch::{Kind, Tensor};
 
 /// Causal attention: queries, keys, values.
 pub type AttentionFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
+/// What causal attention beyond libtorch's fused kernels computes besides its queries, keys
+/// and values.
+pub struct CausalScores<'a> {
+    /// The factor the scores are multiplied by.
+    pub scale: f64,
+    /// Scores pass through `cap · tanh(score / cap)` where given.
+    pub softcap: Option<f64>,
+    /// Each query sees the `window` positions up to itself where given.
+    pub window: Option<i64>,
+    /// One logit per head `[H]` joining each softmax, attended to nothing.
+    pub sinks: Option<&'a Tensor>,
+}
+/// Causal attention of queries, keys and values under [`CausalScores`]; `None` where the
+/// implementation does not serve the inputs.
+pub type MaskedAttentionFn =
+    Arc<dyn Fn(&Tensor, &Tensor, &Tensor, &CausalScores<'_>) -> Result<Option<Tensor>> + Send + Sync>;
 /// Layer norm: input, weight, bias, eps.
 pub type LayerNormFn = Arc<dyn Fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor> + Send + Sync>;
 /// RMS norm: input, weight, eps.
@@ -55,6 +73,8 @@ pub type AddNormFn = Arc<
 pub enum Replacement {
     /// Causal attention over `[B, H, T, D]` queries, keys, values.
     Attention(AttentionFn),
+    /// Causal attention with a window, soft-capped scores or sinks ([`CausalScores`]).
+    MaskedAttention(MaskedAttentionFn),
     /// Layer norm over the last dimension: input, weight, bias, eps.
     LayerNorm(LayerNormFn),
     /// RMS norm over the last dimension: input, weight, eps.
@@ -117,6 +137,14 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                 name: "FlashAttention".into(),
                 supported_dtypes: all.clone(),
                 with: Replacement::Attention(attention),
+            },
+            ReplacePair {
+                name: "StrataAttention".into(),
+                supported_dtypes: vec![Kind::Half, Kind::BFloat16],
+                with: Replacement::MaskedAttention(Arc::new(|q, k, v, scores| {
+                    let CausalScores { scale, softcap, window, sinks } = *scores;
+                    Ok(strata_ext::kernels::attention(q, k, v, sinks, scale, softcap, window)?)
+                })),
             },
             ReplacePair {
                 name: "FusedLayerNorm".into(),
@@ -282,6 +310,12 @@ impl Replacements {
     /// The first selected attention implementation that serves `kind`.
     pub fn attention(&self, kind: Kind) -> Option<AttentionFn> {
         self.find(kind, |r| if let Replacement::Attention(f) = r { Some(f.clone()) } else { None })
+    }
+
+    /// The first selected implementation of attention beyond the fused kernels that serves
+    /// `kind`.
+    pub fn masked_attention(&self, kind: Kind) -> Option<MaskedAttentionFn> {
+        self.find(kind, |r| if let Replacement::MaskedAttention(f) = r { Some(f.clone()) } else { None })
     }
 
     /// The first selected layer norm implementation that serves `kind`.

@@ -56,6 +56,46 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     Ok(cast(x, kind)?.f_linear(&w, b.as_ref())?)
 }
 
+/// The rows of `x` through one linear layer per group: `[out, in]` weight `weights[j]` applied
+/// to the `counts[j]` rows of group `j`, groups in order, in one grouped product (libtorch's
+/// `_grouped_mm`) on a GPU computing in bf16. `None` where that does not apply (another
+/// device or dtype, a weight computed in fp8 or whose gradient is deferred): the caller then
+/// runs a product per group.
+pub fn grouped_linear(x: &Tensor, weights: &[&Tensor], counts: &[i64]) -> Result<Option<Tensor>> {
+    let kind = compute::product_kind().unwrap_or(x.kind());
+    let same_shape = |w: &&Tensor| w.dim() == 2 && w.size() == weights[0].size();
+    let applies = x.device().is_cuda()
+        && kind == Kind::BFloat16
+        && x.dim() == 2
+        && !weights.is_empty()
+        && weights.len() == counts.len()
+        && !compute::deferred::active()
+        && weights.iter().all(|w| same_shape(w) && !compute::computes_in_fp8(w));
+    if !applies {
+        return Ok(None);
+    }
+    let cast_weights = weights
+        .iter()
+        .map(|w| if w.kind() == kind { Ok(w.shallow_clone()) } else { compute::weight_for_product(w, kind) })
+        .collect::<Result<Vec<_>>>()?;
+    // Each group's end row, as the product reads them.
+    let ends: Vec<i32> = counts
+        .iter()
+        .scan(0i64, |end, &count| {
+            *end += count;
+            Some(i32::try_from(*end).unwrap_or(i32::MAX))
+        })
+        .collect();
+    let offsets = Tensor::from_slice(&ends).f_to_device(x.device())?;
+    let stacked = Tensor::f_stack(&cast_weights, 0)?;
+    Ok(Some(cast(x, Some(kind))?.f_internal_grouped_mm(
+        &stacked.f_transpose(1, 2)?,
+        Some(&offsets),
+        None::<&Tensor>,
+        None,
+    )?))
+}
+
 /// A low-rank adapter's factors as a layer reads them: `A` `[r, in]`, `B` `[out, r]` and
 /// the scale of their product, and in a training forward the dropout of its input.
 pub struct LowRank<'a> {
@@ -385,6 +425,17 @@ pub fn attention(
             None => q,
         };
         return fused(&q, &k, &v);
+    }
+    // Windows, caps and sinks: Strata's own kernel where it serves.
+    if let Some(own) = compute::replaced(|r| r.masked_attention(q.kind()))
+        .filter(|_| keys == t && hidden.is_none() && terms.bias.is_none())
+        .filter(|_| !options.bidirectional && dropout.is_none())
+    {
+        let scale = options.scale.unwrap_or(default_scale);
+        let scores = compute::replace::CausalScores { scale, softcap: options.softcap, window, sinks: terms.sinks };
+        if let Some(out) = own(&q, &k, &v, &scores)? {
+            return Ok(out);
+        }
     }
     let scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(options.scale.unwrap_or(default_scale))?;
     let scores = match options.softcap {

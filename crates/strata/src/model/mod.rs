@@ -611,6 +611,11 @@ impl<'a> Params<'a> {
         Ok(Some(layers::LowRank { a, b, scale: adapter.scale, dropout }))
     }
 
+    /// Whether a low-rank adapter is joined to weight `w`.
+    pub(crate) fn has_adapter(&self, w: ParamId) -> bool {
+        self.adapters.is_some_and(|all| all.get(&w).is_some())
+    }
+
     /// The linear layer of weight `w` and bias `b` ([`layers::linear`]), with its adapter
     /// where one is joined to it.
     pub fn linear(&self, x: &Tensor, w: ParamId, b: Option<ParamId>) -> Result<Tensor> {

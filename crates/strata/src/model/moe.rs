@@ -18,7 +18,7 @@
 //! backward unit by unit), so each sparse layer passes its output through an identity node
 //! whose backward adds that coefficient's gradient to the layer's probabilities: recomputed,
 //! sharded or offloaded units take it in their own backward like any other gradient.
-use super::layers::swiglu;
+use super::layers::{grouped_linear, swiglu};
 use super::{ContextParallel, ExpertSlot, Init, ParamId, Params, TensorParallel, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -668,6 +668,9 @@ impl SparseFeedForward {
     /// weights a zero gradient rather than none, so whatever reduces their gradients (the
     /// tensor group under sequence parallel, data parallel) sees the same on every rank.
     fn computed(&self, p: &Params<'_>, rows: &Tensor, counts: &[i64], first: usize) -> Result<Tensor> {
+        if let Some(out) = self.grouped(p, rows, counts, first)? {
+            return Ok(out);
+        }
         let mut outputs = Vec::with_capacity(counts.len());
         let mut start = 0;
         for (j, &count) in counts.iter().enumerate() {
@@ -675,6 +678,28 @@ impl SparseFeedForward {
             start += count;
         }
         Ok(Tensor::f_cat(&outputs, 0)?)
+    }
+
+    /// [`Self::computed`] in three grouped products (gate, up and down of every expert at
+    /// once) where [`grouped_linear`] serves them and the experts are plain SwiGLU ones (no
+    /// biases, no adapters); `None` otherwise. An expert without rows gets a zero gradient
+    /// from the stacked weights' backward.
+    fn grouped(&self, p: &Params<'_>, rows: &Tensor, counts: &[i64], first: usize) -> Result<Option<Tensor>> {
+        let experts = &self.experts[first..first + counts.len()];
+        let plain = experts.iter().all(|e| {
+            e.biases.is_none()
+                && matches!(e.activation, ExpertActivation::Silu)
+                && [e.gate, e.up, e.down].into_iter().all(|w| !p.has_adapter(w))
+        });
+        if !plain {
+            return Ok(None);
+        }
+        let product = |x: &Tensor, pick: fn(&Expert) -> ParamId| {
+            let weights: Vec<&Tensor> = experts.iter().map(|e| &p[pick(e)]).collect();
+            grouped_linear(x, &weights, counts)
+        };
+        let (Some(gate), Some(up)) = (product(rows, |e| e.gate)?, product(rows, |e| e.up)?) else { return Ok(None) };
+        product(&swiglu(&gate, &up)?, |e| e.down)
     }
 
     /// Expert parallelism: the rows grouped by expert (`counts` per expert, all `E`) go to

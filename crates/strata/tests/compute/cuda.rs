@@ -469,6 +469,135 @@ fn replaced_modules_on_a_gpu_match_the_composites_forward_and_backward() {
     }
 }
 
+/// Queries, keys and values `[B, H, T, D]` (keys and values `kv_heads` heads) and sinks,
+/// drawn on the CPU, in `kind` on the GPU, each a leaf taking gradients.
+fn attention_inputs(gpu: Device, kind: Kind, heads: i64, kv_heads: i64, d: i64) -> [Tensor; 4] {
+    let (b, t) = (2, 200);
+    let draw = |seed: i64, shape: &[i64]| {
+        with_seed(seed, || Tensor::randn(shape, (Kind::Float, Device::Cpu))).to_kind(kind).to_device(gpu)
+    };
+    // Queries and keys laid out `[B, T, H, D]` and viewed as `[B, H, T, D]`, as projections
+    // give them: the kernel reads them in place.
+    let q = draw(1, &[b, t, heads, d]).transpose(1, 2).set_requires_grad(true);
+    let k = draw(2, &[b, t, kv_heads, d]).transpose(1, 2).set_requires_grad(true);
+    let v = draw(3, &[b, kv_heads, t, d]).set_requires_grad(true);
+    let sinks = draw(4, &[heads]).to_kind(Kind::Float).set_requires_grad(true);
+    [q, k, v, sinks]
+}
+
+#[test]
+fn strata_s_attention_kernel_matches_the_composite_with_windows_caps_and_sinks() {
+    let test = "strata_s_attention_kernel_matches_the_composite_with_windows_caps_and_sinks";
+    let Some((gpu, _serial)) = gpu(test) else { return };
+    for (kind, d, window, softcap, sinks) in [
+        (Kind::BFloat16, 64, Some(40), None, false),
+        (Kind::BFloat16, 128, None, Some(30.0), false),
+        (Kind::BFloat16, 64, Some(100), None, true),
+        (Kind::Half, 128, Some(70), Some(20.0), true),
+        (Kind::BFloat16, 128, None, None, false),
+    ] {
+        let (heads, kv_heads) = (4, 2);
+        let [q, k, v, sink] = attention_inputs(gpu, kind, heads, kv_heads, d);
+        let scale = 0.3 / (d as f64).sqrt();
+        let own = strata_ext::kernels::attention(&q, &k, &v, sinks.then_some(&sink), scale, softcap, window)
+            .unwrap()
+            .expect("the kernel serves bf16 and fp16 on this GPU");
+        // The kernel writes `[B, T, H, D]`: the heads merge without a copy.
+        assert!(own.transpose(1, 2).is_contiguous());
+        let seed = with_seed(5, || Tensor::randn(own.size(), (Kind::Float, Device::Cpu))).to_device(gpu);
+        let leaves = if sinks { vec![&q, &k, &v, &sink] } else { vec![&q, &k, &v] };
+        let grads = |out: &Tensor| {
+            let g = Tensor::run_backward(&[(out.to_kind(Kind::Float) * &seed).sum(Kind::Float)], &leaves, false, false);
+            g.into_iter().map(|g| g.to_kind(Kind::Float)).collect::<Vec<_>>()
+        };
+        let own_grads = grads(&own);
+        // The composite in fp32 from the same values, keys and values repeated per head.
+        let (qf, kf, vf) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float));
+        let repeat = |x: &Tensor| x.repeat_interleave_self_int(heads / kv_heads, 1, None);
+        let options = layers::AttentionOptions { scale: Some(scale), window, softcap, bidirectional: false };
+        let terms = layers::ScoreTerms { bias: None, sinks: sinks.then_some(&sink) };
+        let composite = layers::attention(&qf, &repeat(&kf), &repeat(&vf), &options, None, terms, None).unwrap();
+        let composite_grads = grads(&composite);
+        let case = format!("{kind:?} d {d} window {window:?} cap {softcap:?} sinks {sinks}");
+        let error = rel(&own.to_kind(Kind::Float), &composite);
+        eprintln!("attention {case}: output {error:.2e}");
+        assert!(error < 2e-2, "{case}: output {error:e}");
+        for (name, (a, b)) in ["q", "k", "v", "sinks"].iter().zip(own_grads.iter().zip(&composite_grads)) {
+            let error = rel(a, b);
+            eprintln!("attention {case}: gradient of {name} {error:.2e}");
+            assert!(error < 2e-2, "{case}: gradient of {name} {error:e}");
+        }
+        // Under module_replace the layer takes the kernel where libtorch's decline (the same
+        // values), and the composite without it.
+        let policy = std::sync::Arc::new(UnitCompute {
+            replacements: strata::compute::replace::Replacements::select(None).unwrap(),
+            ..Default::default()
+        });
+        let (kr, vr) = (repeat(&k), repeat(&v));
+        let routed = compute::run(&policy, Default::default(), false, || {
+            layers::attention(&q, &kr, &vr, &options, None, terms, None)
+        })
+        .unwrap();
+        if window.is_some() || softcap.is_some() || sinks {
+            assert!(routed.transpose(1, 2).is_contiguous(), "{case}: Strata's kernel ran");
+        }
+        assert!(rel(&routed.to_kind(Kind::Float), &composite) < 2e-2, "{case}: routed");
+    }
+}
+
+#[test]
+fn grouped_expert_products_match_a_product_per_expert() {
+    let test = "grouped_expert_products_match_a_product_per_expert";
+    let Some((gpu, _serial)) = gpu(test) else { return };
+    let counts = [5i64, 0, 17, 3];
+    let rows: i64 = counts.iter().sum();
+    let x = with_seed(1, || Tensor::randn([rows, 64], (Kind::Float, Device::Cpu)))
+        .to_kind(Kind::BFloat16)
+        .to_device(gpu)
+        .set_requires_grad(true);
+    let weights: Vec<Tensor> = (0..counts.len() as i64)
+        .map(|e| {
+            with_seed(10 + e, || Tensor::randn([32, 64], (Kind::Float, Device::Cpu)))
+                .to_kind(Kind::BFloat16)
+                .to_device(gpu)
+                .set_requires_grad(true)
+        })
+        .collect();
+    let refs: Vec<&Tensor> = weights.iter().collect();
+    let grouped = layers::grouped_linear(&x, &refs, &counts).unwrap().expect("a grouped product in bf16 on a GPU");
+    let mut start = 0;
+    let looped = Tensor::cat(
+        &counts
+            .iter()
+            .zip(&weights)
+            .map(|(&count, w)| {
+                let out = x.narrow(0, start, count).linear::<&Tensor>(w, None);
+                start += count;
+                out
+            })
+            .collect::<Vec<_>>(),
+        0,
+    );
+    let error = rel(&grouped.to_kind(Kind::Float), &looped.to_kind(Kind::Float));
+    assert!(error < 1e-2, "output {error:e}");
+    let seed = with_seed(2, || Tensor::randn([rows, 32], (Kind::Float, Device::Cpu))).to_device(gpu);
+    let mut leaves: Vec<&Tensor> = vec![&x];
+    leaves.extend(&weights);
+    let grads = |out: &Tensor| {
+        Tensor::run_backward(&[(out.to_kind(Kind::Float) * &seed).sum(Kind::Float)], &leaves, false, false)
+    };
+    let (a, b) = (grads(&grouped), grads(&looped));
+    for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+        if i == 2 {
+            // The expert that received no rows: a zero gradient, not a missing one.
+            assert!(a.defined() && a.abs().max().double_value(&[]) == 0.0, "the idle expert's gradient");
+            continue;
+        }
+        let error = rel(&a.to_kind(Kind::Float), &b.to_kind(Kind::Float));
+        assert!(error < 1e-2, "gradient {i}: {error:e}");
+    }
+}
+
 #[test]
 fn streams_and_events_order_work_between_streams() {
     let Some((gpu, _serial)) = gpu("streams_and_events_order_work_between_streams") else { return };
