@@ -6,7 +6,8 @@ SwiGLU), written in plain PyTorch eager, with two commands:
 
   train  replays given batches from given initial weights and prints the loss of every
          step as JSON, so Strata's losses can be compared with PyTorch's step by step;
-  bench  trains a freshly initialised model on random tokens in blocks of steps asked for
+  bench  trains a freshly initialised model on random walks over the vocabulary (each
+         token 1 to 8 past the one before) in blocks of steps asked for
          on stdin, answering each with its time, its last loss and the peak memory as a
          JSON line; on a GPU (--device cuda) with autocast (--amp bf16) and the fused AdamW;
          with --compile the model runs through torch.compile, with --checkpoint each block
@@ -313,6 +314,15 @@ def trace_step(step, path):
         prof.export_chrome_trace(path)
 
 
+def random_walks(vocab, rows, length, gen):
+    """Rows of tokens each 1 to 8 past the one before (modulo the vocabulary), from random
+    starts: a rule a model learns within tens of steps, so losses after a few steps compare
+    runs, and one no model memorises from a few batches."""
+    start = torch.randint(vocab, (rows, 1), generator=gen)
+    steps = torch.randint(1, 9, (rows, length - 1), generator=gen)
+    return torch.cat([start, start + steps.cumsum(1)], 1) % vocab
+
+
 def cmd_bench(args):
     """Serves timed blocks of training steps: reads "K" lines from stdin, runs K steps and
     answers with one JSON line, so a caller can alternate blocks with its own; an "inspect"
@@ -335,7 +345,7 @@ def cmd_bench(args):
     loss_of = torch.compile(forward_loss) if args.compile else forward_loss
     amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     gen = torch.Generator().manual_seed(args.seed)
-    batches = [torch.randint(args.vocab, (args.batch, args.ctx + 1), generator=gen).to(device) for _ in range(4)]
+    batches = [random_walks(args.vocab, args.batch, args.ctx + 1, gen).to(device) for _ in range(16)]
     cuda = device.type == "cuda"
     step = 0
     for line in sys.stdin:

@@ -46,9 +46,16 @@ pub struct BenchGpuArgs {
     /// 64 × 1024 tokens, where PyTorch's alone peaks near 67 GB).
     #[arg(long)]
     one_side_at_a_time: bool,
-    /// Leave out the 8B-shaped slice (bf16 against fp8) and the fp8 products.
-    #[arg(long)]
-    no_fp8: bool,
+    /// The parts measured, in this order: the models (gpt2, llama-1.1b, llama-8b-slice: bf16
+    /// against fp8), the products in bf16 and fp8 (gemm), the experts' products (experts)
+    /// and attention.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "gpt2,llama-1.1b,llama-8b-slice,gemm,experts,attention"
+    )]
+    parts: Vec<Part>,
     /// A side of GPT-2 replaying Strata's step as a CUDA graph (the LLaMA's sides fill the
     /// GPU already).
     #[arg(long)]
@@ -81,6 +88,19 @@ pub struct BenchGpuArgs {
     kernel_trace: Option<PathBuf>,
 }
 
+/// What `bench gpu` measures.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq)]
+enum Part {
+    Gpt2,
+    #[value(name = "llama-1.1b")]
+    Llama1b,
+    #[value(name = "llama-8b-slice")]
+    Llama8bSlice,
+    Gemm,
+    Experts,
+    Attention,
+}
+
 /// The models measured, each with its own sides.
 #[derive(Clone, Copy, PartialEq)]
 enum Workload {
@@ -95,12 +115,13 @@ enum Workload {
 }
 
 impl Workload {
-    fn all(a: &BenchGpuArgs) -> Vec<Workload> {
-        let mut all = vec![Workload::Gpt2, Workload::Llama1b];
-        if !a.no_fp8 {
-            all.push(Workload::Llama8bSlice);
-        }
-        all
+    fn chosen(a: &BenchGpuArgs) -> Vec<Workload> {
+        let all = [
+            (Part::Gpt2, Workload::Gpt2),
+            (Part::Llama1b, Workload::Llama1b),
+            (Part::Llama8bSlice, Workload::Llama8bSlice),
+        ];
+        all.into_iter().filter(|(part, _)| a.parts.contains(part)).map(|(_, w)| w).collect()
     }
 
     /// The folder of its kernel traces.
@@ -231,6 +252,9 @@ struct AttentionRow {
     strata_plain_ms: f64,
     strata_ms: f64,
     composite_ms: f64,
+    /// The forward alone, libtorch's fused kernel and Strata's, plain causal.
+    libtorch_forward_ms: f64,
+    strata_forward_ms: f64,
 }
 
 #[derive(Serialize)]
@@ -429,6 +453,13 @@ fn attention_table(device: Device) -> Result<Vec<AttentionRow>> {
         let options = AttentionOptions { scale: Some(scale), window, softcap, bidirectional: false };
         let terms = ScoreTerms { bias: None, sinks };
         let composite_ms = milliseconds(device, || both_ways(attention(&q, &kr, &vr, &options, None, terms, None)?))?;
+        let (libtorch_forward_ms, strata_forward_ms) = tch::no_grad(|| -> Result<(f64, f64)> {
+            let fused = milliseconds(device, || {
+                Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, scale, true)?;
+                Ok(())
+            })?;
+            Ok((fused, milliseconds(device, || own(None, None, None).map(|_| ()))?))
+        })?;
         rows.push(AttentionRow {
             shape: shape.into(),
             batch,
@@ -443,6 +474,8 @@ fn attention_table(device: Device) -> Result<Vec<AttentionRow>> {
             strata_plain_ms,
             strata_ms,
             composite_ms,
+            libtorch_forward_ms,
+            strata_forward_ms,
         });
     }
     Ok(rows)
@@ -458,7 +491,7 @@ fn trace_kernels(a: &BenchGpuArgs, workload: Workload, dir: &std::path::Path) ->
 }
 
 pub fn run(a: BenchGpuArgs) -> Result<()> {
-    let workloads = Workload::all(&a);
+    let workloads = Workload::chosen(&a);
     let mut reports: Vec<Report> = Vec::new();
     for &workload in &workloads {
         let args = a.train_args(workload);
@@ -470,7 +503,8 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
         reports.push(report);
     }
     let device = crate::options::parse_device(&a.device)?;
-    let gemm = if a.no_fp8 { Vec::new() } else { gemm_table(device)? };
+    let chosen = |part| a.parts.contains(&part);
+    let gemm = if chosen(Part::Gemm) { gemm_table(device)? } else { Vec::new() };
     if !a.json && !gemm.is_empty() {
         println!("Products m×k×n, TFLOP/s (fp8 linear: with its amaxes and casts, forward only; delayed, current and rowwise scaling)");
         println!(
@@ -485,8 +519,8 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
             );
         }
     }
-    let experts = expert_table(device)?;
-    if !a.json {
+    let experts = if chosen(Part::Experts) { expert_table(device)? } else { Vec::new() };
+    if !a.json && !experts.is_empty() {
         println!("\nExperts (SwiGLU), forward and backward, a product per expert against grouped products");
         println!(
             "{:>8} {:>6} {:>7} {:>8} {:>9} {:>11} {:>8} {:>15} {:>15}",
@@ -515,13 +549,13 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
             );
         }
     }
-    let attention = attention_table(device)?;
-    if !a.json {
+    let attention = if chosen(Part::Attention) { attention_table(device)? } else { Vec::new() };
+    if !a.json && !attention.is_empty() {
         println!(
             "\nCausal attention in bf16, forward and backward, ms (the shape's window, cap or sinks in the last two)"
         );
         println!(
-            "{:<12} {:>22} {:>8} {:>7} {:>6} {:>15} {:>13} {:>12} {:>10} {:>15}",
+            "{:<12} {:>22} {:>8} {:>7} {:>6} {:>15} {:>13} {:>12} {:>10} {:>15} {:>17}",
             "shape",
             "B×H/KV×T×D",
             "window",
@@ -531,13 +565,14 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
             "strata plain",
             "strata own",
             "composite",
-            "plain/libtorch"
+            "plain/libtorch",
+            "forward/libtorch"
         );
         for r in &attention {
             let dims = format!("{}×{}/{}×{}×{}", r.batch, r.heads, r.kv_heads, r.ctx, r.head_dim);
             let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
             println!(
-                "{:<12} {:>22} {:>8} {:>7} {:>6} {:>15.2} {:>13.2} {:>12.2} {:>10.2} {:>15.2}",
+                "{:<12} {:>22} {:>8} {:>7} {:>6} {:>15.2} {:>13.2} {:>12.2} {:>10.2} {:>15.2} {:>17.2}",
                 r.shape,
                 dims,
                 or_dash(r.window.map(|w| w.to_string())),
@@ -547,7 +582,8 @@ pub fn run(a: BenchGpuArgs) -> Result<()> {
                 r.strata_plain_ms,
                 r.strata_ms,
                 r.composite_ms,
-                r.strata_plain_ms / r.libtorch_fused_ms
+                r.strata_plain_ms / r.libtorch_fused_ms,
+                r.strata_forward_ms / r.libtorch_forward_ms
             );
         }
     }

@@ -375,14 +375,40 @@ const char* kAttention = R"(
 // heads. HD (the head width, 64 or 128) is bound at compile time. Queries, keys and values
 // are read through their `[B, H, T, D]` strides (unit stride along D, the rest multiples of
 // 8 elements); the output is written `[B, T, H, D]`. Each block of 128 threads (4 warps)
-// takes 64 queries of one head forward and 64 keys of one key/value head backward; scores
-// stay in fp32 registers, and the softmax is taken online, FlashAttention-2's way, its
-// log-sum-exp (the sink included) kept for backward and for merging partial attentions.
+// takes 64 queries of one head forward and 64 keys of one key/value head backward; tiles
+// are copied to shared memory asynchronously, the next while the current is computed on;
+// scores stay in fp32 registers, and the softmax is taken online, FlashAttention-2's way,
+// its log-sum-exp (the sink included) kept for backward.
 #define BQ 64
 #define BK 64
+#define BQB 32
 #define KSTEPS (HD / 16)
 #define DTILES (HD / 8)
 #define PAD 8
+#define ROW (HD + PAD)
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+  return a;
+}
+// 16 bytes from global to shared memory without the registers; zeros where `real` is false.
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool real) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+               "r"(real ? 16 : 0));
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Rows `first`.. (`rows` of them, HD wide) of `src` (row `r` at `src + r·stride`, rows at
+// or past `limit` as zeros) into the row-major tile `dst` (ROW elements per row).
+__device__ __forceinline__ void copy_tile(TX* dst, const TX* src, i64 stride, int first, int limit, int rows) {
+  for (int i = threadIdx.x; i < rows * (HD / 8); i += blockDim.x) {
+    const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+    const bool real = first + r < limit;
+    copy16(dst + r * ROW + c, real ? src + (i64)(first + r) * stride + c : src, real);
+  }
+}
 
 // Two values of a row as the one 32-bit register an mma operand takes.
 __device__ __forceinline__ unsigned pair_at(const TX* p) { return *(const unsigned*)p; }
@@ -433,6 +459,17 @@ __device__ __forceinline__ void a_from_acc(unsigned* a, const float* left, const
   a[3] = pack(right[2], right[3]);
 }
 
+// The B operands of two neighbouring 8-column tiles (columns `col`.. and `col + 8`..) over
+// rows `row`..`row + 15` of a row-major tile, read transposed by `ldmatrix`: a product
+// along the tile's rows (keys or queries) takes them without a transposed copy.
+__device__ __forceinline__ void b_pair_along_rows(unsigned* b, const TX* tile, int row, int col) {
+  const int lane = threadIdx.x & 31;
+  const TX* p = tile + (row + (lane & 15)) * ROW + col + (lane >> 4) * 8;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(shared_address(p)));
+}
+
 struct Mask {
   int t, window;
   // Whether query `q` sees key `k`: both real positions, causal, within the window.
@@ -454,36 +491,13 @@ __device__ __forceinline__ float score(float x, float scale, float cap, float* s
   return x;
 }
 
-// Rows `first`.. (`rows` of them, HD wide) of `src` (row `r` at `src + r·stride`, rows at
-// or past `limit` read as zeros) into `dst` (row-major, HD + PAD per row) and `dst_t` (its
-// transpose, HD rows of `rows + PAD`: an operand along the rows reads two neighbouring rows
-// at once), each where given, 16 bytes per read.
-__device__ __forceinline__ void load_tile(TX* dst, TX* dst_t, const TX* src, i64 stride, int first, int limit,
-                                          int rows) {
-  typedef Pack<TX, 8> P8;
-  for (int i = threadIdx.x; i < rows * (HD / 8); i += blockDim.x) {
-    const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
-    P8 v;
-    if (first + r < limit) {
-      v = *(const P8*)(src + (i64)(first + r) * stride + c);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v.v[j] = from_f<TX>(0.f);
-    }
-    if (dst) *(P8*)(dst + r * (HD + PAD) + c) = v;
-    if (dst_t) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) dst_t[(c + j) * (rows + PAD) + r] = v.v[j];
-    }
-  }
-}
-
-// Forward: grid (query blocks, heads, batch). `lse` [B, H, T]; `sinks` [H] fp32 or null.
+// Forward: grid (query blocks, heads, batch), shared memory from the launch (two stages of
+// a key and a value tile). `lse` [B, H, T]; `sinks` [H] fp32 or null.
 extern "C" __global__ void __launch_bounds__(128) attention_forward(
     const TX* q, const TX* k, const TX* v, TX* o, float* lse, const float* sinks, int t, int heads, int kv_heads,
     i64 qb, i64 qh, i64 qt, i64 kb, i64 kh, i64 kt, i64 vb, i64 vh, i64 vt, float scale, float cap, int window) {
-  __shared__ __align__(16) TX ks[BK * (HD + PAD)];
-  __shared__ __align__(16) TX vs_t[HD * (BK + PAD)];
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  TX* tiles = (TX*)shared_bytes;
   const int h = blockIdx.y, b = blockIdx.z, kvh = h / (heads / kv_heads);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int q0 = blockIdx.x * BQ, r0 = q0 + warp * 16 + g;
@@ -491,6 +505,15 @@ extern "C" __global__ void __launch_bounds__(128) attention_forward(
   const TX* qp = q + b * qb + h * qh;
   const TX* kp = k + b * kb + kvh * kh;
   const TX* vp = v + b * vb + kvh * vh;
+  const int last = min(t, q0 + BQ);
+  const int first = window > 0 ? max(0, q0 - window + 1) / BK * BK : 0;
+  // Stage s holds keys at tiles + 2s·BK·ROW and values after them.
+  auto fetch = [&](int stage, int k0) {
+    copy_tile(tiles + 2 * stage * BK * ROW, kp, kt, k0, t, BK);
+    copy_tile(tiles + (2 * stage + 1) * BK * ROW, vp, vt, k0, t, BK);
+    copies_commit();
+  };
+  if (first < last) fetch(0, first);
   // This warp's 16 queries as A operands, one per step along D.
   unsigned qa[KSTEPS][4];
 #pragma unroll
@@ -506,20 +529,24 @@ extern "C" __global__ void __launch_bounds__(128) attention_forward(
 #pragma unroll
   for (int d = 0; d < DTILES; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
   float m[2] = {-INF, -INF}, l[2] = {0.f, 0.f};
-  const int last = min(t, q0 + BQ);
-  const int first = window > 0 ? max(0, q0 - window + 1) / BK * BK : 0;
-  for (int k0 = first; k0 < last; k0 += BK) {
+  int stage = 0;
+  for (int k0 = first; k0 < last; k0 += BK, stage ^= 1) {
+    if (k0 + BK < last) {
+      fetch(stage ^ 1, k0 + BK);
+      copies_wait<1>();
+    } else {
+      copies_wait<0>();
+    }
     __syncthreads();
-    load_tile(ks, nullptr, kp, kt, k0, t, BK);
-    load_tile(nullptr, vs_t, vp, vt, k0, t, BK);
-    __syncthreads();
+    const TX* ks = tiles + 2 * stage * BK * ROW;
+    const TX* vs = ks + BK * ROW;
     float s[BK / 8][4];
 #pragma unroll
     for (int n = 0; n < BK / 8; ++n) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
       for (int st = 0; st < KSTEPS; ++st) {
-        const TX* kr = ks + (n * 8 + g) * (HD + PAD) + st * 16 + tq * 2;
+        const TX* kr = ks + (n * 8 + g) * ROW + st * 16 + tq * 2;
         mma(s[n], qa[st], pair_at(kr), pair_at(kr + 8));
       }
     }
@@ -564,11 +591,15 @@ extern "C" __global__ void __launch_bounds__(128) attention_forward(
       unsigned pa[4];
       a_from_acc(pa, s[2 * j], s[2 * j + 1]);
 #pragma unroll
-      for (int d = 0; d < DTILES; ++d) {
-        const TX* vr = vs_t + (d * 8 + g) * (BK + PAD) + j * 16 + tq * 2;
-        mma(acc[d], pa, pair_at(vr), pair_at(vr + 8));
+      for (int d = 0; d < DTILES; d += 2) {
+        unsigned bv[4];
+        b_pair_along_rows(bv, vs, j * 16, d * 8);
+        mma(acc[d], pa, bv[0], bv[1]);
+        mma(acc[d + 1], pa, bv[2], bv[3]);
       }
     }
+    // The next fetch overwrites the stage just read.
+    __syncthreads();
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -594,139 +625,151 @@ extern "C" __global__ void __launch_bounds__(128) attention_forward(
 }
 
 // Backward: grid (key blocks, key/value heads, batch), 128 threads, shared memory from the
-// launch. Each block takes 64 keys of one key/value head through every query head that
-// reads them and every block of 32 queries that sees them: dV and dK accumulate in
+// launch: the block's key and value tiles, two stages of a query and an output-gradient
+// tile, and dS. Each block takes 64 keys of one key/value head through every query head
+// that reads them and every block of 32 queries that sees them: dV and dK accumulate in
 // registers (each warp 16 keys), dQ is added in fp32 into `dq` ([B, T, H, D], zeroed).
 // `delta` [B, H, T]: each query's dO·O; `do_` [B, T, H, D] contiguous.
-#define BQB 32
 extern "C" __global__ void __launch_bounds__(128) attention_backward(
     const TX* q, const TX* k, const TX* v, const TX* do_, const float* lse, const float* delta, float* dq, TX* dk,
     TX* dv, int t, int heads, int kv_heads, i64 qb, i64 qh, i64 qt, i64 kb, i64 kh, i64 kt, i64 vb, i64 vh, i64 vt,
     float scale, float cap, int window) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  TX* ks = (TX*)shared_bytes;                 // [BK][HD + PAD]
-  TX* vs = ks + BK * (HD + PAD);              // [BK][HD + PAD]
-  TX* ks_t = vs + BK * (HD + PAD);            // [HD][BK + PAD]
-  TX* qs = ks_t + HD * (BK + PAD);            // [BQB][HD + PAD]
-  TX* qs_t = qs + BQB * (HD + PAD);           // [HD][BQB + PAD]
-  TX* dos = qs_t + HD * (BQB + PAD);          // [BQB][HD + PAD]
-  TX* dos_t = dos + BQB * (HD + PAD);         // [HD][BQB + PAD]
-  TX* dss = dos_t + HD * (BQB + PAD);         // [BQB][BK + PAD]
-  float* lse_s = (float*)(dss + BQB * (BK + PAD));
-  float* delta_s = lse_s + BQB;
+  TX* ks = (TX*)shared_bytes;        // [BK][ROW]
+  TX* vs = ks + BK * ROW;            // [BK][ROW]
+  TX* stages = vs + BK * ROW;        // 2 × ([BQB][ROW] queries, [BQB][ROW] output gradients)
+  TX* dss = stages + 4 * BQB * ROW;  // [BQB][BK + PAD]
   const int kvh = blockIdx.y, b = blockIdx.z, group = heads / kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int k0 = blockIdx.x * BK, key_row = warp * 16 + g;
   const Mask mask{t, window};
-  load_tile(ks, ks_t, k + b * kb + kvh * kh, kt, k0, t, BK);
-  load_tile(vs, nullptr, v + b * vb + kvh * vh, vt, k0, t, BK);
+  copy_tile(ks, k + b * kb + kvh * kh, kt, k0, t, BK);
+  copy_tile(vs, v + b * vb + kvh * vh, vt, k0, t, BK);
+  copies_commit();
   float dk_acc[DTILES][4], dv_acc[DTILES][4];
 #pragma unroll
   for (int d = 0; d < DTILES; ++d) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
   }
-  // Queries that see these keys: from the first key on, within the window of the last.
+  // Queries that see these keys: from the first key on, within the window of the last;
+  // the steps run over every query head of the group and those blocks of queries.
   const int q_first = k0 / BQB * BQB;
   const int q_end = window > 0 ? min(t, k0 + BK - 1 + window) : t;
-  for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-    const TX* qp = q + b * qb + h * qh;
-    const TX* dop = do_ + ((i64)b * t * heads + h) * HD;
-    for (int q0 = q_first; q0 < q_end; q0 += BQB) {
-      __syncthreads();
-      load_tile(qs, qs_t, qp, qt, q0, t, BQB);
-      load_tile(dos, dos_t, dop, (i64)heads * HD, q0, t, BQB);
-      for (int i = threadIdx.x; i < BQB; i += blockDim.x) {
-        const bool in = q0 + i < t;
-        lse_s[i] = in ? lse[((i64)b * heads + h) * t + q0 + i] : 0.f;
-        delta_s[i] = in ? delta[((i64)b * heads + h) * t + q0 + i] : 0.f;
+  const int blocks = (q_end - q_first + BQB - 1) / BQB, steps = group * blocks;
+  auto fetch = [&](int step) {
+    const int h = kvh * group + step / blocks, q0 = q_first + (step % blocks) * BQB;
+    TX* into = stages + (step & 1) * 2 * BQB * ROW;
+    copy_tile(into, q + b * qb + h * qh, qt, q0, t, BQB);
+    copy_tile(into + BQB * ROW, do_ + ((i64)b * t * heads + h) * HD, (i64)heads * HD, q0, t, BQB);
+    copies_commit();
+  };
+  if (steps > 0) fetch(0);
+  for (int step = 0; step < steps; ++step) {
+    if (step + 1 < steps) {
+      fetch(step + 1);
+      copies_wait<1>();
+    } else {
+      copies_wait<0>();
+    }
+    __syncthreads();
+    const int h = kvh * group + step / blocks, q0 = q_first + (step % blocks) * BQB;
+    const TX* qs = stages + (step & 1) * 2 * BQB * ROW;
+    const TX* dos = qs + BQB * ROW;
+    const float* lse_h = lse + ((i64)b * heads + h) * t;
+    const float* delta_h = delta + ((i64)b * heads + h) * t;
+    // Sᵀ (this warp's 16 keys × 32 queries) = K Qᵀ, and dPᵀ = V dOᵀ.
+    float p[BQB / 8][4], dp[BQB / 8][4];
+#pragma unroll
+    for (int n = 0; n < BQB / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+      for (int st = 0; st < KSTEPS; ++st) {
+        unsigned a[4];
+        a_from(a, ks, ROW, key_row, st * 16 + tq * 2);
+        const TX* qr = qs + (n * 8 + g) * ROW + st * 16 + tq * 2;
+        mma(p[n], a, pair_at(qr), pair_at(qr + 8));
+        a_from(a, vs, ROW, key_row, st * 16 + tq * 2);
+        const TX* dr = dos + (n * 8 + g) * ROW + st * 16 + tq * 2;
+        mma(dp[n], a, pair_at(dr), pair_at(dr + 8));
       }
-      __syncthreads();
-      // Sᵀ (this warp's 16 keys × 32 queries) = K Qᵀ, and dPᵀ = V dOᵀ.
-      float p[BQB / 8][4], dp[BQB / 8][4];
+    }
+    // Pᵀ from the forward's log-sum-exp, and dSᵀ = Pᵀ ∘ (dPᵀ − δ) through the cap and the
+    // scale to the raw products.
+    float ds[BQB / 8][4];
 #pragma unroll
-      for (int n = 0; n < BQB / 8; ++n) {
+    for (int n = 0; n < BQB / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) p[n][e] = dp[n][e] = 0.f;
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + key_row + (e >> 1) * 8, query = q0 + n * 8 + tq * 2 + (e & 1);
+        float slope;
+        const float x = score(p[n][e], scale, cap, &slope);
+        const bool seen = mask.sees(query, key);
+        const float prob = seen ? expf(x - lse_h[query]) : 0.f;
+        p[n][e] = prob;
+        ds[n][e] = seen ? prob * (dp[n][e] - delta_h[query]) * slope * scale : 0.f;
+      }
+    }
+    // dV += Pᵀ dO and dK += dSᵀ Q, along the queries.
 #pragma unroll
-        for (int st = 0; st < KSTEPS; ++st) {
-          unsigned a[4];
-          a_from(a, ks, HD + PAD, key_row, st * 16 + tq * 2);
-          const TX* qr = qs + (n * 8 + g) * (HD + PAD) + st * 16 + tq * 2;
-          mma(p[n], a, pair_at(qr), pair_at(qr + 8));
-          a_from(a, vs, HD + PAD, key_row, st * 16 + tq * 2);
-          const TX* dr = dos + (n * 8 + g) * (HD + PAD) + st * 16 + tq * 2;
-          mma(dp[n], a, pair_at(dr), pair_at(dr + 8));
+    for (int j = 0; j < BQB / 16; ++j) {
+      unsigned pa[4], sa[4];
+      a_from_acc(pa, p[2 * j], p[2 * j + 1]);
+      a_from_acc(sa, ds[2 * j], ds[2 * j + 1]);
+#pragma unroll
+      for (int d = 0; d < DTILES; d += 2) {
+        unsigned bo[4], bq[4];
+        b_pair_along_rows(bo, dos, j * 16, d * 8);
+        mma(dv_acc[d], pa, bo[0], bo[1]);
+        mma(dv_acc[d + 1], pa, bo[2], bo[3]);
+        b_pair_along_rows(bq, qs, j * 16, d * 8);
+        mma(dk_acc[d], sa, bq[0], bq[1]);
+        mma(dk_acc[d + 1], sa, bq[2], bq[3]);
+      }
+    }
+    // dS (queries × keys) to shared memory for dQ = dS K.
+#pragma unroll
+    for (int n = 0; n < BQB / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dss[(n * 8 + tq * 2 + (e & 1)) * (BK + PAD) + key_row + (e >> 1) * 8] = from_f<TX>(ds[n][e]);
+      }
+    }
+    __syncthreads();
+    // Each warp: 16 of the 32 queries, half of D.
+    {
+      const int qrow = (warp & 1) * 16 + g, d_first = (warp >> 1) * (DTILES / 2);
+      float dq_acc[DTILES / 2][4];
+#pragma unroll
+      for (int d = 0; d < DTILES / 2; ++d) dq_acc[d][0] = dq_acc[d][1] = dq_acc[d][2] = dq_acc[d][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < BK / 16; ++j) {
+        unsigned a[4];
+        a_from(a, dss, BK + PAD, qrow, j * 16 + tq * 2);
+#pragma unroll
+        for (int d = 0; d < DTILES / 2; d += 2) {
+          unsigned bk[4];
+          b_pair_along_rows(bk, ks, j * 16, (d_first + d) * 8);
+          mma(dq_acc[d], a, bk[0], bk[1]);
+          mma(dq_acc[d + 1], a, bk[2], bk[3]);
         }
       }
-      // Pᵀ from the forward's log-sum-exp, and dSᵀ = Pᵀ ∘ (dPᵀ − δ) through the cap and the
-      // scale to the raw products.
-      float ds[BQB / 8][4];
 #pragma unroll
-      for (int n = 0; n < BQB / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + key_row + (e >> 1) * 8, ql = n * 8 + tq * 2 + (e & 1);
-          float slope;
-          const float x = score(p[n][e], scale, cap, &slope);
-          const float prob = mask.sees(q0 + ql, key) ? expf(x - lse_s[ql]) : 0.f;
-          p[n][e] = prob;
-          ds[n][e] = prob * (dp[n][e] - delta_s[ql]) * slope * scale;
-        }
-      }
-      // dV += Pᵀ dO and dK += dSᵀ Q, along the queries.
-#pragma unroll
-      for (int j = 0; j < BQB / 16; ++j) {
-        unsigned pa[4], sa[4];
-        a_from_acc(pa, p[2 * j], p[2 * j + 1]);
-        a_from_acc(sa, ds[2 * j], ds[2 * j + 1]);
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d) {
-          const TX* dr = dos_t + (d * 8 + g) * (BQB + PAD) + j * 16 + tq * 2;
-          mma(dv_acc[d], pa, pair_at(dr), pair_at(dr + 8));
-          const TX* qr = qs_t + (d * 8 + g) * (BQB + PAD) + j * 16 + tq * 2;
-          mma(dk_acc[d], sa, pair_at(qr), pair_at(qr + 8));
-        }
-      }
-      // dS (queries × keys) to shared memory for dQ = dS K.
-#pragma unroll
-      for (int n = 0; n < BQB / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          dss[(n * 8 + tq * 2 + (e & 1)) * (BK + PAD) + key_row + (e >> 1) * 8] = from_f<TX>(ds[n][e]);
-        }
-      }
-      __syncthreads();
-      // Each warp: 16 of the 32 queries, half of D.
-      {
-        const int qrow = (warp & 1) * 16 + g, d_first = (warp >> 1) * (DTILES / 2);
-        float dq_acc[DTILES / 2][4];
-#pragma unroll
-        for (int d = 0; d < DTILES / 2; ++d) dq_acc[d][0] = dq_acc[d][1] = dq_acc[d][2] = dq_acc[d][3] = 0.f;
-#pragma unroll
-        for (int j = 0; j < BK / 16; ++j) {
-          unsigned a[4];
-          a_from(a, dss, BK + PAD, qrow, j * 16 + tq * 2);
+      for (int half = 0; half < 2; ++half) {
+        const int row = q0 + qrow + half * 8;
+        if (row < t) {
+          float* out = dq + (((i64)b * t + row) * heads + h) * HD;
 #pragma unroll
           for (int d = 0; d < DTILES / 2; ++d) {
-            const TX* kr = ks_t + ((d_first + d) * 8 + g) * (BK + PAD) + j * 16 + tq * 2;
-            mma(dq_acc[d], a, pair_at(kr), pair_at(kr + 8));
-          }
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = q0 + qrow + half * 8;
-          if (row < t) {
-            float* out = dq + (((i64)b * t + row) * heads + h) * HD;
-#pragma unroll
-            for (int d = 0; d < DTILES / 2; ++d) {
-              atomicAdd(out + (d_first + d) * 8 + tq * 2, dq_acc[d][half * 2]);
-              atomicAdd(out + (d_first + d) * 8 + tq * 2 + 1, dq_acc[d][half * 2 + 1]);
-            }
+            atomicAdd(out + (d_first + d) * 8 + tq * 2, dq_acc[d][half * 2]);
+            atomicAdd(out + (d_first + d) * 8 + tq * 2 + 1, dq_acc[d][half * 2 + 1]);
           }
         }
       }
     }
+    // The next fetch overwrites the stage just read, and the next dS this one.
+    __syncthreads();
   }
   // This block's keys' gradients, summed over every query head of the group.
 #pragma unroll
@@ -1487,11 +1530,15 @@ Tensor readable(const Tensor& x) {
 constexpr int kAttentionThreads = 128, kAttentionKeys = 64, kAttentionQueries = 64, kBackwardQueries = 32;
 constexpr int kPad = 8;
 
+// Shared memory of the forward for head width `d`: two stages of a key and a value tile.
+size_t forward_shared_bytes(int64_t d, size_t element) {
+  return static_cast<size_t>(4 * kAttentionKeys * (d + kPad)) * element;
+}
+
 // Shared memory of the backward for head width `d` (see attention_backward's layout).
 size_t backward_shared_bytes(int64_t d, size_t element) {
   const int64_t k = kAttentionKeys, q = kBackwardQueries, row = d + kPad;
-  const int64_t elements = 2 * k * row + d * (k + kPad) + 2 * (q * row + d * (q + kPad)) + q * (k + kPad);
-  return static_cast<size_t>(elements) * element + 2 * q * sizeof(float);
+  return static_cast<size_t>(2 * k * row + 4 * q * row + q * (k + kPad)) * element;
 }
 
 struct Attention : public torch::autograd::Function<Attention> {
@@ -1513,7 +1560,7 @@ struct Attention : public torch::autograd::Function<Attention> {
     launch(kernel(kAttention, {{"TX", q.scalar_type()}}, "attention_forward", head_width(d)),
            dim3(static_cast<unsigned>((t + kAttentionQueries - 1) / kAttentionQueries), heads,
                 static_cast<unsigned>(batch)),
-           dim3(kAttentionThreads),
+           dim3(kAttentionThreads), forward_shared_bytes(d, q.element_size()),
            {&qp, &kp, &vp, &op, &lp, &sp, &t, &heads, &kv_heads, &qb, &qh, &qt, &kb, &kh, &kt, &vb, &vh, &vt, &scalef,
             &capf, &windowi});
     ctx->save_for_backward({q, k, v, o, lse});
