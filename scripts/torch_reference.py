@@ -371,6 +371,9 @@ def cmd_bench(args):
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         answer = {"seconds": elapsed, "steps": k, "loss": loss.item(), "peak_rss_bytes": peak_rss_bytes()}
+        if args.compile:
+            # Graphs torch.compile made: none would mean the step ran eagerly.
+            answer["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         if cuda:
             answer["peak_device_bytes"] = torch.cuda.max_memory_allocated()
         print(json.dumps(answer), flush=True)

@@ -143,6 +143,9 @@ pub struct Measurement {
     /// batches (Strata's, seeded alike) are compared by it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub final_loss: Option<f64>,
+    /// Graphs `torch.compile` made for the side (PyTorch's compiled side).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub compiled_graphs: u64,
     /// Model FLOPs utilisation, where the device's peak is known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
@@ -204,6 +207,10 @@ pub struct Report {
     pub trained_steps: u64,
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -232,6 +239,8 @@ struct Block {
     seconds: f64,
     /// The loss of the block's last step.
     loss: f64,
+    /// Graphs `torch.compile` made so far (PyTorch's compiled side).
+    compiled_graphs: u64,
     peak_rss_bytes: u64,
     peak_device_bytes: Option<u64>,
 }
@@ -315,6 +324,7 @@ impl Side for StrataSide {
         Ok(Block {
             seconds,
             loss,
+            compiled_graphs: 0,
             peak_rss_bytes: memory::process_peak_rss().unwrap_or(0),
             // A replayed graph allocates nothing: its step's memory is its pool's.
             peak_device_bytes: match self.device {
@@ -430,6 +440,8 @@ impl Side for PytorchSide {
         struct Answer {
             seconds: f64,
             loss: f64,
+            #[serde(default)]
+            compiled_graphs: u64,
             peak_rss_bytes: u64,
             peak_device_bytes: Option<u64>,
         }
@@ -437,6 +449,7 @@ impl Side for PytorchSide {
         Ok(Block {
             seconds: a.seconds,
             loss: a.loss,
+            compiled_graphs: a.compiled_graphs,
             peak_rss_bytes: a.peak_rss_bytes,
             peak_device_bytes: a.peak_device_bytes,
         })
@@ -613,6 +626,7 @@ pub fn measure(a: &BenchTrainArgs) -> Result<Report> {
                 tokens_per_s,
                 step_ms: 1000.0 * seconds / steps as f64,
                 final_loss: blocks.last().map(|b| b.loss),
+                compiled_graphs: blocks.iter().map(|b| b.compiled_graphs).max().unwrap_or(0),
                 mfu: peak_tflops.map(|peak| tokens_per_s * flops_per_token / (peak * 1e12)),
                 peak_rss_bytes: blocks.iter().map(|b| b.peak_rss_bytes).max().unwrap_or(0),
                 peak_device_bytes: blocks.iter().filter_map(|b| b.peak_device_bytes).max(),

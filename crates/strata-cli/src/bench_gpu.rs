@@ -455,7 +455,7 @@ fn attention_table(device: Device) -> Result<Vec<AttentionRow>> {
         let composite_ms = milliseconds(device, || both_ways(attention(&q, &kr, &vr, &options, None, terms, None)?))?;
         let (libtorch_forward_ms, strata_forward_ms) = tch::no_grad(|| -> Result<(f64, f64)> {
             let fused = milliseconds(device, || {
-                Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, scale, true)?;
+                let _ = Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, scale, true)?;
                 Ok(())
             })?;
             Ok((fused, milliseconds(device, || own(None, None, None).map(|_| ()))?))

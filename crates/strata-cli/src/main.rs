@@ -143,11 +143,11 @@ enum CkptCommand {
 
 #[derive(Subcommand)]
 enum BenchCommand {
-    /// Training throughput of a GPT or LLaMA in Strata and in PyTorch eager, side by side, on
-    /// the CPU or a GPU.
+    /// Training throughput of a GPT or LLaMA in Strata and in PyTorch eager (and under
+    /// torch.compile), side by side, on the CPU or a GPU.
     Train(bench::BenchTrainArgs),
-    /// On one GPU: GPT-2 124M and a 1.1B LLaMA in bf16, Strata against PyTorch eager (and fp8
-    /// against bf16): tokens/s, MFU, peak memory and synchronisations per step.
+    /// On one GPU: GPT-2 124M and a 1.1B LLaMA in bf16, Strata against PyTorch eager and
+    /// compiled; an 8B-shaped slice in fp8 against bf16; products, experts and attention.
     Gpu(bench_gpu::BenchGpuArgs),
     /// Collective bandwidth per backend and size, with memcpy bandwidth as the reference.
     Comm(bench_comm::BenchCommArgs),

@@ -419,22 +419,18 @@ __device__ __forceinline__ unsigned pack(float lo, float hi) {
   return *(unsigned*)&v;
 }
 
+// One m16n8k16 product of `ty` (bf16 or f16) operands into fp32.
+#define MMA_OF(ty)                                                                                        \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." #ty "." #ty ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, " \
+               "{%8,%9}, {%0,%1,%2,%3};"                                                                 \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 template <class T> struct Mma;
 template <> struct Mma<bf16> {
-  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) { MMA_OF(bf16); }
 };
 template <> struct Mma<f16> {
-  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) { MMA_OF(f16); }
 };
 // c (16 × 8, fp32) += a (16 × 16) · b (16 × 8). In each lane (g = lane / 4, t = lane % 4):
 // a holds rows g and g + 8 at columns 2t, 2t + 1 and 2t + 8, 2t + 9; b holds column g at

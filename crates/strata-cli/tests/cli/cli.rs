@@ -509,7 +509,9 @@ fn training_steps_reuse_freed_heap_memory_unless_the_user_tunes_malloc() {
 
 /// `strata bench train` measures PyTorch's side and Strata's in alternating blocks, or each
 /// alone one after the other (`--one-side-at-a-time`); either way every side is timed over
-/// every block and reported.
+/// every block and reported with its last loss. With `--compile` (here beside
+/// `--checkpoint`, every side recomputing) PyTorch under `torch.compile` is one more side,
+/// training the same model as its eager side from the same weights and batches.
 #[test]
 fn bench_train_times_every_side_in_alternating_blocks_or_one_at_a_time() {
     if common::venv_python().is_none() {
@@ -520,20 +522,35 @@ fn bench_train_times_every_side_in_alternating_blocks_or_one_at_a_time() {
         let mut args = args.to_vec();
         args.extend(["--rounds", "2", "--block", "2", "--warmup", "1", "--threads", "1", "--json"]);
         if alone {
-            args.push("--one-side-at-a-time");
+            args.extend(["--one-side-at-a-time", "--compile", "--checkpoint"]);
         }
         let o = strata(&args);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(report["one_side_at_a_time"], alone);
         assert_eq!(report["steps"], 4);
+        assert_eq!(report["trained_steps"], 5);
         let sides = report["sides"].as_array().unwrap();
         let names: Vec<&str> = sides.iter().map(|s| s["side"].as_str().unwrap()).collect();
-        assert_eq!(names, ["pytorch eager", "strata"]);
+        let expected: &[&str] =
+            if alone { &["pytorch eager", "strata", "pytorch compile"] } else { &["pytorch eager", "strata"] };
+        assert_eq!(names, expected);
         for side in sides {
             let rate = side["tokens_per_s"].as_f64().unwrap();
             assert!(rate.is_finite() && rate > 0.0, "{alone}: {side}");
+            // A 256-token vocabulary starts near ln 256 = 5.5.
+            let loss = side["final_loss"].as_f64().unwrap();
+            assert!(loss > 1.0 && loss < 7.0, "{alone}: {side}");
         }
         assert!(report["ratio"].as_f64().unwrap() > 0.0);
+        if alone {
+            // Compiled or not, PyTorch trains the same weights on the same batches.
+            let (eager, compiled) =
+                (sides[0]["final_loss"].as_f64().unwrap(), sides[2]["final_loss"].as_f64().unwrap());
+            assert!((eager - compiled).abs() < 1e-3 * eager, "eager {eager}, compiled {compiled}");
+            assert!(report["compile_ratio"].as_f64().unwrap() > 0.0);
+            assert!(sides[2]["compiled_graphs"].as_u64().unwrap() > 0, "the compiled side made no graph");
+            assert!(sides[0].get("compiled_graphs").is_none());
+        }
     }
 }
