@@ -186,6 +186,9 @@ pub struct RankBytes {
     /// Elements of parameters whose values and optimizer states this rank's checkpoint file
     /// holds: its shard of its units (all of them where states are not sharded).
     pub saved: u64,
+    /// Elements of parameters in this rank's units before ZeRO shards them: its stage's
+    /// units, its piece of each under tensor parallelism, its share of the experts.
+    pub held: u64,
 }
 
 /// The estimate for one layout: the busiest rank's device and host bytes, and each
@@ -654,8 +657,9 @@ pub fn estimate_with(
         }
         let allocated = device.total();
         device.overhead = machine.device.reserved_bytes + (allocated as f64 * machine.device.fragmentation) as u64;
+        let held = saved;
         let saved = if sharded { saved.div_ceil(dpu) } else { saved };
-        pipeline_ranks.push(RankBytes { device, host, saved });
+        pipeline_ranks.push(RankBytes { device, host, saved, held });
     }
     let busiest = (0..p).max_by_key(|&r| pipeline_ranks[r].device.total()).unwrap_or(0);
     let RankBytes { device, host, .. } = pipeline_ranks[busiest];
@@ -680,8 +684,9 @@ pub struct Generation {
 /// `generation.rows` rows of its positions (in the parameters' precision: decoding runs the
 /// units as declared; one layer's twice, while its next position is joined to it) and two
 /// fp32 rows of logits per row, before the step's activations
-/// exist, so the device holds the larger of the two; a reference copy holds every parameter
-/// in fp32 on every rank, unsharded.
+/// exist, so the device holds the larger of the two; a reference copy holds the rank's
+/// parameters ([`RankBytes::held`]: split as the trained model's are over tensor ranks,
+/// pipeline stages and expert groups, but not sharded by ZeRO) in fp32.
 pub fn with_generation(
     mut estimate: Estimate,
     config: &ModelConfig,
@@ -697,14 +702,12 @@ pub fn with_generation(
     let element = param_bytes(layout.candidate.precision);
     let rows = generation.rows as u64;
     let decoding = rows * per_row as u64 * element + 2 * rows * config.vocab() as u64 * 4;
-    let reference = match generation.reference_copy {
-        true => config.spec()?.num_params() as u64 * 4,
-        false => 0,
-    };
     for rank in &mut estimate.pipeline_ranks {
         let device = &mut rank.device;
         device.activations = device.activations.max(decoding);
-        device.params += reference;
+        if generation.reference_copy {
+            device.params += rank.held * 4;
+        }
         let allocated = device.total() - device.overhead;
         device.overhead = machine.device.reserved_bytes + (allocated as f64 * machine.device.fragmentation) as u64;
     }
@@ -829,7 +832,26 @@ mod tests {
         assert_eq!(few.device.activations, base.device.activations);
         let copy = Generation { reference_copy: true, ..g };
         let e = with_generation(base.clone(), &model, &plain, &copy, &machine).unwrap();
-        assert_eq!(e.device.params, base.device.params + model.spec().unwrap().num_params() as u64 * 4);
+        let whole = model.spec().unwrap().num_params() as u64 * 4;
+        assert_eq!(e.device.params, base.device.params + whole);
+        // Under fsdp the copy stays whole; two pipeline stages each copy their own units,
+        // and two tensor ranks their halves of the split weights.
+        let fsdp = layout(Precision::Fp32, Sharding::Fsdp, false);
+        let e = with_generation(run(fsdp.clone(), 2, 1), &model, &fsdp, &copy, &machine).unwrap();
+        assert_eq!(e.device.params, run(fsdp, 2, 1).device.params + whole);
+        let piped = Layout { pipeline: 2, ..plain.clone() };
+        let base = run(piped.clone(), 2, 2);
+        let e = with_generation(base.clone(), &model, &piped, &copy, &machine).unwrap();
+        let stages: Vec<u64> =
+            e.pipeline_ranks.iter().zip(&base.pipeline_ranks).map(|(e, b)| e.device.params - b.device.params).collect();
+        assert_eq!(stages.iter().sum::<u64>(), whole, "the stages' copies make one model");
+        assert!(stages.iter().all(|&s| s > 0 && s < whole), "{stages:?}");
+        let split = Layout { candidate: Candidate { tensor: 2, ..plain.candidate.clone() }, ..plain.clone() };
+        let base = run(split.clone(), 2, 1);
+        let e = with_generation(base.clone(), &model, &split, &copy, &machine).unwrap();
+        let copied = e.device.params - base.device.params;
+        assert!(copied < whole && copied > whole / 2, "{copied} of {whole}: the split weights halve");
+        assert_eq!(copied, base.device.params, "fp32: the copy is the trained parameters again");
     }
 
     /// The engine's ledger holds 474,112 bytes of parameters for this GPT, as many of
