@@ -837,17 +837,17 @@ mod tests {
         // Under fsdp the copy stays whole; two pipeline stages each copy their own units,
         // and two tensor ranks their halves of the split weights.
         let fsdp = layout(Precision::Fp32, Sharding::Fsdp, false);
-        let e = with_generation(run(fsdp.clone(), 2, 1), &model, &fsdp, &copy, &machine).unwrap();
+        let e = with_generation(run(fsdp, 2, 1), &model, &fsdp, &copy, &machine).unwrap();
         assert_eq!(e.device.params, run(fsdp, 2, 1).device.params + whole);
-        let piped = Layout { pipeline: 2, ..plain.clone() };
-        let base = run(piped.clone(), 2, 2);
+        let piped = Layout { pipeline: 2, ..plain };
+        let base = run(piped, 2, 2);
         let e = with_generation(base.clone(), &model, &piped, &copy, &machine).unwrap();
         let stages: Vec<u64> =
             e.pipeline_ranks.iter().zip(&base.pipeline_ranks).map(|(e, b)| e.device.params - b.device.params).collect();
         assert_eq!(stages.iter().sum::<u64>(), whole, "the stages' copies make one model");
         assert!(stages.iter().all(|&s| s > 0 && s < whole), "{stages:?}");
-        let split = Layout { candidate: Candidate { tensor: 2, ..plain.candidate.clone() }, ..plain.clone() };
-        let base = run(split.clone(), 2, 1);
+        let split = Layout { candidate: Candidate { tensor: 2, ..plain.candidate }, ..plain };
+        let base = run(split, 2, 1);
         let e = with_generation(base.clone(), &model, &split, &copy, &machine).unwrap();
         let copied = e.device.params - base.device.params;
         assert!(copied < whole && copied > whole / 2, "{copied} of {whole}: the split weights halve");
