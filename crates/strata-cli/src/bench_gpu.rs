@@ -43,7 +43,7 @@ pub struct BenchGpuArgs {
     no_compile: bool,
     /// Each side of each model alone on the GPU (`bench train --one-side-at-a-time`): for
     /// a GPU that cannot hold PyTorch's side beside Strata's (an 80 GB H100 at GPT-2's
-    /// 64 × 1024 tokens, where PyTorch's alone peaks near 67 GB).
+    /// 64 × 1024 tokens, where PyTorch's eager side alone peaked at 65.3 GiB).
     #[arg(long)]
     one_side_at_a_time: bool,
     /// The parts measured, in this order: the models (gpt2, llama-1.1b, llama-8b-slice: bf16
