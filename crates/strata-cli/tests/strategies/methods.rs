@@ -73,8 +73,8 @@ fn bad_method_configurations_are_one_line_errors_listing_what_is_allowed() {
         (r#"[["half", "int8"]]"#, "allowed: bf16, fp16, fp32"),
         (
             r#"[["module_replace", ["FusedMoE"]]]"#,
-            "registered: FlashAttention, FusedLayerNorm, FusedRMSNorm, VectorGelu, FusedSwiGLU, FusedRoPE, \
-             FusedCrossEntropy, FusedAddLayerNorm, FusedAddRMSNorm, FusedLinearGrad",
+            "registered: FlashAttention, StrataAttention, FusedLayerNorm, FusedRMSNorm, VectorGelu, FusedSwiGLU, \
+             FusedRoPE, FusedCrossEntropy, FusedAddLayerNorm, FusedAddRMSNorm, FusedLinearGrad",
         ),
         (r#"[["amp_native", {"loss_scaler": {"hysteresis": 0}}]]"#, "hysteresis must be positive"),
     ] {
