@@ -266,18 +266,24 @@ struct GpuReport {
 }
 
 /// TFLOP/s of `f`, an m×k×n product, over 20 calls after 3 warm-up calls.
-fn tflops(device: Device, (m, k, n): (i64, i64, i64), mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
-    let Device::Cuda(index) = device else { bail!("the products are measured on a GPU") };
-    for _ in 0..3 {
-        let _ = f()?;
+fn tflops(device: Device, (m, k, n): (i64, i64, i64), f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
+    let ms = per_call_ms(device, (3, 20), f)?;
+    Ok(2.0 * (m * k * n) as f64 / (ms / 1e3) / 1e12)
+}
+
+/// Milliseconds of the GPU's work per call of `f`, over `calls` calls after `warmup`.
+fn per_call_ms<T>(device: Device, (warmup, calls): (u32, u32), mut f: impl FnMut() -> Result<T>) -> Result<f64> {
+    let Device::Cuda(index) = device else { bail!("bench gpu measures on a GPU") };
+    for _ in 0..warmup {
+        f()?;
     }
     tch::Cuda::synchronize(index as i64);
     let start = Instant::now();
-    for _ in 0..20 {
-        let _ = f()?;
+    for _ in 0..calls {
+        f()?;
     }
     tch::Cuda::synchronize(index as i64);
-    Ok(20.0 * 2.0 * (m * k * n) as f64 / start.elapsed().as_secs_f64() / 1e12)
+    Ok(start.elapsed().as_secs_f64() * 1e3 / f64::from(calls))
 }
 
 /// The products measured: squares of growing size, then the feed-forward layers of the
@@ -318,18 +324,8 @@ fn gemm_table(device: Device) -> Result<Vec<GemmRow>> {
 }
 
 /// Milliseconds per call of `f` over 10 calls after 2 warm-up calls.
-fn milliseconds(device: Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    let Device::Cuda(index) = device else { bail!("the experts are measured on a GPU") };
-    for _ in 0..2 {
-        f()?;
-    }
-    tch::Cuda::synchronize(index as i64);
-    let start = Instant::now();
-    for _ in 0..10 {
-        f()?;
-    }
-    tch::Cuda::synchronize(index as i64);
-    Ok(start.elapsed().as_secs_f64() * 100.0)
+fn milliseconds<T>(device: Device, f: impl FnMut() -> Result<T>) -> Result<f64> {
+    per_call_ms(device, (2, 10), f)
 }
 
 /// A sparse layer's experts at Qwen3-30B-A3B's shapes (128 experts of hidden size 768 over
@@ -386,8 +382,8 @@ fn expert_table(device: Device) -> Result<Vec<ExpertRow>> {
             out.f_sum(Kind::Float)?.f_backward()?;
             Ok((out, params.iter().map(|w| w.grad().copy()).collect()))
         };
-        let loop_ms = milliseconds(device, || step(&looped).map(|_| ()))?;
-        let grouped_ms = milliseconds(device, || step(&grouped).map(|_| ()))?;
+        let loop_ms = milliseconds(device, || step(&looped))?;
+        let grouped_ms = milliseconds(device, || step(&grouped))?;
         let ((a, ga), (b, gb)) = (step(&looped)?, step(&grouped)?);
         let relative = |a: &Tensor, b: &Tensor| -> Result<f64> {
             let scale = a.f_abs()?.f_max()?.f_double_value(&[])?.max(1e-30);
@@ -455,10 +451,9 @@ fn attention_table(device: Device) -> Result<Vec<AttentionRow>> {
         let composite_ms = milliseconds(device, || both_ways(attention(&q, &kr, &vr, &options, None, terms, None)?))?;
         let (libtorch_forward_ms, strata_forward_ms) = tch::no_grad(|| -> Result<(f64, f64)> {
             let fused = milliseconds(device, || {
-                let _ = Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, scale, true)?;
-                Ok(())
+                Ok(Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, scale, true)?)
             })?;
-            Ok((fused, milliseconds(device, || own(None, None, None).map(|_| ()))?))
+            Ok((fused, milliseconds(device, || own(None, None, None))?))
         })?;
         rows.push(AttentionRow {
             shape: shape.into(),

@@ -414,11 +414,11 @@ pub fn attention(
     let window = options.window.filter(|&w| w < keys);
     let default_scale = 1.0 / (d as f64).sqrt();
     // Fused kernels align a causal mask to the first key, so they serve equal lengths only,
-    // and they know no window or cap; another scale is folded into the queries.
+    // of causal attention over unpacked rows without a bias or dropout.
+    let fusable = keys == t && hidden.is_none() && terms.bias.is_none() && !options.bidirectional && dropout.is_none();
+    // libtorch's know no window, cap or sinks; another scale is folded into the queries.
     if let Some(fused) = compute::replaced(|r| r.attention(q.kind()))
-        .filter(|_| keys == t && window.is_none() && options.softcap.is_none() && hidden.is_none())
-        .filter(|_| terms.bias.is_none() && terms.sinks.is_none())
-        .filter(|_| !options.bidirectional && dropout.is_none())
+        .filter(|_| fusable && window.is_none() && options.softcap.is_none() && terms.sinks.is_none())
     {
         let q = match options.scale {
             Some(scale) => q.f_mul_scalar(scale / default_scale)?,
@@ -427,10 +427,7 @@ pub fn attention(
         return fused(&q, &k, &v);
     }
     // Windows, caps and sinks: Strata's own kernel where it serves.
-    if let Some(own) = compute::replaced(|r| r.masked_attention(q.kind()))
-        .filter(|_| keys == t && hidden.is_none() && terms.bias.is_none())
-        .filter(|_| !options.bidirectional && dropout.is_none())
-    {
+    if let Some(own) = compute::replaced(|r| r.masked_attention(q.kind())).filter(|_| fusable) {
         let scale = options.scale.unwrap_or(default_scale);
         let scores = compute::replace::CausalScores { scale, softcap: options.softcap, window, sinks: terms.sinks };
         if let Some(out) = own(&q, &k, &v, &scores)? {
