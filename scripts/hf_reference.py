@@ -17,8 +17,9 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
             token rows with their token types, attention mask and labels;
             every training command drops out with Strata's masks (see strata_dropout);
   generate  prints the ids transformers' generate(do_sample=False) appends to a prompt;
-  generate-bench  times generate(do_sample=False) on a batch of prompts of one length, the
-            best of some rounds, and prints its seconds and the ids it appended;
+  generate-bench  times generate(do_sample=False) on a batch of prompts (shorter ones
+            padded on the left), the best of some rounds, and prints its seconds and the
+            ids it appended;
   seq2seq   writes the logits of a T5 folder's model for padded source rows with their
             attention mask and target labels (-100: none; the decoder's input is the labels
             shifted right), and its loss, to a safetensors file;
@@ -719,15 +720,19 @@ def main(argv=None):
         model = tf.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32)
         model.eval()
         model.generation_config.eos_token_id = None
-        prompts = torch.tensor(json.loads(args.prompts), dtype=torch.long)
+        rows = json.loads(args.prompts)
+        # Shorter prompts padded on the left, their padding masked, as batched decoding asks.
+        width = max(len(r) for r in rows)
+        prompts = torch.tensor([[0] * (width - len(r)) + r for r in rows], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
         best = float("inf")
         for _ in range(args.rounds):
             start = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(prompts, do_sample=False, max_new_tokens=args.max_new_tokens,
-                                     attention_mask=torch.ones_like(prompts), pad_token_id=0)
+                                     attention_mask=mask, pad_token_id=0)
             best = min(best, time.perf_counter() - start)
-        print(json.dumps({"seconds": best, "tokens": out[:, prompts.shape[1]:].tolist()}))
+        print(json.dumps({"seconds": best, "tokens": out[:, width:].tolist()}))
     elif args.command == "seq2seq":
         model = load_seq2seq(args.dir)
         model.eval()

@@ -17,9 +17,13 @@ pub struct BenchGenerateArgs {
     /// Prompts decoded together.
     #[arg(long, default_value_t = 16)]
     batch: usize,
-    /// Tokens of each prompt.
+    /// Tokens of each prompt (of the longest, with --mixed-lengths).
     #[arg(long, default_value_t = 32)]
     prompt_tokens: usize,
+    /// Prompts of several lengths, from half of --prompt-tokens up: both sides pad the
+    /// shorter ones on the left and mask their padding.
+    #[arg(long)]
+    mixed_lengths: bool,
     /// Tokens generated after each prompt.
     #[arg(long, default_value_t = 64)]
     new_tokens: usize,
@@ -80,8 +84,13 @@ pub fn run(args: BenchGenerateArgs) -> Result<()> {
     load_model_dir(&mut engine, &folder)?;
     // Prompts drawn from the tokenizer's words (ids 3 onwards), the same on both sides.
     let vocab = folder.config.vocab().min(90) - 3;
+    let shortest = args.prompt_tokens.div_ceil(2);
+    let length = |r: usize| match args.mixed_lengths {
+        true => args.prompt_tokens - (r * 7) % (args.prompt_tokens - shortest + 1),
+        false => args.prompt_tokens,
+    };
     let prompts: Vec<Vec<i64>> = (0..args.batch)
-        .map(|r| (0..args.prompt_tokens).map(|i| 3 + ((r * 31 + i * 17 + r * i) as i64 % vocab)).collect())
+        .map(|r| (0..length(r)).map(|i| 3 + ((r * 31 + i * 17 + r * i) as i64 % vocab)).collect())
         .collect();
     let config = GenerateConfig { max_new_tokens: args.new_tokens, ..Default::default() };
     let (batched, ours) = best_of(args.rounds, || Ok(generate_batch(&mut engine, None, &prompts, &config, context)?))?;
@@ -116,16 +125,22 @@ pub fn run(args: BenchGenerateArgs) -> Result<()> {
     let ratio = theirs_seconds / batched;
     if args.json {
         let report = serde_json::json!({
-            "batch": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+            "batch": args.batch, "prompt_tokens": args.prompt_tokens, "mixed_lengths": args.mixed_lengths,
+            "new_tokens": args.new_tokens,
             "rows": rows, "ratio": ratio, "same_rows": same_rows,
         });
         println!("{report}");
         return Ok(());
     }
+    let lengths = if args.mixed_lengths {
+        format!("{shortest} to {}", args.prompt_tokens)
+    } else {
+        args.prompt_tokens.to_string()
+    };
     println!(
-        "LLaMA (256 wide, 4 layers), {} prompts of {} tokens, {} new tokens each, greedy; {same_rows} of {} rows \
+        "LLaMA (256 wide, 4 layers), {} prompts of {lengths} tokens, {} new tokens each, greedy; {same_rows} of {} rows \
          decoded alike",
-        args.batch, args.prompt_tokens, args.new_tokens, args.batch
+        args.batch, args.new_tokens, args.batch
     );
     println!("| side | seconds | tokens/s |");
     println!("|---|---|---|");

@@ -174,7 +174,8 @@ pub struct EstimateArgs {
     /// activation_offload method), recomputed blocks' inputs with them.
     #[arg(long)]
     activation_offload: bool,
-    /// GRPO: every layout also decoding a group of this many completions of --ctx positions
+    /// GRPO with groups of this many completions: every layout also decoding a rank's
+    /// generation batch (--micro-batch × --accumulation completions of --ctx positions)
     /// before its step (the key/value cache counted beside the step's activations).
     #[arg(long)]
     num_generations: Option<usize>,
@@ -307,9 +308,17 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         );
     }
     // A reference copy alone (TR-DPO's) decodes nothing.
+    let decoded = a.micro_batch * a.accumulation;
+    if let Some(group) = a.num_generations.filter(|&g| g == 0 || !decoded.is_multiple_of(g)) {
+        bail!(
+            "--num-generations {group}: a rank's generation batch of {decoded} completions is not whole groups of it"
+        );
+    }
     let generation = match (a.num_generations, a.reference_copy) {
         (None, false) => None,
-        (rows, reference_copy) => Some(Generation { rows: rows.unwrap_or(0), positions: ctx, reference_copy }),
+        (group, reference_copy) => {
+            Some(Generation { rows: group.map_or(0, |_| decoded), positions: ctx, reference_copy })
+        }
     };
     // GRPO's generation where it is asked for (under LoRA the base is the reference), and
     // asynchronous checkpoints' snapshot.

@@ -6,8 +6,8 @@
 //! be decoded ([`Decoder`]). Must not own weights or tokenisation: it takes a decoder (an
 //! engine holding a whole model or its tensor-parallel pieces, with where the vocabulary is
 //! split, or a trainer whose pipeline stages each decode their units) and token ids.
-use crate::engine::{with_seed, Engine};
-use crate::model::{DecodeCache, RowLayout};
+use crate::engine::Engine;
+use crate::model::{dropout, DecodeCache, RowLayout};
 use crate::preference::{whole_logits, VocabularySplit};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -78,13 +78,19 @@ pub trait Decoder {
     fn start(&mut self) -> Vec<Vec<DecodeCache>>;
 
     /// The logits of `tokens` (`[rows, positions]` ids) following the positions `cache`
-    /// holds, which it then holds too; `None` where this rank computes no logits.
-    fn decode(&mut self, tokens: &Tensor, cache: &mut [Vec<DecodeCache>]) -> Result<Option<Tensor>>;
+    /// holds, which it then holds too, placed as `rows` says where rows of several lengths
+    /// decode together ([`RowLayout::left_padded`]); `None` where this rank computes no logits.
+    fn decode(
+        &mut self,
+        tokens: &Tensor,
+        rows: Option<&RowLayout>,
+        cache: &mut [Vec<DecodeCache>],
+    ) -> Result<Option<Tensor>>;
 
     /// The logits of `tokens` alone, with no cache.
     fn evaluate(&mut self, tokens: &Tensor) -> Result<Option<Tensor>> {
         let mut cache = self.start();
-        self.decode(tokens, &mut cache)
+        self.decode(tokens, None, &mut cache)
     }
 
     /// The tokens chosen where the logits are (`chosen`, one for each of `rows` rows), on
@@ -104,11 +110,19 @@ impl Decoder for Engine {
         vec![(0..self.spec().units.len()).map(|_| DecodeCache::default()).collect()]
     }
 
-    fn decode(&mut self, tokens: &Tensor, cache: &mut [Vec<DecodeCache>]) -> Result<Option<Tensor>> {
-        match cache {
-            [units] => Engine::decode(self, tokens, units).map(Some),
-            _ => Err(Error::Engine(format!("one engine decodes with one cache, not {}", cache.len()))),
-        }
+    fn decode(
+        &mut self,
+        tokens: &Tensor,
+        rows: Option<&RowLayout>,
+        cache: &mut [Vec<DecodeCache>],
+    ) -> Result<Option<Tensor>> {
+        let [units] = cache else {
+            return Err(Error::Engine(format!("one engine decodes with one cache, not {}", cache.len())));
+        };
+        self.set_layout(rows);
+        let logits = Engine::decode(self, tokens, units);
+        self.set_layout(None);
+        logits.map(Some)
     }
 
     fn evaluate(&mut self, tokens: &Tensor) -> Result<Option<Tensor>> {
@@ -128,13 +142,10 @@ pub fn generate(
     Ok(all.pop().unwrap_or_default())
 }
 
-/// The continuations of several prompts, in their order, decoded together: prompts of the
-/// same length share one batch (their rows of the key/value cache then line up, so no row
-/// is padded and each row's tokens are those it would get alone), and a batch decodes until
-/// every row has met a stop token or the count. A row that stopped early keeps its stop
-/// token last. Sampling draws from one stream seeded by `config.seed` for the whole call.
-/// `vocabulary`: where a tensor group splits the head's columns (each rank of the group
-/// then gathers the whole logits and makes the same choices).
+/// The continuations of several prompts, in their order, decoded together, each row
+/// sampling its own stream drawn from `config.seed` ([`generate_streams`] with every row in
+/// that one stream). `vocabulary`: where a tensor group splits the head's columns (each rank
+/// of the group then gathers the whole logits and makes the same choices).
 pub fn generate_batch(
     model: &mut dyn Decoder,
     vocabulary: Option<&VocabularySplit>,
@@ -142,47 +153,100 @@ pub fn generate_batch(
     config: &GenerateConfig,
     context: Option<i64>,
 ) -> Result<Vec<Vec<i64>>> {
+    generate_streams(model, vocabulary, prompts, &vec![config.seed; prompts.len()], config, context)
+}
+
+/// The continuations of several prompts, in their order, decoded together. With the cache,
+/// where the window never slides, every prompt shares one batch: shorter prompts are
+/// padded on the left, and their padding is hidden from the text and their positions
+/// counted from their first token ([`RowLayout::left_padded`]). Otherwise prompts of one
+/// length share a batch. Either way each row's tokens are those it would get alone, and a
+/// batch decodes until every row has met a stop token or the count; a row that stopped
+/// early keeps its stop token last.
+///
+/// Sampling: the `i`-th row of seed `streams[r]` (counting the rows of that seed in order)
+/// draws each token from a hash of its seed, its number and the token's place, not from
+/// libtorch's generator, so what a row samples does not depend on the rows decoded beside
+/// it (a GRPO group draws the same alone or among other prompts', on one rank or several).
+pub fn generate_streams(
+    model: &mut dyn Decoder,
+    vocabulary: Option<&VocabularySplit>,
+    prompts: &[Vec<i64>],
+    streams: &[u64],
+    config: &GenerateConfig,
+    context: Option<i64>,
+) -> Result<Vec<Vec<i64>>> {
     config.validate()?;
     if let Some(i) = prompts.iter().position(Vec::is_empty) {
         return Err(Error::Config(format!("prompt {i} holds no tokens")));
     }
-    let mut by_length: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    if streams.len() != prompts.len() {
+        return Err(Error::Config(format!("{} sampling streams for {} prompts", streams.len(), prompts.len())));
+    }
+    let mut members: BTreeMap<u64, u32> = BTreeMap::new();
+    let keys: Vec<[u32; 3]> = streams
+        .iter()
+        .map(|&s| {
+            let member = members.entry(s).or_default();
+            *member += 1;
+            [s as u32, (s >> 32) as u32, *member - 1]
+        })
+        .collect();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let window = context.unwrap_or(i64::MAX) as usize;
+    let mut batches: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (i, p) in prompts.iter().enumerate() {
-        by_length.entry(p.len()).or_default().push(i);
+        let together = config.cache && longest.saturating_add(config.max_new_tokens) <= window;
+        batches.entry(if together { 0 } else { p.len() }).or_default().push(i);
     }
     let device = model.device();
-    let window = context.unwrap_or(i64::MAX) as usize;
     let mut out = vec![vec![]; prompts.len()];
-    with_seed(config.seed as i64, || {
-        for rows in by_length.values() {
-            let mut tokens: Vec<Vec<i64>> = rows.iter().map(|&i| prompts[i].clone()).collect();
-            // The cache holds the positions decoded so far; `None` once the window slides.
-            // One plain row per prompt: no layout from a training batch applies.
-            let mut caches = Some(model.start()).filter(|_| config.cache);
-            let mut seen = 0;
-            let step = |chosen: &[i64]| -> Result<Vec<i64>> {
-                for (row, token) in tokens.iter_mut().zip(chosen) {
-                    row.push(*token);
-                }
-                let len = tokens[0].len();
-                if caches.is_some() && len > window {
-                    caches = None;
-                }
-                let logits = match caches.as_mut() {
-                    Some(c) => model.decode(&rows_of(&tokens, seen..len, device)?, c)?,
-                    None => model.evaluate(&rows_of(&tokens, len.saturating_sub(window)..len, device)?)?,
-                };
-                seen = len;
-                let logits = logits.map(|l| whole_logits(vocabulary, &l)).transpose()?;
-                model.share(choose_last(logits.as_ref(), config)?, rows.len())
-            };
-            let produced = produce(config, rows.len(), step)?;
-            for (&i, completion) in rows.iter().zip(produced) {
-                out[i] = completion;
+    for rows in batches.values() {
+        let longest = rows.iter().map(|&i| prompts[i].len()).max().unwrap_or(0);
+        let padding: Vec<i64> = rows.iter().map(|&i| (longest - prompts[i].len()) as i64).collect();
+        let padded = padding.iter().any(|&p| p > 0);
+        let mut tokens: Vec<Vec<i64>> =
+            rows.iter().zip(&padding).map(|(&i, &pad)| [&vec![0; pad as usize][..], &prompts[i]].concat()).collect();
+        // The cache holds the positions decoded so far; `None` once the window slides
+        // (never where rows are padded). No layout from a training batch applies.
+        let mut caches = Some(model.start()).filter(|_| config.cache);
+        let mut seen = 0;
+        let mut produced = 0u64;
+        let step = |chosen: &[i64]| -> Result<Vec<i64>> {
+            for (row, token) in tokens.iter_mut().zip(chosen) {
+                row.push(*token);
             }
+            let len = tokens[0].len();
+            if caches.is_some() && len > window {
+                caches = None;
+            }
+            let logits = match caches.as_mut() {
+                Some(c) => {
+                    let span = seen..len;
+                    let placed = match padded {
+                        true => Some(RowLayout::left_padded(&padding, seen as i64..len as i64)?.to_device(device)?),
+                        false => None,
+                    };
+                    model.decode(&rows_of(&tokens, span, device)?, placed.as_ref(), c)?
+                }
+                None => model.evaluate(&rows_of(&tokens, len.saturating_sub(window)..len, device)?)?,
+            };
+            seen = len;
+            let logits = logits.map(|l| whole_logits(vocabulary, &l)).transpose()?;
+            let draws: Vec<u32> = rows
+                .iter()
+                .map(|&i| {
+                    dropout::key_of(&[keys[i][0], keys[i][1], keys[i][2], produced as u32, (produced >> 32) as u32])
+                })
+                .collect();
+            produced += 1;
+            model.share(choose_last(logits.as_ref(), config, &draws)?, rows.len())
+        };
+        for (&i, completion) in rows.iter().zip(produce(config, rows.len(), step)?) {
+            out[i] = completion;
         }
-        Ok(out)
-    })
+    }
+    Ok(out)
 }
 
 /// Each of `rows` rows' tokens, one position after another as `next_tokens` chooses them
@@ -239,9 +303,12 @@ pub fn generate_from_source(
     };
     let mut caches: Option<Vec<DecodeCache>> =
         config.cache.then(|| (0..engine.spec().units.len()).map(|_| DecodeCache::default()).collect());
-    let result = with_seed(config.seed as i64, || {
+    let stream = [config.seed as u32, (config.seed >> 32) as u32, 0];
+    let result = {
         let next = |chosen: &[i64]| {
             target.extend(chosen.first());
+            let produced = target.len() as u64 - 1;
+            let draw = dropout::key_of(&[stream[0], stream[1], stream[2], produced as u32, (produced >> 32) as u32]);
             let logits = match caches.as_mut() {
                 Some(c) if chosen.is_empty() => {
                     engine.set_layout(Some(&layout(1)?));
@@ -256,10 +323,10 @@ pub fn generate_from_source(
                     engine.evaluate(&row(&[source, &target[..]].concat(), device)?)
                 }
             }?;
-            Ok(choose_last(Some(&logits), config)?.unwrap_or_default())
+            Ok(choose_last(Some(&logits), config, &[draw])?.unwrap_or_default())
         };
         produce(config, 1, next)
-    });
+    };
     engine.set_layout(None);
     Ok(result?.pop().unwrap_or_default())
 }
@@ -276,13 +343,16 @@ fn rows_of(rows: &[Vec<i64>], span: std::ops::Range<usize>, device: tch::Device)
 }
 
 /// Each row's next token from the last position of `logits` (`[rows, positions, V]`),
-/// where this rank holds them.
-fn choose_last(logits: Option<&Tensor>, config: &GenerateConfig) -> Result<Option<Vec<i64>>> {
-    logits.map(|l| choose(&l.f_select(1, -1)?, config)).transpose()
+/// where this rank holds them; `draws`: each row's key of its sampling draw.
+fn choose_last(logits: Option<&Tensor>, config: &GenerateConfig, draws: &[u32]) -> Result<Option<Vec<i64>>> {
+    logits.map(|l| choose(&l.f_select(1, -1)?, config, draws)).transpose()
 }
 
-/// The next token of each row from one position's logits `[rows, V]`.
-fn choose(logits: &Tensor, config: &GenerateConfig) -> Result<Vec<i64>> {
+/// The next token of each row from one position's logits `[rows, V]`: the most likely, or
+/// a sample drawn by the Gumbel-max rule (the largest of the scores plus −ln(−ln u), `u`
+/// each token's uniform draw from its row's key `draws[r]`), which picks each token with
+/// its softmax probability.
+fn choose(logits: &Tensor, config: &GenerateConfig, draws: &[u32]) -> Result<Vec<i64>> {
     let logits = logits.f_to_kind(Kind::Float)?;
     let tokens = |t: Tensor| -> Result<Vec<i64>> {
         Ok(Vec::<i64>::try_from(t.f_reshape([-1])?.f_to_device(tch::Device::Cpu)?)?)
@@ -305,22 +375,58 @@ fn choose(logits: &Tensor, config: &GenerateConfig) -> Result<Vec<i64>> {
         let dropped = dropped_sorted.f_scatter(-1, &order, &dropped_sorted)?;
         scores = scores.f_masked_fill(&dropped, f64::NEG_INFINITY)?;
     }
-    tokens(scores.f_softmax(-1, Kind::Float)?.f_multinomial(1, false)?)
+    let noise = dropout::uniforms(draws, vocab, scores.device())?.f_log()?.f_neg()?.f_log()?.f_neg()?;
+    tokens(scores.f_to_kind(Kind::Double)?.f_add(&noise)?.f_argmax(-1, false)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn sample_many(logits: &[f32], config: &GenerateConfig, draws: usize) -> std::collections::BTreeSet<i64> {
-        let t = Tensor::from_slice(logits).unsqueeze(0);
-        with_seed(7, || (0..draws).map(|_| choose(&t, config).unwrap()[0]).collect())
+    /// How often each token is drawn in `draws` rows of `logits`, each row its own key.
+    fn counts(logits: &[f32], config: &GenerateConfig, draws: usize) -> BTreeMap<i64, usize> {
+        let t = Tensor::from_slice(logits).unsqueeze(0).expand([draws as i64, -1], false);
+        let keys: Vec<u32> = (0..draws as u32).map(|i| dropout::key_of(&[7, i])).collect();
+        let mut counts = BTreeMap::new();
+        for token in choose(&t, config, &keys).unwrap() {
+            *counts.entry(token).or_default() += 1;
+        }
+        counts
+    }
+
+    fn sample_many(logits: &[f32], config: &GenerateConfig, draws: usize) -> Vec<i64> {
+        counts(logits, config, draws).into_keys().collect()
     }
 
     #[test]
     fn greedy_takes_the_largest_logit() {
         let t = Tensor::from_slice(&[0.1f32, 2.0, -1.0, 1.9, 0.0, 3.0, 0.5, 0.2]).view([2, 4]);
-        assert_eq!(choose(&t, &GenerateConfig::default()).unwrap(), vec![1, 1]);
+        assert_eq!(choose(&t, &GenerateConfig::default(), &[0, 0]).unwrap(), vec![1, 1]);
+    }
+
+    /// Drawn by the Gumbel-max rule from hashed uniforms, each token turns up with its
+    /// softmax probability; the same key draws the same token again.
+    #[test]
+    fn samples_follow_the_softmax_and_their_keys() {
+        let logits = [1.0f32, 0.0, -1.0, 0.5];
+        let sampling = GenerateConfig { temperature: 1.0, ..Default::default() };
+        let draws = 20_000;
+        let probs = Vec::<f64>::try_from(Tensor::from_slice(&logits).softmax(0, Kind::Double)).unwrap();
+        let seen = counts(&logits, &sampling, draws);
+        for (token, p) in probs.iter().enumerate() {
+            let share = *seen.get(&(token as i64)).unwrap_or(&0) as f64 / draws as f64;
+            // Four standard deviations of a share of 20,000 draws is at most 0.014.
+            assert!((share - p).abs() < 0.014, "token {token}: drawn {share:.4}, probability {p:.4}");
+        }
+        let t = Tensor::from_slice(&logits).unsqueeze(0).expand([64, -1], false);
+        let keys: Vec<u32> = (0..64).map(|i| dropout::key_of(&[3, i])).collect();
+        let once = choose(&t, &sampling, &keys).unwrap();
+        assert_eq!(once, choose(&t, &sampling, &keys).unwrap());
+        let halves = [
+            choose(&t.narrow(0, 0, 32), &sampling, &keys[..32]).unwrap(),
+            choose(&t.narrow(0, 32, 32), &sampling, &keys[32..]).unwrap(),
+        ];
+        assert_eq!(once, halves.concat(), "a row's draw depends on its key alone");
     }
 
     #[test]
@@ -330,10 +436,10 @@ mod tests {
         // Without a cut every token turns up in enough draws.
         assert_eq!(sample_many(&logits, &GenerateConfig { temperature: 5.0, ..sampling.clone() }, 400).len(), 5);
         let top2 = GenerateConfig { top_k: Some(2), ..sampling.clone() };
-        assert_eq!(sample_many(&logits, &top2, 200).into_iter().collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(sample_many(&logits, &top2, 200), vec![0, 1]);
         // Probabilities ≈ 0.36, 0.32, 0.02, 0.007, 0.29 by token: 0.5 needs tokens 0 and 1.
         let nucleus = GenerateConfig { top_p: Some(0.5), ..sampling };
-        assert_eq!(sample_many(&logits, &nucleus, 200).into_iter().collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(sample_many(&logits, &nucleus, 200), vec![0, 1]);
     }
 
     #[test]

@@ -122,3 +122,20 @@ fn the_tokenize_benchmark_compares_equal_ids() {
     assert!(report["ratio"].as_f64().unwrap() > 0.0);
     assert!(report["tokens"].as_u64().unwrap() > 1000);
 }
+
+/// `strata bench generate` with prompts of several lengths: Strata's batch, padded on the
+/// left, decodes every row as `transformers`' `generate` does on the same left-padded
+/// prompts with their attention mask.
+#[test]
+fn the_generation_benchmark_decodes_mixed_lengths_as_transformers() {
+    if common::venv_python().is_none() {
+        return;
+    }
+    let args = ["--batch", "6", "--prompt-tokens", "9", "--new-tokens", "12", "--rounds", "1", "--mixed-lengths"];
+    let o = strata(&[&["bench", "generate"][..], &args, &["--json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["same_rows"], 6, "{report}");
+    assert_eq!(report["rows"].as_array().unwrap().len(), 3);
+    assert!(report["ratio"].as_f64().unwrap() > 0.0);
+}

@@ -26,14 +26,15 @@ use std::time::Instant;
 use tch::{Device, Tensor};
 
 /// Decoding a dry run does before its steps, as a run does beside its own (GRPO's
-/// generation): `rows` continuations of `prompt`, `new_tokens` each, with the key/value
-/// cache.
+/// generation): a rank's generation batch of continuations of `prompt`, `new_tokens` each,
+/// decoded together with the key/value cache.
 #[derive(Clone, Debug)]
 pub struct GenerationProbe {
     /// The prompt every row continues.
     pub prompt: Vec<i64>,
-    /// Rows decoded together.
-    pub rows: usize,
+    /// Micro-batches of a generation batch (GRPO's `steps_per_generation`), or `None`: a
+    /// step's. A rank decodes as many rows as these micro-batches of its hold together.
+    pub micro_batches: Option<usize>,
     /// Tokens each row decodes.
     pub new_tokens: usize,
     /// The model's vocabulary, where a tensor group splits the head's columns (each rank
@@ -192,7 +193,9 @@ impl Bench<'_> {
         // Each step starts its own peak: the decoding's is read before the first.
         let decoding_peak = match &self.generation {
             Some(probe) => {
-                probe.decode(&mut trainer)?;
+                let micro_rows = steps[0].micro_batches.first().map_or(0, |b| b.inputs.size()[0] as usize);
+                let rows = micro_rows * probe.micro_batches.unwrap_or(steps[0].micro_batches.len());
+                probe.decode(&mut trainer, rows)?;
                 memory::allocator_peak(device).unwrap_or(0)
             }
             None => 0,
@@ -463,8 +466,8 @@ fn analyse_with(bench: &Bench<'_>, shelve: bool) -> Result<Analysis> {
 }
 
 impl GenerationProbe {
-    /// Decodes the probe's rows with `trainer`'s model (greedily: sampling holds the same).
-    fn decode(&self, trainer: &mut Trainer) -> Result<()> {
+    /// Decodes `rows` continuations with `trainer`'s model (greedily: sampling holds the same).
+    fn decode(&self, trainer: &mut Trainer, rows: usize) -> Result<()> {
         let group = trainer.parts().iter().find_map(|part| part.engine.tensor_parallel().cloned());
         let vocabulary = match (group, self.vocab) {
             (None, _) => None,
@@ -474,7 +477,7 @@ impl GenerationProbe {
             }
         };
         let config = GenerateConfig { max_new_tokens: self.new_tokens, cache: true, ..GenerateConfig::default() };
-        let prompts = vec![self.prompt.clone(); self.rows];
+        let prompts = vec![self.prompt.clone(); rows];
         crate::generate::generate_batch(trainer, vocabulary.as_ref(), &prompts, &config, None)?;
         Ok(())
     }

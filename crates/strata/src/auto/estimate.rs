@@ -671,7 +671,7 @@ pub fn estimate_with(
 /// What GRPO's generation adds to a rank beside its training step.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Generation {
-    /// Completions decoded together (one prompt's group).
+    /// Completions decoded together (a rank's generation batch).
     pub rows: usize,
     /// Positions of a row at most: its prompt and its completion.
     pub positions: i64,

@@ -156,6 +156,24 @@ fn below(prefix: u32, shape: &[i64], starts: &[i64], device: Device, threshold: 
     }
 }
 
+/// `parts` folded in order into one 32-bit key (for [`uniforms`]).
+pub(crate) fn key_of(parts: &[u32]) -> u32 {
+    parts.iter().fold(0, |h, &v| fold(h, v))
+}
+
+/// `[keys.len(), width]` draws uniform in (0, 1), fp64: element `(r, v)` is `v` folded into
+/// `keys[r]`, so each row's draws follow from its key alone, whatever rows are drawn
+/// beside it (sampling's streams, one a decoded row).
+pub(crate) fn uniforms(keys: &[u32], width: i64, device: Device) -> Result<Tensor> {
+    let keys: Vec<i64> = keys.iter().map(|&k| i64::from(k)).collect();
+    let rows = Tensor::f_from_slice(&keys)?.f_to_device(device)?.f_unsqueeze(1)?;
+    let mut hash = rows.f_add(&Tensor::f_arange(width, (Kind::Int64, device))?.f_unsqueeze(0)?)?;
+    let _ = hash.f_bitwise_and_(MASK)?;
+    mix_in_place(&mut hash)?;
+    // The 2³² hashes' bins, each drawn at its middle: never 0 or 1.
+    Ok(hash.f_to_kind(Kind::Double)?.f_add_scalar(0.5)?.f_div_scalar((1u64 << 32) as f64)?)
+}
+
 /// FNV-1a of a unit's name: which unit draws.
 fn name_hash(name: &str) -> u32 {
     name.bytes().fold(0x811c_9dc5, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))

@@ -12,7 +12,7 @@
 use super::dropout::masked;
 use super::head_loss::head_output;
 use super::layers::{
-    add_layer_norm, attend, gelu_tanh, layer_norm_into_product, merge_heads, split_heads, vocab_embedding,
+    add_layer_norm, attend, attention, gelu_tanh, layer_norm_into_product, merge_heads, split_heads, vocab_embedding,
     AttentionOptions, ScoreTerms,
 };
 use super::{
@@ -109,7 +109,11 @@ impl Unit for GptEmbedding {
         let t = tokens.size().last().copied().unwrap_or(0);
         self.check_length(cache.position() + t)?;
         let start = cache.advance(t);
-        let pos = Tensor::f_arange_start(start, start + t, (tch::Kind::Int64, tokens.device()))?;
+        // Rows decoded together after left padding each count from their first token.
+        let pos = match p.layout() {
+            Some(layout) => layout.positions.shallow_clone(),
+            None => Tensor::f_arange_start(start, start + t, (tch::Kind::Int64, tokens.device()))?,
+        };
         let tok = Tensor::f_embedding(&p[self.wte], tokens, -1, false, false)?;
         Ok(tok.f_add(&Tensor::f_embedding(&p[self.wpe], &pos, -1, false, false)?)?)
     }
@@ -174,16 +178,18 @@ impl GptBlock {
         let parts = qkv.f_split(dim, 2)?;
         let (q, k, v) =
             (split_heads(&parts[0], heads)?, split_heads(&parts[1], heads)?, split_heads(&parts[2], heads)?);
-        let (k, v, layout) = match cache {
-            Some(c) => {
-                let (k, v) = c.extend(&k, &v)?;
-                (k, v, None)
-            }
-            None => (k, v, p.layout()),
-        };
         let probs = p.dropping_heads(self.dropout.attention, 0, heads);
         let options = AttentionOptions::default();
-        let y = merge_heads(&attend(p, &q, &k, &v, &options, layout, ScoreTerms::default(), probs.as_ref())?)?;
+        let y = match cache {
+            Some(c) => {
+                // Decoding, the layout marks left padding the cache must keep hidden.
+                let hidden = p.layout().map(|l| c.hide_other_examples(&l.examples)).transpose()?;
+                let (k, v) = c.extend(&k, &v)?;
+                attention(&q, &k, &v, &options, hidden.as_ref(), ScoreTerms::default(), probs.as_ref())?
+            }
+            None => attend(p, &q, &k, &v, &options, p.layout(), ScoreTerms::default(), probs.as_ref())?,
+        };
+        let y = merge_heads(&y)?;
         let attended = p.row_linear(&y, self.attn_proj.0, Some(self.attn_proj.1))?;
         // Where the residual stream holds this rank's piece of the sequence (sequence parallel).
         let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];

@@ -24,8 +24,8 @@ use super::gpt::divides_heads;
 use super::head_loss::head_output;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
-    add_rms_norm, attend, geglu, linear, merge_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one, split_heads,
-    swiglu, AttentionOptions, ScoreTerms,
+    add_rms_norm, attend, attention, geglu, linear, merge_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one,
+    split_heads, swiglu, AttentionOptions, ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -639,29 +639,46 @@ impl LlamaBlock {
         let heads = self.heads / tp.size();
         let start = cache.as_ref().map_or(0, |c| c.position());
         let h = tp.enter(&self.kinds.norm_into_product(x, &p[self.input_norm])?)?;
-        let attended = match &self.mixer {
-            Mixer::Linear(linear) => {
-                if p.layout().is_some() && cache.is_none() {
-                    return Err(Error::Config(
-                        "linear attention takes no packed rows: its state would carry from one example to the next"
-                            .into(),
-                    ));
-                }
+        let attended = match (&self.mixer, cache) {
+            (Mixer::Linear(linear), cache) => {
+                let h =
+                    match (p.layout(), &cache) {
+                        (Some(_), None) => return Err(Error::Config(
+                            "linear attention takes no packed rows: its state would carry from one example to the next"
+                                .into(),
+                        )),
+                        // A decoded row's left padding enters as zeros, which leave the
+                        // convolution's inputs and the recurrent state as they start: the text
+                        // follows as if alone.
+                        (Some(layout), Some(_)) => {
+                            h.f_mul(&layout.examples.f_ne(0)?.f_unsqueeze(-1)?.f_to_kind(h.kind())?)?
+                        }
+                        (None, _) => h,
+                    };
                 linear.forward(p, &h, cache)?
             }
-            Mixer::Attention(a) => {
-                let packed = p.layout().filter(|_| cache.is_none());
-                let placed = match packed {
-                    Some(layout) => Placed::Packed(&layout.positions),
+            (Mixer::Attention(a), mut cache) => {
+                let placed = match p.layout() {
+                    Some(layout) => Placed::Packed(&layout.positions, start + h.size()[1]),
                     None => Placed::After(start),
                 };
+                // Decoding, the layout marks left padding the cache must keep hidden.
+                let hidden = match (cache.as_deref_mut(), p.layout()) {
+                    (Some(c), Some(layout)) => Some(c.hide_other_examples(&layout.examples)?),
+                    _ => None,
+                };
+                let packed = p.layout().filter(|_| cache.is_none());
                 let (q, k, v, gate) = match &a.inputs {
                     HeadInputs::Grouped(g) => g.queries_keys_values(p, &h, heads, placed, cache, a.options.window)?,
                     HeadInputs::Latent(l) => l.queries_keys_values(p, &h, heads, placed, cache)?,
                 };
                 let probs = p.dropping_heads(a.dropout, 0, heads);
                 let terms = ScoreTerms { bias: None, sinks: a.sinks.map(|s| &p[s]) };
-                let y = merge_heads(&attend(p, &q, &k, &v, &a.options, packed, terms, probs.as_ref())?)?;
+                let y = match &hidden {
+                    Some(mask) => attention(&q, &k, &v, &a.options, Some(mask), terms, probs.as_ref())?,
+                    None => attend(p, &q, &k, &v, &a.options, packed, terms, probs.as_ref())?,
+                };
+                let y = merge_heads(&y)?;
                 let y = match gate {
                     Some(gate) => y.f_mul(&gate.f_sigmoid()?)?,
                     None => y,

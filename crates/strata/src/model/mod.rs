@@ -166,11 +166,14 @@ impl ModelConfig {
 }
 
 /// What a unit keeps between the steps of token-by-token decoding: how many positions it
-/// has seen and, for attention, their keys and values (`[B, H, T, D]`).
+/// has seen and, for attention, their keys and values (`[B, H, T, D]`) and, where rows of
+/// several lengths decode together, which example each held position belongs to (`[B, T]`:
+/// 0 for a row's left padding, 1 for its text).
 #[derive(Default)]
 pub struct DecodeCache {
     position: i64,
     keys_values: Option<(Tensor, Tensor)>,
+    examples: Option<Tensor>,
     encoded: Option<EncodedMemory>,
     recurrent: Option<linear::RecurrentState>,
 }
@@ -211,15 +214,36 @@ impl DecodeCache {
         Ok((k, v))
     }
 
-    /// Forgets all but the last `keep` positions' keys and values (a sliding window's
-    /// attention never reads further back); positions still count from the first.
+    /// Records which example each new position belongs to (`examples`, `[B, new]`, as
+    /// [`RowLayout::examples`]) after those held, and returns the `[B, 1, new, held + new]`
+    /// mask of the positions of another example than each new one's: what its attention must
+    /// not read (a shorter row's left padding). Call it before [`DecodeCache::extend`] adds
+    /// the same positions' keys and values.
+    pub fn hide_other_examples(&mut self, examples: &Tensor) -> Result<Tensor> {
+        let all = match &self.examples {
+            Some(held) => Tensor::f_cat(&[held, examples], 1)?,
+            None => examples.shallow_clone(),
+        };
+        self.examples = Some(all.shallow_clone());
+        layers::examples_differ(examples, &all)
+    }
+
+    /// Forgets all but the last `keep` positions' keys, values and examples (a sliding
+    /// window's attention never reads further back); positions still count from the first.
     pub fn keep_last(&mut self, keep: i64) -> Result<()> {
-        if let Some((k, v)) = &mut self.keys_values {
-            let held = k.size()[2];
+        let last = |t: &mut Tensor, dim: i64| -> Result<()> {
+            let held = t.size()[dim as usize];
             if held > keep {
-                *k = k.f_narrow(2, held - keep, keep)?;
-                *v = v.f_narrow(2, held - keep, keep)?;
+                *t = t.f_narrow(dim, held - keep, keep)?;
             }
+            Ok(())
+        };
+        if let Some((k, v)) = &mut self.keys_values {
+            last(k, 2)?;
+            last(v, 2)?;
+        }
+        if let Some(examples) = &mut self.examples {
+            last(examples, 1)?;
         }
         Ok(())
     }
@@ -403,6 +427,23 @@ impl RowLayout {
             examples: grid(&|n, t| i64::from(t >= n && t < sources))?,
             segments: None,
             source_len: Some(sources),
+        })
+    }
+
+    /// The layout of positions `span` of rows decoded together from prompts of several
+    /// lengths, row `r` left-padded by `padding[r]` positions: each position's place counts
+    /// from its row's first token (padding's is 0), and the padding is example 0, the text
+    /// example 1, so the text never reads the padding ([`DecodeCache::hide_other_examples`]).
+    pub fn left_padded(padding: &[i64], span: std::ops::Range<i64>) -> Result<RowLayout> {
+        let grid = |cell: &dyn Fn(i64, i64) -> i64| -> Result<Tensor> {
+            let v: Vec<i64> = padding.iter().flat_map(|&pad| span.clone().map(move |t| cell(pad, t))).collect();
+            Ok(Tensor::f_from_slice(&v)?.f_view([padding.len() as i64, span.end - span.start])?)
+        };
+        Ok(RowLayout {
+            positions: grid(&|pad, t| (t - pad).max(0))?,
+            examples: grid(&|pad, t| i64::from(t >= pad))?,
+            segments: None,
+            source_len: None,
         })
     }
 
@@ -661,7 +702,10 @@ pub trait Unit: Send + Sync {
 
     /// The forward of the next positions of a sequence whose earlier positions this unit
     /// saw through the same `cache` (decoding with a key/value cache: each new token costs
-    /// one position). The default refuses for units that are not position-wise, and
+    /// one position). A layout in `params` ([`RowLayout::left_padded`]) places the new
+    /// positions of rows decoded together from prompts of several lengths and marks each
+    /// row's left padding, which no text position may read. The default refuses for units
+    /// that are not position-wise, and
     /// generation passes the refusal up: such a model generates only with the cache off
     /// (`cache: false`, `--no-cache`), each token then recomputing its whole window.
     fn decode(&self, params: &Params<'_>, input: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {

@@ -197,11 +197,12 @@ impl Rope {
 }
 
 /// Where a forward's new positions sit: after `start` earlier ones (those a decoding cache
-/// holds), or at each row's positions `[B, T]` in its packed examples.
+/// holds), or at each row's positions `[B, T]` (packed examples, each starting again at 0,
+/// or left-padded rows decoded together) in rows of the given length.
 #[derive(Clone, Copy)]
 pub(crate) enum Placed<'a> {
     After(i64),
-    Packed(&'a Tensor),
+    Packed(&'a Tensor, i64),
 }
 
 /// A [`Rope`] at work in a unit: queries and keys rotated with one pair of cosine and sine
@@ -247,16 +248,16 @@ impl Rotation {
     pub(crate) fn rotate_placed(&self, q: &Tensor, k: &Tensor, placed: Placed<'_>) -> Result<(Tensor, Tensor)> {
         match placed {
             Placed::After(start) => self.rotate(q, k, start),
-            Placed::Packed(positions) => self.rotate_at(q, k, positions),
+            Placed::Packed(positions, len) => self.rotate_at(q, k, positions, len),
         }
     }
 
     /// Rotates queries and keys `[B, H, T, D]` by each row's own positions `[B, T]` (packed
-    /// examples, each starting again at 0); the frequencies are those of `T` positions.
-    pub fn rotate_at(&self, q: &Tensor, k: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// examples, each starting again at 0); the frequencies are those of rows `len` long.
+    pub fn rotate_at(&self, q: &Tensor, k: &Tensor, positions: &Tensor, len: i64) -> Result<(Tensor, Tensor)> {
         // [B, 1, T]: one table per row, shared by its heads.
         let positions = positions.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
-        self.rotate_by(q, k, &positions, q.size()[2])
+        self.rotate_by(q, k, &positions, len)
     }
 
     /// Rotates by angles `positions · frequencies` (`positions` `[T]`, or `[B, 1, T]`), the
@@ -372,7 +373,7 @@ mod tests {
         let x = Tensor::randn([2, 2, 4, 8], (Kind::Float, tch::Device::Cpu));
         // Row 0 at positions 0..4; row 1 holds an example at 3..5 then one from 0 again.
         let positions = Tensor::from_slice(&[0i64, 1, 2, 3, 3, 4, 0, 1]).view([2, 4]);
-        let (packed, _) = rotation.rotate_at(&x, &x, &positions).unwrap();
+        let (packed, _) = rotation.rotate_at(&x, &x, &positions, x.size()[2]).unwrap();
         let (from_0, _) = rotation.rotate(&x, &x, 0).unwrap();
         let (from_3, _) = rotation.rotate(&x, &x, 3).unwrap();
         let row = |t: &Tensor, r: i64, at: i64, n: i64| t.get(r).narrow(1, at, n);

@@ -10,7 +10,7 @@ use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::data::{Batch, PromptSet, RowSet, Step};
 use crate::engine::with_seed;
 use crate::engine::Engine;
-use crate::generate::{generate_batch, GenerateConfig};
+use crate::generate::{generate_streams, GenerateConfig};
 use crate::grpo::{advantages, GrpoConfig, GrpoMetrics, GrpoObjective, Rollouts};
 use crate::train::{token_input, Feed, KeptWeights, StepReport, Trainer};
 use crate::{Error, Result};
@@ -185,10 +185,11 @@ pub(super) fn train(
 }
 
 /// Each of `prompts` (its record and tokens) completed `num_generations` times by the
-/// trainer's model, the group decoded together with the key/value cache and sampled as
-/// `objective`'s configuration says from a seed of `seed` and its record, ending at a stop
-/// token or the most completion tokens; rewards left NaN for the caller to give. Returns
-/// each completion's record too.
+/// trainer's model, every prompt's group decoded together with the key/value cache and
+/// sampled as `objective`'s configuration says, each group from a stream seeded by `seed`
+/// and its record (so its completions do not depend on the prompts beside it), ending at a
+/// stop token or the most completion tokens; rewards left NaN for the caller to give.
+/// Returns each completion's record too.
 pub fn generate_rollouts(
     trainer: &mut Trainer,
     objective: &GrpoObjective,
@@ -199,27 +200,29 @@ pub fn generate_rollouts(
     let c = objective.config();
     trainer.settle_updates()?;
     let vocabulary = objective.vocabulary_split();
+    let sampling = GenerateConfig {
+        max_new_tokens: c.max_completion_length,
+        temperature: c.temperature,
+        top_k: c.top_k,
+        top_p: c.top_p,
+        seed,
+        stop_tokens: stop_tokens.to_vec(),
+        cache: true,
+    };
+    let rows: Vec<(usize, &Vec<i64>)> =
+        prompts.iter().flat_map(|(record, prompt)| std::iter::repeat_n((*record, prompt), c.num_generations)).collect();
+    let texts: Vec<Vec<i64>> = rows.iter().map(|(_, prompt)| (*prompt).clone()).collect();
+    let streams: Vec<u64> =
+        rows.iter().map(|(record, _)| seed.wrapping_mul(1_000_003).wrapping_add(*record as u64)).collect();
+    let completions = generate_streams(trainer, vocabulary.as_ref(), &texts, &streams, &sampling, None)?;
     let mut rollouts = Rollouts::default();
-    let mut records = vec![];
-    for (record, prompt) in prompts {
-        let sampling = GenerateConfig {
-            max_new_tokens: c.max_completion_length,
-            temperature: c.temperature,
-            top_k: c.top_k,
-            top_p: c.top_p,
-            seed: seed.wrapping_mul(1_000_003).wrapping_add(*record as u64),
-            stop_tokens: stop_tokens.to_vec(),
-            cache: true,
-        };
-        let group = vec![prompt.clone(); c.num_generations];
-        for completion in generate_batch(trainer, vocabulary.as_ref(), &group, &sampling, None)? {
-            rollouts.truncated.push(completion.last().is_none_or(|t| !stop_tokens.contains(t)));
-            rollouts.completions.push(completion);
-            rollouts.prompts.push(prompt.clone());
-            rollouts.rewards.push(f64::NAN);
-            records.push(*record);
-        }
+    for ((_, prompt), completion) in rows.iter().zip(completions) {
+        rollouts.truncated.push(completion.last().is_none_or(|t| !stop_tokens.contains(t)));
+        rollouts.completions.push(completion);
+        rollouts.prompts.push((*prompt).clone());
+        rollouts.rewards.push(f64::NAN);
     }
+    let records = rows.iter().map(|(record, _)| *record).collect();
     Ok((rollouts, records))
 }
 

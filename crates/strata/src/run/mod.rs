@@ -1661,7 +1661,7 @@ fn choose_strategy(
 
 /// GRPO's search: its dry runs train on rows as long as its training rows at their longest
 /// (each prompt and a whole completion, the next-token loss standing for GRPO's, which
-/// reads the same logits), each first decodes one prompt's group as generation does, and
+/// reads the same logits), each first decodes a rank's generation batch as generation does, and
 /// where the KL term reads a frozen copy of the model (no LoRA) its fp32 weights are taken
 /// from the device budget.
 fn grpo_dry_runs(
@@ -1678,7 +1678,7 @@ fn grpo_dry_runs(
     job.loss_func = None;
     job.generation = Some(GenerationProbe {
         prompt,
-        rows: c.num_generations,
+        micro_batches: c.steps_per_generation,
         new_tokens: c.max_completion_length,
         vocab: model.config.as_ref().map(|m| m.vocab()),
     });

@@ -21,7 +21,7 @@ use crate::engine::{memory, Engine, Event, EventSink, GradReady, MemoryLedger, P
 use crate::generate::Decoder;
 use crate::io::WeightsTarget;
 use crate::model::layers::cross_entropy;
-use crate::model::{DecodeCache, DropoutDraw, ModelSpec};
+use crate::model::{DecodeCache, DropoutDraw, ModelSpec, RowLayout};
 use crate::optim::{LrSchedule, Optimizer};
 use crate::profile::Profiler;
 use crate::{Error, Result};
@@ -473,8 +473,19 @@ impl Decoder for Trainer {
             .collect()
     }
 
-    fn decode(&mut self, tokens: &Tensor, cache: &mut [Vec<DecodeCache>]) -> Result<Option<Tensor>> {
-        self.executor.decode(&mut self.parts, tokens, cache)
+    fn decode(
+        &mut self,
+        tokens: &Tensor,
+        rows: Option<&RowLayout>,
+        cache: &mut [Vec<DecodeCache>],
+    ) -> Result<Option<Tensor>> {
+        let place = |parts: &mut [ModelPart], rows: Option<&RowLayout>| {
+            parts.iter_mut().for_each(|part| part.engine.set_layout(rows));
+        };
+        place(&mut self.parts, rows);
+        let logits = self.executor.decode(&mut self.parts, tokens, cache);
+        place(&mut self.parts, None);
+        logits
     }
 
     fn share(&self, chosen: Option<Vec<i64>>, rows: usize) -> Result<Vec<i64>> {

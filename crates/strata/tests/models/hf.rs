@@ -7,7 +7,7 @@ use crate::hf_reference::{python, reference};
 use std::collections::BTreeMap;
 use std::path::Path;
 use strata::engine::{Engine, EngineConfig};
-use strata::generate::{generate, generate_batch, GenerateConfig};
+use strata::generate::{generate, generate_batch, generate_streams, GenerateConfig};
 use strata::io::{load_model_dir, save_weights, write_weights, FolderOut, WeightsTarget};
 use strata::model::{from_pretrained_dir, BertConfig, BertHead, Builder, GptConfig, ModelConfig};
 use tch::{Kind, Tensor};
@@ -157,12 +157,14 @@ fn greedy_generation_equals_transformers() {
 }
 
 /// Prompts decoded together give each the tokens it gets alone, greedy, with and without
-/// the cache: rows of one length share a batch, and a row that meets a stop token ends there
-/// while the others go on.
+/// the cache: with it, shorter prompts are padded on the left (in every attention kind:
+/// plain, windowed and soft-capped, with sinks, latent, linear), without it rows of one
+/// length share a batch; a row that meets a stop token ends there while the others go on.
+/// Sampled, each row draws from its own stream, the same alone or beside other prompts.
 #[test]
 fn batched_generation_equals_one_at_a_time() {
     let Some(py) = python() else { return };
-    for family in ["gpt2", "llama"] {
+    for family in ["gpt2", "llama", "gemma2", "gpt-oss", "deepseek-v3", "qwen3-next"] {
         let work = tempfile::tempdir().unwrap();
         let dir = work.path().join(family);
         make(&py, family, &dir, None);
@@ -190,6 +192,12 @@ fn batched_generation_equals_one_at_a_time() {
         let a = generate_batch(&mut engine, None, &copies, &sampling, context).unwrap();
         assert_eq!(a, generate_batch(&mut engine, None, &copies, &sampling, context).unwrap());
         assert!(a.iter().any(|r| r != &a[0]), "{family}: every sampled row is the same: {a:?}");
+        let streams: Vec<u64> = (0..prompts.len() as u64).collect();
+        let mixed = generate_streams(&mut engine, None, &prompts, &streams, &sampling, context).unwrap();
+        for (i, p) in prompts.iter().enumerate() {
+            let own = generate_streams(&mut engine, None, std::slice::from_ref(p), &streams[i..=i], &sampling, context);
+            assert_eq!(mixed[i], own.unwrap()[0], "{family}: prompt {i} sampled beside others differs from alone");
+        }
     }
 }
 
