@@ -40,6 +40,10 @@ pub struct GenerationProbe {
     /// The model's vocabulary, where a tensor group splits the head's columns (each rank
     /// then gathers the whole logits).
     pub vocab: Option<i64>,
+    /// The run keeps a frozen fp32 copy of the model as the KL term's reference: each dry
+    /// run's peak counts the rank's share of it ([`reference_copy_bytes`]), and its trainer
+    /// plans offload with room for the whole copy.
+    pub reference_copy: bool,
 }
 
 /// Everything a dry run needs; shared by all candidates.
@@ -188,7 +192,16 @@ impl Bench<'_> {
         let mesh = self.placement.mesh(strategy)?;
         let (steps, readers) = self.steps_for(&mesh, strategy)?;
         let device = self.engine.device;
-        let mut trainer = self.trainer(strategy, &steps[0], None)?;
+        let copying = self.generation.as_ref().is_some_and(|g| g.reference_copy);
+        let engine = match (copying, self.engine.device_budget) {
+            (true, Some(budget)) => {
+                let whole = self.spec()?.num_params() as u64 * 4;
+                EngineConfig { device_budget: Some(budget.saturating_sub(whole)), ..self.engine.clone() }
+            }
+            _ => self.engine.clone(),
+        };
+        let mut trainer = self.trainer_with(engine, strategy, &steps[0], None)?;
+        let copy = if copying { reference_copy_bytes(&trainer) } else { 0 };
         memory::reset_allocator_peak(device);
         // Each step starts its own peak: the decoding's is read before the first.
         let decoding_peak = match &self.generation {
@@ -218,7 +231,7 @@ impl Bench<'_> {
         // On the CPU the allocator also holds what the ledger places on the host.
         let host = if device == Device::Cpu { host } else { 0 };
         let allocated = memory::allocator_peak(device).unwrap_or(0).max(decoding_peak);
-        let peak = allocated.saturating_sub(host).max(ledger_peak);
+        let peak = allocated.saturating_sub(host).max(ledger_peak) + copy;
         Ok((rates.get(rates.len() / 2).copied().unwrap_or(0.0), peak))
     }
 
@@ -232,11 +245,22 @@ impl Bench<'_> {
         first: &Step,
         report_over: Option<Arc<dyn ProcessGroup>>,
     ) -> Result<Trainer> {
+        self.trainer_with(self.engine.clone(), strategy, first, report_over)
+    }
+
+    /// [`Bench::trainer`] with its engines configured by `engine`.
+    fn trainer_with(
+        &self,
+        engine: EngineConfig,
+        strategy: &Strategy,
+        first: &Step,
+        report_over: Option<Arc<dyn ProcessGroup>>,
+    ) -> Result<Trainer> {
         let spec = || self.spec();
         let first_step = || Ok(first);
         parallel::build_trainer(&TrainerSetup {
             spec: &spec,
-            engine: self.engine.clone(),
+            engine,
             strategy,
             comm: self.placement.comm,
             local_world_size: self.placement.local_world_size,
@@ -463,6 +487,17 @@ fn analyse_with(bench: &Bench<'_>, shelve: bool) -> Result<Analysis> {
         pipeline_sizes,
         expert_sizes,
     })
+}
+
+/// Bytes of an fp32 copy of the parameters `trainer`'s parts hold whole, as a run's frozen
+/// reference holds them: split over a tensor group as the model is, a pipeline stage's own
+/// units, not sharded by ZeRO.
+fn reference_copy_bytes(trainer: &Trainer) -> u64 {
+    let part_bytes = |engine: &crate::engine::Engine| -> u64 {
+        let tp = engine.tensor_parallel().map_or(1, |t| t.size());
+        engine.spec().params.iter().map(|p| p.local_shape(tp).iter().product::<i64>() as u64 * 4).sum()
+    };
+    trainer.parts().iter().map(|part| part_bytes(&part.engine)).sum()
 }
 
 impl GenerationProbe {

@@ -1662,8 +1662,8 @@ fn choose_strategy(
 /// GRPO's search: its dry runs train on rows as long as its training rows at their longest
 /// (each prompt and a whole completion, the next-token loss standing for GRPO's, which
 /// reads the same logits), each first decodes a rank's generation batch as generation does, and
-/// where the KL term reads a frozen copy of the model (no LoRA) its fp32 weights are taken
-/// from the device budget.
+/// where the KL term reads a frozen copy of the model (no LoRA) each dry run's peak counts
+/// the rank's share of its fp32 weights.
 fn grpo_dry_runs(
     job: &mut AutoAccelerate<'_>,
     run: &grpo::GrpoRun,
@@ -1681,12 +1681,8 @@ fn grpo_dry_runs(
         micro_batches: c.steps_per_generation,
         new_tokens: c.max_completion_length,
         vocab: model.config.as_ref().map(|m| m.vocab()),
+        reference_copy: c.beta != 0.0 && job.options.lora.is_none() && adapter_folders(&config.init).next().is_none(),
     });
-    let copied = c.beta != 0.0 && job.options.lora.is_none() && adapter_folders(&config.init).next().is_none();
-    if let (true, Some(budget)) = (copied, job.engine.device_budget) {
-        let copy = model.spec(&config.freeze, None)?.num_params() as u64 * 4;
-        job.engine.device_budget = Some(budget.saturating_sub(copy));
-    }
     Ok(())
 }
 
