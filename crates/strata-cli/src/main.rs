@@ -10,6 +10,7 @@ mod bench_dist;
 mod bench_estimate;
 mod bench_generate;
 mod bench_gpu;
+mod bench_kernels;
 mod bench_methods;
 mod bench_moe;
 mod bench_offload;
@@ -178,6 +179,9 @@ enum BenchCommand {
     /// strata tokenize against tokenizers' batch encoding in Python on the same text, pieces
     /// and tokenizer: MB/s, tokens/s, the ratio, and a check of equal ids.
     Tokenize(bench_tokenize::BenchTokenizeArgs),
+    /// Strata's CPU kernels (GELU, RMSNorm, SwiGLU, rotary positions, oneDNN's linear)
+    /// against the libtorch operators they replace: milliseconds, the ratio, the difference.
+    Kernels(bench_kernels::BenchKernelsArgs),
     /// Batched greedy decoding against transformers' generate on the same LLaMA folder and
     /// prompts: tokens/s, the ratio, one prompt at a time beside them.
     Generate(bench_generate::BenchGenerateArgs),
@@ -283,6 +287,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => plan_cmd::run(*a),
         Command::Bench { which: BenchCommand::Train(a) } => bench::run(a),
         Command::Bench { which: BenchCommand::Gpu(a) } => bench_gpu::run(a),
+        Command::Bench { which: BenchCommand::Kernels(a) } => bench_kernels::run(a),
         Command::Bench { which: BenchCommand::Comm(a) } => bench_comm::run(a),
         Command::Bench { which: BenchCommand::Zero(a) } => bench_zero::run(a),
         Command::Bench { which: BenchCommand::Parallel(a) } => bench_parallel::run(a),

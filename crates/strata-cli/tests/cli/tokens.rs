@@ -139,3 +139,20 @@ fn the_generation_benchmark_decodes_mixed_lengths_as_transformers() {
     assert_eq!(report["rows"].as_array().unwrap().len(), 3);
     assert!(report["ratio"].as_f64().unwrap() > 0.0);
 }
+
+/// `strata bench kernels` at a small size: every kernel against the libtorch operators it
+/// replaces gives the same outputs and input gradients, and a time for each side.
+#[test]
+fn the_kernel_benchmark_compares_equal_results() {
+    let args = ["--tokens", "512", "--threads", "1", "--calls", "1", "--rounds", "1", "--json"];
+    let o = strata(&[&["bench", "kernels"][..], &args].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let kernels: Vec<&str> = rows.iter().map(|r| r["kernel"].as_str().unwrap()).collect();
+    assert_eq!(kernels, ["VectorGelu", "FusedRMSNorm", "FusedSwiGLU", "FusedRoPE", "OneDnnLinear"]);
+    for r in rows {
+        assert!(r["max_difference"].as_f64().unwrap() < 1e-4, "{r}");
+        assert!(r["strata_ms"].as_f64().unwrap() > 0.0 && r["libtorch_ms"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}
