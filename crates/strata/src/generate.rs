@@ -184,19 +184,19 @@ pub fn generate_streams(
         return Err(Error::Config(format!("{} sampling streams for {} prompts", streams.len(), prompts.len())));
     }
     let mut members: BTreeMap<u64, u32> = BTreeMap::new();
-    let keys: Vec<[u32; 3]> = streams
+    let rows_of_streams: Vec<(u64, u32)> = streams
         .iter()
         .map(|&s| {
             let member = members.entry(s).or_default();
             *member += 1;
-            [s as u32, (s >> 32) as u32, *member - 1]
+            (s, *member - 1)
         })
         .collect();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let window = context.unwrap_or(i64::MAX) as usize;
+    let together = config.cache && longest.saturating_add(config.max_new_tokens) <= window;
     let mut batches: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (i, p) in prompts.iter().enumerate() {
-        let together = config.cache && longest.saturating_add(config.max_new_tokens) <= window;
         batches.entry(if together { 0 } else { p.len() }).or_default().push(i);
     }
     let device = model.device();
@@ -233,12 +233,7 @@ pub fn generate_streams(
             };
             seen = len;
             let logits = logits.map(|l| whole_logits(vocabulary, &l)).transpose()?;
-            let draws: Vec<u32> = rows
-                .iter()
-                .map(|&i| {
-                    dropout::key_of(&[keys[i][0], keys[i][1], keys[i][2], produced as u32, (produced >> 32) as u32])
-                })
-                .collect();
+            let draws: Vec<u32> = rows.iter().map(|&i| draw_key(rows_of_streams[i], produced)).collect();
             produced += 1;
             model.share(choose_last(logits.as_ref(), config, &draws)?, rows.len())
         };
@@ -303,12 +298,10 @@ pub fn generate_from_source(
     };
     let mut caches: Option<Vec<DecodeCache>> =
         config.cache.then(|| (0..engine.spec().units.len()).map(|_| DecodeCache::default()).collect());
-    let stream = [config.seed as u32, (config.seed >> 32) as u32, 0];
     let result = {
         let next = |chosen: &[i64]| {
             target.extend(chosen.first());
-            let produced = target.len() as u64 - 1;
-            let draw = dropout::key_of(&[stream[0], stream[1], stream[2], produced as u32, (produced >> 32) as u32]);
+            let draw = draw_key((config.seed, 0), target.len() as u64 - 1);
             let logits = match caches.as_mut() {
                 Some(c) if chosen.is_empty() => {
                     engine.set_layout(Some(&layout(1)?));
@@ -329,6 +322,12 @@ pub fn generate_from_source(
     };
     engine.set_layout(None);
     Ok(result?.pop().unwrap_or_default())
+}
+
+/// The key of the draw of token `produced` (counting from 0) of row `member` of the rows
+/// sampling stream `stream`.
+fn draw_key((stream, member): (u64, u32), produced: u64) -> u32 {
+    dropout::key_of(&[stream as u32, (stream >> 32) as u32, member, produced as u32, (produced >> 32) as u32])
 }
 
 /// A batch of one sequence.

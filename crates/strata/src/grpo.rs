@@ -616,7 +616,8 @@ impl GrpoObjective {
     }
 
     /// The micro-batch of completions `rows` of `rollouts`: each row its prompt then its
-    /// completion, padded with `pad` on the right to the longest; the completion's tokens the
+    /// completion, padded with `pad` on the right to the longest, rounded up to a multiple of
+    /// `multiple` (what a sequence-parallel group splits); the completion's tokens the
     /// targets (none of a truncated completion's where those are masked); `advantages` one
     /// per completion of the whole generation batch.
     pub fn batch(
@@ -625,10 +626,11 @@ impl GrpoObjective {
         rows: std::ops::Range<usize>,
         advantages: &[f64],
         token_normalizer: f64,
-        pad: i64,
+        (pad, multiple): (i64, usize),
     ) -> Result<Batch> {
         rollouts.check(self.config.num_generations)?;
-        let width = rows.clone().map(|i| rollouts.prompts[i].len() + rollouts.completions[i].len()).max().unwrap_or(0);
+        let longest = rows.clone().map(|i| rollouts.prompts[i].len() + rollouts.completions[i].len()).max();
+        let width = longest.unwrap_or(0).next_multiple_of(multiple.max(1));
         let (mut inputs, mut targets, mut padding) = (vec![], vec![], vec![]);
         for i in rows.clone() {
             let (prompt, completion) = (&rollouts.prompts[i], &rollouts.completions[i]);

@@ -242,12 +242,13 @@ fn a_toy_reward_rises_over_fifty_steps() {
     assert!(late > early + 0.5, "the reward did not rise: {means:?}");
 }
 
-/// `count` prompts (`Question i: say more`, with their `id`) in `dir`'s `prompts.jsonl`, and
-/// the command of [`reward_script`].
-fn prompts_and_reward(dir: &Path, count: usize) -> (PathBuf, String) {
+/// `count` prompts (`Question i: say more`, where `varied` then `please` up to twice, so that
+/// their lengths differ, with their `id`) in `dir`'s `prompts.jsonl`, and the command of
+/// [`reward_script`].
+fn prompts_and_reward(dir: &Path, count: usize, varied: bool) -> (PathBuf, String) {
     let prompts = dir.join("prompts.jsonl");
-    let lines: Vec<String> =
-        (0..count).map(|i| json!({"prompt": format!("Question {i}: say more"), "id": i}).to_string()).collect();
+    let text = |i: usize| format!("Question {i}: say more{}", " please".repeat(if varied { i % 3 } else { 0 }));
+    let lines: Vec<String> = (0..count).map(|i| json!({"prompt": text(i), "id": i}).to_string()).collect();
     std::fs::write(&prompts, lines.join("\n")).unwrap();
     (prompts, reward_script(dir))
 }
@@ -286,7 +287,8 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
     let Some(py) = common::venv_python() else { return };
     let dir = reference(&py);
     let work = tempfile::tempdir().unwrap();
-    let (prompts, command) = prompts_and_reward(work.path(), 6);
+    // Prompts of several lengths: each generation batch decodes them together, left-padded.
+    let (prompts, command) = prompts_and_reward(work.path(), 6, true);
     let model = dir.join("model");
     let shared = [
         "--model-dir",
@@ -367,7 +369,7 @@ fn auto_counts_grpo_s_generation_and_its_reference_copy() {
     let Some(py) = common::venv_python() else { return };
     let dir = reference(&py);
     let work = tempfile::tempdir().unwrap();
-    let (prompts, command) = prompts_and_reward(work.path(), 4);
+    let (prompts, command) = prompts_and_reward(work.path(), 4, false);
     let model = dir.join("model");
     let budget = 400_000_000u64;
     let search = |name: &str, (batch, accumulation): (&str, &str), beta: &[&str]| -> Value {

@@ -1233,7 +1233,9 @@ impl Engine {
     /// unit runs as declared, without the strategy's compute policy. Units split over a
     /// tensor group decode their pieces as their forward does (the output then holds this
     /// rank's columns of a split head), with the new positions whole on every rank even
-    /// under sequence parallel.
+    /// under sequence parallel. A vocabulary head that ends the units reads the last
+    /// position alone, as decoding chooses from it (`transformers`' `logits_to_keep = 1`):
+    /// a prompt's prefill never holds logits for all its positions.
     pub fn decode(&mut self, input: &Tensor, caches: &mut [DecodeCache]) -> Result<Tensor> {
         if caches.len() != self.spec.units.len() {
             return Err(Error::Engine(format!("{} decode caches for {} units", caches.len(), self.spec.units.len())));
@@ -1247,8 +1249,13 @@ impl Engine {
         }
         self.release_records();
         let mut x = input.shallow_clone();
+        let last = caches.len().saturating_sub(1);
         for (k, cache) in caches.iter_mut().enumerate() {
             self.run_schedule(Phase::BeforeForward, k)?;
+            let positions = x.size().get(1).copied().unwrap_or(1);
+            if k == last && self.spec.units[k].body.scores_in_chunks() && positions > 1 {
+                x = x.f_narrow(1, positions - 1, 1)?;
+            }
             let input = self.where_unit_computes(k, &x)?;
             let moved = self.layout_on_host(k, self.rows.layout.as_ref())?;
             let layout = moved.as_ref().or(self.rows.layout.as_ref());

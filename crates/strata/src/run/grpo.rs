@@ -301,8 +301,14 @@ pub fn train_rollouts(
     };
     let normalizer = tokens / ranks as f64 * accumulation as f64 / per_generation as f64;
     let device = trainer.engine().config().device;
+    // A sequence-parallel group splits every row's positions evenly.
+    let split = trainer.engine().tensor_parallel().filter(|t| t.sequence_parallel()).map_or(1, |t| t.size() as usize);
     let mut batches = (0..per_generation)
-        .map(|s| objective.batch(rollouts, s * rows..(s + 1) * rows, &advantages, normalizer, pad)?.to_device(device))
+        .map(|s| {
+            objective
+                .batch(rollouts, s * rows..(s + 1) * rows, &advantages, normalizer, (pad, split))?
+                .to_device(device)
+        })
         .collect::<Result<Vec<Batch>>>()?;
     trainer.settle_updates()?;
     // The completions came from the model as it is now: a later pass over them measures its
