@@ -41,8 +41,8 @@ pub struct GenerationProbe {
     /// then gathers the whole logits).
     pub vocab: Option<i64>,
     /// The run keeps a frozen fp32 copy of the model as the KL term's reference: each dry
-    /// run's peak counts the rank's share of it ([`reference_copy_bytes`]), and its trainer
-    /// plans offload with room for the whole copy.
+    /// run's peak counts the rank's share of it (its tensor piece, its stage's units; whole
+    /// under ZeRO), and its trainer plans offload with room for the whole copy.
     pub reference_copy: bool,
 }
 
