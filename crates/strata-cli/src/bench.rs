@@ -211,6 +211,26 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+/// Milliseconds per call of `f` on `device` (a GPU's work waited for), over `calls` calls
+/// after `warmup`.
+pub fn per_call_ms<T>(device: Device, (warmup, calls): (u32, u32), mut f: impl FnMut() -> Result<T>) -> Result<f64> {
+    let wait = || {
+        if let Device::Cuda(index) = device {
+            tch::Cuda::synchronize(index as i64);
+        }
+    };
+    for _ in 0..warmup {
+        f()?;
+    }
+    wait();
+    let start = Instant::now();
+    for _ in 0..calls {
+        f()?;
+    }
+    wait();
+    Ok(start.elapsed().as_secs_f64() * 1e3 / f64::from(calls))
+}
+
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }

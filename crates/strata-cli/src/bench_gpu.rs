@@ -5,14 +5,13 @@
 //! under `torch.compile`; a slice of an 8B-shaped LLaMA (a few blocks at full width) in bf16
 //! against fp8 linears, their speed and their loss after the same steps; and matrix products
 //! in bf16 against fp8 at square and at layer shapes.
-use crate::bench::{self, Amp, BenchModel, BenchTrainArgs, Report};
+use crate::bench::{self, per_call_ms, Amp, BenchModel, BenchTrainArgs, Report};
 use crate::bench_runs::GptShape;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Instant;
 use strata::compute::fp8::{self, Fp8Config, Fp8Scaling, Fp8Unit};
 use tch::{Device, Kind, Tensor};
 
@@ -265,25 +264,18 @@ struct GpuReport {
     attention: Vec<AttentionRow>,
 }
 
-/// TFLOP/s of `f`, an m×k×n product, over 20 calls after 3 warm-up calls.
-fn tflops(device: Device, (m, k, n): (i64, i64, i64), f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
-    let ms = per_call_ms(device, (3, 20), f)?;
-    Ok(2.0 * (m * k * n) as f64 / (ms / 1e3) / 1e12)
+/// `device`, refused unless it is a GPU: the tables time a GPU's kernels.
+fn on_gpu(device: Device) -> Result<Device> {
+    match device {
+        Device::Cuda(_) => Ok(device),
+        _ => bail!("bench gpu measures on a GPU"),
+    }
 }
 
-/// Milliseconds of the GPU's work per call of `f`, over `calls` calls after `warmup`.
-fn per_call_ms<T>(device: Device, (warmup, calls): (u32, u32), mut f: impl FnMut() -> Result<T>) -> Result<f64> {
-    let Device::Cuda(index) = device else { bail!("bench gpu measures on a GPU") };
-    for _ in 0..warmup {
-        f()?;
-    }
-    tch::Cuda::synchronize(index as i64);
-    let start = Instant::now();
-    for _ in 0..calls {
-        f()?;
-    }
-    tch::Cuda::synchronize(index as i64);
-    Ok(start.elapsed().as_secs_f64() * 1e3 / f64::from(calls))
+/// TFLOP/s of `f`, an m×k×n product, over 20 calls after 3 warm-up calls.
+fn tflops(device: Device, (m, k, n): (i64, i64, i64), f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
+    let ms = per_call_ms(on_gpu(device)?, (3, 20), f)?;
+    Ok(2.0 * (m * k * n) as f64 / (ms / 1e3) / 1e12)
 }
 
 /// The products measured: squares of growing size, then the feed-forward layers of the
@@ -325,7 +317,7 @@ fn gemm_table(device: Device) -> Result<Vec<GemmRow>> {
 
 /// Milliseconds per call of `f` over 10 calls after 2 warm-up calls.
 fn milliseconds<T>(device: Device, f: impl FnMut() -> Result<T>) -> Result<f64> {
-    per_call_ms(device, (2, 10), f)
+    per_call_ms(on_gpu(device)?, (2, 10), f)
 }
 
 /// A sparse layer's experts at Qwen3-30B-A3B's shapes (128 experts of hidden size 768 over

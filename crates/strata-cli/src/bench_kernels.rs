@@ -4,9 +4,9 @@
 //! count: milliseconds per call of each side (forward then backward from one upstream
 //! gradient; the linear layer forward only, as its replacement serves), their ratio, and the
 //! largest difference between the sides' outputs and input gradients.
+use crate::bench::per_call_ms;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::time::Instant;
 use strata::model::layers;
 use strata_ext::{kernels, onednn};
 use tch::{Device, Kind, Tensor};
@@ -182,23 +182,13 @@ impl Tensors {
 }
 
 /// The best over `rounds` of the milliseconds per call of each side, the sides alternating
-/// round by round, after three warm-up calls each.
+/// round by round, the first after three warm-up calls each.
 fn time_sides(case: &Case<'_>, calls: u32, rounds: u32) -> Result<(f64, f64)> {
-    let per_call = |side: &Side<'_>| -> Result<f64> {
-        let start = Instant::now();
-        for _ in 0..calls {
-            side()?;
-        }
-        Ok(start.elapsed().as_secs_f64() * 1e3 / f64::from(calls))
-    };
-    for _ in 0..3 {
-        (case.strata)()?;
-        (case.libtorch)()?;
-    }
     let (mut ours, mut theirs) = (f64::INFINITY, f64::INFINITY);
-    for _ in 0..rounds {
-        ours = ours.min(per_call(&case.strata)?);
-        theirs = theirs.min(per_call(&case.libtorch)?);
+    for round in 0..rounds {
+        let warmup = if round == 0 { 3 } else { 0 };
+        ours = ours.min(per_call_ms(Device::Cpu, (warmup, calls), &case.strata)?);
+        theirs = theirs.min(per_call_ms(Device::Cpu, (warmup, calls), &case.libtorch)?);
     }
     Ok((ours, theirs))
 }

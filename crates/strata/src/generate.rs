@@ -298,28 +298,26 @@ pub fn generate_from_source(
     };
     let mut caches: Option<Vec<DecodeCache>> =
         config.cache.then(|| (0..engine.spec().units.len()).map(|_| DecodeCache::default()).collect());
-    let result = {
-        let next = |chosen: &[i64]| {
-            target.extend(chosen.first());
-            let draw = draw_key((config.seed, 0), target.len() as u64 - 1);
-            let logits = match caches.as_mut() {
-                Some(c) if chosen.is_empty() => {
-                    engine.set_layout(Some(&layout(1)?));
-                    engine.decode(&row(&[source, &target[..]].concat(), device)?, c)
-                }
-                Some(c) => {
-                    engine.set_layout(None);
-                    engine.decode(&row(&target[target.len() - 1..], device)?, c)
-                }
-                None => {
-                    engine.set_layout(Some(&layout(target.len())?));
-                    engine.evaluate(&row(&[source, &target[..]].concat(), device)?)
-                }
-            }?;
-            Ok(choose_last(Some(&logits), config, &[draw])?.unwrap_or_default())
-        };
-        produce(config, 1, next)
+    let next = |chosen: &[i64]| {
+        target.extend(chosen.first());
+        let draw = draw_key((config.seed, 0), target.len() as u64 - 1);
+        let logits = match caches.as_mut() {
+            Some(c) if chosen.is_empty() => {
+                engine.set_layout(Some(&layout(1)?));
+                engine.decode(&row(&[source, &target[..]].concat(), device)?, c)
+            }
+            Some(c) => {
+                engine.set_layout(None);
+                engine.decode(&row(&target[target.len() - 1..], device)?, c)
+            }
+            None => {
+                engine.set_layout(Some(&layout(target.len())?));
+                engine.evaluate(&row(&[source, &target[..]].concat(), device)?)
+            }
+        }?;
+        Ok(choose_last(Some(&logits), config, &[draw])?.unwrap_or_default())
     };
+    let result = produce(config, 1, next);
     engine.set_layout(None);
     Ok(result?.pop().unwrap_or_default())
 }
