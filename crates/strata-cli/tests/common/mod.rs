@@ -136,3 +136,8 @@ pub fn shared_dir(key: &str, make: impl FnOnce(&Path)) -> PathBuf {
     }
     dir
 }
+
+/// A loopback port free at the moment of asking.
+pub fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}

@@ -3,7 +3,7 @@
 //! restart that resumes from the newest checkpoint, bad rendezvous input — and the variables
 //! Slurm's `srun` and Open MPI's `mpirun` give their tasks, set here by hand.
 
-use crate::common::{global_gap, losses, stderr, strata, weights};
+use crate::common::{free_port, global_gap, losses, stderr, strata, weights};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -157,10 +157,6 @@ fn two_ranks_with<const N: usize>(args: &[&str], vars: impl Fn(usize) -> [(&'sta
     for mut c in children {
         assert!(c.wait().unwrap().success());
     }
-}
-
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! Asynchronous checkpoints (`--checkpoint-async`): saving every step changes no weight and
 //! leaves complete checkpoints; a rank killed while a snapshot is persisted resumes from host
 //! memory under `strata launch --max-restarts` and torchrun; a crash between snapshot and
-//! persist, or mid-write, leaves the last complete checkpoint to `--resume auto`. Every
-//! resumed run ends with the weights of the uninterrupted one, bit for bit.
+//! persist, or mid-write, leaves the last complete checkpoint to `--resume auto`; a job of
+//! two nodes resumes from their memories, each sent the other's part. Every resumed run
+//! ends with the weights of the uninterrupted one, bit for bit.
 
 use crate::common::{losses, reports, shared_dir, stderr, strata, strata_env, weights};
 use std::path::{Path, PathBuf};
@@ -209,6 +210,49 @@ fn a_rank_killed_while_persisting_is_restarted_by_torchrun_and_resumes_from_host
     assert_resumed_from_memory(c, dir.path(), "torchrun");
     // The run that ended cleanly removed its snapshots.
     assert!(entries(&shm).is_empty(), "left in memory: {:?}", entries(&shm));
+}
+
+/// Two nodes of one rank each under torchrun (c10d's rendezvous on loopback, each node its
+/// own memory): rank 1 is killed while persisting step 3, both nodes' agents restart their
+/// ranks, and each node, holding only its own rank's file of step 3's snapshot, receives the
+/// other's before the job resumes from host memory.
+#[test]
+fn a_job_over_two_nodes_resumes_from_host_memory_each_node_receiving_the_other_s_part() {
+    let torchrun = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/torchrun");
+    if !torchrun.exists() {
+        eprintln!("skipped: no torchrun in the project's .venv (scripts/setup.sh installs it)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("127.0.0.1:{}", crate::common::free_port());
+    let nodes: Vec<_> = (0..2)
+        .map(|node| {
+            let shm = dir.path().join(format!("shm-node{node}"));
+            std::fs::create_dir(&shm).unwrap();
+            let mut c = Command::new(&torchrun);
+            c.args(["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "two-nodes"]);
+            c.args(["--rdzv-endpoint", &endpoint, "--max-restarts", "1", "--no-python"]);
+            c.arg(crate::common::binary()).args(restarted_job(dir.path())).env("STRATA_SNAPSHOT_DIR", &shm);
+            c.envs(persist_fault(dir.path()).map(|(k, v)| (k, v)));
+            c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+            (shm, c.spawn().expect("torchrun starts"))
+        })
+        .collect();
+    let mut logs = String::new();
+    for (shm, child) in nodes {
+        let o = child.wait_with_output().unwrap();
+        let err = stderr(&o);
+        assert!(o.status.success(), "{}: {err}", shm.display());
+        // Each node's rank resumed from its memory at step 3, the disk holding step 2.
+        assert_eq!(resumed_from(&err), (3, "host memory".to_string()), "{}", shm.display());
+        assert!(entries(&shm).is_empty(), "{}: left in memory: {:?}", shm.display(), entries(&shm));
+        logs.push_str(&err);
+    }
+    assert!(dir.path().join("fired").exists(), "the first round was killed");
+    assert_eq!(logs.matches("received from another node").count(), 2, "each node lacked one file:\n{logs}");
+    let full = uninterrupted(FSDP);
+    assert_identical(&full.join("full.st"), &dir.path().join("restarted.st"), "two nodes");
+    assert_eq!(losses(&full.join("full.jsonl")), losses(&dir.path().join("restarted.jsonl")), "two nodes");
 }
 
 #[test]

@@ -370,6 +370,20 @@ fn prepare_staging(root: &Path, step: u64, publisher: bool, world: Option<&dyn P
     Ok(staging)
 }
 
+/// The description (`meta.json`) of the checkpoint folder `dir`, validated; its files are
+/// not opened.
+fn read_meta(dir: &Path) -> Result<Meta> {
+    let meta_path = dir.join("meta.json");
+    let text = std::fs::read(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
+    let meta: Meta =
+        serde_json::from_slice(&text).map_err(|e| fail(&meta_path, format!("not a checkpoint description ({e})")))?;
+    if meta.format != FORMAT {
+        return Err(fail(&meta_path, format!("format {:?}, expected {FORMAT:?}", meta.format)));
+    }
+    meta.validate(&meta_path)?;
+    Ok(meta)
+}
+
 /// The name of rank `rank`'s file in a checkpoint folder.
 fn rank_file(rank: usize) -> String {
     format!("rank{rank}.safetensors")
@@ -789,14 +803,7 @@ impl Checkpoint {
             return Checkpoint::open_merged(path);
         }
         let dir = if path.join("latest").is_file() { latest(path)? } else { path.to_path_buf() };
-        let meta_path = dir.join("meta.json");
-        let text = std::fs::read(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
-        let meta: Meta = serde_json::from_slice(&text)
-            .map_err(|e| fail(&meta_path, format!("not a checkpoint description ({e})")))?;
-        if meta.format != FORMAT {
-            return Err(fail(&meta_path, format!("format {:?}, expected {FORMAT:?}", meta.format)));
-        }
-        meta.validate(&meta_path)?;
+        let meta = read_meta(&dir)?;
         let mut files = Vec::new();
         let mut pieces: BTreeMap<(String, usize, usize, usize), Vec<Piece>> = BTreeMap::new();
         let mut heads = std::collections::BTreeSet::new();

@@ -5,9 +5,10 @@
 //! and `latest` as a synchronous save.
 //!
 //! At most one save is in flight: the next waits for the writer (and says how long). The
-//! snapshot outlives the process that wrote it, so a rank restarted on the same node after
-//! a crash resumes from memory ([`newer_in_memory`]) where the snapshot is complete and no
-//! older than the disk's newest checkpoint. The memory folder is private to the user (a
+//! snapshot outlives the process that wrote it, so a job restarted after a crash resumes
+//! from memory ([`newest_in_memory`]) where every node holds its ranks' part of one step,
+//! no older than the disk's newest checkpoint; a job of several nodes first sends each
+//! node the other nodes' files. The memory folder is private to the user (a
 //! 0700 folder of 0600 files) and removed when the run ends cleanly ([`AsyncSaver::close`]).
 //!
 //! The disk copy is published by rank 0's writer once every rank's file is in the staging
@@ -19,16 +20,18 @@
 //! memory and disk at a resume. Must not change the checkpoint format (the parent module
 //! writes and reads it) or decide when to save (the training loop does).
 use super::{
-    latest, prepare_staging, publish, rank_file, save_into, Checkpoint, Layout, Meta, Part, RankWrite, RunInfo,
+    latest, prepare_staging, publish, rank_file, read_meta, save_into, Checkpoint, Layout, Meta, Part, RankWrite,
+    RunInfo,
 };
-use crate::comm::ProcessGroup;
+use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::{fault, io, Error, Result};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use tch::Tensor;
 
 /// How long rank 0's writer waits for the other ranks' files before it gives up (a rank
 /// that died stops the whole job long before).
@@ -69,14 +72,124 @@ pub fn memory_root(disk: &Path) -> Result<PathBuf> {
     Ok(base.join(format!("strata-{uid}-{key}")))
 }
 
-/// The newest snapshot in host memory of the run checkpointing to `disk`, where it is
-/// complete (every rank's file written and described) and of a step no older than the
-/// disk's newest checkpoint; `None` otherwise.
-pub fn newer_in_memory(disk: &Path) -> Option<Checkpoint> {
-    let memory = memory_root(disk).ok()?;
-    let snapshot = Checkpoint::open(&latest(&memory).ok()?).ok()?;
-    let on_disk = latest(disk).ok().and_then(|d| Checkpoint::open(&d).ok()).map(|c| c.meta.step);
-    on_disk.is_none_or(|step| snapshot.meta.step >= step).then_some(snapshot)
+/// The newest snapshot in host memory of the run checkpointing to `disk` that the job can
+/// resume from, or `None` for the disk. Every rank calls it, and they choose together.
+///
+/// A snapshot is chosen only when every rank's node holds it at one step, taken at this
+/// world size, with the rank's own file complete (its node's `latest` names it only then),
+/// and no older than the disk's newest checkpoint. A node holds only its own ranks' files:
+/// those it lacks are sent by the ranks that wrote them before any rank opens the snapshot,
+/// the bytes a restore from disk would read from the shared file system. Should the
+/// snapshot then fail to open anywhere, every rank takes the disk.
+pub fn newest_in_memory(
+    disk: &Path,
+    world: Option<&dyn ProcessGroup>,
+    node_publisher: bool,
+) -> Result<Option<Checkpoint>> {
+    let (rank, ranks) = world.map_or((0, 1), |g| (g.rank(), g.size()));
+    let memory = memory_root(disk)?;
+    let own = rank_file(rank);
+    let usable = latest(&memory)
+        .ok()
+        .and_then(|dir| Some((read_meta(&dir).ok()?, dir)))
+        .filter(|(meta, dir)| meta.world_size == ranks && (!meta.files.contains(&own) || dir.join(&own).is_file()));
+    let step = usable.as_ref().map_or(-1.0, |(meta, _)| meta.step as f64);
+    let on_disk = latest(disk).ok().and_then(|d| read_meta(&d).ok()).map_or(-1.0, |m| m.step as f64);
+    let agreed = match world {
+        Some(g) => all_reduce_values(g, &[step, -step, on_disk], ReduceOp::Max)?,
+        None => vec![step, -step, on_disk],
+    };
+    let (newest, oldest, disk_newest) = (agreed[0], -agreed[1], agreed[2]);
+    let Some((meta, dir)) = usable.filter(|_| newest == oldest && oldest >= disk_newest) else { return Ok(None) };
+    if let Some(g) = world {
+        fill_from_other_nodes(g, &meta, &dir, node_publisher)?;
+    }
+    let opened = Checkpoint::open(&dir);
+    let failed = f64::from(u8::from(opened.is_err()));
+    let failed_anywhere = match world {
+        Some(g) => all_reduce_values(g, &[failed], ReduceOp::Max)?[0] > 0.0,
+        None => failed > 0.0,
+    };
+    match (opened, failed_anywhere) {
+        (Ok(snapshot), false) => Ok(Some(snapshot)),
+        (opened, _) => {
+            let why = opened.err().map_or_else(|| "on another rank".to_string(), |e| e.to_string());
+            tracing::warn!(snapshot = %dir.display(), %why, "the snapshot in host memory does not open; resuming from disk");
+            Ok(None)
+        }
+    }
+}
+
+/// Completes every node's copy of the snapshot in `dir`: each file `meta` lists that some
+/// node's memory lacks is sent by the rank that wrote it, and written by the first rank of
+/// each node lacking it. Every rank calls it.
+fn fill_from_other_nodes(g: &dyn ProcessGroup, meta: &Meta, dir: &Path, node_publisher: bool) -> Result<()> {
+    let lacks = |q: usize| node_publisher && meta.files.contains(&rank_file(q)) && !dir.join(rank_file(q)).is_file();
+    let lacking: Vec<f64> = (0..g.size()).map(|q| f64::from(u8::from(lacks(q)))).collect();
+    let lacking = all_reduce_values(g, &lacking, ReduceOp::Max)?;
+    let mut local = Ok(());
+    for owner in (0..g.size()).filter(|&q| lacking[q] > 0.0) {
+        let received = send_file(g, owner, &dir.join(rank_file(owner)), lacks(owner));
+        local = local.and(received);
+    }
+    super::agree(Some(g), local, &[]).map(drop)
+}
+
+/// Bytes of a file moved by one broadcast of [`send_file`].
+const TRANSFER_BYTES: usize = 64 << 20;
+
+/// Broadcasts rank `owner`'s file `path` to every rank; where `receive`, it is written at
+/// `path` (0600, under a hidden name renamed into place once whole). Whatever fails on a
+/// rank, it takes part in every broadcast, so that none waits for one the others skipped.
+fn send_file(g: &dyn ProcessGroup, owner: usize, path: &Path, receive: bool) -> Result<()> {
+    use std::io::{Read, Write};
+    let mut outcome = Ok(());
+    let mut source = None;
+    if g.rank() == owner {
+        match std::fs::File::open(path) {
+            Ok(f) => source = Some(f),
+            Err(e) => outcome = Err(Error::io(path, e)),
+        }
+    }
+    let length = source.as_ref().and_then(|f| f.metadata().ok()).map_or(0.0, |m| m.len() as f64);
+    let length_of = Tensor::from_slice(&[length]);
+    g.broadcast(&length_of, owner)?.wait()?;
+    let length = length_of.double_value(&[0]) as usize;
+    let incoming = path.with_file_name(format!(
+        ".{}.incoming",
+        path.file_name().map_or_else(Default::default, |n| n.to_string_lossy())
+    ));
+    let mut sink = None;
+    if receive {
+        let opened = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&incoming);
+        match opened {
+            Ok(f) => sink = Some(f),
+            Err(e) => outcome = outcome.and(Err(Error::io(&incoming, e))),
+        }
+    }
+    let mut at = 0;
+    while at < length {
+        let mut bytes = vec![0u8; TRANSFER_BYTES.min(length - at)];
+        if let Some(f) = source.as_mut() {
+            if let Err(e) = f.read_exact(&mut bytes) {
+                outcome = outcome.and(Err(Error::io(path, e)));
+            }
+        }
+        let piece = Tensor::from_slice(&bytes);
+        g.broadcast(&piece, owner)?.wait()?;
+        if let Some(out) = sink.as_mut() {
+            let received = Vec::<u8>::try_from(&piece)?;
+            if let Err(e) = out.write_all(&received) {
+                outcome = outcome.and(Err(Error::io(&incoming, e)));
+            }
+        }
+        at += bytes.len();
+    }
+    if sink.is_some() && outcome.is_ok() {
+        outcome = std::fs::rename(&incoming, path).map_err(|e| Error::io(path, e));
+        tracing::info!(file = %path.display(), bytes = length, from_rank = owner, "snapshot part received from another node");
+    }
+    outcome
 }
 
 /// A save being persisted by the writer thread.
@@ -307,7 +420,7 @@ mod tests {
             let file = std::fs::metadata(snapshot.join(rank_file(0))).unwrap();
             assert_eq!(file.mode() & 0o777, 0o600);
             inodes.push(file.ino());
-            let chosen = newer_in_memory(&disk).expect("the snapshot is complete and newest");
+            let chosen = newest_in_memory(&disk, None, true).unwrap().expect("the snapshot is complete and newest");
             assert_eq!(chosen.meta.step, step);
             let (mut restored, mut restored_optimizer) = mlp();
             chosen.restore(&mut restored, &mut restored_optimizer, "adamw").unwrap();
@@ -320,7 +433,7 @@ mod tests {
         assert_eq!(kept.len(), 2, "one snapshot folder and latest: {kept:?}");
         // A synchronous save of a later step: the memory's step 3 is older.
         save(&disk, &mut engine, &mut optimizer, &run_info(4), None, 2).unwrap();
-        assert!(newer_in_memory(&disk).is_none(), "memory older than the disk was chosen");
+        assert!(newest_in_memory(&disk, None, true).unwrap().is_none(), "memory older than the disk was chosen");
         let memory = saver.memory().to_path_buf();
         saver.close(None).unwrap();
         assert!(!memory.exists());

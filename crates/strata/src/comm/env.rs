@@ -35,13 +35,12 @@ pub enum Rendezvous {
     },
     /// torchrun's c10d store (torchrun's trust model: no token): hosted by its agent, or by
     /// rank 0 when the agent says it keeps none (`TORCHELASTIC_USE_AGENT_STORE`). Keys live
-    /// under the run id and the restart round, so a restarted round never reads the keys of
-    /// the round before it.
+    /// under the run id and a name the round's ranks agree on in the store
+    /// ([`Store::connect_c10d`]), so a restarted round never reads the keys of the round
+    /// before it.
     Torchrun {
         /// torchrun's run id (`TORCHELASTIC_RUN_ID`).
         run_id: String,
-        /// The restart round (`TORCHELASTIC_RESTART_COUNT`).
-        restart: u64,
         /// The agent hosts the store (`TORCHELASTIC_USE_AGENT_STORE`, true when unset).
         agent_store: bool,
     },
@@ -149,19 +148,8 @@ impl RankInfo {
                             .into(),
                     ));
                 }
-                let restart = match var("TORCHELASTIC_RESTART_COUNT") {
-                    Some(r) => r
-                        .trim()
-                        .parse()
-                        .map_err(|_| Error::Comm(format!("TORCHELASTIC_RESTART_COUNT={r:?} is not a number")))?,
-                    None => {
-                        return Err(Error::Comm(
-                            "TORCHELASTIC_RUN_ID is set but TORCHELASTIC_RESTART_COUNT is not".into(),
-                        ))
-                    }
-                };
                 let agent_store = var("TORCHELASTIC_USE_AGENT_STORE").is_none_or(|v| v == "True");
-                Rendezvous::Torchrun { run_id, restart, agent_store }
+                Rendezvous::Torchrun { run_id, agent_store }
             }
             None => {
                 let job = var("SLURM_JOB_ID")
@@ -280,10 +268,11 @@ pub fn init_from_env(spec: &str, timeout: Duration) -> Result<Comm> {
             let server = if info.rank == 0 { Some(StoreServer::start(addr, token)?) } else { None };
             (Store::connect(addr, token, timeout)?, server)
         }
-        Rendezvous::Torchrun { run_id, restart, agent_store } => {
-            let prefix = format!("strata/{run_id}/{restart}/");
+        Rendezvous::Torchrun { run_id, agent_store } => {
+            let prefix = format!("strata/{run_id}/");
             let host = !agent_store && info.rank == 0;
-            (Store::connect_c10d(addr, &prefix, info.rank, host, timeout)?, None)
+            let ranks = (info.rank, info.world_size);
+            (Store::connect_c10d(addr, &prefix, ranks, host, timeout)?, None)
         }
     };
     Comm::new(store, server, info.rank, info.world_size, spec, timeout)
@@ -408,13 +397,12 @@ mod tests {
             ("MASTER_ADDR", "127.0.0.1"),
             ("MASTER_PORT", "29511"),
             ("TORCHELASTIC_RUN_ID", "job7"),
-            ("TORCHELASTIC_RESTART_COUNT", "2"),
         ];
         let t = read(&torchrun).unwrap();
-        assert_eq!(t.rendezvous, Rendezvous::Torchrun { run_id: "job7".into(), restart: 2, agent_store: true });
+        assert_eq!(t.rendezvous, Rendezvous::Torchrun { run_id: "job7".into(), agent_store: true });
         let own = read(&[&torchrun[..], &[("TORCHELASTIC_USE_AGENT_STORE", "False")]].concat()).unwrap();
-        assert_eq!(own.rendezvous, Rendezvous::Torchrun { run_id: "job7".into(), restart: 2, agent_store: false });
-        for missing in ["MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR"] {
+        assert_eq!(own.rendezvous, Rendezvous::Torchrun { run_id: "job7".into(), agent_store: false });
+        for missing in ["MASTER_PORT", "MASTER_ADDR"] {
             let vars: Vec<_> = torchrun.iter().copied().filter(|(k, _)| *k != missing).collect();
             let err = read(&vars).unwrap_err().to_string();
             assert!(err.contains(missing) && !err.contains('\n'), "{missing}: {err}");

@@ -271,10 +271,17 @@ impl Store {
         Ok(Store { backend, addr, token: token.as_bytes().to_vec(), timeout })
     }
 
-    /// Joins PyTorch's c10d store at `addr` (torchrun's), or hosts it there with `host`,
-    /// keeping every key under `prefix`. That store has no token; the job's mesh token is made
-    /// by rank 0 and shared through it, so the mesh admits what the store admits.
-    pub fn connect_c10d(addr: SocketAddr, prefix: &str, rank: usize, host: bool, timeout: Duration) -> Result<Store> {
+    /// Joins PyTorch's c10d store at `addr` (torchrun's), or hosts it there with `host`, as
+    /// `rank` of `world` ranks, keeping every key under `prefix` and a name of the round
+    /// its ranks agree on. That store has no token; the job's mesh token is made by rank
+    /// 0 and shared through it, so the mesh admits what the store admits.
+    pub fn connect_c10d(
+        addr: SocketAddr,
+        prefix: &str,
+        (rank, world): (usize, usize),
+        host: bool,
+        timeout: Duration,
+    ) -> Result<Store> {
         // c10d's client waits without limit for a server that accepts but never answers: it
         // connects on a thread of its own, abandoned if the timeout passes first.
         let (made, arrived) = std::sync::mpsc::channel();
@@ -291,11 +298,55 @@ impl Store {
         };
         let backend = Backend::C10d { store: Mutex::new(client), prefix: prefix.to_string() };
         let mut store = Store { backend, addr, token: Vec::new(), timeout };
+        let round = store.join_round(rank, world)?;
+        if let Backend::C10d { prefix, .. } = &mut store.backend {
+            prefix.push_str(&round);
+            prefix.push('/');
+        }
         if rank == 0 {
             store.set("mesh-token", random_token()?.as_bytes())?;
         }
         store.token = store.get("mesh-token")?;
         Ok(store)
+    }
+
+    /// The name of this round of the job, agreed by its ranks. torchrun's agent keeps one
+    /// store across restarts, so keys of a dead round stay; and its restart count cannot name
+    /// the round, as an agent whose node did not fail restarts its ranks without counting
+    /// it. Rank 0 names the round with a fresh nonce; every other rank takes the name it
+    /// finds and waits to be welcomed under it by the rank 0 that wrote it, moving to a new
+    /// name if one appears (the one it found was a dead round's).
+    fn join_round(&self, rank: usize, world: usize) -> Result<String> {
+        if rank == 0 {
+            let round = random_token()?;
+            self.set("round", round.as_bytes())?;
+            for r in 1..world {
+                let nonce = text(&self.get(&format!("{round}/hello/{r}"))?);
+                self.set(&format!("{round}/welcome/{nonce}"), b"1")?;
+            }
+            return Ok(round);
+        }
+        let deadline = Instant::now() + self.timeout;
+        let nonce = random_token()?;
+        let mut round = text(&self.get("round")?);
+        loop {
+            self.set(&format!("{round}/hello/{rank}"), nonce.as_bytes())?;
+            let welcome = format!("{round}/welcome/{nonce}");
+            loop {
+                if self.check(&[&welcome])? {
+                    return Ok(round);
+                }
+                if Instant::now() >= deadline {
+                    return Err(self.timed_out("rank 0 to open the job's round", self.timeout));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                let named = text(&self.get("round")?);
+                if named != round {
+                    round = named;
+                    break;
+                }
+            }
+        }
     }
 
     pub(crate) fn token(&self) -> &[u8] {
@@ -442,6 +493,28 @@ mod tests {
             }
             std::iter::once(vec![op]).chain(parts).collect()
         })
+    }
+
+    /// A round left in torchrun's store by a dead round (its name, a rank's hello under it)
+    /// is passed over: rank 1 finds it first, says hello under it, then follows the new
+    /// round rank 0 opens, and the two share keys under it.
+    #[test]
+    fn a_dead_round_left_in_a_c10d_store_is_passed_over() {
+        let timeout = Duration::from_secs(20);
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let server = strata_ext::c10d::TcpStore::new("127.0.0.1", port, true, timeout).unwrap();
+        server.set("strata/job/round", b"dead").unwrap();
+        server.set("strata/job/dead/mesh-token", b"stale").unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let rank1 = std::thread::spawn(move || Store::connect_c10d(addr, "strata/job/", (1, 2), false, timeout));
+        // Rank 1 has taken the dead round's name before rank 0 starts.
+        server.wait(&["strata/job/dead/hello/1"], timeout).unwrap();
+        let rank0 = Store::connect_c10d(addr, "strata/job/", (0, 2), false, timeout).unwrap();
+        let rank1 = rank1.join().unwrap().unwrap();
+        assert_eq!(rank0.token(), rank1.token(), "one mesh token");
+        assert_ne!(rank1.token(), b"stale");
+        rank0.set("shared", b"yes").unwrap();
+        assert_eq!(rank1.get_timeout("shared", timeout).unwrap(), b"yes");
     }
 
     proptest! {

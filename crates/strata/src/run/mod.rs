@@ -342,18 +342,24 @@ impl RunConfig {
     }
 
     /// The checkpoint to continue from, refused if it would not continue this run's data.
-    /// `one_node`: every rank runs on this node, so a snapshot in its memory (of an
-    /// asynchronous run) holds every rank's part.
-    fn checkpoint_to_resume(&self, one_node: bool) -> Result<Option<Checkpoint>> {
+    /// Every rank of `world` calls it (`node_publisher`: the first of its node), as an
+    /// asynchronous run's snapshot in host memory is chosen by all of them together.
+    fn checkpoint_to_resume(
+        &self,
+        world: Option<&dyn ProcessGroup>,
+        node_publisher: bool,
+    ) -> Result<Option<Checkpoint>> {
         let path = match &self.resume {
             None => return Ok(None),
             Some(Resume::From(path)) => path.clone(),
             Some(Resume::Latest) => match &self.checkpoints {
-                Some(c) if c.asynchronous && one_node => match checkpoint::snapshot::newer_in_memory(&c.dir) {
-                    Some(snapshot) => return self.continuing(snapshot).map(Some),
-                    None if c.dir.join("latest").is_file() => c.dir.clone(),
-                    None => return Ok(None),
-                },
+                Some(c) if c.asynchronous => {
+                    match checkpoint::snapshot::newest_in_memory(&c.dir, world, node_publisher)? {
+                        Some(snapshot) => return self.continuing(snapshot).map(Some),
+                        None if c.dir.join("latest").is_file() => c.dir.clone(),
+                        None => return Ok(None),
+                    }
+                }
                 Some(c) if c.dir.join("latest").is_file() => c.dir.clone(),
                 Some(_) => return Ok(None),
                 None => {
@@ -559,8 +565,17 @@ pub fn train(
             InitialWeights::Folder(_) => {}
         }
     }
-    let one_node = launched.as_ref().is_none_or(|info| info.local_world_size == info.world_size);
-    let resume = config.checkpoint_to_resume(one_node)?;
+    let ranks = match &launched {
+        Some(info) => Ranks {
+            comm: Some(init_from_env(&backends, config.comm_timeout)?),
+            local_rank: info.local_rank,
+            local_world_size: info.local_world_size,
+        },
+        None => Ranks { comm: None, local_rank: 0, local_world_size: 1 },
+    };
+    // Every rank: checkpoints are written, losses agreed and callbacks' stops shared over it.
+    let world_group: Option<Arc<dyn ProcessGroup>> = ranks.comm.as_ref().map(|c| c.world()).transpose()?.map(Arc::from);
+    let resume = config.checkpoint_to_resume(world_group.as_deref(), ranks.local_rank == 0)?;
     // A frozen base loaded from a model folder or weights file is left out of checkpoints
     // and loaded again on resume.
     let base_in_init = config.init.iter().any(|i| matches!(i, InitialWeights::File(_) | InitialWeights::Folder(_)));
@@ -581,14 +596,6 @@ pub fn train(
             saved.check(given, &ckpt.location)?;
         }
     }
-    let ranks = match &launched {
-        Some(info) => Ranks {
-            comm: Some(init_from_env(&backends, config.comm_timeout)?),
-            local_rank: info.local_rank,
-            local_world_size: info.local_world_size,
-        },
-        None => Ranks { comm: None, local_rank: 0, local_world_size: 1 },
-    };
     share_cores(config.threads, ranks.local_world_size);
     let objective = objective_of(data, &mut config, model)?;
     let preference = objective.as_ref().and_then(Objective::preference);
@@ -619,8 +626,6 @@ pub fn train(
         device: config.device,
         ..LoaderConfig::new(config.batching.clone())
     };
-    // Every rank: checkpoints are written, losses agreed and callbacks' stops shared over it.
-    let world_group: Option<Arc<dyn ProcessGroup>> = ranks.comm.as_ref().map(|c| c.world()).transpose()?.map(Arc::from);
     let spec = || model.spec(&config.freeze, strategy.lora());
     // What is measured before training (offload's room, a pipeline's unit costs) is
     // measured on the run's first step, loaded where it is needed.
