@@ -10,8 +10,8 @@
 //! micro-batch's forward and its backward), and the stages of a checkpoint save:
 //! `save-written`, `save-described`, `save-published`, `save-pointed`; and of an
 //! asynchronous save: `snapshot-taken` (in host memory, before the writer starts), then in
-//! the writer thread `persist-begun` and `persist-written` (this rank's file on disk, before
-//! rank 0 publishes).
+//! the writer thread `persist-begun` (the values on the host copied into the snapshot) and
+//! `persist-written` (this rank's file on disk, before rank 0 publishes).
 //!
 //! Reading two variables at a handful of points costs nothing measurable; without them set
 //! nothing happens.

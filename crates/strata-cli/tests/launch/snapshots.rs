@@ -99,6 +99,7 @@ fn saving_every_step_asynchronously_changes_no_weight_and_leaves_complete_checkp
         for row in &rows[1..] {
             let c = &row["checkpoint"];
             assert!(c["blocked_s"].as_f64().unwrap() > 0.0, "{strategy}: {row}");
+            assert!(c["updates_waited_s"].as_f64().unwrap() >= 0.0, "{strategy}: {row}");
         }
         assert!(rows[2..].iter().all(|r| r["checkpoint"]["persisted_s"].as_f64().unwrap() > 0.0), "{strategy}");
         // The profile (written before the last step's save) holds the same saves: each pause
@@ -277,15 +278,19 @@ fn a_crash_between_snapshot_and_persist_or_mid_write_resumes_from_the_last_compl
         assert_eq!(resumed_from(&stderr(&o)), (2, "disk".to_string()), "{fault}");
         assert_identical(&full.join("full.st"), Path::new(&p("restarted.st")), fault);
     }
-    // One process, its snapshot in the memory it leaves behind: the rerun resumes from it.
-    // Killed while writing step 3's snapshot over step 2's file, it leaves no snapshot, and
-    // the rerun resumes from the disk.
+    // One process, its snapshot in the memory it leaves behind: killed once the writer has
+    // copied in the values on the host (as it begins persisting), the rerun resumes from
+    // the snapshot. Killed before that copy (the training thread done with the snapshot, the
+    // writer not started), or while writing step 3's snapshot over step 2's file, it leaves
+    // no complete snapshot, and the rerun resumes from the disk.
     let one = shared_dir("snapshots-one-process", |dir| {
         let w = dir.join("full.st");
         let o = strata(&[&["train"][..], &MODEL, &RUN, &["--save-weights", w.to_str().unwrap()]].concat());
         assert!(o.status.success(), "{}", stderr(&o));
     });
-    for (fault, resumed) in [("snapshot-taken@3", (3, "host memory")), ("save-written@3", (2, "disk"))] {
+    for (fault, resumed) in
+        [("persist-begun@3", (3, "host memory")), ("snapshot-taken@3", (2, "disk")), ("save-written@3", (2, "disk"))]
+    {
         let dir = tempfile::tempdir().unwrap();
         let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
         let shm = p("shm");

@@ -24,7 +24,7 @@ use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
 use crate::engine::{Engine, Holding};
-use crate::io::{self, write_safetensors_streamed, Placing};
+use crate::io::{self, write_safetensors_deferring, write_safetensors_streamed, Deferred, Placing};
 use crate::model::{ExpertSlot, ModelConfig, ModelSpec, TpRole};
 use crate::optim::Optimizer;
 use crate::{fault, Error, Result};
@@ -330,7 +330,7 @@ pub fn save_parts(
     keep: usize,
 ) -> Result<PathBuf> {
     let publisher = world.is_none_or(|g| g.rank() == 0);
-    save_into(root, layout, parts, run, world, keep, publisher, RankWrite::Atomic).map(|(dir, _)| dir)
+    save_into(root, layout, parts, run, world, keep, publisher, RankWrite::Atomic).map(|(dir, ..)| dir)
 }
 
 /// Runs `local` on every rank and has them agree that it went well, so that a failure on
@@ -396,7 +396,8 @@ enum RankWrite<'a> {
     Atomic,
     /// Into this rank's file of the checkpoint folder given, moved into the new checkpoint
     /// and overwritten where it lies (a new file where there is none): snapshots in host
-    /// memory, whose previous one nothing may read any more.
+    /// memory, whose previous one nothing may read any more. Values already on the host are
+    /// left to be copied in later ([`Deferred`]).
     Reusing(Option<&'a Path>),
 }
 
@@ -413,7 +414,7 @@ fn save_into(
     keep: usize,
     publisher: bool,
     write: RankWrite<'_>,
-) -> Result<(PathBuf, Meta)> {
+) -> Result<(PathBuf, Meta, Option<Deferred>)> {
     if parts.is_empty() {
         return Err(Error::Engine("a checkpoint of no engine".into()));
     }
@@ -433,10 +434,15 @@ fn save_into(
         RankWrite::Atomic => Ok(Placing::Atomic),
         RankWrite::Reusing(previous) => reuse(previous.map(|d| d.join(rank_file(rank))), &target),
     };
+    let defer = matches!(write, RankWrite::Reusing(_));
     let written = match (heads, placed) {
-        (Ok(heads), Ok(placing)) if writes => write_rank_file(&target, layout, parts, &heads, placing),
-        (Ok(_), Ok(_)) => Ok(()),
+        (Ok(heads), Ok(placing)) if writes => write_rank_file(&target, layout, parts, &heads, placing, defer),
+        (Ok(_), Ok(_)) => Ok(None),
         (Err(e), _) | (_, Err(e)) => Err(e),
+    };
+    let (written, deferred) = match written {
+        Ok(deferred) => (Ok(()), deferred),
+        Err(e) => (Err(e), None),
     };
     fault::point("save-written", run.step)?;
     // Which ranks wrote a file: the description lists them, whichever file system each
@@ -456,7 +462,7 @@ fn save_into(
         &[],
     )?;
     // The other ranks learn the folder's name from `latest`, written before the agreement.
-    Ok((published.map_or_else(|| latest(root), Ok)?, meta))
+    Ok((published.map_or_else(|| latest(root), Ok)?, meta, deferred))
 }
 
 /// Whether `name` is a plain name inside a checkpoint folder (no separators, not `..`):
@@ -589,7 +595,8 @@ fn write_rank_file(
     parts: &mut [Part<'_>],
     heads: &[Vec<Option<Tensor>>],
     placing: Placing,
-) -> Result<()> {
+    defer_host: bool,
+) -> Result<Option<Deferred>> {
     let units = whole.unit_numel.len();
     let mut ranges = vec![(0i64, 0i64); units];
     // Which part, and which of its units, holds each unit of the model.
@@ -641,7 +648,7 @@ fn write_rank_file(
         ("expert_rank".to_string(), expert_rank.to_string()),
         ("heads".to_string(), serde_json::to_string(&head_lens).map_err(|e| Error::Model(e.to_string()))?),
     ]);
-    write_safetensors_streamed(path, &layout, &metadata, placing, |i| {
+    let value = |i: usize| {
         let (unit, what) = jobs[i];
         let (start, len) = ranges[unit];
         let (part, local) = holder[unit];
@@ -674,7 +681,11 @@ fn write_rank_file(
                 Ok(out)
             }
         }
-    })
+    };
+    match defer_host {
+        true => write_safetensors_deferring(path, &layout, &metadata, value).map(Some),
+        false => write_safetensors_streamed(path, &layout, &metadata, placing, value).map(|()| None),
+    }
 }
 
 /// One stored range of a unit's flat layout (of one tensor rank's pieces): `tensor` in

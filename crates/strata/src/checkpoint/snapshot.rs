@@ -1,6 +1,8 @@
 //! Checkpoints that do not stop training: each save is first a snapshot in host memory (a
-//! checkpoint folder of the usual format in shared memory, `/dev/shm`), which every rank
-//! writes at memory speed while training waits; a writer thread then persists it to the
+//! checkpoint folder of the usual format in shared memory, `/dev/shm`), into which every
+//! rank copies its values on a GPU while training waits; a writer thread then copies in the
+//! values already on the host, from where they lie, while the next step computes (its
+//! updates wait for that copy: [`crate::optim::Fence`]), and persists the snapshot to the
 //! checkpoint folder on disk while training goes on, with the same staging, atomic renames
 //! and `latest` as a synchronous save.
 //!
@@ -24,6 +26,8 @@ use super::{
     RunInfo,
 };
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
+use crate::io::Deferred;
+use crate::optim::{Fence, FenceOpener};
 use crate::{fault, io, Error, Result};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -47,6 +51,9 @@ pub struct SaveTimes {
     pub waited_s: f64,
     /// Seconds the previous save's writer took to persist it, where one ran.
     pub persisted_s: Option<f64>,
+    /// Seconds the step after the save waited, before updating, for the writer to copy the
+    /// values already on the host into the snapshot (asynchronous saves; 0 otherwise).
+    pub updates_waited_s: f64,
 }
 
 /// The folder snapshots in host memory are taken in: `STRATA_SNAPSHOT_DIR` (set by `strata
@@ -76,7 +83,7 @@ pub fn memory_root(disk: &Path) -> Result<PathBuf> {
 /// resume from, or `None` for the disk. Every rank calls it, and they choose together.
 ///
 /// A snapshot is chosen only when every rank's node holds it at one step, taken at this
-/// world size, with the rank's own file complete (its node's `latest` names it only then),
+/// world size, with the rank's own file complete (marked so by its writer),
 /// and no older than the disk's newest checkpoint. A node holds only its own ranks' files:
 /// those it lacks are sent by the ranks that wrote them before any rank opens the snapshot,
 /// the bytes a restore from disk would read from the shared file system. Should the
@@ -89,10 +96,10 @@ pub fn newest_in_memory(
     let (rank, ranks) = world.map_or((0, 1), |g| (g.rank(), g.size()));
     let memory = memory_root(disk)?;
     let own = rank_file(rank);
-    let usable = latest(&memory)
-        .ok()
-        .and_then(|dir| Some((read_meta(&dir).ok()?, dir)))
-        .filter(|(meta, dir)| meta.world_size == ranks && (!meta.files.contains(&own) || dir.join(&own).is_file()));
+    let usable = latest(&memory).ok().and_then(|dir| Some((read_meta(&dir).ok()?, dir))).filter(|(meta, dir)| {
+        let complete = dir.join(&own).is_file() && dir.join(complete_marker(&own)).is_file();
+        meta.world_size == ranks && (!meta.files.contains(&own) || complete)
+    });
     let step = usable.as_ref().map_or(-1.0, |(meta, _)| meta.step as f64);
     let on_disk = latest(disk).ok().and_then(|d| read_meta(&d).ok()).map_or(-1.0, |m| m.step as f64);
     let agreed = match world {
@@ -224,8 +231,10 @@ impl AsyncSaver {
         &self.memory
     }
 
-    /// Snapshots `parts` into host memory, then starts persisting the snapshot to disk and
-    /// returns; waits first for the previous save's writer. Every rank calls it.
+    /// Snapshots `parts` into host memory, then starts the writer (which copies in the
+    /// values already on the host, `parts`' updates waiting for it, then persists the
+    /// snapshot to disk) and returns; waits first for the previous save's writer. Every rank
+    /// calls it.
     pub fn save(
         &mut self,
         layout: &Layout,
@@ -249,10 +258,20 @@ impl AsyncSaver {
         };
         super::agree(world, invalidated, &[])?;
         let reusing = RankWrite::Reusing(self.taken.as_deref());
-        let (snapshot, meta) = save_into(&self.memory, layout, parts, run, world, 1, self.node_publisher, reusing)?;
+        let (snapshot, meta, deferred) =
+            save_into(&self.memory, layout, parts, run, world, 1, self.node_publisher, reusing)?;
         self.taken = Some(snapshot.clone());
         let rank = world.map_or(0, |g| g.rank());
         let own = Some(rank_file(rank)).filter(|f| meta.files.contains(f));
+        // Values already on the host are copied into the snapshot by the writer, while the
+        // next step computes; whatever would change them waits for that copy.
+        let fill = deferred.filter(|d| d.bytes() > 0).map(|deferred| {
+            let (fence, opener) = Fence::closed();
+            for part in parts.iter_mut() {
+                part.optimizer.hold_updates(fence.clone());
+            }
+            (deferred, opener)
+        });
         // Rank files are made 0600; the description and `latest` are written as any file.
         if self.node_publisher {
             for path in [snapshot.join("meta.json"), memory_latest] {
@@ -262,14 +281,14 @@ impl AsyncSaver {
         }
         fault::point("snapshot-taken", run.step)?;
         let staging = prepare_staging(&self.disk, run.step, rank == 0, world)?;
-        let job = Persist { snapshot, disk: self.disk.clone(), staging, rank, own, meta, keep };
+        let job = Persist { snapshot, fill, disk: self.disk.clone(), staging, rank, own, meta, keep };
         let began = Instant::now();
         let writer = std::thread::Builder::new()
             .name("strata-checkpoint-writer".into())
             .spawn(move || job.run().map(|()| began.elapsed().as_secs_f64()))
             .map_err(|e| Error::Checkpoint(format!("cannot start the checkpoint writer: {e}")))?;
         self.in_flight = Some(InFlight { step: run.step, writer });
-        Ok(SaveTimes { blocked_s: start.elapsed().as_secs_f64(), waited_s, persisted_s })
+        Ok(SaveTimes { blocked_s: start.elapsed().as_secs_f64(), waited_s, persisted_s, updates_waited_s: 0.0 })
     }
 
     /// Waits for the save in flight to be on disk on every rank; returns its writer's
@@ -297,10 +316,13 @@ impl AsyncSaver {
     }
 }
 
-/// What the writer thread persists: this rank's file of the snapshot, and on rank 0 the
-/// publication once every rank's file is on disk.
+/// What the writer thread persists: this rank's file of the snapshot, once the values left
+/// on the host are copied in, and on rank 0 the publication once every rank's file is on
+/// disk.
 struct Persist {
     snapshot: PathBuf,
+    /// What the snapshot's file still lacks, and the fence it opens once copied in.
+    fill: Option<(Deferred, FenceOpener)>,
     disk: PathBuf,
     staging: PathBuf,
     rank: usize,
@@ -311,13 +333,29 @@ struct Persist {
 }
 
 impl Persist {
-    fn run(self) -> Result<()> {
-        let result = self.copy_and_publish();
+    fn run(mut self) -> Result<()> {
+        let result = self.complete().and_then(|()| self.copy_and_publish());
         if let Err(e) = &result {
             // Rank 0's writer stops waiting for this rank's file when it sees the marker.
             let _ = std::fs::write(self.staging.join(failure_marker(self.rank)), e.to_string());
         }
         result
+    }
+
+    /// Copies the values left on the host into this rank's file of the snapshot, lets the
+    /// updates go on, and marks the file complete: only then may a restart read it.
+    fn complete(&mut self) -> Result<()> {
+        if let Some((deferred, opener)) = self.fill.take() {
+            deferred.fill()?;
+            opener.open();
+        }
+        match &self.own {
+            Some(name) => {
+                let marker = self.snapshot.join(complete_marker(name));
+                std::fs::write(&marker, b"").map_err(|e| Error::io(&marker, e))
+            }
+            None => Ok(()),
+        }
     }
 
     fn copy_and_publish(&self) -> Result<()> {
@@ -363,6 +401,11 @@ impl Persist {
     }
 }
 
+/// The name of the marker beside a rank's snapshot file `file` saying it is complete.
+fn complete_marker(file: &str) -> String {
+    format!("{file}.complete")
+}
+
 fn failure_marker(rank: usize) -> String {
     format!("rank{rank}.failed")
 }
@@ -400,8 +443,9 @@ mod tests {
     }
 
     /// Each snapshot after the first is written into the previous one's file (the same
-    /// inode: its pages are reused, not allocated again), holds its own step's values, and
-    /// is private; memory older than the disk's newest checkpoint is never chosen.
+    /// inode: its pages are reused, not allocated again), holds its own step's values though
+    /// an update follows at once, and is private; memory older than the disk's newest
+    /// checkpoint is never chosen.
     #[test]
     fn snapshots_overwrite_the_previous_file_in_place_and_memory_older_than_disk_is_not_chosen() {
         let dir = tempfile::tempdir().unwrap();
@@ -416,6 +460,10 @@ mod tests {
             engine.set_params(&values).unwrap();
             let mut parts = [Part { engine: &mut engine, optimizer: &mut optimizer, first_unit: 0 }];
             saver.save(&layout, &mut parts, &run_info(step), None, 2).unwrap();
+            // The parameters lie on the host: the writer copies them into the snapshot while
+            // this update waits (AdamW's decay would change them).
+            optimizer.step().unwrap();
+            saver.wait(None).unwrap();
             let snapshot = latest(saver.memory()).unwrap();
             let file = std::fs::metadata(snapshot.join(rank_file(0))).unwrap();
             assert_eq!(file.mode() & 0o777, 0o600);

@@ -224,20 +224,69 @@ pub fn write_safetensors_streamed(
     layout: &[(String, Kind, Vec<i64>)],
     metadata: &BTreeMap<String, String>,
     placing: Placing,
-    mut next: impl FnMut(usize) -> Result<Tensor>,
+    next: impl FnMut(usize) -> Result<Tensor>,
 ) -> Result<()> {
-    let (header, sizes) = safetensors_header(layout, metadata)?;
-    let mut fill = |i: usize, into: &mut [u8]| -> Result<()> {
-        let t = next(i)?.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
-        let bytes = t.numel() * t.kind().elt_size_in_bytes();
-        if bytes != into.len() {
-            return Err(Error::Model(format!(
-                "tensor {} produced {bytes} bytes, expected {}",
-                layout[i].0,
-                into.len()
-            )));
+    write_streamed(path, layout, metadata, placing, false, next).map(drop)
+}
+
+/// [`write_safetensors_streamed`] in place ([`Placing::InPlace`]), leaving the tensors that
+/// `next` gives on the host, where they lie, to be copied in later by [`Deferred::fill`]
+/// (on another thread: the caller keeps them unchanged until it returns). Tensors on a GPU
+/// are copied in before this returns.
+pub fn write_safetensors_deferring(
+    path: &Path,
+    layout: &[(String, Kind, Vec<i64>)],
+    metadata: &BTreeMap<String, String>,
+    next: impl FnMut(usize) -> Result<Tensor>,
+) -> Result<Deferred> {
+    let deferred = write_streamed(path, layout, metadata, Placing::InPlace, true, next)?;
+    deferred.ok_or_else(|| Error::Model(format!("{}: nothing was left to fill", path.display())))
+}
+
+/// The host tensors a file written by [`write_safetensors_deferring`] still lacks, and the
+/// file's map to copy them into.
+pub struct Deferred {
+    map: memmap2::MmapMut,
+    /// Each tensor (contiguous, on the host) and its bytes' offset in the file.
+    pending: Vec<(usize, Tensor)>,
+}
+
+impl Deferred {
+    /// Bytes still to be copied in.
+    pub fn bytes(&self) -> usize {
+        self.pending.iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()
+    }
+
+    /// Copies every tensor left into the file.
+    pub fn fill(mut self) -> Result<()> {
+        for (at, t) in std::mem::take(&mut self.pending) {
+            let bytes = t.numel() * t.kind().elt_size_in_bytes();
+            t.f_copy_data_u8(&mut self.map[at..at + bytes], t.numel())?;
         }
-        Ok(t.f_copy_data_u8(into, t.numel())?)
+        Ok(())
+    }
+}
+
+fn write_streamed(
+    path: &Path,
+    layout: &[(String, Kind, Vec<i64>)],
+    metadata: &BTreeMap<String, String>,
+    placing: Placing,
+    defer_host: bool,
+    mut next: impl FnMut(usize) -> Result<Tensor>,
+) -> Result<Option<Deferred>> {
+    let (header, sizes) = safetensors_header(layout, metadata)?;
+    // Tensor `i` as it is stored, checked against the layout's size, and whether it was
+    // on the host already.
+    let mut stored = |i: usize, expected: usize| -> Result<(Tensor, bool)> {
+        let given = next(i)?;
+        let on_host = given.device() == tch::Device::Cpu;
+        let t = given.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
+        let bytes = t.numel() * t.kind().elt_size_in_bytes();
+        if bytes != expected {
+            return Err(Error::Model(format!("tensor {} produced {bytes} bytes, expected {expected}", layout[i].0)));
+        }
+        Ok((t, on_host))
     };
     let io = |e| Error::io(path, e);
     match placing {
@@ -247,11 +296,13 @@ pub fn write_safetensors_streamed(
             let mut scratch = Vec::new();
             for (i, &size) in sizes.iter().enumerate() {
                 scratch.resize(size, 0);
-                fill(i, &mut scratch)?;
+                let (t, _) = stored(i, size)?;
+                t.f_copy_data_u8(&mut scratch, t.numel())?;
                 w.write_all(&scratch).map_err(io)?;
             }
             w.flush().map_err(io)
-        }),
+        })
+        .map(|()| None),
         Placing::InPlace => {
             use std::os::unix::fs::OpenOptionsExt;
             let file = std::fs::OpenOptions::new()
@@ -265,15 +316,20 @@ pub fn write_safetensors_streamed(
             let total = header.len() + sizes.iter().sum::<usize>();
             file.set_len(total as u64).map_err(io)?;
             // SAFETY: the caller's file, which nothing else maps or resizes while it is
-            // written (see `Placing::InPlace`); the map ends before this returns.
+            // written (see `Placing::InPlace`); a deferred fill keeps the map until it ends.
             let mut map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
             map[..header.len()].copy_from_slice(&header);
             let mut at = header.len();
+            let mut pending = Vec::new();
             for (i, &size) in sizes.iter().enumerate() {
-                fill(i, &mut map[at..at + size])?;
+                let (t, on_host) = stored(i, size)?;
+                match defer_host && on_host {
+                    true => pending.push((at, t)),
+                    false => t.f_copy_data_u8(&mut map[at..at + size], t.numel())?,
+                }
                 at += size;
             }
-            Ok(())
+            Ok(defer_host.then_some(Deferred { map, pending }))
         }
     }
 }

@@ -158,6 +158,69 @@ pub struct Optimizer {
     /// State bytes charged to the ledger, per placement.
     state_bytes: BTreeMap<Placement, u64>,
     delayed: DelayedHostUpdates,
+    /// Set while another thread reads the states where they lie: the next update of any
+    /// of them waits until it opens ([`Optimizer::hold_updates`]).
+    readers: Option<Arc<Fence>>,
+    /// Seconds updates waited at fences since [`Optimizer::take_readers_wait`] last read them.
+    readers_waited_s: f64,
+}
+
+/// A point updates wait at while another thread reads the states they would change where
+/// those lie (an asynchronous checkpoint's writer copying host-resident units into its
+/// snapshot, during the next step's forward and backward). Opened once, by its
+/// [`FenceOpener`], whose drop opens it whatever happened to the reader.
+#[derive(Default)]
+pub struct Fence {
+    open: Mutex<bool>,
+    opened: std::sync::Condvar,
+    /// Threads that have waited here, and their seconds.
+    waits: Mutex<(usize, f64)>,
+}
+
+impl Fence {
+    /// A closed fence and what opens it.
+    pub fn closed() -> (Arc<Fence>, FenceOpener) {
+        let fence = Arc::new(Fence::default());
+        (fence.clone(), FenceOpener(fence))
+    }
+
+    /// Blocks until the fence is open.
+    pub fn wait(&self) {
+        let began = std::time::Instant::now();
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let arrived = !*open;
+        if arrived {
+            self.waits.lock().unwrap_or_else(|e| e.into_inner()).0 += 1;
+        }
+        while !*open {
+            open = self.opened.wait(open).unwrap_or_else(|e| e.into_inner());
+        }
+        if arrived {
+            self.waits.lock().unwrap_or_else(|e| e.into_inner()).1 += began.elapsed().as_secs_f64();
+        }
+    }
+
+    /// How many threads have found the fence closed, and the seconds they waited in all.
+    pub fn waits(&self) -> (usize, f64) {
+        *self.waits.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Opens its [`Fence`] when told, or when dropped.
+pub struct FenceOpener(Arc<Fence>);
+
+impl FenceOpener {
+    /// Opens the fence: every update waiting there goes on.
+    pub fn open(self) {
+        drop(self);
+    }
+}
+
+impl Drop for FenceOpener {
+    fn drop(&mut self) {
+        *self.0.open.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.0.opened.notify_all();
+    }
 }
 
 /// Host updates that run during the next step ([`Optimizer::start_delayed_host_updates`]).
@@ -243,7 +306,29 @@ impl Optimizer {
             ledger,
             state_bytes,
             delayed: DelayedHostUpdates::default(),
+            readers: None,
+            readers_waited_s: 0.0,
         })
+    }
+
+    /// Has every update from now on wait until `fence` opens: another thread reads the
+    /// parameters and states where they lie until then.
+    pub fn hold_updates(&mut self, fence: Arc<Fence>) {
+        self.readers = Some(fence);
+    }
+
+    /// Waits for the fence set by [`Optimizer::hold_updates`], where one is, and clears it,
+    /// counting the seconds every update waited at it (the host updates' threads' too).
+    pub fn wait_for_readers(&mut self) {
+        if let Some(fence) = self.readers.take() {
+            fence.wait();
+            self.readers_waited_s += fence.waits().1;
+        }
+    }
+
+    /// The seconds updates waited at fences since the last call.
+    pub fn take_readers_wait(&mut self) -> f64 {
+        std::mem::take(&mut self.readers_waited_s)
     }
 
     /// Scales every group's learning rate (set each step from a [`LrSchedule`]).
@@ -283,6 +368,7 @@ impl Optimizer {
     /// [`Optimizer::step`] for every segment but those of the units in `updated` (their
     /// update already ran: [`HostUpdates`]).
     pub fn step_except(&mut self, updated: &BTreeSet<usize>) -> Result<()> {
+        self.wait_for_readers();
         let divisor = self.grad_divisor.take();
         for g in &self.groups {
             let pending: Vec<usize> = (0..g.params.len()).filter(|&i| !updated.contains(&g.places[i].0)).collect();
@@ -382,7 +468,12 @@ impl Optimizer {
                 step: one(&g.steps),
             });
         }
-        HostUpdates { by_unit: Mutex::new(by_unit), running: Mutex::new(vec![]), ledger: self.ledger.clone() }
+        HostUpdates {
+            by_unit: Mutex::new(by_unit),
+            running: Mutex::new(vec![]),
+            ledger: self.ledger.clone(),
+            readers: self.readers.clone(),
+        }
     }
 
     /// Starts this step's updates of the host segments on threads that run on during the
@@ -392,6 +483,7 @@ impl Optimizer {
     /// next backward accumulates into zeroed memory while the update reads this step's.
     /// [`Optimizer::settle`] waits for the update, before anything reads the masters.
     pub fn start_delayed_host_updates(&mut self) -> Result<BTreeSet<usize>> {
+        self.wait_for_readers();
         if self.delayed.running.is_some() {
             return Err(Error::Engine("a delayed host update is still running: settle it first".into()));
         }
@@ -444,9 +536,11 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Waits for a delayed host update still running and has `engine` publish it
+    /// Waits for those reading the states ([`Optimizer::hold_updates`]) and for a delayed
+    /// host update still running, and has `engine` publish the update
     /// (`Engine::after_update`: the masters reach the device); nothing without one.
     pub fn settle(&mut self, engine: &mut Engine) -> Result<()> {
+        self.wait_for_readers();
         let Some(running) = self.delayed.running.take() else { return Ok(()) };
         running.finish()?;
         engine.after_update()
@@ -482,6 +576,7 @@ impl Optimizer {
         steps_taken: u64,
         mut fill: impl FnMut(usize, i64, &str, &Tensor) -> Result<()>,
     ) -> Result<()> {
+        self.wait_for_readers();
         for (unit, offset, name, t) in self.state() {
             fill(unit, offset, name, t)?;
         }
@@ -679,6 +774,8 @@ pub struct HostUpdates {
     by_unit: Mutex<BTreeMap<usize, Vec<SegmentUpdate>>>,
     running: Mutex<Vec<UpdateThread>>,
     ledger: Arc<MemoryLedger>,
+    /// Where the updates wait first ([`Optimizer::hold_updates`]), on their own threads.
+    readers: Option<Arc<Fence>>,
 }
 
 /// A thread updating `units` in turn; it returns the seconds it took.
@@ -711,7 +808,11 @@ impl HostUpdates {
             return;
         }
         let units = work.iter().map(|(u, _)| *u).collect();
+        let readers = self.readers.clone();
         let handle = std::thread::spawn(move || -> Result<f64> {
+            if let Some(fence) = readers {
+                fence.wait();
+            }
             let started = std::time::Instant::now();
             for s in work.iter().flat_map(|(_, segments)| segments) {
                 s.run()?;
@@ -876,6 +977,36 @@ impl LrSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An update waits at a closed fence, changing nothing, and goes on once it opens; the
+    /// wait is counted.
+    #[test]
+    fn updates_wait_at_a_closed_fence_and_go_on_once_it_opens() {
+        let mut b = crate::model::Builder::new();
+        crate::model::mlp(&crate::model::MlpConfig { vocab: 11, layers: 1, dim: 8 }, &mut b).unwrap();
+        let mut engine = Engine::new(b.build().unwrap(), crate::engine::EngineConfig::default()).unwrap();
+        let mut optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+        let first = crate::model::ParamId(0);
+        let before = engine.param(first).copy();
+        let (fence, opener) = Fence::closed();
+        optimizer.hold_updates(fence.clone());
+        let update = std::thread::spawn(move || {
+            optimizer.step().unwrap();
+            optimizer
+        });
+        // Either the update waits at the fence or it ran through it: whichever comes first.
+        while fence.waits().0 == 0 && !update.is_finished() {
+            std::thread::yield_now();
+        }
+        assert!(!update.is_finished(), "the update did not wait for the fence");
+        assert!(engine.param(first).equal(&before), "the update changed a parameter before the fence opened");
+        opener.open();
+        let mut optimizer = update.join().unwrap();
+        // AdamW's decay moves every weight even without a gradient.
+        assert!(!engine.param(first).equal(&before), "the update did not run once the fence opened");
+        assert!(optimizer.take_readers_wait() > 0.0);
+        assert_eq!(optimizer.take_readers_wait(), 0.0, "read once");
+    }
 
     #[test]
     fn warmup_cosine_rises_linearly_then_decays_to_the_floor() {

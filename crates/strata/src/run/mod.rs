@@ -27,6 +27,7 @@ pub mod tensorboard;
 
 use crate::auto::bench::GenerationProbe;
 use crate::auto::{self, AutoAccelerate, AutoOptions};
+use crate::checkpoint::snapshot::SaveTimes;
 use crate::checkpoint::{self, BaseRecord, Checkpoint, DataPosition, RunInfo};
 use crate::comm::{init_from_env, launched_world_size, Comm, ProcessGroup, RankInfo};
 use crate::data::{
@@ -848,7 +849,7 @@ pub fn train(
                 if ranks.leader() {
                     info!(path = %dir.display(), "saved checkpoint");
                 }
-                checkpoint::snapshot::SaveTimes { blocked_s: began.elapsed().as_secs_f64(), ..Default::default() }
+                SaveTimes { blocked_s: began.elapsed().as_secs_f64(), ..Default::default() }
             }
         };
         if let Some(p) = &profiler {
@@ -867,7 +868,8 @@ pub fn train(
         // context rank's piece of them.
         report.tokens *= readers as u64;
         report.tokens_per_s *= readers as f64;
-        report.checkpoint = saved.take();
+        let updates_waited_s = trainer.take_readers_wait();
+        report.checkpoint = saved.take().map(|times| SaveTimes { updates_waited_s, ..times });
         // TR-DPO's sync follows the update, before validation reads the reference.
         if let Some(live) = live.as_ref() {
             live.borrow_mut().follow(trainer, report.step)?;

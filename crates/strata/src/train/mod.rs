@@ -558,6 +558,8 @@ impl GradDecision {
     /// skipped, gradients cleared. Delayed host updates wait for (and publish) the previous
     /// step's first, then start this step's.
     pub(crate) fn apply(&self, engine: &mut Engine, optimizer: &mut Optimizer, host: HostUpdating) -> Result<()> {
+        // Whatever changes the parameters from here on waits for those reading them.
+        optimizer.wait_for_readers();
         if let HostUpdating::Delayed = host {
             optimizer.settle(engine)?;
         }
@@ -760,6 +762,12 @@ impl Trainer {
         let layout = self.executor.layout(&self.parts);
         let mut parts: Vec<_> = self.parts.iter_mut().map(ModelPart::as_checkpoint).collect();
         saver.save(&layout, &mut parts, run, world, keep)
+    }
+
+    /// Seconds this rank's updates waited since the last call for those reading the
+    /// parameters and states where they lie (an asynchronous save's writer).
+    pub fn take_readers_wait(&mut self) -> f64 {
+        self.parts.iter_mut().map(|p| p.optimizer.take_readers_wait()).sum()
     }
 
     /// Loads `checkpoint` (saved at any pipeline, tensor or data size) into this rank's
