@@ -152,7 +152,10 @@ fn the_kernel_benchmark_compares_equal_results() {
     let kernels: Vec<&str> = rows.iter().map(|r| r["kernel"].as_str().unwrap()).collect();
     assert_eq!(kernels, ["VectorGelu", "FusedRMSNorm", "FusedSwiGLU", "FusedRoPE", "OneDnnLinear"]);
     for r in rows {
-        assert!(r["max_difference"].as_f64().unwrap() < 1e-4, "{r}");
+        // Two implementations of one function round differently somewhere in 512 tokens:
+        // no difference at all would mean one side timed the other's code.
+        let difference = r["max_difference"].as_f64().unwrap();
+        assert!(difference > 0.0 && difference < 1e-4, "{r}");
         assert!(r["strata_ms"].as_f64().unwrap() > 0.0 && r["libtorch_ms"].as_f64().unwrap() > 0.0, "{r}");
     }
 }
