@@ -141,3 +141,15 @@ pub fn shared_dir(key: &str, make: impl FnOnce(&Path)) -> PathBuf {
 pub fn free_port() -> String {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
 }
+
+/// The project's torchrun (`scripts/setup.sh` installs it in `.venv`); `None`, saying the
+/// test is skipped, where it is missing.
+pub fn torchrun() -> Option<PathBuf> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/torchrun");
+    if path.exists() {
+        Some(path)
+    } else {
+        eprintln!("skipping: {} is missing (run scripts/setup.sh)", path.display());
+        None
+    }
+}

@@ -3,24 +3,14 @@
 //! restart that resumes from the newest checkpoint, bad rendezvous input — and the variables
 //! Slurm's `srun` and Open MPI's `mpirun` give their tasks, set here by hand.
 
-use crate::common::{free_port, global_gap, losses, stderr, strata, weights};
-use std::path::{Path, PathBuf};
+use crate::common::{free_port, global_gap, losses, stderr, strata, torchrun, weights};
+use std::path::Path;
 use std::process::{Command, Output};
 
 const MODEL: [&str; 12] =
     ["--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32", "--seed", "3"];
 const RUN: [&str; 10] =
     ["--batch-size", "8", "--schedule", "constant", "--threads", "1", "--lr", "0.003", "--log-every", "1000"];
-
-fn torchrun() -> Option<PathBuf> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/torchrun");
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!("skipping: {} is missing (run scripts/setup.sh)", path.display());
-        None
-    }
-}
 
 /// `torchrun --standalone --nproc-per-node 2 [extra torchrun flags] --no-python strata train ARGS`.
 fn under_torchrun(torchrun: &Path, launcher: &[&str], args: &[&str], env: &[(&str, &str)]) -> Output {

@@ -196,11 +196,7 @@ fn a_rank_killed_while_persisting_is_restarted_by_strata_launch_and_resumes_from
 
 #[test]
 fn a_rank_killed_while_persisting_is_restarted_by_torchrun_and_resumes_from_host_memory() {
-    let torchrun = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/torchrun");
-    if !torchrun.exists() {
-        eprintln!("skipped: no torchrun in the project's .venv (scripts/setup.sh installs it)");
-        return;
-    }
+    let Some(torchrun) = crate::common::torchrun() else { return };
     let dir = tempfile::tempdir().unwrap();
     let shm = dir.path().join("shm");
     std::fs::create_dir(&shm).unwrap();
@@ -219,11 +215,7 @@ fn a_rank_killed_while_persisting_is_restarted_by_torchrun_and_resumes_from_host
 /// other's before the job resumes from host memory.
 #[test]
 fn a_job_over_two_nodes_resumes_from_host_memory_each_node_receiving_the_other_s_part() {
-    let torchrun = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/torchrun");
-    if !torchrun.exists() {
-        eprintln!("skipped: no torchrun in the project's .venv (scripts/setup.sh installs it)");
-        return;
-    }
+    let Some(torchrun) = crate::common::torchrun() else { return };
     let dir = tempfile::tempdir().unwrap();
     let endpoint = format!("127.0.0.1:{}", crate::common::free_port());
     let nodes: Vec<_> = (0..2)
