@@ -207,7 +207,9 @@ impl DecodeCache {
     pub fn extend(&mut self, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
         let (k, v) = match &self.keys_values {
             Some((k0, v0)) => (Tensor::f_cat(&[k0, keys], 2)?, Tensor::f_cat(&[v0, values], 2)?),
-            None => (keys.shallow_clone(), values.shallow_clone()),
+            // Keys and values split from a fused projection are views of it: held as they
+            // are, they would keep the queries' part alive beside them for the whole decode.
+            None => (keys.f_contiguous()?, values.f_contiguous()?),
         };
         self.advance(keys.size()[2]);
         self.keys_values = Some((k.shallow_clone(), v.shallow_clone()));
@@ -1202,5 +1204,27 @@ impl UnitBuilder<'_> {
             body: Box::new(body),
             cost: self.cost,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys and values split from a fused projection are held in storage of their own: the
+    /// cache does not keep the whole projection alive.
+    #[test]
+    fn a_cache_holds_its_own_copy_of_keys_split_from_a_fused_projection() {
+        let qkv = Tensor::randn([2, 5, 3 * 8], (tch::Kind::Float, tch::Device::Cpu));
+        let parts = qkv.split(8, 2);
+        let heads = |t: &Tensor| t.view([2, 5, 2, 4]).transpose(1, 2);
+        let (k, v) = (heads(&parts[1]), heads(&parts[2]));
+        let mut cache = DecodeCache::default();
+        let (held_k, held_v) = cache.extend(&k, &v).unwrap();
+        for (held, given) in [(&held_k, &k), (&held_v, &v)] {
+            assert!(held.equal(given));
+            let own = held.numel() * held.kind().elt_size_in_bytes();
+            assert_eq!(strata_ext::storage_nbytes(held).unwrap(), own, "the cache holds the whole projection");
+        }
     }
 }
