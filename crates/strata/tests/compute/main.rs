@@ -1,11 +1,12 @@
-//! What one process measures of itself: the compute methods, the optimizers' and offload's
-//! allocations, and the CUDA paths. The allocator's counts are per process, so every test of
-//! this binary holds [`serial`] and runs alone.
+//! What one process measures of itself: the compute methods, the optimizers', offload's
+//! and decoding's allocations, and the CUDA paths. The allocator's counts are per process,
+//! so every test of this binary holds [`serial`] and runs alone.
 
 #[path = "../common/mod.rs"]
 mod common;
 mod compute;
 mod cuda;
+mod generation;
 mod offload_room;
 mod optim;
 
