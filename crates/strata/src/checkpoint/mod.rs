@@ -434,9 +434,8 @@ fn save_into(
         RankWrite::Atomic => Ok(Placing::Atomic),
         RankWrite::Reusing(previous) => reuse(previous.map(|d| d.join(rank_file(rank))), &target),
     };
-    let defer = matches!(write, RankWrite::Reusing(_));
     let written = match (heads, placed) {
-        (Ok(heads), Ok(placing)) if writes => write_rank_file(&target, layout, parts, &heads, placing, defer),
+        (Ok(heads), Ok(placing)) if writes => write_rank_file(&target, layout, parts, &heads, placing),
         (Ok(_), Ok(_)) => Ok(None),
         (Err(e), _) | (_, Err(e)) => Err(e),
     };
@@ -595,7 +594,6 @@ fn write_rank_file(
     parts: &mut [Part<'_>],
     heads: &[Vec<Option<Tensor>>],
     placing: Placing,
-    defer_host: bool,
 ) -> Result<Option<Deferred>> {
     let units = whole.unit_numel.len();
     let mut ranges = vec![(0i64, 0i64); units];
@@ -682,9 +680,11 @@ fn write_rank_file(
             }
         }
     };
-    match defer_host {
-        true => write_safetensors_deferring(path, &layout, &metadata, value).map(Some),
-        false => write_safetensors_streamed(path, &layout, &metadata, placing, value).map(|()| None),
+    // A file written in place is a snapshot in host memory: what lies on the host already
+    // is left to its writer ([`Deferred`]).
+    match placing {
+        Placing::InPlace => write_safetensors_deferring(path, &layout, &metadata, value).map(Some),
+        Placing::Atomic => write_safetensors_streamed(path, &layout, &metadata, placing, value).map(|()| None),
     }
 }
 

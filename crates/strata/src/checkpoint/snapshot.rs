@@ -102,21 +102,14 @@ pub fn newest_in_memory(
     });
     let step = usable.as_ref().map_or(-1.0, |(meta, _)| meta.step as f64);
     let on_disk = latest(disk).ok().and_then(|d| read_meta(&d).ok()).map_or(-1.0, |m| m.step as f64);
-    let agreed = match world {
-        Some(g) => all_reduce_values(g, &[step, -step, on_disk], ReduceOp::Max)?,
-        None => vec![step, -step, on_disk],
-    };
+    let agreed = most_over(world, &[step, -step, on_disk])?;
     let (newest, oldest, disk_newest) = (agreed[0], -agreed[1], agreed[2]);
     let Some((meta, dir)) = usable.filter(|_| newest == oldest && oldest >= disk_newest) else { return Ok(None) };
     if let Some(g) = world {
         fill_from_other_nodes(g, &meta, &dir, node_publisher)?;
     }
     let opened = Checkpoint::open(&dir);
-    let failed = f64::from(u8::from(opened.is_err()));
-    let failed_anywhere = match world {
-        Some(g) => all_reduce_values(g, &[failed], ReduceOp::Max)?[0] > 0.0,
-        None => failed > 0.0,
-    };
+    let failed_anywhere = most_over(world, &[f64::from(u8::from(opened.is_err()))])?[0] > 0.0;
     match (opened, failed_anywhere) {
         (Ok(snapshot), false) => Ok(Some(snapshot)),
         (opened, _) => {
@@ -124,6 +117,14 @@ pub fn newest_in_memory(
             tracing::warn!(snapshot = %dir.display(), %why, "the snapshot in host memory does not open; resuming from disk");
             Ok(None)
         }
+    }
+}
+
+/// Each of `values`' largest over the ranks of `world` (itself without one).
+fn most_over(world: Option<&dyn ProcessGroup>, values: &[f64]) -> Result<Vec<f64>> {
+    match world {
+        Some(g) => all_reduce_values(g, values, ReduceOp::Max),
+        None => Ok(values.to_vec()),
     }
 }
 

@@ -224,9 +224,27 @@ pub fn write_safetensors_streamed(
     layout: &[(String, Kind, Vec<i64>)],
     metadata: &BTreeMap<String, String>,
     placing: Placing,
-    next: impl FnMut(usize) -> Result<Tensor>,
+    mut next: impl FnMut(usize) -> Result<Tensor>,
 ) -> Result<()> {
-    write_streamed(path, layout, metadata, placing, false, next).map(drop)
+    match placing {
+        Placing::InPlace => write_in_place(path, layout, metadata, false, next).map(drop),
+        Placing::Atomic => {
+            let (header, sizes) = safetensors_header(layout, metadata)?;
+            let io = |e| Error::io(path, e);
+            write_atomic_with(path, |f| {
+                let mut w = std::io::BufWriter::new(f);
+                w.write_all(&header).map_err(io)?;
+                let mut scratch = Vec::new();
+                for (i, &size) in sizes.iter().enumerate() {
+                    scratch.resize(size, 0);
+                    let (t, _) = stored(layout, i, next(i)?, size)?;
+                    t.f_copy_data_u8(&mut scratch, t.numel())?;
+                    w.write_all(&scratch).map_err(io)?;
+                }
+                w.flush().map_err(io)
+            })
+        }
+    }
 }
 
 /// [`write_safetensors_streamed`] in place ([`Placing::InPlace`]), leaving the tensors that
@@ -239,8 +257,7 @@ pub fn write_safetensors_deferring(
     metadata: &BTreeMap<String, String>,
     next: impl FnMut(usize) -> Result<Tensor>,
 ) -> Result<Deferred> {
-    let deferred = write_streamed(path, layout, metadata, Placing::InPlace, true, next)?;
-    deferred.ok_or_else(|| Error::Model(format!("{}: nothing was left to fill", path.display())))
+    write_in_place(path, layout, metadata, true, next)
 }
 
 /// The host tensors a file written by [`write_safetensors_deferring`] still lacks, and the
@@ -267,71 +284,55 @@ impl Deferred {
     }
 }
 
-fn write_streamed(
+/// Tensor `i` of `layout`, `given`, as it is stored (detached, contiguous, on the host),
+/// checked against the layout's `expected` bytes; and whether it was on the host already.
+fn stored(layout: &[(String, Kind, Vec<i64>)], i: usize, given: Tensor, expected: usize) -> Result<(Tensor, bool)> {
+    let on_host = given.device() == tch::Device::Cpu;
+    let t = given.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
+    let bytes = t.numel() * t.kind().elt_size_in_bytes();
+    if bytes != expected {
+        return Err(Error::Model(format!("tensor {} produced {bytes} bytes, expected {expected}", layout[i].0)));
+    }
+    Ok((t, on_host))
+}
+
+/// Writes the file through a memory map ([`Placing::InPlace`]); with `defer_host`, the
+/// tensors already on the host are left to the [`Deferred`] returned.
+fn write_in_place(
     path: &Path,
     layout: &[(String, Kind, Vec<i64>)],
     metadata: &BTreeMap<String, String>,
-    placing: Placing,
     defer_host: bool,
     mut next: impl FnMut(usize) -> Result<Tensor>,
-) -> Result<Option<Deferred>> {
+) -> Result<Deferred> {
+    use std::os::unix::fs::OpenOptionsExt;
     let (header, sizes) = safetensors_header(layout, metadata)?;
-    // Tensor `i` as it is stored, checked against the layout's size, and whether it was
-    // on the host already.
-    let mut stored = |i: usize, expected: usize| -> Result<(Tensor, bool)> {
-        let given = next(i)?;
-        let on_host = given.device() == tch::Device::Cpu;
-        let t = given.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
-        let bytes = t.numel() * t.kind().elt_size_in_bytes();
-        if bytes != expected {
-            return Err(Error::Model(format!("tensor {} produced {bytes} bytes, expected {expected}", layout[i].0)));
-        }
-        Ok((t, on_host))
-    };
     let io = |e| Error::io(path, e);
-    match placing {
-        Placing::Atomic => write_atomic_with(path, |f| {
-            let mut w = std::io::BufWriter::new(f);
-            w.write_all(&header).map_err(io)?;
-            let mut scratch = Vec::new();
-            for (i, &size) in sizes.iter().enumerate() {
-                scratch.resize(size, 0);
-                let (t, _) = stored(i, size)?;
-                t.f_copy_data_u8(&mut scratch, t.numel())?;
-                w.write_all(&scratch).map_err(io)?;
-            }
-            w.flush().map_err(io)
-        })
-        .map(|()| None),
-        Placing::InPlace => {
-            use std::os::unix::fs::OpenOptionsExt;
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .mode(0o600)
-                .open(path)
-                .map_err(io)?;
-            let total = header.len() + sizes.iter().sum::<usize>();
-            file.set_len(total as u64).map_err(io)?;
-            // SAFETY: the caller's file, which nothing else maps or resizes while it is
-            // written (see `Placing::InPlace`); a deferred fill keeps the map until it ends.
-            let mut map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
-            map[..header.len()].copy_from_slice(&header);
-            let mut at = header.len();
-            let mut pending = Vec::new();
-            for (i, &size) in sizes.iter().enumerate() {
-                let (t, on_host) = stored(i, size)?;
-                match defer_host && on_host {
-                    true => pending.push((at, t)),
-                    false => t.f_copy_data_u8(&mut map[at..at + size], t.numel())?,
-                }
-                at += size;
-            }
-            Ok(defer_host.then_some(Deferred { map, pending }))
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+        .map_err(io)?;
+    let total = header.len() + sizes.iter().sum::<usize>();
+    file.set_len(total as u64).map_err(io)?;
+    // SAFETY: the caller's file, which nothing else maps or resizes while it is written
+    // (see `Placing::InPlace`); a deferred fill keeps the map until it ends.
+    let mut map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
+    map[..header.len()].copy_from_slice(&header);
+    let mut at = header.len();
+    let mut pending = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        let (t, on_host) = stored(layout, i, next(i)?, size)?;
+        match defer_host && on_host {
+            true => pending.push((at, t)),
+            false => t.f_copy_data_u8(&mut map[at..at + size], t.numel())?,
         }
+        at += size;
     }
+    Ok(Deferred { map, pending })
 }
 
 /// Where whole weights are written.

@@ -1008,6 +1008,43 @@ mod tests {
         assert_eq!(optimizer.take_readers_wait(), 0.0, "read once");
     }
 
+    /// Host updates, started while backward runs, wait at a closed fence on their own
+    /// threads, and run once it opens.
+    #[test]
+    fn host_updates_wait_at_a_closed_fence_on_their_threads() {
+        let mut b = crate::model::Builder::new();
+        crate::model::mlp(&crate::model::MlpConfig { vocab: 11, layers: 1, dim: 8 }, &mut b).unwrap();
+        // Every unit's parameters and optimizer state live on the host (static offload).
+        let options = crate::engine::offload::OffloadOptions {
+            policy: crate::engine::placement::HomePolicy::Static { params: 1.0, optimizer: 1.0 },
+            optimizer_bytes_per_element: 8,
+            prefetch: 1,
+            pin_memory: false,
+            non_model: None,
+            on_host: vec![],
+            slot_bytes: None,
+            delayed_update: false,
+        };
+        let config = crate::engine::EngineConfig::default();
+        let mut engine = crate::engine::offload::Offload::build(b.build().unwrap(), config, options).unwrap();
+        let mut optimizer = Optimizer::new(&mut engine, OptimizerConfig::default(), &[]).unwrap();
+        // The host's copy of the first segment, which the update writes.
+        let host = optimizer.groups[0].params[0].shallow_clone();
+        let before = host.copy();
+        let (fence, opener) = Fence::closed();
+        optimizer.hold_updates(fence.clone());
+        let updates = optimizer.host_updates();
+        assert!(!updates.start_all().is_empty(), "the units update on the host");
+        // Either an update's thread waits at the fence or it changes the parameter first.
+        while fence.waits().0 == 0 {
+            assert!(host.equal(&before), "a host update ran before the fence opened");
+            std::thread::yield_now();
+        }
+        opener.open();
+        updates.finish().unwrap();
+        assert!(!host.equal(&before), "the host update did not run once the fence opened");
+    }
+
     #[test]
     fn warmup_cosine_rises_linearly_then_decays_to_the_floor() {
         let s = LrSchedule::WarmupCosine { warmup: 4, total: 14, min_factor: 0.1 };

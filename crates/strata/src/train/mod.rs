@@ -558,8 +558,6 @@ impl GradDecision {
     /// skipped, gradients cleared. Delayed host updates wait for (and publish) the previous
     /// step's first, then start this step's.
     pub(crate) fn apply(&self, engine: &mut Engine, optimizer: &mut Optimizer, host: HostUpdating) -> Result<()> {
-        // Whatever changes the parameters from here on waits for those reading them.
-        optimizer.wait_for_readers();
         if let HostUpdating::Delayed = host {
             optimizer.settle(engine)?;
         }
