@@ -363,10 +363,7 @@ impl Persist {
         fault::point("persist-begun", self.meta.step)?;
         if let Some(name) = &self.own {
             let source = self.snapshot.join(name);
-            io::write_atomic_with(&self.staging.join(name), |out| {
-                let mut from = std::fs::File::open(&source).map_err(|e| Error::io(&source, e))?;
-                std::io::copy(&mut from, out).map(drop).map_err(|e| Error::io(&source, e))
-            })?;
+            io::copy_atomic(&source, &self.staging.join(name))?;
         }
         fault::point("persist-written", self.meta.step)?;
         if self.rank == 0 {
