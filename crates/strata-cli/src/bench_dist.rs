@@ -33,7 +33,8 @@ pub struct BenchDistArgs {
     /// Rounds; each figure is the median over rounds.
     #[arg(long, default_value_t = 2)]
     rounds: usize,
-    /// Strata's `module_replace` pairs, comma-separated (default: every registered one).
+    /// Strata's `module_replace` pairs, comma-separated (default: those `module_replace`
+    /// applies without a list).
     /// `FlashAttention` gives both sides the same attention kernel;
     /// `OneDnnLinear` is Strata's own choice of matrix-product kernel on the CPU.
     #[arg(long)]
@@ -67,13 +68,13 @@ struct Row {
     pytorch_rss_peak_bytes: u64,
 }
 
-/// The `module_replace` pairs Strata runs with: those named, or every registered one.
+/// The `module_replace` pairs Strata runs with: those named, or those applied by default.
 /// The reference's GPT calls PyTorch's fused attention (`F.scaled_dot_product_attention`),
 /// which is what `FlashAttention` puts in Strata's attention.
 fn replace_pairs(args: &BenchDistArgs) -> Vec<String> {
     match &args.replace {
         Some(names) => names.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect(),
-        None => strata::compute::replace::pair_names(),
+        None => strata::compute::replace::default_pair_names(),
     }
 }
 

@@ -62,7 +62,7 @@ const SHARDINGS: [Sharding; 4] = [Sharding::None, Sharding::Zero1, Sharding::Zer
 pub struct Candidate {
     /// How the numbers are computed.
     pub precision: Precision,
-    /// Applies every registered replacement pair (`module_replace`).
+    /// Applies the replacement pairs `module_replace` applies without a list.
     pub module_replace: bool,
     /// Which model states are split over the data ranks.
     pub sharding: Sharding,

@@ -6,7 +6,8 @@
 //! attention, flash kernels where the device has them), `FusedLayerNorm`, `FusedRMSNorm`
 //! (Strata's kernel on fp32 CPU tensors, libtorch's `rms_norm` elsewhere), and, where
 //! libtorch has oneDNN, `OneDnnLinear` (fp32 linear layers on the CPU through oneDNN's
-//! inner product, forward and input gradient, instead of libtorch's BLAS). Strata's own
+//! inner product, forward and input gradient, instead of libtorch's BLAS; applied only where
+//! named, as it trails libtorch's MKL product on x86-64). Strata's own
 //! kernels (`strata_ext::kernels`: vectorised on fp32 CPU tensors, NVRTC-compiled on GPU
 //! tensors of fp32, bf16 and fp16) serve `VectorGelu` (GELU's tanh form), `FusedSwiGLU`
 //! (`silu(gate) * up` in one pass), `FusedRoPE` (rotary positions), and, on a GPU only,
@@ -111,6 +112,8 @@ pub struct ReplacePair {
     pub supported_dtypes: Vec<Kind>,
     /// The op it replaces, with its implementation.
     pub with: Replacement,
+    /// Whether `module_replace` without a list applies it; otherwise only where named.
+    pub by_default: bool,
 }
 
 fn registry() -> &'static Mutex<Vec<ReplacePair>> {
@@ -137,6 +140,7 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                 name: "FlashAttention".into(),
                 supported_dtypes: all.clone(),
                 with: Replacement::Attention(attention),
+                by_default: true,
             },
             ReplacePair {
                 name: "StrataAttention".into(),
@@ -145,27 +149,37 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                     let CausalScores { scale, softcap, window, sinks } = *scores;
                     Ok(strata_ext::kernels::attention(q, k, v, sinks, scale, softcap, window)?)
                 })),
+                by_default: true,
             },
             ReplacePair {
                 name: "FusedLayerNorm".into(),
                 supported_dtypes: all.clone(),
                 with: Replacement::LayerNorm(layer_norm),
+                by_default: true,
             },
-            ReplacePair { name: "FusedRMSNorm".into(), supported_dtypes: all, with: Replacement::RmsNorm(rms_norm) },
+            ReplacePair {
+                name: "FusedRMSNorm".into(),
+                supported_dtypes: all,
+                with: Replacement::RmsNorm(rms_norm),
+                by_default: true,
+            },
             ReplacePair {
                 name: "VectorGelu".into(),
                 supported_dtypes: low.clone(),
                 with: Replacement::Gelu(Arc::new(|x| Ok(strata_ext::kernels::gelu_tanh(x)?))),
+                by_default: true,
             },
             ReplacePair {
                 name: "FusedSwiGLU".into(),
                 supported_dtypes: low.clone(),
                 with: Replacement::SwiGlu(Arc::new(|gate, up| Ok(strata_ext::kernels::swiglu(gate, up)?))),
+                by_default: true,
             },
             ReplacePair {
                 name: "FusedRoPE".into(),
                 supported_dtypes: low.clone(),
                 with: Replacement::Rotary(Arc::new(|x, cos, sin| Ok(strata_ext::kernels::rotary(x, cos, sin)?))),
+                by_default: true,
             },
             ReplacePair {
                 name: "FusedCrossEntropy".into(),
@@ -173,21 +187,25 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                 with: Replacement::CrossEntropy(Arc::new(|logits, targets, ignore| {
                     Ok(strata_ext::kernels::cross_entropy(logits, targets, ignore)?)
                 })),
+                by_default: true,
             },
             ReplacePair {
                 name: "FusedAddLayerNorm".into(),
                 supported_dtypes: low.clone(),
                 with: Replacement::AddLayerNorm(add_norm.clone()),
+                by_default: true,
             },
             ReplacePair {
                 name: "FusedAddRMSNorm".into(),
                 supported_dtypes: low,
                 with: Replacement::AddRmsNorm(add_norm),
+                by_default: true,
             },
             ReplacePair {
                 name: "FusedLinearGrad".into(),
                 supported_dtypes: vec![Kind::Half, Kind::BFloat16],
                 with: Replacement::LinearGrad,
+                by_default: true,
             },
         ];
         if strata_ext::onednn::available() {
@@ -195,6 +213,9 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
                 name: "OneDnnLinear".into(),
                 supported_dtypes: vec![Kind::Float],
                 with: Replacement::Linear(Arc::new(onednn_linear)),
+                // 0.93–0.94× libtorch's MKL product on x86-64 Xeons (`strata bench kernels`):
+                // applied only where named, for libtorch builds whose BLAS is weaker.
+                by_default: false,
             });
         }
         Mutex::new(pairs)
@@ -259,16 +280,27 @@ impl strata_ext::Function for OneDnnLinear {
 }
 
 /// Registers (or replaces) a pair under `name`, used where its op runs in one of
-/// `supported_dtypes` (ATorch's `register_replace_pair`).
+/// `supported_dtypes` (ATorch's `register_replace_pair`); `module_replace` without a list
+/// applies it.
 pub fn register_replace_pair(name: &str, supported_dtypes: &[Kind], with: Replacement) {
     let mut pairs = registry().lock().unwrap_or_else(|e| e.into_inner());
     pairs.retain(|p| p.name != name);
-    pairs.push(ReplacePair { name: name.to_string(), supported_dtypes: supported_dtypes.to_vec(), with });
+    pairs.push(ReplacePair {
+        name: name.to_string(),
+        supported_dtypes: supported_dtypes.to_vec(),
+        with,
+        by_default: true,
+    });
 }
 
 /// The names of every registered pair.
 pub fn pair_names() -> Vec<String> {
     registry().lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.name.clone()).collect()
+}
+
+/// The names of the pairs `module_replace` without a list applies.
+pub fn default_pair_names() -> Vec<String> {
+    Replacements::select(None).map(|r| r.pairs.into_iter().map(|p| p.name).collect()).unwrap_or_default()
 }
 
 /// The pairs a unit applies.
@@ -278,10 +310,13 @@ pub struct Replacements {
 }
 
 impl Replacements {
-    /// The named pairs (every registered one for `None`); an unknown name is an error.
+    /// The named pairs (for `None`, every registered one applied by default); an unknown
+    /// name is an error.
     pub fn select(names: Option<&[String]>) -> Result<Replacements> {
         let all = registry().lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let Some(names) = names else { return Ok(Replacements { pairs: all }) };
+        let Some(names) = names else {
+            return Ok(Replacements { pairs: all.into_iter().filter(|p| p.by_default).collect() });
+        };
         let mut pairs = Vec::new();
         for n in names {
             match all.iter().find(|p| &p.name == n) {
@@ -366,5 +401,31 @@ impl Replacements {
     /// Whether products in `kind` compute their weight and bias gradients in one product.
     pub fn linear_grad(&self, kind: Kind) -> bool {
         self.find(kind, |r| matches!(r, Replacement::LinearGrad).then_some(())).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(r: &Replacements) -> Vec<&str> {
+        r.pairs.iter().map(|p| p.name.as_str()).collect()
+    }
+
+    #[test]
+    fn a_pair_off_by_default_is_applied_only_where_named() {
+        register_replace_pair("TestOnlyNorm", &[Kind::Double], Replacement::RmsNorm(Arc::new(|x, _, _| Ok(x.copy()))));
+        let defaults = Replacements::select(None).unwrap();
+        assert!(names(&defaults).contains(&"FusedRMSNorm") && names(&defaults).contains(&"TestOnlyNorm"));
+        assert_eq!(default_pair_names(), names(&defaults));
+        assert!(!names(&defaults).contains(&"OneDnnLinear"), "{:?}", names(&defaults));
+        assert!(defaults.linear(Kind::Float).is_none(), "a default set replaces linear layers");
+        if !strata_ext::onednn::available() {
+            eprintln!("this libtorch has no oneDNN: OneDnnLinear is not registered");
+            return;
+        }
+        let named = Replacements::select(Some(&["OneDnnLinear".to_string()])).unwrap();
+        assert_eq!(names(&named), ["OneDnnLinear"]);
+        assert!(named.linear(Kind::Float).is_some());
     }
 }

@@ -70,7 +70,7 @@ pub enum Method {
     Fp8(Fp8Config),
     /// Activation recomputation of the units named (kinds or names).
     Checkpoint(CheckpointConfig),
-    /// Replacement pairs to apply (all registered ones when `None`).
+    /// Replacement pairs to apply (those applied by default when `None`).
     ModuleReplace(Option<Vec<String>>),
     /// The next-token loss computed in the output head, a chunk of positions at a time.
     ChunkedLoss(ChunkedLossConfig),
@@ -739,7 +739,7 @@ impl Strategy {
         self.methods.iter().find_map(|m| if let Method::ChunkedLoss(c) = m { Some(c) } else { None })
     }
 
-    /// `module_replace`'s pair names: `Some(None)` for every registered pair.
+    /// `module_replace`'s pair names: `Some(None)` for the pairs applied by default.
     pub fn module_replace(&self) -> Option<Option<&[String]>> {
         self.methods.iter().find_map(|m| if let Method::ModuleReplace(c) = m { Some(c.as_deref()) } else { None })
     }
