@@ -57,6 +57,8 @@ struct Row {
     waited_s: f64,
     /// Median seconds the writer took to persist a save (asynchronous saves).
     persisted_s: Option<f64>,
+    /// Of those, median seconds the writer's thread ran on a CPU.
+    persisted_cpu_s: Option<f64>,
     /// Median seconds the step after a save waited, before its updates, for the writer's
     /// copy of the values on the host (asynchronous saves; counted in `step_s`).
     updates_waited_s: f64,
@@ -75,6 +77,7 @@ struct Samples {
     blocked_s: Vec<f64>,
     waited_s: Vec<f64>,
     persisted_s: Vec<f64>,
+    persisted_cpu_s: Vec<f64>,
     updates_waited_s: Vec<f64>,
     tokens: f64,
     seconds: f64,
@@ -127,6 +130,9 @@ pub fn run(args: BenchCheckpointArgs) -> Result<()> {
                 if let Some(p) = r["checkpoint"]["persisted_s"].as_f64() {
                     sample.persisted_s.push(p);
                 }
+                if let Some(p) = r["checkpoint"]["persisted_cpu_s"].as_f64() {
+                    sample.persisted_cpu_s.push(p);
+                }
             }
         }
     }
@@ -140,6 +146,7 @@ pub fn run(args: BenchCheckpointArgs) -> Result<()> {
             blocked_s: bench_runs::median(s.blocked_s),
             waited_s: bench_runs::median(s.waited_s),
             persisted_s: (!s.persisted_s.is_empty()).then(|| bench_runs::median(s.persisted_s)),
+            persisted_cpu_s: (!s.persisted_cpu_s.is_empty()).then(|| bench_runs::median(s.persisted_cpu_s)),
             updates_waited_s: bench_runs::median(s.updates_waited_s),
             tokens_per_s: s.tokens / s.seconds.max(1e-9),
             vs_none: 0.0,
@@ -163,13 +170,14 @@ pub fn run(args: BenchCheckpointArgs) -> Result<()> {
         s.layers, s.dim, args.nproc, args.steps, args.rounds
     );
     println!(
-        "{:<44} {:>6} {:>8} {:>10} {:>9} {:>11} {:>13} {:>10} {:>8} {:>8}",
+        "{:<44} {:>6} {:>8} {:>10} {:>9} {:>11} {:>9} {:>13} {:>10} {:>8} {:>8}",
         "strategy",
         "saves",
         "step s",
         "blocked s",
         "waited s",
         "persisted s",
+        "its CPU s",
         "upd. waited s",
         "tokens/s",
         "/none",
@@ -177,13 +185,14 @@ pub fn run(args: BenchCheckpointArgs) -> Result<()> {
     );
     for r in &rows {
         println!(
-            "{:<44} {:>6} {:>8.3} {:>10.3} {:>9.3} {:>11} {:>13.3} {:>10.0} {:>8.3} {:>8}",
+            "{:<44} {:>6} {:>8.3} {:>10.3} {:>9.3} {:>11} {:>9} {:>13.3} {:>10.0} {:>8.3} {:>8}",
             r.strategy,
             r.mode,
             r.step_s,
             r.blocked_s,
             r.waited_s,
             r.persisted_s.map_or(String::new(), |p| format!("{p:.3}")),
+            r.persisted_cpu_s.map_or(String::new(), |p| format!("{p:.3}")),
             r.updates_waited_s,
             r.tokens_per_s,
             r.vs_none,

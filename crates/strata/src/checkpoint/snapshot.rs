@@ -51,6 +51,9 @@ pub struct SaveTimes {
     pub waited_s: f64,
     /// Seconds the previous save's writer took to persist it, where one ran.
     pub persisted_s: Option<f64>,
+    /// Of those, the seconds the writer's thread ran on a CPU: what it took from training
+    /// where the ranks use every core.
+    pub persisted_cpu_s: Option<f64>,
     /// Seconds the step after the save waited, before updating, for the writer to copy the
     /// values already on the host into the snapshot (asynchronous saves; 0 otherwise).
     pub updates_waited_s: f64,
@@ -203,7 +206,26 @@ fn send_file(g: &dyn ProcessGroup, owner: usize, path: &Path, receive: bool) -> 
 /// A save being persisted by the writer thread.
 struct InFlight {
     step: u64,
-    writer: JoinHandle<Result<f64>>,
+    writer: JoinHandle<Result<Persisted>>,
+}
+
+/// What a writer spent persisting a save.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Persisted {
+    /// Seconds from its start to the save being on disk.
+    pub seconds: f64,
+    /// Seconds its thread ran on a CPU.
+    pub cpu_s: f64,
+}
+
+/// Seconds the calling thread has run on a CPU.
+fn thread_cpu_seconds() -> f64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime fills the timespec it is given; this clock exists on Linux.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+        return 0.0;
+    }
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
 /// Saves checkpoints asynchronously: a snapshot in host memory, persisted to disk by a
@@ -245,7 +267,7 @@ impl AsyncSaver {
         keep: usize,
     ) -> Result<SaveTimes> {
         let start = Instant::now();
-        let persisted_s = self.wait(world)?;
+        let persisted = self.wait(world)?;
         let waited_s = start.elapsed().as_secs_f64();
         // The memory keeps one snapshot, the previous one being on disk now: its files are
         // overwritten in place (their pages are already there), so it stops being a
@@ -286,29 +308,37 @@ impl AsyncSaver {
         let began = Instant::now();
         let writer = std::thread::Builder::new()
             .name("strata-checkpoint-writer".into())
-            .spawn(move || job.run().map(|()| began.elapsed().as_secs_f64()))
+            .spawn(move || {
+                job.run().map(|()| Persisted { seconds: began.elapsed().as_secs_f64(), cpu_s: thread_cpu_seconds() })
+            })
             .map_err(|e| Error::Checkpoint(format!("cannot start the checkpoint writer: {e}")))?;
         self.in_flight = Some(InFlight { step: run.step, writer });
-        Ok(SaveTimes { blocked_s: start.elapsed().as_secs_f64(), waited_s, persisted_s, updates_waited_s: 0.0 })
+        Ok(SaveTimes {
+            blocked_s: start.elapsed().as_secs_f64(),
+            waited_s,
+            persisted_s: persisted.map(|p| p.seconds),
+            persisted_cpu_s: persisted.map(|p| p.cpu_s),
+            updates_waited_s: 0.0,
+        })
     }
 
-    /// Waits for the save in flight to be on disk on every rank; returns its writer's
-    /// seconds (`None`: none was in flight). Every rank calls it.
-    pub fn wait(&mut self, world: Option<&dyn ProcessGroup>) -> Result<Option<f64>> {
+    /// Waits for the save in flight to be on disk on every rank; returns what its writer
+    /// spent (`None`: none was in flight). Every rank calls it.
+    pub fn wait(&mut self, world: Option<&dyn ProcessGroup>) -> Result<Option<Persisted>> {
         let Some(InFlight { step, writer }) = self.in_flight.take() else { return Ok(None) };
         let done = writer
             .join()
             .unwrap_or_else(|_| Err(Error::Checkpoint("the checkpoint writer stopped".into())))
             .map_err(|e| Error::Checkpoint(format!("persisting the checkpoint of step {step}: {e}")));
-        let seconds = done.as_ref().map_or(0.0, |s| *s);
+        let spent = done.as_ref().map_or(Persisted { seconds: 0.0, cpu_s: 0.0 }, |p| *p);
         super::agree(world, done.map(|_| ()), &[])?;
-        Ok(Some(seconds))
+        Ok(Some(spent))
     }
 
     /// Waits for the save in flight, then removes the memory folder (this node's first
     /// rank, once every rank is done with it): the run ended cleanly, its checkpoints are
     /// on disk. Returns the last writer's seconds.
-    pub fn close(mut self, world: Option<&dyn ProcessGroup>) -> Result<Option<f64>> {
+    pub fn close(mut self, world: Option<&dyn ProcessGroup>) -> Result<Option<Persisted>> {
         let persisted = self.wait(world)?;
         if self.node_publisher && self.memory.exists() {
             std::fs::remove_dir_all(&self.memory).map_err(|e| Error::io(&self.memory, e))?;

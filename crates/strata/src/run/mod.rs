@@ -968,11 +968,11 @@ pub fn train(
     }
     save_checkpoint(&mut trainer)?;
     if let Some(saver) = saver.into_inner() {
-        let persisted_s = saver
+        let persisted = saver
             .close(world_group.as_deref())
             .map_err(|e| Error::Checkpoint(format!("saving the last checkpoint: {e}{}", config.last_checkpoint())))?;
         if ranks.leader() {
-            info!(persisted_s, "checkpoints persisted");
+            info!(persisted_s = persisted.map(|p| p.seconds), "checkpoints persisted");
         }
     }
     let leader = ranks.leader();

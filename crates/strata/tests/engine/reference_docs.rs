@@ -76,7 +76,13 @@ fn full_report() -> StepReport {
             clip_region: Some(1.0),
             ..GrpoMetrics::default()
         }),
-        checkpoint: Some(SaveTimes { blocked_s: 1.0, waited_s: 1.0, persisted_s: Some(1.0), updates_waited_s: 1.0 }),
+        checkpoint: Some(SaveTimes {
+            blocked_s: 1.0,
+            waited_s: 1.0,
+            persisted_s: Some(1.0),
+            persisted_cpu_s: Some(1.0),
+            updates_waited_s: 1.0,
+        }),
         val_loss: Some(1.0),
         val_perplexity: Some(1.0),
     }
