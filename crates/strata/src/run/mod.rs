@@ -342,21 +342,22 @@ impl RunConfig {
         step == self.steps || self.eval_every.is_some_and(|every| step.is_multiple_of(every))
     }
 
-    /// The checkpoint to continue from, refused if it would not continue this run's data.
-    /// Every rank of `world` calls it (`node_publisher`: the first of its node), as an
-    /// asynchronous run's snapshot in host memory is chosen by all of them together.
+    /// The checkpoint to continue from, refused if it would not continue this run's data,
+    /// with where it lies (`"host memory"` or `"disk"`). Every rank of `world` calls it
+    /// (`node_publisher`: the first of its node), as an asynchronous run's snapshot in host
+    /// memory is chosen by all of them together.
     fn checkpoint_to_resume(
         &self,
         world: Option<&dyn ProcessGroup>,
         node_publisher: bool,
-    ) -> Result<Option<Checkpoint>> {
+    ) -> Result<Option<(Checkpoint, &'static str)>> {
         let path = match &self.resume {
             None => return Ok(None),
             Some(Resume::From(path)) => path.clone(),
             Some(Resume::Latest) => match &self.checkpoints {
                 Some(c) if c.asynchronous => {
                     match checkpoint::snapshot::newest_in_memory(&c.dir, world, node_publisher)? {
-                        Some(snapshot) => return self.continuing(snapshot).map(Some),
+                        Some(snapshot) => return self.continuing(snapshot).map(|c| Some((c, "host memory"))),
                         None if c.dir.join("latest").is_file() => c.dir.clone(),
                         None => return Ok(None),
                     }
@@ -370,7 +371,7 @@ impl RunConfig {
                 }
             },
         };
-        self.continuing(Checkpoint::open(&path)?).map(Some)
+        self.continuing(Checkpoint::open(&path)?).map(|c| Some((c, "disk")))
     }
 
     /// `ckpt`, refused if it would not continue this run's data.
@@ -576,7 +577,7 @@ pub fn train(
     };
     // Every rank: checkpoints are written, losses agreed and callbacks' stops shared over it.
     let world_group: Option<Arc<dyn ProcessGroup>> = ranks.comm.as_ref().map(|c| c.world()).transpose()?.map(Arc::from);
-    let resume = config.checkpoint_to_resume(world_group.as_deref(), ranks.local_rank == 0)?;
+    let (resume, source) = config.checkpoint_to_resume(world_group.as_deref(), ranks.local_rank == 0)?.unzip();
     // A frozen base loaded from a model folder or weights file is left out of checkpoints
     // and loaded again on resume.
     let base_in_init = config.init.iter().any(|i| matches!(i, InitialWeights::File(_) | InitialWeights::Folder(_)));
@@ -784,14 +785,10 @@ pub fn train(
         let began = std::time::Instant::now();
         trainer.restore(ckpt, &optimizer_name)?;
         let restore_s = began.elapsed().as_secs_f64();
-        let in_memory = config.checkpoints.as_ref().is_some_and(|c| {
-            checkpoint::snapshot::memory_root(&c.dir).is_ok_and(|memory| ckpt.location.starts_with(memory))
-        });
-        let source = if in_memory { "host memory" } else { "disk" };
         info!(
             step = ckpt.meta.step,
             from = %ckpt.location.display(),
-            source,
+            source = source.unwrap_or_default(),
             restore_s,
             saved_world_size = ckpt.meta.world_size,
             "resumed"
