@@ -62,8 +62,8 @@ pub fn copy_atomic(source: &Path, target: &Path) -> Result<usize> {
 /// The alignment direct I/O asks of addresses, lengths and offsets (the largest logical
 /// block size in common use).
 const DIRECT_BLOCK: usize = 4096;
-/// Bytes per direct write: large enough to keep the device busy, small enough that a
-/// partial write is rare.
+/// Bytes per direct write: large enough to keep the device busy; each call pins that many
+/// of the source's pages while the device reads them.
 const DIRECT_PIECE: usize = 16 << 20;
 
 /// Writes `bytes` (page-aligned, as a map is) to the start of `out`: the whole blocks by
@@ -81,7 +81,7 @@ fn write_direct(out: &mut std::fs::File, bytes: &[u8]) -> std::io::Result<usize>
             match out.write(&bytes[at..whole.min(at + DIRECT_PIECE)]) {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => at += n,
-                // Taken at open, refused at write: this file system's direct I/O wants
+                // Accepted by fcntl, refused at write: this file system's direct I/O wants
                 // another alignment. The page cache takes the rest.
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -91,7 +91,7 @@ fn write_direct(out: &mut std::fs::File, bytes: &[u8]) -> std::io::Result<usize>
         set_direct(out, false)?;
     }
     out.write_all(&bytes[at..])?;
-    Ok(at.min(whole))
+    Ok(at)
 }
 
 /// Turns direct I/O on or off for `file`'s later writes.
