@@ -179,6 +179,10 @@ pub struct EstimateArgs {
     /// before its step (the key/value cache counted beside the step's activations).
     #[arg(long)]
     num_generations: Option<usize>,
+    /// GRPO: the most tokens of a completion; a prompt takes the rest of --ctx, and its
+    /// prefill (every row's prompt through the model at once) is counted beside the cache.
+    #[arg(long, default_value_t = 256)]
+    max_completion_length: i64,
     /// A frozen whole copy of the model as the reference: GRPO's at --beta above 0 without
     /// LoRA (LoRA rows read their base instead), or TR-DPO's (--sync-reference-every).
     #[arg(long)]
@@ -314,11 +318,17 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             "--num-generations {group}: a rank's generation batch of {decoded} completions is not whole groups of it"
         );
     }
+    if a.num_generations.is_some() && !(1..ctx).contains(&a.max_completion_length) {
+        bail!("--ctx {ctx} leaves no room for a prompt beside --max-completion-length {}", a.max_completion_length);
+    }
     let generation = match (a.num_generations, a.reference_copy) {
         (None, false) => None,
-        (group, reference_copy) => {
-            Some(Generation { rows: group.map_or(0, |_| decoded), positions: ctx, reference_copy })
-        }
+        (group, reference_copy) => Some(Generation {
+            rows: group.map_or(0, |_| decoded),
+            positions: ctx,
+            prompt: ctx - a.max_completion_length,
+            reference_copy,
+        }),
     };
     // GRPO's generation where it is asked for (under LoRA the base is the reference), and
     // asynchronous checkpoints' snapshot.
@@ -387,7 +397,10 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     match &report.generation {
         Some(g) if g.rows > 0 => {
             let copy = if g.reference_copy { ", a frozen copy of the model as the reference" } else { "" };
-            println!("GRPO: decoding {} completions of {} positions before each step{copy}", g.rows, g.positions);
+            println!(
+                "GRPO: decoding {} completions of {} positions ({}-token prompts) before each step{copy}",
+                g.rows, g.positions, g.prompt
+            );
         }
         Some(_) => println!("a frozen copy of the model as the reference"),
         None => {}

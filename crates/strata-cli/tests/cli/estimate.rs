@@ -479,3 +479,30 @@ fn strata_estimate_counts_an_asynchronous_checkpoint_s_snapshot_as_the_file_it_w
     let gap = data.abs_diff(fsdp) as f64 / data as f64;
     assert!(gap <= 0.01, "estimated {fsdp} bytes, the file holds {data}");
 }
+
+/// `strata estimate --num-generations` decodes prompts of `--ctx` less
+/// `--max-completion-length` positions: a long prompt's prefill outgrows the last token's
+/// cache and raises the activations, a short one leaves the cache as the peak, and a
+/// completion that leaves no room for a prompt is refused.
+#[test]
+fn strata_estimate_counts_the_prompts_prefill() {
+    let activations = |completion: &str| {
+        // 64 completions decoded (a micro-batch of 1, 64 accumulated), one row trained at once.
+        let args = ["estimate", "--preset", "gpt2", "--ctx", "1024", "--accumulation", "64", "--num-generations", "4"];
+        let out = strata(&[&args[..], &["--max-completion-length", completion, "--json"]].concat());
+        assert!(out.status.success(), "{}", stderr(&out));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let row = report["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["layout"] == "amp bf16 + checkpoint + data parallel")
+            .cloned();
+        row.unwrap_or_else(|| panic!("no plain layout: {report}"))["device"]["activations"].as_u64().unwrap()
+    };
+    let (long_prompt, short_prompt, shorter_prompt) = (activations("64"), activations("960"), activations("992"));
+    assert!(long_prompt > short_prompt, "{long_prompt} against {short_prompt}");
+    assert_eq!(short_prompt, shorter_prompt, "the last token's cache is the peak for both");
+    let refused = ["estimate", "--preset", "gpt2", "--ctx", "256", "--accumulation", "4", "--num-generations", "4"];
+    assert_fails_with(&strata(&refused), "leaves no room for a prompt beside --max-completion-length 256");
+}

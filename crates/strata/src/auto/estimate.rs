@@ -675,16 +675,22 @@ pub struct Generation {
     pub rows: usize,
     /// Positions of a row at most: its prompt and its completion.
     pub positions: i64,
+    /// Positions of the longest prompt: every row's prompt goes through the model at once
+    /// (the prefill) before the first token is decoded.
+    pub prompt: i64,
     /// A whole frozen copy of the model is the KL term's reference (`beta > 0` without LoRA,
     /// whose base serves with no copy).
     pub reference_copy: bool,
 }
 
-/// `estimate` with GRPO's generation counted: decoding keeps the key/value cache of
-/// `generation.rows` rows of its positions (in the parameters' precision: decoding runs the
-/// units as declared; one layer's twice, while its next position is joined to it) and two
-/// fp32 rows of logits per row, before the step's activations
-/// exist, so the device holds the larger of the two; a reference copy holds the rank's
+/// `estimate` with GRPO's generation counted, in the parameters' precision (decoding runs
+/// the units as declared) beside two fp32 rows of logits per row. Its peak is the larger
+/// of the prefill's and the last token's: the prefill holds every layer's cache of the
+/// prompt and, while a unit runs, at most what the unit's training forward keeps for
+/// backward at the prompt's length (no-grad frees the rest as it goes); the last token
+/// holds the cache of every position, one layer's twice while its next position is joined
+/// to it. Generation ends before the step's activations exist, so the device holds the
+/// larger of the two; a reference copy holds the rank's
 /// parameters ([`RankBytes::held`]: split as the trained model's are over tensor ranks,
 /// pipeline stages and expert groups, but not sharded by ZeRO) in fp32.
 pub fn with_generation(
@@ -698,10 +704,20 @@ pub fn with_generation(
         .cached_values(generation.positions)
         .ok_or_else(|| Error::Config("GRPO generates with a decoder: the model is not one".into()))?;
     // Each step's cache grows by a copy: one layer's old and new cache are held at once.
-    let per_row = layers.iter().sum::<i64>() + layers.iter().copied().max().unwrap_or(0);
+    let last_token = layers.iter().sum::<i64>() + layers.iter().copied().max().unwrap_or(0);
+    let prompt = generation.prompt.clamp(0, generation.positions);
+    let prompt_cache: i64 = config.cached_values(prompt).map_or(0, |l| l.iter().sum());
+    // The head reads only the last position while decoding: its values over the vocabulary
+    // are the logits counted below. Unfused attention's scores and their softmax exist
+    // together for a moment, twice the probabilities kept.
+    let unit_at_once = counted(&config.spec()?)?
+        .iter()
+        .map(|k| k.values - k.vocab_values + 2.0 * k.scores * prompt as f64)
+        .fold(0.0f64, f64::max);
+    let prefill = prompt_cache + (unit_at_once * prompt as f64).ceil() as i64;
     let element = param_bytes(layout.candidate.precision);
     let rows = generation.rows as u64;
-    let decoding = rows * per_row as u64 * element + 2 * rows * config.vocab() as u64 * 4;
+    let decoding = rows * last_token.max(prefill) as u64 * element + 2 * rows * config.vocab() as u64 * 4;
     for rank in &mut estimate.pipeline_ranks {
         let device = &mut rank.device;
         device.activations = device.activations.max(decoding);
@@ -821,12 +837,19 @@ mod tests {
         let machine = Machine { device: device_kind("cpu").unwrap(), device_bytes: u64::MAX, host_bytes: u64::MAX };
         // 512 rows of 32 positions: 2 layers' keys and values of width 64 in fp32 (and one
         // layer's again, while it grows), beside two fp32 rows of 256 logits each.
-        let g = Generation { rows: 512, positions: 32, reference_copy: false };
+        let g = Generation { rows: 512, positions: 32, prompt: 1, reference_copy: false };
         let e = with_generation(base.clone(), &model, &plain, &g, &machine).unwrap();
         let cache = 512 * 32 * 3 * 2 * 64 * 4 + 2 * 512 * 256 * 4;
         assert!(cache > base.device.activations, "the cache is the larger here");
         assert_eq!(e.device.activations, cache);
         assert_eq!(e.device.params, base.device.params);
+        // A prompt of 31 positions: its prefill holds the 2 layers' cache of it and, while a
+        // block runs, what the block keeps for backward (GPT's 19 values per width, 3 more,
+        // and a probability per head and attended position, twice: the scores beside them),
+        // more than the last token's cache.
+        let long = with_generation(base.clone(), &model, &plain, &Generation { prompt: 31, ..g }, &machine).unwrap();
+        let prefill = 2 * 2 * 64 * 31 + (19 * 64 + 3 + 2 * 4 * 31) * 31;
+        assert_eq!(long.device.activations, 512 * prefill * 4 + 2 * 512 * 256 * 4);
         // A few rows keep less than the step's activations, which then stand.
         let few = with_generation(base.clone(), &model, &plain, &Generation { rows: 1, ..g }, &machine).unwrap();
         assert_eq!(few.device.activations, base.device.activations);
