@@ -337,7 +337,7 @@ impl AsyncSaver {
 
     /// Waits for the save in flight, then removes the memory folder (this node's first
     /// rank, once every rank is done with it): the run ended cleanly, its checkpoints are
-    /// on disk. Returns the last writer's seconds.
+    /// on disk. Returns what the last writer spent.
     pub fn close(mut self, world: Option<&dyn ProcessGroup>) -> Result<Option<Persisted>> {
         let persisted = self.wait(world)?;
         if self.node_publisher && self.memory.exists() {
