@@ -231,17 +231,18 @@ pub fn write_safetensors_streamed(
         Placing::Atomic => {
             let (header, sizes) = safetensors_header(layout, metadata)?;
             let io = |e| Error::io(path, e);
-            write_atomic_with(path, |f| {
-                let mut w = std::io::BufWriter::new(f);
+            crate::files::write_atomic_direct(path, |w| {
                 w.write_all(&header).map_err(io)?;
-                let mut scratch = Vec::new();
                 for (i, &size) in sizes.iter().enumerate() {
-                    scratch.resize(size, 0);
                     let (t, _) = stored(layout, i, next(i)?, size)?;
-                    t.f_copy_data_u8(&mut scratch, t.numel())?;
-                    w.write_all(&scratch).map_err(io)?;
+                    if size > 0 {
+                        // SAFETY: `stored` gives a contiguous host tensor of `size` bytes,
+                        // alive until this slice's last use.
+                        let data = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, size) };
+                        w.write_all(data).map_err(io)?;
+                    }
                 }
-                w.flush().map_err(io)
+                Ok(())
             })
         }
     }
