@@ -71,8 +71,8 @@ pub fn write_atomic_direct(path: &Path, write: impl FnOnce(&mut DirectWriter<'_>
 }
 
 /// Gathers what it is given into a page-aligned buffer and writes each full buffer to its
-/// file by direct I/O where the file system takes it ([`write_direct`]); the last, partial
-/// one at [`DirectWriter::finish`].
+/// file by direct I/O where the file system takes it; [`write_atomic_direct`] writes the
+/// last, partial one when its closure returns.
 pub struct DirectWriter<'a> {
     file: &'a mut std::fs::File,
     buffer: memmap2::MmapMut,
@@ -107,7 +107,7 @@ impl std::io::Write for DirectWriter<'_> {
         Ok(n)
     }
 
-    /// Nothing: a full buffer is written at once, the last at [`DirectWriter::finish`].
+    /// Nothing: a full buffer is written at once, the last when the writing ends.
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
