@@ -44,11 +44,6 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 /// must not change `source` while it is copied. Returns the bytes written directly.
 pub fn copy_atomic(source: &Path, target: &Path) -> Result<usize> {
     let file = std::fs::File::open(source).map_err(|e| Error::io(source, e))?;
-    let len = file.metadata().map_err(|e| Error::io(source, e))?.len();
-    if len == 0 {
-        write_atomic(target, &[])?;
-        return Ok(0);
-    }
     // SAFETY: a read-only map of a file the caller keeps unchanged while it is copied.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(source, e))?;
     let mut direct = 0;

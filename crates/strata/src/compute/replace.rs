@@ -116,6 +116,13 @@ pub struct ReplacePair {
     pub by_default: bool,
 }
 
+impl ReplacePair {
+    /// A pair `module_replace` without a list applies.
+    pub fn new(name: &str, supported_dtypes: Vec<Kind>, with: Replacement) -> ReplacePair {
+        ReplacePair { name: name.to_string(), supported_dtypes, with, by_default: true }
+    }
+}
+
 fn registry() -> &'static Mutex<Vec<ReplacePair>> {
     static PAIRS: OnceLock<Mutex<Vec<ReplacePair>>> = OnceLock::new();
     PAIRS.get_or_init(|| {
@@ -136,86 +143,49 @@ fn registry() -> &'static Mutex<Vec<ReplacePair>> {
         let add_norm: AddNormFn =
             Arc::new(|x, r, w, b, eps, out| Ok(strata_ext::kernels::add_norm(x, r, w, b, eps, out)?));
         let mut pairs = vec![
-            ReplacePair {
-                name: "FlashAttention".into(),
-                supported_dtypes: all.clone(),
-                with: Replacement::Attention(attention),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "StrataAttention".into(),
-                supported_dtypes: vec![Kind::Half, Kind::BFloat16],
-                with: Replacement::MaskedAttention(Arc::new(|q, k, v, scores| {
+            ReplacePair::new("FlashAttention", all.clone(), Replacement::Attention(attention)),
+            ReplacePair::new(
+                "StrataAttention",
+                vec![Kind::Half, Kind::BFloat16],
+                Replacement::MaskedAttention(Arc::new(|q, k, v, scores| {
                     let CausalScores { scale, softcap, window, sinks } = *scores;
                     Ok(strata_ext::kernels::attention(q, k, v, sinks, scale, softcap, window)?)
                 })),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "FusedLayerNorm".into(),
-                supported_dtypes: all.clone(),
-                with: Replacement::LayerNorm(layer_norm),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "FusedRMSNorm".into(),
-                supported_dtypes: all,
-                with: Replacement::RmsNorm(rms_norm),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "VectorGelu".into(),
-                supported_dtypes: low.clone(),
-                with: Replacement::Gelu(Arc::new(|x| Ok(strata_ext::kernels::gelu_tanh(x)?))),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "FusedSwiGLU".into(),
-                supported_dtypes: low.clone(),
-                with: Replacement::SwiGlu(Arc::new(|gate, up| Ok(strata_ext::kernels::swiglu(gate, up)?))),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "FusedRoPE".into(),
-                supported_dtypes: low.clone(),
-                with: Replacement::Rotary(Arc::new(|x, cos, sin| Ok(strata_ext::kernels::rotary(x, cos, sin)?))),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "FusedCrossEntropy".into(),
-                supported_dtypes: low.clone(),
-                with: Replacement::CrossEntropy(Arc::new(|logits, targets, ignore| {
+            ),
+            ReplacePair::new("FusedLayerNorm", all.clone(), Replacement::LayerNorm(layer_norm)),
+            ReplacePair::new("FusedRMSNorm", all, Replacement::RmsNorm(rms_norm)),
+            ReplacePair::new(
+                "VectorGelu",
+                low.clone(),
+                Replacement::Gelu(Arc::new(|x| Ok(strata_ext::kernels::gelu_tanh(x)?))),
+            ),
+            ReplacePair::new(
+                "FusedSwiGLU",
+                low.clone(),
+                Replacement::SwiGlu(Arc::new(|gate, up| Ok(strata_ext::kernels::swiglu(gate, up)?))),
+            ),
+            ReplacePair::new(
+                "FusedRoPE",
+                low.clone(),
+                Replacement::Rotary(Arc::new(|x, cos, sin| Ok(strata_ext::kernels::rotary(x, cos, sin)?))),
+            ),
+            ReplacePair::new(
+                "FusedCrossEntropy",
+                low.clone(),
+                Replacement::CrossEntropy(Arc::new(|logits, targets, ignore| {
                     Ok(strata_ext::kernels::cross_entropy(logits, targets, ignore)?)
                 })),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "FusedAddLayerNorm".into(),
-                supported_dtypes: low.clone(),
-                with: Replacement::AddLayerNorm(add_norm.clone()),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "FusedAddRMSNorm".into(),
-                supported_dtypes: low,
-                with: Replacement::AddRmsNorm(add_norm),
-                by_default: true,
-            },
-            ReplacePair {
-                name: "FusedLinearGrad".into(),
-                supported_dtypes: vec![Kind::Half, Kind::BFloat16],
-                with: Replacement::LinearGrad,
-                by_default: true,
-            },
+            ),
+            ReplacePair::new("FusedAddLayerNorm", low.clone(), Replacement::AddLayerNorm(add_norm.clone())),
+            ReplacePair::new("FusedAddRMSNorm", low, Replacement::AddRmsNorm(add_norm)),
+            ReplacePair::new("FusedLinearGrad", vec![Kind::Half, Kind::BFloat16], Replacement::LinearGrad),
         ];
         if strata_ext::onednn::available() {
             pairs.push(ReplacePair {
-                name: "OneDnnLinear".into(),
-                supported_dtypes: vec![Kind::Float],
-                with: Replacement::Linear(Arc::new(onednn_linear)),
                 // 0.93–0.94× libtorch's MKL product on x86-64 Xeons (`strata bench kernels`):
                 // applied only where named, for libtorch builds whose BLAS is weaker.
                 by_default: false,
+                ..ReplacePair::new("OneDnnLinear", vec![Kind::Float], Replacement::Linear(Arc::new(onednn_linear)))
             });
         }
         Mutex::new(pairs)
@@ -285,12 +255,7 @@ impl strata_ext::Function for OneDnnLinear {
 pub fn register_replace_pair(name: &str, supported_dtypes: &[Kind], with: Replacement) {
     let mut pairs = registry().lock().unwrap_or_else(|e| e.into_inner());
     pairs.retain(|p| p.name != name);
-    pairs.push(ReplacePair {
-        name: name.to_string(),
-        supported_dtypes: supported_dtypes.to_vec(),
-        with,
-        by_default: true,
-    });
+    pairs.push(ReplacePair::new(name, supported_dtypes.to_vec(), with));
 }
 
 /// The names of every registered pair.
