@@ -11,7 +11,7 @@ use serde::Serialize;
 use std::path::PathBuf;
 use strata::auto::candidate::{Layout, Precision, Sharding};
 use strata::auto::estimate::{self, DeviceKind, Estimate, ExpertPlacement, Generation, Machine, Workload};
-use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig};
+use strata::model::{GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelSpec};
 use strata::profile::human_bytes;
 use strata::strategy::{ContextKind, LoraConfig, ScheduleKind, Targets};
 
@@ -332,7 +332,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     };
     // GRPO's generation where it is asked for (under LoRA the base is the reference), and
     // asynchronous checkpoints' snapshot.
-    let generating = |e: Estimate, layout: &Layout, lora: bool| -> Result<Estimate> {
+    let generating = |e: Estimate, layout: &Layout, spec: &ModelSpec, lora: bool| -> Result<Estimate> {
         let e = match a.checkpoint_async {
             true => estimate::with_snapshot(e, &work, &machine),
             false => e,
@@ -340,14 +340,14 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         Ok(match generation {
             Some(g) => {
                 let g = Generation { reference_copy: g.reference_copy && !lora, ..g };
-                estimate::with_generation(e, &config, layout, &g, &machine)?
+                estimate::with_generation(e, (&config, spec), layout, &g, &machine)?
             }
             None => e,
         })
     };
     let mut rows = vec![];
     for layout in &layouts {
-        let e = generating(estimate::estimate_spec(&spec, layout, &work, &machine)?, layout, false)?;
+        let e = generating(estimate::estimate_spec(&spec, layout, &work, &machine)?, layout, &spec, false)?;
         rows.push(Row { lora: false, estimate: e });
     }
     if let Some(r) = a.lora_rank {
@@ -360,7 +360,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         let mut adapted = config.spec()?;
         lora.apply(&mut adapted)?;
         for layout in &layouts {
-            let e = generating(estimate::estimate_spec(&adapted, layout, &work, &machine)?, layout, true)?;
+            let e = generating(estimate::estimate_spec(&adapted, layout, &work, &machine)?, layout, &adapted, true)?;
             rows.push(Row { lora: true, estimate: e });
         }
     }

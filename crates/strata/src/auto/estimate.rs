@@ -207,6 +207,9 @@ pub struct Estimate {
     pub fits: bool,
     /// Each pipeline rank's bytes, in stage order.
     pub pipeline_ranks: Vec<RankBytes>,
+    /// The pipeline rank holding each unit of the model, in the units' order.
+    #[serde(skip)]
+    pub unit_ranks: Vec<usize>,
 }
 
 /// The machine an estimate is for: its device kind and, per rank, the device and host bytes.
@@ -507,11 +510,15 @@ pub fn estimate_with(
     // Gradients take the parameters' width.
     let pb = param_bytes(c.precision);
     let mut pipeline_ranks = Vec::with_capacity(p);
+    let mut unit_ranks = vec![0; units.len()];
     for rank in 0..p {
         let ranges: Vec<(usize, (usize, usize))> = (0..layout.virtual_stages.max(1))
             .map(|chunk| chunk * p + rank)
             .filter_map(|s| stages.get(s).map(|&r| (s, r)))
             .collect();
+        for &(_, (start, end)) in &ranges {
+            unit_ranks[start..end].fill(rank);
+        }
         let mut device = Breakdown::default();
         let mut host = Breakdown::default();
         let mut largest = 0u64;
@@ -665,7 +672,7 @@ pub fn estimate_with(
     let RankBytes { device, host, .. } = pipeline_ranks[busiest];
     let fits =
         pipeline_ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
-    Ok(Estimate { layout: layout.label(), device, host, busiest, fits, pipeline_ranks })
+    Ok(Estimate { layout: layout.label(), device, host, busiest, fits, pipeline_ranks, unit_ranks })
 }
 
 /// What GRPO's generation adds to a rank beside its training step.
@@ -683,42 +690,63 @@ pub struct Generation {
     pub reference_copy: bool,
 }
 
-/// `estimate` with GRPO's generation counted, in the parameters' precision (decoding runs
-/// the units as declared) beside two fp32 rows of logits per row. Its peak is the larger
-/// of the prefill's and the last token's: the prefill holds every layer's cache of the
-/// prompt and, while a unit runs, at most what the unit's training forward keeps for
-/// backward at the prompt's length (no-grad frees the rest as it goes); the last token
-/// holds the cache of every position, one layer's twice while its next position is joined
-/// to it. Generation ends before the step's activations exist, so the device holds the
-/// larger of the two; a reference copy holds the rank's
-/// parameters ([`RankBytes::held`]: split as the trained model's are over tensor ranks,
-/// pipeline stages and expert groups, but not sharded by ZeRO) in fp32.
+/// `estimate` with GRPO's generation counted for `spec` (the model `config` builds, with
+/// any adapters), in the parameters' precision (decoding runs the units as declared),
+/// beside two fp32 rows of logits per row on the last pipeline rank, which alone computes
+/// them (whole on every rank of its tensor group). Each rank counts the units it holds:
+/// its stage's layers, its share of their key/value heads. Its peak is the larger of the
+/// prefill's and the last token's: the prefill holds its layers' cache of the prompt and,
+/// while a unit runs, at most what the unit's training forward keeps for backward at the
+/// prompt's length (no-grad frees the rest as it goes); the last token holds the cache of
+/// every position, one layer's twice while its next position is joined to it. Generation
+/// ends before the step's activations exist, so the device holds the larger of the two; a
+/// reference copy holds the rank's parameters ([`RankBytes::held`]: split as the trained
+/// model's are over tensor ranks, pipeline stages and expert groups, but not sharded by
+/// ZeRO) in fp32.
 pub fn with_generation(
     mut estimate: Estimate,
-    config: &ModelConfig,
+    (config, spec): (&ModelConfig, &ModelSpec),
     layout: &Layout,
     generation: &Generation,
     machine: &Machine,
 ) -> Result<Estimate> {
-    let layers = config
-        .cached_values(generation.positions)
-        .ok_or_else(|| Error::Config("GRPO generates with a decoder: the model is not one".into()))?;
-    // Each step's cache grows by a copy: one layer's old and new cache are held at once.
-    let last_token = layers.iter().sum::<i64>() + layers.iter().copied().max().unwrap_or(0);
+    let tensor = layout.candidate.tensor.max(1) as i64;
+    let not_decoder = || Error::Config("GRPO generates with a decoder: the model is not one".into());
+    let caches = config.cached_values(generation.positions, tensor).ok_or_else(not_decoder)?;
     let prompt = generation.prompt.clamp(0, generation.positions);
-    let prompt_cache: i64 = config.cached_values(prompt).map_or(0, |l| l.iter().sum());
-    // The head reads only the last position while decoding: its values over the vocabulary
-    // are the logits counted below. Unfused attention's scores and their softmax exist
-    // together for a moment, twice the probabilities kept.
-    let unit_at_once = counted(&config.spec()?)?
+    let prompt_caches = config.cached_values(prompt, tensor).ok_or_else(not_decoder)?;
+    let kept = counted(spec)?;
+    // The blocks are the layers, in order.
+    let layers: Vec<Option<usize>> = kept
         .iter()
-        .map(|k| k.values - k.vocab_values + 2.0 * k.scores * prompt as f64)
-        .fold(0.0f64, f64::max);
-    let prefill = prompt_cache + (unit_at_once * prompt as f64).ceil() as i64;
+        .scan(0, |next, k| {
+            let layer = k.block.then_some(*next);
+            *next += usize::from(k.block);
+            Some(layer)
+        })
+        .collect();
     let element = param_bytes(layout.candidate.precision);
     let rows = generation.rows as u64;
-    let decoding = rows * last_token.max(prefill) as u64 * element + 2 * rows * config.vocab() as u64 * 4;
-    for rank in &mut estimate.pipeline_ranks {
+    let last_rank = estimate.pipeline_ranks.len() - 1;
+    for (r, rank) in estimate.pipeline_ranks.iter_mut().enumerate() {
+        let units: Vec<usize> = (0..kept.len()).filter(|&u| estimate.unit_ranks.get(u) == Some(&r)).collect();
+        let mine = |caches: &[i64]| -> Vec<i64> {
+            units.iter().filter_map(|&u| layers[u]).filter_map(|l| caches.get(l).copied()).collect()
+        };
+        // Each step's cache grows by a copy: one layer's old and new cache are held at once.
+        let cache = mine(&caches);
+        let last_token = cache.iter().sum::<i64>() + cache.iter().copied().max().unwrap_or(0);
+        // The head reads only the last position while decoding: its values over the
+        // vocabulary are the logits counted below. Unfused attention's scores and their
+        // softmax exist together for a moment, twice the probabilities kept.
+        let unit_at_once = units
+            .iter()
+            .map(|&u| kept[u].values - kept[u].vocab_values + 2.0 * kept[u].scores * prompt as f64)
+            .fold(0.0f64, f64::max);
+        let prefill =
+            mine(&prompt_caches).iter().sum::<i64>() + (unit_at_once * prompt as f64 / tensor as f64).ceil() as i64;
+        let logits = if r == last_rank { 2 * rows * config.vocab() as u64 * 4 } else { 0 };
+        let decoding = rows * last_token.max(prefill) as u64 * element + logits;
         let device = &mut rank.device;
         device.activations = device.activations.max(decoding);
         if generation.reference_copy {
@@ -727,13 +755,7 @@ pub fn with_generation(
         let allocated = device.total() - device.overhead;
         device.overhead = machine.device.reserved_bytes + (allocated as f64 * machine.device.fragmentation) as u64;
     }
-    let ranks = &estimate.pipeline_ranks;
-    estimate.busiest = (0..ranks.len()).max_by_key(|&r| ranks[r].device.total()).unwrap_or(0);
-    estimate.device = ranks[estimate.busiest].device;
-    estimate.host = ranks[estimate.busiest].host;
-    estimate.fits =
-        ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
-    Ok(estimate)
+    Ok(settled(estimate, machine))
 }
 
 /// `estimate` with asynchronous checkpoints counted: each rank's snapshot in host memory
@@ -744,7 +766,15 @@ pub fn with_snapshot(mut estimate: Estimate, work: &Workload, machine: &Machine)
     for rank in &mut estimate.pipeline_ranks {
         rank.host.comm += rank.saved * (4 + work.optimizer_state_bytes);
     }
+    settled(estimate, machine)
+}
+
+/// `estimate` with its busiest rank, that rank's bytes and whether every rank fits taken
+/// again from its pipeline ranks' bytes.
+fn settled(mut estimate: Estimate, machine: &Machine) -> Estimate {
     let ranks = &estimate.pipeline_ranks;
+    estimate.busiest = (0..ranks.len()).max_by_key(|&r| ranks[r].device.total()).unwrap_or(0);
+    estimate.device = ranks[estimate.busiest].device;
     estimate.host = ranks[estimate.busiest].host;
     estimate.fits =
         ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
@@ -832,13 +862,14 @@ mod tests {
     #[test]
     fn generation_counts_its_cache_and_the_reference_copy() {
         let model = ModelConfig::Gpt(GptConfig::new(256, 32, 2, 4, 64));
+        let spec = model.spec().unwrap();
         let plain = layout(Precision::Fp32, Sharding::None, false);
         let base = run(plain, 1, 1);
         let machine = Machine { device: device_kind("cpu").unwrap(), device_bytes: u64::MAX, host_bytes: u64::MAX };
         // 512 rows of 32 positions: 2 layers' keys and values of width 64 in fp32 (and one
         // layer's again, while it grows), beside two fp32 rows of 256 logits each.
         let g = Generation { rows: 512, positions: 32, prompt: 1, reference_copy: false };
-        let e = with_generation(base.clone(), &model, &plain, &g, &machine).unwrap();
+        let e = with_generation(base.clone(), (&model, &spec), &plain, &g, &machine).unwrap();
         let cache = 512 * 32 * 3 * 2 * 64 * 4 + 2 * 512 * 256 * 4;
         assert!(cache > base.device.activations, "the cache is the larger here");
         assert_eq!(e.device.activations, cache);
@@ -847,34 +878,45 @@ mod tests {
         // block runs, what the block keeps for backward (GPT's 19 values per width, 3 more,
         // and a probability per head and attended position, twice: the scores beside them),
         // more than the last token's cache.
-        let long = with_generation(base.clone(), &model, &plain, &Generation { prompt: 31, ..g }, &machine).unwrap();
+        let long =
+            with_generation(base.clone(), (&model, &spec), &plain, &Generation { prompt: 31, ..g }, &machine).unwrap();
         let prefill = 2 * 2 * 64 * 31 + (19 * 64 + 3 + 2 * 4 * 31) * 31;
         assert_eq!(long.device.activations, 512 * prefill * 4 + 2 * 512 * 256 * 4);
         // A few rows keep less than the step's activations, which then stand.
-        let few = with_generation(base.clone(), &model, &plain, &Generation { rows: 1, ..g }, &machine).unwrap();
+        let few =
+            with_generation(base.clone(), (&model, &spec), &plain, &Generation { rows: 1, ..g }, &machine).unwrap();
         assert_eq!(few.device.activations, base.device.activations);
         let copy = Generation { reference_copy: true, ..g };
-        let e = with_generation(base.clone(), &model, &plain, &copy, &machine).unwrap();
-        let whole = model.spec().unwrap().num_params() as u64 * 4;
+        let e = with_generation(base.clone(), (&model, &spec), &plain, &copy, &machine).unwrap();
+        let whole = spec.num_params() as u64 * 4;
         assert_eq!(e.device.params, base.device.params + whole);
         // Under fsdp the copy stays whole; two pipeline stages each copy their own units,
         // and two tensor ranks their halves of the split weights.
         let fsdp = layout(Precision::Fp32, Sharding::Fsdp, false);
-        let e = with_generation(run(fsdp, 2, 1), &model, &fsdp, &copy, &machine).unwrap();
+        let e = with_generation(run(fsdp, 2, 1), (&model, &spec), &fsdp, &copy, &machine).unwrap();
         assert_eq!(e.device.params, run(fsdp, 2, 1).device.params + whole);
         let piped = Layout { pipeline: 2, ..plain };
         let base = run(piped, 2, 2);
-        let e = with_generation(base.clone(), &model, &piped, &copy, &machine).unwrap();
+        let e = with_generation(base.clone(), (&model, &spec), &piped, &copy, &machine).unwrap();
         let stages: Vec<u64> =
             e.pipeline_ranks.iter().zip(&base.pipeline_ranks).map(|(e, b)| e.device.params - b.device.params).collect();
         assert_eq!(stages.iter().sum::<u64>(), whole, "the stages' copies make one model");
         assert!(stages.iter().all(|&s| s > 0 && s < whole), "{stages:?}");
         let split = Layout { candidate: Candidate { tensor: 2, ..plain.candidate }, ..plain };
         let base = run(split, 2, 1);
-        let e = with_generation(base.clone(), &model, &split, &copy, &machine).unwrap();
+        let e = with_generation(base.clone(), (&model, &spec), &split, &copy, &machine).unwrap();
         let copied = e.device.params - base.device.params;
         assert!(copied < whole && copied > whole / 2, "{copied} of {whole}: the split weights halve");
         assert_eq!(copied, base.device.params, "fp32: the copy is the trained parameters again");
+        // Each tensor rank caches its half of the heads; each stage its own layer, the last
+        // one alone the logits.
+        let e = with_generation(base.clone(), (&model, &spec), &split, &g, &machine).unwrap();
+        let layer = 512 * 32 * 2 * 64 * 4;
+        assert_eq!(e.device.activations, 3 * layer / 2 + 2 * 512 * 256 * 4);
+        let base = run(piped, 2, 2);
+        let e = with_generation(base.clone(), (&model, &spec), &piped, &g, &machine).unwrap();
+        let stages: Vec<u64> = e.pipeline_ranks.iter().map(|r| r.device.activations).collect();
+        assert_eq!(stages, [2 * layer, 2 * layer + 2 * 512 * 256 * 4]);
     }
 
     /// The engine's ledger holds 474,112 bytes of parameters for this GPT, as many of

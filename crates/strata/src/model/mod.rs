@@ -120,21 +120,24 @@ impl ModelConfig {
         }
     }
 
-    /// Values the decoding cache holds for one row of `positions` tokens, layer by layer
-    /// (keys and values; a latent attention's latent and rotated key part; a sliding
-    /// window's layers at most the window; a linear attention's state, which does not grow,
-    /// not counted); `None` for a model that is not a decoder.
-    pub fn cached_values(&self, positions: i64) -> Option<Vec<i64>> {
+    /// Values the decoding cache holds for one row of `positions` tokens on one rank of a
+    /// tensor group of `tensor`, layer by layer: its share of the key/value heads' keys and
+    /// values (a sliding window's layers at most the window), a latent attention's latent
+    /// and rotated key part (whole on every tensor rank, each expanding its heads from it),
+    /// and 0 for a linear attention's state, which does not grow; `None` for a model that is
+    /// not a decoder.
+    pub fn cached_values(&self, positions: i64, tensor: i64) -> Option<Vec<i64>> {
+        let tensor = tensor.max(1);
         match self {
-            ModelConfig::Gpt(c) => Some(vec![2 * c.dim * positions; c.layers as usize]),
+            ModelConfig::Gpt(c) => Some(vec![2 * c.dim * positions / tensor; c.layers as usize]),
             ModelConfig::Llama(c) => Some(
                 (0..c.layers as usize)
-                    .filter(|&l| !c.is_linear(l))
                     .map(|l| match &c.latent {
+                        _ if c.is_linear(l) => 0,
                         Some(latent) => (latent.kv_rank + latent.rope_dim) * positions,
                         None => {
                             let kept = c.window(l).map_or(positions, |w| w.min(positions));
-                            2 * c.key_value_heads() * c.head_width() * kept
+                            2 * c.key_value_heads() / tensor * c.head_width() * kept
                         }
                     })
                     .collect(),

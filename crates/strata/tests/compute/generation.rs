@@ -31,7 +31,10 @@ fn the_generation_estimate_meets_the_allocator() {
             let base = estimate::estimate(&config, &layout, &work, &machine).unwrap();
             let positions = (prompt + new_tokens) as i64;
             let g = Generation { rows: 64, positions, prompt: prompt as i64, reference_copy: false };
-            let counted = estimate::with_generation(base, &config, &layout, &g, &machine).unwrap().device.activations;
+            let counted = estimate::with_generation(base, (&config, engine.spec()), &layout, &g, &machine)
+                .unwrap()
+                .device
+                .activations;
             let prompts = vec![(0..prompt as i64).map(|i| 5 + i % 400).collect::<Vec<_>>(); 64];
             let before = strata_ext::cpu_memory::stats().unwrap().0;
             strata_ext::cpu_memory::reset_peak().unwrap();
