@@ -214,17 +214,35 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
         }
         assert!(common::reports(&run.1).pop().unwrap()["experts"]["remote_expert_tokens"].as_i64() > Some(0));
     }
-    // Adapters on the attention and the stacked experts: a rank trains the factors' parts of
-    // its own experts.
+    // Adapters on the attention and the stacked experts: a rank trains, stores and
+    // checkpoints its own experts' factors (a checkpoint resumes in one process).
     let lora = r#"["lora", {"r": 2, "alpha": 4, "target_modules": ["q_proj"],
                  "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}]"#;
     let adapted = format!("[{lora}]");
-    let alone =
-        common::train_run(dir.path(), "lora", 6, &[&files, &flags, &["--accumulation", "2", "--strategy", &adapted]]);
+    let one_process = ["--accumulation", "2", "--strategy", &adapted];
+    let alone = common::train_run(dir.path(), "lora", 6, &[&files, &flags, &one_process]);
+    let sharded = format!(r#"[["expert_parallel", {{"size": 2}}], "fsdp", {lora}]"#);
+    let sharded =
+        common::train_run(dir.path(), "lora fsdp", 6, &[&files, &flags, &["--nproc", "2", "--strategy", &sharded]]);
+    common::assert_follows(&alone, &sharded, "lora with expert parallel 2 and fsdp", 1e-5, 1e-5);
     let split = format!(r#"[["expert_parallel", {{"size": 2}}], {lora}]"#);
-    let run =
-        common::train_run(dir.path(), "lora experts 2", 6, &[&files, &flags, &["--nproc", "2", "--strategy", &split]]);
+    let split = ["--nproc", "2", "--strategy", &split];
+    let run = common::train_run(dir.path(), "lora experts 2", 6, &[&files, &flags, &split]);
     common::assert_follows(&alone, &run, "lora with expert parallel 2", 1e-5, 1e-5);
+    assert_resumes(dir.path(), &[&files, &flags, &split], &[("lora in one process", &one_process[..], &alone)]);
+    // Each expert's factors (r = 2: `A` over the gate and up projections' input and the
+    // down projection's, `B` over their outputs) are stored where its weights are.
+    let expert_factors: i64 = strata::io::read_safetensors(&folder.join("model.safetensors"))
+        .unwrap()
+        .iter()
+        .filter(|(name, _)| name.contains(".mlp.experts.") && name.ends_with(".gate_proj.weight"))
+        .map(|(_, t)| match t.size()[..] {
+            [width, dim] => 2 * (dim + 2 * width) + 2 * (width + dim),
+            _ => panic!("an expert's gate is not a matrix"),
+        })
+        .sum();
+    let apart = stored_param_bytes(&alone) - 4 * (experts + expert_factors) / 2;
+    assert_eq!(stored_param_bytes(&run), apart, "lora with expert parallel 2: parameter bytes a rank stores");
     // Capacity is each rank's (of the tokens it routes), as one process's is per micro-batch.
     let routing = ["--expert-capacity", "0.75", "--router-z-loss", "0.01"];
     let capped = common::train_run(dir.path(), "capped", 6, &[&files, &flags, &routing, &["--accumulation", "2"]]);

@@ -4,8 +4,8 @@
 //! `modules_to_save`). Written from a LoRA run's adapters, read back into one.
 use super::{load_named, read_safetensors, write_atomic, write_weights, WeightsTarget};
 use crate::engine::Engine;
-use crate::model::{Adapter, Adapters, ParamId};
-use crate::strategy::{LoraConfig, Targets};
+use crate::model::{Adapter, Adapters, ModelSpec, ParamId};
+use crate::strategy::{stacked_factor, LoraConfig, Targets};
 use crate::{Error, Result};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -128,6 +128,7 @@ pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
     }
     let spec = engine.spec();
     let factors = factor_ids(&spec.adapters);
+    let named = unstack_factors(spec, &factors, named).map_err(err)?;
     for id in &factors {
         let name = &spec.params[id.0].name;
         if !named.iter().any(|(n, _, _)| n == name) {
@@ -135,6 +136,48 @@ pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
         }
     }
     load_named(engine, &path, named.into_iter(), &|id| !factors.contains(&id))
+}
+
+/// `named` (parameter name, key, tensor) with each of peft's stacked expert factors taken
+/// apart into the experts' parts that `factors` hold ([`stacked_factor`]): `A`'s rows
+/// `e·r ..` and `B`'s columns `e, e + E, ...` for expert `e`.
+fn unstack_factors(
+    spec: &ModelSpec,
+    factors: &[ParamId],
+    named: Vec<(String, String, Tensor)>,
+) -> std::result::Result<Vec<(String, String, Tensor)>, String> {
+    let mut parts: BTreeMap<String, Vec<(i64, String)>> = BTreeMap::new();
+    for id in factors {
+        let name = &spec.params[id.0].name;
+        if let Some((whole, _, e)) = stacked_factor(name) {
+            parts.entry(whole).or_default().push((e, name.clone()));
+        }
+    }
+    let mut out = vec![];
+    for (name, key, t) in named {
+        let Some(experts) = parts.get_mut(&name) else {
+            out.push((name, key, t));
+            continue;
+        };
+        experts.sort();
+        let count = experts.len() as i64;
+        let is_b = stacked_factor(&experts[0].1).is_some_and(|(_, is_b, _)| is_b);
+        let size = t.size();
+        let stacked_dim = usize::from(is_b);
+        if size.len() != 2 || size[stacked_dim] % count != 0 {
+            return Err(format!("{key:?} of shape {size:?} does not stack {count} experts' factors"));
+        }
+        let r = size[stacked_dim] / count;
+        for (e, part) in experts.iter() {
+            let piece = match is_b {
+                false => t.f_narrow(0, e * r, r),
+                true => t.f_view([size[0], r, count]).and_then(|v| v.f_select(2, *e)),
+            };
+            let piece = piece.and_then(|p| p.f_contiguous()).map_err(|e| format!("{key:?}: {e}"))?;
+            out.push((part.clone(), key.clone(), piece));
+        }
+    }
+    Ok(out)
 }
 
 /// The parameters that are adapters' factors (once each, where experts share them).
@@ -146,11 +189,12 @@ pub(crate) fn factor_ids(adapters: &Adapters) -> Vec<ParamId> {
 /// A tensor as written: its name there, dtype and shape.
 type Written = (String, Kind, Vec<i64>);
 
-/// Where one entry of a written model comes from: a parameter as it is, or a weight merged
-/// with its adapter.
+/// Where one entry of a written model comes from: a parameter as it is, a weight merged
+/// with its adapter, or the experts' parts of one of peft's stacked factors (by expert).
 enum Source {
     Plain(usize),
     Merged { weight: usize, a: usize, b: usize, adapter: Adapter },
+    Stacked { parts: Vec<(i64, usize)>, is_b: bool },
 }
 
 /// The entries of `layout` (parameter, name, dtype, shape) as `target` receives them: a
@@ -170,15 +214,32 @@ fn selection(
             .copied()
             .ok_or_else(|| Error::Model(format!("an adapter's factor (parameter {}) is not among those written", id.0)))
     };
-    let mut out = vec![];
+    let mut out: Vec<(Written, Source)> = vec![];
+    // Where each stacked factor's entry is: at its first expert's part.
+    let mut stacks: BTreeMap<String, usize> = BTreeMap::new();
     for (i, (id, name, kind, shape)) in layout.iter().enumerate() {
         let factor = factors.contains(id);
         match target {
-            WeightsTarget::Adapter(folder) => {
-                if folder.holds(name, factor) {
+            WeightsTarget::Adapter(folder) => match stacked_factor(name).filter(|_| factor) {
+                Some((whole, is_b, e)) => match stacks.get(&whole) {
+                    Some(&at) => {
+                        let ((_, _, stacked_shape), Source::Stacked { parts, .. }) = &mut out[at] else {
+                            return Err(Error::Model(format!("{whole} is written as one tensor and as parts")));
+                        };
+                        stacked_shape[usize::from(is_b)] += shape[usize::from(is_b)];
+                        parts.push((e, i));
+                    }
+                    None => {
+                        stacks.insert(whole.clone(), out.len());
+                        let entry = (AdapterOut::key(&whole), *kind, shape.clone());
+                        out.push((entry, Source::Stacked { parts: vec![(e, i)], is_b }));
+                    }
+                },
+                None if folder.holds(name, factor) => {
                     out.push(((AdapterOut::key(name), *kind, shape.clone()), Source::Plain(i)));
                 }
-            }
+                None => {}
+            },
             _ if factor => {}
             _ => {
                 let source = match adapters.get(id) {
@@ -233,6 +294,20 @@ impl<F: FnMut(usize) -> Result<Tensor>> Ahead<F> {
                 let (a, b) = adapter.factors(&self.factor(a)?, &self.factor(b)?)?;
                 let merged = w.f_to_kind(Kind::Float)?.f_add(&b.f_matmul(&a)?.f_mul_scalar(adapter.scale)?)?;
                 Ok(merged.f_to_kind(w.kind())?)
+            }
+            Source::Stacked { ref parts, is_b } => {
+                let mut parts = parts.clone();
+                parts.sort_unstable();
+                let pieces = parts.iter().map(|&(_, i)| self.take(i)).collect::<Result<Vec<_>>>()?;
+                match is_b {
+                    false => Ok(Tensor::f_cat(&pieces, 0)?),
+                    true => {
+                        let [out, r] = pieces[0].size()[..] else {
+                            return Err(Error::Model("an expert's B factor is not a matrix".into()));
+                        };
+                        Ok(Tensor::f_stack(&pieces, 2)?.f_reshape([out, r * pieces.len() as i64])?)
+                    }
+                }
             }
         }
     }

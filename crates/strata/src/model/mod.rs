@@ -493,36 +493,20 @@ pub struct Adapter {
     pub dropout: f64,
     /// Where its masks are drawn within its unit.
     pub dropout_site: u32,
-    /// Where the factors are shared by a sparse layer's experts (peft's adapters of
-    /// `target_parameters`): which expert's part of them this weight takes.
-    pub expert: Option<ExpertSlice>,
-}
-
-/// One expert's part of factors shared by `count` experts, as peft lays out an adapter of
-/// stacked expert weights: `A` `[r·count, in]` holds expert `index`'s `[r, in]` in rows
-/// `index·r ..`, `B` `[out, r·count]` its `[out, r]` in columns `index, index + count, ...`;
-/// this weight's rows are `B`'s `rows` (a gate and an up projection stacked share one `B`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ExpertSlice {
-    /// This weight's expert.
-    pub index: i64,
-    /// How many experts share the factors.
-    pub count: i64,
-    /// The rows of `B` this weight takes: the first and how many.
-    pub rows: (i64, i64),
+    /// The rows of `B` this weight takes, where one `B` serves two weights: an expert's
+    /// gate and up projections, which peft adapts as one stacked matrix (gate rows first).
+    pub rows: Option<(i64, i64)>,
 }
 
 impl Adapter {
     /// The `[r, in]` and `[out, r]` factors this adapter's weight uses, from its
-    /// parameters' tensors `a` and `b` (views of them, where they are shared).
+    /// parameters' tensors `a` and `b` (a view of `b`'s rows, where it serves two weights).
     pub fn factors(&self, a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
-        let Some(ExpertSlice { index, count, rows: (first, len) }) = self.expert else {
-            return Ok((a.shallow_clone(), b.shallow_clone()));
+        let b = match self.rows {
+            Some((first, len)) => b.f_narrow(0, first, len)?,
+            None => b.shallow_clone(),
         };
-        let r = a.size()[0] / count;
-        let a = a.f_narrow(0, index * r, r)?;
-        let b = b.f_view([b.size()[0], r, count])?.f_select(2, index)?.f_narrow(0, first, len)?;
-        Ok((a, b))
+        Ok((a.shallow_clone(), b))
     }
 }
 

@@ -5,11 +5,14 @@
 //!
 //! A mixture of experts' routed experts are not linear layers in peft's eyes but the
 //! stacked parameters of one module (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`),
-//! which `target_parameters` names: each gets one pair of factors for all its experts,
-//! laid out as peft lays them out ([`crate::model::ExpertSlice`]).
+//! which `target_parameters` names. peft gives each one pair of factors for all its
+//! experts (`A` `[r·E, in]` holding expert `e`'s `[r, in]` in rows `e·r ..`, `B`
+//! `[out, r·E]` its `[out, r]` in columns `e, e + E, ...`); here each expert's pair is its
+//! own parameters, placed with its weights (stored by the rank of an expert group that
+//! computes it), and peft's folders stack them ([`expert_factor_name`]).
 
 use crate::model::dropout::adapter_site;
-use crate::model::{Adapter, ExpertSet, ExpertSlice, Init, ModelSpec, ParamId, ParamSpec, TpRole};
+use crate::model::{Adapter, ExpertSet, Init, ModelSpec, ParamId, ParamSpec, TpRole};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -296,30 +299,31 @@ impl LoraConfig {
         Ok(())
     }
 
-    /// Declares one pair of factors for a stacked parameter of `set`'s experts (`A`
-    /// `[r·E, in]`, `B` `[out, r·E]`, named under `module` as peft names them) and joins each
-    /// expert's weights of it to its part.
+    /// Declares each expert's pair of factors for a stacked parameter of `set`'s experts
+    /// (`A` `[r, in]`, `B` `[out, r]`, the parts of peft's factors of `module`) and joins
+    /// the expert's weights of it to them (a gate and an up projection share one `B`, whose
+    /// rows they split). Whole on every tensor rank, as the experts are (their gradients
+    /// summed where sequence parallel splits the tokens).
     fn join_experts(&self, spec: &mut ModelSpec, set: &ExpertSet, part: &str, module: &str) -> Result<()> {
-        let count = set.gate.len() as i64;
-        let weights: Vec<Vec<ParamId>> = match part {
-            "gate_up_proj" => vec![set.gate.clone(), set.up.clone()],
-            _ => vec![set.down.clone()],
+        let weights: Vec<&[ParamId]> = match part {
+            "gate_up_proj" => vec![&set.gate, &set.up],
+            _ => vec![&set.down],
         };
-        let first = spec.params[weights[0][0].0].clone();
-        let [rows, inp] = first.shape[..] else {
-            return Err(Error::Config(format!("lora: {} is not a matrix", first.name)));
-        };
-        let out = rows * weights.len() as i64;
-        let bound = 1.0 / (inp as f64).sqrt();
-        // Whole on every tensor rank, as the experts are (their gradients summed where
-        // sequence parallel splits the tokens).
-        let a = declare(spec, &first, module, "A", vec![self.r * count, inp], Init::Uniform { bound }, first.tp)?;
-        let b = declare(spec, &first, module, "B", vec![out, self.r * count], Init::Zeros, first.tp)?;
-        for (stacked, ids) in weights.iter().enumerate() {
-            for (index, &w) in ids.iter().enumerate() {
-                let expert = Some(ExpertSlice { index: index as i64, count, rows: (stacked as i64 * rows, rows) });
+        for e in 0..set.gate.len() {
+            let first = spec.params[weights[0][e].0].clone();
+            let [rows, inp] = first.shape[..] else {
+                return Err(Error::Config(format!("lora: {} is not a matrix", first.name)));
+            };
+            let out = rows * weights.len() as i64;
+            let bound = 1.0 / (inp as f64).sqrt();
+            let name = |part| expert_factor_name(module, part, e as i64);
+            let a = declare(spec, &first, name("A"), vec![self.r, inp], Init::Uniform { bound }, first.tp)?;
+            let b = declare(spec, &first, name("B"), vec![out, self.r], Init::Zeros, first.tp)?;
+            for (stacked, ids) in weights.iter().enumerate() {
+                let w = ids[e];
                 let dropout_site = adapter_site(&spec.params[w.0].name);
-                let adapter = Adapter { a, b, scale: self.scale(), dropout: self.dropout, dropout_site, expert };
+                let rows = (weights.len() > 1).then_some((stacked as i64 * rows, rows));
+                let adapter = Adapter { a, b, scale: self.scale(), dropout: self.dropout, dropout_site, rows };
                 spec.adapters.insert(w, adapter);
             }
         }
@@ -343,26 +347,46 @@ impl LoraConfig {
         };
         let module = module_of(&weight.name);
         let bound = 1.0 / (inp as f64).sqrt();
-        let a = declare(spec, &weight, module, "A", vec![self.r, inp], Init::Uniform { bound }, a_role)?;
-        let b = declare(spec, &weight, module, "B", vec![out, self.r], Init::Zeros, b_role)?;
+        let name = |part| format!("{module}.lora_{part}.weight");
+        let a = declare(spec, &weight, name("A"), vec![self.r, inp], Init::Uniform { bound }, a_role)?;
+        let b = declare(spec, &weight, name("B"), vec![out, self.r], Init::Zeros, b_role)?;
         let dropout_site = adapter_site(&weight.name);
-        Ok(Adapter { a, b, scale: self.scale(), dropout: self.dropout, dropout_site, expert: None })
+        Ok(Adapter { a, b, scale: self.scale(), dropout: self.dropout, dropout_site, rows: None })
     }
 }
 
-/// Declares factor `part` (`A` or `B`) of an adapter of `weight`, named
-/// `{module}.lora_{part}.weight`, in `weight`'s unit and dtype.
+/// The name of expert `e`'s part of factor `part` (`A` or `B`) of peft's adapter of the
+/// stacked expert parameter under `module` (whose factor peft names
+/// `{module}.lora_{part}.weight`).
+pub(crate) fn expert_factor_name(module: &str, part: &str, e: i64) -> String {
+    format!("{module}.lora_{part}.{e}.weight")
+}
+
+/// Where `name` is an expert's part of one of peft's stacked factors
+/// ([`expert_factor_name`]): that factor's name, whether it is a `B`, and the expert.
+pub(crate) fn stacked_factor(name: &str) -> Option<(String, bool, i64)> {
+    let (stem, expert) = name.strip_suffix(".weight")?.rsplit_once('.')?;
+    let expert = expert.parse().ok()?;
+    let is_b = match stem.rsplit_once('.')?.1 {
+        "lora_A" => false,
+        "lora_B" => true,
+        _ => return None,
+    };
+    Some((format!("{stem}.weight"), is_b, expert))
+}
+
+/// Declares a factor of an adapter of `weight`, named `name`, in `weight`'s unit and
+/// dtype, placed with it among an expert group's ranks.
 fn declare(
     spec: &mut ModelSpec,
     weight: &ParamSpec,
-    module: &str,
-    part: &str,
+    name: String,
     shape: Vec<i64>,
     init: Init,
     tp: TpRole,
 ) -> Result<ParamId> {
     let p = ParamSpec {
-        name: format!("{module}.lora_{part}.weight"),
+        name,
         shape,
         init,
         kind: weight.kind,
@@ -370,7 +394,7 @@ fn declare(
         unit: weight.unit,
         requires_grad: true,
         linear: false,
-        expert: None,
+        expert: weight.expert,
     };
     if spec.find(&p.name).is_some() {
         return Err(Error::Config(format!("lora: the model already has a parameter {}", p.name)));

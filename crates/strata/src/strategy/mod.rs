@@ -11,7 +11,7 @@ mod offload;
 mod parallel_mode;
 mod shard;
 
-pub(crate) use lora::parameters_alone;
+pub(crate) use lora::{parameters_alone, stacked_factor};
 pub use lora::{LoraConfig, Targets};
 pub use offload::{OffloadConfig, OffloadPolicy, OffloadTarget};
 pub use parallel_mode::{Dim, ParallelMode};
