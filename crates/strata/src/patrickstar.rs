@@ -1,12 +1,15 @@
 //! PatrickStar's face: `initialize_engine(model_func, local_rank, config)` with PatrickStar's
 //! JSON configuration, returning a model engine and an optimizer driven by its loop
 //! (`optimizer.zero_grad(); let loss = model.forward(&batch)?; model.backward(&loss)?;
-//! optimizer.step()?`), and per-rank state dictionaries.
+//! optimizer.step()?`), per-rank state dictionaries, and Strata's checkpoints, synchronous
+//! or persisted in the background ([`PatrickStarCheckpoints`]).
 //!
 //! Owns: the configuration's keys and their translation into a Strata strategy and
 //! optimizer. Must not place or move anything itself: the `offload` method (one process)
 //! or fsdp with its shards on the host (several ranks) does, through `parallel`.
-use crate::comm::Comm;
+use crate::checkpoint::snapshot::{self, AsyncSaver, Persisted, SaveTimes};
+use crate::checkpoint::{self, Checkpoint, DataPosition, Layout, Part, RunInfo};
+use crate::comm::{Comm, ProcessGroup};
 use crate::compute::scaler::LossScalerConfig;
 use crate::data::{Batch, Step};
 use crate::engine::{Engine, EngineConfig};
@@ -19,7 +22,9 @@ use crate::{Error, Result};
 use serde::Deserialize;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use std::time::Instant;
 use tch::{Device, Tensor};
 
 /// PatrickStar's configuration, in its keys and with its defaults.
@@ -237,6 +242,33 @@ struct Session {
     loss: LossFn,
     /// The job's ranks, when there are several (joined from the launcher's environment).
     comm: Option<Comm>,
+    /// The strategy in list form, as checkpoints record it.
+    strategy: serde_json::Value,
+    /// The optimizer's name, as checkpoints record it.
+    optimizer_name: String,
+    /// The rank's index on its node (its first rank publishes the node's snapshots).
+    local_rank: usize,
+}
+
+/// Where a PatrickStar loop checkpoints. PatrickStar itself has only state dictionaries;
+/// these are Strata's checkpoint folders (the model, the optimizer's states and step, the
+/// loss scale; any world size resumes them), written synchronously or, asynchronously, as
+/// a snapshot in host memory that a writer thread persists while the loop goes on
+/// ([`crate::checkpoint::snapshot`]): states already on the host (the chunks offload
+/// keeps there) are copied from where they lie, and the next update waits for that copy.
+pub struct PatrickStarCheckpoints {
+    root: PathBuf,
+    keep: usize,
+    saver: Option<AsyncSaver>,
+}
+
+/// Where a resumed loop continues from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resumed {
+    /// Optimizer steps the checkpoint had taken.
+    pub step: u64,
+    /// `"host memory"` (an asynchronous save's snapshot) or `"disk"`.
+    pub from: &'static str,
 }
 
 /// The model: `forward` gives the loss of a batch, `backward` runs backward from it.
@@ -318,9 +350,18 @@ fn initialize(
         at = at.with_room_measured(model_func()?, &engine_config, &strategy, b.sample, &Feed::default())?;
     }
     let mut engine = build_engine(spec, engine_config, &strategy, &at)?;
+    let optimizer_name = format!("{:?}", optimizer_config.kind).to_lowercase();
     let optimizer = Optimizer::new(&mut engine, optimizer_config, &[])?;
-    let session =
-        Session { loss: next_token_loss_of(&engine), scaling: strategy.grad_scaling()?, engine, optimizer, comm };
+    let session = Session {
+        loss: next_token_loss_of(&engine),
+        scaling: strategy.grad_scaling()?,
+        engine,
+        optimizer,
+        comm,
+        strategy: strategy.to_value(),
+        optimizer_name,
+        local_rank,
+    };
     let session = Rc::new(RefCell::new(session));
     Ok((PatrickStarEngine { session: session.clone() }, PatrickStarOptimizer { session }))
 }
@@ -399,6 +440,93 @@ impl PatrickStarEngine {
             }
             s.engine.set_full_unit(u, &full)?;
         }
+        Ok(())
+    }
+}
+
+impl PatrickStarEngine {
+    /// Checkpoints under `root`, keeping the `keep` newest (0: all); `asynchronous` for
+    /// saves that persist in the background. Every rank calls it.
+    pub fn checkpoints(&self, root: &Path, keep: usize, asynchronous: bool) -> Result<PatrickStarCheckpoints> {
+        let saver = match asynchronous {
+            true => Some(AsyncSaver::new(root, self.session.borrow().local_rank == 0)?),
+            false => None,
+        };
+        Ok(PatrickStarCheckpoints { root: root.to_path_buf(), keep, saver })
+    }
+
+    /// Saves a checkpoint of the model and its optimizer after the optimizer's last step;
+    /// returns how long the loop stood still for it. Every rank calls it.
+    pub fn save_checkpoint(&mut self, checkpoints: &mut PatrickStarCheckpoints) -> Result<SaveTimes> {
+        let began = Instant::now();
+        let mut guard = self.session.borrow_mut();
+        let s = &mut *guard;
+        let world = s.comm.as_ref().map(Comm::world).transpose()?;
+        let world = world.as_deref().map(|g| g as &dyn ProcessGroup);
+        let step = s.optimizer.steps_taken();
+        let run = RunInfo {
+            step,
+            world_size: world.map_or(1, |g| g.size()),
+            strategy: s.strategy.clone(),
+            optimizer: s.optimizer_name.clone(),
+            // The loop feeds its own batches: where they stand is the steps taken.
+            data: DataPosition { seed: 0, batch_size: 0, ctx: 0, next_step: step },
+            loss_scaler: s.scaling.scaler.clone(),
+            model: None,
+            base: None,
+        };
+        let layout = Layout::of(&s.engine);
+        let mut parts = [Part { engine: &mut s.engine, optimizer: &mut s.optimizer, first_unit: 0 }];
+        match checkpoints.saver.as_mut() {
+            Some(saver) => saver.save(&layout, &mut parts, &run, world, checkpoints.keep),
+            None => {
+                checkpoint::save_parts(&checkpoints.root, &layout, &mut parts, &run, world, checkpoints.keep)?;
+                Ok(SaveTimes { blocked_s: began.elapsed().as_secs_f64(), ..SaveTimes::default() })
+            }
+        }
+    }
+
+    /// Restores the newest checkpoint of `checkpoints` (an asynchronous save's snapshot in
+    /// host memory where every rank's part of it is complete and no older than the disk's,
+    /// else the disk's `latest`): the model, the optimizer's states and step, and the loss
+    /// scale. `None` where there is none. Every rank calls it.
+    pub fn resume(&mut self, checkpoints: &PatrickStarCheckpoints) -> Result<Option<Resumed>> {
+        let mut guard = self.session.borrow_mut();
+        let s = &mut *guard;
+        let world = s.comm.as_ref().map(Comm::world).transpose()?;
+        let world = world.as_deref().map(|g| g as &dyn ProcessGroup);
+        let in_memory = match checkpoints.saver {
+            Some(_) => snapshot::newest_in_memory(&checkpoints.root, world, s.local_rank == 0)?,
+            None => None,
+        };
+        let (found, from) = match in_memory {
+            Some(snapshot) => (snapshot, "host memory"),
+            None if checkpoints.root.join("latest").is_file() => (Checkpoint::open(&checkpoints.root)?, "disk"),
+            None => return Ok(None),
+        };
+        found.restore(&mut s.engine, &mut s.optimizer, &s.optimizer_name)?;
+        if let (Some(saved), Some(scaler)) = (&found.meta.loss_scaler, &mut s.scaling.scaler) {
+            scaler.resume_from(saved)?;
+        }
+        Ok(Some(Resumed { step: found.meta.step, from }))
+    }
+
+    /// Waits until an asynchronous save still persisting is on disk on every rank; returns
+    /// what its writer spent (`None`: none was in flight). Every rank calls it.
+    pub fn wait_checkpoints(&mut self, checkpoints: &mut PatrickStarCheckpoints) -> Result<Option<Persisted>> {
+        let Some(saver) = checkpoints.saver.as_mut() else { return Ok(None) };
+        let s = self.session.borrow();
+        let world = s.comm.as_ref().map(Comm::world).transpose()?;
+        saver.wait(world.as_deref().map(|g| g as &dyn ProcessGroup))
+    }
+
+    /// Waits for an asynchronous save still persisting and removes the snapshot from host
+    /// memory: the loop ended cleanly, its checkpoints are on disk. Every rank calls it.
+    pub fn close_checkpoints(&mut self, checkpoints: PatrickStarCheckpoints) -> Result<()> {
+        let Some(saver) = checkpoints.saver else { return Ok(()) };
+        let s = self.session.borrow();
+        let world = s.comm.as_ref().map(Comm::world).transpose()?;
+        saver.close(world.as_deref().map(|g| g as &dyn ProcessGroup))?;
         Ok(())
     }
 }

@@ -11,7 +11,7 @@ use strata::engine::{with_seed, EngineConfig, Placement as Where};
 use strata::model::{self, Builder, GptConfig, LlamaConfig, ModelSpec};
 use strata::optim::{LrSchedule, Optimizer};
 use strata::parallel::{build_engine, RankLayout};
-use strata::patrickstar::{initialize_engine, initialize_engine_within, Budgets, PatrickStarConfig};
+use strata::patrickstar::{initialize_engine, initialize_engine_within, Budgets, PatrickStarConfig, Resumed};
 use strata::strategy::{Method, Strategy};
 use strata::train::Trainer;
 use tch::{Device, Kind, Tensor};
@@ -139,6 +139,75 @@ fn the_configuration_maps_to_strategies_and_bad_keys_are_one_line() {
     }
     let small = PatrickStarConfig::parse(r#"{"default_chunk_size": 100}"#).unwrap().strategy(&spec, 1);
     assert!(small.unwrap_err().to_string().contains("smaller than the largest parameter"));
+}
+
+/// Strata's checkpoints through PatrickStar's face, the states offloaded by the hybrid Adam:
+/// saved after every step in the background, the loop ends bit-identical to one without
+/// them; a loop started afresh after a stop past step 3's save resumes from host memory and ends
+/// bit-identical too; once the snapshot is removed (a clean end) the disk's checkpoint
+/// serves; a synchronous save resumes alike.
+#[test]
+fn checkpoints_persist_in_the_background_and_resume_from_memory_or_disk() {
+    let identical = |a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>| {
+        a.len() == b.len() && a.iter().all(|(name, t)| b.get(name).is_some_and(|u| t.equal(u)))
+    };
+    let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    let expected = seed_loop(&mut model, &mut optimizer, 6, batch);
+    let weights = model.state_dict().unwrap();
+    // Saving after each of `steps` steps from step `from` on.
+    let saving = |model: &mut strata::patrickstar::PatrickStarEngine,
+                  optimizer: &mut strata::patrickstar::PatrickStarOptimizer,
+                  checkpoints: &mut strata::patrickstar::PatrickStarCheckpoints,
+                  (from, steps): (usize, usize)| {
+        (from..from + steps)
+            .map(|i| {
+                let loss = seed_loop(model, optimizer, 1, |_| batch(i))[0];
+                let times = model.save_checkpoint(checkpoints).unwrap();
+                assert!(times.blocked_s > 0.0);
+                loss
+            })
+            .collect::<Vec<f64>>()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    let mut checkpoints = model.checkpoints(dir.path(), 0, true).unwrap();
+    assert_eq!(model.resume(&checkpoints).unwrap(), None, "nothing to resume yet");
+    let losses = saving(&mut model, &mut optimizer, &mut checkpoints, (0, 6));
+    assert_eq!(losses, expected, "saving changes no loss");
+    assert!(identical(&model.state_dict().unwrap(), &weights), "saving changes no weight");
+    model.close_checkpoints(checkpoints).unwrap();
+
+    // Stopped during step 5, step 3's save on disk and its snapshot left in memory.
+    let dir = tempfile::tempdir().unwrap();
+    let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    let mut checkpoints = model.checkpoints(dir.path(), 0, true).unwrap();
+    saving(&mut model, &mut optimizer, &mut checkpoints, (0, 3));
+    seed_loop(&mut model, &mut optimizer, 1, |_| batch(3));
+    model.wait_checkpoints(&mut checkpoints).unwrap();
+    drop((model, optimizer, checkpoints));
+    let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    let mut checkpoints = model.checkpoints(dir.path(), 0, true).unwrap();
+    let resumed = model.resume(&checkpoints).unwrap();
+    assert_eq!(resumed, Some(Resumed { step: 3, from: "host memory" }));
+    let rest = saving(&mut model, &mut optimizer, &mut checkpoints, (3, 3));
+    assert_eq!(rest, expected[3..], "the resumed loop's losses");
+    assert!(identical(&model.state_dict().unwrap(), &weights), "resumed from memory");
+    model.close_checkpoints(checkpoints).unwrap();
+    let (mut model, _optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    let checkpoints = model.checkpoints(dir.path(), 0, true).unwrap();
+    assert_eq!(model.resume(&checkpoints).unwrap(), Some(Resumed { step: 6, from: "disk" }));
+    assert!(identical(&model.state_dict().unwrap(), &weights), "resumed from disk");
+    model.close_checkpoints(checkpoints).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    let mut checkpoints = model.checkpoints(dir.path(), 1, false).unwrap();
+    saving(&mut model, &mut optimizer, &mut checkpoints, (0, 2));
+    let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    let mut checkpoints = model.checkpoints(dir.path(), 1, false).unwrap();
+    assert_eq!(model.resume(&checkpoints).unwrap(), Some(Resumed { step: 2, from: "disk" }));
+    assert_eq!(saving(&mut model, &mut optimizer, &mut checkpoints, (2, 4)), expected[2..]);
+    assert!(identical(&model.state_dict().unwrap(), &weights), "resumed from a synchronous save");
 }
 
 /// The losses of `steps` steps of the seed's loop, on batch `batch_of(step)`.
