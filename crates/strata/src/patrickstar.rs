@@ -242,6 +242,8 @@ struct Session {
     loss: LossFn,
     /// The job's ranks, when there are several (joined from the launcher's environment).
     comm: Option<Comm>,
+    /// Their group, made once (every rank makes it at initialisation).
+    world: Option<Box<dyn ProcessGroup>>,
     /// The strategy in list form, as checkpoints record it.
     strategy: serde_json::Value,
     /// The optimizer's name, as checkpoints record it.
@@ -320,15 +322,16 @@ fn initialize(
 ) -> Result<(PatrickStarEngine, PatrickStarOptimizer)> {
     let mut device = if tch::Cuda::is_available() { Device::Cuda(local_rank) } else { Device::Cpu };
     // Launched as one of several ranks: join the job on the backends its hosts call for.
-    let (comm, local_world_size) = match crate::comm::launched_world_size() {
+    // The rank on its node is the launcher's where one started several.
+    let (comm, local_world_size, local_rank) = match crate::comm::launched_world_size() {
         Some(world) if world > 1 => {
             let info = crate::comm::RankInfo::from_env()?;
             let backends;
             (device, backends) = info.placement(device, tch::Cuda::device_count().max(0) as usize);
             let comm = crate::comm::init_from_env(&backends, std::time::Duration::from_secs(300))?;
-            (Some(comm), info.local_world_size)
+            (Some(comm), info.local_world_size, info.local_rank)
         }
-        _ => (None, 1),
+        _ => (None, 1, local_rank),
     };
     let world = comm.as_ref().map_or(1, Comm::size);
     let spec = model_func()?;
@@ -352,7 +355,9 @@ fn initialize(
     let mut engine = build_engine(spec, engine_config, &strategy, &at)?;
     let optimizer_name = format!("{:?}", optimizer_config.kind).to_lowercase();
     let optimizer = Optimizer::new(&mut engine, optimizer_config, &[])?;
+    let world = comm.as_ref().map(Comm::world).transpose()?;
     let session = Session {
+        world,
         loss: next_token_loss_of(&engine),
         scaling: strategy.grad_scaling()?,
         engine,
@@ -427,7 +432,6 @@ impl PatrickStarEngine {
                 .ok_or_else(|| Error::Model(format!("state dict: {name} names no parameter of this model")))?;
             by_id.insert(id, value);
         }
-        let world_group = s.comm.as_ref().map(Comm::world).transpose()?;
         for u in 0..s.engine.spec().units.len() {
             let full = s.engine.full_unit(u)?.f_detach_copy()?;
             for &id in &s.engine.spec().units[u].params {
@@ -435,7 +439,7 @@ impl PatrickStarEngine {
                     s.engine.write_param(&full, id, v)?;
                 }
             }
-            if let Some(g) = &world_group {
+            if let Some(g) = s.world.as_deref() {
                 g.broadcast(&full, u % g.size())?.wait()?;
             }
             s.engine.set_full_unit(u, &full)?;
@@ -461,8 +465,7 @@ impl PatrickStarEngine {
         let began = Instant::now();
         let mut guard = self.session.borrow_mut();
         let s = &mut *guard;
-        let world = s.comm.as_ref().map(Comm::world).transpose()?;
-        let world = world.as_deref().map(|g| g as &dyn ProcessGroup);
+        let world = s.world.as_deref();
         let step = s.optimizer.steps_taken();
         let run = RunInfo {
             step,
@@ -493,8 +496,7 @@ impl PatrickStarEngine {
     pub fn resume(&mut self, checkpoints: &PatrickStarCheckpoints) -> Result<Option<Resumed>> {
         let mut guard = self.session.borrow_mut();
         let s = &mut *guard;
-        let world = s.comm.as_ref().map(Comm::world).transpose()?;
-        let world = world.as_deref().map(|g| g as &dyn ProcessGroup);
+        let world = s.world.as_deref();
         let in_memory = match checkpoints.saver {
             Some(_) => snapshot::newest_in_memory(&checkpoints.root, world, s.local_rank == 0)?,
             None => None,
@@ -515,18 +517,14 @@ impl PatrickStarEngine {
     /// what its writer spent (`None`: none was in flight). Every rank calls it.
     pub fn wait_checkpoints(&mut self, checkpoints: &mut PatrickStarCheckpoints) -> Result<Option<Persisted>> {
         let Some(saver) = checkpoints.saver.as_mut() else { return Ok(None) };
-        let s = self.session.borrow();
-        let world = s.comm.as_ref().map(Comm::world).transpose()?;
-        saver.wait(world.as_deref().map(|g| g as &dyn ProcessGroup))
+        saver.wait(self.session.borrow().world.as_deref())
     }
 
     /// Waits for an asynchronous save still persisting and removes the snapshot from host
     /// memory: the loop ended cleanly, its checkpoints are on disk. Every rank calls it.
     pub fn close_checkpoints(&mut self, checkpoints: PatrickStarCheckpoints) -> Result<()> {
         let Some(saver) = checkpoints.saver else { return Ok(()) };
-        let s = self.session.borrow();
-        let world = s.comm.as_ref().map(Comm::world).transpose()?;
-        saver.close(world.as_deref().map(|g| g as &dyn ProcessGroup))?;
+        saver.close(self.session.borrow().world.as_deref())?;
         Ok(())
     }
 }

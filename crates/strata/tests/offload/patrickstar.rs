@@ -242,19 +242,31 @@ fn rank_entry() {
     assert_eq!(scenario, "patrickstar");
     let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
     let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
-    let losses = seed_loop(&mut model, &mut optimizer, 4, |i| half_batch(i, rank));
+    let root = std::path::PathBuf::from(std::env::var("STRATA_TEST_CHECKPOINTS").unwrap());
+    let mut checkpoints = model.checkpoints(&root, 0, true).unwrap();
+    let mut losses = seed_loop(&mut model, &mut optimizer, 2, |i| half_batch(i, rank));
+    model.save_checkpoint(&mut checkpoints).unwrap();
+    losses.extend(seed_loop(&mut model, &mut optimizer, 2, |i| half_batch(2 + i, rank)));
+    model.close_checkpoints(checkpoints).unwrap();
     println!("LOSSES {}", serde_json::to_string(&losses).unwrap());
     println!("RANK-OK");
 }
 
 /// Launched as two ranks on one host (`RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, the store
 /// at `MASTER_ADDR:MASTER_PORT`), `initialize_engine` joins the job, and each step's mean
-/// loss over the ranks is the loss one process computes on both ranks' sequences.
+/// loss over the ranks is the loss one process computes on both ranks' sequences. The
+/// checkpoint both ranks save in the background after step 2 resumes in one process at the
+/// weights one process reaches.
 #[test]
 fn two_ranks_train_as_one_process_on_both_batches() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let port: &'static str = Box::leak(port.to_string().into_boxed_str());
-    let vars = move |_| vec![("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("LOCAL_WORLD_SIZE", "2")];
+    let dir = tempfile::tempdir().unwrap();
+    let root: &'static str = Box::leak(dir.path().to_str().unwrap().to_string().into_boxed_str());
+    let vars = move |_| {
+        let place = [("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("LOCAL_WORLD_SIZE", "2")];
+        [&place[..], &[("STRATA_TEST_CHECKPOINTS", root)]].concat()
+    };
     let outputs = run_ranks_with(2, "shm", "patrickstar", vars);
     assert_all_ok(&outputs);
     let losses: Vec<Vec<f64>> = outputs
@@ -272,4 +284,15 @@ fn two_ranks_train_as_one_process_on_both_batches() {
         assert!((got - want).abs() <= 1e-5, "step {i}: the ranks' mean {got} against {want}");
     }
     assert!(losses[0] != losses[1], "each rank trained on its own sequence");
+    let (mut model, mut optimizer) = initialize_engine(gpt, 0, &config()).unwrap();
+    seed_loop(&mut model, &mut optimizer, 2, batch);
+    let (mut resumed, _) = initialize_engine(gpt, 0, &config()).unwrap();
+    let checkpoints = resumed.checkpoints(dir.path(), 0, true).unwrap();
+    assert_eq!(resumed.resume(&checkpoints).unwrap(), Some(Resumed { step: 2, from: "disk" }));
+    let (theirs, ours) = (resumed.state_dict().unwrap(), model.state_dict().unwrap());
+    for (name, t) in &ours {
+        let gap = (t - &theirs[name]).abs().max().double_value(&[]);
+        assert!(gap <= 1e-5, "{name}: resumed {gap:e} from one process's");
+    }
+    resumed.close_checkpoints(checkpoints).unwrap();
 }
