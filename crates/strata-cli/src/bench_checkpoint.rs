@@ -127,11 +127,11 @@ pub fn run(args: BenchCheckpointArgs) -> Result<()> {
                 sample.waited_s.push(r["checkpoint"]["waited_s"].as_f64().unwrap_or(0.0));
                 sample.updates_waited_s.push(r["checkpoint"]["updates_waited_s"].as_f64().unwrap_or(0.0));
                 sample.seconds += blocked;
-                if let Some(p) = r["checkpoint"]["persisted_s"].as_f64() {
-                    sample.persisted_s.push(p);
-                }
-                if let Some(p) = r["checkpoint"]["persisted_cpu_s"].as_f64() {
-                    sample.persisted_cpu_s.push(p);
+                // Reported once the previous save's writer is done (asynchronous saves).
+                for (key, into) in
+                    [("persisted_s", &mut sample.persisted_s), ("persisted_cpu_s", &mut sample.persisted_cpu_s)]
+                {
+                    into.extend(r["checkpoint"][key].as_f64());
                 }
             }
         }
