@@ -9,7 +9,7 @@
 //! projection or the rest of the block ([`super::llama`] runs those as for every head
 //! layout). Generation caches the latent and the rotated key part, not whole keys and
 //! values: a position costs `kv_rank + rope_dim` values per layer.
-use super::layers::{rms_norm, rms_norm_into_product, split_heads};
+use super::layers::{rms_norm, rms_norm_into_product, split_heads, Projected};
 use super::rope::{Placed, Rope, RopeScaling, Rotation};
 use super::{DecodeCache, Init, ParamId, Params, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
@@ -150,7 +150,7 @@ impl LatentAttention {
         heads: i64,
         placed: Placed<'_>,
         cache: Option<&mut DecodeCache>,
-    ) -> Result<super::llama::Projected> {
+    ) -> Result<Projected> {
         let c = &self.config;
         let q = match self.queries {
             QueryProjection::Direct(w) => p.linear(h, w, None)?,

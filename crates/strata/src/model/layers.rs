@@ -512,6 +512,10 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     Ok(x.f_gelu("none")?)
 }
 
+/// Queries, keys and values `[B, H, T, D]`, and the heads' output gates `[B, T, H·D]` where
+/// there are some: what a block's attention projects, whatever its head layout.
+pub(crate) type Projected = (Tensor, Tensor, Tensor, Option<Tensor>);
+
 /// `[B, T, H*D]` -> `[B, H, T, D]`.
 pub fn split_heads(x: &Tensor, heads: i64) -> Result<Tensor> {
     let (b, t, c) = x.size3()?;

@@ -25,7 +25,7 @@ use super::head_loss::head_output;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
     add_rms_norm, attend, attention, geglu, linear, merge_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one,
-    split_heads, swiglu, AttentionOptions, ScoreTerms,
+    split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -455,10 +455,6 @@ impl Kinds {
         }
     }
 }
-
-/// Queries, keys and values `[B, H, T, D]`, and the heads' output gates `[B, T, H·D]` where
-/// there are some.
-pub(crate) type Projected = (Tensor, Tensor, Tensor, Option<Tensor>);
 
 /// How a block's attention makes its queries, keys and values.
 enum HeadInputs {
