@@ -406,3 +406,22 @@ fn declare(
     spec.params.push(p);
     Ok(id)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// An expert's factor name gives back its stacked factor, part and expert; a plain
+        /// adapter's factor and the model's own weights are none.
+        #[test]
+        fn expert_factor_names_read_back(module in "[a-z_]{1,8}(\\.[a-z0-9_]{1,8}){0,5}", e in 0i64..100_000, b: bool) {
+            let part = if b { "B" } else { "A" };
+            let name = expert_factor_name(&module, part, e);
+            prop_assert_eq!(stacked_factor(&name), Some((format!("{module}.lora_{part}.weight"), b, e)));
+            prop_assert_eq!(stacked_factor(&format!("{module}.lora_{part}.weight")), None);
+            prop_assert_eq!(stacked_factor(&format!("{module}.{e}.weight")), None);
+        }
+    }
+}
