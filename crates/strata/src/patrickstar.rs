@@ -8,7 +8,7 @@
 //! optimizer. Must not place or move anything itself: the `offload` method (one process)
 //! or fsdp with its shards on the host (several ranks) does, through `parallel`.
 use crate::checkpoint::snapshot::{self, AsyncSaver, Persisted, SaveTimes};
-use crate::checkpoint::{self, Checkpoint, DataPosition, Layout, Part, RunInfo};
+use crate::checkpoint::{self, DataPosition, Layout, Part, RunInfo};
 use crate::comm::{Comm, ProcessGroup};
 use crate::compute::scaler::LossScalerConfig;
 use crate::data::{Batch, Step};
@@ -353,7 +353,7 @@ fn initialize(
         at = at.with_room_measured(model_func()?, &engine_config, &strategy, b.sample, &Feed::default())?;
     }
     let mut engine = build_engine(spec, engine_config, &strategy, &at)?;
-    let optimizer_name = format!("{:?}", optimizer_config.kind).to_lowercase();
+    let optimizer_name = optimizer_config.kind.name();
     let optimizer = Optimizer::new(&mut engine, optimizer_config, &[])?;
     let world = comm.as_ref().map(Comm::world).transpose()?;
     let session = Session {
@@ -446,9 +446,7 @@ impl PatrickStarEngine {
         }
         Ok(())
     }
-}
 
-impl PatrickStarEngine {
     /// Checkpoints under `root`, keeping the `keep` newest (0: all); `asynchronous` for
     /// saves that persist in the background. Every rank calls it.
     pub fn checkpoints(&self, root: &Path, keep: usize, asynchronous: bool) -> Result<PatrickStarCheckpoints> {
@@ -496,20 +494,11 @@ impl PatrickStarEngine {
     pub fn resume(&mut self, checkpoints: &PatrickStarCheckpoints) -> Result<Option<Resumed>> {
         let mut guard = self.session.borrow_mut();
         let s = &mut *guard;
-        let world = s.world.as_deref();
-        let in_memory = match checkpoints.saver {
-            Some(_) => snapshot::newest_in_memory(&checkpoints.root, world, s.local_rank == 0)?,
-            None => None,
-        };
-        let (found, from) = match in_memory {
-            Some(snapshot) => (snapshot, "host memory"),
-            None if checkpoints.root.join("latest").is_file() => (Checkpoint::open(&checkpoints.root)?, "disk"),
-            None => return Ok(None),
-        };
+        let asynchronous = checkpoints.saver.is_some();
+        let newest = snapshot::newest(&checkpoints.root, s.world.as_deref(), s.local_rank == 0, asynchronous)?;
+        let Some((found, from)) = newest else { return Ok(None) };
         found.restore(&mut s.engine, &mut s.optimizer, &s.optimizer_name)?;
-        if let (Some(saved), Some(scaler)) = (&found.meta.loss_scaler, &mut s.scaling.scaler) {
-            scaler.resume_from(saved)?;
-        }
+        s.scaling.resume_from(found.meta.loss_scaler.as_ref())?;
         Ok(Some(Resumed { step: found.meta.step, from }))
     }
 

@@ -123,6 +123,26 @@ pub fn newest_in_memory(
     }
 }
 
+/// The checkpoint the run checkpointing to `disk` resumes from, and where it lies: with
+/// `asynchronous` saves the snapshot in host memory that [`newest_in_memory`] chooses,
+/// else the disk's `latest`; `None` where there is neither. Every rank calls it.
+pub fn newest(
+    disk: &Path,
+    world: Option<&dyn ProcessGroup>,
+    node_publisher: bool,
+    asynchronous: bool,
+) -> Result<Option<(Checkpoint, &'static str)>> {
+    if asynchronous {
+        if let Some(snapshot) = newest_in_memory(disk, world, node_publisher)? {
+            return Ok(Some((snapshot, "host memory")));
+        }
+    }
+    match disk.join("latest").is_file() {
+        true => Ok(Some((Checkpoint::open(disk)?, "disk"))),
+        false => Ok(None),
+    }
+}
+
 /// Each of `values`' largest over the ranks of `world` (itself without one).
 fn most_over(world: Option<&dyn ProcessGroup>, values: &[f64]) -> Result<Vec<f64>> {
     match world {

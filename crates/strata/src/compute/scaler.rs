@@ -184,6 +184,15 @@ pub(crate) struct GradDecision {
 }
 
 impl GradScaling {
+    /// Continues the loss scale a checkpoint saved (`saved`), where both it and this run
+    /// scale their loss.
+    pub fn resume_from(&mut self, saved: Option<&LossScaler>) -> Result<()> {
+        match (saved, &mut self.scaler) {
+            (Some(saved), Some(scaler)) => scaler.resume_from(saved),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether a step with `grad_clip` updates whatever its gradients are (no clipping, no
     /// scaling, no check), so an update may start before the whole step's gradients exist.
     pub fn updates_unconditionally(&self, grad_clip: Option<f64>) -> bool {

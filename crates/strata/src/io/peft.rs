@@ -146,22 +146,23 @@ fn unstack_factors(
     factors: &[ParamId],
     named: Vec<(String, String, Tensor)>,
 ) -> std::result::Result<Vec<(String, String, Tensor)>, String> {
-    let mut parts: BTreeMap<String, Vec<(i64, String)>> = BTreeMap::new();
+    // Each stacked factor: whether it is a `B`, and its experts' parts.
+    let mut parts: BTreeMap<String, (bool, Vec<(i64, String)>)> = BTreeMap::new();
     for id in factors {
         let name = &spec.params[id.0].name;
-        if let Some((whole, _, e)) = stacked_factor(name) {
-            parts.entry(whole).or_default().push((e, name.clone()));
+        if let Some((whole, is_b, e)) = stacked_factor(name) {
+            parts.entry(whole).or_insert((is_b, vec![])).1.push((e, name.clone()));
         }
     }
     let mut out = vec![];
     for (name, key, t) in named {
-        let Some(experts) = parts.get_mut(&name) else {
+        let Some((is_b, experts)) = parts.get_mut(&name) else {
             out.push((name, key, t));
             continue;
         };
+        let is_b = *is_b;
         experts.sort();
         let count = experts.len() as i64;
-        let is_b = stacked_factor(&experts[0].1).is_some_and(|(_, is_b, _)| is_b);
         let size = t.size();
         let stacked_dim = usize::from(is_b);
         if size.len() != 2 || size[stacked_dim] % count != 0 {

@@ -27,6 +27,13 @@ pub enum OptimizerKind {
     Sgd,
 }
 
+impl OptimizerKind {
+    /// The rule's name as checkpoints record it (`adamw`, `adam`, `sgd`).
+    pub fn name(self) -> String {
+        format!("{self:?}").to_lowercase()
+    }
+}
+
 impl std::str::FromStr for OptimizerKind {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {

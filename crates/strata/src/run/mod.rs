@@ -317,11 +317,6 @@ impl Default for RunConfig {
 }
 
 impl RunConfig {
-    /// The optimizer's name as checkpoints record it.
-    fn optimizer_name(&self) -> String {
-        format!("{:?}", self.optimizer.kind).to_lowercase()
-    }
-
     /// Where this run's data stands before step `next_step`, as checkpoints record it.
     fn data_position(&self, next_step: u64) -> DataPosition {
         DataPosition {
@@ -354,22 +349,15 @@ impl RunConfig {
         let path = match &self.resume {
             None => return Ok(None),
             Some(Resume::From(path)) => path.clone(),
-            Some(Resume::Latest) => match &self.checkpoints {
-                Some(c) if c.asynchronous => {
-                    match checkpoint::snapshot::newest_in_memory(&c.dir, world, node_publisher)? {
-                        Some(snapshot) => return self.continuing(snapshot).map(|c| Some((c, "host memory"))),
-                        None if c.dir.join("latest").is_file() => c.dir.clone(),
-                        None => return Ok(None),
-                    }
-                }
-                Some(c) if c.dir.join("latest").is_file() => c.dir.clone(),
-                Some(_) => return Ok(None),
-                None => {
-                    return Err(Error::Config(
+            Some(Resume::Latest) => {
+                let c = self.checkpoints.as_ref().ok_or_else(|| {
+                    Error::Config(
                         "resuming from the latest checkpoint needs a checkpoint folder (--save-checkpoint)".into(),
-                    ))
-                }
-            },
+                    )
+                })?;
+                let newest = checkpoint::snapshot::newest(&c.dir, world, node_publisher, c.asynchronous)?;
+                return newest.map(|(found, from)| self.continuing(found).map(|c| (c, from))).transpose();
+            }
         };
         self.continuing(Checkpoint::open(&path)?).map(|c| Some((c, "disk")))
     }
@@ -769,7 +757,7 @@ pub fn train(
     if let Some(c) = &clock {
         c.take(); // the first step's clock starts here
     }
-    let optimizer_name = config.optimizer_name();
+    let optimizer_name = config.optimizer.kind.name();
     if let Some(ckpt) = &resume {
         if let Some(g) = world_group.as_deref() {
             // Each rank chose its checkpoint alone (memory or disk): they must be of one step.

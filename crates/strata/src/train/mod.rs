@@ -775,10 +775,7 @@ impl Trainer {
         let mut parts: Vec<_> = self.parts.iter_mut().map(ModelPart::as_checkpoint).collect();
         checkpoint.restore_parts(&layout, &mut parts, optimizer_name)?;
         self.step = checkpoint.meta.step;
-        if let (Some(saved), Some(scaler)) = (&checkpoint.meta.loss_scaler, &mut self.scaling.scaler) {
-            scaler.resume_from(saved)?;
-        }
-        Ok(())
+        self.scaling.resume_from(checkpoint.meta.loss_scaler.as_ref())
     }
 
     /// Saves the whole model's parameters (every rank takes part in gathering them; those
