@@ -668,11 +668,17 @@ pub fn estimate_with(
         let saved = if sharded { saved.div_ceil(dpu) } else { saved };
         pipeline_ranks.push(RankBytes { device, host, saved, held });
     }
-    let busiest = (0..p).max_by_key(|&r| pipeline_ranks[r].device.total()).unwrap_or(0);
-    let RankBytes { device, host, .. } = pipeline_ranks[busiest];
-    let fits =
-        pipeline_ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
-    Ok(Estimate { layout: layout.label(), device, host, busiest, fits, pipeline_ranks, unit_ranks })
+    // The busiest rank and its bytes are taken from the ranks' by `settled`.
+    let estimate = Estimate {
+        layout: layout.label(),
+        device: Breakdown::default(),
+        host: Breakdown::default(),
+        busiest: 0,
+        fits: false,
+        pipeline_ranks,
+        unit_ranks,
+    };
+    Ok(settled(estimate, machine))
 }
 
 /// What GRPO's generation adds to a rank beside its training step.

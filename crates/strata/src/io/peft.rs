@@ -132,7 +132,9 @@ pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
     for id in &factors {
         let name = &spec.params[id.0].name;
         if !named.iter().any(|(n, _, _)| n == name) {
-            return Err(err(format!("missing {:?}", AdapterOut::key(name))));
+            // An expert's part is missing when peft's stacked factor holding it is.
+            let entry = stacked_factor(name).map_or_else(|| name.clone(), |(whole, _, _)| whole);
+            return Err(err(format!("missing {:?}", AdapterOut::key(&entry))));
         }
     }
     load_named(engine, &path, named.into_iter(), &|id| !factors.contains(&id))

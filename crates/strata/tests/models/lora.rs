@@ -110,6 +110,7 @@ fn lora_matches_peft(family: &str, peft_config: Value) {
     eprintln!("{family}: with peft's initial adapter, largest logit difference {g:.2e}");
     assert!(g <= 1e-5, "{family}: logits with the initial adapter differ from peft's by {g}");
     assert!(largest_gap(&base, &start) > 1e-3, "{family}: the initial adapter changes nothing");
+    refuses_an_adapter_lacking_a_factor(family, &dir, &lora, &initial, w);
 
     let data = batches();
     let file = w.join("batches.json");
@@ -186,6 +187,24 @@ fn lora_matches_peft(family: &str, peft_config: Value) {
     } else {
         assert!(g > 1e-4, "{family}: the modules saved whole did not train");
     }
+}
+
+/// peft's folder `adapter` without one of its factors (an experts' stacked one where the
+/// model has them) is refused, naming the entry peft's file lacks.
+fn refuses_an_adapter_lacking_a_factor(family: &str, dir: &Path, lora: &LoraConfig, adapter: &Path, work: &Path) {
+    let mut factors = read_safetensors(&adapter.join("adapter_model.safetensors")).unwrap();
+    let key = factors.keys().find(|k| k.contains(".experts.")).or(factors.keys().next()).unwrap().clone();
+    factors.remove(&key);
+    let lacking = work.join("lacking");
+    std::fs::create_dir_all(&lacking).unwrap();
+    std::fs::copy(adapter.join("adapter_config.json"), lacking.join("adapter_config.json")).unwrap();
+    let bytes = strata::io::to_safetensors(factors.iter().map(|(k, t)| (k.as_str(), t))).unwrap();
+    std::fs::write(lacking.join("adapter_model.safetensors"), bytes).unwrap();
+    let mut spec = from_pretrained_dir(dir).unwrap().spec().unwrap();
+    lora.apply(&mut spec).unwrap();
+    let mut engine = Engine::new(spec, EngineConfig::default()).unwrap();
+    let err = load_adapter(&mut engine, &lacking).unwrap_err().to_string();
+    assert!(err.contains(&format!("missing {key:?}")), "{family}: {err}");
 }
 
 /// Each adapter's input dropped at 0.1 (peft's `lora_dropout`, with Strata's masks).
