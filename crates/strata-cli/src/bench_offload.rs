@@ -119,31 +119,6 @@ fn fits(args: &BenchOffloadArgs, layers: i64, strategy: &str) -> Result<bool> {
     }
 }
 
-/// The most layers (up to `most`) that fit: doubling from `from` (the size the placement
-/// before this one reached, which each moves more off the device than), then bisecting.
-fn largest(args: &BenchOffloadArgs, strategy: &str, most: i64, from: i64) -> Result<i64> {
-    let (mut good, mut bad) = (0, None);
-    let mut probe = from.clamp(1, most.max(1)).min(most);
-    while bad.is_none() && good < most {
-        if fits(args, probe, strategy)? {
-            good = probe;
-            probe = (probe * 2).min(most);
-        } else {
-            bad = Some(probe);
-        }
-    }
-    let Some(mut bad) = bad else { return Ok(good) };
-    while bad - good > 1 {
-        let mid = (good + bad) / 2;
-        if fits(args, mid, strategy)? {
-            good = mid;
-        } else {
-            bad = mid;
-        }
-    }
-    Ok(good)
-}
-
 pub fn run(args: BenchOffloadArgs) -> Result<()> {
     if args.steps < 2 {
         bail!("--steps must be at least 2 (one warm-up, one timed)");
@@ -168,7 +143,11 @@ pub fn run(args: BenchOffloadArgs) -> Result<()> {
         };
         let layers = match sized_like {
             Some(_) if most > 0 && fits(&args, most, &strategy)? => most,
-            _ => largest(&args, &strategy, most, rows.last().map_or(1, |r| r.layers))?,
+            // Doubling from the size the placement before this one reached (each moves more off
+            // the device than the one before).
+            _ => bench_runs::largest_fitting(rows.last().map_or(1, |r| r.layers), most, |layers| {
+                fits(&args, layers, &strategy)
+            })?,
         };
         let params = params_of(layers)?;
         rows.push(Row {

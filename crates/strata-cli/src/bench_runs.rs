@@ -53,6 +53,33 @@ pub fn train(args: &[String], warmup: usize) -> Result<RunFigures> {
     Ok(RunFigures { last, tokens_per_s, timed: rows.into_iter().skip(warmup).collect() })
 }
 
+/// The largest size in `1..=most` for which `fits` holds (0: none), where it holds for
+/// every size up to some bound and for none beyond: doubling from `from`, then bisecting
+/// between the last size that fit and the first that did not. `fits` runs once per size
+/// tried, in the order tried.
+pub fn largest_fitting(from: i64, most: i64, mut fits: impl FnMut(i64) -> Result<bool>) -> Result<i64> {
+    let (mut good, mut bad) = (0, None);
+    let mut probe = from.clamp(1, most.max(1)).min(most);
+    while bad.is_none() && good < most {
+        if fits(probe)? {
+            good = probe;
+            probe = (probe * 2).min(most);
+        } else {
+            bad = Some(probe);
+        }
+    }
+    let Some(mut bad) = bad else { return Ok(good) };
+    while bad - good > 1 {
+        let mid = (good + bad) / 2;
+        if fits(mid)? {
+            good = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    Ok(good)
+}
+
 /// The median of some samples (the upper one of an even count; 0 for none).
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -62,4 +89,37 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 /// The mean of some samples (0 for none).
 pub fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Against a bound known in advance: the search finds it (or `most`, or 0), never
+        /// tries a size twice, and tries few.
+        #[test]
+        fn the_search_finds_the_largest_size_that_fits(bound in 0i64..3000, most in 0i64..2000, from in 0i64..2500) {
+            let mut tried = vec![];
+            let found = largest_fitting(from, most, |n| {
+                tried.push(n);
+                Ok(n <= bound)
+            })
+            .unwrap();
+            prop_assert_eq!(found, bound.min(most));
+            let mut unique = tried.clone();
+            unique.sort();
+            unique.dedup();
+            prop_assert_eq!(unique.len(), tried.len(), "sizes tried twice: {:?}", tried);
+            prop_assert!(tried.iter().all(|&n| (1..=most).contains(&n)), "outside 1..={}: {:?}", most, tried);
+            prop_assert!(tried.len() <= 2 * 12 + 2, "{} tries: {:?}", tried.len(), tried);
+        }
+    }
+
+    #[test]
+    fn a_failing_probe_stops_the_search() {
+        let err = largest_fitting(1, 100, |n| if n < 8 { Ok(true) } else { anyhow::bail!("probe {n} broke") });
+        assert_eq!(err.unwrap_err().to_string(), "probe 8 broke");
+    }
 }

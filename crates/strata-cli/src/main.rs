@@ -11,6 +11,7 @@ mod bench_estimate;
 mod bench_generate;
 mod bench_gpu;
 mod bench_kernels;
+mod bench_long;
 mod bench_methods;
 mod bench_moe;
 mod bench_offload;
@@ -176,6 +177,10 @@ enum BenchCommand {
     /// The largest GPT each placement (none, optimizer on the host, everything on the host,
     /// auto) trains within a device and a host budget: tokens/s, bytes moved, copy-wait.
     Offload(bench_offload::BenchOffloadArgs),
+    /// The longest row a LLaMA trains within a device budget under each long-row method
+    /// added in turn (recomputation, chunked loss, activation offload, context parallel 2
+    /// and 4), with tokens/s.
+    Long(bench_long::BenchLongArgs),
     /// strata tokenize against tokenizers' batch encoding in Python on the same text, pieces
     /// and tokenizer: MB/s, tokens/s, the ratio, and a check of equal ids.
     Tokenize(bench_tokenize::BenchTokenizeArgs),
@@ -297,6 +302,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Search(a) } => bench_search::run(a),
         Command::Bench { which: BenchCommand::Dist(a) } => bench_dist::run(a),
         Command::Bench { which: BenchCommand::Offload(a) } => bench_offload::run(a),
+        Command::Bench { which: BenchCommand::Long(a) } => bench_long::run(a),
         Command::Bench { which: BenchCommand::Tokenize(a) } => bench_tokenize::run(a),
         Command::Bench { which: BenchCommand::Estimate(a) } => bench_estimate::run(a),
         Command::Bench { which: BenchCommand::Generate(a) } => bench_generate::run(a),

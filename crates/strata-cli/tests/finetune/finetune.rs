@@ -75,7 +75,10 @@ fn same_as_one_batch(packed: bool, extra: &[&str]) {
     let flags: &[&str] = if packed { &["--pack", "true"] } else { &[] };
     let run = train(dir.path(), "run", &[flags, extra].concat());
     let one = one_batch(packed);
-    assert_follows(&one, &run, &what, 1e-6, 1e-6);
+    // Losses to 1e-6; weights to 2e-6: the split layouts sum in other orders (a context
+    // ring's blocks run the fused kernel where one process runs the composite), and AdamW
+    // carries fp32's rounding of the smallest gradients to ~1e-6 of the weights in 6 steps.
+    assert_follows(&one, &run, &what, 1e-6, 2e-6);
     let learned = |m: &Path| reports(m).iter().map(|r| r["supervised_tokens"].as_u64().unwrap()).collect::<Vec<_>>();
     assert_eq!(learned(&one.1), learned(&run.1), "{what}: learned tokens per step");
 }

@@ -372,3 +372,43 @@ fn bench_offload_orders_the_placements_by_the_model_they_fit() {
     assert!(delayed >= 1 && delayed <= optimizer, "{delayed} against {optimizer}");
     assert_eq!(row("optimizer-delayed").get("vs_same_size").is_some(), delayed == optimizer);
 }
+
+/// `strata bench long` on a tiny LLaMA and budget: every method added lengthens the longest
+/// row that fits (the allocator's peak is deterministic on the CPU), each row's peak is
+/// within the budget and the next length tried was not, and the budget, not `--max-ctx`,
+/// bounds them.
+#[test]
+fn bench_long_lengthens_the_row_with_each_method() {
+    let (budget, granularity, most) = (24u64 << 20, 256, 8192);
+    let args = ["--device-memory", &budget.to_string(), "--granularity", "256", "--max-ctx", "8192", "--steps", "2"];
+    let o = strata(&[&["bench", "long", "--json"][..], &args].concat());
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    eprintln!("{}", serde_json::to_string(rows).unwrap());
+    let names: Vec<&str> = rows.iter().map(|r| r["configuration"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "nothing",
+            "recomputation",
+            "+ chunked loss",
+            "+ activation offload",
+            "+ context parallel 2",
+            "+ context parallel 4"
+        ]
+    );
+    let longest: Vec<i64> = rows.iter().map(|r| r["longest"].as_i64().unwrap()).collect();
+    assert!(longest[0] >= granularity, "something fits: {longest:?}");
+    assert!(longest.windows(2).all(|w| w[1] > w[0]), "each method lengthens the row: {longest:?}");
+    for r in rows {
+        let what = &r["configuration"];
+        assert!(r["peak_bytes"].as_u64().unwrap() <= budget, "{what}: {r}");
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0, "{what}: {r}");
+        let (at, over) = (r["longest"].as_i64().unwrap(), r["first_over"].as_i64());
+        assert!(at < most, "{what}: the budget binds, not --max-ctx: {r}");
+        assert_eq!(over, Some(at + granularity), "{what}: the search stops at the boundary: {r}");
+        let ratio = r["vs_nothing"].as_f64().unwrap();
+        assert!((ratio - at as f64 / longest[0] as f64).abs() < 1e-12, "{what}: {r}");
+    }
+}

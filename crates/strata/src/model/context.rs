@@ -24,8 +24,9 @@ pub struct SequencePiece {
 }
 
 impl SequencePiece {
-    /// The runs a row of `len` positions splits into, and this piece's, in order.
-    fn runs(&self, len: i64) -> Result<(i64, Vec<i64>)> {
+    /// The length of the runs a row of `len` positions splits into, and the runs this
+    /// piece holds (by their place in the row), in order.
+    pub fn runs(&self, len: i64) -> Result<(i64, Vec<i64>)> {
         let count = self.count as i64;
         let (parts, mine) = match self.balanced {
             true => (2 * count, vec![self.index as i64, 2 * count - 1 - self.index as i64]),

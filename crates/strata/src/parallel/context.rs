@@ -5,7 +5,10 @@
 //!   its queries' attention over each block through the running maximum and sum of the
 //!   softmax (the log-sum-exp); the backward recomputes each block's probabilities from the
 //!   saved log-sum-exp and sends the keys' and values' gradients around with them, so a rank
-//!   holds one block's scores at a time, forward and backward.
+//!   holds one block's scores at a time, forward and backward. On the CPU each block runs
+//!   libtorch's fused attention kernel, which returns its log-sum-exp and, given the whole
+//!   rows' output and log-sum-exp, its share of the gradients, so no block's scores exist
+//!   at all; soft-capped scores, and values narrower than keys, take the composite.
 //! - *all-to-all* (DeepSpeed-Ulysses): an all-to-all turns each rank's positions of every
 //!   head into every position of its share of the heads; attention then runs over whole rows
 //!   as without the split, and a second all-to-all turns the result back.
@@ -20,7 +23,7 @@ use crate::model::{ContextParallel, SequencePiece};
 use crate::strategy::ContextKind;
 use crate::{Error, Result};
 use std::sync::Arc;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 type Text<T> = std::result::Result<T, String>;
 
@@ -197,9 +200,78 @@ struct Blocks {
     query_examples: Tensor,
     /// Per rank of the group: the places of its positions and their examples.
     keys: Vec<(Tensor, Tensor)>,
+    /// Where every query may see every earlier key of its row (one example a row, no
+    /// window): the runs of this rank's positions (local start, length, run in the row) and
+    /// each rank's, whose relations alone say what is seen, so the fused kernel needs no
+    /// mask.
+    runs: Option<(Vec<Run>, Vec<Vec<Run>>)>,
+}
+
+/// A run of a rank's positions: where it starts among them, its length and its place among
+/// the row's runs.
+#[derive(Clone, Copy)]
+struct Run {
+    start: i64,
+    len: i64,
+    place: i64,
+}
+
+/// A pair of query and key positions the fused kernel computes in one call: the queries'
+/// range (start, length) among this rank's, the keys' among the owner's, and what the
+/// queries see of those keys.
+struct Tile {
+    queries: (i64, i64),
+    keys: (i64, i64),
+    seen: Seen,
+}
+
+enum Seen {
+    /// Every key.
+    All,
+    /// Each query, the keys up to its own place (the same places).
+    Causal,
+    /// As the additive mask says (0 seen, −∞ not), and the queries that see none.
+    Masked(Tensor, Tensor),
 }
 
 impl Blocks {
+    /// Whether each block runs libtorch's fused kernel, which returns its output and
+    /// log-sum-exp without the block's scores, rather than the composite: on the CPU, for
+    /// scores without a cap (the kernel has none) and values as wide as the keys (it
+    /// wants one head width).
+    fn fused(&self, q: &Tensor, v: &Tensor) -> bool {
+        q.device() == Device::Cpu && self.options.softcap.is_none() && v.size()[3] == q.size()[3]
+    }
+
+    /// The fused kernel's calls over rank `owner`'s keys. Where runs decide what is seen,
+    /// a tile per pair of runs that sees anything, without a mask; otherwise one tile of
+    /// all this rank's queries over all the owner's keys, with the mask (`[B, 1, Tq, Tk]`,
+    /// in `q`'s dtype) and the queries that see none of them (`[B, 1, Tq]`: the kernel
+    /// gives those a log-sum-exp of 0, which the merge must read as −∞).
+    fn tiles(&self, q: &Tensor, owner: usize) -> Result<Vec<Tile>> {
+        if let Some((mine, theirs)) = &self.runs {
+            let mut tiles = vec![];
+            for query in mine {
+                for key in &theirs[owner] {
+                    let seen = match (self.options.bidirectional, key.place.cmp(&query.place)) {
+                        (true, _) | (false, std::cmp::Ordering::Less) => Seen::All,
+                        (false, std::cmp::Ordering::Equal) => Seen::Causal,
+                        (false, std::cmp::Ordering::Greater) => continue,
+                    };
+                    tiles.push(Tile { queries: (query.start, query.len), keys: (key.start, key.len), seen });
+                }
+            }
+            return Ok(tiles);
+        }
+        let (places, examples) = &self.keys[owner];
+        let hidden = unseen(&self.query_places, places, &self.query_examples, examples, &self.options)?;
+        let mask = Tensor::f_zeros(hidden.size().as_slice(), (q.kind(), q.device()))?
+            .f_masked_fill(&hidden, f64::NEG_INFINITY)?;
+        let blind = hidden.f_all_dim(-1, false)?;
+        let (queries, keys) = (q.size()[2], places.size()[0]);
+        Ok(vec![Tile { queries: (0, queries), keys: (0, keys), seen: Seen::Masked(mask, blind) }])
+    }
+
     /// Scores `[B, H, Tq, Tk]` (fp32 or fp64) of the queries over rank `owner`'s keys, soft-capped
     /// and masked, and the cap's `tanh` where there is one (its derivative's factor).
     fn scores(&self, q: &Tensor, k: &Tensor, owner: usize) -> Result<(Tensor, Option<Tensor>)> {
@@ -249,10 +321,45 @@ impl RingAttention {
             // The next block travels while this one is computed.
             let passing = (step + 1 < n).then(|| self.blocks.exchange.pass_on(&[&k, &v])).transpose();
             let passing = passing.map_err(Error::Comm)?;
-            let (scores, _) = self.blocks.scores(&q, &k, owner)?;
-            let (probs, scale) = merge_step(&mut max, &scores)?;
-            sum = sum.f_mul(&scale)?.f_add(&probs.f_sum_dim_intlist(-1, false, probs.kind())?)?;
-            acc = acc.f_mul(&scale.f_unsqueeze(-1)?)?.f_add(&probs.f_matmul(&v)?)?;
+            if self.blocks.fused(&q, &v) {
+                // Each tile's softmax arrives whole: its output weighs in by its log-sum-exp.
+                for tile in self.blocks.tiles(&q, owner)? {
+                    let (qs, ql) = tile.queries;
+                    let (ks, kl) = tile.keys;
+                    let (mask, causal) = match &tile.seen {
+                        Seen::Masked(mask, _) => (Some(mask), false),
+                        Seen::Causal => (None, true),
+                        Seen::All => (None, false),
+                    };
+                    let (out, lse) = Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
+                        &q.f_narrow(2, qs, ql)?,
+                        &k.f_narrow(2, ks, kl)?,
+                        &v.f_narrow(2, ks, kl)?,
+                        0.0,
+                        causal,
+                        mask,
+                        self.blocks.scale,
+                    )?;
+                    let lse = match &tile.seen {
+                        Seen::Masked(_, blind) => lse.f_masked_fill(blind, f64::NEG_INFINITY)?,
+                        _ => lse,
+                    };
+                    let mut rows_max = max.f_narrow(2, qs, ql)?;
+                    let (weight, scale) = merge_step(&mut rows_max, &lse.f_unsqueeze(-1)?)?;
+                    max.f_narrow(2, qs, ql)?.f_copy_(&rows_max)?;
+                    let mut rows_sum = sum.f_narrow(2, qs, ql)?;
+                    let summed = rows_sum.f_mul(&scale)?.f_add(&weight.f_squeeze_dim(-1)?)?;
+                    rows_sum.f_copy_(&summed)?;
+                    let mut rows_acc = acc.f_narrow(2, qs, ql)?;
+                    let weighed = rows_acc.f_mul(&scale.f_unsqueeze(-1)?)?.f_add(&out.f_mul(&weight)?)?;
+                    rows_acc.f_copy_(&weighed)?;
+                }
+            } else {
+                let (scores, _) = self.blocks.scores(&q, &k, owner)?;
+                let (probs, scale) = merge_step(&mut max, &scores)?;
+                sum = sum.f_mul(&scale)?.f_add(&probs.f_sum_dim_intlist(-1, false, probs.kind())?)?;
+                acc = acc.f_mul(&scale.f_unsqueeze(-1)?)?.f_add(&probs.f_matmul(&v)?)?;
+            }
             if let Some(passing) = passing {
                 let next = passing.arrived().map_err(Error::Comm)?;
                 (k, v) = (next[0].shallow_clone(), next[1].shallow_clone());
@@ -289,16 +396,46 @@ impl RingAttention {
             // computed; the gradients follow them once complete (after the last block, one
             // more pass brings each home).
             let passing = (step + 1 < n).then(|| exchange.pass_on(&[&k, &v])).transpose().map_err(Error::Comm)?;
-            let (scores, tanh) = self.blocks.scores(&q, &k, owner)?;
-            let probs = scores.f_sub(&lse_column)?.f_exp()?;
-            dv = dv.f_add(&probs.f_transpose(-2, -1)?.f_matmul(&grad)?)?;
-            let mut dscores = probs.f_mul(&grad.f_matmul(&v.f_transpose(-2, -1)?)?.f_sub(&delta)?)?;
-            if let Some(tanh) = tanh {
-                dscores = dscores.f_mul(&tanh.f_square()?.f_neg()?.f_add_scalar(1.0)?)?;
+            if self.blocks.fused(&q, &v) {
+                // Given the whole rows' output and log-sum-exp, the kernel's backward takes
+                // each tile's probabilities as their share of the whole softmax.
+                for tile in self.blocks.tiles(&q, owner)? {
+                    let (qs, ql) = tile.queries;
+                    let (ks, kl) = tile.keys;
+                    let (mask, causal) = match &tile.seen {
+                        Seen::Masked(mask, _) => (Some(mask), false),
+                        Seen::Causal => (None, true),
+                        Seen::All => (None, false),
+                    };
+                    let rows = |t: &Tensor| t.f_narrow(2, qs, ql);
+                    let (bq, bk, bv) = Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                        &rows(&grad)?,
+                        &rows(&q)?,
+                        &k.f_narrow(2, ks, kl)?,
+                        &v.f_narrow(2, ks, kl)?,
+                        &rows(&out)?,
+                        &rows(&lse)?,
+                        0.0,
+                        causal,
+                        mask,
+                        self.blocks.scale,
+                    )?;
+                    _ = rows(&dq)?.f_add_(&bq)?;
+                    _ = dk.f_narrow(2, ks, kl)?.f_add_(&bk)?;
+                    _ = dv.f_narrow(2, ks, kl)?.f_add_(&bv)?;
+                }
+            } else {
+                let (scores, tanh) = self.blocks.scores(&q, &k, owner)?;
+                let probs = scores.f_sub(&lse_column)?.f_exp()?;
+                dv = dv.f_add(&probs.f_transpose(-2, -1)?.f_matmul(&grad)?)?;
+                let mut dscores = probs.f_mul(&grad.f_matmul(&v.f_transpose(-2, -1)?)?.f_sub(&delta)?)?;
+                if let Some(tanh) = tanh {
+                    dscores = dscores.f_mul(&tanh.f_square()?.f_neg()?.f_add_scalar(1.0)?)?;
+                }
+                let dscores = dscores.f_mul_scalar(self.blocks.scale)?;
+                dq = dq.f_add(&dscores.f_matmul(&k)?)?;
+                dk = dk.f_add(&dscores.f_transpose(-2, -1)?.f_matmul(&q)?)?;
             }
-            let dscores = dscores.f_mul_scalar(self.blocks.scale)?;
-            dq = dq.f_add(&dscores.f_matmul(&k)?)?;
-            dk = dk.f_add(&dscores.f_transpose(-2, -1)?.f_matmul(&q)?)?;
             let home = exchange.pass_on(&[&dk, &dv]).and_then(Passing::arrived).map_err(Error::Comm)?;
             let [hdk, hdv] = <[Tensor; 2]>::try_from(home).map_err(|_| Error::Comm("ring pass".into()))?;
             (dk, dv) = (hdk, hdv);
@@ -362,6 +499,37 @@ impl ContextGroup {
         Ok(strata_ext::apply_function(f, &[x])?.remove(0))
     }
 
+    /// The runs of every rank's positions in rows of `len`, where they alone decide what a
+    /// query sees: no window, and one example in every position of every row (read from
+    /// each rank's examples, `keys`); `None` where a mask must.
+    fn runs_decide(
+        &self,
+        len: i64,
+        options: &AttentionOptions,
+        keys: &[(Tensor, Tensor)],
+    ) -> Result<Option<(Vec<Run>, Vec<Vec<Run>>)>> {
+        let one_example = |examples: &Tensor| -> Result<Option<i64>> {
+            let (low, high) = (examples.f_min()?.int64_value(&[]), examples.f_max()?.int64_value(&[]));
+            Ok((low == high).then_some(low))
+        };
+        let first = one_example(&keys[0].1)?;
+        for (_, examples) in keys {
+            if options.window.is_some() || first.is_none() || one_example(examples)? != first {
+                return Ok(None);
+            }
+        }
+        let runs_of = |piece: SequencePiece| -> Result<Vec<Run>> {
+            let (run, places) = piece.runs(len)?;
+            Ok(places
+                .into_iter()
+                .enumerate()
+                .map(|(i, place)| Run { start: i as i64 * run, len: run, place })
+                .collect())
+        };
+        let theirs = (0..self.group.size()).map(|r| runs_of(self.piece.of_rank(r))).collect::<Result<Vec<_>>>()?;
+        Ok(Some((runs_of(self.piece)?, theirs)))
+    }
+
     /// Each rank's places and examples `[B, Tl]`, in rank order.
     fn keys(&self, len: i64, examples: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
         let all = self.exchange().all_gather(examples)?;
@@ -413,6 +581,7 @@ impl ContextParallel for ContextGroup {
             ContextKind::Ring => {
                 let query_places = self.piece.places(len, q.device())?;
                 let scale = options.scale.unwrap_or(1.0 / (q.size()[3] as f64).sqrt());
+                let runs = self.runs_decide(len, options, &keys)?;
                 let blocks = Blocks {
                     exchange: self.exchange(),
                     options: *options,
@@ -420,6 +589,7 @@ impl ContextParallel for ContextGroup {
                     query_places,
                     query_examples: examples.shallow_clone(),
                     keys,
+                    runs,
                 };
                 let f = RingAttention { blocks, saved: None };
                 let mut inputs = vec![q, k, v];

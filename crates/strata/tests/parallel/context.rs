@@ -1,7 +1,9 @@
 //! Context parallelism's attention on real ranks (processes over shared memory): each rank's
 //! piece of the output and of the queries', keys', values' and sinks' gradients against
 //! attention over whole rows in one process, for the ring and the all-to-all, plain causal
-//! and with a window, soft-capping, sinks, packed examples and values narrower than keys.
+//! and with a window, soft-capping, sinks, packed examples and values narrower than keys
+//! (the ring's composite blocks), and with the window, sinks and packing alone (its fused
+//! blocks).
 
 use crate::common::ranks::{assert_all_ok, connect, run_ranks};
 use std::sync::Arc;
@@ -37,7 +39,16 @@ fn rank_entry() {
             sinks: true,
             value_width: 6,
         };
-        for (name, case) in [("plain", plain), ("window, cap, sinks, packed", everything)] {
+        // Without the cap and with values as wide as keys, the ring's blocks run the fused
+        // kernel, masked; the case above takes the composite.
+        let uncapped = Case {
+            options: AttentionOptions { window: Some(5), softcap: None, scale: Some(0.3), bidirectional: false },
+            packed: true,
+            sinks: true,
+            value_width: 8,
+        };
+        let cases = [("plain", plain), ("window, cap, sinks, packed", everything), ("window, sinks, packed", uncapped)];
+        for (name, case) in cases {
             // The same sums in other orders (blocks merged through the log-sum-exp): in
             // fp64 to 1e-12 (the algorithm is exact), in fp32 to 1e-6 of the largest value
             // compared (fp32's rounding, ~6e-8 a sum, over a few dozen terms).
