@@ -204,8 +204,11 @@ struct Blocks {
     /// window): the runs of this rank's positions (local start, length, run in the row) and
     /// each rank's, whose relations alone say what is seen, so the fused kernel needs no
     /// mask.
-    runs: Option<(Vec<Run>, Vec<Vec<Run>>)>,
+    runs: Option<RankRuns>,
 }
+
+/// This rank's runs, and each rank's of the group.
+type RankRuns = (Vec<Run>, Vec<Vec<Run>>);
 
 /// A run of a rank's positions: where it starts among them, its length and its place among
 /// the row's runs.
@@ -502,12 +505,7 @@ impl ContextGroup {
     /// The runs of every rank's positions in rows of `len`, where they alone decide what a
     /// query sees: no window, and one example in every position of every row (read from
     /// each rank's examples, `keys`); `None` where a mask must.
-    fn runs_decide(
-        &self,
-        len: i64,
-        options: &AttentionOptions,
-        keys: &[(Tensor, Tensor)],
-    ) -> Result<Option<(Vec<Run>, Vec<Vec<Run>>)>> {
+    fn runs_decide(&self, len: i64, options: &AttentionOptions, keys: &[(Tensor, Tensor)]) -> Result<Option<RankRuns>> {
         let one_example = |examples: &Tensor| -> Result<Option<i64>> {
             let (low, high) = (examples.f_min()?.int64_value(&[]), examples.f_max()?.int64_value(&[]));
             Ok((low == high).then_some(low))
