@@ -228,6 +228,17 @@ struct Tile {
     seen: Seen,
 }
 
+impl Tile {
+    /// The fused kernel's mask and causal flag for this tile.
+    fn kernel_terms(&self) -> (Option<&Tensor>, bool) {
+        match &self.seen {
+            Seen::Masked(mask, _) => (Some(mask), false),
+            Seen::Causal => (None, true),
+            Seen::All => (None, false),
+        }
+    }
+}
+
 enum Seen {
     /// Every key.
     All,
@@ -329,11 +340,7 @@ impl RingAttention {
                 for tile in self.blocks.tiles(&q, owner)? {
                     let (qs, ql) = tile.queries;
                     let (ks, kl) = tile.keys;
-                    let (mask, causal) = match &tile.seen {
-                        Seen::Masked(mask, _) => (Some(mask), false),
-                        Seen::Causal => (None, true),
-                        Seen::All => (None, false),
-                    };
+                    let (mask, causal) = tile.kernel_terms();
                     let (out, lse) = Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
                         &q.f_narrow(2, qs, ql)?,
                         &k.f_narrow(2, ks, kl)?,
@@ -405,11 +412,7 @@ impl RingAttention {
                 for tile in self.blocks.tiles(&q, owner)? {
                     let (qs, ql) = tile.queries;
                     let (ks, kl) = tile.keys;
-                    let (mask, causal) = match &tile.seen {
-                        Seen::Masked(mask, _) => (Some(mask), false),
-                        Seen::Causal => (None, true),
-                        Seen::All => (None, false),
-                    };
+                    let (mask, causal) = tile.kernel_terms();
                     let rows = |t: &Tensor| t.f_narrow(2, qs, ql);
                     let (bq, bk, bv) = Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
                         &rows(&grad)?,
