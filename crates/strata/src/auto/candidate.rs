@@ -501,7 +501,9 @@ pub fn capability(layout: &Layout, device: Device, world: usize) -> Option<Strin
     let c = &layout.candidate;
     let fp16 = matches!(c.precision, Precision::AmpFp16 | Precision::HalfFp16);
     match device {
-        Device::Cpu if fp16 => return Some("libtorch has no fast fp16 matrix products on the CPU".into()),
+        Device::Cpu if fp16 => {
+            return Some("fp16 products on the CPU run no faster than fp32 (bf16 is its fast half precision)".into())
+        }
         Device::Cpu if c.precision == Precision::Fp8 => return Some("fp8 products are emulated on the CPU".into()),
         _ if c.precision == Precision::Fp8 => {
             if let Some(why) = crate::compute::fp8::unsupported_on(device) {
