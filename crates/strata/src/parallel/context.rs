@@ -18,7 +18,7 @@
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::error::text;
 use crate::model::context::unseen;
-use crate::model::layers::{attention, soft_cap, AttentionOptions, ScoreTerms};
+use crate::model::layers::{attention, examples_differ, soft_cap, AttentionOptions, ScoreTerms};
 use crate::model::{ContextParallel, SequencePiece};
 use crate::strategy::ContextKind;
 use crate::{Error, Result};
@@ -468,6 +468,12 @@ impl RingAttention {
     }
 }
 
+/// The example every position of `examples` belongs to, where they all belong to one.
+fn single_example(examples: &Tensor) -> Result<Option<i64>> {
+    let (low, high) = (examples.f_min()?.int64_value(&[]), examples.f_max()?.int64_value(&[]));
+    Ok((low == high).then_some(low))
+}
+
 /// One block's step of an online softmax: the running maximum `max` raised to cover
 /// `scores`, and the block's probabilities against it and the factor the earlier sums take.
 /// A query that has seen nothing yet keeps a maximum of −∞ without producing NaN.
@@ -509,13 +515,9 @@ impl ContextGroup {
     /// query sees: no window, and one example in every position of every row (read from
     /// each rank's examples, `keys`); `None` where a mask must.
     fn runs_decide(&self, len: i64, options: &AttentionOptions, keys: &[(Tensor, Tensor)]) -> Result<Option<RankRuns>> {
-        let one_example = |examples: &Tensor| -> Result<Option<i64>> {
-            let (low, high) = (examples.f_min()?.int64_value(&[]), examples.f_max()?.int64_value(&[]));
-            Ok((low == high).then_some(low))
-        };
-        let first = one_example(&keys[0].1)?;
+        let first = single_example(&keys[0].1)?;
         for (_, examples) in keys {
-            if options.window.is_some() || first.is_none() || one_example(examples)? != first {
+            if options.window.is_some() || first.is_none() || single_example(examples)? != first {
                 return Ok(None);
             }
         }
@@ -568,15 +570,20 @@ impl ContextParallel for ContextGroup {
                     )));
                 }
                 let (q, k, v) = (self.swap(q, true)?, self.swap(k, true)?, self.swap(v, true)?);
-                let places = Tensor::f_cat(&keys.iter().map(|(p, _)| p).collect::<Vec<_>>(), 0)?;
+                // Rank r holds the r-th run of every row, so the exchange leaves every
+                // position in its row's order: attention over whole rows as one process
+                // computes it (fused where the rows hold one example each), masked only
+                // between packed examples.
                 let examples = Tensor::f_cat(&keys.iter().map(|(_, e)| e).collect::<Vec<_>>(), 1)?;
-                let hidden = unseen(&places, &places, &examples, &examples, options)?;
-                // This rank's heads' sinks; the mask above carries causality and the window.
+                let hidden = match single_example(&examples)? {
+                    Some(_) => None,
+                    None => Some(examples_differ(&examples, &examples)?),
+                };
+                // This rank's heads' sinks.
                 let mine = heads / n;
                 let sinks = sinks.map(|s| s.f_narrow(0, self.group.rank() as i64 * mine, mine)).transpose()?;
-                let whole = AttentionOptions { window: None, bidirectional: true, ..*options };
                 let terms = ScoreTerms { bias: None, sinks: sinks.as_ref() };
-                let y = attention(&q, &k, &v, &whole, Some(&hidden), terms, None)?;
+                let y = attention(&q, &k, &v, options, hidden.as_ref(), terms, None)?;
                 self.swap(&y, false)
             }
             ContextKind::Ring => {
