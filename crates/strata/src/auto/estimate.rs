@@ -668,17 +668,9 @@ pub fn estimate_with(
         let saved = if sharded { saved.div_ceil(dpu) } else { saved };
         pipeline_ranks.push(RankBytes { device, host, saved, held });
     }
-    // The busiest rank and its bytes are taken from the ranks' by `settled`.
-    let estimate = Estimate {
-        layout: layout.label(),
-        device: Breakdown::default(),
-        host: Breakdown::default(),
-        busiest: 0,
-        fits: false,
-        pipeline_ranks,
-        unit_ranks,
-    };
-    Ok(settled(estimate, machine))
+    let (busiest, fits) = busiest_and_fit(&pipeline_ranks, machine);
+    let RankBytes { device, host, .. } = pipeline_ranks[busiest];
+    Ok(Estimate { layout: layout.label(), device, host, busiest, fits, pipeline_ranks, unit_ranks })
 }
 
 /// What GRPO's generation adds to a rank beside its training step.
@@ -775,15 +767,20 @@ pub fn with_snapshot(mut estimate: Estimate, work: &Workload, machine: &Machine)
     settled(estimate, machine)
 }
 
+/// The pipeline rank holding the most on its device, and whether every rank fits
+/// `machine`'s device and host bytes.
+fn busiest_and_fit(ranks: &[RankBytes], machine: &Machine) -> (usize, bool) {
+    let busiest = (0..ranks.len()).max_by_key(|&r| ranks[r].device.total()).unwrap_or(0);
+    let fits = ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
+    (busiest, fits)
+}
+
 /// `estimate` with its busiest rank, that rank's bytes and whether every rank fits taken
 /// again from its pipeline ranks' bytes.
 fn settled(mut estimate: Estimate, machine: &Machine) -> Estimate {
-    let ranks = &estimate.pipeline_ranks;
-    estimate.busiest = (0..ranks.len()).max_by_key(|&r| ranks[r].device.total()).unwrap_or(0);
-    estimate.device = ranks[estimate.busiest].device;
-    estimate.host = ranks[estimate.busiest].host;
-    estimate.fits =
-        ranks.iter().all(|r| r.device.total() <= machine.device_bytes && r.host.total() <= machine.host_bytes);
+    (estimate.busiest, estimate.fits) = busiest_and_fit(&estimate.pipeline_ranks, machine);
+    estimate.device = estimate.pipeline_ranks[estimate.busiest].device;
+    estimate.host = estimate.pipeline_ranks[estimate.busiest].host;
     estimate
 }
 

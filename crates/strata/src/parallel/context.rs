@@ -325,11 +325,8 @@ impl RingAttention {
         let (q, mut k, mut v) = (float(&inputs[0])?, float(&inputs[1])?, float(&inputs[2])?);
         let (n, me) = (self.blocks.exchange.size(), self.blocks.exchange.rank());
         let rows = q.size()[..3].to_vec();
-        // The running maximum, sum and weighted values of each query's softmax.
-        let options = (q.kind(), q.device());
-        let mut max = Tensor::f_full(rows.as_slice(), f64::NEG_INFINITY, options)?;
-        let mut sum = Tensor::f_zeros(rows.as_slice(), options)?;
-        let mut acc = Tensor::f_zeros([&rows[..], &[v.size()[3]]].concat(), options)?;
+        let all_rows = (0, rows[2]);
+        let mut running = Running::new(&rows, v.size()[3], (q.kind(), q.device()))?;
         for step in 0..n {
             let owner = (me + n - step) % n;
             // The next block travels while this one is computed.
@@ -354,21 +351,11 @@ impl RingAttention {
                         Seen::Masked(_, blind) => lse.f_masked_fill(blind, f64::NEG_INFINITY)?,
                         _ => lse,
                     };
-                    let mut rows_max = max.f_narrow(2, qs, ql)?;
-                    let (weight, scale) = merge_step(&mut rows_max, &lse.f_unsqueeze(-1)?)?;
-                    max.f_narrow(2, qs, ql)?.f_copy_(&rows_max)?;
-                    let mut rows_sum = sum.f_narrow(2, qs, ql)?;
-                    let summed = rows_sum.f_mul(&scale)?.f_add(&weight.f_squeeze_dim(-1)?)?;
-                    rows_sum.f_copy_(&summed)?;
-                    let mut rows_acc = acc.f_narrow(2, qs, ql)?;
-                    let weighed = rows_acc.f_mul(&scale.f_unsqueeze(-1)?)?.f_add(&out.f_mul(&weight)?)?;
-                    rows_acc.f_copy_(&weighed)?;
+                    running.merge(tile.queries, &lse.f_unsqueeze(-1)?, |weight| Ok(Some(out.f_mul(weight)?)))?;
                 }
             } else {
                 let (scores, _) = self.blocks.scores(&q, &k, owner)?;
-                let (probs, scale) = merge_step(&mut max, &scores)?;
-                sum = sum.f_mul(&scale)?.f_add(&probs.f_sum_dim_intlist(-1, false, probs.kind())?)?;
-                acc = acc.f_mul(&scale.f_unsqueeze(-1)?)?.f_add(&probs.f_matmul(&v)?)?;
+                running.merge(all_rows, &scores, |probs| Ok(Some(probs.f_matmul(&v)?)))?;
             }
             if let Some(passing) = passing {
                 let next = passing.arrived().map_err(Error::Comm)?;
@@ -378,10 +365,9 @@ impl RingAttention {
         if let Some(sinks) = inputs.get(3) {
             // A sink is one more key whose value is nothing.
             let sink = float(sinks)?.f_view([1, -1, 1])?.f_expand(rows.as_slice(), false)?;
-            let (probs, scale) = merge_step(&mut max, &sink.f_unsqueeze(-1)?)?;
-            sum = sum.f_mul(&scale)?.f_add(&probs.f_squeeze_dim(-1)?)?;
-            acc = acc.f_mul(&scale.f_unsqueeze(-1)?)?;
+            running.merge(all_rows, &sink.f_unsqueeze(-1)?, |_| Ok(None))?;
         }
+        let Running { max, sum, acc } = running;
         let out = acc.f_div(&sum.f_unsqueeze(-1)?)?;
         let lse = max.f_add(&sum.f_log()?)?;
         self.saved = Some((inputs.iter().map(Tensor::shallow_clone).collect(), out.shallow_clone(), lse));
@@ -474,17 +460,49 @@ fn single_example(examples: &Tensor) -> Result<Option<i64>> {
     Ok((low == high).then_some(low))
 }
 
-/// One block's step of an online softmax: the running maximum `max` raised to cover
-/// `scores`, and the block's probabilities against it and the factor the earlier sums take.
-/// A query that has seen nothing yet keeps a maximum of −∞ without producing NaN.
-fn merge_step(max: &mut Tensor, scores: &Tensor) -> Result<(Tensor, Tensor)> {
-    let raised = max.f_maximum(&scores.f_amax([-1], false)?)?;
-    let finite = raised.f_isfinite()?;
-    let base = raised.f_where_scalarother(&finite, 0.0)?;
-    let scale = max.f_sub(&base)?.f_exp()?;
-    let probs = scores.f_sub(&base.f_unsqueeze(-1)?)?.f_exp()?;
-    *max = raised;
-    Ok((probs, scale))
+/// The running maximum, sum and weighted values of each query's softmax (`[B, H, Tq]`,
+/// `[B, H, Tq]`, `[B, H, Tq, Dv]`), merged block by block.
+struct Running {
+    max: Tensor,
+    sum: Tensor,
+    acc: Tensor,
+}
+
+impl Running {
+    fn new(rows: &[i64], value_width: i64, options: (Kind, tch::Device)) -> Result<Running> {
+        Ok(Running {
+            max: Tensor::f_full(rows, f64::NEG_INFINITY, options)?,
+            sum: Tensor::f_zeros(rows, options)?,
+            acc: Tensor::f_zeros([rows, &[value_width]].concat(), options)?,
+        })
+    }
+
+    /// Merges the scores (`[B, H, Tq', Tk']`) of the queries `rows` (start, length) over
+    /// some keys: the running maximum raised to cover them, the earlier sums scaled to it,
+    /// their probabilities against it added to the sum and `weighed(probabilities)`, where
+    /// the keys have values, to the weighted values. A query that has seen nothing yet
+    /// keeps a maximum of −∞ without producing NaN.
+    fn merge(
+        &mut self,
+        (start, len): (i64, i64),
+        scores: &Tensor,
+        weighed: impl FnOnce(&Tensor) -> Result<Option<Tensor>>,
+    ) -> Result<()> {
+        let (mut max, mut sum, mut acc) =
+            (self.max.f_narrow(2, start, len)?, self.sum.f_narrow(2, start, len)?, self.acc.f_narrow(2, start, len)?);
+        let raised = max.f_maximum(&scores.f_amax([-1], false)?)?;
+        let base = raised.f_where_scalarother(&raised.f_isfinite()?, 0.0)?;
+        let scale = max.f_sub(&base)?.f_exp()?;
+        let probs = scores.f_sub(&base.f_unsqueeze(-1)?)?.f_exp()?;
+        max.f_copy_(&raised)?;
+        sum.f_copy_(&sum.f_mul(&scale)?.f_add(&probs.f_sum_dim_intlist(-1, false, probs.kind())?)?)?;
+        let scaled = acc.f_mul(&scale.f_unsqueeze(-1)?)?;
+        acc.f_copy_(&match weighed(&probs)? {
+            Some(values) => scaled.f_add(&values)?,
+            None => scaled,
+        })?;
+        Ok(())
+    }
 }
 
 impl strata_ext::Function for RingAttention {
@@ -514,7 +532,12 @@ impl ContextGroup {
     /// The runs of every rank's positions in rows of `len`, where they alone decide what a
     /// query sees: no window, and one example in every position of every row (read from
     /// each rank's examples, `keys`); `None` where a mask must.
-    fn runs_decide(&self, len: i64, options: &AttentionOptions, keys: &[(Tensor, Tensor)]) -> Result<Option<RankRuns>> {
+    fn deciding_runs(
+        &self,
+        len: i64,
+        options: &AttentionOptions,
+        keys: &[(Tensor, Tensor)],
+    ) -> Result<Option<RankRuns>> {
         let first = single_example(&keys[0].1)?;
         for (_, examples) in keys {
             if options.window.is_some() || first.is_none() || single_example(examples)? != first {
@@ -589,7 +612,7 @@ impl ContextParallel for ContextGroup {
             ContextKind::Ring => {
                 let query_places = self.piece.places(len, q.device())?;
                 let scale = options.scale.unwrap_or(1.0 / (q.size()[3] as f64).sqrt());
-                let runs = self.runs_decide(len, options, &keys)?;
+                let runs = self.deciding_runs(len, options, &keys)?;
                 let blocks = Blocks {
                     exchange: self.exchange(),
                     options: *options,
