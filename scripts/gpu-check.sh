@@ -23,7 +23,7 @@ build() {
   cargo build --release -p strata-cli
   cp target/release/strata "$into/strata"
   # Each test binary cargo builds, found in its JSON messages: (crate, test binary, label).
-  for target in "strata-ext ext ext" "strata compute cuda" "strata-cli launch gpu"; do
+  for target in "strata-ext ext ext" "strata compute cuda" "strata parallel context" "strata-cli launch gpu"; do
     set -- $target
     local exe
     exe=$(cargo test --release -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
@@ -65,10 +65,11 @@ gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,nohea
 torch=$("$python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
 commit=${STRATA_COMMIT:-$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
-# The CUDA tests (the whole ext binary, the cuda and gpu modules of theirs), one test at a
-# time; each log kept, its results parsed below.
+# The CUDA tests (the whole ext binary, the cuda and gpu modules of theirs, context
+# parallelism's ranks sharing the GPU), one test at a time; each log kept, its results
+# parsed below.
 status=0
-for t in "ext" "cuda cuda::" "gpu gpu::"; do
+for t in "ext" "cuda cuda::" "context context::context_attention_on_2_ranks_of_one_gpu" "gpu gpu::"; do
   set -- $t
   (cd "$repo" && "$bin/test-$1" ${2:-} --test-threads 1 --nocapture) >"$out/test-$1.log" 2>&1 || status=1
 done
@@ -79,7 +80,7 @@ done
 import json, os, re, sys, time
 out, gpu, torch, commit, start, status = sys.argv[1:]
 tests = []
-for name in ("ext", "cuda", "gpu"):
+for name in ("ext", "cuda", "context", "gpu"):
     log = open(os.path.join(out, f"test-{name}.log"), errors="replace").read()
     # A test's own output may follow its "test NAME ..." line: results come from the summary.
     finished = re.search(r"^test result: ", log, re.M) is not None

@@ -5,10 +5,12 @@
 //!   its queries' attention over each block through the running maximum and sum of the
 //!   softmax (the log-sum-exp); the backward recomputes each block's probabilities from the
 //!   saved log-sum-exp and sends the keys' and values' gradients around with them, so a rank
-//!   holds one block's scores at a time, forward and backward. On the CPU each block runs
-//!   libtorch's fused attention kernel, which returns its log-sum-exp and, given the whole
-//!   rows' output and log-sum-exp, its share of the gradients, so no block's scores exist
-//!   at all; soft-capped scores, and values narrower than keys, take the composite.
+//!   holds one block's scores at a time, forward and backward. Each block runs one of
+//!   libtorch's fused attention kernels ([`Kernel`]: flash attention on the CPU,
+//!   memory-efficient attention on a GPU), which returns its log-sum-exp and, given the
+//!   whole rows' output and log-sum-exp, its share of the gradients, so no block's scores
+//!   exist at all; soft-capped scores, values narrower than keys and what the GPU's kernel
+//!   does not serve (fp64, head widths not a multiple of 8) take the composite.
 //! - *all-to-all* (DeepSpeed-Ulysses): an all-to-all turns each rank's positions of every
 //!   head into every position of its share of the heads; attention then runs over whole rows
 //!   as without the split, and a second all-to-all turns the result back.
@@ -248,21 +250,131 @@ enum Seen {
     Masked(Tensor, Tensor),
 }
 
-impl Blocks {
-    /// Whether each block runs libtorch's fused kernel, which returns its output and
-    /// log-sum-exp without the block's scores, rather than the composite: on the CPU, for
-    /// scores without a cap (the kernel has none) and values as wide as the keys (it
-    /// wants one head width).
-    fn fused(&self, q: &Tensor, v: &Tensor) -> bool {
-        q.device() == Device::Cpu && self.options.softcap.is_none() && v.size()[3] == q.size()[3]
+/// The fused kernel a block's tiles run on: libtorch's attention kernels that return each
+/// query's log-sum-exp and whose backward, given the whole rows' output and log-sum-exp,
+/// takes a tile's probabilities as its share of the whole softmax.
+#[derive(Clone, Copy)]
+enum Kernel {
+    /// Flash attention for the CPU.
+    Cpu,
+    /// Memory-efficient attention on a GPU: fp32, fp16 or bf16, head widths a multiple
+    /// of 8, the mask as an additive bias over every head.
+    Gpu,
+}
+
+impl Kernel {
+    /// The kernel that serves the queries `q` and values `v` of scores without a cap
+    /// (neither kernel has one), where one does: values as wide as the keys (both want
+    /// one head width).
+    fn serving(q: &Tensor, v: &Tensor, options: &AttentionOptions) -> Option<Kernel> {
+        let width = q.size()[3];
+        if options.softcap.is_some() || v.size()[3] != width {
+            return None;
+        }
+        match q.device() {
+            Device::Cpu => Some(Kernel::Cpu),
+            Device::Cuda(_) if q.kind() != Kind::Double && width % 8 == 0 => Some(Kernel::Gpu),
+            _ => None,
+        }
     }
 
-    /// The fused kernel's calls over rank `owner`'s keys. Where runs decide what is seen,
-    /// a tile per pair of runs that sees anything, without a mask; otherwise one tile of
-    /// all this rank's queries over all the owner's keys, with the mask (`[B, 1, Tq, Tk]`,
-    /// in `q`'s dtype) and the queries that see none of them (`[B, 1, Tq]`: the kernel
-    /// gives those a log-sum-exp of 0, which the merge must read as −∞).
-    fn tiles(&self, q: &Tensor, owner: usize) -> Result<Vec<Tile>> {
+    /// The additive mask (0 seen, −∞ not; `q`'s dtype) for the keys `hidden` (`[B, 1, Tq,
+    /// Tk]`, true where not seen) hides, as the kernel reads it: on a GPU over every one of
+    /// `q`'s heads, in rows whose storage is padded to 16 keys (the kernel reads them
+    /// aligned).
+    fn mask(self, hidden: &Tensor, q: &Tensor) -> Result<Tensor> {
+        let shape = hidden.size();
+        match self {
+            Kernel::Cpu => {
+                Ok(Tensor::f_zeros(shape.as_slice(), (q.kind(), q.device()))?
+                    .f_masked_fill(hidden, f64::NEG_INFINITY)?)
+            }
+            Kernel::Gpu => {
+                let keys = shape[3];
+                let padded = [&shape[..3], &[(keys + 15) / 16 * 16]].concat();
+                let mut mask = Tensor::f_zeros(padded.as_slice(), (q.kind(), q.device()))?.f_narrow(3, 0, keys)?;
+                _ = mask.f_masked_fill_(hidden, f64::NEG_INFINITY)?;
+                Ok(mask.f_expand([shape[0], q.size()[1], shape[2], keys], false)?)
+            }
+        }
+    }
+
+    /// One tile's output and log-sum-exp (`[B, H, Tq]`, fp32 or the inputs' dtype).
+    fn forward(
+        self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        (mask, causal): (Option<&Tensor>, bool),
+        scale: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        match self {
+            Kernel::Cpu => {
+                Ok(Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, mask, scale)?)
+            }
+            Kernel::Gpu => {
+                let (out, lse, _, _) =
+                    Tensor::f_internal_scaled_dot_product_efficient_attention(q, k, v, mask, true, 0.0, causal, scale)?;
+                // Its log-sum-exp comes padded to a multiple of 32 queries.
+                Ok((out, lse.f_narrow(2, 0, q.size()[2])?))
+            }
+        }
+    }
+
+    /// One tile's gradients of `q`, `k` and `v`, given the whole rows' output `out` and
+    /// log-sum-exp `lse` for its queries and their gradient `grad`.
+    fn backward(
+        self,
+        (grad, out, lse): (&Tensor, &Tensor, &Tensor),
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        (mask, causal): (Option<&Tensor>, bool),
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        match self {
+            Kernel::Cpu => Ok(Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, k, v, out, lse, 0.0, causal, mask, scale,
+            )?),
+            Kernel::Gpu => {
+                // The kernel's own layout is [B, T, H, D]; it reads the log-sum-exp in
+                // blocks of 32 queries, and draws no dropout (its seed is not read).
+                let positions_first = |x: &Tensor| x.f_transpose(1, 2);
+                let (queries, keys) = (q.size()[2], k.size()[2]);
+                let lse = lse.f_constant_pad_nd([0, (queries + 31) / 32 * 32 - queries])?.f_contiguous()?;
+                let unused_seed = Tensor::f_zeros([], (Kind::Int64, Device::Cpu))?;
+                let causal_from_top_left = i64::from(causal);
+                let (dq, dk, dv, _) = Tensor::f_internal_efficient_attention_backward(
+                    &positions_first(grad)?,
+                    &positions_first(q)?,
+                    &positions_first(k)?,
+                    &positions_first(v)?,
+                    mask,
+                    &positions_first(out)?,
+                    None,
+                    None,
+                    queries,
+                    keys,
+                    &lse,
+                    0.0,
+                    &unused_seed,
+                    &unused_seed,
+                    causal_from_top_left,
+                    false,
+                    scale,
+                    None,
+                    None,
+                    false,
+                )?;
+                Ok((dq.f_transpose(1, 2)?, dk.f_transpose(1, 2)?, dv.f_transpose(1, 2)?))
+            }
+        }
+    }
+}
+
+impl Blocks {
+    /// `kernel`'s calls over rank `owner`'s keys. Where runs decide what is seen, a tile
+    /// per pair of runs that sees anything, without a mask; otherwise one tile of all this
+    /// rank's queries over all the owner's keys, with the kernel's mask and the queries
+    /// that see none of them (`[B, 1, Tq]`: the CPU's kernel gives those a log-sum-exp of
+    /// 0, which the merge must read as −∞, and their output is no value).
+    fn tiles(&self, q: &Tensor, owner: usize, kernel: Kernel) -> Result<Vec<Tile>> {
         if let Some((mine, theirs)) = &self.runs {
             let mut tiles = vec![];
             for query in mine {
@@ -279,8 +391,7 @@ impl Blocks {
         }
         let (places, examples) = &self.keys[owner];
         let hidden = unseen(&self.query_places, places, &self.query_examples, examples, &self.options)?;
-        let mask = Tensor::f_zeros(hidden.size().as_slice(), (q.kind(), q.device()))?
-            .f_masked_fill(&hidden, f64::NEG_INFINITY)?;
+        let mask = kernel.mask(&hidden, q)?;
         let blind = hidden.f_all_dim(-1, false)?;
         let (queries, keys) = (q.size()[2], places.size()[0]);
         Ok(vec![Tile { queries: (0, queries), keys: (0, keys), seen: Seen::Masked(mask, blind) }])
@@ -332,24 +443,22 @@ impl RingAttention {
             // The next block travels while this one is computed.
             let passing = (step + 1 < n).then(|| self.blocks.exchange.pass_on(&[&k, &v])).transpose();
             let passing = passing.map_err(Error::Comm)?;
-            if self.blocks.fused(&q, &v) {
+            if let Some(kernel) = Kernel::serving(&q, &v, &self.blocks.options) {
                 // Each tile's softmax arrives whole: its output weighs in by its log-sum-exp.
-                for tile in self.blocks.tiles(&q, owner)? {
+                for tile in self.blocks.tiles(&q, owner, kernel)? {
                     let (qs, ql) = tile.queries;
                     let (ks, kl) = tile.keys;
-                    let (mask, causal) = tile.kernel_terms();
-                    let (out, lse) = Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
-                        &q.f_narrow(2, qs, ql)?,
-                        &k.f_narrow(2, ks, kl)?,
-                        &v.f_narrow(2, ks, kl)?,
-                        0.0,
-                        causal,
-                        mask,
+                    let (out, lse) = kernel.forward(
+                        (&q.f_narrow(2, qs, ql)?, &k.f_narrow(2, ks, kl)?, &v.f_narrow(2, ks, kl)?),
+                        tile.kernel_terms(),
                         self.blocks.scale,
                     )?;
-                    let lse = match &tile.seen {
-                        Seen::Masked(_, blind) => lse.f_masked_fill(blind, f64::NEG_INFINITY)?,
-                        _ => lse,
+                    let (out, lse) = match &tile.seen {
+                        Seen::Masked(_, blind) => (
+                            out.f_masked_fill(&blind.f_unsqueeze(-1)?, 0.0)?,
+                            lse.f_masked_fill(blind, f64::NEG_INFINITY)?,
+                        ),
+                        _ => (out, lse),
                     };
                     running.merge(tile.queries, &lse.f_unsqueeze(-1)?, |weight| Ok(Some(out.f_mul(weight)?)))?;
                 }
@@ -392,24 +501,17 @@ impl RingAttention {
             // computed; the gradients follow them once complete (after the last block, one
             // more pass brings each home).
             let passing = (step + 1 < n).then(|| exchange.pass_on(&[&k, &v])).transpose().map_err(Error::Comm)?;
-            if self.blocks.fused(&q, &v) {
+            if let Some(kernel) = Kernel::serving(&q, &v, &self.blocks.options) {
                 // Given the whole rows' output and log-sum-exp, the kernel's backward takes
                 // each tile's probabilities as their share of the whole softmax.
-                for tile in self.blocks.tiles(&q, owner)? {
+                for tile in self.blocks.tiles(&q, owner, kernel)? {
                     let (qs, ql) = tile.queries;
                     let (ks, kl) = tile.keys;
-                    let (mask, causal) = tile.kernel_terms();
                     let rows = |t: &Tensor| t.f_narrow(2, qs, ql);
-                    let (bq, bk, bv) = Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
-                        &rows(&grad)?,
-                        &rows(&q)?,
-                        &k.f_narrow(2, ks, kl)?,
-                        &v.f_narrow(2, ks, kl)?,
-                        &rows(&out)?,
-                        &rows(&lse)?,
-                        0.0,
-                        causal,
-                        mask,
+                    let (bq, bk, bv) = kernel.backward(
+                        (&rows(&grad)?, &rows(&out)?, &rows(&lse)?),
+                        (&rows(&q)?, &k.f_narrow(2, ks, kl)?, &v.f_narrow(2, ks, kl)?),
+                        tile.kernel_terms(),
                         self.blocks.scale,
                     )?;
                     _ = rows(&dq)?.f_add_(&bq)?;

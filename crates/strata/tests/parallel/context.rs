@@ -3,7 +3,8 @@
 //! attention over whole rows in one process, for the ring and the all-to-all, plain causal
 //! and with a window, soft-capping, sinks, packed examples and values narrower than keys
 //! (the ring's composite blocks), and with the window, sinks and packing alone (its fused
-//! blocks).
+//! blocks). On a GPU, where there is one, the same with two ranks sharing it: fp32 blocks
+//! on its fused kernel, fp64 on the composite.
 
 use crate::common::ranks::{assert_all_ok, connect, run_ranks};
 use std::sync::Arc;
@@ -24,9 +25,22 @@ fn context_attention_on_4_ranks() {
 }
 
 #[test]
+fn context_attention_on_2_ranks_of_one_gpu() {
+    if !(strata_ext::cuda::is_built() && tch::Cuda::is_available()) {
+        eprintln!("context_attention_on_2_ranks_of_one_gpu: skipped, no GPU visible to a build with CUDA");
+        return;
+    }
+    assert_all_ok(&run_ranks(2, "cpu:shm,cuda:shm", "context-gpu"));
+}
+
+#[test]
 fn rank_entry() {
     let Ok(scenario) = std::env::var("STRATA_TEST_SCENARIO") else { return };
-    assert_eq!(scenario, "context");
+    let device = match scenario.as_str() {
+        "context" => Device::Cpu,
+        "context-gpu" => Device::Cuda(0),
+        other => panic!("scenario {other}"),
+    };
     let comm = connect();
     let mut failures = vec![];
     for kind in [ContextKind::Ring, ContextKind::AllToAll] {
@@ -53,8 +67,10 @@ fn rank_entry() {
             // fp64 to 1e-12 (the algorithm is exact), in fp32 to 1e-6 of the largest value
             // compared (fp32's rounding, ~6e-8 a sum, over a few dozen terms).
             for (values, bound) in [(Kind::Double, 1e-12), (Kind::Float, 1e-6)] {
-                let worst = case.check(&group, kind, rank, n, values);
-                let line = format!("{kind:?} {values:?} {name}: largest difference {worst:.2e} of the largest value");
+                let worst = case.check(&group, kind, (rank, n), (values, device));
+                let line = format!(
+                    "{kind:?} {values:?} on {device:?} {name}: largest difference {worst:.2e} of the largest value"
+                );
                 println!("{line}");
                 if worst > bound {
                     failures.push(line);
@@ -75,16 +91,16 @@ struct Case {
 }
 
 /// A tensor every rank draws alike.
-fn drawn(shape: &[i64], seed: i64, kind: Kind) -> Tensor {
+fn drawn(shape: &[i64], seed: i64, (kind, device): (Kind, Device)) -> Tensor {
     tch::manual_seed(seed);
-    Tensor::randn(shape, (Kind::Double, Device::Cpu)).to_kind(kind)
+    Tensor::randn(shape, (Kind::Double, Device::Cpu)).to_kind(kind).to_device(device)
 }
 
 impl Case {
     /// The largest absolute difference between this rank's piece of the whole rows'
     /// attention (output and gradients) and what the context group computes, relative to
     /// the largest absolute value of what is compared.
-    fn check(&self, group: &ContextGroup, kind: ContextKind, rank: usize, n: usize, values: Kind) -> f64 {
+    fn check(&self, group: &ContextGroup, kind: ContextKind, (rank, n): (usize, usize), values: (Kind, Device)) -> f64 {
         let (b, h, t, d) = (2, 4, 32, 8);
         let q = drawn(&[b, h, t, d], 1, values);
         let k = drawn(&[b, h, t, d], 2, values);
@@ -105,7 +121,8 @@ impl Case {
                 Tensor::from_slice(&[row(&[7, 12, 13]), row(&[20, 12])].concat()).view([b, t])
             }
             false => Tensor::zeros([b, t], (Kind::Int64, Device::Cpu)),
-        };
+        }
+        .to_device(values.1);
         let leaves: Vec<Tensor> = [&q, &k, &v, &sinks].iter().map(|x| x.copy().set_requires_grad(true)).collect();
         let hidden = examples_differ(&examples, &examples).unwrap();
         let terms = ScoreTerms { bias: None, sinks: self.sinks.then_some(&leaves[3]) };
@@ -137,7 +154,8 @@ impl Case {
             // (all-to-all): the whole one is their sum.
             let local: Vec<f64> = Vec::try_from(mine[3].grad().to_kind(Kind::Double)).unwrap();
             let summed = group.sum_values(&local).unwrap();
-            worst = worst.max(gap(&Tensor::from_slice(&summed).to_kind(values), &leaves[3].grad()));
+            let summed = Tensor::from_slice(&summed).to_kind(values.0).to_device(values.1);
+            worst = worst.max(gap(&summed, &leaves[3].grad()));
         }
         worst
     }
