@@ -18,7 +18,9 @@ pub struct BenchCheckpointArgs {
     /// Ranks of each run.
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// Steps of each run (the first is warm-up; every step saves a checkpoint).
+    /// Steps of each run (every step saves a checkpoint; the first two steps are warm-up:
+    /// the first save allocates the snapshot's memory, which its writer fills during the
+    /// second step).
     #[arg(long, default_value_t = 6)]
     steps: u64,
     /// Runs per configuration, in rounds that visit every configuration in turn; the
@@ -84,8 +86,8 @@ struct Samples {
 }
 
 pub fn run(args: BenchCheckpointArgs) -> Result<()> {
-    if args.steps < 3 {
-        bail!("--steps must be at least 3 (a warm-up, and saves timed after it)");
+    if args.steps < 4 {
+        bail!("--steps must be at least 4 (two warm-up steps, and saves timed after them)");
     }
     if args.rounds == 0 || args.nproc == 0 {
         bail!("--rounds and --nproc must be at least 1");
@@ -111,7 +113,9 @@ pub fn run(args: BenchCheckpointArgs) -> Result<()> {
                 argv.extend(["--save-checkpoint".into(), dir.path().join("ckpt").to_string_lossy().into_owned()]);
                 argv.extend(flags.iter().map(|f| f.to_string()));
             }
-            let run = bench_runs::train(&argv, 1)?;
+            // The first save allocates the snapshot's memory (a cost each job pays once),
+            // and its writer fills it during the second step: both are warm-up.
+            let run = bench_runs::train(&argv, 2)?;
             // A step's report carries the save after the step before it: the saves after
             // the timed steps are those reported from the step after the first timed one.
             for (i, r) in run.timed.iter().enumerate() {

@@ -318,10 +318,19 @@ fn write_in_place(
         .open(path)
         .map_err(io)?;
     let total = header.len() + sizes.iter().sum::<usize>();
+    let rewritten = file.metadata().map_err(io)?.len() == total as u64;
     file.set_len(total as u64).map_err(io)?;
+    // A file rewritten at its size has its pages: they are mapped at once. A new file's
+    // are allocated where they are first written (the values left to a deferred fill
+    // there, off the caller's time): allocating them all up front would stop the caller
+    // for as long as the whole copy.
+    let mut options = memmap2::MmapOptions::new();
+    if rewritten {
+        options.populate();
+    }
     // SAFETY: the caller's file, which nothing else maps or resizes while it is written
     // (see `Placing::InPlace`); a deferred fill keeps the map until it ends.
-    let mut map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
+    let mut map = unsafe { options.map_mut(&file) }.map_err(io)?;
     map[..header.len()].copy_from_slice(&header);
     let mut at = header.len();
     let mut pending = Vec::new();
@@ -537,5 +546,33 @@ mod tests {
         assert_ne!(whole, weights_digest(&[write("renamed", &[("c", &a), ("b", &b)])]).unwrap());
         let twice = weights_digest(&[write("one", &[("a", &a)]), write("two", &[("a", &a)])]);
         assert!(twice.unwrap_err().to_string().contains("stored twice"));
+    }
+
+    /// A new file written in place with its host values deferred holds no memory for them
+    /// until the fill writes them (a snapshot's first save does not wait for its pages to
+    /// be allocated), then reads back as written; rewritten, it reads back the new values.
+    #[test]
+    fn a_deferred_file_allocates_its_pages_where_they_are_written() {
+        let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+            eprintln!("a_deferred_file_allocates_its_pages_where_they_are_written: skipped, no /dev/shm");
+            return;
+        };
+        let path = dir.path().join("snapshot.safetensors");
+        let values = Tensor::arange(1 << 20, (Kind::Float, tch::Device::Cpu));
+        let layout = [("values".to_string(), Kind::Float, vec![1 << 20])];
+        let allocated = || std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&path).unwrap()) * 512;
+        for scale in [1.0, 2.0] {
+            let stored = values.f_mul_scalar(scale).unwrap();
+            let deferred =
+                write_safetensors_deferring(&path, &layout, &BTreeMap::new(), |_| Ok(stored.shallow_clone())).unwrap();
+            assert_eq!(deferred.bytes(), 4 << 20);
+            if scale == 1.0 {
+                assert!(allocated() < 1 << 20, "{} bytes allocated before the fill", allocated());
+            }
+            deferred.fill().unwrap();
+            assert!(allocated() >= 4 << 20, "{} bytes allocated after the fill", allocated());
+            let read = read_safetensors(&path).unwrap();
+            assert!(read["values"].equal(&stored), "scale {scale}");
+        }
     }
 }
