@@ -39,7 +39,8 @@ pub struct BenchLongArgs {
     /// which hold the optimizer's states made in the first).
     #[arg(long, default_value_t = 3)]
     steps: u64,
-    /// Configurations to measure, by name (default: all, in order).
+    /// Configurations to measure, by key: nothing, recomputation, chunked-loss,
+    /// activation-offload, context-2, context-4 (default: all, in order).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     #[arg(long, default_value_t = 1)]
@@ -49,23 +50,45 @@ pub struct BenchLongArgs {
     json: bool,
 }
 
-/// The configurations, each adding to the one before: its name, ranks and methods beyond
-/// fused attention.
-const CONFIGURATIONS: [(&str, usize, &[&str]); 6] = [
-    ("nothing", 1, &[]),
-    ("recomputation", 1, &[CHECKPOINT]),
-    ("+ chunked loss", 1, &[CHECKPOINT, CHUNKED]),
-    ("+ activation offload", 1, &[CHECKPOINT, CHUNKED, OFFLOAD]),
-    ("+ context parallel 2", 2, &[CHECKPOINT, CHUNKED, OFFLOAD, r#"["context_parallel", {"size": 2}]"#]),
-    ("+ context parallel 4", 4, &[CHECKPOINT, CHUNKED, OFFLOAD, r#"["context_parallel", {"size": 4}]"#]),
+/// One configuration the bench measures.
+struct Configuration {
+    /// How `--only` names it.
+    key: &'static str,
+    /// How the table names it.
+    label: &'static str,
+    ranks: usize,
+    /// Its methods beyond fused attention.
+    methods: &'static [&'static str],
+}
+
+const fn configuration(
+    key: &'static str,
+    label: &'static str,
+    ranks: usize,
+    methods: &'static [&'static str],
+) -> Configuration {
+    Configuration { key, label, ranks, methods }
+}
+
+/// The configurations, each adding to the one before.
+const CONFIGURATIONS: [Configuration; 6] = [
+    configuration("nothing", "nothing", 1, &[]),
+    configuration("recomputation", "recomputation", 1, &[CHECKPOINT]),
+    configuration("chunked-loss", "+ chunked loss", 1, &[CHECKPOINT, CHUNKED]),
+    configuration("activation-offload", "+ activation offload", 1, &[CHECKPOINT, CHUNKED, OFFLOAD]),
+    configuration("context-2", "+ context parallel 2", 2, &[CHECKPOINT, CHUNKED, OFFLOAD, CONTEXT_2]),
+    configuration("context-4", "+ context parallel 4", 4, &[CHECKPOINT, CHUNKED, OFFLOAD, CONTEXT_4]),
 ];
 const CHECKPOINT: &str = r#"["checkpoint", ["LlamaBlock"]]"#;
 const CHUNKED: &str = r#""chunked_loss""#;
 const OFFLOAD: &str = r#""activation_offload""#;
+const CONTEXT_2: &str = r#"["context_parallel", {"size": 2}]"#;
+const CONTEXT_4: &str = r#"["context_parallel", {"size": 4}]"#;
 
 #[derive(Serialize)]
 struct Row {
     configuration: &'static str,
+    key: &'static str,
     ranks: usize,
     strategy: String,
     /// The longest row that fits (0: not even the shortest tried).
@@ -122,18 +145,18 @@ pub fn run(args: BenchLongArgs) -> Result<()> {
     if args.steps < 2 {
         bail!("--steps must be at least 2 (one warm-up, one timed)");
     }
-    let most_ranks = CONFIGURATIONS.iter().map(|(_, ranks, _)| *ranks).max().unwrap_or(1) as i64;
+    let most_ranks = CONFIGURATIONS.iter().map(|c| c.ranks).max().unwrap_or(1) as i64;
     if args.granularity <= 0 || args.granularity % (2 * most_ranks) != 0 {
         bail!("--granularity must be a positive multiple of {}", 2 * most_ranks);
     }
-    if let Some(unknown) = args.only.iter().find(|n| !CONFIGURATIONS.iter().any(|(name, _, _)| name == n)) {
-        let names: Vec<&str> = CONFIGURATIONS.iter().map(|(name, _, _)| *name).collect();
-        bail!("--only: no configuration {unknown:?} (there are {names:?})");
+    if let Some(unknown) = args.only.iter().find(|n| !CONFIGURATIONS.iter().any(|c| c.key == *n)) {
+        let keys: Vec<&str> = CONFIGURATIONS.iter().map(|c| c.key).collect();
+        bail!("--only: no configuration {unknown:?} (there are {})", keys.join(", "));
     }
     let most = args.max_ctx / args.granularity;
     let mut rows: Vec<Row> = vec![];
-    for (configuration, ranks, methods) in CONFIGURATIONS {
-        if !args.only.is_empty() && !args.only.iter().any(|n| n == configuration) {
+    for Configuration { key, label, ranks, methods } in CONFIGURATIONS {
+        if !args.only.is_empty() && !args.only.iter().any(|n| n == key) {
             continue;
         }
         let strategy = strategy(methods);
@@ -150,7 +173,8 @@ pub fn run(args: BenchLongArgs) -> Result<()> {
         let first_over = probes.keys().find(|&&u| u > units).map(|u| u * args.granularity);
         let at_longest = probes.remove(&units);
         rows.push(Row {
-            configuration,
+            configuration: label,
+            key,
             ranks,
             strategy,
             longest: units * args.granularity,
@@ -160,7 +184,7 @@ pub fn run(args: BenchLongArgs) -> Result<()> {
             vs_nothing: None,
         });
     }
-    if let Some(nothing) = rows.iter().find(|r| r.configuration == "nothing").map(|r| r.longest).filter(|&l| l > 0) {
+    if let Some(nothing) = rows.iter().find(|r| r.key == "nothing").map(|r| r.longest).filter(|&l| l > 0) {
         for r in &mut rows {
             r.vs_nothing = Some(r.longest as f64 / nothing as f64);
         }

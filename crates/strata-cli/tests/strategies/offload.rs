@@ -398,6 +398,8 @@ fn bench_long_lengthens_the_row_with_each_method() {
             "+ context parallel 4"
         ]
     );
+    let keys: Vec<&str> = rows.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["nothing", "recomputation", "chunked-loss", "activation-offload", "context-2", "context-4"]);
     let longest: Vec<i64> = rows.iter().map(|r| r["longest"].as_i64().unwrap()).collect();
     assert!(longest[0] >= granularity, "something fits: {longest:?}");
     assert!(longest.windows(2).all(|w| w[1] > w[0]), "each method lengthens the row: {longest:?}");
@@ -411,4 +413,16 @@ fn bench_long_lengthens_the_row_with_each_method() {
         let ratio = r["vs_nothing"].as_f64().unwrap();
         assert!((ratio - at as f64 / longest[0] as f64).abs() < 1e-12, "{what}: {r}");
     }
+}
+
+/// `--only` takes the configurations' keys, and names them where it is given another.
+#[test]
+fn bench_long_names_its_configurations_keys() {
+    let o = strata(&["bench", "long", "--only", "nothing,+ chunked loss"]);
+    assert!(!o.status.success());
+    let err = common::stderr(&o);
+    assert!(
+        err.contains("no configuration \"+ chunked loss\"") && err.contains("chunked-loss, activation-offload"),
+        "{err}"
+    );
 }
