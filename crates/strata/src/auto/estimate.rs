@@ -646,8 +646,8 @@ pub fn estimate_with(
             device.comm += (2.0 * boundary) as u64;
         }
         // The ring's backward holds its block's keys and values and their gradients, and
-        // the next block's arriving, in fp32 (the keys and values repeated to every query
-        // head: a model width each).
+        // the next block's arriving, in fp32, each taken as a model width (an upper bound:
+        // grouped-query keys and values pass with their own heads, repeated per block).
         if cp > 1 && layout.context_kind == ContextKind::Ring {
             device.comm += (8.0 * tokens * kept[0].output * 4.0 / t as f64) as u64;
         }

@@ -408,7 +408,8 @@ pub fn step_time(
     if cp > 1 {
         // Per attention block and micro-batch: the ring's passes of keys and values travel
         // while the block before is computed (taken as hidden); the gradients of keys and
-        // values (fp32, a width each) follow each block of the backward, cp times, exposed.
+        // values (fp32, taken as a width each: grouped-query ones are narrower) follow each
+        // block of the backward, cp times, exposed.
         // The all-to-all sends (cp − 1)/cp of queries, keys, values and the output each way,
         // forward and backward, exposed. Context groups sit next to the tensor groups
         // (stride t).

@@ -75,7 +75,8 @@ pub trait ContextParallel: Send + Sync + std::fmt::Debug {
     /// The sums over the group's ranks of each of `values`.
     fn sum_values(&self, values: &[f64]) -> Result<Vec<f64>>;
     /// Attention of this rank's queries `[B, H, Tl, D]` over the keys and values of every
-    /// position of their rows (this rank's `[B, H, Tl, D]`, the others' from them), as
+    /// position of their rows (this rank's `[B, Hkv, Tl, D]`, the others' from them; each
+    /// of the `Hkv` heads, which divide `H`, serves `H / Hkv` adjacent query heads), as
     /// [`super::layers::attention`] computes over whole rows: causal unless `options` says
     /// bidirectional, within its window, soft-capped, never across examples (`examples`:
     /// `[B, Tl]`, the example of each of this rank's positions), with a sink logit per head

@@ -593,6 +593,8 @@ impl GroupedHeads {
     /// This rank's queries (`heads` of them) and its keys and values repeated for each
     /// query head they serve, rotated where `placed` says; with a cache, the keys and values
     /// of every position it holds (no further back than a sliding `window` reads again).
+    /// Under context parallelism they stay unrepeated: the context group exchanges them
+    /// so, and repeats them where it attends.
     fn queries_keys_values(
         &self,
         p: &Params<'_>,
@@ -605,6 +607,7 @@ impl GroupedHeads {
         let kv_heads = self.kv_heads / p.tp().size();
         let (q, k, v, gate) = self.project(p, h, heads, kv_heads)?;
         let (q, k) = self.rotation.rotate_placed(&q, &k, placed)?;
+        let cached = cache.is_some();
         let (k, v) = match cache {
             Some(c) => {
                 let all = c.extend(&k, &v)?;
@@ -617,7 +620,8 @@ impl GroupedHeads {
         };
         // Each key/value head serves `heads / kv_heads` adjacent query heads.
         let group = heads / kv_heads;
-        Ok(if group > 1 {
+        let exchanged_unrepeated = p.context().is_some() && !cached;
+        Ok(if group > 1 && !exchanged_unrepeated {
             (q, k.f_repeat_interleave_self_int(group, 1, None)?, v.f_repeat_interleave_self_int(group, 1, None)?, gate)
         } else {
             (q, k, v, gate)

@@ -196,6 +196,9 @@ impl strata_ext::Function for HeadSwap {
 /// examples of the queries and of each rank's keys, the scale and the options.
 struct Blocks {
     exchange: Exchange,
+    /// Query heads per key/value head: the ring passes keys and values unrepeated and
+    /// repeats each block where it attends.
+    group: i64,
     options: AttentionOptions,
     scale: f64,
     query_places: Tensor,
@@ -443,13 +446,14 @@ impl RingAttention {
             // The next block travels while this one is computed.
             let passing = (step + 1 < n).then(|| self.blocks.exchange.pass_on(&[&k, &v])).transpose();
             let passing = passing.map_err(Error::Comm)?;
-            if let Some(kernel) = Kernel::serving(&q, &v, &self.blocks.options) {
+            let (kr, vr) = (repeat_heads(&k, self.blocks.group)?, repeat_heads(&v, self.blocks.group)?);
+            if let Some(kernel) = Kernel::serving(&q, &vr, &self.blocks.options) {
                 // Each tile's softmax arrives whole: its output weighs in by its log-sum-exp.
                 for tile in self.blocks.tiles(&q, owner, kernel)? {
                     let (qs, ql) = tile.queries;
                     let (ks, kl) = tile.keys;
                     let (out, lse) = kernel.forward(
-                        (&q.f_narrow(2, qs, ql)?, &k.f_narrow(2, ks, kl)?, &v.f_narrow(2, ks, kl)?),
+                        (&q.f_narrow(2, qs, ql)?, &kr.f_narrow(2, ks, kl)?, &vr.f_narrow(2, ks, kl)?),
                         tile.kernel_terms(),
                         self.blocks.scale,
                     )?;
@@ -463,8 +467,8 @@ impl RingAttention {
                     running.merge(tile.queries, &lse.f_unsqueeze(-1)?, |weight| Ok(Some(out.f_mul(weight)?)))?;
                 }
             } else {
-                let (scores, _) = self.blocks.scores(&q, &k, owner)?;
-                running.merge(all_rows, &scores, |probs| Ok(Some(probs.f_matmul(&v)?)))?;
+                let (scores, _) = self.blocks.scores(&q, &kr, owner)?;
+                running.merge(all_rows, &scores, |probs| Ok(Some(probs.f_matmul(&vr)?)))?;
             }
             if let Some(passing) = passing {
                 let next = passing.arrived().map_err(Error::Comm)?;
@@ -501,7 +505,9 @@ impl RingAttention {
             // computed; the gradients follow them once complete (after the last block, one
             // more pass brings each home).
             let passing = (step + 1 < n).then(|| exchange.pass_on(&[&k, &v])).transpose().map_err(Error::Comm)?;
-            if let Some(kernel) = Kernel::serving(&q, &v, &self.blocks.options) {
+            let group = self.blocks.group;
+            let (kr, vr) = (repeat_heads(&k, group)?, repeat_heads(&v, group)?);
+            if let Some(kernel) = Kernel::serving(&q, &vr, &self.blocks.options) {
                 // Given the whole rows' output and log-sum-exp, the kernel's backward takes
                 // each tile's probabilities as their share of the whole softmax.
                 for tile in self.blocks.tiles(&q, owner, kernel)? {
@@ -510,25 +516,25 @@ impl RingAttention {
                     let rows = |t: &Tensor| t.f_narrow(2, qs, ql);
                     let (bq, bk, bv) = kernel.backward(
                         (&rows(&grad)?, &rows(&out)?, &rows(&lse)?),
-                        (&rows(&q)?, &k.f_narrow(2, ks, kl)?, &v.f_narrow(2, ks, kl)?),
+                        (&rows(&q)?, &kr.f_narrow(2, ks, kl)?, &vr.f_narrow(2, ks, kl)?),
                         tile.kernel_terms(),
                         self.blocks.scale,
                     )?;
                     _ = rows(&dq)?.f_add_(&bq)?;
-                    _ = dk.f_narrow(2, ks, kl)?.f_add_(&bk)?;
-                    _ = dv.f_narrow(2, ks, kl)?.f_add_(&bv)?;
+                    _ = dk.f_narrow(2, ks, kl)?.f_add_(&summed_over_group(&bk, group)?)?;
+                    _ = dv.f_narrow(2, ks, kl)?.f_add_(&summed_over_group(&bv, group)?)?;
                 }
             } else {
-                let (scores, tanh) = self.blocks.scores(&q, &k, owner)?;
+                let (scores, tanh) = self.blocks.scores(&q, &kr, owner)?;
                 let probs = scores.f_sub(&lse_column)?.f_exp()?;
-                dv = dv.f_add(&probs.f_transpose(-2, -1)?.f_matmul(&grad)?)?;
-                let mut dscores = probs.f_mul(&grad.f_matmul(&v.f_transpose(-2, -1)?)?.f_sub(&delta)?)?;
+                dv = dv.f_add(&summed_over_group(&probs.f_transpose(-2, -1)?.f_matmul(&grad)?, group)?)?;
+                let mut dscores = probs.f_mul(&grad.f_matmul(&vr.f_transpose(-2, -1)?)?.f_sub(&delta)?)?;
                 if let Some(tanh) = tanh {
                     dscores = dscores.f_mul(&tanh.f_square()?.f_neg()?.f_add_scalar(1.0)?)?;
                 }
                 let dscores = dscores.f_mul_scalar(self.blocks.scale)?;
-                dq = dq.f_add(&dscores.f_matmul(&k)?)?;
-                dk = dk.f_add(&dscores.f_transpose(-2, -1)?.f_matmul(&q)?)?;
+                dq = dq.f_add(&dscores.f_matmul(&kr)?)?;
+                dk = dk.f_add(&summed_over_group(&dscores.f_transpose(-2, -1)?.f_matmul(&q)?, group)?)?;
             }
             let home = exchange.pass_on(&[&dk, &dv]).and_then(Passing::arrived).map_err(Error::Comm)?;
             let [hdk, hdv] = <[Tensor; 2]>::try_from(home).map_err(|_| Error::Comm("ring pass".into()))?;
@@ -554,6 +560,25 @@ impl RingAttention {
         }
         Ok(grads)
     }
+}
+
+/// `x` (`[B, Hkv, T, D]`) with each head repeated `times` times in place (the query heads a
+/// key/value head serves are adjacent).
+fn repeat_heads(x: &Tensor, times: i64) -> Result<Tensor> {
+    Ok(match times {
+        1 => x.shallow_clone(),
+        _ => x.f_repeat_interleave_self_int(times, 1, None)?,
+    })
+}
+
+/// The gradient of [`repeat_heads`]' input from its output's `grad` (`[B, Hkv·times, T, D]`).
+fn summed_over_group(grad: &Tensor, times: i64) -> Result<Tensor> {
+    if times == 1 {
+        return Ok(grad.shallow_clone());
+    }
+    let s = grad.size();
+    let grouped = grad.f_reshape([s[0], s[1] / times, times, s[2], s[3]])?;
+    Ok(grouped.f_sum_dim_intlist(2, false, grad.kind())?)
 }
 
 /// The example every position of `examples` belongs to, where they all belong to one.
@@ -685,16 +710,27 @@ impl ContextParallel for ContextGroup {
     ) -> Result<Tensor> {
         let n = self.group.size() as i64;
         let len = q.size()[2] * n;
+        let (heads, kv_heads) = (q.size()[1], k.size()[1]);
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::Model(format!("context attention: {kv_heads} key/value heads for {heads} query heads")));
+        }
+        let group = heads / kv_heads;
         let keys = self.keys(len, examples)?;
         match self.kind {
             ContextKind::AllToAll => {
-                let heads = q.size()[1];
                 if heads % n != 0 {
                     return Err(Error::Config(format!(
                         "context_parallel all_to_all: {n} ranks do not divide this rank's {heads} heads"
                     )));
                 }
-                let (q, k, v) = (self.swap(q, true)?, self.swap(k, true)?, self.swap(v, true)?);
+                // Keys and values cross repeated as few times as lets every rank take an
+                // equal share of their heads (the one its query heads read), then repeat
+                // to those query heads.
+                let crossing = (1..=group).find(|f| group % f == 0 && kv_heads * f % n == 0).unwrap_or(group);
+                let exchanged = |x: &Tensor| -> Result<Tensor> {
+                    repeat_heads(&self.swap(&repeat_heads(x, crossing)?, true)?, group / crossing)
+                };
+                let (q, k, v) = (self.swap(q, true)?, exchanged(k)?, exchanged(v)?);
                 // Rank r holds the r-th run of every row, so the exchange leaves every
                 // position in its row's order: attention over whole rows as one process
                 // computes it (fused where the rows hold one example each), masked only
@@ -717,6 +753,7 @@ impl ContextParallel for ContextGroup {
                 let runs = self.deciding_runs(len, options, &keys)?;
                 let blocks = Blocks {
                     exchange: self.exchange(),
+                    group,
                     options: *options,
                     scale,
                     query_places,

@@ -3,7 +3,8 @@
 //! attention over whole rows in one process, for the ring and the all-to-all, plain causal
 //! and with a window, soft-capping, sinks, packed examples and values narrower than keys
 //! (the ring's composite blocks), and with the window, sinks and packing alone (its fused
-//! blocks). On a GPU, where there is one, the same with two ranks sharing it: fp32 blocks
+//! blocks); keys and values with fewer heads than the queries (2 and 1 for 4), given
+//! unrepeated. On a GPU, where there is one, the same with two ranks sharing it: fp32 blocks
 //! on its fused kernel, fp64 on the composite.
 
 use crate::common::ranks::{assert_all_ok, connect, run_ranks};
@@ -46,12 +47,14 @@ fn rank_entry() {
     for kind in [ContextKind::Ring, ContextKind::AllToAll] {
         let group = ContextGroup::new(Arc::from(comm.world().unwrap()), kind);
         let (rank, n) = (comm.rank(), comm.size());
-        let plain = Case { options: AttentionOptions::default(), packed: false, sinks: false, value_width: 8 };
+        let plain =
+            Case { options: AttentionOptions::default(), packed: false, sinks: false, value_width: 8, kv_heads: 2 };
         let everything = Case {
             options: AttentionOptions { window: Some(5), softcap: Some(2.0), scale: Some(0.3), bidirectional: false },
             packed: true,
             sinks: true,
             value_width: 6,
+            kv_heads: 1,
         };
         // Without the cap and with values as wide as keys, the ring's blocks run the fused
         // kernel, masked; the case above takes the composite.
@@ -60,6 +63,7 @@ fn rank_entry() {
             packed: true,
             sinks: true,
             value_width: 8,
+            kv_heads: 2,
         };
         let cases = [("plain", plain), ("window, cap, sinks, packed", everything), ("window, sinks, packed", uncapped)];
         for (name, case) in cases {
@@ -88,6 +92,8 @@ struct Case {
     packed: bool,
     sinks: bool,
     value_width: i64,
+    /// Key/value heads, each serving adjacent query heads (4 of them).
+    kv_heads: i64,
 }
 
 /// A tensor every rank draws alike.
@@ -103,8 +109,8 @@ impl Case {
     fn check(&self, group: &ContextGroup, kind: ContextKind, (rank, n): (usize, usize), values: (Kind, Device)) -> f64 {
         let (b, h, t, d) = (2, 4, 32, 8);
         let q = drawn(&[b, h, t, d], 1, values);
-        let k = drawn(&[b, h, t, d], 2, values);
-        let v = drawn(&[b, h, t, self.value_width], 3, values);
+        let k = drawn(&[b, self.kv_heads, t, d], 2, values);
+        let v = drawn(&[b, self.kv_heads, t, self.value_width], 3, values);
         let sinks = drawn(&[h], 4, values);
         let upstream = drawn(&[b, h, t, self.value_width], 5, values);
         // Packed: row 0 holds examples of 7, 12 and 13 positions, row 1 one of 20 and then
@@ -126,7 +132,11 @@ impl Case {
         let leaves: Vec<Tensor> = [&q, &k, &v, &sinks].iter().map(|x| x.copy().set_requires_grad(true)).collect();
         let hidden = examples_differ(&examples, &examples).unwrap();
         let terms = ScoreTerms { bias: None, sinks: self.sinks.then_some(&leaves[3]) };
-        let whole = attention(&leaves[0], &leaves[1], &leaves[2], &self.options, Some(&hidden), terms, None).unwrap();
+        // Whole rows read each key/value head repeated for the query heads it serves; the
+        // context group is given them unrepeated.
+        let repeated = |x: &Tensor| x.repeat_interleave_self_int(h / self.kv_heads, 1, None);
+        let (k_whole, v_whole) = (repeated(&leaves[1]), repeated(&leaves[2]));
+        let whole = attention(&leaves[0], &k_whole, &v_whole, &self.options, Some(&hidden), terms, None).unwrap();
         (&whole * &upstream).sum(Kind::Float).backward();
         assert!(whole.abs().sum(Kind::Float).double_value(&[]) > 1.0, "attention computed nothing");
 
