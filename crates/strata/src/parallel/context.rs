@@ -6,7 +6,7 @@
 //!   softmax (the log-sum-exp); the backward recomputes each block's probabilities from the
 //!   saved log-sum-exp and sends the keys' and values' gradients around with them, so a rank
 //!   holds one block's scores at a time, forward and backward. Each block runs one of
-//!   libtorch's fused attention kernels ([`Kernel`]: flash attention on the CPU,
+//!   libtorch's fused attention kernels (flash attention on the CPU,
 //!   memory-efficient attention on a GPU), which returns its log-sum-exp and, given the
 //!   whole rows' output and log-sum-exp, its share of the gradients, so no block's scores
 //!   exist at all; soft-capped scores, values narrower than keys and what the GPU's kernel
@@ -205,35 +205,60 @@ struct Blocks {
     query_examples: Tensor,
     /// Per rank of the group: the places of its positions and their examples.
     keys: Vec<(Tensor, Tensor)>,
-    /// Where every query may see every earlier key of its row (one example a row, no
-    /// window): the runs of this rank's positions (local start, length, run in the row) and
-    /// each rank's, whose relations alone say what is seen, so the fused kernel needs no
-    /// mask.
-    runs: Option<RankRuns>,
+    /// Where every query may see every earlier key of its example (no window): the runs
+    /// of one example that each rank's positions make, by rows laid out alike, whose
+    /// relations alone say what is seen, so the fused kernel needs no mask.
+    runs: Option<Vec<AlikeRows>>,
 }
 
-/// This rank's runs, and each rank's of the group.
-type RankRuns = (Vec<Run>, Vec<Vec<Run>>);
+/// Batch rows (start, count) whose positions every rank holds in the same runs of one
+/// example: this rank's runs and each rank's of the group.
+struct AlikeRows {
+    rows: (i64, i64),
+    mine: Vec<Run>,
+    theirs: Vec<Vec<Run>>,
+}
 
-/// A run of a rank's positions: where it starts among them, its length and its place among
-/// the row's runs.
-#[derive(Clone, Copy)]
+/// Positions of a rank of one example, adjacent in its row: where they start among the
+/// rank's, their length, the place among the row's runs of the run holding them, and the
+/// example.
+#[derive(Clone, Copy, PartialEq)]
 struct Run {
     start: i64,
     len: i64,
     place: i64,
+    example: i64,
 }
 
-/// A pair of query and key positions the fused kernel computes in one call: the queries'
-/// range (start, length) among this rank's, the keys' among the owner's, and what the
-/// queries see of those keys.
+/// Batch rows (start, count) and query positions (start, length) of a tensor `[B, H, T, ..]`.
+type Region = ((i64, i64), (i64, i64));
+
+/// `t`'s part in `region`.
+fn part(t: &Tensor, ((row, rows), (start, len)): Region) -> Result<Tensor> {
+    Ok(t.f_narrow(0, row, rows)?.f_narrow(2, start, len)?)
+}
+
+/// A pair of query and key positions the fused kernel computes in one call: the batch rows,
+/// the queries' range (start, length) among this rank's, the keys' among the owner's, and
+/// what the queries see of those keys.
 struct Tile {
+    rows: (i64, i64),
     queries: (i64, i64),
     keys: (i64, i64),
     seen: Seen,
 }
 
 impl Tile {
+    /// The tile's queries (and what is shaped as them) in `t`.
+    fn queries_of(&self, t: &Tensor) -> Result<Tensor> {
+        part(t, (self.rows, self.queries))
+    }
+
+    /// The tile's keys (and what is shaped as them) in `t`.
+    fn keys_of(&self, t: &Tensor) -> Result<Tensor> {
+        part(t, (self.rows, self.keys))
+    }
+
     /// The fused kernel's mask and causal flag for this tile.
     fn kernel_terms(&self) -> (Option<&Tensor>, bool) {
         match &self.seen {
@@ -349,7 +374,8 @@ impl Kernel {
                     &positions_first(k)?,
                     &positions_first(v)?,
                     mask,
-                    &positions_first(out)?,
+                    // Read (fp16 and bf16) as contiguous in that layout.
+                    &positions_first(out)?.f_contiguous()?,
                     None,
                     None,
                     queries,
@@ -373,21 +399,28 @@ impl Kernel {
 
 impl Blocks {
     /// `kernel`'s calls over rank `owner`'s keys. Where runs decide what is seen, a tile
-    /// per pair of runs that sees anything, without a mask; otherwise one tile of all this
-    /// rank's queries over all the owner's keys, with the kernel's mask and the queries
-    /// that see none of them (`[B, 1, Tq]`: the CPU's kernel gives those a log-sum-exp of
-    /// 0, which the merge must read as −∞, and their output is no value).
+    /// per pair of runs of one example that sees anything, without a mask: whole where the
+    /// keys lie earlier in the row, causal where they are the queries' own; otherwise
+    /// one tile of all this rank's queries over all the owner's keys, with the kernel's
+    /// mask and the queries that see none of them (`[B, 1, Tq]`: the CPU's kernel gives
+    /// those a log-sum-exp of 0, which the merge must read as −∞, and their output is no
+    /// value).
     fn tiles(&self, q: &Tensor, owner: usize, kernel: Kernel) -> Result<Vec<Tile>> {
-        if let Some((mine, theirs)) = &self.runs {
+        if let Some(alike) = &self.runs {
             let mut tiles = vec![];
-            for query in mine {
-                for key in &theirs[owner] {
-                    let seen = match (self.options.bidirectional, key.place.cmp(&query.place)) {
-                        (true, _) | (false, std::cmp::Ordering::Less) => Seen::All,
-                        (false, std::cmp::Ordering::Equal) => Seen::Causal,
-                        (false, std::cmp::Ordering::Greater) => continue,
-                    };
-                    tiles.push(Tile { queries: (query.start, query.len), keys: (key.start, key.len), seen });
+            for AlikeRows { rows, mine, theirs } in alike {
+                for query in mine {
+                    for key in theirs[owner].iter().filter(|key| key.example == query.example) {
+                        // Runs of the same place lie in one run of the row, in order.
+                        let order = (key.place, key.start).cmp(&(query.place, query.start));
+                        let seen = match (self.options.bidirectional, order) {
+                            (true, _) | (false, std::cmp::Ordering::Less) => Seen::All,
+                            (false, std::cmp::Ordering::Equal) => Seen::Causal,
+                            (false, std::cmp::Ordering::Greater) => continue,
+                        };
+                        let (queries, keys) = ((query.start, query.len), (key.start, key.len));
+                        tiles.push(Tile { rows: *rows, queries, keys, seen });
+                    }
                 }
             }
             return Ok(tiles);
@@ -397,7 +430,8 @@ impl Blocks {
         let mask = kernel.mask(&hidden, q)?;
         let blind = hidden.f_all_dim(-1, false)?;
         let (queries, keys) = (q.size()[2], places.size()[0]);
-        Ok(vec![Tile { queries: (0, queries), keys: (0, keys), seen: Seen::Masked(mask, blind) }])
+        let rows = (0, q.size()[0]);
+        Ok(vec![Tile { rows, queries: (0, queries), keys: (0, keys), seen: Seen::Masked(mask, blind) }])
     }
 
     /// Scores `[B, H, Tq, Tk]` (fp32 or fp64) of the queries over rank `owner`'s keys, soft-capped
@@ -439,7 +473,7 @@ impl RingAttention {
         let (q, mut k, mut v) = (float(&inputs[0])?, float(&inputs[1])?, float(&inputs[2])?);
         let (n, me) = (self.blocks.exchange.size(), self.blocks.exchange.rank());
         let rows = q.size()[..3].to_vec();
-        let all_rows = (0, rows[2]);
+        let all_rows = ((0, rows[0]), (0, rows[2]));
         let mut running = Running::new(&rows, v.size()[3], (q.kind(), q.device()))?;
         for step in 0..n {
             let owner = (me + n - step) % n;
@@ -450,10 +484,8 @@ impl RingAttention {
             if let Some(kernel) = Kernel::serving(&q, &vr, &self.blocks.options) {
                 // Each tile's softmax arrives whole: its output weighs in by its log-sum-exp.
                 for tile in self.blocks.tiles(&q, owner, kernel)? {
-                    let (qs, ql) = tile.queries;
-                    let (ks, kl) = tile.keys;
                     let (out, lse) = kernel.forward(
-                        (&q.f_narrow(2, qs, ql)?, &kr.f_narrow(2, ks, kl)?, &vr.f_narrow(2, ks, kl)?),
+                        (&tile.queries_of(&q)?, &tile.keys_of(&kr)?, &tile.keys_of(&vr)?),
                         tile.kernel_terms(),
                         self.blocks.scale,
                     )?;
@@ -464,7 +496,8 @@ impl RingAttention {
                         ),
                         _ => (out, lse),
                     };
-                    running.merge(tile.queries, &lse.f_unsqueeze(-1)?, |weight| Ok(Some(out.f_mul(weight)?)))?;
+                    let region = (tile.rows, tile.queries);
+                    running.merge(region, &lse.f_unsqueeze(-1)?, |weight| Ok(Some(out.f_mul(weight)?)))?;
                 }
             } else {
                 let (scores, _) = self.blocks.scores(&q, &kr, owner)?;
@@ -511,18 +544,16 @@ impl RingAttention {
                 // Given the whole rows' output and log-sum-exp, the kernel's backward takes
                 // each tile's probabilities as their share of the whole softmax.
                 for tile in self.blocks.tiles(&q, owner, kernel)? {
-                    let (qs, ql) = tile.queries;
-                    let (ks, kl) = tile.keys;
-                    let rows = |t: &Tensor| t.f_narrow(2, qs, ql);
+                    let queries = |t: &Tensor| tile.queries_of(t);
                     let (bq, bk, bv) = kernel.backward(
-                        (&rows(&grad)?, &rows(&out)?, &rows(&lse)?),
-                        (&rows(&q)?, &kr.f_narrow(2, ks, kl)?, &vr.f_narrow(2, ks, kl)?),
+                        (&queries(&grad)?, &queries(&out)?, &queries(&lse)?),
+                        (&queries(&q)?, &tile.keys_of(&kr)?, &tile.keys_of(&vr)?),
                         tile.kernel_terms(),
                         self.blocks.scale,
                     )?;
-                    _ = rows(&dq)?.f_add_(&bq)?;
-                    _ = dk.f_narrow(2, ks, kl)?.f_add_(&summed_over_group(&bk, group)?)?;
-                    _ = dv.f_narrow(2, ks, kl)?.f_add_(&summed_over_group(&bv, group)?)?;
+                    _ = queries(&dq)?.f_add_(&bq)?;
+                    _ = tile.keys_of(&dk)?.f_add_(&summed_over_group(&bk, group)?)?;
+                    _ = tile.keys_of(&dv)?.f_add_(&summed_over_group(&bv, group)?)?;
                 }
             } else {
                 let (scores, tanh) = self.blocks.scores(&q, &kr, owner)?;
@@ -581,6 +612,20 @@ fn summed_over_group(grad: &Tensor, times: i64) -> Result<Tensor> {
     Ok(grouped.f_sum_dim_intlist(2, false, grad.kind())?)
 }
 
+/// The runs of one example among `row[start..start + len]` (a run of the row at `place`),
+/// each starting where its example does.
+fn example_runs(row: &[i64], start: i64, len: i64, place: i64) -> Vec<Run> {
+    let mut runs: Vec<Run> = vec![];
+    for at in start..start + len {
+        let example = row[at as usize];
+        match runs.last_mut() {
+            Some(last) if last.example == example => last.len += 1,
+            _ => runs.push(Run { start: at, len: 1, place, example }),
+        }
+    }
+    runs
+}
+
 /// The example every position of `examples` belongs to, where they all belong to one.
 fn single_example(examples: &Tensor) -> Result<Option<i64>> {
     let (low, high) = (examples.f_min()?.int64_value(&[]), examples.f_max()?.int64_value(&[]));
@@ -604,19 +649,18 @@ impl Running {
         })
     }
 
-    /// Merges the scores (`[B, H, Tq', Tk']`) of the queries `rows` (start, length) over
-    /// some keys: the running maximum raised to cover them, the earlier sums scaled to it,
+    /// Merges the scores (`[B', H, Tq', Tk']`) of the queries in `region` over some keys: the running maximum raised to cover them, the earlier sums scaled to it,
     /// their probabilities against it added to the sum and `weighed(probabilities)`, where
     /// the keys have values, to the weighted values. A query that has seen nothing yet
     /// keeps a maximum of −∞ without producing NaN.
     fn merge(
         &mut self,
-        (start, len): (i64, i64),
+        region: Region,
         scores: &Tensor,
         weighed: impl FnOnce(&Tensor) -> Result<Option<Tensor>>,
     ) -> Result<()> {
         let (mut max, mut sum, mut acc) =
-            (self.max.f_narrow(2, start, len)?, self.sum.f_narrow(2, start, len)?, self.acc.f_narrow(2, start, len)?);
+            (part(&self.max, region)?, part(&self.sum, region)?, part(&self.acc, region)?);
         let raised = max.f_maximum(&scores.f_amax([-1], false)?)?;
         let base = raised.f_where_scalarother(&raised.f_isfinite()?, 0.0)?;
         let scale = max.f_sub(&base)?.f_exp()?;
@@ -656,31 +700,48 @@ impl ContextGroup {
         Ok(strata_ext::apply_function(f, &[x])?.remove(0))
     }
 
-    /// The runs of every rank's positions in rows of `len`, where they alone decide what a
-    /// query sees: no window, and one example in every position of every row (read from
-    /// each rank's examples, `keys`); `None` where a mask must.
+    /// The runs of one example that every rank's positions make in rows of `len` (read
+    /// from each rank's examples, `keys`), by rows laid out alike, where they alone decide
+    /// what a query sees: no window; `None` where a mask must.
     fn deciding_runs(
         &self,
         len: i64,
         options: &AttentionOptions,
         keys: &[(Tensor, Tensor)],
-    ) -> Result<Option<RankRuns>> {
-        let first = single_example(&keys[0].1)?;
-        for (_, examples) in keys {
-            if options.window.is_some() || first.is_none() || single_example(examples)? != first {
-                return Ok(None);
+    ) -> Result<Option<Vec<AlikeRows>>> {
+        if options.window.is_some() {
+            return Ok(None);
+        }
+        // Each rank's runs, then each row's runs on every rank.
+        let mut per_rank = vec![];
+        for (r, (_, examples)) in keys.iter().enumerate() {
+            let (run, places) = self.piece.of_rank(r).runs(len)?;
+            let rows = examples.size()[0];
+            let examples = Vec::<i64>::try_from(examples.f_to_device(Device::Cpu)?.f_reshape([-1])?)?;
+            let width = places.len() as i64 * run;
+            let rows_runs: Vec<Vec<Run>> = (0..rows)
+                .map(|b| {
+                    let row = &examples[(b * width) as usize..((b + 1) * width) as usize];
+                    places
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(i, &place)| example_runs(row, i as i64 * run, run, place))
+                        .collect()
+                })
+                .collect();
+            per_rank.push(rows_runs);
+        }
+        let rows = per_rank[0].len();
+        let me = self.group.rank();
+        let mut alike: Vec<AlikeRows> = vec![];
+        for b in 0..rows {
+            let theirs: Vec<Vec<Run>> = per_rank.iter().map(|rank| rank[b].clone()).collect();
+            match alike.last_mut() {
+                Some(last) if last.theirs == theirs => last.rows.1 += 1,
+                _ => alike.push(AlikeRows { rows: (b as i64, 1), mine: theirs[me].clone(), theirs }),
             }
         }
-        let runs_of = |piece: SequencePiece| -> Result<Vec<Run>> {
-            let (run, places) = piece.runs(len)?;
-            Ok(places
-                .into_iter()
-                .enumerate()
-                .map(|(i, place)| Run { start: i as i64 * run, len: run, place })
-                .collect())
-        };
-        let theirs = (0..self.group.size()).map(|r| runs_of(self.piece.of_rank(r))).collect::<Result<Vec<_>>>()?;
-        Ok(Some((runs_of(self.piece)?, theirs)))
+        Ok(Some(alike))
     }
 
     /// Each rank's places and examples `[B, Tl]`, in rank order.

@@ -3,8 +3,8 @@
 //! attention over whole rows in one process, for the ring and the all-to-all, plain causal
 //! and with a window, soft-capping, sinks, packed examples and values narrower than keys
 //! (the ring's composite blocks), and with the window, sinks and packing alone (its fused
-//! blocks); keys and values with fewer heads than the queries (2 and 1 for 4), given
-//! unrepeated. On a GPU, where there is one, the same with two ranks sharing it: fp32 blocks
+//! blocks, masked), and with sinks and packing alone (its fused blocks without a mask);
+//! keys and values with fewer heads than the queries (2 and 1 for 4), given unrepeated. On a GPU, where there is one, the same with two ranks sharing it: fp32 blocks
 //! on its fused kernel, fp64 on the composite.
 
 use crate::common::ranks::{assert_all_ok, connect, run_ranks};
@@ -65,7 +65,20 @@ fn rank_entry() {
             value_width: 8,
             kv_heads: 2,
         };
-        let cases = [("plain", plain), ("window, cap, sinks, packed", everything), ("window, sinks, packed", uncapped)];
+        // Without a window, the ring's fused blocks need no mask for packed rows either.
+        let unwindowed = Case {
+            options: AttentionOptions { window: None, softcap: None, scale: Some(0.3), bidirectional: false },
+            packed: true,
+            sinks: true,
+            value_width: 8,
+            kv_heads: 2,
+        };
+        let cases = [
+            ("plain", plain),
+            ("window, cap, sinks, packed", everything),
+            ("window, sinks, packed", uncapped),
+            ("sinks, packed", unwindowed),
+        ];
         for (name, case) in cases {
             // The same sums in other orders (blocks merged through the log-sum-exp): in
             // fp64 to 1e-12 (the algorithm is exact), in fp32 to 1e-6 of the largest value
@@ -113,18 +126,17 @@ impl Case {
         let v = drawn(&[b, self.kv_heads, t, self.value_width], 3, values);
         let sinks = drawn(&[h], 4, values);
         let upstream = drawn(&[b, h, t, self.value_width], 5, values);
-        // Packed: row 0 holds examples of 7, 12 and 13 positions, row 1 one of 20 and then
-        // padding, so examples cross the pieces' borders.
+        // Packed: row 0 holds examples of 7, 12 and 13 positions, row 1 one of 10, one of 3
+        // and then 19 positions numbered as the first example (apart from it, yet one
+        // example with it; at 2 ranks a run holds both parts), so examples cross the
+        // pieces' borders.
         let examples = match self.packed {
             true => {
-                let row = |lengths: &[i64]| -> Vec<i64> {
-                    lengths
-                        .iter()
-                        .enumerate()
-                        .flat_map(|(e, &len)| std::iter::repeat_n(e as i64, len as usize))
-                        .collect()
+                let row = |runs: &[(i64, usize)]| -> Vec<i64> {
+                    runs.iter().flat_map(|&(example, len)| std::iter::repeat_n(example, len)).collect()
                 };
-                Tensor::from_slice(&[row(&[7, 12, 13]), row(&[20, 12])].concat()).view([b, t])
+                let rows = [row(&[(0, 7), (1, 12), (2, 13)]), row(&[(0, 10), (1, 3), (0, 19)])];
+                Tensor::from_slice(&rows.concat()).view([b, t])
             }
             false => Tensor::zeros([b, t], (Kind::Int64, Device::Cpu)),
         }
