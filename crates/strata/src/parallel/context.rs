@@ -212,11 +212,10 @@ struct Blocks {
 }
 
 /// Batch rows (start, count) whose positions every rank holds in the same runs of one
-/// example: this rank's runs and each rank's of the group.
+/// example, and those runs, rank by rank.
 struct AlikeRows {
     rows: (i64, i64),
-    mine: Vec<Run>,
-    theirs: Vec<Vec<Run>>,
+    runs: Vec<Vec<Run>>,
 }
 
 /// Positions of a rank of one example, adjacent in its row: where they start among the
@@ -408,9 +407,9 @@ impl Blocks {
     fn tiles(&self, q: &Tensor, owner: usize, kernel: Kernel) -> Result<Vec<Tile>> {
         if let Some(alike) = &self.runs {
             let mut tiles = vec![];
-            for AlikeRows { rows, mine, theirs } in alike {
-                for query in mine {
-                    for key in theirs[owner].iter().filter(|key| key.example == query.example) {
+            for AlikeRows { rows, runs } in alike {
+                for query in &runs[self.exchange.rank()] {
+                    for key in runs[owner].iter().filter(|key| key.example == query.example) {
                         // Runs of the same place lie in one run of the row, in order.
                         let order = (key.place, key.start).cmp(&(query.place, query.start));
                         let seen = match (self.options.bidirectional, order) {
@@ -731,14 +730,12 @@ impl ContextGroup {
                 .collect();
             per_rank.push(rows_runs);
         }
-        let rows = per_rank[0].len();
-        let me = self.group.rank();
         let mut alike: Vec<AlikeRows> = vec![];
-        for b in 0..rows {
-            let theirs: Vec<Vec<Run>> = per_rank.iter().map(|rank| rank[b].clone()).collect();
+        for b in 0..per_rank[0].len() {
+            let runs: Vec<Vec<Run>> = per_rank.iter().map(|rank| rank[b].clone()).collect();
             match alike.last_mut() {
-                Some(last) if last.theirs == theirs => last.rows.1 += 1,
-                _ => alike.push(AlikeRows { rows: (b as i64, 1), mine: theirs[me].clone(), theirs }),
+                Some(last) if last.runs == runs => last.rows.1 += 1,
+                _ => alike.push(AlikeRows { rows: (b as i64, 1), runs }),
             }
         }
         Ok(Some(alike))
