@@ -502,6 +502,15 @@ pub fn attend(
     context.attention(q, k, v, options, &layout.examples, terms.sinks)
 }
 
+/// `x` (`[B, Hkv, T, D]`) with each head repeated `times` times in place: the query heads a
+/// key/value head serves are adjacent.
+pub fn repeat_heads(x: &Tensor, times: i64) -> Result<Tensor> {
+    Ok(match times {
+        1 => x.shallow_clone(),
+        _ => x.f_repeat_interleave_self_int(times, 1, None)?,
+    })
+}
+
 /// `cap · tanh(x / cap)`: values kept within ±cap, smoothly.
 pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
     Ok(x.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?)

@@ -24,8 +24,8 @@ use super::gpt::divides_heads;
 use super::head_loss::head_output;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
-    add_rms_norm, attend, attention, geglu, linear, merge_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one,
-    split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
+    add_rms_norm, attend, attention, geglu, linear, merge_heads, repeat_heads, rms_norm, rms_norm_into_product,
+    rms_norm_plus_one, split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -619,13 +619,9 @@ impl GroupedHeads {
             None => (k, v),
         };
         // Each key/value head serves `heads / kv_heads` adjacent query heads.
-        let group = heads / kv_heads;
         let exchanged_unrepeated = p.context().is_some() && !cached;
-        Ok(if group > 1 && !exchanged_unrepeated {
-            (q, k.f_repeat_interleave_self_int(group, 1, None)?, v.f_repeat_interleave_self_int(group, 1, None)?, gate)
-        } else {
-            (q, k, v, gate)
-        })
+        let times = if exchanged_unrepeated { 1 } else { heads / kv_heads };
+        Ok((q, repeat_heads(&k, times)?, repeat_heads(&v, times)?, gate))
     }
 }
 

@@ -20,7 +20,7 @@
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::error::text;
 use crate::model::context::unseen;
-use crate::model::layers::{attention, examples_differ, soft_cap, AttentionOptions, ScoreTerms};
+use crate::model::layers::{attention, examples_differ, repeat_heads, soft_cap, AttentionOptions, ScoreTerms};
 use crate::model::{ContextParallel, SequencePiece};
 use crate::strategy::ContextKind;
 use crate::{Error, Result};
@@ -590,15 +590,6 @@ impl RingAttention {
         }
         Ok(grads)
     }
-}
-
-/// `x` (`[B, Hkv, T, D]`) with each head repeated `times` times in place (the query heads a
-/// key/value head serves are adjacent).
-fn repeat_heads(x: &Tensor, times: i64) -> Result<Tensor> {
-    Ok(match times {
-        1 => x.shallow_clone(),
-        _ => x.f_repeat_interleave_self_int(times, 1, None)?,
-    })
 }
 
 /// The gradient of [`repeat_heads`]' input from its output's `grad` (`[B, Hkv·times, T, D]`).
