@@ -406,7 +406,6 @@ fn bench_long_lengthens_the_row_with_each_method() {
     for r in rows {
         let what = &r["configuration"];
         assert!(r["peak_bytes"].as_u64().unwrap() <= budget, "{what}: {r}");
-        assert!(r["tokens_per_s"].is_number(), "{what}: {r}");
         let (at, over) = (r["longest"].as_i64().unwrap(), r["first_over"].as_i64());
         assert!(at < most, "{what}: the budget binds, not --max-ctx: {r}");
         assert_eq!(over, Some(at + granularity), "{what}: the search stops at the boundary: {r}");
