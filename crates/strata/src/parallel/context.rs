@@ -205,9 +205,9 @@ struct Blocks {
     query_examples: Tensor,
     /// Per rank of the group: the places of its positions and their examples.
     keys: Vec<(Tensor, Tensor)>,
-    /// Where every query may see every earlier key of its example (no window): the runs
-    /// of one example that each rank's positions make, by rows laid out alike, whose
-    /// relations alone say what is seen, so the fused kernel needs no mask.
+    /// The runs of one example that each rank's positions make, by rows laid out alike,
+    /// whose places say what is seen, so the fused kernel needs a mask only where a window
+    /// cuts across a band of queries; `None` where they do not decide it.
     runs: Option<Vec<AlikeRows>>,
 }
 
@@ -219,15 +219,19 @@ struct AlikeRows {
 }
 
 /// Positions of a rank of one example, adjacent in its row: where they start among the
-/// rank's, their length, the place among the row's runs of the run holding them, and the
-/// example.
+/// rank's and in the row, their length, and the example.
 #[derive(Clone, Copy, PartialEq)]
 struct Run {
     start: i64,
+    at: i64,
     len: i64,
-    place: i64,
     example: i64,
 }
+
+/// Queries a windowed tile takes at most: its keys the window wide, it is cut into bands
+/// of this many queries, each a causal tile over its own positions, a whole one over the
+/// keys all of them see and a masked one (this square at most) over the keys some see.
+const BAND_QUERIES: i64 = 512;
 
 /// Batch rows (start, count) and query positions (start, length) of a tensor `[B, H, T, ..]`.
 type Region = ((i64, i64), (i64, i64));
@@ -257,24 +261,63 @@ impl Tile {
     fn keys_of(&self, t: &Tensor) -> Result<Tensor> {
         part(t, (self.rows, self.keys))
     }
-
-    /// The fused kernel's mask and causal flag for this tile.
-    fn kernel_terms(&self) -> (Option<&Tensor>, bool) {
-        match &self.seen {
-            Seen::Masked(mask, _) => (Some(mask), false),
-            Seen::Causal => (None, true),
-            Seen::All => (None, false),
-        }
-    }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Seen {
     /// Every key.
     All,
     /// Each query, the keys up to its own place (the same places).
     Causal,
-    /// As the additive mask says (0 seen, −∞ not), and the queries that see none.
-    Masked(Tensor, Tensor),
+    /// As the places and examples say: the tile takes a mask, built when it runs.
+    Masked,
+}
+
+/// What the fused kernel takes for one tile beside its queries and keys: the additive mask
+/// and the queries that see none of its keys (masked tiles), and the causal flag.
+struct TileTerms {
+    mask: Option<Tensor>,
+    blind: Option<Tensor>,
+    causal: bool,
+}
+
+/// The tiles of the queries of run `query` over the keys of run `key` of the same example
+/// (`key` no later in the row), as (queries, keys, seen) ranges among the ranks' positions:
+/// one tile where the window (if any) hides none of the keys from any query or all of them
+/// from every query (then none), else bands of [`BAND_QUERIES`] queries.
+fn run_tiles(query: Run, key: Run, window: Option<i64>) -> Vec<((i64, i64), (i64, i64), Seen)> {
+    let own = key.at == query.at;
+    let whole = if own { Seen::Causal } else { Seen::All };
+    let (q_end, k_end) = (query.at + query.len, key.at + key.len);
+    let Some(w) = window.filter(|&w| q_end - 1 - key.at >= w) else {
+        return vec![((query.start, query.len), (key.start, key.len), whole)];
+    };
+    if query.at - (k_end - 1) >= w {
+        return vec![];
+    }
+    // Row positions [from, to) to the ranks' ranges.
+    let queries = |from: i64, to: i64| (query.start + from - query.at, to - from);
+    let keys = |from: i64, to: i64| (key.start + from - key.at, to - from);
+    let band = w.min(BAND_QUERIES);
+    let mut tiles = vec![];
+    for s in (query.at..q_end).step_by(band as usize) {
+        let e = (s + band).min(q_end);
+        if own {
+            tiles.push((queries(s, e), keys(s, e), Seen::Causal));
+        }
+        // Every query of the band sees the keys from e − w up to its own; some see those
+        // from s − w + 1 on.
+        let (seen_by_all, seen_by_some) = (e - w, s - w + 1);
+        let (all_from, all_to) = (seen_by_all.max(key.at), s.min(k_end));
+        if all_from < all_to {
+            tiles.push((queries(s, e), keys(all_from, all_to), Seen::All));
+        }
+        let (some_from, some_to) = (seen_by_some.max(key.at), seen_by_all.min(k_end));
+        if some_from < some_to {
+            tiles.push((queries(s, e), keys(some_from, some_to), Seen::Masked));
+        }
+    }
+    tiles
 }
 
 /// The fused kernel a block's tiles run on: libtorch's attention kernels that return each
@@ -397,40 +440,58 @@ impl Kernel {
 }
 
 impl Blocks {
-    /// `kernel`'s calls over rank `owner`'s keys. Where runs decide what is seen, a tile
-    /// per pair of runs of one example that sees anything, without a mask: whole where the
-    /// keys lie earlier in the row, causal where they are the queries' own; otherwise
-    /// one tile of all this rank's queries over all the owner's keys, with the kernel's
-    /// mask and the queries that see none of them (`[B, 1, Tq]`: the CPU's kernel gives
-    /// those a log-sum-exp of 0, which the merge must read as −∞, and their output is no
-    /// value).
-    fn tiles(&self, q: &Tensor, owner: usize, kernel: Kernel) -> Result<Vec<Tile>> {
-        if let Some(alike) = &self.runs {
-            let mut tiles = vec![];
-            for AlikeRows { rows, runs } in alike {
-                for query in &runs[self.exchange.rank()] {
-                    for key in runs[owner].iter().filter(|key| key.example == query.example) {
-                        // Runs of the same place lie in one run of the row, in order.
-                        let order = (key.place, key.start).cmp(&(query.place, query.start));
-                        let seen = match (self.options.bidirectional, order) {
-                            (true, _) | (false, std::cmp::Ordering::Less) => Seen::All,
-                            (false, std::cmp::Ordering::Equal) => Seen::Causal,
-                            (false, std::cmp::Ordering::Greater) => continue,
-                        };
-                        let (queries, keys) = ((query.start, query.len), (key.start, key.len));
-                        tiles.push(Tile { rows: *rows, queries, keys, seen });
-                    }
+    /// The fused kernel's calls over rank `owner`'s keys. Where runs decide what is seen,
+    /// tiles per pair of runs of one example where the queries see any key ([`run_tiles`]):
+    /// whole where the keys lie earlier in the row, causal where they are the queries' own,
+    /// in bands where a window hides some of them; otherwise one tile of all this rank's
+    /// queries over all the owner's keys, masked.
+    fn tiles(&self, q: &Tensor, owner: usize) -> Vec<Tile> {
+        let Some(alike) = &self.runs else {
+            let (queries, keys) = (q.size()[2], self.keys[owner].0.size()[0]);
+            return vec![Tile { rows: (0, q.size()[0]), queries: (0, queries), keys: (0, keys), seen: Seen::Masked }];
+        };
+        let mut tiles = vec![];
+        for AlikeRows { rows, runs } in alike {
+            for query in &runs[self.exchange.rank()] {
+                let seen =
+                    |key: &&Run| key.example == query.example && (self.options.bidirectional || key.at <= query.at);
+                for key in runs[owner].iter().filter(seen) {
+                    let pairs = match self.options.bidirectional {
+                        true => vec![((query.start, query.len), (key.start, key.len), Seen::All)],
+                        false => run_tiles(*query, *key, self.options.window),
+                    };
+                    tiles.extend(pairs.into_iter().map(|(queries, keys, seen)| Tile {
+                        rows: *rows,
+                        queries,
+                        keys,
+                        seen,
+                    }));
                 }
             }
-            return Ok(tiles);
+        }
+        tiles
+    }
+
+    /// What `kernel` takes for `tile` of rank `owner`'s keys beside them: a masked tile's
+    /// mask and the queries that see none of its keys (`[B, 1, Tq]`: the CPU's kernel gives
+    /// those a log-sum-exp of 0, which the merge must read as −∞, and their output is no
+    /// value).
+    fn terms(&self, tile: &Tile, owner: usize, kernel: Kernel, q: &Tensor) -> Result<TileTerms> {
+        if tile.seen != Seen::Masked {
+            return Ok(TileTerms { mask: None, blind: None, causal: tile.seen == Seen::Causal });
         }
         let (places, examples) = &self.keys[owner];
-        let hidden = unseen(&self.query_places, places, &self.query_examples, examples, &self.options)?;
-        let mask = kernel.mask(&hidden, q)?;
+        let ((row, rows), (queries, keys)) = (tile.rows, (tile.queries, tile.keys));
+        let examples_of = |e: &Tensor, (start, len): (i64, i64)| e.f_narrow(0, row, rows)?.f_narrow(1, start, len);
+        let hidden = unseen(
+            &self.query_places.f_narrow(0, queries.0, queries.1)?,
+            &places.f_narrow(0, keys.0, keys.1)?,
+            &examples_of(&self.query_examples, queries)?,
+            &examples_of(examples, keys)?,
+            &self.options,
+        )?;
         let blind = hidden.f_all_dim(-1, false)?;
-        let (queries, keys) = (q.size()[2], places.size()[0]);
-        let rows = (0, q.size()[0]);
-        Ok(vec![Tile { rows, queries: (0, queries), keys: (0, keys), seen: Seen::Masked(mask, blind) }])
+        Ok(TileTerms { mask: Some(kernel.mask(&hidden, q)?), blind: Some(blind), causal: false })
     }
 
     /// Scores `[B, H, Tq, Tk]` (fp32 or fp64) of the queries over rank `owner`'s keys, soft-capped
@@ -482,18 +543,19 @@ impl RingAttention {
             let (kr, vr) = (repeat_heads(&k, self.blocks.group)?, repeat_heads(&v, self.blocks.group)?);
             if let Some(kernel) = Kernel::serving(&q, &vr, &self.blocks.options) {
                 // Each tile's softmax arrives whole: its output weighs in by its log-sum-exp.
-                for tile in self.blocks.tiles(&q, owner, kernel)? {
+                for tile in self.blocks.tiles(&q, owner) {
+                    let terms = self.blocks.terms(&tile, owner, kernel, &q)?;
                     let (out, lse) = kernel.forward(
                         (&tile.queries_of(&q)?, &tile.keys_of(&kr)?, &tile.keys_of(&vr)?),
-                        tile.kernel_terms(),
+                        (terms.mask.as_ref(), terms.causal),
                         self.blocks.scale,
                     )?;
-                    let (out, lse) = match &tile.seen {
-                        Seen::Masked(_, blind) => (
+                    let (out, lse) = match &terms.blind {
+                        Some(blind) => (
                             out.f_masked_fill(&blind.f_unsqueeze(-1)?, 0.0)?,
                             lse.f_masked_fill(blind, f64::NEG_INFINITY)?,
                         ),
-                        _ => (out, lse),
+                        None => (out, lse),
                     };
                     let region = (tile.rows, tile.queries);
                     running.merge(region, &lse.f_unsqueeze(-1)?, |weight| Ok(Some(out.f_mul(weight)?)))?;
@@ -542,12 +604,13 @@ impl RingAttention {
             if let Some(kernel) = Kernel::serving(&q, &vr, &self.blocks.options) {
                 // Given the whole rows' output and log-sum-exp, the kernel's backward takes
                 // each tile's probabilities as their share of the whole softmax.
-                for tile in self.blocks.tiles(&q, owner, kernel)? {
+                for tile in self.blocks.tiles(&q, owner) {
                     let queries = |t: &Tensor| tile.queries_of(t);
+                    let terms = self.blocks.terms(&tile, owner, kernel, &q)?;
                     let (bq, bk, bv) = kernel.backward(
                         (&queries(&grad)?, &queries(&out)?, &queries(&lse)?),
                         (&queries(&q)?, &tile.keys_of(&kr)?, &tile.keys_of(&vr)?),
-                        tile.kernel_terms(),
+                        (terms.mask.as_ref(), terms.causal),
                         self.blocks.scale,
                     )?;
                     _ = queries(&dq)?.f_add_(&bq)?;
@@ -602,15 +665,15 @@ fn summed_over_group(grad: &Tensor, times: i64) -> Result<Tensor> {
     Ok(grouped.f_sum_dim_intlist(2, false, grad.kind())?)
 }
 
-/// The runs of one example among `row[start..start + len]` (a run of the row at `place`),
-/// each starting where its example does.
+/// The runs of one example among a rank's positions `row[start..start + len]`, which are
+/// the row's run at `place`, each starting where its example does.
 fn example_runs(row: &[i64], start: i64, len: i64, place: i64) -> Vec<Run> {
     let mut runs: Vec<Run> = vec![];
-    for at in start..start + len {
-        let example = row[at as usize];
+    for i in start..start + len {
+        let example = row[i as usize];
         match runs.last_mut() {
             Some(last) if last.example == example => last.len += 1,
-            _ => runs.push(Run { start: at, len: 1, place, example }),
+            _ => runs.push(Run { start: i, at: place * len + i - start, len: 1, example }),
         }
     }
     runs
@@ -691,15 +754,15 @@ impl ContextGroup {
     }
 
     /// The runs of one example that every rank's positions make in rows of `len` (read
-    /// from each rank's examples, `keys`), by rows laid out alike, where they alone decide
-    /// what a query sees: no window; `None` where a mask must.
+    /// from each rank's examples, `keys`), by rows laid out alike, where they and the
+    /// window decide what a query sees; `None` where a mask must: a window both ways.
     fn deciding_runs(
         &self,
         len: i64,
         options: &AttentionOptions,
         keys: &[(Tensor, Tensor)],
     ) -> Result<Option<Vec<AlikeRows>>> {
-        if options.window.is_some() {
+        if options.window.is_some() && options.bidirectional {
             return Ok(None);
         }
         // Each rank's runs, then each row's runs on every rank.

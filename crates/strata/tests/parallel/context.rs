@@ -3,7 +3,8 @@
 //! attention over whole rows in one process, for the ring and the all-to-all, plain causal
 //! and with a window, soft-capping, sinks, packed examples and values narrower than keys
 //! (the ring's composite blocks), and with the window, sinks and packing alone (its fused
-//! blocks, masked), and with sinks and packing alone (its fused blocks without a mask);
+//! blocks in tiles, masked in bands across the window's edge), and with sinks and packing
+//! alone (its fused blocks without a mask), and with a window wider than a ring's run;
 //! keys and values with fewer heads than the queries (2 and 1 for 4), given unrepeated. On a GPU, where there is one, the same with two ranks sharing it: fp32 blocks
 //! on its fused kernel, fp64 on the composite.
 
@@ -73,11 +74,21 @@ fn rank_entry() {
             value_width: 8,
             kv_heads: 2,
         };
+        // A window wider than a ring run (8 positions at 2 ranks, 4 at 4), over plain rows:
+        // bands whose keys every query sees beside those some do.
+        let wide_window = Case {
+            options: AttentionOptions { window: Some(12), softcap: None, scale: None, bidirectional: false },
+            packed: false,
+            sinks: false,
+            value_width: 8,
+            kv_heads: 4,
+        };
         let cases = [
             ("plain", plain),
             ("window, cap, sinks, packed", everything),
             ("window, sinks, packed", uncapped),
             ("sinks, packed", unwindowed),
+            ("wide window", wide_window),
         ];
         for (name, case) in cases {
             // The same sums in other orders (blocks merged through the log-sum-exp): in
