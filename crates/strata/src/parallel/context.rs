@@ -233,8 +233,11 @@ struct Run {
 /// keys all of them see and a masked one (this square at most) over the keys some see.
 const BAND_QUERIES: i64 = 512;
 
-/// Batch rows (start, count) and query positions (start, length) of a tensor `[B, H, T, ..]`.
-type Region = ((i64, i64), (i64, i64));
+/// Positions (start, length) among a rank's.
+type Span = (i64, i64);
+
+/// Batch rows (start, count) and query positions of a tensor `[B, H, T, ..]`.
+type Region = ((i64, i64), Span);
 
 /// `t`'s part in `region`.
 fn part(t: &Tensor, ((row, rows), (start, len)): Region) -> Result<Tensor> {
@@ -285,7 +288,7 @@ struct TileTerms {
 /// (`key` no later in the row), as (queries, keys, seen) ranges among the ranks' positions:
 /// one tile where the window (if any) hides none of the keys from any query or all of them
 /// from every query (then none), else bands of [`BAND_QUERIES`] queries.
-fn run_tiles(query: Run, key: Run, window: Option<i64>) -> Vec<((i64, i64), (i64, i64), Seen)> {
+fn run_tiles(query: Run, key: Run, window: Option<i64>) -> Vec<(Span, Span, Seen)> {
     let own = key.at == query.at;
     let whole = if own { Seen::Causal } else { Seen::All };
     let (q_end, k_end) = (query.at + query.len, key.at + key.len);
@@ -877,6 +880,59 @@ impl ContextParallel for ContextGroup {
                 let mut inputs = vec![q, k, v];
                 inputs.extend(sinks);
                 Ok(strata_ext::apply_function(f, &inputs)?.remove(0))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// The tiles of a query run over a key run of one example cover every pair of
+        /// positions the query sees exactly once: whole tiles and causal ones only where
+        /// it sees them, and every masked tile a band of at most [`BAND_QUERIES`] queries.
+        #[test]
+        fn tiles_cover_each_seen_pair_once(
+            own: bool,
+            (query_len, key_len) in (1i64..700, 1i64..700),
+            gap in 0i64..900,
+            (query_start, key_start) in (0i64..50, 0i64..50),
+            window in proptest::option::of(1i64..1400),
+        ) {
+            let query = Run { start: query_start, at: 2000, len: query_len, example: 3 };
+            let key = match own {
+                true => query,
+                false => Run { start: key_start, at: query.at - gap - key_len, len: key_len, example: 3 },
+            };
+            let seen = |i: i64, j: i64| {
+                let behind = query.at + i - (key.at + j);
+                behind >= 0 && window.is_none_or(|w| behind < w)
+            };
+            let mut covered = vec![0u8; (query.len * key.len) as usize];
+            for ((q0, ql), (k0, kl), kind) in run_tiles(query, key, window) {
+                let (q0, k0) = (q0 - query.start, k0 - key.start);
+                prop_assert!(q0 >= 0 && k0 >= 0 && q0 + ql <= query.len && k0 + kl <= key.len);
+                prop_assert!(kind != Seen::Masked || ql <= BAND_QUERIES);
+                for i in 0..ql {
+                    for j in 0..kl {
+                        let computed = match kind {
+                            Seen::All => true,
+                            Seen::Causal => j <= i,
+                            Seen::Masked => seen(q0 + i, k0 + j),
+                        };
+                        prop_assert!(!computed || seen(q0 + i, k0 + j), "{kind:?} tile computes an unseen pair");
+                        covered[((q0 + i) * key.len + k0 + j) as usize] += u8::from(computed);
+                    }
+                }
+            }
+            for i in 0..query.len {
+                for j in 0..key.len {
+                    prop_assert_eq!(covered[(i * key.len + j) as usize], u8::from(seen(i, j)), "pair {} {}", i, j);
+                }
             }
         }
     }
