@@ -425,3 +425,45 @@ fn bench_long_names_its_configurations_keys() {
         "{err}"
     );
 }
+
+/// With `--lora-rank` and `--bf16`, every configuration trains adapters over a bf16 base
+/// (less memory at the same row than fp32 full training), and `--reference` adds
+/// `transformers`' rows, trained the same way (peft's adapters on every linear layer), each
+/// configuration's longest row set against theirs.
+#[test]
+fn bench_long_trains_adapters_in_bf16_beside_transformers() {
+    if common::venv_python().is_none() {
+        return;
+    }
+    let args = ["--only", "nothing,context-2", "--max-ctx", "512", "--granularity", "256", "--steps", "2"];
+    let args = [&["bench", "long", "--json", "--device-memory", "4000000000"][..], &args].concat();
+    let report = |extra: &[&str]| -> serde_json::Value {
+        let o = strata(&[&args[..], extra].concat());
+        assert!(o.status.success(), "{}", common::stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let full = report(&[]);
+    let adapted = report(&["--lora-rank", "4", "--bf16", "--reference"]);
+    let rows = adapted["rows"].as_array().unwrap();
+    eprintln!("{}", serde_json::to_string(rows).unwrap());
+    let keys: Vec<&str> = rows.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["nothing", "context-2", "transformers", "transformers-recomputation"]);
+    for r in rows {
+        assert_eq!(r["longest"], 512, "{r}");
+        assert_eq!(r["vs_reference"], 1.0, "{r}");
+    }
+    for r in &rows[..2] {
+        let strategy = r["strategy"].as_str().unwrap();
+        assert!(strategy.contains(r#"["lora", {"r": 4"#) && strategy.contains(r#""param_dtype": "bf16""#), "{r}");
+    }
+    let peak = |r: &serde_json::Value| r["peak_bytes"].as_u64().unwrap();
+    assert!(peak(&rows[0]) < peak(&full["rows"][0]), "adapters over a bf16 base hold less: {rows:?} {full}");
+    // peft's adapters of rank 4 on the 7 linear layers of each of 2 blocks (width 64, 2 of
+    // 4 heads' keys and values, feed-forward 172): r · (inputs + outputs) each.
+    let per_block = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 172), (64, 172), (172, 64)];
+    let adapters: u64 = 2 * per_block.iter().map(|(i, o)| 4 * (i + o)).sum::<u64>();
+    for r in &rows[2..] {
+        assert_eq!(r["trained_parameters"], adapters, "{r}");
+    }
+    assert!(rows[3]["strategy"].as_str().unwrap().ends_with("--checkpoint"), "{}", rows[3]);
+}
