@@ -6,7 +6,10 @@
 #   scripts/gpu-check.sh --build DIR          build the CUDA binaries (release) into DIR
 #   scripts/gpu-check.sh OUT [--prebuilt DIR] run them on this machine's GPU, report in OUT
 #
-# BENCH_GPU_ARGS, where set, is added to `strata bench gpu`'s arguments (e.g. "--rounds 4").
+# BENCH_GPU_ARGS, where set, is added to `strata bench gpu`'s arguments (e.g. "--rounds 4");
+# BENCH_GPU=0 leaves the benchmark out. BENCH_LONG_ARGS, where set, also runs `strata bench
+# long --device cuda --reference` with those arguments (the model's shape, the budget, e.g.
+# docs/benchmarks.md's TinyLlama line) into OUT/bench-long.txt and the report.
 #
 # Without --prebuilt the binaries are built here first (scripts/setup.sh's libtorch). With
 # it, binaries built on another x86-64 machine run against the libtorch of the Python torch
@@ -74,7 +77,13 @@ for t in "ext" "cuda cuda::" "context context::context_attention_on_2_ranks_of_o
   (cd "$repo" && "$bin/test-$1" ${2:-} --test-threads 1 --nocapture) >"$out/test-$1.log" 2>&1 || status=1
 done
 # shellcheck disable=SC2086 # the extra arguments split on spaces
-"$bin/strata" bench gpu --python "$python" ${BENCH_GPU_ARGS:-} --json-out "$out/bench-gpu.json" --kernel-trace "$out/traces" >"$out/bench-gpu.txt" 2>&1 || status=1
+if [ "${BENCH_GPU:-1}" != 0 ]; then
+  "$bin/strata" bench gpu --python "$python" ${BENCH_GPU_ARGS:-} --json-out "$out/bench-gpu.json" --kernel-trace "$out/traces" >"$out/bench-gpu.txt" 2>&1 || status=1
+fi
+if [ -n "${BENCH_LONG_ARGS:-}" ]; then
+  # shellcheck disable=SC2086
+  "$bin/strata" bench long --device cuda --reference --python "$python" $BENCH_LONG_ARGS >"$out/bench-long.txt" 2>&1 || status=1
+fi
 
 "$python" - "$out" "$gpu" "$torch" "$commit" "$start" "$status" <<'EOF'
 import json, os, re, sys, time
@@ -101,7 +110,10 @@ lines = [f"# Strata on {gpu}", "",
          f"torch {torch}, commit {commit}, {report['seconds']} s; {'all passed' if report['passed'] else 'FAILURES'}", "",
          "## CUDA tests", "", "| binary | test | result |", "| --- | --- | --- |"]
 lines += [f"| {t['binary']} | {t['test']} | {t['result']} |" for t in tests]
-lines += ["", "## strata bench gpu", "", "```", open(os.path.join(out, "bench-gpu.txt"), errors="replace").read().rstrip(), "```"]
+for bench_name in ("gpu", "long"):
+    path = os.path.join(out, f"bench-{bench_name}.txt")
+    if os.path.exists(path):
+        lines += ["", f"## strata bench {bench_name}", "", "```", open(path, errors="replace").read().rstrip(), "```"]
 open(os.path.join(out, "report.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
