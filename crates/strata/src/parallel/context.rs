@@ -228,9 +228,9 @@ struct Run {
     example: i64,
 }
 
-/// Queries a windowed tile takes at most: its keys the window wide, it is cut into bands
-/// of this many queries, each a causal tile over its own positions, a whole one over the
-/// keys all of them see and a masked one (this square at most) over the keys some see.
+/// Queries a band takes at most where a sliding window hides some of a run's keys from
+/// some of its queries: each band is a causal tile over its own positions, a whole one over
+/// the keys all its queries see, and a masked one (at most this square) over those some see.
 const BAND_QUERIES: i64 = 512;
 
 /// Positions (start, length) among a rank's.
