@@ -76,8 +76,8 @@ for t in "ext" "cuda cuda::" "context context::context_attention_on_2_ranks_of_o
   set -- $t
   (cd "$repo" && "$bin/test-$1" ${2:-} --test-threads 1 --nocapture) >"$out/test-$1.log" 2>&1 || status=1
 done
-# shellcheck disable=SC2086 # the extra arguments split on spaces
 if [ "${BENCH_GPU:-1}" != 0 ]; then
+  # shellcheck disable=SC2086 # the extra arguments split on spaces
   "$bin/strata" bench gpu --python "$python" ${BENCH_GPU_ARGS:-} --json-out "$out/bench-gpu.json" --kernel-trace "$out/traces" >"$out/bench-gpu.txt" 2>&1 || status=1
 fi
 if [ -n "${BENCH_LONG_ARGS:-}" ]; then

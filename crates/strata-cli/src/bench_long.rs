@@ -57,7 +57,7 @@ pub struct BenchLongArgs {
     bf16: bool,
     /// Train LoRA adapters of this rank on every linear layer (alpha twice the rank) instead
     /// of every weight; the base is frozen.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
     lora_rank: Option<i64>,
     /// Measure `transformers` beside Strata, the same LLaMA with SDPA attention, with and
     /// without recomputation (`scripts/long_reference.py`; its peak is the CUDA allocator's
@@ -275,9 +275,6 @@ pub fn run(args: BenchLongArgs) -> Result<()> {
     if let Some(unknown) = args.only.iter().find(|n| !CONFIGURATIONS.iter().any(|c| c.key == *n)) {
         let keys: Vec<&str> = CONFIGURATIONS.iter().map(|c| c.key).collect();
         bail!("--only: no configuration {unknown:?} (there are {})", keys.join(", "));
-    }
-    if args.lora_rank.is_some_and(|r| r < 1) {
-        bail!("--lora-rank must be at least 1");
     }
     let mut rows: Vec<Row> = vec![];
     for Configuration { key, label, ranks, methods } in CONFIGURATIONS {
