@@ -646,6 +646,39 @@ int strata_cuda_memory_stats(int device, int64_t* stats) {
   });
 }
 
+// Page-locks `bytes` of host memory from `data` (memory the caller maps and keeps), so that
+// copies between it and any GPU go directly, not staged through a pinned buffer.
+int strata_cuda_host_register(void* data, size_t bytes) {
+  return guarded([&] {
+    STRATA_REQUIRE_CUDA();
+#ifdef STRATA_CUDA
+    cudaError_t status = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
+    if (status != cudaSuccess) {
+      cudaGetLastError();  // clears the error, which is reported here
+      throw std::runtime_error(std::string("cudaHostRegister: ") + cudaGetErrorString(status));
+    }
+#else
+    (void)data;
+    (void)bytes;
+#endif
+  });
+}
+
+// Undoes strata_cuda_host_register for the memory starting at `data`.
+int strata_cuda_host_unregister(void* data) {
+  return guarded([&] {
+#ifdef STRATA_CUDA
+    cudaError_t status = cudaHostUnregister(data);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("cudaHostUnregister: ") + cudaGetErrorString(status));
+    }
+#else
+    (void)data;
+#endif
+  });
+}
+
 // Hands the caching allocator's unused blocks back to the driver, for other processes.
 int strata_cuda_empty_cache() {
   return guarded([&] {

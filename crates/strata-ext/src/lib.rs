@@ -236,6 +236,8 @@ extern "C" {
     fn strata_cuda_memory_stats(device: c_int, stats: *mut i64) -> c_int;
     fn strata_cuda_reset_peak_stats(device: c_int) -> c_int;
     fn strata_cuda_empty_cache() -> c_int;
+    fn strata_cuda_host_register(data: *mut c_void, bytes: usize) -> c_int;
+    fn strata_cuda_host_unregister(data: *mut c_void) -> c_int;
     fn strata_cuda_stream_from_pool(device: c_int, high_priority: c_int, packed: *mut i64) -> c_int;
     fn strata_cuda_current_stream(device: c_int, packed: *mut i64) -> c_int;
     fn strata_cuda_set_current_stream(packed: *const i64) -> c_int;
@@ -1245,6 +1247,43 @@ pub mod cuda {
     pub fn empty_cache() -> Result<()> {
         // SAFETY: a plain call.
         check(unsafe { strata_cuda_empty_cache() })
+    }
+
+    /// Host memory page-locked for every GPU's copies while this lives: a copy between it
+    /// and a device goes directly, not staged through a pinned buffer of libtorch's.
+    #[derive(Debug)]
+    pub struct HostRegistration {
+        data: *mut c_void,
+        bytes: usize,
+    }
+
+    // SAFETY: a registration is a plain address range; the driver's calls on it may come
+    // from any thread.
+    unsafe impl Send for HostRegistration {}
+
+    impl HostRegistration {
+        /// Page-locks `bytes` bytes from `data`.
+        ///
+        /// # Safety
+        /// The memory must stay mapped until the registration is dropped.
+        pub unsafe fn new(data: *mut u8, bytes: usize) -> Result<HostRegistration> {
+            // SAFETY: the caller keeps the range mapped for the registration's life.
+            check(unsafe { strata_cuda_host_register(data as *mut c_void, bytes) })?;
+            Ok(HostRegistration { data: data as *mut c_void, bytes })
+        }
+
+        /// The bytes locked.
+        pub fn bytes(&self) -> usize {
+            self.bytes
+        }
+    }
+
+    impl Drop for HostRegistration {
+        fn drop(&mut self) {
+            // SAFETY: the range registered in `new`, still mapped (the caller's promise).
+            // A failure (the driver already torn down at exit) leaves nothing to undo.
+            let _ = check(unsafe { strata_cuda_host_unregister(self.data) });
+        }
     }
 
     /// A CUDA stream of libtorch's pool (plain data: libtorch owns the stream itself).

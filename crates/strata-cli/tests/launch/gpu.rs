@@ -70,6 +70,34 @@ fn two_ranks_sharing_a_gpu_match_one_process() {
     assert!(global_gap(&one, &half) > 1e-3);
 }
 
+/// Asynchronous saves on a GPU copy the values into a snapshot whose pages are locked at
+/// the first save and stay locked (each later save reports no locking), and the run ends
+/// with the weights of the run without saves.
+#[test]
+fn asynchronous_saves_on_a_gpu_lock_their_snapshot_once() {
+    if !gpu_visible("asynchronous_saves_on_a_gpu_lock_their_snapshot_once") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let plain = train(dir.path(), "plain.st", &[]);
+    let checkpoints = dir.path().join("ckpt");
+    let saves = ["--checkpoint-every", "1", "--checkpoint-async", "true", "--save-checkpoint"];
+    let saved = train(dir.path(), "saved.st", &[&saves[..], &[checkpoints.to_str().unwrap()]].concat());
+    assert_eq!(global_gap(&plain, &saved), 0.0, "saving changed the weights");
+    let rows: Vec<serde_json::Value> = reports(&dir.path().join("saved.st.jsonl"))
+        .iter()
+        .map(|r| r["checkpoint"].clone())
+        .filter(|c| !c.is_null())
+        .collect();
+    assert_eq!(rows.len(), 5, "a save after each step but the last is reported with the next: {rows:?}");
+    let (locked, locking) = (rows[0]["locked_bytes"].as_u64().unwrap(), rows[0]["locking_s"].as_f64().unwrap());
+    eprintln!("snapshot of {locked} bytes locked in {locking:.4} s");
+    assert!(locked > 0 && locking > 0.0, "{rows:?}");
+    for row in &rows[1..] {
+        assert_eq!((row["locked_bytes"].as_u64(), row["locking_s"].as_f64()), (Some(locked), Some(0.0)), "{row}");
+    }
+}
+
 /// The one build serves machines without a GPU: there it starts, and a GPU run stops in one
 /// line saying none is present (not that the build lacks something). With a GPU it trains.
 #[test]

@@ -100,6 +100,12 @@ fn saving_every_step_asynchronously_changes_no_weight_and_leaves_complete_checkp
             let c = &row["checkpoint"];
             assert!(c["blocked_s"].as_f64().unwrap() > 0.0, "{strategy}: {row}");
             assert!(c["updates_waited_s"].as_f64().unwrap() >= 0.0, "{strategy}: {row}");
+            // Only a GPU's copies lock the snapshot's pages.
+            assert_eq!(
+                (c["locked_bytes"].as_u64(), c["locking_s"].as_f64()),
+                (Some(0), Some(0.0)),
+                "{strategy}: {row}"
+            );
         }
         for row in &rows[2..] {
             // The writer's thread ran for part of its wall time.

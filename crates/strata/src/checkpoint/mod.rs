@@ -24,7 +24,7 @@ use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::compute::fp8::Fp8Snapshot;
 use crate::compute::scaler::LossScaler;
 use crate::engine::{Engine, Holding};
-use crate::io::{self, write_safetensors_deferring, write_safetensors_streamed, Deferred, Placing};
+use crate::io::{self, write_safetensors_deferring, write_safetensors_streamed, Deferred, MappedFile};
 use crate::model::{ExpertSlot, ModelConfig, ModelSpec, TpRole};
 use crate::optim::Optimizer;
 use crate::{fault, Error, Result};
@@ -390,15 +390,15 @@ fn rank_file(rank: usize) -> String {
 }
 
 /// How a rank writes its file of a checkpoint.
-#[derive(Clone, Copy)]
 enum RankWrite<'a> {
     /// A new file, flushed to disk and renamed into place.
     Atomic,
     /// Into this rank's file of the checkpoint folder given, moved into the new checkpoint
     /// and overwritten where it lies (a new file where there is none): snapshots in host
     /// memory, whose previous one nothing may read any more. Values already on the host are
-    /// left to be copied in later ([`Deferred`]).
-    Reusing(Option<&'a Path>),
+    /// left to be copied in later ([`Deferred`]). The file's map at the previous save, where
+    /// kept, serves again.
+    Reusing(Option<&'a Path>, Option<MappedFile>),
 }
 
 /// Writes this rank's file of a checkpoint under `root`; `publisher` (one rank of those
@@ -430,12 +430,12 @@ fn save_into(
     };
     let writes = parts[0].engine.held_states().checkpoint_writer();
     let target = staging.join(rank_file(rank));
-    let placed = match write {
-        RankWrite::Atomic => Ok(Placing::Atomic),
-        RankWrite::Reusing(previous) => reuse(previous.map(|d| d.join(rank_file(rank))), &target),
+    let moved = match &write {
+        RankWrite::Atomic => Ok(()),
+        RankWrite::Reusing(previous, _) => move_previous(previous.map(|d| d.join(rank_file(rank))), &target),
     };
-    let written = match (heads, placed) {
-        (Ok(heads), Ok(placing)) if writes => write_rank_file(&target, layout, parts, &heads, placing),
+    let written = match (heads, moved) {
+        (Ok(heads), Ok(())) if writes => write_rank_file(&target, layout, parts, &heads, write),
         (Ok(_), Ok(_)) => Ok(None),
         (Err(e), _) | (_, Err(e)) => Err(e),
     };
@@ -578,14 +578,14 @@ enum Stored<'a> {
 }
 
 /// Moves the file `previous`, where there is one, to `target` to be written in place.
-fn reuse(previous: Option<PathBuf>, target: &Path) -> Result<Placing> {
+fn move_previous(previous: Option<PathBuf>, target: &Path) -> Result<()> {
     if let Some(previous) = previous {
         match std::fs::rename(&previous, target) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&previous, e)),
             _ => {}
         }
     }
-    Ok(Placing::InPlace)
+    Ok(())
 }
 
 fn write_rank_file(
@@ -593,7 +593,7 @@ fn write_rank_file(
     whole: &Layout,
     parts: &mut [Part<'_>],
     heads: &[Vec<Option<Tensor>>],
-    placing: Placing,
+    write: RankWrite<'_>,
 ) -> Result<Option<Deferred>> {
     let units = whole.unit_numel.len();
     let mut ranges = vec![(0i64, 0i64); units];
@@ -682,9 +682,9 @@ fn write_rank_file(
     };
     // A file written in place is a snapshot in host memory: what lies on the host already
     // is left to its writer ([`Deferred`]).
-    match placing {
-        Placing::InPlace => write_safetensors_deferring(path, &layout, &metadata, value).map(Some),
-        Placing::Atomic => write_safetensors_streamed(path, &layout, &metadata, placing, value).map(|()| None),
+    match write {
+        RankWrite::Reusing(_, kept) => write_safetensors_deferring(path, &layout, &metadata, kept, value).map(Some),
+        RankWrite::Atomic => write_safetensors_streamed(path, &layout, &metadata, value).map(|()| None),
     }
 }
 
@@ -1251,7 +1251,7 @@ impl Checkpoint {
             ("format".to_string(), "pt".to_string()),
             (MERGED_KEY.to_string(), serde_json::to_string(&meta).map_err(|e| Error::Model(e.to_string()))?),
         ]);
-        write_safetensors_streamed(out, &layout, &metadata, Placing::Atomic, |i| {
+        write_safetensors_streamed(out, &layout, &metadata, |i| {
             let (what, p) = &jobs[i];
             self.read_range(what, p.unit, p.offset, p.shape.iter().product(), Kind::Float)
         })

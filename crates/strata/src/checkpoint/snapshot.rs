@@ -26,7 +26,7 @@ use super::{
     RunInfo,
 };
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
-use crate::io::Deferred;
+use crate::io::{Deferred, MappedFile};
 use crate::optim::{Fence, FenceOpener};
 use crate::{fault, io, Error, Result};
 use serde::Serialize;
@@ -57,6 +57,12 @@ pub struct SaveTimes {
     /// Seconds the step after the save waited, before updating, for the writer to copy the
     /// values already on the host into the snapshot (asynchronous saves; 0 otherwise).
     pub updates_waited_s: f64,
+    /// Bytes of this rank's snapshot page-locked for the GPU's copies into it (0 on the
+    /// CPU, and where the driver refused): kept locked from one save to the next.
+    pub locked_bytes: u64,
+    /// Of `blocked_s`, seconds spent locking the snapshot's pages (the first save on a GPU,
+    /// and any save whose snapshot changed size).
+    pub locking_s: f64,
 }
 
 /// The folder snapshots in host memory are taken in: `STRATA_SNAPSHOT_DIR` (set by `strata
@@ -226,7 +232,7 @@ fn send_file(g: &dyn ProcessGroup, owner: usize, path: &Path, receive: bool) -> 
 /// A save being persisted by the writer thread.
 struct InFlight {
     step: u64,
-    writer: JoinHandle<Result<Persisted>>,
+    writer: JoinHandle<Result<(Persisted, Option<MappedFile>)>>,
 }
 
 /// What a writer spent persisting a save.
@@ -257,6 +263,8 @@ pub struct AsyncSaver {
     node_publisher: bool,
     /// The folder of this process's last snapshot, whose files the next one overwrites.
     taken: Option<PathBuf>,
+    /// The map of this rank's file of the last snapshot, which the next one writes through.
+    kept: Option<MappedFile>,
     in_flight: Option<InFlight>,
 }
 
@@ -266,7 +274,7 @@ impl AsyncSaver {
     pub fn new(disk: &Path, node_publisher: bool) -> Result<AsyncSaver> {
         let memory = memory_root(disk)?;
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&memory).map_err(|e| Error::io(&memory, e))?;
-        Ok(AsyncSaver { disk: disk.to_path_buf(), memory, node_publisher, taken: None, in_flight: None })
+        Ok(AsyncSaver { disk: disk.to_path_buf(), memory, node_publisher, taken: None, kept: None, in_flight: None })
     }
 
     /// The folder the snapshots are taken in.
@@ -300,20 +308,22 @@ impl AsyncSaver {
             false => Ok(()),
         };
         super::agree(world, invalidated, &[])?;
-        let reusing = RankWrite::Reusing(self.taken.as_deref());
+        let reusing = RankWrite::Reusing(self.taken.as_deref(), self.kept.take());
         let (snapshot, meta, deferred) =
             save_into(&self.memory, layout, parts, run, world, 1, self.node_publisher, reusing)?;
         self.taken = Some(snapshot.clone());
         let rank = world.map_or(0, |g| g.rank());
         let own = Some(rank_file(rank)).filter(|f| meta.files.contains(f));
+        let (locked_bytes, locking_s) =
+            deferred.as_ref().map_or((0, 0.0), |d| (d.locked_bytes() as u64, d.locking_s()));
         // Values already on the host are copied into the snapshot by the writer, while the
         // next step computes; whatever would change them waits for that copy.
-        let fill = deferred.filter(|d| d.bytes() > 0).map(|deferred| {
+        let opener = deferred.as_ref().filter(|d| d.bytes() > 0).map(|_| {
             let (fence, opener) = Fence::closed();
             for part in parts.iter_mut() {
                 part.optimizer.hold_updates(fence.clone());
             }
-            (deferred, opener)
+            opener
         });
         // Rank files are made 0600; the description and `latest` are written as any file.
         if self.node_publisher {
@@ -324,12 +334,13 @@ impl AsyncSaver {
         }
         fault::point("snapshot-taken", run.step)?;
         let staging = prepare_staging(&self.disk, run.step, rank == 0, world)?;
-        let job = Persist { snapshot, fill, disk: self.disk.clone(), staging, rank, own, meta, keep };
+        let job = Persist { snapshot, deferred, opener, disk: self.disk.clone(), staging, rank, own, meta, keep };
         let began = Instant::now();
         let writer = std::thread::Builder::new()
             .name("strata-checkpoint-writer".into())
             .spawn(move || {
-                job.run().map(|()| Persisted { seconds: began.elapsed().as_secs_f64(), cpu_s: thread_cpu_seconds() })
+                let kept = job.run()?;
+                Ok((Persisted { seconds: began.elapsed().as_secs_f64(), cpu_s: thread_cpu_seconds() }, kept))
             })
             .map_err(|e| Error::Checkpoint(format!("cannot start the checkpoint writer: {e}")))?;
         self.in_flight = Some(InFlight { step: run.step, writer });
@@ -339,6 +350,8 @@ impl AsyncSaver {
             persisted_s: persisted.map(|p| p.seconds),
             persisted_cpu_s: persisted.map(|p| p.cpu_s),
             updates_waited_s: 0.0,
+            locked_bytes,
+            locking_s,
         })
     }
 
@@ -349,7 +362,11 @@ impl AsyncSaver {
         let done = writer
             .join()
             .unwrap_or_else(|_| Err(Error::Checkpoint("the checkpoint writer stopped".into())))
-            .map_err(|e| Error::Checkpoint(format!("persisting the checkpoint of step {step}: {e}")));
+            .map_err(|e| Error::Checkpoint(format!("persisting the checkpoint of step {step}: {e}")))
+            .map(|(persisted, kept)| {
+                self.kept = kept;
+                persisted
+            });
         let spent = done.as_ref().map_or(Persisted { seconds: 0.0, cpu_s: 0.0 }, |p| *p);
         super::agree(world, done.map(|_| ()), &[])?;
         Ok(Some(spent))
@@ -372,8 +389,10 @@ impl AsyncSaver {
 /// disk.
 struct Persist {
     snapshot: PathBuf,
-    /// What the snapshot's file still lacks, and the fence it opens once copied in.
-    fill: Option<(Deferred, FenceOpener)>,
+    /// What this rank's file of the snapshot still lacks, where it wrote one.
+    deferred: Option<Deferred>,
+    /// The fence the updates wait at until the deferred values are copied in.
+    opener: Option<FenceOpener>,
     disk: PathBuf,
     staging: PathBuf,
     rank: usize,
@@ -384,8 +403,9 @@ struct Persist {
 }
 
 impl Persist {
-    fn run(mut self) -> Result<()> {
-        let result = self.complete().and_then(|()| self.copy_and_publish());
+    /// Persists the save; returns the map of this rank's snapshot file, for the next save.
+    fn run(mut self) -> Result<Option<MappedFile>> {
+        let result = self.complete().and_then(|kept| self.copy_and_publish().map(|()| kept));
         if let Err(e) = &result {
             // Rank 0's writer stops waiting for this rank's file when it sees the marker.
             let _ = std::fs::write(self.staging.join(failure_marker(self.rank)), e.to_string());
@@ -394,19 +414,18 @@ impl Persist {
     }
 
     /// Copies the values left on the host into this rank's file of the snapshot, lets the
-    /// updates go on, and marks the file complete: only then may a restart read it.
-    fn complete(&mut self) -> Result<()> {
-        if let Some((deferred, opener)) = self.fill.take() {
-            deferred.fill()?;
-            opener.open();
+    /// updates go on (whether the copy succeeded or not: the save then fails, not the
+    /// step), and marks the file complete: only then may a restart read it. Returns the
+    /// file's map.
+    fn complete(&mut self) -> Result<Option<MappedFile>> {
+        let kept = self.deferred.take().map(Deferred::fill).transpose();
+        drop(self.opener.take());
+        let kept = kept?;
+        if let Some(name) = &self.own {
+            let marker = self.snapshot.join(complete_marker(name));
+            std::fs::write(&marker, b"").map_err(|e| Error::io(&marker, e))?;
         }
-        match &self.own {
-            Some(name) => {
-                let marker = self.snapshot.join(complete_marker(name));
-                std::fs::write(&marker, b"").map_err(|e| Error::io(&marker, e))
-            }
-            None => Ok(()),
-        }
+        Ok(kept)
     }
 
     fn copy_and_publish(&self) -> Result<()> {

@@ -2,7 +2,7 @@
 //! family's names and layouts, and a trained model written back as such a folder
 //! (`config.json`, safetensors sharded above a size with their index, tokenizer files).
 use super::stacked::{self, Source};
-use super::{load_named, read_safetensors, write_atomic, write_safetensors_streamed, Placing};
+use super::{load_named, read_safetensors, write_atomic, write_safetensors_streamed};
 use crate::engine::Engine;
 use crate::model::hf::{INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
 use crate::model::{Family, ModelConfig, ModelDir};
@@ -165,7 +165,7 @@ impl FolderOut {
         for (i, range) in shards.iter().enumerate() {
             let part: Vec<(String, Kind, Vec<i64>)> =
                 stored[range.clone()].iter().map(|(n, k, s, _)| (n.clone(), *k, s.clone())).collect();
-            write_safetensors_streamed(&dir.join(file_name(i)), &part, &metadata, Placing::Atomic, |j| {
+            write_safetensors_streamed(&dir.join(file_name(i)), &part, &metadata, |j| {
                 Ok(match &stored[range.start + j].3 {
                     Source::One { index, transposed } => {
                         let t = fetch(*index)?;

@@ -176,19 +176,6 @@ fn tensor_bytes_le(t: &Tensor) -> Result<Vec<u8>> {
     Ok(data)
 }
 
-/// Where [`write_safetensors_streamed`] puts its file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Placing {
-    /// Written beside its name, flushed to disk and renamed over it: a crash leaves the old
-    /// file or the new one.
-    Atomic,
-    /// Written into the file at its name through a memory map: created (0600) where absent,
-    /// else resized and overwritten where it lies, so that a file kept in shared memory
-    /// between saves costs one copy of each tensor into pages already there. For a file
-    /// nothing reads while it is written.
-    InPlace,
-}
-
 /// A safetensors header for `layout`, its length prefix included, and each tensor's size
 /// in bytes. The header is padded with spaces so that the data starts 8-byte aligned.
 fn safetensors_header(
@@ -216,55 +203,125 @@ fn safetensors_header(
 
 /// Writes a safetensors file whose layout is known before its data: the header first,
 /// then each tensor's values as `next` produces them (of the layout's kind and size), in
-/// the header's order, copied straight into the file's bytes. Whole-model saves use it so
-/// that only one unit's tensors are in memory at a time (the safetensors crate serialises
-/// from a complete set of views).
+/// the header's order, copied straight into the file's bytes, written beside its name,
+/// flushed to disk and renamed over it (a crash leaves the old file or the new one).
+/// Whole-model saves use it so that only one unit's tensors are in memory at a time (the
+/// safetensors crate serialises from a complete set of views).
 pub fn write_safetensors_streamed(
     path: &Path,
     layout: &[(String, Kind, Vec<i64>)],
     metadata: &BTreeMap<String, String>,
-    placing: Placing,
     mut next: impl FnMut(usize) -> Result<Tensor>,
 ) -> Result<()> {
-    match placing {
-        Placing::InPlace => write_in_place(path, layout, metadata, false, next).map(drop),
-        Placing::Atomic => {
-            let (header, sizes) = safetensors_header(layout, metadata)?;
-            let io = |e| Error::io(path, e);
-            crate::files::write_atomic_direct(path, |w| {
-                w.write_all(&header).map_err(io)?;
-                for (i, &size) in sizes.iter().enumerate() {
-                    let (t, _) = stored(layout, i, next(i)?, size)?;
-                    if size > 0 {
-                        // SAFETY: `stored` gives a contiguous host tensor of `size` bytes,
-                        // alive until this slice's last use.
-                        let data = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, size) };
-                        w.write_all(data).map_err(io)?;
-                    }
-                }
-                Ok(())
-            })
+    let (header, sizes) = safetensors_header(layout, metadata)?;
+    let io = |e| Error::io(path, e);
+    crate::files::write_atomic_direct(path, |w| {
+        w.write_all(&header).map_err(io)?;
+        for (i, &size) in sizes.iter().enumerate() {
+            let t = stored(layout, i, next(i)?, size)?.f_to_device(tch::Device::Cpu)?;
+            if size > 0 {
+                // SAFETY: `stored` gives a contiguous tensor of `size` bytes, here on the
+                // host, alive until this slice's last use.
+                let data = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, size) };
+                w.write_all(data).map_err(io)?;
+            }
         }
-    }
+        Ok(())
+    })
 }
 
-/// [`write_safetensors_streamed`] in place ([`Placing::InPlace`]), leaving the tensors that
-/// `next` gives on the host, where they lie, to be copied in later by [`Deferred::fill`]
-/// (on another thread: the caller keeps them unchanged until it returns). Tensors on a GPU
-/// are copied in before this returns.
+/// [`write_safetensors_streamed`]'s file written instead into the file at `path` through a
+/// memory map: created (0600) where absent, else resized and overwritten where it lies, so
+/// that a file kept in shared memory between saves costs one copy of each tensor into pages
+/// already there; for a file nothing reads while it is written. The map is `kept`'s, an
+/// earlier write's of the same file, where the caller kept one. Tensors on a GPU are copied
+/// in before this returns; those `next` gives on the host are left where they lie, to be
+/// copied in later by [`Deferred::fill`] (on another thread: the caller keeps them
+/// unchanged until it returns).
 pub fn write_safetensors_deferring(
     path: &Path,
     layout: &[(String, Kind, Vec<i64>)],
     metadata: &BTreeMap<String, String>,
-    next: impl FnMut(usize) -> Result<Tensor>,
+    kept: Option<MappedFile>,
+    mut next: impl FnMut(usize) -> Result<Tensor>,
 ) -> Result<Deferred> {
-    write_in_place(path, layout, metadata, true, next)
+    let (header, sizes) = safetensors_header(layout, metadata)?;
+    let mut file = map_for_writing(path, header.len() + sizes.iter().sum::<usize>(), kept)?;
+    file.locking_s = 0.0;
+    file.map[..header.len()].copy_from_slice(&header);
+    let mut at = header.len();
+    let mut pending = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        let t = stored(layout, i, next(i)?, size)?;
+        match t.device() {
+            tch::Device::Cpu => pending.push((at, t)),
+            _ => file.copy_in(at, &t)?,
+        }
+        at += size;
+    }
+    Ok(Deferred { file, pending })
+}
+
+/// A file mapped into memory to be written in place, kept from one write of the file to
+/// the next (a snapshot in host memory rewritten at every save): its pages stay mapped,
+/// and once a GPU has copied into it, page-locked, so that the device's copies land in it
+/// directly. Locking costs time in proportion to the bytes, once per map.
+pub struct MappedFile {
+    /// The map's registration with the GPU's driver, where a GPU copied into it; dropped
+    /// before the map it locks.
+    locked: Option<strata_ext::cuda::HostRegistration>,
+    /// The driver refused to lock the map (said once): copies into it are staged.
+    refused: bool,
+    /// Seconds the file's latest write spent locking the map.
+    locking_s: f64,
+    map: memmap2::MmapMut,
+    /// The file's device and inode: the same file under another name (moved into the next
+    /// snapshot's folder) keeps its map.
+    identity: (u64, u64),
+}
+
+impl MappedFile {
+    /// Bytes of the map page-locked for a GPU's copies (0 where no GPU copied into it).
+    pub fn locked_bytes(&self) -> usize {
+        self.locked.as_ref().map_or(0, |l| l.bytes())
+    }
+
+    /// Copies `t` (contiguous) into the file's bytes from `at`, from the device it lies on;
+    /// from a GPU, into the map locked first.
+    fn copy_in(&mut self, at: usize, t: &Tensor) -> Result<()> {
+        let bytes = t.numel() * t.kind().elt_size_in_bytes();
+        if bytes == 0 {
+            return Ok(());
+        }
+        if t.device().is_cuda() && self.locked.is_none() && !self.refused {
+            let began = std::time::Instant::now();
+            // SAFETY: the registration is a field of the map's owner, dropped before it.
+            match unsafe { strata_ext::cuda::HostRegistration::new(self.map.as_mut_ptr(), self.map.len()) } {
+                Ok(locked) => {
+                    self.locked = Some(locked);
+                    self.locking_s = began.elapsed().as_secs_f64();
+                }
+                Err(e) => {
+                    self.refused = true;
+                    tracing::warn!(error = %e, "host memory for the GPU's copies is not page-locked: copies are staged");
+                }
+            }
+        }
+        let target =
+            self.map.get_mut(at..at + bytes).ok_or_else(|| Error::Model("a tensor past its file's end".into()))?;
+        // SAFETY: a byte view of `target`, which outlives it, used only for this copy.
+        let mut target =
+            unsafe { Tensor::f_from_blob(target.as_mut_ptr(), &[bytes as i64], &[], Kind::Uint8, tch::Device::Cpu) }?;
+        // Bytes to bytes: the copy converts nothing, and needs no alignment.
+        target.f_copy_(&t.f_reshape([-1])?.f_view_dtype(Kind::Uint8)?)?;
+        Ok(())
+    }
 }
 
 /// The host tensors a file written by [`write_safetensors_deferring`] still lacks, and the
 /// file's map to copy them into.
 pub struct Deferred {
-    map: memmap2::MmapMut,
+    file: MappedFile,
     /// Each tensor (contiguous, on the host) and its bytes' offset in the file.
     pending: Vec<(usize, Tensor)>,
 }
@@ -275,39 +332,41 @@ impl Deferred {
         self.pending.iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()
     }
 
-    /// Copies every tensor left into the file.
-    pub fn fill(mut self) -> Result<()> {
+    /// Bytes of the file's map page-locked for a GPU's copies.
+    pub fn locked_bytes(&self) -> usize {
+        self.file.locked_bytes()
+    }
+
+    /// Seconds this write spent locking the file's map (0 where a kept map was locked
+    /// already, or nothing came from a GPU).
+    pub fn locking_s(&self) -> f64 {
+        self.file.locking_s
+    }
+
+    /// Copies every tensor left into the file; returns its map, for the file's next write.
+    pub fn fill(mut self) -> Result<MappedFile> {
         for (at, t) in std::mem::take(&mut self.pending) {
-            let bytes = t.numel() * t.kind().elt_size_in_bytes();
-            t.f_copy_data_u8(&mut self.map[at..at + bytes], t.numel())?;
+            self.file.copy_in(at, &t)?;
         }
-        Ok(())
+        Ok(self.file)
     }
 }
 
-/// Tensor `i` of `layout`, `given`, as it is stored (detached, contiguous, on the host),
-/// checked against the layout's `expected` bytes; and whether it was on the host already.
-fn stored(layout: &[(String, Kind, Vec<i64>)], i: usize, given: Tensor, expected: usize) -> Result<(Tensor, bool)> {
-    let on_host = given.device() == tch::Device::Cpu;
-    let t = given.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
+/// Tensor `i` of `layout`, `given`, as it is stored (detached and contiguous, on the device
+/// it lies on), checked against the layout's `expected` bytes.
+fn stored(layout: &[(String, Kind, Vec<i64>)], i: usize, given: Tensor, expected: usize) -> Result<Tensor> {
+    let t = given.f_detach()?.f_contiguous()?;
     let bytes = t.numel() * t.kind().elt_size_in_bytes();
     if bytes != expected {
         return Err(Error::Model(format!("tensor {} produced {bytes} bytes, expected {expected}", layout[i].0)));
     }
-    Ok((t, on_host))
+    Ok(t)
 }
 
-/// Writes the file through a memory map ([`Placing::InPlace`]); with `defer_host`, the
-/// tensors already on the host are left to the [`Deferred`] returned.
-fn write_in_place(
-    path: &Path,
-    layout: &[(String, Kind, Vec<i64>)],
-    metadata: &BTreeMap<String, String>,
-    defer_host: bool,
-    mut next: impl FnMut(usize) -> Result<Tensor>,
-) -> Result<Deferred> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let (header, sizes) = safetensors_header(layout, metadata)?;
+/// The file at `path`, created (0600) where absent, `total` bytes long, mapped for writing:
+/// through `kept` where it maps this very file at this size, else anew.
+fn map_for_writing(path: &Path, total: usize, kept: Option<MappedFile>) -> Result<MappedFile> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let io = |e| Error::io(path, e);
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -317,32 +376,25 @@ fn write_in_place(
         .mode(0o600)
         .open(path)
         .map_err(io)?;
-    let total = header.len() + sizes.iter().sum::<usize>();
-    let rewritten = file.metadata().map_err(io)?.len() == total as u64;
+    let found = file.metadata().map_err(io)?;
+    let identity = (found.dev(), found.ino());
+    if let Some(kept) = kept.filter(|k| k.identity == identity && k.map.len() == total) {
+        return Ok(kept);
+    }
+    let rewritten = found.len() == total as u64;
     file.set_len(total as u64).map_err(io)?;
-    // A file rewritten at its size has its pages: they are mapped at once. A new file's
-    // are allocated where they are first written (the values left to a deferred fill
-    // there, off the caller's time): allocating them all up front would stop the caller
-    // for as long as the whole copy.
+    // A file rewritten at its size has its pages: they are mapped at once. A new file's are
+    // allocated where they are first written (the values left to a deferred fill there, off
+    // the caller's time): allocating them all up front would stop the caller for as long as
+    // the whole copy.
     let mut options = memmap2::MmapOptions::new();
     if rewritten {
         options.populate();
     }
     // SAFETY: the caller's file, which nothing else maps or resizes while it is written
-    // (see `Placing::InPlace`); a deferred fill keeps the map until it ends.
-    let mut map = unsafe { options.map_mut(&file) }.map_err(io)?;
-    map[..header.len()].copy_from_slice(&header);
-    let mut at = header.len();
-    let mut pending = Vec::new();
-    for (i, &size) in sizes.iter().enumerate() {
-        let (t, on_host) = stored(layout, i, next(i)?, size)?;
-        match defer_host && on_host {
-            true => pending.push((at, t)),
-            false => t.f_copy_data_u8(&mut map[at..at + size], t.numel())?,
-        }
-        at += size;
-    }
-    Ok(Deferred { map, pending })
+    // (see `write_safetensors_deferring`); a deferred fill keeps the map until it ends.
+    let map = unsafe { options.map_mut(&file) }.map_err(io)?;
+    Ok(MappedFile { locked: None, refused: false, locking_s: 0.0, map, identity })
 }
 
 /// Where whole weights are written.
@@ -367,7 +419,7 @@ pub fn write_weights(
     match target {
         WeightsTarget::File(path) => {
             let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-            write_safetensors_streamed(path, layout, &metadata, Placing::Atomic, fetch)
+            write_safetensors_streamed(path, layout, &metadata, fetch)
         }
         WeightsTarget::Folder(out) => out.write(layout, fetch),
         WeightsTarget::Adapter(out) => out.write(layout, fetch),
@@ -564,7 +616,8 @@ mod tests {
         for scale in [1.0, 2.0] {
             let stored = values.f_mul_scalar(scale).unwrap();
             let deferred =
-                write_safetensors_deferring(&path, &layout, &BTreeMap::new(), |_| Ok(stored.shallow_clone())).unwrap();
+                write_safetensors_deferring(&path, &layout, &BTreeMap::new(), None, |_| Ok(stored.shallow_clone()))
+                    .unwrap();
             assert_eq!(deferred.bytes(), 4 << 20);
             if scale == 1.0 {
                 assert!(allocated() < 1 << 20, "{} bytes allocated before the fill", allocated());
@@ -574,5 +627,41 @@ mod tests {
             let read = read_safetensors(&path).unwrap();
             assert!(read["values"].equal(&stored), "scale {scale}");
         }
+    }
+
+    /// A snapshot file's map serves its next write, under the file's new name too; another
+    /// file at the name, or the file at another size, gets a map of its own; and every
+    /// write reads back as written, the bytes of a tensor whatever their alignment. (That
+    /// the map is kept, not made again, shows on a GPU: its pages are locked once, in
+    /// `compute`'s CUDA tests.)
+    #[test]
+    fn a_kept_map_writes_its_own_file_again_and_no_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let (first, moved) = (dir.path().join("first"), dir.path().join("moved"));
+        // A one-byte tensor first leaves the floats after it unaligned in the map.
+        let write = |path: &Path, n: i64, scale: f64, kept: Option<MappedFile>| {
+            let byte = Tensor::from_slice(&[7u8]);
+            let values = Tensor::arange(n, (Kind::Float, tch::Device::Cpu)).f_mul_scalar(scale).unwrap();
+            let layout = [("byte".to_string(), Kind::Uint8, vec![1]), ("values".to_string(), Kind::Float, vec![n])];
+            let given = [byte.shallow_clone(), values.shallow_clone()];
+            let deferred =
+                write_safetensors_deferring(path, &layout, &BTreeMap::new(), kept, |i| Ok(given[i].shallow_clone()))
+                    .unwrap();
+            let file = deferred.fill().unwrap();
+            let read = read_safetensors(path).unwrap();
+            assert!(read["values"].equal(&values) && read["byte"].equal(&byte), "{} at scale {scale}", path.display());
+            file
+        };
+        let kept = write(&first, 1000, 1.0, None);
+        std::fs::rename(&first, &moved).unwrap();
+        let kept = write(&moved, 1000, 2.0, Some(kept));
+        // The same size, another file: the kept map would write the one it replaced.
+        std::fs::copy(&moved, &first).unwrap();
+        std::fs::rename(&first, &moved).unwrap();
+        let kept = write(&moved, 1000, 3.0, Some(kept));
+        // The same file at another size.
+        let kept = write(&moved, 3000, 4.0, Some(kept));
+        assert_eq!(kept.map.len() as u64, std::fs::metadata(&moved).unwrap().len());
+        assert_eq!(kept.locked_bytes(), 0, "nothing came from a GPU");
     }
 }

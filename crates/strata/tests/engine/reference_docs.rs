@@ -82,6 +82,8 @@ fn full_report() -> StepReport {
             persisted_s: Some(1.0),
             persisted_cpu_s: Some(1.0),
             updates_waited_s: 1.0,
+            locked_bytes: 1,
+            locking_s: 1.0,
         }),
         val_loss: Some(1.0),
         val_perplexity: Some(1.0),
