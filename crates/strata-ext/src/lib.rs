@@ -1195,7 +1195,7 @@ pub mod cuda {
         Ok(MemoryStats { allocated: s[0], allocated_peak: s[1], reserved: s[2], reserved_peak: s[3] })
     }
 
-    /// Compiles every CUDA kernel of [`kernels`](super::kernels) for `arch` (such as
+    /// Compiles every CUDA kernel of [`kernels`] for `arch` (such as
     /// `sm_90`) with NVRTC, without loading them: needs no device, so a machine without a
     /// GPU can check that the sources compile.
     pub fn compile_kernels(arch: &str) -> Result<()> {
