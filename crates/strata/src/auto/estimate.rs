@@ -646,8 +646,10 @@ pub fn estimate_with(
             device.comm += (2.0 * boundary) as u64;
         }
         // The ring's backward holds its block's keys and values and their gradients, and
-        // the next block's arriving, in fp32, each taken as a model width (an upper bound:
-        // grouped-query keys and values pass with their own heads, repeated per block).
+        // the next block's arriving, in fp32, each taken as a model width. Grouped-query
+        // keys and values pass narrower, but are repeated to the queries' width per block
+        // beside the queries' gradient and the block's own: about as much in all (multi-head
+        // attention's working copies come to somewhat more).
         if cp > 1 && layout.context_kind == ContextKind::Ring {
             device.comm += (8.0 * tokens * kept[0].output * 4.0 / t as f64) as u64;
         }
