@@ -40,6 +40,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -652,11 +653,7 @@ int strata_cuda_host_register(void* data, size_t bytes) {
   return guarded([&] {
     STRATA_REQUIRE_CUDA();
 #ifdef STRATA_CUDA
-    cudaError_t status = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
-    if (status != cudaSuccess) {
-      cudaGetLastError();  // clears the error, which is reported here
-      throw std::runtime_error(std::string("cudaHostRegister: ") + cudaGetErrorString(status));
-    }
+    C10_CUDA_CHECK(cudaHostRegister(data, bytes, cudaHostRegisterPortable));
 #else
     (void)data;
     (void)bytes;
@@ -668,11 +665,7 @@ int strata_cuda_host_register(void* data, size_t bytes) {
 int strata_cuda_host_unregister(void* data) {
   return guarded([&] {
 #ifdef STRATA_CUDA
-    cudaError_t status = cudaHostUnregister(data);
-    if (status != cudaSuccess) {
-      cudaGetLastError();
-      throw std::runtime_error(std::string("cudaHostUnregister: ") + cudaGetErrorString(status));
-    }
+    C10_CUDA_CHECK(cudaHostUnregister(data));
 #else
     (void)data;
 #endif
