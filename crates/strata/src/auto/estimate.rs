@@ -288,10 +288,7 @@ pub fn expert_placement(
 /// `spec` in `precision`: what one all-to-all pass of a step's layers carries where no slot
 /// stays home (each layer's width × its experts per token).
 pub(crate) fn expert_slot_bytes(spec: &ModelSpec, tokens: f64, precision: Precision) -> f64 {
-    let element = match precision {
-        Precision::Fp32 => 4.0,
-        _ => 2.0,
-    };
+    let element = compute_bytes(precision);
     spec.expert_sets
         .iter()
         .map(|set| {
@@ -299,6 +296,15 @@ pub(crate) fn expert_slot_bytes(spec: &ModelSpec, tokens: f64, precision: Precis
             tokens * (set.top_k * width) as f64 * element
         })
         .sum()
+}
+
+/// The bytes of an element of what the layers compute under `precision`: fp32, or the
+/// half-precision dtype that `amp_native`, `half` and fp8 compute in.
+fn compute_bytes(precision: Precision) -> f64 {
+    match precision {
+        Precision::Fp32 => 4.0,
+        _ => 2.0,
+    }
 }
 
 /// The bytes of a parameter element under `precision` (`half` keeps bf16 or fp16 weights).
@@ -645,13 +651,13 @@ pub fn estimate_with(
         if p > 1 {
             device.comm += (2.0 * boundary) as u64;
         }
-        // The ring's backward holds its block's keys and values and their gradients, and
-        // the next block's arriving, in fp32, each taken as a model width. Grouped-query
-        // keys and values pass narrower, but are repeated to the queries' width per block
-        // beside the queries' gradient and the block's own: about as much in all (multi-head
-        // attention's working copies come to somewhat more).
+        // The ring's backward holds its block's keys and values (in the compute dtype) and
+        // their gradients (in fp32), and the next block's arriving, each taken as a model
+        // width. Grouped-query keys and values pass narrower, but are repeated to the
+        // queries' width per block beside the queries' gradient and the block's own: about
+        // as much in all (multi-head attention's working copies come to somewhat more).
         if cp > 1 && layout.context_kind == ContextKind::Ring {
-            device.comm += (8.0 * tokens * kept[0].output * 4.0 / t as f64) as u64;
+            device.comm += (4.0 * (compute_bytes(c.precision) + 4.0) * tokens * kept[0].output / t as f64) as u64;
         }
         // An expert group's all-to-all holds one sparse layer's token slots sent and those
         // received (as many, routing balanced).

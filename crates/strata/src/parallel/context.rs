@@ -10,7 +10,10 @@
 //!   memory-efficient attention on a GPU), which returns its log-sum-exp and, given the
 //!   whole rows' output and log-sum-exp, its share of the gradients, so no block's scores
 //!   exist at all; soft-capped scores, values narrower than keys and what the GPU's kernel
-//!   does not serve (fp64, head widths not a multiple of 8) take the composite.
+//!   does not serve (fp64, head widths not a multiple of 8) take the composite, in fp32.
+//!   Keys and values travel, and fused blocks run, in the inputs' own dtype (bf16 and fp16
+//!   on the GPU's tensor cores); blocks merge, and gradients gather and travel, in fp32
+//!   (fp64 where the inputs are).
 //! - *all-to-all* (DeepSpeed-Ulysses): an all-to-all turns each rank's positions of every
 //!   head into every position of its share of the heads; attention then runs over whole rows
 //!   as without the split, and a second all-to-all turns the result back.
@@ -523,7 +526,7 @@ struct RingAttention {
     saved: Option<(Vec<Tensor>, Tensor, Tensor)>,
 }
 
-/// `t` in the ring's precision: fp32, or fp64 where it is.
+/// `t` in the precision the ring merges and gathers gradients in: fp32, or fp64 where it is.
 fn float(t: &Tensor) -> Result<Tensor> {
     match t.kind() {
         Kind::Double => Ok(t.shallow_clone()),
@@ -533,18 +536,22 @@ fn float(t: &Tensor) -> Result<Tensor> {
 
 impl RingAttention {
     fn forward(&mut self, inputs: &[Tensor]) -> Result<Tensor> {
-        let (q, mut k, mut v) = (float(&inputs[0])?, float(&inputs[1])?, float(&inputs[2])?);
+        // Keys and values travel in their own dtype: casting them first would only send
+        // more bytes. The fused kernel reads them so too; the composite widens each block.
+        let (q, mut k, mut v) = (inputs[0].shallow_clone(), inputs[1].shallow_clone(), inputs[2].shallow_clone());
         let (n, me) = (self.blocks.exchange.size(), self.blocks.exchange.rank());
         let rows = q.size()[..3].to_vec();
         let all_rows = ((0, rows[0]), (0, rows[2]));
-        let mut running = Running::new(&rows, v.size()[3], (q.kind(), q.device()))?;
+        let kernel = Kernel::serving(&q, &v, &self.blocks.options);
+        let q_wide = float(&q)?;
+        let mut running = Running::new(&rows, v.size()[3], (q_wide.kind(), q.device()))?;
         for step in 0..n {
             let owner = (me + n - step) % n;
             // The next block travels while this one is computed.
             let passing = (step + 1 < n).then(|| self.blocks.exchange.pass_on(&[&k, &v])).transpose();
             let passing = passing.map_err(Error::Comm)?;
             let (kr, vr) = (repeat_heads(&k, self.blocks.group)?, repeat_heads(&v, self.blocks.group)?);
-            if let Some(kernel) = Kernel::serving(&q, &vr, &self.blocks.options) {
+            if let Some(kernel) = kernel {
                 // Each tile's softmax arrives whole: its output weighs in by its log-sum-exp.
                 for tile in self.blocks.tiles(&q, owner) {
                     let terms = self.blocks.terms(&tile, owner, kernel, &q)?;
@@ -553,6 +560,7 @@ impl RingAttention {
                         (terms.mask.as_ref(), terms.causal),
                         self.blocks.scale,
                     )?;
+                    let (out, lse) = (out.f_to_kind(q_wide.kind())?, lse.f_to_kind(q_wide.kind())?);
                     let (out, lse) = match &terms.blind {
                         Some(blind) => (
                             out.f_masked_fill(&blind.f_unsqueeze(-1)?, 0.0)?,
@@ -564,7 +572,8 @@ impl RingAttention {
                     running.merge(region, &lse.f_unsqueeze(-1)?, |weight| Ok(Some(out.f_mul(weight)?)))?;
                 }
             } else {
-                let (scores, _) = self.blocks.scores(&q, &kr, owner)?;
+                let (scores, _) = self.blocks.scores(&q_wide, &float(&kr)?, owner)?;
+                let vr = float(&vr)?;
                 running.merge(all_rows, &scores, |probs| Ok(Some(probs.f_matmul(&vr)?)))?;
             }
             if let Some(passing) = passing {
@@ -587,14 +596,19 @@ impl RingAttention {
     fn backward(&mut self, grad: &Tensor) -> Result<Vec<Tensor>> {
         let (inputs, out, lse) =
             self.saved.take().ok_or_else(|| Error::Model("ring attention: backward twice".into()))?;
-        let (q, mut k, mut v) = (float(&inputs[0])?, float(&inputs[1])?, float(&inputs[2])?);
+        let (q, mut k, mut v) = (inputs[0].shallow_clone(), inputs[1].shallow_clone(), inputs[2].shallow_clone());
         let (n, me) = (self.blocks.exchange.size(), self.blocks.exchange.rank());
-        let grad = float(grad)?;
+        let kernel = Kernel::serving(&q, &v, &self.blocks.options);
+        let (q_wide, grad_wide) = (float(&q)?, float(grad)?);
+        // The fused kernel reads the gradient and the output in the queries' dtype.
+        let (grad, out_narrow) = (grad.f_to_kind(q.kind())?, out.f_to_kind(q.kind())?);
         // d(loss)/d(score) = p · (dO·v − Σ p dO·v): the second term per query is dO·out.
-        let delta = grad.f_mul(&out)?.f_sum_dim_intlist(-1, false, out.kind())?.f_unsqueeze(-1)?;
+        let delta = grad_wide.f_mul(&out)?.f_sum_dim_intlist(-1, false, out.kind())?.f_unsqueeze(-1)?;
         let lse_column = lse.f_unsqueeze(-1)?;
-        let mut dq = q.f_zeros_like()?;
-        let (mut dk, mut dv) = (k.f_zeros_like()?, v.f_zeros_like()?);
+        // Gradients gather in the merge's precision, block by block, and travel so.
+        let mut dq = q_wide.f_zeros_like()?;
+        let wide = (q_wide.kind(), q.device());
+        let (mut dk, mut dv) = (Tensor::f_zeros(k.size(), wide)?, Tensor::f_zeros(v.size(), wide)?);
         for step in 0..n {
             let owner = (me + n - step) % n;
             let exchange = &self.blocks.exchange;
@@ -604,33 +618,35 @@ impl RingAttention {
             let passing = (step + 1 < n).then(|| exchange.pass_on(&[&k, &v])).transpose().map_err(Error::Comm)?;
             let group = self.blocks.group;
             let (kr, vr) = (repeat_heads(&k, group)?, repeat_heads(&v, group)?);
-            if let Some(kernel) = Kernel::serving(&q, &vr, &self.blocks.options) {
+            if let Some(kernel) = kernel {
                 // Given the whole rows' output and log-sum-exp, the kernel's backward takes
                 // each tile's probabilities as their share of the whole softmax.
                 for tile in self.blocks.tiles(&q, owner) {
                     let queries = |t: &Tensor| tile.queries_of(t);
                     let terms = self.blocks.terms(&tile, owner, kernel, &q)?;
                     let (bq, bk, bv) = kernel.backward(
-                        (&queries(&grad)?, &queries(&out)?, &queries(&lse)?),
+                        (&queries(&grad)?, &queries(&out_narrow)?, &queries(&lse)?),
                         (&queries(&q)?, &tile.keys_of(&kr)?, &tile.keys_of(&vr)?),
                         (terms.mask.as_ref(), terms.causal),
                         self.blocks.scale,
                     )?;
+                    let summed = |b: &Tensor| summed_over_group(&b.f_to_kind(wide.0)?, group);
                     _ = queries(&dq)?.f_add_(&bq)?;
-                    _ = tile.keys_of(&dk)?.f_add_(&summed_over_group(&bk, group)?)?;
-                    _ = tile.keys_of(&dv)?.f_add_(&summed_over_group(&bv, group)?)?;
+                    _ = tile.keys_of(&dk)?.f_add_(&summed(&bk)?)?;
+                    _ = tile.keys_of(&dv)?.f_add_(&summed(&bv)?)?;
                 }
             } else {
-                let (scores, tanh) = self.blocks.scores(&q, &kr, owner)?;
+                let (kr, vr) = (float(&kr)?, float(&vr)?);
+                let (scores, tanh) = self.blocks.scores(&q_wide, &kr, owner)?;
                 let probs = scores.f_sub(&lse_column)?.f_exp()?;
-                dv = dv.f_add(&summed_over_group(&probs.f_transpose(-2, -1)?.f_matmul(&grad)?, group)?)?;
-                let mut dscores = probs.f_mul(&grad.f_matmul(&vr.f_transpose(-2, -1)?)?.f_sub(&delta)?)?;
+                dv = dv.f_add(&summed_over_group(&probs.f_transpose(-2, -1)?.f_matmul(&grad_wide)?, group)?)?;
+                let mut dscores = probs.f_mul(&grad_wide.f_matmul(&vr.f_transpose(-2, -1)?)?.f_sub(&delta)?)?;
                 if let Some(tanh) = tanh {
                     dscores = dscores.f_mul(&tanh.f_square()?.f_neg()?.f_add_scalar(1.0)?)?;
                 }
                 let dscores = dscores.f_mul_scalar(self.blocks.scale)?;
                 dq = dq.f_add(&dscores.f_matmul(&kr)?)?;
-                dk = dk.f_add(&summed_over_group(&dscores.f_transpose(-2, -1)?.f_matmul(&q)?, group)?)?;
+                dk = dk.f_add(&summed_over_group(&dscores.f_transpose(-2, -1)?.f_matmul(&q_wide)?, group)?)?;
             }
             let home = exchange.pass_on(&[&dk, &dv]).and_then(Passing::arrived).map_err(Error::Comm)?;
             let [hdk, hdv] = <[Tensor; 2]>::try_from(home).map_err(|_| Error::Comm("ring pass".into()))?;

@@ -5,11 +5,15 @@
 //! (the ring's composite blocks), and with the window, sinks and packing alone (its fused
 //! blocks in tiles, masked in bands across the window's edge), and with sinks and packing
 //! alone (its fused blocks without a mask), and with a window wider than a ring's run;
-//! keys and values with fewer heads than the queries (2 and 1 for 4), given unrepeated. On a GPU, where there is one, the same with two ranks sharing it: fp32 blocks
-//! on its fused kernel, fp64 on the composite.
+//! keys and values with fewer heads than the queries (2 and 1 for 4), given unrepeated;
+//! in fp64, fp32 and bf16, the ring's keys and values travelling in their own dtype. On a
+//! GPU, where there is one, the same with two ranks sharing it: fp32 and bf16 blocks on
+//! its fused kernel, fp64 on the composite.
 
 use crate::common::ranks::{assert_all_ok, connect, run_ranks};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use strata::comm::{Collective, CommObserver, Waited};
 use strata::model::layers::{attention, examples_differ, AttentionOptions, ScoreTerms};
 use strata::model::ContextParallel;
 use strata::parallel::context::{piece_of, ContextGroup};
@@ -44,6 +48,8 @@ fn rank_entry() {
         other => panic!("scenario {other}"),
     };
     let comm = connect();
+    let traffic = Arc::new(Traffic::default());
+    comm.observe(Some(traffic.clone()));
     let mut failures = vec![];
     for kind in [ContextKind::Ring, ContextKind::AllToAll] {
         let group = ContextGroup::new(Arc::from(comm.world().unwrap()), kind);
@@ -93,15 +99,24 @@ fn rank_entry() {
         for (name, case) in cases {
             // The same sums in other orders (blocks merged through the log-sum-exp): in
             // fp64 to 1e-12 (the algorithm is exact), in fp32 to 1e-6 of the largest value
-            // compared (fp32's rounding, ~6e-8 a sum, over a few dozen terms).
-            for (values, bound) in [(Kind::Double, 1e-12), (Kind::Float, 1e-6)] {
-                let worst = case.check(&group, kind, (rank, n), (values, device));
+            // compared (fp32's rounding, ~6e-8 a sum, over a few dozen terms); in bf16 to
+            // 2e-2 (both sides round their inputs' products and their results to 8 bits).
+            for (values, bound) in [(Kind::Double, 1e-12), (Kind::Float, 1e-6), (Kind::BFloat16, 2e-2)] {
+                let (worst, sent) = case.check(&group, kind, (rank, n), (values, device), &traffic);
                 let line = format!(
                     "{kind:?} {values:?} on {device:?} {name}: largest difference {worst:.2e} of the largest value"
                 );
                 println!("{line}");
                 if worst > bound {
                     failures.push(line);
+                }
+                // The ring's forward passes this rank's keys and values on n − 1 times, in
+                // their own dtype.
+                let (b, t) = (2, 32 / n as i64);
+                let elements = (n as i64 - 1) * b * case.kv_heads * t * (8 + case.value_width);
+                let expected = elements as u64 * values.elt_size_in_bytes() as u64;
+                if kind == ContextKind::Ring && sent != expected {
+                    failures.push(format!("{values:?} {name}: the ring's forward sent {sent} bytes, not {expected}"));
                 }
             }
         }
@@ -120,6 +135,20 @@ struct Case {
     kv_heads: i64,
 }
 
+/// The bytes of every all-to-all (the ring's passes among them) this rank has finished.
+#[derive(Default)]
+struct Traffic(AtomicU64);
+
+impl CommObserver for Traffic {
+    fn collective(&self, collective: &Collective) {
+        if collective.op == "all_to_all" {
+            self.0.fetch_add(collective.bytes, Ordering::SeqCst);
+        }
+    }
+
+    fn waited(&self, _: &Waited) {}
+}
+
 /// A tensor every rank draws alike.
 fn drawn(shape: &[i64], seed: i64, (kind, device): (Kind, Device)) -> Tensor {
     tch::manual_seed(seed);
@@ -129,8 +158,16 @@ fn drawn(shape: &[i64], seed: i64, (kind, device): (Kind, Device)) -> Tensor {
 impl Case {
     /// The largest absolute difference between this rank's piece of the whole rows'
     /// attention (output and gradients) and what the context group computes, relative to
-    /// the largest absolute value of what is compared.
-    fn check(&self, group: &ContextGroup, kind: ContextKind, (rank, n): (usize, usize), values: (Kind, Device)) -> f64 {
+    /// the largest absolute value of what is compared; and the bytes the context group's
+    /// forward sent by all-to-all (`traffic`).
+    fn check(
+        &self,
+        group: &ContextGroup,
+        kind: ContextKind,
+        (rank, n): (usize, usize),
+        values: (Kind, Device),
+        traffic: &Traffic,
+    ) -> (f64, u64) {
         let (b, h, t, d) = (2, 4, 32, 8);
         let q = drawn(&[b, h, t, d], 1, values);
         let k = drawn(&[b, self.kv_heads, t, d], 2, values);
@@ -170,9 +207,11 @@ impl Case {
             .map(|x| take(x, 2).set_requires_grad(true))
             .chain([sinks.copy().set_requires_grad(true)])
             .collect();
+        traffic.0.store(0, Ordering::SeqCst);
         let out = group
             .attention(&mine[0], &mine[1], &mine[2], &self.options, &take(&examples, 1), self.sinks.then_some(&mine[3]))
             .unwrap();
+        let sent = traffic.0.load(Ordering::SeqCst);
         (&out * take(&upstream, 2)).sum(Kind::Float).backward();
         let gap = |a: &Tensor, b: &Tensor| {
             let scale = b.abs().max().double_value(&[]).max(1e-30);
@@ -190,6 +229,6 @@ impl Case {
             let summed = Tensor::from_slice(&summed).to_kind(values.0).to_device(values.1);
             worst = worst.max(gap(&summed, &leaves[3].grad()));
         }
-        worst
+        (worst, sent)
     }
 }
