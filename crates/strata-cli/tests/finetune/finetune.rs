@@ -135,6 +135,20 @@ fn padded_rows_split_over_a_context_ring_are_one_batch() {
     assert_eq!(learned(&one.1), learned(&ring.1), "learned tokens per step");
 }
 
+/// Dropout's masks fall at positions counted from a row's start, which a ring's two runs
+/// per rank do not share: refused before the first step, naming the cure.
+#[test]
+fn dropout_over_a_context_ring_is_refused_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = example_file(dir.path());
+    let split = ["--steps", "1", "--nproc", "2", "--strategy", RING, "--dropout", "0.1"];
+    let o = strata(&[&["train"][..], &words(MODEL), &words(RUN), &["--data", data.to_str().unwrap()], &split].concat());
+    assert_fails_with(
+        &o,
+        "context_parallel: the model's dropout is not drawn over a piece of the rows: set --dropout 0",
+    );
+}
+
 #[test]
 fn packing_fills_rows_with_several_examples() {
     let (packed, one) = (reports(&one_batch(true).1), reports(&one_batch(false).1));

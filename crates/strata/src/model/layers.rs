@@ -499,7 +499,11 @@ pub fn attend(
         return Err(refused("attention dropout"));
     }
     let layout = layout.ok_or_else(|| refused("a row without the layout that places its piece"))?;
-    context.attention(q, k, v, options, &layout.examples, terms.sinks)
+    // In the products' dtype under either autocast, as attention over whole rows computes
+    // (libtorch's on a device does not reach the context group's kernels).
+    let kind = compute::product_kind();
+    let (q, k, v) = (cast(q, kind)?, cast(k, kind)?, cast(v, kind)?);
+    context.attention(&q, &k, &v, options, &layout.examples, terms.sinks)
 }
 
 /// `x` (`[B, Hkv, T, D]`) with each head repeated `times` times in place: the query heads a

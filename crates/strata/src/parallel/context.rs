@@ -577,8 +577,7 @@ impl RingAttention {
                 running.merge(all_rows, &scores, |probs| Ok(Some(probs.f_matmul(&vr)?)))?;
             }
             if let Some(passing) = passing {
-                let next = passing.arrived().map_err(Error::Comm)?;
-                (k, v) = (next[0].shallow_clone(), next[1].shallow_clone());
+                [k, v] = arrived_pair(passing)?;
             }
         }
         if let Some(sinks) = inputs.get(3) {
@@ -608,17 +607,19 @@ impl RingAttention {
         // Gradients gather in the merge's precision, block by block, and travel so.
         let mut dq = q_wide.f_zeros_like()?;
         let wide = (q_wide.kind(), q.device());
-        let (mut dk, mut dv) = (Tensor::f_zeros(k.size(), wide)?, Tensor::f_zeros(v.size(), wide)?);
+        // Each block's key and value gradients gather here, then join those the ranks before
+        // gave the same keys as they arrive, and pass on while the next block is computed
+        // (after the last block, one more pass brings each home).
+        let mut gathered: Option<Passing> = None;
         for step in 0..n {
             let owner = (me + n - step) % n;
             let exchange = &self.blocks.exchange;
-            // The next block's keys and values travel while this one's gradients are
-            // computed; the gradients follow them once complete (after the last block, one
-            // more pass brings each home).
+            // The next block's keys and values travel while this one's gradients are computed.
             let passing = (step + 1 < n).then(|| exchange.pass_on(&[&k, &v])).transpose().map_err(Error::Comm)?;
             let group = self.blocks.group;
             let (kr, vr) = (repeat_heads(&k, group)?, repeat_heads(&v, group)?);
-            if let Some(kernel) = kernel {
+            let (mut dk, mut dv) = if let Some(kernel) = kernel {
+                let (dk, dv) = (Tensor::f_zeros(k.size(), wide)?, Tensor::f_zeros(v.size(), wide)?);
                 // Given the whole rows' output and log-sum-exp, the kernel's backward takes
                 // each tile's probabilities as their share of the whole softmax.
                 for tile in self.blocks.tiles(&q, owner) {
@@ -635,28 +636,31 @@ impl RingAttention {
                     _ = tile.keys_of(&dk)?.f_add_(&summed(&bk)?)?;
                     _ = tile.keys_of(&dv)?.f_add_(&summed(&bv)?)?;
                 }
+                (dk, dv)
             } else {
                 let (kr, vr) = (float(&kr)?, float(&vr)?);
                 let (scores, tanh) = self.blocks.scores(&q_wide, &kr, owner)?;
                 let probs = scores.f_sub(&lse_column)?.f_exp()?;
-                dv = dv.f_add(&summed_over_group(&probs.f_transpose(-2, -1)?.f_matmul(&grad_wide)?, group)?)?;
+                let dv = summed_over_group(&probs.f_transpose(-2, -1)?.f_matmul(&grad_wide)?, group)?;
                 let mut dscores = probs.f_mul(&grad_wide.f_matmul(&vr.f_transpose(-2, -1)?)?.f_sub(&delta)?)?;
                 if let Some(tanh) = tanh {
                     dscores = dscores.f_mul(&tanh.f_square()?.f_neg()?.f_add_scalar(1.0)?)?;
                 }
                 let dscores = dscores.f_mul_scalar(self.blocks.scale)?;
                 dq = dq.f_add(&dscores.f_matmul(&kr)?)?;
-                dk = dk.f_add(&summed_over_group(&dscores.f_transpose(-2, -1)?.f_matmul(&q_wide)?, group)?)?;
+                (summed_over_group(&dscores.f_transpose(-2, -1)?.f_matmul(&q_wide)?, group)?, dv)
+            };
+            if let Some(earlier) = gathered.take() {
+                let [edk, edv] = arrived_pair(earlier)?;
+                (dk, dv) = (dk.f_add(&edk)?, dv.f_add(&edv)?);
             }
-            let home = exchange.pass_on(&[&dk, &dv]).and_then(Passing::arrived).map_err(Error::Comm)?;
-            let [hdk, hdv] = <[Tensor; 2]>::try_from(home).map_err(|_| Error::Comm("ring pass".into()))?;
-            (dk, dv) = (hdk, hdv);
+            gathered = Some(exchange.pass_on(&[&dk, &dv]).map_err(Error::Comm)?);
             if let Some(passing) = passing {
-                let next = passing.arrived().map_err(Error::Comm)?;
-                let [nk, nv] = <[Tensor; 2]>::try_from(next).map_err(|_| Error::Comm("ring pass".into()))?;
-                (k, v) = (nk, nv);
+                [k, v] = arrived_pair(passing)?;
             }
         }
+        let gathered = gathered.ok_or_else(|| Error::Comm("ring pass: an empty ring".into()))?;
+        let [dk, dv] = arrived_pair(gathered)?;
         let mut grads =
             vec![dq.f_to_kind(inputs[0].kind())?, dk.f_to_kind(inputs[1].kind())?, dv.f_to_kind(inputs[2].kind())?];
         if let Some(sinks) = inputs.get(3) {
@@ -672,6 +676,12 @@ impl RingAttention {
         }
         Ok(grads)
     }
+}
+
+/// The two tensors a ring pass brings.
+fn arrived_pair(passing: Passing) -> Result<[Tensor; 2]> {
+    let arrived = passing.arrived().map_err(Error::Comm)?;
+    <[Tensor; 2]>::try_from(arrived).map_err(|_| Error::Comm("ring pass: not two tensors".into()))
 }
 
 /// The gradient of [`repeat_heads`]' input from its output's `grad` (`[B, Hkv·times, T, D]`).

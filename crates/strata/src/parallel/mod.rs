@@ -145,6 +145,13 @@ pub fn build_engine(spec: ModelSpec, config: EngineConfig, strategy: &Strategy, 
             "lora: dropout beside sequence_parallel or context_parallel is not supported: set dropout to 0".into(),
         ));
     }
+    // A model's dropout masks fall at positions counted from a row's start; a context
+    // ring's piece is two runs apart in the row, which one offset does not place.
+    if spec.dropout && strategy.context_parallel().is_some() {
+        return Err(Error::Config(
+            "context_parallel: the model's dropout is not drawn over a piece of the rows: set --dropout 0".into(),
+        ));
+    }
     let config = EngineConfig { kind: strategy.half().unwrap_or(config.kind), ..config };
     let policies = compute_policies(&spec, strategy, config.device)?;
     let offloaded = activation_offload(&spec, strategy)?;
