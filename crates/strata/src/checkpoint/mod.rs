@@ -683,7 +683,14 @@ fn write_rank_file(
     // A file written in place is a snapshot in host memory: what lies on the host already
     // is left to its writer ([`Deferred`]).
     match write {
-        RankWrite::Reusing(_, kept) => write_safetensors_deferring(path, &layout, &metadata, kept, value).map(Some),
+        RankWrite::Reusing(_, kept) => {
+            write_safetensors_deferring(path, &layout, &metadata, kept, value).map(Some).map_err(|e| match e {
+                Error::Checkpoint(m) => Error::Checkpoint(format!(
+                    "{m} (host-memory snapshots: STRATA_SNAPSHOT_DIR names a folder with more room)"
+                )),
+                other => other,
+            })
+        }
         RankWrite::Atomic => write_safetensors_streamed(path, &layout, &metadata, value).map(|()| None),
     }
 }

@@ -335,15 +335,7 @@ impl AsyncSaver {
         fault::point("snapshot-taken", run.step)?;
         let staging = prepare_staging(&self.disk, run.step, rank == 0, world)?;
         let job = Persist { snapshot, deferred, opener, disk: self.disk.clone(), staging, rank, own, meta, keep };
-        let began = Instant::now();
-        let writer = std::thread::Builder::new()
-            .name("strata-checkpoint-writer".into())
-            .spawn(move || {
-                let kept = job.run()?;
-                Ok((Persisted { seconds: began.elapsed().as_secs_f64(), cpu_s: thread_cpu_seconds() }, kept))
-            })
-            .map_err(|e| Error::Checkpoint(format!("cannot start the checkpoint writer: {e}")))?;
-        self.in_flight = Some(InFlight { step: run.step, writer });
+        self.start_writer(job)?;
         Ok(SaveTimes {
             blocked_s: start.elapsed().as_secs_f64(),
             waited_s,
@@ -353,6 +345,57 @@ impl AsyncSaver {
             locked_bytes,
             locking_s,
         })
+    }
+
+    /// Starts persisting `resumed`, a snapshot in this saver's host memory newer than the
+    /// disk's newest checkpoint (its writer stopped before publishing it), in the
+    /// background: the next save replaces memory's one snapshot, so it must first wait for
+    /// this one to be on disk, as for any save's. Nothing where the disk has it already or
+    /// it was not read from memory. Every rank calls it.
+    pub fn persist_resumed(
+        &mut self,
+        resumed: &Checkpoint,
+        world: Option<&dyn ProcessGroup>,
+        keep: usize,
+    ) -> Result<()> {
+        let on_disk = latest(&self.disk).ok().and_then(|d| read_meta(&d).ok()).map_or(-1.0, |m| m.step as f64);
+        let in_memory = match resumed.location.starts_with(&self.memory) {
+            true => resumed.meta.step as f64,
+            false => -1.0,
+        };
+        let agreed = most_over(world, &[on_disk, in_memory])?;
+        if agreed[1] <= agreed[0] {
+            return Ok(());
+        }
+        let rank = world.map_or(0, |g| g.rank());
+        tracing::info!(step = resumed.meta.step, "the snapshot resumed from host memory is not on disk: persisting it");
+        let staging = prepare_staging(&self.disk, resumed.meta.step, rank == 0, world)?;
+        let own = Some(rank_file(rank)).filter(|f| resumed.meta.files.contains(f));
+        self.start_writer(Persist {
+            snapshot: resumed.location.clone(),
+            deferred: None,
+            opener: None,
+            disk: self.disk.clone(),
+            staging,
+            rank,
+            own,
+            meta: resumed.meta.clone(),
+            keep,
+        })
+    }
+
+    /// Starts the writer thread persisting `job`.
+    fn start_writer(&mut self, job: Persist) -> Result<()> {
+        let (step, began) = (job.meta.step, Instant::now());
+        let writer = std::thread::Builder::new()
+            .name("strata-checkpoint-writer".into())
+            .spawn(move || {
+                let kept = job.run()?;
+                Ok((Persisted { seconds: began.elapsed().as_secs_f64(), cpu_s: thread_cpu_seconds() }, kept))
+            })
+            .map_err(|e| Error::Checkpoint(format!("cannot start the checkpoint writer: {e}")))?;
+        self.in_flight = Some(InFlight { step, writer });
+        Ok(())
     }
 
     /// Waits for the save in flight to be on disk on every rank; returns what its writer
@@ -552,5 +595,48 @@ mod tests {
         let memory = saver.memory().to_path_buf();
         saver.close(None).unwrap();
         assert!(!memory.exists());
+    }
+
+    /// A snapshot resumed from memory that the disk lacks (its writer stopped before
+    /// publishing it) is persisted as the next saver starts, so the save that then replaces
+    /// memory's one snapshot finds it on disk; one the disk holds is not written again.
+    #[test]
+    fn a_snapshot_resumed_from_memory_reaches_the_disk_before_memory_moves_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("ckpt");
+        let (mut engine, mut optimizer) = mlp();
+        let layout = Layout::of(&engine);
+        let first = ParamId(0);
+        let mut saver = AsyncSaver::new(&disk, true).unwrap();
+        let mut published = vec![];
+        for step in 1..=2u64 {
+            let values = BTreeMap::from([(first, engine.param(first).ones_like() * step as f64)]);
+            engine.set_params(&values).unwrap();
+            let mut parts = [Part { engine: &mut engine, optimizer: &mut optimizer, first_unit: 0 }];
+            saver.save(&layout, &mut parts, &run_info(step), None, 2).unwrap();
+            saver.wait(None).unwrap();
+            published.push(latest(&disk).unwrap());
+        }
+        // The disk as a writer killed before publishing step 2 leaves it; the process dies
+        // with its snapshot in memory.
+        std::fs::remove_dir_all(&published[1]).unwrap();
+        let step_one = published[0].file_name().unwrap().to_str().unwrap();
+        std::fs::write(disk.join("latest"), step_one).unwrap();
+        drop(saver);
+        let chosen = newest_in_memory(&disk, None, true).unwrap().expect("memory holds step 2");
+        assert_eq!(chosen.meta.step, 2);
+        let mut restarted = AsyncSaver::new(&disk, true).unwrap();
+        restarted.persist_resumed(&chosen, None, 2).unwrap();
+        assert!(restarted.wait(None).unwrap().is_some(), "step 2 was not persisted");
+        let on_disk = Checkpoint::open(&disk).unwrap();
+        assert_eq!(on_disk.meta.step, 2);
+        let (mut restored, mut restored_optimizer) = mlp();
+        on_disk.restore(&mut restored, &mut restored_optimizer, "adamw").unwrap();
+        let held = restored.param(first).to_kind(Kind::Double);
+        assert_eq!(held, Tensor::full_like(&held, 2.0));
+        let mut again = AsyncSaver::new(&disk, true).unwrap();
+        again.persist_resumed(&chosen, None, 2).unwrap();
+        assert!(again.wait(None).unwrap().is_none(), "a snapshot the disk holds was written again");
+        again.close(None).unwrap();
     }
 }

@@ -383,10 +383,13 @@ fn map_for_writing(path: &Path, total: usize, kept: Option<MappedFile>) -> Resul
     }
     let rewritten = found.len() == total as u64;
     file.set_len(total as u64).map_err(io)?;
-    // A file rewritten at its size has its pages: they are mapped at once. A new file's are
-    // allocated where they are first written (the values left to a deferred fill there, off
-    // the caller's time): allocating them all up front would stop the caller for as long as
-    // the whole copy.
+    if !rewritten {
+        reserve(&file, path, total)?;
+    }
+    // A file rewritten at its size has its pages: they are mapped at once. A new file's,
+    // reserved, are only touched where first written (the values left to a deferred fill
+    // there, off the caller's time): populating them up front would stop the caller for as
+    // long as the whole copy.
     let mut options = memmap2::MmapOptions::new();
     if rewritten {
         options.populate();
@@ -395,6 +398,28 @@ fn map_for_writing(path: &Path, total: usize, kept: Option<MappedFile>) -> Resul
     // (see `write_safetensors_deferring`); a deferred fill keeps the map until it ends.
     let map = unsafe { options.map_mut(&file) }.map_err(io)?;
     Ok(MappedFile { locked: None, refused: false, locking_s: 0.0, map, identity })
+}
+
+/// Reserves `file`'s `total` bytes on its file system, so that writing through a map of it
+/// cannot meet a full one (in shared memory a write to a page with no room behind it kills
+/// the process: SIGBUS). Where there is no room, the file is removed and the error says
+/// how much was wanted where. A file system that cannot reserve ahead is written as it is.
+fn reserve(file: &std::fs::File, path: &Path, total: usize) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let length = libc::off_t::try_from(total)
+        .map_err(|_| Error::Checkpoint(format!("{}: {total} bytes is too large a file", path.display())))?;
+    // SAFETY: `file` is open for writing; posix_fallocate reads nothing else.
+    let code = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, length) };
+    match code {
+        0 | libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
+        code => {
+            let error = std::io::Error::from_raw_os_error(code);
+            // The file holds nothing yet: it goes, not to take up what room is left.
+            _ = std::fs::remove_file(path);
+            let folder = path.parent().unwrap_or(path).display();
+            Err(Error::Checkpoint(format!("{total} bytes for {} do not fit in {folder}: {error}", path.display())))
+        }
+    }
 }
 
 /// Where whole weights are written.
@@ -663,5 +688,57 @@ mod tests {
         let kept = write(&moved, 3000, 4.0, Some(kept));
         assert_eq!(kept.map.len() as u64, std::fs::metadata(&moved).unwrap().len());
         assert_eq!(kept.locked_bytes(), 0, "nothing came from a GPU");
+    }
+
+    /// A file larger than the room left in its shared memory is refused with an error and
+    /// leaves nothing behind, where writing through its map would kill the process
+    /// (SIGBUS); one that fits is written. It runs again in a private mount namespace over
+    /// a tmpfs of 1 MiB (`unshare`, as root); without them it says it is skipped.
+    #[test]
+    fn a_file_larger_than_its_shared_memory_is_refused_not_fatal() {
+        const NAME: &str = "io::tests::a_file_larger_than_its_shared_memory_is_refused_not_fatal";
+        const SMALL_TMPFS: &str = "STRATA_TEST_SMALL_TMPFS";
+        let write = |path: &Path, n: i64| {
+            let values = Tensor::arange(n, (Kind::Float, tch::Device::Cpu));
+            let layout = [("values".to_string(), Kind::Float, vec![n])];
+            let deferred =
+                write_safetensors_deferring(path, &layout, &BTreeMap::new(), None, |_| Ok(values.shallow_clone()))?;
+            deferred.fill()?;
+            let read = read_safetensors(path)?;
+            assert!(read["values"].equal(&values), "{} read back", path.display());
+            Ok::<(), Error>(())
+        };
+        if let Some(folder) = std::env::var_os(SMALL_TMPFS) {
+            let path = Path::new(&folder).join("rank-0.safetensors");
+            let error = write(&path, 1 << 20).expect_err("4 MiB of floats written into 1 MiB").to_string();
+            assert!(error.contains("do not fit in") && error.contains("No space left"), "{error}");
+            assert!(!path.exists(), "the file that did not fit was left behind");
+            write(&path, 1 << 16).unwrap();
+            return;
+        }
+        let namespaces =
+            std::process::Command::new("unshare").args(["-m", "--propagation", "private", "true"]).output();
+        if !namespaces.is_ok_and(|o| o.status.success()) {
+            eprintln!("{NAME}: skipped, no private mount namespace (unshare -m, as root)");
+            return;
+        }
+        let folder = tempfile::tempdir().unwrap();
+        let exe = std::env::current_exe().unwrap();
+        let script = format!(
+            "mount -t tmpfs -o size=1m none '{}' || exit 77; exec '{}' --exact {NAME} --nocapture --test-threads 1",
+            folder.path().display(),
+            exe.display()
+        );
+        let o = std::process::Command::new("unshare")
+            .args(["-m", "--propagation", "private", "sh", "-c", &script])
+            .env(SMALL_TMPFS, folder.path())
+            .output()
+            .unwrap();
+        if o.status.code() == Some(77) {
+            eprintln!("{NAME}: skipped, no tmpfs could be mounted");
+            return;
+        }
+        let out = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success() && out.contains("1 passed"), "{:?}:\n{out}", o.status);
     }
 }

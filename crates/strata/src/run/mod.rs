@@ -798,7 +798,13 @@ pub fn train(
     let rank_rows = loader_config.micro_batch_rows()?;
     let loader = DataLoader::new(data.train.clone(), loader_config)?;
     let saver = match &config.checkpoints {
-        Some(c) if c.asynchronous => Some(checkpoint::snapshot::AsyncSaver::new(&c.dir, ranks.local_rank == 0)?),
+        Some(c) if c.asynchronous => {
+            let mut saver = checkpoint::snapshot::AsyncSaver::new(&c.dir, ranks.local_rank == 0)?;
+            if let Some(ckpt) = &resume {
+                saver.persist_resumed(ckpt, world_group.as_deref(), c.keep)?;
+            }
+            Some(saver)
+        }
         _ => None,
     };
     let saver = std::cell::RefCell::new(saver);
