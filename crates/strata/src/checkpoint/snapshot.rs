@@ -107,7 +107,7 @@ pub fn newest_in_memory(
     let own = rank_file(rank);
     let usable = latest(&memory).ok().and_then(|dir| Some((read_meta(&dir).ok()?, dir))).filter(|(meta, dir)| {
         let complete = dir.join(&own).is_file() && dir.join(complete_marker(&own)).is_file();
-        meta.world_size == ranks && (!meta.files.contains(&own) || complete)
+        meta.world_size == ranks && (!meta.files.contains(&own) || complete) && taken_since_boot(dir)
     });
     let step = usable.as_ref().map_or(-1.0, |(meta, _)| meta.step as f64);
     let on_disk = latest(disk).ok().and_then(|d| read_meta(&d).ok()).map_or(-1.0, |m| m.step as f64);
@@ -222,9 +222,18 @@ fn send_file(g: &dyn ProcessGroup, owner: usize, path: &Path, receive: bool) -> 
         }
         at += bytes.len();
     }
+    // Whether the owner read its whole file: what it sent after a failed read is not the
+    // file, and must not be taken for it where it arrived.
+    let read = Tensor::from_slice(&[f64::from(u8::from(outcome.is_ok()))]);
+    g.broadcast(&read, owner)?.wait()?;
+    if read.double_value(&[0]) == 0.0 && g.rank() != owner {
+        outcome = outcome.and(Err(Error::Checkpoint(format!("rank {owner} could not read its {}", path.display()))));
+    }
     if sink.is_some() && outcome.is_ok() {
         outcome = std::fs::rename(&incoming, path).map_err(|e| Error::io(path, e));
         tracing::info!(file = %path.display(), bytes = length, from_rank = owner, "snapshot part received from another node");
+    } else if sink.is_some() {
+        _ = std::fs::remove_file(&incoming);
     }
     outcome
 }
@@ -327,7 +336,9 @@ impl AsyncSaver {
         });
         // Rank files are made 0600; the description and `latest` are written as any file.
         if self.node_publisher {
-            for path in [snapshot.join("meta.json"), memory_latest] {
+            let boot = snapshot.join(BOOT_FILE);
+            std::fs::write(&boot, boot_id()).map_err(|e| Error::io(&boot, e))?;
+            for path in [snapshot.join("meta.json"), memory_latest, boot] {
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
                     .map_err(|e| Error::io(&path, e))?;
             }
@@ -511,6 +522,22 @@ impl Persist {
     }
 }
 
+/// The file of a snapshot in memory naming the boot it was taken in ([`boot_id`]).
+const BOOT_FILE: &str = "boot_id";
+
+/// This boot of the machine, as the kernel names it (empty where it does not).
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map_or_else(|_| String::new(), |s| s.trim().to_string())
+}
+
+/// Whether the snapshot in `dir` was taken since the machine last booted. Snapshots are
+/// written in place through memory maps and never flushed: in shared memory a reboot
+/// clears them, but in a folder on disk (`STRATA_SNAPSHOT_DIR`) one may come back from a
+/// power loss with some pages of the next save's and some not.
+fn taken_since_boot(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join(BOOT_FILE)).is_ok_and(|taken| taken == boot_id())
+}
+
 /// The name of the marker beside a rank's snapshot file `file` saying it is complete.
 fn complete_marker(file: &str) -> String {
     format!("{file}.complete")
@@ -555,9 +582,9 @@ mod tests {
     /// Each snapshot after the first is written into the previous one's file (the same
     /// inode: its pages are reused, not allocated again), holds its own step's values though
     /// an update follows at once, and is private; memory older than the disk's newest
-    /// checkpoint is never chosen.
+    /// checkpoint is never chosen, nor memory taken before the machine's last boot.
     #[test]
-    fn snapshots_overwrite_the_previous_file_in_place_and_memory_older_than_disk_is_not_chosen() {
+    fn snapshots_overwrite_the_previous_file_in_place_and_stale_memory_is_not_chosen() {
         let dir = tempfile::tempdir().unwrap();
         let disk = dir.path().join("ckpt");
         let (mut engine, mut optimizer) = mlp();
@@ -592,9 +619,57 @@ mod tests {
         // A synchronous save of a later step: the memory's step 3 is older.
         save(&disk, &mut engine, &mut optimizer, &run_info(4), None, 2).unwrap();
         assert!(newest_in_memory(&disk, None, true).unwrap().is_none(), "memory older than the disk was chosen");
+        // A snapshot of another boot, perhaps torn by a power loss, is not chosen.
+        save(&disk, &mut engine, &mut optimizer, &run_info(4), None, 2).unwrap();
+        let mut parts = [Part { engine: &mut engine, optimizer: &mut optimizer, first_unit: 0 }];
+        saver.save(&layout, &mut parts, &run_info(5), None, 2).unwrap();
+        saver.wait(None).unwrap();
+        assert_eq!(newest_in_memory(&disk, None, true).unwrap().map(|c| c.meta.step), Some(5));
+        std::fs::write(latest(saver.memory()).unwrap().join(BOOT_FILE), "an earlier boot").unwrap();
+        assert!(newest_in_memory(&disk, None, true).unwrap().is_none(), "a snapshot of another boot was chosen");
         let memory = saver.memory().to_path_buf();
         saver.close(None).unwrap();
         assert!(!memory.exists());
+    }
+
+    /// A snapshot file a node lacks arrives whole from its owner, and where the owner cannot
+    /// read it, nothing arrives: no file takes its place, complete-looking but not its
+    /// bytes. Two ranks over TCP, as threads.
+    #[test]
+    fn a_snapshot_file_sent_to_another_node_arrives_whole_or_not_at_all() {
+        use crate::comm::{Comm, Store, StoreServer};
+        let dir = tempfile::tempdir().unwrap();
+        let (sent, unreadable) = (dir.path().join("owner"), dir.path().join("unreadable"));
+        std::fs::create_dir_all(&unreadable).unwrap();
+        let bytes: Vec<u8> = (0..(TRANSFER_BYTES + 1000)).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&sent, &bytes).unwrap();
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "send").unwrap();
+        let address = server.addr();
+        let mut hosted = Some(server);
+        let ranks: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let (hosted, dir) = (if rank == 0 { hosted.take() } else { None }, dir.path().to_path_buf());
+                let (sent, unreadable) = (sent.clone(), unreadable.clone());
+                std::thread::spawn(move || {
+                    let store = Store::connect(address, "send", Duration::from_secs(30)).unwrap();
+                    let comm = Comm::new(store, hosted, rank, 2, "cpu:tcp", Duration::from_secs(30)).unwrap();
+                    let g = comm.world().unwrap();
+                    // Rank 0 owns both files; rank 1 receives them under names of its own.
+                    let at = |name: &str, own: &Path| if rank == 0 { own.to_path_buf() } else { dir.join(name) };
+                    let whole = send_file(g.as_ref(), 0, &at("received", &sent), rank == 1);
+                    // A folder opens but does not read: its owner's read fails part-way.
+                    let failed = send_file(g.as_ref(), 0, &at("not-received", &unreadable), rank == 1);
+                    (whole.map_err(|e| e.to_string()), failed.map_err(|e| e.to_string()))
+                })
+            })
+            .collect();
+        let outcomes: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(outcomes.iter().all(|(whole, _)| whole.is_ok()), "{outcomes:?}");
+        assert_eq!(std::fs::read(dir.path().join("received")).unwrap(), bytes);
+        let refused = outcomes[1].1.as_ref().expect_err("rank 1 took what rank 0 could not read");
+        assert!(refused.contains("rank 0 could not read"), "{refused}");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left.len(), 3, "only the two files and the folder: {left:?}");
     }
 
     /// A snapshot resumed from memory that the disk lacks (its writer stopped before
