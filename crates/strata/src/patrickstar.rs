@@ -422,6 +422,8 @@ impl PatrickStarEngine {
     /// dictionary on every rank works too). Every rank must call it.
     pub fn load_state_dict(&mut self, values: &BTreeMap<String, Tensor>) -> Result<()> {
         let mut s = self.session.borrow_mut();
+        // An asynchronous save's writer may still read the parameters where they lie.
+        s.optimizer.wait_for_readers();
         // By parameter, whichever name (or alias) the dictionary uses.
         let mut by_id = BTreeMap::new();
         for (name, value) in values {
@@ -579,5 +581,46 @@ impl PatrickStarOptimizer {
             tch::no_grad(|| t.shallow_clone().f_copy_(v))?;
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{gpt, GptConfig};
+    use crate::optim::Fence;
+
+    /// Loading parameters waits while an asynchronous save's writer may still read them
+    /// where they lie (the fence it leaves on the updates), then loads them.
+    #[test]
+    fn loading_a_state_dict_waits_for_a_snapshot_s_readers() {
+        let config =
+            PatrickStarConfig::parse(r#"{"optimizer": {"type": "Adam"}, "default_chunk_size": 4096}"#).unwrap();
+        let spec = || {
+            let mut b = crate::model::Builder::new();
+            gpt(&GptConfig::new(32, 8, 1, 2, 16), &mut b)?;
+            b.build()
+        };
+        let (mut model, _optimizer) = initialize_engine(spec, 0, &config).unwrap();
+        let mut weights = model.state_dict().unwrap();
+        let (name, first) = weights.iter_mut().next().unwrap();
+        let (name, loaded) = (name.clone(), first.ones_like());
+        *first = loaded.shallow_clone();
+        let (fence, opener) = Fence::closed();
+        model.session.borrow_mut().optimizer.hold_updates(fence.clone());
+        // Opens the fence once the load waits there; a load that did not wait leaves it
+        // closed until the deadline, and the test fails.
+        let opener = std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            while fence.waits().0 == 0 && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            let waited = fence.waits().0 > 0;
+            opener.open();
+            waited
+        });
+        model.load_state_dict(&weights).unwrap();
+        assert!(opener.join().unwrap(), "the load did not wait for the snapshot's readers");
+        assert!(model.state_dict().unwrap()[&name].equal(&loaded), "{name} was not loaded");
     }
 }
