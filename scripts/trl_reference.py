@@ -21,7 +21,8 @@
         --out/NAME.safetensors (or the adapter as --out/NAME/).
   grpo  runs each run of a JSON list (name and GRPOConfig fields: loss_type, beta, epsilon,
         epsilon_high, delta, importance_sampling_level, scale_rewards, num_iterations,
-        mask_truncated_completions) with TRL's GRPOTrainer on given generation batches
+        mask_truncated_completions; and accumulation, the micro-batches each step splits its
+        generation batch into) with TRL's GRPOTrainer on given generation batches
         (--rollouts: a JSON list of {prompts, completions, rewards}, token ids, one prompt per
         completion, groups of --generations consecutive): its generation is replaced by the
         given completions, so the trainer's own scoring, advantages, old and reference
@@ -160,6 +161,7 @@ def grpo_run(args, run, batches):
     from datasets import Dataset
     from safetensors.torch import save_file
     from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import split_tensor_dict
 
     tok = tf.AutoTokenizer.from_pretrained(args.model)
     if tok.pad_token is None:
@@ -178,15 +180,19 @@ def grpo_run(args, run, batches):
 
     fields = ("loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "scale_rewards",
               "num_iterations", "mask_truncated_completions")
+    # Micro-batches a step accumulates, each a slice of the generation batch (one per step's
+    # worth of it, as TRL splits it); the step's loss is their losses' sum, as the Trainer logs it.
+    accumulation = run.get("accumulation", 1)
     with tempfile.TemporaryDirectory() as out:
-        config = GRPOConfig(output_dir=out, per_device_train_batch_size=rows, num_generations=args.generations,
-                            max_completion_length=args.max_completion_length, steps_per_generation=1,
-                            gradient_accumulation_steps=1, bf16=False, report_to=[], use_cpu=True,
-                            gradient_checkpointing=False, **{k: run[k] for k in fields if k in run})
+        config = GRPOConfig(output_dir=out, per_device_train_batch_size=rows // accumulation,
+                            num_generations=args.generations, max_completion_length=args.max_completion_length,
+                            steps_per_generation=accumulation, gradient_accumulation_steps=accumulation, bf16=False,
+                            report_to=[], use_cpu=True, gradient_checkpointing=False,
+                            **{k: run[k] for k in fields if k in run})
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, processing_class=tok,
                               train_dataset=Dataset.from_list([{"prompt": "p"}] * rows))
     trainer._generate = generate
-    trainer.current_gradient_accumulation_steps = 1
+    trainer.current_gradient_accumulation_steps = accumulation
     policy = trainer.model
     policy.train()
     trained = [p for p in policy.parameters() if p.requires_grad]
@@ -200,8 +206,11 @@ def grpo_run(args, run, batches):
         generation = {k: float(v[-1]) for k, v in logged.items()}
         for _ in range(config.num_iterations):
             logged.clear()
-            loss = trainer._compute_loss(policy, inputs)
-            loss.backward()
+            loss = 0.0
+            for micro in split_tensor_dict(inputs, accumulation):
+                micro_loss = trainer._compute_loss(policy, micro)
+                micro_loss.backward()
+                loss += micro_loss.detach()
             norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item()
             opt.step()
             opt.zero_grad()

@@ -279,11 +279,13 @@ fn nan_mean_std(values: &[f64]) -> (f64, f64) {
 }
 
 /// Each completion's advantage from the rewards, in groups of `group`, and per completion
-/// whether the spread it was scaled by is zero (TRL's `frac_reward_zero_std`). Computed in
-/// fp32, as TRL's tensors are, so advantages agree to the last bit that matters.
-pub fn advantages(rewards: &[f64], group: usize, scaling: RewardScaling) -> (Vec<f64>, Vec<bool>) {
-    let rounded: Vec<f64> = rewards.iter().map(|&r| r as f32 as f64).collect();
-    let batch = nan_mean_std(&rounded).1;
+/// whether the spread it was scaled by is zero (TRL's `frac_reward_zero_std`); batch
+/// scaling takes the spread of `batch`, the whole generation batch's rewards (every data
+/// rank's, as TRL gathers them). Computed in fp32, as TRL's tensors are, so advantages
+/// agree to the last bit that matters.
+pub fn advantages(rewards: &[f64], batch: &[f64], group: usize, scaling: RewardScaling) -> (Vec<f64>, Vec<bool>) {
+    let round = |r: &[f64]| -> Vec<f64> { r.iter().map(|&r| r as f32 as f64).collect() };
+    let (rounded, batch) = (round(rewards), nan_mean_std(&round(batch)).1);
     let mut out = Vec::with_capacity(rewards.len());
     let mut zero = Vec::with_capacity(rewards.len());
     for g in rounded.chunks(group) {
@@ -563,7 +565,7 @@ impl GrpoObjective {
                 masked.f_sum(kind)?.f_div_scalar((per_token.size()[0] * c.max_completion_length as i64) as f64)?
             }
             GrpoLoss::Dapo | GrpoLoss::Cispo | GrpoLoss::Vespo => {
-                masked.f_sum(kind)?.f_div_scalar(rollout.token_normalizer.max(1.0))?
+                masked.f_sum(kind)?.f_div_scalar(rollout.token_normalizer)?
             }
             GrpoLoss::Luspo => masked.f_sum_dim_intlist(-1, false, kind)?.f_mean(kind)?,
         };
@@ -699,13 +701,13 @@ mod tests {
 
     #[test]
     fn advantages_are_measured_within_each_group() {
-        let (a, zero) = advantages(&[1.0, 3.0, 2.0, 2.0, f64::NAN, 5.0], 2, RewardScaling::Group);
+        let (a, zero) = advantages(&[1.0, 3.0, 2.0, 2.0, f64::NAN, 5.0], &[], 2, RewardScaling::Group);
         // Group 1: mean 2, std √2; group 2: equal rewards; group 3: one reward, no spread.
         let s = 2f64.sqrt() + 1e-4;
         assert!((a[0] + 1.0 / s).abs() < 1e-6 && (a[1] - 1.0 / s).abs() < 1e-6, "{a:?}");
         assert_eq!(&a[2..], &[0.0, 0.0, 0.0, 0.0]);
         assert_eq!(zero, vec![false, false, true, true, false, false]);
-        let (unscaled, _) = advantages(&[1.0, 3.0], 2, RewardScaling::None);
+        let (unscaled, _) = advantages(&[1.0, 3.0], &[], 2, RewardScaling::None);
         assert_eq!(unscaled, vec![-1.0, 1.0]);
     }
 

@@ -52,6 +52,10 @@ const CASES: &[Case] = &[
         fields: || json!({"loss_type": "dapo", "beta": 0.05, "num_iterations": 2, "scale_rewards": "batch"}),
     },
     Case { name: "masked", fields: || json!({"loss_type": "grpo", "mask_truncated_completions": true}) },
+    // Two micro-batches a step: dapo's token normalisation spans them, grpo's mean is per
+    // micro-batch over their count.
+    Case { name: "dapo-accumulated", fields: || json!({"loss_type": "dapo", "accumulation": 2}) },
+    Case { name: "grpo-accumulated", fields: || json!({"loss_type": "grpo", "accumulation": 2}) },
 ];
 
 /// A small deterministic draw.
@@ -172,20 +176,30 @@ fn keep(into: &mut Vec<StepReport>) -> impl FnMut(&mut Trainer, StepReport) -> s
 }
 
 fn follows_trl(dir: &Path, c: &Case) {
-    let objective = GrpoObjective::new(config_of(&(c.fields)())).unwrap();
+    let fields = (c.fields)();
+    let objective = GrpoObjective::new(config_of(&fields)).unwrap();
     let (mut trainer, mut reference) = trainer(&dir.join("model"), 1e-3);
+    let accumulation = fields.get("accumulation").and_then(Value::as_u64).unwrap_or(1) as usize;
+    let shape = StepShape { accumulation, ..ONE_PROCESS };
     let mut ours: Vec<StepReport> = vec![];
     for rollouts in generation_batches() {
         let kl = Reference::Copy(&mut reference);
-        train_rollouts(&mut trainer, &objective, &rollouts, kl, &ONE_PROCESS, &mut keep(&mut ours)).unwrap();
+        train_rollouts(&mut trainer, &objective, &rollouts, kl, &shape, &mut keep(&mut ours)).unwrap();
     }
     let theirs = reports(&dir.join("trl").join(format!("{}.jsonl", c.name)));
     assert_eq!(ours.len(), theirs.len(), "{}: steps", c.name);
     let mut clipped = 0.0;
     for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
         let a = serde_json::to_value(a).unwrap();
-        let keys = ["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "entropy"];
-        let optional = ["kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"];
+        // TRL's per-token metrics of an accumulated step are its last micro-batch's alone.
+        let keys: &[&str] = match accumulation {
+            1 => &["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "entropy"],
+            _ => &["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std"],
+        };
+        let optional: &[&str] = match accumulation {
+            1 => &["kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"],
+            _ => &[],
+        };
         for key in keys.iter().chain(optional.iter().filter(|k| b.get(**k).is_some())) {
             let want = b[*key].as_f64().unwrap();
             let got = a[*key].as_f64().unwrap_or_else(|| panic!("{}: Strata's report lacks {key}", c.name));
@@ -328,6 +342,11 @@ fn grpo_from_the_command_line_over_two_ranks_follows_one_process() {
             common::train_run(work.path(), name, 6, &[&shared, &twice, &["--nproc", "2", "--strategy", strategy]]);
         follows_one_process(name, &one, &two);
     }
+    // Rewards scaled by the whole generation batch's spread: every data rank's rewards.
+    let batch = ["--scale-rewards", "batch"];
+    let one_batch = common::train_run(work.path(), "one-batch", 4, &[&shared, &batch]);
+    let two = common::train_run(work.path(), "fsdp-batch", 4, &[&shared, &batch, &["--nproc", "2"]]);
+    follows_one_process("batch scaling", &one_batch, &two);
     // LoRA: the base without its adapters is the reference. One update per generation
     // batch, so a reference that were the policy itself would read no KL at all.
     let lora = r#"[["lora", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}]]"#;

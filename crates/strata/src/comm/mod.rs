@@ -343,6 +343,18 @@ pub fn all_reduce_values(group: &dyn ProcessGroup, values: &[f64], op: ReduceOp)
     Ok(Vec::<f64>::try_from(&t)?)
 }
 
+/// Every rank's few host numbers (as many on each), in rank order, waited for.
+pub fn all_gather_values(group: &dyn ProcessGroup, values: &[f64]) -> Result<Vec<f64>> {
+    let t = Tensor::from_slice(values);
+    let outputs = (0..group.size()).map(|_| t.f_empty_like()).collect::<std::result::Result<Vec<_>, _>>()?;
+    group.all_gather(&outputs, &t)?.wait()?;
+    let mut all = Vec::with_capacity(values.len() * group.size());
+    for o in &outputs {
+        all.extend(Vec::<f64>::try_from(o)?);
+    }
+    Ok(all)
+}
+
 /// An error's message without the "communication:" prefix it would get again when it is
 /// wrapped back into [`Error::Comm`].
 fn comm_text(e: Error) -> String {

@@ -184,8 +184,9 @@ pub struct RolloutScores {
     /// The same under the reference model, where the KL term is on.
     pub reference: Option<Tensor>,
     /// What the token sum is divided by where the loss is normalised over the step's
-    /// completion tokens (dapo, cispo, vespo): every rank's generation batch's tokens, over
-    /// the ranks, times the accumulation over the micro-batches per generation.
+    /// completion tokens (dapo, cispo, vespo): every rank's generation batch's tokens (at
+    /// least one), over the ranks and the micro-batches per generation (the trainer's
+    /// weight of each micro-batch, one over the accumulation, completes TRL's window).
     pub token_normalizer: f64,
 }
 

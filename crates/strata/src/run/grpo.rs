@@ -6,12 +6,12 @@
 //! Owns the order of generation, scoring and updates. Must not own the loss
 //! ([`crate::grpo`]) nor a step ([`crate::train`]).
 use super::Flow;
-use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
+use crate::comm::{all_gather_values, all_reduce_values, ProcessGroup, ReduceOp};
 use crate::data::{Batch, PromptSet, RowSet, Step};
 use crate::engine::with_seed;
 use crate::engine::Engine;
 use crate::generate::{generate_streams, GenerateConfig};
-use crate::grpo::{advantages, GrpoConfig, GrpoMetrics, GrpoObjective, Rollouts};
+use crate::grpo::{advantages, GrpoConfig, GrpoMetrics, GrpoObjective, RewardScaling, Rollouts};
 use crate::train::{token_input, Feed, KeptWeights, StepReport, Trainer};
 use crate::{Error, Result};
 use std::collections::btree_map::{BTreeMap, Entry};
@@ -285,7 +285,12 @@ pub fn train_rollouts(
         )));
     }
     let rows = rollouts.len() / per_generation;
-    let (advantages, zero_spread) = advantages(&rollouts.rewards, c.num_generations, c.scale_rewards);
+    // Batch scaling's spread is every data rank's generation batch's, as TRL gathers them.
+    let batch = match (c.scale_rewards, group) {
+        (RewardScaling::Batch, Some(g)) => all_gather_values(g, &rollouts.rewards)?,
+        _ => rollouts.rewards.clone(),
+    };
+    let (advantages, zero_spread) = advantages(&rollouts.rewards, &batch, c.num_generations, c.scale_rewards);
     // The tokens the dapo-normalised losses divide by: every rank's, per rank, per micro-batch window.
     // Completion tokens each micro-batch learns (a truncated one's none where those are masked).
     let learned: Vec<usize> = (0..per_generation)
@@ -299,7 +304,11 @@ pub fn train_rollouts(
         Some(g) => (all_reduce_values(g, &[mine as f64], ReduceOp::Sum)?[0], g.size()),
         None => (mine as f64, 1),
     };
-    let normalizer = tokens / ranks as f64 * accumulation as f64 / per_generation as f64;
+    // TRL divides the token sum of a micro-batch by every rank's generation batch's tokens
+    // over the ranks, times the accumulation over the micro-batches per generation, and
+    // does not divide these losses by the accumulation; the trainer weighs every
+    // micro-batch by one over it, so it is left out here.
+    let normalizer = tokens.max(1.0) / ranks as f64 / per_generation as f64;
     let device = trainer.engine().config().device;
     // A sequence-parallel group splits every row's positions evenly.
     let split = trainer.engine().tensor_parallel().filter(|t| t.sequence_parallel()).map_or(1, |t| t.size() as usize);
