@@ -48,7 +48,14 @@ pub(crate) fn head_output(h: &Tensor, w: &Tensor, vocab: i64, softcap: Option<f6
             Columns { first: tp.rank() * rows, real: (vocab - tp.rank() * rows).clamp(0, rows) }
         }
     };
-    let f = ChunkedHeadLoss { positions: scoring.positions.max(1), softcap, product, columns, saved: None };
+    let f = ChunkedHeadLoss {
+        positions: scoring.positions.max(1),
+        softcap,
+        product,
+        columns,
+        weight_grad: w.requires_grad(),
+        saved: None,
+    };
     let h = h.f_reshape([-1, d])?;
     let targets = scoring.targets.f_reshape([-1])?.f_to_device(h.device())?;
     let (log_partition, target_logit) = tch::no_grad(|| f.partials(&h, w, &targets))?;
@@ -80,6 +87,8 @@ struct ChunkedHeadLoss {
     softcap: Option<f64>,
     product: Kind,
     columns: Columns,
+    /// Whether the head's weight takes a gradient (not where it is frozen).
+    weight_grad: bool,
     saved: Option<Saved>,
 }
 
@@ -184,9 +193,11 @@ impl ChunkedHeadLoss {
         let (local, owned) = self.own_targets(targets)?;
         let weight = valid.f_to_kind(self.loss_kind())?.f_div(count)?.f_mul(&g.f_to_kind(self.loss_kind())?)?;
         let grad_h = Tensor::f_empty(h.size(), (h.kind(), h.device()))?;
-        // Summed over chunks in at least fp32, whatever the weight's dtype; padding rows keep 0.
-        let grad_w_whole = Tensor::f_zeros(w.size(), (self.loss_kind(), w.device()))?;
-        let mut grad_w = self.held(&grad_w_whole)?;
+        // Summed over chunks in at least fp32, whatever the weight's dtype; padding rows keep
+        // 0. A frozen head (LoRA's) takes none: it would be a whole [vocabulary, width] more.
+        let grad_w_whole =
+            self.weight_grad.then(|| Tensor::f_zeros(w.size(), (self.loss_kind(), w.device()))).transpose()?;
+        let mut grad_w = grad_w_whole.as_ref().map(|g| self.held(g)).transpose()?;
         let w_product = cast(&self.held(w)?, Some(self.product))?;
         for (start, len) in self.chunks(n) {
             // In place where it can be: a chunk holds its logits and one more such tensor.
@@ -205,12 +216,13 @@ impl ChunkedHeadLoss {
             let grad = grad.f_to_kind(self.product)?;
             let x = cast(&h.f_narrow(0, start, len)?, Some(self.product))?;
             grad_h.f_narrow(0, start, len)?.f_copy_(&grad.f_matmul(&w_product)?)?;
-            match self.product == self.loss_kind() {
-                true => drop(grad_w.f_addmm_(&grad.f_tr()?, &x)?),
-                false => drop(grad_w.f_add_(&grad.f_tr()?.f_matmul(&x)?)?),
+            match (&mut grad_w, self.product == self.loss_kind()) {
+                (None, _) => {}
+                (Some(grad_w), true) => drop(grad_w.f_addmm_(&grad.f_tr()?, &x)?),
+                (Some(grad_w), false) => drop(grad_w.f_add_(&grad.f_tr()?.f_matmul(&x)?)?),
             }
         }
-        Ok((grad_h, grad_w_whole.f_to_kind(w.kind())?))
+        Ok((grad_h, grad_w_whole.map(|g| g.f_to_kind(w.kind())).transpose()?.unwrap_or_else(Tensor::new)))
     }
 }
 
@@ -292,7 +304,30 @@ mod tests {
         }
     }
 
+    /// A frozen head (LoRA's) takes no weight gradient, and the input's is as it was.
+    #[test]
+    fn a_frozen_head_takes_no_weight_gradient() {
+        tch::manual_seed(5);
+        let h = Tensor::randn([10, 6], (Kind::Double, tch::Device::Cpu));
+        let w = Tensor::randn([13, 6], (Kind::Double, tch::Device::Cpu));
+        let targets = Tensor::from_slice(&[1i64, 12, IGNORE, 4, 4, 0, IGNORE, 7, 9, 2]);
+        let upstream = Tensor::from(1.0f64);
+        let backward = |weight_grad: bool| {
+            let mut f = ChunkedHeadLoss { weight_grad, ..chunked(None, Columns { first: 0, real: 13 }) };
+            let (log_partition, target) = f.partials(&h, &w, &targets).unwrap();
+            let inputs = [h.shallow_clone(), w.shallow_clone(), targets.shallow_clone(), log_partition, target];
+            // The loss itself is checked beside the whole logits' above: here, what it keeps.
+            drop(f.loss(&inputs).unwrap());
+            let saved = f.saved.take().unwrap();
+            f.grads(&saved, &upstream).unwrap()
+        };
+        let (trained_h, trained_w) = backward(true);
+        let (frozen_h, frozen_w) = backward(false);
+        assert!(trained_w.defined() && !frozen_w.defined(), "a frozen head took a weight gradient");
+        assert!(frozen_h.equal(&trained_h) && trained_h.abs().max().double_value(&[]) > 1e-3);
+    }
+
     fn chunked(softcap: Option<f64>, columns: Columns) -> ChunkedHeadLoss {
-        ChunkedHeadLoss { positions: 3, softcap, product: Kind::Double, columns, saved: None }
+        ChunkedHeadLoss { positions: 3, softcap, product: Kind::Double, columns, weight_grad: true, saved: None }
     }
 }
