@@ -633,9 +633,16 @@ impl SparseFeedForward {
             None => (slots.f_argsort_stable(true, 0, false)?, counts, 0),
             Some(factor) => {
                 let capacity = (factor * (x.size()[0] * k) as f64 / experts as f64).ceil() as i64;
-                // By expert, and within an expert by weight, heaviest first; the first
-                // `capacity` of each expert's slots are kept.
-                let by_weight = routing.weights.f_reshape([-1])?.f_argsort_stable(true, 0, true)?;
+                // By expert, and within an expert by weight, heaviest first, padding's slots
+                // last (they would otherwise push real tokens out); the first `capacity` of
+                // each expert's slots are kept.
+                let key = match &routing.real {
+                    Some(real) => {
+                        routing.weights.f_masked_fill(&real.f_unsqueeze(-1)?.f_eq(0.0)?, f64::NEG_INFINITY)?
+                    }
+                    None => routing.weights.shallow_clone(),
+                };
+                let by_weight = key.f_reshape([-1])?.f_argsort_stable(true, 0, true)?;
                 let order = by_weight
                     .f_index_select(0, &slots.f_index_select(0, &by_weight)?.f_argsort_stable(true, 0, false)?)?;
                 let starts = counts.f_cumsum(0, Kind::Int64)?.f_sub(&counts)?;
@@ -1360,6 +1367,32 @@ mod tests {
             (alone.min_expert_tokens, alone.max_expert_tokens)
         );
         assert!((unmasked.aux_loss - alone.aux_loss).abs() > 1e-4, "the padding changes nothing here: {unmasked:?}");
+    }
+
+    /// Padding's slots are the last an expert keeps: real tokens keep what they would keep
+    /// among themselves alone, however the padding routes.
+    #[test]
+    fn past_its_capacity_padding_is_dropped_before_real_tokens() {
+        let pads = [0, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1, 0];
+        // Each padding position a real token's state, sharpened: it routes where that token
+        // does with a heavier weight, so it would take that expert's room first.
+        let real: Vec<i64> = (0..12).filter(|&i| pads[i as usize] == 0).collect();
+        let x = Tensor::randn([12, DIM], (Kind::Float, tch::Device::Cpu));
+        for (n, i) in (0..12).filter(|&i| pads[i as usize] == 1).enumerate() {
+            x.get(i).copy_(&(x.get(real[n]) * 4.0));
+        }
+        let padding = Tensor::from_slice(&pads).view([1, 12]).to_kind(Kind::Bool);
+        let real = Tensor::from_slice(&real);
+        // 24 slots over 4 experts at a factor of 0.5: 3 each, of the 12 real slots' 3 a
+        // balanced expert would take.
+        let (ff, tensors) = layer(Some(0.5));
+        ff.balance.open(0);
+        let p = Params::new(&tensors).with_padding(Some(&padding));
+        let y = ff.forward(&p, &x.unsqueeze(0)).unwrap().squeeze_dim(0).index_select(0, &real);
+        let _ = ff.balance.close(0, false, RowSharers::default()).unwrap();
+        let (expected, _) = by_hand(&ff, &tensors, &x.index_select(0, &real), 3);
+        let gap = (&y - &expected).abs().max().double_value(&[]);
+        assert!(gap < 1e-5, "real tokens' outputs off by {gap}");
     }
 
     #[test]
