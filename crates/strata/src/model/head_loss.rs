@@ -199,6 +199,14 @@ impl ChunkedHeadLoss {
             self.weight_grad.then(|| Tensor::f_zeros(w.size(), (self.loss_kind(), w.device()))).transpose()?;
         let mut grad_w = grad_w_whole.as_ref().map(|g| self.held(g)).transpose()?;
         let w_product = cast(&self.held(w)?, Some(self.product))?;
+        // A rank holding no vocabulary column (a small vocabulary over many tensor ranks)
+        // adds nothing to either gradient.
+        if self.columns.real == 0 {
+            return Ok((
+                h.f_zeros_like()?,
+                grad_w_whole.map(|g| g.f_to_kind(w.kind())).transpose()?.unwrap_or_else(Tensor::new),
+            ));
+        }
         for (start, len) in self.chunks(n) {
             // In place where it can be: a chunk holds its logits and one more such tensor.
             let z = self.logits(h, w, start, len)?;
@@ -248,7 +256,8 @@ mod tests {
 
     /// Chunks of 3 over 10 positions (the last one short), padding targets among them,
     /// with and without a soft cap: the loss and both gradients are autograd's of the
-    /// whole logits' cross-entropy, over all the columns and split over two ranks.
+    /// whole logits' cross-entropy, over all the columns and split over two ranks; a rank
+    /// past the vocabulary adds nothing.
     #[test]
     fn the_chunked_loss_is_the_whole_logits_cross_entropy() {
         tch::manual_seed(3);
@@ -301,6 +310,16 @@ mod tests {
             assert!(gap(&grad_h, &eh) < 1e-12, "{softcap:?}: the ranks' input gradients do not add up");
             assert!(gap(&Tensor::cat(&grad_w, 0).narrow(0, 0, 13), &ew) < 1e-12, "{softcap:?}: weight gradients");
             assert_eq!(grad_w[1].get(6).abs().max().double_value(&[]), 0.0, "the padding row took a gradient");
+            // A third rank past the vocabulary, its rows all padding, adds nothing.
+            let mut empty = chunked(softcap, Columns { first: 14, real: 0 });
+            let padded = Tensor::zeros([7, 6], (Kind::Double, tch::Device::Cpu));
+            let (lp, tl) = empty.partials(&h, &padded, &targets).unwrap();
+            assert_eq!((lp.numel(), tl.abs().max().double_value(&[])), (10, 0.0));
+            let inputs = [h.shallow_clone(), padded.shallow_clone(), targets.shallow_clone(), log_partition, target];
+            drop(empty.loss(&inputs).unwrap());
+            let saved = empty.saved.take().unwrap();
+            let (nothing_h, nothing_w) = empty.grads(&saved, &Tensor::from(1.0f64)).unwrap();
+            assert_eq!((nothing_h.abs().max().double_value(&[]), nothing_w.abs().max().double_value(&[])), (0.0, 0.0));
         }
     }
 
