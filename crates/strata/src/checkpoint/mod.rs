@@ -684,14 +684,19 @@ fn write_rank_file(
     // is left to its writer ([`Deferred`]).
     match write {
         RankWrite::Reusing(_, kept) => {
-            write_safetensors_deferring(path, &layout, &metadata, kept, value).map(Some).map_err(|e| match e {
-                Error::Checkpoint(m) => Error::Checkpoint(format!(
-                    "{m} (host-memory snapshots: STRATA_SNAPSHOT_DIR names a folder with more room)"
-                )),
-                other => other,
-            })
+            write_safetensors_deferring(path, &layout, &metadata, kept, value).map(Some).map_err(where_snapshots_go)
         }
         RankWrite::Atomic => write_safetensors_streamed(path, &layout, &metadata, value).map(|()| None),
+    }
+}
+
+/// A snapshot's write error (a folder without room among them) with where snapshots can go.
+pub(super) fn where_snapshots_go(e: Error) -> Error {
+    match e {
+        Error::Checkpoint(m) => {
+            Error::Checkpoint(format!("{m} (host-memory snapshots: STRATA_SNAPSHOT_DIR names a folder with more room)"))
+        }
+        other => other,
     }
 }
 

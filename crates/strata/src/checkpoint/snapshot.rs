@@ -472,7 +472,7 @@ impl Persist {
     /// step), and marks the file complete: only then may a restart read it. Returns the
     /// file's map.
     fn complete(&mut self) -> Result<Option<MappedFile>> {
-        let kept = self.deferred.take().map(Deferred::fill).transpose();
+        let kept = self.deferred.take().map(Deferred::fill).transpose().map_err(super::where_snapshots_go);
         drop(self.opener.take());
         let kept = kept?;
         if let Some(name) = &self.own {

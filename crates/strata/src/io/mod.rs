@@ -248,6 +248,7 @@ pub fn write_safetensors_deferring(
     let (header, sizes) = safetensors_header(layout, metadata)?;
     let mut file = map_for_writing(path, header.len() + sizes.iter().sum::<usize>(), kept)?;
     file.locking_s = 0.0;
+    file.reserve(header.len())?;
     file.map[..header.len()].copy_from_slice(&header);
     let mut at = header.len();
     let mut pending = Vec::new();
@@ -278,12 +279,44 @@ pub struct MappedFile {
     /// The file's device and inode: the same file under another name (moved into the next
     /// snapshot's folder) keeps its map.
     identity: (u64, u64),
+    /// A new file, whose pages are not yet reserved on its file system, with its path.
+    unreserved: Option<(std::fs::File, std::path::PathBuf)>,
 }
 
 impl MappedFile {
     /// Bytes of the map page-locked for a GPU's copies (0 where no GPU copied into it).
     pub fn locked_bytes(&self) -> usize {
         self.locked.as_ref().map_or(0, |l| l.bytes())
+    }
+
+    /// Reserves a new file's first `bytes` (every byte where `bytes` is its length) on its
+    /// file system before they are written through the map: in shared memory a write to a
+    /// page with no room behind it kills the process (SIGBUS). The whole file is reserved
+    /// by its first tensor's copy, not before: for a file of host values that is on the
+    /// thread that fills it, off the caller's time. Where there is no room the file is
+    /// removed and the error says how much was wanted where. A file system that cannot
+    /// reserve ahead is written as it is.
+    fn reserve(&mut self, bytes: usize) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let Some((file, path)) = &self.unreserved else { return Ok(()) };
+        let length = libc::off_t::try_from(bytes)
+            .map_err(|_| Error::Checkpoint(format!("{}: {bytes} bytes is too large a file", path.display())))?;
+        // SAFETY: `file` is open for writing; posix_fallocate reads nothing else.
+        let code = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, length) };
+        if !matches!(code, 0 | libc::EOPNOTSUPP | libc::EINVAL) {
+            let error = std::io::Error::from_raw_os_error(code);
+            // The file holds nothing worth keeping yet: it goes, not to take up what room is left.
+            _ = std::fs::remove_file(path);
+            let folder = path.parent().unwrap_or(path).display();
+            return Err(Error::Checkpoint(format!(
+                "{bytes} bytes for {} do not fit in {folder}: {error}",
+                path.display()
+            )));
+        }
+        if bytes == self.map.len() {
+            self.unreserved = None;
+        }
+        Ok(())
     }
 
     /// Copies `t` (contiguous) into the file's bytes from `at`, from the device it lies on;
@@ -293,6 +326,7 @@ impl MappedFile {
         if bytes == 0 {
             return Ok(());
         }
+        self.reserve(self.map.len())?;
         if t.device().is_cuda() && self.locked.is_none() && !self.refused {
             let began = std::time::Instant::now();
             // SAFETY: the registration is a field of the map's owner, dropped before it.
@@ -383,12 +417,9 @@ fn map_for_writing(path: &Path, total: usize, kept: Option<MappedFile>) -> Resul
     }
     let rewritten = found.len() == total as u64;
     file.set_len(total as u64).map_err(io)?;
-    if !rewritten {
-        reserve(&file, path, total)?;
-    }
-    // A file rewritten at its size has its pages: they are mapped at once. A new file's,
-    // reserved, are only touched where first written (the values left to a deferred fill
-    // there, off the caller's time): populating them up front would stop the caller for as
+    // A file rewritten at its size has its pages: they are mapped at once. A new file's are
+    // reserved and allocated where first written (the values left to a deferred fill
+    // there, off the caller's time): allocating them up front would stop the caller for as
     // long as the whole copy.
     let mut options = memmap2::MmapOptions::new();
     if rewritten {
@@ -397,29 +428,8 @@ fn map_for_writing(path: &Path, total: usize, kept: Option<MappedFile>) -> Resul
     // SAFETY: the caller's file, which nothing else maps or resizes while it is written
     // (see `write_safetensors_deferring`); a deferred fill keeps the map until it ends.
     let map = unsafe { options.map_mut(&file) }.map_err(io)?;
-    Ok(MappedFile { locked: None, refused: false, locking_s: 0.0, map, identity })
-}
-
-/// Reserves `file`'s `total` bytes on its file system, so that writing through a map of it
-/// cannot meet a full one (in shared memory a write to a page with no room behind it kills
-/// the process: SIGBUS). Where there is no room, the file is removed and the error says
-/// how much was wanted where. A file system that cannot reserve ahead is written as it is.
-fn reserve(file: &std::fs::File, path: &Path, total: usize) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    let length = libc::off_t::try_from(total)
-        .map_err(|_| Error::Checkpoint(format!("{}: {total} bytes is too large a file", path.display())))?;
-    // SAFETY: `file` is open for writing; posix_fallocate reads nothing else.
-    let code = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, length) };
-    match code {
-        0 | libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
-        code => {
-            let error = std::io::Error::from_raw_os_error(code);
-            // The file holds nothing yet: it goes, not to take up what room is left.
-            _ = std::fs::remove_file(path);
-            let folder = path.parent().unwrap_or(path).display();
-            Err(Error::Checkpoint(format!("{total} bytes for {} do not fit in {folder}: {error}", path.display())))
-        }
-    }
+    let unreserved = (!rewritten).then(|| (file, path.to_path_buf()));
+    Ok(MappedFile { locked: None, refused: false, locking_s: 0.0, map, identity, unreserved })
 }
 
 /// Where whole weights are written.
