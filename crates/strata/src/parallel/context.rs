@@ -526,12 +526,18 @@ struct RingAttention {
     saved: Option<(Vec<Tensor>, Tensor, Tensor)>,
 }
 
-/// `t` in the precision the ring merges and gathers gradients in: fp32, or fp64 where it is.
-fn float(t: &Tensor) -> Result<Tensor> {
-    match t.kind() {
-        Kind::Double => Ok(t.shallow_clone()),
-        _ => Ok(t.f_to_kind(Kind::Float)?),
+/// The precision the ring merges and gathers gradients in for inputs of `kind`: fp32, or
+/// fp64 where they are.
+fn wide(kind: Kind) -> Kind {
+    match kind {
+        Kind::Double => Kind::Double,
+        _ => Kind::Float,
     }
+}
+
+/// `t` in [`wide`]'s precision.
+fn float(t: &Tensor) -> Result<Tensor> {
+    Ok(t.f_to_kind(wide(t.kind()))?)
 }
 
 impl RingAttention {
@@ -543,8 +549,8 @@ impl RingAttention {
         let rows = q.size()[..3].to_vec();
         let all_rows = ((0, rows[0]), (0, rows[2]));
         let kernel = Kernel::serving(&q, &v, &self.blocks.options);
-        let q_wide = float(&q)?;
-        let mut running = Running::new(&rows, v.size()[3], (q_wide.kind(), q.device()))?;
+        let merged = wide(q.kind());
+        let mut running = Running::new(&rows, v.size()[3], (merged, q.device()))?;
         for step in 0..n {
             let owner = (me + n - step) % n;
             // The next block travels while this one is computed.
@@ -560,7 +566,7 @@ impl RingAttention {
                         (terms.mask.as_ref(), terms.causal),
                         self.blocks.scale,
                     )?;
-                    let (out, lse) = (out.f_to_kind(q_wide.kind())?, lse.f_to_kind(q_wide.kind())?);
+                    let (out, lse) = (out.f_to_kind(merged)?, lse.f_to_kind(merged)?);
                     let (out, lse) = match &terms.blind {
                         Some(blind) => (
                             out.f_masked_fill(&blind.f_unsqueeze(-1)?, 0.0)?,
@@ -572,7 +578,7 @@ impl RingAttention {
                     running.merge(region, &lse.f_unsqueeze(-1)?, |weight| Ok(Some(out.f_mul(weight)?)))?;
                 }
             } else {
-                let (scores, _) = self.blocks.scores(&q_wide, &float(&kr)?, owner)?;
+                let (scores, _) = self.blocks.scores(&float(&q)?, &float(&kr)?, owner)?;
                 let vr = float(&vr)?;
                 running.merge(all_rows, &scores, |probs| Ok(Some(probs.f_matmul(&vr)?)))?;
             }
@@ -598,15 +604,15 @@ impl RingAttention {
         let (q, mut k, mut v) = (inputs[0].shallow_clone(), inputs[1].shallow_clone(), inputs[2].shallow_clone());
         let (n, me) = (self.blocks.exchange.size(), self.blocks.exchange.rank());
         let kernel = Kernel::serving(&q, &v, &self.blocks.options);
-        let (q_wide, grad_wide) = (float(&q)?, float(grad)?);
+        let grad_wide = float(grad)?;
         // The fused kernel reads the gradient and the output in the queries' dtype.
         let (grad, out_narrow) = (grad.f_to_kind(q.kind())?, out.f_to_kind(q.kind())?);
         // d(loss)/d(score) = p · (dO·v − Σ p dO·v): the second term per query is dO·out.
         let delta = grad_wide.f_mul(&out)?.f_sum_dim_intlist(-1, false, out.kind())?.f_unsqueeze(-1)?;
         let lse_column = lse.f_unsqueeze(-1)?;
         // Gradients gather in the merge's precision, block by block, and travel so.
-        let mut dq = q_wide.f_zeros_like()?;
-        let wide = (q_wide.kind(), q.device());
+        let gathered_in = (wide(q.kind()), q.device());
+        let mut dq = Tensor::f_zeros(q.size(), gathered_in)?;
         // Each block's key and value gradients gather here, then join those the ranks before
         // gave the same keys as they arrive, and pass on while the next block is computed
         // (after the last block, one more pass brings each home).
@@ -619,7 +625,7 @@ impl RingAttention {
             let group = self.blocks.group;
             let (kr, vr) = (repeat_heads(&k, group)?, repeat_heads(&v, group)?);
             let (mut dk, mut dv) = if let Some(kernel) = kernel {
-                let (dk, dv) = (Tensor::f_zeros(k.size(), wide)?, Tensor::f_zeros(v.size(), wide)?);
+                let (dk, dv) = (Tensor::f_zeros(k.size(), gathered_in)?, Tensor::f_zeros(v.size(), gathered_in)?);
                 // Given the whole rows' output and log-sum-exp, the kernel's backward takes
                 // each tile's probabilities as their share of the whole softmax.
                 for tile in self.blocks.tiles(&q, owner) {
@@ -631,14 +637,14 @@ impl RingAttention {
                         (terms.mask.as_ref(), terms.causal),
                         self.blocks.scale,
                     )?;
-                    let summed = |b: &Tensor| summed_over_group(&b.f_to_kind(wide.0)?, group);
+                    let summed = |b: &Tensor| summed_over_group(&b.f_to_kind(gathered_in.0)?, group);
                     _ = queries(&dq)?.f_add_(&bq)?;
                     _ = tile.keys_of(&dk)?.f_add_(&summed(&bk)?)?;
                     _ = tile.keys_of(&dv)?.f_add_(&summed(&bv)?)?;
                 }
                 (dk, dv)
             } else {
-                let (kr, vr) = (float(&kr)?, float(&vr)?);
+                let (q_wide, kr, vr) = (float(&q)?, float(&kr)?, float(&vr)?);
                 let (scores, tanh) = self.blocks.scores(&q_wide, &kr, owner)?;
                 let probs = scores.f_sub(&lse_column)?.f_exp()?;
                 let dv = summed_over_group(&probs.f_transpose(-2, -1)?.f_matmul(&grad_wide)?, group)?;
