@@ -110,7 +110,7 @@ pub fn newest_in_memory(
         meta.world_size == ranks && (!meta.files.contains(&own) || complete) && taken_since_boot(dir)
     });
     let step = usable.as_ref().map_or(-1.0, |(meta, _)| meta.step as f64);
-    let on_disk = latest(disk).ok().and_then(|d| read_meta(&d).ok()).map_or(-1.0, |m| m.step as f64);
+    let on_disk = newest_step_on(disk);
     let agreed = most_over(world, &[step, -step, on_disk])?;
     let (newest, oldest, disk_newest) = (agreed[0], -agreed[1], agreed[2]);
     let Some((meta, dir)) = usable.filter(|_| newest == oldest && oldest >= disk_newest) else { return Ok(None) };
@@ -147,6 +147,11 @@ pub fn newest(
         true => Ok(Some((Checkpoint::open(disk)?, "disk"))),
         false => Ok(None),
     }
+}
+
+/// The step of the newest checkpoint in the folder `disk`; −1 where there is none.
+fn newest_step_on(disk: &Path) -> f64 {
+    latest(disk).ok().and_then(|d| read_meta(&d).ok()).map_or(-1.0, |m| m.step as f64)
 }
 
 /// Each of `values`' largest over the ranks of `world` (itself without one).
@@ -369,7 +374,7 @@ impl AsyncSaver {
         world: Option<&dyn ProcessGroup>,
         keep: usize,
     ) -> Result<()> {
-        let on_disk = latest(&self.disk).ok().and_then(|d| read_meta(&d).ok()).map_or(-1.0, |m| m.step as f64);
+        let on_disk = newest_step_on(&self.disk);
         let in_memory = match resumed.location.starts_with(&self.memory) {
             true => resumed.meta.step as f64,
             false => -1.0,
