@@ -496,6 +496,39 @@ fn context_parallel_trains_the_attention_kinds_as_one_process() {
     }
 }
 
+/// Under amp_native a ring attends in bf16 as one process does over whole rows, though
+/// Qwen3's query and key norms hand it fp32 queries and keys beside bf16 values: its losses
+/// follow one process's within bf16's rounding, and its profile shows keys and values passed
+/// in bf16 (half the bytes of their gradients' passes, which stay fp32).
+#[test]
+fn a_context_ring_under_amp_attends_in_bf16_as_one_process_does() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, _) = setup(&py, dir.path(), "qwen3");
+    let amp = r#"["amp_native", {"dtype": "bf16"}]"#;
+    let flags = ["--model-dir", s(&folder), "--token-file", s(&train), "--ctx", "16", "--batch-size", "4"];
+    let run = ["--lr", "0.002", "--threads", "1", "--schedule", "constant"];
+    let one = common::train_run(dir.path(), "one", 4, &[&flags, &run, &["--strategy", &format!("[{amp}]")]]);
+    let profile = dir.path().join("profile");
+    let ring = format!(r#"[["context_parallel", {{"size": 2}}], {amp}]"#);
+    let split = ["--nproc", "2", "--strategy", &ring, "--profile", s(&profile)];
+    let two = common::train_run(dir.path(), "ring", 4, &[&flags, &run, &split]);
+    // bf16 keeps 8 significant bits; blockwise merges round apart from whole rows.
+    common::assert_follows(&one, &two, "qwen3 amp ring", 1e-2, 2e-2);
+    let profiles = strata::profile::read_dir(&profile).unwrap();
+    // A ring's passes are the run's only all-to-alls.
+    let sizes: std::collections::BTreeSet<u64> = profiles[0]
+        .records
+        .iter()
+        .filter_map(|r| match r {
+            strata::profile::Record::Collective { op, bytes, .. } if op == "all_to_all" => Some(*bytes),
+            _ => None,
+        })
+        .collect();
+    let gradients = *sizes.last().unwrap();
+    assert_eq!(sizes, [gradients / 2, gradients].into(), "keys and values against their gradients' passes");
+}
+
 const SEQUENCE: &str =
     r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
 const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
