@@ -4,7 +4,7 @@
 //! (on one process and sharded over two ranks) and unpaired APO on labelled completions, the reference-free CPO, SimPO and ORPO (TRL's
 //! `CPOTrainer` and `ORPOTrainer`), conversations through the chat template
 //! with their prompt left implicit, LoRA (the reference being the base with its fresh
-//! adapter), fsdp, tensor parallelism and two pipeline stages over two ranks and offloaded
+//! adapter, and the base's head where the adapter trains a head of its own), fsdp, tensor parallelism and two pipeline stages over two ranks and offloaded
 //! model states, a live reference (a copy, LoRA's base, in two stages) and TR-DPO's synced
 //! reference alone, sharded and split, each of 10 steps'
 //! loss, gradient norm and TRL's metrics, and the weights the steps end with; reference
@@ -35,6 +35,9 @@ struct Case {
     undesirable_weight: f64,
     /// Train a LoRA adapter (made here, peft's fresh draw) alone.
     adapter: bool,
+    /// The adapter also trains the head whole (`modules_to_save`), its copy starting off the
+    /// base's as a trained adapter's does: the reference keeps the base's head.
+    saves_head: bool,
     /// TR-DPO: steps between the reference's syncs towards the policy (mixup 0.5); 0: none.
     sync: u64,
     /// Strata's flags beyond the shared ones; the TRL run of `trl_name` is the reference.
@@ -54,6 +57,7 @@ const fn case(name: &'static str, loss: &'static str) -> Case {
         unpaired: false,
         undesirable_weight: 1.0,
         adapter: false,
+        saves_head: false,
         sync: 0,
         strata_flags: &[],
         trl_name: name,
@@ -118,6 +122,14 @@ const CASES: &[Case] = &[
         trl_name: "lora",
         ..laid_out("lora_live_pipeline", &["--live-reference", "true", "--nproc", "2", "--strategy", PIPELINE])
     },
+    // An adapter that trains the head whole: scored first, and live as the head moves.
+    Case { adapter: true, saves_head: true, ..case("lora_head", "sigmoid") },
+    Case {
+        adapter: true,
+        saves_head: true,
+        trl_name: "lora_head",
+        ..laid_out("lora_head_live", &["--live-reference", "true"])
+    },
     // TR-DPO: the reference syncs after steps 3, 6 and 9, on one process and split as the policy is.
     Case { sync: 3, ..case("tr_dpo", "sigmoid") },
     Case { sync: 3, trl_name: "tr_dpo", ..laid_out("tr_dpo_fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]) },
@@ -180,6 +192,14 @@ fn trainer(c: &Case) -> &'static str {
     }
 }
 
+/// The adapter folder case `c` trains, where it trains one.
+fn adapter_of(c: &Case) -> &'static str {
+    match c.saves_head {
+        true => "adapter_head",
+        false => "adapter",
+    }
+}
+
 /// The records file of case `c`.
 fn records(c: &Case) -> &'static str {
     match (c.unpaired, c.conversational) {
@@ -195,6 +215,10 @@ fn reference(py: &Path) -> PathBuf {
         python(py, &["make", "--out", s(&dir.join("model")), "--seed", "3"]);
         let lora = r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}"#;
         python(py, &["lora", "--model", s(&dir.join("model")), "--out", s(&dir.join("adapter")), "--config", lora]);
+        let head =
+            r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}"#;
+        let out = dir.join("adapter_head");
+        python(py, &["lora", "--model", s(&dir.join("model")), "--out", s(&out), "--config", head, "--move-saved"]);
         let pairs = sums();
         write_lines(
             &dir.join("text.jsonl"),
@@ -236,7 +260,7 @@ fn reference(py: &Path) -> PathBuf {
                     "beta": c.beta,
                     "label_smoothing": c.smoothing,
                     "f_divergence": c.f_divergence,
-                    "adapter": c.adapter.then(|| dir.join("adapter")),
+                    "adapter": c.adapter.then(|| dir.join(adapter_of(c))),
                     "sync_steps": (c.sync > 0).then_some(c.sync),
                     "mixup": 0.5,
                 })
@@ -327,7 +351,7 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
     if c.sync > 0 {
         args.extend(["--sync-reference-every", &sync, "--reference-mixup", "0.5"]);
     }
-    let adapter = dir.join("adapter");
+    let adapter = dir.join(adapter_of(c));
     match c.adapter {
         true => args.extend(["--init-adapter", s(&adapter), "--save-adapter-dir", s(&saved)]),
         false => args.extend(["--save-model-dir", s(&saved)]),
@@ -440,7 +464,7 @@ fn reference_free_cpo_simpo_and_orpo_follow_trl() {
 
 #[test]
 fn conversations_and_lora_follow_trl() {
-    follow(&["conversations", "lora"]);
+    follow(&["conversations", "lora", "lora_head"]);
 }
 
 #[test]
@@ -450,7 +474,7 @@ fn pairs_over_two_ranks_sharded_split_or_pipelined_and_offloaded_follow_trl() {
 
 #[test]
 fn a_live_reference_follows_trl_as_a_copy_and_as_the_base_alone_and_staged_each() {
-    follow(&["live", "live_pipeline", "lora_live", "lora_live_pipeline"]);
+    follow(&["live", "live_pipeline", "lora_live", "lora_live_pipeline", "lora_head_live"]);
 }
 
 #[test]

@@ -12,7 +12,7 @@ use crate::engine::with_seed;
 use crate::engine::Engine;
 use crate::generate::{generate_streams, GenerateConfig};
 use crate::grpo::{advantages, GrpoConfig, GrpoMetrics, GrpoObjective, RewardScaling, Rollouts};
-use crate::train::{token_input, Feed, KeptWeights, StepReport, Trainer};
+use crate::train::{token_input, Feed, KeptWeights, LoraReference, StepReport, Trainer};
 use crate::{Error, Result};
 use std::collections::btree_map::{BTreeMap, Entry};
 use std::sync::Arc;
@@ -117,8 +117,8 @@ impl Setup<'_> {
 pub(super) enum ReferenceModel {
     /// None (`beta` = 0).
     None,
-    /// LoRA's base: the trainer's model with its adapters switched off.
-    Base,
+    /// LoRA's model as it started.
+    Lora(LoraReference),
     /// A frozen copy of the model as it started.
     Copy(Box<Engine>),
     /// The weights this rank's parts started with, swapped in while they score: the frozen
@@ -130,7 +130,7 @@ impl ReferenceModel {
     fn as_reference(&mut self) -> Reference<'_> {
         match self {
             ReferenceModel::None => Reference::None,
-            ReferenceModel::Base => Reference::Base,
+            ReferenceModel::Lora(base) => Reference::Lora(base),
             ReferenceModel::Copy(engine) => Reference::Copy(engine),
             ReferenceModel::Kept(weights) => Reference::Kept(weights),
         }
@@ -230,8 +230,8 @@ pub fn generate_rollouts(
 pub enum Reference<'a> {
     /// None is read (`beta` = 0).
     None,
-    /// The trainer's model with its LoRA adapters switched off: the frozen base.
-    Base,
+    /// LoRA's model as it started.
+    Lora(&'a mut LoraReference),
     /// A frozen copy of the model as it started.
     Copy(&'a mut Engine),
     /// The weights the trainer's parts started with, swapped in while they score.
@@ -335,12 +335,7 @@ pub fn train_rollouts(
             Reference::None => {
                 return Err(Error::Config("grpo: beta > 0 needs a reference model (a copy, or LoRA's base)".into()))
             }
-            Reference::Base => {
-                trainer.set_adapters_enabled(false);
-                let scores = token_log_probs(trainer, objective, &batches);
-                trainer.set_adapters_enabled(true);
-                scores?
-            }
+            Reference::Lora(base) => base.scoring(trainer, |t| token_log_probs(t, objective, &batches))?,
             Reference::Copy(engine) => {
                 batches.iter().map(|batch| copy_log_probs(engine, objective, batch).map(Some)).collect::<Result<_>>()?
             }

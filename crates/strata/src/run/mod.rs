@@ -45,7 +45,7 @@ use crate::preference::{PreferenceConfig, PreferenceObjective, ScoreFn, Vocabula
 use crate::profile::Profiler;
 use crate::reward::{RewardConfig, RewardObjective};
 use crate::strategy::{Dim, LoraConfig, Strategy};
-use crate::train::{token_input, Feed, InputFn, KeptWeights, LossFn, StepReport, Trainer};
+use crate::train::{token_input, Feed, InputFn, KeptWeights, LoraReference, LossFn, StepReport, Trainer};
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -650,6 +650,19 @@ pub fn train(
     for part in trainer.parts_mut() {
         load_initial_weights(&config.init, &mut part.engine)?;
     }
+    // LoRA's reference model is the model as it starts, kept before any step or resume.
+    let reference_scores_live = match &objective {
+        Some(Objective::Preference(p)) => p.config().live(),
+        Some(Objective::Grpo(g)) => g.config().beta != 0.0,
+        _ => false,
+    };
+    let mut lora_reference = match strategy.lora().filter(|_| reference_scores_live) {
+        Some(lora) => {
+            let loaded = config.init.iter().any(|i| matches!(i, InitialWeights::Adapter(_)));
+            Some(LoraReference::of(&mut trainer, lora, loaded)?)
+        }
+        None => None,
+    };
     // Preference pairs and GRPO score whole logits: where a tensor group splits the head's
     // columns, each rank of it gathers the others'.
     let vocabulary = match (trainer.parts().iter().find_map(|part| part.engine.tensor_parallel().cloned()), &objective)
@@ -700,9 +713,11 @@ pub fn train(
         }
     }
     let live = match live_preference {
-        Some(p) if strategy.lora().is_some() => {
-            Some(LiveReference::Base { feed: config.feed(), split: p.vocabulary_split() })
-        }
+        Some(p) if strategy.lora().is_some() => Some(LiveReference::Lora {
+            reference: lora_reference.take().ok_or_else(|| Error::Config("a live reference without LoRA's".into()))?,
+            feed: config.feed(),
+            split: p.vocabulary_split(),
+        }),
         // Pipeline stages keep their units' starting weights (the trainer holds them now).
         Some(p) if strategy.pipeline_parallel().is_some() => Some(LiveReference::Kept {
             weights: KeptWeights::of(&mut trainer)?,
@@ -914,7 +929,9 @@ pub fn train(
             };
             let reference = match (g.config().beta != 0.0, strategy.lora().is_some(), kept_reference.take()) {
                 (false, _, _) => grpo::ReferenceModel::None,
-                (true, true, _) => grpo::ReferenceModel::Base,
+                (true, true, _) => grpo::ReferenceModel::Lora(
+                    lora_reference.take().ok_or_else(|| Error::Config("grpo: a reference without LoRA's".into()))?,
+                ),
                 (true, false, Some(weights)) => grpo::ReferenceModel::Kept(weights),
                 (true, false, None) => {
                     // Split as the trainer's model is, over the same tensor group.
@@ -1361,8 +1378,8 @@ fn attach_references(
 /// A reference that scores each micro-batch's pairs just before the policy trains on them
 /// (or before validation reads them).
 enum LiveReference {
-    /// LoRA's frozen base: the trainer's model with its adapters off, laid out as it is.
-    Base { feed: Feed, split: Option<VocabularySplit> },
+    /// LoRA's model as it started, laid out as the trainer's model is.
+    Lora { reference: LoraReference, feed: Feed, split: Option<VocabularySplit> },
     /// The weights the trainer's parts started with, swapped in while they score: the frozen
     /// model where pipeline stages split it. TR-DPO's follows the policy every `sync.every`
     /// steps.
@@ -1382,12 +1399,9 @@ impl LiveReference {
     fn score(&mut self, trainer: &mut Trainer, batches: &mut [Batch]) -> Result<()> {
         let steps = || steps_of(batches, trainer.engine().config().device);
         let recorded = match self {
-            LiveReference::Base { feed, split } => {
+            LiveReference::Lora { reference, feed, split } => {
                 let steps = steps()?;
-                trainer.set_adapters_enabled(false);
-                let recorded = record_scores(trainer, &steps, feed, split.clone());
-                trainer.set_adapters_enabled(true);
-                recorded?
+                reference.scoring(trainer, |t| record_scores(t, &steps, feed, split.clone()))?
             }
             LiveReference::Kept { weights, feed, split, .. } => {
                 let steps = steps()?;
@@ -1436,7 +1450,7 @@ impl LiveReference {
                 }
                 Ok(())
             }
-            LiveReference::Base { .. } => Ok(()),
+            LiveReference::Lora { .. } => Ok(()),
         }
     }
 }

@@ -35,24 +35,78 @@ use std::sync::Arc;
 use std::time::Instant;
 use tch::Tensor;
 
-/// The weights of every unit of a trainer's parts as they were when kept, gathered whole
+/// Weights of a trainer's parts as they were when kept, gathered whole
 /// (`Engine::full_unit`): a frozen reference model laid out as the trainer's is, pipeline
 /// stages included (each rank keeps its stages' units), scored by swapping it in.
 pub struct KeptWeights {
-    /// Per part, each unit's whole flat parameters.
-    units: Vec<Vec<Tensor>>,
+    /// Per part, what is kept of its units.
+    units: Vec<Vec<KeptUnit>>,
+}
+
+/// What is kept of one unit: its parameters at `ranges` of its whole flat layout, or all of
+/// them.
+struct KeptUnit {
+    unit: usize,
+    /// `(offset, length)` of each parameter kept; `None`: the whole unit.
+    ranges: Option<Vec<(i64, i64)>>,
+    /// The kept values, the ranges' one after another.
+    values: Tensor,
+}
+
+impl KeptUnit {
+    /// What of `whole` (the unit's flat parameters) this keeps, in storage of its own.
+    fn select(&self, whole: &Tensor) -> Result<Tensor> {
+        Ok(match &self.ranges {
+            None => whole.f_detach_copy()?,
+            Some(ranges) => {
+                let pieces = ranges
+                    .iter()
+                    .map(|&(at, n)| whole.f_narrow(0, at, n))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                Tensor::f_cat(&pieces, 0)?
+            }
+        })
+    }
 }
 
 impl KeptWeights {
     /// The trainer's weights as they are now (every rank together: sharded and split units
     /// are gathered).
     pub fn of(trainer: &mut Trainer) -> Result<KeptWeights> {
+        Self::keeping(trainer, |_, _| None)
+    }
+
+    /// The trainer's trainable parameters as they are now, the frozen ones left to the
+    /// trainer (every rank together).
+    pub fn of_trainable(trainer: &mut Trainer) -> Result<KeptWeights> {
+        Self::keeping(trainer, |engine, u| {
+            let spec = engine.spec();
+            let trainable = spec.units[u].params.iter().filter(|id| spec.params[id.0].requires_grad);
+            Some(trainable.map(|&id| (engine.full_offset(id), spec.params[id.0].numel())).collect())
+        })
+    }
+
+    /// Keeps of each unit `u` of every part the ranges `ranges(engine, u)` names (`None`:
+    /// all of it); units with no range kept are left out.
+    fn keeping(
+        trainer: &mut Trainer,
+        ranges: impl Fn(&Engine, usize) -> Option<Vec<(i64, i64)>>,
+    ) -> Result<KeptWeights> {
         trainer.settle_updates()?;
-        let units = trainer
-            .parts
-            .iter_mut()
-            .map(|part| (0..part.engine.spec().units.len()).map(|u| owned_unit(&mut part.engine, u)).collect())
-            .collect::<Result<_>>()?;
+        let mut units = Vec::with_capacity(trainer.parts.len());
+        for part in &mut trainer.parts {
+            let mut kept = vec![];
+            for unit in 0..part.engine.spec().units.len() {
+                let ranges = ranges(&part.engine, unit);
+                if ranges.as_ref().is_some_and(Vec::is_empty) {
+                    continue;
+                }
+                let mut k = KeptUnit { unit, ranges, values: Tensor::new() };
+                k.values = k.select(&part.engine.full_unit(unit)?)?;
+                kept.push(k);
+            }
+            units.push(kept);
+        }
         Ok(KeptWeights { units })
     }
 
@@ -69,10 +123,24 @@ impl KeptWeights {
     /// Exchanges the kept weights with the trainer's.
     fn swap(&mut self, trainer: &mut Trainer) -> Result<()> {
         for (part, kept) in trainer.parts.iter_mut().zip(&mut self.units) {
-            for (u, weights) in kept.iter_mut().enumerate() {
-                let current = owned_unit(&mut part.engine, u)?;
-                part.engine.set_full_unit(u, weights)?;
-                *weights = current;
+            for k in kept.iter_mut() {
+                let whole = owned_unit(&mut part.engine, k.unit)?;
+                k.values = match &k.ranges {
+                    None => {
+                        part.engine.set_full_unit(k.unit, &k.values)?;
+                        whole
+                    }
+                    Some(ranges) => {
+                        let current = k.select(&whole)?;
+                        let mut at = 0;
+                        for &(offset, n) in ranges {
+                            whole.f_narrow(0, offset, n)?.f_copy_(&k.values.f_narrow(0, at, n)?)?;
+                            at += n;
+                        }
+                        part.engine.set_full_unit(k.unit, &whole)?;
+                        current
+                    }
+                };
             }
         }
         Ok(())
@@ -83,11 +151,50 @@ impl KeptWeights {
     pub fn follow(&mut self, trainer: &mut Trainer, mixup: f64) -> Result<()> {
         trainer.settle_updates()?;
         for (part, kept) in trainer.parts.iter_mut().zip(&mut self.units) {
-            for (u, weights) in kept.iter_mut().enumerate() {
-                *weights = synced(weights, &part.engine.full_unit(u)?, mixup)?;
+            for k in kept.iter_mut() {
+                let policy = k.select(&part.engine.full_unit(k.unit)?)?;
+                k.values = synced(&k.values, &policy, mixup)?;
             }
         }
         Ok(())
+    }
+}
+
+/// LoRA's reference model (preference and GRPO training): the model as it started. Where
+/// the adapters start at zero and nothing of the base trains, that is the base with the
+/// adapters switched off; where an adapter was loaded (TRL's reference is a frozen copy of
+/// it) or `modules_to_save` train parameters of the base (peft's `disable_adapter` computes
+/// with the original modules), the trainable parameters' starting values are kept and
+/// swapped in while it scores.
+pub enum LoraReference {
+    /// The base, the adapters switched off.
+    AdaptersOff,
+    /// The starting values of the trainable parameters.
+    Starting(KeptWeights),
+}
+
+impl LoraReference {
+    /// The reference of a trainer as it starts, under `lora`, `loaded` where its adapter
+    /// came from a folder (every rank together).
+    pub fn of(trainer: &mut Trainer, lora: &crate::strategy::LoraConfig, loaded: bool) -> Result<LoraReference> {
+        Ok(match loaded || !lora.modules_to_save.is_empty() {
+            true => LoraReference::Starting(KeptWeights::of_trainable(trainer)?),
+            false => LoraReference::AdaptersOff,
+        })
+    }
+
+    /// Runs `score` on the trainer as the reference model, and leaves the trainer as it
+    /// found it, whatever `score` returns (every rank together).
+    pub fn scoring<T>(&mut self, trainer: &mut Trainer, score: impl FnOnce(&mut Trainer) -> Result<T>) -> Result<T> {
+        match self {
+            LoraReference::AdaptersOff => {
+                trainer.set_adapters_enabled(false);
+                let scored = score(trainer);
+                trainer.set_adapters_enabled(true);
+                scored
+            }
+            LoraReference::Starting(kept) => kept.scoring(trainer, score),
+        }
     }
 }
 
