@@ -509,6 +509,12 @@ fn preference_flags_without_pairs_and_impossible_parameters_are_refused() {
     common::assert_fails_with(&o, "kto and apo_zero_unpaired score unpaired completions");
     let o = strata(&[&base[..], &["--data", s(&unpaired)]].concat());
     common::assert_fails_with(&o, "are scored by kto or apo_zero_unpaired");
+    let alone = ["--data", s(&unpaired), "--preference-loss", "kto", "--accumulation", "4"];
+    let o = strata(&[&base[..], &alone].concat());
+    common::assert_fails_with(
+        &o,
+        "kto: a micro-batch of 1 record (--batch-size / --accumulation) makes each record's KL",
+    );
     let o = strata(&["train", "--data", s(&text), "--steps", "1", "--preference-loss", "dpo"]);
     common::assert_fails_with(&o, "preference loss \"dpo\": not one of sigmoid");
     let sync = ["--sync-reference-every", "2"];

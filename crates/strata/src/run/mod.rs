@@ -1151,6 +1151,15 @@ fn pair_objective(data: &Data, config: &RunConfig, model: &Model) -> Result<Opti
                 }
                 _ => {}
             }
+            // Each record's KL completion is the one before it in its micro-batch, as TRL's is.
+            let kto = config.preference.losses.iter().any(|(l, _)| *l == crate::preference::PreferenceLoss::Kto);
+            let micro_batch = config.batching.batch_size / config.batching.accumulation.max(1);
+            if kto && micro_batch < 2 {
+                return Err(Error::Config(format!(
+                    "kto: a micro-batch of {micro_batch} record (--batch-size / --accumulation) makes each record's \
+                     KL completion its own, and the KL estimate its own reward: give 2 or more"
+                )));
+            }
             Objective::Preference(PreferenceObjective::new(config.preference.clone())?)
         }
     };
