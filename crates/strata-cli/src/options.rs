@@ -80,6 +80,10 @@ train_options! {
     /// experts⌉ of a layer's token slots, those of highest routing weight; the others are
     /// dropped (default: none is).
     expert_capacity: f64,
+    /// A mixture of experts: the weight of the load-balancing loss (default: the folder's
+    /// router_aux_loss_coef, else its family's, 0.001 for most); 0 trains without it, as
+    /// transformers does unless output_router_logits is set.
+    router_aux_loss: f64,
     /// A mixture of experts: the weight of the router z-loss, the mean over tokens of
     /// logsumexp(router logits)² summed over sparse layers (default: the folder's
     /// router_z_loss_coef, else 0).
@@ -634,8 +638,9 @@ pub struct TrainSettings {
     pub kv_heads: Option<i64>,
     /// Experts and experts per token of a mixture of experts.
     pub experts: Option<(i64, i64)>,
-    /// A mixture of experts' capacity factor and router z-loss weight.
+    /// A mixture of experts' capacity factor and its losses' weights.
     pub expert_capacity: Option<f64>,
+    pub router_aux_loss: Option<f64>,
     pub router_z_loss: Option<f64>,
     /// The choice biases' update rate.
     pub router_bias_rate: Option<f64>,
@@ -747,6 +752,7 @@ impl TrainSettings {
         let mut config = self.shaped_model(vocab)?;
         let routing = [
             ("--expert-capacity", self.expert_capacity.is_some()),
+            ("--router-aux-loss", self.router_aux_loss.is_some()),
             ("--router-z-loss", self.router_z_loss.is_some()),
             ("--router-bias-rate", self.router_bias_rate.is_some()),
         ];
@@ -755,6 +761,7 @@ impl TrainSettings {
                 bail!("{flag} routes a mixture of experts: the model has no experts")
             };
             moe.capacity_factor = self.expert_capacity.or(moe.capacity_factor);
+            moe.aux_loss_coef = self.router_aux_loss.unwrap_or(moe.aux_loss_coef);
             moe.z_loss_coef = self.router_z_loss.unwrap_or(moe.z_loss_coef);
             moe.bias_update_rate = self.router_bias_rate.unwrap_or(moe.bias_update_rate);
             moe.validate()?;
@@ -1084,6 +1091,7 @@ impl TrainOptions {
                 (None, None) => None,
             },
             expert_capacity: o.expert_capacity,
+            router_aux_loss: o.router_aux_loss,
             router_z_loss: o.router_z_loss,
             router_bias_rate: o.router_bias_rate,
             dropout: o.dropout,

@@ -467,6 +467,29 @@ fn llama_shape_flags_reach_the_model() {
     assert!(one_line_error(&bad).contains("kv_heads 3 must divide the 2 query heads"));
 }
 
+/// A mixture of experts' load-balancing loss joins the first step's loss at the weight
+/// `--router-aux-loss` gives it, and not at all at 0 (as `transformers` trains by default).
+#[test]
+fn the_load_balancing_loss_joins_the_loss_at_its_flag_s_weight() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |weight: &str| {
+        let metrics = dir.path().join(format!("{weight}.jsonl"));
+        let base = ["train", "--model", "llama", "--layers", "2", "--dim", "32", "--heads", "2", "--ctx", "16"];
+        let moe = ["--experts", "4", "--router-aux-loss", weight, "--steps", "1", "--batch-size", "2"];
+        ok(&strata(&[&base[..], &moe, &["--metrics", s(&metrics)]].concat()));
+        let step: serde_json::Value =
+            serde_json::from_str(std::fs::read_to_string(&metrics).unwrap().lines().next().unwrap()).unwrap();
+        (step["loss"].as_f64().unwrap(), step["experts"]["aux_loss"].as_f64().unwrap())
+    };
+    let ((without, aux), (with, same_aux)) = (run("0"), run("0.5"));
+    assert_eq!(aux, same_aux, "the same weights route alike");
+    assert!(aux > 0.5, "E · Σ f_e · P_e is 1 at perfect balance: {aux}");
+    let added = with - without;
+    assert!((added - 0.5 * aux).abs() < 1e-5 * with, "the loss rose by {added}, not 0.5 × {aux}");
+    let dense = strata(&["train", "--model", "llama", "--router-aux-loss", "0.1", "--steps", "1"]);
+    assert!(one_line_error(&dense).contains("--router-aux-loss routes a mixture of experts: the model has no experts"));
+}
+
 /// Minor page faults of one `strata train` run of `steps` steps, from the child's own
 /// resource usage, on a GPT whose activations pass malloc's default mapping threshold
 /// (128 KiB): a [8, 64, 512] hidden layer is 1 MiB.
