@@ -230,17 +230,7 @@ impl Shelf {
     /// still in flight (the device's stream waits for those that bring values back).
     pub fn clear(&self) -> Result<()> {
         let mut state = self.state()?;
-        if let Device::Cuda(d) = self.0.context.device {
-            let compute = cuda::Stream::current(d)?;
-            for copy in &state.copies {
-                if let Some((_, Some(copied))) = &copy.fetched {
-                    copied.wait(&compute)?;
-                }
-                if let Some(stored) = &copy.stored {
-                    stored.synchronize()?;
-                }
-            }
-        }
+        after_copies(self.0.context.device, &mut state.copies)?;
         *state = ShelfState::default();
         Ok(())
     }
@@ -251,6 +241,37 @@ impl Shelf {
         Ok(t.device() != context.device
             || (strata_ext::storage_nbytes(t)? as u64) < self.0.settings.min_bytes
             || context.parameters.contains(&strata_ext::storage_id(t)?))
+    }
+}
+
+/// Orders the freeing of `copies`' device values after the copies still in flight that
+/// read or write them: the device's current stream waits for those bringing values back, and
+/// the host for those to the host. Their events are used up.
+fn after_copies(device: Device, copies: &mut [Copy]) -> Result<()> {
+    let Device::Cuda(d) = device else { return Ok(()) };
+    let compute = cuda::Stream::current(d)?;
+    for copy in copies {
+        if let Some(copied) = copy.fetched.as_mut().and_then(|(_, event)| event.take()) {
+            copied.wait(&compute)?;
+        }
+        if let Some(stored) = copy.stored.take() {
+            stored.synchronize()?;
+        }
+    }
+    Ok(())
+}
+
+/// A shelf let go of before its unit's backward cleared it (a backward that failed part way,
+/// whose caller went on) still frees its device values only after their copies.
+impl Drop for ShelfInner {
+    fn drop(&mut self) {
+        let copies = match self.state.get_mut() {
+            Ok(state) => &mut state.copies,
+            Err(poisoned) => &mut poisoned.into_inner().copies,
+        };
+        if let Err(e) = after_copies(self.context.device, copies) {
+            tracing::warn!("an activation shelf let go of mid-copy: {e}");
+        }
     }
 }
 
