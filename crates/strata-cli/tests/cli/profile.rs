@@ -423,3 +423,15 @@ fn kernel_traces_are_written_and_read_by_kernel_and_by_operator() {
     let err = kernels::device_ms_by_name(&gpu).unwrap_err().to_string();
     assert!(err.contains("gpu.json") && err.contains("not a Chrome trace"), "{err}");
 }
+
+/// A context ring gathers every rank's examples once per micro-batch, however many layers
+/// attend over its rows and recompute: each all-gather a rank issues is that one.
+#[test]
+fn a_context_ring_gathers_its_rows_examples_once_per_micro_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    record_run(dir.path(), STEPS, MICRO, r#"[["context_parallel", {"size": 2}], ["checkpoint", ["GptBlock"]]]"#);
+    for p in profile::read_dir(dir.path()).unwrap() {
+        let gathers = p.records.iter().filter(|r| matches!(r, Record::Collective { op, .. } if op == "all_gather"));
+        assert_eq!(gathers.count(), STEPS * MICRO, "rank {}", p.header.rank);
+    }
+}

@@ -38,6 +38,21 @@ pub struct ContextGroup {
     group: Arc<dyn ProcessGroup>,
     piece: SequencePiece,
     kind: ContextKind,
+    /// What the last rows' layout gave, reused by every layer over those rows.
+    gathered: std::sync::Mutex<Option<Gathered>>,
+}
+
+/// What a group derives from one micro-batch's layout and every attention over its rows
+/// (each layer's, and their recomputation) reuses: every rank's places and examples, and
+/// the runs they make, which would otherwise cost a gather and a read to the host each.
+struct Gathered {
+    /// This rank's examples the rest was derived from, held so that no later rows'
+    /// examples can take their storage's place and pass for them.
+    examples: Tensor,
+    len: i64,
+    keys: Vec<(Tensor, Tensor)>,
+    /// The runs, once a ring's attention needs them.
+    runs: Option<Vec<AlikeRows>>,
 }
 
 impl std::fmt::Debug for ContextGroup {
@@ -51,7 +66,7 @@ impl ContextGroup {
     /// the one `kind` lays out for its place in the group.
     pub fn new(group: Arc<dyn ProcessGroup>, kind: ContextKind) -> ContextGroup {
         let piece = piece_of(kind, group.rank(), group.size());
-        ContextGroup { group, piece, kind }
+        ContextGroup { group, piece, kind, gathered: std::sync::Mutex::new(None) }
     }
 }
 
@@ -216,6 +231,7 @@ struct Blocks {
 
 /// Batch rows (start, count) whose positions every rank holds in the same runs of one
 /// example, and those runs, rank by rank.
+#[derive(Clone)]
 struct AlikeRows {
     rows: (i64, i64),
     runs: Vec<Vec<Run>>,
@@ -789,17 +805,8 @@ impl ContextGroup {
     }
 
     /// The runs of one example that every rank's positions make in rows of `len` (read
-    /// from each rank's examples, `keys`), by rows laid out alike, where they and the
-    /// window decide what a query sees; `None` where a mask must: a window both ways.
-    fn deciding_runs(
-        &self,
-        len: i64,
-        options: &AttentionOptions,
-        keys: &[(Tensor, Tensor)],
-    ) -> Result<Option<Vec<AlikeRows>>> {
-        if options.window.is_some() && options.bidirectional {
-            return Ok(None);
-        }
+    /// from each rank's examples, `keys`), by rows laid out alike.
+    fn alike_runs(&self, len: i64, keys: &[(Tensor, Tensor)]) -> Result<Vec<AlikeRows>> {
         // Each rank's runs, then each row's runs on every rank.
         let mut per_rank = vec![];
         for (r, (_, examples)) in keys.iter().enumerate() {
@@ -827,7 +834,33 @@ impl ContextGroup {
                 _ => alike.push(AlikeRows { rows: (b as i64, 1), runs }),
             }
         }
-        Ok(Some(alike))
+        Ok(alike)
+    }
+
+    /// Every rank's places and examples in rows of `len` whose piece here has `examples`
+    /// and, with `runs`, the runs they make (`None` without): derived once per rows, every
+    /// rank of the group alike, since every rank attends over the same rows in the same order.
+    fn gathered(
+        &self,
+        len: i64,
+        examples: &Tensor,
+        runs: bool,
+    ) -> Result<(Vec<(Tensor, Tensor)>, Option<Vec<AlikeRows>>)> {
+        let mut cache = self.gathered.lock().map_err(|_| Error::Engine("a context group's lock is poisoned".into()))?;
+        let fresh = |g: &Gathered| {
+            let same = g.examples.data_ptr() == examples.data_ptr() && g.examples.device() == examples.device();
+            same && g.len == len && g.examples.size() == examples.size()
+        };
+        let g = match cache.take() {
+            Some(g) if fresh(&g) => g,
+            _ => Gathered { examples: examples.shallow_clone(), len, keys: self.keys(len, examples)?, runs: None },
+        };
+        let g = cache.insert(g);
+        if runs && g.runs.is_none() {
+            g.runs = Some(self.alike_runs(len, &g.keys)?);
+        }
+        let keys = g.keys.iter().map(|(p, e)| (p.shallow_clone(), e.shallow_clone())).collect();
+        Ok((keys, g.runs.clone().filter(|_| runs)))
     }
 
     /// Each rank's places and examples `[B, Tl]`, in rank order.
@@ -862,7 +895,10 @@ impl ContextParallel for ContextGroup {
             return Err(Error::Model(format!("context attention: {kv_heads} key/value heads for {heads} query heads")));
         }
         let group = heads / kv_heads;
-        let keys = self.keys(len, examples)?;
+        // A window both ways needs a mask; otherwise the runs and the window decide what a
+        // query of the ring sees.
+        let by_runs = self.kind == ContextKind::Ring && !(options.window.is_some() && options.bidirectional);
+        let (keys, runs) = self.gathered(len, examples, by_runs)?;
         match self.kind {
             ContextKind::AllToAll => {
                 if heads % n != 0 {
@@ -897,7 +933,6 @@ impl ContextParallel for ContextGroup {
             ContextKind::Ring => {
                 let query_places = self.piece.places(len, q.device())?;
                 let scale = options.scale.unwrap_or(1.0 / (q.size()[3] as f64).sqrt());
-                let runs = self.deciding_runs(len, options, &keys)?;
                 let blocks = Blocks {
                     exchange: self.exchange(),
                     group,
