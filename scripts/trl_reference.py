@@ -7,8 +7,9 @@
         pads it);
   lora  saves a peft LoRA adapter of a folder's model as peft draws a new one (B = 0), for a
         JSON LoraConfig (task_type SEQ_CLS: of a sequence classifier, its score head among
-        the modules saved whole) and a seed; with --move-saved, the copies of the modules
-        saved whole moved off the base's, as a trained adapter's are;
+        the modules saved whole) and a seed; with --move-b, every B moved off zero, and with
+        --move-saved, the copies of the modules saved whole moved off the base's, as a
+        trained adapter's are;
   runs  runs each run of a JSON list (name, records file, its trainer — "dpo", "kto",
         "cpo", "orpo" or "reward" — and its config's fields: loss_type, loss_weights, beta,
         label_smoothing, f_divergence_type, desirable_weight, undesirable_weight, cpo_alpha,
@@ -65,7 +66,7 @@ def make(style, out, seed, reward):
     model.save_pretrained(out)
 
 
-def lora(model_dir, out, config, seed, move_saved):
+def lora(model_dir, out, config, seed, move_b, move_saved):
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
@@ -73,11 +74,10 @@ def lora(model_dir, out, config, seed, move_saved):
     torch.manual_seed(seed)
     load = tf.AutoModelForSequenceClassification if config.task_type == "SEQ_CLS" else tf.AutoModelForCausalLM
     model = get_peft_model(load.from_pretrained(model_dir, dtype=torch.float32), config)
-    if move_saved:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if ".modules_to_save." in name:
-                    p.add_(torch.randn_like(p) * 0.05)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if move_b and ".lora_B." in name or move_saved and ".modules_to_save." in name:
+                p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(out)
 
 
@@ -242,6 +242,7 @@ def main():
     lo.add_argument("--out", required=True)
     lo.add_argument("--config", required=True)
     lo.add_argument("--seed", type=int, default=0)
+    lo.add_argument("--move-b", action="store_true")
     lo.add_argument("--move-saved", action="store_true")
     d = sub.add_parser("runs")
     d.add_argument("--model", required=True)
@@ -270,7 +271,7 @@ def main():
     if args.command == "make":
         make(args.style, args.out, args.seed, args.reward)
     elif args.command == "lora":
-        lora(args.model, args.out, args.config, args.seed, args.move_saved)
+        lora(args.model, args.out, args.config, args.seed, args.move_b, args.move_saved)
     else:
         with open(args.runs) as f:
             for run in json.load(f):

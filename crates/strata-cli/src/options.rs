@@ -150,8 +150,8 @@ train_options! {
     /// and written there.
     reference_scores: PathBuf,
     /// Preference pairs: score each step's pairs with the reference as they come (TRL's
-    /// default) instead of every pair before the first step — LoRA's base with the adapters
-    /// off, else a frozen copy of the model.
+    /// default) instead of every pair before the first step — under LoRA the model as it
+    /// started, else a frozen copy of the model.
     live_reference: bool,
     /// Preference pairs: TR-DPO — the reference is a frozen copy of the model that scores
     /// each step's pairs and moves towards the policy after every this many steps (TRL's

@@ -206,8 +206,8 @@ pub struct PreferenceConfig {
     /// ([`crate::data::StoredReference`]). `None`: computed before every run's first step.
     pub reference_scores: Option<std::path::PathBuf>,
     /// Score each step's pairs with the reference as they come (TRL's default, without
-    /// `precompute_ref_log_probs`) rather than every pair before the first step: LoRA's
-    /// base with the adapters off, or a frozen copy of the model.
+    /// `precompute_ref_log_probs`) rather than every pair before the first step: under LoRA
+    /// the model as it started, else a frozen copy of the model.
     pub live_reference: bool,
     /// TR-DPO (TRL's `sync_ref_model`): the reference is a live frozen copy of the model
     /// that moves towards the policy every so many steps. `None`: the reference is the

@@ -4,7 +4,8 @@
 //! (on one process and sharded over two ranks) and unpaired APO on labelled completions, the reference-free CPO, SimPO and ORPO (TRL's
 //! `CPOTrainer` and `ORPOTrainer`), conversations through the chat template
 //! with their prompt left implicit, LoRA (the reference being the base with its fresh
-//! adapter, and the base's head where the adapter trains a head of its own), fsdp, tensor parallelism and two pipeline stages over two ranks and offloaded
+//! adapter, or the starting values of an adapter that starts off the base: trained factors,
+//! a head trained whole), fsdp, tensor parallelism and two pipeline stages over two ranks and offloaded
 //! model states, a live reference (a copy, LoRA's base, in two stages) and TR-DPO's synced
 //! reference alone, sharded and split, each of 10 steps'
 //! loss, gradient norm and TRL's metrics, and the weights the steps end with; reference
@@ -35,9 +36,11 @@ struct Case {
     undesirable_weight: f64,
     /// Train a LoRA adapter (made here, peft's fresh draw) alone.
     adapter: bool,
-    /// The adapter also trains the head whole (`modules_to_save`), its copy starting off the
-    /// base's as a trained adapter's does: the reference keeps the base's head.
-    saves_head: bool,
+    /// Which adapter folder trains: `adapter` (peft's fresh draw) or one that starts off the
+    /// base as a trained adapter does, `adapter_trained` (every `B` moved off zero) or
+    /// `adapter_head` (the head trained whole, `modules_to_save`, its copy moved off the
+    /// base's): the reference keeps its starting values, as TRL's copy of it does.
+    folder: &'static str,
     /// TR-DPO: steps between the reference's syncs towards the policy (mixup 0.5); 0: none.
     sync: u64,
     /// Strata's flags beyond the shared ones; the TRL run of `trl_name` is the reference.
@@ -57,7 +60,7 @@ const fn case(name: &'static str, loss: &'static str) -> Case {
         unpaired: false,
         undesirable_weight: 1.0,
         adapter: false,
-        saves_head: false,
+        folder: "adapter",
         sync: 0,
         strata_flags: &[],
         trl_name: name,
@@ -122,11 +125,18 @@ const CASES: &[Case] = &[
         trl_name: "lora",
         ..laid_out("lora_live_pipeline", &["--live-reference", "true", "--nproc", "2", "--strategy", PIPELINE])
     },
-    // An adapter that trains the head whole: scored first, and live as the head moves.
-    Case { adapter: true, saves_head: true, ..case("lora_head", "sigmoid") },
+    // Adapters that start off the base: scored first, and live as they move.
+    Case { adapter: true, folder: "adapter_trained", ..case("lora_trained", "sigmoid") },
+    Case { adapter: true, folder: "adapter_head", ..case("lora_head", "sigmoid") },
     Case {
         adapter: true,
-        saves_head: true,
+        folder: "adapter_trained",
+        trl_name: "lora_trained",
+        ..laid_out("lora_trained_live", &["--live-reference", "true"])
+    },
+    Case {
+        adapter: true,
+        folder: "adapter_head",
         trl_name: "lora_head",
         ..laid_out("lora_head_live", &["--live-reference", "true"])
     },
@@ -192,14 +202,6 @@ fn trainer(c: &Case) -> &'static str {
     }
 }
 
-/// The adapter folder case `c` trains, where it trains one.
-fn adapter_of(c: &Case) -> &'static str {
-    match c.saves_head {
-        true => "adapter_head",
-        false => "adapter",
-    }
-}
-
 /// The records file of case `c`.
 fn records(c: &Case) -> &'static str {
     match (c.unpaired, c.conversational) {
@@ -215,10 +217,13 @@ fn reference(py: &Path) -> PathBuf {
         python(py, &["make", "--out", s(&dir.join("model")), "--seed", "3"]);
         let lora = r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}"#;
         python(py, &["lora", "--model", s(&dir.join("model")), "--out", s(&dir.join("adapter")), "--config", lora]);
+        let model = dir.join("model");
+        let out = dir.join("adapter_trained");
+        python(py, &["lora", "--model", s(&model), "--out", s(&out), "--config", lora, "--move-b"]);
         let head =
             r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}"#;
         let out = dir.join("adapter_head");
-        python(py, &["lora", "--model", s(&dir.join("model")), "--out", s(&out), "--config", head, "--move-saved"]);
+        python(py, &["lora", "--model", s(&model), "--out", s(&out), "--config", head, "--move-saved"]);
         let pairs = sums();
         write_lines(
             &dir.join("text.jsonl"),
@@ -260,7 +265,7 @@ fn reference(py: &Path) -> PathBuf {
                     "beta": c.beta,
                     "label_smoothing": c.smoothing,
                     "f_divergence": c.f_divergence,
-                    "adapter": c.adapter.then(|| dir.join(adapter_of(c))),
+                    "adapter": c.adapter.then(|| dir.join(c.folder)),
                     "sync_steps": (c.sync > 0).then_some(c.sync),
                     "mixup": 0.5,
                 })
@@ -351,7 +356,7 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
     if c.sync > 0 {
         args.extend(["--sync-reference-every", &sync, "--reference-mixup", "0.5"]);
     }
-    let adapter = dir.join(adapter_of(c));
+    let adapter = dir.join(c.folder);
     match c.adapter {
         true => args.extend(["--init-adapter", s(&adapter), "--save-adapter-dir", s(&saved)]),
         false => args.extend(["--save-model-dir", s(&saved)]),
@@ -464,7 +469,7 @@ fn reference_free_cpo_simpo_and_orpo_follow_trl() {
 
 #[test]
 fn conversations_and_lora_follow_trl() {
-    follow(&["conversations", "lora", "lora_head"]);
+    follow(&["conversations", "lora", "lora_trained", "lora_head"]);
 }
 
 #[test]
@@ -474,7 +479,7 @@ fn pairs_over_two_ranks_sharded_split_or_pipelined_and_offloaded_follow_trl() {
 
 #[test]
 fn a_live_reference_follows_trl_as_a_copy_and_as_the_base_alone_and_staged_each() {
-    follow(&["live", "live_pipeline", "lora_live", "lora_live_pipeline", "lora_head_live"]);
+    follow(&["live", "live_pipeline", "lora_live", "lora_live_pipeline", "lora_trained_live", "lora_head_live"]);
 }
 
 #[test]

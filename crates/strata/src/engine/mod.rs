@@ -1060,8 +1060,8 @@ impl Engine {
     }
 
     /// Switches the model's low-rank adapters out of (or back into) every later forward: off,
-    /// a LoRA model computes as its frozen base does, which is the reference model of
-    /// preference and GRPO training without a second copy. On by default.
+    /// a LoRA model computes as its frozen base does: the reference model of preference and
+    /// GRPO training, without a second copy, where the adapters start at zero. On by default.
     pub fn set_adapters_enabled(&mut self, on: bool) {
         self.adapters_on = on;
     }

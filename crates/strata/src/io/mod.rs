@@ -11,7 +11,10 @@ mod stacked;
 
 pub use crate::files::{copy_atomic, sync_dir, write_atomic, write_atomic_with};
 pub use folder::{load_model_dir, FolderOut, DEFAULT_SHARD_BYTES};
-pub use peft::{load_adapter, read_adapter_config, write_model_weights, AdapterOut, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+pub use peft::{
+    adapter_changes_nothing, load_adapter, read_adapter_config, write_model_weights, AdapterOut, ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+};
 
 use crate::engine::Engine;
 use crate::model::{ModelSpec, ParamId};

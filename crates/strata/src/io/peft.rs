@@ -140,6 +140,23 @@ pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
     load_named(engine, &path, named.into_iter(), &|id| !factors.contains(&id))
 }
 
+/// Whether the adapter folder `dir` changes nothing of its base yet: it holds low-rank
+/// factors alone (no module saved whole) and every `B` is zero, as peft draws a new adapter.
+pub fn adapter_changes_nothing(dir: &Path) -> Result<bool> {
+    for (key, t) in read_safetensors(&dir.join(ADAPTER_WEIGHTS))? {
+        let zero = || -> Result<bool> { Ok(t.f_count_nonzero(None)?.int64_value(&[]) == 0) };
+        let changes = match (key.contains(".lora_A."), key.contains(".lora_B.")) {
+            (true, _) => false,
+            (_, true) => !zero()?,
+            _ => true,
+        };
+        if changes {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// `named` (parameter name, key, tensor) with each of peft's stacked expert factors taken
 /// apart into the experts' parts that `factors` hold ([`stacked_factor`]): `A`'s rows
 /// `e·r ..` and `B`'s columns `e, e + E, ...` for expert `e`.

@@ -658,8 +658,13 @@ pub fn train(
     };
     let mut lora_reference = match strategy.lora().filter(|_| reference_scores_live) {
         Some(lora) => {
-            let loaded = config.init.iter().any(|i| matches!(i, InitialWeights::Adapter(_)));
-            Some(LoraReference::of(&mut trainer, lora, loaded)?)
+            let mut changed = false;
+            for init in &config.init {
+                if let InitialWeights::Adapter(dir) = init {
+                    changed |= !crate::io::adapter_changes_nothing(dir)?;
+                }
+            }
+            Some(LoraReference::of(&mut trainer, lora, changed)?)
         }
         None => None,
     };
@@ -1178,7 +1183,7 @@ fn check_objective_strategy(objective: &Objective, strategy: &Strategy, config: 
     } else if config.cuda_graph {
         Some("a captured step cannot read the completions' metrics")
     } else if synced && strategy.lora().is_some() {
-        Some("a synced reference is a copy of the whole model; LoRA's reference is its frozen base")
+        Some("a synced reference is a copy of the whole model; LoRA's reference is the model as it started")
     } else {
         None
     };

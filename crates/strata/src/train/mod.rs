@@ -162,10 +162,11 @@ impl KeptWeights {
 
 /// LoRA's reference model (preference and GRPO training): the model as it started. Where
 /// the adapters start at zero and nothing of the base trains, that is the base with the
-/// adapters switched off; where an adapter was loaded (TRL's reference is a frozen copy of
-/// it) or `modules_to_save` train parameters of the base (peft's `disable_adapter` computes
-/// with the original modules), the trainable parameters' starting values are kept and
-/// swapped in while it scores.
+/// adapters switched off; where a loaded adapter starts elsewhere (TRL's reference is a
+/// frozen copy of it) or `modules_to_save` train parameters of the base (peft's
+/// `disable_adapter` computes with the original modules), the trainable parameters'
+/// starting values are kept, gathered whole, and swapped in while it scores: a gather and
+/// a scatter of each unit holding some, twice per scoring.
 pub enum LoraReference {
     /// The base, the adapters switched off.
     AdaptersOff,
@@ -174,10 +175,10 @@ pub enum LoraReference {
 }
 
 impl LoraReference {
-    /// The reference of a trainer as it starts, under `lora`, `loaded` where its adapter
-    /// came from a folder (every rank together).
-    pub fn of(trainer: &mut Trainer, lora: &crate::strategy::LoraConfig, loaded: bool) -> Result<LoraReference> {
-        Ok(match loaded || !lora.modules_to_save.is_empty() {
+    /// The reference of a trainer as it starts, under `lora`, `changed` where a loaded
+    /// adapter already changes the base (every rank together).
+    pub fn of(trainer: &mut Trainer, lora: &crate::strategy::LoraConfig, changed: bool) -> Result<LoraReference> {
+        Ok(match changed || !lora.modules_to_save.is_empty() {
             true => LoraReference::Starting(KeptWeights::of_trainable(trainer)?),
             false => LoraReference::AdaptersOff,
         })
