@@ -140,6 +140,19 @@ const CASES: &[Case] = &[
         trl_name: "lora_head",
         ..laid_out("lora_head_live", &["--live-reference", "true"])
     },
+    // Its kept values gathered whole from fsdp's shards and tensor ranks' pieces, and scattered back.
+    Case {
+        adapter: true,
+        folder: "adapter_head",
+        trl_name: "lora_head",
+        ..laid_out("lora_head_live_fsdp", &["--live-reference", "true", "--nproc", "2", "--strategy", r#"["fsdp"]"#])
+    },
+    Case {
+        adapter: true,
+        folder: "adapter_head",
+        trl_name: "lora_head",
+        ..laid_out("lora_head_live_tensor", &["--live-reference", "true", "--nproc", "2", "--strategy", TENSOR])
+    },
     // TR-DPO: the reference syncs after steps 3, 6 and 9, on one process and split as the policy is.
     Case { sync: 3, ..case("tr_dpo", "sigmoid") },
     Case { sync: 3, trl_name: "tr_dpo", ..laid_out("tr_dpo_fsdp", &["--nproc", "2", "--strategy", r#"["fsdp"]"#]) },
@@ -480,6 +493,11 @@ fn pairs_over_two_ranks_sharded_split_or_pipelined_and_offloaded_follow_trl() {
 #[test]
 fn a_live_reference_follows_trl_as_a_copy_and_as_the_base_alone_and_staged_each() {
     follow(&["live", "live_pipeline", "lora_live", "lora_live_pipeline", "lora_trained_live", "lora_head_live"]);
+}
+
+#[test]
+fn a_live_lora_reference_keeps_its_starting_values_sharded_and_split() {
+    follow(&["lora_head_live_fsdp", "lora_head_live_tensor"]);
 }
 
 #[test]

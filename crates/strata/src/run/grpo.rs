@@ -333,7 +333,9 @@ pub fn train_rollouts(
     if c.beta != 0.0 {
         let scores = match &mut reference {
             Reference::None => {
-                return Err(Error::Config("grpo: beta > 0 needs a reference model (a copy, or LoRA's starting model)".into()))
+                return Err(Error::Config(
+                    "grpo: beta > 0 needs a reference model (a copy, or LoRA's starting model)".into(),
+                ))
             }
             Reference::Lora(base) => base.scoring(trainer, |t| token_log_probs(t, objective, &batches))?,
             Reference::Copy(engine) => {
