@@ -42,6 +42,10 @@ pub struct ContextGroup {
     gathered: std::sync::Mutex<Option<Gathered>>,
 }
 
+/// Each rank's places of its positions in their rows and its examples `[B, Tl]`, in rank
+/// order: what a query needs to know of the keys it meets.
+type RankKeys = Vec<(Tensor, Tensor)>;
+
 /// What a group derives from one micro-batch's layout and every attention over its rows
 /// (each layer's, and their recomputation) reuses: every rank's places and examples, and
 /// the runs they make, which would otherwise cost a gather and a read to the host each.
@@ -50,7 +54,7 @@ struct Gathered {
     /// examples can take their storage's place and pass for them.
     examples: Tensor,
     len: i64,
-    keys: Vec<(Tensor, Tensor)>,
+    keys: RankKeys,
     /// The runs, once a ring's attention needs them.
     runs: Option<Vec<AlikeRows>>,
 }
@@ -222,7 +226,7 @@ struct Blocks {
     query_places: Tensor,
     query_examples: Tensor,
     /// Per rank of the group: the places of its positions and their examples.
-    keys: Vec<(Tensor, Tensor)>,
+    keys: RankKeys,
     /// The runs of one example that each rank's positions make, by rows laid out alike,
     /// whose places say what is seen, so the fused kernel needs a mask only where a window
     /// cuts across a band of queries; `None` where they do not decide it.
@@ -840,12 +844,7 @@ impl ContextGroup {
     /// Every rank's places and examples in rows of `len` whose piece here has `examples`
     /// and, with `runs`, the runs they make (`None` without): derived once per rows, every
     /// rank of the group alike, since every rank attends over the same rows in the same order.
-    fn gathered(
-        &self,
-        len: i64,
-        examples: &Tensor,
-        runs: bool,
-    ) -> Result<(Vec<(Tensor, Tensor)>, Option<Vec<AlikeRows>>)> {
+    fn gathered(&self, len: i64, examples: &Tensor, runs: bool) -> Result<(RankKeys, Option<Vec<AlikeRows>>)> {
         let mut cache = self.gathered.lock().map_err(|_| Error::Engine("a context group's lock is poisoned".into()))?;
         let fresh = |g: &Gathered| {
             let same = g.examples.data_ptr() == examples.data_ptr() && g.examples.device() == examples.device();
@@ -864,7 +863,7 @@ impl ContextGroup {
     }
 
     /// Each rank's places and examples `[B, Tl]`, in rank order.
-    fn keys(&self, len: i64, examples: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+    fn keys(&self, len: i64, examples: &Tensor) -> Result<RankKeys> {
         let all = self.exchange().all_gather(examples)?;
         all.into_iter().enumerate().map(|(r, ex)| Ok((self.piece.of_rank(r).places(len, ex.device())?, ex))).collect()
     }
