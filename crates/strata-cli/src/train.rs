@@ -155,7 +155,7 @@ fn load_pairs(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> R
     if options.drop_long || options.train_on_prompt || settings.pack {
         bail!("{}: --drop-long, --train-on-prompt and --pack shape examples, not preference pairs", path.display());
     }
-    let (template, end_of_text) = ExampleSources::of(settings).rendering()?;
+    let (template, end_of_text) = ExampleSources::of(settings).rendering(tokenizer)?;
     // Each record's mismatched completion comes from its micro-batch's records over every
     // data-parallel rank (whose KL estimate the ranks share), as TRL's come from one
     // process's batch: the number of ranks changes nothing.
@@ -199,7 +199,7 @@ fn load_prompts(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) ->
     let Some(max_prompt_length) = (settings.ctx as usize).checked_sub(completion).filter(|&m| m > 0) else {
         bail!("--ctx {} leaves no room for a prompt beside --max-completion-length {completion}", settings.ctx);
     };
-    let (template, _) = ExampleSources::of(settings).rendering()?;
+    let (template, _) = ExampleSources::of(settings).rendering(tokenizer)?;
     let format = PromptFormat { tokenizer, template: template.as_ref(), max_prompt_length };
     let set = PromptSet::read(path, &format)?;
     tracing::info!(source = %path.display(), records = set.report.records, dropped_long = set.report.dropped_long, "prompts");
@@ -227,13 +227,30 @@ impl<'a> ExampleSources<'a> {
     }
 
     /// The chat template conversations are rendered through, and the end-of-sequence text
-    /// that ends a plain text or a completion.
-    fn rendering(self) -> Result<(Option<ChatTemplate>, Option<String>)> {
+    /// that ends a plain text or a completion: the tokenizer's configured end token, else
+    /// the model folder's first `eos_token_id` where the tokenizer holds it as a special
+    /// token (GPT-2's folder names its end token nowhere else).
+    fn rendering(self, tokenizer: &Tokenizer) -> Result<(Option<ChatTemplate>, Option<String>)> {
         let folder = crate::options::tokenizer_folder(self.tokenizer_file, self.model_dir);
         let template = ChatTemplate::choose(self.chat_template, folder)?;
-        let end_of_text = match folder {
+        let configured = match folder {
             Some(dir) => chat::special_token(&chat::tokenizer_config(dir)?, "eos_token"),
             None => None,
+        };
+        let end_of_text = match (configured, self.model_dir) {
+            (Some(end), _) => Some(end),
+            (None, Some(dir)) => {
+                let path = dir.join("config.json");
+                let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+                let config: serde_json::Value =
+                    serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+                let first = match &config["eos_token_id"] {
+                    serde_json::Value::Array(ids) => ids.first().and_then(serde_json::Value::as_u64),
+                    id => id.as_u64(),
+                };
+                first.and_then(|id| tokenizer.special_token_text(u32::try_from(id).ok()?))
+            }
+            (None, None) => None,
         };
         Ok((template, end_of_text))
     }
@@ -248,7 +265,7 @@ pub fn read_examples(
     sources: ExampleSources<'_>,
     options: &ExampleOptions,
 ) -> Result<ExampleSet> {
-    let (template, end_of_text) = sources.rendering()?;
+    let (template, end_of_text) = sources.rendering(tokenizer)?;
     let format = ExampleFormat { tokenizer, template: template.as_ref(), end_of_text };
     let set = ExampleSet::load(path, &format, options, strata::data::records::default_cache_dir().as_deref())?;
     let r = &set.report;

@@ -496,6 +496,41 @@ fn context_parallel_trains_the_attention_kinds_as_one_process() {
     }
 }
 
+/// A folder whose tokenizer configuration names no end token (GPT-2's) ends each
+/// completion with the token of its config's `eos_token_id` where the tokenizer holds it as
+/// a special token, as one naming it does; an id the tokenizer holds as a plain word ends
+/// nothing: one learned token fewer per example.
+#[test]
+fn completions_end_with_the_folder_s_special_end_token() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, _, _) = setup(&py, dir.path(), "llama3");
+    let examples = word_examples(dir.path());
+    let edit = |name: &str, change: &dyn Fn(&mut serde_json::Value)| {
+        let path = folder.join(name);
+        let mut value: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        change(&mut value);
+        std::fs::write(&path, value.to_string()).unwrap();
+    };
+    edit("tokenizer.json", &|t| {
+        let end = serde_json::json!({"id": 90, "content": "<eos>", "single_word": false, "lstrip": false,
+                                     "rstrip": false, "normalized": false, "special": true});
+        t["added_tokens"].as_array_mut().unwrap().push(end);
+    });
+    let learned = |name: &str| {
+        let flags = ["--model-dir", s(&folder), "--data", s(&examples), "--batch-size", "4", "--max-length", "16"];
+        let run = common::train_run(dir.path(), name, 1, &[&flags]);
+        common::reports(&run.1)[0]["supervised_tokens"].as_u64().unwrap()
+    };
+    edit("config.json", &|c| c["eos_token_id"] = serde_json::json!(90));
+    let by_id = learned("by-id");
+    std::fs::write(folder.join("tokenizer_config.json"), r#"{"eos_token": "<eos>"}"#).unwrap();
+    assert_eq!(learned("named"), by_id, "the end token named, or found by its id");
+    std::fs::remove_file(folder.join("tokenizer_config.json")).unwrap();
+    edit("config.json", &|c| c["eos_token_id"] = serde_json::json!(2));
+    assert_eq!(learned("a-word"), by_id - 4, "a plain word's id ends nothing");
+}
+
 /// Under amp_native a ring attends in bf16 as one process does over whole rows, though
 /// Qwen3's query and key norms hand it fp32 queries and keys beside bf16 values: its losses
 /// follow one process's within bf16's rounding, and its profile shows keys and values passed

@@ -39,14 +39,25 @@ pub fn special_token(config: &serde_json::Value, key: &str) -> Option<String> {
     }
 }
 
-/// A folder's `tokenizer_config.json`, or an empty object where it has none.
+/// A folder's `tokenizer_config.json` (an empty object where it has none), with the
+/// special tokens it leaves out that `special_tokens_map.json` names, as `transformers`
+/// reads an older save's.
 pub fn tokenizer_config(dir: &Path) -> Result<serde_json::Value> {
-    let path = dir.join("tokenizer_config.json");
-    if !path.is_file() {
-        return Ok(json!({}));
+    let read = |name: &str| -> Result<serde_json::Value> {
+        let path = dir.join(name);
+        if !path.is_file() {
+            return Ok(json!({}));
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        serde_json::from_str(&text).map_err(|e| Error::Data(format!("{}: not JSON ({e})", path.display())))
+    };
+    let mut config = read("tokenizer_config.json")?;
+    if let (Some(config), serde_json::Value::Object(map)) = (config.as_object_mut(), read("special_tokens_map.json")?) {
+        for (key, token) in map {
+            config.entry(key).or_insert(token);
+        }
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    serde_json::from_str(&text).map_err(|e| Error::Data(format!("{}: not JSON ({e})", path.display())))
+    Ok(config)
 }
 
 impl ChatTemplate {
@@ -130,14 +141,25 @@ impl ChatTemplate {
     /// The text of `messages`, with the opening of an assistant turn after them where
     /// `add_generation_prompt` says.
     pub fn render(&self, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`ChatTemplate::render`] with more of the template's variables: a record's `tools`
+    /// and its `chat_template_kwargs` (`enable_thinking`), as `apply_chat_template` takes them.
+    pub fn render_with(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        variables: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::Data(format!("{e:#}")))?;
+        let mut context = variables.clone();
+        context.insert("messages".into(), json!(messages));
+        context.insert("add_generation_prompt".into(), json!(add_generation_prompt));
+        context.insert("bos_token".into(), json!(self.bos_token.clone().unwrap_or_default()));
+        context.insert("eos_token".into(), json!(self.eos_token.clone().unwrap_or_default()));
         template
-            .render(minijinja::context! {
-                messages => Value::from(minijinja::value::Serde(messages)),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos_token.clone().unwrap_or_default(),
-                eos_token => self.eos_token.clone().unwrap_or_default(),
-            })
+            .render(Value::from(minijinja::value::Serde(&context)))
             .map_err(|e| Error::Data(format!("the chat template failed: {}", describe(&e))))
     }
 
@@ -146,19 +168,21 @@ impl ChatTemplate {
     /// Each turn's range runs from the end of the text of the messages before it with an
     /// assistant turn opened, to the end of the text of the messages up to it, so it holds
     /// the turn's content and its closing tokens but not the template's opening of it.
+    /// `variables` as [`ChatTemplate::render_with`] takes them.
     pub fn render_with_turns(
         &self,
         messages: &[serde_json::Value],
         first_learned: usize,
+        variables: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<(String, Vec<Range<usize>>)> {
-        let whole = self.render(messages, false)?;
+        let whole = self.render_with(messages, false, variables)?;
         let mut turns = vec![];
         for (k, message) in messages.iter().enumerate().skip(first_learned) {
             if message.get("role").and_then(|r| r.as_str()) != Some("assistant") {
                 continue;
             }
-            let opened = self.render(&messages[..k], true)?;
-            let closed = self.render(&messages[..=k], false)?;
+            let opened = self.render_with(&messages[..k], true, variables)?;
+            let closed = self.render_with(&messages[..=k], false, variables)?;
             if !whole.starts_with(&opened) || !whole.starts_with(&closed) || closed.len() < opened.len() {
                 return Err(Error::Data(format!(
                     "the chat template renders the conversation up to message {} as other than the start of the whole conversation, so what the assistant says there cannot be found",
@@ -233,6 +257,19 @@ mod tests {
         json!({"role": role, "content": content})
     }
 
+    /// `special_tokens_map.json` gives the special tokens `tokenizer_config.json` leaves out,
+    /// not those it names.
+    #[test]
+    fn an_older_save_s_special_tokens_map_fills_in_the_configuration() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"bos_token": "<s>"}"#).unwrap();
+        let map = r#"{"bos_token": "<other>", "eos_token": {"content": "</s>", "lstrip": false}}"#;
+        std::fs::write(dir.path().join("special_tokens_map.json"), map).unwrap();
+        let config = tokenizer_config(dir.path()).unwrap();
+        assert_eq!(special_token(&config, "bos_token").as_deref(), Some("<s>"));
+        assert_eq!(special_token(&config, "eos_token").as_deref(), Some("</s>"));
+    }
+
     #[test]
     fn assistant_turns_are_found_in_the_rendering() {
         let t = ChatTemplate::new(CHATML.into(), None, None, "test").unwrap();
@@ -243,11 +280,11 @@ mod tests {
             msg("user", "Bye"),
             msg("assistant", "Farewell."),
         ];
-        let (text, turns) = t.render_with_turns(&conv, 0).unwrap();
+        let (text, turns) = t.render_with_turns(&conv, 0, &Default::default()).unwrap();
         let said: Vec<&str> = turns.iter().map(|r| &text[r.clone()]).collect();
         assert_eq!(said, ["Hello.<|im_end|>\n", "Farewell.<|im_end|>\n"]);
         // Turns before `first_learned` are prompt.
-        assert_eq!(t.render_with_turns(&conv, 3).unwrap().1.len(), 1);
+        assert_eq!(t.render_with_turns(&conv, 3, &Default::default()).unwrap().1.len(), 1);
     }
 
     #[test]
@@ -277,7 +314,10 @@ mod tests {
         // Drops every turn but the last from the rendering: no prefix holds.
         let src = "{{ messages[-1].content }}";
         let t = ChatTemplate::new(src.into(), None, None, "test").unwrap();
-        let err = t.render_with_turns(&[msg("user", "a"), msg("assistant", "b")], 0).unwrap_err().to_string();
+        let err = t
+            .render_with_turns(&[msg("user", "a"), msg("assistant", "b")], 0, &Default::default())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("cannot be found"), "{err}");
     }
 }

@@ -47,10 +47,15 @@ pub enum Tokenizer {
 }
 
 impl Tokenizer {
-    /// Loads a Hugging Face `tokenizer.json`.
+    /// Loads a Hugging Face `tokenizer.json`, without the truncation and padding it may carry
+    /// (`transformers` switches them off for every call it does not ask them of: the loader
+    /// cuts and pads rows itself).
     pub fn from_file(path: &Path) -> Result<Tokenizer> {
-        let t = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| Error::Data(format!("{}: not a usable tokenizer.json: {e}", path.display())))?;
+        let unusable =
+            |e: tokenizers::Error| Error::Data(format!("{}: not a usable tokenizer.json: {e}", path.display()));
+        let mut t = tokenizers::Tokenizer::from_file(path).map_err(unusable)?;
+        t.with_truncation(None).map_err(unusable)?;
+        t.with_padding(None);
         Ok(Tokenizer::HuggingFace(Box::new(t)))
     }
 
@@ -60,6 +65,17 @@ impl Tokenizer {
         match self {
             Tokenizer::Bytes => self.decode(ids),
             Tokenizer::HuggingFace(t) => t.decode(ids, true).map_err(|e| Error::Data(format!("tokenizer failed: {e}"))),
+        }
+    }
+
+    /// The text of token `id` where it is one of the tokenizer's special added tokens (such
+    /// as GPT-2's `<|endoftext|>`): what a text spells it as.
+    pub fn special_token_text(&self, id: u32) -> Option<String> {
+        match self {
+            Tokenizer::Bytes => None,
+            Tokenizer::HuggingFace(t) => {
+                t.get_added_tokens_decoder().get(&id).filter(|token| token.special).map(|token| token.content.clone())
+            }
         }
     }
 

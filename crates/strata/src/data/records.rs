@@ -78,19 +78,34 @@ enum Record {
         prompt: String,
         completion: String,
     },
-    /// A conversation, and the first message whose assistant turns are learned (0, or the
-    /// first completion message of a conversational prompt and completion).
+    /// A conversation, the first message whose assistant turns are learned (0, or the first
+    /// completion message of a conversational prompt and completion), and the record's own
+    /// variables of the chat template (its `tools` and `chat_template_kwargs`).
     Conversation {
         messages: Vec<Value>,
         first_learned: usize,
+        variables: serde_json::Map<String, Value>,
     },
 }
 
 impl Record {
     fn parse(value: Value) -> std::result::Result<Record, String> {
         let Value::Object(mut fields) = value else { return Err("a record is a JSON object".into()) };
+        let mut variables = serde_json::Map::new();
+        if let Some(tools) = fields.remove("tools").filter(|t| !t.is_null()) {
+            variables.insert("tools".into(), tools);
+        }
+        match fields.remove("chat_template_kwargs") {
+            Some(Value::Object(kwargs)) => variables.extend(kwargs),
+            None | Some(Value::Null) => {}
+            Some(_) => return Err("\"chat_template_kwargs\" must be an object".into()),
+        }
         if let Some(messages) = fields.remove("messages") {
-            return Ok(Record::Conversation { messages: messages_of(messages, "messages")?, first_learned: 0 });
+            return Ok(Record::Conversation {
+                messages: messages_of(messages, "messages")?,
+                first_learned: 0,
+                variables,
+            });
         }
         match (fields.remove("prompt"), fields.remove("completion"), fields.remove("text")) {
             (Some(Value::String(prompt)), Some(Value::String(completion)), _) => {
@@ -100,7 +115,7 @@ impl Record {
                 let mut messages = messages_of(prompt, "prompt")?;
                 let first_learned = messages.len();
                 messages.extend(messages_of(completion, "completion")?);
-                Ok(Record::Conversation { messages, first_learned })
+                Ok(Record::Conversation { messages, first_learned, variables })
             }
             (Some(_), Some(_), _) => {
                 Err("\"prompt\" and \"completion\" must both be strings or both lists of messages".into())
@@ -111,40 +126,61 @@ impl Record {
         }
     }
 
-    /// The text to tokenize, the byte ranges the loss learns, and whether the tokenizer adds
-    /// its special tokens (a chat template writes them itself).
-    fn render(
-        self,
-        format: &ExampleFormat,
-        train_on_prompt: bool,
-    ) -> std::result::Result<(String, Vec<Range<usize>>, bool), String> {
+    /// The record as it is tokenized: its text and what of it the loss learns. A text or
+    /// completion ends with the end-of-sequence text once, as TRL's end it.
+    fn render(self, format: &ExampleFormat, train_on_prompt: bool) -> std::result::Result<Rendered, String> {
         let end = format.end_of_text.as_deref().unwrap_or("");
+        let ended = |t: String| match t.ends_with(end) {
+            true => t,
+            false => t + end,
+        };
         let (text, learned, special) = match self {
             Record::Text(text) => {
-                let text = text + end;
+                let text = ended(text);
                 let all = std::iter::once(0..text.len()).collect();
                 (text, all, true)
             }
             Record::Completion { prompt, completion } => {
-                let text = format!("{prompt}{completion}{end}");
-                let learned = std::iter::once(prompt.len()..text.len()).collect();
-                (text, learned, true)
+                let text = format!("{prompt}{}", ended(completion));
+                // Learned from where the prompt's tokens and the whole text's part (TRL's
+                // rule): a token merged across the boundary is the completion's.
+                if !train_on_prompt {
+                    return Ok(Rendered { text, learned: Learned::AfterPrompt(prompt), special: true });
+                }
+                (text, vec![], true)
             }
-            Record::Conversation { messages, first_learned } => {
+            Record::Conversation { messages, first_learned, variables } => {
                 let template = format.template.ok_or(
                     "conversations need a chat template: the model folder has none (give --chat-template FILE)",
                 )?;
-                let (text, turns) = template.render_with_turns(&messages, first_learned).map_err(|e| match e {
-                    // Said again with the file and line in front.
-                    Error::Data(why) => why,
-                    other => other.to_string(),
-                })?;
+                let (text, turns) =
+                    template.render_with_turns(&messages, first_learned, &variables).map_err(|e| match e {
+                        // Said again with the file and line in front.
+                        Error::Data(why) => why,
+                        other => other.to_string(),
+                    })?;
                 (text, turns, false)
             }
         };
         let learned = if train_on_prompt { std::iter::once(0..text.len()).collect() } else { learned };
-        Ok((text, learned, special))
+        Ok(Rendered { text, learned: Learned::Bytes(learned), special })
     }
+}
+
+/// A record as it is tokenized.
+struct Rendered {
+    text: String,
+    learned: Learned,
+    /// Whether the tokenizer adds its special tokens (a chat template writes them itself).
+    special: bool,
+}
+
+/// What of a rendered record's tokens the loss learns.
+enum Learned {
+    /// Those that start inside these byte ranges of the text.
+    Bytes(Vec<Range<usize>>),
+    /// Those from the first where the text's tokens and this prompt's alone differ.
+    AfterPrompt(String),
 }
 
 /// Messages: a list of objects, each with a string `role` and a string `content` (a tool's
@@ -221,7 +257,7 @@ impl ExampleSet {
                 })
                 .collect::<Result<Vec<_>>>()?;
             // A run of records is tokenized with one setting of the special tokens.
-            for run in rendered.chunk_by(|a, b| a.2 == b.2) {
+            for run in rendered.chunk_by(|a, b| a.special == b.special) {
                 set.push_tokenized(format.tokenizer, run, options)?;
             }
             progress.inc(chunk.len() as u64);
@@ -236,20 +272,29 @@ impl ExampleSet {
         Ok(set)
     }
 
-    /// Tokenizes rendered records (text, learned byte ranges, whether the tokenizer adds its
-    /// special tokens, the same for all), flags the tokens that start inside the ranges, cuts
-    /// each to the most length, and keeps those with something to learn.
-    fn push_tokenized(
-        &mut self,
-        tokenizer: &Tokenizer,
-        rendered: &[(String, Vec<Range<usize>>, bool)],
-        options: &ExampleOptions,
-    ) -> Result<()> {
-        let Some((_, _, special)) = rendered.first() else { return Ok(()) };
-        let texts = rendered.iter().map(|r| r.0.clone()).collect();
-        let spans = rendered.iter().map(|r| &r.1);
-        for ((mut ids, starts), spans) in tokenizer.encode_with_starts(texts, *special)?.into_iter().zip(spans) {
-            let mut learned: Vec<bool> = starts.iter().map(|s| spans.iter().any(|r| r.contains(s))).collect();
+    /// Tokenizes rendered records (whether the tokenizer adds its special tokens the same for
+    /// all), flags the tokens they learn, cuts each to the most length, and keeps those with
+    /// something to learn.
+    fn push_tokenized(&mut self, tokenizer: &Tokenizer, rendered: &[Rendered], options: &ExampleOptions) -> Result<()> {
+        let Some(special) = rendered.first().map(|r| r.special) else { return Ok(()) };
+        let texts = rendered.iter().map(|r| r.text.clone()).collect();
+        let prompts: Vec<String> = rendered
+            .iter()
+            .filter_map(|r| match &r.learned {
+                Learned::AfterPrompt(prompt) => Some(prompt.clone()),
+                Learned::Bytes(_) => None,
+            })
+            .collect();
+        let mut prompts = tokenizer.encode_with_starts(prompts, special)?.into_iter();
+        for ((mut ids, starts), r) in tokenizer.encode_with_starts(texts, special)?.into_iter().zip(rendered) {
+            let mut learned: Vec<bool> = match &r.learned {
+                Learned::Bytes(spans) => starts.iter().map(|s| spans.iter().any(|r| r.contains(s))).collect(),
+                Learned::AfterPrompt(_) => {
+                    let (prompt, _) = prompts.next().ok_or_else(|| Error::Data("a prompt left untokenized".into()))?;
+                    let first = ids.iter().zip(&prompt).take_while(|(a, b)| a == b).count();
+                    (0..ids.len()).map(|i| i >= first).collect()
+                }
+            };
             if ids.len() > options.max_length {
                 if options.drop_long {
                     self.report.dropped_long += 1;
@@ -398,7 +443,7 @@ impl ExampleSet {
     }
 }
 
-const CACHE_MAGIC: &[u8; 8] = b"STRATEX1";
+const CACHE_MAGIC: &[u8; 8] = b"STRATEX2";
 
 /// The cache entry's name: a hash of everything the examples depend on.
 fn cache_key(path: &Path, format: &ExampleFormat, options: &ExampleOptions) -> Result<String> {
@@ -477,6 +522,65 @@ mod tests {
         }
         group.close().unwrap();
         writer.close().unwrap();
+    }
+
+    /// A byte-level BPE whose only merge joins a space to the `b` after it, carrying the
+    /// truncation to 2 tokens and padding to 8 that a `tokenizer.json` may hold.
+    fn merging_tokenizer(dir: &Path) -> Tokenizer {
+        let path = dir.join("tokenizer.json");
+        let json = serde_json::json!({
+            "version": "1.0",
+            "truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0},
+            "padding": {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": null,
+                        "pad_id": 0, "pad_type_id": 0, "pad_token": "a"},
+            "added_tokens": [], "normalizer": null, "post_processor": null, "decoder": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                      "vocab": {"a": 0, "\u{120}": 1, "b": 2, "\u{120}b": 3, "#": 4}, "merges": ["\u{120} b"]}
+        });
+        std::fs::write(&path, json.to_string()).unwrap();
+        Tokenizer::from_file(&path).unwrap()
+    }
+
+    /// A prompt ending in a space before its completion: the token that merges the two is
+    /// learned, as TRL learns from where the prompt's own tokens and the whole text's part;
+    /// a completion that ends with the end token takes it once; and the file's truncation and
+    /// padding are switched off.
+    #[test]
+    fn a_token_merged_across_the_prompt_s_end_is_the_completion_s() {
+        let dir = tempfile::tempdir().unwrap();
+        let tokenizer = merging_tokenizer(dir.path());
+        let path = dir.path().join("d.jsonl");
+        let records = [r#"{"prompt": "a ", "completion": "b"}"#, r#"{"prompt": "a ", "completion": "b#"}"#];
+        std::fs::write(&path, records.join("\n")).unwrap();
+        let format = ExampleFormat { tokenizer: &tokenizer, template: None, end_of_text: Some("#".into()) };
+        let set = ExampleSet::prepare(&path, &format, &options(100)).unwrap();
+        assert_eq!(set.len(), 2);
+        for i in 0..2 {
+            let (ids, flags) = set.example(i);
+            assert_eq!((ids, flags), (&[0, 3, 4][..], &[false, true, true][..]), "record {i}");
+        }
+    }
+
+    /// A conversation's `tools` and `chat_template_kwargs` reach the chat template.
+    #[test]
+    fn a_conversation_s_tools_and_template_arguments_reach_the_template() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.jsonl");
+        let record = serde_json::json!({
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}],
+            "tools": [{"name": "add"}, {"name": "sub"}],
+            "chat_template_kwargs": {"enable_thinking": true}
+        });
+        std::fs::write(&path, record.to_string()).unwrap();
+        let source = format!("{{% if tools %}}[{{{{ tools | length }}}} tools]{{% endif %}}{{% if enable_thinking %}}[think]{{% endif %}}{CHATML}");
+        let template = ChatTemplate::new(source, None, None, "test").unwrap();
+        let format = ExampleFormat { tokenizer: &Tokenizer::Bytes, template: Some(&template), end_of_text: None };
+        let set = ExampleSet::prepare(&path, &format, &options(200)).unwrap();
+        let text: String = set.example(0).0.iter().map(|&t| t as u8 as char).collect();
+        assert!(text.starts_with("[2 tools][think]<|im_start|>user"), "{text}");
+        assert_eq!(learned(&set, 0), "r<|im_end|>\n");
     }
 
     #[test]
