@@ -281,6 +281,15 @@ pub fn read_examples(
         cached = set.cached,
         "examples"
     );
+    if r.truncated > 0 {
+        tracing::warn!(
+            "{} of {} examples of {} were cut to --max-length {} tokens: their ends are not learned",
+            r.truncated,
+            r.examples,
+            path.display(),
+            options.max_length
+        );
+    }
     Ok(set)
 }
 

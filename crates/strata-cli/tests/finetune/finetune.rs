@@ -435,6 +435,9 @@ fn long_examples_are_truncated_and_counted() {
     assert!(o.status.success(), "{}", stderr(&o));
     // Completions of 4, 12, ..., 60 bytes after a 1-byte prompt: those of 28 and more cut.
     assert!(stderr(&o).contains("records=8 examples=8 truncated=5 dropped_long=0"), "{}", stderr(&o));
+    // And said where a user looks, with the flag that sets the length.
+    let warned = "5 of 8 examples of {} were cut to --max-length 24 tokens: their ends are not learned";
+    assert!(stderr(&o).contains(&warned.replace("{}", data.to_str().unwrap())), "{}", stderr(&o));
 }
 
 #[test]
