@@ -92,7 +92,14 @@ impl Record {
     fn parse(value: Value) -> std::result::Result<Record, String> {
         let Value::Object(mut fields) = value else { return Err("a record is a JSON object".into()) };
         let mut variables = serde_json::Map::new();
-        if let Some(tools) = fields.remove("tools").filter(|t| !t.is_null()) {
+        // Tools as a JSON text too, as datasets often store them (TRL reads them so).
+        let tools = match fields.remove("tools") {
+            Some(Value::String(text)) => {
+                Some(serde_json::from_str(&text).map_err(|e| format!("\"tools\" is text but not JSON ({e})"))?)
+            }
+            other => other.filter(|t| !t.is_null()),
+        };
+        if let Some(tools) = tools {
             variables.insert("tools".into(), tools);
         }
         match fields.remove("chat_template_kwargs") {
@@ -573,14 +580,20 @@ mod tests {
             "tools": [{"name": "add"}, {"name": "sub"}],
             "chat_template_kwargs": {"enable_thinking": true}
         });
-        std::fs::write(&path, record.to_string()).unwrap();
+        // The same tools as a JSON text, as datasets often store them.
+        let mut as_text = record.clone();
+        as_text["tools"] = serde_json::json!(record["tools"].to_string());
+        std::fs::write(&path, format!("{record}\n{as_text}")).unwrap();
         let source = format!("{{% if tools %}}[{{{{ tools | length }}}} tools]{{% endif %}}{{% if enable_thinking %}}[think]{{% endif %}}{CHATML}");
         let template = ChatTemplate::new(source, None, None, "test").unwrap();
         let format = ExampleFormat { tokenizer: &Tokenizer::Bytes, template: Some(&template), end_of_text: None };
         let set = ExampleSet::prepare(&path, &format, &options(200)).unwrap();
-        let text: String = set.example(0).0.iter().map(|&t| t as u8 as char).collect();
-        assert!(text.starts_with("[2 tools][think]<|im_start|>user"), "{text}");
-        assert_eq!(learned(&set, 0), "r<|im_end|>\n");
+        assert_eq!(set.len(), 2);
+        for i in 0..2 {
+            let text: String = set.example(i).0.iter().map(|&t| t as u8 as char).collect();
+            assert!(text.starts_with("[2 tools][think]<|im_start|>user"), "record {i}: {text}");
+            assert_eq!(learned(&set, i), "r<|im_end|>\n");
+        }
     }
 
     #[test]
