@@ -213,7 +213,7 @@ fn split_text_prompt(chosen: &str, rejected: &str) -> (String, String, String) {
 }
 
 /// How many first tokens `a` and `b` share.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+pub(super) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 

@@ -298,7 +298,7 @@ impl ExampleSet {
                 Learned::Bytes(spans) => starts.iter().map(|s| spans.iter().any(|r| r.contains(s))).collect(),
                 Learned::AfterPrompt(_) => {
                     let (prompt, _) = prompts.next().ok_or_else(|| Error::Data("a prompt left untokenized".into()))?;
-                    let first = ids.iter().zip(&prompt).take_while(|(a, b)| a == b).count();
+                    let first = super::preference::common_prefix(&ids, &prompt);
                     (0..ids.len()).map(|i| i >= first).collect()
                 }
             };
