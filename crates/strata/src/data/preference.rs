@@ -15,7 +15,7 @@
 //! and a batch's layout: a record's chosen row in the first half of the rows, its rejected
 //! row at the same place in the second. Must not score rows (the preference loss does).
 use super::chat::ChatTemplate;
-use super::records::{messages_of, read_records};
+use super::records::{messages_of, read_records, template_variables};
 use super::{check_indices, Batch, RowSet, Tokenizer, IGNORE};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -80,10 +80,13 @@ enum Record {
         chosen: String,
         rejected: String,
     },
+    /// Messages, and the record's own variables of the chat template (its `tools` and
+    /// `chat_template_kwargs`).
     Conversation {
         prompt: Vec<Value>,
         chosen: Vec<Value>,
         rejected: Vec<Value>,
+        variables: serde_json::Map<String, Value>,
     },
     /// A completion alone, desirable or not: its rows are the prompt with the completion.
     Unpaired {
@@ -95,6 +98,7 @@ enum Record {
 impl Record {
     fn parse(value: Value) -> std::result::Result<Record, String> {
         let Value::Object(mut fields) = value else { return Err("a record is a JSON object".into()) };
+        let variables = template_variables(&mut fields)?;
         if let Some(label) = fields.remove("label") {
             let Value::Bool(desirable) = label else { return Err("\"label\" must be true or false".into()) };
             let record = match (fields.remove("prompt"), fields.remove("completion")) {
@@ -105,6 +109,7 @@ impl Record {
                     prompt: messages_of(p, "prompt")?,
                     chosen: messages_of(c, "completion")?,
                     rejected: vec![],
+                    variables,
                 },
                 _ => {
                     return Err("an unpaired record needs \"prompt\" and \"completion\", both strings or both lists \
@@ -134,6 +139,7 @@ impl Record {
                 prompt: messages_of(p, "prompt")?,
                 chosen: messages_of(c, "chosen")?,
                 rejected: messages_of(r, "rejected")?,
+                variables,
             }),
             // A text prompt beside conversations: the prompt is within them (TRL's reading).
             (None | Some(Value::String(_)), c @ Value::Array(_), r @ Value::Array(_)) => {
@@ -146,6 +152,7 @@ impl Record {
                     prompt: chosen[..shared].to_vec(),
                     chosen: chosen[shared..].to_vec(),
                     rejected: rejected[shared..].to_vec(),
+                    variables,
                 })
             }
             _ => Err("\"prompt\", \"chosen\" and \"rejected\" must all be strings or all lists of messages".into()),
@@ -175,18 +182,19 @@ impl Record {
                 let (chosen, rejected) = (ended(chosen), ended(rejected));
                 [prompt.clone(), format!("{prompt}{chosen}"), format!("{prompt}{rejected}")]
             }
-            Record::Conversation { prompt, chosen, rejected } => {
+            Record::Conversation { prompt, chosen, rejected, variables } => {
                 let template = template.ok_or(
                     "conversations need a chat template: the model folder has none (give --chat-template FILE)",
                 )?;
                 let whole = |c: &[Value]| -> std::result::Result<String, String> {
-                    template.render(&[prompt.as_slice(), c].concat(), false).map_err(|e| e.to_string())
+                    template.render_with(&[prompt.as_slice(), c].concat(), false, &variables).map_err(|e| e.to_string())
                 };
                 let rejected = match rejected.is_empty() {
                     true => String::new(),
                     false => whole(&rejected)?,
                 };
-                [template.render(&prompt, true).map_err(|e| e.to_string())?, whole(&chosen)?, rejected]
+                let prompt = template.render_with(&prompt, true, &variables).map_err(|e| e.to_string())?;
+                [prompt, whole(&chosen)?, rejected]
             }
             Record::Unpaired { .. } => unreachable!("tokenized above"),
         };
@@ -582,6 +590,44 @@ impl RowSet for PreferenceSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A conversation's `tools` (a list or its JSON text) and `chat_template_kwargs` reach the
+    /// chat template in its prompt and in both completions, paired or not, as TRL's
+    /// `DPOTrainer` and `KTOTrainer` pass them to `apply_chat_template`.
+    #[test]
+    fn a_conversation_s_tools_and_template_arguments_reach_every_rendering() {
+        let source = "{% if tools %}[{{ tools | length }} tools]{% endif %}{% if enable_thinking %}[think]{% endif %}\
+                      {% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}\
+                      {% if add_generation_prompt %}<assistant>{% endif %}";
+        let template = ChatTemplate::new(source.into(), None, None, "test").unwrap();
+        let user = serde_json::json!([{"role": "user", "content": "q"}]);
+        let says = |text: &str| serde_json::json!([{"role": "assistant", "content": text}]);
+        let variables = serde_json::json!({"tools": [{"name": "add"}, {"name": "sub"}],
+                                           "chat_template_kwargs": {"enable_thinking": true}});
+        let with = |mut record: Value, tools_as_text: bool| {
+            record.as_object_mut().unwrap().extend(variables.as_object().unwrap().clone());
+            if tools_as_text {
+                record["tools"] = Value::String(variables["tools"].to_string());
+            }
+            record
+        };
+        let implicit = [user.as_array().unwrap().clone(), says("y").as_array().unwrap().clone()].concat();
+        let implicit_rejected = [user.as_array().unwrap().clone(), says("n").as_array().unwrap().clone()].concat();
+        let records = [
+            with(serde_json::json!({"prompt": user, "chosen": says("y"), "rejected": says("n")}), false),
+            with(serde_json::json!({"prompt": user, "chosen": says("y"), "rejected": says("n")}), true),
+            with(serde_json::json!({"chosen": implicit, "rejected": implicit_rejected}), false),
+            with(serde_json::json!({"prompt": user, "completion": says("y"), "label": true}), true),
+        ];
+        for (i, record) in records.into_iter().enumerate() {
+            let (rows, _) = Record::parse(record).unwrap().tokenize(&Tokenizer::Bytes, Some(&template), "").unwrap();
+            let texts: Vec<String> = rows.iter().map(|r| r.iter().map(|&t| t as u8 as char).collect()).collect();
+            assert_eq!(texts[0], "[2 tools][think]<user>q<assistant>", "record {i}");
+            assert_eq!(texts[1], "[2 tools][think]<user>q<assistant>y", "record {i}");
+            let rejected = if i == 3 { "" } else { "[2 tools][think]<user>q<assistant>n" };
+            assert_eq!(texts[2], rejected, "record {i}");
+        }
+    }
 
     #[test]
     fn an_implicit_text_prompt_is_what_both_completions_start_with_less_a_space() {

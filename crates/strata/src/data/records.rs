@@ -91,22 +91,7 @@ enum Record {
 impl Record {
     fn parse(value: Value) -> std::result::Result<Record, String> {
         let Value::Object(mut fields) = value else { return Err("a record is a JSON object".into()) };
-        let mut variables = serde_json::Map::new();
-        // Tools as a JSON text too, as datasets often store them (TRL reads them so).
-        let tools = match fields.remove("tools") {
-            Some(Value::String(text)) => {
-                Some(serde_json::from_str(&text).map_err(|e| format!("\"tools\" is text but not JSON ({e})"))?)
-            }
-            other => other.filter(|t| !t.is_null()),
-        };
-        if let Some(tools) = tools {
-            variables.insert("tools".into(), tools);
-        }
-        match fields.remove("chat_template_kwargs") {
-            Some(Value::Object(kwargs)) => variables.extend(kwargs),
-            None | Some(Value::Null) => {}
-            Some(_) => return Err("\"chat_template_kwargs\" must be an object".into()),
-        }
+        let variables = template_variables(&mut fields)?;
         if let Some(messages) = fields.remove("messages") {
             return Ok(Record::Conversation {
                 messages: messages_of(messages, "messages")?,
@@ -188,6 +173,30 @@ enum Learned {
     Bytes(Vec<Range<usize>>),
     /// Those from the first where the text's tokens and this prompt's alone differ.
     AfterPrompt(String),
+}
+
+/// A record's own variables of the chat template, taken out of its fields: its `tools` (a
+/// list, or the JSON text of one as datasets often store them, which TRL reads so) and the
+/// entries of its `chat_template_kwargs` (`enable_thinking`), as `apply_chat_template` takes them.
+pub(super) fn template_variables(
+    fields: &mut serde_json::Map<String, Value>,
+) -> std::result::Result<serde_json::Map<String, Value>, String> {
+    let mut variables = serde_json::Map::new();
+    let tools = match fields.remove("tools") {
+        Some(Value::String(text)) => {
+            Some(serde_json::from_str(&text).map_err(|e| format!("\"tools\" is text but not JSON ({e})"))?)
+        }
+        other => other.filter(|t| !t.is_null()),
+    };
+    if let Some(tools) = tools {
+        variables.insert("tools".into(), tools);
+    }
+    match fields.remove("chat_template_kwargs") {
+        Some(Value::Object(kwargs)) => variables.extend(kwargs),
+        None | Some(Value::Null) => {}
+        Some(_) => return Err("\"chat_template_kwargs\" must be an object".into()),
+    }
+    Ok(variables)
 }
 
 /// Messages: a list of objects, each with a string `role` and a string `content` (a tool's
