@@ -641,6 +641,9 @@ def main(argv=None):
     lora.add_argument("--config", required=True, help="JSON of LoraConfig's fields")
     lora.add_argument("--seed", type=int, default=0)
     lora.add_argument("--out", required=True)
+    decay = sub.add_parser("decay-skipped", help="the folder's parameter names, and those Trainer leaves "
+                           "out of weight decay")
+    decay.add_argument("--dir", required=True)
     val = sub.add_parser("val-loss")
     val.add_argument("--dir", required=True)
     val.add_argument("--token-file", required=True)
@@ -703,6 +706,13 @@ def main(argv=None):
             return model(input_ids=t["tokens"], token_type_ids=t["types"], attention_mask=t["mask"],
                          labels=t["labels"]).loss
         print(json.dumps(adamw_losses(load_encoder(args.dir), args.batches, args.lr, loss)))
+    elif args.command == "decay-skipped":
+        import transformers as tf
+        kind = tf.AutoConfig.from_pretrained(args.dir).model_type
+        model = {"t5": load_seq2seq, "bert": load_encoder}.get(kind, load)(args.dir)
+        names = [n for n, _ in model.named_parameters()]
+        decayed = set(tf.Trainer.get_decay_parameter_names(None, model))
+        print(json.dumps({"names": names, "skipped": [n for n in names if n not in decayed]}))
     elif args.command == "generate":
         model = load(args.dir)
         prompt = torch.tensor([json.loads(args.prompt)], dtype=torch.long)

@@ -240,8 +240,15 @@ def phase_times(step):
 def make_optimizer(model, args):
     # On a GPU the fused AdamW, as a user tuning for speed would choose.
     fused = next(model.parameters()).is_cuda or None
+    params = list(model.parameters())
+    if args.decay_norms_and_biases == "false":
+        # LayerNorms and biases without weight decay, as transformers' Trainer groups them.
+        norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+        skipped = [p for n, p in model.named_parameters() if id(p) in norms or "bias" in n]
+        kept = [p for p in params if all(p is not q for q in skipped)]
+        params = [{"params": kept}, {"params": skipped, "weight_decay": 0.0}]
     return torch.optim.AdamW(
-        model.parameters(),
+        params,
         lr=args.lr,
         betas=tuple(args.betas),
         eps=args.eps,
@@ -389,6 +396,7 @@ def main():
         s.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999))
         s.add_argument("--eps", type=float, default=1e-8)
         s.add_argument("--weight-decay", type=float, default=0.01)
+        s.add_argument("--decay-norms-and-biases", choices=("true", "false"), default="true")
         s.add_argument("--grad-clip", type=float, default=None)
         s.add_argument("--threads", type=int, default=None)
     t = sub.choices["train"]

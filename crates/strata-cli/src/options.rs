@@ -239,8 +239,11 @@ train_options! {
     betas: String,
     /// Adam epsilon.
     eps: f64,
-    /// Weight decay (applies to every parameter).
+    /// Weight decay (to every parameter unless --decay-norms-and-biases false).
     weight_decay: f64,
+    /// Whether weight decay reaches normalisation layers and biases (default true);
+    /// false leaves them out as `transformers`' Trainer does.
+    decay_norms_and_biases: bool,
     /// SGD momentum.
     momentum: f64,
     /// SGD Nesterov momentum.
@@ -921,6 +924,7 @@ impl TrainOptions {
                 ("--betas", o.betas.is_some()),
                 ("--eps", o.eps.is_some()),
                 ("--weight-decay", o.weight_decay.is_some()),
+                ("--decay-norms-and-biases", o.decay_norms_and_biases.is_some()),
             ];
             if let Some(flag) = first_given(&given) {
                 bail!("{flag} conflicts with --patrickstar-config, whose configuration sets it");
@@ -974,6 +978,7 @@ impl TrainOptions {
             betas: o.betas.as_deref().map(parse_betas).transpose()?.unwrap_or(defaults.betas),
             eps: o.eps.unwrap_or(defaults.eps),
             weight_decay: o.weight_decay.unwrap_or(if kind == OptimizerKind::Sgd { 0.0 } else { 0.1 }),
+            decay_norms_and_biases: o.decay_norms_and_biases.unwrap_or(true),
             momentum: o.momentum.unwrap_or(0.0),
             dampening: 0.0,
             nesterov: o.nesterov.unwrap_or(false),

@@ -66,7 +66,7 @@ fn replay_inputs(dir: &Path) -> (PathBuf, PathBuf) {
 }
 
 const GPT: [&str; 11] = ["train", "--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--ctx", "32"];
-const OPTIM: [&str; 12] = [
+const OPTIM: [&str; 14] = [
     "--lr",
     "0.003",
     "--betas",
@@ -75,6 +75,8 @@ const OPTIM: [&str; 12] = [
     "1e-8",
     "--weight-decay",
     "0.1",
+    "--decay-norms-and-biases",
+    "false",
     "--grad-clip",
     "1.0",
     "--schedule",
@@ -94,6 +96,7 @@ fn gpt_losses_match_pytorch_step_by_step() {
         .arg(repo().join("scripts/torch_reference.py"))
         .args(["train", "--weights", s(&init), "--tokens", s(&tokens), "--offsets", s(&plan), "--steps", "20"])
         .args(["--heads", "2", "--lr", "0.003", "--betas", "0.9", "0.95", "--eps", "1e-8", "--weight-decay", "0.1"])
+        .args(["--decay-norms-and-biases", "false"])
         .args(["--grad-clip", "1.0", "--threads", "2"])
         .output()
         .unwrap();

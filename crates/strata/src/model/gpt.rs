@@ -255,8 +255,8 @@ pub(crate) fn dense(
 
 pub(crate) fn norm(u: &mut super::UnitBuilder<'_>, prefix: &str, dim: i64) -> (ParamId, ParamId) {
     (
-        u.param(format!("{prefix}.weight"), &[dim], Init::Ones, TpRole::SequenceReplicated),
-        u.param(format!("{prefix}.bias"), &[dim], Init::Zeros, TpRole::SequenceReplicated),
+        u.norm(format!("{prefix}.weight"), &[dim], Init::Ones, TpRole::SequenceReplicated),
+        u.norm(format!("{prefix}.bias"), &[dim], Init::Zeros, TpRole::SequenceReplicated),
     )
 }
 

@@ -129,12 +129,12 @@ impl LatentAttention {
             None => QueryProjection::Direct(u.linear(attn("q_proj.weight"), &[query_out, dim], normal, TpRole::COLUMN)),
             Some(rank) => QueryProjection::LowRank {
                 down: down(u, "q_a_proj", rank),
-                norm: u.param(attn("q_a_layernorm.weight"), &[rank], Init::Ones, TpRole::PartialGradient),
+                norm: u.norm(attn("q_a_layernorm.weight"), &[rank], Init::Ones, TpRole::PartialGradient),
                 up: u.linear(attn("q_b_proj.weight"), &[query_out, rank], normal, TpRole::COLUMN),
             },
         };
         let kv_down = down(u, "kv_a_proj_with_mqa", config.kv_rank + config.rope_dim);
-        let kv_norm = u.param(attn("kv_a_layernorm.weight"), &[config.kv_rank], Init::Ones, TpRole::PartialGradient);
+        let kv_norm = u.norm(attn("kv_a_layernorm.weight"), &[config.kv_rank], Init::Ones, TpRole::PartialGradient);
         let kv_out = heads * (config.nope_dim + config.value_dim);
         let kv_up = u.linear(attn("kv_b_proj.weight"), &[kv_out, config.kv_rank], normal, TpRole::COLUMN);
         LatentAttention { queries, kv_down, kv_norm, kv_up, config: config.clone(), rotation: Rotation::new(rope) }

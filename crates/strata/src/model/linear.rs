@@ -106,7 +106,7 @@ impl GatedDeltaNet {
             conv: u.param(at("conv1d.weight"), &[c.conv_channels(), 1, c.conv_kernel], normal, whole),
             dt_bias: u.param(at("dt_bias"), &[c.value_heads], Init::Ones, whole),
             a_log: u.param(at("A_log"), &[c.value_heads], Init::Zeros, whole),
-            norm: u.param(at("norm.weight"), &[c.value_dim], Init::Ones, whole),
+            norm: u.norm(at("norm.weight"), &[c.value_dim], Init::Ones, whole),
             out: u.linear(at("out_proj.weight"), &[dim, c.value_heads * c.value_dim], normal, whole),
             config: config.clone(),
             norm_eps,

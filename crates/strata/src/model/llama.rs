@@ -880,7 +880,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         // One per head: split with the heads.
         let sinks = (cfg.attention_sinks && o.is_some())
             .then(|| u.param(format!("{name}.self_attn.sinks"), &[heads], normal, TpRole::COLUMN));
-        let mut norm = |suffix: &str, width: i64, tp| u.param(format!("{name}.{suffix}"), &[width], norm_init, tp);
+        let mut norm = |suffix: &str, width: i64, tp| u.norm(format!("{name}.{suffix}"), &[width], norm_init, tp);
         let input_norm = norm("input_layernorm.weight", d, TpRole::SequenceReplicated);
         // Per head, or (OLMoE) over each projection whole.
         let (q_width, k_width) = if cfg.qk_norm_whole { (q_out, kv_out) } else { (hd, hd) };
@@ -998,7 +998,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         });
     }
     let mut u = b.unit("head");
-    let norm = u.param("model.norm.weight", &[d], norm_init, TpRole::SequenceReplicated);
+    let norm = u.norm("model.norm.weight", &[d], norm_init, TpRole::SequenceReplicated);
     if cfg.head == DecoderHead::Reward {
         u.declare_cost(UnitCost::keeping(Kept::head(3.0 * d as f64 + 2.0, 1)));
         let score = u.param("score.weight", &[1, d], normal, TpRole::PartialGradient);

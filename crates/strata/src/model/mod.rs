@@ -349,6 +349,8 @@ pub struct ParamSpec {
     /// For a routed expert's weight or bias, which expert of its layer it belongs to: what
     /// expert parallelism stores on the rank computing that expert alone.
     pub expert: Option<ExpertSlot>,
+    /// Whether it belongs to a normalisation layer ([`UnitBuilder::norm`]), whatever its name.
+    pub norm: bool,
 }
 
 /// A routed expert's place among its sparse layer's experts.
@@ -377,6 +379,16 @@ impl ParamSpec {
     /// The shape of one rank's piece when split over `tp` tensor ranks.
     pub fn local_shape(&self, tp: i64) -> Vec<i64> {
         self.tp.local_shape(&self.shape, tp)
+    }
+
+    /// Whether `transformers`' `Trainer` leaves it out of weight decay: a normalisation
+    /// layer's parameter, or one whose lower-cased name holds `bias`, `layernorm` or
+    /// `rmsnorm`, or a part `norm` or ending in `_norm` (its `get_decay_parameter_names`).
+    pub fn trainer_skips_decay(&self) -> bool {
+        let name = self.name.to_lowercase();
+        self.norm
+            || ["bias", "layernorm", "rmsnorm"].iter().any(|n| name.contains(n))
+            || name.split('.').any(|part| part == "norm" || part.ends_with("_norm"))
     }
 }
 
@@ -1128,8 +1140,16 @@ impl UnitBuilder<'_> {
             requires_grad: true,
             linear: false,
             expert: None,
+            norm: false,
         });
         self.owned.push(id);
+        id
+    }
+
+    /// Declares a normalisation layer's weight or bias.
+    pub fn norm(&mut self, name: impl Into<String>, shape: &[i64], init: Init, tp: TpRole) -> ParamId {
+        let id = self.param(name, shape, init, tp);
+        self.builder.params[id.0].norm = true;
         id
     }
 

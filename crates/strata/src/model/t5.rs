@@ -535,7 +535,7 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
             let name = format!("{stack}.block.{i}");
             let mut u = b.unit(name.clone());
             let ones = |u: &mut UnitBuilder<'_>, part: &str| {
-                u.param(format!("{name}.{part}.layer_norm.weight"), &[d], Init::Ones, TpRole::Replicated)
+                u.norm(format!("{name}.{part}.layer_norm.weight"), &[d], Init::Ones, TpRole::Replicated)
             };
             // In `transformers`' order of declaration.
             let self_attention =
@@ -565,7 +565,7 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
             let wo = u.linear(format!("{ff}.wo.weight"), &[d, cfg.ffn_dim], out, TpRole::Row);
             let ff_norm = ones(&mut u, if decoder { "layer.2" } else { "layer.1" });
             let final_norm = (!decoder && i + 1 == layers)
-                .then(|| u.param("encoder.final_layer_norm.weight", &[d], Init::Ones, TpRole::Replicated));
+                .then(|| u.norm("encoder.final_layer_norm.weight", &[d], Init::Ones, TpRole::Replicated));
             // A decoder block adds cross-attention (its norm, queries, output: 4 widths of the
             // inner width) and carries the encoder's output within its own.
             let ffn = if cfg.gated { 4.0 } else { 2.0 } * cfg.ffn_dim as f64;
@@ -596,7 +596,7 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
         }
     }
     let mut u = b.unit("head");
-    let norm = u.param("decoder.final_layer_norm.weight", &[d], Init::Ones, TpRole::Replicated);
+    let norm = u.norm("decoder.final_layer_norm.weight", &[d], Init::Ones, TpRole::Replicated);
     let table = if cfg.tied_head {
         u.borrow("shared.weight")
     } else {

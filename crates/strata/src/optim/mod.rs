@@ -58,8 +58,13 @@ pub struct OptimizerConfig {
     pub betas: (f64, f64),
     /// Adam's term added to the denominator for stability; 1e-8 by default.
     pub eps: f64,
-    /// Applies to every parameter unless a group says otherwise.
+    /// Applies to every parameter unless a group says otherwise, or
+    /// `decay_norms_and_biases` is off.
     pub weight_decay: f64,
+    /// Whether weight decay reaches normalisation layers and biases too (torchtitan's
+    /// way, the default); off, they take none, as `transformers`' `Trainer` leaves out
+    /// what [`ParamSpec::trainer_skips_decay`] names. A group's own decay still wins.
+    pub decay_norms_and_biases: bool,
     /// SGD's momentum factor; 0 (none) by default.
     pub momentum: f64,
     /// SGD's dampening of the gradient added to the momentum; 0 by default.
@@ -76,6 +81,7 @@ impl Default for OptimizerConfig {
             betas: (0.9, 0.999),
             eps: 1e-8,
             weight_decay: 0.01,
+            decay_norms_and_biases: true,
             momentum: 0.0,
             dampening: 0.0,
             nesterov: false,
@@ -248,14 +254,22 @@ struct DelayedHostUpdates {
 
 impl Optimizer {
     /// Builds the optimizer and its state for `engine`'s parameters, grouped by `rules`
-    /// (first matching rule wins; the rest form the default group).
+    /// (first matching rule wins; the rest form the default group, less the normalisation
+    /// layers and biases where those take no decay, which form a last group).
     pub fn new(engine: &mut Engine, config: OptimizerConfig, rules: &[GroupRule]) -> Result<Optimizer> {
         config.validate()?;
-        let group_of = |p: &ParamSpec| {
-            rules.iter().position(|r| r.name_contains.iter().any(|s| p.name.contains(s.as_str()))).map_or(0, |i| i + 1)
+        let undecayed = rules.len() + 1;
+        let group_of = |p: &ParamSpec| match rules
+            .iter()
+            .position(|r| r.name_contains.iter().any(|s| p.name.contains(s.as_str())))
+        {
+            Some(i) => i + 1,
+            None if !config.decay_norms_and_biases && p.trainer_skips_decay() => undecayed,
+            None => 0,
         };
         let mut groups: Vec<Group> = std::iter::once((config.lr, config.weight_decay))
             .chain(rules.iter().map(|r| (r.lr.unwrap_or(config.lr), r.weight_decay.unwrap_or(config.weight_decay))))
+            .chain(std::iter::once((config.lr, 0.0)))
             .map(|(lr, weight_decay)| Group {
                 lr,
                 weight_decay,

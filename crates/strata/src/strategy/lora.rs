@@ -395,6 +395,7 @@ fn declare(
         requires_grad: true,
         linear: false,
         expert: weight.expert,
+        norm: false,
     };
     if spec.find(&p.name).is_some() {
         return Err(Error::Config(format!("lora: the model already has a parameter {}", p.name)));

@@ -32,6 +32,34 @@ fn parameter_groups_get_their_own_weight_decay_and_segments_stay_contiguous() {
     }
 }
 
+/// With `decay_norms_and_biases` off, GPT-2's LayerNorms (named `ln_*`, found by what they
+/// are) and every bias keep their values under decay alone, while a group's own rule still
+/// decays what it names.
+#[test]
+fn norms_and_biases_can_be_left_out_of_weight_decay() {
+    let _serial = crate::serial();
+    let mut b = Builder::new();
+    model::gpt(&model::GptConfig::new(11, 8, 2, 2, 4), &mut b).unwrap();
+    let mut e = Engine::new(b.build().unwrap(), EngineConfig::default()).unwrap();
+    let rules = [GroupRule { name_contains: vec!["ln_f".into()], weight_decay: Some(0.2), lr: None }];
+    let config = OptimizerConfig { lr: 0.1, weight_decay: 0.5, decay_norms_and_biases: false, ..Default::default() };
+    let mut opt = Optimizer::new(&mut e, config, &rules).unwrap();
+    let before = snapshot(&e);
+    opt.step().unwrap();
+    let mut kept = 0;
+    for ((name, old), (_, new)) in before.iter().zip(e.named_params()) {
+        let factor = match name.as_str() {
+            n if n.contains("ln_f") => 1.0 - 0.1 * 0.2,
+            n if n.contains(".ln_") || n.ends_with("bias") => 1.0,
+            _ => 1.0 - 0.1 * 0.5,
+        };
+        kept += usize::from(factor == 1.0);
+        assert!(new.allclose(&(old * factor), 1e-6, 1e-7, false), "{name}");
+    }
+    // Two layers' two LayerNorms (weight and bias) and their four biases of products.
+    assert_eq!(kept, 2 * (2 * 2 + 4), "{:?}", before.iter().map(|(n, _)| n).collect::<Vec<_>>());
+}
+
 #[test]
 fn sgd_and_adam_follow_their_update_rules_on_engine_storage() {
     let _serial = crate::serial();

@@ -4,7 +4,7 @@
 //! load, folders written back load in `transformers`, and cached decoding equals uncached.
 
 use crate::hf_reference::{python, reference};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, generate_batch, generate_streams, GenerateConfig};
@@ -83,6 +83,40 @@ fn llama_with_grouped_query_attention_and_tied_head_equals_transformers() {
 #[test]
 fn sharded_qwen2_with_attention_biases_equals_transformers() {
     logits_match("qwen2", Some("20000"));
+}
+
+/// The parameters Strata leaves out of weight decay when asked (`decay_norms_and_biases`
+/// off) are those `transformers`' `Trainer` leaves out, family by family: LayerNorms named
+/// anything (GPT-2's `ln_*`), RMSNorms, biases (T5's relative attention bias, Qwen3-Next's
+/// `dt_bias`, DeepSeek's choice bias), but not gpt-oss's sinks or Qwen3-Next's `A_log`.
+#[test]
+fn the_parameters_left_out_of_weight_decay_are_those_the_trainer_leaves_out() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let families =
+        ["gpt2", "llama", "qwen3", "gemma2", "olmoe", "deepseek-v3", "gpt-oss", "qwen3-next", "t5", "bert-mlm"];
+    for family in families {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let answer: serde_json::Value =
+            serde_json::from_str(&reference(&py, &["decay-skipped", "--dir", dir.to_str().unwrap()])).unwrap();
+        let listed = |key: &str| -> BTreeSet<String> {
+            answer[key].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect()
+        };
+        let (names, skipped) = (listed("names"), listed("skipped"));
+        let spec = from_pretrained_dir(&dir).unwrap().spec().unwrap();
+        let ours: BTreeMap<&str, bool> =
+            spec.params.iter().map(|p| (p.name.as_str(), p.trainer_skips_decay())).collect();
+        let both: Vec<&str> = ours.keys().copied().filter(|n| names.contains(*n)).collect();
+        // Stacked experts are named apart; everything else is named alike.
+        let unmatched: Vec<&String> =
+            skipped.iter().filter(|n| !n.contains(".experts.") && !ours.contains_key(n.as_str())).collect();
+        assert!(unmatched.is_empty(), "{family}: {unmatched:?} are not Strata's names");
+        assert!(both.len() * 4 >= names.len() * 3, "{family}: {} of {} names in common", both.len(), names.len());
+        let differ: Vec<&&str> = both.iter().filter(|n| ours[**n] != skipped.contains(**n)).collect();
+        assert!(differ.is_empty(), "{family}: weight decay differs for {differ:?}");
+        assert!(!skipped.is_empty() && skipped.len() < names.len(), "{family}: {skipped:?}");
+    }
 }
 
 /// A changed model written back (sharded, in the family's names and layouts) loads in
