@@ -126,6 +126,7 @@ impl ChatTemplate {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
         });
         env.add_filter("tojson", to_json);
+        env.add_function("strftime_now", strftime_now);
         // As `transformers` configures Jinja for chat templates.
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
@@ -136,6 +137,16 @@ impl ChatTemplate {
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| Error::Data(format!("the chat template of {origin} does not parse: {e:#}")))?;
         Ok(ChatTemplate { env, source, bos_token: bos, eos_token: eos })
+    }
+
+    /// What decides the template's renderings, for cache keys: its source, and today's date
+    /// where it reads the time (`strftime_now`), so a cache of yesterday's renderings is
+    /// not taken for today's.
+    pub fn identity(&self) -> String {
+        match self.source.contains("strftime_now") {
+            true => format!("{}\u{0}{}", self.source, strftime_now("%Y-%m-%d".into()).unwrap_or_default()),
+            false => self.source.clone(),
+        }
     }
 
     /// The text of `messages`, with the opening of an assistant turn after them where
@@ -192,6 +203,31 @@ impl ChatTemplate {
             turns.push(opened.len()..closed.len());
         }
         Ok((whole, turns))
+    }
+}
+
+/// `strftime_now(format)` as `transformers` gives templates (Llama 3's dates its system
+/// turn with it): the local time now, through the C library's `strftime`, which Python's
+/// `datetime.strftime` calls too, so every format code reads as it does there.
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    let bad =
+        |why: &str| minijinja::Error::new(ErrorKind::InvalidOperation, format!("strftime_now({format:?}): {why}"));
+    let c_format = std::ffi::CString::new(format.as_bytes()).map_err(|_| bad("a NUL in the format"))?;
+    // SAFETY: `time` and `localtime_r` write only into the values given; `strftime` writes
+    // at most `out.len()` bytes into `out` and reads the NUL-ended format.
+    unsafe {
+        let now = libc::time(std::ptr::null_mut());
+        let mut local: libc::tm = std::mem::zeroed();
+        if libc::localtime_r(&now, &mut local).is_null() {
+            return Err(bad("the local time is unknown"));
+        }
+        let mut out = vec![0u8; 64 + 16 * format.len()];
+        let written = libc::strftime(out.as_mut_ptr().cast(), out.len(), c_format.as_ptr(), &local);
+        if written == 0 && !format.is_empty() {
+            return Err(bad("the formatted time does not fit"));
+        }
+        out.truncate(written);
+        String::from_utf8(out).map_err(|_| bad("the formatted time is not UTF-8"))
     }
 }
 
@@ -255,6 +291,29 @@ mod tests {
 
     fn msg(role: &str, content: &str) -> serde_json::Value {
         json!({"role": role, "content": content})
+    }
+
+    /// Llama 3.2's way of dating its system turn finds `strftime_now` and gets today's date
+    /// in the C library's words, as `date` prints it, not its fallback.
+    #[test]
+    fn a_template_dates_itself_with_strftime_now() {
+        let source = r#"{%- if strftime_now is defined %}{%- set date_string = strftime_now("%d %b %Y, %A") %}{%- else %}{%- set date_string = "26 Jul 2024" %}{%- endif %}Today Date: {{ date_string }}"#;
+        let template = ChatTemplate::new(source.into(), None, None, "test").unwrap();
+        let today = || {
+            let out = std::process::Command::new("date").arg("+%d %b %Y, %A").output().unwrap();
+            String::from_utf8(out.stdout).unwrap().trim().to_string()
+        };
+        let before = today();
+        let text = template.render(&[msg("user", "q")], false).unwrap();
+        // Read again should the day turn while rendering.
+        assert!(text == format!("Today Date: {before}") || text == format!("Today Date: {}", today()), "{text}");
+        // Cached renderings are keyed by the day as well.
+        let day = strftime_now("%Y-%m-%d".into()).unwrap();
+        assert_eq!(template.identity(), format!("{source}\u{0}{day}"));
+        let plain = ChatTemplate::new(CHATML.into(), None, None, "test").unwrap();
+        assert_eq!(plain.identity(), CHATML);
+        let bad = ChatTemplate::new(r#"{{ strftime_now("a\u0000b") }}"#.into(), None, None, "test").unwrap();
+        assert!(bad.render(&[], false).unwrap_err().to_string().contains("a NUL in the format"));
     }
 
     /// `special_tokens_map.json` gives the special tokens `tokenizer_config.json` leaves out,

@@ -472,7 +472,7 @@ fn cache_key(path: &Path, format: &ExampleFormat, options: &ExampleOptions) -> R
     part(&std::fs::read(path).map_err(|e| Error::io(path, e))?);
     part(path.extension().map_or(b"".as_slice(), |e| e.as_encoded_bytes()));
     part(format.tokenizer.fingerprint()?.as_bytes());
-    part(format.template.map_or("", |t| t.source.as_str()).as_bytes());
+    part(format.template.map_or(String::new(), ChatTemplate::identity).as_bytes());
     for token in [
         format.template.and_then(|t| t.bos_token.as_ref()),
         format.template.and_then(|t| t.eos_token.as_ref()),
