@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -612,6 +613,7 @@ def main(argv=None):
     gen.add_argument("--dir", required=True)
     gen.add_argument("--prompt", required=True, help="JSON list of token ids")
     gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--config", default="{}", help="JSON of more generate arguments (repetition_penalty)")
     gen_bench = sub.add_parser("generate-bench")
     gen_bench.add_argument("--dir", required=True)
     gen_bench.add_argument("--prompts", required=True, help="JSON rows of token ids, all of one length")
@@ -644,6 +646,13 @@ def main(argv=None):
     decay = sub.add_parser("decay-skipped", help="the folder's parameter names, and those Trainer leaves "
                            "out of weight decay")
     decay.add_argument("--dir", required=True)
+    shaped = sub.add_parser("processors", help="one position's logits through the logits processors "
+                            "generate builds for a generation config (left out: null)")
+    shaped.add_argument("--dir", required=True)
+    shaped.add_argument("--logits", required=True, help="JSON rows of scores")
+    shaped.add_argument("--ids", required=True, help="JSON rows of the tokens so far, left-padded")
+    shaped.add_argument("--mask", required=True, help="JSON rows of 1 (token) and 0 (padding)")
+    shaped.add_argument("--config", required=True, help="JSON generation config fields")
     val = sub.add_parser("val-loss")
     val.add_argument("--dir", required=True)
     val.add_argument("--token-file", required=True)
@@ -713,6 +722,19 @@ def main(argv=None):
         names = [n for n, _ in model.named_parameters()]
         decayed = set(tf.Trainer.get_decay_parameter_names(None, model))
         print(json.dumps({"names": names, "skipped": [n for n in names if n not in decayed]}))
+    elif args.command == "processors":
+        import copy
+        from transformers.generation import LogitsProcessorList
+        model = load(args.dir)
+        config = copy.deepcopy(model.generation_config)
+        config.update(**json.loads(args.config))
+        ids = torch.tensor(json.loads(args.ids), dtype=torch.long)
+        mask = torch.tensor(json.loads(args.mask), dtype=torch.long)
+        processors = model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
+            logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={"attention_mask": mask})
+        scores = processors(ids, torch.tensor(json.loads(args.logits), dtype=torch.float32))
+        print(json.dumps([[v if math.isfinite(v) else None for v in row] for row in scores.tolist()]))
     elif args.command == "generate":
         model = load(args.dir)
         prompt = torch.tensor([json.loads(args.prompt)], dtype=torch.long)
@@ -720,7 +742,7 @@ def main(argv=None):
         model.generation_config.eos_token_id = None
         with torch.no_grad():
             out = model.generate(prompt, do_sample=False, max_new_tokens=args.max_new_tokens,
-                                 attention_mask=torch.ones_like(prompt), pad_token_id=0)
+                                 attention_mask=torch.ones_like(prompt), pad_token_id=0, **json.loads(args.config))
         print(json.dumps(out[0, prompt.shape[1]:].tolist()))
     elif args.command == "generate-bench":
         if args.threads:

@@ -181,7 +181,7 @@ pub struct EstimateArgs {
     num_generations: Option<usize>,
     /// GRPO: the most tokens of a completion; a prompt takes the rest of --ctx, and its
     /// prefill (every row's prompt through the model at once) is counted beside the cache.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 512)]
     max_completion_length: i64,
     /// A frozen whole copy of the model as the reference: GRPO's at --beta above 0 without
     /// LoRA (LoRA rows read their base instead), or TR-DPO's (--sync-reference-every).

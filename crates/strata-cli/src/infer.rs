@@ -67,14 +67,15 @@ impl Loaded {
 }
 
 impl Loaded {
-    /// The tokens that end a generated text: the folder's `eos_token_id`; without a folder,
-    /// an encoder–decoder's `</s>` where its tokenizer has one.
-    fn stop_tokens(&self) -> Vec<i64> {
-        match (&self.folder, &self.config) {
-            (Some(folder), _) => folder.eos_tokens(),
+    /// The tokens that end a generated text: the folder's `eos_token_id`s
+    /// ([`ModelDir::eos_tokens`]); without a folder, an encoder–decoder's `</s>` where its
+    /// tokenizer has one.
+    fn stop_tokens(&self) -> Result<Vec<i64>> {
+        Ok(match (&self.folder, &self.config) {
+            (Some(folder), _) => folder.eos_tokens()?,
             (None, ModelConfig::T5(_)) => self.tokenizer.token_id("</s>").map(i64::from).into_iter().collect(),
             (None, _) => vec![],
-        }
+        })
     }
 }
 
@@ -200,7 +201,7 @@ fn eval_records(args: &EvalArgs, loaded: &mut Loaded) -> Result<bool> {
                 (c.padding, c.decoder_start),
                 source,
             )?;
-            let stop_tokens = loaded.stop_tokens();
+            let stop_tokens = loaded.stop_tokens()?;
             let generation = GenerateConfig { max_new_tokens: args.max_new_tokens, stop_tokens, ..Default::default() };
             let r = strata::tasks::seq2seq(&mut loaded.engine, &set, scoring, tokenizer, &generation)?;
             let line = format!("validation loss {:.6}, ROUGE-L {:.4} ({} records)", r.loss, r.rouge_l, r.records);
@@ -291,18 +292,27 @@ pub struct GenerateArgs {
     /// The text to continue.
     #[arg(long)]
     prompt: String,
-    /// Tokens to generate at most.
-    #[arg(long, default_value_t = 64)]
-    max_new_tokens: usize,
-    /// Sampling temperature; 0 takes the most likely token each time (greedy).
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f64,
-    /// Sample among the K most likely tokens.
+    /// Tokens to generate at most (default: the folder's generation_config.json, else 64).
+    #[arg(long)]
+    max_new_tokens: Option<usize>,
+    /// Sampling temperature; 0 takes the most likely token each time (default: greedy,
+    /// unless the folder's generation_config.json samples).
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Sample among the K most likely tokens; 0: all (default: the folder's, else 50, as
+    /// transformers).
     #[arg(long)]
     top_k: Option<usize>,
     /// Sample among the most likely tokens whose probabilities reach P together.
     #[arg(long)]
     top_p: Option<f64>,
+    /// Sample among the tokens at least this fraction as likely as the most likely.
+    #[arg(long)]
+    min_p: Option<f64>,
+    /// Divide the logits of tokens already in the text by this (multiply where negative),
+    /// greedy or sampled (default: the folder's, else 1: none).
+    #[arg(long)]
+    repetition_penalty: Option<f64>,
     /// Seed of the sampling draws.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -353,27 +363,21 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
     if args.chat && matches!(loaded.config, ModelConfig::T5(_)) {
         bail!("--chat renders a conversation for a decoder; an encoder-decoder reads the prompt as its source");
     }
+    // A plain prompt takes the tokenizer's special tokens (a Llama tokenizer's
+    // begin-of-text), as `transformers`' tokenizers give them by default.
     let (prompt, chat_end) = match args.chat {
         true => chat_prompt(&args, &loaded)?,
-        false => (loaded.text_tokenizer()?.encode(&args.prompt)?, None),
+        false => (loaded.text_tokenizer()?.encode_with_starts(vec![args.prompt.clone()], true)?.remove(0).0, None),
     };
     let prompt: Vec<i64> = prompt.into_iter().map(i64::from).collect();
     let vocab = loaded.config.vocab();
     if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
         bail!("the prompt holds token {bad}, outside the model's vocabulary of {vocab}");
     }
-    let sampling = args.temperature > 0.0;
-    if !sampling && (args.top_k.is_some() || args.top_p.is_some()) {
-        bail!("--top-k and --top-p shape sampling: give --temperature above 0");
-    }
     let config = GenerateConfig {
-        max_new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-        stop_tokens: loaded.stop_tokens().into_iter().chain(chat_end).collect(),
-        cache: !args.no_cache,
+        stop_tokens: loaded.stop_tokens()?.into_iter().chain(chat_end).collect(),
+        // An encoder–decoder's `max_length` counts its target, the start token in it.
+        ..decoding(&args, &loaded, if matches!(loaded.config, ModelConfig::T5(_)) { 1 } else { prompt.len() })?
     };
     let new = match &loaded.config {
         // An encoder–decoder writes a target for the prompt, which it reads whole (with the
@@ -387,6 +391,38 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         _ => generate(&mut loaded.engine, &prompt, &config, loaded.config.context())?,
     };
     print_generated(&args, &loaded, &config, &prompt, &new, !args.chat)
+}
+
+/// How `strata generate` decodes: each setting its flag's, else the model folder's
+/// `generation_config.json`'s, else `transformers`' default (greedy; sampling among the 50
+/// most likely tokens) or Strata's (64 new tokens); no stop tokens yet.
+fn decoding(args: &GenerateArgs, loaded: &Loaded, prompt: usize) -> Result<GenerateConfig> {
+    let folder = loaded.folder.as_ref().map(ModelDir::generation_defaults).transpose()?.unwrap_or_default();
+    let temperature = match (args.temperature, folder.do_sample) {
+        (Some(t), _) => t,
+        (None, Some(true)) => folder.temperature.unwrap_or(1.0),
+        (None, _) => 0.0,
+    };
+    let sampling = temperature > 0.0;
+    if !sampling && (args.top_k.is_some() || args.top_p.is_some() || args.min_p.is_some()) {
+        bail!("--top-k, --top-p and --min-p shape sampling: give --temperature above 0");
+    }
+    let max_new_tokens = args
+        .max_new_tokens
+        .or(folder.max_new_tokens)
+        .or(folder.max_length.map(|total| total.saturating_sub(prompt)))
+        .unwrap_or(64);
+    Ok(GenerateConfig {
+        max_new_tokens,
+        temperature,
+        top_k: args.top_k.or(folder.top_k).or(Some(50)).filter(|&k| sampling && k > 0),
+        top_p: args.top_p.or(folder.top_p).filter(|_| sampling),
+        min_p: args.min_p.or(folder.min_p).filter(|_| sampling),
+        repetition_penalty: args.repetition_penalty.or(folder.repetition_penalty).unwrap_or(1.0),
+        seed: args.seed,
+        stop_tokens: vec![],
+        cache: !args.no_cache,
+    })
 }
 
 /// The ids as JSON, or the text: the prompt (where `with_prompt`) and the new tokens,

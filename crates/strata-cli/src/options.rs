@@ -199,10 +199,15 @@ train_options! {
     mask_truncated_completions: bool,
     /// GRPO: sampling temperature; the log-probabilities are of the logits divided by it (default 1).
     temperature: f64,
-    /// GRPO: sample among the k most likely tokens only.
+    /// GRPO: sample among the k most likely tokens only (0: all, the default).
     top_k: usize,
     /// GRPO: sample among the most likely tokens whose probabilities first reach p together.
     top_p: f64,
+    /// GRPO: sample among the tokens at least this fraction as likely as the most likely.
+    min_p: f64,
+    /// GRPO: divide the logits of tokens already in the row by this (multiply where
+    /// negative) before sampling (default 1: none).
+    repetition_penalty: f64,
     /// Examples: pack several into each row of --ctx tokens, each attending only to itself
     /// and with positions starting again at 0.
     pack: bool,
@@ -514,7 +519,7 @@ fn padding_token(o: &TrainOptions, dir: &ModelDir) -> Result<Option<i64>> {
         ModelConfig::Llama(c) => c.padding_token,
         _ => None,
     };
-    Ok(token("pad_token").or_else(|| token("eos_token")).or(folder_pad).or_else(|| dir.eos_tokens().first().copied()))
+    Ok(token("pad_token").or_else(|| token("eos_token")).or(folder_pad).or(dir.eos_tokens()?.first().copied()))
 }
 
 /// The id of a special token the tokenizer's configuration names (`pad_token`,
@@ -550,6 +555,8 @@ fn grpo_options(o: &TrainOptions, model_dir: Option<&ModelDir>) -> Result<Option
         ("--temperature", o.temperature.is_some()),
         ("--top-k", o.top_k.is_some()),
         ("--top-p", o.top_p.is_some()),
+        ("--min-p", o.min_p.is_some()),
+        ("--repetition-penalty", o.repetition_penalty.is_some()),
     ];
     let Some(command) = &o.reward_command else {
         if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
@@ -565,8 +572,10 @@ fn grpo_options(o: &TrainOptions, model_dir: Option<&ModelDir>) -> Result<Option
         num_generations: o.num_generations.unwrap_or(d.num_generations),
         max_completion_length: o.max_completion_length.unwrap_or(d.max_completion_length),
         temperature: o.temperature.unwrap_or(d.temperature),
-        top_k: o.top_k,
+        top_k: o.top_k.filter(|&k| k > 0),
         top_p: o.top_p,
+        min_p: o.min_p,
+        repetition_penalty: o.repetition_penalty.unwrap_or(d.repetition_penalty),
         loss: o.grpo_loss.as_deref().map(str::parse).transpose()?.unwrap_or(d.loss),
         beta: o.beta.unwrap_or(d.beta),
         epsilon: o.epsilon.unwrap_or(d.epsilon),
@@ -586,7 +595,7 @@ fn grpo_options(o: &TrainOptions, model_dir: Option<&ModelDir>) -> Result<Option
     };
     config.validate()?;
     let eos = tokenizer_special(o, dir)?("eos_token");
-    let mut stop_tokens = dir.eos_tokens();
+    let mut stop_tokens = dir.eos_tokens()?;
     stop_tokens.extend(eos.filter(|e| !stop_tokens.contains(e)));
     let pad = padding_token(o, dir)?
         .context("GRPO pads rows with the tokenizer's padding or end token: the folder names neither")?;

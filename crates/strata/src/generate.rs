@@ -1,5 +1,5 @@
 //! Text generation from a trained model: greedy decoding or sampling (temperature, top-k,
-//! top-p) from a seed, with a key/value cache so each new token costs one position; one
+//! top-p, min-p, each as `transformers` applies it, after a repetition penalty) from a seed, with a key/value cache so each new token costs one position; one
 //! prompt, or several decoded together (those of one length share a batch).
 //!
 //! Owns: the decoding loop and the choice of each next token, and what a model must do to
@@ -24,6 +24,13 @@ pub struct GenerateConfig {
     pub top_k: Option<usize>,
     /// Sample among the most likely tokens whose probabilities first reach `p` together.
     pub top_p: Option<f64>,
+    /// Sample among the tokens at least this fraction as likely as the most likely one
+    /// (after top-k and top-p).
+    pub min_p: Option<f64>,
+    /// Every token already in a row (its prompt included) has its logit divided by this
+    /// where positive and multiplied where negative, before anything else, greedy decoding
+    /// too (`transformers`' `repetition_penalty`); 1 leaves the logits as they are.
+    pub repetition_penalty: f64,
     /// Seed of the sampling draws.
     pub seed: u64,
     /// Tokens that end the text (the one produced is kept, as `transformers` keeps it).
@@ -39,6 +46,8 @@ impl Default for GenerateConfig {
             temperature: 0.0,
             top_k: None,
             top_p: None,
+            min_p: None,
+            repetition_penalty: 1.0,
             seed: 0,
             stop_tokens: vec![],
             cache: true,
@@ -47,7 +56,8 @@ impl Default for GenerateConfig {
 }
 
 impl GenerateConfig {
-    /// Refuses a negative or non-finite temperature, a `top_k` of 0 and a `top_p` outside (0, 1].
+    /// Refuses a negative or non-finite temperature, a `top_k` of 0, a `top_p` outside
+    /// (0, 1], a `min_p` outside [0, 1] and a repetition penalty that is not positive.
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return Err(Error::Config(format!("temperature must be 0 (greedy) or positive, got {}", self.temperature)));
@@ -57,6 +67,15 @@ impl GenerateConfig {
         }
         if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
             return Err(Error::Config(format!("top_p must lie in (0, 1], got {p}")));
+        }
+        if let Some(p) = self.min_p.filter(|p| !(0.0..=1.0).contains(p)) {
+            return Err(Error::Config(format!("min_p must lie in [0, 1], got {p}")));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(Error::Config(format!(
+                "the repetition penalty must be positive, got {}",
+                self.repetition_penalty
+            )));
         }
         Ok(())
     }
@@ -235,7 +254,8 @@ pub fn generate_streams(
             let logits = logits.map(|l| whole_logits(vocabulary, &l)).transpose()?;
             let draws: Vec<u32> = rows.iter().map(|&i| draw_key(rows_of_streams[i], produced)).collect();
             produced += 1;
-            model.share(choose_last(logits.as_ref(), config, &draws)?, rows.len())
+            let seen: Vec<&[i64]> = tokens.iter().zip(&padding).map(|(t, &pad)| &t[pad as usize..]).collect();
+            model.share(choose_last(logits.as_ref(), config, &draws, &seen)?, rows.len())
         };
         for (&i, completion) in rows.iter().zip(produce(config, rows.len(), step)?) {
             out[i] = completion;
@@ -315,7 +335,7 @@ pub fn generate_from_source(
                 engine.evaluate(&row(&[source, &target[..]].concat(), device)?)
             }
         }?;
-        Ok(choose_last(Some(&logits), config, &[draw])?.unwrap_or_default())
+        Ok(choose_last(Some(&logits), config, &[draw], &[&target[..]])?.unwrap_or_default())
     };
     let result = produce(config, 1, next);
     engine.set_layout(None);
@@ -340,22 +360,44 @@ fn rows_of(rows: &[Vec<i64>], span: std::ops::Range<usize>, device: tch::Device)
 }
 
 /// Each row's next token from the last position of `logits` (`[rows, positions, V]`),
-/// where this rank holds them; `draws`: each row's key of its sampling draw.
-fn choose_last(logits: Option<&Tensor>, config: &GenerateConfig, draws: &[u32]) -> Result<Option<Vec<i64>>> {
-    logits.map(|l| choose(&l.f_select(1, -1)?, config, draws)).transpose()
+/// where this rank holds them; `draws`: each row's key of its sampling draw; `seen`: each
+/// row's tokens so far.
+fn choose_last(
+    logits: Option<&Tensor>,
+    config: &GenerateConfig,
+    draws: &[u32],
+    seen: &[&[i64]],
+) -> Result<Option<Vec<i64>>> {
+    logits.map(|l| choose(&l.f_select(1, -1)?, config, draws, seen)).transpose()
 }
 
-/// The next token of each row from one position's logits `[rows, V]`: the most likely, or
-/// a sample drawn by the Gumbel-max rule (the largest of the scores plus −ln(−ln u), `u`
-/// each token's uniform draw from its row's key `draws[r]`), which picks each token with
-/// its softmax probability.
-fn choose(logits: &Tensor, config: &GenerateConfig, draws: &[u32]) -> Result<Vec<i64>> {
-    let logits = logits.f_to_kind(Kind::Float)?;
+/// The next token of each row from one position's logits `[rows, V]`, its tokens so far
+/// `seen[r]`: the most likely of its [`sampling_scores`], or a sample drawn by the
+/// Gumbel-max rule (the largest of the scores plus −ln(−ln u), `u` each token's uniform draw
+/// from its row's key `draws[r]`), which picks each token with its softmax probability.
+fn choose(logits: &Tensor, config: &GenerateConfig, draws: &[u32], seen: &[&[i64]]) -> Result<Vec<i64>> {
+    let scores = sampling_scores(logits, config, seen)?;
     let tokens = |t: Tensor| -> Result<Vec<i64>> {
         Ok(Vec::<i64>::try_from(t.f_reshape([-1])?.f_to_device(tch::Device::Cpu)?)?)
     };
     if config.greedy() {
-        return tokens(logits.f_argmax(-1, false)?);
+        return tokens(scores.f_argmax(-1, false)?);
+    }
+    let noise = dropout::uniforms(draws, scores.size()[1], scores.device())?.f_log()?.f_neg()?.f_log()?.f_neg()?;
+    tokens(scores.f_to_kind(Kind::Double)?.f_add(&noise)?.f_argmax(-1, false)?)
+}
+
+/// The fp32 scores `[rows, V]` the next tokens are chosen from, given one position's
+/// `logits` and each row's tokens so far `seen[r]`, shaped as `transformers`' logits
+/// processors shape them and in their order: the repetition penalty, then (sampling only)
+/// the temperature, top-k, top-p and min-p, each leaving out tokens as −∞.
+pub fn sampling_scores(logits: &Tensor, config: &GenerateConfig, seen: &[&[i64]]) -> Result<Tensor> {
+    let logits = match config.repetition_penalty == 1.0 {
+        true => logits.f_to_kind(Kind::Float)?,
+        false => penalize_repeats(&logits.f_to_kind(Kind::Float)?, seen, config.repetition_penalty)?,
+    };
+    if config.greedy() {
+        return Ok(logits);
     }
     let mut scores = logits.f_div_scalar(config.temperature)?;
     let vocab = scores.size()[1];
@@ -364,16 +406,41 @@ fn choose(logits: &Tensor, config: &GenerateConfig, draws: &[u32]) -> Result<Vec
         scores = scores.f_masked_fill(&scores.f_lt_tensor(&kth)?, f64::NEG_INFINITY)?;
     }
     if let Some(p) = config.top_p.filter(|&p| p < 1.0) {
-        let (sorted, order) = scores.f_sort(-1, true)?;
-        let probs = sorted.f_softmax(-1, Kind::Float)?;
-        // A token is dropped when the more likely ones already reach `p`; the first never is.
-        let before = probs.f_cumsum(-1, Kind::Float)?.f_sub(&probs)?;
-        let dropped_sorted = before.f_gt(p)?;
+        // From the least likely up, a token is dropped while it and those below it hold no
+        // more than 1 − p, summed in that order (as `transformers` sums, so ties fall alike);
+        // the most likely never is.
+        let (sorted, order) = scores.f_sort(-1, false)?;
+        let below = sorted.f_softmax(-1, Kind::Float)?.f_cumsum(-1, Kind::Float)?;
+        let dropped_sorted = below.f_le(1.0 - p)?;
+        let _ = dropped_sorted.f_narrow(-1, vocab - 1, 1)?.f_fill_(0)?;
         let dropped = dropped_sorted.f_scatter(-1, &order, &dropped_sorted)?;
         scores = scores.f_masked_fill(&dropped, f64::NEG_INFINITY)?;
     }
-    let noise = dropout::uniforms(draws, vocab, scores.device())?.f_log()?.f_neg()?.f_log()?.f_neg()?;
-    tokens(scores.f_to_kind(Kind::Double)?.f_add(&noise)?.f_argmax(-1, false)?)
+    if let Some(m) = config.min_p {
+        let probs = scores.f_softmax(-1, Kind::Float)?;
+        let floor = probs.f_amax([-1], true)?.f_mul_scalar(m)?;
+        scores = scores.f_masked_fill(&probs.f_lt_tensor(&floor)?, f64::NEG_INFINITY)?;
+    }
+    Ok(scores)
+}
+
+/// `logits` (`[rows, V]`, fp32) with each row's logits of the tokens in `seen[r]` divided
+/// by `penalty` where positive and multiplied by it where negative.
+fn penalize_repeats(logits: &Tensor, seen: &[&[i64]], penalty: f64) -> Result<Tensor> {
+    if seen.len() as i64 != logits.size()[0] {
+        return Err(Error::Engine(format!("{} rows of logits for {} rows of tokens", logits.size()[0], seen.len())));
+    }
+    let rows = (0..logits.size()[0])
+        .zip(seen)
+        .map(|(r, ids)| {
+            let row = logits.f_select(0, r)?;
+            let ids = Tensor::f_from_slice(ids)?.f_to_device(row.device())?;
+            let was = row.f_gather(0, &ids, false)?;
+            let now = was.f_mul_scalar(penalty)?.f_where_self(&was.f_lt(0.0)?, &was.f_div_scalar(penalty)?)?;
+            Ok(row.f_scatter(0, &ids, &now)?)
+        })
+        .collect::<Result<Vec<Tensor>>>()?;
+    Ok(Tensor::f_stack(&rows, 0)?)
 }
 
 #[cfg(test)]
@@ -385,7 +452,7 @@ mod tests {
         let t = Tensor::from_slice(logits).unsqueeze(0).expand([draws as i64, -1], false);
         let keys: Vec<u32> = (0..draws as u32).map(|i| dropout::key_of(&[7, i])).collect();
         let mut counts = BTreeMap::new();
-        for token in choose(&t, config, &keys).unwrap() {
+        for token in choose(&t, config, &keys, &[]).unwrap() {
             *counts.entry(token).or_default() += 1;
         }
         counts
@@ -398,7 +465,7 @@ mod tests {
     #[test]
     fn greedy_takes_the_largest_logit() {
         let t = Tensor::from_slice(&[0.1f32, 2.0, -1.0, 1.9, 0.0, 3.0, 0.5, 0.2]).view([2, 4]);
-        assert_eq!(choose(&t, &GenerateConfig::default(), &[0, 0]).unwrap(), vec![1, 1]);
+        assert_eq!(choose(&t, &GenerateConfig::default(), &[0, 0], &[]).unwrap(), vec![1, 1]);
     }
 
     /// Drawn by the Gumbel-max rule from hashed uniforms, each token turns up with its
@@ -417,11 +484,11 @@ mod tests {
         }
         let t = Tensor::from_slice(&logits).unsqueeze(0).expand([64, -1], false);
         let keys: Vec<u32> = (0..64).map(|i| dropout::key_of(&[3, i])).collect();
-        let once = choose(&t, &sampling, &keys).unwrap();
-        assert_eq!(once, choose(&t, &sampling, &keys).unwrap());
+        let once = choose(&t, &sampling, &keys, &[]).unwrap();
+        assert_eq!(once, choose(&t, &sampling, &keys, &[]).unwrap());
         let halves = [
-            choose(&t.narrow(0, 0, 32), &sampling, &keys[..32]).unwrap(),
-            choose(&t.narrow(0, 32, 32), &sampling, &keys[32..]).unwrap(),
+            choose(&t.narrow(0, 0, 32), &sampling, &keys[..32], &[]).unwrap(),
+            choose(&t.narrow(0, 32, 32), &sampling, &keys[32..], &[]).unwrap(),
         ];
         assert_eq!(once, halves.concat(), "a row's draw depends on its key alone");
     }

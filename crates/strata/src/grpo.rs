@@ -136,6 +136,12 @@ pub struct GrpoConfig {
     pub top_k: Option<usize>,
     /// Sample among the most likely tokens whose probabilities first reach `p` together.
     pub top_p: Option<f64>,
+    /// Sample among the tokens at least this fraction as likely as the most likely one.
+    pub min_p: Option<f64>,
+    /// The repetition penalty of sampling (1: none), as [`GenerateConfig::repetition_penalty`].
+    ///
+    /// [`GenerateConfig::repetition_penalty`]: crate::generate::GenerateConfig::repetition_penalty
+    pub repetition_penalty: f64,
     /// The loss.
     pub loss: GrpoLoss,
     /// The KL term's coefficient (0: no reference model is read).
@@ -173,10 +179,12 @@ impl Default for GrpoConfig {
     fn default() -> Self {
         GrpoConfig {
             num_generations: 8,
-            max_completion_length: 256,
+            max_completion_length: 512,
             temperature: 1.0,
             top_k: None,
             top_p: None,
+            min_p: None,
+            repetition_penalty: 1.0,
             loss: GrpoLoss::Dapo,
             beta: 0.0,
             epsilon: 0.2,

@@ -503,6 +503,6 @@ fn strata_estimate_counts_the_prompts_prefill() {
     let (long_prompt, short_prompt, shorter_prompt) = (activations("64"), activations("960"), activations("992"));
     assert!(long_prompt > short_prompt, "{long_prompt} against {short_prompt}");
     assert_eq!(short_prompt, shorter_prompt, "the last token's cache is the peak for both");
-    let refused = ["estimate", "--preset", "gpt2", "--ctx", "256", "--accumulation", "4", "--num-generations", "4"];
-    assert_fails_with(&strata(&refused), "leaves no room for a prompt beside --max-completion-length 256");
+    let refused = ["estimate", "--preset", "gpt2", "--ctx", "512", "--accumulation", "4", "--num-generations", "4"];
+    assert_fails_with(&strata(&refused), "leaves no room for a prompt beside --max-completion-length 512");
 }

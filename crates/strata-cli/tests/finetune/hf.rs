@@ -643,13 +643,12 @@ fn generate_stops_at_the_end_token() {
     let Some(py) = python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let (folder, ..) = setup(&py, dir.path(), "llama");
-    let run = |extra: &[&str]| {
-        let args =
-            [&["generate", "--model-dir", s(&folder), "--prompt", "w7 w31 w3", "--max-new-tokens", "12"][..], extra];
-        let o = strata(&args.concat());
+    let run_with = |extra: &[&str]| {
+        let o = strata(&[&["generate", "--model-dir", s(&folder), "--prompt", "w7 w31 w3"][..], extra].concat());
         assert!(o.status.success(), "generate {extra:?}:\n{}", stderr(&o));
         String::from_utf8_lossy(&o.stdout).trim().to_string()
     };
+    let run = |extra: &[&str]| run_with(&[extra, &["--max-new-tokens", "12"]].concat());
     let ids: serde_json::Value = serde_json::from_str(&run(&["--ids"])).unwrap();
     assert_eq!(ids["prompt"], serde_json::json!([7, 31, 3]));
     let new: Vec<i64> = ids["new"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
@@ -658,14 +657,64 @@ fn generate_stops_at_the_end_token() {
     let text = run(&[]);
     assert!(text.starts_with("w7 w31 w3 "), "{text}");
     assert_eq!(text.split_whitespace().count(), 3 + new.len(), "{text}");
-    let config_path = folder.join("config.json");
-    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    // The end tokens are generation_config.json's where it names them, as generate reads
+    // them: config.json's alone no longer stop it.
+    let edit = |file: &str, key: &str, value: serde_json::Value| {
+        let path = folder.join(file);
+        let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config[key] = value;
+        std::fs::write(&path, config.to_string()).unwrap();
+    };
     let end = new[3];
-    config["eos_token_id"] = serde_json::json!([end]);
-    std::fs::write(&config_path, config.to_string()).unwrap();
+    edit("config.json", "eos_token_id", serde_json::json!([end]));
+    let unstopped: serde_json::Value = serde_json::from_str(&run(&["--ids"])).unwrap();
+    assert_eq!(unstopped["new"], serde_json::json!(new), "generation_config.json's end token 2 rules");
+    edit("generation_config.json", "eos_token_id", serde_json::json!([2, end]));
     let stopped: serde_json::Value = serde_json::from_str(&run(&["--ids"])).unwrap();
     let first = new.iter().position(|&t| t == end).unwrap();
     assert_eq!(stopped["new"], serde_json::json!(new[..=first]), "generation ends at the end token, which it keeps");
+    // Its decoding settings are the defaults flags replace: sampling here, as flags say
+    // (with no end token, so each text runs its length).
+    edit("generation_config.json", "eos_token_id", serde_json::Value::Null);
+    edit("config.json", "eos_token_id", serde_json::Value::Null);
+    for (key, value) in [
+        ("do_sample", serde_json::json!(true)),
+        ("temperature", serde_json::json!(0.8)),
+        ("top_k", serde_json::json!(6)),
+        ("repetition_penalty", serde_json::json!(1.3)),
+        ("max_new_tokens", serde_json::json!(9)),
+    ] {
+        edit("generation_config.json", key, value);
+    }
+    let by_folder = run_with(&["--ids", "--seed", "4"]);
+    let by_flags = run_with(&[
+        "--ids",
+        "--seed",
+        "4",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "6",
+        "--repetition-penalty",
+        "1.3",
+        "--max-new-tokens",
+        "9",
+    ]);
+    assert_eq!(by_folder, by_flags);
+    let greedy: serde_json::Value = serde_json::from_str(&run_with(&["--ids", "--temperature", "0"])).unwrap();
+    let sampled: serde_json::Value = serde_json::from_str(&by_folder).unwrap();
+    assert_eq!(sampled["new"].as_array().unwrap().len(), 9, "{sampled}");
+    assert_ne!(greedy["new"], sampled["new"], "the folder's sampling changes nothing here");
+    // A tokenizer that opens a text with its begin token opens the prompt with it.
+    let tokenizer = folder.join("tokenizer.json");
+    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tokenizer).unwrap()).unwrap();
+    t["post_processor"] = serde_json::json!({"type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "w1", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"w1": {"id": "w1", "ids": [1], "tokens": ["w1"]}}});
+    std::fs::write(&tokenizer, t.to_string()).unwrap();
+    let opened: serde_json::Value = serde_json::from_str(&run(&["--ids"])).unwrap();
+    assert_eq!(opened["prompt"], serde_json::json!([1, 7, 31, 3]));
 }
 
 #[test]
@@ -798,7 +847,7 @@ fn checkpoints_evaluate_and_generate_without_model_flags() {
     let ids: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(ids["new"].as_array().unwrap().len(), 8);
     let o = strata(&["generate", "--resume", s(&ckpt), "--prompt", "x", "--top-k", "5"]);
-    assert_fails_with(&o, "--top-k and --top-p shape sampling");
+    assert_fails_with(&o, "--top-k, --top-p and --min-p shape sampling");
 }
 
 /// A model of a vocabulary smaller than the byte tokenizer's (trained on a token file) is

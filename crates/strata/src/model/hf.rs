@@ -28,13 +28,8 @@ pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// The index naming the shards of a sharded model folder.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Files describing a folder's tokenizer, copied along when a model is written back.
-pub const TOKENIZER_FILES: [&str; 5] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-];
+pub const TOKENIZER_FILES: [&str; 5] =
+    ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", GENERATION_CONFIG, "chat_template.jinja"];
 /// Config keys naming special tokens, carried from a read folder to a written one.
 const TOKEN_KEYS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
 
@@ -735,14 +730,69 @@ impl ModelDir {
         self.config.spec()
     }
 
-    /// The token ids that end a generated text (`eos_token_id`: one id or a list).
-    pub fn eos_tokens(&self) -> Vec<i64> {
-        match self.special_tokens.get("eos_token_id") {
+    /// The token ids that end a generated text (`eos_token_id`: one id or a list), as
+    /// `generate` reads them: `generation_config.json`'s where it names some, else
+    /// `config.json`'s.
+    pub fn eos_tokens(&self) -> Result<Vec<i64>> {
+        let ids = |v: Option<&Value>| match v {
             Some(Value::Number(n)) => n.as_i64().into_iter().collect(),
             Some(Value::Array(ids)) => ids.iter().filter_map(Value::as_i64).collect(),
             _ => vec![],
+        };
+        let generation = self.generation_config()?;
+        Ok(match ids(generation.get("eos_token_id")) {
+            given if !given.is_empty() => given,
+            _ => ids(self.special_tokens.get("eos_token_id")),
+        })
+    }
+
+    /// What the folder's `generation_config.json` asks of decoding (empty without one).
+    pub fn generation_defaults(&self) -> Result<GenerationDefaults> {
+        let config = self.generation_config()?;
+        let path = self.dir.join(GENERATION_CONFIG);
+        serde_json::from_value(Value::Object(config))
+            .map_err(|e| Error::Weights { path, message: format!("not a generation configuration: {e}") })
+    }
+
+    /// The folder's `generation_config.json` as JSON, or nothing where it has none.
+    fn generation_config(&self) -> Result<Map<String, Value>> {
+        let path = self.dir.join(GENERATION_CONFIG);
+        if !path.is_file() {
+            return Ok(Map::new());
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        match serde_json::from_str(&text) {
+            Ok(Value::Object(fields)) => Ok(fields),
+            Ok(_) => Err(Error::Weights { path, message: "not a JSON object".into() }),
+            Err(e) => Err(Error::Weights { path, message: format!("not JSON: {e}") }),
         }
     }
+}
+
+/// The file of a model folder holding its decoding defaults.
+const GENERATION_CONFIG: &str = "generation_config.json";
+
+/// Decoding defaults a model folder's `generation_config.json` gives, as `transformers`'
+/// `generate` takes them where its caller does not say; each field absent (or null) where
+/// the file leaves it out.
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
+pub struct GenerationDefaults {
+    /// Whether to sample rather than take the most likely token.
+    pub do_sample: Option<bool>,
+    /// The sampling temperature.
+    pub temperature: Option<f64>,
+    /// Sample among the k most likely tokens (0: all).
+    pub top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probabilities reach p together.
+    pub top_p: Option<f64>,
+    /// Sample among the tokens at least this fraction as likely as the most likely.
+    pub min_p: Option<f64>,
+    /// The repetition penalty (1: none).
+    pub repetition_penalty: Option<f64>,
+    /// The most tokens generated.
+    pub max_new_tokens: Option<usize>,
+    /// The most tokens of the prompt with what is generated.
+    pub max_length: Option<usize>,
 }
 
 /// Reads the Hugging Face model folder `dir`: its `config.json`, the weight files it holds

@@ -29,7 +29,7 @@ pub use cost::{Kept, UnitCost};
 pub use dropout::{DropoutDraw, DropoutRates, UnitDraw};
 pub use gpt::{gpt, GptConfig};
 pub use head_loss::HeadScoring;
-pub use hf::{from_pretrained_dir, Family, ModelDir};
+pub use hf::{from_pretrained_dir, Family, GenerationDefaults, ModelDir};
 pub use latent::LatentConfig;
 pub use layers::NoTensorParallel;
 pub use linear::LinearAttentionConfig;

@@ -205,6 +205,8 @@ pub fn generate_rollouts(
         temperature: c.temperature,
         top_k: c.top_k,
         top_p: c.top_p,
+        min_p: c.min_p,
+        repetition_penalty: c.repetition_penalty,
         seed,
         stop_tokens: stop_tokens.to_vec(),
         cache: true,

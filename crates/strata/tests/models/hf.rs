@@ -156,6 +156,115 @@ fn folders_written_back_load_in_transformers() {
     }
 }
 
+/// One position's logits shaped for choosing a token as `transformers`' own logits
+/// processors shape them for the same generation settings: the repetition penalty over each
+/// row's tokens (left padding not counted), alone when greedy, then temperature, top-k,
+/// top-p (with a tie at its boundary) and min-p, the same tokens left out (−∞).
+#[test]
+fn sampling_scores_are_those_of_transformers_processors() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("llama");
+    make(&py, "llama", &dir, None);
+    let vocab = 24;
+    let logits = strata::engine::with_seed(3, || Tensor::randn([3, vocab], (Kind::Float, tch::Device::Cpu)) * 2.0);
+    // The last row's two best tokens tie, each half the mass: top-p 0.5 sits on the tie.
+    let _ = logits.get(2).fill_(-30.0);
+    let _ = logits.get(2).narrow(0, 4, 2).fill_(5.0);
+    let ids = [vec![0i64, 0, 5, 6, 5, 9], vec![3, 4, 5, 6, 7, 21], vec![0, 4, 1, 1, 2, 8]];
+    let mask: Vec<Vec<i64>> = ids
+        .iter()
+        .enumerate()
+        .map(|(r, row)| {
+            let pad = if r == 1 { 0 } else { 2 - r / 2 };
+            (0..row.len()).map(|i| i64::from(i >= pad)).collect()
+        })
+        .collect();
+    let seen: Vec<&[i64]> =
+        ids.iter().zip(&mask).map(|(row, m)| &row[m.iter().filter(|&&v| v == 0).count()..]).collect();
+    let cases = [
+        (
+            serde_json::json!({"do_sample": false, "repetition_penalty": 1.3}),
+            GenerateConfig { repetition_penalty: 1.3, ..Default::default() },
+        ),
+        (
+            serde_json::json!({"do_sample": true, "temperature": 0.7, "top_k": 5, "repetition_penalty": 1.2}),
+            GenerateConfig { temperature: 0.7, top_k: Some(5), repetition_penalty: 1.2, ..Default::default() },
+        ),
+        (
+            serde_json::json!({"do_sample": true, "temperature": 1.3, "top_k": 0, "top_p": 0.8, "min_p": 0.1}),
+            GenerateConfig { temperature: 1.3, top_p: Some(0.8), min_p: Some(0.1), ..Default::default() },
+        ),
+        (
+            serde_json::json!({"do_sample": true, "temperature": 1.0, "top_k": 0, "top_p": 0.5}),
+            GenerateConfig { temperature: 1.0, top_p: Some(0.5), ..Default::default() },
+        ),
+    ];
+    let rows = |t: &Tensor| serde_json::to_string(&Vec::<Vec<f32>>::try_from(t).unwrap()).unwrap();
+    for (settings, config) in cases {
+        let answer = reference(
+            &py,
+            &[
+                "processors",
+                "--dir",
+                dir.to_str().unwrap(),
+                "--logits",
+                &rows(&logits),
+                "--ids",
+                &serde_json::to_string(&ids).unwrap(),
+                "--mask",
+                &serde_json::to_string(&mask).unwrap(),
+                "--config",
+                &settings.to_string(),
+            ],
+        );
+        let theirs: Vec<Vec<Option<f64>>> = serde_json::from_str(&answer).unwrap();
+        let ours =
+            Vec::<Vec<f64>>::try_from(strata::generate::sampling_scores(&logits, &config, &seen).unwrap()).unwrap();
+        let mut left_out = 0;
+        for (r, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            for (v, (x, y)) in a.iter().zip(b).enumerate() {
+                match y {
+                    None => {
+                        assert_eq!(*x, f64::NEG_INFINITY, "{settings}: row {r} token {v} is left out by transformers")
+                    }
+                    Some(y) => assert!(
+                        (x - y).abs() <= 1e-5 * y.abs().max(1.0),
+                        "{settings}: row {r} token {v}: {x} against {y}"
+                    ),
+                }
+                left_out += usize::from(y.is_none());
+            }
+        }
+        let sampled = settings["do_sample"] == true;
+        assert_eq!(left_out > 0, sampled, "{settings}: {left_out} left out");
+    }
+    // Greedy decoding with the penalty, prompt included, follows transformers' generate.
+    let mut engine = strata_engine(&dir);
+    let prompt = [7i64, 31, 3, 7, 7, 12];
+    let config = GenerateConfig { max_new_tokens: 10, repetition_penalty: 4.0, ..Default::default() };
+    let ours = generate(&mut engine, &prompt, &config, None).unwrap();
+    let theirs: Vec<i64> = serde_json::from_str(&reference(
+        &py,
+        &[
+            "generate",
+            "--dir",
+            dir.to_str().unwrap(),
+            "--prompt",
+            &serde_json::to_string(&prompt).unwrap(),
+            "--max-new-tokens",
+            "10",
+            "--config",
+            r#"{"repetition_penalty": 4.0}"#,
+        ],
+    ))
+    .unwrap();
+    assert_eq!(ours, theirs);
+    let unpenalised =
+        generate(&mut engine, &prompt, &GenerateConfig { repetition_penalty: 1.0, ..config }, None).unwrap();
+    assert_ne!(ours, unpenalised, "the penalty changes nothing here");
+}
+
 /// Greedy decoding of `new_tokens` after a fixed prompt equals `transformers`'
 /// generate(do_sample=False) token for token (which is told to run past the end token),
 /// with and without the key/value cache.
