@@ -35,6 +35,26 @@ TEMPLATES = {
             "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
         ),
     },
+    # What agents' templates read: tools unless none, reasoning, tool calls beside absent content.
+    "tools": {
+        "special": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+        "bos": None,
+        "eos": "<|im_end|>",
+        "template": (
+            "{%- if tools is not none %}<|im_start|>system\nTools: {{ tools | length }}<|im_end|>\n{% endif %}"
+            "{%- for message in messages %}"
+            "<|im_start|>{{ message.role }}\n"
+            "{%- if message.reasoning_content is defined %}<think>{{ message.reasoning_content }}</think>{% endif %}"
+            "{%- if message.thinking is defined %}[{{ message.thinking }}]{% endif %}"
+            "{%- if message.content is defined %}{{ message.content }}{% endif %}"
+            "{%- if message.tool_calls is defined %}"
+            "{%- for call in message.tool_calls %}<call>{{ call.name }}</call>{% endfor %}"
+            "{%- endif %}"
+            "<|im_end|>\n"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        ),
+    },
     "headers": {
         "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         "bos": "<|begin_of_text|>",

@@ -230,8 +230,23 @@ fn chat_templates_render_and_tokenize_as_transformers_does() {
         ]),
         serde_json::json!([said("user", "Check this."), said("tool", "  {\"sum\": 7}  "), said("assistant", "Seven.")]),
     ];
+    // Messages as agents' datasets hold them: null keys (dropped), reasoning under another
+    // name (given under both), a tool call without content.
+    let agent = serde_json::json!([
+        {"role": "user", "content": "Add two and three.", "tool_calls": null},
+        {"role": "assistant", "reasoning": "Use the tool.", "content": null, "tool_calls": [{"name": "add"}]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "reasoning_content": "Done.", "content": "It is 5."}
+    ]);
     let file = conversation_file(dir.path(), "c.jsonl", &conversations);
-    for style in ["chatml", "headers", "inst"] {
+    let agents = [conversations.to_vec(), vec![agent]].concat();
+    let agent_file = conversation_file(dir.path(), "agents.jsonl", &agents);
+    for (style, conversations, file) in [
+        ("chatml", &conversations[..], &file),
+        ("headers", &conversations[..], &file),
+        ("inst", &conversations[..], &file),
+        ("tools", &agents[..], &agent_file),
+    ] {
         let folder = tokenizer_folder(&python, dir.path(), style);
         let o = Command::new(&python)
             .args([
@@ -387,9 +402,9 @@ fn bad_example_files_are_refused_in_one_line_naming_file_and_line() {
         r#"bad.jsonl:2: a record needs "text", "prompt" and "completion", or "messages""#,
     );
     refused(
-        &[r#"{"messages": [{"role": "user"}]}"#],
+        &[r#"{"messages": [{"role": 3, "content": "hi"}]}"#],
         &[],
-        r#"bad.jsonl:1: message 1 of "messages" needs a string "role" and a string "content""#,
+        r#"bad.jsonl:1: message 1 of "messages" is not an object with a string "role""#,
     );
     let late_system = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}]}"#;
     refused(&[good, late_system], &[], "bad.jsonl:2: the chat template failed: a system turn comes first");

@@ -164,8 +164,12 @@ impl ChatTemplate {
         variables: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::Data(format!("{e:#}")))?;
-        let mut context = variables.clone();
-        context.insert("messages".into(), json!(messages));
+        // `tools` and `documents` are none unless given, as `apply_chat_template` passes
+        // them: a template asking `tools is not none` finds them so.
+        let mut context: serde_json::Map<String, serde_json::Value> =
+            [("tools".into(), json!(null)), ("documents".into(), json!(null))].into_iter().collect();
+        context.extend(variables.clone());
+        context.insert("messages".into(), json!(messages.iter().map(as_templates_read).collect::<Vec<_>>()));
         context.insert("add_generation_prompt".into(), json!(add_generation_prompt));
         context.insert("bos_token".into(), json!(self.bos_token.clone().unwrap_or_default()));
         context.insert("eos_token".into(), json!(self.eos_token.clone().unwrap_or_default()));
@@ -204,6 +208,22 @@ impl ChatTemplate {
         }
         Ok((whole, turns))
     }
+}
+
+/// A message as `apply_chat_template` gives it to a template: a key whose value is null is
+/// dropped (APIs write `"tool_calls": null`, Parquet fills absent keys), and reasoning given
+/// as `reasoning_content`, `thinking` or `reasoning` is given under the first two names as
+/// well, so a template reads it under either.
+fn as_templates_read(message: &serde_json::Value) -> serde_json::Value {
+    let serde_json::Value::Object(fields) = message else { return message.clone() };
+    let mut fields: serde_json::Map<String, serde_json::Value> =
+        fields.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
+    let reasoning = ["reasoning_content", "thinking", "reasoning"].iter().find_map(|key| fields.get(*key)).cloned();
+    if let Some(reasoning) = reasoning {
+        fields.entry("thinking").or_insert_with(|| reasoning.clone());
+        fields.entry("reasoning_content").or_insert(reasoning);
+    }
+    serde_json::Value::Object(fields)
 }
 
 /// `strftime_now(format)` as `transformers` gives templates (Llama 3's dates its system

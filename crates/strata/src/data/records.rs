@@ -199,18 +199,18 @@ pub(super) fn template_variables(
     Ok(variables)
 }
 
-/// Messages: a list of objects, each with a string `role` and a string `content` (a tool's
-/// turn is text like any other; the template decides how it reads).
+/// Messages: a list of objects, each with a string `role` (a tool's turn is a message like
+/// any other, and `content` may be text, a list of parts or absent beside `tool_calls`: the
+/// template decides how each reads; [`ChatTemplate::render_with`] passes them as
+/// `apply_chat_template` does).
 pub(super) fn messages_of(value: Value, field: &str) -> std::result::Result<Vec<Value>, String> {
     let Value::Array(messages) = value else { return Err(format!("\"{field}\" must be a list of messages")) };
     if messages.is_empty() {
         return Err(format!("\"{field}\" holds no message"));
     }
     for (k, m) in messages.iter().enumerate() {
-        let role = m.get("role").and_then(Value::as_str);
-        let content_is_text = matches!(m.get("content"), Some(Value::String(_)));
-        if role.is_none() || !content_is_text {
-            return Err(format!("message {} of \"{field}\" needs a string \"role\" and a string \"content\"", k + 1));
+        if !m.get("role").is_some_and(Value::is_string) {
+            return Err(format!("message {} of \"{field}\" is not an object with a string \"role\"", k + 1));
         }
     }
     Ok(messages)
@@ -459,7 +459,7 @@ impl ExampleSet {
     }
 }
 
-const CACHE_MAGIC: &[u8; 8] = b"STRATEX2";
+const CACHE_MAGIC: &[u8; 8] = b"STRATEX3";
 
 /// The cache entry's name: a hash of everything the examples depend on.
 fn cache_key(path: &Path, format: &ExampleFormat, options: &ExampleOptions) -> Result<String> {
