@@ -171,6 +171,8 @@ fn load_pairs(settings: &TrainSettings, path: &Path, tokenizer: &Tokenizer) -> R
         kl_batch: kl_batch.max(1),
         drop_long: reward_pad.is_some(),
         pad: u32::try_from(reward_pad.unwrap_or(0)).context("the padding token")?,
+        // Pairs scored by an unpaired loss (kto) are unpaired as TRL's KTOTrainer unpairs them.
+        unpair: settings.reward.is_none() && settings.preference.losses.iter().any(|(l, _)| l.unpaired()),
     };
     let set = PreferenceSet::read(path, &format)?;
     let r = &set.report;

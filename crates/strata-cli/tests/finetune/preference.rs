@@ -1,7 +1,7 @@
 //! Preference optimisation against TRL's `DPOTrainer` and `KTOTrainer`
 //! (scripts/trl_reference.py, the pinned TRL of the project's environment) on a tiny LLaMA
 //! folder and the same batches: for every DPO loss type, several summed, f-divergences, KTO
-//! (on one process and sharded over two ranks) and unpaired APO on labelled completions, the reference-free CPO, SimPO and ORPO (TRL's
+//! (on one process and sharded over two ranks, and on pairs it unpairs) and unpaired APO on labelled completions, the reference-free CPO, SimPO and ORPO (TRL's
 //! `CPOTrainer` and `ORPOTrainer`), conversations through the chat template
 //! with their prompt left implicit, LoRA (the reference being the base with its fresh
 //! adapter, or the starting values of an adapter that starts off the base: trained factors,
@@ -32,6 +32,9 @@ struct Case {
     conversational: bool,
     /// Unpaired completions with their labels (KTO's records), in place of pairs.
     unpaired: bool,
+    /// KTO on the pair records, which both unpair (each run of records' chosen completions,
+    /// then their rejected ones).
+    from_pairs: bool,
     /// KTO's weight of the undesirable completions' losses.
     undesirable_weight: f64,
     /// Train a LoRA adapter (made here, peft's fresh draw) alone.
@@ -58,6 +61,7 @@ const fn case(name: &'static str, loss: &'static str) -> Case {
         f_divergence: "reverse_kl",
         conversational: false,
         unpaired: false,
+        from_pairs: false,
         undesirable_weight: 1.0,
         adapter: false,
         folder: "adapter",
@@ -100,6 +104,7 @@ const CASES: &[Case] = &[
     Case { unpaired: true, undesirable_weight: 1.5, beta: 0.3, ..case("kto_weighted", "kto") },
     Case { unpaired: true, ..case("apo_zero_unpaired", "apo_zero_unpaired") },
     Case { unpaired: true, adapter: true, ..case("kto_lora", "kto") },
+    Case { unpaired: true, from_pairs: true, ..case("kto_from_pairs", "kto") },
     // Each rank scores two of the four records: the KL estimate spans both ranks' mismatched
     // completions, as TRL's one process's does.
     Case {
@@ -217,7 +222,7 @@ fn trainer(c: &Case) -> &'static str {
 
 /// The records file of case `c`.
 fn records(c: &Case) -> &'static str {
-    match (c.unpaired, c.conversational) {
+    match (c.unpaired && !c.from_pairs, c.conversational) {
         (true, _) => "unpaired.jsonl",
         (false, true) => "conversations.jsonl",
         (false, false) => "text.jsonl",
@@ -255,9 +260,13 @@ fn reference(py: &Path) -> PathBuf {
                 _ => json!({"prompt": p, "completion": c, "label": true}),
             }),
         );
-        let offsets: Vec<Vec<usize>> = (0..STEPS).map(|k| (0..BATCH).map(|i| (k * BATCH + i) % 24).collect()).collect();
-        let offsets = json!({"ctx": 64, "batch": BATCH, "offsets": offsets});
-        std::fs::write(dir.join("offsets.json"), offsets.to_string()).unwrap();
+        // TRL's rows in order, around the 24 records (48 where pairs are unpaired).
+        for (file, count) in [("offsets.json", 24), ("offsets_unpaired.json", 48)] {
+            let offsets: Vec<Vec<usize>> =
+                (0..STEPS).map(|k| (0..BATCH).map(|i| (k * BATCH + i) % count).collect()).collect();
+            let offsets = json!({"ctx": 64, "batch": BATCH, "offsets": offsets});
+            std::fs::write(dir.join(file), offsets.to_string()).unwrap();
+        }
         let runs: Vec<Value> = CASES
             .iter()
             .filter(|c| c.trl_name == c.name)
@@ -346,7 +355,8 @@ fn strata_run(dir: &Path, c: &Case) -> (PathBuf, PathBuf) {
     let pairs = dir.join(records(c));
     let undesirable = c.undesirable_weight.to_string();
     let (beta, smoothing) = (c.beta.to_string(), c.smoothing.to_string());
-    let (model, offsets) = (dir.join("model"), dir.join("offsets.json"));
+    let offsets = if c.from_pairs { "offsets_unpaired.json" } else { "offsets.json" };
+    let (model, offsets) = (dir.join("model"), dir.join(offsets));
     let mut args = vec!["train", "--model-dir", s(&model), "--data", s(&pairs)];
     args.extend(steps_as_trl("10", "1e-3", &offsets, &metrics));
     args.extend([
@@ -472,7 +482,7 @@ fn summed_losses_and_f_divergences_follow_trl() {
 
 #[test]
 fn kto_alone_over_two_ranks_and_unpaired_apo_follow_trl() {
-    follow(&["kto", "kto_weighted", "apo_zero_unpaired", "kto_lora", "kto_fsdp"]);
+    follow(&["kto", "kto_weighted", "apo_zero_unpaired", "kto_lora", "kto_fsdp", "kto_from_pairs"]);
 }
 
 #[test]
@@ -528,8 +538,6 @@ fn preference_flags_without_pairs_and_impossible_parameters_are_refused() {
     let dir = reference(&py);
     let (model, pairs, unpaired) = (dir.join("model"), dir.join("text.jsonl"), dir.join("unpaired.jsonl"));
     let base = ["train", "--model-dir", s(&model), "--steps", "1", "--batch-size", "4", "--ctx", "64"];
-    let o = strata(&[&base[..], &["--data", s(&pairs), "--preference-loss", "kto"]].concat());
-    common::assert_fails_with(&o, "kto and apo_zero_unpaired score unpaired completions");
     let o = strata(&[&base[..], &["--data", s(&unpaired)]].concat());
     common::assert_fails_with(&o, "are scored by kto or apo_zero_unpaired");
     let alone = ["--data", s(&unpaired), "--preference-loss", "kto", "--accumulation", "4"];

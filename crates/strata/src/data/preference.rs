@@ -100,7 +100,12 @@ impl Record {
         let Value::Object(mut fields) = value else { return Err("a record is a JSON object".into()) };
         let variables = template_variables(&mut fields)?;
         if let Some(label) = fields.remove("label") {
-            let Value::Bool(desirable) = label else { return Err("\"label\" must be true or false".into()) };
+            // 1 and 0 as well, as Python reads them (datasets often store labels so).
+            let desirable = match label {
+                Value::Bool(b) => b,
+                Value::Number(n) if n.as_u64().is_some_and(|n| n <= 1) => n.as_u64() == Some(1),
+                _ => return Err("\"label\" must be true or false (or 1 or 0)".into()),
+            };
             let record = match (fields.remove("prompt"), fields.remove("completion")) {
                 (Some(Value::String(prompt)), Some(Value::String(completion))) => {
                     Record::Text { prompt, chosen: completion, rejected: String::new() }
@@ -220,6 +225,25 @@ fn split_text_prompt(chosen: &str, rejected: &str) -> (String, String, String) {
     (chosen[..cut].to_string(), chosen[cut..].to_string(), rejected[cut..].to_string())
 }
 
+/// A record read: its prompt's tokens and those of the prompt with each
+/// completion, whether it is unpaired and desirable, its margin and reference scores.
+type ReadRecord = ([Vec<u32>; 3], Option<bool>, Option<f64>, Option<[f64; 2]>);
+
+/// Pairs as unpaired completions, in TRL's order: of each run of [`UNPAIRING_RUN`] pairs,
+/// every chosen completion, then every rejected one.
+fn unpair(pairs: Vec<ReadRecord>) -> Vec<ReadRecord> {
+    let mut out = Vec::with_capacity(2 * pairs.len());
+    for run in pairs.chunks(UNPAIRING_RUN) {
+        for desirable in [true, false] {
+            out.extend(run.iter().map(|([prompt, chosen, rejected], ..)| {
+                let completion = if desirable { chosen } else { rejected };
+                ([prompt.clone(), completion.clone(), vec![]], Some(desirable), None, None)
+            }));
+        }
+    }
+    out
+}
+
 /// How many first tokens `a` and `b` share.
 pub(super) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -244,7 +268,15 @@ pub struct PreferenceFormat<'a> {
     pub drop_long: bool,
     /// The id rows are padded with (a reward model finds each row's last token by it).
     pub pad: u32,
+    /// Read pairs as unpaired completions, as TRL's `KTOTrainer` reads a paired dataset
+    /// (`unpair_preference_dataset`): of each run of [`UNPAIRING_RUN`] records, every
+    /// chosen completion (desirable), then every rejected one (undesirable).
+    pub unpair: bool,
 }
+
+/// The records `datasets`' `map` hands TRL's unpairing at once (its default batch size),
+/// whose chosen completions come before their rejected ones.
+pub const UNPAIRING_RUN: usize = 1000;
 
 /// Gives each unpaired record, as its second completion, the completion of the record before
 /// it within consecutive runs of `batch` records (the first takes the run's last): TRL's
@@ -282,6 +314,7 @@ impl PreferenceSet {
         let (mut labels, mut unpaired, mut margins) = (vec![], None, vec![]);
         let (mut margined, mut scored, mut reference) = (None, None, vec![]);
         let mut report = PreferenceReport { records: records.len(), ..Default::default() };
+        let mut read = Vec::with_capacity(records.len());
         for (at, value) in records {
             let bad = |why: String| Error::Data(format!("{}{at}: {why}", path.display()));
             let mut value = value.map_err(bad)?;
@@ -301,12 +334,21 @@ impl PreferenceSet {
             if *unpaired.get_or_insert(desirable.is_some()) != desirable.is_some() {
                 return Err(bad("a file holds pairs or unpaired completions, not both".into()));
             }
-            if desirable.is_some() && scores.is_some() {
+            if (desirable.is_some() || format.unpair) && scores.is_some() {
                 return Err(bad(format!(
                     "{} are a pair's: an unpaired completion's mismatched one is chosen when batched",
                     REFERENCE_FIELDS.join(" and ")
                 )));
             }
+            if format.unpair && margin.is_some() {
+                return Err(bad("a \"margin\" is a pair's: unpaired completions take none".into()));
+            }
+            read.push(([prompt, chosen, rejected], desirable, margin, scores));
+        }
+        if format.unpair && unpaired == Some(false) {
+            read = unpair(read);
+        }
+        for ([prompt, chosen, rejected], desirable, margin, scores) in read {
             let shared = match desirable {
                 Some(_) => common_prefix(&prompt, &chosen),
                 None => common_prefix(&prompt, &chosen).min(common_prefix(&prompt, &rejected)),
@@ -590,6 +632,7 @@ impl RowSet for PreferenceSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     /// A conversation's `tools` (a list or its JSON text) and `chat_template_kwargs` reach the
     /// chat template in its prompt and in both completions, paired or not, as TRL's
@@ -626,6 +669,19 @@ mod tests {
             assert_eq!(texts[1], "[2 tools][think]<user>q<assistant>y", "record {i}");
             let rejected = if i == 3 { "" } else { "[2 tools][think]<user>q<assistant>n" };
             assert_eq!(texts[2], rejected, "record {i}");
+        }
+    }
+
+    /// A label is true or false, or 1 or 0 as datasets store it; nothing else.
+    #[test]
+    fn a_label_is_a_truth_value_or_one_or_zero() {
+        let label = |l: Value| Record::parse(json!({"prompt": "p", "completion": "c", "label": l}));
+        for (given, desirable) in [(json!(true), true), (json!(1), true), (json!(false), false), (json!(0), false)] {
+            let Ok(Record::Unpaired { desirable: read, .. }) = label(given.clone()) else { panic!("{given} refused") };
+            assert_eq!(read, desirable, "{given}");
+        }
+        for bad in [json!(2), json!(-1), json!(0.5), json!("yes")] {
+            assert!(label(bad.clone()).is_err_and(|e| e.contains("1 or 0")), "{bad} accepted");
         }
     }
 

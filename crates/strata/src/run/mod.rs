@@ -1150,7 +1150,7 @@ fn pair_objective(data: &Data, config: &RunConfig, model: &Model) -> Result<Opti
                 (false, true) => {
                     return Err(Error::Config(format!(
                         "{}: kto and apo_zero_unpaired score unpaired completions (records of \"completion\" and \
-                         \"label\"), not pairs",
+                         \"label\"), not pairs (read pairs with PreferenceFormat::unpair to unpair them)",
                         set.source
                     )))
                 }
