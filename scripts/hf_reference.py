@@ -653,6 +653,10 @@ def main(argv=None):
     shaped.add_argument("--ids", required=True, help="JSON rows of the tokens so far, left-padded")
     shaped.add_argument("--mask", required=True, help="JSON rows of 1 (token) and 0 (padding)")
     shaped.add_argument("--config", required=True, help="JSON generation config fields")
+    packing = sub.add_parser("trl-pack", help="TRL's best-fit decreasing packing of examples of these lengths: "
+                             "each row's example indices")
+    packing.add_argument("--lengths", required=True, help="JSON list of example lengths")
+    packing.add_argument("--seq-length", type=int, required=True)
     val = sub.add_parser("val-loss")
     val.add_argument("--dir", required=True)
     val.add_argument("--token-file", required=True)
@@ -722,6 +726,18 @@ def main(argv=None):
         names = [n for n, _ in model.named_parameters()]
         decayed = set(tf.Trainer.get_decay_parameter_names(None, model))
         print(json.dumps({"names": names, "skipped": [n for n in names if n not in decayed]}))
+    elif args.command == "trl-pack":
+        from datasets import Dataset
+        from trl import pack_dataset
+        lengths = json.loads(args.lengths)
+        # Each example's tokens are its index, so a row's tokens name the examples it holds.
+        examples = Dataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(lengths)]})
+        packed = pack_dataset(examples, args.seq_length, strategy="bfd")
+        rows = []
+        for ids, seq_lengths in zip(packed["input_ids"], packed["seq_lengths"]):
+            starts = np.cumsum([0] + list(seq_lengths))[:-1]
+            rows.append([int(ids[s]) for s in starts])
+        print(json.dumps(rows))
     elif args.command == "processors":
         import copy
         from transformers.generation import LogitsProcessorList

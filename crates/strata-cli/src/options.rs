@@ -5,7 +5,7 @@ use clap::Args;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use strata::auto::SearchMode;
-use strata::data::{ExampleOptions, TokenWidth, Tokenizer};
+use strata::data::{ExampleOptions, PackStrategy, TokenWidth, Tokenizer};
 use strata::grpo::GrpoConfig;
 use strata::model::{
     DecoderHead, DropoutRates, GptConfig, LlamaConfig, MlpConfig, ModelConfig, ModelDir, MoeConfig, DEFAULT_NORM_EPS,
@@ -211,6 +211,9 @@ train_options! {
     /// Examples: pack several into each row of --ctx tokens, each attending only to itself
     /// and with positions starting again at 0.
     pack: bool,
+    /// Examples: how --pack fills rows: in-order (each epoch's shuffled examples in turn,
+    /// the default) or bfd (TRL's best-fit decreasing, rows made once and shuffled).
+    packing_strategy: String,
     /// Examples: the Jinja chat template that renders conversations (default: the model
     /// folder's chat_template.jinja or tokenizer_config.json's chat_template).
     chat_template: PathBuf,
@@ -405,6 +408,7 @@ fn example_options(
             ("--drop-long", o.drop_long.is_some()),
             ("--train-on-prompt", o.train_on_prompt.is_some()),
             ("--pack", o.pack.is_some()),
+            ("--packing-strategy", o.packing_strategy.is_some()),
             ("--chat-template", o.chat_template.is_some()),
         ];
         if let Some(flag) = first_given(&given) {
@@ -639,6 +643,8 @@ pub struct TrainSettings {
     pub grpo: Option<GrpoSettings>,
     /// Pack several examples into each row.
     pub pack: bool,
+    /// How packed rows are filled.
+    pub pack_strategy: PackStrategy,
     pub chat_template: Option<PathBuf>,
     /// Hugging Face tokenizer.json for text data (default: the model folder's, else bytes).
     pub tokenizer: Option<PathBuf>,
@@ -1120,6 +1126,10 @@ impl TrainOptions {
             reward,
             grpo,
             pack: o.pack.unwrap_or(false),
+            pack_strategy: match (&o.packing_strategy, o.pack) {
+                (Some(_), Some(false) | None) => bail!("--packing-strategy fills packed rows: give --pack true"),
+                (strategy, _) => strategy.as_deref().map(str::parse).transpose()?.unwrap_or_default(),
+            },
             chat_template: o.chat_template,
             vocab: o.vocab,
             data,

@@ -403,6 +403,7 @@ fn run_config(s: &TrainSettings, model: &ModelConfig) -> Result<RunConfig> {
             seed: s.seed,
             order,
             pack: s.pack,
+            pack_strategy: s.pack_strategy,
         },
     })
 }

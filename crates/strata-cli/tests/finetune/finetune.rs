@@ -120,6 +120,22 @@ same_as_one_batch! {
     packed_rows_over_context_ranks_in_two_pipeline_stages_are_one_batch: true, ["--nproc", "4", "--accumulation", "4", "--strategy", RING_PIPELINE];
 }
 
+/// Rows packed by best fit (TRL's `bfd`) train as one batch of them however the batch is
+/// split, and are other rows than those packed in order; the strategy asks for --pack.
+#[test]
+fn best_fit_packed_rows_by_accumulation_4_are_one_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let best_fit = ["--pack", "true", "--packing-strategy", "bfd"];
+    let one = train(dir.path(), "best-fit", &best_fit);
+    let split = train(dir.path(), "best-fit-split", &[&best_fit[..], &["--accumulation", "4"]].concat());
+    assert_follows(&one, &split, "best-fit rows by accumulation 4", 1e-6, 2e-6);
+    let first_loss = |run: &Run| reports(&run.1)[0]["loss"].as_f64().unwrap();
+    assert_ne!(first_loss(&one), first_loss(&one_batch(true)), "best-fit rows are the in-order rows");
+    let data = example_file(dir.path());
+    let o = strata(&["train", "--data", data.to_str().unwrap(), "--packing-strategy", "bfd"]);
+    assert_fails_with(&o, "--packing-strategy fills packed rows: give --pack true");
+}
+
 /// Rows of one example each, padded, split over a context ring: a rank's late pieces often
 /// hold padding alone and learn nothing. Under SGD the weights are one batch's to 1e-7
 /// (AdamW would normalise the near-zero gradients some features take from a few positions,

@@ -75,13 +75,88 @@ pub struct Batching {
     pub order: Order,
     /// Pack several examples into each row (examples only), each seeing only itself.
     pub pack: bool,
+    /// How packed rows are filled.
+    pub pack_strategy: PackStrategy,
+}
+
+/// How examples fill packed rows (TRL's `packing_strategy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PackStrategy {
+    /// Each epoch's shuffled examples in turn, a row taking them while the next fits: rows
+    /// differ every epoch.
+    #[default]
+    InOrder,
+    /// Rows made once as TRL's `bfd` makes them ([`best_fit_rows`]), shuffled every epoch:
+    /// fewer rows, less padding.
+    BestFit,
+}
+
+impl std::str::FromStr for PackStrategy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<PackStrategy> {
+        match s {
+            "in-order" => Ok(PackStrategy::InOrder),
+            "bfd" => Ok(PackStrategy::BestFit),
+            other => Err(Error::Config(format!("packing strategy {other:?}: expected in-order or bfd"))),
+        }
+    }
+}
+
+/// The examples TRL packs at once (`datasets`' `map` batch): best-fit decreasing runs within
+/// each run of this many examples, in order.
+pub const BEST_FIT_RUN: usize = 1000;
+
+/// Rows of at most `ctx` tokens, each the examples (by index) it holds in its order, packed
+/// as TRL's `pack_dataset(strategy="bfd")` packs examples of these `lengths` (each at most
+/// `ctx`): within each run of [`BEST_FIT_RUN`] examples, longest first (ties in their
+/// order), each into the row with the least room that holds it (the earliest of those
+/// rows), or a new row; rows in the order they were opened. Empty examples are left out.
+pub fn best_fit_rows(lengths: &[usize], ctx: usize) -> Vec<Vec<usize>> {
+    let mut rows: Vec<Vec<usize>> = vec![];
+    for (run, chunk) in lengths.chunks(BEST_FIT_RUN).enumerate() {
+        // Cut to the row first: examples longer than it tie with those that fill it.
+        let chunk: Vec<usize> = chunk.iter().map(|&l| l.min(ctx)).collect();
+        let mut order: Vec<usize> = (0..chunk.len()).filter(|&i| chunk[i] > 0).collect();
+        order.sort_by(|&a, &b| chunk[b].cmp(&chunk[a]));
+        // Rows of this run with room left, by that room, earliest first.
+        let mut with_room: std::collections::BTreeMap<usize, std::collections::VecDeque<usize>> = Default::default();
+        for i in order {
+            let length = chunk[i];
+            let found = with_room.range_mut(length..).next().map(|(&room, rows)| (room, rows.pop_front()));
+            let (room, row) = match found {
+                Some((room, Some(row))) => {
+                    if with_room.get(&room).is_some_and(|r| r.is_empty()) {
+                        with_room.remove(&room);
+                    }
+                    (room, row)
+                }
+                _ => {
+                    rows.push(vec![]);
+                    (ctx, rows.len() - 1)
+                }
+            };
+            rows[row].push(run * BEST_FIT_RUN + i);
+            if room > length {
+                with_room.entry(room - length).or_default().push_back(row);
+            }
+        }
+    }
+    rows
 }
 
 impl Batching {
     /// Global batches of `batch_size` rows of `ctx` positions, one micro-batch per step,
     /// shuffled with seed 0.
     pub fn new(ctx: usize, batch_size: usize) -> Batching {
-        Batching { ctx, batch_size, accumulation: 1, seed: 0, order: Order::Shuffled, pack: false }
+        Batching {
+            ctx,
+            batch_size,
+            accumulation: 1,
+            seed: 0,
+            order: Order::Shuffled,
+            pack: false,
+            pack_strategy: PackStrategy::InOrder,
+        }
     }
 }
 
@@ -312,11 +387,13 @@ impl Step {
 /// takes as many whole batches as fit, at most `most`.
 pub fn validation_steps(data: &Dataset, config: &LoaderConfig, count: Option<usize>, most: usize) -> Result<Vec<Step>> {
     let rows = config.micro_batch_rows()?;
-    // Packed rows are filled from the first example on, in order.
+    // Packed rows are filled from the first example on, in order (or best fit, in the order
+    // the rows were opened).
     let packed = match data {
-        Dataset::Examples(e) if config.batching.pack => {
-            Some(pack(&mut (0..e.len()).peekable(), &lengths(e), config.batching.ctx))
-        }
+        Dataset::Examples(e) if config.batching.pack => Some(match config.batching.pack_strategy {
+            PackStrategy::InOrder => pack(&mut (0..e.len()).peekable(), &lengths(e), config.batching.ctx),
+            PackStrategy::BestFit => best_fit_rows(&lengths(e), config.batching.ctx),
+        }),
         _ => None,
     };
     let (held, what, stride) = match (data, &packed) {
@@ -452,6 +529,8 @@ enum Items {
     /// Examples of these lengths, packed into rows of `ctx` tokens (shared, not copied, by
     /// each row's filling).
     Packed { lengths: Arc<[usize]> },
+    /// Rows packed once, each the examples it holds.
+    Rows { rows: Arc<[Vec<usize>]> },
 }
 
 /// One pass over the windows of a shift: window `k` of the pass starts at
@@ -505,7 +584,10 @@ impl OffsetStream {
         let order = config.batching.order.clone();
         let items = match data {
             Dataset::Tokens(t) => Items::Windows { tokens: t.len() },
-            Dataset::Examples(e) if config.batching.pack => Items::Packed { lengths: lengths(e).into() },
+            Dataset::Examples(e) if config.batching.pack => match config.batching.pack_strategy {
+                PackStrategy::InOrder => Items::Packed { lengths: lengths(e).into() },
+                PackStrategy::BestFit => Items::Rows { rows: best_fit_rows(&lengths(e), config.batching.ctx).into() },
+            },
             Dataset::Examples(e) => Items::Examples { count: e.len() },
             Dataset::Labeled(_)
             | Dataset::SourceTarget(_)
@@ -525,7 +607,7 @@ impl OffsetStream {
                     (tokens - config.batching.ctx - 1, format!("{tokens} tokens, ctx {}", config.batching.ctx))
                 }
                 Items::Examples { count } => (count - 1, format!("{count} examples")),
-                Items::Packed { .. } => {
+                Items::Packed { .. } | Items::Rows { .. } => {
                     return Err(Error::Data("batch offsets replay windows or single examples, not packed rows".into()))
                 }
             };
@@ -557,6 +639,10 @@ impl OffsetStream {
     }
 
     fn next_row(&mut self) -> Vec<usize> {
+        if let Items::Rows { rows } = &self.items {
+            let rows = rows.clone();
+            return rows[self.next_window()].clone();
+        }
         let Items::Packed { lengths } = &self.items else { return vec![self.next_window()] };
         let (lengths, ctx) = (lengths.clone(), self.ctx);
         let mut stream = std::iter::from_fn(|| Some(self.next_window())).peekable();
@@ -586,6 +672,7 @@ impl OffsetStream {
                 }
                 Items::Examples { count } => (0, count),
                 Items::Packed { ref lengths } => (0, lengths.len()),
+                Items::Rows { ref rows } => (0, rows.len()),
             };
             self.epoch = Epoch { shift, order: Permutation::new(count as u64, &mut self.rng) };
             self.cursor = 0;
@@ -594,7 +681,7 @@ impl OffsetStream {
         let k = self.epoch.order.at(self.cursor as u64 - 1) as usize;
         match self.items {
             Items::Windows { .. } => self.epoch.shift + self.ctx * k,
-            Items::Examples { .. } | Items::Packed { .. } => k,
+            Items::Examples { .. } | Items::Packed { .. } | Items::Rows { .. } => k,
         }
     }
 }
@@ -964,6 +1051,30 @@ mod tests {
         taken.truncate(20);
         taken.sort_unstable();
         assert_eq!(taken, (0..20).collect::<Vec<_>>());
+    }
+
+    /// Best-fit rows are made once: an epoch takes each of them once, in an order the seed
+    /// shuffles, and they are fewer than in-order rows of the same examples.
+    #[test]
+    fn best_fit_epochs_take_each_row_made_once() {
+        let data = examples(20);
+        let Dataset::Examples(set) = data.as_ref() else { unreachable!() };
+        let made = best_fit_rows(&lengths(set), 16);
+        let in_order = pack(&mut (0..20).peekable(), &lengths(set), 16);
+        assert!(made.len() < in_order.len(), "{} best-fit rows against {} in order", made.len(), in_order.len());
+        let epoch = |seed| {
+            let batching = Batching { pack: true, pack_strategy: PackStrategy::BestFit, seed, ..Batching::new(16, 1) };
+            let mut stream = OffsetStream::new(&data, &LoaderConfig::new(batching)).unwrap();
+            (0..made.len()).map(|_| stream.next_step().unwrap().remove(0)).collect::<Vec<_>>()
+        };
+        let (a, b) = (epoch(5), epoch(6));
+        let sorted = |mut rows: Vec<Vec<usize>>| {
+            rows.sort();
+            rows
+        };
+        assert_eq!(sorted(a.clone()), sorted(made.clone()));
+        assert_eq!(sorted(b.clone()), sorted(made));
+        assert_ne!(a, b, "the seed shuffles the rows");
     }
 
     #[test]

@@ -24,7 +24,8 @@ mod tokenize;
 pub use crate::model::layers::IGNORE;
 pub use classify::{predictions, read_labeled, scores, ClassifySet, LabeledText, Scores};
 pub use loader::{
-    validation_steps, Batch, BatchOffsets, Batching, DataLoader, LoaderConfig, Order, RolloutScores, Step,
+    best_fit_rows, validation_steps, Batch, BatchOffsets, Batching, DataLoader, LoaderConfig, Order, PackStrategy,
+    RolloutScores, Step,
 };
 pub use masked::{MaskOptions, MaskedSet};
 pub use preference::{PreferenceFormat, PreferencePair, PreferenceReport, PreferenceSet, StoredReference, StoredSet};

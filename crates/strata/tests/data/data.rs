@@ -5,6 +5,35 @@ use strata::data::{
     Tokenizer,
 };
 
+/// Best-fit decreasing packing makes TRL's rows (`pack_dataset(strategy="bfd")`, live): the
+/// same examples in each row, in the same order, over runs of a thousand examples, with
+/// empty examples left out and longer ones cut to the row.
+#[test]
+fn best_fit_rows_are_those_trl_packs() {
+    let Some(py) = crate::hf_reference::python() else { return };
+    let mut state = 11u64;
+    let mut next = |n: u64| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) % n
+    };
+    // Mostly short, some long, a few empty or past the row: every kind of fit and tie.
+    let lengths: Vec<usize> = (0..2300)
+        .map(|_| match next(10) {
+            0 => next(3) as usize * 40,
+            1..=3 => 20 + next(45) as usize,
+            _ => 1 + next(12) as usize,
+        })
+        .collect();
+    let answer = crate::hf_reference::reference(
+        &py,
+        &["trl-pack", "--lengths", &serde_json::to_string(&lengths).unwrap(), "--seq-length", "64"],
+    );
+    let theirs: Vec<Vec<usize>> = serde_json::from_str(&answer).unwrap();
+    let ours = strata::data::best_fit_rows(&lengths, 64);
+    assert!(ours.len() > 300, "{} rows", ours.len());
+    assert_eq!(ours, theirs);
+}
+
 /// A small word-level tokenizer.json, written as the Hugging Face format describes it.
 fn word_level_tokenizer(dir: &std::path::Path) -> std::path::PathBuf {
     let json = serde_json::json!({

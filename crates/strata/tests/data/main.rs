@@ -2,3 +2,5 @@
 
 mod data;
 mod fuzz;
+#[path = "../common/hf_reference.rs"]
+mod hf_reference;
