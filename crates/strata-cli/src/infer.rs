@@ -386,11 +386,16 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
             let source = loaded.text_tokenizer()?.encode_pairs(&[(args.prompt.as_str(), None)], usize::MAX)?;
             let source: Vec<i64> = source[0].0.iter().map(|&t| i64::from(t)).collect();
             let new = generate_from_source(&mut loaded.engine, &source, c.decoder_start, &config)?;
-            return print_generated(&args, &loaded, &config, &source, &new, false);
+            return print_generated(&args, &loaded, &config, &source, &[], &new);
         }
         _ => generate(&mut loaded.engine, &prompt, &config, loaded.config.context())?,
     };
-    print_generated(&args, &loaded, &config, &prompt, &new, !args.chat)
+    // The prompt is printed as given, without the special tokens the tokenizer added.
+    let shown: Vec<i64> = match args.chat {
+        true => vec![],
+        false => loaded.text_tokenizer()?.encode(&args.prompt)?.into_iter().map(i64::from).collect(),
+    };
+    print_generated(&args, &loaded, &config, &prompt, &shown, &new)
 }
 
 /// How `strata generate` decodes: each setting its flag's, else the model folder's
@@ -407,11 +412,14 @@ fn decoding(args: &GenerateArgs, loaded: &Loaded, prompt: usize) -> Result<Gener
     if !sampling && (args.top_k.is_some() || args.top_p.is_some() || args.min_p.is_some()) {
         bail!("--top-k, --top-p and --min-p shape sampling: give --temperature above 0");
     }
-    let max_new_tokens = args
-        .max_new_tokens
-        .or(folder.max_new_tokens)
-        .or(folder.max_length.map(|total| total.saturating_sub(prompt)))
-        .unwrap_or(64);
+    let max_new_tokens = match (args.max_new_tokens.or(folder.max_new_tokens), folder.max_length) {
+        (Some(n), _) => n,
+        (None, Some(total)) if total <= prompt => bail!(
+            "generation_config.json's max_length {total} leaves no room after the prompt's {prompt} tokens: give --max-new-tokens"
+        ),
+        (None, Some(total)) => total - prompt,
+        (None, None) => 64,
+    };
     Ok(GenerateConfig {
         max_new_tokens,
         temperature,
@@ -425,30 +433,29 @@ fn decoding(args: &GenerateArgs, loaded: &Loaded, prompt: usize) -> Result<Gener
     })
 }
 
-/// The ids as JSON, or the text: the prompt (where `with_prompt`) and the new tokens,
-/// decoded whole, without a closing stop token.
+/// The ids as JSON (the prompt's as the model read them), or the text: the prompt's `shown`
+/// tokens and the new tokens, decoded whole, without a closing stop token.
 fn print_generated(
     args: &GenerateArgs,
     loaded: &Loaded,
     config: &GenerateConfig,
     prompt: &[i64],
+    shown: &[i64],
     new: &[i64],
-    with_prompt: bool,
 ) -> Result<()> {
     if args.ids {
         println!("{}", serde_json::json!({"prompt": prompt, "new": new}));
         return Ok(());
     }
     // The end token is kept in the ids (as transformers keeps it), not shown in the text.
-    let shown = match new.last() {
+    let answer = match new.last() {
         Some(t) if config.stop_tokens.contains(t) => &new[..new.len() - 1],
         _ => new,
     };
     // Decoded whole, so the tokenizer spaces the prompt and the new text as it spaces words;
     // a chat prints the answer alone.
-    let text = if with_prompt { prompt } else { &[][..] };
     let ids: Vec<u32> =
-        text.iter().chain(shown).map(|&t| u32::try_from(t)).collect::<Result<_, _>>().context("token id")?;
+        shown.iter().chain(answer).map(|&t| u32::try_from(t)).collect::<Result<_, _>>().context("token id")?;
     println!("{}", loaded.tokenizer.decode(&ids)?);
     Ok(())
 }

@@ -523,7 +523,10 @@ fn padding_token(o: &TrainOptions, dir: &ModelDir) -> Result<Option<i64>> {
         ModelConfig::Llama(c) => c.padding_token,
         _ => None,
     };
-    Ok(token("pad_token").or_else(|| token("eos_token")).or(folder_pad).or(dir.eos_tokens()?.first().copied()))
+    match token("pad_token").or_else(|| token("eos_token")).or(folder_pad) {
+        Some(pad) => Ok(Some(pad)),
+        None => Ok(dir.eos_tokens()?.first().copied()),
+    }
 }
 
 /// The id of a special token the tokenizer's configuration names (`pad_token`,
@@ -950,7 +953,10 @@ impl TrainOptions {
         let lr = o.lr.unwrap_or(3e-3);
         let steps = o.steps.unwrap_or(300);
         let schedule = match o.schedule.as_deref().unwrap_or("cosine") {
-            "constant" => LrSchedule::Constant,
+            "constant" => match o.warmup {
+                Some(warmup) if warmup > 0 => LrSchedule::WarmupConstant { warmup },
+                _ => LrSchedule::Constant,
+            },
             "cosine" => LrSchedule::WarmupCosine {
                 warmup: o.warmup.unwrap_or((steps / 20).max(1)),
                 total: steps,
@@ -977,14 +983,27 @@ impl TrainOptions {
             }
             other => bail!("unknown schedule {other:?}; expected constant, cosine, linear, wsd or step"),
         };
-        let wsd_only = [
-            ("--decay-start", o.decay_start.is_some()),
-            ("--decay-steps", o.decay_steps.is_some()),
-            ("--decay-shape", o.decay_shape.is_some()),
+        // A flag the chosen schedule has no use for is refused rather than ignored.
+        let (wsd, step, constant) = (
+            matches!(schedule, LrSchedule::WarmupStableDecay { .. }),
+            matches!(schedule, LrSchedule::Step { .. }),
+            matches!(schedule, LrSchedule::Constant | LrSchedule::WarmupConstant { .. }),
+        );
+        let unused = [
+            ("--decay-start", o.decay_start.is_some() && !wsd, "the wsd schedule"),
+            ("--decay-steps", o.decay_steps.is_some() && !wsd, "the wsd schedule"),
+            ("--decay-shape", o.decay_shape.is_some() && !wsd, "the wsd schedule"),
+            ("--step-every", o.step_every.is_some() && !step, "the step schedule"),
+            ("--step-gamma", o.step_gamma.is_some() && !step, "the step schedule"),
+            ("--warmup", o.warmup.is_some() && step, "the constant, cosine, linear and wsd schedules"),
+            (
+                "--min-lr-factor",
+                o.min_lr_factor.is_some() && (step || constant),
+                "the cosine, linear and wsd schedules",
+            ),
         ];
-        if let Some(flag) = first_given(&wsd_only).filter(|_| !matches!(schedule, LrSchedule::WarmupStableDecay { .. }))
-        {
-            bail!("{flag} shapes the wsd schedule: give --schedule wsd");
+        if let Some((flag, _, schedules)) = unused.iter().find(|(_, given, _)| *given) {
+            bail!("{flag} shapes {schedules}: give --schedule accordingly");
         }
         schedule.validate()?;
         let optimizer = OptimizerConfig {

@@ -254,8 +254,8 @@ pub fn generate_streams(
             let logits = logits.map(|l| whole_logits(vocabulary, &l)).transpose()?;
             let draws: Vec<u32> = rows.iter().map(|&i| draw_key(rows_of_streams[i], produced)).collect();
             produced += 1;
-            let seen: Vec<&[i64]> = tokens.iter().zip(&padding).map(|(t, &pad)| &t[pad as usize..]).collect();
-            model.share(choose_last(logits.as_ref(), config, &draws, &seen)?, rows.len())
+            let so_far: Vec<&[i64]> = tokens.iter().zip(&padding).map(|(t, &pad)| &t[pad as usize..]).collect();
+            model.share(choose_last(logits.as_ref(), config, &draws, &so_far)?, rows.len())
         };
         for (&i, completion) in rows.iter().zip(produce(config, rows.len(), step)?) {
             out[i] = completion;
@@ -425,22 +425,23 @@ pub fn sampling_scores(logits: &Tensor, config: &GenerateConfig, seen: &[&[i64]]
 }
 
 /// `logits` (`[rows, V]`, fp32) with each row's logits of the tokens in `seen[r]` divided
-/// by `penalty` where positive and multiplied by it where negative.
+/// by `penalty` where positive and multiplied by it where negative: one mask of the tokens
+/// seen, made by one scatter, whatever the rows.
 fn penalize_repeats(logits: &Tensor, seen: &[&[i64]], penalty: f64) -> Result<Tensor> {
-    if seen.len() as i64 != logits.size()[0] {
-        return Err(Error::Engine(format!("{} rows of logits for {} rows of tokens", logits.size()[0], seen.len())));
+    let [rows, vocab] = logits.size()[..] else {
+        return Err(Error::Engine(format!("logits of shape {:?}, not [rows, vocabulary]", logits.size())));
+    };
+    if seen.len() as i64 != rows {
+        return Err(Error::Engine(format!("{rows} rows of logits for {} rows of tokens", seen.len())));
     }
-    let rows = (0..logits.size()[0])
-        .zip(seen)
-        .map(|(r, ids)| {
-            let row = logits.f_select(0, r)?;
-            let ids = Tensor::f_from_slice(ids)?.f_to_device(row.device())?;
-            let was = row.f_gather(0, &ids, false)?;
-            let now = was.f_mul_scalar(penalty)?.f_where_self(&was.f_lt(0.0)?, &was.f_div_scalar(penalty)?)?;
-            Ok(row.f_scatter(0, &ids, &now)?)
-        })
-        .collect::<Result<Vec<Tensor>>>()?;
-    Ok(Tensor::f_stack(&rows, 0)?)
+    // Rows padded to one width with an extra column past the vocabulary, cut off after.
+    let width = seen.iter().map(|r| r.len()).max().unwrap_or(0).max(1);
+    let ids: Vec<i64> =
+        seen.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat(vocab)).take(width)).collect();
+    let ids = Tensor::f_from_slice(&ids)?.f_view([rows, width as i64])?.f_to_device(logits.device())?;
+    let mask = Tensor::f_zeros([rows, vocab + 1], (Kind::Bool, logits.device()))?.f_scatter_value(1, &ids, 1)?;
+    let penalised = logits.f_mul_scalar(penalty)?.f_where_self(&logits.f_lt(0.0)?, &logits.f_div_scalar(penalty)?)?;
+    Ok(penalised.f_where_self(&mask.f_narrow(1, 0, vocab)?, logits)?)
 }
 
 #[cfg(test)]

@@ -8,11 +8,12 @@
 //! and [`RolloutScores`] carries the advantages and the log-probabilities the ratio and the
 //! KL term are measured against.
 //!
-//! Owns: advantages, the loss, the rows of a generation batch and the step's metrics. Must
-//! not generate, reward nor step: the training loop ([`crate::run`]) does, with the
+//! Owns: advantages, the loss, the rows of a generation batch, the step's metrics and how
+//! completions are sampled ([`GrpoConfig::sampling`]). Must not generate, reward nor step: the training loop ([`crate::run`]) does, with the
 //! trainer and [`crate::generate`].
 use crate::comm::{all_reduce_values, ProcessGroup, ReduceOp};
 use crate::data::{Batch, RolloutScores, IGNORE};
+use crate::generate::GenerateConfig;
 use crate::preference::{token_entropy, token_log_probs, whole_logits, ScoreFn, VocabularySplit};
 use crate::{Error, Result};
 use serde::Serialize;
@@ -226,7 +227,23 @@ impl GrpoConfig {
         if self.loss == GrpoLoss::Luspo && self.importance_sampling != ImportanceSampling::Sequence {
             return bad("luspo takes the sequence-level ratio (importance_sampling_level sequence)".into());
         }
-        Ok(())
+        self.sampling(0, vec![]).validate().map_err(|e| Error::Config(format!("grpo: {e}")))
+    }
+
+    /// How completions are sampled: as configured, from `seed`, ending at `stop_tokens`,
+    /// decoded with the key/value cache.
+    pub fn sampling(&self, seed: u64, stop_tokens: Vec<i64>) -> GenerateConfig {
+        GenerateConfig {
+            max_new_tokens: self.max_completion_length,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed,
+            stop_tokens,
+            cache: true,
+        }
     }
 
     fn epsilon_high(&self) -> f64 {

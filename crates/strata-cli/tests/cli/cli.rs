@@ -2,6 +2,7 @@
 //! learning on the default corpus, one-line errors for bad input, and the binary's reuse of
 //! freed heap memory.
 use crate::common;
+use crate::common::assert_fails_with;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -219,6 +220,50 @@ fn metrics_have_the_promised_fields() {
     }
     assert_eq!(first["tokens"], 64, "4 rows × 16 tokens over 2 micro-batches");
     assert!(first["peak_bytes"].as_u64().unwrap() > 0);
+}
+
+/// The learning rate each step logs follows its schedule: a constant after a warm-up
+/// (`transformers`' `constant_with_warmup`), a wsd schedule's cosine decay; a flag the
+/// schedule has no use for is refused, not ignored.
+#[test]
+fn schedules_set_each_step_s_rate_and_refuse_flags_they_do_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let rates = |schedule: &[&str]| {
+        let metrics = dir.path().join("m.jsonl");
+        let base = ["train", "--model", "mlp", "--layers", "1", "--dim", "16", "--ctx", "8", "--batch-size", "2"];
+        ok(&strata(&[&base[..], &["--steps", "6", "--lr", "0.01", "--metrics", s(&metrics)], schedule].concat()));
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"].as_f64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let close = |got: Vec<f64>, want: &[f64]| {
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-12), "{got:?} against {want:?}");
+    };
+    close(rates(&["--schedule", "constant", "--warmup", "4"]), &[0.0025, 0.005, 0.0075, 0.01, 0.01, 0.01]);
+    // Decay over steps 2 to 6 towards 0.1 of the rate: (1 + cos(πp)) / 2 of the way.
+    let wsd =
+        ["--schedule", "wsd", "--warmup", "1", "--decay-start", "2", "--decay-steps", "4", "--min-lr-factor", "0.1"];
+    let cosine = |p: f64| 0.001 + 0.009 * 0.5 * (1.0 + (std::f64::consts::PI * p).cos());
+    close(
+        rates(&[&wsd[..], &["--decay-shape", "cosine"]].concat()),
+        &[0.01, 0.01, 0.01, cosine(0.25), cosine(0.5), cosine(0.75)],
+    );
+    for (flags, refusal) in [
+        (
+            &["--schedule", "step", "--warmup", "3"][..],
+            "--warmup shapes the constant, cosine, linear and wsd schedules",
+        ),
+        (
+            &["--schedule", "constant", "--min-lr-factor", "0.1"][..],
+            "--min-lr-factor shapes the cosine, linear and wsd",
+        ),
+        (&["--schedule", "cosine", "--step-gamma", "0.5"][..], "--step-gamma shapes the step schedule"),
+        (&["--schedule", "linear", "--decay-shape", "cosine"][..], "--decay-shape shapes the wsd schedule"),
+    ] {
+        assert_fails_with(&strata(&[&["train", "--model", "mlp", "--steps", "1"][..], flags].concat()), refusal);
+    }
 }
 
 #[test]

@@ -140,8 +140,9 @@ fn sources() -> Vec<std::path::PathBuf> {
     out
 }
 
-/// Upper-case names in the code that are not environment variables.
-const NOT_VARIABLES: [&str; 11] = [
+/// Upper-case names in the code that are not environment variables it reads (`LC_ALL` is
+/// set for a child process a test runs).
+const NOT_VARIABLES: [&str; 12] = [
     "BACKWARD_POST",
     "BACKWARD_PRE",
     "CAUSAL_LM",
@@ -153,6 +154,7 @@ const NOT_VARIABLES: [&str; 11] = [
     "SHARD_GRAD_OP",
     "LABEL_0",
     "LABEL_1",
+    "LC_ALL",
 ];
 
 /// The environment variables the code names: upper-case string literals with an

@@ -715,6 +715,8 @@ fn generate_stops_at_the_end_token() {
     std::fs::write(&tokenizer, t.to_string()).unwrap();
     let opened: serde_json::Value = serde_json::from_str(&run(&["--ids"])).unwrap();
     assert_eq!(opened["prompt"], serde_json::json!([1, 7, 31, 3]));
+    let text = run(&[]);
+    assert!(text.starts_with("w7 w31 w3 "), "the begin token is printed: {text}");
 }
 
 #[test]

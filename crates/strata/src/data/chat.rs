@@ -320,7 +320,8 @@ mod tests {
         let source = r#"{%- if strftime_now is defined %}{%- set date_string = strftime_now("%d %b %Y, %A") %}{%- else %}{%- set date_string = "26 Jul 2024" %}{%- endif %}Today Date: {{ date_string }}"#;
         let template = ChatTemplate::new(source.into(), None, None, "test").unwrap();
         let today = || {
-            let out = std::process::Command::new("date").arg("+%d %b %Y, %A").output().unwrap();
+            // In the C locale, as this process (and Python) formats.
+            let out = std::process::Command::new("date").arg("+%d %b %Y, %A").env("LC_ALL", "C").output().unwrap();
             String::from_utf8(out.stdout).unwrap().trim().to_string()
         };
         let before = today();

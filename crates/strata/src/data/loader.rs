@@ -5,7 +5,7 @@
 //! Owns the order of the rows and the making of batches. Must not tokenise or read
 //! datasets (a [`Dataset`] arrives as tokens), nor know models: a batch is token tensors.
 use super::synthetic::SplitMix64;
-use super::{Dataset, ExampleSet, RowSet};
+use super::{Dataset, ExampleSet, RowSet, DATASETS_MAP_BATCH};
 use crate::model::layers::IGNORE;
 use crate::model::{RowLayout, SequencePiece};
 use crate::{Error, Result};
@@ -102,18 +102,14 @@ impl std::str::FromStr for PackStrategy {
     }
 }
 
-/// The examples TRL packs at once (`datasets`' `map` batch): best-fit decreasing runs within
-/// each run of this many examples, in order.
-pub const BEST_FIT_RUN: usize = 1000;
-
 /// Rows of at most `ctx` tokens, each the examples (by index) it holds in its order, packed
 /// as TRL's `pack_dataset(strategy="bfd")` packs examples of these `lengths` (each at most
-/// `ctx`): within each run of [`BEST_FIT_RUN`] examples, longest first (ties in their
+/// `ctx`): within each run of [`DATASETS_MAP_BATCH`] examples, longest first (ties in their
 /// order), each into the row with the least room that holds it (the earliest of those
 /// rows), or a new row; rows in the order they were opened. Empty examples are left out.
 pub fn best_fit_rows(lengths: &[usize], ctx: usize) -> Vec<Vec<usize>> {
     let mut rows: Vec<Vec<usize>> = vec![];
-    for (run, chunk) in lengths.chunks(BEST_FIT_RUN).enumerate() {
+    for (run, chunk) in lengths.chunks(DATASETS_MAP_BATCH).enumerate() {
         // Cut to the row first: examples longer than it tie with those that fill it.
         let chunk: Vec<usize> = chunk.iter().map(|&l| l.min(ctx)).collect();
         let mut order: Vec<usize> = (0..chunk.len()).filter(|&i| chunk[i] > 0).collect();
@@ -122,20 +118,21 @@ pub fn best_fit_rows(lengths: &[usize], ctx: usize) -> Vec<Vec<usize>> {
         let mut with_room: std::collections::BTreeMap<usize, std::collections::VecDeque<usize>> = Default::default();
         for i in order {
             let length = chunk[i];
-            let found = with_room.range_mut(length..).next().map(|(&room, rows)| (room, rows.pop_front()));
+            // Only rooms that some row has are kept, so the first found holds a row.
+            let found = with_room.range_mut(length..).next().and_then(|(&room, rows)| Some((room, rows.pop_front()?)));
             let (room, row) = match found {
-                Some((room, Some(row))) => {
+                Some((room, row)) => {
                     if with_room.get(&room).is_some_and(|r| r.is_empty()) {
                         with_room.remove(&room);
                     }
                     (room, row)
                 }
-                _ => {
+                None => {
                     rows.push(vec![]);
                     (ctx, rows.len() - 1)
                 }
             };
-            rows[row].push(run * BEST_FIT_RUN + i);
+            rows[row].push(run * DATASETS_MAP_BATCH + i);
             if room > length {
                 with_room.entry(room - length).or_default().push_back(row);
             }

@@ -22,6 +22,10 @@ mod synthetic;
 mod tokenize;
 
 pub use crate::model::layers::IGNORE;
+
+/// The records `datasets`' `map` hands a batched function at once (its default batch size):
+/// TRL packs and unpairs within runs of this many records, and so does Strata.
+pub const DATASETS_MAP_BATCH: usize = 1000;
 pub use classify::{predictions, read_labeled, scores, ClassifySet, LabeledText, Scores};
 pub use loader::{
     best_fit_rows, validation_steps, Batch, BatchOffsets, Batching, DataLoader, LoaderConfig, Order, PackStrategy,

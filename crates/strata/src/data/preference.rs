@@ -16,7 +16,7 @@
 //! row at the same place in the second. Must not score rows (the preference loss does).
 use super::chat::ChatTemplate;
 use super::records::{messages_of, read_records, template_variables};
-use super::{check_indices, Batch, RowSet, Tokenizer, IGNORE};
+use super::{check_indices, Batch, RowSet, Tokenizer, DATASETS_MAP_BATCH, IGNORE};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -229,11 +229,11 @@ fn split_text_prompt(chosen: &str, rejected: &str) -> (String, String, String) {
 /// completion, whether it is unpaired and desirable, its margin and reference scores.
 type ReadRecord = ([Vec<u32>; 3], Option<bool>, Option<f64>, Option<[f64; 2]>);
 
-/// Pairs as unpaired completions, in TRL's order: of each run of [`UNPAIRING_RUN`] pairs,
+/// Pairs as unpaired completions, in TRL's order: of each run of [`DATASETS_MAP_BATCH`] pairs,
 /// every chosen completion, then every rejected one.
 fn unpair(pairs: Vec<ReadRecord>) -> Vec<ReadRecord> {
     let mut out = Vec::with_capacity(2 * pairs.len());
-    for run in pairs.chunks(UNPAIRING_RUN) {
+    for run in pairs.chunks(DATASETS_MAP_BATCH) {
         for desirable in [true, false] {
             out.extend(run.iter().map(|([prompt, chosen, rejected], ..)| {
                 let completion = if desirable { chosen } else { rejected };
@@ -269,14 +269,10 @@ pub struct PreferenceFormat<'a> {
     /// The id rows are padded with (a reward model finds each row's last token by it).
     pub pad: u32,
     /// Read pairs as unpaired completions, as TRL's `KTOTrainer` reads a paired dataset
-    /// (`unpair_preference_dataset`): of each run of [`UNPAIRING_RUN`] records, every
+    /// (`unpair_preference_dataset`): of each run of [`DATASETS_MAP_BATCH`] records, every
     /// chosen completion (desirable), then every rejected one (undesirable).
     pub unpair: bool,
 }
-
-/// The records `datasets`' `map` hands TRL's unpairing at once (its default batch size),
-/// whose chosen completions come before their rejected ones.
-pub const UNPAIRING_RUN: usize = 1000;
 
 /// Gives each unpaired record, as its second completion, the completion of the record before
 /// it within consecutive runs of `batch` records (the first takes the run's last): TRL's

@@ -739,8 +739,7 @@ impl ModelDir {
             Some(Value::Array(ids)) => ids.iter().filter_map(Value::as_i64).collect(),
             _ => vec![],
         };
-        let generation = self.generation_config()?;
-        Ok(match ids(generation.get("eos_token_id")) {
+        Ok(match ids(self.generation_defaults()?.eos_token_id.as_ref()) {
             given if !given.is_empty() => given,
             _ => ids(self.special_tokens.get("eos_token_id")),
         })
@@ -748,24 +747,13 @@ impl ModelDir {
 
     /// What the folder's `generation_config.json` asks of decoding (empty without one).
     pub fn generation_defaults(&self) -> Result<GenerationDefaults> {
-        let config = self.generation_config()?;
-        let path = self.dir.join(GENERATION_CONFIG);
-        serde_json::from_value(Value::Object(config))
-            .map_err(|e| Error::Weights { path, message: format!("not a generation configuration: {e}") })
-    }
-
-    /// The folder's `generation_config.json` as JSON, or nothing where it has none.
-    fn generation_config(&self) -> Result<Map<String, Value>> {
         let path = self.dir.join(GENERATION_CONFIG);
         if !path.is_file() {
-            return Ok(Map::new());
+            return Ok(GenerationDefaults::default());
         }
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-        match serde_json::from_str(&text) {
-            Ok(Value::Object(fields)) => Ok(fields),
-            Ok(_) => Err(Error::Weights { path, message: "not a JSON object".into() }),
-            Err(e) => Err(Error::Weights { path, message: format!("not JSON: {e}") }),
-        }
+        serde_json::from_str(&text)
+            .map_err(|e| Error::Weights { path, message: format!("not a generation configuration: {e}") })
     }
 }
 
@@ -793,6 +781,8 @@ pub struct GenerationDefaults {
     pub max_new_tokens: Option<usize>,
     /// The most tokens of the prompt with what is generated.
     pub max_length: Option<usize>,
+    /// The tokens that end a text: one id or a list.
+    pub eos_token_id: Option<Value>,
 }
 
 /// Reads the Hugging Face model folder `dir`: its `config.json`, the weight files it holds

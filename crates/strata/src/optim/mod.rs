@@ -63,7 +63,8 @@ pub struct OptimizerConfig {
     pub weight_decay: f64,
     /// Whether weight decay reaches normalisation layers and biases too (torchtitan's
     /// way, the default); off, they take none, as `transformers`' `Trainer` leaves out
-    /// what [`ParamSpec::trainer_skips_decay`] names. A group's own decay still wins.
+    /// what [`ParamSpec::trainer_skips_decay`] names. A parameter a group rule names takes
+    /// that group's decay (the optimizer's where the rule gives none) either way.
     pub decay_norms_and_biases: bool,
     /// SGD's momentum factor; 0 (none) by default.
     pub momentum: f64,
@@ -881,6 +882,12 @@ impl Drop for Optimizer {
 pub enum LrSchedule {
     /// The base rate at every step.
     Constant,
+    /// Linear warm-up from 1/warmup to 1, then the base rate (`transformers`'
+    /// `constant_with_warmup`).
+    WarmupConstant {
+        /// Steps of warm-up.
+        warmup: u64,
+    },
     /// Linear warm-up from 1/warmup to 1, then cosine decay to `min_factor` at `total`.
     WarmupCosine {
         /// Steps of warm-up (0: none).
@@ -932,6 +939,8 @@ pub enum DecayShape {
     Linear,
     /// `1 - sqrt(p)`: falls fast at first, as the WSD studies found best.
     OneMinusSqrt,
+    /// `(1 + cos(πp)) / 2`: `transformers`' default decay of its WSD schedule.
+    Cosine,
 }
 
 impl std::str::FromStr for DecayShape {
@@ -940,7 +949,8 @@ impl std::str::FromStr for DecayShape {
         match s {
             "linear" => Ok(DecayShape::Linear),
             "1-sqrt" => Ok(DecayShape::OneMinusSqrt),
-            other => Err(Error::Config(format!("decay shape {other:?}: give linear or 1-sqrt"))),
+            "cosine" => Ok(DecayShape::Cosine),
+            other => Err(Error::Config(format!("decay shape {other:?}: give linear, 1-sqrt or cosine"))),
         }
     }
 }
@@ -951,7 +961,7 @@ impl LrSchedule {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(format!("learning-rate schedule: {m}")));
         match *self {
-            LrSchedule::Constant => Ok(()),
+            LrSchedule::Constant | LrSchedule::WarmupConstant { .. } => Ok(()),
             LrSchedule::WarmupCosine { min_factor, .. }
             | LrSchedule::Linear { min_factor, .. }
             | LrSchedule::WarmupStableDecay { min_factor, .. }
@@ -976,13 +986,13 @@ impl LrSchedule {
             let done = (step.saturating_sub(from) as f64 / steps.max(1) as f64).min(1.0);
             min_factor + (1.0 - min_factor) * fall(done)
         };
+        let cosine = |p: f64| 0.5 * (1.0 + (std::f64::consts::PI * p).cos());
         match *self {
             LrSchedule::Constant => 1.0,
-            LrSchedule::WarmupCosine { warmup, total, min_factor } => warming(warmup).unwrap_or_else(|| {
-                falling(warmup, total.saturating_sub(warmup), min_factor, &|p| {
-                    0.5 * (1.0 + (std::f64::consts::PI * p).cos())
-                })
-            }),
+            LrSchedule::WarmupConstant { warmup } => warming(warmup).unwrap_or(1.0),
+            LrSchedule::WarmupCosine { warmup, total, min_factor } => {
+                warming(warmup).unwrap_or_else(|| falling(warmup, total.saturating_sub(warmup), min_factor, &cosine))
+            }
             LrSchedule::Step { every, gamma } => gamma.powi((step / every.max(1)) as i32),
             LrSchedule::Linear { warmup, total, min_factor } => warming(warmup)
                 .unwrap_or_else(|| falling(warmup, total.saturating_sub(warmup), min_factor, &|p| 1.0 - p)),
@@ -990,6 +1000,7 @@ impl LrSchedule {
                 .unwrap_or_else(|| match shape {
                     DecayShape::Linear => falling(decay_start, decay_steps, min_factor, &|p| 1.0 - p),
                     DecayShape::OneMinusSqrt => falling(decay_start, decay_steps, min_factor, &|p| 1.0 - p.sqrt()),
+                    DecayShape::Cosine => falling(decay_start, decay_steps, min_factor, &cosine),
                 }),
         }
     }
@@ -1097,6 +1108,12 @@ mod tests {
         assert!((w.factor(14) - 0.2).abs() < 1e-12 && (w.factor(99) - 0.2).abs() < 1e-12);
         // 1 - sqrt falls faster at first: a quarter of the way down, half of the fall is done.
         assert!((wsd(DecayShape::OneMinusSqrt).factor(11) - 0.6).abs() < 1e-12);
+        // The cosine is half-way down half-way through, and barely moved a quarter in.
+        let c = wsd(DecayShape::Cosine);
+        assert!((c.factor(12) - 0.6).abs() < 1e-12 && (c.factor(14) - 0.2).abs() < 1e-12);
+        assert!((c.factor(11) - (0.2 + 0.8 * 0.5 * (1.0 + std::f64::consts::FRAC_1_SQRT_2))).abs() < 1e-12);
+        let warm = LrSchedule::WarmupConstant { warmup: 4 };
+        assert_eq!((warm.factor(0), warm.factor(2), warm.factor(3), warm.factor(50)), (0.25, 0.75, 1.0, 1.0));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::comm::{all_gather_values, all_reduce_values, ProcessGroup, ReduceOp};
 use crate::data::{Batch, PromptSet, RowSet, Step};
 use crate::engine::with_seed;
 use crate::engine::Engine;
-use crate::generate::{generate_streams, GenerateConfig};
+use crate::generate::generate_streams;
 use crate::grpo::{advantages, GrpoConfig, GrpoMetrics, GrpoObjective, RewardScaling, Rollouts};
 use crate::train::{token_input, Feed, KeptWeights, LoraReference, StepReport, Trainer};
 use crate::{Error, Result};
@@ -200,17 +200,7 @@ pub fn generate_rollouts(
     let c = objective.config();
     trainer.settle_updates()?;
     let vocabulary = objective.vocabulary_split();
-    let sampling = GenerateConfig {
-        max_new_tokens: c.max_completion_length,
-        temperature: c.temperature,
-        top_k: c.top_k,
-        top_p: c.top_p,
-        min_p: c.min_p,
-        repetition_penalty: c.repetition_penalty,
-        seed,
-        stop_tokens: stop_tokens.to_vec(),
-        cache: true,
-    };
+    let sampling = c.sampling(seed, stop_tokens.to_vec());
     let rows: Vec<(usize, &Vec<i64>)> =
         prompts.iter().flat_map(|(record, prompt)| std::iter::repeat_n((*record, prompt), c.num_generations)).collect();
     let texts: Vec<Vec<i64>> = rows.iter().map(|(_, prompt)| (*prompt).clone()).collect();
