@@ -144,6 +144,9 @@ pub struct EvalArgs {
     /// Examples: the Jinja chat template (default: the model folder's).
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// Examples: a JSON object of variables every rendering gets, as training gave them.
+    #[arg(long)]
+    chat_template_kwargs: Option<String>,
     /// Examples: longest example in tokens, longer ones cut (default: --ctx).
     #[arg(long)]
     max_length: Option<usize>,
@@ -240,9 +243,11 @@ pub fn eval(args: EvalArgs) -> Result<()> {
     }
     let examples =
         args.val_data.as_ref().filter(|p| matches!(DataChoice::of_file(p.to_path_buf()), DataChoice::Examples(_)));
-    if examples.is_none() && (args.chat_template.is_some() || args.max_length.is_some() || args.train_on_prompt) {
-        bail!("--chat-template, --max-length and --train-on-prompt shape examples: give --val-data FILE.jsonl or FILE.parquet");
+    let given = args.chat_template.is_some() || args.chat_template_kwargs.is_some() || args.max_length.is_some();
+    if examples.is_none() && (given || args.train_on_prompt) {
+        bail!("--chat-template, --chat-template-kwargs, --max-length and --train-on-prompt shape examples: give --val-data FILE.jsonl or FILE.parquet");
     }
+    let template_arguments = crate::options::template_arguments(args.chat_template_kwargs.as_deref())?;
     let data: Dataset = match (&args.val_data, &args.val_token_file) {
         (Some(path), None) if examples.is_some() => {
             let max_length = args.max_length.unwrap_or(args.ctx);
@@ -254,6 +259,7 @@ pub fn eval(args: EvalArgs) -> Result<()> {
                 tokenizer_file: args.source.tokenizer.as_deref(),
                 model_dir: args.source.model_dir.as_deref(),
                 chat_template: args.chat_template.as_deref(),
+                template_arguments: &template_arguments,
             };
             crate::train::read_examples(path, loaded.text_tokenizer()?, sources, &options)?.into()
         }
@@ -330,6 +336,9 @@ pub struct GenerateArgs {
     /// The Jinja chat template for --chat (default: the model folder's).
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// A JSON object of variables the --chat rendering gets ({"enable_thinking": false}).
+    #[arg(long)]
+    chat_template_kwargs: Option<String>,
 }
 
 /// The prompt's ids as --chat renders it, and the id of the template's end token.
@@ -339,7 +348,8 @@ fn chat_prompt(args: &GenerateArgs, loaded: &Loaded) -> Result<(Vec<u32>, Option
         loaded.folder.as_ref().map(|m| m.dir.as_path()),
     );
     let template = ChatTemplate::choose(args.chat_template.as_deref(), folder)?
-        .context("--chat needs a chat template: the model folder has none (give --chat-template FILE)")?;
+        .context("--chat needs a chat template: the model folder has none (give --chat-template FILE)")?
+        .with_arguments(crate::options::template_arguments(args.chat_template_kwargs.as_deref())?);
     let turn = serde_json::json!({"role": "user", "content": args.prompt});
     let text = template.render(&[turn], true)?;
     let tokenizer = loaded.text_tokenizer()?;
@@ -362,6 +372,9 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
     }
     if args.chat && matches!(loaded.config, ModelConfig::T5(_)) {
         bail!("--chat renders a conversation for a decoder; an encoder-decoder reads the prompt as its source");
+    }
+    if !args.chat && (args.chat_template.is_some() || args.chat_template_kwargs.is_some()) {
+        bail!("--chat-template and --chat-template-kwargs render the prompt as a conversation: give --chat");
     }
     // A plain prompt takes the tokenizer's special tokens (a Llama tokenizer's
     // begin-of-text), as `transformers`' tokenizers give them by default.

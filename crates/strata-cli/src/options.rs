@@ -217,6 +217,9 @@ train_options! {
     /// Examples: the Jinja chat template that renders conversations (default: the model
     /// folder's chat_template.jinja or tokenizer_config.json's chat_template).
     chat_template: PathBuf,
+    /// Examples, pairs and prompts: a JSON object of variables every chat-template rendering
+    /// gets, beneath a record's own (TRL's chat_template_kwargs: {"enable_thinking": false}).
+    chat_template_kwargs: String,
     /// Hugging Face tokenizer.json for --data.
     tokenizer: PathBuf,
     /// Train on this token file (`strata tokenize`'s, or raw little-endian ids), memory-mapped.
@@ -410,6 +413,7 @@ fn example_options(
             ("--pack", o.pack.is_some()),
             ("--packing-strategy", o.packing_strategy.is_some()),
             ("--chat-template", o.chat_template.is_some()),
+            ("--chat-template-kwargs", o.chat_template_kwargs.is_some()),
         ];
         if let Some(flag) = first_given(&given) {
             bail!("{flag} shapes examples: give --data FILE.jsonl or FILE.parquet");
@@ -649,6 +653,8 @@ pub struct TrainSettings {
     /// How packed rows are filled.
     pub pack_strategy: PackStrategy,
     pub chat_template: Option<PathBuf>,
+    /// Variables every chat-template rendering gets.
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// Hugging Face tokenizer.json for text data (default: the model folder's, else bytes).
     pub tokenizer: Option<PathBuf>,
     pub eval_every: Option<u64>,
@@ -1150,6 +1156,7 @@ impl TrainOptions {
                 (strategy, _) => strategy.as_deref().map(str::parse).transpose()?.unwrap_or_default(),
             },
             chat_template: o.chat_template,
+            chat_template_kwargs: template_arguments(o.chat_template_kwargs.as_deref())?,
             vocab: o.vocab,
             data,
             batch_offsets: o.batch_offsets,
@@ -1245,4 +1252,14 @@ pub fn seconds(flag: &str, t: f64, positive: bool) -> Result<std::time::Duration
         bail!("{flag} {t} is more seconds than a run can wait (at most a year, {YEAR})");
     }
     Ok(std::time::Duration::from_secs_f64(t))
+}
+
+/// The variables `--chat-template-kwargs` gives every chat-template rendering: a JSON object.
+pub fn template_arguments(text: Option<&str>) -> Result<serde_json::Map<String, serde_json::Value>> {
+    match text.map(serde_json::from_str::<serde_json::Value>) {
+        None => Ok(serde_json::Map::new()),
+        Some(Ok(serde_json::Value::Object(arguments))) => Ok(arguments),
+        Some(Ok(other)) => bail!("--chat-template-kwargs must be a JSON object, not {other}"),
+        Some(Err(e)) => bail!("--chat-template-kwargs is not JSON: {e}"),
+    }
 }

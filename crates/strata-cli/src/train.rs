@@ -33,10 +33,11 @@ fn load_data(settings: &TrainSettings, choice: &DataChoice) -> Result<(Dataset, 
         }
         if settings.pack
             || settings.chat_template.is_some()
+            || !settings.chat_template_kwargs.is_empty()
             || settings.examples.as_ref().is_some_and(|e| e.train_on_prompt)
         {
             bail!(
-                "--pack, --chat-template and --train-on-prompt shape language-model examples, not {}",
+                "--pack, --chat-template, --chat-template-kwargs and --train-on-prompt shape language-model examples, not {}",
                 task.records()
             );
         }
@@ -216,6 +217,8 @@ pub struct ExampleSources<'a> {
     pub tokenizer_file: Option<&'a Path>,
     pub model_dir: Option<&'a Path>,
     pub chat_template: Option<&'a Path>,
+    /// Variables every rendering gets (`--chat-template-kwargs`).
+    pub template_arguments: &'a serde_json::Map<String, serde_json::Value>,
 }
 
 impl<'a> ExampleSources<'a> {
@@ -225,6 +228,7 @@ impl<'a> ExampleSources<'a> {
             tokenizer_file: settings.tokenizer.as_deref(),
             model_dir: settings.model_dir.as_ref().map(|m| m.dir.as_path()),
             chat_template: settings.chat_template.as_deref(),
+            template_arguments: &settings.chat_template_kwargs,
         }
     }
 
@@ -234,7 +238,8 @@ impl<'a> ExampleSources<'a> {
     /// token (GPT-2's folder names its end token nowhere else).
     fn rendering(self, tokenizer: &Tokenizer) -> Result<(Option<ChatTemplate>, Option<String>)> {
         let folder = crate::options::tokenizer_folder(self.tokenizer_file, self.model_dir);
-        let template = ChatTemplate::choose(self.chat_template, folder)?;
+        let template = ChatTemplate::choose(self.chat_template, folder)?
+            .map(|t| t.with_arguments(self.template_arguments.clone()));
         let configured = match folder {
             Some(dir) => chat::special_token(&chat::tokenizer_config(dir)?, "eos_token"),
             None => None,

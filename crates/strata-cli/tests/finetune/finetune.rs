@@ -136,6 +136,38 @@ fn best_fit_packed_rows_by_accumulation_4_are_one_batch() {
     assert_fails_with(&o, "--packing-strategy fills packed rows: give --pack true");
 }
 
+/// `--chat-template-kwargs` reaches every rendering of a run's conversations (here a
+/// template that writes a system line when asked): the examples grow by that line each;
+/// what is not a JSON object is refused.
+#[test]
+fn chat_template_arguments_reach_the_run_s_conversations() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = conversation_file(dir.path(), "c.jsonl", &sum_conversations(8, 3));
+    let template = dir.path().join("t.jinja");
+    std::fs::write(
+        &template,
+        "{% if system_line %}<sys>{{ system_line }}</sys>\n{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+    )
+    .unwrap();
+    let tokens = |extra: &[&str]| {
+        let base = ["train", "--model", "llama", "--layers", "1", "--dim", "16", "--heads", "2", "--ctx", "96"];
+        let data = ["--data", file.to_str().unwrap(), "--chat-template", template.to_str().unwrap(), "--steps", "1"];
+        let o = strata_env(
+            &[&base[..], &data, &["--batch-size", "2"], extra].concat(),
+            &[("STRATA_CACHE", dir.path().join("cache").to_str().unwrap())],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        let log = stderr(&o);
+        let at = log.find(" tokens=").unwrap_or_else(|| panic!("no token count: {log}"));
+        log[at + 8..].split_whitespace().next().unwrap().parse::<usize>().unwrap()
+    };
+    let (plain, given) = (tokens(&[]), tokens(&["--chat-template-kwargs", r#"{"system_line": "Be brief."}"#]));
+    // "<sys>Be brief.</sys>\n" in bytes, in each of the 8 conversations.
+    assert_eq!(given, plain + 8 * 21, "{plain} then {given}");
+    let o = strata(&["train", "--data", file.to_str().unwrap(), "--chat-template-kwargs", "[1]"]);
+    assert_fails_with(&o, "--chat-template-kwargs must be a JSON object, not [1]");
+}
+
 /// Rows of one example each, padded, split over a context ring: a rank's late pieces often
 /// hold padding alone and learn nothing. Under SGD the weights are one batch's to 1e-7
 /// (AdamW would normalise the near-zero gradients some features take from a few positions,

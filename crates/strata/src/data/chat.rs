@@ -21,6 +21,9 @@ pub struct ChatTemplate {
     pub bos_token: Option<String>,
     /// The end-of-sequence token's text, passed to the template as `eos_token`.
     pub eos_token: Option<String>,
+    /// Variables given to every rendering (a run's `chat_template_kwargs`, such as
+    /// `enable_thinking`), beneath a record's own.
+    arguments: serde_json::Map<String, serde_json::Value>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -136,17 +139,28 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| Error::Data(format!("the chat template of {origin} does not parse: {e:#}")))?;
-        Ok(ChatTemplate { env, source, bos_token: bos, eos_token: eos })
+        Ok(ChatTemplate { env, source, bos_token: bos, eos_token: eos, arguments: serde_json::Map::new() })
     }
 
-    /// What decides the template's renderings, for cache keys: its source, and today's date
-    /// where it reads the time (`strftime_now`), so a cache of yesterday's renderings is
-    /// not taken for today's.
+    /// The template with `arguments` given to every rendering, as TRL's `GRPOConfig` gives
+    /// its `chat_template_kwargs`; a record's own variables replace them where both name one.
+    pub fn with_arguments(mut self, arguments: serde_json::Map<String, serde_json::Value>) -> ChatTemplate {
+        self.arguments = arguments;
+        self
+    }
+
+    /// What decides the template's renderings, for cache keys: its source, the arguments it
+    /// is given, and today's date where it reads the time (`strftime_now`), so a cache of
+    /// yesterday's renderings is not taken for today's.
     pub fn identity(&self) -> String {
-        match self.source.contains("strftime_now") {
-            true => format!("{}\u{0}{}", self.source, strftime_now("%Y-%m-%d".into()).unwrap_or_default()),
-            false => self.source.clone(),
+        let mut identity = self.source.clone();
+        if !self.arguments.is_empty() {
+            identity += &format!("\u{0}{}", serde_json::Value::Object(self.arguments.clone()));
         }
+        if self.source.contains("strftime_now") {
+            identity += &format!("\u{0}{}", strftime_now("%Y-%m-%d".into()).unwrap_or_default());
+        }
+        identity
     }
 
     /// The text of `messages`, with the opening of an assistant turn after them where
@@ -168,6 +182,7 @@ impl ChatTemplate {
         // them: a template asking `tools is not none` finds them so.
         let mut context: serde_json::Map<String, serde_json::Value> =
             [("tools".into(), json!(null)), ("documents".into(), json!(null))].into_iter().collect();
+        context.extend(self.arguments.clone());
         context.extend(variables.clone());
         context.insert("messages".into(), json!(messages.iter().map(as_templates_read).collect::<Vec<_>>()));
         context.insert("add_generation_prompt".into(), json!(add_generation_prompt));
@@ -335,6 +350,22 @@ mod tests {
         assert_eq!(plain.identity(), CHATML);
         let bad = ChatTemplate::new(r#"{{ strftime_now("a\u0000b") }}"#.into(), None, None, "test").unwrap();
         assert!(bad.render(&[], false).unwrap_err().to_string().contains("a NUL in the format"));
+    }
+
+    /// A run's arguments reach every rendering beneath a record's own variables, and key
+    /// the cache.
+    #[test]
+    fn a_run_s_arguments_reach_every_rendering_beneath_a_record_s_own() {
+        let source = "{% if enable_thinking %}[think]{% endif %}{{ style }}{{ messages[0].content }}";
+        let plain = ChatTemplate::new(source.into(), None, None, "test").unwrap();
+        let arguments = json!({"enable_thinking": true, "style": "A:"}).as_object().unwrap().clone();
+        let given = ChatTemplate::new(source.into(), None, None, "test").unwrap().with_arguments(arguments);
+        let q = [msg("user", "q")];
+        assert_eq!(plain.render(&q, false).unwrap(), "q");
+        assert_eq!(given.render(&q, false).unwrap(), "[think]A:q");
+        let own = json!({"style": "B:"}).as_object().unwrap().clone();
+        assert_eq!(given.render_with(&q, false, &own).unwrap(), "[think]B:q");
+        assert_ne!(plain.identity(), given.identity());
     }
 
     /// `special_tokens_map.json` gives the special tokens `tokenizer_config.json` leaves out,
