@@ -15,7 +15,7 @@
 //! and a batch's layout: a record's chosen row in the first half of the rows, its rejected
 //! row at the same place in the second. Must not score rows (the preference loss does).
 use super::chat::ChatTemplate;
-use super::records::{messages_of, read_records, template_variables};
+use super::records::{common_prefix, messages_of, read_records, template_variables};
 use super::{check_indices, Batch, RowSet, Tokenizer, DATASETS_MAP_BATCH, IGNORE};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -242,11 +242,6 @@ fn unpair(pairs: Vec<ReadRecord>) -> Vec<ReadRecord> {
         }
     }
     out
-}
-
-/// How many first tokens `a` and `b` share.
-pub(super) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// What turns preference records into pairs.

@@ -175,6 +175,11 @@ enum Learned {
     AfterPrompt(String),
 }
 
+/// How many first tokens `a` and `b` share.
+pub(super) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// A record's own variables of the chat template, taken out of its fields: its `tools` (a
 /// list, or the JSON text of one as datasets often store them, which TRL reads so) and the
 /// entries of its `chat_template_kwargs` (`enable_thinking`), as `apply_chat_template` takes them.
@@ -307,7 +312,7 @@ impl ExampleSet {
                 Learned::Bytes(spans) => starts.iter().map(|s| spans.iter().any(|r| r.contains(s))).collect(),
                 Learned::AfterPrompt(_) => {
                     let (prompt, _) = prompts.next().ok_or_else(|| Error::Data("a prompt left untokenized".into()))?;
-                    let first = super::preference::common_prefix(&ids, &prompt);
+                    let first = common_prefix(&ids, &prompt);
                     (0..ids.len()).map(|i| i >= first).collect()
                 }
             };
