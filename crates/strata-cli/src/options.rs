@@ -261,10 +261,11 @@ train_options! {
     nesterov: bool,
     /// Clip the global gradient norm to this value (default 1; 0 turns clipping off).
     grad_clip: f64,
-    /// Learning-rate schedule: constant, cosine (linear warm-up then cosine), linear (warm-up
-    /// then a straight line down), wsd (warm-up, stable, decay) or step.
+    /// Learning-rate schedule: constant (after a warm-up where --warmup is given), cosine
+    /// (linear warm-up then cosine), linear (warm-up then a straight line down), wsd
+    /// (warm-up, stable, decay) or step.
     schedule: String,
-    /// Warm-up steps of the cosine, linear and wsd schedules.
+    /// Warm-up steps of the constant, cosine, linear and wsd schedules.
     warmup: u64,
     /// Final learning rate of the cosine, linear and wsd schedules, as a fraction of --lr.
     min_lr_factor: f64,
@@ -272,7 +273,7 @@ train_options! {
     decay_start: u64,
     /// Steps of the wsd schedule's decay (default a fifth of --steps).
     decay_steps: u64,
-    /// Shape of the wsd schedule's decay: linear or 1-sqrt.
+    /// Shape of the wsd schedule's decay: linear, 1-sqrt or cosine.
     decay_shape: String,
     /// Steps between learning-rate drops of the step schedule.
     step_every: u64,

@@ -227,7 +227,10 @@ impl GrpoConfig {
         if self.loss == GrpoLoss::Luspo && self.importance_sampling != ImportanceSampling::Sequence {
             return bad("luspo takes the sequence-level ratio (importance_sampling_level sequence)".into());
         }
-        self.sampling(0, vec![]).validate().map_err(|e| Error::Config(format!("grpo: {e}")))
+        self.sampling(0, vec![]).validate().map_err(|e| match e {
+            Error::Config(why) => Error::Config(format!("grpo: {why}")),
+            other => other,
+        })
     }
 
     /// How completions are sampled: as configured, from `seed`, ending at `stop_tokens`,
@@ -746,5 +749,9 @@ mod tests {
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
+        // Sampling settings are refused before training, in one line named once.
+        let bad = GrpoConfig { min_p: Some(2.0), ..Default::default() }.validate().unwrap_err().to_string();
+        assert_eq!(bad, "invalid configuration: grpo: min_p must lie in [0, 1], got 2");
+        assert!(GrpoConfig { repetition_penalty: 0.0, ..Default::default() }.validate().is_err());
     }
 }
