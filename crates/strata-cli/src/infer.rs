@@ -377,12 +377,21 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         bail!("--chat-template and --chat-template-kwargs render the prompt as a conversation: give --chat");
     }
     // A plain prompt takes the tokenizer's special tokens (a Llama tokenizer's
-    // begin-of-text), as `transformers`' tokenizers give them by default.
-    let (prompt, chat_end) = match args.chat {
-        true => chat_prompt(&args, &loaded)?,
-        false => (loaded.text_tokenizer()?.encode_with_starts(vec![args.prompt.clone()], true)?.remove(0).0, None),
+    // begin-of-text), as `transformers`' tokenizers give them by default, and is printed as
+    // given, without them; a chat prints the answer alone.
+    let (prompt, shown, chat_end) = match args.chat {
+        true => {
+            let (prompt, end) = chat_prompt(&args, &loaded)?;
+            (prompt, vec![], end)
+        }
+        false => {
+            let tokenizer = loaded.text_tokenizer()?;
+            let read = tokenizer.encode_with_starts(vec![args.prompt.clone()], true)?.remove(0).0;
+            (read, tokenizer.encode(&args.prompt)?, None)
+        }
     };
     let prompt: Vec<i64> = prompt.into_iter().map(i64::from).collect();
+    let shown: Vec<i64> = shown.into_iter().map(i64::from).collect();
     let vocab = loaded.config.vocab();
     if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
         bail!("the prompt holds token {bad}, outside the model's vocabulary of {vocab}");
@@ -402,11 +411,6 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
             return print_generated(&args, &loaded, &config, &source, &[], &new);
         }
         _ => generate(&mut loaded.engine, &prompt, &config, loaded.config.context())?,
-    };
-    // The prompt is printed as given, without the special tokens the tokenizer added.
-    let shown: Vec<i64> = match args.chat {
-        true => vec![],
-        false => loaded.text_tokenizer()?.encode(&args.prompt)?.into_iter().map(i64::from).collect(),
     };
     print_generated(&args, &loaded, &config, &prompt, &shown, &new)
 }

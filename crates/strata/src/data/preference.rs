@@ -103,7 +103,7 @@ impl Record {
             // 1 and 0 as well, as Python reads them (datasets often store labels so).
             let desirable = match label {
                 Value::Bool(b) => b,
-                Value::Number(n) if n.as_u64().is_some_and(|n| n <= 1) => n.as_u64() == Some(1),
+                Value::Number(n) if matches!(n.as_u64(), Some(0 | 1)) => n.as_u64() == Some(1),
                 _ => return Err("\"label\" must be true or false (or 1 or 0)".into()),
             };
             let record = match (fields.remove("prompt"), fields.remove("completion")) {
