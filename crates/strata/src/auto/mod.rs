@@ -60,7 +60,7 @@ pub struct AutoOptions {
     /// Low-rank adapters to train where full fine-tuning fits no candidate: the search then
     /// runs again over the same candidates with every parameter but the adapters frozen,
     /// and the strategy it finds gains this `lora` method.
-    pub lora: Option<LoraConfig>,
+    pub lora: Option<Box<LoraConfig>>,
 }
 
 impl Default for AutoOptions {
@@ -418,7 +418,7 @@ fn search(job: &AutoAccelerate<'_>, steps: usize) -> Result<Choice> {
     // (adapters, loss chunk, rows split, activation offload): the plain passes unless every
     // candidate must chunk its loss, split its rows or offload its activations.
     let mut passes: Vec<Pass<'_>> = vec![];
-    for lora in std::iter::once(None).chain(o.lora.as_ref().map(Some)) {
+    for lora in std::iter::once(None).chain(o.lora.as_deref().map(Some)) {
         let must_shelve = has(&o.included, "activation_offload");
         let must_split = has(&o.included, "context_parallel");
         let chunk = (chunked || has(&o.included, "chunked_loss")).then_some(chunk);

@@ -54,6 +54,11 @@ impl AdapterOut {
             "target_parameters": if c.target_parameters.is_empty() { Value::Null } else { json!(c.target_parameters) },
             "modules_to_save": if c.modules_to_save.is_empty() { Value::Null } else { json!(c.modules_to_save) },
             "use_rslora": c.use_rslora,
+            "rank_pattern": c.rank_pattern,
+            "alpha_pattern": c.alpha_pattern,
+            "layers_to_transform": if c.layers_to_transform.is_empty() { Value::Null } else { json!(c.layers_to_transform) },
+            "layers_pattern": if c.layers_pattern.is_empty() { Value::Null } else { json!(c.layers_pattern) },
+            "exclude_modules": c.exclude_modules,
             "fan_in_fan_out": self.fan_in_fan_out,
             "bias": "none",
             "inference_mode": true,
@@ -85,6 +90,22 @@ impl AdapterOut {
     }
 }
 
+/// The fields of peft's `LoraConfig` that, set, make an adapter compute something else than
+/// plain LoRA's product (or add tensors of its own).
+const CHANGE_THE_PRODUCT: [&str; 11] = [
+    "use_dora",
+    "lora_bias",
+    "use_qalora",
+    "layer_replication",
+    "alora_invocation_tokens",
+    "trainable_token_indices",
+    "velora_config",
+    "monteclora_config",
+    "use_bdlora",
+    "arrow_config",
+    "kasa_config",
+];
+
 /// Reads the LoRA configuration of the peft folder `dir`; a folder of another method
 /// (`peft_type` other than `LORA`) or with options Strata does not compute is refused.
 pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
@@ -100,11 +121,24 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
     if let Some(bias) = fields.get("bias").and_then(Value::as_str).filter(|b| *b != "none") {
         return Err(err(format!("bias {bias:?}: Strata's adapters train no biases (\"none\")")));
     }
-    if fields.get("use_dora").and_then(Value::as_bool) == Some(true) {
-        return Err(err("use_dora: Strata computes plain LoRA".into()));
+    let set = |v: &Value| !(v.is_null() || v == &json!(false) || v == &json!([]) || v == &json!({}));
+    if let Some(field) = CHANGE_THE_PRODUCT.iter().find(|f| fields.get(**f).is_some_and(set)) {
+        return Err(err(format!("{field}: a variant of LoRA; Strata computes plain LoRA")));
     }
-    let known =
-        ["r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters", "modules_to_save", "use_rslora"];
+    let known = [
+        "r",
+        "lora_alpha",
+        "lora_dropout",
+        "target_modules",
+        "target_parameters",
+        "modules_to_save",
+        "use_rslora",
+        "rank_pattern",
+        "alpha_pattern",
+        "layers_to_transform",
+        "layers_pattern",
+        "exclude_modules",
+    ];
     fields.retain(|k, v| known.contains(&k.as_str()) && !v.is_null());
     crate::strategy::parameters_alone(&mut value);
     let config: LoraConfig = serde_json::from_value(value).map_err(|e| err(e.to_string()))?;
@@ -352,4 +386,61 @@ pub fn write_model_weights(
         drop(ahead.take(last)?);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What peft 0.21's `LoraConfig(...).to_dict()` writes for plain LoRA with its defaults
+    /// (a few fields left out), with `fields` set over it.
+    fn config_with(fields: Value) -> Result<LoraConfig> {
+        let mut config = json!({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "target_modules": ["q_proj"],
+            "exclude_modules": null, "lora_alpha": 8, "lora_dropout": 0.0, "fan_in_fan_out": false,
+            "bias": "none", "use_rslora": false, "modules_to_save": null, "init_lora_weights": true,
+            "layers_to_transform": null, "layers_pattern": null, "rank_pattern": {}, "alpha_pattern": {},
+            "megatron_config": null, "megatron_core": "megatron.core", "trainable_token_indices": null,
+            "loftq_config": {}, "use_dora": false, "alora_invocation_tokens": null, "use_qalora": false,
+            "qalora_group_size": 16, "layer_replication": null, "lora_bias": false, "target_parameters": null,
+            "use_bdlora": null, "arrow_config": null, "kasa_config": null, "ensure_weight_tying": false
+        });
+        for (k, v) in fields.as_object().into_iter().flatten() {
+            config[k] = v.clone();
+        }
+        let dir = tempfile::tempdir().map_err(|e| Error::io(Path::new("tempdir"), e))?;
+        std::fs::write(dir.path().join(ADAPTER_CONFIG), config.to_string()).map_err(|e| Error::io(dir.path(), e))?;
+        read_adapter_config(dir.path())
+    }
+
+    /// peft's defaults read as plain LoRA; its layer choices and per-layer ranks are read in
+    /// the order written; a variant that computes another product is refused by name.
+    #[test]
+    fn peft_configurations_read_as_plain_lora_or_are_refused_by_field() {
+        assert_eq!(
+            config_with(json!({})).unwrap(),
+            LoraConfig { target_modules: Targets::Names(vec!["q_proj".into()]), ..LoraConfig::default() }
+        );
+        let patterned = config_with(json!({
+            "rank_pattern": {"v_proj": 2, "q_proj": 4}, "alpha_pattern": {"o_proj": 3.5},
+            "layers_to_transform": 1, "layers_pattern": ["layers", "h"], "exclude_modules": "lm_head"
+        }))
+        .unwrap();
+        assert_eq!(patterned.rank_pattern.0, [("v_proj".to_string(), 2), ("q_proj".to_string(), 4)]);
+        assert_eq!(patterned.alpha_pattern.0, [("o_proj".to_string(), 3.5)]);
+        assert_eq!(patterned.layers_to_transform, [1]);
+        assert_eq!(patterned.layers_pattern, ["layers", "h"]);
+        assert_eq!(patterned.exclude_modules, Some(Targets::Pattern("lm_head".into())));
+        let refused = [
+            ("use_dora", json!(true)),
+            ("lora_bias", json!(true)),
+            ("layer_replication", json!([[0, 2], [1, 2]])),
+            ("alora_invocation_tokens", json!([5])),
+            ("trainable_token_indices", json!({"embed_tokens": [3]})),
+        ];
+        for (field, value) in refused {
+            let err = config_with(json!({field: value})).unwrap_err().to_string();
+            assert!(err.contains(&format!("{field}: a variant of LoRA")), "{err}");
+        }
+    }
 }

@@ -1592,7 +1592,8 @@ fn with_adapter_config(mut strategy: Strategy, init: &[InitialWeights]) -> Resul
             Some(given) if given.same_adapters(&folder) => {}
             Some(given) => {
                 return Err(Error::Config(format!(
-                    "the adapter folder {} holds r={} alpha={} on {}; the strategy's lora asks for r={} alpha={} on {}",
+                    "the adapter folder {} holds r={} alpha={} on {}; the strategy's lora asks for r={} alpha={} on {} \
+                     (ranks, scales, patterns, targets, layer choices and saved modules must all agree)",
                     dir.display(),
                     folder.r,
                     folder.alpha,
@@ -1661,7 +1662,7 @@ fn choose_strategy(
     // A run that starts from an adapter folder trains adapters wherever full fine-tuning
     // does not fit.
     let lora = match (&options.lora, adapter_folders(&config.init).next()) {
-        (None, Some(dir)) => Some(crate::io::read_adapter_config(dir)?),
+        (None, Some(dir)) => Some(Box::new(crate::io::read_adapter_config(dir)?)),
         (given, _) => given.clone(),
     };
     job.options =

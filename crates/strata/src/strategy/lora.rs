@@ -14,7 +14,8 @@
 use crate::model::dropout::adapter_site;
 use crate::model::{Adapter, ExpertSet, Init, ModelSpec, ParamId, ParamSpec, TpRole};
 use crate::{Error, Result};
-use serde::{Deserialize, Serialize};
+use regex::Regex;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Which linear layers an adapter joins, as peft names them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -53,6 +54,87 @@ pub struct LoraConfig {
     pub modules_to_save: Vec<String>,
     /// Scale by `alpha / √r` instead of `alpha / r` (rank-stabilized LoRA).
     pub use_rslora: bool,
+    /// Ranks of their own (peft's `rank_pattern`): an adapted layer, or a stacked expert
+    /// parameter, takes the rank of the first key, in the order given, that its whole name
+    /// matches as the regular expression `(.*\.)?(key)`.
+    pub rank_pattern: Patterns<i64>,
+    /// Alphas of their own, keyed as `rank_pattern` (peft's `alpha_pattern`).
+    pub alpha_pattern: Patterns<f64>,
+    /// Where not empty, a layer that a name of `target_modules` ends is adapted only in the
+    /// blocks of these indices (peft's `layers_to_transform`: one index or a list).
+    #[serde(deserialize_with = "one_or_many")]
+    pub layers_to_transform: Vec<i64>,
+    /// The block lists whose index `layers_to_transform` reads (`layers`, `h`); where empty,
+    /// the first numbered part of a name after its second (peft's `layers_pattern`).
+    #[serde(deserialize_with = "one_or_many")]
+    pub layers_pattern: Vec<String>,
+    /// Layers never adapted (peft's `exclude_modules`): names, matched as `target_modules`'
+    /// are, or a regular expression a whole module name matches.
+    pub exclude_modules: Option<Targets>,
+}
+
+/// Keys, each with its value, in the order written: a JSON object read without reordering
+/// (which key matches first decides).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Patterns<T>(pub Vec<(String, T)>);
+
+impl<T> Default for Patterns<T> {
+    fn default() -> Self {
+        Patterns(vec![])
+    }
+}
+
+impl<T> Patterns<T> {
+    /// Whether there is no key.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The keys, in order.
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.0.iter().map(|(k, _)| k)
+    }
+}
+
+impl<T: Serialize> Serialize for Patterns<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Patterns<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct InOrder<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for InOrder<T> {
+            type Value = Patterns<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of patterns and their values")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<Patterns<T>, A::Error> {
+                let mut entries = vec![];
+                while let Some(entry) = map.next_entry()? {
+                    entries.push(entry);
+                }
+                Ok(Patterns(entries))
+            }
+        }
+        d.deserialize_map(InOrder(std::marker::PhantomData))
+    }
+}
+
+/// A value or a list of them, read as a list (null as none), as peft's fields take either.
+fn one_or_many<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> std::result::Result<Vec<T>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany<T> {
+        One(T),
+        Many(Vec<T>),
+    }
+    Ok(match Option::<OneOrMany<T>>::deserialize(d)? {
+        None => vec![],
+        Some(OneOrMany::One(t)) => vec![t],
+        Some(OneOrMany::Many(v)) => v,
+    })
 }
 
 /// The two stacked parameters of a sparse layer's experts, in the order `transformers`
@@ -80,6 +162,11 @@ impl Default for LoraConfig {
             target_parameters: vec![],
             modules_to_save: vec![],
             use_rslora: false,
+            rank_pattern: Patterns::default(),
+            alpha_pattern: Patterns::default(),
+            layers_to_transform: vec![],
+            layers_pattern: vec![],
+            exclude_modules: None,
         }
     }
 }
@@ -92,6 +179,65 @@ fn module_of(name: &str) -> &str {
 /// Whether `module` is `target` or ends with `.target` (peft's rule for names).
 fn names(module: &str, target: &str) -> bool {
     module == target || module.strip_suffix(target).is_some_and(|head| head.ends_with('.'))
+}
+
+/// The compiled `pattern` (which the caller wraps), or the configuration error naming `field`.
+fn regex(field: &str, pattern: String) -> Result<Regex> {
+    Regex::new(&pattern).map_err(|e| Error::Config(format!("lora: {field}: {e}")))
+}
+
+/// Whether `name` matches `pattern` as a whole; a pattern that does not compile (which
+/// [`LoraConfig::validate`] refuses first) matches nothing.
+fn matches_whole(pattern: &str, name: &str) -> bool {
+    Regex::new(&format!("^(?:{pattern})$")).is_ok_and(|re| re.is_match(name))
+}
+
+/// Where `key` is a key of `rank_pattern` or `alpha_pattern`: the pattern a name must match.
+fn pattern_key(key: &str) -> String {
+    format!(r"^(?:.*\.)?(?:{key})$")
+}
+
+/// Whether `name` matches `key` of `rank_pattern` or `alpha_pattern`.
+fn key_names(key: &str, name: &str) -> bool {
+    Regex::new(&pattern_key(key)).is_ok_and(|re| re.is_match(name))
+}
+
+/// The value of the first key of `patterns` that `name` matches (peft's `get_pattern_key`).
+fn first_match<T: Copy>(patterns: &Patterns<T>, name: &str) -> Option<T> {
+    patterns.0.iter().find(|(key, _)| key_names(key, name)).map(|(_, v)| *v)
+}
+
+/// Where `saved` names a module of `modules_to_save`: the pattern of the names of that
+/// module and of everything inside it (peft's reading, which wraps the module whole).
+fn saved_module(saved: &str) -> String {
+    format!(r"^(?:.*\.)?(?:{saved})(?:\..*)?$")
+}
+
+/// Whether `module` is the module `saved` names, or lies inside it.
+fn saved_by(saved: &str, module: &str) -> bool {
+    Regex::new(&saved_module(saved)).is_ok_and(|re| re.is_match(module))
+}
+
+/// The pattern whose first group is a name's block index (peft's): after the list `list`,
+/// or, with none, after the first name's second part.
+fn layer_index_pattern(list: Option<&str>) -> String {
+    match list {
+        Some(list) => format!(r"^(?:.*?\.)??(?:{list})\.(\d+)\."),
+        None => r"^.*?\.[^.]*\.(\d+)\.".to_string(),
+    }
+}
+
+/// The block index `pattern` ([`layer_index_pattern`]) reads in `module`.
+fn block_index(pattern: &str, module: &str) -> Option<i64> {
+    Regex::new(pattern).ok()?.captures(module)?.get(1)?.as_str().parse().ok()
+}
+
+/// The adapters' product's factor for rank `r`.
+fn scale(r: i64, alpha: f64, rslora: bool) -> f64 {
+    match rslora {
+        true => alpha / (r as f64).sqrt(),
+        false => alpha / r as f64,
+    }
 }
 
 /// The heads peft names together among every sequence classifier's `modules_to_save`,
@@ -129,33 +275,88 @@ impl LoraConfig {
                 self.dropout
             ));
         }
+        if let Some((key, r)) = self.rank_pattern.0.iter().find(|(_, r)| *r <= 0) {
+            return bad(format!("rank_pattern {key:?}: a rank must be positive, got {r}"));
+        }
+        if let Some((key, a)) = self.alpha_pattern.0.iter().find(|(_, a)| !a.is_finite() || *a <= 0.0) {
+            return bad(format!("alpha_pattern {key:?}: an alpha must be positive, got {a}"));
+        }
+        if !self.layers_pattern.is_empty() && self.layers_to_transform.is_empty() {
+            return bad("layers_pattern reads the indices of layers_to_transform, which is not given".into());
+        }
+        if !self.layers_to_transform.is_empty() && matches!(self.target_modules, Targets::Pattern(_)) {
+            return bad("layers_to_transform needs target_modules as names, not one pattern (as peft)".into());
+        }
+        let mut patterns = vec![];
+        if let Targets::Pattern(p) = &self.target_modules {
+            if p != "all-linear" {
+                patterns.push(("target_modules", format!("^(?:{p})$")));
+            }
+        }
+        if let Some(Targets::Pattern(p)) = &self.exclude_modules {
+            patterns.push(("exclude_modules", format!("^(?:{p})$")));
+        }
+        patterns.extend(self.rank_pattern.keys().map(|k| ("rank_pattern", pattern_key(k))));
+        patterns.extend(self.alpha_pattern.keys().map(|k| ("alpha_pattern", pattern_key(k))));
+        patterns.extend(self.layers_pattern.iter().map(|p| ("layers_pattern", layer_index_pattern(Some(p)))));
+        patterns.extend(self.modules_to_save.iter().map(|m| ("modules_to_save", saved_module(m))));
+        for (field, pattern) in patterns {
+            regex(field, pattern)?;
+        }
         match &self.target_modules {
             Targets::Names(list) if list.is_empty() && self.target_parameters.is_empty() => {
                 bad("target_modules is empty".into())
-            }
-            Targets::Pattern(p) if p != "all-linear" => {
-                regex::Regex::new(p).map(|_| ()).map_err(|e| Error::Config(format!("lora: target_modules: {e}")))
             }
             _ => Ok(()),
         }
     }
 
-    /// Whether parameter `name` belongs to a module of `modules_to_save`.
+    /// Whether parameter `name` belongs to a module of `modules_to_save`, or lies inside one.
     pub fn saves(&self, name: &str) -> bool {
-        self.modules_to_save.iter().any(|m| names(module_of(name), m))
+        self.saves_module(module_of(name))
     }
 
-    /// The factor of the adapters' product.
-    pub fn scale(&self) -> f64 {
-        if self.use_rslora {
-            self.alpha / (self.r as f64).sqrt()
-        } else {
-            self.alpha / self.r as f64
+    /// Whether `module` is a module of `modules_to_save` or lies inside one.
+    fn saves_module(&self, module: &str) -> bool {
+        self.modules_to_save.iter().any(|m| saved_by(m, module))
+    }
+
+    /// The rank and the product's factor of the adapter of `key` (a layer's module name, or
+    /// a stacked expert parameter's name): `r` and `alpha` unless a pattern names it.
+    fn rank_and_scale(&self, key: &str) -> (i64, f64) {
+        let r = first_match(&self.rank_pattern, key).unwrap_or(self.r);
+        let alpha = first_match(&self.alpha_pattern, key).unwrap_or(self.alpha);
+        (r, scale(r, alpha, self.use_rslora))
+    }
+
+    /// Whether `module` is in a block that `layers_to_transform` keeps (every block where it
+    /// is empty); a name with no block index is in none.
+    fn in_kept_layer(&self, module: &str) -> bool {
+        if self.layers_to_transform.is_empty() {
+            return true;
         }
+        let index = match self.layers_pattern.is_empty() {
+            true => block_index(&layer_index_pattern(None), module),
+            false => self.layers_pattern.iter().find_map(|p| block_index(&layer_index_pattern(Some(p)), module)),
+        };
+        index.is_some_and(|i| self.layers_to_transform.contains(&i))
     }
 
-    /// The linear weights of `spec` the targets name, in declaration order; a name (or the
-    /// pattern) that names no linear layer is an error listing the model's linear layers.
+    /// Whether `module` is never adapted: `exclude_modules` names it, or it is saved whole.
+    fn excludes(&self, module: &str) -> bool {
+        let excluded = match &self.exclude_modules {
+            None => false,
+            Some(Targets::Names(list)) => list.iter().any(|t| names(module, t)),
+            Some(Targets::Pattern(p)) => matches_whole(p, module),
+        };
+        excluded || self.saves_module(module)
+    }
+
+    /// The linear weights of `spec` the targets name, in declaration order, less those
+    /// excluded ([`Self::excludes`]) and, for a name a layer's name ends with, those outside
+    /// `layers_to_transform` (as peft, a layer named whole is kept); a name (or the pattern)
+    /// that names no linear layer is an error listing the model's linear layers, and so is a
+    /// choice that leaves none.
     pub fn targets(&self, spec: &ModelSpec) -> Result<Vec<ParamId>> {
         let linear: Vec<(ParamId, &str)> = spec
             .params
@@ -173,41 +374,69 @@ impl LoraConfig {
                 if short.is_empty() { "none".to_string() } else { short.join(", ") }
             ))
         };
-        let chosen: Vec<ParamId> = match &self.target_modules {
+        let chosen: Vec<&(ParamId, &str)> = match &self.target_modules {
             Targets::Names(list) if list.is_empty() => return Ok(vec![]),
             Targets::Names(list) => {
                 if let Some(t) = list.iter().find(|t| !linear.iter().any(|(_, m)| names(m, t))) {
                     return Err(unmatched(format!("{t:?}")));
                 }
-                linear.iter().filter(|(_, m)| list.iter().any(|t| names(m, t))).map(|(id, _)| *id).collect()
+                let named = |m: &str| {
+                    list.iter().any(|t| t == m) || (list.iter().any(|t| names(m, t)) && self.in_kept_layer(m))
+                };
+                linear.iter().filter(|(_, m)| named(m)).collect()
             }
-            Targets::Pattern(p) if p == "all-linear" => linear.iter().map(|(id, _)| *id).collect(),
+            Targets::Pattern(p) if p == "all-linear" => linear.iter().collect(),
             Targets::Pattern(p) => {
-                let whole = regex::Regex::new(&format!("^(?:{p})$"))
-                    .map_err(|e| Error::Config(format!("lora: target_modules: {e}")))?;
-                linear.iter().filter(|(_, m)| whole.is_match(m)).map(|(id, _)| *id).collect()
+                let whole = regex("target_modules", format!("^(?:{p})$"))?;
+                linear.iter().filter(|(_, m)| whole.is_match(m)).collect()
             }
         };
+        if chosen.is_empty() && !self.layers_to_transform.is_empty() {
+            return Err(Error::Config(format!(
+                "lora: layers_to_transform {:?} keeps none of the layers target_modules names",
+                self.layers_to_transform
+            )));
+        }
         if chosen.is_empty() {
             return Err(unmatched(format!("{:?}", self.targets_text())));
         }
-        Ok(chosen)
+        let kept: Vec<ParamId> = chosen.iter().filter(|(_, m)| !self.excludes(m)).map(|(id, _)| *id).collect();
+        if kept.is_empty() && self.target_parameters.is_empty() {
+            return Err(Error::Config(format!(
+                "lora: exclude_modules and modules_to_save leave none of the {} layers target_modules names",
+                chosen.len()
+            )));
+        }
+        if self.exclude_modules.is_some() && kept.len() == chosen.len() {
+            tracing::warn!("lora: exclude_modules excludes none of the layers target_modules names");
+        }
+        Ok(kept)
     }
 
-    /// Whether `other` declares the same adapters: rank, scale, targets and saved modules
+    /// Whether `other` declares the same adapters: ranks, scales, targets and saved modules
     /// (what a folder's tensors must fit). Lists compare as sets (peft writes its target names
     /// in no set order).
     pub fn same_adapters(&self, other: &LoraConfig) -> bool {
-        fn set(names: &[String]) -> std::collections::BTreeSet<&str> {
-            names.iter().map(String::as_str).collect()
+        fn set<T: Ord>(items: &[T]) -> std::collections::BTreeSet<&T> {
+            items.iter().collect()
         }
-        let same_targets = match (&self.target_modules, &other.target_modules) {
+        let same = |a: &Targets, b: &Targets| match (a, b) {
             (Targets::Names(a), Targets::Names(b)) => set(a) == set(b),
             (a, b) => a == b,
         };
+        let patterned = !(self.rank_pattern.is_empty() && self.alpha_pattern.is_empty());
         self.r == other.r
-            && self.scale() == other.scale()
-            && same_targets
+            && scale(self.r, self.alpha, self.use_rslora) == scale(other.r, other.alpha, other.use_rslora)
+            && self.rank_pattern == other.rank_pattern
+            && self.alpha_pattern == other.alpha_pattern
+            && (!patterned || self.use_rslora == other.use_rslora)
+            && same(&self.target_modules, &other.target_modules)
+            && set(&self.layers_to_transform) == set(&other.layers_to_transform)
+            && set(&self.layers_pattern) == set(&other.layers_pattern)
+            && match (&self.exclude_modules, &other.exclude_modules) {
+                (Some(a), Some(b)) => same(a, b),
+                (a, b) => a == b,
+            }
             && set(&self.target_parameters) == set(&other.target_parameters)
             && set(&self.modules_to_save) == set(&other.modules_to_save)
     }
@@ -266,7 +495,7 @@ impl LoraConfig {
     pub fn apply(&self, spec: &mut ModelSpec) -> Result<()> {
         self.validate()?;
         let targets = self.targets(spec)?;
-        let present = |name: &str| spec.params.iter().any(|p| names(module_of(&p.name), name));
+        let present = |name: &str| spec.params.iter().any(|p| saved_by(name, module_of(&p.name)));
         // peft names both classifier heads; one of them is the model's.
         let both_heads = CLASSIFIER_HEADS.iter().all(|h| self.modules_to_save.iter().any(|m| m == h));
         let a_head_present = CLASSIFIER_HEADS.iter().any(|h| present(h));
@@ -282,6 +511,7 @@ impl LoraConfig {
         // Adapters' dropout draws masks by step, as the model's own sites do.
         spec.dropout |= self.dropout > 0.0;
         let expert_targets = self.expert_targets(spec)?;
+        let mut adapted: Vec<String> = targets.iter().map(|w| module_of(&spec.params[w.0].name).to_string()).collect();
         for w in targets {
             let adapter = self.join(spec, w)?;
             spec.adapters.insert(w, adapter);
@@ -294,6 +524,13 @@ impl LoraConfig {
                     _ => set.module.clone(),
                 };
                 self.join_experts(spec, set, part, &module)?;
+                adapted.push(format!("{}.{part}", set.module));
+            }
+        }
+        let keys = self.rank_pattern.keys().map(|k| ("rank_pattern", k));
+        for (field, key) in keys.chain(self.alpha_pattern.keys().map(|k| ("alpha_pattern", k))) {
+            if !adapted.iter().any(|name| key_names(key, name)) {
+                tracing::warn!("lora: {field} {key:?} names none of the adapted layers");
             }
         }
         Ok(())
@@ -309,6 +546,8 @@ impl LoraConfig {
             "gate_up_proj" => vec![&set.gate, &set.up],
             _ => vec![&set.down],
         };
+        // peft's key of a stacked parameter: its module's name, unwrapped, and its own.
+        let (r, scale) = self.rank_and_scale(&format!("{}.{part}", set.module));
         for e in 0..set.gate.len() {
             let first = spec.params[weights[0][e].0].clone();
             let [rows, inp] = first.shape[..] else {
@@ -317,13 +556,13 @@ impl LoraConfig {
             let out = rows * weights.len() as i64;
             let bound = 1.0 / (inp as f64).sqrt();
             let name = |part| expert_factor_name(module, part, e as i64);
-            let a = declare(spec, &first, name("A"), vec![self.r, inp], Init::Uniform { bound }, first.tp)?;
-            let b = declare(spec, &first, name("B"), vec![out, self.r], Init::Zeros, first.tp)?;
+            let a = declare(spec, &first, name("A"), vec![r, inp], Init::Uniform { bound }, first.tp)?;
+            let b = declare(spec, &first, name("B"), vec![out, r], Init::Zeros, first.tp)?;
             for (stacked, ids) in weights.iter().enumerate() {
                 let w = ids[e];
                 let dropout_site = adapter_site(&spec.params[w.0].name);
                 let rows = (weights.len() > 1).then_some((stacked as i64 * rows, rows));
-                let adapter = Adapter { a, b, scale: self.scale(), dropout: self.dropout, dropout_site, rows };
+                let adapter = Adapter { a, b, scale, dropout: self.dropout, dropout_site, rows };
                 spec.adapters.insert(w, adapter);
             }
         }
@@ -346,12 +585,13 @@ impl LoraConfig {
             role => (role, role),
         };
         let module = module_of(&weight.name);
+        let (r, scale) = self.rank_and_scale(module);
         let bound = 1.0 / (inp as f64).sqrt();
         let name = |part| format!("{module}.lora_{part}.weight");
-        let a = declare(spec, &weight, name("A"), vec![self.r, inp], Init::Uniform { bound }, a_role)?;
-        let b = declare(spec, &weight, name("B"), vec![out, self.r], Init::Zeros, b_role)?;
+        let a = declare(spec, &weight, name("A"), vec![r, inp], Init::Uniform { bound }, a_role)?;
+        let b = declare(spec, &weight, name("B"), vec![out, r], Init::Zeros, b_role)?;
         let dropout_site = adapter_site(&weight.name);
-        Ok(Adapter { a, b, scale: self.scale(), dropout: self.dropout, dropout_site, rows: None })
+        Ok(Adapter { a, b, scale, dropout: self.dropout, dropout_site, rows: None })
     }
 }
 

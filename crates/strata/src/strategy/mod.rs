@@ -12,7 +12,7 @@ mod parallel_mode;
 mod shard;
 
 pub(crate) use lora::{parameters_alone, stacked_factor};
-pub use lora::{LoraConfig, Targets};
+pub use lora::{LoraConfig, Patterns, Targets};
 pub use offload::{OffloadConfig, OffloadPolicy, OffloadTarget};
 pub use parallel_mode::{Dim, ParallelMode};
 pub use shard::{BackwardPrefetch, MixedPrecision, ShardConfig, ShardMethod, ShardingStrategy, Stage, Wrap};

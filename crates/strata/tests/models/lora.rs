@@ -207,13 +207,18 @@ fn refuses_an_adapter_lacking_a_factor(family: &str, dir: &Path, lora: &LoraConf
     assert!(err.contains(&format!("missing {key:?}")), "{family}: {err}");
 }
 
-/// Each adapter's input dropped at 0.1 (peft's `lora_dropout`, with Strata's masks).
+/// Each adapter's input dropped at 0.1 (peft's `lora_dropout`, with Strata's masks); ranks
+/// and alphas of their own where a pattern names a layer (the first key matching winning),
+/// and a layer excluded by name.
 #[test]
 fn llama_lora_matches_peft() {
     lora_matches_peft(
         "llama",
         json!({"r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
-               "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}),
+               "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"],
+               "rank_pattern": {"layers.1.self_attn.v_proj": 6, "v_proj": 2},
+               "alpha_pattern": {"o_proj": 3},
+               "exclude_modules": ["model.layers.0.mlp.down_proj"]}),
     );
 }
 
@@ -222,18 +227,23 @@ fn gpt2_lora_with_a_module_saved_whole_matches_peft() {
     lora_matches_peft(
         "gpt2",
         json!({"r": 4, "lora_alpha": 16, "use_rslora": true, "target_modules": ["c_attn", "c_proj"],
-               "modules_to_save": ["ln_f"], "fan_in_fan_out": true}),
+               "modules_to_save": ["ln_f"], "fan_in_fan_out": true,
+               "alpha_pattern": {"mlp.c_proj": 2}, "exclude_modules": r"transformer\.h\.0\.attn\.c_attn"}),
     );
 }
 
 /// A mixture of experts' attention and routed experts (peft's `target_parameters`: one pair
-/// of factors for each layer's stacked gate and up weights, one for its down weights).
+/// of factors for each layer's stacked gate and up weights, one for its down weights); the
+/// attention adapted in the first and last blocks alone (which leaves the experts in every
+/// block, as peft does), the down weights' factors of a rank of their own.
 #[test]
 fn qwen3_moe_lora_of_attention_and_experts_matches_peft() {
     lora_matches_peft(
         "qwen3-moe",
         json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "o_proj"],
-               "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
+               "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+               "layers_to_transform": [0, 2], "layers_pattern": "layers",
+               "rank_pattern": {"mlp.experts.down_proj": 3}}),
     );
 }
 
@@ -322,16 +332,52 @@ fn lora_refuses_what_it_cannot_adapt() {
     let stacked = json!({"dropout": 0.1, "target_parameters": ["mlp.experts.down_proj"]});
     refuse(stacked, "dropout 0.1 does not apply to target_parameters' stacked experts");
     refuse(json!({"rank": 8}), "unknown field `rank`");
+    refuse(json!({"rank_pattern": {"v_proj": 0}}), "rank_pattern \"v_proj\": a rank must be positive");
+    refuse(json!({"alpha_pattern": {"(": 4}}), "lora: alpha_pattern: regex parse error");
+    refuse(json!({"layers_pattern": "layers"}), "layers_pattern reads the indices of layers_to_transform");
+    refuse(
+        json!({"target_modules": "all-linear", "layers_to_transform": 1}),
+        "layers_to_transform needs target_modules as names",
+    );
+    refuse(json!({"layers_to_transform": [5]}), "layers_to_transform [5] keeps none of the layers");
+    refuse(json!({"exclude_modules": "model.*"}), "exclude_modules and modules_to_save leave none of the 4 layers");
     // A folder's configuration matches the strategy's whatever order it lists names in.
     let given = lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"]}));
     assert!(given.same_adapters(&lora_of(json!({"r": 8, "target_modules": ["v_proj", "q_proj"]}))));
     assert!(!given.same_adapters(&lora_of(json!({"r": 4, "target_modules": ["q_proj", "v_proj"]}))));
     assert!(!given.same_adapters(&lora_of(json!({"r": 8, "target_modules": ["q_proj"]}))));
+    let excluding = lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"], "exclude_modules": ["a", "b"]}));
+    assert!(!given.same_adapters(&excluding));
+    let reordered = lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"], "exclude_modules": ["b", "a"]}));
+    assert!(excluding.same_adapters(&reordered));
+    assert!(!given
+        .same_adapters(&lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"], "rank_pattern": {"q": 2}}))));
     // A pattern matches whole names, as peft's does.
     let mut spec = tiny_llama_spec();
     lora_of(json!({"target_modules": r"model\.layers\.1\.self_attn\.(q|v)_proj"})).apply(&mut spec).unwrap();
     let adapted: Vec<&str> = spec.adapters.keys().map(|id| spec.params[id.0].name.as_str()).collect();
     assert_eq!(adapted, ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight"]);
+    // A name given whole is adapted outside layers_to_transform too (peft's reading); a layer
+    // inside a module saved whole is not adapted; a rank pattern's first match wins.
+    let mut spec = tiny_llama_spec();
+    let config = json!({"target_modules": ["q_proj", "v_proj", "model.layers.0.self_attn.o_proj", "up_proj"],
+                        "layers_to_transform": 1, "modules_to_save": ["layers.1.mlp"],
+                        "rank_pattern": {"q_proj": 3, "layers.1.self_attn.q_proj": 5, "o_": 7, ".*o_proj": 2}});
+    lora_of(config).apply(&mut spec).unwrap();
+    let adapted: Vec<(&str, i64)> =
+        spec.adapters.iter().map(|(id, a)| (spec.params[id.0].name.as_str(), spec.params[a.a.0].shape[0])).collect();
+    assert_eq!(
+        adapted,
+        [
+            ("model.layers.0.self_attn.o_proj.weight", 2),
+            ("model.layers.1.self_attn.q_proj.weight", 3),
+            ("model.layers.1.self_attn.v_proj.weight", 8)
+        ]
+    );
+    let trained: Vec<&str> =
+        spec.params.iter().filter(|p| p.requires_grad && !p.name.contains("lora_")).map(|p| p.name.as_str()).collect();
+    assert_eq!(trained.len(), 3, "layer 1's three feed-forward weights train whole: {trained:?}");
+    assert!(trained.iter().all(|n| n.starts_with("model.layers.1.mlp.")), "{trained:?}");
 }
 
 /// One rank of fsdp over two ranks with bf16 parameters and fp32 masters, training LoRA
