@@ -237,6 +237,24 @@ def decoder_families():
             shared_expert_intermediate_size=20, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
             mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False, router_aux_loss_coef=0.02,
             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+        # Qwen3.5: Qwen3-Next's layers with the linear attention's projections apart (two key
+        # heads serving four value heads), a dense feed-forward, a tied head.
+        "qwen3.5": lambda: (tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig(
+            **common, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+        # Its mixture of experts: every layer sparse beside a gated shared expert, the routing
+        # weights always renormalised, no intermediate_size; written as Qwen3.5's releases
+        # are, an image model beside the language model (which AutoModelForCausalLM reads).
+        "qwen3.5-moe": lambda: (tf.Qwen3_5MoeForConditionalGeneration, tf.Qwen3_5MoeConfig(
+            text_config=dict(
+                **{k: v for k, v in common.items() if k != "intermediate_size"}, num_hidden_layers=3, head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=4, num_experts_per_tok=2,
+                tie_word_embeddings=False, router_aux_loss_coef=0.02,
+                layer_types=["linear_attention", "full_attention", "linear_attention"]),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                               patch_size=4, temporal_patch_size=2, spatial_merge_size=2))),
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
@@ -320,6 +338,13 @@ def build(family, seed):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
+            # Linear attention decays by exp(-A·softplus(a + dt_bias)) per position: with A drawn
+            # up to 16 (transformers' initialisation) a head forgets at once and its decay
+            # takes a vanishing gradient, which AdamW normalises into a full step decided by
+            # rounding. Decays of every head kept alive here.
+            for name, p in model.named_parameters():
+                if name.endswith("linear_attn.A_log"):
+                    p.copy_(torch.empty_like(p).uniform_(0.5, 2.0).log())
             # The choice bias is a buffer: draw it so that it changes which experts are chosen.
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):

@@ -2,7 +2,8 @@
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
 //! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`, and with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
-//! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention), and with latent
+//! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
+//! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
 //! attention ([`super::latent`]) too for `deepseek_v3`; [`super::bert`] for `bert`, as a
 //! sequence classifier or a masked language model by its architecture; [`super::t5`] for
 //! `t5`) and written back from one, and each family's parameter names and layouts.
@@ -73,6 +74,12 @@ pub enum Family {
     /// Qwen3-Next (`qwen3_next`): Gated DeltaNet linear attention on most layers, gated
     /// full attention on the others, zero-centred norms, Qwen2-MoE's experts.
     Qwen3Next,
+    /// Qwen3.5's text model (`qwen3_5_text`): Qwen3-Next's layers with the linear
+    /// attention's projections apart, and a dense feed-forward.
+    Qwen3_5,
+    /// Qwen3.5's text model with experts (`qwen3_5_moe_text`): Qwen3.5's layers with
+    /// Qwen3-Next's experts on every layer, their routing weights renormalised.
+    Qwen3_5Moe,
     /// BERT (`bert`), as a sequence classifier or a masked language model.
     Bert,
     /// T5 (`t5`): the encoder–decoder of [`super::t5`].
@@ -82,7 +89,7 @@ pub enum Family {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 18] = [
+const FAMILIES: [Family; 20] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -99,6 +106,8 @@ const FAMILIES: [Family; 18] = [
     Family::Glm4Moe,
     Family::GptOss,
     Family::Qwen3Next,
+    Family::Qwen3_5,
+    Family::Qwen3_5Moe,
     Family::Bert,
     Family::T5,
 ];
@@ -123,6 +132,8 @@ impl Family {
             Family::Glm4Moe => "glm4_moe",
             Family::GptOss => "gpt_oss",
             Family::Qwen3Next => "qwen3_next",
+            Family::Qwen3_5 => "qwen3_5_text",
+            Family::Qwen3_5Moe => "qwen3_5_moe_text",
             Family::Bert => "bert",
             Family::T5 => "t5",
         }
@@ -158,11 +169,13 @@ impl Family {
             Family::Glm4Moe => "Glm4Moe",
             Family::GptOss => "GptOss",
             Family::Qwen3Next => "Qwen3Next",
+            Family::Qwen3_5 => "Qwen3_5",
+            Family::Qwen3_5Moe => "Qwen3_5Moe",
         };
         match config {
             ModelConfig::Llama(LlamaConfig { head: DecoderHead::Reward, .. }) => {
-                // Gemma 3's text-only classifier is its own class.
-                let text = if self == Family::Gemma3 { "Text" } else { "" };
+                // Gemma 3's and Qwen3.5's text-only classifiers are classes of their own.
+                let text = if matches!(self, Family::Gemma3 | Family::Qwen3_5) { "Text" } else { "" };
                 format!("{causal}{text}ForSequenceClassification")
             }
             _ => format!("{causal}ForCausalLM"),
@@ -171,7 +184,7 @@ impl Family {
 
     /// Whether `transformers` has a sequence classifier (a reward model's class) of the family.
     fn classifies_sequences(self) -> bool {
-        !matches!(self, Family::Gpt2 | Family::T5 | Family::Olmoe | Family::Glm4Moe)
+        !matches!(self, Family::Gpt2 | Family::T5 | Family::Olmoe | Family::Glm4Moe | Family::Qwen3_5Moe)
     }
 
     fn from_model_type(name: &str) -> Option<Family> {
@@ -190,6 +203,7 @@ impl Family {
             Family::Mixtral => Family::Mistral,
             Family::Qwen2Moe => Family::Qwen2,
             Family::Qwen3Moe => Family::Qwen3,
+            Family::Qwen3_5Moe => Family::Qwen3_5,
             Family::Olmoe | Family::DeepseekV3 | Family::Glm4Moe | Family::GptOss | Family::Qwen3Next => Family::Llama,
             dense => dense,
         }
@@ -209,6 +223,17 @@ impl Family {
 
     fn has_experts(self) -> bool {
         self.dense() != self
+    }
+
+    /// Whether the family's layers are Qwen3-Next's: Gated DeltaNet linear attention beside
+    /// gated full attention with query/key norms and a partial rotation, zero-centred norms.
+    fn linear_attention_family(self) -> bool {
+        matches!(self, Family::Qwen3Next | Family::Qwen3_5 | Family::Qwen3_5Moe)
+    }
+
+    /// Whether the family is Qwen3.5's (the linear attention's projections apart).
+    fn is_qwen3_5(self) -> bool {
+        matches!(self, Family::Qwen3_5 | Family::Qwen3_5Moe)
     }
 
     /// The family a built-in model is written as: GPT as GPT-2; the decoder by the options
@@ -232,6 +257,7 @@ impl Family {
         if let Some(moe) = &c.moe {
             return Ok(match c {
                 c if c.latent.is_some() => Family::DeepseekV3,
+                c if c.linear_attention.as_ref().is_some_and(|l| l.split_projections) => Family::Qwen3_5Moe,
                 c if c.linear_attention.is_some() => Family::Qwen3Next,
                 _ if moe.names == ExpertNames::Stacked => Family::GptOss,
                 _ if deepseek_routing(moe) => Family::Glm4Moe,
@@ -242,6 +268,7 @@ impl Family {
             });
         }
         Ok(match c {
+            c if c.linear_attention.is_some() => Family::Qwen3_5,
             c if c.fused_projections => Family::Phi3,
             c if c.norm == NormKind::PlusOne && c.qk_norm => Family::Gemma3,
             c if c.norm == NormKind::PlusOne => Family::Gemma2,
@@ -266,17 +293,21 @@ impl Family {
             (moe.is_some() != self.has_experts(), "experts"),
             (
                 moe.is_some_and(|m| m.shared_expert_dim.is_some())
-                    && !(matches!(self, Family::Qwen2Moe | Family::Qwen3Next) || self.routes_like_deepseek()),
+                    && !(matches!(self, Family::Qwen2Moe | Family::Qwen3Next | Family::Qwen3_5Moe)
+                        || self.routes_like_deepseek()),
                 "a shared expert",
             ),
             (
                 moe.is_some_and(|m| (m.names == ExpertNames::BlockSparse) != (self == Family::Mixtral)),
                 "Mixtral's names",
             ),
-            (moe.is_some_and(|m| !m.norm_topk) && self == Family::Mixtral, "routing weights that are not renormalised"),
+            (
+                moe.is_some_and(|m| !m.norm_topk) && matches!(self, Family::Mixtral | Family::Qwen3_5Moe),
+                "routing weights that are not renormalised",
+            ),
             (
                 moe.is_some_and(|m| m.sparse_step != 1 || !m.dense_layers.is_empty())
-                    && matches!(self, Family::Mixtral | Family::Olmoe),
+                    && matches!(self, Family::Mixtral | Family::Olmoe | Family::Qwen3_5Moe),
                 "dense layers among sparse ones",
             ),
             (c.qk_norm_whole != olmoe || c.clip_qkv.is_some() && !olmoe, "OLMoE's norms and clipping"),
@@ -308,13 +339,17 @@ impl Family {
                 "gpt-oss's experts",
             ),
             (
-                (c.linear_attention.is_some() || c.attention_output_gate) != (self == Family::Qwen3Next),
+                (c.linear_attention.is_some() || c.attention_output_gate) != self.linear_attention_family(),
                 "linear attention and gated attention outputs",
+            ),
+            (
+                c.linear_attention.as_ref().is_some_and(|l| l.split_projections != self.is_qwen3_5()),
+                "this layout of the linear attention's projections",
             ),
         ];
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
-        let next = self == Family::Qwen3Next;
+        let next = self.linear_attention_family();
         let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3) || olmoe || next;
         let glm = self == Family::Glm4Moe;
         let needs = [
@@ -332,12 +367,22 @@ impl Family {
                 c.qkv_bias
                     && !matches!(
                         dense,
-                        Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Gemma2 | Family::Gemma3
+                        Family::Llama
+                            | Family::Qwen2
+                            | Family::Qwen3
+                            | Family::Gemma2
+                            | Family::Gemma3
+                            | Family::Qwen3_5
                     ),
                 "attention biases",
             ),
             (c.partial_rotary != 1.0 && dense != Family::Phi3 && !glm && !next, "a partial rotation"),
-            (c.sliding_window.is_some() && dense == Family::Llama && self != Family::GptOss, "a sliding window"),
+            (
+                c.sliding_window.is_some()
+                    && matches!(dense, Family::Llama | Family::Qwen3_5)
+                    && self != Family::GptOss,
+                "a sliding window",
+            ),
             (
                 c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
                     && matches!(dense, Family::Mistral | Family::Phi3),
@@ -380,6 +425,13 @@ impl Family {
                 None
             }
             _ if name.ends_with("rotary_emb.inv_freq") => None,
+            // Qwen3.5's text model reads the language model of a folder with an image model
+            // and multi-token prediction beside it, as `transformers` does.
+            Family::Qwen3_5 | Family::Qwen3_5Moe => match name.strip_prefix("model.language_model.") {
+                _ if name.starts_with("mtp.") || name.starts_with("model.visual.") => None,
+                Some(inner) => Some((format!("model.{inner}"), false)),
+                None => Some((name.to_string(), false)),
+            },
             _ => Some((name.to_string(), false)),
         }
     }
@@ -553,7 +605,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             p[key] = value.clone();
         }
         // GLM-4.5 turns half of each head where its keys say nothing.
-        if r.partial != 1.0 || matches!(family, Family::Glm4Moe | Family::Qwen3Next) {
+        if r.partial != 1.0 || family == Family::Glm4Moe || family.linear_attention_family() {
             p["partial_rotary_factor"] = json!(r.partial);
         }
         if let Some(latent) = c.latent.as_ref().filter(|l| l.mscale_all_dim > 0.0) {
@@ -664,6 +716,12 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
             v["topk_group"] = json!(moe.top_groups);
             v["norm_topk_prob"] = json!(moe.norm_topk);
             v["first_k_dense_replace"] = json!(moe.dense_layers.len());
+        }
+        // Qwen3.5's experts route every layer, their weights renormalised.
+        Family::Qwen3_5Moe => {
+            v["num_experts"] = json!(moe.experts);
+            v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
+            v["shared_expert_intermediate_size"] = json!(moe.shared_expert_dim.unwrap_or(0));
         }
         // Mixtral's and OLMoE's experts are intermediate_size wide, and every layer is sparse.
         Family::Mixtral => {
@@ -815,8 +873,24 @@ fn read_config(config_path: &Path) -> Result<(Family, ModelConfig, Map<String, V
     let text = std::fs::read_to_string(config_path).map_err(|e| Error::io(config_path, e))?;
     let raw: Value = serde_json::from_str(&text).map_err(|e| fail(format!("config.json is not valid JSON ({e})")))?;
     let cfg = raw.as_object().ok_or_else(|| fail("config.json is not a JSON object".into()))?;
-    let (family, config) = config_from_keys(cfg).map_err(fail)?;
-    Ok((family, config, cfg.clone()))
+    let cfg = language_model_keys(cfg).map_err(fail)?;
+    let (family, config) = config_from_keys(&cfg).map_err(fail)?;
+    Ok((family, config, cfg))
+}
+
+/// The keys of the model `AutoModelForCausalLM` reads from a folder: a Qwen3.5 release
+/// (`qwen3_5`, `qwen3_5_moe`) holds an image model beside its language model, which is read
+/// as its `text_config` alone (its weights under `model.language_model.`, the image model's
+/// and the multi-token prediction's left out: [`Family::strata_name`]).
+fn language_model_keys(cfg: &Map<String, Value>) -> KeyResult<Map<String, Value>> {
+    let outer = cfg.get("model_type").and_then(Value::as_str);
+    let Some(outer @ ("qwen3_5" | "qwen3_5_moe")) = outer else { return Ok(cfg.clone()) };
+    let Some(Value::Object(text)) = cfg.get("text_config") else {
+        return Err(format!("config.json: a {outer} folder without a text_config object"));
+    };
+    let mut text = text.clone();
+    text.entry("model_type").or_insert_with(|| json!(format!("{outer}_text")));
+    Ok(text)
 }
 
 /// The family and model a `config.json`'s keys describe, checked; the error is the line to
@@ -1137,7 +1211,9 @@ impl Keys<'_> {
         let olmoe = family == Family::Olmoe;
         let glm = family == Family::Glm4Moe;
         let gpt_oss = family == Family::GptOss;
-        let next = family == Family::Qwen3Next;
+        let next = family.linear_attention_family();
+        let split_projections = family.is_qwen3_5();
+        let qwen3_5_moe = family == Family::Qwen3_5Moe;
         let latent = if family == Family::DeepseekV3 { Some(self.latent()?) } else { None };
         // A mixture of experts' attention and windows are those of the family it grew from.
         let family = family.dense();
@@ -1217,7 +1293,12 @@ impl Keys<'_> {
         };
         let gemma2 = family == Family::Gemma2;
         Ok(LlamaConfig {
-            ffn_dim: Some(self.required("intermediate_size")?),
+            ffn_dim: Some(match (self.int("intermediate_size")?, &moe) {
+                (Some(d), _) => d,
+                // Qwen3.5's experts route every layer, so no dense feed-forward has a width.
+                (None, Some(m)) if qwen3_5_moe => m.expert_ffn_dim,
+                (None, _) => self.required("intermediate_size")?,
+            }),
             rope_theta: rope.theta,
             rope_scaling: rope.scaling,
             partial_rotary: rope.partial,
@@ -1252,7 +1333,7 @@ impl Keys<'_> {
             moe,
             attention_sinks: gpt_oss,
             attention_output_gate: next,
-            linear_attention: if next { Some(self.linear_attention()?) } else { None },
+            linear_attention: if next { Some(self.linear_attention(split_projections)?) } else { None },
             latent,
             // The decoder families' own default is no dropout.
             dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, residual, ..DropoutRates::NONE },
@@ -1289,9 +1370,11 @@ impl Keys<'_> {
         Ok(DecoderHead::Reward)
     }
 
-    /// Qwen3-Next's Gated DeltaNet sizes (with `transformers`' defaults).
-    fn linear_attention(&self) -> KeyResult<LinearAttentionConfig> {
+    /// Qwen3-Next's or (`split_projections`) Qwen3.5's Gated DeltaNet sizes (with
+    /// `transformers`' defaults).
+    fn linear_attention(&self, split_projections: bool) -> KeyResult<LinearAttentionConfig> {
         Ok(LinearAttentionConfig {
+            split_projections,
             key_heads: self.int("linear_num_key_heads")?.unwrap_or(16),
             value_heads: self.int("linear_num_value_heads")?.unwrap_or(32),
             key_dim: self.int("linear_key_head_dim")?.unwrap_or(128),
@@ -1369,6 +1452,8 @@ impl Keys<'_> {
             // gpt-oss's softmax over the top-k logits is the renormalised top-k softmax.
             Family::Mixtral | Family::GptOss => (self.required("intermediate_size")?, true),
             Family::Olmoe => (self.required("intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
+            // Qwen3.5's router always renormalises (its configuration has no such key).
+            Family::Qwen3_5Moe => (self.required("moe_intermediate_size")?, true),
             _ => (self.required("moe_intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
         };
         let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe | Family::Qwen3Next);
@@ -1383,7 +1468,9 @@ impl Keys<'_> {
             None => vec![],
         };
         let shared_expert_dim = match family {
-            Family::Qwen2Moe | Family::Qwen3Next => self.int("shared_expert_intermediate_size")?.filter(|&d| d > 0),
+            Family::Qwen2Moe | Family::Qwen3Next | Family::Qwen3_5Moe => {
+                self.int("shared_expert_intermediate_size")?.filter(|&d| d > 0)
+            }
             _ => None,
         };
         Ok(Some(MoeConfig {

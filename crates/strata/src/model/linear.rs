@@ -1,4 +1,4 @@
-//! Gated DeltaNet linear attention (Qwen3-Next's `linear_attn`): a recurrent state per
+//! Gated DeltaNet linear attention (Qwen3-Next's and Qwen3.5's `linear_attn`): a recurrent state per
 //! value head, `[key_dim, value_dim]`, that each position decays by its gate, corrects by
 //! the delta rule (the state's prediction for the position's key moved towards its value by
 //! `beta`) and reads with its query. Training computes it in chunks of 64 positions, as
@@ -32,6 +32,13 @@ pub struct LinearAttentionConfig {
     pub value_dim: i64,
     /// Width of the causal convolution (`linear_conv_kernel_dim`).
     pub conv_kernel: i64,
+    /// Qwen3.5's projections: the queries, keys and values in one (`in_proj_qkv`, every
+    /// query head, then every key head, then every value head), the output gates `z`, the
+    /// betas and the decays each in their own (`in_proj_z`, `in_proj_b`, `in_proj_a`). Else
+    /// Qwen3-Next's two, which hold each key head's part together: its query, key, values
+    /// and gates (`in_proj_qkvz`), then its betas and decays (`in_proj_ba`).
+    #[serde(default)]
+    pub split_projections: bool,
 }
 
 impl LinearAttentionConfig {
@@ -69,10 +76,17 @@ pub struct RecurrentState {
     pub state: Tensor,
 }
 
+/// A Gated DeltaNet's input projections, in one of [`LinearAttentionConfig`]'s layouts.
+enum Projections {
+    /// Qwen3-Next's: each key head's query, key, values and gates; its betas and decays.
+    ByKeyHead { qkvz: ParamId, ba: ParamId },
+    /// Qwen3.5's: queries, keys and values; gates; betas; decays.
+    Split { qkv: ParamId, z: ParamId, b: ParamId, a: ParamId },
+}
+
 /// A block's Gated DeltaNet: its parameters and sizes.
 pub(crate) struct GatedDeltaNet {
-    in_qkvz: ParamId,
-    in_ba: ParamId,
+    projections: Projections,
     conv: ParamId,
     dt_bias: ParamId,
     a_log: ParamId,
@@ -84,7 +98,7 @@ pub(crate) struct GatedDeltaNet {
 
 impl GatedDeltaNet {
     /// Declares layer `name`'s linear attention over hidden states `dim` wide, named as
-    /// Qwen3-Next's folders name it.
+    /// Qwen3-Next's or Qwen3.5's folders name it.
     pub(crate) fn declare(
         u: &mut UnitBuilder<'_>,
         name: &str,
@@ -99,10 +113,21 @@ impl GatedDeltaNet {
         // Tensor parallelism is refused for this layer (`check_tensor_parallel`): its
         // parameters are whole on every rank.
         let whole = TpRole::SequenceReplicated;
-        let qkvz = c.key_heads * (2 * c.key_dim + 2 * ratio * c.value_dim);
+        let mut linear = |what: &str, rows: i64| u.linear(at(&format!("{what}.weight")), &[rows, dim], normal, whole);
+        let projections = match c.split_projections {
+            true => Projections::Split {
+                qkv: linear("in_proj_qkv", c.conv_channels()),
+                z: linear("in_proj_z", c.value_heads * c.value_dim),
+                b: linear("in_proj_b", c.value_heads),
+                a: linear("in_proj_a", c.value_heads),
+            },
+            false => Projections::ByKeyHead {
+                qkvz: linear("in_proj_qkvz", c.key_heads * (2 * c.key_dim + 2 * ratio * c.value_dim)),
+                ba: linear("in_proj_ba", 2 * c.value_heads),
+            },
+        };
         GatedDeltaNet {
-            in_qkvz: u.linear(at("in_proj_qkvz.weight"), &[qkvz, dim], normal, whole),
-            in_ba: u.linear(at("in_proj_ba.weight"), &[2 * c.value_heads, dim], normal, whole),
+            projections,
             conv: u.param(at("conv1d.weight"), &[c.conv_channels(), 1, c.conv_kernel], normal, whole),
             dt_bias: u.param(at("dt_bias"), &[c.value_heads], Init::Ones, whole),
             a_log: u.param(at("A_log"), &[c.value_heads], Init::Zeros, whole),
@@ -119,14 +144,26 @@ impl GatedDeltaNet {
         let c = &self.config;
         let (b, t) = (h.size()[0], h.size()[1]);
         let ratio = c.value_heads / c.key_heads;
-        // Per key head: its query, key, then its value heads' values and gates (z).
-        let qkvz = p.linear(h, self.in_qkvz, None)?.f_view([b, t, c.key_heads, -1])?;
-        let parts = qkvz.f_split_with_sizes([c.key_dim, c.key_dim, ratio * c.value_dim, ratio * c.value_dim], 3)?;
-        let [q, k, v, z] = <[Tensor; 4]>::try_from(parts).map_err(|_| Error::Model("in_proj_qkvz split".into()))?;
-        let ba = p.linear(h, self.in_ba, None)?.f_view([b, t, c.key_heads, 2 * ratio])?;
-        let (beta_logit, a) = (ba.f_narrow(3, 0, ratio)?, ba.f_narrow(3, ratio, ratio)?);
-        let flat = |x: &Tensor| x.f_reshape([b, t, -1]);
-        let mixed = Tensor::f_cat(&[flat(&q)?, flat(&k)?, flat(&v)?], -1)?.f_transpose(1, 2)?;
+        // The convolution's input `[B, T, C]` (every query, key, then value head; a key
+        // head's values are its `ratio` value heads in order), the gates `z` and the betas'
+        // and decays' logits, each with its value heads in order.
+        let (mixed, z, beta_logit, a) = match self.projections {
+            Projections::ByKeyHead { qkvz, ba } => {
+                let qkvz = p.linear(h, qkvz, None)?.f_view([b, t, c.key_heads, -1])?;
+                let widths = [c.key_dim, c.key_dim, ratio * c.value_dim, ratio * c.value_dim];
+                let parts = qkvz.f_split_with_sizes(widths, 3)?;
+                let [q, k, v, z] =
+                    <[Tensor; 4]>::try_from(parts).map_err(|_| Error::Model("in_proj_qkvz split".into()))?;
+                let ba = p.linear(h, ba, None)?.f_view([b, t, c.key_heads, 2 * ratio])?;
+                let flat = |x: &Tensor| x.f_reshape([b, t, -1]);
+                let mixed = Tensor::f_cat(&[flat(&q)?, flat(&k)?, flat(&v)?], -1)?;
+                (mixed, z, ba.f_narrow(3, 0, ratio)?, ba.f_narrow(3, ratio, ratio)?)
+            }
+            Projections::Split { qkv, z, b: beta, a } => {
+                (p.linear(h, qkv, None)?, p.linear(h, z, None)?, p.linear(h, beta, None)?, p.linear(h, a, None)?)
+            }
+        };
+        let mixed = mixed.f_transpose(1, 2)?;
         let (previous, state) = match cache.as_ref().and_then(|c| c.recurrent()) {
             Some(r) => (r.conv.shallow_clone(), Some(r.state.shallow_clone())),
             None => (Tensor::f_zeros([b, c.conv_channels(), c.conv_kernel - 1], (mixed.kind(), mixed.device()))?, None),

@@ -717,6 +717,20 @@ fn qwen3_next_matches_transformers() {
     experts_match_transformers("qwen3-next", 4, 32);
 }
 
+/// Qwen3.5: Qwen3-Next's layers with the linear attention's queries, keys and values, gates,
+/// betas and decays each projected apart, a dense feed-forward and a tied head.
+#[test]
+fn qwen3_5_matches_transformers() {
+    family_matches_transformers("qwen3.5", 32);
+}
+
+/// Qwen3.5's mixture of experts: every layer sparse beside a gated shared expert, the
+/// routing weights renormalised though its configuration names no `norm_topk_prob`.
+#[test]
+fn qwen3_5_moe_matches_transformers() {
+    experts_match_transformers("qwen3.5-moe", 4, 32);
+}
+
 /// gpt-oss's released MXFP4 experts: a folder whose expert stacks are MXFP4 blocks and
 /// scales loads as the folder holding `transformers`' own dequantization of them, and its
 /// logits are `transformers`' on that folder; quantizing moved them off the original
