@@ -1245,10 +1245,15 @@ impl Keys<'_> {
             // DeepSeek's head_dim names its rotated width alone.
             _ if latent.is_some() => None,
             Some(h) => Some(h),
-            None if gemma => Some(256),
+            None if gemma || next => Some(256),
             None => None,
         };
-        let max_positions = self.int("max_position_embeddings")?.unwrap_or(if gemma { 8192 } else { 2048 });
+        let default_positions = match () {
+            _ if gemma => 8192,
+            _ if next => 32768,
+            _ => 2048,
+        };
+        let max_positions = self.int("max_position_embeddings")?.unwrap_or(default_positions);
         let (rope, local_rope) = match (family, self.get("rope_parameters")) {
             (Family::Gemma3, params) => {
                 let nested = |layer: &str| params.and_then(|p| p.get(layer)).filter(|v| !v.is_null());
@@ -1707,6 +1712,30 @@ mod tests {
         )
         .unwrap();
         assert_eq!(dynamic.ctx, 32, "dynamic scaling stretches the context by its factor");
+    }
+
+    /// Keys a Qwen3-Next or Qwen3.5 folder leaves out take `transformers`' defaults for
+    /// those classes (head_dim 256, a context of 32,768, the linear attention's sizes, a
+    /// quarter of each head turned), not the plain decoder's.
+    #[test]
+    fn linear_attention_families_default_as_transformers_does() {
+        for family in [Family::Qwen3Next, Family::Qwen3_5, Family::Qwen3_5Moe] {
+            let experts = json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8});
+            let c = read(family, if family.has_experts() { experts } else { json!({}) }).unwrap();
+            assert_eq!((c.head_width(), c.ctx, c.partial_rotary), (256, 32768, 0.25), "{family:?}");
+            let l = c.linear_attention.unwrap();
+            assert_eq!((l.key_heads, l.value_heads, l.key_dim, l.value_dim, l.conv_kernel), (16, 32, 128, 128, 4));
+            assert_eq!(l.split_projections, family != Family::Qwen3Next, "{family:?}");
+        }
+        let moe = read(
+            Family::Qwen3_5Moe,
+            json!({"num_experts": 4, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 8, "norm_topk_prob": false}),
+        )
+        .unwrap()
+        .moe
+        .unwrap();
+        assert!(moe.norm_topk, "Qwen3.5's router renormalises whatever the key says");
     }
 
     #[test]
