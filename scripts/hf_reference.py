@@ -237,6 +237,18 @@ def decoder_families():
             shared_expert_intermediate_size=20, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
             mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False, router_aux_loss_coef=0.02,
             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+        # OLMo 2: norms after attention and the feed-forward alone, query/key norms over
+        # whole projections.
+        "olmo2": lambda: (tf.Olmo2ForCausalLM, tf.Olmo2Config(
+            **common, num_hidden_layers=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # OLMo 3: OLMo 2's layers, three sliding of every four, YaRN on the full layer and a
+        # plain rotation of another base on the sliding ones.
+        "olmo3": lambda: (tf.Olmo3ForCausalLM, tf.Olmo3Config(
+            **common, num_hidden_layers=4, sliding_window=4, tie_word_embeddings=True,
+            rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                "original_max_position_embeddings": 16, "rope_theta": 500.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
         # Qwen3.5: Qwen3-Next's layers with the linear attention's projections apart (two key
         # heads serving four value heads), a dense feed-forward, a tied head.
         "qwen3.5": lambda: (tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig(

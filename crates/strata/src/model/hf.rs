@@ -1,6 +1,6 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text` and `phi3`, and with experts
+//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `phi3`, `olmo2` and `olmo3`, and with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
@@ -61,6 +61,12 @@ pub enum Family {
     Qwen3Moe,
     /// OLMoE (`olmoe`): LLaMA's decoder with experts and norms over whole projections.
     Olmoe,
+    /// OLMo 2 (`olmo2`): LLaMA's decoder with norms after attention and the feed-forward
+    /// alone, and query/key norms over whole projections.
+    Olmo2,
+    /// OLMo 3 (`olmo3`): OLMo 2's decoder with sliding-window layers (every fourth full by
+    /// default), each kind of layer with its own rotation.
+    Olmo3,
     /// DeepSeek-V3 (`deepseek_v3`): latent attention, sigmoid routing with a choice bias
     /// among groups of experts, shared experts, the first layers dense.
     DeepseekV3,
@@ -89,7 +95,7 @@ pub enum Family {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 20] = [
+const FAMILIES: [Family; 22] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -102,6 +108,8 @@ const FAMILIES: [Family; 20] = [
     Family::Qwen2Moe,
     Family::Qwen3Moe,
     Family::Olmoe,
+    Family::Olmo2,
+    Family::Olmo3,
     Family::DeepseekV3,
     Family::Glm4Moe,
     Family::GptOss,
@@ -128,6 +136,8 @@ impl Family {
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Olmoe => "olmoe",
+            Family::Olmo2 => "olmo2",
+            Family::Olmo3 => "olmo3",
             Family::DeepseekV3 => "deepseek_v3",
             Family::Glm4Moe => "glm4_moe",
             Family::GptOss => "gpt_oss",
@@ -165,6 +175,8 @@ impl Family {
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
             Family::Olmoe => "Olmoe",
+            Family::Olmo2 => "Olmo2",
+            Family::Olmo3 => "Olmo3",
             Family::DeepseekV3 => "DeepseekV3",
             Family::Glm4Moe => "Glm4Moe",
             Family::GptOss => "GptOss",
@@ -193,6 +205,11 @@ impl Family {
 
     fn is_gemma(self) -> bool {
         matches!(self, Family::Gemma2 | Family::Gemma3)
+    }
+
+    /// Whether the family is OLMo 2's (norms after attention and the feed-forward alone).
+    fn is_olmo(self) -> bool {
+        matches!(self, Family::Olmo2 | Family::Olmo3)
     }
 
     /// The dense family whose attention, windows and keys a mixture of experts shares
@@ -269,6 +286,8 @@ impl Family {
         }
         Ok(match c {
             c if c.linear_attention.is_some() => Family::Qwen3_5,
+            c if c.post_norms && (c.sliding_window.is_some() || c.local_rope.is_some()) => Family::Olmo3,
+            c if c.post_norms => Family::Olmo2,
             c if c.fused_projections => Family::Phi3,
             c if c.norm == NormKind::PlusOne && c.qk_norm => Family::Gemma3,
             c if c.norm == NormKind::PlusOne => Family::Gemma2,
@@ -310,7 +329,11 @@ impl Family {
                     && matches!(self, Family::Mixtral | Family::Olmoe | Family::Qwen3_5Moe),
                 "dense layers among sparse ones",
             ),
-            (c.qk_norm_whole != olmoe || c.clip_qkv.is_some() && !olmoe, "OLMoE's norms and clipping"),
+            (
+                c.qk_norm_whole != (olmoe || self.is_olmo()) || c.clip_qkv.is_some() && !olmoe,
+                "query/key norms over whole projections, or clipping",
+            ),
+            (c.post_norms != self.is_olmo(), "norms after attention and the feed-forward alone"),
             (c.latent.is_some() != (self == Family::DeepseekV3), "latent attention"),
             (moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek()), "DeepSeek's routing"),
             (
@@ -350,7 +373,7 @@ impl Family {
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
         let next = self.linear_attention_family();
-        let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3) || olmoe || next;
+        let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3) || olmoe || next || self.is_olmo();
         let glm = self == Family::Glm4Moe;
         let needs = [
             (c.fused_projections != (dense == Family::Phi3), "fused projections"),
@@ -358,7 +381,7 @@ impl Family {
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
             (c.sandwich_norms != gemma || c.scale_embeddings != gemma, "sandwich norms and scaled embeddings"),
             (c.qk_norm != qk_norm_family && !glm, "query/key norms"),
-            (c.local_rope.is_some() && dense != Family::Gemma3, "a local rotation"),
+            (c.local_rope.is_some() && !matches!(dense, Family::Gemma3 | Family::Olmo3), "a local rotation"),
             (
                 (c.attn_softcap.is_some() || c.logit_softcap.is_some() || c.query_pre_attn_scalar.is_some()) && !gemma,
                 "soft-capping or query_pre_attn_scalar",
@@ -373,13 +396,15 @@ impl Family {
                             | Family::Gemma2
                             | Family::Gemma3
                             | Family::Qwen3_5
+                            | Family::Olmo2
+                            | Family::Olmo3
                     ),
                 "attention biases",
             ),
             (c.partial_rotary != 1.0 && dense != Family::Phi3 && !glm && !next, "a partial rotation"),
             (
                 c.sliding_window.is_some()
-                    && matches!(dense, Family::Llama | Family::Qwen3_5)
+                    && matches!(dense, Family::Llama | Family::Qwen3_5 | Family::Olmo2)
                     && self != Family::GptOss,
                 "a sliding window",
             ),
@@ -615,6 +640,11 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     };
     v["rope_parameters"] = match (&c.local_rope, family) {
         (Some(local), Family::Gemma3) => json!({"full_attention": rope(&c.rope()), "sliding_attention": rope(local)}),
+        // OLMo 3 names a rotation for each kind of layer, the same one where it has one.
+        (local, Family::Olmo3) => json!({
+            "full_attention": rope(&c.rope()),
+            "sliding_attention": rope(local.as_ref().unwrap_or(&c.rope())),
+        }),
         _ => rope(&c.rope()),
     };
     let layer_types: Vec<&str> = (0..c.layers as usize)
@@ -646,6 +676,12 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["attention_bias"] = json!(c.qkv_bias);
         }
         Family::Mistral => v["sliding_window"] = window,
+        Family::Olmo3 => {
+            // An integer in transformers' config class, read by sliding layers alone.
+            v["sliding_window"] = json!(c.sliding_window.unwrap_or(4096));
+            v["layer_types"] = json!(layer_types);
+            v["attention_bias"] = json!(c.qkv_bias);
+        }
         Family::Phi3 => {
             v["sliding_window"] = window;
             v["resid_pdrop"] = json!(c.dropout.residual);
@@ -1209,6 +1245,7 @@ impl Keys<'_> {
         let head = self.decoder_head(family)?;
         let moe = self.experts(family)?;
         let olmoe = family == Family::Olmoe;
+        let olmo = family.is_olmo();
         let glm = family == Family::Glm4Moe;
         let gpt_oss = family == Family::GptOss;
         let next = family.linear_attention_family();
@@ -1261,6 +1298,12 @@ impl Keys<'_> {
                 let local = self.rope(nested("sliding_attention"), "rope_local_base_freq", 10_000.0, max_positions)?;
                 (global, Some(local))
             }
+            (Family::Olmo3, params) => {
+                let nested = |layer: &str| params.and_then(|p| p.get(layer)).filter(|v| !v.is_null());
+                let global = self.rope(nested("full_attention"), "rope_theta", 500_000.0, max_positions)?;
+                let local = self.rope(nested("sliding_attention"), "rope_theta", 500_000.0, max_positions)?;
+                (global, Some(local))
+            }
             (_, params) => (self.rope(params, "rope_theta", 10_000.0, max_positions)?, None),
         };
         // GLM-4.5 turns half of each head where its keys say nothing.
@@ -1309,7 +1352,7 @@ impl Keys<'_> {
             partial_rotary: rope.partial,
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
-            norm_eps: self.float("rms_norm_eps")?.unwrap_or(if gpt_oss { 1e-5 } else { 1e-6 }),
+            norm_eps: self.float("rms_norm_eps")?.unwrap_or(if gpt_oss || olmo { 1e-5 } else { 1e-6 }),
             tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: family != Family::Qwen2 && !glm && attention_bias,
@@ -1318,11 +1361,13 @@ impl Keys<'_> {
             activation,
             qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3)
                 || olmoe
+                || olmo
                 || next
                 || (glm && self.flag("use_qk_norm")?.unwrap_or(false)),
-            qk_norm_whole: olmoe,
+            qk_norm_whole: olmoe || olmo,
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
             sandwich_norms: gemma,
+            post_norms: olmo,
             scale_embeddings: gemma,
             query_pre_attn_scalar: if gemma {
                 Some(self.float("query_pre_attn_scalar")?.unwrap_or(256.0))
@@ -1547,9 +1592,9 @@ impl Keys<'_> {
     /// position whatever its config says, as `transformers`' LLaMA does.
     fn windows(&self, family: Family, layers: i64) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         let window = match family {
-            Family::Llama | Family::Gpt2 => return Ok((None, None)),
+            Family::Llama | Family::Gpt2 | Family::Olmo2 => return Ok((None, None)),
             Family::Qwen2 | Family::Qwen3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
-            Family::Gemma2 | Family::Gemma3 if !self.cfg.contains_key("sliding_window") => Some(4096),
+            Family::Gemma2 | Family::Gemma3 | Family::Olmo3 if !self.cfg.contains_key("sliding_window") => Some(4096),
             _ => self.int("sliding_window")?,
         };
         let given = self.layer_types(&["full_attention", "sliding_attention"])?;
@@ -1567,6 +1612,7 @@ impl Keys<'_> {
                 let pattern = self.int("sliding_window_pattern")?.unwrap_or(6).max(1);
                 Some(derived(&|i| (i + 1) % pattern != 0))
             }
+            (None, Family::Olmo3) => Some(derived(&|i| (i + 1) % 4 != 0)),
             (None, _) => None,
         };
         if window.is_none() && types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Sliding)) {
@@ -1829,6 +1875,11 @@ mod tests {
                 json!({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "decoder_sparse_step": 2}),
             ),
             (Family::Olmoe, json!({"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0})),
+            (Family::Olmo2, json!({})),
+            (Family::Olmo3, json!({})),
+            (Family::Qwen3Next, json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})),
+            (Family::Qwen3_5, json!({})),
+            (Family::Qwen3_5Moe, json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})),
         ];
         for (family, keys) in families {
             let c = read(family, keys).unwrap();
@@ -1844,6 +1895,16 @@ mod tests {
         assert!(Family::Qwen3.cannot_write(&gemma).is_some());
         let dense = read(Family::Qwen3, json!({})).unwrap();
         assert!(Family::Qwen3Moe.cannot_write(&dense).unwrap().contains("cannot hold experts"));
+        let post_norms = LlamaConfig { post_norms: true, ..read(Family::Llama, json!({})).unwrap() };
+        let why = Family::Llama.cannot_write(&post_norms).unwrap();
+        assert!(why.contains("norms after attention and the feed-forward alone"), "{why}");
+        let olmo3 = read(Family::Olmo3, json!({"sliding_window": 4})).unwrap();
+        assert_eq!((0..3).map(|i| olmo3.window(i)).collect::<Vec<_>>(), [Some(4), Some(4), Some(4)]);
+        let windows_alone = LlamaConfig { local_rope: None, ..olmo3.clone() };
+        assert!(Family::Olmo2.cannot_write(&windows_alone).unwrap().contains("a sliding window"));
+        assert!(Family::Olmo2.cannot_write(&olmo3).unwrap().contains("a local rotation"));
+        let qwen3_5 = read(Family::Qwen3_5, json!({})).unwrap();
+        assert!(Family::Qwen3Next.cannot_write(&qwen3_5).is_some());
     }
 
     #[test]

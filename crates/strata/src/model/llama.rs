@@ -137,6 +137,10 @@ pub struct LlamaConfig {
     /// Norms after attention and after the feed-forward too (before the residual add).
     #[serde(default)]
     pub sandwich_norms: bool,
+    /// Norms after attention and after the feed-forward (before the residual add) and none
+    /// before them (OLMo 2 and 3).
+    #[serde(default)]
+    pub post_norms: bool,
     /// Token embeddings multiplied by √dim.
     #[serde(default)]
     pub scale_embeddings: bool,
@@ -237,6 +241,7 @@ impl LlamaConfig {
             qk_norm_whole: false,
             clip_qkv: None,
             sandwich_norms: false,
+            post_norms: false,
             scale_embeddings: false,
             query_pre_attn_scalar: None,
             attn_softcap: None,
@@ -304,6 +309,9 @@ impl LlamaConfig {
             ("kv_heads", self.key_value_heads()),
         ])?;
         self.dropout.validate()?;
+        if self.sandwich_norms && self.post_norms {
+            return Err(Error::Config("sandwich_norms and post_norms are two placements of the same norms".into()));
+        }
         if self.heads % self.key_value_heads() != 0 {
             return Err(Error::Config(format!(
                 "kv_heads {} must divide the {} query heads (each key/value head serves a whole group)",
@@ -499,11 +507,13 @@ enum Mixer {
 }
 
 struct LlamaBlock {
-    input_norm: ParamId,
+    /// Norm of the attention's input (none with post norms alone).
+    input_norm: Option<ParamId>,
     mixer: Mixer,
-    /// Norm of the attention's output before the residual add (sandwich norms).
+    /// Norm of the attention's output before the residual add (sandwich or post norms).
     post_attention_norm: Option<ParamId>,
-    feed_forward_norm: ParamId,
+    /// Norm of the feed-forward's input (none with post norms alone).
+    feed_forward_norm: Option<ParamId>,
     feed_forward: FeedForward,
     post_feed_forward_norm: Option<ParamId>,
     heads: i64,
@@ -634,7 +644,10 @@ impl LlamaBlock {
         let tp = p.tp();
         let heads = self.heads / tp.size();
         let start = cache.as_ref().map_or(0, |c| c.position());
-        let h = tp.enter(&self.kinds.norm_into_product(x, &p[self.input_norm])?)?;
+        let h = match self.input_norm {
+            Some(w) => tp.enter(&self.kinds.norm_into_product(x, &p[w])?)?,
+            None => tp.enter(x)?,
+        };
         let attended = match (&self.mixer, cache) {
             (Mixer::Linear(linear), cache) => {
                 let h =
@@ -686,7 +699,13 @@ impl LlamaBlock {
         let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];
         let attended = self.post_norm(p, self.post_attention_norm, attended)?;
         let attended = p.dropout(&attended, self.residual_dropout, 1, &piece)?;
-        let (x, h) = self.kinds.add_norm(x, &attended, &p[self.feed_forward_norm])?;
+        let (x, h) = match self.feed_forward_norm {
+            Some(w) => self.kinds.add_norm(x, &attended, &p[w])?,
+            None => {
+                let x = x.f_add(&attended)?;
+                (x.shallow_clone(), x)
+            }
+        };
         let fed = match &self.feed_forward {
             FeedForward::Dense { gate_up, down } => {
                 let h = tp.enter(&h)?;
@@ -881,7 +900,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let sinks = (cfg.attention_sinks && o.is_some())
             .then(|| u.param(format!("{name}.self_attn.sinks"), &[heads], normal, TpRole::COLUMN));
         let mut norm = |suffix: &str, width: i64, tp| u.norm(format!("{name}.{suffix}"), &[width], norm_init, tp);
-        let input_norm = norm("input_layernorm.weight", d, TpRole::SequenceReplicated);
+        let input_norm = (!cfg.post_norms).then(|| norm("input_layernorm.weight", d, TpRole::SequenceReplicated));
         // Per head, or (OLMoE) over each projection whole.
         let (q_width, k_width) = if cfg.qk_norm_whole { (q_out, kv_out) } else { (hd, hd) };
         let qk_norms = (cfg.qk_norm && qkv.is_some()).then(|| {
@@ -891,17 +910,17 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             )
         });
         // With sandwich norms `post_attention_layernorm` norms the attention's output and
-        // `pre_feedforward_layernorm` the feed-forward's input; without, the former is the
-        // feed-forward's input norm.
+        // `pre_feedforward_layernorm` the feed-forward's input; with post norms alone there is
+        // no input norm; with neither, `post_attention_layernorm` is the feed-forward's input
+        // norm.
         let residual = TpRole::SequenceReplicated;
-        let (post_attention_norm, feed_forward_norm, post_feed_forward_norm) = if cfg.sandwich_norms {
-            (
+        let (post_attention_norm, feed_forward_norm, post_feed_forward_norm) = match () {
+            _ if cfg.sandwich_norms || cfg.post_norms => (
                 Some(norm("post_attention_layernorm.weight", d, residual)),
-                norm("pre_feedforward_layernorm.weight", d, residual),
+                (!cfg.post_norms).then(|| norm("pre_feedforward_layernorm.weight", d, residual)),
                 Some(norm("post_feedforward_layernorm.weight", d, residual)),
-            )
-        } else {
-            (None, norm("post_attention_layernorm.weight", d, residual), None)
+            ),
+            _ => (None, Some(norm("post_attention_layernorm.weight", d, residual)), None),
         };
         let window = cfg.window(layer);
         let rope = match (&cfg.local_rope, window) {

@@ -717,6 +717,20 @@ fn qwen3_next_matches_transformers() {
     experts_match_transformers("qwen3-next", 4, 32);
 }
 
+/// OLMo 2: no norm before attention or the feed-forward, one after each; query and key
+/// norms over each projection whole.
+#[test]
+fn olmo2_matches_transformers() {
+    family_matches_transformers("olmo2", 32);
+}
+
+/// OLMo 3: OLMo 2's layers, three of four sliding, YaRN on the full layer and another base
+/// on the sliding ones, a tied head.
+#[test]
+fn olmo3_matches_transformers() {
+    family_matches_transformers("olmo3", 32);
+}
+
 /// Qwen3.5: Qwen3-Next's layers with the linear attention's queries, keys and values, gates,
 /// betas and decays each projected apart, a dense feed-forward and a tied head.
 #[test]
