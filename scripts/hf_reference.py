@@ -249,6 +249,10 @@ def decoder_families():
             rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
                                                 "original_max_position_embeddings": 16, "rope_theta": 500.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+        # SmolLM3: the second and fourth layers turn no position (NoPE) and slide.
+        "smollm3": lambda: (tf.SmolLM3ForCausalLM, tf.SmolLM3Config(
+            **common, num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=4, pad_token_id=0,
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Qwen3.5: Qwen3-Next's layers with the linear attention's projections apart (two key
         # heads serving four value heads), a dense feed-forward, a tied head.
         "qwen3.5": lambda: (tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig(

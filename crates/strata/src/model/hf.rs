@@ -1,6 +1,6 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `phi3`, `olmo2` and `olmo3`, and with experts
+//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `phi3`, `olmo2`, `olmo3` and `smollm3`, and with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
@@ -53,6 +53,9 @@ pub enum Family {
     Gemma3,
     /// Phi-3 (`phi3`): the decoder with fused projections.
     Phi3,
+    /// SmolLM3 (`smollm3`): LLaMA's decoder with some layers turning no position (NoPE),
+    /// optionally sliding there.
+    SmolLm3,
     /// Mixtral (`mixtral`): Mistral's decoder with experts under their block-sparse names.
     Mixtral,
     /// Qwen2-MoE (`qwen2_moe`): Qwen2's decoder with experts and, optionally, a shared expert.
@@ -95,7 +98,7 @@ pub enum Family {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 22] = [
+const FAMILIES: [Family; 23] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -104,6 +107,7 @@ const FAMILIES: [Family; 22] = [
     Family::Gemma2,
     Family::Gemma3,
     Family::Phi3,
+    Family::SmolLm3,
     Family::Mixtral,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
@@ -132,6 +136,7 @@ impl Family {
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
             Family::Phi3 => "phi3",
+            Family::SmolLm3 => "smollm3",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
@@ -171,6 +176,7 @@ impl Family {
             Family::Gemma2 => "Gemma2",
             Family::Gemma3 => "Gemma3",
             Family::Phi3 => "Phi3",
+            Family::SmolLm3 => "SmolLM3",
             Family::Mixtral => "Mixtral",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
@@ -288,6 +294,7 @@ impl Family {
             c if c.linear_attention.is_some() => Family::Qwen3_5,
             c if c.post_norms && (c.sliding_window.is_some() || c.local_rope.is_some()) => Family::Olmo3,
             c if c.post_norms => Family::Olmo2,
+            c if !c.unrotated_layers.is_empty() => Family::SmolLm3,
             c if c.fused_projections => Family::Phi3,
             c if c.norm == NormKind::PlusOne && c.qk_norm => Family::Gemma3,
             c if c.norm == NormKind::PlusOne => Family::Gemma2,
@@ -334,6 +341,7 @@ impl Family {
                 "query/key norms over whole projections, or clipping",
             ),
             (c.post_norms != self.is_olmo(), "norms after attention and the feed-forward alone"),
+            (!c.unrotated_layers.is_empty() && self != Family::SmolLm3, "layers that turn no position"),
             (c.latent.is_some() != (self == Family::DeepseekV3), "latent attention"),
             (moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek()), "DeepSeek's routing"),
             (
@@ -398,6 +406,7 @@ impl Family {
                             | Family::Qwen3_5
                             | Family::Olmo2
                             | Family::Olmo3
+                            | Family::SmolLm3
                     ),
                 "attention biases",
             ),
@@ -676,6 +685,14 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["attention_bias"] = json!(c.qkv_bias);
         }
         Family::Mistral => v["sliding_window"] = window,
+        Family::SmolLm3 => {
+            v["no_rope_layers"] = json!((0..c.layers).map(|i| i64::from(c.rotates(i))).collect::<Vec<_>>());
+            v["use_sliding_window"] = json!(sliding);
+            v["sliding_window"] = window;
+            v["layer_types"] = json!(layer_types);
+            v["attention_bias"] = json!(c.qkv_bias);
+            v["mlp_bias"] = json!(false);
+        }
         Family::Olmo3 => {
             // An integer in transformers' config class, read by sliding layers alone.
             v["sliding_window"] = json!(c.sliding_window.unwrap_or(4096));
@@ -1246,6 +1263,7 @@ impl Keys<'_> {
         let moe = self.experts(family)?;
         let olmoe = family == Family::Olmoe;
         let olmo = family.is_olmo();
+        let smollm3 = family == Family::SmolLm3;
         let glm = family == Family::Glm4Moe;
         let gpt_oss = family == Family::GptOss;
         let next = family.linear_attention_family();
@@ -1287,7 +1305,7 @@ impl Keys<'_> {
         };
         let default_positions = match () {
             _ if gemma => 8192,
-            _ if next => 32768,
+            _ if next || smollm3 => 32768,
             _ => 2048,
         };
         let max_positions = self.int("max_position_embeddings")?.unwrap_or(default_positions);
@@ -1304,6 +1322,7 @@ impl Keys<'_> {
                 let local = self.rope(nested("sliding_attention"), "rope_theta", 500_000.0, max_positions)?;
                 (global, Some(local))
             }
+            (Family::SmolLm3, params) => (self.rope(params, "rope_theta", 2_000_000.0, max_positions)?, None),
             (_, params) => (self.rope(params, "rope_theta", 10_000.0, max_positions)?, None),
         };
         // GLM-4.5 turns half of each head where its keys say nothing.
@@ -1353,7 +1372,7 @@ impl Keys<'_> {
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
             norm_eps: self.float("rms_norm_eps")?.unwrap_or(if gpt_oss || olmo { 1e-5 } else { 1e-6 }),
-            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma),
+            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: family != Family::Qwen2 && !glm && attention_bias,
             head_dim,
@@ -1368,6 +1387,7 @@ impl Keys<'_> {
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
             sandwich_norms: gemma,
             post_norms: olmo,
+            unrotated_layers: if smollm3 { self.unrotated_layers(layers)? } else { vec![] },
             scale_embeddings: gemma,
             query_pre_attn_scalar: if gemma {
                 Some(self.float("query_pre_attn_scalar")?.unwrap_or(256.0))
@@ -1593,7 +1613,9 @@ impl Keys<'_> {
     fn windows(&self, family: Family, layers: i64) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         let window = match family {
             Family::Llama | Family::Gpt2 | Family::Olmo2 => return Ok((None, None)),
-            Family::Qwen2 | Family::Qwen3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
+            Family::Qwen2 | Family::Qwen3 | Family::SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => {
+                None
+            }
             Family::Gemma2 | Family::Gemma3 | Family::Olmo3 if !self.cfg.contains_key("sliding_window") => Some(4096),
             _ => self.int("sliding_window")?,
         };
@@ -1613,12 +1635,38 @@ impl Keys<'_> {
                 Some(derived(&|i| (i + 1) % pattern != 0))
             }
             (None, Family::Olmo3) => Some(derived(&|i| (i + 1) % 4 != 0)),
+            // SmolLM3 slides the layers that turn no position.
+            (None, Family::SmolLm3) => {
+                let unrotated = self.unrotated_layers(layers)?;
+                Some(derived(&|i| window.is_some() && unrotated.contains(&i)))
+            }
             (None, _) => None,
         };
         if window.is_none() && types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Sliding)) {
             return Err("config.json: layer_types has sliding_attention layers but sliding_window is not set".into());
         }
         Ok((window, types))
+    }
+
+    /// SmolLM3's layers that turn no position: the zeros of `no_rope_layers` (one flag per
+    /// layer), or where absent every `no_rope_layer_interval`-th layer (4 by default).
+    fn unrotated_layers(&self, layers: i64) -> KeyResult<Vec<i64>> {
+        match self.get("no_rope_layers") {
+            Some(Value::Array(flags)) if flags.len() == layers as usize => flags
+                .iter()
+                .enumerate()
+                .filter_map(|(i, f)| match f.as_i64() {
+                    Some(0) => Some(Ok(i as i64)),
+                    Some(1) => None,
+                    _ => Some(Err(format!("config.json: no_rope_layers holds {f}, not 0 or 1"))),
+                })
+                .collect(),
+            Some(Value::Null) | None => {
+                let every = self.int("no_rope_layer_interval")?.unwrap_or(4).max(1);
+                Ok((0..layers).filter(|i| (i + 1) % every == 0).collect())
+            }
+            Some(other) => Err(format!("config.json: no_rope_layers is not a list of {layers} flags ({other})")),
+        }
     }
 
     /// A rotation from a `rope_parameters` dict (transformers 5) or the older top-level
@@ -1760,6 +1808,29 @@ mod tests {
         assert_eq!(dynamic.ctx, 32, "dynamic scaling stretches the context by its factor");
     }
 
+    /// SmolLM3's layers without rotation come from `no_rope_layers` or, absent, every fourth
+    /// layer; where it slides, it slides those layers alone.
+    #[test]
+    fn smollm3_turns_no_position_on_its_nope_layers_and_slides_there() {
+        let derived = read(
+            Family::SmolLm3,
+            json!({"num_hidden_layers": 8, "use_sliding_window": true,
+                                                   "sliding_window": 4}),
+        )
+        .unwrap();
+        assert_eq!(derived.unrotated_layers, [3, 7]);
+        let windows: Vec<_> = (0..8).map(|i| derived.window(i)).collect();
+        assert_eq!(windows, [None, None, None, Some(4), None, None, None, Some(4)]);
+        assert!((0..8).all(|i| derived.rotates(i) == ![3, 7].contains(&i)));
+        let listed = read(Family::SmolLm3, json!({"no_rope_layers": [1, 0, 1], "sliding_window": 4})).unwrap();
+        assert_eq!((listed.unrotated_layers.clone(), listed.sliding_window), (vec![1], None), "no use_sliding_window");
+        assert_eq!((listed.rope_theta, listed.tie_embeddings, listed.ctx), (2e6, true, 32768), "SmolLM3's defaults");
+        let bad = read(Family::SmolLm3, json!({"no_rope_layers": [1, 2, 1]})).unwrap_err();
+        assert!(bad.contains("no_rope_layers holds 2, not 0 or 1"), "{bad}");
+        let short = read(Family::SmolLm3, json!({"no_rope_layers": [1, 0]})).unwrap_err();
+        assert!(short.contains("no_rope_layers is not a list of 3 flags"), "{short}");
+    }
+
     /// Keys a Qwen3-Next or Qwen3.5 folder leaves out take `transformers`' defaults for
     /// those classes (head_dim 256, a context of 32,768, the linear attention's sizes, a
     /// quarter of each head turned), not the plain decoder's.
@@ -1880,6 +1951,7 @@ mod tests {
             (Family::Qwen3Next, json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})),
             (Family::Qwen3_5, json!({})),
             (Family::Qwen3_5Moe, json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})),
+            (Family::SmolLm3, json!({"no_rope_layers": [1, 0, 1]})),
         ];
         for (family, keys) in families {
             let c = read(family, keys).unwrap();

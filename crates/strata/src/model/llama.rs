@@ -141,6 +141,9 @@ pub struct LlamaConfig {
     /// before them (OLMo 2 and 3).
     #[serde(default)]
     pub post_norms: bool,
+    /// Layers whose attention turns no position (no rotary embedding: SmolLM3's NoPE layers).
+    #[serde(default)]
+    pub unrotated_layers: Vec<i64>,
     /// Token embeddings multiplied by √dim.
     #[serde(default)]
     pub scale_embeddings: bool,
@@ -242,6 +245,7 @@ impl LlamaConfig {
             clip_qkv: None,
             sandwich_norms: false,
             post_norms: false,
+            unrotated_layers: vec![],
             scale_embeddings: false,
             query_pre_attn_scalar: None,
             attn_softcap: None,
@@ -258,6 +262,11 @@ impl LlamaConfig {
             dropout: DropoutRates::NONE,
             head: DecoderHead::LanguageModel,
         }
+    }
+
+    /// Whether layer `layer`'s attention turns its queries and keys by position.
+    pub fn rotates(&self, layer: i64) -> bool {
+        !self.unrotated_layers.contains(&layer)
     }
 
     /// Width of one attention head.
@@ -309,6 +318,9 @@ impl LlamaConfig {
             ("kv_heads", self.key_value_heads()),
         ])?;
         self.dropout.validate()?;
+        if let Some(l) = self.unrotated_layers.iter().find(|&&l| !(0..self.layers).contains(&l)) {
+            return Err(Error::Config(format!("unrotated layer {l} is not one of the {} layers", self.layers)));
+        }
         if self.sandwich_norms && self.post_norms {
             return Err(Error::Config("sandwich_norms and post_norms are two placements of the same norms".into()));
         }
@@ -482,7 +494,8 @@ struct GroupedHeads {
     clip_qkv: Option<f64>,
     kv_heads: i64,
     head_dim: i64,
-    rotation: Rotation,
+    /// The turn by position, where the layer has one.
+    rotation: Option<Rotation>,
     kinds: Kinds,
     /// The query projection gives each head's output gate after its query.
     output_gate: bool,
@@ -616,7 +629,10 @@ impl GroupedHeads {
     ) -> Result<Projected> {
         let kv_heads = self.kv_heads / p.tp().size();
         let (q, k, v, gate) = self.project(p, h, heads, kv_heads)?;
-        let (q, k) = self.rotation.rotate_placed(&q, &k, placed)?;
+        let (q, k) = match &self.rotation {
+            Some(rotation) => rotation.rotate_placed(&q, &k, placed)?,
+            None => (q, k),
+        };
         let cached = cache.is_some();
         let (k, v) = match cache {
             Some(c) => {
@@ -996,7 +1012,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     clip_qkv: cfg.clip_qkv,
                     kv_heads,
                     head_dim: hd,
-                    rotation: Rotation::new(rope),
+                    rotation: cfg.rotates(layer as i64).then(|| Rotation::new(rope)),
                     kinds,
                     output_gate: cfg.attention_output_gate,
                 }),

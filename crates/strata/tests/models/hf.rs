@@ -731,6 +731,12 @@ fn olmo3_matches_transformers() {
     family_matches_transformers("olmo3", 32);
 }
 
+/// SmolLM3: two of four layers turn no position (NoPE) and attend through a sliding window.
+#[test]
+fn smollm3_matches_transformers() {
+    family_matches_transformers("smollm3", 32);
+}
+
 /// Qwen3.5: Qwen3-Next's layers with the linear attention's queries, keys and values, gates,
 /// betas and decays each projected apart, a dense feed-forward and a tied head.
 #[test]
