@@ -249,6 +249,13 @@ def decoder_families():
             rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
                                                 "original_max_position_embeddings": 16, "rope_theta": 500.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+        # Ministral 3: Mistral's layers under YaRN, queries scaled up past every fourth
+        # position (its llama_4_scaling_beta), a window on every layer.
+        "ministral3": lambda: (tf.Ministral3ForCausalLM, tf.Ministral3Config(
+            **common, num_hidden_layers=2, head_dim=8, sliding_window=6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
+                             "llama_4_scaling_beta": 0.5, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "rope_theta": 500.0})),
         # SmolLM3: the second and fourth layers turn no position (NoPE) and slide.
         "smollm3": lambda: (tf.SmolLM3ForCausalLM, tf.SmolLM3Config(
             **common, num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=4, pad_token_id=0,

@@ -1,6 +1,6 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `phi3`, `olmo2`, `olmo3` and `smollm3`, and with experts
+//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `phi3`, `olmo2`, `olmo3` and `smollm3`, and with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
@@ -16,7 +16,7 @@ use super::latent::LatentConfig;
 use super::linear::LinearAttentionConfig;
 use super::llama::{Activation, DecoderHead, LayerAttention, NormKind};
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
-use super::rope::{Rope, RopeScaling};
+use super::rope::{QueryScaling, Rope, RopeScaling};
 use super::{
     BertConfig, BertHead, DropoutRates, FeedForwardActivation, GptConfig, LlamaConfig, ModelConfig, ModelSpec, T5Config,
 };
@@ -43,6 +43,8 @@ pub enum Family {
     Llama,
     /// Mistral (`mistral`): the decoder, optionally with a sliding window.
     Mistral,
+    /// Ministral 3 (`ministral3`): Mistral's decoder with queries scaled up by position.
+    Ministral3,
     /// Qwen2 (`qwen2`): the decoder with biases on the query, key and value projections.
     Qwen2,
     /// Qwen3 (`qwen3`): the decoder with query/key norms.
@@ -98,10 +100,11 @@ pub enum Family {
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 23] = [
+const FAMILIES: [Family; 24] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
+    Family::Ministral3,
     Family::Qwen2,
     Family::Qwen3,
     Family::Gemma2,
@@ -131,6 +134,7 @@ impl Family {
             Family::Gpt2 => "gpt2",
             Family::Llama => "llama",
             Family::Mistral => "mistral",
+            Family::Ministral3 => "ministral3",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Gemma2 => "gemma2",
@@ -171,6 +175,7 @@ impl Family {
             Family::T5 => return "T5ForConditionalGeneration".into(),
             Family::Llama => "Llama",
             Family::Mistral => "Mistral",
+            Family::Ministral3 => "Ministral3",
             Family::Qwen2 => "Qwen2",
             Family::Qwen3 => "Qwen3",
             Family::Gemma2 => "Gemma2",
@@ -295,6 +300,7 @@ impl Family {
             c if c.post_norms && (c.sliding_window.is_some() || c.local_rope.is_some()) => Family::Olmo3,
             c if c.post_norms => Family::Olmo2,
             c if !c.unrotated_layers.is_empty() => Family::SmolLm3,
+            c if c.query_scaling.is_some() => Family::Ministral3,
             c if c.fused_projections => Family::Phi3,
             c if c.norm == NormKind::PlusOne && c.qk_norm => Family::Gemma3,
             c if c.norm == NormKind::PlusOne => Family::Gemma2,
@@ -342,6 +348,7 @@ impl Family {
             ),
             (c.post_norms != self.is_olmo(), "norms after attention and the feed-forward alone"),
             (!c.unrotated_layers.is_empty() && self != Family::SmolLm3, "layers that turn no position"),
+            (c.query_scaling.is_some() != (self == Family::Ministral3), "queries scaled by position"),
             (c.latent.is_some() != (self == Family::DeepseekV3), "latent attention"),
             (moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek()), "DeepSeek's routing"),
             (
@@ -419,7 +426,7 @@ impl Family {
             ),
             (
                 c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
-                    && matches!(dense, Family::Mistral | Family::Phi3),
+                    && matches!(dense, Family::Mistral | Family::Ministral3 | Family::Phi3),
                 "layers of different attention",
             ),
         ];
@@ -645,6 +652,10 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         if let Some(latent) = c.latent.as_ref().filter(|l| l.mscale_all_dim > 0.0) {
             p["mscale_all_dim"] = json!(latent.mscale_all_dim);
         }
+        if let Some(q) = &c.query_scaling {
+            p["llama_4_scaling_beta"] = json!(q.beta);
+            p["original_max_position_embeddings"] = json!(q.every);
+        }
         p
     };
     v["rope_parameters"] = match (&c.local_rope, family) {
@@ -684,7 +695,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["layer_types"] = json!(layer_types);
             v["attention_bias"] = json!(c.qkv_bias);
         }
-        Family::Mistral => v["sliding_window"] = window,
+        Family::Mistral | Family::Ministral3 => v["sliding_window"] = window,
         Family::SmolLm3 => {
             v["no_rope_layers"] = json!((0..c.layers).map(|i| i64::from(c.rotates(i))).collect::<Vec<_>>());
             v["use_sliding_window"] = json!(sliding);
@@ -1264,6 +1275,8 @@ impl Keys<'_> {
         let olmoe = family == Family::Olmoe;
         let olmo = family.is_olmo();
         let smollm3 = family == Family::SmolLm3;
+        let ministral3 = family == Family::Ministral3;
+        let query_scaling = if ministral3 { self.query_scaling()? } else { None };
         let glm = family == Family::Glm4Moe;
         let gpt_oss = family == Family::GptOss;
         let next = family.linear_attention_family();
@@ -1371,7 +1384,7 @@ impl Keys<'_> {
             partial_rotary: rope.partial,
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
-            norm_eps: self.float("rms_norm_eps")?.unwrap_or(if gpt_oss || olmo { 1e-5 } else { 1e-6 }),
+            norm_eps: self.float("rms_norm_eps")?.unwrap_or(if gpt_oss || olmo || ministral3 { 1e-5 } else { 1e-6 }),
             tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: family != Family::Qwen2 && !glm && attention_bias,
@@ -1388,6 +1401,7 @@ impl Keys<'_> {
             sandwich_norms: gemma,
             post_norms: olmo,
             unrotated_layers: if smollm3 { self.unrotated_layers(layers)? } else { vec![] },
+            query_scaling,
             scale_embeddings: gemma,
             query_pre_attn_scalar: if gemma {
                 Some(self.float("query_pre_attn_scalar")?.unwrap_or(256.0))
@@ -1646,6 +1660,18 @@ impl Keys<'_> {
             return Err("config.json: layer_types has sliding_attention layers but sliding_window is not set".into());
         }
         Ok((window, types))
+    }
+
+    /// Ministral 3's scale of its queries by position: `rope_parameters`'
+    /// `llama_4_scaling_beta`, stepping every `original_max_position_embeddings` positions.
+    fn query_scaling(&self) -> KeyResult<Option<QueryScaling>> {
+        let Some(Value::Object(params)) = self.get("rope_parameters") else { return Ok(None) };
+        let p = Keys { cfg: params, prefix: "rope_parameters.".into() };
+        let Some(beta) = p.float("llama_4_scaling_beta")? else { return Ok(None) };
+        let every = p.int("original_max_position_embeddings")?.ok_or_else(|| {
+            "config.json: rope_parameters.llama_4_scaling_beta needs original_max_position_embeddings".to_string()
+        })?;
+        Ok(Some(QueryScaling { beta, every }))
     }
 
     /// SmolLM3's layers that turn no position: the zeros of `no_rope_layers` (one flag per
@@ -1952,6 +1978,10 @@ mod tests {
             (Family::Qwen3_5, json!({})),
             (Family::Qwen3_5Moe, json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})),
             (Family::SmolLm3, json!({"no_rope_layers": [1, 0, 1]})),
+            (
+                Family::Ministral3,
+                json!({"rope_parameters": {"llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 16}}),
+            ),
         ];
         for (family, keys) in families {
             let c = read(family, keys).unwrap();
@@ -1975,6 +2005,9 @@ mod tests {
         let windows_alone = LlamaConfig { local_rope: None, ..olmo3.clone() };
         assert!(Family::Olmo2.cannot_write(&windows_alone).unwrap().contains("a sliding window"));
         assert!(Family::Olmo2.cannot_write(&olmo3).unwrap().contains("a local rotation"));
+        let unscaled = read(Family::Ministral3, json!({"rope_parameters": {"llama_4_scaling_beta": 0.1}})).unwrap_err();
+        assert!(unscaled.contains("llama_4_scaling_beta needs original_max_position_embeddings"), "{unscaled}");
+        assert_eq!(read(Family::Ministral3, json!({})).unwrap().query_scaling, None);
         let qwen3_5 = read(Family::Qwen3_5, json!({})).unwrap();
         assert!(Family::Qwen3Next.cannot_write(&qwen3_5).is_some());
     }

@@ -29,7 +29,7 @@ use super::layers::{
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
-use super::rope::{Placed, Rope, RopeScaling, Rotation};
+use super::rope::{Placed, QueryScaling, Rope, RopeScaling, Rotation};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TokenEmbedding,
     TpRole, Unit, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
@@ -144,6 +144,9 @@ pub struct LlamaConfig {
     /// Layers whose attention turns no position (no rotary embedding: SmolLM3's NoPE layers).
     #[serde(default)]
     pub unrotated_layers: Vec<i64>,
+    /// Queries scaled up with their position (Ministral 3).
+    #[serde(default)]
+    pub query_scaling: Option<QueryScaling>,
     /// Token embeddings multiplied by √dim.
     #[serde(default)]
     pub scale_embeddings: bool,
@@ -246,6 +249,7 @@ impl LlamaConfig {
             sandwich_norms: false,
             post_norms: false,
             unrotated_layers: vec![],
+            query_scaling: None,
             scale_embeddings: false,
             query_pre_attn_scalar: None,
             attn_softcap: None,
@@ -320,6 +324,12 @@ impl LlamaConfig {
         self.dropout.validate()?;
         if let Some(l) = self.unrotated_layers.iter().find(|&&l| !(0..self.layers).contains(&l)) {
             return Err(Error::Config(format!("unrotated layer {l} is not one of the {} layers", self.layers)));
+        }
+        if let Some(scaling) = &self.query_scaling {
+            scaling.validate()?;
+            if self.latent.is_some() {
+                return Err(Error::Config("query scaling applies to grouped-query attention, not latent".into()));
+            }
         }
         if self.sandwich_norms && self.post_norms {
             return Err(Error::Config("sandwich_norms and post_norms are two placements of the same norms".into()));
@@ -496,6 +506,8 @@ struct GroupedHeads {
     head_dim: i64,
     /// The turn by position, where the layer has one.
     rotation: Option<Rotation>,
+    /// The queries' scale by position, where the family has one.
+    query_scaling: Option<QueryScaling>,
     kinds: Kinds,
     /// The query projection gives each head's output gate after its query.
     output_gate: bool,
@@ -632,6 +644,10 @@ impl GroupedHeads {
         let (q, k) = match &self.rotation {
             Some(rotation) => rotation.rotate_placed(&q, &k, placed)?,
             None => (q, k),
+        };
+        let q = match &self.query_scaling {
+            Some(scaling) => scaling.apply(&q, placed)?,
+            None => q,
         };
         let cached = cache.is_some();
         let (k, v) = match cache {
@@ -1013,6 +1029,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     kv_heads,
                     head_dim: hd,
                     rotation: cfg.rotates(layer as i64).then(|| Rotation::new(rope)),
+                    query_scaling: cfg.query_scaling,
                     kinds,
                     output_gate: cfg.attention_output_gate,
                 }),

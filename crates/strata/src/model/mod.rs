@@ -37,7 +37,7 @@ pub use llama::{llama, Activation, DecoderHead, LayerAttention, LlamaConfig, Nor
 pub use mlp::{mlp, MlpConfig};
 pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, RowSharers, Scoring};
 pub use presets::{preset, preset_names};
-pub use rope::{Rope, RopeScaling, Rotation};
+pub use rope::{QueryScaling, Rope, RopeScaling, Rotation};
 pub use t5::{t5, FeedForwardActivation, T5Config};
 pub use tensor::{TensorParallel, TpRole, WholeSequence};
 

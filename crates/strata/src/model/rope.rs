@@ -65,6 +65,44 @@ pub enum RopeScaling {
     },
 }
 
+/// Queries scaled up by their position (Llama 4's and Ministral 3's attention temperature):
+/// times `1 + beta · ln(1 + ⌊position / every⌋)`, one past the first `every` positions, so
+/// that attention stays sharp far past the context a model was trained at.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QueryScaling {
+    /// How fast the scale grows (`llama_4_scaling_beta`).
+    pub beta: f64,
+    /// Positions per step of the logarithm (`original_max_position_embeddings`).
+    pub every: i64,
+}
+
+impl QueryScaling {
+    /// Fails where `every` is not positive or `beta` not finite.
+    pub fn validate(&self) -> Result<()> {
+        if self.every <= 0 || !self.beta.is_finite() {
+            return Err(Error::Config(format!(
+                "query scaling: beta {} must be finite and every {} positive",
+                self.beta, self.every
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queries `[B, H, T, D]` at the positions `placed` says, scaled.
+    pub(crate) fn apply(&self, q: &Tensor, placed: Placed<'_>) -> Result<Tensor> {
+        let t = q.size()[2];
+        let positions = match placed {
+            Placed::After(start) => {
+                Tensor::f_arange_start(start, start + t, (Kind::Float, q.device()))?.f_view([1, 1, t, 1])?
+            }
+            Placed::Packed(positions, _) => positions.f_to_kind(Kind::Float)?.f_unsqueeze(1)?.f_unsqueeze(-1)?,
+        };
+        let steps = positions.f_div_scalar(self.every as f64)?.f_floor()?;
+        let scale = steps.f_add_scalar(1.0)?.f_log()?.f_mul_scalar(self.beta)?.f_add_scalar(1.0)?;
+        Ok(q.f_mul(&scale.f_to_kind(q.kind())?)?)
+    }
+}
+
 /// A rotary embedding: its base, scaling, and the share of each head's dimensions it turns
 /// (the rest pass through, as in Phi-3's `partial_rotary_factor`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -307,7 +307,7 @@ fn greedy_generation_equals_transformers() {
 #[test]
 fn batched_generation_equals_one_at_a_time() {
     let Some(py) = python() else { return };
-    for family in ["gpt2", "llama", "gemma2", "gpt-oss", "deepseek-v3", "qwen3-next"] {
+    for family in ["gpt2", "llama", "gemma2", "gpt-oss", "deepseek-v3", "qwen3-next", "ministral3"] {
         let work = tempfile::tempdir().unwrap();
         let dir = work.path().join(family);
         make(&py, family, &dir, None);
@@ -731,6 +731,13 @@ fn olmo3_matches_transformers() {
     family_matches_transformers("olmo3", 32);
 }
 
+/// Ministral 3: queries scaled up by position past every fourth (and, in generation, at
+/// each decoded position), YaRN, a window on every layer.
+#[test]
+fn ministral3_matches_transformers() {
+    family_matches_transformers("ministral3", 32);
+}
+
 /// SmolLM3: two of four layers turn no position (NoPE) and attend through a sliding window.
 #[test]
 fn smollm3_matches_transformers() {
@@ -869,9 +876,11 @@ fn packed_gpt2_examples_equal_each_alone_in_transformers() {
     packing_matches("gpt2");
 }
 
+/// Ministral 3, a LLaMA with a window: each packed example's positions start again for its
+/// rotation and its queries' scale.
 #[test]
-fn packed_llama_examples_equal_each_alone_in_transformers() {
-    packing_matches("llama");
+fn packed_ministral3_examples_equal_each_alone_in_transformers() {
+    packing_matches("ministral3");
 }
 
 /// Two rows of a BERT batch: the first a full text pair (types 0 then 1), the second a
