@@ -249,6 +249,11 @@ def decoder_families():
             rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
                                                 "original_max_position_embeddings": 16, "rope_theta": 500.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+        # GLM-4: sandwich norms under GLM's names, a fused gate_up_proj, half of each head
+        # turned as adjacent pairs, biases on the query, key and value projections.
+        "glm4": lambda: (tf.Glm4ForCausalLM, tf.Glm4Config(
+            **common, num_hidden_layers=2, head_dim=16, tie_word_embeddings=False, attention_bias=True, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})),
         # Ministral 3: Mistral's layers under YaRN, queries scaled up past every fourth
         # position (its llama_4_scaling_beta), a window on every layer.
         "ministral3": lambda: (tf.Ministral3ForCausalLM, tf.Ministral3Config(

@@ -1,6 +1,7 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `phi3`, `olmo2`, `olmo3` and `smollm3`, and with experts
+//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `phi3`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
+//! with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
@@ -55,6 +56,10 @@ pub enum Family {
     Gemma3,
     /// Phi-3 (`phi3`): the decoder with fused projections.
     Phi3,
+    /// GLM-4 (`glm4`): LLaMA's decoder with sandwich norms under GLM's names, a fused
+    /// `gate_up_proj`, half of each head turned as adjacent pairs, and biases on the query,
+    /// key and value projections.
+    Glm4,
     /// SmolLM3 (`smollm3`): LLaMA's decoder with some layers turning no position (NoPE),
     /// optionally sliding there.
     SmolLm3,
@@ -97,10 +102,28 @@ pub enum Family {
     T5,
 }
 
+/// A block's sandwich norms as Strata names them (Gemma's names) and as GLM-4's folders do:
+/// after attention, before the feed-forward, after it.
+const GLM4_NORMS: [(&str, &str); 3] = [
+    ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight"),
+    ("pre_feedforward_layernorm.weight", "post_attention_layernorm.weight"),
+    ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight"),
+];
+
+/// `name` with its last two parts replaced where a pair of `renames` (from, to) names them.
+fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>) -> String {
+    renames
+        .find_map(|(from, to)| {
+            let block = name.strip_suffix(from).filter(|b| b.ends_with('.'))?;
+            Some(format!("{block}{to}"))
+        })
+        .unwrap_or_else(|| name.to_string())
+}
+
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 24] = [
+const FAMILIES: [Family; 25] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -110,6 +133,7 @@ const FAMILIES: [Family; 24] = [
     Family::Gemma2,
     Family::Gemma3,
     Family::Phi3,
+    Family::Glm4,
     Family::SmolLm3,
     Family::Mixtral,
     Family::Qwen2Moe,
@@ -140,6 +164,7 @@ impl Family {
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
             Family::Phi3 => "phi3",
+            Family::Glm4 => "glm4",
             Family::SmolLm3 => "smollm3",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
@@ -181,6 +206,7 @@ impl Family {
             Family::Gemma2 => "Gemma2",
             Family::Gemma3 => "Gemma3",
             Family::Phi3 => "Phi3",
+            Family::Glm4 => "Glm4",
             Family::SmolLm3 => "SmolLM3",
             Family::Mixtral => "Mixtral",
             Family::Qwen2Moe => "Qwen2Moe",
@@ -301,6 +327,7 @@ impl Family {
             c if c.post_norms => Family::Olmo2,
             c if !c.unrotated_layers.is_empty() => Family::SmolLm3,
             c if c.query_scaling.is_some() => Family::Ministral3,
+            c if c.fused_gate_up => Family::Glm4,
             c if c.fused_projections => Family::Phi3,
             c if c.norm == NormKind::PlusOne && c.qk_norm => Family::Gemma3,
             c if c.norm == NormKind::PlusOne => Family::Gemma2,
@@ -349,6 +376,8 @@ impl Family {
             (c.post_norms != self.is_olmo(), "norms after attention and the feed-forward alone"),
             (!c.unrotated_layers.is_empty() && self != Family::SmolLm3, "layers that turn no position"),
             (c.query_scaling.is_some() != (self == Family::Ministral3), "queries scaled by position"),
+            (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
+            (c.interleaved_rotation != (self == Family::Glm4), "heads turned as adjacent pairs"),
             (c.latent.is_some() != (self == Family::DeepseekV3), "latent attention"),
             (moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek()), "DeepSeek's routing"),
             (
@@ -364,7 +393,7 @@ impl Family {
                 matches!(self, Family::DeepseekV3 | Family::GptOss) && c.qkv_bias != c.o_bias,
                 "a bias on some attention projections alone",
             ),
-            (self == Family::Glm4Moe && c.o_bias, "a bias on the attention output"),
+            (matches!(self, Family::Glm4Moe | Family::Glm4) && c.o_bias, "a bias on the attention output"),
             (c.attention_sinks != (self == Family::GptOss), "attention sinks"),
             (
                 moe.is_some_and(|m| {
@@ -394,7 +423,8 @@ impl Family {
             (c.fused_projections != (dense == Family::Phi3), "fused projections"),
             ((c.norm == NormKind::PlusOne) != (gemma || next), "zero-centred norms"),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
-            (c.sandwich_norms != gemma || c.scale_embeddings != gemma, "sandwich norms and scaled embeddings"),
+            (c.sandwich_norms != (gemma || self == Family::Glm4), "sandwich norms"),
+            (c.scale_embeddings != gemma, "scaled embeddings"),
             (c.qk_norm != qk_norm_family && !glm, "query/key norms"),
             (c.local_rope.is_some() && !matches!(dense, Family::Gemma3 | Family::Olmo3), "a local rotation"),
             (
@@ -414,10 +444,14 @@ impl Family {
                             | Family::Olmo2
                             | Family::Olmo3
                             | Family::SmolLm3
+                            | Family::Glm4
                     ),
                 "attention biases",
             ),
-            (c.partial_rotary != 1.0 && dense != Family::Phi3 && !glm && !next, "a partial rotation"),
+            (
+                c.partial_rotary != 1.0 && !matches!(dense, Family::Phi3 | Family::Glm4) && !glm && !next,
+                "a partial rotation",
+            ),
             (
                 c.sliding_window.is_some()
                     && matches!(dense, Family::Llama | Family::Qwen3_5 | Family::Olmo2)
@@ -441,7 +475,10 @@ impl Family {
     /// transposed.
     pub fn hf_name(self, name: &str) -> (String, bool) {
         let transposed = self == Family::Gpt2 && CONV1D_WEIGHTS.iter().any(|w| name.ends_with(w));
-        (name.to_string(), transposed)
+        match self {
+            Family::Glm4 => (renamed(name, GLM4_NORMS.iter().map(|(strata, hf)| (*strata, *hf))), false),
+            _ => (name.to_string(), transposed),
+        }
     }
 
     /// The Strata parameter a tensor of a family's file holds, and whether it is stored
@@ -466,6 +503,7 @@ impl Family {
                 None
             }
             _ if name.ends_with("rotary_emb.inv_freq") => None,
+            Family::Glm4 => Some((renamed(name, GLM4_NORMS.iter().map(|(strata, hf)| (*hf, *strata))), false)),
             // Qwen3.5's text model reads the language model of a folder with an image model
             // and multi-token prediction beside it, as `transformers` does.
             Family::Qwen3_5 | Family::Qwen3_5Moe => match name.strip_prefix("model.language_model.") {
@@ -646,7 +684,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             p[key] = value.clone();
         }
         // GLM-4.5 turns half of each head where its keys say nothing.
-        if r.partial != 1.0 || family == Family::Glm4Moe || family.linear_attention_family() {
+        if r.partial != 1.0 || matches!(family, Family::Glm4Moe | Family::Glm4) || family.linear_attention_family() {
             p["partial_rotary_factor"] = json!(r.partial);
         }
         if let Some(latent) = c.latent.as_ref().filter(|l| l.mscale_all_dim > 0.0) {
@@ -1277,7 +1315,8 @@ impl Keys<'_> {
         let smollm3 = family == Family::SmolLm3;
         let ministral3 = family == Family::Ministral3;
         let query_scaling = if ministral3 { self.query_scaling()? } else { None };
-        let glm = family == Family::Glm4Moe;
+        let glm4 = family == Family::Glm4;
+        let glm = family == Family::Glm4Moe || glm4;
         let gpt_oss = family == Family::GptOss;
         let next = family.linear_attention_family();
         let split_projections = family.is_qwen3_5();
@@ -1303,7 +1342,7 @@ impl Keys<'_> {
         };
         self.only("mlp_bias", &[json!(false)], "the feed-forward has no biases")?;
         self.only("use_bidirectional_attention", &[json!(false)], "attention is causal")?;
-        let attention_bias = self.flag("attention_bias")?.unwrap_or(false);
+        let attention_bias = self.flag("attention_bias")?.unwrap_or(glm4);
         if family == Family::Phi3 && attention_bias {
             return Err(
                 "config.json: attention_bias = true is not supported (Phi-3's fused projections have none)".into()
@@ -1384,7 +1423,11 @@ impl Keys<'_> {
             partial_rotary: rope.partial,
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
-            norm_eps: self.float("rms_norm_eps")?.unwrap_or(if gpt_oss || olmo || ministral3 { 1e-5 } else { 1e-6 }),
+            norm_eps: self.float("rms_norm_eps")?.unwrap_or(match () {
+                _ if glm4 => 1.5625e-7,
+                _ if gpt_oss || olmo || ministral3 => 1e-5,
+                _ => 1e-6,
+            }),
             tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: family != Family::Qwen2 && !glm && attention_bias,
@@ -1398,7 +1441,7 @@ impl Keys<'_> {
                 || (glm && self.flag("use_qk_norm")?.unwrap_or(false)),
             qk_norm_whole: olmoe || olmo,
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
-            sandwich_norms: gemma,
+            sandwich_norms: gemma || glm4,
             post_norms: olmo,
             unrotated_layers: if smollm3 { self.unrotated_layers(layers)? } else { vec![] },
             query_scaling,
@@ -1413,6 +1456,8 @@ impl Keys<'_> {
             sliding_window,
             layer_types,
             fused_projections: family == Family::Phi3,
+            fused_gate_up: glm4,
+            interleaved_rotation: glm4,
             padding_token: self.int("pad_token_id")?,
             moe,
             attention_sinks: gpt_oss,
@@ -1834,6 +1879,31 @@ mod tests {
         assert_eq!(dynamic.ctx, 32, "dynamic scaling stretches the context by its factor");
     }
 
+    /// GLM-4's sandwich norms go by GLM's names in its folders and by Strata's (Gemma's) in
+    /// the model, each way; its other names, and other families' norms, are as they are.
+    #[test]
+    fn glm4_norms_take_glm_names_both_ways() {
+        let glm = [
+            ("post_attention_layernorm", "post_self_attn_layernorm"),
+            ("pre_feedforward_layernorm", "post_attention_layernorm"),
+            ("post_feedforward_layernorm", "post_mlp_layernorm"),
+        ];
+        for (strata, hf) in glm {
+            let (strata, hf) = (format!("model.layers.3.{strata}.weight"), format!("model.layers.3.{hf}.weight"));
+            assert_eq!(Family::Glm4.hf_name(&strata).0, hf);
+            assert_eq!(Family::Glm4.strata_name(&hf).unwrap().0, strata);
+            assert_eq!(Family::Gemma2.hf_name(&strata).0, strata);
+        }
+        for same in
+            ["model.layers.0.input_layernorm.weight", "model.norm.weight", "model.layers.1.mlp.gate_up_proj.weight"]
+        {
+            assert_eq!(
+                (Family::Glm4.hf_name(same).0, Family::Glm4.strata_name(same).unwrap().0),
+                (same.into(), same.into())
+            );
+        }
+    }
+
     /// SmolLM3's layers without rotation come from `no_rope_layers` or, absent, every fourth
     /// layer; where it slides, it slides those layers alone.
     #[test]
@@ -1978,6 +2048,7 @@ mod tests {
             (Family::Qwen3_5, json!({})),
             (Family::Qwen3_5Moe, json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})),
             (Family::SmolLm3, json!({"no_rope_layers": [1, 0, 1]})),
+            (Family::Glm4, json!({})),
             (
                 Family::Ministral3,
                 json!({"rope_parameters": {"llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 16}}),

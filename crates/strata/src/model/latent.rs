@@ -10,11 +10,11 @@
 //! layout). Generation caches the latent and the rotated key part, not whole keys and
 //! values: a position costs `kv_rank + rope_dim` values per layer.
 use super::layers::{rms_norm, rms_norm_into_product, split_heads, Projected};
-use super::rope::{Placed, Rope, RopeScaling, Rotation};
+use super::rope::{pairs_as_halves, Placed, Rope, RopeScaling, Rotation};
 use super::{DecodeCache, Init, ParamId, Params, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 /// The epsilon of the latent attention's own norms (`transformers` builds them with their
 /// class default, whatever `rms_norm_eps` says).
@@ -166,18 +166,7 @@ impl LatentAttention {
         // One rotated key part for every head: [B, 1, T, rope].
         let k_turned = compressed.f_narrow(-1, c.kv_rank, c.rope_dim)?.f_unsqueeze(1)?;
         let (q_turned, k_turned) = match c.interleaved {
-            // Pairs (x0, x1), (x2, x3), ... each turned by one frequency are the halves
-            // (x0, x2, ...), (x1, x3, ...) turned as every other rotation turns its halves.
-            true => {
-                let order = Tensor::f_cat(
-                    &[
-                        Tensor::f_arange_start_step(0, c.rope_dim, 2, (Kind::Int64, h.device()))?,
-                        Tensor::f_arange_start_step(1, c.rope_dim, 2, (Kind::Int64, h.device()))?,
-                    ],
-                    0,
-                )?;
-                (q_turned.f_index_select(-1, &order)?, k_turned.f_index_select(-1, &order)?)
-            }
+            true => (pairs_as_halves(&q_turned, c.rope_dim)?, pairs_as_halves(&k_turned, c.rope_dim)?),
             false => (q_turned, k_turned),
         };
         let (q_turned, k_turned) = self.rotation.rotate_placed(&q_turned, &k_turned, placed)?;

@@ -29,7 +29,7 @@ use super::layers::{
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
-use super::rope::{Placed, QueryScaling, Rope, RopeScaling, Rotation};
+use super::rope::{pairs_as_halves, Placed, QueryScaling, Rope, RopeScaling, Rotation};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TokenEmbedding,
     TpRole, Unit, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
@@ -168,6 +168,12 @@ pub struct LlamaConfig {
     /// Query, key and value projections in one `qkv_proj`, gate and up in one `gate_up_proj`.
     #[serde(default)]
     pub fused_projections: bool,
+    /// Gate and up in one `gate_up_proj`, the attention's projections apart (GLM-4).
+    #[serde(default)]
+    pub fused_gate_up: bool,
+    /// The rotated dimensions of each head come as adjacent pairs (GLM's layout), not halves.
+    #[serde(default)]
+    pub interleaved_rotation: bool,
     /// The token whose embedding row its look-ups leave untrained (`pad_token_id`, as
     /// `transformers`' embeddings treat it).
     #[serde(default)]
@@ -257,6 +263,8 @@ impl LlamaConfig {
             sliding_window: None,
             layer_types: None,
             fused_projections: false,
+            fused_gate_up: false,
+            interleaved_rotation: false,
             padding_token: None,
             moe: None,
             attention_sinks: false,
@@ -392,7 +400,7 @@ impl LlamaConfig {
         }
         if let Some(moe) = &self.moe {
             moe.validate()?;
-            if self.fused_projections {
+            if self.fused_projections || self.fused_gate_up {
                 return Err(Error::Config("a mixture of experts has no fused gate_up_proj".into()));
             }
         }
@@ -506,6 +514,8 @@ struct GroupedHeads {
     head_dim: i64,
     /// The turn by position, where the layer has one.
     rotation: Option<Rotation>,
+    /// The turned dimensions come as adjacent pairs.
+    interleaved_rotation: bool,
     /// The queries' scale by position, where the family has one.
     query_scaling: Option<QueryScaling>,
     kinds: Kinds,
@@ -642,6 +652,10 @@ impl GroupedHeads {
         let kv_heads = self.kv_heads / p.tp().size();
         let (q, k, v, gate) = self.project(p, h, heads, kv_heads)?;
         let (q, k) = match &self.rotation {
+            Some(rotation) if self.interleaved_rotation => {
+                let dims = rotation.rotated_dims(self.head_dim);
+                rotation.rotate_placed(&pairs_as_halves(&q, dims)?, &pairs_as_halves(&k, dims)?, placed)?
+            }
             Some(rotation) => rotation.rotate_placed(&q, &k, placed)?,
             None => (q, k),
         };
@@ -902,7 +916,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 FeedForward::Sparse(SparseFeedForward::declare(&mut u, moe, &name, d, sparse_seen - 1, balance))
             }
             None => {
-                let gate_up = if cfg.fused_projections {
+                let gate_up = if cfg.fused_projections || cfg.fused_gate_up {
                     GateUpProjection::Fused(w("mlp.gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
                 } else {
                     let (gate, up) = (
@@ -1030,6 +1044,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     head_dim: hd,
                     rotation: cfg.rotates(layer as i64).then(|| Rotation::new(rope)),
                     query_scaling: cfg.query_scaling,
+                    interleaved_rotation: cfg.interleaved_rotation,
                     kinds,
                     output_gate: cfg.attention_output_gate,
                 }),

@@ -65,6 +65,23 @@ pub enum RopeScaling {
     },
 }
 
+/// `x` `[.., D]` with its first `dims` dimensions, rotated as adjacent pairs (`x0, x1`),
+/// (`x2, x3`), ... (GLM's and DeepSeek's layout), reordered as the halves (`x0, x2, ...`),
+/// (`x1, x3, ...`) every [`Rotation`] turns: the same turn, and as queries and keys are
+/// reordered alike, the same scores.
+pub(crate) fn pairs_as_halves(x: &Tensor, dims: i64) -> Result<Tensor> {
+    let options = (Kind::Int64, x.device());
+    let order = Tensor::f_cat(
+        &[
+            Tensor::f_arange_start_step(0, dims, 2, options)?,
+            Tensor::f_arange_start_step(1, dims, 2, options)?,
+            Tensor::f_arange_start(dims, x.size()[x.dim() - 1], options)?,
+        ],
+        0,
+    )?;
+    Ok(x.f_index_select(-1, &order)?)
+}
+
 /// Queries scaled up by their position (Llama 4's and Ministral 3's attention temperature):
 /// times `1 + beta · ln(1 + ⌊position / every⌋)`, one past the first `every` positions, so
 /// that attention stays sharp far past the context a model was trained at.
@@ -280,6 +297,11 @@ impl Rotation {
         let t = q.size()[2];
         let positions = Tensor::f_arange_start(start, start + t, (Kind::Float, q.device()))?;
         self.rotate_by(q, k, &positions, start + t)
+    }
+
+    /// The dimensions of heads `head_dim` wide it turns.
+    pub(crate) fn rotated_dims(&self, head_dim: i64) -> i64 {
+        self.rope.rotated_dims(head_dim)
     }
 
     /// Rotates queries and keys `[B, H, T, D]` at the positions `placed` says.

@@ -731,6 +731,13 @@ fn olmo3_matches_transformers() {
     family_matches_transformers("olmo3", 32);
 }
 
+/// GLM-4: norms after attention and the feed-forward beside those before them, under GLM's
+/// names; a fused gate and up projection; half of each head turned as adjacent pairs.
+#[test]
+fn glm4_matches_transformers() {
+    family_matches_transformers("glm4", 32);
+}
+
 /// Ministral 3: queries scaled up by position past every fourth (and, in generation, at
 /// each decoded position), YaRN, a window on every layer.
 #[test]
