@@ -56,7 +56,7 @@ impl AdapterOut {
             "use_rslora": c.use_rslora,
             "rank_pattern": c.rank_pattern,
             "alpha_pattern": c.alpha_pattern,
-            "layers_to_transform": if c.layers_to_transform.is_empty() { Value::Null } else { json!(c.layers_to_transform) },
+            "layers_to_transform": c.layers_to_transform,
             "layers_pattern": if c.layers_pattern.is_empty() { Value::Null } else { json!(c.layers_pattern) },
             "exclude_modules": c.exclude_modules,
             "fan_in_fan_out": self.fan_in_fan_out,
@@ -106,6 +106,10 @@ const CHANGE_THE_PRODUCT: [&str; 11] = [
     "kasa_config",
 ];
 
+/// The values of `init_lora_weights` (or their beginnings) whose initialisation changes the
+/// base's weights too: an adapter saved so holds its change against that changed base.
+const CHANGE_THE_BASE: [&str; 5] = ["pissa", "olora", "corda", "loftq", "lora_ga"];
+
 /// Reads the LoRA configuration of the peft folder `dir`; a folder of another method
 /// (`peft_type` other than `LORA`) or with options Strata does not compute is refused.
 pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
@@ -124,6 +128,13 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
     let set = |v: &Value| !(v.is_null() || v == &json!(false) || v == &json!([]) || v == &json!({}));
     if let Some(field) = CHANGE_THE_PRODUCT.iter().find(|f| fields.get(**f).is_some_and(set)) {
         return Err(err(format!("{field}: a variant of LoRA; Strata computes plain LoRA")));
+    }
+    let init = fields.get("init_lora_weights").and_then(Value::as_str).map(str::to_lowercase);
+    if let Some(init) = init.filter(|i| CHANGE_THE_BASE.iter().any(|b| i.starts_with(b))) {
+        return Err(err(format!(
+            "init_lora_weights {init:?}: the adapter belongs to the base its initialisation changed; save it \
+             with peft's path_initial_model_for_weight_conversion to read it over the original base"
+        )));
     }
     let known = [
         "r",
@@ -428,7 +439,7 @@ mod tests {
         .unwrap();
         assert_eq!(patterned.rank_pattern.0, [("v_proj".to_string(), 2), ("q_proj".to_string(), 4)]);
         assert_eq!(patterned.alpha_pattern.0, [("o_proj".to_string(), 3.5)]);
-        assert_eq!(patterned.layers_to_transform, [1]);
+        assert_eq!(patterned.layers_to_transform, Some(vec![1]));
         assert_eq!(patterned.layers_pattern, ["layers", "h"]);
         assert_eq!(patterned.exclude_modules, Some(Targets::Pattern("lm_head".into())));
         let refused = [
@@ -441,6 +452,13 @@ mod tests {
         for (field, value) in refused {
             let err = config_with(json!({field: value})).unwrap_err().to_string();
             assert!(err.contains(&format!("{field}: a variant of LoRA")), "{err}");
+        }
+        for init in ["pissa", "pissa_niter_4", "olora", "loftq"] {
+            let err = config_with(json!({"init_lora_weights": init})).unwrap_err().to_string();
+            assert!(err.contains("the adapter belongs to the base its initialisation changed"), "{err}");
+        }
+        for init in [json!(false), json!("gaussian"), json!("mica")] {
+            assert!(config_with(json!({"init_lora_weights": init})).is_ok());
         }
     }
 }

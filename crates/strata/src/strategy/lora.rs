@@ -60,10 +60,10 @@ pub struct LoraConfig {
     pub rank_pattern: Patterns<i64>,
     /// Alphas of their own, keyed as `rank_pattern` (peft's `alpha_pattern`).
     pub alpha_pattern: Patterns<f64>,
-    /// Where not empty, a layer that a name of `target_modules` ends is adapted only in the
-    /// blocks of these indices (peft's `layers_to_transform`: one index or a list).
-    #[serde(deserialize_with = "one_or_many")]
-    pub layers_to_transform: Vec<i64>,
+    /// Where given and not empty, a layer that a name of `target_modules` ends is adapted
+    /// only in the blocks of these indices (peft's `layers_to_transform`: one index or a list).
+    #[serde(deserialize_with = "maybe_one_or_many")]
+    pub layers_to_transform: Option<Vec<i64>>,
     /// The block lists whose index `layers_to_transform` reads (`layers`, `h`); where empty,
     /// the first numbered part of a name after its second (peft's `layers_pattern`).
     #[serde(deserialize_with = "one_or_many")]
@@ -122,19 +122,25 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Patterns<T> {
     }
 }
 
-/// A value or a list of them, read as a list (null as none), as peft's fields take either.
-fn one_or_many<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> std::result::Result<Vec<T>, D::Error> {
+/// A value or a list of them, read as a list; null as none given.
+fn maybe_one_or_many<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> std::result::Result<Option<Vec<T>>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum OneOrMany<T> {
         One(T),
         Many(Vec<T>),
     }
-    Ok(match Option::<OneOrMany<T>>::deserialize(d)? {
-        None => vec![],
-        Some(OneOrMany::One(t)) => vec![t],
-        Some(OneOrMany::Many(v)) => v,
-    })
+    Ok(Option::<OneOrMany<T>>::deserialize(d)?.map(|given| match given {
+        OneOrMany::One(t) => vec![t],
+        OneOrMany::Many(v) => v,
+    }))
+}
+
+/// A value or a list of them, read as a list (null as none), as peft's fields take either.
+fn one_or_many<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> std::result::Result<Vec<T>, D::Error> {
+    Ok(maybe_one_or_many(d)?.unwrap_or_default())
 }
 
 /// The two stacked parameters of a sparse layer's experts, in the order `transformers`
@@ -164,7 +170,7 @@ impl Default for LoraConfig {
             use_rslora: false,
             rank_pattern: Patterns::default(),
             alpha_pattern: Patterns::default(),
-            layers_to_transform: vec![],
+            layers_to_transform: None,
             layers_pattern: vec![],
             exclude_modules: None,
         }
@@ -207,15 +213,17 @@ fn first_match<T: Copy>(patterns: &Patterns<T>, name: &str) -> Option<T> {
     patterns.0.iter().find(|(key, _)| key_names(key, name)).map(|(_, v)| *v)
 }
 
-/// Where `saved` names a module of `modules_to_save`: the pattern of the names of that
-/// module and of everything inside it (peft's reading, which wraps the module whole).
+/// Where `saved` names a module of `modules_to_save`: the pattern of the names of the
+/// layers peft leaves unadapted for it, that module and everything inside it.
 fn saved_module(saved: &str) -> String {
     format!(r"^(?:.*\.)?(?:{saved})(?:\..*)?$")
 }
 
-/// Whether `module` is the module `saved` names, or lies inside it.
+/// Whether `module` lies in a module `saved` names as peft's wrapping reads the name: the
+/// module itself or one it lies in has a name ending with `saved`, as text.
 fn saved_by(saved: &str, module: &str) -> bool {
-    Regex::new(&saved_module(saved)).is_ok_and(|re| re.is_match(module))
+    let mut ends = module.match_indices('.').map(|(i, _)| i).chain([module.len()]);
+    ends.any(|end| module[..end].ends_with(saved))
 }
 
 /// The pattern whose first group is a name's block index (peft's): after the list `list`,
@@ -281,10 +289,10 @@ impl LoraConfig {
         if let Some((key, a)) = self.alpha_pattern.0.iter().find(|(_, a)| !a.is_finite() || *a <= 0.0) {
             return bad(format!("alpha_pattern {key:?}: an alpha must be positive, got {a}"));
         }
-        if !self.layers_pattern.is_empty() && self.layers_to_transform.is_empty() {
+        if !self.layers_pattern.is_empty() && self.layers_to_transform.is_none() {
             return bad("layers_pattern reads the indices of layers_to_transform, which is not given".into());
         }
-        if !self.layers_to_transform.is_empty() && matches!(self.target_modules, Targets::Pattern(_)) {
+        if self.layers_to_transform.is_some() && matches!(self.target_modules, Targets::Pattern(_)) {
             return bad("layers_to_transform needs target_modules as names, not one pattern (as peft)".into());
         }
         let mut patterns = vec![];
@@ -332,24 +340,25 @@ impl LoraConfig {
     /// Whether `module` is in a block that `layers_to_transform` keeps (every block where it
     /// is empty); a name with no block index is in none.
     fn in_kept_layer(&self, module: &str) -> bool {
-        if self.layers_to_transform.is_empty() {
-            return true;
-        }
+        let Some(kept) = self.layers_to_transform.as_ref().filter(|l| !l.is_empty()) else { return true };
         let index = match self.layers_pattern.is_empty() {
             true => block_index(&layer_index_pattern(None), module),
             false => self.layers_pattern.iter().find_map(|p| block_index(&layer_index_pattern(Some(p)), module)),
         };
-        index.is_some_and(|i| self.layers_to_transform.contains(&i))
+        index.is_some_and(|i| kept.contains(&i))
     }
 
-    /// Whether `module` is never adapted: `exclude_modules` names it, or it is saved whole.
+    /// Whether `module` is never adapted: `exclude_modules` names it, or it lies in a module
+    /// of `modules_to_save` (as peft's pattern reads the names there).
     fn excludes(&self, module: &str) -> bool {
         let excluded = match &self.exclude_modules {
             None => false,
             Some(Targets::Names(list)) => list.iter().any(|t| names(module, t)),
             Some(Targets::Pattern(p)) => matches_whole(p, module),
         };
-        excluded || self.saves_module(module)
+        let saved =
+            self.modules_to_save.iter().any(|m| Regex::new(&saved_module(m)).is_ok_and(|re| re.is_match(module)));
+        excluded || saved
     }
 
     /// The linear weights of `spec` the targets name, in declaration order, less those
@@ -391,10 +400,9 @@ impl LoraConfig {
                 linear.iter().filter(|(_, m)| whole.is_match(m)).collect()
             }
         };
-        if chosen.is_empty() && !self.layers_to_transform.is_empty() {
+        if let Some(kept) = self.layers_to_transform.as_ref().filter(|l| chosen.is_empty() && !l.is_empty()) {
             return Err(Error::Config(format!(
-                "lora: layers_to_transform {:?} keeps none of the layers target_modules names",
-                self.layers_to_transform
+                "lora: layers_to_transform {kept:?} keeps none of the layers target_modules names"
             )));
         }
         if chosen.is_empty() {
@@ -431,7 +439,7 @@ impl LoraConfig {
             && self.alpha_pattern == other.alpha_pattern
             && (!patterned || self.use_rslora == other.use_rslora)
             && same(&self.target_modules, &other.target_modules)
-            && set(&self.layers_to_transform) == set(&other.layers_to_transform)
+            && self.layers_to_transform.as_deref().map(set) == other.layers_to_transform.as_deref().map(set)
             && set(&self.layers_pattern) == set(&other.layers_pattern)
             && match (&self.exclude_modules, &other.exclude_modules) {
                 (Some(a), Some(b)) => same(a, b),

@@ -378,6 +378,16 @@ fn lora_refuses_what_it_cannot_adapt() {
         spec.params.iter().filter(|p| p.requires_grad && !p.name.contains("lora_")).map(|p| p.name.as_str()).collect();
     assert_eq!(trained.len(), 3, "layer 1's three feed-forward weights train whole: {trained:?}");
     assert!(trained.iter().all(|n| n.starts_with("model.layers.1.mlp.")), "{trained:?}");
+    // An empty layers_to_transform keeps every block, beside a layers_pattern too (peft's
+    // reading); a saved module is matched by the end of its name, as peft wraps it.
+    let mut spec = tiny_llama_spec();
+    lora_of(json!({"layers_to_transform": [], "layers_pattern": "layers", "modules_to_save": ["head"]}))
+        .apply(&mut spec)
+        .unwrap();
+    assert_eq!(spec.adapters.len(), 4, "q_proj and v_proj of both blocks");
+    let saved: Vec<&str> =
+        spec.params.iter().filter(|p| p.requires_grad && !p.name.contains("lora_")).map(|p| p.name.as_str()).collect();
+    assert_eq!(saved, ["lm_head.weight"]);
 }
 
 /// One rank of fsdp over two ranks with bf16 parameters and fp32 masters, training LoRA
