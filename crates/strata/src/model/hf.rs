@@ -361,6 +361,11 @@ impl Family {
                 "Mixtral's names",
             ),
             (
+                moe.is_some_and(|m| m.shared_expert_dim.is_none())
+                    && matches!(self, Family::Qwen3Next | Family::Qwen3_5Moe),
+                "experts without a shared expert",
+            ),
+            (
                 moe.is_some_and(|m| !m.norm_topk) && matches!(self, Family::Mixtral | Family::Qwen3_5Moe),
                 "routing weights that are not renormalised",
             ),
@@ -992,6 +997,13 @@ fn language_model_keys(cfg: &Map<String, Value>) -> KeyResult<Map<String, Value>
     };
     let mut text = text.clone();
     text.entry("model_type").or_insert_with(|| json!(format!("{outer}_text")));
+    // What the outer configuration says of the whole model: its quantization (which
+    // `transformers` hands the text model) and its class and labels (a classifier's).
+    for key in ["quantization_config", "architectures", "num_labels", "id2label", "label2id"] {
+        if let Some(value) = cfg.get(key) {
+            text.entry(key).or_insert_with(|| value.clone());
+        }
+    }
     Ok(text)
 }
 
@@ -1353,29 +1365,33 @@ impl Keys<'_> {
             _ if latent.is_some() => None,
             Some(h) => Some(h),
             None if gemma || next => Some(256),
+            None if ministral3 => Some(128),
             None => None,
         };
         let default_positions = match () {
             _ if gemma => 8192,
             _ if next || smollm3 => 32768,
+            _ if ministral3 => 262_144,
             _ => 2048,
         };
         let max_positions = self.int("max_position_embeddings")?.unwrap_or(default_positions);
         let (rope, local_rope) = match (family, self.get("rope_parameters")) {
-            (Family::Gemma3, params) => {
-                let nested = |layer: &str| params.and_then(|p| p.get(layer)).filter(|v| !v.is_null());
-                let global = self.rope(nested("full_attention"), "rope_theta", 1_000_000.0, max_positions)?;
-                let local = self.rope(nested("sliding_attention"), "rope_local_base_freq", 10_000.0, max_positions)?;
-                (global, Some(local))
+            (Family::Gemma3, _) => {
+                let (full, local) =
+                    self.ropes_by_layer_kind(1_000_000.0, Some("rope_local_base_freq"), 10_000.0, max_positions)?;
+                (full, Some(local))
             }
-            (Family::Olmo3, params) => {
-                let nested = |layer: &str| params.and_then(|p| p.get(layer)).filter(|v| !v.is_null());
-                let global = self.rope(nested("full_attention"), "rope_theta", 500_000.0, max_positions)?;
-                let local = self.rope(nested("sliding_attention"), "rope_theta", 500_000.0, max_positions)?;
-                (global, Some(local))
+            (Family::Olmo3, _) => {
+                let (full, local) = self.ropes_by_layer_kind(500_000.0, None, 500_000.0, max_positions)?;
+                (full, Some(local))
             }
-            (Family::SmolLm3, params) => (self.rope(params, "rope_theta", 2_000_000.0, max_positions)?, None),
-            (_, params) => (self.rope(params, "rope_theta", 10_000.0, max_positions)?, None),
+            (Family::SmolLm3, params) => (self.rope(params, Some("rope_theta"), 2_000_000.0, max_positions)?, None),
+            // Ministral 3 reads the older rope_scaling as its rotation, and without either key
+            // turns as its configuration class's default does.
+            (Family::Ministral3, _) => {
+                (self.rope(Some(&self.ministral3_rope()), Some("rope_theta"), 1_000_000.0, max_positions)?, None)
+            }
+            (_, params) => (self.rope(params, Some("rope_theta"), 10_000.0, max_positions)?, None),
         };
         // GLM-4.5 turns half of each head where its keys say nothing.
         let partial_given = self.cfg.contains_key("partial_rotary_factor")
@@ -1458,7 +1474,19 @@ impl Keys<'_> {
             fused_projections: family == Family::Phi3,
             fused_gate_up: glm4,
             interleaved_rotation: glm4,
-            padding_token: self.int("pad_token_id")?,
+            padding_token: match self.cfg.get("pad_token_id") {
+                Some(_) => self.int("pad_token_id")?,
+                // Each configuration class's default where the key is absent.
+                None => match family {
+                    Family::Gemma2 | Family::Gemma3 => Some(0),
+                    Family::Olmo2 | Family::Olmo3 => Some(1),
+                    Family::Ministral3 => Some(11),
+                    Family::Phi3 => Some(32000),
+                    Family::SmolLm3 => Some(128_004),
+                    Family::Glm4 => Some(151_329),
+                    _ => None,
+                },
+            },
             moe,
             attention_sinks: gpt_oss,
             attention_output_gate: next,
@@ -1583,6 +1611,9 @@ impl Keys<'_> {
             Family::Olmoe => (self.required("intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
             // Qwen3.5's router always renormalises (its configuration has no such key).
             Family::Qwen3_5Moe => (self.required("moe_intermediate_size")?, true),
+            Family::Qwen3Next => {
+                (self.required("moe_intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(true))
+            }
             _ => (self.required("moe_intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
         };
         let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe | Family::Qwen3Next);
@@ -1597,8 +1628,10 @@ impl Keys<'_> {
             None => vec![],
         };
         let shared_expert_dim = match family {
-            Family::Qwen2Moe | Family::Qwen3Next | Family::Qwen3_5Moe => {
-                self.int("shared_expert_intermediate_size")?.filter(|&d| d > 0)
+            // Each configuration class's default where the key is absent.
+            Family::Qwen2Moe => Some(self.int("shared_expert_intermediate_size")?.unwrap_or(5632)).filter(|&d| d > 0),
+            Family::Qwen3Next | Family::Qwen3_5Moe => {
+                Some(self.int("shared_expert_intermediate_size")?.unwrap_or(512)).filter(|&d| d > 0)
             }
             _ => None,
         };
@@ -1683,6 +1716,8 @@ impl Keys<'_> {
             (0..layers).map(|i| if sliding(i) { LayerAttention::Sliding } else { LayerAttention::Full }).collect()
         };
         let types = match (given, family) {
+            // Mistral's classes slide every layer where a window is set, whatever layer_types says.
+            (_, Family::Mistral | Family::Ministral3) => None,
             (Some(types), _) => Some(types),
             (None, Family::Qwen2 | Family::Qwen3) => {
                 let first = self.int("max_window_layers")?.unwrap_or(28);
@@ -1707,10 +1742,51 @@ impl Keys<'_> {
         Ok((window, types))
     }
 
-    /// Ministral 3's scale of its queries by position: `rope_parameters`'
-    /// `llama_4_scaling_beta`, stepping every `original_max_position_embeddings` positions.
+    /// Ministral 3's rotation keys: `rope_parameters`, else the older `rope_scaling`, else
+    /// its configuration class's default (YaRN by 16 from 16,384 positions, with the queries
+    /// scaled by position).
+    fn ministral3_rope(&self) -> Value {
+        match self.get("rope_parameters").or(self.get("rope_scaling")).filter(|v| !v.is_null()) {
+            Some(given) => given.clone(),
+            None => json!({
+                "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
+                "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
+            }),
+        }
+    }
+
+    /// The rotations of a family that names one for each kind of layer (Gemma 3, OLMo 3):
+    /// `rope_parameters`' `full_attention` and `sliding_attention`. Where a folder has the
+    /// older top-level keys instead, `rope_scaling` and `rope_theta` are the full layers'
+    /// alone, as `transformers` reads them, and the sliding layers turn plainly at the base
+    /// `local_theta_key` gives (else `local_theta`).
+    fn ropes_by_layer_kind(
+        &self,
+        full_theta: f64,
+        local_theta_key: Option<&str>,
+        local_theta: f64,
+        max_positions: i64,
+    ) -> KeyResult<(Rope, Rope)> {
+        let params = self.get("rope_parameters");
+        let nested = |layer: &str| params.and_then(|p| p.get(layer)).filter(|v| !v.is_null());
+        let full = self.rope(nested("full_attention"), Some("rope_theta"), full_theta, max_positions)?;
+        let local = match nested("sliding_attention") {
+            Some(p) => self.rope(Some(p), local_theta_key, local_theta, max_positions)?,
+            None => Rope::new(match local_theta_key {
+                Some(key) => self.float(key)?.unwrap_or(local_theta),
+                None => local_theta,
+            }),
+        };
+        Ok((full, local))
+    }
+
+    /// Ministral 3's scale of its queries by position: its rotation keys'
+    /// ([`Self::ministral3_rope`]) `llama_4_scaling_beta`, stepping every
+    /// `original_max_position_embeddings` positions.
     fn query_scaling(&self) -> KeyResult<Option<QueryScaling>> {
-        let Some(Value::Object(params)) = self.get("rope_parameters") else { return Ok(None) };
+        let rope = self.ministral3_rope();
+        let Value::Object(params) = &rope else { return Ok(None) };
         let p = Keys { cfg: params, prefix: "rope_parameters.".into() };
         let Some(beta) = p.float("llama_4_scaling_beta")? else { return Ok(None) };
         let every = p.int("original_max_position_embeddings")?.ok_or_else(|| {
@@ -1744,7 +1820,7 @@ impl Keys<'_> {
     /// `theta_key` with `rope_scaling`; `max_positions` is the context the scaling keys
     /// default to. Types other than default, linear, dynamic, yarn and llama3 are refused
     /// by name.
-    fn rope(&self, params: Option<&Value>, theta_key: &str, theta: f64, max_positions: i64) -> KeyResult<Rope> {
+    fn rope(&self, params: Option<&Value>, theta_key: Option<&str>, theta: f64, max_positions: i64) -> KeyResult<Rope> {
         let (key, params) = match (params, self.get("rope_scaling")) {
             (Some(p), _) => ("rope_parameters", Some(p)),
             (None, scaling) => ("rope_scaling", scaling),
@@ -1756,9 +1832,10 @@ impl Keys<'_> {
             None => &empty,
         };
         let p = Keys { cfg: map, prefix: format!("{key}.") };
-        let theta = match p.float("rope_theta")? {
-            Some(t) => t,
-            None => self.float(theta_key)?.unwrap_or(theta),
+        let theta = match (p.float("rope_theta")?, theta_key) {
+            (Some(t), _) => t,
+            (None, Some(key)) => self.float(key)?.unwrap_or(theta),
+            (None, None) => theta,
         };
         let partial = match p.float("partial_rotary_factor")? {
             Some(f) => f,
@@ -1902,6 +1979,46 @@ mod tests {
                 (same.into(), same.into())
             );
         }
+    }
+
+    /// A Qwen3.5 release reads as its text model with what the outer configuration says of
+    /// the whole: quantized weights are refused, a one-label classifier is a reward model.
+    #[test]
+    fn qwen3_5_releases_read_as_their_text_model_with_the_outer_keys() {
+        let text = json!({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 4, "head_dim": 16,
+                          "intermediate_size": 48, "vocab_size": 96, "linear_num_key_heads": 2,
+                          "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8});
+        let release = |outer: Value| {
+            let mut cfg = json!({"model_type": "qwen3_5", "text_config": text.clone()});
+            for (k, v) in outer.as_object().into_iter().flatten() {
+                cfg[k] = v.clone();
+            }
+            config_from_keys(&language_model_keys(cfg.as_object().unwrap())?)
+        };
+        let (family, config) = release(json!({"architectures": ["Qwen3_5ForConditionalGeneration"]})).unwrap();
+        assert!(
+            family == Family::Qwen3_5
+                && matches!(config, ModelConfig::Llama(LlamaConfig { head: DecoderHead::LanguageModel, .. }))
+        );
+        let quantized = release(json!({"quantization_config": {"quant_method": "fp8"}})).unwrap_err();
+        assert!(quantized.contains("quantized weights (fp8) are not read"), "{quantized}");
+        let reward = release(json!({"architectures": ["Qwen3_5ForSequenceClassification"], "num_labels": 1})).unwrap();
+        assert!(matches!(reward.1, ModelConfig::Llama(LlamaConfig { head: DecoderHead::Reward, .. })));
+        let bare = language_model_keys(json!({"model_type": "qwen3_5_moe"}).as_object().unwrap()).unwrap_err();
+        assert!(bare.contains("a qwen3_5_moe folder without a text_config object"), "{bare}");
+    }
+
+    /// Gemma 3 and OLMo 3 given the older top-level keys scale the full layers' rotation
+    /// alone; the sliding layers turn plainly (Gemma 3 at rope_local_base_freq).
+    #[test]
+    fn older_rotation_keys_reach_the_full_layers_alone() {
+        let yarn = json!({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16});
+        let olmo3 = read(Family::Olmo3, json!({"rope_scaling": yarn.clone(), "rope_theta": 5e5})).unwrap();
+        assert!(matches!(olmo3.rope_scaling, RopeScaling::Yarn { factor: 8.0, .. }) && olmo3.rope_theta == 5e5);
+        assert_eq!(olmo3.local_rope, Some(Rope::new(500_000.0)));
+        let gemma3 = read(Family::Gemma3, json!({"rope_scaling": yarn, "rope_local_base_freq": 1e4})).unwrap();
+        assert!(matches!(gemma3.rope_scaling, RopeScaling::Yarn { .. }));
+        assert_eq!(gemma3.local_rope, Some(Rope::new(1e4)));
     }
 
     /// SmolLM3's layers without rotation come from `no_rope_layers` or, absent, every fourth
@@ -2078,7 +2195,18 @@ mod tests {
         assert!(Family::Olmo2.cannot_write(&olmo3).unwrap().contains("a local rotation"));
         let unscaled = read(Family::Ministral3, json!({"rope_parameters": {"llama_4_scaling_beta": 0.1}})).unwrap_err();
         assert!(unscaled.contains("llama_4_scaling_beta needs original_max_position_embeddings"), "{unscaled}");
-        assert_eq!(read(Family::Ministral3, json!({})).unwrap().query_scaling, None);
+        // Without rotation keys, Ministral 3's configuration class's own: YaRN with the queries
+        // scaled; the older rope_scaling is its rotation, query scale included.
+        let plain = read(Family::Ministral3, json!({})).unwrap();
+        assert_eq!(plain.query_scaling, Some(QueryScaling { beta: 0.1, every: 16384 }));
+        assert!(matches!(plain.rope_scaling, RopeScaling::Yarn { factor: 16.0, original_context: 16384, .. }));
+        assert_eq!(
+            (plain.rope_theta, plain.head_width(), plain.ctx, plain.padding_token),
+            (1e6, 128, 262_144, Some(11))
+        );
+        let older = json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                            "llama_4_scaling_beta": 0.2}});
+        assert_eq!(read(Family::Ministral3, older).unwrap().query_scaling, Some(QueryScaling { beta: 0.2, every: 32 }));
         let qwen3_5 = read(Family::Qwen3_5, json!({})).unwrap();
         assert!(Family::Qwen3Next.cannot_write(&qwen3_5).is_some());
     }
