@@ -362,7 +362,7 @@ impl LoraConfig {
     }
 
     /// The linear weights of `spec` the targets name, in declaration order, less those
-    /// excluded ([`Self::excludes`]) and, for a name a layer's name ends with, those outside
+    /// excluded (by `exclude_modules`, or inside a module of `modules_to_save`) and, for a name a layer's name ends with, those outside
     /// `layers_to_transform` (as peft, a layer named whole is kept); a name (or the pattern)
     /// that names no linear layer is an error listing the model's linear layers, and so is a
     /// choice that leaves none.
