@@ -1329,6 +1329,16 @@ impl Keys<'_> {
         let query_scaling = if ministral3 { self.query_scaling()? } else { None };
         let glm4 = family == Family::Glm4;
         let glm = family == Family::Glm4Moe || glm4;
+        // Each configuration class's padding token where the key is absent.
+        let default_padding = match family {
+            Family::Gemma2 | Family::Gemma3 => Some(0),
+            Family::Olmo2 | Family::Olmo3 | Family::Olmoe => Some(1),
+            Family::Ministral3 => Some(11),
+            Family::Phi3 => Some(32000),
+            Family::SmolLm3 => Some(128_004),
+            Family::Glm4 => Some(151_329),
+            _ => None,
+        };
         let gpt_oss = family == Family::GptOss;
         let next = family.linear_attention_family();
         let split_projections = family.is_qwen3_5();
@@ -1389,7 +1399,7 @@ impl Keys<'_> {
             // Ministral 3 reads the older rope_scaling as its rotation, and without either key
             // turns as its configuration class's default does.
             (Family::Ministral3, _) => {
-                (self.rope(Some(&self.ministral3_rope()), Some("rope_theta"), 1_000_000.0, max_positions)?, None)
+                (self.rope(Some(&self.ministral3_rope()), Some("rope_theta"), 10_000.0, max_positions)?, None)
             }
             (_, params) => (self.rope(params, Some("rope_theta"), 10_000.0, max_positions)?, None),
         };
@@ -1476,16 +1486,7 @@ impl Keys<'_> {
             interleaved_rotation: glm4,
             padding_token: match self.cfg.get("pad_token_id") {
                 Some(_) => self.int("pad_token_id")?,
-                // Each configuration class's default where the key is absent.
-                None => match family {
-                    Family::Gemma2 | Family::Gemma3 => Some(0),
-                    Family::Olmo2 | Family::Olmo3 => Some(1),
-                    Family::Ministral3 => Some(11),
-                    Family::Phi3 => Some(32000),
-                    Family::SmolLm3 => Some(128_004),
-                    Family::Glm4 => Some(151_329),
-                    _ => None,
-                },
+                None => default_padding,
             },
             moe,
             attention_sinks: gpt_oss,
@@ -1742,11 +1743,12 @@ impl Keys<'_> {
         Ok((window, types))
     }
 
-    /// Ministral 3's rotation keys: `rope_parameters`, else the older `rope_scaling`, else
-    /// its configuration class's default (YaRN by 16 from 16,384 positions, with the queries
-    /// scaled by position).
+    /// Ministral 3's rotation keys: the older `rope_scaling` where given (its class reads it
+    /// first), else `rope_parameters`, else its class's default (YaRN by 16 from 16,384
+    /// positions, with the queries scaled by position).
     fn ministral3_rope(&self) -> Value {
-        match self.get("rope_parameters").or(self.get("rope_scaling")).filter(|v| !v.is_null()) {
+        let given = |key: &str| self.get(key).filter(|v| !v.is_null());
+        match given("rope_scaling").or(given("rope_parameters")) {
             Some(given) => given.clone(),
             None => json!({
                 "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
@@ -2206,7 +2208,17 @@ mod tests {
         );
         let older = json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                             "llama_4_scaling_beta": 0.2}});
-        assert_eq!(read(Family::Ministral3, older).unwrap().query_scaling, Some(QueryScaling { beta: 0.2, every: 32 }));
+        assert_eq!(
+            read(Family::Ministral3, older.clone()).unwrap().query_scaling,
+            Some(QueryScaling { beta: 0.2, every: 32 })
+        );
+        // Both given: the older key is read, as its class reads it.
+        let both = json!({"rope_scaling": older["rope_scaling"], "rope_parameters": {"rope_type": "default"}});
+        assert_eq!(read(Family::Ministral3, both).unwrap().query_scaling, Some(QueryScaling { beta: 0.2, every: 32 }));
+        assert_eq!(
+            read(Family::Olmoe, json!({"num_experts": 4, "num_experts_per_tok": 2})).unwrap().padding_token,
+            Some(1)
+        );
         let qwen3_5 = read(Family::Qwen3_5, json!({})).unwrap();
         assert!(Family::Qwen3Next.cannot_write(&qwen3_5).is_some());
     }

@@ -337,10 +337,16 @@ impl LoraConfig {
         (r, scale(r, alpha, self.use_rslora))
     }
 
+    /// The blocks `layers_to_transform` keeps alone, where it chooses some (an empty list,
+    /// as none, keeps every block).
+    fn kept_layers(&self) -> Option<&[i64]> {
+        self.layers_to_transform.as_deref().filter(|l| !l.is_empty())
+    }
+
     /// Whether `module` is in a block that `layers_to_transform` keeps (every block where it
-    /// is empty); a name with no block index is in none.
+    /// chooses none); a name with no block index is in none.
     fn in_kept_layer(&self, module: &str) -> bool {
-        let Some(kept) = self.layers_to_transform.as_ref().filter(|l| !l.is_empty()) else { return true };
+        let Some(kept) = self.kept_layers() else { return true };
         let index = match self.layers_pattern.is_empty() {
             true => block_index(&layer_index_pattern(None), module),
             false => self.layers_pattern.iter().find_map(|p| block_index(&layer_index_pattern(Some(p)), module)),
@@ -400,7 +406,7 @@ impl LoraConfig {
                 linear.iter().filter(|(_, m)| whole.is_match(m)).collect()
             }
         };
-        if let Some(kept) = self.layers_to_transform.as_ref().filter(|l| chosen.is_empty() && !l.is_empty()) {
+        if let Some(kept) = self.kept_layers().filter(|_| chosen.is_empty()) {
             return Err(Error::Config(format!(
                 "lora: layers_to_transform {kept:?} keeps none of the layers target_modules names"
             )));
@@ -439,7 +445,7 @@ impl LoraConfig {
             && self.alpha_pattern == other.alpha_pattern
             && (!patterned || self.use_rslora == other.use_rslora)
             && same(&self.target_modules, &other.target_modules)
-            && self.layers_to_transform.as_deref().map(set) == other.layers_to_transform.as_deref().map(set)
+            && self.kept_layers().map(set) == other.kept_layers().map(set)
             && set(&self.layers_pattern) == set(&other.layers_pattern)
             && match (&self.exclude_modules, &other.exclude_modules) {
                 (Some(a), Some(b)) => same(a, b),

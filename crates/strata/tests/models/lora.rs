@@ -350,6 +350,8 @@ fn lora_refuses_what_it_cannot_adapt() {
     assert!(!given.same_adapters(&excluding));
     let reordered = lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"], "exclude_modules": ["b", "a"]}));
     assert!(excluding.same_adapters(&reordered));
+    let every_block = lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"], "layers_to_transform": []}));
+    assert!(given.same_adapters(&every_block), "an empty layers_to_transform is none");
     assert!(!given
         .same_adapters(&lora_of(json!({"r": 8, "target_modules": ["q_proj", "v_proj"], "rank_pattern": {"q": 2}}))));
     // A pattern matches whole names, as peft's does.
