@@ -481,7 +481,7 @@ impl Family {
     pub fn hf_name(self, name: &str) -> (String, bool) {
         let transposed = self == Family::Gpt2 && CONV1D_WEIGHTS.iter().any(|w| name.ends_with(w));
         match self {
-            Family::Glm4 => (renamed(name, GLM4_NORMS.iter().map(|(strata, hf)| (*strata, *hf))), false),
+            Family::Glm4 => (renamed(name, GLM4_NORMS.iter().copied()), false),
             _ => (name.to_string(), transposed),
         }
     }
@@ -508,7 +508,7 @@ impl Family {
                 None
             }
             _ if name.ends_with("rotary_emb.inv_freq") => None,
-            Family::Glm4 => Some((renamed(name, GLM4_NORMS.iter().map(|(strata, hf)| (*hf, *strata))), false)),
+            Family::Glm4 => Some((renamed(name, GLM4_NORMS.iter().map(|&(strata, hf)| (hf, strata))), false)),
             // Qwen3.5's text model reads the language model of a folder with an image model
             // and multi-token prediction beside it, as `transformers` does.
             Family::Qwen3_5 | Family::Qwen3_5Moe => match name.strip_prefix("model.language_model.") {
@@ -1326,7 +1326,11 @@ impl Keys<'_> {
         let olmo = family.is_olmo();
         let smollm3 = family == Family::SmolLm3;
         let ministral3 = family == Family::Ministral3;
-        let query_scaling = if ministral3 { self.query_scaling()? } else { None };
+        let ministral3_rope = ministral3.then(|| self.ministral3_rope());
+        let query_scaling = match &ministral3_rope {
+            Some(rope) => Self::query_scaling(rope)?,
+            None => None,
+        };
         let glm4 = family == Family::Glm4;
         let glm = family == Family::Glm4Moe || glm4;
         // Each configuration class's padding token where the key is absent.
@@ -1348,6 +1352,7 @@ impl Keys<'_> {
         let family = family.dense();
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
         let layers = self.required("num_hidden_layers")?;
+        let unrotated_layers = if smollm3 { self.unrotated_layers(layers)? } else { vec![] };
         let gemma = family.is_gemma();
         let activation = match self.text("hidden_activation")?.or(self.text("hidden_act")?).as_deref() {
             None if gemma => Activation::GeluTanh,
@@ -1399,7 +1404,7 @@ impl Keys<'_> {
             // Ministral 3 reads the older rope_scaling as its rotation, and without either key
             // turns as its configuration class's default does.
             (Family::Ministral3, _) => {
-                (self.rope(Some(&self.ministral3_rope()), Some("rope_theta"), 10_000.0, max_positions)?, None)
+                (self.rope(ministral3_rope.as_ref(), Some("rope_theta"), 10_000.0, max_positions)?, None)
             }
             (_, params) => (self.rope(params, Some("rope_theta"), 10_000.0, max_positions)?, None),
         };
@@ -1419,9 +1424,9 @@ impl Keys<'_> {
             _ => max_positions,
         };
         let (sliding_window, layer_types) = match (gpt_oss, next) {
-            (true, _) => self.windows(Family::GptOss, layers)?,
+            (true, _) => self.windows(Family::GptOss, layers, &unrotated_layers)?,
             (_, true) => (None, Some(self.linear_layers(layers)?)),
-            _ => self.windows(family, layers)?,
+            _ => self.windows(family, layers, &unrotated_layers)?,
         };
         // Phi-3 drops each sub-layer's output (`resid_pdrop`); `transformers` reads no
         // `embd_pdrop`, nor the other families either key.
@@ -1469,7 +1474,7 @@ impl Keys<'_> {
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
             sandwich_norms: gemma || glm4,
             post_norms: olmo,
-            unrotated_layers: if smollm3 { self.unrotated_layers(layers)? } else { vec![] },
+            unrotated_layers,
             query_scaling,
             scale_embeddings: gemma,
             query_pre_attn_scalar: if gemma {
@@ -1703,7 +1708,12 @@ impl Keys<'_> {
     /// for Gemma 2, five of six for Gemma 3, where the list is absent). An explicit
     /// `layer_types` is honoured wherever it is given. LLaMA attends to every earlier
     /// position whatever its config says, as `transformers`' LLaMA does.
-    fn windows(&self, family: Family, layers: i64) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
+    fn windows(
+        &self,
+        family: Family,
+        layers: i64,
+        unrotated: &[i64],
+    ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         let window = match family {
             Family::Llama | Family::Gpt2 | Family::Olmo2 => return Ok((None, None)),
             Family::Qwen2 | Family::Qwen3 | Family::SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => {
@@ -1731,10 +1741,7 @@ impl Keys<'_> {
             }
             (None, Family::Olmo3) => Some(derived(&|i| (i + 1) % 4 != 0)),
             // SmolLM3 slides the layers that turn no position.
-            (None, Family::SmolLm3) => {
-                let unrotated = self.unrotated_layers(layers)?;
-                Some(derived(&|i| window.is_some() && unrotated.contains(&i)))
-            }
+            (None, Family::SmolLm3) => Some(derived(&|i| window.is_some() && unrotated.contains(&i))),
             (None, _) => None,
         };
         if window.is_none() && types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Sliding)) {
@@ -1786,9 +1793,8 @@ impl Keys<'_> {
     /// Ministral 3's scale of its queries by position: its rotation keys'
     /// ([`Self::ministral3_rope`]) `llama_4_scaling_beta`, stepping every
     /// `original_max_position_embeddings` positions.
-    fn query_scaling(&self) -> KeyResult<Option<QueryScaling>> {
-        let rope = self.ministral3_rope();
-        let Value::Object(params) = &rope else { return Ok(None) };
+    fn query_scaling(rope: &Value) -> KeyResult<Option<QueryScaling>> {
+        let Value::Object(params) = rope else { return Ok(None) };
         let p = Keys { cfg: params, prefix: "rope_parameters.".into() };
         let Some(beta) = p.float("llama_4_scaling_beta")? else { return Ok(None) };
         let every = p.int("original_max_position_embeddings")?.ok_or_else(|| {

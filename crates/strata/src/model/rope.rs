@@ -107,14 +107,9 @@ impl QueryScaling {
 
     /// Queries `[B, H, T, D]` at the positions `placed` says, scaled.
     pub(crate) fn apply(&self, q: &Tensor, placed: Placed<'_>) -> Result<Tensor> {
-        let t = q.size()[2];
-        let positions = match placed {
-            Placed::After(start) => {
-                Tensor::f_arange_start(start, start + t, (Kind::Float, q.device()))?.f_view([1, 1, t, 1])?
-            }
-            Placed::Packed(positions, _) => positions.f_to_kind(Kind::Float)?.f_unsqueeze(1)?.f_unsqueeze(-1)?,
-        };
-        let steps = positions.f_div_scalar(self.every as f64)?.f_floor()?;
+        // `[T, 1]` or `[B, 1, T, 1]`: a scale per position, across its head's dimensions.
+        let (positions, _) = placed.positions(q.size()[2], q.device())?;
+        let steps = positions.f_unsqueeze(-1)?.f_div_scalar(self.every as f64)?.f_floor()?;
         let scale = steps.f_add_scalar(1.0)?.f_log()?.f_mul_scalar(self.beta)?.f_add_scalar(1.0)?;
         Ok(q.f_mul(&scale.f_to_kind(q.kind())?)?)
     }
@@ -260,6 +255,17 @@ pub(crate) enum Placed<'a> {
     Packed(&'a Tensor, i64),
 }
 
+impl Placed<'_> {
+    /// The positions of `t` new positions in fp32 (`[T]` after a start, `[B, 1, T]` packed:
+    /// one row of them per row, shared by its heads), and the length of the rows they lie in.
+    pub(crate) fn positions(self, t: i64, device: Device) -> Result<(Tensor, i64)> {
+        Ok(match self {
+            Placed::After(start) => (Tensor::f_arange_start(start, start + t, (Kind::Float, device))?, start + t),
+            Placed::Packed(positions, len) => (positions.f_to_kind(Kind::Float)?.f_unsqueeze(1)?, len),
+        })
+    }
+}
+
 /// A [`Rope`] at work in a unit: queries and keys rotated with one pair of cosine and sine
 /// tables, from inverse frequencies kept on the device they were last used on. They are
 /// made again only where they change: on another device, or, under dynamic scaling, for
@@ -294,9 +300,7 @@ impl Rotation {
     /// Rotates queries and keys `[B, H, T, D]` whose first position is `start`, by
     /// position; the frequencies are those of a sequence of `start + T` positions.
     pub fn rotate(&self, q: &Tensor, k: &Tensor, start: i64) -> Result<(Tensor, Tensor)> {
-        let t = q.size()[2];
-        let positions = Tensor::f_arange_start(start, start + t, (Kind::Float, q.device()))?;
-        self.rotate_by(q, k, &positions, start + t)
+        self.rotate_placed(q, k, Placed::After(start))
     }
 
     /// The dimensions of heads `head_dim` wide it turns.
@@ -306,18 +310,14 @@ impl Rotation {
 
     /// Rotates queries and keys `[B, H, T, D]` at the positions `placed` says.
     pub(crate) fn rotate_placed(&self, q: &Tensor, k: &Tensor, placed: Placed<'_>) -> Result<(Tensor, Tensor)> {
-        match placed {
-            Placed::After(start) => self.rotate(q, k, start),
-            Placed::Packed(positions, len) => self.rotate_at(q, k, positions, len),
-        }
+        let (positions, len) = placed.positions(q.size()[2], q.device())?;
+        self.rotate_by(q, k, &positions, len)
     }
 
     /// Rotates queries and keys `[B, H, T, D]` by each row's own positions `[B, T]` (packed
     /// examples, each starting again at 0); the frequencies are those of rows `len` long.
     pub fn rotate_at(&self, q: &Tensor, k: &Tensor, positions: &Tensor, len: i64) -> Result<(Tensor, Tensor)> {
-        // [B, 1, T]: one table per row, shared by its heads.
-        let positions = positions.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
-        self.rotate_by(q, k, &positions, len)
+        self.rotate_placed(q, k, Placed::Packed(positions, len))
     }
 
     /// Rotates by angles `positions · frequencies` (`positions` `[T]`, or `[B, 1, T]`), the

@@ -192,10 +192,15 @@ fn regex(field: &str, pattern: String) -> Result<Regex> {
     Regex::new(&pattern).map_err(|e| Error::Config(format!("lora: {field}: {e}")))
 }
 
-/// Whether `name` matches `pattern` as a whole; a pattern that does not compile (which
-/// [`LoraConfig::validate`] refuses first) matches nothing.
-fn matches_whole(pattern: &str, name: &str) -> bool {
-    Regex::new(&format!("^(?:{pattern})$")).is_ok_and(|re| re.is_match(name))
+/// Whether `name` matches the regular expression `pattern`; one that does not compile
+/// (which [`LoraConfig::validate`] refuses first) matches nothing.
+fn matches(pattern: &str, name: &str) -> bool {
+    Regex::new(pattern).is_ok_and(|re| re.is_match(name))
+}
+
+/// The pattern of names that `pattern` matches as a whole.
+fn whole(pattern: &str) -> String {
+    format!("^(?:{pattern})$")
 }
 
 /// Where `key` is a key of `rank_pattern` or `alpha_pattern`: the pattern a name must match.
@@ -203,14 +208,9 @@ fn pattern_key(key: &str) -> String {
     format!(r"^(?:.*\.)?(?:{key})$")
 }
 
-/// Whether `name` matches `key` of `rank_pattern` or `alpha_pattern`.
-fn key_names(key: &str, name: &str) -> bool {
-    Regex::new(&pattern_key(key)).is_ok_and(|re| re.is_match(name))
-}
-
 /// The value of the first key of `patterns` that `name` matches (peft's `get_pattern_key`).
 fn first_match<T: Copy>(patterns: &Patterns<T>, name: &str) -> Option<T> {
-    patterns.0.iter().find(|(key, _)| key_names(key, name)).map(|(_, v)| *v)
+    patterns.0.iter().find(|(key, _)| matches(&pattern_key(key), name)).map(|(_, v)| *v)
 }
 
 /// Where `saved` names a module of `modules_to_save`: the pattern of the names of the
@@ -298,11 +298,11 @@ impl LoraConfig {
         let mut patterns = vec![];
         if let Targets::Pattern(p) = &self.target_modules {
             if p != "all-linear" {
-                patterns.push(("target_modules", format!("^(?:{p})$")));
+                patterns.push(("target_modules", whole(p)));
             }
         }
         if let Some(Targets::Pattern(p)) = &self.exclude_modules {
-            patterns.push(("exclude_modules", format!("^(?:{p})$")));
+            patterns.push(("exclude_modules", whole(p)));
         }
         patterns.extend(self.rank_pattern.keys().map(|k| ("rank_pattern", pattern_key(k))));
         patterns.extend(self.alpha_pattern.keys().map(|k| ("alpha_pattern", pattern_key(k))));
@@ -321,12 +321,7 @@ impl LoraConfig {
 
     /// Whether parameter `name` belongs to a module of `modules_to_save`, or lies inside one.
     pub fn saves(&self, name: &str) -> bool {
-        self.saves_module(module_of(name))
-    }
-
-    /// Whether `module` is a module of `modules_to_save` or lies inside one.
-    fn saves_module(&self, module: &str) -> bool {
-        self.modules_to_save.iter().any(|m| saved_by(m, module))
+        self.modules_to_save.iter().any(|m| saved_by(m, module_of(name)))
     }
 
     /// The rank and the product's factor of the adapter of `key` (a layer's module name, or
@@ -360,11 +355,9 @@ impl LoraConfig {
         let excluded = match &self.exclude_modules {
             None => false,
             Some(Targets::Names(list)) => list.iter().any(|t| names(module, t)),
-            Some(Targets::Pattern(p)) => matches_whole(p, module),
+            Some(Targets::Pattern(p)) => matches(&whole(p), module),
         };
-        let saved =
-            self.modules_to_save.iter().any(|m| Regex::new(&saved_module(m)).is_ok_and(|re| re.is_match(module)));
-        excluded || saved
+        excluded || self.modules_to_save.iter().any(|m| matches(&saved_module(m), module))
     }
 
     /// The linear weights of `spec` the targets name, in declaration order, less those
@@ -402,8 +395,8 @@ impl LoraConfig {
             }
             Targets::Pattern(p) if p == "all-linear" => linear.iter().collect(),
             Targets::Pattern(p) => {
-                let whole = regex("target_modules", format!("^(?:{p})$"))?;
-                linear.iter().filter(|(_, m)| whole.is_match(m)).collect()
+                let pattern = regex("target_modules", whole(p))?;
+                linear.iter().filter(|(_, m)| pattern.is_match(m)).collect()
             }
         };
         if let Some(kept) = self.kept_layers().filter(|_| chosen.is_empty()) {
@@ -543,7 +536,7 @@ impl LoraConfig {
         }
         let keys = self.rank_pattern.keys().map(|k| ("rank_pattern", k));
         for (field, key) in keys.chain(self.alpha_pattern.keys().map(|k| ("alpha_pattern", k))) {
-            if !adapted.iter().any(|name| key_names(key, name)) {
+            if !adapted.iter().any(|name| matches(&pattern_key(key), name)) {
                 tracing::warn!("lora: {field} {key:?} names none of the adapted layers");
             }
         }
