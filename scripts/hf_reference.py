@@ -140,7 +140,7 @@ def decoder_families():
         args.update(kw)
         return tf.LlamaForCausalLM, tf.LlamaConfig(**args)
 
-    return {
+    families = {
         "llama3": lambda: llama({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
         "llama-linear": lambda: llama({"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False),
@@ -283,11 +283,27 @@ def decoder_families():
                 layer_types=["linear_attention", "full_attention", "linear_attention"]),
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=4, temporal_patch_size=2, spatial_merge_size=2))),
+        # Gemma 3 as released: Gemma 3's layers beside an image model (SigLIP) and its
+        # projector, the head tied by the outer configuration's default.
+        "gemma3-release": lambda: (tf.Gemma3ForConditionalGeneration, tf.Gemma3Config(
+            text_config=families["gemma3"]()[1],
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14),
+            mm_tokens_per_image=4)),
+        # Mistral 3 as released (Mistral Small 3.1): Mistral's layers beside an image model
+        # (Pixtral) and its projector, a head of its own; rewritten as releases saved before
+        # transformers 5 are (see released_before_v5).
+        "mistral3-release": lambda: (tf.Mistral3ForConditionalGeneration, tf.Mistral3Config(
+            text_config=families["mistral"]()[1],
+            vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, head_dim=8, image_size=28, patch_size=14),
+            spatial_merge_size=1, tie_word_embeddings=False)),
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
             pad_token_id=0, resid_pdrop=0.1)),
     }
+    return families
 
 
 def build(family, seed):
@@ -389,8 +405,12 @@ def build(family, seed):
 def load(folder):
     import transformers as tf
 
+    # A Mistral 3 release is an image-text model only; its text alone is given here.
+    auto = tf.AutoModelForCausalLM
+    if tf.AutoConfig.from_pretrained(folder).model_type == "mistral3":
+        auto = tf.AutoModelForImageTextToText
     # Eager attention: the composite every family's options (caps, windows) are defined by.
-    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model = auto.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     return model
 
@@ -588,6 +608,28 @@ def adamw_losses(model, batches_file, lr, loss_of, seed=0):
     return losses
 
 
+def released_before_v5(folder):
+    """Rewrites an image-text release's folder as such releases were saved before
+    transformers 5: the language model under `language_model.model.` and
+    `language_model.lm_head.`, the image model and projector at the top, and no
+    tie_word_embeddings (so the class's default, tying, meets a stored head, which
+    transformers keeps apart)."""
+    from safetensors.torch import load_file
+    path = f"{folder}/model.safetensors"
+    renames = [("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+               ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")]
+    renamed = {}
+    for name, t in load_file(path).items():
+        old = next((old + name[len(new):] for new, old in renames if name.startswith(new)), name)
+        renamed[old] = t
+    save_file(renamed, path, metadata={"format": "pt"})
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    config.pop("tie_word_embeddings", None)
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def with_adapter(model, adapter, trainable=False):
     """The model with the peft adapter folder `adapter` loaded, if one is given."""
     if adapter is None:
@@ -732,6 +774,8 @@ def main(argv=None):
         model = build(args.family, args.seed)
         kwargs = {"max_shard_size": args.shard_bytes} if args.shard_bytes else {}
         model.save_pretrained(args.out, **kwargs)
+        if args.family == "mistral3-release":
+            released_before_v5(args.out)
         if args.family.startswith("bert"):
             wordpiece_tokenizer_json(f"{args.out}/tokenizer.json")
         elif args.family.startswith("t5"):

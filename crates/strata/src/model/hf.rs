@@ -509,14 +509,7 @@ impl Family {
             }
             _ if name.ends_with("rotary_emb.inv_freq") => None,
             Family::Glm4 => Some((renamed(name, GLM4_NORMS.iter().map(|&(strata, hf)| (hf, strata))), false)),
-            // Qwen3.5's text model reads the language model of a folder with an image model
-            // and multi-token prediction beside it, as `transformers` does.
-            Family::Qwen3_5 | Family::Qwen3_5Moe => match name.strip_prefix("model.language_model.") {
-                _ if name.starts_with("mtp.") || name.starts_with("model.visual.") => None,
-                Some(inner) => Some((format!("model.{inner}"), false)),
-                None => Some((name.to_string(), false)),
-            },
-            _ => Some((name.to_string(), false)),
+            _ => Some((language_model_name(name)?, false)),
         }
     }
 
@@ -980,31 +973,77 @@ fn read_config(config_path: &Path) -> Result<(Family, ModelConfig, Map<String, V
     let text = std::fs::read_to_string(config_path).map_err(|e| Error::io(config_path, e))?;
     let raw: Value = serde_json::from_str(&text).map_err(|e| fail(format!("config.json is not valid JSON ({e})")))?;
     let cfg = raw.as_object().ok_or_else(|| fail("config.json is not a JSON object".into()))?;
-    let cfg = language_model_keys(cfg).map_err(fail)?;
+    let stores_head =
+        || stored_names(dir).iter().any(|n| n == "lm_head.weight" || n == "language_model.lm_head.weight");
+    let cfg = language_model_keys(cfg, &stores_head).map_err(fail)?;
     let (family, config) = config_from_keys(&cfg).map_err(fail)?;
     Ok((family, config, cfg))
 }
 
-/// The keys of the model `AutoModelForCausalLM` reads from a folder: a Qwen3.5 release
-/// (`qwen3_5`, `qwen3_5_moe`) holds an image model beside its language model, which is read
-/// as its `text_config` alone (its weights under `model.language_model.`, the image model's
-/// and the multi-token prediction's left out: [`Family::strata_name`]).
-fn language_model_keys(cfg: &Map<String, Value>) -> KeyResult<Map<String, Value>> {
+/// Releases whose folders hold an image model beside their language model, read as the
+/// language model alone: the outer `model_type`, the text model's where its `text_config`
+/// names none, and whether the outer class ties its head to the embedding by default.
+const RELEASES: [(&str, &str, bool); 4] = [
+    ("qwen3_5", "qwen3_5_text", false),
+    ("qwen3_5_moe", "qwen3_5_moe_text", false),
+    ("gemma3", "gemma3_text", true),
+    ("mistral3", "mistral", true),
+];
+
+/// The keys of a folder's language model: a release of [`RELEASES`] is read as its
+/// `text_config` (its weights renamed by [`language_model_name`]), any other folder as it
+/// is. `stores_head` says whether the folder's weights hold a language head.
+fn language_model_keys(cfg: &Map<String, Value>, stores_head: &dyn Fn() -> bool) -> KeyResult<Map<String, Value>> {
     let outer = cfg.get("model_type").and_then(Value::as_str);
-    let Some(outer @ ("qwen3_5" | "qwen3_5_moe")) = outer else { return Ok(cfg.clone()) };
+    let Some(&(outer, text_type, ties)) = RELEASES.iter().find(|(release, ..)| Some(*release) == outer) else {
+        return Ok(cfg.clone());
+    };
     let Some(Value::Object(text)) = cfg.get("text_config") else {
         return Err(format!("config.json: a {outer} folder without a text_config object"));
     };
     let mut text = text.clone();
-    text.entry("model_type").or_insert_with(|| json!(format!("{outer}_text")));
+    text.entry("model_type").or_insert_with(|| json!(text_type));
     // What the outer configuration says of the whole model: its quantization (which
-    // `transformers` hands the text model) and its class and labels (a classifier's).
-    for key in ["quantization_config", "architectures", "num_labels", "id2label", "label2id"] {
+    // `transformers` hands the text model), its class and labels (a classifier's) and its
+    // special tokens.
+    let carried = ["quantization_config", "architectures", "num_labels", "id2label", "label2id"];
+    for key in carried.into_iter().chain(TOKEN_KEYS) {
         if let Some(value) = cfg.get(key) {
             text.entry(key).or_insert_with(|| value.clone());
         }
     }
+    // The outer class ties its head by its own flag, not the text model's; where the folder
+    // stores a head of its own, `transformers` keeps the two apart.
+    let tied = cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(ties) && !stores_head();
+    text.insert("tie_word_embeddings".into(), json!(tied));
+    // Gemma 3's outer class gives the language head's logits uncapped.
+    if outer == "gemma3" {
+        text.insert("final_logit_softcapping".into(), Value::Null);
+    }
     Ok(text)
+}
+
+/// A release folder's weight name as its language model's ([`RELEASES`]): the language
+/// model's weights under `model.language_model.` (or, saved before `transformers` 5,
+/// `language_model.model.` and `language_model.lm_head.`) read as `model.` and `lm_head.`;
+/// the image model's, its projector's and the multi-token prediction's are left out. Other
+/// names read as they are.
+fn language_model_name(name: &str) -> Option<String> {
+    const LEFT_OUT: [&str; 6] = [
+        "mtp.",
+        "model.visual.",
+        "model.vision_tower.",
+        "vision_tower.",
+        "model.multi_modal_projector.",
+        "multi_modal_projector.",
+    ];
+    if LEFT_OUT.iter().any(|p| name.starts_with(p)) {
+        return None;
+    }
+    let renamed = [("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", "")]
+        .iter()
+        .find_map(|(from, to)| Some(format!("{to}{}", name.strip_prefix(from)?)));
+    Some(renamed.unwrap_or_else(|| name.to_string()))
 }
 
 /// The family and model a `config.json`'s keys describe, checked; the error is the line to
@@ -1056,15 +1095,9 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         }
         return Err(fail(format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE} (only safetensors weights are read)")));
     }
-    let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-    let parsed: Value =
-        serde_json::from_str(&text).map_err(|e| fail(format!("{INDEX_FILE} is not valid JSON ({e})")))?;
-    let map = parsed
-        .get("weight_map")
-        .and_then(Value::as_object)
-        .ok_or_else(|| fail(format!("{INDEX_FILE} has no weight_map object")))?;
+    let map = weight_map(&index).map_err(fail)?;
     let mut files: Vec<PathBuf> = vec![];
-    for (tensor, file) in map {
+    for (tensor, file) in &map {
         let name = file.as_str().ok_or_else(|| fail(format!("{INDEX_FILE}: {tensor} names no file")))?;
         // Shards sit beside the index: a name that leaves the folder is not one.
         if name.contains('/') || name.contains('\\') || name == ".." {
@@ -1082,6 +1115,39 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         return Err(fail(format!("{INDEX_FILE} names no shards")));
     }
     Ok(files)
+}
+
+/// The `weight_map` of a folder's index (weight name to shard).
+fn weight_map(index: &Path) -> std::result::Result<Map<String, Value>, String> {
+    let text = std::fs::read_to_string(index).map_err(|e| format!("{INDEX_FILE} cannot be read ({e})"))?;
+    let parsed: Value = serde_json::from_str(&text).map_err(|e| format!("{INDEX_FILE} is not valid JSON ({e})"))?;
+    match parsed.get("weight_map") {
+        Some(Value::Object(map)) => Ok(map.clone()),
+        _ => Err(format!("{INDEX_FILE} has no weight_map object")),
+    }
+}
+
+/// The weight names a folder stores, as its index or its single file's header lists them;
+/// none where neither can be read (a folder of a `config.json` alone, which an estimate
+/// reads). Loading the weights reports what is wrong with them.
+fn stored_names(dir: &Path) -> Vec<String> {
+    let index = dir.join(INDEX_FILE);
+    if index.is_file() {
+        return weight_map(&index).map(|map| map.keys().cloned().collect()).unwrap_or_default();
+    }
+    // A safetensors file opens with its header's length (8 bytes, little-endian), then the
+    // header: a JSON object keyed by the tensors' names (and `__metadata__`), at most 100 MB.
+    let header = || -> std::io::Result<Map<String, Value>> {
+        use std::io::Read;
+        let mut file = std::fs::File::open(dir.join(WEIGHTS_FILE))?;
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len)?;
+        let len = u64::from_le_bytes(len).min(100_000_000);
+        let mut text = vec![];
+        file.take(len).read_to_end(&mut text)?;
+        Ok(serde_json::from_slice(&text).unwrap_or_default())
+    };
+    header().map(|h| h.keys().filter(|k| *k != "__metadata__").cloned().collect()).unwrap_or_default()
 }
 
 /// Typed reads of a config's keys; errors are the message for the folder's error.
@@ -2001,7 +2067,7 @@ mod tests {
             for (k, v) in outer.as_object().into_iter().flatten() {
                 cfg[k] = v.clone();
             }
-            config_from_keys(&language_model_keys(cfg.as_object().unwrap())?)
+            config_from_keys(&language_model_keys(cfg.as_object().unwrap(), &|| false)?)
         };
         let (family, config) = release(json!({"architectures": ["Qwen3_5ForConditionalGeneration"]})).unwrap();
         assert!(
@@ -2012,8 +2078,55 @@ mod tests {
         assert!(quantized.contains("quantized weights (fp8) are not read"), "{quantized}");
         let reward = release(json!({"architectures": ["Qwen3_5ForSequenceClassification"], "num_labels": 1})).unwrap();
         assert!(matches!(reward.1, ModelConfig::Llama(LlamaConfig { head: DecoderHead::Reward, .. })));
-        let bare = language_model_keys(json!({"model_type": "qwen3_5_moe"}).as_object().unwrap()).unwrap_err();
+        let bare =
+            language_model_keys(json!({"model_type": "qwen3_5_moe"}).as_object().unwrap(), &|| false).unwrap_err();
         assert!(bare.contains("a qwen3_5_moe folder without a text_config object"), "{bare}");
+    }
+
+    /// Gemma 3's and Mistral 3's releases read as their text models: the outer class's
+    /// flag ties the head unless the folder stores one, Gemma 3's logits go uncapped, the
+    /// outer special tokens are carried where the text model names none, and Mistral 3's
+    /// text model is Mistral's where it names no type. The weights' names lose the
+    /// release's prefixes, both as `transformers` 5 saves them and as releases before it did.
+    #[test]
+    fn gemma3_and_mistral3_releases_read_as_their_text_models() {
+        let text = json!({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "head_dim": 8,
+                          "intermediate_size": 48, "vocab_size": 96});
+        let read = |outer: Value, stores_head: bool| {
+            let mut cfg = outer;
+            cfg["text_config"] = text.clone();
+            let keys = language_model_keys(cfg.as_object().unwrap(), &|| stores_head).unwrap();
+            let (family, config) = config_from_keys(&keys).unwrap();
+            let ModelConfig::Llama(c) = config else { panic!("{family:?} is not a decoder") };
+            (family, c, keys)
+        };
+        let (family, c, keys) = read(json!({"model_type": "gemma3", "eos_token_id": [1, 106]}), false);
+        assert_eq!((family, c.tie_embeddings, c.logit_softcap), (Family::Gemma3, true, None));
+        assert_eq!(keys["eos_token_id"], json!([1, 106]));
+        let (_, untied, _) = read(json!({"model_type": "gemma3"}), true);
+        assert!(!untied.tie_embeddings, "a stored head is the head");
+        let (_, unflagged, _) = read(json!({"model_type": "gemma3", "tie_word_embeddings": false}), false);
+        assert!(!unflagged.tie_embeddings, "the outer flag decides");
+        let (family, c, _) = read(json!({"model_type": "mistral3"}), false);
+        assert_eq!((family, c.tie_embeddings), (Family::Mistral, true));
+        let mut capped = json!({"model_type": "gemma3"});
+        capped["text_config"] = json!({"model_type": "gemma3_text", "final_logit_softcapping": 30.0, "vocab_size": 96,
+                                       "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+                                       "intermediate_size": 48});
+        let keys = language_model_keys(capped.as_object().unwrap(), &|| false).unwrap();
+        assert_eq!(keys["final_logit_softcapping"], Value::Null);
+        for (stored, read) in [
+            ("model.language_model.layers.0.mlp.up_proj.weight", Some("model.layers.0.mlp.up_proj.weight")),
+            ("language_model.model.embed_tokens.weight", Some("model.embed_tokens.weight")),
+            ("language_model.lm_head.weight", Some("lm_head.weight")),
+            ("lm_head.weight", Some("lm_head.weight")),
+            ("model.norm.weight", Some("model.norm.weight")),
+            ("vision_tower.vision_model.post_layernorm.weight", None),
+            ("model.multi_modal_projector.mm_input_projection_weight", None),
+            ("mtp.fc.weight", None),
+        ] {
+            assert_eq!(Family::Gemma3.strata_name(stored).map(|(n, _)| n).as_deref(), read, "{stored}");
+        }
     }
 
     /// Gemma 3 and OLMo 3 given the older top-level keys scale the full layers' rotation

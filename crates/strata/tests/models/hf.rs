@@ -765,6 +765,22 @@ fn qwen3_5_moe_matches_transformers() {
     experts_match_transformers("qwen3.5-moe", 4, 32);
 }
 
+/// Gemma 3 as released: the language model of a folder that holds an image model and its
+/// projector beside it, under the names releases are saved with, its head tied by the outer
+/// configuration; written back as the text model.
+#[test]
+fn gemma3_release_matches_transformers() {
+    family_matches_transformers("gemma3-release", 32);
+}
+
+/// Mistral 3 as released before `transformers` 5 (Mistral Small 3.1): the language model
+/// beside an image model, a stored head kept apart from the embedding though the outer
+/// configuration's default ties them, as `transformers` keeps it.
+#[test]
+fn mistral3_release_matches_transformers() {
+    family_matches_transformers("mistral3-release", 32);
+}
+
 /// gpt-oss's released MXFP4 experts: a folder whose expert stacks are MXFP4 blocks and
 /// scales loads as the folder holding `transformers`' own dequantization of them, and its
 /// logits are `transformers`' on that folder; quantizing moved them off the original
