@@ -5,6 +5,8 @@ Every model is tiny and drawn from a seed here; nothing is downloaded.
   make      builds a random model of a family (see FAMILIES) with a word-level tokenizer and
             saves it with save_pretrained (sharded when --shard-bytes is given); every
             weight of the decoder families is moved off its initial value;
+  full-config  prints the whole configuration transformers makes of some config.json keys
+            (every key its class defaults written out);
   logits    writes the logits of a folder's model (with a peft adapter folder, if given) for
             given token rows to a safetensors file (with a mixture of experts' folder, its
             load-balancing loss too, as `aux_loss`, padding left out where --mask marks it);
@@ -683,6 +685,8 @@ def main(argv=None):
     make.add_argument("--out", required=True)
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--shard-bytes", type=int)
+    full = sub.add_parser("full-config")
+    full.add_argument("--keys", required=True, help="JSON of config.json keys, model_type among them")
     logits = sub.add_parser("logits")
     logits.add_argument("--dir", required=True)
     logits.add_argument("--tokens", required=True, help="JSON rows of token ids")
@@ -783,6 +787,11 @@ def main(argv=None):
         else:
             tokenizer_json(f"{args.out}/tokenizer.json")
         print(json.dumps({"folder": args.out}))
+    elif args.command == "full-config":
+        import transformers as tf
+        keys = json.loads(args.keys)
+        config = tf.AutoConfig.for_model(keys.pop("model_type"), **keys)
+        print(config.to_json_string(use_diff=False))
     elif args.command == "logits":
         model = with_adapter(load(args.dir), args.adapter)
         tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)

@@ -110,6 +110,21 @@ const GLM4_NORMS: [(&str, &str); 3] = [
     ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight"),
 ];
 
+/// What a decoder family's configuration class gives where a folder leaves its keys out
+/// (`save_pretrained` writes no key equal to its default).
+struct ClassDefaults {
+    /// `max_position_embeddings`.
+    positions: i64,
+    /// `rms_norm_eps`.
+    norm_eps: f64,
+    /// `rope_theta` (the families with a rotation per kind of layer have their own).
+    rope_theta: f64,
+    /// `head_dim`; `None`: the hidden size over the heads.
+    head_dim: Option<i64>,
+    /// `sliding_window`, where the family's layers slide (Qwen's where asked).
+    window: Option<i64>,
+}
+
 /// `name` with its last two parts replaced where a pair of `renames` (from, to) names them.
 fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>) -> String {
     renames
@@ -245,6 +260,43 @@ impl Family {
     }
 
     /// Whether the family is OLMo 2's (norms after attention and the feed-forward alone).
+    /// What this family's configuration class gives where a folder leaves its keys out.
+    fn class_defaults(self) -> ClassDefaults {
+        use Family::*;
+        ClassDefaults {
+            positions: match self {
+                Gemma2 => 8192,
+                Gemma3 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss => 131_072,
+                Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
+                Ministral3 => 262_144,
+                Phi3 | Olmoe | DeepseekV3 => 4096,
+                _ => 2048,
+            },
+            norm_eps: match self {
+                Glm4 => 1.5625e-7,
+                Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss => 1e-5,
+                _ => 1e-6,
+            },
+            rope_theta: match self {
+                Mixtral => 1e6,
+                SmolLm3 => 2e6,
+                GptOss => 150_000.0,
+                _ => 10_000.0,
+            },
+            head_dim: match self {
+                Gemma2 | Gemma3 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
+                Qwen3 | Glm4 | Ministral3 => Some(128),
+                GptOss => Some(64),
+                _ => None,
+            },
+            window: match self {
+                Mistral | Qwen2 | Qwen3 | Gemma2 | Gemma3 | Olmo3 => Some(4096),
+                GptOss => Some(128),
+                _ => None,
+            },
+        }
+    }
+
     fn is_olmo(self) -> bool {
         matches!(self, Family::Olmo2 | Family::Olmo3)
     }
@@ -1409,6 +1461,7 @@ impl Keys<'_> {
             Family::Glm4 => Some(151_329),
             _ => None,
         };
+        let defaults = family.class_defaults();
         let gpt_oss = family == Family::GptOss;
         let next = family.linear_attention_family();
         let split_projections = family.is_qwen3_5();
@@ -1435,7 +1488,7 @@ impl Keys<'_> {
         };
         self.only("mlp_bias", &[json!(false)], "the feed-forward has no biases")?;
         self.only("use_bidirectional_attention", &[json!(false)], "attention is causal")?;
-        let attention_bias = self.flag("attention_bias")?.unwrap_or(glm4);
+        let attention_bias = self.flag("attention_bias")?.unwrap_or(glm4 || gpt_oss);
         if family == Family::Phi3 && attention_bias {
             return Err(
                 "config.json: attention_bias = true is not supported (Phi-3's fused projections have none)".into()
@@ -1445,17 +1498,9 @@ impl Keys<'_> {
             // DeepSeek's head_dim names its rotated width alone.
             _ if latent.is_some() => None,
             Some(h) => Some(h),
-            None if gemma || next => Some(256),
-            None if ministral3 => Some(128),
-            None => None,
+            None => defaults.head_dim,
         };
-        let default_positions = match () {
-            _ if gemma => 8192,
-            _ if next || smollm3 => 32768,
-            _ if ministral3 => 262_144,
-            _ => 2048,
-        };
-        let max_positions = self.int("max_position_embeddings")?.unwrap_or(default_positions);
+        let max_positions = self.int("max_position_embeddings")?.unwrap_or(defaults.positions);
         let (rope, local_rope) = match (family, self.get("rope_parameters")) {
             (Family::Gemma3, _) => {
                 let (full, local) =
@@ -1466,13 +1511,18 @@ impl Keys<'_> {
                 let (full, local) = self.ropes_by_layer_kind(500_000.0, None, 500_000.0, max_positions)?;
                 (full, Some(local))
             }
-            (Family::SmolLm3, params) => (self.rope(params, Some("rope_theta"), 2_000_000.0, max_positions)?, None),
             // Ministral 3 reads the older rope_scaling as its rotation, and without either key
             // turns as its configuration class's default does.
             (Family::Ministral3, _) => {
                 (self.rope(ministral3_rope.as_ref(), Some("rope_theta"), 10_000.0, max_positions)?, None)
             }
-            (_, params) => (self.rope(params, Some("rope_theta"), 10_000.0, max_positions)?, None),
+            // gpt-oss's class turns by YaRN where a folder names no rotation.
+            (_, None) if gpt_oss && self.get("rope_scaling").is_none() => {
+                let yarn = json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": false, "original_max_position_embeddings": 4096});
+                (self.rope(Some(&yarn), Some("rope_theta"), defaults.rope_theta, max_positions)?, None)
+            }
+            (_, params) => (self.rope(params, Some("rope_theta"), defaults.rope_theta, max_positions)?, None),
         };
         // GLM-4.5 turns half of each head where its keys say nothing.
         let partial_given = self.cfg.contains_key("partial_rotary_factor")
@@ -1490,9 +1540,9 @@ impl Keys<'_> {
             _ => max_positions,
         };
         let (sliding_window, layer_types) = match (gpt_oss, next) {
-            (true, _) => self.windows(Family::GptOss, layers, &unrotated_layers)?,
+            (true, _) => self.windows(Family::GptOss, layers, &unrotated_layers, defaults.window)?,
             (_, true) => (None, Some(self.linear_layers(layers)?)),
-            _ => self.windows(family, layers, &unrotated_layers)?,
+            _ => self.windows(family, layers, &unrotated_layers, defaults.window)?,
         };
         // Phi-3 drops each sub-layer's output (`resid_pdrop`); `transformers` reads no
         // `embd_pdrop`, nor the other families either key.
@@ -1520,11 +1570,7 @@ impl Keys<'_> {
             partial_rotary: rope.partial,
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
-            norm_eps: self.float("rms_norm_eps")?.unwrap_or(match () {
-                _ if glm4 => 1.5625e-7,
-                _ if gpt_oss || olmo || ministral3 => 1e-5,
-                _ => 1e-6,
-            }),
+            norm_eps: self.float("rms_norm_eps")?.unwrap_or(defaults.norm_eps),
             tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: family != Family::Qwen2 && !glm && attention_bias,
@@ -1673,20 +1719,31 @@ impl Keys<'_> {
         }
         // Noise on the router's input in training: a regulariser Strata does not apply.
         self.only("router_jitter_noise", &[json!(0), json!(0.0)], "routing takes no noise")?;
+        // Each configuration class's defaults: how many experts, how many a token takes, and
+        // (where they have a width of their own) how wide they are.
+        let (default_experts, default_top_k, default_width) = match family {
+            Family::Mixtral => (8, 2, None),
+            Family::Olmoe => (64, 8, None),
+            Family::GptOss => (128, 4, None),
+            Family::Qwen2Moe => (60, 4, Some(1408)),
+            Family::Qwen3Moe => (128, 8, Some(768)),
+            Family::Qwen3Next => (512, 10, Some(512)),
+            _ => (256, 8, Some(512)),
+        };
         let experts = match self.int("num_experts")? {
             Some(n) => n,
-            None => self.required("num_local_experts")?,
+            None => self.int("num_local_experts")?.unwrap_or(default_experts),
         };
-        let (expert_ffn_dim, norm_topk) = match family {
-            // gpt-oss's softmax over the top-k logits is the renormalised top-k softmax.
-            Family::Mixtral | Family::GptOss => (self.required("intermediate_size")?, true),
-            Family::Olmoe => (self.required("intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
+        let expert_ffn_dim = match default_width {
+            Some(width) => self.int("moe_intermediate_size")?.unwrap_or(width),
+            None => self.required("intermediate_size")?,
+        };
+        let norm_topk = match family {
+            // gpt-oss's softmax over the top-k logits is the renormalised top-k softmax;
             // Qwen3.5's router always renormalises (its configuration has no such key).
-            Family::Qwen3_5Moe => (self.required("moe_intermediate_size")?, true),
-            Family::Qwen3Next => {
-                (self.required("moe_intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(true))
-            }
-            _ => (self.required("moe_intermediate_size")?, self.flag("norm_topk_prob")?.unwrap_or(false)),
+            Family::Mixtral | Family::GptOss | Family::Qwen3_5Moe => true,
+            Family::Qwen3Next => self.flag("norm_topk_prob")?.unwrap_or(true),
+            _ => self.flag("norm_topk_prob")?.unwrap_or(false),
         };
         let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe | Family::Qwen3Next);
         let dense_layers = match self.get("mlp_only_layers").filter(|_| qwen) {
@@ -1712,7 +1769,11 @@ impl Keys<'_> {
             shared_expert_dim,
             sparse_step: if qwen { self.int("decoder_sparse_step")?.unwrap_or(1) } else { 1 },
             dense_layers,
-            aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.001),
+            aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(if family == Family::Olmoe {
+                0.01
+            } else {
+                0.001
+            }),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
             names: match family {
                 Family::Mixtral => ExpertNames::BlockSparse,
@@ -1728,7 +1789,7 @@ impl Keys<'_> {
                 },
                 _ => ExpertActivation::Silu,
             },
-            ..MoeConfig::new(experts, self.required("num_experts_per_tok")?, expert_ffn_dim)
+            ..MoeConfig::new(experts, self.int("num_experts_per_tok")?.unwrap_or(default_top_k), expert_ffn_dim)
         }))
     }
 
@@ -1740,7 +1801,7 @@ impl Keys<'_> {
         self.only("scoring_func", &[json!("sigmoid")], "the router scores by sigmoid")?;
         self.only("topk_method", &[json!("noaux_tc")], "experts are chosen by their biased scores within groups")?;
         self.only("moe_layer_freq", &[json!(1)], "every layer past the first dense ones is sparse")?;
-        let width = self.required("moe_intermediate_size")?;
+        let width = self.int("moe_intermediate_size")?.unwrap_or(if deepseek { 2048 } else { 1408 });
         let shared = self.int("n_shared_experts")?.unwrap_or(1);
         let first_dense = self.int("first_k_dense_replace")?.unwrap_or(if deepseek { 3 } else { 1 });
         let (groups, top_groups) = match deepseek {
@@ -1779,13 +1840,14 @@ impl Keys<'_> {
         family: Family,
         layers: i64,
         unrotated: &[i64],
+        default_window: Option<i64>,
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         let window = match family {
             Family::Llama | Family::Gpt2 | Family::Olmo2 => return Ok((None, None)),
             Family::Qwen2 | Family::Qwen3 | Family::SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => {
                 None
             }
-            Family::Gemma2 | Family::Gemma3 | Family::Olmo3 if !self.cfg.contains_key("sliding_window") => Some(4096),
+            _ if !self.cfg.contains_key("sliding_window") => default_window,
             _ => self.int("sliding_window")?,
         };
         let given = self.layer_types(&["full_attention", "sliding_attention"])?;

@@ -9,7 +9,7 @@ use std::path::Path;
 use strata::engine::{Engine, EngineConfig};
 use strata::generate::{generate, generate_batch, generate_streams, GenerateConfig};
 use strata::io::{load_model_dir, save_weights, write_weights, FolderOut, WeightsTarget};
-use strata::model::{from_pretrained_dir, BertConfig, BertHead, Builder, GptConfig, ModelConfig};
+use strata::model::{from_pretrained_dir, BertConfig, BertHead, Builder, GptConfig, LlamaConfig, ModelConfig};
 use tch::{Kind, Tensor};
 
 fn make(py: &Path, family: &str, dir: &Path, shard_bytes: Option<&str>) {
@@ -1361,4 +1361,93 @@ fn t5_unigram_tokenizer_encodes_as_transformers_does() {
         assert!(ours.iter().all(|(ids, _)| ids.len() <= max_length && ids.last() == Some(&1)));
     }
     assert!(tokenizer.encode_pairs(&texts[3..], 64).unwrap()[0].0.contains(&2), "unknown characters are <unk>");
+}
+
+/// Keys a folder leaves out take its configuration class's defaults: for every decoder
+/// family, a `config.json` of the sizes alone reads as the whole configuration
+/// `transformers` makes of those keys (every default written out). `save_pretrained`
+/// leaves out keys equal to their defaults, so released folders rely on them.
+#[test]
+fn left_out_keys_take_each_configuration_class_defaults() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let read = |keys: &serde_json::Value, name: &str| {
+        let path = work.path().join(name);
+        std::fs::write(&path, keys.to_string()).unwrap();
+        // The head width as used: a head_dim equal to the hidden size over the heads is none.
+        strata::model::hf::config_of(&path).map(|c| match c {
+            ModelConfig::Llama(c) => serde_json::to_value(LlamaConfig { head_dim: Some(c.head_width()), ..c }).unwrap(),
+            other => serde_json::to_value(other).unwrap(),
+        })
+    };
+    let mut differences = vec![];
+    for model_type in DECODER_TYPES {
+        let sizes = serde_json::json!({"model_type": model_type, "hidden_size": 32, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 48,
+                                       // Large enough for every class's default padding token.
+                                       "vocab_size": 160_000});
+        let whole: serde_json::Value =
+            serde_json::from_str(&reference(&py, &["full-config", "--keys", &sizes.to_string()])).unwrap();
+        match (read(&sizes, "sizes.json"), read(&whole, "whole.json")) {
+            (Ok(ours), Ok(theirs)) => {
+                let (ours, theirs) = (flat(&ours), flat(&theirs));
+                for key in ours.keys().chain(theirs.keys()).collect::<BTreeSet<_>>() {
+                    if ours.get(key) != theirs.get(key) {
+                        differences.push(format!(
+                            "{model_type}: {key}: {:?} without the key, {:?} with transformers' default",
+                            ours.get(key),
+                            theirs.get(key)
+                        ));
+                    }
+                }
+            }
+            (a, b) => differences.push(format!("{model_type}: {:?} / {:?}", a.err(), b.err())),
+        }
+    }
+    assert!(differences.is_empty(), "{}", differences.join("\n"));
+}
+
+/// The decoder families' `model_type`s.
+const DECODER_TYPES: [&str; 22] = [
+    "llama",
+    "mistral",
+    "ministral3",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "glm4",
+    "smollm3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "olmo2",
+    "olmo3",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+];
+
+/// A JSON value's leaves by their paths (`rope_scaling.factor`).
+fn flat(value: &serde_json::Value) -> BTreeMap<String, serde_json::Value> {
+    let mut out = BTreeMap::new();
+    fn walk(prefix: String, v: &serde_json::Value, out: &mut BTreeMap<String, serde_json::Value>) {
+        match v {
+            serde_json::Value::Object(map) => {
+                for (k, v) in map {
+                    walk(if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") }, v, out);
+                }
+            }
+            leaf => {
+                out.insert(prefix, leaf.clone());
+            }
+        }
+    }
+    walk(String::new(), value, &mut out);
+    out
 }
