@@ -86,6 +86,24 @@ TEMPLATES = {
             "{% endfor %}"
         ),
     },
+    # Every named special token a template may read: the standard ones (bos ... mask), a
+    # model's own named in extra_special_tokens (image_token) or as a key of their own
+    # (think_token), and cls_token, which this tokenizer lacks.
+    "named": {
+        "special": ["<s>", "</s>", "<unk>", "<pad>", "<mask>", "<sep>", "<img>", "<think>", "<|im_start|>", "<|im_end|>"],
+        "bos": "<s>",
+        "eos": "</s>",
+        "named": {"unk_token": "<unk>", "pad_token": "<pad>", "mask_token": "<mask>", "sep_token": "<sep>",
+                  "extra_special_tokens": {"image_token": "<img>"}, "think_token": "<think>"},
+        "template": (
+            "{{ bos_token }}[{{ unk_token }}|{{ pad_token }}|{{ mask_token }}|{{ sep_token }}|{{ image_token }}"
+            "|{{ think_token }}]{% if cls_token is defined %}cls{% else %}no cls{% endif %}\n"
+            "{%- for message in messages %}"
+            "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>{{ eos_token }}\n"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        ),
+    },
 }
 
 
@@ -108,9 +126,18 @@ def make_tokenizer(style, out):
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=spec["special"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(sentences(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=spec["bos"], eos_token=spec["eos"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=spec["bos"], eos_token=spec["eos"],
+                                   **spec.get("named", {}))
     fast.chat_template = spec["template"]
     fast.save_pretrained(out)
+    if style == "named":
+        # Its image token named in extra_special_tokens, as Gemma 3's tokenizer names its own.
+        path = f"{out}/tokenizer_config.json"
+        with open(path) as f:
+            config = json.load(f)
+        config["extra_special_tokens"] = {"image_token": config.pop("image_token")}
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
 
 
 def render(folder, conversations):

@@ -355,8 +355,8 @@ fn chat_prompt(args: &GenerateArgs, loaded: &Loaded) -> Result<(Vec<u32>, Option
     let tokenizer = loaded.text_tokenizer()?;
     let ids = tokenizer.encode_with_starts(vec![text], false)?.remove(0).0;
     // The end token where it is one token of the vocabulary.
-    let end = match &template.eos_token {
-        Some(eos) => match tokenizer.encode_with_starts(vec![eos.clone()], false)?.remove(0).0[..] {
+    let end = match template.special_token("eos_token") {
+        Some(eos) => match tokenizer.encode_with_starts(vec![eos.to_string()], false)?.remove(0).0[..] {
             [id] => Some(i64::from(id)),
             _ => None,
         },

@@ -294,6 +294,7 @@ fn chat_templates_render_and_tokenize_as_transformers_does() {
         ("headers", &conversations[..], &file),
         ("inst", &conversations[..], &file),
         ("tools", &agents[..], &agent_file),
+        ("named", &conversations[..], &file),
     ] {
         let folder = tokenizer_folder(&python, dir.path(), style);
         let o = Command::new(&python)

@@ -7,6 +7,7 @@
 use crate::{Error, Result};
 use minijinja::{Environment, ErrorKind, Value};
 use serde_json::json;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 
@@ -17,10 +18,9 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     /// The template's source, for cache keys.
     pub source: String,
-    /// The beginning-of-sequence token's text, passed to the template as `bos_token`.
-    pub bos_token: Option<String>,
-    /// The end-of-sequence token's text, passed to the template as `eos_token`.
-    pub eos_token: Option<String>,
+    /// The tokenizer's named special tokens by name (`bos_token`, `eos_token`, ...:
+    /// [`named_tokens`]), given to every rendering.
+    special_tokens: BTreeMap<String, String>,
     /// Variables given to every rendering (a run's `chat_template_kwargs`, such as
     /// `enable_thinking`), beneath a record's own.
     arguments: serde_json::Map<String, serde_json::Value>,
@@ -28,18 +28,42 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate").field("bos_token", &self.bos_token).field("eos_token", &self.eos_token).finish()
+        f.debug_struct("ChatTemplate").field("special_tokens", &self.special_tokens).finish()
     }
 }
 
 /// A special token in `tokenizer_config.json` (`bos_token`, `eos_token`): its text, or an
 /// object whose `content` is.
 pub fn special_token(config: &serde_json::Value, key: &str) -> Option<String> {
-    match config.get(key)? {
+    token_text(config.get(key)?)
+}
+
+/// A token as a tokenizer configuration gives it: its text, or an object whose `content` is.
+fn token_text(value: &serde_json::Value) -> Option<String> {
+    match value {
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
         _ => None,
     }
+}
+
+/// The named special tokens of a tokenizer configuration, as `apply_chat_template` gives
+/// them to a template: every `…_token` key whose value is a token (`bos_token`, `eos_token`,
+/// `unk_token`, `pad_token`, ..., and a model's own, such as Gemma 3's `image_token`), and
+/// those named in an `extra_special_tokens` or `model_specific_special_tokens` object.
+pub fn named_tokens(config: &serde_json::Value) -> BTreeMap<String, String> {
+    let Some(config) = config.as_object() else { return BTreeMap::new() };
+    let tokens = |map: &serde_json::Map<String, serde_json::Value>| -> Vec<(String, String)> {
+        map.iter().filter_map(|(name, value)| Some((name.clone(), token_text(value)?))).collect()
+    };
+    let mut named: BTreeMap<String, String> =
+        tokens(config).into_iter().filter(|(name, _)| name.ends_with("_token")).collect();
+    for key in ["extra_special_tokens", "model_specific_special_tokens"] {
+        if let Some(serde_json::Value::Object(map)) = config.get(key) {
+            named.extend(tokens(map));
+        }
+    }
+    named
 }
 
 /// A folder's `tokenizer_config.json` (an empty object where it has none), with the
@@ -95,13 +119,7 @@ impl ChatTemplate {
                 }
             }
         };
-        let template = ChatTemplate::new(
-            source,
-            special_token(&config, "bos_token"),
-            special_token(&config, "eos_token"),
-            &dir.display().to_string(),
-        )?;
-        Ok(Some(template))
+        Ok(Some(ChatTemplate::new(source, named_tokens(&config), &dir.display().to_string())?))
     }
 
     /// The template a run uses: the Jinja file `file` where one is given (with the special
@@ -114,12 +132,12 @@ impl ChatTemplate {
             None => json!({}),
         };
         let source = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
-        let (bos, eos) = (special_token(&config, "bos_token"), special_token(&config, "eos_token"));
-        Ok(Some(ChatTemplate::new(source, bos, eos, &file.display().to_string())?))
+        Ok(Some(ChatTemplate::new(source, named_tokens(&config), &file.display().to_string())?))
     }
 
-    /// A template from its Jinja source; `origin` names it in errors.
-    pub fn new(source: String, bos: Option<String>, eos: Option<String>, origin: &str) -> Result<ChatTemplate> {
+    /// A template from its Jinja source, given `special_tokens` by name (`bos_token`, ...);
+    /// `origin` names it in errors.
+    pub fn new(source: String, special_tokens: BTreeMap<String, String>, origin: &str) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         // `message.content.strip()`, `.startswith(...)`, `dict.items()`: templates are
@@ -139,7 +157,12 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| Error::Data(format!("the chat template of {origin} does not parse: {e:#}")))?;
-        Ok(ChatTemplate { env, source, bos_token: bos, eos_token: eos, arguments: serde_json::Map::new() })
+        Ok(ChatTemplate { env, source, special_tokens, arguments: serde_json::Map::new() })
+    }
+
+    /// The text of the special token `name` (`eos_token`) the template is given.
+    pub fn special_token(&self, name: &str) -> Option<&str> {
+        self.special_tokens.get(name).map(String::as_str)
     }
 
     /// The template with `arguments` given to every rendering, as TRL's `GRPOConfig` gives
@@ -149,11 +172,14 @@ impl ChatTemplate {
         self
     }
 
-    /// What decides the template's renderings, for cache keys: its source, the arguments it
-    /// is given, and today's date where it reads the time (`strftime_now`), so a cache of
-    /// yesterday's renderings is not taken for today's.
+    /// What decides the template's renderings, for cache keys: its source, the special
+    /// tokens and arguments it is given, and today's date where it reads the time
+    /// (`strftime_now`), so a cache of yesterday's renderings is not taken for today's.
     pub fn identity(&self) -> String {
         let mut identity = self.source.clone();
+        for (name, token) in &self.special_tokens {
+            identity += &format!("\u{0}{name}\u{0}{token}");
+        }
         if !self.arguments.is_empty() {
             identity += &format!("\u{0}{}", serde_json::Value::Object(self.arguments.clone()));
         }
@@ -178,16 +204,16 @@ impl ChatTemplate {
         variables: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::Data(format!("{e:#}")))?;
-        // `tools` and `documents` are none unless given, as `apply_chat_template` passes
-        // them: a template asking `tools is not none` finds them so.
+        // The special tokens first, as `apply_chat_template` gives them: an argument of the
+        // same name replaces one, and a token the tokenizer lacks is undefined. `tools` and
+        // `documents` are none unless given: a template asking `tools is not none` finds them so.
         let mut context: serde_json::Map<String, serde_json::Value> =
-            [("tools".into(), json!(null)), ("documents".into(), json!(null))].into_iter().collect();
+            self.special_tokens.iter().map(|(name, token)| (name.clone(), json!(token))).collect();
+        context.extend([("tools".into(), json!(null)), ("documents".into(), json!(null))]);
         context.extend(self.arguments.clone());
         context.extend(variables.clone());
         context.insert("messages".into(), json!(messages.iter().map(as_templates_read).collect::<Vec<_>>()));
         context.insert("add_generation_prompt".into(), json!(add_generation_prompt));
-        context.insert("bos_token".into(), json!(self.bos_token.clone().unwrap_or_default()));
-        context.insert("eos_token".into(), json!(self.eos_token.clone().unwrap_or_default()));
         template
             .render(Value::from(minijinja::value::Serde(&context)))
             .map_err(|e| Error::Data(format!("the chat template failed: {}", describe(&e))))
@@ -333,7 +359,7 @@ mod tests {
     #[test]
     fn a_template_dates_itself_with_strftime_now() {
         let source = r#"{%- if strftime_now is defined %}{%- set date_string = strftime_now("%d %b %Y, %A") %}{%- else %}{%- set date_string = "26 Jul 2024" %}{%- endif %}Today Date: {{ date_string }}"#;
-        let template = ChatTemplate::new(source.into(), None, None, "test").unwrap();
+        let template = ChatTemplate::new(source.into(), Default::default(), "test").unwrap();
         let today = || {
             // In the C locale, as this process (and Python) formats.
             let out = std::process::Command::new("date").arg("+%d %b %Y, %A").env("LC_ALL", "C").output().unwrap();
@@ -346,9 +372,9 @@ mod tests {
         // Cached renderings are keyed by the day as well.
         let day = strftime_now("%Y-%m-%d".into()).unwrap();
         assert_eq!(template.identity(), format!("{source}\u{0}{day}"));
-        let plain = ChatTemplate::new(CHATML.into(), None, None, "test").unwrap();
+        let plain = ChatTemplate::new(CHATML.into(), Default::default(), "test").unwrap();
         assert_eq!(plain.identity(), CHATML);
-        let bad = ChatTemplate::new(r#"{{ strftime_now("a\u0000b") }}"#.into(), None, None, "test").unwrap();
+        let bad = ChatTemplate::new(r#"{{ strftime_now("a\u0000b") }}"#.into(), Default::default(), "test").unwrap();
         assert!(bad.render(&[], false).unwrap_err().to_string().contains("a NUL in the format"));
     }
 
@@ -357,9 +383,9 @@ mod tests {
     #[test]
     fn a_run_s_arguments_reach_every_rendering_beneath_a_record_s_own() {
         let source = "{% if enable_thinking %}[think]{% endif %}{{ style }}{{ messages[0].content }}";
-        let plain = ChatTemplate::new(source.into(), None, None, "test").unwrap();
+        let plain = ChatTemplate::new(source.into(), Default::default(), "test").unwrap();
         let arguments = json!({"enable_thinking": true, "style": "A:"}).as_object().unwrap().clone();
-        let given = ChatTemplate::new(source.into(), None, None, "test").unwrap().with_arguments(arguments);
+        let given = ChatTemplate::new(source.into(), Default::default(), "test").unwrap().with_arguments(arguments);
         let q = [msg("user", "q")];
         assert_eq!(plain.render(&q, false).unwrap(), "q");
         assert_eq!(given.render(&q, false).unwrap(), "[think]A:q");
@@ -383,7 +409,7 @@ mod tests {
 
     #[test]
     fn assistant_turns_are_found_in_the_rendering() {
-        let t = ChatTemplate::new(CHATML.into(), None, None, "test").unwrap();
+        let t = ChatTemplate::new(CHATML.into(), Default::default(), "test").unwrap();
         let conv = [
             msg("system", "Be brief."),
             msg("user", "Hi"),
@@ -401,18 +427,36 @@ mod tests {
     #[test]
     fn python_methods_and_raised_exceptions_work_as_under_transformers() {
         let src = "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with the user') }}{% endif %}{% for m in messages %}{{ m.content.strip().upper() }}{% endfor %}";
-        let t = ChatTemplate::new(src.into(), None, None, "test").unwrap();
+        let t = ChatTemplate::new(src.into(), Default::default(), "test").unwrap();
         assert_eq!(t.render(&[msg("user", " hi ")], false).unwrap(), "HI");
         let err = t.render(&[msg("assistant", "x")], false).unwrap_err().to_string();
         assert!(err.contains("Conversations must start with the user"), "{err}");
+    }
+
+    /// A template is given every named special token of its tokenizer configuration, a
+    /// model's own among them; one the tokenizer lacks is undefined, and an argument of the
+    /// same name replaces a token.
+    #[test]
+    fn templates_read_every_named_special_token() {
+        let config = json!({"bos_token": "<s>", "pad_token": {"content": "<pad>", "lstrip": false},
+                            "add_bos_token": true, "image_token": "<img>",
+                            "extra_special_tokens": {"boi_token": "<boi>"}, "unk_token": null});
+        let named = named_tokens(&config);
+        let names: Vec<&str> = named.keys().map(String::as_str).collect();
+        assert_eq!(names, ["boi_token", "bos_token", "image_token", "pad_token"]);
+        let source = "{{ bos_token }}{{ pad_token }}{{ image_token }}{{ boi_token }}|{{ unk_token is defined }}";
+        let t = ChatTemplate::new(source.into(), named, "t").unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "<s><pad><img><boi>|False");
+        assert_eq!(t.special_token("pad_token"), Some("<pad>"));
+        let given = t.with_arguments([("bos_token".to_string(), json!("[B]"))].into_iter().collect());
+        assert_eq!(given.render(&[], false).unwrap(), "[B]<pad><img><boi>|False");
     }
 
     #[test]
     fn tojson_writes_as_python_does() {
         let t = ChatTemplate::new(
             "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}".into(),
-            None,
-            None,
+            Default::default(),
             "t",
         )
         .unwrap();
@@ -424,7 +468,7 @@ mod tests {
     fn a_template_that_rewrites_earlier_turns_is_refused() {
         // Drops every turn but the last from the rendering: no prefix holds.
         let src = "{{ messages[-1].content }}";
-        let t = ChatTemplate::new(src.into(), None, None, "test").unwrap();
+        let t = ChatTemplate::new(src.into(), Default::default(), "test").unwrap();
         let err = t
             .render_with_turns(&[msg("user", "a"), msg("assistant", "b")], 0, &Default::default())
             .unwrap_err()

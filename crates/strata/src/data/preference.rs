@@ -633,7 +633,7 @@ mod tests {
         let source = "{% if tools %}[{{ tools | length }} tools]{% endif %}{% if enable_thinking %}[think]{% endif %}\
                       {% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}\
                       {% if add_generation_prompt %}<assistant>{% endif %}";
-        let template = ChatTemplate::new(source.into(), None, None, "test").unwrap();
+        let template = ChatTemplate::new(source.into(), Default::default(), "test").unwrap();
         let user = serde_json::json!([{"role": "user", "content": "q"}]);
         let says = |text: &str| serde_json::json!([{"role": "assistant", "content": text}]);
         let variables = serde_json::json!({"tools": [{"name": "add"}, {"name": "sub"}],

@@ -478,13 +478,7 @@ fn cache_key(path: &Path, format: &ExampleFormat, options: &ExampleOptions) -> R
     part(path.extension().map_or(b"".as_slice(), |e| e.as_encoded_bytes()));
     part(format.tokenizer.fingerprint()?.as_bytes());
     part(format.template.map_or(String::new(), ChatTemplate::identity).as_bytes());
-    for token in [
-        format.template.and_then(|t| t.bos_token.as_ref()),
-        format.template.and_then(|t| t.eos_token.as_ref()),
-        format.end_of_text.as_ref(),
-    ] {
-        part(token.map_or("\u{0}", |t| t.as_str()).as_bytes());
-    }
+    part(format.end_of_text.as_ref().map_or("\u{0}", |t| t.as_str()).as_bytes());
     part(format!("{} {} {}", options.max_length, options.drop_long, options.train_on_prompt).as_bytes());
     Ok(hash.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect())
 }
@@ -512,7 +506,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d.jsonl");
         std::fs::write(&path, lines.join("\n")).unwrap();
-        let template = ChatTemplate::new(CHATML.into(), None, None, "test").unwrap();
+        let template = ChatTemplate::new(CHATML.into(), Default::default(), "test").unwrap();
         let format =
             ExampleFormat { tokenizer: &Tokenizer::Bytes, template: Some(&template), end_of_text: Some("#".into()) };
         ExampleSet::prepare(&path, &format, options)
@@ -599,7 +593,7 @@ mod tests {
         as_text["tools"] = serde_json::json!(record["tools"].to_string());
         std::fs::write(&path, format!("{record}\n{as_text}")).unwrap();
         let source = format!("{{% if tools %}}[{{{{ tools | length }}}} tools]{{% endif %}}{{% if enable_thinking %}}[think]{{% endif %}}{CHATML}");
-        let template = ChatTemplate::new(source, None, None, "test").unwrap();
+        let template = ChatTemplate::new(source, Default::default(), "test").unwrap();
         let format = ExampleFormat { tokenizer: &Tokenizer::Bytes, template: Some(&template), end_of_text: None };
         let set = ExampleSet::prepare(&path, &format, &options(200)).unwrap();
         assert_eq!(set.len(), 2);
