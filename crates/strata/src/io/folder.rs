@@ -4,8 +4,8 @@
 use super::stacked::{self, Source};
 use super::{load_named, read_safetensors, write_atomic, write_safetensors_streamed};
 use crate::engine::Engine;
-use crate::model::hf::{INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
-use crate::model::{Family, ModelConfig, ModelDir};
+use crate::model::hf::{language_model_name, release_config, release_name, INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
+use crate::model::{DecoderHead, Family, LlamaConfig, ModelConfig, ModelDir};
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -71,10 +71,40 @@ pub struct FolderOut {
     pub config: ModelConfig,
     /// `bos_token_id`, `eos_token_id`, `pad_token_id` for the config.
     pub special_tokens: Map<String, Value>,
-    /// Tokenizer files copied into the folder: (name there, source).
+    /// Tokenizer files (and a release's processor files) copied into the folder: (name
+    /// there, source).
     pub tokenizer_files: Vec<(String, PathBuf)>,
     /// A shard holds at most this many bytes (a larger parameter alone fills one).
     pub shard_bytes: u64,
+    /// The release the model is the language model of, written back whole.
+    pub release: Option<ReleaseOut>,
+}
+
+/// What a release's processor reads beside the tokenizer: how images (and video) become its
+/// image model's inputs, and the template of its prompts.
+const PROCESSOR_FILES: [&str; 4] =
+    ["preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json", "chat_template.json"];
+
+/// A release that holds an image model beside its language model, written back whole: its
+/// `config.json` around the language model's, and the tensors of its other parts carried
+/// over from its files as they are.
+#[derive(Clone, Debug)]
+pub struct ReleaseOut {
+    /// The release's `config.json`.
+    pub config: Map<String, Value>,
+    /// The files holding its tensors.
+    pub weights: Vec<PathBuf>,
+}
+
+impl ReleaseOut {
+    /// The release's tensors that are not its language model's, by name.
+    fn carried(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut carried = vec![];
+        for file in &self.weights {
+            carried.extend(read_safetensors(file)?.into_iter().filter(|(name, _)| language_model_name(name).is_none()));
+        }
+        Ok(carried)
+    }
 }
 
 impl FolderOut {
@@ -87,13 +117,28 @@ impl FolderOut {
             special_tokens: Map::new(),
             tokenizer_files: vec![],
             shard_bytes: DEFAULT_SHARD_BYTES,
+            release: None,
         })
     }
 
-    /// A folder for the model read from `source`, carrying its special tokens and tokenizer.
+    /// A folder for the model read from `source`, carrying its special tokens and tokenizer,
+    /// and, for a release's language model, the rest of the release.
     pub fn like(dir: impl Into<PathBuf>, source: &ModelDir) -> FolderOut {
-        let tokenizer_files =
-            TOKENIZER_FILES.iter().map(|f| (f.to_string(), source.dir.join(f))).filter(|(_, p)| p.is_file()).collect();
+        // A reward model made of a release's language model is a classifier of its own.
+        let language_model =
+            matches!(source.config, ModelConfig::Llama(LlamaConfig { head: DecoderHead::LanguageModel, .. }));
+        let release = source
+            .release
+            .clone()
+            .filter(|_| language_model)
+            .map(|config| ReleaseOut { config, weights: source.weights.clone() });
+        let processor_files = if release.is_some() { &PROCESSOR_FILES[..] } else { &[] };
+        let tokenizer_files = TOKENIZER_FILES
+            .iter()
+            .chain(processor_files)
+            .map(|f| (f.to_string(), source.dir.join(f)))
+            .filter(|(_, p)| p.is_file())
+            .collect();
         FolderOut {
             dir: dir.into(),
             family: source.family,
@@ -101,6 +146,7 @@ impl FolderOut {
             special_tokens: source.special_tokens.clone(),
             tokenizer_files,
             shard_bytes: DEFAULT_SHARD_BYTES,
+            release,
         }
     }
 
@@ -124,9 +170,14 @@ impl FolderOut {
         if staging.exists() {
             std::fs::remove_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
         }
+        // Read before anything is written: the release may be the folder being replaced.
+        let carried = match &self.release {
+            Some(release) => release.carried()?,
+            None => vec![],
+        };
         std::fs::create_dir(&staging).map_err(|e| Error::io(&staging, e))?;
         let result = self
-            .write_into(&staging, layout, fetch)
+            .write_into(&staging, layout, fetch, carried)
             .and_then(|()| carry_other_files(&self.dir, &staging))
             .and_then(|()| replace_folder(&staging, &self.dir));
         if result.is_err() {
@@ -140,8 +191,16 @@ impl FolderOut {
         dir: &Path,
         layout: &[(String, Kind, Vec<i64>)],
         mut fetch: impl FnMut(usize) -> Result<Tensor>,
+        carried: Vec<(String, Tensor)>,
     ) -> Result<()> {
-        let stored = self.stored(layout)?;
+        // A release holds its language model's tensors under names of its own.
+        let named = |name: String| if self.release.is_some() { release_name(&name) } else { name };
+        let mut stored: Vec<Stored> = self
+            .stored(layout)?
+            .into_iter()
+            .map(|(name, kind, shape, source)| (named(name), kind, shape, Origin::Model(source)))
+            .collect();
+        stored.extend(carried.into_iter().map(|(name, t)| (name, t.kind(), t.size(), Origin::Carried(t))));
         // Parameters are fetched once each in order (a caller gathers one unit at a time);
         // a stack of experts reads some ahead of the tensors written before them, held here.
         let mut next = 0;
@@ -167,7 +226,8 @@ impl FolderOut {
                 stored[range.clone()].iter().map(|(n, k, s, _)| (n.clone(), *k, s.clone())).collect();
             write_safetensors_streamed(&dir.join(file_name(i)), &part, &metadata, |j| {
                 Ok(match &stored[range.start + j].3 {
-                    Source::One { index, transposed } => {
+                    Origin::Carried(t) => t.shallow_clone(),
+                    Origin::Model(Source::One { index, transposed }) => {
                         let t = fetch(*index)?;
                         if *transposed {
                             t.f_transpose(0, 1)?
@@ -175,7 +235,7 @@ impl FolderOut {
                             t
                         }
                     }
-                    Source::Stacked { experts, interleave, transpose } => {
+                    Origin::Model(Source::Stacked { experts, interleave, transpose }) => {
                         let fetched = experts
                             .iter()
                             .map(|parts| parts.iter().map(|&k| fetch(k)).collect::<Result<Vec<_>>>())
@@ -193,7 +253,12 @@ impl FolderOut {
             let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
             write_json(&dir.join(INDEX_FILE), &index)?;
         }
-        write_json(&dir.join("config.json"), &self.family.config_json(&self.config, &self.special_tokens)?)?;
+        let config = self.family.config_json(&self.config, &self.special_tokens)?;
+        let config = match &self.release {
+            Some(release) => release_config(&release.config, config),
+            None => config,
+        };
+        write_json(&dir.join("config.json"), &config)?;
         for (name, source) in &self.tokenizer_files {
             let bytes = std::fs::read(source).map_err(|e| Error::io(source, e))?;
             write_atomic(&dir.join(name), &bytes)?;
@@ -203,12 +268,18 @@ impl FolderOut {
 }
 
 /// A tensor the folder's files hold: its name there, dtype, shape and where it comes from.
-type Stored = (String, Kind, Vec<i64>, Source);
+type Stored<From = Origin> = (String, Kind, Vec<i64>, From);
+
+/// Where a tensor written comes from: the model's parameters, or a release's other parts.
+enum Origin {
+    Model(Source),
+    Carried(Tensor),
+}
 
 impl FolderOut {
     /// The tensors the folder's files hold for parameters `layout` (name, dtype, shape): each
     /// under the family's name and layout, the experts stacked where the family stacks them.
-    fn stored(&self, layout: &[(String, Kind, Vec<i64>)]) -> Result<Vec<Stored>> {
+    fn stored(&self, layout: &[(String, Kind, Vec<i64>)]) -> Result<Vec<Stored<Source>>> {
         let names: Vec<String> = layout.iter().map(|(n, ..)| n.clone()).collect();
         let sources = match self.family.stacks_experts() {
             true => stacked::stack_layout(&names)?,

@@ -927,6 +927,9 @@ pub struct ModelDir {
     pub tokenizer: Option<PathBuf>,
     /// `bos_token_id`, `eos_token_id` and `pad_token_id` as the config gives them.
     pub special_tokens: Map<String, Value>,
+    /// A release's whole `config.json`, where the folder holds an image model beside the
+    /// language model read ([`RELEASES`]): a folder written back keeps both.
+    pub release: Option<Map<String, Value>>,
 }
 
 impl ModelDir {
@@ -999,10 +1002,13 @@ pub struct GenerationDefaults {
 /// (checked to exist) and its tokenizer. Architectures and config keys Strata cannot
 /// honour are refused by name.
 pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
-    let (family, config, raw) = read_config(&dir.join("config.json"))?;
+    let (family, config, raw, outer) = read_config(&dir.join("config.json"))?;
     let special_tokens = TOKEN_KEYS.iter().filter_map(|&k| Some((k.to_string(), raw.get(k)?.clone()))).collect();
     let tokenizer = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
-    Ok(ModelDir { dir: dir.to_path_buf(), family, config, weights: weight_files(dir)?, tokenizer, special_tokens })
+    let release =
+        Some(outer).filter(|o| RELEASES.iter().any(|(release, ..)| o.get("model_type") == Some(&json!(release))));
+    let weights = weight_files(dir)?;
+    Ok(ModelDir { dir: dir.to_path_buf(), family, config, weights, tokenizer, special_tokens, release })
 }
 
 /// The model a Hugging Face `config.json` describes (`path` is the file or its folder),
@@ -1015,8 +1021,12 @@ pub fn config_of(path: &Path) -> Result<ModelConfig> {
     Ok(read_config(&file)?.1)
 }
 
-/// A `config.json`'s family, model and keys, checked.
-fn read_config(config_path: &Path) -> Result<(Family, ModelConfig, Map<String, Value>)> {
+/// A `config.json`'s family, model and its language model's keys, checked, and the file's
+/// own keys.
+type ReadConfig = (Family, ModelConfig, Map<String, Value>, Map<String, Value>);
+
+/// A `config.json`'s family, model and keys ([`ReadConfig`]), checked.
+fn read_config(config_path: &Path) -> Result<ReadConfig> {
     let dir = config_path.parent().unwrap_or(Path::new("."));
     let fail = |message: String| Error::Weights { path: dir.to_path_buf(), message };
     if !config_path.is_file() {
@@ -1027,9 +1037,9 @@ fn read_config(config_path: &Path) -> Result<(Family, ModelConfig, Map<String, V
     let cfg = raw.as_object().ok_or_else(|| fail("config.json is not a JSON object".into()))?;
     let stores_head =
         || stored_names(dir).iter().any(|n| n == "lm_head.weight" || n == "language_model.lm_head.weight");
-    let cfg = language_model_keys(cfg, &stores_head).map_err(fail)?;
-    let (family, config) = config_from_keys(&cfg).map_err(fail)?;
-    Ok((family, config, cfg))
+    let keys = language_model_keys(cfg, &stores_head).map_err(fail)?;
+    let (family, config) = config_from_keys(&keys).map_err(fail)?;
+    Ok((family, config, keys, cfg.clone()))
 }
 
 /// Releases whose folders hold an image model beside their language model, read as the
@@ -1080,7 +1090,7 @@ fn language_model_keys(cfg: &Map<String, Value>, stores_head: &dyn Fn() -> bool)
 /// `language_model.model.` and `language_model.lm_head.`) read as `model.` and `lm_head.`;
 /// the image model's, its projector's and the multi-token prediction's are left out. Other
 /// names read as they are.
-fn language_model_name(name: &str) -> Option<String> {
+pub(crate) fn language_model_name(name: &str) -> Option<String> {
     const LEFT_OUT: [&str; 6] = [
         "mtp.",
         "model.visual.",
@@ -1096,6 +1106,30 @@ fn language_model_name(name: &str) -> Option<String> {
         .iter()
         .find_map(|(from, to)| Some(format!("{to}{}", name.strip_prefix(from)?)));
     Some(renamed.unwrap_or_else(|| name.to_string()))
+}
+
+/// A language model's weight name as a release of [`RELEASES`] holds it (`transformers` 5's
+/// naming, which it reads for every release): `model.` under `model.language_model.`.
+pub(crate) fn release_name(name: &str) -> String {
+    match name.strip_prefix("model.") {
+        Some(inner) => format!("model.language_model.{inner}"),
+        None => name.to_string(),
+    }
+}
+
+/// The `config.json` of a release written back: its own keys (`release`), the language
+/// model's (`text`, as its family writes them) as its `text_config`, and the head tied as
+/// the language model ties it.
+pub(crate) fn release_config(release: &Map<String, Value>, mut text: Value) -> Value {
+    let tied = text.get("tie_word_embeddings").cloned().unwrap_or(json!(false));
+    if let Some(text) = text.as_object_mut() {
+        // The class is the release's own.
+        text.remove("architectures");
+    }
+    let mut out = release.clone();
+    out.insert("text_config".into(), text);
+    out.insert("tie_word_embeddings".into(), tied);
+    Value::Object(out)
 }
 
 /// The family and model a `config.json`'s keys describe, checked; the error is the line to

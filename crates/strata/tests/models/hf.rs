@@ -767,10 +767,10 @@ fn qwen3_5_moe_matches_transformers() {
 
 /// Gemma 3 as released: the language model of a folder that holds an image model and its
 /// projector beside it, under the names releases are saved with, its head tied by the outer
-/// configuration; written back as the text model.
+/// configuration; written back whole.
 #[test]
 fn gemma3_release_matches_transformers() {
-    family_matches_transformers("gemma3-release", 32);
+    release_matches_transformers("gemma3-release", "gemma3");
 }
 
 /// Mistral 3 as released before `transformers` 5 (Mistral Small 3.1): the language model
@@ -778,7 +778,38 @@ fn gemma3_release_matches_transformers() {
 /// configuration's default ties them, as `transformers` keeps it.
 #[test]
 fn mistral3_release_matches_transformers() {
-    family_matches_transformers("mistral3-release", 32);
+    release_matches_transformers("mistral3-release", "mistral3");
+}
+
+/// A release's language model matches `transformers` ([`family_matches_transformers`], its
+/// written folder read as the release), and a folder written back is the release whole:
+/// its `config.json` the release's around the trained language model's, its other parts'
+/// tensors the source's as they were, its language model's under the release's names.
+fn release_matches_transformers(family: &str, model_type: &str) {
+    family_matches_transformers(family, 32);
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let (dir, saved) = (work.path().join(family), work.path().join("saved"));
+    make(&py, family, &dir, None);
+    std::fs::write(dir.join("preprocessor_config.json"), r#"{"image_seq_length": 4}"#).unwrap();
+    let source = from_pretrained_dir(&dir).unwrap();
+    save_weights(&mut strata_engine(&dir), WeightsTarget::Folder(&FolderOut::like(&saved, &source)), true).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(saved.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], model_type);
+    let release = source.release.as_ref().expect("a release");
+    assert_eq!(config["text_config"]["num_hidden_layers"], release["text_config"]["num_hidden_layers"]);
+    let before = strata::io::read_safetensors(&source.weights[0]).unwrap();
+    let after = strata::io::read_safetensors(&saved.join("model.safetensors")).unwrap();
+    let other = |t: &BTreeMap<String, Tensor>| {
+        t.keys().filter(|n| !n.contains("language_model") && !n.starts_with("lm_head")).cloned().collect::<Vec<_>>()
+    };
+    assert!(!other(&before).is_empty() && other(&before) == other(&after), "{:?}", other(&after));
+    for name in other(&before) {
+        assert!(before[&name].equal(&after[&name]), "{name} changed");
+    }
+    assert!(after.keys().any(|n| n.starts_with("model.language_model.layers.")), "{:?}", after.keys());
+    assert!(saved.join("preprocessor_config.json").is_file(), "the processor's files go along");
 }
 
 /// gpt-oss's released MXFP4 experts: a folder whose expert stacks are MXFP4 blocks and
