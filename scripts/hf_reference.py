@@ -293,8 +293,8 @@ def decoder_families():
                                image_size=28, patch_size=14),
             mm_tokens_per_image=4)),
         # Mistral 3 as released (Mistral Small 3.1): Mistral's layers beside an image model
-        # (Pixtral) and its projector, a head of its own; rewritten as releases saved before
-        # transformers 5 are (see released_before_v5).
+        # (Pixtral) and its projector, a head of its own and (see without_tie_flag) no tie
+        # flag, as releases saved before transformers 5 are.
         "mistral3-release": lambda: (tf.Mistral3ForConditionalGeneration, tf.Mistral3Config(
             text_config=families["mistral"]()[1],
             vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -610,21 +610,10 @@ def adamw_losses(model, batches_file, lr, loss_of, seed=0):
     return losses
 
 
-def released_before_v5(folder):
-    """Rewrites an image-text release's folder as such releases were saved before
-    transformers 5: the language model under `language_model.model.` and
-    `language_model.lm_head.`, the image model and projector at the top, and no
-    tie_word_embeddings (so the class's default, tying, meets a stored head, which
-    transformers keeps apart)."""
-    from safetensors.torch import load_file
-    path = f"{folder}/model.safetensors"
-    renames = [("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
-               ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")]
-    renamed = {}
-    for name, t in load_file(path).items():
-        old = next((old + name[len(new):] for new, old in renames if name.startswith(new)), name)
-        renamed[old] = t
-    save_file(renamed, path, metadata={"format": "pt"})
+def without_tie_flag(folder):
+    """Drops the outer tie_word_embeddings of an image-text release's config.json, as
+    releases saved before transformers 5 hold it: the class's default, tying, then meets
+    the stored head, which transformers keeps apart from the embedding."""
     with open(f"{folder}/config.json") as f:
         config = json.load(f)
     config.pop("tie_word_embeddings", None)
@@ -779,7 +768,7 @@ def main(argv=None):
         kwargs = {"max_shard_size": args.shard_bytes} if args.shard_bytes else {}
         model.save_pretrained(args.out, **kwargs)
         if args.family == "mistral3-release":
-            released_before_v5(args.out)
+            without_tie_flag(args.out)
         if args.family.startswith("bert"):
             wordpiece_tokenizer_json(f"{args.out}/tokenizer.json")
         elif args.family.startswith("t5"):

@@ -194,7 +194,10 @@ impl FolderOut {
         carried: Vec<(String, Tensor)>,
     ) -> Result<()> {
         // A release holds its language model's tensors under names of its own.
-        let named = |name: String| if self.release.is_some() { release_name(&name) } else { name };
+        let named = |name: String| match &self.release {
+            Some(release) => release_name(&release.config, &name),
+            None => name,
+        };
         let mut stored: Vec<Stored> = self
             .stored(layout)?
             .into_iter()

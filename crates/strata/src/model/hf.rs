@@ -111,7 +111,7 @@ const GLM4_NORMS: [(&str, &str); 3] = [
 ];
 
 /// What a decoder family's configuration class gives where a folder leaves its keys out
-/// (`save_pretrained` writes no key equal to its default).
+/// (folders written by hand, trimmed, or by older code do).
 struct ClassDefaults {
     /// `max_position_embeddings`.
     positions: i64,
@@ -259,7 +259,6 @@ impl Family {
         matches!(self, Family::Gemma2 | Family::Gemma3)
     }
 
-    /// Whether the family is OLMo 2's (norms after attention and the feed-forward alone).
     /// What this family's configuration class gives where a folder leaves its keys out.
     fn class_defaults(self) -> ClassDefaults {
         use Family::*;
@@ -290,13 +289,14 @@ impl Family {
                 _ => None,
             },
             window: match self {
-                Mistral | Qwen2 | Qwen3 | Gemma2 | Gemma3 | Olmo3 => Some(4096),
+                Mistral | Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Gemma2 | Gemma3 | Olmo3 => Some(4096),
                 GptOss => Some(128),
                 _ => None,
             },
         }
     }
 
+    /// Whether the family is OLMo 2's (norms after attention and the feed-forward alone).
     fn is_olmo(self) -> bool {
         matches!(self, Family::Olmo2 | Family::Olmo3)
     }
@@ -1005,8 +1005,7 @@ pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
     let (family, config, raw, outer) = read_config(&dir.join("config.json"))?;
     let special_tokens = TOKEN_KEYS.iter().filter_map(|&k| Some((k.to_string(), raw.get(k)?.clone()))).collect();
     let tokenizer = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
-    let release =
-        Some(outer).filter(|o| RELEASES.iter().any(|(release, ..)| o.get("model_type") == Some(&json!(release))));
+    let release = Some(outer).filter(|o| is_release(o));
     let weights = weight_files(dir)?;
     Ok(ModelDir { dir: dir.to_path_buf(), family, config, weights, tokenizer, special_tokens, release })
 }
@@ -1042,52 +1041,82 @@ fn read_config(config_path: &Path) -> Result<ReadConfig> {
     Ok((family, config, keys, cfg.clone()))
 }
 
-/// Releases whose folders hold an image model beside their language model, read as the
-/// language model alone: the outer `model_type`, the text model's where its `text_config`
-/// names none, and whether the outer class ties its head to the embedding by default.
-const RELEASES: [(&str, &str, bool); 4] = [
-    ("qwen3_5", "qwen3_5_text", false),
-    ("qwen3_5_moe", "qwen3_5_moe_text", false),
-    ("gemma3", "gemma3_text", true),
-    ("mistral3", "mistral", true),
+/// A release whose folder holds an image model beside its language model, read as the
+/// language model alone and written back whole.
+struct Release {
+    /// The release's `model_type`.
+    model_type: &'static str,
+    /// The language model's, where its `text_config` names none.
+    text_type: &'static str,
+    /// How the head is tied: by the outer class's own flag, with this default
+    /// (`Gemma3ForConditionalGeneration`, `Mistral3ForConditionalGeneration`), or (`None`)
+    /// by the text model's (Qwen3.5, which `AutoModelForCausalLM` builds from its
+    /// `text_config` alone).
+    outer_tie: Option<bool>,
+    /// Whether `save_pretrained` writes the language model under `language_model.model.`
+    /// and `language_model.lm_head.` (rather than `model.language_model.` and `lm_head.`).
+    legacy_names: bool,
+}
+
+/// The releases read ([`Release`]).
+const RELEASES: [Release; 4] = [
+    Release { model_type: "qwen3_5", text_type: "qwen3_5_text", outer_tie: None, legacy_names: false },
+    Release { model_type: "qwen3_5_moe", text_type: "qwen3_5_moe_text", outer_tie: None, legacy_names: false },
+    Release { model_type: "gemma3", text_type: "gemma3_text", outer_tie: Some(true), legacy_names: true },
+    Release { model_type: "mistral3", text_type: "mistral", outer_tie: Some(true), legacy_names: true },
 ];
+
+/// The release a `config.json` is, if it is one.
+fn release_of(cfg: &Map<String, Value>) -> Option<&'static Release> {
+    let model_type = cfg.get("model_type").and_then(Value::as_str)?;
+    RELEASES.iter().find(|r| r.model_type == model_type)
+}
+
+/// Whether a `config.json` is a release's ([`RELEASES`]).
+fn is_release(cfg: &Map<String, Value>) -> bool {
+    release_of(cfg).is_some()
+}
 
 /// The keys of a folder's language model: a release of [`RELEASES`] is read as its
 /// `text_config` (its weights renamed by [`language_model_name`]), any other folder as it
 /// is. `stores_head` says whether the folder's weights hold a language head.
 fn language_model_keys(cfg: &Map<String, Value>, stores_head: &dyn Fn() -> bool) -> KeyResult<Map<String, Value>> {
-    let outer = cfg.get("model_type").and_then(Value::as_str);
-    let Some(&(outer, text_type, ties)) = RELEASES.iter().find(|(release, ..)| Some(*release) == outer) else {
-        return Ok(cfg.clone());
-    };
+    let Some(release) = release_of(cfg) else { return Ok(cfg.clone()) };
     let Some(Value::Object(text)) = cfg.get("text_config") else {
-        return Err(format!("config.json: a {outer} folder without a text_config object"));
+        return Err(format!("config.json: a {} folder without a text_config object", release.model_type));
     };
     let mut text = text.clone();
-    text.entry("model_type").or_insert_with(|| json!(text_type));
+    text.entry("model_type").or_insert_with(|| json!(release.text_type));
     // What the outer configuration says of the whole model: its quantization (which
-    // `transformers` hands the text model), its class and labels (a classifier's) and its
-    // special tokens.
+    // `transformers` hands the text model), its class and labels (a classifier's) and the
+    // tokens that begin and end its texts (the padding token is the text model's own).
     let carried = ["quantization_config", "architectures", "num_labels", "id2label", "label2id"];
-    for key in carried.into_iter().chain(TOKEN_KEYS) {
+    for key in carried.into_iter().chain(["bos_token_id", "eos_token_id"]) {
         if let Some(value) = cfg.get(key) {
             text.entry(key).or_insert_with(|| value.clone());
         }
     }
-    // The outer class ties its head by its own flag, not the text model's; where the folder
-    // stores a head of its own, `transformers` keeps the two apart.
-    let tied = cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(ties) && !stores_head();
-    text.insert("tie_word_embeddings".into(), json!(tied));
+    // Where the folder stores a head of its own, `transformers` keeps it apart from the
+    // embedding whatever the flag says.
+    let flag = match release.outer_tie {
+        Some(default) => Some(cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(default)),
+        None => text.get("tie_word_embeddings").and_then(Value::as_bool),
+    };
+    let stored = stores_head();
+    if flag.is_some() || stored {
+        text.insert("tie_word_embeddings".into(), json!(flag.unwrap_or(false) && !stored));
+    }
     // Gemma 3's outer class gives the language head's logits uncapped.
-    if outer == "gemma3" {
+    if release.model_type == "gemma3" {
         text.insert("final_logit_softcapping".into(), Value::Null);
     }
     Ok(text)
 }
 
 /// A release folder's weight name as its language model's ([`RELEASES`]): the language
-/// model's weights under `model.language_model.` (or, saved before `transformers` 5,
-/// `language_model.model.` and `language_model.lm_head.`) read as `model.` and `lm_head.`;
+/// model's weights under `model.language_model.` or `language_model.model.` (and, as some
+/// `transformers` versions saved them, with a `model.` more) read as `model.`,
+/// `language_model.lm_head.` as `lm_head.`, and any other `language_model.` as `model.`;
 /// the image model's, its projector's and the multi-token prediction's are left out. Other
 /// names read as they are.
 pub(crate) fn language_model_name(name: &str) -> Option<String> {
@@ -1099,21 +1128,31 @@ pub(crate) fn language_model_name(name: &str) -> Option<String> {
         "model.multi_modal_projector.",
         "multi_modal_projector.",
     ];
+    const RENAMED: [(&str, &str); 6] = [
+        ("model.language_model.model.", "model."),
+        ("language_model.model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("language_model.", "model."),
+    ];
     if LEFT_OUT.iter().any(|p| name.starts_with(p)) {
         return None;
     }
-    let renamed = [("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", "")]
-        .iter()
-        .find_map(|(from, to)| Some(format!("{to}{}", name.strip_prefix(from)?)));
+    let renamed = RENAMED.iter().find_map(|(from, to)| Some(format!("{to}{}", name.strip_prefix(from)?)));
     Some(renamed.unwrap_or_else(|| name.to_string()))
 }
 
-/// A language model's weight name as a release of [`RELEASES`] holds it (`transformers` 5's
-/// naming, which it reads for every release): `model.` under `model.language_model.`.
-pub(crate) fn release_name(name: &str) -> String {
-    match name.strip_prefix("model.") {
-        Some(inner) => format!("model.language_model.{inner}"),
-        None => name.to_string(),
+/// A language model's weight name as the release `release` (its `config.json`) holds it,
+/// as `save_pretrained` writes it: `model.` under `model.language_model.`, or under
+/// `language_model.model.` with the head under `language_model.lm_head.`.
+pub(crate) fn release_name(release: &Map<String, Value>, name: &str) -> String {
+    let legacy = release_of(release).is_some_and(|r| r.legacy_names);
+    match (name.strip_prefix("model."), legacy) {
+        (Some(inner), false) => format!("model.language_model.{inner}"),
+        (Some(inner), true) => format!("language_model.model.{inner}"),
+        (None, true) => format!("language_model.{name}"),
+        (None, false) => name.to_string(),
     }
 }
 
@@ -1495,7 +1534,7 @@ impl Keys<'_> {
             Family::Glm4 => Some(151_329),
             _ => None,
         };
-        let defaults = family.class_defaults();
+        let (class, defaults) = (family, family.class_defaults());
         let gpt_oss = family == Family::GptOss;
         let next = family.linear_attention_family();
         let split_projections = family.is_qwen3_5();
@@ -1574,9 +1613,8 @@ impl Keys<'_> {
             _ => max_positions,
         };
         let (sliding_window, layer_types) = match (gpt_oss, next) {
-            (true, _) => self.windows(Family::GptOss, layers, &unrotated_layers, defaults.window)?,
             (_, true) => (None, Some(self.linear_layers(layers)?)),
-            _ => self.windows(family, layers, &unrotated_layers, defaults.window)?,
+            _ => self.windows(class, layers, &unrotated_layers, defaults.window)?,
         };
         // Phi-3 drops each sub-layer's output (`resid_pdrop`); `transformers` reads no
         // `embd_pdrop`, nor the other families either key.
@@ -1876,11 +1914,10 @@ impl Keys<'_> {
         unrotated: &[i64],
         default_window: Option<i64>,
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
+        use Family::*;
         let window = match family {
-            Family::Llama | Family::Gpt2 | Family::Olmo2 => return Ok((None, None)),
-            Family::Qwen2 | Family::Qwen3 | Family::SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => {
-                None
-            }
+            Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Glm4Moe => return Ok((None, None)),
+            Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => default_window,
             _ => self.int("sliding_window")?,
         };
@@ -1889,21 +1926,26 @@ impl Keys<'_> {
             (0..layers).map(|i| if sliding(i) { LayerAttention::Sliding } else { LayerAttention::Full }).collect()
         };
         let types = match (given, family) {
-            // Mistral's classes slide every layer where a window is set, whatever layer_types says.
-            (_, Family::Mistral | Family::Ministral3) => None,
+            // These classes slide every layer where a window is set, whatever layer_types says.
+            (_, Mistral | Ministral3 | Mixtral | Qwen3Moe) => None,
             (Some(types), _) => Some(types),
-            (None, Family::Qwen2 | Family::Qwen3) => {
+            (None, Qwen2 | Qwen3) => {
                 let first = self.int("max_window_layers")?.unwrap_or(28);
                 Some(derived(&|i| window.is_some() && i >= first))
             }
-            (None, Family::Gemma2 | Family::GptOss) => Some(derived(&|i| (i + 1) % 2 != 0)),
-            (None, Family::Gemma3) => {
+            // Qwen2-MoE slides every other layer below max_window_layers.
+            (None, Qwen2Moe) => {
+                let last = self.int("max_window_layers")?.unwrap_or(28);
+                Some(derived(&|i| window.is_some() && (i + 1) % 2 != 0 && i < last))
+            }
+            (None, Gemma2 | GptOss) => Some(derived(&|i| (i + 1) % 2 != 0)),
+            (None, Gemma3) => {
                 let pattern = self.int("sliding_window_pattern")?.unwrap_or(6).max(1);
                 Some(derived(&|i| (i + 1) % pattern != 0))
             }
-            (None, Family::Olmo3) => Some(derived(&|i| (i + 1) % 4 != 0)),
+            (None, Olmo3) => Some(derived(&|i| (i + 1) % 4 != 0)),
             // SmolLM3 slides the layers that turn no position.
-            (None, Family::SmolLm3) => Some(derived(&|i| window.is_some() && unrotated.contains(&i))),
+            (None, SmolLm3) => Some(derived(&|i| window.is_some() && unrotated.contains(&i))),
             (None, _) => None,
         };
         if window.is_none() && types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Sliding)) {
@@ -2095,6 +2137,16 @@ mod tests {
         let gemma2 = read(Family::Gemma2, json!({"sliding_window": 4})).unwrap();
         assert_eq!((0..3).map(|i| gemma2.window(i)).collect::<Vec<_>>(), [Some(4), None, Some(4)]);
         assert_eq!((gemma2.attn_softcap, gemma2.logit_softcap), (Some(50.0), Some(30.0)), "Gemma 2's defaults");
+        // The mixtures of experts by their own classes: Qwen2-MoE slides every other layer below
+        // max_window_layers, Qwen3-MoE every layer, both 4096 positions unless told.
+        let asked = json!({"use_sliding_window": true, "max_window_layers": 3, "num_hidden_layers": 4});
+        let qwen2_moe = read(Family::Qwen2Moe, asked.clone()).unwrap();
+        assert_eq!((0..4).map(|i| qwen2_moe.window(i)).collect::<Vec<_>>(), [Some(4096), None, Some(4096), None]);
+        let qwen3_moe = read(Family::Qwen3Moe, asked).unwrap();
+        assert_eq!((0..4).map(|i| qwen3_moe.window(i)).collect::<Vec<_>>(), [Some(4096); 4]);
+        let full = json!(["full_attention", "full_attention", "full_attention"]);
+        let mixtral = read(Family::Mixtral, json!({"sliding_window": 4, "layer_types": full})).unwrap();
+        assert_eq!(mixtral.window(1), Some(4), "Mixtral slides every layer where a window is set");
         let long = read(Family::Mistral, json!({"sliding_window": 4, "max_position_embeddings": 64})).unwrap();
         assert_eq!(long.ctx, 64, "a window is no cap on the context");
     }
@@ -2174,6 +2226,16 @@ mod tests {
         assert!(quantized.contains("quantized weights (fp8) are not read"), "{quantized}");
         let reward = release(json!({"architectures": ["Qwen3_5ForSequenceClassification"], "num_labels": 1})).unwrap();
         assert!(matches!(reward.1, ModelConfig::Llama(LlamaConfig { head: DecoderHead::Reward, .. })));
+        // AutoModelForCausalLM builds Qwen3.5's text model from its text_config alone: the
+        // text model's flag ties the head, not the release's.
+        let mut tied = json!({"model_type": "qwen3_5", "tie_word_embeddings": false, "text_config": text.clone()});
+        tied["text_config"]["tie_word_embeddings"] = json!(true);
+        let keys = language_model_keys(tied.as_object().unwrap(), &|| false).unwrap();
+        assert_eq!(keys["tie_word_embeddings"], json!(true));
+        assert_eq!(
+            language_model_keys(tied.as_object().unwrap(), &|| true).unwrap()["tie_word_embeddings"],
+            json!(false)
+        );
         let bare =
             language_model_keys(json!({"model_type": "qwen3_5_moe"}).as_object().unwrap(), &|| false).unwrap_err();
         assert!(bare.contains("a qwen3_5_moe folder without a text_config object"), "{bare}");
@@ -2215,6 +2277,8 @@ mod tests {
             ("model.language_model.layers.0.mlp.up_proj.weight", Some("model.layers.0.mlp.up_proj.weight")),
             ("language_model.model.embed_tokens.weight", Some("model.embed_tokens.weight")),
             ("language_model.lm_head.weight", Some("lm_head.weight")),
+            ("model.language_model.model.norm.weight", Some("model.norm.weight")),
+            ("language_model.layers.1.mlp.up_proj.weight", Some("model.layers.1.mlp.up_proj.weight")),
             ("lm_head.weight", Some("lm_head.weight")),
             ("model.norm.weight", Some("model.norm.weight")),
             ("vision_tower.vision_model.post_layernorm.weight", None),
