@@ -1005,7 +1005,7 @@ pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
     let (family, config, raw, outer) = read_config(&dir.join("config.json"))?;
     let special_tokens = TOKEN_KEYS.iter().filter_map(|&k| Some((k.to_string(), raw.get(k)?.clone()))).collect();
     let tokenizer = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
-    let release = Some(outer).filter(|o| is_release(o));
+    let release = Some(outer).filter(is_release);
     let weights = weight_files(dir)?;
     Ok(ModelDir { dir: dir.to_path_buf(), family, config, weights, tokenizer, special_tokens, release })
 }
