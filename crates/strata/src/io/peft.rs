@@ -4,6 +4,7 @@
 //! `modules_to_save`). Written from a LoRA run's adapters, read back into one.
 use super::{load_named, read_safetensors, write_atomic, write_weights, WeightsTarget};
 use crate::engine::Engine;
+use crate::model::hf::{language_model_name, release_module_name};
 use crate::model::{Adapter, Adapters, ModelSpec, ParamId};
 use crate::strategy::{stacked_factor, LoraConfig, Targets};
 use crate::{Error, Result};
@@ -34,6 +35,10 @@ pub struct AdapterOut {
     /// Whether the model is a sequence classifier (a reward model): peft's `SEQ_CLS` task,
     /// else `CAUSAL_LM`.
     pub classifier: bool,
+    /// Whether the base is the language model of a release that holds an image model
+    /// beside it (Gemma 3's, Mistral 3's, Qwen3.5's): peft names its layers as the
+    /// release's model holds them, under `model.language_model.`.
+    pub release: bool,
 }
 
 impl AdapterOut {
@@ -85,9 +90,17 @@ impl AdapterOut {
     }
 
     /// The name a parameter takes in the folder.
-    pub(super) fn key(name: &str) -> String {
-        format!("{PREFIX}{name}")
+    pub(super) fn key(&self, name: &str) -> String {
+        match self.release {
+            true => peft_key(&release_module_name(name)),
+            false => peft_key(name),
+        }
     }
+}
+
+/// The name peft gives a parameter of its base model.
+fn peft_key(name: &str) -> String {
+    format!("{PREFIX}{name}")
 }
 
 /// The fields of peft's `LoraConfig` that, set, make an adapter compute something else than
@@ -164,9 +177,13 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
 pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
     let path = dir.join(ADAPTER_WEIGHTS);
     let err = |message: String| Error::Weights { path: path.clone(), message };
-    let mut named = vec![];
+    let (mut named, mut release) = (vec![], false);
     for (key, t) in read_safetensors(&path)? {
-        let name = key.strip_prefix(PREFIX).ok_or_else(|| err(format!("{key:?} is not under {PREFIX:?}")))?;
+        let held = key.strip_prefix(PREFIX).ok_or_else(|| err(format!("{key:?} is not under {PREFIX:?}")))?;
+        // A release's language model is read alone: its image model's factors change none
+        // of its text's outputs.
+        let Some(name) = language_model_name(held) else { continue };
+        release |= name != held;
         // peft's files written with an adapter name keep it before `.weight`.
         let name = name.replace(".default.weight", ".weight");
         named.push((name, key, t));
@@ -179,7 +196,8 @@ pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
         if !named.iter().any(|(n, _, _)| n == name) {
             // An expert's part is missing when peft's stacked factor holding it is.
             let entry = stacked_factor(name).map_or_else(|| name.clone(), |(whole, _, _)| whole);
-            return Err(err(format!("missing {:?}", AdapterOut::key(&entry))));
+            let entry = if release { release_module_name(&entry) } else { entry };
+            return Err(err(format!("missing {:?}", peft_key(&entry))));
         }
     }
     load_named(engine, &path, named.into_iter(), &|id| !factors.contains(&id))
@@ -296,12 +314,12 @@ fn selection(
                     }
                     None => {
                         stacks.insert(whole.clone(), out.len());
-                        let entry = (AdapterOut::key(&whole), *kind, shape.clone());
+                        let entry = (folder.key(&whole), *kind, shape.clone());
                         out.push((entry, Source::Stacked { parts: vec![(e, i)], is_b }));
                     }
                 },
                 None if folder.holds(name, factor) => {
-                    out.push(((AdapterOut::key(name), *kind, shape.clone()), Source::Plain(i)));
+                    out.push(((folder.key(name), *kind, shape.clone()), Source::Plain(i)));
                 }
                 None => {}
             },

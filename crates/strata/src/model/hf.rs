@@ -1143,16 +1143,25 @@ pub(crate) fn language_model_name(name: &str) -> Option<String> {
     Some(renamed.unwrap_or_else(|| name.to_string()))
 }
 
+/// A language model's parameter name as a release's model holds it in `transformers` 5
+/// (and peft names its adapters): `model.` under `model.language_model.`.
+pub(crate) fn release_module_name(name: &str) -> String {
+    match name.strip_prefix("model.") {
+        Some(inner) => format!("model.language_model.{inner}"),
+        None => name.to_string(),
+    }
+}
+
 /// A language model's weight name as the release `release` (its `config.json`) holds it,
-/// as `save_pretrained` writes it: `model.` under `model.language_model.`, or under
+/// as `save_pretrained` writes it: [`release_module_name`], or under
 /// `language_model.model.` with the head under `language_model.lm_head.`.
 pub(crate) fn release_name(release: &Map<String, Value>, name: &str) -> String {
-    let legacy = release_of(release).is_some_and(|r| r.legacy_names);
-    match (name.strip_prefix("model."), legacy) {
-        (Some(inner), false) => format!("model.language_model.{inner}"),
-        (Some(inner), true) => format!("language_model.model.{inner}"),
-        (None, true) => format!("language_model.{name}"),
-        (None, false) => name.to_string(),
+    match release_of(release).is_some_and(|r| r.legacy_names) {
+        true => match name.strip_prefix("model.") {
+            Some(inner) => format!("language_model.model.{inner}"),
+            None => format!("language_model.{name}"),
+        },
+        false => release_module_name(name),
     }
 }
 

@@ -1008,6 +1008,7 @@ pub fn train(
             }),
             fan_in_fan_out: matches!(model.config, Some(ModelConfig::Gpt(_))),
             classifier: matches!(&model.config, Some(ModelConfig::Llama(c)) if c.head == DecoderHead::Reward),
+            release: config.init.iter().any(|i| matches!(i, InitialWeights::Folder(m) if m.release.is_some())),
         };
         trainer
             .save_weights(WeightsTarget::Adapter(&out), leader)

@@ -139,6 +139,7 @@ fn lora_matches_peft(family: &str, peft_config: Value) {
         base_model: None,
         fan_in_fan_out: family == "gpt2",
         classifier: false,
+        release: from_pretrained_dir(&dir).unwrap().release.is_some(),
     };
     save_weights(&mut engine, WeightsTarget::Adapter(&out), true).unwrap();
     let (mine, peft_trained, first) =
@@ -244,6 +245,16 @@ fn qwen3_moe_lora_of_attention_and_experts_matches_peft() {
                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
                "layers_to_transform": [0, 2], "layers_pattern": "layers",
                "rank_pattern": {"mlp.experts.down_proj": 3}}),
+    );
+}
+
+/// A release's language model (Gemma 3's, beside its image model) takes adapters under the
+/// release's names, as peft names them: the layers adapted are the text model's alone.
+#[test]
+fn lora_on_a_release_matches_peft() {
+    lora_matches_peft(
+        "gemma3-release",
+        json!({"r": 4, "lora_alpha": 8, "target_modules": ["o_proj", "gate_proj", "down_proj"]}),
     );
 }
 
