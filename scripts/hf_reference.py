@@ -208,6 +208,18 @@ def decoder_families():
             tie_word_embeddings=False, rms_norm_eps=1e-5,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                              "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 500.0})),
+        # Mistral 4: DeepSeek-V3's latent attention with the queries scaled up past every
+        # fourth position, softmax routing among groups without a choice bias, a shared
+        # expert, the experts stacked on disk, a dense first layer.
+        "mistral4": lambda: (tf.Mistral4ForCausalLM, tf.Mistral4Config(
+            **dict(common, num_key_value_heads=4), num_hidden_layers=3, moe_intermediate_size=12,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+            routed_scaling_factor=1.5, first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=16,
+            kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "llama_4_scaling_beta": 0.1, "rope_theta": 500.0})),
         # The same with one query projection, rotated halves and no scaling.
         "deepseek-v3-plain": lambda: (tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(
             **dict(common, num_key_value_heads=4), num_hidden_layers=2, moe_intermediate_size=12,
@@ -297,6 +309,12 @@ def decoder_families():
         # flag, as releases saved before transformers 5 are.
         "mistral3-release": lambda: (tf.Mistral3ForConditionalGeneration, tf.Mistral3Config(
             text_config=families["mistral"]()[1],
+            vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, head_dim=8, image_size=28, patch_size=14),
+            spatial_merge_size=1, tie_word_embeddings=False)),
+        # Mistral Small 4 as released: Mistral 4's text model inside Mistral 3's release.
+        "mistral4-release": lambda: (tf.Mistral3ForConditionalGeneration, tf.Mistral3Config(
+            text_config=families["mistral4"]()[1],
             vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                num_attention_heads=2, head_dim=8, image_size=28, patch_size=14),
             spatial_merge_size=1, tie_word_embeddings=False)),
@@ -395,6 +413,13 @@ def build(family, seed):
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.copy_(torch.randn_like(buf) * 0.3)
+            # Mistral 4's softmax router over tiny random weights leaves near-ties that rounding
+            # flips within ten steps (transformers' own fp32 and fp64 runs part so): sharper
+            # routers choose clearly.
+            if family.startswith("mistral4"):
+                for name, p in model.named_parameters():
+                    if name.endswith("mlp.gate.weight"):
+                        p.mul_(4.0)
             if family == "qwen3-moe-idle":
                 for layer in model.model.layers[1::2]:
                     w = layer.mlp.gate.weight
@@ -407,10 +432,10 @@ def build(family, seed):
 def load(folder):
     import transformers as tf
 
-    # A Mistral 3 release is an image-text model only; its text alone is given here.
-    auto = tf.AutoModelForCausalLM
-    if tf.AutoConfig.from_pretrained(folder).model_type == "mistral3":
-        auto = tf.AutoModelForImageTextToText
+    # A Mistral 3 release is an image-text model only; its text alone is given here. Mistral
+    # 4's text model (released inside Mistral 3's) has a class but no auto mapping.
+    auto = {"mistral3": tf.AutoModelForImageTextToText, "mistral4": tf.Mistral4ForCausalLM}.get(
+        tf.AutoConfig.from_pretrained(folder).model_type, tf.AutoModelForCausalLM)
     # Eager attention: the composite every family's options (caps, windows) are defined by.
     model = auto.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     model.eval()

@@ -1,7 +1,7 @@
 //! Hugging Face model folders: weights read from a folder's file or shards under its
 //! family's names and layouts, and a trained model written back as such a folder
 //! (`config.json`, safetensors sharded above a size with their index, tokenizer files).
-use super::stacked::{self, Source};
+use super::stacked::{self, Join, Source};
 use super::{load_named, read_safetensors, write_atomic, write_safetensors_streamed};
 use crate::engine::Engine;
 use crate::model::hf::{language_model_name, release_config, release_name, INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
@@ -23,14 +23,19 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
     let mut mxfp4 = stacked::Mxfp4Pairs::default();
     for file in &model.weights {
         for (name, t) in read_safetensors(file)? {
-            if model.family.stacks_experts() {
+            if let Some(stacking) = model.family.expert_stacking() {
                 let pieces = match mxfp4.take(&name, &t)? {
                     Some(None) => continue,
-                    Some(Some((stack_name, dequantized))) => stacked::unstack(&stack_name, &dequantized)?,
-                    None => stacked::unstack(&name, &t)?,
+                    Some(Some((stack_name, dequantized))) => stacked::unstack(&stack_name, &dequantized, stacking)?,
+                    None => stacked::unstack(&name, &t, stacking)?,
                 };
                 if let Some(pieces) = pieces {
-                    named.extend(pieces.into_iter().map(|(param, piece)| (param, name.clone(), piece)));
+                    // Each expert's parameter under the family's name (a release's prefix off).
+                    for (param, piece) in pieces {
+                        if let Some((param, _)) = model.family.strata_name(&param) {
+                            named.push((param, name.clone(), piece));
+                        }
+                    }
                     continue;
                 }
             }
@@ -238,12 +243,12 @@ impl FolderOut {
                             t
                         }
                     }
-                    Origin::Model(Source::Stacked { experts, interleave, transpose }) => {
+                    Origin::Model(Source::Stacked { experts, join, transpose }) => {
                         let fetched = experts
                             .iter()
                             .map(|parts| parts.iter().map(|&k| fetch(k)).collect::<Result<Vec<_>>>())
                             .collect::<Result<Vec<_>>>()?;
-                        stacked::stack(fetched, *interleave, *transpose)?
+                        stacked::stack(fetched, *join, *transpose)?
                     }
                 })
             })?;
@@ -284,9 +289,9 @@ impl FolderOut {
     /// under the family's name and layout, the experts stacked where the family stacks them.
     fn stored(&self, layout: &[(String, Kind, Vec<i64>)]) -> Result<Vec<Stored<Source>>> {
         let names: Vec<String> = layout.iter().map(|(n, ..)| n.clone()).collect();
-        let sources = match self.family.stacks_experts() {
-            true => stacked::stack_layout(&names)?,
-            false => names
+        let sources = match self.family.expert_stacking() {
+            Some(stacking) => stacked::stack_layout(&names, stacking)?,
+            None => names
                 .iter()
                 .enumerate()
                 .map(|(index, n)| (n.clone(), Source::One { index, transposed: false }))
@@ -301,7 +306,7 @@ impl FolderOut {
                     let shape = if transposed { shape.iter().rev().copied().collect() } else { shape.clone() };
                     Ok((hf, *kind, shape, Source::One { index, transposed }))
                 }
-                Source::Stacked { ref experts, interleave, transpose } => {
+                Source::Stacked { ref experts, join, transpose } => {
                     let first = experts
                         .first()
                         .and_then(|parts| parts.first())
@@ -309,10 +314,13 @@ impl FolderOut {
                     let (_, kind, member) = &layout[*first];
                     let mut shape: Vec<i64> =
                         if transpose { member.iter().rev().copied().collect() } else { member.clone() };
-                    if interleave {
-                        if let Some(last) = shape.last_mut() {
-                            *last *= experts[0].len() as i64;
-                        }
+                    // The parts join along the last dimension, or the first.
+                    let joined = match join {
+                        Join::Interleaved => shape.last_mut(),
+                        Join::Concatenated => shape.first_mut(),
+                    };
+                    if let Some(width) = joined {
+                        *width *= experts[0].len() as i64;
                     }
                     shape.insert(0, experts.len() as i64);
                     Ok((name, *kind, shape, source))

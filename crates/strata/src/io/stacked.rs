@@ -1,10 +1,12 @@
-//! Experts that a family's files stack into one tensor per projection (gpt-oss), taken
-//! apart into each expert's weights on load and stacked again on save.
+//! Experts that a family's files stack into one tensor per projection (gpt-oss, Mistral 4),
+//! taken apart into each expert's weights on load and stacked again on save.
 //!
-//! On disk, sparse layer `L` holds `L.mlp.experts.gate_up_proj` `[E, D, 2F]` (each
+//! gpt-oss's sparse layer `L` holds `L.mlp.experts.gate_up_proj` `[E, D, 2F]` (each
 //! expert's input-major matrix, gate and up columns interleaved: gate, up, gate, ...),
 //! `L.mlp.experts.gate_up_proj_bias` `[E, 2F]` (interleaved alike), `L.mlp.experts.down_proj`
-//! `[E, F, D]` and `L.mlp.experts.down_proj_bias` `[E, D]`. Here each expert `e` has
+//! `[E, F, D]` and `L.mlp.experts.down_proj_bias` `[E, D]`. Mistral 4's holds each expert's
+//! output-major matrices as they are, the gate's rows before the up's: `gate_up_proj`
+//! `[E, 2F, D]` and `down_proj` `[E, D, F]`. Here each expert `e` has
 //! `L.mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}`, weights `[out, in]`.
 //!
 //! Released gpt-oss checkpoints hold the two weight stacks in MXFP4 (the OCP microscaling
@@ -14,6 +16,7 @@
 //! Each pair is dequantized exactly (a code's value times a power of two) into the stacked
 //! tensor it stands for, output-major as the blocks are, then transposed to the stack's
 //! input-major layout.
+use crate::model::hf::ExpertStacking;
 use crate::{Error, Result};
 use std::collections::HashMap;
 use tch::{Kind, Tensor};
@@ -123,9 +126,9 @@ fn stacked_name(name: &str) -> Option<(&str, Stack)> {
     })
 }
 
-/// A tensor of the files taken apart into each expert's parameters `(name, tensor)`;
-/// `None` where `name` is not a stacked tensor.
-pub(super) fn unstack(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>> {
+/// A tensor of the files, stacked as `stacking` says, taken apart into each expert's
+/// parameters `(name, tensor)`; `None` where `name` is not a stacked tensor.
+pub(super) fn unstack(name: &str, t: &Tensor, stacking: ExpertStacking) -> Result<Option<Vec<(String, Tensor)>>> {
     let Some((module, stack)) = stacked_name(name) else { return Ok(None) };
     let bad = || Error::Model(format!("{name}: shape {:?} is not a stack of experts", t.size()));
     let size = t.size();
@@ -133,16 +136,21 @@ pub(super) fn unstack(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tens
     let mut out = vec![];
     for e in 0..experts {
         let slice = t.f_get(e)?;
-        let pieces = match stack {
+        let halves = |dim: i64| -> Result<Vec<Tensor>> { Ok(slice.f_chunk(2, dim)?) };
+        let pieces = match (stack, stacking) {
             // [D, 2F] with gate and up columns interleaved: each [F, D].
-            Stack::GateUp if size.len() == 3 && size[2] % 2 == 0 => {
+            (Stack::GateUp, ExpertStacking::Interleaved) if size.len() == 3 && size[2] % 2 == 0 => {
                 vec![slice.f_slice(1, 0, None, 2)?.f_tr()?, slice.f_slice(1, 1, None, 2)?.f_tr()?]
             }
-            Stack::GateUpBias if size.len() == 2 && size[1] % 2 == 0 => {
+            (Stack::GateUpBias, ExpertStacking::Interleaved) if size.len() == 2 && size[1] % 2 == 0 => {
                 vec![slice.f_slice(0, 0, None, 2)?, slice.f_slice(0, 1, None, 2)?]
             }
-            Stack::Down if size.len() == 3 => vec![slice.f_tr()?],
-            Stack::DownBias if size.len() == 2 => vec![slice],
+            (Stack::Down, ExpertStacking::Interleaved) if size.len() == 3 => vec![slice.f_tr()?],
+            // [2F, D]: the gate's rows, then the up's.
+            (Stack::GateUp, ExpertStacking::Concatenated) if size.len() == 3 && size[1] % 2 == 0 => halves(0)?,
+            (Stack::GateUpBias, ExpertStacking::Concatenated) if size.len() == 2 && size[1] % 2 == 0 => halves(0)?,
+            (Stack::Down, ExpertStacking::Concatenated) if size.len() == 3 => vec![slice],
+            (Stack::DownBias, _) if size.len() == 2 => vec![slice],
             _ => return Err(bad()),
         };
         for (part, piece) in stack.parts().iter().zip(pieces) {
@@ -158,14 +166,24 @@ pub(super) fn unstack(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tens
 pub(super) enum Source {
     /// Parameter `index` of the layout as it is (transposed where the family says).
     One { index: usize, transposed: bool },
-    /// For each expert in order, the layout indices of its parameters ([`Stack::parts`]).
-    Stacked { experts: Vec<Vec<usize>>, interleave: bool, transpose: bool },
+    /// For each expert in order, the layout indices of its parameters ([`Stack::parts`]),
+    /// joined as its files join them.
+    Stacked { experts: Vec<Vec<usize>>, join: Join, transpose: bool },
+}
+
+/// How one expert's parts (gate and up) join in a stacked tensor: their last dimensions
+/// interleaved, or one after the other along the first.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Join {
+    Interleaved,
+    Concatenated,
 }
 
 /// The tensors to write for a layout of parameter names, in order: each parameter as
-/// itself, except the experts' parameters, which become their layers' stacked tensors
-/// (at the place of each stack's first expert). Returns `(name on disk, source)`.
-pub(super) fn stack_layout(names: &[String]) -> Result<Vec<(String, Source)>> {
+/// itself, except the experts' parameters, which become their layers' stacked tensors as
+/// `stacking` stacks them (at the place of each stack's first expert). Returns
+/// `(name on disk, source)`.
+pub(super) fn stack_layout(names: &[String], stacking: ExpertStacking) -> Result<Vec<(String, Source)>> {
     use std::collections::BTreeMap;
     // (module, stack) -> expert -> each part's layout index.
     type Parts = BTreeMap<i64, Vec<Option<usize>>>;
@@ -208,40 +226,36 @@ pub(super) fn stack_layout(names: &[String]) -> Result<Vec<(String, Source)>> {
             }
             experts.push(indices);
         }
-        let (interleave, transpose) = match stack {
-            Stack::GateUp => (true, true),
-            Stack::GateUpBias => (true, false),
-            Stack::Down => (false, true),
-            Stack::DownBias => (false, false),
+        let (join, transpose) = match (stacking, stack) {
+            (ExpertStacking::Interleaved, Stack::GateUp) => (Join::Interleaved, true),
+            (ExpertStacking::Interleaved, Stack::GateUpBias) => (Join::Interleaved, false),
+            (ExpertStacking::Interleaved, Stack::Down) => (Join::Concatenated, true),
+            _ => (Join::Concatenated, false),
         };
-        entries.push((
-            at,
-            format!("{}.{}", key.0, stack.disk_suffix()),
-            Source::Stacked { experts, interleave, transpose },
-        ));
+        entries.push((at, format!("{}.{}", key.0, stack.disk_suffix()), Source::Stacked { experts, join, transpose }));
     }
     entries.sort_by_key(|(at, ..)| *at);
     Ok(entries.into_iter().map(|(_, name, source)| (name, source)).collect())
 }
 
 /// The stacked tensor of `experts` (each expert's parameters, fetched): each expert's
-/// matrices transposed to input-major where `transpose`, its parts' last dimensions
-/// interleaved where `interleave`, the experts stacked along a new first dimension.
-pub(super) fn stack(experts: Vec<Vec<Tensor>>, interleave: bool, transpose: bool) -> Result<Tensor> {
+/// matrices transposed to input-major where `transpose`, its parts joined as `join` says,
+/// the experts stacked along a new first dimension.
+pub(super) fn stack(experts: Vec<Vec<Tensor>>, join: Join, transpose: bool) -> Result<Tensor> {
     let mut slices = Vec::with_capacity(experts.len());
     for parts in experts {
         let parts: Vec<Tensor> = parts
             .iter()
             .map(|p| if transpose { p.f_tr() } else { Ok(p.shallow_clone()) })
             .collect::<std::result::Result<_, _>>()?;
-        let slice = match interleave {
-            true => {
+        let slice = match join {
+            Join::Interleaved => {
                 let last = parts[0].dim() as i64;
                 let mut shape = parts[0].size();
                 *shape.last_mut().ok_or_else(|| Error::Model("stacking a scalar".into()))? *= parts.len() as i64;
                 Tensor::f_stack(&parts, last)?.f_reshape(shape)?
             }
-            false => parts[0].shallow_clone(),
+            Join::Concatenated => Tensor::f_cat(&parts, 0)?,
         };
         slices.push(slice);
     }
@@ -264,7 +278,7 @@ mod tests {
             ("model.layers.0.mlp.experts.gate_up_proj_bias", &bias),
             ("model.layers.0.mlp.experts.down_proj", &down),
         ] {
-            params.extend(unstack(name, t).unwrap().unwrap());
+            params.extend(unstack(name, t, ExpertStacking::Interleaved).unwrap().unwrap());
         }
         // Expert 1's gate is column 2j of its slice, its up column 2j + 1.
         let gate1 = &params.iter().find(|(n, _)| n == "model.layers.0.mlp.experts.1.gate_proj.weight").unwrap().1;
@@ -272,12 +286,12 @@ mod tests {
         assert!(gate1.equal(&gate_up.get(1).slice(1, 0, None, 2).tr()));
         let up_bias = &params.iter().find(|(n, _)| n == "model.layers.0.mlp.experts.2.up_proj.bias").unwrap().1;
         assert!(up_bias.equal(&bias.get(2).slice(0, 1, None, 2)));
-        assert!(unstack("model.layers.0.mlp.router.weight", &bias).unwrap().is_none());
+        assert!(unstack("model.layers.0.mlp.router.weight", &bias, ExpertStacking::Interleaved).unwrap().is_none());
         // Back: a name before and after, the experts' parameters in the model's order.
         let mut names = vec!["model.layers.0.input_layernorm.weight".to_string()];
         names.extend(params.iter().map(|(n, _)| n.clone()));
         names.push("model.norm.weight".into());
-        let layout = stack_layout(&names).unwrap();
+        let layout = stack_layout(&names, ExpertStacking::Interleaved).unwrap();
         let disk: Vec<&str> = layout.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             disk,
@@ -290,10 +304,37 @@ mod tests {
             ]
         );
         for ((_, source), original) in layout[1..4].iter().zip([&gate_up, &bias, &down]) {
-            let Source::Stacked { experts, interleave, transpose } = source else { panic!("{source:?}") };
+            let Source::Stacked { experts, join, transpose } = source else { panic!("{source:?}") };
             let fetched =
                 experts.iter().map(|parts| parts.iter().map(|&i| params[i - 1].1.shallow_clone()).collect()).collect();
-            assert!(stack(fetched, *interleave, *transpose).unwrap().equal(original));
+            assert!(stack(fetched, *join, *transpose).unwrap().equal(original));
+        }
+    }
+
+    /// Mistral 4's stacks: each expert's gate rows before its up rows, output-major, taken
+    /// apart and stacked again exactly.
+    #[test]
+    fn concatenated_stacks_come_apart_and_stack_again_exactly() {
+        let (experts, dim, width) = (3, 4, 5);
+        let gate_up = Tensor::randn([experts, 2 * width, dim], (tch::Kind::Float, tch::Device::Cpu));
+        let down = Tensor::randn([experts, dim, width], (tch::Kind::Float, tch::Device::Cpu));
+        let mut params = vec![];
+        for (name, t) in
+            [("m.layers.1.mlp.experts.gate_up_proj", &gate_up), ("m.layers.1.mlp.experts.down_proj", &down)]
+        {
+            params.extend(unstack(name, t, ExpertStacking::Concatenated).unwrap().unwrap());
+        }
+        let up2 = &params.iter().find(|(n, _)| n == "m.layers.1.mlp.experts.2.up_proj.weight").unwrap().1;
+        assert!(up2.equal(&gate_up.get(2).narrow(0, width, width)));
+        let down0 = &params.iter().find(|(n, _)| n == "m.layers.1.mlp.experts.0.down_proj.weight").unwrap().1;
+        assert!(down0.equal(&down.get(0)));
+        let names: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
+        let layout = stack_layout(&names, ExpertStacking::Concatenated).unwrap();
+        for ((_, source), original) in layout.iter().zip([&gate_up, &down]) {
+            let Source::Stacked { experts, join, transpose } = source else { panic!("{source:?}") };
+            let fetched =
+                experts.iter().map(|parts| parts.iter().map(|&i| params[i].1.shallow_clone()).collect()).collect();
+            assert!(stack(fetched, *join, *transpose).unwrap().equal(original));
         }
     }
 }

@@ -80,6 +80,10 @@ pub enum Family {
     /// DeepSeek-V3 (`deepseek_v3`): latent attention, sigmoid routing with a choice bias
     /// among groups of experts, shared experts, the first layers dense.
     DeepseekV3,
+    /// Mistral 4 (`mistral4`): DeepSeek-V3's latent attention with the queries scaled by
+    /// position (as Ministral 3's), softmax routing without a choice bias, shared experts,
+    /// the experts stacked on disk.
+    Mistral4,
     /// GLM-4.5 (`glm4_moe`): DeepSeek-V3's routing and shared experts under grouped-query
     /// attention with a partial rotation, biases on the query, key and value projections
     /// and optional query/key norms.
@@ -110,6 +114,15 @@ const GLM4_NORMS: [(&str, &str); 3] = [
     ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight"),
 ];
 
+/// How a family's files stack a sparse layer's experts ([`Family::expert_stacking`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertStacking {
+    /// gpt-oss: each expert's matrices input-major, gate and up columns interleaved.
+    Interleaved,
+    /// Mistral 4: each expert's matrices output-major, the gate's rows before the up's.
+    Concatenated,
+}
+
 /// What a decoder family's configuration class gives where a folder leaves its keys out
 /// (folders written by hand, trimmed, or by older code do).
 struct ClassDefaults {
@@ -138,7 +151,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 25] = [
+const FAMILIES: [Family; 26] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -157,6 +170,7 @@ const FAMILIES: [Family; 25] = [
     Family::Olmo2,
     Family::Olmo3,
     Family::DeepseekV3,
+    Family::Mistral4,
     Family::Glm4Moe,
     Family::GptOss,
     Family::Qwen3Next,
@@ -188,6 +202,7 @@ impl Family {
             Family::Olmo2 => "olmo2",
             Family::Olmo3 => "olmo3",
             Family::DeepseekV3 => "deepseek_v3",
+            Family::Mistral4 => "mistral4",
             Family::Glm4Moe => "glm4_moe",
             Family::GptOss => "gpt_oss",
             Family::Qwen3Next => "qwen3_next",
@@ -230,6 +245,7 @@ impl Family {
             Family::Olmo2 => "Olmo2",
             Family::Olmo3 => "Olmo3",
             Family::DeepseekV3 => "DeepseekV3",
+            Family::Mistral4 => "Mistral4",
             Family::Glm4Moe => "Glm4Moe",
             Family::GptOss => "GptOss",
             Family::Qwen3Next => "Qwen3Next",
@@ -269,6 +285,7 @@ impl Family {
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
                 Phi3 | Olmoe | DeepseekV3 => 4096,
+                Mistral4 => 1_048_576,
                 _ => 2048,
             },
             norm_eps: match self {
@@ -310,21 +327,36 @@ impl Family {
             Family::Qwen2Moe => Family::Qwen2,
             Family::Qwen3Moe => Family::Qwen3,
             Family::Qwen3_5Moe => Family::Qwen3_5,
-            Family::Olmoe | Family::DeepseekV3 | Family::Glm4Moe | Family::GptOss | Family::Qwen3Next => Family::Llama,
+            Family::Olmoe
+            | Family::DeepseekV3
+            | Family::Mistral4
+            | Family::Glm4Moe
+            | Family::GptOss
+            | Family::Qwen3Next => Family::Llama,
             dense => dense,
         }
     }
 
-    /// Whether the family's files stack each sparse layer's experts into one tensor per
-    /// projection (gpt-oss), which `io` takes apart on load and stacks again on save.
-    pub fn stacks_experts(self) -> bool {
-        self == Family::GptOss
+    /// How the family's files stack each sparse layer's experts into one tensor per
+    /// projection (gpt-oss, Mistral 4), which `io` takes apart on load and stacks again on
+    /// save; `None` where each expert's weights lie apart.
+    pub fn expert_stacking(self) -> Option<ExpertStacking> {
+        match self {
+            Family::GptOss => Some(ExpertStacking::Interleaved),
+            Family::Mistral4 => Some(ExpertStacking::Concatenated),
+            _ => None,
+        }
     }
 
     /// Whether the family routes as DeepSeek-V3 does (sigmoid scores, a choice bias,
     /// groups, a routed scale, shared experts without a gate, the first layers dense).
     fn routes_like_deepseek(self) -> bool {
-        matches!(self, Family::DeepseekV3 | Family::Glm4Moe)
+        matches!(self, Family::DeepseekV3 | Family::Mistral4 | Family::Glm4Moe)
+    }
+
+    /// Whether the family attends through DeepSeek's latent attention.
+    fn has_latent_attention(self) -> bool {
+        matches!(self, Family::DeepseekV3 | Family::Mistral4)
     }
 
     fn has_experts(self) -> bool {
@@ -362,6 +394,7 @@ impl Family {
         }
         if let Some(moe) = &c.moe {
             return Ok(match c {
+                c if c.latent.is_some() && c.query_scaling.is_some() => Family::Mistral4,
                 c if c.latent.is_some() => Family::DeepseekV3,
                 c if c.linear_attention.as_ref().is_some_and(|l| l.split_projections) => Family::Qwen3_5Moe,
                 c if c.linear_attention.is_some() => Family::Qwen3Next,
@@ -432,11 +465,21 @@ impl Family {
             ),
             (c.post_norms != self.is_olmo(), "norms after attention and the feed-forward alone"),
             (!c.unrotated_layers.is_empty() && self != Family::SmolLm3, "layers that turn no position"),
-            (c.query_scaling.is_some() != (self == Family::Ministral3), "queries scaled by position"),
+            (
+                c.query_scaling.is_some() != matches!(self, Family::Ministral3 | Family::Mistral4),
+                "queries scaled by position",
+            ),
             (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
             (c.interleaved_rotation != (self == Family::Glm4), "heads turned as adjacent pairs"),
-            (c.latent.is_some() != (self == Family::DeepseekV3), "latent attention"),
+            (c.latent.is_some() != self.has_latent_attention(), "latent attention"),
             (moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek()), "DeepSeek's routing"),
+            (
+                moe.is_some_and(|m| {
+                    self.routes_like_deepseek()
+                        && (m.scoring == Scoring::Softmax || !m.choice_bias) != (self == Family::Mistral4)
+                }),
+                "DeepSeek's sigmoid scores with a choice bias, or Mistral 4's softmax ones without",
+            ),
             (
                 moe.is_some_and(|m| {
                     self.routes_like_deepseek()
@@ -447,7 +490,7 @@ impl Family {
                 "dense layers other than the first ones, or shared experts of another width",
             ),
             (
-                matches!(self, Family::DeepseekV3 | Family::GptOss) && c.qkv_bias != c.o_bias,
+                matches!(self, Family::DeepseekV3 | Family::Mistral4 | Family::GptOss) && c.qkv_bias != c.o_bias,
                 "a bias on some attention projections alone",
             ),
             (matches!(self, Family::Glm4Moe | Family::Glm4) && c.o_bias, "a bias on the attention output"),
@@ -834,8 +877,9 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["qk_rope_head_dim"] = json!(l.rope_dim);
         v["v_head_dim"] = json!(l.value_dim);
         v["rope_interleave"] = json!(l.interleaved);
-        // transformers gives DeepSeek's heads the rotated width as head_dim.
-        v["head_dim"] = json!(l.rope_dim);
+        // transformers gives DeepSeek's heads the rotated width as head_dim, Mistral 4's their
+        // whole query width.
+        v["head_dim"] = json!(if family == Family::Mistral4 { l.query_dim() } else { l.rope_dim });
         v["num_key_value_heads"] = json!(c.heads);
     }
     if let Some(moe) = &c.moe {
@@ -859,7 +903,7 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
     }
     match family {
-        Family::DeepseekV3 | Family::Glm4Moe => {
+        Family::DeepseekV3 | Family::Mistral4 | Family::Glm4Moe => {
             v["n_routed_experts"] = json!(moe.experts);
             v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
             v["n_shared_experts"] = json!(moe.shared_expert_dim.map_or(0, |w| w / moe.expert_ffn_dim));
@@ -1525,11 +1569,10 @@ impl Keys<'_> {
         let olmoe = family == Family::Olmoe;
         let olmo = family.is_olmo();
         let smollm3 = family == Family::SmolLm3;
-        let ministral3 = family == Family::Ministral3;
-        let ministral3_rope = ministral3.then(|| self.ministral3_rope());
-        let query_scaling = match &ministral3_rope {
-            Some(rope) => Self::query_scaling(rope)?,
-            None => None,
+        let class_rope = self.class_rope(family);
+        let query_scaling = match &class_rope {
+            Some(rope) if matches!(family, Family::Ministral3 | Family::Mistral4) => Self::query_scaling(rope)?,
+            _ => None,
         };
         let glm4 = family == Family::Glm4;
         let glm = family == Family::Glm4Moe || glm4;
@@ -1537,7 +1580,7 @@ impl Keys<'_> {
         let default_padding = match family {
             Family::Gemma2 | Family::Gemma3 => Some(0),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe => Some(1),
-            Family::Ministral3 => Some(11),
+            Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
             Family::SmolLm3 => Some(128_004),
             Family::Glm4 => Some(151_329),
@@ -1548,7 +1591,7 @@ impl Keys<'_> {
         let next = family.linear_attention_family();
         let split_projections = family.is_qwen3_5();
         let qwen3_5_moe = family == Family::Qwen3_5Moe;
-        let latent = if family == Family::DeepseekV3 { Some(self.latent()?) } else { None };
+        let latent = if family.has_latent_attention() { Some(self.latent(family, class_rope.as_ref())?) } else { None };
         // A mixture of experts' attention and windows are those of the family it grew from.
         let family = family.dense();
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
@@ -1593,16 +1636,9 @@ impl Keys<'_> {
                 let (full, local) = self.ropes_by_layer_kind(500_000.0, None, 500_000.0, max_positions)?;
                 (full, Some(local))
             }
-            // Ministral 3 reads the older rope_scaling as its rotation, and without either key
-            // turns as its configuration class's default does.
-            (Family::Ministral3, _) => {
-                (self.rope(ministral3_rope.as_ref(), Some("rope_theta"), 10_000.0, max_positions)?, None)
-            }
-            // gpt-oss's class turns by YaRN where a folder names no rotation.
-            (_, None) if gpt_oss && self.get("rope_scaling").is_none() => {
-                let yarn = json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                  "truncate": false, "original_max_position_embeddings": 4096});
-                (self.rope(Some(&yarn), Some("rope_theta"), defaults.rope_theta, max_positions)?, None)
+            // The families whose classes turn by a rotation of their own where a folder names none.
+            _ if class_rope.is_some() => {
+                (self.rope(class_rope.as_ref(), Some("rope_theta"), defaults.rope_theta, max_positions)?, None)
             }
             (_, params) => (self.rope(params, Some("rope_theta"), defaults.rope_theta, max_positions)?, None),
         };
@@ -1610,6 +1646,9 @@ impl Keys<'_> {
         let partial_given = self.cfg.contains_key("partial_rotary_factor")
             || self.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor")).is_some();
         let partial = match (glm, next) {
+            // Latent attention turns its qk_rope_head_dim, the share of each head Mistral 4's
+            // partial_rotary_factor names.
+            _ if latent.is_some() => 1.0,
             _ if partial_given => rope.partial,
             (true, _) => 0.5,
             (_, true) => 0.25,
@@ -1768,20 +1807,26 @@ impl Keys<'_> {
         types.iter().map(read).collect::<KeyResult<Vec<_>>>().map(Some)
     }
 
-    /// DeepSeek-V3's latent attention, as its keys name it (and `transformers` defaults them).
-    fn latent(&self) -> KeyResult<LatentConfig> {
-        let (key, params) = match self.get("rope_parameters") {
-            Some(p) => ("rope_parameters", Some(p)),
-            None => ("rope_scaling", self.get("rope_scaling")),
+    /// DeepSeek-V3's and Mistral 4's latent attention, as its keys name it (and each class
+    /// defaults them); the rotation keys are `class_rope` where the family's class has its own.
+    fn latent(&self, family: Family, class_rope: Option<&Value>) -> KeyResult<LatentConfig> {
+        let (key, params) = match (class_rope, self.get("rope_parameters")) {
+            (Some(p), _) | (None, Some(p)) => ("rope_parameters", Some(p)),
+            (None, None) => ("rope_scaling", self.get("rope_scaling")),
         };
         let mscale_all_dim = match params.and_then(Value::as_object) {
             Some(map) => Keys { cfg: map, prefix: format!("{key}.") }.float("mscale_all_dim")?.unwrap_or(0.0),
             None => 0.0,
         };
+        // Each class's sizes where the keys are absent.
+        let (q_rank, kv_rank, nope_dim) = match family {
+            Family::Mistral4 => (1024, 256, 64),
+            _ => (1536, 512, 128),
+        };
         Ok(LatentConfig {
-            q_rank: if self.cfg.contains_key("q_lora_rank") { self.int("q_lora_rank")? } else { Some(1536) },
-            kv_rank: self.int("kv_lora_rank")?.unwrap_or(512),
-            nope_dim: self.int("qk_nope_head_dim")?.unwrap_or(128),
+            q_rank: if self.cfg.contains_key("q_lora_rank") { self.int("q_lora_rank")? } else { Some(q_rank) },
+            kv_rank: self.int("kv_lora_rank")?.unwrap_or(kv_rank),
+            nope_dim: self.int("qk_nope_head_dim")?.unwrap_or(nope_dim),
             rope_dim: self.int("qk_rope_head_dim")?.unwrap_or(64),
             value_dim: self.int("v_head_dim")?.unwrap_or(128),
             interleaved: self.flag("rope_interleave")?.unwrap_or(true),
@@ -1878,33 +1923,38 @@ impl Keys<'_> {
     /// routed scale, plain shared experts, the first layers dense (with `transformers`'
     /// defaults for each family where a key is absent).
     fn deepseek_experts(&self, family: Family) -> KeyResult<MoeConfig> {
-        let deepseek = family == Family::DeepseekV3;
-        self.only("scoring_func", &[json!("sigmoid")], "the router scores by sigmoid")?;
-        self.only("topk_method", &[json!("noaux_tc")], "experts are chosen by their biased scores within groups")?;
+        let mistral4 = family == Family::Mistral4;
+        if !mistral4 {
+            self.only("scoring_func", &[json!("sigmoid")], "the router scores by sigmoid")?;
+            self.only("topk_method", &[json!("noaux_tc")], "experts are chosen by their biased scores within groups")?;
+        }
         self.only("moe_layer_freq", &[json!(1)], "every layer past the first dense ones is sparse")?;
-        let width = self.int("moe_intermediate_size")?.unwrap_or(if deepseek { 2048 } else { 1408 });
-        let shared = self.int("n_shared_experts")?.unwrap_or(1);
-        let first_dense = self.int("first_k_dense_replace")?.unwrap_or(if deepseek { 3 } else { 1 });
-        let (groups, top_groups) = match deepseek {
-            true => (self.int("n_group")?.unwrap_or(8), self.int("topk_group")?.unwrap_or(4)),
-            false => (self.int("n_group")?.unwrap_or(1), self.int("topk_group")?.unwrap_or(1)),
+        // Each class's defaults: experts, how many a token takes, their width, the dense
+        // layers first, groups and how many are chosen, the routed scale.
+        let (experts, top_k, width, first_dense, groups, top_groups, routed_scale) = match family {
+            Family::DeepseekV3 => (256, 8, 2048, 3, 8, 4, 2.5),
+            Family::Mistral4 => (128, 4, 2048, 0, 1, 1, 1.0),
+            _ => (128, 8, 1408, 1, 1, 1, 1.0),
         };
-        let routed_scale = self.float("routed_scaling_factor")?.unwrap_or(if deepseek { 2.5 } else { 1.0 });
+        let width = self.int("moe_intermediate_size")?.unwrap_or(width);
+        let shared = self.int("n_shared_experts")?.unwrap_or(1);
+        let first_dense = self.int("first_k_dense_replace")?.unwrap_or(first_dense);
         Ok(MoeConfig {
             norm_topk: self.flag("norm_topk_prob")?.unwrap_or(true),
             shared_expert_dim: (shared > 0).then_some(shared * width),
             shared_gate: false,
-            scoring: Scoring::Sigmoid,
-            choice_bias: true,
-            groups,
-            top_groups,
-            routed_scale,
+            // Mistral 4's router scores by softmax and chooses by those scores alone.
+            scoring: if mistral4 { Scoring::Softmax } else { Scoring::Sigmoid },
+            choice_bias: !mistral4,
+            groups: self.int("n_group")?.unwrap_or(groups),
+            top_groups: self.int("topk_group")?.unwrap_or(top_groups),
+            routed_scale: self.float("routed_scaling_factor")?.unwrap_or(routed_scale),
             dense_layers: (0..first_dense.max(0)).collect(),
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
             ..MoeConfig::new(
-                self.int("n_routed_experts")?.unwrap_or(if deepseek { 256 } else { 128 }),
-                self.int("num_experts_per_tok")?.unwrap_or(8),
+                self.int("n_routed_experts")?.unwrap_or(experts),
+                self.int("num_experts_per_tok")?.unwrap_or(top_k),
                 width,
             )
         })
@@ -1925,7 +1975,7 @@ impl Keys<'_> {
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         use Family::*;
         let window = match family {
-            Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Glm4Moe => return Ok((None, None)),
+            Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => default_window,
             _ => self.int("sliding_window")?,
@@ -1963,19 +2013,43 @@ impl Keys<'_> {
         Ok((window, types))
     }
 
-    /// Ministral 3's rotation keys: the older `rope_scaling` where given (its class reads it
-    /// first), else `rope_parameters`, else its class's default (YaRN by 16 from 16,384
-    /// positions, with the queries scaled by position).
-    fn ministral3_rope(&self) -> Value {
-        let given = |key: &str| self.get(key).filter(|v| !v.is_null());
-        match given("rope_scaling").or(given("rope_parameters")) {
-            Some(given) => given.clone(),
-            None => json!({
-                "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
-                "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
-                "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
-            }),
-        }
+    /// The rotation keys of a family whose class turns by a rotation of its own where a
+    /// folder names none: the keys given (Ministral 3's class reads the older `rope_scaling`
+    /// first, the others `rope_parameters`), else the class's: Ministral 3's YaRN by 16 from
+    /// 16,384 positions and Mistral 4's by 128 from 8,192, both with the queries scaled by
+    /// position, gpt-oss's YaRN by 32 from 4,096. `None` for the other families.
+    fn class_rope(&self, family: Family) -> Option<Value> {
+        let given = |key: &str| self.get(key).filter(|v| !v.is_null()).cloned();
+        let (first, then, class) = match family {
+            Family::Ministral3 => (
+                "rope_scaling",
+                "rope_parameters",
+                json!({
+                    "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
+                    "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
+                }),
+            ),
+            Family::Mistral4 => (
+                "rope_parameters",
+                "rope_scaling",
+                json!({
+                    "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 128.0,
+                    "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
+                }),
+            ),
+            Family::GptOss => (
+                "rope_parameters",
+                "rope_scaling",
+                json!({
+                    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
+                    "original_max_position_embeddings": 4096,
+                }),
+            ),
+            _ => return None,
+        };
+        Some(given(first).or_else(|| given(then)).unwrap_or(class))
     }
 
     /// The rotations of a family that names one for each kind of layer (Gemma 3, OLMo 3):
@@ -2003,8 +2077,8 @@ impl Keys<'_> {
         Ok((full, local))
     }
 
-    /// Ministral 3's scale of its queries by position: its rotation keys'
-    /// ([`Self::ministral3_rope`]) `llama_4_scaling_beta`, stepping every
+    /// Ministral 3's and Mistral 4's scale of their queries by position: their rotation keys'
+    /// ([`Self::class_rope`]) `llama_4_scaling_beta`, stepping every
     /// `original_max_position_embeddings` positions.
     fn query_scaling(rope: &Value) -> KeyResult<Option<QueryScaling>> {
         let Value::Object(params) = rope else { return Ok(None) };

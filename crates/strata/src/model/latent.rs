@@ -10,7 +10,7 @@
 //! layout). Generation caches the latent and the rotated key part, not whole keys and
 //! values: a position costs `kv_rank + rope_dim` values per layer.
 use super::layers::{rms_norm, rms_norm_into_product, split_heads, Projected};
-use super::rope::{pairs_as_halves, Placed, Rope, RopeScaling, Rotation};
+use super::rope::{pairs_as_halves, Placed, QueryScaling, Rope, RopeScaling, Rotation};
 use super::{DecodeCache, Init, ParamId, Params, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -99,6 +99,8 @@ pub(crate) struct LatentAttention {
     kv_up: ParamId,
     config: LatentConfig,
     rotation: Rotation,
+    /// Mistral 4's scale of the queries by position, after their rotation.
+    query_scaling: Option<QueryScaling>,
 }
 
 impl LatentAttention {
@@ -137,7 +139,13 @@ impl LatentAttention {
         let kv_norm = u.norm(attn("kv_a_layernorm.weight"), &[config.kv_rank], Init::Ones, TpRole::PartialGradient);
         let kv_out = heads * (config.nope_dim + config.value_dim);
         let kv_up = u.linear(attn("kv_b_proj.weight"), &[kv_out, config.kv_rank], normal, TpRole::COLUMN);
-        LatentAttention { queries, kv_down, kv_norm, kv_up, config: config.clone(), rotation: Rotation::new(rope) }
+        let rotation = Rotation::new(rope);
+        LatentAttention { queries, kv_down, kv_norm, kv_up, config: config.clone(), rotation, query_scaling: None }
+    }
+
+    /// The attention with its queries scaled by position as `scaling` says (Mistral 4).
+    pub(crate) fn with_query_scaling(self, scaling: Option<QueryScaling>) -> LatentAttention {
+        LatentAttention { query_scaling: scaling, ..self }
     }
 
     /// This rank's queries and keys `[B, H, T, nope + rope]` and values `[B, H, T', value]`
@@ -178,6 +186,10 @@ impl LatentAttention {
         let (k_plain, v) = (kv.f_narrow(-1, 0, c.nope_dim)?, kv.f_narrow(-1, c.nope_dim, c.value_dim)?);
         let k_turned = k_turned.f_expand([-1, heads, -1, -1], false)?;
         let q = Tensor::f_cat(&[q_plain, q_turned], -1)?;
+        let q = match &self.query_scaling {
+            Some(scaling) => scaling.apply(&q, placed)?,
+            None => q,
+        };
         let k = Tensor::f_cat(&[k_plain, k_turned], -1)?;
         Ok((q, k, v, None))
     }

@@ -335,9 +335,6 @@ impl LlamaConfig {
         }
         if let Some(scaling) = &self.query_scaling {
             scaling.validate()?;
-            if self.latent.is_some() {
-                return Err(Error::Config("query scaling applies to grouped-query attention, not latent".into()));
-            }
         }
         if self.sandwich_norms && self.post_norms {
             return Err(Error::Config("sandwich_norms and post_norms are two placements of the same norms".into()));
@@ -887,7 +884,8 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 (Some(GatedDeltaNet::declare(&mut u, &name, l, d, cfg.norm_eps)), None, 0)
             }
             (_, Some(l)) => {
-                let attention = LatentAttention::declare(&mut u, &name, l, d, heads, cfg.qkv_bias, cfg.rope());
+                let attention = LatentAttention::declare(&mut u, &name, l, d, heads, cfg.qkv_bias, cfg.rope())
+                    .with_query_scaling(cfg.query_scaling);
                 (None, Some(attention), heads * l.value_dim)
             }
             _ => (None, None, q_out),

@@ -686,6 +686,14 @@ fn deepseek_v3_matches_transformers() {
     family_matches_transformers("deepseek-v3", 32);
 }
 
+/// Mistral 4: DeepSeek-V3's latent attention with the queries scaled up by position (in
+/// generation too), softmax routing among groups without a choice bias, a shared expert,
+/// the experts stacked on disk (taken apart on load and stacked again on save).
+#[test]
+fn mistral4_matches_transformers() {
+    family_matches_transformers("mistral4", 32);
+}
+
 /// DeepSeek-V3 with one query projection, rotated halves, unscaled rotation, a tied head,
 /// every layer sparse and unnormalised routing weights.
 #[test]
@@ -779,6 +787,13 @@ fn gemma3_release_matches_transformers() {
 #[test]
 fn mistral3_release_matches_transformers() {
     release_matches_transformers("mistral3-release", "mistral3");
+}
+
+/// Mistral Small 4 as released: Mistral 4's text model (its experts stacked on disk) inside
+/// Mistral 3's release.
+#[test]
+fn mistral4_release_matches_transformers() {
+    release_matches_transformers("mistral4-release", "mistral3");
 }
 
 /// A release's language model matches `transformers` ([`family_matches_transformers`], its
@@ -1440,7 +1455,7 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 22] = [
+const DECODER_TYPES: [&str; 23] = [
     "llama",
     "mistral",
     "ministral3",
@@ -1463,6 +1478,7 @@ const DECODER_TYPES: [&str; 22] = [
     "qwen3_next",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "mistral4",
 ];
 
 /// A JSON value's leaves by their paths (`rope_scaling.factor`).
