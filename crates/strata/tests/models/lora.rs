@@ -248,6 +248,17 @@ fn qwen3_moe_lora_of_attention_and_experts_matches_peft() {
     );
 }
 
+/// Mistral 4's latent attention and its experts, stacked on disk as in peft's
+/// `target_parameters`: one pair of factors for each layer's stacked gate and up weights.
+#[test]
+fn mistral4_lora_of_latent_attention_and_experts_matches_peft() {
+    lora_matches_peft(
+        "mistral4",
+        json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_b_proj", "kv_b_proj", "o_proj"],
+               "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
+    );
+}
+
 /// A release's language model (Gemma 3's, beside its image model) takes adapters under the
 /// release's names, as peft names them: the layers adapted are the text model's alone.
 #[test]
