@@ -2020,25 +2020,17 @@ impl Keys<'_> {
     /// position, gpt-oss's YaRN by 32 from 4,096. `None` for the other families.
     fn class_rope(&self, family: Family) -> Option<Value> {
         let given = |key: &str| self.get(key).filter(|v| !v.is_null()).cloned();
+        // YaRN with Mistral's query scaling, from `original` positions by `factor`.
+        let scaled_yarn = |theta: f64, factor: f64, original: i64| {
+            json!({
+                "rope_type": "yarn", "rope_theta": theta, "factor": factor,
+                "original_max_position_embeddings": original, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
+            })
+        };
         let (first, then, class) = match family {
-            Family::Ministral3 => (
-                "rope_scaling",
-                "rope_parameters",
-                json!({
-                    "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
-                    "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
-                    "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
-                }),
-            ),
-            Family::Mistral4 => (
-                "rope_parameters",
-                "rope_scaling",
-                json!({
-                    "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 128.0,
-                    "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
-                    "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
-                }),
-            ),
+            Family::Ministral3 => ("rope_scaling", "rope_parameters", scaled_yarn(1_000_000.0, 16.0, 16384)),
+            Family::Mistral4 => ("rope_parameters", "rope_scaling", scaled_yarn(10_000.0, 128.0, 8192)),
             Family::GptOss => (
                 "rope_parameters",
                 "rope_scaling",
