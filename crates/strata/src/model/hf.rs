@@ -375,7 +375,10 @@ impl Family {
     }
 
     /// The family a built-in model is written as: GPT as GPT-2; the decoder by the options
-    /// it uses (experts: Mixtral by its names, OLMoE by its norms over whole projections,
+    /// it uses (experts: with latent attention Mistral 4 where queries are scaled by
+    /// position, else DeepSeek-V3; Qwen3.5-MoE or Qwen3-Next by their linear attention,
+    /// gpt-oss by its stacked names, GLM-4.5 by DeepSeek's routing, Mixtral by its names,
+    /// OLMoE by its norms over whole projections,
     /// Qwen3-MoE by per-head norms, else Qwen2-MoE; fused projections: Phi-3; Gemma's norms: Gemma 3 with query/key norms, else
     /// Gemma 2; query/key norms: Qwen3; biases on the query, key and value projections
     /// alone: Qwen2; a window on every layer: Mistral; else LLaMA).
@@ -472,13 +475,24 @@ impl Family {
             (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
             (c.interleaved_rotation != (self == Family::Glm4), "heads turned as adjacent pairs"),
             (c.latent.is_some() != self.has_latent_attention(), "latent attention"),
-            (moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek()), "DeepSeek's routing"),
+            // Mistral 4's routing is pinned by the scoring rule below, shared experts or not.
+            (
+                moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek()) && self != Family::Mistral4,
+                "DeepSeek's routing",
+            ),
             (
                 moe.is_some_and(|m| {
-                    self.routes_like_deepseek()
-                        && (m.scoring == Scoring::Softmax || !m.choice_bias) != (self == Family::Mistral4)
+                    let scored = match self {
+                        Family::Mistral4 => m.scoring == Scoring::Softmax && !m.choice_bias,
+                        _ => m.scoring == Scoring::Sigmoid && m.choice_bias,
+                    };
+                    self.routes_like_deepseek() && !scored
                 }),
                 "DeepSeek's sigmoid scores with a choice bias, or Mistral 4's softmax ones without",
+            ),
+            (
+                moe.is_some_and(|m| self.routes_like_deepseek() && m.shared_expert_dim.is_some() && m.shared_gate),
+                "a shared expert behind a gate beside DeepSeek's routing",
             ),
             (
                 moe.is_some_and(|m| {
@@ -1570,10 +1584,6 @@ impl Keys<'_> {
         let olmo = family.is_olmo();
         let smollm3 = family == Family::SmolLm3;
         let class_rope = self.class_rope(family);
-        let query_scaling = match &class_rope {
-            Some(rope) if matches!(family, Family::Ministral3 | Family::Mistral4) => Self::query_scaling(rope)?,
-            _ => None,
-        };
         let glm4 = family == Family::Glm4;
         let glm = family == Family::Glm4Moe || glm4;
         // Each configuration class's padding token where the key is absent.
@@ -1587,6 +1597,12 @@ impl Keys<'_> {
             _ => None,
         };
         let (class, defaults) = (family, family.class_defaults());
+        let query_scaling = match &class_rope {
+            Some(rope) if matches!(family, Family::Ministral3 | Family::Mistral4) => {
+                self.query_scaling(rope, defaults.positions)?
+            }
+            _ => None,
+        };
         let gpt_oss = family == Family::GptOss;
         let next = family.linear_attention_family();
         let split_projections = family.is_qwen3_5();
@@ -1953,7 +1969,11 @@ impl Keys<'_> {
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
             ..MoeConfig::new(
-                self.int("n_routed_experts")?.unwrap_or(experts),
+                // Mistral 4's class also takes the name the other families give the count.
+                match self.int("n_routed_experts")? {
+                    Some(n) => n,
+                    None => self.int("num_local_experts")?.filter(|_| mistral4).unwrap_or(experts),
+                },
                 self.int("num_experts_per_tok")?.unwrap_or(top_k),
                 width,
             )
@@ -2014,12 +2034,11 @@ impl Keys<'_> {
     }
 
     /// The rotation keys of a family whose class turns by a rotation of its own where a
-    /// folder names none: the keys given (Ministral 3's class reads the older `rope_scaling`
-    /// first, the others `rope_parameters`), else the class's: Ministral 3's YaRN by 16 from
-    /// 16,384 positions and Mistral 4's by 128 from 8,192, both with the queries scaled by
-    /// position, gpt-oss's YaRN by 32 from 4,096. `None` for the other families.
+    /// folder names none: the keys given (the older `rope_scaling` first, as these classes
+    /// read them), else the class's: Ministral 3's YaRN by 16 from 16,384 positions and
+    /// Mistral 4's by 128 from 8,192, both with the queries scaled by position, gpt-oss's
+    /// YaRN by 32 from 4,096. `None` for the other families.
     fn class_rope(&self, family: Family) -> Option<Value> {
-        let given = |key: &str| self.get(key).filter(|v| !v.is_null()).cloned();
         // YaRN with Mistral's query scaling, from `original` positions by `factor`.
         let scaled_yarn = |theta: f64, factor: f64, original: i64| {
             json!({
@@ -2028,20 +2047,17 @@ impl Keys<'_> {
                 "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
             })
         };
-        let (first, then, class) = match family {
-            Family::Ministral3 => ("rope_scaling", "rope_parameters", scaled_yarn(1_000_000.0, 16.0, 16384)),
-            Family::Mistral4 => ("rope_parameters", "rope_scaling", scaled_yarn(10_000.0, 128.0, 8192)),
-            Family::GptOss => (
-                "rope_parameters",
-                "rope_scaling",
-                json!({
-                    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
-                    "original_max_position_embeddings": 4096,
-                }),
-            ),
+        let class = match family {
+            Family::Ministral3 => scaled_yarn(1_000_000.0, 16.0, 16384),
+            Family::Mistral4 => scaled_yarn(10_000.0, 128.0, 8192),
+            Family::GptOss => json!({
+                "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
+                "original_max_position_embeddings": 4096,
+            }),
             _ => return None,
         };
-        Some(given(first).or_else(|| given(then)).unwrap_or(class))
+        let given = |key: &str| self.get(key).filter(|v| !v.is_null()).cloned();
+        Some(given("rope_scaling").or_else(|| given("rope_parameters")).unwrap_or(class))
     }
 
     /// The rotations of a family that names one for each kind of layer (Gemma 3, OLMo 3):
@@ -2072,13 +2088,23 @@ impl Keys<'_> {
     /// Ministral 3's and Mistral 4's scale of their queries by position: their rotation keys'
     /// ([`Self::class_rope`]) `llama_4_scaling_beta`, stepping every
     /// `original_max_position_embeddings` positions.
-    fn query_scaling(rope: &Value) -> KeyResult<Option<QueryScaling>> {
+    /// `transformers` takes the top-level `original_max_position_embeddings` over the
+    /// rotation keys' own, and for YaRN the context (`max_position_embeddings`, else the
+    /// class's `default_positions`) without either.
+    fn query_scaling(&self, rope: &Value, default_positions: i64) -> KeyResult<Option<QueryScaling>> {
         let Value::Object(params) = rope else { return Ok(None) };
         let p = Keys { cfg: params, prefix: "rope_parameters.".into() };
         let Some(beta) = p.float("llama_4_scaling_beta")? else { return Ok(None) };
-        let every = p.int("original_max_position_embeddings")?.ok_or_else(|| {
-            "config.json: rope_parameters.llama_4_scaling_beta needs original_max_position_embeddings".to_string()
-        })?;
+        let yarn = p.text("rope_type")?.or(p.text("type")?).as_deref() == Some("yarn");
+        let every = match (self.int("original_max_position_embeddings")?, p.int("original_max_position_embeddings")?) {
+            (Some(every), _) | (None, Some(every)) => every,
+            (None, None) if yarn => self.int("max_position_embeddings")?.unwrap_or(default_positions),
+            (None, None) => {
+                return Err(
+                    "config.json: rope_parameters.llama_4_scaling_beta needs original_max_position_embeddings".into()
+                )
+            }
+        };
         Ok(Some(QueryScaling { beta, every }))
     }
 
@@ -2551,6 +2577,22 @@ mod tests {
         assert!(Family::Olmo2.cannot_write(&olmo3).unwrap().contains("a local rotation"));
         let unscaled = read(Family::Ministral3, json!({"rope_parameters": {"llama_4_scaling_beta": 0.1}})).unwrap_err();
         assert!(unscaled.contains("llama_4_scaling_beta needs original_max_position_embeddings"), "{unscaled}");
+        // Mistral 4 routes by softmax scores without a choice bias, shared experts or not.
+        let mistral4 = read(Family::Mistral4, json!({"n_shared_experts": 0})).unwrap();
+        assert_eq!(Family::of(&ModelConfig::Llama(mistral4.clone())).unwrap(), Family::Mistral4);
+        assert_eq!(Family::Mistral4.cannot_write(&mistral4), None);
+        let mut sigmoid = mistral4.clone();
+        sigmoid.moe.as_mut().unwrap().scoring = Scoring::Sigmoid;
+        assert!(Family::Mistral4.cannot_write(&sigmoid).unwrap().contains("Mistral 4's softmax ones without"));
+        let mut gated = read(Family::DeepseekV3, json!({})).unwrap();
+        gated.moe.as_mut().unwrap().shared_gate = true;
+        assert!(Family::DeepseekV3.cannot_write(&gated).unwrap().contains("a shared expert behind a gate"));
+        // YaRN's keys without an original context take the model's, the top-level key first.
+        let yarn = json!({"rope_type": "yarn", "factor": 4.0, "llama_4_scaling_beta": 0.1});
+        let from_context = read(Family::Ministral3, json!({"rope_parameters": yarn, "max_position_embeddings": 64}));
+        assert_eq!(from_context.unwrap().query_scaling.map(|q| q.every), Some(64));
+        let top = json!({"rope_parameters": yarn, "original_max_position_embeddings": 8});
+        assert_eq!(read(Family::Ministral3, top).unwrap().query_scaling.map(|q| q.every), Some(8));
         // Without rotation keys, Ministral 3's configuration class's own: YaRN with the queries
         // scaled; the older rope_scaling is its rotation, query scale included.
         let plain = read(Family::Ministral3, json!({})).unwrap();
