@@ -986,7 +986,8 @@ pub struct ModelDir {
     /// `bos_token_id`, `eos_token_id` and `pad_token_id` as the config gives them.
     pub special_tokens: Map<String, Value>,
     /// A release's whole `config.json`, where the folder holds an image model beside the
-    /// language model read ([`RELEASES`]): a folder written back keeps both.
+    /// language model read (Gemma 3's, Mistral 3's, Qwen3.5's): a folder written back keeps
+    /// both.
     pub release: Option<Map<String, Value>>,
 }
 
