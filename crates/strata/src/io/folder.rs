@@ -2,7 +2,7 @@
 //! family's names and layouts, and a trained model written back as such a folder
 //! (`config.json`, safetensors sharded above a size with their index, tokenizer files).
 use super::stacked::{self, Join, Source};
-use super::{load_named, read_safetensors, write_atomic, write_safetensors_streamed};
+use super::{load_named, read_safetensors, read_safetensors_where, write_atomic, write_safetensors_streamed};
 use crate::engine::Engine;
 use crate::model::hf::{language_model_name, release_config, release_name, INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
 use crate::model::{DecoderHead, Family, LlamaConfig, ModelConfig, ModelDir};
@@ -106,7 +106,7 @@ impl ReleaseOut {
     fn carried(&self) -> Result<Vec<(String, Tensor)>> {
         let mut carried = vec![];
         for file in &self.weights {
-            carried.extend(read_safetensors(file)?.into_iter().filter(|(name, _)| language_model_name(name).is_none()));
+            carried.extend(read_safetensors_where(file, |name| language_model_name(name).is_none())?);
         }
         Ok(carried)
     }

@@ -133,11 +133,17 @@ pub fn to_safetensors<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor
 
 /// Reads every tensor of a safetensors file into CPU tensors, validating the file.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
+    read_safetensors_where(path, |_| true)
+}
+
+/// Reads the tensors of a safetensors file whose names `keep` takes into CPU tensors,
+/// validating the file; the others are never made.
+pub(crate) fn read_safetensors_where(path: &Path, keep: impl Fn(&str) -> bool) -> Result<BTreeMap<String, Tensor>> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     let err = |message: String| Error::Weights { path: path.to_path_buf(), message };
     let st = SafeTensors::deserialize(&bytes).map_err(|e| err(format!("not a valid safetensors file ({e})")))?;
     let mut out = BTreeMap::new();
-    for (name, view) in st.tensors() {
+    for (name, view) in st.tensors().into_iter().filter(|(name, _)| keep(name)) {
         let kind = kind_of(view.dtype())
             .ok_or_else(|| err(format!("tensor {name:?} has unsupported dtype {:?}", view.dtype())))?;
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();

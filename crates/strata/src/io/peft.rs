@@ -91,16 +91,17 @@ impl AdapterOut {
 
     /// The name a parameter takes in the folder.
     pub(super) fn key(&self, name: &str) -> String {
-        match self.release {
-            true => peft_key(&release_module_name(name)),
-            false => peft_key(name),
-        }
+        peft_key(name, self.release)
     }
 }
 
-/// The name peft gives a parameter of its base model.
-fn peft_key(name: &str) -> String {
-    format!("{PREFIX}{name}")
+/// The name peft gives a parameter of its base model, the language model of a release
+/// where `release`.
+fn peft_key(name: &str, release: bool) -> String {
+    match release {
+        true => format!("{PREFIX}{}", release_module_name(name)),
+        false => format!("{PREFIX}{name}"),
+    }
 }
 
 /// The fields of peft's `LoraConfig` that, set, make an adapter compute something else than
@@ -196,8 +197,7 @@ pub fn load_adapter(engine: &mut Engine, dir: &Path) -> Result<()> {
         if !named.iter().any(|(n, _, _)| n == name) {
             // An expert's part is missing when peft's stacked factor holding it is.
             let entry = stacked_factor(name).map_or_else(|| name.clone(), |(whole, _, _)| whole);
-            let entry = if release { release_module_name(&entry) } else { entry };
-            return Err(err(format!("missing {:?}", peft_key(&entry))));
+            return Err(err(format!("missing {:?}", peft_key(&entry, release))));
         }
     }
     load_named(engine, &path, named.into_iter(), &|id| !factors.contains(&id))

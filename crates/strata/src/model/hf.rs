@@ -1064,7 +1064,7 @@ pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
     let (family, config, raw, outer) = read_config(&dir.join("config.json"))?;
     let special_tokens = TOKEN_KEYS.iter().filter_map(|&k| Some((k.to_string(), raw.get(k)?.clone()))).collect();
     let tokenizer = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
-    let release = Some(outer).filter(is_release);
+    let release = Some(outer).filter(|o| release_of(o).is_some());
     let weights = weight_files(dir)?;
     Ok(ModelDir { dir: dir.to_path_buf(), family, config, weights, tokenizer, special_tokens, release })
 }
@@ -1115,25 +1115,47 @@ struct Release {
     /// Whether `save_pretrained` writes the language model under `language_model.model.`
     /// and `language_model.lm_head.` (rather than `model.language_model.` and `lm_head.`).
     legacy_names: bool,
+    /// Whether the outer class gives the language head's logits uncapped, whatever the text
+    /// model's `final_logit_softcapping` says (Gemma 3's).
+    uncapped_logits: bool,
 }
 
 /// The releases read ([`Release`]).
 const RELEASES: [Release; 4] = [
-    Release { model_type: "qwen3_5", text_type: "qwen3_5_text", outer_tie: None, legacy_names: false },
-    Release { model_type: "qwen3_5_moe", text_type: "qwen3_5_moe_text", outer_tie: None, legacy_names: false },
-    Release { model_type: "gemma3", text_type: "gemma3_text", outer_tie: Some(true), legacy_names: true },
-    Release { model_type: "mistral3", text_type: "mistral", outer_tie: Some(true), legacy_names: true },
+    Release {
+        model_type: "qwen3_5",
+        text_type: "qwen3_5_text",
+        outer_tie: None,
+        legacy_names: false,
+        uncapped_logits: false,
+    },
+    Release {
+        model_type: "qwen3_5_moe",
+        text_type: "qwen3_5_moe_text",
+        outer_tie: None,
+        legacy_names: false,
+        uncapped_logits: false,
+    },
+    Release {
+        model_type: "gemma3",
+        text_type: "gemma3_text",
+        outer_tie: Some(true),
+        legacy_names: true,
+        uncapped_logits: true,
+    },
+    Release {
+        model_type: "mistral3",
+        text_type: "mistral",
+        outer_tie: Some(true),
+        legacy_names: true,
+        uncapped_logits: false,
+    },
 ];
 
 /// The release a `config.json` is, if it is one.
 fn release_of(cfg: &Map<String, Value>) -> Option<&'static Release> {
     let model_type = cfg.get("model_type").and_then(Value::as_str)?;
     RELEASES.iter().find(|r| r.model_type == model_type)
-}
-
-/// Whether a `config.json` is a release's ([`RELEASES`]).
-fn is_release(cfg: &Map<String, Value>) -> bool {
-    release_of(cfg).is_some()
 }
 
 /// The keys of a folder's language model: a release of [`RELEASES`] is read as its
@@ -1165,8 +1187,7 @@ fn language_model_keys(cfg: &Map<String, Value>, stores_head: &dyn Fn() -> bool)
     if flag.is_some() || stored {
         text.insert("tie_word_embeddings".into(), json!(flag.unwrap_or(false) && !stored));
     }
-    // Gemma 3's outer class gives the language head's logits uncapped.
-    if release.model_type == "gemma3" {
+    if release.uncapped_logits {
         text.insert("final_logit_softcapping".into(), Value::Null);
     }
     Ok(text)
@@ -1653,11 +1674,12 @@ impl Keys<'_> {
                 let (full, local) = self.ropes_by_layer_kind(500_000.0, None, 500_000.0, max_positions)?;
                 (full, Some(local))
             }
-            // The families whose classes turn by a rotation of their own where a folder names none.
-            _ if class_rope.is_some() => {
-                (self.rope(class_rope.as_ref(), Some("rope_theta"), defaults.rope_theta, max_positions)?, None)
+            // The families whose classes turn by a rotation of their own where a folder names
+            // none read it in place of rope_parameters.
+            (_, params) => {
+                let params = class_rope.as_ref().or(params);
+                (self.rope(params, Some("rope_theta"), defaults.rope_theta, max_positions)?, None)
             }
-            (_, params) => (self.rope(params, Some("rope_theta"), defaults.rope_theta, max_positions)?, None),
         };
         // GLM-4.5 turns half of each head where its keys say nothing.
         let partial_given = self.cfg.contains_key("partial_rotary_factor")
@@ -1679,7 +1701,7 @@ impl Keys<'_> {
         };
         let (sliding_window, layer_types) = match (gpt_oss, next) {
             (_, true) => (None, Some(self.linear_layers(layers)?)),
-            _ => self.windows(class, layers, &unrotated_layers, defaults.window)?,
+            _ => self.windows(class, layers, &unrotated_layers)?,
         };
         // Phi-3 drops each sub-layer's output (`resid_pdrop`); `transformers` reads no
         // `embd_pdrop`, nor the other families either key.
@@ -1992,13 +2014,12 @@ impl Keys<'_> {
         family: Family,
         layers: i64,
         unrotated: &[i64],
-        default_window: Option<i64>,
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         use Family::*;
         let window = match family {
             Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
-            _ if !self.cfg.contains_key("sliding_window") => default_window,
+            _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,
         };
         let given = self.layer_types(&["full_attention", "sliding_attention"])?;

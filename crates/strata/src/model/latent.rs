@@ -174,7 +174,7 @@ impl LatentAttention {
         // One rotated key part for every head: [B, 1, T, rope].
         let k_turned = compressed.f_narrow(-1, c.kv_rank, c.rope_dim)?.f_unsqueeze(1)?;
         let (q_turned, k_turned) = match c.interleaved {
-            true => (pairs_as_halves(&q_turned, c.rope_dim)?, pairs_as_halves(&k_turned, c.rope_dim)?),
+            true => pairs_as_halves(&q_turned, &k_turned, c.rope_dim)?,
             false => (q_turned, k_turned),
         };
         let (q_turned, k_turned) = self.rotation.rotate_placed(&q_turned, &k_turned, placed)?;

@@ -144,7 +144,7 @@ pub struct LlamaConfig {
     /// Layers whose attention turns no position (no rotary embedding: SmolLM3's NoPE layers).
     #[serde(default)]
     pub unrotated_layers: Vec<i64>,
-    /// Queries scaled up with their position (Ministral 3).
+    /// Queries scaled up with their position (Ministral 3, Mistral 4).
     #[serde(default)]
     pub query_scaling: Option<QueryScaling>,
     /// Token embeddings multiplied by √dim.
@@ -651,7 +651,8 @@ impl GroupedHeads {
         let (q, k) = match &self.rotation {
             Some(rotation) if self.interleaved_rotation => {
                 let dims = rotation.rotated_dims(self.head_dim);
-                rotation.rotate_placed(&pairs_as_halves(&q, dims)?, &pairs_as_halves(&k, dims)?, placed)?
+                let (q, k) = pairs_as_halves(&q, &k, dims)?;
+                rotation.rotate_placed(&q, &k, placed)?
             }
             Some(rotation) => rotation.rotate_placed(&q, &k, placed)?,
             None => (q, k),

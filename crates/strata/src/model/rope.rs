@@ -65,21 +65,21 @@ pub enum RopeScaling {
     },
 }
 
-/// `x` `[.., D]` with its first `dims` dimensions, rotated as adjacent pairs (`x0, x1`),
-/// (`x2, x3`), ... (GLM's and DeepSeek's layout), reordered as the halves (`x0, x2, ...`),
-/// (`x1, x3, ...`) every [`Rotation`] turns: the same turn, and as queries and keys are
-/// reordered alike, the same scores.
-pub(crate) fn pairs_as_halves(x: &Tensor, dims: i64) -> Result<Tensor> {
-    let options = (Kind::Int64, x.device());
+/// Queries and keys `[.., D]` (of one width) with their first `dims` dimensions, rotated as
+/// adjacent pairs (`x0, x1`), (`x2, x3`), ... (GLM's and DeepSeek's layout), reordered as
+/// the halves (`x0, x2, ...`), (`x1, x3, ...`) every [`Rotation`] turns: the same turn, and
+/// as queries and keys are reordered alike, the same scores.
+pub(crate) fn pairs_as_halves(q: &Tensor, k: &Tensor, dims: i64) -> Result<(Tensor, Tensor)> {
+    let options = (Kind::Int64, q.device());
     let order = Tensor::f_cat(
         &[
             Tensor::f_arange_start_step(0, dims, 2, options)?,
             Tensor::f_arange_start_step(1, dims, 2, options)?,
-            Tensor::f_arange_start(dims, x.size()[x.dim() - 1], options)?,
+            Tensor::f_arange_start(dims, q.size()[q.dim() - 1], options)?,
         ],
         0,
     )?;
-    Ok(x.f_index_select(-1, &order)?)
+    Ok((q.f_index_select(-1, &order)?, k.f_index_select(-1, &order)?))
 }
 
 /// Queries scaled up by their position (Llama 4's and Ministral 3's attention temperature):
