@@ -318,6 +318,26 @@ def decoder_families():
             vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                num_attention_heads=2, head_dim=8, image_size=28, patch_size=14),
             spatial_merge_size=1, tie_word_embeddings=False)),
+        # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
+        # layers with wider heads and one key/value head whose values are the key projection's,
+        # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers
+        # sliding, the logits capped, each block's output scaled by a stored scalar.
+        "gemma4": lambda: (tf.Gemma4ForCausalLM, tf.Gemma4TextConfig(
+            **common, num_hidden_layers=4, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+            attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=0, final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                "rope_theta": 1e4, "factor": 2.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            tie_word_embeddings=True)),
+        # Gemma 4 as released: its language model (here three sliding layers, then a global one
+        # with values of its own) beside an image model and its embedder.
+        "gemma4-release": lambda: (tf.Gemma4ForConditionalGeneration, tf.Gemma4Config(
+            text_config=dict({k: v for k, v in families["gemma4"]()[1].to_dict().items() if k != "per_layer_config"},
+                             attention_k_eq_v=False, global_head_dim=16,
+                             layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2, head_dim=8, patch_size=4))),
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
@@ -410,9 +430,12 @@ def build(family, seed):
                 if name.endswith("linear_attn.A_log"):
                     p.copy_(torch.empty_like(p).uniform_(0.5, 2.0).log())
             # The choice bias is a buffer: draw it so that it changes which experts are chosen.
+            # Gemma 4's block scalars are buffers too, stored and never trained.
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.copy_(torch.randn_like(buf) * 0.3)
+                if name.endswith("layer_scalar"):
+                    buf.uniform_(0.5, 1.5)
             # Mistral 4's softmax router over tiny random weights leaves near-ties that rounding
             # flips within ten steps (transformers' own fp32 and fp64 runs part so): sharper
             # routers choose clearly.

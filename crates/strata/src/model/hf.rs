@@ -1,6 +1,6 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `phi3`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
+//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
 //! with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
@@ -15,7 +15,7 @@
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::latent::LatentConfig;
 use super::linear::LinearAttentionConfig;
-use super::llama::{Activation, DecoderHead, LayerAttention, NormKind};
+use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, NormKind};
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{QueryScaling, Rope, RopeScaling};
 use super::{
@@ -54,6 +54,11 @@ pub enum Family {
     Gemma2,
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
+    /// Gemma 4's text model (`gemma4_text`): Gemma 3's layers with norms weighted from one,
+    /// unscaled scores, values normed per head, global layers with heads of their own (wider,
+    /// optionally fewer key/value heads whose values are the key projection's) turned
+    /// proportionally, and a stored scale of each block's output.
+    Gemma4,
     /// Phi-3 (`phi3`): the decoder with fused projections.
     Phi3,
     /// GLM-4 (`glm4`): LLaMA's decoder with sandwich norms under GLM's names, a fused
@@ -151,7 +156,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 26] = [
+const FAMILIES: [Family; 27] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -160,6 +165,7 @@ const FAMILIES: [Family; 26] = [
     Family::Qwen3,
     Family::Gemma2,
     Family::Gemma3,
+    Family::Gemma4,
     Family::Phi3,
     Family::Glm4,
     Family::SmolLm3,
@@ -192,6 +198,7 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
+            Family::Gemma4 => "gemma4_text",
             Family::Phi3 => "phi3",
             Family::Glm4 => "glm4",
             Family::SmolLm3 => "smollm3",
@@ -235,6 +242,7 @@ impl Family {
             Family::Qwen3 => "Qwen3",
             Family::Gemma2 => "Gemma2",
             Family::Gemma3 => "Gemma3",
+            Family::Gemma4 => "Gemma4",
             Family::Phi3 => "Phi3",
             Family::Glm4 => "Glm4",
             Family::SmolLm3 => "SmolLM3",
@@ -264,7 +272,10 @@ impl Family {
 
     /// Whether `transformers` has a sequence classifier (a reward model's class) of the family.
     fn classifies_sequences(self) -> bool {
-        !matches!(self, Family::Gpt2 | Family::T5 | Family::Olmoe | Family::Glm4Moe | Family::Qwen3_5Moe)
+        !matches!(
+            self,
+            Family::Gpt2 | Family::T5 | Family::Olmoe | Family::Glm4Moe | Family::Qwen3_5Moe | Family::Gemma4
+        )
     }
 
     fn from_model_type(name: &str) -> Option<Family> {
@@ -272,7 +283,7 @@ impl Family {
     }
 
     fn is_gemma(self) -> bool {
-        matches!(self, Family::Gemma2 | Family::Gemma3)
+        matches!(self, Family::Gemma2 | Family::Gemma3 | Family::Gemma4)
     }
 
     /// What this family's configuration class gives where a folder leaves its keys out.
@@ -281,7 +292,7 @@ impl Family {
         ClassDefaults {
             positions: match self {
                 Gemma2 => 8192,
-                Gemma3 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss => 131_072,
+                Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss => 131_072,
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
                 Phi3 | Olmoe | DeepseekV3 => 4096,
@@ -300,7 +311,7 @@ impl Family {
                 _ => 10_000.0,
             },
             head_dim: match self {
-                Gemma2 | Gemma3 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
+                Gemma2 | Gemma3 | Gemma4 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
                 Qwen3 | Glm4 | Ministral3 => Some(128),
                 GptOss => Some(64),
                 _ => None,
@@ -308,6 +319,7 @@ impl Family {
             window: match self {
                 Mistral | Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Gemma2 | Gemma3 | Olmo3 => Some(4096),
                 GptOss => Some(128),
+                Gemma4 => Some(512),
                 _ => None,
             },
         }
@@ -381,7 +393,8 @@ impl Family {
     /// OLMoE by its norms over whole projections,
     /// Qwen3-MoE by per-head norms, else Qwen2-MoE; fused projections: Phi-3; Gemma's norms: Gemma 3 with query/key norms, else
     /// Gemma 2; query/key norms: Qwen3; biases on the query, key and value projections
-    /// alone: Qwen2; a window on every layer: Mistral; else LLaMA).
+    /// alone: Qwen2; a window on every layer: Mistral; else LLaMA; Gemma 4 by its block
+    /// scalars, value norms or global heads).
     pub fn of(config: &ModelConfig) -> Result<Family> {
         let c = match config {
             ModelConfig::Gpt(_) => return Ok(Family::Gpt2),
@@ -417,6 +430,7 @@ impl Family {
             c if c.query_scaling.is_some() => Family::Ministral3,
             c if c.fused_gate_up => Family::Glm4,
             c if c.fused_projections => Family::Phi3,
+            c if c.layer_scalar || c.value_norm || c.full_layer_heads.is_some() => Family::Gemma4,
             c if c.norm == NormKind::PlusOne && c.qk_norm => Family::Gemma3,
             c if c.norm == NormKind::PlusOne => Family::Gemma2,
             c if c.qk_norm => Family::Qwen3,
@@ -527,20 +541,51 @@ impl Family {
                 c.linear_attention.as_ref().is_some_and(|l| l.split_projections != self.is_qwen3_5()),
                 "this layout of the linear attention's projections",
             ),
+            (
+                (c.full_layer_heads.is_some()
+                    || c.proportional_rotary
+                    || c.local_rope.as_ref().is_some_and(|r| r.proportional))
+                    && self != Family::Gemma4,
+                "global layers' own heads or a proportional rotation",
+            ),
+            (
+                self == Family::Gemma4
+                    && [Some(&c.rope()), c.local_rope.as_ref()]
+                        .into_iter()
+                        .flatten()
+                        .any(|r| r.partial != 1.0 && !r.proportional),
+                "a partial rotation other than a proportional one",
+            ),
+            (
+                c.full_layer_heads.is_some_and(|f| f.kv_heads.is_some() && !f.values_from_keys),
+                "global layers' own key/value heads without their values from the keys",
+            ),
+            (
+                (c.layer_scalar, c.value_norm, c.query_pre_attn_scalar, c.attn_softcap)
+                    != (true, true, Some(1.0), None)
+                    && self == Family::Gemma4
+                    || (c.layer_scalar || c.value_norm) && self != Family::Gemma4,
+                "Gemma 4's block scalars, value norms and unscaled, uncapped scores",
+            ),
         ];
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
         let next = self.linear_attention_family();
-        let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3) || olmoe || next || self.is_olmo();
+        let qk_norm_family =
+            matches!(dense, Family::Qwen3 | Family::Gemma3 | Family::Gemma4) || olmoe || next || self.is_olmo();
+        let gemma4 = self == Family::Gemma4;
         let glm = self == Family::Glm4Moe;
         let needs = [
             (c.fused_projections != (dense == Family::Phi3), "fused projections"),
-            ((c.norm == NormKind::PlusOne) != (gemma || next), "zero-centred norms"),
+            ((c.norm == NormKind::PlusOne) != (gemma && !gemma4 || next), "zero-centred norms"),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
             (c.sandwich_norms != (gemma || self == Family::Glm4), "sandwich norms"),
             (c.scale_embeddings != gemma, "scaled embeddings"),
             (c.qk_norm != qk_norm_family && !glm, "query/key norms"),
-            (c.local_rope.is_some() && !matches!(dense, Family::Gemma3 | Family::Olmo3), "a local rotation"),
+            (
+                c.local_rope.is_some() && !matches!(dense, Family::Gemma3 | Family::Gemma4 | Family::Olmo3),
+                "a local rotation",
+            ),
             (
                 (c.attn_softcap.is_some() || c.logit_softcap.is_some() || c.query_pre_attn_scalar.is_some()) && !gemma,
                 "soft-capping or query_pre_attn_scalar",
@@ -554,6 +599,7 @@ impl Family {
                             | Family::Qwen3
                             | Family::Gemma2
                             | Family::Gemma3
+                            | Family::Gemma4
                             | Family::Qwen3_5
                             | Family::Olmo2
                             | Family::Olmo3
@@ -563,7 +609,10 @@ impl Family {
                 "attention biases",
             ),
             (
-                c.partial_rotary != 1.0 && !matches!(dense, Family::Phi3 | Family::Glm4) && !glm && !next,
+                c.partial_rotary != 1.0
+                    && !matches!(dense, Family::Phi3 | Family::Glm4 | Family::Gemma4)
+                    && !glm
+                    && !next,
                 "a partial rotation",
             ),
             (
@@ -775,6 +824,14 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     let rope = |r: &Rope| {
         let mut p = json!({"rope_theta": r.theta});
         let extra = match &r.scaling {
+            // Validated: a proportional rotation's scaling is linear or none.
+            _ if r.proportional => {
+                let factor = match r.scaling {
+                    RopeScaling::Linear { factor } => factor,
+                    _ => 1.0,
+                };
+                json!({"rope_type": "proportional", "factor": factor, "partial_rotary_factor": r.partial})
+            }
             RopeScaling::None => json!({"rope_type": "default"}),
             RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
             RopeScaling::Dynamic { factor, .. } => json!({"rope_type": "dynamic", "factor": factor}),
@@ -805,6 +862,10 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     };
     v["rope_parameters"] = match (&c.local_rope, family) {
         (Some(local), Family::Gemma3) => json!({"full_attention": rope(&c.rope()), "sliding_attention": rope(local)}),
+        (local, Family::Gemma4) => json!({
+            "full_attention": rope(&c.rope()),
+            "sliding_attention": rope(local.as_ref().unwrap_or(&c.rope())),
+        }),
         // OLMo 3 names a rotation for each kind of layer, the same one where it has one.
         (local, Family::Olmo3) => json!({
             "full_attention": rope(&c.rope()),
@@ -828,6 +889,28 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             if family.dense() == Family::Qwen3 {
                 v["attention_bias"] = json!(c.qkv_bias);
             }
+        }
+        Family::Gemma4 => {
+            v["hidden_activation"] = json!("gelu_pytorch_tanh");
+            v["final_logit_softcapping"] = json!(c.logit_softcap);
+            v["sliding_window"] = json!(c.sliding_window.unwrap_or(512));
+            v["layer_types"] = json!(layer_types);
+            v["attention_bias"] = json!(c.qkv_bias);
+            // The global layers' heads: the class reads the same heads where they are given
+            // as the others'.
+            let full = c.full_layer_heads.unwrap_or(FullLayerHeads {
+                head_dim: c.head_width(),
+                kv_heads: None,
+                values_from_keys: false,
+            });
+            v["global_head_dim"] = json!(full.head_dim);
+            v["attention_k_eq_v"] = json!(full.values_from_keys);
+            v["num_global_key_value_heads"] = json!(full.kv_heads.filter(|_| full.values_from_keys));
+            // What Strata's Gemma 4 does not hold: per-layer embeddings, key/value sharing
+            // and the experts' block.
+            v["hidden_size_per_layer_input"] = json!(0);
+            v["num_kv_shared_layers"] = json!(0);
+            v["enable_moe_block"] = json!(false);
         }
         Family::Gemma2 | Family::Gemma3 => {
             v["hidden_activation"] = json!("gelu_pytorch_tanh");
@@ -1121,7 +1204,7 @@ struct Release {
 }
 
 /// The releases read ([`Release`]).
-const RELEASES: [Release; 4] = [
+const RELEASES: [Release; 5] = [
     Release {
         model_type: "qwen3_5",
         text_type: "qwen3_5_text",
@@ -1142,6 +1225,13 @@ const RELEASES: [Release; 4] = [
         outer_tie: Some(true),
         legacy_names: true,
         uncapped_logits: true,
+    },
+    Release {
+        model_type: "gemma4",
+        text_type: "gemma4_text",
+        outer_tie: Some(true),
+        legacy_names: false,
+        uncapped_logits: false,
     },
     Release {
         model_type: "mistral3",
@@ -1200,13 +1290,16 @@ fn language_model_keys(cfg: &Map<String, Value>, stores_head: &dyn Fn() -> bool)
 /// the image model's, its projector's and the multi-token prediction's are left out. Other
 /// names read as they are.
 pub(crate) fn language_model_name(name: &str) -> Option<String> {
-    const LEFT_OUT: [&str; 6] = [
+    const LEFT_OUT: [&str; 9] = [
         "mtp.",
         "model.visual.",
         "model.vision_tower.",
         "vision_tower.",
         "model.multi_modal_projector.",
         "multi_modal_projector.",
+        "model.audio_tower.",
+        "model.embed_vision.",
+        "model.embed_audio.",
     ];
     const RENAMED: [(&str, &str); 6] = [
         ("model.language_model.model.", "model."),
@@ -1610,7 +1703,7 @@ impl Keys<'_> {
         let glm = family == Family::Glm4Moe || glm4;
         // Each configuration class's padding token where the key is absent.
         let default_padding = match family {
-            Family::Gemma2 | Family::Gemma3 => Some(0),
+            Family::Gemma2 | Family::Gemma3 | Family::Gemma4 => Some(0),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe => Some(1),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
@@ -1650,7 +1743,14 @@ impl Keys<'_> {
             }
         };
         self.only("mlp_bias", &[json!(false)], "the feed-forward has no biases")?;
-        self.only("use_bidirectional_attention", &[json!(false)], "attention is causal")?;
+        // Gemma 4's "vision" makes image tokens alone attend both ways.
+        let causal: &[Value] =
+            if family == Family::Gemma4 { &[json!(false), json!("vision")] } else { &[json!(false)] };
+        self.only("use_bidirectional_attention", causal, "attention is causal")?;
+        let gemma4 = family == Family::Gemma4;
+        if gemma4 {
+            self.gemma4_refusals()?;
+        }
         let attention_bias = self.flag("attention_bias")?.unwrap_or(glm4 || gpt_oss);
         if family == Family::Phi3 && attention_bias {
             return Err(
@@ -1673,6 +1773,23 @@ impl Keys<'_> {
             (Family::Olmo3, _) => {
                 let (full, local) = self.ropes_by_layer_kind(500_000.0, None, 500_000.0, max_positions)?;
                 (full, Some(local))
+            }
+            (Family::Gemma4, params) => {
+                // The class's rotations where the folder names none: a quarter of each global
+                // head's pairs turned proportionally at base 10^6, the sliding heads plainly at 10^4.
+                let class = json!({
+                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                });
+                let params = params.unwrap_or(&class);
+                let kind = |layer: &str| {
+                    params
+                        .get(layer)
+                        .filter(|v| !v.is_null())
+                        .ok_or(format!("config.json: rope_parameters.{layer} is missing"))
+                };
+                let full = self.rope(Some(kind("full_attention")?), None, 1e6, max_positions)?;
+                (full, Some(self.rope(Some(kind("sliding_attention")?), None, 1e4, max_positions)?))
             }
             // The families whose classes turn by a rotation of their own where a folder names
             // none read it in place of rope_parameters.
@@ -1717,6 +1834,10 @@ impl Keys<'_> {
             Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
         };
         let gemma2 = family == Family::Gemma2;
+        let full_layer_heads = match gemma4 {
+            true => self.gemma4_full_heads(layers, head_dim.unwrap_or(256), layer_types.as_deref())?,
+            false => None,
+        };
         Ok(LlamaConfig {
             ffn_dim: Some(match (self.int("intermediate_size")?, &moe) {
                 (Some(d), _) => d,
@@ -1727,6 +1848,10 @@ impl Keys<'_> {
             rope_theta: rope.theta,
             rope_scaling: rope.scaling,
             partial_rotary: rope.partial,
+            proportional_rotary: rope.proportional,
+            full_layer_heads,
+            value_norm: gemma4,
+            layer_scalar: gemma4,
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
             norm_eps: self.float("rms_norm_eps")?.unwrap_or(defaults.norm_eps),
@@ -1734,9 +1859,9 @@ impl Keys<'_> {
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: family != Family::Qwen2 && !glm && attention_bias,
             head_dim,
-            norm: if gemma || next { NormKind::PlusOne } else { NormKind::Weighted },
+            norm: if gemma && !gemma4 || next { NormKind::PlusOne } else { NormKind::Weighted },
             activation,
-            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3)
+            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3 | Family::Gemma4)
                 || olmoe
                 || olmo
                 || next
@@ -1748,12 +1873,17 @@ impl Keys<'_> {
             unrotated_layers,
             query_scaling,
             scale_embeddings: gemma,
-            query_pre_attn_scalar: if gemma {
-                Some(self.float("query_pre_attn_scalar")?.unwrap_or(256.0))
+            // Gemma 4's scores are unscaled (its query and key norms set their size).
+            query_pre_attn_scalar: match () {
+                _ if gemma4 => Some(1.0),
+                _ if gemma => Some(self.float("query_pre_attn_scalar")?.unwrap_or(256.0)),
+                _ => None,
+            },
+            attn_softcap: if gemma && !gemma4 {
+                softcap("attn_logit_softcapping", gemma2.then_some(50.0))?
             } else {
                 None
             },
-            attn_softcap: if gemma { softcap("attn_logit_softcapping", gemma2.then_some(50.0))? } else { None },
             logit_softcap: if gemma { softcap("final_logit_softcapping", gemma2.then_some(30.0))? } else { None },
             sliding_window,
             layer_types,
@@ -2044,6 +2174,14 @@ impl Keys<'_> {
                 let pattern = self.int("sliding_window_pattern")?.unwrap_or(6).max(1);
                 Some(derived(&|i| (i + 1) % pattern != 0))
             }
+            // Five sliding layers of six, and (given or not) the last layer full.
+            (types, Gemma4) => {
+                let mut types = types.unwrap_or_else(|| derived(&|i| (i + 1) % 6 != 0));
+                if let Some(last) = types.last_mut() {
+                    *last = LayerAttention::Full;
+                }
+                Some(types)
+            }
             (None, Olmo3) => Some(derived(&|i| (i + 1) % 4 != 0)),
             // SmolLM3 slides the layers that turn no position.
             (None, SmolLm3) => Some(derived(&|i| window.is_some() && unrotated.contains(&i))),
@@ -2053,6 +2191,75 @@ impl Keys<'_> {
             return Err("config.json: layer_types has sliding_attention layers but sliding_window is not set".into());
         }
         Ok((window, types))
+    }
+
+    /// What of Gemma 4 Strata does not hold, refused by name: the per-layer embeddings and
+    /// key/value sharing of its small models (E2B, E4B; `hidden_size_per_layer_input`, on by
+    /// default), its experts' block, attention both ways for text.
+    fn gemma4_refusals(&self) -> KeyResult<()> {
+        if self.int("hidden_size_per_layer_input")?.unwrap_or(256) != 0 {
+            return Err("config.json: hidden_size_per_layer_input is not 0: Gemma 4's per-layer embeddings (E2B, \
+                        E4B) are not supported"
+                .into());
+        }
+        self.only("num_kv_shared_layers", &[json!(0)], "every layer projects its own keys and values")?;
+        self.only("enable_moe_block", &[json!(false)], "Gemma 4's experts' block is not supported")?;
+        Ok(())
+    }
+
+    /// Gemma 4's global layers' heads: `per_layer_config`'s overrides (the same for every
+    /// full layer, and none for a sliding one) where given, else `global_head_dim` (512 by
+    /// default) and, where the values are the keys' (`attention_k_eq_v`),
+    /// `num_global_key_value_heads`.
+    fn gemma4_full_heads(
+        &self,
+        layers: i64,
+        base_head_dim: i64,
+        types: Option<&[LayerAttention]>,
+    ) -> KeyResult<Option<FullLayerHeads>> {
+        let values_from_keys = self.flag("attention_k_eq_v")?.unwrap_or(false);
+        let full = |i: usize| types.is_none_or(|t| t.get(i) == Some(&LayerAttention::Full));
+        let Some(given) = self.get("per_layer_config") else {
+            let kv_heads = if values_from_keys { self.int("num_global_key_value_heads")? } else { None };
+            let head_dim = self.int("global_head_dim")?.unwrap_or(512);
+            return Ok(Some(FullLayerHeads { head_dim, kv_heads, values_from_keys }));
+        };
+        let given =
+            given.as_object().ok_or_else(|| format!("config.json: per_layer_config is not an object ({given})"))?;
+        let mut heads: Option<(Option<i64>, Option<i64>)> = None;
+        for (layer, overrides) in given {
+            let at = layer.parse::<usize>().ok().filter(|&i| (i as i64) < layers && full(i));
+            let overrides =
+                overrides.as_object().filter(|o| o.keys().all(|k| k == "head_dim" || k == "num_key_value_heads"));
+            let (Some(_), Some(overrides)) = (at, overrides) else {
+                return Err(format!(
+                    "config.json: per_layer_config.{layer} is not supported (the full layers' head_dim and \
+                     num_key_value_heads, the same for each)"
+                ));
+            };
+            let keys = Keys { cfg: overrides, prefix: format!("per_layer_config.{layer}.") };
+            let these = (keys.int("head_dim")?, keys.int("num_key_value_heads")?);
+            if heads.is_some_and(|h| h != these) {
+                return Err("config.json: per_layer_config gives full layers different heads: not supported".into());
+            }
+            heads = Some(these);
+        }
+        let covered = (0..layers as usize).filter(|&i| full(i)).all(|i| given.contains_key(&i.to_string()));
+        if heads.is_some() && !covered {
+            return Err(
+                "config.json: per_layer_config gives some full layers other heads than the rest: not supported".into(),
+            );
+        }
+        let (head_dim, kv_heads) = heads.unwrap_or((None, None));
+        if kv_heads.is_some() && !values_from_keys {
+            return Err("config.json: per_layer_config gives full layers their own num_key_value_heads without \
+                        attention_k_eq_v: not supported"
+                .into());
+        }
+        if head_dim.is_none() && kv_heads.is_none() && !values_from_keys {
+            return Ok(None);
+        }
+        Ok(Some(FullLayerHeads { head_dim: head_dim.unwrap_or(base_head_dim), kv_heads, values_from_keys }))
     }
 
     /// The rotation keys of a family whose class turns by a rotation of its own where a
@@ -2153,7 +2360,7 @@ impl Keys<'_> {
 
     /// A rotation from a `rope_parameters` dict (transformers 5) or the older top-level
     /// `theta_key` with `rope_scaling`; `max_positions` is the context the scaling keys
-    /// default to. Types other than default, linear, dynamic, yarn and llama3 are refused
+    /// default to. Types other than default, linear, dynamic, yarn, llama3 and proportional are refused
     /// by name.
     fn rope(&self, params: Option<&Value>, theta_key: Option<&str>, theta: f64, max_positions: i64) -> KeyResult<Rope> {
         let (key, params) = match (params, self.get("rope_scaling")) {
@@ -2188,8 +2395,13 @@ impl Keys<'_> {
                 None => p.int("original_max_position_embeddings")?.unwrap_or(max_positions),
             })
         };
+        let proportional = kind == "proportional";
         let scaling = match kind.as_str() {
             "default" => RopeScaling::None,
+            "proportional" => match p.float("factor")?.unwrap_or(1.0) {
+                1.0 => RopeScaling::None,
+                factor => RopeScaling::Linear { factor },
+            },
             "linear" => RopeScaling::Linear { factor: factor()? },
             "dynamic" => RopeScaling::Dynamic { factor: factor()?, original_context: max_positions },
             "yarn" => {
@@ -2223,11 +2435,11 @@ impl Keys<'_> {
             },
             other => {
                 return Err(format!(
-                    "config.json: {key} type {other:?} is not supported (Strata scales rotary embeddings as default, linear, dynamic, yarn or llama3)"
+                    "config.json: {key} type {other:?} is not supported (Strata scales rotary embeddings as default, linear, dynamic, yarn, llama3 or proportional)"
                 ))
             }
         };
-        Ok(Rope { theta, scaling, partial })
+        Ok(Rope { theta, scaling, partial, proportional })
     }
 }
 
@@ -2369,6 +2581,76 @@ mod tests {
     /// outer special tokens are carried where the text model names none, and Mistral 3's
     /// text model is Mistral's where it names no type. The weights' names lose the
     /// release's prefixes, both as `transformers` 5 saves them and as releases before it did.
+    #[test]
+    fn gemma4_reads_its_class_defaults_its_global_heads_and_refuses_what_strata_lacks() {
+        let plain = json!({"hidden_size_per_layer_input": 0, "num_hidden_layers": 7});
+        let c = read(Family::Gemma4, plain.clone()).unwrap();
+        // Five sliding layers of six, and the last full whatever the pattern says.
+        let full: Vec<usize> = (0..7).filter(|&i| c.window(i).is_none()).collect();
+        assert_eq!((full, c.sliding_window), (vec![5, 6], Some(512)));
+        let global = FullLayerHeads { head_dim: 512, kv_heads: None, values_from_keys: false };
+        assert_eq!(
+            (c.head_width(), c.full_layer_heads, c.head_width_at(6), c.head_width_at(0)),
+            (256, Some(global), 512, 256)
+        );
+        assert_eq!(c.rope(), Rope { partial: 0.25, proportional: true, ..Rope::new(1e6) });
+        assert_eq!(c.local_rope, Some(Rope::new(1e4)));
+        let gemma4 = (c.norm, c.query_pre_attn_scalar, c.attn_softcap, c.logit_softcap, c.layer_scalar, c.value_norm);
+        assert_eq!(gemma4, (NormKind::Weighted, Some(1.0), None, None, true, true));
+        assert_eq!((c.tie_embeddings, c.padding_token, c.activation), (true, Some(0), Activation::GeluTanh));
+        // The values from the keys, with the global key/value heads those alone bring.
+        let shared = json!({"hidden_size_per_layer_input": 0, "attention_k_eq_v": true, "global_head_dim": 16,
+                            "num_global_key_value_heads": 1, "num_key_value_heads": 2});
+        let c = read(Family::Gemma4, shared).unwrap();
+        assert_eq!(
+            c.full_heads_at(2),
+            Some(&FullLayerHeads { head_dim: 16, kv_heads: Some(1), values_from_keys: true })
+        );
+        assert_eq!((c.key_value_heads_at(2), c.key_value_heads_at(0), c.full_heads_at(0)), (1, 2, None));
+        let unshared = json!({"hidden_size_per_layer_input": 0, "num_global_key_value_heads": 1});
+        assert_eq!(read(Family::Gemma4, unshared).unwrap().key_value_heads_at(2), 4);
+        // transformers' own spelling of the same heads, layer by layer.
+        let layered = |overrides: Value| {
+            json!({"hidden_size_per_layer_input": 0, "attention_k_eq_v": true, "num_hidden_layers": 4, "head_dim": 8,
+                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                   "per_layer_config": overrides})
+        };
+        let same = json!({"head_dim": 16, "num_key_value_heads": 1});
+        let c = read(Family::Gemma4, layered(json!({"1": same, "3": same}))).unwrap();
+        assert_eq!(
+            c.full_layer_heads,
+            Some(FullLayerHeads { head_dim: 16, kv_heads: Some(1), values_from_keys: true })
+        );
+        for (overrides, why) in [
+            (json!({"1": same, "3": {"head_dim": 32}}), "different heads"),
+            (json!({"1": same}), "other heads than the rest"),
+            (json!({"0": same, "1": same, "3": same}), "per_layer_config.0"),
+            (json!({"1": {"sliding_window": 2}, "3": {"sliding_window": 2}}), "per_layer_config.1"),
+        ] {
+            let refused = read(Family::Gemma4, layered(overrides)).unwrap_err();
+            assert!(refused.contains(why), "{refused}");
+        }
+        for (keys, why) in [
+            (json!({}), "per-layer embeddings"),
+            (json!({"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2}), "num_kv_shared_layers"),
+            (json!({"hidden_size_per_layer_input": 0, "enable_moe_block": true}), "experts' block"),
+            (json!({"hidden_size_per_layer_input": 0, "use_bidirectional_attention": "all"}), "causal"),
+        ] {
+            let refused = read(Family::Gemma4, keys).unwrap_err();
+            assert!(refused.contains(why), "{refused}");
+        }
+        let vision = json!({"hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision"});
+        assert!(read(Family::Gemma4, vision).is_ok(), "text attends causally under vision's bidirection");
+        // Written back as Gemma 4 alone, and read again as it was.
+        let c = read(Family::Gemma4, plain).unwrap();
+        let model = ModelConfig::Llama(LlamaConfig { kv_heads: Some(c.key_value_heads()), ..c.clone() });
+        assert_eq!(Family::of(&model).unwrap(), Family::Gemma4);
+        assert!(Family::Gemma3.cannot_write(&c).is_some());
+        let written = Family::Gemma4.config_json(&model, &Map::new()).unwrap();
+        let (family, again) = config_from_keys(written.as_object().unwrap()).unwrap();
+        assert_eq!((family, again), (Family::Gemma4, model));
+    }
+
     #[test]
     fn gemma3_and_mistral3_releases_read_as_their_text_models() {
         let text = json!({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "head_dim": 8,

@@ -230,6 +230,14 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(cast(&rms_normalized(&x32, eps)?, Some(x.kind()))?.f_mul(w)?)
 }
 
+/// RMS norm over the last dimension without a weight, `x / rms(x)`, computed in at least
+/// fp32 and returned in x's dtype (Gemma 4's norm of its values).
+pub fn rms_norm_unweighted(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = norm_input(x)?;
+    let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
+    cast(&rms_normalized(&x32, eps)?, Some(x.kind()))
+}
+
 /// The layer norm of `x` where its only reader is a matrix product: one kernel each way
 /// where `module_replace` has `FusedAddLayerNorm` and it serves the tensors, the norm then
 /// written in the products' dtype under autocast (as [`add_layer_norm`]'s).

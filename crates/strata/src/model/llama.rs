@@ -15,6 +15,9 @@
 //! - Gemma's RMSNorm scaled by `1 + w`, GELU (tanh) gating, embeddings scaled by √dim and
 //!   norms after attention and the feed-forward as well as before;
 //! - Phi-3's fused `qkv_proj` and `gate_up_proj`;
+//! - Gemma 4's global layers with heads of their own (wider, fewer key/value heads, values
+//!   from the key projection), a proportional rotation, values normed per head and a stored
+//!   scale of each block's output;
 //! - a mixture of experts in place of the feed-forward on some or all layers
 //!   ([`super::moe`]: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), OLMoE's query and key norms
 //!   over whole projections and its clipped projections.
@@ -25,7 +28,7 @@ use super::head_loss::head_output;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
     add_rms_norm, attend, attention, geglu, linear, merge_heads, repeat_heads, rms_norm, rms_norm_into_product,
-    rms_norm_plus_one, split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
+    rms_norm_plus_one, rms_norm_unweighted, split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -73,6 +76,21 @@ pub enum LayerAttention {
     Linear,
 }
 
+/// The heads of the full-attention layers where they differ from the sliding layers' (Gemma
+/// 4's global layers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FullLayerHeads {
+    /// Width of each head.
+    pub head_dim: i64,
+    /// Key/value heads; `None`: the decoder's `kv_heads`.
+    #[serde(default)]
+    pub kv_heads: Option<i64>,
+    /// The values are the key projection's output (the layers have no `v_proj`), normed and
+    /// turned apart from the keys.
+    #[serde(default)]
+    pub values_from_keys: bool,
+}
+
 /// The decoder's configuration: LLaMA's layout and the options its descendants add
 /// (see the module's documentation).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -115,6 +133,19 @@ pub struct LlamaConfig {
     /// The share of each head's dimensions the rotation turns.
     #[serde(default = "whole_rotation")]
     pub partial_rotary: f64,
+    /// The global rotation's share is of each head's pairs ([`Rope::proportional`]).
+    #[serde(default)]
+    pub proportional_rotary: bool,
+    /// The full-attention layers' own heads, where they differ (Gemma 4).
+    #[serde(default)]
+    pub full_layer_heads: Option<FullLayerHeads>,
+    /// Values RMS-normed per head without a weight (Gemma 4's `v_norm`).
+    #[serde(default)]
+    pub value_norm: bool,
+    /// Each block's output multiplied by a stored scalar that takes no gradient (Gemma 4's
+    /// `layer_scalar` buffer).
+    #[serde(default)]
+    pub layer_scalar: bool,
     /// The rotation of sliding-window layers where it differs from the others' (Gemma 3's
     /// local base).
     #[serde(default)]
@@ -246,6 +277,10 @@ impl LlamaConfig {
             head_dim: None,
             rope_scaling: RopeScaling::None,
             partial_rotary: 1.0,
+            proportional_rotary: false,
+            full_layer_heads: None,
+            value_norm: false,
+            layer_scalar: false,
             local_rope: None,
             norm: NormKind::Weighted,
             activation: Activation::Silu,
@@ -281,14 +316,35 @@ impl LlamaConfig {
         !self.unrotated_layers.contains(&layer)
     }
 
-    /// Width of one attention head.
+    /// Width of one attention head (of the sliding layers where full layers differ).
     pub fn head_width(&self) -> i64 {
         self.head_dim.unwrap_or(self.dim / self.heads.max(1))
     }
 
+    /// The heads of layer `layer` where they differ from the others' (a full-attention
+    /// layer beside sliding ones, [`FullLayerHeads`]).
+    pub fn full_heads_at(&self, layer: usize) -> Option<&FullLayerHeads> {
+        self.full_layer_heads.as_ref().filter(|_| self.window(layer).is_none() && !self.is_linear(layer))
+    }
+
+    /// Width of layer `layer`'s attention heads.
+    pub fn head_width_at(&self, layer: usize) -> i64 {
+        self.full_heads_at(layer).map_or(self.head_width(), |f| f.head_dim)
+    }
+
+    /// Key/value heads of layer `layer`.
+    pub fn key_value_heads_at(&self, layer: usize) -> i64 {
+        self.full_heads_at(layer).and_then(|f| f.kv_heads).unwrap_or(self.key_value_heads())
+    }
+
     /// The rotation of global layers.
     pub fn rope(&self) -> Rope {
-        Rope { theta: self.rope_theta, scaling: self.rope_scaling.clone(), partial: self.partial_rotary }
+        Rope {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling.clone(),
+            partial: self.partial_rotary,
+            proportional: self.proportional_rotary,
+        }
     }
 
     /// Whether layer `layer` runs linear attention in place of softmax attention.
@@ -339,12 +395,28 @@ impl LlamaConfig {
         if self.sandwich_norms && self.post_norms {
             return Err(Error::Config("sandwich_norms and post_norms are two placements of the same norms".into()));
         }
-        if self.heads % self.key_value_heads() != 0 {
-            return Err(Error::Config(format!(
-                "kv_heads {} must divide the {} query heads (each key/value head serves a whole group)",
-                self.key_value_heads(),
-                self.heads
-            )));
+        for kv_heads in
+            [Some(self.key_value_heads()), self.full_layer_heads.and_then(|f| f.kv_heads)].into_iter().flatten()
+        {
+            if kv_heads <= 0 || self.heads % kv_heads != 0 {
+                return Err(Error::Config(format!(
+                    "kv_heads {kv_heads} must divide the {} query heads (each key/value head serves a whole group)",
+                    self.heads
+                )));
+            }
+        }
+        if let Some(full) = &self.full_layer_heads {
+            if full.head_dim <= 0 || full.head_dim % 2 != 0 || full.head_dim > 1 << 20 {
+                return Err(Error::Config(format!(
+                    "the full layers' head_dim must be positive and even, got {}",
+                    full.head_dim
+                )));
+            }
+            if self.latent.is_some() || self.fused_projections || self.attention_output_gate {
+                return Err(Error::Config(
+                    "full layers' own heads take apart projections of query, key and value heads".into(),
+                ));
+            }
         }
         match self.head_dim {
             None if self.dim % self.heads != 0 || (self.dim / self.heads) % 2 != 0 => {
@@ -369,7 +441,16 @@ impl LlamaConfig {
                     ));
                 }
             }
-            None => self.rope().validate(self.head_width())?,
+            None => {
+                // The global rotation turns the full layers' heads, and the sliding ones' where
+                // they have none of their own.
+                if let Some(full) = &self.full_layer_heads {
+                    self.rope().validate(full.head_dim)?;
+                }
+                if self.full_layer_heads.is_none() || self.local_rope.is_none() {
+                    self.rope().validate(self.head_width())?;
+                }
+            }
         }
         if let Some(local) = &self.local_rope {
             local.validate(self.head_width())?;
@@ -429,9 +510,10 @@ impl LlamaConfig {
 /// A projection's weight and optional bias.
 type Dense = (ParamId, Option<ParamId>);
 
-/// The attention's input projections: apart, or fused into one `[q; k; v]` weight.
+/// The attention's input projections: apart (the values without one of their own where
+/// they are the key projection's output), or fused into one `[q; k; v]` weight.
 enum QkvProjection {
-    Apart { q: Dense, k: Dense, v: Dense },
+    Apart { q: Dense, k: Dense, v: Option<Dense> },
     Fused(ParamId),
 }
 
@@ -518,6 +600,8 @@ struct GroupedHeads {
     kinds: Kinds,
     /// The query projection gives each head's output gate after its query.
     output_gate: bool,
+    /// Values RMS-normed per head without a weight.
+    value_norm: bool,
 }
 
 /// A block's softmax attention: how it makes queries, keys and values, its output
@@ -552,6 +636,8 @@ struct LlamaBlock {
     kinds: Kinds,
     /// Dropout of each sub-layer's output before its residual sum (Phi-3's `resid_pdrop`).
     residual_dropout: f64,
+    /// The stored scalar the block's output is multiplied by, where the family has one.
+    scalar: Option<ParamId>,
 }
 
 impl Unit for LlamaBlock {
@@ -595,6 +681,14 @@ impl GroupedHeads {
     /// heads' output gates `[B, T, H·D]` where the queries' projection gives them.
     fn project(&self, p: &Params<'_>, h: &Tensor, heads: i64, kv_heads: i64) -> Result<Projected> {
         let dense = |(w, b): Dense| p.linear(h, w, b);
+        let keys_values = |k: Dense, v: Option<Dense>| -> Result<(Tensor, Tensor)> {
+            let k = dense(k)?;
+            let v = match v {
+                Some(v) => dense(v)?,
+                None => k.shallow_clone(),
+            };
+            Ok((k, v))
+        };
         let mut gate = None;
         let (q, k, v) = match self.qkv {
             QkvProjection::Apart { q, k, v } if self.output_gate => {
@@ -602,9 +696,13 @@ impl GroupedHeads {
                 let (b, t) = (both.size()[0], both.size()[1]);
                 let both = both.f_view([b, t, heads, 2 * self.head_dim])?;
                 gate = Some(both.f_narrow(-1, self.head_dim, self.head_dim)?.f_reshape([b, t, -1])?);
-                (both.f_narrow(-1, 0, self.head_dim)?.f_reshape([b, t, -1])?, dense(k)?, dense(v)?)
+                let (k, v) = keys_values(k, v)?;
+                (both.f_narrow(-1, 0, self.head_dim)?.f_reshape([b, t, -1])?, k, v)
             }
-            QkvProjection::Apart { q, k, v } => (dense(q)?, dense(k)?, dense(v)?),
+            QkvProjection::Apart { q, k, v } => {
+                let (k, v) = keys_values(k, v)?;
+                (dense(q)?, k, v)
+            }
             QkvProjection::Fused(w) => {
                 let (q, kv) = (heads * self.head_dim, kv_heads * self.head_dim);
                 let parts = p.linear(h, w, None)?.f_split_with_sizes([q, kv, kv], -1)?;
@@ -624,6 +722,7 @@ impl GroupedHeads {
         };
         let (q, k, v) =
             (split_heads(&clip(q)?, heads)?, split_heads(&clip(k)?, kv_heads)?, split_heads(&clip(v)?, kv_heads)?);
+        let v = if self.value_norm { rms_norm_unweighted(&v, self.kinds.eps)? } else { v };
         match self.qk_norms {
             Some((qn, kn)) if !self.qk_norm_whole => {
                 Ok((self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?, v, gate))
@@ -767,7 +866,11 @@ impl LlamaBlock {
             FeedForward::Sparse(experts) => experts.forward(p, &h)?,
         };
         let fed = self.post_norm(p, self.post_feed_forward_norm, fed)?;
-        Ok(x.f_add(&p.dropout(&fed, self.residual_dropout, 2, &piece)?)?)
+        let y = x.f_add(&p.dropout(&fed, self.residual_dropout, 2, &piece)?)?;
+        match self.scalar {
+            Some(s) => Ok(y.f_mul(&p[s].f_to_kind(y.kind())?)?),
+            None => Ok(y),
+        }
     }
 
     fn post_norm(&self, p: &Params<'_>, norm: Option<ParamId>, y: Tensor) -> Result<Tensor> {
@@ -845,9 +948,7 @@ impl Unit for RewardHead {
 pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
     b.dropout(&DropoutRates { attention: cfg.dropout.attention, residual: cfg.dropout.residual, ..DropoutRates::NONE });
-    let (d, f, hd) = (cfg.dim, cfg.hidden(), cfg.head_width());
-    let (heads, kv_heads) = (cfg.heads, cfg.key_value_heads());
-    let (q_out, kv_out) = (heads * hd, kv_heads * hd);
+    let (d, f, heads) = (cfg.dim, cfg.hidden(), cfg.heads);
     let normal = Init::Normal { std: STD };
     // Gemma's norms scale by 1 + w, so theirs start at zero.
     let norm_init = match cfg.norm {
@@ -878,6 +979,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let name = format!("model.layers.{i}");
         let mut u = b.unit(name.clone());
         let layer = i as usize;
+        let (hd, kv_heads) = (cfg.head_width_at(layer), cfg.key_value_heads_at(layer));
+        let (q_out, kv_out) = (heads * hd, kv_heads * hd);
+        let values_from_keys = cfg.full_heads_at(layer).is_some_and(|f| f.values_from_keys);
         // Linear and latent attention declare their own projections; the others project
         // whole heads (with each head's output gate beside its query where there is one).
         let (linear, latent, attended_width) = match (&cfg.linear_attention, &cfg.latent) {
@@ -899,12 +1003,12 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 let role = TpRole::QueryKeyValue { heads, kv_heads };
                 QkvProjection::Fused(w("self_attn.qkv_proj.weight", &[q_out + 2 * kv_out, d], role))
             } else {
-                let (q, k, v) = (
+                let (q, k) = (
                     w("self_attn.q_proj.weight", &[q_rows, d], TpRole::COLUMN),
                     w("self_attn.k_proj.weight", &[kv_out, d], TpRole::COLUMN),
-                    w("self_attn.v_proj.weight", &[kv_out, d], TpRole::COLUMN),
                 );
-                QkvProjection::Apart { q: (q, None), k: (k, None), v: (v, None) }
+                let v = (!values_from_keys).then(|| (w("self_attn.v_proj.weight", &[kv_out, d], TpRole::COLUMN), None));
+                QkvProjection::Apart { q: (q, None), k: (k, None), v }
             }
         });
         let o = linear.is_none().then(|| w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row));
@@ -936,7 +1040,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             QkvProjection::Apart { q, k, v } => QkvProjection::Apart {
                 q: (q.0, bias("q_proj", q_rows, TpRole::COLUMN, cfg.qkv_bias)),
                 k: (k.0, bias("k_proj", kv_out, TpRole::COLUMN, cfg.qkv_bias)),
-                v: (v.0, bias("v_proj", kv_out, TpRole::COLUMN, cfg.qkv_bias)),
+                v: v.map(|v| (v.0, bias("v_proj", kv_out, TpRole::COLUMN, cfg.qkv_bias))),
             },
             fused => fused,
         });
@@ -1011,7 +1115,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
             _ => {
                 let gate = if cfg.attention_output_gate { 2.0 * q_out as f64 } else { 0.0 };
-                (10.0 * d as f64 + gate, cfg.heads * cfg.head_width(), cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5)))
+                (10.0 * d as f64 + gate, cfg.heads * hd, cfg.query_pre_attn_scalar.map(|s| s.powf(-0.5)))
             }
         };
         let kept =
@@ -1046,11 +1150,16 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     interleaved_rotation: cfg.interleaved_rotation,
                     kinds,
                     output_gate: cfg.attention_output_gate,
+                    value_norm: cfg.value_norm,
                 }),
                 o,
             ),
             _ => return Err(Error::Model(format!("{name}: a block without a token mixer"))),
         };
+        // A buffer of the family's files: stored and loaded, never trained.
+        let scalar = cfg
+            .layer_scalar
+            .then(|| u.frozen_param(format!("{name}.layer_scalar"), &[1], Init::Ones, TpRole::Replicated));
         u.finish(LlamaBlock {
             input_norm,
             mixer,
@@ -1061,6 +1170,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             heads,
             kinds,
             residual_dropout: cfg.dropout.residual,
+            scalar,
         });
     }
     let mut u = b.unit("head");

@@ -33,7 +33,7 @@ pub use hf::{from_pretrained_dir, Family, GenerationDefaults, ModelDir};
 pub use latent::LatentConfig;
 pub use layers::NoTensorParallel;
 pub use linear::LinearAttentionConfig;
-pub use llama::{llama, Activation, DecoderHead, LayerAttention, LlamaConfig, NormKind};
+pub use llama::{llama, Activation, DecoderHead, FullLayerHeads, LayerAttention, LlamaConfig, NormKind};
 pub use mlp::{mlp, MlpConfig};
 pub use moe::{BalanceReport, ExpertExchange, ExpertNames, LoadBalance, MoeConfig, Routed, RowSharers, Scoring};
 pub use presets::{preset, preset_names};
@@ -137,7 +137,7 @@ impl ModelConfig {
                         Some(latent) => (latent.kv_rank + latent.rope_dim) * positions,
                         None => {
                             let kept = c.window(l).map_or(positions, |w| w.min(positions));
-                            2 * c.key_value_heads() / tensor * c.head_width() * kept
+                            2 * c.key_value_heads_at(l) / tensor * c.head_width_at(l) * kept
                         }
                     })
                     .collect(),

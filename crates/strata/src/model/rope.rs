@@ -116,7 +116,8 @@ impl QueryScaling {
 }
 
 /// A rotary embedding: its base, scaling, and the share of each head's dimensions it turns
-/// (the rest pass through, as in Phi-3's `partial_rotary_factor`).
+/// (the rest pass through, as in Phi-3's `partial_rotary_factor`), or, proportionally, the
+/// share of each head's pairs that turn at all (Gemma 4's global layers).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Rope {
     /// Base of the unscaled inverse frequencies `theta^(-2i/d)` (`rope_theta`).
@@ -127,6 +128,11 @@ pub struct Rope {
     /// The share of each head's dimensions the rotation turns; 1 (all) by default.
     #[serde(default = "whole")]
     pub partial: f64,
+    /// The partial share is of the pairs of the whole head's halves: the first
+    /// `⌊partial · d/2⌋` pairs turn at the frequencies `theta^(-2i/d)` of the whole width
+    /// `d`, the others not at all (`transformers`' `proportional` rotation).
+    #[serde(default)]
+    pub proportional: bool,
 }
 
 fn whole() -> f64 {
@@ -136,13 +142,25 @@ fn whole() -> f64 {
 impl Rope {
     /// An unscaled rotation of base `theta` that turns whole heads.
     pub fn new(theta: f64) -> Rope {
-        Rope { theta, scaling: RopeScaling::None, partial: 1.0 }
+        Rope { theta, scaling: RopeScaling::None, partial: 1.0, proportional: false }
     }
 
-    /// The rotated width of a head `head_dim` wide (even, as the half-rotation needs).
+    /// The rotated width of a head `head_dim` wide (even, as the half-rotation needs): a
+    /// proportional rotation spans the whole head, its unturned pairs at frequency zero.
     pub fn rotated_dims(&self, head_dim: i64) -> i64 {
+        if self.proportional {
+            return head_dim;
+        }
         let dims = (head_dim as f64 * self.partial) as i64;
         dims - dims % 2
+    }
+
+    /// The pairs that turn in a head `head_dim` wide.
+    fn turning_pairs(&self, head_dim: i64) -> i64 {
+        match self.proportional {
+            true => (self.partial * head_dim as f64 / 2.0).floor() as i64,
+            false => self.rotated_dims(head_dim) / 2,
+        }
     }
 
     /// Checks the parameters, naming the first that cannot work.
@@ -151,8 +169,11 @@ impl Rope {
         if !(self.theta.is_finite() && self.theta > 0.0) {
             return bad(format!("rope_theta must be positive, got {}", self.theta));
         }
-        if !(self.partial > 0.0 && self.partial <= 1.0) || self.rotated_dims(head_dim) < 2 {
+        if !(self.partial > 0.0 && self.partial <= 1.0) || self.turning_pairs(head_dim) < 1 {
             return bad(format!("partial_rotary_factor {} leaves no pair of the {head_dim} dimensions", self.partial));
+        }
+        if self.proportional && !matches!(self.scaling, RopeScaling::None | RopeScaling::Linear { .. }) {
+            return bad("a proportional rotation scales its frequencies linearly or not at all".into());
         }
         let (factor, context) = match &self.scaling {
             RopeScaling::None => return Ok(()),
@@ -191,8 +212,11 @@ impl Rope {
     /// sequence reaches `len` positions (only dynamic scaling depends on it).
     pub fn inverse_frequencies(&self, head_dim: i64, len: i64) -> Vec<f64> {
         let dim = self.rotated_dims(head_dim);
-        let unscaled =
-            |base: f64| -> Vec<f64> { (0..dim / 2).map(|i| base.powf(-2.0 * i as f64 / dim as f64)).collect() };
+        let turning = self.turning_pairs(head_dim);
+        let unscaled = |base: f64| -> Vec<f64> {
+            let frequency = |i: i64| if i < turning { base.powf(-2.0 * i as f64 / dim as f64) } else { 0.0 };
+            (0..dim / 2).map(frequency).collect()
+        };
         match self.scaling {
             RopeScaling::None => unscaled(self.theta),
             RopeScaling::Linear { factor } => unscaled(self.theta).into_iter().map(|f| f / factor).collect(),
@@ -367,7 +391,7 @@ mod tests {
                 high_freq_factor: 4.0,
                 original_context: 64,
             },
-            partial: 1.0,
+            ..Rope::new(10_000.0)
         };
         let base = Rope::new(10_000.0).inverse_frequencies(16, 1);
         let scaled = rope.inverse_frequencies(16, 1);
@@ -390,8 +414,7 @@ mod tests {
 
     #[test]
     fn dynamic_scaling_starts_past_the_original_context() {
-        let rope =
-            Rope { theta: 100.0, scaling: RopeScaling::Dynamic { factor: 2.0, original_context: 16 }, partial: 1.0 };
+        let rope = Rope { scaling: RopeScaling::Dynamic { factor: 2.0, original_context: 16 }, ..Rope::new(100.0) };
         assert_eq!(rope.inverse_frequencies(8, 10), Rope::new(100.0).inverse_frequencies(8, 10));
         let longer = rope.inverse_frequencies(8, 32);
         // base · (2·32/16 − 1)^(8/6)
@@ -409,7 +432,7 @@ mod tests {
             attention_factor: 0.1 * 4f64.ln() + 1.0,
             truncate: true,
         };
-        let rope = Rope { theta: 10_000.0, scaling, partial: 1.0 };
+        let rope = Rope { scaling, ..Rope::new(10_000.0) };
         let (base, scaled) = (Rope::new(10_000.0).inverse_frequencies(32, 1), rope.inverse_frequencies(32, 1));
         assert_eq!(scaled[0], base[0], "the fastest pair is kept");
         assert!((scaled[15] - base[15] / 4.0).abs() < 1e-15, "the slowest pair is interpolated");
@@ -425,6 +448,30 @@ mod tests {
         assert_eq!(y.narrow(-1, 4, 4), x.narrow(-1, 4, 4));
         assert!((y.narrow(-1, 0, 4) - x.narrow(-1, 0, 4)).abs().max().double_value(&[]) > 1e-3);
         assert!(too_narrow.validate(8).is_err());
+    }
+
+    #[test]
+    fn a_proportional_rotation_turns_the_first_pairs_of_whole_halves_at_the_whole_widths_frequencies() {
+        let rope = Rope {
+            partial: 0.25,
+            proportional: true,
+            scaling: RopeScaling::Linear { factor: 2.0 },
+            ..Rope::new(100.0)
+        };
+        // Of 8 pairs, the first 2 turn, at 100^(-2i/16) halved.
+        let f = rope.inverse_frequencies(16, 1);
+        assert!(close(&f[..2], &[0.5, 100f64.powf(-0.125) / 2.0]) && f[2..].iter().all(|&f| f == 0.0), "{f:?}");
+        let x = Tensor::randn([1, 2, 5, 16], (Kind::Float, tch::Device::Cpu));
+        let (y, _) = Rotation::new(rope.clone()).rotate(&x, &x, 3).unwrap();
+        // Pairs (i, i + 8): the first two of each half turn, the rest pass through.
+        for (at, n) in [(2, 6), (10, 6)] {
+            assert_eq!(y.narrow(-1, at, n), x.narrow(-1, at, n));
+        }
+        assert!((y.narrow(-1, 8, 2) - x.narrow(-1, 8, 2)).abs().max().double_value(&[]) > 1e-3);
+        assert!(Rope { partial: 0.05, ..rope.clone() }.validate(16).is_err());
+        assert!(Rope { scaling: RopeScaling::Dynamic { factor: 2.0, original_context: 4 }, ..rope }
+            .validate(16)
+            .is_err());
     }
 
     #[test]

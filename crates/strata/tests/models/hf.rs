@@ -570,6 +570,14 @@ fn gemma3_matches_transformers() {
     family_matches_transformers("gemma3", 48);
 }
 
+/// Gemma 4: norms weighted from one, unscaled scores, values normed per head, global layers
+/// with wider heads and one key/value head whose values are the key projection's, turned
+/// proportionally, sliding local layers, capped logits, stored block scalars.
+#[test]
+fn gemma4_matches_transformers() {
+    family_matches_transformers("gemma4", 48);
+}
+
 /// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
 #[test]
 fn phi3_matches_transformers() {
@@ -779,6 +787,13 @@ fn qwen3_5_moe_matches_transformers() {
 #[test]
 fn gemma3_release_matches_transformers() {
     release_matches_transformers("gemma3-release", "gemma3");
+}
+
+/// Gemma 4 as released: its language model (the global layers' values projected apart)
+/// beside an image model and its embedder, under `model.language_model.`; written back whole.
+#[test]
+fn gemma4_release_matches_transformers() {
+    release_matches_transformers("gemma4-release", "gemma4");
 }
 
 /// Mistral 3 as released before `transformers` 5 (Mistral Small 3.1): the language model
@@ -1429,10 +1444,14 @@ fn left_out_keys_take_each_configuration_class_defaults() {
     };
     let mut differences = vec![];
     for model_type in DECODER_TYPES {
-        let sizes = serde_json::json!({"model_type": model_type, "hidden_size": 32, "num_attention_heads": 4,
+        let mut sizes = serde_json::json!({"model_type": model_type, "hidden_size": 32, "num_attention_heads": 4,
                                        "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 48,
                                        // Large enough for every class's default padding token.
                                        "vocab_size": 160_000});
+        // Gemma 4's per-layer embeddings (on by default) are refused, with or without the key.
+        if model_type == "gemma4_text" {
+            sizes["hidden_size_per_layer_input"] = 0.into();
+        }
         let whole: serde_json::Value =
             serde_json::from_str(&reference(&py, &["full-config", "--keys", &sizes.to_string()])).unwrap();
         match (read(&sizes, "sizes.json"), read(&whole, "whole.json")) {
@@ -1455,7 +1474,7 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 23] = [
+const DECODER_TYPES: [&str; 24] = [
     "llama",
     "mistral",
     "ministral3",
@@ -1463,6 +1482,7 @@ const DECODER_TYPES: [&str; 23] = [
     "qwen3",
     "gemma2",
     "gemma3_text",
+    "gemma4_text",
     "phi3",
     "glm4",
     "smollm3",
