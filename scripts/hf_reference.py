@@ -330,6 +330,14 @@ def decoder_families():
                                                 "rope_theta": 1e4, "factor": 2.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
             tie_word_embeddings=True)),
+        # Gemma 4's mixture of experts (26B-A4B's shape): on every layer four GeGLU experts,
+        # two per token, beside the dense feed-forward, its router norming the residual stream
+        # and scaling each expert's weight.
+        "gemma4-moe": lambda: (tf.Gemma4ForCausalLM, tf.Gemma4TextConfig(
+            **common, num_hidden_layers=3, head_dim=8, global_head_dim=16, sliding_window=4,
+            hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+            moe_intermediate_size=12, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            tie_word_embeddings=True)),
         # Gemma 4 as released: its language model (here three sliding layers, then a global one
         # with values of its own) beside an image model and its embedder.
         "gemma4-release": lambda: (tf.Gemma4ForConditionalGeneration, tf.Gemma4Config(

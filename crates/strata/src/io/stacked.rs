@@ -1,13 +1,14 @@
-//! Experts that a family's files stack into one tensor per projection (gpt-oss, Mistral 4),
-//! taken apart into each expert's weights on load and stacked again on save.
+//! Experts that a family's files stack into one tensor per projection (gpt-oss, Mistral 4,
+//! Gemma 4), taken apart into each expert's weights on load and stacked again on save.
 //!
 //! gpt-oss's sparse layer `L` holds `L.mlp.experts.gate_up_proj` `[E, D, 2F]` (each
 //! expert's input-major matrix, gate and up columns interleaved: gate, up, gate, ...),
 //! `L.mlp.experts.gate_up_proj_bias` `[E, 2F]` (interleaved alike), `L.mlp.experts.down_proj`
 //! `[E, F, D]` and `L.mlp.experts.down_proj_bias` `[E, D]`. Mistral 4's holds each expert's
 //! output-major matrices as they are, the gate's rows before the up's: `gate_up_proj`
-//! `[E, 2F, D]` and `down_proj` `[E, D, F]`. Here each expert `e` has
-//! `L.mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}`, weights `[out, in]`.
+//! `[E, 2F, D]` and `down_proj` `[E, D, F]`, and Gemma 4's the same under `L.experts`. Here
+//! each expert `e` has `L.mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}` (Gemma 4's
+//! `L.experts.{e}...`), weights `[out, in]`.
 //!
 //! Released gpt-oss checkpoints hold the two weight stacks in MXFP4 (the OCP microscaling
 //! format): `L.mlp.experts.gate_up_proj_blocks` `[E, 2F, D/32, 16]` bytes, two 4-bit E2M1
@@ -118,11 +119,11 @@ impl Stack {
     }
 }
 
-/// `name` on disk as (module `L.mlp.experts`, which stack), where it is one.
+/// `name` on disk as (module `L.mlp.experts` or `L.experts`, which stack), where it is one.
 fn stacked_name(name: &str) -> Option<(&str, Stack)> {
     Stack::ALL.into_iter().find_map(|stack| {
         let module = name.strip_suffix(stack.disk_suffix())?.strip_suffix('.')?;
-        module.ends_with(".mlp.experts").then_some((module, stack))
+        module.ends_with(".experts").then_some((module, stack))
     })
 }
 
@@ -191,14 +192,14 @@ pub(super) fn stack_layout(names: &[String], stacking: ExpertStacking) -> Result
     let mut first_seen: Vec<(usize, (String, usize))> = vec![];
     let mut out_one = vec![];
     for (index, name) in names.iter().enumerate() {
-        let split = name.split_once(".mlp.experts.").and_then(|(layer, rest)| {
+        let split = name.split_once(".experts.").and_then(|(owner, rest)| {
             let (expert, part) = rest.split_once('.')?;
             let expert: i64 = expert.parse().ok()?;
             let (s, p) = Stack::ALL
                 .iter()
                 .enumerate()
                 .find_map(|(s, stack)| stack.parts().iter().position(|p| *p == part).map(|p| (s, p)))?;
-            Some((format!("{layer}.mlp.experts"), expert, s, p))
+            Some((format!("{owner}.experts"), expert, s, p))
         });
         match split {
             Some((module, expert, s, p)) => {

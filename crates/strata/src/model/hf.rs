@@ -350,12 +350,12 @@ impl Family {
     }
 
     /// How the family's files stack each sparse layer's experts into one tensor per
-    /// projection (gpt-oss, Mistral 4), which `io` takes apart on load and stacks again on
+    /// projection (gpt-oss, Mistral 4, Gemma 4), which `io` takes apart on load and stacks again on
     /// save; `None` where each expert's weights lie apart.
     pub fn expert_stacking(self) -> Option<ExpertStacking> {
         match self {
             Family::GptOss => Some(ExpertStacking::Interleaved),
-            Family::Mistral4 => Some(ExpertStacking::Concatenated),
+            Family::Mistral4 | Family::Gemma4 => Some(ExpertStacking::Concatenated),
             _ => None,
         }
     }
@@ -410,6 +410,7 @@ impl Family {
         }
         if let Some(moe) = &c.moe {
             return Ok(match c {
+                c if c.layer_scalar || moe.beside_dense => Family::Gemma4,
                 c if c.latent.is_some() && c.query_scaling.is_some() => Family::Mistral4,
                 c if c.latent.is_some() => Family::DeepseekV3,
                 c if c.linear_attention.as_ref().is_some_and(|l| l.split_projections) => Family::Qwen3_5Moe,
@@ -451,7 +452,35 @@ impl Family {
         let olmoe = self == Family::Olmoe;
         let moe = c.moe.as_ref();
         let experts = [
-            (moe.is_some() != self.has_experts(), "experts"),
+            // Gemma 4's experts are an option of its layers.
+            (moe.is_some() != self.has_experts() && self != Family::Gemma4, "experts"),
+            (
+                moe.is_some_and(|m| {
+                    let block = m.beside_dense
+                        || m.router_norm
+                        || m.expert_scales
+                        || m.names == ExpertNames::Layer
+                        || m.activation == ExpertActivation::GeluTanh;
+                    let gemma4 = m.beside_dense
+                        && m.router_norm
+                        && m.expert_scales
+                        && m.names == ExpertNames::Layer
+                        && m.activation == ExpertActivation::GeluTanh
+                        && m.scoring == Scoring::Softmax
+                        && m.norm_topk
+                        && m.shared_expert_dim.is_none()
+                        && !deepseek_routing(m)
+                        && m.sparse_step == 1
+                        && m.dense_layers.is_empty();
+                    if self == Family::Gemma4 {
+                        !gemma4
+                    } else {
+                        block
+                    }
+                }),
+                "Gemma 4's experts' block (beside the dense feed-forward, every layer, its router normed and \
+                 scaled per expert, renormalised softmax weights)",
+            ),
             (
                 moe.is_some_and(|m| m.shared_expert_dim.is_some())
                     && !(matches!(self, Family::Qwen2Moe | Family::Qwen3Next | Family::Qwen3_5Moe)
@@ -528,7 +557,7 @@ impl Family {
                     (m.names == ExpertNames::Stacked
                         || m.router_bias
                         || m.expert_bias
-                        || m.activation != ExpertActivation::Silu)
+                        || matches!(m.activation, ExpertActivation::ClampedSwiglu { .. }))
                         != (self == Family::GptOss)
                 }),
                 "gpt-oss's experts",
@@ -910,7 +939,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             // and the experts' block.
             v["hidden_size_per_layer_input"] = json!(0);
             v["num_kv_shared_layers"] = json!(0);
-            v["enable_moe_block"] = json!(false);
+            v["enable_moe_block"] = json!(c.moe.is_some());
         }
         Family::Gemma2 | Family::Gemma3 => {
             v["hidden_activation"] = json!("gelu_pytorch_tanh");
@@ -993,6 +1022,17 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
 
 /// The `config.json` keys of a mixture of experts written as `family`.
 fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value) {
+    // Gemma 4's class names its own keys, and has no load-balancing loss (a weight Strata
+    // trains with is kept where set).
+    if family == Family::Gemma4 {
+        v["num_experts"] = json!(moe.experts);
+        v["top_k_experts"] = json!(moe.top_k);
+        v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
+        if moe.aux_loss_coef != 0.0 {
+            v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
+        }
+        return;
+    }
     v["num_experts_per_tok"] = json!(moe.top_k);
     // DeepSeek-V3's and GLM-4.5's classes train with no load-balancing loss: the key is
     // theirs only where one is set.
@@ -2006,6 +2046,9 @@ impl Keys<'_> {
     /// The experts of a mixture-of-experts family, as its keys name them; `None` for a
     /// dense family.
     fn experts(&self, family: Family) -> KeyResult<Option<MoeConfig>> {
+        if family == Family::Gemma4 {
+            return self.gemma4_experts();
+        }
         if !family.has_experts() {
             return Ok(None);
         }
@@ -2195,7 +2238,7 @@ impl Keys<'_> {
 
     /// What of Gemma 4 Strata does not hold, refused by name: the per-layer embeddings and
     /// key/value sharing of its small models (E2B, E4B; `hidden_size_per_layer_input`, on by
-    /// default), its experts' block, attention both ways for text.
+    /// default).
     fn gemma4_refusals(&self) -> KeyResult<()> {
         if self.int("hidden_size_per_layer_input")?.unwrap_or(256) != 0 {
             return Err("config.json: hidden_size_per_layer_input is not 0: Gemma 4's per-layer embeddings (E2B, \
@@ -2203,8 +2246,28 @@ impl Keys<'_> {
                 .into());
         }
         self.only("num_kv_shared_layers", &[json!(0)], "every layer projects its own keys and values")?;
-        self.only("enable_moe_block", &[json!(false)], "Gemma 4's experts' block is not supported")?;
         Ok(())
+    }
+
+    /// Gemma 4's experts' block (`enable_moe_block`): on every layer beside the dense
+    /// feed-forward, `num_experts` GeGLU experts `moe_intermediate_size` wide, `top_k_experts`
+    /// of them per token by a renormalised softmax of a router that norms its input, each
+    /// weight scaled per expert; its class trains with no load-balancing loss.
+    fn gemma4_experts(&self) -> KeyResult<Option<MoeConfig>> {
+        if !self.flag("enable_moe_block")?.unwrap_or(false) {
+            return Ok(None);
+        }
+        let needed = |key: &str| self.required(key).map_err(|e| format!("{e} (enable_moe_block needs it)"));
+        Ok(Some(MoeConfig {
+            norm_topk: true,
+            activation: ExpertActivation::GeluTanh,
+            names: ExpertNames::Layer,
+            router_norm: true,
+            expert_scales: true,
+            beside_dense: true,
+            aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
+            ..MoeConfig::new(needed("num_experts")?, needed("top_k_experts")?, needed("moe_intermediate_size")?)
+        }))
     }
 
     /// Gemma 4's global layers' heads: `per_layer_config`'s overrides (the same for every
@@ -2633,11 +2696,28 @@ mod tests {
         for (keys, why) in [
             (json!({}), "per-layer embeddings"),
             (json!({"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2}), "num_kv_shared_layers"),
-            (json!({"hidden_size_per_layer_input": 0, "enable_moe_block": true}), "experts' block"),
+            (json!({"hidden_size_per_layer_input": 0, "enable_moe_block": true}), "enable_moe_block needs it"),
             (json!({"hidden_size_per_layer_input": 0, "use_bidirectional_attention": "all"}), "causal"),
         ] {
             let refused = read(Family::Gemma4, keys).unwrap_err();
             assert!(refused.contains(why), "{refused}");
+        }
+        // The experts' block: beside the dense network on every layer, stacked on disk.
+        let block = json!({"hidden_size_per_layer_input": 0, "enable_moe_block": true, "num_experts": 8,
+                           "top_k_experts": 2, "moe_intermediate_size": 12});
+        let c = read(Family::Gemma4, block).unwrap();
+        let moe = c.moe.clone().unwrap();
+        assert!(moe.beside_dense && moe.router_norm && moe.expert_scales && moe.norm_topk);
+        assert_eq!((moe.experts, moe.top_k, moe.expert_ffn_dim, moe.aux_loss_coef), (8, 2, 12, 0.0));
+        assert_eq!((moe.names, moe.activation), (ExpertNames::Layer, ExpertActivation::GeluTanh));
+        assert_eq!(Family::Gemma4.expert_stacking(), Some(ExpertStacking::Concatenated));
+        let model = ModelConfig::Llama(LlamaConfig { kv_heads: Some(c.key_value_heads()), ..c.clone() });
+        assert_eq!(Family::of(&model).unwrap(), Family::Gemma4);
+        let written = Family::Gemma4.config_json(&model, &Map::new()).unwrap();
+        assert!(written.get("router_aux_loss_coef").is_none() && written.get("num_experts_per_tok").is_none());
+        assert_eq!(config_from_keys(written.as_object().unwrap()).unwrap(), (Family::Gemma4, model));
+        for other in [Family::Qwen3Moe, Family::Mixtral] {
+            assert!(other.cannot_write(&c).is_some_and(|why| why.contains("Gemma 4's experts")), "{other:?}");
         }
         let vision = json!({"hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision"});
         assert!(read(Family::Gemma4, vision).is_ok(), "text attends causally under vision's bidirection");

@@ -18,8 +18,8 @@
 //! - Gemma 4's global layers with heads of their own (wider, fewer key/value heads, values
 //!   from the key projection), a proportional rotation, values normed per head and a stored
 //!   scale of each block's output;
-//! - a mixture of experts in place of the feed-forward on some or all layers
-//!   ([`super::moe`]: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), OLMoE's query and key norms
+//! - a mixture of experts in place of the feed-forward on some or all layers, or beside it
+//!   ([`super::moe`]: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; Gemma 4), OLMoE's query and key norms
 //!   over whole projections and its clipped projections.
 //!
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.
@@ -523,10 +523,46 @@ enum GateUpProjection {
     Fused(ParamId),
 }
 
-/// A block's feed-forward: one gated network, or experts a router chooses among.
+/// One gated feed-forward network.
+struct DenseFeedForward {
+    gate_up: GateUpProjection,
+    down: ParamId,
+}
+
+/// A block's feed-forward: one gated network, experts a router chooses among, or both side
+/// by side (Gemma 4).
 enum FeedForward {
-    Dense { gate_up: GateUpProjection, down: ParamId },
+    Dense(DenseFeedForward),
     Sparse(SparseFeedForward),
+    Both(Box<DenseAndSparse>),
+}
+
+/// Gemma 4's feed-forward: the dense network over the normed input, normed after it; beside
+/// it the experts over the residual stream normed their own way (the router reading the
+/// residual stream itself), normed after them; the two summed.
+struct DenseAndSparse {
+    dense: DenseFeedForward,
+    sparse: SparseFeedForward,
+    /// `post_feedforward_layernorm_1`, `pre_feedforward_layernorm_2` and
+    /// `post_feedforward_layernorm_2`.
+    after_dense: ParamId,
+    before_experts: ParamId,
+    after_experts: ParamId,
+}
+
+impl DenseFeedForward {
+    /// The network over the normed hidden states `h`, entering and leaving the tensor group.
+    fn forward(&self, p: &Params<'_>, h: &Tensor, kinds: &Kinds) -> Result<Tensor> {
+        let h = p.tp().enter(h)?;
+        let gated = match self.gate_up {
+            GateUpProjection::Apart { gate, up } => kinds.gate(&p.linear(&h, gate, None)?, &p.linear(&h, up, None)?)?,
+            GateUpProjection::Fused(w) => {
+                let halves = p.linear(&h, w, None)?.f_chunk(2, -1)?;
+                kinds.gate(&halves[0], &halves[1])?
+            }
+        };
+        p.row_linear(&gated, self.down, None)
+    }
 }
 
 /// How the decoder's norms and gate compute (shared by its blocks and head).
@@ -850,20 +886,14 @@ impl LlamaBlock {
             }
         };
         let fed = match &self.feed_forward {
-            FeedForward::Dense { gate_up, down } => {
-                let h = tp.enter(&h)?;
-                let gated = match *gate_up {
-                    GateUpProjection::Apart { gate, up } => {
-                        self.kinds.gate(&p.linear(&h, gate, None)?, &p.linear(&h, up, None)?)?
-                    }
-                    GateUpProjection::Fused(w) => {
-                        let halves = p.linear(&h, w, None)?.f_chunk(2, -1)?;
-                        self.kinds.gate(&halves[0], &halves[1])?
-                    }
-                };
-                p.row_linear(&gated, *down, None)?
+            FeedForward::Dense(dense) => dense.forward(p, &h, &self.kinds)?,
+            FeedForward::Sparse(experts) => experts.forward(p, &h, None)?,
+            FeedForward::Both(both) => {
+                let dense = self.kinds.norm(&both.dense.forward(p, &h, &self.kinds)?, &p[both.after_dense])?;
+                let experts_input = self.kinds.norm(&x, &p[both.before_experts])?;
+                let routed = both.sparse.forward(p, &experts_input, Some(&x))?;
+                dense.f_add(&self.kinds.norm(&routed, &p[both.after_experts])?)?
             }
-            FeedForward::Sparse(experts) => experts.forward(p, &h)?,
         };
         let fed = self.post_norm(p, self.post_feed_forward_norm, fed)?;
         let y = x.f_add(&p.dropout(&fed, self.residual_dropout, 2, &piece)?)?;
@@ -1013,24 +1043,23 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         });
         let o = linear.is_none().then(|| w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row));
         let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
-        let feed_forward = match sparse {
-            Some((moe, balance)) => {
-                sparse_seen += 1;
-                FeedForward::Sparse(SparseFeedForward::declare(&mut u, moe, &name, d, sparse_seen - 1, balance))
-            }
-            None => {
-                let gate_up = if cfg.fused_projections || cfg.fused_gate_up {
-                    GateUpProjection::Fused(w("mlp.gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
-                } else {
-                    let (gate, up) = (
-                        w("mlp.gate_proj.weight", &[f, d], TpRole::COLUMN),
-                        w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN),
-                    );
-                    GateUpProjection::Apart { gate, up }
-                };
-                FeedForward::Dense { gate_up, down: w("mlp.down_proj.weight", &[d, f], TpRole::Row) }
-            }
-        };
+        let beside_dense = sparse.is_some_and(|(moe, _)| moe.beside_dense);
+        let dense = (sparse.is_none() || beside_dense).then(|| {
+            let gate_up = if cfg.fused_projections || cfg.fused_gate_up {
+                GateUpProjection::Fused(w("mlp.gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
+            } else {
+                let (gate, up) = (
+                    w("mlp.gate_proj.weight", &[f, d], TpRole::COLUMN),
+                    w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN),
+                );
+                GateUpProjection::Apart { gate, up }
+            };
+            DenseFeedForward { gate_up, down: w("mlp.down_proj.weight", &[d, f], TpRole::Row) }
+        });
+        let experts = sparse.map(|(moe, balance)| {
+            sparse_seen += 1;
+            SparseFeedForward::declare(&mut u, moe, &name, (d, cfg.norm_eps), sparse_seen - 1, balance)
+        });
         // A column projection's bias splits with its outputs; the output projection's is
         // added once after the row-parallel sum.
         let mut bias = |proj: &str, out: i64, tp, given: bool| {
@@ -1071,6 +1100,18 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             ),
             _ => (None, Some(norm("post_attention_layernorm.weight", d, residual)), None),
         };
+        let feed_forward = match (dense, experts) {
+            (Some(dense), None) => FeedForward::Dense(dense),
+            (None, Some(sparse)) => FeedForward::Sparse(sparse),
+            (Some(dense), Some(sparse)) => FeedForward::Both(Box::new(DenseAndSparse {
+                dense,
+                sparse,
+                after_dense: norm("post_feedforward_layernorm_1.weight", d, residual),
+                before_experts: norm("pre_feedforward_layernorm_2.weight", d, residual),
+                after_experts: norm("post_feedforward_layernorm_2.weight", d, residual),
+            })),
+            (None, None) => return Err(Error::Model(format!("{name}: a block without a feed-forward"))),
+        };
         let window = cfg.window(layer);
         let rope = match (&cfg.local_rope, window) {
             (Some(local), Some(_)) => local.clone(),
@@ -1085,7 +1126,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             Some(m) => {
                 let routed = (m.top_k * (4 * m.expert_ffn_dim + 2 * d)) as f64 + 2.0 * m.experts as f64;
                 let shared = m.shared_expert_dim.map_or(0.0, |s| 4.0 * s as f64 + 1.0);
-                (routed + shared, ((m.experts - m.top_k) * 3 * d * m.expert_ffn_dim) as f64)
+                // Beside a dense network: its 4·F, and the three norms' inputs and statistics.
+                let dense = if m.beside_dense { 4.0 * cfg.hidden() as f64 + 3.0 * (d + 1) as f64 } else { 0.0 };
+                (routed + shared + dense, ((m.experts - m.top_k) * 3 * d * m.expert_ffn_dim) as f64)
             }
             None => (4.0 * cfg.hidden() as f64, 0.0),
         };

@@ -1,5 +1,6 @@
 //! Mixtures of experts: the sparse feed-forward of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
-//! as part of a decoder block, and the load-balancing loss that trains their routers.
+//! as part of a decoder block (or, Gemma 4's, beside its dense feed-forward), and the
+//! load-balancing loss that trains their routers.
 //!
 //! Owns: the routing (softmax or sigmoid scores in fp32, DeepSeek-V3's choice bias and
 //! group-limited choice, top-k, optional renormalisation and scaling), the experts'
@@ -18,7 +19,7 @@
 //! backward unit by unit), so each sparse layer passes its output through an identity node
 //! whose backward adds that coefficient's gradient to the layer's probabilities: recomputed,
 //! sharded or offloaded units take it in their own backward like any other gradient.
-use super::layers::{grouped_linear, swiglu};
+use super::layers::{geglu, grouped_linear, rms_normalized, swiglu};
 use super::{ContextParallel, ExpertSlot, Init, ParamId, Params, TensorParallel, TpRole, UnitBuilder, INIT_STD};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -93,6 +94,8 @@ pub enum ExpertActivation {
         /// The clamp.
         limit: f64,
     },
+    /// GeGLU with GELU's tanh form, `gelu_tanh(gate) · up` (Gemma 4).
+    GeluTanh,
 }
 
 /// How a family names its experts' weights.
@@ -110,6 +113,11 @@ pub enum ExpertNames {
     /// interleaved, `mlp.experts.down_proj` `[E, F, D]`, and their biases); each expert's
     /// weights are `mlp.experts.{e}.{gate,up,down}_proj.weight` here.
     Stacked,
+    /// `router.proj.weight` (with `router.scale` and `router.per_expert_scale`) and
+    /// `experts.{e}.{gate,up,down}_proj.weight` under the layer itself, beside its `mlp`
+    /// (Gemma 4, whose files stack the experts as `experts.gate_up_proj` `[E, 2F, D]` and
+    /// `experts.down_proj` `[E, D, F]`).
+    Layer,
 }
 
 /// How a router turns its logits into the scores it chooses and weights experts by.
@@ -200,6 +208,18 @@ pub struct MoeConfig {
     /// How the family names the experts' weights.
     #[serde(default)]
     pub names: ExpertNames,
+    /// The router reads the residual stream RMS-normed without a weight, times a learned
+    /// scale per dimension (`router.scale`) and `dim^-1/2` (Gemma 4).
+    #[serde(default)]
+    pub router_norm: bool,
+    /// Each routing weight, after any renormalisation, times a learned scale of its expert
+    /// (`router.per_expert_scale`, Gemma 4).
+    #[serde(default)]
+    pub expert_scales: bool,
+    /// The experts run beside the dense feed-forward rather than in its place, each with
+    /// norms of its own before the two are summed (Gemma 4's `enable_moe_block`).
+    #[serde(default)]
+    pub beside_dense: bool,
 }
 
 fn every_layer() -> i64 {
@@ -244,6 +264,9 @@ impl MoeConfig {
             z_loss_coef: 0.0,
             capacity_factor: None,
             names: ExpertNames::Mlp,
+            router_norm: false,
+            expert_scales: false,
+            beside_dense: false,
         }
     }
 
@@ -347,6 +370,7 @@ impl MoeConfig {
     pub fn router_name(&self, layer: &str) -> String {
         match self.names {
             ExpertNames::Mlp => format!("{layer}.mlp.gate.weight"),
+            ExpertNames::Layer => format!("{layer}.router.proj.weight"),
             ExpertNames::Stacked => format!("{layer}.mlp.router.weight"),
             ExpertNames::BlockSparse => format!("{layer}.block_sparse_moe.gate.weight"),
         }
@@ -361,6 +385,18 @@ impl MoeConfig {
             ExpertNames::BlockSparse => {
                 ["w1", "w3", "w2"].map(|w| format!("{layer}.block_sparse_moe.experts.{e}.{w}.weight"))
             }
+            ExpertNames::Layer => {
+                ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.experts.{e}.{w}.weight"))
+            }
+        }
+    }
+
+    /// The module holding sparse layer `layer`'s experts, as peft's `target_parameters`
+    /// names it.
+    pub fn experts_module(&self, layer: &str) -> String {
+        match self.names {
+            ExpertNames::Layer => format!("{layer}.experts"),
+            _ => format!("{layer}.mlp.experts"),
         }
     }
 }
@@ -419,6 +455,7 @@ impl Expert {
                 let up = up.f_clamp(-limit, limit)?;
                 up.f_add_scalar(1.0)?.f_mul(&gate.f_mul(&gate.f_mul_scalar(alpha)?.f_sigmoid()?)?)?
             }
+            ExpertActivation::GeluTanh => geglu(&gate, &up)?,
         };
         p.linear(&gated, self.down, down_bias)
     }
@@ -430,6 +467,11 @@ pub(crate) struct Router {
     weight: ParamId,
     bias: Option<ParamId>,
     choice_bias: Option<ParamId>,
+    /// The scale per dimension of the normed input, and the norm's epsilon, where the
+    /// router norms its input.
+    input_norm: Option<(ParamId, f64)>,
+    /// Each expert's scale of its routing weights.
+    expert_scales: Option<ParamId>,
     scoring: Scoring,
     top_k: i64,
     norm_topk: bool,
@@ -452,12 +494,13 @@ pub(crate) struct SparseFeedForward {
 
 impl SparseFeedForward {
     /// Declares sparse layer `name`'s router, experts and shared expert over hidden states
-    /// `dim` wide, as `moe` names them; `layer` is its place among the sparse layers.
+    /// `dim` wide, as `moe` names them; `layer` is its place among the sparse layers, `eps`
+    /// the epsilon of a router's norm.
     pub(crate) fn declare(
         u: &mut UnitBuilder<'_>,
         moe: &MoeConfig,
         name: &str,
-        dim: i64,
+        (dim, eps): (i64, f64),
         layer: usize,
         balance: &Arc<LoadBalance>,
     ) -> SparseFeedForward {
@@ -479,6 +522,14 @@ impl SparseFeedForward {
             balance.hold_choice_bias(layer, id);
             id
         });
+        // Gemma 4's router module holds its projection (`router.proj`) and its scales.
+        let scales = module.strip_suffix(".proj").unwrap_or(module);
+        let input_norm = moe
+            .router_norm
+            .then(|| (u.param(format!("{scales}.scale"), &[dim], Init::Ones, TpRole::SequenceReplicated), eps));
+        let expert_scales = moe.expert_scales.then(|| {
+            u.param(format!("{scales}.per_expert_scale"), &[moe.experts], Init::Ones, TpRole::SequenceReplicated)
+        });
         let experts: Vec<Expert> = (0..moe.experts)
             .map(|e| {
                 Expert::declare(
@@ -492,7 +543,7 @@ impl SparseFeedForward {
             })
             .collect();
         u.expert_set(super::ExpertSet {
-            module: format!("{name}.mlp.experts"),
+            module: moe.experts_module(name),
             gate: experts.iter().map(|e| e.gate).collect(),
             up: experts.iter().map(|e| e.up).collect(),
             down: experts.iter().map(|e| e.down).collect(),
@@ -509,6 +560,8 @@ impl SparseFeedForward {
                 weight,
                 bias,
                 choice_bias,
+                input_norm,
+                expert_scales,
                 scoring: moe.scoring,
                 top_k: moe.top_k,
                 norm_topk: moe.norm_topk,
@@ -560,12 +613,18 @@ impl Router {
 }
 
 impl SparseFeedForward {
-    /// The feed-forward of the normed hidden states `h` `[B, T, D]`.
-    pub(crate) fn forward(&self, p: &Params<'_>, h: &Tensor) -> Result<Tensor> {
+    /// The feed-forward of the normed hidden states `h` `[B, T, D]`, routed by `routed_by`
+    /// (of the same shape) where the router reads other states than the experts (Gemma 4's
+    /// the residual stream), else by `h`.
+    pub(crate) fn forward(&self, p: &Params<'_>, h: &Tensor, routed_by: Option<&Tensor>) -> Result<Tensor> {
         let size = h.size();
         let dim = *size.last().ok_or_else(|| Error::Model("a sparse feed-forward of a scalar".into()))?;
         let x = h.f_reshape([-1, dim])?;
-        let routing = self.route(p, &x, real_tokens(p, &size)?)?;
+        let router_input = match routed_by {
+            Some(r) => r.f_reshape([-1, dim])?,
+            None => x.shallow_clone(),
+        };
+        let routing = self.route(p, &router_input, real_tokens(p, &size)?)?;
         let (mut y, dispatch) = self.experts_of(p, &x, &routing)?;
         if let Some((expert, gate)) = &self.shared {
             let shared = expert.forward(p, &x)?;
@@ -584,7 +643,15 @@ impl SparseFeedForward {
     /// renormalised where asked, times the routed scale.
     fn route(&self, p: &Params<'_>, x: &Tensor, real: Option<Tensor>) -> Result<Routing> {
         let r = &self.router;
-        let logits = x.f_to_kind(Kind::Float)?.f_matmul(&p[r.weight].f_to_kind(Kind::Float)?.f_tr()?)?;
+        let x = x.f_to_kind(Kind::Float)?;
+        let x = match r.input_norm {
+            Some((scale, eps)) => {
+                let root = (x.size()[1] as f64).powf(-0.5);
+                rms_normalized(&x, eps)?.f_mul(&p[scale].f_to_kind(Kind::Float)?)?.f_mul_scalar(root)?
+            }
+            None => x,
+        };
+        let logits = x.f_matmul(&p[r.weight].f_to_kind(Kind::Float)?.f_tr()?)?;
         let logits = match r.bias {
             Some(bias) => logits.f_add(&p[bias].f_to_kind(Kind::Float)?)?,
             None => logits,
@@ -605,6 +672,11 @@ impl SparseFeedForward {
         }
         if r.scale != 1.0 {
             weights = weights.f_mul_scalar(r.scale)?;
+        }
+        if let Some(scales) = r.expert_scales {
+            weights = weights.f_mul(
+                &p[scales].f_to_kind(Kind::Float)?.f_index_select(0, &experts.f_reshape([-1])?)?.f_view_as(&experts)?,
+            )?;
         }
         let z_sum = match self.balance.z_coef > 0.0 {
             true => {
@@ -1296,6 +1368,8 @@ mod tests {
                 weight: ParamId(0),
                 bias: None,
                 choice_bias: None,
+                input_norm: None,
+                expert_scales: None,
                 scoring: Scoring::Softmax,
                 top_k: 2,
                 norm_topk: true,
@@ -1357,7 +1431,7 @@ mod tests {
         let (ff, tensors) = layer(None);
         let report = |x: &Tensor, padding: Option<&Tensor>| {
             ff.balance.open(0);
-            let _ = ff.forward(&Params::new(&tensors).with_padding(padding), x).unwrap();
+            let _ = ff.forward(&Params::new(&tensors).with_padding(padding), x, None).unwrap();
             ff.balance.close(0, false, RowSharers::default()).unwrap().unwrap().report
         };
         let (padded, alone, unmasked) = (report(&x, Some(&padding)), report(&real, None), report(&x, None));
@@ -1388,7 +1462,7 @@ mod tests {
         let (ff, tensors) = layer(Some(0.5));
         ff.balance.open(0);
         let p = Params::new(&tensors).with_padding(Some(&padding));
-        let y = ff.forward(&p, &x.unsqueeze(0)).unwrap().squeeze_dim(0).index_select(0, &real);
+        let y = ff.forward(&p, &x.unsqueeze(0), None).unwrap().squeeze_dim(0).index_select(0, &real);
         let _ = ff.balance.close(0, false, RowSharers::default()).unwrap();
         let (expected, _) = by_hand(&ff, &tensors, &x.index_select(0, &real), 3);
         let gap = (&y - &expected).abs().max().double_value(&[]);
@@ -1402,7 +1476,7 @@ mod tests {
         for (factor, capacity) in [(None, usize::MAX), (Some(0.5), 3), (Some(4.0), 24)] {
             let (ff, tensors) = layer(factor);
             ff.balance.open(0);
-            let y = ff.forward(&Params::new(&tensors), &x.unsqueeze(0)).unwrap().squeeze_dim(0);
+            let y = ff.forward(&Params::new(&tensors), &x.unsqueeze(0), None).unwrap().squeeze_dim(0);
             let report = ff.balance.close(0, false, RowSharers::default()).unwrap().unwrap().report;
             let (expected, dropped) = by_hand(&ff, &tensors, &x, capacity);
             let gap = (&y - &expected).abs().max().double_value(&[]);

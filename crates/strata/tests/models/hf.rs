@@ -578,6 +578,14 @@ fn gemma4_matches_transformers() {
     family_matches_transformers("gemma4", 48);
 }
 
+/// Gemma 4's mixture of experts: on every layer GeGLU experts beside the dense feed-forward,
+/// each with its own norms, the router norming the residual stream and scaling each expert's
+/// weight, the experts stacked on disk.
+#[test]
+fn gemma4_moe_matches_transformers() {
+    family_matches_transformers("gemma4-moe", 48);
+}
+
 /// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
 #[test]
 fn phi3_matches_transformers() {
