@@ -115,6 +115,46 @@ fn qwen2_fine_tunes_in_a_pipeline() {
     fine_tune("qwen2", &[("pp", &["--nproc", "2", "--accumulation", "2", "--strategy", PIPELINE])]);
 }
 
+/// Gemma 4's experts' block (beside the dense feed-forward on every layer, stacked on disk
+/// under the layer) trains over two ranks as one process does with the same micro-batches:
+/// its experts split over an expert group (alone, and sharded by fsdp), its attention split
+/// over a tensor group (and under sequence parallel, each rank routing its part of the
+/// tokens from the residual stream), in two pipeline stages, and with adapters on its
+/// attention and its stacked experts (peft's `target_parameters` under the layer) split over
+/// an expert group. Plain SGD, whose step is the gradient itself: a gradient off by any
+/// factor shows, where Adam's normalised step would hide it (and amplifies rounding instead).
+#[test]
+fn gemma4_experts_train_split_as_one_process() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (folder, train, _) = setup(&py, dir.path(), "gemma4-moe");
+    let files = ["--model-dir", s(&folder), "--token-file", s(&train)];
+    let flags = ["--ctx", "16", "--batch-size", "4", "--threads", "1", "--schedule", "constant"];
+    let sgd = ["--optimizer", "sgd", "--lr", "0.05"];
+    let one = common::train_run(dir.path(), "one", 6, &[&files, &flags, &sgd, &["--accumulation", "2"]]);
+    for (name, strategy) in [
+        ("experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("experts 2 with fsdp", r#"[["expert_parallel", {"size": 2}], "fsdp"]"#),
+        ("tensor 2", TENSOR),
+        ("sequence 2", SEQUENCE),
+        ("pipeline 2", PIPELINE),
+    ] {
+        let micro = if name.starts_with("experts") { "1" } else { "2" };
+        let extra = ["--nproc", "2", "--accumulation", micro, "--strategy", strategy];
+        let run = common::train_run(dir.path(), name, 6, &[&files, &flags, &sgd, &extra]);
+        common::assert_follows(&one, &run, name, 1e-6, 1e-6);
+    }
+    let lora = r#"["lora", {"r": 2, "alpha": 4, "target_modules": ["q_proj"],
+                 "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}]"#;
+    let adapted = ["--accumulation", "2", "--strategy", &format!("[{lora}]")];
+    let alone = common::train_run(dir.path(), "lora", 6, &[&files, &flags, &sgd, &adapted]);
+    let split = ["--nproc", "2", "--strategy", &format!(r#"[["expert_parallel", {{"size": 2}}], {lora}]"#)];
+    let run = common::train_run(dir.path(), "lora experts 2", 6, &[&files, &flags, &sgd, &split]);
+    common::assert_follows(&alone, &run, "lora on the experts with expert parallel 2", 1e-6, 1e-6);
+    let last = |run: &common::Run| common::reports(&run.1).pop().unwrap()["loss"].as_f64().unwrap();
+    assert!(last(&alone) != last(&one), "the adapters train apart from the whole model");
+}
+
 /// A mixture of experts (Qwen3-MoE: 16 experts, top 4, every other layer sparse) trains over
 /// two ranks as one process does with the same micro-batches (the load-balancing loss is
 /// each micro-batch's own): with fsdp, and with zero2 and recomputed blocks (the loss's
