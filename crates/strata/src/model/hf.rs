@@ -1832,9 +1832,11 @@ impl Keys<'_> {
                 (full, Some(self.rope(Some(kind("sliding_attention")?), None, 1e4, max_positions)?))
             }
             // The families whose classes turn by a rotation of their own where a folder names
-            // none read it in place of rope_parameters.
+            // none read it in place of rope_parameters; the older rope_scaling, where a folder
+            // gives it beside rope_parameters, is what the configuration classes read.
             (_, params) => {
-                let params = class_rope.as_ref().or(params);
+                let older = self.get("rope_scaling").filter(|s| s.as_object().is_some_and(|m| !m.is_empty()));
+                let params = class_rope.as_ref().or(older).or(params);
                 (self.rope(params, Some("rope_theta"), defaults.rope_theta, max_positions)?, None)
             }
         };
@@ -2427,6 +2429,7 @@ impl Keys<'_> {
     /// by name.
     fn rope(&self, params: Option<&Value>, theta_key: Option<&str>, theta: f64, max_positions: i64) -> KeyResult<Rope> {
         let (key, params) = match (params, self.get("rope_scaling")) {
+            (Some(p), Some(scaling)) if std::ptr::eq(p, scaling) => ("rope_scaling", Some(p)),
             (Some(p), _) => ("rope_parameters", Some(p)),
             (None, scaling) => ("rope_scaling", scaling),
         };
@@ -2559,6 +2562,14 @@ mod tests {
         let old = read(Family::Llama, json!({"rope_scaling": old_scaling, "rope_theta": 5e5})).unwrap();
         assert_eq!(new.rope(), old.rope());
         assert!(matches!(new.rope_scaling, RopeScaling::Llama3 { original_context: 16, .. }));
+        // Both given: the configuration classes read rope_scaling (theta from rope_parameters'
+        // dict only where rope_scaling names none), and name its keys in errors.
+        let both = json!({"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 5e5,
+                          "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}});
+        let both = read(Family::Llama, both).unwrap();
+        assert_eq!(both.rope(), Rope { scaling: RopeScaling::Linear { factor: 2.0 }, ..Rope::new(5e5) });
+        let broken = json!({"rope_scaling": {"rope_type": "linear"}, "rope_parameters": {"rope_type": "default"}});
+        assert!(read(Family::Llama, broken).unwrap_err().contains("rope_scaling.factor is missing"));
         let gemma3 = read(
             Family::Gemma3,
             json!({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
