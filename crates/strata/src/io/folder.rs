@@ -76,14 +76,18 @@ pub struct FolderOut {
     pub config: ModelConfig,
     /// `bos_token_id`, `eos_token_id`, `pad_token_id` for the config.
     pub special_tokens: Map<String, Value>,
-    /// Tokenizer files (and a release's processor files) copied into the folder: (name
-    /// there, source).
+    /// Tokenizer files (with its named chat templates, and a release's processor files)
+    /// copied into the folder: (name there, inside it, and source).
     pub tokenizer_files: Vec<(String, PathBuf)>,
     /// A shard holds at most this many bytes (a larger parameter alone fills one).
     pub shard_bytes: u64,
     /// The release the model is the language model of, written back whole.
     pub release: Option<ReleaseOut>,
 }
+
+/// The folder of a tokenizer's named chat templates (`save_pretrained` writes one
+/// `{name}.jinja` each).
+const CHAT_TEMPLATES: &str = "additional_chat_templates";
 
 /// What a release's processor reads beside the tokenizer: how images (and video) become its
 /// image model's inputs, and the template of its prompts.
@@ -138,12 +142,22 @@ impl FolderOut {
             .filter(|_| language_model)
             .map(|config| ReleaseOut { config, weights: source.weights.clone() });
         let processor_files = if release.is_some() { &PROCESSOR_FILES[..] } else { &[] };
-        let tokenizer_files = TOKENIZER_FILES
+        let mut tokenizer_files: Vec<(String, PathBuf)> = TOKENIZER_FILES
             .iter()
             .chain(processor_files)
             .map(|f| (f.to_string(), source.dir.join(f)))
             .filter(|(_, p)| p.is_file())
             .collect();
+        // The tokenizer's named chat templates beside its default one (a tool-use template, ...).
+        let mut templates: Vec<(String, PathBuf)> = std::fs::read_dir(source.dir.join(CHAT_TEMPLATES))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|entry| entry.path().is_file())
+            .map(|entry| (format!("{CHAT_TEMPLATES}/{}", entry.file_name().to_string_lossy()), entry.path()))
+            .collect();
+        templates.sort();
+        tokenizer_files.extend(templates);
         FolderOut {
             dir: dir.into(),
             family: source.family,
@@ -269,7 +283,11 @@ impl FolderOut {
         write_json(&dir.join("config.json"), &config)?;
         for (name, source) in &self.tokenizer_files {
             let bytes = std::fs::read(source).map_err(|e| Error::io(source, e))?;
-            write_atomic(&dir.join(name), &bytes)?;
+            let to = dir.join(name);
+            if let Some(inner) = to.parent().filter(|p| *p != dir) {
+                std::fs::create_dir_all(inner).map_err(|e| Error::io(inner, e))?;
+            }
+            write_atomic(&to, &bytes)?;
         }
         Ok(())
     }

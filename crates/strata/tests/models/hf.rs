@@ -830,6 +830,8 @@ fn release_matches_transformers(family: &str, model_type: &str) {
     let (dir, saved) = (work.path().join(family), work.path().join("saved"));
     make(&py, family, &dir, None);
     std::fs::write(dir.join("preprocessor_config.json"), r#"{"image_seq_length": 4}"#).unwrap();
+    std::fs::create_dir(dir.join("additional_chat_templates")).unwrap();
+    std::fs::write(dir.join("additional_chat_templates/tool_use.jinja"), "{{ messages }}").unwrap();
     let source = from_pretrained_dir(&dir).unwrap();
     save_weights(&mut strata_engine(&dir), WeightsTarget::Folder(&FolderOut::like(&saved, &source)), true).unwrap();
     let config: serde_json::Value =
@@ -849,6 +851,8 @@ fn release_matches_transformers(family: &str, model_type: &str) {
     // The language model's under the names save_pretrained gives them, as in the source.
     assert!(before.keys().eq(after.keys()), "{:?}", after.keys());
     assert!(saved.join("preprocessor_config.json").is_file(), "the processor's files go along");
+    let template = std::fs::read_to_string(saved.join("additional_chat_templates/tool_use.jinja")).unwrap();
+    assert_eq!(template, "{{ messages }}", "the tokenizer's named chat templates go along");
 }
 
 /// gpt-oss's released MXFP4 experts: a folder whose expert stacks are MXFP4 blocks and
