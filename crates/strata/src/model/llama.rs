@@ -533,7 +533,7 @@ struct DenseFeedForward {
 /// by side (Gemma 4).
 enum FeedForward {
     Dense(DenseFeedForward),
-    Sparse(SparseFeedForward),
+    Sparse(Box<SparseFeedForward>),
     Both(Box<DenseAndSparse>),
 }
 
@@ -1102,7 +1102,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         };
         let feed_forward = match (dense, experts) {
             (Some(dense), None) => FeedForward::Dense(dense),
-            (None, Some(sparse)) => FeedForward::Sparse(sparse),
+            (None, Some(sparse)) => FeedForward::Sparse(Box::new(sparse)),
             (Some(dense), Some(sparse)) => FeedForward::Both(Box::new(DenseAndSparse {
                 dense,
                 sparse,
