@@ -89,6 +89,12 @@ fn evaluated_loss(engine: &mut Engine, batches: &[(Rows, Rows)]) -> f64 {
 }
 
 fn lora_matches_peft(family: &str, peft_config: Value) {
+    lora_matches_peft_merging_within(family, peft_config, 1e-5);
+}
+
+/// [`lora_matches_peft`], the merged folder's logits within `merged_bound` of the adapted model's
+/// (merging rounds each weight once more, and some families carry that further).
+fn lora_matches_peft_merging_within(family: &str, peft_config: Value, merged_bound: f64) {
     let Some(py) = python() else { return };
     let work = tempfile::tempdir().unwrap();
     let w = work.path();
@@ -165,7 +171,7 @@ fn lora_matches_peft(family: &str, peft_config: Value) {
     .unwrap();
     let g = largest_gap(&reference_logits(&py, &merged, None, w), &trained);
     eprintln!("{family}: merged folder in transformers, largest logit difference {g:.2e}");
-    assert!(g <= 1e-5, "{family}: the merged folder's logits differ by {g}");
+    assert!(g <= merged_bound, "{family}: the merged folder's logits differ by {g}");
 
     // The base stayed as it was: the folder's weights, the adapter removed, give its logits.
     let mut base_again =
@@ -256,6 +262,29 @@ fn mistral4_lora_of_latent_attention_and_experts_matches_peft() {
         "mistral4",
         json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_b_proj", "kv_b_proj", "o_proj"],
                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
+    );
+}
+
+/// Gemma 4's global layers, whose values are their key projection's output: an adapter on
+/// `k_proj` moves keys and values alike, as peft's wrapped projection does. Merged, the
+/// logits move by rounding alone, but further than other families' (peft's own
+/// `merge_and_unload` moves this fixture's by 2.3e-5 with random adapters on these modules,
+/// Gemma 3's by 6e-6).
+#[test]
+fn gemma4_lora_of_keys_that_are_values_matches_peft() {
+    let config = json!({"r": 2, "lora_alpha": 4, "target_modules": ["k_proj", "o_proj", "up_proj"]});
+    lora_matches_peft_merging_within("gemma4", config, 5e-5);
+}
+
+/// Gemma 4's experts' block: its stacked experts under the layer (`experts.gate_up_proj`,
+/// `experts.down_proj`) beside adapters on the dense feed-forward, which `gate_proj` names
+/// alone (the experts are no linear modules).
+#[test]
+fn gemma4_lora_of_experts_beside_the_dense_feed_forward_matches_peft() {
+    lora_matches_peft(
+        "gemma4-moe",
+        json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "gate_proj"],
+               "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}),
     );
 }
 
