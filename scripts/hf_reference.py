@@ -318,6 +318,15 @@ def decoder_families():
             vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                num_attention_heads=2, head_dim=8, image_size=28, patch_size=14),
             spatial_merge_size=1, tie_word_embeddings=False)),
+        # EXAONE 4: OLMo 2's norms after attention and the feed-forward alone with per-head
+        # query/key norms, every second layer full and turning no position, the others sliding.
+        "exaone4": lambda: (tf.Exaone4ForCausalLM, tf.Exaone4Config(
+            **common, num_hidden_layers=4, sliding_window=4, sliding_window_pattern=2, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # Seed-OSS: biases on every attention projection, the output's included.
+        "seed-oss": lambda: (tf.SeedOssForCausalLM, tf.SeedOssConfig(
+            **common, num_hidden_layers=2, head_dim=8, attention_bias=True, attention_out_bias=True,
+            attention_dropout=0.0, residual_dropout=0.0, tie_word_embeddings=False)),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
         # layers with wider heads and one key/value head whose values are the key projection's,
         # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers

@@ -1,6 +1,6 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
+//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `exaone4`, `seed_oss`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
 //! with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
@@ -68,6 +68,12 @@ pub enum Family {
     /// SmolLM3 (`smollm3`): LLaMA's decoder with some layers turning no position (NoPE),
     /// optionally sliding there.
     SmolLm3,
+    /// EXAONE 4 (`exaone4`): OLMo 2's norms after attention and the feed-forward alone, with
+    /// per-head query/key norms, sliding layers and global layers that turn no position.
+    Exaone4,
+    /// Seed-OSS (`seed_oss`): LLaMA's decoder with biases on the query, key and value
+    /// projections and (optionally) the output projection, and dropout of each sub-layer's output.
+    SeedOss,
     /// Mixtral (`mixtral`): Mistral's decoder with experts under their block-sparse names.
     Mixtral,
     /// Qwen2-MoE (`qwen2_moe`): Qwen2's decoder with experts and, optionally, a shared expert.
@@ -156,7 +162,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 27] = [
+const FAMILIES: [Family; 29] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -169,6 +175,8 @@ const FAMILIES: [Family; 27] = [
     Family::Phi3,
     Family::Glm4,
     Family::SmolLm3,
+    Family::Exaone4,
+    Family::SeedOss,
     Family::Mixtral,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
@@ -202,6 +210,8 @@ impl Family {
             Family::Phi3 => "phi3",
             Family::Glm4 => "glm4",
             Family::SmolLm3 => "smollm3",
+            Family::Exaone4 => "exaone4",
+            Family::SeedOss => "seed_oss",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
@@ -246,6 +256,8 @@ impl Family {
             Family::Phi3 => "Phi3",
             Family::Glm4 => "Glm4",
             Family::SmolLm3 => "SmolLM3",
+            Family::Exaone4 => "Exaone4",
+            Family::SeedOss => "SeedOss",
             Family::Mixtral => "Mixtral",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
@@ -296,12 +308,13 @@ impl Family {
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
                 Phi3 | Olmoe | DeepseekV3 => 4096,
+                SeedOss => 524_288,
                 Mistral4 => 1_048_576,
                 _ => 2048,
             },
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
-                Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss => 1e-5,
+                Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -312,12 +325,12 @@ impl Family {
             },
             head_dim: match self {
                 Gemma2 | Gemma3 | Gemma4 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
-                Qwen3 | Glm4 | Ministral3 => Some(128),
+                Qwen3 | Glm4 | Ministral3 | SeedOss => Some(128),
                 GptOss => Some(64),
                 _ => None,
             },
             window: match self {
-                Mistral | Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Gemma2 | Gemma3 | Olmo3 => Some(4096),
+                Mistral | Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Gemma2 | Gemma3 | Olmo3 | Exaone4 => Some(4096),
                 GptOss => Some(128),
                 Gemma4 => Some(512),
                 _ => None,
@@ -394,7 +407,8 @@ impl Family {
     /// Qwen3-MoE by per-head norms, else Qwen2-MoE; fused projections: Phi-3; Gemma's norms: Gemma 3 with query/key norms, else
     /// Gemma 2; query/key norms: Qwen3; biases on the query, key and value projections
     /// alone: Qwen2; a window on every layer: Mistral; else LLaMA; Gemma 4 by its block
-    /// scalars, value norms or global heads).
+    /// scalars, value norms or global heads; EXAONE 4 by post norms with per-head query/key
+    /// norms).
     pub fn of(config: &ModelConfig) -> Result<Family> {
         let c = match config {
             ModelConfig::Gpt(_) => return Ok(Family::Gpt2),
@@ -425,6 +439,7 @@ impl Family {
         }
         Ok(match c {
             c if c.linear_attention.is_some() => Family::Qwen3_5,
+            c if c.post_norms && !c.qk_norm_whole => Family::Exaone4,
             c if c.post_norms && (c.sliding_window.is_some() || c.local_rope.is_some()) => Family::Olmo3,
             c if c.post_norms => Family::Olmo2,
             c if !c.unrotated_layers.is_empty() => Family::SmolLm3,
@@ -509,8 +524,20 @@ impl Family {
                 c.qk_norm_whole != (olmoe || self.is_olmo()) || c.clip_qkv.is_some() && !olmoe,
                 "query/key norms over whole projections, or clipping",
             ),
-            (c.post_norms != self.is_olmo(), "norms after attention and the feed-forward alone"),
-            (!c.unrotated_layers.is_empty() && self != Family::SmolLm3, "layers that turn no position"),
+            (
+                c.post_norms != (self.is_olmo() || self == Family::Exaone4),
+                "norms after attention and the feed-forward alone",
+            ),
+            (
+                !c.unrotated_layers.is_empty() && !matches!(self, Family::SmolLm3 | Family::Exaone4),
+                "layers that turn no position",
+            ),
+            // EXAONE 4 turns no position on exactly its full layers, where it has a window.
+            (
+                self == Family::Exaone4
+                    && c.unrotated_layers != exaone4_unrotated(c.layers, c.sliding_window, &|l| c.window(l)),
+                "layers that turn no position other than the full layers beside sliding ones",
+            ),
             (
                 c.query_scaling.is_some() != matches!(self, Family::Ministral3 | Family::Mistral4),
                 "queries scaled by position",
@@ -600,8 +627,10 @@ impl Family {
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
         let next = self.linear_attention_family();
-        let qk_norm_family =
-            matches!(dense, Family::Qwen3 | Family::Gemma3 | Family::Gemma4) || olmoe || next || self.is_olmo();
+        let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4)
+            || olmoe
+            || next
+            || self.is_olmo();
         let gemma4 = self == Family::Gemma4;
         let glm = self == Family::Glm4Moe;
         let needs = [
@@ -634,6 +663,7 @@ impl Family {
                             | Family::Olmo3
                             | Family::SmolLm3
                             | Family::Glm4
+                            | Family::SeedOss
                     ),
                 "attention biases",
             ),
@@ -820,6 +850,15 @@ fn t5_json(c: &T5Config) -> Result<Value> {
     }))
 }
 
+/// EXAONE 4's layers that turn no position: the full ones, where others slide (`window_of`
+/// gives each layer's window); none without a window.
+fn exaone4_unrotated(layers: i64, window: Option<i64>, window_of: &dyn Fn(usize) -> Option<i64>) -> Vec<i64> {
+    match window {
+        Some(_) => (0..layers).filter(|&l| window_of(l as usize).is_none()).collect(),
+        None => vec![],
+    }
+}
+
 /// Whether `moe` routes as only DeepSeek-V3 and GLM-4.5 can say: sigmoid scores, a choice
 /// bias, groups, a routed scale or shared experts without a gate.
 fn deepseek_routing(m: &MoeConfig) -> bool {
@@ -959,6 +998,16 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["sliding_window"] = window;
             v["layer_types"] = json!(layer_types);
             v["attention_bias"] = json!(c.qkv_bias);
+            v["mlp_bias"] = json!(false);
+        }
+        Family::Exaone4 => {
+            v["sliding_window"] = window;
+            v["layer_types"] = json!(layer_types);
+        }
+        Family::SeedOss => {
+            v["attention_bias"] = json!(c.qkv_bias);
+            v["attention_out_bias"] = json!(c.o_bias);
+            v["residual_dropout"] = json!(c.dropout.residual);
             v["mlp_bias"] = json!(false);
         }
         Family::Olmo3 => {
@@ -1738,13 +1787,15 @@ impl Keys<'_> {
         let olmoe = family == Family::Olmoe;
         let olmo = family.is_olmo();
         let smollm3 = family == Family::SmolLm3;
+        let exaone4 = family == Family::Exaone4;
+        let seed = family == Family::SeedOss;
         let class_rope = self.class_rope(family);
         let glm4 = family == Family::Glm4;
         let glm = family == Family::Glm4Moe || glm4;
         // Each configuration class's padding token where the key is absent.
         let default_padding = match family {
             Family::Gemma2 | Family::Gemma3 | Family::Gemma4 => Some(0),
-            Family::Olmo2 | Family::Olmo3 | Family::Olmoe => Some(1),
+            Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
             Family::SmolLm3 => Some(128_004),
@@ -1791,7 +1842,7 @@ impl Keys<'_> {
         if gemma4 {
             self.gemma4_refusals()?;
         }
-        let attention_bias = self.flag("attention_bias")?.unwrap_or(glm4 || gpt_oss);
+        let attention_bias = self.flag("attention_bias")?.unwrap_or(glm4 || gpt_oss || seed);
         if family == Family::Phi3 && attention_bias {
             return Err(
                 "config.json: attention_bias = true is not supported (Phi-3's fused projections have none)".into()
@@ -1866,6 +1917,7 @@ impl Keys<'_> {
         // `embd_pdrop`, nor the other families either key.
         let residual = match family {
             Family::Phi3 => self.rate("resid_pdrop", 0.0)?,
+            Family::SeedOss => self.rate("residual_dropout", 0.1)?,
             _ => {
                 self.note_dropout(&["resid_pdrop"])?;
                 0.0
@@ -1876,6 +1928,13 @@ impl Keys<'_> {
             Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
         };
         let gemma2 = family == Family::Gemma2;
+        let unrotated_layers = match exaone4 {
+            true => exaone4_unrotated(layers, sliding_window, &|l| {
+                let sliding = layer_types.as_ref().is_none_or(|t| t.get(l) == Some(&LayerAttention::Sliding));
+                sliding_window.filter(|_| sliding)
+            }),
+            false => unrotated_layers,
+        };
         let full_layer_heads = match gemma4 {
             true => self.gemma4_full_heads(layers, head_dim.unwrap_or(256), layer_types.as_deref())?,
             false => None,
@@ -1899,11 +1958,14 @@ impl Keys<'_> {
             norm_eps: self.float("rms_norm_eps")?.unwrap_or(defaults.norm_eps),
             tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
-            o_bias: family != Family::Qwen2 && !glm && attention_bias,
+            o_bias: match family {
+                Family::SeedOss => self.flag("attention_out_bias")?.unwrap_or(false),
+                _ => family != Family::Qwen2 && !glm && attention_bias,
+            },
             head_dim,
             norm: if gemma && !gemma4 || next { NormKind::PlusOne } else { NormKind::Weighted },
             activation,
-            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3 | Family::Gemma4)
+            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4)
                 || olmoe
                 || olmo
                 || next
@@ -1911,7 +1973,7 @@ impl Keys<'_> {
             qk_norm_whole: olmoe || olmo,
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
             sandwich_norms: gemma || glm4,
-            post_norms: olmo,
+            post_norms: olmo || exaone4,
             unrotated_layers,
             query_scaling,
             scale_embeddings: gemma,
@@ -1941,8 +2003,12 @@ impl Keys<'_> {
             attention_output_gate: next,
             linear_attention: if next { Some(self.linear_attention(split_projections)?) } else { None },
             latent,
-            // The decoder families' own default is no dropout.
-            dropout: DropoutRates { attention: self.rate("attention_dropout", 0.0)?, residual, ..DropoutRates::NONE },
+            // The decoder families' own default is no dropout (Seed-OSS's 0.1).
+            dropout: DropoutRates {
+                attention: self.rate("attention_dropout", if seed { 0.1 } else { 0.0 })?,
+                residual,
+                ..DropoutRates::NONE
+            },
             head,
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
         })
@@ -2228,6 +2294,11 @@ impl Keys<'_> {
                 Some(types)
             }
             (None, Olmo3) => Some(derived(&|i| (i + 1) % 4 != 0)),
+            // Every sliding_window_pattern-th layer full (4 by default); none slides without a window.
+            (None, Exaone4) => {
+                let pattern = self.int("sliding_window_pattern")?.unwrap_or(4).max(1);
+                Some(derived(&|i| window.is_some() && (i + 1) % pattern != 0))
+            }
             // SmolLM3 slides the layers that turn no position.
             (None, SmolLm3) => Some(derived(&|i| window.is_some() && unrotated.contains(&i))),
             (None, _) => None,
@@ -2740,6 +2811,31 @@ mod tests {
         let written = Family::Gemma4.config_json(&model, &Map::new()).unwrap();
         let (family, again) = config_from_keys(written.as_object().unwrap()).unwrap();
         assert_eq!((family, again), (Family::Gemma4, model));
+    }
+
+    #[test]
+    fn exaone4_turns_no_position_on_its_full_layers_beside_sliding_ones_alone() {
+        let c = read(Family::Exaone4, json!({"num_hidden_layers": 4})).unwrap();
+        assert_eq!((c.sliding_window, c.unrotated_layers.clone(), c.window(3)), (Some(4096), vec![3], None));
+        assert!(c.post_norms && c.qk_norm && !c.qk_norm_whole);
+        let model = ModelConfig::Llama(LlamaConfig { kv_heads: Some(4), head_dim: Some(8), ..c.clone() });
+        assert_eq!(Family::of(&model).unwrap(), Family::Exaone4);
+        let written = Family::Exaone4.config_json(&model, &Map::new()).unwrap();
+        assert_eq!(config_from_keys(written.as_object().unwrap()).unwrap(), (Family::Exaone4, model));
+        let unwindowed = read(Family::Exaone4, json!({"sliding_window": null})).unwrap();
+        assert_eq!(
+            (unwindowed.sliding_window, unwindowed.unrotated_layers),
+            (None, vec![]),
+            "every layer full, turned"
+        );
+        let other = LlamaConfig { unrotated_layers: vec![0], ..c };
+        assert!(Family::Exaone4.cannot_write(&other).is_some_and(|why| why.contains("turn no position")));
+        let seed = read(Family::SeedOss, json!({})).unwrap();
+        assert_eq!(
+            (seed.qkv_bias, seed.o_bias, seed.dropout.attention, seed.dropout.residual),
+            (true, false, 0.1, 0.1)
+        );
+        assert_eq!((seed.head_width(), seed.padding_token, seed.ctx), (128, Some(1), 524_288));
     }
 
     #[test]

@@ -586,6 +586,19 @@ fn gemma4_moe_matches_transformers() {
     family_matches_transformers("gemma4-moe", 48);
 }
 
+/// EXAONE 4: norms after attention and the feed-forward alone, per-head query/key norms,
+/// sliding layers and full ones that turn no position.
+#[test]
+fn exaone4_matches_transformers() {
+    family_matches_transformers("exaone4", 48);
+}
+
+/// Seed-OSS: biases on the query, key, value and output projections.
+#[test]
+fn seed_oss_matches_transformers() {
+    family_matches_transformers("seed-oss", 32);
+}
+
 /// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
 #[test]
 fn phi3_matches_transformers() {
@@ -1486,8 +1499,10 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 24] = [
+const DECODER_TYPES: [&str; 26] = [
     "llama",
+    "exaone4",
+    "seed_oss",
     "mistral",
     "ministral3",
     "qwen2",
