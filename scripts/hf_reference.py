@@ -327,6 +327,10 @@ def decoder_families():
         "seed-oss": lambda: (tf.SeedOssForCausalLM, tf.SeedOssConfig(
             **common, num_hidden_layers=2, head_dim=8, attention_bias=True, attention_out_bias=True,
             attention_dropout=0.0, residual_dropout=0.0, tie_word_embeddings=False)),
+        # ERNIE 4.5: each head turned as adjacent pairs, a tied head.
+        "ernie4.5": lambda: (tf.Ernie4_5ForCausalLM, tf.Ernie4_5Config(
+            **common, num_hidden_layers=2, head_dim=8, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
         # layers with wider heads and one key/value head whose values are the key projection's,
         # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers

@@ -1,6 +1,6 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `exaone4`, `seed_oss`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
+//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
 //! with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
@@ -74,6 +74,8 @@ pub enum Family {
     /// Seed-OSS (`seed_oss`): LLaMA's decoder with biases on the query, key and value
     /// projections and (optionally) the output projection, and dropout of each sub-layer's output.
     SeedOss,
+    /// ERNIE 4.5 (`ernie4_5`): LLaMA's decoder with each head turned as adjacent pairs.
+    Ernie4_5,
     /// Mixtral (`mixtral`): Mistral's decoder with experts under their block-sparse names.
     Mixtral,
     /// Qwen2-MoE (`qwen2_moe`): Qwen2's decoder with experts and, optionally, a shared expert.
@@ -162,7 +164,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 29] = [
+const FAMILIES: [Family; 30] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -177,6 +179,7 @@ const FAMILIES: [Family; 29] = [
     Family::SmolLm3,
     Family::Exaone4,
     Family::SeedOss,
+    Family::Ernie4_5,
     Family::Mixtral,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
@@ -212,6 +215,7 @@ impl Family {
             Family::SmolLm3 => "smollm3",
             Family::Exaone4 => "exaone4",
             Family::SeedOss => "seed_oss",
+            Family::Ernie4_5 => "ernie4_5",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
@@ -258,6 +262,7 @@ impl Family {
             Family::SmolLm3 => "SmolLM3",
             Family::Exaone4 => "Exaone4",
             Family::SeedOss => "SeedOss",
+            Family::Ernie4_5 => "Ernie4_5",
             Family::Mixtral => "Mixtral",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
@@ -304,7 +309,7 @@ impl Family {
         ClassDefaults {
             positions: match self {
                 Gemma2 => 8192,
-                Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss => 131_072,
+                Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss | Ernie4_5 => 131_072,
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
                 Phi3 | Olmoe | DeepseekV3 => 4096,
@@ -314,18 +319,19 @@ impl Family {
             },
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
-                Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 => 1e-5,
+                Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5 => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
                 Mixtral => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
+                Ernie4_5 => 500_000.0,
                 _ => 10_000.0,
             },
             head_dim: match self {
                 Gemma2 | Gemma3 | Gemma4 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
-                Qwen3 | Glm4 | Ministral3 | SeedOss => Some(128),
+                Qwen3 | Glm4 | Ministral3 | SeedOss | Ernie4_5 => Some(128),
                 GptOss => Some(64),
                 _ => None,
             },
@@ -408,7 +414,7 @@ impl Family {
     /// Gemma 2; query/key norms: Qwen3; biases on the query, key and value projections
     /// alone: Qwen2; a window on every layer: Mistral; else LLaMA; Gemma 4 by its block
     /// scalars, value norms or global heads; EXAONE 4 by post norms with per-head query/key
-    /// norms).
+    /// norms; ERNIE 4.5 by heads turned as adjacent pairs without GLM-4's fused projection).
     pub fn of(config: &ModelConfig) -> Result<Family> {
         let c = match config {
             ModelConfig::Gpt(_) => return Ok(Family::Gpt2),
@@ -445,6 +451,7 @@ impl Family {
             c if !c.unrotated_layers.is_empty() => Family::SmolLm3,
             c if c.query_scaling.is_some() => Family::Ministral3,
             c if c.fused_gate_up => Family::Glm4,
+            c if c.interleaved_rotation => Family::Ernie4_5,
             c if c.fused_projections => Family::Phi3,
             c if c.layer_scalar || c.value_norm || c.full_layer_heads.is_some() => Family::Gemma4,
             c if c.norm == NormKind::PlusOne && c.qk_norm => Family::Gemma3,
@@ -543,7 +550,11 @@ impl Family {
                 "queries scaled by position",
             ),
             (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
-            (c.interleaved_rotation != (self == Family::Glm4), "heads turned as adjacent pairs"),
+            (
+                c.interleaved_rotation != matches!(self, Family::Glm4 | Family::Ernie4_5),
+                "heads turned as adjacent pairs",
+            ),
+            (self == Family::Ernie4_5 && c.partial_rotary != 1.0, "a partial rotation"),
             (c.latent.is_some() != self.has_latent_attention(), "latent attention"),
             // Mistral 4's routing is pinned by the scoring rule below, shared experts or not.
             (
@@ -1004,6 +1015,8 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["sliding_window"] = window;
             v["layer_types"] = json!(layer_types);
         }
+        // Its use_bias would put biases on the feed-forward too, which Strata's decoder has not.
+        Family::Ernie4_5 => v["use_bias"] = json!(false),
         Family::SeedOss => {
             v["attention_bias"] = json!(c.qkv_bias);
             v["attention_out_bias"] = json!(c.o_bias);
@@ -1789,12 +1802,20 @@ impl Keys<'_> {
         let smollm3 = family == Family::SmolLm3;
         let exaone4 = family == Family::Exaone4;
         let seed = family == Family::SeedOss;
+        let ernie = family == Family::Ernie4_5;
+        if ernie {
+            self.only(
+                "use_bias",
+                &[json!(false)],
+                "ERNIE 4.5's use_bias puts biases on the feed-forward, which has none",
+            )?;
+        }
         let class_rope = self.class_rope(family);
         let glm4 = family == Family::Glm4;
         let glm = family == Family::Glm4Moe || glm4;
         // Each configuration class's padding token where the key is absent.
         let default_padding = match family {
-            Family::Gemma2 | Family::Gemma3 | Family::Gemma4 => Some(0),
+            Family::Gemma2 | Family::Gemma3 | Family::Gemma4 | Family::Ernie4_5 => Some(0),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
@@ -1956,7 +1977,7 @@ impl Keys<'_> {
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
             norm_eps: self.float("rms_norm_eps")?.unwrap_or(defaults.norm_eps),
-            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3),
+            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3 || ernie),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: match family {
                 Family::SeedOss => self.flag("attention_out_bias")?.unwrap_or(false),
@@ -1993,7 +2014,7 @@ impl Keys<'_> {
             layer_types,
             fused_projections: family == Family::Phi3,
             fused_gate_up: glm4,
-            interleaved_rotation: glm4,
+            interleaved_rotation: glm4 || ernie,
             padding_token: match self.cfg.get("pad_token_id") {
                 Some(_) => self.int("pad_token_id")?,
                 None => default_padding,

@@ -599,6 +599,12 @@ fn seed_oss_matches_transformers() {
     family_matches_transformers("seed-oss", 32);
 }
 
+/// ERNIE 4.5: each head turned as adjacent pairs, a tied head.
+#[test]
+fn ernie4_5_matches_transformers() {
+    family_matches_transformers("ernie4.5", 32);
+}
+
 /// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
 #[test]
 fn phi3_matches_transformers() {
@@ -1499,8 +1505,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 26] = [
+const DECODER_TYPES: [&str; 27] = [
     "llama",
+    "ernie4_5",
     "exaone4",
     "seed_oss",
     "mistral",
