@@ -331,6 +331,13 @@ def decoder_families():
         "ernie4.5": lambda: (tf.Ernie4_5ForCausalLM, tf.Ernie4_5Config(
             **common, num_hidden_layers=2, head_dim=8, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # ERNIE 4.5's mixture of experts (21B-A3B's shape): experts chosen by softmax scores plus
+        # a choice bias (drawn in build), weighted by the scores alone, one shared expert, the
+        # first layer dense.
+        "ernie4.5-moe": lambda: (tf.Ernie4_5_MoeForCausalLM, tf.Ernie4_5_MoeConfig(
+            **common, num_hidden_layers=3, head_dim=8, moe_intermediate_size=12, moe_num_experts=4, moe_k=2,
+            moe_num_shared_experts=1, moe_layer_start_index=1, router_aux_loss_coef=0.02, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
         # layers with wider heads and one key/value head whose values are the key projection's,
         # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers
@@ -451,12 +458,16 @@ def build(family, seed):
                 if name.endswith("linear_attn.A_log"):
                     p.copy_(torch.empty_like(p).uniform_(0.5, 2.0).log())
             # The choice bias is a buffer: draw it so that it changes which experts are chosen.
-            # Gemma 4's block scalars are buffers too, stored and never trained.
+            # Gemma 4's block scalars are buffers too, stored and never trained; ERNIE 4.5 keeps
+            # its choice bias as a parameter without a gradient.
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.copy_(torch.randn_like(buf) * 0.3)
                 if name.endswith("layer_scalar"):
                     buf.uniform_(0.5, 1.5)
+            for name, p in model.named_parameters():
+                if name.endswith("moe_statics.e_score_correction_bias"):
+                    p.copy_(torch.randn_like(p) * 0.3)
             # Mistral 4's softmax router over tiny random weights leaves near-ties that rounding
             # flips within ten steps (transformers' own fp32 and fp64 runs part so): sharper
             # routers choose clearly.

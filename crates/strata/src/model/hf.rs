@@ -1,6 +1,6 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
+//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `exaone4`, `seed_oss`, `ernie4_5` (and `ernie4_5_moe`), `glm4`, `olmo2`, `olmo3` and `smollm3`, and
 //! with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
@@ -76,6 +76,10 @@ pub enum Family {
     SeedOss,
     /// ERNIE 4.5 (`ernie4_5`): LLaMA's decoder with each head turned as adjacent pairs.
     Ernie4_5,
+    /// ERNIE 4.5's mixture of experts (`ernie4_5_moe`): its layers with experts chosen by
+    /// softmax scores plus a choice bias and weighted by the scores alone, shared experts,
+    /// dense layers outside a span.
+    Ernie4_5Moe,
     /// Mixtral (`mixtral`): Mistral's decoder with experts under their block-sparse names.
     Mixtral,
     /// Qwen2-MoE (`qwen2_moe`): Qwen2's decoder with experts and, optionally, a shared expert.
@@ -164,7 +168,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 30] = [
+const FAMILIES: [Family; 31] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -180,6 +184,7 @@ const FAMILIES: [Family; 30] = [
     Family::Exaone4,
     Family::SeedOss,
     Family::Ernie4_5,
+    Family::Ernie4_5Moe,
     Family::Mixtral,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
@@ -216,6 +221,7 @@ impl Family {
             Family::Exaone4 => "exaone4",
             Family::SeedOss => "seed_oss",
             Family::Ernie4_5 => "ernie4_5",
+            Family::Ernie4_5Moe => "ernie4_5_moe",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
@@ -263,6 +269,7 @@ impl Family {
             Family::Exaone4 => "Exaone4",
             Family::SeedOss => "SeedOss",
             Family::Ernie4_5 => "Ernie4_5",
+            Family::Ernie4_5Moe => "Ernie4_5_Moe",
             Family::Mixtral => "Mixtral",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
@@ -291,7 +298,13 @@ impl Family {
     fn classifies_sequences(self) -> bool {
         !matches!(
             self,
-            Family::Gpt2 | Family::T5 | Family::Olmoe | Family::Glm4Moe | Family::Qwen3_5Moe | Family::Gemma4
+            Family::Gpt2
+                | Family::T5
+                | Family::Olmoe
+                | Family::Glm4Moe
+                | Family::Qwen3_5Moe
+                | Family::Gemma4
+                | Family::Ernie4_5Moe
         )
     }
 
@@ -309,7 +322,7 @@ impl Family {
         ClassDefaults {
             positions: match self {
                 Gemma2 => 8192,
-                Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss | Ernie4_5 => 131_072,
+                Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss | Ernie4_5 | Ernie4_5Moe => 131_072,
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
                 Phi3 | Olmoe | DeepseekV3 => 4096,
@@ -319,14 +332,15 @@ impl Family {
             },
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
-                Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5 => 1e-5,
+                Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
+                | Ernie4_5Moe => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
                 Mixtral => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
-                Ernie4_5 => 500_000.0,
+                Ernie4_5 | Ernie4_5Moe => 500_000.0,
                 _ => 10_000.0,
             },
             head_dim: match self {
@@ -358,6 +372,7 @@ impl Family {
             Family::Qwen2Moe => Family::Qwen2,
             Family::Qwen3Moe => Family::Qwen3,
             Family::Qwen3_5Moe => Family::Qwen3_5,
+            Family::Ernie4_5Moe => Family::Ernie4_5,
             Family::Olmoe
             | Family::DeepseekV3
             | Family::Mistral4
@@ -431,6 +446,7 @@ impl Family {
         if let Some(moe) = &c.moe {
             return Ok(match c {
                 c if c.layer_scalar || moe.beside_dense => Family::Gemma4,
+                _ if moe.names == ExpertNames::MlpStatics => Family::Ernie4_5Moe,
                 c if c.latent.is_some() && c.query_scaling.is_some() => Family::Mistral4,
                 c if c.latent.is_some() => Family::DeepseekV3,
                 c if c.linear_attention.as_ref().is_some_and(|l| l.split_projections) => Family::Qwen3_5Moe,
@@ -505,8 +521,10 @@ impl Family {
             ),
             (
                 moe.is_some_and(|m| m.shared_expert_dim.is_some())
-                    && !(matches!(self, Family::Qwen2Moe | Family::Qwen3Next | Family::Qwen3_5Moe)
-                        || self.routes_like_deepseek()),
+                    && !(matches!(
+                        self,
+                        Family::Qwen2Moe | Family::Qwen3Next | Family::Qwen3_5Moe | Family::Ernie4_5Moe
+                    ) || self.routes_like_deepseek()),
                 "a shared expert",
             ),
             (
@@ -551,15 +569,37 @@ impl Family {
             ),
             (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
             (
-                c.interleaved_rotation != matches!(self, Family::Glm4 | Family::Ernie4_5),
+                c.interleaved_rotation != matches!(self.dense(), Family::Glm4 | Family::Ernie4_5),
                 "heads turned as adjacent pairs",
             ),
-            (self == Family::Ernie4_5 && c.partial_rotary != 1.0, "a partial rotation"),
+            (self.dense() == Family::Ernie4_5 && c.partial_rotary != 1.0, "a partial rotation"),
             (c.latent.is_some() != self.has_latent_attention(), "latent attention"),
             // Mistral 4's routing is pinned by the scoring rule below, shared experts or not.
             (
-                moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek()) && self != Family::Mistral4,
+                moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek())
+                    && !matches!(self, Family::Mistral4 | Family::Ernie4_5Moe),
                 "DeepSeek's routing",
+            ),
+            // ERNIE 4.5's routing, names and sparse span are pinned whole.
+            (
+                moe.is_some_and(|m| {
+                    let ernie = m.names == ExpertNames::MlpStatics;
+                    let routing = m.scoring == Scoring::Softmax
+                        && m.choice_bias
+                        && m.norm_topk
+                        && m.groups == 1
+                        && m.routed_scale == 1.0
+                        && (m.shared_expert_dim.is_none() || !m.shared_gate)
+                        && m.shared_expert_dim.is_none_or(|w| w % m.expert_ffn_dim == 0)
+                        && m.dense_layers == ernie_dense_layers(c.layers, m);
+                    if self == Family::Ernie4_5Moe {
+                        !(ernie && routing)
+                    } else {
+                        ernie
+                    }
+                }),
+                "ERNIE 4.5's experts (softmax scores with a choice bias, shared experts of their width, \
+                 dense layers outside one span)",
             ),
             (
                 moe.is_some_and(|m| {
@@ -861,6 +901,15 @@ fn t5_json(c: &T5Config) -> Result<Value> {
     }))
 }
 
+/// ERNIE 4.5's dense layers: those outside the span from its first sparse layer to its last
+/// (every layer where none is sparse).
+fn ernie_dense_layers(layers: i64, moe: &MoeConfig) -> Vec<i64> {
+    let stepped: Vec<i64> =
+        (0..layers).filter(|&l| (l + 1) % moe.sparse_step == 0 && !moe.dense_layers.contains(&l)).collect();
+    let (first, last) = (stepped.first().copied().unwrap_or(layers), stepped.last().copied().unwrap_or(-1));
+    (0..layers).filter(|&l| l < first || l > last).collect()
+}
+
 /// EXAONE 4's layers that turn no position: the full ones, where others slide (`window_of`
 /// gives each layer's window); none without a window.
 fn exaone4_unrotated(layers: i64, window: Option<i64>, window_of: &dyn Fn(usize) -> Option<i64>) -> Vec<i64> {
@@ -1017,6 +1066,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         }
         // Its use_bias would put biases on the feed-forward too, which Strata's decoder has not.
         Family::Ernie4_5 => v["use_bias"] = json!(false),
+        // The mixtures of experts write their own keys below.
         Family::SeedOss => {
             v["attention_bias"] = json!(c.qkv_bias);
             v["attention_out_bias"] = json!(c.o_bias);
@@ -1084,6 +1134,18 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
 
 /// The `config.json` keys of a mixture of experts written as `family`.
 fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value) {
+    if family == Family::Ernie4_5Moe {
+        let sparse: Vec<i64> = (0..c.layers).filter(|&l| moe.is_sparse(l)).collect();
+        v["moe_num_experts"] = json!(moe.experts);
+        v["moe_k"] = json!(moe.top_k);
+        v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
+        v["moe_num_shared_experts"] = json!(moe.shared_expert_dim.map_or(0, |w| w / moe.expert_ffn_dim));
+        v["moe_layer_start_index"] = json!(sparse.first().copied().unwrap_or(c.layers));
+        v["moe_layer_end_index"] = json!(sparse.last().copied().unwrap_or(-1));
+        v["moe_layer_interval"] = json!(moe.sparse_step);
+        v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
+        return;
+    }
     // Gemma 4's class names its own keys, and has no load-balancing loss (a weight Strata
     // trains with is kept where set).
     if family == Family::Gemma4 {
@@ -1802,7 +1864,7 @@ impl Keys<'_> {
         let smollm3 = family == Family::SmolLm3;
         let exaone4 = family == Family::Exaone4;
         let seed = family == Family::SeedOss;
-        let ernie = family == Family::Ernie4_5;
+        let ernie = family.dense() == Family::Ernie4_5;
         if ernie {
             self.only(
                 "use_bias",
@@ -1815,7 +1877,7 @@ impl Keys<'_> {
         let glm = family == Family::Glm4Moe || glm4;
         // Each configuration class's padding token where the key is absent.
         let default_padding = match family {
-            Family::Gemma2 | Family::Gemma3 | Family::Gemma4 | Family::Ernie4_5 => Some(0),
+            Family::Gemma2 | Family::Gemma3 | Family::Gemma4 | Family::Ernie4_5 | Family::Ernie4_5Moe => Some(0),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
@@ -2138,6 +2200,9 @@ impl Keys<'_> {
         if family == Family::Gemma4 {
             return self.gemma4_experts();
         }
+        if family == Family::Ernie4_5Moe {
+            return self.ernie_experts().map(Some);
+        }
         if !family.has_experts() {
             return Ok(None);
         }
@@ -2328,6 +2393,46 @@ impl Keys<'_> {
             return Err("config.json: layer_types has sliding_attention layers but sliding_window is not set".into());
         }
         Ok((window, types))
+    }
+
+    /// ERNIE 4.5's experts: `moe_num_experts` of them `moe_intermediate_size` wide, `moe_k`
+    /// per token chosen by their softmax scores plus the choice bias and weighted by the
+    /// scores renormalised; `moe_num_shared_experts` of their width every token passes
+    /// through; the layers from `moe_layer_start_index` to `moe_layer_end_index` (the last
+    /// by default) sparse, every `moe_layer_interval`-th; the load-balancing loss weighted
+    /// by `router_aux_loss_coef` (each class's default where a key is absent).
+    fn ernie_experts(&self) -> KeyResult<MoeConfig> {
+        let layers = self.required("num_hidden_layers")?;
+        let width = self.int("moe_intermediate_size")?.unwrap_or(1536);
+        let count = |key: &str, alias: &str, default: i64| -> KeyResult<i64> {
+            Ok(match self.int(key)? {
+                Some(n) => n,
+                None => self.int(alias)?.unwrap_or(default),
+            })
+        };
+        let shared = self.int("moe_num_shared_experts")?.unwrap_or(2);
+        let start = self.int("moe_layer_start_index")?.unwrap_or(1);
+        let end = match self.int("moe_layer_end_index")?.unwrap_or(-1) {
+            -1 => layers - 1,
+            end => end,
+        };
+        let mut moe = MoeConfig {
+            norm_topk: true,
+            shared_expert_dim: (shared > 0).then_some(shared * width),
+            shared_gate: false,
+            choice_bias: true,
+            sparse_step: self.int("moe_layer_interval")?.unwrap_or(1).max(1),
+            aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.001),
+            z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
+            names: ExpertNames::MlpStatics,
+            ..MoeConfig::new(
+                count("moe_num_experts", "num_experts", 64)?,
+                count("moe_k", "num_experts_per_tok", 6)?,
+                width,
+            )
+        };
+        moe.dense_layers = (0..layers).filter(|&l| l < start || l > end).collect();
+        Ok(moe)
     }
 
     /// What of Gemma 4 Strata does not hold, refused by name: the per-layer embeddings and
@@ -2857,6 +2962,30 @@ mod tests {
             (true, false, 0.1, 0.1)
         );
         assert_eq!((seed.head_width(), seed.padding_token, seed.ctx), (128, Some(1), 524_288));
+    }
+
+    #[test]
+    fn ernie4_5_experts_route_by_biased_softmax_over_one_span_of_layers() {
+        let keys = json!({"num_hidden_layers": 6, "moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 12,
+                          "moe_layer_start_index": 1, "moe_layer_end_index": 4, "moe_layer_interval": 1});
+        let c = read(Family::Ernie4_5Moe, keys).unwrap();
+        let moe = c.moe.clone().unwrap();
+        assert_eq!(
+            (moe.dense_layers.clone(), moe.shared_expert_dim, moe.names),
+            (vec![0, 5], Some(24), ExpertNames::MlpStatics)
+        );
+        assert!(moe.choice_bias && moe.scoring == Scoring::Softmax && moe.norm_topk && !moe.shared_gate);
+        assert!(c.interleaved_rotation && c.tie_embeddings);
+        let model = ModelConfig::Llama(LlamaConfig { kv_heads: Some(4), head_dim: Some(8), ..c.clone() });
+        assert_eq!(Family::of(&model).unwrap(), Family::Ernie4_5Moe);
+        let written = Family::Ernie4_5Moe.config_json(&model, &Map::new()).unwrap();
+        assert_eq!((&written["moe_layer_start_index"], &written["moe_layer_end_index"]), (&json!(1), &json!(4)));
+        assert_eq!(config_from_keys(written.as_object().unwrap()).unwrap(), (Family::Ernie4_5Moe, model));
+        // A dense layer inside the span has no spelling.
+        let holed = LlamaConfig { moe: Some(MoeConfig { dense_layers: vec![0, 2, 5], ..moe }), ..c };
+        assert!(Family::Ernie4_5Moe.cannot_write(&holed).is_some_and(|why| why.contains("ERNIE 4.5's experts")));
+        let every = read(Family::Ernie4_5Moe, json!({"num_hidden_layers": 4, "moe_layer_start_index": 0})).unwrap();
+        assert_eq!(every.moe.unwrap().dense_layers, Vec::<i64>::new(), "moe_layer_end_index -1 is the last layer");
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //!
 //! The load-balancing loss (Switch Transformer's, as `transformers`' `load_balancing_loss_func`
 //! computes it) couples every sparse layer: with `f_e` the share of all layers' token slots
-//! routed to expert `e` and `P_e` the mean of its routing probability over all layers'
+//! routed to expert `e` (a token's top-k by its probabilities alone, where a choice bias
+//! chooses others) and `P_e` the mean of its routing probability over all layers'
 //! tokens, it is `E · Σ_e f_e · P_e`. `f` is not differentiable, so the loss is linear in
 //! each layer's summed probabilities with one coefficient vector for all layers, known once
 //! the forward has seen them all. A unit's graph ends at its own output (the engine runs
@@ -118,6 +119,9 @@ pub enum ExpertNames {
     /// (Gemma 4, whose files stack the experts as `experts.gate_up_proj` `[E, 2F, D]` and
     /// `experts.down_proj` `[E, D, F]`).
     Layer,
+    /// [`ExpertNames::Mlp`]'s, the choice bias `mlp.moe_statics.e_score_correction_bias`
+    /// `[1, E]` (ERNIE 4.5's).
+    MlpStatics,
 }
 
 /// How a router turns its logits into the scores it chooses and weights experts by.
@@ -369,7 +373,7 @@ impl MoeConfig {
     /// The names of a sparse layer's router and of expert `e`'s gate, up and down weights.
     pub fn router_name(&self, layer: &str) -> String {
         match self.names {
-            ExpertNames::Mlp => format!("{layer}.mlp.gate.weight"),
+            ExpertNames::Mlp | ExpertNames::MlpStatics => format!("{layer}.mlp.gate.weight"),
             ExpertNames::Layer => format!("{layer}.router.proj.weight"),
             ExpertNames::Stacked => format!("{layer}.mlp.router.weight"),
             ExpertNames::BlockSparse => format!("{layer}.block_sparse_moe.gate.weight"),
@@ -379,7 +383,7 @@ impl MoeConfig {
     /// The names of expert `e`'s gate, up and down weights in sparse layer `layer`.
     pub fn expert_names(&self, layer: &str, e: i64) -> [String; 3] {
         match self.names {
-            ExpertNames::Mlp | ExpertNames::Stacked => {
+            ExpertNames::Mlp | ExpertNames::MlpStatics | ExpertNames::Stacked => {
                 ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.mlp.experts.{e}.{w}.weight"))
             }
             ExpertNames::BlockSparse => {
@@ -513,12 +517,13 @@ impl SparseFeedForward {
             .router_bias
             .then(|| u.param(format!("{module}.bias"), &[moe.experts], Init::Zeros, TpRole::SequenceReplicated));
         let choice_bias = moe.choice_bias.then(|| {
-            let id = u.frozen_param(
-                format!("{module}.e_score_correction_bias"),
-                &[moe.experts],
-                Init::Zeros,
-                TpRole::Replicated,
-            );
+            let (bias, shape) = match moe.names {
+                ExpertNames::MlpStatics => {
+                    (format!("{name}.mlp.moe_statics.e_score_correction_bias"), vec![1, moe.experts])
+                }
+                _ => (format!("{module}.e_score_correction_bias"), vec![moe.experts]),
+            };
+            let id = u.frozen_param(bias, &shape, Init::Zeros, TpRole::Replicated);
             balance.hold_choice_bias(layer, id);
             id
         });
@@ -587,6 +592,9 @@ struct Routing {
     experts: Tensor,
     weights: Tensor,
     probs: Tensor,
+    /// Each token's top `k` experts by its probabilities alone, where a choice bias chose
+    /// others: what the load-balancing loss counts, as `transformers`' does.
+    counted: Option<Tensor>,
     z_sum: Option<Tensor>,
     real: Option<Tensor>,
 }
@@ -689,7 +697,11 @@ impl SparseFeedForward {
             }
             false => None,
         };
-        Ok(Routing { experts, weights, probs, z_sum, real })
+        let counted = match (r.choice_bias, self.balance.adds_loss()) {
+            (Some(_), true) => Some(probs.f_topk(r.top_k, -1, true, true)?.1),
+            _ => None,
+        };
+        Ok(Routing { experts, weights, probs, counted, z_sum, real })
     }
 
     /// The routed experts' weighted sum for every token: token slots grouped by expert, each
@@ -964,6 +976,8 @@ struct MicroRouting {
 struct LayerRouting {
     slots: Tensor,
     prob_sums: Tensor,
+    /// The slots the load-balancing loss counts (its experts' without a choice bias).
+    counted_slots: Tensor,
     /// `Σ logsumexp(logits)²` over the tokens (detached), where the z-loss is trained.
     z_sum: Option<Tensor>,
     tokens: i64,
@@ -1126,12 +1140,20 @@ impl LoadBalance {
             }
             None => (routing.probs.f_sum_dim_intlist(0, false, Kind::Float)?, None, routing.probs.size()[0]),
         };
-        let slots = tch::no_grad(|| {
-            routing.experts.f_reshape([-1])?.f_bincount(slot_weights.as_ref(), self.experts)?.f_to_kind(Kind::Float)
-        })?;
+        let count = |experts: &Tensor| {
+            tch::no_grad(|| {
+                experts.f_reshape([-1])?.f_bincount(slot_weights.as_ref(), self.experts)?.f_to_kind(Kind::Float)
+            })
+        };
+        let slots = count(&routing.experts)?;
+        let counted_slots = match &routing.counted {
+            Some(counted) => count(counted)?,
+            None => slots.shallow_clone(),
+        };
         let routed = LayerRouting {
             slots,
             prob_sums: prob_sums.detach(),
+            counted_slots,
             z_sum: routing.z_sum.as_ref().map(Tensor::detach),
             tokens,
             dispatch,
@@ -1153,14 +1175,14 @@ impl LoadBalance {
     }
 
     /// Micro-batch `micro`'s routing so far, this part's sparse layers' and the earlier
-    /// stages' together: token slots per expert `[E]`, summed probabilities `[E]`, then the
-    /// tokens routed, the slots sent to other ranks, the slots dropped, the summed squared
-    /// log-partitions and the layers that routed (`SUMS_PAST_EXPERTS` values). What a
-    /// pipeline stage sends on with its activations.
+    /// stages' together: token slots per expert `[E]`, summed probabilities `[E]`, the slots
+    /// the loss counts `[E]`, then the tokens routed, the slots sent to other ranks, the
+    /// slots dropped, the summed squared log-partitions and the layers that routed
+    /// (`SUMS_PAST_EXPERTS` values). What a pipeline stage sends on with its activations.
     pub fn sums(&self, micro: usize) -> Result<Vec<f64>> {
         let state = self.state();
         let e = self.experts as usize;
-        let mut sums = vec![0.0; 2 * e + SUMS_PAST_EXPERTS];
+        let mut sums = vec![0.0; 3 * e + SUMS_PAST_EXPERTS];
         let Some(m) = state.micros.get(&micro) else { return Ok(sums) };
         let layers: Vec<&LayerRouting> = m.routed.iter().flatten().collect();
         if !layers.is_empty() {
@@ -1169,20 +1191,19 @@ impl LoadBalance {
                 let all: Vec<&Tensor> = layers.iter().map(|r| pick(r)).collect();
                 Ok(Tensor::f_stack(&all, 0)?.f_sum_dim_intlist(0, false, Kind::Float)?)
             };
-            let both = Tensor::f_cat(&[stack(|r| &r.slots)?, stack(|r| &r.prob_sums)?], 0)?
-                .f_to_device(tch::Device::Cpu)?
-                .f_to_kind(Kind::Double)?;
-            let values = Vec::<f64>::try_from(&both).map_err(|e| Error::Model(format!("expert loads: {e}")))?;
-            sums[..2 * e].copy_from_slice(&values);
+            let all = [stack(|r| &r.slots)?, stack(|r| &r.prob_sums)?, stack(|r| &r.counted_slots)?];
+            let all = Tensor::f_cat(&all, 0)?.f_to_device(tch::Device::Cpu)?.f_to_kind(Kind::Double)?;
+            let values = Vec::<f64>::try_from(&all).map_err(|e| Error::Model(format!("expert loads: {e}")))?;
+            sums[..3 * e].copy_from_slice(&values);
         }
         let z_sums: Vec<&Tensor> = layers.iter().filter_map(|r| r.z_sum.as_ref()).collect();
         if !z_sums.is_empty() {
-            sums[2 * e + 3] = Tensor::f_stack(&z_sums, 0)?.f_sum(Kind::Double)?.f_double_value(&[])?;
+            sums[3 * e + 3] = Tensor::f_stack(&z_sums, 0)?.f_sum(Kind::Double)?.f_double_value(&[])?;
         }
-        sums[2 * e] = layers.iter().map(|r| r.tokens as f64).sum();
-        sums[2 * e + 1] = layers.iter().map(|r| r.dispatch.remote as f64).sum();
-        sums[2 * e + 2] = layers.iter().map(|r| r.dispatch.dropped as f64).sum();
-        sums[2 * e + 4] = layers.len() as f64;
+        sums[3 * e] = layers.iter().map(|r| r.tokens as f64).sum();
+        sums[3 * e + 1] = layers.iter().map(|r| r.dispatch.remote as f64).sum();
+        sums[3 * e + 2] = layers.iter().map(|r| r.dispatch.dropped as f64).sum();
+        sums[3 * e + 4] = layers.len() as f64;
         if let Some(earlier) = &m.earlier {
             sums.iter_mut().zip(earlier).for_each(|(s, e)| *s += e);
         }
@@ -1201,7 +1222,7 @@ impl LoadBalance {
     /// The earlier pipeline stages' [`LoadBalance::sums`] of micro-batch `micro`, received
     /// with its activations (after this part's forward opened it).
     pub fn receive_sums(&self, micro: usize, earlier: Vec<f64>) -> Result<()> {
-        if earlier.len() != 2 * self.experts as usize + SUMS_PAST_EXPERTS {
+        if earlier.len() != 3 * self.experts as usize + SUMS_PAST_EXPERTS {
             return Err(Error::Model(format!("routing sums of {} values for {} experts", earlier.len(), self.experts)));
         }
         self.state().micros.entry(micro).or_default().earlier = Some(earlier);
@@ -1221,27 +1242,27 @@ impl LoadBalance {
         }
         let mut sums = self.sums(micro)?;
         let e = self.experts as usize;
-        let layers = sums[2 * e + 4];
-        let summed = sharers.sum_values(&sums[..2 * e + 4])?;
-        sums[..2 * e + 4].copy_from_slice(&summed);
+        let layers = sums[3 * e + 4];
+        let summed = sharers.sum_values(&sums[..3 * e + 4])?;
+        sums[..3 * e + 4].copy_from_slice(&summed);
         // Context ranks average their gradients as data ranks do, each having weighed its
         // loss by its piece's tokens: the loss of whole rows reaches each piece's routing
         // as often as there are pieces (exactly where the pieces hold as many supervised
         // tokens each).
         let pieces = sharers.context.map_or(1.0, |c| c.size() as f64);
-        let rows = sums[2 * e].max(1.0);
-        let shares: Vec<f64> = sums[..e].iter().map(|slots| slots / rows).collect();
+        let rows = sums[3 * e].max(1.0);
+        let shares: Vec<f64> = sums[2 * e..3 * e].iter().map(|slots| slots / rows).collect();
         let aux = shares.iter().zip(&sums[e..2 * e]).map(|(f, p)| f * p / rows).sum::<f64>() * self.experts as f64;
         // Every layer routes the same tokens: `rows / layers` of them.
         let tokens = rows / layers.max(1.0);
-        let z = sums[2 * e + 3] / tokens;
+        let z = sums[3 * e + 3] / tokens;
         let slots = &sums[..e];
         let report = BalanceReport {
             aux_loss: aux,
             min_expert_tokens: slots.iter().copied().fold(f64::INFINITY, f64::min) as i64,
             max_expert_tokens: slots.iter().copied().fold(0.0, f64::max) as i64,
-            remote_expert_tokens: sums[2 * e + 1] as i64,
-            dropped_expert_tokens: sums[2 * e + 2] as i64,
+            remote_expert_tokens: sums[3 * e + 1] as i64,
+            dropped_expert_tokens: sums[3 * e + 2] as i64,
             z_loss: z,
         };
         let mut state = self.state();

@@ -605,6 +605,14 @@ fn ernie4_5_matches_transformers() {
     family_matches_transformers("ernie4.5", 32);
 }
 
+/// ERNIE 4.5's mixture of experts: experts chosen by softmax scores plus a choice bias and
+/// weighted by the scores alone, a shared expert, the first layer dense, heads turned as
+/// adjacent pairs.
+#[test]
+fn ernie4_5_moe_matches_transformers() {
+    experts_match_transformers("ernie4.5-moe", 4, 32);
+}
+
 /// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
 #[test]
 fn phi3_matches_transformers() {
@@ -1505,8 +1513,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 27] = [
+const DECODER_TYPES: [&str; 28] = [
     "llama",
+    "ernie4_5_moe",
     "ernie4_5",
     "exaone4",
     "seed_oss",
