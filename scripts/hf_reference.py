@@ -338,6 +338,11 @@ def decoder_families():
             **common, num_hidden_layers=3, head_dim=8, moe_intermediate_size=12, moe_num_experts=4, moe_k=2,
             moe_num_shared_experts=1, moe_layer_start_index=1, router_aux_loss_coef=0.02, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # HunYuan: per-head query/key norms after the rotation, under their own names, and the
+        # rotation's base stretched once by its alpha.
+        "hunyuan": lambda: (tf.HunYuanDenseV1ForCausalLM, tf.HunYuanDenseV1Config(
+            **common, num_hidden_layers=2, head_dim=8, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "dynamic", "alpha": 4.0, "factor": 1.0, "rope_theta": 500.0})),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
         # layers with wider heads and one key/value head whose values are the key projection's,
         # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers

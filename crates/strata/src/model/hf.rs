@@ -1,6 +1,6 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `exaone4`, `seed_oss`, `ernie4_5` (and `ernie4_5_moe`), `glm4`, `olmo2`, `olmo3` and `smollm3`, and
+//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `exaone4`, `seed_oss`, `ernie4_5` (and `ernie4_5_moe`), `hunyuan_v1_dense`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
 //! with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
@@ -76,6 +76,9 @@ pub enum Family {
     SeedOss,
     /// ERNIE 4.5 (`ernie4_5`): LLaMA's decoder with each head turned as adjacent pairs.
     Ernie4_5,
+    /// HunYuan (`hunyuan_v1_dense`): LLaMA's decoder with per-head query/key norms after the
+    /// rotation, under their own names, and a fixed NTK stretch of the rotation's base.
+    HunYuanDense,
     /// ERNIE 4.5's mixture of experts (`ernie4_5_moe`): its layers with experts chosen by
     /// softmax scores plus a choice bias and weighted by the scores alone, shared experts,
     /// dense layers outside a span.
@@ -125,6 +128,12 @@ pub enum Family {
 
 /// A block's sandwich norms as Strata names them (Gemma's names) and as GLM-4's folders do:
 /// after attention, before the feed-forward, after it.
+/// HunYuan's query and key norms' names, beside Strata's.
+const HUNYUAN_NORMS: [(&str, &str); 2] = [
+    ("self_attn.q_norm.weight", "self_attn.query_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attn.key_layernorm.weight"),
+];
+
 const GLM4_NORMS: [(&str, &str); 3] = [
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight"),
     ("pre_feedforward_layernorm.weight", "post_attention_layernorm.weight"),
@@ -168,7 +177,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 31] = [
+const FAMILIES: [Family; 32] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -185,6 +194,7 @@ const FAMILIES: [Family; 31] = [
     Family::SeedOss,
     Family::Ernie4_5,
     Family::Ernie4_5Moe,
+    Family::HunYuanDense,
     Family::Mixtral,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
@@ -222,6 +232,7 @@ impl Family {
             Family::SeedOss => "seed_oss",
             Family::Ernie4_5 => "ernie4_5",
             Family::Ernie4_5Moe => "ernie4_5_moe",
+            Family::HunYuanDense => "hunyuan_v1_dense",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
@@ -270,6 +281,7 @@ impl Family {
             Family::SeedOss => "SeedOss",
             Family::Ernie4_5 => "Ernie4_5",
             Family::Ernie4_5Moe => "Ernie4_5_Moe",
+            Family::HunYuanDense => "HunYuanDenseV1",
             Family::Mixtral => "Mixtral",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
@@ -333,7 +345,7 @@ impl Family {
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
-                | Ernie4_5Moe => 1e-5,
+                | Ernie4_5Moe | HunYuanDense => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -467,6 +479,7 @@ impl Family {
             c if !c.unrotated_layers.is_empty() => Family::SmolLm3,
             c if c.query_scaling.is_some() => Family::Ministral3,
             c if c.fused_gate_up => Family::Glm4,
+            c if c.qk_norm_after_rotation => Family::HunYuanDense,
             c if c.interleaved_rotation => Family::Ernie4_5,
             c if c.fused_projections => Family::Phi3,
             c if c.layer_scalar || c.value_norm || c.full_layer_heads.is_some() => Family::Gemma4,
@@ -568,6 +581,15 @@ impl Family {
                 "queries scaled by position",
             ),
             (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
+            (c.qk_norm_after_rotation != (self == Family::HunYuanDense), "query/key norms after the rotation"),
+            (
+                [Some(c.rope()), c.local_rope.clone()]
+                    .iter()
+                    .flatten()
+                    .any(|r| matches!(r.scaling, RopeScaling::NtkAlpha { .. }))
+                    && self != Family::HunYuanDense,
+                "a fixed NTK stretch of the rotation (a dynamic one with an alpha)",
+            ),
             (
                 c.interleaved_rotation != matches!(self.dense(), Family::Glm4 | Family::Ernie4_5),
                 "heads turned as adjacent pairs",
@@ -678,10 +700,11 @@ impl Family {
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
         let next = self.linear_attention_family();
-        let qk_norm_family = matches!(dense, Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4)
-            || olmoe
-            || next
-            || self.is_olmo();
+        let qk_norm_family =
+            matches!(dense, Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4 | Family::HunYuanDense)
+                || olmoe
+                || next
+                || self.is_olmo();
         let gemma4 = self == Family::Gemma4;
         let glm = self == Family::Glm4Moe;
         let needs = [
@@ -715,6 +738,7 @@ impl Family {
                             | Family::SmolLm3
                             | Family::Glm4
                             | Family::SeedOss
+                            | Family::HunYuanDense
                     ),
                 "attention biases",
             ),
@@ -748,9 +772,15 @@ impl Family {
     /// transposed.
     pub fn hf_name(self, name: &str) -> (String, bool) {
         let transposed = self == Family::Gpt2 && CONV1D_WEIGHTS.iter().any(|w| name.ends_with(w));
+        (renamed(name, self.renames().iter().copied()), transposed)
+    }
+
+    /// Strata's names of the parameters the family's files name otherwise, and theirs.
+    fn renames(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Family::Glm4 => (renamed(name, GLM4_NORMS.iter().copied()), false),
-            _ => (name.to_string(), transposed),
+            Family::Glm4 => &GLM4_NORMS,
+            Family::HunYuanDense => &HUNYUAN_NORMS,
+            _ => &[],
         }
     }
 
@@ -776,8 +806,10 @@ impl Family {
                 None
             }
             _ if name.ends_with("rotary_emb.inv_freq") => None,
-            Family::Glm4 => Some((renamed(name, GLM4_NORMS.iter().map(|&(strata, hf)| (hf, strata))), false)),
-            _ => Some((language_model_name(name)?, false)),
+            _ => {
+                let read = language_model_name(name)?;
+                Some((renamed(&read, self.renames().iter().map(|&(strata, hf)| (hf, strata))), false))
+            }
         }
     }
 
@@ -963,6 +995,8 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             RopeScaling::None => json!({"rope_type": "default"}),
             RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
             RopeScaling::Dynamic { factor, .. } => json!({"rope_type": "dynamic", "factor": factor}),
+            // HunYuan's class reads a dynamic rotation with an alpha as its fixed stretch.
+            RopeScaling::NtkAlpha { alpha } => json!({"rope_type": "dynamic", "alpha": alpha, "factor": 1.0}),
             RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, attention_factor, truncate } => json!({
                 "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_context,
                 "beta_fast": beta_fast, "beta_slow": beta_slow, "attention_factor": attention_factor, "truncate": truncate,
@@ -1865,6 +1899,7 @@ impl Keys<'_> {
         let exaone4 = family == Family::Exaone4;
         let seed = family == Family::SeedOss;
         let ernie = family.dense() == Family::Ernie4_5;
+        let hunyuan = family == Family::HunYuanDense;
         if ernie {
             self.only(
                 "use_bias",
@@ -1877,7 +1912,12 @@ impl Keys<'_> {
         let glm = family == Family::Glm4Moe || glm4;
         // Each configuration class's padding token where the key is absent.
         let default_padding = match family {
-            Family::Gemma2 | Family::Gemma3 | Family::Gemma4 | Family::Ernie4_5 | Family::Ernie4_5Moe => Some(0),
+            Family::Gemma2
+            | Family::Gemma3
+            | Family::Gemma4
+            | Family::Ernie4_5
+            | Family::Ernie4_5Moe
+            | Family::HunYuanDense => Some(0),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
@@ -1987,6 +2027,13 @@ impl Keys<'_> {
             _ => rope.partial,
         };
         let rope = Rope { partial, ..rope };
+        // HunYuan's class reads a dynamic rotation with an alpha as a fixed stretch of its base.
+        let rope = match (&rope.scaling, self.rope_alpha()?) {
+            (RopeScaling::Dynamic { .. }, Some(alpha)) if hunyuan => {
+                Rope { scaling: RopeScaling::NtkAlpha { alpha }, ..rope }
+            }
+            _ => rope,
+        };
         // Dynamic scaling stretches the context it was trained at by its factor.
         let ctx = match rope.scaling {
             RopeScaling::Dynamic { factor, .. } if factor > 1.0 => (max_positions as f64 * factor) as i64,
@@ -2048,12 +2095,15 @@ impl Keys<'_> {
             head_dim,
             norm: if gemma && !gemma4 || next { NormKind::PlusOne } else { NormKind::Weighted },
             activation,
-            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4)
-                || olmoe
+            qk_norm: matches!(
+                family,
+                Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4 | Family::HunYuanDense
+            ) || olmoe
                 || olmo
                 || next
                 || (glm && self.flag("use_qk_norm")?.unwrap_or(false)),
             qk_norm_whole: olmoe || olmo,
+            qk_norm_after_rotation: hunyuan,
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
             sandwich_norms: gemma || glm4,
             post_norms: olmo || exaone4,
@@ -2522,6 +2572,15 @@ impl Keys<'_> {
             return Ok(None);
         }
         Ok(Some(FullLayerHeads { head_dim: head_dim.unwrap_or(base_head_dim), kv_heads, values_from_keys }))
+    }
+
+    /// The `alpha` of the rotation keys (`rope_scaling` where given, else `rope_parameters`).
+    fn rope_alpha(&self) -> KeyResult<Option<f64>> {
+        let params = self.get("rope_scaling").or(self.get("rope_parameters"));
+        match params.and_then(Value::as_object) {
+            Some(map) => Keys { cfg: map, prefix: "rope_parameters.".into() }.float("alpha"),
+            None => Ok(None),
+        }
     }
 
     /// The rotation keys of a family whose class turns by a rotation of its own where a

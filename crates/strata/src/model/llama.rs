@@ -162,6 +162,9 @@ pub struct LlamaConfig {
     /// The query and key norms span each projection whole rather than each head (OLMoE).
     #[serde(default)]
     pub qk_norm_whole: bool,
+    /// The per-head query and key norms apply after the rotation, not before (HunYuan).
+    #[serde(default)]
+    pub qk_norm_after_rotation: bool,
     /// Query, key and value projections clamped to ± this (OLMoE's `clip_qkv`).
     #[serde(default)]
     pub clip_qkv: Option<f64>,
@@ -286,6 +289,7 @@ impl LlamaConfig {
             activation: Activation::Silu,
             qk_norm: false,
             qk_norm_whole: false,
+            qk_norm_after_rotation: false,
             clip_qkv: None,
             sandwich_norms: false,
             post_norms: false,
@@ -494,8 +498,13 @@ impl LlamaConfig {
         if self.attention_output_gate && (self.fused_projections || self.latent.is_some()) {
             return Err(Error::Config("an attention output gate takes separate query projections".into()));
         }
-        if self.qk_norm_whole && !self.qk_norm {
-            return Err(Error::Config("qk_norm_whole says how query/key norms apply, and qk_norm is off".into()));
+        if (self.qk_norm_whole || self.qk_norm_after_rotation) && !self.qk_norm {
+            return Err(Error::Config(
+                "qk_norm_whole and qk_norm_after_rotation say how query/key norms apply, and qk_norm is off".into(),
+            ));
+        }
+        if self.qk_norm_whole && self.qk_norm_after_rotation {
+            return Err(Error::Config("query/key norms over whole projections apply before the heads turn".into()));
         }
         if let Some(c) = self.clip_qkv.filter(|c| !(c.is_finite() && *c > 0.0)) {
             return Err(Error::Config(format!("clip_qkv must be positive, got {c}")));
@@ -624,6 +633,8 @@ struct GroupedHeads {
     /// Norms of the queries and of the keys: per head, or over whole projections.
     qk_norms: Option<(ParamId, ParamId)>,
     qk_norm_whole: bool,
+    /// The per-head norms apply after the rotation.
+    norms_after_rotation: bool,
     clip_qkv: Option<f64>,
     kv_heads: i64,
     head_dim: i64,
@@ -760,11 +771,23 @@ impl GroupedHeads {
             (split_heads(&clip(q)?, heads)?, split_heads(&clip(k)?, kv_heads)?, split_heads(&clip(v)?, kv_heads)?);
         let v = if self.value_norm { rms_norm_unweighted(&v, self.kinds.eps)? } else { v };
         match self.qk_norms {
-            Some((qn, kn)) if !self.qk_norm_whole => {
-                Ok((self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?, v, gate))
+            Some(norms) if !self.qk_norm_whole && !self.norms_after_rotation => {
+                let (q, k) = self.per_head_norms(p, norms, q, k)?;
+                Ok((q, k, v, gate))
             }
             _ => Ok((q, k, v, gate)),
         }
+    }
+
+    /// Queries and keys `[B, H, T, D]` each RMS-normed per head by its norm's weight.
+    fn per_head_norms(
+        &self,
+        p: &Params<'_>,
+        (qn, kn): (ParamId, ParamId),
+        q: Tensor,
+        k: Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        Ok((self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?))
     }
 
     /// This rank's queries (`heads` of them) and its keys and values repeated for each
@@ -790,6 +813,10 @@ impl GroupedHeads {
                 rotation.rotate_placed(&q, &k, placed)?
             }
             Some(rotation) => rotation.rotate_placed(&q, &k, placed)?,
+            None => (q, k),
+        };
+        let (q, k) = match self.qk_norms.filter(|_| self.norms_after_rotation) {
+            Some(norms) => self.per_head_norms(p, norms, q, k)?,
             None => (q, k),
         };
         let q = match &self.query_scaling {
@@ -1185,6 +1212,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     qkv,
                     qk_norms,
                     qk_norm_whole: cfg.qk_norm_whole,
+                    norms_after_rotation: cfg.qk_norm_after_rotation,
                     clip_qkv: cfg.clip_qkv,
                     kv_heads,
                     head_dim: hd,

@@ -50,6 +50,12 @@ pub enum RopeScaling {
         /// Whether the ramp's ends are rounded outwards to whole dimensions.
         truncate: bool,
     },
+    /// The base stretched once by `alpha^(d/(d−2))`, whatever the sequence's length
+    /// (HunYuan's fixed NTK-aware scaling, a `dynamic` rotation with an `alpha`).
+    NtkAlpha {
+        /// The stretch.
+        alpha: f64,
+    },
     /// Llama 3: wavelengths longer than `original_context / low_freq_factor` divided by
     /// `factor`, shorter than `original_context / high_freq_factor` kept, a smooth blend
     /// between.
@@ -177,6 +183,7 @@ impl Rope {
         }
         let (factor, context) = match &self.scaling {
             RopeScaling::None => return Ok(()),
+            RopeScaling::NtkAlpha { alpha } => (*alpha, 1),
             RopeScaling::Linear { factor } => (*factor, 1),
             RopeScaling::Dynamic { factor, original_context } => (*factor, *original_context),
             RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, attention_factor, .. } => {
@@ -220,6 +227,10 @@ impl Rope {
         match self.scaling {
             RopeScaling::None => unscaled(self.theta),
             RopeScaling::Linear { factor } => unscaled(self.theta).into_iter().map(|f| f / factor).collect(),
+            RopeScaling::NtkAlpha { alpha } => {
+                let d = dim as f64;
+                unscaled(self.theta * alpha.powf(d / (d - 2.0)))
+            }
             RopeScaling::Dynamic { factor, original_context } => {
                 let (len, context) = (len.max(original_context) as f64, original_context as f64);
                 let d = dim as f64;
@@ -420,6 +431,15 @@ mod tests {
         // base · (2·32/16 − 1)^(8/6)
         let base = 100.0 * 3f64.powf(8.0 / 6.0);
         assert!(close(&longer, &Rope::new(base).inverse_frequencies(8, 1)), "{longer:?}");
+    }
+
+    #[test]
+    fn a_fixed_ntk_stretch_raises_the_base_once() {
+        let rope = Rope { scaling: RopeScaling::NtkAlpha { alpha: 4.0 }, ..Rope::new(100.0) };
+        let base = 100.0 * 4f64.powf(8.0 / 6.0);
+        assert!(close(&rope.inverse_frequencies(8, 1), &Rope::new(base).inverse_frequencies(8, 1)));
+        assert_eq!(rope.inverse_frequencies(8, 1), rope.inverse_frequencies(8, 4096), "whatever the length");
+        assert!(Rope { scaling: RopeScaling::NtkAlpha { alpha: 0.0 }, ..rope }.validate(8).is_err());
     }
 
     #[test]

@@ -613,6 +613,12 @@ fn ernie4_5_moe_matches_transformers() {
     experts_match_transformers("ernie4.5-moe", 4, 32);
 }
 
+/// HunYuan: per-head query/key norms after the rotation, the base stretched by its alpha.
+#[test]
+fn hunyuan_matches_transformers() {
+    family_matches_transformers("hunyuan", 32);
+}
+
 /// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
 #[test]
 fn phi3_matches_transformers() {
@@ -1513,8 +1519,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 28] = [
+const DECODER_TYPES: [&str; 29] = [
     "llama",
+    "hunyuan_v1_dense",
     "ernie4_5_moe",
     "ernie4_5",
     "exaone4",
