@@ -1,8 +1,9 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
-//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text`, `phi3`, `exaone4`, `seed_oss`, `ernie4_5` (and `ernie4_5_moe`), `hunyuan_v1_dense`, `glm4`, `olmo2`, `olmo3` and `smollm3`, and
-//! with experts
-//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `glm4_moe` and `gpt_oss` (with
+//! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text` (optionally with its
+//! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `glm4`,
+//! `olmo2`, `olmo3` and `smollm3`, and with experts
+//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
 //! attention ([`super::latent`]) too for `deepseek_v3`; [`super::bert`] for `bert`, as a
@@ -432,16 +433,21 @@ impl Family {
         matches!(self, Family::Qwen3_5 | Family::Qwen3_5Moe)
     }
 
-    /// The family a built-in model is written as: GPT as GPT-2; the decoder by the options
-    /// it uses (experts: with latent attention Mistral 4 where queries are scaled by
-    /// position, else DeepSeek-V3; Qwen3.5-MoE or Qwen3-Next by their linear attention,
-    /// gpt-oss by its stacked names, GLM-4.5 by DeepSeek's routing, Mixtral by its names,
-    /// OLMoE by its norms over whole projections,
-    /// Qwen3-MoE by per-head norms, else Qwen2-MoE; fused projections: Phi-3; Gemma's norms: Gemma 3 with query/key norms, else
-    /// Gemma 2; query/key norms: Qwen3; biases on the query, key and value projections
-    /// alone: Qwen2; a window on every layer: Mistral; else LLaMA; Gemma 4 by its block
-    /// scalars, value norms or global heads; EXAONE 4 by post norms with per-head query/key
-    /// norms; ERNIE 4.5 by heads turned as adjacent pairs without GLM-4's fused projection).
+    /// The family a built-in model is written as, by the options it uses, the first that
+    /// applies: GPT as GPT-2; a decoder with experts as Gemma 4 (block scalars, or experts
+    /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
+    /// attention with queries scaled by position), DeepSeek-V3 (latent attention),
+    /// Qwen3.5-MoE or Qwen3-Next (their linear attention), gpt-oss (stacked names), GLM-4.5
+    /// (DeepSeek's routing), Mixtral (its names), OLMoE (norms over whole projections),
+    /// Qwen3-MoE (per-head norms), else Qwen2-MoE; a dense one as Qwen3.5 (linear
+    /// attention), EXAONE 4 (post norms, per-head query/key norms), OLMo 3 (post norms with
+    /// windows or a local rotation), OLMo 2 (post norms), SmolLM3 (unrotated layers),
+    /// Ministral 3 (queries scaled by position), GLM-4 (a fused gate_up_proj), HunYuan
+    /// (query/key norms after the rotation), ERNIE 4.5 (heads turned as adjacent pairs), Phi-3
+    /// (fused projections), Gemma 4 (block scalars, value norms or global heads), Gemma 3
+    /// (Gemma's norms with query/key norms), Gemma 2 (Gemma's norms), Qwen3 (query/key
+    /// norms), Qwen2 (biases on the query, key and value projections alone), Mistral (a
+    /// window on every layer), else LLaMA.
     pub fn of(config: &ModelConfig) -> Result<Family> {
         let c = match config {
             ModelConfig::Gpt(_) => return Ok(Family::Gpt2),
@@ -572,8 +578,7 @@ impl Family {
             ),
             // EXAONE 4 turns no position on exactly its full layers, where it has a window.
             (
-                self == Family::Exaone4
-                    && c.unrotated_layers != exaone4_unrotated(c.layers, c.sliding_window, &|l| c.window(l)),
+                self == Family::Exaone4 && c.unrotated_layers != exaone4_unrotated(c),
                 "layers that turn no position other than the full layers beside sliding ones",
             ),
             (
@@ -594,7 +599,6 @@ impl Family {
                 c.interleaved_rotation != matches!(self.dense(), Family::Glm4 | Family::Ernie4_5),
                 "heads turned as adjacent pairs",
             ),
-            (self.dense() == Family::Ernie4_5 && c.partial_rotary != 1.0, "a partial rotation"),
             (c.latent.is_some() != self.has_latent_attention(), "latent attention"),
             // Mistral 4's routing is pinned by the scoring rule below, shared experts or not.
             (
@@ -606,19 +610,20 @@ impl Family {
             (
                 moe.is_some_and(|m| {
                     let ernie = m.names == ExpertNames::MlpStatics;
+                    if self != Family::Ernie4_5Moe {
+                        return ernie;
+                    }
                     let routing = m.scoring == Scoring::Softmax
                         && m.choice_bias
                         && m.norm_topk
                         && m.groups == 1
                         && m.routed_scale == 1.0
                         && (m.shared_expert_dim.is_none() || !m.shared_gate)
+                        && m.expert_ffn_dim > 0
+                        && m.sparse_step > 0
                         && m.shared_expert_dim.is_none_or(|w| w % m.expert_ffn_dim == 0)
-                        && m.dense_layers == ernie_dense_layers(c.layers, m);
-                    if self == Family::Ernie4_5Moe {
-                        !(ernie && routing)
-                    } else {
-                        ernie
-                    }
+                        && ernie_span_holds(c.layers, m);
+                    !(ernie && routing)
                 }),
                 "ERNIE 4.5's experts (softmax scores with a choice bias, shared experts of their width, \
                  dense layers outside one span)",
@@ -751,7 +756,15 @@ impl Family {
             ),
             (
                 c.sliding_window.is_some()
-                    && matches!(dense, Family::Llama | Family::Qwen3_5 | Family::Olmo2)
+                    && matches!(
+                        dense,
+                        Family::Llama
+                            | Family::Qwen3_5
+                            | Family::Olmo2
+                            | Family::SeedOss
+                            | Family::Ernie4_5
+                            | Family::HunYuanDense
+                    )
                     && self != Family::GptOss,
                 "a sliding window",
             ),
@@ -933,20 +946,30 @@ fn t5_json(c: &T5Config) -> Result<Value> {
     }))
 }
 
-/// ERNIE 4.5's dense layers: those outside the span from its first sparse layer to its last
-/// (every layer where none is sparse).
-fn ernie_dense_layers(layers: i64, moe: &MoeConfig) -> Vec<i64> {
-    let stepped: Vec<i64> =
-        (0..layers).filter(|&l| (l + 1) % moe.sparse_step == 0 && !moe.dense_layers.contains(&l)).collect();
-    let (first, last) = (stepped.first().copied().unwrap_or(layers), stepped.last().copied().unwrap_or(-1));
-    (0..layers).filter(|&l| l < first || l > last).collect()
+/// Gemma 4's global layers' heads, `None` where they are the sliding layers' (`base`).
+fn full_heads_or_none(
+    base: i64,
+    head_dim: i64,
+    kv_heads: Option<i64>,
+    values_from_keys: bool,
+) -> Option<FullLayerHeads> {
+    Some(FullLayerHeads { head_dim, kv_heads, values_from_keys })
+        .filter(|_| head_dim != base || kv_heads.is_some() || values_from_keys)
 }
 
-/// EXAONE 4's layers that turn no position: the full ones, where others slide (`window_of`
-/// gives each layer's window); none without a window.
-fn exaone4_unrotated(layers: i64, window: Option<i64>, window_of: &dyn Fn(usize) -> Option<i64>) -> Vec<i64> {
-    match window {
-        Some(_) => (0..layers).filter(|&l| window_of(l as usize).is_none()).collect(),
+/// Whether ERNIE 4.5's keys can say which of `layers` layers `moe` makes sparse: every
+/// `sparse_step`-th layer of one span (its first sparse layer to its last).
+fn ernie_span_holds(layers: i64, moe: &MoeConfig) -> bool {
+    let sparse: Vec<i64> = (0..layers).filter(|&l| moe.is_sparse(l)).collect();
+    let (first, last) = (sparse.first().copied().unwrap_or(layers), sparse.last().copied().unwrap_or(-1));
+    sparse == (first..=last).filter(|l| (l + 1) % moe.sparse_step == 0).collect::<Vec<_>>()
+}
+
+/// EXAONE 4's layers that turn no position: the full ones, where a window is set; none
+/// without one.
+fn exaone4_unrotated(c: &LlamaConfig) -> Vec<i64> {
+    match c.sliding_window {
+        Some(_) => (0..c.layers).filter(|&l| c.window(l as usize).is_none()).collect(),
         None => vec![],
     }
 }
@@ -1095,7 +1118,8 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["mlp_bias"] = json!(false);
         }
         Family::Exaone4 => {
-            v["sliding_window"] = window;
+            // Its full layers turn no position wherever a window is set, sliding layers or not.
+            v["sliding_window"] = json!(c.sliding_window);
             v["layer_types"] = json!(layer_types);
         }
         // Its use_bias would put biases on the feed-forward too, which Strata's decoder has not.
@@ -1173,7 +1197,8 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         v["moe_num_experts"] = json!(moe.experts);
         v["moe_k"] = json!(moe.top_k);
         v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
-        v["moe_num_shared_experts"] = json!(moe.shared_expert_dim.map_or(0, |w| w / moe.expert_ffn_dim));
+        v["moe_num_shared_experts"] =
+            json!(moe.shared_expert_dim.map_or(0, |w| w.checked_div(moe.expert_ffn_dim).unwrap_or(0)));
         v["moe_layer_start_index"] = json!(sparse.first().copied().unwrap_or(c.layers));
         v["moe_layer_end_index"] = json!(sparse.last().copied().unwrap_or(-1));
         v["moe_layer_interval"] = json!(moe.sparse_step);
@@ -1927,7 +1952,7 @@ impl Keys<'_> {
         };
         let (class, defaults) = (family, family.class_defaults());
         let query_scaling = match &class_rope {
-            Some(rope) if matches!(family, Family::Ministral3 | Family::Mistral4) => {
+            Some((_, rope)) if matches!(family, Family::Ministral3 | Family::Mistral4) => {
                 self.query_scaling(rope, defaults.positions)?
             }
             _ => None,
@@ -1936,7 +1961,10 @@ impl Keys<'_> {
         let next = family.linear_attention_family();
         let split_projections = family.is_qwen3_5();
         let qwen3_5_moe = family == Family::Qwen3_5Moe;
-        let latent = if family.has_latent_attention() { Some(self.latent(family, class_rope.as_ref())?) } else { None };
+        let latent = match family.has_latent_attention() {
+            true => Some(self.latent(family, class_rope.as_ref().map(|(key, p)| (*key, p)))?),
+            false => None,
+        };
         // A mixture of experts' attention and windows are those of the family it grew from.
         let family = family.dense();
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
@@ -1996,24 +2024,39 @@ impl Keys<'_> {
                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                 });
                 let params = params.unwrap_or(&class);
-                let kind = |layer: &str| {
-                    params
-                        .get(layer)
-                        .filter(|v| !v.is_null())
-                        .ok_or(format!("config.json: rope_parameters.{layer} is missing"))
+                let kind = |key: &'static str, layer: &str| match params.get(layer).filter(|v| !v.is_null()) {
+                    Some(p) => Ok((key, p)),
+                    None => Err(format!("config.json: {key} is missing")),
                 };
-                let full = self.rope(Some(kind("full_attention")?), None, 1e6, max_positions)?;
-                (full, Some(self.rope(Some(kind("sliding_attention")?), None, 1e4, max_positions)?))
+                let full = self.rope(
+                    Some(kind("rope_parameters.full_attention", "full_attention")?),
+                    None,
+                    1e6,
+                    max_positions,
+                )?;
+                let sliding = kind("rope_parameters.sliding_attention", "sliding_attention")?;
+                (full, Some(self.rope(Some(sliding), None, 1e4, max_positions)?))
             }
             // The families whose classes turn by a rotation of their own where a folder names
             // none read it in place of rope_parameters; the older rope_scaling, where a folder
             // gives it beside rope_parameters, is what the configuration classes read.
             (_, params) => {
                 let older = self.get("rope_scaling").filter(|s| s.as_object().is_some_and(|m| !m.is_empty()));
-                let params = class_rope.as_ref().or(older).or(params);
+                let params = class_rope
+                    .as_ref()
+                    .map(|(key, p)| (*key, p))
+                    .or(older.map(|p| ("rope_scaling", p)))
+                    .or(params.map(|p| ("rope_parameters", p)));
                 (self.rope(params, Some("rope_theta"), defaults.rope_theta, max_positions)?, None)
             }
         };
+        // A proportional rotation turns whole heads at frequencies some of which are zero:
+        // Gemma 4's classes alone read it so (others turn part of each head their own way).
+        if !gemma4 && [Some(&rope), local_rope.as_ref()].into_iter().flatten().any(|r| r.proportional) {
+            return Err(
+                "config.json: rope_type proportional is Gemma 4's rotation: not supported for this family".into()
+            );
+        }
         // GLM-4.5 turns half of each head where its keys say nothing.
         let partial_given = self.cfg.contains_key("partial_rotary_factor")
             || self.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor")).is_some();
@@ -2058,18 +2101,11 @@ impl Keys<'_> {
             Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
         };
         let gemma2 = family == Family::Gemma2;
-        let unrotated_layers = match exaone4 {
-            true => exaone4_unrotated(layers, sliding_window, &|l| {
-                let sliding = layer_types.as_ref().is_none_or(|t| t.get(l) == Some(&LayerAttention::Sliding));
-                sliding_window.filter(|_| sliding)
-            }),
-            false => unrotated_layers,
-        };
         let full_layer_heads = match gemma4 {
             true => self.gemma4_full_heads(layers, head_dim.unwrap_or(256), layer_types.as_deref())?,
             false => None,
         };
-        Ok(LlamaConfig {
+        let config = LlamaConfig {
             ffn_dim: Some(match (self.int("intermediate_size")?, &moe) {
                 (Some(d), _) => d,
                 // Qwen3.5's experts route every layer, so no dense feed-forward has a width.
@@ -2144,6 +2180,10 @@ impl Keys<'_> {
             },
             head,
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
+        };
+        Ok(match exaone4 {
+            true => LlamaConfig { unrotated_layers: exaone4_unrotated(&config), ..config },
+            false => config,
         })
     }
 
@@ -2219,9 +2259,10 @@ impl Keys<'_> {
 
     /// DeepSeek-V3's and Mistral 4's latent attention, as its keys name it (and each class
     /// defaults them); the rotation keys are `class_rope` where the family's class has its own.
-    fn latent(&self, family: Family, class_rope: Option<&Value>) -> KeyResult<LatentConfig> {
+    fn latent(&self, family: Family, class_rope: Option<(&str, &Value)>) -> KeyResult<LatentConfig> {
         let (key, params) = match (class_rope, self.get("rope_parameters")) {
-            (Some(p), _) | (None, Some(p)) => ("rope_parameters", Some(p)),
+            (Some((key, p)), _) => (key, Some(p)),
+            (None, Some(p)) => ("rope_parameters", Some(p)),
             (None, None) => ("rope_scaling", self.get("rope_scaling")),
         };
         let mscale_all_dim = match params.and_then(Value::as_object) {
@@ -2394,7 +2435,9 @@ impl Keys<'_> {
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         use Family::*;
         let window = match family {
-            Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe => return Ok((None, None)),
+            Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5 | HunYuanDense => {
+                return Ok((None, None))
+            }
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,
@@ -2406,6 +2449,14 @@ impl Keys<'_> {
         let types = match (given, family) {
             // These classes slide every layer where a window is set, whatever layer_types says.
             (_, Mistral | Ministral3 | Mixtral | Qwen3Moe) => None,
+            // Five sliding layers of six, and (given or not) the last layer full.
+            (types, Gemma4) => {
+                let mut types = types.unwrap_or_else(|| derived(&|i| (i + 1) % 6 != 0));
+                if let Some(last) = types.last_mut() {
+                    *last = LayerAttention::Full;
+                }
+                Some(types)
+            }
             (Some(types), _) => Some(types),
             (None, Qwen2 | Qwen3) => {
                 let first = self.int("max_window_layers")?.unwrap_or(28);
@@ -2420,14 +2471,6 @@ impl Keys<'_> {
             (None, Gemma3) => {
                 let pattern = self.int("sliding_window_pattern")?.unwrap_or(6).max(1);
                 Some(derived(&|i| (i + 1) % pattern != 0))
-            }
-            // Five sliding layers of six, and (given or not) the last layer full.
-            (types, Gemma4) => {
-                let mut types = types.unwrap_or_else(|| derived(&|i| (i + 1) % 6 != 0));
-                if let Some(last) = types.last_mut() {
-                    *last = LayerAttention::Full;
-                }
-                Some(types)
             }
             (None, Olmo3) => Some(derived(&|i| (i + 1) % 4 != 0)),
             // Every sliding_window_pattern-th layer full (4 by default); none slides without a window.
@@ -2461,6 +2504,9 @@ impl Keys<'_> {
             })
         };
         let shared = self.int("moe_num_shared_experts")?.unwrap_or(2);
+        let shared_width = shared
+            .checked_mul(width)
+            .ok_or_else(|| format!("config.json: {shared} shared experts {width} wide are too many"))?;
         let start = self.int("moe_layer_start_index")?.unwrap_or(1);
         let end = match self.int("moe_layer_end_index")?.unwrap_or(-1) {
             -1 => layers - 1,
@@ -2468,7 +2514,7 @@ impl Keys<'_> {
         };
         let mut moe = MoeConfig {
             norm_topk: true,
-            shared_expert_dim: (shared > 0).then_some(shared * width),
+            shared_expert_dim: (shared > 0).then_some(shared_width),
             shared_gate: false,
             choice_bias: true,
             sparse_step: self.int("moe_layer_interval")?.unwrap_or(1).max(1),
@@ -2481,7 +2527,8 @@ impl Keys<'_> {
                 width,
             )
         };
-        moe.dense_layers = (0..layers).filter(|&l| l < start || l > end).collect();
+        // The layers the step would make sparse outside the span.
+        moe.dense_layers = (0..layers).filter(|&l| (l < start || l > end) && (l + 1) % moe.sparse_step == 0).collect();
         Ok(moe)
     }
 
@@ -2534,7 +2581,7 @@ impl Keys<'_> {
         let Some(given) = self.get("per_layer_config") else {
             let kv_heads = if values_from_keys { self.int("num_global_key_value_heads")? } else { None };
             let head_dim = self.int("global_head_dim")?.unwrap_or(512);
-            return Ok(Some(FullLayerHeads { head_dim, kv_heads, values_from_keys }));
+            return Ok(full_heads_or_none(base_head_dim, head_dim, kv_heads, values_from_keys));
         };
         let given =
             given.as_object().ok_or_else(|| format!("config.json: per_layer_config is not an object ({given})"))?;
@@ -2568,10 +2615,7 @@ impl Keys<'_> {
                         attention_k_eq_v: not supported"
                 .into());
         }
-        if head_dim.is_none() && kv_heads.is_none() && !values_from_keys {
-            return Ok(None);
-        }
-        Ok(Some(FullLayerHeads { head_dim: head_dim.unwrap_or(base_head_dim), kv_heads, values_from_keys }))
+        Ok(full_heads_or_none(base_head_dim, head_dim.unwrap_or(base_head_dim), kv_heads, values_from_keys))
     }
 
     /// The `alpha` of the rotation keys (`rope_scaling` where given, else `rope_parameters`).
@@ -2588,7 +2632,7 @@ impl Keys<'_> {
     /// read them), else the class's: Ministral 3's YaRN by 16 from 16,384 positions and
     /// Mistral 4's by 128 from 8,192, both with the queries scaled by position, gpt-oss's
     /// YaRN by 32 from 4,096. `None` for the other families.
-    fn class_rope(&self, family: Family) -> Option<Value> {
+    fn class_rope(&self, family: Family) -> Option<(&'static str, Value)> {
         // YaRN with Mistral's query scaling, from `original` positions by `factor`.
         let scaled_yarn = |theta: f64, factor: f64, original: i64| {
             json!({
@@ -2606,8 +2650,8 @@ impl Keys<'_> {
             }),
             _ => return None,
         };
-        let given = |key: &str| self.get(key).filter(|v| !v.is_null()).cloned();
-        Some(given("rope_scaling").or_else(|| given("rope_parameters")).unwrap_or(class))
+        let given = |key: &'static str| Some((key, self.get(key)?.clone()));
+        Some(given("rope_scaling").or_else(|| given("rope_parameters")).unwrap_or(("rope_parameters", class)))
     }
 
     /// The rotations of a family that names one for each kind of layer (Gemma 3, OLMo 3):
@@ -2623,7 +2667,14 @@ impl Keys<'_> {
         max_positions: i64,
     ) -> KeyResult<(Rope, Rope)> {
         let params = self.get("rope_parameters");
-        let nested = |layer: &str| params.and_then(|p| p.get(layer)).filter(|v| !v.is_null());
+        let nested = |layer: &'static str| {
+            let key = if layer == "full_attention" {
+                "rope_parameters.full_attention"
+            } else {
+                "rope_parameters.sliding_attention"
+            };
+            Some((key, params?.get(layer).filter(|v| !v.is_null())?))
+        };
         let full = self.rope(nested("full_attention"), Some("rope_theta"), full_theta, max_positions)?;
         let local = match nested("sliding_attention") {
             Some(p) => self.rope(Some(p), local_theta_key, local_theta, max_positions)?,
@@ -2683,11 +2734,16 @@ impl Keys<'_> {
     /// `theta_key` with `rope_scaling`; `max_positions` is the context the scaling keys
     /// default to. Types other than default, linear, dynamic, yarn, llama3 and proportional are refused
     /// by name.
-    fn rope(&self, params: Option<&Value>, theta_key: Option<&str>, theta: f64, max_positions: i64) -> KeyResult<Rope> {
-        let (key, params) = match (params, self.get("rope_scaling")) {
-            (Some(p), Some(scaling)) if std::ptr::eq(p, scaling) => ("rope_scaling", Some(p)),
-            (Some(p), _) => ("rope_parameters", Some(p)),
-            (None, scaling) => ("rope_scaling", scaling),
+    fn rope(
+        &self,
+        params: Option<(&str, &Value)>,
+        theta_key: Option<&str>,
+        theta: f64,
+        max_positions: i64,
+    ) -> KeyResult<Rope> {
+        let (key, params) = match params {
+            Some((key, p)) => (key, Some(p)),
+            None => ("rope_scaling", self.get("rope_scaling")),
         };
         let empty = Map::new();
         let map = match params {
@@ -2818,8 +2874,8 @@ mod tests {
         let old = read(Family::Llama, json!({"rope_scaling": old_scaling, "rope_theta": 5e5})).unwrap();
         assert_eq!(new.rope(), old.rope());
         assert!(matches!(new.rope_scaling, RopeScaling::Llama3 { original_context: 16, .. }));
-        // Both given: the configuration classes read rope_scaling (theta from rope_parameters'
-        // dict only where rope_scaling names none), and name its keys in errors.
+        // Both given: the configuration classes read rope_scaling (with the top-level
+        // rope_theta), and its keys are named in errors.
         let both = json!({"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 5e5,
                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}});
         let both = read(Family::Llama, both).unwrap();
@@ -3045,6 +3101,43 @@ mod tests {
         assert!(Family::Ernie4_5Moe.cannot_write(&holed).is_some_and(|why| why.contains("ERNIE 4.5's experts")));
         let every = read(Family::Ernie4_5Moe, json!({"num_hidden_layers": 4, "moe_layer_start_index": 0})).unwrap();
         assert_eq!(every.moe.unwrap().dense_layers, Vec::<i64>::new(), "moe_layer_end_index -1 is the last layer");
+    }
+
+    #[test]
+    fn each_class_s_own_rules_survive_a_round_trip() {
+        let round_trip = |family: Family, keys: Value| {
+            let c = read(family, keys).unwrap();
+            let model = ModelConfig::Llama(LlamaConfig {
+                kv_heads: Some(c.key_value_heads()),
+                head_dim: Some(c.head_width()),
+                ..c
+            });
+            let written = family.config_json(&model, &Map::new()).unwrap();
+            let (_, again) = config_from_keys(written.as_object().unwrap()).unwrap();
+            assert_eq!(again, model, "{family:?}");
+            model
+        };
+        // Gemma 4's class makes its last layer full, whatever layer_types says.
+        let types = json!(["full_attention", "sliding_attention", "sliding_attention"]);
+        let ModelConfig::Llama(gemma4) =
+            round_trip(Family::Gemma4, json!({"hidden_size_per_layer_input": 0, "layer_types": types}))
+        else {
+            unreachable!()
+        };
+        assert_eq!((gemma4.window(0), gemma4.window(1), gemma4.window(2)), (None, Some(512), None));
+        // EXAONE 4 without sliding layers still turns no position on its full ones.
+        let all_full = json!({"layer_types": ["full_attention", "full_attention", "full_attention"]});
+        let ModelConfig::Llama(exaone) = round_trip(Family::Exaone4, all_full) else { unreachable!() };
+        assert_eq!((exaone.sliding_window, exaone.unrotated_layers), (Some(4096), vec![0, 1, 2]));
+        // ERNIE 4.5's every second layer from the first: the span its keys write says the same.
+        let stepped = json!({"moe_layer_start_index": 0, "moe_layer_interval": 2, "num_hidden_layers": 5});
+        round_trip(Family::Ernie4_5Moe, stepped);
+        // The classes built on LLaMA's attention slide no layer, whatever sliding_window says.
+        for family in [Family::SeedOss, Family::Ernie4_5, Family::HunYuanDense] {
+            assert_eq!(read(family, json!({"sliding_window": 4})).unwrap().sliding_window, None, "{family:?}");
+        }
+        let proportional = json!({"rope_parameters": {"rope_type": "proportional", "partial_rotary_factor": 0.5}});
+        assert!(read(Family::Llama, proportional).unwrap_err().contains("Gemma 4's rotation"));
     }
 
     #[test]

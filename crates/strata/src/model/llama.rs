@@ -19,7 +19,7 @@
 //!   from the key projection), a proportional rotation, values normed per head and a stored
 //!   scale of each block's output;
 //! - a mixture of experts in place of the feed-forward on some or all layers, or beside it
-//!   ([`super::moe`]: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; Gemma 4), OLMoE's query and key norms
+//!   ([`super::moe`]: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ERNIE 4.5; Gemma 4), OLMoE's query and key norms
 //!   over whole projections and its clipped projections.
 //!
 //! Names follow the common `model.layers.{i}.self_attn.q_proj.weight` layout.

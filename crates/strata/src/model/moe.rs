@@ -4,7 +4,7 @@
 //!
 //! Owns: the routing (softmax or sigmoid scores in fp32, DeepSeek-V3's choice bias and
 //! group-limited choice, top-k, optional renormalisation and scaling), the experts'
-//! computation over tokens grouped by expert, the shared expert (Qwen2-MoE's gated one,
+//! computation over tokens grouped by expert, the shared expert (Qwen2-MoE's gated one, ERNIE 4.5's and
 //! DeepSeek's plain ones), and
 //! [`LoadBalance`], which gathers each sparse layer's routing over a forward and injects the
 //! loss's gradient into each layer's backward. Must not own parameters or execution: the
@@ -697,8 +697,11 @@ impl SparseFeedForward {
             }
             false => None,
         };
-        let counted = match (r.choice_bias, self.balance.adds_loss()) {
-            (Some(_), true) => Some(probs.f_topk(r.top_k, -1, true, true)?.1),
+        // Counted so where softmax scores are biased (ERNIE 4.5), as transformers'
+        // load_balancing_loss_func counts them; sigmoid routers (DeepSeek's, with no such
+        // loss in transformers) count the experts chosen.
+        let counted = match (r.choice_bias, r.scoring) {
+            (Some(_), Scoring::Softmax) => Some(probs.f_topk(r.top_k, -1, true, true)?.1),
             _ => None,
         };
         Ok(Routing { experts, weights, probs, counted, z_sum, real })
@@ -1330,7 +1333,7 @@ fn sign_steps(loads: &[f64], rate: f64) -> Vec<f64> {
         .collect()
 }
 
-/// The values [`LoadBalance::sums`] holds past the two per expert.
+/// The values [`LoadBalance::sums`] holds past the three per expert.
 const SUMS_PAST_EXPERTS: usize = 5;
 
 /// The identity on a sparse layer's output whose backward also hands the layer's summed
