@@ -343,6 +343,11 @@ def decoder_families():
         "hunyuan": lambda: (tf.HunYuanDenseV1ForCausalLM, tf.HunYuanDenseV1Config(
             **common, num_hidden_layers=2, head_dim=8, tie_word_embeddings=False,
             rope_parameters={"rope_type": "dynamic", "alpha": 4.0, "factor": 1.0, "rope_theta": 500.0})),
+        # Granite: its embeddings, sub-layer outputs and scores scaled, its logits divided.
+        "granite": lambda: (tf.GraniteForCausalLM, tf.GraniteConfig(
+            **common, num_hidden_layers=2, embedding_multiplier=3.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
         # layers with wider heads and one key/value head whose values are the key projection's,
         # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers

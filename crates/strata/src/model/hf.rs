@@ -1,7 +1,7 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
 //! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
 //! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text` (optionally with its
-//! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `glm4`,
+//! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `granite`, `glm4`,
 //! `olmo2`, `olmo3` and `smollm3`, and with experts
 //! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
@@ -16,7 +16,7 @@
 //! engine: `io` loads and saves weights through [`Family::strata_name`] and [`Family::hf_name`].
 use super::latent::LatentConfig;
 use super::linear::LinearAttentionConfig;
-use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, NormKind};
+use super::llama::{Activation, DecoderHead, FullLayerHeads, LayerAttention, Multipliers, NormKind};
 use super::moe::{ExpertActivation, ExpertNames, MoeConfig, Scoring};
 use super::rope::{QueryScaling, Rope, RopeScaling};
 use super::{
@@ -77,6 +77,9 @@ pub enum Family {
     SeedOss,
     /// ERNIE 4.5 (`ernie4_5`): LLaMA's decoder with each head turned as adjacent pairs.
     Ernie4_5,
+    /// Granite (`granite`): LLaMA's decoder with multipliers of the embeddings, of each
+    /// sub-layer's output and of the scores, and a divisor of the logits.
+    Granite,
     /// HunYuan (`hunyuan_v1_dense`): LLaMA's decoder with per-head query/key norms after the
     /// rotation, under their own names, and a fixed NTK stretch of the rotation's base.
     HunYuanDense,
@@ -178,7 +181,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 32] = [
+const FAMILIES: [Family; 33] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -196,6 +199,7 @@ const FAMILIES: [Family; 32] = [
     Family::Ernie4_5,
     Family::Ernie4_5Moe,
     Family::HunYuanDense,
+    Family::Granite,
     Family::Mixtral,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
@@ -234,6 +238,7 @@ impl Family {
             Family::Ernie4_5 => "ernie4_5",
             Family::Ernie4_5Moe => "ernie4_5_moe",
             Family::HunYuanDense => "hunyuan_v1_dense",
+            Family::Granite => "granite",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
@@ -283,6 +288,7 @@ impl Family {
             Family::Ernie4_5 => "Ernie4_5",
             Family::Ernie4_5Moe => "Ernie4_5_Moe",
             Family::HunYuanDense => "HunYuanDenseV1",
+            Family::Granite => "Granite",
             Family::Mixtral => "Mixtral",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
@@ -318,6 +324,7 @@ impl Family {
                 | Family::Qwen3_5Moe
                 | Family::Gemma4
                 | Family::Ernie4_5Moe
+                | Family::Granite
         )
     }
 
@@ -443,7 +450,8 @@ impl Family {
     /// attention), EXAONE 4 (post norms, per-head query/key norms), OLMo 3 (post norms with
     /// windows or a local rotation), OLMo 2 (post norms), SmolLM3 (unrotated layers),
     /// Ministral 3 (queries scaled by position), GLM-4 (a fused gate_up_proj), HunYuan
-    /// (query/key norms after the rotation), ERNIE 4.5 (heads turned as adjacent pairs), Phi-3
+    /// (query/key norms after the rotation), Granite (multipliers), ERNIE 4.5 (heads turned
+    /// as adjacent pairs), Phi-3
     /// (fused projections), Gemma 4 (block scalars, value norms or global heads), Gemma 3
     /// (Gemma's norms with query/key norms), Gemma 2 (Gemma's norms), Qwen3 (query/key
     /// norms), Qwen2 (biases on the query, key and value projections alone), Mistral (a
@@ -486,6 +494,7 @@ impl Family {
             c if c.query_scaling.is_some() => Family::Ministral3,
             c if c.fused_gate_up => Family::Glm4,
             c if c.qk_norm_after_rotation => Family::HunYuanDense,
+            c if c.multipliers.is_some() => Family::Granite,
             c if c.interleaved_rotation => Family::Ernie4_5,
             c if c.fused_projections => Family::Phi3,
             c if c.layer_scalar || c.value_norm || c.full_layer_heads.is_some() => Family::Gemma4,
@@ -587,6 +596,7 @@ impl Family {
             ),
             (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
             (c.qk_norm_after_rotation != (self == Family::HunYuanDense), "query/key norms after the rotation"),
+            (c.multipliers.is_some() && self != Family::Granite, "Granite's multipliers"),
             (
                 [Some(c.rope()), c.local_rope.clone()]
                     .iter()
@@ -744,6 +754,7 @@ impl Family {
                             | Family::Glm4
                             | Family::SeedOss
                             | Family::HunYuanDense
+                            | Family::Granite
                     ),
                 "attention biases",
             ),
@@ -764,6 +775,7 @@ impl Family {
                             | Family::SeedOss
                             | Family::Ernie4_5
                             | Family::HunYuanDense
+                            | Family::Granite
                     )
                     && self != Family::GptOss,
                 "a sliding window",
@@ -1121,6 +1133,15 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             // Its full layers turn no position wherever a window is set, sliding layers or not.
             v["sliding_window"] = json!(c.sliding_window);
             v["layer_types"] = json!(layer_types);
+        }
+        Family::Granite => {
+            let m = c.multipliers.unwrap_or(Multipliers { embeddings: 1.0, residual: 1.0, scores: 1.0, logits: 1.0 });
+            v["embedding_multiplier"] = json!(m.embeddings);
+            v["residual_multiplier"] = json!(m.residual);
+            v["attention_multiplier"] = json!(m.scores);
+            v["logits_scaling"] = json!(m.logits);
+            v["attention_bias"] = json!(c.o_bias || c.qkv_bias);
+            v["mlp_bias"] = json!(false);
         }
         // Its use_bias would put biases on the feed-forward too, which Strata's decoder has not.
         Family::Ernie4_5 => v["use_bias"] = json!(false),
@@ -1925,6 +1946,16 @@ impl Keys<'_> {
         let seed = family == Family::SeedOss;
         let ernie = family.dense() == Family::Ernie4_5;
         let hunyuan = family == Family::HunYuanDense;
+        // Granite's class scales its scores by attention_multiplier alone (1 by default).
+        let multipliers = match family {
+            Family::Granite => Some(Multipliers {
+                embeddings: self.float("embedding_multiplier")?.unwrap_or(1.0),
+                residual: self.float("residual_multiplier")?.unwrap_or(1.0),
+                scores: self.float("attention_multiplier")?.unwrap_or(1.0),
+                logits: self.float("logits_scaling")?.unwrap_or(1.0),
+            }),
+            _ => None,
+        };
         if ernie {
             self.only(
                 "use_bias",
@@ -2140,6 +2171,7 @@ impl Keys<'_> {
                 || (glm && self.flag("use_qk_norm")?.unwrap_or(false)),
             qk_norm_whole: olmoe || olmo,
             qk_norm_after_rotation: hunyuan,
+            multipliers,
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
             sandwich_norms: gemma || glm4,
             post_norms: olmo || exaone4,
@@ -2435,9 +2467,8 @@ impl Keys<'_> {
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         use Family::*;
         let window = match family {
-            Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5 | HunYuanDense => {
-                return Ok((None, None))
-            }
+            Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5 | HunYuanDense
+            | Granite => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,

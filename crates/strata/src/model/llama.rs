@@ -15,6 +15,8 @@
 //! - Gemma's RMSNorm scaled by `1 + w`, GELU (tanh) gating, embeddings scaled by √dim and
 //!   norms after attention and the feed-forward as well as before;
 //! - Phi-3's fused `qkv_proj` and `gate_up_proj`;
+//! - Granite's multipliers of the embeddings, of each sub-layer's output and of the scores,
+//!   and its divisor of the logits;
 //! - Gemma 4's global layers with heads of their own (wider, fewer key/value heads, values
 //!   from the key projection), a proportional rotation, values normed per head and a stored
 //!   scale of each block's output;
@@ -91,6 +93,19 @@ pub struct FullLayerHeads {
     pub values_from_keys: bool,
 }
 
+/// Granite's scalars ([`LlamaConfig::multipliers`]).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Multipliers {
+    /// Of the token embeddings (`embedding_multiplier`).
+    pub embeddings: f64,
+    /// Of each sub-layer's output before its residual sum (`residual_multiplier`).
+    pub residual: f64,
+    /// Of the attention scores (`attention_multiplier`).
+    pub scores: f64,
+    /// The logits' divisor (`logits_scaling`).
+    pub logits: f64,
+}
+
 /// The decoder's configuration: LLaMA's layout and the options its descendants add
 /// (see the module's documentation).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -146,6 +161,11 @@ pub struct LlamaConfig {
     /// `layer_scalar` buffer).
     #[serde(default)]
     pub layer_scalar: bool,
+    /// Granite's scalars: token embeddings times `embeddings`, each sub-layer's output times
+    /// `residual` before its residual sum, attention scores times `scores` (in place of
+    /// `head_dim^-1/2`), logits divided by `logits`.
+    #[serde(default)]
+    pub multipliers: Option<Multipliers>,
     /// The rotation of sliding-window layers where it differs from the others' (Gemma 3's
     /// local base).
     #[serde(default)]
@@ -284,6 +304,7 @@ impl LlamaConfig {
             full_layer_heads: None,
             value_norm: false,
             layer_scalar: false,
+            multipliers: None,
             local_rope: None,
             norm: NormKind::Weighted,
             activation: Activation::Silu,
@@ -509,6 +530,14 @@ impl LlamaConfig {
         if let Some(c) = self.clip_qkv.filter(|c| !(c.is_finite() && *c > 0.0)) {
             return Err(Error::Config(format!("clip_qkv must be positive, got {c}")));
         }
+        if let Some(m) = &self.multipliers {
+            if ![m.embeddings, m.residual, m.scores, m.logits].iter().all(|v| v.is_finite() && *v != 0.0) {
+                return Err(Error::Config(format!("multipliers must be finite and nonzero, got {m:?}")));
+            }
+            if self.scale_embeddings || self.query_pre_attn_scalar.is_some() || self.latent.is_some() {
+                return Err(Error::Config("multipliers take the place of scaled embeddings and score scales".into()));
+            }
+        }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
             return Err(Error::Config(format!("norm_eps must be positive, got {}", self.norm_eps)));
         }
@@ -685,6 +714,8 @@ struct LlamaBlock {
     residual_dropout: f64,
     /// The stored scalar the block's output is multiplied by, where the family has one.
     scalar: Option<ParamId>,
+    /// Each sub-layer's output's multiplier before its residual sum (Granite's).
+    residual_multiplier: Option<f64>,
 }
 
 impl Unit for LlamaBlock {
@@ -904,6 +935,7 @@ impl LlamaBlock {
         // Where the residual stream holds this rank's piece of the sequence (sequence parallel).
         let piece = [tp.sequence_range(x.size()[1] * tp.size()).0];
         let attended = self.post_norm(p, self.post_attention_norm, attended)?;
+        let attended = self.scaled(attended)?;
         let attended = p.dropout(&attended, self.residual_dropout, 1, &piece)?;
         let (x, h) = match self.feed_forward_norm {
             Some(w) => self.kinds.add_norm(x, &attended, &p[w])?,
@@ -922,10 +954,18 @@ impl LlamaBlock {
                 dense.f_add(&self.kinds.norm(&routed, &p[both.after_experts])?)?
             }
         };
-        let fed = self.post_norm(p, self.post_feed_forward_norm, fed)?;
+        let fed = self.scaled(self.post_norm(p, self.post_feed_forward_norm, fed)?)?;
         let y = x.f_add(&p.dropout(&fed, self.residual_dropout, 2, &piece)?)?;
         match self.scalar {
             Some(s) => Ok(y.f_mul(&p[s].f_to_kind(y.kind())?)?),
+            None => Ok(y),
+        }
+    }
+
+    /// A sub-layer's output times the residual multiplier, where there is one.
+    fn scaled(&self, y: Tensor) -> Result<Tensor> {
+        match self.residual_multiplier {
+            Some(m) => Ok(y.f_mul_scalar(m)?),
             None => Ok(y),
         }
     }
@@ -944,6 +984,8 @@ struct LlamaHead {
     kinds: Kinds,
     vocab: i64,
     softcap: Option<f64>,
+    /// The logits' divisor (Granite's), applied to the normed states the product reads.
+    divisor: Option<f64>,
 }
 
 impl Unit for LlamaHead {
@@ -952,6 +994,10 @@ impl Unit for LlamaHead {
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
         let h = self.kinds.norm_into_product(x, &p[self.norm])?;
+        let h = match self.divisor {
+            Some(d) => h.f_div_scalar(d)?,
+            None => h,
+        };
         head_output(&h, &p[self.lm_head], self.vocab, self.softcap, p)
     }
     fn position_wise(&self) -> bool {
@@ -1015,7 +1061,10 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     let kinds = Kinds { norm: cfg.norm, activation: cfg.activation, eps: cfg.norm_eps };
     let mut u = b.unit("embedding");
     let embed = u.param("model.embed_tokens.weight", &[cfg.vocab, d], normal, TpRole::Vocab);
-    let scale = cfg.scale_embeddings.then(|| (d as f64).sqrt());
+    let scale = match cfg.multipliers {
+        Some(m) => Some(m.embeddings),
+        None => cfg.scale_embeddings.then(|| (d as f64).sqrt()),
+    };
     u.declare_cost(UnitCost::looking_up(Kept::ids(d)));
     u.finish(TokenEmbedding {
         table: embed,
@@ -1200,7 +1249,12 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 inputs,
                 o: (o, o_bias),
                 sinks,
-                options: AttentionOptions { scale, window, softcap: cfg.attn_softcap, bidirectional: false },
+                options: AttentionOptions {
+                    scale: cfg.multipliers.map(|m| m.scores).or(scale),
+                    window,
+                    softcap: cfg.attn_softcap,
+                    bidirectional: false,
+                },
                 dropout: cfg.dropout.attention,
             }))
         };
@@ -1242,6 +1296,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             kinds,
             residual_dropout: cfg.dropout.residual,
             scalar,
+            residual_multiplier: cfg.multipliers.map(|m| m.residual),
         });
     }
     let mut u = b.unit("head");
@@ -1253,7 +1308,8 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         return Ok(());
     }
     u.declare_cost(UnitCost::keeping(Kept::head(3.0 * d as f64 + 13.0, cfg.vocab)));
-    let head = |lm_head| LlamaHead { norm, lm_head, kinds, vocab: cfg.vocab, softcap: cfg.logit_softcap };
+    let divisor = cfg.multipliers.map(|m| m.logits);
+    let head = |lm_head| LlamaHead { norm, lm_head, kinds, vocab: cfg.vocab, softcap: cfg.logit_softcap, divisor };
     if cfg.tie_embeddings {
         let lm_head = u.borrow("model.embed_tokens.weight");
         u.finish(head(lm_head));

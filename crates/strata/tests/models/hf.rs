@@ -619,6 +619,13 @@ fn hunyuan_matches_transformers() {
     family_matches_transformers("hunyuan", 32);
 }
 
+/// Granite: multipliers of the embeddings, of each sub-layer's output and of the scores, and
+/// a divisor of the logits, with a tied head.
+#[test]
+fn granite_matches_transformers() {
+    family_matches_transformers("granite", 32);
+}
+
 /// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
 #[test]
 fn phi3_matches_transformers() {
@@ -1519,8 +1526,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 29] = [
+const DECODER_TYPES: [&str; 30] = [
     "llama",
+    "granite",
     "hunyuan_v1_dense",
     "ernie4_5_moe",
     "ernie4_5",
