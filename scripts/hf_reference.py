@@ -376,6 +376,13 @@ def decoder_families():
                              layer_types=["sliding_attention"] * 3 + ["full_attention"]),
             vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                num_key_value_heads=2, head_dim=8, patch_size=4))),
+        # Phi-3.5 and Phi-4-mini: LongRoPE's short factors within 16 positions and long ones past
+        # them (generation crosses over), on half of each head.
+        "phi3-longrope": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
+            **common, num_hidden_layers=2, original_max_position_embeddings=16, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 6.0],
+                             "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            pad_token_id=0)),
         "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},

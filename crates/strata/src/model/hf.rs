@@ -1032,6 +1032,10 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             RopeScaling::Dynamic { factor, .. } => json!({"rope_type": "dynamic", "factor": factor}),
             // HunYuan's class reads a dynamic rotation with an alpha as its fixed stretch.
             RopeScaling::NtkAlpha { alpha } => json!({"rope_type": "dynamic", "alpha": alpha, "factor": 1.0}),
+            RopeScaling::LongRope { short, long, original_context, attention_factor } => json!({
+                "rope_type": "longrope", "short_factor": short, "long_factor": long,
+                "original_max_position_embeddings": original_context, "attention_factor": attention_factor,
+            }),
             RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, attention_factor, truncate } => json!({
                 "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_context,
                 "beta_fast": beta_fast, "beta_slow": beta_slow, "attention_factor": attention_factor, "truncate": truncate,
@@ -2763,7 +2767,7 @@ impl Keys<'_> {
 
     /// A rotation from a `rope_parameters` dict (transformers 5) or the older top-level
     /// `theta_key` with `rope_scaling`; `max_positions` is the context the scaling keys
-    /// default to. Types other than default, linear, dynamic, yarn, llama3 and proportional are refused
+    /// default to. Types other than default, linear, dynamic, yarn, llama3, longrope and proportional are refused
     /// by name.
     fn rope(
         &self,
@@ -2834,6 +2838,33 @@ impl Keys<'_> {
                     truncate: p.flag("truncate")?.unwrap_or(true),
                 }
             }
+            "longrope" => {
+                let factors = |key: &str| -> KeyResult<Vec<f64>> {
+                    match p.get(key) {
+                        Some(Value::Array(values)) => values
+                            .iter()
+                            .map(|v| v.as_f64().ok_or_else(|| format!("config.json: {key}s are not all numbers")))
+                            .collect(),
+                        _ => Err(format!("config.json: rope_parameters.{key} is missing or not a list")),
+                    }
+                };
+                let original_context = original()?;
+                let factor = match p.float("factor")? {
+                    Some(f) => f,
+                    None => max_positions as f64 / original_context as f64,
+                };
+                let attention_factor = match p.float("attention_factor")? {
+                    Some(a) => a,
+                    None if factor <= 1.0 => 1.0,
+                    None => (1.0 + factor.ln() / (original_context as f64).ln()).sqrt(),
+                };
+                RopeScaling::LongRope {
+                    short: factors("short_factor")?,
+                    long: factors("long_factor")?,
+                    original_context,
+                    attention_factor,
+                }
+            }
             "llama3" => RopeScaling::Llama3 {
                 factor: factor()?,
                 low_freq_factor: p.float("low_freq_factor")?.ok_or(format!("config.json: {key}.low_freq_factor is missing"))?,
@@ -2844,7 +2875,7 @@ impl Keys<'_> {
             },
             other => {
                 return Err(format!(
-                    "config.json: {key} type {other:?} is not supported (Strata scales rotary embeddings as default, linear, dynamic, yarn, llama3 or proportional)"
+                    "config.json: {key} type {other:?} is not supported (Strata scales rotary embeddings as default, linear, dynamic, yarn, llama3, longrope or proportional)"
                 ))
             }
         };

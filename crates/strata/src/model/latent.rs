@@ -71,7 +71,7 @@ impl LatentConfig {
     /// rotation is scaled by a factor and `mscale_all_dim` is set.
     pub fn score_scale(&self, rope: &Rope) -> f64 {
         let factor = match rope.scaling {
-            RopeScaling::None | RopeScaling::NtkAlpha { .. } => None,
+            RopeScaling::None | RopeScaling::NtkAlpha { .. } | RopeScaling::LongRope { .. } => None,
             RopeScaling::Linear { factor }
             | RopeScaling::Dynamic { factor, .. }
             | RopeScaling::Yarn { factor, .. }

@@ -1,6 +1,6 @@
 //! Rotary position embeddings and the ways checkpoints stretch them past the context they
-//! were trained at: linear interpolation, dynamic NTK scaling, YaRN and Llama 3's
-//! wavelength-banded remap.
+//! were trained at: linear interpolation, dynamic NTK scaling, YaRN, Llama 3's
+//! wavelength-banded remap and LongRoPE's per-frequency factors.
 //!
 //! Owns the inverse frequencies and the factor the cosines and sines are multiplied by.
 //! Must not read config files (the `hf` module maps `rope_parameters` onto [`Rope`]) nor
@@ -49,6 +49,19 @@ pub enum RopeScaling {
         attention_factor: f64,
         /// Whether the ramp's ends are rounded outwards to whole dimensions.
         truncate: bool,
+    },
+    /// LongRoPE (Phi-3.5, Phi-4-mini): each frequency divided by its own factor, `short`'s
+    /// while the sequence stays within `original_context` positions and `long`'s past it;
+    /// cosines and sines multiplied by `attention_factor`.
+    LongRope {
+        /// One factor per rotated pair, within the original context.
+        short: Vec<f64>,
+        /// One factor per rotated pair, past it.
+        long: Vec<f64>,
+        /// The context the model was trained at, in positions.
+        original_context: i64,
+        /// The factor cosines and sines are multiplied by.
+        attention_factor: f64,
     },
     /// The base stretched once by `alpha^(d/(d−2))`, whatever the sequence's length
     /// (HunYuan's fixed NTK-aware scaling, a `dynamic` rotation with an `alpha`).
@@ -184,6 +197,20 @@ impl Rope {
         let (factor, context) = match &self.scaling {
             RopeScaling::None => return Ok(()),
             RopeScaling::NtkAlpha { alpha } => (*alpha, 1),
+            RopeScaling::LongRope { short, long, original_context, attention_factor } => {
+                let pairs = self.rotated_dims(head_dim) as usize / 2;
+                if short.len() != pairs || long.len() != pairs {
+                    return bad(format!(
+                        "longrope needs a short and a long factor per rotated pair ({pairs}), got {} and {}",
+                        short.len(),
+                        long.len()
+                    ));
+                }
+                if !short.iter().chain(long).chain([attention_factor]).all(|f| f.is_finite() && *f > 0.0) {
+                    return bad("longrope's factors must be positive".into());
+                }
+                (1.0, *original_context)
+            }
             RopeScaling::Linear { factor } => (*factor, 1),
             RopeScaling::Dynamic { factor, original_context } => (*factor, *original_context),
             RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, attention_factor, .. } => {
@@ -210,7 +237,9 @@ impl Rope {
     /// The factor cosines and sines are multiplied by (YaRN's attention factor; else 1).
     pub fn attention_factor(&self) -> f64 {
         match self.scaling {
-            RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+            RopeScaling::Yarn { attention_factor, .. } | RopeScaling::LongRope { attention_factor, .. } => {
+                attention_factor
+            }
             _ => 1.0,
         }
     }
@@ -224,19 +253,23 @@ impl Rope {
             let frequency = |i: i64| if i < turning { base.powf(-2.0 * i as f64 / dim as f64) } else { 0.0 };
             (0..dim / 2).map(frequency).collect()
         };
-        match self.scaling {
+        match &self.scaling {
             RopeScaling::None => unscaled(self.theta),
+            RopeScaling::LongRope { short, long, original_context, .. } => {
+                let factors = if len > *original_context { long } else { short };
+                unscaled(self.theta).into_iter().zip(factors).map(|(f, by)| f / by).collect()
+            }
             RopeScaling::Linear { factor } => unscaled(self.theta).into_iter().map(|f| f / factor).collect(),
-            RopeScaling::NtkAlpha { alpha } => {
+            &RopeScaling::NtkAlpha { alpha } => {
                 let d = dim as f64;
                 unscaled(self.theta * alpha.powf(d / (d - 2.0)))
             }
-            RopeScaling::Dynamic { factor, original_context } => {
+            &RopeScaling::Dynamic { factor, original_context } => {
                 let (len, context) = (len.max(original_context) as f64, original_context as f64);
                 let d = dim as f64;
                 unscaled(self.theta * (factor * len / context - (factor - 1.0)).powf(d / (d - 2.0)))
             }
-            RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, truncate, .. } => {
+            &RopeScaling::Yarn { factor, original_context, beta_fast, beta_slow, truncate, .. } => {
                 let d = dim as f64;
                 // The dimension whose pair turns `turns` times over the original context.
                 let dimension_of =
@@ -258,7 +291,7 @@ impl Rope {
                     })
                     .collect()
             }
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => {
+            &RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => {
                 let context = original_context as f64;
                 let (long, short) = (context / low_freq_factor, context / high_freq_factor);
                 unscaled(self.theta)
@@ -307,8 +340,8 @@ impl Placed<'_> {
 /// another sequence length.
 pub struct Rotation {
     rope: Rope,
-    /// The device, the length the frequencies are for (0 where they do not depend on it),
-    /// and the frequencies.
+    /// The device, the length the frequencies are for (0 where they do not depend on it;
+    /// LongRoPE's: 1 past its original context), and the frequencies.
     frequencies: Mutex<Option<(Device, i64, Tensor)>>,
 }
 
@@ -320,15 +353,21 @@ impl Rotation {
 
     /// The fp32 inverse frequencies of heads `head_dim` wide on `device`, for `len` positions.
     fn frequencies(&self, head_dim: i64, len: i64, device: Device) -> Result<Tensor> {
-        let len = if matches!(self.rope.scaling, RopeScaling::Dynamic { .. }) { len } else { 0 };
+        // Only these scalings depend on the length; LongRoPE only on which side of its
+        // original context it lies.
+        let key = match &self.rope.scaling {
+            RopeScaling::Dynamic { .. } => len,
+            RopeScaling::LongRope { original_context, .. } => i64::from(len > *original_context),
+            _ => 0,
+        };
         let mut held = self.frequencies.lock().map_err(|_| Error::Model("a rotation's lock was poisoned".into()))?;
-        if let Some((_, _, f)) = held.as_ref().filter(|(d, l, _)| *d == device && *l == len) {
+        if let Some((_, _, f)) = held.as_ref().filter(|(d, l, _)| *d == device && *l == key) {
             return Ok(f.shallow_clone());
         }
         let f = Tensor::f_from_slice(&self.rope.inverse_frequencies(head_dim, len))?
             .f_to_kind(Kind::Float)?
             .f_to_device(device)?;
-        *held = Some((device, len, f.shallow_clone()));
+        *held = Some((device, key, f.shallow_clone()));
         Ok(f)
     }
 
@@ -346,6 +385,12 @@ impl Rotation {
     /// Rotates queries and keys `[B, H, T, D]` at the positions `placed` says.
     pub(crate) fn rotate_placed(&self, q: &Tensor, k: &Tensor, placed: Placed<'_>) -> Result<(Tensor, Tensor)> {
         let (positions, len) = placed.positions(q.size()[2], q.device())?;
+        // LongRoPE reads the furthest position, as transformers' does: packed examples each
+        // restart, so a row may be longer than any of them.
+        let len = match (&self.rope.scaling, placed) {
+            (RopeScaling::LongRope { .. }, Placed::Packed(..)) => positions.f_max()?.f_double_value(&[])? as i64 + 1,
+            _ => len,
+        };
         self.rotate_by(q, k, &positions, len)
     }
 

@@ -626,6 +626,28 @@ fn granite_matches_transformers() {
     family_matches_transformers("granite", 32);
 }
 
+/// Phi-3.5 and Phi-4-mini's LongRoPE: short factors within the original context, long ones
+/// past it, the cosines and sines scaled: rows of 24 positions (long factors) give
+/// transformers' logits; greedy generation runs four tokens past the original context (the
+/// tiny model's top two logits lie within 1e-3 at some later steps, where rounding decides).
+#[test]
+fn phi3_longrope_matches_transformers() {
+    family_matches_transformers("phi3-longrope", 14);
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("phi3-longrope");
+    make(&py, "phi3-longrope", &dir, None);
+    let rows: Vec<Vec<i64>> = (0..2).map(|r| (0..24).map(|t| (7 * t + 13 * r + 5) % 90).collect()).collect();
+    let out = work.path().join("long.safetensors");
+    let tokens = serde_json::to_string(&rows).unwrap();
+    reference(&py, &["logits", "--dir", dir.to_str().unwrap(), "--tokens", &tokens, "--out", out.to_str().unwrap()]);
+    let theirs = strata::io::read_safetensors(&out).unwrap().remove("logits").unwrap();
+    let ours = strata_engine(&dir).evaluate(&rows_tensor(&rows)).unwrap();
+    let g = gap(&theirs, &ours);
+    eprintln!("phi3-longrope: 24 positions, largest logit difference {g:.2e}");
+    assert!(g <= 1e-5, "phi3-longrope: past the original context the logits differ by {g}");
+}
+
 /// Phi-3: fused qkv_proj and gate_up_proj, a half-width rotation, a sliding window.
 #[test]
 fn phi3_matches_transformers() {
