@@ -3307,8 +3307,10 @@ mod tests {
 
     #[test]
     fn keys_without_a_meaning_here_are_refused_by_name() {
+        let axial = read(Family::Phi3, json!({"rope_parameters": {"rope_type": "axial"}})).unwrap_err();
+        assert!(axial.contains("rope_parameters type \"axial\" is not supported"), "{axial}");
         let longrope = read(Family::Phi3, json!({"rope_parameters": {"rope_type": "longrope"}})).unwrap_err();
-        assert!(longrope.contains("rope_parameters type \"longrope\" is not supported"), "{longrope}");
+        assert!(longrope.contains("rope_parameters.short_factor is missing"), "{longrope}");
         let both_ways = read(Family::Gemma3, json!({"use_bidirectional_attention": true})).unwrap_err();
         assert!(both_ways.contains("use_bidirectional_attention = true is not supported"), "{both_ways}");
         let act = read(Family::Qwen3, json!({"hidden_act": "gelu"})).unwrap_err();
