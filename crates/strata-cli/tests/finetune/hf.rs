@@ -795,9 +795,9 @@ fn bad_folders_are_refused_in_one_line() {
         (
             edit(
                 "scaled",
-                &set_config("rope_parameters", serde_json::json!({"rope_type": "longrope", "rope_theta": 1e4})),
+                &set_config("rope_parameters", serde_json::json!({"rope_type": "axial", "rope_theta": 1e4})),
             ),
-            "rope_parameters type \"longrope\" is not supported",
+            "rope_parameters type \"axial\" is not supported",
         ),
         (edit("mlp-bias", &set_config("mlp_bias", serde_json::json!(true))), "mlp_bias = true is not supported"),
         (
