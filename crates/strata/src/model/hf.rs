@@ -2082,7 +2082,20 @@ impl Keys<'_> {
                     .map(|(key, p)| (*key, p))
                     .or(older.map(|p| ("rope_scaling", p)))
                     .or(params.map(|p| ("rope_parameters", p)));
-                (self.rope(params, Some("rope_theta"), defaults.rope_theta, max_positions)?, None)
+                let rope = self.rope(params, Some("rope_theta"), defaults.rope_theta, max_positions)?;
+                // HunYuan's class reads a dynamic rotation with an alpha as a fixed stretch of its base.
+                let alpha = match params {
+                    Some((key, Value::Object(map))) if hunyuan => {
+                        Keys { cfg: map, prefix: format!("{key}.") }.float("alpha")?
+                    }
+                    _ => None,
+                };
+                match (&rope.scaling, alpha) {
+                    (RopeScaling::Dynamic { .. }, Some(alpha)) => {
+                        (Rope { scaling: RopeScaling::NtkAlpha { alpha }, ..rope }, None)
+                    }
+                    _ => (rope, None),
+                }
             }
         };
         // A proportional rotation turns whole heads at frequencies some of which are zero:
@@ -2105,13 +2118,6 @@ impl Keys<'_> {
             _ => rope.partial,
         };
         let rope = Rope { partial, ..rope };
-        // HunYuan's class reads a dynamic rotation with an alpha as a fixed stretch of its base.
-        let rope = match (&rope.scaling, self.rope_alpha()?) {
-            (RopeScaling::Dynamic { .. }, Some(alpha)) if hunyuan => {
-                Rope { scaling: RopeScaling::NtkAlpha { alpha }, ..rope }
-            }
-            _ => rope,
-        };
         // Dynamic scaling stretches the context it was trained at by its factor.
         let ctx = match rope.scaling {
             RopeScaling::Dynamic { factor, .. } if factor > 1.0 => (max_positions as f64 * factor) as i64,
@@ -2651,15 +2657,6 @@ impl Keys<'_> {
                 .into());
         }
         Ok(full_heads_or_none(base_head_dim, head_dim.unwrap_or(base_head_dim), kv_heads, values_from_keys))
-    }
-
-    /// The `alpha` of the rotation keys (`rope_scaling` where given, else `rope_parameters`).
-    fn rope_alpha(&self) -> KeyResult<Option<f64>> {
-        let params = self.get("rope_scaling").or(self.get("rope_parameters"));
-        match params.and_then(Value::as_object) {
-            Some(map) => Keys { cfg: map, prefix: "rope_parameters.".into() }.float("alpha"),
-            None => Ok(None),
-        }
     }
 
     /// The rotation keys of a family whose class turns by a rotation of its own where a

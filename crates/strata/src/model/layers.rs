@@ -226,8 +226,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if let Some(fused) = compute::replaced(|r| r.rms_norm(x.kind())) {
         return fused(&x, w, eps);
     }
-    let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
-    Ok(cast(&rms_normalized(&x32, eps)?, Some(x.kind()))?.f_mul(w)?)
+    Ok(rms_norm_unweighted(&x, eps)?.f_mul(w)?)
 }
 
 /// RMS norm over the last dimension without a weight, `x / rms(x)`, computed in at least
