@@ -522,27 +522,23 @@ impl Family {
             (moe.is_some() != self.has_experts() && self != Family::Gemma4, "experts"),
             (
                 moe.is_some_and(|m| {
-                    let block = m.beside_dense
-                        || m.router_norm
-                        || m.expert_scales
-                        || m.names == ExpertNames::Layer
-                        || m.activation == ExpertActivation::GeluTanh;
-                    let gemma4 = m.beside_dense
-                        && m.router_norm
-                        && m.expert_scales
-                        && m.names == ExpertNames::Layer
-                        && m.activation == ExpertActivation::GeluTanh
-                        && m.scoring == Scoring::Softmax
+                    let block = [
+                        m.beside_dense,
+                        m.router_norm,
+                        m.expert_scales,
+                        m.names == ExpertNames::Layer,
+                        m.activation == ExpertActivation::GeluTanh,
+                    ];
+                    if self != Family::Gemma4 {
+                        return block.contains(&true);
+                    }
+                    let routing = m.scoring == Scoring::Softmax
                         && m.norm_topk
                         && m.shared_expert_dim.is_none()
                         && !deepseek_routing(m)
                         && m.sparse_step == 1
                         && m.dense_layers.is_empty();
-                    if self == Family::Gemma4 {
-                        !gemma4
-                    } else {
-                        block
-                    }
+                    !routing || block.contains(&false)
                 }),
                 "Gemma 4's experts' block (beside the dense feed-forward, every layer, its router normed and \
                  scaled per expert, renormalised softmax weights)",
