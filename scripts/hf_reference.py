@@ -348,6 +348,13 @@ def decoder_families():
             **common, num_hidden_layers=2, embedding_multiplier=3.0, residual_multiplier=0.5,
             attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # Granite-MoE: Granite's multipliers over every layer's four experts, two per token,
+        # stacked in its files as input_linear and output_linear.
+        "granite-moe": lambda: (tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig(
+            **dict(common, intermediate_size=24), num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+            embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
+            tie_word_embeddings=False, router_aux_loss_coef=0.02,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Gemma 4: norms weighted from one, unscaled scores, values normed per head, global
         # layers with wider heads and one key/value head whose values are the key projection's,
         # turned proportionally (a quarter of each head's pairs, scaled linearly), local layers

@@ -24,10 +24,11 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
     for file in &model.weights {
         for (name, t) in read_safetensors(file)? {
             if let Some(stacking) = model.family.expert_stacking() {
-                let pieces = match mxfp4.take(&name, &t)? {
+                let stack_name = model.family.renamed_from_disk(&name);
+                let pieces = match mxfp4.take(&stack_name, &t)? {
                     Some(None) => continue,
                     Some(Some((stack_name, dequantized))) => stacked::unstack(&stack_name, &dequantized, stacking)?,
-                    None => stacked::unstack(&name, &t, stacking)?,
+                    None => stacked::unstack(&stack_name, &t, stacking)?,
                 };
                 if let Some(pieces) = pieces {
                     // Each expert's parameter under the family's name (a release's prefix off).
@@ -341,7 +342,7 @@ impl FolderOut {
                         *width *= experts[0].len() as i64;
                     }
                     shape.insert(0, experts.len() as i64);
-                    Ok((name, *kind, shape, source))
+                    Ok((self.family.hf_name(&name).0, *kind, shape, source))
                 }
             })
             .collect()

@@ -3,7 +3,7 @@
 //! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text` (optionally with its
 //! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `granite`, `glm4`,
 //! `olmo2`, `olmo3` and `smollm3`, and with experts
-//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `glm4_moe` and `gpt_oss` (with
+//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `granitemoe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
 //! attention ([`super::latent`]) too for `deepseek_v3`; [`super::bert`] for `bert`, as a
@@ -87,6 +87,9 @@ pub enum Family {
     /// softmax scores plus a choice bias and weighted by the scores alone, shared experts,
     /// dense layers outside a span.
     Ernie4_5Moe,
+    /// Granite-MoE (`granitemoe`): Granite's decoder with experts on every layer, stacked in
+    /// its files under their own names.
+    GraniteMoe,
     /// Mixtral (`mixtral`): Mistral's decoder with experts under their block-sparse names.
     Mixtral,
     /// Qwen2-MoE (`qwen2_moe`): Qwen2's decoder with experts and, optionally, a shared expert.
@@ -138,6 +141,12 @@ const HUNYUAN_NORMS: [(&str, &str); 2] = [
     ("self_attn.k_norm.weight", "self_attn.key_layernorm.weight"),
 ];
 
+/// Granite-MoE's stacked experts' names, beside the stacked names `io` takes apart.
+const GRANITE_MOE_STACKS: [(&str, &str); 2] = [
+    ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
+    ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),
+];
+
 const GLM4_NORMS: [(&str, &str); 3] = [
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight"),
     ("pre_feedforward_layernorm.weight", "post_attention_layernorm.weight"),
@@ -181,7 +190,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 33] = [
+const FAMILIES: [Family; 34] = [
     Family::Gpt2,
     Family::Llama,
     Family::Mistral,
@@ -200,6 +209,7 @@ const FAMILIES: [Family; 33] = [
     Family::Ernie4_5Moe,
     Family::HunYuanDense,
     Family::Granite,
+    Family::GraniteMoe,
     Family::Mixtral,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
@@ -239,6 +249,7 @@ impl Family {
             Family::Ernie4_5Moe => "ernie4_5_moe",
             Family::HunYuanDense => "hunyuan_v1_dense",
             Family::Granite => "granite",
+            Family::GraniteMoe => "granitemoe",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
@@ -289,6 +300,7 @@ impl Family {
             Family::Ernie4_5Moe => "Ernie4_5_Moe",
             Family::HunYuanDense => "HunYuanDenseV1",
             Family::Granite => "Granite",
+            Family::GraniteMoe => "GraniteMoe",
             Family::Mixtral => "Mixtral",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
@@ -325,6 +337,7 @@ impl Family {
                 | Family::Gemma4
                 | Family::Ernie4_5Moe
                 | Family::Granite
+                | Family::GraniteMoe
         )
     }
 
@@ -393,6 +406,7 @@ impl Family {
             Family::Qwen3Moe => Family::Qwen3,
             Family::Qwen3_5Moe => Family::Qwen3_5,
             Family::Ernie4_5Moe => Family::Ernie4_5,
+            Family::GraniteMoe => Family::Granite,
             Family::Olmoe
             | Family::DeepseekV3
             | Family::Mistral4
@@ -404,12 +418,12 @@ impl Family {
     }
 
     /// How the family's files stack each sparse layer's experts into one tensor per
-    /// projection (gpt-oss, Mistral 4, Gemma 4), which `io` takes apart on load and stacks again on
-    /// save; `None` where each expert's weights lie apart.
+    /// projection (gpt-oss, Mistral 4, Gemma 4, Granite-MoE), which `io` takes apart on load
+    /// and stacks again on save; `None` where each expert's weights lie apart.
     pub fn expert_stacking(self) -> Option<ExpertStacking> {
         match self {
             Family::GptOss => Some(ExpertStacking::Interleaved),
-            Family::Mistral4 | Family::Gemma4 => Some(ExpertStacking::Concatenated),
+            Family::Mistral4 | Family::Gemma4 | Family::GraniteMoe => Some(ExpertStacking::Concatenated),
             _ => None,
         }
     }
@@ -445,7 +459,7 @@ impl Family {
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
     /// attention with queries scaled by position), DeepSeek-V3 (latent attention),
     /// Qwen3.5-MoE or Qwen3-Next (their linear attention), gpt-oss (stacked names), GLM-4.5
-    /// (DeepSeek's routing), Mixtral (its names), OLMoE (norms over whole projections),
+    /// (DeepSeek's routing), Mixtral or Granite-MoE (their names), OLMoE (norms over whole projections),
     /// Qwen3-MoE (per-head norms), else Qwen2-MoE; a dense one as Qwen3.5 (linear
     /// attention), EXAONE 4 (post norms, per-head query/key norms), OLMo 3 (post norms with
     /// windows or a local rotation), OLMo 2 (post norms), SmolLM3 (unrotated layers),
@@ -480,6 +494,7 @@ impl Family {
                 _ if moe.names == ExpertNames::Stacked => Family::GptOss,
                 _ if deepseek_routing(moe) => Family::Glm4Moe,
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
+                _ if moe.names == ExpertNames::InputOutputLinear => Family::GraniteMoe,
                 c if c.qk_norm_whole => Family::Olmoe,
                 c if c.qk_norm => Family::Qwen3Moe,
                 _ => Family::Qwen2Moe,
@@ -561,12 +576,17 @@ impl Family {
                 "experts without a shared expert",
             ),
             (
-                moe.is_some_and(|m| !m.norm_topk) && matches!(self, Family::Mixtral | Family::Qwen3_5Moe),
+                moe.is_some_and(|m| (m.names == ExpertNames::InputOutputLinear) != (self == Family::GraniteMoe)),
+                "Granite-MoE's names",
+            ),
+            (
+                moe.is_some_and(|m| !m.norm_topk)
+                    && matches!(self, Family::Mixtral | Family::Qwen3_5Moe | Family::GraniteMoe),
                 "routing weights that are not renormalised",
             ),
             (
                 moe.is_some_and(|m| m.sparse_step != 1 || !m.dense_layers.is_empty())
-                    && matches!(self, Family::Mixtral | Family::Olmoe | Family::Qwen3_5Moe),
+                    && matches!(self, Family::Mixtral | Family::Olmoe | Family::Qwen3_5Moe | Family::GraniteMoe),
                 "dense layers among sparse ones",
             ),
             (
@@ -592,7 +612,7 @@ impl Family {
             ),
             (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
             (c.qk_norm_after_rotation != (self == Family::HunYuanDense), "query/key norms after the rotation"),
-            (c.multipliers.is_some() && self != Family::Granite, "Granite's multipliers"),
+            (c.multipliers.is_some() && self.dense() != Family::Granite, "Granite's multipliers"),
             (
                 [Some(c.rope()), c.local_rope.clone()]
                     .iter()
@@ -801,6 +821,7 @@ impl Family {
         match self {
             Family::Glm4 => &GLM4_NORMS,
             Family::HunYuanDense => &HUNYUAN_NORMS,
+            Family::GraniteMoe => &GRANITE_MOE_STACKS,
             _ => &[],
         }
     }
@@ -827,11 +848,14 @@ impl Family {
                 None
             }
             _ if name.ends_with("rotary_emb.inv_freq") => None,
-            _ => {
-                let read = language_model_name(name)?;
-                Some((renamed(&read, self.renames().iter().map(|&(strata, hf)| (hf, strata))), false))
-            }
+            _ => Some((self.renamed_from_disk(&language_model_name(name)?), false)),
         }
+    }
+
+    /// `name` as the family's files give it, with the parts the family names otherwise
+    /// renamed to Strata's (its stacked experts' names among them, before `io` takes them apart).
+    pub(crate) fn renamed_from_disk(self, name: &str) -> String {
+        renamed(name, self.renames().iter().map(|&(strata, hf)| (hf, strata)))
     }
 
     /// The `config.json` of `config` written as this family, with `special_tokens` (the
@@ -1260,11 +1284,16 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
             v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
             v["shared_expert_intermediate_size"] = json!(moe.shared_expert_dim.unwrap_or(0));
         }
-        // Mixtral's and OLMoE's experts are intermediate_size wide, and every layer is sparse.
+        // Mixtral's, Granite-MoE's and OLMoE's experts are intermediate_size wide, and every
+        // layer is sparse.
         Family::Mixtral => {
             v["num_local_experts"] = json!(moe.experts);
             v["intermediate_size"] = json!(moe.expert_ffn_dim);
             v["router_jitter_noise"] = json!(0.0);
+        }
+        Family::GraniteMoe => {
+            v["num_local_experts"] = json!(moe.experts);
+            v["intermediate_size"] = json!(moe.expert_ffn_dim);
         }
         Family::GptOss => {
             v["num_local_experts"] = json!(moe.experts);
@@ -1947,7 +1976,7 @@ impl Keys<'_> {
         let ernie = family.dense() == Family::Ernie4_5;
         let hunyuan = family == Family::HunYuanDense;
         // Granite's class scales its scores by attention_multiplier alone (1 by default).
-        let multipliers = match family {
+        let multipliers = match family.dense() {
             Family::Granite => Some(Multipliers {
                 embeddings: self.float("embedding_multiplier")?.unwrap_or(1.0),
                 residual: self.float("residual_multiplier")?.unwrap_or(1.0),
@@ -2343,7 +2372,7 @@ impl Keys<'_> {
         // Each configuration class's defaults: how many experts, how many a token takes, and
         // (where they have a width of their own) how wide they are.
         let (default_experts, default_top_k, default_width) = match family {
-            Family::Mixtral => (8, 2, None),
+            Family::Mixtral | Family::GraniteMoe => (8, 2, None),
             Family::Olmoe => (64, 8, None),
             Family::GptOss => (128, 4, None),
             Family::Qwen2Moe => (60, 4, Some(1408)),
@@ -2360,9 +2389,10 @@ impl Keys<'_> {
             None => self.required("intermediate_size")?,
         };
         let norm_topk = match family {
-            // gpt-oss's softmax over the top-k logits is the renormalised top-k softmax;
-            // Qwen3.5's router always renormalises (its configuration has no such key).
-            Family::Mixtral | Family::GptOss | Family::Qwen3_5Moe => true,
+            // gpt-oss's and Granite-MoE's softmax over the top-k logits is the renormalised
+            // top-k softmax; Qwen3.5's router always renormalises (its configuration has no
+            // such key).
+            Family::Mixtral | Family::GptOss | Family::Qwen3_5Moe | Family::GraniteMoe => true,
             Family::Qwen3Next => self.flag("norm_topk_prob")?.unwrap_or(true),
             _ => self.flag("norm_topk_prob")?.unwrap_or(false),
         };
@@ -2399,6 +2429,7 @@ impl Keys<'_> {
             names: match family {
                 Family::Mixtral => ExpertNames::BlockSparse,
                 Family::GptOss => ExpertNames::Stacked,
+                Family::GraniteMoe => ExpertNames::InputOutputLinear,
                 _ => ExpertNames::Mlp,
             },
             router_bias: family == Family::GptOss,
@@ -2474,7 +2505,7 @@ impl Keys<'_> {
         use Family::*;
         let window = match family {
             Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5 | HunYuanDense
-            | Granite => return Ok((None, None)),
+            | Granite | GraniteMoe => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,

@@ -122,6 +122,11 @@ pub enum ExpertNames {
     /// [`ExpertNames::Mlp`]'s, the choice bias `mlp.moe_statics.e_score_correction_bias`
     /// `[1, E]` (ERNIE 4.5's).
     MlpStatics,
+    /// `block_sparse_moe.router.layer.weight` and the experts stacked on disk as
+    /// `block_sparse_moe.input_linear.weight` `[E, 2F, D]` (the gate's rows, then the up's)
+    /// and `block_sparse_moe.output_linear.weight` `[E, D, F]` (Granite-MoE); each expert's
+    /// weights are `block_sparse_moe.experts.{e}.{gate,up,down}_proj.weight` here.
+    InputOutputLinear,
 }
 
 /// How a router turns its logits into the scores it chooses and weights experts by.
@@ -377,6 +382,7 @@ impl MoeConfig {
             ExpertNames::Layer => format!("{layer}.router.proj.weight"),
             ExpertNames::Stacked => format!("{layer}.mlp.router.weight"),
             ExpertNames::BlockSparse => format!("{layer}.block_sparse_moe.gate.weight"),
+            ExpertNames::InputOutputLinear => format!("{layer}.block_sparse_moe.router.layer.weight"),
         }
     }
 
@@ -392,6 +398,8 @@ impl MoeConfig {
             ExpertNames::Layer => {
                 ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.experts.{e}.{w}.weight"))
             }
+            ExpertNames::InputOutputLinear => ["gate_proj", "up_proj", "down_proj"]
+                .map(|w| format!("{layer}.block_sparse_moe.experts.{e}.{w}.weight")),
         }
     }
 
@@ -400,6 +408,7 @@ impl MoeConfig {
     pub fn experts_module(&self, layer: &str) -> String {
         match self.names {
             ExpertNames::Layer => format!("{layer}.experts"),
+            ExpertNames::InputOutputLinear => format!("{layer}.block_sparse_moe.experts"),
             _ => format!("{layer}.mlp.experts"),
         }
     }

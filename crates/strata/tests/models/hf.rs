@@ -626,6 +626,13 @@ fn granite_matches_transformers() {
     family_matches_transformers("granite", 32);
 }
 
+/// Granite-MoE: Granite's multipliers over every layer's 4 experts, top 2 renormalised,
+/// stacked in its files as `input_linear` and `output_linear`.
+#[test]
+fn granite_moe_matches_transformers() {
+    experts_match_transformers("granite-moe", 4, 24);
+}
+
 /// Phi-3.5 and Phi-4-mini's LongRoPE: short factors within the original context, long ones
 /// past it, the cosines and sines scaled: rows of 24 positions (long factors) give
 /// transformers' logits; greedy generation runs four tokens past the original context (the
@@ -1548,9 +1555,10 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 30] = [
+const DECODER_TYPES: [&str; 31] = [
     "llama",
     "granite",
+    "granitemoe",
     "hunyuan_v1_dense",
     "ernie4_5_moe",
     "ernie4_5",
