@@ -348,6 +348,12 @@ def decoder_families():
             **common, num_hidden_layers=2, embedding_multiplier=3.0, residual_multiplier=0.5,
             attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # Arcee: a feed-forward of ReLU² without a gate, biases on every attention projection,
+        # YaRN's rotation.
+        "arcee": lambda: (tf.ArceeForCausalLM, tf.ArceeConfig(
+            **common, num_hidden_layers=2, tie_word_embeddings=False, attention_bias=True,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                             "rope_theta": 500.0})),
         # Granite-MoE: Granite's multipliers over every layer's four experts, two per token,
         # stacked in its files as input_linear and output_linear.
         "granite-moe": lambda: (tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig(

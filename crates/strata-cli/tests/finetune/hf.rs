@@ -155,6 +155,27 @@ fn gemma4_experts_train_split_as_one_process() {
     assert!(last(&alone) != last(&one), "the adapters train apart from the whole model");
 }
 
+/// Arcee's feed-forward without a gate splits its up projection over a tensor group, and
+/// Granite-MoE's experts (stacked in its files) split over an expert group, each training
+/// as one process does. Plain SGD, whose step is the gradient itself.
+#[test]
+fn arcee_and_granite_moe_train_split_as_one_process() {
+    let Some(py) = python() else { return };
+    for (family, name, strategy) in
+        [("arcee", "tensor 2", TENSOR), ("granite-moe", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#)]
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let (folder, train, _) = setup(&py, dir.path(), family);
+        let files = ["--model-dir", s(&folder), "--token-file", s(&train)];
+        let flags = ["--ctx", "16", "--batch-size", "4", "--threads", "1", "--optimizer", "sgd", "--lr", "0.05"];
+        let micro = if name.starts_with("experts") { "1" } else { "2" };
+        let one = common::train_run(dir.path(), "one", 4, &[&files, &flags, &["--accumulation", "2"]]);
+        let extra = ["--nproc", "2", "--accumulation", micro, "--strategy", strategy];
+        let run = common::train_run(dir.path(), name, 4, &[&files, &flags, &extra]);
+        common::assert_follows(&one, &run, &format!("{family} {name}"), 1e-6, 1e-6);
+    }
+}
+
 /// A mixture of experts (Qwen3-MoE: 16 experts, top 4, every other layer sparse) trains over
 /// two ranks as one process does with the same micro-batches (the load-balancing loss is
 /// each micro-batch's own): with fsdp, and with zero2 and recomputed blocks (the loss's

@@ -43,6 +43,8 @@ pub enum Family {
     Gpt2,
     /// LLaMA (`llama`).
     Llama,
+    /// Arcee (`arcee`): LLaMA's decoder with a feed-forward of ReLU² and no gate.
+    Arcee,
     /// Mistral (`mistral`): the decoder, optionally with a sliding window.
     Mistral,
     /// Ministral 3 (`ministral3`): Mistral's decoder with queries scaled up by position.
@@ -190,9 +192,10 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 34] = [
+const FAMILIES: [Family; 35] = [
     Family::Gpt2,
     Family::Llama,
+    Family::Arcee,
     Family::Mistral,
     Family::Ministral3,
     Family::Qwen2,
@@ -233,6 +236,7 @@ impl Family {
         match self {
             Family::Gpt2 => "gpt2",
             Family::Llama => "llama",
+            Family::Arcee => "arcee",
             Family::Mistral => "mistral",
             Family::Ministral3 => "ministral3",
             Family::Qwen2 => "qwen2",
@@ -284,6 +288,7 @@ impl Family {
             Family::Gpt2 => return "GPT2LMHeadModel".into(),
             Family::T5 => return "T5ForConditionalGeneration".into(),
             Family::Llama => "Llama",
+            Family::Arcee => "Arcee",
             Family::Mistral => "Mistral",
             Family::Ministral3 => "Ministral3",
             Family::Qwen2 => "Qwen2",
@@ -358,7 +363,7 @@ impl Family {
                 Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss | Ernie4_5 | Ernie4_5Moe => 131_072,
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
-                Phi3 | Olmoe | DeepseekV3 => 4096,
+                Phi3 | Olmoe | DeepseekV3 | Arcee => 4096,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
                 _ => 2048,
@@ -366,7 +371,7 @@ impl Family {
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
-                | Ernie4_5Moe | HunYuanDense => 1e-5,
+                | Ernie4_5Moe | HunYuanDense | Arcee => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -502,6 +507,7 @@ impl Family {
         }
         Ok(match c {
             c if c.linear_attention.is_some() => Family::Qwen3_5,
+            c if !c.activation.gated() => Family::Arcee,
             c if c.post_norms && !c.qk_norm_whole => Family::Exaone4,
             c if c.post_norms && (c.sliding_window.is_some() || c.local_rope.is_some()) => Family::Olmo3,
             c if c.post_norms => Family::Olmo2,
@@ -742,6 +748,7 @@ impl Family {
             (c.fused_projections != (dense == Family::Phi3), "fused projections"),
             ((c.norm == NormKind::PlusOne) != (gemma && !gemma4 || next), "zero-centred norms"),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
+            ((c.activation == Activation::Relu2) != (self == Family::Arcee), "a ReLU² feed-forward without a gate"),
             (c.sandwich_norms != (gemma || self == Family::Glm4), "sandwich norms"),
             (c.scale_embeddings != gemma, "scaled embeddings"),
             (c.qk_norm != qk_norm_family && !glm, "query/key norms"),
@@ -758,6 +765,7 @@ impl Family {
                     && !matches!(
                         dense,
                         Family::Llama
+                            | Family::Arcee
                             | Family::Qwen2
                             | Family::Qwen3
                             | Family::Gemma2
@@ -786,6 +794,7 @@ impl Family {
                     && matches!(
                         dense,
                         Family::Llama
+                            | Family::Arcee
                             | Family::Qwen3_5
                             | Family::Olmo2
                             | Family::SeedOss
@@ -1226,8 +1235,11 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     if let Some(moe) = &c.moe {
         experts_json(family, c, moe, &mut v);
     }
-    if !family.is_gemma() {
-        v["hidden_act"] = json!("silu");
+    match c.activation {
+        Activation::Silu => v["hidden_act"] = json!("silu"),
+        Activation::Relu2 => v["hidden_act"] = json!("relu2"),
+        // Gemma's classes name it hidden_activation, written with their keys.
+        Activation::GeluTanh => {}
     }
     if let Some(t) = c.padding_token {
         v["pad_token_id"] = json!(t);
@@ -2031,19 +2043,19 @@ impl Keys<'_> {
         let layers = self.required("num_hidden_layers")?;
         let unrotated_layers = if smollm3 { self.unrotated_layers(layers)? } else { vec![] };
         let gemma = family.is_gemma();
-        let activation = match self.text("hidden_activation")?.or(self.text("hidden_act")?).as_deref() {
-            None if gemma => Activation::GeluTanh,
-            None => Activation::Silu,
-            Some("silu") if !gemma => Activation::Silu,
-            Some("gelu_pytorch_tanh" | "gelu_tanh") if gemma => Activation::GeluTanh,
-            Some(other) => {
-                return Err(format!(
-                    "config.json: hidden_act {other:?} is not supported (the {} feed-forward gates with {})",
-                    family.model_type(),
-                    if gemma { "gelu_pytorch_tanh" } else { "silu" }
-                ))
-            }
+        let arcee = family == Family::Arcee;
+        let (activation, accepted, named): (_, &[&str], _) = match (gemma, arcee) {
+            (true, _) => (Activation::GeluTanh, &["gelu_pytorch_tanh", "gelu_tanh"], "gates with gelu_pytorch_tanh"),
+            (_, true) => (Activation::Relu2, &["relu2"], "has no gate and runs relu2"),
+            _ => (Activation::Silu, &["silu"], "gates with silu"),
         };
+        let given = self.text("hidden_activation")?.or(self.text("hidden_act")?);
+        if let Some(other) = given.filter(|g| !accepted.contains(&g.as_str())) {
+            return Err(format!(
+                "config.json: hidden_act {other:?} is not supported (the {} feed-forward {named})",
+                family.model_type(),
+            ));
+        }
         self.only("mlp_bias", &[json!(false)], "the feed-forward has no biases")?;
         // Gemma 4's "vision" makes image tokens alone attend both ways.
         let causal: &[Value] =
@@ -2504,8 +2516,8 @@ impl Keys<'_> {
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         use Family::*;
         let window = match family {
-            Llama | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5 | HunYuanDense
-            | Granite | GraniteMoe => return Ok((None, None)),
+            Llama | Arcee | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5
+            | HunYuanDense | Granite | GraniteMoe => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,

@@ -55,7 +55,8 @@ pub enum NormKind {
     PlusOne,
 }
 
-/// The gate's activation of the feed-forward, `down(act(gate(x)) · up(x))`.
+/// The feed-forward's activation: of its gate, `down(act(gate(x)) · up(x))`, or of its up
+/// projection alone where it has no gate, `down(act(up(x)))`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
@@ -64,6 +65,15 @@ pub enum Activation {
     Silu,
     /// GeGLU with GELU's tanh form (Gemma).
     GeluTanh,
+    /// `relu(x)²` of the up projection, without a gate (Arcee).
+    Relu2,
+}
+
+impl Activation {
+    /// Whether the feed-forward has a gate projection.
+    pub fn gated(self) -> bool {
+        self != Activation::Relu2
+    }
 }
 
 /// Which positions a layer's attention reads.
@@ -173,7 +183,7 @@ pub struct LlamaConfig {
     /// How the RMSNorms apply their weight.
     #[serde(default)]
     pub norm: NormKind,
-    /// The gate's activation in the feed-forward.
+    /// The feed-forward's activation, and whether it has a gate.
     #[serde(default)]
     pub activation: Activation,
     /// Per-head RMSNorm of queries and keys before the rotation.
@@ -501,6 +511,9 @@ impl LlamaConfig {
         if self.fused_projections && (self.qkv_bias || self.o_bias) {
             return Err(Error::Config("fused projections carry no attention biases".into()));
         }
+        if !self.activation.gated() && (self.fused_projections || self.fused_gate_up) {
+            return Err(Error::Config("a feed-forward without a gate has no fused gate_up_proj".into()));
+        }
         if let Some(moe) = &self.moe {
             moe.validate()?;
             if self.fused_projections || self.fused_gate_up {
@@ -557,8 +570,13 @@ enum QkvProjection {
 
 /// The feed-forward's gate and up projections: apart, or fused into one `[gate; up]`.
 enum GateUpProjection {
-    Apart { gate: ParamId, up: ParamId },
+    Apart {
+        gate: ParamId,
+        up: ParamId,
+    },
     Fused(ParamId),
+    /// No gate: the up projection alone.
+    UpAlone(ParamId),
 }
 
 /// One gated feed-forward network.
@@ -598,6 +616,7 @@ impl DenseFeedForward {
                 let halves = p.linear(&h, w, None)?.f_chunk(2, -1)?;
                 kinds.gate(&halves[0], &halves[1])?
             }
+            GateUpProjection::UpAlone(up) => kinds.ungated(&p.linear(&h, up, None)?)?,
         };
         p.row_linear(&gated, self.down, None)
     }
@@ -643,6 +662,15 @@ impl Kinds {
         match self.activation {
             Activation::Silu => swiglu(gate, up),
             Activation::GeluTanh => geglu(gate, up),
+            Activation::Relu2 => Err(Error::Model("a ReLU² feed-forward has no gate".into())),
+        }
+    }
+
+    /// The activation of a feed-forward without a gate.
+    fn ungated(&self, up: &Tensor) -> Result<Tensor> {
+        match self.activation {
+            Activation::Relu2 => Ok(up.f_relu()?.f_square()?),
+            gated => Err(Error::Model(format!("the {gated:?} feed-forward needs its gate"))),
         }
     }
 }
@@ -1121,7 +1149,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
         let beside_dense = sparse.is_some_and(|(moe, _)| moe.beside_dense);
         let dense = (sparse.is_none() || beside_dense).then(|| {
-            let gate_up = if cfg.fused_projections || cfg.fused_gate_up {
+            let gate_up = if !cfg.activation.gated() {
+                GateUpProjection::UpAlone(w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN))
+            } else if cfg.fused_projections || cfg.fused_gate_up {
                 GateUpProjection::Fused(w("mlp.gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
             } else {
                 let (gate, up) = (
@@ -1194,7 +1224,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             _ => cfg.rope(),
         };
         // RMS norms keep their input and one statistic; SwiGLU keeps gate, up, the gate's
-        // activation and their product (4·F); rotary embedding keeps nothing extra. A token
+        // activation and their product (4·F), ReLU² the up projection and its square (2·F); rotary embedding keeps nothing extra. A token
         // of a sparse layer keeps that for each of its k experts (and the shared one), its
         // routing probabilities, and its input again per slot (the grouped copy); it
         // multiplies by the router and its experts' weights alone.
@@ -1206,7 +1236,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 let dense = if m.beside_dense { 4.0 * cfg.hidden() as f64 + 3.0 * (d + 1) as f64 } else { 0.0 };
                 (routed + shared + dense, ((m.experts - m.top_k) * 3 * d * m.expert_ffn_dim) as f64)
             }
-            None => (4.0 * cfg.hidden() as f64, 0.0),
+            None => ((if cfg.activation.gated() { 4.0 } else { 2.0 }) * cfg.hidden() as f64, 0.0),
         };
         let (attention_kept, attention_width, scale) = match (&cfg.latent, &cfg.linear_attention) {
             // Linear attention keeps its projections, the convolution's input and output, the

@@ -626,6 +626,13 @@ fn granite_matches_transformers() {
     family_matches_transformers("granite", 32);
 }
 
+/// Arcee: a feed-forward of ReLU² without a gate, biases on every attention projection,
+/// YaRN's rotation.
+#[test]
+fn arcee_matches_transformers() {
+    family_matches_transformers("arcee", 32);
+}
+
 /// Granite-MoE: Granite's multipliers over every layer's 4 experts, top 2 renormalised,
 /// stacked in its files as `input_linear` and `output_linear`.
 #[test]
@@ -1555,8 +1562,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 31] = [
+const DECODER_TYPES: [&str; 32] = [
     "llama",
+    "arcee",
     "granite",
     "granitemoe",
     "hunyuan_v1_dense",
