@@ -343,6 +343,13 @@ def decoder_families():
         "hunyuan": lambda: (tf.HunYuanDenseV1ForCausalLM, tf.HunYuanDenseV1Config(
             **common, num_hidden_layers=2, head_dim=8, tie_word_embeddings=False,
             rope_parameters={"rope_type": "dynamic", "alpha": 4.0, "factor": 1.0, "rope_theta": 500.0})),
+        # HunYuan-MoE: HunYuan's attention over every layer's four experts, two per token
+        # (given per layer), beside a shared expert, the router and shared expert under their
+        # own names.
+        "hunyuan-moe": lambda: (tf.HunYuanMoEV1ForCausalLM, tf.HunYuanMoEV1Config(
+            **dict(common, intermediate_size=24), num_hidden_layers=2, head_dim=8, num_experts=4,
+            moe_topk=[2, 2], tie_word_embeddings=False,
+            rope_parameters={"rope_type": "dynamic", "alpha": 4.0, "factor": 1.0, "rope_theta": 500.0})),
         # Granite: its embeddings, sub-layer outputs and scores scaled, its logits divided.
         "granite": lambda: (tf.GraniteForCausalLM, tf.GraniteConfig(
             **common, num_hidden_layers=2, embedding_multiplier=3.0, residual_multiplier=0.5,

@@ -155,15 +155,18 @@ fn gemma4_experts_train_split_as_one_process() {
     assert!(last(&alone) != last(&one), "the adapters train apart from the whole model");
 }
 
-/// Arcee's feed-forward without a gate splits its up projection over a tensor group, and
-/// Granite-MoE's experts (stacked in its files) split over an expert group, each training
-/// as one process does. Plain SGD, whose step is the gradient itself.
+/// Arcee's feed-forward without a gate splits its up projection over a tensor group,
+/// Granite-MoE's experts (stacked in its files) split over an expert group, and HunYuan-MoE's
+/// renamed shared expert over a tensor group, each training as one process does. Plain SGD,
+/// whose step is the gradient itself.
 #[test]
-fn arcee_and_granite_moe_train_split_as_one_process() {
+fn arcee_granite_moe_and_hunyuan_moe_train_split_as_one_process() {
     let Some(py) = python() else { return };
-    for (family, name, strategy) in
-        [("arcee", "tensor 2", TENSOR), ("granite-moe", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#)]
-    {
+    for (family, name, strategy) in [
+        ("arcee", "tensor 2", TENSOR),
+        ("granite-moe", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("hunyuan-moe", "tensor 2", TENSOR),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let (folder, train, _) = setup(&py, dir.path(), family);
         let files = ["--model-dir", s(&folder), "--token-file", s(&train)];

@@ -1,9 +1,9 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
-//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `mistral`,
+//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `arcee`, `mistral`,
 //! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text` (optionally with its
 //! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `granite`, `glm4`,
 //! `olmo2`, `olmo3` and `smollm3`, and with experts
-//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `granitemoe`, `glm4_moe` and `gpt_oss` (with
+//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `granitemoe`, `hunyuan_v1_moe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
 //! attention ([`super::latent`]) too for `deepseek_v3`; [`super::bert`] for `bert`, as a
@@ -85,6 +85,10 @@ pub enum Family {
     /// HunYuan (`hunyuan_v1_dense`): LLaMA's decoder with per-head query/key norms after the
     /// rotation, under their own names, and a fixed NTK stretch of the rotation's base.
     HunYuanDense,
+    /// HunYuan's mixture of experts (`hunyuan_v1_moe`): its layers with experts on every
+    /// layer, renormalised softmax weights and a shared expert of the experts' width, the
+    /// router and shared expert under their own names.
+    HunYuanMoe,
     /// ERNIE 4.5's mixture of experts (`ernie4_5_moe`): its layers with experts chosen by
     /// softmax scores plus a choice bias and weighted by the scores alone, shared experts,
     /// dense layers outside a span.
@@ -143,6 +147,14 @@ const HUNYUAN_NORMS: [(&str, &str); 2] = [
     ("self_attn.k_norm.weight", "self_attn.key_layernorm.weight"),
 ];
 
+/// HunYuan-MoE's router and shared expert's names, beside Strata's.
+const HUNYUAN_EXPERTS: [(&str, &str); 4] = [
+    ("mlp.gate.weight", "mlp.gate.wg.weight"),
+    ("mlp.shared_experts.gate_proj.weight", "mlp.shared_mlp.gate_proj.weight"),
+    ("mlp.shared_experts.up_proj.weight", "mlp.shared_mlp.up_proj.weight"),
+    ("mlp.shared_experts.down_proj.weight", "mlp.shared_mlp.down_proj.weight"),
+];
+
 /// Granite-MoE's stacked experts' names, beside the stacked names `io` takes apart.
 const GRANITE_MOE_STACKS: [(&str, &str); 2] = [
     ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
@@ -192,7 +204,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 35] = [
+const FAMILIES: [Family; 36] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -211,6 +223,7 @@ const FAMILIES: [Family; 35] = [
     Family::Ernie4_5,
     Family::Ernie4_5Moe,
     Family::HunYuanDense,
+    Family::HunYuanMoe,
     Family::Granite,
     Family::GraniteMoe,
     Family::Mixtral,
@@ -252,6 +265,7 @@ impl Family {
             Family::Ernie4_5 => "ernie4_5",
             Family::Ernie4_5Moe => "ernie4_5_moe",
             Family::HunYuanDense => "hunyuan_v1_dense",
+            Family::HunYuanMoe => "hunyuan_v1_moe",
             Family::Granite => "granite",
             Family::GraniteMoe => "granitemoe",
             Family::Mixtral => "mixtral",
@@ -304,6 +318,7 @@ impl Family {
             Family::Ernie4_5 => "Ernie4_5",
             Family::Ernie4_5Moe => "Ernie4_5_Moe",
             Family::HunYuanDense => "HunYuanDenseV1",
+            Family::HunYuanMoe => "HunYuanMoEV1",
             Family::Granite => "Granite",
             Family::GraniteMoe => "GraniteMoe",
             Family::Mixtral => "Mixtral",
@@ -371,7 +386,7 @@ impl Family {
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
-                | Ernie4_5Moe | HunYuanDense | Arcee => 1e-5,
+                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -412,6 +427,7 @@ impl Family {
             Family::Qwen3_5Moe => Family::Qwen3_5,
             Family::Ernie4_5Moe => Family::Ernie4_5,
             Family::GraniteMoe => Family::Granite,
+            Family::HunYuanMoe => Family::HunYuanDense,
             Family::Olmoe
             | Family::DeepseekV3
             | Family::Mistral4
@@ -501,6 +517,7 @@ impl Family {
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
                 _ if moe.names == ExpertNames::InputOutputLinear => Family::GraniteMoe,
                 c if c.qk_norm_whole => Family::Olmoe,
+                c if c.qk_norm_after_rotation => Family::HunYuanMoe,
                 c if c.qk_norm => Family::Qwen3Moe,
                 _ => Family::Qwen2Moe,
             });
@@ -568,7 +585,11 @@ impl Family {
                 moe.is_some_and(|m| m.shared_expert_dim.is_some())
                     && !(matches!(
                         self,
-                        Family::Qwen2Moe | Family::Qwen3Next | Family::Qwen3_5Moe | Family::Ernie4_5Moe
+                        Family::Qwen2Moe
+                            | Family::Qwen3Next
+                            | Family::Qwen3_5Moe
+                            | Family::Ernie4_5Moe
+                            | Family::HunYuanMoe
                     ) || self.routes_like_deepseek()),
                 "a shared expert",
             ),
@@ -580,6 +601,23 @@ impl Family {
                 moe.is_some_and(|m| m.shared_expert_dim.is_none())
                     && matches!(self, Family::Qwen3Next | Family::Qwen3_5Moe),
                 "experts without a shared expert",
+            ),
+            (
+                moe.is_some_and(|m| {
+                    let routing = m.scoring == Scoring::Softmax
+                        && m.norm_topk
+                        && !m.choice_bias
+                        && m.groups == 1
+                        && m.routed_scale == 1.0
+                        && m.names == ExpertNames::Mlp
+                        && m.shared_expert_dim == Some(m.expert_ffn_dim)
+                        && !m.shared_gate
+                        && m.sparse_step == 1
+                        && m.dense_layers.is_empty();
+                    self == Family::HunYuanMoe && !routing
+                }),
+                "HunYuan's experts (every layer sparse, renormalised softmax weights, one shared expert of the \
+                 experts' width without a gate)",
             ),
             (
                 moe.is_some_and(|m| (m.names == ExpertNames::InputOutputLinear) != (self == Family::GraniteMoe)),
@@ -617,14 +655,14 @@ impl Family {
                 "queries scaled by position",
             ),
             (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
-            (c.qk_norm_after_rotation != (self == Family::HunYuanDense), "query/key norms after the rotation"),
+            (c.qk_norm_after_rotation != (self.dense() == Family::HunYuanDense), "query/key norms after the rotation"),
             (c.multipliers.is_some() && self.dense() != Family::Granite, "Granite's multipliers"),
             (
                 [Some(c.rope()), c.local_rope.clone()]
                     .iter()
                     .flatten()
                     .any(|r| matches!(r.scaling, RopeScaling::NtkAlpha { .. }))
-                    && self != Family::HunYuanDense,
+                    && self.dense() != Family::HunYuanDense,
                 "a fixed NTK stretch of the rotation (a dynamic one with an alpha)",
             ),
             (
@@ -632,10 +670,11 @@ impl Family {
                 "heads turned as adjacent pairs",
             ),
             (c.latent.is_some() != self.has_latent_attention(), "latent attention"),
-            // Mistral 4's routing is pinned by the scoring rule below, shared experts or not.
+            // Mistral 4's routing is pinned by the scoring rule below, shared experts or not;
+            // ERNIE 4.5's and HunYuan's by their own rules above.
             (
                 moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek())
-                    && !matches!(self, Family::Mistral4 | Family::Ernie4_5Moe),
+                    && !matches!(self, Family::Mistral4 | Family::Ernie4_5Moe | Family::HunYuanMoe),
                 "DeepSeek's routing",
             ),
             // ERNIE 4.5's routing, names and sparse span are pinned whole.
@@ -822,17 +861,19 @@ impl Family {
     /// transposed.
     pub fn hf_name(self, name: &str) -> (String, bool) {
         let transposed = self == Family::Gpt2 && CONV1D_WEIGHTS.iter().any(|w| name.ends_with(w));
-        (renamed(name, self.renames().iter().copied()), transposed)
+        (renamed(name, self.renames()), transposed)
     }
 
     /// Strata's names of the parameters the family's files name otherwise, and theirs.
-    fn renames(self) -> &'static [(&'static str, &'static str)] {
-        match self {
-            Family::Glm4 => &GLM4_NORMS,
-            Family::HunYuanDense => &HUNYUAN_NORMS,
-            Family::GraniteMoe => &GRANITE_MOE_STACKS,
+    fn renames(self) -> impl Iterator<Item = (&'static str, &'static str)> {
+        let lists: &[&[(&str, &str)]] = match self {
+            Family::Glm4 => &[&GLM4_NORMS],
+            Family::HunYuanDense => &[&HUNYUAN_NORMS],
+            Family::HunYuanMoe => &[&HUNYUAN_NORMS, &HUNYUAN_EXPERTS],
+            Family::GraniteMoe => &[&GRANITE_MOE_STACKS],
             _ => &[],
-        }
+        };
+        lists.iter().flat_map(|list| list.iter().copied())
     }
 
     /// The Strata parameter a tensor of a family's file holds, and whether it is stored
@@ -864,7 +905,7 @@ impl Family {
     /// `name` as the family's files give it, with the parts the family names otherwise
     /// renamed to Strata's (its stacked experts' names among them, before `io` takes them apart).
     pub(crate) fn renamed_from_disk(self, name: &str) -> String {
-        renamed(name, self.renames().iter().map(|&(strata, hf)| (hf, strata)))
+        renamed(name, self.renames().map(|(strata, hf)| (hf, strata)))
     }
 
     /// The `config.json` of `config` written as this family, with `special_tokens` (the
@@ -1260,6 +1301,18 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         v["moe_layer_end_index"] = json!(sparse.last().copied().unwrap_or(-1));
         v["moe_layer_interval"] = json!(moe.sparse_step);
         v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
+        return;
+    }
+    // HunYuan-MoE's class names its own keys, its experts and shared expert as wide as its
+    // intermediate_size, and has no load-balancing loss (a weight Strata trains with is kept
+    // where set).
+    if family == Family::HunYuanMoe {
+        v["num_experts"] = json!(moe.experts);
+        v["moe_topk"] = json!(moe.top_k);
+        v["intermediate_size"] = json!(moe.expert_ffn_dim);
+        if moe.aux_loss_coef != 0.0 {
+            v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
+        }
         return;
     }
     // Gemma 4's class names its own keys, and has no load-balancing loss (a weight Strata
@@ -1986,7 +2039,7 @@ impl Keys<'_> {
         let exaone4 = family == Family::Exaone4;
         let seed = family == Family::SeedOss;
         let ernie = family.dense() == Family::Ernie4_5;
-        let hunyuan = family == Family::HunYuanDense;
+        let hunyuan = family.dense() == Family::HunYuanDense;
         // Granite's class scales its scores by attention_multiplier alone (1 by default).
         let multipliers = match family.dense() {
             Family::Granite => Some(Multipliers {
@@ -2014,7 +2067,8 @@ impl Keys<'_> {
             | Family::Gemma4
             | Family::Ernie4_5
             | Family::Ernie4_5Moe
-            | Family::HunYuanDense => Some(0),
+            | Family::HunYuanDense
+            | Family::HunYuanMoe => Some(0),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
@@ -2373,6 +2427,9 @@ impl Keys<'_> {
         if family == Family::Ernie4_5Moe {
             return self.ernie_experts().map(Some);
         }
+        if family == Family::HunYuanMoe {
+            return self.hunyuan_experts().map(Some);
+        }
         if !family.has_experts() {
             return Ok(None);
         }
@@ -2457,6 +2514,32 @@ impl Keys<'_> {
         }))
     }
 
+    /// HunYuan-MoE's experts: on every layer, `moe_topk` of `num_experts` (a number, or one
+    /// per layer, all equal), weighted by their renormalised softmax scores, beside a shared
+    /// expert without a gate; the experts and the shared expert `intermediate_size` wide, as
+    /// its class builds them; no load-balancing loss (its class has none).
+    fn hunyuan_experts(&self) -> KeyResult<MoeConfig> {
+        let uniform = |key: &str| -> KeyResult<i64> {
+            let values = match self.get(key) {
+                None => return Ok(1),
+                Some(Value::Array(per_layer)) => per_layer.iter().map(Value::as_i64).collect::<Option<Vec<i64>>>(),
+                Some(v) => v.as_i64().map(|n| vec![n]),
+            };
+            match values.as_deref() {
+                Some([first, rest @ ..]) if rest.iter().all(|n| n == first) => Ok(*first),
+                _ => Err(format!("config.json: {key} must be a number, or one per layer all equal")),
+            }
+        };
+        let width = self.required("intermediate_size")?;
+        Ok(MoeConfig {
+            norm_topk: true,
+            shared_expert_dim: Some(width),
+            shared_gate: false,
+            aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
+            ..MoeConfig::new(uniform("num_experts")?, uniform("moe_topk")?, width)
+        })
+    }
+
     /// DeepSeek-V3's and GLM-4.5's experts: sigmoid scores with a choice bias, groups, a
     /// routed scale, plain shared experts, the first layers dense (with `transformers`'
     /// defaults for each family where a key is absent).
@@ -2517,7 +2600,7 @@ impl Keys<'_> {
         use Family::*;
         let window = match family {
             Llama | Arcee | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5
-            | HunYuanDense | Granite | GraniteMoe => return Ok((None, None)),
+            | HunYuanDense | HunYuanMoe | Granite | GraniteMoe => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,
@@ -3175,6 +3258,25 @@ mod tests {
             (true, false, 0.1, 0.1)
         );
         assert_eq!((seed.head_width(), seed.padding_token, seed.ctx), (128, Some(1), 524_288));
+    }
+
+    /// HunYuan-MoE's per-layer counts are read when all equal and refused otherwise; its
+    /// experts and shared expert take intermediate_size.
+    #[test]
+    fn hunyuan_experts_take_one_count_for_every_layer() {
+        let moe = |keys| read(Family::HunYuanMoe, keys).map(|c| c.moe.unwrap());
+        let even = moe(json!({"num_experts": [4, 4, 4], "moe_topk": [2, 2, 2]})).unwrap();
+        assert_eq!((even.experts, even.top_k, even.expert_ffn_dim, even.shared_expert_dim), (4, 2, 48, Some(48)));
+        assert!(!even.shared_gate && even.norm_topk && even.aux_loss_coef == 0.0);
+        let uneven = moe(json!({"num_experts": 4, "moe_topk": [2, 1, 2]})).unwrap_err();
+        assert!(uneven.contains("moe_topk must be a number, or one per layer all equal"), "{uneven}");
+        let written = Family::HunYuanMoe
+            .config_json(
+                &ModelConfig::Llama(read(Family::HunYuanMoe, json!({"num_experts": 4, "moe_topk": 2})).unwrap()),
+                &Map::new(),
+            )
+            .unwrap();
+        assert_eq!((written["num_experts"].clone(), written["moe_topk"].clone()), (json!(4), json!(2)));
     }
 
     #[test]

@@ -619,6 +619,14 @@ fn hunyuan_matches_transformers() {
     family_matches_transformers("hunyuan", 32);
 }
 
+/// HunYuan-MoE: HunYuan's attention over every layer's 4 experts, top 2 renormalised (given
+/// per layer), beside a shared expert; the router and shared expert under their own names.
+/// Its class has no load-balancing loss.
+#[test]
+fn hunyuan_moe_matches_transformers() {
+    family_matches_transformers("hunyuan-moe", 32);
+}
+
 /// Granite: multipliers of the embeddings, of each sub-layer's output and of the scores, and
 /// a divisor of the logits, with a tied head.
 #[test]
@@ -1562,8 +1570,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 32] = [
+const DECODER_TYPES: [&str; 33] = [
     "llama",
+    "hunyuan_v1_moe",
     "arcee",
     "granite",
     "granitemoe",
