@@ -361,6 +361,12 @@ def decoder_families():
             **common, num_hidden_layers=2, tie_word_embeddings=False, attention_bias=True,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                              "rope_theta": 500.0})),
+        # Apertus: per-head query/key norms, xIELU without a gate (its learned scales moved and
+        # its stored beta and eps drawn below), its norms under their own names.
+        "apertus": lambda: (tf.ApertusForCausalLM, tf.ApertusConfig(
+            **common, num_hidden_layers=2, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 16, "rope_theta": 500.0})),
         # Granite-MoE: Granite's multipliers over every layer's four experts, two per token,
         # stacked in its files as input_linear and output_linear.
         "granite-moe": lambda: (tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig(
@@ -502,6 +508,10 @@ def build(family, seed):
                     buf.copy_(torch.randn_like(buf) * 0.3)
                 if name.endswith("layer_scalar"):
                     buf.uniform_(0.5, 1.5)
+                if name.endswith("act_fn.beta"):
+                    buf.uniform_(0.3, 0.7)
+                if name.endswith("act_fn.eps"):
+                    buf.fill_(-0.05)
             for name, p in model.named_parameters():
                 if name.endswith("moe_statics.e_score_correction_bias"):
                     p.copy_(torch.randn_like(p) * 0.3)

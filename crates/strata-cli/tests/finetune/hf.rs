@@ -155,15 +155,17 @@ fn gemma4_experts_train_split_as_one_process() {
     assert!(last(&alone) != last(&one), "the adapters train apart from the whole model");
 }
 
-/// Arcee's feed-forward without a gate splits its up projection over a tensor group,
+/// Arcee's and Apertus's feed-forwards without a gate split their up projections over a
+/// tensor group (xIELU's learned scales summing their partial gradients over it),
 /// Granite-MoE's experts (stacked in its files) split over an expert group, and HunYuan-MoE's
 /// renamed shared expert over a tensor group, each training as one process does. Plain SGD,
 /// whose step is the gradient itself.
 #[test]
-fn arcee_granite_moe_and_hunyuan_moe_train_split_as_one_process() {
+fn ungated_feed_forwards_and_renamed_experts_train_split_as_one_process() {
     let Some(py) = python() else { return };
     for (family, name, strategy) in [
         ("arcee", "tensor 2", TENSOR),
+        ("apertus", "tensor 2", TENSOR),
         ("granite-moe", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("hunyuan-moe", "tensor 2", TENSOR),
     ] {

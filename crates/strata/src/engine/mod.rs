@@ -1862,6 +1862,7 @@ fn init(t: &Tensor, how: Init) -> Result<()> {
         Init::Zeros => t.f_zero_()?,
         Init::Ones => t.f_fill_(1.0)?,
         Init::Uniform { bound } => t.f_uniform_(-bound, bound)?,
+        Init::Constant { value } => t.f_fill_(value)?,
     };
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
-//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `arcee`, `mistral`,
+//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `arcee`, `apertus`, `mistral`,
 //! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text` (optionally with its
 //! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `granite`, `glm4`,
 //! `olmo2`, `olmo3` and `smollm3`, and with experts
@@ -45,6 +45,9 @@ pub enum Family {
     Llama,
     /// Arcee (`arcee`): LLaMA's decoder with a feed-forward of ReLU² and no gate.
     Arcee,
+    /// Apertus (`apertus`): LLaMA's decoder with per-head query/key norms, a feed-forward of
+    /// xIELU and no gate, and its norms under their own names.
+    Apertus,
     /// Mistral (`mistral`): the decoder, optionally with a sliding window.
     Mistral,
     /// Ministral 3 (`ministral3`): Mistral's decoder with queries scaled up by position.
@@ -147,6 +150,12 @@ const HUNYUAN_NORMS: [(&str, &str); 2] = [
     ("self_attn.k_norm.weight", "self_attn.key_layernorm.weight"),
 ];
 
+/// Apertus's block norms' names, beside Strata's.
+const APERTUS_NORMS: [(&str, &str); 2] = [
+    ("input_layernorm.weight", "attention_layernorm.weight"),
+    ("post_attention_layernorm.weight", "feedforward_layernorm.weight"),
+];
+
 /// HunYuan-MoE's router and shared expert's names, beside Strata's.
 const HUNYUAN_EXPERTS: [(&str, &str); 4] = [
     ("mlp.gate.weight", "mlp.gate.wg.weight"),
@@ -204,10 +213,11 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 36] = [
+const FAMILIES: [Family; 37] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
+    Family::Apertus,
     Family::Mistral,
     Family::Ministral3,
     Family::Qwen2,
@@ -250,6 +260,7 @@ impl Family {
             Family::Gpt2 => "gpt2",
             Family::Llama => "llama",
             Family::Arcee => "arcee",
+            Family::Apertus => "apertus",
             Family::Mistral => "mistral",
             Family::Ministral3 => "ministral3",
             Family::Qwen2 => "qwen2",
@@ -303,6 +314,7 @@ impl Family {
             Family::T5 => return "T5ForConditionalGeneration".into(),
             Family::Llama => "Llama",
             Family::Arcee => "Arcee",
+            Family::Apertus => "Apertus",
             Family::Mistral => "Mistral",
             Family::Ministral3 => "Ministral3",
             Family::Qwen2 => "Qwen2",
@@ -358,6 +370,7 @@ impl Family {
                 | Family::Ernie4_5Moe
                 | Family::Granite
                 | Family::GraniteMoe
+                | Family::Apertus
         )
     }
 
@@ -378,6 +391,7 @@ impl Family {
                 Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss | Ernie4_5 | Ernie4_5Moe => 131_072,
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
+                Apertus => 65_536,
                 Phi3 | Olmoe | DeepseekV3 | Arcee => 4096,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
@@ -386,7 +400,7 @@ impl Family {
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
-                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee => 1e-5,
+                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -524,7 +538,8 @@ impl Family {
         }
         Ok(match c {
             c if c.linear_attention.is_some() => Family::Qwen3_5,
-            c if !c.activation.gated() => Family::Arcee,
+            c if c.activation == Activation::Relu2 => Family::Arcee,
+            c if c.activation == Activation::Xielu => Family::Apertus,
             c if c.post_norms && !c.qk_norm_whole => Family::Exaone4,
             c if c.post_norms && (c.sliding_window.is_some() || c.local_rope.is_some()) => Family::Olmo3,
             c if c.post_norms => Family::Olmo2,
@@ -776,11 +791,12 @@ impl Family {
         // The attention's options as the dense family it is built like allows them.
         let dense = self.dense();
         let next = self.linear_attention_family();
-        let qk_norm_family =
-            matches!(dense, Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4 | Family::HunYuanDense)
-                || olmoe
-                || next
-                || self.is_olmo();
+        let qk_norm_family = matches!(
+            dense,
+            Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4 | Family::HunYuanDense | Family::Apertus
+        ) || olmoe
+            || next
+            || self.is_olmo();
         let gemma4 = self == Family::Gemma4;
         let glm = self == Family::Glm4Moe;
         let needs = [
@@ -788,6 +804,7 @@ impl Family {
             ((c.norm == NormKind::PlusOne) != (gemma && !gemma4 || next), "zero-centred norms"),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
             ((c.activation == Activation::Relu2) != (self == Family::Arcee), "a ReLU² feed-forward without a gate"),
+            ((c.activation == Activation::Xielu) != (self == Family::Apertus), "an xIELU feed-forward without a gate"),
             (c.sandwich_norms != (gemma || self == Family::Glm4), "sandwich norms"),
             (c.scale_embeddings != gemma, "scaled embeddings"),
             (c.qk_norm != qk_norm_family && !glm, "query/key norms"),
@@ -805,6 +822,7 @@ impl Family {
                         dense,
                         Family::Llama
                             | Family::Arcee
+                            | Family::Apertus
                             | Family::Qwen2
                             | Family::Qwen3
                             | Family::Gemma2
@@ -834,6 +852,7 @@ impl Family {
                         dense,
                         Family::Llama
                             | Family::Arcee
+                            | Family::Apertus
                             | Family::Qwen3_5
                             | Family::Olmo2
                             | Family::SeedOss
@@ -870,6 +889,7 @@ impl Family {
             Family::Glm4 => &[&GLM4_NORMS],
             Family::HunYuanDense => &[&HUNYUAN_NORMS],
             Family::HunYuanMoe => &[&HUNYUAN_NORMS, &HUNYUAN_EXPERTS],
+            Family::Apertus => &[&APERTUS_NORMS],
             Family::GraniteMoe => &[&GRANITE_MOE_STACKS],
             _ => &[],
         };
@@ -1279,6 +1299,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     match c.activation {
         Activation::Silu => v["hidden_act"] = json!("silu"),
         Activation::Relu2 => v["hidden_act"] = json!("relu2"),
+        Activation::Xielu => v["hidden_act"] = json!("xielu"),
         // Gemma's classes name it hidden_activation, written with their keys.
         Activation::GeluTanh => {}
     }
@@ -2069,6 +2090,7 @@ impl Keys<'_> {
             | Family::Ernie4_5Moe
             | Family::HunYuanDense
             | Family::HunYuanMoe => Some(0),
+            Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::Ministral3 | Family::Mistral4 => Some(11),
             Family::Phi3 => Some(32000),
@@ -2097,10 +2119,10 @@ impl Keys<'_> {
         let layers = self.required("num_hidden_layers")?;
         let unrotated_layers = if smollm3 { self.unrotated_layers(layers)? } else { vec![] };
         let gemma = family.is_gemma();
-        let arcee = family == Family::Arcee;
-        let (activation, accepted, named): (_, &[&str], _) = match (gemma, arcee) {
-            (true, _) => (Activation::GeluTanh, &["gelu_pytorch_tanh", "gelu_tanh"], "gates with gelu_pytorch_tanh"),
-            (_, true) => (Activation::Relu2, &["relu2"], "has no gate and runs relu2"),
+        let (activation, accepted, named): (_, &[&str], _) = match family {
+            _ if gemma => (Activation::GeluTanh, &["gelu_pytorch_tanh", "gelu_tanh"], "gates with gelu_pytorch_tanh"),
+            Family::Arcee => (Activation::Relu2, &["relu2"], "has no gate and runs relu2"),
+            Family::Apertus => (Activation::Xielu, &["xielu"], "has no gate and runs xielu"),
             _ => (Activation::Silu, &["silu"], "gates with silu"),
         };
         let given = self.text("hidden_activation")?.or(self.text("hidden_act")?);
@@ -2265,7 +2287,12 @@ impl Keys<'_> {
             activation,
             qk_norm: matches!(
                 family,
-                Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4 | Family::HunYuanDense
+                Family::Qwen3
+                    | Family::Gemma3
+                    | Family::Gemma4
+                    | Family::Exaone4
+                    | Family::HunYuanDense
+                    | Family::Apertus
             ) || olmoe
                 || olmo
                 || next
@@ -2599,7 +2626,7 @@ impl Keys<'_> {
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         use Family::*;
         let window = match family {
-            Llama | Arcee | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5
+            Llama | Arcee | Apertus | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5
             | HunYuanDense | HunYuanMoe | Granite | GraniteMoe => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
@@ -2798,6 +2825,10 @@ impl Keys<'_> {
         let class = match family {
             Family::Ministral3 => scaled_yarn(1_000_000.0, 16.0, 16384),
             Family::Mistral4 => scaled_yarn(10_000.0, 128.0, 8192),
+            Family::Apertus => json!({
+                "rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0,
+                "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            }),
             Family::GptOss => json!({
                 "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
                 "original_max_position_embeddings": 4096,

@@ -37,7 +37,7 @@ use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
 use super::rope::{pairs_as_halves, Placed, QueryScaling, Rope, RopeScaling, Rotation};
 use super::{
     default_norm_eps, positive, Builder, DecodeCache, DropoutRates, Init, Kept, ParamId, Params, TokenEmbedding,
-    TpRole, Unit, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
+    TpRole, Unit, UnitBuilder, UnitCost, DEFAULT_NORM_EPS, INIT_STD as STD,
 };
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -67,12 +67,17 @@ pub enum Activation {
     GeluTanh,
     /// `relu(x)²` of the up projection, without a gate (Arcee).
     Relu2,
+    /// xIELU of the up projection, without a gate, with learned scales per layer (Apertus):
+    /// `α_p·x² + β·x` for `x > 0`, else `α_n·(expm1(min(x, ε)) − x) + β·x`, where
+    /// `α_p = softplus(a_p)` and `α_n = β + softplus(a_n)`; `a_p`, `a_n` train, `β` and `ε`
+    /// are stored beside them.
+    Xielu,
 }
 
 impl Activation {
     /// Whether the feed-forward has a gate projection.
     pub fn gated(self) -> bool {
-        self != Activation::Relu2
+        matches!(self, Activation::Silu | Activation::GeluTanh)
     }
 }
 
@@ -579,10 +584,52 @@ enum GateUpProjection {
     UpAlone(ParamId),
 }
 
-/// One gated feed-forward network.
+/// One feed-forward network.
 struct DenseFeedForward {
     gate_up: GateUpProjection,
     down: ParamId,
+    /// The learned scales of an xIELU activation, where the feed-forward has one.
+    xielu: Option<Xielu>,
+}
+
+/// xIELU's parameters in one block ([`Activation::Xielu`]): `mlp.act_fn.alpha_p` and
+/// `alpha_n` (`[1]`, trained), `beta` and `eps` (scalars, stored and never trained).
+struct Xielu {
+    alpha_p: ParamId,
+    alpha_n: ParamId,
+    beta: ParamId,
+    eps: ParamId,
+}
+
+impl Xielu {
+    /// Declares block `block`'s xIELU, starting where its class starts: `α_p = α_n = 0.8`,
+    /// `β = 0.5`, `ε = −1e-6`.
+    fn declare(u: &mut UnitBuilder<'_>, block: &str) -> Xielu {
+        let (alpha, beta, eps) = (0.8f64, 0.5, -1e-6);
+        // softplus⁻¹(y) = ln(expm1(y)).
+        let inverse_softplus = |y: f64| y.exp_m1().ln();
+        // Each tensor rank sees its columns of the up projection: the scales' gradients are
+        // partial sums over the tensor group.
+        let mut scale = |what: &str, value: f64| {
+            u.param(format!("{block}.mlp.act_fn.{what}"), &[1], Init::Constant { value }, TpRole::PartialGradient)
+        };
+        let alpha_p = scale("alpha_p", inverse_softplus(alpha));
+        let alpha_n = scale("alpha_n", inverse_softplus(alpha - beta));
+        let mut stored = |what: &str, value: f64| {
+            u.frozen_param(format!("{block}.mlp.act_fn.{what}"), &[], Init::Constant { value }, TpRole::Replicated)
+        };
+        Xielu { alpha_p, alpha_n, beta: stored("beta", beta), eps: stored("eps", eps) }
+    }
+
+    fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let beta = &p[self.beta];
+        let alpha_p = p[self.alpha_p].f_softplus()?;
+        let alpha_n = p[self.alpha_n].f_softplus()?.f_add(beta)?;
+        let linear = x.f_mul(beta)?;
+        let positive = x.f_mul(&alpha_p)?.f_mul(x)?.f_add(&linear)?;
+        let negative = x.f_minimum(&p[self.eps])?.f_expm1()?.f_sub(x)?.f_mul(&alpha_n)?.f_add(&linear)?;
+        Ok(positive.f_where_self(&x.f_gt(0.0)?, &negative)?)
+    }
 }
 
 /// A block's feed-forward: one gated network, experts a router chooses among, or both side
@@ -616,7 +663,13 @@ impl DenseFeedForward {
                 let halves = p.linear(&h, w, None)?.f_chunk(2, -1)?;
                 kinds.gate(&halves[0], &halves[1])?
             }
-            GateUpProjection::UpAlone(up) => kinds.ungated(&p.linear(&h, up, None)?)?,
+            GateUpProjection::UpAlone(up) => {
+                let up = p.linear(&h, up, None)?;
+                match &self.xielu {
+                    Some(xielu) => xielu.forward(p, &up)?,
+                    None => kinds.ungated(&up)?,
+                }
+            }
         };
         p.row_linear(&gated, self.down, None)
     }
@@ -662,7 +715,9 @@ impl Kinds {
         match self.activation {
             Activation::Silu => swiglu(gate, up),
             Activation::GeluTanh => geglu(gate, up),
-            Activation::Relu2 => Err(Error::Model("a ReLU² feed-forward has no gate".into())),
+            ungated @ (Activation::Relu2 | Activation::Xielu) => {
+                Err(Error::Model(format!("the {ungated:?} feed-forward has no gate")))
+            }
         }
     }
 
@@ -1160,11 +1215,15 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 );
                 GateUpProjection::Apart { gate, up }
             };
-            DenseFeedForward { gate_up, down: w("mlp.down_proj.weight", &[d, f], TpRole::Row) }
+            DenseFeedForward { gate_up, down: w("mlp.down_proj.weight", &[d, f], TpRole::Row), xielu: None }
         });
         let experts = sparse.map(|(moe, balance)| {
             sparse_seen += 1;
             SparseFeedForward::declare(&mut u, moe, &name, (d, cfg.norm_eps), sparse_seen - 1, balance)
+        });
+        let dense = dense.map(|dense| DenseFeedForward {
+            xielu: (cfg.activation == Activation::Xielu).then(|| Xielu::declare(&mut u, &name)),
+            ..dense
         });
         // A column projection's bias splits with its outputs; the output projection's is
         // added once after the row-parallel sum.
@@ -1224,7 +1283,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             _ => cfg.rope(),
         };
         // RMS norms keep their input and one statistic; SwiGLU keeps gate, up, the gate's
-        // activation and their product (4·F), ReLU² the up projection and its square (2·F); rotary embedding keeps nothing extra. A token
+        // activation and their product (4·F), ReLU² the up projection and its square (2·F),
+        // xIELU its input, the scaled input, the exponential, the branch mask and its output
+        // (about 4·F); rotary embedding keeps nothing extra. A token
         // of a sparse layer keeps that for each of its k experts (and the shared one), its
         // routing probabilities, and its input again per slot (the grouped copy); it
         // multiplies by the router and its experts' weights alone.
@@ -1236,7 +1297,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 let dense = if m.beside_dense { 4.0 * cfg.hidden() as f64 + 3.0 * (d + 1) as f64 } else { 0.0 };
                 (routed + shared + dense, ((m.experts - m.top_k) * 3 * d * m.expert_ffn_dim) as f64)
             }
-            None => ((if cfg.activation.gated() { 4.0 } else { 2.0 }) * cfg.hidden() as f64, 0.0),
+            None => ((if cfg.activation == Activation::Relu2 { 2.0 } else { 4.0 }) * cfg.hidden() as f64, 0.0),
         };
         let (attention_kept, attention_width, scale) = match (&cfg.latent, &cfg.linear_attention) {
             // Linear attention keeps its projections, the convolution's input and output, the

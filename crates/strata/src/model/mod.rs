@@ -320,6 +320,11 @@ pub enum Init {
         /// Half the interval's width.
         bound: f64,
     },
+    /// Every element `value`.
+    Constant {
+        /// The value.
+        value: f64,
+    },
 }
 
 /// Index of a parameter in its [`ModelSpec`].

@@ -641,6 +641,13 @@ fn arcee_matches_transformers() {
     family_matches_transformers("arcee", 32);
 }
 
+/// Apertus: per-head query/key norms, xIELU without a gate (its scales trained, its beta and
+/// eps stored), Llama 3's rotation, its block norms under their own names.
+#[test]
+fn apertus_matches_transformers() {
+    family_matches_transformers("apertus", 32);
+}
+
 /// Granite-MoE: Granite's multipliers over every layer's 4 experts, top 2 renormalised,
 /// stacked in its files as `input_linear` and `output_linear`.
 #[test]
@@ -1570,8 +1577,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 33] = [
+const DECODER_TYPES: [&str; 34] = [
     "llama",
+    "apertus",
     "hunyuan_v1_moe",
     "arcee",
     "granite",
