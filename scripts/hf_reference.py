@@ -367,6 +367,16 @@ def decoder_families():
             **common, num_hidden_layers=2, tie_word_embeddings=False,
             rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 16, "rope_theta": 500.0})),
+        # Llama 4: heads turned as adjacent pairs and normed without a weight on three layers
+        # of four, attending within chunks of 4 there; the fourth turning no position, its
+        # queries scaled up every 4 positions; every other layer's experts (two of four per
+        # token) chosen by sigmoid scores that scale their inputs, beside a shared expert.
+        "llama4": lambda: (tf.Llama4ForCausalLM, tf.Llama4TextConfig(
+            **dict(common, intermediate_size=16), num_hidden_layers=4, head_dim=8, intermediate_size_mlp=40,
+            num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=2, attention_chunk_size=4,
+            floor_scale=4, attn_scale=0.5, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 16, "rope_theta": 500.0})),
         # Granite-MoE: Granite's multipliers over every layer's four experts, two per token,
         # stacked in its files as input_linear and output_linear.
         "granite-moe": lambda: (tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig(
@@ -916,7 +926,8 @@ def main(argv=None):
         with torch.no_grad():
             out = model(tokens, attention_mask=mask, output_router_logits=True) if experts else model(tokens)
         tensors = {"logits": out.logits.contiguous()}
-        if experts:
+        # Classes with a loss weight but no load-balancing loss (Llama 4's) give none.
+        if experts and getattr(out, "aux_loss", None) is not None:
             tensors["aux_loss"] = out.aux_loss.reshape(1).float()
         save_file(tensors, args.out)
     elif args.command == "encoder":
@@ -1043,7 +1054,7 @@ def main(argv=None):
             out = model(x, output_router_logits=True) if experts else model(x)
             logits = out.logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            if experts:
+            if experts and getattr(out, "aux_loss", None) is not None:
                 loss = loss + model.config.router_aux_loss_coef * out.aux_loss
                 # ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)², summed
                 # over the sparse layers.

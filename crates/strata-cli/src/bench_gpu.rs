@@ -438,7 +438,7 @@ fn attention_table(device: Device) -> Result<Vec<AttentionRow>> {
             k.f_repeat_interleave_self_int(heads / kv_heads, 1, None)?,
             v.f_repeat_interleave_self_int(heads / kv_heads, 1, None)?,
         );
-        let options = AttentionOptions { scale: Some(scale), window, softcap, bidirectional: false };
+        let options = AttentionOptions { scale: Some(scale), window, softcap, bidirectional: false, chunk: None };
         let terms = ScoreTerms { bias: None, sinks };
         let composite_ms = milliseconds(device, || both_ways(attention(&q, &kr, &vr, &options, None, terms, None)?))?;
         let (libtorch_forward_ms, strata_forward_ms) = tch::no_grad(|| -> Result<(f64, f64)> {

@@ -158,16 +158,20 @@ fn gemma4_experts_train_split_as_one_process() {
 /// Arcee's and Apertus's feed-forwards without a gate split their up projections over a
 /// tensor group (xIELU's learned scales summing their partial gradients over it),
 /// Granite-MoE's experts (stacked in its files) split over an expert group, and HunYuan-MoE's
-/// renamed shared expert over a tensor group, each training as one process does. Plain SGD,
-/// whose step is the gradient itself.
+/// renamed shared expert over a tensor group, and Llama 4's experts (their inputs scaled by
+/// the routing weights before they cross to their ranks) over an expert group and its chunked
+/// attention under sequence parallel, each training as one process does. Plain SGD, whose
+/// step is the gradient itself.
 #[test]
-fn ungated_feed_forwards_and_renamed_experts_train_split_as_one_process() {
+fn newer_families_train_split_as_one_process() {
     let Some(py) = python() else { return };
     for (family, name, strategy) in [
         ("arcee", "tensor 2", TENSOR),
         ("apertus", "tensor 2", TENSOR),
         ("granite-moe", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("hunyuan-moe", "tensor 2", TENSOR),
+        ("llama4", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("llama4", "sequence 2", SEQUENCE),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let (folder, train, _) = setup(&py, dir.path(), family);

@@ -335,7 +335,7 @@ impl FolderOut {
                         if transpose { member.iter().rev().copied().collect() } else { member.clone() };
                     // The parts join along the last dimension, or the first.
                     let joined = match join {
-                        Join::Interleaved => shape.last_mut(),
+                        Join::Interleaved | Join::Columns => shape.last_mut(),
                         Join::Concatenated => shape.first_mut(),
                     };
                     if let Some(width) = joined {

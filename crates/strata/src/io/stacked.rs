@@ -151,6 +151,11 @@ pub(super) fn unstack(name: &str, t: &Tensor, stacking: ExpertStacking) -> Resul
             (Stack::GateUp, ExpertStacking::Concatenated) if size.len() == 3 && size[1] % 2 == 0 => halves(0)?,
             (Stack::GateUpBias, ExpertStacking::Concatenated) if size.len() == 2 && size[1] % 2 == 0 => halves(0)?,
             (Stack::Down, ExpertStacking::Concatenated) if size.len() == 3 => vec![slice],
+            // [D, 2F]: the gate's columns, then the up's; [F, D].
+            (Stack::GateUp, ExpertStacking::InputMajor) if size.len() == 3 && size[2] % 2 == 0 => {
+                slice.f_tr()?.f_chunk(2, 0)?
+            }
+            (Stack::Down, ExpertStacking::InputMajor) if size.len() == 3 => vec![slice.f_tr()?],
             (Stack::DownBias, _) if size.len() == 2 => vec![slice],
             _ => return Err(bad()),
         };
@@ -173,11 +178,12 @@ pub(super) enum Source {
 }
 
 /// How one expert's parts (gate and up) join in a stacked tensor: their last dimensions
-/// interleaved, or one after the other along the first.
+/// interleaved, one after the other along the first, or one after the other along the last.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) enum Join {
     Interleaved,
     Concatenated,
+    Columns,
 }
 
 /// The tensors to write for a layout of parameter names, in order: each parameter as
@@ -231,6 +237,8 @@ pub(super) fn stack_layout(names: &[String], stacking: ExpertStacking) -> Result
             (ExpertStacking::Interleaved, Stack::GateUp) => (Join::Interleaved, true),
             (ExpertStacking::Interleaved, Stack::GateUpBias) => (Join::Interleaved, false),
             (ExpertStacking::Interleaved, Stack::Down) => (Join::Concatenated, true),
+            (ExpertStacking::InputMajor, Stack::GateUp) => (Join::Columns, true),
+            (ExpertStacking::InputMajor, _) => (Join::Concatenated, true),
             _ => (Join::Concatenated, false),
         };
         entries.push((at, format!("{}.{}", key.0, stack.disk_suffix()), Source::Stacked { experts, join, transpose }));
@@ -257,6 +265,7 @@ pub(super) fn stack(experts: Vec<Vec<Tensor>>, join: Join, transpose: bool) -> R
                 Tensor::f_stack(&parts, last)?.f_reshape(shape)?
             }
             Join::Concatenated => Tensor::f_cat(&parts, 0)?,
+            Join::Columns => Tensor::f_cat(&parts, -1)?,
         };
         slices.push(slice);
     }

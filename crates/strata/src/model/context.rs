@@ -94,7 +94,8 @@ pub trait ContextParallel: Send + Sync + std::fmt::Debug {
 
 /// The `[B, 1, Tq, Tk]` mask of the keys each query may not see, from the queries' and the
 /// keys' places in their row (`[Tq]`, `[Tk]`) and examples (`[B, Tq]`, `[B, Tk]`): another
-/// example's, a later one's (unless bidirectional), and one `window` or more places behind.
+/// example's, a later one's (unless bidirectional), one `window` or more places behind, and
+/// one of another chunk.
 pub fn unseen(
     query_places: &Tensor,
     key_places: &Tensor,
@@ -109,6 +110,10 @@ pub fn unseen(
     }
     if let Some(w) = options.window {
         mask = mask.f_logical_or(&behind.f_ge(w)?)?;
+    }
+    if let Some(c) = options.chunk {
+        let (queries, keys) = (query_places.f_floor_divide_scalar(c)?, key_places.f_floor_divide_scalar(c)?);
+        mask = mask.f_logical_or(&queries.f_unsqueeze(1)?.f_ne_tensor(&keys.f_unsqueeze(0)?)?)?;
     }
     Ok(mask)
 }

@@ -99,6 +99,11 @@ pub enum Family {
     /// Granite-MoE (`granitemoe`): Granite's decoder with experts on every layer, stacked in
     /// its files under their own names.
     GraniteMoe,
+    /// Llama 4's language model (`llama4_text`): heads turned as adjacent pairs on three
+    /// layers of four, attending within chunks there, their queries and keys normed without
+    /// a weight; the others turning no position, their queries scaled up with it; experts
+    /// chosen by sigmoid scores that scale their inputs, beside a shared expert.
+    Llama4,
     /// Mixtral (`mixtral`): Mistral's decoder with experts under their block-sparse names.
     Mixtral,
     /// Qwen2-MoE (`qwen2_moe`): Qwen2's decoder with experts and, optionally, a shared expert.
@@ -156,6 +161,19 @@ const APERTUS_NORMS: [(&str, &str); 2] = [
     ("post_attention_layernorm.weight", "feedforward_layernorm.weight"),
 ];
 
+/// Llama 4's feed-forward names (dense, router, shared expert, stacked experts), beside Strata's.
+const LLAMA4_FEED_FORWARD: [(&str, &str); 9] = [
+    ("mlp.gate_proj.weight", "feed_forward.gate_proj.weight"),
+    ("mlp.up_proj.weight", "feed_forward.up_proj.weight"),
+    ("mlp.down_proj.weight", "feed_forward.down_proj.weight"),
+    ("mlp.gate.weight", "feed_forward.router.weight"),
+    ("mlp.shared_experts.gate_proj.weight", "feed_forward.shared_expert.gate_proj.weight"),
+    ("mlp.shared_experts.up_proj.weight", "feed_forward.shared_expert.up_proj.weight"),
+    ("mlp.shared_experts.down_proj.weight", "feed_forward.shared_expert.down_proj.weight"),
+    ("mlp.experts.gate_up_proj", "feed_forward.experts.gate_up_proj"),
+    ("mlp.experts.down_proj", "feed_forward.experts.down_proj"),
+];
+
 /// HunYuan-MoE's router and shared expert's names, beside Strata's.
 const HUNYUAN_EXPERTS: [(&str, &str); 4] = [
     ("mlp.gate.weight", "mlp.gate.wg.weight"),
@@ -183,6 +201,18 @@ pub enum ExpertStacking {
     Interleaved,
     /// Mistral 4: each expert's matrices output-major, the gate's rows before the up's.
     Concatenated,
+    /// Llama 4: each expert's matrices input-major, the gate's columns before the up's.
+    InputMajor,
+}
+
+/// Llama 4's attention options and dense width, as its keys give them ([`Keys::llama4_attention`]).
+struct Llama4Attention {
+    chunk: Option<i64>,
+    layer_types: Vec<LayerAttention>,
+    qk_l2_norm: bool,
+    query_scaling: Option<QueryScaling>,
+    /// `intermediate_size_mlp`: the dense layers' feed-forward width.
+    dense_width: i64,
 }
 
 /// What a decoder family's configuration class gives where a folder leaves its keys out
@@ -213,7 +243,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 37] = [
+const FAMILIES: [Family; 38] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -236,6 +266,7 @@ const FAMILIES: [Family; 37] = [
     Family::HunYuanMoe,
     Family::Granite,
     Family::GraniteMoe,
+    Family::Llama4,
     Family::Mixtral,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
@@ -279,6 +310,7 @@ impl Family {
             Family::HunYuanMoe => "hunyuan_v1_moe",
             Family::Granite => "granite",
             Family::GraniteMoe => "granitemoe",
+            Family::Llama4 => "llama4_text",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
@@ -333,6 +365,7 @@ impl Family {
             Family::HunYuanMoe => "HunYuanMoEV1",
             Family::Granite => "Granite",
             Family::GraniteMoe => "GraniteMoe",
+            Family::Llama4 => "Llama4",
             Family::Mixtral => "Mixtral",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
@@ -371,6 +404,7 @@ impl Family {
                 | Family::Granite
                 | Family::GraniteMoe
                 | Family::Apertus
+                | Family::Llama4
         )
     }
 
@@ -388,7 +422,9 @@ impl Family {
         ClassDefaults {
             positions: match self {
                 Gemma2 => 8192,
-                Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss | Ernie4_5 | Ernie4_5Moe => 131_072,
+                Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss | Ernie4_5 | Ernie4_5Moe | Llama4 => {
+                    131_072
+                }
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
                 Apertus => 65_536,
@@ -400,19 +436,19 @@ impl Family {
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
-                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus => 1e-5,
+                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
                 Mixtral => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
-                Ernie4_5 | Ernie4_5Moe => 500_000.0,
+                Ernie4_5 | Ernie4_5Moe | Llama4 => 500_000.0,
                 _ => 10_000.0,
             },
             head_dim: match self {
                 Gemma2 | Gemma3 | Gemma4 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
-                Qwen3 | Glm4 | Ministral3 | SeedOss | Ernie4_5 => Some(128),
+                Qwen3 | Glm4 | Ministral3 | SeedOss | Ernie4_5 | Llama4 => Some(128),
                 GptOss => Some(64),
                 _ => None,
             },
@@ -447,6 +483,7 @@ impl Family {
             | Family::Mistral4
             | Family::Glm4Moe
             | Family::GptOss
+            | Family::Llama4
             | Family::Qwen3Next => Family::Llama,
             dense => dense,
         }
@@ -459,6 +496,7 @@ impl Family {
         match self {
             Family::GptOss => Some(ExpertStacking::Interleaved),
             Family::Mistral4 | Family::Gemma4 | Family::GraniteMoe => Some(ExpertStacking::Concatenated),
+            Family::Llama4 => Some(ExpertStacking::InputMajor),
             _ => None,
         }
     }
@@ -521,6 +559,7 @@ impl Family {
         if let Some(moe) = &c.moe {
             return Ok(match c {
                 c if c.layer_scalar || moe.beside_dense => Family::Gemma4,
+                _ if moe.scale_inputs => Family::Llama4,
                 _ if moe.names == ExpertNames::MlpStatics => Family::Ernie4_5Moe,
                 c if c.latent.is_some() && c.query_scaling.is_some() => Family::Mistral4,
                 c if c.latent.is_some() => Family::DeepseekV3,
@@ -605,6 +644,7 @@ impl Family {
                             | Family::Qwen3_5Moe
                             | Family::Ernie4_5Moe
                             | Family::HunYuanMoe
+                            | Family::Llama4
                     ) || self.routes_like_deepseek()),
                 "a shared expert",
             ),
@@ -635,6 +675,26 @@ impl Family {
                  experts' width without a gate)",
             ),
             (
+                moe.is_some_and(|m| {
+                    let routing = m.scoring == Scoring::Sigmoid
+                        && m.scale_inputs
+                        && !m.norm_topk
+                        && !m.choice_bias
+                        && m.groups == 1
+                        && m.routed_scale == 1.0
+                        && m.names == ExpertNames::Mlp
+                        && m.shared_expert_dim == Some(m.expert_ffn_dim)
+                        && !m.shared_gate;
+                    if self == Family::Llama4 {
+                        !routing
+                    } else {
+                        m.scale_inputs
+                    }
+                }),
+                "Llama 4's experts (sigmoid scores scaling each expert's input, one shared expert of the \
+                 experts' width without a gate)",
+            ),
+            (
                 moe.is_some_and(|m| (m.names == ExpertNames::InputOutputLinear) != (self == Family::GraniteMoe)),
                 "Granite-MoE's names",
             ),
@@ -657,7 +717,7 @@ impl Family {
                 "norms after attention and the feed-forward alone",
             ),
             (
-                !c.unrotated_layers.is_empty() && !matches!(self, Family::SmolLm3 | Family::Exaone4),
+                !c.unrotated_layers.is_empty() && !matches!(self, Family::SmolLm3 | Family::Exaone4 | Family::Llama4),
                 "layers that turn no position",
             ),
             // EXAONE 4 turns no position on exactly its full layers, where it has a window.
@@ -666,8 +726,18 @@ impl Family {
                 "layers that turn no position other than the full layers beside sliding ones",
             ),
             (
-                c.query_scaling.is_some() != matches!(self, Family::Ministral3 | Family::Mistral4),
+                c.query_scaling.is_some_and(|q| !q.from_one && !q.unrotated_only)
+                    != matches!(self, Family::Ministral3 | Family::Mistral4),
                 "queries scaled by position",
+            ),
+            (
+                c.query_scaling.is_some_and(|q| q.from_one || q.unrotated_only)
+                    && (self != Family::Llama4 || c.query_scaling.is_some_and(|q| !(q.from_one && q.unrotated_only))),
+                "Llama 4's attention temperature (positions from one, on the layers that turn none)",
+            ),
+            (
+                (c.qk_l2_norm || c.attention_chunk.is_some()) && self != Family::Llama4,
+                "query/key norms without a weight, or chunked attention",
             ),
             (c.fused_gate_up != (self == Family::Glm4), "a fused gate_up_proj beside apart attention projections"),
             (c.qk_norm_after_rotation != (self.dense() == Family::HunYuanDense), "query/key norms after the rotation"),
@@ -681,15 +751,16 @@ impl Family {
                 "a fixed NTK stretch of the rotation (a dynamic one with an alpha)",
             ),
             (
-                c.interleaved_rotation != matches!(self.dense(), Family::Glm4 | Family::Ernie4_5),
+                c.interleaved_rotation
+                    != (matches!(self.dense(), Family::Glm4 | Family::Ernie4_5) || self == Family::Llama4),
                 "heads turned as adjacent pairs",
             ),
             (c.latent.is_some() != self.has_latent_attention(), "latent attention"),
             // Mistral 4's routing is pinned by the scoring rule below, shared experts or not;
-            // ERNIE 4.5's and HunYuan's by their own rules above.
+            // ERNIE 4.5's, HunYuan's and Llama 4's by their own rules above.
             (
                 moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek())
-                    && !matches!(self, Family::Mistral4 | Family::Ernie4_5Moe | Family::HunYuanMoe),
+                    && !matches!(self, Family::Mistral4 | Family::Ernie4_5Moe | Family::HunYuanMoe | Family::Llama4),
                 "DeepSeek's routing",
             ),
             // ERNIE 4.5's routing, names and sparse span are pinned whole.
@@ -890,6 +961,7 @@ impl Family {
             Family::HunYuanDense => &[&HUNYUAN_NORMS],
             Family::HunYuanMoe => &[&HUNYUAN_NORMS, &HUNYUAN_EXPERTS],
             Family::Apertus => &[&APERTUS_NORMS],
+            Family::Llama4 => &[&LLAMA4_FEED_FORWARD],
             Family::GraniteMoe => &[&GRANITE_MOE_STACKS],
             _ => &[],
         };
@@ -1145,7 +1217,8 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         if let Some(latent) = c.latent.as_ref().filter(|l| l.mscale_all_dim > 0.0) {
             p["mscale_all_dim"] = json!(latent.mscale_all_dim);
         }
-        if let Some(q) = &c.query_scaling {
+        // Mistral's query scaling lives in its rotation's keys (Llama 4's has keys of its own).
+        if let Some(q) = c.query_scaling.filter(|_| family != Family::Llama4) {
             p["llama_4_scaling_beta"] = json!(q.beta);
             p["original_max_position_embeddings"] = json!(q.every);
         }
@@ -1270,6 +1343,21 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["sliding_window"] = json!(c.sliding_window.filter(|_| sliding));
         v["layer_types"] = json!(layer_types);
     }
+    if family == Family::Llama4 {
+        let chunked: Vec<&str> = (0..c.layers as usize)
+            .map(|i| if c.chunk(i).is_some() { "chunked_attention" } else { "full_attention" })
+            .collect();
+        v["layer_types"] = json!(chunked);
+        v["attention_chunk_size"] = json!(c.attention_chunk);
+        v["no_rope_layers"] = json!((0..c.layers).map(|i| i64::from(c.rotates(i))).collect::<Vec<_>>());
+        v["use_qk_norm"] = json!(c.qk_l2_norm);
+        v["attn_temperature_tuning"] = json!(c.query_scaling.is_some());
+        if let Some(q) = c.query_scaling {
+            v["attn_scale"] = json!(q.beta);
+            v["floor_scale"] = json!(q.every);
+        }
+        v["intermediate_size_mlp"] = json!(c.hidden());
+    }
     if let Some(l) = &c.linear_attention {
         let types: Vec<&str> = (0..c.layers as usize)
             .map(|i| if c.is_linear(i) { "linear_attention" } else { "full_attention" })
@@ -1322,6 +1410,19 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         v["moe_layer_end_index"] = json!(sparse.last().copied().unwrap_or(-1));
         v["moe_layer_interval"] = json!(moe.sparse_step);
         v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
+        return;
+    }
+    // Llama 4's class names the sparse layers, its experts and shared expert as wide as its
+    // intermediate_size, and has no load-balancing loss (a weight Strata trains with is kept
+    // where set).
+    if family == Family::Llama4 {
+        v["num_local_experts"] = json!(moe.experts);
+        v["num_experts_per_tok"] = json!(moe.top_k);
+        v["intermediate_size"] = json!(moe.expert_ffn_dim);
+        v["moe_layers"] = json!((0..c.layers).filter(|&l| moe.is_sparse(l)).collect::<Vec<_>>());
+        if moe.aux_loss_coef != 0.0 {
+            v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
+        }
         return;
     }
     // HunYuan-MoE's class names its own keys, its experts and shared expert as wide as its
@@ -2061,6 +2162,7 @@ impl Keys<'_> {
         let seed = family == Family::SeedOss;
         let ernie = family.dense() == Family::Ernie4_5;
         let hunyuan = family.dense() == Family::HunYuanDense;
+        let llama4 = family == Family::Llama4;
         // Granite's class scales its scores by attention_multiplier alone (1 by default).
         let multipliers = match family.dense() {
             Family::Granite => Some(Multipliers {
@@ -2117,7 +2219,8 @@ impl Keys<'_> {
         let family = family.dense();
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
         let layers = self.required("num_hidden_layers")?;
-        let unrotated_layers = if smollm3 { self.unrotated_layers(layers)? } else { vec![] };
+        let unrotated_layers = if smollm3 || llama4 { self.unrotated_layers(layers)? } else { vec![] };
+        let llama4_attention = if llama4 { Some(self.llama4_attention(layers, &unrotated_layers)?) } else { None };
         let gemma = family.is_gemma();
         let (activation, accepted, named): (_, &[&str], _) = match family {
             _ if gemma => (Activation::GeluTanh, &["gelu_pytorch_tanh", "gelu_tanh"], "gates with gelu_pytorch_tanh"),
@@ -2236,8 +2339,9 @@ impl Keys<'_> {
             RopeScaling::Dynamic { factor, .. } if factor > 1.0 => (max_positions as f64 * factor) as i64,
             _ => max_positions,
         };
-        let (sliding_window, layer_types) = match (gpt_oss, next) {
+        let (sliding_window, layer_types) = match (&llama4_attention, next) {
             (_, true) => (None, Some(self.linear_layers(layers)?)),
+            (Some(l), _) => (None, Some(l.layer_types.clone())),
             _ => self.windows(class, layers, &unrotated_layers)?,
         };
         // Phi-3 drops each sub-layer's output (`resid_pdrop`); `transformers` reads no
@@ -2341,9 +2445,17 @@ impl Keys<'_> {
             head,
             ..LlamaConfig::new(self.required("vocab_size")?, ctx, layers, heads, dim)
         };
-        Ok(match exaone4 {
-            true => LlamaConfig { unrotated_layers: exaone4_unrotated(&config), ..config },
-            false => config,
+        Ok(match (exaone4, llama4_attention) {
+            (true, _) => LlamaConfig { unrotated_layers: exaone4_unrotated(&config), ..config },
+            (_, Some(l)) => LlamaConfig {
+                ffn_dim: Some(l.dense_width),
+                attention_chunk: l.chunk,
+                qk_l2_norm: l.qk_l2_norm,
+                query_scaling: l.query_scaling,
+                interleaved_rotation: true,
+                ..config
+            },
+            _ => config,
         })
     }
 
@@ -2457,6 +2569,9 @@ impl Keys<'_> {
         if family == Family::HunYuanMoe {
             return self.hunyuan_experts().map(Some);
         }
+        if family == Family::Llama4 {
+            return self.llama4_experts().map(Some);
+        }
         if !family.has_experts() {
             return Ok(None);
         }
@@ -2539,6 +2654,85 @@ impl Keys<'_> {
             },
             ..MoeConfig::new(experts, self.int("num_experts_per_tok")?.unwrap_or(default_top_k), expert_ffn_dim)
         }))
+    }
+
+    /// Llama 4's experts: `num_experts_per_tok` of `num_local_experts` (1 of 16 by default),
+    /// `intermediate_size` wide, chosen by their sigmoid scores, each score scaling its
+    /// expert's input; a shared expert of their width without a gate; sparse on the layers
+    /// `moe_layers` lists, else every `interleave_moe_layer_step`-th; no load-balancing loss
+    /// (its class has none).
+    fn llama4_experts(&self) -> KeyResult<MoeConfig> {
+        self.only("router_jitter_noise", &[json!(0), json!(0.0)], "routing takes no noise")?;
+        let layers = self.required("num_hidden_layers")?;
+        let sparse: Vec<i64> = match self.get("moe_layers") {
+            Some(Value::Array(list)) => list
+                .iter()
+                .map(|l| l.as_i64().ok_or_else(|| format!("config.json: moe_layers holds {l}, not a layer number")))
+                .collect::<KeyResult<_>>()?,
+            Some(Value::Null) | None => {
+                let step = self.int("interleave_moe_layer_step")?.unwrap_or(1).max(1);
+                (step - 1..layers).step_by(step as usize).collect()
+            }
+            Some(other) => return Err(format!("config.json: moe_layers is not a list ({other})")),
+        };
+        let width = self.required("intermediate_size")?;
+        Ok(MoeConfig {
+            shared_expert_dim: Some(width),
+            shared_gate: false,
+            scoring: Scoring::Sigmoid,
+            scale_inputs: true,
+            dense_layers: (0..layers).filter(|l| !sparse.contains(l)).collect(),
+            aux_loss_coef: 0.0,
+            ..MoeConfig::new(
+                self.int("num_local_experts")?.unwrap_or(16),
+                self.int("num_experts_per_tok")?.unwrap_or(1),
+                width,
+            )
+        })
+    }
+
+    /// Llama 4's attention: chunks of `attention_chunk_size` (8192 by default; none where it
+    /// is null) on the layers `layer_types` marks `chunked_attention`, by default those that
+    /// turn positions; queries and keys normed without a weight there (`use_qk_norm`); the
+    /// others' queries scaled up with their position (`attn_temperature_tuning`, by
+    /// `attn_scale` every `floor_scale` positions).
+    fn llama4_attention(&self, layers: i64, unrotated: &[i64]) -> KeyResult<Llama4Attention> {
+        let chunk = match self.get("attention_chunk_size") {
+            Some(Value::Null) => None,
+            Some(_) => self.int("attention_chunk_size")?,
+            None => Some(8192),
+        };
+        let read = |t: &Value| match t.as_str() {
+            Some("chunked_attention") if chunk.is_some() => Ok(LayerAttention::Chunked),
+            Some("chunked_attention" | "full_attention") => Ok(LayerAttention::Full),
+            _ => Err(format!("config.json: layer_types holds {t}, not chunked_attention or full_attention")),
+        };
+        let layer_types = match self.get("layer_types") {
+            Some(Value::Array(types)) => types.iter().map(read).collect::<KeyResult<Vec<_>>>()?,
+            Some(Value::Null) | None => (0..layers)
+                .map(|i| match unrotated.contains(&i) || chunk.is_none() {
+                    true => LayerAttention::Full,
+                    false => LayerAttention::Chunked,
+                })
+                .collect(),
+            Some(other) => return Err(format!("config.json: layer_types is not a list ({other})")),
+        };
+        let temperature = self.flag("attn_temperature_tuning")?.unwrap_or(true);
+        Ok(Llama4Attention {
+            chunk,
+            layer_types,
+            qk_l2_norm: self.flag("use_qk_norm")?.unwrap_or(true),
+            query_scaling: match temperature {
+                true => Some(QueryScaling {
+                    beta: self.float("attn_scale")?.unwrap_or(0.1),
+                    every: self.int("floor_scale")?.unwrap_or(8192),
+                    from_one: true,
+                    unrotated_only: true,
+                }),
+                false => None,
+            },
+            dense_width: self.int("intermediate_size_mlp")?.unwrap_or(16384),
+        })
     }
 
     /// HunYuan-MoE's experts: on every layer, `moe_topk` of `num_experts` (a number, or one
@@ -2891,7 +3085,7 @@ impl Keys<'_> {
                 )
             }
         };
-        Ok(Some(QueryScaling { beta, every }))
+        Ok(Some(QueryScaling { beta, every, from_one: false, unrotated_only: false }))
     }
 
     /// SmolLM3's layers that turn no position: the zeros of `no_rope_layers` (one flag per
@@ -3622,7 +3816,10 @@ mod tests {
         // Without rotation keys, Ministral 3's configuration class's own: YaRN with the queries
         // scaled; the older rope_scaling is its rotation, query scale included.
         let plain = read(Family::Ministral3, json!({})).unwrap();
-        assert_eq!(plain.query_scaling, Some(QueryScaling { beta: 0.1, every: 16384 }));
+        assert_eq!(
+            plain.query_scaling,
+            Some(QueryScaling { beta: 0.1, every: 16384, from_one: false, unrotated_only: false })
+        );
         assert!(matches!(plain.rope_scaling, RopeScaling::Yarn { factor: 16.0, original_context: 16384, .. }));
         assert_eq!(
             (plain.rope_theta, plain.head_width(), plain.ctx, plain.padding_token),
@@ -3632,11 +3829,14 @@ mod tests {
                                             "llama_4_scaling_beta": 0.2}});
         assert_eq!(
             read(Family::Ministral3, older.clone()).unwrap().query_scaling,
-            Some(QueryScaling { beta: 0.2, every: 32 })
+            Some(QueryScaling { beta: 0.2, every: 32, from_one: false, unrotated_only: false })
         );
         // Both given: the older key is read, as its class reads it.
         let both = json!({"rope_scaling": older["rope_scaling"], "rope_parameters": {"rope_type": "default"}});
-        assert_eq!(read(Family::Ministral3, both).unwrap().query_scaling, Some(QueryScaling { beta: 0.2, every: 32 }));
+        assert_eq!(
+            read(Family::Ministral3, both).unwrap().query_scaling,
+            Some(QueryScaling { beta: 0.2, every: 32, from_one: false, unrotated_only: false })
+        );
         assert_eq!(
             read(Family::Olmoe, json!({"num_experts": 4, "num_experts_per_tok": 2})).unwrap().padding_token,
             Some(1)

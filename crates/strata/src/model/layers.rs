@@ -373,6 +373,9 @@ pub struct AttentionOptions {
     /// Each query sees every key of its example, before and after it (an encoder's
     /// attention); `false`: only those up to it (causal).
     pub bidirectional: bool,
+    /// Each query sees only the keys of its own chunk: places `[c·n, c·(n+1))` of its row
+    /// (Llama 4's chunked attention); `None`: no chunks.
+    pub chunk: Option<i64>,
 }
 
 /// What joins the attention scores beside the queries and keys.
@@ -402,7 +405,7 @@ pub fn examples_differ(queries: &Tensor, keys: &Tensor) -> Result<Tensor> {
 /// Multi-head attention over `[B, H, Tq, D]` queries and `[B, H, Tk, D]` keys and values,
 /// `Tk ≥ Tq`: the queries are the last `Tq` of the `Tk` positions (decoding with a
 /// key/value cache), each attending to itself and the positions before it (within its
-/// window, where `options` sets one; every position where `options.bidirectional`), and
+/// window or chunk, where `options` sets one; every position where `options.bidirectional`), and
 /// never to keys `hidden` masks ([`other_examples`]). `bias`, where given, is added to the
 /// scaled scores (T5's relative position bias, `[1, H, Tq, Tk]`). `dropout`, where given,
 /// drops attention probabilities (the composite then runs: a fused kernel would draw its own).
@@ -423,6 +426,8 @@ pub fn attention(
     // Fused kernels align a causal mask to the first key, so they serve equal lengths only,
     // of causal attention over unpacked rows without a bias or dropout.
     let fusable = keys == t && hidden.is_none() && terms.bias.is_none() && !options.bidirectional && dropout.is_none();
+    // Chunks take the composite's mask.
+    let fusable = fusable && options.chunk.is_none();
     // libtorch's know no window, cap or sinks; another scale is folded into the queries.
     if let Some(fused) = compute::replaced(|r| r.attention(q.kind()))
         .filter(|_| fusable && window.is_none() && options.softcap.is_none() && terms.sinks.is_none())
@@ -456,6 +461,12 @@ pub fn attention(
     let mut masked = if options.bidirectional { ones.f_logical_not()? } else { ones.f_triu(1 + keys - t)? };
     if let Some(w) = window {
         masked = masked.f_logical_or(&ones.f_tril(keys - t - w)?)?;
+    }
+    if let Some(c) = options.chunk {
+        let chunks = |from: i64| -> Result<Tensor> {
+            Ok(Tensor::f_arange_start(from, keys, (Kind::Int64, q.device()))?.f_floor_divide_scalar(c)?)
+        };
+        masked = masked.f_logical_or(&chunks(keys - t)?.f_unsqueeze(1)?.f_ne_tensor(&chunks(0)?.f_unsqueeze(0)?)?)?;
     }
     if let Some(other) = hidden {
         masked = masked.f_logical_or(other)?;

@@ -91,6 +91,9 @@ pub enum LayerAttention {
     Sliding,
     /// Gated DeltaNet linear attention in place of softmax attention ([`super::linear`]).
     Linear,
+    /// The earlier positions of the query's own chunk: positions fall into chunks of
+    /// `attention_chunk` by their place in the row (Llama 4's chunked attention).
+    Chunked,
 }
 
 /// The heads of the full-attention layers where they differ from the sliding layers' (Gemma
@@ -213,9 +216,17 @@ pub struct LlamaConfig {
     /// Layers whose attention turns no position (no rotary embedding: SmolLM3's NoPE layers).
     #[serde(default)]
     pub unrotated_layers: Vec<i64>,
-    /// Queries scaled up with their position (Ministral 3, Mistral 4).
+    /// Queries scaled up with their position (Ministral 3, Mistral 4; Llama 4 on the layers
+    /// that turn no position).
     #[serde(default)]
     pub query_scaling: Option<QueryScaling>,
+    /// Queries and keys RMS-normed per head without a weight after the rotation, on the
+    /// layers that turn positions (Llama 4's `use_qk_norm`).
+    #[serde(default)]
+    pub qk_l2_norm: bool,
+    /// Width of the chunks the `chunked` layers attend within (`attention_chunk_size`).
+    #[serde(default)]
+    pub attention_chunk: Option<i64>,
     /// Token embeddings multiplied by √dim.
     #[serde(default)]
     pub scale_embeddings: bool,
@@ -331,6 +342,8 @@ impl LlamaConfig {
             post_norms: false,
             unrotated_layers: vec![],
             query_scaling: None,
+            qk_l2_norm: false,
+            attention_chunk: None,
             scale_embeddings: false,
             query_pre_attn_scalar: None,
             attn_softcap: None,
@@ -402,6 +415,12 @@ impl LlamaConfig {
         self.sliding_window.filter(|_| sliding)
     }
 
+    /// The chunk width of layer `layer`'s attention, where it is chunked.
+    pub fn chunk(&self, layer: usize) -> Option<i64> {
+        let chunked = self.layer_types.as_ref().is_some_and(|t| t.get(layer) == Some(&LayerAttention::Chunked));
+        self.attention_chunk.filter(|_| chunked)
+    }
+
     /// Key/value heads: `kv_heads`, else one per query head.
     pub fn key_value_heads(&self) -> i64 {
         self.kv_heads.unwrap_or(self.heads)
@@ -431,6 +450,16 @@ impl LlamaConfig {
         }
         if let Some(scaling) = &self.query_scaling {
             scaling.validate()?;
+        }
+        if let Some(c) = self.attention_chunk.filter(|&c| c <= 0) {
+            return Err(Error::Config(format!("attention_chunk must be positive, got {c}")));
+        }
+        let chunked = self.layer_types.as_ref().is_some_and(|t| t.contains(&LayerAttention::Chunked));
+        if chunked && self.attention_chunk.is_none() {
+            return Err(Error::Config("chunked layers need attention_chunk, the width of their chunks".into()));
+        }
+        if self.qk_l2_norm && (self.qk_norm || self.qk_norm_whole) {
+            return Err(Error::Config("qk_l2_norm and qk_norm are two norms of the same queries and keys".into()));
         }
         if self.sandwich_norms && self.post_norms {
             return Err(Error::Config("sandwich_norms and post_norms are two placements of the same norms".into()));
@@ -756,6 +785,8 @@ struct GroupedHeads {
     interleaved_rotation: bool,
     /// The queries' scale by position, where the family has one.
     query_scaling: Option<QueryScaling>,
+    /// Queries and keys RMS-normed per head without a weight after the rotation.
+    l2_norm: bool,
     kinds: Kinds,
     /// The query projection gives each head's output gate after its query.
     output_gate: bool,
@@ -931,6 +962,9 @@ impl GroupedHeads {
         };
         let (q, k) = match self.qk_norms.filter(|_| self.norms_after_rotation) {
             Some(norms) => self.per_head_norms(p, norms, q, k)?,
+            None if self.l2_norm => {
+                (rms_norm_unweighted(&q, self.kinds.eps)?, rms_norm_unweighted(&k, self.kinds.eps)?)
+            }
             None => (q, k),
         };
         let q = match &self.query_scaling {
@@ -1345,6 +1379,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     window,
                     softcap: cfg.attn_softcap,
                     bidirectional: false,
+                    chunk: cfg.chunk(layer),
                 },
                 dropout: cfg.dropout.attention,
             }))
@@ -1362,7 +1397,8 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     kv_heads,
                     head_dim: hd,
                     rotation: cfg.rotates(layer as i64).then(|| Rotation::new(rope)),
-                    query_scaling: cfg.query_scaling,
+                    query_scaling: cfg.query_scaling.filter(|s| !s.unrotated_only || !cfg.rotates(layer as i64)),
+                    l2_norm: cfg.qk_l2_norm && cfg.rotates(layer as i64),
                     interleaved_rotation: cfg.interleaved_rotation,
                     kinds,
                     output_gate: cfg.attention_output_gate,

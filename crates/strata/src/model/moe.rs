@@ -229,6 +229,9 @@ pub struct MoeConfig {
     /// norms of its own before the two are summed (Gemma 4's `enable_moe_block`).
     #[serde(default)]
     pub beside_dense: bool,
+    /// Each routing weight scales its expert's input rather than its output (Llama 4's).
+    #[serde(default)]
+    pub scale_inputs: bool,
 }
 
 fn every_layer() -> i64 {
@@ -276,6 +279,7 @@ impl MoeConfig {
             router_norm: false,
             expert_scales: false,
             beside_dense: false,
+            scale_inputs: false,
         }
     }
 
@@ -500,6 +504,8 @@ pub(crate) struct SparseFeedForward {
     experts: Vec<Expert>,
     shared: Option<(Expert, Option<ParamId>)>,
     capacity_factor: Option<f64>,
+    /// The routing weights scale the experts' inputs rather than their outputs.
+    scale_inputs: bool,
     /// This layer's place among the model's sparse layers, and the model's balance.
     layer: usize,
     balance: Arc<LoadBalance>,
@@ -586,6 +592,7 @@ impl SparseFeedForward {
             experts,
             shared,
             capacity_factor: moe.capacity_factor,
+            scale_inputs: moe.scale_inputs,
             layer,
             balance: Arc::clone(balance),
         }
@@ -751,6 +758,12 @@ impl SparseFeedForward {
         };
         let token_of = order.f_floor_divide_scalar(k)?;
         let grouped = x.f_index_select(0, &token_of)?;
+        let grouped = match self.scale_inputs {
+            true => grouped.f_mul(
+                &routing.weights.f_reshape([-1])?.f_index_select(0, &order)?.f_unsqueeze(1)?.f_to_kind(x.kind())?,
+            )?,
+            false => grouped,
+        };
         let (computed, remote) = match p.experts() {
             Some(group) => self.exchanged(p, group, &grouped, &counts)?,
             None => (self.computed(p, &grouped, &host_counts(&counts)?, 0)?, 0),
@@ -761,7 +774,10 @@ impl SparseFeedForward {
             &order,
             &computed.f_to_kind(Kind::Float)?,
         )?;
-        let weighted = by_slot.f_mul(&routing.weights.f_reshape([-1, 1])?)?;
+        let weighted = match self.scale_inputs {
+            true => by_slot,
+            false => by_slot.f_mul(&routing.weights.f_reshape([-1, 1])?)?,
+        };
         let summed = weighted.f_reshape([-1, k, x.size()[1]])?.f_sum_dim_intlist(1, false, Kind::Float)?;
         Ok((summed.f_to_kind(x.kind())?, Dispatch { remote, dropped }))
     }
@@ -1413,6 +1429,7 @@ mod tests {
             experts,
             shared: None,
             capacity_factor,
+            scale_inputs: false,
             layer: 0,
             balance,
         };

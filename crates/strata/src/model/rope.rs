@@ -106,10 +106,17 @@ pub(crate) fn pairs_as_halves(q: &Tensor, k: &Tensor, dims: i64) -> Result<(Tens
 /// that attention stays sharp far past the context a model was trained at.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct QueryScaling {
-    /// How fast the scale grows (`llama_4_scaling_beta`).
+    /// How fast the scale grows (`llama_4_scaling_beta`, Llama 4's `attn_scale`).
     pub beta: f64,
-    /// Positions per step of the logarithm (`original_max_position_embeddings`).
+    /// Positions per step of the logarithm (`original_max_position_embeddings`, Llama 4's
+    /// `floor_scale`).
     pub every: i64,
+    /// Positions counted from one rather than zero (Llama 4's).
+    #[serde(default)]
+    pub from_one: bool,
+    /// Only the layers that turn no position scale their queries (Llama 4's).
+    #[serde(default)]
+    pub unrotated_only: bool,
 }
 
 impl QueryScaling {
@@ -128,6 +135,7 @@ impl QueryScaling {
     pub(crate) fn apply(&self, q: &Tensor, placed: Placed<'_>) -> Result<Tensor> {
         // `[T, 1]` or `[B, 1, T, 1]`: a scale per position, across its head's dimensions.
         let (positions, _) = placed.positions(q.size()[2], q.device())?;
+        let positions = if self.from_one { positions.f_add_scalar(1.0)? } else { positions };
         let steps = positions.f_unsqueeze(-1)?.f_div_scalar(self.every as f64)?.f_floor()?;
         let scale = steps.f_add_scalar(1.0)?.f_log()?.f_mul_scalar(self.beta)?.f_add_scalar(1.0)?;
         Ok(q.f_mul(&scale.f_to_kind(q.kind())?)?)

@@ -514,7 +514,8 @@ fn strata_s_attention_kernel_matches_the_composite_with_windows_caps_and_sinks()
         // The composite in fp32 from the same values, keys and values repeated per head.
         let (qf, kf, vf) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float));
         let repeat = |x: &Tensor| x.repeat_interleave_self_int(heads / kv_heads, 1, None);
-        let options = layers::AttentionOptions { scale: Some(scale), window, softcap, bidirectional: false };
+        let options =
+            layers::AttentionOptions { scale: Some(scale), window, softcap, bidirectional: false, chunk: None };
         let terms = layers::ScoreTerms { bias: None, sinks: sinks.then_some(&sink) };
         let composite = layers::attention(&qf, &repeat(&kf), &repeat(&vf), &options, None, terms, None).unwrap();
         let composite_grads = grads(&composite);

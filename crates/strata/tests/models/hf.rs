@@ -648,6 +648,15 @@ fn apertus_matches_transformers() {
     family_matches_transformers("apertus", 32);
 }
 
+/// Llama 4's language model: heads turned as adjacent pairs and normed without a weight on
+/// three layers of four, attending within chunks of 4 there; the fourth turning no position,
+/// its queries scaled up with it; every other layer's experts (2 of 4) chosen by sigmoid
+/// scores that scale their inputs, beside a shared expert; the experts stacked input-major.
+#[test]
+fn llama4_matches_transformers() {
+    family_matches_transformers("llama4", 32);
+}
+
 /// Granite-MoE: Granite's multipliers over every layer's 4 experts, top 2 renormalised,
 /// stacked in its files as `input_linear` and `output_linear`.
 #[test]
@@ -1577,8 +1586,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 34] = [
+const DECODER_TYPES: [&str; 35] = [
     "llama",
+    "llama4_text",
     "apertus",
     "hunyuan_v1_moe",
     "arcee",

@@ -57,7 +57,13 @@ fn rank_entry() {
         let plain =
             Case { options: AttentionOptions::default(), packed: false, sinks: false, value_width: 8, kv_heads: 2 };
         let everything = Case {
-            options: AttentionOptions { window: Some(5), softcap: Some(2.0), scale: Some(0.3), bidirectional: false },
+            options: AttentionOptions {
+                window: Some(5),
+                softcap: Some(2.0),
+                scale: Some(0.3),
+                bidirectional: false,
+                chunk: None,
+            },
             packed: true,
             sinks: true,
             value_width: 6,
@@ -66,7 +72,13 @@ fn rank_entry() {
         // Without the cap and with values as wide as keys, the ring's blocks run the fused
         // kernel, masked; the case above takes the composite.
         let uncapped = Case {
-            options: AttentionOptions { window: Some(5), softcap: None, scale: Some(0.3), bidirectional: false },
+            options: AttentionOptions {
+                window: Some(5),
+                softcap: None,
+                scale: Some(0.3),
+                bidirectional: false,
+                chunk: None,
+            },
             packed: true,
             sinks: true,
             value_width: 8,
@@ -74,7 +86,13 @@ fn rank_entry() {
         };
         // Without a window, the ring's fused blocks need no mask for packed rows either.
         let unwindowed = Case {
-            options: AttentionOptions { window: None, softcap: None, scale: Some(0.3), bidirectional: false },
+            options: AttentionOptions {
+                window: None,
+                softcap: None,
+                scale: Some(0.3),
+                bidirectional: false,
+                chunk: None,
+            },
             packed: true,
             sinks: true,
             value_width: 8,
@@ -83,14 +101,30 @@ fn rank_entry() {
         // A window wider than a ring run (8 positions at 2 ranks, 4 at 4), over plain rows:
         // bands whose keys every query sees beside those some do.
         let wide_window = Case {
-            options: AttentionOptions { window: Some(12), softcap: None, scale: None, bidirectional: false },
+            options: AttentionOptions {
+                window: Some(12),
+                softcap: None,
+                scale: None,
+                bidirectional: false,
+                chunk: None,
+            },
             packed: false,
             sinks: false,
             value_width: 8,
             kv_heads: 4,
         };
+        // Chunks of 6 (Llama 4's chunked attention) cut across ring runs of 8 and 4, over
+        // packed rows: the ring masks by places.
+        let chunked = Case {
+            options: AttentionOptions { chunk: Some(6), scale: Some(0.3), ..AttentionOptions::default() },
+            packed: true,
+            sinks: false,
+            value_width: 8,
+            kv_heads: 2,
+        };
         let cases = [
             ("plain", plain),
+            ("chunks, packed", chunked),
             ("window, cap, sinks, packed", everything),
             ("window, sinks, packed", uncapped),
             ("sinks, packed", unwindowed),
