@@ -377,6 +377,13 @@ def decoder_families():
             floor_scale=4, attn_scale=0.5, tie_word_embeddings=False,
             rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 16, "rope_theta": 500.0})),
+        # Llama 4 as released: its language model beside an image model and its projector,
+        # under language_model.
+        "llama4-release": lambda: (tf.Llama4ForConditionalGeneration, tf.Llama4Config(
+            text_config=families["llama4"]()[1].to_dict(),
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=16, patch_size=8, vision_output_dim=16, projector_input_dim=16,
+                               projector_output_dim=16, pixel_shuffle_ratio=0.5))),
         # Granite-MoE: Granite's multipliers over every layer's four experts, two per token,
         # stacked in its files as input_linear and output_linear.
         "granite-moe": lambda: (tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig(

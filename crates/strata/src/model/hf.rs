@@ -1664,7 +1664,7 @@ struct Release {
 }
 
 /// The releases read ([`Release`]).
-const RELEASES: [Release; 5] = [
+const RELEASES: [Release; 6] = [
     Release {
         model_type: "qwen3_5",
         text_type: "qwen3_5_text",
@@ -1691,6 +1691,13 @@ const RELEASES: [Release; 5] = [
         text_type: "gemma4_text",
         outer_tie: Some(true),
         legacy_names: false,
+        uncapped_logits: false,
+    },
+    Release {
+        model_type: "llama4",
+        text_type: "llama4_text",
+        outer_tie: None,
+        legacy_names: true,
         uncapped_logits: false,
     },
     Release {
@@ -1750,8 +1757,9 @@ fn language_model_keys(cfg: &Map<String, Value>, stores_head: &dyn Fn() -> bool)
 /// the image model's, its projector's and the multi-token prediction's are left out. Other
 /// names read as they are.
 pub(crate) fn language_model_name(name: &str) -> Option<String> {
-    const LEFT_OUT: [&str; 9] = [
+    const LEFT_OUT: [&str; 10] = [
         "mtp.",
+        "vision_model.",
         "model.visual.",
         "model.vision_tower.",
         "vision_tower.",

@@ -904,6 +904,13 @@ fn gemma4_release_matches_transformers() {
     release_matches_transformers("gemma4-release", "gemma4");
 }
 
+/// Llama 4 as released (Scout, Maverick): its language model beside an image model and its
+/// projector, under `language_model.`; written back whole.
+#[test]
+fn llama4_release_matches_transformers() {
+    release_matches_transformers("llama4-release", "llama4");
+}
+
 /// Mistral 3 as released before `transformers` 5 (Mistral Small 3.1): the language model
 /// beside an image model, a stored head kept apart from the embedding though the outer
 /// configuration's default ties them, as `transformers` keeps it.
