@@ -161,17 +161,12 @@ const APERTUS_NORMS: [(&str, &str); 2] = [
     ("post_attention_layernorm.weight", "feedforward_layernorm.weight"),
 ];
 
-/// Llama 4's feed-forward names (dense, router, shared expert, stacked experts), beside Strata's.
-const LLAMA4_FEED_FORWARD: [(&str, &str); 9] = [
+/// Llama 4's dense feed-forward's names, beside Strata's (its experts are named by
+/// [`ExpertNames::FeedForward`]).
+const LLAMA4_FEED_FORWARD: [(&str, &str); 3] = [
     ("mlp.gate_proj.weight", "feed_forward.gate_proj.weight"),
     ("mlp.up_proj.weight", "feed_forward.up_proj.weight"),
     ("mlp.down_proj.weight", "feed_forward.down_proj.weight"),
-    ("mlp.gate.weight", "feed_forward.router.weight"),
-    ("mlp.shared_experts.gate_proj.weight", "feed_forward.shared_expert.gate_proj.weight"),
-    ("mlp.shared_experts.up_proj.weight", "feed_forward.shared_expert.up_proj.weight"),
-    ("mlp.shared_experts.down_proj.weight", "feed_forward.shared_expert.down_proj.weight"),
-    ("mlp.experts.gate_up_proj", "feed_forward.experts.gate_up_proj"),
-    ("mlp.experts.down_proj", "feed_forward.experts.down_proj"),
 ];
 
 /// HunYuan-MoE's router and shared expert's names, beside Strata's.
@@ -559,7 +554,7 @@ impl Family {
         if let Some(moe) = &c.moe {
             return Ok(match c {
                 c if c.layer_scalar || moe.beside_dense => Family::Gemma4,
-                _ if moe.scale_inputs => Family::Llama4,
+                _ if moe.names == ExpertNames::FeedForward => Family::Llama4,
                 _ if moe.names == ExpertNames::MlpStatics => Family::Ernie4_5Moe,
                 c if c.latent.is_some() && c.query_scaling.is_some() => Family::Mistral4,
                 c if c.latent.is_some() => Family::DeepseekV3,
@@ -682,13 +677,13 @@ impl Family {
                         && !m.choice_bias
                         && m.groups == 1
                         && m.routed_scale == 1.0
-                        && m.names == ExpertNames::Mlp
+                        && m.names == ExpertNames::FeedForward
                         && m.shared_expert_dim == Some(m.expert_ffn_dim)
                         && !m.shared_gate;
                     if self == Family::Llama4 {
                         !routing
                     } else {
-                        m.scale_inputs
+                        m.scale_inputs || m.names == ExpertNames::FeedForward
                     }
                 }),
                 "Llama 4's experts (sigmoid scores scaling each expert's input, one shared expert of the \
@@ -2689,6 +2684,7 @@ impl Keys<'_> {
             shared_gate: false,
             scoring: Scoring::Sigmoid,
             scale_inputs: true,
+            names: ExpertNames::FeedForward,
             dense_layers: (0..layers).filter(|l| !sparse.contains(l)).collect(),
             aux_loss_coef: 0.0,
             ..MoeConfig::new(

@@ -127,6 +127,12 @@ pub enum ExpertNames {
     /// and `block_sparse_moe.output_linear.weight` `[E, D, F]` (Granite-MoE); each expert's
     /// weights are `block_sparse_moe.experts.{e}.{gate,up,down}_proj.weight` here.
     InputOutputLinear,
+    /// `feed_forward.router.weight`, `feed_forward.shared_expert.{gate,up,down}_proj.weight`
+    /// and the experts stacked input-major on disk as `feed_forward.experts.gate_up_proj`
+    /// `[E, D, 2F]` (the gate's columns, then the up's) and `feed_forward.experts.down_proj`
+    /// `[E, F, D]` (Llama 4); each expert's weights are
+    /// `feed_forward.experts.{e}.{gate,up,down}_proj.weight` here.
+    FeedForward,
 }
 
 /// How a router turns its logits into the scores it chooses and weights experts by.
@@ -374,8 +380,12 @@ impl MoeConfig {
     /// The names of the shared expert's gate, up and down weights in sparse layer `layer`,
     /// and of its gate's weight where it has one.
     pub fn shared_names(&self, layer: &str) -> ([String; 3], Option<String>) {
-        let module = if self.shared_gate { "shared_expert" } else { "shared_experts" };
-        let names = ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.mlp.{module}.{w}.weight"));
+        let module = match (self.names, self.shared_gate) {
+            (ExpertNames::FeedForward, _) => "feed_forward.shared_expert",
+            (_, true) => "mlp.shared_expert",
+            _ => "mlp.shared_experts",
+        };
+        let names = ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.{module}.{w}.weight"));
         (names, self.shared_gate.then(|| format!("{layer}.mlp.shared_expert_gate.weight")))
     }
 
@@ -387,6 +397,7 @@ impl MoeConfig {
             ExpertNames::Stacked => format!("{layer}.mlp.router.weight"),
             ExpertNames::BlockSparse => format!("{layer}.block_sparse_moe.gate.weight"),
             ExpertNames::InputOutputLinear => format!("{layer}.block_sparse_moe.router.layer.weight"),
+            ExpertNames::FeedForward => format!("{layer}.feed_forward.router.weight"),
         }
     }
 
@@ -404,6 +415,9 @@ impl MoeConfig {
             }
             ExpertNames::InputOutputLinear => ["gate_proj", "up_proj", "down_proj"]
                 .map(|w| format!("{layer}.block_sparse_moe.experts.{e}.{w}.weight")),
+            ExpertNames::FeedForward => {
+                ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.feed_forward.experts.{e}.{w}.weight"))
+            }
         }
     }
 
@@ -413,6 +427,7 @@ impl MoeConfig {
         match self.names {
             ExpertNames::Layer => format!("{layer}.experts"),
             ExpertNames::InputOutputLinear => format!("{layer}.block_sparse_moe.experts"),
+            ExpertNames::FeedForward => format!("{layer}.feed_forward.experts"),
             _ => format!("{layer}.mlp.experts"),
         }
     }
@@ -568,7 +583,8 @@ impl SparseFeedForward {
             up: experts.iter().map(|e| e.up).collect(),
             down: experts.iter().map(|e| e.down).collect(),
             top_k: moe.top_k,
-            peft_layout: moe.names != ExpertNames::Stacked,
+            // gpt-oss's and Llama 4's stacks are input-major, peft's adapters of them alike.
+            peft_layout: !matches!(moe.names, ExpertNames::Stacked | ExpertNames::FeedForward),
         });
         let shared = moe.shared_expert_dim.map(|width| {
             let (names, gate) = moe.shared_names(name);
