@@ -384,6 +384,11 @@ def decoder_families():
             vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                image_size=16, patch_size=8, vision_output_dim=16, projector_input_dim=16,
                                projector_output_dim=16, pixel_shuffle_ratio=0.5))),
+        # Cohere's Command R: layer norms without a bias, attention and the feed-forward side
+        # by side on one norm, heads turned as adjacent pairs, the logits scaled, a tied head.
+        "cohere": lambda: (tf.CohereForCausalLM, tf.CohereConfig(
+            **common, num_hidden_layers=2, logit_scale=0.25, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Granite-MoE: Granite's multipliers over every layer's four experts, two per token,
         # stacked in its files as input_linear and output_linear.
         "granite-moe": lambda: (tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig(

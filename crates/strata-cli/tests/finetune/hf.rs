@@ -160,8 +160,10 @@ fn gemma4_experts_train_split_as_one_process() {
 /// Granite-MoE's experts (stacked in its files) split over an expert group, and HunYuan-MoE's
 /// renamed shared expert over a tensor group, and Llama 4's experts (their inputs scaled by
 /// the routing weights before they cross to their ranks) over an expert group and its chunked
-/// attention under sequence parallel, each training as one process does (a LoRA of Llama 4's
-/// input-major expert stacks is refused). Plain SGD, whose step is the gradient itself.
+/// attention under sequence parallel, and Cohere's parallel block under sequence parallel
+/// (its feed-forward entering the tensor group from the norm attention read), each training
+/// as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
+/// whose step is the gradient itself.
 #[test]
 fn newer_families_train_split_as_one_process() {
     let Some(py) = python() else { return };
@@ -172,6 +174,7 @@ fn newer_families_train_split_as_one_process() {
         ("hunyuan-moe", "tensor 2", TENSOR),
         ("llama4", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("llama4", "sequence 2", SEQUENCE),
+        ("cohere", "sequence 2", SEQUENCE),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let (folder, train, _) = setup(&py, dir.path(), family);

@@ -1,5 +1,5 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
-//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `arcee`, `apertus`, `mistral`,
+//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `arcee`, `apertus`, `cohere`, `mistral`,
 //! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text` (optionally with its
 //! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `granite`, `glm4`,
 //! `olmo2`, `olmo3` and `smollm3`, and with experts
@@ -45,6 +45,10 @@ pub enum Family {
     Llama,
     /// Arcee (`arcee`): LLaMA's decoder with a feed-forward of ReLU² and no gate.
     Arcee,
+    /// Cohere's Command R (`cohere`): LLaMA's decoder with layer norms without a bias,
+    /// attention and feed-forward side by side on one norm, heads turned as adjacent pairs,
+    /// the logits scaled.
+    Cohere,
     /// Apertus (`apertus`): LLaMA's decoder with per-head query/key norms, a feed-forward of
     /// xIELU and no gate, and its norms under their own names.
     Apertus,
@@ -238,11 +242,12 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 38] = [
+const FAMILIES: [Family; 39] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
     Family::Apertus,
+    Family::Cohere,
     Family::Mistral,
     Family::Ministral3,
     Family::Qwen2,
@@ -287,6 +292,7 @@ impl Family {
             Family::Llama => "llama",
             Family::Arcee => "arcee",
             Family::Apertus => "apertus",
+            Family::Cohere => "cohere",
             Family::Mistral => "mistral",
             Family::Ministral3 => "ministral3",
             Family::Qwen2 => "qwen2",
@@ -342,6 +348,7 @@ impl Family {
             Family::Llama => "Llama",
             Family::Arcee => "Arcee",
             Family::Apertus => "Apertus",
+            Family::Cohere => "Cohere",
             Family::Mistral => "Mistral",
             Family::Ministral3 => "Ministral3",
             Family::Qwen2 => "Qwen2",
@@ -400,6 +407,7 @@ impl Family {
                 | Family::GraniteMoe
                 | Family::Apertus
                 | Family::Llama4
+                | Family::Cohere
         )
     }
 
@@ -424,6 +432,7 @@ impl Family {
                 Ministral3 => 262_144,
                 Apertus => 65_536,
                 Phi3 | Olmoe | DeepseekV3 | Arcee => 4096,
+                Cohere => 8192,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
                 _ => 2048,
@@ -431,14 +440,14 @@ impl Family {
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
-                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 => 1e-5,
+                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
                 Mixtral => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
-                Ernie4_5 | Ernie4_5Moe | Llama4 => 500_000.0,
+                Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere => 500_000.0,
                 _ => 10_000.0,
             },
             head_dim: match self {
@@ -572,6 +581,7 @@ impl Family {
         }
         Ok(match c {
             c if c.linear_attention.is_some() => Family::Qwen3_5,
+            c if c.parallel_block || c.norm == NormKind::Layer => Family::Cohere,
             c if c.activation == Activation::Relu2 => Family::Arcee,
             c if c.activation == Activation::Xielu => Family::Apertus,
             c if c.post_norms && !c.qk_norm_whole => Family::Exaone4,
@@ -747,7 +757,8 @@ impl Family {
             ),
             (
                 c.interleaved_rotation
-                    != (matches!(self.dense(), Family::Glm4 | Family::Ernie4_5) || self == Family::Llama4),
+                    != (matches!(self.dense(), Family::Glm4 | Family::Ernie4_5 | Family::Cohere)
+                        || self == Family::Llama4),
                 "heads turned as adjacent pairs",
             ),
             (c.latent.is_some() != self.has_latent_attention(), "latent attention"),
@@ -868,6 +879,11 @@ impl Family {
         let needs = [
             (c.fused_projections != (dense == Family::Phi3), "fused projections"),
             ((c.norm == NormKind::PlusOne) != (gemma && !gemma4 || next), "zero-centred norms"),
+            (
+                (c.norm == NormKind::Layer, c.parallel_block) != (self == Family::Cohere, self == Family::Cohere)
+                    || c.logit_scale.is_some() && self != Family::Cohere,
+                "layer norms, a parallel block or scaled logits (Cohere's)",
+            ),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
             ((c.activation == Activation::Relu2) != (self == Family::Arcee), "a ReLU² feed-forward without a gate"),
             ((c.activation == Activation::Xielu) != (self == Family::Apertus), "an xIELU feed-forward without a gate"),
@@ -889,6 +905,7 @@ impl Family {
                         Family::Llama
                             | Family::Arcee
                             | Family::Apertus
+                            | Family::Cohere
                             | Family::Qwen2
                             | Family::Qwen3
                             | Family::Gemma2
@@ -919,6 +936,7 @@ impl Family {
                         Family::Llama
                             | Family::Arcee
                             | Family::Apertus
+                            | Family::Cohere
                             | Family::Qwen3_5
                             | Family::Olmo2
                             | Family::SeedOss
@@ -1337,6 +1355,11 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     if family == Family::GptOss {
         v["sliding_window"] = json!(c.sliding_window.filter(|_| sliding));
         v["layer_types"] = json!(layer_types);
+    }
+    if family == Family::Cohere {
+        v["layer_norm_eps"] = json!(c.norm_eps);
+        v["logit_scale"] = json!(c.logit_scale.unwrap_or(1.0));
+        v["use_qk_norm"] = json!(false);
     }
     if family == Family::Llama4 {
         let chunked: Vec<&str> = (0..c.layers as usize)
@@ -2166,6 +2189,10 @@ impl Keys<'_> {
         let ernie = family.dense() == Family::Ernie4_5;
         let hunyuan = family.dense() == Family::HunYuanDense;
         let llama4 = family == Family::Llama4;
+        let cohere = family == Family::Cohere;
+        if cohere {
+            self.only("use_qk_norm", &[json!(false)], "Command R+'s per-head query/key layer norms are not read")?;
+        }
         // Granite's class scales its scores by attention_multiplier alone (1 by default).
         let multipliers = match family.dense() {
             Family::Granite => Some(Multipliers {
@@ -2194,7 +2221,8 @@ impl Keys<'_> {
             | Family::Ernie4_5
             | Family::Ernie4_5Moe
             | Family::HunYuanDense
-            | Family::HunYuanMoe => Some(0),
+            | Family::HunYuanMoe
+            | Family::Cohere => Some(0),
             Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::Ministral3 | Family::Mistral4 => Some(11),
@@ -2382,15 +2410,21 @@ impl Keys<'_> {
             layer_scalar: gemma4,
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
-            norm_eps: self.float("rms_norm_eps")?.unwrap_or(defaults.norm_eps),
-            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3 || ernie),
+            norm_eps: self.float(if cohere { "layer_norm_eps" } else { "rms_norm_eps" })?.unwrap_or(defaults.norm_eps),
+            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3 || ernie || cohere),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: match family {
                 Family::SeedOss => self.flag("attention_out_bias")?.unwrap_or(false),
                 _ => family != Family::Qwen2 && !glm && attention_bias,
             },
             head_dim,
-            norm: if gemma && !gemma4 || next { NormKind::PlusOne } else { NormKind::Weighted },
+            norm: match () {
+                _ if gemma && !gemma4 || next => NormKind::PlusOne,
+                _ if cohere => NormKind::Layer,
+                _ => NormKind::Weighted,
+            },
+            parallel_block: cohere,
+            logit_scale: if cohere { Some(self.float("logit_scale")?.unwrap_or(0.0625)) } else { None },
             activation,
             qk_norm: matches!(
                 family,
@@ -2429,7 +2463,7 @@ impl Keys<'_> {
             layer_types,
             fused_projections: family == Family::Phi3,
             fused_gate_up: glm4,
-            interleaved_rotation: glm4 || ernie,
+            interleaved_rotation: glm4 || ernie || cohere,
             padding_token: match self.cfg.get("pad_token_id") {
                 Some(_) => self.int("pad_token_id")?,
                 None => default_padding,
@@ -2824,8 +2858,8 @@ impl Keys<'_> {
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         use Family::*;
         let window = match family {
-            Llama | Arcee | Apertus | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss | Ernie4_5
-            | HunYuanDense | HunYuanMoe | Granite | GraniteMoe => return Ok((None, None)),
+            Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss
+            | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,

@@ -210,13 +210,24 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     if let Some(fused) = compute::replaced(|r| r.layer_norm(x.kind())) {
         return fused(&x, w, b, eps);
     }
-    // The composite computes in at least fp32, as torch's kernels do, and returns x's dtype.
-    let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
-    let mean = x32.f_mean_dim(-1, true, None)?;
-    let centred = x32.f_sub(&mean)?;
+    Ok(cast(&layer_normalized(&x, eps)?, Some(x.kind()))?.f_mul(w)?.f_add(b)?)
+}
+
+/// `(x − mean(x)) / √(var(x) + eps)` over the last dimension, in at least fp32 (as torch's
+/// kernels compute it).
+fn layer_normalized(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let x32 = cast(x, is_low(x.kind()).then_some(Kind::Float))?;
+    let centred = x32.f_sub(&x32.f_mean_dim(-1, true, None)?)?;
     let var = centred.f_square()?.f_mean_dim(-1, true, None)?;
-    let normed = cast(&centred.f_mul(&var.f_add_scalar(eps)?.f_rsqrt()?)?, Some(x.kind()))?;
-    Ok(normed.f_mul(w)?.f_add(b)?)
+    Ok(centred.f_mul(&var.f_add_scalar(eps)?.f_rsqrt()?)?)
+}
+
+/// Layer norm with a weight and no bias, the weight applied in at least fp32 before the
+/// result returns to x's dtype (Cohere's).
+pub fn layer_norm_unbiased(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = norm_input(x)?;
+    let normed = layer_normalized(&x, eps)?;
+    cast(&normed.f_mul(&cast(w, Some(normed.kind()))?)?, Some(x.kind()))
 }
 
 /// RMS norm over the last dimension, `x / rms(x) · w`, computed in at least fp32 and

@@ -29,8 +29,9 @@ use super::gpt::divides_heads;
 use super::head_loss::head_output;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
-    add_rms_norm, attend, attention, geglu, linear, merge_heads, repeat_heads, rms_norm, rms_norm_into_product,
-    rms_norm_plus_one, rms_norm_unweighted, split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
+    add_rms_norm, attend, attention, geglu, layer_norm_unbiased, linear, merge_heads, repeat_heads, rms_norm,
+    rms_norm_into_product, rms_norm_plus_one, rms_norm_unweighted, split_heads, swiglu, AttentionOptions, Projected,
+    ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -53,6 +54,8 @@ pub enum NormKind {
     Weighted,
     /// `x / rms(x) · (1 + w)` in fp32, `w` starting at zero (Gemma).
     PlusOne,
+    /// `(x − mean(x)) / √var(x) · w` in fp32, without a bias, `w` starting at one (Cohere).
+    Layer,
 }
 
 /// The feed-forward's activation: of its gate, `down(act(gate(x)) · up(x))`, or of its up
@@ -206,6 +209,13 @@ pub struct LlamaConfig {
     /// Query, key and value projections clamped to ± this (OLMoE's `clip_qkv`).
     #[serde(default)]
     pub clip_qkv: Option<f64>,
+    /// Attention and the feed-forward both read the block's input norm, and the block adds
+    /// both outputs to its input (Cohere's parallel block): no norm between them.
+    #[serde(default)]
+    pub parallel_block: bool,
+    /// The logits times this (Cohere's `logit_scale`).
+    #[serde(default)]
+    pub logit_scale: Option<f64>,
     /// Norms after attention and after the feed-forward too (before the residual add).
     #[serde(default)]
     pub sandwich_norms: bool,
@@ -344,6 +354,8 @@ impl LlamaConfig {
             query_scaling: None,
             qk_l2_norm: false,
             attention_chunk: None,
+            parallel_block: false,
+            logit_scale: None,
             scale_embeddings: false,
             query_pre_attn_scalar: None,
             attn_softcap: None,
@@ -460,6 +472,9 @@ impl LlamaConfig {
         }
         if self.qk_l2_norm && (self.qk_norm || self.qk_norm_whole) {
             return Err(Error::Config("qk_l2_norm and qk_norm are two norms of the same queries and keys".into()));
+        }
+        if self.parallel_block && (self.sandwich_norms || self.post_norms) {
+            return Err(Error::Config("a parallel block has its input norm alone".into()));
         }
         if self.sandwich_norms && self.post_norms {
             return Err(Error::Config("sandwich_norms and post_norms are two placements of the same norms".into()));
@@ -717,6 +732,7 @@ impl Kinds {
         match self.norm {
             NormKind::Weighted => rms_norm(x, w, self.eps),
             NormKind::PlusOne => rms_norm_plus_one(x, w, self.eps),
+            NormKind::Layer => layer_norm_unbiased(x, w, self.eps),
         }
     }
 
@@ -724,7 +740,7 @@ impl Kinds {
     fn norm_into_product(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         match self.norm {
             NormKind::Weighted => rms_norm_into_product(x, w, self.eps),
-            NormKind::PlusOne => rms_norm_plus_one(x, w, self.eps),
+            NormKind::PlusOne | NormKind::Layer => self.norm(x, w),
         }
     }
 
@@ -732,9 +748,9 @@ impl Kinds {
     fn add_norm(&self, x: &Tensor, r: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
         match self.norm {
             NormKind::Weighted => add_rms_norm(x, r, w, self.eps),
-            NormKind::PlusOne => {
+            NormKind::PlusOne | NormKind::Layer => {
                 let s = x.f_add(r)?;
-                let normed = rms_norm_plus_one(&s, w, self.eps)?;
+                let normed = self.norm(&s, w)?;
                 Ok((s, normed))
             }
         }
@@ -830,6 +846,8 @@ struct LlamaBlock {
     scalar: Option<ParamId>,
     /// Each sub-layer's output's multiplier before its residual sum (Granite's).
     residual_multiplier: Option<f64>,
+    /// The feed-forward reads the input norm beside attention ([`LlamaConfig::parallel_block`]).
+    parallel: bool,
 }
 
 impl Unit for LlamaBlock {
@@ -998,10 +1016,11 @@ impl LlamaBlock {
         let tp = p.tp();
         let heads = self.heads / tp.size();
         let start = cache.as_ref().map_or(0, |c| c.position());
-        let h = match self.input_norm {
-            Some(w) => tp.enter(&self.kinds.norm_into_product(x, &p[w])?)?,
-            None => tp.enter(x)?,
+        let normed = match self.input_norm {
+            Some(w) => self.kinds.norm_into_product(x, &p[w])?,
+            None => x.shallow_clone(),
         };
+        let h = tp.enter(&normed)?;
         let attended = match (&self.mixer, cache) {
             (Mixer::Linear(linear), cache) => {
                 let h =
@@ -1054,9 +1073,11 @@ impl LlamaBlock {
         let attended = self.post_norm(p, self.post_attention_norm, attended)?;
         let attended = self.scaled(attended)?;
         let attended = p.dropout(&attended, self.residual_dropout, 1, &piece)?;
-        let (x, h) = match self.feed_forward_norm {
-            Some(w) => self.kinds.add_norm(x, &attended, &p[w])?,
-            None => {
+        let (x, h) = match (self.parallel, self.feed_forward_norm) {
+            // The feed-forward reads what attention read.
+            (true, _) => (x.f_add(&attended)?, normed),
+            (false, Some(w)) => self.kinds.add_norm(x, &attended, &p[w])?,
+            (false, None) => {
                 let x = x.f_add(&attended)?;
                 (x.shallow_clone(), x)
             }
@@ -1103,6 +1124,8 @@ struct LlamaHead {
     softcap: Option<f64>,
     /// The logits' divisor (Granite's), applied to the normed states the product reads.
     divisor: Option<f64>,
+    /// The logits' scale (Cohere's), applied alike.
+    scale: Option<f64>,
 }
 
 impl Unit for LlamaHead {
@@ -1113,6 +1136,10 @@ impl Unit for LlamaHead {
         let h = self.kinds.norm_into_product(x, &p[self.norm])?;
         let h = match self.divisor {
             Some(d) => h.f_div_scalar(d)?,
+            None => h,
+        };
+        let h = match self.scale {
+            Some(s) => h.f_mul_scalar(s)?,
             None => h,
         };
         head_output(&h, &p[self.lm_head], self.vocab, self.softcap, p)
@@ -1172,7 +1199,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     let normal = Init::Normal { std: STD };
     // Gemma's norms scale by 1 + w, so theirs start at zero.
     let norm_init = match cfg.norm {
-        NormKind::Weighted => Init::Ones,
+        NormKind::Weighted | NormKind::Layer => Init::Ones,
         NormKind::PlusOne => Init::Zeros,
     };
     let kinds = Kinds { norm: cfg.norm, activation: cfg.activation, eps: cfg.norm_eps };
@@ -1297,6 +1324,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 (!cfg.post_norms).then(|| norm("pre_feedforward_layernorm.weight", d, residual)),
                 Some(norm("post_feedforward_layernorm.weight", d, residual)),
             ),
+            _ if cfg.parallel_block => (None, None, None),
             _ => (None, Some(norm("post_attention_layernorm.weight", d, residual)), None),
         };
         let feed_forward = match (dense, experts) {
@@ -1424,6 +1452,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             residual_dropout: cfg.dropout.residual,
             scalar,
             residual_multiplier: cfg.multipliers.map(|m| m.residual),
+            parallel: cfg.parallel_block,
         });
     }
     let mut u = b.unit("head");
@@ -1436,7 +1465,15 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     }
     u.declare_cost(UnitCost::keeping(Kept::head(3.0 * d as f64 + 13.0, cfg.vocab)));
     let divisor = cfg.multipliers.map(|m| m.logits);
-    let head = |lm_head| LlamaHead { norm, lm_head, kinds, vocab: cfg.vocab, softcap: cfg.logit_softcap, divisor };
+    let head = |lm_head| LlamaHead {
+        norm,
+        lm_head,
+        kinds,
+        vocab: cfg.vocab,
+        softcap: cfg.logit_softcap,
+        divisor,
+        scale: cfg.logit_scale,
+    };
     if cfg.tie_embeddings {
         let lm_head = u.borrow("model.embed_tokens.weight");
         u.finish(head(lm_head));

@@ -657,6 +657,13 @@ fn llama4_matches_transformers() {
     family_matches_transformers("llama4", 32);
 }
 
+/// Cohere's Command R: layer norms without a bias, attention and the feed-forward side by
+/// side on one norm, heads turned as adjacent pairs, the logits scaled, a tied head.
+#[test]
+fn cohere_matches_transformers() {
+    family_matches_transformers("cohere", 32);
+}
+
 /// Granite-MoE: Granite's multipliers over every layer's 4 experts, top 2 renormalised,
 /// stacked in its files as `input_linear` and `output_linear`.
 #[test]
@@ -1593,8 +1600,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 35] = [
+const DECODER_TYPES: [&str; 36] = [
     "llama",
+    "cohere",
     "llama4_text",
     "apertus",
     "hunyuan_v1_moe",
