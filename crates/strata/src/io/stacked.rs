@@ -238,7 +238,10 @@ pub(super) fn stack_layout(names: &[String], stacking: ExpertStacking) -> Result
             (ExpertStacking::Interleaved, Stack::GateUpBias) => (Join::Interleaved, false),
             (ExpertStacking::Interleaved, Stack::Down) => (Join::Concatenated, true),
             (ExpertStacking::InputMajor, Stack::GateUp) => (Join::Columns, true),
-            (ExpertStacking::InputMajor, _) => (Join::Concatenated, true),
+            (ExpertStacking::InputMajor, Stack::Down) => (Join::Concatenated, true),
+            (ExpertStacking::InputMajor, bias) => {
+                return Err(Error::Model(format!("{}: Llama 4's files stack no {bias:?}", key.0)))
+            }
             _ => (Join::Concatenated, false),
         };
         entries.push((at, format!("{}.{}", key.0, stack.disk_suffix()), Source::Stacked { experts, join, transpose }));

@@ -165,22 +165,6 @@ const APERTUS_NORMS: [(&str, &str); 2] = [
     ("post_attention_layernorm.weight", "feedforward_layernorm.weight"),
 ];
 
-/// Llama 4's dense feed-forward's names, beside Strata's (its experts are named by
-/// [`ExpertNames::FeedForward`]).
-const LLAMA4_FEED_FORWARD: [(&str, &str); 3] = [
-    ("mlp.gate_proj.weight", "feed_forward.gate_proj.weight"),
-    ("mlp.up_proj.weight", "feed_forward.up_proj.weight"),
-    ("mlp.down_proj.weight", "feed_forward.down_proj.weight"),
-];
-
-/// HunYuan-MoE's router and shared expert's names, beside Strata's.
-const HUNYUAN_EXPERTS: [(&str, &str); 4] = [
-    ("mlp.gate.weight", "mlp.gate.wg.weight"),
-    ("mlp.shared_experts.gate_proj.weight", "mlp.shared_mlp.gate_proj.weight"),
-    ("mlp.shared_experts.up_proj.weight", "mlp.shared_mlp.up_proj.weight"),
-    ("mlp.shared_experts.down_proj.weight", "mlp.shared_mlp.down_proj.weight"),
-];
-
 /// Granite-MoE's stacked experts' names, beside the stacked names `io` takes apart.
 const GRANITE_MOE_STACKS: [(&str, &str); 2] = [
     ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
@@ -206,7 +190,7 @@ pub enum ExpertStacking {
 
 /// Llama 4's attention options and dense width, as its keys give them ([`Keys::llama4_attention`]).
 struct Llama4Attention {
-    chunk: Option<i64>,
+    chunk: i64,
     layer_types: Vec<LayerAttention>,
     qk_l2_norm: bool,
     query_scaling: Option<QueryScaling>,
@@ -229,7 +213,8 @@ struct ClassDefaults {
     window: Option<i64>,
 }
 
-/// `name` with its last two parts replaced where a pair of `renames` (from, to) names them.
+/// `name` with its ending replaced where the first pair of `renames` (from, to) whose `from`
+/// ends it, after a dot, names it.
 fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>) -> String {
     renames
         .find_map(|(from, to)| {
@@ -448,6 +433,7 @@ impl Family {
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
                 Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere => 500_000.0,
+                Apertus => 12_000_000.0,
                 _ => 10_000.0,
             },
             head_dim: match self {
@@ -574,7 +560,7 @@ impl Family {
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
                 _ if moe.names == ExpertNames::InputOutputLinear => Family::GraniteMoe,
                 c if c.qk_norm_whole => Family::Olmoe,
-                c if c.qk_norm_after_rotation => Family::HunYuanMoe,
+                _ if moe.names == ExpertNames::SharedMlp => Family::HunYuanMoe,
                 c if c.qk_norm => Family::Qwen3Moe,
                 _ => Family::Qwen2Moe,
             });
@@ -669,12 +655,16 @@ impl Family {
                         && !m.choice_bias
                         && m.groups == 1
                         && m.routed_scale == 1.0
-                        && m.names == ExpertNames::Mlp
+                        && m.names == ExpertNames::SharedMlp
                         && m.shared_expert_dim == Some(m.expert_ffn_dim)
                         && !m.shared_gate
                         && m.sparse_step == 1
                         && m.dense_layers.is_empty();
-                    self == Family::HunYuanMoe && !routing
+                    if self == Family::HunYuanMoe {
+                        !routing
+                    } else {
+                        m.names == ExpertNames::SharedMlp
+                    }
                 }),
                 "HunYuan's experts (every layer sparse, renormalised softmax weights, one shared expert of the \
                  experts' width without a gate)",
@@ -971,10 +961,8 @@ impl Family {
     fn renames(self) -> impl Iterator<Item = (&'static str, &'static str)> {
         let lists: &[&[(&str, &str)]] = match self {
             Family::Glm4 => &[&GLM4_NORMS],
-            Family::HunYuanDense => &[&HUNYUAN_NORMS],
-            Family::HunYuanMoe => &[&HUNYUAN_NORMS, &HUNYUAN_EXPERTS],
+            Family::HunYuanDense | Family::HunYuanMoe => &[&HUNYUAN_NORMS],
             Family::Apertus => &[&APERTUS_NORMS],
-            Family::Llama4 => &[&LLAMA4_FEED_FORWARD],
             Family::GraniteMoe => &[&GRANITE_MOE_STACKS],
             _ => &[],
         };
@@ -1431,16 +1419,13 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         return;
     }
     // Llama 4's class names the sparse layers, its experts and shared expert as wide as its
-    // intermediate_size, and has no load-balancing loss (a weight Strata trains with is kept
-    // where set).
+    // intermediate_size, and has no load-balancing loss: its router_aux_loss_coef (0.001 by
+    // default) is read by nothing, so Strata neither reads nor writes one.
     if family == Family::Llama4 {
         v["num_local_experts"] = json!(moe.experts);
         v["num_experts_per_tok"] = json!(moe.top_k);
         v["intermediate_size"] = json!(moe.expert_ffn_dim);
         v["moe_layers"] = json!((0..c.layers).filter(|&l| moe.is_sparse(l)).collect::<Vec<_>>());
-        if moe.aux_loss_coef != 0.0 {
-            v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
-        }
         return;
     }
     // HunYuan-MoE's class names its own keys, its experts and shared expert as wide as its
@@ -2486,7 +2471,7 @@ impl Keys<'_> {
             (true, _) => LlamaConfig { unrotated_layers: exaone4_unrotated(&config), ..config },
             (_, Some(l)) => LlamaConfig {
                 ffn_dim: Some(l.dense_width),
-                attention_chunk: l.chunk,
+                attention_chunk: Some(l.chunk),
                 qk_l2_norm: l.qk_l2_norm,
                 query_scaling: l.query_scaling,
                 interleaved_rotation: true,
@@ -2699,7 +2684,6 @@ impl Keys<'_> {
     /// `moe_layers` lists, else every `interleave_moe_layer_step`-th; no load-balancing loss
     /// (its class has none).
     fn llama4_experts(&self) -> KeyResult<MoeConfig> {
-        self.only("router_jitter_noise", &[json!(0), json!(0.0)], "routing takes no noise")?;
         let layers = self.required("num_hidden_layers")?;
         let sparse: Vec<i64> = match self.get("moe_layers") {
             Some(Value::Array(list)) => list
@@ -2729,26 +2713,27 @@ impl Keys<'_> {
         })
     }
 
-    /// Llama 4's attention: chunks of `attention_chunk_size` (8192 by default; none where it
-    /// is null) on the layers `layer_types` marks `chunked_attention`, by default those that
+    /// Llama 4's attention: chunks of `attention_chunk_size` (8192 by default) on the layers `layer_types` marks `chunked_attention`, by default those that
     /// turn positions; queries and keys normed without a weight there (`use_qk_norm`); the
     /// others' queries scaled up with their position (`attn_temperature_tuning`, by
     /// `attn_scale` every `floor_scale` positions).
     fn llama4_attention(&self, layers: i64, unrotated: &[i64]) -> KeyResult<Llama4Attention> {
-        let chunk = match self.get("attention_chunk_size") {
-            Some(Value::Null) => None,
-            Some(_) => self.int("attention_chunk_size")?,
-            None => Some(8192),
+        // Its class builds chunked masks whatever the size: a null one does not run there.
+        let chunk = match self.cfg.get("attention_chunk_size") {
+            Some(Value::Null) => {
+                return Err("config.json: attention_chunk_size is null, with which Llama 4's class cannot attend".into())
+            }
+            _ => self.int("attention_chunk_size")?.unwrap_or(8192),
         };
         let read = |t: &Value| match t.as_str() {
-            Some("chunked_attention") if chunk.is_some() => Ok(LayerAttention::Chunked),
-            Some("chunked_attention" | "full_attention") => Ok(LayerAttention::Full),
+            Some("chunked_attention") => Ok(LayerAttention::Chunked),
+            Some("full_attention") => Ok(LayerAttention::Full),
             _ => Err(format!("config.json: layer_types holds {t}, not chunked_attention or full_attention")),
         };
         let layer_types = match self.get("layer_types") {
             Some(Value::Array(types)) => types.iter().map(read).collect::<KeyResult<Vec<_>>>()?,
             Some(Value::Null) | None => (0..layers)
-                .map(|i| match unrotated.contains(&i) || chunk.is_none() {
+                .map(|i| match unrotated.contains(&i) {
                     true => LayerAttention::Full,
                     false => LayerAttention::Chunked,
                 })
@@ -2790,12 +2775,24 @@ impl Keys<'_> {
             }
         };
         let width = self.required("intermediate_size")?;
+        // Its class also reads the counts under the other families' names.
+        let count = |key: &str, alias: &str| -> KeyResult<i64> {
+            match (self.cfg.contains_key(key), self.cfg.contains_key(alias)) {
+                (false, true) => uniform(alias),
+                _ => uniform(key),
+            }
+        };
         Ok(MoeConfig {
             norm_topk: true,
             shared_expert_dim: Some(width),
             shared_gate: false,
+            names: ExpertNames::SharedMlp,
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
-            ..MoeConfig::new(uniform("num_experts")?, uniform("moe_topk")?, width)
+            ..MoeConfig::new(
+                count("num_experts", "num_local_experts")?,
+                count("moe_topk", "num_experts_per_tok")?,
+                width,
+            )
         })
     }
 
@@ -3523,8 +3520,9 @@ mod tests {
         assert_eq!((seed.head_width(), seed.padding_token, seed.ctx), (128, Some(1), 524_288));
     }
 
-    /// HunYuan-MoE's per-layer counts are read when all equal and refused otherwise; its
-    /// experts and shared expert take intermediate_size.
+    /// HunYuan-MoE's per-layer counts are read when all equal (under either name) and
+    /// refused otherwise; its experts and shared expert take intermediate_size. Llama 4's
+    /// null chunk size, which its class cannot run, is refused.
     #[test]
     fn hunyuan_experts_take_one_count_for_every_layer() {
         let moe = |keys| read(Family::HunYuanMoe, keys).map(|c| c.moe.unwrap());
@@ -3533,6 +3531,10 @@ mod tests {
         assert!(!even.shared_gate && even.norm_topk && even.aux_loss_coef == 0.0);
         let uneven = moe(json!({"num_experts": 4, "moe_topk": [2, 1, 2]})).unwrap_err();
         assert!(uneven.contains("moe_topk must be a number, or one per layer all equal"), "{uneven}");
+        let aliased = moe(json!({"num_local_experts": 6, "num_experts_per_tok": 3})).unwrap();
+        assert_eq!((aliased.experts, aliased.top_k), (6, 3), "the class's other names of the counts");
+        let null = read(Family::Llama4, json!({"attention_chunk_size": null})).unwrap_err();
+        assert!(null.contains("attention_chunk_size is null"), "{null}");
         let written = Family::HunYuanMoe
             .config_json(
                 &ModelConfig::Llama(read(Family::HunYuanMoe, json!({"num_experts": 4, "moe_topk": 2})).unwrap()),

@@ -437,8 +437,9 @@ pub fn attention(
     // Fused kernels align a causal mask to the first key, so they serve equal lengths only,
     // of causal attention over unpacked rows without a bias or dropout.
     let fusable = keys == t && hidden.is_none() && terms.bias.is_none() && !options.bidirectional && dropout.is_none();
-    // Chunks take the composite's mask.
-    let fusable = fusable && options.chunk.is_none();
+    // Chunks take the composite's mask where the keys span more than one.
+    let chunk = options.chunk.filter(|&c| c < keys);
+    let fusable = fusable && chunk.is_none();
     // libtorch's know no window, cap or sinks; another scale is folded into the queries.
     if let Some(fused) = compute::replaced(|r| r.attention(q.kind()))
         .filter(|_| fusable && window.is_none() && options.softcap.is_none() && terms.sinks.is_none())
@@ -473,7 +474,7 @@ pub fn attention(
     if let Some(w) = window {
         masked = masked.f_logical_or(&ones.f_tril(keys - t - w)?)?;
     }
-    if let Some(c) = options.chunk {
+    if let Some(c) = chunk {
         let chunks = |from: i64| -> Result<Tensor> {
             Ok(Tensor::f_arange_start(from, keys, (Kind::Int64, q.device()))?.f_floor_divide_scalar(c)?)
         };

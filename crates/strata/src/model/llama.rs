@@ -427,6 +427,15 @@ impl LlamaConfig {
         self.sliding_window.filter(|_| sliding)
     }
 
+    /// The module of each dense feed-forward's projections: `mlp`, or Llama 4's
+    /// `feed_forward` where its experts are named so.
+    pub fn feed_forward_module(&self) -> &'static str {
+        match &self.moe {
+            Some(m) if m.names == super::moe::ExpertNames::FeedForward => "feed_forward",
+            _ => "mlp",
+        }
+    }
+
     /// The chunk width of layer `layer`'s attention, where it is chunked.
     pub fn chunk(&self, layer: usize) -> Option<i64> {
         let chunked = self.layer_types.as_ref().is_some_and(|t| t.get(layer) == Some(&LayerAttention::Chunked));
@@ -666,12 +675,14 @@ impl Xielu {
     }
 
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let beta = &p[self.beta];
-        let alpha_p = p[self.alpha_p].f_softplus()?;
-        let alpha_n = p[self.alpha_n].f_softplus()?.f_add(beta)?;
-        let linear = x.f_mul(beta)?;
+        // In the activations' dtype: fp32 scales would widen bf16 activations.
+        let scalar = |id: ParamId| p[id].f_to_kind(x.kind());
+        let beta = scalar(self.beta)?;
+        let alpha_p = scalar(self.alpha_p)?.f_softplus()?;
+        let alpha_n = scalar(self.alpha_n)?.f_softplus()?.f_add(&beta)?;
+        let linear = x.f_mul(&beta)?;
         let positive = x.f_mul(&alpha_p)?.f_mul(x)?.f_add(&linear)?;
-        let negative = x.f_minimum(&p[self.eps])?.f_expm1()?.f_sub(x)?.f_mul(&alpha_n)?.f_add(&linear)?;
+        let negative = x.f_minimum(&scalar(self.eps)?)?.f_expm1()?.f_sub(x)?.f_mul(&alpha_n)?.f_add(&linear)?;
         Ok(positive.f_where_self(&x.f_gt(0.0)?, &negative)?)
     }
 }
@@ -770,7 +781,9 @@ impl Kinds {
     fn ungated(&self, up: &Tensor) -> Result<Tensor> {
         match self.activation {
             Activation::Relu2 => Ok(up.f_relu()?.f_square()?),
-            gated => Err(Error::Model(format!("the {gated:?} feed-forward needs its gate"))),
+            other => {
+                Err(Error::Model(format!("the {other:?} feed-forward is not computed from its up projection alone")))
+            }
         }
     }
 }
@@ -1265,18 +1278,18 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
         let beside_dense = sparse.is_some_and(|(moe, _)| moe.beside_dense);
         let dense = (sparse.is_none() || beside_dense).then(|| {
+            let module = cfg.feed_forward_module();
+            let mut w = |part: &str, shape: &[i64], tp| w(&format!("{module}.{part}"), shape, tp);
             let gate_up = if !cfg.activation.gated() {
-                GateUpProjection::UpAlone(w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN))
+                GateUpProjection::UpAlone(w("up_proj.weight", &[f, d], TpRole::COLUMN))
             } else if cfg.fused_projections || cfg.fused_gate_up {
-                GateUpProjection::Fused(w("mlp.gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
+                GateUpProjection::Fused(w("gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
             } else {
-                let (gate, up) = (
-                    w("mlp.gate_proj.weight", &[f, d], TpRole::COLUMN),
-                    w("mlp.up_proj.weight", &[f, d], TpRole::COLUMN),
-                );
+                let (gate, up) =
+                    (w("gate_proj.weight", &[f, d], TpRole::COLUMN), w("up_proj.weight", &[f, d], TpRole::COLUMN));
                 GateUpProjection::Apart { gate, up }
             };
-            DenseFeedForward { gate_up, down: w("mlp.down_proj.weight", &[d, f], TpRole::Row), xielu: None }
+            DenseFeedForward { gate_up, down: w("down_proj.weight", &[d, f], TpRole::Row), xielu: None }
         });
         let experts = sparse.map(|(moe, balance)| {
             sparse_seen += 1;

@@ -133,6 +133,9 @@ pub enum ExpertNames {
     /// `[E, F, D]` (Llama 4); each expert's weights are
     /// `feed_forward.experts.{e}.{gate,up,down}_proj.weight` here.
     FeedForward,
+    /// [`ExpertNames::Mlp`]'s experts, the router `mlp.gate.wg.weight` and the shared expert
+    /// `mlp.shared_mlp.{gate,up,down}_proj.weight` (HunYuan-MoE).
+    SharedMlp,
 }
 
 /// How a router turns its logits into the scores it chooses and weights experts by.
@@ -382,6 +385,7 @@ impl MoeConfig {
     pub fn shared_names(&self, layer: &str) -> ([String; 3], Option<String>) {
         let module = match (self.names, self.shared_gate) {
             (ExpertNames::FeedForward, _) => "feed_forward.shared_expert",
+            (ExpertNames::SharedMlp, _) => "mlp.shared_mlp",
             (_, true) => "mlp.shared_expert",
             _ => "mlp.shared_experts",
         };
@@ -398,13 +402,14 @@ impl MoeConfig {
             ExpertNames::BlockSparse => format!("{layer}.block_sparse_moe.gate.weight"),
             ExpertNames::InputOutputLinear => format!("{layer}.block_sparse_moe.router.layer.weight"),
             ExpertNames::FeedForward => format!("{layer}.feed_forward.router.weight"),
+            ExpertNames::SharedMlp => format!("{layer}.mlp.gate.wg.weight"),
         }
     }
 
     /// The names of expert `e`'s gate, up and down weights in sparse layer `layer`.
     pub fn expert_names(&self, layer: &str, e: i64) -> [String; 3] {
         match self.names {
-            ExpertNames::Mlp | ExpertNames::MlpStatics | ExpertNames::Stacked => {
+            ExpertNames::Mlp | ExpertNames::MlpStatics | ExpertNames::Stacked | ExpertNames::SharedMlp => {
                 ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{layer}.mlp.experts.{e}.{w}.weight"))
             }
             ExpertNames::BlockSparse => {

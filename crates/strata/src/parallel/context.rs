@@ -894,11 +894,11 @@ impl ContextParallel for ContextGroup {
             return Err(Error::Model(format!("context attention: {kv_heads} key/value heads for {heads} query heads")));
         }
         let group = heads / kv_heads;
-        // A window both ways, or chunks, need a mask; otherwise the runs and the window
-        // decide what a query of the ring sees.
+        // A window both ways, or chunks the row spans more than one of, need a mask;
+        // otherwise the runs and the window decide what a query of the ring sees.
         let by_runs = self.kind == ContextKind::Ring
             && !(options.window.is_some() && options.bidirectional)
-            && options.chunk.is_none();
+            && options.chunk.is_none_or(|c| c >= len);
         let (keys, runs) = self.gathered(len, examples, by_runs)?;
         match self.kind {
             ContextKind::AllToAll => {

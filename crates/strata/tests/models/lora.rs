@@ -288,6 +288,13 @@ fn gemma4_lora_of_experts_beside_the_dense_feed_forward_matches_peft() {
     );
 }
 
+/// Llama 4's dense feed-forward and shared expert take adapters under its own names, as
+/// peft names them (`feed_forward.gate_proj`, `feed_forward.shared_expert.gate_proj`).
+#[test]
+fn llama4_lora_of_its_feed_forward_matches_peft() {
+    lora_matches_peft("llama4", json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "gate_proj"]}));
+}
+
 /// A release's language model (Gemma 3's, beside its image model) takes adapters under the
 /// release's names, as peft names them: the layers adapted are the text model's alone.
 #[test]
