@@ -1428,24 +1428,18 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         v["moe_layers"] = json!((0..c.layers).filter(|&l| moe.is_sparse(l)).collect::<Vec<_>>());
         return;
     }
-    // HunYuan-MoE's class names its own keys, its experts and shared expert as wide as its
-    // intermediate_size, and has no load-balancing loss (a weight Strata trains with is kept
-    // where set).
-    if family == Family::HunYuanMoe {
-        v["num_experts"] = json!(moe.experts);
-        v["moe_topk"] = json!(moe.top_k);
-        v["intermediate_size"] = json!(moe.expert_ffn_dim);
-        if moe.aux_loss_coef != 0.0 {
-            v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
-        }
-        return;
-    }
-    // Gemma 4's class names its own keys, and has no load-balancing loss (a weight Strata
-    // trains with is kept where set).
-    if family == Family::Gemma4 {
-        v["num_experts"] = json!(moe.experts);
-        v["top_k_experts"] = json!(moe.top_k);
-        v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
+    // HunYuan-MoE's and Gemma 4's classes name their own keys (HunYuan-MoE's experts and
+    // shared expert as wide as its intermediate_size), and have no load-balancing loss (a
+    // weight Strata trains with is kept where set).
+    let own_keys = match family {
+        Family::HunYuanMoe => Some(("num_experts", "moe_topk", "intermediate_size")),
+        Family::Gemma4 => Some(("num_experts", "top_k_experts", "moe_intermediate_size")),
+        _ => None,
+    };
+    if let Some((count, top_k, width)) = own_keys {
+        v[count] = json!(moe.experts);
+        v[top_k] = json!(moe.top_k);
+        v[width] = json!(moe.expert_ffn_dim);
         if moe.aux_loss_coef != 0.0 {
             v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
         }
