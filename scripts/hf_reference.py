@@ -389,6 +389,11 @@ def decoder_families():
         "cohere": lambda: (tf.CohereForCausalLM, tf.CohereConfig(
             **common, num_hidden_layers=2, logit_scale=0.25, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # Cohere 2 (Command R7B): Cohere's layers, three of four sliding (a window of 4) and
+        # turning positions, the fourth attending to all and turning none.
+        "cohere2": lambda: (tf.Cohere2ForCausalLM, tf.Cohere2Config(
+            **common, num_hidden_layers=4, logit_scale=0.25, sliding_window=4, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Granite-MoE: Granite's multipliers over every layer's four experts, two per token,
         # stacked in its files as input_linear and output_linear.
         "granite-moe": lambda: (tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig(

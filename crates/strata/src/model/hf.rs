@@ -1,5 +1,5 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
-//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `arcee`, `apertus`, `cohere`, `mistral`,
+//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `arcee`, `apertus`, `cohere`, `cohere2`, `mistral`,
 //! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text` (optionally with its
 //! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `granite`, `glm4`,
 //! `olmo2`, `olmo3` and `smollm3`, and with experts
@@ -49,6 +49,9 @@ pub enum Family {
     /// attention and feed-forward side by side on one norm, heads turned as adjacent pairs,
     /// the logits scaled.
     Cohere,
+    /// Cohere 2 (`cohere2`: Command R7B, Command A): Cohere's layers, three of four sliding
+    /// and turning positions, the fourth attending to all and turning none.
+    Cohere2,
     /// Apertus (`apertus`): LLaMA's decoder with per-head query/key norms, a feed-forward of
     /// xIELU and no gate, and its norms under their own names.
     Apertus,
@@ -227,12 +230,13 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 39] = [
+const FAMILIES: [Family; 40] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
     Family::Apertus,
     Family::Cohere,
+    Family::Cohere2,
     Family::Mistral,
     Family::Ministral3,
     Family::Qwen2,
@@ -278,6 +282,7 @@ impl Family {
             Family::Arcee => "arcee",
             Family::Apertus => "apertus",
             Family::Cohere => "cohere",
+            Family::Cohere2 => "cohere2",
             Family::Mistral => "mistral",
             Family::Ministral3 => "ministral3",
             Family::Qwen2 => "qwen2",
@@ -334,6 +339,7 @@ impl Family {
             Family::Arcee => "Arcee",
             Family::Apertus => "Apertus",
             Family::Cohere => "Cohere",
+            Family::Cohere2 => "Cohere2",
             Family::Mistral => "Mistral",
             Family::Ministral3 => "Ministral3",
             Family::Qwen2 => "Qwen2",
@@ -393,6 +399,7 @@ impl Family {
                 | Family::Apertus
                 | Family::Llama4
                 | Family::Cohere
+                | Family::Cohere2
         )
     }
 
@@ -417,7 +424,7 @@ impl Family {
                 Ministral3 => 262_144,
                 Apertus => 65_536,
                 Phi3 | Olmoe | DeepseekV3 | Arcee => 4096,
-                Cohere => 8192,
+                Cohere | Cohere2 => 8192,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
                 _ => 2048,
@@ -425,7 +432,7 @@ impl Family {
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
-                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere => 1e-5,
+                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2 => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -443,12 +450,19 @@ impl Family {
                 _ => None,
             },
             window: match self {
-                Mistral | Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Gemma2 | Gemma3 | Olmo3 | Exaone4 => Some(4096),
+                Mistral | Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Gemma2 | Gemma3 | Olmo3 | Exaone4 | Cohere2 => {
+                    Some(4096)
+                }
                 GptOss => Some(128),
                 Gemma4 => Some(512),
                 _ => None,
             },
         }
+    }
+
+    /// Whether the family is Cohere's (layer norms, the parallel block, scaled logits).
+    fn is_cohere(self) -> bool {
+        matches!(self, Family::Cohere | Family::Cohere2)
     }
 
     /// Whether the family is OLMo 2's (norms after attention and the feed-forward alone).
@@ -567,6 +581,7 @@ impl Family {
         }
         Ok(match c {
             c if c.linear_attention.is_some() => Family::Qwen3_5,
+            c if (c.parallel_block || c.norm == NormKind::Layer) && c.sliding_window.is_some() => Family::Cohere2,
             c if c.parallel_block || c.norm == NormKind::Layer => Family::Cohere,
             c if c.activation == Activation::Relu2 => Family::Arcee,
             c if c.activation == Activation::Xielu => Family::Apertus,
@@ -712,13 +727,19 @@ impl Family {
                 "norms after attention and the feed-forward alone",
             ),
             (
-                !c.unrotated_layers.is_empty() && !matches!(self, Family::SmolLm3 | Family::Exaone4 | Family::Llama4),
+                !c.unrotated_layers.is_empty()
+                    && !matches!(self, Family::SmolLm3 | Family::Exaone4 | Family::Llama4 | Family::Cohere2),
                 "layers that turn no position",
             ),
             // EXAONE 4 turns no position on exactly its full layers, where it has a window.
             (
                 self == Family::Exaone4 && c.unrotated_layers != exaone4_unrotated(c),
                 "layers that turn no position other than the full layers beside sliding ones",
+            ),
+            // Cohere 2 turns positions on exactly its sliding layers.
+            (
+                self == Family::Cohere2 && c.unrotated_layers != cohere2_unrotated(c),
+                "layers that turn no position other than those that do not slide",
             ),
             (
                 c.query_scaling.is_some_and(|q| !q.from_one && !q.unrotated_only)
@@ -747,7 +768,8 @@ impl Family {
             ),
             (
                 c.interleaved_rotation
-                    != (matches!(self.dense(), Family::Glm4 | Family::Ernie4_5 | Family::Cohere)
+                    != (matches!(self.dense(), Family::Glm4 | Family::Ernie4_5)
+                        || self.is_cohere()
                         || self == Family::Llama4),
                 "heads turned as adjacent pairs",
             ),
@@ -870,8 +892,8 @@ impl Family {
             (c.fused_projections != (dense == Family::Phi3), "fused projections"),
             ((c.norm == NormKind::PlusOne) != (gemma && !gemma4 || next), "zero-centred norms"),
             (
-                (c.norm == NormKind::Layer, c.parallel_block) != (self == Family::Cohere, self == Family::Cohere)
-                    || c.logit_scale.is_some() && self != Family::Cohere,
+                (c.norm == NormKind::Layer, c.parallel_block) != (self.is_cohere(), self.is_cohere())
+                    || c.logit_scale.is_some() && !self.is_cohere(),
                 "layer norms, a parallel block or scaled logits (Cohere's)",
             ),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
@@ -896,6 +918,7 @@ impl Family {
                             | Family::Arcee
                             | Family::Apertus
                             | Family::Cohere
+                            | Family::Cohere2
                             | Family::Qwen2
                             | Family::Qwen3
                             | Family::Gemma2
@@ -1149,6 +1172,12 @@ fn exaone4_unrotated(c: &LlamaConfig) -> Vec<i64> {
     }
 }
 
+/// Cohere 2's layers that turn no position: those without a window (every layer where
+/// none is set).
+fn cohere2_unrotated(c: &LlamaConfig) -> Vec<i64> {
+    (0..c.layers).filter(|&l| c.window(l as usize).is_none()).collect()
+}
+
 /// Whether `moe` routes as only DeepSeek-V3 and GLM-4.5 can say: sigmoid scores, a choice
 /// bias, groups, a routed scale or shared experts without a gate.
 fn deepseek_routing(m: &MoeConfig) -> bool {
@@ -1344,10 +1373,17 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["sliding_window"] = json!(c.sliding_window.filter(|_| sliding));
         v["layer_types"] = json!(layer_types);
     }
-    if family == Family::Cohere {
+    if family.is_cohere() {
         v["layer_norm_eps"] = json!(c.norm_eps);
         v["logit_scale"] = json!(c.logit_scale.unwrap_or(1.0));
-        v["use_qk_norm"] = json!(false);
+    }
+    match family {
+        Family::Cohere => v["use_qk_norm"] = json!(false),
+        Family::Cohere2 => {
+            v["sliding_window"] = json!(c.sliding_window);
+            v["layer_types"] = json!(layer_types);
+        }
+        _ => {}
     }
     if family == Family::Llama4 {
         let chunked: Vec<&str> = (0..c.layers as usize)
@@ -2168,8 +2204,8 @@ impl Keys<'_> {
         let ernie = family.dense() == Family::Ernie4_5;
         let hunyuan = family.dense() == Family::HunYuanDense;
         let llama4 = family == Family::Llama4;
-        let cohere = family == Family::Cohere;
-        if cohere {
+        let cohere = family.is_cohere();
+        if family == Family::Cohere {
             self.only("use_qk_norm", &[json!(false)], "Command R+'s per-head query/key layer norms are not read")?;
         }
         // Granite's class scales its scores by attention_multiplier alone (1 by default).
@@ -2201,7 +2237,8 @@ impl Keys<'_> {
             | Family::Ernie4_5Moe
             | Family::HunYuanDense
             | Family::HunYuanMoe
-            | Family::Cohere => Some(0),
+            | Family::Cohere
+            | Family::Cohere2 => Some(0),
             Family::Apertus => Some(3),
             Family::Olmo2 | Family::Olmo3 | Family::Olmoe | Family::SeedOss => Some(1),
             Family::Ministral3 | Family::Mistral4 => Some(11),
@@ -2463,6 +2500,7 @@ impl Keys<'_> {
         };
         Ok(match (exaone4, llama4_attention) {
             (true, _) => LlamaConfig { unrotated_layers: exaone4_unrotated(&config), ..config },
+            _ if class == Family::Cohere2 => LlamaConfig { unrotated_layers: cohere2_unrotated(&config), ..config },
             (_, Some(l)) => LlamaConfig {
                 ffn_dim: Some(l.dense_width),
                 attention_chunk: Some(l.chunk),
@@ -2887,7 +2925,7 @@ impl Keys<'_> {
             }
             (None, Olmo3) => Some(derived(&|i| (i + 1) % 4 != 0)),
             // Every sliding_window_pattern-th layer full (4 by default); none slides without a window.
-            (None, Exaone4) => {
+            (None, Exaone4 | Cohere2) => {
                 let pattern = self.int("sliding_window_pattern")?.unwrap_or(4).max(1);
                 Some(derived(&|i| window.is_some() && (i + 1) % pattern != 0))
             }

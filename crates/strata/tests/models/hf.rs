@@ -664,6 +664,13 @@ fn cohere_matches_transformers() {
     family_matches_transformers("cohere", 32);
 }
 
+/// Cohere 2 (Command R7B): Cohere's layers, three of four sliding and turning positions, the
+/// fourth attending to all and turning none.
+#[test]
+fn cohere2_matches_transformers() {
+    family_matches_transformers("cohere2", 32);
+}
+
 /// Granite-MoE: Granite's multipliers over every layer's 4 experts, top 2 renormalised,
 /// stacked in its files as `input_linear` and `output_linear`.
 #[test]
@@ -1600,8 +1607,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 36] = [
+const DECODER_TYPES: [&str; 37] = [
     "llama",
+    "cohere2",
     "cohere",
     "llama4_text",
     "apertus",
