@@ -3552,6 +3552,13 @@ mod tests {
         assert_eq!((seed.head_width(), seed.padding_token, seed.ctx), (128, Some(1), 524_288));
     }
 
+    /// Apertus's rotation keys without a base take its class's base, 1.2·10⁷.
+    #[test]
+    fn apertus_rotation_without_a_base_takes_its_class_base() {
+        let c = read(Family::Apertus, json!({"rope_parameters": {"rope_type": "default"}})).unwrap();
+        assert_eq!(c.rope_theta, 12_000_000.0);
+    }
+
     /// HunYuan-MoE's per-layer counts are read when all equal (under either name) and
     /// refused otherwise; its experts and shared expert take intermediate_size. Llama 4's
     /// null chunk size, which its class cannot run, is refused.

@@ -633,16 +633,23 @@ enum GateUpProjection {
         up: ParamId,
     },
     Fused(ParamId),
-    /// No gate: the up projection alone.
-    UpAlone(ParamId),
+    /// No gate: the up projection alone, through its activation.
+    UpAlone {
+        up: ParamId,
+        activation: Ungated,
+    },
+}
+
+/// The activation of a feed-forward without a gate.
+enum Ungated {
+    Relu2,
+    Xielu(Xielu),
 }
 
 /// One feed-forward network.
 struct DenseFeedForward {
     gate_up: GateUpProjection,
     down: ParamId,
-    /// The learned scales of an xIELU activation, where the feed-forward has one.
-    xielu: Option<Xielu>,
 }
 
 /// xIELU's parameters in one block ([`Activation::Xielu`]): `mlp.act_fn.alpha_p` and
@@ -718,11 +725,11 @@ impl DenseFeedForward {
                 let halves = p.linear(&h, w, None)?.f_chunk(2, -1)?;
                 kinds.gate(&halves[0], &halves[1])?
             }
-            GateUpProjection::UpAlone(up) => {
+            GateUpProjection::UpAlone { up, ref activation } => {
                 let up = p.linear(&h, up, None)?;
-                match &self.xielu {
-                    Some(xielu) => xielu.forward(p, &up)?,
-                    None => kinds.ungated(&up)?,
+                match activation {
+                    Ungated::Relu2 => up.f_relu()?.f_square()?,
+                    Ungated::Xielu(xielu) => xielu.forward(p, &up)?,
                 }
             }
         };
@@ -773,16 +780,6 @@ impl Kinds {
             Activation::GeluTanh => geglu(gate, up),
             ungated @ (Activation::Relu2 | Activation::Xielu) => {
                 Err(Error::Model(format!("the {ungated:?} feed-forward has no gate")))
-            }
-        }
-    }
-
-    /// The activation of a feed-forward without a gate.
-    fn ungated(&self, up: &Tensor) -> Result<Tensor> {
-        match self.activation {
-            Activation::Relu2 => Ok(up.f_relu()?.f_square()?),
-            other => {
-                Err(Error::Model(format!("the {other:?} feed-forward is not computed from its up projection alone")))
             }
         }
     }
@@ -1260,6 +1257,17 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         };
         let grouped = linear.is_none() && latent.is_none();
         let q_rows = if cfg.attention_output_gate { 2 * q_out } else { q_out };
+        let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
+        let beside_dense = sparse.is_some_and(|(moe, _)| moe.beside_dense);
+        // A dense feed-forward's activation without a gate, declared before the projections
+        // borrow the unit (xIELU's scales are parameters of its own).
+        let ungated = match cfg.activation {
+            Activation::Relu2 => Some(Ungated::Relu2),
+            Activation::Xielu if sparse.is_none() || beside_dense => {
+                Some(Ungated::Xielu(Xielu::declare(&mut u, &name)))
+            }
+            _ => None,
+        };
         let mut w = |suffix: &str, shape: &[i64], tp| u.linear(format!("{name}.{suffix}"), shape, normal, tp);
         let qkv = grouped.then(|| {
             if cfg.fused_projections {
@@ -1275,13 +1283,11 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             }
         });
         let o = linear.is_none().then(|| w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row));
-        let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).zip(balance.as_ref());
-        let beside_dense = sparse.is_some_and(|(moe, _)| moe.beside_dense);
         let dense = (sparse.is_none() || beside_dense).then(|| {
             let module = cfg.feed_forward_module();
             let mut w = |part: &str, shape: &[i64], tp| w(&format!("{module}.{part}"), shape, tp);
-            let gate_up = if !cfg.activation.gated() {
-                GateUpProjection::UpAlone(w("up_proj.weight", &[f, d], TpRole::COLUMN))
+            let gate_up = if let Some(activation) = ungated {
+                GateUpProjection::UpAlone { up: w("up_proj.weight", &[f, d], TpRole::COLUMN), activation }
             } else if cfg.fused_projections || cfg.fused_gate_up {
                 GateUpProjection::Fused(w("gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
             } else {
@@ -1289,15 +1295,11 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                     (w("gate_proj.weight", &[f, d], TpRole::COLUMN), w("up_proj.weight", &[f, d], TpRole::COLUMN));
                 GateUpProjection::Apart { gate, up }
             };
-            DenseFeedForward { gate_up, down: w("down_proj.weight", &[d, f], TpRole::Row), xielu: None }
+            DenseFeedForward { gate_up, down: w("down_proj.weight", &[d, f], TpRole::Row) }
         });
         let experts = sparse.map(|(moe, balance)| {
             sparse_seen += 1;
             SparseFeedForward::declare(&mut u, moe, &name, (d, cfg.norm_eps), sparse_seen - 1, balance)
-        });
-        let dense = dense.map(|dense| DenseFeedForward {
-            xielu: (cfg.activation == Activation::Xielu).then(|| Xielu::declare(&mut u, &name)),
-            ..dense
         });
         // A column projection's bias splits with its outputs; the output projection's is
         // added once after the row-parallel sum.
