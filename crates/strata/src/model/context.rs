@@ -5,7 +5,7 @@
 //!
 //! Owns: the split of rows into pieces and the visibility rule across them. Must not
 //! communicate: the exchanges are the implementation's.
-use super::layers::{examples_differ, AttentionOptions};
+use super::layers::{chunks_differ, examples_differ, AttentionOptions};
 use crate::{Error, Result};
 use tch::Tensor;
 
@@ -112,8 +112,7 @@ pub fn unseen(
         mask = mask.f_logical_or(&behind.f_ge(w)?)?;
     }
     if let Some(c) = options.chunk {
-        let (queries, keys) = (query_places.f_floor_divide_scalar(c)?, key_places.f_floor_divide_scalar(c)?);
-        mask = mask.f_logical_or(&queries.f_unsqueeze(1)?.f_ne_tensor(&keys.f_unsqueeze(0)?)?)?;
+        mask = mask.f_logical_or(&chunks_differ(query_places, key_places, c)?)?;
     }
     Ok(mask)
 }

@@ -407,6 +407,13 @@ pub fn other_examples(layout: Option<&super::RowLayout>) -> Result<Option<Tensor
     examples_differ(&layout.examples, &layout.examples).map(Some)
 }
 
+/// The `[Tq, Tk]` mask of the keys in another chunk of `chunk` places than their query's,
+/// from the queries' (`[Tq]`) and the keys' (`[Tk]`) places in their row.
+pub fn chunks_differ(query_places: &Tensor, key_places: &Tensor, chunk: i64) -> Result<Tensor> {
+    let (queries, keys) = (query_places.f_floor_divide_scalar(chunk)?, key_places.f_floor_divide_scalar(chunk)?);
+    Ok(queries.f_unsqueeze(1)?.f_ne_tensor(&keys.f_unsqueeze(0)?)?)
+}
+
 /// The `[B, 1, Tq, Tk]` mask of the keys of another example than their query's, from the
 /// example numbers of the queries' (`[B, Tq]`) and the keys' (`[B, Tk]`) positions.
 pub fn examples_differ(queries: &Tensor, keys: &Tensor) -> Result<Tensor> {
@@ -475,10 +482,8 @@ pub fn attention(
         masked = masked.f_logical_or(&ones.f_tril(keys - t - w)?)?;
     }
     if let Some(c) = chunk {
-        let chunks = |from: i64| -> Result<Tensor> {
-            Ok(Tensor::f_arange_start(from, keys, (Kind::Int64, q.device()))?.f_floor_divide_scalar(c)?)
-        };
-        masked = masked.f_logical_or(&chunks(keys - t)?.f_unsqueeze(1)?.f_ne_tensor(&chunks(0)?.f_unsqueeze(0)?)?)?;
+        let places = |from: i64| Tensor::f_arange_start(from, keys, (Kind::Int64, q.device()));
+        masked = masked.f_logical_or(&chunks_differ(&places(keys - t)?, &places(0)?, c)?)?;
     }
     if let Some(other) = hidden {
         masked = masked.f_logical_or(other)?;
