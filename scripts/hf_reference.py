@@ -361,6 +361,19 @@ def decoder_families():
             **common, num_hidden_layers=2, tie_word_embeddings=False, attention_bias=True,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                              "rope_theta": 500.0})),
+        # StarCoder2: layer norms with biases, biases on every projection, GELU (tanh) without a
+        # gate under c_fc and c_proj, every layer sliding, a tied head, and dropout after the
+        # embeddings, of the scores and of each sub-layer's output (Strata's masks, see
+        # strata_dropout).
+        "starcoder2": lambda: (tf.Starcoder2ForCausalLM, tf.Starcoder2Config(
+            **common, num_hidden_layers=2, sliding_window=4, use_bias=True, tie_word_embeddings=True,
+            embedding_dropout=0.1, attention_dropout=0.1, residual_dropout=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # Nemotron: layer norms with biases scaled by 1 + w, ReLU² without a gate, half of each
+        # head turned, biases on the attention and the feed-forward.
+        "nemotron": lambda: (tf.NemotronForCausalLM, tf.NemotronConfig(
+            **common, num_hidden_layers=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})),
         # Apertus: per-head query/key norms, xIELU without a gate (its learned scales moved and
         # its stored beta and eps drawn below), its norms under their own names.
         "apertus": lambda: (tf.ApertusForCausalLM, tf.ApertusConfig(
@@ -659,15 +672,24 @@ def dropout_sites(model):
         if hasattr(model, "classifier"):
             at(model.dropout, ("head", 0))
     elif hasattr(model, "model") and hasattr(model.model, "layers"):
-        # The decoder families drop their attention probabilities, and Phi-3 each
-        # sub-layer's output. (Qwen3-Next's linear attention layers drop nothing.)
+        # The decoder families drop their attention probabilities, and Phi-3 and StarCoder2
+        # each sub-layer's output (StarCoder2's attention the scores first, where it drops
+        # them: a zero rate draws nothing), StarCoder2 the embedded tokens too. (Qwen3-Next's
+        # linear attention layers drop nothing.)
+        starcoder2 = kind == "starcoder2"
         for i, layer in enumerate(model.model.layers):
             unit = f"model.layers.{i}"
-            if hasattr(layer, "self_attn"):
+            if starcoder2:
+                scores = [(unit, 0)] if model.config.attention_dropout > 0 else []
+                at(layer.self_attn, *scores, (unit, 1))
+                at(layer.mlp, (unit, 2))
+            elif hasattr(layer, "self_attn"):
                 at(layer.self_attn, (unit, 0))
             if hasattr(layer, "resid_attn_dropout"):
                 at(layer.resid_attn_dropout, (unit, 1))
                 at(layer.resid_mlp_dropout, (unit, 2))
+        if starcoder2:
+            at(model.model, ("embedding", 0))
     elif kind == "t5":
         for name, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
             last = f"{name}.block.{len(stack.block) - 1}" if name == "encoder" else "head"

@@ -55,6 +55,12 @@ pub enum Family {
     /// Apertus (`apertus`): LLaMA's decoder with per-head query/key norms, a feed-forward of
     /// xIELU and no gate, and its norms under their own names.
     Apertus,
+    /// StarCoder2 (`starcoder2`): layer norms with biases, biases on every projection, a
+    /// feed-forward of GELU and no gate named `c_fc`/`c_proj`, optionally a sliding window.
+    Starcoder2,
+    /// Nemotron (`nemotron`): layer norms with biases scaled by `1 + w`, a feed-forward of
+    /// ReLU² and no gate, half of each head turned by default.
+    Nemotron,
     /// Mistral (`mistral`): the decoder, optionally with a sliding window.
     Mistral,
     /// Ministral 3 (`ministral3`): Mistral's decoder with queries scaled up by position.
@@ -230,11 +236,13 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 40] = [
+const FAMILIES: [Family; 42] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
     Family::Apertus,
+    Family::Starcoder2,
+    Family::Nemotron,
     Family::Cohere,
     Family::Cohere2,
     Family::Mistral,
@@ -281,6 +289,8 @@ impl Family {
             Family::Llama => "llama",
             Family::Arcee => "arcee",
             Family::Apertus => "apertus",
+            Family::Starcoder2 => "starcoder2",
+            Family::Nemotron => "nemotron",
             Family::Cohere => "cohere",
             Family::Cohere2 => "cohere2",
             Family::Mistral => "mistral",
@@ -338,6 +348,8 @@ impl Family {
             Family::Llama => "Llama",
             Family::Arcee => "Arcee",
             Family::Apertus => "Apertus",
+            Family::Starcoder2 => "Starcoder2",
+            Family::Nemotron => "Nemotron",
             Family::Cohere => "Cohere",
             Family::Cohere2 => "Cohere2",
             Family::Mistral => "Mistral",
@@ -423,7 +435,7 @@ impl Family {
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
                 Apertus => 65_536,
-                Phi3 | Olmoe | DeepseekV3 | Arcee => 4096,
+                Phi3 | Olmoe | DeepseekV3 | Arcee | Starcoder2 | Nemotron => 4096,
                 Cohere | Cohere2 => 8192,
                 SeedOss => 524_288,
                 Mistral4 => 1_048_576,
@@ -432,7 +444,8 @@ impl Family {
             norm_eps: match self {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
-                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2 => 1e-5,
+                | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
+                | Starcoder2 | Nemotron => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -457,6 +470,16 @@ impl Family {
                 Gemma4 => Some(512),
                 _ => None,
             },
+        }
+    }
+
+    /// The `config.json` key of the norms' epsilon.
+    fn norm_eps_key(self) -> &'static str {
+        match self {
+            Family::Cohere | Family::Cohere2 => "layer_norm_eps",
+            Family::Starcoder2 => "norm_epsilon",
+            Family::Nemotron => "norm_eps",
+            _ => "rms_norm_eps",
         }
     }
 
@@ -538,7 +561,10 @@ impl Family {
     /// Qwen3.5-MoE or Qwen3-Next (their linear attention), gpt-oss (stacked names), GLM-4.5
     /// (DeepSeek's routing), Mixtral or Granite-MoE (their names), OLMoE (norms over whole projections),
     /// Qwen3-MoE (per-head norms), else Qwen2-MoE; a dense one as Qwen3.5 (linear
-    /// attention), EXAONE 4 (post norms, per-head query/key norms), OLMo 3 (post norms with
+    /// attention), Nemotron (layer norms scaled by `1 + w`), StarCoder2 (`c_fc`/`c_proj`, or
+    /// layer norms with biases), Cohere 2 and Cohere (layer norms without a bias, or the
+    /// parallel block; Cohere 2 with a window), Arcee (ReLU²), Apertus (xIELU), EXAONE 4 (post
+    /// norms, per-head query/key norms), OLMo 3 (post norms with
     /// windows or a local rotation), OLMo 2 (post norms), SmolLM3 (unrotated layers),
     /// Ministral 3 (queries scaled by position), GLM-4 (a fused gate_up_proj), HunYuan
     /// (query/key norms after the rotation), Granite (multipliers), ERNIE 4.5 (heads turned
@@ -581,6 +607,8 @@ impl Family {
         }
         Ok(match c {
             c if c.linear_attention.is_some() => Family::Qwen3_5,
+            c if c.norm == NormKind::LayerPlusOne => Family::Nemotron,
+            c if c.fc_names || c.norm_bias => Family::Starcoder2,
             c if (c.parallel_block || c.norm == NormKind::Layer) && c.sliding_window.is_some() => Family::Cohere2,
             c if c.parallel_block || c.norm == NormKind::Layer => Family::Cohere,
             c if c.activation == Activation::Relu2 => Family::Arcee,
@@ -827,7 +855,8 @@ impl Family {
                 "dense layers other than the first ones, or shared experts of another width",
             ),
             (
-                matches!(self, Family::DeepseekV3 | Family::Mistral4 | Family::GptOss) && c.qkv_bias != c.o_bias,
+                matches!(self, Family::DeepseekV3 | Family::Mistral4 | Family::GptOss | Family::Nemotron)
+                    && c.qkv_bias != c.o_bias,
                 "a bias on some attention projections alone",
             ),
             (matches!(self, Family::Glm4Moe | Family::Glm4) && c.o_bias, "a bias on the attention output"),
@@ -888,16 +917,47 @@ impl Family {
             || self.is_olmo();
         let gemma4 = self == Family::Gemma4;
         let glm = self == Family::Glm4Moe;
+        let (starcoder2, nemotron) = (self == Family::Starcoder2, self == Family::Nemotron);
         let needs = [
             (c.fused_projections != (dense == Family::Phi3), "fused projections"),
             ((c.norm == NormKind::PlusOne) != (gemma && !gemma4 || next), "zero-centred norms"),
             (
-                (c.norm == NormKind::Layer, c.parallel_block) != (self.is_cohere(), self.is_cohere())
+                (c.norm == NormKind::Layer && !c.norm_bias, c.parallel_block) != (self.is_cohere(), self.is_cohere())
                     || c.logit_scale.is_some() && !self.is_cohere(),
-                "layer norms, a parallel block or scaled logits (Cohere's)",
+                "layer norms without a bias, a parallel block or scaled logits (Cohere's)",
+            ),
+            ((c.norm == NormKind::Layer && c.norm_bias) != starcoder2, "layer norms with biases"),
+            (
+                (c.norm == NormKind::LayerPlusOne) != nemotron || nemotron && !c.norm_bias,
+                "layer norms with biases scaled by 1 + w (Nemotron's)",
             ),
             ((c.activation == Activation::GeluTanh) != gemma, "GELU gating"),
-            ((c.activation == Activation::Relu2) != (self == Family::Arcee), "a ReLU² feed-forward without a gate"),
+            (
+                (c.activation == Activation::UngatedGeluTanh, c.fc_names) != (starcoder2, starcoder2),
+                "a GELU feed-forward without a gate, or c_fc and c_proj",
+            ),
+            (
+                starcoder2 && !(c.qkv_bias == c.o_bias && c.o_bias == c.mlp_bias),
+                "biases on some projections alone (its use_bias puts them on all)",
+            ),
+            (
+                c.mlp_bias
+                    && !matches!(
+                        self,
+                        Family::Llama
+                            | Family::Arcee
+                            | Family::Granite
+                            | Family::SeedOss
+                            | Family::SmolLm3
+                            | Family::Nemotron
+                            | Family::Starcoder2
+                    ),
+                "biases on the feed-forward",
+            ),
+            (
+                (c.activation == Activation::Relu2) != matches!(self, Family::Arcee | Family::Nemotron),
+                "a ReLU² feed-forward without a gate",
+            ),
             ((c.activation == Activation::Xielu) != (self == Family::Apertus), "an xIELU feed-forward without a gate"),
             (c.sandwich_norms != (gemma || self == Family::Glm4), "sandwich norms"),
             (c.scale_embeddings != gemma, "scaled embeddings"),
@@ -932,12 +992,14 @@ impl Family {
                             | Family::SeedOss
                             | Family::HunYuanDense
                             | Family::Granite
+                            | Family::Starcoder2
+                            | Family::Nemotron
                     ),
                 "attention biases",
             ),
             (
                 c.partial_rotary != 1.0
-                    && !matches!(dense, Family::Phi3 | Family::Glm4 | Family::Gemma4)
+                    && !matches!(dense, Family::Phi3 | Family::Glm4 | Family::Gemma4 | Family::Nemotron)
                     && !glm
                     && !next,
                 "a partial rotation",
@@ -956,13 +1018,14 @@ impl Family {
                             | Family::Ernie4_5
                             | Family::HunYuanDense
                             | Family::Granite
+                            | Family::Nemotron
                     )
                     && self != Family::GptOss,
                 "a sliding window",
             ),
             (
                 c.layer_types.as_ref().is_some_and(|t| t.windows(2).any(|w| w[0] != w[1]))
-                    && matches!(dense, Family::Mistral | Family::Ministral3 | Family::Phi3),
+                    && matches!(dense, Family::Mistral | Family::Ministral3 | Family::Phi3 | Family::Starcoder2),
                 "layers of different attention",
             ),
         ];
@@ -1204,7 +1267,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         "head_dim": c.head_width(),
         "max_position_embeddings": max_positions,
         "vocab_size": c.vocab,
-        "rms_norm_eps": c.norm_eps,
+        family.norm_eps_key(): c.norm_eps,
         "tie_word_embeddings": c.tie_embeddings,
         "attention_dropout": c.dropout.attention,
     });
@@ -1241,7 +1304,10 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             p[key] = value.clone();
         }
         // GLM-4.5 turns half of each head where its keys say nothing.
-        if r.partial != 1.0 || matches!(family, Family::Glm4Moe | Family::Glm4) || family.linear_attention_family() {
+        if r.partial != 1.0
+            || matches!(family, Family::Glm4Moe | Family::Glm4 | Family::Nemotron)
+            || family.linear_attention_family()
+        {
             p["partial_rotary_factor"] = json!(r.partial);
         }
         if let Some(latent) = c.latent.as_ref().filter(|l| l.mscale_all_dim > 0.0) {
@@ -1324,7 +1390,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["sliding_window"] = window;
             v["layer_types"] = json!(layer_types);
             v["attention_bias"] = json!(c.qkv_bias);
-            v["mlp_bias"] = json!(false);
+            v["mlp_bias"] = json!(c.mlp_bias);
         }
         Family::Exaone4 => {
             // Its full layers turn no position wherever a window is set, sliding layers or not.
@@ -1338,7 +1404,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["attention_multiplier"] = json!(m.scores);
             v["logits_scaling"] = json!(m.logits);
             v["attention_bias"] = json!(c.o_bias || c.qkv_bias);
-            v["mlp_bias"] = json!(false);
+            v["mlp_bias"] = json!(c.mlp_bias);
         }
         // Its use_bias would put biases on the feed-forward too, which Strata's decoder has not.
         Family::Ernie4_5 => v["use_bias"] = json!(false),
@@ -1347,7 +1413,13 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
             v["attention_bias"] = json!(c.qkv_bias);
             v["attention_out_bias"] = json!(c.o_bias);
             v["residual_dropout"] = json!(c.dropout.residual);
-            v["mlp_bias"] = json!(false);
+            v["mlp_bias"] = json!(c.mlp_bias);
+        }
+        Family::Starcoder2 => {
+            v["use_bias"] = json!(c.mlp_bias);
+            v["sliding_window"] = window;
+            v["residual_dropout"] = json!(c.dropout.residual);
+            v["embedding_dropout"] = json!(c.dropout.embedding);
         }
         Family::Olmo3 => {
             // An integer in transformers' config class, read by sliding layers alone.
@@ -1363,7 +1435,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         // experts are their dense families here.
         _ => {
             v["attention_bias"] = json!(c.o_bias || c.qkv_bias);
-            v["mlp_bias"] = json!(false);
+            v["mlp_bias"] = json!(c.mlp_bias);
         }
     }
     if family == Family::Glm4Moe {
@@ -1374,7 +1446,6 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         v["layer_types"] = json!(layer_types);
     }
     if family.is_cohere() {
-        v["layer_norm_eps"] = json!(c.norm_eps);
         v["logit_scale"] = json!(c.logit_scale.unwrap_or(1.0));
     }
     match family {
@@ -1429,6 +1500,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     match c.activation {
         Activation::Silu => v["hidden_act"] = json!("silu"),
         Activation::Relu2 => v["hidden_act"] = json!("relu2"),
+        Activation::UngatedGeluTanh => v["hidden_act"] = json!("gelu_pytorch_tanh"),
         Activation::Xielu => v["hidden_act"] = json!("xielu"),
         // Gemma's classes name it hidden_activation, written with their keys.
         Activation::GeluTanh => {}
@@ -2271,7 +2343,10 @@ impl Keys<'_> {
         let gemma = family.is_gemma();
         let (activation, accepted, named): (_, &[&str], _) = match family {
             _ if gemma => (Activation::GeluTanh, &["gelu_pytorch_tanh", "gelu_tanh"], "gates with gelu_pytorch_tanh"),
-            Family::Arcee => (Activation::Relu2, &["relu2"], "has no gate and runs relu2"),
+            Family::Arcee | Family::Nemotron => (Activation::Relu2, &["relu2"], "has no gate and runs relu2"),
+            Family::Starcoder2 => {
+                (Activation::UngatedGeluTanh, &["gelu_pytorch_tanh"], "has no gate and runs gelu_pytorch_tanh")
+            }
             Family::Apertus => (Activation::Xielu, &["xielu"], "has no gate and runs xielu"),
             _ => (Activation::Silu, &["silu"], "gates with silu"),
         };
@@ -2282,7 +2357,19 @@ impl Keys<'_> {
                 family.model_type(),
             ));
         }
-        self.only("mlp_bias", &[json!(false)], "the feed-forward has no biases")?;
+        // StarCoder2's use_bias puts biases on every projection.
+        let (starcoder2, nemotron) = (family == Family::Starcoder2, family == Family::Nemotron);
+        let use_bias = if starcoder2 { self.flag("use_bias")?.unwrap_or(true) } else { false };
+        let mlp_bias = match family {
+            Family::Llama | Family::Arcee | Family::Granite | Family::SeedOss | Family::SmolLm3 | Family::Nemotron => {
+                self.flag("mlp_bias")?.unwrap_or(false)
+            }
+            Family::Starcoder2 => use_bias,
+            _ => {
+                self.only("mlp_bias", &[json!(false)], "the feed-forward has no biases")?;
+                false
+            }
+        };
         // Gemma 4's "vision" makes image tokens alone attend both ways.
         let causal: &[Value] =
             if family == Family::Gemma4 { &[json!(false), json!("vision")] } else { &[json!(false)] };
@@ -2291,7 +2378,10 @@ impl Keys<'_> {
         if gemma4 {
             self.gemma4_refusals()?;
         }
-        let attention_bias = self.flag("attention_bias")?.unwrap_or(glm4 || gpt_oss || seed);
+        let attention_bias = match starcoder2 {
+            true => use_bias,
+            false => self.flag("attention_bias")?.unwrap_or(glm4 || gpt_oss || seed),
+        };
         if family == Family::Phi3 && attention_bias {
             return Err(
                 "config.json: attention_bias = true is not supported (Phi-3's fused projections have none)".into()
@@ -2377,6 +2467,7 @@ impl Keys<'_> {
             _ if latent.is_some() => 1.0,
             _ if partial_given => rope.partial,
             (true, _) => 0.5,
+            _ if nemotron => 0.5,
             (_, true) => 0.25,
             _ => rope.partial,
         };
@@ -2396,12 +2487,14 @@ impl Keys<'_> {
         let residual = match family {
             Family::Phi3 => self.rate("resid_pdrop", 0.0)?,
             Family::SeedOss => self.rate("residual_dropout", 0.1)?,
+            Family::Starcoder2 => self.rate("residual_dropout", 0.0)?,
             _ => {
                 self.note_dropout(&["resid_pdrop"])?;
                 0.0
             }
         };
         self.note_dropout(&["embd_pdrop"])?;
+        let embedding = if starcoder2 { self.rate("embedding_dropout", 0.0)? } else { 0.0 };
         let softcap = |key: &str, default: Option<f64>| -> KeyResult<Option<f64>> {
             Ok(if self.cfg.contains_key(key) { self.float(key)? } else { default })
         };
@@ -2426,19 +2519,25 @@ impl Keys<'_> {
             layer_scalar: gemma4,
             local_rope,
             kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
-            norm_eps: self.float(if cohere { "layer_norm_eps" } else { "rms_norm_eps" })?.unwrap_or(defaults.norm_eps),
-            tie_embeddings: self.flag("tie_word_embeddings")?.unwrap_or(gemma || smollm3 || ernie || cohere),
+            norm_eps: self.float(family.norm_eps_key())?.unwrap_or(defaults.norm_eps),
+            tie_embeddings: self
+                .flag("tie_word_embeddings")?
+                .unwrap_or(gemma || smollm3 || ernie || cohere || starcoder2),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: match family {
                 Family::SeedOss => self.flag("attention_out_bias")?.unwrap_or(false),
                 _ => family != Family::Qwen2 && !glm && attention_bias,
             },
+            mlp_bias,
             head_dim,
             norm: match () {
                 _ if gemma && !gemma4 || next => NormKind::PlusOne,
-                _ if cohere => NormKind::Layer,
+                _ if cohere || starcoder2 => NormKind::Layer,
+                _ if nemotron => NormKind::LayerPlusOne,
                 _ => NormKind::Weighted,
             },
+            norm_bias: starcoder2 || nemotron,
+            fc_names: starcoder2,
             parallel_block: cohere,
             logit_scale: if cohere { Some(self.float("logit_scale")?.unwrap_or(0.0625)) } else { None },
             activation,
@@ -2493,6 +2592,7 @@ impl Keys<'_> {
             dropout: DropoutRates {
                 attention: self.rate("attention_dropout", if seed { 0.1 } else { 0.0 })?,
                 residual,
+                embedding,
                 ..DropoutRates::NONE
             },
             head,
@@ -2888,7 +2988,7 @@ impl Keys<'_> {
         use Family::*;
         let window = match family {
             Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss
-            | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe => return Ok((None, None)),
+            | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,
@@ -2899,7 +2999,7 @@ impl Keys<'_> {
         };
         let types = match (given, family) {
             // These classes slide every layer where a window is set, whatever layer_types says.
-            (_, Mistral | Ministral3 | Mixtral | Qwen3Moe) => None,
+            (_, Mistral | Ministral3 | Mixtral | Qwen3Moe | Starcoder2) => None,
             // Five sliding layers of six, and (given or not) the last layer full.
             (types, Gemma4) => {
                 let mut types = types.unwrap_or_else(|| derived(&|i| (i + 1) % 6 != 0));

@@ -29,9 +29,9 @@ use super::gpt::divides_heads;
 use super::head_loss::head_output;
 use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
-    add_rms_norm, attend, attention, geglu, layer_norm_unbiased, linear, merge_heads, repeat_heads, rms_norm,
-    rms_norm_into_product, rms_norm_plus_one, rms_norm_unweighted, split_heads, swiglu, AttentionOptions, Projected,
-    ScoreTerms,
+    add_layer_norm, add_rms_norm, attend, attention, geglu, gelu_tanh, layer_norm, layer_norm_into_product,
+    layer_norm_unbiased, linear, merge_heads, repeat_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one,
+    rms_norm_unweighted, split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -54,8 +54,19 @@ pub enum NormKind {
     Weighted,
     /// `x / rms(x) · (1 + w)` in fp32, `w` starting at zero (Gemma).
     PlusOne,
-    /// `(x − mean(x)) / √var(x) · w` in fp32, without a bias, `w` starting at one (Cohere).
+    /// `(x − mean(x)) / √var(x) · w` in fp32, `w` starting at one: without a bias (Cohere) or,
+    /// with [`LlamaConfig::norm_bias`], `+ b` (StarCoder2).
     Layer,
+    /// `(x − mean(x)) / √var(x) · (1 + w) + b`, `w` starting at zero (Nemotron's, with
+    /// [`LlamaConfig::norm_bias`]).
+    LayerPlusOne,
+}
+
+impl NormKind {
+    /// Whether the norm centres its input (a layer norm, which may carry a bias).
+    pub fn centred(self) -> bool {
+        matches!(self, NormKind::Layer | NormKind::LayerPlusOne)
+    }
 }
 
 /// The feed-forward's activation: of its gate, `down(act(gate(x)) · up(x))`, or of its up
@@ -68,8 +79,10 @@ pub enum Activation {
     Silu,
     /// GeGLU with GELU's tanh form (Gemma).
     GeluTanh,
-    /// `relu(x)²` of the up projection, without a gate (Arcee).
+    /// `relu(x)²` of the up projection, without a gate (Arcee, Nemotron).
     Relu2,
+    /// GELU's tanh form of the up projection, without a gate (StarCoder2).
+    UngatedGeluTanh,
     /// xIELU of the up projection, without a gate, with learned scales per layer (Apertus):
     /// `α_p·x² + β·x` for `x > 0`, else `α_n·(expm1(min(x, ε)) − x) + β·x`, where
     /// `α_p = softplus(a_p)` and `α_n = β + softplus(a_n)`; `a_p`, `a_n` train, `β` and `ε`
@@ -160,6 +173,16 @@ pub struct LlamaConfig {
     /// A bias on the attention's output projection.
     #[serde(default)]
     pub o_bias: bool,
+    /// Biases on the feed-forward's projections (`mlp_bias`).
+    #[serde(default)]
+    pub mlp_bias: bool,
+    /// A bias on every layer norm ([`NormKind::Layer`], [`NormKind::LayerPlusOne`]).
+    #[serde(default)]
+    pub norm_bias: bool,
+    /// The feed-forward's projections named `c_fc` and `c_proj` (StarCoder2's) in place of
+    /// `up_proj` and `down_proj`; a feed-forward without a gate alone.
+    #[serde(default)]
+    pub fc_names: bool,
     /// Width of an attention head; `None` means `dim / heads`.
     #[serde(default)]
     pub head_dim: Option<i64>,
@@ -333,6 +356,9 @@ impl LlamaConfig {
             tie_embeddings: false,
             qkv_bias: false,
             o_bias: false,
+            mlp_bias: false,
+            norm_bias: false,
+            fc_names: false,
             head_dim: None,
             rope_scaling: RopeScaling::None,
             partial_rotary: 1.0,
@@ -572,6 +598,18 @@ impl LlamaConfig {
         if !self.activation.gated() && (self.fused_projections || self.fused_gate_up) {
             return Err(Error::Config("a feed-forward without a gate has no fused gate_up_proj".into()));
         }
+        if self.fc_names && self.activation.gated() {
+            return Err(Error::Config("c_fc and c_proj name a feed-forward without a gate".into()));
+        }
+        if self.norm_bias && !self.norm.centred() {
+            return Err(Error::Config("an RMS norm has no bias: norm_bias takes a layer norm".into()));
+        }
+        if self.norm_bias && self.qk_norm {
+            return Err(Error::Config("query/key norms carry no bias".into()));
+        }
+        if self.mlp_bias && self.moe.is_some() {
+            return Err(Error::Config("mlp_bias puts biases on dense feed-forwards, and experts carry none".into()));
+        }
         if let Some(moe) = &self.moe {
             moe.validate()?;
             if self.fused_projections || self.fused_gate_up {
@@ -629,13 +667,13 @@ enum QkvProjection {
 /// The feed-forward's gate and up projections: apart, or fused into one `[gate; up]`.
 enum GateUpProjection {
     Apart {
-        gate: ParamId,
-        up: ParamId,
+        gate: Dense,
+        up: Dense,
     },
-    Fused(ParamId),
+    Fused(Dense),
     /// No gate: the up projection alone, through its activation.
     UpAlone {
-        up: ParamId,
+        up: Dense,
         activation: Ungated,
     },
 }
@@ -643,13 +681,21 @@ enum GateUpProjection {
 /// The activation of a feed-forward without a gate.
 enum Ungated {
     Relu2,
+    GeluTanh,
     Xielu(Xielu),
 }
 
 /// One feed-forward network.
 struct DenseFeedForward {
     gate_up: GateUpProjection,
-    down: ParamId,
+    down: Dense,
+}
+
+/// A norm's weight, and its bias where the layer norms carry one.
+#[derive(Clone, Copy)]
+struct Norm {
+    weight: ParamId,
+    bias: Option<ParamId>,
 }
 
 /// xIELU's parameters in one block ([`Activation::Xielu`]): `mlp.act_fn.alpha_p` and
@@ -710,30 +756,32 @@ struct DenseAndSparse {
     sparse: SparseFeedForward,
     /// `post_feedforward_layernorm_1`, `pre_feedforward_layernorm_2` and
     /// `post_feedforward_layernorm_2`.
-    after_dense: ParamId,
-    before_experts: ParamId,
-    after_experts: ParamId,
+    after_dense: Norm,
+    before_experts: Norm,
+    after_experts: Norm,
 }
 
 impl DenseFeedForward {
     /// The network over the normed hidden states `h`, entering and leaving the tensor group.
     fn forward(&self, p: &Params<'_>, h: &Tensor, kinds: &Kinds) -> Result<Tensor> {
         let h = p.tp().enter(h)?;
+        let dense = |(w, b): Dense| p.linear(&h, w, b);
         let gated = match self.gate_up {
-            GateUpProjection::Apart { gate, up } => kinds.gate(&p.linear(&h, gate, None)?, &p.linear(&h, up, None)?)?,
-            GateUpProjection::Fused(w) => {
-                let halves = p.linear(&h, w, None)?.f_chunk(2, -1)?;
+            GateUpProjection::Apart { gate, up } => kinds.gate(&dense(gate)?, &dense(up)?)?,
+            GateUpProjection::Fused(both) => {
+                let halves = dense(both)?.f_chunk(2, -1)?;
                 kinds.gate(&halves[0], &halves[1])?
             }
             GateUpProjection::UpAlone { up, ref activation } => {
-                let up = p.linear(&h, up, None)?;
+                let up = dense(up)?;
                 match activation {
                     Ungated::Relu2 => up.f_relu()?.f_square()?,
+                    Ungated::GeluTanh => gelu_tanh(&up)?,
                     Ungated::Xielu(xielu) => xielu.forward(p, &up)?,
                 }
             }
         };
-        p.row_linear(&gated, self.down, None)
+        p.row_linear(&gated, self.down.0, self.down.1)
     }
 }
 
@@ -746,29 +794,36 @@ struct Kinds {
 }
 
 impl Kinds {
-    fn norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        match self.norm {
-            NormKind::Weighted => rms_norm(x, w, self.eps),
-            NormKind::PlusOne => rms_norm_plus_one(x, w, self.eps),
-            NormKind::Layer => layer_norm_unbiased(x, w, self.eps),
+    fn norm(&self, p: &Params<'_>, x: &Tensor, n: Norm) -> Result<Tensor> {
+        let w = &p[n.weight];
+        match (self.norm, n.bias) {
+            // Validated: RMS norms carry no bias.
+            (NormKind::Weighted, _) => rms_norm(x, w, self.eps),
+            (NormKind::PlusOne, _) => rms_norm_plus_one(x, w, self.eps),
+            (NormKind::Layer, None) => layer_norm_unbiased(x, w, self.eps),
+            (NormKind::Layer, Some(b)) => layer_norm(x, w, &p[b], self.eps),
+            (NormKind::LayerPlusOne, None) => layer_norm_unbiased(x, &w.f_add_scalar(1.0)?, self.eps),
+            (NormKind::LayerPlusOne, Some(b)) => layer_norm(x, &w.f_add_scalar(1.0)?, &p[b], self.eps),
         }
     }
 
     /// The norm of `x` where a matrix product alone reads it.
-    fn norm_into_product(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        match self.norm {
-            NormKind::Weighted => rms_norm_into_product(x, w, self.eps),
-            NormKind::PlusOne | NormKind::Layer => self.norm(x, w),
+    fn norm_into_product(&self, p: &Params<'_>, x: &Tensor, n: Norm) -> Result<Tensor> {
+        match (self.norm, n.bias) {
+            (NormKind::Weighted, _) => rms_norm_into_product(x, &p[n.weight], self.eps),
+            (NormKind::Layer, Some(b)) => layer_norm_into_product(x, &p[n.weight], &p[b], self.eps),
+            _ => self.norm(p, x, n),
         }
     }
 
     /// The residual sum `x + r` and its norm.
-    fn add_norm(&self, x: &Tensor, r: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
-        match self.norm {
-            NormKind::Weighted => add_rms_norm(x, r, w, self.eps),
-            NormKind::PlusOne | NormKind::Layer => {
+    fn add_norm(&self, p: &Params<'_>, x: &Tensor, r: &Tensor, n: Norm) -> Result<(Tensor, Tensor)> {
+        match (self.norm, n.bias) {
+            (NormKind::Weighted, _) => add_rms_norm(x, r, &p[n.weight], self.eps),
+            (NormKind::Layer, Some(b)) => add_layer_norm(x, r, &p[n.weight], &p[b], self.eps),
+            _ => {
                 let s = x.f_add(r)?;
-                let normed = self.norm(&s, w)?;
+                let normed = self.norm(p, &s, n)?;
                 Ok((s, normed))
             }
         }
@@ -778,7 +833,7 @@ impl Kinds {
         match self.activation {
             Activation::Silu => swiglu(gate, up),
             Activation::GeluTanh => geglu(gate, up),
-            ungated @ (Activation::Relu2 | Activation::Xielu) => {
+            ungated @ (Activation::Relu2 | Activation::UngatedGeluTanh | Activation::Xielu) => {
                 Err(Error::Model(format!("the {ungated:?} feed-forward has no gate")))
             }
         }
@@ -798,7 +853,7 @@ enum HeadInputs {
 struct GroupedHeads {
     qkv: QkvProjection,
     /// Norms of the queries and of the keys: per head, or over whole projections.
-    qk_norms: Option<(ParamId, ParamId)>,
+    qk_norms: Option<(Norm, Norm)>,
     qk_norm_whole: bool,
     /// The per-head norms apply after the rotation.
     norms_after_rotation: bool,
@@ -840,14 +895,14 @@ enum Mixer {
 
 struct LlamaBlock {
     /// Norm of the attention's input (none with post norms alone).
-    input_norm: Option<ParamId>,
+    input_norm: Option<Norm>,
     mixer: Mixer,
     /// Norm of the attention's output before the residual add (sandwich or post norms).
-    post_attention_norm: Option<ParamId>,
+    post_attention_norm: Option<Norm>,
     /// Norm of the feed-forward's input (none with post norms alone).
-    feed_forward_norm: Option<ParamId>,
+    feed_forward_norm: Option<Norm>,
     feed_forward: FeedForward,
-    post_feed_forward_norm: Option<ParamId>,
+    post_feed_forward_norm: Option<Norm>,
     heads: i64,
     kinds: Kinds,
     /// Dropout of each sub-layer's output before its residual sum (Phi-3's `resid_pdrop`).
@@ -931,7 +986,7 @@ impl GroupedHeads {
             }
         };
         let (q, k) = match self.qk_norms {
-            Some((qn, kn)) if self.qk_norm_whole => (self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?),
+            Some((qn, kn)) if self.qk_norm_whole => (self.kinds.norm(p, &q, qn)?, self.kinds.norm(p, &k, kn)?),
             _ => (q, k),
         };
         let clip = |t: Tensor| -> Result<Tensor> {
@@ -953,14 +1008,8 @@ impl GroupedHeads {
     }
 
     /// Queries and keys `[B, H, T, D]` each RMS-normed per head by its norm's weight.
-    fn per_head_norms(
-        &self,
-        p: &Params<'_>,
-        (qn, kn): (ParamId, ParamId),
-        q: Tensor,
-        k: Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        Ok((self.kinds.norm(&q, &p[qn])?, self.kinds.norm(&k, &p[kn])?))
+    fn per_head_norms(&self, p: &Params<'_>, (qn, kn): (Norm, Norm), q: Tensor, k: Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((self.kinds.norm(p, &q, qn)?, self.kinds.norm(p, &k, kn)?))
     }
 
     /// This rank's queries (`heads` of them) and its keys and values repeated for each
@@ -1027,7 +1076,7 @@ impl LlamaBlock {
         let heads = self.heads / tp.size();
         let start = cache.as_ref().map_or(0, |c| c.position());
         let normed = match self.input_norm {
-            Some(w) => self.kinds.norm_into_product(x, &p[w])?,
+            Some(n) => self.kinds.norm_into_product(p, x, n)?,
             None => x.shallow_clone(),
         };
         let h = tp.enter(&normed)?;
@@ -1086,7 +1135,7 @@ impl LlamaBlock {
         let (x, h) = match (self.parallel, self.feed_forward_norm) {
             // The feed-forward reads what attention read.
             (true, _) => (x.f_add(&attended)?, normed),
-            (false, Some(w)) => self.kinds.add_norm(x, &attended, &p[w])?,
+            (false, Some(n)) => self.kinds.add_norm(p, x, &attended, n)?,
             (false, None) => {
                 let x = x.f_add(&attended)?;
                 (x.shallow_clone(), x)
@@ -1096,10 +1145,10 @@ impl LlamaBlock {
             FeedForward::Dense(dense) => dense.forward(p, &h, &self.kinds)?,
             FeedForward::Sparse(experts) => experts.forward(p, &h, None)?,
             FeedForward::Both(both) => {
-                let dense = self.kinds.norm(&both.dense.forward(p, &h, &self.kinds)?, &p[both.after_dense])?;
-                let experts_input = self.kinds.norm(&x, &p[both.before_experts])?;
+                let dense = self.kinds.norm(p, &both.dense.forward(p, &h, &self.kinds)?, both.after_dense)?;
+                let experts_input = self.kinds.norm(p, &x, both.before_experts)?;
                 let routed = both.sparse.forward(p, &experts_input, Some(&x))?;
-                dense.f_add(&self.kinds.norm(&routed, &p[both.after_experts])?)?
+                dense.f_add(&self.kinds.norm(p, &routed, both.after_experts)?)?
             }
         };
         let fed = self.scaled(self.post_norm(p, self.post_feed_forward_norm, fed)?)?;
@@ -1118,16 +1167,16 @@ impl LlamaBlock {
         }
     }
 
-    fn post_norm(&self, p: &Params<'_>, norm: Option<ParamId>, y: Tensor) -> Result<Tensor> {
+    fn post_norm(&self, p: &Params<'_>, norm: Option<Norm>, y: Tensor) -> Result<Tensor> {
         match norm {
-            Some(w) => self.kinds.norm(&y, &p[w]),
+            Some(n) => self.kinds.norm(p, &y, n),
             None => Ok(y),
         }
     }
 }
 
 struct LlamaHead {
-    norm: ParamId,
+    norm: Norm,
     lm_head: ParamId,
     kinds: Kinds,
     vocab: i64,
@@ -1143,7 +1192,7 @@ impl Unit for LlamaHead {
         "LlamaHead"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let h = self.kinds.norm_into_product(x, &p[self.norm])?;
+        let h = self.kinds.norm_into_product(p, x, self.norm)?;
         let h = match self.divisor {
             Some(d) => h.f_div_scalar(d)?,
             None => h,
@@ -1170,7 +1219,7 @@ impl Unit for LlamaHead {
 /// first rank's product carries a nonzero gradient, so that the group's sums of the input's
 /// and the weight's gradients (`PartialGradient`) count it once.
 struct RewardHead {
-    norm: ParamId,
+    norm: Norm,
     score: ParamId,
     kinds: Kinds,
 }
@@ -1180,7 +1229,7 @@ impl Unit for RewardHead {
         "LlamaRewardHead"
     }
     fn forward(&self, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let h = self.kinds.norm(x, &p[self.norm])?;
+        let h = self.kinds.norm(p, x, self.norm)?;
         let tp = p.tp();
         if tp.size() == 1 {
             return linear(&h, &p[self.score], None);
@@ -1204,13 +1253,25 @@ impl Unit for RewardHead {
 /// The decoder's model function: units `embedding`, `model.layers.{i}`, `head`.
 pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
     cfg.validate()?;
-    b.dropout(&DropoutRates { attention: cfg.dropout.attention, residual: cfg.dropout.residual, ..DropoutRates::NONE });
+    let rates = &cfg.dropout;
+    b.dropout(&DropoutRates {
+        embedding: rates.embedding,
+        attention: rates.attention,
+        residual: rates.residual,
+        ..DropoutRates::NONE
+    });
     let (d, f, heads) = (cfg.dim, cfg.hidden(), cfg.heads);
     let normal = Init::Normal { std: STD };
     // Gemma's norms scale by 1 + w, so theirs start at zero.
     let norm_init = match cfg.norm {
         NormKind::Weighted | NormKind::Layer => Init::Ones,
-        NormKind::PlusOne => Init::Zeros,
+        NormKind::PlusOne | NormKind::LayerPlusOne => Init::Zeros,
+    };
+    // A norm of `module` over `width`: its weight, and its bias where the layer norms have one
+    // (held and trained as the weight is).
+    let declare_norm = |u: &mut UnitBuilder<'_>, module: &str, width: i64, tp: TpRole| Norm {
+        weight: u.norm(format!("{module}.weight"), &[width], norm_init, tp),
+        bias: cfg.norm_bias.then(|| u.norm(format!("{module}.bias"), &[width], Init::Zeros, tp)),
     };
     let kinds = Kinds { norm: cfg.norm, activation: cfg.activation, eps: cfg.norm_eps };
     let mut u = b.unit("embedding");
@@ -1219,12 +1280,13 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         Some(m) => Some(m.embeddings),
         None => cfg.scale_embeddings.then(|| (d as f64).sqrt()),
     };
-    u.declare_cost(UnitCost::looking_up(Kept::ids(d)));
+    u.declare_cost(UnitCost::looking_up(Kept::ids(d).with_dropout(super::dropout::masked(rates.embedding, d), false)));
     u.finish(TokenEmbedding {
         table: embed,
         vocab: cfg.vocab,
         scale,
         padding: cfg.padding_token,
+        dropout: rates.embedding,
         kind: "LlamaEmbedding",
     });
     // One balance over every sparse layer: its loss couples them.
@@ -1263,6 +1325,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         // borrow the unit (xIELU's scales are parameters of its own).
         let ungated = match cfg.activation {
             Activation::Relu2 => Some(Ungated::Relu2),
+            Activation::UngatedGeluTanh => Some(Ungated::GeluTanh),
             Activation::Xielu if sparse.is_none() || beside_dense => {
                 Some(Ungated::Xielu(Xielu::declare(&mut u, &name)))
             }
@@ -1285,17 +1348,28 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let o = linear.is_none().then(|| w("self_attn.o_proj.weight", &[d, attended_width], TpRole::Row));
         let dense = (sparse.is_none() || beside_dense).then(|| {
             let module = cfg.feed_forward_module();
-            let mut w = |part: &str, shape: &[i64], tp| w(&format!("{module}.{part}"), shape, tp);
-            let gate_up = if let Some(activation) = ungated {
-                GateUpProjection::UpAlone { up: w("up_proj.weight", &[f, d], TpRole::COLUMN), activation }
-            } else if cfg.fused_projections || cfg.fused_gate_up {
-                GateUpProjection::Fused(w("gate_up_proj.weight", &[2 * f, d], TpRole::Column { parts: 2 }))
-            } else {
-                let (gate, up) =
-                    (w("gate_proj.weight", &[f, d], TpRole::COLUMN), w("up_proj.weight", &[f, d], TpRole::COLUMN));
-                GateUpProjection::Apart { gate, up }
+            let (up_name, down_name) = if cfg.fc_names { ("c_fc", "c_proj") } else { ("up_proj", "down_proj") };
+            // A column projection's bias splits with its outputs; the down projection's is
+            // added once after the row-parallel sum.
+            let mut projection = |proj: &str, shape: [i64; 2], tp, bias_tp| -> Dense {
+                let at = format!("{name}.{module}.{proj}");
+                let weight = u.linear(format!("{at}.weight"), &shape, normal, tp);
+                (weight, cfg.mlp_bias.then(|| u.param(format!("{at}.bias"), &shape[..1], Init::Zeros, bias_tp)))
             };
-            DenseFeedForward { gate_up, down: w("down_proj.weight", &[d, f], TpRole::Row) }
+            let gate_up = if let Some(activation) = ungated {
+                GateUpProjection::UpAlone {
+                    up: projection(up_name, [f, d], TpRole::COLUMN, TpRole::COLUMN),
+                    activation,
+                }
+            } else if cfg.fused_projections || cfg.fused_gate_up {
+                let parts = TpRole::Column { parts: 2 };
+                GateUpProjection::Fused(projection("gate_up_proj", [2 * f, d], parts, parts))
+            } else {
+                let gate = projection("gate_proj", [f, d], TpRole::COLUMN, TpRole::COLUMN);
+                GateUpProjection::Apart { gate, up: projection(up_name, [f, d], TpRole::COLUMN, TpRole::COLUMN) }
+            };
+            let down = projection(down_name, [d, f], TpRole::Row, TpRole::SequenceReplicated);
+            DenseFeedForward { gate_up, down }
         });
         let experts = sparse.map(|(moe, balance)| {
             sparse_seen += 1;
@@ -1318,14 +1392,14 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         // One per head: split with the heads.
         let sinks = (cfg.attention_sinks && o.is_some())
             .then(|| u.param(format!("{name}.self_attn.sinks"), &[heads], normal, TpRole::COLUMN));
-        let mut norm = |suffix: &str, width: i64, tp| u.norm(format!("{name}.{suffix}"), &[width], norm_init, tp);
-        let input_norm = (!cfg.post_norms).then(|| norm("input_layernorm.weight", d, TpRole::SequenceReplicated));
+        let mut norm = |module: &str, width: i64, tp| declare_norm(&mut u, &format!("{name}.{module}"), width, tp);
+        let input_norm = (!cfg.post_norms).then(|| norm("input_layernorm", d, TpRole::SequenceReplicated));
         // Per head, or (OLMoE) over each projection whole.
         let (q_width, k_width) = if cfg.qk_norm_whole { (q_out, kv_out) } else { (hd, hd) };
         let qk_norms = (cfg.qk_norm && qkv.is_some()).then(|| {
             (
-                norm("self_attn.q_norm.weight", q_width, TpRole::PartialGradient),
-                norm("self_attn.k_norm.weight", k_width, TpRole::PartialGradient),
+                norm("self_attn.q_norm", q_width, TpRole::PartialGradient),
+                norm("self_attn.k_norm", k_width, TpRole::PartialGradient),
             )
         });
         // With sandwich norms `post_attention_layernorm` norms the attention's output and
@@ -1335,12 +1409,12 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         let residual = TpRole::SequenceReplicated;
         let (post_attention_norm, feed_forward_norm, post_feed_forward_norm) = match () {
             _ if cfg.sandwich_norms || cfg.post_norms => (
-                Some(norm("post_attention_layernorm.weight", d, residual)),
-                (!cfg.post_norms).then(|| norm("pre_feedforward_layernorm.weight", d, residual)),
-                Some(norm("post_feedforward_layernorm.weight", d, residual)),
+                Some(norm("post_attention_layernorm", d, residual)),
+                (!cfg.post_norms).then(|| norm("pre_feedforward_layernorm", d, residual)),
+                Some(norm("post_feedforward_layernorm", d, residual)),
             ),
             _ if cfg.parallel_block => (None, None, None),
-            _ => (None, Some(norm("post_attention_layernorm.weight", d, residual)), None),
+            _ => (None, Some(norm("post_attention_layernorm", d, residual)), None),
         };
         let feed_forward = match (dense, experts) {
             (Some(dense), None) => FeedForward::Dense(dense),
@@ -1348,9 +1422,9 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             (Some(dense), Some(sparse)) => FeedForward::Both(Box::new(DenseAndSparse {
                 dense,
                 sparse,
-                after_dense: norm("post_feedforward_layernorm_1.weight", d, residual),
-                before_experts: norm("pre_feedforward_layernorm_2.weight", d, residual),
-                after_experts: norm("post_feedforward_layernorm_2.weight", d, residual),
+                after_dense: norm("post_feedforward_layernorm_1", d, residual),
+                before_experts: norm("pre_feedforward_layernorm_2", d, residual),
+                after_experts: norm("post_feedforward_layernorm_2", d, residual),
             })),
             (None, None) => return Err(Error::Model(format!("{name}: a block without a feed-forward"))),
         };
@@ -1360,7 +1434,8 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             _ => cfg.rope(),
         };
         // RMS norms keep their input and one statistic; SwiGLU keeps gate, up, the gate's
-        // activation and their product (4·F), ReLU² the up projection and its square (2·F),
+        // activation and their product (4·F), ReLU² and an ungated GELU the up projection and
+        // its activation (2·F),
         // xIELU its input, the scaled input, the exponential, the branch mask and its output
         // (about 4·F); rotary embedding keeps nothing extra. A token
         // of a sparse layer keeps that for each of its k experts (and the shared one), its
@@ -1374,7 +1449,13 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
                 let dense = if m.beside_dense { 4.0 * cfg.hidden() as f64 + 3.0 * (d + 1) as f64 } else { 0.0 };
                 (routed + shared + dense, ((m.experts - m.top_k) * 3 * d * m.expert_ffn_dim) as f64)
             }
-            None => ((if cfg.activation == Activation::Relu2 { 2.0 } else { 4.0 }) * cfg.hidden() as f64, 0.0),
+            None => {
+                let per_width = match cfg.activation {
+                    Activation::Relu2 | Activation::UngatedGeluTanh => 2.0,
+                    _ => 4.0,
+                };
+                (per_width * cfg.hidden() as f64, 0.0)
+            }
         };
         let (attention_kept, attention_width, scale) = match (&cfg.latent, &cfg.linear_attention) {
             // Linear attention keeps its projections, the convolution's input and output, the
@@ -1471,7 +1552,7 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
         });
     }
     let mut u = b.unit("head");
-    let norm = u.norm("model.norm.weight", &[d], norm_init, TpRole::SequenceReplicated);
+    let norm = declare_norm(&mut u, "model.norm", d, TpRole::SequenceReplicated);
     if cfg.head == DecoderHead::Reward {
         u.declare_cost(UnitCost::keeping(Kept::head(3.0 * d as f64 + 2.0, 1)));
         let score = u.param("score.weight", &[1, d], normal, TpRole::PartialGradient);

@@ -75,7 +75,14 @@ pub fn mlp(cfg: &MlpConfig, b: &mut Builder) -> Result<()> {
     let mut u = b.unit("embedding");
     let embed = u.param("embed.weight", &[cfg.vocab, cfg.dim], normal, TpRole::Vocab);
     u.declare_cost(UnitCost::looking_up(Kept::ids(cfg.dim)));
-    u.finish(TokenEmbedding { table: embed, vocab: cfg.vocab, scale: None, padding: None, kind: "MlpEmbedding" });
+    u.finish(TokenEmbedding {
+        table: embed,
+        vocab: cfg.vocab,
+        scale: None,
+        padding: None,
+        dropout: 0.0,
+        kind: "MlpEmbedding",
+    });
     for i in 0..cfg.layers {
         let mut u = b.unit(format!("layers.{i}"));
         let weight = u.linear(format!("layers.{i}.fc.weight"), &[cfg.dim, cfg.dim], normal, TpRole::Row);

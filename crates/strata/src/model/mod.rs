@@ -762,6 +762,8 @@ pub(crate) struct TokenEmbedding {
     pub(crate) scale: Option<f64>,
     /// The row whose look-ups give it no gradient (`padding_idx`).
     pub(crate) padding: Option<i64>,
+    /// Dropout of the embedded tokens (site 0; StarCoder2's `embedding_dropout`).
+    pub(crate) dropout: f64,
     pub(crate) kind: &'static str,
 }
 
@@ -771,13 +773,16 @@ impl Unit for TokenEmbedding {
     }
     fn forward(&self, p: &Params<'_>, tokens: &Tensor) -> Result<Tensor> {
         let vectors = layers::vocab_embedding(&p[self.table], tokens, self.vocab, self.padding, p.tp())?;
-        match self.scale {
+        let vectors = match self.scale {
             Some(scale) => {
                 let scale = Tensor::from(scale).f_to_kind(vectors.kind())?.f_to_device(vectors.device())?;
-                Ok(vectors.f_mul(&scale)?)
+                vectors.f_mul(&scale)?
             }
-            None => Ok(vectors),
-        }
+            None => vectors,
+        };
+        // Under sequence parallel the vectors are this rank's piece of the sequence.
+        let start = p.tp().sequence_range(tokens.size().last().copied().unwrap_or(0)).0;
+        p.dropout(&vectors, self.dropout, 0, &[start])
     }
     fn decode(&self, p: &Params<'_>, tokens: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
         cache.advance(tokens.size().last().copied().unwrap_or(0));

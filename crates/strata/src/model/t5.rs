@@ -525,7 +525,14 @@ pub fn t5(cfg: &T5Config, b: &mut Builder) -> Result<()> {
     let mut u = b.unit("embedding");
     let shared = u.param("shared.weight", &[cfg.vocab, d], Init::Normal { std: 1.0 }, TpRole::Vocab);
     u.declare_cost(UnitCost::looking_up(Kept::ids(cfg.dim)));
-    u.finish(TokenEmbedding { table: shared, vocab: cfg.vocab, scale: None, padding: None, kind: "T5Embedding" });
+    u.finish(TokenEmbedding {
+        table: shared,
+        vocab: cfg.vocab,
+        scale: None,
+        padding: None,
+        dropout: 0.0,
+        kind: "T5Embedding",
+    });
     b.alias("encoder.embed_tokens.weight", shared);
     b.alias("decoder.embed_tokens.weight", shared);
     for (stack, layers) in [("encoder", cfg.encoder_layers), ("decoder", cfg.decoder_layers)] {

@@ -641,6 +641,21 @@ fn arcee_matches_transformers() {
     family_matches_transformers("arcee", 32);
 }
 
+/// StarCoder2: layer norms with biases, biases on every projection, GELU (tanh) without a
+/// gate under `c_fc`/`c_proj`, every layer sliding, a tied head; ten steps with dropout after
+/// the embeddings, of the scores and of each sub-layer's output (Strata's masks on both sides).
+#[test]
+fn starcoder2_matches_transformers() {
+    family_matches_transformers("starcoder2", 32);
+}
+
+/// Nemotron: layer norms with biases scaled by `1 + w`, ReLU² without a gate, half of each
+/// head turned, biases on the attention and the feed-forward.
+#[test]
+fn nemotron_matches_transformers() {
+    family_matches_transformers("nemotron", 32);
+}
+
 /// Apertus: per-head query/key norms, xIELU without a gate (its scales trained, its beta and
 /// eps stored), Llama 3's rotation, its block norms under their own names.
 #[test]
@@ -1607,8 +1622,10 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 37] = [
+const DECODER_TYPES: [&str; 39] = [
     "llama",
+    "starcoder2",
+    "nemotron",
     "cohere2",
     "cohere",
     "llama4_text",
