@@ -4,7 +4,7 @@
 //! Strata writes back, `strata eval` agrees, `strata generate` stops at the end token, and
 //! bad folders are refused in one line.
 use crate::common;
-use crate::TENSOR;
+use crate::{TENSOR, TENSOR_AND_SEQUENCE};
 
 use crate::common::{assert_fails_with, stderr, strata};
 use crate::hf_reference::{python, reference};
@@ -136,7 +136,7 @@ fn gemma4_experts_train_split_as_one_process() {
         ("experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("experts 2 with fsdp", r#"[["expert_parallel", {"size": 2}], "fsdp"]"#),
         ("tensor 2", TENSOR),
-        ("sequence 2", SEQUENCE),
+        ("sequence 2", TENSOR_AND_SEQUENCE),
         ("pipeline 2", PIPELINE),
     ] {
         let micro = if name.starts_with("experts") { "1" } else { "2" };
@@ -161,8 +161,10 @@ fn gemma4_experts_train_split_as_one_process() {
 /// renamed shared expert over a tensor group, and Llama 4's experts (their inputs scaled by
 /// the routing weights before they cross to their ranks) over an expert group and its chunked
 /// attention under sequence parallel, and Cohere's parallel block under sequence parallel
-/// (its feed-forward entering the tensor group from the norm attention read), each training
-/// as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
+/// (its feed-forward entering the tensor group from the norm attention read), StarCoder2
+/// under sequence parallel (its `c_fc` bias split, its `c_proj` and norm biases whole, its
+/// dropout after the embeddings, of the scores and of each sub-layer's output drawing one
+/// process's masks) and Nemotron under tensor parallel, each training as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
 /// whose step is the gradient itself.
 #[test]
 fn newer_families_train_split_as_one_process() {
@@ -173,8 +175,10 @@ fn newer_families_train_split_as_one_process() {
         ("granite-moe", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("hunyuan-moe", "tensor 2", TENSOR),
         ("llama4", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
-        ("llama4", "sequence 2", SEQUENCE),
-        ("cohere", "sequence 2", SEQUENCE),
+        ("llama4", "sequence 2", TENSOR_AND_SEQUENCE),
+        ("cohere", "sequence 2", TENSOR_AND_SEQUENCE),
+        ("starcoder2", "sequence 2", TENSOR_AND_SEQUENCE),
+        ("nemotron", "tensor 2", TENSOR),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let (folder, train, _) = setup(&py, dir.path(), family);
@@ -241,7 +245,7 @@ fn a_mixture_of_experts_trains_sharded_as_one_process() {
             r#"[["expert_parallel", {"size": 2}], "zero2", ["checkpoint", ["LlamaBlock"]]]"#,
         ),
         ("tensor 2", 2, 2, TENSOR),
-        ("sequence 2", 2, 2, SEQUENCE),
+        ("sequence 2", 2, 2, TENSOR_AND_SEQUENCE),
         ("pipeline 2", 2, 2, PIPELINE),
         (
             "experts 2 × pipeline 2",
@@ -357,7 +361,7 @@ fn frontier_families_train_sharded_split_and_staged_as_one_process() {
     let common_layouts =
         [("fsdp", "2", "1", r#"["fsdp"]"#), ("experts 2", "2", "1", experts), ("pipeline 2", "2", "2", PIPELINE)];
     for (family, own) in [
-        ("deepseek-v3", &[("sequence 2", "2", "2", SEQUENCE)][..]),
+        ("deepseek-v3", &[("sequence 2", "2", "2", TENSOR_AND_SEQUENCE)][..]),
         ("glm4-moe", &[][..]),
         ("gpt-oss", &[("tensor 2", "2", "2", TENSOR), ("offload auto", "1", "2", offload)][..]),
         ("qwen3-next", &[][..]),
@@ -649,8 +653,6 @@ fn a_context_ring_under_amp_attends_in_bf16_as_one_process_does() {
     assert_eq!(sizes, [gradients / 2, gradients].into(), "keys and values against their gradients' passes");
 }
 
-const SEQUENCE: &str =
-    r#"[["parallel_mode", [[["tensor", 2]], null]], ["tensor_parallel", {"sequence_parallel": true}]]"#;
 const PIPELINE: &str = r#"[["parallel_mode", [[["pipeline", 2]], null]], ["pipeline_parallel", {"schedule": "1f1b"}]]"#;
 
 /// A family trained alone, over two ranks with fsdp, split by tensor parallel with and
@@ -665,7 +667,7 @@ fn fine_tunes_under_every_layout(family: &str, tensor: bool) {
     ];
     if tensor {
         runs.push(("tensor", &["--nproc", "2", "--strategy", TENSOR]));
-        runs.push(("sequence", &["--nproc", "2", "--strategy", SEQUENCE]));
+        runs.push(("sequence", &["--nproc", "2", "--strategy", TENSOR_AND_SEQUENCE]));
     }
     fine_tune(family, &runs);
 }
@@ -1033,7 +1035,7 @@ fn lora_runs_alone_sharded_split_offloaded_and_pipelined_alike() {
     assert!(o.status.success(), "lora without dropout:\n{}", stderr(&o));
     let gap = common::global_gap(&file("one"), &file("undropped"));
     assert!(gap > 1e-4, "adapters trained with and without dropout differ by {gap:e}");
-    let sequence = format!("{}, {LORA}]", SEQUENCE.strip_suffix(']').unwrap());
+    let sequence = format!("{}, {LORA}]", TENSOR_AND_SEQUENCE.strip_suffix(']').unwrap());
     let o = strata(&[&["train"][..], &data, &["--steps", "1", "--nproc", "2", "--strategy", &sequence]].concat());
     assert_fails_with(&o, "lora: dropout beside sequence_parallel or context_parallel is not supported");
     let (metrics, adapter) = (out("again", "metrics.jsonl"), out("one", "adapter"));
