@@ -295,6 +295,13 @@ fn llama4_lora_of_its_feed_forward_matches_peft() {
     lora_matches_peft("llama4", json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "gate_proj"]}));
 }
 
+/// StarCoder2's biased feed-forward takes adapters under its own names (`c_fc`, `c_proj`), as
+/// peft names them; its dropout draws the same masks on both sides.
+#[test]
+fn starcoder2_lora_of_c_fc_and_c_proj_matches_peft() {
+    lora_matches_peft("starcoder2", json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "c_fc", "c_proj"]}));
+}
+
 /// A release's language model (Gemma 3's, beside its image model) takes adapters under the
 /// release's names, as peft names them: the layers adapted are the text model's alone.
 #[test]
