@@ -3659,6 +3659,32 @@ mod tests {
         assert_eq!(c.rope_theta, 12_000_000.0);
     }
 
+    /// StarCoder2's use_bias sets every projection's bias at once, and a folder of it cannot
+    /// be written with some alone; Nemotron's feed-forward biases are its own key, its
+    /// rotation half of each head unless told, and the families tell their norms apart.
+    #[test]
+    fn starcoder2_and_nemotron_read_their_biases_and_norms() {
+        let unbiased = read(Family::Starcoder2, json!({"use_bias": false})).unwrap();
+        assert_eq!(
+            (unbiased.qkv_bias, unbiased.o_bias, unbiased.mlp_bias, unbiased.norm_bias),
+            (false, false, false, true)
+        );
+        let biased = read(Family::Starcoder2, json!({})).unwrap();
+        assert!(biased.qkv_bias && biased.o_bias && biased.mlp_bias && biased.fc_names && biased.tie_embeddings);
+        let some = LlamaConfig { mlp_bias: false, ..biased.clone() };
+        assert!(Family::Starcoder2.cannot_write(&some).is_some_and(|why| why.contains("some projections alone")));
+        assert_eq!(Family::of(&ModelConfig::Llama(biased)).unwrap(), Family::Starcoder2);
+        let nemotron = read(Family::Nemotron, json!({"mlp_bias": true})).unwrap();
+        assert!(nemotron.mlp_bias && !nemotron.qkv_bias && nemotron.partial_rotary == 0.5);
+        assert_eq!((nemotron.norm, nemotron.activation), (NormKind::LayerPlusOne, Activation::Relu2));
+        let whole = read(Family::Nemotron, json!({"partial_rotary_factor": 1.0})).unwrap();
+        assert_eq!(whole.partial_rotary, 1.0);
+        assert_eq!(Family::of(&ModelConfig::Llama(nemotron.clone())).unwrap(), Family::Nemotron);
+        assert!(Family::Arcee.cannot_write(&nemotron).is_some_and(|why| why.contains("Nemotron's")));
+        let refused = read(Family::Qwen3, json!({"mlp_bias": true})).unwrap_err();
+        assert!(refused.contains("mlp_bias"), "{refused}");
+    }
+
     /// HunYuan-MoE's per-layer counts are read when all equal (under either name) and
     /// refused otherwise; its experts and shared expert take intermediate_size. Llama 4's
     /// null chunk size, which its class cannot run, is refused.
