@@ -407,6 +407,14 @@ def decoder_families():
         "cohere2": lambda: (tf.Cohere2ForCausalLM, tf.Cohere2Config(
             **common, num_hidden_layers=4, logit_scale=0.25, sliding_window=4, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+        # MiniMax-M2: Mixtral's experts and names, four per layer, two per token, chosen by
+        # sigmoid scores plus a choice bias (drawn below) and weighted by the renormalised
+        # scores; query/key norms over whole projections; half of each head turned, as its
+        # folders name it (rotary_dim).
+        "minimax-m2": lambda: (tf.MiniMaxM2ForCausalLM, tf.MiniMaxM2Config(
+            **dict(common, intermediate_size=24), num_hidden_layers=2, head_dim=8, rotary_dim=4,
+            num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Granite-MoE: Granite's multipliers over every layer's four experts, two per token,
         # stacked in its files as input_linear and output_linear.
         "granite-moe": lambda: (tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig(

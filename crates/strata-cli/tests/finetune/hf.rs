@@ -164,7 +164,8 @@ fn gemma4_experts_train_split_as_one_process() {
 /// (its feed-forward entering the tensor group from the norm attention read), StarCoder2
 /// under sequence parallel (its `c_fc` bias split, its `c_proj` and norm biases whole, its
 /// dropout after the embeddings, of the scores and of each sub-layer's output drawing one
-/// process's masks) and Nemotron under tensor parallel, each training as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
+/// process's masks), Nemotron under tensor parallel and MiniMax-M2's experts (chosen with a
+/// choice bias) over an expert group, each training as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
 /// whose step is the gradient itself.
 #[test]
 fn newer_families_train_split_as_one_process() {
@@ -179,6 +180,7 @@ fn newer_families_train_split_as_one_process() {
         ("cohere", "sequence 2", TENSOR_AND_SEQUENCE),
         ("starcoder2", "sequence 2", TENSOR_AND_SEQUENCE),
         ("nemotron", "tensor 2", TENSOR),
+        ("minimax-m2", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let (folder, train, _) = setup(&py, dir.path(), family);
@@ -841,7 +843,18 @@ fn bad_folders_are_refused_in_one_line() {
             ),
             "rope_parameters type \"axial\" is not supported",
         ),
-        (edit("mlp-bias", &set_config("mlp_bias", serde_json::json!(true))), "mlp_bias = true is not supported"),
+        // LLaMA's feed-forward biases are read, and a folder whose weights lack them is refused.
+        (
+            edit("mlp-bias", &set_config("mlp_bias", serde_json::json!(true))),
+            "missing parameter \"model.layers.0.mlp.gate_proj.bias\"",
+        ),
+        (
+            edit("mistral-mlp-bias", &|dir: &Path| {
+                set_config("model_type", serde_json::json!("mistral"))(dir);
+                set_config("mlp_bias", serde_json::json!(true))(dir);
+            }),
+            "mlp_bias = true is not supported",
+        ),
         (
             edit("bert", &set_config("model_type", serde_json::json!("bert"))),
             "architecture LlamaForCausalLM has no task Strata runs (BertForSequenceClassification, BertForMaskedLM)",

@@ -1,9 +1,10 @@
 //! Hugging Face model folders: a folder's `config.json` read into a built-in model's
-//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `arcee`, `apertus`, `cohere`, `cohere2`, `mistral`,
+//! configuration (GPT-2 for `gpt2`; the decoder of [`super::llama`] for `llama`, `arcee`, `apertus`, `cohere`, `cohere2`,
+//! `starcoder2`, `nemotron`, `mistral`,
 //! `ministral3`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `gemma4_text` (optionally with its
 //! experts' block), `phi3`, `exaone4`, `seed_oss`, `ernie4_5`, `hunyuan_v1_dense`, `granite`, `glm4`,
 //! `olmo2`, `olmo3` and `smollm3`, and with experts
-//! ([`super::moe`]) for `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `granitemoe`, `hunyuan_v1_moe`, `glm4_moe` and `gpt_oss` (with
+//! ([`super::moe`]) for `mixtral`, `minimax_m2`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `granitemoe`, `hunyuan_v1_moe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
 //! attention ([`super::latent`]) too for `deepseek_v3`; [`super::bert`] for `bert`, as a
@@ -119,6 +120,10 @@ pub enum Family {
     Llama4,
     /// Mixtral (`mixtral`): Mistral's decoder with experts under their block-sparse names.
     Mixtral,
+    /// MiniMax-M2 (`minimax_m2`): Mixtral's experts and names, chosen by sigmoid scores plus
+    /// a choice bias and weighted by the renormalised scores, query/key norms over whole
+    /// projections, part of each head turned (`rotary_dim`).
+    MiniMaxM2,
     /// Qwen2-MoE (`qwen2_moe`): Qwen2's decoder with experts and, optionally, a shared expert.
     Qwen2Moe,
     /// Qwen3-MoE (`qwen3_moe`): Qwen3's decoder with experts.
@@ -236,7 +241,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 42] = [
+const FAMILIES: [Family; 43] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -265,6 +270,7 @@ const FAMILIES: [Family; 42] = [
     Family::GraniteMoe,
     Family::Llama4,
     Family::Mixtral,
+    Family::MiniMaxM2,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
     Family::Olmoe,
@@ -313,6 +319,7 @@ impl Family {
             Family::GraniteMoe => "granitemoe",
             Family::Llama4 => "llama4_text",
             Family::Mixtral => "mixtral",
+            Family::MiniMaxM2 => "minimax_m2",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Olmoe => "olmoe",
@@ -372,6 +379,7 @@ impl Family {
             Family::GraniteMoe => "GraniteMoe",
             Family::Llama4 => "Llama4",
             Family::Mixtral => "Mixtral",
+            Family::MiniMaxM2 => "MiniMaxM2",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
             Family::Olmoe => "Olmoe",
@@ -412,6 +420,7 @@ impl Family {
                 | Family::Llama4
                 | Family::Cohere
                 | Family::Cohere2
+                | Family::MiniMaxM2
         )
     }
 
@@ -434,6 +443,7 @@ impl Family {
                 }
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
+                MiniMaxM2 => 196_608,
                 Apertus => 65_536,
                 Phi3 | Olmoe | DeepseekV3 | Arcee | Starcoder2 | Nemotron => 4096,
                 Cohere | Cohere2 => 8192,
@@ -454,11 +464,12 @@ impl Family {
                 GptOss => 150_000.0,
                 Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere => 500_000.0,
                 Apertus => 12_000_000.0,
+                MiniMaxM2 => 5_000_000.0,
                 _ => 10_000.0,
             },
             head_dim: match self {
                 Gemma2 | Gemma3 | Gemma4 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
-                Qwen3 | Glm4 | Ministral3 | SeedOss | Ernie4_5 | Llama4 => Some(128),
+                Qwen3 | Glm4 | Ministral3 | SeedOss | Ernie4_5 | Llama4 | MiniMaxM2 => Some(128),
                 GptOss => Some(64),
                 _ => None,
             },
@@ -506,6 +517,7 @@ impl Family {
             Family::GraniteMoe => Family::Granite,
             Family::HunYuanMoe => Family::HunYuanDense,
             Family::Olmoe
+            | Family::MiniMaxM2
             | Family::DeepseekV3
             | Family::Mistral4
             | Family::Glm4Moe
@@ -558,7 +570,8 @@ impl Family {
     /// applies: GPT as GPT-2; a decoder with experts as Gemma 4 (block scalars, or experts
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
     /// attention with queries scaled by position), DeepSeek-V3 (latent attention),
-    /// Qwen3.5-MoE or Qwen3-Next (their linear attention), gpt-oss (stacked names), GLM-4.5
+    /// Qwen3.5-MoE or Qwen3-Next (their linear attention), gpt-oss (stacked names), MiniMax-M2
+    /// (Mixtral's names with DeepSeek's routing), GLM-4.5
     /// (DeepSeek's routing), Mixtral or Granite-MoE (their names), OLMoE (norms over whole projections),
     /// Qwen3-MoE (per-head norms), else Qwen2-MoE; a dense one as Qwen3.5 (linear
     /// attention), Nemotron (layer norms scaled by `1 + w`), StarCoder2 (`c_fc`/`c_proj`, or
@@ -596,6 +609,7 @@ impl Family {
                 c if c.linear_attention.as_ref().is_some_and(|l| l.split_projections) => Family::Qwen3_5Moe,
                 c if c.linear_attention.is_some() => Family::Qwen3Next,
                 _ if moe.names == ExpertNames::Stacked => Family::GptOss,
+                _ if moe.names == ExpertNames::BlockSparse && deepseek_routing(moe) => Family::MiniMaxM2,
                 _ if deepseek_routing(moe) => Family::Glm4Moe,
                 _ if moe.names == ExpertNames::BlockSparse => Family::Mixtral,
                 _ if moe.names == ExpertNames::InputOutputLinear => Family::GraniteMoe,
@@ -683,9 +697,32 @@ impl Family {
                 "a shared expert",
             ),
             (
-                moe.is_some_and(|m| (m.names == ExpertNames::BlockSparse) != (self == Family::Mixtral)),
+                moe.is_some_and(|m| {
+                    (m.names == ExpertNames::BlockSparse) != matches!(self, Family::Mixtral | Family::MiniMaxM2)
+                }),
                 "Mixtral's names",
             ),
+            (
+                moe.is_some_and(|m| {
+                    let routing = m.scoring == Scoring::Sigmoid
+                        && m.choice_bias
+                        && m.norm_topk
+                        && m.groups == 1
+                        && m.routed_scale == 1.0
+                        && m.shared_expert_dim.is_none()
+                        && m.sparse_step == 1
+                        && m.dense_layers.is_empty()
+                        && m.balance_over_softmax;
+                    if self == Family::MiniMaxM2 {
+                        !routing
+                    } else {
+                        m.balance_over_softmax
+                    }
+                }),
+                "MiniMax-M2's experts (sigmoid scores with a choice bias, renormalised, every layer sparse, no \
+                 shared expert, a load-balancing loss over the logits' softmax)",
+            ),
+            ((c.qkv_bias || c.o_bias) && self == Family::MiniMaxM2, "attention biases"),
             (
                 moe.is_some_and(|m| m.shared_expert_dim.is_none())
                     && matches!(self, Family::Qwen3Next | Family::Qwen3_5Moe),
@@ -747,7 +784,8 @@ impl Family {
                 "dense layers among sparse ones",
             ),
             (
-                c.qk_norm_whole != (olmoe || self.is_olmo()) || c.clip_qkv.is_some() && !olmoe,
+                c.qk_norm_whole != (olmoe || self.is_olmo() || self == Family::MiniMaxM2)
+                    || c.clip_qkv.is_some() && !olmoe,
                 "query/key norms over whole projections, or clipping",
             ),
             (
@@ -806,7 +844,14 @@ impl Family {
             // ERNIE 4.5's, HunYuan's and Llama 4's by their own rules above.
             (
                 moe.is_some_and(|m| deepseek_routing(m) != self.routes_like_deepseek())
-                    && !matches!(self, Family::Mistral4 | Family::Ernie4_5Moe | Family::HunYuanMoe | Family::Llama4),
+                    && !matches!(
+                        self,
+                        Family::Mistral4
+                            | Family::Ernie4_5Moe
+                            | Family::HunYuanMoe
+                            | Family::Llama4
+                            | Family::MiniMaxM2
+                    ),
                 "DeepSeek's routing",
             ),
             // ERNIE 4.5's routing, names and sparse span are pinned whole.
@@ -914,7 +959,8 @@ impl Family {
             Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4 | Family::HunYuanDense | Family::Apertus
         ) || olmoe
             || next
-            || self.is_olmo();
+            || self.is_olmo()
+            || self == Family::MiniMaxM2;
         let gemma4 = self == Family::Gemma4;
         let glm = self == Family::Glm4Moe;
         let (starcoder2, nemotron) = (self == Family::Starcoder2, self == Family::Nemotron);
@@ -1001,7 +1047,8 @@ impl Family {
                 c.partial_rotary != 1.0
                     && !matches!(dense, Family::Phi3 | Family::Glm4 | Family::Gemma4 | Family::Nemotron)
                     && !glm
-                    && !next,
+                    && !next
+                    && self != Family::MiniMaxM2,
                 "a partial rotation",
             ),
             (
@@ -1578,7 +1625,7 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         }
         // Mixtral's, Granite-MoE's and OLMoE's experts are intermediate_size wide, and every
         // layer is sparse.
-        Family::Mixtral => {
+        Family::Mixtral | Family::MiniMaxM2 => {
             v["num_local_experts"] = json!(moe.experts);
             v["intermediate_size"] = json!(moe.expert_ffn_dim);
             v["router_jitter_noise"] = json!(0.0);
@@ -2276,6 +2323,7 @@ impl Keys<'_> {
         let ernie = family.dense() == Family::Ernie4_5;
         let hunyuan = family.dense() == Family::HunYuanDense;
         let llama4 = family == Family::Llama4;
+        let minimax = family == Family::MiniMaxM2;
         let cohere = family.is_cohere();
         if family == Family::Cohere {
             self.only("use_qk_norm", &[json!(false)], "Command R+'s per-head query/key layer norms are not read")?;
@@ -2466,6 +2514,11 @@ impl Keys<'_> {
             // partial_rotary_factor names.
             _ if latent.is_some() => 1.0,
             _ if partial_given => rope.partial,
+            // MiniMax-M2's folders name the turned width of each head.
+            _ if minimax => match self.int("rotary_dim")? {
+                Some(turned) => turned as f64 / head_dim.unwrap_or(dim / heads) as f64,
+                None => 1.0,
+            },
             (true, _) => 0.5,
             _ if nemotron => 0.5,
             (_, true) => 0.25,
@@ -2552,8 +2605,9 @@ impl Keys<'_> {
             ) || olmoe
                 || olmo
                 || next
+                || minimax
                 || (glm && self.flag("use_qk_norm")?.unwrap_or(false)),
-            qk_norm_whole: olmoe || olmo,
+            qk_norm_whole: olmoe || olmo || minimax,
             qk_norm_after_rotation: hunyuan,
             multipliers,
             clip_qkv: if olmoe { self.float("clip_qkv")? } else { None },
@@ -2738,6 +2792,7 @@ impl Keys<'_> {
         // (where they have a width of their own) how wide they are.
         let (default_experts, default_top_k, default_width) = match family {
             Family::Mixtral | Family::GraniteMoe => (8, 2, None),
+            Family::MiniMaxM2 => (256, 8, None),
             Family::Olmoe => (64, 8, None),
             Family::GptOss => (128, 4, None),
             Family::Qwen2Moe => (60, 4, Some(1408)),
@@ -2757,11 +2812,12 @@ impl Keys<'_> {
             // gpt-oss's and Granite-MoE's softmax over the top-k logits is the renormalised
             // top-k softmax; Qwen3.5's router always renormalises (its configuration has no
             // such key).
-            Family::Mixtral | Family::GptOss | Family::Qwen3_5Moe | Family::GraniteMoe => true,
+            Family::Mixtral | Family::GptOss | Family::Qwen3_5Moe | Family::GraniteMoe | Family::MiniMaxM2 => true,
             Family::Qwen3Next => self.flag("norm_topk_prob")?.unwrap_or(true),
             _ => self.flag("norm_topk_prob")?.unwrap_or(false),
         };
         let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe | Family::Qwen3Next);
+        let minimax = family == Family::MiniMaxM2;
         let dense_layers = match self.get("mlp_only_layers").filter(|_| qwen) {
             Some(Value::Array(layers)) => layers
                 .iter()
@@ -2792,13 +2848,18 @@ impl Keys<'_> {
             }),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
             names: match family {
-                Family::Mixtral => ExpertNames::BlockSparse,
+                Family::Mixtral | Family::MiniMaxM2 => ExpertNames::BlockSparse,
                 Family::GptOss => ExpertNames::Stacked,
                 Family::GraniteMoe => ExpertNames::InputOutputLinear,
                 _ => ExpertNames::Mlp,
             },
             router_bias: family == Family::GptOss,
             expert_bias: family == Family::GptOss,
+            // MiniMax-M2 chooses by sigmoid scores plus a choice bias, and its class's loss
+            // reads a softmax of the logits.
+            scoring: if minimax { Scoring::Sigmoid } else { Scoring::Softmax },
+            choice_bias: minimax,
+            balance_over_softmax: minimax,
             activation: match family {
                 Family::GptOss => ExpertActivation::ClampedSwiglu {
                     alpha: self.float("swiglu_alpha")?.unwrap_or(1.702),
@@ -2988,7 +3049,9 @@ impl Keys<'_> {
         use Family::*;
         let window = match family {
             Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss
-            | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron => return Ok((None, None)),
+            | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron | MiniMaxM2 => {
+                return Ok((None, None))
+            }
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,
@@ -3956,6 +4019,12 @@ mod tests {
             (Family::Gemma3, json!({})),
             (Family::Phi3, json!({})),
             (Family::Mixtral, json!({"num_local_experts": 4, "num_experts_per_tok": 2})),
+            (
+                Family::MiniMaxM2,
+                json!({"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8, "rotary_dim": 4}),
+            ),
+            (Family::Starcoder2, json!({})),
+            (Family::Nemotron, json!({})),
             (
                 Family::Qwen2Moe,
                 json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,

@@ -241,6 +241,11 @@ pub struct MoeConfig {
     /// Each routing weight scales its expert's input rather than its output (Llama 4's).
     #[serde(default)]
     pub scale_inputs: bool,
+    /// The load-balancing loss reads a softmax of the router's logits, and counts each
+    /// token's top-k of it, whatever scores route the tokens (MiniMax-M2's class computes
+    /// Mixtral's loss so beside its sigmoid router).
+    #[serde(default)]
+    pub balance_over_softmax: bool,
 }
 
 fn every_layer() -> i64 {
@@ -289,6 +294,7 @@ impl MoeConfig {
             expert_scales: false,
             beside_dense: false,
             scale_inputs: false,
+            balance_over_softmax: false,
         }
     }
 
@@ -515,6 +521,7 @@ pub(crate) struct Router {
     groups: i64,
     top_groups: i64,
     scale: f64,
+    balance_over_softmax: bool,
 }
 
 /// A sparse layer's feed-forward: the router, the routed experts and an optional shared
@@ -555,6 +562,10 @@ impl SparseFeedForward {
             let (bias, shape) = match moe.names {
                 ExpertNames::MlpStatics => {
                     (format!("{name}.mlp.moe_statics.e_score_correction_bias"), vec![1, moe.experts])
+                }
+                // Beside the router, under the block (MiniMax-M2's).
+                ExpertNames::BlockSparse => {
+                    (format!("{name}.block_sparse_moe.e_score_correction_bias"), vec![moe.experts])
                 }
                 _ => (format!("{module}.e_score_correction_bias"), vec![moe.experts]),
             };
@@ -609,6 +620,7 @@ impl SparseFeedForward {
                 groups: moe.groups,
                 top_groups: moe.top_groups,
                 scale: moe.routed_scale,
+                balance_over_softmax: moe.balance_over_softmax,
             },
             experts,
             shared,
@@ -734,14 +746,24 @@ impl SparseFeedForward {
             }
             false => None,
         };
-        // Counted so where softmax scores are biased (ERNIE 4.5), as transformers'
-        // load_balancing_loss_func counts them; sigmoid routers (DeepSeek's, with no such
-        // loss in transformers) count the experts chosen.
-        let counted = match (r.choice_bias, r.scoring) {
-            (Some(_), Scoring::Softmax) => Some(probs.f_topk(r.top_k, -1, true, true)?.1),
+        // What the load-balancing loss reads: the scores, or a softmax of the logits beside
+        // sigmoid scores where the family's class computes it so (MiniMax-M2's).
+        let balanced = match (r.balance_over_softmax, r.scoring) {
+            (true, Scoring::Sigmoid) => logits.f_softmax(-1, Kind::Float)?,
+            _ => probs,
+        };
+        // Each token's top-k of those, where the choice is made otherwise: by softmax scores
+        // plus a choice bias (ERNIE 4.5) or by sigmoid scores beside a softmax loss, as
+        // transformers' load_balancing_loss_func counts them. Sigmoid routers with a loss
+        // of their own scores (DeepSeek's, with no such loss in transformers) count the
+        // experts chosen.
+        let counted = match (r.choice_bias, r.scoring, r.balance_over_softmax) {
+            (Some(_), Scoring::Softmax, _) | (_, Scoring::Sigmoid, true) => {
+                Some(balanced.f_topk(r.top_k, -1, true, true)?.1)
+            }
             _ => None,
         };
-        Ok(Routing { experts, weights, probs, counted, z_sum, real })
+        Ok(Routing { experts, weights, probs: balanced, counted, z_sum, real })
     }
 
     /// The routed experts' weighted sum for every token: token slots grouped by expert, each
@@ -1446,6 +1468,7 @@ mod tests {
                 groups: 1,
                 top_groups: 1,
                 scale: 1.0,
+                balance_over_softmax: false,
             },
             experts,
             shared: None,

@@ -686,6 +686,15 @@ fn cohere2_matches_transformers() {
     family_matches_transformers("cohere2", 32);
 }
 
+/// MiniMax-M2: Mixtral's experts and names (4, top 2) chosen by sigmoid scores plus a drawn
+/// choice bias and weighted by the renormalised scores, its load-balancing loss over the
+/// logits' softmax as its class computes it; query/key norms over whole projections, half of
+/// each head turned (`rotary_dim`).
+#[test]
+fn minimax_m2_matches_transformers() {
+    experts_match_transformers("minimax-m2", 4, 24);
+}
+
 /// Granite-MoE: Granite's multipliers over every layer's 4 experts, top 2 renormalised,
 /// stacked in its files as `input_linear` and `output_linear`.
 #[test]
@@ -1622,8 +1631,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 39] = [
+const DECODER_TYPES: [&str; 40] = [
     "llama",
+    "minimax_m2",
     "starcoder2",
     "nemotron",
     "cohere2",
