@@ -17,12 +17,16 @@ pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
 
 /// Loads the weights of the model folder `model` into `engine` (built from `model`'s
 /// config): every parameter must be present, under the family's names, in the layouts the
-/// family stores (GPT-2's `Conv1D` matrices transposed back).
+/// family stores (GPT-2's `Conv1D` matrices transposed back); the multi-token prediction a
+/// released folder stores beside the model is left out ([`ModelDir::is_multi_token_prediction`]).
 pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
     let mut named = vec![];
     let mut mxfp4 = stacked::Mxfp4Pairs::default();
     for file in &model.weights {
         for (name, t) in read_safetensors(file)? {
+            if model.is_multi_token_prediction(&name) {
+                continue;
+            }
             if let Some(stacking) = model.family.expert_stacking() {
                 let stack_name = model.family.renamed_from_disk(&name);
                 let pieces = match mxfp4.take(&stack_name, &t)? {

@@ -1687,6 +1687,22 @@ pub struct ModelDir {
 }
 
 impl ModelDir {
+    /// Whether the folder's tensor `name` belongs to the multi-token prediction its family's
+    /// released folders store beside the model, which `transformers` does not load and
+    /// Strata does not train: DeepSeek-V3's and GLM-4.5's layers past the last
+    /// (`model.layers.{num_hidden_layers}` and on), ERNIE 4.5's `mtp` tensors.
+    pub fn is_multi_token_prediction(&self, name: &str) -> bool {
+        let ModelConfig::Llama(c) = &self.config else { return false };
+        match self.family {
+            Family::DeepseekV3 | Family::Glm4Moe => name
+                .strip_prefix("model.layers.")
+                .and_then(|rest| rest.split('.').next()?.parse::<i64>().ok())
+                .is_some_and(|layer| layer >= c.layers),
+            Family::Ernie4_5Moe => name.contains("mtp"),
+            _ => false,
+        }
+    }
+
     /// The model function of the folder's model.
     pub fn build(&self, b: &mut super::Builder) -> Result<()> {
         self.config.build(b)

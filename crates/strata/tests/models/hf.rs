@@ -840,6 +840,35 @@ fn deepseek_v3_matches_transformers() {
     family_matches_transformers("deepseek-v3", 32);
 }
 
+/// A released DeepSeek-V3 folder stores its multi-token prediction layer past the last
+/// (`model.layers.61` at full size): Strata leaves it out, as `transformers` does, and
+/// reads the same model; a tensor past a LLaMA's last layer is still refused by name.
+#[test]
+fn multi_token_prediction_layers_are_left_out_where_the_family_stores_them() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let with_extra = |family: &str| {
+        let dir = work.path().join(family);
+        make(&py, family, &dir, None);
+        let file = dir.join("model.safetensors");
+        let mut tensors = strata::io::read_safetensors(&file).unwrap();
+        let layers = (0..).take_while(|i| tensors.keys().any(|k| k.starts_with(&format!("model.layers.{i}.")))).count();
+        let extra = format!("model.layers.{layers}.eh_proj.weight");
+        tensors.insert(extra.clone(), Tensor::ones([4, 4], (tch::Kind::Float, tch::Device::Cpu)));
+        std::fs::write(&file, strata::io::to_safetensors(tensors.iter().map(|(n, t)| (n.as_str(), t))).unwrap())
+            .unwrap();
+        (dir, extra)
+    };
+    let (deepseek, _) = with_extra("deepseek-v3");
+    let g = gap(&transformers_logits(&py, &deepseek, work.path()), &strata_logits(&mut strata_engine(&deepseek)));
+    assert!(g <= 1e-5, "deepseek-v3 beside its prediction layer: logits differ by {g}");
+    let (llama, extra) = with_extra("llama3");
+    let folder = from_pretrained_dir(&llama).unwrap();
+    let mut engine = Engine::new(folder.spec().unwrap(), EngineConfig::default()).unwrap();
+    let refused = load_model_dir(&mut engine, &folder).unwrap_err().to_string();
+    assert!(refused.contains(&format!("unknown tensor {extra:?}")), "{refused}");
+}
+
 /// Mistral 4: DeepSeek-V3's latent attention with the queries scaled up by position (in
 /// generation too), softmax routing among groups without a choice bias, a shared expert,
 /// the experts stacked on disk (taken apart on load and stacked again on save).
