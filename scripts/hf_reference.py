@@ -208,6 +208,15 @@ def decoder_families():
             tie_word_embeddings=False, rms_norm_eps=1e-5,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                              "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 500.0})),
+        # GLM-4.7-Flash: DeepSeek-V3's latent attention and routing (a choice bias, drawn in
+        # build) in one group, a shared expert, the dense layers named by mlp_layer_types (the
+        # first and the last).
+        "glm4-moe-lite": lambda: (tf.Glm4MoeLiteForCausalLM, tf.Glm4MoeLiteConfig(
+            **dict(common, num_key_value_heads=4), num_hidden_layers=3, moe_intermediate_size=12,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=1.8,
+            mlp_layer_types=["dense", "sparse", "dense"], q_lora_rank=16, kv_lora_rank=12,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
         # Mistral 4: DeepSeek-V3's latent attention with the queries scaled up past every
         # fourth position, softmax routing among groups without a choice bias, a shared
         # expert, the experts stacked on disk, a dense first layer.

@@ -7,7 +7,7 @@
 //! ([`super::moe`]) for `mixtral`, `minimax_m2`, `qwen2_moe`, `qwen3_moe`, `olmoe`, `ernie4_5_moe`, `granitemoe`, `hunyuan_v1_moe`, `glm4_moe` and `gpt_oss` (with
 //! attention sinks) and `qwen3_next` (with Gated DeltaNet linear attention); with linear
 //! attention for `qwen3_5_text`, and with experts too for `qwen3_5_moe_text`; and with latent
-//! attention ([`super::latent`]) too for `deepseek_v3`; [`super::bert`] for `bert`, as a
+//! attention ([`super::latent`]) too for `deepseek_v3` and `glm4_moe_lite`; [`super::bert`] for `bert`, as a
 //! sequence classifier or a masked language model by its architecture; [`super::t5`] for
 //! `t5`) and written back from one, and each family's parameter names and layouts.
 //!
@@ -139,6 +139,9 @@ pub enum Family {
     /// DeepSeek-V3 (`deepseek_v3`): latent attention, sigmoid routing with a choice bias
     /// among groups of experts, shared experts, the first layers dense.
     DeepseekV3,
+    /// GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's latent attention and routing (one
+    /// group by default), its dense layers named by `mlp_layer_types`.
+    Glm4MoeLite,
     /// Mistral 4 (`mistral4`): DeepSeek-V3's latent attention with the queries scaled by
     /// position (as Ministral 3's), softmax routing without a choice bias, shared experts,
     /// the experts stacked on disk.
@@ -241,7 +244,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 43] = [
+const FAMILIES: [Family; 44] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -277,6 +280,7 @@ const FAMILIES: [Family; 43] = [
     Family::Olmo2,
     Family::Olmo3,
     Family::DeepseekV3,
+    Family::Glm4MoeLite,
     Family::Mistral4,
     Family::Glm4Moe,
     Family::GptOss,
@@ -326,6 +330,7 @@ impl Family {
             Family::Olmo2 => "olmo2",
             Family::Olmo3 => "olmo3",
             Family::DeepseekV3 => "deepseek_v3",
+            Family::Glm4MoeLite => "glm4_moe_lite",
             Family::Mistral4 => "mistral4",
             Family::Glm4Moe => "glm4_moe",
             Family::GptOss => "gpt_oss",
@@ -386,6 +391,7 @@ impl Family {
             Family::Olmo2 => "Olmo2",
             Family::Olmo3 => "Olmo3",
             Family::DeepseekV3 => "DeepseekV3",
+            Family::Glm4MoeLite => "Glm4MoeLite",
             Family::Mistral4 => "Mistral4",
             Family::Glm4Moe => "Glm4Moe",
             Family::GptOss => "GptOss",
@@ -421,6 +427,7 @@ impl Family {
                 | Family::Cohere
                 | Family::Cohere2
                 | Family::MiniMaxM2
+                | Family::Glm4MoeLite
         )
     }
 
@@ -444,6 +451,7 @@ impl Family {
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
                 MiniMaxM2 => 196_608,
+                Glm4MoeLite => 202_752,
                 Apertus => 65_536,
                 Phi3 | Olmoe | DeepseekV3 | Arcee | Starcoder2 | Nemotron => 4096,
                 Cohere | Cohere2 => 8192,
@@ -455,7 +463,7 @@ impl Family {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
                 | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
-                | Starcoder2 | Nemotron => 1e-5,
+                | Starcoder2 | Nemotron | Glm4MoeLite => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
@@ -519,6 +527,7 @@ impl Family {
             Family::Olmoe
             | Family::MiniMaxM2
             | Family::DeepseekV3
+            | Family::Glm4MoeLite
             | Family::Mistral4
             | Family::Glm4Moe
             | Family::GptOss
@@ -543,12 +552,12 @@ impl Family {
     /// Whether the family routes as DeepSeek-V3 does (sigmoid scores, a choice bias,
     /// groups, a routed scale, shared experts without a gate, the first layers dense).
     fn routes_like_deepseek(self) -> bool {
-        matches!(self, Family::DeepseekV3 | Family::Mistral4 | Family::Glm4Moe)
+        matches!(self, Family::DeepseekV3 | Family::Glm4MoeLite | Family::Mistral4 | Family::Glm4Moe)
     }
 
     /// Whether the family attends through DeepSeek's latent attention.
     fn has_latent_attention(self) -> bool {
-        matches!(self, Family::DeepseekV3 | Family::Mistral4)
+        matches!(self, Family::DeepseekV3 | Family::Glm4MoeLite | Family::Mistral4)
     }
 
     fn has_experts(self) -> bool {
@@ -569,7 +578,8 @@ impl Family {
     /// The family a built-in model is written as, by the options it uses, the first that
     /// applies: GPT as GPT-2; a decoder with experts as Gemma 4 (block scalars, or experts
     /// beside the dense feed-forward), ERNIE 4.5-MoE (its names), Mistral 4 (latent
-    /// attention with queries scaled by position), DeepSeek-V3 (latent attention),
+    /// attention with queries scaled by position), GLM-4.7-Flash (latent attention with dense
+    /// layers other than the first ones), DeepSeek-V3 (latent attention),
     /// Qwen3.5-MoE or Qwen3-Next (their linear attention), gpt-oss (stacked names), MiniMax-M2
     /// (Mixtral's names with DeepSeek's routing), GLM-4.5
     /// (DeepSeek's routing), Mixtral or Granite-MoE (their names), OLMoE (norms over whole projections),
@@ -605,6 +615,10 @@ impl Family {
                 _ if moe.names == ExpertNames::FeedForward => Family::Llama4,
                 _ if moe.names == ExpertNames::MlpStatics => Family::Ernie4_5Moe,
                 c if c.latent.is_some() && c.query_scaling.is_some() => Family::Mistral4,
+                // Dense layers other than the first ones: GLM-4.7-Flash names each layer's kind.
+                c if c.latent.is_some() && moe.dense_layers.iter().enumerate().any(|(i, &l)| l != i as i64) => {
+                    Family::Glm4MoeLite
+                }
                 c if c.latent.is_some() => Family::DeepseekV3,
                 c if c.linear_attention.as_ref().is_some_and(|l| l.split_projections) => Family::Qwen3_5Moe,
                 c if c.linear_attention.is_some() => Family::Qwen3Next,
@@ -894,14 +908,17 @@ impl Family {
                 moe.is_some_and(|m| {
                     self.routes_like_deepseek()
                         && (m.sparse_step != 1
-                            || m.dense_layers.iter().enumerate().any(|(i, &l)| l != i as i64)
+                            || self != Family::Glm4MoeLite
+                                && m.dense_layers.iter().enumerate().any(|(i, &l)| l != i as i64)
                             || m.shared_expert_dim.is_some_and(|w| w % m.expert_ffn_dim != 0))
                 }),
                 "dense layers other than the first ones, or shared experts of another width",
             ),
             (
-                matches!(self, Family::DeepseekV3 | Family::Mistral4 | Family::GptOss | Family::Nemotron)
-                    && c.qkv_bias != c.o_bias,
+                matches!(
+                    self,
+                    Family::DeepseekV3 | Family::Glm4MoeLite | Family::Mistral4 | Family::GptOss | Family::Nemotron
+                ) && c.qkv_bias != c.o_bias,
                 "a bias on some attention projections alone",
             ),
             (matches!(self, Family::Glm4Moe | Family::Glm4) && c.o_bias, "a bias on the attention output"),
@@ -1607,7 +1624,7 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         v["router_aux_loss_coef"] = json!(moe.aux_loss_coef);
     }
     match family {
-        Family::DeepseekV3 | Family::Mistral4 | Family::Glm4Moe => {
+        Family::DeepseekV3 | Family::Glm4MoeLite | Family::Mistral4 | Family::Glm4Moe => {
             v["n_routed_experts"] = json!(moe.experts);
             v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
             v["n_shared_experts"] = json!(moe.shared_expert_dim.map_or(0, |w| w / moe.expert_ffn_dim));
@@ -1615,7 +1632,13 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
             v["n_group"] = json!(moe.groups);
             v["topk_group"] = json!(moe.top_groups);
             v["norm_topk_prob"] = json!(moe.norm_topk);
-            v["first_k_dense_replace"] = json!(moe.dense_layers.len());
+            if family == Family::Glm4MoeLite {
+                let kinds: Vec<&str> =
+                    (0..c.layers).map(|l| if moe.is_sparse(l) { "sparse" } else { "dense" }).collect();
+                v["mlp_layer_types"] = json!(kinds);
+            } else {
+                v["first_k_dense_replace"] = json!(moe.dense_layers.len());
+            }
         }
         // Qwen3.5's experts route every layer, their weights renormalised.
         Family::Qwen3_5Moe => {
@@ -1689,12 +1712,12 @@ pub struct ModelDir {
 impl ModelDir {
     /// Whether the folder's tensor `name` belongs to the multi-token prediction its family's
     /// released folders store beside the model, which `transformers` does not load and
-    /// Strata does not train: DeepSeek-V3's and GLM-4.5's layers past the last
+    /// Strata does not train: DeepSeek-V3's, GLM-4.5's and GLM-4.7-Flash's layers past the last
     /// (`model.layers.{num_hidden_layers}` and on), ERNIE 4.5's `mtp` tensors.
     pub fn is_multi_token_prediction(&self, name: &str) -> bool {
         let ModelConfig::Llama(c) = &self.config else { return false };
         match self.family {
-            Family::DeepseekV3 | Family::Glm4Moe => name
+            Family::DeepseekV3 | Family::Glm4MoeLite | Family::Glm4Moe => name
                 .strip_prefix("model.layers.")
                 .and_then(|rest| rest.split('.').next()?.parse::<i64>().ok())
                 .is_some_and(|layer| layer >= c.layers),
@@ -2726,6 +2749,28 @@ impl Keys<'_> {
 
     /// Qwen3-Next's layer types: `linear_attention` or `full_attention` each, as listed or,
     /// where absent, every `full_attention_interval`-th layer full (4 by default).
+    /// The layers `mlp_layer_types` marks `dense` (the others `sparse`); the first `first`
+    /// where the key is absent.
+    fn mlp_layer_types(&self, first: i64) -> KeyResult<Vec<i64>> {
+        let Some(kinds) = self.get("mlp_layer_types").filter(|v| !v.is_null()) else {
+            return Ok((0..first).collect());
+        };
+        let kinds = kinds.as_array().ok_or_else(|| format!("config.json: mlp_layer_types is not a list ({kinds})"))?;
+        let mut dense = vec![];
+        for (layer, kind) in kinds.iter().enumerate() {
+            match kind.as_str() {
+                Some("dense") => dense.push(layer as i64),
+                Some("sparse") => {}
+                _ => return Err(format!("config.json: mlp_layer_types holds {kind}, not \"dense\" or \"sparse\"")),
+            }
+        }
+        let layers = self.required("num_hidden_layers")?;
+        if kinds.len() as i64 != layers {
+            return Err(format!("config.json: mlp_layer_types names {} layers of {layers}", kinds.len()));
+        }
+        Ok(dense)
+    }
+
     fn linear_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
         if let Some(types) = self.layer_types(&["linear_attention", "full_attention"])? {
             return Ok(types);
@@ -2766,16 +2811,17 @@ impl Keys<'_> {
             None => 0.0,
         };
         // Each class's sizes where the keys are absent.
-        let (q_rank, kv_rank, nope_dim) = match family {
-            Family::Mistral4 => (1024, 256, 64),
-            _ => (1536, 512, 128),
+        let (q_rank, kv_rank, nope_dim, value_dim) = match family {
+            Family::Mistral4 => (1024, 256, 64, 128),
+            Family::Glm4MoeLite => (768, 512, 192, 256),
+            _ => (1536, 512, 128, 128),
         };
         Ok(LatentConfig {
             q_rank: if self.cfg.contains_key("q_lora_rank") { self.int("q_lora_rank")? } else { Some(q_rank) },
             kv_rank: self.int("kv_lora_rank")?.unwrap_or(kv_rank),
             nope_dim: self.int("qk_nope_head_dim")?.unwrap_or(nope_dim),
             rope_dim: self.int("qk_rope_head_dim")?.unwrap_or(64),
-            value_dim: self.int("v_head_dim")?.unwrap_or(128),
+            value_dim: self.int("v_head_dim")?.unwrap_or(value_dim),
             interleaved: self.flag("rope_interleave")?.unwrap_or(true),
             mscale_all_dim,
         })
@@ -3019,12 +3065,17 @@ impl Keys<'_> {
         // layers first, groups and how many are chosen, the routed scale.
         let (experts, top_k, width, first_dense, groups, top_groups, routed_scale) = match family {
             Family::DeepseekV3 => (256, 8, 2048, 3, 8, 4, 2.5),
+            Family::Glm4MoeLite => (64, 4, 1536, 1, 1, 1, 1.8),
             Family::Mistral4 => (128, 4, 2048, 0, 1, 1, 1.0),
             _ => (128, 8, 1408, 1, 1, 1, 1.0),
         };
         let width = self.int("moe_intermediate_size")?.unwrap_or(width);
         let shared = self.int("n_shared_experts")?.unwrap_or(1);
-        let first_dense = self.int("first_k_dense_replace")?.unwrap_or(first_dense);
+        // GLM-4.7-Flash names each layer dense or sparse (the first dense by default).
+        let dense_layers = match family {
+            Family::Glm4MoeLite => self.mlp_layer_types(first_dense)?,
+            _ => (0..self.int("first_k_dense_replace")?.unwrap_or(first_dense).max(0)).collect(),
+        };
         Ok(MoeConfig {
             norm_topk: self.flag("norm_topk_prob")?.unwrap_or(true),
             shared_expert_dim: (shared > 0).then_some(shared * width),
@@ -3035,7 +3086,7 @@ impl Keys<'_> {
             groups: self.int("n_group")?.unwrap_or(groups),
             top_groups: self.int("topk_group")?.unwrap_or(top_groups),
             routed_scale: self.float("routed_scaling_factor")?.unwrap_or(routed_scale),
-            dense_layers: (0..first_dense.max(0)).collect(),
+            dense_layers,
             aux_loss_coef: self.float("router_aux_loss_coef")?.unwrap_or(0.0),
             z_loss_coef: self.float("router_z_loss_coef")?.unwrap_or(0.0),
             ..MoeConfig::new(
@@ -3064,8 +3115,8 @@ impl Keys<'_> {
     ) -> KeyResult<(Option<i64>, Option<Vec<LayerAttention>>)> {
         use Family::*;
         let window = match family {
-            Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Mistral4 | Glm4Moe | SeedOss
-            | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron | MiniMaxM2 => {
+            Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Glm4MoeLite | Mistral4 | Glm4Moe
+            | SeedOss | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron | MiniMaxM2 => {
                 return Ok((None, None))
             }
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
@@ -4041,6 +4092,7 @@ mod tests {
             ),
             (Family::Starcoder2, json!({})),
             (Family::Nemotron, json!({})),
+            (Family::Glm4MoeLite, json!({"mlp_layer_types": ["sparse", "dense", "sparse"]})),
             (
                 Family::Qwen2Moe,
                 json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,

@@ -869,6 +869,13 @@ fn multi_token_prediction_layers_are_left_out_where_the_family_stores_them() {
     assert!(refused.contains(&format!("unknown tensor {extra:?}")), "{refused}");
 }
 
+/// GLM-4.7-Flash: DeepSeek-V3's latent attention and routing in one group with a shared
+/// expert, a dense layer after a sparse one as `mlp_layer_types` names them.
+#[test]
+fn glm4_moe_lite_matches_transformers() {
+    family_matches_transformers("glm4-moe-lite", 32);
+}
+
 /// Mistral 4: DeepSeek-V3's latent attention with the queries scaled up by position (in
 /// generation too), softmax routing among groups without a choice bias, a shared expert,
 /// the experts stacked on disk (taken apart on load and stacked again on save).
@@ -1660,8 +1667,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 40] = [
+const DECODER_TYPES: [&str; 41] = [
     "llama",
+    "glm4_moe_lite",
     "minimax_m2",
     "starcoder2",
     "nemotron",
