@@ -803,6 +803,18 @@ def adamw_losses(model, batches_file, lr, loss_of, seed=0):
     return losses
 
 
+def rotation_share_left_out(folder):
+    """Drops partial_rotary_factor from the saved rope_parameters, as released MiniMax-M2
+    folders give the turned width as rotary_dim alone and Nemotron's may leave it to the
+    class's default (half of each head)."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["rope_parameters"].pop("partial_rotary_factor", None)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def without_tie_flag(folder):
     """Drops the outer tie_word_embeddings of an image-text release's config.json, as
     releases saved before transformers 5 hold it: the class's default, tying, then meets
@@ -962,6 +974,8 @@ def main(argv=None):
         model.save_pretrained(args.out, **kwargs)
         if args.family == "mistral3-release":
             without_tie_flag(args.out)
+        if args.family in ("minimax-m2", "nemotron"):
+            rotation_share_left_out(args.out)
         if args.family.startswith("bert"):
             wordpiece_tokenizer_json(f"{args.out}/tokenizer.json")
         elif args.family.startswith("t5"):

@@ -2,7 +2,7 @@
 //! family's names and layouts, and a trained model written back as such a folder
 //! (`config.json`, safetensors sharded above a size with their index, tokenizer files).
 use super::stacked::{self, Join, Source};
-use super::{load_named, read_safetensors, read_safetensors_where, write_atomic, write_safetensors_streamed};
+use super::{load_named, read_safetensors_where, write_atomic, write_safetensors_streamed};
 use crate::engine::Engine;
 use crate::model::hf::{language_model_name, release_config, release_name, INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
 use crate::model::{DecoderHead, Family, LlamaConfig, ModelConfig, ModelDir};
@@ -23,10 +23,7 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
     let mut named = vec![];
     let mut mxfp4 = stacked::Mxfp4Pairs::default();
     for file in &model.weights {
-        for (name, t) in read_safetensors(file)? {
-            if model.is_multi_token_prediction(&name) {
-                continue;
-            }
+        for (name, t) in read_safetensors_where(file, |name| !model.is_multi_token_prediction(name))? {
             if let Some(stacking) = model.family.expert_stacking() {
                 let stack_name = model.family.renamed_from_disk(&name);
                 let pieces = match mxfp4.take(&stack_name, &t)? {

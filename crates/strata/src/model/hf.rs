@@ -492,6 +492,14 @@ impl Family {
         }
     }
 
+    /// Whether the family's class reads `mlp_bias` (StarCoder2's names it `use_bias`).
+    fn reads_mlp_bias(self) -> bool {
+        matches!(
+            self,
+            Family::Llama | Family::Arcee | Family::Granite | Family::SeedOss | Family::SmolLm3 | Family::Nemotron
+        )
+    }
+
     /// The `config.json` key of the norms' epsilon.
     fn norm_eps_key(self) -> &'static str {
         match self {
@@ -616,9 +624,7 @@ impl Family {
                 _ if moe.names == ExpertNames::MlpStatics => Family::Ernie4_5Moe,
                 c if c.latent.is_some() && c.query_scaling.is_some() => Family::Mistral4,
                 // Dense layers other than the first ones: GLM-4.7-Flash names each layer's kind.
-                c if c.latent.is_some() && moe.dense_layers.iter().enumerate().any(|(i, &l)| l != i as i64) => {
-                    Family::Glm4MoeLite
-                }
+                c if c.latent.is_some() && !dense_layers_lead(moe) => Family::Glm4MoeLite,
                 c if c.latent.is_some() => Family::DeepseekV3,
                 c if c.linear_attention.as_ref().is_some_and(|l| l.split_projections) => Family::Qwen3_5Moe,
                 c if c.linear_attention.is_some() => Family::Qwen3Next,
@@ -908,8 +914,7 @@ impl Family {
                 moe.is_some_and(|m| {
                     self.routes_like_deepseek()
                         && (m.sparse_step != 1
-                            || self != Family::Glm4MoeLite
-                                && m.dense_layers.iter().enumerate().any(|(i, &l)| l != i as i64)
+                            || self != Family::Glm4MoeLite && !dense_layers_lead(m)
                             || m.shared_expert_dim.is_some_and(|w| w % m.expert_ffn_dim != 0))
                 }),
                 "dense layers other than the first ones, or shared experts of another width",
@@ -1003,20 +1008,7 @@ impl Family {
                 starcoder2 && !(c.qkv_bias == c.o_bias && c.o_bias == c.mlp_bias),
                 "biases on some projections alone (its use_bias puts them on all)",
             ),
-            (
-                c.mlp_bias
-                    && !matches!(
-                        self,
-                        Family::Llama
-                            | Family::Arcee
-                            | Family::Granite
-                            | Family::SeedOss
-                            | Family::SmolLm3
-                            | Family::Nemotron
-                            | Family::Starcoder2
-                    ),
-                "biases on the feed-forward",
-            ),
+            (c.mlp_bias && !self.reads_mlp_bias() && !starcoder2, "biases on the feed-forward"),
             (
                 (c.activation == Activation::Relu2) != matches!(self, Family::Arcee | Family::Nemotron),
                 "a ReLU² feed-forward without a gate",
@@ -1315,6 +1307,11 @@ fn deepseek_routing(m: &MoeConfig) -> bool {
         || (m.shared_expert_dim.is_some() && !m.shared_gate)
 }
 
+/// Whether `m`'s dense layers are the first ones (DeepSeek's `first_k_dense_replace`).
+fn dense_layers_lead(m: &MoeConfig) -> bool {
+    m.dense_layers.iter().enumerate().all(|(i, &l)| l == i as i64)
+}
+
 /// `config.json` keys of a decoder written as `family` (checked by [`Family::cannot_write`]).
 fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     // Dynamic scaling reads the context it was trained at from max_position_embeddings.
@@ -1367,7 +1364,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
         for (key, value) in extra.as_object().into_iter().flatten() {
             p[key] = value.clone();
         }
-        // GLM-4.5 turns half of each head where its keys say nothing.
+        // GLM-4.5 and Nemotron turn half of each head where their keys say nothing.
         if r.partial != 1.0
             || matches!(family, Family::Glm4Moe | Family::Glm4 | Family::Nemotron)
             || family.linear_attention_family()
@@ -1712,12 +1709,13 @@ pub struct ModelDir {
 impl ModelDir {
     /// Whether the folder's tensor `name` belongs to the multi-token prediction its family's
     /// released folders store beside the model, which `transformers` does not load and
-    /// Strata does not train: DeepSeek-V3's, GLM-4.5's and GLM-4.7-Flash's layers past the last
+    /// Strata does not train: DeepSeek-V3's, GLM-4.5's, GLM-4.7-Flash's and MiniMax-M2's layers
+    /// past the last
     /// (`model.layers.{num_hidden_layers}` and on), ERNIE 4.5's `mtp` tensors.
     pub fn is_multi_token_prediction(&self, name: &str) -> bool {
         let ModelConfig::Llama(c) = &self.config else { return false };
         match self.family {
-            Family::DeepseekV3 | Family::Glm4MoeLite | Family::Glm4Moe => name
+            Family::DeepseekV3 | Family::Glm4MoeLite | Family::Glm4Moe | Family::MiniMaxM2 => name
                 .strip_prefix("model.layers.")
                 .and_then(|rest| rest.split('.').next()?.parse::<i64>().ok())
                 .is_some_and(|layer| layer >= c.layers),
@@ -2447,10 +2445,8 @@ impl Keys<'_> {
         // StarCoder2's use_bias puts biases on every projection.
         let (starcoder2, nemotron) = (family == Family::Starcoder2, family == Family::Nemotron);
         let use_bias = if starcoder2 { self.flag("use_bias")?.unwrap_or(true) } else { false };
-        let mlp_bias = match family {
-            Family::Llama | Family::Arcee | Family::Granite | Family::SeedOss | Family::SmolLm3 | Family::Nemotron => {
-                self.flag("mlp_bias")?.unwrap_or(false)
-            }
+        let mlp_bias = match class {
+            _ if class.reads_mlp_bias() => self.flag("mlp_bias")?.unwrap_or(false),
             Family::Starcoder2 => use_bias,
             _ => {
                 self.only("mlp_bias", &[json!(false)], "the feed-forward has no biases")?;
@@ -2552,6 +2548,8 @@ impl Keys<'_> {
             // Latent attention turns its qk_rope_head_dim, the share of each head Mistral 4's
             // partial_rotary_factor names.
             _ if latent.is_some() => 1.0,
+            // StarCoder2's class turns whole heads whatever partial_rotary_factor says.
+            _ if starcoder2 => 1.0,
             _ if partial_given => rope.partial,
             // MiniMax-M2's folders name the turned width of each head.
             _ if minimax => match self.int("rotary_dim")? {
@@ -2747,8 +2745,6 @@ impl Keys<'_> {
         })
     }
 
-    /// Qwen3-Next's layer types: `linear_attention` or `full_attention` each, as listed or,
-    /// where absent, every `full_attention_interval`-th layer full (4 by default).
     /// The layers `mlp_layer_types` marks `dense` (the others `sparse`); the first `first`
     /// where the key is absent.
     fn mlp_layer_types(&self, first: i64) -> KeyResult<Vec<i64>> {
@@ -2771,6 +2767,8 @@ impl Keys<'_> {
         Ok(dense)
     }
 
+    /// Qwen3-Next's layer types: `linear_attention` or `full_attention` each, as listed or,
+    /// where absent, every `full_attention_interval`-th layer full (4 by default).
     fn linear_layers(&self, layers: i64) -> KeyResult<Vec<LayerAttention>> {
         if let Some(types) = self.layer_types(&["linear_attention", "full_attention"])? {
             return Ok(types);
@@ -3811,8 +3809,15 @@ mod tests {
         assert_eq!(whole.partial_rotary, 1.0);
         assert_eq!(Family::of(&ModelConfig::Llama(nemotron.clone())).unwrap(), Family::Nemotron);
         assert!(Family::Arcee.cannot_write(&nemotron).is_some_and(|why| why.contains("Nemotron's")));
-        let refused = read(Family::Qwen3, json!({"mlp_bias": true})).unwrap_err();
-        assert!(refused.contains("mlp_bias"), "{refused}");
+        // Refused by name where the class has no such biases: a mixture of experts built like
+        // LLaMA's layers among them.
+        for family in [Family::Qwen3, Family::Olmoe] {
+            let refused = read(family, json!({"mlp_bias": true})).unwrap_err();
+            assert!(refused.contains("mlp_bias = true is not supported"), "{family:?}: {refused}");
+        }
+        // StarCoder2's class turns whole heads whatever the key says.
+        let whole = read(Family::Starcoder2, json!({"partial_rotary_factor": 0.5})).unwrap();
+        assert_eq!(whole.partial_rotary, 1.0);
     }
 
     /// HunYuan-MoE's per-layer counts are read when all equal (under either name) and
