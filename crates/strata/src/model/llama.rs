@@ -794,16 +794,25 @@ struct Kinds {
 }
 
 impl Kinds {
+    /// The scale a layer norm applies: its weight, or `1 + w` (Nemotron's).
+    fn layer_scale(&self, p: &Params<'_>, n: Norm) -> Result<Tensor> {
+        match self.norm {
+            NormKind::LayerPlusOne => Ok(p[n.weight].f_add_scalar(1.0)?),
+            _ => Ok(p[n.weight].shallow_clone()),
+        }
+    }
+
     fn norm(&self, p: &Params<'_>, x: &Tensor, n: Norm) -> Result<Tensor> {
-        let w = &p[n.weight];
         match (self.norm, n.bias) {
             // Validated: RMS norms carry no bias.
-            (NormKind::Weighted, _) => rms_norm(x, w, self.eps),
-            (NormKind::PlusOne, _) => rms_norm_plus_one(x, w, self.eps),
-            (NormKind::Layer, None) => layer_norm_unbiased(x, w, self.eps),
-            (NormKind::Layer, Some(b)) => layer_norm(x, w, &p[b], self.eps),
-            (NormKind::LayerPlusOne, None) => layer_norm_unbiased(x, &w.f_add_scalar(1.0)?, self.eps),
-            (NormKind::LayerPlusOne, Some(b)) => layer_norm(x, &w.f_add_scalar(1.0)?, &p[b], self.eps),
+            (NormKind::Weighted, _) => rms_norm(x, &p[n.weight], self.eps),
+            (NormKind::PlusOne, _) => rms_norm_plus_one(x, &p[n.weight], self.eps),
+            (NormKind::Layer | NormKind::LayerPlusOne, None) => {
+                layer_norm_unbiased(x, &self.layer_scale(p, n)?, self.eps)
+            }
+            (NormKind::Layer | NormKind::LayerPlusOne, Some(b)) => {
+                layer_norm(x, &self.layer_scale(p, n)?, &p[b], self.eps)
+            }
         }
     }
 
@@ -811,7 +820,9 @@ impl Kinds {
     fn norm_into_product(&self, p: &Params<'_>, x: &Tensor, n: Norm) -> Result<Tensor> {
         match (self.norm, n.bias) {
             (NormKind::Weighted, _) => rms_norm_into_product(x, &p[n.weight], self.eps),
-            (NormKind::Layer, Some(b)) => layer_norm_into_product(x, &p[n.weight], &p[b], self.eps),
+            (NormKind::Layer | NormKind::LayerPlusOne, Some(b)) => {
+                layer_norm_into_product(x, &self.layer_scale(p, n)?, &p[b], self.eps)
+            }
             _ => self.norm(p, x, n),
         }
     }
@@ -820,7 +831,9 @@ impl Kinds {
     fn add_norm(&self, p: &Params<'_>, x: &Tensor, r: &Tensor, n: Norm) -> Result<(Tensor, Tensor)> {
         match (self.norm, n.bias) {
             (NormKind::Weighted, _) => add_rms_norm(x, r, &p[n.weight], self.eps),
-            (NormKind::Layer, Some(b)) => add_layer_norm(x, r, &p[n.weight], &p[b], self.eps),
+            (NormKind::Layer | NormKind::LayerPlusOne, Some(b)) => {
+                add_layer_norm(x, r, &self.layer_scale(p, n)?, &p[b], self.eps)
+            }
             _ => {
                 let s = x.f_add(r)?;
                 let normed = self.norm(p, &s, n)?;
