@@ -871,6 +871,41 @@ def write_mxfp4(source, quantized, dequantized):
         shutil.copy(f"{source}/tokenizer.json", f"{out}/tokenizer.json")
 
 
+def write_fp8(source, quantized, block):
+    """Quantizes a folder's linear layers to fp8 (E4M3) as fine-grained fp8 releases hold them
+    (DeepSeek-V3's, Qwen3's, MiniMax-M2's): each `block` x `block` tile of a weight scaled
+    so its largest value is E4M3's largest, the tile's float32 `weight_scale_inv` (the factor
+    that dequantizes it) beside the weight; `block` 0: one scale per weight, as Mistral's fp8
+    releases hold them. Embeddings, norms, routers and the head stay as they are."""
+    import shutil
+    from safetensors.torch import load_file
+
+    largest = torch.finfo(torch.float8_e4m3fn).max
+    out = {}
+    for name, t in load_file(f"{source}/model.safetensors").items():
+        kept = ("embed" in name or "lm_head" in name or name.endswith(".gate.weight"))
+        if kept or not name.endswith(".weight") or t.dim() != 2:
+            out[name] = t
+            continue
+        rows, cols = t.shape
+        tile_rows, tile_cols = (block, block) if block else (rows, cols)
+        tiles = t.float().reshape(rows // tile_rows, tile_rows, cols // tile_cols, tile_cols)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / largest
+        codes = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        out[name] = codes.reshape(rows, cols).contiguous()
+        out[name + "_scale_inv"] = (scale if block else scale.reshape(())).contiguous()
+    os.makedirs(quantized, exist_ok=True)
+    save_file(out, f"{quantized}/model.safetensors", metadata={"format": "pt"})
+    for name in os.listdir(source):
+        if name.endswith(".json") and name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f"{source}/{name}", f"{quantized}/{name}")
+    config = json.load(open(f"{source}/config.json"))
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block] if block else None}
+    with open(f"{quantized}/config.json", "w") as f:
+        json.dump(config, f)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="command", required=True)
@@ -961,6 +996,11 @@ def main(argv=None):
     quant.add_argument("--dir", required=True)
     quant.add_argument("--quantized", required=True)
     quant.add_argument("--dequantized", required=True)
+    fp8 = sub.add_parser("fp8", help="a folder's projections quantized to fp8 in square blocks, each "
+                         "with its scale, as fine-grained fp8 releases hold them")
+    fp8.add_argument("--dir", required=True)
+    fp8.add_argument("--quantized", required=True)
+    fp8.add_argument("--block", type=int, required=True, help="the tiles' side; 0: one scale per weight")
     sub.add_parser("serve")
     args = ap.parse_args(argv)
 
@@ -1139,6 +1179,8 @@ def main(argv=None):
         print(json.dumps(losses))
     elif args.command == "mxfp4":
         write_mxfp4(args.dir, args.quantized, args.dequantized)
+    elif args.command == "fp8":
+        write_fp8(args.dir, args.quantized, args.block)
     elif args.command == "val-loss":
         model = load(args.dir)
         tokens = torch.from_numpy(np.fromfile(args.token_file, dtype="<u2").astype(np.int64))

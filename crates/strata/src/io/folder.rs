@@ -2,9 +2,10 @@
 //! family's names and layouts, and a trained model written back as such a folder
 //! (`config.json`, safetensors sharded above a size with their index, tokenizer files).
 use super::stacked::{self, Join, Source};
+use super::quantized;
 use super::{load_named, read_safetensors_where, write_atomic, write_safetensors_streamed};
 use crate::engine::Engine;
-use crate::model::hf::{language_model_name, release_config, release_name, INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
+use crate::model::hf::{language_model_name, release_config, Quantization, release_name, INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
 use crate::model::{DecoderHead, Family, LlamaConfig, ModelConfig, ModelDir};
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
@@ -21,17 +22,13 @@ pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
 /// released folder stores beside the model is left out ([`ModelDir::is_multi_token_prediction`]).
 pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
     let mut named = vec![];
-    let mut mxfp4 = stacked::Mxfp4Pairs::default();
+    let mut dequantizer = quantized::Dequantizer::new(model.quantization);
     for file in &model.weights {
         for (name, t) in read_safetensors_where(file, |name| !model.is_multi_token_prediction(name))? {
+            let Some((name, t)) = dequantizer.take(name, t).map_err(in_file(file))? else { continue };
             if let Some(stacking) = model.family.expert_stacking() {
                 let stack_name = model.family.renamed_from_disk(&name);
-                let pieces = match mxfp4.take(&stack_name, &t)? {
-                    Some(None) => continue,
-                    Some(Some((stack_name, dequantized))) => stacked::unstack(&stack_name, &dequantized, stacking)?,
-                    None => stacked::unstack(&stack_name, &t, stacking)?,
-                };
-                if let Some(pieces) = pieces {
+                if let Some(pieces) = stacked::unstack(&stack_name, &t, stacking)? {
                     // Each expert's parameter under the family's name (a release's prefix off).
                     for (param, piece) in pieces {
                         if let Some((param, _)) = model.family.strata_name(&param) {
@@ -46,7 +43,7 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
             named.push((param, name, t));
         }
     }
-    mxfp4.finish().map_err(|e| Error::Weights { path: model.dir.clone(), message: e.to_string() })?;
+    dequantizer.finish().map_err(in_file(&model.dir))?;
     let spec = engine.spec();
     let factors = super::peft::factor_ids(&spec.adapters);
     // A causal folder read as a reward model: its language head goes unused and the score
@@ -61,6 +58,14 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
         tracing::info!(folder = %model.dir.display(), "the reward model's score head starts fresh");
     }
     load_named(engine, &model.dir, named.into_iter(), &|id| factors.contains(&id) || Some(id) == fresh_score)
+}
+
+/// A model's error about what a file (or folder) holds, as an error naming it.
+fn in_file(path: &Path) -> impl Fn(Error) -> Error + '_ {
+    move |e| match e {
+        Error::Model(message) => Error::Weights { path: path.to_path_buf(), message },
+        other => other,
+    }
 }
 
 /// A decoder's language head and a reward model's score head, by their names in its folder.
@@ -109,11 +114,19 @@ pub struct ReleaseOut {
 
 impl ReleaseOut {
     /// The release's tensors that are not its language model's, by name.
+    /// Quantized ones are dequantized, as the language model is: the release is written back
+    /// in floats, without its `quantization_config`.
     fn carried(&self) -> Result<Vec<(String, Tensor)>> {
+        let scheme = Quantization::of(&self.config).map_err(Error::Config)?;
+        let mut dequantizer = quantized::Dequantizer::new(scheme);
         let mut carried = vec![];
         for file in &self.weights {
-            carried.extend(read_safetensors_where(file, |name| language_model_name(name).is_none())?);
+            for (name, t) in read_safetensors_where(file, |name| language_model_name(name).is_none())? {
+                carried.extend(dequantizer.take(name, t).map_err(in_file(file))?);
+            }
         }
+        let folder = self.weights.first().and_then(|w| w.parent()).unwrap_or(Path::new("."));
+        dequantizer.finish().map_err(in_file(folder))?;
         Ok(carried)
     }
 }

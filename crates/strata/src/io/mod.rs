@@ -7,6 +7,7 @@
 
 mod folder;
 mod peft;
+mod quantized;
 mod stacked;
 
 pub use crate::files::{copy_atomic, sync_dir, write_atomic, write_atomic_with};
@@ -110,6 +111,8 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
         Dtype::I64 => Kind::Int64,
         Dtype::I32 => Kind::Int,
         Dtype::U8 => Kind::Uint8,
+        Dtype::F8_E4M3 => Kind::Float8e4m3fn,
+        Dtype::F8_E5M2 => Kind::Float8e5m2,
         _ => return None,
     })
 }

@@ -10,82 +10,11 @@
 //! each expert `e` has `L.mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}` (Gemma 4's
 //! `L.experts.{e}...`), weights `[out, in]`.
 //!
-//! Released gpt-oss checkpoints hold the two weight stacks in MXFP4 (the OCP microscaling
-//! format): `L.mlp.experts.gate_up_proj_blocks` `[E, 2F, D/32, 16]` bytes, two 4-bit E2M1
-//! codes each (low nibble first), and `L.mlp.experts.gate_up_proj_scales` `[E, 2F, D/32]`,
-//! one E8M0 exponent (biased by 127) per 32 values; `down_proj` alike `[E, D, F/32, 16]`.
-//! Each pair is dequantized exactly (a code's value times a power of two) into the stacked
-//! tensor it stands for, output-major as the blocks are, then transposed to the stack's
-//! input-major layout.
+//! Released gpt-oss checkpoints hold the two weight stacks in MXFP4, which `quantized`
+//! decodes into the stacked tensors they stand for before they come here.
 use crate::model::hf::ExpertStacking;
 use crate::{Error, Result};
-use std::collections::HashMap;
-use tch::{Kind, Tensor};
-
-/// The values of the 16 E2M1 codes.
-const FP4_VALUES: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
-
-/// MXFP4 blocks `[E, R, G, 16]` (bytes) and scales `[E, R, G]` as the `[E, G·32, R]` fp32
-/// tensor they encode.
-pub(super) fn dequantize_mxfp4(name: &str, blocks: &Tensor, scales: &Tensor) -> Result<Tensor> {
-    let (b, s) = (blocks.size(), scales.size());
-    if b.len() != 4 || b[..3] != s[..] || blocks.kind() != Kind::Uint8 || scales.kind() != Kind::Uint8 {
-        return Err(Error::Model(format!(
-            "{name}: MXFP4 blocks {b:?} and scales {s:?} (bytes, blocks one dimension more) do not fit"
-        )));
-    }
-    let lut = Tensor::f_from_slice(&FP4_VALUES)?.f_to_device(blocks.device())?;
-    let bytes = blocks.f_to_kind(Kind::Int64)?;
-    let value = |codes: Tensor| -> Result<Tensor> {
-        Ok(lut.f_index_select(0, &codes.f_reshape([-1])?)?.f_reshape(b.as_slice())?)
-    };
-    let low = value(bytes.f_remainder(16)?)?;
-    let high = value(bytes.f_floor_divide_scalar(16)?)?;
-    // Low nibble first: values 2j and 2j + 1 of each block.
-    let values = Tensor::f_stack(&[low, high], -1)?.f_reshape([b[0], b[1], b[2], 2 * b[3]])?;
-    let powers = scales.f_to_kind(Kind::Float)?.f_sub_scalar(127.0)?.f_exp2()?.f_unsqueeze(-1)?;
-    Ok(values.f_mul(&powers)?.f_reshape([b[0], b[1], b[2] * 2 * b[3]])?.f_transpose(1, 2)?.f_contiguous()?)
-}
-
-/// The halves of MXFP4 pairs read so far, by the stacked name they stand for.
-#[derive(Default)]
-pub(super) struct Mxfp4Pairs {
-    blocks: HashMap<String, Tensor>,
-    scales: HashMap<String, Tensor>,
-}
-
-impl Mxfp4Pairs {
-    /// Takes `name` if it is half of an MXFP4 pair: `Ok(None)` when it is not; the
-    /// stacked tensor's name and value once both halves are in.
-    pub(super) fn take(&mut self, name: &str, t: &Tensor) -> Result<Option<Option<(String, Tensor)>>> {
-        let (stacked, is_blocks) = match (name.strip_suffix("_blocks"), name.strip_suffix("_scales")) {
-            (Some(stacked), _) => (stacked, true),
-            (_, Some(stacked)) => (stacked, false),
-            _ => return Ok(None),
-        };
-        if stacked_name(stacked).is_none() {
-            return Ok(None);
-        }
-        let (mine, other) =
-            if is_blocks { (&mut self.blocks, &mut self.scales) } else { (&mut self.scales, &mut self.blocks) };
-        let Some(partner) = other.remove(stacked) else {
-            mine.insert(stacked.to_string(), t.shallow_clone());
-            return Ok(Some(None));
-        };
-        let (blocks, scales) = if is_blocks { (t, &partner) } else { (&partner, t) };
-        Ok(Some(Some((stacked.to_string(), dequantize_mxfp4(stacked, blocks, scales)?))))
-    }
-
-    /// Fails naming a pair whose other half never came.
-    pub(super) fn finish(self) -> Result<()> {
-        match self.blocks.keys().chain(self.scales.keys()).next() {
-            Some(name) => {
-                Err(Error::Model(format!("{name}: MXFP4 blocks without their scales, or scales without blocks")))
-            }
-            None => Ok(()),
-        }
-    }
-}
+use tch::Tensor;
 
 /// The four stacked tensors, by their names' endings on disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,6 +46,11 @@ impl Stack {
             Stack::DownBias => &["down_proj.bias"],
         }
     }
+}
+
+/// Whether `name` on disk is one of a layer's stacked tensors.
+pub(super) fn is_stacked(name: &str) -> bool {
+    stacked_name(name).is_some()
 }
 
 /// `name` on disk as (module `L.mlp.experts` or `L.experts`, which stack), where it is one.

@@ -228,6 +228,8 @@ struct ClassDefaults {
     head_dim: Option<i64>,
     /// `sliding_window`, where the family's layers slide (Qwen's where asked).
     window: Option<i64>,
+    /// `num_key_value_heads`; `None`: one for each query head.
+    kv_heads: Option<i64>,
 }
 
 /// `name` with its ending replaced where the first pair of `renames` (from, to) whose `from`
@@ -487,6 +489,14 @@ impl Family {
                 }
                 GptOss => Some(128),
                 Gemma4 => Some(512),
+                _ => None,
+            },
+            kv_heads: match self {
+                Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
+                Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
+                MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss => Some(8),
+                Qwen2Moe => Some(16),
+                Exaone4 | Qwen2 | Qwen3 => Some(32),
                 _ => None,
             },
         }
@@ -1704,6 +1714,8 @@ pub struct ModelDir {
     /// language model read (Gemma 3's, Mistral 3's, Qwen3.5's): a folder written back keeps
     /// both.
     pub release: Option<Map<String, Value>>,
+    /// How the folder's weights are quantized, where they are (read back into floats).
+    pub quantization: Option<Quantization>,
 }
 
 impl ModelDir {
@@ -1789,6 +1801,48 @@ pub struct GenerationDefaults {
     pub eos_token_id: Option<Value>,
 }
 
+/// How a folder's weights are quantized, as its `config.json`'s `quantization_config` says:
+/// they are read back into the floats they encode (exactly, in fp32), and a folder written
+/// holds floats.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Quantization {
+    /// gpt-oss's MXFP4 expert stacks (`quant_method: "mxfp4"`).
+    Mxfp4,
+    /// Fine-grained fp8 (`quant_method: "fp8"`), as DeepSeek-V3's, Qwen3's, MiniMax-M2's and
+    /// GLM's fp8 releases hold it: E4M3 weights, each beside its `weight_scale_inv`, one
+    /// scale per tile of `block` (rows, columns; `weight_block_size`, 128 × 128 where left
+    /// out); `None` where it is null (the tiles are what the scales divide evenly).
+    Fp8 {
+        /// The tile one scale restores.
+        block: Option<[i64; 2]>,
+    },
+}
+
+impl Quantization {
+    /// The quantization `cfg`'s `quantization_config` names; `None` for floats. A scheme
+    /// Strata does not read is refused by name.
+    pub(crate) fn of(cfg: &Map<String, Value>) -> KeyResult<Option<Quantization>> {
+        let Some(q) = cfg.get("quantization_config").filter(|q| !q.is_null()) else { return Ok(None) };
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unnamed");
+        let block = match q.get("weight_block_size") {
+            None => Some([128, 128]),
+            Some(Value::Null) => None,
+            Some(b) => match b.as_array().map(|a| a.iter().map(Value::as_i64).collect::<Option<Vec<_>>>()) {
+                Some(Some(v)) if v.len() == 2 && v.iter().all(|&n| n > 0) => Some([v[0], v[1]]),
+                _ => return Err(format!("config.json: weight_block_size {b} is not two positive sizes")),
+            },
+        };
+        match method {
+            "mxfp4" => Ok(Some(Quantization::Mxfp4)),
+            "fp8" => Ok(Some(Quantization::Fp8 { block })),
+            other => Err(format!(
+                "config.json: quantized weights ({other}) are not read; give a folder of floating-point or \
+                 fine-grained fp8 weights"
+            )),
+        }
+    }
+}
+
 /// Reads the Hugging Face model folder `dir`: its `config.json`, the weight files it holds
 /// (checked to exist) and its tokenizer. Architectures and config keys Strata cannot
 /// honour are refused by name.
@@ -1798,7 +1852,8 @@ pub fn from_pretrained_dir(dir: &Path) -> Result<ModelDir> {
     let tokenizer = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
     let release = Some(outer).filter(|o| release_of(o).is_some());
     let weights = weight_files(dir)?;
-    Ok(ModelDir { dir: dir.to_path_buf(), family, config, weights, tokenizer, special_tokens, release })
+    let quantization = Quantization::of(&raw).map_err(|message| Error::Weights { path: dir.to_path_buf(), message })?;
+    Ok(ModelDir { dir: dir.to_path_buf(), family, config, weights, tokenizer, special_tokens, release, quantization })
 }
 
 /// The model a Hugging Face `config.json` describes (`path` is the file or its folder),
@@ -2005,6 +2060,8 @@ pub(crate) fn release_config(release: &Map<String, Value>, mut text: Value) -> V
         text.remove("architectures");
     }
     let mut out = release.clone();
+    // Written in floats.
+    out.remove("quantization_config");
     out.insert("text_config".into(), text);
     out.insert("tie_word_embeddings".into(), tied);
     Value::Object(out)
@@ -2019,14 +2076,14 @@ pub(crate) fn config_from_keys(cfg: &Map<String, Value>) -> KeyResult<(Family, M
         let known: Vec<&str> = FAMILIES.iter().map(|f| f.model_type()).collect();
         format!("config.json: model_type {model_type:?} is not a family Strata has ({})", known.join(", "))
     })?;
-    // Quantized weights: gpt-oss's MXFP4 experts are dequantized on load; no other scheme is read.
-    if let Some(quantization) = cfg.get("quantization_config") {
-        let method = quantization.get("quant_method").and_then(Value::as_str).unwrap_or("unnamed");
-        if !(family == Family::GptOss && method == "mxfp4") {
-            return Err(format!(
-                "config.json: quantized weights ({method}) are not read; give a folder of floating-point weights"
-            ));
+    match (Quantization::of(cfg)?, family) {
+        (Some(Quantization::Mxfp4), f) if f != Family::GptOss => {
+            return Err("config.json: MXFP4 weights are read as gpt-oss's experts alone".into())
         }
+        (Some(Quantization::Fp8 { .. }), Family::Gpt2 | Family::Bert | Family::T5) => {
+            return Err(format!("config.json: fp8 weights are read for the decoder families, not {}", family.model_type()))
+        }
+        _ => {}
     }
     let config = match family {
         Family::Gpt2 => ModelConfig::Gpt(keys.gpt2()?),
@@ -2608,7 +2665,10 @@ impl Keys<'_> {
             value_norm: gemma4,
             layer_scalar: gemma4,
             local_rope,
-            kv_heads: if latent.is_some() { None } else { self.int("num_key_value_heads")? },
+            kv_heads: match latent {
+                Some(_) => None,
+                None => self.int("num_key_value_heads")?.or(defaults.kv_heads),
+            },
             norm_eps: self.float(family.norm_eps_key())?.unwrap_or(defaults.norm_eps),
             tie_embeddings: self
                 .flag("tie_word_embeddings")?

@@ -1056,10 +1056,50 @@ fn gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them() {
     let moved = gap(&ours, &strata_logits(&mut strata_engine(&source)));
     assert!(moved > 1e-3, "quantizing changed no logit ({moved})");
     let config = quantized.join("config.json");
-    let text = std::fs::read_to_string(&config).unwrap().replace("\"mxfp4\"", "\"fp8\"");
+    let text = std::fs::read_to_string(&config).unwrap().replace("\"mxfp4\"", "\"bitsandbytes\"");
     std::fs::write(&config, text).unwrap();
     let refused = from_pretrained_dir(&quantized).unwrap_err().to_string();
-    assert!(refused.contains("quantized weights (fp8) are not read"), "{refused}");
+    assert!(refused.contains("quantized weights (bitsandbytes) are not read"), "{refused}");
+}
+
+/// fp8 releases: a folder whose linear layers are E4M3, with a scale per tile beside each
+/// (DeepSeek-V3's and MiniMax-M2's fine-grained fp8) or one per weight (Mistral 3's, image
+/// model and all), gives the logits `transformers` gives loading the same folder (it
+/// dequantizes where no GPU runs fp8), quantizing having moved them off the original
+/// folder's. Written back, the release holds floats, its image model's dequantized too,
+/// without a `quantization_config`, and `transformers` reads the same logits from it.
+#[test]
+fn fp8_releases_load_as_transformers_dequantizes_them() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    // Tiles that divide each fixture's widths, as transformers asks.
+    for (family, block) in [("deepseek-v3", "4"), ("minimax-m2", "8"), ("mistral3-release", "0")] {
+        let (source, quantized) = (work.path().join(family), work.path().join(format!("{family}-fp8")));
+        make(&py, family, &source, None);
+        reference(&py, &["fp8", "--dir", &s(&source), "--quantized", &s(&quantized), "--block", block]);
+        let mut engine = strata_engine(&quantized);
+        let ours = strata_logits(&mut engine);
+        let g = gap(&ours, &transformers_logits(&py, &quantized, work.path()));
+        eprintln!("{family} in fp8: largest logit difference from transformers {g:.2e}");
+        assert!(g < 1e-5, "{family}: logits differ from transformers' by {g}");
+        let moved = gap(&ours, &strata_logits(&mut strata_engine(&source)));
+        assert!(moved > 1e-3, "{family}: quantizing changed no logit ({moved})");
+        if block == "0" {
+            let saved = work.path().join("saved");
+            let folder = from_pretrained_dir(&quantized).unwrap();
+            save_weights(&mut engine, WeightsTarget::Folder(&FolderOut::like(&saved, &folder)), true).unwrap();
+            let config = std::fs::read_to_string(saved.join("config.json")).unwrap();
+            assert!(!config.contains("quantization_config"), "{config}");
+            let written = strata::io::read_safetensors(&saved.join("model.safetensors")).unwrap();
+            let (names, kinds): (Vec<_>, Vec<_>) = written.iter().map(|(n, t)| (n.as_str(), t.kind())).unzip();
+            assert!(names.iter().any(|n| n.contains("vision_tower")), "{names:?}");
+            assert!(names.iter().all(|n| !n.ends_with("_scale_inv")), "{names:?}");
+            assert!(kinds.iter().all(|k| *k == Kind::Float), "{kinds:?}");
+            let g = gap(&ours, &transformers_logits(&py, &saved, work.path()));
+            assert!(g < 1e-5, "the written folder's logits differ by {g}");
+        }
+    }
 }
 
 /// Examples packed two rows of 12: each row's examples one after another, then padding.
@@ -1629,18 +1669,31 @@ fn left_out_keys_take_each_configuration_class_defaults() {
     let read = |keys: &serde_json::Value, name: &str| {
         let path = work.path().join(name);
         std::fs::write(&path, keys.to_string()).unwrap();
-        // The head width as used: a head_dim equal to the hidden size over the heads is none.
+        // The head width and key-value heads as used: a head_dim equal to the hidden size over
+        // the heads is none, as is a key-value head for each query head.
         strata::model::hf::config_of(&path).map(|c| match c {
-            ModelConfig::Llama(c) => serde_json::to_value(LlamaConfig { head_dim: Some(c.head_width()), ..c }).unwrap(),
+            ModelConfig::Llama(c) => serde_json::to_value(LlamaConfig {
+                head_dim: Some(c.head_width()),
+                kv_heads: c.latent.is_none().then(|| c.key_value_heads()),
+                ..c
+            })
+            .unwrap(),
             other => serde_json::to_value(other).unwrap(),
         })
     };
     let mut differences = vec![];
-    for model_type in DECODER_TYPES {
-        let mut sizes = serde_json::json!({"model_type": model_type, "hidden_size": 32, "num_attention_heads": 4,
-                                       "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 48,
+    // With the key-value heads given, then left out: 640 query heads are a multiple of every
+    // class's default count.
+    for (model_type, kv_heads) in DECODER_TYPES.into_iter().flat_map(|t| [(t, Some(2)), (t, None)]) {
+        let heads = if kv_heads.is_some() { 4 } else { 640 };
+        let mut sizes = serde_json::json!({"model_type": model_type, "hidden_size": 8 * heads,
+                                       "num_attention_heads": heads, "num_hidden_layers": 4,
+                                       "intermediate_size": 48,
                                        // Large enough for every class's default padding token.
                                        "vocab_size": 160_000});
+        if let Some(kv_heads) = kv_heads {
+            sizes["num_key_value_heads"] = kv_heads.into();
+        }
         // Gemma 4's per-layer embeddings (on by default) are refused, with or without the key.
         if model_type == "gemma4_text" {
             sizes["hidden_size_per_layer_input"] = 0.into();
@@ -1653,14 +1706,14 @@ fn left_out_keys_take_each_configuration_class_defaults() {
                 for key in ours.keys().chain(theirs.keys()).collect::<BTreeSet<_>>() {
                     if ours.get(key) != theirs.get(key) {
                         differences.push(format!(
-                            "{model_type}: {key}: {:?} without the key, {:?} with transformers' default",
+                            "{model_type} ({heads} heads): {key}: {:?} without the key, {:?} with transformers' default",
                             ours.get(key),
                             theirs.get(key)
                         ));
                     }
                 }
             }
-            (a, b) => differences.push(format!("{model_type}: {:?} / {:?}", a.err(), b.err())),
+            (a, b) => differences.push(format!("{model_type} ({heads} heads): {:?} / {:?}", a.err(), b.err())),
         }
     }
     assert!(differences.is_empty(), "{}", differences.join("\n"));
