@@ -3588,8 +3588,8 @@ mod tests {
 
     /// The decoder a `config.json` of `family` with these keys (beside a small base) reads as.
     fn read(family: Family, keys: Value) -> KeyResult<LlamaConfig> {
-        let mut cfg = json!({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 3,
-                             "intermediate_size": 48, "vocab_size": 96});
+        let mut cfg = json!({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "num_hidden_layers": 3, "intermediate_size": 48, "vocab_size": 96});
         for (k, v) in keys.as_object().into_iter().flatten() {
             cfg[k] = v.clone();
         }
@@ -3704,8 +3704,8 @@ mod tests {
             family == Family::Qwen3_5
                 && matches!(config, ModelConfig::Llama(LlamaConfig { head: DecoderHead::LanguageModel, .. }))
         );
-        let quantized = release(json!({"quantization_config": {"quant_method": "fp8"}})).unwrap_err();
-        assert!(quantized.contains("quantized weights (fp8) are not read"), "{quantized}");
+        let quantized = release(json!({"quantization_config": {"quant_method": "awq"}})).unwrap_err();
+        assert!(quantized.contains("quantized weights (awq) are not read"), "{quantized}");
         let reward = release(json!({"architectures": ["Qwen3_5ForSequenceClassification"], "num_labels": 1})).unwrap();
         assert!(matches!(reward.1, ModelConfig::Llama(LlamaConfig { head: DecoderHead::Reward, .. })));
         // AutoModelForCausalLM builds Qwen3.5's text model from its text_config alone: the
@@ -3755,7 +3755,7 @@ mod tests {
         );
         assert_eq!((c.key_value_heads_at(2), c.key_value_heads_at(0), c.full_heads_at(0)), (1, 2, None));
         let unshared = json!({"hidden_size_per_layer_input": 0, "num_global_key_value_heads": 1});
-        assert_eq!(read(Family::Gemma4, unshared).unwrap().key_value_heads_at(2), 4);
+        assert_eq!(read(Family::Gemma4, unshared).unwrap().key_value_heads_at(2), 2, "the layers' own heads");
         // transformers' own spelling of the same heads, layer by layer.
         let layered = |overrides: Value| {
             json!({"hidden_size_per_layer_input": 0, "attention_k_eq_v": true, "num_hidden_layers": 4, "head_dim": 8,
@@ -3967,8 +3967,8 @@ mod tests {
 
     #[test]
     fn gemma3_and_mistral3_releases_read_as_their_text_models() {
-        let text = json!({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "head_dim": 8,
-                          "intermediate_size": 48, "vocab_size": 96});
+        let text = json!({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "num_hidden_layers": 2, "head_dim": 8, "intermediate_size": 48, "vocab_size": 96});
         let read = |outer: Value, stores_head: bool| {
             let mut cfg = outer;
             cfg["text_config"] = text.clone();
