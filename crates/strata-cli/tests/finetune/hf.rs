@@ -164,9 +164,10 @@ fn gemma4_experts_train_split_as_one_process() {
 /// (its feed-forward entering the tensor group from the norm attention read), StarCoder2
 /// under sequence parallel (its `c_fc` bias split, its `c_proj` and norm biases whole, its
 /// dropout after the embeddings, of the scores and of each sub-layer's output drawing one
-/// process's masks), Nemotron under tensor parallel, and MiniMax-M2's experts (chosen with a
+/// process's masks), Nemotron under tensor parallel, MiniMax-M2's experts (chosen with a
 /// choice bias) and GLM-4.7-Flash's (a dense layer after a sparse one) over an expert group,
-/// each training as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
+/// and MiniMax-M2 and OLMo 2 (query/key norms over whole projections, their squares summed
+/// over the tensor ranks) under tensor and sequence parallel, each training as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
 /// whose step is the gradient itself.
 #[test]
 fn newer_families_train_split_as_one_process() {
@@ -182,6 +183,8 @@ fn newer_families_train_split_as_one_process() {
         ("starcoder2", "sequence 2", TENSOR_AND_SEQUENCE),
         ("nemotron", "tensor 2", TENSOR),
         ("minimax-m2", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
+        ("minimax-m2", "tensor 2", TENSOR),
+        ("olmo2", "sequence 2", TENSOR_AND_SEQUENCE),
         ("glm4-moe-lite", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
     ] {
         let dir = tempfile::tempdir().unwrap();

@@ -1,11 +1,13 @@
 //! Hugging Face model folders: weights read from a folder's file or shards under its
 //! family's names and layouts, and a trained model written back as such a folder
 //! (`config.json`, safetensors sharded above a size with their index, tokenizer files).
-use super::stacked::{self, Join, Source};
 use super::quantized;
+use super::stacked::{self, Join, Source};
 use super::{load_named, read_safetensors_where, write_atomic, write_safetensors_streamed};
 use crate::engine::Engine;
-use crate::model::hf::{language_model_name, release_config, Quantization, release_name, INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE};
+use crate::model::hf::{
+    language_model_name, release_config, release_name, Quantization, INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE,
+};
 use crate::model::{DecoderHead, Family, LlamaConfig, ModelConfig, ModelDir};
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};

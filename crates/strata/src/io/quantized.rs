@@ -163,8 +163,12 @@ impl Dequantizer {
     /// Fails naming a tensor whose other half never came.
     pub(super) fn finish(self) -> Result<()> {
         match self.waiting.iter().next() {
-            Some((name, (Half::Values, _))) => Err(Error::Model(format!("{name}: quantized values without their scales"))),
-            Some((name, (Half::Scales, _))) => Err(Error::Model(format!("{name}: scales without the values they restore"))),
+            Some((name, (Half::Values, _))) => {
+                Err(Error::Model(format!("{name}: quantized values without their scales")))
+            }
+            Some((name, (Half::Scales, _))) => {
+                Err(Error::Model(format!("{name}: scales without the values they restore")))
+            }
             None => Ok(()),
         }
     }

@@ -2081,7 +2081,10 @@ pub(crate) fn config_from_keys(cfg: &Map<String, Value>) -> KeyResult<(Family, M
             return Err("config.json: MXFP4 weights are read as gpt-oss's experts alone".into())
         }
         (Some(Quantization::Fp8 { .. }), Family::Gpt2 | Family::Bert | Family::T5) => {
-            return Err(format!("config.json: fp8 weights are read for the decoder families, not {}", family.model_type()))
+            return Err(format!(
+                "config.json: fp8 weights are read for the decoder families, not {}",
+                family.model_type()
+            ))
         }
         _ => {}
     }

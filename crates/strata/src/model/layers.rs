@@ -240,6 +240,20 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(rms_norm_unweighted(&x, eps)?.f_mul(w)?)
 }
 
+/// RMS norm with a weight over a last dimension that the ranks of `tp` split in columns,
+/// each holding its own `x` and `w` (OLMo 2's query/key norms over whole projections under
+/// tensor parallelism): the squares' sum is all-reduced both ways, forward for the mean,
+/// backward because every rank's columns read it.
+pub fn rms_norm_split(x: &Tensor, w: &Tensor, eps: f64, tp: &dyn TensorParallel) -> Result<Tensor> {
+    let x = norm_input(x)?;
+    let x32 = cast(&x, is_low(x.kind()).then_some(Kind::Float))?;
+    let local = x32.f_square()?.f_sum_dim_intlist(-1, true, None)?;
+    let columns = x.size().last().copied().unwrap_or(1) * tp.size();
+    let mean_square = tp.copy_in(&tp.reduce_out(&local)?)?.f_div_scalar(columns as f64)?;
+    let normalized = x32.f_mul(&mean_square.f_add_scalar(eps)?.f_rsqrt()?)?;
+    Ok(cast(&normalized, Some(x.kind()))?.f_mul(w)?)
+}
+
 /// RMS norm over the last dimension without a weight, `x / rms(x)`, computed in at least
 /// fp32 and returned in x's dtype (Gemma 4's norm of its values).
 pub fn rms_norm_unweighted(x: &Tensor, eps: f64) -> Result<Tensor> {

@@ -31,7 +31,7 @@ use super::latent::{LatentAttention, LatentConfig};
 use super::layers::{
     add_layer_norm, add_rms_norm, attend, attention, geglu, gelu_tanh, layer_norm, layer_norm_into_product,
     layer_norm_unbiased, linear, merge_heads, repeat_heads, rms_norm, rms_norm_into_product, rms_norm_plus_one,
-    rms_norm_unweighted, split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
+    rms_norm_split, rms_norm_unweighted, split_heads, swiglu, AttentionOptions, Projected, ScoreTerms,
 };
 use super::linear::{GatedDeltaNet, LinearAttentionConfig, CHUNK};
 use super::moe::{LoadBalance, MoeConfig, SparseFeedForward};
@@ -816,6 +816,15 @@ impl Kinds {
         }
     }
 
+    /// The norm of a projection whole, which tensor ranks split in columns (validated: an
+    /// RMS norm where they do).
+    fn whole_projection_norm(&self, p: &Params<'_>, x: &Tensor, n: Norm) -> Result<Tensor> {
+        match p.tp().size() {
+            1 => self.norm(p, x, n),
+            _ => rms_norm_split(x, &p[n.weight], self.eps, p.tp()),
+        }
+    }
+
     /// The norm of `x` where a matrix product alone reads it.
     fn norm_into_product(&self, p: &Params<'_>, x: &Tensor, n: Norm) -> Result<Tensor> {
         match (self.norm, n.bias) {
@@ -954,8 +963,10 @@ impl Unit for LlamaBlock {
             }
             Mixer::Linear(_) => Ok(()),
             Mixer::Attention(a) => match &a.inputs {
-                HeadInputs::Grouped(g) if g.qk_norm_whole && tp > 1 => {
-                    Err(Error::Config("query/key norms over whole projections do not split over tensor ranks".into()))
+                HeadInputs::Grouped(g) if g.qk_norm_whole && g.kinds.norm != NormKind::Weighted && tp > 1 => {
+                    Err(Error::Config(
+                        "query/key norms over whole projections split over tensor ranks as RMS norms alone".into(),
+                    ))
                 }
                 HeadInputs::Grouped(g) => divides_heads(tp, "key/value heads", g.kv_heads),
                 HeadInputs::Latent(_) => Ok(()),
@@ -999,7 +1010,9 @@ impl GroupedHeads {
             }
         };
         let (q, k) = match self.qk_norms {
-            Some((qn, kn)) if self.qk_norm_whole => (self.kinds.norm(p, &q, qn)?, self.kinds.norm(p, &k, kn)?),
+            Some((qn, kn)) if self.qk_norm_whole => {
+                (self.kinds.whole_projection_norm(p, &q, qn)?, self.kinds.whole_projection_norm(p, &k, kn)?)
+            }
             _ => (q, k),
         };
         let clip = |t: Tensor| -> Result<Tensor> {
@@ -1407,14 +1420,14 @@ pub fn llama(cfg: &LlamaConfig, b: &mut Builder) -> Result<()> {
             .then(|| u.param(format!("{name}.self_attn.sinks"), &[heads], normal, TpRole::COLUMN));
         let mut norm = |module: &str, width: i64, tp| declare_norm(&mut u, &format!("{name}.{module}"), width, tp);
         let input_norm = (!cfg.post_norms).then(|| norm("input_layernorm", d, TpRole::SequenceReplicated));
-        // Per head, or (OLMoE) over each projection whole.
-        let (q_width, k_width) = if cfg.qk_norm_whole { (q_out, kv_out) } else { (hd, hd) };
-        let qk_norms = (cfg.qk_norm && qkv.is_some()).then(|| {
-            (
-                norm("self_attn.q_norm", q_width, TpRole::PartialGradient),
-                norm("self_attn.k_norm", k_width, TpRole::PartialGradient),
-            )
-        });
+        // Per head, each rank's applied to its own heads; or (OLMoE) over each projection
+        // whole, split in columns with it.
+        let (q_width, k_width, qk_role) = match cfg.qk_norm_whole {
+            true => (q_out, kv_out, TpRole::COLUMN),
+            false => (hd, hd, TpRole::PartialGradient),
+        };
+        let qk_norms = (cfg.qk_norm && qkv.is_some())
+            .then(|| (norm("self_attn.q_norm", q_width, qk_role), norm("self_attn.k_norm", k_width, qk_role)));
         // With sandwich norms `post_attention_layernorm` norms the attention's output and
         // `pre_feedforward_layernorm` the feed-forward's input; with post norms alone there is
         // no input norm; with neither, `post_attention_layernorm` is the feed-forward's input
