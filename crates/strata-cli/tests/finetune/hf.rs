@@ -166,8 +166,9 @@ fn gemma4_experts_train_split_as_one_process() {
 /// dropout after the embeddings, of the scores and of each sub-layer's output drawing one
 /// process's masks), Nemotron under tensor parallel, MiniMax-M2's experts (chosen with a
 /// choice bias) and GLM-4.7-Flash's (a dense layer after a sparse one) over an expert group,
-/// and MiniMax-M2 and OLMo 2 (query/key norms over whole projections, their squares summed
-/// over the tensor ranks) under tensor and sequence parallel, each training as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
+/// and MiniMax-M2 under tensor parallel and OLMo 2 under tensor and sequence parallel (query/key
+/// norms over whole projections, their squares summed over the tensor ranks), each training as
+/// one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
 /// whose step is the gradient itself.
 #[test]
 fn newer_families_train_split_as_one_process() {

@@ -3,7 +3,7 @@
 //! (`config.json`, safetensors sharded above a size with their index, tokenizer files).
 use super::quantized;
 use super::stacked::{self, Join, Source};
-use super::{load_named, read_safetensors_where, write_atomic, write_safetensors_streamed};
+use super::{load_named, read_folder_tensors_where, write_atomic, write_safetensors_streamed};
 use crate::engine::Engine;
 use crate::model::hf::{
     language_model_name, release_config, release_name, Quantization, INDEX_FILE, TOKENIZER_FILES, WEIGHTS_FILE,
@@ -24,9 +24,9 @@ pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
 /// released folder stores beside the model is left out ([`ModelDir::is_multi_token_prediction`]).
 pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
     let mut named = vec![];
-    let mut dequantizer = quantized::Dequantizer::new(model.quantization);
+    let mut dequantizer = quantized::Dequantizer::new(model.quantization, engine.master_kind());
     for file in &model.weights {
-        for (name, t) in read_safetensors_where(file, |name| !model.is_multi_token_prediction(name))? {
+        for (name, t) in read_folder_tensors_where(file, |name| !model.is_multi_token_prediction(name))? {
             let Some((name, t)) = dequantizer.take(name, t).map_err(in_file(file))? else { continue };
             if let Some(stacking) = model.family.expert_stacking() {
                 let stack_name = model.family.renamed_from_disk(&name);
@@ -120,10 +120,11 @@ impl ReleaseOut {
     /// in floats, without its `quantization_config`.
     fn carried(&self) -> Result<Vec<(String, Tensor)>> {
         let scheme = Quantization::of(&self.config).map_err(Error::Config)?;
-        let mut dequantizer = quantized::Dequantizer::new(scheme);
+        // Exact: the image model's parameters are not Strata's to choose a kind for.
+        let mut dequantizer = quantized::Dequantizer::new(scheme, Kind::Float);
         let mut carried = vec![];
         for file in &self.weights {
-            for (name, t) in read_safetensors_where(file, |name| language_model_name(name).is_none())? {
+            for (name, t) in read_folder_tensors_where(file, |name| language_model_name(name).is_none())? {
                 carried.extend(dequantizer.take(name, t).map_err(in_file(file))?);
             }
         }

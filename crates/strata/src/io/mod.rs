@@ -111,9 +111,17 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
         Dtype::I64 => Kind::Int64,
         Dtype::I32 => Kind::Int,
         Dtype::U8 => Kind::Uint8,
-        Dtype::F8_E4M3 => Kind::Float8e4m3fn,
-        Dtype::F8_E5M2 => Kind::Float8e5m2,
         _ => return None,
+    })
+}
+
+/// [`kind_of`], and fp8: a model folder's quantized weights, which `quantized` restores to
+/// floats (anywhere else fp8 codes would be read as values).
+fn folder_kind_of(dtype: Dtype) -> Option<Kind> {
+    kind_of(dtype).or(match dtype {
+        Dtype::F8_E4M3 => Some(Kind::Float8e4m3fn),
+        Dtype::F8_E5M2 => Some(Kind::Float8e5m2),
+        _ => None,
     })
 }
 
@@ -136,12 +144,20 @@ pub fn to_safetensors<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor
 
 /// Reads every tensor of a safetensors file into CPU tensors, validating the file.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
-    read_safetensors_where(path, |_| true)
+    read_tensors_where(path, |_| true, kind_of)
 }
 
-/// Reads the tensors of a safetensors file whose names `keep` takes into CPU tensors,
-/// validating the file; the others are never made.
-pub(crate) fn read_safetensors_where(path: &Path, keep: impl Fn(&str) -> bool) -> Result<BTreeMap<String, Tensor>> {
+/// Reads the tensors of a model folder's safetensors file whose names `keep` takes into CPU
+/// tensors, validating the file, fp8 ones among them; the others are never made.
+pub(crate) fn read_folder_tensors_where(path: &Path, keep: impl Fn(&str) -> bool) -> Result<BTreeMap<String, Tensor>> {
+    read_tensors_where(path, keep, folder_kind_of)
+}
+
+fn read_tensors_where(
+    path: &Path,
+    keep: impl Fn(&str) -> bool,
+    kind_of: fn(Dtype) -> Option<Kind>,
+) -> Result<BTreeMap<String, Tensor>> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     let err = |message: String| Error::Weights { path: path.to_path_buf(), message };
     let st = SafeTensors::deserialize(&bytes).map_err(|e| err(format!("not a valid safetensors file ({e})")))?;

@@ -9,8 +9,10 @@
 //!   transposed here to the stack's input-major layout (`stacked` takes it apart).
 //! - Fine-grained fp8 (DeepSeek-V3's, Qwen3's, MiniMax-M2's and GLM's fp8 releases):
 //!   `X` in E4M3 (or E5M2) `[.., R, C]` beside `X_scale_inv` `[.., ⌈R/b₀⌉, ⌈C/b₁⌉]`, the factor
-//!   that restores each `b₀ × b₁` tile (the tiles at the far edges cut short), in float32,
-//!   bfloat16 or as E8M0 exponent bytes; one scale where the whole tensor shares it.
+//!   that restores each `b₀ × b₁` tile (the tiles at the far edges cut short; a grid that
+//!   divides the values evenly into other tiles, as stacked experts' may, is taken as it is),
+//!   in float32, bfloat16 or as E8M0 exponents stored as bytes; one scale where the whole
+//!   tensor shares it.
 //!
 //! Both decode exactly into fp32 (a code's value times its scale); a static fp8 scheme's
 //! `activation_scale`s are left out. Owns the decoding alone:
@@ -71,14 +73,16 @@ fn dequantize_fp8(name: &str, values: &Tensor, scales: &Tensor, block: Option<[i
         return Err(bad("a scale grid over the last two dimensions"));
     }
     let (rows, cols, grid_rows, grid_cols) = (v[n - 2], v[n - 1], s[n - 2], s[n - 1]);
-    let [tile_rows, tile_cols] = match block {
-        Some(block) => block,
-        None if rows % grid_rows == 0 && cols % grid_cols == 0 => [rows / grid_rows, cols / grid_cols],
-        None => return Err(bad("no weight_block_size, and the grid does not divide the values")),
+    // The block's tiles, the far edges cut short; else (no block, or stacked experts' scales,
+    // which keep at least two rows where the block would give one) what divides the values
+    // evenly.
+    let fits = |[r, c]: [i64; 2]| (rows + r - 1) / r == grid_rows && (cols + c - 1) / c == grid_cols;
+    let evenly = (rows % grid_rows == 0 && cols % grid_cols == 0).then_some([rows / grid_rows, cols / grid_cols]);
+    let [tile_rows, tile_cols] = match (block.filter(|b| fits(*b)), evenly, block) {
+        (Some(tiles), _, _) | (None, Some(tiles), _) => tiles,
+        (None, None, Some([r, c])) => return Err(bad(&format!("tiles of {r} × {c}"))),
+        (None, None, None) => return Err(bad("no weight_block_size, and the grid does not divide the values")),
     };
-    if (rows + tile_rows - 1) / tile_rows != grid_rows || (cols + tile_cols - 1) / tile_cols != grid_cols {
-        return Err(bad(&format!("tiles of {tile_rows} × {tile_cols}")));
-    }
     let (row_dim, col_dim) = (n as i64 - 2, n as i64 - 1);
     let spread = scales
         .f_repeat_interleave_self_int(tile_rows, row_dim, None)?
@@ -100,14 +104,18 @@ enum Half {
 /// any other tensor as it is.
 pub(super) struct Dequantizer {
     scheme: Option<Quantization>,
+    /// The kind dequantized tensors are passed on in.
+    kind: Kind,
     /// Halves read so far whose partners have not come, by the name they stand for.
     waiting: HashMap<String, (Half, Tensor)>,
 }
 
 impl Dequantizer {
-    /// A dequantizer of the folder's `scheme` (`None`: its weights are floats).
-    pub(super) fn new(scheme: Option<Quantization>) -> Dequantizer {
-        Dequantizer { scheme, waiting: HashMap::new() }
+    /// A dequantizer of the folder's `scheme` (`None`: its weights are floats), passing
+    /// dequantized tensors on in `kind` (the parameters', so a large model's weights are not
+    /// all held in fp32 on their way in).
+    pub(super) fn new(scheme: Option<Quantization>, kind: Kind) -> Dequantizer {
+        Dequantizer { scheme, kind, waiting: HashMap::new() }
     }
 
     /// The half of a pair `name` is, and the name of the tensor the pair stands for; `None`
@@ -137,7 +145,7 @@ impl Dequantizer {
     /// pair, or where floats have no use for it.
     pub(super) fn take(&mut self, name: String, t: Tensor) -> Result<Option<(String, Tensor)>> {
         // Static fp8 activation scales quantize a product's inputs; floats need none.
-        if matches!(self.scheme, Some(Quantization::Fp8 { .. })) && name.ends_with(".activation_scale") {
+        if matches!(self.scheme, Some(Quantization::Fp8 { .. })) && name.ends_with("activation_scale") {
             return Ok(None);
         }
         let Some((stands_for, half)) = self.half(&name, &t)? else { return Ok(Some((name, t))) };
@@ -157,7 +165,7 @@ impl Dequantizer {
             Some(Quantization::Fp8 { block }) => dequantize_fp8(stands_for, values, scales, block)?,
             _ => dequantize_mxfp4(stands_for, values, scales)?,
         };
-        Ok(Some((stands_for.to_string(), floats)))
+        Ok(Some((stands_for.to_string(), floats.f_to_kind(self.kind)?)))
     }
 
     /// Fails naming a tensor whose other half never came.
@@ -166,9 +174,9 @@ impl Dequantizer {
             Some((name, (Half::Values, _))) => {
                 Err(Error::Model(format!("{name}: quantized values without their scales")))
             }
-            Some((name, (Half::Scales, _))) => {
-                Err(Error::Model(format!("{name}: scales without the values they restore")))
-            }
+            Some((name, (Half::Scales, _))) => Err(Error::Model(format!(
+                "{name}: scales without quantized values to restore (none stored, or not fp8)"
+            ))),
             None => Ok(()),
         }
     }
@@ -229,6 +237,7 @@ mod tests {
         let err = dequantize_fp8("w", &values, &grid(2, 2), None).unwrap_err().to_string();
         assert!(err.contains("no weight_block_size"), "{err}");
         assert!(dequantize_fp8("w", &values, &grid(5, 7), None).is_ok(), "a grid that divides sets the tiles");
+        assert!(dequantize_fp8("w", &values, &grid(5, 1), Some([8, 8])).is_ok(), "whatever the block says");
         let err = dequantize_fp8("w", &values, &grid(2, 2).to_kind(Kind::Int64), Some([4, 4])).unwrap_err();
         assert!(err.to_string().contains("scales of kind Int64"), "{err}");
     }
@@ -240,20 +249,22 @@ mod tests {
     fn pairs_meet_in_either_order_and_a_half_alone_is_named() {
         let ones = |kind| Tensor::ones([4, 4], (kind, tch::Device::Cpu));
         let scale = || Tensor::from_slice(&[2.0f32]).view([1, 1]);
-        let mut d = Dequantizer::new(Some(Quantization::Fp8 { block: Some([4, 4]) }));
+        let mut d = Dequantizer::new(Some(Quantization::Fp8 { block: Some([4, 4]) }), Kind::Float);
         assert!(d.take("a.weight_scale_inv".into(), scale()).unwrap().is_none());
         assert!(d.take("n.weight".into(), ones(Kind::Float)).unwrap().is_some_and(|(n, _)| n == "n.weight"));
         let (name, t) = d.take("a.weight".into(), ones(Kind::Float8e4m3fn)).unwrap().unwrap();
         assert_eq!((name.as_str(), t.kind(), t.sum(Kind::Double).double_value(&[])), ("a.weight", Kind::Float, 32.0));
         assert!(d.take("b.weight".into(), ones(Kind::Float8e4m3fn)).unwrap().is_none());
         assert!(d.take("b.weight".into(), ones(Kind::Float8e4m3fn)).unwrap_err().to_string().contains("stored twice"));
-        let mut d = Dequantizer::new(Some(Quantization::Fp8 { block: Some([4, 4]) }));
+        let mut d = Dequantizer::new(Some(Quantization::Fp8 { block: Some([4, 4]) }), Kind::Float);
         assert!(d.take("b.weight".into(), ones(Kind::Float8e4m3fn)).unwrap().is_none());
         assert!(d.finish().unwrap_err().to_string().ends_with(": b.weight: quantized values without their scales"));
-        let mut d = Dequantizer::new(Some(Quantization::Fp8 { block: None }));
+        let mut d = Dequantizer::new(Some(Quantization::Fp8 { block: None }), Kind::Float);
         assert!(d.take("d.activation_scale".into(), scale()).unwrap().is_none(), "floats need no input scales");
+        let stacked = "L.experts.gate_up_proj_activation_scale";
+        assert!(d.take(stacked.into(), scale()).unwrap().is_none(), "nor do stacked experts");
         assert!(d.finish().is_ok(), "nor wait for any");
-        let err = Dequantizer::new(None).take("c.weight".into(), ones(Kind::Float8e4m3fn)).unwrap_err();
+        let err = Dequantizer::new(None, Kind::Float).take("c.weight".into(), ones(Kind::Float8e4m3fn)).unwrap_err();
         assert!(err.to_string().contains("c.weight: fp8 values, where config.json names no quantization_config"));
     }
 }

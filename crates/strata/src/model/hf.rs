@@ -3689,7 +3689,8 @@ mod tests {
     }
 
     /// A Qwen3.5 release reads as its text model with what the outer configuration says of
-    /// the whole: quantized weights are refused, a one-label classifier is a reward model.
+    /// the whole: its quantization (a scheme Strata does not read refused), a one-label
+    /// classifier is a reward model.
     #[test]
     fn qwen3_5_releases_read_as_their_text_model_with_the_outer_keys() {
         let text = json!({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 4, "head_dim": 16,
