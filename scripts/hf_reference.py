@@ -321,6 +321,16 @@ def decoder_families():
             vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                num_attention_heads=2, head_dim=8, image_size=28, patch_size=14),
             spatial_merge_size=1, tie_word_embeddings=False)),
+        # Qwen3-VL as released: Qwen3's layers (no window) beside an image model whose
+        # features also enter early layers (deepstack), the rotation's sections per axis
+        # summing to half a head; a head of its own.
+        "qwen3-vl-release": lambda: (tf.Qwen3VLForConditionalGeneration, tf.Qwen3VLConfig(
+            text_config=dict(common, num_hidden_layers=2, head_dim=16, rope_parameters=dict(
+                rope_type="default", rope_theta=500.0, mrope_section=[4, 2, 2], mrope_interleaved=True)),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                               patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                               deepstack_visual_indexes=[0]),
+            tie_word_embeddings=False)),
         # Mistral Small 4 as released: Mistral 4's text model inside Mistral 3's release.
         "mistral4-release": lambda: (tf.Mistral3ForConditionalGeneration, tf.Mistral3Config(
             text_config=families["mistral4"]()[1],
@@ -591,9 +601,10 @@ def build(family, seed):
 def load(folder):
     import transformers as tf
 
-    # A Mistral 3 release is an image-text model only; its text alone is given here. Mistral
+    # Mistral 3 and Qwen3-VL releases are image-text models only; their text alone is given here. Mistral
     # 4's text model (released inside Mistral 3's) has a class but no auto mapping.
-    auto = {"mistral3": tf.AutoModelForImageTextToText, "mistral4": tf.Mistral4ForCausalLM}.get(
+    auto = {"mistral3": tf.AutoModelForImageTextToText, "qwen3_vl": tf.AutoModelForImageTextToText,
+            "mistral4": tf.Mistral4ForCausalLM}.get(
         tf.AutoConfig.from_pretrained(folder).model_type, tf.AutoModelForCausalLM)
     # Eager attention: the composite every family's options (caps, windows) are defined by.
     model = auto.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")

@@ -70,6 +70,9 @@ pub enum Family {
     Qwen2,
     /// Qwen3 (`qwen3`): the decoder with query/key norms.
     Qwen3,
+    /// Qwen3-VL's language model (`qwen3_vl_text`): Qwen3's layers without a window, its
+    /// rotation sectioned by axis for images (for text, one rotation).
+    Qwen3Vl,
     /// Gemma 2 (`gemma2`): the decoder with Gemma's norms.
     Gemma2,
     /// Gemma 3's text model (`gemma3_text`).
@@ -246,7 +249,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 44] = [
+const FAMILIES: [Family; 45] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -259,6 +262,7 @@ const FAMILIES: [Family; 44] = [
     Family::Ministral3,
     Family::Qwen2,
     Family::Qwen3,
+    Family::Qwen3Vl,
     Family::Gemma2,
     Family::Gemma3,
     Family::Gemma4,
@@ -309,6 +313,7 @@ impl Family {
             Family::Ministral3 => "ministral3",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Qwen3Vl => "qwen3_vl_text",
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
             Family::Gemma4 => "gemma4_text",
@@ -370,6 +375,7 @@ impl Family {
             Family::Ministral3 => "Ministral3",
             Family::Qwen2 => "Qwen2",
             Family::Qwen3 => "Qwen3",
+            Family::Qwen3Vl => "Qwen3VLText",
             Family::Gemma2 => "Gemma2",
             Family::Gemma3 => "Gemma3",
             Family::Gemma4 => "Gemma4",
@@ -430,6 +436,7 @@ impl Family {
                 | Family::Cohere2
                 | Family::MiniMaxM2
                 | Family::Glm4MoeLite
+                | Family::Qwen3Vl
         )
     }
 
@@ -452,6 +459,7 @@ impl Family {
                 }
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
+                Qwen3Vl => 128_000,
                 MiniMaxM2 => 196_608,
                 Glm4MoeLite => 202_752,
                 Apertus => 65_536,
@@ -472,14 +480,14 @@ impl Family {
                 Mixtral => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
-                Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere => 500_000.0,
+                Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere | Qwen3Vl => 500_000.0,
                 Apertus => 12_000_000.0,
                 MiniMaxM2 => 5_000_000.0,
                 _ => 10_000.0,
             },
             head_dim: match self {
                 Gemma2 | Gemma3 | Gemma4 | Qwen3Next | Qwen3_5 | Qwen3_5Moe => Some(256),
-                Qwen3 | Glm4 | Ministral3 | SeedOss | Ernie4_5 | Llama4 | MiniMaxM2 => Some(128),
+                Qwen3 | Qwen3Vl | Glm4 | Ministral3 | SeedOss | Ernie4_5 | Llama4 | MiniMaxM2 => Some(128),
                 GptOss => Some(64),
                 _ => None,
             },
@@ -496,7 +504,7 @@ impl Family {
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
                 MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss => Some(8),
                 Qwen2Moe => Some(16),
-                Exaone4 | Qwen2 | Qwen3 => Some(32),
+                Exaone4 | Qwen2 | Qwen3 | Qwen3Vl => Some(32),
                 _ => None,
             },
         }
@@ -988,7 +996,13 @@ impl Family {
         let next = self.linear_attention_family();
         let qk_norm_family = matches!(
             dense,
-            Family::Qwen3 | Family::Gemma3 | Family::Gemma4 | Family::Exaone4 | Family::HunYuanDense | Family::Apertus
+            Family::Qwen3
+                | Family::Qwen3Vl
+                | Family::Gemma3
+                | Family::Gemma4
+                | Family::Exaone4
+                | Family::HunYuanDense
+                | Family::Apertus
         ) || olmoe
             || next
             || self.is_olmo()
@@ -1046,6 +1060,7 @@ impl Family {
                             | Family::Cohere2
                             | Family::Qwen2
                             | Family::Qwen3
+                            | Family::Qwen3Vl
                             | Family::Gemma2
                             | Family::Gemma3
                             | Family::Gemma4
@@ -1079,6 +1094,7 @@ impl Family {
                             | Family::Apertus
                             | Family::Cohere
                             | Family::Qwen3_5
+                            | Family::Qwen3Vl
                             | Family::Olmo2
                             | Family::SeedOss
                             | Family::Ernie4_5
@@ -1908,7 +1924,7 @@ struct Release {
 }
 
 /// The releases read ([`Release`]).
-const RELEASES: [Release; 6] = [
+const RELEASES: [Release; 7] = [
     Release {
         model_type: "qwen3_5",
         text_type: "qwen3_5_text",
@@ -1942,6 +1958,13 @@ const RELEASES: [Release; 6] = [
         text_type: "llama4_text",
         outer_tie: None,
         legacy_names: true,
+        uncapped_logits: false,
+    },
+    Release {
+        model_type: "qwen3_vl",
+        text_type: "qwen3_vl_text",
+        outer_tie: Some(false),
+        legacy_names: false,
         uncapped_logits: false,
     },
     Release {
@@ -2058,6 +2081,16 @@ pub(crate) fn release_config(release: &Map<String, Value>, mut text: Value) -> V
     if let Some(text) = text.as_object_mut() {
         // The class is the release's own.
         text.remove("architectures");
+        // The rotation's keys Strata does not read, for the image model's positions (Qwen's
+        // sections per axis), as the release gives them for the same rotation.
+        let given = release.get("text_config").and_then(|t| t.get("rope_parameters")).and_then(Value::as_object);
+        if let (Some(Value::Object(written)), Some(given)) = (text.get_mut("rope_parameters"), given) {
+            if written.contains_key("rope_type") && written.get("rope_type") == given.get("rope_type") {
+                for (key, value) in given {
+                    written.entry(key.clone()).or_insert_with(|| value.clone());
+                }
+            }
+        }
     }
     let mut out = release.clone();
     // Written in floats.
@@ -2697,6 +2730,7 @@ impl Keys<'_> {
             qk_norm: matches!(
                 family,
                 Family::Qwen3
+                    | Family::Qwen3Vl
                     | Family::Gemma3
                     | Family::Gemma4
                     | Family::Exaone4
@@ -3177,9 +3211,8 @@ impl Keys<'_> {
         use Family::*;
         let window = match family {
             Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Glm4MoeLite | Mistral4 | Glm4Moe
-            | SeedOss | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron | MiniMaxM2 => {
-                return Ok((None, None))
-            }
+            | SeedOss | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron | MiniMaxM2
+            | Qwen3Vl => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,
@@ -4189,6 +4222,11 @@ mod tests {
             assert_eq!(Family::of(&ModelConfig::Llama(c.clone())).unwrap(), family);
             assert_eq!(family.cannot_write(&c), None, "{family:?}");
         }
+        // Qwen3-VL's language model slides no layer; a model like it is written as Qwen3, as
+        // Qwen3-VL's only where its release is.
+        let vl = read(Family::Qwen3Vl, json!({"sliding_window": 4, "use_sliding_window": true})).unwrap();
+        assert_eq!((vl.sliding_window, vl.qk_norm, Family::Qwen3Vl.cannot_write(&vl)), (None, true, None));
+        assert_eq!(Family::of(&ModelConfig::Llama(vl)).unwrap(), Family::Qwen3);
         let mut windowed = read(Family::Llama, json!({})).unwrap();
         windowed.sliding_window = Some(4);
         windowed.layer_types = Some(vec![LayerAttention::Full, LayerAttention::Sliding, LayerAttention::Full]);

@@ -993,6 +993,14 @@ fn mistral3_release_matches_transformers() {
     release_matches_transformers("mistral3-release", "mistral3");
 }
 
+/// Qwen3-VL as released: Qwen3's layers beside an image model (its features entering early
+/// layers), read as the language model, as `transformers` runs it on text; written back, the
+/// rotation's sections per axis, which the image positions need, are the release's.
+#[test]
+fn qwen3_vl_release_matches_transformers() {
+    release_matches_transformers("qwen3-vl-release", "qwen3_vl");
+}
+
 /// Mistral Small 4 as released: Mistral 4's text model (its experts stacked on disk) inside
 /// Mistral 3's release.
 #[test]
@@ -1020,6 +1028,10 @@ fn release_matches_transformers(family: &str, model_type: &str) {
     assert_eq!(config["model_type"], model_type);
     let release = source.release.as_ref().expect("a release");
     assert_eq!(config["text_config"]["num_hidden_layers"], release["text_config"]["num_hidden_layers"]);
+    for key in ["mrope_section", "mrope_interleaved"] {
+        let given = &release["text_config"]["rope_parameters"][key];
+        assert_eq!(&config["text_config"]["rope_parameters"][key], given, "{key}");
+    }
     let before = strata::io::read_safetensors(&source.weights[0]).unwrap();
     let after = strata::io::read_safetensors(&saved.join("model.safetensors")).unwrap();
     let other = |t: &BTreeMap<String, Tensor>| {
@@ -1720,8 +1732,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 41] = [
+const DECODER_TYPES: [&str; 42] = [
     "llama",
+    "qwen3_vl_text",
     "glm4_moe_lite",
     "minimax_m2",
     "starcoder2",
