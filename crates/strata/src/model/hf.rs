@@ -2082,8 +2082,12 @@ pub(crate) fn release_config(release: &Map<String, Value>, mut text: Value) -> V
         // The class is the release's own.
         text.remove("architectures");
         // The rotation's keys Strata does not read, for the image model's positions (Qwen's
-        // sections per axis), as the release gives them for the same rotation.
-        let given = release.get("text_config").and_then(|t| t.get("rope_parameters")).and_then(Value::as_object);
+        // sections per axis), as the release gives them for the same rotation (under
+        // `rope_scaling` where it was saved before `transformers` 5).
+        let source = release.get("text_config");
+        let given = ["rope_parameters", "rope_scaling"]
+            .into_iter()
+            .find_map(|key| source.and_then(|t| t.get(key)).and_then(Value::as_object));
         if let (Some(Value::Object(written)), Some(given)) = (text.get_mut("rope_parameters"), given) {
             if written.contains_key("rope_type") && written.get("rope_type") == given.get("rope_type") {
                 for (key, value) in given {
@@ -3719,6 +3723,24 @@ mod tests {
                 (same.into(), same.into())
             );
         }
+    }
+
+    /// A release written back keeps the rotation's keys Strata does not read where the
+    /// rotation is the same, saved either way; never for another rotation.
+    #[test]
+    fn a_release_written_back_keeps_its_rotation_s_sections() {
+        let sections = json!({"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": true});
+        let written = json!({"rope_parameters": {"rope_type": "default", "rope_theta": 5e6}});
+        for key in ["rope_parameters", "rope_scaling"] {
+            let release = json!({"model_type": "qwen3_vl", "text_config": {key: sections}});
+            let out = release_config(release.as_object().unwrap(), written.clone());
+            let rope = &out["text_config"]["rope_parameters"];
+            assert_eq!((&rope["mrope_section"], &rope["rope_theta"]), (&json!([24, 20, 20]), &json!(5e6)), "{key}");
+        }
+        let yarn = json!({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}});
+        let release = json!({"model_type": "qwen3_vl", "text_config": {"rope_parameters": sections}});
+        let out = release_config(release.as_object().unwrap(), yarn.clone());
+        assert_eq!(out["text_config"], yarn, "another rotation takes nothing of the release's");
     }
 
     /// A Qwen3.5 release reads as its text model with what the outer configuration says of
