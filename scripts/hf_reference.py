@@ -331,6 +331,17 @@ def decoder_families():
                                patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
                                deepstack_visual_indexes=[0]),
             tie_word_embeddings=False)),
+        # Its mixture of experts as released: experts (stacked input-major in its files) on
+        # the layers past the first, their weights always renormalised.
+        "qwen3-vl-moe-release": lambda: (tf.Qwen3VLMoeForConditionalGeneration, tf.Qwen3VLMoeConfig(
+            text_config=dict(common, num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=12, mlp_only_layers=[0], router_aux_loss_coef=0.02,
+                             rope_parameters=dict(rope_type="default", rope_theta=500.0, mrope_section=[4, 2, 2],
+                                                  mrope_interleaved=True)),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                               patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                               deepstack_visual_indexes=[0]),
+            tie_word_embeddings=False)),
         # Mistral Small 4 as released: Mistral 4's text model inside Mistral 3's release.
         "mistral4-release": lambda: (tf.Mistral3ForConditionalGeneration, tf.Mistral3Config(
             text_config=families["mistral4"]()[1],
@@ -603,7 +614,8 @@ def load(folder):
 
     # Mistral 3 and Qwen3-VL releases are image-text models only; their text alone is given here. Mistral
     # 4's text model (released inside Mistral 3's) has a class but no auto mapping.
-    auto = {"mistral3": tf.AutoModelForImageTextToText, "qwen3_vl": tf.AutoModelForImageTextToText,
+    image_text = tf.AutoModelForImageTextToText
+    auto = {"mistral3": image_text, "qwen3_vl": image_text, "qwen3_vl_moe": image_text,
             "mistral4": tf.Mistral4ForCausalLM}.get(
         tf.AutoConfig.from_pretrained(folder).model_type, tf.AutoModelForCausalLM)
     # Eager attention: the composite every family's options (caps, windows) are defined by.
@@ -1042,7 +1054,7 @@ def main(argv=None):
     elif args.command == "logits":
         model = with_adapter(load(args.dir), args.adapter)
         tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
-        experts = hasattr(model.config, "router_aux_loss_coef")
+        experts = hasattr(model.config.get_text_config(), "router_aux_loss_coef")
         mask = torch.tensor(json.loads(args.mask), dtype=torch.long) if args.mask else None
         with torch.no_grad():
             out = model(tokens, attention_mask=mask, output_router_logits=True) if experts else model(tokens)
@@ -1171,15 +1183,17 @@ def main(argv=None):
         def loss(model, batch):
             x, y = (torch.tensor(rows) for rows in batch)
             # A mixture of experts trains its routers through the load-balancing loss too.
-            experts = hasattr(model.config, "router_aux_loss_coef")
+            # An image-text release's loss weights are its language model's.
+            text = model.config.get_text_config()
+            experts = hasattr(text, "router_aux_loss_coef")
             out = model(x, output_router_logits=True) if experts else model(x)
             logits = out.logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             if experts and getattr(out, "aux_loss", None) is not None:
-                loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+                loss = loss + text.router_aux_loss_coef * out.aux_loss
                 # ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)², summed
                 # over the sparse layers.
-                z = getattr(model.config, "router_z_loss_coef", 0.0)
+                z = getattr(text, "router_z_loss_coef", 0.0)
                 if z:
                     loss = loss + z * sum(torch.logsumexp(l.float(), -1).square().mean() for l in out.router_logits)
             return loss

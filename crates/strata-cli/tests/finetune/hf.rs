@@ -167,8 +167,8 @@ fn gemma4_experts_train_split_as_one_process() {
 /// process's masks), Nemotron under tensor parallel, MiniMax-M2's experts (chosen with a
 /// choice bias) and GLM-4.7-Flash's (a dense layer after a sparse one) over an expert group,
 /// and MiniMax-M2 under tensor parallel and OLMo 2 under tensor and sequence parallel (query/key
-/// norms over whole projections, their squares summed over the tensor ranks), each training as
-/// one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
+/// norms over whole projections, their squares summed over the tensor ranks), and a Qwen3-VL-MoE
+/// release's language model over an expert group, each training as one process does (a LoRA of Llama 4's input-major expert stacks is refused). Plain SGD,
 /// whose step is the gradient itself.
 #[test]
 fn newer_families_train_split_as_one_process() {
@@ -186,6 +186,7 @@ fn newer_families_train_split_as_one_process() {
         ("minimax-m2", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("minimax-m2", "tensor 2", TENSOR),
         ("olmo2", "sequence 2", TENSOR_AND_SEQUENCE),
+        ("qwen3-vl-moe-release", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
         ("glm4-moe-lite", "experts 2", r#"[["expert_parallel", {"size": 2}]]"#),
     ] {
         let dir = tempfile::tempdir().unwrap();

@@ -28,6 +28,10 @@ pub fn load_model_dir(engine: &mut Engine, model: &ModelDir) -> Result<()> {
     for file in &model.weights {
         for (name, t) in read_folder_tensors_where(file, |name| !model.is_multi_token_prediction(name))? {
             let Some((name, t)) = dequantizer.take(name, t).map_err(in_file(file))? else { continue };
+            let t = match &model.config {
+                ModelConfig::Llama(c) if model.family.stacks_either_major() => stacked::output_major(&name, t, c.dim)?,
+                _ => t,
+            };
             if let Some(stacking) = model.family.expert_stacking() {
                 let stack_name = model.family.renamed_from_disk(&name);
                 if let Some(pieces) = stacked::unstack(&stack_name, &t, stacking)? {

@@ -61,6 +61,19 @@ fn stacked_name(name: &str) -> Option<(&str, Stack)> {
     })
 }
 
+/// A stack that the files may hold input-major or output-major (Qwen3-VL-MoE's) as the
+/// output-major stack ([`ExpertStacking::Concatenated`]), told apart by where the hidden
+/// width `dim` lies; output-major where both fit, as `transformers` reads a square stack.
+pub(super) fn output_major(name: &str, t: Tensor, dim: i64) -> Result<Tensor> {
+    let size = t.size();
+    let input_major = match (stacked_name(name), size.as_slice()) {
+        (Some((_, Stack::GateUp)), [_, rows, columns]) => *rows == dim && *columns != dim,
+        (Some((_, Stack::Down)), [_, rows, columns]) => *columns == dim && *rows != dim,
+        _ => false,
+    };
+    Ok(if input_major { t.f_transpose(1, 2)?.f_contiguous()? } else { t })
+}
+
 /// A tensor of the files, stacked as `stacking` says, taken apart into each expert's
 /// parameters `(name, tensor)`; `None` where `name` is not a stacked tensor.
 pub(super) fn unstack(name: &str, t: &Tensor, stacking: ExpertStacking) -> Result<Option<Vec<(String, Tensor)>>> {

@@ -131,6 +131,9 @@ pub enum Family {
     Qwen2Moe,
     /// Qwen3-MoE (`qwen3_moe`): Qwen3's decoder with experts.
     Qwen3Moe,
+    /// Qwen3-VL-MoE's language model (`qwen3_vl_moe_text`): Qwen3-VL's layers with experts,
+    /// their weights always renormalised, stacked in its files (input-major as released).
+    Qwen3VlMoe,
     /// OLMoE (`olmoe`): LLaMA's decoder with experts and norms over whole projections.
     Olmoe,
     /// OLMo 2 (`olmo2`): LLaMA's decoder with norms after attention and the feed-forward
@@ -249,7 +252,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 45] = [
+const FAMILIES: [Family; 46] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -282,6 +285,7 @@ const FAMILIES: [Family; 45] = [
     Family::MiniMaxM2,
     Family::Qwen2Moe,
     Family::Qwen3Moe,
+    Family::Qwen3VlMoe,
     Family::Olmoe,
     Family::Olmo2,
     Family::Olmo3,
@@ -333,6 +337,7 @@ impl Family {
             Family::MiniMaxM2 => "minimax_m2",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Qwen3VlMoe => "qwen3_vl_moe_text",
             Family::Olmoe => "olmoe",
             Family::Olmo2 => "olmo2",
             Family::Olmo3 => "olmo3",
@@ -395,6 +400,7 @@ impl Family {
             Family::MiniMaxM2 => "MiniMaxM2",
             Family::Qwen2Moe => "Qwen2Moe",
             Family::Qwen3Moe => "Qwen3Moe",
+            Family::Qwen3VlMoe => "Qwen3VLMoeText",
             Family::Olmoe => "Olmoe",
             Family::Olmo2 => "Olmo2",
             Family::Olmo3 => "Olmo3",
@@ -437,6 +443,7 @@ impl Family {
                 | Family::MiniMaxM2
                 | Family::Glm4MoeLite
                 | Family::Qwen3Vl
+                | Family::Qwen3VlMoe
         )
     }
 
@@ -459,7 +466,7 @@ impl Family {
                 }
                 Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
-                Qwen3Vl => 128_000,
+                Qwen3Vl | Qwen3VlMoe => 128_000,
                 MiniMaxM2 => 196_608,
                 Glm4MoeLite => 202_752,
                 Apertus => 65_536,
@@ -480,7 +487,7 @@ impl Family {
                 Mixtral => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
-                Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere | Qwen3Vl => 500_000.0,
+                Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere | Qwen3Vl | Qwen3VlMoe => 500_000.0,
                 Apertus => 12_000_000.0,
                 MiniMaxM2 => 5_000_000.0,
                 _ => 10_000.0,
@@ -503,7 +510,7 @@ impl Family {
                 Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
                 MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss => Some(8),
-                Qwen2Moe => Some(16),
+                Qwen2Moe | Qwen3VlMoe => Some(16),
                 Exaone4 | Qwen2 | Qwen3 | Qwen3Vl => Some(32),
                 _ => None,
             },
@@ -546,6 +553,7 @@ impl Family {
             Family::Mixtral => Family::Mistral,
             Family::Qwen2Moe => Family::Qwen2,
             Family::Qwen3Moe => Family::Qwen3,
+            Family::Qwen3VlMoe => Family::Qwen3Vl,
             Family::Qwen3_5Moe => Family::Qwen3_5,
             Family::Ernie4_5Moe => Family::Ernie4_5,
             Family::GraniteMoe => Family::Granite,
@@ -571,8 +579,17 @@ impl Family {
             Family::GptOss => Some(ExpertStacking::Interleaved),
             Family::Mistral4 | Family::Gemma4 | Family::GraniteMoe => Some(ExpertStacking::Concatenated),
             Family::Llama4 => Some(ExpertStacking::InputMajor),
+            // Released input-major, saved by `transformers` 5 output-major: `io` reads either.
+            Family::Qwen3VlMoe => Some(ExpertStacking::Concatenated),
             _ => None,
         }
+    }
+
+    /// Whether the family's files stack experts input-major or output-major, told apart by
+    /// shape (Qwen3-VL-MoE's releases, and what `transformers` 5 saves of them); written
+    /// output-major, as [`Family::expert_stacking`] says.
+    pub fn stacks_either_major(self) -> bool {
+        self == Family::Qwen3VlMoe
     }
 
     /// Whether the family routes as DeepSeek-V3 does (sigmoid scores, a choice bias,
@@ -813,7 +830,7 @@ impl Family {
             ),
             (
                 moe.is_some_and(|m| !m.norm_topk)
-                    && matches!(self, Family::Mixtral | Family::Qwen3_5Moe | Family::GraniteMoe),
+                    && matches!(self, Family::Mixtral | Family::Qwen3_5Moe | Family::GraniteMoe | Family::Qwen3VlMoe),
                 "routing weights that are not renormalised",
             ),
             (
@@ -1698,7 +1715,9 @@ fn experts_json(family: Family, c: &LlamaConfig, moe: &MoeConfig, v: &mut Value)
         _ => {
             v["num_experts"] = json!(moe.experts);
             v["moe_intermediate_size"] = json!(moe.expert_ffn_dim);
-            v["norm_topk_prob"] = json!(moe.norm_topk);
+            if family != Family::Qwen3VlMoe {
+                v["norm_topk_prob"] = json!(moe.norm_topk);
+            }
             v["decoder_sparse_step"] = json!(moe.sparse_step);
             v["mlp_only_layers"] = json!(moe.dense_layers);
             if family == Family::Qwen2Moe {
@@ -1924,7 +1943,7 @@ struct Release {
 }
 
 /// The releases read ([`Release`]).
-const RELEASES: [Release; 7] = [
+const RELEASES: [Release; 8] = [
     Release {
         model_type: "qwen3_5",
         text_type: "qwen3_5_text",
@@ -1963,6 +1982,13 @@ const RELEASES: [Release; 7] = [
     Release {
         model_type: "qwen3_vl",
         text_type: "qwen3_vl_text",
+        outer_tie: Some(false),
+        legacy_names: false,
+        uncapped_logits: false,
+    },
+    Release {
+        model_type: "qwen3_vl_moe",
+        text_type: "qwen3_vl_moe_text",
         outer_tie: Some(false),
         legacy_names: false,
         uncapped_logits: false,
@@ -2712,7 +2738,7 @@ impl Keys<'_> {
             norm_eps: self.float(family.norm_eps_key())?.unwrap_or(defaults.norm_eps),
             tie_embeddings: self
                 .flag("tie_word_embeddings")?
-                .unwrap_or(gemma || smollm3 || ernie || cohere || starcoder2),
+                .unwrap_or(gemma || smollm3 || ernie || cohere || starcoder2 || class == Family::Qwen3VlMoe),
             qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: match family {
                 Family::SeedOss => self.flag("attention_out_bias")?.unwrap_or(false),
@@ -2956,7 +2982,7 @@ impl Keys<'_> {
             Family::MiniMaxM2 => (256, 8, None),
             Family::Olmoe => (64, 8, None),
             Family::GptOss => (128, 4, None),
-            Family::Qwen2Moe => (60, 4, Some(1408)),
+            Family::Qwen2Moe | Family::Qwen3VlMoe => (60, 4, Some(1408)),
             Family::Qwen3Moe => (128, 8, Some(768)),
             Family::Qwen3Next => (512, 10, Some(512)),
             _ => (256, 8, Some(512)),
@@ -2971,13 +2997,18 @@ impl Keys<'_> {
         };
         let norm_topk = match family {
             // gpt-oss's and Granite-MoE's softmax over the top-k logits is the renormalised
-            // top-k softmax; Qwen3.5's router always renormalises (its configuration has no
-            // such key).
-            Family::Mixtral | Family::GptOss | Family::Qwen3_5Moe | Family::GraniteMoe | Family::MiniMaxM2 => true,
+            // top-k softmax; Qwen3.5's and Qwen3-VL-MoE's routers always renormalise (their
+            // configurations have no such key).
+            Family::Mixtral
+            | Family::GptOss
+            | Family::Qwen3_5Moe
+            | Family::Qwen3VlMoe
+            | Family::GraniteMoe
+            | Family::MiniMaxM2 => true,
             Family::Qwen3Next => self.flag("norm_topk_prob")?.unwrap_or(true),
             _ => self.flag("norm_topk_prob")?.unwrap_or(false),
         };
-        let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe | Family::Qwen3Next);
+        let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Moe | Family::Qwen3VlMoe | Family::Qwen3Next);
         let minimax = family == Family::MiniMaxM2;
         let dense_layers = match self.get("mlp_only_layers").filter(|_| qwen) {
             Some(Value::Array(layers)) => layers
@@ -3216,7 +3247,7 @@ impl Keys<'_> {
         let window = match family {
             Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Glm4MoeLite | Mistral4 | Glm4Moe
             | SeedOss | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron | MiniMaxM2
-            | Qwen3Vl => return Ok((None, None)),
+            | Qwen3Vl | Qwen3VlMoe => return Ok((None, None)),
             Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,

@@ -1001,6 +1001,34 @@ fn qwen3_vl_release_matches_transformers() {
     release_matches_transformers("qwen3-vl-release", "qwen3_vl");
 }
 
+/// Qwen3-VL-MoE as released: its experts (two of four per token, the first layer dense)
+/// stacked output-major, as `transformers` 5 saves them, and the same folder with its stacks
+/// input-major, as the releases hold them, give one model.
+#[test]
+fn qwen3_vl_moe_release_matches_transformers() {
+    release_matches_transformers("qwen3-vl-moe-release", "qwen3_vl_moe");
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let (dir, released) = (work.path().join("saved"), work.path().join("released"));
+    make(&py, "qwen3-vl-moe-release", &dir, None);
+    std::fs::create_dir(&released).unwrap();
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(dir.join(file), released.join(file)).unwrap();
+    }
+    let tensors = strata::io::read_safetensors(&dir.join("model.safetensors")).unwrap();
+    let input_major: Vec<(String, Tensor)> = tensors
+        .into_iter()
+        .map(|(name, t)| match name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj") {
+            true => (name, t.transpose(1, 2).contiguous()),
+            false => (name, t),
+        })
+        .collect();
+    let bytes = strata::io::to_safetensors(input_major.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
+    std::fs::write(released.join("model.safetensors"), bytes).unwrap();
+    let g = gap(&strata_logits(&mut strata_engine(&dir)), &strata_logits(&mut strata_engine(&released)));
+    assert_eq!(g, 0.0, "the stacks read otherwise input-major");
+}
+
 /// Mistral Small 4 as released: Mistral 4's text model (its experts stacked on disk) inside
 /// Mistral 3's release.
 #[test]
@@ -1732,8 +1760,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 42] = [
+const DECODER_TYPES: [&str; 43] = [
     "llama",
+    "qwen3_vl_moe_text",
     "qwen3_vl_text",
     "glm4_moe_lite",
     "minimax_m2",
