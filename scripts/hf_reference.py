@@ -331,6 +331,15 @@ def decoder_families():
                                patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
                                deepstack_visual_indexes=[0]),
             tie_word_embeddings=False)),
+        # Qwen2.5-VL as released: Qwen2's layers (biases on the query, key and value
+        # projections) beside an image model, the rotation's sections per axis.
+        "qwen2.5-vl-release": lambda: (tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLConfig(
+            text_config=dict(common, num_hidden_layers=2, rope_parameters=dict(
+                rope_type="default", rope_theta=500.0, mrope_section=[2, 1, 1])),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                               patch_size=4, temporal_patch_size=2, spatial_merge_size=2, window_size=16,
+                               fullatt_block_indexes=[0]),
+            tie_word_embeddings=False)),
         # Its mixture of experts as released: experts (stacked input-major in its files) on
         # the layers past the first, their weights always renormalised.
         "qwen3-vl-moe-release": lambda: (tf.Qwen3VLMoeForConditionalGeneration, tf.Qwen3VLMoeConfig(
@@ -612,10 +621,10 @@ def build(family, seed):
 def load(folder):
     import transformers as tf
 
-    # Mistral 3 and Qwen3-VL releases are image-text models only; their text alone is given here. Mistral
+    # Mistral 3's and Qwen-VL's releases are image-text models only; their text alone is given here. Mistral
     # 4's text model (released inside Mistral 3's) has a class but no auto mapping.
     image_text = tf.AutoModelForImageTextToText
-    auto = {"mistral3": image_text, "qwen3_vl": image_text, "qwen3_vl_moe": image_text,
+    auto = {"mistral3": image_text, "qwen2_5_vl": image_text, "qwen3_vl": image_text, "qwen3_vl_moe": image_text,
             "mistral4": tf.Mistral4ForCausalLM}.get(
         tf.AutoConfig.from_pretrained(folder).model_type, tf.AutoModelForCausalLM)
     # Eager attention: the composite every family's options (caps, windows) are defined by.

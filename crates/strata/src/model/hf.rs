@@ -68,6 +68,9 @@ pub enum Family {
     Ministral3,
     /// Qwen2 (`qwen2`): the decoder with biases on the query, key and value projections.
     Qwen2,
+    /// Qwen2.5-VL's language model (`qwen2_5_vl_text`): Qwen2's layers, its rotation
+    /// sectioned by axis for images (for text, one rotation).
+    Qwen2_5Vl,
     /// Qwen3 (`qwen3`): the decoder with query/key norms.
     Qwen3,
     /// Qwen3-VL's language model (`qwen3_vl_text`): Qwen3's layers without a window, its
@@ -252,7 +255,7 @@ fn renamed<'a>(name: &str, mut renames: impl Iterator<Item = (&'a str, &'a str)>
 /// GPT-2's `Conv1D` layers keep their weights as `[in, out]`; Strata's are `[out, in]`.
 const CONV1D_WEIGHTS: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 
-const FAMILIES: [Family; 46] = [
+const FAMILIES: [Family; 47] = [
     Family::Gpt2,
     Family::Llama,
     Family::Arcee,
@@ -264,6 +267,7 @@ const FAMILIES: [Family; 46] = [
     Family::Mistral,
     Family::Ministral3,
     Family::Qwen2,
+    Family::Qwen2_5Vl,
     Family::Qwen3,
     Family::Qwen3Vl,
     Family::Gemma2,
@@ -316,6 +320,7 @@ impl Family {
             Family::Mistral => "mistral",
             Family::Ministral3 => "ministral3",
             Family::Qwen2 => "qwen2",
+            Family::Qwen2_5Vl => "qwen2_5_vl_text",
             Family::Qwen3 => "qwen3",
             Family::Qwen3Vl => "qwen3_vl_text",
             Family::Gemma2 => "gemma2",
@@ -379,6 +384,7 @@ impl Family {
             Family::Mistral => "Mistral",
             Family::Ministral3 => "Ministral3",
             Family::Qwen2 => "Qwen2",
+            Family::Qwen2_5Vl => "Qwen2_5_VLText",
             Family::Qwen3 => "Qwen3",
             Family::Qwen3Vl => "Qwen3VLText",
             Family::Gemma2 => "Gemma2",
@@ -444,6 +450,7 @@ impl Family {
                 | Family::Glm4MoeLite
                 | Family::Qwen3Vl
                 | Family::Qwen3VlMoe
+                | Family::Qwen2_5Vl
         )
     }
 
@@ -464,7 +471,7 @@ impl Family {
                 Gemma3 | Gemma4 | Mistral | Mixtral | Glm4 | Glm4Moe | GptOss | Ernie4_5 | Ernie4_5Moe | Llama4 => {
                     131_072
                 }
-                Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
+                Qwen2 | Qwen2_5Vl | Qwen3 | Qwen2Moe | Qwen3Moe | Qwen3Next | Qwen3_5 | Qwen3_5Moe | SmolLm3 => 32_768,
                 Ministral3 => 262_144,
                 Qwen3Vl | Qwen3VlMoe => 128_000,
                 MiniMaxM2 => 196_608,
@@ -480,11 +487,11 @@ impl Family {
                 Glm4 => 1.5625e-7,
                 Ministral3 | Phi3 | Mixtral | Olmoe | Olmo2 | Olmo3 | Glm4Moe | GptOss | Exaone4 | Ernie4_5
                 | Ernie4_5Moe | HunYuanDense | HunYuanMoe | Arcee | Apertus | Llama4 | Cohere | Cohere2
-                | Starcoder2 | Nemotron | Glm4MoeLite => 1e-5,
+                | Starcoder2 | Nemotron | Glm4MoeLite | Qwen2_5Vl => 1e-5,
                 _ => 1e-6,
             },
             rope_theta: match self {
-                Mixtral => 1e6,
+                Mixtral | Qwen2_5Vl => 1e6,
                 SmolLm3 => 2e6,
                 GptOss => 150_000.0,
                 Ernie4_5 | Ernie4_5Moe | Llama4 | Cohere | Qwen3Vl | Qwen3VlMoe => 500_000.0,
@@ -499,9 +506,8 @@ impl Family {
                 _ => None,
             },
             window: match self {
-                Mistral | Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | Gemma2 | Gemma3 | Olmo3 | Exaone4 | Cohere2 => {
-                    Some(4096)
-                }
+                Mistral | Qwen2 | Qwen2_5Vl | Qwen3 | Qwen2Moe | Qwen3Moe | Gemma2 | Gemma3 | Olmo3 | Exaone4
+                | Cohere2 => Some(4096),
                 GptOss => Some(128),
                 Gemma4 => Some(512),
                 _ => None,
@@ -509,7 +515,7 @@ impl Family {
             kv_heads: match self {
                 Starcoder2 | Ernie4_5 | Glm4 | Qwen3Next | Qwen3_5Moe => Some(2),
                 Ernie4_5Moe | Gemma2 | Gemma3 | Gemma4 | SmolLm3 | Qwen3Moe | Qwen3_5 => Some(4),
-                MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss => Some(8),
+                MiniMaxM2 | Llama4 | SeedOss | Mistral | Ministral3 | Mixtral | Glm4Moe | GptOss | Qwen2_5Vl => Some(8),
                 Qwen2Moe | Qwen3VlMoe => Some(16),
                 Exaone4 | Qwen2 | Qwen3 | Qwen3Vl => Some(32),
                 _ => None,
@@ -1076,6 +1082,7 @@ impl Family {
                             | Family::Cohere
                             | Family::Cohere2
                             | Family::Qwen2
+                            | Family::Qwen2_5Vl
                             | Family::Qwen3
                             | Family::Qwen3Vl
                             | Family::Gemma2
@@ -1443,7 +1450,7 @@ fn decoder_json(family: Family, c: &LlamaConfig) -> Value {
     let sliding = layer_types.contains(&"sliding_attention");
     let window = if sliding { json!(c.sliding_window) } else { Value::Null };
     match family.dense() {
-        Family::Qwen2 | Family::Qwen3 => {
+        Family::Qwen2 | Family::Qwen2_5Vl | Family::Qwen3 => {
             // Qwen slides the layers from max_window_layers on.
             let first = layer_types.iter().position(|t| *t == "sliding_attention").unwrap_or(layer_types.len());
             v["use_sliding_window"] = json!(sliding);
@@ -1934,71 +1941,101 @@ struct Release {
     /// by the text model's (Qwen3.5, which `AutoModelForCausalLM` builds from its
     /// `text_config` alone).
     outer_tie: Option<bool>,
-    /// Whether `save_pretrained` writes the language model under `language_model.model.`
-    /// and `language_model.lm_head.` (rather than `model.language_model.` and `lm_head.`).
-    legacy_names: bool,
+    /// Where `save_pretrained` writes the language model's weights.
+    names: ReleaseNames,
     /// Whether the outer class gives the language head's logits uncapped, whatever the text
     /// model's `final_logit_softcapping` says (Gemma 3's).
     uncapped_logits: bool,
+    /// Whether a `config.json` without a `text_config` holds the language model's keys at
+    /// its top level, beside `vision_config` (Qwen2.5-VL's releases on the Hub).
+    flat_text: bool,
+}
+
+/// Where a release's `save_pretrained` writes its language model's weights.
+#[derive(Clone, Copy, PartialEq)]
+enum ReleaseNames {
+    /// Under `model.language_model.`, the head under `lm_head.`.
+    Modern,
+    /// Under `language_model.model.`, the head under `language_model.lm_head.`.
+    Legacy,
+    /// Under `model.` and `lm_head.`, as a language model alone (Qwen2.5-VL's, the image
+    /// model under `visual.`).
+    Plain,
 }
 
 /// The releases read ([`Release`]).
-const RELEASES: [Release; 8] = [
+const RELEASES: [Release; 9] = [
     Release {
         model_type: "qwen3_5",
         text_type: "qwen3_5_text",
         outer_tie: None,
-        legacy_names: false,
+        names: ReleaseNames::Modern,
         uncapped_logits: false,
+        flat_text: false,
     },
     Release {
         model_type: "qwen3_5_moe",
         text_type: "qwen3_5_moe_text",
         outer_tie: None,
-        legacy_names: false,
+        names: ReleaseNames::Modern,
         uncapped_logits: false,
+        flat_text: false,
     },
     Release {
         model_type: "gemma3",
         text_type: "gemma3_text",
         outer_tie: Some(true),
-        legacy_names: true,
+        names: ReleaseNames::Legacy,
         uncapped_logits: true,
+        flat_text: false,
     },
     Release {
         model_type: "gemma4",
         text_type: "gemma4_text",
         outer_tie: Some(true),
-        legacy_names: false,
+        names: ReleaseNames::Modern,
         uncapped_logits: false,
+        flat_text: false,
     },
     Release {
         model_type: "llama4",
         text_type: "llama4_text",
         outer_tie: None,
-        legacy_names: true,
+        names: ReleaseNames::Legacy,
         uncapped_logits: false,
+        flat_text: false,
     },
     Release {
         model_type: "qwen3_vl",
         text_type: "qwen3_vl_text",
         outer_tie: Some(false),
-        legacy_names: false,
+        names: ReleaseNames::Modern,
         uncapped_logits: false,
+        flat_text: false,
     },
     Release {
         model_type: "qwen3_vl_moe",
         text_type: "qwen3_vl_moe_text",
         outer_tie: Some(false),
-        legacy_names: false,
+        names: ReleaseNames::Modern,
         uncapped_logits: false,
+        flat_text: false,
+    },
+    Release {
+        model_type: "qwen2_5_vl",
+        text_type: "qwen2_5_vl_text",
+        outer_tie: Some(false),
+        names: ReleaseNames::Plain,
+        uncapped_logits: false,
+        flat_text: true,
     },
     Release {
         model_type: "mistral3",
         text_type: "mistral",
         outer_tie: Some(true),
-        legacy_names: true,
+        names: ReleaseNames::Legacy,
         uncapped_logits: false,
+        flat_text: false,
     },
 ];
 
@@ -2013,10 +2050,17 @@ fn release_of(cfg: &Map<String, Value>) -> Option<&'static Release> {
 /// is. `stores_head` says whether the folder's weights hold a language head.
 fn language_model_keys(cfg: &Map<String, Value>, stores_head: &dyn Fn() -> bool) -> KeyResult<Map<String, Value>> {
     let Some(release) = release_of(cfg) else { return Ok(cfg.clone()) };
-    let Some(Value::Object(text)) = cfg.get("text_config") else {
-        return Err(format!("config.json: a {} folder without a text_config object", release.model_type));
+    let mut text = match cfg.get("text_config") {
+        Some(Value::Object(text)) => text.clone(),
+        None if release.flat_text => {
+            let mut text = cfg.clone();
+            for key in ["model_type", "vision_config"] {
+                text.remove(key);
+            }
+            text
+        }
+        _ => return Err(format!("config.json: a {} folder without a text_config object", release.model_type)),
     };
-    let mut text = text.clone();
     text.entry("model_type").or_insert_with(|| json!(release.text_type));
     // What the outer configuration says of the whole model: its quantization (which
     // `transformers` hands the text model), its class and labels (a classifier's) and the
@@ -2050,10 +2094,11 @@ fn language_model_keys(cfg: &Map<String, Value>, stores_head: &dyn Fn() -> bool)
 /// the image model's, its projector's and the multi-token prediction's are left out. Other
 /// names read as they are.
 pub(crate) fn language_model_name(name: &str) -> Option<String> {
-    const LEFT_OUT: [&str; 10] = [
+    const LEFT_OUT: [&str; 11] = [
         "mtp.",
         "vision_model.",
         "model.visual.",
+        "visual.",
         "model.vision_tower.",
         "vision_tower.",
         "model.multi_modal_projector.",
@@ -2087,15 +2132,15 @@ pub(crate) fn release_module_name(name: &str) -> String {
 }
 
 /// A language model's weight name as the release `release` (its `config.json`) holds it,
-/// as `save_pretrained` writes it: [`release_module_name`], or under
-/// `language_model.model.` with the head under `language_model.lm_head.`.
+/// as `save_pretrained` writes it ([`ReleaseNames`]).
 pub(crate) fn release_name(release: &Map<String, Value>, name: &str) -> String {
-    match release_of(release).is_some_and(|r| r.legacy_names) {
-        true => match name.strip_prefix("model.") {
+    match release_of(release).map(|r| r.names) {
+        Some(ReleaseNames::Legacy) => match name.strip_prefix("model.") {
             Some(inner) => format!("language_model.model.{inner}"),
             None => format!("language_model.{name}"),
         },
-        false => release_module_name(name),
+        Some(ReleaseNames::Plain) => name.to_string(),
+        _ => release_module_name(name),
     }
 }
 
@@ -2109,14 +2154,19 @@ pub(crate) fn release_config(release: &Map<String, Value>, mut text: Value) -> V
         text.remove("architectures");
         // The rotation's keys Strata does not read, for the image model's positions (Qwen's
         // sections per axis), as the release gives them for the same rotation (under
-        // `rope_scaling` where it was saved before `transformers` 5).
-        let source = release.get("text_config");
+        // `rope_scaling` where it was saved before `transformers` 5, at the top level where it
+        // holds its language model's keys there; Qwen2-VL's `mrope` is the default rotation).
+        let source = release.get("text_config").map_or(Some(release), Value::as_object);
         let given = ["rope_parameters", "rope_scaling"]
             .into_iter()
             .find_map(|key| source.and_then(|t| t.get(key)).and_then(Value::as_object));
+        fn kind(rope: &Map<String, Value>) -> Option<&str> {
+            let kind = rope.get("rope_type").or_else(|| rope.get("type")).and_then(Value::as_str);
+            kind.map(|k| if k == "mrope" { "default" } else { k })
+        }
         if let (Some(Value::Object(written)), Some(given)) = (text.get_mut("rope_parameters"), given) {
-            if written.contains_key("rope_type") && written.get("rope_type") == given.get("rope_type") {
-                for (key, value) in given {
+            if written.contains_key("rope_type") && kind(written) == kind(given) {
+                for (key, value) in given.iter().filter(|(key, _)| *key != "type") {
                     written.entry(key.clone()).or_insert_with(|| value.clone());
                 }
             }
@@ -2544,6 +2594,7 @@ impl Keys<'_> {
         };
         // A mixture of experts' attention and windows are those of the family it grew from.
         let family = family.dense();
+        let qwen2 = matches!(family, Family::Qwen2 | Family::Qwen2_5Vl);
         let (dim, heads) = (self.required("hidden_size")?, self.required("num_attention_heads")?);
         let layers = self.required("num_hidden_layers")?;
         let unrotated_layers = if smollm3 || llama4 { self.unrotated_layers(layers)? } else { vec![] };
@@ -2739,10 +2790,10 @@ impl Keys<'_> {
             tie_embeddings: self
                 .flag("tie_word_embeddings")?
                 .unwrap_or(gemma || smollm3 || ernie || cohere || starcoder2 || class == Family::Qwen3VlMoe),
-            qkv_bias: (family == Family::Qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
+            qkv_bias: (qwen2 && self.flag("qkv_bias")?.unwrap_or(true)) || attention_bias,
             o_bias: match family {
                 Family::SeedOss => self.flag("attention_out_bias")?.unwrap_or(false),
-                _ => family != Family::Qwen2 && !glm && attention_bias,
+                _ => !qwen2 && !glm && attention_bias,
             },
             mlp_bias,
             head_dim,
@@ -3248,7 +3299,11 @@ impl Keys<'_> {
             Llama | Arcee | Apertus | Cohere | Gpt2 | Olmo2 | Olmoe | DeepseekV3 | Glm4MoeLite | Mistral4 | Glm4Moe
             | SeedOss | Ernie4_5 | HunYuanDense | HunYuanMoe | Granite | GraniteMoe | Nemotron | MiniMaxM2
             | Qwen3Vl | Qwen3VlMoe => return Ok((None, None)),
-            Qwen2 | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3 if !self.flag("use_sliding_window")?.unwrap_or(false) => None,
+            Qwen2 | Qwen2_5Vl | Qwen3 | Qwen2Moe | Qwen3Moe | SmolLm3
+                if !self.flag("use_sliding_window")?.unwrap_or(false) =>
+            {
+                None
+            }
             _ if !self.cfg.contains_key("sliding_window") => family.class_defaults().window,
             _ => self.int("sliding_window")?,
         };
@@ -3268,7 +3323,7 @@ impl Keys<'_> {
                 Some(types)
             }
             (Some(types), _) => Some(types),
-            (None, Qwen2 | Qwen3) => {
+            (None, Qwen2 | Qwen2_5Vl | Qwen3) => {
                 let first = self.int("max_window_layers")?.unwrap_or(28);
                 Some(derived(&|i| window.is_some() && i >= first))
             }
@@ -3580,7 +3635,8 @@ impl Keys<'_> {
         };
         let proportional = kind == "proportional";
         let scaling = match kind.as_str() {
-            "default" => RopeScaling::None,
+            // Qwen2-VL's sections per axis: one rotation where every axis is the text position.
+            "default" | "mrope" => RopeScaling::None,
             "proportional" => match p.float("factor")?.unwrap_or(1.0) {
                 1.0 => RopeScaling::None,
                 factor => RopeScaling::Linear { factor },
@@ -3756,6 +3812,27 @@ mod tests {
         }
     }
 
+    /// Qwen2.5-VL's Hub configs hold the language model's keys at the top level, its
+    /// rotation named `mrope`: read as the text model, Qwen2's biases and defaults.
+    #[test]
+    fn a_flat_qwen2_5_vl_release_reads_as_its_text_model() {
+        let cfg = json!({"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                         "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                         "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 96,
+                         "rope_theta": 1e6, "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]},
+                         "tie_word_embeddings": true, "vision_config": {"depth": 1}});
+        let keys = language_model_keys(cfg.as_object().unwrap(), &|| false).unwrap();
+        assert!(!keys.contains_key("vision_config"));
+        let (family, config) = config_from_keys(&keys).unwrap();
+        let ModelConfig::Llama(c) = config else { panic!("{family:?} is not a decoder") };
+        assert_eq!(family, Family::Qwen2_5Vl);
+        assert_eq!((c.qkv_bias, c.o_bias, c.rope_theta, c.tie_embeddings), (true, false, 1e6, true));
+        assert_eq!((c.rope_scaling, c.sliding_window, c.norm_eps), (RopeScaling::None, None, 1e-5));
+        let nested = json!({"model_type": "qwen3_vl", "hidden_size": 32});
+        let why = language_model_keys(nested.as_object().unwrap(), &|| false).unwrap_err();
+        assert!(why.contains("a qwen3_vl folder without a text_config object"), "{why}");
+    }
+
     /// A release written back keeps the rotation's keys Strata does not read where the
     /// rotation is the same, saved either way; never for another rotation.
     #[test]
@@ -3768,6 +3845,15 @@ mod tests {
             let rope = &out["text_config"]["rope_parameters"];
             assert_eq!((&rope["mrope_section"], &rope["rope_theta"]), (&json!([24, 20, 20]), &json!(5e6)), "{key}");
         }
+        // Qwen2.5-VL's Hub configs: the language model's keys at the top, its rotation `mrope`.
+        let flat =
+            json!({"model_type": "qwen2_5_vl", "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}});
+        let out = release_config(flat.as_object().unwrap(), written.clone());
+        let rope = &out["text_config"]["rope_parameters"];
+        assert_eq!(
+            (&rope["mrope_section"], &rope["rope_type"], &rope["type"]),
+            (&json!([16, 24, 24]), &json!("default"), &Value::Null)
+        );
         let yarn = json!({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}});
         let release = json!({"model_type": "qwen3_vl", "text_config": {"rope_parameters": sections}});
         let out = release_config(release.as_object().unwrap(), yarn.clone());

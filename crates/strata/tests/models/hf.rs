@@ -993,6 +993,14 @@ fn mistral3_release_matches_transformers() {
     release_matches_transformers("mistral3-release", "mistral3");
 }
 
+/// Qwen2.5-VL as released: Qwen2's layers beside an image model, read as the language model
+/// and written back under the names `save_pretrained` gives them (`model.`, `visual.`), its
+/// rotation's sections per axis kept.
+#[test]
+fn qwen2_5_vl_release_matches_transformers() {
+    release_matches_transformers("qwen2.5-vl-release", "qwen2_5_vl");
+}
+
 /// Qwen3-VL as released: Qwen3's layers beside an image model (its features entering early
 /// layers), read as the language model, as `transformers` runs it on text; written back, the
 /// rotation's sections per axis, which the image positions need, are the release's.
@@ -1760,8 +1768,9 @@ fn left_out_keys_take_each_configuration_class_defaults() {
 }
 
 /// The decoder families' `model_type`s.
-const DECODER_TYPES: [&str; 43] = [
+const DECODER_TYPES: [&str; 44] = [
     "llama",
+    "qwen2_5_vl_text",
     "qwen3_vl_moe_text",
     "qwen3_vl_text",
     "glm4_moe_lite",
